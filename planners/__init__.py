@@ -1,0 +1,12 @@
+"""DCP planners that map TP/PP/DP shards to global write items and reshard on load."""
+
+if __name__ != "smpckpt.planners":
+    raise ImportError(
+        f"this folder is the package 'smpckpt.planners'; import it by that name, not as {__name__!r} "
+        "(install the project with `pip install -e .`)"
+    )
+
+from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
+from smpckpt.planners.save import ParallelSavePlanner
+
+__all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport"]

@@ -1,0 +1,220 @@
+"""Resolve a state dict into entries: each flattened key's global name, kind and place in the global tensor.
+
+Shared by the save and the load planner, so both see a key, a spec and a layout the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from smpckpt.errors import SpecError
+from smpckpt.layout import ParallelLayout, RankCoords
+from smpckpt.naming import KeyMapper, NameMap
+from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardSpec, SpecLike, SpecRules, shard_geometry
+
+__all__ = ["Entry", "Resolved", "resolve_state_dict", "resolve_rank", "compile_globs", "dtensor_is_owner"]
+
+Kind = Literal["tensor", "dtensor", "object"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One flattened key of one rank's state dict."""
+
+    local_key: str  #: key as this rank's state dict names it
+    key: str  #: global key, as the checkpoint stores it
+    path: tuple[Any, ...]  #: flatten path into this rank's (nested) state dict
+    kind: Kind
+    value: Any  #: the object, the local tensor (viewed per spec) or the DTensor's local tensor
+    chunk: ChunkStorageMetadata | None = None  #: this rank's piece, in global (view) coordinates
+    global_shape: torch.Size | None = None
+    sharded_axes: frozenset[str] = frozenset()  #: layout axes the tensor is split over
+    specs: tuple[ShardSpec, ...] = ()
+    rank_local: bool = False  #: held by this rank alone; never treated as a replica
+    dtensor: DTensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "object":
+            return 0
+        return int(self.value.numel() * self.value.element_size())
+
+
+@dataclasses.dataclass
+class Resolved:
+    entries: dict[str, Entry]  #: by global key
+    mappings: dict[str, tuple[Any, ...]]  #: global key -> flatten path for the checkpoint's record
+
+
+def resolve_rank(layout: ParallelLayout, rank: int | None, process_group: Any = None) -> int:
+    """The layout rank this process plays: explicit, else the process group's, else 0."""
+    if rank is None:
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank(process_group)
+            world = dist.get_world_size(process_group)
+            if world != layout.world_size:
+                raise SpecError(
+                    f"the process group has {world} ranks but the layout {layout} implies "
+                    f"{layout.world_size}"
+                )
+        else:
+            rank = 0
+    if not 0 <= rank < layout.world_size:
+        raise SpecError(f"rank {rank} is outside the layout's world of {layout.world_size} ({layout})")
+    return rank
+
+
+def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
+    patterns = list(patterns)
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
+
+
+def _param_prefixes(flat: Mapping[str, Any], mappings: Mapping[str, tuple[Any, ...]]) -> tuple[str, ...]:
+    """Top-level names under which parameters sit (``model``), for optimizer-state spec inheritance."""
+    found: dict[str, None] = {}
+    for key, path in mappings.items():
+        if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES):
+            found.setdefault(str(path[0]), None)
+    return tuple(found)
+
+
+def resolve_state_dict(
+    state_dict: Mapping[str, Any],
+    layout: ParallelLayout,
+    rank: int,
+    rules: SpecRules,
+    name_map: NameMap | None,
+    rank_local: re.Pattern[str] | None,
+) -> Resolved:
+    coords = layout.coords(rank)
+    mapper = KeyMapper(layout, coords.pp, name_map)
+    flat, local_paths = flatten_state_dict(dict(state_dict))
+    prefixes = _param_prefixes(flat, local_paths)
+    degrees = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}
+    entries: dict[str, Entry] = {}
+    mappings: dict[str, tuple[Any, ...]] = {}
+    global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
+    param_shapes = {
+        global_keys[k]: tuple(v.shape)
+        for k, v in flat.items()
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+    }
+    for local_key, value in flat.items():
+        key = global_keys[local_key]
+        if key in entries:
+            raise SpecError(
+                f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} "
+                f"on rank {rank}"
+            )
+        path = local_paths[local_key]
+        mappings[key] = mapper.global_path(path, local_key, key)
+        is_local = bool(rank_local is not None and rank_local.fullmatch(key))
+        entries[key] = _make_entry(local_key, key, path, value, rules, prefixes, param_shapes, coords, degrees, is_local)
+    return Resolved(entries, mappings)
+
+
+def _make_entry(
+    local_key: str,
+    key: str,
+    path: tuple[Any, ...],
+    value: Any,
+    rules: SpecRules,
+    prefixes: tuple[str, ...],
+    param_shapes: Mapping[str, tuple[int, ...]],
+    coords: RankCoords,
+    degrees: Mapping[str, int],
+    is_local: bool,
+) -> Entry:
+    if isinstance(value, DTensor):
+        return _dtensor_entry(local_key, key, path, value, is_local)
+    if not isinstance(value, torch.Tensor):
+        return Entry(local_key, key, path, "object", value, rank_local=is_local)
+    matched = None if is_local else rules.match(key, prefixes)
+    if matched is not None:
+        specs, inherited_from = matched
+        if inherited_from is not None and not _inherits(value, param_shapes.get(inherited_from)):
+            matched = None
+    if matched is None:
+        return Entry(
+            local_key, key, path, "tensor", value,
+            chunk=ChunkStorageMetadata(torch.Size([0] * value.dim()), value.size()),
+            global_shape=value.size(), rank_local=is_local,
+        )
+    specs, _ = matched
+    geometry = shard_geometry(key, value.shape, specs, coords, degrees)
+    viewed = value
+    if geometry.view_shape != value.shape:
+        try:
+            viewed = value.view(geometry.view_shape)
+        except RuntimeError as exc:
+            raise SpecError(
+                f"{key}: the local tensor (shape {tuple(value.shape)}, strides {value.stride()}) cannot be "
+                f"viewed as {tuple(geometry.view_shape)} in place; make it contiguous"
+            ) from exc
+    return Entry(
+        local_key, key, path, "tensor", viewed,
+        chunk=ChunkStorageMetadata(geometry.offsets, geometry.view_shape),
+        global_shape=geometry.global_shape, sharded_axes=geometry.sharded_axes, specs=specs,
+    )
+
+
+def _inherits(value: torch.Tensor, param_shape: tuple[int, ...] | None) -> bool:
+    """Optimizer state inherits its parameter's spec only when it has the parameter's shape.
+
+    Scalars such as Adam's ``step`` stay replicated. When the parameter is in the same state dict its
+    local shape must match; otherwise any tensor of rank >= 1 inherits.
+    """
+    if value.dim() == 0:
+        return False
+    return param_shape is None or param_shape == tuple(value.shape)
+
+
+def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTensor, is_local: bool) -> Entry:
+    if any(isinstance(p, Partial) for p in value.placements):
+        raise SpecError(
+            f"{key}: a DTensor with a Partial placement holds unreduced values; reduce it (redistribute to "
+            "Replicate or Shard) before checkpointing"
+        )
+    chunks = value.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise SpecError(f"{key}: DTensor yields {len(chunks)} local chunks; smpckpt supports one per rank")
+    return Entry(
+        local_key, key, path, "dtensor", value.to_local(), chunk=chunks[0], global_shape=value.size(),
+        rank_local=is_local, dtensor=value,
+    )
+
+
+def dtensor_is_owner(entry: Entry) -> bool:
+    """Among the ranks holding the same DTensor shard (its Replicate mesh dims), is this one the writer?
+
+    The owner is spread over replicas by a stable hash of the key, so replicated DTensors do not all
+    land on one rank.
+    """
+    import zlib
+
+    dt = entry.dtensor
+    if dt is None:
+        return True
+    mesh = dt.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    index, count = 0, 1
+    for dim, placement in enumerate(dt.placements):
+        if isinstance(placement, Replicate):
+            size = mesh.size(dim)
+            index = index * size + coordinate[dim]
+            count *= size
+    return index == zlib.crc32(entry.key.encode()) % count

@@ -1,0 +1,261 @@
+"""ParallelLoadPlanner: load any saved layout into the current one (resharding), strictly by default.
+
+Call order (as ``dcp.load`` drives it)::
+
+    1. (all)   set_up_planner(state_dict, metadata, is_coordinator)
+    2. (all)   create_local_plan()            -> read items for this rank's pieces; key/shape/dtype checks
+    3. (coord) create_global_plan(all_plans)  -> unexpected-key check over every rank's requests
+    4. (all)   finish_plan(plan)
+    5. (all)   resolve_tensor / commit_tensor / load_bytes, called by the storage reader
+
+A rank whose piece matches a saved chunk exactly takes the fast path (one read, no overlap search);
+otherwise DCP's overlap helper computes which saved chunks cover the piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_item_for_byteio,
+    _create_read_item_for_tensor,
+    create_read_items_for_chunk_list,
+)
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError, UnsafeCheckpoint
+from smpckpt.layout import ParallelLayout
+from smpckpt.naming import NameMap
+from smpckpt.planners._entries import Entry, compile_globs, resolve_rank, resolve_state_dict
+from smpckpt.planners.save import LAYOUT_RECORD_KEY
+from smpckpt.specs import SpecLike, SpecRules
+
+__all__ = ["ParallelLoadPlanner", "LoadReport"]
+
+logger = logging.getLogger(__name__)
+_SHOW = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What the last load did on this rank (``unexpected_keys`` is filled on the coordinator only)."""
+
+    fast_path: int  #: tensors whose piece matched a saved chunk exactly
+    resharded: tuple[str, ...]  #: tensors assembled from overlapping saved chunks
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    cast_keys: tuple[str, ...]  #: tensors converted from the saved dtype (allow_dtype_cast)
+    saved_layout: ParallelLayout | None  #: the layout recorded in the checkpoint, when there is one
+
+    @property
+    def resharded_any(self) -> bool:
+        return bool(self.resharded)
+
+
+class ParallelLoadPlanner(LoadPlanner):
+    """Load planner for plain TP/PP shards, DTensors and objects, from any saved layout.
+
+    Args:
+        layout, specs, rank, name_map, process_group, rank_local: as for
+            :class:`~smpckpt.planners.ParallelSavePlanner`, describing the layout *loading*.
+        allow_partial_load: skip keys missing from the checkpoint and ignore checkpoint keys nobody
+            asked for, instead of raising. Skipped keys keep their values and are listed in ``report``.
+        allow_dtype_cast: convert tensors saved in another dtype instead of raising.
+        allow_pickle: unpickle stored objects with arbitrary classes (trusted checkpoints only);
+            by default objects load ``weights_only``.
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        specs: Mapping[str, SpecLike] | None = None,
+        *,
+        rank: int | None = None,
+        name_map: NameMap | None = None,
+        process_group: Any = None,
+        rank_local: Sequence[str] = (),
+        allow_partial_load: bool = False,
+        allow_dtype_cast: bool = False,
+        allow_pickle: bool = False,
+    ) -> None:
+        if not isinstance(layout, ParallelLayout):
+            raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.rules = specs if isinstance(specs, SpecRules) else SpecRules(specs)
+        self._rank_arg = rank
+        self.name_map = name_map
+        self.process_group = process_group
+        self._rank_local = compile_globs(rank_local)
+        self.allow_partial_load = allow_partial_load
+        self.allow_dtype_cast = allow_dtype_cast
+        self.allow_pickle = allow_pickle
+        self.report: LoadReport | None = None
+
+    # -- 1. set up ---------------------------------------------------------------------------------
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is None:
+            raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
+        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
+        resolved = resolve_state_dict(
+            state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local
+        )
+        for entry in resolved.entries.values():
+            if entry.kind != "object" and entry.value.device.type == "meta":
+                raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
+        self.entries: dict[str, Entry] = resolved.entries
+        self.original_state_dict = state_dict
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        record = (metadata.planner_data or {}).get(LAYOUT_RECORD_KEY) if isinstance(metadata.planner_data, dict) else None
+        self.saved_layout = ParallelLayout.from_dict(record["layout"]) if record else None
+
+    # -- 2. local plan -----------------------------------------------------------------------------
+    def create_local_plan(self) -> LoadPlan:
+        md_all = self.metadata.state_dict_metadata
+        items: list[ReadItem] = []
+        missing: list[str] = []
+        empty: list[str] = []
+        resharded: list[str] = []
+        cast: list[str] = []
+        fast = 0
+        for entry in self.entries.values():
+            md = md_all.get(entry.key)
+            if md is None:
+                missing.append(entry.key)
+                continue
+            if entry.kind == "object":
+                if not isinstance(md, BytesStorageMetadata):
+                    raise LayoutMismatch(
+                        f"{entry.key}: the checkpoint holds a tensor {tuple(md.size)} there but the state dict "
+                        f"holds a {type(entry.value).__name__}"
+                    )
+                index = MetadataIndex(entry.key)
+                items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
+            self._check_tensor(entry, md, cast)
+            chunk = entry.chunk
+            assert chunk is not None
+            if math.prod(chunk.sizes) == 0:
+                empty.append(entry.key)
+                continue
+            exact = _exact_chunk(md, chunk)
+            if exact is not None:
+                fast += 1
+                items.append(
+                    _create_read_item_for_tensor(
+                        dest_index=MetadataIndex(entry.key, chunk.offsets),
+                        dest_offsets=[0] * len(chunk.sizes),
+                        storage_index=MetadataIndex(entry.key, md.chunks[exact].offsets, exact),
+                        storage_offsets=[0] * len(chunk.sizes),
+                        lengths=chunk.sizes,
+                    )
+                )
+                continue
+            found = create_read_items_for_chunk_list(entry.key, md, [chunk])
+            covered = sum(math.prod(r.lengths) for r in found)
+            if covered != math.prod(chunk.sizes):
+                raise CheckpointCorrupt(
+                    f"{entry.key}: the checkpoint's chunks cover {covered} of the {math.prod(chunk.sizes)} "
+                    f"elements this rank needs (offsets {tuple(chunk.offsets)}, sizes {tuple(chunk.sizes)})"
+                )
+            resharded.append(entry.key)
+            items.extend(found)
+        if missing and not self.allow_partial_load:
+            raise LayoutMismatch(
+                f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
+                "(pass allow_partial_load=True to skip them)"
+            )
+        self.report = LoadReport(fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout)
+        if resharded:
+            logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)
+        else:
+            logger.info("rank %d: layout unchanged for all %d tensors: fast path", self.rank, fast)
+        return LoadPlan(items, planner_data={"empty": empty})
+
+    def _check_tensor(self, entry: Entry, md: TensorStorageMetadata, cast: list[str]) -> None:
+        if tuple(md.size) != tuple(entry.global_shape or ()):
+            local = tuple(entry.value.shape)
+            raise LayoutMismatch(
+                f"{entry.key}: the checkpoint holds global shape {tuple(md.size)} but rank {self.rank}'s layout "
+                f"implies {tuple(entry.global_shape or ())} (local piece {local}, specs {list(entry.specs) or 'none'})"
+            )
+        saved = md.properties.dtype
+        if saved != entry.value.dtype:
+            if not self.allow_dtype_cast:
+                raise LayoutMismatch(
+                    f"{entry.key}: saved as {saved} but the destination is {entry.value.dtype} "
+                    "(pass allow_dtype_cast=True to convert)"
+                )
+            cast.append(entry.key)
+
+    # -- 3. global plan (coordinator) --------------------------------------------------------------
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        asked: set[str] = set()
+        for plan in global_plan:
+            asked.update(item.storage_index.fqn for item in plan.items)
+            asked.update((plan.planner_data or {}).get("empty", ()))
+        unexpected = sorted(set(self.metadata.state_dict_metadata) - asked)
+        if unexpected and not self.allow_partial_load:
+            raise LayoutMismatch(
+                f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "
+                "(pass allow_partial_load=True to ignore them)"
+            )
+        if self.report is not None:
+            self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
+        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    # -- 5. data -----------------------------------------------------------------------------------
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        entry = self.entries[read_item.dest_index.fqn]
+        try:
+            obj = torch.load(value, weights_only=not self.allow_pickle)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpoint(
+                f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
+                "allow_pickle=True only if you trust this checkpoint."
+            ) from exc
+        set_element(self.original_state_dict, entry.path, obj)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        entry = self.entries[read_item.dest_index.fqn]
+        return narrow_tensor_by_index(entry.value, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def _exact_chunk(md: TensorStorageMetadata, chunk: ChunkStorageMetadata) -> int | None:
+    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+    for i, saved in enumerate(md.chunks):
+        if tuple(saved.offsets) == offsets and tuple(saved.sizes) == sizes:
+            return i
+    return None
+
+
+def _show(keys: Sequence[str]) -> str:
+    shown = ", ".join(keys[:_SHOW])
+    return shown + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")

@@ -1,0 +1,395 @@
+"""ParallelSavePlanner: TP/PP/DP-aware save planning for ``dcp.save``.
+
+Call order (as ``dcp.save`` drives it; "all" = every rank, "coord" = rank 0 of the group)::
+
+    1. (all)   set_up_planner(state_dict, storage_meta, is_coordinator)
+    2. (all)   create_local_plan()            -> only the items this rank writes
+    3. (coord) create_global_plan(all_plans)  -> checks replicas, dedups, builds Metadata
+    4. (all)   finish_plan(plan)              -> this rank's final plan (from cache when unchanged)
+    5. (all)   resolve_data(item)             -> tensor or bytes, called from writer threads
+
+Plain local tensors are mapped to global chunks by their :class:`~smpckpt.ShardSpec`; DTensors carry
+their own placement; other values are pickled (``torch.save``) objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import logging
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    _validate_global_plan,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from smpckpt.errors import ReplicaMismatch, SpecError
+from smpckpt.layout import ParallelLayout
+from smpckpt.naming import NameMap
+from smpckpt.planners._entries import Entry, compile_globs, dtensor_is_owner, resolve_rank, resolve_state_dict
+from smpckpt.planners._ownership import assign_owners
+from smpckpt.specs import SpecLike, SpecRules
+
+__all__ = ["ParallelSavePlanner", "SaveReport", "LAYOUT_RECORD_KEY"]
+
+logger = logging.getLogger(__name__)
+
+#: Key in ``Metadata.planner_data`` under which the save layout and spec rules are recorded (plain
+#: JSON-able builtins only, so any unpickler that reads DCP metadata reads it).
+LAYOUT_RECORD_KEY = "__smpckpt__"
+_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+    """What the last global plan did (filled on the coordinator)."""
+
+    bytes_per_rank: tuple[int, ...]
+    items: int
+    cached: bool
+
+    @property
+    def balance(self) -> float:
+        """max / mean of bytes written per rank (1.0 is perfect)."""
+        total = sum(self.bytes_per_rank)
+        if not total:
+            return 1.0
+        return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank))
+
+
+class ParallelSavePlanner(DefaultSavePlanner):
+    """Save planner for plain TP/PP shards, DP replicas, ZeRO-sharded state and DTensors.
+
+    Args:
+        layout: the parallel layout of the job saving.
+        specs: glob -> :class:`~smpckpt.ShardSpec` rules for plain local shards (first match wins);
+            unmatched tensors are replicas within their pipeline stage.
+        rank: this rank in the layout; default the process group's rank, else 0 (lets tools and
+            simulations plan without a process group).
+        name_map: stage-local key -> global key (overrides the ``layers.<i>`` rule of ``pp_layers``).
+        process_group: the group ``dcp.save`` runs on (for the default ``rank``).
+        rank_local: globs of keys each rank holds for itself (RNG states, per-rank counters). Such keys
+            must be rank-unique; they are written by their holder and never deduplicated.
+        replica_owner: ``"balanced"`` spreads replicated tensors over their replicas by bytes;
+            ``"lowest"`` writes them all from the lowest rank of each group.
+        enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
+
+    Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
+    one rank's plan to another when several planners share a process).
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        specs: Mapping[str, SpecLike] | None = None,
+        *,
+        rank: int | None = None,
+        name_map: NameMap | None = None,
+        process_group: Any = None,
+        rank_local: Sequence[str] = (),
+        replica_owner: str = "balanced",
+        enable_plan_caching: bool = True,
+    ) -> None:
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False, enable_plan_caching=False)
+        if not isinstance(layout, ParallelLayout):
+            raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
+        if replica_owner not in ("balanced", "lowest"):
+            raise SpecError(f"replica_owner must be 'balanced' or 'lowest', got {replica_owner!r}")
+        self.layout = layout
+        self.rules = specs if isinstance(specs, SpecRules) else SpecRules(specs)
+        self._rank_arg = rank
+        self.name_map = name_map
+        self.process_group = process_group
+        self._rank_local_globs = tuple(rank_local)
+        self._rank_local = compile_globs(rank_local)
+        self.replica_owner = replica_owner
+        self.enable_plan_caching = enable_plan_caching
+        self.report: SaveReport | None = None
+        self._signature: bytes | None = None
+        self._cached_local: SavePlan | None = None
+        self._pending: tuple[bytes, SavePlan] | None = None
+        self._cached_final: SavePlan | None = None
+        self._cached_all: list[SavePlan] | None = None
+        self._cached_global: tuple[list[SavePlan], Metadata] | None = None
+
+    # -- 1. set up ---------------------------------------------------------------------------------
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
+        resolved = resolve_state_dict(
+            state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local
+        )
+        self.entries = resolved.entries
+        self.mappings = resolved.mappings
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+        self._object_bytes: dict[str, bytes] = {}
+
+    # -- 2. local plan -----------------------------------------------------------------------------
+    def create_local_plan(self) -> SavePlan:
+        for entry in self.entries.values():
+            if entry.kind == "object":
+                buf = io.BytesIO()
+                torch.save(entry.value, buf)
+                self._object_bytes[entry.key] = buf.getvalue()
+        signature = self._structure_signature()
+        if self.enable_plan_caching and self._cached_local is not None and signature == self._signature:
+            logger.debug("rank %d: state structure unchanged, reusing its cached plan", self.rank)
+            return SavePlan([], usable=False, planner_data={"rank": self.rank, "cached": True})
+
+        replicated = [
+            (e.key, e.nbytes, e.sharded_axes)
+            for e in self.entries.values()
+            if e.kind == "tensor" and not e.rank_local and e.sharded_axes != {"tp", "dp"}
+        ]
+        owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
+        items: list[WriteItem] = []
+        objects: dict[str, str] = {}
+        for entry in self.entries.values():
+            if entry.kind == "object":
+                items.append(WriteItem(index=MetadataIndex(entry.key), type=WriteItemType.BYTE_IO))
+                objects[entry.key] = hashlib.sha1(self._object_bytes[entry.key]).hexdigest()
+            elif _carries_no_data(entry):
+                continue
+            elif entry.kind == "dtensor":
+                if dtensor_is_owner(entry):
+                    items.append(_tensor_item(entry))
+            elif entry.rank_local or owners.get(entry.key, self.rank) == self.rank:
+                items.append(_tensor_item(entry))
+        planner_data = {
+            "rank": self.rank,
+            "digest": self._replica_digest(),
+            "objects": objects,
+            "mappings": {item.index.fqn: self.mappings[item.index.fqn] for item in items},
+        }
+        plan = SavePlan(items, planner_data=planner_data)
+        self._pending = (signature, plan)
+        return plan
+
+    def _structure_signature(self) -> bytes:
+        h = hashlib.sha1(repr((self.layout, self.rank)).encode())
+        for e in self.entries.values():
+            if e.kind == "object":
+                h.update(f"o|{e.key}|{hashlib.sha1(self._object_bytes[e.key]).hexdigest()}\n".encode())
+            else:
+                h.update(
+                    f"t|{e.key}|{e.value.dtype}|{tuple(e.global_shape or ())}|{tuple(e.chunk.offsets)}|"  # type: ignore[union-attr]
+                    f"{tuple(e.chunk.sizes)}|{e.kind}\n".encode()  # type: ignore[union-attr]
+                )
+        return h.digest()
+
+    def _replica_digest(self) -> tuple[int, str]:
+        """Constant-size digest of the tensors every rank of this stage must agree on.
+
+        Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor. Ranks of a
+        stage whose digests differ would disagree on who writes what -- silently losing data.
+        """
+        h = hashlib.sha1()
+        count = 0
+        for e in sorted(self.entries.values(), key=lambda e: e.key):
+            if e.kind != "tensor" or e.rank_local:
+                continue
+            count += 1
+            h.update(f"{e.key}|{e.value.dtype}|{tuple(e.global_shape or ())}|{sorted(e.sharded_axes)}\n".encode())
+        return count, h.hexdigest()
+
+    # -- 3. global plan (coordinator) --------------------------------------------------------------
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if all(p.planner_data and p.planner_data.get("cached") for p in all_plans) and self._cached_global:
+            plans, metadata = self._cached_global
+            self.report = dataclasses.replace(self.report, cached=True) if self.report else None
+            self.global_plan, self.metadata = plans, metadata
+            return [SavePlan([], usable=False) for _ in all_plans], dataclasses.replace(metadata)
+        full = self._substitute_cached(all_plans)
+        if len(full) != self.layout.world_size:
+            raise SpecError(f"dcp.save ran on {len(full)} ranks but the layout {self.layout} has {self.layout.world_size}")
+        self._check_replicas(full)
+        deduped = self._dedup(full)
+        plans, metadata = create_default_global_save_plan(deduped)
+        mappings: dict[str, Any] = {}
+        for plan in full:
+            mappings.update(plan.planner_data["mappings"])
+        mappings[LAYOUT_RECORD_KEY] = {
+            "version": _FORMAT_VERSION,
+            "layout": self.layout.to_dict(),
+            "specs": self.rules.to_records(),
+            "rank_local": list(self._rank_local_globs),
+        }
+        metadata = dataclasses.replace(metadata, planner_data=mappings)
+        errors = _validate_global_plan(plans, metadata)
+        if errors:
+            shown = "; ".join(errors[:5])
+            raise SpecError(
+                f"the ranks' shards do not tile their global tensors ({len(errors)} problems): {shown}. "
+                "Check that every rank gives the same specs and sizes."
+            )
+        plans = [dataclasses.replace(p, planner_data=None) for p in plans]
+        self.report = SaveReport(
+            bytes_per_rank=tuple(_plan_bytes(p) for p in plans), items=sum(len(p.items) for p in plans), cached=False
+        )
+        logger.info(
+            "save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance
+        )
+        self._cached_all = full
+        self._cached_global = (plans, metadata)
+        self.global_plan, self.metadata = plans, metadata
+        return plans, metadata
+
+    def _substitute_cached(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        out: list[SavePlan] = []
+        for i, plan in enumerate(all_plans):
+            if plan.usable:
+                out.append(plan)
+            elif self._cached_all is not None and i < len(self._cached_all):
+                out.append(self._cached_all[i])
+            else:
+                raise SpecError(
+                    f"rank {i} reused a cached plan the coordinator does not hold; build planners afresh on "
+                    "every rank (or on none)"
+                )
+        return out
+
+    def _check_replicas(self, plans: list[SavePlan]) -> None:
+        by_stage: dict[int, dict[tuple[int, str], list[int]]] = {}
+        for plan in plans:
+            rank = plan.planner_data["rank"]
+            stage = self.layout.coords(rank).pp
+            digest = tuple(plan.planner_data["digest"])
+            by_stage.setdefault(stage, {}).setdefault(digest, []).append(rank)  # type: ignore[arg-type]
+        problems = []
+        for stage, groups in sorted(by_stage.items()):
+            if len(groups) > 1:
+                parts = ", ".join(f"ranks {ranks} hold {count} such tensors" for (count, _), ranks in groups.items())
+                problems.append(f"stage {stage}: {parts}")
+        if problems:
+            raise ReplicaMismatch(
+                "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes or "
+                f"global shapes): {'; '.join(problems)}. Each rank must hold the same keys; give per-rank "
+                "values rank-unique keys and list them in rank_local=, and check the ShardSpec sizes."
+            )
+
+    def _dedup(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Keep one writer per chunk and per object; identical objects only."""
+        chunk_owner: dict[MetadataIndex, tuple[int, WriteItem]] = {}
+        object_holders: dict[str, list[tuple[int, str]]] = {}
+        tensor_meta: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+        for i, plan in enumerate(plans):
+            objects = plan.planner_data["objects"]
+            for item in plan.items:
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    object_holders.setdefault(fqn, []).append((i, objects[fqn]))
+                    continue
+                td = item.tensor_data
+                seen = tensor_meta.setdefault(fqn, (i, td.size, td.properties.dtype))
+                if (seen[1], seen[2]) != (td.size, td.properties.dtype):
+                    raise SpecError(
+                        f"{fqn}: rank {seen[0]} saves global shape {tuple(seen[1])} {seen[2]} but rank {i} saves "
+                        f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes disagree"
+                    )
+                prior = chunk_owner.get(item.index)
+                if prior is not None and prior[1].tensor_data.chunk.sizes != td.chunk.sizes:
+                    raise SpecError(
+                        f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
+                        f"with sizes {tuple(prior[1].tensor_data.chunk.sizes)} and {tuple(td.chunk.sizes)}"
+                    )
+                if prior is None:
+                    chunk_owner[item.index] = (i, item)
+        object_owner: dict[str, int] = {}
+        for fqn, holders in object_holders.items():
+            digests = {d for _, d in holders}
+            if len(digests) > 1:
+                ranks = sorted({r for r, _ in holders})
+                raise ReplicaMismatch(
+                    f"object {fqn!r} differs between ranks {ranks}: one key can hold one value. Give per-rank "
+                    "values rank-unique keys (e.g. f'...rank{rank}...') and list them in rank_local="
+                )
+            object_owner[fqn] = holders[zlib.crc32(fqn.encode()) % len(holders)][0]
+        out = []
+        for i, plan in enumerate(plans):
+            kept = [
+                item
+                for item in plan.items
+                if (item.type == WriteItemType.BYTE_IO and object_owner[item.index.fqn] == i)
+                or (item.type != WriteItemType.BYTE_IO and chunk_owner[item.index][0] == i)
+            ]
+            out.append(dataclasses.replace(plan, items=kept))
+        return out
+
+    # -- 4. finish ---------------------------------------------------------------------------------
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if not new_plan.usable:
+            if self._cached_final is None:
+                raise SpecError(f"rank {self.rank}: the coordinator sent a cached plan this rank does not hold")
+            # The storage layer may put per-save data (a new save id) on this round's plan; keep it.
+            plan = dataclasses.replace(self._cached_final, storage_data=new_plan.storage_data)
+        else:
+            plan = new_plan
+            if self.enable_plan_caching:
+                self._cached_final = new_plan
+                if self._pending is not None:
+                    self._signature, self._cached_local = self._pending
+        self._pending = None
+        self.plan = plan
+        return plan
+
+    # -- 5. data -----------------------------------------------------------------------------------
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        entry = self.entries.get(write_item.index.fqn)
+        if entry is None:
+            raise SpecError(f"rank {self.rank} was asked to write {write_item.index.fqn!r}, which it does not hold")
+        if entry.kind == "object":
+            return io.BytesIO(self._object_bytes[entry.key])
+        return entry.value
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.entries[index.fqn].value
+
+
+def _carries_no_data(entry: Entry) -> bool:
+    """An empty piece of a non-empty tensor (an uneven split giving a rank nothing) is not written.
+
+    Its offset can coincide with a neighbour's real chunk, and it adds nothing to the checkpoint. An
+    empty *global* tensor is still written once, so its key and shape are recorded.
+    """
+    chunk, shape = entry.chunk, entry.global_shape
+    if chunk is None or shape is None:
+        return False
+    return math.prod(chunk.sizes) == 0 and math.prod(shape) != 0
+
+
+def _tensor_item(entry: Entry) -> WriteItem:
+    chunk, shape = entry.chunk, entry.global_shape
+    if chunk is None or shape is None:
+        raise SpecError(f"{entry.key}: tensor entry without a chunk")
+    whole = entry.kind == "tensor" and not entry.sharded_axes
+    return WriteItem(
+        index=MetadataIndex(entry.key, chunk.offsets),
+        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=chunk,
+            properties=TensorProperties.create_from_tensor(entry.value),
+            size=shape,
+        ),
+    )
+
+
+def _plan_bytes(plan: SavePlan) -> int:
+    total = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            total += item.tensor_storage_size() or 0
+    return total

@@ -1,0 +1,51 @@
+"""The exceptions smpckpt raises.
+
+All derive from :class:`CheckpointError` (an ``Exception``), so ``except Exception`` catches a failed
+save or load. DCP reports rank failures as ``CheckpointException``, a ``BaseException``; the public API
+translates it at its boundary and keeps the original as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFound",
+    "CheckpointCorrupt",
+    "CheckpointExists",
+    "LayoutMismatch",
+    "SpecError",
+    "ReplicaMismatch",
+    "UnsafeCheckpoint",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error smpckpt raises on purpose."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No committed checkpoint where one was asked for (or its files are missing)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """Stored bytes or metadata do not match what the checkpoint recorded (checksum, size, format)."""
+
+
+class CheckpointExists(CheckpointError, FileExistsError):
+    """A committed checkpoint is already at the target and ``overwrite`` was not given."""
+
+
+class LayoutMismatch(CheckpointError):
+    """The state dict does not fit the checkpoint: missing/unexpected keys, shapes or dtypes differ."""
+
+
+class SpecError(CheckpointError, ValueError):
+    """A :class:`~smpckpt.ShardSpec` or :class:`~smpckpt.ParallelLayout` does not fit the tensors given."""
+
+
+class ReplicaMismatch(CheckpointError):
+    """Ranks that should hold identical replicas disagree (often: a tensor-parallel shard without a spec)."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """Stored objects need arbitrary code execution to load; refused unless ``allow_pickle=True``."""

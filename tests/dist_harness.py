@@ -1,0 +1,83 @@
+"""Run a function on N real gloo ranks on 127.0.0.1 (tier-2 tests).
+
+Rendezvous goes through a ``file://`` store in a fresh temp dir, so no port is chosen by hand. Each
+rank's return value (picklable) comes back in rank order; an exception on any rank is re-raised in
+the parent with that rank's traceback. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_world", "RankFailed"]
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result: Any
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        )
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return their results.
+
+    ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` naming every rank
+    that raised or did not finish within ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory(prefix="smpckpt-world-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.start_processes(
+            _entry, args=(world_size, init_file, tmp, fn, args), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        deadline_ok = True
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                deadline_ok = False
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                break
+        results: list[Any] = []
+        failures: list[str] = []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                failures.append(f"rank {rank}: no result ({'timed out' if not deadline_ok else 'died'})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                failures.append(f"rank {rank}: {value}")
+            results.append(value)
+        if failures:
+            raise RankFailed("\n".join(failures))
+        return results

@@ -1,0 +1,141 @@
+"""ParallelLayout, ShardSpec geometry, spec rules and PP renaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smpckpt import ParallelLayout, ShardSpec, SpecError
+from smpckpt.naming import KeyMapper
+from smpckpt.planners._ownership import assign_owners, replica_group
+from smpckpt.specs import SpecRules, shard_geometry
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(st.integers(1, 8), st.integers(1, 4), st.integers(1, 4))
+def test_rank_coords_roundtrip_tp_fastest(tp, pp, dp):
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    seen = set()
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        assert layout.rank_of(tp=c.tp, dp=c.dp, pp=c.pp) == rank
+        assert rank == c.tp + tp * (c.dp + dp * c.pp)
+        seen.add(c)
+    assert len(seen) == tp * pp * dp
+
+
+def test_layout_validation_and_partition():
+    with pytest.raises(SpecError, match="pp_layers has 1 entries but pp=2"):
+        ParallelLayout(pp=2, pp_layers=(4,))
+    with pytest.raises(SpecError, match="positive int"):
+        ParallelLayout(tp=0)
+    layout = ParallelLayout(tp=2, pp=2, dp=1, pp_layers=[2, 2])
+    assert layout.pp_layers == (2, 2)
+    assert list(layout.stage_layers(1)) == [2, 3]
+    assert layout.stage_ranks(1) == [2, 3]
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(SpecError, match="outside a world of 4"):
+        layout.coords(4)
+
+
+def test_layout_from_device_mesh_checks_rank_order():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class FakeMesh:  # the attributes from_device_mesh reads; a real mesh needs a process group
+        def __init__(self, grid, names):
+            self.mesh, self.mesh_dim_names = grid, names
+
+        def size(self, dim):
+            return self.mesh.shape[dim]
+
+    good = FakeMesh(torch.arange(8).reshape(2, 2, 2), ("pp", "dp", "tp"))
+    assert ParallelLayout.from_device_mesh(good) == ParallelLayout(tp=2, pp=2, dp=2)
+    bad = FakeMesh(torch.arange(8).reshape(2, 2, 2).transpose(1, 2).contiguous(), ("pp", "dp", "tp"))
+    with pytest.raises(SpecError, match="rank order"):
+        ParallelLayout.from_device_mesh(bad)
+    assert DeviceMesh  # the real class exists in this torch
+
+
+def test_even_uneven_and_fused_geometry():
+    layout = ParallelLayout(tp=4, dp=2)
+    degrees = {"tp": 4, "dp": 2, "pp": 1}
+    g = shard_geometry("w", (3, 5), [ShardSpec(0)], layout.coords(2), degrees)
+    assert (tuple(g.global_shape), tuple(g.offsets)) == ((12, 5), (6, 0))
+    g = shard_geometry("w", (3, 5), [ShardSpec(0, sizes=(4, 4, 3, 2))], layout.coords(2), degrees)
+    assert (tuple(g.global_shape), tuple(g.offsets)) == ((13, 5), (8, 0))
+    # fused QKV: local [3*h/tp, d] = [6, 5] viewed [3, 2, 5]; global [3, 8, 5]; rank tp=3 starts at row 6
+    g = shard_geometry("qkv", (6, 5), [ShardSpec(1, view=(3, -1, 5))], layout.coords(3), degrees)
+    assert (tuple(g.view_shape), tuple(g.global_shape), tuple(g.offsets)) == ((3, 2, 5), (3, 8, 5), (0, 6, 0))
+    # TP outer on dim 0, DP inner on dim 1
+    g = shard_geometry("z", (2, 3), [ShardSpec(0, "tp"), ShardSpec(1, "dp")], layout.coords(7), degrees)
+    assert (tuple(g.global_shape), tuple(g.offsets)) == ((8, 6), (6, 3))
+    assert g.sharded_axes == {"tp", "dp"}
+
+
+@pytest.mark.parametrize(
+    "shape, spec, message",
+    [
+        ((3, 5), ShardSpec(0, sizes=(4, 4)), "has 2 entries but the tp degree is 4"),
+        ((3, 5), ShardSpec(0, sizes=(3, 3, 4, 3)), "holds extent 3 along dim 0"),
+        ((3, 5), ShardSpec(2), "out of range"),
+        ((3, 5), ShardSpec(0, view=(4, -1)), r"cannot be viewed as \(4, -1\)"),
+    ],
+)
+def test_spec_errors_name_the_key_and_shapes(shape, spec, message):
+    layout = ParallelLayout(tp=4)
+    with pytest.raises(SpecError, match=message) as info:
+        shard_geometry("model.w", shape, [spec], layout.coords(2), {"tp": 4, "dp": 1, "pp": 1})
+    assert "model.w" in str(info.value)
+
+
+def test_spec_value_validation():
+    with pytest.raises(SpecError, match="axis"):
+        ShardSpec(0, axis="pp")
+    with pytest.raises(SpecError, match="at most one -1"):
+        ShardSpec(0, view=(-1, -1))
+    with pytest.raises(SpecError, match="once per axis"):
+        SpecRules({"a": (ShardSpec(0), ShardSpec(1))})
+
+
+def test_rules_first_match_wins_and_optimizer_inherits():
+    rules = SpecRules({"model.layers.*.qkv.weight": ShardSpec(1, view=(3, -1, 4)), "model.*.weight": ShardSpec(0)})
+    assert rules.match("model.layers.3.qkv.weight")[0][0].dim == 1
+    assert rules.match("model.head.weight")[0][0].dim == 0
+    assert rules.match("model.head.bias") is None
+    specs, inherited = rules.match("optim.state.layers.3.qkv.weight.exp_avg", prefixes=("model",))
+    assert specs[0].view == (3, -1, 4) and inherited == "model.layers.3.qkv.weight"
+    assert rules.match("optim.state.layers.3.qkv.weight.exp_avg") is None  # no prefix known
+
+
+def test_pp_renaming_default_rule_and_name_map():
+    layout = ParallelLayout(pp=3, pp_layers=(2, 3, 1))
+    m = KeyMapper(layout, 1)
+    assert m.to_global("model.layers.0.attn.w") == "model.layers.2.attn.w"
+    assert m.to_global("optim.state.layers.2.w.exp_avg") == "optim.state.layers.4.w.exp_avg"
+    assert m.to_global("model.sublayers.1.w") == "model.sublayers.1.w"
+    with pytest.raises(SpecError, match="holds 3 layers"):
+        m.to_global("model.layers.3.w")
+    assert KeyMapper(ParallelLayout(pp=2), 1).to_global("layers.0.w") == "layers.0.w"  # no partition
+    mapped = KeyMapper(ParallelLayout(pp=2), 1, name_map=lambda k: "stage1." + k)
+    assert mapped.to_global("w") == "stage1.w"
+
+
+def test_ownership_is_deterministic_balanced_and_agreed():
+    layout = ParallelLayout(tp=2, dp=2, pp=2)
+    items = [(f"t{i}", 100 * (i + 1), frozenset()) for i in range(8)] + [
+        (f"s{i}", 50, frozenset({"tp"})) for i in range(4)
+    ]
+    views = [assign_owners(layout, r, items) for r in range(4)]
+    for key in (k for k, _, a in items if not a):  # every rank of stage 0 names the same owner
+        assert len({v[key] for v in views}) == 1
+    loads = {}
+    for key, nbytes, axes in items:
+        if not axes:
+            owner = views[0][key]
+            loads[owner] = loads.get(owner, 0) + nbytes
+    assert max(loads.values()) / (sum(loads.values()) / 4) < 1.2
+    assert replica_group(layout, 5, frozenset({"tp"})) == [5, 7]
+    lowest = assign_owners(layout, 3, items, lowest_rank=True)
+    assert all(owner == 0 for key, owner in lowest.items() if key.startswith("t"))

@@ -1,0 +1,193 @@
+"""Planner behaviour in a simulated world: dedup, replica checks, clear errors, caching, stock DCP compatibility."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
+from smpckpt import LayoutMismatch, ParallelLayout, ReplicaMismatch, ShardSpec, SpecError, UnsafeCheckpoint
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+
+TP2 = ParallelLayout(tp=2)
+FULL = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+
+
+def tp_state(rank: int, blank: bool = False) -> dict:
+    piece = FULL.chunk(2, dim=0)[rank].clone()
+    return {"w": torch.zeros_like(piece) if blank else piece, "b": torch.zeros(4) if blank else torch.ones(4)}
+
+
+def save(sds, layout, specs=None, store=None, **kw):
+    store = store or MemoryStore()
+    planners = [ParallelSavePlanner(layout, specs, rank=r, **kw) for r in range(layout.world_size)]
+    sim_save(sds, planners, [MemoryWriter(store) for _ in sds])
+    return store, planners
+
+
+def load(sds, layout, store, specs=None, **kw):
+    planners = [ParallelLoadPlanner(layout, specs, rank=r, **kw) for r in range(layout.world_size)]
+    sim_load(sds, planners, [MemoryReader(store) for _ in sds])
+    return planners
+
+
+def setup_function():
+    reset_dcp_caches()
+
+
+def test_default_planner_loses_plain_tp_shards_ours_does_not():
+    store = MemoryStore()
+    sim_save([tp_state(0), tp_state(1)], [DefaultSavePlanner(), DefaultSavePlanner()], [MemoryWriter(store)] * 2)
+    assert store.metadata.state_dict_metadata["w"].size == torch.Size([3, 4])  # one rank's rows only
+    back = [tp_state(r, blank=True) for r in range(2)]
+    sim_load(back, [DefaultLoadPlanner(), DefaultLoadPlanner()], [MemoryReader(store)] * 2)
+    assert torch.equal(back[0]["w"], back[1]["w"])  # both ranks got the same half: the other is lost
+    assert not (torch.equal(back[0]["w"], FULL[:3]) and torch.equal(back[1]["w"], FULL[3:]))
+
+    store, _ = save([tp_state(0), tp_state(1)], TP2, {"w": ShardSpec(0)})
+    assert store.metadata.state_dict_metadata["w"].size == torch.Size([6, 4])
+    full = {"w": torch.zeros(6, 4), "b": torch.zeros(4)}
+    load([full], ParallelLayout(), store)
+    assert torch.equal(full["w"], FULL) and torch.equal(full["b"], torch.ones(4))
+
+
+def test_replicas_are_written_once_and_spread():
+    layout = ParallelLayout(dp=4)
+    sds = [{f"t{i}": torch.full((64 * (i % 3 + 1),), float(i)) for i in range(12)} for _ in range(4)]
+    store, planners = save(sds, layout)
+    assert len(store.chunks) == 12  # each replica written exactly once
+    assert all(store.bytes_written.get(r, 0) > 0 for r in range(4))
+    assert planners[0].report.balance < 1.3
+
+
+def test_forgotten_spec_with_uneven_shards_is_caught():
+    sds = [{"w": torch.ones(3, 4)}, {"w": torch.ones(2, 4)}]
+    with pytest.raises(ReplicaMismatch, match=r"stage 0: ranks \[0\] hold 1 .*ranks \[1\] hold 1"):
+        save(sds, TP2)
+
+
+def test_per_rank_tensors_need_rank_local():
+    sds = [{"w": torch.ones(2), f"rng.rank{r}": torch.tensor([r])} for r in range(2)]
+    with pytest.raises(ReplicaMismatch, match="rank_local"):
+        save(sds, TP2)
+    store, _ = save(sds, TP2, rank_local=["rng.*"])
+    assert torch.equal(store.chunks[next(i for i in store.chunks if i.fqn == "rng.rank1")], torch.tensor([1]))
+
+
+def test_objects_that_differ_between_ranks_are_refused():
+    sds = [{"w": torch.ones(2), "step": r} for r in range(2)]
+    with pytest.raises(ReplicaMismatch, match="'step' differs between ranks"):
+        save(sds, TP2)
+
+
+def test_missing_unexpected_shape_dtype_errors_name_the_key():
+    store, _ = save([tp_state(0), tp_state(1)], TP2, {"w": ShardSpec(0)})
+    with pytest.raises(LayoutMismatch, match=r"1 keys are not in the checkpoint: extra"):
+        load([{"w": torch.zeros(6, 4), "b": torch.zeros(4), "extra": torch.zeros(1)}], ParallelLayout(), store)
+    with pytest.raises(LayoutMismatch, match=r"checkpoint keys are loaded by no rank: b"):
+        load([{"w": torch.zeros(6, 4)}], ParallelLayout(), store)
+    with pytest.raises(LayoutMismatch, match=r"w: the checkpoint holds global shape \(6, 4\) but .* implies \(5, 4\)"):
+        load([{"w": torch.zeros(5, 4), "b": torch.zeros(4)}], ParallelLayout(), store)
+    with pytest.raises(LayoutMismatch, match=r"w: saved as torch.float32 but the destination is torch.float16"):
+        load([{"w": torch.zeros(6, 4, dtype=torch.float16), "b": torch.zeros(4)}], ParallelLayout(), store)
+
+    sd = {"w": torch.zeros(6, 4, dtype=torch.float64), "extra": torch.zeros(1)}
+    planners = load([sd], ParallelLayout(), store, allow_partial_load=True, allow_dtype_cast=True)
+    assert torch.equal(sd["w"], FULL.double()) and torch.equal(sd["extra"], torch.zeros(1))
+    report = planners[0].report
+    assert report.missing_keys == ("extra",) and report.unexpected_keys == ("b",) and report.cast_keys == ("w",)
+
+
+def test_reshard_reports_fast_path_vs_overlap():
+    store, _ = save([tp_state(0), tp_state(1)], TP2, {"w": ShardSpec(0)})
+    same = [tp_state(r, blank=True) for r in range(2)]
+    planners = load(same, TP2, store, {"w": ShardSpec(0)})
+    assert planners[0].report.resharded == () and planners[0].report.saved_layout == TP2
+    assert torch.equal(same[1]["w"], FULL[3:])
+    three = ParallelLayout(tp=3)
+    sds = [{"w": torch.zeros(2, 4), "b": torch.zeros(4)} for _ in range(3)]
+    planners = load(sds, three, store, {"w": ShardSpec(0)})
+    assert planners[1].report.resharded == ("w",)
+    assert torch.equal(torch.cat([sd["w"] for sd in sds]), FULL)
+
+
+def test_objects_load_weights_only_unless_allowed():
+    sds = [{"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)} for _ in range(2)]
+    store, _ = save(sds, TP2)
+    with pytest.raises(UnsafeCheckpoint, match="args: the stored object needs arbitrary code"):
+        load([{"w": torch.zeros(2), "args": None}], ParallelLayout(), store)
+    sd = {"w": torch.zeros(2), "args": None}
+    load([sd], ParallelLayout(), store, allow_pickle=True)
+    assert sd["args"] == argparse.Namespace(lr=0.1)
+
+
+def test_plan_cache_reuses_plans_per_instance_and_invalidates_on_change():
+    layout = ParallelLayout(tp=2, dp=2)
+    specs = {"w": ShardSpec(0)}
+    planners = [ParallelSavePlanner(layout, specs, rank=r) for r in range(4)]
+
+    def state(scale, rows=3):
+        return [{"w": torch.full((rows, 2), scale * (r % 2 + 1)), "b": torch.full((2,), scale), "lr": 0.1} for r in range(4)]
+
+    for scale, expect_cached in ((1.0, False), (2.0, True), (3.0, True)):
+        store = MemoryStore()
+        sim_save(state(scale), planners, [MemoryWriter(store) for _ in range(4)])
+        assert planners[0].report.cached is expect_cached
+        full = {"w": torch.zeros(6, 2), "b": torch.zeros(2), "lr": 0.0}
+        load([full], ParallelLayout(), store)
+        assert torch.equal(full["w"], torch.cat([torch.full((3, 2), scale), torch.full((3, 2), 2 * scale)]))
+        assert torch.equal(full["b"], torch.full((2,), scale))
+    store = MemoryStore()
+    sim_save(state(4.0, rows=4), planners, [MemoryWriter(store) for _ in range(4)])  # shape changed
+    assert planners[0].report.cached is False
+    assert store.metadata.state_dict_metadata["w"].size == torch.Size([8, 2])
+
+
+def test_two_worlds_in_one_process_do_not_share_plans():
+    a, _ = save([tp_state(0), tp_state(1)], TP2, {"w": ShardSpec(0)})
+    b, _ = save([{"x": torch.ones(3)}, {"x": torch.ones(3)}], TP2)
+    assert set(a.metadata.state_dict_metadata) == {"w", "b"}
+    assert set(b.metadata.state_dict_metadata) == {"x"}
+
+
+def test_stock_dcp_load_reads_our_checkpoint(tmp_path):
+    """Saved by our planner through DCP's own FileSystemWriter: stock dcp.load needs nothing of ours."""
+    layout = ParallelLayout(tp=2, pp=2, pp_layers=(1, 1))
+    sds = []
+    for r in range(4):
+        c = layout.coords(r)
+        rows = FULL.chunk(2, dim=0)[c.tp].clone() + 100 * c.pp
+        sds.append({"model": {"layers": {"0": {"w": rows}}}, "extra": {"step": 7}})
+    planners = [ParallelSavePlanner(layout, {"model.layers.*.w": ShardSpec(0)}, rank=r) for r in range(4)]
+    sim_save(sds, planners, [FileSystemWriter(tmp_path) for _ in range(4)])
+    full = {"model": {"layers": {"0": {"w": torch.zeros(6, 4)}, "1": {"w": torch.zeros(6, 4)}}}, "extra": {"step": 0}}
+    dcp.load(full, storage_reader=FileSystemReader(tmp_path), planner=DefaultLoadPlanner())
+    assert torch.equal(full["model"]["layers"]["0"]["w"], FULL)
+    assert torch.equal(full["model"]["layers"]["1"]["w"], FULL + 100)
+    assert full["extra"]["step"] == 7
+    md = FileSystemReader(tmp_path).read_metadata()
+    assert md.planner_data["__smpckpt__"]["layout"]["pp_layers"] == [1, 1]
+    assert pickle.loads(pickle.dumps(md)).planner_data["model.layers.1.w"] == ("model", "layers", "1.w")
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path, tmp_path / "full.pt")
+    flat = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert torch.equal(flat["model"]["layers"]["1.w"], FULL + 100)
+
+
+def test_rank_outside_layout_and_world_mismatch_are_refused():
+    with pytest.raises(SpecError, match="outside the layout's world of 2"):
+        ParallelSavePlanner(TP2, rank=2).set_up_planner({"w": torch.ones(1)})
+    with pytest.raises(SpecError, match="dcp.save ran on 3 ranks but the layout"):
+        sim_save(
+            [{"w": torch.ones(1)}] * 3,
+            [ParallelSavePlanner(TP2, rank=r % 2) for r in range(3)],
+            [MemoryWriter(MemoryStore()) for _ in range(3)],
+        )

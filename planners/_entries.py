@@ -139,6 +139,8 @@ def _make_entry(
 ) -> Entry:
     if isinstance(value, DTensor):
         return _dtensor_entry(local_key, key, path, value, is_local)
+    if type(value).__name__ == "ShardedTensor":
+        raise SpecError(f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with a ShardSpec")
     if not isinstance(value, torch.Tensor):
         return Entry(local_key, key, path, "object", value, rank_local=is_local)
     matched = None if is_local else rules.match(key, prefixes)

@@ -215,7 +215,12 @@ class ParallelLoadPlanner(LoadPlanner):
         for plan in global_plan:
             asked.update(item.storage_index.fqn for item in plan.items)
             asked.update((plan.planner_data or {}).get("empty", ()))
-        unexpected = sorted(set(self.metadata.state_dict_metadata) - asked)
+        # Keys declared rank-local belong to one saving rank each; a world of another size loads only
+        # some of them, which is expected rather than an error.
+        unexpected = sorted(
+            k for k in set(self.metadata.state_dict_metadata) - asked
+            if not (self._rank_local is not None and self._rank_local.fullmatch(k))
+        )
         if unexpected and not self.allow_partial_load:
             raise LayoutMismatch(
                 f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "

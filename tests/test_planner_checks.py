@@ -191,3 +191,13 @@ def test_rank_outside_layout_and_world_mismatch_are_refused():
             [ParallelSavePlanner(TP2, rank=r % 2) for r in range(3)],
             [MemoryWriter(MemoryStore()) for _ in range(3)],
         )
+
+
+def test_rank_local_keys_of_other_ranks_are_not_unexpected():
+    sds = [{"w": torch.ones(2), f"rng.rank{r}": torch.tensor([r])} for r in range(2)]
+    store, _ = save(sds, TP2, rank_local=["rng.*"])
+    one = {"w": torch.zeros(2), "rng.rank0": torch.tensor([9])}
+    load([one], ParallelLayout(), store, rank_local=["rng.*"])
+    assert torch.equal(one["rng.rank0"], torch.tensor([0])) and torch.equal(one["w"], torch.ones(2))
+    with pytest.raises(LayoutMismatch, match="rng.rank1"):
+        load([{"w": torch.zeros(2), "rng.rank0": torch.tensor([9])}], ParallelLayout(), store)

@@ -6,4 +6,32 @@ if __name__ != "smpckpt.storage":
         "(install the project with `pip install -e .`)"
     )
 
-__all__: list[str] = []
+from smpckpt.storage._fs import open_fs, write_bytes_atomic  # noqa: E402
+from smpckpt.storage._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
+from smpckpt.storage.manifest import FileRecord, Manifest  # noqa: E402
+from smpckpt.storage.reader import FsspecStorageReader, ReadStats  # noqa: E402
+from smpckpt.storage.tools import (  # noqa: E402
+    VerifyReport,
+    checkpoint_state,
+    read_manifest,
+    remove_checkpoint,
+    verify_checkpoint,
+)
+from smpckpt.storage.writer import FsspecStorageWriter  # noqa: E402
+
+__all__ = [
+    "FsspecStorageWriter",
+    "FsspecStorageReader",
+    "ReadStats",
+    "checkpoint_state",
+    "read_manifest",
+    "verify_checkpoint",
+    "VerifyReport",
+    "remove_checkpoint",
+    "open_fs",
+    "write_bytes_atomic",
+    "Manifest",
+    "FileRecord",
+    "MANIFEST_NAME",
+    "RAW_DESCRIPTOR",
+]

@@ -1,0 +1,128 @@
+"""Byte sinks: where one data file's bytes go, sequentially, straight from the caller's buffers.
+
+Every sink has ``write(memoryview)``, ``commit()`` (make the file complete and durable) and
+``abort()`` (best-effort removal of a partial file; idempotent). ``commit`` after ``abort`` is an error.
+Sinks do not copy the caller's bytes except where the backend needs its own buffer (S3 parts).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from smpckpt.storage._errors import translate_errors
+from smpckpt.storage._fs import is_local
+
+__all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink"]
+
+
+class Sink(Protocol):
+    path: str
+
+    def write(self, data: memoryview) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class LocalSink:
+    """A local/POSIX file written with unbuffered ``os.write`` from the caller's memory, then fsync'd."""
+
+    def __init__(self, path: str, *, sync: bool) -> None:
+        self.path = path
+        self._sync = sync
+        with translate_errors(path):
+            # O_EXCL: a data file name is unique to one save; finding it already there is a bug.
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def write(self, data: memoryview) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: write after commit/abort")
+        mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        with translate_errors(self.path):
+            while mv:
+                n = os.write(self._fd, mv)
+                mv = mv[n:]
+
+    def commit(self) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: commit after commit/abort")
+        fd, self._fd = self._fd, None
+        with translate_errors(self.path):
+            try:
+                if self._sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class FsspecSink:
+    """Any fsspec backend through ``fs.open(path, "wb")`` (memory://, gcs, ...).
+
+    ``commit`` closes the file, which is what makes it visible on object stores. No ``os.sync()``:
+    fsspec file objects have no descriptor to fsync, and a host-wide sync is not ours to call.
+    """
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.path = path
+        self._fs = fs
+        with translate_errors(path):
+            self._f: Any = fs.open(path, "wb")
+
+    def write(self, data: memoryview) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: write after commit/abort")
+        with translate_errors(self.path):
+            self._f.write(data.cast("B") if data.format != "B" or data.ndim != 1 else data)
+
+    def commit(self) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: commit after commit/abort")
+        f, self._f = self._f, None
+        with translate_errors(self.path):
+            f.close()
+
+    def abort(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            # Drop the buffer without close(): close() would commit a partial object on S3-like stores.
+            for name in ("discard", "_abort"):
+                fn = getattr(f, name, None)
+                if callable(fn):
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
+                    break
+            else:
+                try:
+                    f.close()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        try:
+            self._fs.rm_file(self.path)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def open_sink(fs: Any, path: str, *, sync: bool, part_size: int, max_parts_in_flight: int) -> Sink:
+    if is_local(fs):
+        return LocalSink(path, sync=sync)
+    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        from smpckpt.storage._s3 import S3MultipartSink
+
+        return S3MultipartSink(fs, path, part_size=part_size, max_in_flight=max_parts_in_flight)
+    return FsspecSink(fs, path)

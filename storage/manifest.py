@@ -1,0 +1,184 @@
+"""The JSON manifest: commit marker and integrity record of one checkpoint generation.
+
+The coordinator writes it last, after every rank's data and the metadata are durable; its presence
+is what makes a checkpoint committed. Layout (``format_version`` 1)::
+
+    {
+      "format": "smpckpt", "format_version": 1,
+      "kind": "partial",                 # "full" is reserved for the consolidated mode
+      "save_id": "18c1f...", "created": "2026-11-21T20:54:00Z", "world_size": 4,
+      "data_format": "raw" | "torch_save",
+      "checksum": {"algorithm": "xxh3_64"},
+      "metadata": {"name": ".metadata.<save_id>", "size": 1972, "xxh3_64": "<16 hex>"},
+      "files": [{"name": "...", "size": 123, "rank": 0,
+                 "block_ends": "<base64 of little-endian uint64>", "block_digests": "<base64 ...>"}],
+      "extra": {...}                     # caller-supplied JSON (layout, user info)
+    }
+
+Block lists are packed (8 bytes per block, base64) so a 1 TiB checkpoint with 1 MiB blocks needs
+about 22 MiB of manifest rather than ~60 MiB of JSON numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import dataclasses
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage._names import FORMAT_VERSION
+
+__all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat"]
+
+CheckpointKind = Literal["partial", "full"]
+DataFormat = Literal["raw", "torch_save"]
+
+
+def _pack(values: Sequence[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}Q", *values)).decode("ascii")
+
+
+def _unpack(text: str) -> tuple[int, ...]:
+    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    if len(raw) % 8:
+        raise ValueError("packed block list length is not a multiple of 8")
+    return struct.unpack(f"<{len(raw) // 8}Q", raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One data file: its size and the end offset and xxh3-64 digest of each block."""
+
+    name: str
+    size: int
+    rank: int
+    block_ends: tuple[int, ...]
+    block_digests: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.block_ends) != len(self.block_digests):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: block ends and digests differ in count")
+        if (self.block_ends and self.block_ends[-1] != self.size) or (not self.block_ends and self.size):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: blocks do not cover the file size {self.size}")
+        if any(b <= a for a, b in zip((0,) + self.block_ends, self.block_ends)):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: block ends are not increasing")
+
+    def block_start(self, i: int) -> int:
+        return self.block_ends[i - 1] if i else 0
+
+    def blocks_covering(self, start: int, end: int) -> range:
+        """Indices of the blocks that overlap the byte range ``[start, end)``."""
+        if end <= start:
+            return range(0)
+        first = bisect.bisect_right(self.block_ends, start)
+        last = bisect.bisect_left(self.block_ends, end)
+        return range(first, min(last, len(self.block_ends) - 1) + 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "size": self.size,
+            "rank": self.rank,
+            "block_ends": _pack(self.block_ends),
+            "block_digests": _pack(self.block_digests),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> FileRecord:
+        return cls(
+            name=str(obj["name"]),
+            size=int(obj["size"]),
+            rank=int(obj.get("rank", -1)),
+            block_ends=_unpack(obj["block_ends"]),
+            block_digests=_unpack(obj["block_digests"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataRecord:
+    """The per-generation copy of ``.metadata``: name, size and whole-file digest."""
+
+    name: str
+    size: int
+    digest: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    save_id: str
+    kind: CheckpointKind
+    data_format: DataFormat
+    metadata: MetadataRecord
+    files: tuple[FileRecord, ...]
+    world_size: int
+    created: str
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def file(self, name: str) -> FileRecord:
+        for rec in self.files:
+            if rec.name == name:
+                return rec
+        raise CheckpointCorrupt(f"file {name!r} is referenced by the metadata but not listed in the manifest")
+
+    @property
+    def total_bytes(self) -> int:
+        return self.metadata.size + sum(f.size for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        obj = {
+            "format": "smpckpt",
+            "format_version": self.format_version,
+            "kind": self.kind,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "data_format": self.data_format,
+            "checksum": {"algorithm": "xxh3_64"},
+            "metadata": {"name": self.metadata.name, "size": self.metadata.size,
+                         "xxh3_64": f"{self.metadata.digest:016x}"},
+            "files": [f.to_json() for f in self.files],
+            "extra": dict(self.extra),
+        }
+        return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+        """Parse and validate; any problem is a :class:`CheckpointCorrupt` naming ``where``."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+            if obj.get("format") != "smpckpt":
+                raise ValueError("not an smpckpt manifest")
+            version = int(obj["format_version"])
+            if version > FORMAT_VERSION:
+                raise ValueError(
+                    f"format_version {version} is newer than this smpckpt understands ({FORMAT_VERSION}); upgrade smpckpt"
+                )
+            if obj["checksum"]["algorithm"] != "xxh3_64":
+                raise ValueError(f"unknown checksum algorithm {obj['checksum']['algorithm']!r}")
+            kind = obj["kind"]
+            if kind not in ("partial", "full"):
+                raise ValueError(f"unknown checkpoint kind {kind!r}")
+            data_format = obj["data_format"]
+            if data_format not in ("raw", "torch_save"):
+                raise ValueError(f"unknown data format {data_format!r}")
+            md = obj["metadata"]
+            return cls(
+                save_id=str(obj["save_id"]),
+                kind=kind,
+                data_format=data_format,
+                metadata=MetadataRecord(str(md["name"]), int(md["size"]), int(md["xxh3_64"], 16)),
+                files=tuple(FileRecord.from_json(f) for f in obj["files"]),
+                world_size=int(obj["world_size"]),
+                created=str(obj["created"]),
+                extra=obj.get("extra") or {},
+                format_version=version,
+            )
+        except CheckpointCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+            raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc

@@ -1,0 +1,411 @@
+"""``FsspecStorageReader``: DCP StorageReader for smpckpt checkpoints and stock DCP checkpoints.
+
+Call order inside ``dcp.load`` ("all" = every rank)::
+
+    0) (all)         reset(checkpoint_id)            only when dcp.load gets checkpoint_id=
+    1) (all)         read_metadata()                 manifest (the commit marker), then the metadata it names
+    2) (all)         set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)
+    3) (all)         prepare_local_plan(plan)         items sorted by file and offset
+    4) (coordinator) prepare_global_plan(plans)       unchanged
+    5) (all)         read_data(plan, planner)         ranged, coalesced, verified reads
+
+What ``read_metadata`` accepts: a committed smpckpt checkpoint (manifest present); a stock DCP
+checkpoint (``.metadata`` from ``FileSystemWriter``/``FsspecWriter``, read as *legacy*: no checksums).
+It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.errors.CheckpointNotFound`.
+
+Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
+requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
+``thread_count`` requests run at once and the planner is called from the calling thread only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import logging
+import os
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, LayoutMismatch
+from smpckpt.storage import _names
+from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._errors import translate_errors
+from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none
+from smpckpt.storage._ranges import Fetch, Need, coalesce, slice_byte_range
+from smpckpt.storage._safe_pickle import check_weights_only, load_metadata
+from smpckpt.storage._state import probe
+from smpckpt.storage.manifest import FileRecord, Manifest
+
+__all__ = ["FsspecStorageReader", "ReadStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
+
+    bytes_needed: int  # bytes of the requested slices / records
+    bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
+    requests: int  # ranged reads issued
+    items: int
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    req: ReadItem
+    file: str
+    start: int  # exact bytes this item decodes from
+    end: int
+    raw: bool  # raw tensor bytes (decode with dtype/shape) vs a torch.save record / object bytes
+    dtype: torch.dtype | None = None
+    chunk_sizes: tuple[int, ...] = ()
+
+
+class FsspecStorageReader(StorageReader):
+    """Read a checkpoint at ``path`` (any fsspec URL).
+
+    Args:
+        path: folder or URL.
+        storage_options: fsspec filesystem options; kept across :meth:`reset`.
+        verify_checksums: verify the checksum of every block a read touches (default). ``False``
+            skips it (and reads only the exact bytes).
+        allow_pickle: hand object values that need arbitrary code to load to the planner. Only for
+            checkpoints you trust; by default they raise :class:`~smpckpt.errors.UnsafeCheckpoint`.
+        thread_count: ranged reads in flight.
+        max_request_bytes: coalesced requests stop growing at this size.
+        coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        verify_checksums: bool = True,
+        allow_pickle: bool = False,
+        thread_count: int = 4,
+        max_request_bytes: int = 64 << 20,
+        coalesce_gap: int = 0,
+    ) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.verify_checksums = verify_checksums
+        self.allow_pickle = allow_pickle
+        self.thread_count = max(1, thread_count)
+        self.max_request_bytes = max_request_bytes
+        self.coalesce_gap = coalesce_gap
+        self.last_read_stats: ReadStats | None = None
+        self._pool: list[bytearray] = []
+        self._pool_lock = threading.Lock()
+        self._open(path)
+
+    def _open(self, path: str | os.PathLike[str]) -> None:
+        self.url = os.fspath(path)
+        self.fs, self.path = open_fs(self.url, self.storage_options)
+        self.manifest: Manifest | None = None
+        self.state: str | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._records: dict[str, FileRecord] = {}
+        self.load_id = uuid.uuid4().hex
+        self.metadata_error: Exception | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            open_fs(checkpoint_id)
+        except (ValueError, ImportError):
+            return False
+        return True
+
+    # -- StorageReader protocol -------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._open(checkpoint_id if checkpoint_id else self.url)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
+
+        DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
+        the original exception is kept in :attr:`metadata_error` so callers can re-raise it.
+        """
+        try:
+            return self._read_metadata()
+        except Exception as exc:
+            self.metadata_error = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
+        found = probe(self.fs, self.path)
+        self.state = found.state
+        if found.state == "missing":
+            raise CheckpointNotFound(f"no checkpoint at {self.url}")
+        if found.state == "uncommitted":
+            raise CheckpointNotFound(
+                f"{self.url} holds an uncommitted (incomplete or failed) save: {found.detail}; refusing to load it"
+            )
+        if found.state == "legacy":
+            log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
+            metadata = found.legacy_metadata
+        else:
+            manifest = found.manifest
+            if manifest is None:  # pragma: no cover - probe guarantees it
+                raise CheckpointError("internal: committed checkpoint without manifest")
+            if manifest.kind != "partial":
+                raise CheckpointError(f"{self.url}: checkpoint kind {manifest.kind!r} is not supported yet")
+            md_path = join(self.fs, self.path, manifest.metadata.name)
+            data = read_bytes_or_none(self.fs, md_path)
+            if data is None:
+                raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
+            if len(data) != manifest.metadata.size or hash_bytes(data) != manifest.metadata.digest:
+                raise CheckpointCorrupt(
+                    f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "
+                    f"manifest says {manifest.metadata.size})"
+                )
+            metadata = load_metadata(data, where=md_path)
+            self.manifest = manifest
+            self._records = {f.name: f for f in manifest.files}
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointCorrupt(f"{self.url}: metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self._chunks[MetadataIndex(fqn, chunk.offsets)] = (md.properties.dtype, tuple(chunk.sizes))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        def key(it: ReadItem) -> tuple[str, int]:
+            info = self.storage_data.get(it.storage_index)
+            return (str(getattr(info, "relative_path", "")), int(getattr(info, "offset", 0)))
+
+        plan.items = sorted(plan.items, key=key)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        fut: Future[None] = Future()
+        try:
+            self._read(plan, planner)
+            fut.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
+            fut.set_exception(exc)
+        return fut
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _item(self, req: ReadItem) -> _Item:
+        info = self.storage_data.get(req.storage_index)
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointCorrupt(f"{self.url}: no storage record for {req.storage_index.fqn!r}")
+        descriptors = tuple(info.transform_descriptors or ())
+        raw = _names.RAW_DESCRIPTOR in descriptors
+        unknown = [d for d in descriptors if d != _names.RAW_DESCRIPTOR]
+        if unknown:
+            raise CheckpointError(f"{req.storage_index.fqn!r}: unsupported stream transforms {unknown}")
+        start, end = info.offset, info.offset + info.length
+        if req.type == LoadItemType.TENSOR and raw:
+            chunk = self._chunks.get(req.storage_index)
+            if chunk is None:
+                raise CheckpointCorrupt(f"{self.url}: no chunk metadata for {req.storage_index.fqn!r}")
+            dtype, sizes = chunk
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            lo, hi = slice_byte_range(sizes, list(req.storage_offsets), list(req.lengths), itemsize)
+            n = 1
+            for s in sizes:
+                n *= s
+            if n * itemsize != info.length:
+                raise CheckpointCorrupt(
+                    f"{info.relative_path}: record of {req.storage_index.fqn!r} is {info.length} bytes, "
+                    f"its shape {list(sizes)} x {dtype} needs {n * itemsize}"
+                )
+            return _Item(req, info.relative_path, start + lo, start + hi, True, dtype, sizes)
+        return _Item(req, info.relative_path, start, end, False)
+
+    def _widen(self, it: _Item) -> tuple[int, int]:
+        rec = self._records.get(it.file) if self.manifest is not None else None
+        if self.manifest is not None and rec is None:
+            raise CheckpointCorrupt(f"{it.file}: data file of {it.req.storage_index.fqn!r} is not in the manifest")
+        if rec is None or not self.verify_checksums or it.end <= it.start:
+            return it.start, it.end
+        if it.end > rec.size:
+            raise CheckpointCorrupt(f"{it.file}: {it.req.storage_index.fqn!r} ends at {it.end}, past the file's {rec.size} bytes")
+        blocks = rec.blocks_covering(it.start, it.end)
+        return rec.block_start(blocks[0]), rec.block_ends[blocks[-1]]
+
+    def _plan(self, plan: LoadPlan) -> tuple[list[tuple[str, Fetch[_Item]]], list[_Item], int]:
+        per_file: dict[str, list[Need[_Item]]] = {}
+        empty: list[_Item] = []
+        needed = 0
+        for req in plan.items:
+            it = self._item(req)
+            if it.end <= it.start:
+                empty.append(it)
+                continue
+            needed += it.end - it.start
+            lo, hi = self._widen(it)
+            per_file.setdefault(it.file, []).append(Need(lo, hi, it))
+        fetches = [
+            (name, f)
+            for name in sorted(per_file)
+            for f in coalesce(per_file[name], gap=self.coalesce_gap, max_bytes=self.max_request_bytes)
+        ]
+        return fetches, empty, needed
+
+    # -- I/O --------------------------------------------------------------------------------------
+    def _fetch(self, name: str, fetch: Fetch[_Item]) -> memoryview:
+        path = join(self.fs, self.path, name)
+        keys = sorted({n.item.req.storage_index.fqn for n in fetch.needs})
+        want = fetch.end - fetch.start
+        try:
+            with translate_errors(path):
+                if is_local(self.fs):
+                    buf = self._take_buffer(want)
+                    got = 0
+                    with open(path, "rb", buffering=0) as f:
+                        while got < want:
+                            n = os.preadv(f.fileno(), [memoryview(buf)[got:want]], fetch.start + got)
+                            if n == 0:
+                                break
+                            got += n
+                    data = memoryview(buf)[:got]
+                else:
+                    data = memoryview(self.fs.cat_file(path, start=fetch.start, end=fetch.end))
+        except FileNotFoundError as exc:
+            raise CheckpointCorrupt(f"{path}: data file is missing (needed for keys {keys[:5]})") from exc
+        if len(data) < want:
+            raise CheckpointCorrupt(
+                f"{path}: truncated: needed bytes {fetch.start}..{fetch.end} for keys {keys[:5]}, "
+                f"file ends at {fetch.start + len(data)}"
+            )
+        rec = self._records.get(name)
+        if rec is not None and self.verify_checksums:
+            for i in rec.blocks_covering(fetch.start, fetch.end):
+                bs, be = rec.block_start(i), rec.block_ends[i]
+                if hash_bytes(data[bs - fetch.start : be - fetch.start]) != rec.block_digests[i]:
+                    bad = sorted({n.item.req.storage_index.fqn for n in fetch.needs if n.item.start < be and n.item.end > bs})
+                    raise CheckpointCorrupt(
+                        f"{path}: checksum mismatch in bytes {bs}..{be} (block {i}) holding key(s) {bad}; "
+                        "the file is corrupt"
+                    )
+        return data
+
+    def _take_buffer(self, n: int) -> bytearray:
+        # Reused buffers: a fresh 64 MiB bytearray costs a memset and page faults on every request.
+        with self._pool_lock:
+            for i, b in enumerate(self._pool):
+                if len(b) >= n:
+                    del self._pool[i]
+                    return b
+        return bytearray(max(n, min(self.max_request_bytes, 1 << 26)))
+
+    def _give_back(self, data: memoryview) -> None:
+        base = data.obj
+        if isinstance(base, bytearray):
+            # every view of it (and tensors made from them) is gone once _deliver returned
+            with self._pool_lock:
+                if len(self._pool) < 2 * self.thread_count:
+                    self._pool.append(base)
+
+    def _fetch_all(self, fetches: list[tuple[str, Fetch[_Item]]]) -> Iterator[tuple[Fetch[_Item], memoryview]]:
+        """Yield fetched requests in completion order, at most ``2 * thread_count`` buffers held."""
+        with concurrent.futures.ThreadPoolExecutor(self.thread_count, thread_name_prefix="smpckpt-read") as pool:
+            pending: dict[concurrent.futures.Future[memoryview], Fetch[_Item]] = {}
+            todo = iter(fetches)
+            try:
+                while True:
+                    while len(pending) < 2 * self.thread_count:
+                        nxt = next(todo, None)
+                        if nxt is None:
+                            break
+                        pending[pool.submit(self._fetch, *nxt)] = nxt[1]
+                    if not pending:
+                        return
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for f in done:
+                        yield pending.pop(f), f.result()
+            finally:
+                for f in pending:
+                    f.cancel()
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        fetches, empty, needed = self._plan(plan)
+        for it in empty:
+            self._deliver(it, memoryview(b""), planner)
+        read = 0
+        for fetch, data in self._fetch_all(fetches):
+            read += fetch.end - fetch.start
+            for need in fetch.needs:
+                it = need.item
+                self._deliver(it, data[it.start - fetch.start : it.end - fetch.start], planner)
+            self._give_back(data)
+        self.last_read_stats = ReadStats(needed, read, len(fetches), len(plan.items))
+
+    def _deliver(self, it: _Item, data: memoryview, planner: LoadPlanner) -> None:
+        req = it.req
+        where = f"{join(self.fs, self.path, it.file)} key {req.storage_index.fqn!r} at offset {it.start}"
+        if req.type == LoadItemType.BYTE_IO:
+            if not self.allow_pickle:
+                check_weights_only(data, where=where)
+            planner.load_bytes(req, io.BytesIO(bytes(data)))
+            return
+        if it.raw:
+            src = self._decode_raw(it, data)
+        else:
+            try:
+                loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any decode failure means bad bytes
+                raise CheckpointCorrupt(f"{where}: cannot decode tensor record: {exc}") from exc
+            src = loaded
+            for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, off, n)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise LayoutMismatch(f"{req.storage_index.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
+        target.copy_(src)
+        planner.commit_tensor(req, target)
+
+    @staticmethod
+    def _decode_raw(it: _Item, data: memoryview) -> torch.Tensor:
+        req, dtype = it.req, it.dtype
+        lengths = [int(n) for n in req.lengths]
+        if any(n == 0 for n in lengths):
+            return torch.empty(lengths, dtype=dtype)
+        with warnings.catch_warnings():
+            # read-only buffers (bytes from object stores) are only read from here, never written
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # type: ignore[arg-type]
+        strides = [1] * len(it.chunk_sizes)
+        for d in range(len(strides) - 2, -1, -1):
+            strides[d] = strides[d + 1] * it.chunk_sizes[d + 1]
+        if not strides:
+            return flat.reshape(())
+        # data starts at the slice's first element: index the chunk's strides from there
+        return flat.as_strided(lengths, strides)

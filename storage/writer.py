@@ -1,0 +1,426 @@
+"""``FsspecStorageWriter``: DCP StorageWriter for local disk, shared filesystems, S3 and memory://.
+
+Call order inside ``dcp.save`` (as in DCP's ``StorageWriter`` docstring; "all" = every rank)::
+
+    0) (all)         reset(checkpoint_id)            only when dcp.save gets checkpoint_id=
+    1) (all)         storage_meta()
+    2) (all)         set_up_storage_writer(is_coordinator, rank=, use_collectives=)
+    3) (all)         prepare_local_plan(plan)         nothing to do: no I/O on every rank
+    4) (coordinator) prepare_global_plan(plans)       overwrite check (one GET), new save id -> every plan
+    5) (all)         write_data(plan, planner)        this rank's data files, durable before returning
+    6) (coordinator) finish(metadata, results)        .metadata.<id>, .metadata, then the manifest (commit),
+                                                      then removal of the previous generation's files
+
+DCP runs 6) only when every rank succeeded in 5), so a failed rank leaves no manifest and the folder
+keeps its previous committed generation (or stays uncommitted); every rank gets the error.
+
+Data files are named per save id, so an overwrite writes a new generation beside the old one. The
+manifest swap is the commit; our reader follows the manifest to its own generation's metadata copy,
+so a crash between writing ``.metadata`` and the manifest still loads the old generation.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import io
+import json
+import logging
+import os
+import pickle
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.storage import _names
+from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, BlockHasher, hash_bytes
+from smpckpt.storage._fs import fsync_dir, is_local, join, open_fs, remove_files, write_bytes_atomic
+from smpckpt.storage._safe_pickle import load_metadata
+from smpckpt.storage._sinks import Sink, open_sink
+from smpckpt.storage._state import probe
+from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
+
+__all__ = ["FsspecStorageWriter"]
+
+log = logging.getLogger(__name__)
+
+# bytes handed to the hash thread at a time: small enough that hashing trails the write closely
+_CHUNK = 8 << 20
+# hash chunks a file's writer may run ahead of its hasher (bounds memory held for temporary buffers)
+_MAX_HASH_BACKLOG = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankPlanData:
+    """Set by the coordinator on each rank's plan (SavePlan.storage_data); never stored."""
+
+    save_id: str
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileResult:
+    """One data file's record, sent to the coordinator inside a WriteResult; goes into the manifest."""
+
+    name: str
+    size: int
+    rank: int
+    block_ends: tuple[int, ...]
+    block_digests: tuple[int, ...]
+
+
+_FILE_RESULT_FQN = "\x00smpckpt.file"
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _torch_save_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # torch.save writes the whole storage: compact views so the record holds only this tensor
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getbuffer()
+
+
+def _item_size(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Objects round-robin, tensors largest-first to the least-loaded bin; empty bins dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    objects = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True)
+    for i, it in enumerate(objects):
+        buckets[i % bins].append(it)
+    for it in tensors:
+        j = min(range(bins), key=sizes.__getitem__)
+        buckets[j].append(it)
+        sizes[j] += _item_size(it)
+    return [b for b in buckets if b]
+
+
+class FsspecStorageWriter(StorageWriter):
+    """Write a DCP checkpoint to ``path`` (any fsspec URL) with checksums and a commit manifest.
+
+    Args:
+        path: folder or URL (``/data/ckpt``, ``file://...``, ``s3://bucket/ckpt``, ``memory://ckpt``).
+        storage_options: fsspec filesystem options (S3: ``key``, ``secret``, ``client_kwargs``...);
+            kept across :meth:`reset`.
+        overwrite: replace a committed checkpoint at ``path``; otherwise the save fails with
+            :class:`~smpckpt.errors.CheckpointExists` (checked once, by the coordinator).
+        format: ``"raw"`` (tensor bytes at recorded offsets: fast, range-readable; needs our reader)
+            or ``"torch_save"`` (DCP's own per-item records; stock ``dcp.load`` reads it).
+        sync_files: fsync each local data file, the metadata, the manifest and their directory before
+            reporting success. ``False`` is faster but a power loss can lose a "committed" save.
+            Object stores ignore it (an object is durable once its upload completes).
+        thread_count: data files written concurrently per rank (each rank's items are split
+            into at most this many files).
+        block_size: checksum block size in bytes.
+        part_size: S3 multipart part size (at least 16 MiB).
+        max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
+            ``max_parts_in_flight * part_size``).
+        manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
+            layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
+        mode: ``"partial"`` (each rank writes its own items). ``"full"`` is reserved.
+        remove_old_generation: after committing an overwrite, delete the files of the previous one.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        format: Literal["raw", "torch_save"] = "raw",
+        sync_files: bool = True,
+        thread_count: int = 4,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        part_size: int = 32 << 20,
+        max_parts_in_flight: int = 4,
+        manifest_extra: Mapping[str, Any] | None = None,
+        mode: Literal["partial", "full"] = "partial",
+        remove_old_generation: bool = True,
+    ) -> None:
+        super().__init__()
+        if format not in ("raw", "torch_save"):
+            raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
+        if mode == "full":
+            raise NotImplementedError("mode='full' (consolidated checkpoints) is not implemented yet")
+        if mode != "partial":
+            raise ValueError(f"mode must be 'partial' or 'full', got {mode!r}")
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.storage_options = dict(storage_options or {})
+        self.overwrite = overwrite
+        self.format = format
+        self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.block_size = block_size
+        self.part_size = part_size
+        self.max_parts_in_flight = max_parts_in_flight
+        self.mode = mode
+        self.remove_old_generation = remove_old_generation
+        self._extra: dict[str, Any] = {}
+        if manifest_extra is not None:
+            self.set_manifest_extra(manifest_extra)
+        self._used_save_ids: set[str] = set()
+        self._open(path)
+
+    # -- configuration ----------------------------------------------------------------------------
+    def _open(self, path: str | os.PathLike[str]) -> None:
+        self.url = os.fspath(path)
+        self.fs, self.path = open_fs(self.url, self.storage_options)
+        self.is_coordinator = False
+        self.rank = 0
+        self._save_id: str | None = None
+        self._old_files: list[str] = []
+
+    def set_manifest_extra(self, extra: Mapping[str, Any]) -> None:
+        """Replace the JSON recorded under ``"extra"`` in the next manifest (must be JSON-serialisable)."""
+        try:
+            self._extra = json.loads(json.dumps(dict(extra)))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"manifest_extra must be JSON-serialisable: {exc}") from exc
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            open_fs(checkpoint_id)
+        except (ValueError, ImportError):
+            return False
+        return True
+
+    # -- StorageWriter protocol -----------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(all ranks) Point at ``checkpoint_id`` (keeping storage_options) and forget the last save."""
+        self._open(checkpoint_id if checkpoint_id else self.url)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.url)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all ranks) Refuses modes where more than one rank would act as coordinator."""
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if multi_rank and kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                "FsspecStorageWriter does not support use_collectives=False in a multi-rank job: every rank "
+                "would act as coordinator and commit its own manifest"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Deliberately no I/O here: at scale, N ranks probing the folder (HEAD/LIST) is what throttles S3.
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank."""
+        found = probe(self.fs, self.path, list_when_empty=False)
+        if found.state in ("committed", "legacy") and not self.overwrite:
+            raise CheckpointExists(
+                f"{self.url} already holds a {found.state} checkpoint; pass overwrite=True to replace it"
+            )
+        self._old_files = found.generation_files() if found.state in ("committed", "legacy") else []
+        self._save_id = _names.new_save_id()
+        return [dataclasses.replace(p, storage_data=_RankPlanData(self._save_id, i)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all ranks) Write this rank's items; every file is complete and durable when this returns."""
+        fut: Future[list[WriteResult]] = Future()
+        try:
+            fut.set_result(self._write_rank(plan, planner))
+        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
+            fut.set_exception(exc)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Write metadata, then the manifest (the commit), then drop the old generation."""
+        save_id = self._save_id
+        if save_id is None:
+            raise CheckpointError("finish() called without prepare_global_plan() on this writer")
+        storage_md: dict[MetadataIndex, Any] = {}
+        files: list[FileRecord] = []
+        for rank_results in results:
+            for wr in rank_results:
+                if isinstance(wr.storage_data, _FileResult):
+                    fr = wr.storage_data
+                    files.append(FileRecord(fr.name, fr.size, fr.rank, fr.block_ends, fr.block_digests))
+                else:
+                    storage_md[wr.index] = wr.storage_data
+        metadata.storage_data = storage_md
+        meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
+        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save now,
+        # before the commit, rather than produce a checkpoint nobody can load safely.
+        load_metadata(md_bytes, where="metadata being written")
+        gen_name = _names.generation_metadata_name(save_id)
+        self._write_metadata(gen_name, md_bytes)
+        manifest = Manifest(
+            save_id=save_id,
+            kind=self.mode,
+            data_format=self.format,
+            metadata=MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes)),
+            files=tuple(sorted(files, key=lambda f: (f.rank, f.name))),
+            world_size=len(results),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            extra=self._extra,
+        )
+        self._write_manifest(manifest.to_bytes())
+        self._used_save_ids.add(save_id)
+        if self.remove_old_generation and self._old_files:
+            keep = {f.name for f in manifest.files} | {gen_name, _names.METADATA_NAME, _names.MANIFEST_NAME}
+            stale = [join(self.fs, self.path, n) for n in self._old_files if n not in keep]
+            failed = remove_files(self.fs, stale)
+            if failed:
+                log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
+
+    # -- seams (overridden by fault-injection tests) ---------------------------------------------------
+    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
+        # one directory fsync (after the second rename) makes both renames durable
+        write_bytes_atomic(self.fs, join(self.fs, self.path, gen_name), md_bytes, sync=self.sync_files, sync_dir=False)
+        # the stock name, for stock readers (and legacy tools); our reader follows the manifest
+        write_bytes_atomic(self.fs, join(self.fs, self.path, _names.METADATA_NAME), md_bytes, sync=self.sync_files)
+
+    def _write_manifest(self, data: bytes) -> None:
+        write_bytes_atomic(self.fs, join(self.fs, self.path, _names.MANIFEST_NAME), data, sync=self.sync_files)
+
+    def _open_sink(self, name: str) -> Sink:
+        return open_sink(
+            self.fs, join(self.fs, self.path, name), sync=self.sync_files,
+            part_size=self.part_size, max_parts_in_flight=self.max_parts_in_flight,
+        )
+
+    # -- data path --------------------------------------------------------------------------------------
+    def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        data = plan.storage_data
+        if not isinstance(data, _RankPlanData):
+            raise CheckpointError(
+                "this plan was not prepared by FsspecStorageWriter.prepare_global_plan (got storage_data="
+                f"{type(data).__name__}); was the plan cached or replaced by the planner?"
+            )
+        if data.save_id in self._used_save_ids:
+            raise CheckpointError(
+                f"save id {data.save_id} was already committed by this writer: the planner returned a cached "
+                "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
+            )
+        if is_local(self.fs):
+            os.makedirs(self.path, exist_ok=True)
+        buckets = _split(list(plan.items), self.thread_count)
+        names = [_names.data_file_name(data.save_id, data.rank, n) for n in range(len(buckets))]
+        results: list[WriteResult] = []
+        errors: list[BaseException] = []
+        if not buckets:
+            return results
+        with concurrent.futures.ThreadPoolExecutor(len(buckets), thread_name_prefix="smpckpt-write") as pool:
+            futs = [pool.submit(self._write_file, name, items, planner, data.rank) for name, items in zip(names, buckets)]
+            for f in futs:
+                try:
+                    results.extend(f.result())
+                except BaseException as exc:  # noqa: BLE001 - first error re-raised below
+                    errors.append(exc)
+        if errors:
+            # this rank's finished files are orphans now; remove them (best effort) and report
+            remove_files(self.fs, [join(self.fs, self.path, n) for n in names])
+            raise errors[0]
+        if is_local(self.fs) and self.sync_files:
+            fsync_dir(self.path)
+        self._used_save_ids.add(data.save_id)
+        return results
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int) -> list[WriteResult]:
+        sink = self._open_sink(name)
+        hasher = BlockHasher(self.block_size)
+        results: list[WriteResult] = []
+        offset = 0
+        backlog: deque[concurrent.futures.Future[None]] = deque()
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash") as hash_pool:
+            try:
+                # objects first (small), then tensors, as DCP does
+                ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+                    i for i in items if i.type != WriteItemType.BYTE_IO
+                ]
+                for item in ordered:
+                    value = planner.resolve_data(item)
+                    descriptors: list[str] | None = None
+                    if item.type == WriteItemType.BYTE_IO:
+                        if not isinstance(value, io.BytesIO):
+                            raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
+                        mv = value.getbuffer()
+                    elif not isinstance(value, torch.Tensor):
+                        raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
+                    elif self.format == "raw":
+                        mv = _tensor_bytes(value)
+                        descriptors = [_names.RAW_DESCRIPTOR]
+                    else:
+                        mv = _torch_save_bytes(value)
+                    nbytes = mv.nbytes
+                    backlog.append(hash_pool.submit(hasher.start_item, nbytes))
+                    flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+                    for i in range(0, nbytes, _CHUNK):
+                        chunk = flat[i : i + _CHUNK]
+                        # hash on the second thread while this one writes the same bytes
+                        backlog.append(hash_pool.submit(hasher.update, chunk))
+                        sink.write(chunk)
+                        while len(backlog) > _MAX_HASH_BACKLOG:
+                            backlog.popleft().result()
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=nbytes,
+                            storage_data=_StorageInfo(name, offset, nbytes, transform_descriptors=descriptors),
+                        )
+                    )
+                    offset += nbytes
+                while backlog:
+                    backlog.popleft().result()
+                ends, digests = hasher.finish()
+                sink.commit()
+            except BaseException:
+                for f in backlog:
+                    f.cancel()
+                sink.abort()
+                raise
+        results.append(
+            WriteResult(
+                index=MetadataIndex(f"{_FILE_RESULT_FQN}/{name}"),
+                size_in_bytes=offset,
+                storage_data=_FileResult(name, offset, rank, tuple(ends), tuple(digests)),
+            )
+        )
+        return results

@@ -1,0 +1,92 @@
+"""A loopback HTTP proxy in front of moto that answers chosen S3 requests with 5xx/throttling errors.
+
+Faults happen on the wire, so the client's real retry machinery (botocore's retry handler, s3fs's
+``_error_wrapper``) is what recovers, exactly as against a throttling S3.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import threading
+import urllib.parse
+from collections.abc import Callable
+
+__all__ = ["FaultyProxy"]
+
+_BODIES = {
+    503: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>',
+    500: b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an internal error. Please try again.</Message></Error>',
+}
+
+
+class FaultyProxy:
+    """``should_fail(method, path, query) -> status or None`` decides per request."""
+
+    def __init__(self, upstream: str, should_fail: Callable[[str, str, dict[str, list[str]]], int | None]) -> None:
+        up = urllib.parse.urlsplit(upstream)
+        self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
+        self.should_fail = should_fail
+        self.injected: list[tuple[str, str, int]] = []
+        self.forwarded = 0
+        lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                parts = urllib.parse.urlsplit(self.path)
+                query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+                with lock:
+                    status = proxy.should_fail(self.command, parts.path, query)
+                    if status:
+                        proxy.injected.append((self.command, self.path, status))
+                    else:
+                        proxy.forwarded += 1
+                if status:
+                    payload = _BODIES.get(status, _BODIES[500])
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    self.close_connection = True
+                    return
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                self.close_connection = True
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultyProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,217 @@
+"""Fault injection in one process: failures at chosen points of a save, disk full, S3 5xx/throttling."""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
+from smpckpt.storage._sinks import Sink
+from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, unwrap
+
+Backend = tuple[str, dict[str, Any]]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class FailingPlanner(DefaultSavePlanner):
+    """Raises when asked for the ``fail_at``-th item's data (0: before any write; later: mid-write)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self.calls += 1
+        if self.calls > self.fail_at:
+            raise Boom(f"injected failure at item {self.calls}")
+        return super().resolve_data(write_item)
+
+
+class FailBefore(FsspecStorageWriter):
+    """Raises instead of writing the metadata ("metadata") or the manifest ("marker")."""
+
+    def __init__(self, *a: Any, point: str, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.point = point
+
+    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
+        if self.point == "metadata":
+            raise Boom("injected before metadata")
+        super()._write_metadata(gen_name, md_bytes)
+
+    def _write_manifest(self, data: bytes) -> None:
+        if self.point == "marker":
+            raise Boom("injected before marker")
+        super()._write_manifest(data)
+
+
+def _data_files(url: str, opts: dict[str, Any]) -> list[str]:
+    fs, path = open_fs(url, opts)
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False) if p.endswith(".distcp"))
+
+
+@pytest.mark.parametrize("point", ["before_write", "mid_write", "metadata", "marker"])
+def test_failed_overwrite_keeps_previous_checkpoint(backend: Backend, point: str) -> None:
+    base, opts = backend
+    url = f"{base}/ckpt"
+    old, new = make_state(1), make_state(2, scale=3)
+    dcp.save(old, storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    before = read_manifest(url, opts)
+    if point in ("before_write", "mid_write"):
+        planner: Any = FailingPlanner(0 if point == "before_write" else 3)
+        writer = FsspecStorageWriter(url, storage_options=opts, overwrite=True, thread_count=1)
+    else:
+        planner = None
+        writer = FailBefore(url, storage_options=opts, overwrite=True, point=point)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(new, storage_writer=writer, planner=planner)
+    assert isinstance(unwrap(info.value), Boom)
+    assert checkpoint_state(url, opts) == "committed"
+    assert read_manifest(url, opts)["save_id"] == before["save_id"]
+    # previous generation loads bit-exact, even after ".metadata" was replaced ("marker")
+    assert_state_equal(old, roundtrip_load(old, url, opts))
+    if point in ("before_write", "mid_write"):
+        # the failed rank removed its partial files
+        assert _data_files(url, opts) == sorted(f["name"] for f in before["files"])
+
+
+@pytest.mark.parametrize("point", ["mid_write", "marker"])
+def test_failed_first_save_is_refused(backend: Backend, point: str) -> None:
+    base, opts = backend
+    url = f"{base}/first"
+    sd = make_state(3)
+    if point == "mid_write":
+        args: dict[str, Any] = {"storage_writer": FsspecStorageWriter(url, storage_options=opts), "planner": FailingPlanner(2)}
+    else:
+        args = {"storage_writer": FailBefore(url, storage_options=opts, point="marker")}
+    with pytest.raises(CheckpointException):
+        dcp.save(sd, **args)
+    assert checkpoint_state(url, opts) in ("uncommitted", "missing")
+    assert type(load_error(sd, url, opts)).__name__ == "CheckpointNotFound"
+
+
+class DiskFullSink:
+    """Wraps a sink; raises ENOSPC once more than ``limit`` bytes were written."""
+
+    def __init__(self, inner: Sink, limit: int) -> None:
+        self.inner, self.limit, self.n, self.path = inner, limit, 0, inner.path
+        self.aborted = False
+
+    def write(self, data: memoryview) -> None:
+        self.n += data.nbytes
+        if self.n > self.limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+        self.inner.write(data)
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.inner.abort()
+
+
+class DiskFullWriter(FsspecStorageWriter):
+    def _open_sink(self, name: str) -> Sink:
+        return DiskFullSink(super()._open_sink(name), limit=20_000)
+
+
+def test_disk_full(tmp_path: Any) -> None:
+    url = str(tmp_path / "full")
+    old = make_state(4)
+    dcp.save(old, storage_writer=FsspecStorageWriter(url))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(make_state(5, scale=4), storage_writer=DiskFullWriter(url, overwrite=True))
+    err = unwrap(info.value)
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert_state_equal(old, roundtrip_load(old, url))
+    assert len(_data_files(url, {})) == len(read_manifest(url)["files"])
+
+
+def test_use_collectives_false_is_refused_when_multi_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    w = FsspecStorageWriter(str(tmp_path / "x"))
+    with pytest.raises(Exception, match="use_collectives=False"):
+        w.set_up_storage_writer(True, rank=0, use_collectives=False)
+    w.set_up_storage_writer(True, rank=0, use_collectives=True)
+
+
+def test_mode_full_reserved(tmp_path: Any) -> None:
+    with pytest.raises(NotImplementedError):
+        FsspecStorageWriter(str(tmp_path), mode="full")
+
+
+# -- S3 faults on the wire ---------------------------------------------------------------------------
+def _proxy_opts(opts: dict[str, Any], proxy_url: str, attempts: int) -> dict[str, Any]:
+    new = dict(opts)
+    new["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy_url)
+    new["config_kwargs"] = {"retries": {"max_attempts": attempts, "mode": "standard"}}
+    return new
+
+
+def _big_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {"a": torch.randn(6 << 20, generator=g), "b": torch.randn(1000, generator=g), "n": 5}  # 24 MiB + small
+
+
+@pytest.mark.s3
+def test_s3_throttling_and_5xx_are_retried(s3: Backend, moto_endpoint: str) -> None:
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    counts: dict[str, int] = {"part": 0, "put": 0}
+
+    def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and "partNumber" in query:
+            counts["part"] += 1
+            return 503 if counts["part"] <= 2 else None  # SlowDown twice
+        if method == "PUT" and "uploadId" not in query and path.endswith(".json"):
+            counts["put"] += 1
+            return 500 if counts["put"] == 1 else None  # InternalError on the commit PUT
+        return None
+
+    sd = _big_state()
+    with FaultyProxy(moto_endpoint, should_fail) as proxy:
+        popts = _proxy_opts(opts, proxy.url, attempts=5)
+        dcp.save(sd, storage_writer=FsspecStorageWriter(f"{base}/retry", storage_options=popts, part_size=16 << 20, thread_count=1))
+        assert len(proxy.injected) == 3, proxy.injected
+    assert_state_equal(sd, roundtrip_load(sd, f"{base}/retry", opts))
+
+
+@pytest.mark.s3
+def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint: str) -> None:
+    import boto3
+
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    old = make_state(8)
+    dcp.save(old, storage_writer=FsspecStorageWriter(f"{base}/p", storage_options=opts))
+
+    def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        return 500 if method == "PUT" and query.get("partNumber") == ["2"] else None
+
+    with FaultyProxy(moto_endpoint, should_fail) as proxy:
+        popts = _proxy_opts(opts, proxy.url, attempts=2)
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(_big_state(), storage_writer=FsspecStorageWriter(f"{base}/p", storage_options=popts, overwrite=True,
+                                                                     part_size=16 << 20, thread_count=1))
+        assert proxy.injected
+    assert isinstance(unwrap(info.value), OSError)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    assert not client.list_multipart_uploads(Bucket=base[5:]).get("Uploads")
+    assert_state_equal(old, roundtrip_load(old, f"{base}/p", opts))

@@ -5,6 +5,9 @@ Public entry points:
 * :class:`ParallelLayout`, :class:`ShardSpec` -- describe how ranks hold tensors.
 * :mod:`smpckpt.planners` -- ``ParallelSavePlanner``/``ParallelLoadPlanner`` for ``dcp.save``/``dcp.load``.
 * :mod:`smpckpt.storage` -- fsspec-backed ``StorageWriter``/``StorageReader`` (local, shared FS, S3).
+* :func:`save_checkpoint`, :func:`resume_from_checkpoint` -- the smp-style checkpoint API (tags,
+  ``newest``, retention, user_content); :func:`last_resume_info` says whether a resume resharded.
+* ``smpckpt`` / ``python -m smpckpt`` -- CLI: ``ls``, ``inspect``, ``verify``, ``prune``.
 """
 
 from smpckpt.errors import (
@@ -19,10 +22,15 @@ from smpckpt.errors import (
 )
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.specs import ShardSpec
+from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "save_checkpoint",
+    "resume_from_checkpoint",
+    "last_resume_info",
+    "ResumeInfo",
     "ParallelLayout",
     "RankCoords",
     "ShardSpec",

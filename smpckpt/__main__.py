@@ -1,0 +1,8 @@
+"""``python -m smpckpt``: the same CLI as the ``smpckpt`` console script."""
+
+import sys
+
+from smpckpt.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

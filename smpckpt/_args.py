@@ -1,0 +1,163 @@
+"""Argument handling shared by save_checkpoint and resume_from_checkpoint (validation, state dicts,
+error translation). Internal: the public names live in :mod:`smpckpt.api`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+from smpckpt._dist import DistContext
+from smpckpt.errors import CheckpointError, CheckpointNotFound, SpecError
+from smpckpt.layout import ParallelLayout
+from smpckpt.naming import NameMap
+from smpckpt.specs import SpecLike, SpecRules
+
+#: Keys each rank holds for itself (never deduplicated): RNG states and rank 0's user_content.
+RNG_PREFIX = "rng."
+USER_CONTENT = "user_content"
+RANK_LOCAL = (f"{RNG_PREFIX}*", USER_CONTENT)
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def check_partial(partial: Any) -> None:
+    if partial is False:
+        raise NotImplementedError(
+            "full-gather checkpoints (partial=False) are not implemented yet; use partial=True "
+            "(each rank saves its own shards; any layout can resume them)"
+        )
+    if partial is not True:
+        raise TypeError(f"partial must be True or False, got {partial!r}")
+
+
+def root_url(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    url = os.fspath(path)
+    if not url:
+        raise ValueError("path must not be empty")
+    return url
+
+
+def optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    if isinstance(optimizer, Iterable):
+        found = tuple(optimizer)
+        if all(isinstance(o, torch.optim.Optimizer) for o in found):
+            return found
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer or a sequence of them, got {type(optimizer).__name__}")
+
+
+def check_model(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if model is None and optimizers:
+        raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
+
+
+def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
+    if layout is None:
+        return ParallelLayout(dp=ctx.world_size)
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
+    if layout.world_size != ctx.world_size:
+        raise SpecError(
+            f"layout {layout} describes {layout.world_size} ranks but "
+            f"{'the process group has' if ctx.active else 'there is no process group: the world is'} {ctx.world_size}"
+        )
+    return layout
+
+
+def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
+    """The user's map sees model/optimizer keys only; our own keys (rng, user_content) pass through."""
+    if name_map is None:
+        return None
+    if not callable(name_map):
+        raise TypeError(f"name_map must be callable (str -> str), got {type(name_map).__name__}")
+
+    def mapped(key: str) -> str:
+        if key.startswith(RNG_PREFIX) or key == USER_CONTENT:
+            return key
+        return name_map(key)
+
+    return mapped
+
+
+def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
+    if specs is None or isinstance(specs, SpecRules):
+        return specs or SpecRules()
+    if not isinstance(specs, Mapping):
+        raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
+    return SpecRules(specs)
+
+
+def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` through DCP's state_dict API (FQN-keyed optimizer state)."""
+    if model is None:
+        return {}
+    if not optimizers:
+        return {"model": get_model_state_dict(model, options=OPTIONS)}
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def translate_dcp(exc: CheckpointException, action: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank."""
+    failures = exc.failures or {}
+    if not failures:
+        err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
+    else:
+        ranks = sorted(failures)
+        first = failures[ranks[0]][0]
+        where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
+        message = f"{action} failed on {where}: {first}"
+        if isinstance(first, CheckpointError):
+            try:
+                err = type(first)(message)
+            except TypeError:
+                err = CheckpointError(message)
+        elif isinstance(first, FileNotFoundError):
+            err = CheckpointNotFound(message)
+        else:
+            err = CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
+    err.__cause__ = exc
+    return err
+
+
+@contextlib.contextmanager
+def quiet_no_dist() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is exactly our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def encode_user_content(user_content: Any) -> bytes:
+    buf = io.BytesIO()
+    try:
+        torch.save(user_content, buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - only a warning: the save itself is fine
+        warnings.warn(
+            f"user_content holds objects weights-only loading rejects ({type(exc).__name__}); resuming it "
+            "will need allow_pickle=True. Prefer dicts of tensors, numbers, strings and lists.",
+            stacklevel=4,
+        )
+    return data

@@ -1,0 +1,158 @@
+"""Collective helpers for the API layer that also work with no process group (world of one).
+
+Modelled on DCP's ``_DistWrapper``: every step that can fail on some ranks runs through
+:meth:`DistContext.all_ok` or :meth:`DistContext.on_coordinator`, which exchange an ok/error record so a
+failure on one rank becomes an error on *every* rank instead of a hang at the next collective.
+
+Without an initialised process group (a notebook, a conversion script) every method degenerates to
+the local call: rank 0 of a world of 1, no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from smpckpt import errors as _errors
+from smpckpt.errors import CheckpointError
+
+__all__ = ["DistContext", "RankError"]
+
+T = TypeVar("T")
+
+# Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
+_BUILTINS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError, OSError, RuntimeError)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankError:
+    """A picklable description of one rank's failure (exceptions themselves may not pickle)."""
+
+    rank: int
+    type_name: str
+    module: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def capture(cls, rank: int, exc: BaseException) -> RankError:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank, type(exc).__name__, type(exc).__module__, str(exc), tb)
+
+    def rebuild(self, others: int = 0) -> Exception:
+        """The same smpckpt error class (or a whitelisted builtin) on a rank that did not fail itself."""
+        more = f" (and {others} more rank(s) failed)" if others else ""
+        text = f"rank {self.rank} failed: {self.message}{more}"
+        cls: type[Exception] | None = None
+        if self.module == _errors.__name__:
+            found = getattr(_errors, self.type_name, None)
+            if isinstance(found, type) and issubclass(found, CheckpointError):
+                cls = found
+        elif self.module == "builtins":
+            cls = _BUILTINS.get(self.type_name)
+        if cls is None:
+            return CheckpointError(f"rank {self.rank} failed with {self.type_name}: {self.message}{more}")
+        try:
+            return cls(text)
+        except TypeError:  # an exception class with a different constructor
+            return CheckpointError(text)
+
+
+class DistContext:
+    """This process's place in ``process_group`` (the default group when ``None``), or a world of one.
+
+    Attributes: ``active`` (a process group is initialised), ``rank`` / ``world_size`` (in the group),
+    ``is_coordinator`` (group rank 0, the only rank that reads ``newest``, lists tags, writes
+    ``newest`` and applies retention).
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.pg = process_group
+        self.active = dist.is_available() and dist.is_initialized()
+        if self.active:
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+            self._src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        else:
+            self.rank, self.world_size, self._src = 0, 1, 0
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    # -- raw collectives ---------------------------------------------------------------------------
+    def all_gather_object(self, obj: T) -> list[T]:
+        if not self.active or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast_object(self, obj: T | None) -> T:
+        """Rank 0's ``obj`` on every rank (others pass anything, typically ``None``)."""
+        if not self.active or self.world_size == 1:
+            return obj  # type: ignore[return-value]
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._src, group=self.pg)
+        return box[0]  # type: ignore[return-value]
+
+    def barrier(self) -> None:
+        if self.active and self.world_size > 1:
+            dist.barrier(group=self.pg)
+
+    # -- failure-aware steps ---------------------------------------------------------------------
+    def all_ok(self, fn: Callable[[], T]) -> T:
+        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank.
+
+        The failing rank re-raises its own exception (original traceback); the others raise the same
+        smpckpt error class naming the failed rank.
+        """
+        result: Any = None
+        failure: RankError | None = None
+        error: Exception | None = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+            failure = RankError.capture(self.rank, exc)
+        failures = [f for f in self.all_gather_object(failure) if f is not None]
+        if error is not None:
+            raise error
+        if failures:
+            raise failures[0].rebuild(len(failures) - 1)
+        return result  # type: ignore[no-any-return]
+
+    def on_coordinator(self, fn: Callable[[], T]) -> T:
+        """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
+        error on every rank."""
+        if not self.active or self.world_size == 1:
+            return fn()
+        payload: tuple[str, Any] | None = None
+        error: Exception | None = None
+        if self.is_coordinator:
+            try:
+                payload = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - broadcast to every rank below
+                error = exc
+                payload = ("error", RankError.capture(self.rank, exc))
+        status, value = self.broadcast_object(payload)
+        if error is not None:
+            raise error
+        if status == "error":
+            raise value.rebuild()
+        return value  # type: ignore[no-any-return]
+
+    def check_identical(self, value: Any, what: str) -> None:
+        """(all ranks) Raise :class:`ValueError` on every rank unless all ranks passed equal ``value``."""
+        values = self.all_gather_object(value)
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values[:8]))
+            more = f", ... ({len(values) - 8} more)" if len(values) > 8 else ""
+            raise ValueError(f"{what} differs between ranks ({shown}{more}); every rank must pass the same value")

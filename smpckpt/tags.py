@@ -1,0 +1,165 @@
+"""Tags, folder names and the ``newest`` file of an smp-style checkpoint root (no torch, no dist).
+
+Layout under a checkpoint root ``path`` (smp's structure)::
+
+    {path}/newest                  # text: the tag of the newest committed checkpoint (rank 0 writes it)
+    {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
+    {path}/{tag}                   # full checkpoint artefact          (reserved: full mode, later issue)
+    {path}/user_content_{tag}      # user content of a full checkpoint (reserved: full mode, later issue)
+
+Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
+never trusts what it reads: the content of ``newest`` is validated exactly like a tag.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from smpckpt.errors import CheckpointError
+from smpckpt.storage import open_fs, write_bytes_atomic
+
+__all__ = [
+    "NEWEST_NAME",
+    "PARTIAL_SUFFIX",
+    "validate_tag",
+    "is_valid_tag",
+    "partial_dirname",
+    "tag_of_partial_dirname",
+    "join_url",
+    "partial_url",
+    "read_newest",
+    "write_newest",
+    "list_partial_tags",
+    "open_root",
+]
+
+log = logging.getLogger(__name__)
+
+NEWEST_NAME = "newest"
+PARTIAL_SUFFIX = "_partial"
+#: ``newest`` is a one-line text file; anything larger is not ours and is not read whole.
+_NEWEST_MAX_BYTES = 4096
+_MAX_TAG_LEN = 255 - len(PARTIAL_SUFFIX)  # one path component on common filesystems
+
+
+def validate_tag(tag: Any) -> str:
+    """Return ``tag`` if it is usable as a checkpoint tag, else raise :class:`ValueError`.
+
+    A tag names a folder (``{tag}_partial``) directly under the root, so it must be a non-empty
+    ``str`` without ``/`` or ``\\`` (no nesting, no escaping the root), without ``..``, without
+    control characters (``\\x00``-``\\x1f``, ``\\x7f``), without surrounding whitespace (a tag read
+    back from ``newest`` would not round-trip), and at most 246 characters.
+    """
+    if not isinstance(tag, str):
+        raise ValueError(f"checkpoint tag must be a str, got {type(tag).__name__}")
+    problem = _tag_problem(tag)
+    if problem:
+        raise ValueError(f"invalid checkpoint tag {tag!r}: {problem}")
+    return tag
+
+
+def _tag_problem(tag: str) -> str | None:
+    if not tag:
+        return "it is empty"
+    if "/" in tag or "\\" in tag:
+        return "it contains a path separator"
+    if ".." in tag:
+        return "it contains '..'"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in tag):
+        return "it contains control characters"
+    if tag != tag.strip():
+        return "it has leading or trailing whitespace"
+    if len(tag) > _MAX_TAG_LEN:
+        return f"it is longer than {_MAX_TAG_LEN} characters"
+    return None
+
+
+def is_valid_tag(tag: Any) -> bool:
+    return isinstance(tag, str) and _tag_problem(tag) is None
+
+
+def partial_dirname(tag: str) -> str:
+    return f"{validate_tag(tag)}{PARTIAL_SUFFIX}"
+
+
+def tag_of_partial_dirname(name: str) -> str | None:
+    """``"step10_partial"`` -> ``"step10"``; ``None`` for names that are not a valid partial folder."""
+    if not name.endswith(PARTIAL_SUFFIX):
+        return None
+    tag = name[: -len(PARTIAL_SUFFIX)]
+    return tag if is_valid_tag(tag) else None
+
+
+def join_url(root: str, name: str) -> str:
+    """``root`` + ``/`` + ``name`` for local paths and URLs alike (``str`` concatenation keeps the scheme)."""
+    root = os.fspath(root)
+    return f"{root.rstrip('/')}/{name}" if root.rstrip("/") else f"/{name}"
+
+
+def partial_url(root: str, tag: str) -> str:
+    return join_url(root, partial_dirname(tag))
+
+
+def read_newest(fs: Any, root_path: str) -> str | None:
+    """The tag ``newest`` names, or ``None`` when it is missing, unreadable or not a valid tag.
+
+    (Called on rank 0 only.) Problems are logged, never raised: the caller falls back to listing.
+    """
+    path = join_url(root_path, NEWEST_NAME)
+    try:
+        data = fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("could not read %s: %s", path, exc)
+        return None
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        log.warning("%s is not UTF-8 text; ignoring it", path)
+        return None
+    if len(data) > _NEWEST_MAX_BYTES:
+        log.warning("%s is larger than %d bytes; ignoring it", path, _NEWEST_MAX_BYTES)
+        return None
+    tag = text.strip()
+    if not is_valid_tag(tag):
+        log.warning("%s holds %r, which is not a valid tag; ignoring it", path, tag[:80])
+        return None
+    return tag
+
+
+def write_newest(fs: Any, root_path: str, tag: str, *, sync: bool = True) -> None:
+    """(rank 0, after the checkpoint committed) Point ``newest`` at ``tag``: tmp + rename on POSIX,
+    one PUT on object stores, so readers see the old or the new content, never a torn one."""
+    validate_tag(tag)
+    write_bytes_atomic(fs, join_url(root_path, NEWEST_NAME), f"{tag}\n".encode(), sync=sync)
+
+
+def list_partial_tags(fs: Any, root_path: str) -> dict[str, str]:
+    """``{tag: folder name}`` of every ``{tag}_partial`` entry under the root (committed or not).
+
+    One LIST of the root (rank 0 only). A missing root gives ``{}``.
+    """
+    try:
+        entries = fs.ls(root_path, detail=True)
+    except FileNotFoundError:
+        return {}
+    found: dict[str, str] = {}
+    for entry in entries:
+        if entry.get("type") != "directory":
+            continue
+        name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+        tag = tag_of_partial_dirname(name)
+        if tag is not None:
+            found[tag] = name
+    return found
+
+
+def open_root(url: str, storage_options: Any = None) -> tuple[Any, str]:
+    """``(fs, path)`` of a checkpoint root (a thin alias, so callers need one import)."""
+    try:
+        return open_fs(url, storage_options)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc

@@ -1,0 +1,232 @@
+"""Rank functions for the multi-process API tests (module level, so spawned ranks can import them).
+
+Each scenario catches its own failure and returns it as text, so one world runs every scenario and a
+failure in one still reports the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import smpckpt
+from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint, save_checkpoint
+from smpckpt.storage import FsspecStorageWriter
+
+import tp_model
+
+
+def _scenario(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    try:
+        results[name] = fn()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results[name] = {"error": traceback.format_exc()}
+    dist.barrier()
+
+
+def _dirs(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.endswith("_partial"))
+
+
+def _newest(root: str) -> str | None:
+    p = os.path.join(root, "newest")
+    return open(p).read().strip() if os.path.exists(p) else None
+
+
+def _linear(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _step(m: nn.Module, o: torch.optim.Optimizer, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    o.zero_grad()
+    m(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+    o.step()
+
+
+def _params(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def _expect_error(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# -- cycles, retention, crash, tags (world of 2, default layout: pure DP) ----------------------------
+def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    m, o = _linear(0)
+    snapshots: dict[str, dict[str, torch.Tensor]] = {}
+
+    def cycles() -> Any:
+        seen = []
+        for i in range(1, 5):
+            _step(m, o, i)
+            save_checkpoint(root, f"step{i}", model=m, optimizer=o, user_content={"step": i}, num_kept_partial_checkpoints=2)
+            snapshots[f"step{i}"] = _params(m)
+            dist.barrier()
+            seen.append((_dirs(root), _newest(root)))
+        m2, o2 = _linear(7)
+        uc = resume_from_checkpoint(root, model=m2, optimizer=o2)
+        same = all(torch.equal(a, b) for a, b in zip(_params(m2).values(), snapshots["step4"].values()))
+        optim_same = all(
+            torch.equal(o.state[p][k], o2.state[q][k])
+            for p, q in zip(m.parameters(), m2.parameters())
+            for k in o.state[p]
+        )
+        info = last_resume_info()
+        return {"seen": seen, "uc": uc, "same": same, "optim_same": optim_same, "path_taken": info.path_taken,
+                "rng": info.rng_restored}
+
+    _scenario(results, "cycles", cycles)
+
+    def crash() -> Any:
+        # crash between data write and commit: the manifest write fails (after every rank's data is durable)
+        original = FsspecStorageWriter._write_manifest
+
+        def boom(self: Any, data: bytes) -> None:
+            raise OSError("simulated crash before commit")
+
+        FsspecStorageWriter._write_manifest = boom  # type: ignore[method-assign]
+        _step(m, o, 5)
+        try:
+            err = _expect_error(lambda: save_checkpoint(root, "step5", model=m, optimizer=o, user_content={"step": 5}))
+        finally:
+            FsspecStorageWriter._write_manifest = original  # type: ignore[method-assign]
+        dist.barrier()
+        out: dict[str, Any] = {"save_error": err, "dirs": _dirs(root), "newest": _newest(root)}
+        m3, o3 = _linear(8)
+        out["uc_after_crash"] = resume_from_checkpoint(root, model=m3, optimizer=o3)
+        out["crash_fell_back"] = last_resume_info().fell_back
+        out["bitexact_after_crash"] = all(
+            torch.equal(a, b) for a, b in zip(_params(m3).values(), snapshots["step4"].values())
+        )
+        # newest names the uncommitted tag / is missing / is garbage -> fall back to step4
+        for case, content in (("uncommitted", "step5\n"), ("garbage", "../etc\n"), ("missing", None)):
+            if rank == 0:
+                path = os.path.join(root, "newest")
+                if content is None:
+                    os.remove(path)
+                else:
+                    with open(path, "w") as f:
+                        f.write(content)
+            dist.barrier()
+            m4, o4 = _linear(9)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                uc = resume_from_checkpoint(root, model=m4, optimizer=o4)
+            out[case] = {
+                "uc": uc,
+                "fell_back": last_resume_info().fell_back,
+                "warned": any("newest committed checkpoint 'step4'" in str(w.message) for w in caught),
+                "bitexact": all(torch.equal(a, b) for a, b in zip(_params(m4).values(), snapshots["step4"].values())),
+            }
+            dist.barrier()
+        return out
+
+    _scenario(results, "crash", crash)
+
+    def tags() -> Any:
+        out = {}
+        out["mismatch"] = _expect_error(lambda: save_checkpoint(root, f"t{rank}", model=m))
+        bad = "ok" if rank == 0 else "bad/tag"
+        out["bad_on_one_rank"] = _expect_error(lambda: save_checkpoint(root, bad, model=m))
+        out["resume_mismatch"] = _expect_error(lambda: resume_from_checkpoint(root, tag=f"t{rank}", model=m))
+        out["dirs"] = _dirs(root)
+        return out
+
+    _scenario(results, "tags", tags)
+
+    def failed_delete() -> Any:
+        import smpckpt.retention as retention
+
+        original = retention.remove_checkpoint
+
+        def refuse(url: str, *a: Any, **k: Any) -> None:
+            raise PermissionError(f"simulated: cannot delete {url}")
+
+        retention.remove_checkpoint = refuse  # type: ignore[assignment]
+        try:
+            save_checkpoint(root, "step6", model=m, optimizer=o, user_content={"step": 6}, num_kept_partial_checkpoints=1)
+        finally:
+            retention.remove_checkpoint = original  # type: ignore[assignment]
+        dist.barrier()
+        before = (_dirs(root), _newest(root))
+        save_checkpoint(root, "step7", model=m, optimizer=o, user_content={"step": 7}, num_kept_partial_checkpoints=1)
+        dist.barrier()
+        return {"after_failed_delete": before, "after_retry": (_dirs(root), _newest(root))}
+
+    _scenario(results, "failed_delete", failed_delete)
+
+    def missing_ok() -> Any:
+        empty = os.path.join(root, "nothing-here")
+        return {
+            "none": resume_from_checkpoint(empty, model=m, missing_ok=True),
+            "error": _expect_error(lambda: resume_from_checkpoint(empty, model=m)),
+        }
+
+    _scenario(results, "missing_ok", missing_ok)
+    return results
+
+
+# -- layout change with optimizer state (world of 2) ----------------------------------------------------
+def reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    logging.basicConfig(level=logging.WARNING)
+    results: dict[str, Any] = {}
+    tp2 = ParallelLayout(tp=2)
+    saved: dict[str, Any] = {}
+
+    def unbroken() -> Any:
+        ctx, model, opt = tp_model.build(tp2)
+        losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3)]
+        save_checkpoint(root, "s3", model=model, optimizer=opt, user_content={"step": 3}, layout=tp2, specs=tp_model.SPECS)
+        state = tp_model.local_state(model, opt)
+        after = torch.rand(4)
+        losses += [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
+        saved["losses"] = losses
+        return {"losses": losses, "state": state, "rand_after_save": after}
+
+    _scenario(results, "unbroken", unbroken)
+
+    def same_layout() -> Any:
+        ctx, model, opt = tp_model.build(tp2, seed=99)
+        torch.manual_seed(12345)  # disturb the generator: resume must restore it
+        uc = resume_from_checkpoint(root, model=model, optimizer=opt, layout=tp2, specs=tp_model.SPECS)
+        info = last_resume_info()
+        rand = torch.rand(4)
+        losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
+        return {"uc": uc, "path_taken": info.path_taken, "layout_changed": info.layout_changed,
+                "rng": info.rng_restored, "rand": rand, "losses": losses}
+
+    _scenario(results, "same_layout", same_layout)
+
+    def dp2() -> Any:
+        layout = ParallelLayout(dp=2)
+        ctx, model, opt = tp_model.build(layout, seed=99)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            uc = resume_from_checkpoint(root, model=model, optimizer=opt, layout=layout, specs=tp_model.SPECS)
+        info = last_resume_info()
+        state = tp_model.local_state(model, opt)
+        losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
+        return {"uc": uc, "path_taken": info.path_taken, "layout_changed": info.layout_changed,
+                "rng": info.rng_restored, "resharded_tensors": info.resharded_tensors,
+                "rng_warned": any("RNG states are not restored" in str(w.message) for w in caught),
+                "state": state, "losses": losses}
+
+    _scenario(results, "dp2", dp2)
+    return results

@@ -1,0 +1,49 @@
+"""Retention policy as a pure function (no filesystem)."""
+
+from __future__ import annotations
+
+import pytest
+
+from smpckpt.catalog import CheckpointRecord, record_order
+from smpckpt.retention import KeepLatestN, select_for_removal, validate_keep
+
+
+def rec(tag: str, t: int, committed: bool = True) -> CheckpointRecord:
+    return CheckpointRecord(tag, committed, (t, ""))
+
+
+def test_keeps_n_newest_by_time_not_name() -> None:
+    records = [rec("step10", 3), rec("step9", 2), rec("step100", 1), rec("step2", 4)]
+    assert select_for_removal(records, 2) == ["step100", "step9"]  # oldest first
+    assert KeepLatestN(2).should_preserve(records) == [True, False, False, True]
+
+
+def test_never_removes_protected_or_uncommitted() -> None:
+    records = [rec("a", 1), rec("b", 2), rec("c", 3), rec("crashed", 0, committed=False), rec("d", 4, committed=False)]
+    assert select_for_removal(records, 1, protected={"a"}) == ["b"]
+    assert select_for_removal(records, 1) == ["a", "b"]
+
+
+def test_keep_more_than_exist() -> None:
+    assert select_for_removal([rec("a", 1)], 5) == []
+    assert select_for_removal([], 1) == []
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "1"])
+def test_bad_keep(bad: object) -> None:
+    with pytest.raises(ValueError):
+        validate_keep(bad)
+    with pytest.raises(ValueError):
+        KeepLatestN(bad)  # type: ignore[arg-type]
+
+
+def test_validate_keep_none_and_positive() -> None:
+    assert validate_keep(None) is None and validate_keep(1) == 1
+
+
+def test_record_order_prefers_ns_then_created() -> None:
+    assert record_order({"extra": {"saved_at_ns": 5}, "save_id": "x"}) == (5, "x")
+    a = record_order({"created": "2026-01-01T00:00:00+00:00", "save_id": "a"})
+    b = record_order({"created": "2026-01-02T00:00:00+00:00", "save_id": "b"})
+    assert a < b
+    assert record_order(None) == (0, "")

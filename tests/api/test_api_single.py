@@ -1,0 +1,217 @@
+"""Single process, no process group: save/resume, validation, strictness, user_content safety."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import smpckpt
+from smpckpt import (
+    CheckpointExists,
+    CheckpointNotFound,
+    LayoutMismatch,
+    UnsafeCheckpoint,
+    last_resume_info,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
+from smpckpt.storage import FsspecStorageWriter
+from smpckpt.tags import validate_tag
+
+
+def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    o.zero_grad()
+    m(torch.randn(5, 4)).sum().backward()
+    o.step()
+    return m, o
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_round_trip_no_process_group(tmp_path: Any) -> None:
+    m, o = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, user_content={"step": 7, "t": torch.arange(3)})
+    expect_torch, expect_py = torch.rand(2), random.random()
+    assert sorted(os.listdir(tmp_path)) == ["a_partial", "newest"]
+    assert (tmp_path / "newest").read_text().strip() == "a"
+    m2, o2 = _model(1)
+    uc = resume_from_checkpoint(str(tmp_path), model=m2, optimizer=o2)
+    assert uc["step"] == 7 and torch.equal(uc["t"], torch.arange(3))
+    assert torch.equal(torch.rand(2), expect_torch) and random.random() == expect_py
+    assert _equal(m, m2)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        for k in o.state[p]:
+            assert torch.equal(o.state[p][k], o2.state[q][k])
+    info = last_resume_info()
+    assert info is not None and info.path_taken == "fast" and not info.layout_changed and info.tag == "a"
+
+
+def test_partial_false_not_implemented(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        save_checkpoint(str(tmp_path), "a", partial=False, model=m)
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        resume_from_checkpoint(str(tmp_path), partial=False, model=m)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0, -1, True, 1.5, "2"])
+def test_bad_retention_count_rejected_up_front(tmp_path: Any, keep: Any) -> None:
+    m, _ = _model(0)
+    with pytest.raises(ValueError):
+        save_checkpoint(str(tmp_path), "a", model=m, num_kept_partial_checkpoints=keep)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("tag", ["", "a/b", "..", "a..b", "x\x00", "tab\tbed", "new\nline", " pad", "\x7f", "a\\b"])
+def test_bad_tags_rejected(tmp_path: Any, tag: str) -> None:
+    m, _ = _model(0)
+    with pytest.raises(ValueError):
+        save_checkpoint(str(tmp_path), tag, model=m)
+    with pytest.raises(ValueError):
+        resume_from_checkpoint(str(tmp_path), tag=tag, model=m)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("tag", ["step_10", "total_steps1000", "v1.2", "ep-3+lr=1e-4", "ü"])
+def test_good_tags(tag: str) -> None:
+    assert validate_tag(tag) == tag
+
+
+def test_non_str_tag_rejected(tmp_path: Any) -> None:
+    with pytest.raises(ValueError):
+        save_checkpoint(str(tmp_path), 5, model=_model(0)[0])  # type: ignore[arg-type]
+
+
+def test_nothing_committed(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
+        resume_from_checkpoint(str(tmp_path), model=m)
+    assert resume_from_checkpoint(str(tmp_path), model=m, missing_ok=True) is None
+    with pytest.raises(CheckpointNotFound):
+        resume_from_checkpoint(str(tmp_path), tag="nope", model=m)
+
+
+def test_overwrite(tmp_path: Any) -> None:
+    m, o = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m, user_content=1)
+    with pytest.raises(CheckpointExists):
+        save_checkpoint(str(tmp_path), "a", model=m, user_content=2)
+    save_checkpoint(str(tmp_path), "a", model=m, user_content=3, overwrite=True)
+    assert resume_from_checkpoint(str(tmp_path), model=m) == 3
+
+
+def test_explicit_tag_and_crash_between_write_and_commit(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    m, o = _model(0)
+    save_checkpoint(str(tmp_path), "good", model=m, optimizer=o, user_content="good")
+    m_bad, o_bad = _model(3)
+
+    def crash(self: Any, data: bytes) -> None:
+        raise OSError("power cut")
+
+    monkeypatch.setattr(FsspecStorageWriter, "_write_manifest", crash)
+    with pytest.raises(smpckpt.CheckpointError, match="power cut") as excinfo:
+        save_checkpoint(str(tmp_path), "bad", model=m_bad, optimizer=o_bad, user_content="bad")
+    assert excinfo.value.__cause__ is not None  # DCP's CheckpointException
+    monkeypatch.undo()
+    assert (tmp_path / "newest").read_text().strip() == "good"
+    with pytest.raises(CheckpointNotFound, match="no commit marker"):
+        resume_from_checkpoint(str(tmp_path), tag="bad", model=m_bad)
+    (tmp_path / "newest").write_text("bad\n")  # e.g. a newest synced ahead of its checkpoint
+    m2, o2 = _model(5)
+    with pytest.warns(UserWarning, match="newest committed checkpoint 'good'"):
+        assert resume_from_checkpoint(str(tmp_path), model=m2, optimizer=o2) == "good"
+    assert _equal(m, m2) and last_resume_info().fell_back  # type: ignore[union-attr]
+
+
+def test_strict_refuses_before_touching_the_model(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m)
+    bigger = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2), nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in bigger.state_dict().items()}
+    with pytest.raises(LayoutMismatch, match="not in the checkpoint"):
+        resume_from_checkpoint(str(tmp_path), model=bigger)
+    assert all(torch.equal(before[k], v) for k, v in bigger.state_dict().items())
+    resume_from_checkpoint(str(tmp_path), model=bigger, strict=False)
+    assert "model.3.weight" in last_resume_info().skipped_keys  # type: ignore[union-attr]
+    assert torch.equal(bigger[0].weight, m[0].weight)
+
+
+def test_shape_mismatch_is_layout_mismatch(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m)
+    other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    with pytest.raises(LayoutMismatch):
+        resume_from_checkpoint(str(tmp_path), model=other)
+
+
+def test_model_only_resume_ignores_saved_optimizer(tmp_path: Any) -> None:
+    m, o = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m2, _ = _model(1)
+    resume_from_checkpoint(str(tmp_path), model=m2)
+    assert _equal(m, m2)
+    with pytest.raises(ValueError, match="pass model="):
+        resume_from_checkpoint(str(tmp_path), optimizer=o)
+
+
+def test_translate_function(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m)
+    seen: list[str] = []
+
+    def translate(sd: dict[str, Any]) -> dict[str, Any]:
+        seen.extend(sd)
+        return {k: v * 2 for k, v in sd.items()}
+
+    m2, _ = _model(1)
+    resume_from_checkpoint(str(tmp_path), model=m2, translate_function=translate)
+    assert "0.weight" in seen
+    assert torch.equal(m2[0].weight, m[0].weight * 2)
+
+
+class Custom:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_user_content_weights_only_by_default(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    with pytest.warns(UserWarning, match="allow_pickle=True"):
+        save_checkpoint(str(tmp_path), "a", model=m, user_content={"obj": Custom(3)})
+    with pytest.raises(UnsafeCheckpoint):
+        resume_from_checkpoint(str(tmp_path), model=m)
+    assert resume_from_checkpoint(str(tmp_path), model=m, allow_pickle=True)["obj"].x == 3
+
+
+def test_user_content_only(tmp_path: Any) -> None:
+    save_checkpoint(str(tmp_path), "a", user_content={"epoch": 2})
+    assert resume_from_checkpoint(str(tmp_path)) == {"epoch": 2}
+    # a model passed on resume for a checkpoint without model state: strict refusal
+    with pytest.raises(LayoutMismatch):
+        resume_from_checkpoint(str(tmp_path), model=_model(0)[0])
+
+
+def test_layout_must_fit_the_world(tmp_path: Any) -> None:
+    with pytest.raises(smpckpt.SpecError, match="2 ranks"):
+        save_checkpoint(str(tmp_path), "a", model=_model(0)[0], layout=smpckpt.ParallelLayout(tp=2))
+
+
+def test_save_without_rng(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m, save_rng=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resume_from_checkpoint(str(tmp_path), model=m)
+    assert last_resume_info().rng_restored == ()  # type: ignore[union-attr]

@@ -82,13 +82,17 @@ OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # -- storage: the one place to switch the demo and tests to another StorageWriter/Reader ------------
 def storage_writer(path: str) -> dcp.StorageWriter:
-    """The storage writer every demo/test save uses."""
-    return dcp.FileSystemWriter(path)
+    """The storage writer every demo/test save uses: smpckpt's raw, checksummed, committed format."""
+    from smpckpt.storage import FsspecStorageWriter
+
+    return FsspecStorageWriter(path, overwrite=True)
 
 
 def storage_reader(path: str) -> dcp.StorageReader:
-    """The storage reader every demo/test load uses."""
-    return dcp.FileSystemReader(path)
+    """The storage reader every demo/test load uses (verifies every block it reads)."""
+    from smpckpt.storage import FsspecStorageReader
+
+    return FsspecStorageReader(path)
 
 
 # -- configuration --------------------------------------------------------------------------------

@@ -1,7 +1,19 @@
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
+
+# Before anything imports botocore: no test may reach a real AWS endpoint. AWS_ENDPOINT_URL points at a
+# closed loopback port, so a request that lost its endpoint fails here instead of reaching the internet;
+# tests pass the loopback moto endpoint in storage_options["client_kwargs"].
+os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ["AWS_ACCESS_KEY_ID"] = "testing"
+os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
+os.environ["AWS_SESSION_TOKEN"] = "testing"
+os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+os.environ.pop("AWS_PROFILE", None)
 
 # Tests import helpers (dist_harness, sim) from this folder.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -21,3 +33,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """moto's ThreadedMotoServer on 127.0.0.1 and a free port, one per session (suites reset it per test)."""
+    moto_server = pytest.importorskip("moto.server")
+    from s3_env import free_port
+
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+

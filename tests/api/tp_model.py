@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.demo_model import _CopyToTP as _Copy  # Megatron f/g ops, shared with the demo model
+from smpckpt.demo_model import _ReduceFromTP as _Reduce
 
 D, F_DIM, BLOCKS, BATCH = 8, 16, 2, 8
 
@@ -23,31 +25,6 @@ SPECS = {
     "model.blocks.*.fc1.bias": ShardSpec(dim=0),
     "model.blocks.*.fc2.weight": ShardSpec(dim=1),
 }
-
-
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
 
 
 @dataclasses.dataclass

@@ -16,6 +16,15 @@ It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.er
 Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
 requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
 ``thread_count`` requests run at once and the planner is called from the calling thread only.
+
+Direct reads (local files): a raw tensor item of at least 1 MiB whose requested slice is contiguous in
+the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor of the saved
+dtype and shape, is read with ``os.preadv`` straight into the destination's memory (the block-widening
+head/tail bytes go to small scratch buffers), in pieces of about 16 MiB cut at checksum block
+boundaries, each piece verified by the worker thread that read it (xxh3 releases the GIL, so hashing
+one piece overlaps reading others); ``commit_tensor`` follows on the calling thread once every piece of
+the item is verified. Everything else (small, strided, cast, object and remote items) goes through the
+coalesced, pooled buffers and a copy into the destination.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -51,6 +61,11 @@ from smpckpt.storage.manifest import FileRecord, Manifest
 __all__ = ["FsspecStorageReader", "ReadStats"]
 
 log = logging.getLogger(__name__)
+
+# raw tensor items at least this large skip the shared buffer (read into the destination tensor)
+_DIRECT_MIN_BYTES = 1 << 20
+# bytes of a direct item read (then verified) per task: pieces of one tensor run on several threads
+_PIECE = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +126,8 @@ class FsspecStorageReader(StorageReader):
         self.thread_count = max(1, thread_count)
         self.max_request_bytes = max_request_bytes
         self.coalesce_gap = coalesce_gap
+        # raw items at least this large are read straight into their destination when it allows
+        self.direct_min_bytes = _DIRECT_MIN_BYTES
         self.last_read_stats: ReadStats | None = None
         self._pool: list[bytearray] = []
         self._pool_lock = threading.Lock()
@@ -260,9 +277,11 @@ class FsspecStorageReader(StorageReader):
         blocks = rec.blocks_covering(it.start, it.end)
         return rec.block_start(blocks[0]), rec.block_ends[blocks[-1]]
 
-    def _plan(self, plan: LoadPlan) -> tuple[list[tuple[str, Fetch[_Item]]], list[_Item], int]:
+    def _plan(self, plan: LoadPlan) -> tuple[list[tuple[str, Fetch[_Item]]], list[_Item], int, list[tuple[str, Need[_Item]]]]:
         per_file: dict[str, list[Need[_Item]]] = {}
         empty: list[_Item] = []
+        direct: list[tuple[str, Need[_Item]]] = []
+        local = is_local(self.fs)
         needed = 0
         for req in plan.items:
             it = self._item(req)
@@ -271,13 +290,64 @@ class FsspecStorageReader(StorageReader):
                 continue
             needed += it.end - it.start
             lo, hi = self._widen(it)
+            if local and it.raw and it.end - it.start >= self.direct_min_bytes and self._file_contiguous(it):
+                # candidate for reading straight into the destination (decided when its target is resolved)
+                direct.append((it.file, Need(lo, hi, it)))
+                continue
             per_file.setdefault(it.file, []).append(Need(lo, hi, it))
         fetches = [
             (name, f)
             for name in sorted(per_file)
             for f in coalesce(per_file[name], gap=self.coalesce_gap, max_bytes=self.max_request_bytes)
         ]
-        return fetches, empty, needed
+        direct.sort(key=lambda d: (d[0], d[1].start))
+        return fetches, empty, needed, direct
+
+    @staticmethod
+    def _file_contiguous(it: _Item) -> bool:
+        """The requested slice is one contiguous run of the stored chunk's bytes."""
+        n = 1
+        for x in it.req.lengths:
+            n *= int(x)
+        itemsize = torch.empty((), dtype=it.dtype).element_size()
+        return n * itemsize == it.end - it.start
+
+    def _direct_target(self, it: _Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
+        """(calling thread) The destination, when the item's bytes can be read into it as they are."""
+        target = planner.resolve_tensor(it.req).detach()
+        if (
+            target.device.type != "cpu"
+            or target.dtype != it.dtype
+            or list(target.size()) != [int(n) for n in it.req.lengths]
+            or not target.is_contiguous()
+            or target.numel() * target.element_size() != it.end - it.start
+        ):
+            return None
+        try:
+            dst = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        if dst.readonly or dst.nbytes != it.end - it.start:
+            return None
+        return target, dst
+
+    def _pieces(self, name: str, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Split ``[lo, hi)`` at checksum block boundaries into pieces of about ``_PIECE`` bytes."""
+        rec = self._records.get(name)
+        if hi - lo <= _PIECE:
+            return [(lo, hi)]
+        if rec is None or not self.verify_checksums:
+            return [(a, min(a + _PIECE, hi)) for a in range(lo, hi, _PIECE)]
+        out: list[tuple[int, int]] = []
+        start = lo
+        for i in rec.blocks_covering(lo, hi):
+            be = rec.block_ends[i]
+            if be - start >= _PIECE or be >= hi:
+                out.append((start, be))
+                start = be
+        if start < hi:  # pragma: no cover - widened ranges end on a block end
+            out.append((start, hi))
+        return out
 
     # -- I/O --------------------------------------------------------------------------------------
     def _fetch(self, name: str, fetch: Fetch[_Item]) -> memoryview:
@@ -334,39 +404,141 @@ class FsspecStorageReader(StorageReader):
                 if len(self._pool) < 2 * self.thread_count:
                     self._pool.append(base)
 
-    def _fetch_all(self, fetches: list[tuple[str, Fetch[_Item]]]) -> Iterator[tuple[Fetch[_Item], memoryview]]:
-        """Yield fetched requests in completion order, at most ``2 * thread_count`` buffers held."""
+    def _direct_piece(self, name: str, need: Need[_Item], dst: memoryview, lo: int, hi: int) -> None:
+        """(worker thread) Read file bytes ``[lo, hi)`` of a direct item: the item's own bytes straight into
+        its destination, the block-widening head/tail into scratch; then verify every block of the piece."""
+        it = need.item
+        path = join(self.fs, self.path, name)
+        a, b = max(lo, it.start), min(hi, it.end)
+        head = bytearray(a - lo) if a > lo else None
+        tail = bytearray(hi - b) if hi > b else None
+        segs: list[tuple[int, memoryview]] = []
+        if head is not None:
+            segs.append((lo, memoryview(head)))
+        segs.append((a, dst[a - it.start : b - it.start]))
+        if tail is not None:
+            segs.append((b, memoryview(tail)))
+        try:
+            with translate_errors(path):
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    want, got = hi - lo, 0
+                    while got < want:
+                        bufs, skip = [], got
+                        for _, mv in segs:
+                            if skip >= len(mv):
+                                skip -= len(mv)
+                                continue
+                            bufs.append(mv[skip:])
+                            skip = 0
+                        n = os.preadv(fd, bufs, lo + got)
+                        if n == 0:
+                            break
+                        got += n
+                finally:
+                    os.close(fd)
+        except FileNotFoundError as exc:
+            raise CheckpointCorrupt(
+                f"{path}: data file is missing (needed for keys {[it.req.storage_index.fqn]})"
+            ) from exc
+        if got < want:
+            raise CheckpointCorrupt(
+                f"{path}: truncated: needed bytes {lo}..{hi} for keys {[it.req.storage_index.fqn]}, "
+                f"file ends at {lo + got}"
+            )
+        rec = self._records.get(name)
+        if rec is None or not self.verify_checksums:
+            return
+        for i in rec.blocks_covering(lo, hi):
+            bs, be = rec.block_start(i), rec.block_ends[i]
+            if bs >= a and be <= b:
+                digest = hash_bytes(dst[bs - it.start : be - it.start])
+            else:
+                h = xxhash.xxh3_64()
+                for off, mv in segs:
+                    s0, s1 = max(bs, off), min(be, off + len(mv))
+                    if s0 < s1:
+                        h.update(mv[s0 - off : s1 - off])
+                digest = h.intdigest()
+            if digest != rec.block_digests[i]:
+                raise CheckpointCorrupt(
+                    f"{path}: checksum mismatch in bytes {bs}..{be} (block {i}) holding key(s) "
+                    f"{[it.req.storage_index.fqn]}; the file is corrupt"
+                )
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        fetches, empty, needed, direct = self._plan(plan)
+        for it in empty:
+            self._deliver(it, memoryview(b""), planner)
+        # one ordered list of work: coalesced buffered fetches and direct candidates, by file and offset
+        work: list[tuple[str, int, int, Any]] = [(n, f.start, 0, f) for n, f in fetches]
+        work += [(n, need.start, 1, need) for n, need in direct]
+        work.sort(key=lambda w: (w[0], w[1], w[2]))
+        read = 0
+        requests = 0
+        # direct items in flight: id -> [target, pieces left]
+        open_items: dict[int, list[Any]] = {}
+
+        def units() -> Iterator[tuple[Any, ...]]:
+            nonlocal read, requests
+            for name, _, kind, obj in work:
+                if kind == 0:
+                    read += obj.end - obj.start
+                    requests += 1
+                    yield ("fetch", name, obj)
+                    continue
+                need: Need[_Item] = obj
+                found = self._direct_target(need.item, planner)
+                if found is None:
+                    fetch = Fetch(need.start, need.end, (need,))
+                    read += fetch.end - fetch.start
+                    requests += 1
+                    yield ("fetch", name, fetch)
+                    continue
+                target, dst = found
+                pieces = self._pieces(name, need.start, need.end)
+                key = id(need)
+                open_items[key] = [target, len(pieces), need.item]
+                read += need.end - need.start
+                requests += len(pieces)
+                for lo, hi in pieces:
+                    yield ("direct", name, need, dst, lo, hi, key)
+
         with concurrent.futures.ThreadPoolExecutor(self.thread_count, thread_name_prefix="smpckpt-read") as pool:
-            pending: dict[concurrent.futures.Future[memoryview], Fetch[_Item]] = {}
-            todo = iter(fetches)
+            pending: dict[concurrent.futures.Future[Any], tuple[Any, ...]] = {}
+            todo = units()
             try:
                 while True:
                     while len(pending) < 2 * self.thread_count:
-                        nxt = next(todo, None)
-                        if nxt is None:
+                        u = next(todo, None)
+                        if u is None:
                             break
-                        pending[pool.submit(self._fetch, *nxt)] = nxt[1]
+                        if u[0] == "fetch":
+                            pending[pool.submit(self._fetch, u[1], u[2])] = u
+                        else:
+                            pending[pool.submit(self._direct_piece, *u[1:6])] = u
                     if not pending:
-                        return
+                        break
                     done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                     for f in done:
-                        yield pending.pop(f), f.result()
+                        u = pending.pop(f)
+                        result = f.result()
+                        if u[0] == "fetch":
+                            fetch = u[2]
+                            for need in fetch.needs:
+                                it = need.item
+                                self._deliver(it, result[it.start - fetch.start : it.end - fetch.start], planner)
+                            self._give_back(result)
+                        else:
+                            entry = open_items[u[6]]
+                            entry[1] -= 1
+                            if entry[1] == 0:
+                                del open_items[u[6]]
+                                planner.commit_tensor(entry[2].req, entry[0])
             finally:
                 for f in pending:
                     f.cancel()
-
-    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        fetches, empty, needed = self._plan(plan)
-        for it in empty:
-            self._deliver(it, memoryview(b""), planner)
-        read = 0
-        for fetch, data in self._fetch_all(fetches):
-            read += fetch.end - fetch.start
-            for need in fetch.needs:
-                it = need.item
-                self._deliver(it, data[it.start - fetch.start : it.end - fetch.start], planner)
-            self._give_back(data)
-        self.last_read_stats = ReadStats(needed, read, len(fetches), len(plan.items))
+        self.last_read_stats = ReadStats(needed, read, requests, len(plan.items))
 
     def _deliver(self, it: _Item, data: memoryview, planner: LoadPlanner) -> None:
         req = it.req

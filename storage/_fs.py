@@ -17,6 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from smpckpt.storage._errors import translate_errors
 
 __all__ = [
+    "supports_url",
     "open_fs",
     "is_local",
     "join",
@@ -52,6 +53,15 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
             raise ValueError(f"{url}: no fsspec backend for scheme {scheme!r}") from exc
         raise
     return fs, path.rstrip("/") if len(path) > 1 else path
+
+
+def supports_url(url: str | os.PathLike[str]) -> bool:
+    """Whether some backend can open ``url`` (for DCP's ``validate_checkpoint_id``)."""
+    try:
+        open_fs(url)
+    except (ValueError, ImportError):
+        return False
+    return True
 
 
 def is_local(fs: Any) -> bool:

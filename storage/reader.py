@@ -52,7 +52,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFoun
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none
+from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none, supports_url
 from smpckpt.storage._ranges import Fetch, Need, coalesce, slice_byte_range
 from smpckpt.storage._safe_pickle import check_weights_only, load_metadata
 from smpckpt.storage._state import probe
@@ -150,11 +150,7 @@ class FsspecStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            open_fs(checkpoint_id)
-        except (ValueError, ImportError):
-            return False
-        return True
+        return supports_url(checkpoint_id)
 
     # -- StorageReader protocol -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

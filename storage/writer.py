@@ -44,7 +44,7 @@ from torch.futures import Future
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, BlockHasher, hash_bytes
-from smpckpt.storage._fs import fsync_dir, is_local, join, open_fs, remove_files, write_bytes_atomic
+from smpckpt.storage._fs import fsync_dir, is_local, join, open_fs, remove_files, supports_url, write_bytes_atomic
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
@@ -219,11 +219,7 @@ class FsspecStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            open_fs(checkpoint_id)
-        except (ValueError, ImportError):
-            return False
-        return True
+        return supports_url(checkpoint_id)
 
     # -- StorageWriter protocol -----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

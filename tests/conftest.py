@@ -38,7 +38,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """moto's ThreadedMotoServer on 127.0.0.1 and a free port, one per session (suites reset it per test)."""
-    moto_server = pytest.importorskip("moto.server")
+    # A plain import, not importorskip: moto is a declared test dependency, and a missing one must fail
+    # the run rather than quietly skip every S3 test.
+    from moto import server as moto_server
     from s3_env import free_port
 
     port = free_port()

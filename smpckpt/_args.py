@@ -66,6 +66,19 @@ def check_model(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> No
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if model is None and optimizers:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
+    if model is not None and optimizers:
+        # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the
+        # model does not own (an optimizer built over another model, or a parameter replaced after it).
+        owned = {id(p) for p in model.parameters()}
+        for i, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) not in owned:
+                        raise ValueError(
+                            f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
+                            f"{p.dtype}) is not a parameter of the model: build the optimizer over "
+                            "model.parameters() of the model you pass"
+                        )
 
 
 def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
@@ -114,14 +127,23 @@ def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer
     return {"model": model_sd, "optim": optim_sd}
 
 
-def translate_dcp(exc: CheckpointException, action: str) -> CheckpointError:
-    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank."""
+def translate_dcp(
+    exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None
+) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank.
+
+    ``metadata_error`` is the reader's own exception from ``read_metadata``: DCP replaces it with an
+    ``AssertionError("metadata is None; ...")``, and the caller deserves the real one
+    (:class:`~smpckpt.errors.UnsafeCheckpoint`, :class:`~smpckpt.errors.CheckpointCorrupt`, ...).
+    """
     failures = exc.failures or {}
     if not failures:
         err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
     else:
         ranks = sorted(failures)
         first = failures[ranks[0]][0]
+        if isinstance(first, AssertionError) and metadata_error is not None:
+            first = metadata_error
         where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
         message = f"{action} failed on {where}: {first}"
         if isinstance(first, CheckpointError):
@@ -135,6 +157,33 @@ def translate_dcp(exc: CheckpointException, action: str) -> CheckpointError:
             err = CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
     err.__cause__ = exc
     return err
+
+
+_PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
+
+
+def _is_peer_failure(exc: RuntimeError) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+@contextlib.contextmanager
+def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
+    """A collective that fails because another rank died (gloo: ``Connection reset by peer``; any
+    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
+            raise
+        raise CheckpointError(
+            f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
+            f"rank died or was killed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "what was committed before is intact -- check with `smpckpt ls`"
+        ) from exc
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from smpckpt.catalog import scan_root
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner
-from smpckpt.storage import checkpoint_state, read_manifest
+from smpckpt.storage import probe_checkpoint
 from smpckpt.tags import open_root, partial_url, read_newest
 
 log = logging.getLogger("smpckpt.api")
@@ -33,41 +33,49 @@ class Target:
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
-    """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists."""
+    """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists.
+
+    With ``tag=None``: the tag ``newest`` names, unless a checkpoint committed *after* it exists --
+    a job killed between a commit and the ``newest`` update -- or ``newest`` is unusable; then the
+    newest committed tag, with a warning. So a restarted job never replays steps into a tag that
+    is already committed.
+    """
     if tag is not None:
         url = partial_url(root, tag)
-        try:
-            manifest = read_manifest(url, storage_options)
-        except CheckpointNotFound:
-            state = checkpoint_state(url, storage_options)
-            if state == "missing":
+        found = probe_checkpoint(url, storage_options)
+        if found.manifest is None:
+            if found.state == "missing":
                 return None
             raise CheckpointNotFound(
-                f"checkpoint {tag!r} at {url} is {state}: it has no commit marker (a failed or running save)"
-                if state == "uncommitted"
-                else f"checkpoint {tag!r} at {url} was not written by smpckpt ({state}); load it with dcp.load"
-            ) from None
-        return Target(tag, url, manifest.get("extra") or {}, False)
+                f"checkpoint {tag!r} at {url} is {found.state}: it has no commit marker (a failed or running save)"
+                if found.state == "uncommitted"
+                else f"checkpoint {tag!r} at {url} was not written by smpckpt ({found.state}); load it with dcp.load"
+            )
+        return Target(tag, url, found.manifest.extra, False)
     fs, root_path = open_root(root, storage_options)
     newest = read_newest(fs, root_path)
-    reason = f"{root}/newest is missing or unreadable"
-    if newest is not None:
-        url = partial_url(root, newest)
-        try:
-            manifest = read_manifest(url, storage_options)
-            return Target(newest, url, manifest.get("extra") or {}, False)
-        except CheckpointNotFound:
-            reason = f"{root}/newest names {newest!r}, which has no committed checkpoint"
-        except CheckpointCorrupt as exc:
-            reason = f"{root}/newest names {newest!r}, whose manifest is unreadable ({exc})"
-    committed = [r for r in scan_root(root, storage_options=storage_options) if r.committed]
+    records = scan_root(root, storage_options=storage_options)
+    committed = [r for r in records if r.committed]
     if not committed:
         return None
-    pick = max(committed, key=lambda r: r.order)
-    message = f"{reason}; resuming from the newest committed checkpoint {pick.tag!r} instead"
+    latest = max(committed, key=lambda r: r.order)
+    named = next((r for r in committed if r.tag == newest), None)
+    if named is not None and named.order >= latest.order:
+        return Target(named.tag, named.url, named.extra, False)
+    if named is not None:
+        reason = (
+            f"{root}/newest names {newest!r}, but {latest.tag!r} was committed after it (the job probably "
+            "stopped between that commit and the update of 'newest')"
+        )
+    elif newest is None:
+        reason = f"{root}/newest is missing or unreadable"
+    else:
+        state = next((r.state for r in records if r.tag == newest), "missing")
+        reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
+    message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
     log.warning(message)
     warnings.warn(message, stacklevel=3)
-    return Target(pick.tag, pick.url, pick.extra, True)
+    return Target(latest.tag, latest.url, latest.extra, True)
 
 
 class ApiLoadPlanner(ParallelLoadPlanner):

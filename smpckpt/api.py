@@ -63,6 +63,7 @@ from smpckpt._args import (
     check_partial,
     encode_user_content,
     optimizers as as_optimizers,
+    peer_failures,
     quiet_no_dist,
     resolve_layout,
     root_url,
@@ -145,6 +146,7 @@ def save_checkpoint(
     save_rng: bool = True,
     format: Literal["raw", "torch_save"] = "raw",
     sync_files: bool = True,
+    remove_uncommitted_older_than: float | None = None,
 ) -> None:
     """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it.
 
@@ -175,6 +177,10 @@ def save_checkpoint(
         format: ``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable).
         sync_files: fsync data before the commit (keep ``True`` unless you accept losing a
             "committed" checkpoint to a power loss).
+        remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
+            folders (debris of killed or failed saves) with no write for that long, and aborts S3
+            multipart uploads under ``path`` started that long ago. Make it longer than any save
+            (e.g. ``6 * 3600``). ``None`` (default) leaves them (``smpckpt prune`` can remove them).
 
     Raises:
         NotImplementedError: ``partial=False``.
@@ -186,87 +192,103 @@ def save_checkpoint(
     check_partial(partial)
     root = root_url(path)
     keep = validate_keep(num_kept_partial_checkpoints)
+    if remove_uncommitted_older_than is not None and not (
+        isinstance(remove_uncommitted_older_than, (int, float)) and remove_uncommitted_older_than >= 0
+    ):
+        raise ValueError(
+            f"remove_uncommitted_older_than must be seconds >= 0 or None, got {remove_uncommitted_older_than!r}"
+        )
     optimizers = as_optimizers(optimizer)
     check_model(model, optimizers)
     rules = spec_rules(specs)
     if format not in ("raw", "torch_save"):
         raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
     ctx = DistContext(process_group)
-    layout = resolve_layout(layout, ctx)
-    # Compare before validating: a tag bad on one rank only must fail every rank, not hang the others.
-    ctx.check_identical(
-        (tag, root, keep, bool(overwrite), format, layout.to_dict(), bool(save_rng)),
-        "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng)",
-    )
-    validate_tag(tag)
-    url = partial_url(root, tag)
+    with peer_failures(ctx, f"saving checkpoint {tag!r} under {root}"):
+        layout = resolve_layout(layout, ctx)
+        # Compare before validating: a tag bad on one rank only must fail every rank, not hang the others.
+        ctx.check_identical(
+            (tag, root, keep, bool(overwrite), format, layout.to_dict(), bool(save_rng), remove_uncommitted_older_than),
+            "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng, "
+            "remove_uncommitted_older_than)",
+        )
+        validate_tag(tag)
+        url = partial_url(root, tag)
 
-    def build() -> tuple[dict[str, Any], dict[str, Any]]:
-        state = train_state(model, optimizers)
-        if save_rng:
-            state["rng"] = {f"rank{ctx.rank}": get_rng_state()}
-        extra: dict[str, Any] = {}
-        if ctx.is_coordinator:
-            payload = encode_user_content(user_content)
-            state[USER_CONTENT] = payload
-            now = time.time_ns()
-            extra = {
-                "api": API_RECORD,
-                "tag": tag,
-                "saved_at_ns": now,
-                "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
-                "layout": layout.to_dict(),
-                "specs": rules.to_records(),
-                "name_map": name_map is not None,
-                "world_size": ctx.world_size,
-                "rank_local": list(RANK_LOCAL),
-                "parts": sorted(k for k in ("model", "optim", "rng") if k in state),
-                "rng": bool(save_rng),
-                "user_content_type": type(user_content).__name__,
-                "user_content_keys": [str(k) for k in user_content] if isinstance(user_content, Mapping) else None,
-                "smpckpt_version": smpckpt.__version__,
-                "torch_version": torch.__version__,
-            }
-        return state, extra
+        def build() -> tuple[dict[str, Any], dict[str, Any]]:
+            state = train_state(model, optimizers)
+            if save_rng:
+                state["rng"] = {f"rank{ctx.rank}": get_rng_state()}
+            extra: dict[str, Any] = {}
+            if ctx.is_coordinator:
+                payload = encode_user_content(user_content)
+                state[USER_CONTENT] = payload
+                now = time.time_ns()
+                extra = {
+                    "api": API_RECORD,
+                    "tag": tag,
+                    "saved_at_ns": now,
+                    "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
+                    "layout": layout.to_dict(),
+                    "specs": rules.to_records(),
+                    "name_map": name_map is not None,
+                    "world_size": ctx.world_size,
+                    "rank_local": list(RANK_LOCAL),
+                    "parts": sorted(k for k in ("model", "optim", "rng") if k in state),
+                    "rng": bool(save_rng),
+                    "user_content_type": type(user_content).__name__,
+                    "user_content_keys": [str(k) for k in user_content] if isinstance(user_content, Mapping) else None,
+                    "smpckpt_version": smpckpt.__version__,
+                    "torch_version": torch.__version__,
+                }
+            return state, extra
 
-    state, extra = ctx.all_ok(build)
-    writer = FsspecStorageWriter(
-        url, storage_options=storage_options, overwrite=overwrite, manifest_extra=extra, format=format,
-        sync_files=sync_files,
-    )
-    planner = ParallelSavePlanner(
-        layout, rules, name_map=wrap_name_map(name_map), process_group=process_group,
-        rank_local=RANK_LOCAL, enable_plan_caching=False,
-    )
-    started = time.monotonic()
-    try:
-        with quiet_no_dist():
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
-    except CheckpointException as exc:
-        raise translate_dcp(exc, f"saving checkpoint {url}") from exc
-
-    # The checkpoint is committed on every rank's word (dcp.save returns only after the coordinator's
-    # finish succeeded). Only now may `newest` move.
-    def point_newest() -> None:
-        fs, root_path = open_root(root, storage_options)
-        write_newest(fs, root_path, tag, sync=sync_files)
-
-    try:
-        ctx.on_coordinator(point_newest)
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint {url} is committed but {root}/newest could not be updated: {exc}"
-        ) from exc
-    log.info("saved checkpoint %s (%s) in %.2fs", url, layout, time.monotonic() - started)
-
-    # Retention runs on rank 0 only, after the broadcast above, so the other ranks go on training.
-    if keep is not None and ctx.is_coordinator:
+        state, extra = ctx.all_ok(build)
+        writer = FsspecStorageWriter(
+            url, storage_options=storage_options, overwrite=overwrite, manifest_extra=extra, format=format,
+            sync_files=sync_files,
+        )
+        planner = ParallelSavePlanner(
+            layout, rules, name_map=wrap_name_map(name_map), process_group=process_group,
+            rank_local=RANK_LOCAL, enable_plan_caching=False,
+        )
+        started = time.monotonic()
         try:
-            result = apply_retention(root, keep, storage_options=storage_options, protected={tag})
-            if result.removed:
-                log.info("retention kept %d checkpoint(s); removed %s", keep, list(result.removed))
-        except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-            log.warning("retention after saving %s failed (nothing else affected): %s", url, exc)
+            with quiet_no_dist():
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+        except CheckpointException as exc:
+            raise translate_dcp(exc, f"saving checkpoint {url}") from exc
+
+        # The checkpoint is committed on every rank's word (dcp.save returns only after the coordinator's
+        # finish succeeded). Only now may `newest` move.
+        def point_newest() -> None:
+            fs, root_path = open_root(root, storage_options)
+            write_newest(fs, root_path, tag, sync=sync_files)
+
+        try:
+            ctx.on_coordinator(point_newest)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {url} is committed but {root}/newest could not be updated: {exc}"
+            ) from exc
+        log.info("saved checkpoint %s (%s) in %.2fs", url, layout, time.monotonic() - started)
+
+        # Retention runs on rank 0 only, after the broadcast above, so the other ranks go on training.
+        if (keep is not None or remove_uncommitted_older_than is not None) and ctx.is_coordinator:
+            try:
+                result = apply_retention(
+                    root, keep, storage_options=storage_options, protected={tag},
+                    uncommitted_older_than=remove_uncommitted_older_than,
+                )
+                if result.removed:
+                    log.info("retention kept %d checkpoint(s); removed %s", keep, list(result.removed))
+                if result.removed_uncommitted or result.aborted_uploads:
+                    log.info(
+                        "removed stale uncommitted folders %s and aborted %d multipart upload(s)",
+                        list(result.removed_uncommitted), len(result.aborted_uploads),
+                    )
+            except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+                log.warning("retention after saving %s failed (nothing else affected): %s", url, exc)
 
 
 # -- resume ----------------------------------------------------------------------------------------
@@ -312,7 +334,6 @@ def resume_from_checkpoint(
         allow_dtype_cast: convert tensors saved in another dtype instead of refusing.
         Other arguments as for :func:`save_checkpoint`.
     """
-    global _LAST_RESUME
     check_partial(partial)
     root = root_url(path)
     optimizers = as_optimizers(optimizer)
@@ -321,103 +342,107 @@ def resume_from_checkpoint(
     if translate_function is not None and not callable(translate_function):
         raise TypeError("translate_function must be callable (state_dict -> state_dict)")
     ctx = DistContext(process_group)
-    layout = resolve_layout(layout, ctx)
-    ctx.check_identical(
-        (tag, root, bool(strict), bool(missing_ok), layout.to_dict(), bool(load_rng)),
-        "resume_from_checkpoint(path, tag, strict, missing_ok, layout, load_rng)",
-    )
-    if tag is not None:
-        validate_tag(tag)
-
-    target = ctx.on_coordinator(lambda: resolve_target(root, tag, storage_options))
-    if target is None:
-        if missing_ok:
-            log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", root)
-            return None
-        what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
-        raise CheckpointNotFound(f"no {what} under {root}")
-
-    saved_layout = read_saved_layout(target.extra)
-    same_layout = (
-        saved_layout is not None and saved_layout == layout and target.extra.get("world_size") == ctx.world_size
-    )
-    restore_rng = load_rng and same_layout and bool(target.extra.get("rng"))
-    if load_rng and target.extra.get("rng") and not same_layout and ctx.is_coordinator:
-        warnings.warn(
-            f"the layout changed ({saved_layout} -> {layout}): RNG states are not restored (they do not map "
-            "across layouts); every rank keeps its current generators",
-            stacklevel=2,
+    global _LAST_RESUME
+    with peer_failures(ctx, f"resuming from {root}"):
+        layout = resolve_layout(layout, ctx)
+        ctx.check_identical(
+            (tag, root, bool(strict), bool(missing_ok), layout.to_dict(), bool(load_rng)),
+            "resume_from_checkpoint(path, tag, strict, missing_ok, layout, load_rng)",
         )
+        if tag is not None:
+            validate_tag(tag)
 
-    def build() -> dict[str, Any]:
-        state = train_state(model, optimizers)
-        state[USER_CONTENT] = b""  # placeholder; the load puts the stored object here
-        if restore_rng:
-            state["rng"] = {f"rank{ctx.rank}": get_rng_state()}
-        return state
+        target = ctx.on_coordinator(lambda: resolve_target(root, tag, storage_options))
+        if target is None:
+            if missing_ok:
+                log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", root)
+                return None
+            what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
+            raise CheckpointNotFound(f"no {what} under {root}")
 
-    state = ctx.all_ok(build)
-    ignore = [r"rng\..*"]
-    if model is None:
-        ignore.append(r"model\..*")
-    if not optimizers:
-        ignore.append(r"optim\..*")
-    planner = ApiLoadPlanner(
-        layout, rules, name_map=wrap_name_map(name_map), process_group=process_group, rank_local=RANK_LOCAL,
-        allow_dtype_cast=allow_dtype_cast, allow_pickle=allow_pickle, strict=strict,
-        ignore_unexpected=re.compile("|".join(f"(?:{p})$" for p in ignore)),
-    )
-    reader = FsspecStorageReader(
-        target.url, storage_options=storage_options, verify_checksums=verify_checksums, allow_pickle=allow_pickle
-    )
-    try:
-        with quiet_no_dist():
-            dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
-    except CheckpointException as exc:
-        raise translate_dcp(exc, f"loading checkpoint {target.url}") from exc
-
-    report = planner.report
-    missing = set(report.missing_keys if report else ())
-
-    def apply() -> tuple[Any, tuple[str, ...]]:
-        if model is not None:
-            model_sd = state["model"]
-            if translate_function is not None:
-                model_sd = translate_function(model_sd)
-                if not isinstance(model_sd, Mapping):
-                    raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
-            opts = dataclasses.replace(OPTIONS, strict=strict)
-            if optimizers:
-                set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts)
-            else:
-                set_model_state_dict(model, model_sd, options=opts)
-        restored: tuple[str, ...] = ()
-        if restore_rng:
-            mine = f"rng.rank{ctx.rank}."
-            complete = tuple(
-                c for c in state["rng"][f"rank{ctx.rank}"] if not any(k.startswith(f"{mine}{c}") for k in missing)
+        saved_layout = read_saved_layout(target.extra)
+        same_layout = (
+            saved_layout is not None and saved_layout == layout and target.extra.get("world_size") == ctx.world_size
+        )
+        restore_rng = load_rng and same_layout and bool(target.extra.get("rng"))
+        if load_rng and target.extra.get("rng") and not same_layout and ctx.is_coordinator:
+            warnings.warn(
+                f"the layout changed ({saved_layout} -> {layout}): RNG states are not restored (they do not map "
+                "across layouts); every rank keeps its current generators",
+                stacklevel=2,
             )
-            restored = set_rng_state(state["rng"][f"rank{ctx.rank}"], complete)
-        return decode_user_content(state[USER_CONTENT], USER_CONTENT in missing, allow_pickle), restored
 
-    user_content, restored = ctx.all_ok(apply)
-    counts = ctx.all_gather_object(
-        (report.fast_path if report else 0, len(report.resharded) if report else 0, planner.real_missing)
-    )
-    fast = sum(c[0] for c in counts)
-    resharded = sum(c[1] for c in counts)
-    skipped = sorted({k for c in counts for k in c[2]} | set(ctx.broadcast_object(planner.real_unexpected)))
-    info = ResumeInfo(
-        path=root, tag=target.tag, checkpoint_url=target.url, path_taken="reshard" if resharded else "fast",
-        layout=layout, saved_layout=saved_layout, layout_changed=not same_layout, fast_path_tensors=fast,
-        resharded_tensors=resharded, rng_restored=restored, fell_back=target.fell_back, skipped_keys=tuple(skipped),
-    )
-    _LAST_RESUME = info
-    if info.resharded:
-        log.info(
-            "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
-            target.url, resharded, saved_layout, layout, fast,
+        def build() -> dict[str, Any]:
+            state = train_state(model, optimizers)
+            state[USER_CONTENT] = b""  # placeholder; the load puts the stored object here
+            if restore_rng:
+                state["rng"] = {f"rank{ctx.rank}": get_rng_state()}
+            return state
+
+        state = ctx.all_ok(build)
+        ignore = [r"rng\..*"]
+        if model is None:
+            ignore.append(r"model\..*")
+        if not optimizers:
+            ignore.append(r"optim\..*")
+        planner = ApiLoadPlanner(
+            layout, rules, name_map=wrap_name_map(name_map), process_group=process_group, rank_local=RANK_LOCAL,
+            allow_dtype_cast=allow_dtype_cast, allow_pickle=allow_pickle, strict=strict,
+            ignore_unexpected=re.compile("|".join(f"(?:{p})$" for p in ignore)),
         )
-    else:
-        log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, layout)
-    return user_content
+        reader = FsspecStorageReader(
+            target.url, storage_options=storage_options, verify_checksums=verify_checksums, allow_pickle=allow_pickle
+        )
+        try:
+            with quiet_no_dist():
+                dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
+        except CheckpointException as exc:
+            raise translate_dcp(exc, f"loading checkpoint {target.url}", metadata_error=reader.metadata_error) from exc
+
+        report = planner.report
+        missing = set(report.missing_keys if report else ())
+
+        def apply() -> tuple[Any, tuple[str, ...]]:
+            if model is not None:
+                model_sd = state["model"]
+                if translate_function is not None:
+                    model_sd = translate_function(model_sd)
+                    if not isinstance(model_sd, Mapping):
+                        raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
+                opts = dataclasses.replace(OPTIONS, strict=strict)
+                if optimizers:
+                    set_state_dict(
+                        model, optimizers, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts
+                    )
+                else:
+                    set_model_state_dict(model, model_sd, options=opts)
+            restored: tuple[str, ...] = ()
+            if restore_rng:
+                mine = f"rng.rank{ctx.rank}."
+                complete = tuple(
+                    c for c in state["rng"][f"rank{ctx.rank}"] if not any(k.startswith(f"{mine}{c}") for k in missing)
+                )
+                restored = set_rng_state(state["rng"][f"rank{ctx.rank}"], complete)
+            return decode_user_content(state[USER_CONTENT], USER_CONTENT in missing, allow_pickle), restored
+
+        user_content, restored = ctx.all_ok(apply)
+        counts = ctx.all_gather_object(
+            (report.fast_path if report else 0, len(report.resharded) if report else 0, planner.real_missing)
+        )
+        fast = sum(c[0] for c in counts)
+        resharded = sum(c[1] for c in counts)
+        skipped = sorted({k for c in counts for k in c[2]} | set(ctx.broadcast_object(planner.real_unexpected)))
+        info = ResumeInfo(
+            path=root, tag=target.tag, checkpoint_url=target.url, path_taken="reshard" if resharded else "fast",
+            layout=layout, saved_layout=saved_layout, layout_changed=not same_layout, fast_path_tensors=fast,
+            resharded_tensors=resharded, rng_restored=restored, fell_back=target.fell_back, skipped_keys=tuple(skipped),
+        )
+        _LAST_RESUME = info
+        if info.resharded:
+            log.info(
+                "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
+                target.url, resharded, saved_layout, layout, fast,
+            )
+        else:
+            log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, layout)
+        return user_content

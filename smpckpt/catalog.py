@@ -3,23 +3,26 @@
 Used by resume (fallback when ``newest`` is unusable), retention and ``smpckpt ls``; always on one
 rank (rank 0), whose answer is broadcast -- 512 ranks listing S3 at once get throttled.
 
-Cost: one LIST of the root plus one GET (the manifest) per committed folder; a folder without a
-manifest costs up to one more GET and a LIST to tell "uncommitted" from "legacy"/"missing".
+Cost: one LIST of the root plus one GET (the manifest) per committed folder (several in flight on
+object stores); a folder without a manifest costs up to one more GET and a LIST to tell "uncommitted"
+from "legacy"/"missing". A hostile or broken sibling folder is listed as such, never fatal.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
-from smpckpt.storage import checkpoint_state, read_manifest
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
+from smpckpt.storage import Manifest, probe_checkpoint
+from smpckpt.storage._fs import is_local
 from smpckpt.tags import join_url, list_partial_tags, open_root, read_newest
 
-__all__ = ["CheckpointRecord", "scan_root", "record_order", "API_RECORD"]
+__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag", "API_RECORD"]
 
 log = logging.getLogger(__name__)
 
@@ -27,68 +30,91 @@ log = logging.getLogger(__name__)
 API_RECORD = "smpckpt.save_checkpoint/1"
 
 
+#: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be
+#: trusted (a pickle payload, names escaping the folder); ``unreadable``: probing failed (I/O error).
+RecordState = Literal["committed", "uncommitted", "legacy", "missing", "corrupt", "unsafe", "unreadable"]
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointRecord:
     """One partial checkpoint folder under a root.
 
     ``order`` sorts records by save time (oldest first): ``(saved_at_ns, save_id)``; ``committed`` is
-    true only with a valid manifest (the commit marker).
+    true only with a valid manifest (the commit marker). ``detail`` says why a folder is not usable.
     """
 
     tag: str
     committed: bool
     order: tuple[int, str] = (0, "")
     url: str = ""
-    state: str = "committed"  #: committed / uncommitted / legacy / missing / corrupt
-    manifest: Mapping[str, Any] | None = None
+    state: RecordState = "committed"
+    manifest: Manifest | None = None
+    detail: str = ""
 
     @property
     def extra(self) -> Mapping[str, Any]:
-        return (self.manifest or {}).get("extra") or {}
+        return self.manifest.extra if self.manifest is not None else {}
 
     @property
     def size(self) -> int | None:
         """Bytes of the committed generation (metadata + data files), from the manifest."""
-        if not self.manifest:
-            return None
-        files = self.manifest.get("files") or []
-        return int(self.manifest.get("metadata", {}).get("size", 0)) + sum(int(f.get("size", 0)) for f in files)
+        return self.manifest.total_bytes if self.manifest is not None else None
 
 
-def record_order(manifest: Mapping[str, Any] | None) -> tuple[int, str]:
+def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, str]:
     """Sort key of a committed checkpoint: our nanosecond save time, else the manifest's ``created``."""
-    if not manifest:
+    if manifest is None:
         return (0, "")
-    extra = manifest.get("extra") or {}
+    if isinstance(manifest, Manifest):
+        extra, created, save_id = manifest.extra, manifest.created, manifest.save_id
+    else:
+        if not manifest:
+            return (0, "")
+        extra, created, save_id = manifest.get("extra") or {}, manifest.get("created"), manifest.get("save_id", "")
     ns = extra.get("saved_at_ns")
     if not isinstance(ns, int):
         ns = 0
-        created = manifest.get("created")
         if isinstance(created, str):
             try:
                 ns = int(datetime.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() * 1e9)
             except ValueError:
                 ns = 0
-    return (ns, str(manifest.get("save_id", "")))
+    return (ns, str(save_id))
+
+
+def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
+    """Probe one folder; never raises for what the folder holds (one bad sibling must not break a root)."""
+    try:
+        found = probe_checkpoint(url, storage_options)
+    except UnsafeCheckpoint as exc:
+        log.warning("%s: refusing an unsafe checkpoint folder: %s", url, exc)
+        return CheckpointRecord(tag, False, url=url, state="unsafe", detail=str(exc))
+    except CheckpointCorrupt as exc:
+        log.warning("%s: unreadable manifest, treating the checkpoint as uncommitted: %s", url, exc)
+        return CheckpointRecord(tag, False, url=url, state="corrupt", detail=str(exc))
+    except (CheckpointError, OSError) as exc:
+        log.warning("%s: could not probe the checkpoint folder: %s", url, exc)
+        return CheckpointRecord(tag, False, url=url, state="unreadable", detail=str(exc))
+    if found.manifest is None:
+        return CheckpointRecord(tag, False, url=url, state=found.state, detail=found.detail)
+    return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
 
 
 def scan_root(root_url: str, *, storage_options: Any = None) -> list[CheckpointRecord]:
-    """Every ``{tag}_partial`` folder under ``root_url``, oldest first (uncommitted ones first of all)."""
+    """Every ``{tag}_partial`` folder under ``root_url``, oldest first (uncommitted ones first of all).
+
+    A folder that cannot be trusted or read is listed with its state (``unsafe``, ``corrupt``,
+    ``unreadable``) and a warning; the scan carries on with the others.
+    """
     fs, root_path = open_root(root_url, storage_options)
-    records: list[CheckpointRecord] = []
-    for tag, name in sorted(list_partial_tags(fs, root_path).items()):
-        url = join_url(root_url, name)
-        try:
-            manifest = read_manifest(url, storage_options)
-        except CheckpointNotFound:
-            state = checkpoint_state(url, storage_options)
-            records.append(CheckpointRecord(tag, False, url=url, state=state))
-            continue
-        except CheckpointCorrupt as exc:
-            log.warning("%s: unreadable manifest, treating the checkpoint as uncommitted: %s", url, exc)
-            records.append(CheckpointRecord(tag, False, url=url, state="corrupt"))
-            continue
-        records.append(CheckpointRecord(tag, True, record_order(manifest), url, "committed", manifest))
+    tags = sorted(list_partial_tags(fs, root_path).items())
+    jobs = [(tag, join_url(root_url, name)) for tag, name in tags]
+    if len(jobs) > 1 and not is_local(fs):
+        # one GET per folder: a few in flight on object stores
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(jobs)), thread_name_prefix="smpckpt-scan") as pool:
+            records = list(pool.map(lambda job: _record(*job, storage_options), jobs))
+    else:
+        records = [_record(tag, url, storage_options) for tag, url in jobs]
     records.sort(key=lambda r: (r.committed, r.order, r.tag))
     return records
 

@@ -95,7 +95,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "newest": r.tag == newest,
                 "size": r.size,
                 "layout": r.extra.get("layout"),
-                "saved_at": r.extra.get("saved_at") or (r.manifest or {}).get("created"),
+                "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
+                "detail": r.detail,
             }
         )
     if args.json:
@@ -114,6 +115,9 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
     for line in table:
         out.write("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() + "\n")
+    for r in records:
+        if r.state in ("unsafe", "corrupt", "unreadable"):
+            out.write(f"warning: {r.tag} is {r.state}: {r.detail}\n")
     if newest is None:
         out.write("(no valid 'newest' file)\n")
     elif newest not in {r.tag for r in records if r.committed}:
@@ -232,22 +236,46 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 1
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """``"90"``, ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"`` -> seconds."""
+    text = text.strip().lower()
+    unit = _DURATION_UNITS.get(text[-1:], None)
+    number = text[:-1] if unit is not None else text
+    try:
+        value = float(number) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 6h, 2d)") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"duration must be >= 0, got {text!r}")
+    return value
+
+
 def _cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     options = _storage_options(args.storage_options)
+    if args.keep is None and args.uncommitted_older_than is None:
+        raise _UsageError("give --keep N, --uncommitted-older-than AGE, or both")
     try:
-        keep = validate_keep(args.keep, "--keep") or 0
+        keep = validate_keep(args.keep, "--keep")
     except ValueError as exc:
         raise _UsageError(str(exc)) from exc
     newest = newest_tag(args.path, storage_options=options)
     result = apply_retention(
-        args.path, keep, storage_options=options, protected={newest} if newest else set(), dry_run=args.dry_run
+        args.path, keep, storage_options=options, protected={newest} if newest else set(), dry_run=args.dry_run,
+        uncommitted_older_than=args.uncommitted_older_than,
     )
     verb = "would remove" if args.dry_run else "removed"
     for tag in result.removed:
         out.write(f"{verb} {tag}\n")
+    for tag in result.removed_uncommitted:
+        out.write(f"{verb} {tag} (uncommitted, stale)\n")
+    for key in result.aborted_uploads:
+        out.write(f"aborted multipart upload {key}\n")
     for tag in result.failed:
         err.write(f"could not remove {tag}\n")
-    if not result.removed and not result.failed:
+    if not (result.removed or result.removed_uncommitted or result.aborted_uploads or result.failed):
         out.write("nothing to remove\n")
     return 1 if result.failed else 0
 
@@ -280,9 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("prune", parents=[common], help="keep the N newest committed partial checkpoints")
+    p = sub.add_parser(
+        "prune", parents=[common],
+        help="keep the N newest committed partial checkpoints; remove stale debris of failed saves",
+    )
     p.add_argument("path")
-    p.add_argument("--keep", type=int, required=True, metavar="N")
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="committed checkpoints to keep (N >= 1)")
+    p.add_argument(
+        "--uncommitted-older-than", type=_duration, default=None, metavar="AGE",
+        help="also remove uncommitted folders with no write for AGE (e.g. 6h; make it longer than any save) "
+        "and abort S3 multipart uploads started that long ago",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed")
     p.set_defaults(func=_cmd_prune)
     return parser

@@ -5,8 +5,10 @@ on its own. :func:`apply_retention` scans the root, asks the policy and deletes,
 
 Rules (issue 4):
 
-* only **committed** partial checkpoints count and are ever deleted; an uncommitted folder may be a
-  save in progress (or debris a human should look at) and is left alone;
+* only **committed** partial checkpoints count; an uncommitted folder may be a save in progress and
+  is left alone -- unless the caller asks for stale ones (``uncommitted_older_than``): then folders
+  with no write for that long, and S3 multipart uploads that old, are removed;
+* ``unsafe`` and ``corrupt`` folders are never deleted automatically (evidence for a human);
 * the ``keep`` newest committed ones (by save time) stay;
 * the tag ``newest`` names is never deleted, even if clocks made it look old;
 * a failed delete is logged and the rest continue; it never fails the save that triggered it.
@@ -19,13 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from smpckpt.catalog import CheckpointRecord, scan_root
-from smpckpt.storage import remove_checkpoint
+from smpckpt.storage import abort_stale_uploads, last_activity, remove_checkpoint
 
-__all__ = ["KeepLatestN", "select_for_removal", "apply_retention", "RetentionResult", "validate_keep"]
+__all__ = [
+    "KeepLatestN",
+    "select_for_removal",
+    "select_stale_uncommitted",
+    "apply_retention",
+    "RetentionResult",
+    "validate_keep",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,36 +83,86 @@ def select_for_removal(records: Sequence[CheckpointRecord], keep: int, protected
 class RetentionResult:
     removed: tuple[str, ...]
     failed: tuple[str, ...]  #: tags whose removal raised (logged); retried by the next save
+    removed_uncommitted: tuple[str, ...] = ()  #: stale uncommitted folders removed (their tags)
+    aborted_uploads: tuple[str, ...] = ()  #: stale S3 multipart uploads aborted (their keys)
+
+
+def select_stale_uncommitted(
+    records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
+) -> list[str]:
+    """Tags of uncommitted folders with no activity for ``older_than_s`` seconds (pure policy).
+
+    ``activity`` maps a tag to the newest modification time under its folder (``None``: nothing
+    there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
+    recoverable data) and ``unsafe`` folders are left for a human.
+    """
+    stale = []
+    for r in records:
+        if r.state != "uncommitted":
+            continue
+        t = activity.get(r.tag)
+        if t is None or now - t >= older_than_s:
+            stale.append(r.tag)
+    return stale
 
 
 def apply_retention(
     root_url: str,
-    keep: int,
+    keep: int | None,
     *,
     storage_options: Any = None,
     protected: Collection[str] = (),
     dry_run: bool = False,
+    uncommitted_older_than: float | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest.
 
     Each removal deletes the manifest first (see :func:`smpckpt.storage.remove_checkpoint`), so an
     interrupted removal leaves an uncommitted folder that readers refuse, never a half-deleted
-    "committed" one.
+    "committed" one. ``keep=None`` removes no committed checkpoint.
+
+    ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves:
+    uncommitted folders in which nothing was written for that long, and S3 multipart uploads under
+    the root started that long ago. A save in flight keeps writing (or has just started its uploads),
+    so an age well above the longest save (hours, not minutes) never touches one.
     """
+    if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
+        raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
     records = scan_root(root_url, storage_options=storage_options)
-    doomed = select_for_removal(records, keep, protected)
+    doomed = select_for_removal(records, keep, protected) if keep is not None else []
     removed: list[str] = []
     failed: list[str] = []
     by_tag = {r.tag: r for r in records}
-    for tag in doomed:
+
+    def remove(tag: str, what: str) -> bool:
         if dry_run:
-            removed.append(tag)
-            continue
+            return True
         try:
             remove_checkpoint(by_tag[tag].url, storage_options)
-            removed.append(tag)
-            log.info("retention: removed checkpoint %s", by_tag[tag].url)
+            log.info("retention: removed %s %s", what, by_tag[tag].url)
+            return True
         except Exception as exc:  # noqa: BLE001 - a failed delete must not fail the save
             failed.append(tag)
             log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
-    return RetentionResult(tuple(removed), tuple(failed))
+            return False
+
+    removed = [tag for tag in doomed if remove(tag, "checkpoint")]
+    stale: list[str] = []
+    aborted: list[str] = []
+    if uncommitted_older_than is not None:
+        now = time.time()
+        activity = {
+            r.tag: last_activity(r.url, storage_options)
+            for r in records
+            if r.state == "uncommitted" and r.tag not in protected
+        }
+        candidates = select_stale_uncommitted(
+            [r for r in records if r.tag not in protected], activity, uncommitted_older_than, now
+        )
+        stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder")]
+        if not dry_run:
+            try:
+                aborted = abort_stale_uploads(root_url, uncommitted_older_than, storage_options)
+            except OSError as exc:
+                log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
+    return RetentionResult(tuple(removed), tuple(failed), tuple(stale), tuple(aborted))

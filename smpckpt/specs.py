@@ -71,10 +71,18 @@ class ShardSpec:
 SpecLike = Union[ShardSpec, Sequence[ShardSpec]]
 
 
-def _as_tuple(spec: SpecLike) -> tuple[ShardSpec, ...]:
-    specs = (spec,) if isinstance(spec, ShardSpec) else tuple(spec)
+def _as_tuple(spec: SpecLike, pattern: str = "?") -> tuple[ShardSpec, ...]:
+    if isinstance(spec, ShardSpec):
+        specs: tuple[Any, ...] = (spec,)
+    elif isinstance(spec, (list, tuple)):
+        specs = tuple(spec)
+    else:
+        specs = ()
     if not specs or not all(isinstance(s, ShardSpec) for s in specs):
-        raise SpecError(f"a spec rule needs a ShardSpec or a sequence of them, got {spec!r}")
+        raise SpecError(
+            f"spec rule {pattern!r}: needs a ShardSpec or a tuple of them (outermost first), got "
+            f"{type(spec).__name__} {spec!r}"
+        )
     if len({s.axis for s in specs}) != len(specs):
         raise SpecError(f"a tensor can be split once per axis; got {specs}")
     views = {s.view for s in specs if s.view is not None}
@@ -94,7 +102,9 @@ class SpecRules:
     def __init__(self, rules: Mapping[str, SpecLike] | None = None) -> None:
         self._rules: list[tuple[str, re.Pattern[str], tuple[ShardSpec, ...]]] = []
         for pattern, spec in (rules or {}).items():
-            self._rules.append((pattern, re.compile(fnmatch.translate(pattern)), _as_tuple(spec)))
+            if not isinstance(pattern, str):
+                raise SpecError(f"spec rule keys are glob strings, got {type(pattern).__name__} {pattern!r}")
+            self._rules.append((pattern, re.compile(fnmatch.translate(pattern)), _as_tuple(spec, pattern)))
         self._cache: dict[tuple[str, tuple[str, ...]], tuple[tuple[ShardSpec, ...], str | None] | None] = {}
 
     def __bool__(self) -> bool:

@@ -41,38 +41,51 @@ NEWEST_NAME = "newest"
 PARTIAL_SUFFIX = "_partial"
 #: ``newest`` is a one-line text file; anything larger is not ours and is not read whole.
 _NEWEST_MAX_BYTES = 4096
-_MAX_TAG_LEN = 255 - len(PARTIAL_SUFFIX)  # one path component on common filesystems
+#: Longest tag in UTF-8 bytes: ``{tag}_partial`` must fit one path component (255 bytes on common
+#: filesystems) with room to spare; checked up front so a long tag never fails half-way through a save.
+_MAX_TAG_BYTES = 200
+#: Characters a tag may hold besides letters and digits. Deliberately no glob characters (``* ? [ ] { } !``),
+#: no separators, no spaces: a tag ends up in fsspec calls and S3 keys, and some backends expand globs.
+_TAG_PUNCTUATION = frozenset("._-+=@,")
 
 
 def validate_tag(tag: Any) -> str:
     """Return ``tag`` if it is usable as a checkpoint tag, else raise :class:`ValueError`.
 
-    A tag names a folder (``{tag}_partial``) directly under the root, so it must be a non-empty
-    ``str`` without ``/`` or ``\\`` (no nesting, no escaping the root), without ``..``, without
-    control characters (``\\x00``-``\\x1f``, ``\\x7f``), without surrounding whitespace (a tag read
-    back from ``newest`` would not round-trip), and at most 246 characters.
+    A tag names a folder (``{tag}_partial``) directly under the root. It is a non-empty ``str`` of
+    letters and digits (Unicode ones too) and ``. _ - + = @ ,``, starting with a letter or digit,
+    without ``..``, not ending in ``_partial`` (that suffix is the folder's, and ``smpckpt verify
+    ROOT/TAG`` must resolve one way), at most 200 bytes in UTF-8. Everything else -- path separators,
+    whitespace, control characters, and the glob characters ``* ? [ ] { } !`` that fsspec backends
+    expand -- is refused on every backend alike, before anything is written.
     """
     if not isinstance(tag, str):
         raise ValueError(f"checkpoint tag must be a str, got {type(tag).__name__}")
     problem = _tag_problem(tag)
     if problem:
-        raise ValueError(f"invalid checkpoint tag {tag!r}: {problem}")
+        raise ValueError(f"invalid checkpoint tag {tag[:80]!r}: {problem}")
     return tag
 
 
 def _tag_problem(tag: str) -> str | None:
     if not tag:
         return "it is empty"
-    if "/" in tag or "\\" in tag:
-        return "it contains a path separator"
+    bad = sorted({c for c in tag if not (c.isalnum() or c in _TAG_PUNCTUATION)})
+    if bad:
+        shown = "".join(bad[:10])
+        return (
+            f"it contains {shown!r}; a tag may hold only letters, digits and "
+            f"{''.join(sorted(_TAG_PUNCTUATION))!r} (no path separators, whitespace, control or glob characters)"
+        )
+    if not tag[0].isalnum():
+        return "it must start with a letter or digit"
     if ".." in tag:
         return "it contains '..'"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in tag):
-        return "it contains control characters"
-    if tag != tag.strip():
-        return "it has leading or trailing whitespace"
-    if len(tag) > _MAX_TAG_LEN:
-        return f"it is longer than {_MAX_TAG_LEN} characters"
+    if tag.endswith(PARTIAL_SUFFIX):
+        return f"it ends in {PARTIAL_SUFFIX!r}, the suffix of partial checkpoint folders"
+    size = len(tag.encode("utf-8"))
+    if size > _MAX_TAG_BYTES:
+        return f"it is {size} bytes long in UTF-8; at most {_MAX_TAG_BYTES} are allowed"
     return None
 
 

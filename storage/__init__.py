@@ -12,7 +12,10 @@ from smpckpt.storage.manifest import FileRecord, Manifest  # noqa: E402
 from smpckpt.storage.reader import FsspecStorageReader, ReadStats  # noqa: E402
 from smpckpt.storage.tools import (  # noqa: E402
     VerifyReport,
+    abort_stale_uploads,
     checkpoint_state,
+    last_activity,
+    probe_checkpoint,
     read_manifest,
     remove_checkpoint,
     verify_checkpoint,
@@ -24,7 +27,10 @@ __all__ = [
     "FsspecStorageReader",
     "ReadStats",
     "checkpoint_state",
+    "probe_checkpoint",
     "read_manifest",
+    "last_activity",
+    "abort_stale_uploads",
     "verify_checkpoint",
     "VerifyReport",
     "remove_checkpoint",

@@ -25,6 +25,9 @@ _CODE_TO_EXC: dict[str, type[OSError]] = {
     "403": PermissionError,
     "InvalidAccessKeyId": PermissionError,
     "SignatureDoesNotMatch": PermissionError,
+    # a conditional PUT (If-None-Match: *) found the object already there
+    "PreconditionFailed": FileExistsError,
+    "412": FileExistsError,
 }
 
 
@@ -47,7 +50,7 @@ def translate(exc: BaseException, path: str) -> BaseException:
 
 
 def _errno_for(cls: type[OSError]) -> int:
-    return {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES}.get(cls, errno.EIO)
+    return {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, FileExistsError: errno.EEXIST}.get(cls, errno.EIO)
 
 
 @contextlib.contextmanager

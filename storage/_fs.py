@@ -7,7 +7,10 @@ their scheme.
 
 from __future__ import annotations
 
+import concurrent.futures
+import errno
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,13 +25,19 @@ __all__ = [
     "is_local",
     "join",
     "write_bytes_atomic",
+    "create_bytes_exclusive",
     "read_bytes_or_none",
     "fsync_dir",
     "remove_files",
+    "remove_tree",
 ]
 
 _INSTALL_HINTS = {"s3": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
                   "s3a": "install smpckpt[s3] (it adds s3fs) to use s3:// paths"}
+
+
+#: fsspec options LocalFileSystem understands; anything else given for a local path is a mistake.
+_LOCAL_OPTIONS = frozenset({"auto_mkdir", "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
 
 
 def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -41,6 +50,14 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
     if not isinstance(url, str) or not url:
         raise ValueError(f"checkpoint location must be a non-empty path or URL, got {url!r}")
     scheme = url.split("://", 1)[0] if "://" in url else "file"
+    if scheme in ("file", "local") and storage_options:
+        unknown = sorted(set(storage_options) - _LOCAL_OPTIONS)
+        if unknown:
+            # LocalFileSystem swallows unknown keyword arguments: a misplaced S3 option would be ignored
+            raise ValueError(
+                f"{url}: storage_options {unknown} do not apply to a local path (local disk accepts "
+                f"{sorted(_LOCAL_OPTIONS)}); were they meant for an s3:// URL?"
+            )
     try:
         fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as exc:
@@ -113,6 +130,74 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sy
             fs.pipe_file(path, data)
 
 
+_MEMORY_LOCK = threading.Lock()
+
+
+def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True) -> None:
+    """Create ``path`` holding ``data`` only if nothing is there; raise ``FileExistsError`` otherwise.
+
+    This is what makes a commit exclusive: of two saves racing on one folder, exactly one creates
+    the commit marker. Readers see no file or all of it, never a torn one.
+
+    * Local/POSIX (also Lustre, NFS): write and fsync a temp file, then ``os.link`` it to the target
+      (atomic, fails with ``EEXIST``), drop the temp name, fsync the directory. Where hard links are
+      not supported it falls back to ``O_CREAT | O_EXCL`` (exclusive, but a crash mid-write can leave
+      a torn file, which readers reject as a corrupt manifest).
+    * S3: one conditional PUT (``If-None-Match: *``); the server answers 412 if the key exists.
+    * ``memory://``: check and write under a process-wide lock (the store is per process).
+    * Other backends: check, then write (best effort; not exclusive against other processes).
+    """
+    with translate_errors(path):
+        if is_local(fs):
+            _create_local_exclusive(path, data, sync=sync)
+        elif _protocol(fs) in ("s3", "s3a"):
+            fs.pipe_file(path, data, IfNoneMatch="*")
+        elif _protocol(fs) == "memory":
+            with _MEMORY_LOCK:
+                if fs.exists(path):
+                    raise FileExistsError(errno.EEXIST, "exists", path)
+                fs.pipe_file(path, data)
+        else:
+            if fs.exists(path):
+                raise FileExistsError(errno.EEXIST, "exists", path)
+            fs.pipe_file(path, data)
+
+
+def _protocol(fs: Any) -> str:
+    proto = getattr(fs, "protocol", "")
+    return str(proto[0] if isinstance(proto, (tuple, list)) else proto)
+
+
+def _create_local_exclusive(path: str, data: bytes, *, sync: bool) -> None:
+    folder = os.path.dirname(path) or "."
+    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            # no hard links here (some FUSE mounts): exclusive create, then write in place
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    if sync:
+        fsync_dir(folder)
+
+
 def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
     """The whole file, or ``None`` when it does not exist (one GET; no HEAD/LIST first)."""
     with translate_errors(path):
@@ -124,24 +209,52 @@ def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
 
 
 def remove_files(fs: Any, paths: list[str]) -> list[str]:
-    """Best-effort removal; returns the paths that could not be removed (missing ones count as removed)."""
-    failed: list[str] = []
-    if not paths:
-        return failed
-    try:
-        with translate_errors(paths[0]):
-            fs.rm(paths)
-        return failed
-    except FileNotFoundError:
-        pass
-    except OSError:
-        pass
-    for p in paths:
+    """Best-effort removal of exactly these files; returns those that could not be removed (missing
+    ones count as removed).
+
+    One ``rm_file`` per path, never ``fs.rm``: fsspec's ``rm`` expands glob characters (``*``, ``[``) on
+    S3, ``memory://`` and local disk alike, so a name holding them would delete other checkpoints.
+    """
+    def one(p: str) -> str | None:
         try:
             with translate_errors(p):
                 fs.rm_file(p)
         except FileNotFoundError:
             pass
         except OSError:
-            failed.append(p)
+            return p
+        return None
+
+    if len(paths) > 1 and not is_local(fs):
+        # object stores: one DELETE per request, so a few in flight
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="smpckpt-rm") as pool:
+            outcome = list(pool.map(one, paths))
+    else:
+        outcome = [one(p) for p in paths]
+    return [p for p in outcome if p is not None]
+
+
+def remove_tree(fs: Any, folder: str) -> list[str]:
+    """Delete ``folder`` and everything under it by exact listed paths (no globbing anywhere).
+
+    Lists with ``find`` (a plain listing), removes every file with :func:`remove_files`, then the
+    emptied directories deepest first (local disk and ``memory://``; object stores have none).
+    Returns the paths that could not be removed. A missing folder raises ``FileNotFoundError``.
+    """
+    with translate_errors(folder):
+        found = fs.find(folder, withdirs=True, detail=True)
+    if not found and not fs.exists(folder):
+        raise FileNotFoundError(folder)
+    files = [p for p, info in found.items() if info.get("type") != "directory"]
+    dirs = [p for p, info in found.items() if info.get("type") == "directory"]
+    failed = remove_files(fs, files)
+    if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
+        for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
+            try:
+                with translate_errors(d):
+                    fs.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                failed.append(d)
     return failed

@@ -15,6 +15,7 @@ right after the folder so every object stays under the checkpoint's folder.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
 import time
@@ -28,6 +29,7 @@ __all__ = [
     "data_file_name",
     "generation_metadata_name",
     "is_smpckpt_file",
+    "check_member_name",
 ]
 
 MANIFEST_NAME = "smpckpt.manifest.json"
@@ -66,3 +68,30 @@ def generation_metadata_name(save_id: str) -> str:
 def is_smpckpt_file(name: str) -> bool:
     """True for a data or per-generation metadata file written by our writer (base name only)."""
     return bool(_DATA_RE.match(name) or _GEN_META_RE.match(name))
+
+
+def check_member_name(name: object, *, where: str) -> str:
+    """``name`` if it is a plain file name that stays inside its checkpoint folder, else raise
+    :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where`` (the manifest or metadata that held it).
+
+    Every file name read from a checkpoint (manifest entries, the metadata's ``relative_path``) goes
+    through here before anything is read or deleted: a crafted ``../../victim`` must never reach the
+    filesystem.
+    """
+    from smpckpt.errors import UnsafeCheckpoint
+
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and os.sep not in name
+        and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)
+    )
+    if not ok:
+        raise UnsafeCheckpoint(
+            f"{where}: file name {str(name)[:100]!r} is not a plain name inside the checkpoint folder; "
+            "refusing the checkpoint (crafted or corrupt)"
+        )
+    return name  # type: ignore[return-value]

@@ -34,7 +34,8 @@ class Probe:
             return [f.name for f in self.manifest.files] + [self.manifest.metadata.name]
         if self.legacy_metadata is not None:
             names = {getattr(info, "relative_path", None) for info in (self.legacy_metadata.storage_data or {}).values()}
-            return sorted(n for n in names if isinstance(n, str) and "/" not in n and n)
+            # a crafted name must never reach a delete: refuse the checkpoint instead
+            return sorted(_names.check_member_name(n, where="legacy .metadata") for n in names)
         return []
 
 

@@ -12,8 +12,18 @@ is what makes a checkpoint committed. Layout (``format_version`` 1)::
       "metadata": {"name": ".metadata.<save_id>", "size": 1972, "xxh3_64": "<16 hex>"},
       "files": [{"name": "...", "size": 123, "rank": 0,
                  "block_ends": "<base64 of little-endian uint64>", "block_digests": "<base64 ...>"}],
-      "extra": {...}                     # caller-supplied JSON (layout, user info)
+      "extra": {...},                    # caller-supplied JSON (layout, user info)
+      "manifest_xxh3_64": "<16 hex>"     # digest of everything above (canonical JSON); see below
     }
+
+``manifest_xxh3_64`` covers the manifest itself -- its ``extra``, file list and block digests -- so a
+flipped byte in the manifest is reported as a corrupt manifest, not blamed on an intact data file.
+It is computed over the canonical JSON (sorted keys, compact separators) of the object without that
+field. Manifests written before it existed have none and are read as before.
+
+File names are checked when the manifest is parsed: a name that is not a plain file name inside the
+checkpoint folder (``../x``, ``a/b``) makes the checkpoint :class:`~smpckpt.errors.UnsafeCheckpoint`
+before anything is read or deleted.
 
 Block lists are packed (8 bytes per block, base64) so a 1 TiB checkpoint with 1 MiB blocks needs
 about 22 MiB of manifest rather than ~60 MiB of JSON numbers.
@@ -30,9 +40,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage._names import FORMAT_VERSION
+from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._names import FORMAT_VERSION, check_member_name
 
 __all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat"]
+
+_DIGEST_KEY = "manifest_xxh3_64"
+
+
+def _self_digest(obj: Mapping[str, Any]) -> int:
+    """xxh3-64 of the canonical JSON of the manifest object (without its own digest field)."""
+    return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 CheckpointKind = Literal["partial", "full"]
 DataFormat = Literal["raw", "torch_save"]
@@ -88,10 +106,13 @@ class FileRecord:
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> FileRecord:
+    def from_json(cls, obj: Mapping[str, Any], *, where: str = "manifest") -> FileRecord:
+        size = int(obj["size"])
+        if size < 0:
+            raise ValueError(f"file {obj['name']!r} has a negative size")
         return cls(
-            name=str(obj["name"]),
-            size=int(obj["size"]),
+            name=check_member_name(obj["name"], where=where),
+            size=size,
             rank=int(obj.get("rank", -1)),
             block_ends=_unpack(obj["block_ends"]),
             block_digests=_unpack(obj["block_digests"]),
@@ -144,6 +165,7 @@ class Manifest:
             "files": [f.to_json() for f in self.files],
             "extra": dict(self.extra),
         }
+        obj[_DIGEST_KEY] = f"{_self_digest(obj):016x}"
         return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
 
     @classmethod
@@ -151,13 +173,21 @@ class Manifest:
         """Parse and validate; any problem is a :class:`CheckpointCorrupt` naming ``where``."""
         try:
             obj = json.loads(data.decode("utf-8"))
-            if obj.get("format") != "smpckpt":
+            if not isinstance(obj, dict) or obj.get("format") != "smpckpt":
                 raise ValueError("not an smpckpt manifest")
             version = int(obj["format_version"])
             if version > FORMAT_VERSION:
                 raise ValueError(
                     f"format_version {version} is newer than this smpckpt understands ({FORMAT_VERSION}); upgrade smpckpt"
                 )
+            # after the version check: a newer format may digest differently
+            if _DIGEST_KEY in obj:
+                recorded = obj.pop(_DIGEST_KEY)
+                if not isinstance(recorded, str) or int(recorded, 16) != _self_digest(obj):
+                    raise CheckpointCorrupt(
+                        f"{where} is corrupt: its own checksum does not match its content (the manifest, "
+                        "not necessarily the data, was damaged)"
+                    )
             if obj["checksum"]["algorithm"] != "xxh3_64":
                 raise ValueError(f"unknown checksum algorithm {obj['checksum']['algorithm']!r}")
             kind = obj["kind"]
@@ -167,12 +197,17 @@ class Manifest:
             if data_format not in ("raw", "torch_save"):
                 raise ValueError(f"unknown data format {data_format!r}")
             md = obj["metadata"]
+            files = tuple(FileRecord.from_json(f, where=where) for f in obj["files"])
+            if len({f.name for f in files}) != len(files):
+                raise ValueError("a data file is listed twice")
+            if int(md["size"]) < 0:
+                raise ValueError("negative metadata size")
             return cls(
                 save_id=str(obj["save_id"]),
                 kind=kind,
                 data_format=data_format,
-                metadata=MetadataRecord(str(md["name"]), int(md["size"]), int(md["xxh3_64"], 16)),
-                files=tuple(FileRecord.from_json(f) for f in obj["files"]),
+                metadata=MetadataRecord(check_member_name(md["name"], where=where), int(md["size"]), int(md["xxh3_64"], 16)),
+                files=files,
                 world_size=int(obj["world_size"]),
                 created=str(obj["created"]),
                 extra=obj.get("extra") or {},

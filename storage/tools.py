@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,11 +13,20 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import join, open_fs
-from smpckpt.storage._state import CheckpointState, probe
+from smpckpt.storage._fs import join, open_fs, read_bytes_or_none, remove_tree
+from smpckpt.storage._state import CheckpointState, Probe, probe
 from smpckpt.storage.manifest import Manifest
 
-__all__ = ["checkpoint_state", "read_manifest", "verify_checkpoint", "VerifyReport", "remove_checkpoint"]
+__all__ = [
+    "checkpoint_state",
+    "probe_checkpoint",
+    "read_manifest",
+    "verify_checkpoint",
+    "VerifyReport",
+    "remove_checkpoint",
+    "last_activity",
+    "abort_stale_uploads",
+]
 
 _READ_CHUNK = 16 << 20
 
@@ -25,6 +36,16 @@ def checkpoint_state(url: str | os.PathLike[str], storage_options: Mapping[str, 
     running save), ``"legacy"`` (a stock DCP checkpoint: ``.metadata``, no manifest) or ``"missing"``."""
     fs, path = open_fs(url, storage_options)
     return probe(fs, path).state
+
+
+def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Probe:
+    """State and (when committed) the parsed :class:`Manifest` of a checkpoint folder, in one call.
+
+    Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest and
+    :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` or manifest that must not be trusted.
+    """
+    fs, path = open_fs(url, storage_options)
+    return probe(fs, path)
 
 
 def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -67,7 +88,9 @@ def verify_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check every file of a committed checkpoint: presence, size and every block checksum.
+    """Check every file of a committed checkpoint: presence, size and every block checksum, the
+    manifest's own checksum (its file list, digests and ``extra``), and that the stock ``.metadata``
+    copy equals the committed generation's metadata.
 
     ``progress(done_bytes, total_bytes)`` is called as bytes are checked. A legacy (stock DCP)
     checkpoint has no checksums: its referenced files are checked for presence and size only.
@@ -75,7 +98,11 @@ def verify_checkpoint(
     """
     url = os.fspath(url)
     fs, path = open_fs(url, storage_options)
-    found = probe(fs, path)
+    try:
+        found = probe(fs, path)
+    except CheckpointCorrupt as exc:
+        # the manifest itself is damaged (its own checksum covers its file list, digests and extra)
+        return VerifyReport(url, "committed", 1, 0, (str(exc),), True)
     if found.state in ("missing", "uncommitted"):
         raise CheckpointNotFound(f"{url}: nothing committed to verify (state: {found.state}) {found.detail}".rstrip())
     problems: list[str] = []
@@ -92,6 +119,15 @@ def verify_checkpoint(
             problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     except FileNotFoundError:
         problems.append(f"{manifest.metadata.name}: missing")
+    stock_path = join(fs, path, _names.METADATA_NAME)
+    stock = read_bytes_or_none(fs, stock_path)
+    if stock is None:
+        problems.append(f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
+    elif len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
+        problems.append(
+            f"{_names.METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
+            "load another generation or fail)"
+        )
     done += manifest.metadata.size
     if progress:
         progress(done, total)
@@ -122,10 +158,14 @@ def verify_checkpoint(
 
 def _verify_legacy(fs: Any, path: str, url: str, metadata: Any, progress: Callable[[int, int], None] | None) -> VerifyReport:
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = str(info.relative_path)
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
     problems: list[str] = []
+    for index, info in (metadata.storage_data or {}).items():
+        name = _names.check_member_name(getattr(info, "relative_path", None), where=f"{url}/.metadata")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            problems.append(f"{name}: record of {getattr(index, 'fqn', index)!r} has offset {offset!r}, length {length!r}")
+            continue
+        needed[name] = max(needed.get(name, 0), offset + length)
     total = sum(needed.values())
     done = 0
     for name, end in sorted(needed.items()):
@@ -147,7 +187,12 @@ def remove_checkpoint(
     url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, missing_ok: bool = True
 ) -> None:
     """Delete a checkpoint folder. The manifest goes first, so an interrupted removal leaves an
-    uncommitted folder (refused by readers), never a committed one with files missing."""
+    uncommitted folder (refused by readers), never a committed one with files missing.
+
+    Deletes exactly the files listed under the folder (never a glob), so characters such as ``*`` or
+    ``[`` in the path cannot reach other checkpoints. Raises :class:`OSError` naming what could not be
+    removed.
+    """
     fs, path = open_fs(url, storage_options)
     manifest_path = join(fs, path, _names.MANIFEST_NAME)
     try:
@@ -156,9 +201,85 @@ def remove_checkpoint(
     except FileNotFoundError:
         pass
     try:
-        with translate_errors(path):
-            fs.rm(path, recursive=True)
+        failed = remove_tree(fs, path)
     except FileNotFoundError:
         if not missing_ok:
             raise CheckpointNotFound(f"no checkpoint at {os.fspath(url)}") from None
+        return
+    if failed:
+        raise OSError(f"could not remove {len(failed)} path(s) of {os.fspath(url)}: {failed[:5]}")
 
+
+def _mtime(info: Mapping[str, Any]) -> float | None:
+    """Modification time (epoch seconds) from an fsspec listing entry, on any backend."""
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def _s3_uploads(fs: Any, path: str) -> list[dict[str, Any]]:
+    """Open multipart uploads whose key lies under ``path`` (S3 only; ``[]`` elsewhere)."""
+    if not any(p in ("s3", "s3a") for p in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)):
+        return []
+    bucket, _, prefix = path.partition("/")
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    uploads: list[dict[str, Any]] = []
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    for _ in range(10_000):  # bounded paging
+        with translate_errors(path):
+            page = fs.call_s3("list_multipart_uploads", **kwargs)
+        uploads.extend(page.get("Uploads", []))
+        if not page.get("IsTruncated"):
+            break
+        kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))
+    return uploads
+
+
+def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:
+    """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files
+    and, on S3, the start of any multipart upload still open there. ``None`` when nothing is there."""
+    fs, path = open_fs(url, storage_options)
+    times: list[float] = []
+    try:
+        with translate_errors(path):
+            found = fs.find(path, withdirs=False, detail=True)
+    except FileNotFoundError:
+        found = {}
+    for info in found.values():
+        t = _mtime(info)
+        if t is not None:
+            times.append(t)
+    for upload in _s3_uploads(fs, path):
+        t = _mtime({"created": upload.get("Initiated")})
+        if t is not None:
+            times.append(t)
+    return max(times) if times else None
+
+
+def abort_stale_uploads(
+    url: str | os.PathLike[str], older_than_s: float, storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
+    """Abort S3 multipart uploads under ``url`` started more than ``older_than_s`` seconds ago (they are
+    left by killed saves and billed until aborted). Returns their keys; a no-op on other backends."""
+    fs, path = open_fs(url, storage_options)
+    bucket = path.partition("/")[0]
+    now = time.time()
+    aborted: list[str] = []
+    for upload in _s3_uploads(fs, path):
+        started = _mtime({"created": upload.get("Initiated")})
+        if started is None or now - started < older_than_s:
+            continue
+        with translate_errors(f"{bucket}/{upload['Key']}"):
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        aborted.append(f"{bucket}/{upload['Key']}")
+    return aborted

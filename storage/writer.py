@@ -8,11 +8,17 @@ Call order inside ``dcp.save`` (as in DCP's ``StorageWriter`` docstring; "all" =
     3) (all)         prepare_local_plan(plan)         nothing to do: no I/O on every rank
     4) (coordinator) prepare_global_plan(plans)       overwrite check (one GET), new save id -> every plan
     5) (all)         write_data(plan, planner)        this rank's data files, durable before returning
-    6) (coordinator) finish(metadata, results)        .metadata.<id>, .metadata, then the manifest (commit),
-                                                      then removal of the previous generation's files
+    6) (coordinator) finish(metadata, results)        .metadata.<id>, then the manifest (the commit:
+                                                      exclusive unless overwrite=True), then the stock
+                                                      .metadata copy, then removal of the previous
+                                                      generation's files
 
 DCP runs 6) only when every rank succeeded in 5), so a failed rank leaves no manifest and the folder
 keeps its previous committed generation (or stays uncommitted); every rank gets the error.
+
+Two saves racing on one folder without ``overwrite``: both pass the check in 4), but the commit is
+create-if-absent (a hard link on POSIX, ``If-None-Match: *`` on S3), so exactly one commits; the
+other removes its own files and fails with :class:`~smpckpt.errors.CheckpointExists`.
 
 Data files are named per save id, so an overwrite writes a new generation beside the old one. The
 manifest swap is the commit; our reader follows the manifest to its own generation's metadata copy,
@@ -44,7 +50,16 @@ from torch.futures import Future
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, BlockHasher, hash_bytes
-from smpckpt.storage._fs import fsync_dir, is_local, join, open_fs, remove_files, supports_url, write_bytes_atomic
+from smpckpt.storage._fs import (
+    create_bytes_exclusive,
+    fsync_dir,
+    is_local,
+    join,
+    open_fs,
+    remove_files,
+    supports_url,
+    write_bytes_atomic,
+)
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
@@ -297,8 +312,26 @@ class FsspecStorageWriter(StorageWriter):
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             extra=self._extra,
         )
-        self._write_manifest(manifest.to_bytes())
+        try:
+            self._write_manifest(manifest.to_bytes())
+        except FileExistsError as exc:
+            if not self._committed_by_us(save_id):
+                self._discard_generation(manifest)
+                raise CheckpointExists(
+                    f"{self.url}: another save committed a checkpoint here while this one was writing; this "
+                    "save's files were removed and the other checkpoint is untouched (pass overwrite=True to "
+                    "replace it)"
+                ) from exc
         self._used_save_ids.add(save_id)
+        # The stock name, for stock readers; our reader follows the manifest. Written only after the
+        # commit, so the loser of a race can never replace the winner's copy.
+        try:
+            write_bytes_atomic(self.fs, join(self.fs, self.path, _names.METADATA_NAME), md_bytes, sync=self.sync_files)
+        except OSError as exc:
+            log.warning(
+                "%s is committed, but its stock .metadata copy could not be written (stock DCP readers cannot "
+                "load it; smpckpt can): %s", self.url, exc,
+            )
         if self.remove_old_generation and self._old_files:
             keep = {f.name for f in manifest.files} | {gen_name, _names.METADATA_NAME, _names.MANIFEST_NAME}
             stale = [join(self.fs, self.path, n) for n in self._old_files if n not in keep]
@@ -306,15 +339,34 @@ class FsspecStorageWriter(StorageWriter):
             if failed:
                 log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
 
+    def _committed_by_us(self, save_id: str) -> bool:
+        """After a refused exclusive commit: is the manifest there our own (a retried request whose
+        first attempt landed)?"""
+        try:
+            found = probe(self.fs, self.path, list_when_empty=False)
+        except CheckpointError:
+            return False
+        return found.manifest is not None and found.manifest.save_id == save_id
+
+    def _discard_generation(self, manifest: Manifest) -> None:
+        names = [f.name for f in manifest.files] + [manifest.metadata.name]
+        failed = remove_files(self.fs, [join(self.fs, self.path, n) for n in names])
+        if failed:
+            log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
+
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        # one directory fsync (after the second rename) makes both renames durable
+        # the directory fsync comes with the manifest's, in the same folder
         write_bytes_atomic(self.fs, join(self.fs, self.path, gen_name), md_bytes, sync=self.sync_files, sync_dir=False)
-        # the stock name, for stock readers (and legacy tools); our reader follows the manifest
-        write_bytes_atomic(self.fs, join(self.fs, self.path, _names.METADATA_NAME), md_bytes, sync=self.sync_files)
 
     def _write_manifest(self, data: bytes) -> None:
-        write_bytes_atomic(self.fs, join(self.fs, self.path, _names.MANIFEST_NAME), data, sync=self.sync_files)
+        """The commit. Without ``overwrite`` it is exclusive: ``FileExistsError`` when another save
+        committed first. With ``overwrite`` it atomically replaces the previous manifest."""
+        path = join(self.fs, self.path, _names.MANIFEST_NAME)
+        if self.overwrite:
+            write_bytes_atomic(self.fs, path, data, sync=self.sync_files)
+        else:
+            create_bytes_exclusive(self.fs, path, data, sync=self.sync_files)
 
     def _open_sink(self, name: str) -> Sink:
         return open_sink(

@@ -74,23 +74,28 @@ def test_bad_retention_count_rejected_up_front(tmp_path: Any, keep: Any) -> None
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("tag", ["", "a/b", "..", "a..b", "x\x00", "tab\tbed", "new\nline", " pad", "\x7f", "a\\b"])
+@pytest.mark.parametrize(
+    "tag",
+    ["", "a/b", "..", "a..b", "x\x00", "tab\tbed", "new\nline", " pad", "\x7f", "a\\b",
+     # glob characters (fsspec backends expand them), a reserved suffix, a leading dot or dash, too long
+     "x*", "p[12]", "a?", "{a,b}", "!x", "x_partial", ".hidden", "-rf", "é" * 101],
+)
 def test_bad_tags_rejected(tmp_path: Any, tag: str) -> None:
     m, _ = _model(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="invalid checkpoint tag"):
         save_checkpoint(str(tmp_path), tag, model=m)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="invalid checkpoint tag"):
         resume_from_checkpoint(str(tmp_path), tag=tag, model=m)
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("tag", ["step_10", "total_steps1000", "v1.2", "ep-3+lr=1e-4", "ü"])
+@pytest.mark.parametrize("tag", ["step_10", "total_steps1000", "v1.2", "ep-3+lr=1e-4", "ü", "é" * 100, "a_partial1"])
 def test_good_tags(tag: str) -> None:
     assert validate_tag(tag) == tag
 
 
 def test_non_str_tag_rejected(tmp_path: Any) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be a str"):
         save_checkpoint(str(tmp_path), 5, model=_model(0)[0])  # type: ignore[arg-type]
 
 

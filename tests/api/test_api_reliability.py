@@ -1,0 +1,297 @@
+"""Data-loss and escape paths of the smp-style API (issue 8): globbing deletes, restarts after each
+crash point of commit -> newest -> retention, stale debris, hostile siblings, clear errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from smpckpt import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    SpecError,
+    UnsafeCheckpoint,
+    last_resume_info,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
+from smpckpt.catalog import scan_root
+from smpckpt.cli import main
+from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
+from smpckpt.tags import write_newest
+
+
+def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(5, 4)).sum().backward()
+    o.step()
+    return m, o
+
+
+def _assert_same_params(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and sa
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def _run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(list(argv), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _tags(root: str, options: dict[str, Any] | None = None) -> dict[str, str]:
+    return {r.tag: r.state for r in scan_root(root, storage_options=options)}
+
+
+# -- 1. glob characters never reach a delete ---------------------------------------------------------
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_retention_and_prune_in_globby_roots_touch_only_their_own_root(where: str, request: Any) -> None:
+    if where == "s3":
+        base, options = request.getfixturevalue("s3_root")
+    else:
+        base, options = f"memory://globroots{time.monotonic_ns()}", None
+    m, _ = _model(0)
+    # sibling roots whose names a glob would match: "p*" and "p[12]" match "p1" and "p2"
+    for root in (f"{base}/p1", f"{base}/p2"):
+        for i in range(2):
+            save_checkpoint(root, f"s{i}", model=m, storage_options=options)
+    for i in range(3):
+        save_checkpoint(f"{base}/p[12]", f"s{i}", model=m, num_kept_partial_checkpoints=1, storage_options=options)
+    save_checkpoint(f"{base}/p*", "s0", model=m, storage_options=options)
+    rc, out, _ = _run_cli("prune", f"{base}/p*", "--keep", "1", *(["--storage-options", json.dumps(options)] if options else []))
+    assert rc == 0 and "nothing to remove" in out
+    for root in (f"{base}/p1", f"{base}/p2"):
+        assert _tags(root, options) == {"s0": "committed", "s1": "committed"}
+        m2, _ = _model(5)
+        resume_from_checkpoint(root, model=m2, storage_options=options)
+        _assert_same_params(m, m2)
+    assert _tags(f"{base}/p[12]", options) == {"s2": "committed"}
+    assert _tags(f"{base}/p*", options) == {"s0": "committed"}
+
+
+# -- 5. a restart after each crash point of commit -> newest -> retention ------------------------------
+def _steps(root: str, upto: int, **kw: Any) -> nn.Module:
+    m = None
+    for step in range(upto + 1):
+        m, o = _model(step)
+        save_checkpoint(root, f"step{step}", model=m, optimizer=o, user_content={"step": step}, **kw)
+    assert m is not None
+    return m
+
+
+def test_restart_after_crash_between_commit_and_newest_resumes_the_later_tag_and_saves_on(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    last = _steps(root, 2)
+    write_newest(*open_fs(root), "step1")  # the state a kill right after step2's commit leaves
+    m, o = _model(9)
+    with pytest.warns(UserWarning, match="'step2' was committed after it"):
+        uc = resume_from_checkpoint(root, model=m, optimizer=o)
+    assert uc == {"step": 2}
+    _assert_same_params(last, m)
+    info = last_resume_info()
+    assert info is not None and info.tag == "step2" and info.fell_back
+    # the job goes on from step 3 without manual help
+    save_checkpoint(root, "step3", model=m, optimizer=o, user_content={"step": 3})
+    assert (tmp_path / "newest").read_text().strip() == "step3"
+
+
+class _KilledBeforeCommit(FsspecStorageWriter):
+    def _write_manifest(self, data: bytes) -> None:
+        raise RuntimeError("killed before the commit")
+
+
+def _make_uncommitted(root: str, tag: str, monkeypatch: Any, seed: int = 0) -> None:
+    import smpckpt.api as api
+
+    m, o = _model(seed)
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "FsspecStorageWriter", _KilledBeforeCommit)
+        with pytest.raises(CheckpointError, match="killed before the commit"):
+            save_checkpoint(root, tag, model=m, optimizer=o, user_content={"step": seed})
+
+
+def test_restart_after_crash_before_commit_resumes_previous_and_resaves_the_tag(tmp_path: Any, monkeypatch: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 1)
+    _make_uncommitted(root, "step2", monkeypatch, seed=2)
+    assert _tags(root) == {"step0": "committed", "step1": "committed", "step2": "uncommitted"}
+    m, o = _model(9)
+    assert resume_from_checkpoint(root, model=m, optimizer=o) == {"step": 1}
+    # replaying step 2 re-saves the same tag over the debris of the killed save
+    m2, o2 = _model(2)
+    save_checkpoint(root, "step2", model=m2, optimizer=o2, user_content={"step": 2})
+    m3, o3 = _model(9)
+    assert resume_from_checkpoint(root, model=m3, optimizer=o3) == {"step": 2}
+    _assert_same_params(m2, m3)
+
+
+def test_restart_after_crash_before_retention_trims_on_the_next_save(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 3)  # no retention ran: the state a kill right after `newest` moved leaves
+    m, o = _model(9)
+    assert resume_from_checkpoint(root, model=m, optimizer=o) == {"step": 3}
+    save_checkpoint(root, "step4", model=m, optimizer=o, user_content={"step": 4}, num_kept_partial_checkpoints=2)
+    assert _tags(root) == {"step3": "committed", "step4": "committed"}
+
+
+def test_restart_after_crash_mid_retention_leaves_only_refused_debris(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 2)
+    os.remove(tmp_path / "step0_partial" / "smpckpt.manifest.json")  # killed after the manifest's delete
+    m, o = _model(9)
+    assert resume_from_checkpoint(root, model=m, optimizer=o) == {"step": 2}
+    save_checkpoint(root, "step3", model=m, optimizer=o, user_content={"step": 3}, num_kept_partial_checkpoints=2)
+    assert _tags(root) == {"step0": "uncommitted", "step2": "committed", "step3": "committed"}
+
+
+# -- 6. stale debris of killed saves ------------------------------------------------------------------
+def test_stale_uncommitted_folders_are_removed_by_age_only(tmp_path: Any, monkeypatch: Any) -> None:
+    root = str(tmp_path)
+    _make_uncommitted(root, "old", monkeypatch)
+    _make_uncommitted(root, "fresh", monkeypatch)
+    hours_ago = time.time() - 7200
+    for dirpath, _, files in os.walk(tmp_path / "old_partial"):
+        for f in files:
+            os.utime(os.path.join(dirpath, f), (hours_ago, hours_ago))
+    m, _ = _model(0)
+    save_checkpoint(root, "good", model=m)  # no stale cleanup unless asked
+    assert _tags(root) == {"fresh": "uncommitted", "good": "committed", "old": "uncommitted"}
+    rc, out, _ = _run_cli("prune", root, "--uncommitted-older-than", "1h", "--dry-run")
+    assert rc == 0 and "would remove old (uncommitted, stale)" in out
+    assert "old" in _tags(root)
+    save_checkpoint(root, "good2", model=m, remove_uncommitted_older_than=3600)
+    assert _tags(root) == {"fresh": "uncommitted", "good": "committed", "good2": "committed"}
+    assert not (tmp_path / "old_partial").exists()
+    rc, out, _ = _run_cli("prune", root, "--uncommitted-older-than", "0s")
+    assert rc == 0 and out.strip() == "removed fresh (uncommitted, stale)"
+    assert _tags(root) == {"good": "committed", "good2": "committed"}
+
+
+def test_prune_needs_something_to_do(tmp_path: Any) -> None:
+    rc, _, err = _run_cli("prune", str(tmp_path))
+    assert rc == 2 and "--keep N, --uncommitted-older-than AGE" in err
+
+
+# -- 7. one hostile sibling folder does not break the root ---------------------------------------------
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+def test_hostile_sibling_is_listed_as_unsafe_and_the_root_keeps_working(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    marker = tmp_path / "pwned"
+    last = _steps(root, 2)
+    (tmp_path / "zzz_partial").mkdir()
+    (tmp_path / "zzz_partial" / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    os.remove(tmp_path / "newest")
+    rc, out, _ = _run_cli("ls", root)
+    assert rc == 0 and "zzz" in out and "unsafe" in out
+    assert _tags(root)["zzz"] == "unsafe"
+    m, o = _model(9)
+    with pytest.warns(UserWarning, match="resuming from the newest committed checkpoint 'step2'"):
+        assert resume_from_checkpoint(root, model=m, optimizer=o) == {"step": 2}
+    _assert_same_params(last, m)
+    m3, o3 = _model(3)
+    save_checkpoint(root, "step3", model=m3, optimizer=o3, num_kept_partial_checkpoints=2)
+    assert _tags(root) == {"step2": "committed", "step3": "committed", "zzz": "unsafe"}
+    rc, out, _ = _run_cli("prune", root, "--keep", "1")
+    assert rc == 0 and out.strip() == "removed step2"
+    assert _tags(root) == {"step3": "committed", "zzz": "unsafe"}
+    assert not marker.exists()
+
+
+# -- 8. clear errors -------------------------------------------------------------------------------------
+def test_optimizer_over_another_model_is_named(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    _, other_opt = _model(1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \[3, 4\].*not a parameter of the model"):
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=other_opt)
+    assert not os.listdir(tmp_path)
+
+
+def test_spec_rule_of_the_wrong_type_is_named(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    with pytest.raises(SpecError, match=r"spec rule 'model\.\*': needs a ShardSpec.*got int 3"):
+        save_checkpoint(str(tmp_path), "a", model=m, specs={"model.*": 3})
+
+
+def test_unknown_storage_options_on_a_local_path_are_refused(tmp_path: Any) -> None:
+    m, _ = _model(0)
+    with pytest.raises(ValueError, match=r"storage_options \['key'\] do not apply to a local path"):
+        save_checkpoint(str(tmp_path), "a", model=m, storage_options={"key": "AKIA..."})
+    assert not os.listdir(tmp_path)
+
+
+def test_refused_metadata_surfaces_as_unsafe_checkpoint(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 0)
+    folder = tmp_path / "step0_partial"
+    manifest = json.loads((folder / "smpckpt.manifest.json").read_text())
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(str(marker)))
+    (folder / manifest["metadata"]["name"]).write_bytes(payload)
+    # a consistent (crafted) manifest: digests match the payload
+    from smpckpt.storage import Manifest
+    from smpckpt.storage._checksum import hash_bytes
+
+    parsed = Manifest.from_bytes((folder / "smpckpt.manifest.json").read_bytes())
+    import dataclasses
+
+    crafted = dataclasses.replace(
+        parsed, metadata=dataclasses.replace(parsed.metadata, size=len(payload), digest=hash_bytes(payload))
+    )
+    (folder / "smpckpt.manifest.json").write_bytes(crafted.to_bytes())
+    m, o = _model(9)
+    with pytest.raises(UnsafeCheckpoint, match="metadata"):
+        resume_from_checkpoint(root, tag="step0", model=m, optimizer=o)
+    assert not marker.exists()
+
+
+def test_flipped_digest_in_the_manifest_blames_the_manifest(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 0)
+    path = tmp_path / "step0_partial" / "smpckpt.manifest.json"
+    obj = json.loads(path.read_text())
+    digest = obj["metadata"]["xxh3_64"]
+    obj["metadata"]["xxh3_64"] = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+    path.write_text(json.dumps(obj, indent=1))
+    m, o = _model(9)
+    with pytest.raises(CheckpointCorrupt, match="manifest.*own checksum"):
+        resume_from_checkpoint(root, tag="step0", model=m, optimizer=o)
+    rc, out, _ = _run_cli("verify", f"{root}/step0")
+    assert rc == 1 and "own checksum" in out + _
+
+
+def test_verify_addresses_the_folder_of_a_tag(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 0)
+    assert _run_cli("verify", f"{root}/step0")[0] == 0
+    assert _run_cli("verify", f"{root}/step0_partial")[0] == 0
+
+
+def test_save_over_a_committed_tag_still_refused(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _steps(root, 0)
+    before = read_manifest(f"{root}/step0_partial")["save_id"]
+    m, o = _model(3)
+    with pytest.raises(CheckpointExists, match="overwrite=True"):
+        save_checkpoint(root, "step0", model=m, optimizer=o)
+    assert read_manifest(f"{root}/step0_partial")["save_id"] == before
+    assert checkpoint_state(f"{root}/step0_partial") == "committed"

@@ -230,3 +230,23 @@ def reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
 
     _scenario(results, "dp2", dp2)
     return results
+
+
+def peer_dies_during_save(rank: int, world_size: int, root: str) -> str:
+    """Rank 1 leaves the job (its process group torn down) right as the save starts; rank 0 saves.
+
+    Returns rank 0's error text (type: message); rank 1 returns "left".
+    """
+    m, o = _linear(0)
+    if rank == 1:
+        dist.destroy_process_group()  # the peer is gone: its sockets close under rank 0's collectives
+        os._exit(0)
+    try:
+        save_checkpoint(os.path.join(root, "ckpt"), "t", model=m, optimizer=o)
+        text = "no error"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    # run_world reports the dead rank and drops the others' values: leave ours in a file
+    with open(os.path.join(root, "rank0.txt"), "w") as f:
+        f.write(text)
+    return text

@@ -165,3 +165,19 @@ def test_single_process_no_pg_resumes_tp2_checkpoint(reshard: tuple[str, list[di
     losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
     ref = _reference_losses()[3:]
     assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, ref)), (losses, ref)
+
+
+def test_a_dead_peer_is_a_checkpoint_error_naming_the_rank(tmp_path: Any) -> None:
+    import multiprocessing as mproc
+
+    from dist_harness import RankFailed
+
+    # rank 1 exits without a result on purpose; rank 0's answer is what matters
+    with pytest.raises(RankFailed) as info:
+        run_world(api_workers.peer_dies_during_save, 2, str(tmp_path), timeout=120)
+    assert "rank 1: no result" in str(info.value)
+    assert "rank 0" not in str(info.value), "rank 0 must fail cleanly, not hang or crash"
+    text = (tmp_path / "rank0.txt").read_text()
+    assert text.startswith("smpckpt.errors.CheckpointError: rank 0 of 2: saving checkpoint 't'"), text
+    assert "another rank died or was killed" in text
+    assert mproc.active_children() == []

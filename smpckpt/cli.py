@@ -332,12 +332,28 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     args = parser.parse_args(argv)
     try:
         return int(args.func(args, out, err))
+    except BrokenPipeError:
+        # the reader went away (`smpckpt inspect ... | head`): stop quietly, like any Unix tool
+        _silence_stdout(out)
+        return 0
     except _UsageError as exc:
         err.write(f"smpckpt {args.command}: {exc}\n")
         return 2
     except (CheckpointError, OSError, ValueError, ImportError) as exc:
         err.write(f"smpckpt {args.command}: {type(exc).__name__}: {exc}\n")
         return 1
+
+
+def _silence_stdout(out: TextIO) -> None:
+    """Point the closed stdout at /dev/null so the interpreter's final flush does not complain."""
+    if out is not sys.stdout:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _console() -> None:  # pragma: no cover - thin wrapper

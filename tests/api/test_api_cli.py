@@ -123,3 +123,17 @@ def test_python_dash_m_entry_point(tmp_path: Any) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK")
+
+
+def test_closed_pipe_exits_quietly(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _populate(root)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smpckpt", "inspect", f"{root}/step1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head` that already exited: every write hits a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert err == ""

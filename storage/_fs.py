@@ -143,7 +143,8 @@ def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True
       (atomic, fails with ``EEXIST``), drop the temp name, fsync the directory. Where hard links are
       not supported it falls back to ``O_CREAT | O_EXCL`` (exclusive, but a crash mid-write can leave
       a torn file, which readers reject as a corrupt manifest).
-    * S3: one conditional PUT (``If-None-Match: *``); the server answers 412 if the key exists.
+    * S3: one conditional PutObject (``If-None-Match: *``, needs botocore > 1.35.20); the server
+      answers 412 if the key exists.
     * ``memory://``: check and write under a process-wide lock (the store is per process).
     * Other backends: check, then write (best effort; not exclusive against other processes).
     """
@@ -151,7 +152,11 @@ def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True
         if is_local(fs):
             _create_local_exclusive(path, data, sync=sync)
         elif _protocol(fs) in ("s3", "s3a"):
-            fs.pipe_file(path, data, IfNoneMatch="*")
+            # One PutObject whatever the size: s3fs's pipe_file switches to a multipart upload at
+            # 100 MiB and drops the condition there, which would make a large commit unconditional.
+            bucket, _, key = fs._strip_protocol(path).partition("/")
+            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            fs.invalidate_cache(path)
         elif _protocol(fs) == "memory":
             with _MEMORY_LOCK:
                 if fs.exists(path):
@@ -212,8 +217,9 @@ def remove_files(fs: Any, paths: list[str]) -> list[str]:
     """Best-effort removal of exactly these files; returns those that could not be removed (missing
     ones count as removed).
 
-    One ``rm_file`` per path, never ``fs.rm``: fsspec's ``rm`` expands glob characters (``*``, ``[``) on
-    S3, ``memory://`` and local disk alike, so a name holding them would delete other checkpoints.
+    One ``rm_file`` per path, never ``fs.rm``: fsspec's ``rm`` expands glob characters (``*``, ``[``)
+    on S3 and ``memory://`` (and on local disk in some fsspec versions), so a name holding them would
+    delete other checkpoints.
     """
     def one(p: str) -> str | None:
         try:

@@ -35,9 +35,10 @@ import io
 import logging
 import os
 import threading
+import traceback
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -141,6 +142,8 @@ class FsspecStorageReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._records: dict[str, FileRecord] = {}
+        self._sizes: dict[str, int | None] = {}  # legacy checkpoints: data file sizes, one stat per file
+        self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
         self.load_id = uuid.uuid4().hex
         self.metadata_error: Exception | None = None
 
@@ -156,11 +159,13 @@ class FsspecStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._open(checkpoint_id if checkpoint_id else self.url)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
         """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
 
         DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
-        the original exception is kept in :attr:`metadata_error` so callers can re-raise it.
+        the original exception is kept in :attr:`metadata_error` so callers can re-raise it. (The
+        keyword parameter is deliberately not named ``kwargs``: DCP retries a failed read with
+        ``rank=`` -- "rank-local metadata" -- when it is, which would read and fail twice.)
         """
         try:
             return self._read_metadata()
@@ -180,6 +185,7 @@ class FsspecStorageReader(StorageReader):
         if found.state == "legacy":
             log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
             metadata = found.legacy_metadata
+            self._metadata_path = join(self.fs, self.path, _names.METADATA_NAME)
         else:
             manifest = found.manifest
             if manifest is None:  # pragma: no cover - probe guarantees it
@@ -196,6 +202,7 @@ class FsspecStorageReader(StorageReader):
                     f"manifest says {manifest.metadata.size})"
                 )
             metadata = load_metadata(data, where=md_path)
+            self._metadata_path = md_path
             self.manifest = manifest
             self._records = {f.name: f for f in manifest.files}
         if getattr(metadata, "storage_meta", None) is None:
@@ -216,7 +223,9 @@ class FsspecStorageReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         def key(it: ReadItem) -> tuple[str, int]:
             info = self.storage_data.get(it.storage_index)
-            return (str(getattr(info, "relative_path", "")), int(getattr(info, "offset", 0)))
+            # records are checked in _item (with a message naming the key); sorting must not fail first
+            offset = getattr(info, "offset", 0)
+            return (str(getattr(info, "relative_path", "")), offset if _is_int(offset) else -1)
 
         plan.items = sorted(plan.items, key=key)
         return plan
@@ -225,12 +234,22 @@ class FsspecStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        fut: Future[None] = Future()
+        """Read every item of ``plan`` into ``planner``; returns a completed future.
+
+        A failure is raised from here (as DCP's own ``FileSystemReader`` does), not stored in the future:
+        torch's ``Future`` holds its exception from C++, where the garbage collector cannot see the cycle
+        exception -> traceback -> DCP's frame (which holds the future) -> exception, so every failed load
+        would pin that exception, the frames of its caller and the state dict being loaded until the
+        process ends. The frames the failure went through are cleared, so the exception, wherever it is
+        kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
+        """
         try:
             self._read(plan, planner)
-            fut.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
-            fut.set_exception(exc)
+        except Exception as exc:
+            _release_frames(exc)
+            raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
         return fut
 
     # -- planning ---------------------------------------------------------------------------------
@@ -243,6 +262,7 @@ class FsspecStorageReader(StorageReader):
         unknown = [d for d in descriptors if d != _names.RAW_DESCRIPTOR]
         if unknown:
             raise CheckpointError(f"{req.storage_index.fqn!r}: unsupported stream transforms {unknown}")
+        self._check_record(req.storage_index.fqn, info)
         start, end = info.offset, info.offset + info.length
         if req.type == LoadItemType.TENSOR and raw:
             chunk = self._chunks.get(req.storage_index)
@@ -259,17 +279,65 @@ class FsspecStorageReader(StorageReader):
                     f"{info.relative_path}: record of {req.storage_index.fqn!r} is {info.length} bytes, "
                     f"its shape {list(sizes)} x {dtype} needs {n * itemsize}"
                 )
+            if not 0 <= lo <= hi <= info.length:
+                raise CheckpointCorrupt(
+                    f"{info.relative_path}: requested slice of {req.storage_index.fqn!r} (offsets "
+                    f"{list(req.storage_offsets)}, lengths {list(req.lengths)}) is outside its stored chunk {list(sizes)}"
+                )
             return _Item(req, info.relative_path, start + lo, start + hi, True, dtype, sizes)
         return _Item(req, info.relative_path, start, end, False)
 
+    def _check_record(self, fqn: str, info: _StorageInfo) -> None:
+        """(calling thread, before any byte is read) The metadata names a plain file inside the folder
+        (listed in the manifest when there is one) and a byte range inside that file.
+
+        The metadata may be crafted: a ``../`` name must never reach the filesystem, and a negative offset
+        or a huge length must fail here with a :class:`CheckpointCorrupt` naming the file and the key,
+        not later as an ``OSError``, a ``MemoryError`` or a read of the wrong bytes. A committed
+        checkpoint's file sizes come from the manifest; a stock (legacy) checkpoint's data files are
+        stat'ed, once each.
+        """
+        name = _names.check_member_name(info.relative_path, where=f"{self._metadata_path} (key {fqn!r})")
+        path = join(self.fs, self.path, name)
+        offset, length = info.offset, info.length
+        if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0):
+            raise CheckpointCorrupt(
+                f"{path}: key {fqn!r} is recorded at offset {offset!r} with length {length!r}; both must be "
+                f"non-negative integers (the metadata {self._metadata_path} is corrupt or crafted)"
+            )
+        if self.manifest is not None:
+            rec = self._records.get(name)
+            if rec is None:
+                raise CheckpointCorrupt(
+                    f"{path}: data file of key {fqn!r} is not listed in the manifest (the metadata "
+                    f"{self._metadata_path} is corrupt or crafted)"
+                )
+            size: int | None = rec.size
+        else:
+            size = self._legacy_size(name, fqn)
+        if size is not None and offset + length > size:
+            raise CheckpointCorrupt(
+                f"{path}: key {fqn!r} is recorded at offset {offset} with length {length}, past the end of the "
+                f"file ({size} bytes; the metadata is corrupt or crafted, or the file is truncated)"
+            )
+
+    def _legacy_size(self, name: str, fqn: str) -> int | None:
+        """Size of a stock checkpoint's data file (``None`` where the backend cannot tell), stat'ed once."""
+        if name not in self._sizes:
+            path = join(self.fs, self.path, name)
+            try:
+                with translate_errors(path):
+                    size = self.fs.size(path)
+            except FileNotFoundError as exc:
+                raise CheckpointCorrupt(f"{path}: data file is missing (needed for keys {[fqn]})") from exc
+            self._sizes[name] = int(size) if size is not None else None
+        return self._sizes[name]
+
     def _widen(self, it: _Item) -> tuple[int, int]:
-        rec = self._records.get(it.file) if self.manifest is not None else None
-        if self.manifest is not None and rec is None:
-            raise CheckpointCorrupt(f"{it.file}: data file of {it.req.storage_index.fqn!r} is not in the manifest")
+        # _check_record has put [it.start, it.end) inside the file and the file in the manifest
+        rec = self._records.get(it.file)
         if rec is None or not self.verify_checksums or it.end <= it.start:
             return it.start, it.end
-        if it.end > rec.size:
-            raise CheckpointCorrupt(f"{it.file}: {it.req.storage_index.fqn!r} ends at {it.end}, past the file's {rec.size} bytes")
         blocks = rec.blocks_covering(it.start, it.end)
         return rec.block_start(blocks[0]), rec.block_ends[blocks[-1]]
 
@@ -373,14 +441,10 @@ class FsspecStorageReader(StorageReader):
             )
         rec = self._records.get(name)
         if rec is not None and self.verify_checksums:
-            for i in rec.blocks_covering(fetch.start, fetch.end):
-                bs, be = rec.block_start(i), rec.block_ends[i]
-                if hash_bytes(data[bs - fetch.start : be - fetch.start]) != rec.block_digests[i]:
-                    bad = sorted({n.item.req.storage_index.fqn for n in fetch.needs if n.item.start < be and n.item.end > bs})
-                    raise CheckpointCorrupt(
-                        f"{path}: checksum mismatch in bytes {bs}..{be} (block {i}) holding key(s) {bad}; "
-                        "the file is corrupt"
-                    )
+            _verify_blocks(
+                path, rec, fetch.start, fetch.end, [n.item for n in fetch.needs],
+                lambda bs, be: hash_bytes(data[bs - fetch.start : be - fetch.start]),
+            )
         return data
 
     def _take_buffer(self, n: int) -> bytearray:
@@ -445,24 +509,29 @@ class FsspecStorageReader(StorageReader):
         rec = self._records.get(name)
         if rec is None or not self.verify_checksums:
             return
-        for i in rec.blocks_covering(lo, hi):
-            bs, be = rec.block_start(i), rec.block_ends[i]
+
+        def digest(bs: int, be: int) -> int:
             if bs >= a and be <= b:
-                digest = hash_bytes(dst[bs - it.start : be - it.start])
-            else:
-                h = xxhash.xxh3_64()
-                for off, mv in segs:
-                    s0, s1 = max(bs, off), min(be, off + len(mv))
-                    if s0 < s1:
-                        h.update(mv[s0 - off : s1 - off])
-                digest = h.intdigest()
-            if digest != rec.block_digests[i]:
-                raise CheckpointCorrupt(
-                    f"{path}: checksum mismatch in bytes {bs}..{be} (block {i}) holding key(s) "
-                    f"{[it.req.storage_index.fqn]}; the file is corrupt"
-                )
+                return hash_bytes(dst[bs - it.start : be - it.start])
+            h = xxhash.xxh3_64()
+            for off, mv in segs:
+                s0, s1 = max(bs, off), min(be, off + len(mv))
+                if s0 < s1:
+                    h.update(mv[s0 - off : s1 - off])
+            return h.intdigest()
+
+        _verify_blocks(path, rec, lo, hi, [it], digest)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        try:
+            self._read_all(plan, planner)
+        finally:
+            # buffers are reused within one read_data call only: a reader kept by the caller (or by a
+            # failed load's traceback) must not keep up to 2 * thread_count 64 MiB buffers alive
+            with self._pool_lock:
+                self._pool.clear()
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         fetches, empty, needed, direct = self._plan(plan)
         for it in empty:
             self._deliver(it, memoryview(b""), planner)
@@ -577,3 +646,35 @@ class FsspecStorageReader(StorageReader):
             return flat.reshape(())
         # data starts at the slice's first element: index the chunk's strides from there
         return flat.as_strided(lengths, strides)
+
+
+def _verify_blocks(
+    path: str, rec: FileRecord, lo: int, hi: int, items: list[_Item], digest: Callable[[int, int], int]
+) -> None:
+    """Check every block of ``rec`` that overlaps file bytes ``[lo, hi)`` (``digest(start, end)`` hashes
+    a block's bytes as read); a mismatch names the block and the keys among ``items`` it holds."""
+    for i in rec.blocks_covering(lo, hi):
+        bs, be = rec.block_start(i), rec.block_ends[i]
+        if digest(bs, be) != rec.block_digests[i]:
+            bad = sorted({it.req.storage_index.fqn for it in items if it.start < be and it.end > bs})
+            raise CheckpointCorrupt(
+                f"{path}: checksum mismatch in bytes {bs}..{be} (block {i}) holding key(s) {bad}; the file is corrupt"
+            )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals of every finished frame ``exc`` (and the exceptions chained to it) went through:
+    read buffers, destination views and plans would otherwise live as long as the exception."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running (the caller's)
+        todo += [e.__cause__, e.__context__]

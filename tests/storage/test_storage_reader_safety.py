@@ -1,0 +1,339 @@
+"""FsspecStorageReader against damaged and crafted checkpoints.
+
+* A failed load leaves nothing behind: no pooled read buffers, no destination tensors, no reader, even
+  while the caller keeps the error.
+* The metadata's storage records are checked before any byte is read: a file name must stay inside the
+  checkpoint folder (:class:`UnsafeCheckpoint`), be listed in the manifest of a committed checkpoint, and
+  offset/length must lie inside that file (:class:`CheckpointCorrupt` naming file and key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import pickle
+import posixpath
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
+from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, Manifest, open_fs
+from smpckpt.storage._checksum import hash_bytes
+from storage_helpers import assert_state_equal, make_state, save, unwrap, zeros_like_state
+
+Backend = tuple[str, dict[str, Any]]
+
+MiB = 1 << 20
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _load_fails(template: dict[str, Any], url: str, opts: dict[str, Any] | None = None, **kw: Any) -> BaseException:
+    """The root cause of a ``dcp.load`` that must fail (DCP wraps it in a CheckpointException)."""
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(zeros_like_state(template), storage_reader=FsspecStorageReader(url, storage_options=opts, **kw))
+    return unwrap(info.value)
+
+
+def _metadata_names(fs: Any, path: str) -> list[str]:
+    """The metadata files a reader may use: the manifest's per-generation copy (committed) and .metadata."""
+    names = [".metadata"]
+    if fs.exists(f"{path}/{MANIFEST_NAME}"):
+        names.append(Manifest.from_bytes(bytes(fs.cat_file(f"{path}/{MANIFEST_NAME}"))).metadata.name)
+    return names
+
+
+def _record(url: str, opts: dict[str, Any], fqn: str) -> Any:
+    fs, path = open_fs(url, opts)
+    md = pickle.loads(bytes(fs.cat_file(f"{path}/{_metadata_names(fs, path)[-1]}")))
+    (info,) = [v for k, v in md.storage_data.items() if k.fqn == fqn]
+    return info
+
+
+def _rewrite_record(url: str, opts: dict[str, Any], fqn: str, change: Callable[[Any, int], dict[str, Any]]) -> None:
+    """Replace the storage record of ``fqn`` in every metadata file by ``replace(info, **change(info, size))``
+    (``size``: its data file's size) and, for a committed checkpoint, re-seal the manifest so the crafted
+    metadata passes the manifest's size/digest check: what an attacker who rewrites the folder can do."""
+    fs, path = open_fs(url, opts)
+    names = _metadata_names(fs, path)
+    data = b""
+    for name in names:
+        md = pickle.loads(bytes(fs.cat_file(f"{path}/{name}")))
+        (index,) = [k for k in md.storage_data if k.fqn == fqn]
+        info = md.storage_data[index]
+        md.storage_data[index] = dataclasses.replace(info, **change(info, fs.size(f"{path}/{info.relative_path}")))
+        data = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+        fs.pipe_file(f"{path}/{name}", data)
+    man_path = f"{path}/{MANIFEST_NAME}"
+    if fs.exists(man_path):
+        m = Manifest.from_bytes(bytes(fs.cat_file(man_path)))
+        m = dataclasses.replace(m, metadata=dataclasses.replace(m.metadata, size=len(data), digest=hash_bytes(data)))
+        fs.pipe_file(man_path, m.to_bytes())
+
+
+def _save_stock(sd: dict[str, Any], url: str, opts: dict[str, Any]) -> None:
+    """A stock DCP checkpoint (no manifest: read as legacy)."""
+    if url.startswith("/"):
+        dcp.save(sd, storage_writer=FileSystemWriter(url))
+    else:
+        dcp.save(sd, storage_writer=FsspecWriter(url, sync_files=False, **opts))
+
+
+def _save(kind: str, sd: dict[str, Any], url: str, opts: dict[str, Any]) -> None:
+    if kind == "committed":
+        save(sd, url, opts)
+    else:
+        _save_stock(sd, url, opts)
+
+
+def _plant_outside_file(url: str, opts: dict[str, Any], name: str, data: bytes) -> None:
+    """Put ``data`` where ``<folder>/<name>`` points, literally and normalized (memory:// does not resolve
+    ``..``), so a reader that followed the name would find plausible bytes there."""
+    fs, path = open_fs(url, opts)
+    for target in {f"{path}/{name}", posixpath.normpath(f"{path}/{name}")}:
+        if url.startswith("/"):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        fs.pipe_file(target, data)
+
+
+# -- memory after failed loads ---------------------------------------------------------------------
+def _corrupt_big_checkpoint(url: str) -> dict[str, torch.Tensor]:
+    """Three 32 MiB float32 tensors; one byte in the middle of ``t1``'s bytes flipped."""
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(8 * MiB, generator=g) for i in range(3)}
+    save(sd, url)
+    info = _record(url, {}, "t1")
+    pos = os.path.join(url, info.relative_path)
+    with open(pos, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return sd
+
+
+def _failed_load(url: str, dest: dict[str, torch.Tensor], direct: bool) -> BaseException:
+    reader = FsspecStorageReader(url)
+    if not direct:
+        reader.direct_min_bytes = 1 << 62  # every item through the pooled, coalesced buffers
+    with pytest.raises(CheckpointException, match=r"CheckpointCorrupt.*checksum mismatch") as info:
+        dcp.load(dest, storage_reader=reader)
+    err = unwrap(info.value)
+    assert isinstance(err, CheckpointCorrupt) and "'t1'" in str(err)
+    return info.value
+
+
+def _fresh_dest() -> dict[str, torch.Tensor]:
+    # filled, so the pages are resident: a destination kept alive shows in RSS
+    return {f"t{i}": torch.full((8 * MiB,), -1.0) for i in range(3)}
+
+
+def test_failed_loads_do_not_grow_memory(tmp_path: Any) -> None:
+    """15 failed loads of a 96 MiB checkpoint (checksum mismatch), direct and buffered reads alternating,
+    each into fresh destination tensors: RSS must not grow (it grew ~200 MiB per failed load)."""
+    url = str(tmp_path / "big")
+    _corrupt_big_checkpoint(url)
+    for direct in (True, False):  # warm-up: thread pools, allocator, imports
+        _failed_load(url, _fresh_dest(), direct)
+    gc.collect()
+    before = _rss()
+    for i in range(15):
+        _failed_load(url, _fresh_dest(), direct=bool(i % 2))
+    gc.collect()
+    grown = _rss() - before
+    assert grown < 150 * MiB, f"RSS grew by {grown / MiB:.0f} MiB over 15 failed loads"
+
+
+def test_kept_errors_do_not_hold_read_buffers(tmp_path: Any) -> None:
+    """The caller keeps every error (e.g. to report them): they must not keep the 64 MiB read buffers or
+    the frames that held them."""
+    url = str(tmp_path / "big")
+    _corrupt_big_checkpoint(url)
+    dest = _fresh_dest()
+    kept = [_failed_load(url, dest, direct=False)]
+    gc.collect()
+    before = _rss()
+    kept += [_failed_load(url, dest, direct=False) for _ in range(8)]
+    gc.collect()
+    grown = _rss() - before
+    assert len(kept) == 9
+    assert grown < 150 * MiB, f"RSS grew by {grown / MiB:.0f} MiB while 8 failed loads' errors were kept"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_failed_load_releases_reader_and_destination(tmp_path: Any, direct: bool) -> None:
+    url = str(tmp_path / "ckpt")
+    sd = make_state(3, scale=64)  # model.w: 4 MiB, read straight into its destination when direct
+    save(sd, url)
+    info = _record(url, {}, "model.w")
+    path = os.path.join(url, info.relative_path)
+    data = bytearray(open(path, "rb").read())
+    data[info.offset + 100] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+    def attempt() -> tuple[weakref.ref[Any], weakref.ref[Any]]:
+        dest = zeros_like_state(sd)
+        reader = FsspecStorageReader(url)
+        if not direct:
+            reader.direct_min_bytes = 1 << 62
+        with pytest.raises(CheckpointException, match=r"checksum mismatch.*'model\.w'"):
+            dcp.load(dest, storage_reader=reader)
+        return weakref.ref(reader), weakref.ref(dest["model"]["w"])
+
+    reader_ref, tensor_ref = attempt()
+    gc.collect()
+    assert reader_ref() is None, "a failed load keeps its reader (and whatever it holds) alive"
+    assert tensor_ref() is None, "a failed load keeps the destination state dict alive"
+
+
+def test_reader_holds_no_buffers_after_read(tmp_path: Any) -> None:
+    url = str(tmp_path / "ckpt")
+    sd = make_state(4, scale=64)
+    save(sd, url)
+    reader = FsspecStorageReader(url)
+    reader.direct_min_bytes = 1 << 62
+    out = zeros_like_state(sd)
+    dcp.load(out, storage_reader=reader)
+    assert_state_equal(sd, out)
+    assert reader.last_read_stats is not None and reader.last_read_stats.requests > 0
+    assert reader._pool == []
+
+
+# -- crafted storage records -----------------------------------------------------------------------
+# The full matrices run on local disk and memory://; S3 (slower per test) gets a smoke test at the end.
+local_and_memory = pytest.mark.parametrize("backend", ["local", "memory"], indirect=True)
+
+
+def _check_outside_name(backend: Backend, kind: str, name: str) -> None:
+    base, opts = backend
+    url = f"{base}/{kind}/a/ckpt"
+    sd = make_state(7)
+    _save(kind, sd, url, opts)
+    info = _record(url, opts, "model.w")
+    fs, path = open_fs(url, opts)
+    if name != "..":
+        # a copy of the real data file where the crafted name points: following it would load fine
+        _plant_outside_file(url, opts, name, bytes(fs.cat_file(f"{path}/{info.relative_path}")))
+    _rewrite_record(url, opts, "model.w", lambda info, size: {"relative_path": name})
+    err = _load_fails(sd, url, opts)
+    with pytest.raises(UnsafeCheckpoint, match=r"model\.w.*not a plain name inside the checkpoint folder"):
+        raise err
+
+
+@local_and_memory
+@pytest.mark.parametrize("kind", ["committed", "legacy"])
+@pytest.mark.parametrize("name", ["../../outside.bin", "..", "sub/data.distcp", "\\..\\x.bin"])
+def test_record_naming_a_file_outside_the_folder_is_unsafe(backend: Backend, kind: str, name: str) -> None:
+    _check_outside_name(backend, kind, name)
+
+
+def _past_end(info: Any, size: int) -> dict[str, Any]:
+    return {"offset": size - info.length + 1}
+
+
+CHANGES: dict[str, Callable[[Any, int], dict[str, Any]]] = {
+    "negative_offset": lambda info, size: {"offset": -8},
+    "huge_length": lambda info, size: {"length": 2**62},
+    "past_end": _past_end,
+    "offset_beyond_file": lambda info, size: {"offset": size + 4096},
+    "negative_length": lambda info, size: {"length": -1},
+    "float_offset": lambda info, size: {"offset": float(info.offset)},
+    "str_length": lambda info, size: {"length": str(info.length)},
+}
+
+
+def _check_bad_range(backend: Backend, kind: str, fqn: str, change: str) -> None:
+    base, opts = backend
+    url = f"{base}/{kind}-{fqn}-{change}"
+    sd = make_state(8)
+    _save(kind, sd, url, opts)
+    name = _record(url, opts, fqn).relative_path
+    _rewrite_record(url, opts, fqn, CHANGES[change])
+    err = _load_fails(sd, url, opts)
+    with pytest.raises(CheckpointCorrupt, match=rf"{name}: key '{fqn}' is recorded at offset .* length"):
+        raise err
+    crafted = _record(url, opts, fqn)
+    assert f"offset {crafted.offset!r}" in str(err) and f"length {crafted.length!r}" in str(err)
+
+
+@local_and_memory
+@pytest.mark.parametrize("kind", ["committed", "legacy"])
+@pytest.mark.parametrize("fqn", ["model.w", "step"])  # a raw tensor record, an object (bytes) record
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_record_outside_its_file_is_corrupt(backend: Backend, kind: str, fqn: str, change: str) -> None:
+    _check_bad_range(backend, kind, fqn, change)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_crafted_records_on_s3(backend: Backend) -> None:
+    _check_outside_name(backend, "committed", "../../outside.bin")
+    _check_bad_range(backend, "legacy", "model.w", "huge_length")
+    _check_bad_range(backend, "committed", "step", "negative_offset")
+
+
+@local_and_memory
+def test_committed_record_naming_an_unlisted_file_is_corrupt(backend: Backend) -> None:
+    base, opts = backend
+    url = f"{base}/ckpt"
+    sd = make_state(9)
+    save(sd, url, opts)
+    # a plain name inside the folder, but not a data file of this generation (the metadata copy itself)
+    _rewrite_record(url, opts, "model.w", lambda info, size: {"relative_path": ".metadata"})
+    err = _load_fails(sd, url, opts)
+    with pytest.raises(CheckpointCorrupt, match=r"\.metadata: data file of key 'model\.w' is not listed in the manifest"):
+        raise err
+
+
+def test_legacy_data_files_are_stat_once_each(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    base, opts = backend
+    url = f"{base}/stock"
+    sd = make_state(10, scale=4)
+    _save_stock(sd, url, opts)
+    fs, path = open_fs(url, opts)
+    md = pickle.loads(bytes(fs.cat_file(f"{path}/.metadata")))
+    files = {info.relative_path for info in md.storage_data.values()}
+    reader = FsspecStorageReader(url, storage_options=opts)
+    calls: list[str] = []
+    real_size = reader.fs.size
+
+    def counting_size(p: str) -> Any:
+        calls.append(p)
+        return real_size(p)
+
+    monkeypatch.setattr(reader.fs, "size", counting_size)
+    out = zeros_like_state(sd)
+    dcp.load(out, storage_reader=reader)
+    assert_state_equal(sd, out)
+    assert len(files) > 1 or len(md.storage_data) > 1
+    assert sorted(c.rsplit("/", 1)[-1] for c in calls) == sorted(files)
+
+
+@local_and_memory
+def test_legacy_missing_data_file_is_corrupt(backend: Backend) -> None:
+    base, opts = backend
+    url = f"{base}/stock"
+    sd = make_state(11)
+    _save_stock(sd, url, opts)
+    name = _record(url, opts, "model.w").relative_path
+    fs, path = open_fs(url, opts)
+    fs.rm_file(f"{path}/{name}")
+    err = _load_fails(sd, url, opts)
+    with pytest.raises(CheckpointCorrupt, match=rf"{name}: data file is missing"):
+        raise err

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
-from smpckpt.storage import Manifest, probe_checkpoint
+from smpckpt.storage import Manifest, probe_checkpoint, removal_marked
 from smpckpt.storage._fs import is_local
 from smpckpt.tags import join_url, list_partial_tags, open_root, read_newest
 
@@ -32,7 +32,8 @@ API_RECORD = "smpckpt.save_checkpoint/1"
 
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be
 #: trusted (a pickle payload, names escaping the folder); ``unreadable``: probing failed (I/O error).
-RecordState = Literal["committed", "uncommitted", "legacy", "missing", "corrupt", "unsafe", "unreadable"]
+#: ``removing``: an interrupted removal (retention, prune) left it: garbage, finished by the next retention.
+RecordState = Literal["committed", "uncommitted", "removing", "legacy", "missing", "corrupt", "unsafe", "unreadable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,8 @@ def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
         log.warning("%s: could not probe the checkpoint folder: %s", url, exc)
         return CheckpointRecord(tag, False, url=url, state="unreadable", detail=str(exc))
     if found.manifest is None:
+        if found.state == "uncommitted" and removal_marked(url, storage_options):
+            return CheckpointRecord(tag, False, url=url, state="removing", detail="an interrupted removal left it")
         return CheckpointRecord(tag, False, url=url, state=found.state, detail=found.detail)
     return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
 

@@ -226,6 +226,8 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         report = verify_checkpoint(url, options, progress=bar)
     finally:
         bar.close()
+    for warning in report.warnings:
+        err.write(f"warning: {warning}\n")
     if report.ok:
         kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
         out.write(f"OK {url}: {report.files_checked} files, {_human(report.bytes_checked)} ({kind})\n")

@@ -9,6 +9,8 @@ Rules (issue 4):
   is left alone -- unless the caller asks for stale ones (``uncommitted_older_than``): then folders
   with no write for that long, and S3 multipart uploads that old, are removed;
 * ``unsafe`` and ``corrupt`` folders are never deleted automatically (evidence for a human);
+* a folder an interrupted removal left (``removing``: its manifest already gone, a marker file in it)
+  is removed by the next retention whatever ``keep`` says -- it was chosen for deletion already;
 * the ``keep`` newest committed ones (by save time) stay;
 * the tag ``newest`` names is never deleted, even if clocks made it look old;
 * a failed delete is logged and the rest continue; it never fails the save that triggered it.
@@ -147,6 +149,11 @@ def apply_retention(
             return False
 
     removed = [tag for tag in doomed if remove(tag, "checkpoint")]
+    # folders an interrupted removal left behind were already chosen for deletion: finish the job
+    removed += [
+        r.tag for r in records
+        if r.state == "removing" and r.tag not in protected and remove(r.tag, "partly removed checkpoint")
+    ]
     stale: list[str] = []
     aborted: list[str] = []
     if uncommitted_older_than is not None:

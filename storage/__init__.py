@@ -17,6 +17,7 @@ from smpckpt.storage.tools import (  # noqa: E402
     last_activity,
     probe_checkpoint,
     read_manifest,
+    removal_marked,
     remove_checkpoint,
     verify_checkpoint,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "read_manifest",
     "last_activity",
     "abort_stale_uploads",
+    "removal_marked",
     "verify_checkpoint",
     "VerifyReport",
     "remove_checkpoint",

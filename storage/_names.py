@@ -22,6 +22,7 @@ import time
 
 __all__ = [
     "MANIFEST_NAME",
+    "REMOVING_NAME",
     "METADATA_NAME",
     "RAW_DESCRIPTOR",
     "FORMAT_VERSION",
@@ -33,6 +34,9 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "smpckpt.manifest.json"
+#: Written by remove_checkpoint before it deletes anything: a folder holding it is being (or was
+#: partly) removed on purpose, never a save in flight, so a later retention may finish the job.
+REMOVING_NAME = "smpckpt.removing"
 METADATA_NAME = ".metadata"
 #: Transform descriptor recorded on raw tensor items. A stock DCP reader does not know it and fails
 #: with ``ValueError: Unknown extension name='smpckpt.raw'`` instead of decoding garbage.

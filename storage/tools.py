@@ -13,7 +13,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import join, open_fs, read_bytes_or_none, remove_tree
+from smpckpt.storage._fs import join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
 from smpckpt.storage._state import CheckpointState, Probe, probe
 from smpckpt.storage.manifest import Manifest
 
@@ -26,6 +26,7 @@ __all__ = [
     "remove_checkpoint",
     "last_activity",
     "abort_stale_uploads",
+    "removal_marked",
 ]
 
 _READ_CHUNK = 16 << 20
@@ -65,7 +66,12 @@ def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """Result of :func:`verify_checkpoint`. ``ok`` is true when ``problems`` is empty."""
+    """Result of :func:`verify_checkpoint`. ``ok`` is true when ``problems`` is empty.
+
+    ``warnings`` are findings that do not make the checkpoint unusable by smpckpt: a missing or stale
+    stock ``.metadata`` copy (a crash between the commit and that copy leaves one; stock DCP readers
+    then cannot load the checkpoint, or would load the previous generation).
+    """
 
     url: str
     state: CheckpointState
@@ -73,6 +79,7 @@ class VerifyReport:
     bytes_checked: int
     problems: tuple[str, ...]
     checksummed: bool  # False for legacy checkpoints (sizes/references only)
+    warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -89,8 +96,8 @@ def verify_checkpoint(
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check every file of a committed checkpoint: presence, size and every block checksum, the
-    manifest's own checksum (its file list, digests and ``extra``), and that the stock ``.metadata``
-    copy equals the committed generation's metadata.
+    manifest's own checksum (its file list, digests and ``extra``), and (as a warning) that the stock
+    ``.metadata`` copy equals the committed generation's metadata.
 
     ``progress(done_bytes, total_bytes)`` is called as bytes are checked. A legacy (stock DCP)
     checkpoint has no checksums: its referenced files are checked for presence and size only.
@@ -119,12 +126,13 @@ def verify_checkpoint(
             problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     except FileNotFoundError:
         problems.append(f"{manifest.metadata.name}: missing")
+    warnings: list[str] = []
     stock_path = join(fs, path, _names.METADATA_NAME)
     stock = read_bytes_or_none(fs, stock_path)
     if stock is None:
-        problems.append(f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
+        warnings.append(f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
     elif len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
-        problems.append(
+        warnings.append(
             f"{_names.METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
             "load another generation or fail)"
         )
@@ -153,7 +161,7 @@ def verify_checkpoint(
                 done += end - start
                 if progress and (i % 16 == 15 or i == len(rec.block_ends) - 1):
                     progress(done, total)
-    return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True)
+    return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
 
 
 def _verify_legacy(fs: Any, path: str, url: str, metadata: Any, progress: Callable[[int, int], None] | None) -> VerifyReport:
@@ -195,6 +203,10 @@ def remove_checkpoint(
     """
     fs, path = open_fs(url, storage_options)
     manifest_path = join(fs, path, _names.MANIFEST_NAME)
+    if fs.exists(manifest_path):
+        # mark the folder first: if this removal is interrupted, the leftover is known to be garbage
+        # (see removal_marked), not a save in flight
+        write_bytes_atomic(fs, join(fs, path, _names.REMOVING_NAME), b"removing\n")
     try:
         with translate_errors(manifest_path):
             fs.rm_file(manifest_path)
@@ -243,6 +255,13 @@ def _s3_uploads(fs: Any, path: str) -> list[dict[str, Any]]:
             break
         kwargs.update(KeyMarker=page.get("NextKeyMarker"), UploadIdMarker=page.get("NextUploadIdMarker"))
     return uploads
+
+
+def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether an interrupted :func:`remove_checkpoint` left this folder (its marker is there)."""
+    fs, path = open_fs(url, storage_options)
+    with translate_errors(path):
+        return bool(fs.exists(join(fs, path, _names.REMOVING_NAME)))
 
 
 def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:

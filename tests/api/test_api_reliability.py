@@ -147,14 +147,19 @@ def test_restart_after_crash_before_retention_trims_on_the_next_save(tmp_path: A
     assert _tags(root) == {"step3": "committed", "step4": "committed"}
 
 
-def test_restart_after_crash_mid_retention_leaves_only_refused_debris(tmp_path: Any) -> None:
+def test_restart_after_crash_mid_retention_finishes_the_removal(tmp_path: Any) -> None:
     root = str(tmp_path)
     _steps(root, 2)
-    os.remove(tmp_path / "step0_partial" / "smpckpt.manifest.json")  # killed after the manifest's delete
+    # a removal killed after its marker and the manifest's delete (remove_checkpoint's first steps)
+    (tmp_path / "step0_partial" / "smpckpt.removing").write_text("removing\n")
+    os.remove(tmp_path / "step0_partial" / "smpckpt.manifest.json")
+    # a folder that merely lost its manifest (no marker) is not ours to judge: it stays
+    os.remove(tmp_path / "step1_partial" / "smpckpt.manifest.json")
+    assert _tags(root) == {"step0": "removing", "step1": "uncommitted", "step2": "committed"}
     m, o = _model(9)
     assert resume_from_checkpoint(root, model=m, optimizer=o) == {"step": 2}
     save_checkpoint(root, "step3", model=m, optimizer=o, user_content={"step": 3}, num_kept_partial_checkpoints=2)
-    assert _tags(root) == {"step0": "uncommitted", "step2": "committed", "step3": "committed"}
+    assert _tags(root) == {"step1": "uncommitted", "step2": "committed", "step3": "committed"}
 
 
 # -- 6. stale debris of killed saves ------------------------------------------------------------------

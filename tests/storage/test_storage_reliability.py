@@ -474,8 +474,9 @@ def test_verify_reports_wrong_stock_metadata(local_or_memory: Backend) -> None:
     assert foreign != _cat(f"{url}/.metadata", opts)
     _put(f"{url}/.metadata", opts, foreign)
     report = verify_checkpoint(url, opts)
-    assert not report.ok
-    assert len(report.problems) == 1 and report.problems[0].startswith(".metadata: differs"), report.problems
+    # a crash between the commit and the stock copy leaves this too: a warning, smpckpt loads it
+    assert report.ok and report.problems == ()
+    assert len(report.warnings) == 1 and report.warnings[0].startswith(".metadata: differs"), report.warnings
     # our reader follows the manifest, so the data itself is still fine
     assert_state_equal(sd, _load(sd, url, opts))
 
@@ -486,8 +487,8 @@ def test_verify_reports_missing_stock_metadata(local_or_memory: Backend) -> None
     fs, path = _fs(url, opts)
     fs.rm_file(f"{path}/.metadata")
     report = verify_checkpoint(url, opts)
-    assert not report.ok
-    assert len(report.problems) == 1 and report.problems[0].startswith(".metadata: missing"), report.problems
+    assert report.ok and report.problems == ()
+    assert len(report.warnings) == 1 and report.warnings[0].startswith(".metadata: missing"), report.warnings
     assert_state_equal(sd, _load(sd, url, opts))
 
 

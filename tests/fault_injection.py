@@ -1,0 +1,1069 @@
+#!/usr/bin/env python3
+"""Fault injection: SIGKILL a save loop at many points and count the checkpoints lost (must be 0).
+
+    python tests/fault_injection.py --kills 60 --seed 0 [--root DIR] [--json out.json]
+
+A child process (this script with ``--child``: one plain process, no process group) trains a tiny
+model (a ``nn.Linear`` stack + Adam, ~3.3 MB of state) whose parameters and Adam state at step ``k``
+are a pure function of ``k`` (filled from ``torch.Generator().manual_seed(k)``), and loops::
+
+    save_checkpoint(root, f"step{k:05d}", model=..., optimizer=..., user_content={"step": k},
+                    num_kept_partial_checkpoints=3)
+
+appending (and fsyncing) one line to a progress file after every save that returned, so the parent
+knows which tags were *reported committed*. Every child run starts as a restart would: it resumes
+(``newest``, fallback: newest committed tag), saves ``resumed step + 1`` (the restart save, no fault
+armed), then arms its fault and goes on saving until it dies.
+
+Kill points (``--kills N``: half of each, unless ``--kinds`` says otherwise):
+
+* deterministic (``KINDS``): the child wraps a function of the commit sequence -- data-file sink
+  writes/fsyncs (``smpckpt.storage._sinks.LocalSink``), ``write_bytes_atomic`` of ``.metadata`` and
+  the manifest commit (the writer's ``_write_manifest`` seam), ``os.replace``/``os.link`` publishing
+  ``.metadata``/the manifest/``newest`` (before or after),
+  ``os.fsync``, ``smpckpt.tags.write_newest``, retention's ``remove_checkpoint`` (before it, and
+  between the files it deletes), and the point after ``save_checkpoint`` returned but before the
+  progress line -- so that its N-th call (N drawn by the parent from the seed and passed in the
+  ``SMPCKPT_FI_FAULT`` environment variable) runs ``os.kill(os.getpid(), SIGKILL)``. Functions are
+  replaced wherever they are looked up: the ``os`` module attribute, the class attribute, and every
+  ``from x import y`` copy in a loaded ``smpckpt.*`` module (found by identity; the child reports
+  where it patched). Only the child is patched; package files are never touched.
+* ``timed``: the parent sends SIGKILL 0.05-2 s after the child finished its resume (its first
+  progress line), so the kill lands anywhere in the restart save or the save loop.
+
+A kill counts as *landed* only when the child really died of SIGKILL (and, for a deterministic kill,
+after writing its "kill" marker). After every kill the parent checks, in-process with unpatched
+imports:
+
+(a) each of the last 3 reported-committed tags is still committed and passes ``verify_checkpoint``,
+    unless retention legitimately deleted it (3 newer committed checkpoints exist);
+(b) ``resume_from_checkpoint(root, model=fresh, optimizer=fresh)`` succeeds, loads a state bit-exactly
+    equal (``torch.equal``, every parameter and Adam tensor) to the expected state of the step it
+    reports (``user_content["step"]``), and that step is >= the newest reported one (a crash may lose
+    only the save in progress) and was attempted by some save;
+(c) the next child run resumes and saves on (its restart save succeeds). A failure of (c) -- e.g.
+    ``CheckpointExists`` when a crash between the commit and the ``newest`` update makes the restart
+    replay a committed tag -- is reported against the kill point that left the state behind; the
+    remaining points then run on a fresh root (the failure is counted, not worked around).
+
+LOST = a reported-committed tag that should be kept is gone or unverifiable, or resume fails or
+returns an older step than the newest reported one. Every other committed checkpoint is verified
+too: a checksum/size problem is a failure ("corrupt"); a missing stock ``.metadata`` copy only (a
+crash between the commit and that copy; smpckpt still loads it) is a warning ("no .metadata").
+Leftovers (uncommitted folders, temp files, orphan files of dead saves inside committed folders) are
+counted per kill (new paths only) and reported only.
+
+Output: a table per kill kind, totals, warnings and failures with a reproduction, ``--json``; exit 1
+if anything was lost, a resume or a restart failed, a committed checkpoint was corrupt, or a child
+errored/hung. Every subprocess has a timeout. Children are pre-started (``--prefetch``) so their
+torch import overlaps the previous run and the parent's checks.
+
+Reproducing one deterministic point on a fresh root:
+``python tests/fault_injection.py --kills 1 --seed S --kinds KIND --n N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from typing import Any
+
+KEEP = 3  # num_kept_partial_checkpoints
+FAULT_ENV = "SMPCKPT_FI_FAULT"
+MANIFEST = "smpckpt.manifest.json"
+SIZES = (256, 256, 256, 64)  # Linear stack: ~0.28 M parameters, ~3.3 MB with Adam state
+POISON_STEP = 1_000_000_007  # fills a fresh model before resume, so a no-op load is caught
+READY_TIMEOUT_S = 240.0  # child import (torch) on a loaded 2-core machine
+RUN_TIMEOUT_S = 120.0  # one child run, from "go" to its death
+TIMED_RANGE_S = (0.05, 2.0)
+DET_MAX_SAVES = 12  # armed saves of a deterministic run (its N lands within ~3 saves)
+TIMED_MAX_SAVES = 2000  # bounded anyway by the timed kill (<= 2 s)
+_REAL_FSYNC = os.fsync  # the child's own progress file never goes through the patched fsync
+
+# kind: (counter, when, (N low, N high), what the kill interrupts). Counters are per child run and
+# count only after the restart save (when the fault is armed). Calls per save with this model (see
+# "calls_per_save" in the JSON, measured by the final run): ~100 sink.write, 4 sink.commit, ~12 fsync,
+# 1-2 write_bytes_atomic/renames of .metadata, one manifest commit (rename or hard link), one newest
+# write; once more than 3 checkpoints exist, 1 remove_checkpoint and ~8 deletions inside it.
+KINDS: dict[str, tuple[str, str, tuple[int, int], str]] = {
+    "data_write": ("sink.write", "before", (1, 200), "before a data-file chunk write (LocalSink.write)"),
+    "data_write_torn": ("sink.write", "torn", (1, 200), "half of a data-file chunk written"),
+    "data_fsync": ("sink.commit", "before", (1, 12), "before a data file's fsync+close (LocalSink.commit)"),
+    "fsync": ("fsync", "before", (1, 36), "before any os.fsync of the save loop"),
+    "metadata_write": ("wba:.metadata", "before", (1, 6), "before write_bytes_atomic(.metadata[.<id>])"),
+    "metadata_rename": ("publish:.metadata", "before", (1, 6), ".metadata temp written+fsynced, not renamed"),
+    "manifest_write": ("commit", "before", (1, 3), "before the writer's _write_manifest (the commit)"),
+    "manifest_rename": ("publish:manifest", "before", (1, 3), "manifest temp written+fsynced, not published"),
+    "manifest_renamed": ("publish:manifest", "after", (1, 3), "manifest published (rename/link), dir not fsynced"),
+    "manifest_committed": ("commit", "after", (1, 3), "_write_manifest returned; before the rest of finish()"),
+    "newest_write": ("write_newest", "before", (1, 3), "committed, before write_newest"),
+    "newest_rename": ("publish:newest", "before", (1, 3), "newest temp written, not renamed"),
+    "newest_renamed": ("publish:newest", "after", (1, 3), "newest renamed, before its dir fsync/retention"),
+    "retention_start": ("remove_checkpoint", "before", (1, 3), "before retention's remove_checkpoint"),
+    "retention_mid": ("rm_in_removal", "before", (2, 8), "between the deletions of remove_checkpoint"),
+    "post_save": ("post_save", "before", (1, 3), "save returned, progress line not written"),
+}
+TIMED = "timed"
+#: verify_checkpoint's warning for a committed checkpoint whose stock ``.metadata`` copy (written after
+#: the commit, for stock DCP readers) is missing: a crash right after the commit leaves it so. smpckpt
+#: loads such a checkpoint; it is counted ("no .metadata"), not treated as corruption.
+STOCK_ONLY = ".metadata: missing"
+ALL_KINDS = (*KINDS, TIMED)
+
+
+def tag_of(step: int) -> str:
+    return f"step{step:05d}"
+
+
+def step_of(tag: str) -> int | None:
+    if tag.startswith("step") and tag[4:].isdigit():
+        return int(tag[4:])
+    return None
+
+
+# -- the model (child and parent) -------------------------------------------------------------------
+def build_model() -> tuple[Any, Any]:
+    """The tiny model and an Adam whose state exists (one zero-grad step), as resume needs it."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for i in range(len(SIZES) - 1):
+        layers.append(nn.Linear(SIZES[i], SIZES[i + 1]))
+        if i < len(SIZES) - 2:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def fill_state(model: Any, opt: Any, step: int) -> None:
+    """The "training step": parameters and Adam state at ``step`` are a pure function of ``step``."""
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+            st = opt.state[p]
+            st["exp_avg"].copy_(torch.randn(p.shape, generator=g))
+            st["exp_avg_sq"].copy_(torch.rand(p.shape, generator=g))
+            st["step"].fill_(float(step + 1))
+
+
+def state_mismatches(model: Any, opt: Any, step: int) -> list[str]:
+    """Names of the tensors of (model, opt) that differ (bit-exact) from the expected state of ``step``."""
+    import torch
+
+    exp_model, exp_opt = build_model()
+    fill_state(exp_model, exp_opt, step)
+    bad: list[str] = []
+    got = dict(model.named_parameters())
+    for name, q in exp_model.named_parameters():
+        p = got.get(name)
+        if p is None or not torch.equal(p.detach(), q.detach()):
+            bad.append(f"model.{name}")
+            continue
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            a, b = opt.state.get(p, {}).get(key), exp_opt.state[q][key]
+            if a is None or not torch.equal(a, b):
+                bad.append(f"optim.{name}.{key}")
+    return bad
+
+
+# -- child ----------------------------------------------------------------------------------------------
+class Progress:
+    """Append-only JSON lines, fsynced (with the real fsync) after each line."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(self, sync: bool = True, **event: Any) -> None:
+        event["t"] = round(time.monotonic(), 4)
+        os.write(self.fd, (json.dumps(event) + "\n").encode())
+        if sync:
+            _REAL_FSYNC(self.fd)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # never reached
+
+
+def _classify(path: Any) -> str:
+    base = os.path.basename(os.fspath(path)) if path is not None else ""
+    if base == MANIFEST:
+        return "manifest"
+    if base.startswith(".metadata"):
+        return ".metadata"
+    if base == "newest":
+        return "newest"
+    return "other"
+
+
+class Injector:
+    """Counts calls of the wrapped functions and SIGKILLs this process at the configured call."""
+
+    def __init__(self, fault: dict[str, Any], progress: Progress) -> None:
+        self.kind = fault.get("kind", "none")
+        spec = KINDS.get(self.kind)
+        self.counter, self.when, self.n = (spec[0], spec[1], int(fault["n"])) if spec else ("", "", 0)
+        self.progress = progress
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+        self.in_removal = 0
+        self.patched: dict[str, list[str]] = {}
+
+    # the decision ------------------------------------------------------------------------------------
+    def _count(self, name: str) -> int:
+        with self.lock:
+            self.counts[name] += 1
+            return self.counts[name]
+
+    def _die(self, name: str, count: int, when: str) -> None:
+        self.progress.emit(sync=False, event="kill", kind=self.kind, counter=name, n=count, when=when)
+        _kill_self()
+
+    def before(self, name: str) -> bool:
+        """Count a call; kill now (``before``) or return True when the caller must tear the write."""
+        c = self._count(name)
+        if name == self.counter and c == self.n:
+            if self.when == "before":
+                self._die(name, c, "before")
+            if self.when == "torn":
+                return True
+        return False
+
+    def after(self, name: str) -> None:
+        if name == self.counter and self.when == "after" and self.counts[name] == self.n:
+            self._die(name, self.n, "after")
+
+    # installing the wrappers ------------------------------------------------------------------------
+    @staticmethod
+    def _replace_everywhere(orig: Any, new: Any) -> list[str]:
+        """Replace ``orig`` in every loaded smpckpt module that holds it (``from x import y`` copies)."""
+        hits = []
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or not (mod_name == "smpckpt" or mod_name.startswith("smpckpt.")):
+                continue
+            for attr, val in list(vars(mod).items()):
+                if val is orig:
+                    setattr(mod, attr, new)
+                    hits.append(f"{mod_name}.{attr}")
+        return hits
+
+    def install(self) -> dict[str, list[str]]:
+        import smpckpt.storage._fs as fsmod
+        import smpckpt.storage._sinks as sinks
+        import smpckpt.storage.tools as tools
+        import smpckpt.tags as tags
+        from smpckpt.storage.writer import FsspecStorageWriter
+
+        inj = self
+
+        # data-file sinks (class attributes: every instance looks them up there)
+        orig_write, orig_commit = sinks.LocalSink.write, sinks.LocalSink.commit
+
+        def sink_write(sink: Any, data: memoryview) -> None:
+            if inj.before("sink.write"):
+                mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+                orig_write(sink, mv[: len(mv) // 2])
+                inj._die("sink.write", inj.n, "torn")
+            orig_write(sink, data)
+
+        def sink_commit(sink: Any) -> None:
+            inj.before("sink.commit")
+            orig_commit(sink)
+
+        sinks.LocalSink.write = sink_write  # type: ignore[method-assign]
+        sinks.LocalSink.commit = sink_commit  # type: ignore[method-assign]
+        self.patched["LocalSink"] = ["smpckpt.storage._sinks.LocalSink.write", "smpckpt.storage._sinks.LocalSink.commit"]
+
+        # the writer's commit seam (a class attribute)
+        orig_commit_manifest = FsspecStorageWriter._write_manifest
+
+        def write_manifest(writer: Any, *args: Any, **kwargs: Any) -> Any:
+            inj.before("commit")
+            out = orig_commit_manifest(writer, *args, **kwargs)
+            inj.after("commit")
+            return out
+
+        FsspecStorageWriter._write_manifest = write_manifest  # type: ignore[method-assign]
+        self.patched["FsspecStorageWriter"] = ["smpckpt.storage.writer.FsspecStorageWriter._write_manifest"]
+
+        # write_bytes_atomic: the definition and every imported copy
+        orig_wba = fsmod.write_bytes_atomic
+
+        def wba(*args: Any, **kwargs: Any) -> Any:
+            path = args[1] if len(args) > 1 else kwargs.get("path")
+            name = f"wba:{_classify(path)}"
+            inj.before(name)
+            out = orig_wba(*args, **kwargs)
+            inj.after(name)
+            return out
+
+        self.patched["write_bytes_atomic"] = self._replace_everywhere(orig_wba, wba)
+
+        orig_newest = tags.write_newest
+
+        def write_newest(*args: Any, **kwargs: Any) -> Any:
+            inj.before("write_newest")
+            out = orig_newest(*args, **kwargs)
+            inj.after("write_newest")
+            return out
+
+        self.patched["write_newest"] = self._replace_everywhere(orig_newest, write_newest)
+
+        orig_remove = tools.remove_checkpoint
+
+        def remove_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            inj.before("remove_checkpoint")
+            inj.in_removal += 1
+            try:
+                return orig_remove(*args, **kwargs)
+            finally:
+                inj.in_removal -= 1
+
+        self.patched["remove_checkpoint"] = self._replace_everywhere(orig_remove, remove_checkpoint)
+
+        # os functions: module attributes (looked up at call time) and any smpckpt-held copies
+        def os_wrap(fn_name: str, counter: Any) -> None:
+            orig = getattr(os, fn_name)
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                name = counter(args, kwargs)
+                if name:
+                    inj.before(name)
+                out = orig(*args, **kwargs)
+                if name:
+                    inj.after(name)
+                return out
+
+            hits = self._replace_everywhere(orig, wrapped)
+            setattr(os, fn_name, wrapped)
+            self.patched[f"os.{fn_name}"] = [f"os.{fn_name}", *hits]
+
+        def publish_counter(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+            dst = args[1] if len(args) > 1 else kwargs.get("dst")
+            return f"publish:{_classify(dst)}"
+
+        os_wrap("replace", publish_counter)  # write_bytes_atomic: temp + rename
+        os_wrap("link", publish_counter)  # exclusive commit: temp + hard link
+        os_wrap("fsync", lambda a, k: "fsync")
+        for fn_name in ("unlink", "remove", "rmdir"):
+            os_wrap(fn_name, lambda a, k: "rm_in_removal" if inj.in_removal else "")
+        for name, hits in self.patched.items():
+            if not hits:
+                raise RuntimeError(f"fault injection: {name} is looked up nowhere the harness knows; update it")
+        return self.patched
+
+
+def child_main() -> int:
+    fault = json.loads(os.environ.get(FAULT_ENV) or "{}")
+    import torch
+
+    torch.set_num_threads(1)
+    import smpckpt
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    model, opt = build_model()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    os.dup2(2, 1)  # nothing more on the pipe the parent reads
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # the parent went away or did not need this child
+    go = json.loads(line)
+    root, progress = go["root"], Progress(go["progress"])
+    max_saves = int(fault.get("max_saves", DET_MAX_SAVES))
+    phase = "resume"
+    try:
+        uc = smpckpt.resume_from_checkpoint(root, model=model, optimizer=opt, missing_ok=True)
+        info = smpckpt.last_resume_info() if uc is not None else None
+        step = None if uc is None else int(uc["step"])
+        progress.emit(event="resumed", step=step, tag=info.tag if info else None,
+                      fell_back=bool(info.fell_back) if info else False)
+        start = 0 if step is None else step + 1
+        phase = "restart_save"
+        fill_state(model, opt, start)
+        smpckpt.save_checkpoint(root, tag_of(start), model=model, optimizer=opt, user_content={"step": start},
+                                num_kept_partial_checkpoints=KEEP)
+        progress.emit(event="committed", step=start, phase="restart")
+        phase = "install"
+        inj = Injector(fault, progress)
+        patched = inj.install() if inj.kind in KINDS or inj.kind == "final" else {}  # final: counts only
+        progress.emit(event="armed", kind=inj.kind, n=inj.n, patched=patched)
+        phase = "loop"
+        for k in range(start + 1, start + 1 + max_saves):
+            fill_state(model, opt, k)
+            smpckpt.save_checkpoint(root, tag_of(k), model=model, optimizer=opt, user_content={"step": k},
+                                    num_kept_partial_checkpoints=KEEP)
+            inj.before("post_save")
+            progress.emit(event="committed", step=k, phase="loop", counts=dict(inj.counts))
+        progress.emit(event="done")
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit 3
+        progress.emit(event="error", phase=phase, type=type(exc).__name__, message=str(exc)[:4000],
+                      traceback=traceback.format_exc()[-6000:])
+        return 3
+
+
+# -- parent: plan ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Point:
+    index: int
+    kind: str
+    n: int | None = None  # deterministic kinds
+    delay_s: float | None = None  # timed kills
+
+    def fault(self) -> dict[str, Any]:
+        if self.kind in KINDS:
+            return {"kind": self.kind, "n": self.n, "max_saves": DET_MAX_SAVES}
+        return {"kind": self.kind, "max_saves": TIMED_MAX_SAVES if self.kind == TIMED else 3}
+
+    def label(self) -> str:
+        if self.kind in KINDS:
+            return f"{self.kind} N={self.n}"
+        if self.kind == TIMED:
+            return f"timed {self.delay_s:.3f}s"
+        return self.kind
+
+
+def make_plan(kills: int, seed: int, kinds: list[str], force_n: int | None) -> list[Point]:
+    rng = random.Random(seed)
+    det = [k for k in kinds if k in KINDS]
+    timed = TIMED in kinds
+    n_timed = kills // 2 if (timed and det) else (kills if timed else 0)
+    n_det = kills - n_timed
+    det_seq: list[str] = []
+    while len(det_seq) < n_det:
+        cycle = list(det)
+        rng.shuffle(cycle)
+        det_seq.extend(cycle)
+    points = [Point(0, k, n=force_n if force_n is not None else rng.randint(*KINDS[k][2])) for k in det_seq[:n_det]]
+    points += [Point(0, TIMED, delay_s=round(rng.uniform(*TIMED_RANGE_S), 3)) for _ in range(n_timed)]
+    rng.shuffle(points)
+    for i, p in enumerate(points):
+        p.index = i
+    return points
+
+
+# -- parent: children -------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Child:
+    point: Point
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    log_file: Any
+
+
+def spawn(point: Point, state_dir: str, serial: int) -> Child:
+    env = dict(os.environ)
+    env[FAULT_ENV] = json.dumps(point.fault())
+    log_path = os.path.join(state_dir, "logs", f"child{serial:03d}_{point.kind}.log")
+    log_file = open(log_path, "wb")  # noqa: SIM115 - closed in discard()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--child"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, env=env,
+    )
+    return Child(point, proc, log_path, log_file)
+
+
+def discard(child: Child) -> None:
+    try:
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    child.log_file.close()
+    for f in (child.proc.stdin, child.proc.stdout):
+        try:
+            if f:
+                f.close()
+        except OSError:
+            pass
+
+
+def wait_ready(child: Child, timeout: float) -> str | None:
+    """None when the child printed "ready", else why not."""
+    deadline = time.monotonic() + timeout
+    fd = child.proc.stdout.fileno()  # type: ignore[union-attr]
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"not ready after {timeout:.0f}s"
+        r, _, _ = select.select([fd], [], [], min(left, 1.0))
+        if r:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                try:
+                    rc: int | str | None = child.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    rc = "still running"
+                return f"exited during start-up (rc={rc}); log {child.log_path}"
+            buf += chunk
+    return None if buf.split(b"\n", 1)[0].strip() == b"ready" else f"unexpected start-up output {buf[:200]!r}"
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    events = []
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass  # a torn last line
+    except FileNotFoundError:
+        pass
+    return events
+
+
+@dataclasses.dataclass
+class RunResult:
+    rc: int | None
+    landed: bool
+    timed_out: bool
+    sent_kill: bool
+    events: list[dict[str, Any]]
+    wall_s: float
+    startup_error: str | None = None
+    ready_wait_s: float = 0.0
+
+    def error(self) -> dict[str, Any] | None:
+        return next((e for e in self.events if e.get("event") == "error"), None)
+
+    def restart_ok(self) -> bool:
+        return any(e.get("event") == "committed" and e.get("phase") == "restart" for e in self.events)
+
+    def committed_steps(self) -> list[int]:
+        return [int(e["step"]) for e in self.events if e.get("event") == "committed"]
+
+
+def run_child(child: Child, root: str, progress_path: str) -> RunResult:
+    point = child.point
+    started = time.monotonic()
+    why = wait_ready(child, READY_TIMEOUT_S)
+    if why is not None:
+        discard(child)
+        return RunResult(child.proc.returncode, False, "not ready" in why, False, [], time.monotonic() - started, why)
+    go = time.monotonic()
+    ready_wait = go - started
+    try:
+        child.proc.stdin.write((json.dumps({"root": root, "progress": progress_path}) + "\n").encode())  # type: ignore[union-attr]
+        child.proc.stdin.flush()  # type: ignore[union-attr]
+        child.proc.stdin.close()  # type: ignore[union-attr]
+    except OSError as exc:
+        discard(child)
+        return RunResult(child.proc.returncode, False, False, False, [], time.monotonic() - started, f"go: {exc}")
+    sent = timed_out = False
+    if point.kind == TIMED and point.delay_s is not None:
+        # the delay counts from the end of the child's resume (its first progress line), so the kill
+        # lands in the restart save or the save loop rather than in the read-only resume
+        while child.proc.poll() is None and time.monotonic() - go < RUN_TIMEOUT_S:
+            if read_events(progress_path):
+                break
+            time.sleep(0.005)
+        try:
+            child.proc.wait(timeout=point.delay_s)
+        except subprocess.TimeoutExpired:
+            child.proc.send_signal(signal.SIGKILL)
+            sent = True
+    try:
+        child.proc.wait(timeout=max(1.0, RUN_TIMEOUT_S - (time.monotonic() - go)))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        child.proc.kill()
+        child.proc.wait(timeout=30)
+    wall = time.monotonic() - go
+    discard(child)
+    events = read_events(progress_path)
+    rc = child.proc.returncode
+    killed = rc == -signal.SIGKILL and not timed_out
+    if point.kind == TIMED:
+        landed = killed and sent
+    else:
+        landed = killed and any(e.get("event") == "kill" for e in events)
+    return RunResult(rc, landed, timed_out, sent, events, wall, ready_wait_s=ready_wait)
+
+
+# -- parent: checks ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Epoch:
+    index: int
+    root: str
+    reported: list[int] = dataclasses.field(default_factory=list)
+    seen_leftovers: set[str] = dataclasses.field(default_factory=set)
+    seen_unverifiable: set[tuple[str, str]] = dataclasses.field(default_factory=set)  # (tag, save id)
+    max_attempted: int = 0  # newest step any save of this root may have attempted
+    pending: list[int] = dataclasses.field(default_factory=list)  # kill points awaiting their restart check
+
+
+def _tree_files(folder: str) -> list[tuple[str, int]]:
+    out = []
+    for dirpath, _dirs, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            try:
+                out.append((p, os.lstat(p).st_size))
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def _owned_names(manifest: Any) -> set[str]:
+    """File names of a manifest's generation (a ``Manifest`` object or its JSON dict)."""
+    if manifest is None:
+        return set()
+    if isinstance(manifest, dict):
+        return {str(f.get("name")) for f in manifest.get("files") or []} | {
+            str((manifest.get("metadata") or {}).get("name"))}
+    return {str(f.name) for f in manifest.files} | {str(manifest.metadata.name)}
+
+
+def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set[str]]:
+    """``{path: bytes}`` of files no committed generation owns, and the uncommitted folder paths."""
+    files: dict[str, int] = {}
+    dirs: set[str] = set()
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return files, dirs
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            tag = entry.name[: -len("_partial")] if entry.name.endswith("_partial") else None
+            rec = committed.get(tag) if tag else None
+            if rec is None:
+                dirs.add(entry.path)
+                files.update(_tree_files(entry.path))
+                continue
+            owned = _owned_names(rec.manifest) | {".metadata", MANIFEST}
+            for p, size in _tree_files(entry.path):
+                if os.path.relpath(p, entry.path) not in owned:
+                    files[p] = size
+        elif entry.name != "newest":
+            files[entry.path] = entry.stat(follow_symlinks=False).st_size
+    return files, dirs
+
+
+def _save_id(rec: Any) -> str:
+    m = rec.manifest
+    if m is None:
+        return ""
+    return str(m.get("save_id", "")) if isinstance(m, dict) else str(getattr(m, "save_id", ""))
+
+
+def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
+    """(a) + (b) on the current state of ``epoch.root``; plus leftovers attributed to this kill."""
+    import smpckpt
+    from smpckpt.catalog import scan_root
+    from smpckpt.storage import verify_checkpoint
+
+    out: dict[str, Any] = {"lost": [], "corrupt": [], "stock_metadata_missing": [], "legit_deleted": [], "resume": {},
+                           "errors": []}
+    reported = sorted(set(epoch.reported))
+    newest_reported = reported[-1] if reported else None
+    committed: dict[str, Any] = {}
+    try:
+        for r in scan_root(epoch.root):
+            if r.committed:
+                committed[r.tag] = r
+    except Exception as exc:  # noqa: BLE001 - the root cannot even be listed: every kept tag is lost
+        out["errors"].append(f"scan_root: {type(exc).__name__}: {exc}")
+        out["lost"] = [{"tag": tag_of(s), "why": "scan_root failed"} for s in reported[-KEEP:]]
+    else:
+        steps_on_disk = sorted(s for s in (step_of(t) for t in committed) if s is not None)
+        for tag, rec in sorted(committed.items()):
+            try:
+                rep = verify_checkpoint(rec.url)
+                if not rep.ok:
+                    out["corrupt"].append({"tag": tag, "why": "; ".join(rep.problems[:5]), "id": _save_id(rec)})
+                elif any(w.startswith(STOCK_ONLY) for w in rep.warnings):
+                    out["corrupt"].append({"tag": tag, "why": "; ".join(rep.warnings[:5]), "id": _save_id(rec),
+                                           "stock_only": True})
+            except Exception as exc:  # noqa: BLE001
+                out["corrupt"].append({"tag": tag, "why": f"{type(exc).__name__}: {exc}", "id": _save_id(rec)})
+        corrupt = {c["tag"] for c in out["corrupt"] if not c.get("stock_only")}
+        for s in reported[-KEEP:]:
+            t = tag_of(s)
+            if t in committed and t not in corrupt:
+                continue
+            if t in corrupt:
+                out["lost"].append({"tag": t, "why": "committed but verify_checkpoint failed"})
+                continue
+            newer = sum(1 for x in steps_on_disk if x > s)
+            if newer >= KEEP:
+                out["legit_deleted"].append(t)
+            else:
+                out["lost"].append({"tag": t, "why": f"gone (only {newer} newer committed checkpoint(s) exist)"})
+        # committed checkpoints that fail verification and are not counted as lost above; each one
+        # is counted once, by the check that first saw it
+        fresh = [c for c in out["corrupt"] if step_of(c["tag"]) not in reported[-KEEP:]
+                 and (c["tag"], c["id"]) not in epoch.seen_unverifiable]
+        epoch.seen_unverifiable |= {(c["tag"], c["id"]) for c in out["corrupt"]}
+        out["corrupt"] = [c for c in fresh if not c.get("stock_only")]
+        out["stock_metadata_missing"] = [c for c in fresh if c.get("stock_only")]
+        out["committed_on_disk"] = sorted(committed)
+
+    # (b) resume into a fresh, poisoned model
+    res: dict[str, Any] = {"ok": False}
+    try:
+        model, opt = build_model()
+        fill_state(model, opt, POISON_STEP)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            uc = smpckpt.resume_from_checkpoint(epoch.root, model=model, optimizer=opt, missing_ok=not reported)
+        if uc is None:
+            res.update(step=None, ok=not reported, why=None if not reported else "nothing to resume")
+        else:
+            info = smpckpt.last_resume_info()
+            step = int(uc["step"])
+            res.update(step=step, tag=info.tag if info else None, fell_back=bool(info and info.fell_back))
+            bad = state_mismatches(model, opt, step)
+            if bad:
+                res["why"] = f"state of step {step} differs bit-wise in {len(bad)} tensor(s): {bad[:4]}"
+            elif info is not None and info.tag != tag_of(step):
+                res["why"] = f"tag {info.tag} holds user_content step {step}"
+            elif newest_reported is not None and step < newest_reported:
+                res["why"] = f"resumed step {step} < newest reported committed step {newest_reported}"
+                res["regressed"] = True
+            elif ran_up_to is not None and step > ran_up_to:
+                res["why"] = f"resumed step {step} was never saved (last attempted {ran_up_to})"
+            else:
+                res["ok"] = True
+    except Exception as exc:  # noqa: BLE001
+        res["why"] = f"{type(exc).__name__}: {exc}"
+    out["resume"] = res
+
+    # leftovers created by this kill (paths not seen at an earlier check of this root)
+    files, dirs = leftovers(epoch.root, committed)
+    new_files = {p: b for p, b in files.items() if p not in epoch.seen_leftovers}
+    new_dirs = {d for d in dirs if d not in epoch.seen_leftovers}
+    epoch.seen_leftovers |= set(files) | dirs
+    out["leftovers"] = {"dirs": len(new_dirs), "files": len(new_files), "bytes": sum(new_files.values())}
+    return out
+
+
+# -- parent: the campaign ---------------------------------------------------------------------------------
+def zero_stats() -> dict[str, int]:
+    return dict(points=0, landed=0, lost=0, resume_failures=0, restart_failures=0, corrupt_committed=0,
+                no_stock_metadata=0,
+                errors=0, leftover_dirs=0, leftover_files=0, leftover_bytes=0)
+
+
+def repro(args: argparse.Namespace, point: Point) -> str:
+    me = "python tests/fault_injection.py"
+    if point.kind in KINDS:
+        return (f"{me} --kills 1 --seed {args.seed} --kinds {point.kind} --n {point.n}  "
+                f"(in the full run: --kills {args.kills} --seed {args.seed}, kill #{point.index})")
+    return f"{me} --kills {args.kills} --seed {args.seed}  (kill #{point.index}, timed {point.delay_s}s; timing-dependent)"
+
+
+def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
+    t_start = time.monotonic()
+    state_dir = os.path.join(base, "fi_state")
+    os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(state_dir, "progress"), exist_ok=True)
+    kinds = args.kinds.split(",") if args.kinds else list(ALL_KINDS)
+    plan = make_plan(args.kills, args.seed, kinds, args.n)
+    final = Point(len(plan), "final")  # no fault: the restart check of the last kill
+    todo = [*plan, final]
+
+    serial = 0  # children started
+    runs = 0  # children run
+    queue: list[Child] = []
+
+    def top_up(next_index: int) -> None:
+        nonlocal serial
+        while len(queue) < args.prefetch and next_index + len(queue) < len(todo):
+            queue.append(spawn(todo[next_index + len(queue)], state_dir, serial))
+            serial += 1
+
+    top_up(0)
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("smpckpt").addHandler(logging.NullHandler())
+    logging.getLogger("smpckpt").propagate = False
+
+    epochs = [Epoch(0, os.path.join(base, "ckpt0"))]
+    records: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    warnings_: list[dict[str, Any]] = []  # reported, not failing: see STOCK_ONLY
+    by_kind: dict[str, dict[str, int]] = {k: zero_stats() for k in dict.fromkeys(p.kind for p in plan)}
+    calls_per_save: dict[str, int] = {}
+
+    def fail(point: Point, what: str, detail: str, epoch: Epoch) -> None:
+        failures.append({"kill": point.index, "kind": point.kind, "n": point.n, "delay_s": point.delay_s,
+                         "what": what, "detail": detail, "root": epoch.root, "repro": repro(args, point)})
+
+    try:
+        for i, point in enumerate(todo):
+            rec: dict[str, Any] = {"kill": point.index, "kind": point.kind, "n": point.n, "delay_s": point.delay_s}
+            retried = False
+            while True:
+                epoch = epochs[-1]
+                if queue and queue[0].point is point:
+                    child = queue.pop(0)
+                else:  # a retry on a fresh root: the pre-started child belongs to the next point
+                    child = spawn(point, state_dir, serial)
+                    serial += 1
+                top_up(i + 1)
+                runs += 1
+                progress_path = os.path.join(state_dir, "progress", f"run{runs:03d}_kill{point.index:03d}.jsonl")
+                result = run_child(child, epoch.root, progress_path)
+                err = result.error()
+                rec.update(rc=result.rc, landed=result.landed, wall_s=round(result.wall_s, 3), log=child.log_path,
+                           progress=progress_path, epoch=epoch.index)
+                if result.startup_error:
+                    rec["error"] = f"child start-up: {result.startup_error}"
+                elif result.timed_out:
+                    rec["error"] = f"child hung (> {RUN_TIMEOUT_S:.0f}s); log {child.log_path}"
+                elif err is not None:
+                    rec["error"] = f"{err.get('phase')}: {err.get('type')}: {err.get('message')}"
+                elif result.rc not in (0, -signal.SIGKILL):
+                    rec["error"] = f"child exited with {result.rc}; log {child.log_path}"
+                elif result.rc == -signal.SIGKILL and not result.landed:
+                    rec["error"] = "child died of SIGKILL nobody planned (OOM?)"
+                armed = next((e for e in result.events if e.get("event") == "armed"), None)
+                if armed and armed.get("patched"):
+                    rec["patched"] = armed["patched"]
+                for a, b in zip(result.events, result.events[1:]):
+                    if a.get("phase") == "loop" and b.get("phase") == "loop" and a.get("counts") and b.get("counts"):
+                        for k, v in b["counts"].items():
+                            calls_per_save.setdefault(k, v - a["counts"].get(k, 0))
+                epoch.reported.extend(result.committed_steps())
+
+                # (c) for the kill points that left this root's state behind
+                restart_failed = err is not None and err.get("phase") in ("resume", "restart_save")
+                if result.restart_ok():
+                    epoch.pending.clear()
+                elif restart_failed or (result.startup_error is None and result.timed_out and not result.restart_ok()):
+                    detail = rec.get("error", "")
+                    blamed = epoch.pending[-1] if epoch.pending else None
+                    if blamed is not None:
+                        bp = plan[blamed]
+                        by_kind[bp.kind]["restart_failures"] += 1
+                        for r in records:
+                            if r["kill"] == blamed:
+                                r["restart"] = f"FAILED in the next run: {detail}"
+                        fail(bp, "restart failed (c)", detail + (f" [earlier pending kills: {epoch.pending[:-1]}]"
+                                                                  if len(epoch.pending) > 1 else ""), epoch)
+                        print(f"    !! restart after kill #{blamed} ({bp.label()}) FAILED: {detail[:300]}", flush=True)
+                    else:
+                        if point.kind in by_kind:
+                            by_kind[point.kind]["errors"] += 1
+                        fail(point, "restart save failed with no kill before it", detail, epoch)
+                    # go on testing on a fresh root; retry this point there once
+                    epochs.append(Epoch(len(epochs), os.path.join(base, f"ckpt{len(epochs)}")))
+                    print(f"    -> continuing on a fresh root {epochs[-1].root}", flush=True)
+                    if not retried:
+                        retried = True
+                        rec.pop("error", None)
+                        continue
+                break
+
+            if point.kind == "final":
+                rec["restart_check"] = "ok" if result.restart_ok() and not rec.get("error") else rec.get("error")
+                if rec.get("error") and not restart_failed:
+                    failures.append({"kill": point.index, "kind": "final", "what": "final run failed",
+                                     "detail": rec["error"], "root": epoch.root, "repro": ""})
+                records.append(rec)
+                break
+
+            stats = by_kind[point.kind]
+            stats["points"] += 1
+            if result.landed:
+                stats["landed"] += 1
+                epoch.pending.append(point.index)
+            if rec.get("error") and not restart_failed:
+                stats["errors"] += 1
+                fail(point, "child error", rec["error"], epoch)
+            # the newest step any save of this root may have attempted: after each resume the restart
+            # save attempts resumed + 1, the loop attempts one past each reported save
+            for e in result.events:
+                if e.get("event") in ("resumed", "committed") and e.get("step") is not None:
+                    epoch.max_attempted = max(epoch.max_attempted, int(e["step"]) + 1)
+            ran_up_to = epoch.max_attempted
+            t_check = time.monotonic()
+            check = check_root(epoch, ran_up_to)
+            rec["check"] = check
+            rec["ready_wait_s"] = round(result.ready_wait_s, 3)
+            rec["check_s"] = round(time.monotonic() - t_check, 3)
+            lost = len(check["lost"]) + (1 if not check["resume"].get("ok") else 0)
+            stats["lost"] += lost
+            stats["resume_failures"] += 0 if check["resume"].get("ok") else 1
+            stats["corrupt_committed"] += len(check["corrupt"])
+            stats["no_stock_metadata"] += len(check["stock_metadata_missing"])
+            stats["leftover_dirs"] += check["leftovers"]["dirs"]
+            stats["leftover_files"] += check["leftovers"]["files"]
+            stats["leftover_bytes"] += check["leftovers"]["bytes"]
+            for item in check["lost"]:
+                fail(point, "lost checkpoint (a)", f"{item['tag']}: {item['why']}", epoch)
+            if not check["resume"].get("ok"):
+                fail(point, "resume failed (b)", str(check["resume"].get("why")), epoch)
+            for item in check["corrupt"]:
+                fail(point, "committed checkpoint fails verify_checkpoint (unreported: not counted as lost)",
+                     f"{item['tag']}: {item['why']}", epoch)
+            for item in check["stock_metadata_missing"]:
+                warnings_.append({"kill": point.index, "kind": point.kind, "n": point.n, "delay_s": point.delay_s,
+                                  "what": "committed checkpoint without its stock .metadata copy: verify_checkpoint "
+                                          "warns (smpckpt loads it)",
+                                  "detail": f"{item['tag']}: {item['why']}", "root": epoch.root,
+                                  "repro": repro(args, point)})
+            records.append(rec)
+            r = check["resume"]
+            status = "landed" if result.landed else f"NOT landed (rc={result.rc})"
+            print(f"[{point.index + 1:3d}/{len(plan)}] {point.label():24s} {status:18s} run {result.wall_s:5.2f}s "
+                  f"saves {len(result.committed_steps()):3d}  resume step {r.get('step')} "
+                  f"(reported {max(epoch.reported, default=None)}) {'ok' if r.get('ok') else 'FAIL: ' + str(r.get('why'))[:200]}"
+                  f"  lost {len(check['lost'])}  leftovers +{check['leftovers']['dirs']}d/+{check['leftovers']['files']}f"
+                  + (f"  ERROR {rec['error'][:200]}" if rec.get("error") else ""), flush=True)
+    finally:
+        for c in queue:
+            discard(c)
+
+    totals = zero_stats()
+    for s in by_kind.values():
+        for k, v in s.items():
+            totals[k] += v
+    final_left = {"dirs": 0, "files": 0, "bytes": 0}
+    for ep in epochs:
+        try:
+            from smpckpt.catalog import scan_root
+
+            committed = {r.tag: r for r in scan_root(ep.root) if r.committed}
+        except Exception:  # noqa: BLE001
+            committed = {}
+        files, dirs = leftovers(ep.root, committed)
+        final_left["dirs"] += len(dirs)
+        final_left["files"] += len(files)
+        final_left["bytes"] += sum(files.values())
+    final_rec = records[-1] if records and records[-1]["kind"] == "final" else {}
+    ok = (totals["lost"] == 0 and totals["resume_failures"] == 0 and totals["restart_failures"] == 0
+          and totals["corrupt_committed"] == 0 and totals["errors"] == 0 and not failures)
+    return {
+        "ok": ok,
+        "seed": args.seed,
+        "kills_requested": args.kills,
+        "kinds": kinds,
+        "keep": KEEP,
+        "base": base,
+        "roots": [ep.root for ep in epochs],
+        "runtime_s": round(time.monotonic() - t_start, 1),
+        "by_kind": by_kind,
+        "totals": totals,
+        "final_restart_check": final_rec.get("restart_check"),
+        "final_leftovers_on_disk": final_left,
+        "calls_per_save": calls_per_save,
+        "failures": failures,
+        "warnings": warnings_,
+        "points": records,
+    }
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    cols = ("points", "landed", "lost", "resume_failures", "restart_failures", "corrupt_committed", "errors",
+            "no_stock_metadata")
+    heads = ("points", "landed", "lost", "resume fail", "restart fail", "corrupt", "errors", "no .metadata",
+             "leftovers")
+    w = max(16, *(len(k) for k in rep["by_kind"]))
+    line = f"{'kind':{w}s} " + " ".join(f"{h:>12s}" for h in heads)
+    print()
+    print(line)
+    print("-" * len(line))
+
+    def row(name: str, s: dict[str, int]) -> None:
+        left = f"{s['leftover_dirs']}d/{s['leftover_files']}f/{s['leftover_bytes'] / 2**20:.1f}M"
+        print(f"{name:{w}s} " + " ".join(f"{s[c]:12d}" for c in cols) + f" {left:>12s}")
+
+    for k in sorted(rep["by_kind"], key=lambda k: (k == TIMED, k)):
+        row(k, rep["by_kind"][k])
+    print("-" * len(line))
+    row("TOTAL", rep["totals"])
+    fl = rep["final_leftovers_on_disk"]
+    print(f"\nleftovers (d: uncommitted folders, f: files no committed generation owns) created per kill above; "
+          f"on disk at the end: {fl['dirs']} folder(s), {fl['files']} file(s), {fl['bytes'] / 2**20:.1f} MiB")
+    print(f"final restart check: {rep['final_restart_check']};  roots used: {len(rep['roots'])};  "
+          f"runtime {rep['runtime_s']} s")
+    if rep["failures"]:
+        print(f"\nFAILURES ({len(rep['failures'])}):")
+        for f in rep["failures"]:
+            print(f"  kill #{f['kill']} {f['kind']}" + (f" N={f['n']}" if f.get("n") is not None else "")
+                  + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
+                  + f": {f['what']}: {f['detail'][:400]}")
+            if f.get("repro"):
+                print(f"      repro: {f['repro']}")
+    if rep["warnings"]:
+        print(f"\nWARNINGS ({len(rep['warnings'])}; not failures: nothing reported was lost, resume loads these):")
+        for f in rep["warnings"]:
+            print(f"  kill #{f['kill']} {f['kind']}" + (f" N={f['n']}" if f.get("n") is not None else "")
+                  + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
+                  + f": {f['what']}: {f['detail'][:300]}")
+            print(f"      repro: {f['repro']}")
+    print("\nRESULT:", "OK (0 lost)" if rep["ok"] else "FAILED")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kills", type=int, default=60, help="kill points (default 60)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", help="work folder (created; must be empty); default: a temp folder, removed on success")
+    ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--kinds", help=f"comma-separated subset of: {','.join(ALL_KINDS)}")
+    ap.add_argument("--n", type=int, help="force N for deterministic kinds (reproduction)")
+    ap.add_argument("--prefetch", type=int, default=2, help="children started ahead (overlaps torch import)")
+    args = ap.parse_args(argv)
+    if args.child:
+        return child_main()
+    if args.kills < 1 or args.prefetch < 1:
+        ap.error("--kills and --prefetch must be >= 1")
+    if args.kinds:
+        bad = [k for k in args.kinds.split(",") if k not in ALL_KINDS]
+        if bad:
+            ap.error(f"unknown kinds {bad}; choose from {','.join(ALL_KINDS)}")
+    if args.root:
+        base = os.path.abspath(args.root)
+        if os.path.exists(base) and os.listdir(base):
+            ap.error(f"--root {base} is not empty")
+        os.makedirs(base, exist_ok=True)
+    else:
+        base = tempfile.mkdtemp(prefix="smpckpt-fi-")
+    rep = campaign(args, base)
+    print_report(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+    if not args.root:
+        if rep["ok"]:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            print(f"(kept {base} for inspection)")
+    return 0 if rep["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

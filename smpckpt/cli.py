@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from smpckpt.catalog import newest_tag, scan_root
 from smpckpt.errors import CheckpointError
 from smpckpt.retention import apply_retention, validate_keep
-from smpckpt.storage import FsspecStorageReader, checkpoint_state, read_manifest, verify_checkpoint
+from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
 from smpckpt.tags import PARTIAL_SUFFIX
 
 __all__ = ["main", "build_parser", "resolve_checkpoint_url"]
@@ -130,9 +130,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     url = resolve_checkpoint_url(args.checkpoint, options)
     reader = FsspecStorageReader(url, storage_options=options)
     metadata = reader.read_metadata()
-    extra: Mapping[str, Any] = {}
-    if reader.state == "committed":
-        extra = read_manifest(url, options).get("extra") or {}
+    extra: Mapping[str, Any] = reader.manifest.extra if reader.manifest is not None else {}
     tensors = []
     objects = []
     for key, md in sorted(metadata.state_dict_metadata.items()):

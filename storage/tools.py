@@ -49,19 +49,16 @@ def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, 
     return probe(fs, path)
 
 
-def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The committed manifest as a JSON dict (``"extra"`` holds what the writer was given).
+def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The committed :class:`Manifest` (``.extra`` holds what the writer was given).
 
     Raises :class:`~smpckpt.errors.CheckpointNotFound` when the folder holds no committed checkpoint.
     """
-    import json
-
     fs, path = open_fs(url, storage_options)
     found = probe(fs, path, list_when_empty=False)
     if found.manifest is None:
         raise CheckpointNotFound(f"no committed smpckpt checkpoint at {os.fspath(url)} (state: {found.state})")
-    result: dict[str, Any] = json.loads(found.manifest.to_bytes())
-    return result
+    return found.manifest
 
 
 @dataclasses.dataclass(frozen=True)

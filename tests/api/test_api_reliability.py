@@ -294,9 +294,9 @@ def test_verify_addresses_the_folder_of_a_tag(tmp_path: Any) -> None:
 def test_save_over_a_committed_tag_still_refused(tmp_path: Any) -> None:
     root = str(tmp_path)
     _steps(root, 0)
-    before = read_manifest(f"{root}/step0_partial")["save_id"]
+    before = read_manifest(f"{root}/step0_partial").save_id
     m, o = _model(3)
     with pytest.raises(CheckpointExists, match="overwrite=True"):
         save_checkpoint(root, "step0", model=m, optimizer=o)
-    assert read_manifest(f"{root}/step0_partial")["save_id"] == before
+    assert read_manifest(f"{root}/step0_partial").save_id == before
     assert checkpoint_state(f"{root}/step0_partial") == "committed"

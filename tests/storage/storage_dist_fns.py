@@ -57,7 +57,7 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
     out = _full_from(mesh, {})
     dcp.load(out, storage_reader=FsspecStorageReader(url, storage_options=opts))
     ok_first = torch.equal(out["w"].full_tensor(), full_w(1)) and torch.equal(out["b"], torch.arange(10.0) + 1) and out["step"] == 1
-    save_id = read_manifest(url, opts)["save_id"]
+    save_id = read_manifest(url, opts).save_id
     failed_everywhere = False
     try:
         dcp.save(_sharded_state(mesh, 2), storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True),
@@ -71,9 +71,9 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
         "ok_first": ok_first,
         "failed_everywhere": failed_everywhere,
         "old_still_loads": torch.equal(out2["w"].full_tensor(), full_w(1)) and out2["step"] == 1,
-        "same_commit": read_manifest(url, opts)["save_id"] == save_id,
+        "same_commit": read_manifest(url, opts).save_id == save_id,
         "state": checkpoint_state(url, opts),
-        "files": len(read_manifest(url, opts)["files"]),
+        "files": len(read_manifest(url, opts).files),
     }
 
 

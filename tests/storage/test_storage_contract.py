@@ -46,13 +46,13 @@ def test_roundtrip_bit_exact(backend: Backend, fmt: str) -> None:
     out = roundtrip_load(sd, url, opts)
     assert_state_equal(sd, out)
     manifest = read_manifest(url, opts)
-    assert manifest["extra"] == {"layout": {"tp": 1}, "user": "x"}
-    assert manifest["kind"] == "partial" and manifest["data_format"] == fmt and manifest["format_version"] == 1
+    assert manifest.extra == {"layout": {"tp": 1}, "user": "x"}
+    assert manifest.kind == "partial" and manifest.data_format == fmt and manifest.format_version == 1
     fs, path, names = _fs_files(url, opts)
-    for rec in manifest["files"]:
-        assert rec["name"] in names
-        assert fs.size(f"{path}/{rec['name']}") == rec["size"]
-    assert {MANIFEST_NAME, ".metadata", manifest["metadata"]["name"]} <= set(names)
+    for rec in manifest.files:
+        assert rec.name in names
+        assert fs.size(f"{path}/{rec.name}") == rec.size
+    assert {MANIFEST_NAME, ".metadata", manifest.metadata.name} <= set(names)
 
 
 def test_reset_keeps_storage_options_and_checkpoint_id(backend: Backend) -> None:
@@ -79,12 +79,12 @@ def test_overwrite_false_refuses_and_true_replaces(backend: Backend) -> None:
     assert_state_equal(old, roundtrip_load(old, url, opts))
     save(new, url, opts, overwrite=True)
     second = read_manifest(url, opts)
-    assert second["save_id"] != first["save_id"]
+    assert second.save_id != first.save_id
     assert_state_equal(new, roundtrip_load(new, url, opts))
     # the previous generation's files are gone; only the new one remains
     _, _, names = _fs_files(url, opts)
-    assert not [n for n in names if first["save_id"] in n]
-    assert sorted(f["name"] for f in second["files"]) == sorted(n for n in names if n.endswith(".distcp"))
+    assert not [n for n in names if first.save_id in n]
+    assert sorted(f.name for f in second.files) == sorted(n for n in names if n.endswith(".distcp"))
 
 
 def test_stock_checkpoint_read_as_legacy(backend: Backend) -> None:
@@ -136,8 +136,8 @@ def test_verify_checkpoint_and_progress(backend: Backend) -> None:
 
 def _largest_file(url: str, opts: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
     fs, path = open_fs(url, opts)
-    rec = max(read_manifest(url, opts)["files"], key=lambda f: f["size"])
-    return fs, f"{path}/{rec['name']}", rec
+    rec = max(read_manifest(url, opts).files, key=lambda f: f.size)
+    return fs, f"{path}/{rec.name}", rec
 
 
 def test_flipped_byte_is_caught_with_file_key_and_offset(backend: Backend) -> None:
@@ -155,11 +155,11 @@ def test_flipped_byte_is_caught_with_file_key_and_offset(backend: Backend) -> No
     err = unwrap(info.value)
     assert isinstance(err, CheckpointCorrupt)
     msg = str(err)
-    assert rec["name"] in msg and "model.w" in msg and "checksum mismatch" in msg
+    assert rec.name in msg and "model.w" in msg and "checksum mismatch" in msg
     lo, hi = map(int, re.search(r"bytes (\d+)\.\.(\d+)", msg).groups())  # type: ignore[union-attr]
     assert lo <= pos < hi and hi - lo <= 64 << 10
     report = verify_checkpoint(url, opts)
-    assert not report.ok and rec["name"] in report.problems[0]
+    assert not report.ok and rec.name in report.problems[0]
     with pytest.raises(CheckpointCorrupt):
         report.raise_if_failed()
     # opt-out: no verification, the flipped value comes back as stored
@@ -174,7 +174,7 @@ def test_truncated_file_is_corrupt(backend: Backend) -> None:
     sd = make_state(10, scale=8)
     save(sd, url, opts)
     fs, fpath, rec = _largest_file(url, opts)
-    fs.pipe_file(fpath, bytes(fs.cat_file(fpath))[: rec["size"] // 2])
+    fs.pipe_file(fpath, bytes(fs.cat_file(fpath))[: rec.size // 2])
     with pytest.raises(CheckpointException) as info:
         roundtrip_load(sd, url, opts)
     assert isinstance(unwrap(info.value), CheckpointCorrupt) and "truncated" in str(unwrap(info.value))
@@ -191,7 +191,7 @@ def test_missing_data_file_is_corrupt(backend: Backend) -> None:
     with pytest.raises(CheckpointException) as info:
         roundtrip_load(sd, url, opts)
     err = unwrap(info.value)
-    assert isinstance(err, CheckpointCorrupt) and "missing" in str(err) and rec["name"] in str(err)
+    assert isinstance(err, CheckpointCorrupt) and "missing" in str(err) and rec.name in str(err)
     assert any("missing" in p for p in verify_checkpoint(url, opts).problems)
 
 

@@ -53,7 +53,7 @@ def test_killed_rank_leaves_previous_checkpoint(tmp_path: Any) -> None:
     url = str(tmp_path / "kill")
     old = {"w": torch.zeros(64, 48), "b": torch.zeros(10), "step": None}
     dcp.save({"w": full_w(9), "b": torch.arange(10.0), "step": 9}, storage_writer=FsspecStorageWriter(url))
-    save_id = read_manifest(url)["save_id"]
+    save_id = read_manifest(url).save_id
     ctx = mp.get_context("spawn")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -70,6 +70,6 @@ def test_killed_rank_leaves_previous_checkpoint(tmp_path: Any) -> None:
     assert procs[1].exitcode == 17  # killed mid-write
     report = (out_dir / "rank0.txt").read_text()
     assert report.startswith("error:"), report  # the surviving rank got an error
-    assert checkpoint_state(url) == "committed" and read_manifest(url)["save_id"] == save_id
+    assert checkpoint_state(url) == "committed" and read_manifest(url).save_id == save_id
     dcp.load(old, storage_reader=FsspecStorageReader(url))
     assert torch.equal(old["w"], full_w(9)) and torch.equal(old["b"], torch.arange(10.0)) and old["step"] == 9

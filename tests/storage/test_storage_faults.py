@@ -78,12 +78,12 @@ def test_failed_overwrite_keeps_previous_checkpoint(backend: Backend, point: str
         dcp.save(new, storage_writer=writer, planner=planner)
     assert isinstance(unwrap(info.value), Boom)
     assert checkpoint_state(url, opts) == "committed"
-    assert read_manifest(url, opts)["save_id"] == before["save_id"]
+    assert read_manifest(url, opts).save_id == before.save_id
     # previous generation loads bit-exact, even after ".metadata" was replaced ("marker")
     assert_state_equal(old, roundtrip_load(old, url, opts))
     if point in ("before_write", "mid_write"):
         # the failed rank removed its partial files
-        assert _data_files(url, opts) == sorted(f["name"] for f in before["files"])
+        assert _data_files(url, opts) == sorted(f.name for f in before.files)
 
 
 @pytest.mark.parametrize("point", ["mid_write", "marker"])
@@ -136,7 +136,7 @@ def test_disk_full(tmp_path: Any) -> None:
     err = unwrap(info.value)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
     assert_state_equal(old, roundtrip_load(old, url))
-    assert len(_data_files(url, {})) == len(read_manifest(url)["files"])
+    assert len(_data_files(url, {})) == len(read_manifest(url).files)
 
 
 def test_use_collectives_false_is_refused_when_multi_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

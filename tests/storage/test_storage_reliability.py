@@ -111,7 +111,7 @@ def _names(url: str, opts: dict[str, Any]) -> set[str]:
 def _committed_names(url: str, opts: dict[str, Any]) -> set[str]:
     """What a committed folder may hold: the manifest's files, its metadata copy, .metadata, the manifest."""
     m = read_manifest(url, opts)
-    return {f["name"] for f in m["files"]} | {m["metadata"]["name"], ".metadata", MANIFEST_NAME}
+    return {f.name for f in m.files} | {m.metadata.name, ".metadata", MANIFEST_NAME}
 
 
 def _put(url: str, opts: dict[str, Any], data: bytes) -> None:
@@ -274,14 +274,14 @@ def test_racing_save_loses_cleanly(backend: Backend) -> None:
         _save(mine, writer)
     assert writer.competitor_save_id is not None and writer._save_id != writer.competitor_save_id
     manifest = read_manifest(url, opts)
-    assert manifest["save_id"] == writer.competitor_save_id
+    assert manifest.save_id == writer.competitor_save_id
     assert_state_equal(theirs, _load(theirs, url, opts))
     # nothing of the losing generation is left: only the winner's files, .metadata and the manifest
     stored = _files(url, opts)
     assert set(stored) == _committed_names(url, opts)
     assert not any(writer._save_id in name for name in stored)
     # and the stock .metadata copy is the winner's
-    assert stored[".metadata"] == stored[manifest["metadata"]["name"]]
+    assert stored[".metadata"] == stored[manifest.metadata.name]
     assert verify_checkpoint(url, opts).problems == ()
 
 
@@ -390,12 +390,12 @@ def test_two_processes_race_one_folder(tmp_path: Any) -> None:
             assert "another save committed" in loser_msg, loser_msg
         url = str(base / f"round{i}")
         manifest = read_manifest(url)
-        assert manifest["save_id"] == outcome[winner][1]
+        assert manifest.save_id == outcome[winner][1]
         sd = make_state(_race_seed(winner, i))
         assert_state_equal(sd, _load(sd, url))
         stored = _files(url, {})
         assert set(stored) == _committed_names(url, {}), (i, sorted(stored))
-        assert stored[".metadata"] == stored[manifest["metadata"]["name"]]
+        assert stored[".metadata"] == stored[manifest.metadata.name]
 
 
 # -- 4. the stock .metadata copy is written only after the commit ----------------------------------
@@ -503,7 +503,7 @@ def test_manifest_without_self_digest_still_loads(local_or_memory: Backend) -> N
     _put(mpath, opts, json.dumps(obj, indent=1).encode())
     assert_state_equal(sd, _load(sd, url, opts))
     assert verify_checkpoint(url, opts).problems == ()
-    assert read_manifest(url, opts)["extra"] == {"note": "edited"}
+    assert read_manifest(url, opts).extra == {"note": "edited"}
 
 
 # -- 6. S3: stale multipart uploads ----------------------------------------------------------------

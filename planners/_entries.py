@@ -22,9 +22,24 @@ from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.naming import KeyMapper, NameMap
 from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = ["Entry", "Resolved", "resolve_state_dict", "resolve_rank", "compile_globs", "dtensor_is_owner"]
+__all__ = [
+    "Entry",
+    "Resolved",
+    "ObjectBytes",
+    "resolve_state_dict",
+    "resolve_rank",
+    "compile_globs",
+    "dtensor_is_owner",
+]
 
 Kind = Literal["tensor", "dtensor", "object"]
+
+
+class ObjectBytes(bytes):
+    """An object its owner already serialised (``torch.save`` bytes): the planners store these bytes
+    as they are and load them back as ``ObjectBytes``, unpickling nothing -- so an object crosses
+    the pickler once each way, and its owner decodes it (weights-only) where it knows what it holds.
+    The stored record is plain ``torch.save`` output: stock ``torch.load`` reads it directly."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +76,7 @@ def resolve_rank(layout: ParallelLayout, rank: int | None, process_group: Any = 
     if rank is None:
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank(process_group)
-            world = dist.get_world_size(process_group)
-            if world != layout.world_size:
-                raise SpecError(
-                    f"the process group has {world} ranks but the layout {layout} implies "
-                    f"{layout.world_size}"
-                )
+            layout.check_world_size(dist.get_world_size(process_group), "the process group")
         else:
             rank = 0
     if not 0 <= rank < layout.world_size:

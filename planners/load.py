@@ -42,8 +42,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
-from smpckpt.planners._entries import Entry, compile_globs, resolve_rank, resolve_state_dict
-from smpckpt.planners.save import LAYOUT_RECORD_KEY
+from smpckpt.planners._entries import Entry, ObjectBytes, compile_globs, resolve_rank, resolve_state_dict
+from smpckpt.record import LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
@@ -58,14 +58,11 @@ class LoadReport:
 
     fast_path: int  #: tensors whose piece matched a saved chunk exactly
     resharded: tuple[str, ...]  #: tensors assembled from overlapping saved chunks
-    missing_keys: tuple[str, ...]
-    unexpected_keys: tuple[str, ...]
+    missing_keys: tuple[str, ...]  #: state-dict keys not in the checkpoint (allow_partial_load only)
+    unexpected_keys: tuple[str, ...]  #: checkpoint keys no rank loads (allow_partial_load only)
     cast_keys: tuple[str, ...]  #: tensors converted from the saved dtype (allow_dtype_cast)
     saved_layout: ParallelLayout | None  #: the layout recorded in the checkpoint, when there is one
-
-    @property
-    def resharded_any(self) -> bool:
-        return bool(self.resharded)
+    skipped_optional: tuple[str, ...] = ()  #: keys matching ``optional`` globs absent from the checkpoint
 
 
 class ParallelLoadPlanner(LoadPlanner):
@@ -79,6 +76,10 @@ class ParallelLoadPlanner(LoadPlanner):
         allow_dtype_cast: convert tensors saved in another dtype instead of raising.
         allow_pickle: unpickle stored objects with arbitrary classes (trusted checkpoints only);
             by default objects load ``weights_only``.
+        optional: globs (``fnmatch``, ``*`` crosses dots) of keys that may be absent on either side:
+            a matching state-dict key missing from the checkpoint keeps its value (listed in
+            ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
+            Everything else stays strict unless ``allow_partial_load``.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class ParallelLoadPlanner(LoadPlanner):
         allow_partial_load: bool = False,
         allow_dtype_cast: bool = False,
         allow_pickle: bool = False,
+        optional: Sequence[str] = (),
     ) -> None:
         if not isinstance(layout, ParallelLayout):
             raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
@@ -105,12 +107,23 @@ class ParallelLoadPlanner(LoadPlanner):
         self.allow_partial_load = allow_partial_load
         self.allow_dtype_cast = allow_dtype_cast
         self.allow_pickle = allow_pickle
+        self._optional = compile_globs(optional)
         self.report: LoadReport | None = None
+
+    @property
+    def loads_weights_only(self) -> bool:
+        """Objects are unpickled weights-only here, so a storage reader need not check them first."""
+        return not self.allow_pickle
+
+    def _is_optional(self, key: str) -> bool:
+        return self._optional is not None and self._optional.fullmatch(key) is not None
 
     # -- 1. set up ---------------------------------------------------------------------------------
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
+        """(all ranks, once per load) Resolve this rank's destinations against the layout and read the
+        checkpoint's :class:`~smpckpt.record.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
@@ -125,11 +138,13 @@ class ParallelLoadPlanner(LoadPlanner):
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
-        record = (metadata.planner_data or {}).get(LAYOUT_RECORD_KEY) if isinstance(metadata.planner_data, dict) else None
-        self.saved_layout = ParallelLayout.from_dict(record["layout"]) if record else None
+        record = LayoutRecord.from_metadata(metadata)
+        self.saved_layout = record.layout if record is not None else None
 
     # -- 2. local plan -----------------------------------------------------------------------------
     def create_local_plan(self) -> LoadPlan:
+        """(all ranks) Read items for this rank's pieces -- one read per exactly matching saved chunk,
+        else DCP's overlap helper -- after key, shape and dtype checks (before any data is read)."""
         md_all = self.metadata.state_dict_metadata
         items: list[ReadItem] = []
         missing: list[str] = []
@@ -181,12 +196,16 @@ class ParallelLoadPlanner(LoadPlanner):
                 )
             resharded.append(entry.key)
             items.extend(found)
+        skipped = [k for k in missing if self._is_optional(k)]
+        missing = [k for k in missing if not self._is_optional(k)]
         if missing and not self.allow_partial_load:
             raise LayoutMismatch(
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True to skip them)"
             )
-        self.report = LoadReport(fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout)
+        self.report = LoadReport(
+            fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped)
+        )
         if resharded:
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)
         else:
@@ -211,6 +230,8 @@ class ParallelLoadPlanner(LoadPlanner):
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """(coordinator) The unexpected-key check over every rank's requests (under PP each stage
+        asks for its own keys only, so no single rank can make it)."""
         asked: set[str] = set()
         for plan in global_plan:
             asked.update(item.storage_index.fqn for item in plan.items)
@@ -219,7 +240,7 @@ class ParallelLoadPlanner(LoadPlanner):
         # some of them, which is expected rather than an error.
         unexpected = sorted(
             k for k in set(self.metadata.state_dict_metadata) - asked
-            if not (self._rank_local is not None and self._rank_local.fullmatch(k))
+            if not (self._rank_local is not None and self._rank_local.fullmatch(k)) and not self._is_optional(k)
         )
         if unexpected and not self.allow_partial_load:
             raise LayoutMismatch(
@@ -231,13 +252,18 @@ class ParallelLoadPlanner(LoadPlanner):
         return [dataclasses.replace(p, planner_data=None) for p in global_plan]
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        """(all ranks) The plan as the coordinator returned it."""
         return central_plan
 
     # -- 5. data -----------------------------------------------------------------------------------
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """(all ranks, from the storage reader) Unpickle one object (weights-only unless allow_pickle)."""
         entry = self.entries[read_item.dest_index.fqn]
+        if isinstance(entry.value, ObjectBytes):
+            set_element(self.original_state_dict, entry.path, ObjectBytes(value.read()))
+            return
         try:
-            obj = torch.load(value, weights_only=not self.allow_pickle)
+            obj = torch.load(value, weights_only=not self.allow_pickle, map_location="cpu")
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
@@ -246,10 +272,12 @@ class ParallelLoadPlanner(LoadPlanner):
         set_element(self.original_state_dict, entry.path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """(all ranks, from the storage reader) The destination view of one read."""
         entry = self.entries[read_item.dest_index.fqn]
         return narrow_tensor_by_index(entry.value, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """(all ranks) Nothing to do: reads land in the destination's own memory."""
         pass
 
 

@@ -24,29 +24,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import (
-    DefaultSavePlanner,
-    _validate_global_plan,
-    create_default_global_save_plan,
-)
+from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
-from smpckpt.planners._entries import Entry, compile_globs, dtensor_is_owner, resolve_rank, resolve_state_dict
+from smpckpt.planners._entries import (
+    Entry,
+    ObjectBytes,
+    compile_globs,
+    dtensor_is_owner,
+    resolve_rank,
+    resolve_state_dict,
+)
 from smpckpt.planners._ownership import assign_owners
+from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 
-__all__ = ["ParallelSavePlanner", "SaveReport", "LAYOUT_RECORD_KEY"]
+__all__ = ["ParallelSavePlanner", "SaveReport"]
 
 logger = logging.getLogger(__name__)
 
-#: Key in ``Metadata.planner_data`` under which the save layout and spec rules are recorded (plain
-#: JSON-able builtins only, so any unpickler that reads DCP metadata reads it).
-LAYOUT_RECORD_KEY = "__smpckpt__"
-_FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ class SaveReport:
         return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank))
 
 
-class ParallelSavePlanner(DefaultSavePlanner):
+class ParallelSavePlanner(SavePlanner):
     """Save planner for plain TP/PP shards, DP replicas, ZeRO-sharded state and DTensors.
 
     Args:
@@ -99,7 +99,7 @@ class ParallelSavePlanner(DefaultSavePlanner):
         replica_owner: str = "balanced",
         enable_plan_caching: bool = True,
     ) -> None:
-        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False, enable_plan_caching=False)
+        super().__init__()
         if not isinstance(layout, ParallelLayout):
             raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
         if replica_owner not in ("balanced", "lowest"):
@@ -128,6 +128,8 @@ class ParallelSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
+        """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
+        (PP renaming), global chunks (specs, DTensor placements), objects."""
         self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
         resolved = resolve_state_dict(
             state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local
@@ -140,8 +142,14 @@ class ParallelSavePlanner(DefaultSavePlanner):
 
     # -- 2. local plan -----------------------------------------------------------------------------
     def create_local_plan(self) -> SavePlan:
+        """(all ranks) Only the items this rank writes (it owns its shards and, by a deterministic
+        byte-balanced choice every replica computes alike, some replicas), plus a constant-size
+        replica digest; an empty "cached" plan when the structure is unchanged since the last save."""
         for entry in self.entries.values():
             if entry.kind == "object":
+                if isinstance(entry.value, ObjectBytes):
+                    self._object_bytes[entry.key] = bytes(entry.value)
+                    continue
                 buf = io.BytesIO()
                 torch.save(entry.value, buf)
                 self._object_bytes[entry.key] = buf.getvalue()
@@ -208,26 +216,23 @@ class ParallelSavePlanner(DefaultSavePlanner):
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """(coordinator) Compare replica digests per stage, dedup objects, build the ``Metadata``
+        (with the :class:`~smpckpt.record.LayoutRecord`) and check that the chunks tile every tensor."""
         if all(p.planner_data and p.planner_data.get("cached") for p in all_plans) and self._cached_global:
             plans, metadata = self._cached_global
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
             return [SavePlan([], usable=False) for _ in all_plans], dataclasses.replace(metadata)
         full = self._substitute_cached(all_plans)
-        if len(full) != self.layout.world_size:
-            raise SpecError(f"dcp.save ran on {len(full)} ranks but the layout {self.layout} has {self.layout.world_size}")
+        self.layout.check_world_size(len(full), "dcp.save's world")
         self._check_replicas(full)
         deduped = self._dedup(full)
         plans, metadata = create_default_global_save_plan(deduped)
         mappings: dict[str, Any] = {}
         for plan in full:
             mappings.update(plan.planner_data["mappings"])
-        mappings[LAYOUT_RECORD_KEY] = {
-            "version": _FORMAT_VERSION,
-            "layout": self.layout.to_dict(),
-            "specs": self.rules.to_records(),
-            "rank_local": list(self._rank_local_globs),
-        }
+        record = LayoutRecord(self.layout, tuple(self.rules.to_records()), self._rank_local_globs)
+        mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
         errors = _validate_global_plan(plans, metadata)
         if errors:
@@ -331,6 +336,7 @@ class ParallelSavePlanner(DefaultSavePlanner):
 
     # -- 4. finish ---------------------------------------------------------------------------------
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """(all ranks) This rank's final plan: the coordinator's, or this instance's cached one."""
         if not new_plan.usable:
             if self._cached_final is None:
                 raise SpecError(f"rank {self.rank}: the coordinator sent a cached plan this rank does not hold")
@@ -348,6 +354,7 @@ class ParallelSavePlanner(DefaultSavePlanner):
 
     # -- 5. data -----------------------------------------------------------------------------------
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """(all ranks, from the storage writer's threads) The tensor or object bytes of one item."""
         entry = self.entries.get(write_item.index.fqn)
         if entry is None:
             raise SpecError(f"rank {self.rank} was asked to write {write_item.index.fqn!r}, which it does not hold")

@@ -10,16 +10,8 @@ Public entry points:
 * ``smpckpt`` / ``python -m smpckpt`` -- CLI: ``ls``, ``inspect``, ``verify``, ``prune``.
 """
 
-from smpckpt.errors import (
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointExists,
-    CheckpointNotFound,
-    LayoutMismatch,
-    ReplicaMismatch,
-    SpecError,
-    UnsafeCheckpoint,
-)
+from smpckpt import errors as _errors
+from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.specs import ShardSpec
 from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
@@ -34,13 +26,6 @@ __all__ = [
     "ParallelLayout",
     "RankCoords",
     "ShardSpec",
-    "CheckpointError",
-    "CheckpointNotFound",
-    "CheckpointCorrupt",
-    "CheckpointExists",
-    "LayoutMismatch",
-    "SpecError",
-    "ReplicaMismatch",
-    "UnsafeCheckpoint",
     "__version__",
+    *_errors.__all__,
 ]

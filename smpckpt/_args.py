@@ -4,9 +4,7 @@ error translation). Internal: the public names live in :mod:`smpckpt.api`."""
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import pickle
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -17,15 +15,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
 from smpckpt._dist import DistContext
-from smpckpt.errors import CheckpointError, CheckpointNotFound, SpecError
+from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.keys import RESERVED
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.specs import SpecLike, SpecRules
 
-#: Keys each rank holds for itself (never deduplicated): RNG states and rank 0's user_content.
-RNG_PREFIX = "rng."
-USER_CONTENT = "user_content"
-RANK_LOCAL = (f"{RNG_PREFIX}*", USER_CONTENT)
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -81,16 +76,23 @@ def check_model(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> No
                         )
 
 
+def common_args(
+    ctx: DistContext, path: Any, partial: Any, model: Any, optimizer: Any, specs: Any, layout: Any
+) -> tuple[str, tuple[torch.optim.Optimizer, ...], SpecRules, ParallelLayout]:
+    """The arguments save and resume share, validated: ``(root, optimizers, spec rules, layout)``."""
+    check_partial(partial)
+    root = root_url(path)
+    opts = optimizers(optimizer)
+    check_model(model, opts)
+    return root, opts, spec_rules(specs), resolve_layout(layout, ctx)
+
+
 def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
     if layout is None:
         return ParallelLayout(dp=ctx.world_size)
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
-    if layout.world_size != ctx.world_size:
-        raise SpecError(
-            f"layout {layout} describes {layout.world_size} ranks but "
-            f"{'the process group has' if ctx.active else 'there is no process group: the world is'} {ctx.world_size}"
-        )
+    layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
     return layout
 
 
@@ -100,9 +102,10 @@ def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
         return None
     if not callable(name_map):
         raise TypeError(f"name_map must be callable (str -> str), got {type(name_map).__name__}")
+    own = (f"{RESERVED.rng}.", RESERVED.user_content)
 
     def mapped(key: str) -> str:
-        if key.startswith(RNG_PREFIX) or key == USER_CONTENT:
+        if key.startswith(own[0]) or key == own[1]:
             return key
         return name_map(key)
 
@@ -192,21 +195,3 @@ def quiet_no_dist() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def encode_user_content(user_content: Any) -> bytes:
-    buf = io.BytesIO()
-    try:
-        torch.save(user_content, buf)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
-    data = buf.getvalue()
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - only a warning: the save itself is fine
-        warnings.warn(
-            f"user_content holds objects weights-only loading rejects ({type(exc).__name__}); resuming it "
-            "will need allow_pickle=True. Prefer dicts of tensors, numbers, strings and lists.",
-            stacklevel=4,
-        )
-    return data

@@ -1,35 +1,149 @@
-"""Resume internals: choosing the checkpoint (rank 0), the key-aware load planner, decoding user_content."""
+"""The steps of :func:`smpckpt.resume_from_checkpoint`: resolve -> choose the checkpoint -> build the
+destination state -> load (reshard) -> apply. Each step is one function over a :class:`ResumeRequest`.
+
+Which rank does what ("all" = every rank of the group)::
+
+    resolve_resume      (all)    validate; compare arguments across ranks
+    choose_target       (rank 0) ``newest`` or the newest committed tag; the answer is broadcast
+    build_resume_state  (all)    destinations: model/optimizer state, user_content, RNG (same layout only)
+    load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
+                                 before any data is read)
+    apply_state         (all)    set_state_dict, RNG, user_content (decoded once, weights-only)
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
-import pickle
-import re
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from smpckpt._args import RNG_PREFIX, USER_CONTENT
+from smpckpt._args import OPTIONS, common_args, quiet_no_dist, train_state, translate_dcp, wrap_name_map
+from smpckpt._dist import DistContext
 from smpckpt.catalog import scan_root
-from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound, LayoutMismatch, SpecError, UnsafeCheckpoint
+from smpckpt.errors import CheckpointNotFound
+from smpckpt.keys import RESERVED
 from smpckpt.layout import ParallelLayout
-from smpckpt.planners import ParallelLoadPlanner
-from smpckpt.storage import probe_checkpoint
-from smpckpt.tags import open_root, partial_url, read_newest
+from smpckpt.naming import NameMap
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
+from smpckpt.record import LayoutRecord
+from smpckpt.rng import get_rng_state, set_rng_state
+from smpckpt.specs import SpecRules
+from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
+from smpckpt.tags import open_root, partial_url, read_newest, validate_tag
+from smpckpt.user_content import decode_user_content
+
+__all__ = [
+    "ResumeInfo", "ResumeRequest", "Target", "resolve_resume", "choose_target", "resolve_target",
+    "build_resume_state", "load_checkpoint", "apply_state", "summarize",
+]
 
 log = logging.getLogger("smpckpt.api")
+
+#: save_checkpoint's record before user_content was stored as one torch.save record (a nested pickle).
+_API_RECORD_V1 = "smpckpt.save_checkpoint/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeInfo:
+    """What a :func:`~smpckpt.resume_from_checkpoint` did (same on every rank).
+
+    ``path_taken`` is ``"fast"`` when every rank's pieces matched saved chunks exactly (same
+    partition), ``"reshard"`` when some rank assembled tensors from overlapping saved chunks.
+    RNG states are restored only when the layout (and world size) is unchanged; otherwise
+    ``rng_restored`` is empty and a warning was issued: RNG streams do not map across layouts.
+    """
+
+    path: str  #: checkpoint root
+    tag: str
+    checkpoint_url: str
+    path_taken: Literal["fast", "reshard"]
+    layout: ParallelLayout
+    saved_layout: ParallelLayout | None
+    layout_changed: bool
+    fast_path_tensors: int  #: summed over ranks
+    resharded_tensors: int  #: summed over ranks
+    rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
+    fell_back: bool  #: ``newest`` was not taken (unusable, or a later tag committed); see the warning
+    skipped_keys: tuple[str, ...] = ()  #: keys not loaded (``strict=False`` only)
+
+    @property
+    def resharded(self) -> bool:
+        return self.path_taken == "reshard"
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
+    """The committed checkpoint rank 0 chose (small and picklable: it is broadcast)."""
+
     tag: str
     url: str
-    extra: Mapping[str, Any]
+    record: LayoutRecord | None
+    api: str | None  #: the manifest's API record (how user_content is stored)
+    has_rng: bool
     fell_back: bool
+
+    @classmethod
+    def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
+        extra = manifest.extra if manifest is not None else {}
+        return cls(tag, url, LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng")), fell_back)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeRequest:
+    """Everything one resume needs, validated and identical on every rank."""
+
+    root: str
+    tag: str | None
+    model: nn.Module | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None
+    layout: ParallelLayout
+    rules: SpecRules
+    name_map: NameMap | None
+    storage_options: Mapping[str, Any] | None
+    missing_ok: bool
+    strict: bool
+    process_group: Any
+    load_rng: bool
+    allow_pickle: bool
+    allow_dtype_cast: bool
+    verify_checksums: bool
+
+
+def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> ResumeRequest:
+    """(all ranks) Validate the arguments and check that every rank passed the same ones."""
+    root, optimizers, rules, layout = common_args(
+        ctx, path, partial, kw["model"], kw["optimizer"], kw["specs"], kw["layout"]
+    )
+    translate = kw["translate_function"]
+    if translate is not None and not callable(translate):
+        raise TypeError("translate_function must be callable (state_dict -> state_dict)")
+    ctx.check_identical(
+        (tag, root, bool(kw["strict"]), bool(kw["missing_ok"]), layout.to_dict(), bool(kw["load_rng"])),
+        "resume_from_checkpoint(path, tag, strict, missing_ok, layout, load_rng)",
+    )
+    if tag is not None:
+        validate_tag(tag)
+    return ResumeRequest(
+        root=root, tag=tag, model=kw["model"], optimizers=optimizers, translate_function=translate, layout=layout,
+        rules=rules, name_map=kw["name_map"], storage_options=kw["storage_options"],
+        missing_ok=bool(kw["missing_ok"]), strict=bool(kw["strict"]), process_group=kw["process_group"],
+        load_rng=bool(kw["load_rng"]), allow_pickle=bool(kw["allow_pickle"]),
+        allow_dtype_cast=bool(kw["allow_dtype_cast"]), verify_checksums=bool(kw["verify_checksums"]),
+    )
+
+
+def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
+    """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
+    return ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
@@ -51,7 +165,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
                 if found.state == "uncommitted"
                 else f"checkpoint {tag!r} at {url} was not written by smpckpt ({found.state}); load it with dcp.load"
             )
-        return Target(tag, url, found.manifest.extra, False)
+        return Target.of(tag, url, found.manifest, False)
     fs, root_path = open_root(root, storage_options)
     newest = read_newest(fs, root_path)
     records = scan_root(root, storage_options=storage_options)
@@ -61,7 +175,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     latest = max(committed, key=lambda r: r.order)
     named = next((r for r in committed if r.tag == newest), None)
     if named is not None and named.order >= latest.order:
-        return Target(named.tag, named.url, named.extra, False)
+        return Target.of(named.tag, named.url, named.manifest, False)
     if named is not None:
         reason = (
             f"{root}/newest names {newest!r}, but {latest.tag!r} was committed after it (the job probably "
@@ -75,75 +189,110 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
     log.warning(message)
     warnings.warn(message, stacklevel=3)
-    return Target(latest.tag, latest.url, latest.extra, True)
+    return Target.of(latest.tag, latest.url, latest.manifest, True)
 
 
-class ApiLoadPlanner(ParallelLoadPlanner):
-    """ParallelLoadPlanner whose key checks know our own keys.
-
-    RNG keys and absent parts (no model/optimizer passed) are optional; everything else is strict
-    (unless ``strict=False``), checked before any data is read, so a refused load leaves the model
-    untouched.
-    """
-
-    def __init__(self, *args: Any, strict: bool, ignore_unexpected: re.Pattern[str], **kwargs: Any) -> None:
-        super().__init__(*args, allow_partial_load=True, **kwargs)
-        self.strict = strict
-        self.ignore_unexpected = ignore_unexpected
-        self.real_missing: tuple[str, ...] = ()
-        self.real_unexpected: tuple[str, ...] = ()
-
-    def create_local_plan(self) -> Any:
-        plan = super().create_local_plan()
-        report = self.report
-        missing = tuple(k for k in (report.missing_keys if report else ()) if not optional_key(k))
-        if missing and self.strict:
-            raise LayoutMismatch(
-                f"rank {self.rank}: {len(missing)} key(s) of the model/optimizer are not in the checkpoint: "
-                f"{', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''} (strict=False skips them)"
-            )
-        self.real_missing = missing
-        return plan
-
-    def create_global_plan(self, global_plan: Any) -> Any:
-        plans = super().create_global_plan(global_plan)
-        report = self.report
-        unexpected = tuple(
-            k for k in (report.unexpected_keys if report else ()) if not self.ignore_unexpected.match(k)
+def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:
+    """RNG states map to ranks only under the same layout (which fixes the world size too)."""
+    saved = target.record.layout if target.record is not None else None
+    if not (req.load_rng and target.has_rng):
+        return False
+    if saved == req.layout:
+        return True
+    if ctx.is_coordinator:
+        warnings.warn(
+            f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
+            "across layouts); every rank keeps its current generators",
+            stacklevel=4,
         )
-        if unexpected and self.strict:
-            raise LayoutMismatch(
-                f"{len(unexpected)} checkpoint key(s) are loaded by no rank: {', '.join(unexpected[:20])}"
-                f"{' ...' if len(unexpected) > 20 else ''}: the model or layout does not match the checkpoint "
-                "(strict=False ignores them)"
+    return False
+
+
+def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) -> dict[str, Any]:
+    """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
+    state = train_state(req.model, req.optimizers)
+    state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
+    if restore_rng:
+        state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
+    return state
+
+
+def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -> ParallelLoadPlanner:
+    """(all ranks) ``dcp.load`` in place; strict key checks run before any data is read."""
+    optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
+    planner = ParallelLoadPlanner(
+        req.layout, req.rules, name_map=wrap_name_map(req.name_map), process_group=req.process_group,
+        rank_local=RESERVED.rank_local, allow_dtype_cast=req.allow_dtype_cast, allow_pickle=req.allow_pickle,
+        allow_partial_load=not req.strict, optional=optional,
+    )
+    reader = FsspecStorageReader(
+        target.url, storage_options=req.storage_options, verify_checksums=req.verify_checksums,
+        allow_pickle=req.allow_pickle,
+    )
+    try:
+        with quiet_no_dist():
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=req.process_group)
+    except CheckpointException as exc:
+        raise translate_dcp(exc, f"loading checkpoint {target.url}", metadata_error=reader.metadata_error) from exc
+    return planner
+
+
+def apply_state(
+    req: ResumeRequest, target: Target, ctx: DistContext, state: dict[str, Any], report: LoadReport | None,
+    restore_rng: bool,
+) -> tuple[Any, tuple[str, ...]]:
+    """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once."""
+    if req.model is not None:
+        model_sd = state[RESERVED.model]
+        if req.translate_function is not None:
+            model_sd = req.translate_function(model_sd)
+            if not isinstance(model_sd, Mapping):
+                raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
+        opts = dataclasses.replace(OPTIONS, strict=req.strict)
+        if req.optimizers:
+            set_state_dict(
+                req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=state[RESERVED.optim],
+                options=opts,
             )
-        self.real_unexpected = unexpected
-        return plans
+        else:
+            set_model_state_dict(req.model, model_sd, options=opts)
+    restored: tuple[str, ...] = ()
+    if restore_rng:
+        skipped = set(report.skipped_optional if report else ())
+        mine = RESERVED.rng_of(ctx.rank)
+        states = state[RESERVED.rng][mine]
+        complete = tuple(c for c in states if not any(k.startswith(f"{RESERVED.rng}.{mine}.{c}") for k in skipped))
+        restored = set_rng_state(states, complete)
+    stored = state[RESERVED.user_content]
+    user_content = decode_user_content(
+        stored if stored else None, allow_pickle=req.allow_pickle, nested=target.api == _API_RECORD_V1
+    )
+    return user_content, restored
 
 
-def optional_key(key: str) -> bool:
-    return key.startswith(RNG_PREFIX) or key == USER_CONTENT
-
-
-def saved_layout(extra: Mapping[str, Any]) -> ParallelLayout | None:
-    record = extra.get("layout")
-    if not isinstance(record, Mapping):
-        return None
-    try:
-        return ParallelLayout.from_dict(record)
-    except (KeyError, TypeError, ValueError, SpecError):
-        return None
-
-
-def decode_user_content(value: Any, missing: bool, allow_pickle: bool) -> Any:
-    if missing or value is None or value == b"":
-        return None
-    if not isinstance(value, (bytes, bytearray)):
-        raise CheckpointCorrupt(f"user_content is stored as {type(value).__name__}, expected bytes")
-    try:
-        return torch.load(io.BytesIO(value), weights_only=not allow_pickle)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpoint(
-            f"user_content needs arbitrary code to unpickle ({exc}); pass allow_pickle=True only if you trust "
-            "this checkpoint"
-        ) from exc
+def summarize(
+    req: ResumeRequest, target: Target, ctx: DistContext, planner: ParallelLoadPlanner, restored: tuple[str, ...]
+) -> ResumeInfo:
+    """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
+    report = planner.report
+    counts = ctx.all_gather_object(
+        (report.fast_path if report else 0, len(report.resharded) if report else 0, report.missing_keys if report else ())
+    )
+    unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
+    fast = sum(c[0] for c in counts)
+    resharded = sum(c[1] for c in counts)
+    skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
+    saved = target.record.layout if target.record is not None else None
+    info = ResumeInfo(
+        path=req.root, tag=target.tag, checkpoint_url=target.url, path_taken="reshard" if resharded else "fast",
+        layout=req.layout, saved_layout=saved, layout_changed=saved != req.layout, fast_path_tensors=fast,
+        resharded_tensors=resharded, rng_restored=restored, fell_back=target.fell_back, skipped_keys=tuple(skipped),
+    )
+    if info.resharded:
+        log.info(
+            "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
+            target.url, resharded, saved, req.layout, fast,
+        )
+    else:
+        log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, req.layout)
+    return info

@@ -7,13 +7,17 @@ Folder structure under ``path`` (as SageMaker smp lays it out)::
                                #   model.*            model state (plain shards via ShardSpecs, DTensors)
                                #   optim.*            FQN-keyed optimizer state (inherits model specs)
                                #   rng.rank<r>.*      rank r's RNG states (rank-unique keys)
-                               #   user_content       torch.save bytes of user_content (one object)
-                               #   smpckpt.manifest.json  commit marker; its "extra" records layout,
-                               #                      specs, tag, save time, world size, user_content keys
+                               #   user_content       user_content: one torch.save record
+                               #   smpckpt.manifest.json  commit marker; its "extra" holds the
+                               #                      LayoutRecord (layout, specs) and the API record
+                               #                      (tag, save time, user_content keys)
 
-``user_content`` is stored *inside* the DCP checkpoint, as one object (``torch.save`` bytes written by
-rank 0), so it is checksummed and committed together with the tensors; it is loaded weights-only by
-default (pass ``allow_pickle=True`` for trusted checkpoints holding arbitrary objects).
+``user_content`` is stored *inside* the DCP checkpoint, as one ``torch.save`` record written by rank 0,
+so it is checksummed and committed together with the tensors; it is serialised once on save and
+loaded once, weights-only by default (``allow_pickle=True`` for trusted checkpoints holding arbitrary
+objects).
+
+The steps live in :mod:`smpckpt._save` and :mod:`smpckpt._resume`; this module only wires them.
 
 Call order of :func:`save_checkpoint` (every rank calls it; "rank 0" = rank 0 of ``process_group``):
 
@@ -38,93 +42,44 @@ Works the same without a process group (one process: a notebook, conversion scri
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
+import contextvars
 import logging
 import os
-import re
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-import smpckpt
-from smpckpt._args import (
-    OPTIONS,
-    RANK_LOCAL,
-    USER_CONTENT,
-    check_model,
-    check_partial,
-    encode_user_content,
-    optimizers as as_optimizers,
-    peer_failures,
-    quiet_no_dist,
-    resolve_layout,
-    root_url,
-    spec_rules,
-    train_state,
-    translate_dcp,
-    wrap_name_map,
-)
+from smpckpt._args import peer_failures
 from smpckpt._dist import DistContext
-from smpckpt._resume import ApiLoadPlanner, decode_user_content, resolve_target, saved_layout as read_saved_layout
-from smpckpt.catalog import API_RECORD
-from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt._resume import (
+    ResumeInfo,
+    apply_state,
+    build_resume_state,
+    choose_target,
+    load_checkpoint,
+    resolve_resume,
+    restores_rng,
+    summarize,
+)
+from smpckpt._save import build_save_state, publish_newest, resolve_save, retain, write_checkpoint
+from smpckpt.errors import CheckpointNotFound
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
-from smpckpt.planners import ParallelSavePlanner
-from smpckpt.retention import apply_retention, validate_keep
-from smpckpt.rng import get_rng_state, set_rng_state
 from smpckpt.specs import SpecLike, SpecRules
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.tags import open_root, partial_url, validate_tag, write_newest
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
 
 log = logging.getLogger(__name__)
 
-
-# -- resume report ---------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ResumeInfo:
-    """What the last :func:`resume_from_checkpoint` in this process did (same on every rank).
-
-    ``path_taken`` is ``"fast"`` when every rank's pieces matched saved chunks exactly (same
-    partition), ``"reshard"`` when some rank assembled tensors from overlapping saved chunks.
-    RNG states are restored only when the layout (and world size) is unchanged; otherwise
-    ``rng_restored`` is empty and a warning was issued: RNG streams do not map across layouts.
-    """
-
-    path: str  #: checkpoint root
-    tag: str
-    checkpoint_url: str
-    path_taken: Literal["fast", "reshard"]
-    layout: ParallelLayout
-    saved_layout: ParallelLayout | None
-    layout_changed: bool
-    fast_path_tensors: int  #: summed over ranks
-    resharded_tensors: int  #: summed over ranks
-    rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
-    fell_back: bool  #: ``newest`` was unusable and the newest committed tag was used instead
-    skipped_keys: tuple[str, ...] = ()  #: keys not loaded (``strict=False`` only)
-
-    @property
-    def resharded(self) -> bool:
-        return self.path_taken == "reshard"
-
-
-_LAST_RESUME: ResumeInfo | None = None
+# Per thread (and per asyncio task): concurrent resumes in one process never see each other's report.
+_last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar("smpckpt_last_resume", default=None)
 
 
 def last_resume_info() -> ResumeInfo | None:
-    """The :class:`ResumeInfo` of the last successful :func:`resume_from_checkpoint` in this process."""
-    return _LAST_RESUME
+    """The :class:`ResumeInfo` of the last successful :func:`resume_from_checkpoint` in this thread."""
+    return _last_resume.get()
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -189,106 +144,21 @@ def save_checkpoint(
         CheckpointError: any other failure, on every rank (DCP's ``CheckpointException`` is the
             ``__cause__``).
     """
-    check_partial(partial)
-    root = root_url(path)
-    keep = validate_keep(num_kept_partial_checkpoints)
-    if remove_uncommitted_older_than is not None and not (
-        isinstance(remove_uncommitted_older_than, (int, float)) and remove_uncommitted_older_than >= 0
-    ):
-        raise ValueError(
-            f"remove_uncommitted_older_than must be seconds >= 0 or None, got {remove_uncommitted_older_than!r}"
-        )
-    optimizers = as_optimizers(optimizer)
-    check_model(model, optimizers)
-    rules = spec_rules(specs)
-    if format not in ("raw", "torch_save"):
-        raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
     ctx = DistContext(process_group)
-    with peer_failures(ctx, f"saving checkpoint {tag!r} under {root}"):
-        layout = resolve_layout(layout, ctx)
-        # Compare before validating: a tag bad on one rank only must fail every rank, not hang the others.
-        ctx.check_identical(
-            (tag, root, keep, bool(overwrite), format, layout.to_dict(), bool(save_rng), remove_uncommitted_older_than),
-            "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng, "
-            "remove_uncommitted_older_than)",
-        )
-        validate_tag(tag)
-        url = partial_url(root, tag)
-
-        def build() -> tuple[dict[str, Any], dict[str, Any]]:
-            state = train_state(model, optimizers)
-            if save_rng:
-                state["rng"] = {f"rank{ctx.rank}": get_rng_state()}
-            extra: dict[str, Any] = {}
-            if ctx.is_coordinator:
-                payload = encode_user_content(user_content)
-                state[USER_CONTENT] = payload
-                now = time.time_ns()
-                extra = {
-                    "api": API_RECORD,
-                    "tag": tag,
-                    "saved_at_ns": now,
-                    "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
-                    "layout": layout.to_dict(),
-                    "specs": rules.to_records(),
-                    "name_map": name_map is not None,
-                    "world_size": ctx.world_size,
-                    "rank_local": list(RANK_LOCAL),
-                    "parts": sorted(k for k in ("model", "optim", "rng") if k in state),
-                    "rng": bool(save_rng),
-                    "user_content_type": type(user_content).__name__,
-                    "user_content_keys": [str(k) for k in user_content] if isinstance(user_content, Mapping) else None,
-                    "smpckpt_version": smpckpt.__version__,
-                    "torch_version": torch.__version__,
-                }
-            return state, extra
-
-        state, extra = ctx.all_ok(build)
-        writer = FsspecStorageWriter(
-            url, storage_options=storage_options, overwrite=overwrite, manifest_extra=extra, format=format,
-            sync_files=sync_files,
-        )
-        planner = ParallelSavePlanner(
-            layout, rules, name_map=wrap_name_map(name_map), process_group=process_group,
-            rank_local=RANK_LOCAL, enable_plan_caching=False,
+    with peer_failures(ctx, f"saving checkpoint {tag!r} under {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"):
+        req = resolve_save(
+            ctx, path, tag, partial, model=model, optimizer=optimizer, user_content=user_content,
+            num_kept_partial_checkpoints=num_kept_partial_checkpoints, layout=layout, specs=specs,
+            name_map=name_map, storage_options=storage_options, overwrite=overwrite, process_group=process_group,
+            save_rng=save_rng, format=format, sync_files=sync_files,
+            remove_uncommitted_older_than=remove_uncommitted_older_than,
         )
         started = time.monotonic()
-        try:
-            with quiet_no_dist():
-                dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
-        except CheckpointException as exc:
-            raise translate_dcp(exc, f"saving checkpoint {url}") from exc
-
-        # The checkpoint is committed on every rank's word (dcp.save returns only after the coordinator's
-        # finish succeeded). Only now may `newest` move.
-        def point_newest() -> None:
-            fs, root_path = open_root(root, storage_options)
-            write_newest(fs, root_path, tag, sync=sync_files)
-
-        try:
-            ctx.on_coordinator(point_newest)
-        except Exception as exc:
-            raise CheckpointError(
-                f"checkpoint {url} is committed but {root}/newest could not be updated: {exc}"
-            ) from exc
-        log.info("saved checkpoint %s (%s) in %.2fs", url, layout, time.monotonic() - started)
-
-        # Retention runs on rank 0 only, after the broadcast above, so the other ranks go on training.
-        if (keep is not None or remove_uncommitted_older_than is not None) and ctx.is_coordinator:
-            try:
-                result = apply_retention(
-                    root, keep, storage_options=storage_options, protected={tag},
-                    uncommitted_older_than=remove_uncommitted_older_than,
-                )
-                if result.removed:
-                    log.info("retention kept %d checkpoint(s); removed %s", keep, list(result.removed))
-                if result.removed_uncommitted or result.aborted_uploads:
-                    log.info(
-                        "removed stale uncommitted folders %s and aborted %d multipart upload(s)",
-                        list(result.removed_uncommitted), len(result.aborted_uploads),
-                    )
-            except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-                log.warning("retention after saving %s failed (nothing else affected): %s", url, exc)
+        state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
+        write_checkpoint(req, state, extra)
+        publish_newest(req, ctx)
+        log.info("saved checkpoint %s (%s) in %.2fs", req.url, req.layout, time.monotonic() - started)
+        retain(req, ctx)
 
 
 # -- resume ----------------------------------------------------------------------------------------
@@ -334,115 +204,24 @@ def resume_from_checkpoint(
         allow_dtype_cast: convert tensors saved in another dtype instead of refusing.
         Other arguments as for :func:`save_checkpoint`.
     """
-    check_partial(partial)
-    root = root_url(path)
-    optimizers = as_optimizers(optimizer)
-    check_model(model, optimizers)
-    rules = spec_rules(specs)
-    if translate_function is not None and not callable(translate_function):
-        raise TypeError("translate_function must be callable (state_dict -> state_dict)")
     ctx = DistContext(process_group)
-    global _LAST_RESUME
-    with peer_failures(ctx, f"resuming from {root}"):
-        layout = resolve_layout(layout, ctx)
-        ctx.check_identical(
-            (tag, root, bool(strict), bool(missing_ok), layout.to_dict(), bool(load_rng)),
-            "resume_from_checkpoint(path, tag, strict, missing_ok, layout, load_rng)",
+    with peer_failures(ctx, f"resuming from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"):
+        req = resolve_resume(
+            ctx, path, tag, partial, model=model, optimizer=optimizer, translate_function=translate_function,
+            layout=layout, specs=specs, name_map=name_map, storage_options=storage_options, missing_ok=missing_ok,
+            strict=strict, process_group=process_group, load_rng=load_rng, allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast, verify_checksums=verify_checksums,
         )
-        if tag is not None:
-            validate_tag(tag)
-
-        target = ctx.on_coordinator(lambda: resolve_target(root, tag, storage_options))
+        target = choose_target(req, ctx)
         if target is None:
-            if missing_ok:
-                log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", root)
+            if req.missing_ok:
+                log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", req.root)
                 return None
-            what = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
-            raise CheckpointNotFound(f"no {what} under {root}")
-
-        saved_layout = read_saved_layout(target.extra)
-        same_layout = (
-            saved_layout is not None and saved_layout == layout and target.extra.get("world_size") == ctx.world_size
-        )
-        restore_rng = load_rng and same_layout and bool(target.extra.get("rng"))
-        if load_rng and target.extra.get("rng") and not same_layout and ctx.is_coordinator:
-            warnings.warn(
-                f"the layout changed ({saved_layout} -> {layout}): RNG states are not restored (they do not map "
-                "across layouts); every rank keeps its current generators",
-                stacklevel=2,
-            )
-
-        def build() -> dict[str, Any]:
-            state = train_state(model, optimizers)
-            state[USER_CONTENT] = b""  # placeholder; the load puts the stored object here
-            if restore_rng:
-                state["rng"] = {f"rank{ctx.rank}": get_rng_state()}
-            return state
-
-        state = ctx.all_ok(build)
-        ignore = [r"rng\..*"]
-        if model is None:
-            ignore.append(r"model\..*")
-        if not optimizers:
-            ignore.append(r"optim\..*")
-        planner = ApiLoadPlanner(
-            layout, rules, name_map=wrap_name_map(name_map), process_group=process_group, rank_local=RANK_LOCAL,
-            allow_dtype_cast=allow_dtype_cast, allow_pickle=allow_pickle, strict=strict,
-            ignore_unexpected=re.compile("|".join(f"(?:{p})$" for p in ignore)),
-        )
-        reader = FsspecStorageReader(
-            target.url, storage_options=storage_options, verify_checksums=verify_checksums, allow_pickle=allow_pickle
-        )
-        try:
-            with quiet_no_dist():
-                dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
-        except CheckpointException as exc:
-            raise translate_dcp(exc, f"loading checkpoint {target.url}", metadata_error=reader.metadata_error) from exc
-
-        report = planner.report
-        missing = set(report.missing_keys if report else ())
-
-        def apply() -> tuple[Any, tuple[str, ...]]:
-            if model is not None:
-                model_sd = state["model"]
-                if translate_function is not None:
-                    model_sd = translate_function(model_sd)
-                    if not isinstance(model_sd, Mapping):
-                        raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
-                opts = dataclasses.replace(OPTIONS, strict=strict)
-                if optimizers:
-                    set_state_dict(
-                        model, optimizers, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts
-                    )
-                else:
-                    set_model_state_dict(model, model_sd, options=opts)
-            restored: tuple[str, ...] = ()
-            if restore_rng:
-                mine = f"rng.rank{ctx.rank}."
-                complete = tuple(
-                    c for c in state["rng"][f"rank{ctx.rank}"] if not any(k.startswith(f"{mine}{c}") for k in missing)
-                )
-                restored = set_rng_state(state["rng"][f"rank{ctx.rank}"], complete)
-            return decode_user_content(state[USER_CONTENT], USER_CONTENT in missing, allow_pickle), restored
-
-        user_content, restored = ctx.all_ok(apply)
-        counts = ctx.all_gather_object(
-            (report.fast_path if report else 0, len(report.resharded) if report else 0, planner.real_missing)
-        )
-        fast = sum(c[0] for c in counts)
-        resharded = sum(c[1] for c in counts)
-        skipped = sorted({k for c in counts for k in c[2]} | set(ctx.broadcast_object(planner.real_unexpected)))
-        info = ResumeInfo(
-            path=root, tag=target.tag, checkpoint_url=target.url, path_taken="reshard" if resharded else "fast",
-            layout=layout, saved_layout=saved_layout, layout_changed=not same_layout, fast_path_tensors=fast,
-            resharded_tensors=resharded, rng_restored=restored, fell_back=target.fell_back, skipped_keys=tuple(skipped),
-        )
-        _LAST_RESUME = info
-        if info.resharded:
-            log.info(
-                "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
-                target.url, resharded, saved_layout, layout, fast,
-            )
-        else:
-            log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, layout)
+            what = f"checkpoint {req.tag!r}" if req.tag is not None else "committed checkpoint"
+            raise CheckpointNotFound(f"no {what} under {req.root}")
+        rng = restores_rng(req, target, ctx)
+        state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+        planner = load_checkpoint(req, target, state)
+        user_content, restored = ctx.all_ok(lambda: apply_state(req, target, ctx, state, planner.report, rng))
+        _last_resume.set(summarize(req, target, ctx, planner, restored))
         return user_content

@@ -22,12 +22,10 @@ from smpckpt.storage import Manifest, probe_checkpoint, removal_marked
 from smpckpt.storage._fs import is_local
 from smpckpt.tags import join_url, list_partial_tags, open_root, read_newest
 
-__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag", "API_RECORD"]
+__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
 
 log = logging.getLogger(__name__)
 
-#: ``manifest["extra"]["api"]`` of checkpoints written by :func:`smpckpt.save_checkpoint`.
-API_RECORD = "smpckpt.save_checkpoint/1"
 
 
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 from smpckpt.catalog import newest_tag, scan_root
 from smpckpt.errors import CheckpointError
+from smpckpt.record import LayoutRecord
 from smpckpt.retention import apply_retention, validate_keep
 from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
 from smpckpt.tags import PARTIAL_SUFFIX
@@ -71,6 +74,14 @@ def _layout_text(record: Any) -> str:
     return text
 
 
+def _layout_json(manifest: Any) -> dict[str, Any] | None:
+    try:
+        record = LayoutRecord.from_manifest(manifest)
+    except CheckpointError:
+        return None
+    return record.layout.to_dict() if record is not None else None
+
+
 def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str:
     """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder)."""
     spec = spec.rstrip("/") or spec
@@ -94,7 +105,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "state": r.state,
                 "newest": r.tag == newest,
                 "size": r.size,
-                "layout": r.extra.get("layout"),
+                "layout": _layout_json(r.manifest),
                 "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
                 "detail": r.detail,
             }
@@ -131,6 +142,8 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     reader = FsspecStorageReader(url, storage_options=options)
     metadata = reader.read_metadata()
     extra: Mapping[str, Any] = reader.manifest.extra if reader.manifest is not None else {}
+    record = LayoutRecord.from_manifest(reader.manifest) or LayoutRecord.from_metadata(metadata)
+    world_size = reader.manifest.world_size if reader.manifest is not None else None
     tensors = []
     objects = []
     for key, md in sorted(metadata.state_dict_metadata.items()):
@@ -139,21 +152,17 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             objects.append(key)
             continue
         dtype = md.properties.dtype
-        numel = 1
-        for s in size:
-            numel *= int(s)
-        itemsize = _itemsize(dtype)
         tensors.append(
             {"key": key, "shape": [int(s) for s in size], "dtype": str(dtype).replace("torch.", ""),
-             "chunks": len(md.chunks), "bytes": numel * itemsize}
+             "chunks": len(md.chunks), "bytes": math.prod(size) * dtype.itemsize}
         )
     info = {
         "checkpoint": url,
         "state": reader.state,
         "tag": extra.get("tag"),
-        "layout": extra.get("layout"),
+        "layout": record.layout.to_dict() if record is not None else None,
         "saved_at": extra.get("saved_at"),
-        "world_size": extra.get("world_size"),
+        "world_size": world_size,
         "user_content_keys": extra.get("user_content_keys"),
         "user_content_type": extra.get("user_content_type"),
         "tensors": tensors,
@@ -166,8 +175,8 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return 0
     out.write(f"checkpoint: {url} ({reader.state})\n")
     if extra:
-        out.write(f"tag: {extra.get('tag')}  saved: {extra.get('saved_at')}  world size: {extra.get('world_size')}\n")
-        out.write(f"layout: {_layout_text(extra.get('layout'))}\n")
+        out.write(f"tag: {extra.get('tag')}  saved: {extra.get('saved_at')}  world size: {world_size}\n")
+        out.write(f"layout: {_layout_text(info['layout'])}\n")
         keys = extra.get("user_content_keys")
         out.write(
             f"user content: {', '.join(keys) if keys else '(none)'}"
@@ -182,38 +191,27 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return int(torch.empty((), dtype=dtype).element_size())
-
-
 class _ProgressBar:
-    """A one-line progress bar on ``stream``, redrawn at most 10 times a second."""
+    """A tqdm byte bar on ``stream`` (``--progress``: auto draws it for large checkpoints only)."""
 
     def __init__(self, stream: TextIO, mode: str) -> None:
         self.stream = stream
         self.mode = mode
-        self.shown = False
-        self._last = 0.0
+        self._bar: tqdm | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if self.mode == "never" or (self.mode == "auto" and total < _PROGRESS_MIN_BYTES):
             return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        self.stream.write(f"\rverify [{bar:<30}] {frac:6.1%} {_human(done)} / {_human(total)}")
-        self.stream.flush()
-        self.shown = True
+        if self._bar is None:
+            self._bar = tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=self.stream,
+                mininterval=0.1, dynamic_ncols=True,
+            )
+        self._bar.update(done - self._bar.n)
 
     def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

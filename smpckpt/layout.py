@@ -67,6 +67,15 @@ class ParallelLayout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    def check_world_size(self, world_size: int, where: str) -> None:
+        """Raise :class:`SpecError` unless ``world_size`` ranks (as ``where`` counts them) fit this layout.
+
+        The one place a world size is compared with a layout: the API, both planners' rank
+        resolution and the save planner's global plan all call it.
+        """
+        if world_size != self.world_size:
+            raise SpecError(f"{where} has {world_size} ranks but the layout {self} describes {self.world_size}")
+
     def degree(self, axis: str) -> int:
         if axis not in AXES:
             raise SpecError(f"unknown parallel axis {axis!r}; expected one of {AXES}")

@@ -8,10 +8,13 @@ reads usually end on one too, so verification adds little or nothing to the byte
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import xxhash
 
-__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockHasher", "hash_bytes"]
+__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockHasher", "hash_bytes", "hash_parts"]
 
+#: The checksum algorithm's name as the manifest records it (and names its digest fields after).
 ALGORITHM = "xxh3_64"
 DEFAULT_BLOCK_SIZE = 1 << 20
 
@@ -19,6 +22,14 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 def hash_bytes(data: bytes | bytearray | memoryview) -> int:
     """xxh3-64 of ``data`` (the GIL is released for large buffers, so this overlaps with I/O)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def hash_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    """xxh3-64 of the concatenation of ``parts`` (equal to :func:`hash_bytes` of the joined bytes)."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
 
 
 class BlockHasher:
@@ -36,10 +47,6 @@ class BlockHasher:
         self._pos = 0
         self._fill = 0
         self._h = xxhash.xxh3_64()
-
-    @property
-    def position(self) -> int:
-        return self._pos
 
     def start_item(self, nbytes: int) -> None:
         """Called before an item's bytes: an item of at least one block starts a fresh block."""

@@ -8,10 +8,11 @@ their scheme.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -85,7 +86,8 @@ def is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def join(fs: Any, folder: str, name: str) -> str:
+def join(folder: str, name: str) -> str:
+    """``folder/name`` for any backend (fsspec paths use ``/`` everywhere, local disk included)."""
     return f"{folder.rstrip('/')}/{name}" if folder else name
 
 
@@ -109,25 +111,31 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sy
     """
     with translate_errors(path):
         if is_local(fs):
-            folder = os.path.dirname(path) or "."
-            tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    if sync:
-                        os.fsync(f.fileno())
+            with _temp_copy(path, data, sync=sync) as tmp:
                 os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                raise
             if sync and sync_dir:
-                fsync_dir(folder)
+                fsync_dir(os.path.dirname(path) or ".")
         else:
             fs.pipe_file(path, data)
+
+
+@contextlib.contextmanager
+def _temp_copy(path: str, data: bytes, *, sync: bool) -> Iterator[str]:
+    """A temp file beside ``path`` holding ``data`` (fsynced when ``sync``), removed when still there
+    after the block (the block renames or links it into place)."""
+    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        yield tmp
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
 _MEMORY_LOCK = threading.Lock()
@@ -175,13 +183,7 @@ def _protocol(fs: Any) -> str:
 
 def _create_local_exclusive(path: str, data: bytes, *, sync: bool) -> None:
     folder = os.path.dirname(path) or "."
-    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
+    with _temp_copy(path, data, sync=sync) as tmp:
         try:
             os.link(tmp, path)
         except OSError as exc:
@@ -194,11 +196,6 @@ def _create_local_exclusive(path: str, data: bytes, *, sync: bool) -> None:
                 f.flush()
                 if sync:
                     os.fsync(f.fileno())
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
     if sync:
         fsync_dir(folder)
 

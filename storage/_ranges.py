@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["Need", "Fetch", "slice_byte_range", "coalesce"]
+__all__ = ["Need", "Fetch", "c_strides", "slice_byte_range", "coalesce"]
 
 T = TypeVar("T")
 
@@ -32,6 +32,14 @@ class Fetch(Generic[T]):
     needs: tuple[Need[T], ...]
 
 
+def c_strides(sizes: Sequence[int]) -> list[int]:
+    """Element strides of a C-contiguous (row-major) array of shape ``sizes``."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    return strides
+
+
 def slice_byte_range(sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], itemsize: int) -> tuple[int, int]:
     """Smallest contiguous byte range of a C-contiguous array of shape ``sizes`` that holds the slice
     ``offsets : offsets + lengths``. For a dim-0 slice (or any slice that is contiguous in memory)
@@ -40,9 +48,7 @@ def slice_byte_range(sizes: Sequence[int], offsets: Sequence[int], lengths: Sequ
         raise ValueError("sizes, offsets and lengths differ in rank")
     if any(n == 0 for n in lengths):
         return (0, 0)
-    strides = [1] * len(sizes)
-    for d in range(len(sizes) - 2, -1, -1):
-        strides[d] = strides[d + 1] * sizes[d + 1]
+    strides = c_strides(sizes)
     first = sum(o * s for o, s in zip(offsets, strides))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
     return (first * itemsize, (last + 1) * itemsize)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
+import zipfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -88,13 +90,37 @@ def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str,
 
 
 def check_weights_only(data: bytes | memoryview, *, where: str) -> None:
-    """Refuse object bytes that need arbitrary code to load (``UnsafeCheckpoint``)."""
+    """Refuse object bytes that need arbitrary code to load (``UnsafeCheckpoint``); bytes that are no
+    readable record at all are ``CheckpointCorrupt`` (never advise ``allow_pickle`` for plain damage)."""
     try:
         torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
+        if not _well_formed(data):
+            raise CheckpointCorrupt(f"{where}: object bytes are not a readable torch.save record: {exc}") from exc
         raise UnsafeCheckpoint(
             f"{where}: this object is not weights-only safe (loading it could run code from the "
             f"checkpoint); pass allow_pickle=True for checkpoints you trust. Detail: {exc}"
         ) from exc
-    except RuntimeError as exc:
-        raise CheckpointCorrupt(f"{where}: object bytes cannot be read: {exc}") from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{where}: object bytes cannot be read: {exc!r}") from exc
+
+
+def _well_formed(data: bytes | memoryview) -> bool:
+    """Whether ``data`` parses as a torch.save record (zip with a pickle, or a legacy pickle stream),
+    by reading its opcodes without executing any of them."""
+    raw = bytes(data)
+    if raw[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+                name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+                if name is None:
+                    return False
+                raw = archive.read(name)
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return False
+    try:
+        for _ in pickletools.genops(io.BytesIO(raw)):
+            pass
+    except Exception:  # noqa: BLE001 - any parse failure means damaged bytes
+        return False
+    return bool(raw)

@@ -51,11 +51,11 @@ def _refers_to_our_files(metadata: Any) -> bool:
 def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     """Classify ``folder``. Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest
     and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load."""
-    where = join(fs, folder, _names.MANIFEST_NAME)
+    where = join(folder, _names.MANIFEST_NAME)
     data = read_bytes_or_none(fs, where)
     if data is not None:
         return Probe("committed", manifest=Manifest.from_bytes(data, where=where))
-    md_path = join(fs, folder, _names.METADATA_NAME)
+    md_path = join(folder, _names.METADATA_NAME)
     md_bytes = read_bytes_or_none(fs, md_path)
     if md_bytes is not None:
         metadata = load_metadata(md_bytes, where=md_path)

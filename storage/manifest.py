@@ -40,12 +40,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage._names import FORMAT_VERSION, check_member_name
 
 __all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat"]
 
-_DIGEST_KEY = "manifest_xxh3_64"
+# Digest fields are named after the algorithm (``"xxh3_64"``, ``"manifest_xxh3_64"``): changing
+# ALGORITHM is a format change, not a setting.
+_MD_DIGEST_KEY = ALGORITHM
+_DIGEST_KEY = f"manifest_{ALGORITHM}"
 
 
 def _self_digest(obj: Mapping[str, Any]) -> int:
@@ -140,12 +143,6 @@ class Manifest:
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
-    def file(self, name: str) -> FileRecord:
-        for rec in self.files:
-            if rec.name == name:
-                return rec
-        raise CheckpointCorrupt(f"file {name!r} is referenced by the metadata but not listed in the manifest")
-
     @property
     def total_bytes(self) -> int:
         return self.metadata.size + sum(f.size for f in self.files)
@@ -159,9 +156,9 @@ class Manifest:
             "created": self.created,
             "world_size": self.world_size,
             "data_format": self.data_format,
-            "checksum": {"algorithm": "xxh3_64"},
+            "checksum": {"algorithm": ALGORITHM},
             "metadata": {"name": self.metadata.name, "size": self.metadata.size,
-                         "xxh3_64": f"{self.metadata.digest:016x}"},
+                         _MD_DIGEST_KEY: f"{self.metadata.digest:016x}"},
             "files": [f.to_json() for f in self.files],
             "extra": dict(self.extra),
         }
@@ -188,7 +185,7 @@ class Manifest:
                         f"{where} is corrupt: its own checksum does not match its content (the manifest, "
                         "not necessarily the data, was damaged)"
                     )
-            if obj["checksum"]["algorithm"] != "xxh3_64":
+            if obj["checksum"]["algorithm"] != ALGORITHM:
                 raise ValueError(f"unknown checksum algorithm {obj['checksum']['algorithm']!r}")
             kind = obj["kind"]
             if kind not in ("partial", "full"):
@@ -206,7 +203,7 @@ class Manifest:
                 save_id=str(obj["save_id"]),
                 kind=kind,
                 data_format=data_format,
-                metadata=MetadataRecord(check_member_name(md["name"], where=where), int(md["size"]), int(md["xxh3_64"], 16)),
+                metadata=MetadataRecord(check_member_name(md["name"], where=where), int(md["size"]), int(md[_MD_DIGEST_KEY], 16)),
                 files=files,
                 world_size=int(obj["world_size"]),
                 created=str(obj["created"]),

@@ -115,7 +115,7 @@ def verify_checkpoint(
     manifest: Manifest = found.manifest
     total = manifest.total_bytes
     done = 0
-    md_path = join(fs, path, manifest.metadata.name)
+    md_path = join(path, manifest.metadata.name)
     try:
         with translate_errors(md_path):
             md = bytes(fs.cat_file(md_path))
@@ -124,7 +124,7 @@ def verify_checkpoint(
     except FileNotFoundError:
         problems.append(f"{manifest.metadata.name}: missing")
     warnings: list[str] = []
-    stock_path = join(fs, path, _names.METADATA_NAME)
+    stock_path = join(path, _names.METADATA_NAME)
     stock = read_bytes_or_none(fs, stock_path)
     if stock is None:
         warnings.append(f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
@@ -137,7 +137,7 @@ def verify_checkpoint(
     if progress:
         progress(done, total)
     for rec in manifest.files:
-        fpath = join(fs, path, rec.name)
+        fpath = join(path, rec.name)
         try:
             with translate_errors(fpath):
                 size = int(fs.size(fpath))
@@ -174,7 +174,7 @@ def _verify_legacy(fs: Any, path: str, url: str, metadata: Any, progress: Callab
     total = sum(needed.values())
     done = 0
     for name, end in sorted(needed.items()):
-        fpath = join(fs, path, name)
+        fpath = join(path, name)
         try:
             with translate_errors(fpath):
                 size = int(fs.size(fpath))
@@ -199,11 +199,11 @@ def remove_checkpoint(
     removed.
     """
     fs, path = open_fs(url, storage_options)
-    manifest_path = join(fs, path, _names.MANIFEST_NAME)
+    manifest_path = join(path, _names.MANIFEST_NAME)
     if fs.exists(manifest_path):
         # mark the folder first: if this removal is interrupted, the leftover is known to be garbage
         # (see removal_marked), not a save in flight
-        write_bytes_atomic(fs, join(fs, path, _names.REMOVING_NAME), b"removing\n")
+        write_bytes_atomic(fs, join(path, _names.REMOVING_NAME), b"removing\n")
     try:
         with translate_errors(manifest_path):
             fs.rm_file(manifest_path)
@@ -258,7 +258,7 @@ def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, An
     """Whether an interrupted :func:`remove_checkpoint` left this folder (its marker is there)."""
     fs, path = open_fs(url, storage_options)
     with translate_errors(path):
-        return bool(fs.exists(join(fs, path, _names.REMOVING_NAME)))
+        return bool(fs.exists(join(path, _names.REMOVING_NAME)))
 
 
 def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:

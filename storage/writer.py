@@ -33,6 +33,7 @@ import datetime
 import io
 import json
 import logging
+import math
 import os
 import pickle
 from collections import deque
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, BlockHasher, hash_bytes
 from smpckpt.storage._fs import (
@@ -83,18 +85,15 @@ class _RankPlanData:
     rank: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _FileResult:
-    """One data file's record, sent to the coordinator inside a WriteResult; goes into the manifest."""
-
-    name: str
-    size: int
-    rank: int
-    block_ends: tuple[int, ...]
-    block_digests: tuple[int, ...]
-
-
+#: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
 _FILE_RESULT_FQN = "\x00smpckpt.file"
+
+
+def _with_layout_record(extra: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """The manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when
+    the planner wrote one), so listing tools read the partition without fetching ``.metadata``."""
+    record = LayoutRecord.json_in_metadata(metadata)
+    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -124,10 +123,7 @@ def _torch_save_bytes(t: torch.Tensor) -> memoryview:
 def _item_size(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
-    n = 1
-    for s in item.tensor_data.size:
-        n *= s
-    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -152,7 +148,8 @@ class FsspecStorageWriter(StorageWriter):
         path: folder or URL (``/data/ckpt``, ``file://...``, ``s3://bucket/ckpt``, ``memory://ckpt``).
         storage_options: fsspec filesystem options (S3: ``key``, ``secret``, ``client_kwargs``...);
             kept across :meth:`reset`.
-        overwrite: replace a committed checkpoint at ``path``; otherwise the save fails with
+        overwrite: replace a committed checkpoint at ``path`` (the previous generation's files are
+            removed once the new one has committed); otherwise the save fails with
             :class:`~smpckpt.errors.CheckpointExists` (checked once, by the coordinator).
         format: ``"raw"`` (tensor bytes at recorded offsets: fast, range-readable; needs our reader)
             or ``"torch_save"`` (DCP's own per-item records; stock ``dcp.load`` reads it).
@@ -167,8 +164,6 @@ class FsspecStorageWriter(StorageWriter):
             ``max_parts_in_flight * part_size``).
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
             layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
-        mode: ``"partial"`` (each rank writes its own items). ``"full"`` is reserved.
-        remove_old_generation: after committing an overwrite, delete the files of the previous one.
     """
 
     def __init__(
@@ -184,16 +179,10 @@ class FsspecStorageWriter(StorageWriter):
         part_size: int = 32 << 20,
         max_parts_in_flight: int = 4,
         manifest_extra: Mapping[str, Any] | None = None,
-        mode: Literal["partial", "full"] = "partial",
-        remove_old_generation: bool = True,
     ) -> None:
         super().__init__()
         if format not in ("raw", "torch_save"):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
-        if mode == "full":
-            raise NotImplementedError("mode='full' (consolidated checkpoints) is not implemented yet")
-        if mode != "partial":
-            raise ValueError(f"mode must be 'partial' or 'full', got {mode!r}")
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.storage_options = dict(storage_options or {})
@@ -204,8 +193,6 @@ class FsspecStorageWriter(StorageWriter):
         self.block_size = block_size
         self.part_size = part_size
         self.max_parts_in_flight = max_parts_in_flight
-        self.mode = mode
-        self.remove_old_generation = remove_old_generation
         self._extra: dict[str, Any] = {}
         if manifest_extra is not None:
             self.set_manifest_extra(manifest_extra)
@@ -288,9 +275,8 @@ class FsspecStorageWriter(StorageWriter):
         files: list[FileRecord] = []
         for rank_results in results:
             for wr in rank_results:
-                if isinstance(wr.storage_data, _FileResult):
-                    fr = wr.storage_data
-                    files.append(FileRecord(fr.name, fr.size, fr.rank, fr.block_ends, fr.block_digests))
+                if isinstance(wr.storage_data, FileRecord):  # a data file's record, for the manifest
+                    files.append(wr.storage_data)
                 else:
                     storage_md[wr.index] = wr.storage_data
         metadata.storage_data = storage_md
@@ -304,13 +290,13 @@ class FsspecStorageWriter(StorageWriter):
         self._write_metadata(gen_name, md_bytes)
         manifest = Manifest(
             save_id=save_id,
-            kind=self.mode,
+            kind="partial",  # each rank writes its own items (the only kind written so far)
             data_format=self.format,
             metadata=MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes)),
             files=tuple(sorted(files, key=lambda f: (f.rank, f.name))),
             world_size=len(results),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            extra=self._extra,
+            extra=_with_layout_record(self._extra, metadata),
         )
         try:
             self._write_manifest(manifest.to_bytes())
@@ -326,15 +312,15 @@ class FsspecStorageWriter(StorageWriter):
         # The stock name, for stock readers; our reader follows the manifest. Written only after the
         # commit, so the loser of a race can never replace the winner's copy.
         try:
-            write_bytes_atomic(self.fs, join(self.fs, self.path, _names.METADATA_NAME), md_bytes, sync=self.sync_files)
+            write_bytes_atomic(self.fs, join(self.path, _names.METADATA_NAME), md_bytes, sync=self.sync_files)
         except OSError as exc:
             log.warning(
                 "%s is committed, but its stock .metadata copy could not be written (stock DCP readers cannot "
                 "load it; smpckpt can): %s", self.url, exc,
             )
-        if self.remove_old_generation and self._old_files:
+        if self._old_files:
             keep = {f.name for f in manifest.files} | {gen_name, _names.METADATA_NAME, _names.MANIFEST_NAME}
-            stale = [join(self.fs, self.path, n) for n in self._old_files if n not in keep]
+            stale = [join(self.path, n) for n in self._old_files if n not in keep]
             failed = remove_files(self.fs, stale)
             if failed:
                 log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
@@ -350,19 +336,19 @@ class FsspecStorageWriter(StorageWriter):
 
     def _discard_generation(self, manifest: Manifest) -> None:
         names = [f.name for f in manifest.files] + [manifest.metadata.name]
-        failed = remove_files(self.fs, [join(self.fs, self.path, n) for n in names])
+        failed = remove_files(self.fs, [join(self.path, n) for n in names])
         if failed:
             log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
 
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
         # the directory fsync comes with the manifest's, in the same folder
-        write_bytes_atomic(self.fs, join(self.fs, self.path, gen_name), md_bytes, sync=self.sync_files, sync_dir=False)
+        write_bytes_atomic(self.fs, join(self.path, gen_name), md_bytes, sync=self.sync_files, sync_dir=False)
 
     def _write_manifest(self, data: bytes) -> None:
         """The commit. Without ``overwrite`` it is exclusive: ``FileExistsError`` when another save
         committed first. With ``overwrite`` it atomically replaces the previous manifest."""
-        path = join(self.fs, self.path, _names.MANIFEST_NAME)
+        path = join(self.path, _names.MANIFEST_NAME)
         if self.overwrite:
             write_bytes_atomic(self.fs, path, data, sync=self.sync_files)
         else:
@@ -370,7 +356,7 @@ class FsspecStorageWriter(StorageWriter):
 
     def _open_sink(self, name: str) -> Sink:
         return open_sink(
-            self.fs, join(self.fs, self.path, name), sync=self.sync_files,
+            self.fs, join(self.path, name), sync=self.sync_files,
             part_size=self.part_size, max_parts_in_flight=self.max_parts_in_flight,
         )
 
@@ -404,7 +390,7 @@ class FsspecStorageWriter(StorageWriter):
                     errors.append(exc)
         if errors:
             # this rank's finished files are orphans now; remove them (best effort) and report
-            remove_files(self.fs, [join(self.fs, self.path, n) for n in names])
+            remove_files(self.fs, [join(self.path, n) for n in names])
             raise errors[0]
         if is_local(self.fs) and self.sync_files:
             fsync_dir(self.path)
@@ -468,7 +454,7 @@ class FsspecStorageWriter(StorageWriter):
             WriteResult(
                 index=MetadataIndex(f"{_FILE_RESULT_FQN}/{name}"),
                 size_in_bytes=offset,
-                storage_data=_FileResult(name, offset, rank, tuple(ends), tuple(digests)),
+                storage_data=FileRecord(name, offset, rank, tuple(ends), tuple(digests)),
             )
         )
         return results

@@ -58,6 +58,24 @@ def _params(m: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same non-empty keys (in order) and bit-exact values of the same dtype: an empty or truncated
+    state compares unequal instead of vacuously equal."""
+    return bool(a) and list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _optim_same(m: nn.Module, o: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer) -> bool:
+    """Per parameter (matched by name), the same non-empty optimizer state keys and bit-exact values."""
+    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
+    if not p1 or list(p1) != list(p2):
+        return False
+    for name in p1:
+        s1, s2 = o.state[p1[name]], o2.state[p2[name]]
+        if not s1 or set(s1) != set(s2) or not all(torch.equal(s1[k], s2[k]) for k in s1):
+            return False
+    return True
+
+
 def _expect_error(fn: Callable[[], Any]) -> str:
     try:
         fn()
@@ -82,12 +100,8 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
             seen.append((_dirs(root), _newest(root)))
         m2, o2 = _linear(7)
         uc = resume_from_checkpoint(root, model=m2, optimizer=o2)
-        same = all(torch.equal(a, b) for a, b in zip(_params(m2).values(), snapshots["step4"].values()))
-        optim_same = all(
-            torch.equal(o.state[p][k], o2.state[q][k])
-            for p, q in zip(m.parameters(), m2.parameters())
-            for k in o.state[p]
-        )
+        same = _same(_params(m2), snapshots["step4"])
+        optim_same = _optim_same(m, o, m2, o2)
         info = last_resume_info()
         return {"seen": seen, "uc": uc, "same": same, "optim_same": optim_same, "path_taken": info.path_taken,
                 "rng": info.rng_restored}
@@ -112,9 +126,7 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
         m3, o3 = _linear(8)
         out["uc_after_crash"] = resume_from_checkpoint(root, model=m3, optimizer=o3)
         out["crash_fell_back"] = last_resume_info().fell_back
-        out["bitexact_after_crash"] = all(
-            torch.equal(a, b) for a, b in zip(_params(m3).values(), snapshots["step4"].values())
-        )
+        out["bitexact_after_crash"] = _same(_params(m3), snapshots["step4"])
         # newest names the uncommitted tag / is missing / is garbage -> fall back to step4
         for case, content in (("uncommitted", "step5\n"), ("garbage", "../etc\n"), ("missing", None)):
             if rank == 0:
@@ -133,7 +145,7 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
                 "uc": uc,
                 "fell_back": last_resume_info().fell_back,
                 "warned": any("newest committed checkpoint 'step4'" in str(w.message) for w in caught),
-                "bitexact": all(torch.equal(a, b) for a, b in zip(_params(m4).values(), snapshots["step4"].values())),
+                "bitexact": _same(_params(m4), snapshots["step4"]),
             }
             dist.barrier()
         return out

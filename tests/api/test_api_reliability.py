@@ -114,7 +114,7 @@ class _KilledBeforeCommit(FsspecStorageWriter):
 
 
 def _make_uncommitted(root: str, tag: str, monkeypatch: Any, seed: int = 0) -> None:
-    import smpckpt.api as api
+    import smpckpt._save as api
 
     m, o = _model(seed)
     with monkeypatch.context() as patch:

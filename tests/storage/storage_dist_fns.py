@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -12,7 +11,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-warnings.filterwarnings("ignore")
+# No module-level warning filters: spawned ranks import this module, and a blanket "ignore" here hid
+# every warning the ranks raise (they raise none today; a new one must be seen).
 
 
 def full_w(seed: int) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any
 
 import torch
@@ -12,7 +11,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+# (no module-level warning filters: pyproject.toml's filterwarnings already ignores DCP's
+# "torch.distributed is disabled" UserWarning for single-process saves and loads)
 
 
 def make_state(seed: int = 0, scale: int = 1) -> dict[str, Any]:

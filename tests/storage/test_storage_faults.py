@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
+from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.storage._sinks import Sink
 from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, unwrap
@@ -61,6 +63,23 @@ def _data_files(url: str, opts: dict[str, Any]) -> list[str]:
     return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False) if p.endswith(".distcp"))
 
 
+def _listing(url: str, opts: dict[str, Any]) -> list[str]:
+    """Every name in the folder ([] where it does not exist: memory and S3 have no empty folders)."""
+    fs, path = open_fs(url, opts)
+    if not fs.exists(path):
+        return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+
+
+# The message each injection point raises (FailingPlanner(0) fails on the 1st item, FailingPlanner(3) on the 4th).
+_INJECTED = {
+    "before_write": "injected failure at item 1",
+    "mid_write": "injected failure at item 4",
+    "metadata": "injected before metadata",
+    "marker": "injected before marker",
+}
+
+
 @pytest.mark.parametrize("point", ["before_write", "mid_write", "metadata", "marker"])
 def test_failed_overwrite_keeps_previous_checkpoint(backend: Backend, point: str) -> None:
     base, opts = backend
@@ -74,9 +93,10 @@ def test_failed_overwrite_keeps_previous_checkpoint(backend: Backend, point: str
     else:
         planner = None
         writer = FailBefore(url, storage_options=opts, overwrite=True, point=point)
-    with pytest.raises(CheckpointException) as info:
+    with pytest.raises(CheckpointException, match=f"Boom: {_INJECTED[point]}") as info:
         dcp.save(new, storage_writer=writer, planner=planner)
-    assert isinstance(unwrap(info.value), Boom)
+    err = unwrap(info.value)
+    assert type(err) is Boom and str(err) == _INJECTED[point]
     assert checkpoint_state(url, opts) == "committed"
     assert read_manifest(url, opts).save_id == before.save_id
     # previous generation loads bit-exact, even after ".metadata" was replaced ("marker")
@@ -93,12 +113,33 @@ def test_failed_first_save_is_refused(backend: Backend, point: str) -> None:
     sd = make_state(3)
     if point == "mid_write":
         args: dict[str, Any] = {"storage_writer": FsspecStorageWriter(url, storage_options=opts), "planner": FailingPlanner(2)}
+        # four writer threads share the planner: every item after the 2nd fails, and which thread's failure
+        # (so which item number) the writer re-raises is a race; the message itself is pinned
+        expected = r"injected failure at item \d+"
     else:
         args = {"storage_writer": FailBefore(url, storage_options=opts, point="marker")}
-    with pytest.raises(CheckpointException):
+        expected = "injected before marker"
+    with pytest.raises(CheckpointException, match=f"Boom: {expected}"):
         dcp.save(sd, **args)
-    assert checkpoint_state(url, opts) in ("uncommitted", "missing")
-    assert type(load_error(sd, url, opts)).__name__ == "CheckpointNotFound"
+    names = _listing(url, opts)
+    err = load_error(sd, url, opts)
+    assert type(err) is CheckpointNotFound
+    # Deterministic on every backend (only the empty folder's existence differs, and it reads "missing"):
+    if point == "mid_write":
+        # the failing rank removed its partial data files and nothing else was written: nothing is left
+        # (an empty folder on local disk; no objects at all on memory:// and S3)
+        assert names == []
+        assert checkpoint_state(url, opts) == "missing"
+        assert str(err) == f"no checkpoint at {url}"
+    else:
+        # every data file and the generation's metadata are durable, the manifest (commit marker) is not
+        data = [n for n in names if n.endswith(".smp.distcp")]
+        gen_md = [n for n in names if n.startswith(".metadata.")]
+        assert data and len(gen_md) == 1, names
+        assert set(names) == set(data) | set(gen_md), names  # no manifest, no stock .metadata copy
+        assert checkpoint_state(url, opts) == "uncommitted"
+        assert str(err).startswith(f"{url} holds an uncommitted (incomplete or failed) save: {len(names)} file(s) "
+                                   "but no smpckpt.manifest.json and no .metadata"), str(err)
 
 
 class DiskFullSink:
@@ -131,7 +172,7 @@ def test_disk_full(tmp_path: Any) -> None:
     url = str(tmp_path / "full")
     old = make_state(4)
     dcp.save(old, storage_writer=FsspecStorageWriter(url))
-    with pytest.raises(CheckpointException) as info:
+    with pytest.raises(CheckpointException, match=re.escape(os.strerror(errno.ENOSPC))) as info:
         dcp.save(make_state(5, scale=4), storage_writer=DiskFullWriter(url, overwrite=True))
     err = unwrap(info.value)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
@@ -145,14 +186,9 @@ def test_use_collectives_false_is_refused_when_multi_rank(monkeypatch: pytest.Mo
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     w = FsspecStorageWriter(str(tmp_path / "x"))
-    with pytest.raises(Exception, match="use_collectives=False"):
+    with pytest.raises(CheckpointError, match="does not support use_collectives=False in a multi-rank job"):
         w.set_up_storage_writer(True, rank=0, use_collectives=False)
     w.set_up_storage_writer(True, rank=0, use_collectives=True)
-
-
-def test_mode_full_reserved(tmp_path: Any) -> None:
-    with pytest.raises(NotImplementedError):
-        FsspecStorageWriter(str(tmp_path), mode="full")
 
 
 # -- S3 faults on the wire ---------------------------------------------------------------------------
@@ -207,11 +243,17 @@ def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint:
 
     with FaultyProxy(moto_endpoint, should_fail) as proxy:
         popts = _proxy_opts(opts, proxy.url, attempts=2)
-        with pytest.raises(CheckpointException) as info:
+        with pytest.raises(CheckpointException, match="We encountered an internal error") as info:
             dcp.save(_big_state(), storage_writer=FsspecStorageWriter(f"{base}/p", storage_options=popts, overwrite=True,
                                                                      part_size=16 << 20, thread_count=1))
-        assert proxy.injected
-    assert isinstance(unwrap(info.value), OSError)
+        # only part 2 of the one multipart upload failed, and it was retried (botocore's attempts, and s3fs
+        # may add its own) before the save gave up
+        assert len(proxy.injected) >= 2, proxy.injected
+        assert all(m == "PUT" and "partNumber=2" in path and code == 500 for m, path, code in proxy.injected)
+    err = unwrap(info.value)
+    # s3fs translates S3's 500 InternalError into OSError(EREMOTEIO, <S3's message>)
+    assert type(err) is OSError and err.errno == errno.EREMOTEIO, repr(err)
+    assert err.strerror == "We encountered an internal error. Please try again."
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     assert not client.list_multipart_uploads(Bucket=base[5:]).get("Uploads")
     assert_state_equal(old, roundtrip_load(old, f"{base}/p", opts))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from typing import Any
 
 import pytest
@@ -12,10 +13,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from smpckpt.errors import UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 from smpckpt.storage import checkpoint_state
 from smpckpt.storage._safe_pickle import check_weights_only, load_metadata
-from storage_helpers import load_error, make_state, save
+from storage_helpers import load, load_error, make_state, save, unwrap
+
+# os.system pickles as posix.system on POSIX (nt.system on Windows)
+_SYSTEM_REFUSED = r"global '(posix|nt|os)\.system' is not allowed in checkpoint metadata"
 
 
 class Odd:
@@ -39,7 +43,7 @@ def test_crafted_metadata_is_rejected_and_payload_never_runs(tmp_path: Any) -> N
     marker = tmp_path / "pwned"
     with open(os.path.join(url, ".metadata"), "wb") as f:  # ... whose metadata is replaced by a payload
         pickle.dump(Payload(str(marker)), f)
-    with pytest.raises(UnsafeCheckpoint, match="posix.system|os.system|not allowed"):
+    with pytest.raises(UnsafeCheckpoint, match=_SYSTEM_REFUSED):
         checkpoint_state(url)
     assert isinstance(load_error(sd, url), UnsafeCheckpoint)
     assert not marker.exists()
@@ -57,9 +61,12 @@ def test_payload_nested_inside_metadata_is_rejected(tmp_path: Any) -> None:
     marker = tmp_path / "pwned2"
     md.planner_data = {"x": Payload(str(marker))}
     data = pickle.dumps(md)
-    with pytest.raises(UnsafeCheckpoint):
+    with pytest.raises(UnsafeCheckpoint, match=r"^t: refused to load: " + _SYSTEM_REFUSED):
         load_metadata(data, where="t")
     assert not marker.exists()
+    # the control: the same metadata without the payload is accepted
+    md.planner_data = {"x": 1}
+    assert load_metadata(pickle.dumps(md), where="t").planner_data == {"x": 1}
 
 
 def test_object_values_must_be_weights_only_safe(tmp_path: Any) -> None:
@@ -73,10 +80,40 @@ def test_object_values_must_be_weights_only_safe(tmp_path: Any) -> None:
     assert not marker.exists()
 
 
-def test_weights_only_objects_pass(tmp_path: Any) -> None:
+def _torch_save_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save({"a": [1, 2.5, "x"], "t": torch.ones(2)}, buf)
-    check_weights_only(buf.getvalue(), where="t")
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_weights_only_objects_pass(tmp_path: Any) -> None:
+    value = {"a": [1, 2.5, "x"], "t": torch.ones(2)}
+    assert check_weights_only(_torch_save_bytes(value), where="t") is None
+    # the control: the same check refuses an object that needs code to load, naming where it was
+    with pytest.raises(UnsafeCheckpoint, match=r"^t: this object is not weights-only safe .*pass allow_pickle=True"):
+        check_weights_only(_torch_save_bytes({"a": Odd()}), where="t")
+    # what passing the check must produce: the object is loaded (without allow_pickle) exactly as saved
+    # (DCP flattens the dict: "obj.a" is stored as one object, "obj.t" as a tensor)
+    url = str(tmp_path / "wo")
+    save({"obj": value, "w": torch.arange(4.0)}, url)
+    out = load({"obj": {"a": None, "t": torch.zeros(2)}, "w": torch.zeros(4)}, url)
+    assert set(out) == {"obj", "w"} and torch.equal(out["w"], torch.arange(4.0))
+    obj = out["obj"]
+    assert set(obj) == {"a", "t"} and obj["a"] == [1, 2.5, "x"]
+    assert obj["t"].dtype == torch.float32 and torch.equal(obj["t"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(_torch_save_bytes({"a": 1})[:40], id="truncated-zip"),
+        pytest.param(b"garbage", id="garbage"),
+        pytest.param(b"", id="empty"),
+    ],
+)
+def test_unreadable_object_bytes_are_corrupt_not_unsafe(data: bytes) -> None:
+    with pytest.raises(CheckpointCorrupt, match=r"^t: object bytes (cannot be read|are not a readable torch.save record): "):
+        check_weights_only(data, where="t")
 
 
 def test_writer_refuses_non_dcp_types_in_metadata(tmp_path: Any) -> None:
@@ -90,7 +127,14 @@ def test_writer_refuses_non_dcp_types_in_metadata(tmp_path: Any) -> None:
             return plans, md
 
     url = str(tmp_path / "odd")
-    with pytest.raises(CheckpointException) as info:
+    refused = r"global '[\w.]*Odd' is not allowed in checkpoint metadata"
+    with pytest.raises(CheckpointException, match=refused) as info:
         save(make_state(0), url, planner=OddPlanner())
-    assert "not allowed" in str(info.value)
-    assert checkpoint_state(url) in ("uncommitted", "missing")
+    err = unwrap(info.value)
+    assert type(err) is UnsafeCheckpoint
+    assert re.fullmatch(r"metadata being written: refused to load: " + refused, str(err)), str(err)
+    # the coordinator refuses in finish, after every rank's data is durable and before any metadata or
+    # manifest is written: the data files are left, uncommitted (deterministic, local disk only)
+    names = sorted(os.listdir(url))
+    assert len(names) == 4 and all(n.endswith(".smp.distcp") for n in names), names  # one per writer thread
+    assert checkpoint_state(url) == "uncommitted"

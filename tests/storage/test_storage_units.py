@@ -44,44 +44,104 @@ def test_coalesce_covers_every_need_once(ranges: list[tuple[int, int]], gap: int
     for f in fetches:
         assert all(f.start <= n.start and n.end <= f.end for n in f.needs)
         assert f.start == min(n.start for n in f.needs) and f.end == max(n.end for n in f.needs)
+    for f in fetches:
+        # inside a request, every need (in offset order) overlaps what came before it, or lies within
+        # ``gap`` bytes of it and keeps the request within max_bytes (only overlaps may exceed it)
+        ordered = sorted(f.needs, key=lambda n: (n.start, n.end))
+        assert list(f.needs) == ordered
+        end = ordered[0].end
+        for n in ordered[1:]:
+            assert n.start < end or (n.start <= end + gap and max(end, n.end) - f.start <= max_bytes), (f, n)
+            end = max(end, n.end)
     for a, b in zip(fetches, fetches[1:]):
         assert a.start <= b.start
         assert b.start >= a.end  # no two requests overlap
-    # adjacent needs that fit are merged
-    if fetches:
-        assert len(coalesce([Need(0, 10, 0), Need(10, 20, 1)], max_bytes=100)) == 1
+        # maximal: b's first need could not have joined a (too far away, or a would grow past max_bytes)
+        first = b.needs[0]
+        assert first.start > a.end + gap or max(a.end, first.end) - a.start > max_bytes, (a, b)
 
 
-@settings(max_examples=100, derandomize=True, deadline=None)
-@given(st.lists(st.integers(0, 50), max_size=8), st.integers(1, 16))
-def test_block_hasher_matches_oracle(items: list[int], block: int) -> None:
-    data = bytes(range(256)) * 2
+@pytest.mark.parametrize(
+    ("needs", "gap", "max_bytes", "expected"),
+    [
+        ([(0, 10), (10, 20)], 0, 100, [(0, 20, [0, 1])]),  # adjacent and fitting: merged
+        ([(10, 20), (0, 10)], 0, 100, [(0, 20, [1, 0])]),  # given out of order: sorted by offset
+        ([(0, 10), (15, 20)], 4, 100, [(0, 10, [0]), (15, 20, [1])]),  # 5 bytes apart > gap 4
+        ([(0, 10), (15, 20)], 5, 100, [(0, 20, [0, 1])]),  # within the gap
+        ([(0, 10), (10, 20)], 0, 15, [(0, 10, [0]), (10, 20, [1])]),  # merging would exceed max_bytes
+        ([(0, 10), (5, 30)], 0, 15, [(0, 30, [0, 1])]),  # overlapping needs always share a request
+        ([(0, 100)], 0, 10, [(0, 100, [0])]),  # a need larger than max_bytes is never split
+        ([], 0, 10, []),
+    ],
+)
+def test_coalesce_examples(needs: list[tuple[int, int]], gap: int, max_bytes: int,
+                           expected: list[tuple[int, int, list[int]]]) -> None:
+    got = coalesce([Need(a, b, i) for i, (a, b) in enumerate(needs)], gap=gap, max_bytes=max_bytes)
+    assert [(f.start, f.end, [n.item for n in f.needs]) for f in got] == expected
+
+
+def _oracle_block_ends(item_sizes: list[int], block: int) -> list[int]:
+    """Block end offsets from the documented rule alone, by a walk over the file's byte positions: a block
+    ends after ``block`` bytes, just before the first byte of any item of at least ``block`` bytes (unless
+    that byte already starts a block), and at the end of the file."""
+    total = sum(item_sizes)
+    large_starts: set[int] = set()
+    pos = 0
+    for n in item_sizes:
+        if n >= block:
+            large_starts.add(pos)
+        pos += n
+    ends: list[int] = []
+    block_start = 0
+    for p in range(1, total + 1):  # p: the offset just after a byte
+        if p - block_start == block or p == total or (p in large_starts and p > block_start):
+            ends.append(p)
+            block_start = p
+    return ends
+
+
+@st.composite
+def hasher_feeds(draw: st.DrawFn) -> tuple[int, list[bytes], list[list[int]]]:
+    block = draw(st.integers(1, 16))
+    items = draw(st.lists(st.binary(min_size=0, max_size=50), max_size=8))
+    # each item is fed in pieces cut at drawn offsets (sorted, duplicates give empty updates)
+    cuts = [sorted(draw(st.lists(st.integers(0, len(b)), max_size=4))) for b in items]
+    return block, items, cuts
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(hasher_feeds())
+def test_block_hasher_matches_oracle(feed: tuple[int, list[bytes], list[list[int]]]) -> None:
+    block, items, cuts = feed
     h = BlockHasher(block)
-    stream = b""
-    expected_ends = []
-    fill = 0
-    for n in items:
-        chunk = (data * 1)[: n]
-        if n >= block and fill:
-            expected_ends.append(len(stream))
-            fill = 0
-        h.start_item(n)
-        # feed in uneven pieces
-        h.update(memoryview(chunk[: n // 3]))
-        h.update(memoryview(chunk[n // 3 :]))
-        for _ in range(n):
-            fill += 1
-            if fill == block:
-                expected_ends.append(len(stream) + 1)
-                fill = 0
-            stream += b"\0"
-        stream = stream[: len(stream) - n] + chunk
-    if fill:
-        expected_ends.append(len(stream))
+    for data, item_cuts in zip(items, cuts, strict=True):
+        h.start_item(len(data))
+        bounds = [0, *item_cuts, len(data)]
+        for a, b in zip(bounds, bounds[1:]):
+            h.update(memoryview(data[a:b]))
+    stream = b"".join(items)
     ends, digests = h.finish()
+    expected_ends = _oracle_block_ends([len(b) for b in items], block)
     assert ends == expected_ends
-    starts = [0] + ends[:-1]
-    assert digests == [xxhash.xxh3_64_intdigest(stream[a:b]) for a, b in zip(starts, ends)]
+    assert len(digests) == len(expected_ends)
+    starts = [0, *expected_ends[:-1]] if expected_ends else []
+    assert digests == [xxhash.xxh3_64_intdigest(stream[a:b]) for a, b in zip(starts, expected_ends, strict=True)]
+
+
+def test_block_hasher_example() -> None:
+    """Block 4, items of 3, 4, 2, 1 and 9 bytes: cuts before the 4- and 9-byte items, else every 4 bytes."""
+    items = [b"abc", b"defg", b"hi", b"j", b"klmnopqrs"]
+    h = BlockHasher(4)
+    for data in items:
+        h.start_item(len(data))
+        h.update(memoryview(data))
+    ends, digests = h.finish()
+    assert ends == [3, 7, 10, 14, 18, 19]
+    blocks = [b"abc", b"defg", b"hij", b"klmn", b"opqr", b"s"]
+    assert digests == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    assert _oracle_block_ends([3, 4, 2, 1, 9], 4) == ends  # the oracle agrees on the worked example
+    with pytest.raises(ValueError, match="block_size must be positive, got 0"):
+        BlockHasher(0)
 
 
 def test_manifest_roundtrip_and_validation() -> None:
@@ -91,9 +151,9 @@ def test_manifest_roundtrip_and_validation() -> None:
     assert back == m
     assert list(rec.blocks_covering(3, 5)) == [0, 1] and list(rec.blocks_covering(4, 10)) == [1]
     assert list(rec.blocks_covering(0, 4)) == [0]
-    with pytest.raises(CheckpointCorrupt):
+    with pytest.raises(CheckpointCorrupt, match="^manifest is malformed: Expecting property name"):
         Manifest.from_bytes(b"{not json")
     with pytest.raises(CheckpointCorrupt, match="newer"):
         Manifest.from_bytes(m.to_bytes().replace(b'"format_version": 1', b'"format_version": 99'))
-    with pytest.raises(CheckpointCorrupt):
+    with pytest.raises(CheckpointCorrupt, match="^manifest entry f: blocks do not cover the file size 11$"):
         FileRecord("f", 11, 0, (4, 10), (1, 2))

@@ -1,0 +1,182 @@
+"""The steps of :func:`smpckpt.save_checkpoint`: resolve -> build state -> write (commit) -> publish
+``newest`` -> retention. Each step is one function over a resolved :class:`SaveRequest`.
+
+Which rank does what ("all" = every rank of the group)::
+
+    resolve_save      (all)    validate; compare arguments across ranks (a mismatch fails every rank)
+    build_save_state  (all)    model/optimizer state, RNG; rank 0 adds user_content and the API record
+    write_checkpoint  (all)    dcp.save with ParallelSavePlanner + FsspecStorageWriter; rank 0 commits
+    publish_newest    (rank 0) ``newest`` := tag, only after the commit; the outcome reaches every rank
+    retain            (rank 0) retention and (if asked) stale-debris removal; failures only logged
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+import smpckpt
+from smpckpt._args import common_args, quiet_no_dist, train_state, translate_dcp, wrap_name_map
+from smpckpt._dist import DistContext
+from smpckpt.errors import CheckpointError
+from smpckpt.keys import RESERVED
+from smpckpt.layout import ParallelLayout
+from smpckpt.naming import NameMap
+from smpckpt.planners import ObjectBytes, ParallelSavePlanner
+from smpckpt.retention import apply_retention, validate_keep
+from smpckpt.rng import get_rng_state
+from smpckpt.specs import SpecRules
+from smpckpt.storage import FsspecStorageWriter
+from smpckpt.tags import open_root, partial_url, validate_tag, write_newest
+from smpckpt.user_content import encode_user_content
+
+__all__ = ["SaveRequest", "resolve_save", "build_save_state", "write_checkpoint", "publish_newest", "retain", "API_RECORD"]
+
+log = logging.getLogger("smpckpt.api")
+
+#: ``manifest.extra["api"]`` of checkpoints written by :func:`smpckpt.save_checkpoint`. Version 2 stores
+#: user_content as one ``torch.save`` record (version 1 wrapped those bytes in a second pickle).
+API_RECORD = "smpckpt.save_checkpoint/2"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRequest:
+    """Everything one save needs, validated and identical on every rank."""
+
+    root: str
+    tag: str
+    url: str
+    model: nn.Module | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    user_content: Any
+    keep: int | None
+    layout: ParallelLayout
+    rules: SpecRules
+    name_map: NameMap | None
+    storage_options: Mapping[str, Any] | None
+    overwrite: bool
+    process_group: Any
+    save_rng: bool
+    format: Literal["raw", "torch_save"]
+    sync_files: bool
+    stale_after: float | None
+
+
+def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> SaveRequest:
+    """(all ranks) Validate the arguments and check that every rank passed the same ones."""
+    root, optimizers, rules, layout = common_args(
+        ctx, path, partial, kw["model"], kw["optimizer"], kw["specs"], kw["layout"]
+    )
+    keep = validate_keep(kw["num_kept_partial_checkpoints"])
+    stale = kw["remove_uncommitted_older_than"]
+    if stale is not None and not (isinstance(stale, (int, float)) and not isinstance(stale, bool) and stale >= 0):
+        raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
+    if kw["format"] not in ("raw", "torch_save"):
+        raise ValueError(f"format must be 'raw' or 'torch_save', got {kw['format']!r}")
+    # Compare before validating the tag: a tag bad on one rank only must fail every rank, not hang the others.
+    ctx.check_identical(
+        (tag, root, keep, bool(kw["overwrite"]), kw["format"], layout.to_dict(), bool(kw["save_rng"]), stale),
+        "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng, "
+        "remove_uncommitted_older_than)",
+    )
+    validate_tag(tag)
+    return SaveRequest(
+        root=root, tag=tag, url=partial_url(root, tag), model=kw["model"], optimizers=optimizers,
+        user_content=kw["user_content"], keep=keep, layout=layout, rules=rules, name_map=kw["name_map"],
+        storage_options=kw["storage_options"], overwrite=bool(kw["overwrite"]), process_group=kw["process_group"],
+        save_rng=bool(kw["save_rng"]), format=kw["format"], sync_files=bool(kw["sync_files"]), stale_after=stale,
+    )
+
+
+def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(all ranks, through ``ctx.all_ok``) This rank's state dict and, on rank 0, the manifest's API record."""
+    state = train_state(req.model, req.optimizers)
+    if req.save_rng:
+        state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
+    if not ctx.is_coordinator:
+        return state, {}
+    payload, weights_only = encode_user_content(req.user_content)
+    if not weights_only:
+        warnings.warn(
+            "user_content holds objects weights-only loading rejects; resuming it will need allow_pickle=True. "
+            "Prefer dicts of tensors, numbers, strings and lists.",
+            stacklevel=5,
+        )
+    state[RESERVED.user_content] = ObjectBytes(payload)
+    now = time.time_ns()
+    uc = req.user_content
+    extra = {
+        "api": API_RECORD,
+        "tag": req.tag,
+        "saved_at_ns": now,
+        "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
+        "name_map": req.name_map is not None,
+        "parts": sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state),
+        "rng": req.save_rng,
+        "user_content_type": type(uc).__name__,
+        "user_content_keys": [str(k) for k in uc] if isinstance(uc, Mapping) else None,
+        "smpckpt_version": smpckpt.__version__,
+        "torch_version": torch.__version__,
+    }
+    return state, extra
+
+
+def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """(all ranks) ``dcp.save``; returns only after rank 0 committed the manifest."""
+    writer = FsspecStorageWriter(
+        req.url, storage_options=req.storage_options, overwrite=req.overwrite, manifest_extra=extra,
+        format=req.format, sync_files=req.sync_files,
+    )
+    planner = ParallelSavePlanner(
+        req.layout, req.rules, name_map=wrap_name_map(req.name_map), process_group=req.process_group,
+        rank_local=RESERVED.rank_local, enable_plan_caching=False,
+    )
+    try:
+        with quiet_no_dist():
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=req.process_group)
+    except CheckpointException as exc:
+        raise translate_dcp(exc, f"saving checkpoint {req.url}") from exc
+
+
+def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
+    """(all ranks) Rank 0 points ``newest`` at the committed tag; its success or failure reaches all."""
+
+    def point() -> None:
+        fs, root_path = open_root(req.root, req.storage_options)
+        write_newest(fs, root_path, req.tag, sync=req.sync_files)
+
+    try:
+        ctx.on_coordinator(point)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {req.url} is committed but {req.root}/newest could not be updated: {exc}") from exc
+
+
+def retain(req: SaveRequest, ctx: DistContext) -> None:
+    """(rank 0) Retention and stale-debris removal; never fails the committed save."""
+    if not ctx.is_coordinator or (req.keep is None and req.stale_after is None):
+        return
+    try:
+        result = apply_retention(
+            req.root, req.keep, storage_options=req.storage_options, protected={req.tag},
+            uncommitted_older_than=req.stale_after,
+        )
+    except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+        log.warning("retention after saving %s failed (nothing else affected): %s", req.url, exc)
+        return
+    if result.removed:
+        log.info("retention kept %s checkpoint(s); removed %s", req.keep, list(result.removed))
+    if result.removed_uncommitted or result.aborted_uploads:
+        log.info(
+            "removed stale uncommitted folders %s and aborted %d multipart upload(s)",
+            list(result.removed_uncommitted), len(result.aborted_uploads),
+        )

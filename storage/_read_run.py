@@ -1,0 +1,214 @@
+"""One ``read_data`` call carried out: planned requests run on worker threads, results delivered to the
+planner on the calling thread.
+
+Work is one ordered stream (by file, then offset) of two task kinds:
+
+* :class:`~smpckpt.storage._read_plan.FetchTask`: a coalesced request into a pooled buffer; once read
+  and verified, each of its items is decoded and copied into its destination (``commit_tensor`` /
+  ``load_bytes``).
+* :class:`_DirectPiece`: about 16 MiB of a direct item read straight into its destination and verified
+  by the worker that read it; the item is committed when its last piece is done (:class:`_OpenItem`
+  counts them down).
+
+A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
+read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
+is asked for destinations only shortly before their bytes are read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
+
+from smpckpt.errors import CheckpointCorrupt, LayoutMismatch
+from smpckpt.storage._fs import join
+from smpckpt.storage._ranges import Fetch, c_strides
+from smpckpt.storage._read_io import BufferPool, read_direct, read_range
+from smpckpt.storage._read_plan import DirectCandidate, FetchTask, Item, ReadPlan, direct_target, pieces
+from smpckpt.storage._safe_pickle import check_weights_only
+from smpckpt.storage.manifest import FileRecord
+
+__all__ = ["ReadRun"]
+
+
+@dataclasses.dataclass
+class _OpenItem:
+    """A direct item being read: committed to the planner when its last piece is verified."""
+
+    item: Item
+    target: torch.Tensor
+    pieces_left: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _DirectPiece:
+    """File bytes ``[lo, hi)`` of ``entry.item``, read into ``dst`` (the destination's bytes)."""
+
+    file: str
+    entry: _OpenItem
+    dst: memoryview
+    lo: int
+    hi: int
+
+
+_Task = FetchTask | _DirectPiece
+
+
+class ReadRun:
+    """Carries out one :class:`~smpckpt.storage._read_plan.ReadPlan`; ``bytes_read`` and ``requests``
+    count what it issued. Single use; holds buffers and destinations only while :meth:`run` runs."""
+
+    def __init__(
+        self,
+        fs: Any,
+        folder: str,
+        records: Mapping[str, FileRecord],
+        *,
+        verify: bool,
+        allow_pickle: bool,
+        thread_count: int,
+        max_request_bytes: int,
+        planner: LoadPlanner,
+    ) -> None:
+        self.fs = fs
+        self.folder = folder
+        # records to verify against (none when verification is off)
+        self.records: Mapping[str, FileRecord] = records if verify else {}
+        self.allow_pickle = allow_pickle
+        self.thread_count = thread_count
+        self.planner = planner
+        self.pool = BufferPool(min_size=min(max_request_bytes, 1 << 26), max_kept=2 * thread_count)
+        self.bytes_read = 0
+        self.requests = 0
+
+    def run(self, plan: ReadPlan) -> None:
+        try:
+            self._run(plan)
+        finally:
+            # buffers are reused within one read_data call only: a reader kept by the caller (or by a
+            # failed load's traceback) must not keep up to 2 * thread_count 64 MiB buffers alive
+            self.pool.clear()
+
+    def _run(self, plan: ReadPlan) -> None:
+        for it in plan.empty:
+            self._deliver(it, memoryview(b""))
+        with concurrent.futures.ThreadPoolExecutor(self.thread_count, thread_name_prefix="smpckpt-read") as pool:
+            pending: dict[concurrent.futures.Future[Any], _Task] = {}
+            todo = self._tasks(plan)
+            try:
+                while True:
+                    while len(pending) < 2 * self.thread_count:
+                        task = next(todo, None)
+                        if task is None:
+                            break
+                        pending[pool.submit(self._execute, task)] = task
+                    if not pending:
+                        break
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for f in done:
+                        self._complete(pending.pop(f), f.result())
+            finally:
+                for f in pending:
+                    f.cancel()
+
+    def _tasks(self, plan: ReadPlan) -> Iterator[_Task]:
+        """(calling thread) Every task, by file and offset; a direct candidate's destination is resolved
+        when its turn comes."""
+        work: list[FetchTask | DirectCandidate] = [*plan.fetches, *plan.direct]
+        # buffered fetches before direct candidates at the same offset (stable: plan order otherwise)
+        work.sort(key=lambda w: (w.file, w.fetch.start, 0) if isinstance(w, FetchTask) else (w.file, w.need.start, 1))
+        for w in work:
+            if isinstance(w, FetchTask):
+                yield self._counted(w)
+                continue
+            need = w.need
+            found = direct_target(need.item, self.planner)
+            if found is None:
+                yield self._counted(FetchTask(w.file, Fetch(need.start, need.end, (need,))))
+                continue
+            target, dst = found
+            spans = pieces(self.records.get(w.file), need.start, need.end)
+            entry = _OpenItem(need.item, target, len(spans))
+            self.bytes_read += need.end - need.start
+            self.requests += len(spans)
+            for lo, hi in spans:
+                yield _DirectPiece(w.file, entry, dst, lo, hi)
+
+    def _counted(self, task: FetchTask) -> FetchTask:
+        self.bytes_read += task.fetch.end - task.fetch.start
+        self.requests += 1
+        return task
+
+    def _execute(self, task: _Task) -> memoryview | None:
+        """(worker thread) Read and verify the task's bytes."""
+        path = join(self.folder, task.file)
+        rec = self.records.get(task.file)
+        if isinstance(task, FetchTask):
+            f = task.fetch
+            return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool)
+        read_direct(path, task.entry.item, task.dst, task.lo, task.hi, rec)
+        return None
+
+    def _complete(self, task: _Task, data: memoryview | None) -> None:
+        """(calling thread) Hand a finished task's items to the planner."""
+        if isinstance(task, FetchTask):
+            assert data is not None
+            f = task.fetch
+            for need in f.needs:
+                it = need.item
+                self._deliver(it, data[it.start - f.start : it.end - f.start])
+            self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
+            return
+        entry = task.entry
+        entry.pieces_left -= 1
+        if entry.pieces_left == 0:
+            self.planner.commit_tensor(entry.item.req, entry.target)
+
+    def _deliver(self, it: Item, data: memoryview) -> None:
+        req, planner = it.req, self.planner
+        where = f"{join(self.folder, it.file)} key {it.fqn!r} at offset {it.start}"
+        if req.type == LoadItemType.BYTE_IO:
+            # A planner that unpickles weights-only itself (ParallelLoadPlanner) needs no trial load here:
+            # each object crosses the unpickler once. Stock planners unpickle with weights_only=False.
+            if not self.allow_pickle and not getattr(planner, "loads_weights_only", False):
+                check_weights_only(data, where=where)
+            planner.load_bytes(req, io.BytesIO(bytes(data)))
+            return
+        if it.raw:
+            src = _decode_raw(it, data)
+        else:
+            try:
+                loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - any decode failure means bad bytes
+                raise CheckpointCorrupt(f"{where}: cannot decode tensor record: {exc}") from exc
+            src = loaded
+            for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, off, n)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise LayoutMismatch(f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
+        target.copy_(src)
+        planner.commit_tensor(req, target)
+
+
+def _decode_raw(it: Item, data: memoryview) -> torch.Tensor:
+    """The requested slice as a tensor over ``data`` (which starts at the slice's first element)."""
+    dtype = it.dtype
+    lengths = [int(n) for n in it.req.lengths]
+    if any(n == 0 for n in lengths):
+        return torch.empty(lengths, dtype=dtype)
+    with warnings.catch_warnings():
+        # read-only buffers (bytes from object stores) are only read from here, never written
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # type: ignore[arg-type]
+    if not it.chunk_sizes:
+        return flat.reshape(())
+    # data starts at the slice's first element: index the chunk's strides from there
+    return flat.as_strided(lengths, c_strides(it.chunk_sizes))

@@ -1,0 +1,24 @@
+"""The model and state of the golden checkpoint in tests/data/golden_v1 (written by smpckpt 0.1.0 before
+the one-owner refactor): regenerate nothing from it; tests load it to prove old checkpoints keep loading."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GOLDEN_ROOT = "golden_v1"
+GOLDEN_TAG = "step3"
+GOLDEN_USER_CONTENT = {"step": 3, "lr": 0.5, "note": "golden"}
+
+
+def golden_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The exact model and Adam state saved in the golden checkpoint."""
+    torch.manual_seed(1234)
+    m = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        o.zero_grad()
+        m(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+        o.step()
+    return m, o

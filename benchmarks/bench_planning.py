@@ -43,8 +43,14 @@ def state(layers: int, tp: int) -> dict:
 
     model, optim = {}, {}
     for i in range(layers):
-        for name, shape in (("qkv.weight", (96 // tp, 32)), ("proj.weight", (32, 32 // tp)), ("fc1.weight", (128 // tp, 32)),
-                            ("fc2.weight", (32, 128 // tp)), ("ln.weight", (32,)), ("ln.bias", (32,))):
+        for name, shape in (
+            ("qkv.weight", (96 // tp, 32)),
+            ("proj.weight", (32, 32 // tp)),
+            ("fc1.weight", (128 // tp, 32)),
+            ("fc2.weight", (32, 128 // tp)),
+            ("ln.weight", (32,)),
+            ("ln.bias", (32,)),
+        ):
             key = f"layers.{i}.{name}"
             model[key] = t(*shape)
             optim[f"state.{key}.exp_avg"] = t(*shape)
@@ -75,7 +81,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/out/planning.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'world':>6} {'who':>8} {'gathered KiB':>13} {'global plan s':>14} {'2nd save KiB':>13} {'metadata KiB':>13}")
+    print(
+        f"{'world':>6} {'who':>8} {'gathered KiB':>13} {'global plan s':>14} {'2nd save KiB':>13} {'metadata KiB':>13}"
+    )
     for dp in args.dp:
         layout = ParallelLayout(tp=args.tp, dp=dp)
         world = layout.world_size
@@ -88,13 +96,33 @@ def main() -> None:
                 planners = [DefaultSavePlanner(enable_plan_caching=False) for _ in range(world)]
             gathered, elapsed, md_bytes = plan(planners, sds)
             again, _, _ = plan(planners, sds)  # same structure: our per-instance cache sends almost nothing
-            rows.append({"world": world, "who": who, "gathered_bytes": gathered, "global_plan_s": elapsed,
-                         "second_save_gathered_bytes": again, "metadata_bytes": md_bytes})
-            print(f"{world:>6} {who:>8} {gathered / 1024:>13.1f} {elapsed:>14.4f} {again / 1024:>13.1f} {md_bytes / 1024:>13.1f}")
+            rows.append(
+                {
+                    "world": world,
+                    "who": who,
+                    "gathered_bytes": gathered,
+                    "global_plan_s": elapsed,
+                    "second_save_gathered_bytes": again,
+                    "metadata_bytes": md_bytes,
+                }
+            )
+            print(
+                f"{world:>6} {who:>8} {gathered / 1024:>13.1f} {elapsed:>14.4f} {again / 1024:>13.1f} {md_bytes / 1024:>13.1f}"
+            )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                   "layers": args.layers, "tp": args.tp, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "layers": args.layers,
+                "tp": args.tp,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
 
 

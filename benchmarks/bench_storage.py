@@ -79,7 +79,7 @@ def raw_save(sd: State, path: str) -> None:
         for t in sd.values():
             mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
             while mv:
-                mv = mv[os.write(fd, mv):]
+                mv = mv[os.write(fd, mv) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -93,7 +93,7 @@ def raw_load(dest: State, path: str) -> None:
         for t in dest.values():
             mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
             while mv:
-                mv = mv[f.readinto(mv):]
+                mv = mv[f.readinto(mv) :]
 
 
 def torch_save(sd: State, path: str) -> None:
@@ -149,7 +149,7 @@ def bench_local(sd: State, base: str, rounds: int, log: Callable[[str], None]) -
     names = list(LOCAL)
     times: dict[str, dict[str, list[float]]] = {n: {"save": [], "load": []} for n in names}
     for r in range(rounds + 1):  # round 0 is the warm-up
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate so no contender always goes first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate so no contender always goes first
         for name in order:
             save, load = LOCAL[name]
             path = tempfile.mkdtemp(prefix="bench-", dir=base)
@@ -194,16 +194,18 @@ def print_table(title: str, summary: dict[str, Any]) -> None:
     for name, row in summary.items():
         if name.startswith("_"):
             continue
-        print(f"{name:40s} {row['save_s']:8.2f} {row['save_GBps']:6.2f} {row['ours_speedup_save']:7.2f} | "
-              f"{row['load_s']:8.2f} {row['load_GBps']:6.2f} {row['ours_speedup_load']:7.2f}")
+        print(
+            f"{name:40s} {row['save_s']:8.2f} {row['save_GBps']:6.2f} {row['ours_speedup_save']:7.2f} | "
+            f"{row['load_s']:8.2f} {row['load_GBps']:6.2f} {row['ours_speedup_load']:7.2f}"
+        )
 
 
 # -- S3 on loopback moto -------------------------------------------------------------------------
 def bench_s3(sd: State, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # a lost endpoint fails locally
-    from moto.server import ThreadedMotoServer
     import boto3
+    from moto.server import ThreadedMotoServer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,9 +217,18 @@ def bench_s3(sd: State, rounds: int, log: Callable[[str], None]) -> dict[str, An
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket="bench")
-        opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket="bench")
+        opts = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
         dest = {k: torch.zeros_like(v) for k, v in sd.items()}
         contenders = {
             "smpckpt FsspecStorageWriter": (
@@ -232,7 +243,7 @@ def bench_s3(sd: State, rounds: int, log: Callable[[str], None]) -> dict[str, An
         times: dict[str, dict[str, list[float]]] = {n: {"save": [], "load": []} for n in contenders}
         names = list(contenders)
         for r in range(rounds + 1):
-            for name in names[r % 2:] + names[: r % 2]:
+            for name in names[r % 2 :] + names[: r % 2]:
                 path = f"s3://bench/r{r}-{names.index(name)}"
                 save, load = contenders[name]
                 t0 = time.perf_counter()
@@ -272,31 +283,45 @@ def main(argv: list[str] | None = None) -> int:
     size = nbytes(sd)
     env = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
-        "cpus": os.cpu_count(), "bytes": size, "rounds": args.rounds,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "bytes": size,
+        "rounds": args.rounds,
     }
     results: dict[str, Any] = {"env": env}
     os.makedirs(args.disk_dir, exist_ok=True)
     log(f"disk ({args.disk_dir}), {size / 2**20:.0f} MiB, fsync inside every timer")
-    results["disk"] = summarize(bench_local(sd, args.disk_dir, args.rounds, log)["times"], size, "raw write+fsync / read")
+    results["disk"] = summarize(
+        bench_local(sd, args.disk_dir, args.rounds, log)["times"], size, "raw write+fsync / read"
+    )
     if os.path.isdir(args.shm_dir):
         log(f"tmpfs ({args.shm_dir})")
-        results["shm"] = summarize(bench_local(sd, args.shm_dir, args.rounds, log)["times"], size, "DCP FileSystemWriter defaults")
+        results["shm"] = summarize(
+            bench_local(sd, args.shm_dir, args.rounds, log)["times"], size, "DCP FileSystemWriter defaults"
+        )
     if not args.no_s3:
         s3_sd = make_state(args.s3_size_mb)
         log(f"S3 on loopback moto, {nbytes(s3_sd) / 2**20:.0f} MiB")
-        results["s3"] = summarize(bench_s3(s3_sd, max(1, args.rounds - 1), log)["times"], nbytes(s3_sd), "DCP FsspecWriter")
+        results["s3"] = summarize(
+            bench_s3(s3_sd, max(1, args.rounds - 1), log)["times"], nbytes(s3_sd), "DCP FsspecWriter"
+        )
     print_table("DISK (ours x = contender time / ours time, median of per-round ratios)", results["disk"])
     if "shm" in results:
         print_table("TMPFS /dev/shm", results["shm"])
     if "s3" in results:
         print_table("S3 (moto on loopback; moto is the bottleneck)", results["s3"])
     d = results["disk"]
-    print(f"\ndisk save: ours speed relative to raw write+fsync = "
-          f"{d['raw write+fsync / read']['ours_speedup_save']:.2f} (target >= 0.9)")
+    print(
+        f"\ndisk save: ours speed relative to raw write+fsync = "
+        f"{d['raw write+fsync / read']['ours_speedup_save']:.2f} (target >= 0.9)"
+    )
     if "shm" in results:
-        print(f"tmpfs save: ours speedup over DCP FileSystemWriter defaults = "
-              f"{results['shm']['DCP FileSystemWriter defaults']['ours_speedup_save']:.2f} (target >= 2)")
+        print(
+            f"tmpfs save: ours speedup over DCP FileSystemWriter defaults = "
+            f"{results['shm']['DCP FileSystemWriter defaults']['ours_speedup_save']:.2f} (target >= 2)"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

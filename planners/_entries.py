@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from smpckpt.errors import SpecError
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.naming import KeyMapper, NameMap
-from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardSpec, SpecLike, SpecRules, shard_geometry
+from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardSpec, SpecRules, shard_geometry
 
 __all__ = [
     "Entry",
@@ -125,13 +125,14 @@ def resolve_state_dict(
         key = global_keys[local_key]
         if key in entries:
             raise SpecError(
-                f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} "
-                f"on rank {rank}"
+                f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on rank {rank}"
             )
         path = local_paths[local_key]
         mappings[key] = mapper.global_path(path, local_key, key)
         is_local = bool(rank_local is not None and rank_local.fullmatch(key))
-        entries[key] = _make_entry(local_key, key, path, value, rules, prefixes, param_shapes, coords, degrees, is_local)
+        entries[key] = _make_entry(
+            local_key, key, path, value, rules, prefixes, param_shapes, coords, degrees, is_local
+        )
     return Resolved(entries, mappings)
 
 
@@ -150,7 +151,9 @@ def _make_entry(
     if isinstance(value, DTensor):
         return _dtensor_entry(local_key, key, path, value, is_local)
     if type(value).__name__ == "ShardedTensor":
-        raise SpecError(f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with a ShardSpec")
+        raise SpecError(
+            f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with a ShardSpec"
+        )
     if not isinstance(value, torch.Tensor):
         return Entry(local_key, key, path, "object", value, rank_local=is_local)
     matched = None if is_local else rules.match(key, prefixes)
@@ -160,9 +163,14 @@ def _make_entry(
             matched = None
     if matched is None:
         return Entry(
-            local_key, key, path, "tensor", value,
+            local_key,
+            key,
+            path,
+            "tensor",
+            value,
             chunk=ChunkStorageMetadata(torch.Size([0] * value.dim()), value.size()),
-            global_shape=value.size(), rank_local=is_local,
+            global_shape=value.size(),
+            rank_local=is_local,
         )
     specs, _ = matched
     geometry = shard_geometry(key, value.shape, specs, coords, degrees)
@@ -176,9 +184,15 @@ def _make_entry(
                 f"viewed as {tuple(geometry.view_shape)} in place; make it contiguous"
             ) from exc
     return Entry(
-        local_key, key, path, "tensor", viewed,
+        local_key,
+        key,
+        path,
+        "tensor",
+        viewed,
         chunk=ChunkStorageMetadata(geometry.offsets, geometry.view_shape),
-        global_shape=geometry.global_shape, sharded_axes=geometry.sharded_axes, specs=specs,
+        global_shape=geometry.global_shape,
+        sharded_axes=geometry.sharded_axes,
+        specs=specs,
     )
 
 
@@ -203,8 +217,15 @@ def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTens
     if len(chunks) != 1:
         raise SpecError(f"{key}: DTensor yields {len(chunks)} local chunks; smpckpt supports one per rank")
     return Entry(
-        local_key, key, path, "dtensor", value.to_local(), chunk=chunks[0], global_shape=value.size(),
-        rank_local=is_local, dtensor=value,
+        local_key,
+        key,
+        path,
+        "dtensor",
+        value.to_local(),
+        chunk=chunks[0],
+        global_shape=value.size(),
+        rank_local=is_local,
+        dtensor=value,
     )
 
 

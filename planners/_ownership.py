@@ -33,7 +33,9 @@ def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str
     return sorted(layout.rank_of(tp=t, dp=d, pp=c.pp) for t in tps for d in dps)
 
 
-def _lpt(items: Sequence[tuple[str, int]], members: Sequence[int], loads: dict[int, int], lowest: bool) -> dict[str, int]:
+def _lpt(
+    items: Sequence[tuple[str, int]], members: Sequence[int], loads: dict[int, int], lowest: bool
+) -> dict[str, int]:
     owners: dict[str, int] = {}
     for key, nbytes in sorted(items, key=lambda kv: (-kv[1], kv[0])):
         owner = members[0] if lowest else min(members, key=lambda r: (loads.get(r, 0), r))

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -37,7 +38,6 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_read_item_for_tensor,
     create_read_items_for_chunk_list,
 )
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.layout import ParallelLayout
@@ -85,7 +85,7 @@ class ParallelLoadPlanner(LoadPlanner):
     def __init__(
         self,
         layout: ParallelLayout,
-        specs: Mapping[str, SpecLike] | None = None,
+        specs: Mapping[str, SpecLike] | SpecRules | None = None,
         *,
         rank: int | None = None,
         name_map: NameMap | None = None,
@@ -127,9 +127,7 @@ class ParallelLoadPlanner(LoadPlanner):
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
-        resolved = resolve_state_dict(
-            state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local
-        )
+        resolved = resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
         for entry in resolved.entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
@@ -239,7 +237,8 @@ class ParallelLoadPlanner(LoadPlanner):
         # Keys declared rank-local belong to one saving rank each; a world of another size loads only
         # some of them, which is expected rather than an error.
         unexpected = sorted(
-            k for k in set(self.metadata.state_dict_metadata) - asked
+            k
+            for k in set(self.metadata.state_dict_metadata) - asked
             if not (self._rank_local is not None and self._rank_local.fullmatch(k)) and not self._is_optional(k)
         )
         if unexpected and not self.allow_partial_load:

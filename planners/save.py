@@ -48,7 +48,6 @@ __all__ = ["ParallelSavePlanner", "SaveReport"]
 logger = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SaveReport:
     """What the last global plan did (filled on the coordinator)."""
@@ -90,7 +89,7 @@ class ParallelSavePlanner(SavePlanner):
     def __init__(
         self,
         layout: ParallelLayout,
-        specs: Mapping[str, SpecLike] | None = None,
+        specs: Mapping[str, SpecLike] | SpecRules | None = None,
         *,
         rank: int | None = None,
         name_map: NameMap | None = None,
@@ -131,9 +130,7 @@ class ParallelSavePlanner(SavePlanner):
         """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
         (PP renaming), global chunks (specs, DTensor placements), objects."""
         self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
-        resolved = resolve_state_dict(
-            state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local
-        )
+        resolved = resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
         self.entries = resolved.entries
         self.mappings = resolved.mappings
         self.state_dict = state_dict
@@ -245,9 +242,7 @@ class ParallelSavePlanner(SavePlanner):
         self.report = SaveReport(
             bytes_per_rank=tuple(_plan_bytes(p) for p in plans), items=sum(len(p.items) for p in plans), cached=False
         )
-        logger.info(
-            "save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance
-        )
+        logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
         self._cached_all = full
         self._cached_global = (plans, metadata)
         self.global_plan, self.metadata = plans, metadata
@@ -273,7 +268,7 @@ class ParallelSavePlanner(SavePlanner):
             rank = plan.planner_data["rank"]
             stage = self.layout.coords(rank).pp
             digest = tuple(plan.planner_data["digest"])
-            by_stage.setdefault(stage, {}).setdefault(digest, []).append(rank)  # type: ignore[arg-type]
+            by_stage.setdefault(stage, {}).setdefault(digest, []).append(rank)
         problems = []
         for stage, groups in sorted(by_stage.items()):
             if len(groups) > 1:
@@ -299,6 +294,8 @@ class ParallelSavePlanner(SavePlanner):
                     object_holders.setdefault(fqn, []).append((i, objects[fqn]))
                     continue
                 td = item.tensor_data
+                if td is None:
+                    raise SpecError(f"{fqn}: rank {i} planned a tensor item without tensor data")
                 seen = tensor_meta.setdefault(fqn, (i, td.size, td.properties.dtype))
                 if (seen[1], seen[2]) != (td.size, td.properties.dtype):
                     raise SpecError(
@@ -306,10 +303,11 @@ class ParallelSavePlanner(SavePlanner):
                         f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes disagree"
                     )
                 prior = chunk_owner.get(item.index)
-                if prior is not None and prior[1].tensor_data.chunk.sizes != td.chunk.sizes:
+                prior_td = prior[1].tensor_data if prior is not None else None
+                if prior is not None and prior_td is not None and prior_td.chunk.sizes != td.chunk.sizes:
                     raise SpecError(
                         f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
-                        f"with sizes {tuple(prior[1].tensor_data.chunk.sizes)} and {tuple(td.chunk.sizes)}"
+                        f"with sizes {tuple(prior_td.chunk.sizes)} and {tuple(td.chunk.sizes)}"
                     )
                 if prior is None:
                     chunk_owner[item.index] = (i, item)

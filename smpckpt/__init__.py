@@ -11,10 +11,10 @@ Public entry points:
 """
 
 from smpckpt import errors as _errors
+from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.specs import ShardSpec
-from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 

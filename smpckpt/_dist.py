@@ -27,7 +27,16 @@ T = TypeVar("T")
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
 _BUILTINS: dict[str, type[Exception]] = {
     cls.__name__: cls
-    for cls in (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError, OSError, RuntimeError)
+    for cls in (
+        ValueError,
+        TypeError,
+        KeyError,
+        NotImplementedError,
+        FileNotFoundError,
+        PermissionError,
+        OSError,
+        RuntimeError,
+    )
 }
 
 
@@ -127,7 +136,7 @@ class DistContext:
             raise error
         if failures:
             raise failures[0].rebuild(len(failures) - 1)
-        return result  # type: ignore[no-any-return]
+        return result
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
         """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
@@ -147,7 +156,7 @@ class DistContext:
             raise error
         if status == "error":
             raise value.rebuild()
-        return value  # type: ignore[no-any-return]
+        return value
 
     def check_identical(self, value: Any, what: str) -> None:
         """(all ranks) Raise :class:`ValueError` on every rank unless all ranks passed equal ``value``."""

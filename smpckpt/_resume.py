@@ -41,8 +41,16 @@ from smpckpt.tags import open_root, partial_url, read_newest, validate_tag
 from smpckpt.user_content import decode_user_content
 
 __all__ = [
-    "ResumeInfo", "ResumeRequest", "Target", "resolve_resume", "choose_target", "resolve_target",
-    "build_resume_state", "load_checkpoint", "apply_state", "summarize",
+    "ResumeInfo",
+    "ResumeRequest",
+    "Target",
+    "resolve_resume",
+    "choose_target",
+    "resolve_target",
+    "build_resume_state",
+    "load_checkpoint",
+    "apply_state",
+    "summarize",
 ]
 
 log = logging.getLogger("smpckpt.api")
@@ -133,11 +141,22 @@ def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: An
     if tag is not None:
         validate_tag(tag)
     return ResumeRequest(
-        root=root, tag=tag, model=kw["model"], optimizers=optimizers, translate_function=translate, layout=layout,
-        rules=rules, name_map=kw["name_map"], storage_options=kw["storage_options"],
-        missing_ok=bool(kw["missing_ok"]), strict=bool(kw["strict"]), process_group=kw["process_group"],
-        load_rng=bool(kw["load_rng"]), allow_pickle=bool(kw["allow_pickle"]),
-        allow_dtype_cast=bool(kw["allow_dtype_cast"]), verify_checksums=bool(kw["verify_checksums"]),
+        root=root,
+        tag=tag,
+        model=kw["model"],
+        optimizers=optimizers,
+        translate_function=translate,
+        layout=layout,
+        rules=rules,
+        name_map=kw["name_map"],
+        storage_options=kw["storage_options"],
+        missing_ok=bool(kw["missing_ok"]),
+        strict=bool(kw["strict"]),
+        process_group=kw["process_group"],
+        load_rng=bool(kw["load_rng"]),
+        allow_pickle=bool(kw["allow_pickle"]),
+        allow_dtype_cast=bool(kw["allow_dtype_cast"]),
+        verify_checksums=bool(kw["verify_checksums"]),
     )
 
 
@@ -221,12 +240,20 @@ def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -
     """(all ranks) ``dcp.load`` in place; strict key checks run before any data is read."""
     optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
     planner = ParallelLoadPlanner(
-        req.layout, req.rules, name_map=wrap_name_map(req.name_map), process_group=req.process_group,
-        rank_local=RESERVED.rank_local, allow_dtype_cast=req.allow_dtype_cast, allow_pickle=req.allow_pickle,
-        allow_partial_load=not req.strict, optional=optional,
+        req.layout,
+        req.rules,
+        name_map=wrap_name_map(req.name_map),
+        process_group=req.process_group,
+        rank_local=RESERVED.rank_local,
+        allow_dtype_cast=req.allow_dtype_cast,
+        allow_pickle=req.allow_pickle,
+        allow_partial_load=not req.strict,
+        optional=optional,
     )
     reader = FsspecStorageReader(
-        target.url, storage_options=req.storage_options, verify_checksums=req.verify_checksums,
+        target.url,
+        storage_options=req.storage_options,
+        verify_checksums=req.verify_checksums,
         allow_pickle=req.allow_pickle,
     )
     try:
@@ -238,7 +265,11 @@ def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -
 
 
 def apply_state(
-    req: ResumeRequest, target: Target, ctx: DistContext, state: dict[str, Any], report: LoadReport | None,
+    req: ResumeRequest,
+    target: Target,
+    ctx: DistContext,
+    state: dict[str, Any],
+    report: LoadReport | None,
     restore_rng: bool,
 ) -> tuple[Any, tuple[str, ...]]:
     """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once."""
@@ -251,7 +282,10 @@ def apply_state(
         opts = dataclasses.replace(OPTIONS, strict=req.strict)
         if req.optimizers:
             set_state_dict(
-                req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=state[RESERVED.optim],
+                req.model,
+                req.optimizers,
+                model_state_dict=model_sd,
+                optim_state_dict=state[RESERVED.optim],
                 options=opts,
             )
         else:
@@ -276,7 +310,11 @@ def summarize(
     """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
     report = planner.report
     counts = ctx.all_gather_object(
-        (report.fast_path if report else 0, len(report.resharded) if report else 0, report.missing_keys if report else ())
+        (
+            report.fast_path if report else 0,
+            len(report.resharded) if report else 0,
+            report.missing_keys if report else (),
+        )
     )
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
     fast = sum(c[0] for c in counts)
@@ -284,14 +322,27 @@ def summarize(
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
-        path=req.root, tag=target.tag, checkpoint_url=target.url, path_taken="reshard" if resharded else "fast",
-        layout=req.layout, saved_layout=saved, layout_changed=saved != req.layout, fast_path_tensors=fast,
-        resharded_tensors=resharded, rng_restored=restored, fell_back=target.fell_back, skipped_keys=tuple(skipped),
+        path=req.root,
+        tag=target.tag,
+        checkpoint_url=target.url,
+        path_taken="reshard" if resharded else "fast",
+        layout=req.layout,
+        saved_layout=saved,
+        layout_changed=saved != req.layout,
+        fast_path_tensors=fast,
+        resharded_tensors=resharded,
+        rng_restored=restored,
+        fell_back=target.fell_back,
+        skipped_keys=tuple(skipped),
     )
     if info.resharded:
         log.info(
             "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
-            target.url, resharded, saved, req.layout, fast,
+            target.url,
+            resharded,
+            saved,
+            req.layout,
+            fast,
         )
     else:
         log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, req.layout)

@@ -40,7 +40,15 @@ from smpckpt.storage import FsspecStorageWriter
 from smpckpt.tags import open_root, partial_url, validate_tag, write_newest
 from smpckpt.user_content import encode_user_content
 
-__all__ = ["SaveRequest", "resolve_save", "build_save_state", "write_checkpoint", "publish_newest", "retain", "API_RECORD"]
+__all__ = [
+    "SaveRequest",
+    "resolve_save",
+    "build_save_state",
+    "write_checkpoint",
+    "publish_newest",
+    "retain",
+    "API_RECORD",
+]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -91,10 +99,23 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
     )
     validate_tag(tag)
     return SaveRequest(
-        root=root, tag=tag, url=partial_url(root, tag), model=kw["model"], optimizers=optimizers,
-        user_content=kw["user_content"], keep=keep, layout=layout, rules=rules, name_map=kw["name_map"],
-        storage_options=kw["storage_options"], overwrite=bool(kw["overwrite"]), process_group=kw["process_group"],
-        save_rng=bool(kw["save_rng"]), format=kw["format"], sync_files=bool(kw["sync_files"]), stale_after=stale,
+        root=root,
+        tag=tag,
+        url=partial_url(root, tag),
+        model=kw["model"],
+        optimizers=optimizers,
+        user_content=kw["user_content"],
+        keep=keep,
+        layout=layout,
+        rules=rules,
+        name_map=kw["name_map"],
+        storage_options=kw["storage_options"],
+        overwrite=bool(kw["overwrite"]),
+        process_group=kw["process_group"],
+        save_rng=bool(kw["save_rng"]),
+        format=kw["format"],
+        sync_files=bool(kw["sync_files"]),
+        stale_after=stale,
     )
 
 
@@ -134,12 +155,20 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
 def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
     """(all ranks) ``dcp.save``; returns only after rank 0 committed the manifest."""
     writer = FsspecStorageWriter(
-        req.url, storage_options=req.storage_options, overwrite=req.overwrite, manifest_extra=extra,
-        format=req.format, sync_files=req.sync_files,
+        req.url,
+        storage_options=req.storage_options,
+        overwrite=req.overwrite,
+        manifest_extra=extra,
+        format=req.format,
+        sync_files=req.sync_files,
     )
     planner = ParallelSavePlanner(
-        req.layout, req.rules, name_map=wrap_name_map(req.name_map), process_group=req.process_group,
-        rank_local=RESERVED.rank_local, enable_plan_caching=False,
+        req.layout,
+        req.rules,
+        name_map=wrap_name_map(req.name_map),
+        process_group=req.process_group,
+        rank_local=RESERVED.rank_local,
+        enable_plan_caching=False,
     )
     try:
         with quiet_no_dist():
@@ -158,7 +187,9 @@ def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
     try:
         ctx.on_coordinator(point)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {req.url} is committed but {req.root}/newest could not be updated: {exc}") from exc
+        raise CheckpointError(
+            f"checkpoint {req.url} is committed but {req.root}/newest could not be updated: {exc}"
+        ) from exc
 
 
 def retain(req: SaveRequest, ctx: DistContext) -> None:
@@ -167,7 +198,10 @@ def retain(req: SaveRequest, ctx: DistContext) -> None:
         return
     try:
         result = apply_retention(
-            req.root, req.keep, storage_options=req.storage_options, protected={req.tag},
+            req.root,
+            req.keep,
+            storage_options=req.storage_options,
+            protected={req.tag},
             uncommitted_older_than=req.stale_after,
         )
     except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
@@ -178,5 +212,6 @@ def retain(req: SaveRequest, ctx: DistContext) -> None:
     if result.removed_uncommitted or result.aborted_uploads:
         log.info(
             "removed stale uncommitted folders %s and aborted %d multipart upload(s)",
-            list(result.removed_uncommitted), len(result.aborted_uploads),
+            list(result.removed_uncommitted),
+            len(result.aborted_uploads),
         )

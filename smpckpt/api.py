@@ -145,12 +145,27 @@ def save_checkpoint(
             ``__cause__``).
     """
     ctx = DistContext(process_group)
-    with peer_failures(ctx, f"saving checkpoint {tag!r} under {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"):
+    with peer_failures(
+        ctx, f"saving checkpoint {tag!r} under {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
+    ):
         req = resolve_save(
-            ctx, path, tag, partial, model=model, optimizer=optimizer, user_content=user_content,
-            num_kept_partial_checkpoints=num_kept_partial_checkpoints, layout=layout, specs=specs,
-            name_map=name_map, storage_options=storage_options, overwrite=overwrite, process_group=process_group,
-            save_rng=save_rng, format=format, sync_files=sync_files,
+            ctx,
+            path,
+            tag,
+            partial,
+            model=model,
+            optimizer=optimizer,
+            user_content=user_content,
+            num_kept_partial_checkpoints=num_kept_partial_checkpoints,
+            layout=layout,
+            specs=specs,
+            name_map=name_map,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            process_group=process_group,
+            save_rng=save_rng,
+            format=format,
+            sync_files=sync_files,
             remove_uncommitted_older_than=remove_uncommitted_older_than,
         )
         started = time.monotonic()
@@ -207,10 +222,24 @@ def resume_from_checkpoint(
     ctx = DistContext(process_group)
     with peer_failures(ctx, f"resuming from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"):
         req = resolve_resume(
-            ctx, path, tag, partial, model=model, optimizer=optimizer, translate_function=translate_function,
-            layout=layout, specs=specs, name_map=name_map, storage_options=storage_options, missing_ok=missing_ok,
-            strict=strict, process_group=process_group, load_rng=load_rng, allow_pickle=allow_pickle,
-            allow_dtype_cast=allow_dtype_cast, verify_checksums=verify_checksums,
+            ctx,
+            path,
+            tag,
+            partial,
+            model=model,
+            optimizer=optimizer,
+            translate_function=translate_function,
+            layout=layout,
+            specs=specs,
+            name_map=name_map,
+            storage_options=storage_options,
+            missing_ok=missing_ok,
+            strict=strict,
+            process_group=process_group,
+            load_rng=load_rng,
+            allow_pickle=allow_pickle,
+            allow_dtype_cast=allow_dtype_cast,
+            verify_checksums=verify_checksums,
         )
         target = choose_target(req, ctx)
         if target is None:

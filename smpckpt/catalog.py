@@ -27,7 +27,6 @@ __all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newe
 log = logging.getLogger(__name__)
 
 
-
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be
 #: trusted (a pickle payload, names escaping the folder); ``unreadable``: probing failed (I/O error).
 #: ``removing``: an interrupted removal (retention, prune) left it: garbage, finished by the next retention.
@@ -64,12 +63,13 @@ def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, st
     """Sort key of a committed checkpoint: our nanosecond save time, else the manifest's ``created``."""
     if manifest is None:
         return (0, "")
+    created: Any
     if isinstance(manifest, Manifest):
         extra, created, save_id = manifest.extra, manifest.created, manifest.save_id
     else:
         if not manifest:
             return (0, "")
-        extra, created, save_id = manifest.get("extra") or {}, manifest.get("created"), manifest.get("save_id", "")
+        extra, created, save_id = manifest.get("extra") or {}, manifest.get("created"), str(manifest.get("save_id", ""))
     ns = extra.get("saved_at_ns")
     if not isinstance(ns, int):
         ns = 0
@@ -113,7 +113,7 @@ def scan_root(root_url: str, *, storage_options: Any = None) -> list[CheckpointR
     if len(jobs) > 1 and not is_local(fs):
         # one GET per folder: a few in flight on object stores
         with concurrent.futures.ThreadPoolExecutor(min(8, len(jobs)), thread_name_prefix="smpckpt-scan") as pool:
-            records = list(pool.map(lambda job: _record(*job, storage_options), jobs))
+            records = list(pool.map(lambda job: _record(job[0], job[1], storage_options), jobs))
     else:
         records = [_record(tag, url, storage_options) for tag, url in jobs]
     records.sort(key=lambda r: (r.committed, r.order, r.tag))

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.catalog import newest_tag, scan_root
@@ -97,7 +98,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     options = _storage_options(args.storage_options)
     records = scan_root(args.path, storage_options=options)
     newest = newest_tag(args.path, storage_options=options)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in records:
         rows.append(
             {
@@ -118,9 +119,15 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(f"no partial checkpoints under {args.path}\n")
         return 0
     header = ("", "TAG", "STATE", "SIZE", "LAYOUT", "SAVED")
-    table = [header] + [
-        ("*" if row["newest"] else "", row["tag"], row["state"], _human(row["size"]), _layout_text(row["layout"]),
-         row["saved_at"] or "-")
+    table: list[tuple[str, ...]] = [header] + [
+        (
+            "*" if row["newest"] else "",
+            row["tag"],
+            row["state"],
+            _human(row["size"]),
+            _layout_text(row["layout"]),
+            row["saved_at"] or "-",
+        )
         for row in rows
     ]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
@@ -144,19 +151,24 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     extra: Mapping[str, Any] = reader.manifest.extra if reader.manifest is not None else {}
     record = LayoutRecord.from_manifest(reader.manifest) or LayoutRecord.from_metadata(metadata)
     world_size = reader.manifest.world_size if reader.manifest is not None else None
-    tensors = []
-    objects = []
+    tensors: list[dict[str, Any]] = []
+    objects: list[str] = []
     for key, md in sorted(metadata.state_dict_metadata.items()):
-        size = getattr(md, "size", None)
-        if size is None:
+        if not isinstance(md, TensorStorageMetadata):
             objects.append(key)
             continue
-        dtype = md.properties.dtype
+        size, dtype = md.size, md.properties.dtype
         tensors.append(
-            {"key": key, "shape": [int(s) for s in size], "dtype": str(dtype).replace("torch.", ""),
-             "chunks": len(md.chunks), "bytes": math.prod(size) * dtype.itemsize}
+            {
+                "key": key,
+                "shape": [int(s) for s in size],
+                "dtype": str(dtype).replace("torch.", ""),
+                "chunks": len(md.chunks),
+                "bytes": math.prod(size) * dtype.itemsize,
+            }
         )
-    info = {
+    tensor_bytes = sum(int(t["bytes"]) for t in tensors)
+    info: dict[str, Any] = {
         "checkpoint": url,
         "state": reader.state,
         "tag": extra.get("tag"),
@@ -167,7 +179,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "user_content_type": extra.get("user_content_type"),
         "tensors": tensors,
         "objects": objects,
-        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "tensor_bytes": tensor_bytes,
     }
     if args.json:
         json.dump(info, out, indent=1)
@@ -187,7 +199,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for t in tensors:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         out.write(f"{t['key'].ljust(width)}  {shape:<18}  {t['dtype']:<9}  {t['chunks']:>6}  {t['bytes']}\n")
-    out.write(f"{len(tensors)} tensors, {_human(info['tensor_bytes'])}; {len(objects)} objects\n")
+    out.write(f"{len(tensors)} tensors, {_human(tensor_bytes)}; {len(objects)} objects\n")
     return 0
 
 
@@ -204,8 +216,14 @@ class _ProgressBar:
             return
         if self._bar is None:
             self._bar = tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=self.stream,
-                mininterval=0.1, dynamic_ncols=True,
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="verify",
+                file=self.stream,
+                mininterval=0.1,
+                dynamic_ncols=True,
             )
         self._bar.update(done - self._bar.n)
 
@@ -261,7 +279,11 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise _UsageError(str(exc)) from exc
     newest = newest_tag(args.path, storage_options=options)
     result = apply_retention(
-        args.path, keep, storage_options=options, protected={newest} if newest else set(), dry_run=args.dry_run,
+        args.path,
+        keep,
+        storage_options=options,
+        protected={newest} if newest else set(),
+        dry_run=args.dry_run,
         uncommitted_older_than=args.uncommitted_older_than,
     )
     verb = "would remove" if args.dry_run else "removed"
@@ -284,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--storage-options", metavar="JSON", default=None,
+        "--storage-options",
+        metavar="JSON",
+        default=None,
         help=f"fsspec storage options as JSON (default: ${_ENV_OPTIONS})",
     )
 
@@ -301,19 +325,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[common], help="check completeness and every checksum")
     p.add_argument("checkpoint", metavar="PATH/TAG")
     p.add_argument(
-        "--progress", choices=("auto", "always", "never"), default="auto",
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
         help=f"progress bar on stderr (auto: checkpoints of {_human(_PROGRESS_MIN_BYTES)} or more)",
     )
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
-        "prune", parents=[common],
+        "prune",
+        parents=[common],
         help="keep the N newest committed partial checkpoints; remove stale debris of failed saves",
     )
     p.add_argument("path")
     p.add_argument("--keep", type=int, default=None, metavar="N", help="committed checkpoints to keep (N >= 1)")
     p.add_argument(
-        "--uncommitted-older-than", type=_duration, default=None, metavar="AGE",
+        "--uncommitted-older-than",
+        type=_duration,
+        default=None,
+        metavar="AGE",
         help="also remove uncommitted folders with no write for AGE (e.g. 6h; make it longer than any save) "
         "and abort S3 multipart uploads started that long ago",
     )

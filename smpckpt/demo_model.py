@@ -197,7 +197,7 @@ def _layer_names(prefix: str, d: int, h: int, f: int) -> Iterator[tuple[str, tup
 def global_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Global parameter names (single-process model) and shapes, in creation order."""
     d, h, f = cfg.d_model, cfg.attn_width, cfg.d_ff
-    shapes = {"embed.weight": (cfg.vocab, d)}
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab, d)}
     for i in range(cfg.n_layers):
         shapes.update(_layer_names(f"layers.{i}.", d, h, f))
     shapes["norm.weight"] = (d,)
@@ -254,7 +254,7 @@ def global_from_shards(cfg: GPTConfig, name: str, shards: list[torch.Tensor]) ->
     dim, view = rule
     if view is None:
         return torch.cat(shards, dim=dim)
-    pieces = [s.reshape(*view[:dim], -1, *view[dim + 1:]) for s in shards]
+    pieces = [s.reshape(*view[:dim], -1, *view[dim + 1 :]) for s in shards]
     return torch.cat(pieces, dim=dim).reshape(-1, *view[2:])
 
 
@@ -612,7 +612,7 @@ def _local_pieces(stage: GPTStage, optim: torch.optim.Optimizer, ctx: ParallelCo
 def _param_of(key: str) -> str:
     """Global parameter name behind a gathered key."""
     if key.startswith("model."):
-        return key[len("model."):]
+        return key[len("model.") :]
     return key.split(".", 2)[2].rsplit(".", 1)[0]
 
 

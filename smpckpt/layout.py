@@ -56,9 +56,7 @@ class ParallelLayout:
             layers = tuple(self.pp_layers)
             object.__setattr__(self, "pp_layers", layers)
             if len(layers) != self.pp:
-                raise SpecError(
-                    f"pp_layers has {len(layers)} entries but pp={self.pp}: give one layer count per stage"
-                )
+                raise SpecError(f"pp_layers has {len(layers)} entries but pp={self.pp}: give one layer count per stage")
             if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers):
                 raise SpecError(f"pp_layers must be non-negative ints, got {layers!r}")
 

@@ -68,4 +68,4 @@ class KeyMapper:
                 text = candidate
             else:
                 break
-        return (*prefix, global_key[len(text):])
+        return (*prefix, global_key[len(text) :])

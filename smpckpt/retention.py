@@ -68,10 +68,7 @@ class KeepLatestN:
             (i for i, r in enumerate(records) if r.committed), key=lambda i: records[i].order, reverse=True
         )
         newest = set(committed[: self.n])
-        return [
-            (not r.committed) or i in newest or r.tag in protected
-            for i, r in enumerate(records)
-        ]
+        return [(not r.committed) or i in newest or r.tag in protected for i, r in enumerate(records)]
 
 
 def select_for_removal(records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = ()) -> list[str]:
@@ -151,7 +148,8 @@ def apply_retention(
     removed = [tag for tag in doomed if remove(tag, "checkpoint")]
     # folders an interrupted removal left behind were already chosen for deletion: finish the job
     removed += [
-        r.tag for r in records
+        r.tag
+        for r in records
         if r.state == "removing" and r.tag not in protected and remove(r.tag, "partly removed checkpoint")
     ]
     stale: list[str] = []

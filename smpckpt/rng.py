@@ -19,6 +19,7 @@ import torch
 
 __all__ = ["get_rng_state", "set_rng_state", "rng_components"]
 
+_np: Any
 try:  # NumPy is optional
     import numpy as _np
 except ImportError:  # pragma: no cover - depends on the environment

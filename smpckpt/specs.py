@@ -148,15 +148,13 @@ class SpecRules:
 
     def to_records(self) -> list[dict[str, Any]]:
         """JSON-able description of the rules, for the checkpoint's record of the partition."""
-        return [
-            {"pattern": p, "specs": [dataclasses.asdict(s) for s in specs]} for p, _, specs in self._rules
-        ]
+        return [{"pattern": p, "specs": [dataclasses.asdict(s) for s in specs]} for p, _, specs in self._rules]
 
 
 def _optimizer_param(key: str) -> str | None:
     for prefix in OPTIMIZER_STATE_PREFIXES:
         if key.startswith(prefix):
-            rest = key[len(prefix):]
+            rest = key[len(prefix) :]
             head, sep, _name = rest.rpartition(".")
             return head if sep else None
     return None

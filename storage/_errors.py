@@ -50,7 +50,9 @@ def translate(exc: BaseException, path: str) -> BaseException:
 
 
 def _errno_for(cls: type[OSError]) -> int:
-    return {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, FileExistsError: errno.EEXIST}.get(cls, errno.EIO)
+    return {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, FileExistsError: errno.EEXIST}.get(
+        cls, errno.EIO
+    )
 
 
 @contextlib.contextmanager

@@ -33,12 +33,16 @@ __all__ = [
     "remove_tree",
 ]
 
-_INSTALL_HINTS = {"s3": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
-                  "s3a": "install smpckpt[s3] (it adds s3fs) to use s3:// paths"}
+_INSTALL_HINTS = {
+    "s3": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
+    "s3a": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
+}
 
 
 #: fsspec options LocalFileSystem understands; anything else given for a local path is a mistake.
-_LOCAL_OPTIONS = frozenset({"auto_mkdir", "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
+_LOCAL_OPTIONS = frozenset(
+    {"auto_mkdir", "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+)
 
 
 def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -218,6 +222,7 @@ def remove_files(fs: Any, paths: list[str]) -> list[str]:
     on S3 and ``memory://`` (and on local disk in some fsspec versions), so a name holding them would
     delete other checkpoints.
     """
+
     def one(p: str) -> str | None:
         try:
             with translate_errors(p):

@@ -40,7 +40,9 @@ def c_strides(sizes: Sequence[int]) -> list[int]:
     return strides
 
 
-def slice_byte_range(sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], itemsize: int) -> tuple[int, int]:
+def slice_byte_range(
+    sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], itemsize: int
+) -> tuple[int, int]:
     """Smallest contiguous byte range of a C-contiguous array of shape ``sizes`` that holds the slice
     ``offsets : offsets + lengths``. For a dim-0 slice (or any slice that is contiguous in memory)
     this is exactly the slice's bytes; for a strided slice it is the enclosing span."""

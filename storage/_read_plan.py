@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
@@ -159,7 +160,7 @@ def direct_target(it: Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryv
     ):
         return None
     try:
-        dst = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        dst = memoryview(cast(Any, target.reshape(-1).view(torch.uint8).numpy()))
     except (RuntimeError, TypeError, ValueError):
         return None
     if dst.readonly or dst.nbytes != it.end - it.start:

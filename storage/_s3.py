@@ -53,8 +53,12 @@ class S3MultipartSink:
     async def _upload_part(self, number: int, body: bytes) -> str:
         try:
             resp = await self._fs._call_s3(
-                "upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
-                PartNumber=number, Body=body,
+                "upload_part",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=body,
             )
             return str(resp["ETag"])
         finally:

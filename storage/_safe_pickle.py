@@ -28,8 +28,14 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         ("torch.distributed.checkpoint.metadata", name)
         for name in (
-            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
         )
     }
     | {

@@ -11,7 +11,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local
@@ -40,7 +41,7 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _sync_file_range = _load_sync_file_range()
@@ -57,7 +58,9 @@ class LocalSink:
         self._sync = sync
         with translate_errors(path):
             # O_EXCL: a data file name is unique to one save; finding it already there is a bug.
-            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._fd: int | None = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
         self._pos = 0
         self._flushed = 0
 

@@ -33,7 +33,9 @@ class Probe:
         if self.manifest is not None:
             return [f.name for f in self.manifest.files] + [self.manifest.metadata.name]
         if self.legacy_metadata is not None:
-            names = {getattr(info, "relative_path", None) for info in (self.legacy_metadata.storage_data or {}).values()}
+            names = {
+                getattr(info, "relative_path", None) for info in (self.legacy_metadata.storage_data or {}).values()
+            }
             # a crafted name must never reach a delete: refuse the checkpoint instead
             return sorted(_names.check_member_name(n, where="legacy .metadata") for n in names)
         return []

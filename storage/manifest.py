@@ -55,6 +55,7 @@ def _self_digest(obj: Mapping[str, Any]) -> int:
     """xxh3-64 of the canonical JSON of the manifest object (without its own digest field)."""
     return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
+
 CheckpointKind = Literal["partial", "full"]
 DataFormat = Literal["raw", "torch_save"]
 
@@ -157,8 +158,11 @@ class Manifest:
             "world_size": self.world_size,
             "data_format": self.data_format,
             "checksum": {"algorithm": ALGORITHM},
-            "metadata": {"name": self.metadata.name, "size": self.metadata.size,
-                         _MD_DIGEST_KEY: f"{self.metadata.digest:016x}"},
+            "metadata": {
+                "name": self.metadata.name,
+                "size": self.metadata.size,
+                _MD_DIGEST_KEY: f"{self.metadata.digest:016x}",
+            },
             "files": [f.to_json() for f in self.files],
             "extra": dict(self.extra),
         }
@@ -203,7 +207,9 @@ class Manifest:
                 save_id=str(obj["save_id"]),
                 kind=kind,
                 data_format=data_format,
-                metadata=MetadataRecord(check_member_name(md["name"], where=where), int(md["size"]), int(md[_MD_DIGEST_KEY], 16)),
+                metadata=MetadataRecord(
+                    check_member_name(md["name"], where=where), int(md["size"]), int(md[_MD_DIGEST_KEY], 16)
+                ),
                 files=files,
                 world_size=int(obj["world_size"]),
                 created=str(obj["created"]),

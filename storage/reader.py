@@ -65,6 +65,7 @@ __all__ = ["FsspecStorageReader", "ReadStats"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class ReadStats:
     """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
@@ -314,9 +315,14 @@ class FsspecStorageReader(StorageReader):
             max_request_bytes=self.max_request_bytes,
         )
         run = ReadRun(
-            self.fs, self.path, self._records,
-            verify=self.verify_checksums, allow_pickle=self.allow_pickle, thread_count=self.thread_count,
-            max_request_bytes=self.max_request_bytes, planner=planner,
+            self.fs,
+            self.path,
+            self._records,
+            verify=self.verify_checksums,
+            allow_pickle=self.allow_pickle,
+            thread_count=self.thread_count,
+            max_request_bytes=self.max_request_bytes,
+            planner=planner,
         )
         run.run(reads)
         self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items))

@@ -161,14 +161,18 @@ def verify_checkpoint(
     return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
 
 
-def _verify_legacy(fs: Any, path: str, url: str, metadata: Any, progress: Callable[[int, int], None] | None) -> VerifyReport:
+def _verify_legacy(
+    fs: Any, path: str, url: str, metadata: Any, progress: Callable[[int, int], None] | None
+) -> VerifyReport:
     needed: dict[str, int] = {}
     problems: list[str] = []
     for index, info in (metadata.storage_data or {}).items():
         name = _names.check_member_name(getattr(info, "relative_path", None), where=f"{url}/.metadata")
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
-            problems.append(f"{name}: record of {getattr(index, 'fqn', index)!r} has offset {offset!r}, length {length!r}")
+            problems.append(
+                f"{name}: record of {getattr(index, 'fqn', index)!r} has offset {offset!r}, length {length!r}"
+            )
             continue
         needed[name] = max(needed.get(name, 0), offset + length)
     total = sum(needed.values())

@@ -38,7 +38,7 @@ import os
 import pickle
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _torch_save_bytes(t: torch.Tensor) -> memoryview:
@@ -263,7 +263,7 @@ class FsspecStorageWriter(StorageWriter):
         try:
             fut.set_result(self._write_rank(plan, planner))
         except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
-            fut.set_exception(exc)
+            fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -316,7 +316,9 @@ class FsspecStorageWriter(StorageWriter):
         except OSError as exc:
             log.warning(
                 "%s is committed, but its stock .metadata copy could not be written (stock DCP readers cannot "
-                "load it; smpckpt can): %s", self.url, exc,
+                "load it; smpckpt can): %s",
+                self.url,
+                exc,
             )
         if self._old_files:
             keep = {f.name for f in manifest.files} | {gen_name, _names.METADATA_NAME, _names.MANIFEST_NAME}
@@ -356,8 +358,11 @@ class FsspecStorageWriter(StorageWriter):
 
     def _open_sink(self, name: str) -> Sink:
         return open_sink(
-            self.fs, join(self.path, name), sync=self.sync_files,
-            part_size=self.part_size, max_parts_in_flight=self.max_parts_in_flight,
+            self.fs,
+            join(self.path, name),
+            sync=self.sync_files,
+            part_size=self.part_size,
+            max_parts_in_flight=self.max_parts_in_flight,
         )
 
     # -- data path --------------------------------------------------------------------------------------
@@ -382,7 +387,9 @@ class FsspecStorageWriter(StorageWriter):
         if not buckets:
             return results
         with concurrent.futures.ThreadPoolExecutor(len(buckets), thread_name_prefix="smpckpt-write") as pool:
-            futs = [pool.submit(self._write_file, name, items, planner, data.rank) for name, items in zip(names, buckets)]
+            futs = [
+                pool.submit(self._write_file, name, items, planner, data.rank) for name, items in zip(names, buckets)
+            ]
             for f in futs:
                 try:
                     results.extend(f.result())

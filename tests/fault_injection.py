@@ -297,7 +297,10 @@ class Injector:
 
         sinks.LocalSink.write = sink_write  # type: ignore[method-assign]
         sinks.LocalSink.commit = sink_commit  # type: ignore[method-assign]
-        self.patched["LocalSink"] = ["smpckpt.storage._sinks.LocalSink.write", "smpckpt.storage._sinks.LocalSink.commit"]
+        self.patched["LocalSink"] = [
+            "smpckpt.storage._sinks.LocalSink.write",
+            "smpckpt.storage._sinks.LocalSink.commit",
+        ]
 
         # the writer's commit seam (a class attribute)
         orig_commit_manifest = FsspecStorageWriter._write_manifest
@@ -401,13 +404,23 @@ def child_main() -> int:
         uc = smpckpt.resume_from_checkpoint(root, model=model, optimizer=opt, missing_ok=True)
         info = smpckpt.last_resume_info() if uc is not None else None
         step = None if uc is None else int(uc["step"])
-        progress.emit(event="resumed", step=step, tag=info.tag if info else None,
-                      fell_back=bool(info.fell_back) if info else False)
+        progress.emit(
+            event="resumed",
+            step=step,
+            tag=info.tag if info else None,
+            fell_back=bool(info.fell_back) if info else False,
+        )
         start = 0 if step is None else step + 1
         phase = "restart_save"
         fill_state(model, opt, start)
-        smpckpt.save_checkpoint(root, tag_of(start), model=model, optimizer=opt, user_content={"step": start},
-                                num_kept_partial_checkpoints=KEEP)
+        smpckpt.save_checkpoint(
+            root,
+            tag_of(start),
+            model=model,
+            optimizer=opt,
+            user_content={"step": start},
+            num_kept_partial_checkpoints=KEEP,
+        )
         progress.emit(event="committed", step=start, phase="restart")
         phase = "install"
         inj = Injector(fault, progress)
@@ -416,15 +429,21 @@ def child_main() -> int:
         phase = "loop"
         for k in range(start + 1, start + 1 + max_saves):
             fill_state(model, opt, k)
-            smpckpt.save_checkpoint(root, tag_of(k), model=model, optimizer=opt, user_content={"step": k},
-                                    num_kept_partial_checkpoints=KEEP)
+            smpckpt.save_checkpoint(
+                root, tag_of(k), model=model, optimizer=opt, user_content={"step": k}, num_kept_partial_checkpoints=KEEP
+            )
             inj.before("post_save")
             progress.emit(event="committed", step=k, phase="loop", counts=dict(inj.counts))
         progress.emit(event="done")
         return 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit 3
-        progress.emit(event="error", phase=phase, type=type(exc).__name__, message=str(exc)[:4000],
-                      traceback=traceback.format_exc()[-6000:])
+        progress.emit(
+            event="error",
+            phase=phase,
+            type=type(exc).__name__,
+            message=str(exc)[:4000],
+            traceback=traceback.format_exc()[-6000:],
+        )
         return 3
 
 
@@ -484,7 +503,10 @@ def spawn(point: Point, state_dir: str, serial: int) -> Child:
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed in discard()
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--child"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        env=env,
     )
     return Child(point, proc, log_path, log_file)
 
@@ -639,7 +661,8 @@ def _owned_names(manifest: Any) -> set[str]:
         return set()
     if isinstance(manifest, dict):
         return {str(f.get("name")) for f in manifest.get("files") or []} | {
-            str((manifest.get("metadata") or {}).get("name"))}
+            str((manifest.get("metadata") or {}).get("name"))
+        }
     return {str(f.name) for f in manifest.files} | {str(manifest.metadata.name)}
 
 
@@ -681,8 +704,14 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
     from smpckpt.catalog import scan_root
     from smpckpt.storage import verify_checkpoint
 
-    out: dict[str, Any] = {"lost": [], "corrupt": [], "stock_metadata_missing": [], "legit_deleted": [], "resume": {},
-                           "errors": []}
+    out: dict[str, Any] = {
+        "lost": [],
+        "corrupt": [],
+        "stock_metadata_missing": [],
+        "legit_deleted": [],
+        "resume": {},
+        "errors": [],
+    }
     reported = sorted(set(epoch.reported))
     newest_reported = reported[-1] if reported else None
     committed: dict[str, Any] = {}
@@ -701,8 +730,9 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
                 if not rep.ok:
                     out["corrupt"].append({"tag": tag, "why": "; ".join(rep.problems[:5]), "id": _save_id(rec)})
                 elif any(w.startswith(STOCK_ONLY) for w in rep.warnings):
-                    out["corrupt"].append({"tag": tag, "why": "; ".join(rep.warnings[:5]), "id": _save_id(rec),
-                                           "stock_only": True})
+                    out["corrupt"].append(
+                        {"tag": tag, "why": "; ".join(rep.warnings[:5]), "id": _save_id(rec), "stock_only": True}
+                    )
             except Exception as exc:  # noqa: BLE001
                 out["corrupt"].append({"tag": tag, "why": f"{type(exc).__name__}: {exc}", "id": _save_id(rec)})
         corrupt = {c["tag"] for c in out["corrupt"] if not c.get("stock_only")}
@@ -720,8 +750,11 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
                 out["lost"].append({"tag": t, "why": f"gone (only {newer} newer committed checkpoint(s) exist)"})
         # committed checkpoints that fail verification and are not counted as lost above; each one
         # is counted once, by the check that first saw it
-        fresh = [c for c in out["corrupt"] if step_of(c["tag"]) not in reported[-KEEP:]
-                 and (c["tag"], c["id"]) not in epoch.seen_unverifiable]
+        fresh = [
+            c
+            for c in out["corrupt"]
+            if step_of(c["tag"]) not in reported[-KEEP:] and (c["tag"], c["id"]) not in epoch.seen_unverifiable
+        ]
         epoch.seen_unverifiable |= {(c["tag"], c["id"]) for c in out["corrupt"]}
         out["corrupt"] = [c for c in fresh if not c.get("stock_only")]
         out["stock_metadata_missing"] = [c for c in fresh if c.get("stock_only")]
@@ -768,17 +801,31 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
 
 # -- parent: the campaign ---------------------------------------------------------------------------------
 def zero_stats() -> dict[str, int]:
-    return dict(points=0, landed=0, lost=0, resume_failures=0, restart_failures=0, corrupt_committed=0,
-                no_stock_metadata=0,
-                errors=0, leftover_dirs=0, leftover_files=0, leftover_bytes=0)
+    return dict(
+        points=0,
+        landed=0,
+        lost=0,
+        resume_failures=0,
+        restart_failures=0,
+        corrupt_committed=0,
+        no_stock_metadata=0,
+        errors=0,
+        leftover_dirs=0,
+        leftover_files=0,
+        leftover_bytes=0,
+    )
 
 
 def repro(args: argparse.Namespace, point: Point) -> str:
     me = "python tests/fault_injection.py"
     if point.kind in KINDS:
-        return (f"{me} --kills 1 --seed {args.seed} --kinds {point.kind} --n {point.n}  "
-                f"(in the full run: --kills {args.kills} --seed {args.seed}, kill #{point.index})")
-    return f"{me} --kills {args.kills} --seed {args.seed}  (kill #{point.index}, timed {point.delay_s}s; timing-dependent)"
+        return (
+            f"{me} --kills 1 --seed {args.seed} --kinds {point.kind} --n {point.n}  "
+            f"(in the full run: --kills {args.kills} --seed {args.seed}, kill #{point.index})"
+        )
+    return (
+        f"{me} --kills {args.kills} --seed {args.seed}  (kill #{point.index}, timed {point.delay_s}s; timing-dependent)"
+    )
 
 
 def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
@@ -816,8 +863,18 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
     calls_per_save: dict[str, int] = {}
 
     def fail(point: Point, what: str, detail: str, epoch: Epoch) -> None:
-        failures.append({"kill": point.index, "kind": point.kind, "n": point.n, "delay_s": point.delay_s,
-                         "what": what, "detail": detail, "root": epoch.root, "repro": repro(args, point)})
+        failures.append(
+            {
+                "kill": point.index,
+                "kind": point.kind,
+                "n": point.n,
+                "delay_s": point.delay_s,
+                "what": what,
+                "detail": detail,
+                "root": epoch.root,
+                "repro": repro(args, point),
+            }
+        )
 
     try:
         for i, point in enumerate(todo):
@@ -835,8 +892,14 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
                 progress_path = os.path.join(state_dir, "progress", f"run{runs:03d}_kill{point.index:03d}.jsonl")
                 result = run_child(child, epoch.root, progress_path)
                 err = result.error()
-                rec.update(rc=result.rc, landed=result.landed, wall_s=round(result.wall_s, 3), log=child.log_path,
-                           progress=progress_path, epoch=epoch.index)
+                rec.update(
+                    rc=result.rc,
+                    landed=result.landed,
+                    wall_s=round(result.wall_s, 3),
+                    log=child.log_path,
+                    progress=progress_path,
+                    epoch=epoch.index,
+                )
                 if result.startup_error:
                     rec["error"] = f"child start-up: {result.startup_error}"
                 elif result.timed_out:
@@ -869,8 +932,13 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
                         for r in records:
                             if r["kill"] == blamed:
                                 r["restart"] = f"FAILED in the next run: {detail}"
-                        fail(bp, "restart failed (c)", detail + (f" [earlier pending kills: {epoch.pending[:-1]}]"
-                                                                  if len(epoch.pending) > 1 else ""), epoch)
+                        fail(
+                            bp,
+                            "restart failed (c)",
+                            detail
+                            + (f" [earlier pending kills: {epoch.pending[:-1]}]" if len(epoch.pending) > 1 else ""),
+                            epoch,
+                        )
                         print(f"    !! restart after kill #{blamed} ({bp.label()}) FAILED: {detail[:300]}", flush=True)
                     else:
                         if point.kind in by_kind:
@@ -888,8 +956,16 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
             if point.kind == "final":
                 rec["restart_check"] = "ok" if result.restart_ok() and not rec.get("error") else rec.get("error")
                 if rec.get("error") and not restart_failed:
-                    failures.append({"kill": point.index, "kind": "final", "what": "final run failed",
-                                     "detail": rec["error"], "root": epoch.root, "repro": ""})
+                    failures.append(
+                        {
+                            "kill": point.index,
+                            "kind": "final",
+                            "what": "final run failed",
+                            "detail": rec["error"],
+                            "root": epoch.root,
+                            "repro": "",
+                        }
+                    )
                 records.append(rec)
                 break
 
@@ -925,22 +1001,37 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
             if not check["resume"].get("ok"):
                 fail(point, "resume failed (b)", str(check["resume"].get("why")), epoch)
             for item in check["corrupt"]:
-                fail(point, "committed checkpoint fails verify_checkpoint (unreported: not counted as lost)",
-                     f"{item['tag']}: {item['why']}", epoch)
+                fail(
+                    point,
+                    "committed checkpoint fails verify_checkpoint (unreported: not counted as lost)",
+                    f"{item['tag']}: {item['why']}",
+                    epoch,
+                )
             for item in check["stock_metadata_missing"]:
-                warnings_.append({"kill": point.index, "kind": point.kind, "n": point.n, "delay_s": point.delay_s,
-                                  "what": "committed checkpoint without its stock .metadata copy: verify_checkpoint "
-                                          "warns (smpckpt loads it)",
-                                  "detail": f"{item['tag']}: {item['why']}", "root": epoch.root,
-                                  "repro": repro(args, point)})
+                warnings_.append(
+                    {
+                        "kill": point.index,
+                        "kind": point.kind,
+                        "n": point.n,
+                        "delay_s": point.delay_s,
+                        "what": "committed checkpoint without its stock .metadata copy: verify_checkpoint "
+                        "warns (smpckpt loads it)",
+                        "detail": f"{item['tag']}: {item['why']}",
+                        "root": epoch.root,
+                        "repro": repro(args, point),
+                    }
+                )
             records.append(rec)
             r = check["resume"]
             status = "landed" if result.landed else f"NOT landed (rc={result.rc})"
-            print(f"[{point.index + 1:3d}/{len(plan)}] {point.label():24s} {status:18s} run {result.wall_s:5.2f}s "
-                  f"saves {len(result.committed_steps()):3d}  resume step {r.get('step')} "
-                  f"(reported {max(epoch.reported, default=None)}) {'ok' if r.get('ok') else 'FAIL: ' + str(r.get('why'))[:200]}"
-                  f"  lost {len(check['lost'])}  leftovers +{check['leftovers']['dirs']}d/+{check['leftovers']['files']}f"
-                  + (f"  ERROR {rec['error'][:200]}" if rec.get("error") else ""), flush=True)
+            print(
+                f"[{point.index + 1:3d}/{len(plan)}] {point.label():24s} {status:18s} run {result.wall_s:5.2f}s "
+                f"saves {len(result.committed_steps()):3d}  resume step {r.get('step')} "
+                f"(reported {max(epoch.reported, default=None)}) {'ok' if r.get('ok') else 'FAIL: ' + str(r.get('why'))[:200]}"
+                f"  lost {len(check['lost'])}  leftovers +{check['leftovers']['dirs']}d/+{check['leftovers']['files']}f"
+                + (f"  ERROR {rec['error'][:200]}" if rec.get("error") else ""),
+                flush=True,
+            )
     finally:
         for c in queue:
             discard(c)
@@ -962,8 +1053,14 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
         final_left["files"] += len(files)
         final_left["bytes"] += sum(files.values())
     final_rec = records[-1] if records and records[-1]["kind"] == "final" else {}
-    ok = (totals["lost"] == 0 and totals["resume_failures"] == 0 and totals["restart_failures"] == 0
-          and totals["corrupt_committed"] == 0 and totals["errors"] == 0 and not failures)
+    ok = (
+        totals["lost"] == 0
+        and totals["resume_failures"] == 0
+        and totals["restart_failures"] == 0
+        and totals["corrupt_committed"] == 0
+        and totals["errors"] == 0
+        and not failures
+    )
     return {
         "ok": ok,
         "seed": args.seed,
@@ -985,10 +1082,27 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
 
 
 def print_report(rep: dict[str, Any]) -> None:
-    cols = ("points", "landed", "lost", "resume_failures", "restart_failures", "corrupt_committed", "errors",
-            "no_stock_metadata")
-    heads = ("points", "landed", "lost", "resume fail", "restart fail", "corrupt", "errors", "no .metadata",
-             "leftovers")
+    cols = (
+        "points",
+        "landed",
+        "lost",
+        "resume_failures",
+        "restart_failures",
+        "corrupt_committed",
+        "errors",
+        "no_stock_metadata",
+    )
+    heads = (
+        "points",
+        "landed",
+        "lost",
+        "resume fail",
+        "restart fail",
+        "corrupt",
+        "errors",
+        "no .metadata",
+        "leftovers",
+    )
     w = max(16, *(len(k) for k in rep["by_kind"]))
     line = f"{'kind':{w}s} " + " ".join(f"{h:>12s}" for h in heads)
     print()
@@ -1004,24 +1118,34 @@ def print_report(rep: dict[str, Any]) -> None:
     print("-" * len(line))
     row("TOTAL", rep["totals"])
     fl = rep["final_leftovers_on_disk"]
-    print(f"\nleftovers (d: uncommitted folders, f: files no committed generation owns) created per kill above; "
-          f"on disk at the end: {fl['dirs']} folder(s), {fl['files']} file(s), {fl['bytes'] / 2**20:.1f} MiB")
-    print(f"final restart check: {rep['final_restart_check']};  roots used: {len(rep['roots'])};  "
-          f"runtime {rep['runtime_s']} s")
+    print(
+        f"\nleftovers (d: uncommitted folders, f: files no committed generation owns) created per kill above; "
+        f"on disk at the end: {fl['dirs']} folder(s), {fl['files']} file(s), {fl['bytes'] / 2**20:.1f} MiB"
+    )
+    print(
+        f"final restart check: {rep['final_restart_check']};  roots used: {len(rep['roots'])};  "
+        f"runtime {rep['runtime_s']} s"
+    )
     if rep["failures"]:
         print(f"\nFAILURES ({len(rep['failures'])}):")
         for f in rep["failures"]:
-            print(f"  kill #{f['kill']} {f['kind']}" + (f" N={f['n']}" if f.get("n") is not None else "")
-                  + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
-                  + f": {f['what']}: {f['detail'][:400]}")
+            print(
+                f"  kill #{f['kill']} {f['kind']}"
+                + (f" N={f['n']}" if f.get("n") is not None else "")
+                + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
+                + f": {f['what']}: {f['detail'][:400]}"
+            )
             if f.get("repro"):
                 print(f"      repro: {f['repro']}")
     if rep["warnings"]:
         print(f"\nWARNINGS ({len(rep['warnings'])}; not failures: nothing reported was lost, resume loads these):")
         for f in rep["warnings"]:
-            print(f"  kill #{f['kill']} {f['kind']}" + (f" N={f['n']}" if f.get("n") is not None else "")
-                  + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
-                  + f": {f['what']}: {f['detail'][:300]}")
+            print(
+                f"  kill #{f['kill']} {f['kind']}"
+                + (f" N={f['n']}" if f.get("n") is not None else "")
+                + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
+                + f": {f['what']}: {f['detail'][:300]}"
+            )
             print(f"      repro: {f['repro']}")
     print("\nRESULT:", "OK (0 lost)" if rep["ok"] else "FAILED")
 

@@ -33,7 +33,13 @@ __all__ = ["sim_save", "sim_load", "MemoryStore", "MemoryWriter", "MemoryReader"
 
 def reset_dcp_caches() -> None:
     """DCP keeps class-level plan caches; clear them so one example cannot leak into the next."""
-    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata"):
+    for name in (
+        "_cached_save_plan",
+        "_cached_final_save_plan",
+        "_cached_all_plans",
+        "_cached_global_plan",
+        "_cached_metadata",
+    ):
         cache = getattr(SavePlanner, name, None)
         if isinstance(cache, dict):
             cache.clear()
@@ -144,7 +150,9 @@ class MemoryWriter(StorageWriter):
             else:
                 tensor = data.detach().clone()
                 if tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes):
-                    raise AssertionError(f"{item.index}: resolved {tuple(tensor.shape)}, chunk {item.tensor_data.chunk}")
+                    raise AssertionError(
+                        f"{item.index}: resolved {tuple(tensor.shape)}, chunk {item.tensor_data.chunk}"
+                    )
                 if item.index in self.store.chunks:
                     raise AssertionError(f"{item.index} written twice")
                 self.store.chunks[item.index] = tensor

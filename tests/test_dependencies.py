@@ -66,7 +66,9 @@ def _undeclared(files: list[Path], allowed: set[str], local: set[str]) -> list[s
             dists = {_canon(d) for d in providers.get(name, ())}
             if not dists & allowed:
                 where = ", ".join(sorted(dists)) or "no installed distribution"
-                problems.append(f"{os.path.relpath(path, ROOT)}: imports {name!r} ({where}), not declared in pyproject.toml")
+                problems.append(
+                    f"{os.path.relpath(path, ROOT)}: imports {name!r} ({where}), not declared in pyproject.toml"
+                )
     return problems
 
 

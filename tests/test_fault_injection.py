@@ -24,7 +24,10 @@ def test_fault_injection_smoke(tmp_path: Path) -> None:
     root = tmp_path / "work"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--kills", "6", "--seed", "0", "--root", str(root), "--json", str(out)],
-        capture_output=True, text=True, timeout=420, env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=dict(os.environ),
     )
     assert out.exists(), f"no report (rc={proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())

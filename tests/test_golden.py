@@ -7,10 +7,9 @@ import shutil
 from pathlib import Path
 
 import torch
-
 from golden_model import GOLDEN_ROOT, GOLDEN_TAG, GOLDEN_USER_CONTENT, golden_model
-from smpckpt import last_resume_info, resume_from_checkpoint
-from smpckpt import ParallelLayout
+
+from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint
 from smpckpt.catalog import scan_root
 from smpckpt.record import LayoutRecord
 from smpckpt.storage import verify_checkpoint

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from sim import reset_dcp_caches, sim_load, sim_save
 from torch import nn
 
-from sim import reset_dcp_caches, sim_load, sim_save
 from smpckpt import ParallelLayout, ShardSpec, last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
@@ -132,7 +132,9 @@ def _train(m: nn.Module, o: torch.optim.Optimizer, step: int) -> float:
     return float(loss.detach())
 
 
-def _assert_same_training_state(m: nn.Module, o: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer) -> None:
+def _assert_same_training_state(
+    m: nn.Module, o: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer
+) -> None:
     p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
     assert list(p1) == list(p2) and len(p1) == 6
     for name in p1:
@@ -248,8 +250,9 @@ def test_tp2_device_shards_reshard_to_tp1_and_back(tmp_path: Any) -> None:
     url = str(tmp_path / "tp2")
     ranks = [_shard(full, r, 2) for r in range(2)]
     assert not torch.equal(ranks[0]["model.qkv.weight"].cpu(), ranks[1]["model.qkv.weight"].cpu())
-    sim_save(ranks, [ParallelSavePlanner(TP2, SPECS, rank=r) for r in range(2)],
-             [FsspecStorageWriter(url) for _ in range(2)])
+    sim_save(
+        ranks, [ParallelSavePlanner(TP2, SPECS, rank=r) for r in range(2)], [FsspecStorageWriter(url) for _ in range(2)]
+    )
 
     # TP=1 in this process through the real dcp.load: the full tensors, on the device and on the CPU
     for device in (DEVICE, "cpu"):
@@ -266,8 +269,11 @@ def test_tp2_device_shards_reshard_to_tp1_and_back(tmp_path: Any) -> None:
     url1 = str(tmp_path / "tp1")
     dcp.save(full, storage_writer=FsspecStorageWriter(url1), planner=ParallelSavePlanner(ParallelLayout(), SPECS))
     blanks = [{k: torch.zeros_like(v) for k, v in _shard(full, r, 2).items()} for r in range(2)]
-    sim_load(blanks, [ParallelLoadPlanner(TP2, SPECS, rank=r) for r in range(2)],
-             [FsspecStorageReader(url1) for _ in range(2)])
+    sim_load(
+        blanks,
+        [ParallelLoadPlanner(TP2, SPECS, rank=r) for r in range(2)],
+        [FsspecStorageReader(url1) for _ in range(2)],
+    )
     for r in range(2):
         _assert_pieces(_shard(full, r, 2), blanks[r], DEVICE)
 

@@ -13,7 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("name", ["planners", "storage"])
 def test_bare_folder_import_fails_with_a_clear_message(name):
-    proc = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     assert f"this folder is the package 'smpckpt.{name}'" in proc.stderr
 

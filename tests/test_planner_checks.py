@@ -8,10 +8,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
 from smpckpt import LayoutMismatch, ParallelLayout, ReplicaMismatch, ShardSpec, SpecError, UnsafeCheckpoint
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 
@@ -133,7 +133,9 @@ def test_plan_cache_reuses_plans_per_instance_and_invalidates_on_change():
     planners = [ParallelSavePlanner(layout, specs, rank=r) for r in range(4)]
 
     def state(scale, rows=3):
-        return [{"w": torch.full((rows, 2), scale * (r % 2 + 1)), "b": torch.full((2,), scale), "lr": 0.1} for r in range(4)]
+        return [
+            {"w": torch.full((rows, 2), scale * (r % 2 + 1)), "b": torch.full((2,), scale), "lr": 0.1} for r in range(4)
+        ]
 
     for scale, expect_cached in ((1.0, False), (2.0, True), (3.0, True)):
         store = MemoryStore()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import run_world
 
 pytestmark = pytest.mark.dist
@@ -57,7 +56,9 @@ def _world(rank: int, world: int, path: str) -> dict:
     bad = {"w": FULL.chunk(2, dim=0)[c.tp].clone()}
     sizes = (4, 4) if rank != 2 else (3, 5)
     try:
-        dcp.save(bad, checkpoint_id=f"{path}/bad", planner=ParallelSavePlanner(save_layout, {"w": ShardSpec(0, sizes=sizes)}))
+        dcp.save(
+            bad, checkpoint_id=f"{path}/bad", planner=ParallelSavePlanner(save_layout, {"w": ShardSpec(0, sizes=sizes)})
+        )
         out["bad"] = "saved"
     except CheckpointException as exc:
         out["bad"] = str(exc)

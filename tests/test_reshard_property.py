@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
-from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from world_gen import draw_partition, flat_tensors, global_values, layouts, models, rank_state, specs_for
+
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 
 CI = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 MORE = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -20,7 +20,8 @@ def save_world(model, values, layout, parts, store, *, rank_local=False, **kw):
     world = layout.world_size
     sds = [rank_state(model, values, layout, r, parts, rank_local=rank_local) for r in range(world)]
     planners = [
-        ParallelSavePlanner(layout, specs, rank=r, rank_local=("rng.*",) if rank_local else (), **kw) for r in range(world)
+        ParallelSavePlanner(layout, specs, rank=r, rank_local=("rng.*",) if rank_local else (), **kw)
+        for r in range(world)
     ]
     return sim_save(sds, planners, [MemoryWriter(store) for _ in range(world)]), planners
 

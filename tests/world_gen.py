@@ -114,7 +114,9 @@ def split(extent: int, parts: int, draw: Any | None, uneven: bool) -> tuple[int,
 Partition = Mapping[tuple[str, str], tuple[int, ...] | None]
 
 
-def draw_partition(model: Model, layout: ParallelLayout, draw: Any | None) -> dict[tuple[str, str], tuple[int, ...] | None]:
+def draw_partition(
+    model: Model, layout: ParallelLayout, draw: Any | None
+) -> dict[tuple[str, str], tuple[int, ...] | None]:
     parts: dict[tuple[str, str], tuple[int, ...] | None] = {}
     for d in model.defs:
         if d.kind in ("tp", "fused", "tpdp"):
@@ -170,8 +172,10 @@ def local_piece(d: TensorDef, value: torch.Tensor, layout: ParallelLayout, rank:
 
 
 def _holds(d: TensorDef, layout: ParallelLayout, stage: int) -> bool:
-    return d.where in ("layer", "all") or (d.where == "first" and stage == 0) or (
-        d.where == "last" and stage == layout.pp - 1
+    return (
+        d.where in ("layer", "all")
+        or (d.where == "first" and stage == 0)
+        or (d.where == "last" and stage == layout.pp - 1)
     )
 
 
@@ -208,7 +212,11 @@ def rank_state(
             params[local] = p
             optim[f"state.{local}.exp_avg"] = e
             optim[f"state.{local}.step"] = s
-    sd: dict[str, Any] = {"model": params, "optim": optim, "extra": {"lr": 0.0 if blank else 0.25, "name": "" if blank else "gpt"}}
+    sd: dict[str, Any] = {
+        "model": params,
+        "optim": optim,
+        "extra": {"lr": 0.0 if blank else 0.25, "name": "" if blank else "gpt"},
+    }
     if rank_local:
         rng = torch.arange(4, dtype=torch.int64) + 100 * rank
         sd["rng"] = {f"rank{rank}": torch.full_like(rng, SENTINEL) if blank else rng}

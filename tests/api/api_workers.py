@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import tp_model
 from torch import nn
 
-import smpckpt
 from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FsspecStorageWriter
-
-import tp_model
 
 
 def _scenario(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
@@ -94,7 +92,9 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
         seen = []
         for i in range(1, 5):
             _step(m, o, i)
-            save_checkpoint(root, f"step{i}", model=m, optimizer=o, user_content={"step": i}, num_kept_partial_checkpoints=2)
+            save_checkpoint(
+                root, f"step{i}", model=m, optimizer=o, user_content={"step": i}, num_kept_partial_checkpoints=2
+            )
             snapshots[f"step{i}"] = _params(m)
             dist.barrier()
             seen.append((_dirs(root), _newest(root)))
@@ -103,8 +103,14 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
         same = _same(_params(m2), snapshots["step4"])
         optim_same = _optim_same(m, o, m2, o2)
         info = last_resume_info()
-        return {"seen": seen, "uc": uc, "same": same, "optim_same": optim_same, "path_taken": info.path_taken,
-                "rng": info.rng_restored}
+        return {
+            "seen": seen,
+            "uc": uc,
+            "same": same,
+            "optim_same": optim_same,
+            "path_taken": info.path_taken,
+            "rng": info.rng_restored,
+        }
 
     _scenario(results, "cycles", cycles)
 
@@ -173,7 +179,9 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
 
         retention.remove_checkpoint = refuse  # type: ignore[assignment]
         try:
-            save_checkpoint(root, "step6", model=m, optimizer=o, user_content={"step": 6}, num_kept_partial_checkpoints=1)
+            save_checkpoint(
+                root, "step6", model=m, optimizer=o, user_content={"step": 6}, num_kept_partial_checkpoints=1
+            )
         finally:
             retention.remove_checkpoint = original  # type: ignore[assignment]
         dist.barrier()
@@ -205,7 +213,9 @@ def reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
     def unbroken() -> Any:
         ctx, model, opt = tp_model.build(tp2)
         losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3)]
-        save_checkpoint(root, "s3", model=model, optimizer=opt, user_content={"step": 3}, layout=tp2, specs=tp_model.SPECS)
+        save_checkpoint(
+            root, "s3", model=model, optimizer=opt, user_content={"step": 3}, layout=tp2, specs=tp_model.SPECS
+        )
         state = tp_model.local_state(model, opt)
         after = torch.rand(4)
         losses += [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
@@ -221,8 +231,14 @@ def reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
         info = last_resume_info()
         rand = torch.rand(4)
         losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
-        return {"uc": uc, "path_taken": info.path_taken, "layout_changed": info.layout_changed,
-                "rng": info.rng_restored, "rand": rand, "losses": losses}
+        return {
+            "uc": uc,
+            "path_taken": info.path_taken,
+            "layout_changed": info.layout_changed,
+            "rng": info.rng_restored,
+            "rand": rand,
+            "losses": losses,
+        }
 
     _scenario(results, "same_layout", same_layout)
 
@@ -235,10 +251,16 @@ def reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
         info = last_resume_info()
         state = tp_model.local_state(model, opt)
         losses = [tp_model.train_step(ctx, model, opt, s) for s in range(3, 6)]
-        return {"uc": uc, "path_taken": info.path_taken, "layout_changed": info.layout_changed,
-                "rng": info.rng_restored, "resharded_tensors": info.resharded_tensors,
-                "rng_warned": any("RNG states are not restored" in str(w.message) for w in caught),
-                "state": state, "losses": losses}
+        return {
+            "uc": uc,
+            "path_taken": info.path_taken,
+            "layout_changed": info.layout_changed,
+            "rng": info.rng_restored,
+            "resharded_tensors": info.resharded_tensors,
+            "rng_warned": any("RNG states are not restored" in str(w.message) for w in caught),
+            "state": state,
+            "losses": losses,
+        }
 
     _scenario(results, "dp2", dp2)
     return results

@@ -76,7 +76,13 @@ def test_inspect(root: tuple[str, dict[str, Any], list[str]]) -> None:
     assert info["tag"] == "step1" and info["state"] == "committed"
     assert info["user_content_keys"] == ["step", "lr"]
     tensors = {t["key"]: t for t in info["tensors"]}
-    assert tensors["model.0.weight"] == {"key": "model.0.weight", "shape": [4, 8], "dtype": "float32", "chunks": 1, "bytes": 128}
+    assert tensors["model.0.weight"] == {
+        "key": "model.0.weight",
+        "shape": [4, 8],
+        "dtype": "float32",
+        "chunks": 1,
+        "bytes": 128,
+    }
     rc, out, _ = _run("inspect", f"{url}/step1_partial", *opts)  # the folder itself works too
     assert rc == 0 and "model.0.weight" in out and "user content: step, lr" in out
 
@@ -130,7 +136,8 @@ def test_closed_pipe_exits_quietly(tmp_path: Any) -> None:
     _populate(root)
     proc = subprocess.Popen(
         [sys.executable, "-m", "smpckpt", "inspect", f"{root}/step1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # like `| head` that already exited: every write hits a closed pipe

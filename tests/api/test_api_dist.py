@@ -11,12 +11,12 @@ import re
 import warnings
 from typing import Any
 
+import api_workers
 import pytest
 import torch
-
-import api_workers
 import tp_model
 from dist_harness import run_world
+
 from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint
 
 pytestmark = pytest.mark.dist
@@ -70,8 +70,11 @@ def test_crash_before_commit_keeps_previous(cycles: list[dict[str, Any]]) -> Non
     for rank_result in cycles:
         r = _ok(rank_result["crash"])
         # the coordinator (rank 0) writes the manifest: every rank reports its failure
-        assert re.fullmatch(r"CheckpointError: saving checkpoint \S+/step5_partial failed on rank 0: "
-                            r"OSError: simulated crash before commit", r["save_error"]), r["save_error"]
+        assert re.fullmatch(
+            r"CheckpointError: saving checkpoint \S+/step5_partial failed on rank 0: "
+            r"OSError: simulated crash before commit",
+            r["save_error"],
+        ), r["save_error"]
         assert "step5_partial" in r["dirs"]  # data written, never committed
         assert r["newest"] == "step4"  # newest did not move
         assert r["uc_after_crash"] == {"step": 4} and r["bitexact_after_crash"]
@@ -90,12 +93,16 @@ def test_unusable_newest_falls_back_with_warning(cycles: list[dict[str, Any]], c
 def test_tag_mismatch_is_an_error_on_every_rank(cycles: list[dict[str, Any]]) -> None:
     for rank_result in cycles:
         r = _ok(rank_result["tags"])
-        for key, fn, tags in (("mismatch", "save_checkpoint", ("t0", "t1")),
-                              ("bad_on_one_rank", "save_checkpoint", ("ok", "bad/tag")),  # the mismatch is found first
-                              ("resume_mismatch", "resume_from_checkpoint", ("t0", "t1"))):
-            pattern = (rf"ValueError: {fn}\(path, tag, [^)]*\) differs between ranks "
-                       rf"\(rank 0: \('{re.escape(tags[0])}', .*, rank 1: \('{re.escape(tags[1])}', .*\); "
-                       r"every rank must pass the same value")
+        for key, fn, tags in (
+            ("mismatch", "save_checkpoint", ("t0", "t1")),
+            ("bad_on_one_rank", "save_checkpoint", ("ok", "bad/tag")),  # the mismatch is found first
+            ("resume_mismatch", "resume_from_checkpoint", ("t0", "t1")),
+        ):
+            pattern = (
+                rf"ValueError: {fn}\(path, tag, [^)]*\) differs between ranks "
+                rf"\(rank 0: \('{re.escape(tags[0])}', .*, rank 1: \('{re.escape(tags[1])}', .*\); "
+                r"every rank must pass the same value"
+            )
             assert re.fullmatch(pattern, r[key]), (key, r[key])
         assert not any(d.startswith(("t0", "t1", "ok", "bad")) for d in r["dirs"])
 
@@ -114,7 +121,9 @@ def test_missing_ok(cycles: list[dict[str, Any]]) -> None:
     for rank_result in cycles:
         r = _ok(rank_result["missing_ok"])
         assert r["none"] is None
-        assert re.fullmatch(r"CheckpointNotFound: no committed checkpoint under \S+/nothing-here", r["error"]), r["error"]
+        assert re.fullmatch(r"CheckpointNotFound: no committed checkpoint under \S+/nothing-here", r["error"]), r[
+            "error"
+        ]
 
 
 # -- layout change with optimizer state -------------------------------------------------------------------

@@ -71,7 +71,9 @@ def test_retention_and_prune_in_globby_roots_touch_only_their_own_root(where: st
     for i in range(3):
         save_checkpoint(f"{base}/p[12]", f"s{i}", model=m, num_kept_partial_checkpoints=1, storage_options=options)
     save_checkpoint(f"{base}/p*", "s0", model=m, storage_options=options)
-    rc, out, _ = _run_cli("prune", f"{base}/p*", "--keep", "1", *(["--storage-options", json.dumps(options)] if options else []))
+    rc, out, _ = _run_cli(
+        "prune", f"{base}/p*", "--keep", "1", *(["--storage-options", json.dumps(options)] if options else [])
+    )
     assert rc == 0 and "nothing to remove" in out
     for root in (f"{base}/p1", f"{base}/p2"):
         assert _tags(root, options) == {"s0": "committed", "s1": "committed"}
@@ -123,7 +125,9 @@ def _make_uncommitted(root: str, tag: str, monkeypatch: Any, seed: int = 0) -> N
             save_checkpoint(root, tag, model=m, optimizer=o, user_content={"step": seed})
 
 
-def test_restart_after_crash_before_commit_resumes_previous_and_resaves_the_tag(tmp_path: Any, monkeypatch: Any) -> None:
+def test_restart_after_crash_before_commit_resumes_previous_and_resaves_the_tag(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
     root = str(tmp_path)
     _steps(root, 1)
     _make_uncommitted(root, "step2", monkeypatch, seed=2)
@@ -226,7 +230,9 @@ def test_hostile_sibling_is_listed_as_unsafe_and_the_root_keeps_working(tmp_path
 def test_optimizer_over_another_model_is_named(tmp_path: Any) -> None:
     m, _ = _model(0)
     _, other_opt = _model(1)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \[3, 4\].*not a parameter of the model"):
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \[3, 4\].*not a parameter of the model"
+    ):
         save_checkpoint(str(tmp_path), "a", model=m, optimizer=other_opt)
     assert not os.listdir(tmp_path)
 

@@ -86,8 +86,13 @@ _NOT_INT = "num_kept_partial_checkpoints must be a positive int or None, got "
 
 @pytest.mark.parametrize(
     ("keep", "message"),
-    [(0, _NOT_POSITIVE + "0"), (-1, _NOT_POSITIVE + "-1"), (True, _NOT_INT + "True"), (1.5, _NOT_INT + "1.5"),
-     ("2", _NOT_INT + "'2'")],
+    [
+        (0, _NOT_POSITIVE + "0"),
+        (-1, _NOT_POSITIVE + "-1"),
+        (True, _NOT_INT + "True"),
+        (1.5, _NOT_INT + "1.5"),
+        ("2", _NOT_INT + "'2'"),
+    ],
 )
 def test_bad_retention_count_rejected_up_front(tmp_path: Any, keep: Any, message: str) -> None:
     m, _ = _model(0)
@@ -98,9 +103,28 @@ def test_bad_retention_count_rejected_up_front(tmp_path: Any, keep: Any, message
 
 @pytest.mark.parametrize(
     "tag",
-    ["", "a/b", "..", "a..b", "x\x00", "tab\tbed", "new\nline", " pad", "\x7f", "a\\b",
-     # glob characters (fsspec backends expand them), a reserved suffix, a leading dot or dash, too long
-     "x*", "p[12]", "a?", "{a,b}", "!x", "x_partial", ".hidden", "-rf", "é" * 101],
+    [
+        "",
+        "a/b",
+        "..",
+        "a..b",
+        "x\x00",
+        "tab\tbed",
+        "new\nline",
+        " pad",
+        "\x7f",
+        "a\\b",
+        # glob characters (fsspec backends expand them), a reserved suffix, a leading dot or dash, too long
+        "x*",
+        "p[12]",
+        "a?",
+        "{a,b}",
+        "!x",
+        "x_partial",
+        ".hidden",
+        "-rf",
+        "é" * 101,
+    ],
 )
 def test_bad_tags_rejected(tmp_path: Any, tag: str) -> None:
     m, _ = _model(0)
@@ -171,7 +195,9 @@ def test_strict_refuses_before_touching_the_model(tmp_path: Any) -> None:
     save_checkpoint(str(tmp_path), "a", model=m)
     bigger = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2), nn.Linear(2, 2))
     before = {k: v.clone() for k, v in bigger.state_dict().items()}
-    with pytest.raises(LayoutMismatch, match=re.escape("2 keys are not in the checkpoint: model.3.weight, model.3.bias")):
+    with pytest.raises(
+        LayoutMismatch, match=re.escape("2 keys are not in the checkpoint: model.3.weight, model.3.bias")
+    ):
         resume_from_checkpoint(str(tmp_path), model=bigger)
     assert all(torch.equal(before[k], v) for k, v in bigger.state_dict().items())
     resume_from_checkpoint(str(tmp_path), model=bigger, strict=False)
@@ -184,8 +210,10 @@ def test_shape_mismatch_is_layout_mismatch(tmp_path: Any) -> None:
     save_checkpoint(str(tmp_path), "a", model=m)
     other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
     # both shapes and the key are named
-    with pytest.raises(LayoutMismatch, match=re.escape("model.0.weight: the checkpoint holds global shape (3, 4) "
-                                                       "but rank 0's layout implies (5, 4)")):
+    with pytest.raises(
+        LayoutMismatch,
+        match=re.escape("model.0.weight: the checkpoint holds global shape (3, 4) but rank 0's layout implies (5, 4)"),
+    ):
         resume_from_checkpoint(str(tmp_path), model=other)
 
 
@@ -195,7 +223,9 @@ def test_model_only_resume_ignores_saved_optimizer(tmp_path: Any) -> None:
     m2, _ = _model(1)
     resume_from_checkpoint(str(tmp_path), model=m2)
     assert _equal(m, m2)
-    with pytest.raises(ValueError, match="^optimizer state is keyed by the model's parameter names: pass model= with optimizer=$"):
+    with pytest.raises(
+        ValueError, match="^optimizer state is keyed by the model's parameter names: pass model= with optimizer=$"
+    ):
         resume_from_checkpoint(str(tmp_path), optimizer=o)
 
 
@@ -223,9 +253,12 @@ def test_user_content_weights_only_by_default(tmp_path: Any) -> None:
     m, _ = _model(0)
     with pytest.warns(UserWarning, match="allow_pickle=True"):
         save_checkpoint(str(tmp_path), "a", model=m, user_content={"obj": Custom(3)})
-    with pytest.raises(UnsafeCheckpoint, match=r"(?s)^user_content needs arbitrary code to unpickle \(.*"
-                                               r"Unsupported global: GLOBAL [\w.]*Custom .*\); "
-                                               r"pass allow_pickle=True only if you trust this checkpoint$"):
+    with pytest.raises(
+        UnsafeCheckpoint,
+        match=r"(?s)^user_content needs arbitrary code to unpickle \(.*"
+        r"Unsupported global: GLOBAL [\w.]*Custom .*\); "
+        r"pass allow_pickle=True only if you trust this checkpoint$",
+    ):
         resume_from_checkpoint(str(tmp_path), model=m)
     assert resume_from_checkpoint(str(tmp_path), model=m, allow_pickle=True)["obj"].x == 3
 
@@ -234,14 +267,24 @@ def test_user_content_only(tmp_path: Any) -> None:
     save_checkpoint(str(tmp_path), "a", user_content={"epoch": 2})
     assert resume_from_checkpoint(str(tmp_path)) == {"epoch": 2}
     # a model passed on resume for a checkpoint without model state: strict refusal
-    with pytest.raises(LayoutMismatch, match=re.escape("4 keys are not in the checkpoint: model.0.weight, model.0.bias, "
-                                                       "model.2.weight, model.2.bias (pass allow_partial_load=True")):
+    with pytest.raises(
+        LayoutMismatch,
+        match=re.escape(
+            "4 keys are not in the checkpoint: model.0.weight, model.0.bias, "
+            "model.2.weight, model.2.bias (pass allow_partial_load=True"
+        ),
+    ):
         resume_from_checkpoint(str(tmp_path), model=_model(0)[0])
 
 
 def test_layout_must_fit_the_world(tmp_path: Any) -> None:
-    with pytest.raises(smpckpt.SpecError, match=re.escape("the world (no process group) has 1 ranks but the layout "
-                                                           "ParallelLayout(tp=2, pp=1, dp=1, pp_layers=None) describes 2")):
+    with pytest.raises(
+        smpckpt.SpecError,
+        match=re.escape(
+            "the world (no process group) has 1 ranks but the layout "
+            "ParallelLayout(tp=2, pp=1, dp=1, pp_layers=None) describes 2"
+        ),
+    ):
         save_checkpoint(str(tmp_path), "a", model=_model(0)[0], layout=smpckpt.ParallelLayout(tp=2))
 
 

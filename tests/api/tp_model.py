@@ -66,9 +66,9 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(n, D, bias=False)
         self.bias2 = nn.Parameter(full["bias2"].clone())
         with torch.no_grad():
-            self.fc1.weight.copy_(full["fc1.weight"][r * n:(r + 1) * n])
-            self.fc1.bias.copy_(full["fc1.bias"][r * n:(r + 1) * n])
-            self.fc2.weight.copy_(full["fc2.weight"][:, r * n:(r + 1) * n])
+            self.fc1.weight.copy_(full["fc1.weight"][r * n : (r + 1) * n])
+            self.fc1.bias.copy_(full["fc1.bias"][r * n : (r + 1) * n])
+            self.fc2.weight.copy_(full["fc2.weight"][:, r * n : (r + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.ctx.layout.tp > 1
@@ -110,7 +110,7 @@ def train_step(ctx: Ctx, model: TPMLP, opt: torch.optim.Optimizer, step: int) ->
     g = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)
     per = BATCH // ctx.layout.dp
-    x, y = x[ctx.dp_rank * per:(ctx.dp_rank + 1) * per], y[ctx.dp_rank * per:(ctx.dp_rank + 1) * per]
+    x, y = x[ctx.dp_rank * per : (ctx.dp_rank + 1) * per], y[ctx.dp_rank * per : (ctx.dp_rank + 1) * per]
     opt.zero_grad()
     loss = F.mse_loss(model(x), y)
     loss.backward()
@@ -136,8 +136,6 @@ def local_state(model: TPMLP, opt: torch.optim.Optimizer) -> dict[str, torch.Ten
     return out
 
 
-
-
 def global_state(pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Full tensors from every TP rank's local_state (in TP rank order)."""
     out = {}
@@ -148,5 +146,7 @@ def global_state(pieces: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
                 dim = 0
             elif ".fc2.weight" in name:
                 dim = 1
-        out[name] = torch.cat([p[name] for p in pieces], dim=dim) if dim is not None and len(pieces) > 1 else pieces[0][name]
+        out[name] = (
+            torch.cat([p[name] for p in pieces], dim=dim) if dim is not None and len(pieces) > 1 else pieces[0][name]
+        )
     return out

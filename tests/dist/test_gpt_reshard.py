@@ -178,8 +178,16 @@ def _tp_placements(name: str, tensor: torch.Tensor) -> list[Any]:
     """2-D (dp, tp) mesh: Megatron-like — replicate over dp, shard over tp as the model does."""
     from torch.distributed.tensor import Replicate, Shard
 
-    dims = {"qkv.weight": 1, "qkv.bias": 1, "proj.weight": 1, "fc1.weight": 0, "fc1.bias": 0,
-            "fc2.weight": 1, "embed.weight": 0, "head.weight": 0}
+    dims = {
+        "qkv.weight": 1,
+        "qkv.bias": 1,
+        "proj.weight": 1,
+        "fc1.weight": 0,
+        "fc1.bias": 0,
+        "fc2.weight": 1,
+        "embed.weight": 0,
+        "head.weight": 0,
+    }
     dim = next((d for suffix, d in dims.items() if name.endswith(suffix)), None)
     return [Replicate(), Replicate() if dim is None else Shard(dim)]
 
@@ -208,8 +216,7 @@ def _dtensor_world(rank: int, world: int, plain_path: str, dtensor_path: str) ->
     loaded = _from_dtensors(dest)
 
     source = _to_dtensors(loaded, mesh, _fsdp_tp_placements)
-    dcp.save(source, storage_writer=storage_writer(dtensor_path),
-             planner=ParallelSavePlanner(mesh_layout, rank=rank))
+    dcp.save(source, storage_writer=storage_writer(dtensor_path), planner=ParallelSavePlanner(mesh_layout, rank=rank))
     dist.barrier()
     back = _load_and_report(make_layout(CFG, tp=2, pp=2, dp=1), dtensor_path)
     return {"dtensor_loaded": loaded, "plain_from_dtensor": back} if rank == 0 else None
@@ -286,7 +293,7 @@ def test_single_process_reference_matches(saved: tuple[str, RunResult, RunResult
 def test_stock_dcp_loads_global_tensors(saved: tuple[str, RunResult, RunResult]) -> None:
     """Standard DCP metadata: the stock planner loads full tensors (fused QKV as [3, h, d])."""
     path, run, _ = saved
-    expected = {k[len("model."):]: v for k, v in run.state.items() if k.startswith("model.")}
+    expected = {k[len("model.") :]: v for k, v in run.state.items() if k.startswith("model.")}
     dest = {"model": {k: torch.zeros_like(checkpoint_shape(CFG, k, v)) for k, v in expected.items()}}
     dcp.load(dest, storage_reader=storage_reader(path), planner=DefaultLoadPlanner())
     for name, value in expected.items():
@@ -323,7 +330,7 @@ def test_default_planner_loses_same_name_shards_ours_does_not(tmp_path: Any) -> 
     # block, so at least one rank silently gets wrong values.
     defaults = [r["default"] for r in results]
     assert torch.equal(defaults[0], defaults[1])
-    assert any(not torch.equal(d, l) for d, l in zip(defaults, locals_))
+    assert any(not torch.equal(d, loc) for d, loc in zip(defaults, locals_))
     default_meta = storage_reader(str(tmp_path / "default")).read_metadata().state_dict_metadata["w"]
     assert tuple(default_meta.size) == tuple(locals_[0].shape)  # the global tensor was never recorded
     # Ours: each rank gets its own block back, and the checkpoint holds the whole global tensor.

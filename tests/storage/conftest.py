@@ -6,7 +6,6 @@ server is started once per session and reset before every test that uses it.
 
 from __future__ import annotations
 
-import os
 import uuid
 import warnings
 from collections.abc import Iterator

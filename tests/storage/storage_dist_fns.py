@@ -56,12 +56,19 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
     dcp.save(_sharded_state(mesh, 1), storage_writer=FsspecStorageWriter(url, storage_options=opts))
     out = _full_from(mesh, {})
     dcp.load(out, storage_reader=FsspecStorageReader(url, storage_options=opts))
-    ok_first = torch.equal(out["w"].full_tensor(), full_w(1)) and torch.equal(out["b"], torch.arange(10.0) + 1) and out["step"] == 1
+    ok_first = (
+        torch.equal(out["w"].full_tensor(), full_w(1))
+        and torch.equal(out["b"], torch.arange(10.0) + 1)
+        and out["step"] == 1
+    )
     save_id = read_manifest(url, opts).save_id
     failed_everywhere = False
     try:
-        dcp.save(_sharded_state(mesh, 2), storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True),
-                 planner=_FailOnRank(1))
+        dcp.save(
+            _sharded_state(mesh, 2),
+            storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True),
+            planner=_FailOnRank(1),
+        )
     except CheckpointException as exc:
         failed_everywhere = "injected failure on rank 1" in str(exc)
     dist.barrier()
@@ -125,8 +132,9 @@ def kill_entry(rank: int, world: int, init_file: str, url: str, out_dir: str) ->
     import traceback
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         killed_rank(rank, world, url)
         result = "saved"

@@ -60,7 +60,9 @@ class FaultyProxy:
                     self.close_connection = True
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")
+                }
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, save, unwrap, zeros_like_state
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -24,7 +25,6 @@ from smpckpt.storage import (
     remove_checkpoint,
     verify_checkpoint,
 )
-from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, save, unwrap, zeros_like_state
 
 Backend = tuple[str, dict[str, Any]]
 

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import multiprocessing as mp
-
 from dist_harness import run_world
+from storage_dist_fns import full_w, kill_entry, reshard_load, save_load_and_fail
 
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, checkpoint_state, read_manifest
-from storage_dist_fns import full_w, kill_entry, reshard_load, save_load_and_fail
 
 pytestmark = pytest.mark.dist
 # No warning filters here: the parent's only warning (DCP's "torch.distributed is disabled" for the
@@ -22,8 +21,14 @@ pytestmark = pytest.mark.dist
 
 def _check(results: list[dict[str, Any]]) -> None:
     for r in results:
-        assert r == {"ok_first": True, "failed_everywhere": True, "old_still_loads": True, "same_commit": True,
-                     "state": "committed", "files": r["files"]}
+        assert r == {
+            "ok_first": True,
+            "failed_everywhere": True,
+            "old_still_loads": True,
+            "same_commit": True,
+            "state": "committed",
+            "files": r["files"],
+        }
         assert r["files"] >= 2  # both ranks wrote data
 
 

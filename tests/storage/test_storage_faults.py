@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, unwrap
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.storage._sinks import Sink
-from storage_helpers import assert_state_equal, load_error, make_state, roundtrip_load, unwrap
 
 Backend = tuple[str, dict[str, Any]]
 
@@ -112,7 +112,10 @@ def test_failed_first_save_is_refused(backend: Backend, point: str) -> None:
     url = f"{base}/first"
     sd = make_state(3)
     if point == "mid_write":
-        args: dict[str, Any] = {"storage_writer": FsspecStorageWriter(url, storage_options=opts), "planner": FailingPlanner(2)}
+        args: dict[str, Any] = {
+            "storage_writer": FsspecStorageWriter(url, storage_options=opts),
+            "planner": FailingPlanner(2),
+        }
         # four writer threads share the planner: every item after the 2nd fails, and which thread's failure
         # (so which item number) the writer re-raises is a race; the message itself is pinned
         expected = r"injected failure at item \d+"
@@ -138,8 +141,10 @@ def test_failed_first_save_is_refused(backend: Backend, point: str) -> None:
         assert data and len(gen_md) == 1, names
         assert set(names) == set(data) | set(gen_md), names  # no manifest, no stock .metadata copy
         assert checkpoint_state(url, opts) == "uncommitted"
-        assert str(err).startswith(f"{url} holds an uncommitted (incomplete or failed) save: {len(names)} file(s) "
-                                   "but no smpckpt.manifest.json and no .metadata"), str(err)
+        assert str(err).startswith(
+            f"{url} holds an uncommitted (incomplete or failed) save: {len(names)} file(s) "
+            "but no smpckpt.manifest.json and no .metadata"
+        ), str(err)
 
 
 class DiskFullSink:
@@ -223,7 +228,12 @@ def test_s3_throttling_and_5xx_are_retried(s3: Backend, moto_endpoint: str) -> N
     sd = _big_state()
     with FaultyProxy(moto_endpoint, should_fail) as proxy:
         popts = _proxy_opts(opts, proxy.url, attempts=5)
-        dcp.save(sd, storage_writer=FsspecStorageWriter(f"{base}/retry", storage_options=popts, part_size=16 << 20, thread_count=1))
+        dcp.save(
+            sd,
+            storage_writer=FsspecStorageWriter(
+                f"{base}/retry", storage_options=popts, part_size=16 << 20, thread_count=1
+            ),
+        )
         assert len(proxy.injected) == 3, proxy.injected
     assert_state_equal(sd, roundtrip_load(sd, f"{base}/retry", opts))
 
@@ -231,7 +241,6 @@ def test_s3_throttling_and_5xx_are_retried(s3: Backend, moto_endpoint: str) -> N
 @pytest.mark.s3
 def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint: str) -> None:
     import boto3
-
     from storage_faulty_proxy import FaultyProxy
 
     base, opts = s3
@@ -244,8 +253,12 @@ def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint:
     with FaultyProxy(moto_endpoint, should_fail) as proxy:
         popts = _proxy_opts(opts, proxy.url, attempts=2)
         with pytest.raises(CheckpointException, match="We encountered an internal error") as info:
-            dcp.save(_big_state(), storage_writer=FsspecStorageWriter(f"{base}/p", storage_options=popts, overwrite=True,
-                                                                     part_size=16 << 20, thread_count=1))
+            dcp.save(
+                _big_state(),
+                storage_writer=FsspecStorageWriter(
+                    f"{base}/p", storage_options=popts, overwrite=True, part_size=16 << 20, thread_count=1
+                ),
+            )
         # only part 2 of the one multipart upload failed, and it was retried (botocore's attempts, and s3fs
         # may add its own) before the save gave up
         assert len(proxy.injected) >= 2, proxy.injected

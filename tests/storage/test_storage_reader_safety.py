@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_helpers import assert_state_equal, make_state, save, unwrap, zeros_like_state
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -29,7 +30,6 @@ from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, Manifest, open_fs
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._read_io import BufferPool
-from storage_helpers import assert_state_equal, make_state, save, unwrap, zeros_like_state
 
 Backend = tuple[str, dict[str, Any]]
 
@@ -299,7 +299,9 @@ def test_committed_record_naming_an_unlisted_file_is_corrupt(backend: Backend) -
     # a plain name inside the folder, but not a data file of this generation (the metadata copy itself)
     _rewrite_record(url, opts, "model.w", lambda info, size: {"relative_path": ".metadata"})
     err = _load_fails(sd, url, opts)
-    with pytest.raises(CheckpointCorrupt, match=r"\.metadata: data file of key 'model\.w' is not listed in the manifest"):
+    with pytest.raises(
+        CheckpointCorrupt, match=r"\.metadata: data file of key 'model\.w' is not listed in the manifest"
+    ):
         raise err
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from storage_helpers import assert_state_equal, make_state, roundtrip_load, unwrap, zeros_like_state
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -41,7 +42,6 @@ from smpckpt.storage import (
     verify_checkpoint,
 )
 from smpckpt.storage._fs import remove_files
-from storage_helpers import assert_state_equal, make_state, roundtrip_load, unwrap, zeros_like_state
 
 Backend = tuple[str, dict[str, Any]]
 
@@ -357,7 +357,10 @@ def test_two_processes_race_one_folder(tmp_path: Any) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "race-worker", str(who), str(base), str(sync), str(rounds)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for who in (0, 1)
     ]
@@ -549,7 +552,9 @@ class UploadClockProxy:
                 body = self.rfile.read(length) if length else b""
                 query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query, keep_blank_values=True)
                 conn = http.client.HTTPConnection(*target, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")
+                }
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()

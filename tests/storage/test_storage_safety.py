@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_helpers import load, load_error, make_state, save, unwrap
 from torch.distributed.checkpoint import FileSystemWriter
 
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 from smpckpt.storage import checkpoint_state
 from smpckpt.storage._safe_pickle import check_weights_only, load_metadata
-from storage_helpers import load, load_error, make_state, save, unwrap
 
 # os.system pickles as posix.system on POSIX (nt.system on Windows)
 _SYSTEM_REFUSED = r"global '(posix|nt|os)\.system' is not allowed in checkpoint metadata"
@@ -112,7 +112,9 @@ def test_weights_only_objects_pass(tmp_path: Any) -> None:
     ],
 )
 def test_unreadable_object_bytes_are_corrupt_not_unsafe(data: bytes) -> None:
-    with pytest.raises(CheckpointCorrupt, match=r"^t: object bytes (cannot be read|are not a readable torch.save record): "):
+    with pytest.raises(
+        CheckpointCorrupt, match=r"^t: object bytes (cannot be read|are not a readable torch.save record): "
+    ):
         check_weights_only(data, where="t")
 
 

@@ -35,7 +35,9 @@ def test_slice_byte_range_matches_oracle(s: tuple[list[int], list[int], list[int
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=30), st.integers(0, 10), st.integers(1, 120))
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=30), st.integers(0, 10), st.integers(1, 120)
+)
 def test_coalesce_covers_every_need_once(ranges: list[tuple[int, int]], gap: int, max_bytes: int) -> None:
     needs = [Need(s, s + n, i) for i, (s, n) in enumerate(ranges)]
     fetches = coalesce(needs, gap=gap, max_bytes=max_bytes)
@@ -74,8 +76,9 @@ def test_coalesce_covers_every_need_once(ranges: list[tuple[int, int]], gap: int
         ([], 0, 10, []),
     ],
 )
-def test_coalesce_examples(needs: list[tuple[int, int]], gap: int, max_bytes: int,
-                           expected: list[tuple[int, int, list[int]]]) -> None:
+def test_coalesce_examples(
+    needs: list[tuple[int, int]], gap: int, max_bytes: int, expected: list[tuple[int, int, list[int]]]
+) -> None:
     got = coalesce([Need(a, b, i) for i, (a, b) in enumerate(needs)], gap=gap, max_bytes=max_bytes)
     assert [(f.start, f.end, [n.item for n in f.needs]) for f in got] == expected
 
@@ -146,7 +149,9 @@ def test_block_hasher_example() -> None:
 
 def test_manifest_roundtrip_and_validation() -> None:
     rec = FileRecord("f", 10, 0, (4, 10), (1, 2**64 - 1))
-    m = Manifest("abcdef0123", "partial", "raw", MetadataRecord(".metadata.abcdef0123", 5, 7), (rec,), 1, "now", {"k": [1]})
+    m = Manifest(
+        "abcdef0123", "partial", "raw", MetadataRecord(".metadata.abcdef0123", 5, 7), (rec,), 1, "now", {"k": [1]}
+    )
     back = Manifest.from_bytes(m.to_bytes())
     assert back == m
     assert list(rec.blocks_covering(3, 5)) == [0, 1] and list(rec.blocks_covering(4, 10)) == [1]

@@ -62,20 +62,51 @@ def _fmt(layout: tuple[int, int, int]) -> str:
 
 
 # -- launching ranks -------------------------------------------------------------------------------
+def _shutdown_group() -> bool:
+    """A rank's last distributed step, after its work succeeded: barrier, then destroy the groups.
+
+    The barrier keeps any rank from tearing down while a peer is still inside a collective. Destroying
+    the groups joins gloo's worker threads while Python is still running: a rank that exits with them
+    alive can abort in interpreter shutdown (SIGABRT, "terminate called without an active exception")
+    after a good save. User scripts should end their ranks the same way. False when the barrier
+    failed (a peer failed or left; its own report says why) and the broken group was left as it is.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - the peer's failure is the one to report
+        return False
+    dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles go now, not in interpreter shutdown
+    return True
+
+
 def _rank_entry(rank: int, world: int, tmp: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    clean = False
     try:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-        try:
-            result: Any = ("ok", fn(rank, world, *args))
-        finally:
-            dist.destroy_process_group()
+        result: Any = ("ok", fn(rank, world, *args))
+        clean = _shutdown_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if not clean:
+        # After a failure there is no barrier or destroy: a collective may still be in flight here
+        # (destroying would wait on it) and the peers may be inside another one. Leave at once: the
+        # closed sockets fail any peer still waiting on this rank, and skipping interpreter shutdown
+        # keeps the live gloo threads from turning the reported error into an abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 110.0) -> Any:
@@ -85,7 +116,9 @@ def _launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 110
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="smpckpt-demo-world-") as tmp:
-        ctx = mp.start_processes(_rank_entry, args=(world, tmp, fn, args), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _rank_entry, args=(world, tmp, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
@@ -135,7 +168,9 @@ def _slowest(seconds: float) -> float:
     return float(value)
 
 
-def _save_rank(rank: int, world: int, cfg: Any, layout: tuple[int, int, int], path: str, steps: int) -> WorldReport | None:
+def _save_rank(
+    rank: int, world: int, cfg: Any, layout: tuple[int, int, int], path: str, steps: int
+) -> WorldReport | None:
     from smpckpt import demo_model as dm
 
     ctx = dm.build_context(dm.make_layout(cfg, *layout))
@@ -153,7 +188,9 @@ def _save_rank(rank: int, world: int, cfg: Any, layout: tuple[int, int, int], pa
     return WorldReport(state, logits, next_loss, seconds) if rank == 0 else None
 
 
-def _load_rank(rank: int, world: int, cfg: Any, layout: tuple[int, int, int], path: str, steps: int) -> WorldReport | None:
+def _load_rank(
+    rank: int, world: int, cfg: Any, layout: tuple[int, int, int], path: str, steps: int
+) -> WorldReport | None:
     from smpckpt import demo_model as dm
 
     ctx = dm.build_context(dm.make_layout(cfg, *layout))
@@ -213,9 +250,12 @@ def _print_check(check: Check, n_tensors: int, seconds: float, nbytes: int, next
     exact = n_tensors - len(check.state_problems)
     how = "bit-exact" if check.bitwise_logits else f"max |diff| {check.logits_diff:.1e} <= {LOGIT_TOLERANCE:g}"
     print(f"      loaded in {seconds:.2f} s ({_gbps(nbytes, seconds)})", flush=True)
-    print(f"      {exact}/{n_tensors} global tensors bit-exact; logits {how}: "
-          f"{'ok' if check.logits_ok else 'MISMATCH'}; next-step loss {next_loss:.6f}: "
-          f"{'ok' if check.loss_ok else 'MISMATCH'}", flush=True)
+    print(
+        f"      {exact}/{n_tensors} global tensors bit-exact; logits {how}: "
+        f"{'ok' if check.logits_ok else 'MISMATCH'}; next-step loss {next_loss:.6f}: "
+        f"{'ok' if check.loss_ok else 'MISMATCH'}",
+        flush=True,
+    )
     for problem in check.state_problems[:10]:
         print(f"      MISMATCH {problem}", flush=True)
 
@@ -243,7 +283,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="checkpoint folder (kept); default: a temporary folder, removed at exit")
     p.add_argument("--world", type=int, help="save world size (picks tp=2, pp=2 where they divide; the rest dp)")
     p.add_argument("--save", type=parse_layout, default=None, metavar="TPxPPxDP", help="save layout (default 2x2x2)")
-    p.add_argument("--load", type=parse_layout, default=(4, 1, 1), metavar="TPxPPxDP", help="reload layout (default 4x1x1)")
+    p.add_argument(
+        "--load", type=parse_layout, default=(4, 1, 1), metavar="TPxPPxDP", help="reload layout (default 4x1x1)"
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps before the save (default 3)")
     p.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     p.add_argument("--d-model", type=int, default=32, help="model width (default 32); larger gives more bytes")
@@ -286,22 +328,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _run(cfg: Any, save_layout: tuple[int, int, int], load_layout: tuple[int, int, int], path: str,
-         steps: int, started: float) -> int:
+def _run(
+    cfg: Any,
+    save_layout: tuple[int, int, int],
+    load_layout: tuple[int, int, int],
+    path: str,
+    steps: int,
+    started: float,
+) -> int:
     from smpckpt import demo
     from smpckpt.demo_model import global_shapes
 
     n_params = sum(torch.Size(s).numel() for s in global_shapes(cfg).values())
-    print(f"smpckpt demo: GPT with {cfg.n_layers} layers, d={cfg.d_model}, vocab={cfg.vocab} "
-          f"({n_params:,} parameters + Adam state), checkpoint in {path}", flush=True)
+    print(
+        f"smpckpt demo: GPT with {cfg.n_layers} layers, d={cfg.d_model}, vocab={cfg.vocab} "
+        f"({n_params:,} parameters + Adam state), checkpoint in {path}",
+        flush=True,
+    )
 
     world = save_layout[0] * save_layout[1] * save_layout[2]
-    print(f"[1/3] training at {_fmt(save_layout)} on {world} processes, then dcp.save + ParallelSavePlanner",
-          flush=True)
+    print(
+        f"[1/3] training at {_fmt(save_layout)} on {world} processes, then dcp.save + ParallelSavePlanner", flush=True
+    )
     saved: WorldReport = _launch(demo._save_rank, world, cfg, save_layout, path, steps)
     nbytes, nfiles, ntensors = _checkpoint_stats(path)
-    print(f"      saved {ntensors} tensors, {nbytes / 1e6:.2f} MB in {nfiles} files, "
-          f"{saved.seconds:.2f} s ({_gbps(nbytes, saved.seconds)})", flush=True)
+    print(
+        f"      saved {ntensors} tensors, {nbytes / 1e6:.2f} MB in {nfiles} files, "
+        f"{saved.seconds:.2f} s ({_gbps(nbytes, saved.seconds)})",
+        flush=True,
+    )
 
     world = load_layout[0] * load_layout[1] * load_layout[2]
     how = "same layout: fast path" if load_layout == save_layout else "ParallelLoadPlanner reshards"
@@ -319,19 +374,30 @@ def _run(cfg: Any, save_layout: tuple[int, int, int], load_layout: tuple[int, in
     ok = first.ok and second.ok
     print("Summary", flush=True)
     n_model = sum(1 for k in saved.state if k.startswith("model."))
-    print(f"  tensors     {ntensors} in the checkpoint ({n_model} parameters + {ntensors - n_model} Adam "
-          f"exp_avg/exp_avg_sq/step); {len(saved.state)} global values compared, learning rates included",
-          flush=True)
+    print(
+        f"  tensors     {ntensors} in the checkpoint ({n_model} parameters + {ntensors - n_model} Adam "
+        f"exp_avg/exp_avg_sq/step); {len(saved.state)} global values compared, learning rates included",
+        flush=True,
+    )
     print(f"  bytes       {nbytes:,} in {nfiles} files", flush=True)
     print(f"  save        {_fmt(save_layout)}: {saved.seconds:.2f} s, {_gbps(nbytes, saved.seconds)}", flush=True)
-    print(f"  load        {_fmt(load_layout)}: {loaded.seconds:.2f} s, {_gbps(nbytes, loaded.seconds)}; "
-          f"tp=1: {here.seconds:.2f} s, {_gbps(nbytes, here.seconds)}", flush=True)
+    print(
+        f"  load        {_fmt(load_layout)}: {loaded.seconds:.2f} s, {_gbps(nbytes, loaded.seconds)}; "
+        f"tp=1: {here.seconds:.2f} s, {_gbps(nbytes, here.seconds)}",
+        flush=True,
+    )
     logits_ok = all(c.logits_ok and c.loss_ok for c in (first, second))
-    print(f"  logits      {'match' if logits_ok else 'MISMATCH'} (max |diff| "
-          f"{max(first.logits_diff, second.logits_diff):.1e}, tolerance {LOGIT_TOLERANCE:g} across TP degrees, "
-          "bitwise when the layout is unchanged); next-step loss too", flush=True)
-    print(f"  bit-exact: {'yes' if exact else 'NO'}   (parameters and optimizer state, every layout; "
-          f"{time.perf_counter() - started:.1f} s in all)", flush=True)
+    print(
+        f"  logits      {'match' if logits_ok else 'MISMATCH'} (max |diff| "
+        f"{max(first.logits_diff, second.logits_diff):.1e}, tolerance {LOGIT_TOLERANCE:g} across TP degrees, "
+        "bitwise when the layout is unchanged); next-step loss too",
+        flush=True,
+    )
+    print(
+        f"  bit-exact: {'yes' if exact else 'NO'}   (parameters and optimizer state, every layout; "
+        f"{time.perf_counter() - started:.1f} s in all)",
+        flush=True,
+    )
     return 0 if ok else 1
 
 

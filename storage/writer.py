@@ -30,28 +30,23 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import io
 import json
 import logging
-import math
 import os
 import pickle
-from collections import deque
 from collections.abc import Mapping
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names
-from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, BlockHasher, hash_bytes
+from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
     fsync_dir,
@@ -65,16 +60,12 @@ from smpckpt.storage._fs import (
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
+from smpckpt.storage._write_file import split_items, write_file
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
 __all__ = ["FsspecStorageWriter"]
 
 log = logging.getLogger(__name__)
-
-# bytes handed to the hash thread at a time: small enough that hashing trails the write closely
-_CHUNK = 8 << 20
-# hash chunks a file's writer may run ahead of its hasher (bounds memory held for temporary buffers)
-_MAX_HASH_BACKLOG = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,60 +76,11 @@ class _RankPlanData:
     rank: int
 
 
-#: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
-_FILE_RESULT_FQN = "\x00smpckpt.file"
-
-
 def _with_layout_record(extra: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
     """The manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when
     the planner wrote one), so listing tools read the partition without fetching ``.metadata``."""
     record = LayoutRecord.json_in_metadata(metadata)
     return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
-
-
-def _torch_save_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    # torch.save writes the whole storage: compact views so the record holds only this tensor
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone(memory_format=torch.contiguous_format)
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    return buf.getbuffer()
-
-
-def _item_size(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
-
-
-def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Objects round-robin, tensors largest-first to the least-loaded bin; empty bins dropped."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    sizes = [0] * bins
-    objects = [it for it in items if it.type == WriteItemType.BYTE_IO]
-    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True)
-    for i, it in enumerate(objects):
-        buckets[i % bins].append(it)
-    for it in tensors:
-        j = min(range(bins), key=sizes.__getitem__)
-        buckets[j].append(it)
-        sizes[j] += _item_size(it)
-    return [b for b in buckets if b]
 
 
 class FsspecStorageWriter(StorageWriter):
@@ -380,7 +322,7 @@ class FsspecStorageWriter(StorageWriter):
             )
         if is_local(self.fs):
             os.makedirs(self.path, exist_ok=True)
-        buckets = _split(list(plan.items), self.thread_count)
+        buckets = split_items(list(plan.items), self.thread_count)
         names = [_names.data_file_name(data.save_id, data.rank, n) for n in range(len(buckets))]
         results: list[WriteResult] = []
         errors: list[BaseException] = []
@@ -405,63 +347,6 @@ class FsspecStorageWriter(StorageWriter):
         return results
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int) -> list[WriteResult]:
-        sink = self._open_sink(name)
-        hasher = BlockHasher(self.block_size)
-        results: list[WriteResult] = []
-        offset = 0
-        backlog: deque[concurrent.futures.Future[None]] = deque()
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash") as hash_pool:
-            try:
-                # objects first (small), then tensors, as DCP does
-                ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
-                    i for i in items if i.type != WriteItemType.BYTE_IO
-                ]
-                for item in ordered:
-                    value = planner.resolve_data(item)
-                    descriptors: list[str] | None = None
-                    if item.type == WriteItemType.BYTE_IO:
-                        if not isinstance(value, io.BytesIO):
-                            raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
-                        mv = value.getbuffer()
-                    elif not isinstance(value, torch.Tensor):
-                        raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
-                    elif self.format == "raw":
-                        mv = _tensor_bytes(value)
-                        descriptors = [_names.RAW_DESCRIPTOR]
-                    else:
-                        mv = _torch_save_bytes(value)
-                    nbytes = mv.nbytes
-                    backlog.append(hash_pool.submit(hasher.start_item, nbytes))
-                    flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-                    for i in range(0, nbytes, _CHUNK):
-                        chunk = flat[i : i + _CHUNK]
-                        # hash on the second thread while this one writes the same bytes
-                        backlog.append(hash_pool.submit(hasher.update, chunk))
-                        sink.write(chunk)
-                        while len(backlog) > _MAX_HASH_BACKLOG:
-                            backlog.popleft().result()
-                    results.append(
-                        WriteResult(
-                            index=item.index,
-                            size_in_bytes=nbytes,
-                            storage_data=_StorageInfo(name, offset, nbytes, transform_descriptors=descriptors),
-                        )
-                    )
-                    offset += nbytes
-                while backlog:
-                    backlog.popleft().result()
-                ends, digests = hasher.finish()
-                sink.commit()
-            except BaseException:
-                for f in backlog:
-                    f.cancel()
-                sink.abort()
-                raise
-        results.append(
-            WriteResult(
-                index=MetadataIndex(f"{_FILE_RESULT_FQN}/{name}"),
-                size_in_bytes=offset,
-                storage_data=FileRecord(name, offset, rank, tuple(ends), tuple(digests)),
-            )
+        return write_file(
+            self._open_sink(name), name, items, planner, rank, raw=self.format == "raw", block_size=self.block_size
         )
-        return results

@@ -3,12 +3,24 @@
 Rendezvous goes through a ``file://`` store in a fresh temp dir, so no port is chosen by hand. Each
 rank's return value (picklable) comes back in rank order; an exception on any rank is re-raised in
 the parent with that rank's traceback. Every wait is bounded.
+
+Teardown is ordered and its end deterministic. A rank whose function returned waits at a barrier
+(no rank tears down while a peer is still inside a collective), destroys the process group and
+collects garbage; then, with its result on disk, it leaves with ``os._exit``. Interpreter shutdown is
+skipped on purpose: torch 2.13's DTensor caches keep a ``DeviceMesh`` and its process groups alive
+past ``destroy_process_group()``, so their gloo worker threads would otherwise be joined inside
+``Py_FinalizeEx``, where a worker still releasing a finished collective's tensors needs the GIL, is
+ended by ``pthread_exit`` and aborts the rank (SIGABRT, ``terminate called without an active
+exception``), at random, after its work succeeded. A rank whose function raised skips the barrier and
+the destroy (a collective may still be in flight on it, and destroying would wait on it): it reports
+and exits, and the closed sockets fail any peer still waiting on it at once.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -23,6 +35,22 @@ class RankFailed(AssertionError):
     pass
 
 
+def _teardown() -> None:
+    """After ``fn`` returned on this rank: barrier, then destroy the groups while Python still runs."""
+    import gc
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # fn tore the group down itself
+    try:
+        dist.barrier()  # every rank is past its last collective before any rank destroys its groups
+    except Exception:  # noqa: BLE001 - a peer failed or left; its own report says why
+        return  # a broken group goes with the process (os._exit below)
+    dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles (exception tracebacks, meshes) go now
+
+
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
     import torch.distributed as dist
 
@@ -30,16 +58,22 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callabl
     result: Any
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
         )
-        try:
-            result = ("ok", fn(rank, world_size, *args))
-        finally:
-            dist.destroy_process_group()
+        result = ("ok", fn(rank, world_size, *args))
+        _teardown()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not a normal interpreter exit: see the module docstring. Exit status 0 either way; the result
+    # file says ok or error.
+    os._exit(0)
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
@@ -51,8 +85,11 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     with tempfile.TemporaryDirectory(prefix="smpckpt-world-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
-            _entry, args=(world_size, init_file, tmp, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            _entry,
+            args=(world_size, init_file, tmp, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         deadline_ok = True
         import time

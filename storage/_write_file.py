@@ -1,0 +1,144 @@
+"""One data file of one rank: items written in order through a sink, hashed on a second thread.
+
+:func:`write_file` is the writer's data path (``FsspecStorageWriter.write_data`` runs one per file
+on its thread pool); :func:`split_items` decides which items go to which file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import math
+from collections import deque
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from smpckpt.storage import _names
+from smpckpt.storage._checksum import BlockHasher
+from smpckpt.storage._sinks import Sink
+from smpckpt.storage.manifest import FileRecord
+
+__all__ = ["write_file", "split_items", "FILE_RESULT_FQN"]
+
+# bytes handed to the hash thread at a time: small enough that hashing trails the write closely
+_CHUNK = 8 << 20
+# hash chunks a file's writer may run ahead of its hasher (bounds memory held for temporary buffers)
+_MAX_HASH_BACKLOG = 8
+#: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
+FILE_RESULT_FQN = "\x00smpckpt.file"
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _torch_save_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # torch.save writes the whole storage: compact views so the record holds only this tensor
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getbuffer()
+
+
+def _item_size(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
+def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Objects round-robin, tensors largest-first to the least-loaded bin; empty bins dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    objects = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True)
+    for i, it in enumerate(objects):
+        buckets[i % bins].append(it)
+    for it in tensors:
+        j = min(range(bins), key=sizes.__getitem__)
+        buckets[j].append(it)
+        sizes[j] += _item_size(it)
+    return [b for b in buckets if b]
+
+
+def write_file(
+    sink: Sink, name: str, items: list[WriteItem], planner: SavePlanner, rank: int, *, raw: bool, block_size: int
+) -> list[WriteResult]:
+    """Write ``items`` into ``sink`` (objects first, then tensors) and commit it; the last result
+    carries the file's :class:`FileRecord` (size, block ends and digests) for the manifest."""
+    hasher = BlockHasher(block_size)
+    results: list[WriteResult] = []
+    offset = 0
+    backlog: deque[concurrent.futures.Future[None]] = deque()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash") as hash_pool:
+        try:
+            # objects first (small), then tensors, as DCP does
+            ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
+                i for i in items if i.type != WriteItemType.BYTE_IO
+            ]
+            for item in ordered:
+                value = planner.resolve_data(item)
+                descriptors: list[str] | None = None
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(value, io.BytesIO):
+                        raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
+                    mv = value.getbuffer()
+                elif not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
+                elif raw:
+                    mv = _tensor_bytes(value)
+                    descriptors = [_names.RAW_DESCRIPTOR]
+                else:
+                    mv = _torch_save_bytes(value)
+                nbytes = mv.nbytes
+                backlog.append(hash_pool.submit(hasher.start_item, nbytes))
+                flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+                for i in range(0, nbytes, _CHUNK):
+                    chunk = flat[i : i + _CHUNK]
+                    # hash on the second thread while this one writes the same bytes
+                    backlog.append(hash_pool.submit(hasher.update, chunk))
+                    sink.write(chunk)
+                    while len(backlog) > _MAX_HASH_BACKLOG:
+                        backlog.popleft().result()
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=nbytes,
+                        storage_data=_StorageInfo(name, offset, nbytes, transform_descriptors=descriptors),
+                    )
+                )
+                offset += nbytes
+            while backlog:
+                backlog.popleft().result()
+            ends, digests = hasher.finish()
+            sink.commit()
+        except BaseException:
+            for f in backlog:
+                f.cancel()
+            sink.abort()
+            raise
+    results.append(
+        WriteResult(
+            index=MetadataIndex(f"{FILE_RESULT_FQN}/{name}"),
+            size_in_bytes=offset,
+            storage_data=FileRecord(name, offset, rank, tuple(ends), tuple(digests)),
+        )
+    )
+    return results

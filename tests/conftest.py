@@ -15,8 +15,9 @@ os.environ["AWS_SESSION_TOKEN"] = "testing"
 os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
 os.environ.pop("AWS_PROFILE", None)
 
-# Tests import helpers (dist_harness, sim) from this folder.
+# Tests import helpers (dist_harness, sim) from this folder, and the demo's model from examples/.
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 
 def pytest_addoption(parser):

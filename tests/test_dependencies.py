@@ -79,11 +79,19 @@ def test_package_imports_are_declared():
     assert not problems, "\n".join(problems)
 
 
+def test_example_imports_need_only_the_runtime_dependencies():
+    # the demo is the README's first command, run after `pip install -e .` with no extras
+    files = list((ROOT / "examples").rglob("*.py"))
+    assert files, "no python files under examples/"
+    problems = _undeclared(files, _declared(()), local=_local_names(ROOT / "examples"))
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("folder", ["tests", "benchmarks"])
 def test_test_and_benchmark_imports_are_declared(folder):
     files = list((ROOT / folder).rglob("*.py"))
     assert files, f"no python files under {folder}/"
-    local = _local_names(ROOT / "tests") | _local_names(ROOT / "benchmarks")
+    local = _local_names(ROOT / "tests") | _local_names(ROOT / "benchmarks") | _local_names(ROOT / "examples")
     problems = _undeclared(files, _declared(TEST_EXTRAS), local=local)
     assert not problems, "\n".join(problems)
 

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from demo_model import _CopyToTP as _Copy  # Megatron f/g ops, shared with the demo model
+from demo_model import _ReduceFromTP as _Reduce
 from torch import nn
 
 from smpckpt import ParallelLayout, ShardSpec
-from smpckpt.demo_model import _CopyToTP as _Copy  # Megatron f/g ops, shared with the demo model
-from smpckpt.demo_model import _ReduceFromTP as _Reduce
 
 D, F_DIM, BLOCKS, BATCH = 8, 16, 2, 8
 

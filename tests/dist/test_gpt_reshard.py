@@ -1,6 +1,6 @@
 """End-to-end resharding of a TP x PP x DP GPT through the real ``dcp.save``/``dcp.load`` (gloo, CPU).
 
-The model (:mod:`smpckpt.demo_model`) is saved once at (tp=2, pp=2, dp=2) on 8 ranks and then loaded:
+The model (:mod:`demo_model` (examples/)) is saved once at (tp=2, pp=2, dp=2) on 8 ranks and then loaded:
 
 * at the same layout (bit-exact logits, the fast path),
 * at (tp=4, pp=1, dp=1) on 4 ranks (uneven vocabulary split 16/16/15/15),
@@ -27,7 +27,7 @@ from dist_harness import run_world
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from smpckpt import ParallelLayout, ShardSpec
-from smpckpt.demo_model import (
+from demo_model import (
     GPTConfig,
     ParallelContext,
     build_context,

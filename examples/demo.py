@@ -1,7 +1,7 @@
-"""``python -m smpckpt.demo``: train a TP x PP x DP GPT on CPU processes, save, reload elsewhere, verify.
+"""``python3 examples/demo.py``: train a TP x PP x DP GPT on CPU processes, save, reload elsewhere, verify.
 
 1. Spawns ``tp*pp*dp`` gloo ranks on 127.0.0.1 (default 2x2x2 = 8), trains the tiny GPT of
-   :mod:`smpckpt.demo_model` a few steps and saves a partial (per-rank shard) checkpoint with
+   :mod:`demo_model` (beside this file) a few steps and saves a partial (per-rank shard) checkpoint with
    ``dcp.save`` + :class:`~smpckpt.planners.ParallelSavePlanner`.
 2. Spawns a world of another layout (default 4x1x1 = 4 ranks) and loads the checkpoint with
    :class:`~smpckpt.planners.ParallelLoadPlanner`, resharding.
@@ -171,7 +171,7 @@ def _slowest(seconds: float) -> float:
 def _save_rank(
     rank: int, world: int, cfg: Any, layout: tuple[int, int, int], path: str, steps: int
 ) -> WorldReport | None:
-    from smpckpt import demo_model as dm
+    import demo_model as dm
 
     ctx = dm.build_context(dm.make_layout(cfg, *layout))
     stage = dm.build_model(cfg, ctx)
@@ -191,7 +191,7 @@ def _save_rank(
 def _load_rank(
     rank: int, world: int, cfg: Any, layout: tuple[int, int, int], path: str, steps: int
 ) -> WorldReport | None:
-    from smpckpt import demo_model as dm
+    import demo_model as dm
 
     ctx = dm.build_context(dm.make_layout(cfg, *layout))
     stage = dm.build_model(cfg, ctx, seed=LOAD_SEED)
@@ -233,7 +233,7 @@ class Check:
 
 
 def _check(name: str, saved: WorldReport, loaded: WorldReport, same_layout: bool) -> Check:
-    from smpckpt.demo_model import compare_states
+    from demo_model import compare_states
 
     problems = compare_states(saved.state, loaded.state)
     diff = float((saved.logits.double() - loaded.logits.double()).abs().max())
@@ -266,9 +266,8 @@ def _gbps(nbytes: int, seconds: float) -> str:
 
 def _checkpoint_stats(path: str) -> tuple[int, int, int]:
     """``(data bytes, files, tensors recorded in the metadata)``."""
+    from demo_model import storage_reader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from smpckpt.demo_model import storage_reader
 
     names = [n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))]
     data = sum(os.path.getsize(os.path.join(path, n)) for n in names if not n.startswith("."))
@@ -279,7 +278,7 @@ def _checkpoint_stats(path: str) -> tuple[int, int, int]:
 
 # -- main ------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m smpckpt.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 examples/demo.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="checkpoint folder (kept); default: a temporary folder, removed at exit")
     p.add_argument("--world", type=int, help="save world size (picks tp=2, pp=2 where they divide; the rest dp)")
     p.add_argument("--save", type=parse_layout, default=None, metavar="TPxPPxDP", help="save layout (default 2x2x2)")
@@ -293,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from smpckpt.demo_model import GPTConfig
+    from demo_model import GPTConfig
 
     d = args.d_model
     return GPTConfig(d_model=d, attn_width=d, d_ff=2 * d, n_layers=args.layers)
@@ -306,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_layout = args.save or (layout_for_world(args.world) if args.world else (2, 2, 2))
     load_layout: tuple[int, int, int] = args.load
     cfg = _config(args)
-    from smpckpt import demo_model as dm
+    import demo_model as dm
+
     from smpckpt.errors import SpecError
 
     for layout in (save_layout, load_layout):
@@ -336,8 +336,8 @@ def _run(
     steps: int,
     started: float,
 ) -> int:
-    from smpckpt import demo
-    from smpckpt.demo_model import global_shapes
+    import demo  # this file as a module: spawned ranks find its functions by name, not as __main__
+    from demo_model import global_shapes
 
     n_params = sum(torch.Size(s).numel() for s in global_shapes(cfg).values())
     print(

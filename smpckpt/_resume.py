@@ -29,7 +29,7 @@ from smpckpt._args import OPTIONS, common_args, quiet_no_dist, train_state, tran
 from smpckpt._dist import DistContext
 from smpckpt.catalog import scan_root
 from smpckpt.errors import CheckpointNotFound
-from smpckpt.keys import RESERVED
+from smpckpt.keys import API_RECORD_V1, RESERVED
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
@@ -54,9 +54,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("smpckpt.api")
-
-#: save_checkpoint's record before user_content was stored as one torch.save record (a nested pickle).
-_API_RECORD_V1 = "smpckpt.save_checkpoint/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +296,7 @@ def apply_state(
         restored = set_rng_state(states, complete)
     stored = state[RESERVED.user_content]
     user_content = decode_user_content(
-        stored if stored else None, allow_pickle=req.allow_pickle, nested=target.api == _API_RECORD_V1
+        stored if stored else None, allow_pickle=req.allow_pickle, nested=target.api == API_RECORD_V1
     )
     return user_content, restored
 

@@ -29,7 +29,7 @@ import smpckpt
 from smpckpt._args import common_args, quiet_no_dist, train_state, translate_dcp, wrap_name_map
 from smpckpt._dist import DistContext
 from smpckpt.errors import CheckpointError
-from smpckpt.keys import RESERVED
+from smpckpt.keys import API_RECORD, RESERVED
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
@@ -47,14 +47,9 @@ __all__ = [
     "write_checkpoint",
     "publish_newest",
     "retain",
-    "API_RECORD",
 ]
 
 log = logging.getLogger("smpckpt.api")
-
-#: ``manifest.extra["api"]`` of checkpoints written by :func:`smpckpt.save_checkpoint`. Version 2 stores
-#: user_content as one ``torch.save`` record (version 1 wrapped those bytes in a second pickle).
-API_RECORD = "smpckpt.save_checkpoint/2"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,8 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFoun
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none, supports_url
+from smpckpt.storage._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._read_io import missing_file_error
 from smpckpt.storage._read_plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
 from smpckpt.storage._read_run import ReadRun
@@ -80,7 +81,7 @@ class ReadStats:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
-class FsspecStorageReader(StorageReader):
+class FsspecStorageReader(FsspecLocation, StorageReader):
     """Read a checkpoint at ``path`` (any fsspec URL).
 
     Args:
@@ -119,8 +120,7 @@ class FsspecStorageReader(StorageReader):
         self._open(path)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
-        self.url = os.fspath(path)
-        self.fs, self.path = open_fs(self.url, self.storage_options)
+        super()._open(path)
         self.manifest: Manifest | None = None
         self.state: str | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
@@ -131,18 +131,7 @@ class FsspecStorageReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.metadata_error: Exception | None = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return supports_url(checkpoint_id)
-
-    # -- StorageReader protocol -------------------------------------------------------------------
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._open(checkpoint_id if checkpoint_id else self.url)
-
+    # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -------
     def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
         """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
 

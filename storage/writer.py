@@ -52,11 +52,10 @@ from smpckpt.storage._fs import (
     fsync_dir,
     is_local,
     join,
-    open_fs,
     remove_files,
-    supports_url,
     write_bytes_atomic,
 )
+from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
@@ -83,7 +82,7 @@ def _with_layout_record(extra: Mapping[str, Any], metadata: Metadata) -> dict[st
     return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
 
 
-class FsspecStorageWriter(StorageWriter):
+class FsspecStorageWriter(FsspecLocation, StorageWriter):
     """Write a DCP checkpoint to ``path`` (any fsspec URL) with checksums and a commit manifest.
 
     Args:
@@ -143,8 +142,7 @@ class FsspecStorageWriter(StorageWriter):
 
     # -- configuration ----------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike[str]) -> None:
-        self.url = os.fspath(path)
-        self.fs, self.path = open_fs(self.url, self.storage_options)
+        super()._open(path)
         self.is_coordinator = False
         self.rank = 0
         self._save_id: str | None = None
@@ -157,19 +155,7 @@ class FsspecStorageWriter(StorageWriter):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"manifest_extra must be JSON-serialisable: {exc}") from exc
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return supports_url(checkpoint_id)
-
-    # -- StorageWriter protocol -----------------------------------------------------------------------
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """(all ranks) Point at ``checkpoint_id`` (keeping storage_options) and forget the last save."""
-        self._open(checkpoint_id if checkpoint_id else self.url)
-
+    # -- StorageWriter protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -----------
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -57,6 +58,9 @@ class Entry:
     specs: tuple[ShardSpec, ...] = ()
     rank_local: bool = False  #: held by this rank alone; never treated as a replica
     dtensor: DTensor | None = None
+    #: the global shape before a ShardSpec ``view`` (fused QKV ``[3h, d]`` for a stored ``[3, h, d]``),
+    #: when the view only splits dimensions of the original; ``None`` without a view
+    original_global_shape: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +197,35 @@ def _make_entry(
         global_shape=geometry.global_shape,
         sharded_axes=geometry.sharded_axes,
         specs=specs,
+        original_global_shape=(
+            original_global_shape(tuple(value.shape), tuple(geometry.view_shape), tuple(geometry.global_shape))
+            if geometry.view_shape != value.shape
+            else None
+        ),
     )
+
+
+def original_global_shape(
+    local: tuple[int, ...], view: tuple[int, ...], global_view: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The global shape a viewed tensor has in its original form: each original dimension is a run of
+    consecutive view dimensions (``[3h/tp, d]`` viewed as ``[3, h/tp, d]``: runs ``(3, h/tp)``, ``(d,)``),
+    and merging the same runs of the global view gives it (``[3, h, d]`` -> ``[3h, d]``). ``None`` when
+    the view is not such a split (then only the view shape is known)."""
+    groups: list[int] = []
+    i = 0
+    for size in local:
+        start, product = i, 1
+        while i < len(view) and (product < size or (size == 0 and i == start)):
+            product *= view[i]
+            i += 1
+        if product != size or i == start:
+            return None
+        groups.append(i)
+    if i != len(view):
+        return None
+    bounds = [0, *groups]
+    return tuple(math.prod(global_view[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
 def _inherits(value: torch.Tensor, param_shape: tuple[int, ...] | None) -> bool:

@@ -39,12 +39,13 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError, UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.planners._entries import Entry, ObjectBytes, compile_globs, resolve_rank, resolve_state_dict
 from smpckpt.record import LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
+from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
 
@@ -136,6 +137,7 @@ class ParallelLoadPlanner(LoadPlanner):
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+        _refuse_raw_without_our_reader(metadata)
         record = LayoutRecord.from_metadata(metadata)
         self.saved_layout = record.layout if record is not None else None
 
@@ -278,6 +280,23 @@ class ParallelLoadPlanner(LoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """(all ranks) Nothing to do: reads land in the destination's own memory."""
         pass
+
+
+def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
+    """A stock reader fails on our raw records with ``Unknown extension name='smpckpt.raw'`` and no hint;
+    this planner sees the metadata first, so it says what to do instead."""
+    load_id = str(getattr(metadata.storage_meta, "load_id", "") or "")
+    if load_id.startswith(LOAD_ID_PREFIX):
+        return
+    if any(
+        RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ())
+        for info in (metadata.storage_data or {}).values()
+    ):
+        raise CheckpointError(
+            "this checkpoint was written in smpckpt's raw format, which stock DCP readers cannot decode: load "
+            "it with storage_reader=smpckpt.storage.FsspecStorageReader(path), or export it for stock tools "
+            "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.convert.convert_checkpoint)"
+        )
 
 
 def _exact_chunk(md: TensorStorageMetadata, chunk: ChunkStorageMetadata) -> int | None:

@@ -179,6 +179,11 @@ class ParallelSavePlanner(SavePlanner):
             "digest": self._replica_digest(),
             "objects": objects,
             "mappings": {item.index.fqn: self.mappings[item.index.fqn] for item in items},
+            "original_shapes": {
+                item.index.fqn: self.entries[item.index.fqn].original_global_shape
+                for item in items
+                if item.index.fqn in self.entries and self.entries[item.index.fqn].original_global_shape is not None
+            },
         }
         plan = SavePlan(items, planner_data=planner_data)
         self._pending = (signature, plan)
@@ -228,7 +233,12 @@ class ParallelSavePlanner(SavePlanner):
         mappings: dict[str, Any] = {}
         for plan in full:
             mappings.update(plan.planner_data["mappings"])
-        record = LayoutRecord(self.layout, tuple(self.rules.to_records()), self._rank_local_globs)
+        original: dict[str, tuple[int, ...]] = {}
+        for plan in full:
+            original.update((plan.planner_data or {}).get("original_shapes", {}))
+        record = LayoutRecord(
+            self.layout, tuple(self.rules.to_records()), self._rank_local_globs, original_shapes=original
+        )
         mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
         errors = _validate_global_plan(plans, metadata)

@@ -1,4 +1,4 @@
-"""``smpckpt`` command line: ``ls``, ``inspect``, ``verify``, ``prune`` (also ``python -m smpckpt``).
+"""``smpckpt`` command line: ``ls``, ``inspect``, ``verify``, ``prune``, ``convert`` (also ``python -m smpckpt``).
 
 Every command takes local paths and URLs (``s3://bucket/run``). fsspec options come from
 ``--storage-options '{"key": ..., "client_kwargs": {"endpoint_url": ...}}'`` or, when that is not
@@ -300,6 +300,30 @@ def _cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 1 if result.failed else 0
 
 
+def _cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from smpckpt.convert import convert_checkpoint
+
+    options = _storage_options(args.storage_options)
+    src = resolve_checkpoint_url(args.checkpoint, options)
+    report = convert_checkpoint(
+        src,
+        args.out,
+        to=args.to,
+        keep_view_shapes=args.keep_view_shapes,
+        storage_options=options,
+        out_storage_options=options,
+        allow_pickle=args.allow_pickle,
+        overwrite=args.overwrite,
+    )
+    out.write(
+        f"wrote {report['out']} ({args.to}): {report['tensors']} tensors, {_human(report['bytes'])}, "
+        f"{report['objects']} objects\n"
+    )
+    if report["reshaped"]:
+        out.write(f"original shapes restored for: {', '.join(report['reshaped'])}\n")
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smpckpt", description="Inspect and maintain smpckpt checkpoints.")
@@ -349,6 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed")
     p.set_defaults(func=_cmd_prune)
+    p = sub.add_parser(
+        "convert",
+        parents=[common],
+        help="export a checkpoint for stock tools: one torch.save file, or a stock-readable DCP folder",
+    )
+    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--to", choices=("torch_save", "dcp"), default="torch_save", help="output format")
+    p.add_argument("--keep-view-shapes", action="store_true", help="keep fused views in their stored shape")
+    p.add_argument("--allow-pickle", action="store_true", help="objects that need code to load (trusted only)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT")
+    p.set_defaults(func=_cmd_convert)
     return parser
 
 

@@ -41,6 +41,9 @@ class LayoutRecord:
     specs: tuple[Mapping[str, Any], ...] = ()
     rank_local: tuple[str, ...] = ()
     version: int = RECORD_VERSION
+    #: key -> shape before its ShardSpec ``view`` (the checkpoint stores the view shape); export tools
+    #: reshape to it so a fused QKV comes out as ``[3h, d]``, not ``[3, h, d]``
+    original_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +51,7 @@ class LayoutRecord:
             "layout": self.layout.to_dict(),
             "specs": [dict(s) for s in self.specs],
             "rank_local": list(self.rank_local),
+            "original_shapes": {k: list(v) for k, v in sorted(self.original_shapes.items())},
         }
 
     @classmethod
@@ -68,6 +72,9 @@ class LayoutRecord:
                 specs=tuple(dict(s) for s in specs),
                 rank_local=tuple(str(g) for g in rank_local),
                 version=version,
+                original_shapes={
+                    str(k): tuple(int(n) for n in v) for k, v in dict(obj.get("original_shapes") or {}).items()
+                },
             )
         except (KeyError, TypeError, ValueError, SpecError) as exc:
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc

@@ -25,6 +25,7 @@ __all__ = [
     "REMOVING_NAME",
     "METADATA_NAME",
     "RAW_DESCRIPTOR",
+    "LOAD_ID_PREFIX",
     "FORMAT_VERSION",
     "new_save_id",
     "data_file_name",
@@ -41,6 +42,8 @@ METADATA_NAME = ".metadata"
 #: Transform descriptor recorded on raw tensor items. A stock DCP reader does not know it and fails
 #: with ``ValueError: Unknown extension name='smpckpt.raw'`` instead of decoding garbage.
 RAW_DESCRIPTOR = "smpckpt.raw/1"
+#: Prefix of the ``StorageMeta.load_id`` our reader sets, so a planner can tell it from a stock reader.
+LOAD_ID_PREFIX = "smpckpt-"
 #: Version of the manifest layout. Readers refuse manifests newer than they understand.
 FORMAT_VERSION = 1
 

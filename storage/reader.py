@@ -128,7 +128,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self._records: dict[str, FileRecord] = {}
         self._sizes: dict[str, int | None] = {}  # legacy checkpoints: data file sizes, one stat per file
         self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
-        self.load_id = uuid.uuid4().hex
+        self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
         self.metadata_error: Exception | None = None
 
     # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -------

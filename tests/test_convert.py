@@ -1,0 +1,117 @@
+"""smpckpt convert: raw-format checkpoints (which stock DCP cannot read) out to torch.save and to a
+stock-readable DCP folder, with fused views back in their original shape."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from sim import sim_save
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.cli import main
+from smpckpt.convert import convert_checkpoint
+from smpckpt.planners import ParallelSavePlanner
+from smpckpt.storage import FsspecStorageWriter
+
+H, D = 8, 4  # heads' width and model width of the fused QKV
+SPECS = {"model.qkv.weight": ShardSpec(dim=1, view=(3, -1, D)), "model.fc.weight": ShardSpec(dim=0)}
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(H, D, generator=g) for _ in range(3))
+    return {"qkv": torch.cat([q, k, v]), "fc": torch.randn(6, D, generator=g), "bias": torch.randn(D, generator=g)}
+
+
+def _save_tp2(folder: Path) -> dict[str, torch.Tensor]:
+    """HF-shaped weights saved from TP=2 Megatron shards: each rank's QKV rows are its q, k, v slices."""
+    full = _full()
+    q, k, v = full["qkv"].chunk(3)
+    sds = []
+    for r in range(2):
+        local_qkv = torch.cat([t.chunk(2)[r] for t in (q, k, v)])  # [3*H/2, D]
+        sds.append(
+            {
+                "model": {
+                    "qkv": {"weight": local_qkv.clone()},
+                    "fc": {"weight": full["fc"].chunk(2)[r].clone()},
+                    "bias": full["bias"].clone(),
+                },
+                "step": 7,
+            }
+        )
+    layout = ParallelLayout(tp=2)
+    sim_save(
+        sds,
+        [ParallelSavePlanner(layout, SPECS, rank=r) for r in range(2)],
+        [FsspecStorageWriter(str(folder)) for _ in range(2)],
+    )
+    return full
+
+
+def test_stock_tools_cannot_read_raw_but_the_conversion_can(tmp_path: Path) -> None:
+    full = _save_tp2(tmp_path / "ckpt")
+    with pytest.raises(CheckpointException) as info:
+        dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "stock.pt")
+    assert "Unknown extension name='smpckpt.raw'" in str(info.value)
+    report = convert_checkpoint(tmp_path / "ckpt", tmp_path / "full.pt")
+    assert report["reshaped"] == ["model.qkv.weight"] and report["tensors"] == 3 and report["objects"] == 1
+    out = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert sorted(out) == ["model", "step"] and out["step"] == 7
+    assert out["model"]["qkv"]["weight"].shape == (3 * H, D)  # HF's shape, not the stored [3, H, D]
+    assert torch.equal(out["model"]["qkv"]["weight"], full["qkv"])
+    assert torch.equal(out["model"]["fc"]["weight"], full["fc"])
+    assert torch.equal(out["model"]["bias"], full["bias"])
+    kept = convert_checkpoint(tmp_path / "ckpt", tmp_path / "view.pt", keep_view_shapes=True)
+    assert kept["reshaped"] == []
+    assert torch.load(tmp_path / "view.pt", weights_only=True)["model"]["qkv"]["weight"].shape == (3, H, D)
+
+
+def test_conversion_to_dcp_is_read_by_stock_dcp_load_into_hf_shapes(tmp_path: Path) -> None:
+    full = _save_tp2(tmp_path / "ckpt")
+    convert_checkpoint(tmp_path / "ckpt", tmp_path / "stock", to="dcp")
+    dest = {
+        "model": {
+            "qkv": {"weight": torch.zeros(3 * H, D)},
+            "fc": {"weight": torch.zeros(6, D)},
+            "bias": torch.zeros(D),
+        },
+        "step": 0,
+    }
+    dcp.load(dest, storage_reader=FileSystemReader(tmp_path / "stock"), planner=DefaultLoadPlanner())
+    assert torch.equal(dest["model"]["qkv"]["weight"], full["qkv"]) and dest["step"] == 7
+    dcp_to_torch_save(tmp_path / "stock", tmp_path / "again.pt")
+    assert torch.equal(torch.load(tmp_path / "again.pt", weights_only=True)["model"]["fc"]["weight"], full["fc"])
+
+
+def test_cli_convert_refuses_to_overwrite(tmp_path: Path) -> None:
+    _save_tp2(tmp_path / "ckpt")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "full.pt")], stdout=out) == 0
+    assert "3 tensors" in out.getvalue() and "model.qkv.weight" in out.getvalue()
+    err = io.StringIO()
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "full.pt")], stdout=io.StringIO(), stderr=err) == 1
+    assert "exists; pass overwrite=True (--overwrite)" in err.getvalue()
+
+
+def test_our_planner_with_a_stock_reader_names_the_way_out(tmp_path: Path) -> None:
+    from smpckpt.planners import ParallelLoadPlanner
+
+    _save_tp2(tmp_path / "ckpt")
+    dest = {"model": {"qkv": {"weight": torch.zeros(3 * H, D)}}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(
+            dest, storage_reader=FileSystemReader(tmp_path / "ckpt"), planner=ParallelLoadPlanner(ParallelLayout())
+        )
+    text = str(info.value)
+    assert "smpckpt's raw format" in text and "FsspecStorageReader" in text and "smpckpt convert" in text

@@ -24,78 +24,30 @@ from typing import Any, TextIO
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from smpckpt._cli_common import (
+    ENV_OPTIONS,
+    UsageError,
+    human,
+    layout_json,
+    layout_text,
+    resolve_checkpoint_url,
+    storage_options_arg,
+)
+from smpckpt._cli_maintain import cmd_convert, cmd_prune, duration
 from smpckpt.catalog import newest_tag, scan_root
 from smpckpt.errors import CheckpointError
 from smpckpt.record import LayoutRecord
-from smpckpt.retention import apply_retention, validate_keep
-from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
-from smpckpt.tags import PARTIAL_SUFFIX
+from smpckpt.storage import FsspecStorageReader, verify_checkpoint
 
 __all__ = ["main", "build_parser", "resolve_checkpoint_url"]
 
-_ENV_OPTIONS = "SMPCKPT_STORAGE_OPTIONS"
 #: ``--progress auto`` draws a bar for checkpoints at least this large.
 _PROGRESS_MIN_BYTES = 256 << 20
 
 
-class _UsageError(Exception):
-    pass
-
-
-def _storage_options(text: str | None) -> dict[str, Any]:
-    raw = text if text is not None else os.environ.get(_ENV_OPTIONS)
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise _UsageError(f"storage options are not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise _UsageError("storage options must be a JSON object")
-    return value
-
-
-def _human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _layout_text(record: Any) -> str:
-    if not isinstance(record, Mapping):
-        return "-"
-    text = f"tp={record.get('tp')} pp={record.get('pp')} dp={record.get('dp')}"
-    if record.get("pp_layers"):
-        text += f" pp_layers={list(record['pp_layers'])}"
-    return text
-
-
-def _layout_json(manifest: Any) -> dict[str, Any] | None:
-    try:
-        record = LayoutRecord.from_manifest(manifest)
-    except CheckpointError:
-        return None
-    return record.layout.to_dict() if record is not None else None
-
-
-def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str:
-    """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder)."""
-    spec = spec.rstrip("/") or spec
-    if not spec.endswith(PARTIAL_SUFFIX):
-        candidate = spec + PARTIAL_SUFFIX
-        if checkpoint_state(candidate, storage_options) != "missing":
-            return candidate
-    return spec
-
-
 # -- commands ----------------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = _storage_options(args.storage_options)
+    options = storage_options_arg(args.storage_options)
     records = scan_root(args.path, storage_options=options)
     newest = newest_tag(args.path, storage_options=options)
     rows: list[dict[str, Any]] = []
@@ -106,7 +58,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "state": r.state,
                 "newest": r.tag == newest,
                 "size": r.size,
-                "layout": _layout_json(r.manifest),
+                "layout": layout_json(r.manifest),
                 "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
                 "detail": r.detail,
             }
@@ -124,8 +76,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "*" if row["newest"] else "",
             row["tag"],
             row["state"],
-            _human(row["size"]),
-            _layout_text(row["layout"]),
+            human(row["size"]),
+            layout_text(row["layout"]),
             row["saved_at"] or "-",
         )
         for row in rows
@@ -144,7 +96,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = _storage_options(args.storage_options)
+    options = storage_options_arg(args.storage_options)
     url = resolve_checkpoint_url(args.checkpoint, options)
     reader = FsspecStorageReader(url, storage_options=options)
     metadata = reader.read_metadata()
@@ -188,7 +140,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     out.write(f"checkpoint: {url} ({reader.state})\n")
     if extra:
         out.write(f"tag: {extra.get('tag')}  saved: {extra.get('saved_at')}  world size: {world_size}\n")
-        out.write(f"layout: {_layout_text(info['layout'])}\n")
+        out.write(f"layout: {layout_text(info['layout'])}\n")
         keys = extra.get("user_content_keys")
         out.write(
             f"user content: {', '.join(keys) if keys else '(none)'}"
@@ -199,7 +151,7 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for t in tensors:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         out.write(f"{t['key'].ljust(width)}  {shape:<18}  {t['dtype']:<9}  {t['chunks']:>6}  {t['bytes']}\n")
-    out.write(f"{len(tensors)} tensors, {_human(tensor_bytes)}; {len(objects)} objects\n")
+    out.write(f"{len(tensors)} tensors, {human(tensor_bytes)}; {len(objects)} objects\n")
     return 0
 
 
@@ -233,7 +185,7 @@ class _ProgressBar:
 
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = _storage_options(args.storage_options)
+    options = storage_options_arg(args.storage_options)
     url = resolve_checkpoint_url(args.checkpoint, options)
     bar = _ProgressBar(err, args.progress)
     try:
@@ -244,84 +196,12 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         err.write(f"warning: {warning}\n")
     if report.ok:
         kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
-        out.write(f"OK {url}: {report.files_checked} files, {_human(report.bytes_checked)} ({kind})\n")
+        out.write(f"OK {url}: {report.files_checked} files, {human(report.bytes_checked)} ({kind})\n")
         return 0
     err.write(f"FAILED {url}: {len(report.problems)} problem(s)\n")
     for problem in report.problems:
         err.write(f"  {problem}\n")
     return 1
-
-
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _duration(text: str) -> float:
-    """``"90"``, ``"90s"``, ``"30m"``, ``"6h"``, ``"2d"`` -> seconds."""
-    text = text.strip().lower()
-    unit = _DURATION_UNITS.get(text[-1:], None)
-    number = text[:-1] if unit is not None else text
-    try:
-        value = float(number) * (unit or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 6h, 2d)") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"duration must be >= 0, got {text!r}")
-    return value
-
-
-def _cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = _storage_options(args.storage_options)
-    if args.keep is None and args.uncommitted_older_than is None:
-        raise _UsageError("give --keep N, --uncommitted-older-than AGE, or both")
-    try:
-        keep = validate_keep(args.keep, "--keep")
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from exc
-    newest = newest_tag(args.path, storage_options=options)
-    result = apply_retention(
-        args.path,
-        keep,
-        storage_options=options,
-        protected={newest} if newest else set(),
-        dry_run=args.dry_run,
-        uncommitted_older_than=args.uncommitted_older_than,
-    )
-    verb = "would remove" if args.dry_run else "removed"
-    for tag in result.removed:
-        out.write(f"{verb} {tag}\n")
-    for tag in result.removed_uncommitted:
-        out.write(f"{verb} {tag} (uncommitted, stale)\n")
-    for key in result.aborted_uploads:
-        out.write(f"aborted multipart upload {key}\n")
-    for tag in result.failed:
-        err.write(f"could not remove {tag}\n")
-    if not (result.removed or result.removed_uncommitted or result.aborted_uploads or result.failed):
-        out.write("nothing to remove\n")
-    return 1 if result.failed else 0
-
-
-def _cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from smpckpt.convert import convert_checkpoint
-
-    options = _storage_options(args.storage_options)
-    src = resolve_checkpoint_url(args.checkpoint, options)
-    report = convert_checkpoint(
-        src,
-        args.out,
-        to=args.to,
-        keep_view_shapes=args.keep_view_shapes,
-        storage_options=options,
-        out_storage_options=options,
-        allow_pickle=args.allow_pickle,
-        overwrite=args.overwrite,
-    )
-    out.write(
-        f"wrote {report['out']} ({args.to}): {report['tensors']} tensors, {_human(report['bytes'])}, "
-        f"{report['objects']} objects\n"
-    )
-    if report["reshaped"]:
-        out.write(f"original shapes restored for: {', '.join(report['reshaped'])}\n")
-    return 0
 
 
 # -- entry point -----------------------------------------------------------------------------------
@@ -333,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage-options",
         metavar="JSON",
         default=None,
-        help=f"fsspec storage options as JSON (default: ${_ENV_OPTIONS})",
+        help=f"fsspec storage options as JSON (default: ${ENV_OPTIONS})",
     )
 
     p = sub.add_parser("ls", parents=[common], help="list the tags under a checkpoint root")
@@ -352,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         choices=("auto", "always", "never"),
         default="auto",
-        help=f"progress bar on stderr (auto: checkpoints of {_human(_PROGRESS_MIN_BYTES)} or more)",
+        help=f"progress bar on stderr (auto: checkpoints of {human(_PROGRESS_MIN_BYTES)} or more)",
     )
     p.set_defaults(func=_cmd_verify)
 
@@ -365,14 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=None, metavar="N", help="committed checkpoints to keep (N >= 1)")
     p.add_argument(
         "--uncommitted-older-than",
-        type=_duration,
+        type=duration,
         default=None,
         metavar="AGE",
         help="also remove uncommitted folders with no write for AGE (e.g. 6h; make it longer than any save) "
         "and abort S3 multipart uploads started that long ago",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed")
-    p.set_defaults(func=_cmd_prune)
+    p.set_defaults(func=cmd_prune)
     p = sub.add_parser(
         "convert",
         parents=[common],
@@ -384,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-view-shapes", action="store_true", help="keep fused views in their stored shape")
     p.add_argument("--allow-pickle", action="store_true", help="objects that need code to load (trusted only)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT")
-    p.set_defaults(func=_cmd_convert)
+    p.set_defaults(func=cmd_convert)
     return parser
 
 
@@ -400,7 +280,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         # the reader went away (`smpckpt inspect ... | head`): stop quietly, like any Unix tool
         _silence_stdout(out)
         return 0
-    except _UsageError as exc:
+    except UsageError as exc:
         err.write(f"smpckpt {args.command}: {exc}\n")
         return 2
     except (CheckpointError, OSError, ValueError, ImportError) as exc:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from smpckpt.errors import SpecError
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.naming import KeyMapper, NameMap
-from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardSpec, SpecRules, shard_geometry
+from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardSpec, SpecLike, SpecRules, shard_geometry
 
 __all__ = [
     "Entry",
@@ -203,6 +203,40 @@ def _make_entry(
             else None
         ),
     )
+
+
+class LayoutScope:
+    """What both planners are told about the layout they plan for, and how they resolve a state dict."""
+
+    layout: ParallelLayout
+    rules: SpecRules
+    name_map: NameMap | None
+    process_group: Any
+    rank: int
+
+    def _set_scope(
+        self,
+        layout: ParallelLayout,
+        specs: Mapping[str, SpecLike] | SpecRules | None,
+        rank: int | None,
+        name_map: NameMap | None,
+        process_group: Any,
+        rank_local: Iterable[str],
+    ) -> None:
+        if not isinstance(layout, ParallelLayout):
+            raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.rules = specs if isinstance(specs, SpecRules) else SpecRules(specs)
+        self._rank_arg = rank
+        self.name_map = name_map
+        self.process_group = process_group
+        self._rank_local_globs = tuple(rank_local)
+        self._rank_local = compile_globs(self._rank_local_globs)
+
+    def _resolve(self, state_dict: Mapping[str, Any]) -> Resolved:
+        """(all ranks, in set_up_planner) This rank, and its state dict resolved against the layout."""
+        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
+        return resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
 
 
 def original_global_shape(

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
-from smpckpt.planners._entries import Entry, ObjectBytes, compile_globs, resolve_rank, resolve_state_dict
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs
 from smpckpt.record import LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR
@@ -66,7 +66,7 @@ class LoadReport:
     skipped_optional: tuple[str, ...] = ()  #: keys matching ``optional`` globs absent from the checkpoint
 
 
-class ParallelLoadPlanner(LoadPlanner):
+class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     """Load planner for plain TP/PP shards, DTensors and objects, from any saved layout.
 
     Args:
@@ -97,14 +97,7 @@ class ParallelLoadPlanner(LoadPlanner):
         allow_pickle: bool = False,
         optional: Sequence[str] = (),
     ) -> None:
-        if not isinstance(layout, ParallelLayout):
-            raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
-        self.layout = layout
-        self.rules = specs if isinstance(specs, SpecRules) else SpecRules(specs)
-        self._rank_arg = rank
-        self.name_map = name_map
-        self.process_group = process_group
-        self._rank_local = compile_globs(rank_local)
+        self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
         self.allow_partial_load = allow_partial_load
         self.allow_dtype_cast = allow_dtype_cast
         self.allow_pickle = allow_pickle
@@ -127,8 +120,7 @@ class ParallelLoadPlanner(LoadPlanner):
         checkpoint's :class:`~smpckpt.record.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
-        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
-        resolved = resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
+        resolved = self._resolve(state_dict)
         for entry in resolved.entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")

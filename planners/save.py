@@ -33,11 +33,9 @@ from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.planners._entries import (
     Entry,
+    LayoutScope,
     ObjectBytes,
-    compile_globs,
     dtensor_is_owner,
-    resolve_rank,
-    resolve_state_dict,
 )
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.record import METADATA_KEY, LayoutRecord
@@ -65,7 +63,7 @@ class SaveReport:
         return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank))
 
 
-class ParallelSavePlanner(SavePlanner):
+class ParallelSavePlanner(LayoutScope, SavePlanner):
     """Save planner for plain TP/PP shards, DP replicas, ZeRO-sharded state and DTensors.
 
     Args:
@@ -99,17 +97,9 @@ class ParallelSavePlanner(SavePlanner):
         enable_plan_caching: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(layout, ParallelLayout):
-            raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
+        self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
         if replica_owner not in ("balanced", "lowest"):
             raise SpecError(f"replica_owner must be 'balanced' or 'lowest', got {replica_owner!r}")
-        self.layout = layout
-        self.rules = specs if isinstance(specs, SpecRules) else SpecRules(specs)
-        self._rank_arg = rank
-        self.name_map = name_map
-        self.process_group = process_group
-        self._rank_local_globs = tuple(rank_local)
-        self._rank_local = compile_globs(rank_local)
         self.replica_owner = replica_owner
         self.enable_plan_caching = enable_plan_caching
         self.report: SaveReport | None = None
@@ -129,8 +119,7 @@ class ParallelSavePlanner(SavePlanner):
     ) -> None:
         """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
         (PP renaming), global chunks (specs, DTensor placements), objects."""
-        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
-        resolved = resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
+        resolved = self._resolve(state_dict)
         self.entries = resolved.entries
         self.mappings = resolved.mappings
         self.state_dict = state_dict

@@ -4,6 +4,7 @@ error translation). Internal: the public names live in :mod:`smpckpt.api`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -76,15 +77,49 @@ def check_model(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> No
                         )
 
 
-def common_args(
-    ctx: DistContext, path: Any, partial: Any, model: Any, optimizer: Any, specs: Any, layout: Any
-) -> tuple[str, tuple[torch.optim.Optimizer, ...], SpecRules, ParallelLayout]:
-    """The arguments save and resume share, validated: ``(root, optimizers, spec rules, layout)``."""
+@dataclasses.dataclass(frozen=True)
+class CommonRequest:
+    """What a save and a resume both need, validated: the base of their request types."""
+
+    root: str
+    model: nn.Module | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    layout: ParallelLayout
+    rules: SpecRules
+    name_map: NameMap | None
+    storage_options: Mapping[str, Any] | None
+    process_group: Any
+
+    def planner_args(self) -> dict[str, Any]:
+        """The layout arguments both planners take, as the API passes them."""
+        return {
+            "layout": self.layout,
+            "specs": self.rules,
+            "name_map": wrap_name_map(self.name_map),
+            "process_group": self.process_group,
+            "rank_local": RESERVED.rank_local,
+        }
+
+    def fields(self) -> dict[str, Any]:
+        """The common fields by name (shallow: models and optimizers are not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
+
+
+def common_args(ctx: DistContext, path: Any, partial: Any, kw: Mapping[str, Any]) -> CommonRequest:
+    """Validate the arguments save and resume share (``kw`` holds the public function's arguments)."""
     check_partial(partial)
-    root = root_url(path)
-    opts = optimizers(optimizer)
-    check_model(model, opts)
-    return root, opts, spec_rules(specs), resolve_layout(layout, ctx)
+    opts = optimizers(kw["optimizer"])
+    check_model(kw["model"], opts)
+    return CommonRequest(
+        root=root_url(path),
+        model=kw["model"],
+        optimizers=opts,
+        layout=resolve_layout(kw["layout"], ctx),
+        rules=spec_rules(kw["specs"]),
+        name_map=kw["name_map"],
+        storage_options=kw["storage_options"],
+        process_group=kw["process_group"],
+    )
 
 
 def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:

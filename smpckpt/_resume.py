@@ -19,23 +19,19 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from smpckpt._args import OPTIONS, common_args, quiet_no_dist, train_state, translate_dcp, wrap_name_map
+from smpckpt._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
 from smpckpt.catalog import scan_root
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.keys import API_RECORD_V1, RESERVED
 from smpckpt.layout import ParallelLayout
-from smpckpt.naming import NameMap
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.record import LayoutRecord
 from smpckpt.rng import get_rng_state, set_rng_state
-from smpckpt.specs import SpecRules
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 from smpckpt.tags import open_root, partial_url, read_newest, validate_tag
 from smpckpt.user_content import decode_user_content
@@ -102,21 +98,13 @@ class Target:
 
 
 @dataclasses.dataclass(frozen=True)
-class ResumeRequest:
+class ResumeRequest(CommonRequest):
     """Everything one resume needs, validated and identical on every rank."""
 
-    root: str
     tag: str | None
-    model: nn.Module | None
-    optimizers: tuple[torch.optim.Optimizer, ...]
     translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None
-    layout: ParallelLayout
-    rules: SpecRules
-    name_map: NameMap | None
-    storage_options: Mapping[str, Any] | None
     missing_ok: bool
     strict: bool
-    process_group: Any
     load_rng: bool
     allow_pickle: bool
     allow_dtype_cast: bool
@@ -125,9 +113,8 @@ class ResumeRequest:
 
 def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> ResumeRequest:
     """(all ranks) Validate the arguments and check that every rank passed the same ones."""
-    root, optimizers, rules, layout = common_args(
-        ctx, path, partial, kw["model"], kw["optimizer"], kw["specs"], kw["layout"]
-    )
+    common = common_args(ctx, path, partial, kw)
+    root, layout = common.root, common.layout
     translate = kw["translate_function"]
     if translate is not None and not callable(translate):
         raise TypeError("translate_function must be callable (state_dict -> state_dict)")
@@ -138,18 +125,11 @@ def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: An
     if tag is not None:
         validate_tag(tag)
     return ResumeRequest(
-        root=root,
+        **common.fields(),
         tag=tag,
-        model=kw["model"],
-        optimizers=optimizers,
         translate_function=translate,
-        layout=layout,
-        rules=rules,
-        name_map=kw["name_map"],
-        storage_options=kw["storage_options"],
         missing_ok=bool(kw["missing_ok"]),
         strict=bool(kw["strict"]),
-        process_group=kw["process_group"],
         load_rng=bool(kw["load_rng"]),
         allow_pickle=bool(kw["allow_pickle"]),
         allow_dtype_cast=bool(kw["allow_dtype_cast"]),
@@ -237,11 +217,7 @@ def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -
     """(all ranks) ``dcp.load`` in place; strict key checks run before any data is read."""
     optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
     planner = ParallelLoadPlanner(
-        req.layout,
-        req.rules,
-        name_map=wrap_name_map(req.name_map),
-        process_group=req.process_group,
-        rank_local=RESERVED.rank_local,
+        **req.planner_args(),
         allow_dtype_cast=req.allow_dtype_cast,
         allow_pickle=req.allow_pickle,
         allow_partial_load=not req.strict,

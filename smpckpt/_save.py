@@ -22,53 +22,34 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import smpckpt
-from smpckpt._args import common_args, quiet_no_dist, train_state, translate_dcp, wrap_name_map
+from smpckpt._args import CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
 from smpckpt.errors import CheckpointError
 from smpckpt.keys import API_RECORD, RESERVED
-from smpckpt.layout import ParallelLayout
-from smpckpt.naming import NameMap
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
 from smpckpt.retention import apply_retention, validate_keep
 from smpckpt.rng import get_rng_state
-from smpckpt.specs import SpecRules
 from smpckpt.storage import FsspecStorageWriter
 from smpckpt.tags import open_root, partial_url, validate_tag, write_newest
 from smpckpt.user_content import encode_user_content
 
-__all__ = [
-    "SaveRequest",
-    "resolve_save",
-    "build_save_state",
-    "write_checkpoint",
-    "publish_newest",
-    "retain",
-]
+__all__ = ["SaveRequest", "resolve_save", "build_save_state", "write_checkpoint", "publish_newest", "retain"]
 
 log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveRequest:
+class SaveRequest(CommonRequest):
     """Everything one save needs, validated and identical on every rank."""
 
-    root: str
     tag: str
     url: str
-    model: nn.Module | None
-    optimizers: tuple[torch.optim.Optimizer, ...]
     user_content: Any
     keep: int | None
-    layout: ParallelLayout
-    rules: SpecRules
-    name_map: NameMap | None
-    storage_options: Mapping[str, Any] | None
     overwrite: bool
-    process_group: Any
     save_rng: bool
     format: Literal["raw", "torch_save"]
     sync_files: bool
@@ -77,9 +58,8 @@ class SaveRequest:
 
 def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> SaveRequest:
     """(all ranks) Validate the arguments and check that every rank passed the same ones."""
-    root, optimizers, rules, layout = common_args(
-        ctx, path, partial, kw["model"], kw["optimizer"], kw["specs"], kw["layout"]
-    )
+    common = common_args(ctx, path, partial, kw)
+    root, layout = common.root, common.layout
     keep = validate_keep(kw["num_kept_partial_checkpoints"])
     stale = kw["remove_uncommitted_older_than"]
     if stale is not None and not (isinstance(stale, (int, float)) and not isinstance(stale, bool) and stale >= 0):
@@ -94,19 +74,12 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
     )
     validate_tag(tag)
     return SaveRequest(
-        root=root,
+        **common.fields(),
         tag=tag,
         url=partial_url(root, tag),
-        model=kw["model"],
-        optimizers=optimizers,
         user_content=kw["user_content"],
         keep=keep,
-        layout=layout,
-        rules=rules,
-        name_map=kw["name_map"],
-        storage_options=kw["storage_options"],
         overwrite=bool(kw["overwrite"]),
-        process_group=kw["process_group"],
         save_rng=bool(kw["save_rng"]),
         format=kw["format"],
         sync_files=bool(kw["sync_files"]),
@@ -157,14 +130,7 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         format=req.format,
         sync_files=req.sync_files,
     )
-    planner = ParallelSavePlanner(
-        req.layout,
-        req.rules,
-        name_map=wrap_name_map(req.name_map),
-        process_group=req.process_group,
-        rank_local=RESERVED.rank_local,
-        enable_plan_caching=False,
-    )
+    planner = ParallelSavePlanner(**req.planner_args(), enable_plan_caching=False)
     try:
         with quiet_no_dist():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=req.process_group)

@@ -20,10 +20,19 @@ _BODIES = {
 }
 
 
-class FaultyProxy:
-    """``should_fail(method, path, query) -> status or None`` decides per request."""
+Rewrite = Callable[[str, dict[str, list[str]], int, bytes], bytes]
 
-    def __init__(self, upstream: str, should_fail: Callable[[str, str, dict[str, list[str]]], int | None]) -> None:
+
+class FaultyProxy:
+    """``should_fail(method, path, query) -> status or None`` decides per request; ``rewrite(method,
+    query, status, body) -> body`` may change what upstream answered before it is passed on."""
+
+    def __init__(
+        self,
+        upstream: str,
+        should_fail: Callable[[str, str, dict[str, list[str]]], int | None],
+        rewrite: Rewrite | None = None,
+    ) -> None:
         up = urllib.parse.urlsplit(upstream)
         self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
         self.should_fail = should_fail
@@ -66,6 +75,8 @@ class FaultyProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if rewrite is not None:
+                    data = rewrite(self.command, query, resp.status, data)
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):

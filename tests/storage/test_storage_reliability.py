@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from storage_faulty_proxy import FaultyProxy
 from storage_helpers import assert_state_equal, make_state, roundtrip_load, unwrap, zeros_like_state
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -510,7 +511,7 @@ def test_manifest_without_self_digest_still_loads(local_or_memory: Backend) -> N
 
 
 # -- 6. S3: stale multipart uploads ----------------------------------------------------------------
-class UploadClockProxy:
+class UploadClockProxy(FaultyProxy):
     """A loopback proxy in front of moto that reports real multipart-upload start times.
 
     moto answers ListMultipartUploads with the same ``Initiated`` (2010-11-10T20:48:33Z) for every
@@ -519,78 +520,34 @@ class UploadClockProxy:
     forwarded byte for byte."""
 
     def __init__(self, upstream: str) -> None:
-        import http.client
-        import http.server
         import re
-        import threading
-        import urllib.parse
 
-        up = urllib.parse.urlsplit(upstream)
-        target = (up.hostname or "127.0.0.1", up.port or 80)
         self.started: dict[str, float] = {}
         self.rewritten = 0
-        proxy = self
 
         def stamp(match: re.Match[bytes]) -> bytes:
             block = match.group(0)
             upload_id = re.search(rb"<UploadId>([^<]+)</UploadId>", block)
-            t = proxy.started.get(upload_id.group(1).decode()) if upload_id else None
+            t = self.started.get(upload_id.group(1).decode()) if upload_id else None
             if t is None:
                 return block
-            proxy.rewritten += 1
+            self.rewritten += 1
             iso = datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
             return re.sub(rb"<Initiated>[^<]*</Initiated>", f"<Initiated>{iso[:-6]}Z</Initiated>".encode(), block)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        def rewrite(method: str, query: dict[str, list[str]], status: int, data: bytes) -> bytes:
+            if "uploads" not in query or status != 200:
+                return data
+            if method == "POST":  # CreateMultipartUpload
+                upload_id = re.search(rb"<UploadId>([^<]+)</UploadId>", data)
+                assert upload_id is not None, data
+                self.started[upload_id.group(1).decode()] = time.time()
+                return data
+            if method == "GET":  # ListMultipartUploads
+                return re.sub(rb"<Upload>.*?</Upload>", stamp, data, flags=re.S)
+            return data
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query, keep_blank_values=True)
-                conn = http.client.HTTPConnection(*target, timeout=60)
-                headers = {
-                    k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")
-                }
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                conn.close()
-                if "uploads" in query and resp.status == 200:
-                    if self.command == "POST":  # CreateMultipartUpload
-                        upload_id = re.search(rb"<UploadId>([^<]+)</UploadId>", data)
-                        assert upload_id is not None, data
-                        proxy.started[upload_id.group(1).decode()] = time.time()
-                    elif self.command == "GET":  # ListMultipartUploads
-                        data = re.sub(rb"<Upload>.*?</Upload>", stamp, data, flags=re.S)
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                self.close_connection = True
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> UploadClockProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(upstream, lambda *_: None, rewrite)
 
 
 @pytest.mark.s3

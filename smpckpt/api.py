@@ -82,6 +82,11 @@ def last_resume_info() -> ResumeInfo | None:
     return _last_resume.get()
 
 
+def _shown(path: Any) -> str:
+    """``path`` for an error message (validated later, so anything may arrive here)."""
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
+
+
 # -- save ------------------------------------------------------------------------------------------
 def save_checkpoint(
     path: str | os.PathLike[str],
@@ -145,9 +150,7 @@ def save_checkpoint(
             ``__cause__``).
     """
     ctx = DistContext(process_group)
-    with peer_failures(
-        ctx, f"saving checkpoint {tag!r} under {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"
-    ):
+    with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
         req = resolve_save(
             ctx,
             path,
@@ -220,7 +223,7 @@ def resume_from_checkpoint(
         Other arguments as for :func:`save_checkpoint`.
     """
     ctx = DistContext(process_group)
-    with peer_failures(ctx, f"resuming from {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}"):
+    with peer_failures(ctx, f"resuming from {_shown(path)}"):
         req = resolve_resume(
             ctx,
             path,

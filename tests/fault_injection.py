@@ -65,7 +65,6 @@ Reproducing one deterministic point on a fresh root:
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import logging
@@ -77,374 +76,23 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
-import warnings
 from typing import Any
 
-KEEP = 3  # num_kept_partial_checkpoints
-FAULT_ENV = "SMPCKPT_FI_FAULT"
-MANIFEST = "smpckpt.manifest.json"
-SIZES = (256, 256, 256, 64)  # Linear stack: ~0.28 M parameters, ~3.3 MB with Adam state
-POISON_STEP = 1_000_000_007  # fills a fresh model before resume, so a no-op load is caught
-READY_TIMEOUT_S = 240.0  # child import (torch) on a loaded 2-core machine
-RUN_TIMEOUT_S = 120.0  # one child run, from "go" to its death
-TIMED_RANGE_S = (0.05, 2.0)
-DET_MAX_SAVES = 12  # armed saves of a deterministic run (its N lands within ~3 saves)
-TIMED_MAX_SAVES = 2000  # bounded anyway by the timed kill (<= 2 s)
-_REAL_FSYNC = os.fsync  # the child's own progress file never goes through the patched fsync
-
-# kind: (counter, when, (N low, N high), what the kill interrupts). Counters are per child run and
-# count only after the restart save (when the fault is armed). Calls per save with this model (see
-# "calls_per_save" in the JSON, measured by the final run): ~100 sink.write, 4 sink.commit, ~12 fsync,
-# 1-2 write_bytes_atomic/renames of .metadata, one manifest commit (rename or hard link), one newest
-# write; once more than 3 checkpoints exist, 1 remove_checkpoint and ~8 deletions inside it.
-KINDS: dict[str, tuple[str, str, tuple[int, int], str]] = {
-    "data_write": ("sink.write", "before", (1, 200), "before a data-file chunk write (LocalSink.write)"),
-    "data_write_torn": ("sink.write", "torn", (1, 200), "half of a data-file chunk written"),
-    "data_fsync": ("sink.commit", "before", (1, 12), "before a data file's fsync+close (LocalSink.commit)"),
-    "fsync": ("fsync", "before", (1, 36), "before any os.fsync of the save loop"),
-    "metadata_write": ("wba:.metadata", "before", (1, 6), "before write_bytes_atomic(.metadata[.<id>])"),
-    "metadata_rename": ("publish:.metadata", "before", (1, 6), ".metadata temp written+fsynced, not renamed"),
-    "manifest_write": ("commit", "before", (1, 3), "before the writer's _write_manifest (the commit)"),
-    "manifest_rename": ("publish:manifest", "before", (1, 3), "manifest temp written+fsynced, not published"),
-    "manifest_renamed": ("publish:manifest", "after", (1, 3), "manifest published (rename/link), dir not fsynced"),
-    "manifest_committed": ("commit", "after", (1, 3), "_write_manifest returned; before the rest of finish()"),
-    "newest_write": ("write_newest", "before", (1, 3), "committed, before write_newest"),
-    "newest_rename": ("publish:newest", "before", (1, 3), "newest temp written, not renamed"),
-    "newest_renamed": ("publish:newest", "after", (1, 3), "newest renamed, before its dir fsync/retention"),
-    "retention_start": ("remove_checkpoint", "before", (1, 3), "before retention's remove_checkpoint"),
-    "retention_mid": ("rm_in_removal", "before", (2, 8), "between the deletions of remove_checkpoint"),
-    "post_save": ("post_save", "before", (1, 3), "save returned, progress line not written"),
-}
-TIMED = "timed"
-#: verify_checkpoint's warning for a committed checkpoint whose stock ``.metadata`` copy (written after
-#: the commit, for stock DCP readers) is missing: a crash right after the commit leaves it so. smpckpt
-#: loads such a checkpoint; it is counted ("no .metadata"), not treated as corruption.
-STOCK_ONLY = ".metadata: missing"
-ALL_KINDS = (*KINDS, TIMED)
-
-
-def tag_of(step: int) -> str:
-    return f"step{step:05d}"
-
-
-def step_of(tag: str) -> int | None:
-    if tag.startswith("step") and tag[4:].isdigit():
-        return int(tag[4:])
-    return None
-
-
-# -- the model (child and parent) -------------------------------------------------------------------
-def build_model() -> tuple[Any, Any]:
-    """The tiny model and an Adam whose state exists (one zero-grad step), as resume needs it."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    layers: list[Any] = []
-    for i in range(len(SIZES) - 1):
-        layers.append(nn.Linear(SIZES[i], SIZES[i + 1]))
-        if i < len(SIZES) - 2:
-            layers.append(nn.ReLU())
-    model = nn.Sequential(*layers)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
-
-
-def fill_state(model: Any, opt: Any, step: int) -> None:
-    """The "training step": parameters and Adam state at ``step`` are a pure function of ``step``."""
-    import torch
-
-    g = torch.Generator().manual_seed(step)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-            st = opt.state[p]
-            st["exp_avg"].copy_(torch.randn(p.shape, generator=g))
-            st["exp_avg_sq"].copy_(torch.rand(p.shape, generator=g))
-            st["step"].fill_(float(step + 1))
-
-
-def state_mismatches(model: Any, opt: Any, step: int) -> list[str]:
-    """Names of the tensors of (model, opt) that differ (bit-exact) from the expected state of ``step``."""
-    import torch
-
-    exp_model, exp_opt = build_model()
-    fill_state(exp_model, exp_opt, step)
-    bad: list[str] = []
-    got = dict(model.named_parameters())
-    for name, q in exp_model.named_parameters():
-        p = got.get(name)
-        if p is None or not torch.equal(p.detach(), q.detach()):
-            bad.append(f"model.{name}")
-            continue
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            a, b = opt.state.get(p, {}).get(key), exp_opt.state[q][key]
-            if a is None or not torch.equal(a, b):
-                bad.append(f"optim.{name}.{key}")
-    return bad
-
-
-# -- child ----------------------------------------------------------------------------------------------
-class Progress:
-    """Append-only JSON lines, fsynced (with the real fsync) after each line."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def emit(self, sync: bool = True, **event: Any) -> None:
-        event["t"] = round(time.monotonic(), 4)
-        os.write(self.fd, (json.dumps(event) + "\n").encode())
-        if sync:
-            _REAL_FSYNC(self.fd)
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # never reached
-
-
-def _classify(path: Any) -> str:
-    base = os.path.basename(os.fspath(path)) if path is not None else ""
-    if base == MANIFEST:
-        return "manifest"
-    if base.startswith(".metadata"):
-        return ".metadata"
-    if base == "newest":
-        return "newest"
-    return "other"
-
-
-class Injector:
-    """Counts calls of the wrapped functions and SIGKILLs this process at the configured call."""
-
-    def __init__(self, fault: dict[str, Any], progress: Progress) -> None:
-        self.kind = fault.get("kind", "none")
-        spec = KINDS.get(self.kind)
-        self.counter, self.when, self.n = (spec[0], spec[1], int(fault["n"])) if spec else ("", "", 0)
-        self.progress = progress
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.lock = threading.Lock()
-        self.in_removal = 0
-        self.patched: dict[str, list[str]] = {}
-
-    # the decision ------------------------------------------------------------------------------------
-    def _count(self, name: str) -> int:
-        with self.lock:
-            self.counts[name] += 1
-            return self.counts[name]
-
-    def _die(self, name: str, count: int, when: str) -> None:
-        self.progress.emit(sync=False, event="kill", kind=self.kind, counter=name, n=count, when=when)
-        _kill_self()
-
-    def before(self, name: str) -> bool:
-        """Count a call; kill now (``before``) or return True when the caller must tear the write."""
-        c = self._count(name)
-        if name == self.counter and c == self.n:
-            if self.when == "before":
-                self._die(name, c, "before")
-            if self.when == "torn":
-                return True
-        return False
-
-    def after(self, name: str) -> None:
-        if name == self.counter and self.when == "after" and self.counts[name] == self.n:
-            self._die(name, self.n, "after")
-
-    # installing the wrappers ------------------------------------------------------------------------
-    @staticmethod
-    def _replace_everywhere(orig: Any, new: Any) -> list[str]:
-        """Replace ``orig`` in every loaded smpckpt module that holds it (``from x import y`` copies)."""
-        hits = []
-        for mod_name, mod in list(sys.modules.items()):
-            if mod is None or not (mod_name == "smpckpt" or mod_name.startswith("smpckpt.")):
-                continue
-            for attr, val in list(vars(mod).items()):
-                if val is orig:
-                    setattr(mod, attr, new)
-                    hits.append(f"{mod_name}.{attr}")
-        return hits
-
-    def install(self) -> dict[str, list[str]]:
-        import smpckpt.storage._fs as fsmod
-        import smpckpt.storage._sinks as sinks
-        import smpckpt.storage.tools as tools
-        import smpckpt.tags as tags
-        from smpckpt.storage.writer import FsspecStorageWriter
-
-        inj = self
-
-        # data-file sinks (class attributes: every instance looks them up there)
-        orig_write, orig_commit = sinks.LocalSink.write, sinks.LocalSink.commit
-
-        def sink_write(sink: Any, data: memoryview) -> None:
-            if inj.before("sink.write"):
-                mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-                orig_write(sink, mv[: len(mv) // 2])
-                inj._die("sink.write", inj.n, "torn")
-            orig_write(sink, data)
-
-        def sink_commit(sink: Any) -> None:
-            inj.before("sink.commit")
-            orig_commit(sink)
-
-        sinks.LocalSink.write = sink_write  # type: ignore[method-assign]
-        sinks.LocalSink.commit = sink_commit  # type: ignore[method-assign]
-        self.patched["LocalSink"] = [
-            "smpckpt.storage._sinks.LocalSink.write",
-            "smpckpt.storage._sinks.LocalSink.commit",
-        ]
-
-        # the writer's commit seam (a class attribute)
-        orig_commit_manifest = FsspecStorageWriter._write_manifest
-
-        def write_manifest(writer: Any, *args: Any, **kwargs: Any) -> Any:
-            inj.before("commit")
-            out = orig_commit_manifest(writer, *args, **kwargs)
-            inj.after("commit")
-            return out
-
-        FsspecStorageWriter._write_manifest = write_manifest  # type: ignore[method-assign]
-        self.patched["FsspecStorageWriter"] = ["smpckpt.storage.writer.FsspecStorageWriter._write_manifest"]
-
-        # write_bytes_atomic: the definition and every imported copy
-        orig_wba = fsmod.write_bytes_atomic
-
-        def wba(*args: Any, **kwargs: Any) -> Any:
-            path = args[1] if len(args) > 1 else kwargs.get("path")
-            name = f"wba:{_classify(path)}"
-            inj.before(name)
-            out = orig_wba(*args, **kwargs)
-            inj.after(name)
-            return out
-
-        self.patched["write_bytes_atomic"] = self._replace_everywhere(orig_wba, wba)
-
-        orig_newest = tags.write_newest
-
-        def write_newest(*args: Any, **kwargs: Any) -> Any:
-            inj.before("write_newest")
-            out = orig_newest(*args, **kwargs)
-            inj.after("write_newest")
-            return out
-
-        self.patched["write_newest"] = self._replace_everywhere(orig_newest, write_newest)
-
-        orig_remove = tools.remove_checkpoint
-
-        def remove_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            inj.before("remove_checkpoint")
-            inj.in_removal += 1
-            try:
-                return orig_remove(*args, **kwargs)
-            finally:
-                inj.in_removal -= 1
-
-        self.patched["remove_checkpoint"] = self._replace_everywhere(orig_remove, remove_checkpoint)
-
-        # os functions: module attributes (looked up at call time) and any smpckpt-held copies
-        def os_wrap(fn_name: str, counter: Any) -> None:
-            orig = getattr(os, fn_name)
-
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                name = counter(args, kwargs)
-                if name:
-                    inj.before(name)
-                out = orig(*args, **kwargs)
-                if name:
-                    inj.after(name)
-                return out
-
-            hits = self._replace_everywhere(orig, wrapped)
-            setattr(os, fn_name, wrapped)
-            self.patched[f"os.{fn_name}"] = [f"os.{fn_name}", *hits]
-
-        def publish_counter(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-            dst = args[1] if len(args) > 1 else kwargs.get("dst")
-            return f"publish:{_classify(dst)}"
-
-        os_wrap("replace", publish_counter)  # write_bytes_atomic: temp + rename
-        os_wrap("link", publish_counter)  # exclusive commit: temp + hard link
-        os_wrap("fsync", lambda a, k: "fsync")
-        for fn_name in ("unlink", "remove", "rmdir"):
-            os_wrap(fn_name, lambda a, k: "rm_in_removal" if inj.in_removal else "")
-        for name, hits in self.patched.items():
-            if not hits:
-                raise RuntimeError(f"fault injection: {name} is looked up nowhere the harness knows; update it")
-        return self.patched
-
-
-def child_main() -> int:
-    fault = json.loads(os.environ.get(FAULT_ENV) or "{}")
-    import torch
-
-    torch.set_num_threads(1)
-    import smpckpt
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    model, opt = build_model()
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    os.dup2(2, 1)  # nothing more on the pipe the parent reads
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0  # the parent went away or did not need this child
-    go = json.loads(line)
-    root, progress = go["root"], Progress(go["progress"])
-    max_saves = int(fault.get("max_saves", DET_MAX_SAVES))
-    phase = "resume"
-    try:
-        uc = smpckpt.resume_from_checkpoint(root, model=model, optimizer=opt, missing_ok=True)
-        info = smpckpt.last_resume_info() if uc is not None else None
-        step = None if uc is None else int(uc["step"])
-        progress.emit(
-            event="resumed",
-            step=step,
-            tag=info.tag if info else None,
-            fell_back=bool(info.fell_back) if info else False,
-        )
-        start = 0 if step is None else step + 1
-        phase = "restart_save"
-        fill_state(model, opt, start)
-        smpckpt.save_checkpoint(
-            root,
-            tag_of(start),
-            model=model,
-            optimizer=opt,
-            user_content={"step": start},
-            num_kept_partial_checkpoints=KEEP,
-        )
-        progress.emit(event="committed", step=start, phase="restart")
-        phase = "install"
-        inj = Injector(fault, progress)
-        patched = inj.install() if inj.kind in KINDS or inj.kind == "final" else {}  # final: counts only
-        progress.emit(event="armed", kind=inj.kind, n=inj.n, patched=patched)
-        phase = "loop"
-        for k in range(start + 1, start + 1 + max_saves):
-            fill_state(model, opt, k)
-            smpckpt.save_checkpoint(
-                root, tag_of(k), model=model, optimizer=opt, user_content={"step": k}, num_kept_partial_checkpoints=KEEP
-            )
-            inj.before("post_save")
-            progress.emit(event="committed", step=k, phase="loop", counts=dict(inj.counts))
-        progress.emit(event="done")
-        return 0
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit 3
-        progress.emit(
-            event="error",
-            phase=phase,
-            type=type(exc).__name__,
-            message=str(exc)[:4000],
-            traceback=traceback.format_exc()[-6000:],
-        )
-        return 3
+from fault_checks import Epoch, check_root, leftovers
+from fault_child import child_main
+from fault_common import (
+    ALL_KINDS,
+    DET_MAX_SAVES,
+    FAULT_ENV,
+    KEEP,
+    KINDS,
+    READY_TIMEOUT_S,
+    RUN_TIMEOUT_S,
+    TIMED,
+    TIMED_MAX_SAVES,
+    TIMED_RANGE_S,
+)
 
 
 # -- parent: plan ---------------------------------------------------------------------------------------
@@ -629,174 +277,6 @@ def run_child(child: Child, root: str, progress_path: str) -> RunResult:
     else:
         landed = killed and any(e.get("event") == "kill" for e in events)
     return RunResult(rc, landed, timed_out, sent, events, wall, ready_wait_s=ready_wait)
-
-
-# -- parent: checks ---------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Epoch:
-    index: int
-    root: str
-    reported: list[int] = dataclasses.field(default_factory=list)
-    seen_leftovers: set[str] = dataclasses.field(default_factory=set)
-    seen_unverifiable: set[tuple[str, str]] = dataclasses.field(default_factory=set)  # (tag, save id)
-    max_attempted: int = 0  # newest step any save of this root may have attempted
-    pending: list[int] = dataclasses.field(default_factory=list)  # kill points awaiting their restart check
-
-
-def _tree_files(folder: str) -> list[tuple[str, int]]:
-    out = []
-    for dirpath, _dirs, files in os.walk(folder):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            try:
-                out.append((p, os.lstat(p).st_size))
-            except FileNotFoundError:
-                pass
-    return out
-
-
-def _owned_names(manifest: Any) -> set[str]:
-    """File names of a manifest's generation (a ``Manifest`` object or its JSON dict)."""
-    if manifest is None:
-        return set()
-    if isinstance(manifest, dict):
-        return {str(f.get("name")) for f in manifest.get("files") or []} | {
-            str((manifest.get("metadata") or {}).get("name"))
-        }
-    return {str(f.name) for f in manifest.files} | {str(manifest.metadata.name)}
-
-
-def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set[str]]:
-    """``{path: bytes}`` of files no committed generation owns, and the uncommitted folder paths."""
-    files: dict[str, int] = {}
-    dirs: set[str] = set()
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return files, dirs
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            tag = entry.name[: -len("_partial")] if entry.name.endswith("_partial") else None
-            rec = committed.get(tag) if tag else None
-            if rec is None:
-                dirs.add(entry.path)
-                files.update(_tree_files(entry.path))
-                continue
-            owned = _owned_names(rec.manifest) | {".metadata", MANIFEST}
-            for p, size in _tree_files(entry.path):
-                if os.path.relpath(p, entry.path) not in owned:
-                    files[p] = size
-        elif entry.name != "newest":
-            files[entry.path] = entry.stat(follow_symlinks=False).st_size
-    return files, dirs
-
-
-def _save_id(rec: Any) -> str:
-    m = rec.manifest
-    if m is None:
-        return ""
-    return str(m.get("save_id", "")) if isinstance(m, dict) else str(getattr(m, "save_id", ""))
-
-
-def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
-    """(a) + (b) on the current state of ``epoch.root``; plus leftovers attributed to this kill."""
-    import smpckpt
-    from smpckpt.catalog import scan_root
-    from smpckpt.storage import verify_checkpoint
-
-    out: dict[str, Any] = {
-        "lost": [],
-        "corrupt": [],
-        "stock_metadata_missing": [],
-        "legit_deleted": [],
-        "resume": {},
-        "errors": [],
-    }
-    reported = sorted(set(epoch.reported))
-    newest_reported = reported[-1] if reported else None
-    committed: dict[str, Any] = {}
-    try:
-        for r in scan_root(epoch.root):
-            if r.committed:
-                committed[r.tag] = r
-    except Exception as exc:  # noqa: BLE001 - the root cannot even be listed: every kept tag is lost
-        out["errors"].append(f"scan_root: {type(exc).__name__}: {exc}")
-        out["lost"] = [{"tag": tag_of(s), "why": "scan_root failed"} for s in reported[-KEEP:]]
-    else:
-        steps_on_disk = sorted(s for s in (step_of(t) for t in committed) if s is not None)
-        for tag, rec in sorted(committed.items()):
-            try:
-                rep = verify_checkpoint(rec.url)
-                if not rep.ok:
-                    out["corrupt"].append({"tag": tag, "why": "; ".join(rep.problems[:5]), "id": _save_id(rec)})
-                elif any(w.startswith(STOCK_ONLY) for w in rep.warnings):
-                    out["corrupt"].append(
-                        {"tag": tag, "why": "; ".join(rep.warnings[:5]), "id": _save_id(rec), "stock_only": True}
-                    )
-            except Exception as exc:  # noqa: BLE001
-                out["corrupt"].append({"tag": tag, "why": f"{type(exc).__name__}: {exc}", "id": _save_id(rec)})
-        corrupt = {c["tag"] for c in out["corrupt"] if not c.get("stock_only")}
-        for s in reported[-KEEP:]:
-            t = tag_of(s)
-            if t in committed and t not in corrupt:
-                continue
-            if t in corrupt:
-                out["lost"].append({"tag": t, "why": "committed but verify_checkpoint failed"})
-                continue
-            newer = sum(1 for x in steps_on_disk if x > s)
-            if newer >= KEEP:
-                out["legit_deleted"].append(t)
-            else:
-                out["lost"].append({"tag": t, "why": f"gone (only {newer} newer committed checkpoint(s) exist)"})
-        # committed checkpoints that fail verification and are not counted as lost above; each one
-        # is counted once, by the check that first saw it
-        fresh = [
-            c
-            for c in out["corrupt"]
-            if step_of(c["tag"]) not in reported[-KEEP:] and (c["tag"], c["id"]) not in epoch.seen_unverifiable
-        ]
-        epoch.seen_unverifiable |= {(c["tag"], c["id"]) for c in out["corrupt"]}
-        out["corrupt"] = [c for c in fresh if not c.get("stock_only")]
-        out["stock_metadata_missing"] = [c for c in fresh if c.get("stock_only")]
-        out["committed_on_disk"] = sorted(committed)
-
-    # (b) resume into a fresh, poisoned model
-    res: dict[str, Any] = {"ok": False}
-    try:
-        model, opt = build_model()
-        fill_state(model, opt, POISON_STEP)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            uc = smpckpt.resume_from_checkpoint(epoch.root, model=model, optimizer=opt, missing_ok=not reported)
-        if uc is None:
-            res.update(step=None, ok=not reported, why=None if not reported else "nothing to resume")
-        else:
-            info = smpckpt.last_resume_info()
-            step = int(uc["step"])
-            res.update(step=step, tag=info.tag if info else None, fell_back=bool(info and info.fell_back))
-            bad = state_mismatches(model, opt, step)
-            if bad:
-                res["why"] = f"state of step {step} differs bit-wise in {len(bad)} tensor(s): {bad[:4]}"
-            elif info is not None and info.tag != tag_of(step):
-                res["why"] = f"tag {info.tag} holds user_content step {step}"
-            elif newest_reported is not None and step < newest_reported:
-                res["why"] = f"resumed step {step} < newest reported committed step {newest_reported}"
-                res["regressed"] = True
-            elif ran_up_to is not None and step > ran_up_to:
-                res["why"] = f"resumed step {step} was never saved (last attempted {ran_up_to})"
-            else:
-                res["ok"] = True
-    except Exception as exc:  # noqa: BLE001
-        res["why"] = f"{type(exc).__name__}: {exc}"
-    out["resume"] = res
-
-    # leftovers created by this kill (paths not seen at an earlier check of this root)
-    files, dirs = leftovers(epoch.root, committed)
-    new_files = {p: b for p, b in files.items() if p not in epoch.seen_leftovers}
-    new_dirs = {d for d in dirs if d not in epoch.seen_leftovers}
-    epoch.seen_leftovers |= set(files) | dirs
-    out["leftovers"] = {"dirs": len(new_dirs), "files": len(new_files), "bytes": sum(new_files.values())}
-    return out
 
 
 # -- parent: the campaign ---------------------------------------------------------------------------------
@@ -1126,28 +606,26 @@ def print_report(rep: dict[str, Any]) -> None:
         f"final restart check: {rep['final_restart_check']};  roots used: {len(rep['roots'])};  "
         f"runtime {rep['runtime_s']} s"
     )
-    if rep["failures"]:
-        print(f"\nFAILURES ({len(rep['failures'])}):")
-        for f in rep["failures"]:
-            print(
-                f"  kill #{f['kill']} {f['kind']}"
-                + (f" N={f['n']}" if f.get("n") is not None else "")
-                + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
-                + f": {f['what']}: {f['detail'][:400]}"
-            )
-            if f.get("repro"):
-                print(f"      repro: {f['repro']}")
-    if rep["warnings"]:
-        print(f"\nWARNINGS ({len(rep['warnings'])}; not failures: nothing reported was lost, resume loads these):")
-        for f in rep["warnings"]:
-            print(
-                f"  kill #{f['kill']} {f['kind']}"
-                + (f" N={f['n']}" if f.get("n") is not None else "")
-                + (f" delay={f['delay_s']}s" if f.get("delay_s") is not None else "")
-                + f": {f['what']}: {f['detail'][:300]}"
-            )
-            print(f"      repro: {f['repro']}")
+    _print_items(f"FAILURES ({len(rep['failures'])})", rep["failures"], 400)
+    _print_items(
+        f"WARNINGS ({len(rep['warnings'])}; not failures: nothing reported was lost, resume loads these)",
+        rep["warnings"],
+        300,
+    )
     print("\nRESULT:", "OK (0 lost)" if rep["ok"] else "FAILED")
+
+
+def _print_items(title: str, items: list[dict[str, Any]], width: int) -> None:
+    """One line per failure or warning, with its kill point and a reproduction command."""
+    if not items:
+        return
+    print(f"\n{title}:")
+    for f in items:
+        n = f" N={f['n']}" if f.get("n") is not None else ""
+        delay = f" delay={f['delay_s']}s" if f.get("delay_s") is not None else ""
+        print(f"  kill #{f['kill']} {f['kind']}{n}{delay}: {f['what']}: {f['detail'][:width]}")
+        if f.get("repro"):
+            print(f"      repro: {f['repro']}")
 
 
 def main(argv: list[str] | None = None) -> int:

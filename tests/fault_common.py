@@ -1,0 +1,111 @@
+"""What the fault-injection parent and child share: kill kinds, limits, tags and the deterministic model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+KEEP = 3  # num_kept_partial_checkpoints
+FAULT_ENV = "SMPCKPT_FI_FAULT"
+MANIFEST = "smpckpt.manifest.json"
+SIZES = (256, 256, 256, 64)  # Linear stack: ~0.28 M parameters, ~3.3 MB with Adam state
+POISON_STEP = 1_000_000_007  # fills a fresh model before resume, so a no-op load is caught
+READY_TIMEOUT_S = 240.0  # child import (torch) on a loaded 2-core machine
+RUN_TIMEOUT_S = 120.0  # one child run, from "go" to its death
+TIMED_RANGE_S = (0.05, 2.0)
+DET_MAX_SAVES = 12  # armed saves of a deterministic run (its N lands within ~3 saves)
+TIMED_MAX_SAVES = 2000  # bounded anyway by the timed kill (<= 2 s)
+
+# kind: (counter, when, (N low, N high), what the kill interrupts). Counters are per child run and
+# count only after the restart save (when the fault is armed). Calls per save with this model (see
+# "calls_per_save" in the JSON, measured by the final run): ~100 sink.write, 4 sink.commit, ~12 fsync,
+# 1-2 write_bytes_atomic/renames of .metadata, one manifest commit (rename or hard link), one newest
+# write; once more than 3 checkpoints exist, 1 remove_checkpoint and ~8 deletions inside it.
+KINDS: dict[str, tuple[str, str, tuple[int, int], str]] = {
+    "data_write": ("sink.write", "before", (1, 200), "before a data-file chunk write (LocalSink.write)"),
+    "data_write_torn": ("sink.write", "torn", (1, 200), "half of a data-file chunk written"),
+    "data_fsync": ("sink.commit", "before", (1, 12), "before a data file's fsync+close (LocalSink.commit)"),
+    "fsync": ("fsync", "before", (1, 36), "before any os.fsync of the save loop"),
+    "metadata_write": ("wba:.metadata", "before", (1, 6), "before write_bytes_atomic(.metadata[.<id>])"),
+    "metadata_rename": ("publish:.metadata", "before", (1, 6), ".metadata temp written+fsynced, not renamed"),
+    "manifest_write": ("commit", "before", (1, 3), "before the writer's _write_manifest (the commit)"),
+    "manifest_rename": ("publish:manifest", "before", (1, 3), "manifest temp written+fsynced, not published"),
+    "manifest_renamed": ("publish:manifest", "after", (1, 3), "manifest published (rename/link), dir not fsynced"),
+    "manifest_committed": ("commit", "after", (1, 3), "_write_manifest returned; before the rest of finish()"),
+    "newest_write": ("write_newest", "before", (1, 3), "committed, before write_newest"),
+    "newest_rename": ("publish:newest", "before", (1, 3), "newest temp written, not renamed"),
+    "newest_renamed": ("publish:newest", "after", (1, 3), "newest renamed, before its dir fsync/retention"),
+    "retention_start": ("remove_checkpoint", "before", (1, 3), "before retention's remove_checkpoint"),
+    "retention_mid": ("rm_in_removal", "before", (2, 8), "between the deletions of remove_checkpoint"),
+    "post_save": ("post_save", "before", (1, 3), "save returned, progress line not written"),
+}
+TIMED = "timed"
+#: verify_checkpoint's warning for a committed checkpoint whose stock ``.metadata`` copy (written after
+#: the commit, for stock DCP readers) is missing: a crash right after the commit leaves it so. smpckpt
+#: loads such a checkpoint; it is counted ("no .metadata"), not treated as corruption.
+STOCK_ONLY = ".metadata: missing"
+ALL_KINDS = (*KINDS, TIMED)
+
+
+def tag_of(step: int) -> str:
+    return f"step{step:05d}"
+
+
+def step_of(tag: str) -> int | None:
+    if tag.startswith("step") and tag[4:].isdigit():
+        return int(tag[4:])
+    return None
+
+
+# -- the model (child and parent) -------------------------------------------------------------------
+def build_model() -> tuple[Any, Any]:
+    """The tiny model and an Adam whose state exists (one zero-grad step), as resume needs it."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for i in range(len(SIZES) - 1):
+        layers.append(nn.Linear(SIZES[i], SIZES[i + 1]))
+        if i < len(SIZES) - 2:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def fill_state(model: Any, opt: Any, step: int) -> None:
+    """The "training step": parameters and Adam state at ``step`` are a pure function of ``step``."""
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+            st = opt.state[p]
+            st["exp_avg"].copy_(torch.randn(p.shape, generator=g))
+            st["exp_avg_sq"].copy_(torch.rand(p.shape, generator=g))
+            st["step"].fill_(float(step + 1))
+
+
+def state_mismatches(model: Any, opt: Any, step: int) -> list[str]:
+    """Names of the tensors of (model, opt) that differ (bit-exact) from the expected state of ``step``."""
+    import torch
+
+    exp_model, exp_opt = build_model()
+    fill_state(exp_model, exp_opt, step)
+    bad: list[str] = []
+    got = dict(model.named_parameters())
+    for name, q in exp_model.named_parameters():
+        p = got.get(name)
+        if p is None or not torch.equal(p.detach(), q.detach()):
+            bad.append(f"model.{name}")
+            continue
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            a, b = opt.state.get(p, {}).get(key), exp_opt.state[q][key]
+            if a is None or not torch.equal(a, b):
+                bad.append(f"optim.{name}.{key}")
+    return bad

@@ -238,6 +238,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 "Check that every rank gives the same specs and sizes."
             )
         plans = [dataclasses.replace(p, planner_data=None) for p in plans]
+        if plans:
+            # the storage writer's coordinator reads the record here (full mode lays tensors out in
+            # their original shapes); one copy, on the coordinator's own plan
+            plans[0] = dataclasses.replace(plans[0], planner_data={METADATA_KEY: record.to_json()})
         self.report = SaveReport(
             bytes_per_rank=tuple(_plan_bytes(p) for p in plans), items=sum(len(p.items) for p in plans), cached=False
         )

@@ -49,10 +49,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from smpckpt._args import peer_failures
 from smpckpt._dist import DistContext
+from smpckpt._full import resume_full, save_full
 from smpckpt._resume import (
     ResumeInfo,
     apply_state,
@@ -68,6 +70,7 @@ from smpckpt.errors import CheckpointNotFound
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.specs import SpecLike, SpecRules
+from smpckpt.translation import Translation
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
 
@@ -107,8 +110,14 @@ def save_checkpoint(
     format: Literal["raw", "torch_save"] = "raw",
     sync_files: bool = True,
     remove_uncommitted_older_than: float | None = None,
+    include_optimizer: bool = False,
+    dtype: torch.dtype | None = None,
+    hf_config: Any = None,
+    translate_function: Translation | None = None,
+    max_shard_size: int | str = "5GB",
 ) -> None:
-    """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it.
+    """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
+    ``partial=False``, one consolidated artifact ``{path}/{tag}/`` instead (see below).
 
     Every rank of ``process_group`` (default group; or the single process) must call it with the
     same ``path``, ``tag`` and options.
@@ -116,7 +125,13 @@ def save_checkpoint(
     Args:
         path: checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``).
         tag: checkpoint name (validated: no ``/``, ``..``, control characters, not empty).
-        partial: must be ``True``; full-gather checkpoints are a later feature.
+        partial: ``True``: every rank saves its own shards (resume under any layout). ``False``: a
+            full checkpoint ``{path}/{tag}/``: every tensor full-size under its global name in
+            ``model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` + index above
+            ``max_shard_size``), readable by ``safetensors``/``transformers`` without smpckpt;
+            ``user_content`` beside it as ``user_content.pt``. Every rank writes its own shards at
+            their offsets (no rank holds the whole model); committed by the same manifest. Needs a
+            POSIX path. ``newest`` and retention ignore full checkpoints; RNG is not saved.
         model: a ``torch.nn.Module`` (plain, Megatron-style local shards with ``specs``, or
             DTensor/FSDP2 parameters); saved under ``model.<fqn>``.
         optimizer: an optimizer (or a sequence) over ``model``'s parameters; its state is saved
@@ -137,19 +152,50 @@ def save_checkpoint(
         format: ``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable).
         sync_files: fsync data before the commit (keep ``True`` unless you accept losing a
             "committed" checkpoint to a power loss).
+        include_optimizer: (``partial=False``) also write the optimizer's tensor state to
+            ``optimizer.safetensors``, keyed ``<param fqn>.<name>`` (hyper-parameters are not saved).
+        dtype: (``partial=False``) cast floating-point tensors on export (fp32 -> ``torch.bfloat16``).
+        hf_config: (``partial=False``) a Hugging Face config written as ``config.json`` beside the
+            weights, so ``AutoModelForCausalLM.from_pretrained(folder)`` opens the artifact.
+        translate_function: (``partial=False``) a :class:`smpckpt.translation.Translation` such as
+            ``smpckpt.hf.gpt2.TRANSLATION``: the artifact gets Hugging Face names and layouts.
+        max_shard_size: (``partial=False``) bytes (or ``"5GB"``) per safetensors file.
         remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
             folders (debris of killed or failed saves) with no write for that long, and aborts S3
             multipart uploads under ``path`` started that long ago. Make it longer than any save
             (e.g. ``6 * 3600``). ``None`` (default) leaves them (``smpckpt prune`` can remove them).
 
     Raises:
-        NotImplementedError: ``partial=False``.
         ValueError: an invalid tag or N, or arguments that differ between ranks.
         CheckpointExists: the tag exists and ``overwrite`` is false.
         CheckpointError: any other failure, on every rank (DCP's ``CheckpointException`` is the
             ``__cause__``).
     """
     ctx = DistContext(process_group)
+    if partial is False:
+        with peer_failures(ctx, f"saving full checkpoint {tag!r} under {_shown(path)}"):
+            save_full(
+                ctx,
+                path,
+                tag,
+                dict(
+                    model=model,
+                    optimizer=optimizer,
+                    user_content=user_content,
+                    layout=layout,
+                    specs=specs,
+                    name_map=name_map,
+                    storage_options=storage_options,
+                    process_group=process_group,
+                    sync_files=sync_files,
+                    include_optimizer=include_optimizer,
+                    dtype=dtype,
+                    hf_config=hf_config,
+                    translate_function=translate_function,
+                    max_shard_size=max_shard_size,
+                ),
+            )
+        return
     with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
         req = resolve_save(
             ctx,
@@ -186,7 +232,7 @@ def resume_from_checkpoint(
     partial: bool = True,
     model: nn.Module | None = None,
     optimizer: Any = None,
-    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | Translation | None = None,
     layout: ParallelLayout | None = None,
     specs: Mapping[str, SpecLike] | SpecRules | None = None,
     name_map: NameMap | None = None,
@@ -212,8 +258,15 @@ def resume_from_checkpoint(
     after a layout change they are not (a warning; each rank keeps its current generators).
 
     Args:
+        partial: ``False`` loads a full checkpoint: ``{path}/{tag}/`` (``tag=None``: ``path`` itself),
+            written by ``save_checkpoint(partial=False)`` or a plain Hugging Face folder
+            (``model.safetensors`` or index + shards; read unverified). Each rank reads only its own
+            shards' bytes. Optimizer tensor state is loaded when the artifact has it and ``optimizer``
+            is given; RNG is not restored; :func:`last_resume_info` is not updated.
         translate_function: ``state_dict -> state_dict`` applied to the loaded model state before it
-            is set into ``model`` (e.g. an HF <-> smp key/format translation).
+            is set into ``model`` (e.g. an HF <-> smp key/format translation). With ``partial=False``
+            it must be a :class:`smpckpt.translation.Translation` (``smpckpt.hf.gpt2.TRANSLATION``),
+            applied box by box while reading.
         strict: refuse (before reading data) when model/optimizer keys are missing from the
             checkpoint or checkpoint keys would be left unloaded; ``False`` skips them
             (listed in :attr:`ResumeInfo.skipped_keys`).
@@ -223,6 +276,27 @@ def resume_from_checkpoint(
         Other arguments as for :func:`save_checkpoint`.
     """
     ctx = DistContext(process_group)
+    if partial is False:
+        with peer_failures(ctx, f"loading full checkpoint from {_shown(path)}"):
+            return resume_full(
+                ctx,
+                path,
+                tag,
+                dict(
+                    model=model,
+                    optimizer=optimizer,
+                    translate_function=translate_function,
+                    layout=layout,
+                    specs=specs,
+                    name_map=name_map,
+                    storage_options=storage_options,
+                    strict=strict,
+                    process_group=process_group,
+                    allow_pickle=allow_pickle,
+                    allow_dtype_cast=allow_dtype_cast,
+                    verify_checksums=verify_checksums,
+                ),
+            )
     with peer_failures(ctx, f"resuming from {_shown(path)}"):
         req = resolve_resume(
             ctx,

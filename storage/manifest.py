@@ -5,7 +5,7 @@ is what makes a checkpoint committed. Layout (``format_version`` 1)::
 
     {
       "format": "smpckpt", "format_version": 1,
-      "kind": "partial",                 # "full" is reserved for the consolidated mode
+      "kind": "partial" | "full",        # full: one consolidated safetensors artifact (see _full_plan)
       "save_id": "18c1f...", "created": "2026-11-21T20:54:00Z", "world_size": 4,
       "data_format": "raw" | "torch_save",
       "checksum": {"algorithm": "xxh3_64"},
@@ -80,11 +80,20 @@ class FileRecord:
     rank: int
     block_ends: tuple[int, ...]
     block_digests: tuple[int, ...]
+    #: ``"blocks"``: the block lists above cover the file. ``"tensors"``: a full artifact's safetensors
+    #: file, written by many ranks at once; its header and every tensor box are checksummed in the
+    #: generation's metadata (itself checksummed here), and the block lists are empty.
+    checks: Literal["blocks", "tensors"] = "blocks"
 
     def __post_init__(self) -> None:
         if len(self.block_ends) != len(self.block_digests):
             raise CheckpointCorrupt(f"manifest entry {self.name}: block ends and digests differ in count")
-        if (self.block_ends and self.block_ends[-1] != self.size) or (not self.block_ends and self.size):
+        if self.checks not in ("blocks", "tensors"):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: unknown checks {self.checks!r}")
+        if self.checks == "tensors":
+            if self.block_ends:
+                raise CheckpointCorrupt(f"manifest entry {self.name}: tensor-checked file with block list")
+        elif (self.block_ends and self.block_ends[-1] != self.size) or (not self.block_ends and self.size):
             raise CheckpointCorrupt(f"manifest entry {self.name}: blocks do not cover the file size {self.size}")
         if any(b <= a for a, b in zip((0,) + self.block_ends, self.block_ends)):
             raise CheckpointCorrupt(f"manifest entry {self.name}: block ends are not increasing")
@@ -101,13 +110,16 @@ class FileRecord:
         return range(first, min(last, len(self.block_ends) - 1) + 1)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        obj = {
             "name": self.name,
             "size": self.size,
             "rank": self.rank,
             "block_ends": _pack(self.block_ends),
             "block_digests": _pack(self.block_digests),
         }
+        if self.checks != "blocks":
+            obj["checks"] = self.checks
+        return obj
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], *, where: str = "manifest") -> FileRecord:
@@ -120,6 +132,7 @@ class FileRecord:
             rank=int(obj.get("rank", -1)),
             block_ends=_unpack(obj["block_ends"]),
             block_digests=_unpack(obj["block_digests"]),
+            checks=obj.get("checks", "blocks"),
         )
 
 

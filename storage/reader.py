@@ -54,6 +54,8 @@ from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage._full_plan import WRITING_MARKER
+from smpckpt.storage._full_read import FullSource, hf_folder_files
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._read_io import missing_file_error
 from smpckpt.storage._read_plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
@@ -61,6 +63,7 @@ from smpckpt.storage._read_run import ReadRun
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._state import probe
 from smpckpt.storage.manifest import FileRecord, Manifest
+from smpckpt.translation import Translation
 
 __all__ = ["FsspecStorageReader", "ReadStats"]
 
@@ -75,6 +78,8 @@ class ReadStats:
     bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
     requests: int  # ranged reads issued
     items: int
+    #: file name -> (bytes needed, bytes read) where the reader tracks it per file (full artifacts)
+    per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def amplification(self) -> float:
@@ -94,6 +99,14 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         thread_count: ranged reads in flight.
         max_request_bytes: coalesced requests stop growing at this size.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
+        translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
+            manifest): present its tensors under our keys and layout (``smpckpt.hf.llama.TRANSLATION``),
+            box by box, so each rank reads only its shards' bytes. Full artifacts of ours need none.
+        hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
+            that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
+
+    Besides checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of ours and
+    Hugging Face folders; Hugging Face folders have no checksums and are read as *unverified*.
     """
 
     def __init__(
@@ -106,6 +119,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         thread_count: int = 4,
         max_request_bytes: int = 64 << 20,
         coalesce_gap: int = 0,
+        translation: Translation | None = None,
+        hf_prefix: str = "",
     ) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
@@ -117,6 +132,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
         self.last_read_stats: ReadStats | None = None
+        self.translation = translation
+        self.hf_prefix = hf_prefix
         self._open(path)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
@@ -130,6 +147,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
         self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
         self.metadata_error: Exception | None = None
+        self._full: FullSource | None = None  # a full artifact or Hugging Face folder
 
     # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -------
     def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
@@ -152,6 +170,16 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         if found.state == "missing":
             raise CheckpointNotFound(f"no checkpoint at {self.url}")
         if found.state == "uncommitted":
+            hf_files = self._hf_files()
+            if hf_files is not None:
+                log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
+                self.state = "huggingface"
+                self._full = FullSource(
+                    self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
+                )
+                metadata = self._full.from_hf_folder(hf_files, translation=self.translation, prefix=self.hf_prefix)
+                metadata.storage_meta = StorageMeta(load_id=self.load_id)
+                return metadata
             raise CheckpointNotFound(
                 f"{self.url} holds an uncommitted (incomplete or failed) save: {found.detail}; refusing to load it"
             )
@@ -163,8 +191,6 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             manifest = found.manifest
             if manifest is None:  # pragma: no cover - probe guarantees it
                 raise CheckpointError("internal: committed checkpoint without manifest")
-            if manifest.kind != "partial":
-                raise CheckpointError(f"{self.url}: checkpoint kind {manifest.kind!r} is not supported yet")
             md_path = join(self.path, manifest.metadata.name)
             data = read_bytes_or_none(self.fs, md_path)
             if data is None:
@@ -178,12 +204,19 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             self._metadata_path = md_path
             self.manifest = manifest
             self._records = {f.name: f for f in manifest.files}
+            if manifest.kind == "full":
+                self._full = FullSource(
+                    self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
+                )
+                self._full.from_description(metadata, self._records)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._full is not None:
+            return  # the artifact's own description says where every byte is
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.url}: metadata has no storage_data")
         self.storage_data = metadata.storage_data
@@ -217,7 +250,10 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
         """
         try:
-            self._read(plan, planner)
+            if self._full is not None:
+                self._read_full(plan, planner)
+            else:
+                self._read(plan, planner)
         except Exception as exc:
             _release_frames(exc)
             raise
@@ -315,6 +351,22 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         )
         run.run(reads)
         self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items))
+
+    def _hf_files(self) -> list[str] | None:
+        """The safetensors files when the folder is a Hugging Face model (not a save of ours in progress)."""
+        if read_bytes_or_none(self.fs, join(self.path, WRITING_MARKER)) is not None:
+            return None
+        return hf_folder_files(self.fs, self.path)
+
+    def _read_full(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        full = self._full
+        if full is None:  # pragma: no cover - checked by the caller
+            raise CheckpointError("internal: no full artifact")
+        full.file_stats = {}
+        needed, read = full.read(plan, planner)
+        per_file = {n: (st.bytes_needed, st.bytes_read) for n, st in full.file_stats.items()}
+        requests = sum(st.requests for st in full.file_stats.values())
+        self.last_read_stats = ReadStats(needed, read, requests, len(plan.items), per_file)
 
 
 def _is_int(x: object) -> bool:

@@ -37,14 +37,21 @@ import pickle
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.record import MANIFEST_KEY, LayoutRecord
+from smpckpt.record import MANIFEST_KEY, METADATA_KEY, LayoutRecord
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
@@ -55,6 +62,15 @@ from smpckpt.storage._fs import (
     remove_files,
     write_bytes_atomic,
 )
+from smpckpt.storage._full_plan import (
+    DESCRIPTION_FQN,
+    WRITING_MARKER,
+    ArtifactLayout,
+    FullOptions,
+    RankFullData,
+    plan_artifact,
+)
+from smpckpt.storage._full_write import ObjectResult, create_files, write_rank
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
@@ -105,6 +121,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             ``max_parts_in_flight * part_size``).
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
             layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
+        mode: ``"partial"`` (every rank writes its own shards into its own files) or ``"full"`` (one
+            consolidated safetensors artifact: every tensor full-size under its global name, each rank
+            writing its shards at their offsets; see :class:`FullOptions`). Full mode needs a POSIX
+            path (local disk, shared filesystem); its file names are fixed, so it never overwrites a
+            committed checkpoint, even with ``overwrite=True``.
+        full: layout options of full mode (shard size, dtype cast, translation, ``config.json``).
     """
 
     def __init__(
@@ -120,8 +142,18 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         part_size: int = 32 << 20,
         max_parts_in_flight: int = 4,
         manifest_extra: Mapping[str, Any] | None = None,
+        mode: Literal["partial", "full"] = "partial",
+        full: FullOptions | None = None,
     ) -> None:
         super().__init__()
+        if mode not in ("partial", "full"):
+            raise ValueError(f"mode must be 'partial' or 'full', got {mode!r}")
+        if full is not None and not isinstance(full, FullOptions):
+            raise TypeError(f"full must be a FullOptions, got {type(full).__name__}")
+        if full is not None and mode != "full":
+            raise ValueError("full= options apply to mode='full' only")
+        self.mode = mode
+        self.full = full if full is not None else FullOptions()
         if format not in ("raw", "torch_save"):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
         if thread_count < 1:
@@ -175,7 +207,10 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank."""
+        """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank.
+        Full mode also lays out the artifact, creates its files and tells each rank where its boxes go."""
+        if self.mode == "full":
+            return self._prepare_full(plans)
         found = probe(self.fs, self.path, list_when_empty=False)
         if found.state in ("committed", "legacy") and not self.overwrite:
             raise CheckpointExists(
@@ -199,6 +234,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         save_id = self._save_id
         if save_id is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
+        if self.mode == "full":
+            self._finish_full(save_id, metadata, results)
+            return
         storage_md: dict[MetadataIndex, Any] = {}
         files: list[FileRecord] = []
         for rank_results in results:
@@ -296,6 +334,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     # -- data path --------------------------------------------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         data = plan.storage_data
+        if isinstance(data, RankFullData):
+            written = write_rank(
+                self.path, data, plan.items, planner, sync=self.sync_files, thread_count=self.thread_count, fs=self.fs
+            )
+            self._used_save_ids.add(data.save_id)
+            return written
         if not isinstance(data, _RankPlanData):
             raise CheckpointError(
                 "this plan was not prepared by FsspecStorageWriter.prepare_global_plan (got storage_data="
@@ -336,3 +380,111 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         return write_file(
             self._open_sink(name), name, items, planner, rank, raw=self.format == "raw", block_size=self.block_size
         )
+
+    # -- full mode (coordinator) ------------------------------------------------------------------------
+    def _prepare_full(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not is_local(self.fs):
+            raise CheckpointError(
+                f"{self.url}: full mode writes every rank's shards into shared files at their offsets, which needs a "
+                "POSIX filesystem (local disk, FSx for Lustre, NFS); for object stores save partial checkpoints "
+                "and run `smpckpt consolidate` on one machine"
+            )
+        if any(not p.usable for p in plans):
+            raise CheckpointError("full mode needs fresh plans on every rank: disable plan caching")
+        found = probe(self.fs, self.path, list_when_empty=False)
+        if found.state in ("committed", "legacy"):
+            raise CheckpointExists(
+                f"{self.url} already holds a {found.state} checkpoint; full artifacts have fixed file names and are "
+                "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
+            )
+        if found.state == "missing" and _holds_foreign_files(self.fs, self.path):
+            raise CheckpointExists(
+                f"{self.url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
+                "to write a full artifact over them"
+            )
+        self._save_id = save_id = _names.new_save_id()
+        record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
+        original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
+        extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
+        out, layout = plan_artifact(plans, self.full, save_id, original, reserved_names=extra_names)
+        os.makedirs(self.path, exist_ok=True)
+        # the marker first: from here until the commit the folder is an unfinished save, never an HF model
+        write_bytes_atomic(self.fs, join(self.path, WRITING_MARKER), save_id.encode(), sync=self.sync_files)
+        create_files(self.path, layout.files, sync=self.sync_files)
+        self._layout = layout
+        return out
+
+    def _finish_full(self, save_id: str, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        layout: ArtifactLayout = self._layout
+        checks: dict[str, list[list[Any]]] = {}
+        records: list[FileRecord] = []
+        for rank, rank_results in enumerate(results):
+            for wr in rank_results:
+                if isinstance(wr.storage_data, ObjectResult):
+                    name, size, digest = wr.storage_data
+                    records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
+                    continue
+                art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
+                for key, view, offsets, sizes, digest in wr.storage_data or ():
+                    checks.setdefault(f"{art}/{key}", []).append(
+                        [list(view), list(offsets), list(sizes), f"{digest:016x}"]
+                    )
+        for f in layout.files:
+            size = int(self.fs.size(join(self.path, f.name)))
+            if size != f.size:
+                raise CheckpointError(f"{join(self.path, f.name)}: {size} bytes after the write, expected {f.size}")
+            records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
+        side = dict(layout.indexes)
+        cfg = self.full.hf_config_json()
+        if cfg is not None:
+            side["config.json"] = cfg
+        for name, data in side.items():
+            write_bytes_atomic(self.fs, join(self.path, name), data, sync=self.sync_files, sync_dir=False)
+            records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
+        # loaders see one chunk per tensor, in the stored dtype; the description says where its bytes are
+        sdm = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                props = dataclasses.replace(md.properties, dtype=layout.dtypes.get(fqn, md.properties.dtype))
+                md = TensorStorageMetadata(
+                    props, md.size, [ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)]
+                )
+            sdm[fqn] = md
+        metadata.state_dict_metadata = sdm
+        metadata.storage_data = {MetadataIndex(DESCRIPTION_FQN): layout.description(checks)}
+        meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
+        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        load_metadata(md_bytes, where="metadata being written")
+        gen_name = _names.generation_metadata_name(save_id)
+        self._write_metadata(gen_name, md_bytes)
+        manifest = Manifest(
+            save_id=save_id,
+            kind="full",
+            data_format="raw",
+            metadata=MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes)),
+            files=tuple(sorted(records, key=lambda f: f.name)),
+            world_size=len(results),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            extra=_with_layout_record(self._extra, metadata),
+        )
+        try:
+            create_bytes_exclusive(
+                self.fs, join(self.path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=self.sync_files
+            )
+        except FileExistsError as exc:
+            raise CheckpointExists(f"{self.url}: another save committed here while this full save was writing") from exc
+        self._used_save_ids.add(save_id)
+        failed = remove_files(self.fs, [join(self.path, WRITING_MARKER)])
+        if failed:
+            log.warning("%s is committed; its %s marker could not be removed (harmless)", self.url, WRITING_MARKER)
+
+
+def _holds_foreign_files(fs: Any, path: str) -> bool:
+    """Files in a folder with no manifest, no metadata and no writing marker of ours."""
+    try:
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+    return bool(names) and WRITING_MARKER not in names

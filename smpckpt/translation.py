@@ -1,0 +1,557 @@
+"""State-dict translation as lazy region-mapping rules (e.g. Hugging Face <-> our TP layouts).
+
+Two namespaces meet here. *Ours* is our model's global tensor, keyed by our FQN and shaped as the
+checkpoint stores it (its global *view* shape: a fused QKV weight is ``[3, d, d]``). The *artifact* is
+the foreign file's tensor (an HF safetensors entry), keyed by its own FQN, in its own shape.
+
+Each of our tensors is an :data:`Expr` over artifact tensors, from a two-constructor algebra:
+
+* :class:`Leaf` -- ``artifact[key].reshape(view).permute(perm)`` (rename, transpose, split a fused dim);
+* :class:`Cat` -- ``torch.cat([part, ...], dim)`` (fuse several artifact tensors, e.g. gate and up).
+
+Because an Expr is data, not code, it can be evaluated *lazily, by region*: :func:`pieces` says which
+rectangular region of which artifact tensor (in its viewed coordinates) lands where in any requested
+region of ours. A storage layer uses that to read only one TP rank's shard out of an HF tensor, or to
+write each rank's chunk straight into HF-shaped tensors. :func:`evaluate` and :func:`scatter` are the
+eager forms (whole tensors), used by :meth:`Translation.translate_from_artifact` and
+:meth:`Translation.translate_to_artifact`; both are exact (bit-for-bit) inverses of each other.
+
+A :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
+(``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Union
+
+import torch
+
+__all__ = [
+    "Leaf",
+    "Cat",
+    "Expr",
+    "Piece",
+    "Shape",
+    "expr_shape",
+    "expr_keys",
+    "pieces",
+    "evaluate",
+    "scatter",
+    "Rule",
+    "rename",
+    "transpose",
+    "stack",
+    "Translation",
+    "IDENTITY",
+]
+
+Shape = tuple[int, ...]
+
+
+def _ints(values: Iterable[int], what: str) -> Shape:
+    out = tuple(int(v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{what} must be non-negative, got {out}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One artifact tensor, seen as ``artifact[key].reshape(view).permute(perm)``.
+
+    Args:
+        key: the artifact key.
+        view: row-major reshape of the artifact tensor (same number of elements); ``None`` keeps its
+            shape.
+        perm: permutation of the viewed dims; ``None`` is the identity.
+    """
+
+    key: str
+    view: Shape | None = None
+    perm: Shape | None = None
+
+    def __post_init__(self) -> None:
+        if self.view is not None:
+            object.__setattr__(self, "view", _ints(self.view, f"Leaf({self.key!r}).view"))
+        if self.perm is not None:
+            perm = tuple(int(p) for p in self.perm)
+            if sorted(perm) != list(range(len(perm))):
+                raise ValueError(f"Leaf({self.key!r}).perm {perm} is not a permutation of 0..{len(perm) - 1}")
+            object.__setattr__(self, "perm", perm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cat:
+    """``torch.cat([evaluate(p) for p in parts], dim)``: parts agree on every dim but ``dim``."""
+
+    dim: int
+    parts: tuple[Expr, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
+        if not self.parts:
+            raise ValueError("Cat needs at least one part")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"Cat.dim must be a non-negative int, got {self.dim!r}")
+
+
+Expr = Union[Leaf, Cat]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One rectangular region of an artifact tensor and where it lands in a requested region of ours.
+
+    Read ``artifact[key].reshape(view)[offsets : offsets + sizes].permute(perm)`` and place it at
+    ``dest_offsets`` (relative to the requested region's origin); it spans :attr:`dest_sizes`.
+    """
+
+    key: str
+    view: Shape  #: the artifact tensor's shape as viewed (its own shape when the Leaf has no view)
+    offsets: Shape  #: region start, in ``view`` coordinates
+    sizes: Shape  #: region extent, in ``view`` coordinates
+    perm: Shape  #: permutation taking the region (shape ``sizes``) to our sub-region
+    dest_offsets: Shape  #: where the sub-region sits, relative to the requested region's origin
+
+    @property
+    def dest_sizes(self) -> Shape:
+        """Extent of the sub-region of ours this piece fills."""
+        return tuple(self.sizes[p] for p in self.perm)
+
+
+# -- shapes -------------------------------------------------------------------------------------------
+
+
+def _artifact_shape(key: str, artifact_shapes: Mapping[str, Sequence[int]]) -> Shape:
+    if key not in artifact_shapes:
+        raise ValueError(f"artifact key {key!r} is missing (have {len(artifact_shapes)} keys)")
+    return tuple(int(s) for s in artifact_shapes[key])
+
+
+def _leaf_view(leaf: Leaf, artifact_shapes: Mapping[str, Sequence[int]]) -> tuple[Shape, Shape]:
+    """``(view, perm)`` of ``leaf`` with defaults resolved and checked against the artifact shape."""
+    shape = _artifact_shape(leaf.key, artifact_shapes)
+    view = shape if leaf.view is None else leaf.view
+    if math.prod(view) != math.prod(shape):
+        raise ValueError(
+            f"artifact key {leaf.key!r} of shape {shape} ({math.prod(shape)} elements) cannot be viewed as "
+            f"{view} ({math.prod(view)} elements)"
+        )
+    perm = tuple(range(len(view))) if leaf.perm is None else leaf.perm
+    if len(perm) != len(view):
+        raise ValueError(f"artifact key {leaf.key!r}: perm {perm} does not fit view {view}")
+    return view, perm
+
+
+def expr_keys(expr: Expr) -> list[str]:
+    """Artifact keys an expression reads, in order (duplicates kept)."""
+    if isinstance(expr, Leaf):
+        return [expr.key]
+    return [k for part in expr.parts for k in expr_keys(part)]
+
+
+def expr_shape(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> Shape:
+    """Shape of ``expr`` evaluated over artifact tensors of ``artifact_shapes``; raises ValueError if inconsistent."""
+    if isinstance(expr, Leaf):
+        view, perm = _leaf_view(expr, artifact_shapes)
+        return tuple(view[p] for p in perm)
+    shapes = [expr_shape(part, artifact_shapes) for part in expr.parts]
+    first = shapes[0]
+    if expr.dim >= len(first):
+        raise ValueError(f"Cat dim {expr.dim} is out of range for parts of shape {first} ({expr_keys(expr)})")
+    for part, shape in zip(expr.parts[1:], shapes[1:]):
+        if len(shape) != len(first) or any(a != b for i, (a, b) in enumerate(zip(shape, first)) if i != expr.dim):
+            raise ValueError(
+                f"Cat along dim {expr.dim}: {expr_keys(part)} has shape {shape} but {expr_keys(expr.parts[0])} "
+                f"has {first}; they must agree on every other dim"
+            )
+    return first[: expr.dim] + (sum(s[expr.dim] for s in shapes),) + first[expr.dim + 1 :]
+
+
+# -- lazy, by region -----------------------------------------------------------------------------------
+
+
+def pieces(
+    expr: Expr, offsets: Sequence[int], sizes: Sequence[int], artifact_shapes: Mapping[str, Sequence[int]]
+) -> list[Piece]:
+    """The artifact regions that make up region ``[offsets, offsets + sizes)`` of ``expr``.
+
+    The pieces cover the region exactly once (no overlap, no gap); pieces of zero size are left out,
+    so an empty region gives ``[]``. Raises ValueError naming the keys when the region is out of bounds.
+    """
+    shape = expr_shape(expr, artifact_shapes)
+    offsets = tuple(int(o) for o in offsets)
+    sizes = tuple(int(s) for s in sizes)
+    if (
+        len(offsets) != len(shape)
+        or len(sizes) != len(shape)
+        or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape))
+    ):
+        raise ValueError(
+            f"region offsets={offsets} sizes={sizes} is out of bounds for {expr_keys(expr)} of shape {shape}"
+        )
+    out: list[Piece] = []
+    if 0 not in sizes:
+        _collect(expr, offsets, sizes, (0,) * len(shape), artifact_shapes, out)
+    return out
+
+
+def _collect(
+    expr: Expr,
+    offsets: Shape,
+    sizes: Shape,
+    dest: Shape,
+    artifact_shapes: Mapping[str, Sequence[int]],
+    out: list[Piece],
+) -> None:
+    if isinstance(expr, Leaf):
+        view, perm = _leaf_view(expr, artifact_shapes)
+        # our dim j is view dim perm[j]: move the region back into view coordinates
+        v_off, v_size = [0] * len(view), [0] * len(view)
+        for j, p in enumerate(perm):
+            v_off[p], v_size[p] = offsets[j], sizes[j]
+        out.append(Piece(expr.key, view, tuple(v_off), tuple(v_size), perm, dest))
+        return
+    d, lo, hi = expr.dim, offsets[expr.dim], offsets[expr.dim] + sizes[expr.dim]
+    start = 0
+    for part in expr.parts:
+        extent = expr_shape(part, artifact_shapes)[d]
+        a, b = max(lo, start), min(hi, start + extent)
+        if a < b:  # this part intersects the region along the Cat dim
+            sub_off = offsets[:d] + (a - start,) + offsets[d + 1 :]
+            sub_size = sizes[:d] + (b - a,) + sizes[d + 1 :]
+            sub_dest = dest[:d] + (dest[d] + a - lo,) + dest[d + 1 :]
+            _collect(part, sub_off, sub_size, sub_dest, artifact_shapes, out)
+        start += extent
+
+
+# -- eager --------------------------------------------------------------------------------------------
+
+
+def evaluate(expr: Expr, artifact: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Our tensor from whole artifact tensors (contiguous; may share memory with an artifact tensor)."""
+    if isinstance(expr, Leaf):
+        if expr.key not in artifact:
+            raise ValueError(f"artifact key {expr.key!r} is missing")
+        tensor = artifact[expr.key]
+        view, perm = _leaf_view(expr, {expr.key: tensor.shape})
+        return tensor.reshape(view).permute(perm).contiguous()
+    expr_shape(expr, {k: artifact[k].shape for k in expr_keys(expr) if k in artifact})  # clear errors first
+    return torch.cat([evaluate(part, artifact) for part in expr.parts], expr.dim).contiguous()
+
+
+def scatter(expr: Expr, ours: torch.Tensor, artifact_shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+    """The artifact tensors ``ours`` is made of under ``expr`` (inverse of :func:`evaluate`).
+
+    Every artifact key of ``expr`` must appear exactly once (a Leaf always covers its whole tensor).
+    Results are contiguous, shaped as ``artifact_shapes`` says, and may share memory with ``ours``.
+    """
+    shape = expr_shape(expr, artifact_shapes)
+    if tuple(ours.shape) != shape:
+        raise ValueError(f"tensor of shape {tuple(ours.shape)} does not fit {expr_keys(expr)} of shape {shape}")
+    keys = expr_keys(expr)
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"artifact keys {sorted({k for k in keys if keys.count(k) > 1})} appear more than once")
+    out: dict[str, torch.Tensor] = {}
+    _scatter(expr, ours, artifact_shapes, out)
+    return out
+
+
+def _scatter(
+    expr: Expr, tensor: torch.Tensor, artifact_shapes: Mapping[str, Sequence[int]], out: dict[str, torch.Tensor]
+) -> None:
+    if isinstance(expr, Leaf):
+        _view, perm = _leaf_view(expr, artifact_shapes)
+        inverse = tuple(perm.index(i) for i in range(len(perm)))
+        out[expr.key] = tensor.permute(inverse).reshape(_artifact_shape(expr.key, artifact_shapes)).contiguous()
+        return
+    start = 0
+    for part in expr.parts:
+        extent = expr_shape(part, artifact_shapes)[expr.dim]
+        _scatter(part, tensor.narrow(expr.dim, start, extent), artifact_shapes, out)
+        start += extent
+
+
+# -- rules --------------------------------------------------------------------------------------------
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@functools.cache
+def _template_regex(template: str) -> re.Pattern[str]:
+    """``a.{i}.b`` -> a regex with a named group of digits per field."""
+    parts, pos, seen = [], 0, set()
+    for m in _FIELD.finditer(template):
+        parts.append(re.escape(template[pos : m.start()]))
+        name = m.group(1)
+        parts.append(f"(?P={name})" if name in seen else rf"(?P<{name}>\d+)")
+        seen.add(name)
+        pos = m.end()
+    parts.append(re.escape(template[pos:]))
+    return re.compile("".join(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One of our key templates as an Expr over artifact key templates.
+
+    Templates name numeric fields in braces (``transformer.h.{i}.attn.qkv.weight``); every template of
+    a rule uses the same fields, so either side's key determines the other's.
+
+    Args:
+        ours: our key template.
+        artifact: the artifact key templates the tensor is made of.
+        build: ``(artifact keys, their shapes) -> Expr`` of our tensor (used both ways).
+        split: ``our shape -> artifact shapes`` (one per template), for saving. Either callable raises
+            ValueError for shapes it cannot take.
+    """
+
+    ours: str
+    artifact: tuple[str, ...]
+    build: Callable[[tuple[str, ...], tuple[Shape, ...]], Expr]
+    split: Callable[[Shape], tuple[Shape, ...]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "artifact", tuple(self.artifact))
+        fields = set(_FIELD.findall(self.ours))
+        for template in self.artifact:
+            if set(_FIELD.findall(template)) != fields:
+                raise ValueError(f"rule {self.ours!r}: template {template!r} must use exactly the fields {fields}")
+
+    def match_ours(self, key: str) -> dict[str, str] | None:
+        """Fields of ``key`` if it is one of ours this rule makes, else ``None``."""
+        m = _template_regex(self.ours).fullmatch(key)
+        return m.groupdict() if m else None
+
+    def match_artifact(self, key: str) -> dict[str, str] | None:
+        """Fields of ``key`` if it is an artifact key this rule reads, else ``None``."""
+        for template in self.artifact:
+            m = _template_regex(template).fullmatch(key)
+            if m:
+                return m.groupdict()
+        return None
+
+
+def rename(ours: str, artifact: str) -> Rule:
+    """Same tensor, another name."""
+    return Rule(ours, (artifact,), build=lambda keys, _shapes: Leaf(keys[0]), split=lambda shape: (shape,))
+
+
+def _transposed(shape: Shape) -> tuple[Shape]:
+    if len(shape) != 2:
+        raise ValueError(f"a transpose needs a 2-d tensor, got shape {shape}")
+    return ((shape[1], shape[0]),)
+
+
+def transpose(ours: str, artifact: str) -> Rule:
+    """Ours is the transpose of a 2-d artifact tensor (HF GPT-2 ``Conv1D [in, out]`` vs ``Linear [out, in]``)."""
+    return Rule(ours, (artifact,), build=lambda keys, _shapes: Leaf(keys[0], perm=(1, 0)), split=_transposed)
+
+
+def stack(ours: str, artifact: Sequence[str]) -> Rule:
+    """Ours is the artifact tensors stacked along a new dim 0 (``[n, *shape]``); they must share a shape."""
+    templates = tuple(artifact)
+
+    def build(keys: tuple[str, ...], shapes: tuple[Shape, ...]) -> Expr:
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(
+                "stacked tensors must share a shape, got " + ", ".join(f"{k} {s}" for k, s in zip(keys, shapes))
+            )
+        return Cat(0, tuple(Leaf(k, view=(1, *s)) for k, s in zip(keys, shapes)))
+
+    def split(shape: Shape) -> tuple[Shape, ...]:
+        if not shape or shape[0] != len(templates):
+            raise ValueError(f"expected a leading dim of {len(templates)} (one per stacked tensor), got {shape}")
+        return (shape[1:],) * len(templates)
+
+    return Rule(ours, templates, build=build, split=split)
+
+
+# -- translations -------------------------------------------------------------------------------------
+
+
+def _shapes_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, Shape]:
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{key!r}: expected a tensor, got {type(value).__name__}")
+        out[key] = tuple(value.shape)
+    return out
+
+
+class Translation:
+    """Key and layout translation between our state dict and an artifact's, as lazy rules.
+
+    Built from :class:`Rule` s (first match wins); our keys no rule mentions map to the same artifact
+    key unchanged. Optimizer state follows its parameter: ``<param>.<suffix>`` (``x.weight.exp_avg``)
+    with the parameter's shape, where the parameter is in the same mapping, gets the parameter's Expr
+    with every Leaf key suffixed alike (``hf.weight.exp_avg``); a suffixed key of another shape (scalar
+    ``step``) maps to itself. Subclasses may override :meth:`to_artifact` / :meth:`from_artifact`; the
+    eager helpers are built on them.
+
+    Args:
+        name: for messages (``"gpt2"``).
+        rules: the rules.
+        ignore: artifact key templates that are not state (non-persistent buffers some exporters
+            wrote); :meth:`from_artifact` and the eager import skip them.
+    """
+
+    def __init__(self, name: str, rules: Iterable[Rule] = (), ignore: Iterable[str] = ()) -> None:
+        self.name = name
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.ignore: tuple[str, ...] = tuple(ignore)
+        self._ignore_re = [_template_regex(t) for t in self.ignore]
+
+    def __repr__(self) -> str:
+        return f"Translation({self.name!r}, {len(self.rules)} rules)"
+
+    def is_ignored(self, artifact_key: str) -> bool:
+        """Whether ``artifact_key`` is a non-state entry this translation drops on import."""
+        return any(r.fullmatch(artifact_key) for r in self._ignore_re)
+
+    def _match(self, key: str, shapes: Mapping[str, Shape], side: str) -> tuple[int, dict[str, str], str] | None:
+        """``(rule index, fields, suffix)`` of ``key`` on ``side`` (``"ours"`` / ``"artifact"``): a direct
+        match, else the longest ``<param>.<suffix>`` split whose parameter matches and has ``key``'s shape."""
+        for candidate, suffix in ((key, ""), *_prefixes(key)):
+            if suffix and shapes.get(candidate) != shapes[key]:
+                continue
+            for index, rule in enumerate(self.rules):
+                fields = rule.match_ours(candidate) if side == "ours" else rule.match_artifact(candidate)
+                if fields is not None:
+                    return index, fields, suffix
+        return None
+
+    def to_artifact(self, our_shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, Expr], dict[str, Shape]]:
+        """For saving: our key -> Expr over artifact keys, and every artifact key's shape.
+
+        Raises ValueError when a shape does not fit its rule or two of our keys would write one
+        artifact key.
+        """
+        shapes = {k: tuple(int(s) for s in v) for k, v in our_shapes.items()}
+        exprs: dict[str, Expr] = {}
+        artifact_shapes: dict[str, Shape] = {}
+        owner: dict[str, str] = {}
+        for key, shape in shapes.items():
+            hit = self._match(key, shapes, "ours")
+            if hit is None:
+                expr: Expr = Leaf(key)
+                produced = {key: shape}
+            else:
+                expr, produced = self._split(key, shape, *hit)
+            for art_key, art_shape in produced.items():
+                if art_key in owner:
+                    raise ValueError(
+                        f"{self.name}: artifact key {art_key!r} would be written from both {owner[art_key]!r} and {key!r}"
+                    )
+                owner[art_key] = key
+                artifact_shapes[art_key] = art_shape
+            exprs[key] = expr
+        return exprs, artifact_shapes
+
+    def _split(
+        self, key: str, shape: Shape, index: int, fields: dict[str, str], suffix: str
+    ) -> tuple[Expr, dict[str, Shape]]:
+        rule = self.rules[index]
+        keys = tuple(t.format(**fields) + suffix for t in rule.artifact)
+        try:
+            produced = dict(zip(keys, (tuple(s) for s in rule.split(shape))))
+            expr = rule.build(keys, tuple(produced.values()))
+            got = expr_shape(expr, produced)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: our {key!r} of shape {shape} -> {list(keys)}: {e}") from None
+        if got != shape:  # a rule whose split and build disagree is a bug in the rule
+            raise ValueError(f"{self.name}: rule {rule.ours!r} rebuilds {key!r} as {got}, not {shape}")
+        return expr, produced
+
+    def from_artifact(self, artifact_shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[Expr, Shape]]:
+        """For loading: our key -> (Expr, our global shape), covering every artifact key but ignored ones.
+
+        Raises ValueError when a fused tensor's parts are missing or disagree in shape, or two
+        translated keys collide.
+        """
+        shapes = {k: tuple(int(s) for s in v) for k, v in artifact_shapes.items()}
+        groups: dict[tuple[int, tuple[tuple[str, str], ...], str], str] = {}  # -> the artifact key that found it
+        for key in shapes:
+            hit = None if self.is_ignored(key) else self._match(key, shapes, "artifact")
+            if hit is not None:
+                groups.setdefault((hit[0], tuple(sorted(hit[1].items())), hit[2]), key)
+        made: list[tuple[str, Expr, Shape]] = []  # one per group
+        member: dict[str, int] = {}  # artifact key -> index into made
+        for (index, items, suffix), seen in groups.items():
+            our_key, expr, keys = self._build(shapes, seen, index, dict(items), suffix)
+            for k in keys:
+                if k in member:
+                    raise ValueError(f"{self.name}: {k!r} would be read by two rules")
+                member[k] = len(made)
+            made.append((our_key, expr, expr_shape(expr, shapes)))
+        # our keys in the artifact's order: a fused tensor where its first part was
+        out: dict[str, tuple[Expr, Shape]] = {}
+        emitted: set[int] = set()
+        for key, shape in shapes.items():
+            if key in member:
+                if member[key] not in emitted:
+                    emitted.add(member[key])
+                    our_key, expr, our_shape = made[member[key]]
+                    _put(out, our_key, (expr, our_shape), self.name)
+            elif not self.is_ignored(key):
+                _put(out, key, (Leaf(key), shape), self.name)
+        return out
+
+    def _build(
+        self, shapes: Mapping[str, Shape], seen: str, index: int, fields: dict[str, str], suffix: str
+    ) -> tuple[str, Expr, tuple[str, ...]]:
+        """``(our key, Expr, artifact keys)`` of one rule instance, checked against ``shapes``."""
+        rule = self.rules[index]
+        keys = tuple(t.format(**fields) + suffix for t in rule.artifact)
+        missing = [k for k in keys if k not in shapes]
+        if missing:
+            raise ValueError(f"{self.name}: {seen!r} is part of {rule.ours!r} but {missing} is missing")
+        for k in keys:  # every part of suffixed state must have its parameter's shape
+            base = k[: len(k) - len(suffix)]
+            if suffix and shapes.get(base, shapes[k]) != shapes[k]:
+                raise ValueError(f"{self.name}: {k!r} has shape {shapes[k]} but {base!r} has {shapes[base]}")
+        part_shapes = tuple(shapes[k] for k in keys)
+        try:
+            expr = rule.build(keys, part_shapes)
+            expr_shape(expr, shapes)
+        except ValueError as e:
+            described = ", ".join(f"{k} {s}" for k, s in zip(keys, part_shapes))
+            raise ValueError(f"{self.name}: {described}: {e}") from None
+        return rule.ours.format(**fields) + suffix, expr, keys
+
+    def translate_to_artifact(self, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Eager export: our whole tensors -> artifact tensors (may share memory with ``ours``)."""
+        exprs, artifact_shapes = self.to_artifact(_shapes_of(ours))
+        out: dict[str, torch.Tensor] = {}
+        for key, expr in exprs.items():
+            out.update(scatter(expr, ours[key], artifact_shapes))
+        return out
+
+    def translate_from_artifact(self, artifact: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Eager import: artifact tensors -> our whole tensors (may share memory with ``artifact``)."""
+        plan = self.from_artifact(_shapes_of(artifact))
+        return {key: evaluate(expr, artifact) for key, (expr, _shape) in plan.items()}
+
+
+def _prefixes(key: str) -> Iterable[tuple[str, str]]:
+    """``(param, suffix)`` splits of ``key`` at dots, longest parameter first (``a.b.c`` -> ``a.b``, ``.c``)."""
+    pos = len(key)
+    while (pos := key.rfind(".", 0, pos)) > 0:
+        yield key[:pos], key[pos:]
+
+
+def _put(out: dict[str, tuple[Expr, Shape]], key: str, value: tuple[Expr, Shape], name: str) -> None:
+    if key in out:
+        raise ValueError(
+            f"{name}: our key {key!r} would be read from both {expr_keys(out[key][0])} and {expr_keys(value[0])}"
+        )
+    out[key] = value
+
+
+#: The translation that maps every key to itself.
+IDENTITY = Translation("identity")

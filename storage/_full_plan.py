@@ -1,0 +1,478 @@
+"""Full (consolidated) mode, planning: where every rank's shard bytes land in the safetensors artifact.
+
+The coordinator turns the global save plan into an artifact layout -- which tensors go to which
+``model*.safetensors`` file, every header, every tensor's byte offset -- and gives each rank the list
+of *writes* for its own shards: a box of an artifact tensor (in the tensor's row-major bytes, so a
+column shard is one run per row) and where in the rank's chunk its data comes from. Ranks then write
+straight into the shared files at those offsets (``_full_write``): the bytes cross to storage once, no
+rank gathers a tensor, and extra memory is one piece of one shard.
+
+A :class:`~smpckpt.translation.Translation` (e.g. ``smpckpt.hf.gpt2.TRANSLATION``) maps our keys to
+Hugging Face keys region by region: a fused QKV shard becomes boxes of ``c_attn.weight`` transposed,
+written in place, never assembled.
+
+Integrity: each write is cut into *check units* of about ``check_block`` bytes along its outermost
+dimension; every unit's xxh3 goes into the generation's metadata (itself checksummed by the
+manifest), so a reader verifies exactly the boxes it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from smpckpt.errors import CheckpointError, SpecError
+from smpckpt.storage._safetensors import encode_header
+from smpckpt.translation import Cat, Expr, Leaf, Translation, pieces
+
+__all__ = [
+    "FullOptions",
+    "FullWrite",
+    "RankFullData",
+    "ArtifactFile",
+    "ArtifactLayout",
+    "plan_artifact",
+    "parse_size",
+    "expr_to_json",
+    "expr_from_json",
+    "DESCRIPTION_FQN",
+    "WRITING_MARKER",
+]
+
+#: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
+DESCRIPTION_FQN = "\x00smpckpt.full"
+#: Written by the coordinator before any rank writes a full artifact's fixed-name files, removed after
+#: the commit: a folder with it and no manifest is an unfinished save, never a Hugging Face folder.
+WRITING_MARKER = "smpckpt.writing"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 10**3, "M": 10**6})
+_UNITS.update({"G": 10**9, "T": 10**12})
+
+
+def parse_size(size: int | str) -> int:
+    """``5000000``, ``"5GB"`` (decimal, as Hugging Face counts) or ``"4GiB"`` -> bytes."""
+    if isinstance(size, bool):
+        raise ValueError(f"size must be bytes or a string like '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE_RE.match(str(size))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"size must be bytes or a string like '5GB' or '512MiB', got {size!r}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class FullOptions:
+    """How a full (consolidated) artifact is laid out. Every field has a safe default.
+
+    Args:
+        max_shard_size: above this many bytes an artifact is split into
+            ``{name}-0000i-of-0000N.safetensors`` files plus ``{name}.safetensors.index.json``, as
+            Hugging Face does (bytes, or ``"5GB"``/``"512MiB"``).
+        dtype: cast floating-point tensors to this dtype on export (fp32 master weights -> bf16
+            artifact); integer and bool tensors are kept.
+        artifacts: flattened-key prefix -> artifact name. A tensor goes to the artifact of the longest
+            prefix its key starts with, stored under the key without that prefix. The default puts
+            every tensor in ``model.safetensors`` under its own key; :func:`smpckpt.save_checkpoint`
+            uses ``{"model.": "model", "optim.state.": "optimizer"}``.
+        translation: maps our keys to another naming and layout (``smpckpt.hf.gpt2.TRANSLATION``),
+            region by region; ``None`` stores our keys, each in its shape before any ShardSpec view.
+        hf_config: a Hugging Face config (a ``PretrainedConfig`` or a dict) written as ``config.json``
+            beside the weights, so ``from_pretrained(folder)`` opens the artifact.
+        check_block: bytes per checksum unit (a reader verifies only the units its boxes touch).
+    """
+
+    max_shard_size: int | str = "5GB"
+    dtype: torch.dtype | None = None
+    artifacts: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"": "model"})
+    translation: Translation | None = None
+    hf_config: Any = None
+    check_block: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if not self.artifacts:
+            raise ValueError("artifacts must map at least one key prefix to an artifact name")
+        for prefix, name in self.artifacts.items():
+            if not isinstance(prefix, str) or not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"artifacts: {prefix!r} -> {name!r} must map a str prefix to a plain file stem")
+        if self.translation is not None and not isinstance(self.translation, Translation):
+            raise TypeError(
+                "translation must be a smpckpt.translation.Translation (e.g. smpckpt.hf.gpt2.TRANSLATION): full "
+                f"saves translate shard by shard, never a gathered state dict; got {type(self.translation).__name__}"
+            )
+        if self.check_block < 4096:
+            raise ValueError(f"check_block must be at least 4096 bytes, got {self.check_block}")
+
+    def hf_config_json(self) -> bytes | None:
+        cfg = self.hf_config
+        if cfg is None:
+            return None
+        if hasattr(cfg, "to_json_string"):
+            return str(cfg.to_json_string()).encode("utf-8")
+        if isinstance(cfg, Mapping):
+            return json.dumps(dict(cfg), indent=2, sort_keys=True).encode("utf-8")
+        raise TypeError(f"hf_config must be a transformers PretrainedConfig or a dict, got {type(cfg).__name__}")
+
+    def route(self, fqn: str) -> tuple[str, str] | None:
+        """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""
+        best = None
+        for prefix, name in self.artifacts.items():
+            if fqn.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
+                best = (prefix, name)
+        if best is None:
+            return None
+        return best[1], fqn[len(best[0]) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class FullWrite:
+    """One box of an artifact tensor that a rank fills from one of its write items."""
+
+    item: MetadataIndex  # the rank's write item (its chunk)
+    key: str  # artifact tensor
+    file: str
+    start: int  # absolute file offset of the artifact tensor's first byte
+    view: tuple[int, ...]
+    offsets: tuple[int, ...]  # box in ``view`` coordinates
+    sizes: tuple[int, ...]
+    perm: tuple[int, ...]  # box.permute(perm) is the chunk's sub-box at dest_offsets
+    dest_offsets: tuple[int, ...]
+    dtype: torch.dtype  # artifact dtype (after any cast)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFullData:
+    """SavePlan.storage_data of one rank in full mode (sent by the coordinator; never stored)."""
+
+    save_id: str
+    rank: int
+    writes: tuple[FullWrite, ...]
+    objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
+    check_block: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactFile:
+    name: str
+    artifact: str
+    header: bytes
+    size: int
+    keys: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactLayout:
+    """What the coordinator decided; turned into the stored description in ``finish``."""
+
+    files: tuple[ArtifactFile, ...]
+    tensors: Mapping[
+        str, tuple[str, str, int, torch.dtype, tuple[int, ...]]
+    ]  # "art/key" -> (art, file, start, dtype, shape)
+    exprs: Mapping[str, tuple[str, Expr]]  # our fqn -> (artifact, expr over that artifact's keys)
+    dtypes: Mapping[str, torch.dtype]  # our fqn -> stored dtype (after any cast)
+    objects: Mapping[str, str]  # our fqn -> file
+    indexes: Mapping[str, bytes]  # index file name -> JSON
+
+    def description(self, checks: Mapping[str, list[list[Any]]]) -> str:
+        """The JSON stored in the generation's metadata (see ``_full_read``)."""
+        from smpckpt.storage._checksum import hash_bytes
+
+        return json.dumps(
+            {
+                "version": 1,
+                "files": {
+                    f.name: {"size": f.size, "header": [len(f.header), f"{hash_bytes(f.header):016x}"]}
+                    for f in self.files
+                },
+                "tensors": {
+                    k: {"artifact": a, "file": f, "start": s, "dtype": str(d).removeprefix("torch."), "shape": list(sh)}
+                    for k, (a, f, s, d, sh) in self.tensors.items()
+                },
+                "exprs": {fqn: {"artifact": a, "expr": expr_to_json(e)} for fqn, (a, e) in self.exprs.items()},
+                "objects": dict(self.objects),
+                "checks": checks,
+            },
+            separators=(",", ":"),
+        )
+
+
+def expr_to_json(expr: Expr) -> Any:
+    if isinstance(expr, Leaf):
+        return {
+            "leaf": expr.key,
+            "view": list(expr.view) if expr.view else None,
+            "perm": list(expr.perm) if expr.perm else None,
+        }
+    return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
+
+
+def expr_from_json(obj: Any) -> Expr:
+    if "leaf" in obj:
+        view, perm = obj.get("view"), obj.get("perm")
+        return Leaf(
+            str(obj["leaf"]),
+            tuple(int(v) for v in view) if view else None,
+            tuple(int(p) for p in perm) if perm else None,
+        )
+    return Cat(int(obj["cat"]), tuple(expr_from_json(p) for p in obj["parts"]))
+
+
+def _leaf_keys(expr: Expr) -> list[str]:
+    if isinstance(expr, Leaf):
+        return [expr.key]
+    return [k for p in expr.parts for k in _leaf_keys(p)]
+
+
+def _cast(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
+    return to if to is not None and dtype.is_floating_point else dtype
+
+
+_SAFE_OBJECT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
+
+
+def plan_artifact(
+    plans: Sequence[SavePlan],
+    opts: FullOptions,
+    save_id: str,
+    original_shapes: Mapping[str, Sequence[int]],
+    *,
+    reserved_names: Sequence[str] = (),
+) -> tuple[list[SavePlan], ArtifactLayout]:
+    """(coordinator) The artifact layout and every rank's writes; raises naming the key at fault."""
+    shapes, dtypes, chunks, object_items = _collect(plans)
+    _check_tiling(shapes, chunks)
+    exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
+    files, tensors, indexes = _files(art_shapes, art_dtypes, parse_size(opts.max_shard_size))
+    objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
+    out = _rank_writes(plans, opts, save_id, exprs, art_shapes, tensors, rank_objects)
+    layout = ArtifactLayout(
+        tuple(files),
+        tensors,
+        exprs,
+        {fqn: _cast(d, opts.dtype) for fqn, d in dtypes.items()},
+        objects,
+        indexes,
+    )
+    return out, layout
+
+
+def _collect(
+    plans: Sequence[SavePlan],
+) -> tuple[
+    dict[str, tuple[int, ...]],
+    dict[str, torch.dtype],
+    dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
+    list[tuple[int, MetadataIndex]],
+]:
+    """Every tensor's global shape, dtype and chunks, and every object item, from all ranks' plans."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    object_items: list[tuple[int, MetadataIndex]] = []
+    for rank, plan in enumerate(plans):
+        for it in plan.items:
+            if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
+                object_items.append((rank, it.index))
+                continue
+            fqn, td = it.index.fqn, it.tensor_data
+            size = tuple(td.size)
+            if (
+                shapes.setdefault(fqn, size) != size
+                or dtypes.setdefault(fqn, td.properties.dtype) != td.properties.dtype
+            ):
+                raise SpecError(f"{fqn!r}: ranks disagree on its global shape or dtype ({shapes[fqn]} vs {size})")
+            chunks.setdefault(fqn, []).append((tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
+
+    return shapes, dtypes, chunks, object_items
+
+
+def _expressions(
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, torch.dtype],
+    opts: FullOptions,
+    original_shapes: Mapping[str, Sequence[int]],
+) -> tuple[dict[str, tuple[str, Expr]], dict[str, dict[str, tuple[int, ...]]], dict[str, dict[str, torch.dtype]]]:
+    """Which artifact each tensor goes to and the expression of its bytes over that artifact's tensors."""
+    by_artifact: dict[str, dict[str, str]] = {}  # artifact -> our key inside it -> fqn
+    for fqn in shapes:
+        routed = opts.route(fqn)
+        if routed is None:
+            raise CheckpointError(
+                f"tensor {fqn!r} matches none of the full artifact's key prefixes {sorted(opts.artifacts)}; "
+                "leave it out of the state dict or add a prefix to FullOptions.artifacts"
+            )
+        art, key = routed
+        if key in by_artifact.setdefault(art, {}):
+            raise CheckpointError(f"tensors {by_artifact[art][key]!r} and {fqn!r} both map to {art}:{key!r}")
+        by_artifact[art][key] = fqn
+    exprs: dict[str, tuple[str, Expr]] = {}
+    art_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    art_dtypes: dict[str, dict[str, torch.dtype]] = {}
+    for art, members in by_artifact.items():
+        ours = {key: shapes[fqn] for key, fqn in members.items()}
+        if opts.translation is not None:
+            key_exprs, a_shapes = opts.translation.to_artifact(ours)
+            key_exprs, a_shapes = dict(key_exprs), {k: tuple(v) for k, v in a_shapes.items()}
+        else:
+            key_exprs, a_shapes = {k: Leaf(k) for k in ours}, {k: v for k, v in ours.items()}
+        for key, fqn in members.items():
+            expr = key_exprs[key]
+            original = original_shapes.get(fqn)
+            if isinstance(expr, Leaf) and expr.view is None and expr.perm is None and original is not None:
+                original = tuple(int(s) for s in original)
+                if math.prod(original) == math.prod(shapes[fqn]) and original != shapes[fqn]:
+                    # stored in the shape the model holds it in (fused QKV [3h, d], not the view [3, h, d])
+                    a_shapes[expr.key] = original
+                    expr = Leaf(expr.key, view=shapes[fqn])
+            exprs[fqn] = (art, expr)
+            for leaf in _leaf_keys(expr):
+                art_dtypes.setdefault(art, {})[leaf] = _cast(dtypes[fqn], opts.dtype)
+        art_shapes[art] = a_shapes
+
+    return exprs, art_shapes, art_dtypes
+
+
+def _files(
+    art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
+    art_dtypes: Mapping[str, Mapping[str, torch.dtype]],
+    max_shard_size: int,
+) -> tuple[list[ArtifactFile], dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]], dict[str, bytes]]:
+    """Tensors in order, cut into files at ``max_shard_size``; headers, offsets and index files."""
+    files: list[ArtifactFile] = []
+    tensors: dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]] = {}
+    indexes: dict[str, bytes] = {}
+    for art in sorted(art_shapes):
+        order = [k for k in art_shapes[art] if k in art_dtypes.get(art, {})]
+        groups: list[list[str]] = [[]]
+        size = 0
+        for k in order:
+            n = math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize
+            if groups[-1] and size + n > max_shard_size:
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += n
+        names = (
+            [f"{art}.safetensors"]
+            if len(groups) == 1
+            else [f"{art}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        )
+        weight_map: dict[str, str] = {}
+        total = 0
+        for name, keys in zip(names, groups):
+            header, entries = encode_header(
+                [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys], {"format": "pt", "writer": "smpckpt"}
+            )
+            end = max([e.start + e.nbytes for e in entries], default=len(header))
+            files.append(ArtifactFile(name, art, header, end, tuple(keys)))
+            for e in entries:
+                tensors[f"{art}/{e.key}"] = (art, name, e.start, e.dtype, e.shape)
+                weight_map[e.key] = name
+                total += e.nbytes
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            indexes[f"{art}.safetensors.index.json"] = json.dumps(index, indent=2).encode("utf-8")
+
+    return files, tensors, indexes
+
+
+def _objects(
+    object_items: Sequence[tuple[int, MetadataIndex]], taken: set[str]
+) -> tuple[dict[str, str], dict[int, list[tuple[MetadataIndex, str]]]]:
+    """One file per object value, named after its key where that is a safe plain name."""
+    objects: dict[str, str] = {}
+    rank_objects: dict[int, list[tuple[MetadataIndex, str]]] = {}
+    for n, (rank, index) in enumerate(object_items):
+        stem = index.fqn if _SAFE_OBJECT.match(index.fqn) else f"object-{n:05d}"
+        name = f"{stem}.pt"
+        if name in taken or index.fqn in objects:
+            name = f"object-{n:05d}.pt"
+        if index.fqn in objects:
+            continue  # the same object from several ranks: the planner dedups; keep the first
+        taken.add(name)
+        objects[index.fqn] = name
+        rank_objects.setdefault(rank, []).append((index, name))
+
+    return objects, rank_objects
+
+
+def _rank_writes(
+    plans: Sequence[SavePlan],
+    opts: FullOptions,
+    save_id: str,
+    exprs: Mapping[str, tuple[str, Expr]],
+    art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
+    tensors: Mapping[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]],
+    rank_objects: Mapping[int, list[tuple[MetadataIndex, str]]],
+) -> list[SavePlan]:
+    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill."""
+    out: list[SavePlan] = []
+    for rank, plan in enumerate(plans):
+        writes: list[FullWrite] = []
+        for it in plan.items:
+            if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
+                continue
+            fqn, td = it.index.fqn, it.tensor_data
+            art, expr = exprs[fqn]
+            for pc in pieces(expr, tuple(td.chunk.offsets), tuple(td.chunk.sizes), art_shapes[art]):
+                _, file, start, dtype, _shape = tensors[f"{art}/{pc.key}"]
+                writes.append(
+                    FullWrite(
+                        it.index,
+                        pc.key,
+                        file,
+                        start,
+                        tuple(pc.view),
+                        tuple(pc.offsets),
+                        tuple(pc.sizes),
+                        tuple(pc.perm),
+                        tuple(pc.dest_offsets),
+                        dtype,
+                    )
+                )
+        data = RankFullData(save_id, rank, tuple(writes), tuple(rank_objects.get(rank, ())), opts.check_block)
+        out.append(dataclasses.replace(plan, storage_data=data))
+    return out
+
+
+def _check_tiling(
+    shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+) -> None:
+    """Every tensor's chunks cover it exactly once: a hole would be zeros in the artifact, silently."""
+    for fqn, shape in shapes.items():
+        boxes = chunks[fqn]
+        covered = sum(math.prod(s) for _, s in boxes)
+        if covered != math.prod(shape):
+            raise SpecError(
+                f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
+                f"{list(shape)}); a full artifact needs every element exactly once"
+            )
+        if len(boxes) <= 64:
+            for i in range(len(boxes)):
+                for j in range(i + 1, len(boxes)):
+                    if _overlap(boxes[i], boxes[j]):
+                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
+
+
+def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    return all(x < y + t and y < x + s for x, s, y, t in zip(a[0], a[1], b[0], b[1])) and math.prod(a[1]) > 0
+
+
+ExprJSON = Union[dict[str, Any], list[Any]]

@@ -1,0 +1,389 @@
+"""Full (consolidated) artifacts and Hugging Face folders, reading: exact boxes, verified.
+
+Two sources look alike to a loader: a committed full artifact of ours (its description -- tensor
+offsets, our keys' expressions, check units -- lives in the generation's metadata, checksummed by the
+manifest) and a plain Hugging Face folder (``model.safetensors`` or an index and shards; no manifest:
+*unverified*, like a stock DCP checkpoint). Both become a DCP ``Metadata`` with one chunk per tensor,
+so any load planner reshards from them into any TP x PP x DP layout.
+
+A read request (a box of one of our tensors) maps through its expression to boxes of artifact tensors
+(:func:`smpckpt.translation.pieces`); each box is a set of byte runs (:func:`~._regions.box_runs`):
+one run for a row shard, one per row for a column shard. With checksums, the check units a box
+touches are read whole and verified (a reshard to another TP degree may read a unit's far side);
+``last_read_stats`` reports bytes read against bytes needed, per file and in total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._errors import translate_errors
+from smpckpt.storage._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
+from smpckpt.storage._names import check_member_name
+from smpckpt.storage._regions import box_runs, intersect
+from smpckpt.storage._safe_pickle import check_weights_only
+from smpckpt.storage._safetensors import header_length, parse_header
+from smpckpt.storage.manifest import FileRecord
+from smpckpt.translation import Expr, Leaf, Translation, pieces
+
+__all__ = ["FullSource", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
+
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+)}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    file: str
+    start: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    view: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    digest: int
+
+
+@dataclasses.dataclass
+class FileStats:
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    requests: int = 0
+
+
+def hf_folder_files(fs: Any, path: str) -> list[str] | None:
+    """The safetensors files of a Hugging Face folder (index first), or ``None`` when it is not one."""
+    data = read_bytes_or_none(fs, join(path, HF_INDEX))
+    if data is not None:
+        try:
+            weight_map = json.loads(data)["weight_map"]
+            names = sorted({str(v) for v in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointCorrupt(f"{join(path, HF_INDEX)}: malformed index: {exc}") from exc
+        return [check_member_name(n, where=join(path, HF_INDEX)) for n in names]
+    with translate_errors(path):
+        if fs.exists(join(path, HF_SINGLE)):
+            return [HF_SINGLE]
+    return None
+
+
+class FullSource:
+    """The tensors of one full artifact or Hugging Face folder, and the reads from it."""
+
+    def __init__(self, fs: Any, path: str, url: str, *, verify: bool, allow_pickle: bool) -> None:
+        self.fs, self.path, self.url = fs, path, url
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, _Tensor] = {}  # "artifact/key" -> where
+        self.exprs: dict[str, tuple[str, Expr]] = {}  # our fqn -> (artifact, expr)
+        self.objects: dict[str, str] = {}
+        self.units: dict[str, list[_Unit]] = {}
+        self.records: dict[str, FileRecord] = {}
+        self.file_stats: dict[str, FileStats] = {}
+        self.requests = 0
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
+        """A committed full artifact: the description stored with its metadata."""
+        raw = (metadata.storage_data or {}).get(MetadataIndex(DESCRIPTION_FQN))
+        if not isinstance(raw, str):
+            raise CheckpointCorrupt(f"{self.url}: full checkpoint metadata has no artifact description")
+        try:
+            desc = json.loads(raw)
+            for key, t in desc["tensors"].items():
+                name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
+                if name not in records:
+                    raise CheckpointCorrupt(
+                        f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list"
+                    )
+                self.tensors[key] = _Tensor(
+                    name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
+                )
+            for fqn, e in desc["exprs"].items():
+                self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
+            self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
+            for key, units in desc["checks"].items():
+                self.units[key] = [_Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units]
+            self.headers = {n: (int(f["header"][0]), int(f["header"][1], 16)) for n, f in desc["files"].items()}
+        except CheckpointCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise CheckpointCorrupt(f"{self.url}: malformed full artifact description: {exc}") from exc
+        self.records = dict(records)
+        for key, t in self.tensors.items():
+            rec = records[t.file]
+            if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
+                raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
+        return metadata
+
+    def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
+        """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
+        art_shapes: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            path = join(self.path, name)
+            with translate_errors(path):
+                try:
+                    size = int(self.fs.size(path))
+                    first = self.fs.cat_file(path, start=0, end=8)
+                    head = self.fs.cat_file(path, start=0, end=header_length(first, where=path))
+                except FileNotFoundError as exc:
+                    raise CheckpointCorrupt(f"{path}: listed in the Hugging Face index but missing") from exc
+            entries, _ = parse_header(head, size, where=path)
+            self.records[name] = FileRecord(name, size, -1, (), (), checks="tensors")
+            for e in entries:
+                if e.key in art_shapes:
+                    raise CheckpointCorrupt(f"{path}: tensor {e.key!r} appears in two files")
+                self.tensors[f"model/{e.key}"] = _Tensor(name, e.start, e.dtype, e.shape)
+                art_shapes[e.key] = e.shape
+        if translation is not None:
+            ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
+        else:
+            ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}
+        sdm: dict[str, Any] = {}
+        for key, (expr, shape) in ours.items():
+            fqn = prefix + key
+            self.exprs[fqn] = ("model", expr)
+            dtype = self.tensors[f"model/{_first_leaf(expr)}"].dtype
+            tsize = torch.Size(shape)
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
+            )
+        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta())
+
+    # -- reading ------------------------------------------------------------------------------------
+    def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
+        """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``."""
+        needed = read = 0
+        with _Files(self.fs, self.path) as files:
+            self._files = files
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    n = self._read_object(req, planner)
+                    needed += n
+                    read += n
+                    continue
+                n, r = self._read_tensor(req, planner)
+                needed += n
+                read += r
+        return needed, read
+
+    def _read_object(self, req: ReadItem, planner: LoadPlanner) -> int:
+        fqn = req.storage_index.fqn
+        name = self.objects.get(fqn)
+        if name is None:
+            raise CheckpointCorrupt(f"{self.url}: no file holds the object {fqn!r}")
+        path = join(self.path, name)
+        data = read_bytes_or_none(self.fs, path)
+        if data is None:
+            raise CheckpointCorrupt(f"{path}: object file of {fqn!r} is missing")
+        rec = self.records.get(name)
+        if (
+            self.verify
+            and rec is not None
+            and (len(data) != rec.size or (rec.block_digests and hash_bytes(data) != rec.block_digests[0]))
+        ):
+            raise CheckpointCorrupt(f"{path}: checksum mismatch in the object file of {fqn!r}")
+        if not self.allow_pickle:
+            check_weights_only(data, where=f"{path} (key {fqn!r})")
+        planner.load_bytes(req, io.BytesIO(data))
+        self._stat(name, len(data), len(data))
+        return len(data)
+
+    def _read_tensor(self, req: ReadItem, planner: LoadPlanner) -> tuple[int, int]:
+        fqn = req.storage_index.fqn
+        if fqn not in self.exprs:
+            raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
+        art, expr = self.exprs[fqn]
+        shapes = {k.split("/", 1)[1]: t.shape for k, t in self.tensors.items() if k.startswith(art + "/")}
+        target = planner.resolve_tensor(req).detach()
+        needed = read = 0
+        for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
+            t = self.tensors[f"{art}/{pc.key}"]
+            buf, got = self._read_box(f"{art}/{pc.key}", t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes))
+            box = (
+                torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
+                if len(buf)
+                else torch.empty(pc.sizes, dtype=t.dtype)
+            )
+            sub = target
+            for d, (o, n) in enumerate(zip(pc.dest_offsets, [pc.sizes[p] for p in pc.perm])):
+                sub = sub.narrow(d, o, n)
+            sub.copy_(box.permute(tuple(pc.perm)))
+            needed += len(buf)
+            read += got
+        planner.commit_tensor(req, target)
+        return needed, read
+
+    def _read_box(
+        self, key: str, t: _Tensor, view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> tuple[bytearray, int]:
+        """The box's bytes (row-major) and how many bytes were read from storage for them."""
+        itemsize = t.dtype.itemsize
+        nbytes = math.prod(sizes) * itemsize
+        out = bytearray(nbytes)
+        if nbytes == 0:
+            return out, 0
+        if math.prod(view) != math.prod(t.shape):
+            raise CheckpointCorrupt(
+                f"{self.url}: tensor {key!r} of shape {list(t.shape)} cannot be viewed as {list(view)}"
+            )
+        units = self.units.get(key) if self.verify else None
+        if not units:
+            if self.verify and self.records.get(t.file) is not None and key in self.units:
+                pass
+            starts, run = box_runs(view, offsets, sizes, itemsize)
+            self._files.read_runs(t.file, t.start + starts, run, memoryview(out))
+            self._stat(t.file, nbytes, nbytes)
+            return out, nbytes
+        # verified: every unit the box touches is read whole and checked; its overlap is copied out
+        covered = 0
+        read = 0
+        dst = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
+        for u in units:
+            if u.view != view:
+                raise CheckpointError(
+                    f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as {list(u.view)}"
+                )
+            box = intersect((offsets, sizes), (u.offsets, u.sizes))
+            if box is None or math.prod(box[1]) == 0:
+                continue
+            ubytes = bytearray(math.prod(u.sizes) * itemsize)
+            starts, run = box_runs(u.view, u.offsets, u.sizes, itemsize)
+            self._files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
+            read += len(ubytes)
+            if hash_bytes(ubytes) != u.digest:
+                raise CheckpointCorrupt(
+                    f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
+                    f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
+                )
+            src = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
+            s_sub, d_sub = src, dst
+            for d, (lo, n) in enumerate(zip(box[0], box[1])):
+                s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
+                d_sub = d_sub.narrow(d, lo - offsets[d], n)
+            d_sub.copy_(s_sub)
+            covered += math.prod(box[1])
+        if covered != math.prod(sizes):
+            raise CheckpointCorrupt(
+                f"{join(self.path, t.file)}: part of tensor {key.split('/', 1)[1]!r} is covered by no checksum"
+            )
+        self._stat(t.file, nbytes, read)
+        return out, read
+
+    def _stat(self, name: str, needed: int, read: int) -> None:
+        st = self.file_stats.setdefault(name, FileStats())
+        st.bytes_needed += needed
+        st.bytes_read += read
+        st.requests += 1
+
+    def verify_all(self) -> list[str]:
+        """(``smpckpt verify``) Read every header and check unit; the problems found."""
+        problems: list[str] = []
+        with _Files(self.fs, self.path) as files:
+            for name, (length, digest) in getattr(self, "headers", {}).items():
+                buf = bytearray(length)
+                files.read_runs(name, np.array([0], dtype=np.int64), length, memoryview(buf))
+                if hash_bytes(buf) != digest:
+                    problems.append(f"{join(self.path, name)}: header checksum mismatch")
+            for key, units in self.units.items():
+                t = self.tensors[key]
+                for u in units:
+                    ubytes = bytearray(math.prod(u.sizes) * t.dtype.itemsize)
+                    starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
+                    files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
+                    if hash_bytes(ubytes) != u.digest:
+                        problems.append(
+                            f"{join(self.path, t.file)}: checksum mismatch in {key.split('/', 1)[1]!r} at {list(u.offsets)}"
+                        )
+        return problems
+
+
+def _first_leaf(expr: Expr) -> str:
+    while not isinstance(expr, Leaf):
+        expr = expr.parts[0]
+    return expr.key
+
+
+class _Files:
+    """Open files of one read call: ``pread`` on local paths, ranged GETs elsewhere."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path = fs, path
+        self.local = is_local(fs)
+        self.fds: dict[str, int] = {}
+
+    def __enter__(self) -> _Files:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> None:
+        """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``."""
+        path = join(self.path, name)
+        if self.local:
+            fd = self.fds.get(name)
+            if fd is None:
+                with translate_errors(path):
+                    fd = self.fds[name] = os.open(path, os.O_RDONLY)
+            # adjacent runs merge into one request
+            pos = 0
+            for lo, n in _merge(starts, run):
+                got = os.preadv(fd, [out[pos : pos + n]], lo)
+                if got != n:
+                    raise CheckpointCorrupt(f"{path}: truncated ({got} of {n} bytes at offset {lo})")
+                pos += n
+            return
+        spans = _merge(starts, run)
+        with translate_errors(path):
+            blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])
+        pos = 0
+        for (lo, n), blob in zip(spans, blobs):
+            if isinstance(blob, Exception) or len(blob) != n:
+                raise CheckpointCorrupt(f"{path}: short read at offset {lo}") from (
+                    blob if isinstance(blob, Exception) else None
+                )
+            out[pos : pos + n] = blob
+            pos += n
+
+
+def _merge(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
+    if len(starts) == 0:
+        return []
+    s = starts.astype(np.int64)
+    breaks = np.nonzero(s[1:] != s[:-1] + run)[0] + 1
+    firsts = np.concatenate([[0], breaks])
+    lasts = np.concatenate([breaks, [len(s)]])
+    return [(int(s[a]), int((b - a) * run)) for a, b in zip(firsts, lasts)]

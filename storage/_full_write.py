@@ -1,0 +1,166 @@
+"""Full (consolidated) mode, writing: each rank puts its shards' bytes at their offsets in the artifact.
+
+POSIX filesystems (local disk, Lustre/FSx, NFS) only: the coordinator creates every file at its final
+size with its header (:func:`create_files`), then every rank opens the files and ``pwrite``\\ s its boxes
+(:func:`write_rank`) -- one run per row for a column shard, one run for a row shard -- hashing each
+check unit from the same buffer, and ``fsync``\\ s before reporting success. Object values (user
+content, non-tensor state) go to one small file each, written by the rank that holds them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import os
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._fs import join, write_bytes_atomic
+from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
+from smpckpt.storage._regions import box_runs, split_box
+
+__all__ = ["create_files", "write_rank", "UnitResult", "ObjectResult"]
+
+
+class UnitResult(tuple):
+    """``(artifact key, view, offsets, sizes, digest)`` of one written check unit (picklable, small)."""
+
+
+class ObjectResult(tuple):
+    """``(file name, size, digest)`` of one object file."""
+
+
+def create_files(folder: str, files: Sequence[ArtifactFile], *, sync: bool) -> None:
+    """(coordinator, before any rank writes) Each file at its final size, header in place.
+
+    Truncating an existing file (debris of an unfinished save under this fixed name) first means no
+    stale byte survives: every byte is either the header, written by a rank, or a hole (zeros) that the
+    tiling check guarantees some rank fills."""
+    os.makedirs(folder, exist_ok=True)
+    for f in files:
+        fd = os.open(join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, f.size)
+            os.pwrite(fd, f.header, 0)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _inverse(perm: Sequence[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+def _box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
+    """The write's box as contiguous row-major bytes of the artifact dtype."""
+    sub = chunk
+    dest_sizes = [w.sizes[p] for p in w.perm]
+    for d, (o, n) in enumerate(zip(w.dest_offsets, dest_sizes)):
+        if o or n != sub.shape[d]:
+            sub = sub.narrow(d, o, n)
+    box = sub.permute(_inverse(w.perm)) if list(w.perm) != sorted(w.perm) else sub
+    if box.dtype != w.dtype:
+        box = box.to(w.dtype)
+    box = box.contiguous()
+    if box.numel() == 0:
+        return memoryview(b"")
+    return memoryview(cast(Any, box.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> list[UnitResult]:
+    itemsize = w.dtype.itemsize
+    starts, run = box_runs(w.view, w.offsets, w.sizes, itemsize)
+    pos = 0
+    for s in starts.tolist():
+        n = os.pwrite(fd, buf[pos : pos + run], w.start + s)
+        while n < run:  # pwrite may write less than asked (signals, some filesystems)
+            n += os.pwrite(fd, buf[pos + n : pos + run], w.start + s + n)
+        pos += run
+    units = []
+    pos = 0
+    for offsets, sizes in split_box(w.offsets, w.sizes, itemsize, check_block):
+        n = 1
+        for s in sizes:
+            n *= s
+        n *= itemsize
+        units.append(UnitResult((w.key, w.view, offsets, sizes, hash_bytes(buf[pos : pos + n]))))
+        pos += n
+    return units
+
+
+def write_rank(
+    folder: str,
+    data: RankFullData,
+    items: Sequence[WriteItem],
+    planner: SavePlanner,
+    *,
+    sync: bool,
+    thread_count: int,
+    fs: Any,
+) -> list[WriteResult]:
+    """(every rank) Write this rank's boxes and objects; durable when it returns."""
+    by_item: dict[Any, list[FullWrite]] = {}
+    for w in data.writes:
+        by_item.setdefault(w.item, []).append(w)
+    names = sorted({w.file for w in data.writes})
+    fds = {name: os.open(join(folder, name), os.O_WRONLY) for name in names}
+    try:
+
+        def one(item: WriteItem) -> WriteResult:
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{item.index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
+            td = item.tensor_data
+            chunk = tensor.detach()
+            if chunk.device.type != "cpu":
+                chunk = chunk.cpu()
+            if td is not None:
+                chunk = chunk.reshape(tuple(td.chunk.sizes))  # the chunk in global-view coordinates
+            units: list[UnitResult] = []
+            written = 0
+            for w in by_item.get(item.index, []):
+                buf = _box_buffer(chunk, w)
+                units += _write_box(fds[w.file], w, buf, data.check_block)
+                written += buf.nbytes
+            return WriteResult(index=item.index, size_in_bytes=written, storage_data=tuple(units))
+
+        tensor_items = [it for it in items if it.index in by_item]
+        results: list[WriteResult] = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, thread_count), thread_name_prefix="smpckpt-full") as pool:
+            results = list(pool.map(one, tensor_items))
+        # items with no box (empty shards) still report, so DCP's result check sees every item
+        done = {r.index for r in results}
+        for it in items:
+            if it.tensor_data is not None and it.index not in done:
+                results.append(WriteResult(index=it.index, size_in_bytes=0, storage_data=()))
+        if sync:
+            for fd in fds.values():
+                os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    objects = dict(data.objects)
+    for it in items:
+        name = objects.get(it.index)
+        if name is None:
+            continue
+        value = planner.resolve_data(it)
+        payload = value.getvalue() if isinstance(value, io.BytesIO) else bytes(cast(Any, value))
+        write_bytes_atomic(fs, join(folder, name), payload, sync=sync, sync_dir=False)
+        results.append(
+            WriteResult(
+                index=it.index,
+                size_in_bytes=len(payload),
+                storage_data=ObjectResult((name, len(payload), hash_bytes(payload))),
+            )
+        )
+    return results

@@ -9,7 +9,10 @@ from smpckpt._cli_common import UsageError, human, resolve_checkpoint_url, stora
 from smpckpt.catalog import newest_tag
 from smpckpt.retention import apply_retention, validate_keep
 
-__all__ = ["cmd_prune", "cmd_convert", "duration"]
+__all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+TRANSLATIONS = ("gpt2", "llama", "qwen2")
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -80,4 +83,38 @@ def cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     )
     if report["reshaped"]:
         out.write(f"original shapes restored for: {', '.join(report['reshaped'])}\n")
+    return 0
+
+
+def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import importlib
+    import json
+
+    import torch
+
+    from smpckpt.consolidate import consolidate_checkpoint
+
+    options = storage_options_arg(args.storage_options)
+    src = resolve_checkpoint_url(args.checkpoint, options)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    translation = importlib.import_module(f"smpckpt.hf.{args.translation}").TRANSLATION if args.translation else None
+    hf_config = None
+    if args.hf_config:
+        with open(args.hf_config, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    report = consolidate_checkpoint(
+        src,
+        args.out,
+        include_optimizer=args.include_optimizer,
+        dtype=dtype,
+        max_shard_size=args.max_shard_size,
+        translation=translation,
+        hf_config=hf_config,
+        storage_options=options,
+        progress=not args.no_progress,
+    )
+    out.write(
+        f"wrote {report['out']}: {report['tensors']} tensors, {human(report['bytes'])} in "
+        f"{', '.join(report['files'])}\n"
+    )
     return 0

@@ -1,4 +1,5 @@
-"""``smpckpt`` command line: ``ls``, ``inspect``, ``verify``, ``prune``, ``convert`` (also ``python -m smpckpt``).
+"""``smpckpt`` command line: ``ls``, ``inspect``, ``verify``, ``prune``, ``convert``, ``consolidate`` (also
+``python -m smpckpt``).
 
 Every command takes local paths and URLs (``s3://bucket/run``). fsspec options come from
 ``--storage-options '{"key": ..., "client_kwargs": {"endpoint_url": ...}}'`` or, when that is not
@@ -33,7 +34,7 @@ from smpckpt._cli_common import (
     resolve_checkpoint_url,
     storage_options_arg,
 )
-from smpckpt._cli_maintain import cmd_convert, cmd_prune, duration
+from smpckpt._cli_maintain import DTYPES, TRANSLATIONS, cmd_consolidate, cmd_convert, cmd_prune, duration
 from smpckpt.catalog import newest_tag, scan_root
 from smpckpt.errors import CheckpointError
 from smpckpt.record import LayoutRecord
@@ -265,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true", help="objects that need code to load (trusted only)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT")
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser(
+        "consolidate",
+        parents=[common],
+        help="turn a committed partial checkpoint into one safetensors artifact (as save_checkpoint(partial=False))",
+    )
+    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p.add_argument("out", metavar="OUT", help="output folder (a POSIX path; must not hold a committed checkpoint)")
+    p.add_argument("--include-optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)")
+    p.add_argument("--translation", choices=TRANSLATIONS, default=None, help="write Hugging Face names and layouts")
+    p.add_argument("--hf-config", default=None, metavar="CONFIG_JSON", help="written as config.json beside the weights")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_consolidate)
     return parser
 
 

@@ -179,6 +179,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self.rank = 0
         self._save_id: str | None = None
         self._old_files: list[str] = []
+        self._layout: ArtifactLayout | None = None  # full mode: what prepare_global_plan laid out
 
     def set_manifest_extra(self, extra: Mapping[str, Any]) -> None:
         """Replace the JSON recorded under ``"extra"`` in the next manifest (must be JSON-serialisable)."""
@@ -414,8 +415,14 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self._layout = layout
         return out
 
+    def written_files(self) -> list[str]:
+        """Full mode: the safetensors files of the artifact being written (after prepare_global_plan)."""
+        return sorted(f.name for f in self._layout.files) if self._layout is not None else []
+
     def _finish_full(self, save_id: str, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        layout: ArtifactLayout = self._layout
+        layout = self._layout
+        if layout is None:
+            raise CheckpointError("finish() called without prepare_global_plan() in full mode")
         checks: dict[str, list[list[Any]]] = {}
         records: list[FileRecord] = []
         for rank, rank_results in enumerate(results):

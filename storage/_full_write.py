@@ -10,8 +10,10 @@ content, non-tensor state) go to one small file each, written by the rank that h
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -114,11 +116,22 @@ def write_rank(
     names = sorted({w.file for w in data.writes})
     fds = {name: os.open(join(folder, name), os.O_WRONLY) for name in names}
     try:
+        copying = threading.Lock()
 
         def one(item: WriteItem) -> WriteResult:
             tensor = planner.resolve_data(item)
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{item.index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
+            writes = by_item.get(item.index, [])
+            # A device-to-host copy, a transposed box or a cast makes a temporary as large as the shard:
+            # one at a time, so extra memory stays within one shard however many threads write.
+            copies = tensor.device.type != "cpu" or any(
+                w.dtype != tensor.dtype or list(w.perm) != sorted(w.perm) for w in writes
+            )
+            with copying if copies else contextlib.nullcontext():
+                return _write_item(item, tensor, writes)
+
+        def _write_item(item: WriteItem, tensor: torch.Tensor, writes: list[FullWrite]) -> WriteResult:
             td = item.tensor_data
             chunk = tensor.detach()
             if chunk.device.type != "cpu":
@@ -127,7 +140,7 @@ def write_rank(
                 chunk = chunk.reshape(tuple(td.chunk.sizes))  # the chunk in global-view coordinates
             units: list[UnitResult] = []
             written = 0
-            for w in by_item.get(item.index, []):
+            for w in writes:
                 buf = _box_buffer(chunk, w)
                 units += _write_box(fds[w.file], w, buf, data.check_block)
                 written += buf.nbytes

@@ -1,0 +1,141 @@
+"""Shared pieces of the Hugging Face model modules: config access, TP checks, tied heads, fused shapes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.errors import SpecError
+from smpckpt.specs import ShardSpec
+from smpckpt.translation import Translation
+
+_MISSING = object()
+
+
+def cfg_get(config: Any, *names: str, default: Any = _MISSING) -> Any:
+    """The first of ``names`` set in ``config`` (a transformers config object or a plain dict)."""
+    if config is None:
+        raise SpecError(f"tp_specs needs the model config (for {names[0]}); pass a transformers config or a dict")
+    for name in names:
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if value is not None:
+            return value
+    if default is _MISSING:
+        raise SpecError(f"model config has none of {list(names)}")
+    return default
+
+
+def check_tp(tp: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise SpecError(f"tp must be a positive int, got {tp!r}")
+
+
+def check_divides(model: str, what: str, value: int, tp: int) -> None:
+    if value % tp:
+        raise SpecError(f"{model}: {what}={value} does not divide by tp={tp}")
+
+
+def vocab_spec(model: str, vocab: int, tp: int) -> ShardSpec:
+    """Vocab-parallel rows; a vocabulary that does not divide by ``tp`` is split near-evenly (the first
+    ``vocab % tp`` ranks hold one extra row), which the model's embedding must do the same way."""
+    if vocab < tp:
+        raise SpecError(f"{model}: vocab_size={vocab} is smaller than tp={tp}")
+    if vocab % tp == 0:
+        return ShardSpec(0)
+    base, extra = divmod(vocab, tp)
+    return ShardSpec(0, sizes=tuple(base + (r < extra) for r in range(tp)))
+
+
+def prefixed(prefix: str, rules: Mapping[str, ShardSpec]) -> dict[str, ShardSpec]:
+    return {prefix + pattern: spec for pattern, spec in rules.items()}
+
+
+def _tied(head: torch.Tensor, embed: torch.Tensor) -> bool:
+    """Whether the head is the embedding: the same memory (an in-memory tied model) or equal values
+    (a tied model written out with both entries)."""
+    if head.shape != embed.shape or head.dtype != embed.dtype:
+        return False
+    same_memory = (
+        head.device == embed.device and head.data_ptr() == embed.data_ptr() and head.stride() == embed.stride()
+    )
+    return same_memory or bool(torch.equal(head, embed))
+
+
+class Fused:
+    """Our fused tensors whose model (TP=1) shape collapses the first two dims of their view shape:
+    ``[3, d, d]`` (checkpoint) <-> ``[3d, d]`` (``nn.Linear``). Optimizer state (``<key>.<suffix>``) of
+    the same rank follows; a scalar ``step`` has another rank and is left alone.
+
+    Args:
+        templates: our key template (``{i}`` = layer) -> ``(count, view ndim)``, e.g. ``(3, 3)`` for a
+            QKV weight viewed ``[3, d, d]``.
+    """
+
+    def __init__(self, templates: Mapping[str, tuple[int, int]]) -> None:
+        self._rules = [
+            (re.compile(re.escape(t).replace(re.escape("{i}"), r"\d+") + r"(\.\w+)*"), count, ndim)
+            for t, (count, ndim) in templates.items()
+        ]
+
+    def _find(self, key: str) -> tuple[int, int] | None:
+        return next(((count, ndim) for regex, count, ndim in self._rules if regex.fullmatch(key)), None)
+
+    def collapse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """View shapes -> model shapes (in place; reshapes of contiguous tensors are views)."""
+        for key, t in tensors.items():
+            found = self._find(key)
+            if found is not None and t.ndim == found[1]:
+                tensors[key] = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+        return tensors
+
+    def expand(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model shapes -> view shapes (in place); tensors already in view shape are left as they are."""
+        for key, t in tensors.items():
+            found = self._find(key)
+            if found is not None and t.ndim == found[1] - 1:
+                count = found[0]
+                if t.ndim == 0 or t.shape[0] % count:
+                    raise ValueError(f"{key}: shape {tuple(t.shape)} does not split into {count} fused parts on dim 0")
+                tensors[key] = t.reshape(count, t.shape[0] // count, *t.shape[1:])
+        return tensors
+
+
+def import_hf(
+    translation: Translation,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    embed: str,
+    head: str,
+    fused: Fused,
+    tie_word_embeddings: bool | None,
+    keep_view_shapes: bool,
+) -> dict[str, torch.Tensor]:
+    """HF state dict -> ours, dropping a head tied to the embedding (see the model modules)."""
+    sd = dict(state_dict)
+    if head in sd and embed in sd and tie_word_embeddings is not False:
+        if _tied(sd[head], sd[embed]):
+            del sd[head]
+        elif tie_word_embeddings:
+            raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
+    ours = translation.translate_from_artifact(sd)
+    return ours if keep_view_shapes else fused.collapse(ours)
+
+
+def export_hf(
+    translation: Translation,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    embed: str,
+    head: str,
+    fused: Fused,
+    tie_word_embeddings: bool,
+) -> dict[str, torch.Tensor]:
+    """Ours (model or view shapes) -> HF state dict; ``tie_word_embeddings`` adds the head as the embedding."""
+    sd = fused.expand(dict(state_dict))
+    out = translation.translate_to_artifact(sd)
+    if tie_word_embeddings and head not in out and embed in out:
+        out[head] = out[embed]
+    return out

@@ -1,0 +1,162 @@
+"""GPT-2: Hugging Face ``GPT2LMHeadModel`` <-> our Megatron-style tensor-parallel GPT-2.
+
+HF GPT-2 uses ``Conv1D`` (weight ``[in, out]``, ``y = x @ W + b``); ours uses ``nn.Linear``
+(``[out, in]``) and keeps the fused QKV projection in a view that reshards correctly:
+
+====================================== ======================= ==================================================
+ours (global view shape)               spec (``tp_specs``)     HF
+====================================== ======================= ==================================================
+``transformer.wte.weight [V, d]``      dim 0 (vocab-parallel)  same key
+``transformer.h.{i}.attn.qkv.weight``  view ``(3, -1, d)``,    ``attn.c_attn.weight [d, 3d]``:
+``[3, d, d]``                          dim 1                   ``ours[j, o, i] = c_attn[i, j*d + o]``
+``...attn.qkv.bias [3, d]``            view ``(3, -1)``, dim 1 ``attn.c_attn.bias [3d]``
+``...attn.proj.weight [d, d]``         dim 1 (row-parallel)    ``attn.c_proj.weight`` transposed
+``...attn.proj.bias [d]``              replicated              ``attn.c_proj.bias``
+``...mlp.fc.weight [4d, d]``, ``.bias`` dim 0                  ``mlp.c_fc.weight`` transposed, ``mlp.c_fc.bias``
+``...mlp.proj.weight [d, 4d]``         dim 1                   ``mlp.c_proj.weight`` transposed
+``...mlp.proj.bias``                   replicated              ``mlp.c_proj.bias``
+wpe, ``ln_1``, ``ln_2``, ``ln_f``      replicated              same keys
+====================================== ======================= ==================================================
+
+The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
+``r*nh/tp .. (r+1)*nh/tp``, one after the other.
+
+Not translated (documented behaviour of the eager helpers):
+
+* ``lm_head.weight`` is tied to ``transformer.wte.weight`` in HF GPT-2: dropped on import when it is
+  the embedding (same memory or equal values) and not produced on export unless
+  ``tie_word_embeddings=True``. An untied head that differs is kept as ``lm_head.weight`` (vocab-parallel).
+* ``attn.bias`` / ``attn.masked_bias`` (the causal-mask buffers older transformers versions wrote into
+  state dicts) are not weights: dropped on import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.specs import ShardSpec
+from smpckpt.translation import Leaf, Rule, Shape, Translation, rename, transpose
+
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+
+_H = "transformer.h.{i}."
+_EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
+
+
+def _qkv_weight(keys: tuple[str, ...], shapes: tuple[Shape, ...]) -> Leaf:
+    (d_in, width) = shapes[0]
+    if width % 3:
+        raise ValueError(f"fused QKV width {width} does not divide by 3")
+    # c_attn[i, j*d + o] -> ours[j, o, i]
+    return Leaf(keys[0], view=(d_in, 3, width // 3), perm=(1, 2, 0))
+
+
+def _qkv_weight_split(shape: Shape) -> tuple[Shape, ...]:
+    if len(shape) != 3 or shape[0] != 3:
+        raise ValueError(f"expected the QKV view [3, d_out, d_in], got {shape}")
+    return ((shape[2], 3 * shape[1]),)
+
+
+def _qkv_bias(keys: tuple[str, ...], shapes: tuple[Shape, ...]) -> Leaf:
+    if len(shapes[0]) != 1 or shapes[0][0] % 3:
+        raise ValueError(f"fused QKV bias of shape {shapes[0]} does not split into 3")
+    return Leaf(keys[0], view=(3, shapes[0][0] // 3))
+
+
+def _qkv_bias_split(shape: Shape) -> tuple[Shape, ...]:
+    if len(shape) != 2 or shape[0] != 3:
+        raise ValueError(f"expected the QKV bias view [3, d], got {shape}")
+    return ((3 * shape[1],),)
+
+
+TRANSLATION = Translation(
+    "gpt2",
+    rules=(
+        Rule(_H + "attn.qkv.weight", (_H + "attn.c_attn.weight",), build=_qkv_weight, split=_qkv_weight_split),
+        Rule(_H + "attn.qkv.bias", (_H + "attn.c_attn.bias",), build=_qkv_bias, split=_qkv_bias_split),
+        transpose(_H + "attn.proj.weight", _H + "attn.c_proj.weight"),
+        rename(_H + "attn.proj.bias", _H + "attn.c_proj.bias"),
+        transpose(_H + "mlp.fc.weight", _H + "mlp.c_fc.weight"),
+        rename(_H + "mlp.fc.bias", _H + "mlp.c_fc.bias"),
+        transpose(_H + "mlp.proj.weight", _H + "mlp.c_proj.weight"),
+        rename(_H + "mlp.proj.bias", _H + "mlp.c_proj.bias"),
+    ),
+    ignore=(_H + "attn.bias", _H + "attn.masked_bias"),
+)
+
+_FUSED = Fused({_H + "attn.qkv.weight": (3, 3), _H + "attn.qkv.bias": (3, 2)})
+
+
+def translate_hf_state_dict_to_smpckpt(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF ``GPT2LMHeadModel`` state dict -> ours (bit-exact; tensors may share memory with the input).
+
+    Args:
+        state_dict: HF keys (``transformer.h.0.attn.c_attn.weight`` ...), no wrapper prefix.
+        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding, ``True``
+            drops it (and raises if it differs), ``False`` keeps it.
+        keep_view_shapes: give fused QKV tensors their global view shape (``[3, d, d]``, as the
+            checkpoint stores them) instead of the unsharded model's ``[3d, d]``.
+    """
+    return import_hf(
+        TRANSLATION,
+        state_dict,
+        embed=_EMBED,
+        head=_HEAD,
+        fused=_FUSED,
+        tie_word_embeddings=tie_word_embeddings,
+        keep_view_shapes=keep_view_shapes,
+    )
+
+
+def translate_state_dict_to_hf(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our unsharded GPT-2 state dict -> HF keys and layouts (bit-exact; may share memory with the input).
+
+    Fused QKV tensors may come in the model's shape (``[3d, d]``) or the view shape (``[3, d, d]``).
+    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding (what ``load_state_dict``
+    of an HF model wants); by default it is left out, as HF's own files do.
+    """
+    return export_hf(
+        TRANSLATION, state_dict, embed=_EMBED, head=_HEAD, fused=_FUSED, tie_word_embeddings=tie_word_embeddings
+    )
+
+
+def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
+    """Glob -> ShardSpec rules of our GPT-2 under TP degree ``tp``.
+
+    Args:
+        tp: tensor-parallel degree.
+        config: ``GPT2Config`` or a dict (``n_embd``, ``n_head``, ``vocab_size``, optional ``n_inner``);
+            required, since the QKV view names ``d``.
+        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
+
+    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
+    """
+    check_tp(tp)
+    d = int(cfg_get(config, "n_embd", "hidden_size"))
+    heads = int(cfg_get(config, "n_head", "num_attention_heads"))
+    inner = int(cfg_get(config, "n_inner", default=None) or 4 * d)
+    vocab = int(cfg_get(config, "vocab_size"))
+    check_divides("gpt2", "n_head", heads, tp)
+    check_divides("gpt2", "n_inner", inner, tp)
+    rows = vocab_spec("gpt2", vocab, tp)
+    return prefixed(
+        prefix,
+        {
+            _EMBED: rows,
+            _HEAD: rows,  # only an untied head
+            "transformer.h.*.attn.qkv.weight": ShardSpec(1, view=(3, -1, d)),
+            "transformer.h.*.attn.qkv.bias": ShardSpec(1, view=(3, -1)),
+            "transformer.h.*.attn.proj.weight": ShardSpec(1),
+            "transformer.h.*.mlp.fc.weight": ShardSpec(0),
+            "transformer.h.*.mlp.fc.bias": ShardSpec(0),
+            "transformer.h.*.mlp.proj.weight": ShardSpec(1),
+        },
+    )

@@ -1,0 +1,140 @@
+"""Llama: Hugging Face ``LlamaForCausalLM`` <-> our Megatron-style tensor-parallel Llama.
+
+Keys are HF's, except that the MLP's gate and up projections are one fused column-parallel Linear:
+
+========================================= ================================= ====================================
+ours (global view shape)                  spec (``tp_specs``)               HF
+========================================= ================================= ====================================
+``model.embed_tokens.weight [V, d]``      dim 0 (vocab-parallel)            same key
+``...self_attn.q_proj.weight``            dim 0 (whole heads)               same key
+``...self_attn.k_proj/v_proj.weight``     dim 0 if ``nkv % tp == 0``, else  same keys
+                                          replicated (``tp % nkv == 0``)
+``...self_attn.o_proj.weight``            dim 1 (row-parallel)              same key
+``...mlp.gate_up_proj.weight [2, I, d]``  view ``(2, -1, d)``, dim 1        ``cat([gate_proj, up_proj])``
+``...mlp.down_proj.weight``               dim 1                             same key
+norms                                     replicated                        same keys
+``lm_head.weight``                        dim 0 (when untied)               same key
+========================================= ================================= ====================================
+
+The local ``gate_up_proj`` of TP rank ``r`` is ``[2I/tp, d]``: gate rows ``r*I/tp .. (r+1)*I/tp``, then
+the same up rows. With fewer kv heads than TP ranks (grouped-query attention, ``nkv < tp``), k and v
+are replicated: every rank holds all kv heads and uses the one its query heads share.
+
+Eager helpers: ``lm_head.weight`` tied to the embedding (``tie_word_embeddings``) is dropped on import
+and produced on export only with ``tie_word_embeddings=True``; ``rotary_emb.inv_freq`` buffers (written by
+old transformers versions) are not weights and are dropped on import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.errors import SpecError
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.specs import ShardSpec
+from smpckpt.translation import Translation, stack
+
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+
+_L = "model.layers.{i}."
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def make_translation(name: str) -> Translation:
+    """The Llama-family translation (fused gate/up; everything else keeps its HF key)."""
+    return Translation(
+        name,
+        rules=(stack(_L + "mlp.gate_up_proj.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight")),),
+        ignore=(_L + "self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"),
+    )
+
+
+TRANSLATION = make_translation("llama")
+FUSED = Fused({_L + "mlp.gate_up_proj.weight": (2, 3)})
+
+
+def translate_hf_state_dict_to_smpckpt(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF ``LlamaForCausalLM`` state dict -> ours (bit-exact; tensors may share memory with the input).
+
+    Args:
+        state_dict: HF keys, no wrapper prefix.
+        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding (same memory
+            or equal values), ``True`` drops it (raises if it differs), ``False`` keeps it.
+        keep_view_shapes: give ``gate_up_proj`` its global view shape ``[2, I, d]`` (as the checkpoint
+            stores it) instead of the unsharded model's ``[2I, d]``.
+    """
+    return import_hf(
+        TRANSLATION,
+        state_dict,
+        embed=_EMBED,
+        head=_HEAD,
+        fused=FUSED,
+        tie_word_embeddings=tie_word_embeddings,
+        keep_view_shapes=keep_view_shapes,
+    )
+
+
+def translate_state_dict_to_hf(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our unsharded Llama state dict (``gate_up_proj`` as ``[2I, d]`` or ``[2, I, d]``) -> HF's.
+
+    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding when ours has no head.
+    """
+    return export_hf(
+        TRANSLATION, state_dict, embed=_EMBED, head=_HEAD, fused=FUSED, tie_word_embeddings=tie_word_embeddings
+    )
+
+
+def kv_sharded(model: str, tp: int, config: Any) -> bool:
+    """Whether k/v projections are split over TP (``nkv % tp == 0``) or replicated (``tp % nkv == 0``)."""
+    heads = int(cfg_get(config, "num_attention_heads"))
+    kv_heads = int(cfg_get(config, "num_key_value_heads", default=None) or heads)
+    check_divides(model, "num_attention_heads", heads, tp)
+    if heads % kv_heads:
+        raise SpecError(f"{model}: num_attention_heads={heads} does not divide by num_key_value_heads={kv_heads}")
+    if kv_heads % tp and tp % kv_heads:
+        raise SpecError(
+            f"{model}: num_key_value_heads={kv_heads} and tp={tp}: kv heads must split evenly over TP ranks "
+            f"(nkv % tp == 0) or every rank must use exactly one shared kv head (tp % nkv == 0)"
+        )
+    return kv_heads % tp == 0
+
+
+def family_specs(model: str, tp: int, config: Any, prefix: str, biases: bool) -> dict[str, ShardSpec]:
+    """Spec rules of the Llama family; ``biases`` adds q/k/v bias rules (Qwen2)."""
+    check_tp(tp)
+    d = int(cfg_get(config, "hidden_size"))
+    check_divides(model, "intermediate_size", int(cfg_get(config, "intermediate_size")), tp)
+    rows = vocab_spec(model, int(cfg_get(config, "vocab_size")), tp)
+    kv = kv_sharded(model, tp, config)
+    attn = "model.layers.*.self_attn."
+    rules = {_EMBED: rows, _HEAD: rows, attn + "q_proj.weight": ShardSpec(0)}
+    if biases:
+        rules[attn + "q_proj.bias"] = ShardSpec(0)
+    if kv:  # otherwise k/v are replicated: no rule
+        rules.update({attn + f"{p}_proj.{w}": ShardSpec(0) for p in "kv" for w in ("weight", "bias")[: 1 + biases]})
+    rules[attn + "o_proj.weight"] = ShardSpec(1)
+    rules["model.layers.*.mlp.gate_up_proj.weight"] = ShardSpec(1, view=(2, -1, d))
+    rules["model.layers.*.mlp.down_proj.weight"] = ShardSpec(1)
+    return prefixed(prefix, rules)
+
+
+def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
+    """Glob -> ShardSpec rules of our Llama under TP degree ``tp``.
+
+    Args:
+        tp: tensor-parallel degree.
+        config: ``LlamaConfig`` or a dict (``hidden_size``, ``intermediate_size``, ``vocab_size``,
+            ``num_attention_heads``, ``num_key_value_heads``); required (the k/v decision and the
+            gate/up view need it).
+        prefix: prepended to every pattern (``"model."`` for ``{"model": model.state_dict()}``).
+
+    Raises SpecError when heads, kv heads, the MLP width or the vocabulary cannot take ``tp``.
+    """
+    return family_specs("llama", tp, config, prefix, biases=False)

@@ -12,6 +12,7 @@ Public entry points:
 
 from smpckpt import errors as _errors
 from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
+from smpckpt.consolidate import consolidate_checkpoint  # noqa: E402
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.specs import ShardSpec
@@ -19,6 +20,7 @@ from smpckpt.specs import ShardSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "consolidate_checkpoint",
     "save_checkpoint",
     "resume_from_checkpoint",
     "last_resume_info",

@@ -27,12 +27,7 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 # -- helpers -----------------------------------------------------------------------------------------
 def check_partial(partial: Any) -> None:
-    if partial is False:
-        raise NotImplementedError(
-            "full-gather checkpoints (partial=False) are not implemented yet; use partial=True "
-            "(each rank saves its own shards; any layout can resume them)"
-        )
-    if partial is not True:
+    if partial is not True and partial is not False:
         raise TypeError(f"partial must be True or False, got {partial!r}")
 
 

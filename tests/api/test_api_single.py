@@ -71,13 +71,19 @@ def test_round_trip_no_process_group(tmp_path: Any) -> None:
     assert info is not None and info.path_taken == "fast" and not info.layout_changed and info.tag == "a"
 
 
-def test_partial_false_not_implemented(tmp_path: Any) -> None:
+def test_partial_false_full_checkpoint_round_trip(tmp_path: Any) -> None:
     m, _ = _model(0)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        save_checkpoint(str(tmp_path), "a", partial=False, model=m)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
+    with pytest.raises(CheckpointNotFound):
         resume_from_checkpoint(str(tmp_path), partial=False, model=m)
+    with pytest.raises(TypeError, match="partial must be True or False"):
+        save_checkpoint(str(tmp_path), "a", partial="no", model=m)
     assert not os.listdir(tmp_path)
+    save_checkpoint(str(tmp_path), "a", partial=False, model=m, user_content={"step": 3})
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no newest, no _partial folder
+    fresh, _ = _model(1)
+    assert resume_from_checkpoint(str(tmp_path), "a", partial=False, model=fresh) == {"step": 3}
+    for (k, v), w in zip(m.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(v, w), k
 
 
 _NOT_POSITIVE = "num_kept_partial_checkpoints must be >= 1 (it counts the checkpoints kept, the new one included), got "

@@ -114,7 +114,7 @@ def save_checkpoint(
     dtype: torch.dtype | None = None,
     hf_config: Any = None,
     translate_function: Translation | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
     ``partial=False``, one consolidated artifact ``{path}/{tag}/`` instead (see below).
@@ -159,7 +159,8 @@ def save_checkpoint(
             weights, so ``AutoModelForCausalLM.from_pretrained(folder)`` opens the artifact.
         translate_function: (``partial=False``) a :class:`smpckpt.translation.Translation` such as
             ``smpckpt.hf.gpt2.TRANSLATION``: the artifact gets Hugging Face names and layouts.
-        max_shard_size: (``partial=False``) bytes (or ``"5GB"``) per safetensors file.
+        max_shard_size: (``partial=False``) bytes (or ``"5GB"``) per safetensors file; ``None``: see
+            :class:`smpckpt.storage.FullOptions` (5 GB, fewer for multi-rank saves of large models).
         remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
             folders (debris of killed or failed saves) with no write for that long, and aborts S3
             multipart uploads under ``path`` started that long ago. Make it longer than any save

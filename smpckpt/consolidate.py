@@ -157,7 +157,7 @@ def consolidate_checkpoint(
     *,
     include_optimizer: bool = False,
     dtype: torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = "5GB",
     translation: Translation | None = None,
     hf_config: Any = None,
     storage_options: Mapping[str, Any] | None = None,

@@ -29,6 +29,7 @@ __all__ = [
     "create_bytes_exclusive",
     "read_bytes_or_none",
     "fsync_dir",
+    "fsync_path",
     "remove_files",
     "remove_tree",
 ]
@@ -98,6 +99,15 @@ def join(folder: str, name: str) -> str:
 def fsync_dir(path: str) -> None:
     """fsync a local directory so a rename or a new file in it survives a power loss."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a local file by name (its data and metadata)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

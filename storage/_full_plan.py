@@ -82,7 +82,11 @@ class FullOptions:
     Args:
         max_shard_size: above this many bytes an artifact is split into
             ``{name}-0000i-of-0000N.safetensors`` files plus ``{name}.safetensors.index.json``, as
-            Hugging Face does (bytes, or ``"5GB"``/``"512MiB"``).
+            Hugging Face does (bytes, or ``"5GB"``/``"512MiB"``). ``None`` (default): Hugging Face's
+            5 GB, lowered for a multi-rank save so that the ranks can start on different files (up
+            to ``2 x world`` files of at least 256 MiB, 64 at most): the kernel serialises writes into
+            one file, and ranks sharing one file write at a fraction of their speed. Small artifacts
+            stay one ``model.safetensors``.
         dtype: cast floating-point tensors to this dtype on export (fp32 master weights -> bf16
             artifact); integer and bool tensors are kept.
         artifacts: flattened-key prefix -> artifact name. A tensor goes to the artifact of the longest
@@ -96,7 +100,7 @@ class FullOptions:
         check_block: bytes per checksum unit (a reader verifies only the units its boxes touch).
     """
 
-    max_shard_size: int | str = "5GB"
+    max_shard_size: int | str | None = None
     dtype: torch.dtype | None = None
     artifacts: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"": "model"})
     translation: Translation | None = None
@@ -104,7 +108,8 @@ class FullOptions:
     check_block: int = 1 << 20
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        if self.max_shard_size is not None:
+            object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if not self.artifacts:
@@ -166,6 +171,7 @@ class RankFullData:
     writes: tuple[FullWrite, ...]
     objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
     check_block: int
+    world: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +265,7 @@ def plan_artifact(
     shapes, dtypes, chunks, object_items = _collect(plans)
     _check_tiling(shapes, chunks)
     exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
-    files, tensors, indexes = _files(art_shapes, art_dtypes, parse_size(opts.max_shard_size))
+    files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans))
     objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
     out = _rank_writes(plans, opts, save_id, exprs, art_shapes, tensors, rank_objects)
     layout = ArtifactLayout(
@@ -352,7 +358,8 @@ def _expressions(
 def _files(
     art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
     art_dtypes: Mapping[str, Mapping[str, torch.dtype]],
-    max_shard_size: int,
+    max_shard_size: int | str | None,
+    world: int,
 ) -> tuple[list[ArtifactFile], dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]], dict[str, bytes]]:
     """Tensors in order, cut into files at ``max_shard_size``; headers, offsets and index files."""
     files: list[ArtifactFile] = []
@@ -360,11 +367,18 @@ def _files(
     indexes: dict[str, bytes] = {}
     for art in sorted(art_shapes):
         order = [k for k in art_shapes[art] if k in art_dtypes.get(art, {})]
+        cap = (
+            parse_size(max_shard_size)
+            if max_shard_size is not None
+            else _auto_shard_size(
+                sum(math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize for k in order), world
+            )
+        )
         groups: list[list[str]] = [[]]
         size = 0
         for k in order:
             n = math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize
-            if groups[-1] and size + n > max_shard_size:
+            if groups[-1] and size + n > cap:
                 groups.append([])
                 size = 0
             groups[-1].append(k)
@@ -391,6 +405,14 @@ def _files(
             indexes[f"{art}.safetensors.index.json"] = json.dumps(index, indent=2).encode("utf-8")
 
     return files, tensors, indexes
+
+
+def _auto_shard_size(total: int, world: int) -> int:
+    """Hugging Face's 5 GB cap, lowered until the ranks of a multi-rank save can each start on their
+    own file (at most ``2 x world`` files, each at least 256 MiB, 64 in all)."""
+    hf = 5 * 10**9
+    files = max(math.ceil(total / hf), min(2 * world, total // (256 << 20), 64), 1)
+    return max(1, math.ceil(total / files))
 
 
 def _objects(
@@ -447,7 +469,9 @@ def _rank_writes(
                         dtype,
                     )
                 )
-        data = RankFullData(save_id, rank, tuple(writes), tuple(rank_objects.get(rank, ())), opts.check_block)
+        data = RankFullData(
+            save_id, rank, tuple(writes), tuple(rank_objects.get(rank, ())), opts.check_block, len(plans)
+        )
         out.append(dataclasses.replace(plan, storage_data=data))
     return out
 

@@ -25,8 +25,12 @@ from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._fs import join, write_bytes_atomic
 from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage._regions import box_runs, split_box
+from smpckpt.storage._sinks import write_back
 
 __all__ = ["create_files", "write_rank", "UnitResult", "ObjectResult"]
+
+#: boxes at least this large start their writeback as soon as they are written
+_FLUSH_AFTER = 8 << 20
 
 
 class UnitResult(tuple):
@@ -87,6 +91,11 @@ def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> list
         while n < run:  # pwrite may write less than asked (signals, some filesystems)
             n += os.pwrite(fd, buf[pos + n : pos + run], w.start + s + n)
         pos += run
+    if buf.nbytes >= _FLUSH_AFTER and len(starts) == 1:
+        # Start writeback now, so the final flush waits for less (as the partial writer does). Only
+        # for one-run boxes: a strided box shares its pages with other ranks' columns, which would
+        # dirty them again and write them twice.
+        write_back(fd, w.start + int(starts[0]), int(starts[-1]) + run - int(starts[0]), wait=False)
     units = []
     pos = 0
     for offsets, sizes in split_box(w.offsets, w.sizes, itemsize, check_block):
@@ -97,6 +106,38 @@ def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> list
         units.append(UnitResult((w.key, w.view, offsets, sizes, hash_bytes(buf[pos : pos + n]))))
         pos += n
     return units
+
+
+def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
+    """Make this rank's bytes reach the disk before it reports success.
+
+    Every rank fsyncing every shared file would make each wait for all the others' pages too (one
+    file, many writers). On Linux each rank instead writes back and waits for the span of its own
+    boxes (``sync_file_range``), and the coordinator fsyncs each file once, after every rank is done
+    and before the commit (``FsspecStorageWriter.finish``), which flushes the metadata and the disk
+    cache with little data left to write. Elsewhere: fsync."""
+    spans: dict[str, list[int]] = {}
+    for w in writes:
+        starts, run = box_runs(w.view, w.offsets, w.sizes, w.dtype.itemsize)
+        if len(starts):
+            lo, hi = w.start + int(starts[0]), w.start + int(starts[-1]) + run
+            span = spans.setdefault(w.file, [lo, hi])
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    for name, fd in fds.items():
+        lo, hi = spans.get(name, (0, 1))  # never length 0: sync_file_range reads it as "to the end"
+        if not write_back(fd, lo, hi - lo, wait=True):
+            os.fsync(fd)
+
+
+def _schedule(items: list[WriteItem], by_item: dict[Any, list[FullWrite]], data: RankFullData) -> list[WriteItem]:
+    """This rank's items, starting on its own file: the kernel serialises buffered writes into one
+    file, so two ranks writing the same file at once each run at about half speed (measured)."""
+    files = sorted({w.file for w in data.writes})
+    if len(files) < 2:
+        return items
+    first = data.rank * len(files) // max(1, data.world)
+    order = {name: (i - first) % len(files) for i, name in enumerate(files)}
+    return sorted(items, key=lambda it: min(order[w.file] for w in by_item[it.index]))
 
 
 def write_rank(
@@ -146,7 +187,7 @@ def write_rank(
                 written += buf.nbytes
             return WriteResult(index=item.index, size_in_bytes=written, storage_data=tuple(units))
 
-        tensor_items = [it for it in items if it.index in by_item]
+        tensor_items = _schedule([it for it in items if it.index in by_item], by_item, data)
         results: list[WriteResult] = []
         with concurrent.futures.ThreadPoolExecutor(max(1, thread_count), thread_name_prefix="smpckpt-full") as pool:
             results = list(pool.map(one, tensor_items))
@@ -156,8 +197,7 @@ def write_rank(
             if it.tensor_data is not None and it.index not in done:
                 results.append(WriteResult(index=it.index, size_in_bytes=0, storage_data=()))
         if sync:
-            for fd in fds.values():
-                os.fsync(fd)
+            _flush(fds, data.writes)
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -57,6 +57,7 @@ from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
     fsync_dir,
+    fsync_path,
     is_local,
     join,
     remove_files,
@@ -440,6 +441,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             size = int(self.fs.size(join(self.path, f.name)))
             if size != f.size:
                 raise CheckpointError(f"{join(self.path, f.name)}: {size} bytes after the write, expected {f.size}")
+            if self.sync_files:
+                # the ranks wrote their boxes back (see _full_write._flush); this makes the file durable
+                fsync_path(join(self.path, f.name))
             records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
         side = dict(layout.indexes)
         cfg = self.full.hf_config_json()

@@ -1,0 +1,92 @@
+"""Rank functions for the multi-process full-checkpoint tests (module level, so spawned ranks import them).
+
+The TP model, its specs and the scenario/teardown conventions are the API suite's (``tests/api``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "api"))
+
+import api_workers  # noqa: E402
+import tp_model  # noqa: E402
+
+import smpckpt._full  # noqa: E402
+from smpckpt import ParallelLayout, resume_from_checkpoint, save_checkpoint  # noqa: E402
+from smpckpt.storage import FsspecStorageWriter  # noqa: E402
+
+TP2_DP2 = ParallelLayout(tp=2, dp=2)
+TRAIN_STEPS = 2
+
+
+def save_and_reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """tp=2 x dp=2: train, save full ("f") and partial ("p") of the same state; then resume "f" under
+    tp=4 and under dp=4 (fresh models from another seed). Each rank returns its local tensors."""
+    results: dict[str, Any] = {"coords": TP2_DP2.coords(rank)}
+
+    def save() -> Any:
+        ctx, model, opt = tp_model.build(TP2_DP2)
+        losses = [tp_model.train_step(ctx, model, opt, s) for s in range(TRAIN_STEPS)]
+        kw = dict(model=model, optimizer=opt, user_content={"step": TRAIN_STEPS}, layout=TP2_DP2, specs=tp_model.SPECS)
+        save_checkpoint(root, "f", partial=False, include_optimizer=True, **kw)
+        save_checkpoint(root, "p", **kw)
+        state = tp_model.local_state(model, opt)
+        next_loss = tp_model.train_step(ctx, model, opt, TRAIN_STEPS)
+        return {"losses": losses, "state": state, "next_loss": next_loss}
+
+    api_workers._scenario(results, "save", save)
+
+    for name, layout in (("tp4", ParallelLayout(tp=4)), ("dp4", ParallelLayout(dp=4))):
+
+        def resume(layout: ParallelLayout = layout) -> Any:
+            _, model, opt = tp_model.build(layout, seed=99)
+            before = tp_model.local_state(model, opt)
+            uc = resume_from_checkpoint(
+                root, "f", partial=False, model=model, optimizer=opt, layout=layout, specs=tp_model.SPECS
+            )
+            return {"uc": uc, "before": before, "state": tp_model.local_state(model, opt)}
+
+        api_workers._scenario(results, name, resume)
+    return results
+
+
+class _KillingWriter(FsspecStorageWriter):
+    """Ends its own process in ``write_data`` of the save into ``kill_tag``, on rank ``victim``, before
+    or after writing that rank's boxes: ``os._exit`` -- no ``finally``, no atexit, no process-group
+    teardown; the kernel closes its sockets, as for SIGKILL. (Exit status 0: the harness reports a
+    rank that died by a signal by terminating the survivors before they can report.)"""
+
+    victim = -1
+    when = "before"
+    kill_tag = ""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if dist.get_rank() == self.victim and os.path.basename(self.path.rstrip("/")) == self.kill_tag:
+            if self.when == "after":
+                super().write_data(plan, planner).wait()  # this rank's bytes are on disk
+            os._exit(0)
+        return super().write_data(plan, planner)
+
+
+def killed_during_save(rank: int, world: int, root: str, victim: int, when: str) -> str:
+    """tp=2: a committed full save "k1" of the seed-0 model, then a second full save "k2" (another
+    seed) during which rank ``victim`` is killed. Survivors leave their error text in
+    ``{root}/rank{r}.txt`` (the harness drops their values when a rank died)."""
+    layout = ParallelLayout(tp=2)
+    _, model, _ = tp_model.build(layout, seed=0)
+    save_checkpoint(root, "k1", partial=False, model=model, layout=layout, specs=tp_model.SPECS, user_content="k1")
+    dist.barrier()
+    _KillingWriter.victim, _KillingWriter.when, _KillingWriter.kill_tag = victim, when, "k2"
+    smpckpt._full.FsspecStorageWriter = _KillingWriter  # type: ignore[misc]  # this process only
+    _, model2, _ = tp_model.build(layout, seed=1)
+    text = api_workers._expect_error(
+        lambda: save_checkpoint(root, "k2", partial=False, model=model2, layout=layout, specs=tp_model.SPECS)
+    )
+    with open(os.path.join(root, f"rank{rank}.txt"), "w") as f:
+        f.write(text)
+    return text

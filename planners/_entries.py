@@ -245,21 +245,29 @@ def original_global_shape(
     """The global shape a viewed tensor has in its original form: each original dimension is a run of
     consecutive view dimensions (``[3h/tp, d]`` viewed as ``[3, h/tp, d]``: runs ``(3, h/tp)``, ``(d,)``),
     and merging the same runs of the global view gives it (``[3, h, d]`` -> ``[3h, d]``). ``None`` when
-    the view is not such a split (then only the view shape is known)."""
-    groups: list[int] = []
-    i = 0
-    for size in local:
-        start, product = i, 1
-        while i < len(view) and (product < size or (size == 0 and i == start)):
-            product *= view[i]
-            i += 1
-        if product != size or i == start:
-            return None
-        groups.append(i)
-    if i != len(view):
+    the view is not such a split (then only the view shape is known).
+
+    A view dimension of extent 1 could belong to either neighbour (``[3, d]`` viewed as ``[3, 1, d]``
+    when each rank holds one head): it joins the dimension before it, as the sharded part of a split
+    dimension does (``3h/tp`` = ``3 x h/tp``), unless the dimensions after it need it."""
+    bounds = _split_runs(tuple(local), tuple(view), 0, 0)
+    if bounds is None:
         return None
-    bounds = [0, *groups]
-    return tuple(math.prod(global_view[a:b]) for a, b in zip(bounds, bounds[1:]))
+    starts = [0, *bounds]
+    return tuple(math.prod(global_view[a:b]) for a, b in zip(starts, bounds))
+
+
+def _split_runs(local: tuple[int, ...], view: tuple[int, ...], li: int, vi: int) -> list[int] | None:
+    """End indices (into ``view``) of the runs whose products are ``local[li:]``, the longest run first."""
+    if li == len(local):
+        return [] if vi == len(view) else None
+    size = local[li]
+    ends = [j for j in range(vi + 1, len(view) + 1) if math.prod(view[vi:j]) == size]
+    for j in reversed(ends):
+        rest = _split_runs(local, view, li + 1, j)
+        if rest is not None:
+            return [j, *rest]
+    return None
 
 
 def _inherits(value: torch.Tensor, param_shape: tuple[int, ...] | None) -> bool:

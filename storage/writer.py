@@ -60,6 +60,7 @@ from smpckpt.storage._fs import (
     fsync_path,
     is_local,
     join,
+    read_bytes_or_none,
     remove_files,
     write_bytes_atomic,
 )
@@ -399,11 +400,19 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"{self.url} already holds a {found.state} checkpoint; full artifacts have fixed file names and are "
                 "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
             )
-        if found.state == "missing" and _holds_foreign_files(self.fs, self.path):
+        names = _folder_names(self.fs, self.path)
+        if names and WRITING_MARKER not in names:
             raise CheckpointExists(
                 f"{self.url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
                 "to write a full artifact over them"
             )
+        if names:
+            # debris of an unfinished full save (its marker is there, its manifest never was): all of it
+            # goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
+            log.warning("%s: removing %d file(s) of an unfinished full save before writing", self.url, len(names))
+            failed = remove_files(self.fs, [join(self.path, n) for n in sorted(names - {WRITING_MARKER})])
+            if failed:
+                raise CheckpointError(f"{self.url}: could not remove the unfinished save's files {failed[:5]}")
         self._save_id = save_id = _names.new_save_id()
         record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
         original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
@@ -424,19 +433,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         layout = self._layout
         if layout is None:
             raise CheckpointError("finish() called without prepare_global_plan() in full mode")
-        checks: dict[str, list[list[Any]]] = {}
-        records: list[FileRecord] = []
-        for rank, rank_results in enumerate(results):
-            for wr in rank_results:
-                if isinstance(wr.storage_data, ObjectResult):
-                    name, size, digest = wr.storage_data
-                    records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
-                    continue
-                art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
-                for key, view, offsets, sizes, digest in wr.storage_data or ():
-                    checks.setdefault(f"{art}/{key}", []).append(
-                        [list(view), list(offsets), list(sizes), f"{digest:016x}"]
-                    )
+        records, checks = _results_of(layout, results)
         for f in layout.files:
             size = int(self.fs.size(join(self.path, f.name)))
             if size != f.size:
@@ -479,6 +476,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             extra=_with_layout_record(self._extra, metadata),
         )
+        marker = read_bytes_or_none(self.fs, join(self.path, WRITING_MARKER))
+        if marker != save_id.encode():
+            raise CheckpointExists(
+                f"{self.url}: another full save took this folder over while this one was writing (its marker "
+                f"names {marker!r}, not this save {save_id}); this save is not committed"
+            )
         try:
             create_bytes_exclusive(
                 self.fs, join(self.path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=self.sync_files
@@ -491,11 +494,28 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             log.warning("%s is committed; its %s marker could not be removed (harmless)", self.url, WRITING_MARKER)
 
 
-def _holds_foreign_files(fs: Any, path: str) -> bool:
-    """Files in a folder with no manifest, no metadata and no writing marker of ours."""
+def _results_of(
+    layout: ArtifactLayout, results: list[list[WriteResult]]
+) -> tuple[list[FileRecord], dict[str, list[list[Any]]]]:
+    """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
+    checks: dict[str, list[list[Any]]] = {}
+    records: list[FileRecord] = []
+    for rank, rank_results in enumerate(results):
+        for wr in rank_results:
+            if isinstance(wr.storage_data, ObjectResult):
+                name, size, digest = wr.storage_data
+                records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
+                continue
+            art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
+            for key, view, offsets, sizes, digest in wr.storage_data or ():
+                checks.setdefault(f"{art}/{key}", []).append([list(view), list(offsets), list(sizes), f"{digest:016x}"])
+    return records, checks
+
+
+def _folder_names(fs: Any, path: str) -> set[str]:
+    """Base names in a folder (empty when it does not exist)."""
     try:
         entries = fs.ls(path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
-        return False
-    names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
-    return bool(names) and WRITING_MARKER not in names
+        return set()
+    return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}

@@ -94,20 +94,6 @@ def expected_artifacts(
     return out
 
 
-def fused_shape_bug_keys(model: Model, layout: ParallelLayout, parts: Any) -> set[str]:
-    """Value keys of fused tensors whose original shape the planner gets wrong (a known bug, pinned by
-    the xfail tests below): a local extent of 1 in the view (``d == 1``, or a shard of one ``h`` row)."""
-    keys: set[str] = set()
-    for key, d in global_keys(model):
-        if d.kind != "fused":
-            continue
-        sizes = parts[(d.name, "tp")]
-        extents = sizes if sizes is not None else (d.shape[1] // layout.tp,) * layout.tp
-        if d.shape[2] == 1 or (d.shape[1] > 1 and 1 in extents):
-            keys |= {key, key + ".exp_avg"}
-    return keys
-
-
 def read_artifact(folder: str, stem: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Every tensor of one artifact read with the stock safetensors reader (through its index when
     sharded), and the artifact's safetensors file names."""
@@ -211,7 +197,6 @@ def test_full_artifact_is_the_global_model_and_loads_into_any_layout(data: st.Da
             manifest = json.load(f)
         assert manifest["kind"] == "full"
         expected = expected_artifacts(model, values, artifacts)
-        ambiguous = {route(state_key(k), artifacts)[1] for k in fused_shape_bug_keys(model, save_layout, save_parts)}
         tensor_files: list[str] = []
         for stem, want in expected.items():
             got, files = read_artifact(folder, stem)
@@ -220,8 +205,6 @@ def test_full_artifact_is_the_global_model_and_loads_into_any_layout(data: st.Da
             for key, w in want.items():
                 g = got[key]
                 assert g.dtype == w.dtype, (stem, key, g.dtype, w.dtype)
-                if key in ambiguous:  # known bug (see test_fused_original_shape_*): same bytes, wrong header shape
-                    g = g.reshape(w.shape)
                 assert g.shape == w.shape, (stem, key, g.shape, w.shape)
                 assert torch.equal(g, w), (stem, key)
             if len(files) > 1:  # cut at max_shard_size: a file holds more than the limit only with one tensor
@@ -338,21 +321,11 @@ def test_fused_tensor_is_stored_in_its_original_shape(tmp_path: Any, shape: tupl
     assert _fused_artifact_shape(tmp_path, shape, tp) == (shape[0] * shape[1], shape[2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planners/_entries.py original_global_shape: a local extent of 1 (h/tp == 1) joins the next view "
-    "dimension's group, so a [3h, d] fused weight is recorded (and stored in the artifact) as [3, h*d]",
-)
 @pytest.mark.parametrize(("shape", "tp"), [((3, 2, 4), 2), ((3, 4, 4), 4)])
 def test_fused_original_shape_with_one_row_per_rank(tmp_path: Any, shape: tuple[int, int, int], tp: int) -> None:
     assert _fused_artifact_shape(tmp_path, shape, tp) == (shape[0] * shape[1], shape[2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="planners/_entries.py original_global_shape: an original dimension of extent 1 (d == 1) consumes "
-    "no view dimension, so it returns None and the artifact stores the view shape [3, h, 1] instead of [3h, 1]",
-)
 def test_fused_original_shape_with_unit_last_dim(tmp_path: Any) -> None:
     assert _fused_artifact_shape(tmp_path, (3, 4, 1), 2) == (12, 1)
 

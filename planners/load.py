@@ -45,7 +45,7 @@ from smpckpt.naming import NameMap
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs
 from smpckpt.record import LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
-from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR
+from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
 
@@ -161,6 +161,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             if not isinstance(md, TensorStorageMetadata):
                 raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
             self._check_tensor(entry, md, cast)
+            reshaped = self.metadata.state_dict_metadata[entry.key]  # _check_tensor may reshape a whole tensor
+            md = reshaped if isinstance(reshaped, TensorStorageMetadata) else md
             chunk = entry.chunk
             assert chunk is not None
             if math.prod(chunk.sizes) == 0:
@@ -193,7 +195,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if missing and not self.allow_partial_load:
             raise LayoutMismatch(
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
-                "(pass allow_partial_load=True to skip them)"
+                "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
             )
         self.report = LoadReport(
             fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped)
@@ -204,7 +206,28 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: layout unchanged for all %d tensors: fast path", self.rank, fast)
         return LoadPlan(items, planner_data={"empty": empty})
 
+    def _reshapes(self, entry: Entry, md: TensorStorageMetadata) -> bool:
+        """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
+        safetensors file, loaded into a ``ShardSpec(view=[3, h/tp, d])`` layout) is the same row-major
+        bytes: read it in the layout's view shape. Only where the reader says its tensors are whole and
+        reshapable (full artifacts, Hugging Face folders); the view must come from a spec."""
+        shape = tuple(entry.global_shape or ())
+        whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
+        if not (whole and math.prod(md.size) == math.prod(shape) and any(s.view for s in entry.specs)):
+            return False
+        if not isinstance(self.metadata.planner_data, dict) or not self.metadata.planner_data.get(WHOLE_TENSORS):
+            return False
+        size = torch.Size(shape)
+        self.metadata.state_dict_metadata[entry.key] = TensorStorageMetadata(
+            md.properties, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)]
+        )
+        return True
+
     def _check_tensor(self, entry: Entry, md: TensorStorageMetadata, cast: list[str]) -> None:
+        if tuple(md.size) != tuple(entry.global_shape or ()) and self._reshapes(entry, md):
+            reshaped = self.metadata.state_dict_metadata[entry.key]
+            if isinstance(reshaped, TensorStorageMetadata):
+                return self._check_tensor(entry, reshaped, cast)
         if tuple(md.size) != tuple(entry.global_shape or ()):
             local = tuple(entry.value.shape)
             raise LayoutMismatch(

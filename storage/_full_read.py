@@ -109,6 +109,7 @@ class FullSource:
         self.objects: dict[str, str] = {}
         self.units: dict[str, list[_Unit]] = {}
         self.records: dict[str, FileRecord] = {}
+        self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, FileStats] = {}
         self.requests = 0
 
@@ -225,6 +226,11 @@ class FullSource:
             raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
         art, expr = self.exprs[fqn]
         shapes = {k.split("/", 1)[1]: t.shape for k, t in self.tensors.items() if k.startswith(art + "/")}
+        md = self.live.state_dict_metadata.get(fqn) if self.live is not None else None
+        if isinstance(expr, Leaf) and expr.view is None and expr.perm is None and isinstance(md, TensorStorageMetadata):
+            asked = tuple(md.size)
+            if asked != shapes[expr.key] and math.prod(asked) == math.prod(shapes[expr.key]):
+                expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in its view shape
         target = planner.resolve_tensor(req).detach()
         needed = read = 0
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):

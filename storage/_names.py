@@ -42,6 +42,10 @@ METADATA_NAME = ".metadata"
 #: Transform descriptor recorded on raw tensor items. A stock DCP reader does not know it and fails
 #: with ``ValueError: Unknown extension name='smpckpt.raw'`` instead of decoding garbage.
 RAW_DESCRIPTOR = "smpckpt.raw/1"
+#: Set in ``Metadata.planner_data`` (at load time, never stored) by our reader when every tensor is one
+#: whole row-major block (full artifacts, Hugging Face folders): a planner may read it in another shape
+#: of the same size (a fused ``[3h, d]`` as the view ``[3, h, d]``).
+WHOLE_TENSORS = "smpckpt.whole_tensors"
 #: Prefix of the ``StorageMeta.load_id`` our reader sets, so a planner can tell it from a stock reader.
 LOAD_ID_PREFIX = "smpckpt-"
 #: Version of the manifest layout. Readers refuse manifests newer than they understand.

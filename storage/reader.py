@@ -179,6 +179,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
                 )
                 metadata = self._full.from_hf_folder(hf_files, translation=self.translation, prefix=self.hf_prefix)
                 metadata.storage_meta = StorageMeta(load_id=self.load_id)
+                _mark_whole(metadata)
                 return metadata
             raise CheckpointNotFound(
                 f"{self.url} holds an uncommitted (incomplete or failed) save: {found.detail}; refusing to load it"
@@ -212,10 +213,13 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        if self._full is not None:
+            _mark_whole(metadata)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._full is not None:
+            self._full.live = metadata  # a planner may have reshaped an entry (see _names.WHOLE_TENSORS)
             return  # the artifact's own description says where every byte is
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.url}: metadata has no storage_data")
@@ -367,6 +371,11 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         per_file = {n: (st.bytes_needed, st.bytes_read) for n, st in full.file_stats.items()}
         requests = sum(st.requests for st in full.file_stats.values())
         self.last_read_stats = ReadStats(needed, read, requests, len(plan.items), per_file)
+
+
+def _mark_whole(metadata: Metadata) -> None:
+    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
 
 
 def _is_int(x: object) -> bool:

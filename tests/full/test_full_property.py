@@ -385,13 +385,6 @@ def test_huggingface_folder_loads_into_any_layout_reading_only_own_bytes(data: s
             assert stats.bytes_needed == stats.bytes_read == own, rank  # unverified: exactly its own bytes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=LayoutMismatch,
-    reason="a plain folder holding a fused tensor in the original [3h, d] shape that full artifacts export cannot "
-    "be loaded into the fused ShardSpec(view=...) layout that exported it: the load planner (planners/load.py) "
-    "compares the stored global shape with the view shape [3, h, d] and refuses, though the bytes are identical",
-)
 def test_artifact_without_its_manifest_loads_back_into_a_fused_layout(tmp_path: Any) -> None:
     model = Model((TensorDef("qkv", (3, 4, 6), torch.float32, "fused", dim=1),), layers=2, seed=5)
     values = global_values(model)

@@ -11,6 +11,7 @@ Public entry points:
 """
 
 from smpckpt import errors as _errors
+from smpckpt._async import free_staging_buffers, wait_for_saves  # noqa: E402
 from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smpckpt.consolidate import consolidate_checkpoint  # noqa: E402
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
@@ -21,6 +22,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "consolidate_checkpoint",
+    "wait_for_saves",
+    "free_staging_buffers",
     "save_checkpoint",
     "resume_from_checkpoint",
     "last_resume_info",

@@ -42,7 +42,9 @@ Works the same without a process group (one process: a notebook, conversion scri
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
+import dataclasses
 import logging
 import os
 import time
@@ -53,6 +55,7 @@ import torch
 from torch import nn
 
 from smpckpt._args import peer_failures
+from smpckpt._async import check_previous, submit
 from smpckpt._dist import DistContext
 from smpckpt._full import resume_full, save_full
 from smpckpt._resume import (
@@ -115,7 +118,9 @@ def save_checkpoint(
     hf_config: Any = None,
     translate_function: Translation | None = None,
     max_shard_size: int | str | None = None,
-) -> None:
+    async_save: bool = False,
+    wait_for_previous: bool = True,
+) -> concurrent.futures.Future[None] | None:
     """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
     ``partial=False``, one consolidated artifact ``{path}/{tag}/`` instead (see below).
 
@@ -161,6 +166,15 @@ def save_checkpoint(
             ``smpckpt.hf.gpt2.TRANSLATION``: the artifact gets Hugging Face names and layouts.
         max_shard_size: (``partial=False``) bytes (or ``"5GB"``) per safetensors file; ``None``: see
             :class:`smpckpt.storage.FullOptions` (5 GB, fewer for multi-rank saves of large models).
+        async_save: return as soon as the state is staged (copied into host buffers reused across
+            saves; pinned for CUDA tensors), and write, commit, point ``newest`` and apply retention
+            on a background thread with a gloo process group of its own. Returns a
+            ``concurrent.futures.Future`` that completes only when all of that is durable; a failure
+            is raised by the future and again by the next ``save_checkpoint`` call. One save is in
+            flight at a time (see ``wait_for_previous``); :func:`smpckpt.wait_for_saves` (also run at
+            exit) finishes it. Partial checkpoints only.
+        wait_for_previous: a save (sync or async) first waits for the background save in flight,
+            logging how long; ``False`` raises :class:`CheckpointError` instead of waiting.
         remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
             folders (debris of killed or failed saves) with no write for that long, and aborts S3
             multipart uploads under ``path`` started that long ago. Make it longer than any save
@@ -173,6 +187,9 @@ def save_checkpoint(
             ``__cause__``).
     """
     ctx = DistContext(process_group)
+    ctx.all_ok(lambda: check_previous(wait_for_previous))
+    if async_save and partial is False:
+        raise ValueError("async_save=True saves partial checkpoints; save full ones (partial=False) synchronously")
     if partial is False:
         with peer_failures(ctx, f"saving full checkpoint {tag!r} under {_shown(path)}"):
             save_full(
@@ -196,7 +213,7 @@ def save_checkpoint(
                     max_shard_size=max_shard_size,
                 ),
             )
-        return
+        return None
     with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
         req = resolve_save(
             ctx,
@@ -220,10 +237,22 @@ def save_checkpoint(
         )
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
+        if async_save:
+
+            def in_background(staged: dict[str, Any], group: Any) -> None:
+                breq, bctx = dataclasses.replace(req, process_group=group), DistContext(group)
+                with peer_failures(bctx, f"saving checkpoint {req.tag!r} under {req.root} in the background"):
+                    write_checkpoint(breq, staged, extra)
+                    publish_newest(breq, bctx)
+                    log.info("saved checkpoint %s in the background", req.url)
+                    retain(breq, bctx)
+
+            return submit(req.tag, ctx, process_group, state, in_background)
         write_checkpoint(req, state, extra)
         publish_newest(req, ctx)
         log.info("saved checkpoint %s (%s) in %.2fs", req.url, req.layout, time.monotonic() - started)
         retain(req, ctx)
+    return None
 
 
 # -- resume ----------------------------------------------------------------------------------------

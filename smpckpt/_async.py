@@ -1,0 +1,172 @@
+"""``save_checkpoint(..., async_save=True)``: training blocks only while the state is staged.
+
+Which rank does what ("all" = every rank of the group)::
+
+    (caller)  previous failure?   raise it once, naming its tag (never silently)
+    (caller)  previous save?      wait for it (logged with how long), or raise with wait_for_previous=False
+    (caller)  resolve_save, build_save_state         as a synchronous save (collectives on the caller's group)
+    (caller)  stage                                  copy every tensor into host buffers reused across
+                                                     saves (pinned for CUDA tensors): later in-place
+                                                     updates never reach the checkpoint
+    (thread)  write_checkpoint, publish_newest, retain   on a gloo group of their own, so the training
+                                                     loop's collectives never interleave with the save's
+    (thread)  future.set_result                      only after data, manifest and ``newest`` are durable
+                                                     and retention ran
+
+At most one save is in flight per process. ``wait_for_saves()`` (also registered with ``atexit``)
+finishes it. A process killed while a background save runs leaves ``newest`` on the previous committed
+tag: ``newest`` moves only after the commit, and uncommitted folders are never taken as checkpoints.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smpckpt._dist import DistContext
+from smpckpt.errors import CheckpointError
+
+__all__ = ["submit", "wait_for_saves", "free_staging_buffers", "check_previous", "staging_bytes"]
+
+log = logging.getLogger("smpckpt.api")
+
+
+@dataclasses.dataclass
+class _State:
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    inflight: concurrent.futures.Future[None] | None = None
+    inflight_tag: str = ""
+    failed: tuple[str, BaseException] | None = None
+    groups: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )
+    atexit_registered: bool = False
+
+
+_STATE = _State()
+
+
+def check_previous(wait: bool) -> None:
+    """(caller) Raise a background failure once; then wait for (or refuse) a save still in flight."""
+    st = _STATE
+    fut = st.inflight
+    if fut is not None and not fut.done():
+        if not wait:
+            raise CheckpointError(
+                f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
+                "smpckpt.wait_for_saves() or save with wait_for_previous=True"
+            )
+        started = time.monotonic()
+        concurrent.futures.wait([fut])
+        log.info("waited %.2fs for the background save of %r to finish", time.monotonic() - started, st.inflight_tag)
+    if st.failed is not None:
+        tag, exc = st.failed
+        st.failed = None
+        raise CheckpointError(
+            f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (nothing it would "
+            "have replaced was touched; this save was not started)"
+        ) from exc
+
+
+def _background_group(process_group: Any, ctx: DistContext) -> Any:
+    """(all ranks of the group, collectively, the first time) A gloo group over the same ranks."""
+    if not ctx.active or ctx.world_size == 1:
+        return None
+    key = id(process_group) if process_group is not None else "default"
+    group = _STATE.groups.get(key)
+    if group is None:
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+        _STATE.groups[key] = group
+    return group
+
+
+def _stage(state: Any, prefix: str = "") -> Any:
+    """A copy of ``state`` whose tensors live in buffers of ours, reused across saves of the same structure."""
+    if isinstance(state, dict):
+        return {k: _stage(v, f"{prefix}{k}.") for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_stage(v, f"{prefix}{i}.") for i, v in enumerate(state))
+    if not isinstance(state, torch.Tensor):
+        return state
+    t = state.detach()
+    if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
+        return t.clone()  # DTensor and other subclasses: a copy on their own device
+    cuda = t.device.type == "cuda"
+    key = (prefix, tuple(t.shape), t.dtype, cuda)
+    buf = _STATE.buffers.get(key)
+    if buf is None:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        _STATE.buffers[key] = buf
+    buf.copy_(t, non_blocking=cuda)
+    return buf
+
+
+def staging_bytes() -> int:
+    """Bytes held in reused staging buffers (one copy of the state saved asynchronously)."""
+    return sum(b.numel() * b.element_size() for b in _STATE.buffers.values())
+
+
+def free_staging_buffers() -> None:
+    """Release the reused staging buffers (after waiting for the save in flight)."""
+    wait_for_saves(raise_errors=False)
+    _STATE.buffers.clear()
+
+
+def submit(
+    tag: str,
+    ctx: DistContext,
+    process_group: Any,
+    state: dict[str, Any],
+    work: Callable[[dict[str, Any], Any], None],
+) -> concurrent.futures.Future[None]:
+    """(caller) Stage ``state``, then run ``work(staged_state, background_group)`` on the save thread."""
+    st = _STATE
+    group = _background_group(process_group, ctx)
+    started = time.monotonic()
+    staged = _stage(state)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
+    log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
+    with st.lock:
+        if st.executor is None:
+            st.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-async-save")
+        if not st.atexit_registered:
+            atexit.register(wait_for_saves, raise_errors=False)
+            st.atexit_registered = True
+
+        def run() -> None:
+            try:
+                work(staged, group)
+            except BaseException as exc:
+                st.failed = (tag, exc)
+                log.error("background save of checkpoint %r failed: %s", tag, exc)
+                raise
+
+        fut = st.executor.submit(run)
+        st.inflight, st.inflight_tag = fut, tag
+    return fut
+
+
+def wait_for_saves(*, raise_errors: bool = True) -> None:
+    """Block until the background save in flight (if any) has finished. With ``raise_errors``, its
+    failure is raised here (and not again by the next ``save_checkpoint``)."""
+    fut = _STATE.inflight
+    if fut is None:
+        return
+    concurrent.futures.wait([fut])
+    if raise_errors and _STATE.failed is not None:
+        tag, exc = _STATE.failed
+        _STATE.failed = None
+        raise CheckpointError(f"the background save of checkpoint {tag!r} failed: {exc}") from exc

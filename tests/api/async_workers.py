@@ -1,0 +1,73 @@
+"""Processes for the async-save tests: a child killed during a background write, and gloo ranks that
+keep running collectives on the default group while a save is in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import smpckpt
+from smpckpt.storage.writer import FsspecStorageWriter
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+
+
+def killed_during_background_write(root: str, ready_file: str) -> None:
+    """Commit tag ``a``; start an async save of ``b`` whose commit never comes; die by SIGKILL."""
+    m = model(0)
+    smpckpt.save_checkpoint(root, "a", model=m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    blocked = threading.Event()
+
+    def never_commits(self: Any, data: bytes) -> None:
+        blocked.set()
+        threading.Event().wait()  # the data is durable; the manifest is never written
+
+    FsspecStorageWriter._write_manifest = never_commits  # type: ignore[method-assign]
+    smpckpt.save_checkpoint(root, "b", model=m, async_save=True)
+    blocked.wait(60)
+    with open(ready_file, "w") as f:
+        f.write("ok")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def training_loop_while_saving(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Two async saves while the loop all-reduces on the default group; values saved are the staged ones."""
+    m = model(1)  # the same values on both ranks (data parallel)
+    snapshots = []
+    for tag in ("s1", "s2"):
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+        fut = smpckpt.save_checkpoint(root, tag, model=m, async_save=True)
+        for _ in range(20):  # the training loop's own collectives, concurrent with the save's
+            t = torch.ones(4) * (rank + 1)
+            dist.all_reduce(t)
+            assert t[0].item() == world * (world + 1) / 2
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)  # updated right after the save returned
+    fut.result()
+    smpckpt.wait_for_saves()
+    loaded = []
+    for tag in ("s1", "s2"):
+        fresh = model(7)
+        smpckpt.resume_from_checkpoint(root, tag, model=fresh)
+        loaded.append({k: v.clone() for k, v in fresh.state_dict().items()})
+    newest = open(os.path.join(root, "newest")).read().strip()
+    ok = all(torch.equal(loaded[i][k], snapshots[i][k]) for i in range(2) for k in snapshots[i])
+    return {"exact": ok, "newest": newest}
+
+
+if __name__ == "__main__":
+    killed_during_background_write(sys.argv[1], sys.argv[2])

@@ -1,0 +1,170 @@
+"""save_checkpoint(async_save=True): training blocks only for staging; the future completes after the
+commit, ``newest`` and retention; errors surface on the future and on the next call; kills lose nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+import torch
+from async_workers import model, training_loop_while_saving
+from dist_harness import run_world
+
+import smpckpt
+import smpckpt.api
+from smpckpt import CheckpointError, CheckpointExists, resume_from_checkpoint, save_checkpoint
+from smpckpt.storage import verify_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _loads(root: str, tag: str | None, want: dict[str, torch.Tensor]) -> None:
+    fresh = model(99)
+    resume_from_checkpoint(root, tag, model=fresh)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None:
+    m = model(0)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    before = _state(m)
+    moments = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    fut = save_checkpoint(str(tmp_path), "a", model=m, optimizer=opt, async_save=True)
+    with torch.no_grad():  # every parameter and optimizer tensor, in place, at once
+        for p in m.parameters():
+            p.add_(1.0)
+        for s in opt.state.values():
+            for v in s.values():
+                v.add_(1.0)
+    assert fut.result() is None
+    _loads(str(tmp_path), "a", before)
+    fresh = model(5)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    fresh(torch.randn(2, 64)).sum().backward()
+    fresh_opt.step()
+    resume_from_checkpoint(str(tmp_path), "a", model=fresh, optimizer=fresh_opt)
+    for k, v in moments.items():
+        assert torch.equal(fresh_opt.state_dict()["state"][0][k], v), k
+    assert smpckpt._async.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
+
+
+def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    m = model(1)
+    first = _state(m)
+    f1 = save_checkpoint(root, "s1", model=m, async_save=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)
+    second = _state(m)
+    f2 = save_checkpoint(root, "s2", model=m, async_save=True)  # waits for s1 first
+    assert f1.done()
+    f2.result()
+    assert open(os.path.join(root, "newest")).read().strip() == "s2"
+    _loads(root, "s1", first)
+    _loads(root, None, second)
+
+
+def test_wait_for_previous_false_refuses_while_one_is_in_flight(tmp_path: Any, monkeypatch: Any) -> None:
+    release = threading.Event()
+    real = smpckpt.api.write_checkpoint
+
+    def held(*args: Any) -> None:
+        release.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    m = model(2)
+    fut = save_checkpoint(str(tmp_path), "slow", model=m, async_save=True)
+    with pytest.raises(CheckpointError, match="still running"):
+        save_checkpoint(str(tmp_path), "next", model=m, async_save=True, wait_for_previous=False)
+    release.set()
+    fut.result()
+    assert not os.path.exists(os.path.join(str(tmp_path), "next_partial"))
+
+
+def test_background_error_surfaces_on_the_future_and_on_the_next_save(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    m = model(3)
+    kept = _state(m)
+    save_checkpoint(root, "a", model=m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(3.0)
+    fut = save_checkpoint(root, "a", model=m, async_save=True)  # exists: fails in the background
+    with pytest.raises(CheckpointExists):
+        fut.result()
+    with pytest.raises(CheckpointError, match="background save of checkpoint 'a' failed"):
+        save_checkpoint(root, "b", model=m, async_save=True)
+    assert not os.path.exists(os.path.join(root, "b_partial"))
+    _loads(root, "a", kept)  # nothing committed was lost or overwritten
+    save_checkpoint(root, "b", model=m, async_save=True).result()  # reported once, then saves go on
+    assert open(os.path.join(root, "newest")).read().strip() == "b"
+    smpckpt.wait_for_saves()
+
+
+def test_full_checkpoints_are_not_async(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="async_save"):
+        save_checkpoint(str(tmp_path), "f", partial=False, model=model(0), async_save=True)
+
+
+def test_killed_during_background_write_resumes_the_previous_tag(tmp_path: Any) -> None:
+    root, ready = str(tmp_path / "ckpt"), str(tmp_path / "ready")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "async_workers.py"), root, ready],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])},
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert os.path.exists(ready), "the child died before its background save reached the commit"
+    assert open(os.path.join(root, "newest")).read().strip() == "a"
+    assert os.listdir(os.path.join(root, "b_partial")), "the background save wrote nothing before the kill"
+    _loads(root, None, _state(model(0)))  # newest -> a, b has no commit and is never taken
+    assert smpckpt.last_resume_info().tag == "a"
+    assert verify_checkpoint(os.path.join(root, "a_partial")).ok
+
+
+@pytest.mark.dist
+def test_async_saves_beside_the_training_loops_collectives(tmp_path: Any) -> None:
+    results = run_world(training_loop_while_saving, 2, str(tmp_path), timeout=180)
+    assert all(r["exact"] for r in results)
+    assert all(r["newest"] == "s2" for r in results)
+
+
+def test_dcp_async_save_with_our_planner_and_writer(tmp_path: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from smpckpt.layout import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+    m = model(4)
+    want = _state(m)
+    state = {"model": m.state_dict()}
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0, enable_plan_caching=False)
+    fut = dcp.async_save(state, storage_writer=FsspecStorageWriter(str(tmp_path / "c")), planner=planner)
+    with torch.no_grad():  # DCP stages (copies) before async_save returns
+        for p in m.parameters():
+            p.add_(1.0)
+    fut.result()
+    dest = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(
+        dest,
+        storage_reader=FsspecStorageReader(str(tmp_path / "c")),
+        planner=ParallelLoadPlanner(ParallelLayout(), rank=0),
+    )
+    for k, v in want.items():
+        assert torch.equal(dest["model"][k], v), k

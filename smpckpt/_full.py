@@ -122,6 +122,7 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
         sync_files=bool(kw["sync_files"]),
         mode="full",
         full=opts,
+        process_group=common.process_group,
     )
     planner = ParallelSavePlanner(**common.planner_args(), enable_plan_caching=False)
     started = time.monotonic()

@@ -172,6 +172,10 @@ class RankFullData:
     objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
     check_block: int
     world: int = 1
+    #: gather mode (object stores): every rank's boxes in the global order, and each file's owner rank
+    all_writes: tuple[tuple[int, FullWrite], ...] = ()
+    owners: tuple[tuple[str, int], ...] = ()
+    files: tuple[ArtifactFile, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +264,7 @@ def plan_artifact(
     original_shapes: Mapping[str, Sequence[int]],
     *,
     reserved_names: Sequence[str] = (),
+    gather: bool = False,
 ) -> tuple[list[SavePlan], ArtifactLayout]:
     """(coordinator) The artifact layout and every rank's writes; raises naming the key at fault."""
     shapes, dtypes, chunks, object_items = _collect(plans)
@@ -267,7 +272,7 @@ def plan_artifact(
     exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
     files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans))
     objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
-    out = _rank_writes(plans, opts, save_id, exprs, art_shapes, tensors, rank_objects)
+    out = _rank_writes(plans, opts, save_id, exprs, art_shapes, tensors, rank_objects, files, gather)
     layout = ArtifactLayout(
         tuple(files),
         tensors,
@@ -443,10 +448,13 @@ def _rank_writes(
     art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
     tensors: Mapping[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]],
     rank_objects: Mapping[int, list[tuple[MetadataIndex, str]]],
+    files: Sequence[ArtifactFile],
+    gather: bool,
 ) -> list[SavePlan]:
-    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill."""
-    out: list[SavePlan] = []
-    for rank, plan in enumerate(plans):
+    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (in gather mode,
+    also every rank's boxes and each file's owner, so all ranks walk one global order of transfers)."""
+    per_rank: list[list[FullWrite]] = []
+    for plan in plans:
         writes: list[FullWrite] = []
         for it in plan.items:
             if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
@@ -469,8 +477,31 @@ def _rank_writes(
                         dtype,
                     )
                 )
+        per_rank.append(writes)
+    gathered: tuple[tuple[int, FullWrite], ...] = ()
+    owners: tuple[tuple[str, int], ...] = ()
+    if gather:
+        # every box in the order the files are written: file, tensor offset, sending rank
+        file_index = {f.name: i for i, f in enumerate(files)}
+        gathered = tuple(
+            sorted(
+                ((r, w) for r, ws in enumerate(per_rank) for w in ws),
+                key=lambda rw: (file_index[rw[1].file], rw[1].start, rw[0]),
+            )
+        )
+        owners = tuple((f.name, i % len(plans)) for i, f in enumerate(files))
+    out: list[SavePlan] = []
+    for rank, plan in enumerate(plans):
         data = RankFullData(
-            save_id, rank, tuple(writes), tuple(rank_objects.get(rank, ())), opts.check_block, len(plans)
+            save_id,
+            rank,
+            tuple(per_rank[rank]),
+            tuple(rank_objects.get(rank, ())),
+            opts.check_block,
+            len(plans),
+            gathered,
+            owners,
+            tuple(files) if gather else (),
         )
         out.append(dataclasses.replace(plan, storage_data=data))
     return out

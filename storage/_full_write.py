@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage._regions import box_runs, split_box
 from smpckpt.storage._sinks import write_back
 
-__all__ = ["create_files", "write_rank", "UnitResult", "ObjectResult"]
+__all__ = ["create_files", "write_rank", "box_buffer", "unit_digests", "UnitResult", "ObjectResult"]
 
 #: boxes at least this large start their writeback as soon as they are written
 _FLUSH_AFTER = 8 << 20
@@ -66,7 +67,7 @@ def _inverse(perm: Sequence[int]) -> list[int]:
     return inv
 
 
-def _box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
+def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
     """The write's box as contiguous row-major bytes of the artifact dtype."""
     sub = chunk
     dest_sizes = [w.sizes[p] for p in w.perm]
@@ -96,13 +97,16 @@ def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> list
         # for one-run boxes: a strided box shares its pages with other ranks' columns, which would
         # dirty them again and write them twice.
         write_back(fd, w.start + int(starts[0]), int(starts[-1]) + run - int(starts[0]), wait=False)
+    return unit_digests(w, buf, check_block)
+
+
+def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> list[UnitResult]:
+    """The check units of one box, hashed from its row-major bytes (each unit a contiguous slice)."""
+    itemsize = w.dtype.itemsize
     units = []
     pos = 0
     for offsets, sizes in split_box(w.offsets, w.sizes, itemsize, check_block):
-        n = 1
-        for s in sizes:
-            n *= s
-        n *= itemsize
+        n = math.prod(sizes) * itemsize
         units.append(UnitResult((w.key, w.view, offsets, sizes, hash_bytes(buf[pos : pos + n]))))
         pos += n
     return units
@@ -182,7 +186,7 @@ def write_rank(
             units: list[UnitResult] = []
             written = 0
             for w in writes:
-                buf = _box_buffer(chunk, w)
+                buf = box_buffer(chunk, w)
                 units += _write_box(fds[w.file], w, buf, data.check_block)
                 written += buf.nbytes
             return WriteResult(index=item.index, size_in_bytes=written, storage_data=tuple(units))

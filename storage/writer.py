@@ -64,6 +64,7 @@ from smpckpt.storage._fs import (
     remove_files,
     write_bytes_atomic,
 )
+from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_plan import (
     DESCRIPTION_FQN,
     WRITING_MARKER,
@@ -124,11 +125,14 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
             layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
         mode: ``"partial"`` (every rank writes its own shards into its own files) or ``"full"`` (one
-            consolidated safetensors artifact: every tensor full-size under its global name, each rank
-            writing its shards at their offsets; see :class:`FullOptions`). Full mode needs a POSIX
-            path (local disk, shared filesystem); its file names are fixed, so it never overwrites a
-            committed checkpoint, even with ``overwrite=True``.
+            consolidated safetensors artifact: every tensor full-size under its global name; see
+            :class:`FullOptions`). On POSIX paths every rank writes its shards at their offsets; on
+            object stores each file is streamed by one owner rank that receives the other ranks'
+            shard bytes tensor by tensor. Its file names are fixed, so it never overwrites a committed
+            checkpoint, even with ``overwrite=True``.
         full: layout options of full mode (shard size, dtype cast, translation, ``config.json``).
+        process_group: the group ``dcp.save`` runs on (default: the default group); full mode on object
+            stores sends shard bytes to each file's owner rank over it.
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         manifest_extra: Mapping[str, Any] | None = None,
         mode: Literal["partial", "full"] = "partial",
         full: FullOptions | None = None,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         if mode not in ("partial", "full"):
@@ -155,6 +160,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         if full is not None and mode != "full":
             raise ValueError("full= options apply to mode='full' only")
         self.mode = mode
+        self.process_group = process_group
         self.full = full if full is not None else FullOptions()
         if format not in ("raw", "torch_save"):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
@@ -337,6 +343,19 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     # -- data path --------------------------------------------------------------------------------------
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         data = plan.storage_data
+        if isinstance(data, RankFullData) and data.files:
+            written = gather_rank(
+                self.path,
+                data,
+                plan.items,
+                planner,
+                fs=self.fs,
+                open_sink=self._open_sink,
+                process_group=self.process_group,
+                sync=self.sync_files,
+            )
+            self._used_save_ids.add(data.save_id)
+            return written
         if isinstance(data, RankFullData):
             written = write_rank(
                 self.path, data, plan.items, planner, sync=self.sync_files, thread_count=self.thread_count, fs=self.fs
@@ -386,12 +405,6 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
 
     # -- full mode (coordinator) ------------------------------------------------------------------------
     def _prepare_full(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if not is_local(self.fs):
-            raise CheckpointError(
-                f"{self.url}: full mode writes every rank's shards into shared files at their offsets, which needs a "
-                "POSIX filesystem (local disk, FSx for Lustre, NFS); for object stores save partial checkpoints "
-                "and run `smpckpt consolidate` on one machine"
-            )
         if any(not p.usable for p in plans):
             raise CheckpointError("full mode needs fresh plans on every rank: disable plan caching")
         found = probe(self.fs, self.path, list_when_empty=False)
@@ -417,11 +430,14 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
         original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
         extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
-        out, layout = plan_artifact(plans, self.full, save_id, original, reserved_names=extra_names)
-        os.makedirs(self.path, exist_ok=True)
+        gather = not is_local(self.fs)  # an object cannot be written at offsets by many ranks
+        out, layout = plan_artifact(plans, self.full, save_id, original, reserved_names=extra_names, gather=gather)
+        if is_local(self.fs):
+            os.makedirs(self.path, exist_ok=True)
         # the marker first: from here until the commit the folder is an unfinished save, never an HF model
         write_bytes_atomic(self.fs, join(self.path, WRITING_MARKER), save_id.encode(), sync=self.sync_files)
-        create_files(self.path, layout.files, sync=self.sync_files)
+        if not gather:
+            create_files(self.path, layout.files, sync=self.sync_files)
         self._layout = layout
         return out
 
@@ -438,7 +454,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             size = int(self.fs.size(join(self.path, f.name)))
             if size != f.size:
                 raise CheckpointError(f"{join(self.path, f.name)}: {size} bytes after the write, expected {f.size}")
-            if self.sync_files:
+            if self.sync_files and is_local(self.fs):
                 # the ranks wrote their boxes back (see _full_write._flush); this makes the file durable
                 fsync_path(join(self.path, f.name))
             records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))

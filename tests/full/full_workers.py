@@ -90,3 +90,31 @@ def killed_during_save(rank: int, world: int, root: str, victim: int, when: str)
     with open(os.path.join(root, f"rank{rank}.txt"), "w") as f:
         f.write(text)
     return text
+
+
+def s3_full_world(rank: int, world: int, root: str, options: dict[str, Any], local_root: str) -> dict[str, Any]:
+    """tp=2 on S3: a full save (each file streamed by its owner rank, which receives the other rank's
+    shard bytes), the same state saved full on local disk (ranks writing at offsets), then a full resume
+    from S3 into a fresh model. Returns this rank's state before and after."""
+    layout = ParallelLayout(tp=2)
+    ctx, model, opt = tp_model.build(layout, seed=0)
+    tp_model.train_step(ctx, model, opt, 0)
+    kw = dict(layout=layout, specs=tp_model.SPECS, storage_options=options)
+    save_checkpoint(
+        root, "f", partial=False, model=model, optimizer=opt, include_optimizer=True, max_shard_size=2000, **kw
+    )
+    save_checkpoint(
+        local_root,
+        "f",
+        partial=False,
+        model=model,
+        optimizer=opt,
+        include_optimizer=True,
+        layout=layout,
+        specs=tp_model.SPECS,
+    )
+    saved = tp_model.local_state(model, opt)
+    _, fresh, fresh_opt = tp_model.build(layout, seed=5)
+    tp_model.train_step(ctx, fresh, fresh_opt, 0)  # optimizer state exists to be overwritten
+    resume_from_checkpoint(root, "f", partial=False, model=fresh, optimizer=fresh_opt, **kw)
+    return {"saved": saved, "loaded": tp_model.local_state(fresh, fresh_opt)}

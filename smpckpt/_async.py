@@ -35,7 +35,7 @@ import torch.distributed as dist
 from smpckpt._dist import DistContext
 from smpckpt.errors import CheckpointError
 
-__all__ = ["submit", "wait_for_saves", "free_staging_buffers", "check_previous", "staging_bytes"]
+__all__ = ["submit", "wait_for_saves", "free_staging_buffers", "check_previous", "staging_bytes", "async_used"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -55,6 +55,11 @@ class _State:
 
 
 _STATE = _State()
+
+
+def async_used() -> bool:
+    """Whether this process ever started a background save (then every save checks on it first)."""
+    return _STATE.executor is not None
 
 
 def check_previous(wait: bool) -> None:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from smpckpt._args import peer_failures
-from smpckpt._async import check_previous, submit
+from smpckpt._async import async_used, check_previous, submit
 from smpckpt._dist import DistContext
 from smpckpt._full import resume_full, save_full
 from smpckpt._resume import (
@@ -187,7 +187,9 @@ def save_checkpoint(
             ``__cause__``).
     """
     ctx = DistContext(process_group)
-    ctx.all_ok(lambda: check_previous(wait_for_previous))
+    if async_save or async_used():  # one collective more, only in jobs that save asynchronously
+        with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
+            ctx.all_ok(lambda: check_previous(wait_for_previous))
     if async_save and partial is False:
         raise ValueError("async_save=True saves partial checkpoints; save full ones (partial=False) synchronously")
     if partial is False:

@@ -13,7 +13,6 @@ cross the network once from their holder to the file's owner, and to storage onc
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 from typing import Any, cast
@@ -25,10 +24,8 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError
-from smpckpt.storage._checksum import hash_bytes
-from smpckpt.storage._fs import join, write_bytes_atomic
 from smpckpt.storage._full_plan import FullWrite, RankFullData
-from smpckpt.storage._full_write import ObjectResult, UnitResult, box_buffer, unit_digests
+from smpckpt.storage._full_write import UnitResult, box_buffer, unit_digests, write_objects
 from smpckpt.storage._sinks import Sink
 
 __all__ = ["gather_rank"]
@@ -63,7 +60,7 @@ def gather_rank(
         for sink in sinks.values():
             sink.abort()
         raise
-    return run.results() + _write_objects(folder, data, items, planner, fs, sync)
+    return run.results() + write_objects(folder, data, items, planner, fs, sync)
 
 
 class _Gather:
@@ -132,25 +129,3 @@ class _Gather:
             if it.tensor_data is not None and it.index not in done
         ]
         return out
-
-
-def _write_objects(
-    folder: str, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, fs: Any, sync: bool
-) -> list[WriteResult]:
-    names = dict(data.objects)
-    results = []
-    for it in items:
-        name = names.get(it.index)
-        if name is None:
-            continue
-        value = planner.resolve_data(it)
-        payload = value.getvalue() if isinstance(value, io.BytesIO) else bytes(cast(Any, value))
-        write_bytes_atomic(fs, join(folder, name), payload, sync=sync, sync_dir=False)
-        results.append(
-            WriteResult(
-                index=it.index,
-                size_in_bytes=len(payload),
-                storage_data=ObjectResult((name, len(payload), hash_bytes(payload))),
-            )
-        )
-    return results

@@ -28,7 +28,7 @@ from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage._regions import box_runs, split_box
 from smpckpt.storage._sinks import write_back
 
-__all__ = ["create_files", "write_rank", "box_buffer", "unit_digests", "UnitResult", "ObjectResult"]
+__all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "UnitResult", "ObjectResult"]
 
 #: boxes at least this large start their writeback as soon as they are written
 _FLUSH_AFTER = 8 << 20
@@ -205,9 +205,17 @@ def write_rank(
     finally:
         for fd in fds.values():
             os.close(fd)
-    objects = dict(data.objects)
+    return results + write_objects(folder, data, items, planner, fs, sync)
+
+
+def write_objects(
+    folder: str, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, fs: Any, sync: bool
+) -> list[WriteResult]:
+    """(every rank) This rank's object values, one ``<key>.pt`` file each (torch.save bytes as given)."""
+    names = dict(data.objects)
+    results = []
     for it in items:
-        name = objects.get(it.index)
+        name = names.get(it.index)
         if name is None:
             continue
         value = planner.resolve_data(it)

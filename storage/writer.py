@@ -37,14 +37,11 @@ import pickle
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -64,16 +61,16 @@ from smpckpt.storage._fs import (
     remove_files,
     write_bytes_atomic,
 )
+from smpckpt.storage._full_commit import folder_names, results_of, whole_tensor_metadata
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_plan import (
-    DESCRIPTION_FQN,
     WRITING_MARKER,
     ArtifactLayout,
     FullOptions,
     RankFullData,
     plan_artifact,
 )
-from smpckpt.storage._full_write import ObjectResult, create_files, write_rank
+from smpckpt.storage._full_write import create_files, write_rank
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
@@ -413,7 +410,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"{self.url} already holds a {found.state} checkpoint; full artifacts have fixed file names and are "
                 "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
             )
-        names = _folder_names(self.fs, self.path)
+        names = folder_names(self.fs, self.path)
         if names and WRITING_MARKER not in names:
             raise CheckpointExists(
                 f"{self.url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
@@ -449,7 +446,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         layout = self._layout
         if layout is None:
             raise CheckpointError("finish() called without prepare_global_plan() in full mode")
-        records, checks = _results_of(layout, results)
+        records, checks = results_of(layout, results)
         for f in layout.files:
             size = int(self.fs.size(join(self.path, f.name)))
             if size != f.size:
@@ -465,17 +462,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         for name, data in side.items():
             write_bytes_atomic(self.fs, join(self.path, name), data, sync=self.sync_files, sync_dir=False)
             records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
-        # loaders see one chunk per tensor, in the stored dtype; the description says where its bytes are
-        sdm = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                props = dataclasses.replace(md.properties, dtype=layout.dtypes.get(fqn, md.properties.dtype))
-                md = TensorStorageMetadata(
-                    props, md.size, [ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)]
-                )
-            sdm[fqn] = md
-        metadata.state_dict_metadata = sdm
-        metadata.storage_data = {MetadataIndex(DESCRIPTION_FQN): layout.description(checks)}
+        whole_tensor_metadata(metadata, layout, checks)
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
@@ -508,30 +495,3 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         failed = remove_files(self.fs, [join(self.path, WRITING_MARKER)])
         if failed:
             log.warning("%s is committed; its %s marker could not be removed (harmless)", self.url, WRITING_MARKER)
-
-
-def _results_of(
-    layout: ArtifactLayout, results: list[list[WriteResult]]
-) -> tuple[list[FileRecord], dict[str, list[list[Any]]]]:
-    """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
-    checks: dict[str, list[list[Any]]] = {}
-    records: list[FileRecord] = []
-    for rank, rank_results in enumerate(results):
-        for wr in rank_results:
-            if isinstance(wr.storage_data, ObjectResult):
-                name, size, digest = wr.storage_data
-                records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
-                continue
-            art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
-            for key, view, offsets, sizes, digest in wr.storage_data or ():
-                checks.setdefault(f"{art}/{key}", []).append([list(view), list(offsets), list(sizes), f"{digest:016x}"])
-    return records, checks
-
-
-def _folder_names(fs: Any, path: str) -> set[str]:
-    """Base names in a folder (empty when it does not exist)."""
-    try:
-        entries = fs.ls(path, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
-    return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}

@@ -71,3 +71,38 @@ def training_loop_while_saving(rank: int, world: int, root: str) -> dict[str, An
 
 if __name__ == "__main__":
     killed_during_background_write(sys.argv[1], sys.argv[2])
+
+
+def dcp_process_mode(rank: int, world: int, root: str) -> bool:
+    """dcp.async_save in *process* mode (a background process per rank) with our planner and writer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from smpckpt import ShardSpec
+    from smpckpt.layout import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+    from smpckpt.storage import FsspecStorageReader
+
+    torch.manual_seed(rank)
+    state = {"model": {"w": torch.randn(64, 32)}}
+    want = state["model"]["w"].clone()
+    layout, specs = ParallelLayout(tp=2), {"model.w": ShardSpec(0)}
+    response = dcp.async_save(
+        state,
+        storage_writer=FsspecStorageWriter(os.path.join(root, "c")),
+        planner=ParallelSavePlanner(layout, specs, enable_plan_caching=False),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    getattr(response, "upload_completion", response).result()
+    state["model"]["w"].zero_()
+    dcp.load(
+        state, storage_reader=FsspecStorageReader(os.path.join(root, "c")), planner=ParallelLoadPlanner(layout, specs)
+    )
+    # Stop DCP's background process now: it would otherwise die reading its pipe when this rank leaves
+    # with os._exit, printing an EOFError. DCP has no public call for it; its __del__ asks it to end.
+    import torch.distributed.checkpoint._async_process_executor as executor
+
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        proc.__del__()
+    return bool(torch.equal(state["model"]["w"], want))

@@ -168,3 +168,10 @@ def test_dcp_async_save_with_our_planner_and_writer(tmp_path: Any) -> None:
     )
     for k, v in want.items():
         assert torch.equal(dest["model"][k], v), k
+
+
+@pytest.mark.dist
+def test_dcp_async_save_process_mode_with_our_planner_and_writer(tmp_path: Any) -> None:
+    from async_workers import dcp_process_mode
+
+    assert run_world(dcp_process_mode, 2, str(tmp_path), timeout=180) == [True, True]

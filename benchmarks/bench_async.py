@@ -50,6 +50,7 @@ import warnings
 from typing import Any
 
 import torch
+from _rss import peak, reset_peak
 from torch import nn
 
 import smpckpt
@@ -65,23 +66,6 @@ TARGETS = {"cpu": 0.30, "cuda": 0.10}
 
 
 # -- memory ----------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak() -> int:
-    """Reset VmHWM to the current RSS; return that baseline in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS") * 1024
-
-
-def peak() -> int:
-    return _status_kib("VmHWM") * 1024
 
 
 def _cmd(argv: list[str]) -> str:

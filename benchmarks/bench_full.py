@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from _rss import peak, reset_peak
 
 from smpckpt.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
@@ -127,23 +128,6 @@ def nbytes(sd: dict[str, torch.Tensor]) -> int:
 
 
 # -- memory --------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak() -> int:
-    """Reset VmHWM to the current RSS; return that baseline in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS") * 1024
-
-
-def peak() -> int:
-    return _status_kib("VmHWM") * 1024
 
 
 # -- one rank ------------------------------------------------------------------------------------

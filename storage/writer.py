@@ -252,19 +252,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 else:
                     storage_md[wr.index] = wr.storage_data
         metadata.storage_data = storage_md
-        meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
-        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save now,
-        # before the commit, rather than produce a checkpoint nobody can load safely.
-        load_metadata(md_bytes, where="metadata being written")
-        gen_name = _names.generation_metadata_name(save_id)
-        self._write_metadata(gen_name, md_bytes)
+        md_bytes, md_record = self._write_generation_metadata(save_id, metadata)
+        gen_name = md_record.name
         manifest = Manifest(
             save_id=save_id,
-            kind="partial",  # each rank writes its own items (the only kind written so far)
+            kind="partial",  # each rank writes its own items
             data_format=self.format,
-            metadata=MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes)),
+            metadata=md_record,
             files=tuple(sorted(files, key=lambda f: (f.rank, f.name))),
             world_size=len(results),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -313,6 +307,19 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         failed = remove_files(self.fs, [join(self.path, n) for n in names])
         if failed:
             log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
+
+    def _write_generation_metadata(self, save_id: str, metadata: Metadata) -> tuple[bytes, MetadataRecord]:
+        """(coordinator, both modes) Pickle the metadata, check it loads with our allow-list, write it
+        under this generation's name; its record goes into the manifest."""
+        meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
+        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save now,
+        # before the commit, rather than produce a checkpoint nobody can load safely.
+        load_metadata(md_bytes, where="metadata being written")
+        gen_name = _names.generation_metadata_name(save_id)
+        self._write_metadata(gen_name, md_bytes)
+        return md_bytes, MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes))
 
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
@@ -463,17 +470,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             write_bytes_atomic(self.fs, join(self.path, name), data, sync=self.sync_files, sync_dir=False)
             records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
         whole_tensor_metadata(metadata, layout, checks)
-        meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
-        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        load_metadata(md_bytes, where="metadata being written")
-        gen_name = _names.generation_metadata_name(save_id)
-        self._write_metadata(gen_name, md_bytes)
+        _, md_record = self._write_generation_metadata(save_id, metadata)
         manifest = Manifest(
             save_id=save_id,
             kind="full",
             data_format="raw",
-            metadata=MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes)),
+            metadata=md_record,
             files=tuple(sorted(records, key=lambda f: f.name)),
             world_size=len(results),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -62,6 +62,7 @@ from smpckpt.storage._fs import (
     write_bytes_atomic,
 )
 from smpckpt.storage._full_commit import folder_names, results_of, whole_tensor_metadata
+from smpckpt.storage._full_exchange import exchange_group_ok, plan_exchanges
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_plan import (
     WRITING_MARKER,
@@ -362,7 +363,14 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             return written
         if isinstance(data, RankFullData):
             written = write_rank(
-                self.path, data, plan.items, planner, sync=self.sync_files, thread_count=self.thread_count, fs=self.fs
+                self.path,
+                data,
+                plan.items,
+                planner,
+                sync=self.sync_files,
+                thread_count=self.thread_count,
+                fs=self.fs,
+                process_group=self.process_group,
             )
             self._used_save_ids.add(data.save_id)
             return written
@@ -441,6 +449,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # the marker first: from here until the commit the folder is an unfinished save, never an HF model
         write_bytes_atomic(self.fs, join(self.path, WRITING_MARKER), save_id.encode(), sync=self.sync_files)
         if not gather:
+            if self.full.row_swap_below and exchange_group_ok(self.process_group, len(plans)):
+                out = plan_exchanges(out, self.full.row_swap_below)
             create_files(self.path, layout.files, sync=self.sync_files)
         self._layout = layout
         return out

@@ -9,7 +9,9 @@ import os
 import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "api"))
 
@@ -17,8 +19,9 @@ import api_workers  # noqa: E402
 import tp_model  # noqa: E402
 
 import smpckpt._full  # noqa: E402
-from smpckpt import ParallelLayout, resume_from_checkpoint, save_checkpoint  # noqa: E402
-from smpckpt.storage import FsspecStorageWriter  # noqa: E402
+from smpckpt import ParallelLayout, ShardSpec, resume_from_checkpoint, save_checkpoint  # noqa: E402
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions  # noqa: E402
 
 TP2_DP2 = ParallelLayout(tp=2, dp=2)
 TRAIN_STEPS = 2
@@ -118,3 +121,69 @@ def s3_full_world(rank: int, world: int, root: str, options: dict[str, Any], loc
     tp_model.train_step(ctx, fresh, fresh_opt, 0)  # optimizer state exists to be overwritten
     resume_from_checkpoint(root, "f", partial=False, model=fresh, optimizer=fresh_opt, **kw)
     return {"saved": saved, "loaded": tp_model.local_state(fresh, fresh_opt)}
+
+
+# -- row-block swaps (storage/_full_exchange.py) ---------------------------------------------------
+SWAP_SPECS = {
+    "m.col": ShardSpec(1),  # [7, 12]: rows of 16 bytes per rank at tp=3, 7 rows into blocks of 2, 2, 3
+    "m.wide": ShardSpec(1),  # [64, 96]: several 4 KiB check units per block
+    "m.fused": ShardSpec(1, view=(3, -1, 8)),  # [18, 8] viewed [3, 6, 8]: q, k and v blocks
+    "m.row": ShardSpec(0),  # [9, 5]: one run per rank, never swapped
+}
+
+
+def swap_globals() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    shapes = {"m.col": (7, 12), "m.wide": (64, 96), "m.fused": (18, 8), "m.row": (9, 5), "m.norm": (12,)}
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def swap_local(rank: int, world: int) -> dict[str, torch.Tensor]:
+    g = swap_globals()
+    out = {}
+    for key, t in g.items():
+        if key == "m.fused":
+            v = t.view(3, -1, 8)
+            n = v.shape[1] // world
+            out[key] = v[:, rank * n : (rank + 1) * n].contiguous().view(-1, 8)
+        elif key in ("m.col", "m.wide"):
+            out[key] = t.chunk(world, 1)[rank].contiguous()
+        elif key == "m.row":
+            out[key] = t.chunk(world, 0)[rank].contiguous()
+        else:
+            out[key] = t.clone()
+    return {k.removeprefix("m."): v for k, v in out.items()}
+
+
+class _RecordingWriter(FsspecStorageWriter):
+    """Records how many row-block swaps this rank's plan holds."""
+
+    swaps = -1
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.swaps = len(plan.storage_data.exchanges)
+        return super().write_data(plan, planner)
+
+
+def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """tp=``world``: the same state saved full with swaps (default), without (``row_swap_below=0``) and
+    cast to bf16; the swapped artifact loaded back into the saving layout. Returns swap counts, the
+    loaded tensors and the read accounting."""
+    layout = ParallelLayout(tp=world)
+    local = swap_local(rank, world)
+    out: dict[str, Any] = {"swaps": {}}
+    for name, opts in (
+        ("swap", FullOptions(check_block=4096)),
+        ("plain", FullOptions(check_block=4096, row_swap_below=0)),
+        ("bf16", FullOptions(check_block=4096, dtype=torch.bfloat16)),
+    ):
+        writer = _RecordingWriter(os.path.join(root, name), mode="full", full=opts)
+        dcp.save({"m": local}, storage_writer=writer, planner=ParallelSavePlanner(layout, SWAP_SPECS, rank=rank))
+        out["swaps"][name] = writer.swaps
+    dest = {k: torch.full_like(v, -7.0) for k, v in local.items()}
+    reader = FsspecStorageReader(os.path.join(root, "swap"))
+    dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(layout, SWAP_SPECS, rank=rank))
+    out["local"], out["loaded"] = local, dest
+    stats = reader.last_read_stats
+    out["read"] = (stats.bytes_needed, stats.bytes_read) if stats is not None else None
+    return out

@@ -167,7 +167,8 @@ def _run_rank(rank: int, cfg: dict[str, Any]) -> None:
     dest_other = {k: torch.empty_like(v) for k, v in other.items()}
     expect = {"same": mine, "other": other}
     dests = {"same": dest_same, "other": dest_other}
-    full_opts = FullOptions(max_shard_size=cfg["max_shard_size"])
+    swap = {} if cfg["row_swap_below"] is None else {"row_swap_below": cfg["row_swap_below"]}
+    full_opts = FullOptions(max_shard_size=cfg["max_shard_size"], **swap)
     base = cfg["base"]
     paths = {"partial": "", "full": ""}
 
@@ -458,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-shard-size", default=None, help="FullOptions.max_shard_size (default: its own default, auto)"
     )
+    ap.add_argument(
+        "--row-swap-below",
+        type=int,
+        default=None,
+        help="FullOptions.row_swap_below in bytes (default: its own default, 256 KiB; 0: write column shards row by row)",
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke run (~33 MiB, 2 rounds)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/full_<timestamp>.json)")
     args = ap.parse_args(argv)
@@ -493,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers,
         "vocab": args.vocab,
         "max_shard_size": args.max_shard_size,
+        "row_swap_below": args.row_swap_below,
         "base": base,
     }
     env = {

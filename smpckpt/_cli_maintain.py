@@ -112,6 +112,7 @@ def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         hf_config=hf_config,
         storage_options=options,
         progress=not args.no_progress,
+        format=args.format,
     )
     out.write(
         f"wrote {report['out']}: {report['tensors']} tensors, {human(report['bytes'])} in "

@@ -70,7 +70,13 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
     if common.model is None:
         raise ValueError("save_checkpoint(partial=False) needs model=: a full checkpoint holds the model's weights")
     translation = _translation(kw["translate_function"])
+    file_format = kw.get("format", "raw")
+    if file_format not in ("raw", "safetensors", "torch_save"):
+        raise ValueError(
+            f"with partial=False, format must be 'safetensors' (or 'raw') or 'torch_save', got {file_format!r}"
+        )
     opts = FullOptions(
+        format="torch_save" if file_format == "torch_save" else "safetensors",
         max_shard_size=kw["max_shard_size"],
         dtype=kw["dtype"],
         artifacts=ARTIFACTS,

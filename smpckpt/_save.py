@@ -65,7 +65,10 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
     if stale is not None and not (isinstance(stale, (int, float)) and not isinstance(stale, bool) and stale >= 0):
         raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
     if kw["format"] not in ("raw", "torch_save"):
-        raise ValueError(f"format must be 'raw' or 'torch_save', got {kw['format']!r}")
+        hint = (
+            " ('safetensors' is a format of full checkpoints, partial=False)" if kw["format"] == "safetensors" else ""
+        )
+        raise ValueError(f"format must be 'raw' or 'torch_save', got {kw['format']!r}{hint}")
     # Compare before validating the tag: a tag bad on one rank only must fail every rank, not hang the others.
     ctx.check_identical(
         (tag, root, keep, bool(kw["overwrite"]), kw["format"], layout.to_dict(), bool(kw["save_rng"]), stale),

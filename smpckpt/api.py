@@ -110,7 +110,7 @@ def save_checkpoint(
     overwrite: bool = False,
     process_group: Any = None,
     save_rng: bool = True,
-    format: Literal["raw", "torch_save"] = "raw",
+    format: Literal["raw", "torch_save", "safetensors"] = "raw",
     sync_files: bool = True,
     remove_uncommitted_older_than: float | None = None,
     include_optimizer: bool = False,
@@ -135,8 +135,10 @@ def save_checkpoint(
             ``model.safetensors`` (or ``model-0000i-of-0000N.safetensors`` + index above
             ``max_shard_size``), readable by ``safetensors``/``transformers`` without smpckpt;
             ``user_content`` beside it as ``user_content.pt``. Every rank writes its own shards at
-            their offsets (no rank holds the whole model); committed by the same manifest. Needs a
-            POSIX path. ``newest`` and retention ignore full checkpoints; RNG is not saved.
+            their offsets (no rank holds the whole model; on object stores each file is streamed by
+            an owner rank that receives the others' shard bytes); committed by the same manifest.
+            ``format="torch_save"`` writes ``torch.save`` files instead (``pytorch_model.bin``...).
+            ``newest`` and retention ignore full checkpoints; RNG is not saved.
         model: a ``torch.nn.Module`` (plain, Megatron-style local shards with ``specs``, or
             DTensor/FSDP2 parameters); saved under ``model.<fqn>``.
         optimizer: an optimizer (or a sequence) over ``model``'s parameters; its state is saved
@@ -154,7 +156,11 @@ def save_checkpoint(
         overwrite: replace an existing committed checkpoint with the same tag.
         process_group: the group that saves (default: the default group).
         save_rng: save every rank's RNG states (restored on resume under an unchanged layout).
-        format: ``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable).
+        format: partial checkpoints: ``"raw"`` (fast, range-readable) or ``"torch_save"``
+            (stock-DCP-readable). Full ones (``partial=False``): ``"safetensors"`` (default; ``"raw"``
+            means the same) or ``"torch_save"``: each file is what ``torch.save`` writes for a flat
+            ``{key: tensor}`` dict (``torch.load(f, weights_only=True)``, ``mmap=True`` too), named
+            ``pytorch_model.bin`` (or ``pytorch_model-0000i-of-0000N.bin`` + index) and ``optimizer.bin``.
         sync_files: fsync data before the commit (keep ``True`` unless you accept losing a
             "committed" checkpoint to a power loss).
         include_optimizer: (``partial=False``) also write the optimizer's tensor state to
@@ -213,6 +219,7 @@ def save_checkpoint(
                     hf_config=hf_config,
                     translate_function=translate_function,
                     max_shard_size=max_shard_size,
+                    format=format,
                 ),
             )
         return None

@@ -275,7 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder (a POSIX path; must not hold a committed checkpoint)")
     p.add_argument("--include-optimizer", action="store_true", help="also write optimizer.safetensors")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
-    p.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch_save"),
+        default="safetensors",
+        help="safetensors files (default) or torch.save ones (pytorch_model.bin, optimizer.bin)",
+    )
     p.add_argument("--translation", choices=TRANSLATIONS, default=None, help="write Hugging Face names and layouts")
     p.add_argument("--hf-config", default=None, metavar="CONFIG_JSON", help="written as config.json beside the weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -162,13 +162,19 @@ def consolidate_checkpoint(
     hf_config: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     progress: bool = True,
+    format: str = "safetensors",
+    out_storage_options: Mapping[str, Any] | None = None,
 ) -> ConsolidateReport:
-    """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (POSIX path).
+    """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (a local path or
+    any URL the storage supports: on S3 each file is one streamed multipart upload).
 
     Checkpoints written by :func:`smpckpt.save_checkpoint` give ``model.safetensors`` (keys without the
     ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer`` and ``user_content.pt``;
     RNG states are left out. Other DCP checkpoints put every tensor in ``model.safetensors`` under its
     flattened key and every object in ``<key>.pt``. ``out`` must not hold a committed checkpoint.
+    ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
+    instead of safetensors ones. ``storage_options`` apply to ``src``, and to ``out`` unless
+    ``out_storage_options`` are given.
     """
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()
@@ -181,7 +187,12 @@ def consolidate_checkpoint(
             raise ValueError(f"{src}: include_optimizer needs a checkpoint written by smpckpt.save_checkpoint")
         artifacts = {"": "model"}
     opts = FullOptions(
-        max_shard_size=max_shard_size, dtype=dtype, artifacts=artifacts, translation=translation, hf_config=hf_config
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        artifacts=artifacts,
+        translation=translation,
+        hf_config=hf_config,
+        format=format,
     )
     items: list[WriteItem] = []
     kept: dict[str, Any] = {}
@@ -205,7 +216,13 @@ def consolidate_checkpoint(
     record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
     plan = SavePlan(items, planner_data={METADATA_KEY: record} if record else None)
     # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor
-    writer = FsspecStorageWriter(out, mode="full", full=opts, thread_count=1)
+    writer = FsspecStorageWriter(
+        out,
+        mode="full",
+        full=opts,
+        thread_count=1,
+        storage_options=out_storage_options if out_storage_options is not None else storage_options,
+    )
     writer.set_up_storage_writer(True, rank=0)
     with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
         planner = _OneTensorAtATime(reader, metadata, bar)

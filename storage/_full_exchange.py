@@ -33,7 +33,17 @@ from torch.distributed.checkpoint.planner import SavePlan
 from smpckpt.storage._full_plan import FullWrite, RankFullData
 from smpckpt.storage._regions import box_runs
 
-__all__ = ["Exchange", "plan_exchanges", "exchange_group_ok", "rows_of"]
+__all__ = [
+    "Exchange",
+    "plan_exchanges",
+    "exchange_group_ok",
+    "moves_cpu_tensors",
+    "rows_of",
+    "place",
+    "piece_of",
+    "Block",
+    "Swapper",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +70,19 @@ class Exchange:
 
 
 def exchange_group_ok(process_group: Any, world: int) -> bool:
-    """Swaps need a live process group with one member per planning rank."""
+    """Swaps need a live process group that moves CPU tensors (gloo), with one member per planning rank."""
     if world < 2 or not (dist.is_available() and dist.is_initialized()):
         return False
+    if not moves_cpu_tensors(process_group):
+        return False  # rows are written in place instead
     return bool(dist.get_world_size(process_group) == world)
+
+
+def moves_cpu_tensors(process_group: Any) -> bool:
+    """Whether send/recv of CPU tensors works on this group (gloo; an NCCL-only group cannot)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "gloo" in str(dist.get_backend(process_group)).lower()
 
 
 def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:

@@ -47,11 +47,18 @@ def gather_rank(
     sinks: dict[str, Sink] = {}
     try:
         for f in data.files:
-            if run.owner[f.name] == data.rank:
+            owner = run.owner[f.name] == data.rank
+            if owner:
                 sinks[f.name] = open_sink(f.name)
-                sinks[f.name].write(memoryview(f.header))
-            for key in f.keys:
-                tensor = run.tensor(f.name, key)
+            # front to back: the pieces that are not tensor data (a header, a torch.save archive's
+            # record headers) between the tensors
+            events = sorted([(o, 0, b) for o, b in f.pieces] + [(s, 1, k) for s, k in zip(f.starts, f.keys)])
+            for _, kind, what in events:
+                if kind == 0:
+                    if owner:
+                        sinks[f.name].write(memoryview(cast(bytes, what)))
+                    continue
+                tensor = run.tensor(f.name, cast(str, what))
                 if tensor is not None:
                     sinks[f.name].write(memoryview(cast(Any, tensor)))
             if f.name in sinks:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.storage._safetensors import encode_header
+from smpckpt.storage._torch_zip import torch_layout
 from smpckpt.translation import Cat, Expr, Leaf, Translation, pieces
 
 __all__ = [
@@ -75,6 +76,9 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+FORMATS = ("safetensors", "torch_save")
+
+
 @dataclasses.dataclass(frozen=True)
 class FullOptions:
     """How a full (consolidated) artifact is laid out. Every field has a safe default.
@@ -103,6 +107,11 @@ class FullOptions:
             writers swap rows over the process group and each writes a block of whole rows in one run
             (see ``smpckpt.storage._full_exchange``; 1.3-1.5x faster full saves on the benchmark's
             GPT-like state). ``0`` disables the swap.
+        format: ``"safetensors"`` (default) or ``"torch_save"``: each file is then what ``torch.save``
+            writes for a flat ``{key: tensor}`` dict (``torch.load(path, weights_only=True)`` reads it,
+            ``mmap=True`` too), named as Hugging Face names them (``pytorch_model.bin``, or
+            ``pytorch_model-0000i-of-0000N.bin`` + ``pytorch_model.bin.index.json``; other artifacts
+            ``optimizer.bin``). Written the same way, at offsets, with the same checks.
     """
 
     max_shard_size: int | str | None = None
@@ -112,6 +121,7 @@ class FullOptions:
     hf_config: Any = None
     check_block: int = 1 << 20
     row_swap_below: int = 256 << 10
+    format: str = "safetensors"
 
     def __post_init__(self) -> None:
         if self.max_shard_size is not None:
@@ -130,6 +140,8 @@ class FullOptions:
             )
         if isinstance(self.row_swap_below, bool) or not isinstance(self.row_swap_below, int) or self.row_swap_below < 0:
             raise ValueError(f"row_swap_below must be a byte count >= 0, got {self.row_swap_below!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
         if self.check_block < 4096:
             raise ValueError(f"check_block must be at least 4096 bytes, got {self.check_block}")
 
@@ -190,11 +202,15 @@ class RankFullData:
 
 @dataclasses.dataclass(frozen=True)
 class ArtifactFile:
+    """One file of an artifact: everything in it that is not tensor data (``pieces``: the safetensors
+    header, or a torch.save archive's pickle, record headers and directory) and where each tensor goes."""
+
     name: str
     artifact: str
-    header: bytes
+    pieces: tuple[tuple[int, bytes], ...]  # (offset, bytes), ascending
     size: int
     keys: tuple[str, ...]
+    starts: tuple[int, ...]  # each key's first byte
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +234,7 @@ class ArtifactLayout:
             {
                 "version": 1,
                 "files": {
-                    f.name: {"size": f.size, "header": [len(f.header), f"{hash_bytes(f.header):016x}"]}
+                    f.name: {"size": f.size, "pieces": [[o, len(b), f"{hash_bytes(b):016x}"] for o, b in f.pieces]}
                     for f in self.files
                 },
                 "tensors": {
@@ -280,7 +296,7 @@ def plan_artifact(
     shapes, dtypes, chunks, object_items = _collect(plans)
     _check_tiling(shapes, chunks)
     exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
-    files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans))
+    files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans), opts.format)
     objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
     out = _rank_writes(plans, opts, save_id, exprs, art_shapes, tensors, rank_objects, files, gather)
     layout = ArtifactLayout(
@@ -375,6 +391,7 @@ def _files(
     art_dtypes: Mapping[str, Mapping[str, torch.dtype]],
     max_shard_size: int | str | None,
     world: int,
+    file_format: str = "safetensors",
 ) -> tuple[list[ArtifactFile], dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]], dict[str, bytes]]:
     """Tensors in order, cut into files at ``max_shard_size``; headers, offsets and index files."""
     files: list[ArtifactFile] = []
@@ -398,28 +415,42 @@ def _files(
                 size = 0
             groups[-1].append(k)
             size += n
+        stem, ext = (art, "safetensors") if file_format == "safetensors" else (_TORCH_STEMS.get(art, art), "bin")
         names = (
-            [f"{art}.safetensors"]
+            [f"{stem}.{ext}"]
             if len(groups) == 1
-            else [f"{art}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+            else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}" for i in range(len(groups))]
         )
         weight_map: dict[str, str] = {}
         total = 0
         for name, keys in zip(names, groups):
-            header, entries = encode_header(
-                [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys], {"format": "pt", "writer": "smpckpt"}
-            )
-            end = max([e.start + e.nbytes for e in entries], default=len(header))
-            files.append(ArtifactFile(name, art, header, end, tuple(keys)))
-            for e in entries:
-                tensors[f"{art}/{e.key}"] = (art, name, e.start, e.dtype, e.shape)
-                weight_map[e.key] = name
-                total += e.nbytes
+            entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
+            f = _layout_file(name, art, entries, file_format)
+            files.append(f)
+            for (k, dtype, shape), start in zip(entries, f.starts):
+                tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
+                weight_map[k] = name
+                total += math.prod(shape) * dtype.itemsize
         if len(groups) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            indexes[f"{art}.safetensors.index.json"] = json.dumps(index, indent=2).encode("utf-8")
+            indexes[f"{stem}.{ext}.index.json"] = json.dumps(index, indent=2).encode("utf-8")
 
     return files, tensors, indexes
+
+
+#: Hugging Face's torch.save file names (``pytorch_model.bin``); other artifacts keep their own stem
+_TORCH_STEMS = {"model": "pytorch_model"}
+
+
+def _layout_file(
+    name: str, art: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str
+) -> ArtifactFile:
+    if file_format == "torch_save":
+        t = torch_layout(entries)
+        return ArtifactFile(name, art, t.pieces, t.size, tuple(k for k, _, _ in entries), t.starts)
+    header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
+    end = max([e.start + e.nbytes for e in tensors], default=len(header))
+    return ArtifactFile(name, art, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
 
 
 def _auto_shard_size(total: int, world: int) -> int:

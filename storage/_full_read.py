@@ -135,7 +135,7 @@ class FullSource:
             self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
             for key, units in desc["checks"].items():
                 self.units[key] = [_Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units]
-            self.headers = {n: (int(f["header"][0]), int(f["header"][1], 16)) for n, f in desc["files"].items()}
+            self.headers = {n: _pieces(f) for n, f in desc["files"].items()}
         except CheckpointCorrupt:
             raise
         except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -316,11 +316,13 @@ class FullSource:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""
         problems: list[str] = []
         with _Files(self.fs, self.path) as files:
-            for name, (length, digest) in getattr(self, "headers", {}).items():
-                buf = bytearray(length)
-                files.read_runs(name, np.array([0], dtype=np.int64), length, memoryview(buf))
-                if hash_bytes(buf) != digest:
-                    problems.append(f"{join(self.path, name)}: header checksum mismatch")
+            for name, pieces in getattr(self, "headers", {}).items():
+                for offset, length, digest in pieces:
+                    buf = bytearray(length)
+                    files.read_runs(name, np.array([offset], dtype=np.int64), length, memoryview(buf))
+                    if hash_bytes(buf) != digest:
+                        what = "header" if offset == 0 else f"archive bytes at offset {offset}"
+                        problems.append(f"{join(self.path, name)}: {what} checksum mismatch")
             for key, units in self.units.items():
                 t = self.tensors[key]
                 for u in units:
@@ -332,6 +334,14 @@ class FullSource:
                             f"{join(self.path, t.file)}: checksum mismatch in {key.split('/', 1)[1]!r} at {list(u.offsets)}"
                         )
         return problems
+
+
+def _pieces(f: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
+    descriptions written before torch.save files existed."""
+    if "pieces" in f:
+        return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
+    return [(0, int(f["header"][0]), int(f["header"][1], 16))]
 
 
 def _first_leaf(expr: Expr) -> str:

@@ -45,7 +45,7 @@ class ObjectResult(tuple):
 
 
 def create_files(folder: str, files: Sequence[ArtifactFile], *, sync: bool) -> None:
-    """(coordinator, before any rank writes) Each file at its final size, header in place.
+    """(coordinator, before any rank writes) Each file at its final size, everything but tensor data in place.
 
     Truncating an existing file (debris of an unfinished save under this fixed name) first means no
     stale byte survives: every byte is either the header, written by a rank, or a hole (zeros) that the
@@ -55,7 +55,8 @@ def create_files(folder: str, files: Sequence[ArtifactFile], *, sync: bool) -> N
         fd = os.open(join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
-            os.pwrite(fd, f.header, 0)
+            for offset, data in f.pieces:
+                os.pwrite(fd, data, offset)
             if sync:
                 os.fsync(fd)
         finally:

@@ -62,7 +62,7 @@ from smpckpt.storage._fs import (
     write_bytes_atomic,
 )
 from smpckpt.storage._full_commit import folder_names, results_of, whole_tensor_metadata
-from smpckpt.storage._full_exchange import exchange_group_ok, plan_exchanges
+from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_plan import (
     WRITING_MARKER,
@@ -443,6 +443,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
         extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
         gather = not is_local(self.fs)  # an object cannot be written at offsets by many ranks
+        if gather and len(plans) > 1 and not moves_cpu_tensors(self.process_group):
+            raise CheckpointError(
+                f"{self.url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
+                f"owner rank over the process group, and this one ({dist.get_backend(self.process_group)}) "
+                "cannot: pass FsspecStorageWriter(process_group=dist.new_group(backend='gloo')), or init the "
+                "default group with backend='cpu:gloo,cuda:nccl'"
+            )
         out, layout = plan_artifact(plans, self.full, save_id, original, reserved_names=extra_names, gather=gather)
         if is_local(self.fs):
             os.makedirs(self.path, exist_ok=True)

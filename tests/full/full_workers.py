@@ -176,6 +176,7 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
         ("swap", FullOptions(check_block=4096)),
         ("plain", FullOptions(check_block=4096, row_swap_below=0)),
         ("bf16", FullOptions(check_block=4096, dtype=torch.bfloat16)),
+        ("torch", FullOptions(check_block=4096, format="torch_save")),
     ):
         writer = _RecordingWriter(os.path.join(root, name), mode="full", full=opts)
         dcp.save({"m": local}, storage_writer=writer, planner=ParallelSavePlanner(layout, SWAP_SPECS, rank=rank))

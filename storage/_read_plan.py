@@ -76,7 +76,8 @@ class ReadPlan:
     fetches: list[FetchTask]  # by file, then offset
     empty: list[Item]  # items of no bytes (delivered without a read)
     direct: list[DirectCandidate]  # by file, then offset
-    bytes_needed: int  # bytes of the requested slices / records
+    bytes_needed: int  # bytes of the requested slices / records (exact: a strided slice counts its elements)
+    needed_per_file: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def raw_item(req: ReadItem, file: str, offset: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Item:
@@ -113,11 +114,14 @@ def plan_reads(
     empty: list[Item] = []
     direct: list[DirectCandidate] = []
     needed = 0
+    needed_per_file: dict[str, int] = {}
     for it in items:
         if it.end <= it.start:
             empty.append(it)
             continue
-        needed += it.end - it.start
+        exact = _exact_bytes(it)
+        needed += exact
+        needed_per_file[it.file] = needed_per_file.get(it.file, 0) + exact
         lo, hi = _widen(it, records.get(it.file) if verify else None)
         if local and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
             # candidate for reading straight into the destination (decided when its target is resolved)
@@ -130,7 +134,15 @@ def plan_reads(
         for f in coalesce(per_file[name], gap=coalesce_gap, max_bytes=max_request_bytes)
     ]
     direct.sort(key=lambda d: (d.file, d.need.start))
-    return ReadPlan(fetches, empty, direct, needed)
+    return ReadPlan(fetches, empty, direct, needed, needed_per_file)
+
+
+def _exact_bytes(it: Item) -> int:
+    """The bytes the item's destination receives: a strided (column) slice counts only its elements,
+    not the span that encloses them, so ``last_read_stats`` shows what a column read really costs."""
+    if it.raw and it.dtype is not None:
+        return math.prod(int(x) for x in it.req.lengths) * it.dtype.itemsize
+    return it.end - it.start
 
 
 def _widen(it: Item, rec: FileRecord | None) -> tuple[int, int]:

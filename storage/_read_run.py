@@ -87,6 +87,7 @@ class ReadRun:
         self.pool = BufferPool(min_size=min(max_request_bytes, 1 << 26), max_kept=2 * thread_count)
         self.bytes_read = 0
         self.requests = 0
+        self.read_per_file: dict[str, int] = {}
 
     def run(self, plan: ReadPlan) -> None:
         try:
@@ -136,15 +137,18 @@ class ReadRun:
             target, dst = found
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
-            self.bytes_read += need.end - need.start
-            self.requests += len(spans)
+            self._add(w.file, need.end - need.start, len(spans))
             for lo, hi in spans:
                 yield _DirectPiece(w.file, entry, dst, lo, hi)
 
     def _counted(self, task: FetchTask) -> FetchTask:
-        self.bytes_read += task.fetch.end - task.fetch.start
-        self.requests += 1
+        self._add(task.file, task.fetch.end - task.fetch.start, 1)
         return task
+
+    def _add(self, file: str, nbytes: int, requests: int) -> None:
+        self.bytes_read += nbytes
+        self.requests += requests
+        self.read_per_file[file] = self.read_per_file.get(file, 0) + nbytes
 
     def _execute(self, task: _Task) -> memoryview | None:
         """(worker thread) Read and verify the task's bytes."""

@@ -74,11 +74,11 @@ log = logging.getLogger(__name__)
 class ReadStats:
     """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
 
-    bytes_needed: int  # bytes of the requested slices / records
+    bytes_needed: int  # bytes the destinations receive (a column slice: its elements, not its span)
     bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
     requests: int  # ranged reads issued
     items: int
-    #: file name -> (bytes needed, bytes read) where the reader tracks it per file (full artifacts)
+    #: file name -> (bytes needed, bytes read), for every file the load touched
     per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -354,7 +354,11 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             planner=planner,
         )
         run.run(reads)
-        self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items))
+        per_file = {
+            n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
+            for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
+        }
+        self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items), per_file)
 
     def _hf_files(self) -> list[str] | None:
         """The safetensors files when the folder is a Hugging Face model (not a save of ours in progress)."""

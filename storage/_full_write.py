@@ -237,8 +237,8 @@ class _RankWriter:
             raise TypeError(f"{index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
         return tensor
 
-    def _chunk(self, index: Any) -> torch.Tensor:
-        chunk = self._tensor(index).detach()
+    def _chunk(self, index: Any, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        chunk = (tensor if tensor is not None else self._tensor(index)).detach()
         if chunk.device.type != "cpu":
             chunk = chunk.cpu()
         td = self.item_of[index].tensor_data
@@ -249,7 +249,7 @@ class _RankWriter:
         t = self._tensor(item.index)
         copies = t.device.type != "cpu" or any(w.dtype != t.dtype or list(w.perm) != sorted(w.perm) for w in writes)
         with self.copying if copies else contextlib.nullcontext():
-            chunk = self._chunk(item.index)
+            chunk = self._chunk(item.index, t)  # the planner resolves each item once
             for w in writes:
                 buf = box_buffer(chunk, w)
                 self._record(item.index, buf.nbytes, _write_box(self.fds[w.file], w, buf, self.data.check_block))

@@ -22,7 +22,8 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._check_units import item_checks
+from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._fs import join, write_bytes_atomic
 from smpckpt.storage._full_exchange import Swapper
 from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
@@ -111,11 +112,28 @@ def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
 
 
 def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> list[UnitResult]:
-    """The check units of one box, hashed from its row-major bytes (each unit a contiguous slice)."""
+    """The check units of one box, hashed from its row-major bytes: slices along its outermost
+    dimension, or -- for wide rows -- tiles of column groups x row groups (as the partial writer's
+    :func:`~._check_units.item_checks` cuts records), so a reader loading another TP layout reads and
+    verifies only the columns it needs."""
     itemsize = w.dtype.itemsize
+    checks = item_checks(w.sizes, itemsize, check_block)
     units = []
+    if checks.groups > 1:
+        rows, seg = w.sizes[0], checks.row_bytes // checks.groups
+        width = w.sizes[1] // checks.groups
+        for r0 in range(0, rows, checks.rows_per_group):
+            n = min(checks.rows_per_group, rows - r0)
+            for g in range(checks.groups):
+                first = r0 * checks.row_bytes + g * seg
+                digest = hash_parts(
+                    buf[a : a + seg] for a in range(first, first + n * checks.row_bytes, checks.row_bytes)
+                )
+                offsets = (w.offsets[0] + r0, w.offsets[1] + g * width, *w.offsets[2:])
+                units.append(UnitResult((w.key, w.view, offsets, (n, width, *w.sizes[2:]), digest)))
+        return units
     pos = 0
-    for offsets, sizes in split_box(w.offsets, w.sizes, itemsize, check_block):
+    for offsets, sizes in split_box(w.offsets, w.sizes, itemsize, checks.unit):
         n = math.prod(sizes) * itemsize
         units.append(UnitResult((w.key, w.view, offsets, sizes, hash_bytes(buf[pos : pos + n]))))
         pos += n

@@ -48,8 +48,10 @@ RAW_DESCRIPTOR = "smpckpt.raw/1"
 WHOLE_TENSORS = "smpckpt.whole_tensors"
 #: Prefix of the ``StorageMeta.load_id`` our reader sets, so a planner can tell it from a stock reader.
 LOAD_ID_PREFIX = "smpckpt-"
-#: Version of the manifest layout. Readers refuse manifests newer than they understand.
-FORMAT_VERSION = 1
+#: Version of the manifest layout. Readers refuse manifests newer than they understand. A manifest
+#: is written with the lowest version that describes it: 2 only when a file has tiled check units
+#: (which an older reader would misread as corrupt), so checkpoints without them stay readable by 1.
+FORMAT_VERSION = 2
 
 _DATA_RE = re.compile(r"^[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]+\.smp\.distcp$")
 _GEN_META_RE = re.compile(r"^\.metadata\.[0-9a-z]+$")

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local
-from smpckpt.storage._read_plan import Item
+from smpckpt.storage._read_plan import BoxRead, Item
 from smpckpt.storage.manifest import FileRecord
 
 __all__ = [
@@ -26,8 +26,10 @@ __all__ = [
     "missing_file_error",
     "check_complete",
     "verify_blocks",
+    "digest_of",
     "read_range",
     "read_direct",
+    "read_box",
 ]
 
 
@@ -116,18 +118,43 @@ def check_complete(path: str, keys: Sequence[str], lo: int, hi: int, got: int) -
         )
 
 
+Spans = list[tuple[int, int]]
+
+
 def verify_blocks(
-    path: str, rec: FileRecord, lo: int, hi: int, items: Sequence[Item], digest: Callable[[int, int], int]
+    path: str,
+    rec: FileRecord,
+    lo: int,
+    hi: int,
+    items: Sequence[Item],
+    digest: Callable[[Spans], int],
+    *,
+    blocks: Iterable[int] | None = None,
 ) -> None:
-    """Check every block of ``rec`` that overlaps file bytes ``[lo, hi)`` (``digest(start, end)`` hashes
-    a block's bytes as read); a mismatch names the block and the keys among ``items`` it holds."""
-    for i in rec.blocks_covering(lo, hi):
-        bs, be = rec.block_start(i), rec.block_ends[i]
-        if digest(bs, be) != rec.block_digests[i]:
+    """Check every unit of ``rec`` that overlaps file bytes ``[lo, hi)`` (a range cut by
+    ``rec.widen``), or just ``blocks``; ``digest(spans)`` hashes the bytes of those file ranges, in
+    order, as read. A mismatch names the unit and the keys among ``items`` it holds."""
+    for i in rec.blocks_covering(lo, hi) if blocks is None else blocks:
+        spans = rec.spans(i)
+        if digest(spans) != rec.block_digests[i]:
+            bs, be = rec.block_start(i), rec.block_ends[i]
             bad = sorted({it.fqn for it in items if it.start < be and it.end > bs})
+            what = "block" if len(spans) == 1 else f"tile of {len(spans)} row segments, listed as block"
             raise CheckpointCorrupt(
-                f"{path}: checksum mismatch in bytes {bs}..{be} (block {i}) holding key(s) {bad}; the file is corrupt"
+                f"{path}: checksum mismatch in bytes {bs}..{be} ({what} {i}) holding key(s) {bad}; the file is corrupt"
             )
+
+
+def digest_of(data: memoryview, base: int) -> Callable[[Spans], int]:
+    """A ``digest`` for :func:`verify_blocks` over ``data``, which holds file bytes from ``base`` on."""
+
+    def digest(spans: Spans) -> int:
+        if len(spans) == 1:
+            s, e = spans[0]
+            return hash_bytes(data[s - base : e - base])
+        return hash_parts(data[s - base : e - base] for s, e in spans)
+
+    return digest
 
 
 def read_range(
@@ -148,7 +175,7 @@ def read_range(
         raise missing_file_error(path, keys) from exc
     check_complete(path, keys, lo, hi, len(data))
     if rec is not None:
-        verify_blocks(path, rec, lo, hi, items, lambda bs, be: hash_bytes(data[bs - lo : be - lo]))
+        verify_blocks(path, rec, lo, hi, items, digest_of(data, lo))
     return data
 
 
@@ -172,13 +199,52 @@ def read_direct(path: str, it: Item, dst: memoryview, lo: int, hi: int, rec: Fil
     if rec is None:
         return
 
-    def digest(bs: int, be: int) -> int:
-        if bs >= a and be <= b:
-            return hash_bytes(dst[bs - it.start : be - it.start])
-        return hash_parts(
-            mv[max(bs, off) - off : min(be, off + len(mv)) - off]
-            for off, mv in segs
-            if max(bs, off) < min(be, off + len(mv))
-        )
+    def parts(spans: Spans) -> Iterator[memoryview]:
+        for s, e in spans:
+            if s >= a and e <= b:
+                yield dst[s - it.start : e - it.start]
+                continue
+            for off, mv in segs:
+                if max(s, off) < min(e, off + len(mv)):
+                    yield mv[max(s, off) - off : min(e, off + len(mv)) - off]
+
+    def digest(spans: Spans) -> int:
+        if len(spans) == 1 and spans[0][0] >= a and spans[0][1] <= b:
+            return hash_bytes(dst[spans[0][0] - it.start : spans[0][1] - it.start])
+        return hash_parts(parts(spans))
 
     verify_blocks(path, rec, lo, hi, [it], digest)
+
+
+def read_box(path: str, box: BoxRead, rec: FileRecord | None, pool: BufferPool) -> memoryview:
+    """(worker thread, local files) The box's rows, one ``pread`` each, back to back into a pooled
+    buffer; then every tile it covers verified from its row segments there (when it is tiled and
+    ``rec`` is given)."""
+    width, it = box.width, box.item
+    buf = pool.take(box.nbytes)
+    data = memoryview(buf)[: box.nbytes]
+    try:
+        with translate_errors(path):
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                for k in range(box.row1 - box.row0):
+                    at = box.start + k * box.row_bytes
+                    got = pread_into(fd, [data[k * width : (k + 1) * width]], at, width)
+                    check_complete(path, [it.fqn], at, at + width, got)
+            finally:
+                os.close(fd)
+    except FileNotFoundError as exc:
+        raise missing_file_error(path, [it.fqn]) from exc
+    if rec is None or box.tiling is None:
+        return data
+    first = box.base + box.row0 * box.row_bytes
+    last = box.base + box.row1 * box.row_bytes
+
+    def digest(spans: Spans) -> int:
+        return hash_parts(data[box.buffer_offset(s) : box.buffer_offset(s) + e - s] for s, e in spans)
+
+    def in_box(i: int) -> bool:
+        return box.col0 <= (rec.spans(i)[0][0] - box.base) % box.row_bytes < box.col1
+
+    verify_blocks(path, rec, first, last, [it], digest, blocks=filter(in_box, rec.blocks_covering(first, last)))
+    return data

@@ -15,10 +15,13 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage._ranges import Fetch, Need, coalesce, slice_byte_range
+from smpckpt.storage._check_units import MIN_SEGMENT, Tiling
+from smpckpt.storage._ranges import Fetch, Need, c_strides, coalesce, slice_byte_range
 from smpckpt.storage.manifest import FileRecord
 
 __all__ = [
+    "BoxRead",
+    "box_read",
     "DIRECT_MIN_BYTES",
     "PIECE_BYTES",
     "Item",
@@ -72,12 +75,47 @@ class DirectCandidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class BoxRead:
+    """A column slice read as one run per row: rows ``[row0, row1)`` of the record at ``base`` (rows of
+    ``row_bytes``), bytes ``[col0, col1)`` of each. Inside a ``tiling`` (when verifying) that is whole
+    column groups of whole row groups, so the tiles read verify; else exactly the slice's bytes."""
+
+    file: str
+    item: Item
+    base: int
+    row_bytes: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    tiling: Tiling | None = None
+
+    @property
+    def start(self) -> int:
+        return self.base + self.row0 * self.row_bytes + self.col0
+
+    @property
+    def width(self) -> int:
+        return self.col1 - self.col0
+
+    @property
+    def nbytes(self) -> int:
+        return (self.row1 - self.row0) * self.width
+
+    def buffer_offset(self, file_offset: int) -> int:
+        """Where file byte ``file_offset`` (inside the box) sits in the box's row-by-row buffer."""
+        row, col = divmod(file_offset - self.base, self.row_bytes)
+        return (row - self.row0) * self.width + col - self.col0
+
+
+@dataclasses.dataclass(frozen=True)
 class ReadPlan:
     fetches: list[FetchTask]  # by file, then offset
     empty: list[Item]  # items of no bytes (delivered without a read)
     direct: list[DirectCandidate]  # by file, then offset
     bytes_needed: int  # bytes of the requested slices / records (exact: a strided slice counts its elements)
     needed_per_file: dict[str, int] = dataclasses.field(default_factory=dict)
+    boxes: list[BoxRead] = dataclasses.field(default_factory=list)  # column slices read row by row
 
 
 def raw_item(req: ReadItem, file: str, offset: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Item:
@@ -113,6 +151,7 @@ def plan_reads(
     per_file: dict[str, list[Need[Item]]] = {}
     empty: list[Item] = []
     direct: list[DirectCandidate] = []
+    boxes: list[BoxRead] = []
     needed = 0
     needed_per_file: dict[str, int] = {}
     for it in items:
@@ -122,7 +161,12 @@ def plan_reads(
         exact = _exact_bytes(it)
         needed += exact
         needed_per_file[it.file] = needed_per_file.get(it.file, 0) + exact
-        lo, hi = _widen(it, records.get(it.file) if verify else None)
+        rec = records.get(it.file) if verify else None
+        box = box_read(it, rec, verify=verify) if local and it.raw and not _file_contiguous(it) else None
+        if box is not None:
+            boxes.append(box)
+            continue
+        lo, hi = _widen(it, rec)
         if local and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
             # candidate for reading straight into the destination (decided when its target is resolved)
             direct.append(DirectCandidate(it.file, Need(lo, hi, it)))
@@ -134,7 +178,8 @@ def plan_reads(
         for f in coalesce(per_file[name], gap=coalesce_gap, max_bytes=max_request_bytes)
     ]
     direct.sort(key=lambda d: (d.file, d.need.start))
-    return ReadPlan(fetches, empty, direct, needed, needed_per_file)
+    boxes.sort(key=lambda b: (b.file, b.start))
+    return ReadPlan(fetches, empty, direct, needed, needed_per_file, boxes)
 
 
 def _exact_bytes(it: Item) -> int:
@@ -146,12 +191,11 @@ def _exact_bytes(it: Item) -> int:
 
 
 def _widen(it: Item, rec: FileRecord | None) -> tuple[int, int]:
-    """``[it.start, it.end)`` widened to the blocks of ``rec`` it touches (unchanged without ``rec``)."""
+    """``[it.start, it.end)`` widened to the check units of ``rec`` it touches (unchanged without ``rec``)."""
     # the reader's record checks have put [it.start, it.end) inside the file and the file in the manifest
     if rec is None or it.end <= it.start:
         return it.start, it.end
-    blocks = rec.blocks_covering(it.start, it.end)
-    return rec.block_start(blocks[0]), rec.block_ends[blocks[-1]]
+    return rec.widen(it.start, it.end)
 
 
 def _file_contiguous(it: Item) -> bool:
@@ -181,8 +225,8 @@ def direct_target(it: Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryv
 
 
 def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:
-    """Split ``[lo, hi)`` into pieces of about :data:`PIECE_BYTES`, cut at the block boundaries of
-    ``rec`` (the file's record when verifying, else ``None``)."""
+    """Split ``[lo, hi)`` into pieces of about :data:`PIECE_BYTES`, cut where whole units of ``rec``
+    end (the file's record when verifying, else ``None``), so each piece verifies on its own."""
     if hi - lo <= PIECE_BYTES:
         return [(lo, hi)]
     if rec is None:
@@ -191,9 +235,46 @@ def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:
     start = lo
     for i in rec.blocks_covering(lo, hi):
         be = rec.block_ends[i]
-        if be - start >= PIECE_BYTES or be >= hi:
+        if (be - start >= PIECE_BYTES and rec.is_cut(be)) or be >= hi:
             out.append((start, be))
             start = be
     if start < hi:  # pragma: no cover - widened ranges end on a block end
         out.append((start, hi))
     return out
+
+
+def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | None:
+    """The row-by-row read of a strided slice (local files): verifying, the column groups it touches
+    over the row groups it touches when its record is tiled in ``rec``; not verifying, exactly its
+    bytes when each row's run is at least :data:`~._check_units.MIN_SEGMENT`. ``None``: read a range."""
+    if verify:
+        t = rec.tiling_at(it.start) if rec is not None else None
+        if t is None or it.end > t.end:
+            return None
+        base, row_bytes = t.start, t.row_bytes
+    elif it.chunk_sizes and it.dtype is not None:
+        t = None
+        row_bytes = math.prod(it.chunk_sizes[1:]) * it.dtype.itemsize
+        base = it.start - _first_byte(it)
+    else:
+        return None
+    row0, col0 = divmod(it.start - base, row_bytes)
+    row1, last = divmod(it.end - 1 - base, row_bytes)
+    if last < col0:
+        return None
+    if t is None:
+        if last + 1 - col0 < MIN_SEGMENT:
+            return None  # runs this short cost more in calls than the enclosing span costs in bytes
+        return BoxRead(it.file, it, base, row_bytes, row0, row1 + 1, col0, last + 1)
+    g0, g1 = col0 // t.segment, last // t.segment + 1
+    if (g1 - g0) * t.segment == row_bytes:
+        return None
+    rows = (row0 // t.rows_per_group * t.rows_per_group, min(t.rows, (row1 // t.rows_per_group + 1) * t.rows_per_group))
+    return BoxRead(it.file, it, base, row_bytes, rows[0], rows[1], g0 * t.segment, g1 * t.segment, t)
+
+
+def _first_byte(it: Item) -> int:
+    """Offset of the slice's first byte from its record's start."""
+    assert it.dtype is not None
+    strides = c_strides(it.chunk_sizes)
+    return sum(int(o) * s for o, s in zip(it.req.storage_offsets, strides)) * it.dtype.itemsize

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch
 from smpckpt.storage._fs import join
 from smpckpt.storage._ranges import Fetch, c_strides
-from smpckpt.storage._read_io import BufferPool, read_direct, read_range
-from smpckpt.storage._read_plan import DirectCandidate, FetchTask, Item, ReadPlan, direct_target, pieces
+from smpckpt.storage._read_io import BufferPool, read_box, read_direct, read_range
+from smpckpt.storage._read_plan import BoxRead, DirectCandidate, FetchTask, Item, ReadPlan, direct_target, pieces
 from smpckpt.storage._safe_pickle import check_weights_only
 from smpckpt.storage.manifest import FileRecord
 
@@ -58,7 +58,7 @@ class _DirectPiece:
     hi: int
 
 
-_Task = FetchTask | _DirectPiece
+_Task = FetchTask | _DirectPiece | BoxRead
 
 
 class ReadRun:
@@ -122,12 +122,17 @@ class ReadRun:
     def _tasks(self, plan: ReadPlan) -> Iterator[_Task]:
         """(calling thread) Every task, by file and offset; a direct candidate's destination is resolved
         when its turn comes."""
-        work: list[FetchTask | DirectCandidate] = [*plan.fetches, *plan.direct]
+        work: list[FetchTask | DirectCandidate | BoxRead] = [*plan.fetches, *plan.direct, *plan.boxes]
         # buffered fetches before direct candidates at the same offset (stable: plan order otherwise)
-        work.sort(key=lambda w: (w.file, w.fetch.start, 0) if isinstance(w, FetchTask) else (w.file, w.need.start, 1))
+        work.sort(key=_work_key)
         for w in work:
             if isinstance(w, FetchTask):
                 yield self._counted(w)
+                continue
+            if isinstance(w, BoxRead):
+                # one pread per row: that many requests
+                self._add(w.file, w.nbytes, w.row1 - w.row0)
+                yield w
                 continue
             need = w.need
             found = direct_target(need.item, self.planner)
@@ -157,6 +162,8 @@ class ReadRun:
         if isinstance(task, FetchTask):
             f = task.fetch
             return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool)
+        if isinstance(task, BoxRead):
+            return read_box(path, task, rec, self.pool)
         read_direct(path, task.entry.item, task.dst, task.lo, task.hi, rec)
         return None
 
@@ -170,12 +177,18 @@ class ReadRun:
                 self._deliver(it, data[it.start - f.start : it.end - f.start])
             self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
             return
+        if isinstance(task, BoxRead):
+            assert data is not None
+            it = task.item
+            self._deliver(it, data[task.buffer_offset(it.start) :], row_bytes=task.width)
+            self.pool.give_back(data)
+            return
         entry = task.entry
         entry.pieces_left -= 1
         if entry.pieces_left == 0:
             self.planner.commit_tensor(entry.item.req, entry.target)
 
-    def _deliver(self, it: Item, data: memoryview) -> None:
+    def _deliver(self, it: Item, data: memoryview, *, row_bytes: int = 0) -> None:
         req, planner = it.req, self.planner
         where = f"{join(self.folder, it.file)} key {it.fqn!r} at offset {it.start}"
         if req.type == LoadItemType.BYTE_IO:
@@ -186,7 +199,7 @@ class ReadRun:
             planner.load_bytes(req, io.BytesIO(bytes(data)))
             return
         if it.raw:
-            src = _decode_raw(it, data)
+            src = _decode_raw(it, data, row_bytes)
         else:
             try:
                 loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -202,8 +215,17 @@ class ReadRun:
         planner.commit_tensor(req, target)
 
 
-def _decode_raw(it: Item, data: memoryview) -> torch.Tensor:
-    """The requested slice as a tensor over ``data`` (which starts at the slice's first element)."""
+def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:
+    if isinstance(w, FetchTask):
+        return (w.file, w.fetch.start, 0)
+    if isinstance(w, DirectCandidate):
+        return (w.file, w.need.start, 1)
+    return (w.file, w.start, 2)
+
+
+def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0) -> torch.Tensor:
+    """The requested slice as a tensor over ``data`` (which starts at the slice's first element); rows
+    (dim 0) are ``row_bytes`` apart in ``data`` when given (a box read), else as stored."""
     dtype = it.dtype
     lengths = [int(n) for n in it.req.lengths]
     if any(n == 0 for n in lengths):
@@ -215,4 +237,7 @@ def _decode_raw(it: Item, data: memoryview) -> torch.Tensor:
     if not it.chunk_sizes:
         return flat.reshape(())
     # data starts at the slice's first element: index the chunk's strides from there
-    return flat.as_strided(lengths, c_strides(it.chunk_sizes))
+    strides = c_strides(it.chunk_sizes)
+    if row_bytes:
+        strides[0] = row_bytes // flat.element_size()
+    return flat.as_strided(lengths, strides)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.storage import _names
+from smpckpt.storage._check_units import ItemChecks, item_checks
 from smpckpt.storage._checksum import BlockHasher
 from smpckpt.storage._sinks import Sink
 from smpckpt.storage.manifest import FileRecord
@@ -96,6 +97,7 @@ def write_file(
             for item in ordered:
                 value = planner.resolve_data(item)
                 descriptors: list[str] | None = None
+                checks: ItemChecks | None = None
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(value, io.BytesIO):
                         raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
@@ -105,10 +107,12 @@ def write_file(
                 elif raw:
                     mv = _tensor_bytes(value)
                     descriptors = [_names.RAW_DESCRIPTOR]
+                    # units of its own, so a reshard reads (and verifies) only the slices it needs
+                    checks = item_checks(tuple(value.shape), value.element_size(), block_size)
                 else:
                     mv = _torch_save_bytes(value)
                 nbytes = mv.nbytes
-                backlog.append(hash_pool.submit(hasher.start_item, nbytes))
+                backlog.append(hash_pool.submit(hasher.start_item, nbytes, checks))
                 flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
                 for i in range(0, nbytes, _CHUNK):
                     chunk = flat[i : i + _CHUNK]
@@ -138,7 +142,7 @@ def write_file(
         WriteResult(
             index=MetadataIndex(f"{FILE_RESULT_FQN}/{name}"),
             size_in_bytes=offset,
-            storage_data=FileRecord(name, offset, rank, tuple(ends), tuple(digests)),
+            storage_data=FileRecord(name, offset, rank, tuple(ends), tuple(digests), tilings=tuple(hasher.tilings)),
         )
     )
     return results

@@ -1,17 +1,18 @@
 """The JSON manifest: commit marker and integrity record of one checkpoint generation.
 
 The coordinator writes it last, after every rank's data and the metadata are durable; its presence
-is what makes a checkpoint committed. Layout (``format_version`` 1)::
+is what makes a checkpoint committed. Layout (``format_version`` 1, or 2 when a file has tilings)::
 
     {
-      "format": "smpckpt", "format_version": 1,
+      "format": "smpckpt", "format_version": 1 | 2,
       "kind": "partial" | "full",        # full: one consolidated safetensors artifact (see _full_plan)
       "save_id": "18c1f...", "created": "2026-11-21T20:54:00Z", "world_size": 4,
       "data_format": "raw" | "torch_save",
       "checksum": {"algorithm": "xxh3_64"},
       "metadata": {"name": ".metadata.<save_id>", "size": 1972, "xxh3_64": "<16 hex>"},
       "files": [{"name": "...", "size": 123, "rank": 0,
-                 "block_ends": "<base64 of little-endian uint64>", "block_digests": "<base64 ...>"}],
+                 "block_ends": "<base64 of little-endian uint64>", "block_digests": "<base64 ...>",
+                 "tilings": "<base64 ...>"}],   # optional (version 2): 5 uint64 per tiled tensor
       "extra": {...},                    # caller-supplied JSON (layout, user info)
       "manifest_xxh3_64": "<16 hex>"     # digest of everything above (canonical JSON); see below
     }
@@ -36,10 +37,11 @@ import bisect
 import dataclasses
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage._check_units import Tiling
 from smpckpt.storage._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage._names import FORMAT_VERSION, check_member_name
 
@@ -73,7 +75,12 @@ def _unpack(text: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
-    """One data file: its size and the end offset and xxh3-64 digest of each block."""
+    """One data file: its size and the end offset and xxh3-64 digest of each check unit ("block").
+
+    A unit inside one of :attr:`tilings` is a tile (see :mod:`._check_units`): its digest covers
+    :meth:`spans`, not the range its end offset suggests. Ranges meant for verification are cut with
+    :meth:`widen`, which keeps a tiling's row groups whole.
+    """
 
     name: str
     size: int
@@ -84,6 +91,8 @@ class FileRecord:
     #: file, written by many ranks at once; its header and every tensor box are checksummed in the
     #: generation's metadata (itself checksummed here), and the block lists are empty.
     checks: Literal["blocks", "tensors"] = "blocks"
+    #: tensors checked by tiles (by start offset); ``format_version`` 2
+    tilings: tuple[Tiling, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.block_ends) != len(self.block_digests):
@@ -97,6 +106,67 @@ class FileRecord:
             raise CheckpointCorrupt(f"manifest entry {self.name}: blocks do not cover the file size {self.size}")
         if any(b <= a for a, b in zip((0,) + self.block_ends, self.block_ends)):
             raise CheckpointCorrupt(f"manifest entry {self.name}: block ends are not increasing")
+        self._check_tilings()
+
+    def _check_tilings(self) -> None:
+        """Each tiling lies in the file, after the previous one, and the block list holds exactly its
+        tiles (a reader trusts both to find which bytes a tile digest covers)."""
+        prev_end = 0
+        for t in self.tilings:
+            i = bisect.bisect_right(self.block_ends, t.start)
+            ends = t.tile_ends()
+            if (
+                t.start < prev_end
+                or t.end > self.size
+                or self.block_start(i) != t.start
+                or list(self.block_ends[i : i + len(ends)]) != ends
+            ):
+                raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
+            prev_end = t.end
+
+    def tiling_at(self, offset: int) -> Tiling | None:
+        """The tiling holding file byte ``offset``, if any."""
+        if not self.tilings:
+            return None
+        j = bisect.bisect_right([t.start for t in self.tilings], offset) - 1
+        t = self.tilings[j] if j >= 0 else None
+        return t if t is not None and t.start <= offset < t.end else None
+
+    def widen(self, start: int, end: int) -> tuple[int, int]:
+        """``[start, end)`` widened to whole check units (whole row groups inside a tiling)."""
+        if end <= start:
+            return start, end
+        blocks = self.blocks_covering(start, end)
+        lo, hi = self.block_start(blocks[0]), self.block_ends[blocks[-1]]
+        if (t := self.tiling_at(start)) is not None:
+            lo = t.group_floor(start)
+        if (t := self.tiling_at(end - 1)) is not None:
+            hi = t.group_ceil(end)
+        return lo, hi
+
+    def is_cut(self, offset: int) -> bool:
+        """Whether a range may end at ``offset`` and hold whole units (not inside a row group)."""
+        t = self.tiling_at(offset)
+        return t is None or t.group_floor(offset) == offset
+
+    def unit_ranges(self) -> Iterator[tuple[int, int, range]]:
+        """The file in order as ``(start, end, blocks)``: a block, or a row group of tiles, at a time."""
+        first = 0
+        for i, end in enumerate(self.block_ends):
+            if self.is_cut(end):
+                yield self.block_start(first), end, range(first, i + 1)
+                first = i + 1
+
+    def spans(self, i: int) -> list[tuple[int, int]]:
+        """File byte ranges whose bytes, in order, block ``i``'s digest covers."""
+        bs, be = self.block_start(i), self.block_ends[i]
+        t = self.tiling_at(bs)
+        if t is None:
+            return [(bs, be)]
+        try:
+            return t.spans(bs, be)
+        except ValueError as exc:
+            raise CheckpointCorrupt(f"manifest entry {self.name}: {exc}") from exc
 
     def block_start(self, i: int) -> int:
         return self.block_ends[i - 1] if i else 0
@@ -119,6 +189,8 @@ class FileRecord:
         }
         if self.checks != "blocks":
             obj["checks"] = self.checks
+        if self.tilings:
+            obj["tilings"] = _pack([v for t in self.tilings for v in dataclasses.astuple(t)])
         return obj
 
     @classmethod
@@ -133,7 +205,15 @@ class FileRecord:
             block_ends=_unpack(obj["block_ends"]),
             block_digests=_unpack(obj["block_digests"]),
             checks=obj.get("checks", "blocks"),
+            tilings=_tilings(obj.get("tilings")),
         )
+
+
+def _tilings(packed: str | None) -> tuple[Tiling, ...]:
+    values = _unpack(packed) if packed else ()
+    if len(values) % 5:
+        raise ValueError("packed tiling list length is not a multiple of 5 values")
+    return tuple(Tiling(*values[i : i + 5]) for i in range(0, len(values), 5))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +235,11 @@ class Manifest:
     world_size: int
     created: str
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0  # 0: the lowest version that describes the files (see _names.FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            object.__setattr__(self, "format_version", 2 if any(f.tilings for f in self.files) else 1)
 
     @property
     def total_bytes(self) -> int:

@@ -14,6 +14,7 @@ from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
+from smpckpt.storage._read_io import digest_of
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._state import CheckpointState, Probe, probe
 from smpckpt.storage.manifest import Manifest
@@ -142,13 +143,15 @@ def verify_checkpoint(
             done += rec.size
             continue
         with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
-            for i, end in enumerate(rec.block_ends):
-                start = rec.block_start(i)
-                block = f.read(end - start)
-                if hash_bytes(block) != rec.block_digests[i]:
-                    problems.append(f"{rec.name}: checksum mismatch in bytes {start}..{end} (block {i})")
+            for n, (start, end, blocks) in enumerate(rec.unit_ranges()):
+                # a block, or a row group of tiles read whole so each tile's row segments are at hand
+                digest = digest_of(memoryview(f.read(end - start)), start)
+                for i in blocks:
+                    if digest(rec.spans(i)) != rec.block_digests[i]:
+                        bs, be = rec.block_start(i), rec.block_ends[i]
+                        problems.append(f"{rec.name}: checksum mismatch in bytes {bs}..{be} (block {i})")
                 done += end - start
-                if progress and (i % 16 == 15 or i == len(rec.block_ends) - 1):
+                if progress and (n % 16 == 15 or end == rec.size):
                     progress(done, total)
     if manifest.kind == "full" and not problems:
         # safetensors files are checked by header and tensor box, as the metadata lists them

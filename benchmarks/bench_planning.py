@@ -18,6 +18,8 @@ import pickle
 import platform
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -73,21 +75,14 @@ def plan(planners, sds):
     return gathered, elapsed, len(pickle.dumps(metadata))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--dp", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--out", default="benchmarks/out/planning.json")
-    args = ap.parse_args()
+def run(layers: int, tp: int, dps: list[int], log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """One row per (world size, planner): gathered bytes, global-plan seconds, 2nd-save bytes, metadata."""
     rows = []
-    print(
-        f"{'world':>6} {'who':>8} {'gathered KiB':>13} {'global plan s':>14} {'2nd save KiB':>13} {'metadata KiB':>13}"
-    )
-    for dp in args.dp:
-        layout = ParallelLayout(tp=args.tp, dp=dp)
+    log(f"{'world':>6} {'who':>8} {'gathered KiB':>13} {'global plan s':>14} {'2nd save KiB':>13} {'metadata KiB':>13}")
+    for dp in dps:
+        layout = ParallelLayout(tp=tp, dp=dp)
         world = layout.world_size
-        sds = [state(args.layers, args.tp) for _ in range(world)]
+        sds = [state(layers, tp) for _ in range(world)]
         for who in ("smpckpt", "dcp"):
             reset_dcp_caches()
             if who == "smpckpt":
@@ -106,9 +101,20 @@ def main() -> None:
                     "metadata_bytes": md_bytes,
                 }
             )
-            print(
+            log(
                 f"{world:>6} {who:>8} {gathered / 1024:>13.1f} {elapsed:>14.4f} {again / 1024:>13.1f} {md_bytes / 1024:>13.1f}"
             )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dp", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--out", default="benchmarks/out/planning.json")
+    args = ap.parse_args()
+    rows = run(args.layers, args.tp, args.dp)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(

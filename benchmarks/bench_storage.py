@@ -55,13 +55,17 @@ def nbytes(sd: State) -> int:
     return sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def fsync_tree(path: str) -> None:
-    """fsync every file under ``path`` and the folder (for contenders that do not sync themselves)."""
+def fsync_tree(path: str, *, drop_cache: bool = False) -> None:
+    """fsync every file under ``path`` and the folder (for contenders that do not sync themselves).
+    ``drop_cache``: then evict each file from the page cache (cold loads; dirty pages cannot be dropped,
+    hence after the fsync)."""
     for root, _dirs, files in os.walk(path):
         for f in files:
             fd = os.open(os.path.join(root, f), os.O_RDONLY)
             try:
                 os.fsync(fd)
+                if drop_cache:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
         fd = os.open(root, os.O_RDONLY)

@@ -1,0 +1,180 @@
+"""The contenders of the benchmark driver (``bench.py``): one small save/load pair each.
+
+Every pair takes ``(state, url)``: ``state`` is this rank's flat ``{key: tensor}`` (its TP shards; the
+checkpoint holds it under ``"model"``), ``url`` a fresh folder or ``s3://bucket/prefix`` for this round.
+``save`` returns when the checkpoint is durable; ``load`` fills preallocated tensors in place and returns
+the reader's ``ReadStats`` when it has them (smpckpt) or None.
+
+Every DCP-based contender runs with smpckpt's ``ParallelSavePlanner``/``ParallelLoadPlanner``: they
+compare *storage* layers, and DCP's default planner would drop plain same-name TP shards (it takes them
+for replicas). So all of them write the same items; only the writer/reader differs. Raw I/O and
+torch.save write each rank's whole local state to a file of its own (``rank<r>/``).
+
+CUDA tensors: the DCP writers copy device to host inside ``save`` (so does torch.save); the raw ceiling
+copies with ``.cpu()`` inside its timer and loads through host buffers, so the copies are counted for all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from bench_storage import raw_load, raw_save, torch_load, torch_save
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from smpckpt.layout import ParallelLayout
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.specs import ShardSpec
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+__all__ = ["Ctx", "Contender", "State", "contenders", "select", "OURS", "OURS_FULL"]
+
+State = dict[str, torch.Tensor]
+OURS = "smpckpt partial"
+OURS_FULL = "smpckpt full"
+LOCAL = frozenset({"disk", "shm"})
+ANY = frozenset({"disk", "shm", "s3"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    """What every contender of one run shares."""
+
+    layout: ParallelLayout
+    specs: dict[str, ShardSpec]
+    rank: int
+    s3_options: dict[str, Any]  #: s3fs storage options (empty without S3)
+    region: str = "us-east-1"
+    process_group: Any = None  #: the group DCP coordinates on (gloo beside an NCCL default group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    name: str
+    save: Callable[[State, str], None]
+    load: Callable[[State, str], Any]
+    storages: frozenset[str]  #: where it runs: disk, shm, s3
+    unavailable: str = ""  #: why it cannot run here (then it is listed as skipped)
+
+
+def _sp(ctx: Ctx) -> ParallelSavePlanner:
+    return ParallelSavePlanner(ctx.layout, ctx.specs, rank=ctx.rank, enable_plan_caching=False)
+
+
+def _lp(ctx: Ctx) -> ParallelLoadPlanner:
+    return ParallelLoadPlanner(ctx.layout, ctx.specs, rank=ctx.rank)
+
+
+def _opts(ctx: Ctx, url: str) -> dict[str, Any]:
+    return ctx.s3_options if url.startswith("s3://") else {}
+
+
+def _dcp_pair(
+    ctx: Ctx, writer: Callable[[str], Any], reader: Callable[[str], Any]
+) -> tuple[Callable[[State, str], None], Callable[[State, str], Any]]:
+    """save/load through dcp with our planners and the given writer/reader factories."""
+
+    def save(sd: State, url: str) -> None:
+        dcp.save({"model": sd}, storage_writer=writer(url), planner=_sp(ctx), process_group=ctx.process_group)
+
+    def load(dest: State, url: str) -> Any:
+        r = reader(url)
+        dcp.load({"model": dest}, storage_reader=r, planner=_lp(ctx), process_group=ctx.process_group)
+        return getattr(r, "last_read_stats", None)
+
+    return save, load
+
+
+def _rank_dir(url: str, rank: int) -> str:
+    return os.path.join(url, f"rank{rank}")
+
+
+def _host(sd: State) -> State:
+    """CPU copies of CUDA tensors (the device-to-host copy is part of the contender's time)."""
+    return {k: v.cpu() if v.is_cuda else v for k, v in sd.items()}
+
+
+def _per_rank_pair(
+    ctx: Ctx, save_fn: Callable[[State, str], None], load_fn: Callable[[State, str], None]
+) -> tuple[Callable[[State, str], None], Callable[[State, str], Any]]:
+    """A per-rank file contender (raw I/O, torch.save) on host copies of CUDA tensors."""
+
+    def save(sd: State, url: str) -> None:
+        save_fn(_host(sd), _rank_dir(url, ctx.rank))
+
+    def load(dest: State, url: str) -> None:
+        host = {k: torch.empty(v.shape, dtype=v.dtype) if v.is_cuda else v for k, v in dest.items()}
+        load_fn(host, _rank_dir(url, ctx.rank))
+        for k, v in dest.items():
+            if v.is_cuda:
+                v.copy_(host[k])
+
+    return save, load
+
+
+def _s3tc(ctx: Ctx) -> Contender:
+    name = "s3torchconnector"
+    try:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    except Exception as exc:  # an optional contender: any import failure only skips it
+        return Contender(name, _never, _never, frozenset({"s3"}), f"import failed: {exc!r}")
+    # path-style: the loopback endpoint is an IP address; the endpoint itself comes from AWS_ENDPOINT_URL
+    cfg = S3ClientConfig(force_path_style=True)
+    save, load = _dcp_pair(
+        ctx,
+        lambda url: S3StorageWriter(ctx.region, url, s3client_config=cfg),
+        lambda url: S3StorageReader(ctx.region, url, s3client_config=cfg),
+    )
+    return Contender(name, save, load, frozenset({"s3"}))
+
+
+def _never(*_args: Any) -> None:
+    raise RuntimeError("unavailable contender")
+
+
+def contenders(ctx: Ctx) -> list[Contender]:
+    """All contenders, in a fixed order (the driver rotates it per round)."""
+    ours = _dcp_pair(
+        ctx,
+        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
+        lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u)),
+    )
+    full = _dcp_pair(
+        ctx,
+        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), mode="full", process_group=ctx.process_group),
+        lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u)),
+    )
+    fs_default = _dcp_pair(ctx, FileSystemWriter, FileSystemReader)
+    # tuned: several files in flight per rank (the reader has no knobs; it reads what was written)
+    fs_tuned = _dcp_pair(ctx, lambda u: FileSystemWriter(u, thread_count=4), FileSystemReader)
+    # on S3 the default sync_files=True makes DCP call os.sync() for the whole host (S3File has no
+    # fileno); an S3 object is durable once its upload completes, so sync is off there
+    fsspec = _dcp_pair(
+        ctx,
+        lambda u: FsspecWriter(u, sync_files=not u.startswith("s3://"), **_opts(ctx, u)),
+        lambda u: FsspecReader(u, **_opts(ctx, u)),
+    )
+    return [
+        Contender("raw write+fsync / read", *_per_rank_pair(ctx, raw_save, raw_load), LOCAL),
+        Contender(OURS, *ours, ANY),
+        Contender(OURS_FULL, *full, ANY),
+        Contender("DCP FileSystemWriter defaults", *fs_default, LOCAL),
+        Contender("DCP FileSystemWriter thread_count=4", *fs_tuned, LOCAL),
+        Contender("DCP FsspecWriter", *fsspec, ANY),
+        _s3tc(ctx),
+        Contender("torch.save per rank", *_per_rank_pair(ctx, torch_save, torch_load), LOCAL),
+    ]
+
+
+def select(all_: Sequence[Contender], storage: str, names: Sequence[str] | None) -> list[Contender]:
+    """The contenders that run on ``storage`` (and match ``names``, substrings, when given)."""
+    out = [c for c in all_ if storage in c.storages]
+    if names:
+        out = [c for c in out if any(n.lower() in c.name.lower() for n in names)]
+    return out

@@ -268,12 +268,12 @@ class FullSource:
             if self.verify and self.records.get(t.file) is not None and key in self.units:
                 pass
             starts, run = box_runs(view, offsets, sizes, itemsize)
-            self._files.read_runs(t.file, t.start + starts, run, memoryview(out))
-            self._stat(t.file, nbytes, nbytes)
-            return out, nbytes
+            fetched = self._files.read_runs(t.file, t.start + starts, run, memoryview(out))
+            self._stat(t.file, nbytes, fetched)
+            return out, fetched
         # verified: every unit the box touches is read whole and checked; its overlap is copied out
         covered = 0
-        read = 0
+        read = self._hold_units(t, key, view, offsets, sizes, units)
         dst = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
         for u in units:
             if u.view != view:
@@ -285,8 +285,7 @@ class FullSource:
                 continue
             ubytes = bytearray(math.prod(u.sizes) * itemsize)
             starts, run = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            self._files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
-            read += len(ubytes)
+            read += self._files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
             if hash_bytes(ubytes) != u.digest:
                 raise CheckpointCorrupt(
                     f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
@@ -305,6 +304,31 @@ class FullSource:
             )
         self._stat(t.file, nbytes, read)
         return out, read
+
+    def _hold_units(
+        self,
+        t: _Tensor,
+        key: str,
+        view: tuple[int, ...],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        units: list[_Unit],
+    ) -> int:
+        """(object stores) One GET for the span of every unit the box touches, when it is at most
+        ``_SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
+        itemsize = t.dtype.itemsize
+        lo, hi = None, None
+        for u in units:
+            if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
+                if math.prod(box[1]) == 0:
+                    continue
+                starts, run = box_runs(u.view, u.offsets, u.sizes, itemsize)
+                if len(starts):
+                    a, b = int(starts[0]), int(starts[-1]) + run
+                    lo, hi = (a, b) if lo is None or hi is None else (min(lo, a), max(hi, b))
+        if lo is None or hi is None or hi - lo > _SPAN_BYTES:
+            return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
+        return self._files.hold(t.file, t.start + lo, t.start + hi)
 
     def _stat(self, name: str, needed: int, read: int) -> None:
         st = self.file_stats.setdefault(name, FileStats())
@@ -357,6 +381,22 @@ class _Files:
         self.fs, self.path = fs, path
         self.local = is_local(fs)
         self.fds: dict[str, int] = {}
+        # object stores: one span fetched ahead for the units of one box (file, start, bytes)
+        self._held: tuple[str, int, bytes] | None = None
+
+    def hold(self, name: str, lo: int, hi: int) -> int:
+        """(object stores) Fetch file bytes ``[lo, hi)`` in one GET and serve runs inside them from
+        memory until the next call; returns the bytes fetched (0 on local files, which need none)."""
+        self._held = None
+        if self.local or hi <= lo:
+            return 0
+        path = join(self.path, name)
+        with translate_errors(path):
+            blob = self.fs.cat_file(path, start=lo, end=hi)
+        if len(blob) != hi - lo:
+            raise CheckpointCorrupt(f"{path}: short read at offset {lo}")
+        self._held = (name, lo, blob)
+        return hi - lo
 
     def __enter__(self) -> _Files:
         return self
@@ -366,8 +406,9 @@ class _Files:
             os.close(fd)
         self.fds.clear()
 
-    def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> None:
-        """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``."""
+    def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> int:
+        """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``; returns the bytes
+        fetched from storage (more than the runs' on object stores, where strided runs share a GET)."""
         path = join(self.path, name)
         if self.local:
             fd = self.fds.get(name)
@@ -381,18 +422,61 @@ class _Files:
                 if got != n:
                     raise CheckpointCorrupt(f"{path}: truncated ({got} of {n} bytes at offset {lo})")
                 pos += n
-            return
-        spans = _merge(starts, run)
-        with translate_errors(path):
-            blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])
+            return pos
+        # Object stores: a GET costs far more than the bytes between strided runs (a column shard's
+        # rows), so runs are fetched in enclosing spans of up to _SPAN_BYTES and cut out here.
+        groups = _span_groups(starts, run)
+        spans = [(int(starts[a]), int(starts[b - 1]) + run - int(starts[a])) for a, b in groups]
+        held = self._held
+        if (
+            held is not None
+            and held[0] == name
+            and held[1] <= spans[0][0]
+            and spans[-1][0] + spans[-1][1] <= held[1] + len(held[2])
+        ):
+            base, whole = held[1], memoryview(held[2])
+            blobs: list[Any] = [whole[lo - base : lo - base + n] for lo, n in spans]
+            fetched = 0
+        else:
+            with translate_errors(path):
+                blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])
+            fetched = sum(n for _, n in spans)
         pos = 0
-        for (lo, n), blob in zip(spans, blobs):
+        for (lo, n), (a, b), blob in zip(spans, groups, blobs):
             if isinstance(blob, Exception) or len(blob) != n:
                 raise CheckpointCorrupt(f"{path}: short read at offset {lo}") from (
                     blob if isinstance(blob, Exception) else None
                 )
-            out[pos : pos + n] = blob
-            pos += n
+            src = np.frombuffer(blob, dtype=np.uint8)
+            dst = np.frombuffer(out, dtype=np.uint8)
+            rel = starts[a:b].astype(np.int64) - lo
+            steps = np.diff(rel)
+            if len(rel) > 1 and (steps == steps[0]).all() and steps[0] >= run:
+                # evenly spaced rows (the usual column box): one strided copy
+                rows = np.lib.stride_tricks.as_strided(src, (len(rel), run), (int(steps[0]), 1))
+                dst[pos : pos + len(rel) * run].reshape(len(rel), run)[:] = rows
+                pos += len(rel) * run
+                continue
+            for s in rel.tolist():
+                dst[pos : pos + run] = src[s : s + run]
+                pos += run
+        return fetched
+
+
+#: object stores: strided runs within one enclosing span of at most this many bytes share one GET
+_SPAN_BYTES = 32 << 20
+
+
+def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
+    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``_SPAN_BYTES`` (a run
+    longer than that is a group of its own)."""
+    out: list[tuple[int, int]] = []
+    a = 0
+    for i in range(1, len(starts) + 1):
+        if i == len(starts) or int(starts[i]) + run - int(starts[a]) > _SPAN_BYTES:
+            out.append((a, i))
+            a = i
+    return out
 
 
 def _merge(starts: np.ndarray, run: int) -> list[tuple[int, int]]:

@@ -35,8 +35,8 @@ __all__ = [
 
 class BufferPool:
     """Read buffers reused within one ``read_data`` call: a fresh 64 MiB ``bytearray`` costs a memset and
-    page faults on every request. Thread-safe. Buffers are at least ``min_size`` bytes; at most
-    ``max_kept`` are kept for reuse."""
+    page faults on every request. Thread-safe. Buffers are sized to the request, rounded up to a
+    multiple of ``min_size``; at most ``max_kept`` are kept for reuse."""
 
     def __init__(self, *, min_size: int, max_kept: int) -> None:
         self.min_size = min_size
@@ -56,7 +56,7 @@ class BufferPool:
                 if len(b) >= n:
                     del self._free[i]
                     return b
-        return bytearray(max(n, self.min_size))
+        return bytearray(-(-max(n, 1) // self.min_size) * self.min_size)
 
     def give_back(self, data: memoryview) -> None:
         """Keep the buffer under ``data`` for reuse (when it came from :meth:`take`). Every view of it,

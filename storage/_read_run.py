@@ -84,7 +84,9 @@ class ReadRun:
         self.allow_pickle = allow_pickle
         self.thread_count = thread_count
         self.planner = planner
-        self.pool = BufferPool(min_size=min(max_request_bytes, 1 << 26), max_kept=2 * thread_count)
+        # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
+        # records must not zero-fill 64 MiB buffers (measured: 192 MiB extra RSS for a 17 MiB load)
+        self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
         self.bytes_read = 0
         self.requests = 0
         self.read_per_file: dict[str, int] = {}

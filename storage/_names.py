@@ -5,11 +5,13 @@ A committed checkpoint folder holds::
     <folder>/smpckpt.manifest.json          # commit marker, written last (JSON, see manifest.py)
     <folder>/.metadata                      # pickled DCP Metadata (stock readers look here)
     <folder>/.metadata.<save_id>            # the same bytes under a per-generation name (our reader)
-    <folder>/<e4>_r<rank>_<n>.<save_id>.smp.distcp   # data files, one generation per save
+    <folder>/[<prefix>/]<e4>_r<rank>_<n>.<save_id>.smp.distcp   # data files, one generation per save
 
 ``<e4>`` is four hex characters of a hash of the file's identity. It comes first in the object name so
 object-store keys of one checkpoint spread over many key prefixes (S3 partitions by prefix); it sits
-right after the folder so every object stays under the checkpoint's folder.
+right after the folder so every object stays under the checkpoint's folder. ``<prefix>/`` is the
+optional folder a prefix strategy puts the file in (``_prefixes.py``; object stores by default); it is
+part of the file's recorded name, so nothing else needs to know the strategy.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ LOAD_ID_PREFIX = "smpckpt-"
 #: (which an older reader would misread as corrupt), so checkpoints without them stay readable by 1.
 FORMAT_VERSION = 2
 
-_DATA_RE = re.compile(r"^[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]+\.smp\.distcp$")
+_DATA_RE = re.compile(r"^(?:[0-9A-Za-z_-]{1,64}/)?[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]+\.smp\.distcp$")
+# folder components a recorded file name may have before its base name: prefix strategies (ours, one
+# level; s3torchconnector's, up to two: "<prefix>/epoch_<n>/__0_0.distcp")
+_FOLDER_RE = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+_MAX_FOLDERS = 2
 _GEN_META_RE = re.compile(r"^\.metadata\.[0-9a-z]+$")
 _SAVE_ID_RE = re.compile(r"^[0-9a-z]{8,40}$")
 
@@ -69,9 +75,13 @@ def check_save_id(save_id: str) -> str:
     return save_id
 
 
-def data_file_name(save_id: str, rank: int, n: int) -> str:
+def data_file_name(save_id: str, rank: int, n: int, prefix: str = "") -> str:
+    """The recorded name of data file ``n`` of ``rank``: ``[<prefix>/]<e4>_r<rank>_<n>.<save_id>.smp.distcp``."""
     entropy = hashlib.blake2b(f"{save_id}/{rank}/{n}".encode(), digest_size=2).hexdigest()
-    return f"{entropy}_r{rank}_{n}.{check_save_id(save_id)}.smp.distcp"
+    name = f"{entropy}_r{rank}_{n}.{check_save_id(save_id)}.smp.distcp"
+    if prefix and not _FOLDER_RE.fullmatch(prefix):
+        raise ValueError(f"malformed prefix {prefix!r}")
+    return f"{prefix}/{name}" if prefix else name
 
 
 def generation_metadata_name(save_id: str) -> str:
@@ -79,7 +89,8 @@ def generation_metadata_name(save_id: str) -> str:
 
 
 def is_smpckpt_file(name: str) -> bool:
-    """True for a data or per-generation metadata file written by our writer (base name only)."""
+    """True for a data or per-generation metadata file written by our writer (recorded name: base name,
+    with its prefix folder for data files)."""
     return bool(_DATA_RE.match(name) or _GEN_META_RE.match(name))
 
 
@@ -87,19 +98,30 @@ def check_member_name(name: object, *, where: str) -> str:
     """``name`` if it is a plain file name that stays inside its checkpoint folder, else raise
     :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where`` (the manifest or metadata that held it).
 
+    A name may start with up to two folder components of ``[0-9A-Za-z_-]`` (the prefixes of prefix
+    strategies: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``); nothing else may
+    hold a separator, so no name climbs out of the folder.
+
     Every file name read from a checkpoint (manifest entries, the metadata's ``relative_path``) goes
     through here before anything is read or deleted: a crafted ``../../victim`` must never reach the
     filesystem.
     """
     from smpckpt.errors import UnsafeCheckpoint
 
+    base = name
+    if isinstance(name, str) and "/" in name:
+        *folders, base = name.split("/")
+        if len(folders) > _MAX_FOLDERS or not all(_FOLDER_RE.fullmatch(f) for f in folders):
+            base = None  # refused below
     ok = (
-        isinstance(name, str)
-        and 0 < len(name) <= 255
-        and name not in (".", "..")
-        and "/" not in name
+        isinstance(base, str)
+        and isinstance(name, str)
+        and 0 < len(base) <= 255
+        and len(name) <= 400
+        and base not in (".", "..")
+        and "/" not in base
         and "\\" not in name
-        and os.sep not in name
+        and (os.sep == "/" or os.sep not in name)
         and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)
     )
     if not ok:

@@ -2,7 +2,9 @@
 
 Every sink has ``write(memoryview)``, ``commit()`` (make the file complete and durable) and
 ``abort()`` (best-effort removal of a partial file; idempotent). ``commit`` after ``abort`` is an error.
-Sinks do not copy the caller's bytes except where the backend needs its own buffer (S3 parts).
+Sinks do not copy the caller's bytes except where the backend needs its own buffer (S3 parts, unless
+the sink was opened with ``borrow=True``: then the caller's memory must stay unchanged until
+``commit``/``abort`` returns, and S3 parts are sent straight from it).
 """
 
 from __future__ import annotations
@@ -169,11 +171,15 @@ class FsspecSink:
             pass
 
 
-def open_sink(fs: Any, path: str, *, sync: bool, part_size: int, max_parts_in_flight: int) -> Sink:
+def open_sink(
+    fs: Any, path: str, *, sync: bool, part_size: int, max_parts_in_flight: int, borrow: bool = False
+) -> Sink:
+    """The sink for ``path`` on ``fs``. ``borrow=True``: the caller does not change the memory it passes
+    to ``write`` until ``commit``/``abort`` returns, so a sink may send it without copying (S3)."""
     if is_local(fs):
         return LocalSink(path, sync=sync)
     if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         from smpckpt.storage._s3 import S3MultipartSink
 
-        return S3MultipartSink(fs, path, part_size=part_size, max_in_flight=max_parts_in_flight)
+        return S3MultipartSink(fs, path, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow)
     return FsspecSink(fs, path)

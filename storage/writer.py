@@ -73,6 +73,14 @@ from smpckpt.storage._full_plan import (
 )
 from smpckpt.storage._full_write import create_files, write_rank
 from smpckpt.storage._location import FsspecLocation
+from smpckpt.storage._prefixes import (
+    FlatLayout,
+    PrefixOption,
+    PrefixStrategy,
+    folder_of,
+    remove_empty_folders,
+    resolve,
+)
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
@@ -90,6 +98,9 @@ class _RankPlanData:
 
     save_id: str
     rank: int
+    world_size: int = 1
+    #: the coordinator's strategy, so every rank lays out its files alike
+    prefixes: PrefixStrategy = dataclasses.field(default_factory=FlatLayout)
 
 
 def _with_layout_record(extra: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
@@ -131,6 +142,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         full: layout options of full mode (shard size, dtype cast, translation, ``config.json``).
         process_group: the group ``dcp.save`` runs on (default: the default group); full mode on object
             stores sends shard bytes to each file's owner rank over it.
+        prefix_strategy: where data files go inside the folder (partial mode). ``"auto"`` (default):
+            directly in the folder on local/POSIX paths, one hex prefix folder per file on object
+            stores (``<folder>/<p>/<name>``, neighbouring files differing in the first character, so a
+            large save spreads over many S3 prefixes); ``"flat"``, ``"hex"``, ``"binary"`` or a
+            :class:`~smpckpt.storage.PrefixStrategy`. The prefix is part of each file's recorded name:
+            readers and tools need no setting.
     """
 
     def __init__(
@@ -149,6 +166,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         mode: Literal["partial", "full"] = "partial",
         full: FullOptions | None = None,
         process_group: Any = None,
+        prefix_strategy: PrefixOption = "auto",
     ) -> None:
         super().__init__()
         if mode not in ("partial", "full"):
@@ -172,6 +190,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self.block_size = block_size
         self.part_size = part_size
         self.max_parts_in_flight = max_parts_in_flight
+        self.prefix_strategy = prefix_strategy
+        resolve(prefix_strategy, local=True)  # fail on a bad option now, not inside dcp.save
         self._extra: dict[str, Any] = {}
         if manifest_extra is not None:
             self.set_manifest_extra(manifest_extra)
@@ -225,7 +245,11 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             )
         self._old_files = found.generation_files() if found.state in ("committed", "legacy") else []
         self._save_id = _names.new_save_id()
-        return [dataclasses.replace(p, storage_data=_RankPlanData(self._save_id, i)) for i, p in enumerate(plans)]
+        prefixes = resolve(self.prefix_strategy, local=is_local(self.fs))
+        return [
+            dataclasses.replace(p, storage_data=_RankPlanData(self._save_id, i, len(plans), prefixes))
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """(all ranks) Write this rank's items; every file is complete and durable when this returns."""
@@ -293,6 +317,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             failed = remove_files(self.fs, stale)
             if failed:
                 log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
+            if is_local(self.fs):
+                remove_empty_folders(self.path, stale)
 
     def _committed_by_us(self, save_id: str) -> bool:
         """After a refused exclusive commit: is the manifest there our own (a retried request whose
@@ -337,12 +363,19 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             create_bytes_exclusive(self.fs, path, data, sync=self.sync_files)
 
     def _open_sink(self, name: str) -> Sink:
+        """A data file's sink (partial mode). It may borrow: write_file passes views of the resolved
+        tensors (or of per-item buffers) and never changes them before the sink's commit, so S3 parts
+        go out without a copy."""
+        return self._sink(name, borrow=True)
+
+    def _sink(self, name: str, *, borrow: bool = False) -> Sink:
         return open_sink(
             self.fs,
             join(self.path, name),
             sync=self.sync_files,
             part_size=self.part_size,
             max_parts_in_flight=self.max_parts_in_flight,
+            borrow=borrow,
         )
 
     # -- data path --------------------------------------------------------------------------------------
@@ -355,7 +388,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 plan.items,
                 planner,
                 fs=self.fs,
-                open_sink=self._open_sink,
+                open_sink=self._sink,  # copies: received shard buffers are not promised to stay put
                 process_group=self.process_group,
                 sync=self.sync_files,
             )
@@ -384,10 +417,19 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"save id {data.save_id} was already committed by this writer: the planner returned a cached "
                 "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
             )
-        if is_local(self.fs):
-            os.makedirs(self.path, exist_ok=True)
         buckets = split_items(list(plan.items), self.thread_count)
-        names = [_names.data_file_name(data.save_id, data.rank, n) for n in range(len(buckets))]
+        # file n of this rank is file rank * thread_count + n of the save, wherever it goes
+        count = data.world_size * self.thread_count
+        names = [
+            _names.data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * self.thread_count + n, count))
+            for n in range(len(buckets))
+        ]
+        folders = sorted({folder_of(self.path, n) for n in names})
+        if is_local(self.fs):
+            # the checkpoint folder too, even on a rank with nothing to write: the coordinator's
+            # metadata and manifest go there
+            for folder in [self.path, *folders]:
+                os.makedirs(folder, exist_ok=True)
         results: list[WriteResult] = []
         errors: list[BaseException] = []
         if not buckets:
@@ -406,13 +448,22 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             remove_files(self.fs, [join(self.path, n) for n in names])
             raise errors[0]
         if is_local(self.fs) and self.sync_files:
-            fsync_dir(self.path)
+            for folder in folders:  # the files' own folders, then the checkpoint folder holding them
+                fsync_dir(folder)
+            if folders != [self.path]:
+                fsync_dir(self.path)
         self._used_save_ids.add(data.save_id)
         return results
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int) -> list[WriteResult]:
         return write_file(
-            self._open_sink(name), name, items, planner, rank, raw=self.format == "raw", block_size=self.block_size
+            self._open_sink(name),
+            name,
+            items,
+            planner,
+            rank,
+            raw=self.format == "raw",
+            block_size=self.block_size,
         )
 
     # -- full mode (coordinator) ------------------------------------------------------------------------

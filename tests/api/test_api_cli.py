@@ -33,7 +33,7 @@ def _populate(root: str, options: dict[str, Any] | None = None) -> None:
 
 def _corrupt_one_data_file(folder: str, options: dict[str, Any] | None) -> str:
     fs, path = open_fs(folder, options)
-    name = sorted(n for n in fs.ls(path, detail=False) if n.endswith(".distcp"))[0]
+    name = sorted(n for n in fs.find(path) if n.endswith(".distcp"))[0]  # data files may sit in prefix folders
     data = bytearray(fs.cat_file(name))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(name, bytes(data))

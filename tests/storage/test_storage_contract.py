@@ -30,8 +30,9 @@ Backend = tuple[str, dict[str, Any]]
 
 
 def _fs_files(url: str, opts: dict[str, Any]) -> tuple[Any, str, list[str]]:
+    """Every file under the folder, by its name relative to it (data files may sit in prefix folders)."""
     fs, path = open_fs(url, opts)
-    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.exists(path) else []
+    names = sorted(p[len(path) + 1 :] for p in fs.find(path)) if fs.exists(path) else []
     return fs, path, names
 
 

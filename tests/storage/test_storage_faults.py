@@ -60,15 +60,17 @@ class FailBefore(FsspecStorageWriter):
 
 def _data_files(url: str, opts: dict[str, Any]) -> list[str]:
     fs, path = open_fs(url, opts)
-    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False) if p.endswith(".distcp"))
+    # names relative to the folder: on object stores data files sit in prefix folders
+    return sorted(p[len(path) + 1 :] for p in fs.find(path) if p.endswith(".distcp"))
 
 
 def _listing(url: str, opts: dict[str, Any]) -> list[str]:
-    """Every name in the folder ([] where it does not exist: memory and S3 have no empty folders)."""
+    """Every file under the folder, relative to it ([] where it does not exist: memory and S3 have no
+    empty folders)."""
     fs, path = open_fs(url, opts)
     if not fs.exists(path):
         return []
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    return sorted(p[len(path) + 1 :] for p in fs.find(path))
 
 
 # The message each injection point raises (FailingPlanner(0) fails on the 1st item, FailingPlanner(3) on the 4th).

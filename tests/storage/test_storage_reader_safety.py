@@ -240,7 +240,10 @@ def _check_outside_name(backend: Backend, kind: str, name: str) -> None:
 
 @local_and_memory
 @pytest.mark.parametrize("kind", ["committed", "legacy"])
-@pytest.mark.parametrize("name", ["../../outside.bin", "..", "sub/data.distcp", "\\..\\x.bin"])
+# (one or two plain prefix folders, "sub/data.distcp", are inside the folder: prefix strategies use them)
+@pytest.mark.parametrize(
+    "name", ["../../outside.bin", "..", "sub/../../data.distcp", "a/b/c/data.distcp", "s p/x.bin", "\\..\\x.bin"]
+)
 def test_record_naming_a_file_outside_the_folder_is_unsafe(backend: Backend, kind: str, name: str) -> None:
     _check_outside_name(backend, kind, name)
 

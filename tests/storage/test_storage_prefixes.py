@@ -1,0 +1,209 @@
+"""Prefix spreading of data files (``prefix_strategy``) and the zero-copy S3 upload path, on local disk
+and a real loopback moto server: layout, bit-exact loads, verify, overwrite clean-up and removal."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from storage_helpers import assert_state_equal, roundtrip_load, save
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+from smpckpt.errors import UnsafeCheckpoint
+from smpckpt.storage import (
+    BinaryPrefixes,
+    FlatLayout,
+    FsspecStorageWriter,
+    HexPrefixes,
+    PrefixStrategy,
+    open_fs,
+    read_manifest,
+    remove_checkpoint,
+    verify_checkpoint,
+)
+from smpckpt.storage._names import check_member_name, is_smpckpt_file
+from smpckpt.storage._prefixes import resolve
+from smpckpt.storage._s3 import PartBody, S3MultipartSink
+
+Backend = tuple[str, dict[str, Any]]
+
+
+def _state(n: int = 12, rows: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f"t{i}": torch.randn(rows + i, 33, generator=g) for i in range(n)}
+
+
+def _files(url: str, opts: dict[str, Any]) -> list[str]:
+    fs, path = open_fs(url, opts)
+    return sorted(p[len(path) + 1 :] for p in fs.find(path)) if fs.exists(path) else []
+
+
+# -- strategies -------------------------------------------------------------------------------------
+def test_numeric_prefixes_put_neighbours_apart() -> None:
+    hexp = HexPrefixes()
+    assert [hexp(i, 16) for i in range(3)] == ["0", "1", "2"]
+    # 32 files need two hex digits; reversed, the fastest-changing digit comes first
+    assert [hexp(i, 32) for i in (0, 1, 16, 17)] == ["00", "10", "01", "11"]
+    binp = BinaryPrefixes(min_length=4)
+    assert [binp(i, 4) for i in range(4)] == ["0000", "1000", "0100", "1100"]
+    assert HexPrefixes(count=4)(5, 1000) == "1"  # a fixed count bounds the prefixes
+    assert FlatLayout()(3, 8) == ""
+    assert HexPrefixes(count=4) == HexPrefixes(count=4) != HexPrefixes()
+    with pytest.raises(ValueError):
+        HexPrefixes(count=0)
+
+
+def test_resolve_defaults_and_bad_strategies() -> None:
+    assert resolve("auto", local=True) == FlatLayout()
+    assert resolve("auto", local=False) == HexPrefixes()
+    assert resolve("binary", local=True) == BinaryPrefixes()
+    with pytest.raises(ValueError, match="prefix_strategy"):
+        FsspecStorageWriter("/tmp/x", prefix_strategy="spread")  # type: ignore[arg-type]
+
+    class Bad(PrefixStrategy):
+        def prefix(self, file_index: int, file_count: int) -> str:
+            return "../up"
+
+    with pytest.raises(ValueError, match="prefix"):
+        Bad()(0, 1)
+
+
+def test_member_names_allow_prefix_folders_only() -> None:
+    for ok in ("a3f2_r0_0.x.smp.distcp", "3/a3f2_r0_0.x", "0000000000/__0_0.distcp", "0001/epoch_3/__1_0.distcp"):
+        assert check_member_name(ok, where="t") == ok
+    for bad in ("../x", "a/../x", "./x", "a/./x", "/x", "a//x", "x/", "a/b/c/d", "a b/x", "a\\b/x", "a\n/x", ".."):
+        with pytest.raises(UnsafeCheckpoint):
+            check_member_name(bad, where="t")
+    assert is_smpckpt_file("f/0a1b_r3_0.18c1f0abcdef01.smp.distcp")
+    assert not is_smpckpt_file("f/g/0a1b_r3_0.18c1f0abcdef01.smp.distcp")
+
+
+# -- local disk --------------------------------------------------------------------------------------
+def test_local_keeps_flat_layout_unless_asked(tmp_path: Any) -> None:
+    sd = _state()
+    flat, spread = str(tmp_path / "flat"), str(tmp_path / "spread")
+    save(sd, flat, thread_count=4)
+    assert all("/" not in f.name for f in read_manifest(flat).files)
+    save(sd, spread, thread_count=4, prefix_strategy="hex")
+    names = [f.name for f in read_manifest(spread).files]
+    assert len({n.split("/")[0] for n in names}) == 4, names
+    assert_state_equal(sd, roundtrip_load(sd, spread))
+    assert verify_checkpoint(spread).ok
+    # an overwrite removes the old generation and the prefix folders it left empty
+    save(sd, spread, thread_count=2, prefix_strategy="hex", overwrite=True)
+    folders = sorted(d for d in os.listdir(spread) if os.path.isdir(os.path.join(spread, d)))
+    assert folders == sorted({f.name.split("/")[0] for f in read_manifest(spread).files})
+    remove_checkpoint(spread)
+    assert not os.path.exists(spread)
+
+
+# -- S3 (moto) ---------------------------------------------------------------------------------------
+@pytest.mark.s3
+def test_s3_spreads_keys_over_prefixes(s3: Backend) -> None:
+    base, opts = s3
+    url = f"{base}/run/step1"
+    sd = _state()
+    save(sd, url, opts, thread_count=8)
+    manifest = read_manifest(url, opts)
+    data = [f.name for f in manifest.files]
+    prefixes = {n.split("/")[0] for n in data}
+    assert len(data) == 8 and len(prefixes) == 8, data
+    assert {p[0] for p in prefixes} == set("01234567")  # neighbours differ in the first character
+    # every object sits under the checkpoint folder: data one level down, commit files at the top
+    objects = _files(url, opts)
+    assert set(data) <= set(objects)
+    assert all(o.count("/") <= 1 for o in objects)
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+    report = verify_checkpoint(url, opts)
+    assert report.ok and report.files_checked == 9, report.problems
+    # an overwrite (other layout) leaves only the new generation
+    sd2 = _state(6)
+    save(sd2, url, opts, thread_count=2, overwrite=True)
+    new = read_manifest(url, opts)
+    assert sorted(set(_files(url, opts)) - {".metadata", "smpckpt.manifest.json", new.metadata.name}) == sorted(
+        f.name for f in new.files
+    )
+    assert_state_equal(sd2, roundtrip_load(sd2, url, opts))
+    remove_checkpoint(url, opts)
+    assert _files(url, opts) == []
+    assert _files(f"{base}/run", opts) == []
+
+
+@pytest.mark.s3
+def test_s3_flat_and_custom_strategies(s3: Backend) -> None:
+    base, opts = s3
+    sd = _state(4)
+    save(sd, f"{base}/flat", opts, prefix_strategy="flat")
+    assert all("/" not in f.name for f in read_manifest(f"{base}/flat", opts).files)
+
+    class ByRank(PrefixStrategy):
+        def prefix(self, file_index: int, file_count: int) -> str:
+            return f"part-{file_index % 2}"
+
+    save(sd, f"{base}/custom", opts, prefix_strategy=ByRank())
+    assert {f.name.split("/")[0] for f in read_manifest(f"{base}/custom", opts).files} == {"part-0", "part-1"}
+    assert_state_equal(sd, roundtrip_load(sd, f"{base}/custom", opts))
+
+
+@pytest.mark.s3
+def test_s3_torch_save_format_with_prefixes_reads_with_stock_reader(s3: Backend) -> None:
+    base, opts = s3
+    url = f"{base}/ts"
+    sd = _state(4)
+    save(sd, url, opts, format="torch_save")
+    assert all("/" in f.name for f in read_manifest(url, opts).files)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    stock = {k: v for k, v in opts.items() if k != "skip_instance_cache"}
+    dcp.load(out, storage_reader=FsspecReader(url, **stock))
+    assert_state_equal(sd, out)
+
+
+@pytest.mark.s3
+def test_s3_multipart_parts_from_borrowed_views_are_bit_exact(s3: Backend) -> None:
+    """Files larger than a part: multipart upload whose parts are views of several tensors."""
+    base, opts = s3
+    url = f"{base}/big"
+    g = torch.Generator().manual_seed(3)
+    # 9 MiB + 13 MiB + 20 MiB (+ small ones) in one file: 16 MiB parts straddle tensors
+    sd = {"a": torch.randn(9 << 18, generator=g), "b": torch.randn(13 << 18, generator=g)}
+    sd["c"] = torch.randn(20 << 18, generator=g)
+    sd["s"] = torch.arange(5, dtype=torch.int16)
+    save(sd, url, opts, thread_count=1, part_size=16 << 20)
+    (rec,) = read_manifest(url, opts).files
+    assert rec.size > 32 << 20
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+    assert verify_checkpoint(url, opts).ok
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("borrow", [False, True])
+def test_s3_sink_odd_writes(s3: Backend, borrow: bool) -> None:
+    base, opts = s3
+    fs, path = open_fs(f"{base}/sink/obj", opts)
+    payload = os.urandom((40 << 20) + 12345)
+    sink = S3MultipartSink(fs, path, part_size=16 << 20, max_in_flight=2, borrow=borrow)
+    mv, i = memoryview(payload), 0
+    for step in (1, 5 << 20, 17 << 20, 3, 11 << 20):
+        sink.write(mv[i : i + step])
+        i += step
+    sink.write(mv[i:])
+    sink.commit()
+    assert fs.cat_file(path) == payload
+    small = S3MultipartSink(fs, path + "-small", part_size=16 << 20, max_in_flight=2, borrow=borrow)
+    small.write(memoryview(b"abc"))
+    small.commit()
+    assert fs.cat_file(path + "-small") == b"abc"
+
+
+def test_part_body_reads_like_a_file() -> None:
+    body = PartBody([memoryview(b"abc"), memoryview(b""), memoryview(bytearray(b"defgh"))])
+    assert len(body) == 8 and body.tell() == 0
+    assert bytes(body.read(2)) == b"ab" and bytes(body.read(5)) == b"c"  # one view at a time
+    assert bytes(body.read()) == b"defgh" and body.read() == b""
+    body.seek(0)
+    chunks = [bytes(c) for c in iter(lambda: body.read(3), b"")]
+    assert b"".join(chunks) == b"abcdefgh"
+    assert body.seek(-2, 2) == 6 and bytes(body.read(9)) == b"gh"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -226,3 +228,25 @@ def test_ownership_cost_does_not_grow_with_the_world():
         "e": rank - 1,  # dp group: the 4 consecutive ranks of this DP coordinate, none loaded yet
         "d": rank,
     }
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from(["*", "a", "b", ".", "?", "[ab]", "[!a]", "*.", ".*", "a*b*"]), min_size=1, max_size=4
+        ),
+        max_size=6,
+    ),
+    st.lists(st.text("ab.c", max_size=8), min_size=1, max_size=10),
+)
+def test_spec_rules_first_matching_rule_wins_like_a_scan(patterns, keys):
+    # SpecRules matches all rules with one combined regex; the definition is the first rule whose glob
+    # matches, in the mapping's order (patterns repeat and overlap here; several globs make groups)
+    patterns = list(dict.fromkeys("".join(p) for p in patterns))
+    specs = {p: ShardSpec(i) for i, p in enumerate(patterns)}
+    rules = SpecRules(specs)
+    for key in keys:
+        expected = next((specs[p] for p in patterns if fnmatch.fnmatchcase(key, p)), None)
+        got = rules.match(key)
+        assert (got[0][0] if got else None) == expected, (patterns, key)

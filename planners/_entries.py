@@ -208,15 +208,16 @@ class _EntryMaker:
         self._origins: dict[int, torch.Size] = {}  # all-zero offsets by rank (torch.Size is immutable)
 
     def entry(self, local_key: str, key: str, path: tuple[Any, ...], value: Any, is_local: bool) -> Entry:
-        if isinstance(value, DTensor):
-            return _dtensor_entry(local_key, key, path, value, is_local)
-        if type(value).__name__ == "ShardedTensor":
-            raise SpecError(
-                f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with a "
-                "ShardSpec"
-            )
-        if not isinstance(value, torch.Tensor):
-            return Entry(local_key, key, path, "object", value, rank_local=is_local)
+        if type(value) is not torch.Tensor:  # plain tensors (nearly every key) skip the subclass checks
+            if isinstance(value, DTensor):
+                return _dtensor_entry(local_key, key, path, value, is_local)
+            if type(value).__name__ == "ShardedTensor":
+                raise SpecError(
+                    f"{key}: ShardedTensor is not supported; convert it to a DTensor or a plain local shard with "
+                    "a ShardSpec"
+                )
+            if not isinstance(value, torch.Tensor):
+                return Entry(local_key, key, path, "object", value, rank_local=is_local)
         matched = None if is_local else self.rules.match(key, self.prefixes)
         if matched is not None:
             specs, inherited_from = matched

@@ -9,7 +9,8 @@ DP degree, with our planners and with DCP's defaults.
   one) of each world size -- planning every rank of a 16,384-rank world would only repeat them. All
   world sizes, contenders and ranks are interleaved in each round, so the ratios (ours / DCP, and a
   world size / the smallest) are taken side by side; the tables give medians over rounds and ranks.
-  Save: ``ParallelSavePlanner`` vs ``DefaultSavePlanner`` on meta tensors (planning needs shapes only).
+  Save: ``ParallelSavePlanner`` vs ``DefaultSavePlanner`` on meta tensors (planning needs shapes only);
+  also ours "reused": a planner kept from a save of the same structure (its per-instance plan cache).
   Load: ``ParallelLoadPlanner`` vs ``DefaultLoadPlanner`` into real CPU tensors (ours refuses meta
   destinations), against a checkpoint saved at TP=2, DP=1 by each planner -- a DP-replicated state's
   chunks and metadata do not depend on the DP degree, so the same metadata serves every world.
@@ -173,9 +174,13 @@ def _timed(setup: Callable[[], Any], run: Callable[[Any], float]) -> tuple[float
 
 def _save_case(who: str, layout: ParallelLayout, rank: int, sd: dict) -> tuple[Callable, Callable]:
     def setup() -> Any:
-        if who == "smpckpt":
-            return ParallelSavePlanner(layout, SPECS, rank=rank)
-        return DefaultSavePlanner(enable_plan_caching=False)
+        if who == "dcp":
+            return DefaultSavePlanner(enable_plan_caching=False)
+        planner = ParallelSavePlanner(layout, SPECS, rank=rank)
+        if who == "smpckpt_reused":  # a planner kept from the last save: its per-instance plan cache
+            planner.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=rank == 0)
+            planner.finish_plan(planner.create_local_plan())
+        return planner
 
     def run(p: Any) -> float:
         p.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=rank == 0)
@@ -212,7 +217,7 @@ def local_rows(worlds: list[int], layers: int, tp: int, rounds: int, load: bool)
         layout = ParallelLayout(tp=tp, dp=world // tp)
         for rank in sampled_ranks(world):
             for phase in phases:
-                for who in WHO:
+                for who in (*WHO, "smpckpt_reused") if phase == "save" else WHO:
                     if phase == "save":
                         case = _save_case(who, layout, rank, save_sd)
                     else:
@@ -257,25 +262,42 @@ def _summarise(samples: dict, worlds: list[int], phases: tuple[str, ...], rounds
                     )
                     * 1e3,
                     "ratio_vs_dcp": statistics.median(vs_dcp),
+                    **_reused(samples, phase, world, ranks),
                     "ratio_vs_smallest_world": statistics.median(vs_small),
                 }
             )
     return rows
 
 
+def _reused(samples: dict, phase: str, world: int, ranks: list[int]) -> dict:
+    if (phase, world, "smpckpt_reused", ranks[0]) not in samples:
+        return {}
+    reused = [t for r in ranks for t in samples[(phase, world, "smpckpt_reused", r)]]
+    dcp = [t for r in ranks for t in samples[(phase, world, "dcp", r)]]
+    return {
+        "smpckpt_reused_ms": statistics.median(t for t, _ in reused) * 1e3,
+        "reused_ratio_vs_dcp": statistics.median(o[0] / d[0] for o, d in zip(reused, dcp)),
+    }
+
+
 def print_local(rows: list[dict], tp: int) -> None:
     print(f"\nlocal planning per rank, TP={tp}: medians over rounds x sampled ranks (ratios: of side-by-side pairs)")
     print(
         f"{'phase':>5} {'world':>6} {'ours ms':>8} {'DCP ms':>8} {'ours/DCP':>9} "
-        f"{'ours/ours@' + str(rows[0]['world']):>12} {'slowest rank':>13} {'ours plan':>10} {'DCP plan':>9}"
+        f"{'ours/ours@' + str(rows[0]['world']):>12} {'slowest rank':>13} {'ours plan':>10} {'DCP plan':>9} "
+        f"{'reused/DCP':>11}"
     )
     for r in rows:
         print(
             f"{r['phase']:>5} {r['world']:>6} {r['smpckpt_ms']:>8.2f} {r['dcp_ms']:>8.2f} {r['ratio_vs_dcp']:>9.2f} "
             f"{r['ratio_vs_smallest_world']:>12.2f} {r['smpckpt_slowest_rank_ms']:>13.2f} "
-            f"{r['smpckpt_local_plan_ms']:>10.2f} {r['dcp_local_plan_ms']:>9.2f}"
+            f"{r['smpckpt_local_plan_ms']:>10.2f} {r['dcp_local_plan_ms']:>9.2f} "
+            f"{r['reused_ratio_vs_dcp'] if 'reused_ratio_vs_dcp' in r else float('nan'):>11.2f}"
         )
-    print("(ms = set_up_planner + create_local_plan; 'plan' = create_local_plan alone)")
+    print(
+        "(ms = set_up_planner + create_local_plan of a fresh planner; 'plan' = create_local_plan alone; "
+        "'reused' = ours kept from a save of the same structure, its plan cache hit)"
+    )
 
 
 def main() -> None:
@@ -284,7 +306,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="transformer layers (default 24, quick 4)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--worlds", type=int, nargs="+", default=None, help=f"world sizes (default {WORLDS})")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds of local planning (default 9, quick 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds of local planning (default 15, quick 3)")
     ap.add_argument(
         "--coordinator-max", type=int, default=None, help="largest world planned in full, ours (default 4096, quick 64)"
     )
@@ -296,7 +318,7 @@ def main() -> None:
     args = ap.parse_args()
     layers = args.layers if args.layers is not None else (4 if args.quick else 24)
     worlds = args.worlds or (QUICK_WORLDS if args.quick else WORLDS)
-    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 9)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 15)
     caps = {
         "smpckpt": args.coordinator_max if args.coordinator_max is not None else (64 if args.quick else 4096),
         "dcp": args.dcp_coordinator_max if args.dcp_coordinator_max is not None else (64 if args.quick else 1024),

@@ -14,31 +14,89 @@ Replica groups, by the axes a tensor is split over (within one pipeline stage):
 Ranks first balance the stage-wide replicated tensors over the whole stage, then each smaller group
 balances its tensors starting from those loads. That keeps the decision local: a rank never needs the
 sizes of tensors outside its own groups.
+
+The rule: tensors in descending ``(bytes, then key ascending)`` order each go to the group member with
+the least bytes so far, the lowest rank among equals. Every rank plans at every save, so the cost must
+not grow with the world: a group is a ``range`` of ranks (the rank order makes each one an arithmetic
+progression), and the greedy step keeps only the members that already hold something in a heap -- at
+most one per tensor -- next to the lowest member that holds nothing yet. Time O(n log n) for n tensors,
+whatever the group's size.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 from smpckpt.layout import ParallelLayout
 
-__all__ = ["assign_owners", "replica_group"]
+__all__ = ["assign_owners", "replica_group", "replica_range"]
+
+
+def replica_range(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str]) -> range:
+    """Ranks holding the same piece as ``rank`` for a tensor split over ``sharded_axes``, ascending.
+
+    With ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)`` each group is a ``range``: O(1) to build and
+    to test membership in, however many ranks it spans.
+    """
+    c = layout.coords(rank)
+    if "tp" in sharded_axes and "dp" in sharded_axes:
+        return range(rank, rank + 1)
+    if "tp" in sharded_axes:  # the DP ranks of this TP coordinate: stride tp
+        first = layout.rank_of(tp=c.tp, dp=0, pp=c.pp)
+        return range(first, first + layout.tp * layout.dp, layout.tp)
+    if "dp" in sharded_axes:  # the TP ranks of this DP coordinate: consecutive
+        first = layout.rank_of(tp=0, dp=c.dp, pp=c.pp)
+        return range(first, first + layout.tp)
+    first = layout.rank_of(tp=0, dp=0, pp=c.pp)  # the whole stage
+    return range(first, first + layout.tp * layout.dp)
 
 
 def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str]) -> list[int]:
-    """Ranks holding the same piece as ``rank`` for a tensor split over ``sharded_axes``."""
-    c = layout.coords(rank)
-    tps = [c.tp] if "tp" in sharded_axes else range(layout.tp)
-    dps = [c.dp] if "dp" in sharded_axes else range(layout.dp)
-    return sorted(layout.rank_of(tp=t, dp=d, pp=c.pp) for t in tps for d in dps)
+    """:func:`replica_range` as a list (for tools and tests; planning uses the range itself)."""
+    return list(replica_range(layout, rank, sharded_axes))
 
 
-def _lpt(
-    items: Sequence[tuple[str, int]], members: Sequence[int], loads: dict[int, int], lowest: bool
-) -> dict[str, int]:
+def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int], lowest: bool) -> dict[str, int]:
+    """Greedy largest-first: each item to the member with the least load, the lowest rank among equals.
+
+    Equal to ``min(members, key=lambda r: (loads.get(r, 0), r))`` per item, without visiting members
+    that hold nothing: among those (load 0) the lowest rank wins, so one cursor over ``members``
+    skipping the loaded ones stands for all of them, and the loaded ones (a heap of ``(load, rank)``)
+    number at most ``len(loads) + len(items)``. ``loads`` is updated in place, as before.
+    """
     owners: dict[str, int] = {}
-    for key, nbytes in sorted(items, key=lambda kv: (-kv[1], kv[0])):
-        owner = members[0] if lowest else min(members, key=lambda r: (loads.get(r, 0), r))
+    order = sorted(items, key=lambda kv: (-kv[1], kv[0]))
+    if lowest:
+        for key, nbytes in order:
+            owners[key] = members[0]
+            loads[members[0]] = loads.get(members[0], 0) + nbytes
+        return owners
+    heap = [(load, r) for r, load in loads.items() if r in members]
+    if not heap and len(order) <= len(members) and all(nbytes > 0 for _, nbytes in order):
+        # A large group with nothing loaded yet (the usual case at scale): each tensor finds a member
+        # holding nothing (load 0) below every loaded one, so the i-th largest goes to the i-th member.
+        for (key, nbytes), owner in zip(order, members):
+            owners[key] = owner
+            loads[owner] = nbytes
+        return owners
+    heapq.heapify(heap)
+    loaded = {r for _, r in heap}
+    cursor = 0  # index into members of the lowest member with no load entry yet
+
+    for key, nbytes in order:
+        while cursor < len(members) and members[cursor] in loaded:
+            cursor += 1
+        fresh = members[cursor] if cursor < len(members) else None
+        if heap and (fresh is None or heap[0] < (0, fresh)):
+            load, owner = heap[0]
+            heapq.heapreplace(heap, (load + nbytes, owner))
+        else:
+            if fresh is None:  # unreachable: members is never empty (it holds this rank)
+                raise ValueError("replica group without members")
+            owner = fresh
+            loaded.add(owner)
+            heapq.heappush(heap, (nbytes, owner))
         owners[key] = owner
         loads[owner] = loads.get(owner, 0) + nbytes
     return owners
@@ -66,7 +124,7 @@ def assign_owners(
         items = by_axes.pop(axes, [])
         if not items:
             continue
-        members = replica_group(layout, rank, axes)
+        members = replica_range(layout, rank, axes)
         loads = stage_loads if not axes else dict(stage_loads)
         owners.update(_lpt(items, members, loads, lowest_rank))
     for items in by_axes.values():  # split over every axis: nothing to share

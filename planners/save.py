@@ -103,9 +103,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.replica_owner = replica_owner
         self.enable_plan_caching = enable_plan_caching
         self.report: SaveReport | None = None
-        self._signature: bytes | None = None
+        self._signature: tuple[Any, ...] | None = None
         self._cached_local: SavePlan | None = None
-        self._pending: tuple[bytes, SavePlan] | None = None
+        self._pending: tuple[tuple[Any, ...], SavePlan] | None = None
         self._cached_final: SavePlan | None = None
         self._cached_all: list[SavePlan] | None = None
         self._cached_global: tuple[list[SavePlan], Metadata] | None = None
@@ -130,17 +130,13 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     def create_local_plan(self) -> SavePlan:
         """(all ranks) Only the items this rank writes (it owns its shards and, by a deterministic
         byte-balanced choice every replica computes alike, some replicas), plus a constant-size
-        replica digest; an empty "cached" plan when the structure is unchanged since the last save."""
-        for entry in self.entries.values():
-            if entry.kind == "object":
-                if isinstance(entry.value, ObjectBytes):
-                    self._object_bytes[entry.key] = bytes(entry.value)
-                    continue
-                buf = io.BytesIO()
-                torch.save(entry.value, buf)
-                self._object_bytes[entry.key] = buf.getvalue()
-        signature = self._structure_signature()
-        if self.enable_plan_caching and self._cached_local is not None and signature == self._signature:
+        replica digest; an empty "cached" plan when the structure is unchanged since the last save.
+
+        Every rank runs this at every save: its cost is O(own keys), whatever the world size."""
+        object_digests = self._serialise_objects()
+        # the signature only serves the plan cache; a planner built per save (the API's) skips it
+        signature = self._structure_signature(object_digests) if self.enable_plan_caching else None
+        if signature is not None and self._cached_local is not None and signature == self._signature:
             logger.debug("rank %d: state structure unchanged, reusing its cached plan", self.rank)
             return SavePlan([], usable=False, planner_data={"rank": self.rank, "cached": True})
 
@@ -152,58 +148,88 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         objects: dict[str, str] = {}
+        mappings: dict[str, Any] = {}
+        original: dict[str, tuple[int, ...]] = {}
         for entry in self.entries.values():
             if entry.kind == "object":
                 items.append(WriteItem(index=MetadataIndex(entry.key), type=WriteItemType.BYTE_IO))
-                objects[entry.key] = hashlib.sha1(self._object_bytes[entry.key]).hexdigest()
-            elif _carries_no_data(entry):
+                objects[entry.key] = object_digests[entry.key]
+            elif not self._writes(entry, owners) or _carries_no_data(entry):
                 continue
-            elif entry.kind == "dtensor":
-                if dtensor_is_owner(entry):
-                    items.append(_tensor_item(entry))
-            elif entry.rank_local or owners.get(entry.key, self.rank) == self.rank:
+            else:
                 items.append(_tensor_item(entry))
+            mappings[entry.key] = self.mappings[entry.key]
+            if entry.original_global_shape is not None:
+                original[entry.key] = entry.original_global_shape
         planner_data = {
             "rank": self.rank,
             "digest": self._replica_digest(),
             "objects": objects,
-            "mappings": {item.index.fqn: self.mappings[item.index.fqn] for item in items},
-            "original_shapes": {
-                item.index.fqn: self.entries[item.index.fqn].original_global_shape
-                for item in items
-                if item.index.fqn in self.entries and self.entries[item.index.fqn].original_global_shape is not None
-            },
+            "mappings": mappings,
+            "original_shapes": original,
         }
         plan = SavePlan(items, planner_data=planner_data)
-        self._pending = (signature, plan)
+        self._pending = (signature, plan) if signature is not None else None
         return plan
 
-    def _structure_signature(self) -> bytes:
-        h = hashlib.sha1(repr((self.layout, self.rank)).encode())
+    def _writes(self, entry: Entry, owners: Mapping[str, int]) -> bool:
+        """Whether this rank writes its piece of a tensor entry (before the empty-piece check)."""
+        if entry.kind == "dtensor":
+            return dtensor_is_owner(entry)
+        return entry.rank_local or owners.get(entry.key, self.rank) == self.rank
+
+    def _serialise_objects(self) -> dict[str, str]:
+        """Serialise this rank's objects once (``resolve_data`` hands out these bytes); their digests."""
+        digests: dict[str, str] = {}
+        for entry in self.entries.values():
+            if entry.kind != "object":
+                continue
+            if isinstance(entry.value, ObjectBytes):
+                raw = bytes(entry.value)
+            else:
+                buf = io.BytesIO()
+                torch.save(entry.value, buf)
+                raw = buf.getvalue()
+            self._object_bytes[entry.key] = raw
+            digests[entry.key] = hashlib.sha1(raw).hexdigest()
+        return digests
+
+    def _structure_signature(self, object_digests: Mapping[str, str]) -> tuple[Any, ...]:
+        """What the cached plan depends on, compared by equality at the next save (no hashing of text)."""
+        parts: list[Any] = [self.layout, self.rank]
         for e in self.entries.values():
             if e.kind == "object":
-                h.update(f"o|{e.key}|{hashlib.sha1(self._object_bytes[e.key]).hexdigest()}\n".encode())
+                parts.append((e.key, object_digests[e.key]))
             else:
-                h.update(
-                    f"t|{e.key}|{e.value.dtype}|{tuple(e.global_shape or ())}|{tuple(e.chunk.offsets)}|"  # type: ignore[union-attr]
-                    f"{tuple(e.chunk.sizes)}|{e.kind}\n".encode()  # type: ignore[union-attr]
-                )
-        return h.digest()
+                chunk = e.chunk
+                if chunk is None:
+                    raise SpecError(f"{e.key}: tensor entry without a chunk")
+                parts.append((e.key, e.kind, e.value.dtype, e.global_shape, chunk.offsets, chunk.sizes))
+        return tuple(parts)
 
     def _replica_digest(self) -> tuple[int, str]:
         """Constant-size digest of the tensors every rank of this stage must agree on.
 
         Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor. Ranks of a
-        stage whose digests differ would disagree on who writes what -- silently losing data.
+        stage whose digests differ would disagree on who writes what -- silently losing data. Sorted by
+        key, so ranks that built their state dicts in another order still agree.
         """
-        h = hashlib.sha1()
-        count = 0
-        for e in sorted(self.entries.values(), key=lambda e: e.key):
-            if e.kind != "tensor" or e.rank_local:
-                continue
-            count += 1
-            h.update(f"{e.key}|{e.value.dtype}|{tuple(e.global_shape or ())}|{sorted(e.sharded_axes)}\n".encode())
-        return count, h.hexdigest()
+        rows = [
+            (e.key, e.value.dtype, e.global_shape, e.sharded_axes)
+            for e in self.entries.values()
+            if e.kind == "tensor" and not e.rank_local
+        ]
+        rows.sort(key=lambda row: row[0])
+        # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
+        tails: dict[tuple[Any, ...], str] = {}
+        parts: list[str] = []
+        for key, dtype, shape, axes in rows:
+            tail = tails.get((dtype, shape, axes))
+            if tail is None:
+                tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
+            parts.append(key)
+            parts.append(tail)
+        return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +29,9 @@ __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometr
 #: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
 #: these inherits the spec of the parameter named after the prefix.
 OPTIMIZER_STATE_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
+
+
+_UNKNOWN: Any = object()  # a cache's "not looked up yet" (None is a result: no rule matches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,12 @@ class ShardSpec:
             if not sizes or any(s < 0 for s in sizes):
                 raise SpecError(f"ShardSpec.sizes must be non-negative extents, got {self.sizes!r}")
             object.__setattr__(self, "sizes", sizes)
+
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:
+        """Offsets of every rank's piece along ``dim`` plus the total (``sizes`` given): computed once
+        per spec, so placing one rank's piece costs O(1) however many ranks the axis has."""
+        return (0, *itertools.accumulate(self.sizes or ()))
 
 
 #: A rule's value: one spec, or several (outermost split first) for a tensor split over TP and DP.
@@ -105,7 +116,17 @@ class SpecRules:
             if not isinstance(pattern, str):
                 raise SpecError(f"spec rule keys are glob strings, got {type(pattern).__name__} {pattern!r}")
             self._rules.append((pattern, re.compile(fnmatch.translate(pattern)), _as_tuple(spec, pattern)))
+        # Every rank resolves every key at every save: one regex over all rules instead of one per rule.
+        # Each rule is a named alternative, tried in order, so the first rule matching wins as before;
+        # its group encloses any the glob makes, so it is the match's last closed group (``lastgroup``).
+        self._any = (
+            re.compile("|".join(f"(?P<_r{i}>{rx.pattern})" for i, (_, rx, _) in enumerate(self._rules)))
+            if self._rules
+            else None
+        )
         self._cache: dict[tuple[str, tuple[str, ...]], tuple[tuple[ShardSpec, ...], str | None] | None] = {}
+        # a parameter's own match, looked up again by each of its optimizer-state keys
+        self._direct: dict[str, tuple[ShardSpec, ...] | None] = {}
 
     def __bool__(self) -> bool:
         return bool(self._rules)
@@ -121,16 +142,17 @@ class SpecRules:
         which parameters live in the same state dict (``"model"``), tried in front of the parameter
         name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``).
         """
-        prefixes = tuple(prefixes)
+        prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
         cache_key = (key, prefixes)
-        if cache_key in self._cache:
-            return self._cache[cache_key]
-        found: tuple[tuple[ShardSpec, ...], str | None] | None = None
+        found = self._cache.get(cache_key, _UNKNOWN)
+        if found is not _UNKNOWN:
+            return found
         direct = self._match_direct(key)
         if direct is not None:
             found = (direct, None)
         else:
-            param = _optimizer_param(key)
+            found = None
+            param = _optimizer_param(key) if key.startswith(OPTIMIZER_STATE_PREFIXES) else None
             if param is not None:
                 for candidate in (param, *(f"{p}.{param}" for p in prefixes)):
                     inherited = self._match_direct(candidate)
@@ -141,10 +163,13 @@ class SpecRules:
         return found
 
     def _match_direct(self, key: str) -> tuple[ShardSpec, ...] | None:
-        for _, regex, specs in self._rules:
-            if regex.fullmatch(key):
-                return specs
-        return None
+        known = self._direct.get(key, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known
+        m = self._any.fullmatch(key) if self._any is not None else None
+        found = self._rules[int(m.lastgroup[2:])][2] if m is not None and m.lastgroup is not None else None
+        self._direct[key] = found
+        return found
 
     def to_records(self) -> list[dict[str, Any]]:
         """JSON-able description of the rules, for the checkpoint's record of the partition."""
@@ -224,8 +249,8 @@ def shard_geometry(
                     f"{key}: {spec.axis} rank {axis_rank} holds extent {local_extent} along dim {dim} "
                     f"(shape {tuple(view_shape)}) but the spec's sizes say {spec.sizes[axis_rank]}"
                 )
-            offsets[dim] += sum(spec.sizes[:axis_rank])
-            extents[dim] = sum(spec.sizes)
+            offsets[dim] += spec._starts[axis_rank]
+            extents[dim] = spec._starts[-1]
     return ShardGeometry(
         view_shape=view_shape,
         global_shape=torch.Size(extents),

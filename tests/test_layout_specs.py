@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -136,3 +138,115 @@ def test_ownership_is_deterministic_balanced_and_agreed():
     assert replica_group(layout, 5, frozenset({"tp"})) == [5, 7]
     lowest = assign_owners(layout, 3, items, lowest_rank=True)
     assert all(owner == 0 for key, owner in lowest.items() if key.startswith("t"))
+
+
+def _owners_by_scan(layout, rank, replicated, lowest_rank=False):
+    """The ownership rule as first written: a scan over every member of each replica group per tensor.
+
+    Kept verbatim as the definition the heap-based assign_owners must reproduce exactly."""
+
+    def group(axes):
+        c = layout.coords(rank)
+        tps = [c.tp] if "tp" in axes else range(layout.tp)
+        dps = [c.dp] if "dp" in axes else range(layout.dp)
+        return sorted(layout.rank_of(tp=t, dp=d, pp=c.pp) for t in tps for d in dps)
+
+    def lpt(items, members, loads):
+        owners = {}
+        for key, nbytes in sorted(items, key=lambda kv: (-kv[1], kv[0])):
+            owner = members[0] if lowest_rank else min(members, key=lambda r: (loads.get(r, 0), r))
+            owners[key] = owner
+            loads[owner] = loads.get(owner, 0) + nbytes
+        return owners
+
+    by_axes = {}
+    for key, nbytes, axes in replicated:
+        by_axes.setdefault(frozenset(axes) - {"pp"}, []).append((key, nbytes))
+    owners, stage_loads = {}, {}
+    for axes in [frozenset(), frozenset({"tp"}), frozenset({"dp"})]:
+        items = by_axes.pop(axes, [])
+        if items:
+            owners.update(lpt(items, group(axes), stage_loads if not axes else dict(stage_loads)))
+    for items in by_axes.values():
+        owners.update({key: rank for key, _ in items})
+    return owners
+
+
+_AXES = st.sampled_from([frozenset(), frozenset({"tp"}), frozenset({"dp"}), frozenset({"tp", "dp"}), frozenset({"pp"})])
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(1, 9),
+    st.data(),
+    # few distinct sizes (0 included) so that ties between loads -- where the lowest rank must win -- are common
+    st.lists(st.tuples(st.sampled_from([0, 1, 2, 3, 5, 8, 64]), _AXES), max_size=40),
+    st.booleans(),
+)
+def test_ownership_equals_the_scan_over_every_member(tp, pp, dp, data, sized, lowest):
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    rank = data.draw(st.integers(0, layout.world_size - 1), label="rank")
+    replicated = [(f"k{i:02d}.{n}", n, axes) for i, (n, axes) in enumerate(data.draw(st.permutations(sized)))]
+    got = assign_owners(layout, rank, replicated, lowest_rank=lowest)
+    assert got == _owners_by_scan(layout, rank, replicated, lowest_rank=lowest)
+    for axes in {a for _, _, a in replicated}:
+        assert replica_group(layout, rank, axes) == _scan_group(layout, rank, axes - {"pp"})
+
+
+def _scan_group(layout, rank, axes):
+    c = layout.coords(rank)
+    tps = [c.tp] if "tp" in axes else range(layout.tp)
+    dps = [c.dp] if "dp" in axes else range(layout.dp)
+    return sorted(layout.rank_of(tp=t, dp=d, pp=c.pp) for t in tps for d in dps)
+
+
+def test_ownership_every_rank_of_a_small_world_agrees_with_the_scan():
+    # all ranks of one world, sizes with many ties: the views must also agree with each other
+    layout = ParallelLayout(tp=3, dp=4, pp=2)
+    items = [(f"r{i}", (i * 7) % 5 * 16, frozenset()) for i in range(30)]
+    items += [(f"t{i}", (i % 3) * 8, frozenset({"tp"})) for i in range(17)]
+    items += [(f"d{i}", 24 - i, frozenset({"dp"})) for i in range(9)]
+    for rank in range(layout.world_size):
+        assert assign_owners(layout, rank, items) == _owners_by_scan(layout, rank, items)
+
+
+@pytest.mark.timeout(30)
+def test_ownership_cost_does_not_grow_with_the_world():
+    # A scan over the group could not finish here (10**12 ranks per stage); the fresh members are taken
+    # lowest rank first, largest tensor first, then the least loaded one.
+    layout = ParallelLayout(tp=4, dp=10**12, pp=3)
+    rank = layout.rank_of(tp=1, dp=10**12 - 1, pp=2)
+    stage0 = layout.rank_of(tp=0, dp=0, pp=2)
+    items = [("a", 10, frozenset()), ("b", 30, frozenset()), ("c", 20, frozenset({"tp"}))]
+    items += [("d", 5, frozenset({"dp"})), ("e", 7, frozenset({"dp"}))]
+    assert assign_owners(layout, rank, items) == {
+        "b": stage0,  # the stage group: fresh ranks in order, largest first
+        "a": stage0 + 1,
+        "c": stage0 + 1 + 4,  # tp group of tp=1 (stride 4): stage0 + 1 already holds 10 bytes
+        "e": rank - 1,  # dp group: the 4 consecutive ranks of this DP coordinate, none loaded yet
+        "d": rank,
+    }
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from(["*", "a", "b", ".", "?", "[ab]", "[!a]", "*.", ".*", "a*b*"]), min_size=1, max_size=4
+        ),
+        max_size=6,
+    ),
+    st.lists(st.text("ab.c", max_size=8), min_size=1, max_size=10),
+)
+def test_spec_rules_first_matching_rule_wins_like_a_scan(patterns, keys):
+    # SpecRules matches all rules with one combined regex; the definition is the first rule whose glob
+    # matches, in the mapping's order (patterns repeat and overlap here; several globs make groups)
+    patterns = list(dict.fromkeys("".join(p) for p in patterns))
+    specs = {p: ShardSpec(i) for i, p in enumerate(patterns)}
+    rules = SpecRules(specs)
+    for key in keys:
+        expected = next((specs[p] for p in patterns if fnmatch.fnmatchcase(key, p)), None)
+        got = rules.match(key)
+        assert (got[0][0] if got else None) == expected, (patterns, key)

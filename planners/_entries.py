@@ -107,11 +107,11 @@ def _param_prefixes(flat: Mapping[str, Any], mappings: Mapping[str, tuple[Any, .
 
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
-    """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``'s result -- the same keys, values,
-    paths and order, the same error on a duplicate key -- in about half its time (every rank flattens its
-    state dict at every save and load): one frame per mapping level, keys grown as they go, tensors
-    recognised first. Lists keep DCP's rule (traversed only when they hold tensors or such containers);
-    tuples and everything else are leaves."""
+    """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``'s result -- the same keys,
+    values, paths and order, the same error on a duplicate key -- in about a third of its time (every
+    rank flattens its state dict at every save and load): one frame per mapping level, keys grown as
+    they go, tensors recognised first. Lists keep DCP's rule (traversed only when they hold tensors or
+    such containers); tuples and everything else are leaves."""
     # DCP's loader switches its flattening to the pre-2.4 key scheme for a moment: follow it there
     if getattr(_dcp_version, "_derived_version", None) is not None:
         return flatten_state_dict(dict(state_dict))

@@ -107,11 +107,11 @@ def _param_prefixes(flat: Mapping[str, Any], mappings: Mapping[str, tuple[Any, .
 
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
-    """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``'s result -- the same keys, values,
-    paths and order, the same error on a duplicate key -- in about half its time (every rank flattens its
-    state dict at every save and load): one frame per mapping level, keys grown as they go, tensors
-    recognised first. Lists keep DCP's rule (traversed only when they hold tensors or such containers);
-    tuples and everything else are leaves."""
+    """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``'s result -- the same keys,
+    values, paths and order, the same error on a duplicate key -- in about a third of its time (every
+    rank flattens its state dict at every save and load): one frame per mapping level, keys grown as
+    they go, tensors recognised first. Lists keep DCP's rule (traversed only when they hold tensors or
+    such containers); tuples and everything else are leaves."""
     # DCP's loader switches its flattening to the pre-2.4 key scheme for a moment: follow it there
     if getattr(_dcp_version, "_derived_version", None) is not None:
         return flatten_state_dict(dict(state_dict))
@@ -221,7 +221,7 @@ class _EntryMaker:
         matched = None if is_local else self.rules.match(key, self.prefixes)
         if matched is not None:
             specs, inherited_from = matched
-            if inherited_from is not None and not _inherits(value, self._param_shape(inherited_from)):
+            if inherited_from is not None and not self._inherits(value, inherited_from):
                 matched = None
         if matched is None:
             size = value.size()
@@ -260,11 +260,18 @@ class _EntryMaker:
             original_global_shape=original,
         )
 
-    def _param_shape(self, key: str) -> tuple[int, ...] | None:
-        param = self.by_global.get(key)
-        if isinstance(param, torch.Tensor) and not isinstance(param, DTensor):
-            return tuple(param.shape)
-        return None
+    def _inherits(self, value: torch.Tensor, param_key: str) -> bool:
+        """Optimizer state inherits its parameter's spec only when it has the parameter's shape.
+
+        Scalars such as Adam's ``step`` stay replicated. When the parameter is in the same state dict
+        (as a plain tensor) its local shape must match; otherwise any tensor of rank >= 1 inherits.
+        """
+        if value.dim() == 0:
+            return False
+        param = self.by_global.get(param_key)
+        if not isinstance(param, torch.Tensor) or isinstance(param, DTensor):
+            return True
+        return param.shape == value.shape
 
     def _origin(self, ndim: int) -> torch.Size:
         origin = self._origins.get(ndim)
@@ -352,17 +359,6 @@ def _split_runs(local: tuple[int, ...], view: tuple[int, ...], li: int, vi: int)
         if rest is not None:
             return [j, *rest]
     return None
-
-
-def _inherits(value: torch.Tensor, param_shape: tuple[int, ...] | None) -> bool:
-    """Optimizer state inherits its parameter's spec only when it has the parameter's shape.
-
-    Scalars such as Adam's ``step`` stay replicated. When the parameter is in the same state dict its
-    local shape must match; otherwise any tensor of rank >= 1 inherits.
-    """
-    if value.dim() == 0:
-        return False
-    return param_shape is None or param_shape == tuple(value.shape)
 
 
 def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTensor, is_local: bool) -> Entry:

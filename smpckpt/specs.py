@@ -124,6 +124,7 @@ class SpecRules:
             if self._rules
             else None
         )
+        self._by_group = {f"_r{i}": specs for i, (_, _, specs) in enumerate(self._rules)}
         self._cache: dict[tuple[str, tuple[str, ...]], tuple[tuple[ShardSpec, ...], str | None] | None] = {}
         # a parameter's own match, looked up again by each of its optimizer-state keys
         self._direct: dict[str, tuple[ShardSpec, ...] | None] = {}
@@ -167,7 +168,7 @@ class SpecRules:
         if known is not _UNKNOWN:
             return known
         m = self._any.fullmatch(key) if self._any is not None else None
-        found = self._rules[int(m.lastgroup[2:])][2] if m is not None and m.lastgroup is not None else None
+        found = self._by_group[m.lastgroup] if m is not None and m.lastgroup is not None else None
         self._direct[key] = found
         return found
 

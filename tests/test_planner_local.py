@@ -118,3 +118,27 @@ def test_uneven_split_offsets_are_the_sums_of_the_sizes_before(sizes, data):
         g = shard_geometry("w", (sizes[rank], 3), [spec], layout.coords(rank), {"tp": 1, "dp": len(sizes), "pp": 1})
         assert g.offsets == torch.Size([sum(sizes[:rank]), 0])
         assert g.global_shape == torch.Size([sum(sizes), 3])
+
+
+def test_optimizer_state_inherits_its_parameters_spec_only_with_its_shape():
+    layout = ParallelLayout(tp=2)
+    planner = ParallelSavePlanner(layout, {"model.*.w": ShardSpec(0)}, rank=1)
+    planner.set_up_planner(
+        {
+            "model": {"a": {"w": torch.zeros(2, 3)}},
+            "optim": {
+                "state": {
+                    "a.w": {"exp_avg": torch.zeros(2, 3), "row": torch.zeros(2), "step": torch.tensor(1.0)},
+                    "gone.w": {"exp_avg": torch.zeros(5, 3)},  # its parameter is not in this state dict
+                }
+            },
+        }
+    )
+    split = {k: (e.sharded_axes, tuple(e.global_shape)) for k, e in planner.entries.items()}
+    assert split == {
+        "model.a.w": (frozenset({"tp"}), (4, 3)),
+        "optim.state.a.w.exp_avg": (frozenset({"tp"}), (4, 3)),  # the parameter's shape: inherits
+        "optim.state.a.w.row": (frozenset(), (2,)),  # another shape: replicated
+        "optim.state.a.w.step": (frozenset(), ()),  # a scalar: replicated
+        "optim.state.gone.w.exp_avg": (frozenset({"tp"}), (10, 3)),  # no parameter to compare: inherits
+    }

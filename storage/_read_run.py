@@ -6,13 +6,17 @@ Work is one ordered stream (by file, then offset) of two task kinds:
 * :class:`~smpckpt.storage._read_plan.FetchTask`: a coalesced request into a pooled buffer; once read
   and verified, each of its items is decoded and copied into its destination (``commit_tensor`` /
   ``load_bytes``).
-* :class:`_DirectPiece`: about 16 MiB of a direct item read straight into its destination and verified
-  by the worker that read it; the item is committed when its last piece is done (:class:`_OpenItem`
-  counts them down).
+* :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
+  their destinations with one ``preadv`` of up to ``max_request_bytes`` and verified by the worker that
+  read them; an item is committed when its last piece is done (:class:`_OpenItem` counts them down).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
 is asked for destinations only shortly before their bytes are read.
+
+When ``reads_in_flight`` is below ``thread_count``, at most that many workers are inside a read at a
+time, started in (file, offset) order (:class:`~smpckpt.storage._read_gate.InOrder`); the others verify
+and copy what was read.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch
 from smpckpt.storage._fs import join
 from smpckpt.storage._ranges import Fetch, c_strides
-from smpckpt.storage._read_io import BufferPool, read_box, read_direct, read_range
+from smpckpt.storage._read_gate import InOrder, Unordered
+from smpckpt.storage._read_io import BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage._read_plan import BoxRead, DirectCandidate, FetchTask, Item, ReadPlan, direct_target, pieces
 from smpckpt.storage._safe_pickle import check_weights_only
 from smpckpt.storage.manifest import FileRecord
@@ -48,17 +53,20 @@ class _OpenItem:
 
 
 @dataclasses.dataclass(frozen=True)
-class _DirectPiece:
-    """File bytes ``[lo, hi)`` of ``entry.item``, read into ``dst`` (the destination's bytes)."""
+class _DirectBatch:
+    """Consecutive pieces of direct items in ``file`` (each piece's ``lo`` is the previous one's ``hi``),
+    read with one request; ``entries[i]`` is the open item of ``parts[i]``."""
 
     file: str
-    entry: _OpenItem
-    dst: memoryview
-    lo: int
-    hi: int
+    entries: tuple[_OpenItem, ...]
+    parts: tuple[DirectPart, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.parts[-1].hi - self.parts[0].lo
 
 
-_Task = FetchTask | _DirectPiece | BoxRead
+_Task = FetchTask | _DirectBatch | BoxRead
 
 
 class ReadRun:
@@ -76,6 +84,7 @@ class ReadRun:
         thread_count: int,
         max_request_bytes: int,
         planner: LoadPlanner,
+        reads_in_flight: int | None = None,
     ) -> None:
         self.fs = fs
         self.folder = folder
@@ -83,7 +92,10 @@ class ReadRun:
         self.records: Mapping[str, FileRecord] = records if verify else {}
         self.allow_pickle = allow_pickle
         self.thread_count = thread_count
+        self.max_request_bytes = max_request_bytes
         self.planner = planner
+        depth = thread_count if reads_in_flight is None else reads_in_flight
+        self.gate: InOrder | Unordered = InOrder(depth) if depth < thread_count else Unordered()
         # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
         # records must not zero-fill 64 MiB buffers (measured: 192 MiB extra RSS for a 17 MiB load)
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
@@ -104,19 +116,25 @@ class ReadRun:
             self._deliver(it, memoryview(b""))
         with concurrent.futures.ThreadPoolExecutor(self.thread_count, thread_name_prefix="smpckpt-read") as pool:
             pending: dict[concurrent.futures.Future[Any], _Task] = {}
-            todo = self._tasks(plan)
+            todo = self._batched(self._tasks(plan))
+            tickets = 0  # submission order = the order reads start in (FIFO pool, InOrder gate)
             try:
                 while True:
                     while len(pending) < 2 * self.thread_count:
                         task = next(todo, None)
                         if task is None:
                             break
-                        pending[pool.submit(self._execute, task)] = task
+                        pending[pool.submit(self._execute, task, tickets)] = task
+                        tickets += 1
                     if not pending:
                         break
                     done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                     for f in done:
                         self._complete(pending.pop(f), f.result())
+            except BaseException:
+                # workers waiting for a turn that will never come must not hang the pool's shutdown
+                self.gate.abort()
+                raise
             finally:
                 for f in pending:
                     f.cancel()
@@ -144,9 +162,35 @@ class ReadRun:
             target, dst = found
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
-            self._add(w.file, need.end - need.start, len(spans))
+            self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
             for lo, hi in spans:
-                yield _DirectPiece(w.file, entry, dst, lo, hi)
+                yield _DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),))
+
+    def _batched(self, tasks: Iterator[_Task]) -> Iterator[_Task]:
+        """(calling thread) Direct pieces that follow each other in a file merged into one request of
+        up to ``max_request_bytes``."""
+        held: _DirectBatch | None = None
+        for task in tasks:
+            if (
+                held is not None
+                and isinstance(task, _DirectBatch)
+                and task.file == held.file
+                and task.parts[0].lo == held.parts[-1].hi
+                and held.nbytes + task.nbytes <= self.max_request_bytes
+            ):
+                held = _DirectBatch(held.file, held.entries + task.entries, held.parts + task.parts)
+                continue
+            if held is not None:
+                self.requests += 1
+                yield held
+                held = None
+            if isinstance(task, _DirectBatch):
+                held = task
+            else:
+                yield task
+        if held is not None:
+            self.requests += 1
+            yield held
 
     def _counted(self, task: FetchTask) -> FetchTask:
         self._add(task.file, task.fetch.end - task.fetch.start, 1)
@@ -157,16 +201,17 @@ class ReadRun:
         self.requests += requests
         self.read_per_file[file] = self.read_per_file.get(file, 0) + nbytes
 
-    def _execute(self, task: _Task) -> memoryview | None:
-        """(worker thread) Read and verify the task's bytes."""
+    def _execute(self, task: _Task, ticket: int) -> memoryview | None:
+        """(worker thread) Read the task's bytes when its turn comes, then verify them."""
         path = join(self.folder, task.file)
         rec = self.records.get(task.file)
+        turn = self.gate.turn(ticket)
         if isinstance(task, FetchTask):
             f = task.fetch
-            return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool)
+            return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool, turn)
         if isinstance(task, BoxRead):
-            return read_box(path, task, rec, self.pool)
-        read_direct(path, task.entry.item, task.dst, task.lo, task.hi, rec)
+            return read_box(path, task, rec, self.pool, turn)
+        read_direct(path, task.parts, rec, turn)
         return None
 
     def _complete(self, task: _Task, data: memoryview | None) -> None:
@@ -185,10 +230,10 @@ class ReadRun:
             self._deliver(it, data[task.buffer_offset(it.start) :], row_bytes=task.width)
             self.pool.give_back(data)
             return
-        entry = task.entry
-        entry.pieces_left -= 1
-        if entry.pieces_left == 0:
-            self.planner.commit_tensor(entry.item.req, entry.target)
+        for entry in task.entries:
+            entry.pieces_left -= 1
+            if entry.pieces_left == 0:
+                self.planner.commit_tensor(entry.item.req, entry.target)
 
     def _deliver(self, it: Item, data: memoryview, *, row_bytes: int = 0) -> None:
         req, planner = it.req, self.planner

@@ -15,14 +15,16 @@ It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.er
 
 Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
 requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
-``thread_count`` requests run at once and the planner is called from the calling thread only.
+``thread_count`` worker threads read and verify (at most ``reads_in_flight`` of them inside a read,
+started in file order, when that is set lower), and the planner is called from the calling thread only.
 
 Direct reads (local files): a raw tensor item of at least 1 MiB whose requested slice is contiguous in
 the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor of the saved
 dtype and shape, is read with ``os.preadv`` straight into the destination's memory (the block-widening
 head/tail bytes go to small scratch buffers), in pieces of about 16 MiB cut at checksum block
-boundaries, each piece verified by the worker thread that read it (xxh3 releases the GIL, so hashing
-one piece overlaps reading others); ``commit_tensor`` follows on the calling thread once every piece of
+boundaries; consecutive pieces (of one item or of neighbouring items) are read with one ``preadv`` of
+up to ``max_request_bytes`` and verified by the worker thread that read them (xxh3 releases the GIL,
+so hashing overlaps the next read); ``commit_tensor`` follows on the calling thread once every piece of
 the item is verified. Everything else (small, strided, cast, object and remote items) goes through the
 coalesced, pooled buffers and a copy into the destination.
 
@@ -96,7 +98,11 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             skips it (and reads only the exact bytes).
         allow_pickle: hand object values that need arbitrary code to load to the planner. Only for
             checkpoints you trust; by default they raise :class:`~smpckpt.errors.UnsafeCheckpoint`.
-        thread_count: ranged reads in flight.
+        thread_count: worker threads that read, verify and copy.
+        reads_in_flight: how many of them may be inside a read at once (``None``: all of them).
+            Fewer than ``thread_count`` starts reads in file order while the other workers verify:
+            for devices that punish concurrent streams (disks with seeks). On this project's virtio
+            disk 2-4 in flight beat 1 (``benchmarks/RESULTS.md``, "cold loads").
         max_request_bytes: coalesced requests stop growing at this size.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
         translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
@@ -117,6 +123,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         verify_checksums: bool = True,
         allow_pickle: bool = False,
         thread_count: int = 4,
+        reads_in_flight: int | None = None,
         max_request_bytes: int = 64 << 20,
         coalesce_gap: int = 0,
         translation: Translation | None = None,
@@ -127,6 +134,9 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self.verify_checksums = verify_checksums
         self.allow_pickle = allow_pickle
         self.thread_count = max(1, thread_count)
+        if reads_in_flight is not None and reads_in_flight < 1:
+            raise ValueError(f"reads_in_flight must be >= 1 or None, got {reads_in_flight}")
+        self.reads_in_flight = reads_in_flight
         self.max_request_bytes = max_request_bytes
         self.coalesce_gap = coalesce_gap
         # raw items at least this large are read straight into their destination when it allows
@@ -352,6 +362,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             thread_count=self.thread_count,
             max_request_bytes=self.max_request_bytes,
             planner=planner,
+            reads_in_flight=self.reads_in_flight,
         )
         run.run(reads)
         per_file = {

@@ -1,0 +1,138 @@
+"""How a load's reads reach the device: neighbouring direct items are read with one large request
+(``max_request_bytes``), and ``reads_in_flight`` below ``thread_count`` starts reads one at a time in
+file order while the other workers verify -- without hanging when a read fails."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from storage_helpers import unwrap, zeros_like_state
+from torch.distributed.checkpoint.api import CheckpointException
+
+from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage._read_gate import InOrder, ReadAborted
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MiB = 1 << 20
+
+
+def _state(n: int = 20) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {f"w{i:02d}": torch.randn(512, 1024, generator=g) for i in range(n)}  # 2 MiB each
+
+
+def _saved(tmp_path: Any, sd: dict[str, torch.Tensor]) -> str:
+    path = str(tmp_path / "ck")
+    dcp.save(sd, storage_writer=FsspecStorageWriter(path, thread_count=1))  # one data file
+    return path
+
+
+def _load(path: str, sd: dict[str, torch.Tensor], **kw: Any) -> tuple[dict[str, torch.Tensor], FsspecStorageReader]:
+    dest = zeros_like_state(sd)
+    reader = FsspecStorageReader(path, **kw)
+    dcp.load(dest, storage_reader=reader)
+    return dest, reader
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize(("limit_mib", "requests"), [(64, 1), (16, 3), (1, 20)])
+def test_neighbouring_items_share_one_request(tmp_path: Any, verify: bool, limit_mib: int, requests: int) -> None:
+    sd = _state()
+    dest, reader = _load(_saved(tmp_path, sd), sd, verify_checksums=verify, max_request_bytes=limit_mib * MiB)
+    for k, t in sd.items():
+        assert torch.equal(dest[k], t), k
+    stats = reader.last_read_stats
+    assert stats is not None
+    # 20 items of 2 MiB back to back: batches of up to limit_mib (an item larger than it goes alone)
+    assert stats.requests == requests
+    assert stats.bytes_read == stats.bytes_needed == 20 * 2 * MiB
+
+
+def test_one_read_in_flight_reads_in_file_order(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sd = _state()
+    path = _saved(tmp_path, sd)
+    calls: list[int] = []
+    active, most = [0], [0]
+    lock = threading.Lock()
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: Any, offset: int, *rest: Any) -> int:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            calls.append(offset)
+        try:
+            return preadv(fd, buffers, offset, *rest)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(os, "preadv", spy)
+    dest, _ = _load(path, sd, thread_count=4, reads_in_flight=1, max_request_bytes=2 * MiB)
+    monkeypatch.undo()
+    for k, t in sd.items():
+        assert torch.equal(dest[k], t), k
+    assert most[0] == 1
+    assert len(calls) >= 20
+    assert calls == sorted(calls)
+
+
+def test_failed_read_in_order_does_not_hang(tmp_path: Any) -> None:
+    sd = _state()
+    path = _saved(tmp_path, sd)
+    data = [os.path.join(path, n) for n in os.listdir(path) if os.path.getsize(os.path.join(path, n)) > 30 * MiB]
+    assert len(data) == 1
+    with open(data[0], "r+b") as f:  # one byte of the third item
+        f.seek(5 * MiB)
+        b = f.read(1)
+        f.seek(5 * MiB)
+        f.write(bytes([b[0] ^ 0xFF]))
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _load(path, sd, thread_count=4, reads_in_flight=1, max_request_bytes=2 * MiB)
+        except CheckpointException as exc:
+            outcome.append(unwrap(exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "load hung after a failed read"
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointCorrupt), outcome
+    assert data[0] in str(outcome[0])
+
+
+def test_in_order_gate_releases_waiters_on_abort() -> None:
+    gate = InOrder(1)
+    got: list[BaseException] = []
+
+    def wait_for_ticket_one() -> None:
+        try:
+            with gate.turn(1):
+                pass
+        except ReadAborted as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=wait_for_ticket_one, daemon=True)
+    t.start()
+    t.join(timeout=0.2)
+    assert t.is_alive()  # ticket 0 never came
+    gate.abort()
+    t.join(timeout=10)
+    assert not t.is_alive() and len(got) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_reads_in_flight_must_be_positive(tmp_path: Any, bad: int) -> None:
+    with pytest.raises(ValueError, match="reads_in_flight"):
+        FsspecStorageReader(str(tmp_path), reads_in_flight=bad)
+    with pytest.raises(ValueError, match="reads in flight"):
+        InOrder(bad)

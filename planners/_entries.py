@@ -317,7 +317,7 @@ class LayoutScope:
         if not isinstance(layout, ParallelLayout):
             raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
         self.layout = layout
-        self.rules = specs if isinstance(specs, SpecRules) else SpecRules(specs)
+        self.rules = SpecRules.of(specs)
         self._rank_arg = rank
         self.name_map = name_map
         self.process_group = process_group

@@ -143,11 +143,9 @@ def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
 
 
 def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
-    if specs is None or isinstance(specs, SpecRules):
-        return specs or SpecRules()
-    if not isinstance(specs, Mapping):
+    if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
         raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
-    return SpecRules(specs)
+    return SpecRules.of(specs)
 
 
 def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:

@@ -15,13 +15,15 @@ touches are read whole and verified (a reshard to another TP degree may read a u
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
-from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
@@ -112,6 +114,7 @@ class FullSource:
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, FileStats] = {}
         self.requests = 0
+        self._lock = threading.Lock()  # file_stats, from the worker threads of read()
 
     # -- metadata ---------------------------------------------------------------------------------
     def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
@@ -183,19 +186,46 @@ class FullSource:
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
-        """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``."""
+        """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``.
+
+        The planner is called on this thread only. On local files the tensors' reads and checks run on
+        :data:`_THREADS` worker threads (at most twice that many items in flight), so hashing overlaps
+        the next read; object stores read one box at a time (a box's GET is shared by its units)."""
         needed = read = 0
-        with _Files(self.fs, self.path) as files:
+        with (
+            _Files(self.fs, self.path) as files,
+            concurrent.futures.ThreadPoolExecutor(
+                _THREADS if files.local else 1, thread_name_prefix="smpckpt-full-read"
+            ) as pool,
+        ):
             self._files = files
-            for req in plan.items:
-                if req.type == LoadItemType.BYTE_IO:
-                    n = self._read_object(req, planner)
+            pending: dict[concurrent.futures.Future[tuple[int, int]], tuple[ReadItem, torch.Tensor]] = {}
+
+            def finish(done: Iterable[concurrent.futures.Future[tuple[int, int]]]) -> None:
+                nonlocal needed, read
+                for f in done:
+                    req, target = pending.pop(f)
+                    n, r = f.result()
+                    planner.commit_tensor(req, target)
                     needed += n
-                    read += n
-                    continue
-                n, r = self._read_tensor(req, planner)
-                needed += n
-                read += r
+                    read += r
+
+            try:
+                for req in plan.items:
+                    if req.type == LoadItemType.BYTE_IO:
+                        n = self._read_object(req, planner)
+                        needed += n
+                        read += n
+                        continue
+                    target = planner.resolve_tensor(req).detach()
+                    pending[pool.submit(self._fill, req, target)] = (req, target)
+                    if len(pending) >= 2 * _THREADS:
+                        finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
+                while pending:
+                    finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
+            finally:
+                for f in pending:
+                    f.cancel()
         return needed, read
 
     def _read_object(self, req: ReadItem, planner: LoadPlanner) -> int:
@@ -220,7 +250,8 @@ class FullSource:
         self._stat(name, len(data), len(data))
         return len(data)
 
-    def _read_tensor(self, req: ReadItem, planner: LoadPlanner) -> tuple[int, int]:
+    def _fill(self, req: ReadItem, target: torch.Tensor) -> tuple[int, int]:
+        """(worker thread) The bytes of ``req`` into ``target``, verified; ``(bytes_needed, bytes_read)``."""
         fqn = req.storage_index.fqn
         if fqn not in self.exprs:
             raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
@@ -231,32 +262,40 @@ class FullSource:
             asked = tuple(md.size)
             if asked != shapes[expr.key] and math.prod(asked) == math.prod(shapes[expr.key]):
                 expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in its view shape
-        target = planner.resolve_tensor(req).detach()
         needed = read = 0
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
             t = self.tensors[f"{art}/{pc.key}"]
-            buf, got = self._read_box(f"{art}/{pc.key}", t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes))
-            box = (
-                torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
-                if len(buf)
-                else torch.empty(pc.sizes, dtype=t.dtype)
-            )
             sub = target
             for d, (o, n) in enumerate(zip(pc.dest_offsets, [pc.sizes[p] for p in pc.perm])):
                 sub = sub.narrow(d, o, n)
-            sub.copy_(box.permute(tuple(pc.perm)))
+            # the box's bytes straight into the destination when it holds them as stored
+            dst = _bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
+            buf, got = self._read_box(f"{art}/{pc.key}", t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst)
+            if dst is None:
+                box = (
+                    torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
+                    if len(buf)
+                    else torch.empty(pc.sizes, dtype=t.dtype)
+                )
+                sub.copy_(box.permute(tuple(pc.perm)))
             needed += len(buf)
             read += got
-        planner.commit_tensor(req, target)
         return needed, read
 
     def _read_box(
-        self, key: str, t: _Tensor, view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
-    ) -> tuple[bytearray, int]:
-        """The box's bytes (row-major) and how many bytes were read from storage for them."""
+        self,
+        key: str,
+        t: _Tensor,
+        view: tuple[int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        dst: memoryview | None = None,
+    ) -> tuple[memoryview, int]:
+        """The box's bytes (row-major; into ``dst`` when given, else a new buffer) and how many bytes
+        were read from storage for them."""
         itemsize = t.dtype.itemsize
         nbytes = math.prod(sizes) * itemsize
-        out = bytearray(nbytes)
+        out = dst if dst is not None else memoryview(bytearray(nbytes))
         if nbytes == 0:
             return out, 0
         if math.prod(view) != math.prod(t.shape):
@@ -264,35 +303,44 @@ class FullSource:
                 f"{self.url}: tensor {key!r} of shape {list(t.shape)} cannot be viewed as {list(view)}"
             )
         units = self.units.get(key) if self.verify else None
+        starts, run = box_runs(view, offsets, sizes, itemsize)
         if not units:
-            if self.verify and self.records.get(t.file) is not None and key in self.units:
-                pass
-            starts, run = box_runs(view, offsets, sizes, itemsize)
-            fetched = self._files.read_runs(t.file, t.start + starts, run, memoryview(out))
+            fetched = self._files.read_runs(t.file, t.start + starts, run, out)
             self._stat(t.file, nbytes, fetched)
             return out, fetched
-        # verified: every unit the box touches is read whole and checked; its overlap is copied out
-        covered = 0
-        read = self._hold_units(t, key, view, offsets, sizes, units)
-        dst = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
         for u in units:
             if u.view != view:
                 raise CheckpointError(
                     f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as {list(u.view)}"
                 )
-            box = intersect((offsets, sizes), (u.offsets, u.sizes))
-            if box is None or math.prod(box[1]) == 0:
-                continue
-            ubytes = bytearray(math.prod(u.sizes) * itemsize)
-            starts, run = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            read += self._files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
-            if hash_bytes(ubytes) != u.digest:
-                raise CheckpointCorrupt(
-                    f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
-                    f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
+        read = self._hold_units(t, view, offsets, sizes, units)
+        touched = [(u, box) for u in units if (box := intersect((offsets, sizes), (u.offsets, u.sizes))) is not None]
+        touched = [(u, box) for u, box in touched if math.prod(box[1])]
+        covered = 0
+        if len(starts) == 1 and all(_inside(box, u) for u, box in touched):
+            # a box of whole rows holding every unit it touches: read it once into ``out`` and check
+            # each unit where it lies there (no scratch buffer, no copy)
+            read += self._files.read_runs(t.file, t.start + starts, run, out)
+            for u, box in touched:
+                ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+                rel = (ustarts - int(starts[0])).tolist()
+                digest = (
+                    hash_bytes(out[rel[0] : rel[0] + urun])
+                    if len(rel) == 1
+                    else hash_parts(out[a : a + urun] for a in rel)
                 )
+                self._check_unit(t, key, u, digest)
+                covered += math.prod(box[1])
+            touched = []
+        dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
+        for u, box in touched:
+            # every unit the box touches is read whole and checked; its overlap is copied out
+            ubytes = bytearray(math.prod(u.sizes) * itemsize)
+            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+            read += self._files.read_runs(t.file, t.start + ustarts, urun, memoryview(ubytes))
+            self._check_unit(t, key, u, hash_bytes(ubytes))
             src = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
-            s_sub, d_sub = src, dst
+            s_sub, d_sub = src, dst_t
             for d, (lo, n) in enumerate(zip(box[0], box[1])):
                 s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
                 d_sub = d_sub.narrow(d, lo - offsets[d], n)
@@ -305,10 +353,16 @@ class FullSource:
         self._stat(t.file, nbytes, read)
         return out, read
 
+    def _check_unit(self, t: _Tensor, key: str, u: _Unit, digest: int) -> None:
+        if digest != u.digest:
+            raise CheckpointCorrupt(
+                f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
+                f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
+            )
+
     def _hold_units(
         self,
         t: _Tensor,
-        key: str,
         view: tuple[int, ...],
         offsets: Sequence[int],
         sizes: Sequence[int],
@@ -331,10 +385,11 @@ class FullSource:
         return self._files.hold(t.file, t.start + lo, t.start + hi)
 
     def _stat(self, name: str, needed: int, read: int) -> None:
-        st = self.file_stats.setdefault(name, FileStats())
-        st.bytes_needed += needed
-        st.bytes_read += read
-        st.requests += 1
+        with self._lock:
+            st = self.file_stats.setdefault(name, FileStats())
+            st.bytes_needed += needed
+            st.bytes_read += read
+            st.requests += 1
 
     def verify_all(self) -> list[str]:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""
@@ -381,6 +436,7 @@ class _Files:
         self.fs, self.path = fs, path
         self.local = is_local(fs)
         self.fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # fds, from several worker threads
         # object stores: one span fetched ahead for the units of one box (file, start, bytes)
         self._held: tuple[str, int, bytes] | None = None
 
@@ -411,10 +467,11 @@ class _Files:
         fetched from storage (more than the runs' on object stores, where strided runs share a GET)."""
         path = join(self.path, name)
         if self.local:
-            fd = self.fds.get(name)
-            if fd is None:
-                with translate_errors(path):
-                    fd = self.fds[name] = os.open(path, os.O_RDONLY)
+            with self._lock:
+                fd = self.fds.get(name)
+                if fd is None:
+                    with translate_errors(path):
+                        fd = self.fds[name] = os.open(path, os.O_RDONLY)
             # adjacent runs merge into one request
             pos = 0
             for lo, n in _merge(starts, run):
@@ -461,6 +518,27 @@ class _Files:
                 dst[pos : pos + run] = src[s : s + run]
                 pos += run
         return fetched
+
+
+#: worker threads of a full read on local files (reads and checks of different tensors overlap)
+_THREADS = 4
+
+
+def _inside(box: tuple[tuple[int, ...], tuple[int, ...]], u: _Unit) -> bool:
+    """The unit lies wholly inside the box (their intersection is the unit)."""
+    return tuple(box[0]) == tuple(u.offsets) and tuple(box[1]) == tuple(u.sizes)
+
+
+def _bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """A writable view of ``sub``'s bytes when it holds them as stored: a contiguous CPU tensor of
+    ``dtype``; else ``None`` (the box is read into a buffer and copied)."""
+    if sub.device.type != "cpu" or sub.dtype != dtype or not sub.is_contiguous() or sub.numel() == 0:
+        return None
+    try:
+        mv = memoryview(cast(Any, sub.reshape(-1).view(torch.uint8).numpy()))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return None if mv.readonly else mv
 
 
 #: object stores: strided runs within one enclosing span of at most this many bytes share one GET

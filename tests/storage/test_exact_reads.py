@@ -5,6 +5,7 @@ slice of a 1 MiB tensor read exactly their bytes -- and a damaged tile is still 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 from typing import Any
@@ -137,7 +138,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("mode", "verify"), [("partial", True), ("partial", False), ("full", True)])
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_column_splits_and_small_row_slices_read_exactly_their_bytes(
     tmp_path: Any, tp: int, mode: str, verify: bool
 ) -> None:
@@ -233,3 +234,32 @@ def test_on_s3_a_full_artifact_loads_a_column_split_with_few_spanning_reads(s3: 
         stats = reader.last_read_stats
         # each tile's rows come in one enclosing GET: at most the tensor, counted as fetched
         assert stats.bytes_needed == 256 * 2048 * 4 < stats.bytes_read <= 256 * 8192 * 4
+
+
+def test_a_full_artifact_loads_in_place_and_a_damaged_tile_fails_only_its_reads(tmp_path: Any) -> None:
+    g = {"col": torch.randn(256, 8192)}
+    path = _save(tmp_path, g, "full")
+    dest = {"col": torch.empty(256, 8192)}
+    stats = _load(path, dest, 1, 0)  # same layout: read straight into the destination, tiles checked there
+    assert torch.equal(dest["col"], g["col"]) and stats.bytes_read == stats.bytes_needed == 256 * 8192 * 4
+    (art,) = glob.glob(os.path.join(path, "*.safetensors"))
+    with open(art, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    (key,) = [k for k in header if k.endswith("col")]
+    start = 8 + n + header[key]["data_offsets"][0]
+    # row 40, bytes 5 * 4096 + 100 of the row: column group 5 of 8 -- TP=4 rank 2 reads it, rank 0 not
+    with open(art, "r+b") as f:
+        f.seek(start + 40 * 8192 * 4 + 5 * 4096 + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    dest = {"col": torch.empty(256, 2048)}
+    stats = _load(path, dest, 4, 0)
+    assert torch.equal(dest["col"], g["col"][:, :2048]) and stats.amplification == 1.0
+    for tp, rank, cols in ((4, 2, 2048), (1, 0, 8192)):
+        with pytest.raises(CheckpointException) as info:
+            _load(path, {"col": torch.empty(256, cols)}, tp, rank)
+        err = unwrap(info.value)
+        assert isinstance(err, CheckpointCorrupt) and "checksum mismatch in tensor" in str(err), err
+        assert os.path.basename(art) in str(err)

@@ -23,7 +23,9 @@ planning cost vs world size from ``benchmarks/out/planning.json`` when present).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import platform
 import resource
@@ -371,6 +373,18 @@ def _s3(args: argparse.Namespace, w: World, log: Callable[[str], None]) -> S3End
     return ep
 
 
+PARTIAL_JSON = "bench.partial.json"
+
+
+def _write_partial(results: dict[str, Any], out: str) -> None:
+    """The results so far, replaced atomically after each storage (removed when the run completes)."""
+    os.makedirs(out, exist_ok=True)
+    tmp = os.path.join(out, PARTIAL_JSON + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(tmp, os.path.join(out, PARTIAL_JSON))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     w = World(args.cpu, args.torch_threads)
@@ -389,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for storage in wanted:
             results["storages"][storage] = bench.run(storage, f"{run_id}-{storage}")
+            if w.rank == 0:  # an interrupted run keeps the storages it finished
+                _write_partial(results, args.out)
     finally:
         if ep is not None and w.rank == 0:
             ep.stop()
@@ -407,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         results["planning"] = _report.planning(args.quick, log)
         results["elapsed_s"] = time.perf_counter() - started
         _report.finish(results, args.out, log)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.out, PARTIAL_JSON))
     w.barrier()
     w.close()
     return 0

@@ -188,15 +188,13 @@ class FullSource:
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
         """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``.
 
-        The planner is called on this thread only. On local files the tensors' reads and checks run on
-        :data:`_THREADS` worker threads (at most twice that many items in flight), so hashing overlaps
-        the next read; object stores read one box at a time (a box's GET is shared by its units)."""
+        The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
+        worker threads (at most twice that many items in flight), so hashing overlaps the next read and
+        an object store has several GETs in flight (a box's GET is shared by its units, per thread)."""
         needed = read = 0
         with (
             _Files(self.fs, self.path) as files,
-            concurrent.futures.ThreadPoolExecutor(
-                _THREADS if files.local else 1, thread_name_prefix="smpckpt-full-read"
-            ) as pool,
+            concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="smpckpt-full-read") as pool,
         ):
             self._files = files
             pending: dict[concurrent.futures.Future[tuple[int, int]], tuple[ReadItem, torch.Tensor]] = {}
@@ -438,12 +436,13 @@ class _Files:
         self.fds: dict[str, int] = {}
         self._lock = threading.Lock()  # fds, from several worker threads
         # object stores: one span fetched ahead for the units of one box (file, start, bytes)
-        self._held: tuple[str, int, bytes] | None = None
+        # (per worker thread: a box's units are held and read by the thread reading that box)
+        self._tls = threading.local()
 
     def hold(self, name: str, lo: int, hi: int) -> int:
         """(object stores) Fetch file bytes ``[lo, hi)`` in one GET and serve runs inside them from
         memory until the next call; returns the bytes fetched (0 on local files, which need none)."""
-        self._held = None
+        self._tls.held = None
         if self.local or hi <= lo:
             return 0
         path = join(self.path, name)
@@ -451,7 +450,7 @@ class _Files:
             blob = self.fs.cat_file(path, start=lo, end=hi)
         if len(blob) != hi - lo:
             raise CheckpointCorrupt(f"{path}: short read at offset {lo}")
-        self._held = (name, lo, blob)
+        self._tls.held = (name, lo, blob)
         return hi - lo
 
     def __enter__(self) -> _Files:
@@ -484,7 +483,7 @@ class _Files:
         # rows), so runs are fetched in enclosing spans of up to _SPAN_BYTES and cut out here.
         groups = _span_groups(starts, run)
         spans = [(int(starts[a]), int(starts[b - 1]) + run - int(starts[a])) for a, b in groups]
-        held = self._held
+        held: tuple[str, int, bytes] | None = getattr(self._tls, "held", None)
         if (
             held is not None
             and held[0] == name
@@ -520,7 +519,7 @@ class _Files:
         return fetched
 
 
-#: worker threads of a full read on local files (reads and checks of different tensors overlap)
+#: worker threads of a full read (reads and checks of different tensors overlap)
 _THREADS = 4
 
 

@@ -20,7 +20,6 @@ import dataclasses
 import io
 import json
 import math
-import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -40,7 +39,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage._fs import join, read_bytes_or_none
+from smpckpt.storage._full_files import SPAN_BYTES, RunFiles
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
 from smpckpt.storage._names import check_member_name
 from smpckpt.storage._regions import box_runs, intersect
@@ -193,7 +193,7 @@ class FullSource:
         an object store has several GETs in flight (a box's GET is shared by its units, per thread)."""
         needed = read = 0
         with (
-            _Files(self.fs, self.path) as files,
+            RunFiles(self.fs, self.path) as files,
             concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="smpckpt-full-read") as pool,
         ):
             self._files = files
@@ -367,7 +367,7 @@ class FullSource:
         units: list[_Unit],
     ) -> int:
         """(object stores) One GET for the span of every unit the box touches, when it is at most
-        ``_SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
+        ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
         itemsize = t.dtype.itemsize
         lo, hi = None, None
         for u in units:
@@ -378,7 +378,7 @@ class FullSource:
                 if len(starts):
                     a, b = int(starts[0]), int(starts[-1]) + run
                     lo, hi = (a, b) if lo is None or hi is None else (min(lo, a), max(hi, b))
-        if lo is None or hi is None or hi - lo > _SPAN_BYTES:
+        if lo is None or hi is None or hi - lo > SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
         return self._files.hold(t.file, t.start + lo, t.start + hi)
 
@@ -392,7 +392,7 @@ class FullSource:
     def verify_all(self) -> list[str]:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""
         problems: list[str] = []
-        with _Files(self.fs, self.path) as files:
+        with RunFiles(self.fs, self.path) as files:
             for name, pieces in getattr(self, "headers", {}).items():
                 for offset, length, digest in pieces:
                     buf = bytearray(length)
@@ -427,98 +427,6 @@ def _first_leaf(expr: Expr) -> str:
     return expr.key
 
 
-class _Files:
-    """Open files of one read call: ``pread`` on local paths, ranged GETs elsewhere."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs, self.path = fs, path
-        self.local = is_local(fs)
-        self.fds: dict[str, int] = {}
-        self._lock = threading.Lock()  # fds, from several worker threads
-        # object stores: one span fetched ahead for the units of one box (file, start, bytes)
-        # (per worker thread: a box's units are held and read by the thread reading that box)
-        self._tls = threading.local()
-
-    def hold(self, name: str, lo: int, hi: int) -> int:
-        """(object stores) Fetch file bytes ``[lo, hi)`` in one GET and serve runs inside them from
-        memory until the next call; returns the bytes fetched (0 on local files, which need none)."""
-        self._tls.held = None
-        if self.local or hi <= lo:
-            return 0
-        path = join(self.path, name)
-        with translate_errors(path):
-            blob = self.fs.cat_file(path, start=lo, end=hi)
-        if len(blob) != hi - lo:
-            raise CheckpointCorrupt(f"{path}: short read at offset {lo}")
-        self._tls.held = (name, lo, blob)
-        return hi - lo
-
-    def __enter__(self) -> _Files:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-    def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> int:
-        """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``; returns the bytes
-        fetched from storage (more than the runs' on object stores, where strided runs share a GET)."""
-        path = join(self.path, name)
-        if self.local:
-            with self._lock:
-                fd = self.fds.get(name)
-                if fd is None:
-                    with translate_errors(path):
-                        fd = self.fds[name] = os.open(path, os.O_RDONLY)
-            # adjacent runs merge into one request
-            pos = 0
-            for lo, n in _merge(starts, run):
-                got = os.preadv(fd, [out[pos : pos + n]], lo)
-                if got != n:
-                    raise CheckpointCorrupt(f"{path}: truncated ({got} of {n} bytes at offset {lo})")
-                pos += n
-            return pos
-        # Object stores: a GET costs far more than the bytes between strided runs (a column shard's
-        # rows), so runs are fetched in enclosing spans of up to _SPAN_BYTES and cut out here.
-        groups = _span_groups(starts, run)
-        spans = [(int(starts[a]), int(starts[b - 1]) + run - int(starts[a])) for a, b in groups]
-        held: tuple[str, int, bytes] | None = getattr(self._tls, "held", None)
-        if (
-            held is not None
-            and held[0] == name
-            and held[1] <= spans[0][0]
-            and spans[-1][0] + spans[-1][1] <= held[1] + len(held[2])
-        ):
-            base, whole = held[1], memoryview(held[2])
-            blobs: list[Any] = [whole[lo - base : lo - base + n] for lo, n in spans]
-            fetched = 0
-        else:
-            with translate_errors(path):
-                blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])
-            fetched = sum(n for _, n in spans)
-        pos = 0
-        for (lo, n), (a, b), blob in zip(spans, groups, blobs):
-            if isinstance(blob, Exception) or len(blob) != n:
-                raise CheckpointCorrupt(f"{path}: short read at offset {lo}") from (
-                    blob if isinstance(blob, Exception) else None
-                )
-            src = np.frombuffer(blob, dtype=np.uint8)
-            dst = np.frombuffer(out, dtype=np.uint8)
-            rel = starts[a:b].astype(np.int64) - lo
-            steps = np.diff(rel)
-            if len(rel) > 1 and (steps == steps[0]).all() and steps[0] >= run:
-                # evenly spaced rows (the usual column box): one strided copy
-                rows = np.lib.stride_tricks.as_strided(src, (len(rel), run), (int(steps[0]), 1))
-                dst[pos : pos + len(rel) * run].reshape(len(rel), run)[:] = rows
-                pos += len(rel) * run
-                continue
-            for s in rel.tolist():
-                dst[pos : pos + run] = src[s : s + run]
-                pos += run
-        return fetched
-
-
 #: worker threads of a full read (reads and checks of different tensors overlap)
 _THREADS = 4
 
@@ -538,29 +446,3 @@ def _bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
     except (RuntimeError, TypeError, ValueError):
         return None
     return None if mv.readonly else mv
-
-
-#: object stores: strided runs within one enclosing span of at most this many bytes share one GET
-_SPAN_BYTES = 32 << 20
-
-
-def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``_SPAN_BYTES`` (a run
-    longer than that is a group of its own)."""
-    out: list[tuple[int, int]] = []
-    a = 0
-    for i in range(1, len(starts) + 1):
-        if i == len(starts) or int(starts[i]) + run - int(starts[a]) > _SPAN_BYTES:
-            out.append((a, i))
-            a = i
-    return out
-
-
-def _merge(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    if len(starts) == 0:
-        return []
-    s = starts.astype(np.int64)
-    breaks = np.nonzero(s[1:] != s[:-1] + run)[0] + 1
-    firsts = np.concatenate([[0], breaks])
-    lasts = np.concatenate([breaks, [len(s)]])
-    return [(int(s[a]), int((b - a) * run)) for a, b in zip(firsts, lasts)]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from damage import flip_byte
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -86,14 +87,6 @@ def _header(path: str) -> dict[str, tuple[int, int]]:
         for k, v in header.items()
         if k != "__metadata__"
     }
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def _crash(folder: str) -> None:
@@ -314,7 +307,7 @@ def test_flipped_tensor_byte_is_corrupt(tmp_path: Any) -> None:
     save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
     path = os.path.join(root, "t", "model.safetensors")
     start, end = _header(path)["3.weight"]
-    _flip(path, (start + end) // 2)
+    flip_byte(path, (start + end) // 2)
     m2, _ = _model(1)
     with pytest.raises(CheckpointCorrupt, match=r"model\.safetensors: checksum mismatch in tensor '3\.weight'"):
         resume_from_checkpoint(root, "t", partial=False, model=m2)
@@ -330,7 +323,7 @@ def test_flipped_optimizer_byte_is_corrupt(tmp_path: Any) -> None:
     save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
     path = os.path.join(root, "t", "optimizer.safetensors")
     start, _ = _header(path)["0.weight.exp_avg_sq"]
-    _flip(path, start)
+    flip_byte(path, start)
     m2, o2 = _model(1)
     with pytest.raises(
         CheckpointCorrupt, match=r"optimizer\.safetensors: checksum mismatch in tensor '0\.weight\.exp_avg_sq'"
@@ -343,7 +336,7 @@ def test_damaged_user_content_is_corrupt(tmp_path: Any) -> None:
     m, _ = _model(0)
     save_checkpoint(root, "t", partial=False, model=m, user_content={"step": 3, "pad": "x" * 200})
     path = os.path.join(root, "t", "user_content.pt")
-    _flip(path, os.path.getsize(path) // 2)
+    flip_byte(path, os.path.getsize(path) // 2)
     with pytest.raises(CheckpointCorrupt, match=r"user_content\.pt"):
         resume_from_checkpoint(root, "t", partial=False, model=_model(1)[0])
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+from damage import flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from storage_helpers import unwrap
@@ -170,12 +171,9 @@ def test_a_split_across_column_groups_reads_whole_groups_only(tmp_path: Any) -> 
 
 
 def _flip(path: str, offset: int) -> None:
+    """Flip a byte at ``offset`` of the checkpoint's one data file long enough to hold it."""
     (data_file,) = [f for f in glob.glob(os.path.join(path, "*.distcp")) if os.path.getsize(f) >= offset]
-    with open(data_file, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(data_file, offset)
 
 
 def test_a_damaged_tile_fails_the_reads_that_touch_it_and_verify(tmp_path: Any) -> None:
@@ -249,11 +247,7 @@ def test_a_full_artifact_loads_in_place_and_a_damaged_tile_fails_only_its_reads(
     (key,) = [k for k in header if k.endswith("col")]
     start = 8 + n + header[key]["data_offsets"][0]
     # row 40, bytes 5 * 4096 + 100 of the row: column group 5 of 8 -- TP=4 rank 2 reads it, rank 0 not
-    with open(art, "r+b") as f:
-        f.seek(start + 40 * 8192 * 4 + 5 * 4096 + 100)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(art, start + 40 * 8192 * 4 + 5 * 4096 + 100)
     dest = {"col": torch.empty(256, 2048)}
     stats = _load(path, dest, 4, 0)
     assert torch.equal(dest["col"], g["col"][:, :2048]) and stats.amplification == 1.0

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from damage import flip_byte
 from storage_helpers import unwrap, zeros_like_state
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -89,11 +90,7 @@ def test_failed_read_in_order_does_not_hang(tmp_path: Any) -> None:
     path = _saved(tmp_path, sd)
     data = [os.path.join(path, n) for n in os.listdir(path) if os.path.getsize(os.path.join(path, n)) > 30 * MiB]
     assert len(data) == 1
-    with open(data[0], "r+b") as f:  # one byte of the third item
-        f.seek(5 * MiB)
-        b = f.read(1)
-        f.seek(5 * MiB)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(data[0], 5 * MiB)  # a byte of the third item
     outcome: list[BaseException] = []
 
     def run() -> None:

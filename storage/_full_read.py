@@ -40,14 +40,14 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, read_bytes_or_none
-from smpckpt.storage._full_files import SPAN_BYTES, RunFiles
+from smpckpt.storage._full_files import SPAN_BYTES, Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
 from smpckpt.storage._names import check_member_name
 from smpckpt.storage._regions import box_runs, intersect
 from smpckpt.storage._safe_pickle import check_weights_only
 from smpckpt.storage._safetensors import header_length, parse_header
 from smpckpt.storage.manifest import FileRecord
-from smpckpt.translation import Expr, Leaf, Translation, pieces
+from smpckpt.translation import Expr, Leaf, Piece, Translation, pieces
 
 __all__ = ["FullSource", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
 
@@ -80,7 +80,6 @@ class _Unit:
 class FileStats:
     bytes_read: int = 0
     bytes_needed: int = 0
-    requests: int = 0
 
 
 def hf_folder_files(fs: Any, path: str) -> list[str] | None:
@@ -114,7 +113,8 @@ class FullSource:
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, FileStats] = {}
         self.requests = 0
-        self._lock = threading.Lock()  # file_stats, from the worker threads of read()
+        self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
+        self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
 
     # -- metadata ---------------------------------------------------------------------------------
     def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
@@ -189,42 +189,69 @@ class FullSource:
         """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``.
 
         The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
-        worker threads (at most twice that many items in flight), so hashing overlaps the next read and
-        an object store has several GETs in flight (a box's GET is shared by its units, per thread)."""
-        needed = read = 0
+        worker threads (at most twice that many items in flight), so hashing overlaps the next read. On
+        object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
+        (:func:`~._full_files.plan_spans`; items in file order), several GETs in flight."""
+        self.requests = 0
+        items = list(plan.items)
         with (
             RunFiles(self.fs, self.path) as files,
             concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="smpckpt-full-read") as pool,
         ):
             self._files = files
-            pending: dict[concurrent.futures.Future[tuple[int, int]], tuple[ReadItem, torch.Tensor]] = {}
+            spans: SpanFetcher | None = None
+            item_spans: list[tuple[int, ...]] = [()] * len(items)
+            if not files.local:
+                extents = [self._extents(r) if r.type != LoadItemType.BYTE_IO else [] for r in items]
+                span_list, item_spans = plan_spans(extents)
+                if span_list:
+                    spans = SpanFetcher(
+                        files, span_list, item_spans, ahead=_THREADS, on_fetch=lambda name, n: self._stat(name, 0, n)
+                    )
+                    order = sorted(range(len(items)), key=lambda i: item_spans[i][:1] or (-1,))
+                    items = [items[i] for i in order]
+                    item_spans = [item_spans[i] for i in order]
+            pending: dict[concurrent.futures.Future[None], tuple[ReadItem, torch.Tensor, tuple[int, ...]]] = {}
 
-            def finish(done: Iterable[concurrent.futures.Future[tuple[int, int]]]) -> None:
-                nonlocal needed, read
+            def finish(done: Iterable[concurrent.futures.Future[None]]) -> None:
                 for f in done:
-                    req, target = pending.pop(f)
-                    n, r = f.result()
+                    req, target, used = pending.pop(f)
+                    f.result()
+                    if spans is not None:
+                        spans.release(used)
                     planner.commit_tensor(req, target)
-                    needed += n
-                    read += r
+
+            def make_room() -> bool:
+                if not pending:
+                    return False
+                finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
+                return True
 
             try:
-                for req in plan.items:
+                for req, used in zip(items, item_spans):
                     if req.type == LoadItemType.BYTE_IO:
-                        n = self._read_object(req, planner)
-                        needed += n
-                        read += n
+                        self._read_object(req, planner)
                         continue
                     target = planner.resolve_tensor(req).detach()
-                    pending[pool.submit(self._fill, req, target)] = (req, target)
+                    held = spans.need(used, make_room) if spans is not None else []
+                    pending[pool.submit(self._fill, req, target, held)] = (req, target, used)
+                    if spans is not None:
+                        spans.top_up()
                     if len(pending) >= 2 * _THREADS:
-                        finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
+                        make_room()
                 while pending:
-                    finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
+                    make_room()
             finally:
                 for f in pending:
                     f.cancel()
-        return needed, read
+                if spans is not None:
+                    spans.close()
+            self.requests = files.requests
+        with self._lock:
+            return (
+                sum(st.bytes_needed for st in self.file_stats.values()),
+                sum(st.bytes_read for st in self.file_stats.values()),
+            )
 
     def _read_object(self, req: ReadItem, planner: LoadPlanner) -> int:
         fqn = req.storage_index.fqn
@@ -248,37 +275,64 @@ class FullSource:
         self._stat(name, len(data), len(data))
         return len(data)
 
-    def _fill(self, req: ReadItem, target: torch.Tensor) -> tuple[int, int]:
-        """(worker thread) The bytes of ``req`` into ``target``, verified; ``(bytes_needed, bytes_read)``."""
+    def _boxes(self, req: ReadItem) -> list[tuple[str, _Tensor, Piece]]:
+        """The artifact boxes that make up ``req``: ``(artifact key, its tensor, piece)``."""
         fqn = req.storage_index.fqn
         if fqn not in self.exprs:
             raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
         art, expr = self.exprs[fqn]
-        shapes = {k.split("/", 1)[1]: t.shape for k, t in self.tensors.items() if k.startswith(art + "/")}
+        shapes = self._shapes(art)
         md = self.live.state_dict_metadata.get(fqn) if self.live is not None else None
         if isinstance(expr, Leaf) and expr.view is None and expr.perm is None and isinstance(md, TensorStorageMetadata):
             asked = tuple(md.size)
             if asked != shapes[expr.key] and math.prod(asked) == math.prod(shapes[expr.key]):
                 expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in its view shape
-        needed = read = 0
+        out = []
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
-            t = self.tensors[f"{art}/{pc.key}"]
-            sub = target
-            for d, (o, n) in enumerate(zip(pc.dest_offsets, [pc.sizes[p] for p in pc.perm])):
-                sub = sub.narrow(d, o, n)
-            # the box's bytes straight into the destination when it holds them as stored
-            dst = _bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
-            buf, got = self._read_box(f"{art}/{pc.key}", t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst)
-            if dst is None:
-                box = (
-                    torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
-                    if len(buf)
-                    else torch.empty(pc.sizes, dtype=t.dtype)
-                )
-                sub.copy_(box.permute(tuple(pc.perm)))
-            needed += len(buf)
-            read += got
-        return needed, read
+            out.append((f"{art}/{pc.key}", self.tensors[f"{art}/{pc.key}"], pc))
+        return out
+
+    def _shapes(self, art: str) -> dict[str, tuple[int, ...]]:
+        """The shapes of one artifact's tensors by key (computed once: every item needs them)."""
+        with self._lock:
+            cached = self._shape_cache.get(art)
+            if cached is None:
+                prefix = art + "/"
+                cached = {k[len(prefix) :]: t.shape for k, t in self.tensors.items() if k.startswith(prefix)}
+                self._shape_cache[art] = cached
+            return cached
+
+    def _extents(self, req: ReadItem) -> list[tuple[str, int, int]]:
+        """(object stores) The byte range each box of ``req`` touches in its file, check units included."""
+        out = []
+        for key, t, pc in self._boxes(req):
+            units = self.units.get(key) if self.verify else None
+            ext = _extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units or [])
+            if ext is not None:
+                out.append((t.file, t.start + ext[0], t.start + ext[1]))
+        return out
+
+    def _fill(self, req: ReadItem, target: torch.Tensor, held: Sequence[concurrent.futures.Future[Held]]) -> None:
+        """(worker thread) The bytes of ``req`` into ``target``, verified; runs served from the ``held``
+        spans where they lie inside one (object stores)."""
+        self._files.serve([f.result() for f in held])
+        try:
+            for key, t, pc in self._boxes(req):
+                sub = target
+                for d, (o, n) in enumerate(zip(pc.dest_offsets, [pc.sizes[p] for p in pc.perm])):
+                    sub = sub.narrow(d, o, n)
+                # the box's bytes straight into the destination when it holds them as stored
+                dst = _bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
+                buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst, bool(held))
+                if dst is None:
+                    box = (
+                        torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
+                        if len(buf)
+                        else torch.empty(pc.sizes, dtype=t.dtype)
+                    )
+                    sub.copy_(box.permute(tuple(pc.perm)))
+        finally:
+            self._files.serve(())
 
     def _read_box(
         self,
@@ -288,14 +342,15 @@ class FullSource:
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
         dst: memoryview | None = None,
-    ) -> tuple[memoryview, int]:
-        """The box's bytes (row-major; into ``dst`` when given, else a new buffer) and how many bytes
-        were read from storage for them."""
+        prefetched: bool = False,
+    ) -> memoryview:
+        """The box's bytes (row-major; into ``dst`` when given, else a new buffer), verified; the bytes
+        read from storage go to ``file_stats``. ``prefetched``: its spans are held already."""
         itemsize = t.dtype.itemsize
         nbytes = math.prod(sizes) * itemsize
         out = dst if dst is not None else memoryview(bytearray(nbytes))
         if nbytes == 0:
-            return out, 0
+            return out
         if math.prod(view) != math.prod(t.shape):
             raise CheckpointCorrupt(
                 f"{self.url}: tensor {key!r} of shape {list(t.shape)} cannot be viewed as {list(view)}"
@@ -305,13 +360,13 @@ class FullSource:
         if not units:
             fetched = self._files.read_runs(t.file, t.start + starts, run, out)
             self._stat(t.file, nbytes, fetched)
-            return out, fetched
+            return out
         for u in units:
             if u.view != view:
                 raise CheckpointError(
                     f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as {list(u.view)}"
                 )
-        read = self._hold_units(t, view, offsets, sizes, units)
+        read = 0 if prefetched else self._hold_units(t, view, offsets, sizes, units)
         touched = [(u, box) for u in units if (box := intersect((offsets, sizes), (u.offsets, u.sizes))) is not None]
         touched = [(u, box) for u, box in touched if math.prod(box[1])]
         covered = 0
@@ -349,7 +404,7 @@ class FullSource:
                 f"{join(self.path, t.file)}: part of tensor {key.split('/', 1)[1]!r} is covered by no checksum"
             )
         self._stat(t.file, nbytes, read)
-        return out, read
+        return out
 
     def _check_unit(self, t: _Tensor, key: str, u: _Unit, digest: int) -> None:
         if digest != u.digest:
@@ -368,26 +423,16 @@ class FullSource:
     ) -> int:
         """(object stores) One GET for the span of every unit the box touches, when it is at most
         ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
-        itemsize = t.dtype.itemsize
-        lo, hi = None, None
-        for u in units:
-            if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
-                if math.prod(box[1]) == 0:
-                    continue
-                starts, run = box_runs(u.view, u.offsets, u.sizes, itemsize)
-                if len(starts):
-                    a, b = int(starts[0]), int(starts[-1]) + run
-                    lo, hi = (a, b) if lo is None or hi is None else (min(lo, a), max(hi, b))
-        if lo is None or hi is None or hi - lo > SPAN_BYTES:
+        ext = _extent(view, offsets, sizes, t.dtype.itemsize, units)
+        if ext is None or ext[1] - ext[0] > SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
-        return self._files.hold(t.file, t.start + lo, t.start + hi)
+        return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
 
     def _stat(self, name: str, needed: int, read: int) -> None:
         with self._lock:
             st = self.file_stats.setdefault(name, FileStats())
             st.bytes_needed += needed
             st.bytes_read += read
-            st.requests += 1
 
     def verify_all(self) -> list[str]:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""
@@ -429,6 +474,25 @@ def _first_leaf(expr: Expr) -> str:
 
 #: worker threads of a full read (reads and checks of different tensors overlap)
 _THREADS = 4
+
+
+def _extent(
+    view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[_Unit]
+) -> tuple[int, int] | None:
+    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
+    the box's runs and the whole check units it overlaps (they are read whole to be verified)."""
+    starts, run = box_runs(view, offsets, sizes, itemsize)
+    if not len(starts):
+        return None
+    lo, hi = int(starts[0]), int(starts[-1]) + run
+    for u in units:
+        if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
+            if math.prod(box[1]) == 0:
+                continue
+            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+            if len(ustarts):
+                lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
+    return lo, hi
 
 
 def _inside(box: tuple[tuple[int, ...], tuple[int, ...]], u: _Unit) -> bool:

@@ -78,7 +78,7 @@ class ReadStats:
 
     bytes_needed: int  # bytes the destinations receive (a column slice: its elements, not its span)
     bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
-    requests: int  # ranged reads issued
+    requests: int  # ranged reads issued (``preadv`` calls, GETs)
     items: int
     #: file name -> (bytes needed, bytes read), for every file the load touched
     per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
@@ -384,8 +384,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         full.file_stats = {}
         needed, read = full.read(plan, planner)
         per_file = {n: (st.bytes_needed, st.bytes_read) for n, st in full.file_stats.items()}
-        requests = sum(st.requests for st in full.file_stats.values())
-        self.last_read_stats = ReadStats(needed, read, requests, len(plan.items), per_file)
+        self.last_read_stats = ReadStats(needed, read, full.requests, len(plan.items), per_file)
 
 
 def _mark_whole(metadata: Metadata) -> None:

@@ -23,6 +23,7 @@ Contenders:
     python benchmarks/bench_s3.py --quick                # ~32 MiB, 1 round
     python benchmarks/bench_s3.py --profile out/prof     # + cProfile of one smpckpt save and load
     python benchmarks/bench_s3.py --part-mb 16 --save-only --only smpckpt   # a part size, saves only
+    python benchmarks/bench_s3.py --object-file-mb 0 --only smpckpt        # thread_count files per rank
     torchrun --nproc-per-node 2 benchmarks/bench_s3.py   # gloo; each rank saves its own share
 """
 
@@ -372,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="~32 MiB, 1 round (smoke run)")
     ap.add_argument("--only", default="", help="comma-separated subset of smpckpt,s3tc,fsspec (s3tc always runs)")
     ap.add_argument("--part-mb", type=int, default=0, help="smpckpt part_size in MiB (0: the writer's default)")
+    ap.add_argument("--threads", type=int, default=0, help="smpckpt thread_count (0: the writer's default)")
+    ap.add_argument(
+        "--object-file-mb",
+        type=int,
+        default=-1,
+        help="smpckpt object_file_size in MiB (-1: default; 0: thread_count files)",
+    )
     ap.add_argument("--save-only", action="store_true", help="time saves only (no loads, no bit-exact check)")
     ap.add_argument("--profile", default="", help="folder: also cProfile one smpckpt save and load")
     ap.add_argument("--out", default=None, help="write results as JSON here")
@@ -395,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         sd = make_state(args.size_mb, prefix=f"rank{rank}." if dist.is_initialized() else "")
         dest = {k: torch.zeros_like(v) for k, v in sd.items()}
         size = int(_sum(nbytes(sd)))
-        all_ops = contenders(sd, dest, endpoint, {"part_size": args.part_mb << 20} if args.part_mb else {})
+        ours: dict[str, Any] = {"part_size": args.part_mb << 20} if args.part_mb else {}
+        if args.threads:
+            ours["thread_count"] = args.threads
+        if args.object_file_mb >= 0:
+            ours["object_file_size"] = args.object_file_mb << 20
+        all_ops = contenders(sd, dest, endpoint, ours)
         keep = {n for n in args.only.split(",") if n} | {REF}
         ops = {n: o for n, o in all_ops.items() if not args.only or n in keep}
         log(

@@ -24,7 +24,7 @@ from smpckpt.storage._checksum import BlockHasher
 from smpckpt.storage._sinks import Sink
 from smpckpt.storage.manifest import FileRecord
 
-__all__ = ["write_file", "split_items", "FILE_RESULT_FQN"]
+__all__ = ["PART_FILL", "object_store_bins", "write_file", "split_items", "FILE_RESULT_FQN"]
 
 # bytes handed to the hash thread at a time: small enough that hashing trails the write closely
 _CHUNK = 8 << 20
@@ -62,6 +62,24 @@ def _item_size(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
     return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
+#: object stores: by default a data file aims at this fraction of a part, so that with the imbalance
+#: of the greedy split and its records' headers it still fits one part (one PutObject)
+PART_FILL = 0.85
+
+
+def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> int:
+    """How many data files a rank's ``items`` go into on an object store: at least ``thread_count``,
+    and enough that each holds about ``file_size`` bytes (``0``: just ``thread_count``); at most 10,000.
+
+    A file of at most one part is uploaded with one ``PutObject``; a larger one needs a multipart
+    upload: a create and a complete request besides its parts, and a server-side concatenation at the
+    complete. Many one-part files in flight keep the concurrency with a third of the requests."""
+    if file_size <= 0:
+        return thread_count
+    total = sum(_item_size(it) for it in items)
+    return max(thread_count, min(10_000, math.ceil(total / file_size)))
 
 
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -84,7 +84,7 @@ from smpckpt.storage._prefixes import (
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
-from smpckpt.storage._write_file import split_items, write_file
+from smpckpt.storage._write_file import PART_FILL, object_store_bins, split_items, write_file
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
 __all__ = ["FsspecStorageWriter"]
@@ -125,12 +125,19 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         sync_files: fsync each local data file, the metadata, the manifest and their directory before
             reporting success. ``False`` is faster but a power loss can lose a "committed" save.
             Object stores ignore it (an object is durable once its upload completes).
-        thread_count: data files written concurrently per rank (each rank's items are split
-            into at most this many files).
+        thread_count: data files written concurrently per rank. On local/POSIX paths each rank's
+            items are split into at most this many files; on object stores into at least this many
+            (see ``object_file_size``), ``thread_count * max_parts_in_flight`` of them uploading at
+            once.
         block_size: checksum block size in bytes.
         part_size: S3 multipart part size (at least 16 MiB).
         max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
-            ``max_parts_in_flight * part_size``).
+            ``max_parts_in_flight * part_size``); see ``thread_count``.
+        object_file_size: object stores, partial mode: each rank's data goes into files of about this
+            many bytes. Default (``None``): 85 % of ``part_size``, so nearly every file is one
+            ``PutObject`` -- no multipart create/complete requests, no server-side concatenation. ``0``:
+            ``thread_count`` files per rank (fewer, larger objects; multipart beyond one part). A
+            larger ``part_size`` gives fewer, larger one-request files (S3 takes up to 5 GiB each).
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
             layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
         mode: ``"partial"`` (every rank writes its own shards into its own files) or ``"full"`` (one
@@ -162,6 +169,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         block_size: int = DEFAULT_BLOCK_SIZE,
         part_size: int = 32 << 20,
         max_parts_in_flight: int = 4,
+        object_file_size: int | None = None,
         manifest_extra: Mapping[str, Any] | None = None,
         mode: Literal["partial", "full"] = "partial",
         full: FullOptions | None = None,
@@ -190,6 +198,11 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self.block_size = block_size
         self.part_size = part_size
         self.max_parts_in_flight = max_parts_in_flight
+        if object_file_size is None:
+            object_file_size = int(part_size * PART_FILL)
+        if not isinstance(object_file_size, int) or not (object_file_size == 0 or object_file_size >= 1 << 20):
+            raise ValueError(f"object_file_size must be None, 0 or at least 1 MiB, got {object_file_size!r}")
+        self.object_file_size = object_file_size
         self.prefix_strategy = prefix_strategy
         resolve(prefix_strategy, local=True)  # fail on a bad option now, not inside dcp.save
         self._extra: dict[str, Any] = {}
@@ -417,15 +430,24 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"save id {data.save_id} was already committed by this writer: the planner returned a cached "
                 "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
             )
-        buckets = split_items(list(plan.items), self.thread_count)
-        # file n of this rank is file rank * thread_count + n of the save, wherever it goes
+        local = is_local(self.fs)
+        items = list(plan.items)
+        # object stores: files of about one part each, one PutObject apiece, as many in flight as
+        # the multipart uploads of thread_count files would have had parts
+        bins = self.thread_count if local else object_store_bins(items, self.thread_count, self.object_file_size)
+        workers = self.thread_count if local else self.thread_count * self.max_parts_in_flight
+        buckets = split_items(items, bins)
+        # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r
+        # is slot r * thread_count + k of the save, wherever it goes
         count = data.world_size * self.thread_count
         names = [
-            _names.data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * self.thread_count + n, count))
+            _names.data_file_name(
+                data.save_id, data.rank, n, data.prefixes(data.rank * self.thread_count + n % self.thread_count, count)
+            )
             for n in range(len(buckets))
         ]
         folders = sorted({folder_of(self.path, n) for n in names})
-        if is_local(self.fs):
+        if local:
             # the checkpoint folder too, even on a rank with nothing to write: the coordinator's
             # metadata and manifest go there
             for folder in [self.path, *folders]:
@@ -434,7 +456,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         errors: list[BaseException] = []
         if not buckets:
             return results
-        with concurrent.futures.ThreadPoolExecutor(len(buckets), thread_name_prefix="smpckpt-write") as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+            min(len(buckets), workers), thread_name_prefix="smpckpt-write"
+        ) as pool:
             futs = [
                 pool.submit(self._write_file, name, items, planner, data.rank) for name, items in zip(names, buckets)
             ]
@@ -447,7 +471,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             # this rank's finished files are orphans now; remove them (best effort) and report
             remove_files(self.fs, [join(self.path, n) for n in names])
             raise errors[0]
-        if is_local(self.fs) and self.sync_files:
+        if local and self.sync_files:
             for folder in folders:  # the files' own folders, then the checkpoint folder holding them
                 fsync_dir(folder)
             if folders != [self.path]:

@@ -171,7 +171,7 @@ def test_s3_multipart_parts_from_borrowed_views_are_bit_exact(s3: Backend) -> No
     sd = {"a": torch.randn(9 << 18, generator=g), "b": torch.randn(13 << 18, generator=g)}
     sd["c"] = torch.randn(20 << 18, generator=g)
     sd["s"] = torch.arange(5, dtype=torch.int16)
-    save(sd, url, opts, thread_count=1, part_size=16 << 20)
+    save(sd, url, opts, thread_count=1, part_size=16 << 20, object_file_size=0)
     (rec,) = read_manifest(url, opts).files
     assert rec.size > 32 << 20
     assert_state_equal(sd, roundtrip_load(sd, url, opts))
@@ -207,3 +207,50 @@ def test_part_body_reads_like_a_file() -> None:
     chunks = [bytes(c) for c in iter(lambda: body.read(3), b"")]
     assert b"".join(chunks) == b"abcdefgh"
     assert body.seek(-2, 2) == 6 and bytes(body.read(9)) == b"gh"
+
+
+# -- object-store file sizes (object_file_size) ------------------------------------------------------
+def _big_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {f"w{i}": torch.randn(1 << 18, generator=g) for i in range(40)}  # 40 x 1 MiB
+
+
+@pytest.mark.parametrize("where", ["memory", pytest.param("s3", marks=pytest.mark.s3)])
+def test_object_store_data_files_stay_within_one_part(where: str, request: pytest.FixtureRequest) -> None:
+    """Default: files of ~85 % of a part, so each is one PutObject; thread_count still bounds the
+    prefixes (file n of a rank takes its writer slot's prefix)."""
+    if where == "s3":
+        base, opts = request.getfixturevalue("s3")
+    else:
+        import uuid
+
+        base, opts = f"memory://smpckpt-{uuid.uuid4().hex[:8]}", {}
+    url = f"{base}/parts"
+    sd = _big_state()
+    save(sd, url, opts, thread_count=2, part_size=16 << 20)
+    files = read_manifest(url, opts).files
+    # 40 MiB in files of at most ~13.6 MiB: at least 3, each below one 16 MiB part
+    assert len(files) >= 3 and all(f.size <= 16 << 20 for f in files), [(f.name, f.size) for f in files]
+    prefixes = {f.name.split("/")[0] for f in files}
+    assert prefixes == {"0", "1"}, prefixes  # two writer slots on one rank
+    assert len({f.name for f in files}) == len(files)
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+    assert verify_checkpoint(url, opts).ok
+    # object_file_size=0: thread_count files, whatever their size (multipart beyond one part)
+    url0 = f"{base}/whole"
+    save(sd, url0, opts, thread_count=2, part_size=16 << 20, object_file_size=0)
+    files0 = read_manifest(url0, opts).files
+    assert len(files0) == 2 and all(f.size > 16 << 20 for f in files0)
+    assert_state_equal(sd, roundtrip_load(sd, url0, opts))
+
+
+def test_local_files_follow_thread_count_only(tmp_path: Any) -> None:
+    sd = _big_state()
+    save(sd, str(tmp_path / "ck"), thread_count=2, part_size=16 << 20)
+    assert len(read_manifest(str(tmp_path / "ck")).files) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 100, 1.5, "32"])
+def test_object_file_size_is_checked_up_front(tmp_path: Any, bad: Any) -> None:
+    with pytest.raises(ValueError, match="object_file_size"):
+        FsspecStorageWriter(str(tmp_path / "ck"), object_file_size=bad)

@@ -24,7 +24,7 @@ from smpckpt.storage._checksum import BlockHasher
 from smpckpt.storage._sinks import Sink
 from smpckpt.storage.manifest import FileRecord
 
-__all__ = ["PART_FILL", "object_store_bins", "write_file", "split_items", "FILE_RESULT_FQN"]
+__all__ = ["PART_FILL", "MAX_OBJECT_FILES", "object_store_bins", "write_file", "split_items", "FILE_RESULT_FQN"]
 
 # bytes handed to the hash thread at a time: small enough that hashing trails the write closely
 _CHUNK = 8 << 20
@@ -69,17 +69,23 @@ def _item_size(item: WriteItem) -> int:
 PART_FILL = 0.85
 
 
-def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> int:
-    """How many data files a rank's ``items`` go into on an object store: at least ``thread_count``,
-    and enough that each holds about ``file_size`` bytes (``0``: just ``thread_count``); at most 10,000.
+#: object stores: at most this many data files per rank by default (~6.8 GiB in one-part files at
+#: the default part size); a larger rank writes larger, multipart files instead of ever more objects
+MAX_OBJECT_FILES = 256
+
+
+def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> tuple[int, bool]:
+    """How many data files a rank's ``items`` go into on an object store, and whether they are about
+    ``file_size`` each (else larger): at least ``thread_count`` files, enough to hold about
+    ``file_size`` bytes each (``0``: just ``thread_count``), at most ``MAX_OBJECT_FILES``.
 
     A file of at most one part is uploaded with one ``PutObject``; a larger one needs a multipart
     upload: a create and a complete request besides its parts, and a server-side concatenation at the
     complete. Many one-part files in flight keep the concurrency with a third of the requests."""
     if file_size <= 0:
-        return thread_count
-    total = sum(_item_size(it) for it in items)
-    return max(thread_count, min(10_000, math.ceil(total / file_size)))
+        return thread_count, False
+    want = math.ceil(sum(_item_size(it) for it in items) / file_size)
+    return max(thread_count, min(MAX_OBJECT_FILES, want)), want <= MAX_OBJECT_FILES
 
 
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -127,15 +127,16 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             Object stores ignore it (an object is durable once its upload completes).
         thread_count: data files written concurrently per rank. On local/POSIX paths each rank's
             items are split into at most this many files; on object stores into at least this many
-            (see ``object_file_size``), ``thread_count * max_parts_in_flight`` of them uploading at
-            once.
+            (see ``object_file_size``).
         block_size: checksum block size in bytes.
         part_size: S3 multipart part size (at least 16 MiB).
         max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
             ``max_parts_in_flight * part_size``); see ``thread_count``.
         object_file_size: object stores, partial mode: each rank's data goes into files of about this
             many bytes. Default (``None``): 85 % of ``part_size``, so nearly every file is one
-            ``PutObject`` -- no multipart create/complete requests, no server-side concatenation. ``0``:
+            ``PutObject`` -- no multipart create/complete requests, no server-side concatenation --
+            with ``thread_count * max_parts_in_flight`` files uploading at once. At most 256 files
+            per rank: a larger rank gets larger (multipart) files, ``thread_count`` at a time. ``0``:
             ``thread_count`` files per rank (fewer, larger objects; multipart beyond one part). A
             larger ``part_size`` gives fewer, larger one-request files (S3 takes up to 5 GiB each).
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
@@ -431,12 +432,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
             )
         local = is_local(self.fs)
-        items = list(plan.items)
-        # object stores: files of about one part each, one PutObject apiece, as many in flight as
-        # the multipart uploads of thread_count files would have had parts
-        bins = self.thread_count if local else object_store_bins(items, self.thread_count, self.object_file_size)
-        workers = self.thread_count if local else self.thread_count * self.max_parts_in_flight
-        buckets = split_items(items, bins)
+        buckets, workers = self._split(list(plan.items), local)
         # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r
         # is slot r * thread_count + k of the save, wherever it goes
         count = data.world_size * self.thread_count
@@ -478,6 +474,15 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 fsync_dir(self.path)
         self._used_save_ids.add(data.save_id)
         return results
+
+    def _split(self, items: list[WriteItem], local: bool) -> tuple[list[list[WriteItem]], int]:
+        """A rank's items split into data files, and how many of them to write at once."""
+        if local:
+            return split_items(items, self.thread_count), self.thread_count
+        # object stores: files of about one part each, one PutObject apiece, as many in flight as
+        # the multipart uploads of thread_count files would have had parts
+        bins, one_part = object_store_bins(items, self.thread_count, self.object_file_size)
+        return split_items(items, bins), self.thread_count * (self.max_parts_in_flight if one_part else 1)
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int) -> list[WriteResult]:
         return write_file(

@@ -254,3 +254,24 @@ def test_local_files_follow_thread_count_only(tmp_path: Any) -> None:
 def test_object_file_size_is_checked_up_front(tmp_path: Any, bad: Any) -> None:
     with pytest.raises(ValueError, match="object_file_size"):
         FsspecStorageWriter(str(tmp_path / "ck"), object_file_size=bad)
+
+
+def test_object_store_bins_stop_at_the_cap_and_then_grow_the_files() -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    from smpckpt.storage._write_file import MAX_OBJECT_FILES, object_store_bins
+
+    def items(n: int, mib: int) -> list[WriteItem]:
+        size = torch.Size([mib << 18])  # fp32
+        chunk = ChunkStorageMetadata(torch.Size([0]), size)
+        data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), size)
+        return [WriteItem(MetadataIndex(f"t{i}"), WriteItemType.SHARD, tensor_data=data) for i in range(n)]
+
+    assert object_store_bins(items(40, 1), 4, 10 << 20) == (4, True)  # 40 MiB in 10 MiB files
+    assert object_store_bins(items(41, 1), 4, 10 << 20) == (5, True)
+    assert object_store_bins(items(2, 1), 4, 10 << 20) == (4, True)  # never below thread_count
+    assert object_store_bins(items(40, 1), 4, 0) == (4, False)  # 0: thread_count files
+    many = items(MAX_OBJECT_FILES + 1, 1)
+    assert object_store_bins(many[:-1], 4, 1 << 20) == (MAX_OBJECT_FILES, True)
+    assert object_store_bins(many, 4, 1 << 20) == (MAX_OBJECT_FILES, False)  # capped: larger files

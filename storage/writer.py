@@ -27,7 +27,6 @@ so a crash between writing ``.metadata`` and the manifest still loads the old ge
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -53,7 +52,6 @@ from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
-    fsync_dir,
     fsync_path,
     is_local,
     join,
@@ -73,34 +71,21 @@ from smpckpt.storage._full_plan import (
 )
 from smpckpt.storage._full_write import create_files, write_rank
 from smpckpt.storage._location import FsspecLocation
+from smpckpt.storage._partial_write import RankPlanData, write_partial_rank
 from smpckpt.storage._prefixes import (
-    FlatLayout,
     PrefixOption,
-    PrefixStrategy,
-    folder_of,
     remove_empty_folders,
     resolve,
 )
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
-from smpckpt.storage._write_file import PART_FILL, object_store_bins, split_items, write_file
+from smpckpt.storage._write_file import PART_FILL, write_file
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
 __all__ = ["FsspecStorageWriter"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankPlanData:
-    """Set by the coordinator on each rank's plan (SavePlan.storage_data); never stored."""
-
-    save_id: str
-    rank: int
-    world_size: int = 1
-    #: the coordinator's strategy, so every rank lays out its files alike
-    prefixes: PrefixStrategy = dataclasses.field(default_factory=FlatLayout)
 
 
 def _with_layout_record(extra: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
@@ -261,7 +246,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self._save_id = _names.new_save_id()
         prefixes = resolve(self.prefix_strategy, local=is_local(self.fs))
         return [
-            dataclasses.replace(p, storage_data=_RankPlanData(self._save_id, i, len(plans), prefixes))
+            dataclasses.replace(p, storage_data=RankPlanData(self._save_id, i, len(plans), prefixes))
             for i, p in enumerate(plans)
         ]
 
@@ -421,7 +406,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             )
             self._used_save_ids.add(data.save_id)
             return written
-        if not isinstance(data, _RankPlanData):
+        if not isinstance(data, RankPlanData):
             raise CheckpointError(
                 "this plan was not prepared by FsspecStorageWriter.prepare_global_plan (got storage_data="
                 f"{type(data).__name__}); was the plan cached or replaced by the planner?"
@@ -431,58 +416,20 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"save id {data.save_id} was already committed by this writer: the planner returned a cached "
                 "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
             )
-        local = is_local(self.fs)
-        buckets, workers = self._split(list(plan.items), local)
-        # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r
-        # is slot r * thread_count + k of the save, wherever it goes
-        count = data.world_size * self.thread_count
-        names = [
-            _names.data_file_name(
-                data.save_id, data.rank, n, data.prefixes(data.rank * self.thread_count + n % self.thread_count, count)
-            )
-            for n in range(len(buckets))
-        ]
-        folders = sorted({folder_of(self.path, n) for n in names})
-        if local:
-            # the checkpoint folder too, even on a rank with nothing to write: the coordinator's
-            # metadata and manifest go there
-            for folder in [self.path, *folders]:
-                os.makedirs(folder, exist_ok=True)
-        results: list[WriteResult] = []
-        errors: list[BaseException] = []
-        if not buckets:
-            return results
-        with concurrent.futures.ThreadPoolExecutor(
-            min(len(buckets), workers), thread_name_prefix="smpckpt-write"
-        ) as pool:
-            futs = [
-                pool.submit(self._write_file, name, items, planner, data.rank) for name, items in zip(names, buckets)
-            ]
-            for f in futs:
-                try:
-                    results.extend(f.result())
-                except BaseException as exc:  # noqa: BLE001 - first error re-raised below
-                    errors.append(exc)
-        if errors:
-            # this rank's finished files are orphans now; remove them (best effort) and report
-            remove_files(self.fs, [join(self.path, n) for n in names])
-            raise errors[0]
-        if local and self.sync_files:
-            for folder in folders:  # the files' own folders, then the checkpoint folder holding them
-                fsync_dir(folder)
-            if folders != [self.path]:
-                fsync_dir(self.path)
+        written = write_partial_rank(
+            self.path,
+            self.fs,
+            data,
+            list(plan.items),
+            planner,
+            write_file=self._write_file,
+            thread_count=self.thread_count,
+            object_file_size=self.object_file_size,
+            max_parts_in_flight=self.max_parts_in_flight,
+            sync=self.sync_files,
+        )
         self._used_save_ids.add(data.save_id)
-        return results
-
-    def _split(self, items: list[WriteItem], local: bool) -> tuple[list[list[WriteItem]], int]:
-        """A rank's items split into data files, and how many of them to write at once."""
-        if local:
-            return split_items(items, self.thread_count), self.thread_count
-        # object stores: files of about one part each, one PutObject apiece, as many in flight as
-        # the multipart uploads of thread_count files would have had parts
-        bins, one_part = object_store_bins(items, self.thread_count, self.object_file_size)
-        return split_items(items, bins), self.thread_count * (self.max_parts_in_flight if one_part else 1)
+        return written
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int) -> list[WriteResult]:
         return write_file(

@@ -1,20 +1,76 @@
-"""Full (consolidated) mode, the coordinator's side of the commit: what every rank reported, and the
-metadata loaders see (one whole chunk per tensor, in the stored dtype, with the artifact description)."""
+"""Full (consolidated) mode, the coordinator's side: the folder cleared before a save, then at the
+commit what every rank reported, the artifact's own records, and the metadata loaders see (one whole
+chunk per tensor, in the stored dtype, with the artifact description)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt.storage._full_plan import DESCRIPTION_FQN, ArtifactLayout
+from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._fs import fsync_path, is_local, join, remove_files, write_bytes_atomic
+from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, FullOptions
 from smpckpt.storage._full_write import ObjectResult
+from smpckpt.storage._state import probe
 from smpckpt.storage.manifest import FileRecord
 
-__all__ = ["results_of", "folder_names", "whole_tensor_metadata"]
+__all__ = ["results_of", "folder_names", "whole_tensor_metadata", "clear_for_full_save", "artifact_records"]
+
+log = logging.getLogger(__name__)
+
+
+def clear_for_full_save(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or
+    foreign files; remove the debris of an unfinished full save of ours (marker, no manifest)."""
+    found = probe(fs, path, list_when_empty=False)
+    if found.state in ("committed", "legacy"):
+        raise CheckpointExists(
+            f"{url} already holds a {found.state} checkpoint; full artifacts have fixed file names and are "
+            "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
+        )
+    names = folder_names(fs, path)
+    if names and WRITING_MARKER not in names:
+        raise CheckpointExists(
+            f"{url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
+            "to write a full artifact over them"
+        )
+    if names:
+        # debris of an unfinished full save (its marker is there, its manifest never was): all of it
+        # goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
+        log.warning("%s: removing %d file(s) of an unfinished full save before writing", url, len(names))
+        failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})])
+        if failed:
+            raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
+
+
+def artifact_records(
+    fs: Any, path: str, layout: ArtifactLayout, options: FullOptions, *, sync: bool
+) -> list[FileRecord]:
+    """(coordinator, at the commit) The artifact files, checked for their planned size and made durable,
+    and the side files (shard index, ``config.json``) written; their manifest records."""
+    records: list[FileRecord] = []
+    for f in layout.files:
+        size = int(fs.size(join(path, f.name)))
+        if size != f.size:
+            raise CheckpointError(f"{join(path, f.name)}: {size} bytes after the write, expected {f.size}")
+        if sync and is_local(fs):
+            # the ranks wrote their boxes back (see _full_write._flush); this makes the file durable
+            fsync_path(join(path, f.name))
+        records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
+    side = dict(layout.indexes)
+    cfg = options.hf_config_json()
+    if cfg is not None:
+        side["config.json"] = cfg
+    for name, data in side.items():
+        write_bytes_atomic(fs, join(path, name), data, sync=sync, sync_dir=False)
+        records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
+    return records
 
 
 def whole_tensor_metadata(metadata: Metadata, layout: ArtifactLayout, checks: dict[str, list[list[Any]]]) -> None:

@@ -52,14 +52,13 @@ from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
-    fsync_path,
     is_local,
     join,
     read_bytes_or_none,
     remove_files,
     write_bytes_atomic,
 )
-from smpckpt.storage._full_commit import folder_names, results_of, whole_tensor_metadata
+from smpckpt.storage._full_commit import artifact_records, clear_for_full_save, results_of, whole_tensor_metadata
 from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_plan import (
@@ -446,25 +445,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     def _prepare_full(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(not p.usable for p in plans):
             raise CheckpointError("full mode needs fresh plans on every rank: disable plan caching")
-        found = probe(self.fs, self.path, list_when_empty=False)
-        if found.state in ("committed", "legacy"):
-            raise CheckpointExists(
-                f"{self.url} already holds a {found.state} checkpoint; full artifacts have fixed file names and are "
-                "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
-            )
-        names = folder_names(self.fs, self.path)
-        if names and WRITING_MARKER not in names:
-            raise CheckpointExists(
-                f"{self.url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
-                "to write a full artifact over them"
-            )
-        if names:
-            # debris of an unfinished full save (its marker is there, its manifest never was): all of it
-            # goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
-            log.warning("%s: removing %d file(s) of an unfinished full save before writing", self.url, len(names))
-            failed = remove_files(self.fs, [join(self.path, n) for n in sorted(names - {WRITING_MARKER})])
-            if failed:
-                raise CheckpointError(f"{self.url}: could not remove the unfinished save's files {failed[:5]}")
+        clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()
         record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
         original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
@@ -498,21 +479,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         if layout is None:
             raise CheckpointError("finish() called without prepare_global_plan() in full mode")
         records, checks = results_of(layout, results)
-        for f in layout.files:
-            size = int(self.fs.size(join(self.path, f.name)))
-            if size != f.size:
-                raise CheckpointError(f"{join(self.path, f.name)}: {size} bytes after the write, expected {f.size}")
-            if self.sync_files and is_local(self.fs):
-                # the ranks wrote their boxes back (see _full_write._flush); this makes the file durable
-                fsync_path(join(self.path, f.name))
-            records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
-        side = dict(layout.indexes)
-        cfg = self.full.hf_config_json()
-        if cfg is not None:
-            side["config.json"] = cfg
-        for name, data in side.items():
-            write_bytes_atomic(self.fs, join(self.path, name), data, sync=self.sync_files, sync_dir=False)
-            records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
+        records += artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
         whole_tensor_metadata(metadata, layout, checks)
         _, md_record = self._write_generation_metadata(save_id, metadata)
         manifest = Manifest(

@@ -6,21 +6,34 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.record import METADATA_KEY, LayoutRecord
+from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._fs import fsync_path, is_local, join, remove_files, write_bytes_atomic
-from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, FullOptions
-from smpckpt.storage._full_write import ObjectResult
+from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
+from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, FullOptions, plan_artifact
+from smpckpt.storage._full_write import ObjectResult, create_files
 from smpckpt.storage._state import probe
 from smpckpt.storage.manifest import FileRecord
 
-__all__ = ["results_of", "folder_names", "whole_tensor_metadata", "clear_for_full_save", "artifact_records"]
+__all__ = [
+    "results_of",
+    "folder_names",
+    "whole_tensor_metadata",
+    "clear_for_full_save",
+    "begin_full_save",
+    "artifact_records",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +60,43 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
         failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})])
         if failed:
             raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
+
+
+def begin_full_save(
+    fs: Any,
+    path: str,
+    url: str,
+    plans: list[SavePlan],
+    options: FullOptions,
+    save_id: str,
+    process_group: Any,
+    *,
+    sync: bool,
+) -> tuple[list[SavePlan], ArtifactLayout]:
+    """(coordinator, after :func:`clear_for_full_save`) Lay the artifact out over the ranks' plans,
+    write the in-progress marker, and on POSIX paths create the files every rank writes into; the
+    plans for the ranks and the layout the commit checks."""
+    record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
+    original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
+    extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
+    gather = not is_local(fs)  # an object cannot be written at offsets by many ranks
+    if gather and len(plans) > 1 and not moves_cpu_tensors(process_group):
+        raise CheckpointError(
+            f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
+            f"owner rank over the process group, and this one ({dist.get_backend(process_group)}) "
+            "cannot: pass FsspecStorageWriter(process_group=dist.new_group(backend='gloo')), or init the "
+            "default group with backend='cpu:gloo,cuda:nccl'"
+        )
+    out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
+    if is_local(fs):
+        os.makedirs(path, exist_ok=True)
+    # the marker first: from here until the commit the folder is an unfinished save, never an HF model
+    write_bytes_atomic(fs, join(path, WRITING_MARKER), save_id.encode(), sync=sync)
+    if not gather:
+        if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
+            out = plan_exchanges(out, options.row_swap_below)
+        create_files(path, layout.files, sync=sync)
+    return out, layout
 
 
 def artifact_records(

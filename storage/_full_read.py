@@ -22,7 +22,7 @@ import json
 import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, read_bytes_or_none
 from smpckpt.storage._full_files import SPAN_BYTES, Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
+from smpckpt.storage._full_units import Unit, bytes_of, inside, unit_extent
 from smpckpt.storage._names import check_member_name
 from smpckpt.storage._regions import box_runs, intersect
 from smpckpt.storage._safe_pickle import check_weights_only
@@ -66,14 +67,6 @@ class _Tensor:
     start: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unit:
-    view: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    digest: int
 
 
 @dataclasses.dataclass
@@ -108,7 +101,7 @@ class FullSource:
         self.tensors: dict[str, _Tensor] = {}  # "artifact/key" -> where
         self.exprs: dict[str, tuple[str, Expr]] = {}  # our fqn -> (artifact, expr)
         self.objects: dict[str, str] = {}
-        self.units: dict[str, list[_Unit]] = {}
+        self.units: dict[str, list[Unit]] = {}
         self.records: dict[str, FileRecord] = {}
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, FileStats] = {}
@@ -137,7 +130,7 @@ class FullSource:
                 self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
             self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
             for key, units in desc["checks"].items():
-                self.units[key] = [_Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units]
+                self.units[key] = [Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units]
             self.headers = {n: _pieces(f) for n, f in desc["files"].items()}
         except CheckpointCorrupt:
             raise
@@ -307,7 +300,7 @@ class FullSource:
         out = []
         for key, t, pc in self._boxes(req):
             units = self.units.get(key) if self.verify else None
-            ext = _extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units or [])
+            ext = unit_extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units or [])
             if ext is not None:
                 out.append((t.file, t.start + ext[0], t.start + ext[1]))
         return out
@@ -322,7 +315,7 @@ class FullSource:
                 for d, (o, n) in enumerate(zip(pc.dest_offsets, [pc.sizes[p] for p in pc.perm])):
                     sub = sub.narrow(d, o, n)
                 # the box's bytes straight into the destination when it holds them as stored
-                dst = _bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
+                dst = bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
                 buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst, bool(held))
                 if dst is None:
                     box = (
@@ -370,7 +363,7 @@ class FullSource:
         touched = [(u, box) for u in units if (box := intersect((offsets, sizes), (u.offsets, u.sizes))) is not None]
         touched = [(u, box) for u, box in touched if math.prod(box[1])]
         covered = 0
-        if len(starts) == 1 and all(_inside(box, u) for u, box in touched):
+        if len(starts) == 1 and all(inside(box, u) for u, box in touched):
             # a box of whole rows holding every unit it touches: read it once into ``out`` and check
             # each unit where it lies there (no scratch buffer, no copy)
             read += self._files.read_runs(t.file, t.start + starts, run, out)
@@ -406,7 +399,7 @@ class FullSource:
         self._stat(t.file, nbytes, read)
         return out
 
-    def _check_unit(self, t: _Tensor, key: str, u: _Unit, digest: int) -> None:
+    def _check_unit(self, t: _Tensor, key: str, u: Unit, digest: int) -> None:
         if digest != u.digest:
             raise CheckpointCorrupt(
                 f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
@@ -419,11 +412,11 @@ class FullSource:
         view: tuple[int, ...],
         offsets: Sequence[int],
         sizes: Sequence[int],
-        units: list[_Unit],
+        units: list[Unit],
     ) -> int:
         """(object stores) One GET for the span of every unit the box touches, when it is at most
         ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
-        ext = _extent(view, offsets, sizes, t.dtype.itemsize, units)
+        ext = unit_extent(view, offsets, sizes, t.dtype.itemsize, units)
         if ext is None or ext[1] - ext[0] > SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
         return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
@@ -474,39 +467,3 @@ def _first_leaf(expr: Expr) -> str:
 
 #: worker threads of a full read (reads and checks of different tensors overlap)
 _THREADS = 4
-
-
-def _extent(
-    view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[_Unit]
-) -> tuple[int, int] | None:
-    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
-    the box's runs and the whole check units it overlaps (they are read whole to be verified)."""
-    starts, run = box_runs(view, offsets, sizes, itemsize)
-    if not len(starts):
-        return None
-    lo, hi = int(starts[0]), int(starts[-1]) + run
-    for u in units:
-        if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
-            if math.prod(box[1]) == 0:
-                continue
-            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            if len(ustarts):
-                lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
-    return lo, hi
-
-
-def _inside(box: tuple[tuple[int, ...], tuple[int, ...]], u: _Unit) -> bool:
-    """The unit lies wholly inside the box (their intersection is the unit)."""
-    return tuple(box[0]) == tuple(u.offsets) and tuple(box[1]) == tuple(u.sizes)
-
-
-def _bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """A writable view of ``sub``'s bytes when it holds them as stored: a contiguous CPU tensor of
-    ``dtype``; else ``None`` (the box is read into a buffer and copied)."""
-    if sub.device.type != "cpu" or sub.dtype != dtype or not sub.is_contiguous() or sub.numel() == 0:
-        return None
-    try:
-        mv = memoryview(cast(Any, sub.reshape(-1).view(torch.uint8).numpy()))
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return None if mv.readonly else mv

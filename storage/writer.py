@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.record import MANIFEST_KEY, METADATA_KEY, LayoutRecord
+from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
@@ -58,17 +58,21 @@ from smpckpt.storage._fs import (
     remove_files,
     write_bytes_atomic,
 )
-from smpckpt.storage._full_commit import artifact_records, clear_for_full_save, results_of, whole_tensor_metadata
-from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
+from smpckpt.storage._full_commit import (
+    artifact_records,
+    begin_full_save,
+    clear_for_full_save,
+    results_of,
+    whole_tensor_metadata,
+)
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_plan import (
     WRITING_MARKER,
     ArtifactLayout,
     FullOptions,
     RankFullData,
-    plan_artifact,
 )
-from smpckpt.storage._full_write import create_files, write_rank
+from smpckpt.storage._full_write import write_rank
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._partial_write import RankPlanData, write_partial_rank
 from smpckpt.storage._prefixes import (
@@ -447,26 +451,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             raise CheckpointError("full mode needs fresh plans on every rank: disable plan caching")
         clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()
-        record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
-        original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
-        extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
-        gather = not is_local(self.fs)  # an object cannot be written at offsets by many ranks
-        if gather and len(plans) > 1 and not moves_cpu_tensors(self.process_group):
-            raise CheckpointError(
-                f"{self.url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
-                f"owner rank over the process group, and this one ({dist.get_backend(self.process_group)}) "
-                "cannot: pass FsspecStorageWriter(process_group=dist.new_group(backend='gloo')), or init the "
-                "default group with backend='cpu:gloo,cuda:nccl'"
-            )
-        out, layout = plan_artifact(plans, self.full, save_id, original, reserved_names=extra_names, gather=gather)
-        if is_local(self.fs):
-            os.makedirs(self.path, exist_ok=True)
-        # the marker first: from here until the commit the folder is an unfinished save, never an HF model
-        write_bytes_atomic(self.fs, join(self.path, WRITING_MARKER), save_id.encode(), sync=self.sync_files)
-        if not gather:
-            if self.full.row_swap_below and exchange_group_ok(self.process_group, len(plans)):
-                out = plan_exchanges(out, self.full.row_swap_below)
-            create_files(self.path, layout.files, sync=self.sync_files)
+        out, layout = begin_full_save(
+            self.fs, self.path, self.url, plans, self.full, save_id, self.process_group, sync=self.sync_files
+        )
         self._layout = layout
         return out
 

@@ -1,0 +1,65 @@
+"""Check units of full artifacts and the bytes a read of a box touches (pure functions, no I/O).
+
+A full artifact's tensor is checked in units (boxes of the tensor seen in some view shape, each with
+an xxh3 digest over its row-major bytes); a read of a box reads every unit it overlaps whole, so the
+bytes it touches are the box's runs and those units' runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+
+from smpckpt.storage._regions import box_runs, intersect
+
+__all__ = ["Unit", "unit_extent", "inside", "bytes_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A check unit of an artifact tensor: a box of it seen as ``view``, and the digest of its bytes."""
+
+    view: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    digest: int
+
+
+def unit_extent(
+    view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[Unit]
+) -> tuple[int, int] | None:
+    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
+    the box's runs and the whole check units it overlaps (they are read whole to be verified)."""
+    starts, run = box_runs(view, offsets, sizes, itemsize)
+    if not len(starts):
+        return None
+    lo, hi = int(starts[0]), int(starts[-1]) + run
+    for u in units:
+        if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
+            if math.prod(box[1]) == 0:
+                continue
+            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+            if len(ustarts):
+                lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
+    return lo, hi
+
+
+def inside(box: tuple[tuple[int, ...], tuple[int, ...]], u: Unit) -> bool:
+    """The unit lies wholly inside the box (their intersection is the unit)."""
+    return tuple(box[0]) == tuple(u.offsets) and tuple(box[1]) == tuple(u.sizes)
+
+
+def bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """A writable view of ``sub``'s bytes when it holds them as stored: a contiguous CPU tensor of
+    ``dtype``; else ``None`` (the box is read into a buffer and copied)."""
+    if sub.device.type != "cpu" or sub.dtype != dtype or not sub.is_contiguous() or sub.numel() == 0:
+        return None
+    try:
+        mv = memoryview(cast(Any, sub.reshape(-1).view(torch.uint8).numpy()))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return None if mv.readonly else mv

@@ -64,6 +64,10 @@ class FetchTask:
     file: str
     fetch: Fetch[Item]
 
+    @property
+    def nbytes(self) -> int:
+        return self.fetch.end - self.fetch.start
+
 
 @dataclasses.dataclass(frozen=True)
 class DirectCandidate:

@@ -1,7 +1,10 @@
 """One ``read_data`` call carried out: planned requests run on worker threads, results delivered to the
 planner on the calling thread.
 
-Work is one ordered stream (by file, then offset) of two task kinds:
+Work is one stream of tasks: buffered requests under 1 MiB first (a small read queued behind large
+ones waits for them), then each file's tasks in offset order with the files read side by side (the
+next task from the file with the fewest bytes issued), each file's last requests tapered so that
+verifying them overlaps other reads. Task kinds:
 
 * :class:`~smpckpt.storage._read_plan.FetchTask`: a coalesced request into a pooled buffer; once read
   and verified, each of its items is decoded and copied into its destination (``commit_tensor`` /
@@ -15,7 +18,7 @@ read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flig
 is asked for destinations only shortly before their bytes are read.
 
 When ``reads_in_flight`` is below ``thread_count``, at most that many workers are inside a read at a
-time, started in (file, offset) order (:class:`~smpckpt.storage._read_gate.InOrder`); the others verify
+time, started in that stream's order (:class:`~smpckpt.storage._read_gate.InOrder`); the others verify
 and copy what was read.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import heapq
 import io
 import warnings
 from collections.abc import Iterator, Mapping
@@ -36,7 +40,16 @@ from smpckpt.storage._fs import join
 from smpckpt.storage._ranges import Fetch, c_strides
 from smpckpt.storage._read_gate import InOrder, Unordered
 from smpckpt.storage._read_io import BufferPool, DirectPart, read_box, read_direct, read_range
-from smpckpt.storage._read_plan import BoxRead, DirectCandidate, FetchTask, Item, ReadPlan, direct_target, pieces
+from smpckpt.storage._read_plan import (
+    PIECE_BYTES,
+    BoxRead,
+    DirectCandidate,
+    FetchTask,
+    Item,
+    ReadPlan,
+    direct_target,
+    pieces,
+)
 from smpckpt.storage._safe_pickle import check_weights_only
 from smpckpt.storage.manifest import FileRecord
 
@@ -67,6 +80,11 @@ class _DirectBatch:
 
 
 _Task = FetchTask | _DirectBatch | BoxRead
+
+# buffered requests below this size are issued before every larger one (see ReadRun._interleaved)
+SMALL_FIRST = 1 << 20
+# the tapered tail's smallest requests (see ReadRun._batched)
+TAPER_FLOOR = PIECE_BYTES
 
 
 class ReadRun:
@@ -116,7 +134,7 @@ class ReadRun:
             self._deliver(it, memoryview(b""))
         with concurrent.futures.ThreadPoolExecutor(self.thread_count, thread_name_prefix="smpckpt-read") as pool:
             pending: dict[concurrent.futures.Future[Any], _Task] = {}
-            todo = self._batched(self._tasks(plan))
+            todo = self._interleaved(plan)
             tickets = 0  # submission order = the order reads start in (FIFO pool, InOrder gate)
             try:
                 while True:
@@ -139,12 +157,38 @@ class ReadRun:
                 for f in pending:
                     f.cancel()
 
-    def _tasks(self, plan: ReadPlan) -> Iterator[_Task]:
-        """(calling thread) Every task, by file and offset; a direct candidate's destination is resolved
-        when its turn comes."""
+    def _interleaved(self, plan: ReadPlan) -> Iterator[_Task]:
+        """(calling thread) Every task: each file's in offset order, the files read side by side, the next
+        task always from the file with the fewest bytes issued so far.
+
+        Why not file after file: the workers then read neighbouring requests of one file at once, and
+        with verification that measured ~12 % slower on a cold virtio disk than the same requests spread
+        over different files (2 vCPUs, 4 x 128 MiB files, 64 MiB requests: 1.84 vs 2.07 GB/s)."""
         work: list[FetchTask | DirectCandidate | BoxRead] = [*plan.fetches, *plan.direct, *plan.boxes]
         # buffered fetches before direct candidates at the same offset (stable: plan order otherwise)
         work.sort(key=_work_key)
+        # Small requests first: the writer puts small tensors at the end of each file, and a small read
+        # queued behind large ones waits for them (measured 25-30 ms each on a cold disk, at the end of
+        # a load where nothing else is left to do); at the start they cost a millisecond.
+        yield from self._tasks([w for w in work if isinstance(w, FetchTask) and w.nbytes < SMALL_FIRST])
+        by_file: dict[str, list[FetchTask | DirectCandidate | BoxRead]] = {}
+        for w in work:
+            if not (isinstance(w, FetchTask) and w.nbytes < SMALL_FIRST):
+                by_file.setdefault(w.file, []).append(w)
+        # (bytes issued, file order, task stream): ties go to the earlier file, so one file reads as before
+        heap = [(0, n, self._batched(self._tasks(ws), _work_bytes(ws))) for n, ws in enumerate(by_file.values())]
+        while heap:
+            issued, n, stream = heap[0]
+            task = next(stream, None)
+            if task is None:
+                heapq.heappop(heap)
+                continue
+            heapq.heapreplace(heap, (issued + task.nbytes, n, stream))
+            yield task
+
+    def _tasks(self, work: list[FetchTask | DirectCandidate | BoxRead]) -> Iterator[_Task]:
+        """(calling thread) The tasks of ``work`` (one file's, in offset order); a direct candidate's
+        destination is resolved when its turn comes."""
         for w in work:
             if isinstance(w, FetchTask):
                 yield self._counted(w)
@@ -166,27 +210,34 @@ class ReadRun:
             for lo, hi in spans:
                 yield _DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),))
 
-    def _batched(self, tasks: Iterator[_Task]) -> Iterator[_Task]:
-        """(calling thread) Direct pieces that follow each other in a file merged into one request of
-        up to ``max_request_bytes``."""
+    def _batched(self, tasks: Iterator[_Task], total: int) -> Iterator[_Task]:
+        """(calling thread) Direct pieces that follow each other in one file's ``tasks`` (``total`` bytes)
+        merged into one request of up to ``max_request_bytes``, and up to half the bytes left in the file.
+
+        Why taper: a worker verifies what it read after the read returns, so the last requests' hashing
+        is not overlapped with any I/O; with 64 MiB requests that tail was ~7 % of a cold 512 MiB load on
+        2 vCPUs. Halving keeps the request count logarithmic in the tail."""
         held: _DirectBatch | None = None
+        left = total  # bytes of this file not yet handed out
         for task in tasks:
             if (
                 held is not None
                 and isinstance(task, _DirectBatch)
                 and task.file == held.file
                 and task.parts[0].lo == held.parts[-1].hi
-                and held.nbytes + task.nbytes <= self.max_request_bytes
+                and held.nbytes + task.nbytes <= min(self.max_request_bytes, max(TAPER_FLOOR, left // 2))
             ):
                 held = _DirectBatch(held.file, held.entries + task.entries, held.parts + task.parts)
                 continue
             if held is not None:
                 self.requests += 1
+                left -= held.nbytes
                 yield held
                 held = None
             if isinstance(task, _DirectBatch):
                 held = task
             else:
+                left -= task.nbytes
                 yield task
         if held is not None:
             self.requests += 1
@@ -260,6 +311,10 @@ class ReadRun:
             raise LayoutMismatch(f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+def _work_bytes(work: list[FetchTask | DirectCandidate | BoxRead]) -> int:
+    return sum(w.need.end - w.need.start if isinstance(w, DirectCandidate) else w.nbytes for w in work)
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

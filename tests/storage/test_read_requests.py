@@ -43,7 +43,9 @@ def _load(path: str, sd: dict[str, torch.Tensor], **kw: Any) -> tuple[dict[str, 
 
 
 @pytest.mark.parametrize("verify", [True, False])
-@pytest.mark.parametrize(("limit_mib", "requests"), [(64, 1), (16, 3), (1, 20)])
+# 20 items of 2 MiB back to back (40 MiB): batches of up to limit_mib and at most half the bytes left,
+# but not below 16 MiB (an item larger than the cap goes alone): 64 -> 20 + 16 + 4, 16 -> 16 + 16 + 8
+@pytest.mark.parametrize(("limit_mib", "requests"), [(64, 3), (16, 3), (1, 20)])
 def test_neighbouring_items_share_one_request(tmp_path: Any, verify: bool, limit_mib: int, requests: int) -> None:
     sd = _state()
     dest, reader = _load(_saved(tmp_path, sd), sd, verify_checksums=verify, max_request_bytes=limit_mib * MiB)
@@ -51,7 +53,6 @@ def test_neighbouring_items_share_one_request(tmp_path: Any, verify: bool, limit
         assert torch.equal(dest[k], t), k
     stats = reader.last_read_stats
     assert stats is not None
-    # 20 items of 2 MiB back to back: batches of up to limit_mib (an item larger than it goes alone)
     assert stats.requests == requests
     assert stats.bytes_read == stats.bytes_needed == 20 * 2 * MiB
 
@@ -133,3 +134,33 @@ def test_reads_in_flight_must_be_positive(tmp_path: Any, bad: int) -> None:
         FsspecStorageReader(str(tmp_path), reads_in_flight=bad)
     with pytest.raises(ValueError, match="reads in flight"):
         InOrder(bad)
+
+
+def test_small_reads_first_then_files_side_by_side(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    sd = {f"w{i:02d}": torch.randn(512, 1024, generator=g) for i in range(16)}  # 2 MiB each
+    sd.update({f"b{i:02d}": torch.randn(256, generator=g) for i in range(16)})  # 1 KiB each
+    path = str(tmp_path / "ck")
+    dcp.save(sd, storage_writer=FsspecStorageWriter(path, thread_count=4))  # four data files
+    reads: list[tuple[str, int, int]] = []  # (file, offset, bytes asked), in call order
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: Any, offset: int, *rest: Any) -> int:
+        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, sum(len(b) for b in buffers)))
+        return preadv(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    # one worker: the calls come in the order the tasks were issued
+    dest, _ = _load(path, sd, thread_count=1, max_request_bytes=64 * MiB)
+    monkeypatch.undo()
+    for k, t in sd.items():
+        assert torch.equal(dest[k], t), k
+    small = [i for i, r in enumerate(reads) if r[2] < MiB]
+    large = [i for i, r in enumerate(reads) if r[2] >= MiB]
+    assert small and large and max(small) < min(large), reads
+    # the first large read of every file comes before the second large read of any file
+    first_four = [reads[i][0] for i in large[:4]]
+    assert len(set(first_four)) == 4, reads
+    for f in set(first_four):  # within a file, offsets ascend
+        offsets = [reads[i][1] for i in large if reads[i][0] == f]
+        assert offsets == sorted(offsets)

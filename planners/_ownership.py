@@ -66,6 +66,11 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
     number at most ``len(loads) + len(items)``. ``loads`` is updated in place, as before.
     """
     owners: dict[str, int] = {}
+    if len(members) == 1:  # a group of one (e.g. TP-split tensors at DP=1): no choice, no sort
+        only = members[0]
+        owners = dict.fromkeys((key for key, _ in items), only)
+        loads[only] = loads.get(only, 0) + sum(nbytes for _, nbytes in items)
+        return owners
     order = sorted(items, key=lambda kv: (-kv[1], kv[0]))
     if lowest:
         for key, nbytes in order:

@@ -147,6 +147,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         ]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
+        properties: dict[tuple[Any, ...], TensorProperties] = {}
         objects: dict[str, str] = {}
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
@@ -157,7 +158,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             elif not self._writes(entry, owners) or _carries_no_data(entry):
                 continue
             else:
-                items.append(_tensor_item(entry))
+                items.append(_tensor_item(entry, properties))
             mappings[entry.key] = self.mappings[entry.key]
             if entry.original_global_shape is not None:
                 original[entry.key] = entry.original_global_shape
@@ -405,19 +406,23 @@ def _carries_no_data(entry: Entry) -> bool:
     return math.prod(chunk.sizes) == 0 and math.prod(shape) != 0
 
 
-def _tensor_item(entry: Entry) -> WriteItem:
+def _tensor_item(entry: Entry, properties: dict[tuple[Any, ...], TensorProperties]) -> WriteItem:
+    """The write item of a tensor entry; ``properties`` shares one ``TensorProperties`` per distinct
+    value among a plan's items (building one per item was ~1/8 of a local plan's time)."""
     chunk, shape = entry.chunk, entry.global_shape
     if chunk is None or shape is None:
         raise SpecError(f"{entry.key}: tensor entry without a chunk")
     whole = entry.kind == "tensor" and not entry.sharded_axes
+    value = entry.value
+    # the fields create_from_tensor reads (memory_format is always contiguous_format there)
+    fields = (value.dtype, value.layout, value.requires_grad, value.is_pinned())
+    props = properties.get(fields)
+    if props is None:
+        props = properties[fields] = TensorProperties.create_from_tensor(value)
     return WriteItem(
         index=MetadataIndex(entry.key, chunk.offsets),
         type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=chunk,
-            properties=TensorProperties.create_from_tensor(entry.value),
-            size=shape,
-        ),
+        tensor_data=TensorWriteData(chunk=chunk, properties=props, size=shape),
     )
 
 

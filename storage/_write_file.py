@@ -59,9 +59,10 @@ def _torch_save_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _item_size(item: WriteItem) -> int:
+    """Bytes of the tensor piece ``item`` writes (its chunk's, not the global tensor's), 0 for objects."""
     if item.tensor_data is None:
         return 0
-    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 #: object stores: by default a data file aims at this fraction of a part, so that with the imbalance

@@ -275,3 +275,28 @@ def test_object_store_bins_stop_at_the_cap_and_then_grow_the_files() -> None:
     many = items(MAX_OBJECT_FILES + 1, 1)
     assert object_store_bins(many[:-1], 4, 1 << 20) == (MAX_OBJECT_FILES, True)
     assert object_store_bins(many, 4, 1 << 20) == (MAX_OBJECT_FILES, False)  # capped: larger files
+
+
+def test_object_store_bins_count_the_shard_not_the_global_tensor() -> None:
+    # a TP=4 rank holds a quarter of each tensor: its files are sized by the bytes it writes
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    from smpckpt.storage._write_file import object_store_bins, split_items
+
+    def shard(i: int, mib: int) -> WriteItem:
+        whole = torch.Size([4 * (mib << 18)])  # fp32, global
+        chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([mib << 18]))
+        data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), whole)
+        return WriteItem(MetadataIndex(f"s{i}", torch.Size([0])), WriteItemType.SHARD, tensor_data=data)
+
+    def whole(i: int, mib: int) -> WriteItem:
+        size = torch.Size([mib << 18])
+        data = TensorWriteData(ChunkStorageMetadata(torch.Size([0]), size), TensorProperties(dtype=torch.float32), size)
+        return WriteItem(MetadataIndex(f"w{i}"), WriteItemType.TENSOR, tensor_data=data)
+
+    shards = [shard(i, 1) for i in range(40)]  # 40 MiB written (160 MiB of global tensors)
+    assert object_store_bins(shards, 4, 10 << 20) == (4, True)
+    # balanced by written bytes: 4 MiB of shards (16 MiB global) weigh as much as a 4 MiB whole tensor
+    bins = split_items([*[shard(i, 1) for i in range(4)], whole(0, 4)], 2)
+    assert sorted(len(b) for b in bins) == [1, 4]

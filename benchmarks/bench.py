@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _model import global_tensor, local_piece, model_defs, model_specs
 from _rss import peak, reset_peak
 from _s3server import S3Endpoint, connect, loopback_credentials, server_cpu_s, start_moto
-from bench_full import _cmd, global_tensor, local_piece, model_defs, model_specs
+from bench_full import _cmd
 from bench_storage import fsync_tree
 from contenders import Contender, Ctx, State, contenders, select
 from torch.distributed.checkpoint.api import CheckpointException

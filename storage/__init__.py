@@ -7,7 +7,7 @@ if __name__ != "smpckpt.storage":
     )
 
 from smpckpt.storage._fs import open_fs, write_bytes_atomic  # noqa: E402
-from smpckpt.storage._full_plan import FullOptions  # noqa: E402
+from smpckpt.storage._full_options import FullOptions  # noqa: E402
 from smpckpt.storage._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
 from smpckpt.storage._prefixes import BinaryPrefixes, FlatLayout, HexPrefixes, PrefixStrategy  # noqa: E402
 from smpckpt.storage.manifest import FileRecord, Manifest  # noqa: E402

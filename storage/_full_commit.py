@@ -21,7 +21,8 @@ from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._fs import fsync_path, is_local, join, remove_files, write_bytes_atomic
 from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
-from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, FullOptions, plan_artifact
+from smpckpt.storage._full_options import FullOptions
+from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
 from smpckpt.storage._full_write import ObjectResult, create_files
 from smpckpt.storage._state import probe
 from smpckpt.storage.manifest import FileRecord

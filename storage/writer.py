@@ -66,10 +66,10 @@ from smpckpt.storage._full_commit import (
     whole_tensor_metadata,
 )
 from smpckpt.storage._full_gather import gather_rank
+from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import (
     WRITING_MARKER,
     ArtifactLayout,
-    FullOptions,
     RankFullData,
 )
 from smpckpt.storage._full_write import write_rank

@@ -15,8 +15,9 @@ It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.er
 
 Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
 requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
-``thread_count`` worker threads read and verify (at most ``reads_in_flight`` of them inside a read,
-started in file order, when that is set lower), and the planner is called from the calling thread only.
+``thread_count`` worker threads read and verify -- small reads first, then the files side by side,
+each in offset order (``_read_run``) -- with at most ``reads_in_flight`` of them inside a read, started
+in that order, when that is set lower; the planner is called from the calling thread only.
 
 Direct reads (local files): a raw tensor item of at least 1 MiB whose requested slice is contiguous in
 the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor of the saved

@@ -77,6 +77,10 @@ class DirectCandidate:
     file: str
     need: Need[Item]
 
+    @property
+    def nbytes(self) -> int:
+        return self.need.end - self.need.start
+
 
 @dataclasses.dataclass(frozen=True)
 class BoxRead:

@@ -170,13 +170,18 @@ class ReadRun:
         # Small requests first: the writer puts small tensors at the end of each file, and a small read
         # queued behind large ones waits for them (measured 25-30 ms each on a cold disk, at the end of
         # a load where nothing else is left to do); at the start they cost a millisecond.
-        yield from self._tasks([w for w in work if isinstance(w, FetchTask) and w.nbytes < SMALL_FIRST])
+        small: list[FetchTask | DirectCandidate | BoxRead] = []
         by_file: dict[str, list[FetchTask | DirectCandidate | BoxRead]] = {}
         for w in work:
-            if not (isinstance(w, FetchTask) and w.nbytes < SMALL_FIRST):
+            if isinstance(w, FetchTask) and w.nbytes < SMALL_FIRST:
+                small.append(w)
+            else:
                 by_file.setdefault(w.file, []).append(w)
+        yield from self._tasks(small)
         # (bytes issued, file order, task stream): ties go to the earlier file, so one file reads as before
-        heap = [(0, n, self._batched(self._tasks(ws), _work_bytes(ws))) for n, ws in enumerate(by_file.values())]
+        heap = [
+            (0, n, self._batched(self._tasks(ws), sum(w.nbytes for w in ws))) for n, ws in enumerate(by_file.values())
+        ]
         while heap:
             issued, n, stream = heap[0]
             task = next(stream, None)
@@ -223,7 +228,6 @@ class ReadRun:
             if (
                 held is not None
                 and isinstance(task, _DirectBatch)
-                and task.file == held.file
                 and task.parts[0].lo == held.parts[-1].hi
                 and held.nbytes + task.nbytes <= min(self.max_request_bytes, max(TAPER_FLOOR, left // 2))
             ):
@@ -311,10 +315,6 @@ class ReadRun:
             raise LayoutMismatch(f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
         target.copy_(src)
         planner.commit_tensor(req, target)
-
-
-def _work_bytes(work: list[FetchTask | DirectCandidate | BoxRead]) -> int:
-    return sum(w.need.end - w.need.start if isinstance(w, DirectCandidate) else w.nbytes for w in work)
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

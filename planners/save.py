@@ -7,6 +7,7 @@ Call order (as ``dcp.save`` drives it; "all" = every rank, "coord" = rank 0 of t
     3. (coord) create_global_plan(all_plans)  -> checks replicas, dedups, builds Metadata
     4. (all)   finish_plan(plan)              -> this rank's final plan (from cache when unchanged)
     5. (all)   resolve_data(item)             -> tensor or bytes, called from writer threads
+    6. (caller, optional) release_state()     -> drop this save's tensors before keeping the planner
 
 Plain local tensors are mapped to global chunks by their :class:`~smpckpt.ShardSpec`; DTensors carry
 their own placement; other values are pickled (``torch.save``) objects.
@@ -19,9 +20,10 @@ import hashlib
 import io
 import logging
 import math
+import secrets
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
@@ -44,6 +46,9 @@ from smpckpt.specs import SpecLike, SpecRules
 __all__ = ["ParallelSavePlanner", "SaveReport"]
 
 logger = logging.getLogger(__name__)
+
+# planner_data key of a final plan: which global plan (of the "global" plan cache) it came from
+_GENERATION = "smpckpt_plan_generation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +84,39 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         replica_owner: ``"balanced"`` spreads replicated tensors over their replicas by bytes;
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
+        cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
+
+            * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
+              the global plan and metadata it built before (less gathered, no global planning). Every
+              rank must then reuse its planner alike.
+            * ``"local"``: a rank reuses only its own local plan -- a pure function of its state's
+              structure, its rank and the layout -- and sends it in full; the coordinator plans afresh
+              at every save. Nothing cached crosses ranks, so any mix of reused and fresh planners is
+              correct, and object values (user content, RNG states) may change without a re-plan.
 
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).
+
+    Why the "global" cache survives failed saves: caches are promoted only in ``finish_plan``, which every
+    rank reaches after the same scatter of the global plan, or none does (the coordinator's
+    failure is scattered to all). A rank whose last save stopped between ``set_up_planner`` and
+    ``finish_plan`` drops every cache at its next ``set_up_planner``. And each final plan carries the
+    generation of the global plan it came from: the coordinator substitutes or reuses a rank's cached
+    plan only when that rank names the generation the coordinator holds, else it fails the save with
+    a :class:`~smpckpt.errors.SpecError` (no rank writes; the next save plans afresh) rather than write
+    metadata for a structure some rank no longer has.
     """
+
+    _signature: tuple[Any, ...] | None
+    _cached_local: SavePlan | None  #: the local plan of structure _signature
+    _pending: tuple[tuple[Any, ...], SavePlan] | None  #: ("global") promoted to the two above in finish_plan
+    _cached_final: SavePlan | None
+    _generation: str | None  #: of the global plan _cached_final came from
+    # coordinator: every rank's local plan and the global plan of generation _generation, and a global
+    # plan built this round (promoted in this rank's finish_plan)
+    _cached_all: list[SavePlan] | None
+    _cached_global: tuple[list[SavePlan], Metadata] | None
+    _staged_global: tuple[str, list[SavePlan], list[SavePlan], Metadata] | None
 
     def __init__(
         self,
@@ -95,20 +129,21 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         rank_local: Sequence[str] = (),
         replica_owner: str = "balanced",
         enable_plan_caching: bool = True,
+        cache_scope: Literal["global", "local"] = "global",
     ) -> None:
         super().__init__()
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
         if replica_owner not in ("balanced", "lowest"):
             raise SpecError(f"replica_owner must be 'balanced' or 'lowest', got {replica_owner!r}")
+        if cache_scope not in ("global", "local"):
+            raise SpecError(f"cache_scope must be 'global' or 'local', got {cache_scope!r}")
         self.replica_owner = replica_owner
         self.enable_plan_caching = enable_plan_caching
+        self.cache_scope = cache_scope
         self.report: SaveReport | None = None
-        self._signature: tuple[Any, ...] | None = None
-        self._cached_local: SavePlan | None = None
-        self._pending: tuple[tuple[Any, ...], SavePlan] | None = None
-        self._cached_final: SavePlan | None = None
-        self._cached_all: list[SavePlan] | None = None
-        self._cached_global: tuple[list[SavePlan], Metadata] | None = None
+        self.entries: dict[str, Entry] = {}
+        self._round_open = False  # set_up_planner ran and finish_plan has not (yet)
+        self._drop_caches()
 
     # -- 1. set up ---------------------------------------------------------------------------------
     def set_up_planner(
@@ -119,6 +154,12 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     ) -> None:
         """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
         (PP renaming), global chunks (specs, DTensor placements), objects."""
+        if self._round_open:
+            # The last save stopped between planning and finish_plan here: a global plan it staged may
+            # have reached some ranks and not others. Trust nothing cached from before it.
+            logger.debug("rank %s: the last save did not finish planning; dropping plan caches", self._rank_arg)
+            self._drop_caches()
+        self._round_open = True
         resolved = self._resolve(state_dict)
         self.entries = resolved.entries
         self.mappings = resolved.mappings
@@ -134,11 +175,20 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
         Every rank runs this at every save: its cost is O(own keys), whatever the world size."""
         object_digests = self._serialise_objects()
-        # the signature only serves the plan cache; a planner built per save (the API's) skips it
-        signature = self._structure_signature(object_digests) if self.enable_plan_caching else None
-        if signature is not None and self._cached_local is not None and signature == self._signature:
+        local_scope = self.cache_scope == "local"
+        # the signature only serves the plan cache; a planner built per save skips it. The local scope
+        # leaves object values out: they change the plan's object digests only, refreshed below.
+        signature = (
+            self._structure_signature(None if local_scope else object_digests) if self.enable_plan_caching else None
+        )
+        cached = self._cached_local
+        if signature is not None and cached is not None and signature == self._signature:
             logger.debug("rank %d: state structure unchanged, reusing its cached plan", self.rank)
-            return SavePlan([], usable=False, planner_data={"rank": self.rank, "cached": True})
+            if local_scope:
+                return dataclasses.replace(cached, planner_data={**cached.planner_data, "objects": object_digests})
+            return SavePlan(
+                [], usable=False, planner_data={"rank": self.rank, "cached": True, _GENERATION: self._generation}
+            )
 
         replicated = [
             (e.key, e.nbytes, e.sharded_axes)
@@ -170,7 +220,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "original_shapes": original,
         }
         plan = SavePlan(items, planner_data=planner_data)
-        self._pending = (signature, plan) if signature is not None else None
+        if signature is not None and local_scope:
+            # a pure function of the signature: what happens to this save cannot make it stale
+            self._signature, self._cached_local = signature, plan
+        else:
+            self._pending = (signature, plan) if signature is not None else None
         return plan
 
     def _writes(self, entry: Entry, owners: Mapping[str, int]) -> bool:
@@ -195,17 +249,39 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             digests[entry.key] = hashlib.sha1(raw).hexdigest()
         return digests
 
-    def _structure_signature(self, object_digests: Mapping[str, str]) -> tuple[Any, ...]:
-        """What the cached plan depends on, compared by equality at the next save (no hashing of text)."""
-        parts: list[Any] = [self.layout, self.rank]
+    def _structure_signature(self, object_digests: Mapping[str, str] | None) -> tuple[Any, ...]:
+        """Everything the local plan depends on, compared by equality at the next save (no hashing of
+        text): the layout, rank and owner rule, and per key its path, kind and geometry, the fields of
+        its ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements;
+        object values only when ``object_digests`` is given."""
+        parts: list[Any] = [self.layout, self.rank, self.replica_owner]
+        mappings = self.mappings
         for e in self.entries.values():
             if e.kind == "object":
-                parts.append((e.key, object_digests[e.key]))
-            else:
-                chunk = e.chunk
-                if chunk is None:
-                    raise SpecError(f"{e.key}: tensor entry without a chunk")
-                parts.append((e.key, e.kind, e.value.dtype, e.global_shape, chunk.offsets, chunk.sizes))
+                parts.append((e.key, mappings.get(e.key), None if object_digests is None else object_digests[e.key]))
+                continue
+            chunk = e.chunk
+            if chunk is None:
+                raise SpecError(f"{e.key}: tensor entry without a chunk")
+            v = e.value
+            parts.append(
+                (
+                    e.key,
+                    mappings.get(e.key),
+                    e.kind,
+                    v.dtype,
+                    v.layout,
+                    v.requires_grad,
+                    v.is_pinned(),
+                    e.global_shape,
+                    chunk.offsets,
+                    chunk.sizes,
+                    e.sharded_axes,
+                    e.original_global_shape,
+                    e.rank_local,
+                    None if e.dtensor is None else (e.dtensor.placements, e.dtensor.device_mesh),
+                )
+            )
         return tuple(parts)
 
     def _replica_digest(self) -> tuple[int, str]:
@@ -236,11 +312,12 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """(coordinator) Compare replica digests per stage, dedup objects, build the ``Metadata``
         (with the :class:`~smpckpt.record.LayoutRecord`) and check that the chunks tile every tensor."""
-        if all(p.planner_data and p.planner_data.get("cached") for p in all_plans) and self._cached_global:
+        if self._cached_global is not None and all(self._reuses_held(p) for p in all_plans):
             plans, metadata = self._cached_global
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
-            return [SavePlan([], usable=False) for _ in all_plans], dataclasses.replace(metadata)
+            held = {_GENERATION: self._generation}
+            return [SavePlan([], usable=False, planner_data=held) for _ in all_plans], dataclasses.replace(metadata)
         full = self._substitute_cached(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
         self._check_replicas(full)
@@ -264,31 +341,43 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 f"the ranks' shards do not tile their global tensors ({len(errors)} problems): {shown}. "
                 "Check that every rank gives the same specs and sizes."
             )
-        plans = [dataclasses.replace(p, planner_data=None) for p in plans]
+        caching = self.enable_plan_caching and self.cache_scope == "global"
+        generation = secrets.token_hex(8) if caching else None
+        gen = {_GENERATION: generation} if generation else None
+        plans = [dataclasses.replace(p, planner_data=gen) for p in plans]
         if plans:
             # the storage writer's coordinator reads the record here (full mode lays tensors out in
             # their original shapes); one copy, on the coordinator's own plan
-            plans[0] = dataclasses.replace(plans[0], planner_data={METADATA_KEY: record.to_json()})
+            plans[0] = dataclasses.replace(plans[0], planner_data={**(gen or {}), METADATA_KEY: record.to_json()})
         self.report = SaveReport(
             bytes_per_rank=tuple(_plan_bytes(p) for p in plans), items=sum(len(p.items) for p in plans), cached=False
         )
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
-        self._cached_all = full
-        self._cached_global = (plans, metadata)
+        # held back until this rank's finish_plan: only a global plan every rank received may be reused
+        self._staged_global = (generation, full, plans, metadata) if generation else None
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
+
+    def _reuses_held(self, plan: SavePlan) -> bool:
+        """Whether ``plan`` is a cached (empty) plan of the generation this coordinator holds."""
+        data = plan.planner_data or {}
+        return bool(data.get("cached")) and self._generation is not None and data.get(_GENERATION) == self._generation
 
     def _substitute_cached(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         out: list[SavePlan] = []
         for i, plan in enumerate(all_plans):
             if plan.usable:
                 out.append(plan)
-            elif self._cached_all is not None and i < len(self._cached_all):
+            elif self._cached_all is not None and i < len(self._cached_all) and self._reuses_held(plan):
                 out.append(self._cached_all[i])
             else:
+                held = self._generation if self._cached_all is not None else None
+                self._drop_caches()
                 raise SpecError(
-                    f"rank {i} reused a cached plan the coordinator does not hold; build planners afresh on "
-                    "every rank (or on none)"
+                    f"rank {i} reused a cached save plan (generation {(plan.planner_data or {}).get(_GENERATION)}) "
+                    f"that this coordinator does not hold (it holds {held}): a previous save failed part-way or "
+                    "planners were not reused alike on every rank. Nothing was written; the planners drop their "
+                    "caches, so saving again plans afresh"
                 )
         return out
 
@@ -365,20 +454,50 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     # -- 4. finish ---------------------------------------------------------------------------------
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """(all ranks) This rank's final plan: the coordinator's, or this instance's cached one."""
+        self._round_open = False
+        gen = (new_plan.planner_data or {}).get(_GENERATION)
         if not new_plan.usable:
-            if self._cached_final is None:
-                raise SpecError(f"rank {self.rank}: the coordinator sent a cached plan this rank does not hold")
+            if self._cached_final is None or gen != self._generation:
+                self._drop_caches()
+                raise SpecError(
+                    f"rank {self.rank}: the coordinator sent a cached plan (generation {gen}) this rank does not "
+                    "hold; saving again plans afresh"
+                )
             # The storage layer may put per-save data (a new save id) on this round's plan; keep it.
             plan = dataclasses.replace(self._cached_final, storage_data=new_plan.storage_data)
         else:
             plan = new_plan
-            if self.enable_plan_caching:
+            if self.enable_plan_caching and self.cache_scope == "global":
                 self._cached_final = new_plan
+                self._generation = gen
                 if self._pending is not None:
                     self._signature, self._cached_local = self._pending
+                staged = self._staged_global
+                if staged is not None and staged[0] == gen:
+                    self._cached_all, self._cached_global = staged[1], (staged[2], staged[3])
         self._pending = None
+        self._staged_global = None
         self.plan = plan
         return plan
+
+    def _drop_caches(self) -> None:
+        self._signature = None
+        self._cached_local = None
+        self._pending = None
+        self._cached_final = None
+        self._generation = None
+        self._cached_all = None
+        self._cached_global = None
+        self._staged_global = None
+
+    def release_state(self) -> None:
+        """(all ranks, after ``dcp.save`` returned or raised) Drop this save's state dict, tensors and
+        object bytes, so a planner kept for reuse pins no memory between saves; the plan caches stay."""
+        self.entries = {}
+        self.mappings = {}
+        self.state_dict = {}
+        self._object_bytes = {}
+        self.global_plan = []
 
     # -- 5. data -----------------------------------------------------------------------------------
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:

@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 import smpckpt
 from smpckpt._args import OPTIONS, common_args, quiet_no_dist, translate_dcp
 from smpckpt._dist import DistContext
+from smpckpt._planner_reuse import kept_save_planner
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.keys import RESERVED
-from smpckpt.planners import ObjectBytes, ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.planners import ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
 from smpckpt.tags import join_url, validate_tag
 from smpckpt.translation import Translation
@@ -130,10 +131,9 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
         full=opts,
         process_group=common.process_group,
     )
-    planner = ParallelSavePlanner(**common.planner_args(), enable_plan_caching=False)
     started = time.monotonic()
     try:
-        with quiet_no_dist():
+        with kept_save_planner("full", common) as planner, quiet_no_dist():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         raise translate_dcp(exc, f"saving full checkpoint {url}") from exc

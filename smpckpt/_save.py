@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 import smpckpt
 from smpckpt._args import CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
+from smpckpt._planner_reuse import kept_save_planner
 from smpckpt.errors import CheckpointError
 from smpckpt.keys import API_RECORD, RESERVED
-from smpckpt.planners import ObjectBytes, ParallelSavePlanner
+from smpckpt.planners import ObjectBytes
 from smpckpt.retention import apply_retention, validate_keep
 from smpckpt.rng import get_rng_state
 from smpckpt.storage import FsspecStorageWriter
@@ -133,9 +134,8 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         format=req.format,
         sync_files=req.sync_files,
     )
-    planner = ParallelSavePlanner(**req.planner_args(), enable_plan_caching=False)
     try:
-        with quiet_no_dist():
+        with kept_save_planner("partial", req) as planner, quiet_no_dist():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=req.process_group)
     except CheckpointException as exc:
         raise translate_dcp(exc, f"saving checkpoint {req.url}") from exc

@@ -301,3 +301,42 @@ def test_save_without_rng(tmp_path: Any) -> None:
         warnings.simplefilter("error")
         resume_from_checkpoint(str(tmp_path), model=m)
     assert last_resume_info().rng_restored == ()  # type: ignore[union-attr]
+
+
+def test_saves_reuse_the_local_plan_and_follow_structure_changes(tmp_path: Any) -> None:
+    """The API keeps its save planner across saves: an unchanged structure is not planned again, a
+    changed one (optimizer state appearing, a refused save in between) is, and every save is exact."""
+    from smpckpt import _planner_reuse
+
+    _planner_reuse.forget_save_planners()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)  # no step yet: no optimizer state
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, user_content={"step": 0})
+    planner = _planner_reuse._KEPT["partial"][1]
+    first = planner._cached_local
+    assert first is not None and planner.entries == {}  # kept without the saved tensors
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    save_checkpoint(str(tmp_path), "b", model=m, optimizer=o, user_content={"step": 1})
+    at_b = {k: v.clone() for k, v in m.state_dict().items()}
+    assert _planner_reuse._KEPT["partial"][1] is planner
+    assert planner._cached_local is not None and planner._cached_local.items is first.items  # not re-planned
+    o.zero_grad()
+    m(torch.randn(5, 4)).sum().backward()
+    o.step()  # the optimizer's state appears: a new structure
+    with pytest.raises(CheckpointExists):
+        save_checkpoint(str(tmp_path), "b", model=m, optimizer=o, user_content={"step": 2})
+    save_checkpoint(str(tmp_path), "c", model=m, optimizer=o, user_content={"step": 2})
+    assert planner._cached_local is not None and planner._cached_local.items is not first.items
+    torch.manual_seed(1)
+    m2 = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    assert resume_from_checkpoint(str(tmp_path), tag="c", model=m2, optimizer=o2) == {"step": 2}
+    assert _equal(m, m2)
+    _assert_optim_equal(m, o, m2, o2)
+    m3 = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    assert resume_from_checkpoint(str(tmp_path), tag="b", model=m3) == {"step": 1}
+    got_b = m3.state_dict()
+    assert all(torch.equal(got_b[k], v) for k, v in at_b.items())
+    assert not torch.equal(got_b["0.weight"], m.state_dict()["0.weight"])  # "b" predates the step

@@ -1,0 +1,159 @@
+"""The save planner's plan caches across saves: what they reuse, and that no failed or partial save can
+make a later save write metadata for a structure some rank no longer has (simulated world, real DCP calls
+in DCP's order, values checked bit-exactly)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
+from torch.distributed.checkpoint.planner import SavePlan
+
+from smpckpt import ParallelLayout, ShardSpec, SpecError
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+
+DP2 = ParallelLayout(dp=2)
+
+
+def setup_function():
+    reset_dcp_caches()
+
+
+def state(dtype: torch.dtype = torch.bfloat16, step: int = 0) -> list[dict]:
+    """Two DP replicas; ``b`` holds values that read differently as bfloat16 and float16."""
+    return [
+        {
+            "w": torch.arange(4, dtype=torch.float32) + step,
+            "b": torch.tensor([1.5, -2.25, 3.0], dtype=dtype),
+            "step": step,
+        }
+        for _ in range(2)
+    ]
+
+
+def load_back(store: MemoryStore, like: dict) -> dict:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
+    sim_load([out], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [MemoryReader(store)])
+    return out
+
+
+def assert_round_trip(store: MemoryStore, saved: dict) -> None:
+    back = load_back(store, saved)
+    for k, v in saved.items():
+        if isinstance(v, torch.Tensor):
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        else:
+            assert back[k] == v, k
+
+
+class RefusingWriter(MemoryWriter):
+    """Fails the save after the planner's global plan and before any rank's finish_plan (as a writer
+    refusing to replace a committed checkpoint does)."""
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        raise FileExistsError("target holds a committed checkpoint")
+
+
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_a_save_failed_after_planning_leaves_no_stale_global_plan(scope):
+    """Structure changes, that save fails after global planning, the structure changes back: the next
+    save must describe what is written (it used to reuse the failed save's metadata: float16 for
+    bfloat16 bytes, silently wrong values)."""
+    planners = [ParallelSavePlanner(DP2, rank=r, cache_scope=scope) for r in range(2)]
+    sim_save(state(torch.bfloat16), planners, [MemoryWriter(MemoryStore()) for _ in range(2)])
+    with pytest.raises(FileExistsError):
+        sim_save(state(torch.float16), planners, [RefusingWriter(MemoryStore()), MemoryWriter(MemoryStore())])
+    store = MemoryStore()
+    saved = state(torch.bfloat16, step=3)
+    sim_save(saved, planners, [MemoryWriter(store) for _ in range(2)])
+    assert store.metadata.state_dict_metadata["b"].properties.dtype == torch.bfloat16
+    assert_round_trip(store, saved[0])
+
+
+def test_a_global_plan_delivered_to_some_ranks_only_fails_one_save_cleanly_then_plans_afresh():
+    """The coordinator's finish_plan never ran (its scatter half-failed) while rank 1's did: rank 1 holds
+    a cache the coordinator dropped. The next save fails with a clear error and writes nothing; the one
+    after it plans afresh and is exact."""
+    planners = [ParallelSavePlanner(DP2, rank=r) for r in range(2)]
+    sim_save(state(), planners, [MemoryWriter(MemoryStore()) for _ in range(2)])
+    # a second round by hand: rank 1 finishes planning, the coordinator does not
+    sds = state(step=1)
+    plans = []
+    for r in range(2):
+        planners[r].set_up_planner(sds[r], None, r == 0)
+        plans.append(planners[r].create_local_plan())
+    global_plans, _ = planners[0].create_global_plan(plans)
+    planners[1].finish_plan(global_plans[1])
+    store = MemoryStore()
+    with pytest.raises(SpecError, match="does not hold"):
+        sim_save(state(step=1), planners, [MemoryWriter(store) for _ in range(2)])  # unchanged: rank 1 reuses
+    assert store.metadata is None
+    store = MemoryStore()
+    saved = state(step=3)
+    sim_save(saved, planners, [MemoryWriter(store) for _ in range(2)])
+    assert planners[0].report.cached is False
+    assert_round_trip(store, saved[0])
+
+
+def test_global_scope_reuses_while_unchanged_and_notices_every_field():
+    planners = [ParallelSavePlanner(DP2, rank=r) for r in range(2)]
+    for step, expect in ((0, False), (0, True)):
+        sim_save(state(step=step), planners, [MemoryWriter(MemoryStore()) for _ in range(2)])
+        assert planners[0].report.cached is expect
+    # requires_grad is recorded in the metadata: a change must re-plan
+    sds = state()
+    for sd in sds:
+        sd["w"].requires_grad_(True)
+    store = MemoryStore()
+    sim_save(sds, planners, [MemoryWriter(store) for _ in range(2)])
+    assert planners[0].report.cached is False
+    assert store.metadata.state_dict_metadata["w"].properties.requires_grad is True
+
+
+def test_local_scope_reuses_the_local_plan_with_fresh_object_values_and_mixes_with_fresh_planners():
+    reused = [ParallelSavePlanner(DP2, rank=r, cache_scope="local") for r in range(2)]
+    for step in range(3):
+        # rank 1 reuses; rank 0 gets a fresh planner at every other save: any mix is correct
+        planners = [reused[0] if step % 2 else ParallelSavePlanner(DP2, rank=0, cache_scope="local"), reused[1]]
+        before = reused[1]._cached_local
+        store = MemoryStore()
+        saved = state(step=step)
+        sim_save(saved, planners, [MemoryWriter(store) for _ in range(2)])
+        if step:
+            # the same items (not re-planned), though the object "step" changed value
+            assert reused[1]._cached_local is not None and reused[1]._cached_local.items is before.items
+        assert_round_trip(store, saved[0])
+
+
+def test_local_scope_replans_when_the_structure_changes():
+    planners = [
+        ParallelSavePlanner(ParallelLayout(tp=2), {"w": ShardSpec(0)}, rank=r, cache_scope="local") for r in range(2)
+    ]
+    for rows in (2, 2, 3):
+        store = MemoryStore()
+        sds = [{"w": torch.full((rows, 2), float(r + 1))} for r in range(2)]
+        sim_save(sds, planners, [MemoryWriter(store) for _ in range(2)])
+        back = load_back(store, {"w": torch.zeros(2 * rows, 2)})
+        assert torch.equal(back["w"], torch.cat([sds[0]["w"], sds[1]["w"]]))
+
+
+def test_release_state_drops_the_saved_tensors_and_keeps_the_cache():
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0, cache_scope="local")
+    sd = {"w": torch.ones(1024)}
+    ref = weakref.ref(sd["w"])
+    sim_save([sd], [planner], [MemoryWriter(MemoryStore())])
+    del sd
+    gc.collect()
+    assert ref() is not None  # the planner still holds it
+    planner.release_state()
+    gc.collect()
+    assert ref() is None
+    assert planner._cached_local is not None
+
+
+def test_cache_scope_is_checked():
+    with pytest.raises(SpecError, match="cache_scope"):
+        ParallelSavePlanner(DP2, rank=0, cache_scope="everywhere")  # type: ignore[arg-type]

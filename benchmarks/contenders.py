@@ -158,6 +158,12 @@ def contenders(ctx: Ctx) -> list[Contender]:
         lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), verify_checksums=False),
     )
+    # an A/B of the local request size (reader default 32 MiB on local filesystems, 64 MiB before)
+    requests_64 = _dcp_pair(
+        ctx,
+        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
+        lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), max_request_bytes=64 << 20),
+    )
     fs_default = _dcp_pair(ctx, FileSystemWriter, FileSystemReader)
     # tuned: several files in flight per rank (the reader has no knobs; it reads what was written)
     fs_tuned = _dcp_pair(ctx, lambda u: FileSystemWriter(u, thread_count=4), FileSystemReader)
@@ -178,6 +184,7 @@ def contenders(ctx: Ctx) -> list[Contender]:
         _s3tc(ctx),
         Contender("torch.save per rank", *_per_rank_pair(ctx, torch_save, torch_load), LOCAL),
         Contender("smpckpt partial, loads unverified", *unverified, ANY, opt_in=True),
+        Contender("smpckpt partial, 64 MiB read requests", *requests_64, ANY, opt_in=True),
     ]
 
 

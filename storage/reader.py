@@ -72,6 +72,10 @@ __all__ = ["FsspecStorageReader", "ReadStats"]
 
 log = logging.getLogger(__name__)
 
+# default request size caps (see max_request_bytes)
+LOCAL_REQUEST_BYTES = 32 << 20
+REMOTE_REQUEST_BYTES = 64 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class ReadStats:
@@ -104,7 +108,10 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             Fewer than ``thread_count`` starts reads in file order while the other workers verify:
             for devices that punish concurrent streams (disks with seeks). On this project's virtio
             disk 2-4 in flight beat 1 (``benchmarks/RESULTS.md``, "cold loads").
-        max_request_bytes: coalesced requests stop growing at this size.
+        max_request_bytes: coalesced requests stop growing at this size (``None``: 32 MiB on local
+            filesystems, 64 MiB on object stores and others). Why 32 MiB locally: four 64 MiB requests
+            in flight read a cold virtio disk 3-18 % slower than four of 32 MiB, side by side in five
+            runs (``benchmarks/RESULTS.md``, "request size"); an object store wants fewer, larger GETs.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
         translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
             manifest): present its tensors under our keys and layout (``smpckpt.hf.llama.TRANSLATION``),
@@ -125,7 +132,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         allow_pickle: bool = False,
         thread_count: int = 4,
         reads_in_flight: int | None = None,
-        max_request_bytes: int = 64 << 20,
+        max_request_bytes: int | None = None,
         coalesce_gap: int = 0,
         translation: Translation | None = None,
         hf_prefix: str = "",
@@ -138,6 +145,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         if reads_in_flight is not None and reads_in_flight < 1:
             raise ValueError(f"reads_in_flight must be >= 1 or None, got {reads_in_flight}")
         self.reads_in_flight = reads_in_flight
+        if max_request_bytes is not None and max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1 or None, got {max_request_bytes}")
         self.max_request_bytes = max_request_bytes
         self.coalesce_gap = coalesce_gap
         # raw items at least this large are read straight into their destination when it allows
@@ -345,14 +354,16 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """(calling thread) Plan every item's byte range (every record checked before any byte is read),
         then read, verify and deliver them; buffers live only for this call."""
+        local = is_local(self.fs)
+        max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
         reads = plan_reads(
             [self._item(req) for req in plan.items],
             self._records,
             verify=self.verify_checksums,
-            local=is_local(self.fs),
+            local=local,
             direct_min_bytes=self.direct_min_bytes,
             coalesce_gap=self.coalesce_gap,
-            max_request_bytes=self.max_request_bytes,
+            max_request_bytes=max_request,
         )
         run = ReadRun(
             self.fs,
@@ -361,7 +372,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             verify=self.verify_checksums,
             allow_pickle=self.allow_pickle,
             thread_count=self.thread_count,
-            max_request_bytes=self.max_request_bytes,
+            max_request_bytes=max_request,
             planner=planner,
             reads_in_flight=self.reads_in_flight,
         )

@@ -109,9 +109,9 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             for devices that punish concurrent streams (disks with seeks). On this project's virtio
             disk 2-4 in flight beat 1 (``benchmarks/RESULTS.md``, "cold loads").
         max_request_bytes: coalesced requests stop growing at this size (``None``: 32 MiB on local
-            filesystems, 64 MiB on object stores and others). Why 32 MiB locally: four 64 MiB requests
-            in flight read a cold virtio disk 3-18 % slower than four of 32 MiB, side by side in five
-            runs (``benchmarks/RESULTS.md``, "request size"); an object store wants fewer, larger GETs.
+            filesystems, 64 MiB on object stores and others). Why 32 MiB locally: on a cold virtio disk
+            it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
+            (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
         translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
             manifest): present its tensors under our keys and layout (``smpckpt.hf.llama.TRANSLATION``),

@@ -15,6 +15,7 @@ their own placement; other values are pickled (``torch.save``) objects.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import io
@@ -100,11 +101,14 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     Why the "global" cache survives failed saves: caches are promoted only in ``finish_plan``, which every
     rank reaches after the same scatter of the global plan, or none does (the coordinator's
     failure is scattered to all). A rank whose last save stopped between ``set_up_planner`` and
-    ``finish_plan`` drops every cache at its next ``set_up_planner``. And each final plan carries the
-    generation of the global plan it came from: the coordinator substitutes or reuses a rank's cached
-    plan only when that rank names the generation the coordinator holds, else it fails the save with
-    a :class:`~smpckpt.errors.SpecError` (no rank writes; the next save plans afresh) rather than write
-    metadata for a structure some rank no longer has.
+    ``finish_plan`` drops every cache at its next ``set_up_planner``. Each final plan carries the
+    generation of the global plan it came from, and a coordinator holds a global plan only under the
+    generation it built it as (a planner that later finishes another coordinator's plan drops its own):
+    the coordinator substitutes or reuses a rank's cached plan only when that rank names the generation
+    of the global plan the coordinator holds, else it fails the save with a
+    :class:`~smpckpt.errors.SpecError` (no rank writes; the next save plans afresh) rather than write
+    metadata for a structure some rank no longer has. The cached metadata is a private copy: storage
+    writers rewrite the one DCP hands them (full mode replaces its chunks and dtypes).
     """
 
     _signature: tuple[Any, ...] | None
@@ -317,7 +321,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
             held = {_GENERATION: self._generation}
-            return [SavePlan([], usable=False, planner_data=held) for _ in all_plans], dataclasses.replace(metadata)
+            # a copy: the storage writer may rewrite what it is handed, and this one is reused again
+            return [SavePlan([], usable=False, planner_data=held) for _ in all_plans], copy.deepcopy(metadata)
         full = self._substitute_cached(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
         self._check_replicas(full)
@@ -354,7 +359,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         )
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
         # held back until this rank's finish_plan: only a global plan every rank received may be reused
-        self._staged_global = (generation, full, plans, metadata) if generation else None
+        # (a private copy of the metadata: DCP hands `metadata` to the storage writer, which may rewrite it)
+        self._staged_global = (generation, full, plans, copy.deepcopy(metadata)) if generation else None
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
 
@@ -364,6 +370,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         return bool(data.get("cached")) and self._generation is not None and data.get(_GENERATION) == self._generation
 
     def _substitute_cached(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Every rank's full local plan: a cached (empty) one replaced by this coordinator's
+        copy of it, which must be of the generation the coordinator holds (else every cache is dropped
+        and this save fails before anything is written)."""
         out: list[SavePlan] = []
         for i, plan in enumerate(all_plans):
             if plan.usable:
@@ -453,7 +462,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
     # -- 4. finish ---------------------------------------------------------------------------------
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        """(all ranks) This rank's final plan: the coordinator's, or this instance's cached one."""
+        """(all ranks) This rank's final plan: the coordinator's, or this instance's cached one. With the
+        "global" cache, a usable plan promotes what this round staged (this rank's local plan; on the
+        coordinator, the global plan) under the plan's generation."""
         self._round_open = False
         gen = (new_plan.planner_data or {}).get(_GENERATION)
         if not new_plan.usable:
@@ -475,12 +486,17 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 staged = self._staged_global
                 if staged is not None and staged[0] == gen:
                     self._cached_all, self._cached_global = staged[1], (staged[2], staged[3])
+                else:
+                    # another coordinator built this plan: a global plan held from before is of another
+                    # generation, and must not pass as this one's
+                    self._cached_all = self._cached_global = None
         self._pending = None
         self._staged_global = None
         self.plan = plan
         return plan
 
     def _drop_caches(self) -> None:
+        """Forget every cached and staged plan: the next save plans afresh."""
         self._signature = None
         self._cached_local = None
         self._pending = None
@@ -490,14 +506,39 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self._cached_global = None
         self._staged_global = None
 
-    def release_state(self) -> None:
-        """(all ranks, after ``dcp.save`` returned or raised) Drop this save's state dict, tensors and
-        object bytes, so a planner kept for reuse pins no memory between saves; the plan caches stay."""
+    def release_state(self, *, scope: bool = False) -> None:
+        """(all ranks, after ``dcp.save`` returned or raised) Drop this save's state dict, tensors, object
+        bytes, final plan and (coordinator) metadata, so a planner kept for reuse pins no memory between
+        saves; the plan caches stay. With ``scope``, also drop the process group and name map: call
+        :meth:`rescope` before the next save."""
         self.entries = {}
         self.mappings = {}
         self.state_dict = {}
         self._object_bytes = {}
         self.global_plan = []
+        for name in ("plan", "metadata"):
+            self.__dict__.pop(name, None)
+        if scope:
+            self.process_group = None
+            self.name_map = None
+
+    def rescope(
+        self,
+        layout: ParallelLayout,
+        specs: Mapping[str, SpecLike] | SpecRules | None = None,
+        *,
+        rank: int | None = None,
+        name_map: NameMap | None = None,
+        process_group: Any = None,
+        rank_local: Sequence[str] = (),
+    ) -> None:
+        """(all ranks, between saves) Plan the next saves for this scope (the constructor's arguments).
+        The local plan cache stays -- its signature holds the layout, rank and every key's geometry, so a
+        plan is reused only where it is still exact -- while a "global" cache is dropped: it also
+        depends on who the coordinator is."""
+        self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
+        if self.cache_scope == "global":
+            self._drop_caches()
 
     # -- 5. data -----------------------------------------------------------------------------------
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:

@@ -3,12 +3,14 @@
 A rank's local plan is a pure function of its state's structure, its rank and the layout; the planner
 memoises it (``cache_scope="local"``) and checks the structure at every save, so reuse is correct
 whatever happened to an earlier save. Nothing cached crosses ranks -- the coordinator plans afresh from
-full local plans every time -- so a rank that builds a fresh planner (another configuration, a
-background save holding the kept one) mixes safely with ranks that reuse theirs. Measured: the local
-planning of a 2-rank save drops from 1.07x DCP's to about 0.45x (``benchmarks/RESULTS.md``).
+full local plans every time -- so a rank that builds a fresh planner (a background save holding the
+kept one) mixes safely with ranks that reuse theirs. Measured: the local planning of a 2-rank save
+drops from 1.07x DCP's to about 0.43x (``benchmarks/RESULTS.md``).
 
-One planner is kept per kind of save ("partial", "full") for the last configuration used; it holds
-no tensors between saves (:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
+One planner is kept per kind of save ("partial", "full"). It is given the save's scope (layout, specs,
+name map, process group) before every save, so sync and async saves (which run on a gloo group of their
+own) share it, and between saves it holds no tensors and no reference to the user's name map or
+process group (:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from smpckpt._args import CommonRequest
 from smpckpt.planners import ParallelSavePlanner
@@ -24,37 +25,26 @@ from smpckpt.planners import ParallelSavePlanner
 __all__ = ["kept_save_planner", "forget_save_planners"]
 
 _LOCK = threading.Lock()
-# kind -> (configuration, planner); a planner in use is taken out, so no two saves share one
-_KEPT: dict[str, tuple[tuple[Any, ...], ParallelSavePlanner]] = {}
-
-
-def _configuration(req: CommonRequest) -> tuple[Any, ...]:
-    return (req.layout, req.rules, req.name_map, req.process_group)
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    # the layout by value; rules, the user's name map and the process group by identity (the kept
-    # planner references them, so an equal id cannot be a new object)
-    return a[0] == b[0] and all(x is y for x, y in zip(a[1:], b[1:]))
+# kind -> planner; a planner in use is taken out, so no two saves share one
+_KEPT: dict[str, ParallelSavePlanner] = {}
 
 
 @contextlib.contextmanager
 def kept_save_planner(kind: str, req: CommonRequest) -> Iterator[ParallelSavePlanner]:
-    """(all ranks) The kept planner for ``kind`` when ``req`` configures it alike, else a new one; kept
-    again (without this save's tensors) once the save returns or raises."""
-    config = _configuration(req)
+    """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free); kept
+    again, without this save's tensors or scope, once the save returns or raises."""
     with _LOCK:
-        held = _KEPT.pop(kind, None)
-    if held is not None and _same(held[0], config):
-        planner = held[1]
-    else:
+        planner = _KEPT.pop(kind, None)
+    if planner is None:
         planner = ParallelSavePlanner(**req.planner_args(), cache_scope="local")
+    else:
+        planner.rescope(**req.planner_args())
     try:
         yield planner
     finally:
-        planner.release_state()
+        planner.release_state(scope=True)
         with _LOCK:
-            _KEPT[kind] = (config, planner)
+            _KEPT[kind] = planner
 
 
 def forget_save_planners() -> None:

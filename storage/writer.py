@@ -448,7 +448,11 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     # -- full mode (coordinator) ------------------------------------------------------------------------
     def _prepare_full(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(not p.usable for p in plans):
-            raise CheckpointError("full mode needs fresh plans on every rank: disable plan caching")
+            raise CheckpointError(
+                f"{self.url}: full mode needs every rank's full plan, and the save planner sent cached (empty) "
+                "ones: use ParallelSavePlanner(..., cache_scope='local') or enable_plan_caching=False (the "
+                "next save with this planner plans afresh)"
+            )
         clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()
         out, layout = begin_full_save(

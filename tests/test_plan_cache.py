@@ -12,8 +12,9 @@ import torch
 from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_load, sim_save
 from torch.distributed.checkpoint.planner import SavePlan
 
-from smpckpt import ParallelLayout, ShardSpec, SpecError
+from smpckpt import CheckpointError, ParallelLayout, ShardSpec, SpecError
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
 
 DP2 = ParallelLayout(dp=2)
 
@@ -157,3 +158,72 @@ def test_release_state_drops_the_saved_tensors_and_keeps_the_cache():
 def test_cache_scope_is_checked():
     with pytest.raises(SpecError, match="cache_scope"):
         ParallelSavePlanner(DP2, rank=0, cache_scope="everywhere")  # type: ignore[arg-type]
+
+
+def test_a_planner_that_coordinated_before_does_not_reuse_that_plan_after_another_coordinator():
+    """Two groups over the same planners with different coordinators (rank order reversed): the planner
+    that coordinated the first save must not pass off that global plan under the generation of the
+    second coordinator's plan (it did: float16 recorded for bfloat16 bytes)."""
+    planners = [ParallelSavePlanner(DP2, rank=r) for r in range(2)]
+    sim_save(state(torch.float16), planners, [MemoryWriter(MemoryStore()) for _ in range(2)])
+    sds = state(torch.bfloat16)
+    sim_save([sds[1], sds[0]], [planners[1], planners[0]], [MemoryWriter(MemoryStore()) for _ in range(2)])
+    store = MemoryStore()
+    saved = state(torch.bfloat16)  # unchanged since the second save (objects too): the ranks reuse
+    try:
+        sim_save(saved, planners, [MemoryWriter(store) for _ in range(2)])
+    except SpecError as exc:  # refusing is correct too; then the next save plans afresh
+        assert "does not hold" in str(exc) and store.metadata is None
+        sim_save(saved, planners, [MemoryWriter(store) for _ in range(2)])
+    assert store.metadata.state_dict_metadata["b"].properties.dtype == torch.bfloat16
+    assert_round_trip(store, saved[0])
+
+
+def test_the_cached_metadata_is_not_the_object_the_storage_writer_rewrites(tmp_path):
+    """A full-mode writer rewrites the metadata it is handed (whole chunks, export dtype); the next
+    unchanged save with the same planner to a partial writer must not inherit that (it recorded
+    bfloat16 for float16 bytes: silently wrong values)."""
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0)
+    sd = {"model": {"w": torch.arange(6, dtype=torch.float16) / 3}}
+    full = FullOptions(dtype=torch.bfloat16)
+    sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "full", mode="full", full=full, sync_files=False)])
+    sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "partial", sync_files=False)])
+    assert planner.report.cached is True
+    md = FsspecStorageReader(tmp_path / "partial").read_metadata()
+    assert md.state_dict_metadata["model.w"].properties.dtype == torch.float16
+    out = {"model": {"w": torch.zeros(6, dtype=torch.float16)}}
+    sim_load([out], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(tmp_path / "partial")])
+    assert torch.equal(out["model"]["w"], sd["model"]["w"])
+
+
+def test_a_full_mode_writer_refuses_cached_plans_with_the_fix_and_the_next_save_works(tmp_path):
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0)
+    sd = {"w": torch.arange(6, dtype=torch.float32)}
+    sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "a", sync_files=False)])
+    with pytest.raises(CheckpointError, match="cache_scope='local'"):
+        sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "b", mode="full", sync_files=False)])
+    sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "c", mode="full", sync_files=False)])
+    out = {"w": torch.zeros(6)}
+    sim_load([out], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(tmp_path / "c")])
+    assert torch.equal(out["w"], sd["w"])
+
+
+def test_rescope_keeps_the_local_memo_only_where_it_is_exact():
+    planner = ParallelSavePlanner(ParallelLayout(tp=2), {"w": ShardSpec(0)}, rank=0, cache_scope="local")
+    other = ParallelSavePlanner(ParallelLayout(tp=2), {"w": ShardSpec(0)}, rank=1, cache_scope="local")
+    sds = [{"w": torch.full((2, 2), float(r + 1))} for r in range(2)]
+    sim_save(sds, [planner, other], [MemoryWriter(MemoryStore()) for _ in range(2)])
+    first = planner._cached_local
+    planner.release_state(scope=True)
+    planner.rescope(ParallelLayout(tp=2), {"w": ShardSpec(0)}, rank=0)
+    sim_save(sds, [planner, other], [MemoryWriter(MemoryStore()) for _ in range(2)])
+    assert first is not None and planner._cached_local is not None and planner._cached_local.items is first.items
+    # now the same tensors as DP replicas: a new layout and no spec, so a new plan -- and exact
+    planner.rescope(DP2, None, rank=0)
+    other.rescope(DP2, None, rank=1)
+    store = MemoryStore()
+    same = [{"w": torch.full((2, 2), 5.0)} for _ in range(2)]
+    sim_save(same, [planner, other], [MemoryWriter(store) for _ in range(2)])
+    assert planner._cached_local.items is not first.items
+    assert store.metadata.state_dict_metadata["w"].size == torch.Size([2, 2])
+    assert torch.equal(load_back(store, {"w": torch.zeros(2, 2)})["w"], same[0]["w"])

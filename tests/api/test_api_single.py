@@ -313,14 +313,14 @@ def test_saves_reuse_the_local_plan_and_follow_structure_changes(tmp_path: Any) 
     m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)  # no step yet: no optimizer state
     save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, user_content={"step": 0})
-    planner = _planner_reuse._KEPT["partial"][1]
+    planner = _planner_reuse._KEPT["partial"]
     first = planner._cached_local
     assert first is not None and planner.entries == {}  # kept without the saved tensors
     with torch.no_grad():
         m[0].weight.add_(1.0)
     save_checkpoint(str(tmp_path), "b", model=m, optimizer=o, user_content={"step": 1})
     at_b = {k: v.clone() for k, v in m.state_dict().items()}
-    assert _planner_reuse._KEPT["partial"][1] is planner
+    assert _planner_reuse._KEPT["partial"] is planner
     assert planner._cached_local is not None and planner._cached_local.items is first.items  # not re-planned
     o.zero_grad()
     m(torch.randn(5, 4)).sum().backward()

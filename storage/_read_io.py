@@ -1,5 +1,5 @@
-"""Read I/O: ranged reads of data files (``preadv`` on local disk, ``cat_file`` elsewhere), block
-verification, and the read-buffer pool of one ``read_data`` call.
+"""Read I/O: ranged reads of data files (``preadv`` on local disk, GET bodies streamed into our buffers
+on S3, ``cat_file`` elsewhere), block verification, and the read-buffer pool of one ``read_data`` call.
 
 The functions here run on the reader's worker threads; each reads, checks that every byte arrived and
 verifies every checksum block it read before returning, so a corrupt or short file fails the read with
@@ -34,6 +34,7 @@ __all__ = [
     "DirectPart",
     "read_direct",
     "read_box",
+    "reads_into",
 ]
 
 # a read's turn at the device (see _read_gate); held only around the I/O, never around verification
@@ -112,6 +113,37 @@ def _pread_file(path: str, buffers: Sequence[memoryview], offset: int, want: int
         os.close(fd)
 
 
+def reads_into(fs: Any) -> bool:
+    """Whether ranged reads of ``fs`` can land in caller buffers (local ``preadv``; S3 GET bodies streamed
+    in): then reads go into pooled buffers or straight into destinations, never through a ``bytes``."""
+    if is_local(fs):
+        return True
+    from smpckpt.storage._s3 import is_s3
+
+    return is_s3(fs)
+
+
+def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, want: int) -> int:
+    """File bytes ``[offset, offset + want)`` into ``buffers`` (see :func:`pread_into`), for a ``fs`` that
+    :func:`reads_into`. Returns the bytes read: fewer only when the file ends first."""
+    if is_local(fs):
+        return _pread_file(path, buffers, offset, want)
+    from smpckpt.storage._s3 import get_range_into
+
+    return get_range_into(fs, path, offset, offset + want, _trimmed(buffers, want))
+
+
+def _trimmed(buffers: Sequence[memoryview], want: int) -> list[memoryview]:
+    """The first ``want`` bytes of ``buffers`` (a GET body must fill exactly what it sends)."""
+    out: list[memoryview] = []
+    for mv in buffers:
+        if want <= 0:
+            break
+        out.append(mv[:want])
+        want -= len(out[-1])
+    return out
+
+
 def missing_file_error(path: str, keys: Sequence[str]) -> CheckpointCorrupt:
     """The error for a data file that the metadata names but storage does not have."""
     return CheckpointCorrupt(f"{path}: data file is missing (needed for keys {list(keys)[:5]})")
@@ -180,9 +212,10 @@ def read_range(
     want = hi - lo
     try:
         with translate_errors(path), turn or contextlib.nullcontext():
-            if is_local(fs):
+            if reads_into(fs):
+                # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
                 buf = pool.take(want)
-                data = memoryview(buf)[: _pread_file(path, [memoryview(buf)], lo, want)]
+                data = memoryview(buf)[: _read_into(fs, path, [memoryview(buf)], lo, want)]
             else:
                 data = memoryview(fs.cat_file(path, start=lo, end=hi))
     except FileNotFoundError as exc:
@@ -216,16 +249,20 @@ class DirectPart:
         return segs
 
 
-def read_direct(path: str, parts: Sequence[DirectPart], rec: FileRecord | None, turn: Turn | None = None) -> None:
-    """(worker thread, local files) Read consecutive direct parts (each part's ``lo`` is the previous
-    one's ``hi``) with one ``preadv``, then verify every block of each part against ``rec`` (``None``:
-    not verified). One large request instead of one per item: a disk streams it at full speed."""
+def read_direct(
+    fs: Any, path: str, parts: Sequence[DirectPart], rec: FileRecord | None, turn: Turn | None = None
+) -> None:
+    """(worker thread; a ``fs`` that :func:`reads_into`) Read consecutive direct parts (each part's ``lo``
+    is the previous one's ``hi``) with one request -- a ``preadv``, or one S3 GET whose body streams
+    into the destinations -- then verify every block of each part against ``rec`` (``None``: not
+    verified). One large request instead of one per item: a disk streams it at full speed, and an
+    object store is asked once."""
     segs = [part.segments() for part in parts]
     lo, hi = parts[0].lo, parts[-1].hi
     keys = [part.it.fqn for part in parts]
     try:
         with translate_errors(path), turn or contextlib.nullcontext():
-            got = _pread_file(path, [mv for ss in segs for _, mv in ss], lo, hi - lo)
+            got = _read_into(fs, path, [mv for ss in segs for _, mv in ss], lo, hi - lo)
     except FileNotFoundError as exc:
         raise missing_file_error(path, keys) from exc
     check_complete(path, keys, lo, hi, got)

@@ -150,15 +150,18 @@ def plan_reads(
     *,
     verify: bool,
     local: bool,
+    direct: bool | None = None,
     direct_min_bytes: int,
     coalesce_gap: int,
     max_request_bytes: int,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    direct candidates (``local`` files only) and coalesce the rest per file."""
+    row-by-row box reads (``local`` files only) and direct candidates (where ``direct``, default
+    ``local``: reads can land in the destination) and coalesce the rest per file."""
+    direct_ok = local if direct is None else direct
     per_file: dict[str, list[Need[Item]]] = {}
     empty: list[Item] = []
-    direct: list[DirectCandidate] = []
+    candidates: list[DirectCandidate] = []
     boxes: list[BoxRead] = []
     needed = 0
     needed_per_file: dict[str, int] = {}
@@ -175,9 +178,9 @@ def plan_reads(
             boxes.append(box)
             continue
         lo, hi = _widen(it, rec)
-        if local and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
+        if direct_ok and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
             # candidate for reading straight into the destination (decided when its target is resolved)
-            direct.append(DirectCandidate(it.file, Need(lo, hi, it)))
+            candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))
             continue
         per_file.setdefault(it.file, []).append(Need(lo, hi, it))
     fetches = [
@@ -185,9 +188,9 @@ def plan_reads(
         for name in sorted(per_file)
         for f in coalesce(per_file[name], gap=coalesce_gap, max_bytes=max_request_bytes)
     ]
-    direct.sort(key=lambda d: (d.file, d.need.start))
+    candidates.sort(key=lambda d: (d.file, d.need.start))
     boxes.sort(key=lambda b: (b.file, b.start))
-    return ReadPlan(fetches, empty, direct, needed, needed_per_file, boxes)
+    return ReadPlan(fetches, empty, candidates, needed, needed_per_file, boxes)
 
 
 def _exact_bytes(it: Item) -> int:

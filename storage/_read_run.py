@@ -266,7 +266,7 @@ class ReadRun:
             return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool, turn)
         if isinstance(task, BoxRead):
             return read_box(path, task, rec, self.pool, turn)
-        read_direct(path, task.parts, rec, turn)
+        read_direct(self.fs, path, task.parts, rec, turn)
         return None
 
     def _complete(self, task: _Task, data: memoryview | None) -> None:

@@ -31,7 +31,7 @@ from aiohttp.payload import Payload
 
 from smpckpt.storage._errors import translate
 
-__all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object"]
+__all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object", "is_s3", "get_range_into"]
 
 MIN_PART_SIZE = 16 << 20
 _MAX_PARTS = 10_000  # S3 limit per upload
@@ -267,3 +267,59 @@ def get_object(fs: Any, path: str) -> bytes:
 
     bucket, key, _ = fs.split_path(path)
     return bytes(sync(fs.loop, _get, fs, bucket, key))
+
+
+def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's filesystem (its async client is what :func:`get_range_into` uses)."""
+    return type(fs).__module__.startswith("s3fs") and hasattr(fs, "_call_s3")
+
+
+async def _get_into(
+    fs: Any, bucket: str, key: str, version: str | None, lo: int, hi: int, views: Sequence[memoryview]
+) -> int:
+    extra = {"VersionId": version} if version else {}
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **extra)
+    body = resp["Body"]
+    got = 0
+    try:
+        for view in views:
+            at = 0
+            while at < len(view):
+                # one copy, socket chunk -> destination (``read()`` would first join the body into bytes)
+                n = await body.readinto(view[at:])
+                if n == 0:
+                    return got
+                at += n
+                got += n
+        return got
+    finally:
+        body.close()
+
+
+def get_range_into(fs: Any, path: str, lo: int, hi: int, views: Sequence[memoryview]) -> int:
+    """(any thread but s3fs's loop) Object bytes ``[lo, hi)`` of ``path`` in one ranged GET, streamed into
+    ``views`` (byte views, filled in order, ``hi - lo`` bytes in all). Returns the bytes received: fewer
+    only when the object ends first. Transient failures are retried as s3fs retries its own reads, each
+    attempt from the start; ``FileNotFoundError`` and the other builtin errors as ``translate`` gives
+    them, naming ``path``."""
+    from fsspec.asyn import sync
+
+    if hi <= lo:
+        return 0
+    bucket, key, version = fs.split_path(path)
+    try:
+        from s3fs.core import _error_wrapper  # s3fs's retry policy for its own reads
+    except ImportError:  # pragma: no cover - older/newer s3fs: botocore's own retries only
+        return int(sync(fs.loop, _get_into, fs, bucket, key, version, lo, hi, views))
+    try:
+        return int(
+            sync(
+                fs.loop,
+                _error_wrapper,
+                _get_into,
+                args=(fs, bucket, key, version, lo, hi, views),
+                retries=fs.retries,
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - translated to a builtin error naming the file
+        _reraise(exc, path)

@@ -60,7 +60,7 @@ from smpckpt.storage._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._full_read import FullSource, hf_folder_files
 from smpckpt.storage._location import FsspecLocation
-from smpckpt.storage._read_io import missing_file_error
+from smpckpt.storage._read_io import missing_file_error, reads_into
 from smpckpt.storage._read_plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
 from smpckpt.storage._read_run import ReadRun
 from smpckpt.storage._safe_pickle import load_metadata
@@ -361,6 +361,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             self._records,
             verify=self.verify_checksums,
             local=local,
+            direct=reads_into(self.fs),
             direct_min_bytes=self.direct_min_bytes,
             coalesce_gap=self.coalesce_gap,
             max_request_bytes=max_request,

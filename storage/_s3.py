@@ -23,6 +23,8 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import errno
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -278,10 +280,16 @@ async def _get_into(
     fs: Any, bucket: str, key: str, version: str | None, lo: int, hi: int, views: Sequence[memoryview]
 ) -> int:
     extra = {"VersionId": version} if version else {}
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **extra)
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **extra)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL and "range" in str(exc).lower():
+            return 0  # InvalidRange: the object ends before `lo` (the caller reports the truncation)
+        raise
     body = resp["Body"]
     got = 0
     try:
+        _check_range(resp, lo, hi, key)
         for view in views:
             at = 0
             while at < len(view):
@@ -294,6 +302,18 @@ async def _get_into(
         return got
     finally:
         body.close()
+
+
+def _check_range(resp: dict[str, Any], lo: int, hi: int, key: str) -> None:
+    """The body must start at ``lo``: a server that ignored the Range header would hand us other bytes."""
+    content_range = resp.get("ContentRange")
+    if content_range:
+        m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", str(content_range).strip())
+        if m is not None and int(m.group(1)) == lo and int(m.group(2)) < hi:
+            return
+    elif lo == 0:
+        return  # the whole object from its start (200): the first `hi` bytes are the ones asked for
+    raise OSError(errno.EIO, f"asked for bytes {lo}..{hi} of {key}, the server answered {content_range!r}")
 
 
 def get_range_into(fs: Any, path: str, lo: int, hi: int, views: Sequence[memoryview]) -> int:

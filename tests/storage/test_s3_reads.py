@@ -129,3 +129,22 @@ def test_a_get_answered_with_slowdown_is_retried(s3: Backend, moto_endpoint: str
         popts["config_kwargs"] = {"retries": {"max_attempts": 3, "mode": "standard"}}
         assert_state_equal(sd, roundtrip_load(sd, url, popts))
         assert len(proxy.injected) == 1
+
+
+def test_a_read_past_the_end_of_a_truncated_object_reports_the_truncation(s3: Backend) -> None:
+    """A range that starts beyond the object's end (S3 answers InvalidRange) is a truncated file, named."""
+    from smpckpt.storage._s3 import get_range_into
+
+    base, opts = s3
+    fs, path = open_fs(f"{base}/short", opts)
+    fs.pipe_file(f"{path}/f", bytes(range(100)))
+    buf = bytearray(50)
+    assert get_range_into(fs, f"{path}/f", 200, 250, [memoryview(buf)]) == 0
+    assert get_range_into(fs, f"{path}/f", 80, 130, [memoryview(buf)]) == 20 and bytes(buf[:20]) == bytes(
+        range(80, 100)
+    )
+    parts = [memoryview(bytearray(3)), memoryview(bytearray(7))]
+    assert get_range_into(fs, f"{path}/f", 10, 20, parts) == 10
+    assert bytes(parts[0]) + bytes(parts[1]) == bytes(range(10, 20))
+    with pytest.raises(FileNotFoundError):
+        get_range_into(fs, f"{path}/missing", 0, 10, [memoryview(bytearray(10))])

@@ -109,6 +109,12 @@ def is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's filesystem (whose async client ``smpckpt.storage._s3`` streams GET bodies
+    with); decided without importing s3fs or aiohttp, which only the s3 extra installs."""
+    return type(fs).__module__.split(".")[0] == "s3fs" and hasattr(fs, "_call_s3")
+
+
 def join(folder: str, name: str) -> str:
     """``folder/name`` for any backend (fsspec paths use ``/`` everywhere, local disk included)."""
     return f"{folder.rstrip('/')}/{name}" if folder else name

@@ -19,7 +19,7 @@ from typing import Any
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local
+from smpckpt.storage._fs import is_local, is_s3
 from smpckpt.storage._read_plan import BoxRead, Item
 from smpckpt.storage.manifest import FileRecord
 
@@ -116,11 +116,7 @@ def _pread_file(path: str, buffers: Sequence[memoryview], offset: int, want: int
 def reads_into(fs: Any) -> bool:
     """Whether ranged reads of ``fs`` can land in caller buffers (local ``preadv``; S3 GET bodies streamed
     in): then reads go into pooled buffers or straight into destinations, never through a ``bytes``."""
-    if is_local(fs):
-        return True
-    from smpckpt.storage._s3 import is_s3
-
-    return is_s3(fs)
+    return is_local(fs) or is_s3(fs)
 
 
 def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, want: int) -> int:

@@ -33,7 +33,7 @@ from aiohttp.payload import Payload
 
 from smpckpt.storage._errors import translate
 
-__all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object", "is_s3", "get_range_into"]
+__all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object", "get_range_into"]
 
 MIN_PART_SIZE = 16 << 20
 _MAX_PARTS = 10_000  # S3 limit per upload
@@ -269,11 +269,6 @@ def get_object(fs: Any, path: str) -> bytes:
 
     bucket, key, _ = fs.split_path(path)
     return bytes(sync(fs.loop, _get, fs, bucket, key))
-
-
-def is_s3(fs: Any) -> bool:
-    """Whether ``fs`` is s3fs's filesystem (its async client is what :func:`get_range_into` uses)."""
-    return type(fs).__module__.startswith("s3fs") and hasattr(fs, "_call_s3")
 
 
 async def _get_into(

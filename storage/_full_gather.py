@@ -8,7 +8,10 @@ Every rank walks the same global order of boxes (file, tensor offset, sending ra
 meets its receive like steps of one sequential program: no deadlock, whatever the ownership.
 
 Memory: an owner holds one tensor (plus one received box) at a time; a sender one box. The bytes
-cross the network once from their holder to the file's owner, and to storage once.
+cross the network once from their holder to the file's owner, and to storage once. The sink borrows
+what it is given (S3 parts go out as views, no copy into part buffers): every buffer written is the
+resolved tensor's own bytes, a box buffer or an assembled tensor made for this write, none changed
+before the sink's commit.
 """
 
 from __future__ import annotations
@@ -104,8 +107,12 @@ class _Gather:
     def tensor(self, file: str, key: str) -> np.ndarray | None:
         """(all ranks) This tensor's boxes: sent by their holders; assembled (and returned) by the owner."""
         me, owner = self.data.rank, self.owner[file]
+        boxes = self.boxes.get((file, key), [])
+        if len(boxes) == 1 and boxes[0][0] == me == owner and _whole(boxes[0][1]):
+            # the owner holds all of it (one rank, a replica): its bytes as they are, no assembly
+            return np.frombuffer(self._my_box(boxes[0][1]), dtype=np.uint8)
         out: np.ndarray | None = None
-        for r, w in self.boxes.get((file, key), []):
+        for r, w in boxes:
             if r != me and owner != me:
                 continue
             if r == me:
@@ -136,3 +143,8 @@ class _Gather:
             if it.tensor_data is not None and it.index not in done
         ]
         return out
+
+
+def _whole(w: FullWrite) -> bool:
+    """Whether the box is the whole tensor (its own row-major bytes are the tensor's in the file)."""
+    return not any(w.offsets) and tuple(w.sizes) == tuple(w.view)

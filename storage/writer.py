@@ -365,9 +365,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             create_bytes_exclusive(self.fs, path, data, sync=self.sync_files)
 
     def _open_sink(self, name: str) -> Sink:
-        """A data file's sink (partial mode). It may borrow: write_file passes views of the resolved
-        tensors (or of per-item buffers) and never changes them before the sink's commit, so S3 parts
-        go out without a copy."""
+        """A data file's sink (partial mode; full mode on object stores). It may borrow: write_file and
+        gather_rank pass views of the resolved tensors (or of buffers made for that write) and never
+        change them before the sink's commit, so S3 parts go out without a copy."""
         return self._sink(name, borrow=True)
 
     def _sink(self, name: str, *, borrow: bool = False) -> Sink:
@@ -390,7 +390,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 plan.items,
                 planner,
                 fs=self.fs,
-                open_sink=self._sink,  # copies: received shard buffers are not promised to stay put
+                # borrows: every buffer gather_rank writes is made for that write (or is the resolved
+                # tensor itself) and stays unchanged until the sink's commit (see _full_gather)
+                open_sink=self._open_sink,
                 process_group=self.process_group,
                 sync=self.sync_files,
             )

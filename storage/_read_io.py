@@ -203,7 +203,8 @@ def read_range(
     turn: Turn | None = None,
 ) -> memoryview:
     """(worker thread) File bytes ``[lo, hi)`` serving ``items``, verified against ``rec`` (the file's
-    record; ``None``: not verified). Local files are read into a buffer from ``pool``."""
+    record; ``None``: not verified). Local files and S3 objects are read into a buffer from ``pool``;
+    other backends through ``cat_file``."""
     keys = sorted({it.fqn for it in items})
     want = hi - lo
     try:

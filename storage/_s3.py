@@ -24,6 +24,7 @@ import bisect
 import collections
 import concurrent.futures
 import errno
+import inspect
 import re
 import threading
 from collections.abc import Sequence
@@ -274,6 +275,8 @@ def get_object(fs: Any, path: str) -> bytes:
 async def _get_into(
     fs: Any, bucket: str, key: str, version: str | None, lo: int, hi: int, views: Sequence[memoryview]
 ) -> int:
+    """(s3fs's event loop; one attempt, retried whole by the caller) One ranged GET whose body fills
+    ``views`` in order; returns the bytes received (0: the object ends before ``lo``)."""
     extra = {"VersionId": version} if version else {}
     try:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **extra)
@@ -282,21 +285,29 @@ async def _get_into(
             return 0  # InvalidRange: the object ends before `lo` (the caller reports the truncation)
         raise
     body = resp["Body"]
+    # aiobotocore >= 2.23 reads into a buffer; older ones only hand out chunks (then one more copy)
+    readinto = getattr(body, "readinto", None)
     got = 0
     try:
         _check_range(resp, lo, hi, key)
         for view in views:
             at = 0
             while at < len(view):
-                # one copy, socket chunk -> destination (``read()`` would first join the body into bytes)
-                n = await body.readinto(view[at:])
+                if readinto is not None:
+                    n = await readinto(view[at:])
+                else:
+                    chunk = await body.read(len(view) - at)
+                    n = len(chunk)
+                    view[at : at + n] = chunk
                 if n == 0:
                     return got
                 at += n
                 got += n
         return got
     finally:
-        body.close()
+        closed = body.close()
+        if inspect.isawaitable(closed):  # the httpx backend's close is a coroutine
+            await closed
 
 
 def _check_range(resp: dict[str, Any], lo: int, hi: int, key: str) -> None:
@@ -314,9 +325,10 @@ def _check_range(resp: dict[str, Any], lo: int, hi: int, key: str) -> None:
 def get_range_into(fs: Any, path: str, lo: int, hi: int, views: Sequence[memoryview]) -> int:
     """(any thread but s3fs's loop) Object bytes ``[lo, hi)`` of ``path`` in one ranged GET, streamed into
     ``views`` (byte views, filled in order, ``hi - lo`` bytes in all). Returns the bytes received: fewer
-    only when the object ends first. Transient failures are retried as s3fs retries its own reads, each
-    attempt from the start; ``FileNotFoundError`` and the other builtin errors as ``translate`` gives
-    them, naming ``path``."""
+    only when the object ends first. Transient failures (a dropped connection mid-body too) are
+    retried as s3fs retries its own reads, each attempt from the start; what still fails is raised as
+    a builtin error (``FileNotFoundError``, ``PermissionError``, ``OSError``; the caller adds the
+    file's name where s3fs's own translation left it out)."""
     from fsspec.asyn import sync
 
     if hi <= lo:

@@ -19,15 +19,17 @@ requested slice), widened to whole checksum blocks when verifying, sorted by off
 each in offset order (``_read_run``) -- with at most ``reads_in_flight`` of them inside a read, started
 in that order, when that is set lower; the planner is called from the calling thread only.
 
-Direct reads (local files): a raw tensor item of at least 1 MiB whose requested slice is contiguous in
-the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor of the saved
-dtype and shape, is read with ``os.preadv`` straight into the destination's memory (the block-widening
-head/tail bytes go to small scratch buffers), in pieces of about 16 MiB cut at checksum block
-boundaries; consecutive pieces (of one item or of neighbouring items) are read with one ``preadv`` of
-up to ``max_request_bytes`` and verified by the worker thread that read them (xxh3 releases the GIL,
-so hashing overlaps the next read); ``commit_tensor`` follows on the calling thread once every piece of
-the item is verified. Everything else (small, strided, cast, object and remote items) goes through the
-coalesced, pooled buffers and a copy into the destination.
+Direct reads (local files and S3): a raw tensor item of at least 1 MiB whose requested slice is
+contiguous in the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor
+of the saved dtype and shape, is read straight into the destination's memory -- ``os.preadv``, or one
+ranged GET whose body streams in (``_s3.get_range_into``) -- (the block-widening head/tail bytes go to
+small scratch buffers), in pieces of about 16 MiB cut at checksum block boundaries; consecutive pieces
+(of one item or of neighbouring items) are read with one request of up to ``max_request_bytes`` and
+verified by the worker thread that read them (xxh3 releases the GIL, so hashing overlaps the next
+read); ``commit_tensor`` follows on the calling thread once every piece of the item is verified.
+Everything else (small, strided, cast and object items, and other backends' reads) goes through the
+coalesced, pooled buffers (``cat_file`` on backends other than local disk and S3) and a copy into the
+destination.
 
 This module holds the protocol, the metadata and the checks of every storage record; the read itself
 lives in ``_read_plan`` (byte ranges, block widening, coalescing, direct candidates), ``_read_io``

@@ -110,9 +110,11 @@ def is_local(fs: Any) -> bool:
 
 
 def is_s3(fs: Any) -> bool:
-    """Whether ``fs`` is s3fs's filesystem (whose async client ``smpckpt.storage._s3`` streams GET bodies
-    with); decided without importing s3fs or aiohttp, which only the s3 extra installs."""
-    return type(fs).__module__.split(".")[0] == "s3fs" and hasattr(fs, "_call_s3")
+    """Whether ``fs`` is an s3fs filesystem (or a subclass): ``smpckpt.storage._s3`` uploads and streams
+    GET bodies through its async client. Decided without importing s3fs or aiohttp, which only the s3
+    extra installs; the one test for writes and reads alike."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "s3" in protocols and hasattr(fs, "_call_s3")
 
 
 def join(folder: str, name: str) -> str:

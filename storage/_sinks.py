@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local
+from smpckpt.storage._fs import is_local, is_s3
 
 __all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink"]
 
@@ -178,7 +178,7 @@ def open_sink(
     to ``write`` until ``commit``/``abort`` returns, so a sink may send it without copying (S3)."""
     if is_local(fs):
         return LocalSink(path, sync=sync)
-    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+    if is_s3(fs):
         from smpckpt.storage._s3 import S3MultipartSink
 
         return S3MultipartSink(fs, path, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow)

@@ -15,13 +15,11 @@ their own placement; other values are pickled (``torch.save``) objects.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import io
 import logging
 import math
-import secrets
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -41,15 +39,13 @@ from smpckpt.planners._entries import (
     dtensor_is_owner,
 )
 from smpckpt.planners._ownership import assign_owners
+from smpckpt.planners._plan_cache import PlanCache, structure_signature
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 
 __all__ = ["ParallelSavePlanner", "SaveReport"]
 
 logger = logging.getLogger(__name__)
-
-# planner_data key of a final plan: which global plan (of the "global" plan cache) it came from
-_GENERATION = "smpckpt_plan_generation"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,29 +94,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).
 
-    Why the "global" cache survives failed saves: caches are promoted only in ``finish_plan``, which every
-    rank reaches after the same scatter of the global plan, or none does (the coordinator's
-    failure is scattered to all). A rank whose last save stopped between ``set_up_planner`` and
-    ``finish_plan`` drops every cache at its next ``set_up_planner``. Each final plan carries the
-    generation of the global plan it came from, and a coordinator holds a global plan only under the
-    generation it built it as (a planner that later finishes another coordinator's plan drops its own):
-    the coordinator substitutes or reuses a rank's cached plan only when that rank names the generation
-    of the global plan the coordinator holds, else it fails the save with a
-    :class:`~smpckpt.errors.SpecError` (no rank writes; the next save plans afresh) rather than write
-    metadata for a structure some rank no longer has. The cached metadata is a private copy: storage
-    writers rewrite the one DCP hands them (full mode replaces its chunks and dtypes).
+    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._plan_cache`.
     """
-
-    _signature: tuple[Any, ...] | None
-    _cached_local: SavePlan | None  #: the local plan of structure _signature
-    _pending: tuple[tuple[Any, ...], SavePlan] | None  #: ("global") promoted to the two above in finish_plan
-    _cached_final: SavePlan | None
-    _generation: str | None  #: of the global plan _cached_final came from
-    # coordinator: every rank's local plan and the global plan of generation _generation, and a global
-    # plan built this round (promoted in this rank's finish_plan)
-    _cached_all: list[SavePlan] | None
-    _cached_global: tuple[list[SavePlan], Metadata] | None
-    _staged_global: tuple[str, list[SavePlan], list[SavePlan], Metadata] | None
 
     def __init__(
         self,
@@ -146,8 +121,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.cache_scope = cache_scope
         self.report: SaveReport | None = None
         self.entries: dict[str, Entry] = {}
-        self._round_open = False  # set_up_planner ran and finish_plan has not (yet)
-        self._drop_caches()
+        self._cache = PlanCache(cache_scope if enable_plan_caching else "off")
 
     # -- 1. set up ---------------------------------------------------------------------------------
     def set_up_planner(
@@ -158,12 +132,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     ) -> None:
         """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
         (PP renaming), global chunks (specs, DTensor placements), objects."""
-        if self._round_open:
-            # The last save stopped between planning and finish_plan here: a global plan it staged may
-            # have reached some ranks and not others. Trust nothing cached from before it.
-            logger.debug("rank %s: the last save did not finish planning; dropping plan caches", self._rank_arg)
-            self._drop_caches()
-        self._round_open = True
+        self._cache.begin_round(self._rank_arg)
         resolved = self._resolve(state_dict)
         self.entries = resolved.entries
         self.mappings = resolved.mappings
@@ -179,20 +148,17 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
         Every rank runs this at every save: its cost is O(own keys), whatever the world size."""
         object_digests = self._serialise_objects()
-        local_scope = self.cache_scope == "local"
         # the signature only serves the plan cache; a planner built per save skips it. The local scope
-        # leaves object values out: they change the plan's object digests only, refreshed below.
-        signature = (
-            self._structure_signature(None if local_scope else object_digests) if self.enable_plan_caching else None
-        )
-        cached = self._cached_local
-        if signature is not None and cached is not None and signature == self._signature:
-            logger.debug("rank %d: state structure unchanged, reusing its cached plan", self.rank)
-            if local_scope:
-                return dataclasses.replace(cached, planner_data={**cached.planner_data, "objects": object_digests})
-            return SavePlan(
-                [], usable=False, planner_data={"rank": self.rank, "cached": True, _GENERATION: self._generation}
+        # leaves object values out: they change the plan's object digests only (refreshed on a hit).
+        signature = None
+        if self.enable_plan_caching:
+            digests = None if self.cache_scope == "local" else object_digests
+            signature = structure_signature(
+                self.layout, self.rank, self.replica_owner, self.entries, self.mappings, digests
             )
+        hit = self._cache.hit(signature, self.rank, object_digests)
+        if hit is not None:
+            return hit
 
         replicated = [
             (e.key, e.nbytes, e.sharded_axes)
@@ -224,11 +190,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "original_shapes": original,
         }
         plan = SavePlan(items, planner_data=planner_data)
-        if signature is not None and local_scope:
-            # a pure function of the signature: what happens to this save cannot make it stale
-            self._signature, self._cached_local = signature, plan
-        else:
-            self._pending = (signature, plan) if signature is not None else None
+        self._cache.remember(signature, plan)
         return plan
 
     def _writes(self, entry: Entry, owners: Mapping[str, int]) -> bool:
@@ -252,41 +214,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             self._object_bytes[entry.key] = raw
             digests[entry.key] = hashlib.sha1(raw).hexdigest()
         return digests
-
-    def _structure_signature(self, object_digests: Mapping[str, str] | None) -> tuple[Any, ...]:
-        """Everything the local plan depends on, compared by equality at the next save (no hashing of
-        text): the layout, rank and owner rule, and per key its path, kind and geometry, the fields of
-        its ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements;
-        object values only when ``object_digests`` is given."""
-        parts: list[Any] = [self.layout, self.rank, self.replica_owner]
-        mappings = self.mappings
-        for e in self.entries.values():
-            if e.kind == "object":
-                parts.append((e.key, mappings.get(e.key), None if object_digests is None else object_digests[e.key]))
-                continue
-            chunk = e.chunk
-            if chunk is None:
-                raise SpecError(f"{e.key}: tensor entry without a chunk")
-            v = e.value
-            parts.append(
-                (
-                    e.key,
-                    mappings.get(e.key),
-                    e.kind,
-                    v.dtype,
-                    v.layout,
-                    v.requires_grad,
-                    v.is_pinned(),
-                    e.global_shape,
-                    chunk.offsets,
-                    chunk.sizes,
-                    e.sharded_axes,
-                    e.original_global_shape,
-                    e.rank_local,
-                    None if e.dtensor is None else (e.dtensor.placements, e.dtensor.device_mesh),
-                )
-            )
-        return tuple(parts)
 
     def _replica_digest(self) -> tuple[int, str]:
         """Constant-size digest of the tensors every rank of this stage must agree on.
@@ -316,14 +243,13 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """(coordinator) Compare replica digests per stage, dedup objects, build the ``Metadata``
         (with the :class:`~smpckpt.record.LayoutRecord`) and check that the chunks tile every tensor."""
-        if self._cached_global is not None and all(self._reuses_held(p) for p in all_plans):
-            plans, metadata = self._cached_global
+        reused = self._cache.reuse_global(all_plans)
+        if reused is not None:
+            plans, empty, metadata = reused
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
-            held = {_GENERATION: self._generation}
-            # a copy: the storage writer may rewrite what it is handed, and this one is reused again
-            return [SavePlan([], usable=False, planner_data=held) for _ in all_plans], copy.deepcopy(metadata)
-        full = self._substitute_cached(all_plans)
+            return empty, metadata
+        full = self._cache.substitute(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
         self._check_replicas(full)
         deduped = self._dedup(full)
@@ -346,9 +272,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 f"the ranks' shards do not tile their global tensors ({len(errors)} problems): {shown}. "
                 "Check that every rank gives the same specs and sizes."
             )
-        caching = self.enable_plan_caching and self.cache_scope == "global"
-        generation = secrets.token_hex(8) if caching else None
-        gen = {_GENERATION: generation} if generation else None
+        # held back until this rank's finish_plan: only a global plan every rank received may be reused
+        gen = self._cache.stage_global(full, plans, metadata)
         plans = [dataclasses.replace(p, planner_data=gen) for p in plans]
         if plans:
             # the storage writer's coordinator reads the record here (full mode lays tensors out in
@@ -358,37 +283,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             bytes_per_rank=tuple(_plan_bytes(p) for p in plans), items=sum(len(p.items) for p in plans), cached=False
         )
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
-        # held back until this rank's finish_plan: only a global plan every rank received may be reused
-        # (a private copy of the metadata: DCP hands `metadata` to the storage writer, which may rewrite it)
-        self._staged_global = (generation, full, plans, copy.deepcopy(metadata)) if generation else None
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
-
-    def _reuses_held(self, plan: SavePlan) -> bool:
-        """Whether ``plan`` is a cached (empty) plan of the generation this coordinator holds."""
-        data = plan.planner_data or {}
-        return bool(data.get("cached")) and self._generation is not None and data.get(_GENERATION) == self._generation
-
-    def _substitute_cached(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Every rank's full local plan: a cached (empty) one replaced by this coordinator's
-        copy of it, which must be of the generation the coordinator holds (else every cache is dropped
-        and this save fails before anything is written)."""
-        out: list[SavePlan] = []
-        for i, plan in enumerate(all_plans):
-            if plan.usable:
-                out.append(plan)
-            elif self._cached_all is not None and i < len(self._cached_all) and self._reuses_held(plan):
-                out.append(self._cached_all[i])
-            else:
-                held = self._generation if self._cached_all is not None else None
-                self._drop_caches()
-                raise SpecError(
-                    f"rank {i} reused a cached save plan (generation {(plan.planner_data or {}).get(_GENERATION)}) "
-                    f"that this coordinator does not hold (it holds {held}): a previous save failed part-way or "
-                    "planners were not reused alike on every rank. Nothing was written; the planners drop their "
-                    "caches, so saving again plans afresh"
-                )
-        return out
 
     def _check_replicas(self, plans: list[SavePlan]) -> None:
         by_stage: dict[int, dict[tuple[int, str], list[int]]] = {}
@@ -465,46 +361,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         """(all ranks) This rank's final plan: the coordinator's, or this instance's cached one. With the
         "global" cache, a usable plan promotes what this round staged (this rank's local plan; on the
         coordinator, the global plan) under the plan's generation."""
-        self._round_open = False
-        gen = (new_plan.planner_data or {}).get(_GENERATION)
-        if not new_plan.usable:
-            if self._cached_final is None or gen != self._generation:
-                self._drop_caches()
-                raise SpecError(
-                    f"rank {self.rank}: the coordinator sent a cached plan (generation {gen}) this rank does not "
-                    "hold; saving again plans afresh"
-                )
-            # The storage layer may put per-save data (a new save id) on this round's plan; keep it.
-            plan = dataclasses.replace(self._cached_final, storage_data=new_plan.storage_data)
-        else:
-            plan = new_plan
-            if self.enable_plan_caching and self.cache_scope == "global":
-                self._cached_final = new_plan
-                self._generation = gen
-                if self._pending is not None:
-                    self._signature, self._cached_local = self._pending
-                staged = self._staged_global
-                if staged is not None and staged[0] == gen:
-                    self._cached_all, self._cached_global = staged[1], (staged[2], staged[3])
-                else:
-                    # another coordinator built this plan: a global plan held from before is of another
-                    # generation, and must not pass as this one's
-                    self._cached_all = self._cached_global = None
-        self._pending = None
-        self._staged_global = None
+        plan = self._cache.finish(new_plan, self.rank)
         self.plan = plan
         return plan
-
-    def _drop_caches(self) -> None:
-        """Forget every cached and staged plan: the next save plans afresh."""
-        self._signature = None
-        self._cached_local = None
-        self._pending = None
-        self._cached_final = None
-        self._generation = None
-        self._cached_all = None
-        self._cached_global = None
-        self._staged_global = None
 
     def release_state(self, *, scope: bool = False) -> None:
         """(all ranks, after ``dcp.save`` returned or raised) Drop this save's state dict, tensors, object
@@ -538,7 +397,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         depends on who the coordinator is."""
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
         if self.cache_scope == "global":
-            self._drop_caches()
+            self._cache.drop()
 
     # -- 5. data -----------------------------------------------------------------------------------
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:

@@ -390,9 +390,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 plan.items,
                 planner,
                 fs=self.fs,
-                # borrows: every buffer gather_rank writes is made for that write (or is the resolved
-                # tensor itself) and stays unchanged until the sink's commit (see _full_gather)
-                open_sink=self._open_sink,
+                open_sink=self._open_sink,  # borrows: see _open_sink and _full_gather
                 process_group=self.process_group,
                 sync=self.sync_files,
             )
@@ -451,9 +449,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     def _prepare_full(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(not p.usable for p in plans):
             raise CheckpointError(
-                f"{self.url}: full mode needs every rank's full plan, and the save planner sent cached (empty) "
-                "ones: use ParallelSavePlanner(..., cache_scope='local') or enable_plan_caching=False (the "
-                "next save with this planner plans afresh)"
+                f"{self.url}: full mode needs every rank's full plan, not cached (empty) ones: use "
+                "ParallelSavePlanner(..., cache_scope='local') (the next save with this planner plans afresh)"
             )
         clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()

@@ -119,13 +119,13 @@ def test_local_scope_reuses_the_local_plan_with_fresh_object_values_and_mixes_wi
     for step in range(3):
         # rank 1 reuses; rank 0 gets a fresh planner at every other save: any mix is correct
         planners = [reused[0] if step % 2 else ParallelSavePlanner(DP2, rank=0, cache_scope="local"), reused[1]]
-        before = reused[1]._cached_local
+        before = reused[1]._cache.local
         store = MemoryStore()
         saved = state(step=step)
         sim_save(saved, planners, [MemoryWriter(store) for _ in range(2)])
         if step:
             # the same items (not re-planned), though the object "step" changed value
-            assert reused[1]._cached_local is not None and reused[1]._cached_local.items is before.items
+            assert reused[1]._cache.local is not None and reused[1]._cache.local.items is before.items
         assert_round_trip(store, saved[0])
 
 
@@ -152,7 +152,7 @@ def test_release_state_drops_the_saved_tensors_and_keeps_the_cache():
     planner.release_state()
     gc.collect()
     assert ref() is None
-    assert planner._cached_local is not None
+    assert planner._cache.local is not None
 
 
 def test_cache_scope_is_checked():
@@ -213,17 +213,17 @@ def test_rescope_keeps_the_local_memo_only_where_it_is_exact():
     other = ParallelSavePlanner(ParallelLayout(tp=2), {"w": ShardSpec(0)}, rank=1, cache_scope="local")
     sds = [{"w": torch.full((2, 2), float(r + 1))} for r in range(2)]
     sim_save(sds, [planner, other], [MemoryWriter(MemoryStore()) for _ in range(2)])
-    first = planner._cached_local
+    first = planner._cache.local
     planner.release_state(scope=True)
     planner.rescope(ParallelLayout(tp=2), {"w": ShardSpec(0)}, rank=0)
     sim_save(sds, [planner, other], [MemoryWriter(MemoryStore()) for _ in range(2)])
-    assert first is not None and planner._cached_local is not None and planner._cached_local.items is first.items
+    assert first is not None and planner._cache.local is not None and planner._cache.local.items is first.items
     # now the same tensors as DP replicas: a new layout and no spec, so a new plan -- and exact
     planner.rescope(DP2, None, rank=0)
     other.rescope(DP2, None, rank=1)
     store = MemoryStore()
     same = [{"w": torch.full((2, 2), 5.0)} for _ in range(2)]
     sim_save(same, [planner, other], [MemoryWriter(store) for _ in range(2)])
-    assert planner._cached_local.items is not first.items
+    assert planner._cache.local.items is not first.items
     assert store.metadata.state_dict_metadata["w"].size == torch.Size([2, 2])
     assert torch.equal(load_back(store, {"w": torch.zeros(2, 2)})["w"], same[0]["w"])

@@ -314,21 +314,21 @@ def test_saves_reuse_the_local_plan_and_follow_structure_changes(tmp_path: Any) 
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)  # no step yet: no optimizer state
     save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, user_content={"step": 0})
     planner = _planner_reuse._KEPT["partial"]
-    first = planner._cached_local
+    first = planner._cache.local
     assert first is not None and planner.entries == {}  # kept without the saved tensors
     with torch.no_grad():
         m[0].weight.add_(1.0)
     save_checkpoint(str(tmp_path), "b", model=m, optimizer=o, user_content={"step": 1})
     at_b = {k: v.clone() for k, v in m.state_dict().items()}
     assert _planner_reuse._KEPT["partial"] is planner
-    assert planner._cached_local is not None and planner._cached_local.items is first.items  # not re-planned
+    assert planner._cache.local is not None and planner._cache.local.items is first.items  # not re-planned
     o.zero_grad()
     m(torch.randn(5, 4)).sum().backward()
     o.step()  # the optimizer's state appears: a new structure
     with pytest.raises(CheckpointExists):
         save_checkpoint(str(tmp_path), "b", model=m, optimizer=o, user_content={"step": 2})
     save_checkpoint(str(tmp_path), "c", model=m, optimizer=o, user_content={"step": 2})
-    assert planner._cached_local is not None and planner._cached_local.items is not first.items
+    assert planner._cache.local is not None and planner._cache.local.items is not first.items
     torch.manual_seed(1)
     m2 = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)

@@ -227,8 +227,10 @@ class _RankWriter:
             self.close()
             raise
         # A device-to-host copy, a transposed box or a cast makes a temporary as large as the shard:
-        # one at a time, so extra memory stays within one shard however many threads write.
-        self.copying = threading.Lock()
+        # two at a time, so extra memory stays within two shards however many threads write, and one
+        # thread's copy overlaps another's write (one at a time serialised the copies with the writes:
+        # a full save from GPU memory ran at 0.43x the partial save's speed on /dev/shm).
+        self.copying = threading.BoundedSemaphore(2)
         self.done: dict[Any, tuple[int, list[UnitResult]]] = {}
         self.done_lock = threading.Lock()
         self.blocks: list[FullWrite] = []

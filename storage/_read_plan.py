@@ -150,15 +150,14 @@ def plan_reads(
     *,
     verify: bool,
     local: bool,
-    direct: bool | None = None,
+    direct: bool,
     direct_min_bytes: int,
     coalesce_gap: int,
     max_request_bytes: int,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    row-by-row box reads (``local`` files only) and direct candidates (where ``direct``, default
-    ``local``: reads can land in the destination) and coalesce the rest per file."""
-    direct_ok = local if direct is None else direct
+    row-by-row box reads (``local`` files only) and direct candidates (where ``direct``: reads can land
+    in the destination) and coalesce the rest per file."""
     per_file: dict[str, list[Need[Item]]] = {}
     empty: list[Item] = []
     candidates: list[DirectCandidate] = []
@@ -178,7 +177,7 @@ def plan_reads(
             boxes.append(box)
             continue
         lo, hi = _widen(it, rec)
-        if direct_ok and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
+        if direct and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
             # candidate for reading straight into the destination (decided when its target is resolved)
             candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))
             continue

@@ -333,11 +333,9 @@ def get_range_into(fs: Any, path: str, lo: int, hi: int, views: Sequence[memoryv
 
     if hi <= lo:
         return 0
+    from s3fs.core import _error_wrapper  # s3fs's retry policy for its own reads (every supported s3fs)
+
     bucket, key, version = fs.split_path(path)
-    try:
-        from s3fs.core import _error_wrapper  # s3fs's retry policy for its own reads
-    except ImportError:  # pragma: no cover - older/newer s3fs: botocore's own retries only
-        return int(sync(fs.loop, _get_into, fs, bucket, key, version, lo, hi, views))
     try:
         return int(
             sync(

@@ -81,15 +81,22 @@ def test_large_tensors_stream_from_get_bodies_into_their_destinations(
         assert sum(max(0, min(hi, a + n) - max(lo, a)) for a, n in spans) == hi - lo, key
 
 
-def test_a_flipped_byte_in_a_streamed_tensor_is_caught(s3: Backend) -> None:
+def _saved(s3: Backend, name: str) -> tuple[dict[str, Any], str, dict[str, Any], Any, str, Any]:
+    """(state, url, options, fs, path of the largest data file, its record) of a fresh save."""
     base, opts = s3
-    url = f"{base}/flip"
+    url = f"{base}/{name}"
     sd = _state()
     save(sd, url, opts)
-    fs, fpath, rec = _largest_file(url, opts)
+    return (sd, url, opts, *_largest_file(url, opts))
+
+
+def test_a_flipped_byte_in_a_streamed_tensor_is_caught(s3: Backend) -> None:
+    sd, url, opts, fs, fpath, rec = _saved(s3, "flip")
     data = bytearray(fs.cat_file(fpath))
     big = sd["big"].numpy().tobytes()
-    pos = bytes(data).find(big[:64]) + len(big) // 2  # inside the 3 MiB tensor
+    start = bytes(data).find(big[:64])
+    assert start >= 0
+    pos = start + len(big) // 2  # inside the 3 MiB tensor
     data[pos] ^= 0x10
     fs.pipe_file(fpath, bytes(data))
     err = load_error(sd, url, opts)
@@ -98,11 +105,7 @@ def test_a_flipped_byte_in_a_streamed_tensor_is_caught(s3: Backend) -> None:
 
 
 def test_a_truncated_object_fails_the_streamed_read(s3: Backend) -> None:
-    base, opts = s3
-    url = f"{base}/trunc"
-    sd = _state()
-    save(sd, url, opts)
-    fs, fpath, rec = _largest_file(url, opts)
+    sd, url, opts, fs, fpath, rec = _saved(s3, "trunc")
     fs.pipe_file(fpath, bytes(fs.cat_file(fpath))[: rec.size // 3])
     err = load_error(sd, url, opts)
     assert isinstance(err, CheckpointCorrupt) and "truncated" in str(err)
@@ -111,10 +114,7 @@ def test_a_truncated_object_fails_the_streamed_read(s3: Backend) -> None:
 def test_a_get_answered_with_slowdown_is_retried(s3: Backend, moto_endpoint: str) -> None:
     from storage_faulty_proxy import FaultyProxy
 
-    base, opts = s3
-    url = f"{base}/retry"
-    sd = _state()
-    save(sd, url, opts)
+    sd, url, opts, *_ = _saved(s3, "retry")
     failed: list[str] = []
 
     def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:

@@ -24,6 +24,7 @@ from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors,
 from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
 from smpckpt.storage._full_write import ObjectResult, create_files
+from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._state import probe
 from smpckpt.storage.manifest import FileRecord
 
@@ -161,6 +162,17 @@ def results_of(
     """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
     checks: dict[str, list[list[Any]]] = {}
     records: list[FileRecord] = []
+    with gc_paused():
+        _collect(layout, results, checks, records)
+    return records, checks
+
+
+def _collect(
+    layout: ArtifactLayout,
+    results: list[list[WriteResult]],
+    checks: dict[str, list[list[Any]]],
+    records: list[FileRecord],
+) -> None:
     for rank, rank_results in enumerate(results):
         for wr in rank_results:
             if isinstance(wr.storage_data, ObjectResult):
@@ -170,7 +182,6 @@ def results_of(
             art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
             for key, view, offsets, sizes, digest in wr.storage_data or ():
                 checks.setdefault(f"{art}/{key}", []).append([list(view), list(offsets), list(sizes), f"{digest:016x}"])
-    return records, checks
 
 
 def folder_names(fs: Any, path: str) -> set[str]:

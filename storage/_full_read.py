@@ -42,9 +42,10 @@ from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, read_bytes_or_none
 from smpckpt.storage._full_files import SPAN_BYTES, Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
-from smpckpt.storage._full_units import Unit, bytes_of, inside, unit_extent
+from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, inside, unit_extent
+from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._names import check_member_name
-from smpckpt.storage._regions import box_runs, intersect
+from smpckpt.storage._regions import box_runs
 from smpckpt.storage._safe_pickle import check_weights_only
 from smpckpt.storage._safetensors import header_length, parse_header
 from smpckpt.storage.manifest import FileRecord
@@ -101,7 +102,7 @@ class FullSource:
         self.tensors: dict[str, _Tensor] = {}  # "artifact/key" -> where
         self.exprs: dict[str, tuple[str, Expr]] = {}  # our fqn -> (artifact, expr)
         self.objects: dict[str, str] = {}
-        self.units: dict[str, list[Unit]] = {}
+        self.units: dict[str, UnitIndex] = {}
         self.records: dict[str, FileRecord] = {}
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, FileStats] = {}
@@ -116,22 +117,8 @@ class FullSource:
         if not isinstance(raw, str):
             raise CheckpointCorrupt(f"{self.url}: full checkpoint metadata has no artifact description")
         try:
-            desc = json.loads(raw)
-            for key, t in desc["tensors"].items():
-                name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
-                if name not in records:
-                    raise CheckpointCorrupt(
-                        f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list"
-                    )
-                self.tensors[key] = _Tensor(
-                    name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
-                )
-            for fqn, e in desc["exprs"].items():
-                self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
-            self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
-            for key, units in desc["checks"].items():
-                self.units[key] = [Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units]
-            self.headers = {n: _pieces(f) for n, f in desc["files"].items()}
+            with gc_paused():
+                self._describe(raw, records)
         except CheckpointCorrupt:
             raise
         except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -142,6 +129,21 @@ class FullSource:
             if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
                 raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
         return metadata
+
+    def _describe(self, raw: str, records: Mapping[str, FileRecord]) -> None:
+        """Parse the description (tensors, expressions, objects, check units) into this source."""
+        desc = json.loads(raw)
+        for key, t in desc["tensors"].items():
+            name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
+            if name not in records:
+                raise CheckpointCorrupt(f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list")
+            self.tensors[key] = _Tensor(name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"]))
+        for fqn, e in desc["exprs"].items():
+            self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
+        self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
+        for key, units in desc["checks"].items():
+            self.units[key] = UnitIndex([Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units])
+        self.headers = {n: _pieces(f) for n, f in desc["files"].items()}
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
         """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
@@ -299,8 +301,9 @@ class FullSource:
         """(object stores) The byte range each box of ``req`` touches in its file, check units included."""
         out = []
         for key, t, pc in self._boxes(req):
-            units = self.units.get(key) if self.verify else None
-            ext = unit_extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units or [])
+            index = self.units.get(key) if self.verify else None
+            units = [u for u, _ in index.touched(pc.offsets, pc.sizes)] if index and index.view == pc.view else []
+            ext = unit_extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units)
             if ext is not None:
                 out.append((t.file, t.start + ext[0], t.start + ext[1]))
         return out
@@ -354,22 +357,25 @@ class FullSource:
             fetched = self._files.read_runs(t.file, t.start + starts, run, out)
             self._stat(t.file, nbytes, fetched)
             return out
-        for u in units:
+        for u in units.units[:1] if units.view is not None else units.units:
             if u.view != view:
                 raise CheckpointError(
                     f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as {list(u.view)}"
                 )
-        read = 0 if prefetched else self._hold_units(t, view, offsets, sizes, units)
-        touched = [(u, box) for u in units if (box := intersect((offsets, sizes), (u.offsets, u.sizes))) is not None]
-        touched = [(u, box) for u, box in touched if math.prod(box[1])]
+        touched = units.touched(offsets, sizes)
+        read = 0
+        if not prefetched and not self._files.local:
+            read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
         covered = 0
-        if len(starts) == 1 and all(inside(box, u) for u, box in touched):
-            # a box of whole rows holding every unit it touches: read it once into ``out`` and check
-            # each unit where it lies there (no scratch buffer, no copy)
+        if all(inside(box, u) for u, box in touched):
+            # a box holding every unit it touches whole (any box read at the layout it was saved
+            # in, column shards too): read its runs once into ``out`` and check each unit where it
+            # lies there (no scratch buffer, no copy)
             read += self._files.read_runs(t.file, t.start + starts, run, out)
             for u, box in touched:
-                ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
-                rel = (ustarts - int(starts[0])).tolist()
+                within = tuple(uo - o for uo, o in zip(u.offsets, offsets))
+                ustarts, urun = box_runs(sizes, within, u.sizes, itemsize)
+                rel = ustarts.tolist()
                 digest = (
                     hash_bytes(out[rel[0] : rel[0] + urun])
                     if len(rel) == 1
@@ -438,9 +444,9 @@ class FullSource:
                     if hash_bytes(buf) != digest:
                         what = "header" if offset == 0 else f"archive bytes at offset {offset}"
                         problems.append(f"{join(self.path, name)}: {what} checksum mismatch")
-            for key, units in self.units.items():
+            for key, index in self.units.items():
                 t = self.tensors[key]
-                for u in units:
+                for u in index.units:
                     ubytes = bytearray(math.prod(u.sizes) * t.dtype.itemsize)
                     starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
                     files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))

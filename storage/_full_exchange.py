@@ -16,7 +16,8 @@ its sends and receives for one tensor in the same (block, box) order as its peer
 meets its receive: no deadlock, whatever the layout.
 
 Planned by the coordinator (:func:`plan_exchanges`, only when the process group spans every planning
-rank); carried out by every rank (:class:`Swapper`). Memory: one tensor's box and block at a time.
+rank); carried out by every rank (:class:`Swapper`). Memory: one tensor's box and its block, plus the
+previous tensor's block while it is written (``_full_write``).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class UnitIndex:
         """The units box ``(offsets, sizes)`` overlaps by at least one element, with each overlap."""
         if self.view is None:
             hits = [(u, intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) for u in self.units]
-            return [(u, box) for u, box in hits if box is not None and math.prod(box[1])]
+            return [(u, box) for u, box in hits if box is not None and all(n > 0 for n in box[1])]
         lo = np.maximum(self._lo, np.asarray(offsets, dtype=np.int64))
         hi = np.minimum(self._hi, np.asarray(offsets, dtype=np.int64) + np.asarray(sizes, dtype=np.int64))
         out: list[tuple[Unit, Box]] = []

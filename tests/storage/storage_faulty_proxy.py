@@ -25,13 +25,16 @@ Rewrite = Callable[[str, dict[str, list[str]], int, bytes], bytes]
 
 class FaultyProxy:
     """``should_fail(method, path, query) -> status or None`` decides per request; ``rewrite(method,
-    query, status, body) -> body`` may change what upstream answered before it is passed on."""
+    query, status, body) -> body`` may change what upstream answered before it is passed on;
+    ``drop_request_headers`` (lower case) are not passed upstream (``("range",)``: a server that
+    ignores ranges and answers every GET with the whole object)."""
 
     def __init__(
         self,
         upstream: str,
         should_fail: Callable[[str, str, dict[str, list[str]]], int | None],
         rewrite: Rewrite | None = None,
+        drop_request_headers: tuple[str, ...] = (),
     ) -> None:
         up = urllib.parse.urlsplit(upstream)
         self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
@@ -70,7 +73,9 @@ class FaultyProxy:
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
                 headers = {
-                    k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("connection", "transfer-encoding", *drop_request_headers)
                 }
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()

@@ -5,6 +5,7 @@ on that path behave as on local disk."""
 from __future__ import annotations
 
 import ctypes
+import re
 from typing import Any
 
 import pytest
@@ -129,6 +130,22 @@ def test_a_get_answered_with_slowdown_is_retried(s3: Backend, moto_endpoint: str
         popts["config_kwargs"] = {"retries": {"max_attempts": 3, "mode": "standard"}}
         assert_state_equal(sd, roundtrip_load(sd, url, popts))
         assert len(proxy.injected) == 1
+
+
+def test_a_server_that_ignores_ranges_is_refused_not_trusted(s3: Backend, moto_endpoint: str) -> None:
+    """A ranged GET answered with the whole object (200, no Content-Range) would hand the object's first
+    bytes to a request for later ones: the load fails naming the range and the file, at once."""
+    from storage_faulty_proxy import FaultyProxy
+
+    sd, url, opts, *_ = _saved(s3, "norange")
+    with FaultyProxy(moto_endpoint, lambda *_: None, drop_request_headers=("range",)) as proxy:
+        popts = dict(opts)
+        popts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy.url)
+        err = load_error(sd, url, popts)
+        forwarded = proxy.forwarded
+    assert isinstance(err, OSError) and not isinstance(err, CheckpointCorrupt), repr(err)
+    assert re.search(r"asked for bytes [1-9]\d*\.\.\d+ of \S+\.distcp", str(err)), str(err)
+    assert forwarded < 20  # refused at once, not retried
 
 
 def test_a_read_past_the_end_of_a_truncated_object_reports_the_truncation(s3: Backend) -> None:

@@ -25,8 +25,9 @@ from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 TP = 4
-#: rows of 16 KiB: a rank's column shard is one 4 KiB run per row
-WIDE = torch.arange(96 * 4096, dtype=torch.float32).reshape(96, 4096) * 0.5 + 0.25
+#: rows of 32 KiB: a rank's column shard is one 8 KiB run per row, checked in tiles of two column
+#: groups, so units lie at column offsets inside the shard too
+WIDE = torch.arange(96 * 8192, dtype=torch.float32).reshape(96, 8192) * 0.5 + 0.25
 #: rows of 1 KiB (256 B per shard row): column runs far shorter than a page
 NARROW = torch.arange(40 * 256, dtype=torch.float32).reshape(40, 256) - 7.0
 SPECS = {"model.wide": ShardSpec(1), "model.narrow": ShardSpec(1)}

@@ -37,11 +37,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -67,22 +63,15 @@ from smpckpt.storage._full_commit import (
 )
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_options import FullOptions
-from smpckpt.storage._full_plan import (
-    WRITING_MARKER,
-    ArtifactLayout,
-    RankFullData,
-)
+from smpckpt.storage._full_plan import WRITING_MARKER, ArtifactLayout, RankFullData
 from smpckpt.storage._full_write import write_rank
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._partial_write import RankPlanData, write_partial_rank
-from smpckpt.storage._prefixes import (
-    PrefixOption,
-    remove_empty_folders,
-    resolve,
-)
+from smpckpt.storage._prefixes import PrefixOption, remove_empty_folders, resolve
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
+from smpckpt.storage._threads import default_write_threads
 from smpckpt.storage._write_file import PART_FILL, write_file
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
@@ -115,7 +104,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             Object stores ignore it (an object is durable once its upload completes).
         thread_count: data files written concurrently per rank. On local/POSIX paths each rank's
             items are split into at most this many files; on object stores into at least this many
-            (see ``object_file_size``).
+            (see ``object_file_size``). Default: 4, locally fewer when this node's ranks
+            (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs (``smpckpt.storage._threads``).
         block_size: checksum block size in bytes.
         part_size: S3 multipart part size (at least 16 MiB).
         max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
@@ -154,7 +144,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         overwrite: bool = False,
         format: Literal["raw", "torch_save"] = "raw",
         sync_files: bool = True,
-        thread_count: int = 4,
+        thread_count: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         part_size: int = 32 << 20,
         max_parts_in_flight: int = 4,
@@ -177,13 +167,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self.full = full if full is not None else FullOptions()
         if format not in ("raw", "torch_save"):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
-        if thread_count < 1:
+        if thread_count is not None and thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
         self.format = format
         self.sync_files = sync_files
-        self.thread_count = thread_count
         self.block_size = block_size
         self.part_size = part_size
         self.max_parts_in_flight = max_parts_in_flight
@@ -199,6 +188,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             self.set_manifest_extra(manifest_extra)
         self._used_save_ids: set[str] = set()
         self._open(path)
+        self.thread_count = thread_count or default_write_threads(is_local(self.fs))
 
     # -- configuration ----------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike[str]) -> None:

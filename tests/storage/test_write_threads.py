@@ -1,0 +1,42 @@
+"""The writer's default thread count: 4 per rank, fewer locally when a node's ranks would oversubscribe
+its CPUs (measured: 8 ranks x 4 threads on 16 cores saved slower than DCP's single thread)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from smpckpt.storage import FsspecStorageWriter
+from smpckpt.storage._threads import MAX_WRITE_THREADS, default_write_threads
+
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@pytest.mark.parametrize("ranks", [None, "1", "2", "3", "8", str(4 * max(CPUS, 4))])
+def test_local_writers_share_the_cpus_among_the_node_ranks(monkeypatch: pytest.MonkeyPatch, ranks: str | None) -> None:
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    n = int(ranks or 1)
+    want = max(1, min(MAX_WRITE_THREADS, max(CPUS, MAX_WRITE_THREADS) // n))
+    assert default_write_threads(local=True) == want
+    assert n * want <= max(CPUS, MAX_WRITE_THREADS) or want == 1
+    assert default_write_threads(local=False) == MAX_WRITE_THREADS  # uploads wait on the network
+
+
+def test_a_malformed_local_world_size_counts_as_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    assert default_write_threads(local=True) == MAX_WRITE_THREADS
+
+
+def test_writer_resolves_its_default_and_keeps_an_explicit_count(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * max(CPUS, 4)))
+    assert FsspecStorageWriter(str(tmp_path / "a")).thread_count == 1
+    assert FsspecStorageWriter(str(tmp_path / "b"), thread_count=3).thread_count == 3
+    with pytest.raises(ValueError, match="thread_count must be >= 1"):
+        FsspecStorageWriter(str(tmp_path / "c"), thread_count=0)

@@ -142,9 +142,13 @@ def _never(*_args: Any) -> None:
 
 def contenders(ctx: Ctx) -> list[Contender]:
     """All contenders, in a fixed order (the driver rotates it per round)."""
+
+    def ours_writer(u: str) -> FsspecStorageWriter:
+        return FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group)
+
     ours = _dcp_pair(
         ctx,
-        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
+        ours_writer,
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u)),
     )
     full = _dcp_pair(
@@ -155,13 +159,13 @@ def contenders(ctx: Ctx) -> list[Contender]:
     # a diagnostic: the same checkpoints loaded without verifying checksums (what hashing costs)
     unverified = _dcp_pair(
         ctx,
-        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
+        ours_writer,
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), verify_checksums=False),
     )
     # an A/B of the local request size (reader default 32 MiB on local filesystems, 64 MiB before)
     requests_64 = _dcp_pair(
         ctx,
-        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
+        ours_writer,
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), max_request_bytes=64 << 20),
     )
     fs_default = _dcp_pair(ctx, FileSystemWriter, FileSystemReader)

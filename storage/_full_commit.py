@@ -162,26 +162,19 @@ def results_of(
     """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
     checks: dict[str, list[list[Any]]] = {}
     records: list[FileRecord] = []
-    with gc_paused():
-        _collect(layout, results, checks, records)
+    with gc_paused():  # thousands of small lists per rank: no collections while they are made
+        for rank, rank_results in enumerate(results):
+            for wr in rank_results:
+                if isinstance(wr.storage_data, ObjectResult):
+                    name, size, digest = wr.storage_data
+                    records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
+                    continue
+                art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
+                for key, view, offsets, sizes, digest in wr.storage_data or ():
+                    checks.setdefault(f"{art}/{key}", []).append(
+                        [list(view), list(offsets), list(sizes), f"{digest:016x}"]
+                    )
     return records, checks
-
-
-def _collect(
-    layout: ArtifactLayout,
-    results: list[list[WriteResult]],
-    checks: dict[str, list[list[Any]]],
-    records: list[FileRecord],
-) -> None:
-    for rank, rank_results in enumerate(results):
-        for wr in rank_results:
-            if isinstance(wr.storage_data, ObjectResult):
-                name, size, digest = wr.storage_data
-                records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
-                continue
-            art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
-            for key, view, offsets, sizes, digest in wr.storage_data or ():
-                checks.setdefault(f"{art}/{key}", []).append([list(view), list(offsets), list(sizes), f"{digest:016x}"])
 
 
 def folder_names(fs: Any, path: str) -> set[str]:

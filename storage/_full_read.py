@@ -357,11 +357,12 @@ class FullSource:
             fetched = self._files.read_runs(t.file, t.start + starts, run, out)
             self._stat(t.file, nbytes, fetched)
             return out
-        for u in units.units[:1] if units.view is not None else units.units:
-            if u.view != view:
-                raise CheckpointError(
-                    f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as {list(u.view)}"
-                )
+        other = units.views - {view}
+        if other:
+            raise CheckpointError(
+                f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
+                f"{list(next(iter(other)))}"
+            )
         touched = units.touched(offsets, sizes)
         read = 0
         if not prefetched and not self._files.local:

@@ -39,10 +39,11 @@ class UnitIndex:
 
     def __init__(self, units: Sequence[Unit]) -> None:
         self.units = list(units)
-        views = {u.view for u in self.units}
+        #: the views the units are checked in (one, unless the description is odd)
+        self.views = frozenset(u.view for u in self.units)
         #: the view every unit is checked in, or ``None`` when they differ (then boxes are matched
         #: one unit at a time, and a read in either view reports the mismatch)
-        self.view: tuple[int, ...] | None = views.pop() if len(views) == 1 else None
+        self.view: tuple[int, ...] | None = next(iter(self.views)) if len(self.views) == 1 else None
         if self.view is not None:
             shape = (len(self.units), len(self.view))
             self._lo = np.array([u.offsets for u in self.units], dtype=np.int64).reshape(shape)

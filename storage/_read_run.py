@@ -11,7 +11,8 @@ verifying them overlaps other reads. Task kinds:
   ``load_bytes``).
 * :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
   their destinations with one request (a ``preadv``, or one S3 GET streamed in) of up to
-  ``max_request_bytes`` and verified by the worker that read them; an item is committed when its last piece is done (:class:`_OpenItem` counts them down).
+  ``max_request_bytes`` and verified by the worker that read them; an item is committed when its last
+  piece is done (:class:`_OpenItem` counts them down).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner

@@ -16,14 +16,19 @@ CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 
 @pytest.mark.parametrize("ranks", [None, "1", "2", "3", "8", str(4 * max(CPUS, 4))])
 def test_local_writers_share_the_cpus_among_the_node_ranks(monkeypatch: pytest.MonkeyPatch, ranks: str | None) -> None:
+    """The most threads (at most 4) whose total over the node's ranks fits its CPUs (at least 4), and
+    never fewer than one."""
     if ranks is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
-    n = int(ranks or 1)
-    want = max(1, min(MAX_WRITE_THREADS, max(CPUS, MAX_WRITE_THREADS) // n))
-    assert default_write_threads(local=True) == want
-    assert n * want <= max(CPUS, MAX_WRITE_THREADS) or want == 1
+    n, budget = int(ranks or 1), max(CPUS, MAX_WRITE_THREADS)
+    got = default_write_threads(local=True)
+    assert 1 <= got <= MAX_WRITE_THREADS
+    assert n * got <= budget or got == 1  # fits the CPUs (one thread each at the least)
+    assert n * (got + 1) > budget or got == MAX_WRITE_THREADS  # and no more would still fit
+    if n == 1:
+        assert got == MAX_WRITE_THREADS  # one rank per node: unchanged from before
     assert default_write_threads(local=False) == MAX_WRITE_THREADS  # uploads wait on the network
 
 

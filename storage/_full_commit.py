@@ -170,10 +170,8 @@ def results_of(
                     records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
                     continue
                 art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
-                for key, view, offsets, sizes, digest in wr.storage_data or ():
-                    checks.setdefault(f"{art}/{key}", []).append(
-                        [list(view), list(offsets), list(sizes), f"{digest:016x}"]
-                    )
+                for box in wr.storage_data or ():
+                    checks.setdefault(f"{art}/{box.key}", []).extend(box.rows())
     return records, checks
 
 

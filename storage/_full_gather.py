@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage._full_plan import FullWrite, RankFullData
-from smpckpt.storage._full_write import UnitResult, box_buffer, unit_digests, write_objects
+from smpckpt.storage._full_units import BoxUnits
+from smpckpt.storage._full_write import box_buffer, unit_digests, write_objects
 from smpckpt.storage._sinks import Sink
 
 __all__ = ["gather_rank"]
@@ -82,7 +83,7 @@ class _Gather:
         self.by_index = {it.index: it for it in items}
         self.items = items
         self.chunks: dict[Any, torch.Tensor] = {}
-        self.units: dict[Any, list[UnitResult]] = {}
+        self.units: dict[Any, list[BoxUnits]] = {}
         self.written: dict[Any, int] = {}
         self.boxes: dict[tuple[str, str], list[tuple[int, FullWrite]]] = {}
         for r, w in data.all_writes:
@@ -100,7 +101,7 @@ class _Gather:
                 raise CheckpointError(f"{w.item.fqn!r}: expected a tensor from the planner")
             chunk = self.chunks[w.item] = tensor.detach().cpu().reshape(tuple(item.tensor_data.chunk.sizes))
         buf = box_buffer(chunk, w)
-        self.units.setdefault(w.item, []).extend(unit_digests(w, buf, self.data.check_block))
+        self.units.setdefault(w.item, []).append(unit_digests(w, buf, self.data.check_block))
         self.written[w.item] = self.written.get(w.item, 0) + buf.nbytes
         return buf
 

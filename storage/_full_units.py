@@ -17,7 +17,7 @@ import torch
 
 from smpckpt.storage._regions import Box, box_runs, intersect
 
-__all__ = ["Unit", "UnitIndex", "unit_extent", "inside", "bytes_of"]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "unit_extent", "inside", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,58 @@ class Unit:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     digest: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxUnits:
+    """The check units a rank wrote for one box of an artifact tensor, packed for the coordinator.
+
+    A rank reports thousands of units per save (the tiles of its column shards). As one small tuple
+    each, unpickling every rank's write results at the coordinator set off a full garbage collection
+    (0.13 s of a 0.49 s full save at 4 ranks); packed, a box is a handful of objects whatever its
+    unit count."""
+
+    key: str  # the artifact key
+    view: tuple[int, ...]  # the shape the units' boxes are in
+    offsets: bytes  # int64, (units, len(view)), row-major
+    sizes: bytes  # int64, (units, len(view))
+    digests: bytes  # uint64, one per unit
+
+    @classmethod
+    def pack(
+        cls,
+        key: str,
+        view: Sequence[int],
+        offsets: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        digests: Sequence[int],
+    ) -> BoxUnits:
+        n, d = len(digests), len(view)
+        if len(offsets) != n or len(sizes) != n:
+            raise ValueError(f"{key!r}: {len(offsets)} offsets and {len(sizes)} sizes for {n} digests")
+        lo = np.asarray(offsets, dtype=np.int64).reshape(n, d)
+        return cls(
+            key,
+            tuple(view),
+            lo.tobytes(),
+            np.asarray(sizes, dtype=np.int64).reshape(n, d).tobytes(),
+            np.asarray(digests, dtype=np.uint64).tobytes(),
+        )
+
+    def __len__(self) -> int:
+        return len(self.digests) // 8
+
+    def rows(self) -> list[list[Any]]:
+        """Each unit as ``[view, offsets, sizes, digest hex]`` of lists: the artifact description's form
+        (every row shares one ``view`` list)."""
+        n, d = len(self), len(self.view)
+        if len(self.offsets) != n * d * 8 or len(self.sizes) != n * d * 8:
+            raise ValueError(f"{self.key!r}: packed units do not match their {n} digests")
+        view = list(self.view)
+        lo = np.frombuffer(self.offsets, dtype=np.int64).reshape(n, d).tolist()
+        sz = np.frombuffer(self.sizes, dtype=np.int64).reshape(n, d).tolist()
+        digests = np.frombuffer(self.digests, dtype=np.uint64).tolist()
+        return [[view, o, s, f"{h:016x}"] for o, s, h in zip(lo, sz, digests)]
 
 
 class UnitIndex:

@@ -27,18 +27,15 @@ from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._fs import join, write_bytes_atomic
 from smpckpt.storage._full_exchange import Block, Swapper
 from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
+from smpckpt.storage._full_units import BoxUnits
 from smpckpt.storage._regions import box_runs, split_box
 from smpckpt.storage._sinks import write_back
 
-__all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "UnitResult", "ObjectResult"]
+__all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
 
 #: contiguous runs at least this long start their writeback as soon as they are written (256 KiB
 #: measured best among 8 KiB .. 8 MiB on local disk)
 _FLUSH_RUN = 256 << 10
-
-
-class UnitResult(tuple):
-    """``(artifact key, view, offsets, sizes, digest)`` of one written check unit (picklable, small)."""
 
 
 class ObjectResult(tuple):
@@ -87,7 +84,7 @@ def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
     return memoryview(cast(Any, box.reshape(-1).view(torch.uint8).numpy()))
 
 
-def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> list[UnitResult]:
+def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> BoxUnits:
     _put(fd, w, buf)
     return unit_digests(w, buf, check_block)
 
@@ -111,14 +108,16 @@ def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
             write_back(fd, w.start + s, run, wait=False)
 
 
-def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> list[UnitResult]:
+def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> BoxUnits:
     """The check units of one box, hashed from its row-major bytes: slices along its outermost
     dimension, or -- for wide rows -- tiles of column groups x row groups (as the partial writer's
     :func:`~._check_units.item_checks` cuts records), so a reader loading another TP layout reads and
     verifies only the columns it needs."""
     itemsize = w.dtype.itemsize
     checks = item_checks(w.sizes, itemsize, check_block)
-    units = []
+    offsets: list[tuple[int, ...]] = []
+    sizes: list[tuple[int, ...]] = []
+    digests: list[int] = []
     if checks.groups > 1:
         rows, seg = w.sizes[0], checks.row_bytes // checks.groups
         width = w.sizes[1] // checks.groups
@@ -126,18 +125,20 @@ def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> list[UnitRe
             n = min(checks.rows_per_group, rows - r0)
             for g in range(checks.groups):
                 first = r0 * checks.row_bytes + g * seg
-                digest = hash_parts(
-                    buf[a : a + seg] for a in range(first, first + n * checks.row_bytes, checks.row_bytes)
+                digests.append(
+                    hash_parts(buf[a : a + seg] for a in range(first, first + n * checks.row_bytes, checks.row_bytes))
                 )
-                offsets = (w.offsets[0] + r0, w.offsets[1] + g * width, *w.offsets[2:])
-                units.append(UnitResult((w.key, w.view, offsets, (n, width, *w.sizes[2:]), digest)))
-        return units
+                offsets.append((w.offsets[0] + r0, w.offsets[1] + g * width, *w.offsets[2:]))
+                sizes.append((n, width, *w.sizes[2:]))
+        return BoxUnits.pack(w.key, w.view, offsets, sizes, digests)
     pos = 0
-    for offsets, sizes in split_box(w.offsets, w.sizes, itemsize, checks.unit):
-        n = math.prod(sizes) * itemsize
-        units.append(UnitResult((w.key, w.view, offsets, sizes, hash_bytes(buf[pos : pos + n]))))
+    for lo, size in split_box(w.offsets, w.sizes, itemsize, checks.unit):
+        n = math.prod(size) * itemsize
+        digests.append(hash_bytes(buf[pos : pos + n]))
+        offsets.append(tuple(lo))
+        sizes.append(tuple(size))
         pos += n
-    return units
+    return BoxUnits.pack(w.key, w.view, offsets, sizes, digests)
 
 
 def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
@@ -231,7 +232,7 @@ class _RankWriter:
         # thread's copy overlaps another's write (one at a time serialised the copies with the writes:
         # a full save from GPU memory ran at 0.43x the partial save's speed on /dev/shm).
         self.copying = threading.BoundedSemaphore(2)
-        self.done: dict[Any, tuple[int, list[UnitResult]]] = {}
+        self.done: dict[Any, tuple[int, list[BoxUnits]]] = {}
         self.done_lock = threading.Lock()
         self.blocks: list[FullWrite] = []
 
@@ -246,7 +247,7 @@ class _RankWriter:
             os.close(fd)
         self.fds = {}
 
-    def _record(self, index: Any, nbytes: int, units: list[UnitResult]) -> None:
+    def _record(self, index: Any, nbytes: int, units: list[BoxUnits]) -> None:
         with self.done_lock:
             n, us = self.done.get(index, (0, []))
             self.done[index] = (n + nbytes, us + units)
@@ -272,7 +273,7 @@ class _RankWriter:
             chunk = self._chunk(item.index, t)  # the planner resolves each item once
             for w in writes:
                 buf = box_buffer(chunk, w)
-                self._record(item.index, buf.nbytes, _write_box(self.fds[w.file], w, buf, self.data.check_block))
+                self._record(item.index, buf.nbytes, [_write_box(self.fds[w.file], w, buf, self.data.check_block)])
 
     def _write_file(self, name: str) -> None:
         for it in self.per_file[name]:
@@ -299,7 +300,7 @@ class _RankWriter:
 
     def _write_block(self, got: Block) -> None:
         _put(self.fds[got.write.file], got.write, got.data)
-        units = [u for w, buf in got.pieces for u in unit_digests(w, buf, self.data.check_block)]
+        units = [unit_digests(w, buf, self.data.check_block) for w, buf in got.pieces]
         self._record(got.write.item, got.data.nbytes, units)
         with self.done_lock:
             self.blocks.append(got.write)

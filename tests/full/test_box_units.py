@@ -1,0 +1,111 @@
+"""The check units a rank reports for a full artifact's box (tier 1, no process group).
+
+A rank's write results cross the process group to the coordinator, which turns them into the
+artifact's description. They are packed per box (:class:`BoxUnits`) so that thousands of units are a
+handful of objects to unpickle. These tests hold the packed form to an independent reference: every
+unit's box and digest as computed here from the tensor with torch slicing and xxhash.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from smpckpt.storage._check_units import item_checks
+from smpckpt.storage._full_plan import FullWrite
+from smpckpt.storage._full_units import BoxUnits
+from smpckpt.storage._full_write import box_buffer, unit_digests
+
+
+def _write(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> FullWrite:
+    """A box of a float32 tensor of shape ``view``, laid out as stored (no permutation, no cast)."""
+    return FullWrite(
+        item=MetadataIndex("w"),
+        file="model.safetensors",
+        key="w",
+        start=0,
+        view=view,
+        offsets=offsets,
+        sizes=sizes,
+        dtype=torch.float32,
+        perm=tuple(range(len(view))),
+        dest_offsets=(0,) * len(view),
+    )
+
+
+def _reference_units(box: torch.Tensor, w: FullWrite) -> list[list[object]]:
+    """Each unit as ``[view, offsets, sizes, digest hex]``, found by scanning the box for units of the
+    documented shapes and hashing each one's own bytes (row segments in row order for tiles)."""
+    checks = item_checks(w.sizes, 4, 1 << 20)
+    rows: list[list[object]] = []
+    if checks.groups > 1:
+        width = w.sizes[1] // checks.groups
+        for r0 in range(0, w.sizes[0], checks.rows_per_group):
+            n = min(checks.rows_per_group, w.sizes[0] - r0)
+            for g in range(checks.groups):
+                tile = box[r0 : r0 + n, g * width : (g + 1) * width]
+                h = xxhash.xxh3_64()
+                for row in tile:
+                    h.update(row.contiguous().numpy().tobytes())
+                offs = [w.offsets[0] + r0, w.offsets[1] + g * width, *w.offsets[2:]]
+                rows.append([list(w.view), offs, [n, width, *w.sizes[2:]], f"{h.intdigest():016x}"])
+        return rows
+    per_row = box[0].numel() * 4 if box.dim() > 1 else 4
+    step = max(1, checks.unit // per_row)
+    for r0 in range(0, w.sizes[0], step):
+        part = box[r0 : r0 + step]
+        digest = xxhash.xxh3_64_intdigest(part.contiguous().numpy().tobytes())
+        offs = [w.offsets[0] + r0, *w.offsets[1:]]
+        rows.append([list(w.view), offs, [part.shape[0], *w.sizes[1:]], f"{digest:016x}"])
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("view", "col0", "cols"),
+    [
+        ((64, 4096), 1024, 2048),  # column shard with 8 KiB rows: tiles of column groups
+        ((300, 256), 64, 64),  # narrow column shard: 256 B rows, cut along dim 0
+        ((5000, 16), 0, 16),  # whole tensor, many short rows: several blocks
+    ],
+)
+def test_unit_digests_match_an_independent_hash_of_each_unit(view: tuple[int, int], col0: int, cols: int) -> None:
+    full = torch.arange(view[0] * view[1], dtype=torch.float32).reshape(view) * 0.75 - 3.0
+    box = full[:, col0 : col0 + cols].contiguous()
+    w = _write(view, (0, col0), (view[0], cols))
+    got = unit_digests(w, box_buffer(box, w), 1 << 20)
+    assert isinstance(got, BoxUnits)
+    assert got.key == "w" and got.view == view
+    want = _reference_units(box, w)
+    assert len(want) > 1  # each case is cut into several units
+    assert got.rows() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 4),
+    n=st.integers(0, 40),
+    data=st.data(),
+)
+def test_box_units_survive_pickling_and_unpack_to_what_was_packed(d: int, n: int, data: st.DataObject) -> None:
+    coord = st.integers(0, 2**40)
+    view = tuple(data.draw(st.lists(st.integers(1, 2**31), min_size=d, max_size=d)))
+    offsets = data.draw(st.lists(st.lists(coord, min_size=d, max_size=d), min_size=n, max_size=n))
+    sizes = data.draw(st.lists(st.lists(coord, min_size=d, max_size=d), min_size=n, max_size=n))
+    digests = data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n))
+    packed = pickle.loads(pickle.dumps(BoxUnits.pack("k", view, offsets, sizes, digests)))
+    assert len(packed) == n
+    assert packed.rows() == [[list(view), o, s, f"{h:016x}"] for o, s, h in zip(offsets, sizes, digests)]
+
+
+def test_packing_refuses_unequal_lengths_and_reading_refuses_damaged_packs() -> None:
+    with pytest.raises(ValueError, match="'k': 1 offsets and 2 sizes for 2 digests"):
+        BoxUnits.pack("k", (4, 4), [[0, 0]], [[1, 4], [1, 4]], [1, 2])
+    good = BoxUnits.pack("k", (4, 4), [[0, 0], [1, 0]], [[1, 4], [1, 4]], [1, 2])
+    with pytest.raises(ValueError, match="'k': packed units do not match their 2 digests"):
+        BoxUnits(good.key, good.view, good.offsets[:-8], good.sizes, good.digests).rows()

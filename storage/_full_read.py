@@ -142,7 +142,7 @@ class FullSource:
             self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
         self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
         for key, units in desc["checks"].items():
-            self.units[key] = UnitIndex([Unit(tuple(u[0]), tuple(u[1]), tuple(u[2]), int(u[3], 16)) for u in units])
+            self.units[key] = UnitIndex.from_rows(units)
         self.headers = {n: _pieces(f) for n, f in desc["files"].items()}
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:

@@ -1,9 +1,10 @@
-"""The check units a rank reports for a full artifact's box (tier 1, no process group).
+"""Check units of full artifacts: as a rank reports them, and as a reader indexes them (tier 1).
 
 A rank's write results cross the process group to the coordinator, which turns them into the
 artifact's description. They are packed per box (:class:`BoxUnits`) so that thousands of units are a
 handful of objects to unpickle. These tests hold the packed form to an independent reference: every
-unit's box and digest as computed here from the tensor with torch slicing and xxhash.
+unit's box and digest as computed here from the tensor with torch slicing and xxhash. A reader keeps
+a tensor's units as arrays (:class:`UnitIndex`), checked against a scan of every unit.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from smpckpt.storage._check_units import item_checks
 from smpckpt.storage._full_plan import FullWrite
-from smpckpt.storage._full_units import BoxUnits
+from smpckpt.storage._full_units import BoxUnits, Unit, UnitIndex
 from smpckpt.storage._full_write import box_buffer, unit_digests
+from smpckpt.storage._regions import intersect
 
 
 def _write(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> FullWrite:
@@ -109,3 +111,46 @@ def test_packing_refuses_unequal_lengths_and_reading_refuses_damaged_packs() -> 
     good = BoxUnits.pack("k", (4, 4), [[0, 0], [1, 0]], [[1, 4], [1, 4]], [1, 2])
     with pytest.raises(ValueError, match="'k': packed units do not match their 2 digests"):
         BoxUnits(good.key, good.view, good.offsets[:-8], good.sizes, good.digests).rows()
+
+
+def _units_of(view: tuple[int, int], row_step: int, col_step: int) -> list[Unit]:
+    """A grid of units tiling a 2-D tensor of shape ``view`` (the last ones may be shorter)."""
+    return [
+        Unit(view, (r, c), (min(row_step, view[0] - r), min(col_step, view[1] - c)), (r * 31 + c) % 2**64)
+        for r in range(0, view[0], row_step)
+        for c in range(0, view[1], col_step)
+    ]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    row_step=st.integers(1, 12),
+    col_step=st.integers(1, 12),
+    data=st.data(),
+)
+def test_an_index_parsed_from_description_rows_finds_what_a_scan_of_every_unit_finds(
+    rows: int, cols: int, row_step: int, col_step: int, data: st.DataObject
+) -> None:
+    view = (rows, cols)
+    units = _units_of(view, row_step, col_step)
+    r0, c0 = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, cols - 1))
+    box = ((r0, c0), (data.draw(st.integers(1, rows - r0)), data.draw(st.integers(1, cols - c0))))
+    index = UnitIndex.from_rows([[list(u.view), list(u.offsets), list(u.sizes), f"{u.digest:016x}"] for u in units])
+    want = [
+        (u, hit)
+        for u in units
+        if (hit := intersect((u.offsets, u.sizes), box)) is not None and all(n > 0 for n in hit[1])
+    ]
+    assert index.touched(*box) == want
+    assert index.units == units and len(index) == len(units) and index.view == view
+
+
+def test_description_rows_of_the_wrong_rank_are_refused_and_mixed_views_are_kept_apart() -> None:
+    with pytest.raises(ValueError, match=r"check units of 2-dim view \[4, 4\] have other offsets or sizes"):
+        UnitIndex.from_rows([[[4, 4], [0, 0], [2, 4], "00000000000000ff"], [[4, 4], [2], [2, 4], "0000000000000001"]])
+    mixed = UnitIndex.from_rows([[[4, 4], [0, 0], [4, 4], "ff"], [[16], [0], [16], "01"]])
+    assert mixed.view is None and mixed.views == {(4, 4), (16,)}
+    # a reader refuses a box of a tensor checked in more than one view before it asks for overlaps
+    assert mixed.units == [Unit((4, 4), (0, 0), (4, 4), 255), Unit((16,), (0,), (16,), 1)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
+import logging
 import math
 import os
 import threading
@@ -32,6 +33,8 @@ from smpckpt.storage._regions import box_runs, split_box
 from smpckpt.storage._sinks import write_back
 
 __all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
+
+log = logging.getLogger(__name__)
 
 #: contiguous runs at least this long start their writeback as soon as they are written (256 KiB
 #: measured best among 8 KiB .. 8 MiB on local disk)
@@ -285,16 +288,27 @@ class _RankWriter:
         # turn, the swaps were half the critical path of a 4-rank full save): two blocks in memory.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-full-block") as blocks:
             writing: concurrent.futures.Future[None] | None = None
-            for e in self.data.exchanges:
-                mine = [w for r, w in e.boxes if r == self.data.rank]
-                bufs = {w: box_buffer(self._chunk(w.item), w) for w in mine}
-                got = swapper.swap(e, bufs)
-                del bufs
-                for w in mine:
-                    self._record(w.item, 0, [])  # its rows are in the other writers' blocks
-                if writing is not None:
-                    writing.result()
-                writing = blocks.submit(self._write_block, got) if got is not None else None
+            writing_to = ""  # the file of the block being written
+            try:
+                for e in self.data.exchanges:
+                    mine = [w for r, w in e.boxes if r == self.data.rank]
+                    bufs = {w: box_buffer(self._chunk(w.item), w) for w in mine}
+                    got = swapper.swap(e, bufs)
+                    del bufs
+                    for w in mine:
+                        self._record(w.item, 0, [])  # its rows are in the other writers' blocks
+                    if writing is not None:
+                        pending, writing = writing, None
+                        pending.result()
+                    if got is not None:
+                        writing, writing_to = blocks.submit(self._write_block, got), got.write.file
+            except BaseException as exc:
+                # a swap failed while the previous block was being written: if that write failed
+                # too (a full disk, say), say so, or only the swap's error would be seen
+                lost = writing.exception() if writing is not None else None
+                if lost is not None:
+                    _note(exc, f"writing the previous swap block into {writing_to} failed too: {lost!r}")
+                raise
             if writing is not None:
                 writing.result()
 
@@ -321,6 +335,14 @@ class _RankWriter:
                 nbytes, units = self.done.get(it.index, (0, []))
                 results.append(WriteResult(index=it.index, size_in_bytes=nbytes, storage_data=tuple(units)))
         return results
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to the exception's report (a note on Python 3.11+; a log line before)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:
+        log.error("%s (while raising %r)", text, exc)
 
 
 def write_objects(

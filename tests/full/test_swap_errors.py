@@ -1,0 +1,78 @@
+"""A full save whose row swap fails while the previous swap block's write is failing too (tier 1).
+
+The swap thread writes one block while the next tensor's rows cross the process group. When both go
+wrong (a peer lost, the disk full), the error raised is the swap's; the write's failure must still be
+reported with it, naming the file, instead of vanishing with the block-writer thread.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+import smpckpt.storage._full_write as full_write
+from smpckpt.storage._full_exchange import Block, Exchange
+from smpckpt.storage._full_plan import FullWrite, RankFullData
+
+INDEX = MetadataIndex("model.w")
+BOX = FullWrite(
+    item=INDEX,
+    key="model.w",
+    file="model.safetensors",
+    start=0,
+    view=(2, 4),
+    offsets=(0, 0),
+    sizes=(2, 2),
+    perm=(0, 1),
+    dest_offsets=(0, 0),
+    dtype=torch.float32,
+)
+
+
+class _Planner:
+    def resolve_data(self, item: WriteItem) -> torch.Tensor:
+        return torch.zeros(2, 2)
+
+
+class _SwapThenFail:
+    """The first swap hands back a block; the second finds its peer gone."""
+
+    calls = 0
+
+    def __init__(self, rank: int, process_group: Any) -> None:
+        pass
+
+    def swap(self, e: Exchange, my_buf: dict[FullWrite, memoryview]) -> Block:
+        type(self).calls += 1
+        if type(self).calls > 1:
+            raise RuntimeError("peer 1 closed the connection")
+        return Block(BOX, memoryview(b""), ())
+
+
+def _disk_full(self: Any, got: Block) -> None:
+    raise OSError(28, "No space left on device")
+
+
+def test_a_failed_block_write_is_reported_with_the_swap_error_that_followed_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / BOX.file).write_bytes(bytes(32))
+    exchange = Exchange(boxes=((0, BOX),), blocks=((0, 0, 2),))
+    data = RankFullData("save", 0, (), (), 4096, world=2, exchanges=(exchange, exchange))
+    item = WriteItem(index=INDEX, type=WriteItemType.TENSOR)
+    monkeypatch.setattr(full_write, "Swapper", _SwapThenFail)
+    monkeypatch.setattr(full_write._RankWriter, "_write_block", _disk_full)
+    with full_write._RankWriter(str(tmp_path), data, [item], _Planner()) as writer:  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="peer 1 closed the connection") as raised:
+            writer._swap_all(None)
+    if sys.version_info < (3, 11):
+        return  # no exception notes: the write's failure is logged instead
+    told = " ".join(raised.value.__notes__)
+    assert "writing the previous swap block into model.safetensors failed too" in told
+    assert "No space left on device" in told

@@ -140,15 +140,17 @@ SPAN_WASTE = 1 / 20
 
 
 def plan_spans(
-    extents: Sequence[Sequence[tuple[str, int, int]]], *, limit: int = SPAN_BYTES, waste: float = SPAN_WASTE
+    extents: Sequence[Sequence[tuple[str, int, int]]], *, limit: int | None = None, waste: float = SPAN_WASTE
 ) -> tuple[list[tuple[str, int, int]], list[tuple[int, ...]]]:
     """Spans ``(file, lo, hi)`` that fetch the items' byte extents in few GETs, and each item's span
     indices (``()``: an item with an empty extent or one longer than ``limit``, left to fetch its own).
+    ``limit`` defaults to :data:`SPAN_BYTES` as it is when called.
 
     An item's extent is the byte range its reads touch in one file (a box's runs and the check units
     they fall in). Extents of one file are merged in file order while the span stays within ``limit``
     bytes and at most ``waste`` of it lies outside every extent: a same-layout load fetches whole
     files in a few GETs, and a TP slice of each tensor does not drag the other ranks' slices in."""
+    limit = SPAN_BYTES if limit is None else limit
     eligible = [all(0 < hi - lo <= limit for _, lo, hi in ext) and bool(ext) for ext in extents]
     flat = sorted((name, lo, hi, i) for i, ext in enumerate(extents) if eligible[i] for name, lo, hi in ext)
     spans: list[tuple[str, int, int]] = []

@@ -4,7 +4,8 @@ A column (dim 1) shard is one run per row in the row-major artifact. Read at its
 check unit it touches lies inside it, so the reader reads its runs once straight into the destination
 and verifies each unit where it lies there. These tests pin what that path must keep: values bit-exact,
 exactly the shard's bytes read, a damaged byte in the shard found, and a damaged byte in another
-rank's columns never touched.
+rank's columns never touched. On S3 (loopback moto) the rows share ranged GETs, and the bytes read
+are reported GET for GET, through both the shared spans and boxes too large for one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from s3_env import reset_moto, s3_options
 from sim import reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -107,3 +109,52 @@ def test_damaged_byte_in_a_column_shard_is_found_by_its_rank_only(artifact: Path
         if rank != owner:  # never read the damaged columns: they load, bit-exact
             got, _ = load_rank(artifact, rank)
             assert torch.equal(got[key], shard(t, rank))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("span_limit", [None, 4096], ids=["spans", "boxes-over-the-span-limit"])
+def test_column_shards_from_s3_report_exactly_the_bytes_their_gets_fetched(
+    artifact: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, span_limit: int | None
+) -> None:
+    """On an object store a column box's rows share ranged GETs (whole spans, other ranks' columns
+    included), so more is fetched than needed: ``bytes_read`` must say how much, GET for GET. With a
+    small span limit every box is larger than a span, and its rows are fetched in groups instead."""
+    import s3fs
+
+    from smpckpt.storage import _full_files, _full_read
+
+    bucket = "smpckpt-full-columns"
+    reset_moto(moto_endpoint, bucket)
+    opts = s3_options(moto_endpoint)
+    fs = s3fs.S3FileSystem(**opts)
+    for f in artifact.iterdir():
+        fs.put_file(str(f), f"{bucket}/ck/{f.name}")
+    if span_limit is not None:
+        monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
+        monkeypatch.setattr(_full_read, "SPAN_BYTES", span_limit)
+    gets: list[tuple[str, int, int]] = []
+    real = s3fs.S3FileSystem._cat_file
+
+    async def counted(self: Any, path: str, version_id: Any = None, start: Any = None, end: Any = None) -> bytes:
+        if str(path).endswith(".safetensors"):
+            gets.append((str(path), start, end))
+        return await real(self, path, version_id=version_id, start=start, end=end)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    for rank in range(TP):
+        gets.clear()
+        dest = {
+            "wide": torch.full_like(shard(WIDE, rank), float("nan")),
+            "narrow": torch.zeros_like(shard(NARROW, rank)),
+        }
+        reader = FsspecStorageReader(f"s3://{bucket}/ck", storage_options=opts)
+        planner = ParallelLoadPlanner(ParallelLayout(tp=TP), SPECS, rank=rank)
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load({"model": dest}, storage_reader=reader, planner=planner, no_dist=True)
+        assert torch.equal(dest["wide"], shard(WIDE, rank)) and torch.equal(dest["narrow"], shard(NARROW, rank))
+        stats = reader.last_read_stats
+        assert stats is not None and gets
+        assert all(start is not None and end is not None for _, start, end in gets), gets  # ranged GETs only
+        assert stats.bytes_needed == (WIDE.numel() + NARROW.numel()) * 4 // TP
+        assert stats.bytes_read == sum(end - start for _, start, end in gets), (rank, stats)
+        assert stats.requests == len(gets)

@@ -23,12 +23,12 @@ storage writers rewrite the one DCP hands them (full mode replaces its chunks an
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
+import pickle
 import secrets
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 #: planner_data key of a final (and a cached) plan: the generation of the global plan it came from
 GENERATION = "smpckpt_plan_generation"
+
+
+def _copy(metadata: Metadata) -> Metadata:
+    """A deep copy through pickle: what ``dcp.save`` sends anyway, and 5x faster than ``copy.deepcopy``
+    (0.13 s for the Metadata of 2,700 tensors, twice per save with global plan caching)."""
+    return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
 
 
 def structure_signature(
@@ -156,7 +162,7 @@ class PlanCache:
             return None
         plans, metadata = self.global_plan
         held = {GENERATION: self.generation}
-        return plans, [SavePlan([], usable=False, planner_data=held) for _ in all_plans], copy.deepcopy(metadata)
+        return plans, [SavePlan([], usable=False, planner_data=held) for _ in all_plans], _copy(metadata)
 
     def substitute(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         """Every rank's full local plan: a cached (empty) one replaced by this coordinator's copy of it,
@@ -186,7 +192,7 @@ class PlanCache:
             self.staged = None
             return None
         generation = secrets.token_hex(8)
-        self.staged = (generation, full, plans, copy.deepcopy(metadata))
+        self.staged = (generation, full, plans, _copy(metadata))
         return {GENERATION: generation}
 
     # -- every rank --------------------------------------------------------------------------------------

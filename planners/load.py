@@ -45,6 +45,7 @@ from smpckpt.naming import NameMap
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs
 from smpckpt.record import LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
+from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
@@ -113,6 +114,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         return self._optional is not None and self._optional.fullmatch(key) is not None
 
     # -- 1. set up ---------------------------------------------------------------------------------
+    @gc_paused()
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
@@ -134,6 +136,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self.saved_layout = record.layout if record is not None else None
 
     # -- 2. local plan -----------------------------------------------------------------------------
+    @gc_paused()
     def create_local_plan(self) -> LoadPlan:
         """(all ranks) Read items for this rank's pieces -- one read per exactly matching saved chunk,
         else DCP's overlap helper -- after key, shape and dtype checks (before any data is read)."""
@@ -244,6 +247,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             cast.append(entry.key)
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
+    @gc_paused()
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """(coordinator) The unexpected-key check over every rank's requests (under PP each stage
         asks for its own keys only, so no single rank can make it)."""

@@ -42,6 +42,7 @@ from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._plan_cache import PlanCache, structure_signature
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
+from smpckpt.storage._gc import gc_paused
 
 __all__ = ["ParallelSavePlanner", "SaveReport"]
 
@@ -141,6 +142,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self._object_bytes: dict[str, bytes] = {}
 
     # -- 2. local plan -----------------------------------------------------------------------------
+    @gc_paused()
     def create_local_plan(self) -> SavePlan:
         """(all ranks) Only the items this rank writes (it owns its shards and, by a deterministic
         byte-balanced choice every replica computes alike, some replicas), plus a constant-size
@@ -240,6 +242,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
+    @gc_paused()
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """(coordinator) Compare replica digests per stage, dedup objects, build the ``Metadata``
         (with the :class:`~smpckpt.record.LayoutRecord`) and check that the chunks tile every tensor."""

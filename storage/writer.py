@@ -65,6 +65,7 @@ from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import WRITING_MARKER, ArtifactLayout, RankFullData
 from smpckpt.storage._full_write import write_rank
+from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._partial_write import RankPlanData, write_partial_rank
 from smpckpt.storage._prefixes import PrefixOption, remove_empty_folders, resolve
@@ -225,6 +226,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # Deliberately no I/O here: at scale, N ranks probing the folder (HEAD/LIST) is what throttles S3.
         return plan
 
+    @gc_paused()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank.
         Full mode also lays out the artifact, creates its files and tells each rank where its boxes go."""
@@ -252,6 +254,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
 
+    @gc_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write metadata, then the manifest (the commit), then drop the old generation."""
         save_id = self._save_id

@@ -98,17 +98,20 @@ class World:
 
 
 # -- the state -----------------------------------------------------------------------------------
-def model_dims(size_mib: int) -> tuple[int, int, int]:
-    """(hidden, layers, vocab) of bench_full's GPT-like model closest to ``size_mib`` of fp32."""
-    h = 1024 if size_mib >= 64 else 256
+def model_dims(size_mib: int, hidden: int | None = None) -> tuple[int, int, int]:
+    """(hidden, layers, vocab) of bench_full's GPT-like model closest to ``size_mib`` of fp32; a smaller
+    ``hidden`` gives more, smaller tensors (per-item costs: 128 makes ~2,700 tensors of 256 MiB)."""
+    h = hidden or (1024 if size_mib >= 64 else 256)
     vocab = 8 * h
     per_layer = 4 * (12 * h * h + 4 * h)
     layers = max(1, round((size_mib * MiB - 4 * vocab * h) / per_layer))
     return h, layers, vocab
 
 
-def make_state(size_mib: int, layout: ParallelLayout, rank: int, device: torch.device) -> State:
-    h, layers, vocab = model_dims(size_mib)
+def make_state(
+    size_mib: int, layout: ParallelLayout, rank: int, device: torch.device, hidden: int | None = None
+) -> State:
+    h, layers, vocab = model_dims(size_mib, hidden)
     tp_rank = layout.coords(rank).tp
     return {
         d.key: local_piece(d, global_tensor(j, d), layout.tp, tp_rank).to(device)
@@ -195,7 +198,7 @@ class Bench:
     def __init__(self, w: World, args: argparse.Namespace, ep: S3Endpoint | None) -> None:
         self.w, self.args, self.ep = w, args, ep
         self.layout = ParallelLayout(tp=w.size)
-        h = model_dims(args.size_mib)[0]
+        h = model_dims(args.size_mib, args.hidden)[0]
         ctx = Ctx(self.layout, model_specs(h), w.rank, dict(ep.options) if ep else {}, process_group=w.group)
         self.all = contenders(ctx)
         self.names = [n for n in args.contenders.split(",") if n] if args.contenders else None
@@ -227,7 +230,7 @@ class Bench:
     def run(self, storage: str, run_id: str) -> dict[str, Any]:
         self.run_id = run_id
         size = self.args.s3_size_mib if storage == "s3" else self.args.size_mib
-        state = make_state(size, self.layout, self.w.rank, self.w.device)
+        state = make_state(size, self.layout, self.w.rank, self.w.device, self.args.hidden)
         dest = {k: torch.empty_like(v) for k, v in state.items()}
         chosen = select(self.all, storage, self.names)
         skipped = {c.name: c.unavailable for c in chosen if c.unavailable}
@@ -297,6 +300,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--s3-bucket", default="bench")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds after the warm-up (default 5)")
     ap.add_argument("--size-mib", type=int, default=None, help="state size on disk and shm (default 512)")
+    ap.add_argument(
+        "--hidden", type=int, default=None, help="model width (default 1024; smaller: more, smaller tensors)"
+    )
     ap.add_argument("--s3-size-mib", type=int, default=None, help="state size on S3 (default 128; moto is slow)")
     ap.add_argument("--disk-dir", default=os.path.join(HERE, "out"), help="parent folder on local disk")
     ap.add_argument("--shm-dir", default="/dev/shm")

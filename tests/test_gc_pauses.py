@@ -2,9 +2,9 @@
 
 A save or load of thousands of tensors makes objects by the ten thousand in these hooks, and every
 collection that sets off walks every object of the process: at 2,700 tensors per rank and 4 ranks,
-four full collections took 0.75 of a 2 s save. Inside the hooks no collection may start; afterwards
-the collector is as the caller left it, also when a hook fails. (The allocations count once, when the
-collector resumes: a hook call sets off one young collection at its end, at most.)
+four full collections took 0.75 of a 2 s save. Inside the hooks no collection starts before their
+end (the allocations count once, when the collector resumes: one young collection at most per call);
+afterwards the collector is as the caller left it, also when a hook fails.
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ class Tiling:
         """The block-list end offsets of every tile, in order."""
         ends: list[int] = []
         for rg_start in range(self.start, self.end, self.group_bytes):
-            nrows = min(self.rows_per_group, (self.end - rg_start) // self.row_bytes)
-            ends.extend(rg_start + (g + 1) * nrows * self.segment for g in range(self.groups))
+            width = min(self.rows_per_group, (self.end - rg_start) // self.row_bytes) * self.segment
+            ends.extend(range(rg_start + width, rg_start + width * self.groups + 1, width))
         return ends
 
     def spans(self, block_start: int, block_end: int) -> list[tuple[int, int]]:

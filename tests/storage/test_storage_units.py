@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage._check_units import Tiling
 from smpckpt.storage._checksum import BlockHasher
 from smpckpt.storage._ranges import Need, coalesce, slice_byte_range
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
@@ -162,3 +163,36 @@ def test_manifest_roundtrip_and_validation() -> None:
         Manifest.from_bytes(m.to_bytes().replace(b'"format_version": 1', b'"format_version": 99'))
     with pytest.raises(CheckpointCorrupt, match="^manifest entry f: blocks do not cover the file size 11$"):
         FileRecord("f", 11, 0, (4, 10), (1, 2))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12))
+def test_block_ends_must_rise_strictly_from_zero(steps: list[int]) -> None:
+    ends = tuple(int(x) for x in np.cumsum(steps))
+    if all(s > 0 for s in steps):
+        assert FileRecord("f", ends[-1], 0, ends, (7,) * len(ends)).block_ends == ends
+    else:  # an empty block (a step of 0), the first one included
+        with pytest.raises(CheckpointCorrupt, match="manifest entry f: block ends are not increasing"):
+            FileRecord("f", ends[-1], 0, ends, (7,) * len(ends))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    start=st.integers(0, 1000),
+    groups=st.sampled_from([2, 4, 8]),
+    segment=st.integers(1, 64),
+    rows=st.integers(1, 40),
+    rows_per_group=st.integers(1, 16),
+)
+def test_tile_ends_are_each_row_groups_column_groups_in_order(
+    start: int, groups: int, segment: int, rows: int, rows_per_group: int
+) -> None:
+    row_bytes = groups * segment
+    t = Tiling(start, start + rows * row_bytes, row_bytes, groups, rows_per_group)
+    want = []
+    for r0 in range(0, rows, rows_per_group):
+        n = min(rows_per_group, rows - r0)
+        first = start + r0 * row_bytes
+        want += [first + (g + 1) * n * segment for g in range(groups)]
+    assert t.tile_ends() == want
+    assert len(want) == t.tiles and want[-1] == t.end

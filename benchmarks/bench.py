@@ -301,7 +301,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds after the warm-up (default 5)")
     ap.add_argument("--size-mib", type=int, default=None, help="state size on disk and shm (default 512)")
     ap.add_argument(
-        "--hidden", type=int, default=None, help="model width (default 1024; smaller: more, smaller tensors)"
+        "--hidden",
+        type=int,
+        default=None,
+        help="model width (default 1024, 256 below 64 MiB; smaller: more, smaller tensors)",
     )
     ap.add_argument("--s3-size-mib", type=int, default=None, help="state size on S3 (default 128; moto is slow)")
     ap.add_argument("--disk-dir", default=os.path.join(HERE, "out"), help="parent folder on local disk")

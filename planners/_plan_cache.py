@@ -46,8 +46,9 @@ GENERATION = "smpckpt_plan_generation"
 
 
 def _copy(metadata: Metadata) -> Metadata:
-    """A deep copy through pickle: what ``dcp.save`` sends anyway, and 5x faster than ``copy.deepcopy``
-    (0.13 s for the Metadata of 2,700 tensors, twice per save with global plan caching)."""
+    """A deep copy through pickle (Metadata must pickle anyway: the storage writes it so, and DCP
+    broadcasts it to every rank at the end of a save), 5x faster than ``copy.deepcopy`` (0.13 s for
+    the Metadata of 2,700 tensors, twice per save with global plan caching)."""
     return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
 
 

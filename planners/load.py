@@ -247,7 +247,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             cast.append(entry.key)
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
-    @gc_paused()
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """(coordinator) The unexpected-key check over every rank's requests (under PP each stage
         asks for its own keys only, so no single rank can make it)."""

@@ -37,10 +37,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.storage import _full_files
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, read_bytes_or_none
-from smpckpt.storage._full_files import SPAN_BYTES, Held, RunFiles, SpanFetcher, plan_spans
+from smpckpt.storage._full_files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
 from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, inside, unit_extent
 from smpckpt.storage._gc import gc_paused
@@ -121,7 +122,7 @@ class FullSource:
                 self._describe(raw, records)
         except CheckpointCorrupt:
             raise
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError) as exc:
             raise CheckpointCorrupt(f"{self.url}: malformed full artifact description: {exc}") from exc
         self.records = dict(records)
         for key, t in self.tensors.items():
@@ -424,7 +425,7 @@ class FullSource:
         """(object stores) One GET for the span of every unit the box touches, when it is at most
         ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
         ext = unit_extent(view, offsets, sizes, t.dtype.itemsize, units)
-        if ext is None or ext[1] - ext[0] > SPAN_BYTES:
+        if ext is None or ext[1] - ext[0] > _full_files.SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
         return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
 

@@ -100,19 +100,29 @@ class UnitIndex:
         #: one unit at a time, and a read in either view reports the mismatch)
         self.view: tuple[int, ...] | None = next(iter(self.views)) if len(self.views) == 1 else None
         self._mixed: list[Unit] = [] if self.view is not None else units
-        shape = (len(units), len(self.view or ()))
         if self.view is not None:
+            shape = (len(units), len(self.view))
             self._lo = np.array([u.offsets for u in units], dtype=np.int64).reshape(shape)
             self._hi = self._lo + np.array([u.sizes for u in units], dtype=np.int64).reshape(shape)
         self._digests = [u.digest for u in units]
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[Any]]) -> UnitIndex:
-        """From the artifact description's ``[view, offsets, sizes, digest hex]`` rows; raises
-        ``ValueError``/``TypeError`` on a malformed row."""
+        """From the artifact description's ``[view, offsets, sizes, digest hex]`` rows; a malformed
+        row raises ``ValueError``, ``TypeError``, ``IndexError`` or ``OverflowError``."""
         views = {tuple(int(x) for x in r[0]) for r in rows}
         if len(views) != 1:
-            return cls([Unit(tuple(r[0]), tuple(r[1]), tuple(r[2]), int(r[3], 16)) for r in rows])
+            return cls(
+                [
+                    Unit(
+                        tuple(int(x) for x in r[0]),
+                        tuple(int(x) for x in r[1]),
+                        tuple(int(x) for x in r[2]),
+                        int(r[3], 16),
+                    )
+                    for r in rows
+                ]
+            )
         index = cls.__new__(cls)
         index.views = frozenset(views)
         index.view = next(iter(views))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
+from smpckpt.storage._gc import gc_paused
 
 __all__ = ["load_metadata", "check_weights_only", "ALLOWED_GLOBALS"]
 
@@ -83,7 +84,8 @@ def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str,
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        obj = _MetadataUnpickler(io.BytesIO(data), frozenset(extra_globals)).load()
+        with gc_paused():  # an object per item: no collections while they are made
+            obj = _MetadataUnpickler(io.BytesIO(data), frozenset(extra_globals)).load()
     except pickle.UnpicklingError as exc:
         if "is not allowed" in str(exc):
             raise UnsafeCheckpoint(f"{where}: refused to load: {exc}") from exc

@@ -61,7 +61,6 @@ from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._full_read import FullSource, hf_folder_files
-from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._read_io import missing_file_error, reads_into
 from smpckpt.storage._read_plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
@@ -173,7 +172,6 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self._full: FullSource | None = None  # a full artifact or Hugging Face folder
 
     # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -------
-    @gc_paused()
     def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
         """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
 

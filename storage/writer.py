@@ -226,7 +226,6 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # Deliberately no I/O here: at scale, N ranks probing the folder (HEAD/LIST) is what throttles S3.
         return plan
 
-    @gc_paused()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank.
         Full mode also lays out the artifact, creates its files and tells each rank where its boxes go."""
@@ -254,7 +253,6 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
 
-    @gc_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write metadata, then the manifest (the commit), then drop the old generation."""
         save_id = self._save_id
@@ -265,12 +263,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             return
         storage_md: dict[MetadataIndex, Any] = {}
         files: list[FileRecord] = []
-        for rank_results in results:
-            for wr in rank_results:
-                if isinstance(wr.storage_data, FileRecord):  # a data file's record, for the manifest
-                    files.append(wr.storage_data)
-                else:
-                    storage_md[wr.index] = wr.storage_data
+        with gc_paused():  # an entry per item of every rank
+            for rank_results in results:
+                for wr in rank_results:
+                    if isinstance(wr.storage_data, FileRecord):  # a data file's record, for the manifest
+                        files.append(wr.storage_data)
+                    else:
+                        storage_md[wr.index] = wr.storage_data
         metadata.storage_data = storage_md
         md_bytes, md_record = self._write_generation_metadata(save_id, metadata)
         gen_name = md_record.name
@@ -335,10 +334,11 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         under this generation's name; its record goes into the manifest."""
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
-        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save now,
-        # before the commit, rather than produce a checkpoint nobody can load safely.
-        load_metadata(md_bytes, where="metadata being written")
+        with gc_paused():  # pickling and the check below each make objects per item
+            md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+            # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
+            # now, before the commit, rather than produce a checkpoint nobody can load safely.
+            load_metadata(md_bytes, where="metadata being written")
         gen_name = _names.generation_metadata_name(save_id)
         self._write_metadata(gen_name, md_bytes)
         return md_bytes, MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes))

@@ -9,6 +9,7 @@ a tensor's units as arrays (:class:`UnitIndex`), checked against a scan of every
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -42,8 +43,9 @@ def _write(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ..
 
 
 def _reference_units(box: torch.Tensor, w: FullWrite) -> list[list[object]]:
-    """Each unit as ``[view, offsets, sizes, digest hex]``, found by scanning the box for units of the
-    documented shapes and hashing each one's own bytes (row segments in row order for tiles)."""
+    """Each unit as ``[view, offsets, sizes, digest hex]``, found by cutting the box as documented
+    (tiles of column groups x row groups for wide rows, else slices along its first dim of extent > 1)
+    and hashing each piece's own bytes (row segments in row order for tiles)."""
     checks = item_checks(w.sizes, 4, 1 << 20)
     rows: list[list[object]] = []
     if checks.groups > 1:
@@ -58,28 +60,33 @@ def _reference_units(box: torch.Tensor, w: FullWrite) -> list[list[object]]:
                 offs = [w.offsets[0] + r0, w.offsets[1] + g * width, *w.offsets[2:]]
                 rows.append([list(w.view), offs, [n, width, *w.sizes[2:]], f"{h.intdigest():016x}"])
         return rows
-    per_row = box[0].numel() * 4 if box.dim() > 1 else 4
-    step = max(1, checks.unit // per_row)
-    for r0 in range(0, w.sizes[0], step):
-        part = box[r0 : r0 + step]
+    k = next(d for d, n in enumerate(w.sizes) if n > 1)
+    step = max(1, checks.unit // (math.prod(w.sizes[k + 1 :]) * 4))
+    for a in range(0, w.sizes[k], step):
+        part = box.narrow(k, a, min(step, w.sizes[k] - a))
         digest = xxhash.xxh3_64_intdigest(part.contiguous().numpy().tobytes())
-        offs = [w.offsets[0] + r0, *w.offsets[1:]]
-        rows.append([list(w.view), offs, [part.shape[0], *w.sizes[1:]], f"{digest:016x}"])
+        offs = [*w.offsets[:k], w.offsets[k] + a, *w.offsets[k + 1 :]]
+        rows.append([list(w.view), offs, list(part.shape), f"{digest:016x}"])
     return rows
 
 
 @pytest.mark.parametrize(
-    ("view", "col0", "cols"),
+    ("view", "offsets", "sizes"),
     [
-        ((64, 4096), 1024, 2048),  # column shard with 8 KiB rows: tiles of column groups
-        ((300, 256), 64, 64),  # narrow column shard: 256 B rows, cut along dim 0
-        ((5000, 16), 0, 16),  # whole tensor, many short rows: several blocks
+        ((64, 4096), (0, 1024), (64, 2048)),  # column shard with 8 KiB rows: tiles of column groups
+        ((300, 256), (0, 64), (300, 64)),  # narrow column shard: 256 B rows, cut along dim 0
+        ((5000, 16), (0, 0), (5000, 16)),  # whole tensor, many short rows: several blocks
+        ((100_000,), (1000,), (50_000,)),  # 1-D: slices of itself
+        ((16, 8, 512), (4, 0, 0), (8, 8, 512)),  # 3-D, 16 KiB rows: tiles over dim 1
+        ((1, 45, 500), (0, 0, 0), (1, 45, 500)),  # one row, 45 columns (no even column groups): cut on dim 1
     ],
 )
-def test_unit_digests_match_an_independent_hash_of_each_unit(view: tuple[int, int], col0: int, cols: int) -> None:
-    full = torch.arange(view[0] * view[1], dtype=torch.float32).reshape(view) * 0.75 - 3.0
-    box = full[:, col0 : col0 + cols].contiguous()
-    w = _write(view, (0, col0), (view[0], cols))
+def test_unit_digests_match_an_independent_hash_of_each_unit(
+    view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+) -> None:
+    full = torch.arange(math.prod(view), dtype=torch.float32).reshape(view) * 0.75 - 3.0
+    box = full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous()
+    w = _write(view, offsets, sizes)
     got = unit_digests(w, box_buffer(box, w), 1 << 20)
     assert isinstance(got, BoxUnits)
     assert got.key == "w" and got.view == view

@@ -121,7 +121,7 @@ def test_column_shards_from_s3_report_exactly_the_bytes_their_gets_fetched(
     small span limit every box is larger than a span, and its rows are fetched in groups instead."""
     import s3fs
 
-    from smpckpt.storage import _full_files, _full_read
+    from smpckpt.storage import _full_files
 
     bucket = "smpckpt-full-columns"
     reset_moto(moto_endpoint, bucket)
@@ -131,7 +131,6 @@ def test_column_shards_from_s3_report_exactly_the_bytes_their_gets_fetched(
         fs.put_file(str(f), f"{bucket}/ck/{f.name}")
     if span_limit is not None:
         monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
-        monkeypatch.setattr(_full_read, "SPAN_BYTES", span_limit)
     gets: list[tuple[str, int, int]] = []
     real = s3fs.S3FileSystem._cat_file
 

@@ -39,6 +39,7 @@ delivery to the planner).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -61,6 +62,7 @@ from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._full_read import FullSource, hf_folder_files
+from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._location import FsspecLocation
 from smpckpt.storage._read_io import missing_file_error, reads_into
 from smpckpt.storage._read_plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
@@ -239,6 +241,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             _mark_whole(metadata)
         return metadata
 
+    @gc_paused()  # an index entry per chunk of every tensor
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._full is not None:
             self._full.live = metadata  # a planner may have reshaped an entry (see _names.WHOLE_TENSORS)
@@ -358,16 +361,18 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         then read, verify and deliver them; buffers live only for this call."""
         local = is_local(self.fs)
         max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
-        reads = plan_reads(
-            [self._item(req) for req in plan.items],
-            self._records,
-            verify=self.verify_checksums,
-            local=local,
-            direct=reads_into(self.fs),
-            direct_min_bytes=self.direct_min_bytes,
-            coalesce_gap=self.coalesce_gap,
-            max_request_bytes=max_request,
-        )
+        # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
+        with gc_paused() if self.manifest is not None else contextlib.nullcontext():
+            reads = plan_reads(
+                [self._item(req) for req in plan.items],
+                self._records,
+                verify=self.verify_checksums,
+                local=local,
+                direct=reads_into(self.fs),
+                direct_min_bytes=self.direct_min_bytes,
+                coalesce_gap=self.coalesce_gap,
+                max_request_bytes=max_request,
+            )
         run = ReadRun(
             self.fs,
             self.path,

@@ -26,12 +26,15 @@ from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 TP = 2
 TENSORS = 1500
-#: the hooks that do bulk work (unpaused, each set off 4-68 collections per call in this test)
+#: the hooks that do bulk work (unpaused, each set off 4-68 collections per call in this test;
+#: read_data pauses for its planning only, its I/O runs with the collector on)
 HOOKS = [
     (ParallelSavePlanner, "create_local_plan"),
     (ParallelSavePlanner, "create_global_plan"),
     (FsspecStorageWriter, "finish"),
     (FsspecStorageReader, "read_metadata"),
+    (FsspecStorageReader, "set_up_storage_reader"),
+    (FsspecStorageReader, "read_data"),
     (ParallelLoadPlanner, "set_up_planner"),
     (ParallelLoadPlanner, "create_local_plan"),
 ]

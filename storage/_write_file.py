@@ -12,6 +12,7 @@ import math
 from collections import deque
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -28,6 +29,8 @@ __all__ = ["PART_FILL", "MAX_OBJECT_FILES", "object_store_bins", "write_file", "
 
 # bytes handed to the hash thread at a time: small enough that hashing trails the write closely
 _CHUNK = 8 << 20
+#: items below this many bytes are hashed on the writing thread
+_INLINE_HASH = 256 << 10
 # hash chunks a file's writer may run ahead of its hasher (bounds memory held for temporary buffers)
 _MAX_HASH_BACKLOG = 8
 #: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
@@ -35,15 +38,24 @@ FILE_RESULT_FQN = "\x00smpckpt.file"
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes)."""
-    t = t.detach()
+    """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes).
+
+    Each torch call drops and retakes the GIL, and with a writer thread per file that is a queue per
+    call: a save of 2,700 small tensors spent more time in ``detach``/``reshape``/``view`` than in its
+    writes. So a plain tensor of a numpy dtype takes one torch call (``numpy()``) and numpy does the rest."""
+    if t.requires_grad:
+        t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
+    try:
+        arr = t.numpy()
+    except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, float8), or a conjugate/negative view
+        if t.numel() == 0:
+            return memoryview(b"")
+        return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
+    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 def _torch_save_bytes(t: torch.Tensor) -> memoryview:
@@ -137,15 +149,24 @@ def write_file(
                 else:
                     mv = _torch_save_bytes(value)
                 nbytes = mv.nbytes
-                backlog.append(hash_pool.submit(hasher.start_item, nbytes, checks))
                 flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-                for i in range(0, nbytes, _CHUNK):
-                    chunk = flat[i : i + _CHUNK]
-                    # hash on the second thread while this one writes the same bytes
-                    backlog.append(hash_pool.submit(hasher.update, chunk))
-                    sink.write(chunk)
-                    while len(backlog) > _MAX_HASH_BACKLOG:
+                if nbytes < _INLINE_HASH:
+                    # hashed here: two hand-offs to the hash thread cost more than the hash
+                    while backlog:  # the hasher takes a file's bytes in order
                         backlog.popleft().result()
+                    hasher.start_item(nbytes, checks)
+                    if nbytes:
+                        hasher.update(flat)
+                        sink.write(flat)
+                else:
+                    backlog.append(hash_pool.submit(hasher.start_item, nbytes, checks))
+                    for i in range(0, nbytes, _CHUNK):
+                        chunk = flat[i : i + _CHUNK]
+                        # hash on the second thread while this one writes the same bytes
+                        backlog.append(hash_pool.submit(hasher.update, chunk))
+                        sink.write(chunk)
+                        while len(backlog) > _MAX_HASH_BACKLOG:
+                            backlog.popleft().result()
                 results.append(
                     WriteResult(
                         index=item.index,

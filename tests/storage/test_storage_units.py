@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +15,7 @@ from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage._check_units import Tiling
 from smpckpt.storage._checksum import BlockHasher
 from smpckpt.storage._ranges import Need, coalesce, slice_byte_range
+from smpckpt.storage._write_file import _tensor_bytes
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
 
@@ -196,3 +200,30 @@ def test_tile_ends_are_each_row_groups_column_groups_in_order(
         want += [first + (g + 1) * n * segment for g in range(groups)]
     assert t.tile_ends() == want
     assert len(want) == t.tiles and want[-1] == t.end
+
+
+def _reference_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(12, dtype=torch.float32).reshape(3, 4) * 0.5,
+        lambda: (torch.arange(12, dtype=torch.float32) - 3).to(torch.bfloat16),  # no numpy dtype
+        lambda: torch.arange(6, dtype=torch.float16).reshape(2, 3),
+        lambda: torch.tensor([True, False, True]),
+        lambda: torch.arange(5, dtype=torch.int64) - 2,
+        lambda: torch.ones(2, 3, requires_grad=True) * 1.5,  # needs detach
+        lambda: torch.arange(20, dtype=torch.float32).reshape(4, 5)[:, 1:3],  # not contiguous
+        lambda: torch.arange(20, dtype=torch.int32).reshape(4, 5).t(),  # transposed
+        lambda: torch.tensor(2.5),  # 0-dim
+        lambda: torch.empty(0, 4),
+        lambda: torch.empty(0, dtype=torch.bfloat16),
+    ],
+)
+def test_tensor_bytes_are_the_tensors_own_bytes_in_row_major_order(make: Any) -> None:
+    t = make()
+    got = _tensor_bytes(t)
+    assert got.format == "B" and got.ndim == 1
+    assert bytes(got) == _reference_bytes(t)

@@ -55,7 +55,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
         if t.numel() == 0:
             return memoryview(b"")
         return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(cast(Any, arr.reshape(-1).view(np.uint8)))
 
 
 def _torch_save_bytes(t: torch.Tensor) -> memoryview:

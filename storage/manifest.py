@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import bisect
 import dataclasses
+import functools
 import json
 import operator
 import struct
@@ -125,11 +126,16 @@ class FileRecord:
                 raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
             prev_end = t.end
 
+    @functools.cached_property
+    def _tiling_starts(self) -> list[int]:
+        # a reader asks for every item; the tilings never change (frozen)
+        return [t.start for t in self.tilings]
+
     def tiling_at(self, offset: int) -> Tiling | None:
         """The tiling holding file byte ``offset``, if any."""
         if not self.tilings:
             return None
-        j = bisect.bisect_right([t.start for t in self.tilings], offset) - 1
+        j = bisect.bisect_right(self._tiling_starts, offset) - 1
         t = self.tilings[j] if j >= 0 else None
         return t if t is not None and t.start <= offset < t.end else None
 

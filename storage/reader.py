@@ -168,6 +168,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._records: dict[str, FileRecord] = {}
         self._sizes: dict[str, int | None] = {}  # legacy checkpoints: data file sizes, one stat per file
+        self._plain_names: set[str] = set()  # data file names already checked (thousands of items share a few)
         self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
         self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
         self.metadata_error: Exception | None = None
@@ -319,9 +320,13 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         checkpoint's file sizes come from the manifest; a stock (legacy) checkpoint's data files are
         stat'ed, once each.
         """
-        name = _names.check_member_name(info.relative_path, where=f"{self._metadata_path} (key {fqn!r})")
+        name = getattr(info, "relative_path", None)  # DCP drops None fields when pickling a record
+        if not (isinstance(name, str) and name in self._plain_names):
+            name = _names.check_member_name(name, where=f"{self._metadata_path} (key {fqn!r})")
+            self._plain_names.add(name)
         path = join(self.path, name)
-        offset, length = info.offset, info.length
+        offset: Any = getattr(info, "offset", None)
+        length: Any = getattr(info, "length", None)
         if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0):
             raise CheckpointCorrupt(
                 f"{path}: key {fqn!r} is recorded at offset {offset!r} with length {length!r}; both must be "

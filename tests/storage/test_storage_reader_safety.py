@@ -344,3 +344,16 @@ def test_legacy_missing_data_file_is_corrupt(backend: Backend) -> None:
     err = _load_fails(sd, url, opts)
     with pytest.raises(CheckpointCorrupt, match=rf"{name}: data file is missing"):
         raise err
+
+
+@local_and_memory
+@pytest.mark.parametrize("name", [["data.distcp"], 7, None])
+def test_a_record_whose_file_name_is_no_string_is_unsafe(backend: Backend, name: Any) -> None:
+    """(a list would break a set lookup, a number a path join: neither may get past the name check)"""
+    base, opts = backend
+    url = f"{base}/nostr/ckpt"
+    sd = make_state(7)
+    _save("committed", sd, url, opts)
+    _rewrite_record(url, opts, "model.w", lambda info, size: {"relative_path": name})
+    with pytest.raises(UnsafeCheckpoint, match=r"model\.w.*not a plain name inside the checkpoint folder"):
+        raise _load_fails(sd, url, opts)

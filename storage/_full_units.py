@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
 from smpckpt.storage._regions import Box, box_runs, intersect
+from smpckpt.storage._tensor_bytes import cpu_bytes
 
 __all__ = ["Unit", "BoxUnits", "UnitIndex", "unit_extent", "inside", "bytes_of"]
 
@@ -195,10 +196,7 @@ def inside(box: tuple[tuple[int, ...], tuple[int, ...]], u: Unit) -> bool:
 def bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
     """A writable view of ``sub``'s bytes when it holds them as stored: a contiguous CPU tensor of
     ``dtype``; else ``None`` (the box is read into a buffer and copied)."""
-    if sub.device.type != "cpu" or sub.dtype != dtype or not sub.is_contiguous() or sub.numel() == 0:
+    if sub.dtype != dtype:
         return None
-    try:
-        mv = memoryview(cast(Any, sub.reshape(-1).view(torch.uint8).numpy()))
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return None if mv.readonly else mv
+    mv = cpu_bytes(sub)
+    return None if mv is None or mv.readonly or not mv.nbytes else mv

@@ -31,6 +31,7 @@ from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage._full_units import BoxUnits
 from smpckpt.storage._regions import box_runs, split_box
 from smpckpt.storage._sinks import write_back
+from smpckpt.storage._tensor_bytes import cpu_bytes
 
 __all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
 
@@ -81,10 +82,10 @@ def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
     box = sub.permute(_inverse(w.perm)) if list(w.perm) != sorted(w.perm) else sub
     if box.dtype != w.dtype:
         box = box.to(w.dtype)
-    box = box.contiguous()
-    if box.numel() == 0:
-        return memoryview(b"")
-    return memoryview(cast(Any, box.reshape(-1).view(torch.uint8).numpy()))
+    mv = cpu_bytes(box.contiguous())
+    if mv is None:
+        raise TypeError(f"{w.key!r}: cannot take the bytes of a {box.dtype} box of shape {list(box.shape)}")
+    return mv
 
 
 def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> BoxUnits:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage._ranges import Fetch, Need, c_strides, coalesce, slice_byte_range
+from smpckpt.storage._tensor_bytes import cpu_bytes
 from smpckpt.storage.manifest import FileRecord
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "raw_item",
     "plan_reads",
     "direct_target",
+    "writable_bytes",
     "pieces",
 ]
 
@@ -215,23 +216,21 @@ def _file_contiguous(it: Item) -> bool:
 
 def direct_target(it: Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
     """(calling thread) The destination and a writable view of its bytes, when the item's bytes can be
-    read into it as they are (contiguous CPU tensor of the saved dtype and the requested shape)."""
+    read into it as they are (see :func:`writable_bytes`)."""
     target = planner.resolve_tensor(it.req).detach()
-    if (
-        target.device.type != "cpu"
-        or target.dtype != it.dtype
-        or list(target.size()) != [int(n) for n in it.req.lengths]
-        or not target.is_contiguous()
-        or target.numel() * target.element_size() != it.end - it.start
-    ):
+    dst = writable_bytes(it, target)
+    return None if dst is None else (target, dst)
+
+
+def writable_bytes(it: Item, target: torch.Tensor) -> memoryview | None:
+    """A writable view of ``target``'s bytes when they take the item's stored bytes as they are: a
+    contiguous CPU tensor of the saved dtype and the requested shape, and the slice one run in the file."""
+    if target.dtype != it.dtype or tuple(target.shape) != tuple(int(n) for n in it.req.lengths):
         return None
-    try:
-        dst = memoryview(cast(Any, target.reshape(-1).view(torch.uint8).numpy()))
-    except (RuntimeError, TypeError, ValueError):
+    dst = cpu_bytes(target)
+    if dst is None or dst.readonly or dst.nbytes != it.end - it.start:
         return None
-    if dst.readonly or dst.nbytes != it.end - it.start:
-        return None
-    return target, dst
+    return dst
 
 
 def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:

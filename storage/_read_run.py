@@ -33,7 +33,6 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
@@ -51,6 +50,7 @@ from smpckpt.storage._read_plan import (
     ReadPlan,
     direct_target,
     pieces,
+    writable_bytes,
 )
 from smpckpt.storage._safe_pickle import check_weights_only
 from smpckpt.storage.manifest import FileRecord
@@ -304,7 +304,11 @@ class ReadRun:
             return
         if it.raw:
             target = planner.resolve_tensor(req).detach()
-            if not row_bytes and _copy_contiguous(it, data, target):
+            dst = None if row_bytes else writable_bytes(it, target)
+            if dst is not None and data.nbytes >= dst.nbytes:
+                # stored as the destination holds it: one copy, and no torch call per item (each
+                # queues for the GIL behind the reader threads; see _tensor_bytes)
+                dst[:] = data[: dst.nbytes]
                 planner.commit_tensor(req, target)
                 return
             src = _decode_raw(it, data, row_bytes)
@@ -329,30 +333,6 @@ def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:
     if isinstance(w, DirectCandidate):
         return (w.file, w.need.start, 1)
     return (w.file, w.start, 2)
-
-
-def _copy_contiguous(it: Item, data: memoryview, target: torch.Tensor) -> bool:
-    """Copy a slice stored as one contiguous run into a contiguous CPU destination of the same numpy
-    dtype and shape, through numpy; False (nothing copied) when any of that does not hold.
-
-    Each torch call drops and retakes the GIL, and the reader threads want it too: for thousands of
-    small tensors the four calls of the general path (``frombuffer``, ``view``, ``as_strided``,
-    ``copy_``) queued longer than they ran."""
-    lengths = tuple(int(n) for n in it.req.lengths)
-    if it.dtype != target.dtype or tuple(target.shape) != lengths or 0 in lengths:
-        return False
-    # row-major contiguous in ``data``: leading dims of one element, then whole trailing dims
-    k = next((d for d, n in enumerate(lengths) if n != 1), len(lengths))
-    if any(n != c for n, c in zip(lengths[k + 1 :], it.chunk_sizes[k + 1 :])) or len(it.chunk_sizes) != len(lengths):
-        return False
-    try:
-        dst = target.numpy()  # raises for dtypes numpy lacks (bfloat16), devices, conjugate views
-    except (TypeError, RuntimeError):
-        return False
-    if not dst.flags.c_contiguous or dst.size * dst.itemsize > data.nbytes:
-        return False
-    dst.reshape(-1)[:] = np.frombuffer(data, dtype=dst.dtype, count=dst.size)
-    return True
 
 
 def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0) -> torch.Tensor:

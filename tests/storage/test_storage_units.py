@@ -18,8 +18,9 @@ from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage._check_units import Tiling
 from smpckpt.storage._checksum import BlockHasher
 from smpckpt.storage._ranges import Need, coalesce, slice_byte_range
-from smpckpt.storage._read_plan import Item
-from smpckpt.storage._read_run import _copy_contiguous, _decode_raw
+from smpckpt.storage._read_plan import raw_item, writable_bytes
+from smpckpt.storage._read_run import _decode_raw
+from smpckpt.storage._tensor_bytes import cpu_bytes
 from smpckpt.storage._write_file import _tensor_bytes
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
@@ -236,16 +237,15 @@ def test_tensor_bytes_are_the_tensors_own_bytes_in_row_major_order(make: Any) ->
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]))
-def test_contiguous_copy_fast_path_matches_the_general_decode(data: st.DataObject, dtype: torch.dtype) -> None:
-    """Where the numpy fast path takes a slice, it copies what the general path decodes, bit for bit;
-    where it declines, the destination is untouched."""
+def test_a_destination_takes_stored_bytes_as_they_are_exactly_when_the_general_decode_agrees(
+    data: st.DataObject, dtype: torch.dtype
+) -> None:
+    """Where the reader copies stored bytes straight into a destination's memory, they are what the
+    general decode gives, bit for bit; a slice that is not one run in the file is never taken so."""
     sizes = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
     offsets = tuple(data.draw(st.integers(0, n - 1)) for n in sizes)
     lengths = tuple(data.draw(st.integers(1, n - o)) for n, o in zip(sizes, offsets))
     chunk = (torch.arange(math.prod(sizes), dtype=torch.int64).reshape(sizes) * 37 % 11).to(dtype)
-    # bytes from the slice's first element to the chunk's end, as a reader hands them over
-    first = sum(o * s for o, s in zip(offsets, [math.prod(sizes[d + 1 :]) for d in range(len(sizes))]))
-    raw = chunk.reshape(-1)[first:].contiguous().view(torch.uint8).numpy().tobytes()
     req = ReadItem(
         type=LoadItemType.TENSOR,
         dest_index=MetadataIndex("t"),
@@ -254,13 +254,24 @@ def test_contiguous_copy_fast_path_matches_the_general_decode(data: st.DataObjec
         storage_offsets=torch.Size(offsets),
         lengths=torch.Size(lengths),
     )
-    it = Item(req, "f", 0, len(raw), True, dtype, sizes)
+    it = raw_item(req, "f", 0, chunk.numel() * chunk.element_size(), dtype, sizes)
+    stored = chunk.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()[it.start :]
     want = chunk[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
-    assert torch.equal(_decode_raw(it, memoryview(raw)), want)
+    assert torch.equal(_decode_raw(it, memoryview(stored)), want)
     target = torch.full(lengths, 3).to(dtype)
-    before = target.clone()
-    if _copy_contiguous(it, memoryview(raw), target):
-        assert dtype != torch.bfloat16  # no numpy dtype: declined
+    dst = writable_bytes(it, target)
+    one_run = want.numel() * want.element_size() == it.end - it.start
+    assert (dst is not None) == one_run
+    if dst is not None:
+        dst[:] = memoryview(stored)[: dst.nbytes]
         assert torch.equal(target, want)
-    else:
-        assert torch.equal(target, before)
+
+
+def test_cpu_bytes_views_contiguous_cpu_tensors_and_declines_the_rest() -> None:
+    for t in (torch.arange(6, dtype=torch.float32), torch.ones(2, 3, dtype=torch.bfloat16), torch.empty(0)):
+        mv = cpu_bytes(t)
+        assert mv is not None and not mv.readonly and bytes(mv) == _reference_bytes(t)
+        mv[:] = bytes(mv.nbytes)  # a view over the tensor's own memory, not a copy
+        assert not t.any()
+    for t in (torch.ones(4, 4)[:, :2], torch.ones(3, requires_grad=True), torch.ones(2, dtype=torch.cfloat).conj()):
+        assert cpu_bytes(t) is None

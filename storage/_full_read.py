@@ -38,12 +38,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import _full_files
-from smpckpt.storage._checksum import hash_bytes, hash_parts
+from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, read_bytes_or_none
 from smpckpt.storage._full_files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
-from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, inside, unit_extent
+from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, unit_extent
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._names import check_member_name
 from smpckpt.storage._regions import box_runs
@@ -364,28 +364,25 @@ class FullSource:
                 f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
                 f"{list(next(iter(other)))}"
             )
-        touched = units.touched(offsets, sizes)
         read = 0
-        if not prefetched and not self._files.local:
-            read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
-        covered = 0
-        if all(inside(box, u) for u, box in touched):
+        whole = units.whole_inside(offsets, sizes)
+        if whole is not None:
             # a box holding every unit it touches whole (any box read at the layout it was saved
             # in, column shards too): read its runs once into ``out`` and check each unit where it
             # lies there (no scratch buffer, no copy)
+            if not prefetched and not self._files.local:
+                read = self._hold_units(t, view, offsets, sizes, [])
             read += self._files.read_runs(t.file, t.start + starts, run, out)
-            for u, box in touched:
-                within = tuple(uo - o for uo, o in zip(u.offsets, offsets))
-                ustarts, urun = box_runs(sizes, within, u.sizes, itemsize)
-                rel = ustarts.tolist()
-                digest = (
-                    hash_bytes(out[rel[0] : rel[0] + urun])
-                    if len(rel) == 1
-                    else hash_parts(out[a : a + urun] for a in rel)
-                )
-                self._check_unit(t, key, u, digest)
-                covered += math.prod(box[1])
+            bad = whole.first_mismatch(whole.digests(out, sizes, itemsize))
+            if bad is not None:
+                raise self._mismatch(t, key, bad)
+            covered = whole.volume()
             touched = []
+        else:
+            touched = units.touched(offsets, sizes)
+            if not prefetched and not self._files.local:
+                read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
+            covered = 0
         dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
         for u, box in touched:
             # every unit the box touches is read whole and checked; its overlap is copied out
@@ -409,10 +406,13 @@ class FullSource:
 
     def _check_unit(self, t: _Tensor, key: str, u: Unit, digest: int) -> None:
         if digest != u.digest:
-            raise CheckpointCorrupt(
-                f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
-                f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
-            )
+            raise self._mismatch(t, key, u)
+
+    def _mismatch(self, t: _Tensor, key: str, u: Unit) -> CheckpointCorrupt:
+        return CheckpointCorrupt(
+            f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
+            f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
+        )
 
     def _hold_units(
         self,

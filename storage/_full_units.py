@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._regions import Box, box_runs, intersect
 from smpckpt.storage._tensor_bytes import cpu_bytes
 
-__all__ = ["Unit", "BoxUnits", "UnitIndex", "unit_extent", "inside", "bytes_of"]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "WholeUnits", "unit_extent", "inside", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,21 @@ class UnitIndex:
         """Every unit, made now (``smpckpt verify`` walks them all; reads use :meth:`touched`)."""
         return [self._unit(i) for i in range(len(self))]
 
+    def whole_inside(self, offsets: Sequence[int], sizes: Sequence[int]) -> WholeUnits | None:
+        """When every unit box ``(offsets, sizes)`` overlaps lies wholly inside it (any box read at the
+        layout it was saved in), those units as arrays; ``None`` when one is cut by the box, or the
+        units are in several views."""
+        if self.view is None:
+            return None
+        box_lo = np.asarray(offsets, dtype=np.int64)
+        box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
+        lo, hi = self._lo, self._hi
+        idx = np.flatnonzero((np.minimum(hi, box_hi) > np.maximum(lo, box_lo)).all(axis=1))
+        ulo, uhi = lo[idx], hi[idx]
+        if not ((ulo >= box_lo).all() and (uhi <= box_hi).all()):
+            return None
+        return WholeUnits(self, idx, ulo - box_lo, uhi - ulo)
+
     def touched(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[tuple[Unit, Box]]:
         """The units box ``(offsets, sizes)`` overlaps by at least one element, with each overlap."""
         if self.view is None:
@@ -167,6 +183,65 @@ class UnitIndex:
             first = lo[i].tolist()
             out.append((self._unit(i), (tuple(first), tuple(h - f for h, f in zip(hi[i].tolist(), first)))))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeUnits:
+    """The units of one index lying wholly inside a box: ``within`` (their offsets from the box's
+    corner) and ``sizes``, one row per unit, ``idx`` their positions in the index."""
+
+    index: UnitIndex
+    idx: np.ndarray
+    within: np.ndarray
+    sizes: np.ndarray
+
+    def volume(self) -> int:
+        """Elements the units cover (the box's own when they tile it)."""
+        return int(self.sizes.prod(axis=1).sum()) if len(self.idx) else 0
+
+    def digests(self, buf: memoryview, box_sizes: Sequence[int], itemsize: int) -> list[int]:
+        """Each unit's xxh3 digest over its bytes in ``buf``, the box's row-major bytes: one slice for a
+        unit spanning the box's inner dims, a slice per row for a tile (computed with arrays for all
+        units at once: a column shard read at its own layout holds a thousand and more tiles, and a
+        per-unit Python walk cost more than its reads)."""
+        m, nd = self.sizes.shape
+        if m == 0:
+            return []
+        if nd == 0:  # a 0-d tensor: one element, one unit
+            return [hash_bytes(buf[:itemsize])] * m
+        sizes_arr = np.asarray(box_sizes, dtype=np.int64)
+        strides = np.ones(nd, dtype=np.int64)
+        for d in range(nd - 2, -1, -1):
+            strides[d] = strides[d + 1] * sizes_arr[d + 1]
+        strides *= itemsize
+        # k: the innermost dim a unit does not span whole (0 when it spans all inner dims); its bytes
+        # are then runs of sizes[k] * strides[k] bytes, one per index of the dims before k
+        cut = self.sizes != sizes_arr
+        cut[:, 0] = True
+        k = nd - 1 - np.argmax(cut[:, ::-1], axis=1)
+        starts = (self.within * strides).sum(axis=1).tolist()
+        runs = (self.sizes[np.arange(m), k] * strides[k]).tolist()
+        rows = self.sizes[:, 0].tolist()
+        row_stride = int(strides[0])
+        out: list[int] = []
+        for i, kk in enumerate(k.tolist()):
+            a, n = starts[i], runs[i]
+            if kk == 0:
+                out.append(hash_bytes(buf[a : a + n]))
+            elif kk == 1:
+                out.append(hash_parts(buf[r : r + n] for r in range(a, a + rows[i] * row_stride, row_stride)))
+            else:
+                rel, urun = box_runs(box_sizes, self.within[i].tolist(), self.sizes[i].tolist(), itemsize)
+                out.append(hash_parts(buf[r : r + urun] for r in rel.tolist()))
+        return out
+
+    def first_mismatch(self, digests: Sequence[int]) -> Unit | None:
+        """The first unit whose digest differs from the index's, or ``None``."""
+        expected = self.index._digests
+        for i, got in zip(self.idx.tolist(), digests):
+            if expected[i] != got:
+                return self.index._unit(i)
+        return None
 
 
 def unit_extent(

@@ -9,6 +9,7 @@ a tensor's units as arrays (:class:`UnitIndex`), checked against a scan of every
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 
@@ -161,3 +162,55 @@ def test_description_rows_of_the_wrong_rank_are_refused_and_mixed_views_are_kept
     assert mixed.view is None and mixed.views == {(4, 4), (16,)}
     # a reader refuses a box of a tensor checked in more than one view before it asks for overlaps
     assert mixed.units == [Unit((4, 4), (0, 0), (4, 4), 255), Unit((16,), (0,), (16,), 1)]
+
+
+def _cuts(size: int, lo: int, hi: int, inner: list[int]) -> list[tuple[int, int]]:
+    """Intervals cutting ``[0, size)`` at ``lo``, ``hi`` and the ``inner`` points."""
+    points = sorted({0, size, lo, hi, *(p for p in inner if 0 < p < size)})
+    return list(zip(points[:-1], points[1:]))
+
+
+@settings(max_examples=120, deadline=None)
+@given(d=st.integers(0, 4), itemsize=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_the_digests_of_units_inside_a_box_match_a_hash_of_each_units_own_bytes(
+    d: int, itemsize: int, data: st.DataObject
+) -> None:
+    """A box read at the layout it was saved in holds its units whole; their digests are computed with
+    arrays for all units at once (one slice, a slice per row, or general runs). Reference: each unit's
+    bytes cut out of the tensor with torch slicing and hashed whole."""
+    view = tuple(data.draw(st.lists(st.integers(1, 9), min_size=d, max_size=d)))
+    lo = [data.draw(st.integers(0, v - 1)) for v in view]
+    hi = [data.draw(st.integers(a + 1, v)) for a, v in zip(lo, view)]
+    grids = [_cuts(v, a, b, data.draw(st.lists(st.integers(1, 8), max_size=3))) for v, a, b in zip(view, lo, hi)]
+    tensor = torch.randint(0, 256, (*view, itemsize), dtype=torch.uint8, generator=torch.Generator().manual_seed(d))
+    units = []
+    for cell in itertools.product(*grids):
+        part = tensor[tuple(slice(a, b) for a, b in cell)]
+        digest = xxhash.xxh3_64_intdigest(part.contiguous().numpy().tobytes())
+        units.append(Unit(view, tuple(a for a, _ in cell), tuple(b - a for a, b in cell), digest))
+    index = UnitIndex(units)
+    sizes = tuple(b - a for a, b in zip(lo, hi))
+    whole = index.whole_inside(lo, sizes)
+    assert whole is not None
+    want = [
+        i for i, u in enumerate(units) if all(a <= o and o + n <= b for a, b, o, n in zip(lo, hi, u.offsets, u.sizes))
+    ]
+    assert whole.idx.tolist() == want
+    assert whole.volume() == math.prod(sizes)
+    box = tensor[tuple(slice(a, b) for a, b in zip(lo, hi))].contiguous()
+    got = whole.digests(memoryview(box.numpy()).cast("B"), sizes, itemsize)
+    assert got == [units[i].digest for i in want]
+    assert whole.first_mismatch(got) is None
+    j = data.draw(st.integers(0, len(got) - 1))
+    damaged = list(got)
+    damaged[j] ^= 1
+    assert whole.first_mismatch(damaged) == units[want[j]]
+
+
+def test_a_box_cutting_a_unit_has_no_whole_units() -> None:
+    index = UnitIndex([Unit((4, 4), (0, 0), (2, 4), 1), Unit((4, 4), (2, 0), (2, 4), 2)])
+    assert index.whole_inside((0, 0), (2, 4)) is not None
+    assert index.whole_inside((0, 0), (3, 4)) is None  # the second unit is cut
+    assert index.whole_inside((0, 0), (2, 2)) is None  # a column box cuts the first
+    mixed = UnitIndex([Unit((4, 4), (0, 0), (4, 4), 1), Unit((16,), (0,), (16,), 2)])
+    assert mixed.whole_inside((0, 0), (4, 4)) is None  # units in several views: matched one at a time

@@ -19,7 +19,7 @@ from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._regions import Box, box_runs, intersect
 from smpckpt.storage._tensor_bytes import cpu_bytes
 
-__all__ = ["Unit", "BoxUnits", "UnitIndex", "WholeUnits", "unit_extent", "inside", "bytes_of"]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "WholeUnits", "unit_extent", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +238,7 @@ class WholeUnits:
     def first_mismatch(self, digests: Sequence[int]) -> Unit | None:
         """The first unit whose digest differs from the index's, or ``None``."""
         expected = self.index._digests
-        for i, got in zip(self.idx.tolist(), digests):
+        for i, got in zip(self.idx.tolist(), digests, strict=True):
             if expected[i] != got:
                 return self.index._unit(i)
         return None
@@ -261,11 +261,6 @@ def unit_extent(
             if len(ustarts):
                 lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
     return lo, hi
-
-
-def inside(box: tuple[tuple[int, ...], tuple[int, ...]], u: Unit) -> bool:
-    """The unit lies wholly inside the box (their intersection is the unit)."""
-    return tuple(box[0]) == tuple(u.offsets) and tuple(box[1]) == tuple(u.sizes)
 
 
 def bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:

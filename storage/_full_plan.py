@@ -43,6 +43,8 @@ __all__ = [
     "plan_artifact",
     "expr_to_json",
     "expr_from_json",
+    "file_pieces_from_json",
+    "first_leaf",
     "DESCRIPTION_FQN",
     "WRITING_MARKER",
 ]
@@ -145,6 +147,21 @@ def expr_to_json(expr: Expr) -> Any:
             "perm": list(expr.perm) if expr.perm else None,
         }
     return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
+
+
+def first_leaf(expr: Expr) -> str:
+    """The key of the first artifact tensor an expression reads."""
+    while not isinstance(expr, Leaf):
+        expr = expr.parts[0]
+    return expr.key
+
+
+def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
+    descriptions written before torch.save files existed."""
+    if "pieces" in f:
+        return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
+    return [(0, int(f["header"][0]), int(f["header"][1], 16))]
 
 
 def expr_from_json(obj: Any) -> Expr:

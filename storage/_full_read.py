@@ -38,12 +38,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import _full_files
-from smpckpt.storage._checksum import hash_bytes
+from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import join, read_bytes_or_none
 from smpckpt.storage._full_files import Held, RunFiles, SpanFetcher, plan_spans
-from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json
-from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, unit_extent
+from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json, file_pieces_from_json, first_leaf
+from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._names import check_member_name
 from smpckpt.storage._regions import box_runs
@@ -144,7 +144,7 @@ class FullSource:
         self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
         for key, units in desc["checks"].items():
             self.units[key] = UnitIndex.from_rows(units)
-        self.headers = {n: _pieces(f) for n, f in desc["files"].items()}
+        self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
         """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
@@ -173,7 +173,7 @@ class FullSource:
         for key, (expr, shape) in ours.items():
             fqn = prefix + key
             self.exprs[fqn] = ("model", expr)
-            dtype = self.tensors[f"model/{_first_leaf(expr)}"].dtype
+            dtype = self.tensors[f"model/{first_leaf(expr)}"].dtype
             tsize = torch.Size(shape)
             sdm[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
@@ -359,6 +359,8 @@ class FullSource:
             self._stat(t.file, nbytes, fetched)
             return out
         other = units.views - {view}
+        if other and units.view is not None:  # checked in another view of the same bytes
+            return self._read_across_views(key, t, units, starts, run, out, prefetched)
         if other:
             raise CheckpointError(
                 f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
@@ -398,15 +400,42 @@ class FullSource:
             d_sub.copy_(s_sub)
             covered += math.prod(box[1])
         if covered != math.prod(sizes):
-            raise CheckpointCorrupt(
-                f"{join(self.path, t.file)}: part of tensor {key.split('/', 1)[1]!r} is covered by no checksum"
-            )
+            raise self._uncovered(t, key)
         self._stat(t.file, nbytes, read)
+        return out
+
+    def _read_across_views(
+        self, key: str, t: _Tensor, units: UnitIndex, starts: np.ndarray, run: int, out: memoryview, prefetched: bool
+    ) -> memoryview:
+        """A box requested in another view than its units were checked in (a whole tensor the planner
+        reshaped), matched byte by byte (:func:`cross_view`): a unit sharing only part of the box is read
+        whole and its shared bytes copied in, so every byte delivered is a byte checked."""
+        plan = cross_view(units, starts, run, t.dtype.itemsize)
+        lo, hi = plan.extent
+        wide = hi - lo > _full_files.SPAN_BYTES  # too wide for one GET: only drop what an earlier box held
+        read = 0 if prefetched else self._files.hold(t.file, 0 if wide else t.start + lo, 0 if wide else t.start + hi)
+        read += self._files.read_runs(t.file, t.start + starts, run, out)
+        for u, parts in plan.inside:
+            self._check_unit(t, key, u, hash_parts(out[a : a + n] for a, n in parts))
+        for u, ustarts, urun, copies in plan.partial:
+            ubytes = memoryview(bytearray(len(ustarts) * urun))
+            read += self._files.read_runs(t.file, t.start + ustarts, urun, ubytes)
+            self._check_unit(t, key, u, hash_bytes(ubytes))
+            for src, dst, n in copies:
+                out[dst : dst + n] = ubytes[src : src + n]
+        if plan.covered != len(starts) * run:
+            raise self._uncovered(t, key)
+        self._stat(t.file, len(starts) * run, read)
         return out
 
     def _check_unit(self, t: _Tensor, key: str, u: Unit, digest: int) -> None:
         if digest != u.digest:
             raise self._mismatch(t, key, u)
+
+    def _uncovered(self, t: _Tensor, key: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(
+            f"{join(self.path, t.file)}: part of tensor {key.split('/', 1)[1]!r} is covered by no checksum"
+        )
 
     def _mismatch(self, t: _Tensor, key: str, u: Unit) -> CheckpointCorrupt:
         return CheckpointCorrupt(
@@ -457,20 +486,6 @@ class FullSource:
                             f"{join(self.path, t.file)}: checksum mismatch in {key.split('/', 1)[1]!r} at {list(u.offsets)}"
                         )
         return problems
-
-
-def _pieces(f: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
-    descriptions written before torch.save files existed."""
-    if "pieces" in f:
-        return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
-    return [(0, int(f["header"][0]), int(f["header"][1], 16))]
-
-
-def _first_leaf(expr: Expr) -> str:
-    while not isinstance(expr, Leaf):
-        expr = expr.parts[0]
-    return expr.key
 
 
 #: worker threads of a full read (reads and checks of different tensors overlap)

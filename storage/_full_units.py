@@ -19,7 +19,7 @@ from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._regions import Box, box_runs, intersect
 from smpckpt.storage._tensor_bytes import cpu_bytes
 
-__all__ = ["Unit", "BoxUnits", "UnitIndex", "WholeUnits", "unit_extent", "bytes_of"]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "WholeUnits", "CrossView", "cross_view", "unit_extent", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +242,71 @@ class WholeUnits:
             if expected[i] != got:
                 return self.index._unit(i)
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossView:
+    """How a box requested in one view of a tensor is verified by units checked in another view of the
+    same row-major bytes (a fused ``[3h, d]`` saved without a view spec, read as ``[3, h/tp, d]``).
+
+    ``inside``: units whose bytes all lie among the requested ones, each with the ``(position, length)``
+    pieces of ``out`` (the requested bytes back to back) that hold them, in hash order. ``partial``:
+    units that share only some bytes with the request -- read whole, checked, and their shared bytes
+    copied into ``out`` as ``(from, to, length)``. ``covered``: requested bytes some unit covers.
+    ``extent``: tensor bytes ``[lo, hi)`` the request and the partial units span."""
+
+    inside: list[tuple[Unit, list[tuple[int, int]]]]
+    partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]]
+    covered: int
+    extent: tuple[int, int]
+
+
+def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) -> CrossView:
+    """Match the requested runs (``run`` bytes at each of ``starts``, ascending, relative to the
+    tensor's first byte) against the units of ``index`` (one view, the tensor's bytes) byte by byte."""
+    if index.view is None:
+        raise ValueError("units in several views")
+    view = index.view
+    # the requested bytes as maximal intervals, with where each starts in ``out``
+    s = np.asarray(starts, dtype=np.int64)
+    breaks = np.flatnonzero(s[1:] != s[:-1] + run) + 1
+    firsts = np.concatenate([[0], breaks]).astype(np.int64)
+    lasts = np.concatenate([breaks, [len(s)]]).astype(np.int64)
+    lo, hi, pos = s[firsts], s[lasts - 1] + run, firsts * run
+    strides = np.ones(len(view), dtype=np.int64)
+    for d in range(len(view) - 2, -1, -1):
+        strides[d] = strides[d + 1] * view[d + 1]
+    # candidates: units whose byte extent meets a requested interval
+    first = (index._lo * strides).sum(axis=1) * itemsize
+    last = ((index._hi - 1) * strides).sum(axis=1) * itemsize + itemsize
+    k = np.searchsorted(hi, first, side="right")
+    meets = (k < len(lo)) & (lo[np.minimum(k, len(lo) - 1)] < last)
+    inside: list[tuple[Unit, list[tuple[int, int]]]] = []
+    partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]] = []
+    covered = 0
+    ext_lo, ext_hi = int(lo[0]), int(hi[-1])
+    for i in np.flatnonzero(meets).tolist():
+        u = index._unit(i)
+        ustarts, urun = box_runs(view, u.offsets, u.sizes, itemsize)
+        j = np.searchsorted(lo, ustarts, side="right") - 1
+        jj = np.maximum(j, 0)
+        if ((j >= 0) & (ustarts + urun <= hi[jj])).all():
+            inside.append((u, list(zip((pos[jj] + ustarts - lo[jj]).tolist(), [urun] * len(ustarts)))))
+            covered += len(ustarts) * urun
+            continue
+        copies: list[tuple[int, int, int]] = []
+        for n, a in enumerate(ustarts.tolist()):
+            b = a + urun
+            for m in range(max(0, int(np.searchsorted(hi, a, side="right"))), len(lo)):
+                if lo[m] >= b:
+                    break
+                x, y = max(a, int(lo[m])), min(b, int(hi[m]))
+                copies.append((n * urun + x - a, int(pos[m]) + x - int(lo[m]), y - x))
+        if copies:
+            partial.append((u, ustarts, urun, copies))
+            covered += sum(c[2] for c in copies)
+            ext_lo, ext_hi = min(ext_lo, int(ustarts[0])), max(ext_hi, int(ustarts[-1]) + urun)
+    return CrossView(inside, partial, covered, (ext_lo, ext_hi))
 
 
 def unit_extent(

@@ -1,0 +1,207 @@
+"""A full artifact saved without a view spec, loaded into a layout that views a tensor (tier 1).
+
+A fused QKV saved as plain ``[3h, d]`` (a TP=1 run, or any save without ``ShardSpec(view=...)``) is
+checked in units of that shape. A TP layout declaring ``ShardSpec(1, view=(3, -1, d))`` reads the same
+row-major bytes as ``[3, h/tp, d]`` boxes: the reader matches units to the requested bytes byte by
+byte (:func:`~smpckpt.storage._full_units.cross_view`). These tests hold that matching to a reference
+built from the tensor's own bytes, and the whole load to the expected shards bit-exactly, with a
+damaged byte found by the rank that reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sim import reset_dcp_caches, sim_save
+from torch.distributed.checkpoint.api import CheckpointException
+
+from smpckpt import CheckpointCorrupt, ParallelLayout, ShardSpec
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage._full_units import Unit, UnitIndex, cross_view
+from smpckpt.storage._regions import box_runs
+
+TP = 2
+
+
+def _qkv(h: int, d: int) -> torch.Tensor:
+    return torch.arange(3 * h * d, dtype=torch.float32).reshape(3 * h, d) * 0.5 - 11.0
+
+
+def _shard(qkv: torch.Tensor, h: int, rank: int) -> torch.Tensor:
+    d = qkv.shape[1]
+    return qkv.view(3, h, d)[:, rank * h // TP : (rank + 1) * h // TP, :].reshape(-1, d).contiguous()
+
+
+def _save_plain(folder: Path, qkv: torch.Tensor) -> None:
+    reset_dcp_caches()
+    sim_save(
+        [{"model": {"qkv": qkv.clone()}}],
+        [ParallelSavePlanner(ParallelLayout(tp=1), {}, rank=0)],
+        [FsspecStorageWriter(str(folder), mode="full", sync_files=False)],
+    )
+
+
+def _load(folder: Path, h: int, d: int, rank: int) -> tuple[torch.Tensor, Any]:
+    dest = {"qkv": torch.full((3 * h // TP, d), float("nan"))}
+    reader = FsspecStorageReader(str(folder))
+    planner = ParallelLoadPlanner(ParallelLayout(tp=TP), {"model.qkv": ShardSpec(1, view=(3, -1, d))}, rank=rank)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": dest}, storage_reader=reader, planner=planner, no_dist=True)
+    return dest["qkv"], reader.last_read_stats
+
+
+@pytest.mark.parametrize(
+    ("h", "d", "exact"),
+    [
+        (256, 256, True),  # units of whole rows that meet the shard boundaries: only the shard is read
+        (48, 48, False),  # units straddling the shard boundaries: read whole, shared bytes copied
+        (16, 2048, True),  # 8 KiB rows: tiles of column groups
+    ],
+)
+def test_a_plain_full_artifact_loads_into_a_viewed_tp_layout_bit_exact(
+    tmp_path: Path, h: int, d: int, exact: bool
+) -> None:
+    qkv = _qkv(h, d)
+    _save_plain(tmp_path, qkv)
+    for rank in range(TP):
+        got, stats = _load(tmp_path, h, d, rank)
+        assert torch.equal(got, _shard(qkv, h, rank))
+        needed = qkv.numel() * 4 // TP
+        assert stats.bytes_needed == needed
+        # a unit the shard cuts is read whole besides the shard's own bytes (reported, not hidden)
+        assert stats.bytes_read == needed if exact else stats.bytes_read > needed
+
+
+def _element_offset(folder: Path, row: int, col: int) -> tuple[Path, int]:
+    path = folder / "model.safetensors"
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    entry = header["model.qkv"]
+    return path, 8 + n + entry["data_offsets"][0] + (row * entry["shape"][1] + col) * 4
+
+
+def test_a_damaged_byte_is_found_by_the_rank_that_reads_it(tmp_path: Path) -> None:
+    h, d = 256, 256
+    qkv = _qkv(h, d)
+    _save_plain(tmp_path, qkv)
+    # the middle of rank 1's rows of k (view [3, h, d]: k is [h, 2h) of the plain rows)
+    path, offset = _element_offset(tmp_path, row=h + 3 * h // 4, col=5)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x04]))
+    with pytest.raises(CheckpointException) as info:
+        _load(tmp_path, h, d, 1)
+    (failure,) = [exc for exc, _ in info.value.failures.values()]
+    assert isinstance(failure, CheckpointCorrupt)
+    assert "checksum mismatch in tensor 'model.qkv'" in str(failure)
+    got, _ = _load(tmp_path, h, d, 0)  # rank 0 never reads those rows
+    assert torch.equal(got, _shard(qkv, h, 0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    a=st.integers(1, 4),
+    b=st.integers(1, 9),
+    c=st.integers(1, 6),
+    itemsize=st.sampled_from([1, 2, 4]),
+    data=st.data(),
+)
+def test_cross_view_matches_every_requested_byte_to_the_unit_that_checks_it(
+    a: int, b: int, c: int, itemsize: int, data: st.DataObject
+) -> None:
+    """Units tile a tensor checked as ``[a*b, c]``; a box of its view ``[a, b, c]`` is requested. The
+    matching must cover each requested byte exactly once, hash each inside unit over exactly its own
+    bytes, and copy a partial unit's shared bytes to where they belong."""
+    checked, asked = (a * b, c), (a, b, c)
+    rows = sorted({0, a * b, *data.draw(st.lists(st.integers(1, max(1, a * b - 1)), max_size=4))})
+    cols = sorted({0, c, *data.draw(st.lists(st.integers(1, max(1, c - 1)), max_size=2))})
+    raw = np.random.default_rng(a * 100 + b * 10 + c).integers(0, 256, a * b * c * itemsize, dtype=np.uint8)
+    grid = raw.reshape(a * b, c * itemsize)
+    units = []
+    for r0, r1 in zip(rows[:-1], rows[1:]):
+        for c0, c1 in zip(cols[:-1], cols[1:]):
+            digest = xxhash.xxh3_64_intdigest(grid[r0:r1, c0 * itemsize : c1 * itemsize].tobytes())
+            units.append(Unit(checked, (r0, c0), (r1 - r0, c1 - c0), digest))
+    lo = [data.draw(st.integers(0, n - 1)) for n in asked]
+    sizes = tuple(data.draw(st.integers(1, n - o)) for o, n in zip(lo, asked))
+    starts, run = box_runs(asked, lo, sizes, itemsize)
+    want = b"".join(raw[s : s + run].tobytes() for s in starts.tolist())  # the box's bytes, back to back
+    plan = cross_view(UnitIndex(units), starts, run, itemsize)
+    assert plan.covered == len(want)
+    hits = np.zeros(len(want), dtype=np.int64)
+    for u, parts in plan.inside:
+        assert xxhash.xxh3_64_intdigest(b"".join(want[p : p + n] for p, n in parts)) == u.digest
+        for p, n in parts:
+            hits[p : p + n] += 1
+    out = bytearray(len(want))
+    for u, ustarts, urun, copies in plan.partial:
+        ubytes = b"".join(raw[s : s + urun].tobytes() for s in ustarts.tolist())
+        assert xxhash.xxh3_64_intdigest(ubytes) == u.digest  # the unit's runs are its own bytes
+        for src, dst, n in copies:
+            out[dst : dst + n] = ubytes[src : src + n]
+            assert bytes(out[dst : dst + n]) == want[dst : dst + n]
+            hits[dst : dst + n] += 1
+    assert (hits == 1).all()
+    lo_b, hi_b = plan.extent
+    assert lo_b <= int(starts[0]) and int(starts[-1]) + run <= hi_b <= math.prod(checked) * itemsize
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("span_limit", [None, 4096], ids=["one-span", "over-the-span-limit"])
+def test_from_s3_the_bytes_read_are_the_bytes_the_gets_fetched(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, span_limit: int | None
+) -> None:
+    """On an object store the box and the units it cuts are fetched as one span when it fits, else
+    run by run; either way the values are exact and ``bytes_read`` is what the GETs fetched."""
+    import s3fs
+    from s3_env import reset_moto, s3_options
+
+    from smpckpt.storage import _full_files
+
+    h, d = 48, 48
+    qkv = _qkv(h, d)
+    _save_plain(tmp_path, qkv)
+    bucket = "smpckpt-full-views"
+    reset_moto(moto_endpoint, bucket)
+    opts = s3_options(moto_endpoint)
+    fs = s3fs.S3FileSystem(**opts)
+    for f in tmp_path.iterdir():
+        fs.put_file(str(f), f"{bucket}/ck/{f.name}")
+    if span_limit is not None:
+        monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
+    gets: list[int] = []
+    real = s3fs.S3FileSystem._cat_file
+
+    async def counted(self: Any, path: str, version_id: Any = None, start: Any = None, end: Any = None) -> bytes:
+        if str(path).endswith(".safetensors"):
+            gets.append(end - start)
+        return await real(self, path, version_id=version_id, start=start, end=end)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    for rank in range(TP):
+        gets.clear()
+        dest = {"qkv": torch.full((3 * h // TP, d), float("nan"))}
+        reader = FsspecStorageReader(f"s3://{bucket}/ck", storage_options=opts)
+        planner = ParallelLoadPlanner(ParallelLayout(tp=TP), {"model.qkv": ShardSpec(1, view=(3, -1, d))}, rank=rank)
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load({"model": dest}, storage_reader=reader, planner=planner, no_dist=True)
+        assert torch.equal(dest["qkv"], _shard(qkv, h, rank))
+        stats = reader.last_read_stats
+        assert stats is not None and gets
+        assert stats.bytes_read == sum(gets), (rank, stats, gets)
+        assert stats.bytes_read >= stats.bytes_needed == qkv.numel() * 4 // TP

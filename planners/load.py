@@ -134,6 +134,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         _refuse_raw_without_our_reader(metadata)
         record = LayoutRecord.from_metadata(metadata)
         self.saved_layout = record.layout if record is not None else None
+        #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold)
+        self.saved_original_shapes = dict(record.original_shapes) if record is not None else {}
 
     # -- 2. local plan -----------------------------------------------------------------------------
     @gc_paused()
@@ -212,11 +214,16 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def _reshapes(self, entry: Entry, md: TensorStorageMetadata) -> bool:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
         safetensors file, loaded into a ``ShardSpec(view=[3, h/tp, d])`` layout) is the same row-major
-        bytes: read it in the layout's view shape. Only where the reader says its tensors are whole and
-        reshapable (full artifacts, Hugging Face folders); the view must come from a spec."""
+        bytes: read it in the layout's shape. Only where the reader says its tensors are whole and
+        reshapable (full artifacts, Hugging Face folders), and only when the shape is not a guess: the
+        destination's view comes from a spec, or the destination has the shape the tensor had before
+        the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a plain ``[3h, d]``
+        model). Any other same-size shape (a transpose, say) stays a mismatch."""
         shape = tuple(entry.global_shape or ())
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
-        if not (whole and math.prod(md.size) == math.prod(shape) and any(s.view for s in entry.specs)):
+        if not (whole and math.prod(md.size) == math.prod(shape)):
+            return False
+        if not (any(s.view for s in entry.specs) or tuple(self.saved_original_shapes.get(entry.key, ())) == shape):
             return False
         if not isinstance(self.metadata.planner_data, dict) or not self.metadata.planner_data.get(WHOLE_TENSORS):
             return False

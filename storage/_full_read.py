@@ -279,10 +279,10 @@ class FullSource:
         art, expr = self.exprs[fqn]
         shapes = self._shapes(art)
         md = self.live.state_dict_metadata.get(fqn) if self.live is not None else None
-        if isinstance(expr, Leaf) and expr.view is None and expr.perm is None and isinstance(md, TensorStorageMetadata):
-            asked = tuple(md.size)
-            if asked != shapes[expr.key] and math.prod(asked) == math.prod(shapes[expr.key]):
-                expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in its view shape
+        if isinstance(expr, Leaf) and expr.perm is None and isinstance(md, TensorStorageMetadata):
+            asked, stored = tuple(md.size), tuple(expr.view or shapes[expr.key])
+            if asked != stored and math.prod(asked) == math.prod(stored):
+                expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in another shape
         out = []
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
             out.append((f"{art}/{pc.key}", self.tensors[f"{art}/{pc.key}"], pc))

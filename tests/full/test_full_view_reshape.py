@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from sim import reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from smpckpt import CheckpointCorrupt, ParallelLayout, ShardSpec
+from smpckpt import CheckpointCorrupt, LayoutMismatch, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage._full_units import Unit, UnitIndex, cross_view
@@ -82,6 +82,39 @@ def test_a_plain_full_artifact_loads_into_a_viewed_tp_layout_bit_exact(
         assert stats.bytes_needed == needed
         # a unit the shard cuts is read whole besides the shard's own bytes (reported, not hidden)
         assert stats.bytes_read == needed if exact else stats.bytes_read > needed
+
+
+def test_an_artifact_saved_under_a_view_loads_into_a_plain_model_and_a_transpose_is_refused(tmp_path: Path) -> None:
+    """The reverse: saved by a TP layout viewing the QKV (checked as ``[3, h, d]``; the file holds
+    ``[3h, d]``), loaded into a model without specs (inference), whose ``[3h, d]`` is the shape the
+    save recorded from before the view. A same-size shape the save never had stays a mismatch."""
+    h, d = 256, 256
+    qkv = _qkv(h, d)
+    reset_dcp_caches()
+    spec = {"model.qkv": ShardSpec(1, view=(3, -1, d))}
+    sim_save(
+        [{"model": {"qkv": _shard(qkv, h, r)}} for r in range(TP)],
+        [ParallelSavePlanner(ParallelLayout(tp=TP), spec, rank=r) for r in range(TP)],
+        [FsspecStorageWriter(str(tmp_path), mode="full", sync_files=False) for _ in range(TP)],
+    )
+    for shape, fits in (((3 * h, d), True), ((d, 3 * h), False)):
+        dest = {"qkv": torch.full(shape, float("nan"))}
+        reader = FsspecStorageReader(str(tmp_path))
+        planner = ParallelLoadPlanner(ParallelLayout(tp=1), {}, rank=0)
+        with pytest.warns(UserWarning, match="single process"):
+            if fits:
+                dcp.load({"model": dest}, storage_reader=reader, planner=planner, no_dist=True)
+            else:
+                with pytest.raises(CheckpointException) as info:
+                    dcp.load({"model": dest}, storage_reader=reader, planner=planner, no_dist=True)
+        if fits:
+            assert torch.equal(dest["qkv"], qkv)
+            stats = reader.last_read_stats
+            assert stats is not None and stats.bytes_read == stats.bytes_needed == qkv.numel() * 4
+        else:
+            (failure,) = [exc for exc, _ in info.value.failures.values()]
+            assert isinstance(failure, LayoutMismatch)
+            assert "holds global shape (3, 256, 256)" in str(failure) and "(256, 768)" in str(failure)
 
 
 def _element_offset(folder: Path, row: int, col: int) -> tuple[Path, int]:

@@ -168,6 +168,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             self._check_tensor(entry, md, cast)
             reshaped = self.metadata.state_dict_metadata[entry.key]  # _check_tensor may reshape a whole tensor
             md = reshaped if isinstance(reshaped, TensorStorageMetadata) else md
+            entry = self.entries[entry.key]  # ... or view the destination as saved
             chunk = entry.chunk
             assert chunk is not None
             if math.prod(chunk.sizes) == 0:
@@ -233,11 +234,36 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         )
         return True
 
+    def _views_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> bool:
+        """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
+        under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
+        viewed as the saved shape: the same row-major bytes, the save's view undone."""
+        shape = tuple(entry.global_shape or ())
+        if entry.specs or entry.sharded_axes or entry.dtensor is not None or entry.kind != "tensor":
+            return False
+        if tuple(self.saved_original_shapes.get(entry.key, ())) != shape or math.prod(md.size) != math.prod(shape):
+            return False
+        size = torch.Size(md.size)
+        try:
+            viewed = entry.value.view(size)
+        except RuntimeError as exc:
+            raise LayoutMismatch(
+                f"{entry.key}: saved viewed as {tuple(size)} from {shape}; the destination (strides "
+                f"{entry.value.stride()}) cannot be viewed so in place: make it contiguous"
+            ) from exc
+        origin = torch.Size([0] * len(size))
+        self.entries[entry.key] = dataclasses.replace(
+            entry, value=viewed, chunk=ChunkStorageMetadata(origin, size), global_shape=size
+        )
+        return True
+
     def _check_tensor(self, entry: Entry, md: TensorStorageMetadata, cast: list[str]) -> None:
         if tuple(md.size) != tuple(entry.global_shape or ()) and self._reshapes(entry, md):
             reshaped = self.metadata.state_dict_metadata[entry.key]
             if isinstance(reshaped, TensorStorageMetadata):
                 return self._check_tensor(entry, reshaped, cast)
+        if tuple(md.size) != tuple(entry.global_shape or ()) and self._views_as_saved(entry, md):
+            return self._check_tensor(self.entries[entry.key], md, cast)
         if tuple(md.size) != tuple(entry.global_shape or ()):
             local = tuple(entry.value.shape)
             raise LayoutMismatch(

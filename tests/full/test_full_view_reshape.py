@@ -84,10 +84,13 @@ def test_a_plain_full_artifact_loads_into_a_viewed_tp_layout_bit_exact(
         assert stats.bytes_read == needed if exact else stats.bytes_read > needed
 
 
-def test_an_artifact_saved_under_a_view_loads_into_a_plain_model_and_a_transpose_is_refused(tmp_path: Path) -> None:
-    """The reverse: saved by a TP layout viewing the QKV (checked as ``[3, h, d]``; the file holds
-    ``[3h, d]``), loaded into a model without specs (inference), whose ``[3h, d]`` is the shape the
-    save recorded from before the view. A same-size shape the save never had stays a mismatch."""
+@pytest.mark.parametrize("mode", ["full", "partial"])
+def test_a_save_under_a_view_loads_into_a_plain_model_and_a_transpose_is_refused(tmp_path: Path, mode: str) -> None:
+    """The reverse: saved by a TP layout viewing the QKV (stored and checked as ``[3, h, d]``; a full
+    artifact's file holds ``[3h, d]``), loaded into a model without specs (inference, or resuming at
+    TP=1), whose ``[3h, d]`` is the shape the save recorded from before the view: a full artifact is
+    read in that shape, a partial checkpoint's chunks into the destination viewed as saved. A
+    same-size shape the save never had stays a mismatch."""
     h, d = 256, 256
     qkv = _qkv(h, d)
     reset_dcp_caches()
@@ -95,7 +98,7 @@ def test_an_artifact_saved_under_a_view_loads_into_a_plain_model_and_a_transpose
     sim_save(
         [{"model": {"qkv": _shard(qkv, h, r)}} for r in range(TP)],
         [ParallelSavePlanner(ParallelLayout(tp=TP), spec, rank=r) for r in range(TP)],
-        [FsspecStorageWriter(str(tmp_path), mode="full", sync_files=False) for _ in range(TP)],
+        [FsspecStorageWriter(str(tmp_path), mode=mode, sync_files=False) for _ in range(TP)],
     )
     for shape, fits in (((3 * h, d), True), ((d, 3 * h), False)):
         dest = {"qkv": torch.full(shape, float("nan"))}

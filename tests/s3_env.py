@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 
@@ -33,3 +34,44 @@ def reset_moto(endpoint: str, bucket: str) -> None:
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def upload_folder(folder: Any, endpoint: str, bucket: str, prefix: str) -> dict[str, Any]:
+    """A fresh ``bucket`` holding every file of local ``folder`` under ``prefix``; its storage options."""
+    import s3fs
+
+    reset_moto(endpoint, bucket)
+    opts = s3_options(endpoint)
+    fs = s3fs.S3FileSystem(**opts)
+    for f in Path(folder).iterdir():
+        fs.put_file(str(f), f"{bucket}/{prefix}/{f.name}")
+    return opts
+
+
+def record_ranged_gets(monkeypatch: Any, suffix: str) -> list[tuple[str, int, int]]:
+    """Every ranged GET s3fs makes of a key ending in ``suffix`` from now on, as ``(path, start, end)``."""
+    import s3fs
+
+    gets: list[tuple[str, int, int]] = []
+    real = s3fs.S3FileSystem._cat_file
+
+    async def counted(self: Any, path: str, version_id: Any = None, start: Any = None, end: Any = None) -> bytes:
+        if str(path).endswith(suffix):
+            gets.append((str(path), start, end))
+        return await real(self, path, version_id=version_id, start=start, end=end)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    return gets
+
+
+def serve_full_artifact(
+    monkeypatch: Any, folder: Any, endpoint: str, bucket: str, span_limit: int | None
+) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
+    """A full artifact from local ``folder`` served from ``s3://bucket/ck``, with the full reader's
+    span limit set (``None``: its default); the storage options and the ranged GETs of its files."""
+    from smpckpt.storage import _full_files
+
+    opts = upload_folder(folder, endpoint, bucket, "ck")
+    if span_limit is not None:
+        monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
+    return opts, record_ranged_gets(monkeypatch, ".safetensors")

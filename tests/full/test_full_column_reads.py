@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_env import reset_moto, s3_options
+from s3_env import serve_full_artifact
 from sim import reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -119,27 +119,8 @@ def test_column_shards_from_s3_report_exactly_the_bytes_their_gets_fetched(
     """On an object store a column box's rows share ranged GETs (whole spans, other ranks' columns
     included), so more is fetched than needed: ``bytes_read`` must say how much, GET for GET. With a
     small span limit every box is larger than a span, and its rows are fetched in groups instead."""
-    import s3fs
-
-    from smpckpt.storage import _full_files
-
     bucket = "smpckpt-full-columns"
-    reset_moto(moto_endpoint, bucket)
-    opts = s3_options(moto_endpoint)
-    fs = s3fs.S3FileSystem(**opts)
-    for f in artifact.iterdir():
-        fs.put_file(str(f), f"{bucket}/ck/{f.name}")
-    if span_limit is not None:
-        monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
-    gets: list[tuple[str, int, int]] = []
-    real = s3fs.S3FileSystem._cat_file
-
-    async def counted(self: Any, path: str, version_id: Any = None, start: Any = None, end: Any = None) -> bytes:
-        if str(path).endswith(".safetensors"):
-            gets.append((str(path), start, end))
-        return await real(self, path, version_id=version_id, start=start, end=end)
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    opts, gets = serve_full_artifact(monkeypatch, artifact, moto_endpoint, bucket, span_limit)
     for rank in range(TP):
         gets.clear()
         dest = {

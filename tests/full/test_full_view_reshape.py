@@ -204,31 +204,13 @@ def test_from_s3_the_bytes_read_are_the_bytes_the_gets_fetched(
 ) -> None:
     """On an object store the box and the units it cuts are fetched as one span when it fits, else
     run by run; either way the values are exact and ``bytes_read`` is what the GETs fetched."""
-    import s3fs
-    from s3_env import reset_moto, s3_options
-
-    from smpckpt.storage import _full_files
+    from s3_env import serve_full_artifact
 
     h, d = 48, 48
     qkv = _qkv(h, d)
     _save_plain(tmp_path, qkv)
     bucket = "smpckpt-full-views"
-    reset_moto(moto_endpoint, bucket)
-    opts = s3_options(moto_endpoint)
-    fs = s3fs.S3FileSystem(**opts)
-    for f in tmp_path.iterdir():
-        fs.put_file(str(f), f"{bucket}/ck/{f.name}")
-    if span_limit is not None:
-        monkeypatch.setattr(_full_files, "SPAN_BYTES", span_limit)
-    gets: list[int] = []
-    real = s3fs.S3FileSystem._cat_file
-
-    async def counted(self: Any, path: str, version_id: Any = None, start: Any = None, end: Any = None) -> bytes:
-        if str(path).endswith(".safetensors"):
-            gets.append(end - start)
-        return await real(self, path, version_id=version_id, start=start, end=end)
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counted)
+    opts, gets = serve_full_artifact(monkeypatch, tmp_path, moto_endpoint, bucket, span_limit)
     for rank in range(TP):
         gets.clear()
         dest = {"qkv": torch.full((3 * h // TP, d), float("nan"))}
@@ -239,5 +221,5 @@ def test_from_s3_the_bytes_read_are_the_bytes_the_gets_fetched(
         assert torch.equal(dest["qkv"], _shard(qkv, h, rank))
         stats = reader.last_read_stats
         assert stats is not None and gets
-        assert stats.bytes_read == sum(gets), (rank, stats, gets)
+        assert stats.bytes_read == sum(end - start for _, start, end in gets), (rank, stats, gets)
         assert stats.bytes_read >= stats.bytes_needed == qkv.numel() * 4 // TP

@@ -252,11 +252,14 @@ class CrossView:
     ``inside``: units whose bytes all lie among the requested ones, each with the ``(position, length)``
     pieces of ``out`` (the requested bytes back to back) that hold them, in hash order. ``partial``:
     units that share only some bytes with the request -- read whole, checked, and their shared bytes
-    copied into ``out`` as ``(from, to, length)``. ``covered``: requested bytes some unit covers.
-    ``extent``: tensor bytes ``[lo, hi)`` the request and the partial units span."""
+    copied into ``out`` as ``(from, to, length)``. ``direct``: the rest of the requested bytes, to read
+    straight into ``out``, as ``(tensor offset, position, length)`` -- so no byte is read twice.
+    ``covered``: requested bytes some unit covers. ``extent``: tensor bytes ``[lo, hi)`` the request
+    and the partial units span."""
 
     inside: list[tuple[Unit, list[tuple[int, int]]]]
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]]
+    direct: list[tuple[int, int, int]]
     covered: int
     extent: tuple[int, int]
 
@@ -306,7 +309,21 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
             partial.append((u, ustarts, urun, copies))
             covered += sum(c[2] for c in copies)
             ext_lo, ext_hi = min(ext_lo, int(ustarts[0])), max(ext_hi, int(ustarts[-1]) + urun)
-    return CrossView(inside, partial, covered, (ext_lo, ext_hi))
+    taken = sorted((dst, dst + n) for *_, copies in partial for _, dst, n in copies)
+    direct: list[tuple[int, int, int]] = []
+    t = 0
+    for a, p, end in zip(lo.tolist(), pos.tolist(), (pos + hi - lo).tolist()):
+        at = p
+        while at < end:
+            while t < len(taken) and taken[t][1] <= at:
+                t += 1
+            if t < len(taken) and taken[t][0] <= at:
+                at = min(end, taken[t][1])
+                continue
+            nxt = min(end, taken[t][0]) if t < len(taken) else end
+            direct.append((a + at - p, at, nxt - at))
+            at = nxt
+    return CrossView(inside, partial, direct, covered, (ext_lo, ext_hi))
 
 
 def unit_extent(

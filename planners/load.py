@@ -165,10 +165,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 continue
             if not isinstance(md, TensorStorageMetadata):
                 raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
-            self._check_tensor(entry, md, cast)
-            reshaped = self.metadata.state_dict_metadata[entry.key]  # _check_tensor may reshape a whole tensor
-            md = reshaped if isinstance(reshaped, TensorStorageMetadata) else md
-            entry = self.entries[entry.key]  # ... or view the destination as saved
+            entry, md = self._check_tensor(entry, md, cast)
             chunk = entry.chunk
             assert chunk is not None
             if math.prod(chunk.sizes) == 0:
@@ -224,7 +221,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
         if not (whole and math.prod(md.size) == math.prod(shape)):
             return False
-        if not (any(s.view for s in entry.specs) or tuple(self.saved_original_shapes.get(entry.key, ())) == shape):
+        if not (any(s.view for s in entry.specs) or self._shape_before_view(entry) == shape):
             return False
         if not isinstance(self.metadata.planner_data, dict) or not self.metadata.planner_data.get(WHOLE_TENSORS):
             return False
@@ -234,6 +231,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         )
         return True
 
+    def _shape_before_view(self, entry: Entry) -> tuple[int, ...]:
+        """The shape the save recorded for the tensor before its ShardSpec view (``()``: none)."""
+        return tuple(self.saved_original_shapes.get(entry.key, ()))
+
     def _views_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> bool:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
         under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
@@ -241,7 +242,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         shape = tuple(entry.global_shape or ())
         if entry.specs or entry.sharded_axes or entry.dtensor is not None or entry.kind != "tensor":
             return False
-        if tuple(self.saved_original_shapes.get(entry.key, ())) != shape or math.prod(md.size) != math.prod(shape):
+        if self._shape_before_view(entry) != shape or math.prod(md.size) != math.prod(shape):
             return False
         size = torch.Size(md.size)
         try:
@@ -257,7 +258,11 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         )
         return True
 
-    def _check_tensor(self, entry: Entry, md: TensorStorageMetadata, cast: list[str]) -> None:
+    def _check_tensor(
+        self, entry: Entry, md: TensorStorageMetadata, cast: list[str]
+    ) -> tuple[Entry, TensorStorageMetadata]:
+        """Shape and dtype checks; the entry and metadata to plan from (a whole tensor read in the
+        destination's shape, or the destination viewed as saved, when the shapes differ in those ways)."""
         if tuple(md.size) != tuple(entry.global_shape or ()) and self._reshapes(entry, md):
             reshaped = self.metadata.state_dict_metadata[entry.key]
             if isinstance(reshaped, TensorStorageMetadata):
@@ -278,6 +283,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                     "(pass allow_dtype_cast=True to convert)"
                 )
             cast.append(entry.key)
+        return entry, md
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:

@@ -414,10 +414,11 @@ class FullSource:
         lo, hi = plan.extent
         wide = hi - lo > _full_files.SPAN_BYTES  # too wide for one GET: only drop what an earlier box held
         read = 0 if prefetched else self._files.hold(t.file, 0 if wide else t.start + lo, 0 if wide else t.start + hi)
-        if not plan.partial:
+        if plan.partial:  # the bytes they share with the box come with them
+            for at, pos, n in plan.direct:
+                read += self._files.read_runs(t.file, np.array([t.start + at]), n, out[pos : pos + n])
+        else:
             read += self._files.read_runs(t.file, t.start + starts, run, out)
-        for at, pos, n in plan.direct if plan.partial else ():
-            read += self._files.read_runs(t.file, np.array([t.start + at]), n, out[pos : pos + n])
         for u, parts in plan.inside:
             self._check_unit(t, key, u, hash_parts(out[a : a + n] for a, n in parts))
         for u, ustarts, urun, copies in plan.partial:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from smpckpt.storage._checksum import hash_bytes, hash_parts
+from smpckpt.storage._ranges import c_strides
 from smpckpt.storage._regions import Box, box_runs, intersect
 from smpckpt.storage._tensor_bytes import cpu_bytes
 
@@ -210,10 +211,7 @@ class WholeUnits:
         if nd == 0:  # a 0-d tensor: one element, one unit
             return [hash_bytes(buf[:itemsize])] * m
         sizes_arr = np.asarray(box_sizes, dtype=np.int64)
-        strides = np.ones(nd, dtype=np.int64)
-        for d in range(nd - 2, -1, -1):
-            strides[d] = strides[d + 1] * sizes_arr[d + 1]
-        strides *= itemsize
+        strides = np.asarray(c_strides(box_sizes), dtype=np.int64) * itemsize
         # k: the innermost dim a unit does not span whole (0 when it spans all inner dims); its bytes
         # are then runs of sizes[k] * strides[k] bytes, one per index of the dims before k
         cut = self.sizes != sizes_arr
@@ -276,9 +274,7 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
     firsts = np.concatenate([[0], breaks]).astype(np.int64)
     lasts = np.concatenate([breaks, [len(s)]]).astype(np.int64)
     lo, hi, pos = s[firsts], s[lasts - 1] + run, firsts * run
-    strides = np.ones(len(view), dtype=np.int64)
-    for d in range(len(view) - 2, -1, -1):
-        strides[d] = strides[d + 1] * view[d + 1]
+    strides = np.asarray(c_strides(view), dtype=np.int64)
     # candidates: units whose byte extent meets a requested interval
     first = (index._lo * strides).sum(axis=1) * itemsize
     last = ((index._hi - 1) * strides).sum(axis=1) * itemsize + itemsize

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from smpckpt.storage._ranges import c_strides
+
 __all__ = ["Box", "box_runs", "intersect", "split_box", "box_bytes"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -36,9 +38,7 @@ def box_runs(
             raise ValueError(f"box {list(offsets)}+{list(sizes)} lies outside shape {list(view)}")
     if nd == 0:
         return np.zeros(1, dtype=np.int64), itemsize
-    strides = [1] * nd
-    for d in range(nd - 2, -1, -1):
-        strides[d] = strides[d + 1] * view[d + 1]
+    strides = c_strides(view)
     k = nd - 1
     while k > 0 and sizes[k] == view[k]:
         k -= 1

@@ -73,6 +73,7 @@ from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
 from smpckpt.storage._threads import default_write_threads
+from smpckpt.storage._wire import CommittedStorageData, crosses_ranks, open_results, pack_results
 from smpckpt.storage._write_file import PART_FILL, write_file
 from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
@@ -248,7 +249,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         """(all ranks) Write this rank's items; every file is complete and durable when this returns."""
         fut: Future[list[WriteResult]] = Future()
         try:
-            fut.set_result(self._write_rank(plan, planner))
+            results = self._write_rank(plan, planner)
+            fut.set_result(pack_results(results) if crosses_ranks(self.process_group) else results)
         except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
@@ -258,6 +260,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         save_id = self._save_id
         if save_id is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
+        results = open_results(results)
         if self.mode == "full":
             self._finish_full(save_id, metadata, results)
             return
@@ -272,6 +275,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                         storage_md[wr.index] = wr.storage_data
         metadata.storage_data = storage_md
         md_bytes, md_record = self._write_generation_metadata(save_id, metadata)
+        if crosses_ranks(self.process_group):  # DCP broadcasts this object: one bytes, not an object per item
+            metadata.storage_data = CommittedStorageData(md_bytes, where=f"{self.url} (metadata of save {save_id})")
         gen_name = md_record.name
         manifest = Manifest(
             save_id=save_id,

@@ -53,7 +53,8 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
     from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, checkpoint_state, read_manifest
 
     mesh = init_device_mesh("cpu", (world,))
-    dcp.save(_sharded_state(mesh, 1), storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    returned = dcp.save(_sharded_state(mesh, 1), storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    stored = FsspecStorageReader(url, storage_options=opts).read_metadata()
     out = _full_from(mesh, {})
     dcp.load(out, storage_reader=FsspecStorageReader(url, storage_options=opts))
     ok_first = (
@@ -76,6 +77,11 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
     dcp.load(out2, storage_reader=FsspecStorageReader(url, storage_options=opts))
     return {
         "ok_first": ok_first,
+        # what dcp.save returns on every rank (broadcast as the metadata file's bytes) maps every index
+        # to what the committed file records
+        "returned_index": type(returned.storage_data).__name__ == "CommittedStorageData"
+        and dict(returned.storage_data) == dict(stored.storage_data)
+        and len(stored.storage_data) >= 3,
         "failed_everywhere": failed_everywhere,
         "old_still_loads": torch.equal(out2["w"].full_tensor(), full_w(1)) and out2["step"] == 1,
         "same_commit": read_manifest(url, opts).save_id == save_id,

@@ -23,6 +23,7 @@ def _check(results: list[dict[str, Any]]) -> None:
     for r in results:
         assert r == {
             "ok_first": True,
+            "returned_index": True,
             "failed_everywhere": True,
             "old_still_loads": True,
             "same_commit": True,

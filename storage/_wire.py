@@ -1,0 +1,114 @@
+"""Compact forms of what ``dcp.save`` sends between ranks once the data is written.
+
+After ``write_data`` DCP gathers every rank's write results on the coordinator, and after ``finish``
+it broadcasts the checkpoint's ``Metadata`` to every rank; both travel as pickles and are unpickled in
+DCP's own code, between our hooks, with Python's cyclic collector running. With thousands of items
+per rank each unpickle makes objects by the ten thousand (the Metadata of 2,723 tensors at 4 ranks:
+67,000, 41,000 of them its storage index), which sets off a full collection that walks every object
+of a process with torch loaded: 0.13-0.2 s per save on the coordinator's gather and again on every
+rank's broadcast (benchmarks/RESULTS.md, "Results and Metadata across ranks"). So:
+
+* each rank's results cross as **one** pickle (:func:`pack_results`); the coordinator's ``finish``
+  opens them with the collector paused (:func:`open_results`);
+* the Metadata DCP broadcasts carries its storage index as the committed metadata file's bytes
+  (:class:`CommittedStorageData`), decoded on first use: receivers unpickle one ``bytes`` object
+  instead of an object per item, and what ``dcp.save`` returns still maps every index to its record.
+
+Nothing here changes what is stored: the ``.metadata`` files hold the plain dict DCP readers expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from smpckpt.errors import CheckpointError
+from smpckpt.storage._gc import gc_paused
+from smpckpt.storage._safe_pickle import load_metadata
+
+__all__ = ["PackedResults", "crosses_ranks", "pack_results", "open_results", "CommittedStorageData"]
+
+#: Index of the one WriteResult that carries a rank's packed results (never stored).
+PACKED_RESULTS_FQN = "\x00smpckpt.packed_results"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedResults:
+    """One rank's write results as one pickle: ``storage_data`` of the single result it sends."""
+
+    payload: bytes
+    count: int
+
+
+def crosses_ranks(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether DCP will pickle results and Metadata between ranks (a one-process save passes them on
+    as they are: packing there would only add a pickle round trip)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+
+
+def pack_results(results: list[WriteResult]) -> list[WriteResult]:
+    """(every rank, end of ``write_data``) This rank's results as one result holding their pickle."""
+    with gc_paused():
+        payload = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+    total = sum(r.size_in_bytes for r in results)
+    return [WriteResult(MetadataIndex(PACKED_RESULTS_FQN), total, PackedResults(payload, len(results)))]
+
+
+def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
+    """(coordinator, ``finish``) Every rank's results, packed or not, as DCP would have delivered them.
+
+    The payloads come from the ranks of this job through DCP's gather, which unpickles whatever the
+    ranks send anyway: opening them trusts the same peers, no more."""
+    out: list[list[WriteResult]] = []
+    with gc_paused():  # an object per item of every rank
+        for rank, rank_results in enumerate(results):
+            if len(rank_results) == 1 and isinstance(rank_results[0].storage_data, PackedResults):
+                packed = rank_results[0].storage_data
+                opened = pickle.loads(packed.payload)
+                if not isinstance(opened, list) or len(opened) != packed.count:
+                    raise CheckpointError(
+                        f"rank {rank}'s packed write results hold {type(opened).__name__} "
+                        f"(expected a list of {packed.count} WriteResult)"
+                    )
+                out.append(opened)
+            else:
+                out.append(rank_results)
+    return out
+
+
+class CommittedStorageData(Mapping[MetadataIndex, Any]):
+    """``Metadata.storage_data`` as committed: the pickled Metadata it came from, decoded (with the
+    reader's allow-list) on first use. Pickles as those bytes, so DCP's broadcast of the Metadata
+    after ``finish`` sends one object instead of one per item."""
+
+    def __init__(self, metadata_bytes: bytes, where: str) -> None:
+        self._bytes = metadata_bytes
+        self._where = where
+        self._decoded: dict[MetadataIndex, Any] | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, str]]:
+        return (CommittedStorageData, (self._bytes, self._where))
+
+    def _index(self) -> dict[MetadataIndex, Any]:
+        if self._decoded is None:
+            self._decoded = dict(load_metadata(self._bytes, where=self._where).storage_data or {})
+        return self._decoded
+
+    def __getitem__(self, key: MetadataIndex) -> Any:
+        return self._index()[key]
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._index())
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+    def __repr__(self) -> str:
+        state = f"{len(self._index())} entries" if self._decoded is not None else "not decoded yet"
+        return f"CommittedStorageData({self._where}, {state})"

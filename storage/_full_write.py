@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt.storage._check_units import item_checks
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._fs import join, write_bytes_atomic
-from smpckpt.storage._full_exchange import Block, Swapper
+from smpckpt.storage._full_exchange import Block, Swapper, batches
 from smpckpt.storage._full_plan import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage._full_units import BoxUnits
 from smpckpt.storage._regions import box_runs, split_box
@@ -285,40 +285,43 @@ class _RankWriter:
 
     def _swap_all(self, process_group: Any) -> None:
         swapper = Swapper(self.data.rank, process_group)
-        # One block is written and hashed while the next tensor's rows cross the process group (in
-        # turn, the swaps were half the critical path of a 4-rank full save): two blocks in memory.
+        # One batch's blocks are written and hashed while the next batch's rows cross the process
+        # group (in turn, the swaps were half the critical path of a 4-rank full save): two batches
+        # of blocks in memory.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-full-block") as blocks:
             writing: concurrent.futures.Future[None] | None = None
-            writing_to = ""  # the file of the block being written
+            writing_to = ""  # the files of the blocks being written
             try:
-                for e in self.data.exchanges:
-                    mine = [w for r, w in e.boxes if r == self.data.rank]
+                for batch in batches(self.data.exchanges):
+                    mine = [w for e in batch for r, w in e.boxes if r == self.data.rank]
                     bufs = {w: box_buffer(self._chunk(w.item), w) for w in mine}
-                    got = swapper.swap(e, bufs)
+                    got = swapper.swap(batch, bufs)
                     del bufs
                     for w in mine:
                         self._record(w.item, 0, [])  # its rows are in the other writers' blocks
                     if writing is not None:
                         pending, writing = writing, None
                         pending.result()
-                    if got is not None:
-                        writing, writing_to = blocks.submit(self._write_block, got), got.write.file
+                    if got:
+                        writing = blocks.submit(self._write_blocks, got)
+                        writing_to = ", ".join(sorted({b.write.file for b in got}))
             except BaseException as exc:
                 # a swap failed while the previous block was being written: if that write failed
                 # too (a full disk, say), say so, or only the swap's error would be seen
                 lost = writing.exception() if writing is not None else None
                 if lost is not None:
-                    _note(exc, f"writing the previous swap block into {writing_to} failed too: {lost!r}")
+                    _note(exc, f"writing the previous swap blocks into {writing_to} failed too: {lost!r}")
                 raise
             if writing is not None:
                 writing.result()
 
-    def _write_block(self, got: Block) -> None:
-        _put(self.fds[got.write.file], got.write, got.data)
-        units = [unit_digests(w, buf, self.data.check_block) for w, buf in got.pieces]
-        self._record(got.write.item, got.data.nbytes, units)
-        with self.done_lock:
-            self.blocks.append(got.write)
+    def _write_blocks(self, got: list[Block]) -> None:
+        for block in got:
+            _put(self.fds[block.write.file], block.write, block.data)
+            units = [unit_digests(w, buf, self.data.check_block) for w, buf in block.pieces]
+            self._record(block.write.item, block.data.nbytes, units)
+            with self.done_lock:
+                self.blocks.append(block.write)
 
     def run(self, thread_count: int, process_group: Any) -> list[WriteResult]:
         order = _file_order(list(self.per_file), self.data.rank, self.data.world)

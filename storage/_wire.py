@@ -10,9 +10,11 @@ rank's broadcast (benchmarks/RESULTS.md, "Results and Metadata across ranks"). S
 
 * each rank's results cross as **one** pickle (:func:`pack_results`); the coordinator's ``finish``
   opens them with the collector paused (:func:`open_results`);
-* the Metadata DCP broadcasts carries its storage index as the committed metadata file's bytes
-  (:class:`CommittedStorageData`), decoded on first use: receivers unpickle one ``bytes`` object
-  instead of an object per item, and what ``dcp.save`` returns still maps every index to its record.
+* the Metadata ``dcp.save`` returns (and DCP broadcasts) carries its storage index as the committed
+  metadata file's bytes (:class:`CommittedStorageData`), decoded on first use: receivers unpickle one
+  ``bytes`` object instead of an object per item, the coordinator drops its per-item objects before
+  the collector resumes (none lives on into an old generation), and the index still maps every item
+  to its record for whoever reads it.
 
 Nothing here changes what is stored: the ``.metadata`` files hold the plain dict DCP readers expect.
 """
@@ -31,8 +33,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt.errors import CheckpointError
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._safe_pickle import load_metadata
+from smpckpt.storage.manifest import FileRecord
 
-__all__ = ["PackedResults", "crosses_ranks", "pack_results", "open_results", "CommittedStorageData"]
+__all__ = ["PackedResults", "crosses_ranks", "pack_results", "open_results", "committed_index", "CommittedStorageData"]
 
 #: Index of the one WriteResult that carries a rank's packed results (never stored).
 PACKED_RESULTS_FQN = "\x00smpckpt.packed_results"
@@ -80,6 +83,20 @@ def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
             else:
                 out.append(rank_results)
     return out
+
+
+def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord], dict[MetadataIndex, Any]]:
+    """(coordinator, partial mode) The data files' records (for the manifest) and the storage index
+    (``Metadata.storage_data``: each item's file, offset and length), from every rank's results."""
+    files: list[FileRecord] = []
+    index: dict[MetadataIndex, Any] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            if isinstance(wr.storage_data, FileRecord):
+                files.append(wr.storage_data)
+            else:
+                index[wr.index] = wr.storage_data
+    return files, index
 
 
 class CommittedStorageData(Mapping[MetadataIndex, Any]):

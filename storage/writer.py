@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -73,9 +73,9 @@ from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
 from smpckpt.storage._threads import default_write_threads
-from smpckpt.storage._wire import CommittedStorageData, crosses_ranks, open_results, pack_results
+from smpckpt.storage._wire import CommittedStorageData, committed_index, crosses_ranks, open_results, pack_results
 from smpckpt.storage._write_file import PART_FILL, write_file
-from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.manifest import Manifest, MetadataRecord
 
 __all__ = ["FsspecStorageWriter"]
 
@@ -260,23 +260,17 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         save_id = self._save_id
         if save_id is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
-        results = open_results(results)
         if self.mode == "full":
             self._finish_full(save_id, metadata, results)
             return
-        storage_md: dict[MetadataIndex, Any] = {}
-        files: list[FileRecord] = []
-        with gc_paused():  # an entry per item of every rank
-            for rank_results in results:
-                for wr in rank_results:
-                    if isinstance(wr.storage_data, FileRecord):  # a data file's record, for the manifest
-                        files.append(wr.storage_data)
-                    else:
-                        storage_md[wr.index] = wr.storage_data
-        metadata.storage_data = storage_md
-        md_bytes, md_record = self._write_generation_metadata(save_id, metadata)
-        if crosses_ranks(self.process_group):  # DCP broadcasts this object: one bytes, not an object per item
+        # An object per item of every rank, each dropped before the collector resumes: none lives on
+        # into an old generation, where it would bring the next full collection nearer.
+        with gc_paused():
+            files, metadata.storage_data = committed_index(open_results(results))
+            md_bytes = self._metadata_bytes(save_id, metadata)
+            # what dcp.save returns (and DCP broadcasts): one bytes object, decoded on first use
             metadata.storage_data = CommittedStorageData(md_bytes, where=f"{self.url} (metadata of save {save_id})")
+        md_record = self._write_generation_metadata(save_id, md_bytes)
         gen_name = md_record.name
         manifest = Manifest(
             save_id=save_id,
@@ -334,9 +328,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         if failed:
             log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
 
-    def _write_generation_metadata(self, save_id: str, metadata: Metadata) -> tuple[bytes, MetadataRecord]:
-        """(coordinator, both modes) Pickle the metadata, check it loads with our allow-list, write it
-        under this generation's name; its record goes into the manifest."""
+    def _metadata_bytes(self, save_id: str, metadata: Metadata) -> bytes:
+        """(coordinator, both modes) The metadata pickled, checked to load with our allow-list."""
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
@@ -344,9 +337,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
             # now, before the commit, rather than produce a checkpoint nobody can load safely.
             load_metadata(md_bytes, where="metadata being written")
+        return md_bytes
+
+    def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
+        """(coordinator, both modes) The metadata under this generation's name; its record goes into the manifest."""
         gen_name = _names.generation_metadata_name(save_id)
         self._write_metadata(gen_name, md_bytes)
-        return md_bytes, MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes))
+        return MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes))
 
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
@@ -466,10 +463,14 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         layout = self._layout
         if layout is None:
             raise CheckpointError("finish() called without prepare_global_plan() in full mode")
-        records, checks = results_of(layout, results)
-        records += artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
-        whole_tensor_metadata(metadata, layout, checks)
-        _, md_record = self._write_generation_metadata(save_id, metadata)
+        records = artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
+        with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
+            objects, checks = results_of(layout, open_results(results))
+            whole_tensor_metadata(metadata, layout, checks)
+            del checks
+            md_bytes = self._metadata_bytes(save_id, metadata)
+        md_record = self._write_generation_metadata(save_id, md_bytes)
+        records += objects
         manifest = Manifest(
             save_id=save_id,
             kind="full",

@@ -21,7 +21,12 @@ import tp_model  # noqa: E402
 import smpckpt._full  # noqa: E402
 from smpckpt import ParallelLayout, ShardSpec, resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions  # noqa: E402
+from smpckpt.storage import (  # noqa: E402
+    FsspecStorageReader,
+    FsspecStorageWriter,
+    FullOptions,
+    _full_exchange,  # noqa: E402
+)
 
 TP2_DP2 = ParallelLayout(tp=2, dp=2)
 TRAIN_STEPS = 2
@@ -159,9 +164,11 @@ class _RecordingWriter(FsspecStorageWriter):
     """Records how many row-block swaps this rank's plan holds."""
 
     swaps = -1
+    batches = -1
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.swaps = len(plan.storage_data.exchanges)
+        self.batches = len({e.batch for e in plan.storage_data.exchanges})
         return super().write_data(plan, planner)
 
 
@@ -171,16 +178,21 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
     loaded tensors and the read accounting."""
     layout = ParallelLayout(tp=world)
     local = swap_local(rank, world)
-    out: dict[str, Any] = {"swaps": {}}
+    out: dict[str, Any] = {"swaps": {}, "batches": {}}
+    default_batch = _full_exchange.SWAP_BATCH_BYTES
     for name, opts in (
         ("swap", FullOptions(check_block=4096)),
+        ("one_per_batch", FullOptions(check_block=4096)),
         ("plain", FullOptions(check_block=4096, row_swap_below=0)),
         ("bf16", FullOptions(check_block=4096, dtype=torch.bfloat16)),
         ("torch", FullOptions(check_block=4096, format="torch_save")),
     ):
+        # every swap a batch of its own (one message per tensor and pair of ranks), as before batching
+        _full_exchange.SWAP_BATCH_BYTES = 1 if name == "one_per_batch" else default_batch
         writer = _RecordingWriter(os.path.join(root, name), mode="full", full=opts)
         dcp.save({"m": local}, storage_writer=writer, planner=ParallelSavePlanner(layout, SWAP_SPECS, rank=rank))
-        out["swaps"][name] = writer.swaps
+        out["swaps"][name], out["batches"][name] = writer.swaps, writer.batches
+    _full_exchange.SWAP_BATCH_BYTES = default_batch
     dest = {k: torch.full_like(v, -7.0) for k, v in local.items()}
     reader = FsspecStorageReader(os.path.join(root, "swap"))
     dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(layout, SWAP_SPECS, rank=rank))

@@ -160,25 +160,29 @@ def test_rank_killed_during_full_save(tmp_path: Any, victim: int, when: str) -> 
 
 def test_column_shards_swap_rows_and_write_the_same_bytes(tmp_path: Any) -> None:
     """Three ranks: column shards with short rows are swapped into row blocks (rows 7 -> 2, 2, 3), and
-    the artifact is byte for byte the one written row by row; a bf16 cast and a torch.save artifact swap
+    the artifact is byte for byte the one written row by row, whether the swaps cross in one batch or one
+    by one; a bf16 cast and a torch.save artifact swap
     too; the swapped artifact loads back bit-exact, reading exactly the bytes needed and verifying every
     unit read."""
     results = run_world(full_workers.row_swap_world, 3, str(tmp_path))
     for r in results:
         r = _ok(r)
         # col, wide and fused are swapped; row is not (one run per rank)
-        assert r["swaps"] == {"swap": 3, "plain": 0, "bf16": 3, "torch": 3}, r["swaps"]
+        assert r["swaps"] == {"swap": 3, "one_per_batch": 3, "plain": 0, "bf16": 3, "torch": 3}, r["swaps"]
+        # the three small swaps cross in one batch (one message per pair of ranks), or one by one
+        assert r["batches"] == {"swap": 1, "one_per_batch": 3, "plain": 0, "bf16": 1, "torch": 1}, r["batches"]
         _assert_equal(r["local"], r["loaded"])
         needed, read = r["read"]
         assert read == needed > 0, r["read"]
     swap_bytes = (tmp_path / "swap" / "model.safetensors").read_bytes()
     assert swap_bytes == (tmp_path / "plain" / "model.safetensors").read_bytes()
+    assert swap_bytes == (tmp_path / "one_per_batch" / "model.safetensors").read_bytes()
     want = full_workers.swap_globals()
     _assert_equal(want, load_file(str(tmp_path / "swap" / "model.safetensors")))
     _assert_equal(
         {k: v.to(torch.bfloat16) for k, v in want.items()}, load_file(str(tmp_path / "bf16" / "model.safetensors"))
     )
     _assert_equal(want, torch.load(tmp_path / "torch" / "pytorch_model.bin", weights_only=True))
-    for name in ("swap", "bf16", "torch"):
+    for name in ("swap", "one_per_batch", "bf16", "torch"):
         report = verify_checkpoint(str(tmp_path / name))
         assert report.ok and report.checksummed, report.problems

@@ -48,14 +48,14 @@ class _SwapThenFail:
     def __init__(self, rank: int, process_group: Any) -> None:
         pass
 
-    def swap(self, e: Exchange, my_buf: dict[FullWrite, memoryview]) -> Block:
+    def swap(self, batch: list[Exchange], my_buf: dict[FullWrite, memoryview]) -> list[Block]:
         type(self).calls += 1
         if type(self).calls > 1:
             raise RuntimeError("peer 1 closed the connection")
-        return Block(BOX, memoryview(b""), ())
+        return [Block(BOX, memoryview(b""), ())]
 
 
-def _disk_full(self: Any, got: Block) -> None:
+def _disk_full(self: Any, got: list[Block]) -> None:
     raise OSError(28, "No space left on device")
 
 
@@ -63,18 +63,18 @@ def test_a_failed_block_write_is_reported_with_the_swap_error_that_followed_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / BOX.file).write_bytes(bytes(32))
-    exchange = Exchange(boxes=((0, BOX),), blocks=((0, 0, 2),))
-    data = RankFullData("save", 0, (), (), 4096, world=2, exchanges=(exchange, exchange))
+    first, second = (Exchange(boxes=((0, BOX),), blocks=((0, 0, 2),), batch=b) for b in (0, 1))
+    data = RankFullData("save", 0, (), (), 4096, world=2, exchanges=(first, second))
     item = WriteItem(index=INDEX, type=WriteItemType.TENSOR)
     monkeypatch.setattr(_SwapThenFail, "calls", 0)
     monkeypatch.setattr(full_write, "Swapper", _SwapThenFail)
     logged: list[str] = []
     monkeypatch.setattr(full_write.log, "error", lambda msg, *args: logged.append(msg % args))
-    monkeypatch.setattr(full_write._RankWriter, "_write_block", _disk_full)
+    monkeypatch.setattr(full_write._RankWriter, "_write_blocks", _disk_full)
     with full_write._RankWriter(str(tmp_path), data, [item], _Planner()) as writer:  # type: ignore[arg-type]
         with pytest.raises(RuntimeError, match="peer 1 closed the connection") as raised:
             writer._swap_all(None)
     # Python 3.11+: a note on the raised error; before: a log line
     told = " ".join(getattr(raised.value, "__notes__", [])) if sys.version_info >= (3, 11) else " ".join(logged)
-    assert "writing the previous swap block into model.safetensors failed too" in told
+    assert "writing the previous swap blocks into model.safetensors failed too" in told
     assert "No space left on device" in told

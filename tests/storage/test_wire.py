@@ -105,11 +105,14 @@ def test_packed_results_and_lean_metadata_cross_ranks_as_a_few_objects(
     assert plain_objects > TENSORS * TP  # an object (or several) per item ...
     assert packed_objects < 10 * TP  # ... against a few per rank
 
-    # the broadcast Metadata: the storage index crosses as bytes, and still maps what was committed
+    # the returned (and broadcast) Metadata: the storage index crosses as bytes, and still maps what
+    # was committed; the same in one process
     assert isinstance(md.storage_data, CommittedStorageData)
+    assert isinstance(plain_md.storage_data, CommittedStorageData)
     stored = FsspecStorageReader(str(tmp_path / "packed")).read_metadata()
+    assert isinstance(stored.storage_data, dict)  # the file holds the plain dict stock readers expect
     lean_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(md)))
-    full_objects, _ = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain_md)))
+    full_objects, _ = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(stored)))
     assert full_objects - lean_objects > len(stored.storage_data)
     assert isinstance(received.storage_data, CommittedStorageData)
     assert dict(received.storage_data) == dict(stored.storage_data)

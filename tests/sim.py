@@ -28,7 +28,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-__all__ = ["sim_save", "sim_load", "MemoryStore", "MemoryWriter", "MemoryReader", "reset_dcp_caches"]
+__all__ = [
+    "sim_save",
+    "sim_load",
+    "load_shards_and_check",
+    "MemoryStore",
+    "MemoryWriter",
+    "MemoryReader",
+    "reset_dcp_caches",
+]
 
 
 def reset_dcp_caches() -> None:
@@ -102,6 +110,26 @@ def sim_load(
     for rank in range(world):
         final = planners[rank].finish_plan(global_plans[rank])
         readers[rank].read_data(final, planners[rank]).wait()
+
+
+def load_shards_and_check(folder: str, shards: Sequence[dict[str, torch.Tensor]], specs: Any) -> None:
+    """Load a checkpoint folder saved at TP ``len(shards)`` under ``"model"`` into zeroed tensors shaped
+    like each rank's ``shards``, through our planner and reader, and check every tensor bit-exact."""
+    from smpckpt import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner
+    from smpckpt.storage import FsspecStorageReader
+
+    tp = len(shards)
+    dests = [{"model": {k: torch.zeros_like(v) for k, v in mine.items()}} for mine in shards]
+    sim_load(
+        dests,
+        [ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=r) for r in range(tp)],
+        [FsspecStorageReader(folder) for _ in range(tp)],
+    )
+    for r, mine in enumerate(shards):
+        for k, v in mine.items():
+            if not torch.equal(dests[r]["model"][k], v):
+                raise AssertionError(f"rank {r}: {k} differs after the load")
 
 
 class MemoryStore:

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import sim
 import torch
-from sim import reset_dcp_caches, sim_load, sim_save
+from sim import load_shards_and_check, reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
-from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage import writer as writer_module
 from smpckpt.storage._wire import CommittedStorageData, PackedResults, open_results, pack_results
@@ -79,15 +79,7 @@ def _save(folder: Path, monkeypatch: pytest.MonkeyPatch, *, crossing: bool) -> t
 
 def _load(folder: Path) -> None:
     g = _globals()
-    dests = [{"model": {k: torch.zeros_like(_shard(v, r)) for k, v in g.items()}} for r in range(TP)]
-    sim_load(
-        dests,
-        [ParallelLoadPlanner(ParallelLayout(tp=TP), SPECS, rank=r) for r in range(TP)],
-        [FsspecStorageReader(str(folder)) for _ in range(TP)],
-    )
-    for r in range(TP):
-        for k, v in g.items():
-            assert torch.equal(dests[r]["model"][k], _shard(v, r)), (r, k)
+    load_shards_and_check(str(folder), [{k: _shard(v, r) for k, v in g.items()} for r in range(TP)], SPECS)
 
 
 def test_packed_results_and_lean_metadata_cross_ranks_as_a_few_objects(

@@ -190,9 +190,11 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
         # every swap a batch of its own (one message per tensor and pair of ranks), as before batching
         _full_exchange.SWAP_BATCH_BYTES = 1 if name == "one_per_batch" else default_batch
         writer = _RecordingWriter(os.path.join(root, name), mode="full", full=opts)
-        dcp.save({"m": local}, storage_writer=writer, planner=ParallelSavePlanner(layout, SWAP_SPECS, rank=rank))
+        try:
+            dcp.save({"m": local}, storage_writer=writer, planner=ParallelSavePlanner(layout, SWAP_SPECS, rank=rank))
+        finally:
+            _full_exchange.SWAP_BATCH_BYTES = default_batch
         out["swaps"][name], out["batches"][name] = writer.swaps, writer.batches
-    _full_exchange.SWAP_BATCH_BYTES = default_batch
     dest = {k: torch.full_like(v, -7.0) for k, v in local.items()}
     reader = FsspecStorageReader(os.path.join(root, "swap"))
     dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(layout, SWAP_SPECS, rank=rank))

@@ -10,11 +10,12 @@ rank's broadcast (benchmarks/RESULTS.md, "Results and Metadata across ranks"). S
 
 * each rank's results cross as **one** pickle (:func:`pack_results`); the coordinator's ``finish``
   opens them with the collector paused (:func:`open_results`);
-* the Metadata ``dcp.save`` returns (and DCP broadcasts) carries its storage index as the committed
-  metadata file's bytes (:class:`CommittedStorageData`), decoded on first use: receivers unpickle one
-  ``bytes`` object instead of an object per item, the coordinator drops its per-item objects before
-  the collector resumes (none lives on into an old generation), and the index still maps every item
-  to its record for whoever reads it.
+* the Metadata ``dcp.save`` returns (and DCP broadcasts) holds its mappings -- ``state_dict_metadata``
+  (a chunk per item), ``storage_data`` (a record per item) and ``planner_data`` -- as read-only views
+  of the committed metadata file's bytes (:func:`lean_returned_metadata`), decoded on first use:
+  receivers unpickle one ``bytes`` object instead of an object per item, the coordinator drops its
+  per-item objects (the index before the collector resumes: none lives on into an old generation),
+  and each view still maps what was committed for whoever reads it.
 
 Nothing here changes what is stored: the ``.metadata`` files hold the plain dict DCP readers expect.
 """
@@ -27,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError
@@ -35,7 +36,16 @@ from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage.manifest import FileRecord
 
-__all__ = ["PackedResults", "crosses_ranks", "pack_results", "open_results", "committed_index", "CommittedStorageData"]
+__all__ = [
+    "PackedResults",
+    "crosses_ranks",
+    "pack_results",
+    "open_results",
+    "committed_index",
+    "CommittedMetadata",
+    "CommittedView",
+    "lean_returned_metadata",
+]
 
 #: Index of the one WriteResult that carries a rank's packed results (never stored).
 PACKED_RESULTS_FQN = "\x00smpckpt.packed_results"
@@ -99,33 +109,69 @@ def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord],
     return files, index
 
 
-class CommittedStorageData(Mapping[MetadataIndex, Any]):
-    """``Metadata.storage_data`` as committed: the pickled Metadata it came from, decoded (with the
-    reader's allow-list) on first use. Pickles as those bytes, so DCP's broadcast of the Metadata
-    after ``finish`` sends one object instead of one per item."""
+class CommittedMetadata:
+    """The committed metadata file's bytes, decoded (with the reader's allow-list) once, on first use.
+    Pickles as those bytes: the views below share one instance, so a pickle of the Metadata that holds
+    them carries the bytes once."""
 
     def __init__(self, metadata_bytes: bytes, where: str) -> None:
         self._bytes = metadata_bytes
-        self._where = where
-        self._decoded: dict[MetadataIndex, Any] | None = None
+        self.where = where
+        self._decoded: Metadata | None = None
 
     def __reduce__(self) -> tuple[Any, tuple[bytes, str]]:
-        return (CommittedStorageData, (self._bytes, self._where))
+        return (CommittedMetadata, (self._bytes, self.where))
 
-    def _index(self) -> dict[MetadataIndex, Any]:
+    @property
+    def decoded(self) -> bool:
+        return self._decoded is not None
+
+    def metadata(self) -> Metadata:
         if self._decoded is None:
-            self._decoded = dict(load_metadata(self._bytes, where=self._where).storage_data or {})
+            self._decoded = load_metadata(self._bytes, where=self.where)
         return self._decoded
 
-    def __getitem__(self, key: MetadataIndex) -> Any:
-        return self._index()[key]
 
-    def __iter__(self) -> Iterator[MetadataIndex]:
-        return iter(self._index())
+class CommittedView(Mapping[Any, Any]):
+    """One mapping field of the committed Metadata (``state_dict_metadata``, ``storage_data`` or
+    ``planner_data``), read-only, decoded on first use."""
+
+    def __init__(self, source: CommittedMetadata, field: str) -> None:
+        if field not in _VIEW_FIELDS:
+            raise ValueError(f"no committed view of Metadata.{field} (one of {_VIEW_FIELDS})")
+        self._source = source
+        self._field = field
+
+    def __reduce__(self) -> tuple[Any, tuple[CommittedMetadata, str]]:
+        return (CommittedView, (self._source, self._field))
+
+    def _mapping(self) -> Mapping[Any, Any]:
+        value = getattr(self._source.metadata(), self._field)
+        return value if value is not None else {}
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._mapping()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._mapping())
 
     def __len__(self) -> int:
-        return len(self._index())
+        return len(self._mapping())
 
     def __repr__(self) -> str:
-        state = f"{len(self._index())} entries" if self._decoded is not None else "not decoded yet"
-        return f"CommittedStorageData({self._where}, {state})"
+        state = f"{len(self._mapping())} entries" if self._source.decoded else "not decoded yet"
+        return f"CommittedView({self._field} of {self._source.where}, {state})"
+
+
+_VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
+
+
+def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:
+    """(coordinator, end of ``finish``) Turn the Metadata ``dcp.save`` returns (and DCP broadcasts)
+    into views of the committed bytes: receivers unpickle one ``bytes`` object instead of an object
+    per item, and the coordinator drops its own per-item objects. A field that is not a mapping (a
+    planner that sets no ``planner_data``) is left as it is."""
+    source = CommittedMetadata(metadata_bytes, where)
+    for field in _VIEW_FIELDS:
+        if isinstance(getattr(metadata, field), Mapping):
+            setattr(metadata, field, CommittedView(source, field))

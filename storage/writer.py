@@ -73,7 +73,7 @@ from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
 from smpckpt.storage._threads import default_write_threads
-from smpckpt.storage._wire import CommittedStorageData, committed_index, crosses_ranks, open_results, pack_results
+from smpckpt.storage._wire import committed_index, crosses_ranks, lean_returned_metadata, open_results, pack_results
 from smpckpt.storage._write_file import PART_FILL, write_file
 from smpckpt.storage.manifest import Manifest, MetadataRecord
 
@@ -267,9 +267,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # into an old generation, where it would bring the next full collection nearer.
         with gc_paused():
             files, metadata.storage_data = committed_index(open_results(results))
-            md_bytes = self._metadata_bytes(save_id, metadata)
-            # what dcp.save returns (and DCP broadcasts): one bytes object, decoded on first use
-            metadata.storage_data = CommittedStorageData(md_bytes, where=f"{self.url} (metadata of save {save_id})")
+            md_bytes, extra = self._metadata_bytes(save_id, metadata)
         md_record = self._write_generation_metadata(save_id, md_bytes)
         gen_name = md_record.name
         manifest = Manifest(
@@ -280,7 +278,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             files=tuple(sorted(files, key=lambda f: (f.rank, f.name))),
             world_size=len(results),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            extra=_with_layout_record(self._extra, metadata),
+            extra=extra,
         )
         try:
             self._write_manifest(manifest.to_bytes())
@@ -328,8 +326,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         if failed:
             log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
 
-    def _metadata_bytes(self, save_id: str, metadata: Metadata) -> bytes:
-        """(coordinator, both modes) The metadata pickled, checked to load with our allow-list."""
+    def _metadata_bytes(self, save_id: str, metadata: Metadata) -> tuple[bytes, dict[str, Any]]:
+        """(coordinator, both modes) The metadata pickled, checked with our allow-list, and the manifest's
+        ``extra``; then what ``dcp.save`` returns (and broadcasts) becomes views of those bytes."""
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
@@ -337,7 +336,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
             # now, before the commit, rather than produce a checkpoint nobody can load safely.
             load_metadata(md_bytes, where="metadata being written")
-        return md_bytes
+            extra = _with_layout_record(self._extra, metadata)
+            lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
+        return md_bytes, extra
 
     def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
         """(coordinator, both modes) The metadata under this generation's name; its record goes into the manifest."""
@@ -468,7 +469,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             objects, checks = results_of(layout, open_results(results))
             whole_tensor_metadata(metadata, layout, checks)
             del checks
-            md_bytes = self._metadata_bytes(save_id, metadata)
+            md_bytes, extra = self._metadata_bytes(save_id, metadata)
         md_record = self._write_generation_metadata(save_id, md_bytes)
         records += objects
         manifest = Manifest(
@@ -479,7 +480,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             files=tuple(sorted(records, key=lambda f: f.name)),
             world_size=len(results),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            extra=_with_layout_record(self._extra, metadata),
+            extra=extra,
         )
         marker = read_bytes_or_none(self.fs, join(self.path, WRITING_MARKER))
         if marker != save_id.encode():

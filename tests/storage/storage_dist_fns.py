@@ -79,8 +79,9 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
         "ok_first": ok_first,
         # what dcp.save returns on every rank (broadcast as the metadata file's bytes) maps every index
         # to what the committed file records
-        "returned_index": type(returned.storage_data).__name__ == "CommittedStorageData"
+        "returned_index": type(returned.storage_data).__name__ == "CommittedView"
         and dict(returned.storage_data) == dict(stored.storage_data)
+        and dict(returned.state_dict_metadata) == stored.state_dict_metadata
         and len(stored.storage_data) >= 3,
         "failed_everywhere": failed_everywhere,
         "old_still_loads": torch.equal(out2["w"].full_tensor(), full_w(1)) and out2["step"] == 1,

@@ -20,7 +20,7 @@ import sim
 import torch
 from sim import load_shards_and_check, reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt import ParallelLayout, ShardSpec
@@ -28,7 +28,7 @@ from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage import writer as writer_module
-from smpckpt.storage._wire import CommittedStorageData, PackedResults, open_results, pack_results
+from smpckpt.storage._wire import CommittedMetadata, CommittedView, PackedResults, open_results, pack_results
 
 TP = 2
 TENSORS = 400
@@ -97,18 +97,22 @@ def test_packed_results_and_lean_metadata_cross_ranks_as_a_few_objects(
     assert plain_objects > TENSORS * TP  # an object (or several) per item ...
     assert packed_objects < 10 * TP  # ... against a few per rank
 
-    # the returned (and broadcast) Metadata: the storage index crosses as bytes, and still maps what
-    # was committed; the same in one process
-    assert isinstance(md.storage_data, CommittedStorageData)
-    assert isinstance(plain_md.storage_data, CommittedStorageData)
+    # the returned (and broadcast) Metadata: its mappings cross as the committed bytes, once, and still
+    # map what was committed; the same in one process
+    fields = ("state_dict_metadata", "storage_data", "planner_data")
+    assert all(isinstance(getattr(m, f), CommittedView) for m in (md, plain_md) for f in fields)
     stored = FsspecStorageReader(str(tmp_path / "packed")).read_metadata()
-    assert isinstance(stored.storage_data, dict)  # the file holds the plain dict stock readers expect
+    assert isinstance(stored.storage_data, dict)  # the file holds the plain dicts stock readers expect
+    assert isinstance(stored.state_dict_metadata, dict) and isinstance(stored.planner_data, dict)
     lean_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(md)))
     full_objects, _ = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(stored)))
-    assert full_objects - lean_objects > len(stored.storage_data)
-    assert isinstance(received.storage_data, CommittedStorageData)
+    assert lean_objects < 20  # a few objects, not one per item or per tensor ...
+    assert full_objects > 2 * TENSORS  # ... as the plain Metadata makes
+    assert len(pickle.dumps(md)) < 1.2 * len(pickle.dumps(stored))  # the bytes travel once, not per view
+    assert all(isinstance(getattr(received, f), CommittedView) for f in fields)
     assert dict(received.storage_data) == dict(stored.storage_data)
-    assert received.state_dict_metadata == stored.state_dict_metadata
+    assert dict(received.state_dict_metadata) == stored.state_dict_metadata
+    assert dict(received.planner_data) == stored.planner_data
     assert len(stored.storage_data) >= TENSORS * TP
 
 
@@ -138,13 +142,22 @@ class _Boom:
         return (os.system, ("echo should-never-run",))
 
 
-def test_committed_storage_data_is_decoded_on_first_use_with_the_allow_list() -> None:
+def test_committed_views_are_decoded_once_on_first_use_with_the_allow_list() -> None:
     md = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("x"): _Boom()})
     # pickling and unpickling (DCP's broadcast) do not decode: a bad payload only fails when used
-    lazy = pickle.loads(pickle.dumps(CommittedStorageData(pickle.dumps(md), where="save s1")))
+    lazy = pickle.loads(pickle.dumps(CommittedView(CommittedMetadata(pickle.dumps(md), "save s1"), "storage_data")))
     with pytest.raises(UnsafeCheckpoint, match="save s1.*refused"):
         len(lazy)
-    good = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("x"): _StorageInfo("f", 0, 4)})
-    lazy = CommittedStorageData(pickle.dumps(good), where="save s2")
-    assert "not decoded yet" in repr(lazy)
-    assert dict(lazy) == {MetadataIndex("x"): _StorageInfo("f", 0, 4)} and "1 entries" in repr(lazy)
+    good = Metadata(
+        state_dict_metadata={"x": BytesStorageMetadata()},
+        storage_data={MetadataIndex("x"): _StorageInfo("f", 0, 4)},
+        planner_data=None,
+    )
+    source = CommittedMetadata(pickle.dumps(good), "save s2")
+    index, chunks, planner = (CommittedView(source, f) for f in ("storage_data", "state_dict_metadata", "planner_data"))
+    assert "not decoded yet" in repr(index)
+    assert dict(index) == {MetadataIndex("x"): _StorageInfo("f", 0, 4)} and "1 entries" in repr(index)
+    assert source.metadata() is source.metadata()  # decoded once for every view
+    assert dict(chunks) == {"x": BytesStorageMetadata()} and dict(planner) == {}
+    with pytest.raises(ValueError, match="no committed view of Metadata.version"):
+        CommittedView(source, "version")

@@ -40,6 +40,7 @@ from smpckpt.planners._entries import (
 )
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._plan_cache import PlanCache, structure_signature
+from smpckpt.planners._plan_wire import compact
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 from smpckpt.storage._gc import gc_paused
@@ -191,7 +192,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "mappings": mappings,
             "original_shapes": original,
         }
-        plan = SavePlan(items, planner_data=planner_data)
+        plan = compact(SavePlan(items, planner_data=planner_data))  # gathered on the coordinator
         self._cache.remember(signature, plan)
         return plan
 
@@ -279,7 +280,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             )
         # held back until this rank's finish_plan: only a global plan every rank received may be reused
         gen = self._cache.stage_global(full, plans, metadata)
-        plans = [dataclasses.replace(p, planner_data=gen) for p in plans]
+        plans = [compact(dataclasses.replace(p, planner_data=gen)) for p in plans]  # scattered to the ranks
         if plans:
             # the storage writer's coordinator reads the record here (full mode lays tensors out in
             # their original shapes); one copy, on the coordinator's own plan

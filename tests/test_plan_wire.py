@@ -1,0 +1,145 @@
+"""Save plans across ranks as flat columns (planners/_plan_wire.py), tier 1.
+
+A compact plan must unpickle as exactly the plan a plain pickle gives -- every field, the index hints
+(which ``WriteItem`` equality ignores) and the sharing of ``torch.Size``/``TensorProperties`` objects
+-- while making fewer tracked objects (each one walked by the next full collection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.planners import ParallelSavePlanner, _plan_wire
+from smpckpt.planners._plan_wire import FIELDS_PER_ITEM, CompactSavePlan, compact
+
+
+def _fields(plan: SavePlan) -> list[Any]:
+    """Every field of every item, the index hint included (WriteItem equality leaves it out)."""
+    return [(it, it.index.index, type(it.index.offset)) for it in plan.items] + [
+        plan.storage_data,
+        plan.planner_data,
+        plan.usable,
+    ]
+
+
+def _tracked_objects_made(fn: Callable[[], Any]) -> tuple[int, Any]:
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        value = fn()
+        return len(gc.get_objects()) - before, value
+    finally:
+        gc.enable()
+
+
+def _real_local_plan() -> SavePlan:
+    """Rank 1's local plan at TP=2 DP=2: TP shards, whole replicated tensors, an object."""
+    layout = ParallelLayout(tp=2, dp=2)
+    state = {f"layers.{i}.w": torch.ones(4, 8) * i for i in range(300)}
+    state.update({f"layers.{i}.norm": torch.ones(8) for i in range(300)})
+    planner = ParallelSavePlanner(layout, {"*.w": ShardSpec(0)}, rank=1)
+    planner.set_up_planner({"model": state, "step": 7}, is_coordinator=False)
+    return planner.create_local_plan()
+
+
+def test_a_real_local_plan_crosses_as_the_same_plan_with_fewer_objects() -> None:
+    plan = _real_local_plan()
+    assert isinstance(plan, CompactSavePlan)  # what the planner hands DCP's gather
+    kinds = {it.type for it in plan.items}
+    assert kinds == {WriteItemType.SHARD, WriteItemType.TENSOR, WriteItemType.BYTE_IO}
+    plain = SavePlan(plan.items, plan.storage_data, plan.planner_data, plan.usable)
+
+    compact_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plan)))
+    plain_objects, expected = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain)))
+    assert type(received) is SavePlan  # receivers get DCP's own class
+    assert _fields(received) == _fields(expected) == _fields(plain)
+    # shared objects stay shared, and an item's equal index and chunk offsets become one
+    for received_or_sent in (received, plan):
+        assert len({id(it.tensor_data.properties) for it in received_or_sent.items if it.tensor_data}) == 1
+    tensors = [it for it in received.items if it.tensor_data]
+    assert all(it.index.offset is it.tensor_data.chunk.offsets for it in tensors)
+    assert len({id(it.tensor_data.chunk.offsets) for it in tensors}) <= len(
+        {id(it.tensor_data.chunk.offsets) for it in plan.items if it.tensor_data}
+    )
+    n = len(plan.items)
+    assert plain_objects > 9 * n  # a __dict__ per dataclass per item ...
+    assert compact_objects < 6 * n  # ... none here
+    assert len(pickle.dumps(plan)) < 0.8 * len(pickle.dumps(plain))
+
+
+def test_replace_keeps_the_plan_compact_and_plans_compare_by_fields() -> None:
+    plan = _real_local_plan()
+    replaced = dataclasses.replace(plan, storage_data="prefix", usable=False)
+    assert isinstance(replaced, CompactSavePlan)
+    received = pickle.loads(pickle.dumps(replaced))
+    assert received.storage_data == "prefix" and received.usable is False
+    plain = SavePlan(plan.items, plan.storage_data, plan.planner_data, plan.usable)
+    assert plan == plain and plain == plan and replaced != plain
+    assert compact(plan) is plan
+
+
+def test_unknown_plan_fields_fall_back_to_plain_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = SavePlan([], planner_data={"rank": 0})
+    monkeypatch.setattr(_plan_wire, "_SUPPORTED", False)
+    assert compact(plan) is plan
+
+
+def test_a_damaged_flat_list_is_refused() -> None:
+    with pytest.raises(ValueError, match=f"holds 10 fields, not a multiple of {FIELDS_PER_ITEM}"):
+        _plan_wire._open([None] * 10, None, None, True)
+
+
+_PROPS = [
+    TensorProperties(dtype=torch.float32),
+    TensorProperties(dtype=torch.bfloat16, requires_grad=True),
+    TensorProperties(dtype=torch.int64, pin_memory=True),
+]
+
+
+@st.composite
+def write_items(draw: st.DrawFn) -> WriteItem:
+    fqn = draw(st.text(min_size=1, max_size=12))
+    hint = draw(st.none() | st.integers(0, 1000))
+    if draw(st.booleans()):
+        bio = draw(st.none() | st.builds(BytesIOWriteData, st.integers(0, 1 << 40)))
+        return WriteItem(MetadataIndex(fqn, None, hint), WriteItemType.BYTE_IO, bio)
+    shape = draw(st.lists(st.integers(0, 64), min_size=0, max_size=4))
+    offsets = torch.Size([draw(st.integers(0, 1 << 20)) for _ in shape])
+    size = torch.Size([o + s for o, s in zip(offsets, shape)])
+    chunk = ChunkStorageMetadata(offsets, torch.Size(shape))
+    kind = draw(st.sampled_from([WriteItemType.TENSOR, WriteItemType.SHARD]))
+    td = TensorWriteData(chunk, draw(st.sampled_from(_PROPS)), size)
+    return WriteItem(MetadataIndex(fqn, offsets, hint), kind, None, td)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    items=st.lists(write_items(), max_size=30),
+    storage_data=st.none() | st.text(max_size=5),
+    planner_data=st.none() | st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+    usable=st.booleans(),
+)
+def test_any_plan_crosses_unchanged(items: list[WriteItem], storage_data: Any, planner_data: Any, usable: bool) -> None:
+    plain = SavePlan(items, storage_data, planner_data, usable)
+    received = pickle.loads(pickle.dumps(compact(plain)))
+    assert type(received) is SavePlan
+    assert _fields(received) == _fields(pickle.loads(pickle.dumps(plain)))

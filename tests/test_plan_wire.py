@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.planner import (
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelSavePlanner, _plan_wire
 from smpckpt.planners._plan_wire import FIELDS_PER_ITEM, CompactSavePlan, compact
+from smpckpt.storage._full_exchange import Exchange
+from smpckpt.storage._full_plan import FullWrite
 
 
 def _fields(plan: SavePlan) -> list[Any]:
@@ -143,3 +145,26 @@ def test_any_plan_crosses_unchanged(items: list[WriteItem], storage_data: Any, p
     received = pickle.loads(pickle.dumps(compact(plain)))
     assert type(received) is SavePlan
     assert _fields(received) == _fields(pickle.loads(pickle.dumps(plain)))
+
+
+def test_full_mode_boxes_cross_without_a_dict_each() -> None:
+    """A full save's plans carry a ``FullWrite`` per box (and an ``Exchange`` per row swap) of every
+    rank: built by their constructors when unpickled, each leaves no ``__dict__`` behind."""
+    item = MetadataIndex("w", torch.Size([0, 0]))  # a rank's boxes share their plan's item indexes
+    boxes = [
+        FullWrite(item, f"w{i}", "f", 8 * i, (4, 8), (i, 0), (1, 8), (0, 1), (0, 0), torch.float32) for i in range(2000)
+    ]
+    swaps = [Exchange(((0, b), (1, b)), ((0, 0, 2), (1, 2, 4)), batch=i) for i, b in enumerate(boxes[:500])]
+    sent = (boxes, swaps)
+    received = pickle.loads(pickle.dumps(sent))
+    assert received == sent and type(received[1][0]) is Exchange
+
+    gc.collect()  # tuples of numbers stop being tracked here: only what outlives a collection counts
+    before = len(gc.get_objects())
+    kept = pickle.loads(pickle.dumps(sent))
+    gc.collect()
+    made = len(gc.get_objects()) - before
+    del kept
+    # per box its instance; per swap its instance and 3 tuples holding boxes: (2000 + 4 * 500) / 2500 = 1.6,
+    # and 2.6 with a default pickle's __dict__ per instance
+    assert made / (len(boxes) + len(swaps)) < 1.7

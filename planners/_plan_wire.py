@@ -1,4 +1,4 @@
-"""Save plans that cross ranks as flat columns.
+"""Save and load plans that cross ranks as flat columns.
 
 DCP gathers every rank's local plan on the coordinator and scatters the global plans back, pickled,
 and unpickles them in its own code with Python's cyclic collector running. A plain pickle of a
@@ -8,12 +8,13 @@ alone made ~70,000 on the coordinator, past the quarter of a torch process's lon
 sets off a full collection: 0.12 s each, one or two inside every save's gather (benchmarks/RESULTS.md,
 "Plans across ranks").
 
-A :class:`CompactSavePlan` pickles its items as one flat list of their fields (``torch.Size`` and
-``TensorProperties`` objects the items share travel once, as before) and unpickles as a plain
-:class:`~torch.distributed.checkpoint.planner.SavePlan` whose items are built by their constructors,
-with the collector paused: four objects per item, no ``__dict__``. The receiver gets what a
-plain pickle would give, field for field (an item's index offset and chunk offsets, equal, become
-one object).
+A :class:`CompactSavePlan` pickles its items as one flat list of their fields and unpickles as a
+plain :class:`~torch.distributed.checkpoint.planner.SavePlan` whose items are built by their
+constructors, with the collector paused: four objects per item, no ``__dict__``.
+:class:`CompactLoadPlan` does the same for ``dcp.load``'s ``ReadItem`` (14 tracked objects per item
+of a resharding load's plan before, 3-4 now). The receiver gets what a plain pickle would give,
+field for field; equal ``torch.Size`` values (offsets, shapes: a few distinct ones over thousands of
+items) and the shared ``TensorProperties`` arrive as one object each.
 
 ``dataclasses.replace`` keeps the class, so a storage writer that replaces ``storage_data`` (ours,
 DCP's) keeps the plan compact. Should DCP's plan classes ever gain fields, :func:`compact` returns
@@ -26,18 +27,24 @@ import dataclasses
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem
 
 from smpckpt.storage._gc import gc_paused
 
-__all__ = ["CompactSavePlan", "compact", "FIELDS_PER_ITEM"]
+__all__ = ["CompactSavePlan", "CompactLoadPlan", "compact", "compact_load", "FIELDS_PER_ITEM", "FIELDS_PER_READ"]
 
 #: Entries per item in the flat list: fqn, offset, index hint, type, bytes_io_data, chunk offsets,
 #: chunk sizes, properties, global size.
 FIELDS_PER_ITEM = 9
 
+#: Entries per read item: type, then fqn, offset, index hint of the destination index, destination
+#: offsets, the same four for the storage index and offsets, lengths.
+FIELDS_PER_READ = 10
+
 _EXPECTED_FIELDS = {
     SavePlan: ("items", "storage_data", "planner_data", "usable"),
+    LoadPlan: ("items", "storage_data", "planner_data"),
+    ReadItem: ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"),
     WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
     MetadataIndex: ("fqn", "offset", "index"),
     TensorWriteData: ("chunk", "properties", "size"),
@@ -77,34 +84,101 @@ def compact(plan: SavePlan) -> SavePlan:
 def _flatten(items: list[WriteItem]) -> list[Any]:
     flat: list[Any] = []
     add = flat.extend
+    one = _interner()
     for it in items:
         index, td = it.index, it.tensor_data
         if td is None:
-            add((index.fqn, index.offset, index.index, it.type, it.bytes_io_data, None, None, None, None))
+            add((index.fqn, one(index.offset), index.index, it.type, it.bytes_io_data, None, None, None, None))
         else:
             chunk = td.chunk
-            # the index's offset is a copy of the chunk's (MetadataIndex copies what it is given): send
-            # one object for both, and the receiver keeps one
-            offset = chunk.offsets if index.offset == chunk.offsets else index.offset
-            add((index.fqn, offset, index.index, it.type, it.bytes_io_data, chunk.offsets, chunk.sizes))
-            add((td.properties, td.size))
+            offsets = one(chunk.offsets)
+            # the index's offset is a copy of the chunk's (MetadataIndex copies what it is given)
+            offset = offsets if index.offset == offsets else one(index.offset)
+            add((index.fqn, offset, index.index, it.type, it.bytes_io_data, offsets, one(chunk.sizes)))
+            add((td.properties, one(td.size)))
     return flat
 
 
+def _interner() -> Any:
+    """Maps each value to the first equal one seen, so equal ``torch.Size`` objects (offsets, shapes:
+    a few distinct values over thousands of items) travel once and arrive as one object."""
+    seen: dict[Any, Any] = {}
+
+    def one(value: Any) -> Any:
+        return None if value is None else seen.setdefault(value, value)
+
+    return one
+
+
+def _index(fqn: str, offset: Any, hint: int | None) -> MetadataIndex:
+    """A ``MetadataIndex`` filled field by field: its constructor would copy the offset into a new
+    ``torch.Size``, undoing the sharing."""
+    index = object.__new__(MetadataIndex)
+    object.__setattr__(index, "fqn", fqn)
+    object.__setattr__(index, "offset", offset)
+    object.__setattr__(index, "index", hint)
+    return index
+
+
 def _open(flat: list[Any], storage_data: Any, planner_data: Any, usable: bool) -> SavePlan:
-    """(unpickling) The plain plan ``flat`` stands for. ``MetadataIndex`` is filled field by field:
-    its constructor would copy every offset into a new ``torch.Size``, undoing the sharing."""
+    """(unpickling) The plain save plan ``flat`` stands for."""
     if len(flat) % FIELDS_PER_ITEM:
         raise ValueError(f"a compact save plan holds {len(flat)} fields, not a multiple of {FIELDS_PER_ITEM}")
-    new, put = object.__new__, object.__setattr__
     items: list[WriteItem] = []
     with gc_paused():  # an object per field of every item
         cols = [iter(flat)] * FIELDS_PER_ITEM
         for fqn, offset, hint, kind, bio, offsets, sizes, props, size in zip(*cols):
-            index = new(MetadataIndex)
-            put(index, "fqn", fqn)
-            put(index, "offset", offset)
-            put(index, "index", hint)
             td = None if offsets is None else TensorWriteData(ChunkStorageMetadata(offsets, sizes), props, size)
-            items.append(WriteItem(index, kind, bio, td))
+            items.append(WriteItem(_index(fqn, offset, hint), kind, bio, td))
     return SavePlan(items, storage_data, planner_data, usable)
+
+
+class CompactLoadPlan(LoadPlan):
+    """A ``LoadPlan`` that pickles its items as flat columns and unpickles as a plain ``LoadPlan``.
+    Compares equal to a plain plan with the same fields."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_open_load, (_flatten_reads(self.items), self.storage_data, self.planner_data))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LoadPlan):
+            return NotImplemented
+        return (self.items, self.storage_data, self.planner_data) == (
+            other.items,
+            other.storage_data,
+            other.planner_data,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def compact_load(plan: LoadPlan) -> LoadPlan:
+    """``plan`` as a :class:`CompactLoadPlan` (the same fields; no copy of its items)."""
+    if not _SUPPORTED or isinstance(plan, CompactLoadPlan):
+        return plan
+    return CompactLoadPlan(plan.items, plan.storage_data, plan.planner_data)
+
+
+def _flatten_reads(items: list[ReadItem]) -> list[Any]:
+    flat: list[Any] = []
+    add = flat.extend
+    one = _interner()
+    for it in items:
+        d, s = it.dest_index, it.storage_index
+        add((it.type, d.fqn, one(d.offset), d.index, one(it.dest_offsets), s.fqn, one(s.offset), s.index))
+        add((one(it.storage_offsets), one(it.lengths)))
+    return flat
+
+
+def _open_load(flat: list[Any], storage_data: Any, planner_data: Any) -> LoadPlan:
+    """(unpickling) The plain load plan ``flat`` stands for."""
+    if len(flat) % FIELDS_PER_READ:
+        raise ValueError(f"a compact load plan holds {len(flat)} fields, not a multiple of {FIELDS_PER_READ}")
+    items: list[ReadItem] = []
+    with gc_paused():  # an object per field of every item
+        cols = [iter(flat)] * FIELDS_PER_READ
+        for kind, dfqn, doff, dhint, doffsets, sfqn, soff, shint, soffsets, lengths in zip(*cols):
+            dest = _index(dfqn, doff, dhint)
+            src = dest if (sfqn, soff, shint) == (dfqn, doff, dhint) else _index(sfqn, soff, shint)
+            items.append(ReadItem(kind, dest, doffsets, src, soffsets, lengths))
+    return LoadPlan(items, storage_data, planner_data)

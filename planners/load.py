@@ -43,6 +43,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, S
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs
+from smpckpt.planners._plan_wire import compact_load
 from smpckpt.record import LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 from smpckpt.storage._gc import gc_paused
@@ -207,7 +208,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)
         else:
             logger.info("rank %d: layout unchanged for all %d tensors: fast path", self.rank, fast)
-        return LoadPlan(items, planner_data={"empty": empty})
+        return compact_load(LoadPlan(items, planner_data={"empty": empty}))  # gathered on the coordinator
 
     def _reshapes(self, entry: Entry, md: TensorStorageMetadata) -> bool:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
@@ -307,7 +308,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
-        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
+        return [compact_load(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
         """(all ranks) The plan as the coordinator returned it."""

@@ -1,4 +1,4 @@
-"""Save plans across ranks as flat columns (planners/_plan_wire.py), tier 1.
+"""Save and load plans across ranks as flat columns (planners/_plan_wire.py), tier 1.
 
 A compact plan must unpickle as exactly the plan a plain pickle gives -- every field, the index hints
 (which ``WriteItem`` equality ignores) and the sharing of ``torch.Size``/``TensorProperties`` objects
@@ -17,9 +17,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim import sim_save
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
     SavePlan,
     TensorWriteData,
     WriteItem,
@@ -27,8 +31,9 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from smpckpt import ParallelLayout, ShardSpec
-from smpckpt.planners import ParallelSavePlanner, _plan_wire
-from smpckpt.planners._plan_wire import FIELDS_PER_ITEM, CompactSavePlan, compact
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner, _plan_wire
+from smpckpt.planners._plan_wire import FIELDS_PER_ITEM, FIELDS_PER_READ, CompactLoadPlan, CompactSavePlan, compact
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage._full_exchange import Exchange
 from smpckpt.storage._full_plan import FullWrite
 
@@ -39,6 +44,14 @@ def _fields(plan: SavePlan) -> list[Any]:
         plan.storage_data,
         plan.planner_data,
         plan.usable,
+    ]
+
+
+def _read_fields(plan: LoadPlan) -> list[Any]:
+    """Every field of every read item, both index hints included."""
+    return [(it, it.dest_index.index, it.storage_index.index) for it in plan.items] + [
+        plan.storage_data,
+        plan.planner_data,
     ]
 
 
@@ -168,3 +181,70 @@ def test_full_mode_boxes_cross_without_a_dict_each() -> None:
     # per box its instance; per swap its instance and 3 tuples holding boxes: (2000 + 4 * 500) / 2500 = 1.6,
     # and 2.6 with a default pickle's __dict__ per instance
     assert made / (len(boxes) + len(swaps)) < 1.7
+
+
+def _real_load_plan(folder: str) -> LoadPlan:
+    """Rank 0's local load plan at TP=2 of a TP=4 checkpoint (resharded reads) with an object."""
+    state = {f"layers.{i}.w": torch.arange(32.0).reshape(8, 4) * i for i in range(200)}
+    planners = [ParallelSavePlanner(ParallelLayout(tp=4), {"*.w": ShardSpec(0)}, rank=r) for r in range(4)]
+
+    sim_save(
+        [{"model": {k: v.chunk(4)[r].clone() for k, v in state.items()}, "step": 3} for r in range(4)],
+        planners,
+        [FsspecStorageWriter(folder, sync_files=False) for _ in range(4)],
+    )
+    metadata = FsspecStorageReader(folder).read_metadata()
+    planner = ParallelLoadPlanner(ParallelLayout(tp=2), {"*.w": ShardSpec(0)}, rank=0)
+    dest = {"model": {k: torch.empty(4, 4) for k in state}, "step": 0}
+    planner.set_up_planner(dest, metadata, is_coordinator=False)
+    return planner.create_local_plan()
+
+
+def test_a_real_load_plan_crosses_as_the_same_plan_with_fewer_objects(tmp_path: Any) -> None:
+    plan = _real_load_plan(str(tmp_path / "ck"))
+    assert isinstance(plan, CompactLoadPlan)
+    assert {it.type for it in plan.items} == {LoadItemType.TENSOR, LoadItemType.BYTE_IO}
+    plain = LoadPlan(plan.items, plan.storage_data, plan.planner_data)
+    compact_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plan)))
+    plain_objects, expected = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain)))
+    assert type(received) is LoadPlan
+    assert _read_fields(received) == _read_fields(expected) == _read_fields(plain)
+    n = len(plan.items)
+    assert n >= 400 and plain_objects > 10 * n  # a __dict__ per dataclass per item ...
+    assert compact_objects < 4 * n  # ... none here, and equal sizes and offsets shared
+    plan.items = plan.items[::-1]  # the reader sorts a plan's items in place: it stays compact
+    assert isinstance(pickle.loads(pickle.dumps(plan)), LoadPlan) and plan == LoadPlan(
+        plain.items[::-1], None, plain.planner_data
+    )
+
+
+def test_a_damaged_flat_read_list_is_refused() -> None:
+    with pytest.raises(ValueError, match=f"holds 11 fields, not a multiple of {FIELDS_PER_READ}"):
+        _plan_wire._open_load([None] * 11, None, None)
+
+
+@st.composite
+def read_items(draw: st.DrawFn) -> ReadItem:
+    def index() -> MetadataIndex:
+        offset = draw(st.none() | st.lists(st.integers(0, 99), max_size=3).map(torch.Size))
+        return MetadataIndex(draw(st.sampled_from(["a", "b.c", "d"])), offset, draw(st.none() | st.integers(0, 9)))
+
+    def size() -> torch.Size:
+        return torch.Size(draw(st.lists(st.integers(0, 99), max_size=3)))
+
+    dest = index()
+    src = dest if draw(st.booleans()) else index()
+    kind = draw(st.sampled_from([LoadItemType.TENSOR, LoadItemType.BYTE_IO]))
+    return ReadItem(kind, dest, size(), src, size(), size())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    items=st.lists(read_items(), max_size=30),
+    planner_data=st.none() | st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+)
+def test_any_load_plan_crosses_unchanged(items: list[ReadItem], planner_data: Any) -> None:
+    plain = LoadPlan(items, None, planner_data)
+    received = pickle.loads(pickle.dumps(_plan_wire.compact_load(plain)))
+    assert type(received) is LoadPlan
+    assert _read_fields(received) == _read_fields(pickle.loads(pickle.dumps(plain)))

@@ -23,6 +23,7 @@ from smpckpt.storage._fs import fsync_path, is_local, join, remove_files, write_
 from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
+from smpckpt.storage._full_units import BoxUnits, rows_of
 from smpckpt.storage._full_write import ObjectResult, create_files
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._state import probe
@@ -160,7 +161,7 @@ def results_of(
     layout: ArtifactLayout, results: list[list[WriteResult]]
 ) -> tuple[list[FileRecord], dict[str, list[list[Any]]]]:
     """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
-    checks: dict[str, list[list[Any]]] = {}
+    boxes: dict[str, list[BoxUnits]] = {}
     records: list[FileRecord] = []
     with gc_paused():  # thousands of small lists per rank: no collections while they are made
         for rank, rank_results in enumerate(results):
@@ -171,7 +172,8 @@ def results_of(
                     continue
                 art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
                 for box in wr.storage_data or ():
-                    checks.setdefault(f"{art}/{box.key}", []).extend(box.rows())
+                    boxes.setdefault(f"{art}/{box.key}", []).append(box)
+        checks = {key: rows_of(bs) for key, bs in boxes.items()}
     return records, checks
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import pickle
+import random
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from smpckpt.storage._check_units import item_checks
 from smpckpt.storage._full_plan import FullWrite
-from smpckpt.storage._full_units import BoxUnits, Unit, UnitIndex
+from smpckpt.storage._full_units import BoxUnits, Unit, UnitIndex, rows_of
 from smpckpt.storage._full_write import box_buffer, unit_digests
 from smpckpt.storage._regions import intersect
 
@@ -214,3 +215,21 @@ def test_a_box_cutting_a_unit_has_no_whole_units() -> None:
     assert index.whole_inside((0, 0), (2, 2)) is None  # a column box cuts the first
     mixed = UnitIndex([Unit((4, 4), (0, 0), (4, 4), 1), Unit((16,), (0,), (16,), 2)])
     assert mixed.whole_inside((0, 0), (4, 4)) is None  # units in several views: matched one at a time
+
+
+def test_rows_of_many_boxes_equal_their_rows_one_after_another() -> None:
+    """The commit converts a tensor's boxes together: same rows, same order, as box by box; boxes of
+    other dimensionalities (and of none: scalars) in between; damage still named by key."""
+    rng = random.Random(7)
+    boxes = []
+    for i in range(60):
+        view = tuple(rng.randint(1, 9) for _ in range(rng.choice([0, 1, 2, 2, 3])))
+        n = rng.randint(0, 4)
+        offsets = [[rng.randint(0, 8) for _ in view] for _ in range(n)]
+        sizes = [[rng.randint(1, 8) for _ in view] for _ in range(n)]
+        boxes.append(BoxUnits.pack(f"k{i}", view, offsets, sizes, [rng.getrandbits(64) for _ in range(n)]))
+    assert rows_of(boxes) == [r for b in boxes for r in b.rows()]
+    assert rows_of([]) == []
+    bad = BoxUnits(boxes[3].key, boxes[3].view, boxes[3].offsets + b"\0" * 8, boxes[3].sizes, boxes[3].digests)
+    with pytest.raises(ValueError, match="'k3': packed units do not match"):
+        rows_of(boxes[:3] + [bad])

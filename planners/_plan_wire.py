@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem
 
@@ -93,19 +94,22 @@ def _flatten(items: list[WriteItem]) -> list[Any]:
             chunk = td.chunk
             offsets = one(chunk.offsets)
             # the index's offset is a copy of the chunk's (MetadataIndex copies what it is given)
-            offset = offsets if index.offset == offsets else one(index.offset)
+            same = type(index.offset) is type(offsets) and index.offset == offsets
+            offset = offsets if same else one(index.offset)
             add((index.fqn, offset, index.index, it.type, it.bytes_io_data, offsets, one(chunk.sizes)))
             add((td.properties, one(td.size)))
     return flat
 
 
 def _interner() -> Any:
-    """Maps each value to the first equal one seen, so equal ``torch.Size`` objects (offsets, shapes:
-    a few distinct values over thousands of items) travel once and arrive as one object."""
+    """Maps each ``torch.Size`` to the first equal one seen, so equal offsets and shapes (a few
+    distinct values over thousands of items) travel once and arrive as one object. Anything else (a
+    plain tuple a custom planner put there, a list, None) passes as it is: equal is not enough, the
+    receiver must get the same type."""
     seen: dict[Any, Any] = {}
 
     def one(value: Any) -> Any:
-        return None if value is None else seen.setdefault(value, value)
+        return seen.setdefault(value, value) if type(value) is torch.Size else value
 
     return one
 

@@ -45,6 +45,7 @@ __all__ = [
     "CommittedMetadata",
     "CommittedView",
     "lean_returned_metadata",
+    "with_plain_mappings",
 ]
 
 #: Index of the one WriteResult that carries a rank's packed results (never stored).
@@ -164,6 +165,18 @@ class CommittedView(Mapping[Any, Any]):
 
 
 _VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
+
+
+def with_plain_mappings(metadata: Metadata) -> Metadata:
+    """``metadata`` with any view of a committed file turned back into the dict it stands for, before
+    it is pickled into a new file: a planner may hand ``finish`` a Metadata that a previous save left
+    lean (DCP's ``DefaultSavePlanner`` with plan caching reuses the object), and the file must hold
+    plain dicts."""
+    for field in _VIEW_FIELDS:
+        value = getattr(metadata, field)
+        if isinstance(value, CommittedView):
+            setattr(metadata, field, dict(value))
+    return metadata
 
 
 def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:

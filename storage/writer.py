@@ -44,7 +44,7 @@ from torch.futures import Future
 
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import MANIFEST_KEY, LayoutRecord
-from smpckpt.storage import _names
+from smpckpt.storage import _names, _wire
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
@@ -73,7 +73,6 @@ from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
 from smpckpt.storage._threads import default_write_threads
-from smpckpt.storage._wire import committed_index, crosses_ranks, lean_returned_metadata, open_results, pack_results
 from smpckpt.storage._write_file import PART_FILL, write_file
 from smpckpt.storage.manifest import Manifest, MetadataRecord
 
@@ -250,7 +249,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         try:
             results = self._write_rank(plan, planner)
-            fut.set_result(pack_results(results) if crosses_ranks(self.process_group) else results)
+            fut.set_result(_wire.pack_results(results) if _wire.crosses_ranks(self.process_group) else results)
         except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
@@ -266,7 +265,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # An object per item of every rank, each dropped before the collector resumes: none lives on
         # into an old generation, where it would bring the next full collection nearer.
         with gc_paused():
-            files, metadata.storage_data = committed_index(open_results(results))
+            files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
             md_bytes, extra = self._metadata_bytes(save_id, metadata)
         md_record = self._write_generation_metadata(save_id, md_bytes)
         gen_name = md_record.name
@@ -332,12 +331,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
-            md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+            md_bytes = pickle.dumps(_wire.with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
             # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
             # now, before the commit, rather than produce a checkpoint nobody can load safely.
             load_metadata(md_bytes, where="metadata being written")
             extra = _with_layout_record(self._extra, metadata)
-            lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
+            _wire.lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
         return md_bytes, extra
 
     def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
@@ -466,7 +465,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             raise CheckpointError("finish() called without prepare_global_plan() in full mode")
         records = artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
         with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
-            objects, checks = results_of(layout, open_results(results))
+            objects, checks = results_of(layout, _wire.open_results(results))
             whole_tensor_metadata(metadata, layout, checks)
             del checks
             md_bytes, extra = self._metadata_bytes(save_id, metadata)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,9 +39,21 @@ from smpckpt.storage._full_exchange import Exchange
 from smpckpt.storage._full_plan import FullWrite
 
 
+def _types(it: WriteItem) -> tuple[type, ...]:
+    td = it.tensor_data
+    parts = (it.index.offset,) if td is None else (it.index.offset, td.chunk.offsets, td.chunk.sizes, td.size)
+    return tuple(type(p) for p in parts)
+
+
+#: Python 3.11+ keeps an instance's attributes inline until its ``__dict__`` is asked for; 3.10 makes a
+#: dict per instance whatever builds it, so there the object counts below do not drop (bytes still do).
+INLINE_VALUES = sys.version_info >= (3, 11)
+
+
 def _fields(plan: SavePlan) -> list[Any]:
-    """Every field of every item, the index hint included (WriteItem equality leaves it out)."""
-    return [(it, it.index.index, type(it.index.offset)) for it in plan.items] + [
+    """Every field of every item, the index hint included (WriteItem equality leaves it out), and the
+    type of every offset and shape (a tuple equals a torch.Size)."""
+    return [(it, it.index.index, _types(it)) for it in plan.items] + [
         plan.storage_data,
         plan.planner_data,
         plan.usable,
@@ -97,7 +110,7 @@ def test_a_real_local_plan_crosses_as_the_same_plan_with_fewer_objects() -> None
     )
     n = len(plan.items)
     assert plain_objects > 9 * n  # a __dict__ per dataclass per item ...
-    assert compact_objects < 6 * n  # ... none here
+    assert compact_objects < 6 * n or not INLINE_VALUES  # ... none here
     assert len(pickle.dumps(plan)) < 0.8 * len(pickle.dumps(plain))
 
 
@@ -113,9 +126,9 @@ def test_replace_keeps_the_plan_compact_and_plans_compare_by_fields() -> None:
 
 
 def test_unknown_plan_fields_fall_back_to_plain_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = SavePlan([], planner_data={"rank": 0})
+    plan, load_plan = SavePlan([], planner_data={"rank": 0}), LoadPlan([])
     monkeypatch.setattr(_plan_wire, "_SUPPORTED", False)
-    assert compact(plan) is plan
+    assert compact(plan) is plan and _plan_wire.compact_load(load_plan) is load_plan
 
 
 def test_a_damaged_flat_list_is_refused() -> None:
@@ -138,12 +151,26 @@ def write_items(draw: st.DrawFn) -> WriteItem:
         bio = draw(st.none() | st.builds(BytesIOWriteData, st.integers(0, 1 << 40)))
         return WriteItem(MetadataIndex(fqn, None, hint), WriteItemType.BYTE_IO, bio)
     shape = draw(st.lists(st.integers(0, 64), min_size=0, max_size=4))
-    offsets = torch.Size([draw(st.integers(0, 1 << 20)) for _ in shape])
-    size = torch.Size([o + s for o, s in zip(offsets, shape)])
-    chunk = ChunkStorageMetadata(offsets, torch.Size(shape))
+    # DCP's planners build torch.Size; a custom planner may leave plain tuples, which must stay tuples
+    as_size = draw(st.sampled_from([torch.Size, tuple]))
+    offsets = as_size(draw(st.integers(0, 1 << 20)) for _ in shape)
+    size = as_size(o + s for o, s in zip(offsets, shape))
+    chunk = ChunkStorageMetadata(offsets, as_size(shape))
     kind = draw(st.sampled_from([WriteItemType.TENSOR, WriteItemType.SHARD]))
     td = TensorWriteData(chunk, draw(st.sampled_from(_PROPS)), size)
-    return WriteItem(MetadataIndex(fqn, offsets, hint), kind, None, td)
+    index = draw(
+        st.sampled_from(["chunk's", "none", "other"]).map(
+            lambda which: (
+                MetadataIndex(fqn, offsets, hint)
+                if which == "chunk's"
+                else MetadataIndex(fqn, None, hint)
+                if which == "none"
+                else MetadataIndex(fqn, torch.Size([o + 1 for o in offsets]), hint)
+            )
+        )
+    )
+    bio = draw(st.none() | st.builds(BytesIOWriteData, st.integers(0, 99)))  # allowed, if odd, on tensors
+    return WriteItem(index, kind, bio, td)
 
 
 @settings(max_examples=200, deadline=None)
@@ -180,7 +207,10 @@ def test_full_mode_boxes_cross_without_a_dict_each() -> None:
     del kept
     # per box its instance; per swap its instance and 3 tuples holding boxes: (2000 + 4 * 500) / 2500 = 1.6,
     # and 2.6 with a default pickle's __dict__ per instance
-    assert made / (len(boxes) + len(swaps)) < 1.7
+    assert made / (len(boxes) + len(swaps)) < 1.7 or not INLINE_VALUES
+    # every field travels: the reducers list them by hand
+    for obj in (boxes[0], swaps[0]):
+        assert len(obj.__reduce__()[1]) == len(dataclasses.fields(obj))
 
 
 def _real_load_plan(folder: str) -> LoadPlan:
@@ -211,7 +241,7 @@ def test_a_real_load_plan_crosses_as_the_same_plan_with_fewer_objects(tmp_path: 
     assert _read_fields(received) == _read_fields(expected) == _read_fields(plain)
     n = len(plan.items)
     assert n >= 400 and plain_objects > 10 * n  # a __dict__ per dataclass per item ...
-    assert compact_objects < 4 * n  # ... none here, and equal sizes and offsets shared
+    assert compact_objects < 4 * n or not INLINE_VALUES  # ... none here, and equal sizes and offsets shared
     plan.items = plan.items[::-1]  # the reader sorts a plan's items in place: it stays compact
     assert isinstance(pickle.loads(pickle.dumps(plan)), LoadPlan) and plan == LoadPlan(
         plain.items[::-1], None, plain.planner_data
@@ -248,3 +278,32 @@ def test_any_load_plan_crosses_unchanged(items: list[ReadItem], planner_data: An
     received = pickle.loads(pickle.dumps(_plan_wire.compact_load(plain)))
     assert type(received) is LoadPlan
     assert _read_fields(received) == _read_fields(pickle.loads(pickle.dumps(plain)))
+
+
+def test_the_coordinator_scatters_compact_plans(tmp_path: Any) -> None:
+    """Both halves: the gathered local plans and the scattered global ones (the first one included,
+    which the save planner replaces once more to carry the layout record)."""
+    layout = ParallelLayout(tp=2)
+    state = {f"layers.{i}.w": torch.ones(4, 8) * i for i in range(20)}
+    planners = [ParallelSavePlanner(layout, {"*.w": ShardSpec(0)}, rank=r) for r in range(2)]
+    local = []
+    for r, planner in enumerate(planners):
+        planner.set_up_planner({"model": {k: v.chunk(2)[r] for k, v in state.items()}}, is_coordinator=r == 0)
+        local.append(planner.create_local_plan())
+    global_plans, _ = planners[0].create_global_plan([pickle.loads(pickle.dumps(p)) for p in local])
+    assert all(isinstance(p, CompactSavePlan) for p in local + global_plans)
+
+    folder = str(tmp_path / "ck")
+    sim_save(
+        [{"model": {k: v.chunk(2)[r].clone() for k, v in state.items()}} for r in range(2)],
+        [ParallelSavePlanner(layout, {"*.w": ShardSpec(0)}, rank=r) for r in range(2)],
+        [FsspecStorageWriter(folder, sync_files=False) for _ in range(2)],
+    )
+    metadata = FsspecStorageReader(folder).read_metadata()
+    loaders = [ParallelLoadPlanner(layout, {"*.w": ShardSpec(0)}, rank=r) for r in range(2)]
+    load_local = []
+    for r, planner in enumerate(loaders):
+        planner.set_up_planner({"model": {k: torch.empty(2, 8) for k in state}}, metadata, is_coordinator=r == 0)
+        load_local.append(planner.create_local_plan())
+    load_global = loaders[0].create_global_plan([pickle.loads(pickle.dumps(p)) for p in load_local])
+    assert all(isinstance(p, CompactLoadPlan) for p in load_local + load_global)

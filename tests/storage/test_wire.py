@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.planners import ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage import writer as writer_module
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, _wire
+from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._wire import CommittedMetadata, CommittedView, PackedResults, open_results, pack_results
 
 TP = 2
@@ -58,7 +58,7 @@ def _tracked_objects_made(fn: Callable[[], Any]) -> tuple[int, Any]:
 def _save(folder: Path, monkeypatch: pytest.MonkeyPatch, *, crossing: bool) -> tuple[Metadata, list[Any]]:
     """A TP=2 save in the simulated world, as if results and Metadata crossed ranks (``crossing``);
     returns what ``dcp.save`` would return and every rank's write results as the gather sends them."""
-    monkeypatch.setattr(writer_module, "crosses_ranks", lambda group: crossing)
+    monkeypatch.setattr(_wire, "crosses_ranks", lambda group: crossing)
     sent: list[Any] = []
 
     def recording_wire(obj: Any) -> Any:
@@ -114,6 +114,13 @@ def test_packed_results_and_lean_metadata_cross_ranks_as_a_few_objects(
     assert dict(received.state_dict_metadata) == stored.state_dict_metadata
     assert dict(received.planner_data) == stored.planner_data
     assert len(stored.storage_data) >= TENSORS * TP
+
+    # a Metadata a previous save left lean, handed to finish again (DCP's planner with plan caching
+    # reuses the object), is written as the plain dicts the file must hold
+    again, _ = FsspecStorageWriter(str(tmp_path / "again"))._metadata_bytes("s2", md)
+    rewritten = load_metadata(again, where="rewritten metadata")
+    assert all(isinstance(getattr(rewritten, f), dict) for f in fields)
+    assert rewritten.storage_data == stored.storage_data and rewritten.planner_data == stored.planner_data
 
 
 def _results(n: int, name: str) -> list[WriteResult]:

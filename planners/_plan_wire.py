@@ -24,7 +24,7 @@ plans unchanged (a plain pickle, as before) rather than drop a field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
 from smpckpt.storage._gc import gc_paused
 
 __all__ = ["CompactSavePlan", "CompactLoadPlan", "compact", "compact_load", "FIELDS_PER_ITEM", "FIELDS_PER_READ"]
+
+_Plan = TypeVar("_Plan", SavePlan, LoadPlan)
 
 #: Entries per item in the flat list: fqn, offset, index hint, type, bytes_io_data, chunk offsets,
 #: chunk sizes, properties, global size.
@@ -55,31 +57,44 @@ _EXPECTED_FIELDS = {
 _SUPPORTED = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _EXPECTED_FIELDS.items())
 
 
-class CompactSavePlan(SavePlan):
+class _ComparesAsPlain:
+    """Equal to a plain plan of ``_BASE`` with the same fields (a dataclass's generated ``__eq__`` wants
+    the very same class)."""
+
+    _BASE: ClassVar[type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, self._BASE):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self._BASE))
+
+    __hash__ = None  # type: ignore[assignment]  # as the plain plans': their items are a list
+
+
+class CompactSavePlan(_ComparesAsPlain, SavePlan):
     """A ``SavePlan`` that pickles its items as flat columns and unpickles as a plain ``SavePlan``.
     Compares equal to a plain plan with the same fields."""
+
+    _BASE = SavePlan
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_open, (_flatten(self.items), self.storage_data, self.planner_data, self.usable))
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, SavePlan):
-            return NotImplemented
-        return (self.items, self.storage_data, self.planner_data, self.usable) == (
-            other.items,
-            other.storage_data,
-            other.planner_data,
-            other.usable,
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # as SavePlan's: its items are a list
-
 
 def compact(plan: SavePlan) -> SavePlan:
     """``plan`` as a :class:`CompactSavePlan` (the same fields; no copy of its items)."""
-    if not _SUPPORTED or isinstance(plan, CompactSavePlan):
+    return _as(CompactSavePlan, plan)
+
+
+def compact_load(plan: LoadPlan) -> LoadPlan:
+    """``plan`` as a :class:`CompactLoadPlan` (the same fields; no copy of its items)."""
+    return _as(CompactLoadPlan, plan)
+
+
+def _as(cls: type[_Plan], plan: _Plan) -> _Plan:
+    if not _SUPPORTED or isinstance(plan, cls):
         return plan
-    return CompactSavePlan(plan.items, plan.storage_data, plan.planner_data, plan.usable)
+    return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
 
 
 def _flatten(items: list[WriteItem]) -> list[Any]:
@@ -137,30 +152,14 @@ def _open(flat: list[Any], storage_data: Any, planner_data: Any, usable: bool) -
     return SavePlan(items, storage_data, planner_data, usable)
 
 
-class CompactLoadPlan(LoadPlan):
+class CompactLoadPlan(_ComparesAsPlain, LoadPlan):
     """A ``LoadPlan`` that pickles its items as flat columns and unpickles as a plain ``LoadPlan``.
     Compares equal to a plain plan with the same fields."""
 
+    _BASE = LoadPlan
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_open_load, (_flatten_reads(self.items), self.storage_data, self.planner_data))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, LoadPlan):
-            return NotImplemented
-        return (self.items, self.storage_data, self.planner_data) == (
-            other.items,
-            other.storage_data,
-            other.planner_data,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def compact_load(plan: LoadPlan) -> LoadPlan:
-    """``plan`` as a :class:`CompactLoadPlan` (the same fields; no copy of its items)."""
-    if not _SUPPORTED or isinstance(plan, CompactLoadPlan):
-        return plan
-    return CompactLoadPlan(plan.items, plan.storage_data, plan.planner_data)
 
 
 def _flatten_reads(items: list[ReadItem]) -> list[Any]:

@@ -9,6 +9,7 @@ try many layouts a minute.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import io
 import pickle
@@ -238,3 +239,16 @@ class MemoryReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def tracked_objects_made(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """How many objects the cyclic collector tracks after ``fn()`` that it did not before (each one the
+    next full collection walks), and ``fn``'s value; the collector is off meanwhile."""
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        value = fn()
+        return len(gc.get_objects()) - before, value
+    finally:
+        gc.enable()

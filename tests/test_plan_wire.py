@@ -11,14 +11,13 @@ import dataclasses
 import gc
 import pickle
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim import sim_save
+from sim import sim_save, tracked_objects_made
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
@@ -68,17 +67,6 @@ def _read_fields(plan: LoadPlan) -> list[Any]:
     ]
 
 
-def _tracked_objects_made(fn: Callable[[], Any]) -> tuple[int, Any]:
-    gc.collect()
-    gc.disable()
-    try:
-        before = len(gc.get_objects())
-        value = fn()
-        return len(gc.get_objects()) - before, value
-    finally:
-        gc.enable()
-
-
 def _real_local_plan() -> SavePlan:
     """Rank 1's local plan at TP=2 DP=2: TP shards, whole replicated tensors, an object."""
     layout = ParallelLayout(tp=2, dp=2)
@@ -96,8 +84,8 @@ def test_a_real_local_plan_crosses_as_the_same_plan_with_fewer_objects() -> None
     assert kinds == {WriteItemType.SHARD, WriteItemType.TENSOR, WriteItemType.BYTE_IO}
     plain = SavePlan(plan.items, plan.storage_data, plan.planner_data, plan.usable)
 
-    compact_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plan)))
-    plain_objects, expected = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain)))
+    compact_objects, received = tracked_objects_made(lambda: pickle.loads(pickle.dumps(plan)))
+    plain_objects, expected = tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain)))
     assert type(received) is SavePlan  # receivers get DCP's own class
     assert _fields(received) == _fields(expected) == _fields(plain)
     # shared objects stay shared, and an item's equal index and chunk offsets become one
@@ -235,8 +223,8 @@ def test_a_real_load_plan_crosses_as_the_same_plan_with_fewer_objects(tmp_path: 
     assert isinstance(plan, CompactLoadPlan)
     assert {it.type for it in plan.items} == {LoadItemType.TENSOR, LoadItemType.BYTE_IO}
     plain = LoadPlan(plan.items, plan.storage_data, plan.planner_data)
-    compact_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plan)))
-    plain_objects, expected = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain)))
+    compact_objects, received = tracked_objects_made(lambda: pickle.loads(pickle.dumps(plan)))
+    plain_objects, expected = tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain)))
     assert type(received) is LoadPlan
     assert _read_fields(received) == _read_fields(expected) == _read_fields(plain)
     n = len(plan.items)

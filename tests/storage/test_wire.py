@@ -8,17 +8,15 @@ that packing changes nothing a save writes or a load reads.
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sim
 import torch
-from sim import load_shards_and_check, reset_dcp_caches, sim_save
+from sim import load_shards_and_check, reset_dcp_caches, sim_save, tracked_objects_made
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
@@ -42,17 +40,6 @@ def _globals() -> dict[str, torch.Tensor]:
 
 def _shard(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t.chunk(TP, dim=0)[rank].clone()
-
-
-def _tracked_objects_made(fn: Callable[[], Any]) -> tuple[int, Any]:
-    gc.collect()
-    gc.disable()
-    try:
-        before = len(gc.get_objects())
-        value = fn()
-        return len(gc.get_objects()) - before, value
-    finally:
-        gc.enable()
 
 
 def _save(folder: Path, monkeypatch: pytest.MonkeyPatch, *, crossing: bool) -> tuple[Metadata, list[Any]]:
@@ -92,8 +79,8 @@ def test_packed_results_and_lean_metadata_cross_ranks_as_a_few_objects(
 
     # the coordinator's gather: one result per rank, one pickle inside it
     assert len(sent) == TP and all(len(r) == 1 and isinstance(r[0].storage_data, PackedResults) for r in sent)
-    packed_objects, _ = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(sent)))
-    plain_objects, _ = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain_sent)))
+    packed_objects, _ = tracked_objects_made(lambda: pickle.loads(pickle.dumps(sent)))
+    plain_objects, _ = tracked_objects_made(lambda: pickle.loads(pickle.dumps(plain_sent)))
     assert plain_objects > TENSORS * TP  # an object (or several) per item ...
     assert packed_objects < 10 * TP  # ... against a few per rank
 
@@ -104,8 +91,8 @@ def test_packed_results_and_lean_metadata_cross_ranks_as_a_few_objects(
     stored = FsspecStorageReader(str(tmp_path / "packed")).read_metadata()
     assert isinstance(stored.storage_data, dict)  # the file holds the plain dicts stock readers expect
     assert isinstance(stored.state_dict_metadata, dict) and isinstance(stored.planner_data, dict)
-    lean_objects, received = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(md)))
-    full_objects, _ = _tracked_objects_made(lambda: pickle.loads(pickle.dumps(stored)))
+    lean_objects, received = tracked_objects_made(lambda: pickle.loads(pickle.dumps(md)))
+    full_objects, _ = tracked_objects_made(lambda: pickle.loads(pickle.dumps(stored)))
     assert lean_objects < 20  # a few objects, not one per item or per tensor ...
     assert full_objects > 2 * TENSORS  # ... as the plain Metadata makes
     assert len(pickle.dumps(md)) < 1.2 * len(pickle.dumps(stored))  # the bytes travel once, not per view

@@ -182,6 +182,9 @@ def _open_load(flat: list[Any], storage_data: Any, planner_data: Any) -> LoadPla
         cols = [iter(flat)] * FIELDS_PER_READ
         for kind, dfqn, doff, dhint, doffsets, sfqn, soff, shint, soffsets, lengths in zip(*cols):
             dest = _index(dfqn, doff, dhint)
-            src = dest if (sfqn, soff, shint) == (dfqn, doff, dhint) else _index(sfqn, soff, shint)
+            # one object where the sender's were one value: interned offsets arrive as one object, so
+            # identity (not equality: a tuple equals a torch.Size) says the types match too
+            same = sfqn == dfqn and soff is doff and shint == dhint
+            src = dest if same else _index(sfqn, soff, shint)
             items.append(ReadItem(kind, dest, doffsets, src, soffsets, lengths))
     return LoadPlan(items, storage_data, planner_data)

@@ -62,9 +62,6 @@ class Exchange:
     blocks: tuple[tuple[int, int, int], ...]  # (rank, first row, end row) of dim 0, one per writer
     batch: int = 0  # swaps of one batch cross as one message per pair of ranks (numbered in global order)
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (Exchange, (self.boxes, self.blocks, self.batch))  # no __dict__ when unpickled (FullWrite's why)
-
     def block_write(self, rank: int) -> FullWrite | None:
         """The one-run box ``rank`` writes (its rows, every column), or None when it has no rows."""
         for r, lo, hi in self.blocks:

@@ -71,26 +71,6 @@ class FullWrite:
     dest_offsets: tuple[int, ...]
     dtype: torch.dtype  # artifact dtype (after any cast)
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Built by the constructor when unpickled: a default pickle materialises a __dict__ per
-        # instance, a second object for the collector to track, and every rank unpickles thousands of
-        # these in DCP's scatter (benchmarks/RESULTS.md, "Plans across ranks").
-        return (
-            FullWrite,
-            (
-                self.item,
-                self.key,
-                self.file,
-                self.start,
-                self.view,
-                self.offsets,
-                self.sizes,
-                self.perm,
-                self.dest_offsets,
-                self.dtype,
-            ),
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class RankFullData:

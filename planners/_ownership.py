@@ -120,8 +120,12 @@ def assign_owners(
     load, less balance) instead of spreading bytes.
     """
     by_axes: dict[frozenset[str], list[tuple[str, int]]] = {}
+    groups: dict[frozenset[str], list[tuple[str, int]]] = {}  # by the axes as given: a few distinct sets
     for key, nbytes, axes in replicated:
-        by_axes.setdefault(frozenset(axes) - {"pp"}, []).append((key, nbytes))
+        group = groups.get(axes)
+        if group is None:
+            group = groups[axes] = by_axes.setdefault(frozenset(axes) - {"pp"}, [])
+        group.append((key, nbytes))
     owners: dict[str, int] = {}
     stage_loads: dict[int, int] = {}
     order = [frozenset(), frozenset({"tp"}), frozenset({"dp"})]

@@ -163,11 +163,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if hit is not None:
             return hit
 
-        replicated = [
-            (e.key, e.nbytes, e.sharded_axes)
-            for e in self.entries.values()
-            if e.kind == "tensor" and not e.rank_local and e.sharded_axes != {"tp", "dp"}
-        ]
+        # plain tensors every rank of the stage must agree on: the replica digest's rows and the replicas
+        shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
+        replicated = [(e.key, e.nbytes, e.sharded_axes) for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         properties: dict[tuple[Any, ...], TensorProperties] = {}
@@ -187,7 +185,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 original[entry.key] = entry.original_global_shape
         planner_data = {
             "rank": self.rank,
-            "digest": self._replica_digest(),
+            "digest": _replica_digest(shared),
             "objects": objects,
             "mappings": mappings,
             "original_shapes": original,
@@ -217,30 +215,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             self._object_bytes[entry.key] = raw
             digests[entry.key] = hashlib.sha1(raw).hexdigest()
         return digests
-
-    def _replica_digest(self) -> tuple[int, str]:
-        """Constant-size digest of the tensors every rank of this stage must agree on.
-
-        Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor. Ranks of a
-        stage whose digests differ would disagree on who writes what -- silently losing data. Sorted by
-        key, so ranks that built their state dicts in another order still agree.
-        """
-        rows = [
-            (e.key, e.value.dtype, e.global_shape, e.sharded_axes)
-            for e in self.entries.values()
-            if e.kind == "tensor" and not e.rank_local
-        ]
-        rows.sort(key=lambda row: row[0])
-        # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
-        tails: dict[tuple[Any, ...], str] = {}
-        parts: list[str] = []
-        for key, dtype, shape, axes in rows:
-            tail = tails.get((dtype, shape, axes))
-            if tail is None:
-                tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
-            parts.append(key)
-            parts.append(tail)
-        return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 
     # -- 3. global plan (coordinator) --------------------------------------------------------------
     @gc_paused()
@@ -417,6 +391,31 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return self.entries[index.fqn].value
+
+
+def _replica_digest(shared: list[Entry]) -> tuple[int, str]:
+    """Constant-size digest of the tensors every rank of this stage must agree on.
+
+    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``). Ranks of a
+    stage whose digests differ would disagree on who writes what -- silently losing data. Sorted by
+    key, so ranks that built their state dicts in another order still agree.
+    """
+    rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
+    rows.sort()  # by key: keys are unique, so the other fields are never compared
+    # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
+    tails: dict[tuple[Any, ...], str] = {}
+    parts: list[str] = []
+    for key, dtype, shape, axes in rows:
+        tail = tails.get((dtype, shape, axes))
+        if tail is None:
+            tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
+        parts.append(key)
+        parts.append(tail)
+    return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
+
+
+#: a tensor split over both TP and DP is held by one rank: no replica to assign
+_SPLIT_OVER_BOTH = frozenset({"tp", "dp"})
 
 
 def _carries_no_data(entry: Entry) -> bool:

@@ -16,6 +16,7 @@ copies with ``.cpu()`` inside its timer and loads through host buffers, so the c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from bench_storage import raw_load, raw_save, torch_load, torch_save
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+from smpckpt import gc_frozen
 from smpckpt.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.specs import ShardSpec
@@ -77,16 +79,22 @@ def _opts(ctx: Ctx, url: str) -> dict[str, Any]:
 
 
 def _dcp_pair(
-    ctx: Ctx, writer: Callable[[str], Any], reader: Callable[[str], Any]
+    ctx: Ctx, writer: Callable[[str], Any], reader: Callable[[str], Any], *, frozen: bool = False
 ) -> tuple[Callable[[State, str], None], Callable[[State, str], Any]]:
-    """save/load through dcp with our planners and the given writer/reader factories."""
+    """save/load through dcp with our planners and the given writer/reader factories; ``frozen``:
+    inside ``smpckpt.gc_frozen()``, as ``save_checkpoint``/``resume_from_checkpoint`` run them."""
+
+    def around() -> contextlib.AbstractContextManager[None]:
+        return gc_frozen() if frozen else contextlib.nullcontext()
 
     def save(sd: State, url: str) -> None:
-        dcp.save({"model": sd}, storage_writer=writer(url), planner=_sp(ctx), process_group=ctx.process_group)
+        with around():
+            dcp.save({"model": sd}, storage_writer=writer(url), planner=_sp(ctx), process_group=ctx.process_group)
 
     def load(dest: State, url: str) -> Any:
         r = reader(url)
-        dcp.load({"model": dest}, storage_reader=r, planner=_lp(ctx), process_group=ctx.process_group)
+        with around():
+            dcp.load({"model": dest}, storage_reader=r, planner=_lp(ctx), process_group=ctx.process_group)
         return getattr(r, "last_read_stats", None)
 
     return save, load
@@ -146,27 +154,32 @@ def contenders(ctx: Ctx) -> list[Contender]:
     def ours_writer(u: str) -> FsspecStorageWriter:
         return FsspecStorageWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group)
 
-    ours = _dcp_pair(
-        ctx,
-        ours_writer,
-        lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u)),
-    )
+    def ours_reader(u: str) -> FsspecStorageReader:
+        return FsspecStorageReader(u, storage_options=_opts(ctx, u))
+
+    # ours run as the API runs them: the process's objects frozen out of cyclic collections meanwhile
+    ours = _dcp_pair(ctx, ours_writer, ours_reader, frozen=True)
     full = _dcp_pair(
         ctx,
         lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), mode="full", process_group=ctx.process_group),
-        lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u)),
+        ours_reader,
+        frozen=True,
     )
+    # an A/B of that freeze (what dcp.save with our planner and storage gives without it)
+    unfrozen = _dcp_pair(ctx, ours_writer, ours_reader)
     # a diagnostic: the same checkpoints loaded without verifying checksums (what hashing costs)
     unverified = _dcp_pair(
         ctx,
         ours_writer,
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), verify_checksums=False),
+        frozen=True,
     )
     # an A/B of the local request size (reader default 32 MiB on local filesystems, 64 MiB before)
     requests_64 = _dcp_pair(
         ctx,
         ours_writer,
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), max_request_bytes=64 << 20),
+        frozen=True,
     )
     fs_default = _dcp_pair(ctx, FileSystemWriter, FileSystemReader)
     # tuned: several files in flight per rank (the reader has no knobs; it reads what was written)
@@ -189,6 +202,7 @@ def contenders(ctx: Ctx) -> list[Contender]:
         Contender("torch.save per rank", *_per_rank_pair(ctx, torch_save, torch_load), LOCAL),
         Contender("smpckpt partial, loads unverified", *unverified, ANY, opt_in=True),
         Contender("smpckpt partial, 64 MiB read requests", *requests_64, ANY, opt_in=True),
+        Contender("smpckpt partial, gc not frozen", *unfrozen, ANY, opt_in=True),
     ]
 
 

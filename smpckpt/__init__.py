@@ -7,6 +7,8 @@ Public entry points:
 * :mod:`smpckpt.storage` -- fsspec-backed ``StorageWriter``/``StorageReader`` (local, shared FS, S3).
 * :func:`save_checkpoint`, :func:`resume_from_checkpoint` -- the smp-style checkpoint API (tags,
   ``newest``, retention, user_content); :func:`last_resume_info` says whether a resume resharded.
+* :func:`gc_frozen` -- what the API does around a synchronous save or load, for ``dcp.save``/``dcp.load``
+  called directly: the process's existing objects sit out cyclic garbage collections meanwhile.
 * ``smpckpt`` / ``python -m smpckpt`` -- CLI: ``ls``, ``inspect``, ``verify``, ``prune``.
 """
 
@@ -17,6 +19,7 @@ from smpckpt.consolidate import consolidate_checkpoint  # noqa: E402
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.specs import ShardSpec
+from smpckpt.storage._gc import gc_frozen
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,7 @@ __all__ = [
     "ParallelLayout",
     "RankCoords",
     "ShardSpec",
+    "gc_frozen",
     "__version__",
     *_errors.__all__,
 ]

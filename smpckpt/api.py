@@ -43,6 +43,7 @@ Works the same without a process group (one process: a notebook, conversion scri
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -73,6 +74,7 @@ from smpckpt.errors import CheckpointNotFound
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
 from smpckpt.specs import SpecLike, SpecRules
+from smpckpt.storage._gc import gc_frozen
 from smpckpt.translation import Translation
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
@@ -94,6 +96,11 @@ def _shown(path: Any) -> str:
 
 
 # -- save ------------------------------------------------------------------------------------------
+def _frozen(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """``gc_frozen()`` when ``enabled`` (``freeze_gc``), else nothing."""
+    return gc_frozen() if enabled else contextlib.nullcontext()
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     tag: str,
@@ -120,6 +127,7 @@ def save_checkpoint(
     max_shard_size: int | str | None = None,
     async_save: bool = False,
     wait_for_previous: bool = True,
+    freeze_gc: bool = True,
 ) -> concurrent.futures.Future[None] | None:
     """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
     ``partial=False``, one consolidated artifact ``{path}/{tag}/`` instead (see below).
@@ -181,6 +189,11 @@ def save_checkpoint(
             exit) finishes it. Partial checkpoints only.
         wait_for_previous: a save (sync or async) first waits for the background save in flight,
             logging how long; ``False`` raises :class:`CheckpointError` instead of waiting.
+        freeze_gc: while a synchronous save runs, leave the objects the process already holds out of
+            Python's cyclic garbage collections (``gc.freeze``, lifted at return): the collections a
+            save of thousands of tensors sets off then walk only the save's own objects (README,
+            "Garbage collection"). Skipped where the collector is off or the process froze objects
+            itself; not applied to an async save's background write.
         remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
             folders (debris of killed or failed saves) with no write for that long, and aborts S3
             multipart uploads under ``path`` started that long ago. Make it longer than any save
@@ -199,7 +212,7 @@ def save_checkpoint(
     if async_save and partial is False:
         raise ValueError("async_save=True saves partial checkpoints; save full ones (partial=False) synchronously")
     if partial is False:
-        with peer_failures(ctx, f"saving full checkpoint {tag!r} under {_shown(path)}"):
+        with peer_failures(ctx, f"saving full checkpoint {tag!r} under {_shown(path)}"), _frozen(freeze_gc):
             save_full(
                 ctx,
                 path,
@@ -223,7 +236,7 @@ def save_checkpoint(
                 ),
             )
         return None
-    with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
+    with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"), _frozen(freeze_gc and not async_save):
         req = resolve_save(
             ctx,
             path,
@@ -284,6 +297,7 @@ def resume_from_checkpoint(
     allow_pickle: bool = False,
     allow_dtype_cast: bool = False,
     verify_checksums: bool = True,
+    freeze_gc: bool = True,
 ) -> Any:
     """Load ``{path}/{tag}_partial`` (``newest`` when ``tag`` is None) into ``model``/``optimizer``
     in place, under the current ``layout`` (resharding when it differs), and return its ``user_content``.
@@ -312,11 +326,11 @@ def resume_from_checkpoint(
         allow_pickle: load stored objects (``user_content``) with arbitrary classes: trusted
             checkpoints only.
         allow_dtype_cast: convert tensors saved in another dtype instead of refusing.
-        Other arguments as for :func:`save_checkpoint`.
+        Other arguments (``freeze_gc`` too: for the whole load) as for :func:`save_checkpoint`.
     """
     ctx = DistContext(process_group)
     if partial is False:
-        with peer_failures(ctx, f"loading full checkpoint from {_shown(path)}"):
+        with peer_failures(ctx, f"loading full checkpoint from {_shown(path)}"), _frozen(freeze_gc):
             return resume_full(
                 ctx,
                 path,
@@ -336,7 +350,7 @@ def resume_from_checkpoint(
                     verify_checksums=verify_checksums,
                 ),
             )
-    with peer_failures(ctx, f"resuming from {_shown(path)}"):
+    with peer_failures(ctx, f"resuming from {_shown(path)}"), _frozen(freeze_gc):
         req = resolve_resume(
             ctx,
             path,

@@ -157,3 +157,25 @@ def test_an_async_save_writes_unfrozen(tmp_path: Any, frozen_during_dcp: list) -
     fut.result(timeout=120)
     assert frozen_during_dcp == [("save", 0)]
     assert gc.get_freeze_count() == 0
+
+
+def _full_collections() -> int:
+    return int(gc.get_stats()[-1]["collections"])
+
+
+def test_a_full_collection_run_frozen_is_settled_once_at_exit() -> None:
+    """CPython counts only the objects a frozen full collection saw, so the next whole-process one
+    would fall in the caller's code soon after: the exit runs it instead, once."""
+    start = _full_collections()
+    with gc_frozen():
+        gc.collect()  # stands for one the save's own objects set off
+        assert _full_collections() == start + 1
+    assert _full_collections() == start + 2
+
+
+def test_no_collection_at_exit_when_none_ran_frozen() -> None:
+    gc.collect()
+    start = _full_collections()
+    with gc_frozen():
+        gc.collect(0)
+    assert _full_collections() == start

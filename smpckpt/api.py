@@ -193,7 +193,7 @@ def save_checkpoint(
             Python's cyclic garbage collections (``gc.freeze``, lifted at return): the collections a
             save of thousands of tensors sets off then walk only the save's own objects (README,
             "Garbage collection"). Skipped where the collector is off or the process froze objects
-            itself; not applied to an async save's background write.
+            itself; not applied to async saves.
         remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
             folders (debris of killed or failed saves) with no write for that long, and aborts S3
             multipart uploads under ``path`` started that long ago. Make it longer than any save

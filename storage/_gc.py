@@ -50,7 +50,9 @@ def gc_frozen() -> Iterator[None]:
     collections, and each walks every object of the process: ~280,000 with torch loaded, more with a
     training job's own. At 4 ranks x 2,723 tensors a partial save spent a quarter of its time in them.
     Frozen, those collections walk only what was made since entry. The collector keeps running, so
-    garbage made inside is still collected; garbage among the frozen objects waits for the exit.
+    garbage made inside is still collected. Entry first collects the young generations (~0.03 ms), so
+    no young garbage is frozen (unfreezing puts every frozen object in the oldest generation, where
+    it would wait for a full collection); older garbage waits for the next full one, as it would anyway.
 
     A full collection run while frozen leaves the collector counting only the objects it saw, so it
     would start a full one over the whole process soon after: in the caller's next training step. When
@@ -59,26 +61,30 @@ def gc_frozen() -> Iterator[None]:
 
     Not used when the collector is off or when the process froze objects itself
     (``gc.get_freeze_count() > 0``): exit would unfreeze them too (a ``gc.freeze()`` another thread
-    makes inside is lifted with ours). Nested and concurrent callers share
-    one freeze, lifted when the last leaves. Wraps synchronous saves and loads only: an async save's
-    background write runs beside training, whose garbage must not wait for it."""
+    makes inside is lifted with ours). Nested and concurrent callers share one freeze, lifted when the
+    last leaves. The API wraps synchronous saves and loads; async saves not at all, since their write
+    runs beside training, whose garbage must not wait for it (a load that overlaps one still freezes)."""
     global _frozen_depth, _froze, _full_at_freeze
-    with _frozen_lock:
-        _frozen_depth += 1
-        if _frozen_depth == 1 and gc.isenabled() and gc.get_freeze_count() == 0:
-            _full_at_freeze = _full_collections()
-            gc.freeze()
-            _froze = True
+    counted = settle = False
     try:
+        if _frozen_depth == 0 and gc.isenabled():
+            gc.collect(1)  # outside the lock: finalizers it runs may enter here too
+        with _frozen_lock:
+            _frozen_depth += 1
+            counted = True
+            if _frozen_depth == 1 and gc.isenabled() and gc.get_freeze_count() == 0:
+                _full_at_freeze = _full_collections()
+                gc.freeze()
+                _froze = True
         yield
     finally:
-        settle = False
-        with _frozen_lock:
-            _frozen_depth -= 1
-            if _frozen_depth == 0 and _froze:
-                _froze = False
-                gc.unfreeze()
-                settle = _full_collections() > _full_at_freeze
+        if counted:
+            with _frozen_lock:
+                _frozen_depth -= 1
+                if _frozen_depth == 0 and _froze:
+                    _froze = False
+                    gc.unfreeze()
+                    settle = _full_collections() > _full_at_freeze
         if settle:
             gc.collect()
 

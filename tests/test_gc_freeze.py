@@ -1,11 +1,12 @@
 """Synchronous saves and loads of the API keep the process's existing objects out of cyclic collections
 (``gc.freeze``), and leave the collector as they found it: unfrozen at return (also on failure), never
-touching a freeze the process made itself, and never frozen during an async save's background write."""
+touching a freeze the process made itself; async saves never freeze."""
 
 from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -166,6 +167,7 @@ def _full_collections() -> int:
 def test_a_full_collection_run_frozen_is_settled_once_at_exit() -> None:
     """CPython counts only the objects a frozen full collection saw, so the next whole-process one
     would fall in the caller's code soon after: the exit runs it instead, once."""
+    gc.collect()  # none due on its own between here and the freeze
     start = _full_collections()
     with gc_frozen():
         gc.collect()  # stands for one the save's own objects set off
@@ -177,5 +179,22 @@ def test_no_collection_at_exit_when_none_ran_frozen() -> None:
     gc.collect()
     start = _full_collections()
     with gc_frozen():
+        assert gc.get_freeze_count() > 0
         gc.collect(0)
     assert _full_collections() == start
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_young_garbage_is_not_frozen() -> None:
+    """A cycle that is already garbage on entry is collected then, not frozen and promoted on exit to
+    the oldest generation (where it would wait for a full collection)."""
+    gc.collect()
+    dead = weakref.ref(_Cycle())  # garbage at once: only a collection can free it
+    assert dead() is not None
+    with gc_frozen():
+        pass
+    assert dead() is None

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from smpckpt.errors import SpecError
+from smpckpt.errors import SpecError, not_dense
 from smpckpt.layout import ParallelLayout, RankCoords
 from smpckpt.naming import KeyMapper, NameMap
 from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
@@ -73,6 +73,7 @@ class Entry:
 
 
 _NOT_SPLIT: frozenset[str] = frozenset()
+_STRIDED = torch.strided
 
 
 @dataclasses.dataclass
@@ -222,6 +223,8 @@ class _EntryMaker:
                 )
             if not isinstance(value, torch.Tensor):
                 return Entry(local_key, key, path, "object", value, rank_local=is_local)
+        if value.layout is not _STRIDED:
+            raise not_dense(key, value.layout, tuple(value.shape))
         matched = None if is_local else self.rules.match(key, self.prefixes)
         if matched is not None:
             specs, inherited_from = matched

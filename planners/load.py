@@ -232,6 +232,17 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         )
         return True
 
+    def _reshape_hint(self, entry: Entry, md: TensorStorageMetadata) -> str:
+        """What to do when only a ShardSpec view separates the shapes of a partial checkpoint's tensor."""
+        whole = isinstance(self.metadata.planner_data, dict) and self.metadata.planner_data.get(WHOLE_TENSORS)
+        if whole or math.prod(md.size) != math.prod(entry.global_shape or ()):
+            return ""
+        return (
+            "; a partial checkpoint is read only in the shape it was saved in (same elements, other view): "
+            "load it with the specs it was saved with, or consolidate it first (`smpckpt consolidate` / "
+            "smpckpt.consolidate_checkpoint): a full artifact is read reshaped into a ShardSpec view"
+        )
+
     def _shape_before_view(self, entry: Entry) -> tuple[int, ...]:
         """The shape the save recorded for the tensor before its ShardSpec view (``()``: none)."""
         return tuple(self.saved_original_shapes.get(entry.key, ()))
@@ -275,6 +286,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"{entry.key}: the checkpoint holds global shape {tuple(md.size)} but rank {self.rank}'s layout "
                 f"implies {tuple(entry.global_shape or ())} (local piece {local}, specs {list(entry.specs) or 'none'})"
+                + self._reshape_hint(entry, md)
             )
         saved = md.properties.dtype
         if saved != entry.value.dtype:

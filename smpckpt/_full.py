@@ -136,6 +136,10 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
         with kept_save_planner("full", common) as planner, quiet_no_dist():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
+        try:  # every rank is past its writes: the coordinator removes the unfinished artifact
+            writer.discard_failed_save()
+        except Exception:  # noqa: BLE001 - the save's own error is the one to raise
+            log.warning("%s: removing the failed full save's files failed", url, exc_info=True)
         raise translate_dcp(exc, f"saving full checkpoint {url}") from exc
     log.info("saved full checkpoint %s (%s) in %.2fs", url, common.layout, time.monotonic() - started)
     return url

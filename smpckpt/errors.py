@@ -49,3 +49,11 @@ class ReplicaMismatch(CheckpointError):
 
 class UnsafeCheckpoint(CheckpointError):
     """Stored objects need arbitrary code execution to load; refused unless ``allow_pickle=True``."""
+
+
+def not_dense(key: str, layout: object, shape: tuple[int, ...]) -> SpecError:
+    """The error for a sparse (or other non-strided) tensor at ``key``: planners and writers alike raise it."""
+    return SpecError(
+        f"{key}: a {layout} tensor (shape {shape}) cannot be saved or loaded; only dense (strided) tensors can: "
+        "store .to_dense(), or the sparse tensor's indices and values as two tensors"
+    )

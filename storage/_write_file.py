@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from smpckpt.errors import not_dense
 from smpckpt.storage import _names
 from smpckpt.storage._check_units import ItemChecks, item_checks
 from smpckpt.storage._checksum import BlockHasher
@@ -135,6 +136,8 @@ def write_file(
                     mv = value.getbuffer()
                 elif not isinstance(value, torch.Tensor):
                     raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
+                elif value.layout is not torch.strided:
+                    raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
                 elif raw:
                     mv = _tensor_bytes(value)
                     descriptors = [_names.RAW_DESCRIPTOR]

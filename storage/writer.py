@@ -14,7 +14,8 @@ Call order inside ``dcp.save`` (as in DCP's ``StorageWriter`` docstring; "all" =
                                                       generation's files
 
 DCP runs 6) only when every rank succeeded in 5), so a failed rank leaves no manifest and the folder
-keeps its previous committed generation (or stays uncommitted); every rank gets the error.
+keeps its previous committed generation (or stays uncommitted); every rank gets the error, and then
+``discard_failed_save()`` (the API calls it) removes what the rank wrote for the failed save.
 
 Two saves racing on one folder without ``overwrite``: both pass the check in 4), but the commit is
 create-if-absent (a hard link on POSIX, ``If-None-Match: *`` on S3), so exactly one commits; the
@@ -46,6 +47,7 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names, _wire
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
+from smpckpt.storage._failed_save import FailedSaveFiles, committed_by, discard_failed_full_save, discard_generation
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
     is_local,
@@ -199,6 +201,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self._save_id: str | None = None
         self._old_files: list[str] = []
         self._layout: ArtifactLayout | None = None  # full mode: what prepare_global_plan laid out
+        self._attempt = FailedSaveFiles()  # partial mode: this rank's files of the save under way
 
     def set_manifest_extra(self, extra: Mapping[str, Any]) -> None:
         """Replace the JSON recorded under ``"extra"`` in the next manifest (must be JSON-serialisable)."""
@@ -215,6 +218,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         """(all ranks) Refuses modes where more than one rank would act as coordinator."""
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
+        self._attempt = FailedSaveFiles()  # a new save: nothing of it written yet
         multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if multi_rank and kwargs.get("use_collectives", True) is False:
             raise CheckpointError(
@@ -282,8 +286,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         try:
             self._write_manifest(manifest.to_bytes())
         except FileExistsError as exc:
-            if not self._committed_by_us(save_id):
-                self._discard_generation(manifest)
+            if not committed_by(self.fs, self.path, save_id):
+                discard_generation(self.fs, self.path, manifest)
                 raise CheckpointExists(
                     f"{self.url}: another save committed a checkpoint here while this one was writing; this "
                     "save's files were removed and the other checkpoint is untouched (pass overwrite=True to "
@@ -310,20 +314,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             if is_local(self.fs):
                 remove_empty_folders(self.path, stale)
 
-    def _committed_by_us(self, save_id: str) -> bool:
-        """After a refused exclusive commit: is the manifest there our own (a retried request whose
-        first attempt landed)?"""
-        try:
-            found = probe(self.fs, self.path, list_when_empty=False)
-        except CheckpointError:
-            return False
-        return found.manifest is not None and found.manifest.save_id == save_id
-
-    def _discard_generation(self, manifest: Manifest) -> None:
-        names = [f.name for f in manifest.files] + [manifest.metadata.name]
-        failed = remove_files(self.fs, [join(self.path, n) for n in names])
-        if failed:
-            log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
+    def discard_failed_save(self) -> list[str]:
+        """(all ranks, after ``dcp.save`` raised; the API calls it) Remove what this rank wrote for the
+        failed save (full mode: the coordinator, the unfinished artifact); the paths not removed."""
+        if self.mode == "partial":
+            return self._attempt.discard(self.fs, self.path, self.url)
+        save_id, self._save_id = self._save_id, None
+        return discard_failed_full_save(self.fs, self.path, self.url, save_id if self.is_coordinator else None)
 
     def _metadata_bytes(self, save_id: str, metadata: Metadata) -> tuple[bytes, dict[str, Any]]:
         """(coordinator, both modes) The metadata pickled, checked with our allow-list, and the manifest's
@@ -342,6 +339,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
         """(coordinator, both modes) The metadata under this generation's name; its record goes into the manifest."""
         gen_name = _names.generation_metadata_name(save_id)
+        self._attempt.add(gen_name)
         self._write_metadata(gen_name, md_bytes)
         return MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes))
 
@@ -363,6 +361,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         """A data file's sink (partial mode; full mode on object stores). It may borrow: write_file and
         gather_rank pass views of the resolved tensors (or of buffers made for that write) and never
         change them before the sink's commit, so S3 parts go out without a copy."""
+        self._attempt.add(name)
         return self._sink(name, borrow=True)
 
     def _sink(self, name: str, *, borrow: bool = False) -> Sink:
@@ -414,6 +413,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"save id {data.save_id} was already committed by this writer: the planner returned a cached "
                 "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
             )
+        self._attempt.begin(data.save_id)
         written = write_partial_rank(
             self.path,
             self.fs,

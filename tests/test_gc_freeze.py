@@ -38,7 +38,8 @@ def test_frozen_inside_only_and_what_existed_before() -> None:
         inside = gc.get_freeze_count()
         assert inside >= len(before)
         made = [[] for _ in range(100)]  # made inside: not frozen, collected as usual
-        assert gc.get_freeze_count() == inside
+        # "<=": a frozen object of an earlier test may die meanwhile (on another thread, too)
+        assert gc.get_freeze_count() <= inside
         del made
     assert gc.get_freeze_count() == 0
 
@@ -76,9 +77,12 @@ def test_a_freeze_the_process_made_is_left_alone() -> None:
     gc.freeze()
     try:
         mine = gc.get_freeze_count()
+        young = [[] for _ in range(100)]  # a second freeze would add these
+        # "<=": a frozen object of an earlier test may die meanwhile (on another thread, too)
         with gc_frozen():
-            assert gc.get_freeze_count() == mine
-        assert gc.get_freeze_count() == mine  # not lifted by our exit
+            assert 0 < gc.get_freeze_count() <= mine
+        assert 0 < gc.get_freeze_count() <= mine  # not lifted by our exit
+        del young
     finally:
         gc.unfreeze()
 

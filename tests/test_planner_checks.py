@@ -12,7 +12,15 @@ from sim import MemoryReader, MemoryStore, MemoryWriter, reset_dcp_caches, sim_l
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from smpckpt import LayoutMismatch, ParallelLayout, ReplicaMismatch, ShardSpec, SpecError, UnsafeCheckpoint
+from smpckpt import (
+    CheckpointNotFound,
+    LayoutMismatch,
+    ParallelLayout,
+    ReplicaMismatch,
+    ShardSpec,
+    SpecError,
+    UnsafeCheckpoint,
+)
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 
 TP2 = ParallelLayout(tp=2)
@@ -156,6 +164,62 @@ def test_two_worlds_in_one_process_do_not_share_plans():
     b, _ = save([{"x": torch.ones(3)}, {"x": torch.ones(3)}], TP2)
     assert set(a.metadata.state_dict_metadata) == {"w", "b"}
     assert set(b.metadata.state_dict_metadata) == {"x"}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_tensors_are_refused_naming_the_key(tmp_path):
+    """Planners and our writer (under DCP's own planner) alike: a clear SpecError, not torch's internals."""
+    for sparse in (torch.eye(4).to_sparse(), torch.eye(4).to_sparse_csr()):
+        with pytest.raises(SpecError, match=rf"emb: a {sparse.layout} tensor \(shape \(4, 4\)\) cannot be saved"):
+            save([{"emb": sparse, "b": torch.ones(4)}], ParallelLayout())
+    store, _ = save([{"emb": torch.eye(4)}], ParallelLayout())
+    with pytest.raises(SpecError, match=r"emb: a torch.sparse_coo tensor .*\.to_dense\(\)"):
+        load([{"emb": torch.eye(4).to_sparse()}], ParallelLayout(), store)
+
+    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+    with pytest.raises(
+        BaseException, match=r"emb: a torch.sparse_coo tensor \(shape \(4, 4\)\) cannot be saved"
+    ) as info:
+        dcp.save({"emb": torch.eye(4).to_sparse()}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True)
+    assert "SpecError" in str(info.value)
+    with pytest.raises(CheckpointNotFound):  # nothing committed
+        FsspecStorageReader(tmp_path).read_metadata()
+
+
+def test_partial_checkpoint_into_another_view_says_how_to_load_it(tmp_path):
+    """Saved as a plain fused [3h, d]; loaded into a TP=2 layout viewing it as [3, h, d]: refused with
+    the way out, and the way out (consolidate, then load the full artifact) is bit-exact."""
+    from smpckpt import consolidate_checkpoint
+    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+    qkv = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    dcp.save(
+        {"qkv": qkv.clone()},
+        storage_writer=FsspecStorageWriter(tmp_path / "p"),
+        no_dist=True,
+        planner=ParallelSavePlanner(ParallelLayout()),
+    )
+    tp2, spec = ParallelLayout(tp=2), {"qkv": ShardSpec(1, view=(3, -1, 4))}
+
+    def load_from(path):
+        out = [{"qkv": torch.zeros(3, 4)} for _ in range(2)]
+        readers = [FsspecStorageReader(path) for _ in range(2)]
+        sim_load(out, [ParallelLoadPlanner(tp2, spec, rank=r) for r in range(2)], readers)
+        return out
+
+    with pytest.raises(LayoutMismatch, match=r"qkv: the checkpoint holds global shape \(6, 4\) .*consolidate it first"):
+        load_from(tmp_path / "p")
+    consolidate_checkpoint(tmp_path / "p", tmp_path / "full", progress=False)
+    out = load_from(tmp_path / "full")
+    for r in range(2):
+        assert torch.equal(out[r]["qkv"], qkv.view(3, 2, 4)[:, r, :])
+    # a shape that is not another view of the same elements gets no such hint
+    with pytest.raises(LayoutMismatch) as info:
+        sim_load(
+            [{"qkv": torch.zeros(5, 4)}], [ParallelLoadPlanner(ParallelLayout())], [FsspecStorageReader(tmp_path / "p")]
+        )
+    assert "consolidate" not in str(info.value)
 
 
 def test_stock_dcp_load_reads_our_checkpoint(tmp_path):

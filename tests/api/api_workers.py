@@ -116,17 +116,19 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
 
     def crash() -> Any:
         # crash between data write and commit: the manifest write fails (after every rank's data is durable)
-        original = FsspecStorageWriter._write_manifest
+        # (a crash cleans nothing up: discard_failed_save is off too)
+        original = FsspecStorageWriter._write_manifest, FsspecStorageWriter.discard_failed_save
 
         def boom(self: Any, data: bytes) -> None:
             raise OSError("simulated crash before commit")
 
         FsspecStorageWriter._write_manifest = boom  # type: ignore[method-assign]
+        FsspecStorageWriter.discard_failed_save = lambda self: []  # type: ignore[method-assign]
         _step(m, o, 5)
         try:
             err = _expect_error(lambda: save_checkpoint(root, "step5", model=m, optimizer=o, user_content={"step": 5}))
         finally:
-            FsspecStorageWriter._write_manifest = original  # type: ignore[method-assign]
+            FsspecStorageWriter._write_manifest, FsspecStorageWriter.discard_failed_save = original  # type: ignore[method-assign]
         dist.barrier()
         out: dict[str, Any] = {"save_error": err, "dirs": _dirs(root), "newest": _newest(root)}
         m3, o3 = _linear(8)

@@ -3,6 +3,7 @@ crash point of commit -> newest -> retention, stale debris, hostile siblings, cl
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -113,6 +114,45 @@ def test_restart_after_crash_between_commit_and_newest_resumes_the_later_tag_and
 class _KilledBeforeCommit(FsspecStorageWriter):
     def _write_manifest(self, data: bytes) -> None:
         raise RuntimeError("killed before the commit")
+
+    def discard_failed_save(self) -> list[str]:
+        return []  # a killed process cleans nothing up
+
+
+class _DiskFullAtCommit(FsspecStorageWriter):
+    """Every data file is durable; the metadata copy hits a full disk (a failure, not a kill)."""
+
+    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), gen_name)
+
+
+def test_a_failed_save_removes_its_files_so_the_retry_leaves_none_beside_its_own(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    import smpckpt._save as api
+
+    root = str(tmp_path)
+    _steps(root, 1)
+    m, o = _model(2)
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "FsspecStorageWriter", _DiskFullAtCommit)
+        for tag in ("step1", "step2"):  # over a committed tag (overwrite) and a new one
+            with pytest.raises(CheckpointError, match=os.strerror(errno.ENOSPC)):
+                save_checkpoint(root, tag, model=m, optimizer=o, user_content={"step": 2}, overwrite=True)
+    # the committed step1 is untouched, and step2's folder is gone with its files
+    assert _tags(root) == {"step0": "committed", "step1": "committed"}
+    assert not os.path.exists(os.path.join(root, "step2_partial"))
+    m1, o1 = _model(9)
+    assert resume_from_checkpoint(root, model=m1, optimizer=o1) == {"step": 1}
+    # the retries commit, and each folder holds only its own generation
+    for tag in ("step1", "step2"):
+        save_checkpoint(root, tag, model=m, optimizer=o, user_content={"step": 2}, overwrite=True)
+        manifest = read_manifest(os.path.join(root, f"{tag}_partial"))
+        expected = {f.name for f in manifest.files} | {manifest.metadata.name, ".metadata", "smpckpt.manifest.json"}
+        assert set(os.listdir(os.path.join(root, f"{tag}_partial"))) == expected
+    m3, o3 = _model(9)
+    assert resume_from_checkpoint(root, model=m3, optimizer=o3) == {"step": 2}
+    _assert_same_params(m, m3)
 
 
 def _make_uncommitted(root: str, tag: str, monkeypatch: Any, seed: int = 0) -> None:

@@ -7,6 +7,7 @@ same tag are refused.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,13 +25,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import (
     CheckpointCorrupt,
+    CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
     LayoutMismatch,
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.storage import FsspecStorageReader
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 MANIFEST = "smpckpt.manifest.json"
 MARKER = "smpckpt.writing"
@@ -377,6 +379,41 @@ def test_crashed_save_is_refused_and_can_be_redone(tmp_path: Any) -> None:
     assert resume_from_checkpoint(root, "crashed", partial=False, model=m4, optimizer=o4) == 2
     _assert_models_equal(m3, m4)
     _assert_state_equal(_optim_state(m3, o3), _optim_state(m4, o4))
+
+
+class _DiskFullAtCommit(FsspecStorageWriter):
+    """Every artifact file is written; the metadata copy hits a full disk (a failure, not a kill).
+    ``take_over``: another save's marker replaced this one's first."""
+
+    take_over = False
+
+    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
+        if self.take_over:
+            with open(os.path.join(self.path, MARKER), "w") as f:
+                f.write("another-save")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), gen_name)
+
+
+@pytest.mark.parametrize("take_over", [False, True])
+def test_failed_full_save_removes_its_artifact(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, take_over: bool) -> None:
+    import smpckpt._full as full_api
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    monkeypatch.setattr(_DiskFullAtCommit, "take_over", take_over)
+    with monkeypatch.context() as patch:
+        patch.setattr(full_api, "FsspecStorageWriter", _DiskFullAtCommit)
+        with pytest.raises(CheckpointError, match=os.strerror(errno.ENOSPC)):
+            save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
+    folder = os.path.join(root, "t")
+    if take_over:  # the marker names another save now: none of the folder is this save's to remove
+        assert "model.safetensors" in os.listdir(folder) and MARKER in os.listdir(folder)
+        return
+    assert not os.path.exists(folder)  # the artifact, its marker and the folder are gone
+    save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content=5)
+    m2, o2 = _model(1)
+    assert resume_from_checkpoint(root, "t", partial=False, model=m2, optimizer=o2) == 5
+    _assert_models_equal(m, m2)
 
 
 def test_marker_only_folder_is_refused(tmp_path: Any) -> None:

@@ -64,15 +64,16 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
     )
     save_id = read_manifest(url, opts).save_id
     failed_everywhere = False
+    writer = FsspecStorageWriter(url, storage_options=opts, overwrite=True)
     try:
-        dcp.save(
-            _sharded_state(mesh, 2),
-            storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True),
-            planner=_FailOnRank(1),
-        )
+        dcp.save(_sharded_state(mesh, 2), storage_writer=writer, planner=_FailOnRank(1))
     except CheckpointException as exc:
         failed_everywhere = "injected failure on rank 1" in str(exc)
+        # rank 0 completed its files of the failed save; each rank removes its own
+        not_removed = writer.discard_failed_save()
     dist.barrier()
+    fs, path = writer.fs, writer.path
+    on_disk = {p[len(path) + 1 :] for p in fs.find(path) if p.endswith(".distcp")}
     out2 = _full_from(mesh, {})
     dcp.load(out2, storage_reader=FsspecStorageReader(url, storage_options=opts))
     return {
@@ -88,6 +89,9 @@ def save_load_and_fail(rank: int, world: int, url: str, opts: dict[str, Any]) ->
         "same_commit": read_manifest(url, opts).save_id == save_id,
         "state": checkpoint_state(url, opts),
         "files": len(read_manifest(url, opts).files),
+        # only the committed generation's data files are left
+        "stray_files": sorted(on_disk - {f.name for f in read_manifest(url, opts).files}),
+        "not_removed": not_removed,
     }
 
 

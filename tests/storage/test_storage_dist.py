@@ -29,6 +29,8 @@ def _check(results: list[dict[str, Any]]) -> None:
             "same_commit": True,
             "state": "committed",
             "files": r["files"],
+            "stray_files": [],
+            "not_removed": [],
         }
         assert r["files"] >= 2  # both ranks wrote data
 

@@ -149,6 +149,41 @@ def test_failed_first_save_is_refused(backend: Backend, point: str) -> None:
         ), str(err)
 
 
+@pytest.mark.parametrize("point", ["metadata", "marker"])
+def test_discard_failed_save_removes_that_saves_files_only(backend: Backend, point: str) -> None:
+    """After a failed overwrite, ``discard_failed_save`` leaves exactly the committed generation. (A
+    rank failing mid-write removes its own files at once; the other ranks' complete files are the
+    two-rank test's case, tests/storage/test_storage_dist.py.)"""
+    base, opts = backend
+    url = f"{base}/discard"
+    old = make_state(1)
+    dcp.save(old, storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    committed = set(_listing(url, opts))
+    # every data file is durable when the failure comes; at "marker" the metadata copy too
+    writer = FailBefore(url, storage_options=opts, overwrite=True, point=point)
+    with pytest.raises(CheckpointException):
+        dcp.save(make_state(2, scale=3), storage_writer=writer)
+    left = set(_listing(url, opts)) - committed
+    assert any(n.endswith(".smp.distcp") for n in left), left  # the failed save did leave files
+    assert writer.discard_failed_save() == []
+    assert set(_listing(url, opts)) == committed
+    assert_state_equal(old, roundtrip_load(old, url, opts))
+    assert writer.discard_failed_save() == []  # nothing recorded any more
+
+
+def test_discard_after_a_commit_removes_nothing(backend: Backend) -> None:
+    """The guard: a save whose manifest landed is never discarded, whatever the caller believes."""
+    base, opts = backend
+    url = f"{base}/kept"
+    sd = make_state(3)
+    writer = FsspecStorageWriter(url, storage_options=opts)
+    dcp.save(sd, storage_writer=writer)
+    files = _listing(url, opts)
+    assert writer.discard_failed_save() == []
+    assert _listing(url, opts) == files
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
 class DiskFullSink:
     """Wraps a sink; raises ENOSPC once more than ``limit`` bytes were written."""
 

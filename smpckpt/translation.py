@@ -184,7 +184,9 @@ def pieces(
     The pieces cover the region exactly once (no overlap, no gap); pieces of zero size are left out,
     so an empty region gives ``[]``. Raises ValueError naming the keys when the region is out of bounds.
     """
-    shape = expr_shape(expr, artifact_shapes)
+    # a plain Leaf (every tensor of an untranslated artifact: thousands per save) is its own region
+    plain = expr if isinstance(expr, Leaf) and expr.view is None and expr.perm is None else None
+    shape = _artifact_shape(plain.key, artifact_shapes) if plain is not None else expr_shape(expr, artifact_shapes)
     offsets = tuple(int(o) for o in offsets)
     sizes = tuple(int(s) for s in sizes)
     if (
@@ -196,8 +198,11 @@ def pieces(
             f"region offsets={offsets} sizes={sizes} is out of bounds for {expr_keys(expr)} of shape {shape}"
         )
     out: list[Piece] = []
-    if 0 not in sizes:
-        _collect(expr, offsets, sizes, (0,) * len(shape), artifact_shapes, out)
+    if 0 in sizes:
+        return out
+    if plain is not None:
+        return [Piece(plain.key, shape, offsets, sizes, tuple(range(len(shape))), (0,) * len(shape))]
+    _collect(expr, offsets, sizes, (0,) * len(shape), artifact_shapes, out)
     return out
 
 

@@ -137,7 +137,7 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         try:  # every rank is past its writes: the coordinator removes the unfinished artifact
-            writer.discard_failed_save()
+            writer.discard_failed_save(exc)
         except Exception:  # noqa: BLE001 - the save's own error is the one to raise
             log.warning("%s: removing the failed full save's files failed", url, exc_info=True)
         raise translate_dcp(exc, f"saving full checkpoint {url}") from exc

@@ -141,7 +141,7 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         # every rank is past its writes now: each removes its own files of this save, so a retry
         # under the tag does not leave them beside its own
         try:
-            writer.discard_failed_save()
+            writer.discard_failed_save(exc)
         except Exception:  # noqa: BLE001 - the save's own error is the one to raise
             log.warning("%s: removing the failed save's files failed", req.url, exc_info=True)
         raise translate_dcp(exc, f"saving checkpoint {req.url}") from exc

@@ -1,14 +1,15 @@
 """Removing what a failed save wrote (partial or full), so that a retry leaves none of it behind.
 
-``dcp.save`` reports a failure to every rank only after every rank's ``write_data`` returned, so by
-then nothing of that save is still being written. Each rank then removes the data files it wrote for
-the failed save id (the coordinator also that save's metadata copy) -- unless the commit landed after
-all, which the manifest's save id tells. Only names created for that save id are touched, so a save
-racing in the same folder keeps its files. Debris of *killed* saves cannot be told from a save still
+``dcp.save`` reports a failure to every rank only after every rank's ``write_data`` returned (and the
+coordinator's ``finish``, when it ran, returned or raised), so by then nothing of that save is still
+being written. Each rank then removes the files it recorded for the failed save: a partial save's data
+files (named with its save id) and the coordinator's metadata copy; a full save's artifact, side files
+and metadata copy (the coordinator: it laid them out), its in-progress marker last and only while the
+marker still names that save. Nothing is removed when a manifest shows the commit landed (partial: this
+save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
+way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
+goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still
 running; it is left to ``remove_uncommitted_older_than`` and ``smpckpt prune``, which judge by age.
-
-A full save's files have fixed names (no save id in them); its in-progress marker holds the save id,
-so the coordinator removes the folder's files only while the marker still names the failed save.
 """
 
 from __future__ import annotations
@@ -19,17 +20,50 @@ import os
 from typing import Any
 
 from smpckpt.errors import CheckpointError
-from smpckpt.storage import _names
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none, remove_files
-from smpckpt.storage._full_commit import folder_names
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._prefixes import remove_empty_folders
 from smpckpt.storage._state import probe
 from smpckpt.storage.manifest import Manifest
 
-__all__ = ["FailedSaveFiles", "committed_by", "discard_generation", "discard_failed_full_save"]
+__all__ = [
+    "CommitUncertain",
+    "FailedSaveFiles",
+    "commit_error",
+    "commit_uncertain",
+    "committed_by",
+    "discard_generation",
+    "folder_is_new",
+]
 
 log = logging.getLogger(__name__)
+
+
+class CommitUncertain(CheckpointError):
+    """The commit (the manifest's write) failed in a way that does not tell whether it landed: an
+    object store's timeout or dropped connection, where the request may still complete. Nothing of
+    that save is removed: it may be a committed checkpoint."""
+
+
+def commit_uncertain(error: BaseException | None) -> bool:
+    """Whether ``error`` (DCP's ``CheckpointException``, or the exception itself) carries a
+    :class:`CommitUncertain` from the coordinator."""
+    if isinstance(error, CommitUncertain):
+        return True
+    failures = getattr(error, "failures", None) or {}
+    return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
+
+
+def commit_error(fs: Any, url: str, exc: Exception) -> Exception:
+    """The error to raise for a failed commit request: on object stores a :class:`CommitUncertain`
+    (the request may still land, so no clean-up may remove that save's files); on local disk and
+    memory:// ``exc`` itself (the folder then tells exactly whether the manifest is there)."""
+    if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
+        return exc
+    return CommitUncertain(
+        f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's files "
+        "are kept: `smpckpt ls` tells whether it committed"
+    )
 
 
 def _manifest_save_id(fs: Any, path: str) -> str | None:
@@ -55,72 +89,57 @@ def discard_generation(fs: Any, path: str, manifest: Manifest) -> None:
 
 
 class FailedSaveFiles:
-    """The files one rank wrote for one save (partial mode), to remove if that save fails.
+    """The files one rank wrote for one save, to remove if that save fails.
 
-    Call order: :meth:`begin` (``write_data``, every rank) -> :meth:`add` per file created (writer
-    threads; also the coordinator's metadata copy in ``finish``) -> :meth:`discard` (every rank, after
-    ``dcp.save`` raised). A later :meth:`begin` forgets the previous save's names."""
+    Call order: a new instance per save (``storage_writer.storage_meta``, DCP's first call) ->
+    :meth:`begin` (partial: ``write_data``, every rank; full: ``prepare_global_plan``, coordinator) ->
+    :meth:`add` per file created (writer threads too) -> :meth:`discard` (every rank, after
+    ``dcp.save`` raised)."""
 
     def __init__(self) -> None:
         self.save_id: str | None = None
         self.names: list[str] = []
+        self.new_folder = False  # the folder did not exist when the save began (local paths)
 
-    def begin(self, save_id: str) -> None:
-        self.save_id, self.names = save_id, []
+    def begin(self, save_id: str, *, new_folder: bool, names: tuple[str, ...] = ()) -> None:
+        self.save_id, self.names, self.new_folder = save_id, list(names), new_folder
 
     def add(self, name: str) -> None:
         if self.save_id is not None:
             self.names.append(name)  # list.append is atomic: writer threads call this concurrently
 
-    def discard(self, fs: Any, path: str, url: str) -> list[str]:
-        """Remove the recorded files unless ``path``'s manifest is this save's; the paths that could
+    def discard(self, fs: Any, path: str, url: str, *, full: bool) -> list[str]:
+        """Remove the recorded files (see the module docstring for when not); the paths that could
         not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
-        save_id, names = self.save_id, self.names
+        save_id, names = self.save_id, list(dict.fromkeys(self.names))
         self.save_id, self.names = None, []
         if save_id is None or not names:
             return []
         paths = [join(path, n) for n in names]
         try:
             committed = _manifest_save_id(fs, path)
+            marker = read_bytes_or_none(fs, join(path, WRITING_MARKER)) if full else None
         except (CheckpointError, OSError) as exc:
             log.warning(
                 "%s: the failed save's %d file(s) were left: the folder could not be read (%s)", url, len(paths), exc
             )
             return paths
-        if committed == save_id:
-            return []  # the commit landed: these files are the checkpoint
+        if committed == save_id or (full and (committed is not None or marker != save_id.encode())):
+            return []  # the commit landed (these files are the checkpoint), or another save took the folder
         failed = remove_files(fs, paths)
-        if is_local(fs):
-            remove_empty_folders(path, paths)
-            _rmdir_if_empty(fs, path)
+        if full and not failed:  # the marker keeps the folder recognisable as debris until the rest is gone
+            failed = remove_files(fs, [join(path, WRITING_MARKER)])
         if failed:
             log.warning("%s: could not remove %d file(s) of the failed save: %s", url, len(failed), failed[:5])
+        elif is_local(fs):
+            remove_empty_folders(path, paths)
+            if self.new_folder:
+                # the rank that removes the last file succeeds; the others find it not empty yet
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
         return failed
 
 
-def _rmdir_if_empty(fs: Any, path: str) -> None:
-    # the folder the save made, once nothing is left in it: the rank that removes the last file
-    # succeeds, the others find it not empty yet
-    if is_local(fs):
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-
-
-def discard_failed_full_save(fs: Any, path: str, url: str, save_id: str | None) -> list[str]:
-    """(coordinator, after a failed full save) Remove the folder's files, the in-progress marker last,
-    while that marker names ``save_id`` and no manifest is there; the paths that could not be removed.
-    The folder held nothing else when the save began (``clear_for_full_save`` saw to that). ``None``
-    (other ranks; no save prepared): nothing to do."""
-    if save_id is None or read_bytes_or_none(fs, join(path, WRITING_MARKER)) != save_id.encode():
-        return []  # committed (the marker goes at the commit), or another save took the folder over
-    names = folder_names(fs, path)
-    if _names.MANIFEST_NAME in names:
-        return []
-    failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})])
-    if not failed:  # the marker keeps the folder recognisable as debris until the rest is gone
-        failed = remove_files(fs, [join(path, WRITING_MARKER)])
-    if failed:
-        log.warning("%s: could not remove %d file(s) of the failed full save: %s", url, len(failed), failed[:5])
-    else:
-        _rmdir_if_empty(fs, path)
-    return failed
+def folder_is_new(fs: Any, path: str) -> bool:
+    """(coordinator, before a save writes anything) Whether the save will make its folder (local paths)."""
+    return is_local(fs) and not os.path.isdir(path)

@@ -19,7 +19,16 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
-from smpckpt.storage._fs import fsync_path, is_local, join, remove_files, write_bytes_atomic
+from smpckpt.storage._failed_save import commit_error
+from smpckpt.storage._fs import (
+    create_bytes_exclusive,
+    fsync_path,
+    is_local,
+    join,
+    read_bytes_or_none,
+    remove_files,
+    write_bytes_atomic,
+)
 from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
@@ -27,7 +36,7 @@ from smpckpt.storage._full_units import BoxUnits, rows_of
 from smpckpt.storage._full_write import ObjectResult, create_files
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._state import probe
-from smpckpt.storage.manifest import FileRecord
+from smpckpt.storage.manifest import FileRecord, Manifest
 
 __all__ = [
     "results_of",
@@ -36,6 +45,7 @@ __all__ = [
     "clear_for_full_save",
     "begin_full_save",
     "artifact_records",
+    "commit_full",
 ]
 
 log = logging.getLogger(__name__)
@@ -184,3 +194,23 @@ def folder_names(fs: Any, path: str) -> set[str]:
     except (FileNotFoundError, NotADirectoryError):
         return set()
     return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+
+
+def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool) -> None:
+    """(coordinator, last step of a full save) The manifest, exclusively, while the in-progress marker
+    still names this save; then the marker goes. A failed request on an object store raises
+    ``CommitUncertain`` (it may still land: see ``_failed_save``)."""
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+    if marker != manifest.save_id.encode():
+        raise CheckpointExists(
+            f"{url}: another full save took this folder over while this one was writing (its marker "
+            f"names {marker!r}, not this save {manifest.save_id}); this save is not committed"
+        )
+    try:
+        create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=sync)
+    except FileExistsError as exc:
+        raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
+    except Exception as exc:
+        raise commit_error(fs, url, exc) from exc
+    if remove_files(fs, [join(path, WRITING_MARKER)]):
+        log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)

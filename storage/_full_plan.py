@@ -116,6 +116,11 @@ class ArtifactLayout:
     objects: Mapping[str, str]  # our fqn -> file
     indexes: Mapping[str, bytes]  # index file name -> JSON
 
+    def names(self, options: FullOptions) -> tuple[str, ...]:
+        """The files a full save of this layout writes besides its metadata copy and marker."""
+        side = ("config.json",) if options.hf_config_json() is not None else ()
+        return (*(f.name for f in self.files), *self.objects.values(), *self.indexes, *side)
+
     def description(self, checks: Mapping[str, list[list[Any]]]) -> str:
         """The JSON stored in the generation's metadata (see ``_full_read``)."""
         from smpckpt.storage._checksum import hash_bytes

@@ -37,6 +37,8 @@ class RankPlanData:
     world_size: int = 1
     #: the coordinator's strategy, so every rank lays out its files alike
     prefixes: PrefixStrategy = dataclasses.field(default_factory=FlatLayout)
+    #: the folder did not exist when the save began (local paths): a failed save removes it once empty
+    new_folder: bool = False
 
 
 def split_rank(

@@ -47,12 +47,18 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names, _wire
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
-from smpckpt.storage._failed_save import FailedSaveFiles, committed_by, discard_failed_full_save, discard_generation
+from smpckpt.storage._failed_save import (
+    FailedSaveFiles,
+    commit_error,
+    commit_uncertain,
+    committed_by,
+    discard_generation,
+    folder_is_new,
+)
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
     is_local,
     join,
-    read_bytes_or_none,
     remove_files,
     write_bytes_atomic,
 )
@@ -60,12 +66,13 @@ from smpckpt.storage._full_commit import (
     artifact_records,
     begin_full_save,
     clear_for_full_save,
+    commit_full,
     results_of,
     whole_tensor_metadata,
 )
 from smpckpt.storage._full_gather import gather_rank
 from smpckpt.storage._full_options import FullOptions
-from smpckpt.storage._full_plan import WRITING_MARKER, ArtifactLayout, RankFullData
+from smpckpt.storage._full_plan import ArtifactLayout, RankFullData
 from smpckpt.storage._full_write import write_rank
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._location import FsspecLocation
@@ -201,7 +208,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self._save_id: str | None = None
         self._old_files: list[str] = []
         self._layout: ArtifactLayout | None = None  # full mode: what prepare_global_plan laid out
-        self._attempt = FailedSaveFiles()  # partial mode: this rank's files of the save under way
+        self._attempt = FailedSaveFiles()  # this rank's files of the save under way
 
     def set_manifest_extra(self, extra: Mapping[str, Any]) -> None:
         """Replace the JSON recorded under ``"extra"`` in the next manifest (must be JSON-serialisable)."""
@@ -212,13 +219,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
 
     # -- StorageWriter protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -----------
     def storage_meta(self) -> StorageMeta | None:
+        self._attempt = FailedSaveFiles()  # DCP's first call of every save: nothing of it written yet
         return StorageMeta(checkpoint_id=self.url)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """(all ranks) Refuses modes where more than one rank would act as coordinator."""
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
-        self._attempt = FailedSaveFiles()  # a new save: nothing of it written yet
         multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if multi_rank and kwargs.get("use_collectives", True) is False:
             raise CheckpointError(
@@ -243,8 +250,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self._old_files = found.generation_files() if found.state in ("committed", "legacy") else []
         self._save_id = _names.new_save_id()
         prefixes = resolve(self.prefix_strategy, local=is_local(self.fs))
+        new_folder = folder_is_new(self.fs, self.path)
         return [
-            dataclasses.replace(p, storage_data=RankPlanData(self._save_id, i, len(plans), prefixes))
+            dataclasses.replace(p, storage_data=RankPlanData(self._save_id, i, len(plans), prefixes, new_folder))
             for i, p in enumerate(plans)
         ]
 
@@ -285,7 +293,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         )
         try:
             self._write_manifest(manifest.to_bytes())
-        except FileExistsError as exc:
+        except Exception as exc:
+            if not isinstance(exc, FileExistsError):
+                raise commit_error(self.fs, self.url, exc) from exc
             if not committed_by(self.fs, self.path, save_id):
                 discard_generation(self.fs, self.path, manifest)
                 raise CheckpointExists(
@@ -314,13 +324,13 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             if is_local(self.fs):
                 remove_empty_folders(self.path, stale)
 
-    def discard_failed_save(self) -> list[str]:
-        """(all ranks, after ``dcp.save`` raised; the API calls it) Remove what this rank wrote for the
-        failed save (full mode: the coordinator, the unfinished artifact); the paths not removed."""
-        if self.mode == "partial":
-            return self._attempt.discard(self.fs, self.path, self.url)
-        save_id, self._save_id = self._save_id, None
-        return discard_failed_full_save(self.fs, self.path, self.url, save_id if self.is_coordinator else None)
+    def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
+        """(all ranks, after ``dcp.save`` raised ``error``; the API calls it) Remove what this rank wrote
+        for the failed save (``_failed_save``: full mode, the coordinator); the paths not removed."""
+        if commit_uncertain(error):
+            log.warning("%s: the commit's outcome is unknown; the failed save's files are left", self.url)
+            return []
+        return self._attempt.discard(self.fs, self.path, self.url, full=self.mode == "full")
 
     def _metadata_bytes(self, save_id: str, metadata: Metadata) -> tuple[bytes, dict[str, Any]]:
         """(coordinator, both modes) The metadata pickled, checked with our allow-list, and the manifest's
@@ -413,7 +423,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"save id {data.save_id} was already committed by this writer: the planner returned a cached "
                 "plan; disable plan caching (enable_plan_caching=False) with FsspecStorageWriter"
             )
-        self._attempt.begin(data.save_id)
+        self._attempt.begin(data.save_id, new_folder=data.new_folder)
         written = write_partial_rank(
             self.path,
             self.fs,
@@ -447,12 +457,14 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                 f"{self.url}: full mode needs every rank's full plan, not cached (empty) ones: use "
                 "ParallelSavePlanner(..., cache_scope='local') (the next save with this planner plans afresh)"
             )
+        new_folder = folder_is_new(self.fs, self.path)
         clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()
         out, layout = begin_full_save(
             self.fs, self.path, self.url, plans, self.full, save_id, self.process_group, sync=self.sync_files
         )
         self._layout = layout
+        self._attempt.begin(save_id, new_folder=new_folder, names=layout.names(self.full))
         return out
 
     def written_files(self) -> list[str]:
@@ -481,19 +493,5 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             extra=extra,
         )
-        marker = read_bytes_or_none(self.fs, join(self.path, WRITING_MARKER))
-        if marker != save_id.encode():
-            raise CheckpointExists(
-                f"{self.url}: another full save took this folder over while this one was writing (its marker "
-                f"names {marker!r}, not this save {save_id}); this save is not committed"
-            )
-        try:
-            create_bytes_exclusive(
-                self.fs, join(self.path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=self.sync_files
-            )
-        except FileExistsError as exc:
-            raise CheckpointExists(f"{self.url}: another save committed here while this full save was writing") from exc
+        commit_full(self.fs, self.path, self.url, manifest, sync=self.sync_files)
         self._used_save_ids.add(save_id)
-        failed = remove_files(self.fs, [join(self.path, WRITING_MARKER)])
-        if failed:
-            log.warning("%s is committed; its %s marker could not be removed (harmless)", self.url, WRITING_MARKER)

@@ -206,6 +206,21 @@ def test_restart_after_crash_mid_retention_finishes_the_removal(tmp_path: Any) -
     assert _tags(root) == {"step1": "uncommitted", "step2": "committed", "step3": "committed"}
 
 
+def test_a_clean_up_that_fails_does_not_hide_the_saves_own_error(tmp_path: Any, monkeypatch: Any) -> None:
+    import smpckpt._save as api
+
+    def broken(self: Any, error: Any = None) -> list[str]:
+        raise RuntimeError("clean-up broke")
+
+    m, o = _model(2)
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "FsspecStorageWriter", _DiskFullAtCommit)
+        patch.setattr(_DiskFullAtCommit, "discard_failed_save", broken)
+        with pytest.raises(CheckpointError, match=os.strerror(errno.ENOSPC)) as info:
+            save_checkpoint(str(tmp_path), "step0", model=m, optimizer=o)
+    assert "clean-up broke" not in str(info.value)
+
+
 # -- 6. stale debris of killed saves ------------------------------------------------------------------
 def test_stale_uncommitted_folders_are_removed_by_age_only(tmp_path: Any, monkeypatch: Any) -> None:
     root = str(tmp_path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none, remove_files
@@ -29,11 +29,11 @@ from smpckpt.storage.manifest import Manifest
 __all__ = [
     "CommitUncertain",
     "FailedSaveFiles",
-    "commit_error",
     "commit_uncertain",
     "committed_by",
     "discard_generation",
     "folder_is_new",
+    "raise_commit_failure",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,16 +54,16 @@ def commit_uncertain(error: BaseException | None) -> bool:
     return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
 
 
-def commit_error(fs: Any, url: str, exc: Exception) -> Exception:
-    """The error to raise for a failed commit request: on object stores a :class:`CommitUncertain`
-    (the request may still land, so no clean-up may remove that save's files); on local disk and
-    memory:// ``exc`` itself (the folder then tells exactly whether the manifest is there)."""
+def raise_commit_failure(fs: Any, url: str, exc: Exception) -> NoReturn:
+    """(in the ``except`` of a failed commit request) On object stores raise a :class:`CommitUncertain`
+    from ``exc``: the request may still land, so no clean-up may remove that save's files. On local disk
+    and memory:// re-raise ``exc``: the folder then tells exactly whether the manifest landed."""
     if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
-        return exc
-    return CommitUncertain(
+        raise exc
+    raise CommitUncertain(
         f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's files "
         "are kept: `smpckpt ls` tells whether it committed"
-    )
+    ) from exc
 
 
 def _manifest_save_id(fs: Any, path: str) -> str | None:

@@ -19,7 +19,7 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
-from smpckpt.storage._failed_save import commit_error
+from smpckpt.storage._failed_save import raise_commit_failure
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
     fsync_path,
@@ -211,6 +211,6 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
     except FileExistsError as exc:
         raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
     except Exception as exc:
-        raise commit_error(fs, url, exc) from exc
+        raise_commit_failure(fs, url, exc)
     if remove_files(fs, [join(path, WRITING_MARKER)]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)

@@ -49,11 +49,11 @@ from smpckpt.storage import _names, _wire
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._failed_save import (
     FailedSaveFiles,
-    commit_error,
     commit_uncertain,
     committed_by,
     discard_generation,
     folder_is_new,
+    raise_commit_failure,
 )
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
@@ -293,9 +293,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         )
         try:
             self._write_manifest(manifest.to_bytes())
-        except Exception as exc:
-            if not isinstance(exc, FileExistsError):
-                raise commit_error(self.fs, self.url, exc) from exc
+        except FileExistsError as exc:
             if not committed_by(self.fs, self.path, save_id):
                 discard_generation(self.fs, self.path, manifest)
                 raise CheckpointExists(
@@ -303,6 +301,8 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                     "save's files were removed and the other checkpoint is untouched (pass overwrite=True to "
                     "replace it)"
                 ) from exc
+        except Exception as exc:
+            raise_commit_failure(self.fs, self.url, exc)
         self._used_save_ids.add(save_id)
         # The stock name, for stock readers; our reader follows the manifest. Written only after the
         # commit, so the loser of a race can never replace the winner's copy.

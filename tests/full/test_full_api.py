@@ -7,7 +7,6 @@ same tag are refused.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -19,64 +18,30 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from damage import flip_byte
+from full_models import (
+    MANIFEST,
+    MARKER,
+    assert_models_equal,
+    assert_state_equal,
+    models_differ,
+    optim_state,
+    trained_model,
+)
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import (
     CheckpointCorrupt,
-    CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
     LayoutMismatch,
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-
-MANIFEST = "smpckpt.manifest.json"
-MARKER = "smpckpt.writing"
+from smpckpt.storage import FsspecStorageReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-# -- helpers ------------------------------------------------------------------------------------------
-def _model(seed: int, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A small model with an int64 buffer (BatchNorm's counter), trained a few Adam steps."""
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    o = torch.optim.Adam(m.parameters(), lr=1e-2)
-    for _ in range(steps):
-        o.zero_grad()
-        m(torch.randn(5, 8)).pow(2).mean().backward()
-        o.step()
-    return m, o
-
-
-def _assert_state_equal(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert want and set(want) == set(got), (sorted(want), sorted(got))
-    for k, w in want.items():
-        g = got[k]
-        assert g.dtype == w.dtype and g.shape == w.shape, (k, g.dtype, w.dtype, g.shape, w.shape)
-        assert torch.equal(g, w), k
-
-
-def _assert_models_equal(a: nn.Module, b: nn.Module) -> None:
-    _assert_state_equal(a.state_dict(), b.state_dict())
-
-
-def _differs(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return any(not torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def _optim_state(m: nn.Module, o: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """``<param fqn>.<state name>`` -> tensor, as optimizer.safetensors names them."""
-    out = {}
-    for name, p in m.named_parameters():
-        for k, v in o.state[p].items():
-            out[f"{name}.{k}"] = v
-    return out
 
 
 def _header(path: str) -> dict[str, tuple[int, int]]:
@@ -125,7 +90,7 @@ def _gpt2(transformers: Any, seed: int) -> Any:
 # -- round trips --------------------------------------------------------------------------------------
 def test_round_trip_with_user_content(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     uc = {"step": 7, "t": torch.arange(3), "name": "run-1", "lr": [1e-3, 2e-3]}
     save_checkpoint(root, "final", partial=False, model=m, optimizer=o, user_content=uc)
     folder = os.path.join(root, "final")
@@ -137,86 +102,86 @@ def test_round_trip_with_user_content(tmp_path: Any) -> None:
         assert json.load(f)["kind"] == "full"
 
     # the stock reader sees the model's state dict under its own keys
-    _assert_state_equal(m.state_dict(), load_file(os.path.join(folder, "model.safetensors")))
+    assert_state_equal(m.state_dict(), load_file(os.path.join(folder, "model.safetensors")))
     stored = torch.load(os.path.join(folder, "user_content.pt"), weights_only=True)
     assert stored.keys() == uc.keys() and torch.equal(stored["t"], uc["t"])
     assert {k: v for k, v in stored.items() if k != "t"} == {k: v for k, v in uc.items() if k != "t"}
 
-    m2, o2 = _model(1)
-    assert _differs(m, m2)
+    m2, o2 = trained_model(1)
+    assert models_differ(m, m2)
     got = resume_from_checkpoint(root, "final", partial=False, model=m2)
     assert got.keys() == uc.keys() and torch.equal(got["t"], uc["t"]) and got["step"] == 7 and got["name"] == "run-1"
-    _assert_models_equal(m, m2)
+    assert_models_equal(m, m2)
 
     # tag=None: the path is the artifact folder itself
-    m3, _ = _model(2)
+    m3, _ = trained_model(2)
     got = resume_from_checkpoint(folder, partial=False, model=m3)
     assert got["step"] == 7
-    _assert_models_equal(m, m3)
+    assert_models_equal(m, m3)
 
 
 def test_include_optimizer_writes_adam_state(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0, steps=3)
+    m, o = trained_model(0, steps=3)
     save_checkpoint(root, "opt", partial=False, model=m, optimizer=o, include_optimizer=True)
     folder = os.path.join(root, "opt")
-    want = _optim_state(m, o)
+    want = optim_state(m, o)
     assert {k.rsplit(".", 1)[1] for k in want} == {"exp_avg", "exp_avg_sq", "step"}
-    _assert_state_equal(want, load_file(os.path.join(folder, "optimizer.safetensors")))
-    _assert_state_equal(m.state_dict(), load_file(os.path.join(folder, "model.safetensors")))
+    assert_state_equal(want, load_file(os.path.join(folder, "optimizer.safetensors")))
+    assert_state_equal(m.state_dict(), load_file(os.path.join(folder, "model.safetensors")))
 
-    m2, o2 = _model(5, steps=1)
+    m2, o2 = trained_model(5, steps=1)
     assert resume_from_checkpoint(root, "opt", partial=False, model=m2, optimizer=o2) is None
-    _assert_models_equal(m, m2)
-    _assert_state_equal(want, _optim_state(m2, o2))
+    assert_models_equal(m, m2)
+    assert_state_equal(want, optim_state(m2, o2))
     # both optimizers now take the same next step
     for mm, oo in ((m, o), (m2, o2)):
         oo.zero_grad()
         mm(torch.ones(3, 8)).sum().backward()
         oo.step()
-    _assert_models_equal(m, m2)
+    assert_models_equal(m, m2)
 
 
 def test_resume_with_optimizer_from_artifact_without_one(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(root, "w", partial=False, model=m)
-    m2, o2 = _model(3)
-    before = {k: v.clone() for k, v in _optim_state(m2, o2).items()}
+    m2, o2 = trained_model(3)
+    before = {k: v.clone() for k, v in optim_state(m2, o2).items()}
     resume_from_checkpoint(root, "w", partial=False, model=m2, optimizer=o2)
-    _assert_models_equal(m, m2)
-    _assert_state_equal(before, _optim_state(m2, o2))  # left as it was
+    assert_models_equal(m, m2)
+    assert_state_equal(before, optim_state(m2, o2))  # left as it was
 
 
 def test_dtype_bf16_export(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "bf", partial=False, model=m, optimizer=o, include_optimizer=True, dtype=torch.bfloat16)
     folder = os.path.join(root, "bf")
     sd = m.state_dict()
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
     got = load_file(os.path.join(folder, "model.safetensors"))
-    _assert_state_equal(want, got)
+    assert_state_equal(want, got)
     assert got["1.num_batches_tracked"].dtype == torch.int64
-    opt_want = {k: v.to(torch.bfloat16) for k, v in _optim_state(m, o).items()}
-    _assert_state_equal(opt_want, load_file(os.path.join(folder, "optimizer.safetensors")))
+    opt_want = {k: v.to(torch.bfloat16) for k, v in optim_state(m, o).items()}
+    assert_state_equal(opt_want, load_file(os.path.join(folder, "optimizer.safetensors")))
 
-    m2, _ = _model(1)
+    m2, _ = trained_model(1)
     with pytest.raises(LayoutMismatch, match=r"saved as torch\.bfloat16 but the destination is torch\.float32"):
         resume_from_checkpoint(root, "bf", partial=False, model=m2)
     resume_from_checkpoint(root, "bf", partial=False, model=m2, allow_dtype_cast=True)
     rounded = {k: v.to(sd[k].dtype) for k, v in want.items()}
-    _assert_state_equal(rounded, m2.state_dict())
+    assert_state_equal(rounded, m2.state_dict())
     assert any(not torch.equal(rounded[k], sd[k]) for k in sd)  # the cast lost bits: it really happened
 
 
 def test_small_max_shard_size_writes_an_index(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "sh", partial=False, model=m, optimizer=o, include_optimizer=True, max_shard_size=300)
     folder = os.path.join(root, "sh")
     assert not os.path.exists(os.path.join(folder, "model.safetensors"))
-    for stem, want in (("model", m.state_dict()), ("optimizer", _optim_state(m, o))):
+    for stem, want in (("model", m.state_dict()), ("optimizer", optim_state(m, o))):
         with open(os.path.join(folder, f"{stem}.safetensors.index.json")) as f:
             index = json.load(f)
         assert set(index["weight_map"]) == set(want)
@@ -230,16 +195,16 @@ def test_small_max_shard_size_writes_an_index(tmp_path: Any) -> None:
             part = load_file(os.path.join(folder, name))
             assert all(index["weight_map"][k] == name for k in part)
             got.update(part)
-        _assert_state_equal(dict(want), got)
+        assert_state_equal(dict(want), got)
         assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in want.values())
-    m2, o2 = _model(1)
+    m2, o2 = trained_model(1)
     resume_from_checkpoint(root, "sh", partial=False, model=m2, optimizer=o2)
-    _assert_models_equal(m, m2)
-    _assert_state_equal(_optim_state(m, o), _optim_state(m2, o2))
+    assert_models_equal(m, m2)
+    assert_state_equal(optim_state(m, o), optim_state(m2, o2))
 
 
 def test_hf_config_dict_is_written_as_config_json(tmp_path: Any) -> None:
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     cfg = {"architectures": ["Tiny"], "hidden": 16, "nested": {"a": [1, 2]}}
     save_checkpoint(str(tmp_path), "c", partial=False, model=m, hf_config=cfg)
     with open(tmp_path / "c" / "config.json") as f:
@@ -248,17 +213,17 @@ def test_hf_config_dict_is_written_as_config_json(tmp_path: Any) -> None:
 
 def test_full_save_leaves_newest_and_retention_alone(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "p1", model=m, optimizer=o, user_content={"step": 1})
     save_checkpoint(root, "f1", partial=False, model=m, user_content={"step": 2})
     assert (tmp_path / "newest").read_text().strip() == "p1"
     save_checkpoint(root, "p2", model=m, optimizer=o, user_content={"step": 3}, num_kept_partial_checkpoints=1)
     assert sorted(os.listdir(root)) == ["f1", "newest", "p2_partial"]
-    m2, o2 = _model(1)
+    m2, o2 = trained_model(1)
     assert resume_from_checkpoint(root, model=m2, optimizer=o2) == {"step": 3}
-    m3, _ = _model(2)
+    m3, _ = trained_model(2)
     assert resume_from_checkpoint(root, "f1", partial=False, model=m3) == {"step": 2}
-    _assert_models_equal(m, m3)
+    assert_models_equal(m, m3)
 
 
 def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:
@@ -271,11 +236,11 @@ def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:
         resume_from_checkpoint(root, "big", partial=False, model=small)
     assert not torch.equal(small[0].weight, big[0].weight)
     resume_from_checkpoint(root, "big", partial=False, model=small, strict=False)
-    _assert_state_equal({k: v for k, v in big.state_dict().items() if k.startswith("0.")}, small.state_dict())
+    assert_state_equal({k: v for k, v in big.state_dict().items() if k.startswith("0.")}, small.state_dict())
 
 
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     with pytest.raises(TypeError, match="must be a smpckpt.translation.Translation"):
         save_checkpoint(str(tmp_path), "t", partial=False, model=m, translate_function=lambda sd: sd)
     with pytest.raises(TypeError, match="must be a smpckpt.translation.Translation"):
@@ -287,30 +252,30 @@ def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_second_save_to_a_tag_is_refused(tmp_path: Any, overwrite: bool) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content={"v": 1})
     folder = os.path.join(root, "t")
     before = _snapshot(folder)
-    other, oo = _model(1)
+    other, oo = trained_model(1)
     with pytest.raises(CheckpointExists, match="already holds a committed checkpoint"):
         save_checkpoint(
             root, "t", partial=False, model=other, optimizer=oo, include_optimizer=True, overwrite=overwrite
         )
     assert _snapshot(folder) == before  # not a byte changed
-    m2, o2 = _model(2)
+    m2, o2 = trained_model(2)
     assert resume_from_checkpoint(root, "t", partial=False, model=m2, optimizer=o2) == {"v": 1}
-    _assert_models_equal(m, m2)
-    _assert_state_equal(_optim_state(m, o), _optim_state(m2, o2))
+    assert_models_equal(m, m2)
+    assert_state_equal(optim_state(m, o), optim_state(m2, o2))
 
 
 def test_flipped_tensor_byte_is_corrupt(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
     path = os.path.join(root, "t", "model.safetensors")
     start, end = _header(path)["3.weight"]
     flip_byte(path, (start + end) // 2)
-    m2, _ = _model(1)
+    m2, _ = trained_model(1)
     with pytest.raises(CheckpointCorrupt, match=r"model\.safetensors: checksum mismatch in tensor '3\.weight'"):
         resume_from_checkpoint(root, "t", partial=False, model=m2)
     # without verification the damaged value is what loads: the flip really hit that tensor's data
@@ -321,12 +286,12 @@ def test_flipped_tensor_byte_is_corrupt(tmp_path: Any) -> None:
 
 def test_flipped_optimizer_byte_is_corrupt(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
     path = os.path.join(root, "t", "optimizer.safetensors")
     start, _ = _header(path)["0.weight.exp_avg_sq"]
     flip_byte(path, start)
-    m2, o2 = _model(1)
+    m2, o2 = trained_model(1)
     with pytest.raises(
         CheckpointCorrupt, match=r"optimizer\.safetensors: checksum mismatch in tensor '0\.weight\.exp_avg_sq'"
     ):
@@ -335,116 +300,50 @@ def test_flipped_optimizer_byte_is_corrupt(tmp_path: Any) -> None:
 
 def test_damaged_user_content_is_corrupt(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(root, "t", partial=False, model=m, user_content={"step": 3, "pad": "x" * 200})
     path = os.path.join(root, "t", "user_content.pt")
     flip_byte(path, os.path.getsize(path) // 2)
     with pytest.raises(CheckpointCorrupt, match=r"user_content\.pt"):
-        resume_from_checkpoint(root, "t", partial=False, model=_model(1)[0])
+        resume_from_checkpoint(root, "t", partial=False, model=trained_model(1)[0])
 
 
 def test_truncated_tensor_file_is_corrupt(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(root, "t", partial=False, model=m)
     path = os.path.join(root, "t", "model.safetensors")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 8)
     with pytest.raises(CheckpointCorrupt, match=r"model\.safetensors"):
-        resume_from_checkpoint(root, "t", partial=False, model=_model(1)[0])
+        resume_from_checkpoint(root, "t", partial=False, model=trained_model(1)[0])
 
 
 def test_crashed_save_is_refused_and_can_be_redone(tmp_path: Any) -> None:
     root = str(tmp_path)
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(root, "good", partial=False, model=m, optimizer=o, include_optimizer=True, user_content=1)
     shutil.copytree(os.path.join(root, "good"), os.path.join(root, "crashed"))
     _crash(os.path.join(root, "crashed"))
-    m2, o2 = _model(1)
+    m2, o2 = trained_model(1)
     with pytest.raises(CheckpointNotFound, match="uncommitted"):
         resume_from_checkpoint(root, "crashed", partial=False, model=m2, optimizer=o2)
     reader = FsspecStorageReader(os.path.join(root, "crashed"))
     with pytest.raises(CheckpointException):  # DCP wraps the reader's error; the reader keeps it
         dcp.load({"model": m2.state_dict()}, storage_reader=reader)
     assert isinstance(reader.metadata_error, CheckpointNotFound) and "uncommitted" in str(reader.metadata_error)
-    assert not _differs(_model(1)[0], m2)  # nothing was loaded
+    assert not models_differ(trained_model(1)[0], m2)  # nothing was loaded
     # the committed original is untouched and loads
     assert resume_from_checkpoint(root, "good", partial=False, model=m2, optimizer=o2) == 1
-    _assert_models_equal(m, m2)
+    assert_models_equal(m, m2)
     # a new save under the crashed tag goes through (same file names: the debris is overwritten)
-    m3, o3 = _model(3)
+    m3, o3 = trained_model(3)
     save_checkpoint(root, "crashed", partial=False, model=m3, optimizer=o3, include_optimizer=True, user_content=2)
     assert not os.path.exists(os.path.join(root, "crashed", MARKER))
-    m4, o4 = _model(4)
+    m4, o4 = trained_model(4)
     assert resume_from_checkpoint(root, "crashed", partial=False, model=m4, optimizer=o4) == 2
-    _assert_models_equal(m3, m4)
-    _assert_state_equal(_optim_state(m3, o3), _optim_state(m4, o4))
-
-
-class _DiskFullAtCommit(FsspecStorageWriter):
-    """Every artifact file is written; the metadata copy hits a full disk (a failure, not a kill).
-    ``case``: "take_over" -- another save's marker replaced this one's first; "intruder" -- another
-    job's file appeared in the folder meanwhile."""
-
-    case = "plain"
-
-    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        if self.case == "take_over":
-            with open(os.path.join(self.path, MARKER), "w") as f:
-                f.write("another-save")
-        if self.case == "intruder":
-            with open(os.path.join(self.path, "other.smp.distcp"), "wb") as f:
-                f.write(b"another job's data")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), gen_name)
-
-
-@pytest.mark.parametrize("case", ["plain", "take_over", "intruder"])
-def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    import smpckpt._full as full_api
-
-    root = str(tmp_path)
-    m, o = _model(0)
-    monkeypatch.setattr(_DiskFullAtCommit, "case", case)
-    with monkeypatch.context() as patch:
-        patch.setattr(full_api, "FsspecStorageWriter", _DiskFullAtCommit)
-        with pytest.raises(CheckpointError, match=os.strerror(errno.ENOSPC)):
-            save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
-    folder = os.path.join(root, "t")
-    if case == "take_over":  # the marker names another save now: none of the folder is this save's to remove
-        assert "model.safetensors" in os.listdir(folder) and MARKER in os.listdir(folder)
-        return
-    if case == "intruder":  # only what this save laid out goes; the folder stays for the other file
-        assert os.listdir(folder) == ["other.smp.distcp"]
-        os.remove(os.path.join(folder, "other.smp.distcp"))
-    else:
-        assert not os.path.exists(folder)  # the artifact, its marker and the folder it made are gone
-    save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content=5)
-    m2, o2 = _model(1)
-    assert resume_from_checkpoint(root, "t", partial=False, model=m2, optimizer=o2) == 5
-    _assert_models_equal(m, m2)
-
-
-def test_a_full_commit_that_landed_is_never_discarded(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The manifest is linked, then the directory's fsync fails: the save reports the error, and the
-    committed artifact must survive the clean-up."""
-    import smpckpt.storage._full_commit as full_commit
-
-    real = full_commit.create_bytes_exclusive
-
-    def landed_then_failed(*args: Any, **kwargs: Any) -> None:
-        real(*args, **kwargs)
-        raise OSError(errno.EIO, "fsync of the folder failed")
-
-    root = str(tmp_path)
-    m, o = _model(0)
-    with monkeypatch.context() as patch:
-        patch.setattr(full_commit, "create_bytes_exclusive", landed_then_failed)
-        with pytest.raises(CheckpointError, match="fsync of the folder failed"):
-            save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content=3)
-    assert "model.safetensors" in os.listdir(os.path.join(root, "t"))
-    m2, o2 = _model(1)
-    assert resume_from_checkpoint(root, "t", partial=False, model=m2, optimizer=o2) == 3
-    _assert_models_equal(m, m2)
+    assert_models_equal(m3, m4)
+    assert_state_equal(optim_state(m3, o3), optim_state(m4, o4))
 
 
 def test_marker_only_folder_is_refused(tmp_path: Any) -> None:
@@ -453,7 +352,7 @@ def test_marker_only_folder_is_refused(tmp_path: Any) -> None:
     folder.mkdir()
     (folder / MARKER).write_text("x")
     with pytest.raises(CheckpointNotFound, match="uncommitted"):
-        resume_from_checkpoint(str(tmp_path), "t", partial=False, model=_model(0)[0])
+        resume_from_checkpoint(str(tmp_path), "t", partial=False, model=trained_model(0)[0])
 
 
 def test_full_save_refuses_a_huggingface_folder(tmp_path: Any, transformers_quiet: Any) -> None:
@@ -494,13 +393,13 @@ def test_resume_from_huggingface_folder(tmp_path: Any, transformers_quiet: Any, 
     assert MANIFEST not in names
 
     fresh = _gpt2(transformers_quiet, 1)
-    assert _differs(hf, fresh)
+    assert models_differ(hf, fresh)
     # save_pretrained drops the tied lm_head.weight: the strict default names it and loads nothing
     with pytest.raises(LayoutMismatch, match=r"model\.lm_head\.weight"):
         resume_from_checkpoint(folder, partial=False, model=fresh)
-    assert _differs(hf, fresh)
+    assert models_differ(hf, fresh)
     assert resume_from_checkpoint(folder, partial=False, model=fresh, strict=False) is None
-    _assert_models_equal(hf, fresh)  # every key, lm_head.weight through the tie
+    assert_models_equal(hf, fresh)  # every key, lm_head.weight through the tie
     assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
     x = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -518,7 +417,7 @@ def test_dcp_load_of_huggingface_folder(tmp_path: Any, transformers_quiet: Any, 
     state = {k: torch.zeros_like(v) for k, v in want.items()}
     reader = FsspecStorageReader(folder)
     dcp.load(state, storage_reader=reader)
-    _assert_state_equal(want, state)
+    assert_state_equal(want, state)
     assert reader.state == "huggingface"
     stats = reader.last_read_stats
     assert stats is not None and sorted(stats.per_file) == files
@@ -527,7 +426,7 @@ def test_dcp_load_of_huggingface_folder(tmp_path: Any, transformers_quiet: Any, 
     # hf_prefix: the folder's keys under "model." (a nested state dict, as the API loads it)
     nested = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
     dcp.load(nested, storage_reader=FsspecStorageReader(folder, hf_prefix="model."))
-    _assert_state_equal(want, nested["model"])
+    assert_state_equal(want, nested["model"])
 
 
 def test_huggingface_folder_with_marker_is_refused(tmp_path: Any, transformers_quiet: Any) -> None:
@@ -549,18 +448,18 @@ def test_stock_readers_open_our_artifact(tmp_path: Any, transformers_quiet: Any,
         assert json.load(f)["n_embd"] == 32
 
     if shard == "5GB":
-        _assert_state_equal(hf.state_dict(), load_file(os.path.join(folder, "model.safetensors")))
+        assert_state_equal(hf.state_dict(), load_file(os.path.join(folder, "model.safetensors")))
     else:
         with open(os.path.join(folder, "model.safetensors.index.json")) as f:
             weight_map = json.load(f)["weight_map"]
         got: dict[str, torch.Tensor] = {}
         for name in sorted(set(weight_map.values())):
             got.update(load_file(os.path.join(folder, name)))
-        _assert_state_equal(hf.state_dict(), got)
+        assert_state_equal(hf.state_dict(), got)
 
     loaded = transformers_quiet.AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(loaded).__name__ == "GPT2LMHeadModel"
-    _assert_models_equal(hf, loaded)
+    assert_models_equal(hf, loaded)
     x = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, hf(x).logits)

@@ -43,6 +43,7 @@ __all__ = [
     "folder_names",
     "whole_tensor_metadata",
     "clear_for_full_save",
+    "clear_unfinished_full_save",
     "begin_full_save",
     "artifact_records",
     "commit_full",
@@ -78,6 +79,12 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
             "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
         )
     names = folder_names(fs, path)
+    if names and WRITING_MARKER not in names and (found.state == "uncommitted" or _partial_save_files(fs, path)):
+        raise CheckpointExists(
+            f"{url} holds the files of an uncommitted partial save (no {_names.MANIFEST_NAME}): one running "
+            "there, or one that failed or was killed. Save under a new tag, or remove them first (`smpckpt "
+            "prune --uncommitted-older-than AGE` removes such folders once nothing has written for AGE)"
+        )
     if names and WRITING_MARKER not in names:
         raise CheckpointExists(
             f"{url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
@@ -90,6 +97,44 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
         failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})])
         if failed:
             raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
+
+
+def _partial_save_files(fs: Any, path: str) -> bool:
+    """Whether a folder (no manifest, no marker) holds a partial save's data or metadata files."""
+    return any(_names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2))
+
+
+def clear_unfinished_full_save(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before a partial save writes into a folder with no manifest) Remove what an
+    unfinished full save left there (its marker is there): the artifact's fixed names (``model.safetensors``
+    and the rest) would sit beside the partial checkpoint, and a Hugging Face loader pointed at the folder
+    would read their unwritten zeros. Partial saves' files (unique names) stay for stale clean-up. A full
+    save still running there fails its commit (its marker is gone), it never commits over this one."""
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+    if marker is None:
+        return
+    own_metadata = _names.generation_metadata_name(marker.decode("ascii", "replace"))
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    debris = sorted(
+        name
+        for e in entries
+        if e.get("type") != "directory"
+        and (name := str(e["name"]).rstrip("/").rsplit("/", 1)[-1]) != WRITING_MARKER
+        and (name == own_metadata or not _names.is_smpckpt_file(name))
+    )
+    log.warning(
+        "%s: removing %d file(s) of an unfinished full save (save %s) before this partial save writes",
+        url,
+        len(debris),
+        marker.decode("ascii", "replace"),
+    )
+    # the marker last: until the rest is gone the folder stays recognisable as that save's debris
+    failed = remove_files(fs, [join(path, n) for n in debris]) or remove_files(fs, [join(path, WRITING_MARKER)])
+    if failed:
+        raise CheckpointError(f"{url}: could not remove the unfinished full save's files {failed[:5]}")
 
 
 def begin_full_save(
@@ -203,8 +248,8 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
     if marker != manifest.save_id.encode():
         raise CheckpointExists(
-            f"{url}: another full save took this folder over while this one was writing (its marker "
-            f"names {marker!r}, not this save {manifest.save_id}); this save is not committed"
+            f"{url}: another save took this folder over while this full save was writing (its "
+            f"{WRITING_MARKER} marker names {marker!r}, not this save {manifest.save_id}); not committed"
         )
     try:
         create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=sync)

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 
 from smpckpt._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
-from smpckpt.catalog import scan_root
+from smpckpt._save_clock import saw_checkpoint
+from smpckpt.catalog import record_order, scan_root
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.keys import API_RECORD_V1, RESERVED
 from smpckpt.layout import ParallelLayout
@@ -90,11 +91,13 @@ class Target:
     api: str | None  #: the manifest's API record (how user_content is stored)
     has_rng: bool
     fell_back: bool
+    saved_at_ns: int = 0
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
-        return cls(tag, url, LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng")), fell_back)
+        record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
+        return cls(tag, url, record, api, rng, fell_back, record_order(manifest)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +142,10 @@ def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: An
 
 def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
     """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
-    return ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
+    target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
+    if target is not None:
+        saw_checkpoint(req.root, target.saved_at_ns)  # this job's next saves stamp after it (_save_clock)
+    return target
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:

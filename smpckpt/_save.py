@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import time
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -28,6 +27,7 @@ import smpckpt
 from smpckpt._args import CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
 from smpckpt._planner_reuse import kept_save_planner
+from smpckpt._save_clock import next_save_ns
 from smpckpt.errors import CheckpointError
 from smpckpt.keys import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
@@ -106,7 +106,7 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
             stacklevel=5,
         )
     state[RESERVED.user_content] = ObjectBytes(payload)
-    now = time.time_ns()
+    now = next_save_ns(req.root)
     uc = req.user_content
     extra = {
         "api": API_RECORD,

@@ -361,3 +361,25 @@ def test_save_over_a_committed_tag_still_refused(tmp_path: Any) -> None:
         save_checkpoint(root, "step0", model=m, optimizer=o)
     assert read_manifest(f"{root}/step0_partial").save_id == before
     assert checkpoint_state(f"{root}/step0_partial") == "committed"
+
+
+def test_a_restart_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job resumes on a node whose clock is a day behind: its new checkpoints must still count as the
+    newest, for retention and for a resume that falls back (``newest`` lost)."""
+    import smpckpt._save_clock as save_clock
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("a", "b"):
+        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    monkeypatch.setattr(save_clock, "_latest", {})  # a new process
+    behind = time.time_ns() - 86_400 * 10**9
+    monkeypatch.setattr(save_clock, "_now", lambda: behind)
+    assert resume_from_checkpoint(root, model=m, optimizer=o) is None and last_resume_info().tag == "b"
+    for tag in ("c", "d"):
+        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert [r.tag for r in scan_root(root) if r.committed] == ["c", "d"]  # retention kept the new ones
+    os.remove(os.path.join(root, "newest"))
+    with pytest.warns(UserWarning, match="newest is missing"):
+        resume_from_checkpoint(root, model=m, optimizer=o)
+    assert last_resume_info().tag == "d"

@@ -43,7 +43,7 @@ __all__ = [
     "folder_names",
     "whole_tensor_metadata",
     "clear_for_full_save",
-    "clear_unfinished_full_save",
+    "refuse_unfinished_full_save",
     "begin_full_save",
     "artifact_records",
     "commit_full",
@@ -90,6 +90,8 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
             f"{url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
             "to write a full artifact over them"
         )
+    if _names.MANIFEST_NAME in names:  # the unfinished save committed since the probe: it is a checkpoint now
+        raise CheckpointExists(f"{url}: a save committed here while this full save was starting; refusing")
     if names:
         # debris of an unfinished full save (its marker is there, its manifest never was): all of it
         # goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
@@ -104,37 +106,19 @@ def _partial_save_files(fs: Any, path: str) -> bool:
     return any(_names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2))
 
 
-def clear_unfinished_full_save(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before a partial save writes into a folder with no manifest) Remove what an
-    unfinished full save left there (its marker is there): the artifact's fixed names (``model.safetensors``
-    and the rest) would sit beside the partial checkpoint, and a Hugging Face loader pointed at the folder
-    would read their unwritten zeros. Partial saves' files (unique names) stay for stale clean-up. A full
-    save still running there fails its commit (its marker is gone), it never commits over this one."""
+def refuse_unfinished_full_save(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before a partial save writes into a folder with no committed checkpoint) Refuse a
+    folder holding a full save's in-progress marker: that save may still be running, and if it was
+    killed its fixed-name files (``model.safetensors``, ...) would sit beside the partial checkpoint,
+    where a Hugging Face loader would read their unwritten zeros. The API never meets this (full saves
+    go to ``{tag}``, partial ones to ``{tag}_partial``); ``dcp.save`` callers mixing modes in a folder do."""
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
-    if marker is None:
-        return
-    own_metadata = _names.generation_metadata_name(marker.decode("ascii", "replace"))
-    try:
-        entries = fs.ls(path, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    debris = sorted(
-        name
-        for e in entries
-        if e.get("type") != "directory"
-        and (name := str(e["name"]).rstrip("/").rsplit("/", 1)[-1]) != WRITING_MARKER
-        and (name == own_metadata or not _names.is_smpckpt_file(name))
-    )
-    log.warning(
-        "%s: removing %d file(s) of an unfinished full save (save %s) before this partial save writes",
-        url,
-        len(debris),
-        marker.decode("ascii", "replace"),
-    )
-    # the marker last: until the rest is gone the folder stays recognisable as that save's debris
-    failed = remove_files(fs, [join(path, n) for n in debris]) or remove_files(fs, [join(path, WRITING_MARKER)])
-    if failed:
-        raise CheckpointError(f"{url}: could not remove the unfinished full save's files {failed[:5]}")
+    if marker is not None:
+        raise CheckpointExists(
+            f"{url} holds an unfinished full save ({WRITING_MARKER} names save {marker[:40]!r}, no "
+            f"{_names.MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
+            "another folder, or remove that one first (smpckpt.storage.remove_checkpoint)"
+        )
 
 
 def begin_full_save(

@@ -1,6 +1,6 @@
-"""A partial save into a folder an unfinished full save left (its marker, no manifest): the full save's
-fixed-name files go before the partial save writes, other saves' files stay, and a full save still
-running there cannot commit over it."""
+"""Full and partial saves (``dcp.save`` with our writer) pointed at one folder: each refuses what the
+other left unfinished there, since a killed save cannot be told from a running one; a full save
+clears only its own kind's debris, never a checkpoint that committed meanwhile."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from storage_helpers import assert_state_equal, roundtrip_load, unwrap
+from storage_helpers import unwrap
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import ParallelLayout
 from smpckpt.errors import CheckpointExists
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageWriter, open_fs, read_manifest
-from smpckpt.storage._full_commit import clear_unfinished_full_save
 
 Backend = tuple[str, dict[str, Any]]
 MARKER = "smpckpt.writing"
@@ -28,6 +27,10 @@ OTHER_PARTIAL = ("a1b2_r0_0.19abcdef00112233.smp.distcp", "7/c3d4_r1_0.19abcdef0
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g).to(torch.bfloat16)}
+
+
+def _planner() -> ParallelSavePlanner:
+    return ParallelSavePlanner(ParallelLayout(), {})
 
 
 def _listing(url: str, opts: dict[str, Any]) -> set[str]:
@@ -52,52 +55,34 @@ def _killed_full_save(url: str, opts: dict[str, Any]) -> str:
     return save_id
 
 
-def test_partial_save_removes_an_unfinished_full_saves_files(backend: Backend) -> None:
+def test_partial_save_refuses_an_unfinished_full_save(backend: Backend) -> None:
     base, opts = backend
     url = f"{base}/mixed"
     full_id = _killed_full_save(url, opts)
-    assert {"model.safetensors", MARKER, f".metadata.{full_id}"} <= _listing(url, opts)
-    state = {"model": _model(1), "step": 7}
-    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts))
-    left = _listing(url, opts)
-    assert not left & {"model.safetensors", MARKER, f".metadata.{full_id}"}, left
-    assert set(OTHER_PARTIAL) <= left  # unique names of another save: left to stale clean-up
-    manifest = read_manifest(url, opts)
-    assert manifest.kind == "partial" and left == {
-        *OTHER_PARTIAL,
-        *(f.name for f in manifest.files),
-        manifest.metadata.name,
-        ".metadata",
-        MANIFEST,
-    }
-    assert_state_equal(state, roundtrip_load(state, url, opts))
-
-
-def test_a_full_save_loses_its_folder_to_a_partial_one(tmp_path: Any) -> None:
-    """The partial save removed the marker while the full save wrote: the full save must not commit."""
-
-    class ClearedMeanwhile(FsspecStorageWriter):
-        def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-            clear_unfinished_full_save(self.fs, self.path, self.url)  # what a partial save's start does
-            super()._write_metadata(gen_name, md_bytes)
-
-    url = str(tmp_path / "raced")
-    planner = ParallelSavePlanner(ParallelLayout(), {})
+    before = _listing(url, opts)
+    assert {"model.safetensors", MARKER, f".metadata.{full_id}"} <= before
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"m": _model(0)}, storage_writer=ClearedMeanwhile(url, mode="full"), planner=planner)
+        dcp.save({"model": _model(1)}, storage_writer=FsspecStorageWriter(url, storage_options=opts))
     err = unwrap(info.value)
-    assert isinstance(err, CheckpointExists) and "another save took this folder over" in str(err), err
-    assert MANIFEST not in _listing(url, {})
+    assert isinstance(err, CheckpointExists) and "holds an unfinished full save" in str(err), err
+    assert full_id in str(err)
+    assert _listing(url, opts) == before  # nothing written, nothing removed
 
 
-def test_no_marker_no_removal(tmp_path: Any) -> None:
-    """Without the marker nothing in the folder is the full save's to remove (a Hugging Face model, say)."""
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    (folder / "model.safetensors").write_bytes(b"someone's model")
-    fs, path = open_fs(str(folder))
-    clear_unfinished_full_save(fs, path, str(folder))
-    assert (folder / "model.safetensors").read_bytes() == b"someone's model"
+def test_full_save_never_removes_a_manifest_that_appeared(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unfinished full save commits between the probe and the listing: its checkpoint stays."""
+    import smpckpt.storage._full_commit as full_commit
+    from smpckpt.storage._state import Probe
+
+    url = str(tmp_path / "committed-meanwhile")
+    dcp.save({"m": _model(0)}, storage_writer=FsspecStorageWriter(url, mode="full"), planner=_planner())
+    (tmp_path / "committed-meanwhile" / MARKER).write_text("x")  # listed while its marker was still there
+    before = _listing(url, {})
+    monkeypatch.setattr(full_commit, "probe", lambda *a, **k: Probe("missing"))  # what it saw a moment earlier
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"m": _model(1)}, storage_writer=FsspecStorageWriter(url, mode="full"), planner=_planner())
+    assert isinstance(unwrap(info.value), CheckpointExists), unwrap(info.value)
+    assert _listing(url, {}) == before and MANIFEST in before
 
 
 def test_full_save_refuses_a_partial_saves_files_by_name(backend: Backend) -> None:
@@ -111,7 +96,7 @@ def test_full_save_refuses_a_partial_saves_files_by_name(backend: Backend) -> No
         fs.pipe_file(f"{path}/{name}", b"another save's bytes")
     writer = FsspecStorageWriter(url, storage_options=opts, mode="full")
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"m": _model(0)}, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), {}))
+        dcp.save({"m": _model(0)}, storage_writer=writer, planner=_planner())
     err = unwrap(info.value)
     assert isinstance(err, CheckpointExists) and "files of an uncommitted partial save" in str(err), err
     assert _listing(url, opts) == set(OTHER_PARTIAL)

@@ -106,7 +106,7 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
             stacklevel=5,
         )
     state[RESERVED.user_content] = ObjectBytes(payload)
-    now = next_save_ns(req.root)
+    now = next_save_ns(req.root, req.storage_options)
     uc = req.user_content
     extra = {
         "api": API_RECORD,

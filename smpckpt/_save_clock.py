@@ -5,38 +5,49 @@ one, both by this time, which is rank 0's clock. A job restarted on a node whose
 previous node's would otherwise stamp its new checkpoints *older* than the ones it resumed from: the
 next retention would remove them first, and a fallback resume would pick the older checkpoint. So a
 save is stamped no earlier than just after the newest checkpoint this process resumed from or saved
-under the same root. It costs no I/O: resume read that manifest already.
+under the same root. It costs no I/O: resume read that manifest already. A resume from an explicit,
+older tag seeds from that tag only: a later checkpoint stamped by a clock that was ahead can still
+sort after this job's new ones (seeding from every tag would need a listing of the root per resume).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
 
+from smpckpt.tags import open_root
+
 __all__ = ["saw_checkpoint", "next_save_ns"]
 
+_MAX_NS = 2**62  # about the year 2116
 _now = time.time_ns  # the clock (a test moves it)
 _lock = threading.Lock()
 _latest: dict[str, int] = {}  # root -> newest saved_at_ns this process resumed from or stamped
 
 
-def _key(root: Any) -> str:
-    return os.fspath(root).rstrip("/")
+def _key(root: Any, storage_options: Any) -> str:
+    """One key per location however it is spelled (``/x``, ``x/`` from ``/``, ``file:///x``); no I/O."""
+    fs, path = open_root(root, storage_options)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}://{path.rstrip('/')}"
 
 
-def saw_checkpoint(root: Any, saved_at_ns: int) -> None:
-    """(rank 0) A checkpoint under ``root`` stamped ``saved_at_ns`` was resumed: later saves stamp after it."""
+def saw_checkpoint(root: Any, saved_at_ns: Any, storage_options: Any = None) -> None:
+    """A checkpoint under ``root`` stamped ``saved_at_ns`` was resumed: later saves stamp after it.
+    A stamp that is not a plausible time (before 1970, after ~2116) is ignored, so a damaged manifest
+    cannot push every later stamp out of the range a date can show."""
+    if not isinstance(saved_at_ns, int) or not 0 < saved_at_ns < _MAX_NS:
+        return
+    key = _key(root, storage_options)
     with _lock:
-        key = _key(root)
-        _latest[key] = max(_latest.get(key, 0), int(saved_at_ns))
+        _latest[key] = max(_latest.get(key, 0), saved_at_ns)
 
 
-def next_save_ns(root: Any) -> int:
+def next_save_ns(root: Any, storage_options: Any = None) -> int:
     """(rank 0) The stamp of a new save under ``root``: now, or just after the newest one seen."""
+    key = _key(root, storage_options)
     with _lock:
-        key = _key(root)
         ns = max(_now(), _latest.get(key, 0) + 1)
         _latest[key] = ns
         return ns

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from smpckpt.tags import open_root
+from smpckpt.storage import open_fs
 
 __all__ = ["saw_checkpoint", "next_save_ns"]
 
@@ -28,7 +28,7 @@ _latest: dict[str, int] = {}  # root -> newest saved_at_ns this process resumed 
 
 def _key(root: Any, storage_options: Any) -> str:
     """One key per location however it is spelled (``/x``, ``x/`` from ``/``, ``file:///x``); no I/O."""
-    fs, path = open_root(root, storage_options)
+    fs, path = open_fs(root, storage_options)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return f"{protocol}://{path.rstrip('/')}"
 

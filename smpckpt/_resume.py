@@ -143,10 +143,8 @@ def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: An
 def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
     """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
     target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
-    if target is not None:
-        saw_checkpoint(
-            req.root, target.saved_at_ns, req.storage_options
-        )  # this job's next saves stamp after it (_save_clock)
+    if target is not None:  # this job's next saves stamp after it (_save_clock)
+        saw_checkpoint(req.root, target.saved_at_ns, req.storage_options)
     return target
 
 

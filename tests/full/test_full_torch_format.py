@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from full_models import assert_state_equal, optim_state, trained_model
 from s3_env import reset_moto, s3_options
-from torch import nn
 
 from smpckpt import CheckpointCorrupt, consolidate_checkpoint, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import open_fs, verify_checkpoint
@@ -25,30 +25,8 @@ from smpckpt.storage import open_fs, verify_checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    o = torch.optim.Adam(m.parameters(), lr=1e-2)
-    for _ in range(2):
-        o.zero_grad()
-        m(torch.randn(5, 8)).pow(2).mean().backward()
-        o.step()
-    return m, o
-
-
-def _assert_equal(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
-    assert want and set(want) == set(got), (sorted(want), sorted(got))
-    for k, w in want.items():
-        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
-        assert torch.equal(got[k], w), k
-
-
-def _optim_state(m: nn.Module, o: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    return {f"{name}.{k}": v for name, p in m.named_parameters() for k, v in o.state[p].items()}
-
-
 def test_torch_save_artifact_loads_with_torch_load_and_resumes(tmp_path: Any) -> None:
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(
         str(tmp_path), "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content={"step": 2},
         format="torch_save",
@@ -59,20 +37,20 @@ def test_torch_save_artifact_loads_with_torch_load_and_resumes(tmp_path: Any) ->
     assert not any(n.endswith(".safetensors") for n in names), names
     want = {k: v.detach() for k, v in m.state_dict().items()}
     for mmap in (False, True):
-        _assert_equal(want, torch.load(folder / "pytorch_model.bin", weights_only=True, mmap=mmap))
-    _assert_equal(_optim_state(m, o), torch.load(folder / "optimizer.bin", weights_only=True))
+        assert_state_equal(want, torch.load(folder / "pytorch_model.bin", weights_only=True, mmap=mmap))
+    assert_state_equal(optim_state(m, o), torch.load(folder / "optimizer.bin", weights_only=True))
     assert verify_checkpoint(str(folder)).ok
 
-    fresh, fresh_opt = _model(1)
+    fresh, fresh_opt = trained_model(1)
     fresh_opt.step()  # Adam state exists to be overwritten
     uc = resume_from_checkpoint(str(tmp_path), "t", partial=False, model=fresh, optimizer=fresh_opt)
     assert uc == {"step": 2}
-    _assert_equal(want, dict(fresh.state_dict()))
-    _assert_equal(_optim_state(m, o), _optim_state(fresh, fresh_opt))
+    assert_state_equal(want, dict(fresh.state_dict()))
+    assert_state_equal(optim_state(m, o), optim_state(fresh, fresh_opt))
 
 
 def test_torch_save_shards_and_index(tmp_path: Any) -> None:
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(str(tmp_path), "t", partial=False, model=m, format="torch_save", max_shard_size=300)
     folder = tmp_path / "t"
     index = json.loads((folder / "pytorch_model.bin.index.json").read_text())
@@ -83,10 +61,10 @@ def test_torch_save_shards_and_index(tmp_path: Any) -> None:
         part = torch.load(folder / name, weights_only=True)
         assert all(index["weight_map"][k] == name for k in part)
         got.update(part)
-    _assert_equal({k: v.detach() for k, v in m.state_dict().items()}, got)
-    fresh, _ = _model(1)
+    assert_state_equal({k: v.detach() for k, v in m.state_dict().items()}, got)
+    fresh, _ = trained_model(1)
     resume_from_checkpoint(str(tmp_path), "t", partial=False, model=fresh)
-    _assert_equal({k: v.detach() for k, v in m.state_dict().items()}, dict(fresh.state_dict()))
+    assert_state_equal({k: v.detach() for k, v in m.state_dict().items()}, dict(fresh.state_dict()))
 
 
 def _tensor_span(path: str, key: str) -> tuple[int, int]:
@@ -104,7 +82,7 @@ def _tensor_span(path: str, key: str) -> tuple[int, int]:
 
 
 def test_damage_to_tensor_bytes_or_archive_is_found(tmp_path: Any) -> None:
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(str(tmp_path), "t", partial=False, model=m, format="torch_save")
     path = str(tmp_path / "t" / "pytorch_model.bin")
     start, _ = _tensor_span(path, "0.weight")
@@ -113,7 +91,7 @@ def test_damage_to_tensor_bytes_or_archive_is_found(tmp_path: Any) -> None:
     damaged = bytearray(pristine)
     damaged[start + 5] ^= 0x40
     open(path, "wb").write(damaged)
-    fresh, _ = _model(1)
+    fresh, _ = trained_model(1)
     with pytest.raises(CheckpointCorrupt, match="pytorch_model.bin"):
         resume_from_checkpoint(str(tmp_path), "t", partial=False, model=fresh)
     assert not verify_checkpoint(str(tmp_path / "t")).ok
@@ -126,18 +104,18 @@ def test_damage_to_tensor_bytes_or_archive_is_found(tmp_path: Any) -> None:
 
 
 def test_consolidate_to_torch_save(tmp_path: Any) -> None:
-    m, o = _model(0)
+    m, o = trained_model(0)
     save_checkpoint(str(tmp_path / "ck"), "p", model=m, optimizer=o)
     report = consolidate_checkpoint(
         str(tmp_path / "ck" / "p_partial"), str(tmp_path / "out"), include_optimizer=True, format="torch_save",
         progress=False,
     )  # fmt: skip
     assert set(report["files"]) == {"pytorch_model.bin", "optimizer.bin"}, report["files"]
-    _assert_equal(
+    assert_state_equal(
         {k: v.detach() for k, v in m.state_dict().items()},
         torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True),
     )
-    _assert_equal(_optim_state(m, o), torch.load(tmp_path / "out" / "optimizer.bin", weights_only=True))
+    assert_state_equal(optim_state(m, o), torch.load(tmp_path / "out" / "optimizer.bin", weights_only=True))
 
 
 @pytest.mark.s3
@@ -147,7 +125,7 @@ def test_torch_save_artifact_on_s3(moto_endpoint: str) -> None:
     reset_moto(moto_endpoint, bucket)
     options = s3_options(moto_endpoint)
     root = f"s3://{bucket}/run"
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(root, "t", partial=False, model=m, format="torch_save", max_shard_size=300, storage_options=options)
     assert verify_checkpoint(f"{root}/t", options).ok
     fs, path = open_fs(f"{root}/t", options)
@@ -156,10 +134,10 @@ def test_torch_save_artifact_on_s3(moto_endpoint: str) -> None:
     for name in sorted(set(index["weight_map"].values())):
         got.update(torch.load(io.BytesIO(fs.cat_file(f"{path}/{name}")), weights_only=True))
     want = {k: v.detach() for k, v in m.state_dict().items()}
-    _assert_equal(want, got)
-    fresh, _ = _model(1)
+    assert_state_equal(want, got)
+    fresh, _ = trained_model(1)
     resume_from_checkpoint(root, "t", partial=False, model=fresh, storage_options=options)
-    _assert_equal(want, dict(fresh.state_dict()))
+    assert_state_equal(want, dict(fresh.state_dict()))
 
 
 @pytest.mark.s3
@@ -169,13 +147,13 @@ def test_consolidate_to_s3(moto_endpoint: str, tmp_path: Any, file_format: str) 
     bucket = "smpckpt-consolidate"
     reset_moto(moto_endpoint, bucket)
     options = s3_options(moto_endpoint)
-    m, _ = _model(0)
+    m, _ = trained_model(0)
     save_checkpoint(str(tmp_path), "p", model=m)
     out = f"s3://{bucket}/out"
     consolidate_checkpoint(
         str(tmp_path / "p_partial"), out, format=file_format, out_storage_options=options, progress=False
     )
     assert verify_checkpoint(out, options).ok
-    fresh, _ = _model(1)
+    fresh, _ = trained_model(1)
     resume_from_checkpoint(out, None, partial=False, model=fresh, storage_options=options)
-    _assert_equal({k: v.detach() for k, v in m.state_dict().items()}, dict(fresh.state_dict()))
+    assert_state_equal({k: v.detach() for k, v in m.state_dict().items()}, dict(fresh.state_dict()))

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from smpckpt.storage import open_fs
+from smpckpt.storage._fs import location_key
 
 __all__ = ["saw_checkpoint", "next_save_ns"]
 
@@ -26,27 +26,20 @@ _lock = threading.Lock()
 _latest: dict[str, int] = {}  # root -> newest saved_at_ns this process resumed from or stamped
 
 
-def _key(root: Any, storage_options: Any) -> str:
-    """One key per location however it is spelled (``/x``, ``x/`` from ``/``, ``file:///x``); no I/O."""
-    fs, path = open_fs(root, storage_options)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return f"{protocol}://{path.rstrip('/')}"
-
-
 def saw_checkpoint(root: Any, saved_at_ns: Any, storage_options: Any = None) -> None:
     """A checkpoint under ``root`` stamped ``saved_at_ns`` was resumed: later saves stamp after it.
     A stamp that is not a plausible time (before 1970, after ~2116) is ignored, so a damaged manifest
     cannot push every later stamp out of the range a date can show."""
     if not isinstance(saved_at_ns, int) or not 0 < saved_at_ns < _MAX_NS:
         return
-    key = _key(root, storage_options)
+    key = location_key(root, storage_options)
     with _lock:
         _latest[key] = max(_latest.get(key, 0), saved_at_ns)
 
 
 def next_save_ns(root: Any, storage_options: Any = None) -> int:
     """(rank 0) The stamp of a new save under ``root``: now, or just after the newest one seen."""
-    key = _key(root, storage_options)
+    key = location_key(root, storage_options)
     with _lock:
         ns = max(_now(), _latest.get(key, 0) + 1)
         _latest[key] = ns

@@ -23,6 +23,7 @@ from smpckpt.storage._errors import translate_errors
 __all__ = [
     "supports_url",
     "open_fs",
+    "location_key",
     "is_local",
     "join",
     "write_bytes_atomic",
@@ -103,6 +104,13 @@ def supports_url(url: str | os.PathLike[str]) -> bool:
     except (ValueError, ImportError):
         return False
     return True
+
+
+def location_key(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
+    """One string per location however ``url`` is spelled (``/x``, ``x/`` from ``/``, ``file:///x``);
+    no I/O. Raises like :func:`open_fs`."""
+    fs, path = open_fs(url, storage_options)
+    return f"{_protocol(fs)}://{path.rstrip('/')}"
 
 
 def is_local(fs: Any) -> bool:

@@ -79,13 +79,13 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
             "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
         )
     names = folder_names(fs, path)
-    if names and WRITING_MARKER not in names and (found.state == "uncommitted" or _partial_save_files(fs, path)):
-        raise CheckpointExists(
-            f"{url} holds the files of an uncommitted partial save (no {_names.MANIFEST_NAME}): one running "
-            "there, or one that failed or was killed. Save under a new tag, or remove them first (`smpckpt "
-            "prune --uncommitted-older-than AGE` removes such folders once nothing has written for AGE)"
-        )
     if names and WRITING_MARKER not in names:
+        if found.state == "uncommitted" or _partial_save_files(fs, path):
+            raise CheckpointExists(
+                f"{url} holds the files of an uncommitted partial save (no {_names.MANIFEST_NAME}): one running "
+                "there, or one that failed or was killed. Save under a new tag, or remove them first (`smpckpt "
+                "prune --uncommitted-older-than AGE` removes such folders once nothing has written for AGE)"
+            )
         raise CheckpointExists(
             f"{url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
             "to write a full artifact over them"

@@ -38,20 +38,22 @@ def _listing(url: str, opts: dict[str, Any]) -> set[str]:
     return {p[len(path) + 1 :] for p in fs.find(path)} if fs.exists(path) else set()
 
 
+def _other_partial_save(fs: Any, path: str) -> None:
+    for name in OTHER_PARTIAL:
+        fs.makedirs(f"{path}/{name}".rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(f"{path}/{name}", b"another save's bytes")
+
+
 def _killed_full_save(url: str, opts: dict[str, Any]) -> str:
     """A full save's folder as a kill before its commit leaves it (and a killed partial save's files
     beside it); the full save's id."""
-    planner = ParallelSavePlanner(ParallelLayout(), {})
-    dcp.save(
-        {"m": _model(0)}, storage_writer=FsspecStorageWriter(url, storage_options=opts, mode="full"), planner=planner
-    )
+    writer = FsspecStorageWriter(url, storage_options=opts, mode="full")
+    dcp.save({"m": _model(0)}, storage_writer=writer, planner=_planner())
     save_id = read_manifest(url, opts).save_id
     fs, path = open_fs(url, opts)
     fs.rm_file(f"{path}/{MANIFEST}")
     fs.pipe_file(f"{path}/{MARKER}", save_id.encode())
-    for name in OTHER_PARTIAL:
-        fs.makedirs(f"{path}/{name}".rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(f"{path}/{name}", b"another save's bytes")
+    _other_partial_save(fs, path)
     return save_id
 
 
@@ -91,9 +93,7 @@ def test_full_save_refuses_a_partial_saves_files_by_name(backend: Backend) -> No
     base, opts = backend
     url = f"{base}/partial-debris"
     fs, path = open_fs(url, opts)
-    for name in OTHER_PARTIAL:
-        fs.makedirs(f"{path}/{name}".rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(f"{path}/{name}", b"another save's bytes")
+    _other_partial_save(fs, path)
     writer = FsspecStorageWriter(url, storage_options=opts, mode="full")
     with pytest.raises(CheckpointException) as info:
         dcp.save({"m": _model(0)}, storage_writer=writer, planner=_planner())

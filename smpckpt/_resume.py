@@ -27,7 +27,7 @@ from smpckpt._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, tr
 from smpckpt._dist import DistContext
 from smpckpt._save_clock import saw_checkpoint
 from smpckpt.catalog import record_order, scan_root
-from smpckpt.errors import CheckpointNotFound
+from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.keys import API_RECORD_V1, RESERVED
 from smpckpt.layout import ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
@@ -91,7 +91,9 @@ class Target:
     api: str | None  #: the manifest's API record (how user_content is stored)
     has_rng: bool
     fell_back: bool
-    saved_at_ns: int = 0
+    #: the newest save time rank 0 saw while choosing (this checkpoint's, or for an explicit older tag
+    #: that of the checkpoint ``newest`` names): the job's next saves are stamped after it (``_save_clock``)
+    seen_ns: int = 0
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
@@ -144,7 +146,7 @@ def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
     """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
     target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
     if target is not None:  # this job's next saves stamp after it (_save_clock)
-        saw_checkpoint(req.root, target.saved_at_ns, req.storage_options)
+        saw_checkpoint(req.root, target.seen_ns, req.storage_options)
     return target
 
 
@@ -167,7 +169,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
                 if found.state == "uncommitted"
                 else f"checkpoint {tag!r} at {url} was not written by smpckpt ({found.state}); load it with dcp.load"
             )
-        return Target.of(tag, url, found.manifest, False)
+        target = Target.of(tag, url, found.manifest, False)
+        return dataclasses.replace(target, seen_ns=max(target.seen_ns, _newest_stamp(root, tag, storage_options)))
     fs, root_path = open_root(root, storage_options)
     newest = read_newest(fs, root_path)
     records = scan_root(root, storage_options=storage_options)
@@ -192,6 +195,24 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     log.warning(message)
     warnings.warn(message, stacklevel=3)
     return Target.of(latest.tag, latest.url, latest.manifest, True)
+
+
+def _newest_stamp(root: str, tag: str, storage_options: Any) -> int:
+    """(rank 0) The save time of the checkpoint ``newest`` names, when that is not ``tag``; else 0.
+
+    Why: a job resumed from an explicit older tag (a roll-back) on a node whose clock is behind would
+    otherwise stamp its new checkpoints before the abandoned run's later ones, and retention, which
+    keeps the newest by save time, would remove the new ones first. Two small reads per resume; any
+    problem with them is logged and costs only that protection, never the resume."""
+    try:
+        fs, root_path = open_root(root, storage_options)
+        newest = read_newest(fs, root_path)
+        if newest is None or newest == tag:
+            return 0
+        return record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
+    except (OSError, CheckpointError) as exc:
+        log.warning("could not read the save time of %s/newest's checkpoint: %s", root, exc)
+        return 0
 
 
 def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:

@@ -6,8 +6,10 @@ previous node's would otherwise stamp its new checkpoints *older* than the ones 
 next retention would remove them first, and a fallback resume would pick the older checkpoint. So a
 save is stamped no earlier than just after the newest checkpoint this process resumed from or saved
 under the same root. It costs no I/O: resume read that manifest already. A resume from an explicit,
-older tag seeds from that tag only: a later checkpoint stamped by a clock that was ahead can still
-sort after this job's new ones (seeding from every tag would need a listing of the root per resume).
+older tag (a roll-back) also seeds from the checkpoint ``newest`` names (``_resume._newest_stamp``),
+so the abandoned run's checkpoints sort before this job's new ones and retention removes them first.
+A checkpoint committed after ``newest`` and never named by it (a job killed between the two) is not
+seen there: seeding from every tag would need a listing of the root per resume.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import logging
 import os
 import pickle
 import time
@@ -27,7 +28,7 @@ from smpckpt import (
 )
 from smpckpt.catalog import scan_root
 from smpckpt.cli import main
-from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
+from smpckpt.storage import MANIFEST_NAME, FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.tags import write_newest
 
 
@@ -388,3 +389,45 @@ def test_a_restart_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: p
     save_clock.saw_checkpoint(root, 2**80)  # a damaged manifest's stamp: ignored, saves still work
     save_checkpoint(root, "e", model=m, optimizer=o)
     assert read_manifest(os.path.join(root, "e_partial")).extra["saved_at_ns"] < 2**62
+
+
+def test_a_rollback_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job rolls back to an explicit older tag on a node whose clock is a day behind. Its new checkpoints
+    must outrank the abandoned run's later ones, or retention removes the new ones first (without the
+    fix: ``b``, ``c`` and ``e`` kept, ``d`` removed)."""
+    import smpckpt._save_clock as save_clock
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("a", "b", "c"):
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    monkeypatch.setattr(save_clock, "_latest", {})  # a new process
+    behind = time.time_ns() - 86_400 * 10**9
+    monkeypatch.setattr(save_clock, "_now", lambda: behind)
+    resume_from_checkpoint(root, tag="a", model=m, optimizer=o)
+    for tag in ("d", "e"):
+        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert [r.tag for r in scan_root(root) if r.committed] == ["d", "e"]
+
+
+def test_a_rollback_whose_newest_checkpoint_is_damaged(tmp_path: Any) -> None:
+    """Reading the save time of the checkpoint ``newest`` names is a protection only: a damaged manifest
+    there is logged and the explicit-tag resume goes on, bit-exact."""
+    root = str(tmp_path)
+    m, o = _model(0)
+    save_checkpoint(root, "a", model=m, optimizer=o)
+    save_checkpoint(root, "b", model=m, optimizer=o)
+    with open(os.path.join(root, "b_partial", MANIFEST_NAME), "w") as f:
+        f.write("{not json")
+    m2, o2 = _model(2)
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("smpckpt.api").addHandler(handler)
+    try:
+        resume_from_checkpoint(root, tag="a", model=m2, optimizer=o2)
+    finally:
+        logging.getLogger("smpckpt.api").removeHandler(handler)
+    assert last_resume_info().tag == "a"
+    _assert_same_params(m2, m)
+    assert any("newest's checkpoint" in msg for msg in seen), seen

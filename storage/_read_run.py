@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
-from smpckpt.errors import CheckpointCorrupt, LayoutMismatch
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage._fs import join
 from smpckpt.storage._ranges import Fetch, c_strides
 from smpckpt.storage._read_gate import InOrder, Unordered
@@ -339,13 +339,20 @@ def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0) -> torch.Tensor:
     """The requested slice as a tensor over ``data`` (which starts at the slice's first element); rows
     (dim 0) are ``row_bytes`` apart in ``data`` when given (a box read), else as stored."""
     dtype = it.dtype
+    if dtype is None:  # pragma: no cover - raw items always carry one (raw_item)
+        raise CheckpointError(f"internal: raw record of {it.fqn!r} has no dtype")
     lengths = [int(n) for n in it.req.lengths]
     if any(n == 0 for n in lengths):
         return torch.empty(lengths, dtype=dtype)
     with warnings.catch_warnings():
         # read-only buffers (bytes from object stores) are only read from here, never written
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype)  # type: ignore[arg-type]
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    if raw.data_ptr() % dtype.itemsize:
+        # Records are packed back to back, so an item can start at any byte offset of the buffer; torch
+        # copies some dtypes assuming their alignment (complex128: SIGSEGV, measured), so move it first.
+        raw = raw.clone()  # a fresh allocation: aligned for every dtype
+    flat = raw.view(dtype)
     if not it.chunk_sizes:
         return flat.reshape(())
     # data starts at the slice's first element: index the chunk's strides from there

@@ -397,8 +397,14 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items), per_file)
 
     def _hf_files(self) -> list[str] | None:
-        """The safetensors files when the folder is a Hugging Face model (not a save of ours in progress)."""
-        if read_bytes_or_none(self.fs, join(self.path, WRITING_MARKER)) is not None:
+        """The safetensors files when the folder is a Hugging Face model, not a save of ours without its
+        manifest: one in progress (its marker), a full checkpoint whose manifest is gone (a removal
+        interrupted after deleting it, or lost; its ``.metadata.<id>`` generation file stays), or a
+        folder marked for removal. Those are refused, never read without their checksums."""
+        with translate_errors(self.path):
+            names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False)}
+        ours = {WRITING_MARKER, _names.REMOVING_NAME}
+        if names & ours or any(_names.is_smpckpt_file(n) for n in names):
             return None
         return hf_folder_files(self.fs, self.path)
 

@@ -79,3 +79,35 @@ def test_a_full_commit_that_landed_is_never_discarded(tmp_path: Any, monkeypatch
     m2, o2 = trained_model(1)
     assert resume_from_checkpoint(root, "t", partial=False, model=m2, optimizer=o2) == 3
     assert_models_equal(m, m2)
+
+
+@pytest.mark.parametrize("how", ["removal interrupted", "manifest lost"])
+def test_a_full_checkpoint_without_its_manifest_is_refused(tmp_path: Any, how: str) -> None:
+    """A full checkpoint whose manifest is gone -- a removal interrupted after deleting it (marker, then
+    manifest, then the rest), or lost -- is not a Hugging Face folder: read as one it would load
+    without its checksums, so a flipped byte came back as a wrong value. It is refused."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, checkpoint_state
+    from smpckpt.storage._names import REMOVING_NAME
+
+    path = str(tmp_path / "full")
+    state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}
+    dcp.save(state, storage_writer=FsspecStorageWriter(path, mode="full"), no_dist=True)
+    if how == "removal interrupted":
+        with open(os.path.join(path, REMOVING_NAME), "w") as f:
+            f.write("removing\n")
+    os.remove(os.path.join(path, MANIFEST_NAME))
+    assert checkpoint_state(path) == "uncommitted"
+    with pytest.raises(CheckpointException, match="uncommitted"):
+        dcp.load({"w": torch.zeros(64, 64)}, storage_reader=FsspecStorageReader(path), no_dist=True)
+    # the same artifact alone (a Hugging Face folder) still loads, exactly
+    for name in os.listdir(path):
+        if name != "model.safetensors":
+            os.remove(os.path.join(path, name))
+    out = {"w": torch.zeros(64, 64)}
+    reader = FsspecStorageReader(path)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert reader.state == "huggingface" and torch.equal(out["w"], state["w"])

@@ -257,3 +257,32 @@ def test_a_full_artifact_loads_in_place_and_a_damaged_tile_fails_only_its_reads(
         err = unwrap(info.value)
         assert isinstance(err, CheckpointCorrupt) and "checksum mismatch in tensor" in str(err), err
         assert os.path.basename(art) in str(err)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64, torch.int64, torch.bfloat16])
+def test_slices_of_records_at_odd_offsets(tmp_path: Any, dtype: torch.dtype) -> None:
+    """Raw records are packed back to back, so one can start at any byte (here after a 1,001-byte bool
+    tensor). A column slice of it is decoded from a read buffer; torch copied complex128 from such an
+    address assuming 16-byte alignment and the process died (SIGSEGV)."""
+    z = torch.randn(6, 10, dtype=torch.complex128, generator=torch.Generator().manual_seed(0)) * 100
+    z = z.to(dtype) if dtype.is_complex else z.real.to(dtype)
+    state = {"a": torch.ones(1001, dtype=torch.bool), "z": z}
+    path = str(tmp_path)
+    dcp.save(
+        state,
+        storage_writer=FsspecStorageWriter(path, thread_count=1),
+        planner=ParallelSavePlanner(ParallelLayout(), rank=0),
+        no_dist=True,
+    )
+    md = FsspecStorageReader(path).read_metadata()
+    offsets = [info.offset for index, info in md.storage_data.items() if index.fqn == "z"]
+    assert offsets and offsets[0] % 16, offsets  # the case this test is about: an unaligned record
+    for rank in (0, 1):
+        out = {"a": torch.zeros(1001, dtype=torch.bool), "z": torch.zeros(6, 5, dtype=dtype)}
+        dcp.load(
+            out,
+            storage_reader=FsspecStorageReader(path),
+            planner=ParallelLoadPlanner(ParallelLayout(tp=2), {"z": ShardSpec(1)}, rank=rank),
+            no_dist=True,
+        )
+        assert torch.equal(out["z"], z[:, 5 * rank : 5 * rank + 5]) and torch.equal(out["a"], state["a"])

@@ -316,7 +316,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if unexpected and not self.allow_partial_load:
             raise LayoutMismatch(
                 f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "
-                "(pass allow_partial_load=True to ignore them)"
+                "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to ignore them)"
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))

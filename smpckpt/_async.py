@@ -13,8 +13,10 @@ Which rank does what ("all" = every rank of the group)::
     (thread)  future.set_result                      only after data, manifest and ``newest`` are durable
                                                      and retention ran
 
-At most one save is in flight per process. ``wait_for_saves()`` (also registered with ``atexit``)
-finishes it. A process killed while a background save runs leaves ``newest`` on the previous committed
+At most one save is in flight per process. ``wait_for_saves()`` finishes it; the interpreter's exit
+waits for it too (before thread pools shut down: ``_register_exit_wait``), but a process group destroyed
+first leaves a multi-rank save without its collectives: call ``wait_for_saves()`` before
+``destroy_process_group()``. A process killed while a background save runs leaves ``newest`` on the previous committed
 tag: ``newest`` moves only after the commit, and uncommitted folders are never taken as checkpoints.
 """
 
@@ -79,8 +81,7 @@ def check_previous(wait: bool) -> None:
         tag, exc = st.failed
         st.failed = None
         raise CheckpointError(
-            f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (nothing it would "
-            "have replaced was touched; this save was not started)"
+            f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (this save was not started)"
         ) from exc
 
 
@@ -148,7 +149,7 @@ def submit(
         if st.executor is None:
             st.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-async-save")
         if not st.atexit_registered:
-            atexit.register(wait_for_saves, raise_errors=False)
+            _register_exit_wait()
             st.atexit_registered = True
 
         def run() -> None:
@@ -162,6 +163,33 @@ def submit(
         fut = st.executor.submit(run)
         st.inflight, st.inflight_tag = fut, tag
     return fut
+
+
+def _register_exit_wait() -> None:
+    """Finish the save in flight when the interpreter exits.
+
+    Why not ``atexit``: at exit CPython first runs the hooks ``threading`` keeps (concurrent.futures'
+    among them: after it, no thread pool takes work), then joins non-daemon threads, and only then runs
+    ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
+    new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
+    Registered after concurrent.futures', ours runs before it (those hooks run newest first)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython >= 3.9: the plain hook is the best left
+        atexit.register(_wait_at_exit)
+        return
+    register(_wait_at_exit)
+
+
+def _wait_at_exit() -> None:
+    """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag."""
+    fut = _STATE.inflight
+    if fut is None or fut.done() and _STATE.failed is None:
+        return
+    log.info("waiting for the background save of %r to finish before exiting", _STATE.inflight_tag)
+    try:
+        wait_for_saves(raise_errors=True)
+    except CheckpointError as exc:
+        log.error("%s; the process exits without that checkpoint (newest still names the previous one)", exc)
 
 
 def wait_for_saves(*, raise_errors: bool = True) -> None:

@@ -116,6 +116,22 @@ class DistContext:
         if self.active and self.world_size > 1:
             dist.barrier(group=self.pg)
 
+    def _gather_step(self, step: str, obj: T) -> list[T]:
+        """(all ranks) ``all_gather_object`` of ``obj``, labelled with ``step``. Ranks given different
+        arguments can take different paths (``async_save`` on some ranks: one step more) and meet in
+        different steps; unlabelled, one step would read the other's payload as its own and fail
+        obscurely. Then every rank raises :class:`ValueError` naming the steps the ranks were in."""
+        got = self.all_gather_object((step, obj))
+        steps = [g[0] if isinstance(g, tuple) and len(g) == 2 else repr(g)[:60] for g in got]
+        if any(s != step for s in steps):
+            shown = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps[:8]))
+            more = f", ... ({len(steps) - 8} more)" if len(steps) > 8 else ""
+            raise ValueError(
+                f"ranks reached different steps of one smpckpt call ({shown}{more}): they were called with "
+                "different arguments (async_save, partial, tag, ...); every rank must pass the same ones"
+            )
+        return [g[1] for g in got]
+
     # -- failure-aware steps ---------------------------------------------------------------------
     def all_ok(self, fn: Callable[[], T]) -> T:
         """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank.
@@ -131,7 +147,7 @@ class DistContext:
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
             failure = RankError.capture(self.rank, exc)
-        failures = [f for f in self.all_gather_object(failure) if f is not None]
+        failures = [f for f in self._gather_step("a checked step", failure) if f is not None]
         if error is not None:
             raise error
         if failures:
@@ -160,7 +176,7 @@ class DistContext:
 
     def check_identical(self, value: Any, what: str) -> None:
         """(all ranks) Raise :class:`ValueError` on every rank unless all ranks passed equal ``value``."""
-        values = self.all_gather_object(value)
+        values = self._gather_step(f"the comparison of {what}", value)
         if any(v != values[0] for v in values):
             shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values[:8]))
             more = f", ... ({len(values) - 8} more)" if len(values) > 8 else ""

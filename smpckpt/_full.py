@@ -105,7 +105,7 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
             state = {RESERVED.model: get_model_state_dict(common.model, options=OPTIONS)}  # type: ignore[arg-type]
         if not ctx.is_coordinator:
             return state, {}
-        payload, _ = encode_user_content(kw["user_content"])
+        payload, _ = encode_user_content(kw["user_content"], stacklevel=5)  # warns when it needs allow_pickle
         state[RESERVED.user_content] = ObjectBytes(payload)
         now = time.time_ns()
         extra = {

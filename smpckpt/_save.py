@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -72,9 +71,19 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
         raise ValueError(f"format must be 'raw' or 'torch_save', got {kw['format']!r}{hint}")
     # Compare before validating the tag: a tag bad on one rank only must fail every rank, not hang the others.
     ctx.check_identical(
-        (tag, root, keep, bool(kw["overwrite"]), kw["format"], layout.to_dict(), bool(kw["save_rng"]), stale),
+        (
+            tag,
+            root,
+            keep,
+            bool(kw["overwrite"]),
+            kw["format"],
+            layout.to_dict(),
+            bool(kw["save_rng"]),
+            stale,
+            bool(kw["async_save"]),
+        ),
         "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng, "
-        "remove_uncommitted_older_than)",
+        "remove_uncommitted_older_than, async_save)",
     )
     validate_tag(tag)
     return SaveRequest(
@@ -98,13 +107,7 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
     if not ctx.is_coordinator:
         return state, {}
-    payload, weights_only = encode_user_content(req.user_content)
-    if not weights_only:
-        warnings.warn(
-            "user_content holds objects weights-only loading rejects; resuming it will need allow_pickle=True. "
-            "Prefer dicts of tensors, numbers, strings and lists.",
-            stacklevel=5,
-        )
+    payload, _ = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
     state[RESERVED.user_content] = ObjectBytes(payload)
     now = next_save_ns(req.root, req.storage_options)
     uc = req.user_content

@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from smpckpt._args import peer_failures
-from smpckpt._async import async_used, check_previous, submit
+from smpckpt._async import async_used, check_previous, submit, wait_for_saves
 from smpckpt._dist import DistContext
 from smpckpt._full import resume_full, save_full
 from smpckpt._resume import (
@@ -186,7 +186,8 @@ def save_checkpoint(
             ``concurrent.futures.Future`` that completes only when all of that is durable; a failure
             is raised by the future and again by the next ``save_checkpoint`` call. One save is in
             flight at a time (see ``wait_for_previous``); :func:`smpckpt.wait_for_saves` (also run at
-            exit) finishes it. Partial checkpoints only.
+            exit) finishes it: call it before ``destroy_process_group()``, which a multi-rank save in
+            flight still needs. A resume waits for it first. Partial checkpoints only.
         wait_for_previous: a save (sync or async) first waits for the background save in flight,
             logging how long; ``False`` raises :class:`CheckpointError` instead of waiting.
         freeze_gc: while a synchronous save runs, leave the objects the process already holds out of
@@ -256,6 +257,7 @@ def save_checkpoint(
             format=format,
             sync_files=sync_files,
             remove_uncommitted_older_than=remove_uncommitted_older_than,
+            async_save=async_save,
         )
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
@@ -329,6 +331,10 @@ def resume_from_checkpoint(
         Other arguments (``freeze_gc`` too: for the whole load) as for :func:`save_checkpoint`.
     """
     ctx = DistContext(process_group)
+    if async_used():
+        # this process's background save may be committing, updating newest or removing the checkpoint
+        # retention would pick: resume from what it leaves (its failure stays for the next save to raise)
+        wait_for_saves(raise_errors=False)
     if partial is False:
         with peer_failures(ctx, f"loading full checkpoint from {_shown(path)}"), _frozen(freeze_gc):
             return resume_full(

@@ -161,7 +161,8 @@ def list_partial_tags(fs: Any, root_path: str) -> dict[str, str]:
         return {}
     found: dict[str, str] = {}
     for entry in entries:
-        if entry.get("type") != "directory":
+        # a tag folder moved to another disk and linked back is still a tag (fsspec types the link "other")
+        if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
             continue
         name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
         tag = tag_of_partial_dirname(name)

@@ -7,9 +7,9 @@ stock ``torch.load`` reads the record directly.
 
 from __future__ import annotations
 
-import collections
 import io
 import pickle
+import warnings
 from typing import Any
 
 import torch
@@ -18,33 +18,52 @@ from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 
 __all__ = ["encode_user_content", "decode_user_content", "weights_only_safe"]
 
-_LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
-_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, frozenset)
-_MAX_DEPTH = 64
 
-
-def weights_only_safe(value: Any, _depth: int = 0) -> bool:
-    """Whether ``torch.load(weights_only=True)`` accepts ``value`` (a conservative type walk, no pickling)."""
-    if _depth > _MAX_DEPTH:
+def weights_only_safe(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` accepts ``value`` once saved: tried, not guessed from
+    types (a type walk had called ``b""`` and ``frozenset`` safe; torch's allow-list refuses both)."""
+    try:
+        return _loads_weights_only(_encode(value))
+    except TypeError:
         return False
-    if isinstance(value, _LEAVES) and (type(value) in _LEAVES or isinstance(value, torch.Tensor)):
-        return True
-    if type(value) in _CONTAINERS:
-        items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
-        return all(
-            (k is None or weights_only_safe(k, _depth + 1)) and weights_only_safe(v, _depth + 1) for k, v in items
+
+
+def encode_user_content(user_content: Any, *, stacklevel: int = 2) -> tuple[bytes, bool]:
+    """``(torch.save bytes, loads weights-only)``: the one serialisation of ``user_content`` on save.
+    When it will not load weights-only, a warning says so now, not at the resume (``stacklevel``: the
+    caller's frame that warnings name, counted from this function)."""
+    data = _encode(user_content)
+    weights_only = _loads_weights_only(data)
+    if not weights_only:
+        warnings.warn(
+            "user_content holds objects weights-only loading rejects; resuming it will need allow_pickle=True. "
+            "Prefer dicts of tensors, numbers, strings and lists.",
+            stacklevel=stacklevel + 1,
         )
-    return False
+    return data, weights_only
 
 
-def encode_user_content(user_content: Any) -> tuple[bytes, bool]:
-    """``(torch.save bytes, loads weights-only)``: the one serialisation of ``user_content`` on save."""
+def _encode(value: Any) -> bytes:
     buf = io.BytesIO()
     try:
-        torch.save(user_content, buf)
+        torch.save(value, buf)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
-    return buf.getvalue(), weights_only_safe(user_content)
+    return buf.getvalue()
+
+
+def _loads_weights_only(data: bytes) -> bool:
+    """The resume's own check, run on the saved bytes (tensors land on ``meta``: no copy of their data)."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True, map_location="meta")
+    except pickle.UnpicklingError:
+        return False
+    except Exception:  # noqa: BLE001 - a tensor kind meta cannot hold: try it as the resume loads it
+        try:
+            torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError:
+            return False
+    return True
 
 
 def decode_user_content(data: Any, *, allow_pickle: bool, nested: bool = False) -> Any:

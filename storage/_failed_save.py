@@ -54,11 +54,17 @@ def commit_uncertain(error: BaseException | None) -> bool:
     return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
 
 
-def raise_commit_failure(fs: Any, url: str, exc: Exception) -> NoReturn:
+def raise_commit_failure(fs: Any, path: str, url: str, save_id: str, exc: Exception) -> NoReturn:
     """(in the ``except`` of a failed commit request) On object stores raise a :class:`CommitUncertain`
     from ``exc``: the request may still land, so no clean-up may remove that save's files. On local disk
-    and memory:// re-raise ``exc``: the folder then tells exactly whether the manifest landed."""
+    and memory:// the folder tells exactly whether the manifest landed: if it did (the step that failed
+    came after it: the folder's fsync), say so instead of reporting a plain failure; else re-raise ``exc``."""
     if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
+        if committed_by(fs, path, save_id):
+            raise CheckpointError(
+                f"{url} is committed (its manifest is in place; it can be resumed by tag), but a step after the "
+                f"commit failed ({type(exc).__name__}: {exc}), so it may not survive a power loss"
+            ) from exc
         raise exc
     raise CommitUncertain(
         f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's files "

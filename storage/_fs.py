@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -184,8 +185,13 @@ def _temp_copy(path: str, data: bytes, *, sync: bool) -> Iterator[str]:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            # After the rename or link the write has landed: a temp name left behind must not turn it
+            # into a reported failure (nor replace the block's own error). It is debris, named as such.
+            log.warning("could not remove the temporary file %s: %s", tmp, exc)
 
 
+log = logging.getLogger(__name__)
 _MEMORY_LOCK = threading.Lock()
 
 
@@ -308,7 +314,12 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
         for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
             try:
                 with translate_errors(d):
-                    fs.rmdir(d)
+                    if d == folder and is_local(fs) and os.path.islink(folder):
+                        # a folder moved to another disk and linked back: its emptied target, then the link
+                        os.rmdir(os.path.realpath(folder))
+                        os.unlink(folder)
+                    else:
+                        fs.rmdir(d)
             except FileNotFoundError:
                 pass
             except OSError:

@@ -240,6 +240,6 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
     except FileExistsError as exc:
         raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
     except Exception as exc:
-        raise_commit_failure(fs, url, exc)
+        raise_commit_failure(fs, path, url, manifest.save_id, exc)
     if remove_files(fs, [join(path, WRITING_MARKER)]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)

@@ -305,7 +305,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
                     "replace it)"
                 ) from exc
         except Exception as exc:
-            raise_commit_failure(self.fs, self.url, exc)
+            raise_commit_failure(self.fs, self.path, self.url, save_id, exc)
         self._used_save_ids.add(save_id)
         # The stock name, for stock readers; our reader follows the manifest. Written only after the
         # commit, so the loser of a race can never replace the winner's copy.

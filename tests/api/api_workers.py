@@ -166,6 +166,8 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
         bad = "ok" if rank == 0 else "bad/tag"
         out["bad_on_one_rank"] = _expect_error(lambda: save_checkpoint(root, bad, model=m))
         out["resume_mismatch"] = _expect_error(lambda: resume_from_checkpoint(root, tag=f"t{rank}", model=m))
+        # async on rank 0 only: rank 0 takes one step more (its check of a previous background save)
+        out["async_mismatch"] = _expect_error(lambda: save_checkpoint(root, "t_async", model=m, async_save=rank == 0))
         out["dirs"] = _dirs(root)
         return out
 

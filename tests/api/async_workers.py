@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -69,8 +70,29 @@ def training_loop_while_saving(rank: int, world: int, root: str) -> dict[str, An
     return {"exact": ok, "newest": newest}
 
 
+def returns_while_saving(root: str) -> None:
+    """Commit tag ``a``; start an async save of ``b`` that opens its writer's thread pools only after a
+    pause; return at once, as a training script's ``main`` does, without ``wait_for_saves()``."""
+    m = model(0)
+    smpckpt.save_checkpoint(root, "a", model=m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    real = FsspecStorageWriter.write_data
+
+    def late(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(1.0)  # the main thread is in interpreter shutdown by now
+        return real(self, plan, planner)
+
+    FsspecStorageWriter.write_data = late  # type: ignore[method-assign]
+    smpckpt.save_checkpoint(root, "b", model=m, async_save=True)
+
+
 if __name__ == "__main__":
-    killed_during_background_write(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "returns-while-saving":
+        returns_while_saving(sys.argv[2])
+    else:
+        killed_during_background_write(sys.argv[1], sys.argv[2])
 
 
 def dcp_process_mode(rank: int, world: int, root: str) -> bool:

@@ -137,6 +137,56 @@ def test_killed_during_background_write_resumes_the_previous_tag(tmp_path: Any) 
     assert verify_checkpoint(os.path.join(root, "a_partial")).ok
 
 
+def test_a_script_that_returns_while_saving_still_commits(tmp_path: Any) -> None:
+    """The interpreter's exit finishes the save in flight: before the fix the save died opening its
+    thread pools ("cannot schedule new futures after interpreter shutdown") and the process exited 0."""
+    root = str(tmp_path / "ckpt")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "async_workers.py"), "returns-while-saving", root],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])},
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert open(os.path.join(root, "newest")).read().strip() == "b"
+    want = model(0)
+    with torch.no_grad():
+        for p in want.parameters():
+            p.add_(1.0)
+    _loads(root, "b", _state(want))
+
+
+def test_a_resume_waits_for_this_process_background_save(tmp_path: Any, monkeypatch: Any) -> None:
+    """A resume started while this process's save is in flight resumes what that save leaves: before,
+    it took the previous tag, which the save's retention could remove while it was being read."""
+    root = str(tmp_path)
+    m = model(4)
+    save_checkpoint(root, "a", model=m)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    want = _state(m)
+    release = threading.Event()
+    real = smpckpt.api.write_checkpoint
+
+    def held(*args: Any) -> None:
+        release.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    fut = save_checkpoint(root, "b", model=m, async_save=True, num_kept_partial_checkpoints=1)
+    timer = threading.Timer(0.5, release.set)
+    timer.start()
+    try:
+        _loads(root, None, want)
+    finally:
+        timer.cancel()
+        release.set()
+    assert fut.done() and smpckpt.last_resume_info().tag == "b"
+    assert not os.path.exists(os.path.join(root, "a_partial"))
+
+
 @pytest.mark.dist
 def test_async_saves_beside_the_training_loops_collectives(tmp_path: Any) -> None:
     results = run_world(training_loop_while_saving, 2, str(tmp_path), timeout=180)

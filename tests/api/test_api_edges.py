@@ -1,0 +1,147 @@
+"""Edges of the API found by an audit: a failure after the commit is reported as what it is; a tag
+folder moved to another disk and linked back is still a tag; user_content that weights-only loading
+rejects is flagged at save time; the unexpected-keys hint names the API's own switch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import smpckpt.storage._fs as fs_mod
+from smpckpt import (
+    CheckpointError,
+    LayoutMismatch,
+    UnsafeCheckpoint,
+    last_resume_info,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
+from smpckpt.catalog import scan_root
+from smpckpt.storage import MANIFEST_NAME
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _assert_resumes(root: str, tag: str | None, want: nn.Module) -> None:
+    got = _model(99)
+    resume_from_checkpoint(root, tag, model=got)
+    for k, v in want.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_failure_after_the_commit_says_the_checkpoint_is_committed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, overwrite: bool
+) -> None:
+    """The folder's fsync after the manifest's link/rename fails: the save must not be reported as a
+    plain failure (a retry would then meet ``CheckpointExists``) but as committed and not confirmed
+    durable; ``newest`` stays on the last save that completed."""
+    root = str(tmp_path)
+    save_checkpoint(root, "a", model=_model(0))
+    tag = "a" if overwrite else "b"
+    real = fs_mod.fsync_dir
+
+    def failing(path: str) -> None:
+        if path.endswith(f"{tag}_partial") and os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            raise OSError(5, "injected EIO")
+        real(path)
+
+    monkeypatch.setattr(fs_mod, "fsync_dir", failing)
+    new = _model(1)
+    with pytest.raises(CheckpointError, match=r"_partial is committed \(its manifest is in place.*injected EIO"):
+        save_checkpoint(root, tag, model=new, overwrite=overwrite)
+    monkeypatch.setattr(fs_mod, "fsync_dir", real)
+    assert open(os.path.join(root, "newest")).read().strip() == "a"
+    _assert_resumes(root, tag, new)
+
+
+def test_a_temp_name_left_behind_is_not_a_failed_save(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit's temporary name cannot be removed after the link: the save succeeded, a warning
+    names the leftover file."""
+    root = str(tmp_path)
+    real = os.unlink
+    left: list[str] = []
+
+    def failing(path: Any, *args: Any, **kw: Any) -> None:
+        if f"{MANIFEST_NAME}.tmp." in str(path):
+            left.append(str(path))
+            raise PermissionError(13, "injected", str(path))
+        real(path, *args, **kw)
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(fs_mod.__name__).addHandler(handler)
+    monkeypatch.setattr(os, "unlink", failing)
+    m = _model(2)
+    try:
+        save_checkpoint(root, "a", model=m)
+    finally:
+        monkeypatch.setattr(os, "unlink", real)
+        logging.getLogger(fs_mod.__name__).removeHandler(handler)
+    assert left and any(left[0] in msg for msg in seen), seen
+    assert open(os.path.join(root, "newest")).read().strip() == "a"
+    _assert_resumes(root, None, m)
+
+
+def test_a_tag_folder_linked_from_another_disk(tmp_path: Any) -> None:
+    """A tag folder moved elsewhere and symlinked back is listed, taken by a tag-less resume, and
+    removed whole by retention (its files, its emptied target, the link)."""
+    root, elsewhere = str(tmp_path / "root"), str(tmp_path / "other")
+    os.makedirs(elsewhere)
+    save_checkpoint(root, "a", model=_model(0))
+    b = _model(1)
+    save_checkpoint(root, "b", model=b)
+    shutil.move(os.path.join(root, "b_partial"), os.path.join(elsewhere, "b_partial"))
+    os.symlink(os.path.join(elsewhere, "b_partial"), os.path.join(root, "b_partial"))
+    assert [(r.tag, r.state) for r in scan_root(root)] == [("a", "committed"), ("b", "committed")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: newest names b, and b is a committed tag
+        _assert_resumes(root, None, b)
+    assert last_resume_info().tag == "b"
+    for tag in ("c", "d"):
+        save_checkpoint(root, tag, model=_model(3), num_kept_partial_checkpoints=2)
+    assert sorted(os.listdir(root)) == ["c_partial", "d_partial", "newest"]
+    assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize("content", [b"", {"k": b""}, frozenset({1})], ids=["empty-bytes", "nested", "frozenset"])
+def test_user_content_weights_only_rejects_is_flagged_at_save(tmp_path: Any, content: Any) -> None:
+    """torch's weights-only allow-list refuses these (a type walk had called them safe): the save warns,
+    a default resume refuses with UnsafeCheckpoint, allow_pickle=True gives the value back."""
+    for partial in (True, False):
+        tag = f"p{int(partial)}"
+        with pytest.warns(UserWarning, match="user_content holds objects weights-only loading rejects"):
+            save_checkpoint(str(tmp_path), tag, model=_model(0), user_content=content, partial=partial)
+        with pytest.raises(UnsafeCheckpoint):
+            resume_from_checkpoint(str(tmp_path), tag, model=_model(1), partial=partial)
+        assert (
+            resume_from_checkpoint(str(tmp_path), tag, model=_model(1), partial=partial, allow_pickle=True) == content
+        )
+
+
+def test_safe_user_content_saves_without_a_warning(tmp_path: Any) -> None:
+    content = {"step": 3, "b": b"x", "s": {1, 2}, "t": torch.arange(3), "nested": [(1.5, "a")]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_checkpoint(str(tmp_path), "a", model=_model(0), user_content=content)
+    got = resume_from_checkpoint(str(tmp_path), "a", model=_model(1))
+    assert torch.equal(got.pop("t"), content["t"]) and got == {k: v for k, v in content.items() if k != "t"}
+
+
+def test_unexpected_keys_hint_names_strict_false(tmp_path: Any) -> None:
+    big = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2), nn.Linear(2, 2))
+    save_checkpoint(str(tmp_path), "a", model=big)
+    with pytest.raises(LayoutMismatch, match=r"loaded by no rank: .*strict=False to resume_from_checkpoint"):
+        resume_from_checkpoint(str(tmp_path), "a", model=_model(0))
+    resume_from_checkpoint(str(tmp_path), "a", model=_model(0), strict=False)

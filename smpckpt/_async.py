@@ -26,6 +26,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -165,6 +166,17 @@ def submit(
     return fut
 
 
+def _forget_in_child() -> None:
+    """(a forked child) The parent's save in flight is not this process's: no thread here will ever
+    finish its future, so a child that waited for it (at exit, or in its own save) would hang."""
+    global _STATE
+    _STATE = _State(atexit_registered=True)  # the inherited exit hook stays, with nothing to wait for
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _register_exit_wait() -> None:
     """Finish the save in flight when the interpreter exits.
 
@@ -189,7 +201,7 @@ def _wait_at_exit() -> None:
     try:
         wait_for_saves(raise_errors=True)
     except CheckpointError as exc:
-        log.error("%s; the process exits without that checkpoint (newest still names the previous one)", exc)
+        log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)", exc)
 
 
 def wait_for_saves(*, raise_errors: bool = True) -> None:

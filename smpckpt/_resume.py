@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 
 from smpckpt._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
-from smpckpt._save_clock import saw_checkpoint
+from smpckpt._save_clock import plausible_ns, saw_checkpoint
 from smpckpt.catalog import record_order, scan_root
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.keys import API_RECORD_V1, RESERVED
@@ -209,7 +209,8 @@ def _newest_stamp(root: str, tag: str, storage_options: Any) -> int:
         newest = read_newest(fs, root_path)
         if newest is None or newest == tag:
             return 0
-        return record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
+        ns = record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
+        return ns if plausible_ns(ns) else 0  # a damaged stamp must not displace the tag's own
     except (OSError, CheckpointError) as exc:
         log.warning("could not read the save time of %s/newest's checkpoint: %s", root, exc)
         return 0

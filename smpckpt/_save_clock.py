@@ -20,7 +20,7 @@ from typing import Any
 
 from smpckpt.storage._fs import location_key
 
-__all__ = ["saw_checkpoint", "next_save_ns"]
+__all__ = ["saw_checkpoint", "next_save_ns", "plausible_ns"]
 
 _MAX_NS = 2**62  # about the year 2116
 _now = time.time_ns  # the clock (a test moves it)
@@ -28,11 +28,16 @@ _lock = threading.Lock()
 _latest: dict[str, int] = {}  # root -> newest saved_at_ns this process resumed from or stamped
 
 
+def plausible_ns(saved_at_ns: Any) -> bool:
+    """Whether a stamp is a time a save could have (after 1970, before ~2116): a damaged manifest's
+    must not push every later stamp out of the range a date can show."""
+    return isinstance(saved_at_ns, int) and 0 < saved_at_ns < _MAX_NS
+
+
 def saw_checkpoint(root: Any, saved_at_ns: Any, storage_options: Any = None) -> None:
     """A checkpoint under ``root`` stamped ``saved_at_ns`` was resumed: later saves stamp after it.
-    A stamp that is not a plausible time (before 1970, after ~2116) is ignored, so a damaged manifest
-    cannot push every later stamp out of the range a date can show."""
-    if not isinstance(saved_at_ns, int) or not 0 < saved_at_ns < _MAX_NS:
+    A stamp that is not :func:`plausible_ns` is ignored."""
+    if not plausible_ns(saved_at_ns):
         return
     key = location_key(root, storage_options)
     with _lock:

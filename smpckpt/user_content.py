@@ -28,10 +28,10 @@ def weights_only_safe(value: Any) -> bool:
         return False
 
 
-def encode_user_content(user_content: Any, *, stacklevel: int = 2) -> tuple[bytes, bool]:
+def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[bytes, bool]:
     """``(torch.save bytes, loads weights-only)``: the one serialisation of ``user_content`` on save.
     When it will not load weights-only, a warning says so now, not at the resume (``stacklevel``: the
-    caller's frame that warnings name, counted from this function)."""
+    frame that warnings name: 1 is this function's caller)."""
     data = _encode(user_content)
     weights_only = _loads_weights_only(data)
     if not weights_only:

@@ -303,6 +303,14 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
     emptied directories deepest first (local disk and ``memory://``; object stores have none).
     Returns the paths that could not be removed. A missing folder raises ``FileNotFoundError``.
     """
+    if is_local(fs) and os.path.islink(folder):
+        # A link (a folder moved to another disk, or another run's checkpoint linked in): the link goes,
+        # what it points at stays -- it may be data this root does not own.
+        target = os.path.realpath(folder)
+        with translate_errors(folder):
+            os.unlink(folder)
+        log.warning("%s is a link to %s: removed the link, left its target", folder, target)
+        return []
     with translate_errors(folder):
         found = fs.find(folder, withdirs=True, detail=True)
     if not found and not fs.exists(folder):
@@ -314,12 +322,7 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
         for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
             try:
                 with translate_errors(d):
-                    if d == folder and is_local(fs) and os.path.islink(folder):
-                        # a folder moved to another disk and linked back: its emptied target, then the link
-                        os.rmdir(os.path.realpath(folder))
-                        os.unlink(folder)
-                    else:
-                        fs.rmdir(d)
+                    fs.rmdir(d)
             except FileNotFoundError:
                 pass
             except OSError:

@@ -13,7 +13,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
+from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
 from smpckpt.storage._read_io import digest_of
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._state import CheckpointState, Probe, probe
@@ -227,10 +227,14 @@ def remove_checkpoint(
     uncommitted folder (refused by readers), never a committed one with files missing.
 
     Deletes exactly the files listed under the folder (never a glob), so characters such as ``*`` or
-    ``[`` in the path cannot reach other checkpoints. Raises :class:`OSError` naming what could not be
+    ``[`` in the path cannot reach other checkpoints. A folder that is a symbolic link (local disk)
+    loses the link only, never what it points at. Raises :class:`OSError` naming what could not be
     removed.
     """
     fs, path = open_fs(url, storage_options)
+    if is_local(fs) and os.path.islink(path):
+        remove_tree(fs, path)  # the link only: its target may be another root's checkpoint
+        return
     manifest_path = join(path, _names.MANIFEST_NAME)
     if fs.exists(manifest_path):
         # mark the folder first: if this removal is interrupted, the leftover is known to be garbage

@@ -3,6 +3,7 @@ commit, ``newest`` and retention; errors surface on the future and on the next c
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -185,6 +186,38 @@ def test_a_resume_waits_for_this_process_background_save(tmp_path: Any, monkeypa
         release.set()
     assert fut.done() and smpckpt.last_resume_info().tag == "b"
     assert not os.path.exists(os.path.join(root, "a_partial"))
+
+
+def _child_saves(root: str) -> None:
+    save_checkpoint(root, "c", model=model(6))  # its own save: nothing of the parent's to wait for
+
+
+def test_a_child_forked_during_a_background_save_exits_at_once(tmp_path: Any, monkeypatch: Any) -> None:
+    """A process forked while a save is in flight (a DataLoader worker) inherits the exit hook and a
+    copy of the save's future, which no thread of the child will ever finish: it must neither wait for
+    it at exit nor in its own saves."""
+    release = threading.Event()
+    real = smpckpt.api.write_checkpoint
+    parent = os.getpid()
+
+    def held(*args: Any) -> None:
+        if os.getpid() == parent:  # the child inherits this patch; its own save must not be held
+            release.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    fut = save_checkpoint(str(tmp_path), "a", model=model(5), async_save=True)
+    child = multiprocessing.get_context("fork").Process(target=_child_saves, args=(str(tmp_path / "child"),))
+    try:
+        child.start()
+        child.join(20)
+        assert child.exitcode == 0, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
+        release.set()
+    fut.result()
+    assert os.path.exists(os.path.join(str(tmp_path), "child", "c_partial", "smpckpt.manifest.json"))
 
 
 @pytest.mark.dist

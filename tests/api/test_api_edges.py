@@ -95,8 +95,8 @@ def test_a_temp_name_left_behind_is_not_a_failed_save(tmp_path: Any, monkeypatch
 
 
 def test_a_tag_folder_linked_from_another_disk(tmp_path: Any) -> None:
-    """A tag folder moved elsewhere and symlinked back is listed, taken by a tag-less resume, and
-    removed whole by retention (its files, its emptied target, the link)."""
+    """A tag folder moved elsewhere and symlinked back is listed and taken by a tag-less resume.
+    Retention removes the link only: what it points at may be another root's checkpoint."""
     root, elsewhere = str(tmp_path / "root"), str(tmp_path / "other")
     os.makedirs(elsewhere)
     save_checkpoint(root, "a", model=_model(0))
@@ -112,7 +112,8 @@ def test_a_tag_folder_linked_from_another_disk(tmp_path: Any) -> None:
     for tag in ("c", "d"):
         save_checkpoint(root, tag, model=_model(3), num_kept_partial_checkpoints=2)
     assert sorted(os.listdir(root)) == ["c_partial", "d_partial", "newest"]
-    assert os.listdir(elsewhere) == []
+    assert os.listdir(elsewhere) == ["b_partial"]
+    _assert_resumes(elsewhere, "b", b)  # the target is still a committed checkpoint
 
 
 @pytest.mark.parametrize("content", [b"", {"k": b""}, frozenset({1})], ids=["empty-bytes", "nested", "frozenset"])

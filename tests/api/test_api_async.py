@@ -77,15 +77,24 @@ def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
     _loads(root, None, second)
 
 
-def test_wait_for_previous_false_refuses_while_one_is_in_flight(tmp_path: Any, monkeypatch: Any) -> None:
+def _hold_background_writes(monkeypatch: Any) -> threading.Event:
+    """Background writes wait (up to 30 s) until the returned event is set; only in this process (a forked
+    child inherits the patch and must not be held)."""
     release = threading.Event()
     real = smpckpt.api.write_checkpoint
+    parent = os.getpid()
 
     def held(*args: Any) -> None:
-        release.wait(30)
+        if os.getpid() == parent:
+            release.wait(30)
         real(*args)
 
     monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    return release
+
+
+def test_wait_for_previous_false_refuses_while_one_is_in_flight(tmp_path: Any, monkeypatch: Any) -> None:
+    release = _hold_background_writes(monkeypatch)
     m = model(2)
     fut = save_checkpoint(str(tmp_path), "slow", model=m, async_save=True)
     with pytest.raises(CheckpointError, match="still running"):
@@ -168,14 +177,7 @@ def test_a_resume_waits_for_this_process_background_save(tmp_path: Any, monkeypa
         for p in m.parameters():
             p.add_(1.0)
     want = _state(m)
-    release = threading.Event()
-    real = smpckpt.api.write_checkpoint
-
-    def held(*args: Any) -> None:
-        release.wait(30)
-        real(*args)
-
-    monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    release = _hold_background_writes(monkeypatch)
     fut = save_checkpoint(root, "b", model=m, async_save=True, num_kept_partial_checkpoints=1)
     timer = threading.Timer(0.5, release.set)
     timer.start()
@@ -196,16 +198,7 @@ def test_a_child_forked_during_a_background_save_exits_at_once(tmp_path: Any, mo
     """A process forked while a save is in flight (a DataLoader worker) inherits the exit hook and a
     copy of the save's future, which no thread of the child will ever finish: it must neither wait for
     it at exit nor in its own saves."""
-    release = threading.Event()
-    real = smpckpt.api.write_checkpoint
-    parent = os.getpid()
-
-    def held(*args: Any) -> None:
-        if os.getpid() == parent:  # the child inherits this patch; its own save must not be held
-            release.wait(30)
-        real(*args)
-
-    monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    release = _hold_background_writes(monkeypatch)
     fut = save_checkpoint(str(tmp_path), "a", model=model(5), async_save=True)
     child = multiprocessing.get_context("fork").Process(target=_child_saves, args=(str(tmp_path / "child"),))
     try:

@@ -27,6 +27,7 @@ from smpckpt.storage._fs import (
     join,
     read_bytes_or_none,
     remove_files,
+    remove_tree,
     write_bytes_atomic,
 )
 from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
@@ -43,7 +44,7 @@ __all__ = [
     "folder_names",
     "whole_tensor_metadata",
     "clear_for_full_save",
-    "refuse_unfinished_full_save",
+    "settle_uncommitted_folder",
     "begin_full_save",
     "artifact_records",
     "commit_full",
@@ -106,13 +107,24 @@ def _partial_save_files(fs: Any, path: str) -> bool:
     return any(_names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2))
 
 
-def refuse_unfinished_full_save(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before a partial save writes into a folder with no committed checkpoint) Refuse a
-    folder holding a full save's in-progress marker: that save may still be running, and if it was
-    killed its fixed-name files (``model.safetensors``, ...) would sit beside the partial checkpoint,
-    where a Hugging Face loader would read their unwritten zeros. The API never meets this (full saves
-    go to ``{tag}``, partial ones to ``{tag}_partial``); ``dcp.save`` callers mixing modes in a folder do."""
-    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before a partial save writes into a folder with no committed checkpoint; one LIST)
+
+    * Refuse a folder holding a full save's in-progress marker: that save may still be running, and if
+      it was killed its fixed-name files (``model.safetensors``, ...) would sit beside the partial
+      checkpoint, where a Hugging Face loader would read their unwritten zeros. The API never meets this
+      (full saves go to ``{tag}``, partial ones to ``{tag}_partial``); ``dcp.save`` callers mixing modes
+      in a folder do.
+    * Finish an interrupted removal (its marker is there) first: otherwise a later retention or prune,
+      which finishes such folders, would delete this save's files, and the removed checkpoint's leftovers
+      would outlive this save's commit."""
+    names = folder_names(fs, path)
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER)) if WRITING_MARKER in names else None
+    if marker is None and _names.REMOVING_NAME in names:
+        log.warning("%s: finishing an interrupted removal (%d file(s) left) before saving here", url, len(names))
+        failed = remove_tree(fs, path)
+        if failed:
+            raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
     if marker is not None:
         raise CheckpointExists(
             f"{url} holds an unfinished full save ({WRITING_MARKER} names save {marker[:40]!r}, no "

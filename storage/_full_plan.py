@@ -186,8 +186,13 @@ def _leaf_keys(expr: Expr) -> list[str]:
     return [k for p in expr.parts for k in _leaf_keys(p)]
 
 
-def _cast(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
-    return to if to is not None and dtype.is_floating_point else dtype
+def _cast(fqn: str, shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
+    """The export dtype of one tensor (``FullOptions.dtype``). A step counter (a 0-dim tensor named
+    ``step``: Adam's and its kin's, floating point) is kept: fp16 turned step 70,001 into inf, bf16
+    1,001 into 1,000, and a resumed optimizer would then apply the wrong bias correction."""
+    if to is None or not dtype.is_floating_point or (len(shape) == 0 and fqn.rsplit(".", 1)[-1] == "step"):
+        return dtype
+    return to
 
 
 _SAFE_OBJECT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
@@ -213,7 +218,7 @@ def plan_artifact(
         tuple(files),
         tensors,
         exprs,
-        {fqn: _cast(d, opts.dtype) for fqn, d in dtypes.items()},
+        {fqn: _cast(fqn, shapes[fqn], d, opts.dtype) for fqn, d in dtypes.items()},
         objects,
         indexes,
     )
@@ -290,7 +295,7 @@ def _expressions(
                     expr = Leaf(expr.key, view=shapes[fqn])
             exprs[fqn] = (art, expr)
             for leaf in _leaf_keys(expr):
-                art_dtypes.setdefault(art, {})[leaf] = _cast(dtypes[fqn], opts.dtype)
+                art_dtypes.setdefault(art, {})[leaf] = _cast(fqn, shapes[fqn], dtypes[fqn], opts.dtype)
         art_shapes[art] = a_shapes
 
     return exprs, art_shapes, art_dtypes

@@ -60,6 +60,7 @@ from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage._full_commit import folder_names
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._full_read import FullSource, hf_folder_files
 from smpckpt.storage._gc import gc_paused
@@ -401,8 +402,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         manifest: one in progress (its marker), a full checkpoint whose manifest is gone (a removal
         interrupted after deleting it, or lost; its ``.metadata.<id>`` generation file stays), or a
         folder marked for removal. Those are refused, never read without their checksums."""
-        with translate_errors(self.path):
-            names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False)}
+        names = folder_names(self.fs, self.path)
         ours = {WRITING_MARKER, _names.REMOVING_NAME}
         if names & ours or any(_names.is_smpckpt_file(n) for n in names):
             return None

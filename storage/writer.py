@@ -67,8 +67,8 @@ from smpckpt.storage._full_commit import (
     begin_full_save,
     clear_for_full_save,
     commit_full,
-    refuse_unfinished_full_save,
     results_of,
+    settle_uncommitted_folder,
     whole_tensor_metadata,
 )
 from smpckpt.storage._full_gather import gather_rank
@@ -250,7 +250,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             )
         self._old_files = found.generation_files() if found.state in ("committed", "legacy") else []
         if found.state not in ("committed", "legacy"):
-            refuse_unfinished_full_save(self.fs, self.path, self.url)
+            settle_uncommitted_folder(self.fs, self.path, self.url)
         self._save_id = _names.new_save_id()
         prefixes = resolve(self.prefix_strategy, local=is_local(self.fs))
         new_folder = folder_is_new(self.fs, self.path)

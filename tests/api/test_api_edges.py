@@ -146,3 +146,59 @@ def test_unexpected_keys_hint_names_strict_false(tmp_path: Any) -> None:
     with pytest.raises(LayoutMismatch, match=r"loaded by no rank: .*strict=False to resume_from_checkpoint"):
         resume_from_checkpoint(str(tmp_path), "a", model=_model(0))
     resume_from_checkpoint(str(tmp_path), "a", model=_model(0), strict=False)
+
+
+def test_a_save_into_a_partly_removed_folder_finishes_the_removal_first(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retention interrupted on ``s1`` left its removal marker and old data files. Saving ``s1`` again
+    must finish that removal before writing: a prune running meanwhile (it finishes partly removed
+    folders) deleted the running save's folder, and the old files outlived the new commit."""
+    from smpckpt.cli import main
+    from smpckpt.storage import FsspecStorageWriter, verify_checkpoint
+    from smpckpt.storage._names import REMOVING_NAME
+
+    root = str(tmp_path)
+    save_checkpoint(root, "s0", model=_model(0))
+    save_checkpoint(root, "s1", model=_model(1))
+    folder = os.path.join(root, "s1_partial")
+    old_files = set(os.listdir(folder)) - {MANIFEST_NAME, ".metadata"}
+    with open(os.path.join(folder, REMOVING_NAME), "w") as f:  # remove_checkpoint's first two steps
+        f.write("removing\n")
+    os.remove(os.path.join(folder, MANIFEST_NAME))
+    real = FsspecStorageWriter.write_data
+    pruned: list[int] = []
+
+    def write_while_pruning(self: Any, plan: Any, planner: Any) -> Any:
+        pruned.append(main(["prune", root, "--keep", "10"]))
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FsspecStorageWriter, "write_data", write_while_pruning)
+    new = _model(2)
+    save_checkpoint(root, "s1", model=new)
+    assert pruned == [0]
+    assert not (old_files & set(os.listdir(folder))) and REMOVING_NAME not in os.listdir(folder)
+    assert verify_checkpoint(folder).ok
+    _assert_resumes(root, "s1", new)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_export_dtype_keeps_optimizer_step_counters(tmp_path: Any, dtype: torch.dtype) -> None:
+    """``dtype=`` casts weights and moments, not Adam's step counter: fp16 stored step 70,001 as inf,
+    bf16 stored 1,001 as 1,000, and the resumed optimizer applied the wrong bias correction."""
+    m = _model(0)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    for st in opt.state.values():
+        st["step"].fill_(70001 if dtype == torch.float16 else 1001)
+    save_checkpoint(str(tmp_path), "f", model=m, optimizer=opt, partial=False, dtype=dtype, include_optimizer=True)
+    m2 = _model(1)
+    opt2 = torch.optim.Adam(m2.parameters())
+    m2(torch.randn(2, 4)).sum().backward()
+    opt2.step()
+    resume_from_checkpoint(str(tmp_path), "f", model=m2, optimizer=opt2, partial=False, allow_dtype_cast=True)
+    steps = [st["step"] for st in opt2.state.values()]
+    assert steps and all(torch.equal(s, torch.tensor(70001.0 if dtype == torch.float16 else 1001.0)) for s in steps)
+    exp = [v for st in opt2.state.values() for k, v in st.items() if k == "exp_avg"]
+    assert all(torch.equal(a, b["exp_avg"].to(dtype).float()) for a, b in zip(exp, opt.state.values()))

@@ -86,8 +86,8 @@ def expected_artifacts(
         want = value
         if d.kind == "fused" and not vkey.endswith(".step"):
             want = value.reshape(d.shape[0] * d.shape[1], d.shape[2])
-        if dtype is not None and want.dtype.is_floating_point:
-            want = want.to(dtype)
+        if dtype is not None and want.dtype.is_floating_point and not (vkey.endswith(".step") and want.dim() == 0):
+            want = want.to(dtype)  # step counters are kept (a narrow float rounds them)
         art, key = route(state_key(vkey), artifacts)
         assert key not in out.setdefault(art, {}), key
         out[art][key] = want
@@ -266,7 +266,7 @@ def test_dtype_cast_on_export_keeps_integers(tmp_path: Any, dtype: torch.dtype) 
     for key, w in want.items():
         assert got[key].dtype == w.dtype and torch.equal(got[key], w), key
     assert got["model.layers.0.ids"].dtype == torch.int64
-    assert got["model.layers.0.w"].dtype == dtype and got["optim.state.layers.1.qkv.step"].dtype == dtype
+    assert got["model.layers.0.w"].dtype == dtype and got["optim.state.layers.1.qkv.step"].dtype == torch.float32
     # the exact bytes of the cast: torch's round-to-nearest-even, not a truncation
     assert torch.equal(got["model.layers.1.w"], values["model.layers.1.w"].to(dtype))
 

@@ -19,7 +19,7 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
-from smpckpt.storage._failed_save import raise_commit_failure
+from smpckpt.storage._failed_save import committed_by, raise_commit_failure
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
     fsync_path,
@@ -250,7 +250,9 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
     try:
         create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=sync)
     except FileExistsError as exc:
-        raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
+        # a retried conditional PUT whose first attempt landed is refused (412) by our own manifest
+        if not committed_by(fs, path, manifest.save_id):
+            raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
     except Exception as exc:
         raise_commit_failure(fs, path, url, manifest.save_id, exc)
     if remove_files(fs, [join(path, WRITING_MARKER)]):

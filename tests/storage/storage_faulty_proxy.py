@@ -27,7 +27,9 @@ class FaultyProxy:
     """``should_fail(method, path, query) -> status or None`` decides per request; ``rewrite(method,
     query, status, body) -> body`` may change what upstream answered before it is passed on;
     ``drop_request_headers`` (lower case) are not passed upstream (``("range",)``: a server that
-    ignores ranges and answers every GET with the whole object)."""
+    ignores ranges and answers every GET with the whole object); ``fail_after(method, path, query) ->
+    status or None`` forwards the request and then answers with that error instead of upstream's reply
+    (a request that landed but whose reply was lost: the client retries it)."""
 
     def __init__(
         self,
@@ -35,6 +37,7 @@ class FaultyProxy:
         should_fail: Callable[[str, str, dict[str, list[str]]], int | None],
         rewrite: Rewrite | None = None,
         drop_request_headers: tuple[str, ...] = (),
+        fail_after: Callable[[str, str, dict[str, list[str]]], int | None] | None = None,
     ) -> None:
         up = urllib.parse.urlsplit(upstream)
         self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
@@ -61,6 +64,21 @@ class FaultyProxy:
                         proxy.injected.append((self.command, self.path, status))
                     else:
                         proxy.forwarded += 1
+                if not status:
+                    conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
+                    headers = {
+                        k: v
+                        for k, v in self.headers.items()
+                        if k.lower() not in ("connection", "transfer-encoding", *drop_request_headers)
+                    }
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    conn.close()
+                    with lock:
+                        status = fail_after(self.command, parts.path, query) if fail_after is not None else None
+                        if status:
+                            proxy.injected.append((self.command, self.path, status))
                 if status:
                     payload = _BODIES.get(status, _BODIES[500])
                     self.send_response(status)
@@ -71,28 +89,20 @@ class FaultyProxy:
                     self.wfile.write(payload)
                     self.close_connection = True
                     return
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
-                headers = {
-                    k: v
-                    for k, v in self.headers.items()
-                    if k.lower() not in ("connection", "transfer-encoding", *drop_request_headers)
-                }
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
                 if rewrite is not None:
                     data = rewrite(self.command, query, resp.status, data)
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("connection", "transfer-encoding", "content-length", "server", "date"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD has no body: its length is upstream's (a size probe reads it)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.send_header("Connection", "close")
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 self.close_connection = True
-                conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 

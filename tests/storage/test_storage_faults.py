@@ -344,3 +344,32 @@ def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint:
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     assert not client.list_multipart_uploads(Bucket=base[5:]).get("Uploads")
     assert_state_equal(old, roundtrip_load(old, f"{base}/p", opts))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("mode", ["partial", "full"])
+def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoint: str, mode: str) -> None:
+    """The conditional manifest PUT lands but its reply is lost (500): the client retries, and the
+    retry is refused (412) by the save's own manifest. That is this save's commit, not another's: the
+    full mode reported "another save committed here" and kept its in-progress marker."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    landed: list[str] = []
+
+    def fail_after(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith("/smpckpt.manifest.json") and not landed:
+            landed.append(path)
+            return 500
+        return None
+
+    sd = make_state(2)
+    url = f"{base}/lost-{mode}"
+    with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
+        popts = _proxy_opts(opts, proxy.url, attempts=3)
+        dcp.save(sd, storage_writer=FsspecStorageWriter(url, storage_options=popts, mode=mode))
+        assert len(proxy.injected) == 1, proxy.injected
+    assert checkpoint_state(url, opts) == "committed"
+    fs, path = open_fs(url, opts)
+    assert not fs.exists(f"{path}/smpckpt.writing")
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))

@@ -189,7 +189,15 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     elif newest is None:
         reason = f"{root}/newest is missing or unreadable"
     else:
-        state = next((r.state for r in records if r.tag == newest), "missing")
+        found = next((r for r in records if r.tag == newest), None)
+        state = found.state if found is not None else "missing"
+        if found is not None and state == "unreadable":
+            # an I/O error says nothing against that checkpoint: falling back would silently resume an
+            # older one (the job replays its steps); a retry of the resume reads it
+            raise CheckpointError(
+                f"{root}/newest names {newest!r}, which could not be read ({found.detail}); not falling back to "
+                "an older checkpoint. Retry the resume, or pass tag= to choose one"
+            )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
     log.warning(message)

@@ -265,11 +265,14 @@ async def _get(fs: Any, bucket: str, key: str) -> bytes:
 
 def get_object(fs: Any, path: str) -> bytes:
     """The whole object in one GET (``FileNotFoundError`` when missing). s3fs's ``cat_file`` first
-    asks for the size (a HEAD, and a LIST when that 404s): three requests to learn a key is absent."""
+    asks for the size (a HEAD, and a LIST when that 404s): three requests to learn a key is absent.
+    Retried as s3fs retries its own reads, the body's read included: a body cut short once (measured
+    on a manifest) must not make a committed checkpoint look unreadable."""
     from fsspec.asyn import sync
+    from s3fs.core import _error_wrapper
 
     bucket, key, _ = fs.split_path(path)
-    return bytes(sync(fs.loop, _get, fs, bucket, key))
+    return bytes(sync(fs.loop, _error_wrapper, _get, args=(fs, bucket, key), retries=fs.retries))
 
 
 async def _get_into(

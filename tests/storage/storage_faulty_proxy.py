@@ -29,7 +29,8 @@ class FaultyProxy:
     ``drop_request_headers`` (lower case) are not passed upstream (``("range",)``: a server that
     ignores ranges and answers every GET with the whole object); ``fail_after(method, path, query) ->
     status or None`` forwards the request and then answers with that error instead of upstream's reply
-    (a request that landed but whose reply was lost: the client retries it)."""
+    (a request that landed but whose reply was lost: the client retries it); ``cut_body(method, path,
+    query) -> bool`` sends upstream's headers and half its body, then closes the connection."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class FaultyProxy:
         rewrite: Rewrite | None = None,
         drop_request_headers: tuple[str, ...] = (),
         fail_after: Callable[[str, str, dict[str, list[str]]], int | None] | None = None,
+        cut_body: Callable[[str, str, dict[str, list[str]]], bool] | None = None,
     ) -> None:
         up = urllib.parse.urlsplit(upstream)
         self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
@@ -100,8 +102,10 @@ class FaultyProxy:
                 self.send_header("Content-Length", length or str(len(data)))
                 self.send_header("Connection", "close")
                 self.end_headers()
+                with lock:
+                    cut = cut_body is not None and cut_body(self.command, parts.path, query)
                 if self.command != "HEAD":
-                    self.wfile.write(data)
+                    self.wfile.write(data[: len(data) // 2] if cut else data)
                 self.close_connection = True
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle

@@ -373,3 +373,48 @@ def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoin
     fs, path = open_fs(url, opts)
     assert not fs.exists(f"{path}/smpckpt.writing")
     assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
+@pytest.mark.s3
+def test_s3_a_manifest_get_cut_short_once_is_retried(s3: Backend, moto_endpoint: str) -> None:
+    """A manifest GET whose body is cut off once is read again: it made a committed checkpoint look
+    unreadable, and a resume then fell back to an older tag."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    url = f"{base}/cut"
+    dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts))
+    cuts: list[str] = []
+
+    def cut_body(method: str, path: str, query: dict[str, list[str]]) -> bool:
+        if method == "GET" and path.endswith("/smpckpt.manifest.json") and not cuts:
+            cuts.append(path)
+            return True
+        return False
+
+    with FaultyProxy(moto_endpoint, lambda *_: None, cut_body=cut_body) as proxy:
+        manifest = read_manifest(url, _proxy_opts(opts, proxy.url, attempts=3))
+    assert cuts and manifest.save_id == read_manifest(url, opts).save_id
+
+
+@pytest.mark.s3
+def test_s3_an_unreadable_newest_is_not_skipped(s3: Backend, moto_endpoint: str) -> None:
+    """``newest`` names a checkpoint whose manifest cannot be read (persistent 500s): an I/O error says
+    nothing against it, so the resume fails naming it instead of silently taking the older one."""
+    from storage_faulty_proxy import FaultyProxy
+
+    from smpckpt import resume_from_checkpoint, save_checkpoint
+
+    base, opts = s3
+    root = f"{base}/unreadable-newest"
+    model = torch.nn.Linear(3, 2)
+    save_checkpoint(root, "t1", model=model, storage_options=opts)
+    save_checkpoint(root, "t2", model=model, storage_options=opts)
+
+    def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        return 500 if method == "GET" and path.endswith("/t2_partial/smpckpt.manifest.json") else None
+
+    with FaultyProxy(moto_endpoint, should_fail) as proxy:
+        with pytest.raises(CheckpointError, match=r"newest names 't2', which could not be read .*not falling back"):
+            resume_from_checkpoint(root, model=model, storage_options=_proxy_opts(opts, proxy.url, attempts=2))
+    resume_from_checkpoint(root, model=model, storage_options=opts)

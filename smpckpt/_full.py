@@ -35,7 +35,7 @@ from smpckpt.planners import ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
 from smpckpt.tags import join_url, validate_tag
 from smpckpt.translation import Translation
-from smpckpt.user_content import decode_user_content, encode_user_content
+from smpckpt.user_content import decode_user_content, describe_user_content, encode_user_content
 
 __all__ = ["save_full", "resume_full", "FULL_API_RECORD", "full_url"]
 
@@ -114,6 +114,7 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
             "saved_at_ns": now,
             "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
             "optimizer": include_optimizer,
+            **describe_user_content(kw["user_content"]),
             "dtype": str(opts.dtype) if opts.dtype is not None else None,
             "translation": translation.name if translation is not None else None,
             "smpckpt_version": smpckpt.__version__,

@@ -34,7 +34,7 @@ from smpckpt.retention import apply_retention, validate_keep
 from smpckpt.rng import get_rng_state
 from smpckpt.storage import FsspecStorageWriter
 from smpckpt.tags import open_root, partial_url, validate_tag, write_newest
-from smpckpt.user_content import encode_user_content
+from smpckpt.user_content import describe_user_content, encode_user_content
 
 __all__ = ["SaveRequest", "resolve_save", "build_save_state", "write_checkpoint", "publish_newest", "retain"]
 
@@ -110,7 +110,6 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
     payload, _ = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
     state[RESERVED.user_content] = ObjectBytes(payload)
     now = next_save_ns(req.root, req.storage_options)
-    uc = req.user_content
     extra = {
         "api": API_RECORD,
         "tag": req.tag,
@@ -119,8 +118,7 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
         "name_map": req.name_map is not None,
         "parts": sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state),
         "rng": req.save_rng,
-        "user_content_type": type(uc).__name__,
-        "user_content_keys": [str(k) for k in uc] if isinstance(uc, Mapping) else None,
+        **describe_user_content(req.user_content),
         "smpckpt_version": smpckpt.__version__,
         "torch_version": torch.__version__,
     }

@@ -181,6 +181,9 @@ def consolidate_checkpoint(
     reader.set_up_storage_reader(metadata, True)
     api = _is_api_checkpoint(metadata.state_dict_metadata)
     if api:
+        optim = f"{RESERVED.optim}.state."
+        if include_optimizer and not any(k.startswith(optim) for k in metadata.state_dict_metadata):
+            raise ValueError(f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({optim}*)")
         artifacts = dict(ARTIFACTS) if include_optimizer else {f"{RESERVED.model}.": "model"}
     else:
         if include_optimizer:
@@ -224,16 +227,24 @@ def consolidate_checkpoint(
         storage_options=out_storage_options if out_storage_options is not None else storage_options,
     )
     writer.set_up_storage_writer(True, rank=0)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
-        planner = _OneTensorAtATime(reader, metadata, bar)
-        (final,) = writer.prepare_global_plan([plan])
-        results = writer.write_data(final, planner).wait()
-    out_md = Metadata(
-        state_dict_metadata=kept,
-        planner_data={METADATA_KEY: record} if record else None,
-        storage_data=None,
-    )
-    writer.finish(out_md, [results])
+    writer.storage_meta()  # starts the record of the files this save makes (what a failure removes)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
+            planner = _OneTensorAtATime(reader, metadata, bar)
+            (final,) = writer.prepare_global_plan([plan])
+            results = writer.write_data(final, planner).wait()
+        out_md = Metadata(
+            state_dict_metadata=kept,
+            planner_data={METADATA_KEY: record} if record else None,
+            storage_data=None,
+        )
+        writer.finish(out_md, [results])
+    except BaseException as exc:
+        # as a failed online save does: a full-size artifact of unwritten zeros must not stay in OUT
+        left = writer.discard_failed_save(exc)
+        if left:
+            log.warning("%s: could not remove %d file(s) of the failed consolidation: %s", writer.url, len(left), left)
+        raise
     log.info("consolidated %s into %s (%d tensors, %d bytes)", src, writer.url, len(kept), total)
     return ConsolidateReport(
         out=writer.url,

@@ -26,9 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from smpckpt._args import quiet_no_dist
+from smpckpt._args import quiet_no_dist, translate_dcp
 from smpckpt.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.record import METADATA_KEY, LayoutRecord
@@ -72,8 +73,11 @@ def convert_checkpoint(
     reader.reset()
     # Full tensors in one process: layout of one rank, every key as saved (no renaming, no specs).
     planner = ParallelLoadPlanner(ParallelLayout(), rank=0, allow_pickle=allow_pickle)
-    with quiet_no_dist():
-        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    try:
+        with quiet_no_dist():
+            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:  # a BaseException: the CLI would print DCP's whole traceback
+        raise translate_dcp(exc, f"reading {os.fspath(src)}") from exc
     reshaped: list[str] = []
     if not keep_view_shapes and record is not None:
         for key, shape in record.original_shapes.items():
@@ -86,6 +90,8 @@ def convert_checkpoint(
     out_url = os.fspath(out)
     if to == "torch_save":
         fs, path = open_fs(out_url, out_storage_options)
+        if fs.isdir(path):  # a move into it would leave the file inside, not at OUT
+            raise IsADirectoryError(f"{out_url} is a folder; torch_save output is one file: name the file")
         if fs.exists(path) and not overwrite:
             raise FileExistsError(f"{out_url} exists; pass overwrite=True (--overwrite) to replace it")
         tmp = f"{path}.tmp.{os.getpid()}"
@@ -96,8 +102,11 @@ def convert_checkpoint(
         writer = FsspecStorageWriter(
             out_url, storage_options=out_storage_options, format="torch_save", overwrite=overwrite
         )
-        with quiet_no_dist():
-            dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+        try:
+            with quiet_no_dist():
+                dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+        except CheckpointException as exc:
+            raise translate_dcp(exc, f"writing {out_url}") from exc
     tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
     report = ConvertReport(
         tensors=len(tensors),

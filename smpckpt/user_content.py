@@ -10,13 +10,14 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 
-__all__ = ["encode_user_content", "decode_user_content", "weights_only_safe"]
+__all__ = ["encode_user_content", "decode_user_content", "describe_user_content", "weights_only_safe"]
 
 
 def weights_only_safe(value: Any) -> bool:
@@ -41,6 +42,12 @@ def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[byte
             stacklevel=stacklevel + 1,
         )
     return data, weights_only
+
+
+def describe_user_content(user_content: Any) -> dict[str, Any]:
+    """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)."""
+    keys = [str(k) for k in user_content] if isinstance(user_content, Mapping) else None
+    return {"user_content_type": type(user_content).__name__, "user_content_keys": keys}
 
 
 def _encode(value: Any) -> bytes:

@@ -1,0 +1,82 @@
+"""CLI edges found by an audit: convert never writes into a folder named as its output and reports
+failures in one line; a failed consolidation leaves nothing in its output; consolidate refuses an
+optimizer artifact the checkpoint cannot give; inspect shows a full checkpoint's user content."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from damage import flip_byte
+from torch import nn
+
+from smpckpt import save_checkpoint
+from smpckpt.cli import main
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(list(argv), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _saved(root: str, **kw: Any) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 2))
+    save_checkpoint(root, "s", model=m, **kw)
+    return m
+
+
+def test_convert_refuses_a_folder_as_its_output_file(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _saved(root)
+    out = os.path.join(root, "export")
+    os.makedirs(out)
+    for target in (out, os.path.join(root, "s_partial")):  # an empty folder; the source checkpoint itself
+        before = sorted(os.listdir(target))
+        rc, _, err = _run("convert", os.path.join(root, "s"), target, "--overwrite")
+        assert rc == 1 and err.startswith(f"smpckpt convert: IsADirectoryError: {target} is a folder"), err
+        assert sorted(os.listdir(target)) == before
+
+
+def test_convert_failures_are_one_line(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _saved(root)
+    save_checkpoint(root, "t", model=nn.Linear(2, 2))
+    rc, _, err = _run("convert", os.path.join(root, "t"), os.path.join(root, "s_partial"), "--to", "dcp")
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("smpckpt convert: CheckpointExists: "), err
+    data = sorted(f for f in os.listdir(os.path.join(root, "s_partial")) if f.endswith(".distcp"))
+    flip_byte(os.path.join(root, "s_partial", data[0]), 100)
+    rc, _, err = _run("convert", os.path.join(root, "s"), os.path.join(root, "s.pt"))
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("smpckpt convert: CheckpointCorrupt: "), err
+    assert data[0] in err and not os.path.exists(os.path.join(root, "s.pt"))
+
+
+def test_a_failed_consolidation_leaves_nothing_in_its_output(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _saved(root)
+    for name in os.listdir(os.path.join(root, "s_partial")):  # whichever file holds the model's bytes
+        if name.endswith(".distcp"):
+            flip_byte(os.path.join(root, "s_partial", name), 100)
+    out = os.path.join(root, "full")
+    rc, _, err = _run("consolidate", os.path.join(root, "s"), out, "--no-progress")
+    assert rc == 1 and "CheckpointCorrupt" in err, err
+    assert not os.path.exists(out) or os.listdir(out) == []
+
+
+def test_consolidate_include_optimizer_needs_optimizer_state(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _saved(root)
+    out = os.path.join(root, "full")
+    rc, _, err = _run("consolidate", os.path.join(root, "s"), out, "--include-optimizer", "--no-progress")
+    assert rc == 1 and "holds no optimizer state" in err, err
+    assert not os.path.exists(out)
+
+
+def test_inspect_shows_a_full_checkpoints_user_content(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _saved(root, partial=False, user_content={"epoch": 3, "lr": 0.1})
+    rc, out, _ = _run("inspect", os.path.join(root, "s"))
+    assert rc == 0 and "user content: epoch, lr\n" in out, out

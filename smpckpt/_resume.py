@@ -189,13 +189,13 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     elif newest is None:
         reason = f"{root}/newest is missing or unreadable"
     else:
-        found = next((r for r in records if r.tag == newest), None)
-        state = found.state if found is not None else "missing"
-        if found is not None and state == "unreadable":
+        named_record = next((r for r in records if r.tag == newest), None)
+        state = named_record.state if named_record is not None else "missing"
+        if named_record is not None and state == "unreadable":
             # an I/O error says nothing against that checkpoint: falling back would silently resume an
             # older one (the job replays its steps); a retry of the resume reads it
             raise CheckpointError(
-                f"{root}/newest names {newest!r}, which could not be read ({found.detail}); not falling back to "
+                f"{root}/newest names {newest!r}, which could not be read ({named_record.detail}); not falling back to "
                 "an older checkpoint. Retry the resume, or pass tag= to choose one"
             )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"

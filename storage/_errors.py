@@ -33,7 +33,14 @@ _CODE_TO_EXC: dict[str, type[OSError]] = {
 
 def translate(exc: BaseException, path: str) -> BaseException:
     """The exception to raise instead of ``exc`` (``exc`` itself when it is already fine)."""
-    if isinstance(exc, (CheckpointError, OSError)):
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, OSError):
+        if exc.filename is None and exc.errno is not None and path and type(exc).__module__ == "builtins":
+            # s3fs translates S3's errors to OSError without the key: name the file the request was for
+            named = type(exc)(exc.errno, exc.strerror or str(exc), path)
+            named.__cause__ = exc
+            return named
         return exc
     response = getattr(exc, "response", None)
     if isinstance(response, dict):

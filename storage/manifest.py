@@ -53,6 +53,11 @@ __all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFo
 # ALGORITHM is a format change, not a setting.
 _MD_DIGEST_KEY = ALGORITHM
 _DIGEST_KEY = f"manifest_{ALGORITHM}"
+# every top-level field a manifest of format_version <= FORMAT_VERSION may hold
+_TOP_KEYS = frozenset(
+    {"format", "format_version", "save_id", "kind", "data_format", "checksum", "created", "world_size"}
+    | {"metadata", "files", "extra", _DIGEST_KEY}
+)
 
 
 def _self_digest(obj: Mapping[str, Any]) -> int:
@@ -285,7 +290,12 @@ class Manifest:
                 raise ValueError(
                     f"format_version {version} is newer than this smpckpt understands ({FORMAT_VERSION}); upgrade smpckpt"
                 )
-            # after the version check: a newer format may digest differently
+            # after the version check: a newer format may digest differently (and add fields)
+            unknown = sorted(set(obj) - _TOP_KEYS)
+            if unknown:
+                # a field this version never writes is damage: one flipped bit in the digest's own name
+                # would otherwise read as a manifest from before the digest, and skip the check
+                raise ValueError(f"unknown field(s) {unknown[:5]} for format_version {version}")
             if _DIGEST_KEY in obj:
                 recorded = obj.pop(_DIGEST_KEY)
                 if not isinstance(recorded, str) or int(recorded, 16) != _self_digest(obj):

@@ -80,3 +80,17 @@ def test_inspect_shows_a_full_checkpoints_user_content(tmp_path: Any) -> None:
     _saved(root, partial=False, user_content={"epoch": 3, "lr": 0.1})
     rc, out, _ = _run("inspect", os.path.join(root, "s"))
     assert rc == 0 and "user content: epoch, lr\n" in out, out
+
+
+def test_verify_fails_a_manifest_whose_digest_field_name_is_damaged(tmp_path: Any) -> None:
+    """One flipped bit in the name of the manifest's own checksum field made it read as a manifest from
+    before that field (which loads unchecked): the rest of it could then be edited and still verify."""
+    root = str(tmp_path)
+    _saved(root)
+    path = os.path.join(root, "s_partial", "smpckpt.manifest.json")
+    text = open(path).read()
+    assert '"manifest_xxh3_64"' in text
+    with open(path, "w") as f:
+        f.write(text.replace('"manifest_xxh3_64"', '"m`nifest_xxh3_64"').replace('"tag": "s"', '"tag": "x"'))
+    rc, out, err = _run("verify", os.path.join(root, "s"))
+    assert rc == 1 and "unknown field(s) ['m`nifest_xxh3_64']" in out + err, (out, err)

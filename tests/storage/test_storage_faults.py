@@ -341,6 +341,7 @@ def test_s3_persistent_errors_fail_and_abort_uploads(s3: Backend, moto_endpoint:
     # s3fs translates S3's 500 InternalError into OSError(EREMOTEIO, <S3's message>)
     assert type(err) is OSError and err.errno == errno.EREMOTEIO, repr(err)
     assert err.strerror == "We encountered an internal error. Please try again."
+    assert str(err.filename).endswith(".distcp"), err.filename  # the object whose upload failed is named
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     assert not client.list_multipart_uploads(Bucket=base[5:]).get("Uploads")
     assert_state_equal(old, roundtrip_load(old, f"{base}/p", opts))

@@ -173,7 +173,8 @@ def save_checkpoint(
             "committed" checkpoint to a power loss).
         include_optimizer: (``partial=False``) also write the optimizer's tensor state to
             ``optimizer.safetensors``, keyed ``<param fqn>.<name>`` (hyper-parameters are not saved).
-        dtype: (``partial=False``) cast floating-point tensors on export (fp32 -> ``torch.bfloat16``).
+        dtype: (``partial=False``) cast floating-point tensors on export (fp32 -> ``torch.bfloat16``);
+            scalars (0-dim: optimizer step counters) keep their dtype.
         hf_config: (``partial=False``) a Hugging Face config written as ``config.json`` beside the
             weights, so ``AutoModelForCausalLM.from_pretrained(folder)`` opens the artifact.
         translate_function: (``partial=False``) a :class:`smpckpt.translation.Translation` such as

@@ -108,7 +108,8 @@ def _partial_save_files(fs: Any, path: str) -> bool:
 
 
 def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before a partial save writes into a folder with no committed checkpoint; one LIST)
+    """(coordinator, before a partial save writes into a folder with no committed checkpoint; two small
+    GETs, not a listing: on S3 listing an absent folder lists its parent, the whole root)
 
     * Refuse a folder holding a full save's in-progress marker: that save may still be running, and if
       it was killed its fixed-name files (``model.safetensors``, ...) would sit beside the partial
@@ -118,10 +119,9 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
     * Finish an interrupted removal (its marker is there) first: otherwise a later retention or prune,
       which finishes such folders, would delete this save's files, and the removed checkpoint's leftovers
       would outlive this save's commit."""
-    names = folder_names(fs, path)
-    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER)) if WRITING_MARKER in names else None
-    if marker is None and _names.REMOVING_NAME in names:
-        log.warning("%s: finishing an interrupted removal (%d file(s) left) before saving here", url, len(names))
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+    if marker is None and read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
+        log.warning("%s: finishing an interrupted removal before saving here", url)
         failed = remove_tree(fs, path)
         if failed:
             raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")

@@ -53,8 +53,8 @@ class FullOptions:
             one file, and ranks sharing one file write at a fraction of their speed. Small artifacts
             stay one ``model.safetensors``.
         dtype: cast floating-point tensors to this dtype on export (fp32 master weights -> bf16
-            artifact); integer and bool tensors are kept, and so are optimizer step counters (0-dim
-            tensors named ``step``), which a narrow float would round.
+            artifact); integer and bool tensors are kept, and so are scalars (0-dim: optimizer step
+            counters and running products, which a narrow float would round).
         artifacts: flattened-key prefix -> artifact name. A tensor goes to the artifact of the longest
             prefix its key starts with, stored under the key without that prefix. The default puts
             every tensor in ``model.safetensors`` under its own key; :func:`smpckpt.save_checkpoint`

@@ -187,10 +187,12 @@ def _leaf_keys(expr: Expr) -> list[str]:
 
 
 def _cast(fqn: str, shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
-    """The export dtype of one tensor (``FullOptions.dtype``). A step counter (a 0-dim tensor named
-    ``step``: Adam's and its kin's, floating point) is kept: fp16 turned step 70,001 into inf, bf16
-    1,001 into 1,000, and a resumed optimizer would then apply the wrong bias correction."""
-    if to is None or not dtype.is_floating_point or (len(shape) == 0 and fqn.rsplit(".", 1)[-1] == "step"):
+    """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: they are
+    optimizer counters and running products (Adam's ``step``, NAdam's ``mu_product``, ASGD's ``eta``),
+    which a narrow float rounds (fp16 turned step 70,001 into inf, bf16 1,001 into 1,000, and a resumed
+    optimizer then applied the wrong bias correction), and they weigh nothing."""
+    del fqn  # the rule is by shape: optimizers name their scalars freely
+    if to is None or not dtype.is_floating_point or len(shape) == 0:
         return dtype
     return to
 

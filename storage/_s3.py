@@ -255,8 +255,26 @@ def _reraise(exc: Exception, path: str) -> NoReturn:
     raise new from exc
 
 
+async def _one_attempt(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 call without s3fs's retry loop (``_call_s3`` has one): our readers run the request *and*
+    its body read inside one ``_error_wrapper``, and a loop inside that loop multiplied the attempts
+    (measured: 50 GETs and 33 s against 10 and 7 s for an endpoint that never answers)."""
+    await fs.set_session()
+    s3 = await fs.get_s3(kwargs.get("Bucket"))
+    call = getattr(s3, method)
+    return await call(**fs._get_s3_method_kwargs(call, **kwargs))
+
+
+def _is_invalid_range(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+    if code == "InvalidRange":
+        return True
+    return isinstance(exc, OSError) and exc.errno == errno.EINVAL and "range" in str(exc).lower()
+
+
 async def _get(fs: Any, bucket: str, key: str) -> bytes:
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key)
     try:
         return bytes(await resp["Body"].read())
     finally:
@@ -282,9 +300,9 @@ async def _get_into(
     ``views`` in order; returns the bytes received (0: the object ends before ``lo``)."""
     extra = {"VersionId": version} if version else {}
     try:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **extra)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL and "range" in str(exc).lower():
+        resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}", **extra)
+    except Exception as exc:
+        if _is_invalid_range(exc):
             return 0  # InvalidRange: the object ends before `lo` (the caller reports the truncation)
         raise
     body = resp["Body"]

@@ -184,8 +184,8 @@ def test_a_save_into_a_partly_removed_folder_finishes_the_removal_first(
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_export_dtype_keeps_optimizer_step_counters(tmp_path: Any, dtype: torch.dtype) -> None:
-    """``dtype=`` casts weights and moments, not Adam's step counter: fp16 stored step 70,001 as inf,
-    bf16 stored 1,001 as 1,000, and the resumed optimizer applied the wrong bias correction."""
+    """``dtype=`` casts weights and moments, not scalars such as Adam's step counter: fp16 stored step
+    70,001 as inf, bf16 stored 1,001 as 1,000, and the resumed optimizer applied the wrong bias correction."""
     m = _model(0)
     opt = torch.optim.Adam(m.parameters())
     m(torch.randn(2, 4)).sum().backward()

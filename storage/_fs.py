@@ -36,6 +36,8 @@ __all__ = [
     "remove_tree",
 ]
 
+log = logging.getLogger(__name__)
+
 _INSTALL_HINTS = {
     "s3": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
     "s3a": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
@@ -191,7 +193,6 @@ def _temp_copy(path: str, data: bytes, *, sync: bool) -> Iterator[str]:
             log.warning("could not remove the temporary file %s: %s", tmp, exc)
 
 
-log = logging.getLogger(__name__)
 _MEMORY_LOCK = threading.Lock()
 
 

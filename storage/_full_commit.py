@@ -120,17 +120,17 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
       which finishes such folders, would delete this save's files, and the removed checkpoint's leftovers
       would outlive this save's commit."""
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
-    if marker is None and read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
-        log.warning("%s: finishing an interrupted removal before saving here", url)
-        failed = remove_tree(fs, path)
-        if failed:
-            raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
     if marker is not None:
         raise CheckpointExists(
             f"{url} holds an unfinished full save ({WRITING_MARKER} names save {marker[:40]!r}, no "
             f"{_names.MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
             "another folder, or remove that one first (smpckpt.storage.remove_checkpoint)"
         )
+    if read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
+        log.warning("%s: finishing an interrupted removal before saving here", url)
+        failed = remove_tree(fs, path)
+        if failed:
+            raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
 
 
 def begin_full_save(

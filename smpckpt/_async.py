@@ -195,9 +195,10 @@ def _register_exit_wait() -> None:
 def _wait_at_exit() -> None:
     """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag."""
     fut = _STATE.inflight
-    if fut is None or fut.done() and _STATE.failed is None:
+    if fut is None:
         return
-    log.info("waiting for the background save of %r to finish before exiting", _STATE.inflight_tag)
+    if not fut.done():
+        log.info("waiting for the background save of %r to finish before exiting", _STATE.inflight_tag)
     try:
         wait_for_saves(raise_errors=True)
     except CheckpointError as exc:

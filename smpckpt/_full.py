@@ -43,7 +43,8 @@ log = logging.getLogger("smpckpt.api")
 
 FULL_API_RECORD = "smpckpt.api.full/1"
 #: flattened-key prefix -> artifact: HF-style ``model.safetensors`` and ``optimizer.safetensors``
-ARTIFACTS = {f"{RESERVED.model}.": "model", f"{RESERVED.optim}.state.": "optimizer"}
+MODEL_PREFIX, OPTIM_PREFIX = f"{RESERVED.model}.", f"{RESERVED.optim}.state."
+ARTIFACTS = {MODEL_PREFIX: "model", OPTIM_PREFIX: "optimizer"}
 _NOT_TAGS = ("newest",)
 
 

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from tqdm.auto import tqdm
 
-from smpckpt._full import ARTIFACTS
+from smpckpt._full import ARTIFACTS, MODEL_PREFIX, OPTIM_PREFIX
 from smpckpt.errors import CheckpointError
 from smpckpt.keys import RESERVED
 from smpckpt.record import METADATA_KEY
@@ -181,10 +181,9 @@ def consolidate_checkpoint(
     reader.set_up_storage_reader(metadata, True)
     api = _is_api_checkpoint(metadata.state_dict_metadata)
     if api:
-        optim = f"{RESERVED.optim}.state."
-        if include_optimizer and not any(k.startswith(optim) for k in metadata.state_dict_metadata):
-            raise ValueError(f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({optim}*)")
-        artifacts = dict(ARTIFACTS) if include_optimizer else {f"{RESERVED.model}.": "model"}
+        if include_optimizer and not any(k.startswith(OPTIM_PREFIX) for k in metadata.state_dict_metadata):
+            raise ValueError(f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({OPTIM_PREFIX}*)")
+        artifacts = dict(ARTIFACTS) if include_optimizer else {MODEL_PREFIX: ARTIFACTS[MODEL_PREFIX]}
     else:
         if include_optimizer:
             raise ValueError(f"{src}: include_optimizer needs a checkpoint written by smpckpt.save_checkpoint")

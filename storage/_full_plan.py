@@ -186,12 +186,12 @@ def _leaf_keys(expr: Expr) -> list[str]:
     return [k for p in expr.parts for k in _leaf_keys(p)]
 
 
-def _cast(fqn: str, shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
+def _cast(shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
     """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: they are
     optimizer counters and running products (Adam's ``step``, NAdam's ``mu_product``, ASGD's ``eta``),
     which a narrow float rounds (fp16 turned step 70,001 into inf, bf16 1,001 into 1,000, and a resumed
-    optimizer then applied the wrong bias correction), and they weigh nothing."""
-    del fqn  # the rule is by shape: optimizers name their scalars freely
+    optimizer then applied the wrong bias correction), and they weigh nothing. By shape, not name:
+    optimizers name their scalars freely."""
     if to is None or not dtype.is_floating_point or len(shape) == 0:
         return dtype
     return to
@@ -220,7 +220,7 @@ def plan_artifact(
         tuple(files),
         tensors,
         exprs,
-        {fqn: _cast(fqn, shapes[fqn], d, opts.dtype) for fqn, d in dtypes.items()},
+        {fqn: _cast(shapes[fqn], d, opts.dtype) for fqn, d in dtypes.items()},
         objects,
         indexes,
     )
@@ -297,7 +297,7 @@ def _expressions(
                     expr = Leaf(expr.key, view=shapes[fqn])
             exprs[fqn] = (art, expr)
             for leaf in _leaf_keys(expr):
-                art_dtypes.setdefault(art, {})[leaf] = _cast(fqn, shapes[fqn], dtypes[fqn], opts.dtype)
+                art_dtypes.setdefault(art, {})[leaf] = _cast(shapes[fqn], dtypes[fqn], opts.dtype)
         art_shapes[art] = a_shapes
 
     return exprs, art_shapes, art_dtypes

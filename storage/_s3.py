@@ -266,11 +266,9 @@ async def _one_attempt(fs: Any, method: str, **kwargs: Any) -> Any:
 
 
 def _is_invalid_range(exc: BaseException) -> bool:
+    """botocore's ClientError for a range past the object's end (one attempt raises it untranslated)."""
     response = getattr(exc, "response", None)
-    code = str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
-    if code == "InvalidRange":
-        return True
-    return isinstance(exc, OSError) and exc.errno == errno.EINVAL and "range" in str(exc).lower()
+    return isinstance(response, dict) and response.get("Error", {}).get("Code") == "InvalidRange"
 
 
 async def _get(fs: Any, bucket: str, key: str) -> bytes:

@@ -410,6 +410,9 @@ def test_s3_an_unreadable_newest_is_not_skipped(s3: Backend, moto_endpoint: str)
     root = f"{base}/unreadable-newest"
     model = torch.nn.Linear(3, 2)
     save_checkpoint(root, "t1", model=model, storage_options=opts)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    want = model.weight.clone()
     save_checkpoint(root, "t2", model=model, storage_options=opts)
 
     def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
@@ -418,4 +421,6 @@ def test_s3_an_unreadable_newest_is_not_skipped(s3: Backend, moto_endpoint: str)
     with FaultyProxy(moto_endpoint, should_fail) as proxy:
         with pytest.raises(CheckpointError, match=r"newest names 't2', which could not be read .*not falling back"):
             resume_from_checkpoint(root, model=model, storage_options=_proxy_opts(opts, proxy.url, attempts=2))
-    resume_from_checkpoint(root, model=model, storage_options=opts)
+    fresh = torch.nn.Linear(3, 2)
+    resume_from_checkpoint(root, model=fresh, storage_options=opts)  # readable again: t2, not t1
+    assert torch.equal(fresh.weight, want)

@@ -9,8 +9,13 @@ Public entry points:
   ``newest``, retention, user_content); :func:`last_resume_info` says whether a resume resharded.
 * :func:`gc_frozen` -- what the API does around a synchronous save or load, for ``dcp.save``/``dcp.load``
   called directly: the process's existing objects sit out cyclic garbage collections meanwhile.
+* :mod:`smpckpt.hf` -- Hugging Face translations per model family (``smpckpt.hf.llama.TRANSLATION``);
+  imported on first use (``smpckpt.hf`` works after ``import smpckpt``), and it never imports transformers.
 * ``smpckpt`` / ``python -m smpckpt`` -- CLI: ``ls``, ``inspect``, ``verify``, ``prune``.
 """
+
+import importlib as _importlib
+from typing import Any as _Any
 
 from smpckpt import errors as _errors
 from smpckpt._async import free_staging_buffers, wait_for_saves  # noqa: E402
@@ -22,6 +27,16 @@ from smpckpt.specs import ShardSpec
 from smpckpt.storage._gc import gc_frozen
 
 __version__ = "0.1.0"
+
+#: submodules reachable as attributes of the package without importing them first
+_LAZY_SUBMODULES = ("hf", "translation")
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _LAZY_SUBMODULES:
+        return _importlib.import_module(f"smpckpt.{name}")
+    raise AttributeError(f"module 'smpckpt' has no attribute {name!r}")
+
 
 __all__ = [
     "consolidate_checkpoint",

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("smpckpt", "planners", "storage")
-LINTED = (*FOLDERS, "tests", "benchmarks", "examples")
+LINTED = (*FOLDERS, "tests", "benchmarks", "examples", "setup.py")
 
 
 def _run(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess[str]:

@@ -185,16 +185,45 @@ class Translation:
         rules: the rules.
         ignore: artifact key templates that are not state (non-persistent buffers some exporters
             wrote); :meth:`from_artifact` and the eager import skip them.
+        tied: head key -> the key it is tied to (``{"lm_head.weight": "transformer.wte.weight"}``):
+            one tensor under two names, as transformers ties output embeddings to input ones. Neither
+            key may be one a rule rewrites, so each names the same tensor on both sides. A file that
+            leaves the head out (what ``save_pretrained`` writes) still gives a model that holds the
+            head separately its values (:meth:`missing_ties`); the eager helpers drop and add heads by
+            it. Whether a model ties is its config's ``tie_word_embeddings``.
+        architecture: the transformers class whose state dict the artifact side is
+            (``"GPT2LMHeadModel"``), written into ``config.json``'s ``architectures`` when the config
+            given has none.
     """
 
-    def __init__(self, name: str, rules: Iterable[Rule] = (), ignore: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        rules: Iterable[Rule] = (),
+        ignore: Iterable[str] = (),
+        tied: Mapping[str, str] | None = None,
+        architecture: str | None = None,
+    ) -> None:
         self.name = name
         self.rules: tuple[Rule, ...] = tuple(rules)
         self.ignore: tuple[str, ...] = tuple(ignore)
         self._ignore_re = [_template_regex(t) for t in self.ignore]
+        self.tied: dict[str, str] = dict(tied or {})
+        self.architecture = architecture
+        for head, embed in self.tied.items():
+            for key in (head, embed):
+                if any(r.match_ours(key) is not None or r.match_artifact(key) is not None for r in self.rules):
+                    raise ValueError(f"translation {name!r}: tied key {key!r} is rewritten by a rule")
+            if head == embed or head in self.tied.values():
+                raise ValueError(f"translation {name!r}: tied head {head!r} must name another tensor than a head")
 
     def __repr__(self) -> str:
         return f"Translation({self.name!r}, {len(self.rules)} rules)"
+
+    def missing_ties(self, keys: Iterable[str]) -> dict[str, str]:
+        """The tied heads ``keys`` lack although their embedding is there: head -> embedding."""
+        present = set(keys)
+        return {head: embed for head, embed in self.tied.items() if head not in present and embed in present}
 
     def is_ignored(self, artifact_key: str) -> bool:
         """Whether ``artifact_key`` is a non-state entry this translation drops on import."""

@@ -107,19 +107,22 @@ def import_hf(
     translation: Translation,
     state_dict: Mapping[str, torch.Tensor],
     *,
-    embed: str,
-    head: str,
     fused: Fused,
     tie_word_embeddings: bool | None,
     keep_view_shapes: bool,
 ) -> dict[str, torch.Tensor]:
-    """HF state dict -> ours, dropping a head tied to the embedding (see the model modules)."""
+    """HF state dict -> ours, dropping each head tied to its embedding (``translation.tied``).
+
+    ``tie_word_embeddings``: ``None`` drops a head that is its embedding (same memory or equal values),
+    ``True`` drops it and raises if it differs, ``False`` keeps it."""
     sd = dict(state_dict)
-    if head in sd and embed in sd and tie_word_embeddings is not False:
-        if _tied(sd[head], sd[embed]):
-            del sd[head]
-        elif tie_word_embeddings:
-            raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
+    if tie_word_embeddings is not False:
+        for head, embed in translation.tied.items():
+            if head in sd and embed in sd:
+                if _tied(sd[head], sd[embed]):
+                    del sd[head]
+                elif tie_word_embeddings:
+                    raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
     ours = translation.translate_from_artifact(sd)
     return ours if keep_view_shapes else fused.collapse(ours)
 
@@ -128,14 +131,15 @@ def export_hf(
     translation: Translation,
     state_dict: Mapping[str, torch.Tensor],
     *,
-    embed: str,
-    head: str,
     fused: Fused,
     tie_word_embeddings: bool,
 ) -> dict[str, torch.Tensor]:
-    """Ours (model or view shapes) -> HF state dict; ``tie_word_embeddings`` adds the head as the embedding."""
+    """Ours (model or view shapes) -> HF state dict; ``tie_word_embeddings`` adds each tied head
+    (``translation.tied``) as its embedding, for ``load_state_dict`` of a model that holds both names."""
     sd = fused.expand(dict(state_dict))
     out = translation.translate_to_artifact(sd)
-    if tie_word_embeddings and head not in out and embed in out:
-        out[head] = out[embed]
+    if tie_word_embeddings:
+        for head, embed in translation.tied.items():
+            if head not in out and embed in out:
+                out[head] = out[embed]
     return out

@@ -86,6 +86,8 @@ TRANSLATION = Translation(
         rename(_H + "mlp.proj.bias", _H + "mlp.c_proj.bias"),
     ),
     ignore=(_H + "attn.bias", _H + "attn.masked_bias"),
+    tied={_HEAD: _EMBED},
+    architecture="GPT2LMHeadModel",
 )
 
 _FUSED = Fused({_H + "attn.qkv.weight": (3, 3), _H + "attn.qkv.bias": (3, 2)})
@@ -106,8 +108,6 @@ def translate_hf_state_dict_to_smpckpt(
     return import_hf(
         TRANSLATION,
         state_dict,
-        embed=_EMBED,
-        head=_HEAD,
         fused=_FUSED,
         tie_word_embeddings=tie_word_embeddings,
         keep_view_shapes=keep_view_shapes,
@@ -123,9 +123,7 @@ def translate_state_dict_to_hf(
     ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding (what ``load_state_dict``
     of an HF model wants); by default it is left out, as HF's own files do.
     """
-    return export_hf(
-        TRANSLATION, state_dict, embed=_EMBED, head=_HEAD, fused=_FUSED, tie_word_embeddings=tie_word_embeddings
-    )
+    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -43,16 +43,18 @@ _L = "model.layers.{i}."
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def make_translation(name: str) -> Translation:
+def make_translation(name: str, architecture: str) -> Translation:
     """The Llama-family translation (fused gate/up; everything else keeps its HF key)."""
     return Translation(
         name,
         rules=(stack(_L + "mlp.gate_up_proj.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight")),),
         ignore=(_L + "self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"),
+        tied={_HEAD: _EMBED},
+        architecture=architecture,
     )
 
 
-TRANSLATION = make_translation("llama")
+TRANSLATION = make_translation("llama", "LlamaForCausalLM")
 FUSED = Fused({_L + "mlp.gate_up_proj.weight": (2, 3)})
 
 
@@ -71,8 +73,6 @@ def translate_hf_state_dict_to_smpckpt(
     return import_hf(
         TRANSLATION,
         state_dict,
-        embed=_EMBED,
-        head=_HEAD,
         fused=FUSED,
         tie_word_embeddings=tie_word_embeddings,
         keep_view_shapes=keep_view_shapes,
@@ -86,9 +86,7 @@ def translate_state_dict_to_hf(
 
     ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding when ours has no head.
     """
-    return export_hf(
-        TRANSLATION, state_dict, embed=_EMBED, head=_HEAD, fused=FUSED, tie_word_embeddings=tie_word_embeddings
-    )
+    return export_hf(TRANSLATION, state_dict, fused=FUSED, tie_word_embeddings=tie_word_embeddings)
 
 
 def kv_sharded(model: str, tp: int, config: Any) -> bool:

@@ -18,8 +18,7 @@ from smpckpt.specs import ShardSpec
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
 
-TRANSLATION = make_translation("qwen2")
-_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+TRANSLATION = make_translation("qwen2", "Qwen2ForCausalLM")
 
 
 def translate_hf_state_dict_to_smpckpt(
@@ -29,8 +28,6 @@ def translate_hf_state_dict_to_smpckpt(
     return import_hf(
         TRANSLATION,
         state_dict,
-        embed=_EMBED,
-        head=_HEAD,
         fused=FUSED,
         tie_word_embeddings=tie_word_embeddings,
         keep_view_shapes=keep_view_shapes,
@@ -41,9 +38,7 @@ def translate_state_dict_to_hf(
     state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
 ) -> dict[str, torch.Tensor]:
     """Our unsharded Qwen2 state dict -> HF's; as :func:`smpckpt.hf.llama.translate_state_dict_to_hf`."""
-    return export_hf(
-        TRANSLATION, state_dict, embed=_EMBED, head=_HEAD, fused=FUSED, tie_word_embeddings=tie_word_embeddings
-    )
+    return export_hf(TRANSLATION, state_dict, fused=FUSED, tie_word_embeddings=tie_word_embeddings)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

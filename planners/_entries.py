@@ -32,6 +32,7 @@ __all__ = [
     "resolve_rank",
     "compile_globs",
     "dtensor_is_owner",
+    "tied_entries",
 ]
 
 Kind = Literal["tensor", "dtensor", "object"]
@@ -189,6 +190,29 @@ def resolve_state_dict(
         is_local = bool(rank_local is not None and rank_local.fullmatch(key))
         entries[key] = maker.entry(local_key, key, path, value, is_local)
     return Resolved(entries, mappings)
+
+
+def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
+    """Keys whose tensor is one held under an earlier key (tied parameters: transformers ties
+    ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order.
+
+    Tied means the same memory seen the same way -- device, address, shape, strides, dtype -- and the
+    same place in the same global tensor (specs can differ only by mistake; then both are kept). Plain
+    tensors only: a DTensor's tie shows in its local tensor, but its placements decide ownership alone.
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    tied: dict[str, str] = {}
+    for e in entries.values():
+        if e.kind != "tensor" or e.rank_local or e.chunk is None:
+            continue
+        v = e.value
+        if v.numel() == 0:
+            continue
+        where = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), tuple(e.chunk.offsets), e.global_shape)
+        key = first.setdefault(where, e.key)
+        if key != e.key:
+            tied[e.key] = key
+    return tied
 
 
 class _EntryMaker:

@@ -59,12 +59,14 @@ def structure_signature(
     entries: Mapping[str, Entry],
     mappings: Mapping[str, Any],
     object_digests: Mapping[str, str] | None,
+    tied: Mapping[str, str] | None = None,
 ) -> tuple[Any, ...]:
     """Everything a local plan depends on, compared by equality at the next save (no hashing of text):
     the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
-    ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; object
+    ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; which
+    keys are tied to which (a tie made or broken between saves changes what is written); object
     values only when ``object_digests`` is given."""
-    parts: list[Any] = [layout, rank, replica_owner]
+    parts: list[Any] = [layout, rank, replica_owner, tuple((tied or {}).items())]
     for e in entries.values():
         if e.kind == "object":
             parts.append((e.key, mappings.get(e.key), None if object_digests is None else object_digests[e.key]))

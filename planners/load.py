@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.planner_helpers import (
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs, tied_entries
 from smpckpt.planners._plan_wire import compact_load
-from smpckpt.record import LayoutRecord
+from smpckpt.record import LayoutRecord, checkpoint_ties
 from smpckpt.specs import SpecLike, SpecRules
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
@@ -66,6 +66,9 @@ class LoadReport:
     cast_keys: tuple[str, ...]  #: tensors converted from the saved dtype (allow_dtype_cast)
     saved_layout: ParallelLayout | None  #: the layout recorded in the checkpoint, when there is one
     skipped_optional: tuple[str, ...] = ()  #: keys matching ``optional`` globs absent from the checkpoint
+    #: destination key -> the key read for it: a tied key the checkpoint stores once (under the key it
+    #: is tied to), or a key tied in the destination itself (same tensor: loaded through the other key)
+    tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class ParallelLoadPlanner(LayoutScope, LoadPlanner):
@@ -83,6 +86,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             a matching state-dict key missing from the checkpoint keeps its value (listed in
             ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
             Everything else stays strict unless ``allow_partial_load``.
+
+    Tied parameters (one tensor under two keys, as transformers ties ``lm_head.weight`` to the input
+    embedding) load without ``allow_partial_load``: keys tied in the destination are one tensor, loaded
+    once through the first key the checkpoint holds (the others count as loaded); a destination key
+    the checkpoint stores tied to another (our record of the save, or a Hugging Face folder that leaves
+    the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head.
     """
 
     def __init__(
@@ -128,12 +137,16 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
         self.entries: dict[str, Entry] = resolved.entries
+        #: destination keys that are another key's tensor (loaded through that key)
+        self.dest_tied = tied_entries(self.entries)
         self.original_state_dict = state_dict
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         _refuse_raw_without_our_reader(metadata)
         record = LayoutRecord.from_metadata(metadata)
+        #: checkpoint keys stored once under another key (read from that key's bytes)
+        self.saved_tied = checkpoint_ties(metadata)
         self.saved_layout = record.layout if record is not None else None
         #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold)
         self.saved_original_shapes = dict(record.original_shapes) if record is not None else {}
@@ -150,8 +163,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         resharded: list[str] = []
         cast: list[str] = []
         fast = 0
+        sources, tied_covered = self._tie_sources(md_all)
         for entry in self.entries.values():
-            md = md_all.get(entry.key)
+            source = sources.get(entry.key, entry.key)
+            if source is None:  # tied in the destination: loaded through another key of its tensor
+                continue
+            md = md_all.get(source)
             if md is None:
                 missing.append(entry.key)
                 continue
@@ -179,13 +196,17 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                     _create_read_item_for_tensor(
                         dest_index=MetadataIndex(entry.key, chunk.offsets),
                         dest_offsets=[0] * len(chunk.sizes),
-                        storage_index=MetadataIndex(entry.key, md.chunks[exact].offsets, exact),
+                        storage_index=MetadataIndex(source, md.chunks[exact].offsets, exact),
                         storage_offsets=[0] * len(chunk.sizes),
                         lengths=chunk.sizes,
                     )
                 )
                 continue
-            found = create_read_items_for_chunk_list(entry.key, md, [chunk])
+            found = create_read_items_for_chunk_list(source, md, [chunk])
+            if source != entry.key:  # reads of the tied key's bytes, landing in this key's tensor
+                found = [
+                    dataclasses.replace(r, dest_index=dataclasses.replace(r.dest_index, fqn=entry.key)) for r in found
+                ]
             covered = sum(math.prod(r.lengths) for r in found)
             if covered != math.prod(chunk.sizes):
                 raise CheckpointCorrupt(
@@ -201,14 +222,53 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
             )
+        tied = {key: source or self._through[key] for key, source in sources.items()}
         self.report = LoadReport(
-            fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped)
+            fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped), tied
         )
         if resharded:
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)
         else:
             logger.info("rank %d: layout unchanged for all %d tensors: fast path", self.rank, fast)
-        return compact_load(LoadPlan(items, planner_data={"empty": empty}))  # gathered on the coordinator
+        if tied:
+            logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
+        # "empty" and "covered" keys count as asked for in the coordinator's unexpected-key check
+        return compact_load(
+            LoadPlan(items, planner_data={"empty": empty + tied_covered})
+        )  # gathered on the coordinator
+
+    def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str | None], list[str]]:
+        """Where tied keys load from: destination key -> the checkpoint key read for it, or ``None``
+        when the key is the tensor of another destination key that loads it; and the checkpoint keys
+        such a skipped key covers (they are loaded, through the other key of the same tensor).
+
+        Of keys tied in the destination, the first the checkpoint holds (directly, or stored tied to
+        another key) is read; each tied key of the checkpoint missing from it reads its tied key."""
+
+        def stored(key: str) -> str | None:
+            if key in md_all:
+                return key
+            first = self.saved_tied.get(key)
+            return first if first is not None and first in md_all else None
+
+        sources: dict[str, str | None] = {}
+        groups: dict[str, list[str]] = {}
+        for alias, first in self.dest_tied.items():
+            groups.setdefault(first, [first]).append(alias)
+        covered: list[str] = []
+        self._through: dict[str, str] = {}  # a skipped key -> the key of its tensor that loads it
+        for keys in groups.values():
+            reader = next((k for k in keys if stored(k) is not None), keys[0])
+            for key in keys:
+                if key != reader:
+                    sources[key] = None
+                    self._through[key] = reader
+                    if key in md_all:
+                        covered.append(key)
+        for key in self.entries:
+            if key not in sources and key not in md_all and stored(key) is not None:
+                sources[key] = stored(key)
+        return sources, covered
 
     def _reshapes(self, entry: Entry, md: TensorStorageMetadata) -> bool:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a

@@ -37,6 +37,7 @@ from smpckpt.planners._entries import (
     LayoutScope,
     ObjectBytes,
     dtensor_is_owner,
+    tied_entries,
 )
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._plan_cache import PlanCache, structure_signature
@@ -83,6 +84,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         replica_owner: ``"balanced"`` spreads replicated tensors over their replicas by bytes;
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
+        dedup_tied: write a tensor held under several keys (tied parameters: transformers ties
+            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint
+            records the others (:attr:`~smpckpt.record.LayoutRecord.tied`), our storage writer lists
+            them in ``.metadata`` over the same bytes (stock readers load both keys), and our load
+            planner fills a destination that holds them apart. ``False`` writes each key's bytes.
         cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
 
             * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
@@ -111,6 +117,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         replica_owner: str = "balanced",
         enable_plan_caching: bool = True,
         cache_scope: Literal["global", "local"] = "global",
+        dedup_tied: bool = True,
     ) -> None:
         super().__init__()
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
@@ -121,8 +128,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.replica_owner = replica_owner
         self.enable_plan_caching = enable_plan_caching
         self.cache_scope = cache_scope
+        self.dedup_tied = dedup_tied
         self.report: SaveReport | None = None
         self.entries: dict[str, Entry] = {}
+        self.tied: dict[str, str] = {}
         self._cache = PlanCache(cache_scope if enable_plan_caching else "off")
 
     # -- 1. set up ---------------------------------------------------------------------------------
@@ -138,6 +147,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         resolved = self._resolve(state_dict)
         self.entries = resolved.entries
         self.mappings = resolved.mappings
+        self.tied = tied_entries(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
         self._object_bytes: dict[str, bytes] = {}
@@ -157,7 +167,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if self.enable_plan_caching:
             digests = None if self.cache_scope == "local" else object_digests
             signature = structure_signature(
-                self.layout, self.rank, self.replica_owner, self.entries, self.mappings, digests
+                self.layout, self.rank, self.replica_owner, self.entries, self.mappings, digests, self.tied
             )
         hit = self._cache.hit(signature, self.rank, object_digests)
         if hit is not None:
@@ -165,7 +175,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
         # plain tensors every rank of the stage must agree on: the replica digest's rows and the replicas
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
-        replicated = [(e.key, e.nbytes, e.sharded_axes) for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH]
+        replicated = [
+            (e.key, e.nbytes, e.sharded_axes)
+            for e in shared
+            if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in self.tied
+        ]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         properties: dict[tuple[Any, ...], TensorProperties] = {}
@@ -173,6 +187,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
         for entry in self.entries.values():
+            if entry.key in self.tied:  # its bytes are its first key's; only its name is recorded
+                mappings[entry.key] = self.mappings[entry.key]
+                continue
             if entry.kind == "object":
                 items.append(WriteItem(index=MetadataIndex(entry.key), type=WriteItemType.BYTE_IO))
                 objects[entry.key] = object_digests[entry.key]
@@ -185,10 +202,12 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 original[entry.key] = entry.original_global_shape
         planner_data = {
             "rank": self.rank,
-            "digest": _replica_digest(shared),
+            "matched": sum(1 for e in self.entries.values() if e.specs),  # keys a spec rule matched
+            "digest": _replica_digest(shared, self.tied),
             "objects": objects,
             "mappings": mappings,
             "original_shapes": original,
+            "tied": dict(self.tied),
         }
         plan = compact(SavePlan(items, planner_data=planner_data))  # gathered on the coordinator
         self._cache.remember(signature, plan)
@@ -229,7 +248,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             return empty, metadata
         full = self._cache.substitute(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
+        self._check_rules_apply(full)
         self._check_replicas(full)
+        tied = _gather_ties(full)
         deduped = self._dedup(full)
         plans, metadata = create_default_global_save_plan(deduped)
         mappings: dict[str, Any] = {}
@@ -239,7 +260,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         for plan in full:
             original.update((plan.planner_data or {}).get("original_shapes", {}))
         record = LayoutRecord(
-            self.layout, tuple(self.rules.to_records()), self._rank_local_globs, original_shapes=original
+            self.layout, tuple(self.rules.to_records()), self._rank_local_globs, original_shapes=original, tied=tied
         )
         mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
@@ -266,6 +287,21 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
 
+    def _check_rules_apply(self, plans: list[SavePlan]) -> None:
+        """Spec rules of which no rank matched a single key are a mistake, never a choice: every TP
+        shard they were meant for would be saved as a replica -- one rank's piece kept as the whole
+        tensor (rules written for another key scheme, such as a missing ``model.`` prefix)."""
+        if not self.rules or any((p.planner_data or {}).get("matched", 1) for p in plans):
+            return
+        shown = ", ".join(repr(p) for p in self.rules.patterns[:5])
+        more = f" (and {len(self.rules.patterns) - 5} more)" if len(self.rules.patterns) > 5 else ""
+        raise SpecError(
+            f"none of the {len(self.rules.patterns)} spec rules matches a tensor of any rank: {shown}{more}. Rules are "
+            "matched against the flattened keys (for save_checkpoint: 'model.<parameter name>' or the parameter "
+            "name itself; 'optim.state.<parameter name>.<state>'); a rule that matches nothing would save every "
+            "TP shard it was meant for as a replica"
+        )
+
     def _check_replicas(self, plans: list[SavePlan]) -> None:
         by_stage: dict[int, dict[tuple[int, str], list[int]]] = {}
         for plan in plans:
@@ -280,9 +316,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                 problems.append(f"stage {stage}: {parts}")
         if problems:
             raise ReplicaMismatch(
-                "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes or "
-                f"global shapes): {'; '.join(problems)}. Each rank must hold the same keys; give per-rank "
-                "values rank-unique keys and list them in rank_local=, and check the ShardSpec sizes."
+                "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes, "
+                f"global shapes or tied parameters): {'; '.join(problems)}. Each rank must hold the same keys "
+                "and tie parameters alike; give per-rank values rank-unique keys and list them in rank_local=, "
+                "and check the ShardSpec sizes."
             )
 
     def _dedup(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -393,12 +430,37 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         return self.entries[index.fqn].value
 
 
-def _replica_digest(shared: list[Entry]) -> tuple[int, str]:
+def _gather_ties(plans: list[SavePlan]) -> dict[str, str]:
+    """(coordinator) Every rank's tied keys, checked: a key is tied to one key by every rank that ties
+    it, and no rank writes bytes of its own under a key another rank ties (its chunks would be missing
+    from the checkpoint's other pieces)."""
+    tied: dict[str, tuple[str, int]] = {}
+    for i, plan in enumerate(plans):
+        for alias, first in ((plan.planner_data or {}).get("tied") or {}).items():
+            seen = tied.setdefault(alias, (first, i))
+            if seen[0] != first:
+                raise ReplicaMismatch(
+                    f"{alias!r} is the tensor of {seen[0]!r} on rank {seen[1]} but of {first!r} on rank {i}: tie "
+                    "parameters alike on every rank"
+                )
+    for i, plan in enumerate(plans):
+        for item in plan.items:
+            if item.index.fqn in tied:
+                alias = item.index.fqn
+                raise ReplicaMismatch(
+                    f"{alias!r} is tied to {tied[alias][0]!r} (the same tensor) on rank {tied[alias][1]} but is a "
+                    f"tensor of its own on rank {i}: tie (or untie) parameters alike on every rank"
+                )
+    return {alias: first for alias, (first, _) in tied.items()}
+
+
+def _replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:
     """Constant-size digest of the tensors every rank of this stage must agree on.
 
-    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``). Ranks of a
-    stage whose digests differ would disagree on who writes what -- silently losing data. Sorted by
-    key, so ranks that built their state dicts in another order still agree.
+    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``), and
+    the key each tied one is the tensor of. Ranks of a stage whose digests differ would disagree on who
+    writes what -- silently losing data. Sorted by key, so ranks that built their state dicts in
+    another order still agree.
     """
     rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
     rows.sort()  # by key: keys are unique, so the other fields are never compared
@@ -411,6 +473,8 @@ def _replica_digest(shared: list[Entry]) -> tuple[int, str]:
             tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
         parts.append(key)
         parts.append(tail)
+        if key in tied:
+            parts.append(f"=|{tied[key]}\n")
     return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 
 

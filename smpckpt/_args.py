@@ -143,9 +143,11 @@ def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
 
 
 def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
+    """The API's rules: each matches a stored key (``model.transformer.h.0.attn.qkv.weight``) or the
+    model's own name for it (``transformer.h.0.attn.qkv.weight``, as ``tp_specs`` writes rules)."""
     if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
         raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
-    return SpecRules.of(specs)
+    return SpecRules.of(specs, also_under=(RESERVED.model,))
 
 
 def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:

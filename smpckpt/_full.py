@@ -66,6 +66,20 @@ def _translation(value: Any) -> Translation | None:
     )
 
 
+def _hf_class(model: Any) -> str | None:
+    """The model's class name when it is a transformers model (what ``save_pretrained`` records as
+    ``architectures``), found without importing transformers."""
+    is_hf = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+    return type(model).__name__ if is_hf else None
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """``config.<name>`` of a transformers config or a dict (``None`` when absent)."""
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
 def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> str:
     """(all ranks) The full save; returns the artifact's folder."""
     common = common_args(ctx, path, True, kw)
@@ -84,7 +98,10 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
         artifacts=ARTIFACTS,
         translation=translation,
         hf_config=kw["hf_config"],
+        architecture=_hf_class(common.model) if translation is None else None,
     )
+    # as save_pretrained: a head tied to its embedding is left out unless the config unties them
+    dedup_tied = _config_value(kw["hf_config"], "tie_word_embeddings") is not False
     include_optimizer = bool(kw["include_optimizer"])
     if include_optimizer and not common.optimizers:
         raise ValueError("include_optimizer=True needs optimizer=")
@@ -136,6 +153,7 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
     started = time.monotonic()
     try:
         with kept_save_planner("full", common) as planner, quiet_no_dist():
+            planner.dedup_tied = dedup_tied
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         try:  # every rank is past its writes: the coordinator removes the unfinished artifact

@@ -20,13 +20,17 @@ from typing import Any
 from smpckpt.errors import CheckpointCorrupt, SpecError
 from smpckpt.layout import ParallelLayout
 
-__all__ = ["LayoutRecord", "METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION"]
+__all__ = ["LayoutRecord", "METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties"]
 
 #: Key in ``Metadata.planner_data`` (plain JSON-able values, so stock unpicklers read it).
 METADATA_KEY = "__smpckpt__"
 #: Key in the manifest's ``extra`` (a copy of the same JSON, made by the storage writer).
 MANIFEST_KEY = "layout_record"
 RECORD_VERSION = 1
+#: Key in ``Metadata.planner_data`` of a plain Hugging Face folder read through our storage reader: tied
+#: heads the folder leaves out (``{"model.lm_head.weight": "model.transformer.wte.weight"}``). Our own
+#: checkpoints record their ties in the :class:`LayoutRecord` instead.
+TIED_KEY = "__smpckpt_tied__"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +48,21 @@ class LayoutRecord:
     #: key -> shape before its ShardSpec ``view`` (the checkpoint stores the view shape); export tools
     #: reshape to it so a fused QKV comes out as ``[3h, d]``, not ``[3, h, d]``
     original_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: tied key -> the key whose stored bytes it is (one tensor held under two names, written once);
+    #: a load into a model that holds the two apart reads the second for the first
+    tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": self.version,
             "layout": self.layout.to_dict(),
             "specs": [dict(s) for s in self.specs],
             "rank_local": list(self.rank_local),
             "original_shapes": {k: list(v) for k, v in sorted(self.original_shapes.items())},
         }
+        if self.tied:  # absent otherwise: records without ties stay as every earlier version wrote them
+            out["tied"] = dict(sorted(self.tied.items()))
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, *, where: str = "layout record") -> LayoutRecord:
@@ -75,6 +85,7 @@ class LayoutRecord:
                 original_shapes={
                     str(k): tuple(int(n) for n in v) for k, v in dict(obj.get("original_shapes") or {}).items()
                 },
+                tied={str(k): str(v) for k, v in dict(obj.get("tied") or {}).items()},
             )
         except (KeyError, TypeError, ValueError, SpecError) as exc:
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
@@ -112,3 +123,14 @@ class LayoutRecord:
         if isinstance(data, Mapping) and isinstance(data.get(METADATA_KEY), Mapping):
             return data[METADATA_KEY]
         return None
+
+
+def checkpoint_ties(metadata: Any) -> dict[str, str]:
+    """Tied keys a checkpoint stores once (key -> the key holding its bytes): from our record, or from
+    what the storage reader found missing in a plain Hugging Face folder (:data:`TIED_KEY`)."""
+    record = LayoutRecord.from_metadata(metadata)
+    if record is not None:
+        return dict(record.tied)
+    data = getattr(metadata, "planner_data", None)
+    found = data.get(TIED_KEY) if isinstance(data, Mapping) else None
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, Mapping) else {}

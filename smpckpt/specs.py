@@ -108,14 +108,29 @@ class SpecRules:
     Patterns use :mod:`fnmatch` syntax (``*`` also crosses dots). A key under an optimizer-state
     prefix (``optim.state.<param>.<name>``) that matches no rule itself inherits the spec of
     ``<param>``.
+
+    Args:
+        rules: glob -> spec (or tuple of specs, outermost first), in the order they are tried.
+        also_under: top-level names (``("model",)``) under which every rule also matches: a rule
+            ``transformer.h.*.attn.qkv.weight`` -- written against the model's own parameter names, as
+            ``smpckpt.hf.<family>.tp_specs`` returns them -- then matches the stored key
+            ``model.transformer.h.0.attn.qkv.weight`` too. Each rule tries the key as given, then under
+            each name, before the next rule is tried; so "first match wins" keeps its meaning.
+            :func:`smpckpt.save_checkpoint` and :func:`smpckpt.resume_from_checkpoint` pass ``("model",)``.
     """
 
-    def __init__(self, rules: Mapping[str, SpecLike] | None = None) -> None:
+    def __init__(self, rules: Mapping[str, SpecLike] | None = None, *, also_under: Sequence[str] = ()) -> None:
         self._rules: list[tuple[str, re.Pattern[str], tuple[ShardSpec, ...]]] = []
+        self.also_under: tuple[str, ...] = tuple(also_under)
+        for name in self.also_under:
+            if not isinstance(name, str) or not name or "." in name:
+                raise SpecError(f"also_under names are top-level keys without dots, got {name!r}")
         for pattern, spec in (rules or {}).items():
             if not isinstance(pattern, str):
                 raise SpecError(f"spec rule keys are glob strings, got {type(pattern).__name__} {pattern!r}")
-            self._rules.append((pattern, re.compile(fnmatch.translate(pattern)), _as_tuple(spec, pattern)))
+            glob = fnmatch.translate(pattern)
+            alternatives = [glob, *(re.escape(name + ".") + glob for name in self.also_under)]
+            self._rules.append((pattern, re.compile("|".join(alternatives)), _as_tuple(spec, pattern)))
         # Every rank resolves every key at every save: one regex over all rules instead of one per rule.
         # Each rule is a named alternative, tried in order, so the first rule matching wins as before;
         # its group encloses any the glob makes, so it is the match's last closed group (``lastgroup``).
@@ -130,25 +145,31 @@ class SpecRules:
         self._direct: dict[str, tuple[ShardSpec, ...] | None] = {}
 
     @classmethod
-    def of(cls, rules: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
+    def of(cls, rules: Mapping[str, SpecLike] | SpecRules | None, *, also_under: Sequence[str] = ()) -> SpecRules:
         """``rules`` as :class:`SpecRules`. Equal rule mappings share one instance, and with it the
         per-key match caches: a planner built afresh for every save (as the API builds them) then
         matches each key against the rules once per process instead of once per save (measured: a
-        third of local planning at 2 ranks, ``benchmarks/RESULTS.md``)."""
+        third of local planning at 2 ranks, ``benchmarks/RESULTS.md``). Given a :class:`SpecRules`,
+        ``also_under`` names are added to its own."""
+        also = tuple(also_under)
         if isinstance(rules, SpecRules):
-            return rules
+            if all(name in rules.also_under for name in also):
+                return rules
+            also = rules.also_under + tuple(n for n in also if n not in rules.also_under)
+            rules = {p: s for p, _, s in rules._rules}
         items = tuple((rules or {}).items())
         try:
             hash(items)
         except TypeError:  # a list of specs: not shared (rare; correct either way)
-            return cls(rules)
-        return _shared_rules(items)
+            return cls(rules, also_under=also)
+        return _shared_rules(items, also)
 
     def __bool__(self) -> bool:
         return bool(self._rules)
 
     def __repr__(self) -> str:
-        return f"SpecRules({ {p: s for p, _, s in self._rules} })"
+        also = f", also_under={self.also_under}" if self.also_under else ""
+        return f"SpecRules({ {p: s for p, _, s in self._rules} }{also})"
 
     def match(self, key: str, prefixes: Iterable[str] = ()) -> tuple[tuple[ShardSpec, ...], str | None] | None:
         """Specs for ``key`` (a flattened, global key), or ``None`` when it is replicated.
@@ -187,14 +208,20 @@ class SpecRules:
         self._direct[key] = found
         return found
 
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The rules' globs, in the order they are tried."""
+        return tuple(p for p, _, _ in self._rules)
+
     def to_records(self) -> list[dict[str, Any]]:
         """JSON-able description of the rules, for the checkpoint's record of the partition."""
-        return [{"pattern": p, "specs": [dataclasses.asdict(s) for s in specs]} for p, _, specs in self._rules]
+        also = {"also_under": list(self.also_under)} if self.also_under else {}
+        return [{"pattern": p, "specs": [dataclasses.asdict(s) for s in specs], **also} for p, _, specs in self._rules]
 
 
 @functools.lru_cache(maxsize=16)
-def _shared_rules(items: tuple[tuple[str, SpecLike], ...]) -> SpecRules:
-    return SpecRules(dict(items))
+def _shared_rules(items: tuple[tuple[str, SpecLike], ...], also_under: tuple[str, ...] = ()) -> SpecRules:
+    return SpecRules(dict(items), also_under=also_under)
 
 
 def _optimizer_param(key: str) -> str | None:

@@ -187,13 +187,24 @@ def artifact_records(
             fsync_path(join(path, f.name))
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)
-    cfg = options.hf_config_json()
+    cfg = options.hf_config_json(weights_dtype(layout, options))
     if cfg is not None:
         side["config.json"] = cfg
     for name, data in side.items():
         write_bytes_atomic(fs, join(path, name), data, sync=sync, sync_dir=False)
         records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
     return records
+
+
+def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
+    """The floating-point dtype most of the model artifact's tensors are stored in (``config.json``'s
+    ``dtype``, as ``save_pretrained`` records the model's); optimizer state does not count."""
+    counts: dict[torch.dtype, int] = {}
+    for fqn, dtype in layout.dtypes.items():
+        routed = options.route(fqn)
+        if dtype.is_floating_point and routed is not None and routed[0] == "model":
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else None
 
 
 def whole_tensor_metadata(metadata: Metadata, layout: ArtifactLayout, checks: dict[str, list[list[Any]]]) -> None:

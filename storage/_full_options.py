@@ -62,7 +62,12 @@ class FullOptions:
         translation: maps our keys to another naming and layout (``smpckpt.hf.gpt2.TRANSLATION``),
             region by region; ``None`` stores our keys, each in its shape before any ShardSpec view.
         hf_config: a Hugging Face config (a ``PretrainedConfig`` or a dict) written as ``config.json``
-            beside the weights, so ``from_pretrained(folder)`` opens the artifact.
+            beside the weights, so ``from_pretrained(folder)`` opens the artifact. As ``save_pretrained``
+            writes it: ``architectures`` (when the config has none: :attr:`architecture`) and ``dtype``
+            (when unset: the artifact's floating-point dtype) are filled in.
+        architecture: the transformers class ``config.json``'s ``architectures`` names when the config
+            has none (``"GPT2LMHeadModel"``); ``None``: the translation's
+            (:attr:`smpckpt.translation.Translation.architecture`), if any.
         check_block: bytes per checksum unit (a reader verifies only the units its boxes touch).
         row_swap_below: on POSIX filesystems in a multi-rank save, a tensor split on a trailing dim
             whose rows are shorter than this many bytes per rank is not written row by row: its
@@ -81,6 +86,7 @@ class FullOptions:
     artifacts: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"": "model"})
     translation: Translation | None = None
     hf_config: Any = None
+    architecture: str | None = None
     check_block: int = 1 << 20
     row_swap_below: int = 256 << 10
     format: str = "safetensors"
@@ -107,15 +113,25 @@ class FullOptions:
         if self.check_block < 4096:
             raise ValueError(f"check_block must be at least 4096 bytes, got {self.check_block}")
 
-    def hf_config_json(self) -> bytes | None:
+    def hf_config_json(self, dtype: torch.dtype | None = None) -> bytes | None:
+        """``config.json``'s bytes (``None`` without ``hf_config``); ``dtype``: the artifact's weights'."""
         cfg = self.hf_config
         if cfg is None:
             return None
-        if hasattr(cfg, "to_json_string"):
-            return str(cfg.to_json_string()).encode("utf-8")
-        if isinstance(cfg, Mapping):
-            return json.dumps(dict(cfg), indent=2, sort_keys=True).encode("utf-8")
-        raise TypeError(f"hf_config must be a transformers PretrainedConfig or a dict, got {type(cfg).__name__}")
+        if hasattr(cfg, "to_json_string"):  # transformers' own form: what differs from the class defaults
+            data = json.loads(cfg.to_json_string())
+        elif isinstance(cfg, Mapping):
+            data = dict(cfg)
+        else:
+            raise TypeError(f"hf_config must be a transformers PretrainedConfig or a dict, got {type(cfg).__name__}")
+        architecture = self.architecture or (self.translation.architecture if self.translation is not None else None)
+        if not data.get("architectures") and architecture:
+            data["architectures"] = [architecture]
+        # transformers >= 4.56 writes "dtype"; older versions "torch_dtype": keep a config's own spelling
+        key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
+        if data.get(key) is None and dtype is not None:
+            data[key] = str(dtype).removeprefix("torch.")
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""

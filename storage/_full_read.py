@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.record import TIED_KEY
 from smpckpt.storage import _full_files
 from smpckpt.storage._checksum import hash_bytes, hash_parts
 from smpckpt.storage._errors import translate_errors
@@ -45,6 +46,7 @@ from smpckpt.storage._full_files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, expr_from_json, file_pieces_from_json, first_leaf
 from smpckpt.storage._full_units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
 from smpckpt.storage._gc import gc_paused
+from smpckpt.storage._hf_ties import hf_folder_ties
 from smpckpt.storage._names import check_member_name
 from smpckpt.storage._regions import box_runs
 from smpckpt.storage._safe_pickle import check_weights_only
@@ -178,7 +180,9 @@ class FullSource:
             sdm[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
             )
-        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta())
+        ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
+        tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
+        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:

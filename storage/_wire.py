@@ -42,6 +42,7 @@ __all__ = [
     "pack_results",
     "open_results",
     "committed_index",
+    "list_tied",
     "CommittedMetadata",
     "CommittedView",
     "lean_returned_metadata",
@@ -108,6 +109,22 @@ def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord],
             else:
                 index[wr.index] = wr.storage_data
     return files, index
+
+
+def list_tied(metadata: Metadata, tied: Mapping[str, str]) -> None:
+    """(coordinator, partial mode) Each tied key (written once, under the key it is tied to: the save
+    planner's ``LayoutRecord.tied``) gets that key's entries in ``state_dict_metadata`` and
+    ``storage_data``, over the same bytes: stock readers then load both keys of a tied model."""
+    sdm, index = metadata.state_dict_metadata, metadata.storage_data
+    for alias, first in tied.items():
+        md = sdm.get(first)
+        if md is None or alias in sdm or not hasattr(md, "chunks"):
+            continue
+        sdm[alias] = md
+        for chunk in md.chunks:
+            stored = index.get(MetadataIndex(first, chunk.offsets))
+            if stored is not None:
+                index[MetadataIndex(alias, chunk.offsets)] = stored
 
 
 class CommittedMetadata:

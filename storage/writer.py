@@ -281,6 +281,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # into an old generation, where it would bring the next full collection nearer.
         with gc_paused():
             files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
+            record = LayoutRecord.from_metadata(metadata)
+            if record is not None and record.tied:
+                _wire.list_tied(metadata, record.tied)
             md_bytes, extra = self._metadata_bytes(save_id, metadata)
         md_record = self._write_generation_metadata(save_id, md_bytes)
         gen_name = md_record.name

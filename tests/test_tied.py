@@ -1,0 +1,233 @@
+"""Tied parameters -- one tensor under two keys, as transformers ties ``lm_head.weight`` to the input
+embedding: written once, listed under both keys, loaded into models that tie them and models that
+hold them apart, and left out of full artifacts as ``save_pretrained`` leaves them out."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sim import sim_load, sim_save
+from torch import nn
+
+import smpckpt
+from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.errors import ReplicaMismatch
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+
+@pytest.fixture
+def gpt2(transformers_quiet: Any) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make(seed: int, **overrides: Any) -> Any:
+        torch.manual_seed(seed)
+        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32, **overrides)
+        return GPT2LMHeadModel(cfg).eval()
+
+    return make
+
+
+@pytest.fixture
+def transformers_quiet() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _equal_states(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def _safetensors_keys(folder: str) -> set[str]:
+    keys: set[str] = set()
+    for f in glob.glob(os.path.join(folder, "*.safetensors")):
+        keys |= set(load_file(f))
+    return keys
+
+
+def test_save_pretrained_folder_loads_into_the_hf_model_without_strict_false(tmp_path: Path, gpt2: Any) -> None:
+    src = gpt2(0)
+    src.save_pretrained(tmp_path / "d", max_shard_size="60KB")
+    assert "lm_head.weight" not in _safetensors_keys(str(tmp_path / "d"))  # what save_pretrained writes
+    dst = gpt2(1)
+    smpckpt.resume_from_checkpoint(str(tmp_path), "d", partial=False, model=dst)
+    _equal_states(src, dst)
+    assert dst.lm_head.weight is dst.transformer.wte.weight  # the tie survives the load
+
+
+def test_partial_save_writes_a_tied_tensor_once_and_lists_it_under_both_keys(tmp_path: Path, gpt2: Any) -> None:
+    model = gpt2(0)
+    opt = torch.optim.Adam(model.parameters())
+    root = str(tmp_path)
+    smpckpt.save_checkpoint(root, "t", model=model, optimizer=opt, save_rng=False)
+    folder = os.path.join(root, "t_partial")
+    with open(os.path.join(folder, "smpckpt.manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["extra"]["layout_record"]["tied"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
+    md = FsspecStorageReader(folder).read_metadata()
+    (head,) = [v for k, v in md.storage_data.items() if k.fqn == "model.lm_head.weight"]
+    (embed,) = [v for k, v in md.storage_data.items() if k.fqn == "model.transformer.wte.weight"]
+    assert head == embed  # the same bytes of the same file
+    # that record is the only one two keys share: the data holds the embedding once
+    stored = {(v.relative_path, v.offset) for v in md.storage_data.values()}
+    assert len(stored) == len(md.storage_data) - 1
+    # resumes into the tied model bit-exact, tie intact
+    other = gpt2(1)
+    other_opt = torch.optim.Adam(other.parameters())
+    smpckpt.resume_from_checkpoint(root, model=other, optimizer=other_opt)
+    _equal_states(model, other)
+    assert other.lm_head.weight is other.transformer.wte.weight
+
+
+def test_stock_dcp_load_reads_both_keys_of_a_torch_save_checkpoint(tmp_path: Path, gpt2: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = gpt2(0)
+    smpckpt.save_checkpoint(str(tmp_path), "ts", model=model, format="torch_save", save_rng=False)
+    dst = gpt2(1)
+    state = {"model": dst.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ts_partial"))  # stock planner and reader
+    _equal_states(model, dst)
+
+
+class _Stage(nn.Module):
+    """A model holding the head apart from the embedding (a pipeline's last stage keeps its own copy)."""
+
+    def __init__(self, vocab: int, d: int, tied_in_memory: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied_in_memory:
+            self.head.weight = self.embed.weight
+
+
+def test_a_model_holding_the_head_apart_reads_it_from_the_stored_embedding(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tied = _Stage(11, 4, tied_in_memory=True)
+    smpckpt.save_checkpoint(str(tmp_path), "a", model=tied, save_rng=False)
+    apart = _Stage(11, 4, tied_in_memory=False)
+    smpckpt.resume_from_checkpoint(str(tmp_path), "a", model=apart)
+    assert torch.equal(apart.head.weight, tied.embed.weight) and torch.equal(apart.embed.weight, tied.embed.weight)
+    assert apart.head.weight.data_ptr() != apart.embed.weight.data_ptr()
+    # and an untied checkpoint loads into a tied model through its first key
+    torch.manual_seed(1)
+    src = _Stage(11, 4, tied_in_memory=False)
+    with torch.no_grad():
+        src.head.weight.copy_(src.embed.weight)
+    smpckpt.save_checkpoint(str(tmp_path), "b", model=src, save_rng=False)
+    dst = _Stage(11, 4, tied_in_memory=True)
+    smpckpt.resume_from_checkpoint(str(tmp_path), "b", model=dst)
+    assert torch.equal(dst.embed.weight, src.embed.weight)
+    assert smpckpt.last_resume_info().skipped_keys == ()
+
+
+def test_tied_vocab_parallel_shards_over_two_ranks(tmp_path: Path) -> None:
+    """TP=2: each rank's embedding shard is its head shard; written once per rank, loaded at TP=1."""
+    layout, specs = ParallelLayout(tp=2), {"model.embed": ShardSpec(0), "model.head": ShardSpec(0)}
+    full = torch.randn(10, 4)
+    sds = []
+    for r in range(2):
+        piece = full.chunk(2)[r].clone()
+        sds.append({"model": {"embed": piece, "head": piece}})
+    sim_save(
+        sds,
+        [ParallelSavePlanner(layout, specs, rank=r) for r in range(2)],
+        [FsspecStorageWriter(str(tmp_path)) for _ in range(2)],
+    )
+    md = FsspecStorageReader(str(tmp_path)).read_metadata()
+    assert set(md.state_dict_metadata) == {"model.embed", "model.head"}
+    dest = [{"model": {"embed": torch.zeros(10, 4), "head": torch.zeros(10, 4)}}]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path))])
+    assert torch.equal(dest[0]["model"]["embed"], full) and torch.equal(dest[0]["model"]["head"], full)
+
+
+def test_ranks_that_tie_differently_fail_the_save_naming_the_keys(tmp_path: Path) -> None:
+    layout = ParallelLayout(dp=2)
+    w = torch.randn(6, 3)
+    sds = [{"model": {"embed": w, "head": w}}, {"model": {"embed": w.clone(), "head": w.clone()}}]
+    with pytest.raises(ReplicaMismatch, match=r"disagree .* tied parameters\): stage 0: ranks \[0\] .* ranks \[1\]"):
+        sim_save(
+            sds,
+            [ParallelSavePlanner(layout, rank=r, replica_owner="lowest") for r in range(2)],
+            [FsspecStorageWriter(str(tmp_path / "x")) for _ in range(2)],
+        )
+
+
+def test_full_artifact_follows_tie_word_embeddings(tmp_path: Path, gpt2: Any) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = gpt2(0)
+    root = str(tmp_path)
+    fresh = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32)  # never saved: no architectures
+    smpckpt.save_checkpoint(root, "tied", partial=False, model=model, hf_config=fresh)
+    folder = os.path.join(root, "tied")
+    assert "lm_head.weight" not in _safetensors_keys(folder)
+    assert len(_safetensors_keys(folder)) == len(model.state_dict()) - 1
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["GPT2LMHeadModel"] and cfg["dtype"] == "float32"
+    back = GPT2LMHeadModel.from_pretrained(folder).eval()
+    _equal_states(model, back)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    # our own loader reads it back into the tied model without strict=False
+    dst = gpt2(2)
+    smpckpt.resume_from_checkpoint(root, "tied", partial=False, model=dst)
+    _equal_states(model, dst)
+    # a config that unties them gets both tensors, as save_pretrained would write them
+    untied = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32, tie_word_embeddings=False)
+    smpckpt.save_checkpoint(root, "untied", partial=False, model=model, hf_config=untied, dtype=torch.bfloat16)
+    assert "lm_head.weight" in _safetensors_keys(os.path.join(root, "untied"))
+    with open(os.path.join(root, "untied", "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+
+
+class _Apart(nn.Module):
+    """GPT-2's embedding and head under HF's names, held apart (a pipeline's last stage holds its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(97, 32)
+        self.lm_head = nn.Linear(32, 97, bias=False)
+
+
+@pytest.mark.parametrize("how", ["config.json", "translation"])
+def test_hf_folder_without_its_head_fills_a_head_held_apart(tmp_path: Path, gpt2: Any, how: str) -> None:
+    """A folder that leaves the tied head out gives a model holding the head apart the embedding's
+    values: by the folder's config.json (model_type gpt2), or by the translation's ties."""
+    from safetensors.torch import save_file
+
+    src = gpt2(0)
+    folder = tmp_path / "d"
+    src.config.save_pretrained(folder)
+    if how == "translation":
+        os.remove(folder / "config.json")
+    save_file(
+        {"transformer.wte.weight": src.transformer.wte.weight.detach().contiguous()}, str(folder / "model.safetensors")
+    )
+    apart = _Apart()
+    translation = smpckpt.hf.gpt2.TRANSLATION if how == "translation" else None
+    smpckpt.resume_from_checkpoint(str(folder), partial=False, model=apart, translate_function=translation)
+    assert torch.equal(apart.lm_head.weight, src.transformer.wte.weight)
+    assert torch.equal(apart.transformer.wte.weight, src.transformer.wte.weight)
+    if how == "config.json":  # a config that unties them ties nothing: the head is then missing
+        with open(folder / "config.json") as f:
+            cfg = json.load(f)
+        with open(folder / "config.json", "w") as f:
+            json.dump({**cfg, "tie_word_embeddings": False}, f)
+        with pytest.raises(smpckpt.LayoutMismatch, match="lm_head.weight"):
+            smpckpt.resume_from_checkpoint(str(folder), partial=False, model=_Apart())

@@ -7,12 +7,14 @@ from typing import TextIO
 
 from smpckpt._cli_common import UsageError, human, resolve_checkpoint_url, storage_options_arg
 from smpckpt.catalog import newest_tag
+from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.retention import apply_retention, validate_keep
 
 __all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-TRANSLATIONS = ("gpt2", "llama", "qwen2")
+#: ``--translation`` choices: HF ``config.model_type`` of every family in :mod:`smpckpt.hf`
+TRANSLATIONS = tuple(sorted(_FAMILIES))
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -87,7 +89,6 @@ def cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    import importlib
     import json
 
     import torch
@@ -97,7 +98,7 @@ def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     options = storage_options_arg(args.storage_options)
     src = resolve_checkpoint_url(args.checkpoint, options)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
-    translation = importlib.import_module(f"smpckpt.hf.{args.translation}").TRANSLATION if args.translation else None
+    translation = _FAMILIES[args.translation] if args.translation else None
     hf_config = None
     if args.hf_config:
         with open(args.hf_config, encoding="utf-8") as f:

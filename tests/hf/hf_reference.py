@@ -15,12 +15,40 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from smpckpt.hf import gpt2, llama, qwen2
+from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
 from smpckpt.layout import RankCoords
 from smpckpt.specs import ShardSpec, SpecRules, shard_geometry
 from smpckpt.translation import Piece
 
-MODULES: dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2}
+#: every family, by HF ``config.model_type``; configs, models and forwards of the later five live in
+#: ``ref_encoders`` (BERT, RoBERTa) and ``ref_decoders`` (GPT-J, GPT-Neo, Mistral)
+MODULES: dict[str, ModuleType] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "qwen2": qwen2,
+    "bert": bert,
+    "roberta": roberta,
+    "gptj": gptj,
+    "gpt_neo": gptneo,
+    "mistral": mistral,
+}
+ENCODERS = ("bert", "roberta")
+AUTO_CLASS = {name: "AutoModelForMaskedLM" if name in ENCODERS else "AutoModelForCausalLM" for name in MODULES}
+
+
+def _family_helpers(name: str) -> ModuleType | None:
+    """The helper module holding a later family's config, model and forward (imported lazily: they
+    import this module)."""
+    if name in ENCODERS:
+        import ref_encoders
+
+        return ref_encoders
+    if name in ("gptj", "gpt_neo", "mistral"):
+        import ref_decoders
+
+        return ref_decoders
+    return None
+
 
 # -- regions and pieces --------------------------------------------------------------------------------
 
@@ -65,6 +93,10 @@ def tiny_config(name: str, **overrides: Any) -> Any:
     vocab-parallel splits are uneven."""
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
+    helpers = _family_helpers(name)
+    if helpers is not None:
+        return helpers.tiny_config(name, **overrides)
+
     if name == "gpt2":
         kw: dict[str, Any] = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64)
         return GPT2Config(**{**kw, **overrides})
@@ -81,9 +113,14 @@ def tiny_config(name: str, **overrides: Any) -> Any:
 
 
 def tiny_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float64, **overrides: Any) -> Any:
-    """A real HF causal LM from :func:`tiny_config`, randomly initialised under ``seed``, in eval mode.
-    Biases and norms are randomised too (HF initialises them to constants, which would hide mix-ups)."""
+    """A real HF model (:data:`AUTO_CLASS`) from :func:`tiny_config`, randomly initialised under ``seed``,
+    in eval mode. Biases and norms are randomised too (HF initialises them to constants, which would hide
+    mix-ups)."""
     import transformers
+
+    helpers = _family_helpers(name)
+    if helpers is not None:
+        return helpers.tiny_model(name, seed=seed, dtype=dtype, **overrides)
 
     transformers.logging.set_verbosity_error()  # tiny vocabularies trip a bos/eos-id warning
     from transformers import AutoModelForCausalLM
@@ -259,3 +296,9 @@ def llama_forward(ranks: list[dict[str, torch.Tensor]], config: Any, ids: torch.
 
 
 FORWARDS = {"gpt2": gpt2_forward, "llama": llama_forward, "qwen2": llama_forward}
+
+
+def forward_of(name: str) -> Any:
+    """The reference TP forward of any family (``ranks, config, ids -> logits``)."""
+    helpers = _family_helpers(name)
+    return FORWARDS[name] if helpers is None else helpers.FORWARDS[name]

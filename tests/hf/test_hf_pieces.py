@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from smpckpt.specs import SpecRules
 from smpckpt.translation import evaluate, pieces
 
-NAMES = ["gpt2", "llama", "qwen2"]
+NAMES = sorted(MODULES)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import torch
 from hf_reference import MODULES, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
-from smpckpt.hf import TRANSLATIONS
+from smpckpt.hf import TRANSLATIONS, translation_for
 from smpckpt.specs import ShardSpec
 
 NAMES = ["gpt2", "llama", "qwen2"]
@@ -241,4 +241,28 @@ def test_llama_family_tp_specs(name):
 
 
 def test_registry():
-    assert {k: t.name for k, t in TRANSLATIONS.items()} == {"gpt2": "gpt2", "llama": "llama", "qwen2": "qwen2"}
+    """Every family under its transformers ``config.model_type``, with its head class and tied heads."""
+    from transformers import AutoConfig
+
+    assert (
+        sorted(TRANSLATIONS)
+        == sorted(MODULES)
+        == [
+            "bert",
+            "gpt2",
+            "gpt_neo",
+            "gptj",
+            "llama",
+            "mistral",
+            "qwen2",
+            "roberta",
+        ]
+    )
+    for name, translation in TRANSLATIONS.items():
+        assert translation.name == name and MODULES[name].TRANSLATION is translation
+        assert AutoConfig.for_model(name).model_type == name  # the key transformers itself uses
+        assert translation.architecture and translation.tied
+        assert translation_for(name) is translation
+    assert translation_for("gptneo") is TRANSLATIONS["gpt_neo"]  # smp's module name
+    with pytest.raises(KeyError, match="no Hugging Face translation for 'opt'"):
+        translation_for("opt")

@@ -1,0 +1,236 @@
+"""BERT: Hugging Face ``BertForMaskedLM`` (and ``BertModel``) <-> our Megatron-style tensor-parallel BERT.
+
+Keys are HF's, except that each layer's query, key and value projections are one fused column-parallel
+Linear, kept in a view that reshards correctly. ``<p>`` is ``bert.`` in the head models
+(``BertForMaskedLM``, ``BertForPreTraining``, ``BertForSequenceClassification`` ...) and empty in a bare
+``BertModel``; both key sets translate and both get specs.
+
+=============================================== ============================ ================================
+ours (global view shape)                        spec (``tp_specs``)          HF
+=============================================== ============================ ================================
+``<p>embeddings.word_embeddings.weight [V, d]`` dim 0 (vocab-parallel)       same key
+``<p>encoder.layer.{i}.attention.self.qkv``     view ``(3, -1, d)``, dim 1   ``stack([query, key, value])``
+``.weight [3, d, d]``                                                        ``.weight`` (each ``[d, d]``)
+``...attention.self.qkv.bias [3, d]``           view ``(3, -1)``, dim 1      ``stack`` of the three biases
+``...attention.output.dense.weight [d, d]``     dim 1 (row-parallel)         same key
+``...intermediate.dense.weight [I, d]``,        dim 0 (column-parallel)      same keys
+``.bias [I]``
+``...output.dense.weight [d, I]``               dim 1 (row-parallel)         same key
+``cls.predictions.bias [V]``                    dim 0, the embedding's sizes same key
+``cls.predictions.decoder.weight`` / ``.bias``  dim 0, the embedding's sizes same keys
+(only when untied)
+``attention.output.dense.bias``,                replicated                   same keys
+``output.dense.bias``, position and token-type
+embeddings, every LayerNorm,
+``cls.predictions.transform.*``, pooler,
+``cls.seq_relationship``, ``classifier``
+=============================================== ============================ ================================
+
+The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
+``r*nh/tp .. (r+1)*nh/tp``, one after the other (the unsharded model's ``[3d, d]`` is
+``cat([query, key, value])``). A vocabulary that does not divide by ``tp`` (BERT's 30522 does, RoBERTa's
+50265 does not) is split near-evenly, the MLM bias with it.
+
+Not translated (documented behaviour of the eager helpers):
+
+* ``cls.predictions.decoder.weight`` is tied to ``bert.embeddings.word_embeddings.weight`` and
+  ``cls.predictions.decoder.bias`` to ``cls.predictions.bias`` (``tie_word_embeddings``; the decoder
+  keys are in ``model.state_dict()``, sharing memory, but not in ``save_pretrained``'s files): dropped on
+  import when they are their target (same memory or equal values), produced on export only with
+  ``tie_word_embeddings=True``. An untied decoder that differs is kept under its HF key (vocab-parallel).
+  Transformers unties both when ``tie_word_embeddings=False``; the model then reads the decoder's own
+  bias and ``cls.predictions.bias`` is unused (it is still kept and translated).
+* ``embeddings.position_ids`` / ``embeddings.token_type_ids`` (buffers older transformers versions wrote
+  into state dicts) are not weights: dropped on import. The smp alias :func:`translate_state_dict_to_hf_bert`
+  can write ``position_ids`` back (``max_seq_len``) for code that expects it.
+* Cross-attention (``crossattention.*`` of a decoder BERT with ``add_cross_attention``) keeps HF's
+  separate query/key/value keys (its keys and values read the encoder's states, so they do not fuse with
+  the query) and is replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.specs import ShardSpec
+from smpckpt.translation import Rule, Translation, stack
+
+__all__ = [
+    "TRANSLATION",
+    "translate_hf_state_dict_to_smpckpt",
+    "translate_state_dict_to_hf",
+    "tp_specs",
+    "translate_state_dict_to_hf_bert",
+    "translate_hf_state_dict_to_smdistributed_bert",
+]
+
+_BASE = "bert."
+_HEAD = "cls.predictions."
+_SELF = "encoder.layer.{i}.attention.self."
+
+
+def _qkv_rules(base: str) -> tuple[Rule, ...]:
+    """The fused q/k/v weight and bias of the layers under ``base`` (``"bert."`` or ``""``)."""
+    p = base + _SELF
+    return tuple(
+        stack(p + f"qkv.{w}", tuple(p + f"{n}.{w}" for n in ("query", "key", "value"))) for w in ("weight", "bias")
+    )
+
+
+def make_translation(name: str, architecture: str, base: str, tied: Mapping[str, str]) -> Translation:
+    """The BERT-family translation: fused q/k/v under the head models' ``base`` and in the bare model.
+
+    Args:
+        name: HF ``config.model_type``.
+        architecture: the transformers class of the artifact side.
+        base: the head models' prefix of the encoder (``"bert."``).
+        tied: the MLM decoder's weight and bias -> the tensors transformers ties them to.
+    """
+    return Translation(
+        name,
+        rules=_qkv_rules(base) + _qkv_rules(""),
+        ignore=tuple(b + f"embeddings.{buf}" for b in (base, "") for buf in ("position_ids", "token_type_ids")),
+        tied=tied,
+        architecture=architecture,
+    )
+
+
+def make_fused(base: str) -> Fused:
+    """Our fused q/k/v of both key sets: ``[3, d, d]`` / ``[3, d]`` views, ``[3d, d]`` / ``[3d]`` model shapes."""
+    return Fused(
+        {b + _SELF + "qkv.weight": (3, 3) for b in (base, "")} | {b + _SELF + "qkv.bias": (3, 2) for b in (base, "")}
+    )
+
+
+def family_specs(
+    model: str, tp: int, config: Any, prefix: str, *, base: str, vocab_keys: tuple[str, ...]
+) -> dict[str, ShardSpec]:
+    """Spec rules of the BERT family, for the head models' ``base`` and the bare model.
+
+    ``vocab_keys``: the MLM head's vocab-sized tensors (bias, untied decoder weight and bias), split as the
+    embedding is.
+    """
+    check_tp(tp)
+    d = int(cfg_get(config, "hidden_size"))
+    check_divides(model, "num_attention_heads", int(cfg_get(config, "num_attention_heads")), tp)
+    check_divides(model, "intermediate_size", int(cfg_get(config, "intermediate_size")), tp)
+    rows = vocab_spec(model, int(cfg_get(config, "vocab_size")), tp)
+    rules: dict[str, ShardSpec] = {}
+    for b in (base, ""):
+        layer = b + "encoder.layer.*."
+        rules[b + "embeddings.word_embeddings.weight"] = rows
+        rules[layer + "attention.self.qkv.weight"] = ShardSpec(1, view=(3, -1, d))
+        rules[layer + "attention.self.qkv.bias"] = ShardSpec(1, view=(3, -1))
+        rules[layer + "attention.output.dense.weight"] = ShardSpec(1)
+        rules[layer + "intermediate.dense.weight"] = ShardSpec(0)
+        rules[layer + "intermediate.dense.bias"] = ShardSpec(0)
+        # fnmatch's ``*`` crosses dots: ``*[0-9].output`` is the layer's own output (``layer.11.output``),
+        # not ``attention.output`` nor a replicated ``crossattention.output``
+        rules[b + "encoder.layer.*[0-9].output.dense.weight"] = ShardSpec(1)
+    rules.update(dict.fromkeys(vocab_keys, rows))
+    return prefixed(prefix, rules)
+
+
+def position_ids_buffer(out: dict[str, torch.Tensor], max_seq_len: int | None) -> dict[str, torch.Tensor]:
+    """Add ``<p>embeddings.position_ids`` (``arange(max_seq_len)``, ``[1, max_seq_len]`` int64) next to the
+    other embedding keys of an exported HF state dict, as transformers versions of smp's time kept it."""
+    if max_seq_len is None:
+        return out
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+    found = {m.group(1) for k in out if (m := re.fullmatch(r"(.*)embeddings\.(?:word|position)_embeddings\.weight", k))}
+    if len(found) != 1:
+        raise ValueError(
+            f"max_seq_len: cannot tell where embeddings.position_ids goes: the state dict has "
+            f"{'no embeddings' if not found else 'embeddings under ' + str(sorted(found))}"
+        )
+    out[found.pop() + "embeddings.position_ids"] = torch.arange(max_seq_len, dtype=torch.int64).unsqueeze(0)
+    return out
+
+
+TRANSLATION = make_translation(
+    "bert",
+    "BertForMaskedLM",
+    _BASE,
+    {_HEAD + "decoder.weight": _BASE + "embeddings.word_embeddings.weight", _HEAD + "decoder.bias": _HEAD + "bias"},
+)
+_FUSED = make_fused(_BASE)
+
+
+def translate_hf_state_dict_to_smpckpt(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF BERT state dict -> ours (bit-exact; tensors may share memory with the input).
+
+    Args:
+        state_dict: HF keys of a head model (``bert.encoder.layer.0...``, ``cls.predictions...``) or of a
+            bare ``BertModel`` (``encoder.layer.0...``), no wrapper prefix.
+        tie_word_embeddings: ``None`` drops ``cls.predictions.decoder.weight`` / ``.bias`` when each is
+            the tensor it is tied to (same memory or equal values), ``True`` drops them (raises if one
+            differs), ``False`` keeps them.
+        keep_view_shapes: give the fused q/k/v their global view shape (``[3, d, d]`` / ``[3, d]``, as
+            the checkpoint stores them) instead of the unsharded model's ``[3d, d]`` / ``[3d]``.
+    """
+    return import_hf(
+        TRANSLATION,
+        state_dict,
+        fused=_FUSED,
+        tie_word_embeddings=tie_word_embeddings,
+        keep_view_shapes=keep_view_shapes,
+    )
+
+
+def translate_state_dict_to_hf(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our unsharded BERT state dict -> HF keys and layouts (bit-exact; may share memory with the input).
+
+    Fused q/k/v may come in the model's shape (``[3d, d]``) or the view shape (``[3, d, d]``).
+    ``tie_word_embeddings=True`` adds the tied decoder weight and bias (what ``load_state_dict`` of an
+    HF model wants); by default they are left out, as HF's own files do.
+    """
+    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+
+
+def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
+    """Glob -> ShardSpec rules of our BERT under TP degree ``tp``, for head models and the bare model.
+
+    Args:
+        tp: tensor-parallel degree.
+        config: ``BertConfig`` or a dict (``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
+            ``vocab_size``); required, since the QKV view names ``d``.
+        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
+
+    Raises SpecError when heads, the intermediate size or the vocabulary cannot be split ``tp`` ways.
+    """
+    return family_specs(
+        "bert",
+        tp,
+        config,
+        prefix,
+        base=_BASE,
+        vocab_keys=(_HEAD + "bias", _HEAD + "decoder.weight", _HEAD + "decoder.bias"),
+    )
+
+
+def translate_state_dict_to_hf_bert(
+    state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """smp v1's name: our BERT -> an HF state dict that ``load_state_dict(strict=True)`` of the HF model
+    accepts (tied decoder weight and bias included, as ``model.state_dict()`` holds them).
+
+    ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
+    (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
+    versions of its time kept in BERT state dicts. Given, the buffer is added; ``None`` (the default)
+    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it.
+    """
+    return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
+
+
+#: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt`.
+translate_hf_state_dict_to_smdistributed_bert = translate_hf_state_dict_to_smpckpt

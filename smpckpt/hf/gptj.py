@@ -1,0 +1,194 @@
+"""GPT-J: Hugging Face ``GPTJForCausalLM`` <-> our Megatron-style tensor-parallel GPT-J.
+
+Keys are HF's, except that the attention's q, k and v projections (``nn.Linear``, no biases) are one
+fused column-parallel Linear kept in a view that reshards correctly:
+
+============================================ ============================ ======================================
+ours (global view shape)                     spec (``tp_specs``)          HF
+============================================ ============================ ======================================
+``transformer.wte.weight [V, d]``            dim 0 (vocab-parallel)       same key
+``transformer.h.{i}.attn.qkv_proj.weight``   view ``(3, -1, d)``, dim 1   ``stack([q_proj, k_proj, v_proj])``
+``[3, d, d]``                                                             (``attn.{q,k,v}_proj.weight``)
+``...attn.out_proj.weight [d, d]``           dim 1 (row-parallel)         same key (no bias)
+``...mlp.fc_in.weight [I, d]``, ``.bias``    dim 0                        same keys
+``...mlp.fc_out.weight [d, I]``              dim 1                        same key
+``...mlp.fc_out.bias``                       replicated                   same key
+``ln_1``, ``ln_f``                           replicated                   same keys
+``lm_head.weight [V, d]``, ``.bias [V]``     dim 0 (vocab-parallel, the   same keys
+                                             embedding's sizes)
+============================================ ============================ ======================================
+
+The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
+``r*nh/tp .. (r+1)*nh/tp``, one after the other. GPT-J's rotary embedding acts on the first
+``rotary_dim`` features of each head, so whole heads per rank is all TP needs; the attention and the MLP
+both read ``ln_1``'s output (parallel residual), which changes nothing in the layout. A vocabulary that
+does not divide by ``tp`` is split near-evenly (:func:`smpckpt.hf._common.vocab_spec`); the head's
+bias is split with its rows, and each rank adds its slice to its logits.
+
+Not translated (documented behaviour of the eager helpers):
+
+* ``lm_head.weight``: GPT-J's head is untied (``tie_word_embeddings`` defaults to False) and kept with
+  its bias. Should a config tie it, the head is dropped on import when it is the embedding and produced
+  on export only with ``tie_word_embeddings=True``; ``lm_head.bias`` is never tied.
+* ``attn.bias`` / ``attn.masked_bias`` (causal-mask buffers) and ``attn.embed_positions`` (the
+  rotary sin/cos table), which older transformers versions wrote into state dicts, are not weights:
+  dropped on import. :func:`translate_state_dict_to_hf_gptj` can add the mask buffers back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.specs import ShardSpec
+from smpckpt.translation import Translation, stack
+
+__all__ = [
+    "TRANSLATION",
+    "translate_hf_state_dict_to_smpckpt",
+    "translate_state_dict_to_hf",
+    "tp_specs",
+    "translate_state_dict_to_hf_gptj",
+    "translate_hf_state_dict_to_smdistributed_gptj",
+    "translate_hf_gptj_state_dict_to_smdistributed_gptj",
+]
+
+_H = "transformer.h.{i}."
+_EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
+_QKV = _H + "attn.qkv_proj.weight"
+
+TRANSLATION = Translation(
+    "gptj",
+    rules=(stack(_QKV, tuple(_H + f"attn.{p}_proj.weight" for p in "qkv")),),
+    ignore=(_H + "attn.bias", _H + "attn.masked_bias", _H + "attn.embed_positions"),
+    tied={_HEAD: _EMBED},
+    architecture="GPTJForCausalLM",
+)
+
+_FUSED = Fused({_QKV: (3, 3)})
+
+
+def translate_hf_state_dict_to_smpckpt(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF ``GPTJForCausalLM`` state dict -> ours (bit-exact; tensors may share memory with the input).
+
+    Args:
+        state_dict: HF keys (``transformer.h.0.attn.q_proj.weight`` ...), no wrapper prefix.
+        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding (same memory or
+            equal values; GPT-J's untied head never is), ``True`` drops it (raises if it differs),
+            ``False`` keeps it. ``lm_head.bias`` is always kept.
+        keep_view_shapes: give the fused QKV weight its global view shape ``[3, d, d]`` (as the
+            checkpoint stores it) instead of the unsharded model's ``[3d, d]``.
+    """
+    return import_hf(
+        TRANSLATION,
+        state_dict,
+        fused=_FUSED,
+        tie_word_embeddings=tie_word_embeddings,
+        keep_view_shapes=keep_view_shapes,
+    )
+
+
+def translate_state_dict_to_hf(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our unsharded GPT-J state dict (``qkv_proj`` as ``[3d, d]`` or ``[3, d, d]``) -> HF's
+    (bit-exact; may share memory with the input).
+
+    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding when ours has no head (a
+    tied model's ``load_state_dict`` wants both names); by default a missing head stays missing.
+    """
+    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+
+
+def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
+    """Glob -> ShardSpec rules of our GPT-J under TP degree ``tp``.
+
+    Args:
+        tp: tensor-parallel degree.
+        config: ``GPTJConfig`` or a dict (``n_embd`` / ``hidden_size``, ``n_head`` /
+            ``num_attention_heads``, ``vocab_size``, optional ``n_inner``); required, since the QKV view
+            names ``d``.
+        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
+
+    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
+    """
+    check_tp(tp)
+    d = int(cfg_get(config, "n_embd", "hidden_size"))
+    heads = int(cfg_get(config, "n_head", "num_attention_heads"))
+    inner = int(cfg_get(config, "n_inner", default=None) or 4 * d)
+    vocab = int(cfg_get(config, "vocab_size"))
+    check_divides("gptj", "n_head", heads, tp)
+    check_divides("gptj", "n_inner", inner, tp)
+    rows = vocab_spec("gptj", vocab, tp)
+    return prefixed(
+        prefix,
+        {
+            _EMBED: rows,
+            _HEAD: rows,
+            "lm_head.bias": rows,  # the head's bias follows its rows: each rank adds its slice
+            "transformer.h.*.attn.qkv_proj.weight": ShardSpec(1, view=(3, -1, d)),
+            "transformer.h.*.attn.out_proj.weight": ShardSpec(1),
+            "transformer.h.*.mlp.fc_in.weight": ShardSpec(0),
+            "transformer.h.*.mlp.fc_in.bias": ShardSpec(0),
+            "transformer.h.*.mlp.fc_out.weight": ShardSpec(1),
+        },
+    )
+
+
+# -- SageMaker model parallel (smp v1) names -----------------------------------------------------------
+
+_LAYER = re.compile(r"transformer\.h\.(\d+)\.")
+
+
+def _layer_indices(keys: Any) -> list[int]:
+    """The layer numbers ``transformer.h.{i}.`` the keys name, ascending."""
+    return sorted({int(m.group(1)) for key in keys if (m := _LAYER.match(key))})
+
+
+def _causal_mask(max_seq_len: int) -> torch.Tensor:
+    """The ``[1, 1, L, L]`` bool lower-triangular mask old transformers versions kept as ``attn.bias``."""
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    return torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
+
+
+def translate_state_dict_to_hf_gptj(
+    state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """smp v1's name: our unsharded GPT-J state dict -> one ``GPTJForCausalLM.load_state_dict`` accepts.
+
+    As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
+    head ours lacks is produced as the embedding (GPT-J's untied head is present anyway).
+
+    Args:
+        state_dict: ours.
+        max_seq_len: smp took it so the result held the causal-mask buffers transformers versions of its
+            time kept in state dicts. When given, each layer (counted from the keys present) gets
+            ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
+            ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e9)``, for those versions. ``None`` (the
+            default) adds nothing: current transformers keeps them out of state dicts, and a strict
+            ``load_state_dict`` refuses them as unexpected keys.
+    """
+    out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
+    if max_seq_len is not None:
+        mask = _causal_mask(max_seq_len)
+        for i in _layer_indices(out):
+            out[f"transformer.h.{i}.attn.bias"] = mask.clone()  # one tensor each, as the old models held
+            out[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e9)
+    return out
+
+
+def translate_hf_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """smp v1's import: HF ``GPTJForCausalLM`` state dict -> ours, as :func:`translate_hf_state_dict_to_smpckpt`
+    with its defaults (model shapes; a head equal to the embedding dropped; mask buffers dropped)."""
+    return translate_hf_state_dict_to_smpckpt(state_dict)
+
+
+#: smp v1's exact (inconsistently ordered) name of :func:`translate_hf_state_dict_to_smdistributed_gptj`.
+translate_hf_gptj_state_dict_to_smdistributed_gptj = translate_hf_state_dict_to_smdistributed_gptj

@@ -1,0 +1,178 @@
+"""GPT-Neo: Hugging Face ``GPTNeoForCausalLM`` <-> our Megatron-style tensor-parallel GPT-Neo.
+
+Named ``gptneo`` as in SageMaker model parallel's import path; the HF ``model_type`` is ``gpt_neo``.
+Keys are HF's, except that the attention's q, k and v projections (``nn.Linear``, no biases) are one
+fused column-parallel Linear kept in a view that reshards correctly (``...`` is ``transformer.h.{i}.``):
+
+============================================ ============================ ======================================
+ours (global view shape)                     spec (``tp_specs``)          HF
+============================================ ============================ ======================================
+``transformer.wte.weight [V, d]``            dim 0 (vocab-parallel)       same key
+``transformer.wpe.weight``                   replicated                   same key
+``...attn.attention.qkv_proj.weight``        view ``(3, -1, d)``, dim 1   ``stack([q_proj, k_proj, v_proj])``
+``[3, d, d]``                                                             (``attn.attention.{q,k,v}_proj.weight``)
+``...attn.attention.out_proj.weight``        dim 1 (row-parallel)         same key
+``...attn.attention.out_proj.bias``          replicated                   same key
+``...mlp.c_fc.weight [I, d]``, ``.bias``     dim 0                        same keys
+``...mlp.c_proj.weight [d, I]``              dim 1                        same key
+``...mlp.c_proj.bias``                       replicated                   same key
+``ln_1``, ``ln_2``, ``ln_f``                 replicated                   same keys
+``lm_head.weight``                           dim 0 (when untied)          same key
+============================================ ============================ ======================================
+
+The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
+``r*nh/tp .. (r+1)*nh/tp``, one after the other. GPT-Neo's attention is per head and unscaled (no
+``1/sqrt(head_dim)``), and its local layers (``config.attention_types``) only mask keys further back
+than ``window_size``: neither touches the layout. GPT-Neo uses ``nn.Linear`` throughout, so nothing is
+transposed. A vocabulary that does not divide by ``tp`` is split near-evenly
+(:func:`smpckpt.hf._common.vocab_spec`).
+
+Not translated (documented behaviour of the eager helpers):
+
+* ``lm_head.weight`` is tied to ``transformer.wte.weight`` (``tie_word_embeddings`` defaults to True):
+  dropped on import when it is the embedding (same memory or equal values) and not produced on export
+  unless ``tie_word_embeddings=True``. An untied head that differs is kept as ``lm_head.weight``
+  (vocab-parallel).
+* ``attn.attention.bias`` / ``attn.attention.masked_bias`` (the causal- and local-mask buffers older
+  transformers versions wrote into state dicts) are not weights: dropped on import.
+  :func:`translate_state_dict_to_hf_gptneo` can add them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.hf.gptj import _causal_mask, _layer_indices
+from smpckpt.specs import ShardSpec
+from smpckpt.translation import Translation, stack
+
+__all__ = [
+    "TRANSLATION",
+    "translate_hf_state_dict_to_smpckpt",
+    "translate_state_dict_to_hf",
+    "tp_specs",
+    "translate_state_dict_to_hf_gptneo",
+    "translate_hf_state_dict_to_smdistributed_gptneo",
+]
+
+_A = "transformer.h.{i}.attn.attention."
+_EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
+_QKV = _A + "qkv_proj.weight"
+
+TRANSLATION = Translation(
+    "gpt_neo",
+    rules=(stack(_QKV, tuple(_A + f"{p}_proj.weight" for p in "qkv")),),
+    ignore=(_A + "bias", _A + "masked_bias"),
+    tied={_HEAD: _EMBED},
+    architecture="GPTNeoForCausalLM",
+)
+
+_FUSED = Fused({_QKV: (3, 3)})
+
+
+def translate_hf_state_dict_to_smpckpt(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF ``GPTNeoForCausalLM`` state dict -> ours (bit-exact; tensors may share memory with the input).
+
+    Args:
+        state_dict: HF keys (``transformer.h.0.attn.attention.q_proj.weight`` ...), no wrapper prefix.
+        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding (same memory or
+            equal values), ``True`` drops it (raises if it differs), ``False`` keeps it.
+        keep_view_shapes: give the fused QKV weight its global view shape ``[3, d, d]`` (as the
+            checkpoint stores it) instead of the unsharded model's ``[3d, d]``.
+    """
+    return import_hf(
+        TRANSLATION,
+        state_dict,
+        fused=_FUSED,
+        tie_word_embeddings=tie_word_embeddings,
+        keep_view_shapes=keep_view_shapes,
+    )
+
+
+def translate_state_dict_to_hf(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our unsharded GPT-Neo state dict (``qkv_proj`` as ``[3d, d]`` or ``[3, d, d]``) -> HF's
+    (bit-exact; may share memory with the input).
+
+    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding when ours has no head (what
+    ``load_state_dict`` of an HF model wants); by default it is left out, as HF's own files do.
+    """
+    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+
+
+def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
+    """Glob -> ShardSpec rules of our GPT-Neo under TP degree ``tp``.
+
+    Args:
+        tp: tensor-parallel degree.
+        config: ``GPTNeoConfig`` or a dict (``hidden_size``, ``num_heads`` / ``num_attention_heads``,
+            ``vocab_size``, optional ``intermediate_size``); required, since the QKV view names ``d``.
+        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
+
+    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
+    """
+    check_tp(tp)
+    d = int(cfg_get(config, "hidden_size"))
+    heads = int(cfg_get(config, "num_heads", "num_attention_heads"))
+    inner = int(cfg_get(config, "intermediate_size", default=None) or 4 * d)
+    vocab = int(cfg_get(config, "vocab_size"))
+    check_divides("gpt_neo", "num_heads", heads, tp)
+    check_divides("gpt_neo", "intermediate_size", inner, tp)
+    rows = vocab_spec("gpt_neo", vocab, tp)
+    return prefixed(
+        prefix,
+        {
+            _EMBED: rows,
+            _HEAD: rows,  # only an untied head
+            "transformer.h.*.attn.attention.qkv_proj.weight": ShardSpec(1, view=(3, -1, d)),
+            "transformer.h.*.attn.attention.out_proj.weight": ShardSpec(1),
+            "transformer.h.*.mlp.c_fc.weight": ShardSpec(0),
+            "transformer.h.*.mlp.c_fc.bias": ShardSpec(0),
+            "transformer.h.*.mlp.c_proj.weight": ShardSpec(1),
+        },
+    )
+
+
+# -- SageMaker model parallel (smp v1) names -----------------------------------------------------------
+
+
+def translate_state_dict_to_hf_gptneo(
+    state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """smp v1's name: our unsharded GPT-Neo state dict -> one ``GPTNeoForCausalLM.load_state_dict`` accepts.
+
+    As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
+    head ours lacks is produced as the embedding (GPT-Neo ties it by default).
+
+    Args:
+        state_dict: ours.
+        max_seq_len: smp took it so the result held the mask buffers transformers versions of its time
+            kept in state dicts. When given, each layer (counted from the keys present) gets
+            ``transformer.h.{i}.attn.attention.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
+            ``...attn.attention.masked_bias`` = ``tensor(-1e9)``. Without a config this cannot know
+            which layers are local: those versions held a banded mask there
+            (``bias ^ tril(bias, -window_size)``), so where exactness matters, take the buffers from the
+            model's own ``state_dict()`` instead. ``None`` (the default) adds nothing: current
+            transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them as
+            unexpected keys.
+    """
+    out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
+    if max_seq_len is not None:
+        mask = _causal_mask(max_seq_len)
+        for i in _layer_indices(out):
+            out[f"transformer.h.{i}.attn.attention.bias"] = mask.clone()  # one tensor each, as the old models held
+            out[f"transformer.h.{i}.attn.attention.masked_bias"] = torch.tensor(-1e9)
+    return out
+
+
+def translate_hf_state_dict_to_smdistributed_gptneo(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """smp v1's import: HF ``GPTNeoForCausalLM`` state dict -> ours, as :func:`translate_hf_state_dict_to_smpckpt`
+    with its defaults (model shapes; a head equal to the embedding dropped; mask buffers dropped)."""
+    return translate_hf_state_dict_to_smpckpt(state_dict)

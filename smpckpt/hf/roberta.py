@@ -1,0 +1,118 @@
+"""RoBERTa: Hugging Face ``RobertaForMaskedLM`` (and ``RobertaModel``) <-> our tensor-parallel RoBERTa.
+
+Laid out as :mod:`smpckpt.hf.bert` (fused ``attention.self.qkv``, everything else under HF's keys), with
+``roberta.`` as the head models' prefix and ``lm_head`` as the MLM head:
+
+================================================== ============================ ==============================
+ours (global view shape)                           spec (``tp_specs``)          HF
+================================================== ============================ ==============================
+``<p>embeddings.word_embeddings.weight [V, d]``    dim 0 (vocab-parallel)       same key
+``<p>encoder.layer.{i}.attention.self.qkv``        view ``(3, -1, d)``, dim 1   ``stack([query, key, value])``
+``.weight [3, d, d]``                                                           ``.weight``
+``...attention.self.qkv.bias [3, d]``              view ``(3, -1)``, dim 1      ``stack`` of the three biases
+``...attention.output.dense.weight``               dim 1 (row-parallel)         same key
+``...intermediate.dense.weight``, ``.bias``        dim 0 (column-parallel)      same keys
+``...output.dense.weight``                         dim 1 (row-parallel)         same key
+``lm_head.bias [V]``                               dim 0, the embedding's sizes same key
+``lm_head.decoder.weight`` / ``.bias`` (untied)    dim 0, the embedding's sizes same keys
+output biases, position and token-type embeddings, replicated                   same keys
+LayerNorms, ``lm_head.dense``,
+``lm_head.layer_norm``, pooler, ``classifier``
+================================================== ============================ ==============================
+
+``<p>`` is ``roberta.`` in head models and empty in a bare ``RobertaModel``. RoBERTa's position ids start
+at ``pad_token_id + 1``; that is the model's arithmetic, not the layout's.
+
+Not translated: ``lm_head.decoder.weight`` (tied to ``roberta.embeddings.word_embeddings.weight``) and
+``lm_head.decoder.bias`` (tied to ``lm_head.bias``) are dropped on import when tied and produced on export
+only with ``tie_word_embeddings=True``; an untied decoder is kept. ``embeddings.position_ids`` /
+``embeddings.token_type_ids`` buffers are dropped on import. Cross-attention is replicated under HF's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.hf._common import export_hf, import_hf
+from smpckpt.hf.bert import family_specs, make_fused, make_translation, position_ids_buffer
+from smpckpt.specs import ShardSpec
+
+__all__ = [
+    "TRANSLATION",
+    "translate_hf_state_dict_to_smpckpt",
+    "translate_state_dict_to_hf",
+    "tp_specs",
+    "translate_state_dict_to_hf_roberta",
+    "translate_hf_state_dict_to_smdistributed_roberta",
+    "translate_state_dict_to_smdistributed",
+]
+
+_BASE = "roberta."
+_HEAD = "lm_head."
+
+TRANSLATION = make_translation(
+    "roberta",
+    "RobertaForMaskedLM",
+    _BASE,
+    {_HEAD + "decoder.weight": _BASE + "embeddings.word_embeddings.weight", _HEAD + "decoder.bias": _HEAD + "bias"},
+)
+_FUSED = make_fused(_BASE)
+
+
+def translate_hf_state_dict_to_smpckpt(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF RoBERTa state dict (``roberta.``-prefixed head model or bare ``RobertaModel``) -> ours; the
+    decoder's weight and bias play ``cls.predictions.decoder``'s part in
+    :func:`smpckpt.hf.bert.translate_hf_state_dict_to_smpckpt`, whose arguments these are."""
+    return import_hf(
+        TRANSLATION,
+        state_dict,
+        fused=_FUSED,
+        tie_word_embeddings=tie_word_embeddings,
+        keep_view_shapes=keep_view_shapes,
+    )
+
+
+def translate_state_dict_to_hf(
+    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our unsharded RoBERTa state dict -> HF's; as :func:`smpckpt.hf.bert.translate_state_dict_to_hf`
+    (``tie_word_embeddings=True`` adds ``lm_head.decoder.weight`` / ``.bias``)."""
+    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+
+
+def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
+    """Glob -> ShardSpec rules of our RoBERTa under TP degree ``tp``; as :func:`smpckpt.hf.bert.tp_specs`
+    (``RobertaConfig`` or a dict), with ``lm_head.bias`` and an untied decoder vocab-parallel."""
+    return family_specs(
+        "roberta",
+        tp,
+        config,
+        prefix,
+        base=_BASE,
+        vocab_keys=(_HEAD + "bias", _HEAD + "decoder.weight", _HEAD + "decoder.bias"),
+    )
+
+
+def translate_state_dict_to_hf_roberta(
+    state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """smp v1's name: our RoBERTa -> an HF state dict that ``load_state_dict(strict=True)`` of the HF
+    model accepts (tied ``lm_head.decoder`` weight and bias included).
+
+    ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
+    (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
+    versions of its time kept in RoBERTa state dicts. Given, the buffer is added; ``None`` (the default)
+    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it.
+    """
+    return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
+
+
+#: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt`.
+translate_hf_state_dict_to_smdistributed_roberta = translate_hf_state_dict_to_smpckpt
+#: The name smp's own documentation uses in its RoBERTa example.
+translate_state_dict_to_smdistributed = translate_hf_state_dict_to_smdistributed_roberta

@@ -143,3 +143,19 @@ def export_hf(
             if head not in out and embed in out:
                 out[head] = out[embed]
     return out
+
+
+_LAYER = re.compile(r"^transformer\.h\.(\d+)\.")
+
+
+def layer_indices(keys: Any) -> list[int]:
+    """The layer numbers ``transformer.h.{i}.`` the keys name, ascending (GPT-2, GPT-J, GPT-Neo)."""
+    return sorted({int(m.group(1)) for key in keys if (m := _LAYER.match(key))})
+
+
+def causal_mask(max_seq_len: int) -> torch.Tensor:
+    """The ``[1, 1, L, L]`` bool lower-triangular mask old transformers versions kept in state dicts
+    (GPT-2's and GPT-J's ``attn.bias``, GPT-Neo's ``attn.attention.bias``), for smp's ``max_seq_len``."""
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    return torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)

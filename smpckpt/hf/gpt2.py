@@ -37,11 +37,29 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.hf._common import (
+    Fused,
+    causal_mask,
+    cfg_get,
+    check_divides,
+    check_tp,
+    export_hf,
+    import_hf,
+    layer_indices,
+    prefixed,
+    vocab_spec,
+)
 from smpckpt.specs import ShardSpec
 from smpckpt.translation import Leaf, Rule, Shape, Translation, rename, transpose
 
-__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ = [
+    "TRANSLATION",
+    "translate_hf_state_dict_to_smpckpt",
+    "translate_state_dict_to_hf",
+    "tp_specs",
+    "translate_state_dict_to_hf_gpt2",
+    "translate_hf_state_dict_to_smdistributed_gpt2",
+]
 
 _H = "transformer.h.{i}."
 _EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
@@ -124,6 +142,36 @@ def translate_state_dict_to_hf(
     of an HF model wants); by default it is left out, as HF's own files do.
     """
     return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+
+
+def translate_state_dict_to_hf_gpt2(
+    state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
+    """smp v1's name: our unsharded GPT-2 state dict -> one ``GPT2LMHeadModel.load_state_dict`` accepts
+    (strictly): as :func:`translate_state_dict_to_hf` with the tied ``lm_head.weight`` present.
+
+    Args:
+        state_dict: ours.
+        max_seq_len: smp took it so the result held the causal-mask buffers transformers versions of its
+            time kept in GPT-2 state dicts. When given, each layer (counted from the keys present) gets
+            ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
+            ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``, for those versions. ``None`` (the
+            default) adds nothing: current transformers keeps them out of state dicts, and a strict
+            ``load_state_dict`` refuses them as unexpected keys.
+    """
+    out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
+    if max_seq_len is not None:
+        mask = causal_mask(max_seq_len)
+        for i in layer_indices(out):
+            out[f"transformer.h.{i}.attn.bias"] = mask.clone()  # one tensor each, as the old models held
+            out[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    return out
+
+
+def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """smp v1's name: HF ``GPT2LMHeadModel`` state dict -> ours, as :func:`translate_hf_state_dict_to_smpckpt`
+    with its defaults (model shapes; a head equal to the embedding dropped; mask buffers dropped)."""
+    return translate_hf_state_dict_to_smpckpt(state_dict)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -37,13 +37,23 @@ Not translated (documented behaviour of the eager helpers):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.hf._common import (
+    Fused,
+    causal_mask,
+    cfg_get,
+    check_divides,
+    check_tp,
+    export_hf,
+    import_hf,
+    layer_indices,
+    prefixed,
+    vocab_spec,
+)
 from smpckpt.specs import ShardSpec
 from smpckpt.translation import Translation, stack
 
@@ -143,20 +153,6 @@ def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, Shar
 
 # -- SageMaker model parallel (smp v1) names -----------------------------------------------------------
 
-_LAYER = re.compile(r"transformer\.h\.(\d+)\.")
-
-
-def _layer_indices(keys: Any) -> list[int]:
-    """The layer numbers ``transformer.h.{i}.`` the keys name, ascending."""
-    return sorted({int(m.group(1)) for key in keys if (m := _LAYER.match(key))})
-
-
-def _causal_mask(max_seq_len: int) -> torch.Tensor:
-    """The ``[1, 1, L, L]`` bool lower-triangular mask old transformers versions kept as ``attn.bias``."""
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-    return torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
-
 
 def translate_state_dict_to_hf_gptj(
     state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
@@ -177,8 +173,8 @@ def translate_state_dict_to_hf_gptj(
     """
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
-        mask = _causal_mask(max_seq_len)
-        for i in _layer_indices(out):
+        mask = causal_mask(max_seq_len)
+        for i in layer_indices(out):
             out[f"transformer.h.{i}.attn.bias"] = mask.clone()  # one tensor each, as the old models held
             out[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e9)
     return out

@@ -45,8 +45,18 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
-from smpckpt.hf.gptj import _causal_mask, _layer_indices
+from smpckpt.hf._common import (
+    Fused,
+    causal_mask,
+    cfg_get,
+    check_divides,
+    check_tp,
+    export_hf,
+    import_hf,
+    layer_indices,
+    prefixed,
+    vocab_spec,
+)
 from smpckpt.specs import ShardSpec
 from smpckpt.translation import Translation, stack
 
@@ -165,8 +175,8 @@ def translate_state_dict_to_hf_gptneo(
     """
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
-        mask = _causal_mask(max_seq_len)
-        for i in _layer_indices(out):
+        mask = causal_mask(max_seq_len)
+        for i in layer_indices(out):
             out[f"transformer.h.{i}.attn.attention.bias"] = mask.clone()  # one tensor each, as the old models held
             out[f"transformer.h.{i}.attn.attention.masked_bias"] = torch.tensor(-1e9)
     return out

@@ -266,3 +266,27 @@ def test_registry():
     assert translation_for("gptneo") is TRANSLATIONS["gpt_neo"]  # smp's module name
     with pytest.raises(KeyError, match="no Hugging Face translation for 'opt'"):
         translation_for("opt")
+
+
+def test_gpt2_smp_names():
+    """smp's GPT-2 functions: the export loads strictly into GPT2LMHeadModel (tied head included);
+    max_seq_len adds the causal-mask buffers old transformers kept; the import is ours."""
+    gpt2 = MODULES["gpt2"]
+    model = tiny_model("gpt2", dtype=torch.float32)
+    ours = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(model.state_dict())
+    _same(ours, gpt2.translate_hf_state_dict_to_smpckpt(model.state_dict()))
+    hf = gpt2.translate_state_dict_to_hf_gpt2(ours)
+    fresh = type(model)(model.config)
+    fresh.load_state_dict(hf)  # strict: every key, lm_head.weight included
+    _same(fresh.state_dict(), model.state_dict())
+    old = gpt2.translate_state_dict_to_hf_gpt2(ours, max_seq_len=16)
+    assert set(old) - set(hf) == {f"transformer.h.{i}.attn.{b}" for i in range(2) for b in ("bias", "masked_bias")}
+    mask = old["transformer.h.1.attn.bias"]
+    assert (
+        mask.shape == (1, 1, 16, 16)
+        and mask.dtype == torch.bool
+        and torch.equal(mask[0, 0], torch.ones(16, 16).tril().bool())
+    )
+    assert set(gpt2.translate_hf_state_dict_to_smpckpt(old)) == set(ours)  # the buffers are dropped again
+    with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
+        gpt2.translate_state_dict_to_hf_gpt2(ours, max_seq_len=0)

@@ -1,0 +1,183 @@
+"""Rank functions of the per-family Hugging Face end-to-end test (two real gloo ranks).
+
+For every family: an HF model -> our TP=2 shards (each rank holds only its pieces, in a parameter-only
+module) -> a partial checkpoint -> a full HF artifact, online (``save_checkpoint(partial=False)``) and
+offline (``consolidate_checkpoint`` of the partial one); and an HF ``save_pretrained`` folder cut into
+small shards -> our TP=2 layout. The spec rules are ``tp_specs``' defaults (the model's own names), as a
+user writes them. The pipeline case loads a GPT-2 folder, which leaves the tied head out, into two
+stages whose last holds its own ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hf_e2e_workers import Holder
+from hf_reference import AUTO_CLASS, MODULES, global_view, shard, tiny_config, tiny_model
+
+import smpckpt
+from smpckpt.layout import ParallelLayout
+from smpckpt.specs import SpecRules
+
+TP = ParallelLayout(tp=2)
+PP = ParallelLayout(pp=2, pp_layers=(1, 1))
+SEED = 7
+
+
+def _ids(config: Any) -> torch.Tensor:
+    return torch.randint(3, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(11))
+
+
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """Keys whose values differ (or are missing) -- empty when every tensor is bit-exact."""
+    return sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
+
+
+def _expected_shards(name: str, model: Any, rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    specs = MODULES[name].tp_specs(TP.tp, model.config)
+    rules = SpecRules(specs)
+    mine = {}
+    for key, tensor in global_view(name, model).items():
+        matched = rules.match(key)
+        mine[key] = shard(key, tensor, None if matched is None else matched[0][0], TP.tp, rank)
+    return specs, mine
+
+
+def one_family(rank: int, name: str, root: str, hf_dir: str) -> dict[str, Any]:
+    mod = MODULES[name]
+    model = tiny_model(name, seed=SEED, dtype=torch.float32)
+    specs, mine = _expected_shards(name, model, rank)
+    common = dict(layout=TP, specs=specs)
+    holder = Holder({k: v.clone() for k, v in mine.items()})
+    out: dict[str, Any] = {}
+
+    # our TP=2 shards -> partial checkpoint -> back into zeroed shards
+    smpckpt.save_checkpoint(root, name, model=holder, save_rng=False, **common)
+    back = Holder({k: torch.zeros_like(v) for k, v in mine.items()})
+    smpckpt.resume_from_checkpoint(root, name, model=back, **common)
+    out["partial_round_trip"] = _same(dict(back.named_parameters()), mine)
+
+    # -> full artifact with HF names (config never saved: architectures and dtype come from us)
+    fresh_config = tiny_config(name)
+    smpckpt.save_checkpoint(
+        root,
+        f"{name}-full",
+        partial=False,
+        model=holder,
+        translate_function=mod.TRANSLATION,
+        hf_config=fresh_config,
+        **common,
+    )
+    if rank == 0:  # the partial checkpoint -> the same artifact offline, config as a plain dict
+        smpckpt.consolidate_checkpoint(
+            os.path.join(root, f"{name}_partial"),
+            os.path.join(root, f"{name}-offline"),
+            translation=mod.TRANSLATION,
+            hf_config=fresh_config.to_dict(),
+            progress=False,
+        )
+
+    # HF save_pretrained folder in small shards -> our TP=2 layout, each rank reading its pieces
+    loaded = Holder({k: torch.full_like(v, -3.0) for k, v in mine.items()})
+    smpckpt.resume_from_checkpoint(hf_dir, partial=False, model=loaded, translate_function=mod.TRANSLATION, **common)
+    out["hf_folder_into_tp2"] = _same(dict(loaded.named_parameters()), mine)
+
+    dist.barrier()
+    if rank == 0:
+        import transformers
+
+        auto = getattr(transformers, AUTO_CLASS[name])
+        ids, want = _ids(model.config), _logits(model, _ids(model.config))
+        for artifact in (f"{name}-full", f"{name}-offline"):
+            folder = os.path.join(root, artifact)
+            hf = auto.from_pretrained(folder, attn_implementation="eager").eval()
+            out[f"{artifact}:logits_equal"] = bool(torch.equal(_logits(hf, ids), want))
+            out[f"{artifact}:class"] = type(hf).__name__
+            out[f"{artifact}:weights"] = _same(hf.state_dict(), model.state_dict())
+    return out
+
+
+# -- pipeline: GPT-2 over two stages, the last holding its own copy of the tied head ------------------
+_LAYER = re.compile(r"^(model\.transformer\.h\.)(\d+)\.")
+
+
+def _stage_keys(stage: int, keys: list[str]) -> list[str]:
+    first = PP.layer_offset(stage)
+    mine = []
+    for k in keys:
+        m = re.match(r"^transformer\.h\.(\d+)\.", k)
+        if m:
+            if first <= int(m.group(1)) < first + (PP.pp_layers or (0, 0))[stage]:
+                mine.append(k)
+        elif k.startswith(("transformer.wte.", "transformer.wpe.")) and stage == 0:
+            mine.append(k)
+        elif k.startswith("transformer.ln_f.") and stage == PP.pp - 1:
+            mine.append(k)
+    return mine
+
+
+def _local(key: str, stage: int) -> str:
+    first = PP.layer_offset(stage)
+    return re.sub(r"^(transformer\.h\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) - first}.", key)
+
+
+def _name_map(stage: int) -> Any:
+    first = PP.layer_offset(stage)
+    return lambda key: _LAYER.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", key)
+
+
+def pipeline(rank: int, root: str, hf_dir: str) -> dict[str, Any]:
+    model = tiny_model("gpt2", seed=SEED, dtype=torch.float32)
+    ours = global_view("gpt2", model)  # no lm_head: tied
+    stage = PP.coords(rank).pp
+    want = {_local(k, stage): ours[k] for k in _stage_keys(stage, sorted(ours))}
+    if stage == PP.pp - 1:
+        want["lm_head.weight"] = ours["transformer.wte.weight"]  # the last stage's own copy of the head
+    held = Holder({k: torch.full_like(v, -3.0) for k, v in want.items()})
+    common = dict(layout=PP, name_map=_name_map(stage))
+    # a save_pretrained folder leaves lm_head out: the last stage reads it from the embedding's bytes
+    smpckpt.resume_from_checkpoint(
+        hf_dir, partial=False, model=held, translate_function=MODULES["gpt2"].TRANSLATION, **common
+    )
+    out: dict[str, Any] = {"hf_folder_into_pp2": _same(dict(held.named_parameters()), want)}
+    smpckpt.save_checkpoint(root, "pp", model=held, save_rng=False, **common)
+    smpckpt.save_checkpoint(
+        root,
+        "pp-full",
+        partial=False,
+        model=held,
+        translate_function=MODULES["gpt2"].TRANSLATION,
+        hf_config=tiny_config("gpt2"),
+        **common,
+    )
+    again = Holder({k: torch.zeros_like(v) for k, v in want.items()})
+    smpckpt.resume_from_checkpoint(root, "pp", model=again, **common)
+    out["partial_round_trip"] = _same(dict(again.named_parameters()), want)
+    dist.barrier()
+    if rank == 0:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.join(root, "pp-full"), attn_implementation="eager"
+        ).eval()
+        ids = _ids(model.config)
+        out["pp-full:logits_equal"] = bool(torch.equal(_logits(hf, ids), _logits(model, ids)))
+    return out
+
+
+def families(rank: int, world: int, root: str, hf_root: str, names: list[str]) -> dict[str, Any]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    results = {name: one_family(rank, name, root, os.path.join(hf_root, name)) for name in names}
+    results["gpt2 pp=2"] = pipeline(rank, os.path.join(root, "pp"), os.path.join(hf_root, "gpt2"))
+    return results

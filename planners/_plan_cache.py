@@ -60,13 +60,15 @@ def structure_signature(
     mappings: Mapping[str, Any],
     object_digests: Mapping[str, str] | None,
     tied: Mapping[str, str] | None = None,
+    verify_replicas: bool = False,
 ) -> tuple[Any, ...]:
     """Everything a local plan depends on, compared by equality at the next save (no hashing of text):
     the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
     ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; which
-    keys are tied to which (a tie made or broken between saves changes what is written); object
+    keys are tied to which (a tie made or broken between saves changes what is written), whether
+    replica values are verified (the plan then carries the stage's key list); object
     values only when ``object_digests`` is given."""
-    parts: list[Any] = [layout, rank, replica_owner, tuple((tied or {}).items())]
+    parts: list[Any] = [layout, rank, replica_owner, tuple((tied or {}).items()), verify_replicas]
     for e in entries.values():
         if e.kind == "object":
             parts.append((e.key, mappings.get(e.key), None if object_digests is None else object_digests[e.key]))
@@ -131,16 +133,25 @@ class PlanCache:
             self.drop()
         self.round_open = True
 
-    def hit(self, signature: tuple[Any, ...] | None, rank: int, object_digests: Mapping[str, str]) -> SavePlan | None:
+    def hit(
+        self,
+        signature: tuple[Any, ...] | None,
+        rank: int,
+        object_digests: Mapping[str, str],
+        values: bytes | None = None,
+    ) -> SavePlan | None:
         """The plan to send when ``signature`` is the cached structure's, else None: "local", the cached
-        plan with this save's object digests; "global", an empty plan naming the held generation."""
+        plan with this save's object digests; "global", an empty plan naming the held generation. Either
+        carries this save's replica value digests (``values``: they change at every save)."""
         cached = self.local
         if signature is None or cached is None or signature != self.signature:
             return None
         logger.debug("rank %d: state structure unchanged, reusing its cached plan", rank)
         if self.scope == "local":
-            return dataclasses.replace(cached, planner_data={**cached.planner_data, "objects": dict(object_digests)})
-        return SavePlan([], usable=False, planner_data={"rank": rank, "cached": True, GENERATION: self.generation})
+            data = {**cached.planner_data, "objects": dict(object_digests), "values": values}
+            return dataclasses.replace(cached, planner_data=data)
+        data = {"rank": rank, "cached": True, GENERATION: self.generation, "values": values}
+        return SavePlan([], usable=False, planner_data=data)
 
     def remember(self, signature: tuple[Any, ...] | None, plan: SavePlan) -> None:
         """Keep a freshly built local plan: at once ("local": a pure function of the signature, so what

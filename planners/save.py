@@ -42,6 +42,7 @@ from smpckpt.planners._entries import (
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._plan_cache import PlanCache, structure_signature
 from smpckpt.planners._plan_wire import compact
+from smpckpt.planners._replica_values import check_replica_values, stage_keys, value_digests
 from smpckpt.record import METADATA_KEY, LayoutRecord
 from smpckpt.specs import SpecLike, SpecRules
 from smpckpt.storage._gc import gc_paused
@@ -89,6 +90,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             records the others (:attr:`~smpckpt.record.LayoutRecord.tied`), our storage writer lists
             them in ``.metadata`` over the same bytes (stock readers load both keys), and our load
             planner fills a destination that holds them apart. ``False`` writes each key's bytes.
+        verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, and a global
+            key two stages hold) must hold the same values: each rank sends a 4-byte digest of a sample
+            of every tensor, and the coordinator fails the save naming the keys and ranks that differ
+            (a TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for
+            replicas meant to differ. See :mod:`smpckpt.planners._replica_values`.
         cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
 
             * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
@@ -118,6 +124,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         enable_plan_caching: bool = True,
         cache_scope: Literal["global", "local"] = "global",
         dedup_tied: bool = True,
+        verify_replicas: bool = True,
     ) -> None:
         super().__init__()
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
@@ -129,6 +136,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.enable_plan_caching = enable_plan_caching
         self.cache_scope = cache_scope
         self.dedup_tied = dedup_tied
+        self.verify_replicas = verify_replicas
         self.report: SaveReport | None = None
         self.entries: dict[str, Entry] = {}
         self.tied: dict[str, str] = {}
@@ -167,14 +175,27 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if self.enable_plan_caching:
             digests = None if self.cache_scope == "local" else object_digests
             signature = structure_signature(
-                self.layout, self.rank, self.replica_owner, self.entries, self.mappings, digests, self.tied
+                self.layout,
+                self.rank,
+                self.replica_owner,
+                self.entries,
+                self.mappings,
+                digests,
+                self.tied,
+                self.verify_replicas,
             )
-        hit = self._cache.hit(signature, self.rank, object_digests)
+        # plain tensors every rank of the stage must agree on: the replica digest's rows and the replicas
+        shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
+        checked = (
+            sorted((e for e in shared if e.key not in self.tied and e.sharded_axes != _SPLIT_OVER_BOTH), key=_by_key)
+            if self.verify_replicas
+            else []
+        )
+        values = value_digests([e.value for e in checked]) if self.verify_replicas else None
+        hit = self._cache.hit(signature, self.rank, object_digests, values)
         if hit is not None:
             return hit
 
-        # plain tensors every rank of the stage must agree on: the replica digest's rows and the replicas
-        shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
         replicated = [
             (e.key, e.nbytes, e.sharded_axes)
             for e in shared
@@ -208,7 +229,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "mappings": mappings,
             "original_shapes": original,
             "tied": dict(self.tied),
+            "values": values,
         }
+        coords = self.layout.coords(self.rank)
+        if self.verify_replicas and coords.tp == 0 and coords.dp == 0:  # one key list per stage
+            planner_data["value_keys"] = stage_keys([e.key for e in checked], [e.sharded_axes for e in checked])
         plan = compact(SavePlan(items, planner_data=planner_data))  # gathered on the coordinator
         self._cache.remember(signature, plan)
         return plan
@@ -242,6 +267,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         (with the :class:`~smpckpt.record.LayoutRecord`) and check that the chunks tile every tensor."""
         reused = self._cache.reuse_global(all_plans)
         if reused is not None:
+            check_replica_values(all_plans, self._cache.all_plans or [], self.layout)
             plans, empty, metadata = reused
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
@@ -250,6 +276,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.layout.check_world_size(len(full), "dcp.save's world")
         self._check_rules_apply(full)
         self._check_replicas(full)
+        check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = _gather_ties(full)
         deduped = self._dedup(full)
         plans, metadata = create_default_global_save_plan(deduped)
@@ -428,6 +455,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return self.entries[index.fqn].value
+
+
+def _by_key(entry: Entry) -> str:
+    return entry.key
 
 
 def _gather_ties(plans: list[SavePlan]) -> dict[str, str]:

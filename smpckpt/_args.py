@@ -31,6 +31,14 @@ def check_partial(partial: Any) -> None:
         raise TypeError(f"partial must be True or False, got {partial!r}")
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """A boolean option, refused by name when it is anything but ``True`` or ``False`` (a truthy string
+    such as ``"no"`` would otherwise mean yes)."""
+    if value is not True and value is not False:
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def root_url(path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")

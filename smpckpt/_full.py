@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 import smpckpt
-from smpckpt._args import OPTIONS, common_args, quiet_no_dist, translate_dcp
+from smpckpt._args import OPTIONS, check_flag, common_args, quiet_no_dist, translate_dcp
 from smpckpt._dist import DistContext
 from smpckpt._planner_reuse import kept_save_planner
 from smpckpt.errors import CheckpointNotFound
@@ -102,12 +102,13 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
     )
     # as save_pretrained: a head tied to its embedding is left out unless the config unties them
     dedup_tied = _config_value(kw["hf_config"], "tie_word_embeddings") is not False
+    verify = check_flag("verify_replicas", kw.get("verify_replicas", True))
     include_optimizer = bool(kw["include_optimizer"])
     if include_optimizer and not common.optimizers:
         raise ValueError("include_optimizer=True needs optimizer=")
     ctx.check_identical(
-        (tag, common.root, common.layout.to_dict(), include_optimizer, str(opts.dtype), opts.max_shard_size),
-        "save_checkpoint(path, tag, layout, include_optimizer, dtype, max_shard_size) with partial=False",
+        (tag, common.root, common.layout.to_dict(), include_optimizer, str(opts.dtype), opts.max_shard_size, verify),
+        "save_checkpoint(path, tag, layout, include_optimizer, dtype, max_shard_size, verify_replicas) with partial=False",
     )
     url = full_url(common.root, tag)
 
@@ -154,6 +155,7 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
     try:
         with kept_save_planner("full", common) as planner, quiet_no_dist():
             planner.dedup_tied = dedup_tied
+            planner.verify_replicas = verify
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         try:  # every rank is past its writes: the coordinator removes the unfinished artifact

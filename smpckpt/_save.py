@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import smpckpt
-from smpckpt._args import CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
+from smpckpt._args import CommonRequest, check_flag, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
 from smpckpt._planner_reuse import kept_save_planner
 from smpckpt._save_clock import next_save_ns
@@ -54,6 +54,7 @@ class SaveRequest(CommonRequest):
     format: Literal["raw", "torch_save"]
     sync_files: bool
     stale_after: float | None
+    verify_replicas: bool = True
 
 
 def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> SaveRequest:
@@ -61,6 +62,7 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
     common = common_args(ctx, path, partial, kw)
     root, layout = common.root, common.layout
     keep = validate_keep(kw["num_kept_partial_checkpoints"])
+    verify = check_flag("verify_replicas", kw["verify_replicas"])
     stale = kw["remove_uncommitted_older_than"]
     if stale is not None and not (isinstance(stale, (int, float)) and not isinstance(stale, bool) and stale >= 0):
         raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
@@ -81,9 +83,10 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
             bool(kw["save_rng"]),
             stale,
             bool(kw["async_save"]),
+            verify,
         ),
         "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng, "
-        "remove_uncommitted_older_than, async_save)",
+        "remove_uncommitted_older_than, async_save, verify_replicas)",
     )
     validate_tag(tag)
     return SaveRequest(
@@ -97,6 +100,7 @@ def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any)
         format=kw["format"],
         sync_files=bool(kw["sync_files"]),
         stale_after=stale,
+        verify_replicas=verify,
     )
 
 
@@ -137,6 +141,7 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
     )
     try:
         with kept_save_planner("partial", req) as planner, quiet_no_dist():
+            planner.verify_replicas = req.verify_replicas
             dcp.save(state, storage_writer=writer, planner=planner, process_group=req.process_group)
     except CheckpointException as exc:
         # every rank is past its writes now: each removes its own files of this save, so a retry

@@ -128,6 +128,7 @@ def save_checkpoint(
     async_save: bool = False,
     wait_for_previous: bool = True,
     freeze_gc: bool = True,
+    verify_replicas: bool = True,
 ) -> concurrent.futures.Future[None] | None:
     """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
     ``partial=False``, one consolidated artifact ``{path}/{tag}/`` instead (see below).
@@ -196,6 +197,11 @@ def save_checkpoint(
             save of thousands of tensors sets off then walk only the save's own objects (README,
             "Garbage collection"). Skipped where the collector is off or the process froze objects
             itself; not applied to async saves.
+        verify_replicas: ranks that hold the same piece of a tensor (replicas, and a global key two
+            pipeline stages hold) must hold the same values, or the save fails on every rank naming
+            the keys and ranks: only one replica is written, so a TP shard whose spec was forgotten, or
+            a stage-local key not renumbered, would otherwise lose data silently. Each rank sends a
+            4-byte digest of a 16-element sample per tensor. ``False`` for replicas meant to differ.
         remove_uncommitted_older_than: seconds; after the commit, rank 0 also removes uncommitted
             folders (debris of killed or failed saves) with no write for that long, and aborts S3
             multipart uploads under ``path`` started that long ago. Make it longer than any save
@@ -235,6 +241,7 @@ def save_checkpoint(
                     translate_function=translate_function,
                     max_shard_size=max_shard_size,
                     format=format,
+                    verify_replicas=verify_replicas,
                 ),
             )
         return None
@@ -259,6 +266,7 @@ def save_checkpoint(
             sync_files=sync_files,
             remove_uncommitted_older_than=remove_uncommitted_older_than,
             async_save=async_save,
+            verify_replicas=verify_replicas,
         )
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))

@@ -1,0 +1,176 @@
+"""Replicas checked by value: ranks that hold the same piece of a tensor must hold the same bytes.
+
+Only one replica of a tensor is written (its owner's), so a rank whose "replica" differs loses its
+values silently. Two mistakes produce exactly that, and no check of keys, dtypes or shapes sees them:
+
+* a TP shard whose spec was forgotten (or whose rule matches no key) looks replicated: every TP rank
+  holds a same-shaped piece under one key, and one rank's piece is stored as the whole tensor;
+* two pipeline stages holding the same global key (a stage-local name the default ``layers.<i>``
+  renaming does not reach): one stage's tensor is stored, the other's is gone.
+
+Every rank sends, with its local plan, a 4-byte digest per tensor it holds (:func:`value_digests`) of a
+fixed sample of its elements (:data:`SAMPLES` evenly spaced ones and the element count), in the key
+order the replica digest uses; the first rank of each stage (tp=0, dp=0) also sends the keys and how
+each is split. The coordinator compares, per stage and key, the ranks that hold the same piece (same
+coordinates on the axes the key is split over), and each key two stages hold
+(:func:`check_replica_values`). A sample is cheap (one ``take`` of 16 elements per tensor, one host
+copy per device and dtype for all of them: ~4 us per tensor, ``benchmarks/bench_replica_values.py``)
+and catches both mistakes, whose pieces differ nearly everywhere; it does not promise to see replicas
+that drifted apart in a few elements (the written bytes are checksummed either way). What crosses
+ranks is 4 bytes per tensor and rank, as one opaque ``bytes`` object (no Python object per tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from smpckpt.errors import ReplicaMismatch
+from smpckpt.layout import ParallelLayout
+
+__all__ = ["SAMPLES", "value_digests", "stage_keys", "check_replica_values"]
+
+#: elements sampled per tensor (evenly spaced, first and last included)
+SAMPLES = 16
+#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
+_SPLIT_CODES = {frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2}
+_SHOWN = 5
+
+
+@functools.lru_cache(maxsize=4096)
+def _indices(numel: int, device: int) -> torch.Tensor:
+    """The sampled flat indices of a tensor of ``numel`` elements on CUDA ``device`` (-1: the CPU)."""
+    idx = torch.linspace(0, numel - 1, SAMPLES).round().long()
+    return idx if device < 0 else idx.to(f"cuda:{device}")
+
+
+def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
+    """One little-endian uint32 per tensor: xxh3 of its sampled elements' bytes, seeded with its element
+    count. A meta tensor (no values: planning benchmarks plan with them) samples nothing.
+
+    Every rank runs this over every tensor at every save, so the loop avoids what costs microseconds
+    per tensor (``Tensor.device`` builds an object; ``get_device`` is a plain int)."""
+    counts = [t.numel() for t in tensors]
+    raw: list[memoryview] = [memoryview(b"")] * len(tensors)
+    groups: dict[tuple[int, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for i, (t, n) in enumerate(zip(tensors, counts)):
+        if not n or t.is_meta:
+            continue
+        device = t.get_device()
+        # take() reads a logical flat index of any strides: no copy of the tensor
+        sample = torch.take(t, _indices(n, device)) if n > SAMPLES else t.reshape(-1)
+        groups.setdefault((device, t.dtype), []).append((i, sample))
+    for (device, _dtype), members in groups.items():
+        # one join (and, on a GPU, one copy to the host) per device and dtype, not one per tensor
+        joined = torch.cat([m for _, m in members]).view(torch.uint8)
+        view = memoryview((joined.cpu() if device >= 0 else joined).numpy())
+        size = members[0][1].element_size()
+        pos = 0
+        for i, m in members:
+            n = m.numel() * size
+            raw[i] = view[pos : pos + n]
+            pos += n
+    digest = xxhash.xxh3_64_intdigest
+    return np.fromiter(
+        (digest(b, seed=n) & 0xFFFFFFFF for b, n in zip(raw, counts)), dtype="<u4", count=len(tensors)
+    ).tobytes()
+
+
+def stage_keys(keys: Sequence[str], splits: Sequence[frozenset[str]]) -> tuple[tuple[str, ...], bytes]:
+    """What a stage's first rank sends: the keys, and a byte per key saying how its pieces are placed."""
+    return tuple(keys), bytes(_SPLIT_CODES[s] for s in splits)
+
+
+def _grouping(code: int, coords: Any) -> tuple[int, ...]:
+    """Ranks that hold the same piece of a key split as ``code``: same coordinates on its split axes."""
+    return () if code == 0 else (coords.tp,) if code == 1 else (coords.dp,)
+
+
+def _cause(code: int, ranks: list[int], layout: ParallelLayout) -> str:
+    tps = {layout.coords(r).tp for r in ranks}
+    if code in (0, 2) and len(tps) > 1:
+        return (
+            "tensor-parallel ranks hold different values under one key: most likely a TP shard without its "
+            "ShardSpec (add a spec rule that matches this key), or per-rank values (give them rank-unique keys "
+            "listed in rank_local=)"
+        )
+    return "data-parallel replicas hold different values: replicas that drifted apart"
+
+
+def check_replica_values(fresh: Sequence[Any], structure: Sequence[Any], layout: ParallelLayout) -> None:
+    """(coordinator) Compare the ranks' value digests; raise :class:`ReplicaMismatch` naming keys and ranks.
+
+    ``fresh`` are this save's local plans (their ``planner_data["values"]``); ``structure`` the full local
+    plans (cached ones substituted), whose stage leaders carry ``planner_data["value_keys"]``. Ranks
+    that sent no digests (the check turned off) are skipped."""
+    leaders: dict[int, tuple[tuple[str, ...], np.ndarray]] = {}
+    for plan in structure:
+        data = plan.planner_data or {}
+        if data.get("value_keys") is not None:
+            keys, codes = data["value_keys"]
+            leaders[layout.coords(data["rank"]).pp] = (tuple(keys), np.frombuffer(codes, dtype=np.uint8))
+    rows: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for rank, plan in enumerate(fresh):
+        values = (plan.planner_data or {}).get("values")
+        if values is not None:
+            rows.setdefault(layout.coords(rank).pp, []).append((rank, np.frombuffer(values, dtype="<u4")))
+    problems: list[str] = []
+    first_rows: dict[int, tuple[int, np.ndarray]] = {}
+    for stage, members in sorted(rows.items()):
+        if stage not in leaders:
+            continue
+        keys, codes = leaders[stage]
+        members = [(r, v) for r, v in members if len(v) == len(keys)]  # others failed the replica digest
+        if not members:
+            continue
+        first_rows[stage] = members[0]
+        for code in (0, 1, 2):
+            cols = np.nonzero(codes == code)[0]
+            if not len(cols):
+                continue
+            groups: dict[tuple[int, ...], list[tuple[int, np.ndarray]]] = {}
+            for rank, v in members:
+                groups.setdefault(_grouping(code, layout.coords(rank)), []).append((rank, v))
+            for group in groups.values():
+                base_rank, base = group[0]
+                for rank, v in group[1:]:
+                    bad = cols[v[cols] != base[cols]]
+                    if len(bad):
+                        shown = ", ".join(repr(keys[i]) for i in bad[:_SHOWN])
+                        more = f" (and {len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else ""
+                        problems.append(
+                            f"stage {stage}: ranks {base_rank} and {rank} hold different values of {shown}{more}: "
+                            + _cause(code, [base_rank, rank], layout)
+                        )
+                        break
+    problems.extend(_across_stages(leaders, first_rows))
+    if problems:
+        raise ReplicaMismatch(
+            "ranks that must hold the same tensor piece hold different values, and only one of them would be "
+            f"saved: {'; '.join(problems[:_SHOWN])}. (Checked on a sample of each tensor; pass "
+            "verify_replicas=False only if replicas are meant to differ.)"
+        )
+
+
+def _across_stages(
+    leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first_rows: dict[int, tuple[int, np.ndarray]]
+) -> list[str]:
+    """A global key two stages hold must hold one value: else a stage-local name was not renumbered."""
+    seen: dict[str, tuple[int, int, int]] = {}  # key -> (stage, rank, digest) of its first holder
+    problems: list[str] = []
+    for stage, (rank, values) in sorted(first_rows.items()):
+        keys = leaders[stage][0]
+        for i, key in enumerate(keys):
+            prior = seen.setdefault(key, (stage, rank, int(values[i])))
+            if prior[0] != stage and prior[2] != int(values[i]):
+                problems.append(
+                    f"pipeline stages {prior[0]} and {stage} (ranks {prior[1]} and {rank}) both hold {key!r} with "
+                    "different values: a stage-local key not renumbered to its global name (only a 'layers.<i>' "
+                    "segment is renumbered by pp_layers; pass name_map= for other schemes)"
+                )
+    return problems

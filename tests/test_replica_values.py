@@ -1,0 +1,148 @@
+"""Replicas checked by value: ranks that hold the same piece of a tensor under one key must hold the same
+bytes, or the save fails naming the keys and ranks -- a TP shard whose spec was forgotten, per-rank
+values under a shared key, and two pipeline stages holding one global key are otherwise stored as one
+rank's piece, silently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_world
+from sim import sim_load, sim_save
+
+from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.errors import ReplicaMismatch
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.planners._replica_values import SAMPLES, value_digests
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+
+
+def _save(tmp: Path, sds: list[dict[str, Any]], layout: ParallelLayout, specs: Any = None, **kw: Any) -> Any:
+    return sim_save(
+        sds,
+        [ParallelSavePlanner(layout, specs, rank=r, **kw) for r in range(len(sds))],
+        [FsspecStorageWriter(str(tmp)) for _ in range(len(sds))],
+    )
+
+
+def test_digests_see_every_sampled_element_and_the_size() -> None:
+    t = torch.randn(1000)
+    base = value_digests([t])
+    assert len(base) == 4 and value_digests([t.clone()]) == base
+    changed = t.clone()
+    changed[-1] += 1  # the last element is always sampled
+    assert value_digests([changed]) != base
+    assert value_digests([torch.zeros(3)]) != value_digests([torch.zeros(4)])  # the element count counts
+    assert value_digests([torch.zeros(0), torch.zeros(2, 0)]) == value_digests([torch.zeros(0), torch.zeros(0)])
+    mixed = [torch.randn(5, dtype=torch.bfloat16), torch.tensor([True, False]), torch.arange(SAMPLES * 3)]
+    assert len(value_digests(mixed)) == 12
+
+
+def test_a_forgotten_tp_spec_fails_naming_key_ranks_and_cause(tmp_path: Path) -> None:
+    full = torch.randn(16, 16)
+    sds = [{"model": {"fc1.weight": full.chunk(2)[r].clone(), "norm": torch.ones(16)}} for r in range(2)]
+    with pytest.raises(
+        ReplicaMismatch, match=r"stage 0: ranks 0 and 1 hold different values of 'model\.fc1\.weight'.*ShardSpec"
+    ):
+        _save(tmp_path / "a", sds, ParallelLayout(tp=2))
+    # the same save with the spec is fine, and loads back whole
+    _save(tmp_path / "b", sds, ParallelLayout(tp=2), {"model.fc1.weight": ShardSpec(0)})
+    dest = [{"model": {"fc1.weight": torch.zeros(16, 16), "norm": torch.zeros(16)}}]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path / "b"))])
+    assert torch.equal(dest[0]["model"]["fc1.weight"], full)
+
+
+def test_rules_that_do_not_match_the_key_are_caught_by_value(tmp_path: Path) -> None:
+    """A rule for another name matches some key (so the rule check passes) but not the sharded one."""
+    full = torch.randn(8, 4)
+    sds = [{"model": {"a.weight": full.chunk(2)[r].clone(), "b.weight": full.chunk(2)[r].clone()}} for r in range(2)]
+    with pytest.raises(ReplicaMismatch, match=r"'model\.b\.weight'"):
+        _save(tmp_path, sds, ParallelLayout(tp=2), {"model.a.weight": ShardSpec(0)})
+
+
+def test_data_parallel_drift_is_named_as_such(tmp_path: Path) -> None:
+    w = torch.randn(6, 3)
+    sds = [{"model": {"w": w.clone()}}, {"model": {"w": w + 1e-3}}]
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 .* data-parallel replicas hold different values"):
+        _save(tmp_path, sds, ParallelLayout(dp=2))
+
+
+def test_tp_shards_are_compared_across_dp_only(tmp_path: Path) -> None:
+    """tp=2 x dp=2: a TP-split tensor's pieces differ across tp (as they should) and must agree across dp."""
+    full = torch.randn(8, 4)
+    layout, specs = ParallelLayout(tp=2, dp=2), {"model.w": ShardSpec(0)}
+    sds = [{"model": {"w": full.chunk(2)[r % 2].clone()}} for r in range(4)]
+    _save(tmp_path / "ok", sds, layout, specs)
+    sds[3]["model"]["w"] = sds[3]["model"]["w"] * 2  # dp rank 1's copy of tp piece 1 drifted
+    with pytest.raises(ReplicaMismatch, match=r"ranks 1 and 3 hold different values of 'model\.w'.*drifted"):
+        _save(tmp_path / "bad", sds, layout, specs)
+
+
+def test_two_stages_with_one_global_key(tmp_path: Path) -> None:
+    """Stage-local transformer.h.0 on both stages without a name_map: only layers.<i> is renumbered."""
+    layout = ParallelLayout(pp=2, pp_layers=(1, 1))
+    sds = [{"model": {"transformer.h.0.attn.w": torch.full((4, 4), float(s))}} for s in range(2)]
+    with pytest.raises(
+        ReplicaMismatch, match=r"pipeline stages 0 and 1 .* 'model\.transformer\.h\.0\.attn\.w'.*name_map"
+    ):
+        _save(tmp_path / "a", sds, layout)
+    # with the name map each stage's layer keeps its own global name
+    renamed = [ParallelSavePlanner(layout, rank=r, name_map=_renumber(r)) for r in range(2)]
+    metadata = sim_save(sds, renamed, [FsspecStorageWriter(str(tmp_path / "b")) for _ in range(2)])
+    assert {"model.transformer.h.0.attn.w", "model.transformer.h.1.attn.w"} <= set(metadata.state_dict_metadata)
+
+
+def _renumber(stage: int) -> Any:
+    return lambda key: key.replace("transformer.h.0.", f"transformer.h.{stage}.")
+
+
+def test_the_opt_out_saves_one_replica(tmp_path: Path) -> None:
+    sds = [{"model": {"w": torch.full((3,), float(r))}} for r in range(2)]
+    _save(tmp_path, sds, ParallelLayout(dp=2), verify_replicas=False, replica_owner="lowest")
+    dest = [{"model": {"w": torch.zeros(3)}}]
+    sim_load(dest, [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path))])
+    assert torch.equal(dest[0]["model"]["w"], torch.zeros(3))  # rank 0's, as asked
+
+
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_values_are_checked_again_when_a_cached_plan_is_reused(tmp_path: Path, scope: str) -> None:
+    """The plan caches reuse the structure, never the values: the second save's drift is still caught."""
+    layout = ParallelLayout(dp=2)
+    planners = [ParallelSavePlanner(layout, rank=r, cache_scope=scope) for r in range(2)]
+    w = torch.randn(5)
+    sds = [{"model": {"w": w.clone()}} for _ in range(2)]
+    sim_save(sds, planners, [FsspecStorageWriter(str(tmp_path / "1")) for _ in range(2)])
+    sim_save(sds, planners, [FsspecStorageWriter(str(tmp_path / "2")) for _ in range(2)])  # a cache hit
+    sds[1]["model"]["w"] = w + 1
+    with pytest.raises(ReplicaMismatch, match="'model.w'"):
+        sim_save(sds, planners, [FsspecStorageWriter(str(tmp_path / "3")) for _ in range(2)])
+
+
+@pytest.mark.dist
+def test_the_api_refuses_a_forgotten_spec_on_every_rank(tmp_path: Path) -> None:
+    from replica_workers import forgotten_spec
+
+    results = run_world(forgotten_spec, 2, str(tmp_path))
+    for r in results:
+        assert r["error"] is not None and r["error"][0] == "ReplicaMismatch", r
+        assert "'model.fc1.weight'" in r["error"][1] and "ShardSpec" in r["error"][1]
+        assert not r["committed"]
+    from torch import nn
+
+    from smpckpt import resume_from_checkpoint
+
+    whole = nn.Linear(16, 16, bias=False)
+    resume_from_checkpoint(str(tmp_path), "spec", model=_Holder(whole))
+    assert torch.equal(whole.weight, torch.arange(256, dtype=torch.float32).reshape(16, 16))
+    half = nn.Linear(16, 8, bias=False)  # the opt-out stored one rank's piece as the whole tensor, as asked
+    resume_from_checkpoint(str(tmp_path), "optout", model=_Holder(half))
+    assert torch.equal(half.weight, torch.arange(128, dtype=torch.float32).reshape(8, 16))
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, fc1: torch.nn.Module) -> None:
+        super().__init__()
+        self.fc1 = fc1

@@ -68,7 +68,7 @@ def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
     for (device, _dtype), members in groups.items():
         # one join (and, on a GPU, one copy to the host) per device and dtype, not one per tensor
         joined = torch.cat([m for _, m in members]).view(torch.uint8)
-        view = memoryview((joined.cpu() if device >= 0 else joined).numpy())
+        view = (joined.cpu() if device >= 0 else joined).numpy().data
         size = members[0][1].element_size()
         pos = 0
         for i, m in members:

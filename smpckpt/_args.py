@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
+from smpckpt._checks import check_flag
 from smpckpt._dist import DistContext
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.keys import RESERVED
@@ -24,19 +25,13 @@ from smpckpt.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
+__all__ = ["check_flag", "OPTIONS"]  # check_flag: re-exported for the API steps
+
 
 # -- helpers -----------------------------------------------------------------------------------------
 def check_partial(partial: Any) -> None:
     if partial is not True and partial is not False:
         raise TypeError(f"partial must be True or False, got {partial!r}")
-
-
-def check_flag(name: str, value: Any) -> bool:
-    """A boolean option, refused by name when it is anything but ``True`` or ``False`` (a truthy string
-    such as ``"no"`` would otherwise mean yes)."""
-    if value is not True and value is not False:
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def root_url(path: Any) -> str:

@@ -55,8 +55,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from smpckpt._args import peer_failures
+from smpckpt._args import check_partial, peer_failures
 from smpckpt._async import async_used, check_previous, submit, wait_for_saves
+from smpckpt._checks import check_flag
 from smpckpt._dist import DistContext
 from smpckpt._full import resume_full, save_full
 from smpckpt._resume import (
@@ -73,6 +74,7 @@ from smpckpt._save import build_save_state, publish_newest, resolve_save, retain
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.layout import ParallelLayout
 from smpckpt.naming import NameMap
+from smpckpt.retention import validate_keep
 from smpckpt.specs import SpecLike, SpecRules
 from smpckpt.storage._gc import gc_frozen
 from smpckpt.translation import Translation
@@ -96,6 +98,37 @@ def _shown(path: Any) -> str:
 
 
 # -- save ------------------------------------------------------------------------------------------
+#: the options of full checkpoints only, and their defaults (a partial save given another value refuses it)
+_FULL_ONLY = {
+    "include_optimizer": False,
+    "dtype": None,
+    "hf_config": None,
+    "translate_function": None,
+    "max_shard_size": None,
+}
+
+
+def _check_save_options(partial: Any, flags: Mapping[str, Any], full_only: Mapping[str, Any], keep: Any) -> None:
+    """Every rank, before anything runs: booleans are booleans, counts are counts, and an option that
+    does not apply to the mode asked for is refused by name rather than silently ignored (``dtype=`` on
+    a partial save would have written fp32 without a word). ``num_kept_partial_checkpoints`` is
+    accepted (and checked) with ``partial=False``, as smp accepts it; it changes nothing there."""
+    check_partial(partial)
+    for name, value in flags.items():
+        check_flag(name, value)
+    validate_keep(keep)
+    if partial:
+        given = [name for name, value in full_only.items() if value is not _FULL_ONLY[name]]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to full checkpoints only (partial=False); a partial checkpoint stores "
+                "every tensor as it is in memory"
+            )
+    dtype = full_only["dtype"]
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {dtype!r}")
+
+
 def _frozen(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """``gc_frozen()`` when ``enabled`` (``freeze_gc``), else nothing."""
     return gc_frozen() if enabled else contextlib.nullcontext()
@@ -213,6 +246,27 @@ def save_checkpoint(
         CheckpointError: any other failure, on every rank (DCP's ``CheckpointException`` is the
             ``__cause__``).
     """
+    _check_save_options(
+        partial,
+        dict(
+            overwrite=overwrite,
+            save_rng=save_rng,
+            sync_files=sync_files,
+            include_optimizer=include_optimizer,
+            async_save=async_save,
+            wait_for_previous=wait_for_previous,
+            freeze_gc=freeze_gc,
+            verify_replicas=verify_replicas,
+        ),
+        dict(
+            include_optimizer=include_optimizer,
+            dtype=dtype,
+            hf_config=hf_config,
+            translate_function=translate_function,
+            max_shard_size=max_shard_size,
+        ),
+        num_kept_partial_checkpoints,
+    )
     ctx = DistContext(process_group)
     if async_save or async_used():  # one collective more, only in jobs that save asynchronously
         with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
@@ -339,6 +393,16 @@ def resume_from_checkpoint(
         allow_dtype_cast: convert tensors saved in another dtype instead of refusing.
         Other arguments (``freeze_gc`` too: for the whole load) as for :func:`save_checkpoint`.
     """
+    for name, value in (
+        ("missing_ok", missing_ok),
+        ("strict", strict),
+        ("load_rng", load_rng),
+        ("allow_pickle", allow_pickle),
+        ("allow_dtype_cast", allow_dtype_cast),
+        ("verify_checksums", verify_checksums),
+        ("freeze_gc", freeze_gc),
+    ):
+        check_flag(name, value)
     ctx = DistContext(process_group)
     if async_used():
         # this process's background save may be committing, updating newest or removing the checkpoint

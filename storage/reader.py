@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from smpckpt._checks import check_flag, check_int
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
@@ -146,14 +147,12 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self.storage_options = dict(storage_options or {})
         self.verify_checksums = verify_checksums
         self.allow_pickle = allow_pickle
-        self.thread_count = max(1, thread_count)
-        if reads_in_flight is not None and reads_in_flight < 1:
-            raise ValueError(f"reads_in_flight must be >= 1 or None, got {reads_in_flight}")
-        self.reads_in_flight = reads_in_flight
-        if max_request_bytes is not None and max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be >= 1 or None, got {max_request_bytes}")
-        self.max_request_bytes = max_request_bytes
-        self.coalesce_gap = coalesce_gap
+        check_flag("verify_checksums", verify_checksums)
+        check_flag("allow_pickle", allow_pickle)
+        self.thread_count = check_int("thread_count", thread_count, minimum=1)
+        self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
+        self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
+        self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
         self.last_read_stats: ReadStats | None = None

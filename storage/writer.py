@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from smpckpt._checks import check_flag, check_int
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names, _wire
@@ -178,8 +179,12 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         self.full = full if full is not None else FullOptions()
         if format not in ("raw", "torch_save"):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
-        if thread_count is not None and thread_count < 1:
-            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        check_flag("overwrite", overwrite)
+        check_flag("sync_files", sync_files)
+        check_int("thread_count", thread_count, minimum=1, optional=True)
+        check_int("block_size", block_size, minimum=4096)
+        check_int("part_size", part_size, minimum=5 << 20)  # S3's smallest part but the last
+        check_int("max_parts_in_flight", max_parts_in_flight, minimum=1)
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
         self.format = format

@@ -34,7 +34,7 @@ from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.record import LayoutRecord
 from smpckpt.rng import get_rng_state, set_rng_state
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
-from smpckpt.tags import open_root, partial_url, read_newest, validate_tag
+from smpckpt.tags import join_url, open_root, partial_url, read_newest, validate_tag
 from smpckpt.user_content import decode_user_content
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "load_checkpoint",
     "apply_state",
     "summarize",
+    "not_found_hint",
 ]
 
 log = logging.getLogger("smpckpt.api")
@@ -161,13 +162,19 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     if tag is not None:
         url = partial_url(root, tag)
         found = probe_checkpoint(url, storage_options)
+        if found.state == "missing":  # a folder stock dcp.save wrote under the tag's own name
+            plain = join_url(root, tag)
+            if probe_checkpoint(plain, storage_options).state == "legacy":
+                url, found = plain, probe_checkpoint(plain, storage_options)
         if found.manifest is None:
             if found.state == "missing":
                 return None
+            if found.state == "legacy":
+                # our reader reads what stock dcp.save wrote; there is no manifest to check it against
+                log.warning("%s was written by stock dcp.save: loading it without integrity checks", url)
+                return Target(tag, url, None, None, False, False)
             raise CheckpointNotFound(
                 f"checkpoint {tag!r} at {url} is {found.state}: it has no commit marker (a failed or running save)"
-                if found.state == "uncommitted"
-                else f"checkpoint {tag!r} at {url} was not written by smpckpt ({found.state}); load it with dcp.load"
             )
         target = Target.of(tag, url, found.manifest, False)
         return dataclasses.replace(target, seen_ns=max(target.seen_ns, _newest_stamp(root, tag, storage_options)))
@@ -203,6 +210,23 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     log.warning(message)
     warnings.warn(message, stacklevel=3)
     return Target.of(latest.tag, latest.url, latest.manifest, True)
+
+
+def not_found_hint(root: str, storage_options: Any) -> str:
+    """(error path only) Why nothing was found when ``root`` is itself a checkpoint folder: ``path`` is the
+    root that holds tags, not a checkpoint."""
+    try:
+        state = probe_checkpoint(root, storage_options).state
+    except (OSError, CheckpointError):
+        return ""
+    if state not in ("legacy", "committed"):
+        return ""
+    parent, _, name = root.rstrip("/").rpartition("/")
+    tag = name[: -len("_partial")] if name.endswith("_partial") else name
+    return (
+        f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
+        f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
+    )
 
 
 def _newest_stamp(root: str, tag: str, storage_options: Any) -> int:

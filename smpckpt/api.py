@@ -66,6 +66,7 @@ from smpckpt._resume import (
     build_resume_state,
     choose_target,
     load_checkpoint,
+    not_found_hint,
     resolve_resume,
     restores_rng,
     summarize,
@@ -456,7 +457,8 @@ def resume_from_checkpoint(
                 log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", req.root)
                 return None
             what = f"checkpoint {req.tag!r}" if req.tag is not None else "committed checkpoint"
-            raise CheckpointNotFound(f"no {what} under {req.root}")
+            hint = ctx.on_coordinator(lambda: not_found_hint(req.root, req.storage_options)) if req.tag is None else ""
+            raise CheckpointNotFound(f"no {what} under {req.root}{hint}")
         rng = restores_rng(req, target, ctx)
         state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
         planner = load_checkpoint(req, target, state)

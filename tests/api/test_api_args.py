@@ -92,3 +92,26 @@ def test_storage_writer_options(tmp_path: Any, kw: dict[str, Any], error: str) -
 def test_storage_reader_options(tmp_path: Any, kw: dict[str, Any], error: str) -> None:
     with pytest.raises((TypeError, ValueError), match=error):
         FsspecStorageReader(str(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("folder", ["s_partial", "s"])
+def test_resume_loads_a_folder_stock_dcp_save_wrote(tmp_path: Any, folder: str, caplog: Any) -> None:
+    """Our reader reads stock DCP folders; resume takes them under the tag (``{tag}_partial`` or ``{tag}``),
+    without integrity checks (there is no manifest), and says so."""
+    import torch.distributed.checkpoint as dcp
+
+    src = _model()
+    dcp.save({"model": src.state_dict()}, checkpoint_id=str(tmp_path / folder))
+    dst = nn.Linear(3, 2)
+    with caplog.at_level("WARNING", logger="smpckpt.api"):
+        assert resume_from_checkpoint(str(tmp_path), "s", model=dst) is None
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
+    assert "written by stock dcp.save" in caplog.text
+
+
+def test_a_checkpoint_folder_given_as_the_root_is_named_in_the_error(tmp_path: Any) -> None:
+    from smpckpt import CheckpointNotFound
+
+    save_checkpoint(str(tmp_path), "t", model=_model())
+    with pytest.raises(CheckpointNotFound, match=r"is itself a checkpoint folder: pass its parent as path .*tag='t'"):
+        resume_from_checkpoint(str(tmp_path / "t_partial"), model=_model())

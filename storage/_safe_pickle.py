@@ -3,7 +3,8 @@
 ``.metadata`` is a pickle. :func:`load_metadata` unpickles it with an allow-list: DCP's metadata
 dataclasses, ``_StorageInfo``, ``torch.Size``, dtypes/layouts/memory formats, a few path classes and
 harmless builtins. Anything else (``os.system``, ``builtins.eval``, ...) is refused *before* it is
-called, so a crafted ``__reduce__`` payload never runs.
+called, so a crafted ``__reduce__`` payload never runs. Nothing on the list allocates by an argument
+(``bytearray(10**13)`` would: DCP metadata holds no bytearray, so it is not there).
 
 Object values (BYTE_IO items) are ``torch.save`` pickles deserialised later by the load planner;
 :func:`check_weights_only` refuses those that ``torch.load(weights_only=True)`` would refuse.
@@ -55,7 +56,6 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("builtins", "frozenset"),
         ("builtins", "slice"),
         ("builtins", "complex"),
-        ("builtins", "bytearray"),
         ("builtins", "range"),
         ("copyreg", "_reconstructor"),
         ("builtins", "object"),

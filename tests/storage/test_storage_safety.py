@@ -140,3 +140,18 @@ def test_writer_refuses_non_dcp_types_in_metadata(tmp_path: Any) -> None:
     names = sorted(os.listdir(url))
     assert len(names) == 4 and all(n.endswith(".smp.distcp") for n in names), names  # one per writer thread
     assert checkpoint_state(url) == "uncommitted"
+
+
+class _Alloc:
+    """Unpickling this would call ``bytearray(10**13)``: 10 TB asked for by 30 bytes of metadata."""
+
+    def __reduce__(self) -> Any:
+        return (bytearray, (10**13,))
+
+
+def test_metadata_cannot_allocate_by_an_argument() -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    data = pickle.dumps(Metadata(state_dict_metadata={}, planner_data={"x": _Alloc()}), protocol=2)
+    with pytest.raises(UnsafeCheckpoint, match=r"global '(__builtin__|builtins)\.bytearray' is not allowed"):
+        load_metadata(data, where="t")

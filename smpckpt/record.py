@@ -87,7 +87,7 @@ class LayoutRecord:
                 },
                 tied={str(k): str(v) for k, v in dict(obj.get("tied") or {}).items()},
             )
-        except (KeyError, TypeError, ValueError, SpecError) as exc:
+        except (KeyError, TypeError, ValueError, SpecError, OverflowError, RecursionError) as exc:
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
 
     @classmethod

@@ -86,8 +86,8 @@ def hf_folder_files(fs: Any, path: str) -> list[str] | None:
         try:
             weight_map = json.loads(data)["weight_map"]
             names = sorted({str(v) for v in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointCorrupt(f"{join(path, HF_INDEX)}: malformed index: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CheckpointCorrupt(f"{join(path, HF_INDEX)}: malformed index: {type(exc).__name__}: {exc}") from exc
         return [check_member_name(n, where=join(path, HF_INDEX)) for n in names]
     with translate_errors(path):
         if fs.exists(join(path, HF_SINGLE)):
@@ -124,7 +124,7 @@ class FullSource:
                 self._describe(raw, records)
         except CheckpointCorrupt:
             raise
-        except (ValueError, KeyError, TypeError, IndexError, OverflowError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as exc:
             raise CheckpointCorrupt(f"{self.url}: malformed full artifact description: {exc}") from exc
         self.records = dict(records)
         for key, t in self.tensors.items():

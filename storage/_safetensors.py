@@ -113,8 +113,8 @@ def parse_header(head: bytes, file_size: int | None, *, where: str) -> tuple[lis
         obj = json.loads(head[8:total].decode("utf-8"))
         if not isinstance(obj, dict):
             raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointCorrupt(f"{where}: malformed safetensors header: {exc}") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{where}: malformed safetensors header: {type(exc).__name__}: {exc}") from exc
     meta = obj.pop("__metadata__", None) or {}
     entries = []
     for key, spec in obj.items():
@@ -122,7 +122,7 @@ def parse_header(head: bytes, file_size: int | None, *, where: str) -> tuple[lis
             dtype = dtype_of(spec["dtype"], where=f"{where} (tensor {key!r})")
             shape = tuple(int(s) for s in spec["shape"])
             begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CheckpointCorrupt(f"{where}: malformed header entry for tensor {key!r}: {exc}") from exc
         nbytes = math.prod(shape) * dtype.itemsize
         if any(s < 0 for s in shape) or begin < 0 or end - begin != nbytes:

@@ -121,13 +121,12 @@ class FileRecord:
         prev_end = 0
         for t in self.tilings:
             i = bisect.bisect_right(self.block_ends, t.start)
+            # sizes first, from the tiling's numbers alone: listing the tiles of a crafted tiling
+            # ([0, 2**40, 2, 2, 1]: 2**40 tiles) would allocate without bound before any comparison
+            if t.start < prev_end or t.end > self.size or t.tiles > len(self.block_ends) - i:
+                raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
             ends = t.tile_ends()
-            if (
-                t.start < prev_end
-                or t.end > self.size
-                or self.block_start(i) != t.start
-                or list(self.block_ends[i : i + len(ends)]) != ends
-            ):
+            if self.block_start(i) != t.start or list(self.block_ends[i : i + len(ends)]) != ends:
                 raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
             prev_end = t.end
 
@@ -332,5 +331,6 @@ class Manifest:
             )
         except CheckpointCorrupt:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
-            raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error, OverflowError, RecursionError) as exc:
+            # OverflowError: "size": 1e400 parses as inf; RecursionError: JSON nested thousands deep
+            raise CheckpointCorrupt(f"{where} is malformed: {type(exc).__name__}: {exc}") from exc

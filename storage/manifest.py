@@ -333,4 +333,4 @@ class Manifest:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, struct.error, OverflowError, RecursionError) as exc:
             # OverflowError: "size": 1e400 parses as inf; RecursionError: JSON nested thousands deep
-            raise CheckpointCorrupt(f"{where} is malformed: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc

@@ -58,6 +58,7 @@ from smpckpt.storage._failed_save import (
 )
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
+    file_sizes,
     is_local,
     join,
     remove_files,
@@ -85,7 +86,7 @@ from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
 from smpckpt.storage._threads import default_write_threads
 from smpckpt.storage._write_file import PART_FILL, write_file
-from smpckpt.storage.manifest import Manifest, MetadataRecord
+from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
 
 __all__ = ["FsspecStorageWriter"]
 
@@ -290,6 +291,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             if record is not None and record.tied:
                 _wire.list_tied(metadata, record.tied)
             md_bytes, extra = self._metadata_bytes(save_id, metadata)
+        self._check_data_files(files)
         md_record = self._write_generation_metadata(save_id, md_bytes)
         gen_name = md_record.name
         manifest = Manifest(
@@ -356,6 +358,23 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             extra = _with_layout_record(self._extra, metadata)
             _wire.lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
         return md_bytes, extra
+
+    def _check_data_files(self, files: list[FileRecord]) -> None:
+        """(coordinator, before the commit) Every data file the ranks report is there, at its size: a
+        commit must never list a file that is gone (a ``prune --uncommitted-older-than`` running during
+        the save removed some; the save then returned OK with its data missing)."""
+        found = file_sizes(self.fs, self.path)
+        bad = [
+            f"{f.name} ({found.get(f.name, 'missing')} bytes, {f.size} written)"
+            for f in files
+            if found.get(f.name) != f.size
+        ]
+        if bad:
+            raise CheckpointError(
+                f"{self.url}: {len(bad)} data file(s) of this save are missing or cut short at the commit: "
+                f"{', '.join(bad[:5])}; nothing was committed. Did something remove files here during the save "
+                "(a prune of uncommitted folders with too short an age)?"
+            )
 
     def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
         """(coordinator, both modes) The metadata under this generation's name; its record goes into the manifest."""

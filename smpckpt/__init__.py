@@ -18,7 +18,7 @@ import importlib as _importlib
 from typing import Any as _Any
 
 from smpckpt import errors as _errors
-from smpckpt._async import free_staging_buffers, wait_for_saves  # noqa: E402
+from smpckpt._async import free_staging_buffers, set_exit_status_on_failed_save, wait_for_saves  # noqa: E402
 from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smpckpt.consolidate import consolidate_checkpoint  # noqa: E402
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
@@ -41,6 +41,7 @@ def __getattr__(name: str) -> _Any:
 __all__ = [
     "consolidate_checkpoint",
     "wait_for_saves",
+    "set_exit_status_on_failed_save",
     "free_staging_buffers",
     "save_checkpoint",
     "resume_from_checkpoint",

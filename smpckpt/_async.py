@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,15 @@ import torch.distributed as dist
 from smpckpt._dist import DistContext
 from smpckpt.errors import CheckpointError
 
-__all__ = ["submit", "wait_for_saves", "free_staging_buffers", "check_previous", "staging_bytes", "async_used"]
+__all__ = [
+    "submit",
+    "wait_for_saves",
+    "free_staging_buffers",
+    "check_previous",
+    "staging_bytes",
+    "async_used",
+    "set_exit_status_on_failed_save",
+]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -55,9 +64,25 @@ class _State:
         default_factory=dict
     )
     atexit_registered: bool = False
+    #: the process's exit status when a background save fails at (or before, unreported) its exit
+    exit_status: int | None = 1
 
 
 _STATE = _State()
+
+
+def set_exit_status_on_failed_save(status: int | None = 1) -> None:
+    """The exit status of a process whose background save failed and was never raised to it (the last
+    save of a script that returns while it runs, or one whose failure no later call reported).
+
+    Default 1: a job scheduler then sees the failure instead of a clean exit with its last checkpoint
+    lost. ``None`` keeps the interpreter's own status (the failure is still logged at ERROR). A
+    non-zero status ends the process with ``os._exit`` once the remaining ``atexit`` hooks have run
+    and the standard streams are flushed: Python offers no other way to change the status of a
+    program whose main code already returned."""
+    if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 0 <= status <= 255):
+        raise ValueError(f"status must be an exit status 0..255 or None, got {status!r}")
+    _STATE.exit_status = status
 
 
 def async_used() -> bool:
@@ -193,7 +218,8 @@ def _register_exit_wait() -> None:
 
 
 def _wait_at_exit() -> None:
-    """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag."""
+    """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag, and
+    the process exits with :func:`set_exit_status_on_failed_save`'s status (1 by default)."""
     fut = _STATE.inflight
     if fut is None:
         return
@@ -202,7 +228,17 @@ def _wait_at_exit() -> None:
     try:
         wait_for_saves(raise_errors=True)
     except CheckpointError as exc:
-        log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)", exc)
+        status = _STATE.exit_status
+        suffix = f"; exiting with status {status}" if status else ""
+        log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
+        if status:
+            atexit._run_exitfuncs()  # what a normal exit still runs (logging's flush among them)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream must not hide the status
+                    pass
+            os._exit(status)
 
 
 def wait_for_saves(*, raise_errors: bool = True) -> None:

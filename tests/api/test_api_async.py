@@ -167,6 +167,24 @@ def test_a_script_that_returns_while_saving_still_commits(tmp_path: Any) -> None
     _loads(root, "b", _state(want))
 
 
+@pytest.mark.parametrize(("status", "want"), [("default", 1), ("3", 3), ("none", 0)])
+def test_a_failed_final_background_save_sets_the_exit_status(tmp_path: Any, status: str, want: int) -> None:
+    """A script that returns while its last (async) save fails exits non-zero, so the job is seen to
+    fail; set_exit_status_on_failed_save chooses the status, None keeps the interpreter's."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "async_workers.py"), "fails-while-saving", str(tmp_path), status],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])},
+        capture_output=True,
+        timeout=120,
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == want, err[-2000:]
+    assert "main returned" in proc.stdout.decode()
+    assert "background save of checkpoint 'lost' failed" in err and "No space left on device" in err
+    assert not os.path.exists(os.path.join(str(tmp_path), "newest"))
+
+
 def test_a_resume_waits_for_this_process_background_save(tmp_path: Any, monkeypatch: Any) -> None:
     """A resume started while this process's save is in flight resumes what that save leaves: before,
     it took the previous tag, which the save's retention could remove while it was being read."""

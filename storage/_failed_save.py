@@ -89,7 +89,9 @@ def committed_by(fs: Any, path: str, save_id: str) -> bool:
 
 def discard_generation(fs: Any, path: str, manifest: Manifest) -> None:
     """(coordinator, after losing a commit race) Remove the files of the refused save's ``manifest``."""
-    failed = remove_files(fs, [join(path, f.name) for f in manifest.files] + [join(path, manifest.metadata.name)])
+    failed = remove_files(
+        fs, [join(path, f.name) for f in manifest.files] + [join(path, manifest.metadata.name)], within=path
+    )
     if failed:
         log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
 
@@ -132,7 +134,7 @@ class FailedSaveFiles:
             return paths
         if committed == save_id or (full and (committed is not None or marker != save_id.encode())):
             return []  # the commit landed (these files are the checkpoint), or another save took the folder
-        failed = remove_files(fs, paths)
+        failed = remove_files(fs, paths, within=path)
         if full and not failed:  # the marker keeps the folder recognisable as debris until the rest is gone
             failed = remove_files(fs, [join(path, WRITING_MARKER)])
         if failed:

@@ -13,12 +13,13 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from smpckpt.errors import UnsafeCheckpoint
 from smpckpt.storage._errors import translate_errors
 
 __all__ = [
@@ -269,16 +270,46 @@ def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
     return bytes(data)
 
 
-def remove_files(fs: Any, paths: list[str]) -> list[str]:
+def escapes(folder: str, path: str) -> bool:
+    """(local disk) Whether ``path``, a file named inside ``folder``, is reached through a symbolic
+    link that leads out of the folder: a linked prefix folder, or the file itself a link. The folder
+    may sit under links of its own (``/fsx`` -> ``/mnt/fsx``): only what is inside it counts."""
+    base = os.path.realpath(folder)
+    return os.path.commonpath([base, os.path.realpath(path)]) != base
+
+
+def confine(fs: Any, folder: str, names: Iterable[str], *, where: str) -> None:
+    """(local disk; object stores have no links) Refuse a checkpoint whose files, as named by its
+    manifest or metadata, are reached through links leading out of its folder: reading them would read
+    another folder's files, and deleting them (overwrite, retention) would delete them."""
+    if not is_local(fs):
+        return
+    for name in set(names):
+        if escapes(folder, join(folder, name)):
+            raise UnsafeCheckpoint(
+                f"{where}: {name!r} is reached through a symbolic link leading out of the checkpoint folder "
+                f"(to {os.path.realpath(join(folder, name))}); refusing to read or delete through it"
+            )
+
+
+def remove_files(fs: Any, paths: list[str], *, within: str | None = None) -> list[str]:
     """Best-effort removal of exactly these files; returns those that could not be removed (missing
     ones count as removed).
 
     One ``rm_file`` per path, never ``fs.rm``: fsspec's ``rm`` expands glob characters (``*``, ``[``)
     on S3 and ``memory://`` (and on local disk in some fsspec versions), so a name holding them would
-    delete other checkpoints.
+    delete other checkpoints. ``within`` (the checkpoint folder the paths are named in): on local disk
+    a path reached through a link leading out of it is not removed (it is returned as failed), so a
+    crafted or moved checkpoint cannot make an overwrite or a retention delete another folder's files.
     """
 
     def one(p: str) -> str | None:
+        # a link named as the file goes itself (its target stays); a linked folder on the way does not
+        parent = os.path.dirname(p)
+        if within is not None and is_local(fs) and os.path.normpath(parent) != os.path.normpath(within):
+            if escapes(within, parent):
+                log.warning("%s is reached through a link leading out of %s: not removed", p, within)
+                return p
         try:
             with translate_errors(p):
                 fs.rm_file(p)
@@ -310,6 +341,20 @@ def file_sizes(fs: Any, folder: str) -> dict[str, int]:
     }
 
 
+def _local_tree(folder: str) -> tuple[list[str], list[str]]:
+    """(local disk) Files and folders under ``folder``, never descending into a linked folder: a link
+    (to a file or a folder) is listed as a file, so removing it removes the link, not its target."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(folder)
+    files, dirs = [], []
+    with translate_errors(folder):
+        for top, subdirs, names in os.walk(folder, followlinks=False):
+            files.extend(os.path.join(top, n) for n in names)
+            for d in subdirs:
+                (files if os.path.islink(os.path.join(top, d)) else dirs).append(os.path.join(top, d))
+    return files, dirs
+
+
 def remove_tree(fs: Any, folder: str) -> list[str]:
     """Delete ``folder`` and everything under it by exact listed paths (no globbing anywhere).
 
@@ -325,13 +370,16 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
             os.unlink(folder)
         log.warning("%s is a link to %s: removed the link, left its target", folder, target)
         return []
-    with translate_errors(folder):
-        found = fs.find(folder, withdirs=True, detail=True)
-    if not found and not fs.exists(folder):
-        raise FileNotFoundError(folder)
-    files = [p for p, info in found.items() if info.get("type") != "directory"]
-    dirs = [p for p, info in found.items() if info.get("type") == "directory"]
-    failed = remove_files(fs, files)
+    if is_local(fs):
+        files, dirs = _local_tree(folder)
+    else:
+        with translate_errors(folder):
+            found = fs.find(folder, withdirs=True, detail=True)
+        if not found and not fs.exists(folder):
+            raise FileNotFoundError(folder)
+        files = [p for p, info in found.items() if info.get("type") != "directory"]
+        dirs = [p for p, info in found.items() if info.get("type") == "directory"]
+    failed = remove_files(fs, files, within=folder)
     if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
         for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
             try:

@@ -97,7 +97,7 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
         # debris of an unfinished full save (its marker is there, its manifest never was): all of it
         # goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
         log.warning("%s: removing %d file(s) of an unfinished full save before writing", url, len(names))
-        failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})])
+        failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})], within=path)
         if failed:
             raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
 

@@ -104,7 +104,7 @@ def write_partial_rank(
                 errors.append(exc)
     if errors:
         # this rank's finished files are orphans now; remove them (best effort) and report
-        remove_files(fs, [join(path, n) for n in names])
+        remove_files(fs, [join(path, n) for n in names], within=path)
         raise errors[0]
     if local and sync:
         for folder in folders:  # the files' own folders, then the checkpoint folder holding them

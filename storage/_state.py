@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from smpckpt.errors import UnsafeCheckpoint
 from smpckpt.storage import _names
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import join, read_bytes_or_none
+from smpckpt.storage._fs import confine, join, read_bytes_or_none
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage.manifest import Manifest
 
@@ -41,6 +42,16 @@ class Probe:
         return []
 
 
+def _plain_names(metadata: Any) -> list[str]:
+    names = []
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        try:
+            names.append(_names.check_member_name(getattr(info, "relative_path", None), where=""))
+        except UnsafeCheckpoint:
+            continue
+    return names
+
+
 def _refers_to_our_files(metadata: Any) -> bool:
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         if _names.RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ()):
@@ -52,17 +63,22 @@ def _refers_to_our_files(metadata: Any) -> bool:
 
 def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     """Classify ``folder``. Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest
-    and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load."""
+    and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load, or (local
+    disk) files reached through a link leading out of the folder: nothing reads or deletes through it."""
     where = join(folder, _names.MANIFEST_NAME)
     data = read_bytes_or_none(fs, where)
     if data is not None:
-        return Probe("committed", manifest=Manifest.from_bytes(data, where=where))
+        found = Probe("committed", manifest=Manifest.from_bytes(data, where=where))
+        confine(fs, folder, found.generation_files(), where=folder)  # links out of the folder: unsafe
+        return found
     md_path = join(folder, _names.METADATA_NAME)
     md_bytes = read_bytes_or_none(fs, md_path)
     if md_bytes is not None:
         metadata = load_metadata(md_bytes, where=md_path)
         if _refers_to_our_files(metadata):
             return Probe("uncommitted", detail=f"{md_path} exists but {_names.MANIFEST_NAME} does not")
+        # plain names only: a crafted one is refused where it is read, naming its key
+        confine(fs, folder, _plain_names(metadata), where=folder)
         return Probe("legacy", legacy_metadata=metadata)
     if not list_when_empty:
         return Probe("missing")

@@ -60,7 +60,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFoun
 from smpckpt.storage import _names
 from smpckpt.storage._checksum import hash_bytes
 from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage._fs import confine, is_local, join, read_bytes_or_none
 from smpckpt.storage._full_commit import folder_names
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._full_read import FullSource, hf_folder_files
@@ -197,6 +197,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         if found.state == "uncommitted":
             hf_files = self._hf_files()
             if hf_files is not None:
+                confine(self.fs, self.path, hf_files, where=self.url)
                 log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
                 self.state = "huggingface"
                 self._full = FullSource(

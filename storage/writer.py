@@ -331,7 +331,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         if self._old_files:
             keep = {f.name for f in manifest.files} | {gen_name, _names.METADATA_NAME, _names.MANIFEST_NAME}
             stale = [join(self.path, n) for n in self._old_files if n not in keep]
-            failed = remove_files(self.fs, stale)
+            failed = remove_files(self.fs, stale, within=self.path)
             if failed:
                 log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
             if is_local(self.fs):

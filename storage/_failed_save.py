@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage._fs import is_local, join, read_bytes_or_none, remove_files
+from smpckpt.storage._full_marker import marker_owner
 from smpckpt.storage._full_plan import WRITING_MARKER
 from smpckpt.storage._prefixes import remove_empty_folders
 from smpckpt.storage._state import probe
@@ -132,7 +133,7 @@ class FailedSaveFiles:
                 "%s: the failed save's %d file(s) were left: the folder could not be read (%s)", url, len(paths), exc
             )
             return paths
-        if committed == save_id or (full and (committed is not None or marker != save_id.encode())):
+        if committed == save_id or (full and (committed is not None or marker_owner(marker) != save_id)):
             return []  # the commit landed (these files are the checkpoint), or another save took the folder
         failed = remove_files(fs, paths, within=path)
         if full and not failed:  # the marker keeps the folder recognisable as debris until the rest is gone

@@ -31,6 +31,7 @@ from smpckpt.storage._fs import (
     write_bytes_atomic,
 )
 from smpckpt.storage._full_exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
+from smpckpt.storage._full_marker import WATCH_S, create_marker, marker_alive, marker_owner
 from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
 from smpckpt.storage._full_units import BoxUnits, rows_of
@@ -94,10 +95,18 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
     if _names.MANIFEST_NAME in names:  # the unfinished save committed since the probe: it is a checkpoint now
         raise CheckpointExists(f"{url}: a save committed here while this full save was starting; refusing")
     if names:
-        # debris of an unfinished full save (its marker is there, its manifest never was): all of it
-        # goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
+        marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+        if marker is None or marker_alive(fs, path, marker):
+            raise CheckpointExists(
+                f"{url}: another full save (save {marker_owner(marker)!r}) is writing this folder (its "
+                f"{WRITING_MARKER} changed while watched for {WATCH_S:.0f} s); this save wrote nothing. Save "
+                "under another tag, or retry once that save ended"
+            )
+        # debris of a save that stopped (killed: its marker no longer changes, its manifest never came):
+        # all of it goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
         log.warning("%s: removing %d file(s) of an unfinished full save before writing", url, len(names))
         failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})], within=path)
+        failed = failed or remove_files(fs, [join(path, WRITING_MARKER)], within=path)
         if failed:
             raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
 
@@ -161,8 +170,8 @@ def begin_full_save(
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
     if is_local(fs):
         os.makedirs(path, exist_ok=True)
-    # the marker first: from here until the commit the folder is an unfinished save, never an HF model
-    write_bytes_atomic(fs, join(path, WRITING_MARKER), save_id.encode(), sync=sync)
+    # the marker first, exclusively: from here until the commit the folder is this save's, never an HF model
+    create_marker(fs, path, url, save_id, sync=sync)
     if not gather:
         if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
             out = plan_exchanges(out, options.row_swap_below)
@@ -253,7 +262,7 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
     still names this save; then the marker goes. A failed request on an object store raises
     ``CommitUncertain`` (it may still land: see ``_failed_save``)."""
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
-    if marker != manifest.save_id.encode():
+    if marker_owner(marker) != manifest.save_id:
         raise CheckpointExists(
             f"{url}: another save took this folder over while this full save was writing (its "
             f"{WRITING_MARKER} marker names {marker!r}, not this save {manifest.save_id}); not committed"

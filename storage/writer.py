@@ -74,6 +74,7 @@ from smpckpt.storage._full_commit import (
     whole_tensor_metadata,
 )
 from smpckpt.storage._full_gather import gather_rank
+from smpckpt.storage._full_marker import MarkerRefresher
 from smpckpt.storage._full_options import FullOptions
 from smpckpt.storage._full_plan import ArtifactLayout, RankFullData
 from smpckpt.storage._full_write import write_rank
@@ -209,7 +210,10 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
 
     # -- configuration ----------------------------------------------------------------------------
     def _open(self, path: str | os.PathLike[str]) -> None:
+        if getattr(self, "_marker", None) is not None:  # reset() without the last save's discard
+            self._stop_marker()
         super()._open(path)
+        self._marker: MarkerRefresher | None = None  # full mode, coordinator: refreshes the in-progress marker
         self.is_coordinator = False
         self.rank = 0
         self._save_id: str | None = None
@@ -340,10 +344,17 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
     def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
         """(all ranks, after ``dcp.save`` raised ``error``; the API calls it) Remove what this rank wrote
         for the failed save (``_failed_save``: full mode, the coordinator); the paths not removed."""
+        self._stop_marker()
         if commit_uncertain(error):
             log.warning("%s: the commit's outcome is unknown; the failed save's files are left", self.url)
             return []
         return self._attempt.discard(self.fs, self.path, self.url, full=self.mode == "full")
+
+    def _stop_marker(self) -> None:
+        """(full mode, coordinator) Stop refreshing the in-progress marker (``_full_marker``)."""
+        marker, self._marker = self._marker, None
+        if marker is not None:
+            marker.stop()
 
     def _metadata_bytes(self, save_id: str, metadata: Metadata) -> tuple[bytes, dict[str, Any]]:
         """(coordinator, both modes) The metadata pickled, checked with our allow-list, and the manifest's
@@ -493,6 +504,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         out, layout = begin_full_save(
             self.fs, self.path, self.url, plans, self.full, save_id, self.process_group, sync=self.sync_files
         )
+        self._marker = MarkerRefresher(self.fs, self.path, save_id, self)  # stopped at the commit or discard
         self._layout = layout
         self._attempt.begin(save_id, new_folder=new_folder, names=layout.names(self.full))
         return out
@@ -523,5 +535,6 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             extra=extra,
         )
+        self._stop_marker()  # before the commit removes the marker: a late rewrite would bring it back
         commit_full(self.fs, self.path, self.url, manifest, sync=self.sync_files)
         self._used_save_ids.add(save_id)

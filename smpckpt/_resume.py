@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 
 from smpckpt._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
-from smpckpt._save_clock import plausible_ns, saw_checkpoint
-from smpckpt.catalog import record_order, scan_root
+from smpckpt._save_clock import saw_checkpoint
+from smpckpt.catalog import newest_stamp, record_order, scan_root
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.keys import API_RECORD_V1, RESERVED
 from smpckpt.layout import ParallelLayout
@@ -177,7 +177,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
                 f"checkpoint {tag!r} at {url} is {found.state}: it has no commit marker (a failed or running save)"
             )
         target = Target.of(tag, url, found.manifest, False)
-        return dataclasses.replace(target, seen_ns=max(target.seen_ns, _newest_stamp(root, tag, storage_options)))
+        return dataclasses.replace(target, seen_ns=max(target.seen_ns, newest_stamp(root, storage_options, unless=tag)))
     fs, root_path = open_root(root, storage_options)
     newest = read_newest(fs, root_path)
     records = scan_root(root, storage_options=storage_options)
@@ -227,25 +227,6 @@ def not_found_hint(root: str, storage_options: Any) -> str:
         f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
         f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
     )
-
-
-def _newest_stamp(root: str, tag: str, storage_options: Any) -> int:
-    """(rank 0) The save time of the checkpoint ``newest`` names, when that is not ``tag``; else 0.
-
-    Why: a job resumed from an explicit older tag (a roll-back) on a node whose clock is behind would
-    otherwise stamp its new checkpoints before the abandoned run's later ones, and retention, which
-    keeps the newest by save time, would remove the new ones first. Two small reads per resume; any
-    problem with them is logged and costs only that protection, never the resume."""
-    try:
-        fs, root_path = open_root(root, storage_options)
-        newest = read_newest(fs, root_path)
-        if newest is None or newest == tag:
-            return 0
-        ns = record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
-        return ns if plausible_ns(ns) else 0  # a damaged stamp must not displace the tag's own
-    except (OSError, CheckpointError) as exc:
-        log.warning("could not read the save time of %s/newest's checkpoint: %s", root, exc)
-        return 0
 
 
 def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:

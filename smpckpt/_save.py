@@ -26,7 +26,8 @@ import smpckpt
 from smpckpt._args import CommonRequest, check_flag, common_args, quiet_no_dist, train_state, translate_dcp
 from smpckpt._dist import DistContext
 from smpckpt._planner_reuse import kept_save_planner
-from smpckpt._save_clock import next_save_ns
+from smpckpt._save_clock import knows, next_save_ns, saw_checkpoint
+from smpckpt.catalog import newest_stamp
 from smpckpt.errors import CheckpointError
 from smpckpt.keys import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
@@ -113,6 +114,8 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
         return state, {}
     payload, _ = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
     state[RESERVED.user_content] = ObjectBytes(payload)
+    if not knows(req.root, req.storage_options):  # first save here without a resume: the root's floor
+        saw_checkpoint(req.root, newest_stamp(req.root, req.storage_options), req.storage_options)
     now = next_save_ns(req.root, req.storage_options)
     extra = {
         "api": API_RECORD,

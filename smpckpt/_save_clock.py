@@ -5,11 +5,13 @@ one, both by this time, which is rank 0's clock. A job restarted on a node whose
 previous node's would otherwise stamp its new checkpoints *older* than the ones it resumed from: the
 next retention would remove them first, and a fallback resume would pick the older checkpoint. So a
 save is stamped no earlier than just after the newest checkpoint this process resumed from or saved
-under the same root. It costs no I/O: resume read that manifest already. A resume from an explicit,
-older tag (a roll-back) also seeds from the checkpoint ``newest`` names (``_resume._newest_stamp``),
-so the abandoned run's checkpoints sort before this job's new ones and retention removes them first.
-A checkpoint committed after ``newest`` and never named by it (a job killed between the two) is not
-seen there: seeding from every tag would need a listing of the root per resume.
+under the same root. That costs no I/O after a resume (it read that manifest already). A resume from
+an explicit, older tag (a roll-back), and the first save of a process that did not resume from the
+root (a job restarted without a resume), also seed from the checkpoint ``newest`` names
+(:func:`smpckpt.catalog.newest_stamp`: two small reads, once), so a node whose clock is behind still
+stamps after what the root holds and retention removes the older checkpoints first. A checkpoint
+committed after ``newest`` and never named by it (a job killed between the two) is not seen there:
+seeding from every tag would need a listing of the root.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from smpckpt.storage._fs import location_key
 
-__all__ = ["saw_checkpoint", "next_save_ns", "plausible_ns"]
+__all__ = ["saw_checkpoint", "next_save_ns", "plausible_ns", "knows"]
 
 _MAX_NS = 2**62  # about the year 2116
 _now = time.time_ns  # the clock (a test moves it)
@@ -42,6 +44,13 @@ def saw_checkpoint(root: Any, saved_at_ns: Any, storage_options: Any = None) -> 
     key = location_key(root, storage_options)
     with _lock:
         _latest[key] = max(_latest.get(key, 0), saved_at_ns)
+
+
+def knows(root: Any, storage_options: Any = None) -> bool:
+    """Whether this process resumed from or saved under ``root`` already (its floor is known)."""
+    key = location_key(root, storage_options)
+    with _lock:
+        return key in _latest
 
 
 def next_save_ns(root: Any, storage_options: Any = None) -> int:

@@ -17,12 +17,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from smpckpt._save_clock import plausible_ns
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest, probe_checkpoint, removal_marked
 from smpckpt.storage._fs import is_local
-from smpckpt.tags import join_url, list_partial_tags, open_root, read_newest
+from smpckpt.tags import join_url, list_partial_tags, open_root, partial_url, read_newest
 
-__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
+__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag", "newest_stamp"]
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +125,25 @@ def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     """The validated content of ``{root}/newest``, or ``None``."""
     fs, root_path = open_root(root_url, storage_options)
     return read_newest(fs, root_path)
+
+
+def newest_stamp(root: str, storage_options: Any = None, *, unless: str | None = None) -> int:
+    """(rank 0) The save time of the checkpoint ``newest`` names (0 when there is none, or it is
+    ``unless``): the floor under which a job's next saves must not be stamped (``_save_clock``).
+
+    Why: retention keeps the newest by save time, which is rank 0's clock. A job on a node whose clock
+    is behind -- restarted without a resume, or resumed from an explicit older tag -- would otherwise
+    stamp its new checkpoints before the ones already there, and retention would remove the new ones
+    first. Two small reads; any problem with them is logged and costs only that protection."""
+    try:
+        fs, root_path = open_root(root, storage_options)
+        newest = read_newest(fs, root_path)
+        if newest is None or newest == unless:
+            return 0
+        ns = record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
+        return ns if plausible_ns(ns) else 0  # a damaged stamp must not displace the others
+    except (OSError, CheckpointError) as exc:
+        logging.getLogger("smpckpt.api").warning(
+            "could not read the save time of %s/newest's checkpoint: %s", root, exc
+        )
+        return 0

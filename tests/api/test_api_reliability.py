@@ -410,6 +410,28 @@ def test_a_rollback_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: 
     assert [r.tag for r in scan_root(root) if r.committed] == ["d", "e"]
 
 
+def test_a_job_saving_without_a_resume_on_a_node_whose_clock_is_behind(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No resume first (issue 33 item 4): a job an hour behind saves s5, s6 into a root holding s3, s4
+    with num_kept_partial_checkpoints=2. Without the floor read from ``newest`` retention deleted s5 and
+    s6 and kept s3, s4, and a tag-less resume rolled back to s4."""
+    import smpckpt._save_clock as save_clock
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("s3", "s4"):
+        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    monkeypatch.setattr(save_clock, "_latest", {})  # a new process, which does not resume
+    behind = time.time_ns() - 3600 * 10**9
+    monkeypatch.setattr(save_clock, "_now", lambda: behind)
+    for tag in ("s5", "s6"):
+        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert [r.tag for r in scan_root(root) if r.committed] == ["s5", "s6"]
+    resume_from_checkpoint(root, model=m, optimizer=o)
+    assert last_resume_info().tag == "s6" and not last_resume_info().fell_back
+
+
 def test_a_rollback_whose_newest_checkpoint_is_damaged(tmp_path: Any) -> None:
     """Reading the save time of the checkpoint ``newest`` names is a protection only: a damaged manifest
     there is logged and the explicit-tag resume goes on, bit-exact."""

@@ -17,6 +17,7 @@ from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none, rem
 from smpckpt.storage._read_io import digest_of
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._state import CheckpointState, Probe, probe
+from smpckpt.storage._verify_plan import load_problems
 from smpckpt.storage.manifest import Manifest
 
 __all__ = [
@@ -95,8 +96,10 @@ def verify_checkpoint(
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check every file of a committed checkpoint: presence, size and every block checksum, the
-    manifest's own checksum (its file list, digests and ``extra``), and (as a warning) that the stock
-    ``.metadata`` copy equals the committed generation's metadata.
+    manifest's own checksum (its file list, digests and ``extra``), everything a load checks before
+    reading (``_verify_plan``: records inside listed files, chunks tiling each tensor, a full artifact's
+    Hugging Face index naming only its own files), and (as a warning) that the stock ``.metadata`` copy
+    equals the committed generation's metadata.
 
     ``progress(done_bytes, total_bytes)`` is called as bytes are checked. A legacy (stock DCP)
     checkpoint has no checksums: its referenced files are checked for presence and size only.
@@ -153,9 +156,11 @@ def verify_checkpoint(
                 done += end - start
                 if progress and (n % 16 == 15 or end == rec.size):
                     progress(done, total)
-    if manifest.kind == "full" and not problems:
-        # safetensors files are checked by header and tensor box, as the metadata lists them
-        problems += _verify_full(fs, path, url, manifest)
+    if not problems:
+        # what a load would refuse before reading (records, files, chunks; a full artifact's HF index),
+        # then a full artifact's safetensors files by header and tensor box, as its metadata lists them
+        problems += load_problems(url, fs, path, manifest, storage_options)
+        problems += _verify_full(fs, path, url, manifest) if manifest.kind == "full" and not problems else []
     return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
 
 

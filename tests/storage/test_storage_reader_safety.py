@@ -357,3 +357,48 @@ def test_a_record_whose_file_name_is_no_string_is_unsafe(backend: Backend, name:
     _rewrite_record(url, opts, "model.w", lambda info, size: {"relative_path": name})
     with pytest.raises(UnsafeCheckpoint, match=r"model\.w.*not a plain name inside the checkpoint folder"):
         raise _load_fails(sd, url, opts)
+
+
+@pytest.mark.parametrize("fqn", ["model.w", "step"])
+@pytest.mark.parametrize("change", ["past_end", "negative_offset", "huge_length"])
+def test_verify_refuses_what_a_load_refuses(tmp_path: Any, fqn: str, change: str) -> None:
+    """A resealed checkpoint (its manifest vouches for the crafted metadata, every checksum passes) that
+    every loader refuses is not 'OK' to verify either (issue 33 item 9)."""
+    from smpckpt.storage import verify_checkpoint
+
+    url = str(tmp_path / "c")
+    save(make_state(), url)
+    assert verify_checkpoint(url).ok
+    _rewrite_record(url, {}, fqn, CHANGES[change])
+    report = verify_checkpoint(url)
+    assert not report.ok and any(fqn in p for p in report.problems), report.problems
+    with pytest.raises(CheckpointException):
+        dcp.load(zeros_like_state(make_state()), storage_reader=FsspecStorageReader(url))
+
+
+def test_verify_refuses_a_full_artifacts_index_pointing_elsewhere(tmp_path: Any) -> None:
+    """A resealed index.json of a full artifact naming a file outside it: transformers would follow it."""
+    import json
+
+    from smpckpt.storage import FsspecStorageWriter, FullOptions, verify_checkpoint
+
+    url = str(tmp_path / "f")
+    state = {"model": {f"w{i}": torch.randn(64, 64) for i in range(4)}}
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, mode="full", full=FullOptions(max_shard_size="20KB")))
+    assert verify_checkpoint(url).ok
+    fs, path = open_fs(url, {})
+    index_path = f"{path}/model.safetensors.index.json"
+    index = json.loads(fs.cat_file(index_path))
+    index["weight_map"]["w0"] = "../elsewhere.safetensors"
+    data = json.dumps(index).encode()
+    fs.pipe_file(index_path, data)
+    m = Manifest.from_bytes(bytes(fs.cat_file(f"{path}/{MANIFEST_NAME}")))
+    files = tuple(
+        dataclasses.replace(f, size=len(data), block_ends=(len(data),), block_digests=(hash_bytes(data),))
+        if f.name == "model.safetensors.index.json"
+        else f
+        for f in m.files
+    )
+    fs.pipe_file(f"{path}/{MANIFEST_NAME}", dataclasses.replace(m, files=files).to_bytes())
+    report = verify_checkpoint(url)
+    assert not report.ok and any("index.json" in p for p in report.problems), report.problems

@@ -209,9 +209,16 @@ def _is_peer_failure(exc: RuntimeError) -> bool:
 @contextlib.contextmanager
 def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
     """A collective that fails because another rank died (gloo: ``Connection reset by peer``; any
-    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing."""
+    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing; any other
+    ``OSError`` (storage) -> :class:`CheckpointError` naming the action and, in its text, the object."""
     try:
         yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        # an I/O error outside dcp.save/dcp.load (listing tags, reading newest, a probe) reaches the
+        # caller as ours too, its object named (an S3 endpoint that died mid-resume gave a bare OSError)
+        raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
         if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
             raise

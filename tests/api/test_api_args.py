@@ -115,3 +115,24 @@ def test_a_checkpoint_folder_given_as_the_root_is_named_in_the_error(tmp_path: A
     save_checkpoint(str(tmp_path), "t", model=_model())
     with pytest.raises(CheckpointNotFound, match=r"is itself a checkpoint folder: pass its parent as path .*tag='t'"):
         resume_from_checkpoint(str(tmp_path / "t_partial"), model=_model())
+
+
+def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_path: Any, monkeypatch: Any) -> None:
+    """Listing tags or reading newest can fail mid-resume (an S3 endpoint dying): the caller gets our
+    CheckpointError naming the object, with the OSError as its cause (issue 33 item 10)."""
+    import errno
+
+    import smpckpt._resume as resume_steps
+    from smpckpt import CheckpointError
+
+    save_checkpoint(str(tmp_path), "t", model=_model())
+
+    def dead(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ECONNRESET, "Connection reset by peer", "bucket/run/t_partial/smpckpt.manifest.json")
+
+    monkeypatch.setattr(resume_steps, "scan_root", dead)
+    with pytest.raises(
+        CheckpointError, match=r"resuming from .* failed: .*Connection reset.*t_partial/smpckpt\.manifest"
+    ) as info:
+        resume_from_checkpoint(str(tmp_path), model=_model())
+    assert isinstance(info.value.__cause__, OSError)

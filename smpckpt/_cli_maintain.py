@@ -57,9 +57,13 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(f"{verb} {tag} (uncommitted, stale)\n")
     for key in result.aborted_uploads:
         out.write(f"aborted multipart upload {key}\n")
+    for path in result.removed_debris:
+        out.write(f"{verb} {path} (debris of a killed save)\n")
     for tag in result.failed:
         err.write(f"could not remove {tag}\n")
-    if not (result.removed or result.removed_uncommitted or result.aborted_uploads or result.failed):
+    if not (
+        result.removed or result.removed_uncommitted or result.aborted_uploads or result.removed_debris or result.failed
+    ):
         out.write("nothing to remove\n")
     return 1 if result.failed else 0
 

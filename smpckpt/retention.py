@@ -27,7 +27,9 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from smpckpt._debris import sweep_debris
 from smpckpt.catalog import CheckpointRecord, scan_root
+from smpckpt.errors import CheckpointError
 from smpckpt.storage import abort_stale_uploads, last_activity, remove_checkpoint
 
 __all__ = [
@@ -84,6 +86,7 @@ class RetentionResult:
     failed: tuple[str, ...]  #: tags whose removal raised (logged); retried by the next save
     removed_uncommitted: tuple[str, ...] = ()  #: stale uncommitted folders removed (their tags)
     aborted_uploads: tuple[str, ...] = ()  #: stale S3 multipart uploads aborted (their keys)
+    removed_debris: tuple[str, ...] = ()  #: other stale debris removed (paths; see smpckpt._debris)
 
 
 def select_stale_uncommitted(
@@ -121,8 +124,9 @@ def apply_retention(
     "committed" one. ``keep=None`` removes no committed checkpoint.
 
     ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves:
-    uncommitted folders in which nothing was written for that long, and S3 multipart uploads under
-    the root started that long ago. A save in flight keeps writing (or has just started its uploads),
+    uncommitted folders in which nothing was written for that long, S3 multipart uploads under the
+    root started that long ago, and the debris :mod:`smpckpt._debris` finds (dead generations beside a
+    committed checkpoint, killed full saves, stale markers, temp files). A save in flight keeps writing (or has just started its uploads),
     so an age well above the longest save (hours, not minutes) never touches one.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
@@ -154,6 +158,7 @@ def apply_retention(
     ]
     stale: list[str] = []
     aborted: list[str] = []
+    debris: list[str] = []
     if uncommitted_older_than is not None:
         now = time.time()
         activity = {
@@ -165,9 +170,20 @@ def apply_retention(
             [r for r in records if r.tag not in protected], activity, uncommitted_older_than, now
         )
         stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder")]
+        try:
+            debris = sweep_debris(
+                root_url,
+                [r for r in records if r.tag not in stale],
+                uncommitted_older_than,
+                storage_options=storage_options,
+                protected=protected,
+                dry_run=dry_run,
+            )
+        except (OSError, CheckpointError) as exc:
+            log.warning("retention: could not sweep stale debris under %s: %s", root_url, exc)
         if not dry_run:
             try:
                 aborted = abort_stale_uploads(root_url, uncommitted_older_than, storage_options)
             except OSError as exc:
                 log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
-    return RetentionResult(tuple(removed), tuple(failed), tuple(stale), tuple(aborted))
+    return RetentionResult(tuple(removed), tuple(failed), tuple(stale), tuple(aborted), tuple(debris))

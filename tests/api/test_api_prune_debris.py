@@ -1,0 +1,76 @@
+"""``prune --uncommitted-older-than AGE`` removes every kind of debris a kill leaves (issue 33 item 12),
+never a committed checkpoint or a file one lists, and nothing written to within AGE."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from smpckpt import save_checkpoint
+from smpckpt.cli import main
+from smpckpt.retention import apply_retention
+from smpckpt.storage import read_manifest, verify_checkpoint
+
+HOUR = 3600.0
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Make everything under ``path`` look written ``seconds`` ago."""
+    then = time.time() - seconds
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.utime(p, (then, then), follow_symlinks=False)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(6, 4)
+
+
+def _debris(root: Path) -> dict[str, Path]:
+    """A root holding one of each kind of debris, all of it two hours old."""
+    save_checkpoint(str(root), "a", model=_model())
+    save_checkpoint(str(root), "f", partial=False, model=_model())
+    part = root / "a_partial"
+    manifest = read_manifest(str(part))
+    data = next(p for p in part.iterdir() if p.name.endswith(".smp.distcp"))
+    dead = part / data.name.replace(manifest.save_id, "0123456789abcdef")
+    shutil.copy(data, dead)  # a killed save's file beside the committed generation
+    dead_md = part / ".metadata.0123456789abcdef"
+    dead_md.write_bytes(b"x")
+    killed_full = root / "g"
+    killed_full.mkdir()
+    (killed_full / "smpckpt.writing").write_bytes(b"killed\n3")
+    (killed_full / "model.safetensors").write_bytes(b"\0" * 64)
+    stale_marker = root / "f" / "smpckpt.writing"
+    stale_marker.write_bytes(b"gone\n9")
+    temp = root / "newest.tmp.123.abcd1234"
+    temp.write_text("a")
+    for p in (dead, dead_md, killed_full, stale_marker, temp):
+        _age(p, 2 * HOUR)
+    return {"dead": dead, "dead_md": dead_md, "killed_full": killed_full, "marker": stale_marker, "temp": temp}
+
+
+def test_prune_removes_every_kind_of_debris_and_nothing_else(tmp_path: Path) -> None:
+    found = _debris(tmp_path)
+    dry = apply_retention(str(tmp_path), None, uncommitted_older_than=HOUR, dry_run=True)
+    assert len(dry.removed_debris) == 5 and all(p.exists() for p in found.values())
+    out = io.StringIO()
+    assert main(["prune", str(tmp_path), "--uncommitted-older-than", "1h"], stdout=out) == 0
+    assert out.getvalue().count("(debris of a killed save)") == 5, out.getvalue()
+    assert not any(p.exists() for p in found.values())
+    # what is committed is whole
+    assert verify_checkpoint(str(tmp_path / "a_partial")).ok and verify_checkpoint(str(tmp_path / "f")).ok
+
+
+def test_debris_written_to_within_the_age_stays(tmp_path: Path) -> None:
+    found = _debris(tmp_path)
+    for p in found.values():
+        _age(p, 60)  # a minute ago: a save may be running
+    result = apply_retention(str(tmp_path), None, uncommitted_older_than=HOUR)
+    assert result.removed_debris == () and all(p.exists() for p in found.values())

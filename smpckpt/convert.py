@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from smpckpt._args import quiet_no_dist, translate_dcp
+from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.record import METADATA_KEY, LayoutRecord
@@ -44,6 +45,24 @@ Target = Literal["torch_save", "dcp"]
 
 class ConvertReport(dict[str, Any]):
     """``{"tensors": n, "objects": n, "bytes": n, "reshaped": [keys], "out": url}``."""
+
+
+def _check_declared_sizes(src: str, metadata: Any, reader: FsspecStorageReader, record: LayoutRecord | None) -> None:
+    """Before allocating: the metadata's shapes are sizes, and a committed checkpoint declares no more
+    tensor bytes than its files hold (a crafted shape must fail here, not as a raw RuntimeError from
+    ``torch.empty``, or by allocating without bound). Tied keys share their bytes and do not count."""
+    tied = set(record.tied) if record is not None else set()
+    declared = 0
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if any(not isinstance(n, int) or n < 0 for n in md.size):
+            raise CheckpointCorrupt(f"{src}: {key!r} has shape {tuple(md.size)}")
+        if key not in tied:
+            declared += math.prod(md.size) * md.properties.dtype.itemsize
+    stored = reader.manifest.total_bytes if reader.manifest is not None else None
+    if stored is not None and declared > stored:
+        raise CheckpointCorrupt(f"{src}: its metadata declares {declared} bytes of tensors but its files hold {stored}")
 
 
 def convert_checkpoint(
@@ -64,10 +83,16 @@ def convert_checkpoint(
     reader = FsspecStorageReader(src, storage_options=storage_options, allow_pickle=allow_pickle)
     metadata = reader.read_metadata()
     record = LayoutRecord.from_metadata(metadata)
+    _check_declared_sizes(os.fspath(src), metadata, reader, record)
     flat: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            try:
+                flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            except (RuntimeError, MemoryError) as exc:
+                raise CheckpointError(
+                    f"{os.fspath(src)}: cannot hold {key!r} {tuple(md.size)} in memory: {exc}"
+                ) from exc
         else:
             flat[key] = None  # an object: loaded (weights-only unless allow_pickle) into this slot
     reader.reset()

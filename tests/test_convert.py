@@ -115,3 +115,34 @@ def test_our_planner_with_a_stock_reader_names_the_way_out(tmp_path: Path) -> No
         )
     text = str(info.value)
     assert "smpckpt's raw format" in text and "FsspecStorageReader" in text and "smpckpt convert" in text
+
+
+def test_a_crafted_huge_shape_is_refused_before_allocating(tmp_path: Path) -> None:
+    """Metadata declaring a 2**40-element tensor (resealed: the manifest vouches for it) is refused as
+    corrupt, not a raw RuntimeError from torch.empty or an unbounded allocation (issue 33 item 8)."""
+    import dataclasses
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from smpckpt.errors import CheckpointCorrupt
+    from smpckpt.storage import MANIFEST_NAME, Manifest
+    from smpckpt.storage._checksum import hash_bytes
+
+    _save_tp2(tmp_path / "ckpt")
+    folder = tmp_path / "ckpt"
+    manifest = Manifest.from_bytes((folder / MANIFEST_NAME).read_bytes())
+    md_path = folder / manifest.metadata.name
+    md = pickle.loads(md_path.read_bytes())
+    key = "model.fc.weight"
+    old = md.state_dict_metadata[key]
+    md.state_dict_metadata[key] = TensorStorageMetadata(old.properties, torch.Size([2**20, 2**20]), old.chunks)
+    data = pickle.dumps(md)
+    md_path.write_bytes(data)
+    resealed = dataclasses.replace(
+        manifest, metadata=dataclasses.replace(manifest.metadata, size=len(data), digest=hash_bytes(data))
+    )
+    (folder / MANIFEST_NAME).write_bytes(resealed.to_bytes())
+    with pytest.raises(CheckpointCorrupt, match=r"declares \d+ bytes of tensors but its files hold \d+"):
+        convert_checkpoint(folder, tmp_path / "out.pt")

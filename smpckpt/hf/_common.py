@@ -148,14 +148,15 @@ def export_hf(
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.")
 
 
-def layer_indices(keys: Any) -> list[int]:
-    """The layer numbers ``transformer.h.{i}.`` the keys name, ascending (GPT-2, GPT-J, GPT-Neo)."""
-    return sorted({int(m.group(1)) for key in keys if (m := _LAYER.match(key))})
-
-
-def causal_mask(max_seq_len: int) -> torch.Tensor:
-    """The ``[1, 1, L, L]`` bool lower-triangular mask old transformers versions kept in state dicts
-    (GPT-2's and GPT-J's ``attn.bias``, GPT-Neo's ``attn.attention.bias``), for smp's ``max_seq_len``."""
+def add_mask_buffers(out: dict[str, torch.Tensor], max_seq_len: int, attn: str, masked_bias: float) -> None:
+    """smp's ``max_seq_len``: the causal-mask buffers old transformers versions kept in GPT-2, GPT-J and
+    GPT-Neo state dicts, per layer found in ``out``: ``transformer.h.{i}.<attn>bias`` =
+    ``tril(ones(L, L, bool)).view(1, 1, L, L)`` (a tensor each, as the old models held them) and
+    ``<attn>masked_bias`` = ``tensor(masked_bias)``."""
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-    return torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
+    mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
+    layers = sorted({int(m.group(1)) for key in out if (m := _LAYER.match(key))})
+    for i in layers:
+        out[f"transformer.h.{i}.{attn}bias"] = mask.clone()
+        out[f"transformer.h.{i}.{attn}masked_bias"] = torch.tensor(masked_bias)

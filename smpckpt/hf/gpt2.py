@@ -39,13 +39,12 @@ import torch
 
 from smpckpt.hf._common import (
     Fused,
-    causal_mask,
+    add_mask_buffers,
     cfg_get,
     check_divides,
     check_tp,
     export_hf,
     import_hf,
-    layer_indices,
     prefixed,
     vocab_spec,
 )
@@ -161,10 +160,7 @@ def translate_state_dict_to_hf_gpt2(
     """
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
-        mask = causal_mask(max_seq_len)
-        for i in layer_indices(out):
-            out[f"transformer.h.{i}.attn.bias"] = mask.clone()  # one tensor each, as the old models held
-            out[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        add_mask_buffers(out, max_seq_len, "attn.", -1e4)
     return out
 
 

@@ -346,7 +346,8 @@ def _local_tree(folder: str) -> tuple[list[str], list[str]]:
     (to a file or a folder) is listed as a file, so removing it removes the link, not its target."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(folder)
-    files, dirs = [], []
+    files: list[str] = []
+    dirs: list[str] = []
     with translate_errors(folder):
         for top, subdirs, names in os.walk(folder, followlinks=False):
             files.extend(os.path.join(top, n) for n in names)

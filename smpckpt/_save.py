@@ -181,6 +181,7 @@ def retain(req: SaveRequest, ctx: DistContext) -> None:
             req.keep,
             storage_options=req.storage_options,
             protected={req.tag},
+            just_saved=req.tag,
             uncommitted_older_than=req.stale_after,
         )
     except Exception as exc:  # noqa: BLE001 - retention never fails a committed save

@@ -116,6 +116,7 @@ def apply_retention(
     protected: Collection[str] = (),
     dry_run: bool = False,
     uncommitted_older_than: float | None = None,
+    just_saved: str | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest.
 
@@ -128,11 +129,26 @@ def apply_retention(
     root started that long ago, and the debris :mod:`smpckpt._debris` finds (dead generations beside a
     committed checkpoint, killed full saves, stale markers, temp files). A save in flight keeps writing (or has just started its uploads),
     so an age well above the longest save (hours, not minutes) never touches one.
+
+    ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
+    committed checkpoint is stamped later than it, the save times cannot be trusted to say which are
+    the oldest (another job writes here, or clocks disagree in a way the save clock could not see): no
+    committed checkpoint is removed, with a warning, rather than the wrong ones.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
     records = scan_root(root_url, storage_options=storage_options)
     doomed = select_for_removal(records, keep, protected) if keep is not None else []
+    saved = next((r for r in records if r.tag == just_saved and r.committed), None)
+    later = [r.tag for r in records if saved is not None and r.committed and r.order > saved.order]
+    if doomed and later:
+        log.warning(
+            "retention: %s, committed later than the checkpoint just saved (%s) by their save times: another job "
+            "saves here, or a clock is off; removing no committed checkpoint (prune by hand once that is settled)",
+            later[:5],
+            just_saved,
+        )
+        doomed = []
     removed: list[str] = []
     failed: list[str] = []
     by_tag = {r.tag: r for r in records}

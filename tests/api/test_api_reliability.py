@@ -432,6 +432,25 @@ def test_a_job_saving_without_a_resume_on_a_node_whose_clock_is_behind(
     assert last_resume_info().tag == "s6" and not last_resume_info().fell_back
 
 
+def test_retention_removes_nothing_when_a_checkpoint_is_stamped_after_the_one_just_saved(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the save clock cannot see (a checkpoint committed after newest and never named by it,
+    another job): retention refuses to guess which are the oldest, and says so."""
+    import smpckpt._save_clock as save_clock
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("a", "b", "c"):
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    with open(os.path.join(root, "newest"), "w") as f:
+        f.write("a")  # as if killed between committing b, c and moving newest
+    monkeypatch.setattr(save_clock, "_latest", {})  # a new process, an hour behind, without a resume
+    monkeypatch.setattr(save_clock, "_now", lambda: time.time_ns() - 3600 * 10**9)
+    save_checkpoint(root, "d", model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert {r.tag for r in scan_root(root) if r.committed} == {"a", "b", "c", "d"}  # nothing removed
+
+
 def test_a_rollback_whose_newest_checkpoint_is_damaged(tmp_path: Any) -> None:
     """Reading the save time of the checkpoint ``newest`` names is a protection only: a damaged manifest
     there is logged and the explicit-tag resume goes on, bit-exact."""

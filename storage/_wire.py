@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError
+from smpckpt.record import LayoutRecord
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage.manifest import FileRecord
@@ -111,10 +112,12 @@ def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord],
     return files, index
 
 
-def list_tied(metadata: Metadata, tied: Mapping[str, str]) -> None:
+def list_tied(metadata: Metadata) -> None:
     """(coordinator, partial mode) Each tied key (written once, under the key it is tied to: the save
     planner's ``LayoutRecord.tied``) gets that key's entries in ``state_dict_metadata`` and
     ``storage_data``, over the same bytes: stock readers then load both keys of a tied model."""
+    record = LayoutRecord.from_metadata(metadata)
+    tied = record.tied if record is not None else {}
     sdm, index = metadata.state_dict_metadata, metadata.storage_data
     for alias, first in tied.items():
         md = sdm.get(first)

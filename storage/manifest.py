@@ -43,11 +43,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt
+from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage._check_units import Tiling
 from smpckpt.storage._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage._names import FORMAT_VERSION, check_member_name
 
-__all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat"]
+__all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat", "extra_with_layout_record"]
 
 # Digest fields are named after the algorithm (``"xxh3_64"``, ``"manifest_xxh3_64"``): changing
 # ALGORITHM is a format change, not a setting.
@@ -334,3 +335,10 @@ class Manifest:
         except (ValueError, KeyError, TypeError, AttributeError, struct.error, OverflowError, RecursionError) as exc:
             # OverflowError: "size": 1e400 parses as inf; RecursionError: JSON nested thousands deep
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
+
+
+def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
+    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
+    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
+    record = LayoutRecord.json_in_metadata(metadata)
+    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)

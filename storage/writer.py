@@ -45,7 +45,6 @@ from torch.futures import Future
 
 from smpckpt._checks import check_flag, check_int
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.record import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage import _names, _wire
 from smpckpt.storage._checksum import DEFAULT_BLOCK_SIZE, hash_bytes
 from smpckpt.storage._failed_save import (
@@ -58,10 +57,8 @@ from smpckpt.storage._failed_save import (
 )
 from smpckpt.storage._fs import (
     create_bytes_exclusive,
-    file_sizes,
     is_local,
     join,
-    remove_files,
     write_bytes_atomic,
 )
 from smpckpt.storage._full_commit import (
@@ -80,25 +77,19 @@ from smpckpt.storage._full_plan import ArtifactLayout, RankFullData
 from smpckpt.storage._full_write import write_rank
 from smpckpt.storage._gc import gc_paused
 from smpckpt.storage._location import FsspecLocation
+from smpckpt.storage._partial_commit import after_commit, check_data_files
 from smpckpt.storage._partial_write import RankPlanData, write_partial_rank
-from smpckpt.storage._prefixes import PrefixOption, remove_empty_folders, resolve
+from smpckpt.storage._prefixes import PrefixOption, resolve
 from smpckpt.storage._safe_pickle import load_metadata
 from smpckpt.storage._sinks import Sink, open_sink
 from smpckpt.storage._state import probe
 from smpckpt.storage._threads import default_write_threads
 from smpckpt.storage._write_file import PART_FILL, write_file
-from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.manifest import Manifest, MetadataRecord, extra_with_layout_record
 
 __all__ = ["FsspecStorageWriter"]
 
 log = logging.getLogger(__name__)
-
-
-def _with_layout_record(extra: Mapping[str, Any], metadata: Metadata) -> dict[str, Any]:
-    """The manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when
-    the planner wrote one), so listing tools read the partition without fetching ``.metadata``."""
-    record = LayoutRecord.json_in_metadata(metadata)
-    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
 
 
 class FsspecStorageWriter(FsspecLocation, StorageWriter):
@@ -291,13 +282,10 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         # into an old generation, where it would bring the next full collection nearer.
         with gc_paused():
             files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
-            record = LayoutRecord.from_metadata(metadata)
-            if record is not None and record.tied:
-                _wire.list_tied(metadata, record.tied)
+            _wire.list_tied(metadata)
             md_bytes, extra = self._metadata_bytes(save_id, metadata)
-        self._check_data_files(files)
+        check_data_files(self.fs, self.path, self.url, files)
         md_record = self._write_generation_metadata(save_id, md_bytes)
-        gen_name = md_record.name
         manifest = Manifest(
             save_id=save_id,
             kind="partial",  # each rank writes its own items
@@ -321,25 +309,7 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
         except Exception as exc:
             raise_commit_failure(self.fs, self.path, self.url, save_id, exc)
         self._used_save_ids.add(save_id)
-        # The stock name, for stock readers; our reader follows the manifest. Written only after the
-        # commit, so the loser of a race can never replace the winner's copy.
-        try:
-            write_bytes_atomic(self.fs, join(self.path, _names.METADATA_NAME), md_bytes, sync=self.sync_files)
-        except OSError as exc:
-            log.warning(
-                "%s is committed, but its stock .metadata copy could not be written (stock DCP readers cannot "
-                "load it; smpckpt can): %s",
-                self.url,
-                exc,
-            )
-        if self._old_files:
-            keep = {f.name for f in manifest.files} | {gen_name, _names.METADATA_NAME, _names.MANIFEST_NAME}
-            stale = [join(self.path, n) for n in self._old_files if n not in keep]
-            failed = remove_files(self.fs, stale, within=self.path)
-            if failed:
-                log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
-            if is_local(self.fs):
-                remove_empty_folders(self.path, stale)
+        after_commit(self.fs, self.path, self.url, manifest, md_bytes, self._old_files, sync=self.sync_files)
 
     def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
         """(all ranks, after ``dcp.save`` raised ``error``; the API calls it) Remove what this rank wrote
@@ -366,26 +336,9 @@ class FsspecStorageWriter(FsspecLocation, StorageWriter):
             # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
             # now, before the commit, rather than produce a checkpoint nobody can load safely.
             load_metadata(md_bytes, where="metadata being written")
-            extra = _with_layout_record(self._extra, metadata)
+            extra = extra_with_layout_record(self._extra, metadata)
             _wire.lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
         return md_bytes, extra
-
-    def _check_data_files(self, files: list[FileRecord]) -> None:
-        """(coordinator, before the commit) Every data file the ranks report is there, at its size: a
-        commit must never list a file that is gone (a ``prune --uncommitted-older-than`` running during
-        the save removed some; the save then returned OK with its data missing)."""
-        found = file_sizes(self.fs, self.path)
-        bad = [
-            f"{f.name} ({found.get(f.name, 'missing')} bytes, {f.size} written)"
-            for f in files
-            if found.get(f.name) != f.size
-        ]
-        if bad:
-            raise CheckpointError(
-                f"{self.url}: {len(bad)} data file(s) of this save are missing or cut short at the commit: "
-                f"{', '.join(bad[:5])}; nothing was committed. Did something remove files here during the save "
-                "(a prune of uncommitted folders with too short an age)?"
-            )
 
     def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
         """(coordinator, both modes) The metadata under this generation's name; its record goes into the manifest."""

@@ -50,6 +50,13 @@ def _family_helpers(name: str) -> ModuleType | None:
     return None
 
 
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The same keys, and every tensor bit-exact with the same dtype."""
+    assert list(a) == list(b) or set(a) == set(b), sorted(set(a) ^ set(b))
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
 # -- regions and pieces --------------------------------------------------------------------------------
 
 

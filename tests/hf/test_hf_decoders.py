@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from hf_reference import assert_same_state
 from ref_decoders import FORWARDS, MODULES, NAMES, forward, global_view, shard_all, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
@@ -22,37 +23,8 @@ QKV = {
 }
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-
-
 def _ids(config, seed: int, shape=(2, 7)) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", NAMES)
-def test_round_trip_hf_ours_hf(name, dtype):
-    model = tiny_model(name, dtype=dtype)
-    hf, tied = model.state_dict(), model.config.tie_word_embeddings
-    mod = MODULES[name]
-    ours = mod.translate_hf_state_dict_to_smpckpt(hf)
-    assert ("lm_head.weight" in ours) is not tied
-    _same(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=tied), hf)
-    # the default export leaves a tied head out, as HF's own files do
-    assert set(mod.translate_state_dict_to_hf(ours)) == set(hf) - ({"lm_head.weight"} if tied else set())
-    # ours -> HF -> ours, from model shapes and from view shapes
-    _same(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(ours)), ours)
-    view = mod.translate_hf_state_dict_to_smpckpt(hf, keep_view_shapes=True)
-    _same(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(view), keep_view_shapes=True), view)
-    # the eager helpers agree with the lazy rules, both ways
-    exported = mod.translate_state_dict_to_hf(ours)
-    plan = mod.TRANSLATION.from_artifact({k: v.shape for k, v in exported.items()})
-    assert {k: shape for k, (_, shape) in plan.items()} == {k: tuple(v.shape) for k, v in view.items()}
-    _, artifact_shapes = mod.TRANSLATION.to_artifact({k: v.shape for k, v in view.items()})
-    assert artifact_shapes == {k: tuple(v.shape) for k, v in exported.items()}
 
 
 @pytest.mark.parametrize("name", ["gptj", "gpt_neo"])
@@ -118,7 +90,7 @@ def test_gptneo_tied_head_detection():
     untied = {**hf, "lm_head.weight": hf["transformer.wte.weight"] + 1}
     ours = gptneo.translate_hf_state_dict_to_smpckpt(untied)  # a head that differs is kept, and exported again
     assert torch.equal(ours["lm_head.weight"], untied["lm_head.weight"])
-    _same(gptneo.translate_state_dict_to_hf(ours), untied)
+    assert_same_state(gptneo.translate_state_dict_to_hf(ours), untied)
     assert "lm_head.weight" in gptneo.translate_hf_state_dict_to_smpckpt(hf, tie_word_embeddings=False)
     with pytest.raises(ValueError, match="tie_word_embeddings=True but 'lm_head.weight' differs"):
         gptneo.translate_hf_state_dict_to_smpckpt(untied, tie_word_embeddings=True)
@@ -144,12 +116,12 @@ def test_gptj_untied_head_and_bias_kept():
     ours = gptj.translate_hf_state_dict_to_smpckpt(hf)
     assert torch.equal(ours["lm_head.weight"], hf["lm_head.weight"])
     assert torch.equal(ours["lm_head.bias"], hf["lm_head.bias"]) and ours["lm_head.bias"].shape == (97,)
-    _same(gptj.translate_state_dict_to_hf(ours), hf)
+    assert_same_state(gptj.translate_state_dict_to_hf(ours), hf)
     # a GPT-J config that ties: the head's weight goes, its bias (never tied) stays
     model = tiny_model("gptj", tie_word_embeddings=True)
     ours = global_view("gptj", model)
     assert "lm_head.weight" not in ours and "lm_head.bias" in ours
-    _same(gptj.translate_state_dict_to_hf(ours, tie_word_embeddings=True), model.state_dict())
+    assert_same_state(gptj.translate_state_dict_to_hf(ours, tie_word_embeddings=True), model.state_dict())
     ids = _ids(model.config, 4)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -182,7 +154,7 @@ OLD_BUFFERS = {
 def test_buffers_are_dropped_on_import(name):
     mod = MODULES[name]
     hf = tiny_model(name).state_dict()
-    _same(
+    assert_same_state(
         mod.translate_hf_state_dict_to_smpckpt({**hf, **OLD_BUFFERS[name]}), mod.translate_hf_state_dict_to_smpckpt(hf)
     )
     with_buffers = {k: v.shape for k, v in {**hf, **OLD_BUFFERS[name]}.items()}
@@ -202,7 +174,7 @@ def test_optimizer_state_follows_fused_qkv():
     parts = [f"transformer.h.0.attn.{p}_proj.weight" for p in "qkv"]
     assert set(out) == {*parts, *(p + ".exp_avg" for p in parts), key + ".step"}
     assert torch.equal(out[parts[1] + ".exp_avg"], model.state_dict()[parts[1]] * 3)
-    _same(mod.TRANSLATION.translate_from_artifact(out), state)
+    assert_same_state(mod.TRANSLATION.translate_from_artifact(out), state)
 
 
 # -- tp_specs ------------------------------------------------------------------------------------------
@@ -395,7 +367,7 @@ def test_smp_aliases_load_strictly(name):
     mod = MODULES[name]
     model = tiny_model(name, dtype=torch.float32)
     ours = getattr(mod, to_ours)(model.state_dict())
-    _same(ours, mod.translate_hf_state_dict_to_smpckpt(model.state_dict()))
+    assert_same_state(ours, mod.translate_hf_state_dict_to_smpckpt(model.state_dict()))
     fresh = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
     fresh.load_state_dict(getattr(mod, to_hf)(ours), strict=True)
     ids = _ids(model.config, 1)
@@ -414,6 +386,6 @@ def test_smp_aliases_load_strictly(name):
         fresh.load_state_dict(old, strict=True)
     result = fresh.load_state_dict(old, strict=False)
     assert set(result.unexpected_keys) == buffers and not result.missing_keys
-    _same(getattr(mod, to_ours)(old), ours)  # the buffers are dropped again on import
+    assert_same_state(getattr(mod, to_ours)(old), ours)  # the buffers are dropped again on import
     with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
         getattr(mod, to_hf)(ours, max_seq_len=0)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from hf_reference import assert_same_state
 from ref_encoders import AUTO_CLASS, FORWARDS, MODULES, PREFIXES, global_view, shard_all, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
@@ -15,12 +16,6 @@ from smpckpt.specs import ShardSpec, SpecRules
 
 NAMES = ["bert", "roberta"]
 D, LAYERS = 32, 2
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
 def _decoder(name: str) -> set[str]:
@@ -51,14 +46,16 @@ def test_round_trip_hf_ours_hf(name, dtype, tied):
     assert _decoder(name) <= set(hf)  # model.state_dict() holds the decoder, tied or not
     ours = mod.translate_hf_state_dict_to_smpckpt(hf)
     assert (_decoder(name) <= set(ours)) is not tied and (_decoder(name) & set(ours) == set()) is tied
-    _same(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=tied), hf)
+    assert_same_state(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=tied), hf)
     # the default export leaves a tied decoder out, as save_pretrained does
     assert set(mod.translate_state_dict_to_hf(ours)) == set(hf) - (_decoder(name) if tied else set())
     # ours -> HF -> ours, from model shapes and from view shapes
-    _same(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(ours)), ours)
+    assert_same_state(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(ours)), ours)
     view = mod.translate_hf_state_dict_to_smpckpt(hf, keep_view_shapes=True)
-    _same(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(view), keep_view_shapes=True), view)
-    _same(mod.translate_state_dict_to_hf(view, tie_word_embeddings=tied), hf)
+    assert_same_state(
+        mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(view), keep_view_shapes=True), view
+    )
+    assert_same_state(mod.translate_state_dict_to_hf(view, tie_word_embeddings=tied), hf)
     # the eager helpers agree with the lazy rules
     plan = mod.TRANSLATION.from_artifact({k: v.shape for k, v in mod.translate_state_dict_to_hf(ours).items()})
     assert {k: shape for k, (_, shape) in plan.items()} == {k: tuple(v.shape) for k, v in view.items()}
@@ -96,10 +93,10 @@ def test_bare_base_model_round_trips(name):
     ours = mod.translate_hf_state_dict_to_smpckpt(hf)
     assert set(ours) == _expected_keys(name, hf, "")
     assert ours["encoder.layer.1.attention.self.qkv.weight"].shape == (3 * D, D)
-    _same(mod.translate_state_dict_to_hf(ours), hf)
+    assert_same_state(mod.translate_state_dict_to_hf(ours), hf)
     view = mod.translate_hf_state_dict_to_smpckpt(hf, keep_view_shapes=True)
     assert view["encoder.layer.1.attention.self.qkv.bias"].shape == (3, D)
-    _same(mod.translate_state_dict_to_hf(view), hf)
+    assert_same_state(mod.translate_state_dict_to_hf(view), hf)
     plan = mod.TRANSLATION.from_artifact({k: v.shape for k, v in hf.items()})
     assert {k: shape for k, (_, shape) in plan.items()} == {k: tuple(v.shape) for k, v in view.items()}
 
@@ -116,7 +113,7 @@ def test_tied_decoder_detection(name):
     ours = mod.translate_hf_state_dict_to_smpckpt(untied)  # an untied weight is kept, the equal bias dropped
     assert torch.equal(ours[head + "decoder.weight"], untied[head + "decoder.weight"])
     assert head + "decoder.bias" not in ours
-    _same(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=True), untied)
+    assert_same_state(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=True), untied)
     bias_only = {**hf, head + "decoder.bias": hf[head + "bias"] * 2}
     ours = mod.translate_hf_state_dict_to_smpckpt(bias_only)
     assert head + "decoder.weight" not in ours and torch.equal(ours[head + "decoder.bias"], hf[head + "bias"] * 2)
@@ -330,7 +327,7 @@ def test_smp_to_hf_alias_loads_strictly(name):
     ours = getattr(mod, f"translate_hf_state_dict_to_smdistributed_{name}")(model.state_dict())
     assert set(ours) == set(mod.translate_hf_state_dict_to_smpckpt(model.state_dict()))
     exported = to_hf(ours)
-    _same(exported, model.state_dict())  # what load_state_dict(strict=True) wants: tied decoder included
+    assert_same_state(exported, model.state_dict())  # what load_state_dict(strict=True) wants: tied decoder included
     fresh = tiny_model(name, seed=1)
     fresh.load_state_dict(exported, strict=True)
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import MODULES, tiny_config, tiny_model
+from hf_reference import MODULES, assert_same_state, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
 from smpckpt.hf import TRANSLATIONS, translation_for
@@ -14,30 +14,29 @@ from smpckpt.specs import ShardSpec
 NAMES = ["gpt2", "llama", "qwen2"]
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert list(a) == list(b) or set(a) == set(b), sorted(set(a) ^ set(b))
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "gptj", "gpt_neo", "mistral"])
 def test_round_trip_hf_ours_hf(name, dtype):
+    """Every causal-LM family (the encoders' MLM heads: tests/hf/test_hf_encoders.py)."""
     model = tiny_model(name, dtype=dtype)
     hf, tied = model.state_dict(), model.config.tie_word_embeddings
     mod = MODULES[name]
     ours = mod.translate_hf_state_dict_to_smpckpt(hf)
     assert ("lm_head.weight" in ours) is not tied
-    _same(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=tied), hf)
+    assert_same_state(mod.translate_state_dict_to_hf(ours, tie_word_embeddings=tied), hf)
     # the default export leaves a tied head out, as HF's own files do
     assert set(mod.translate_state_dict_to_hf(ours)) == set(hf) - ({"lm_head.weight"} if tied else set())
     # ours -> HF -> ours, from model shapes and from view shapes
-    _same(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(ours)), ours)
+    assert_same_state(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(ours)), ours)
     view = mod.translate_hf_state_dict_to_smpckpt(hf, keep_view_shapes=True)
-    _same(mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(view), keep_view_shapes=True), view)
-    # the eager helpers agree with the lazy rules
-    plan = mod.TRANSLATION.from_artifact({k: v.shape for k, v in mod.translate_state_dict_to_hf(ours).items()})
+    back = mod.translate_hf_state_dict_to_smpckpt(mod.translate_state_dict_to_hf(view), keep_view_shapes=True)
+    assert_same_state(back, view)
+    # the eager helpers agree with the lazy rules, both ways
+    exported = mod.translate_state_dict_to_hf(ours)
+    plan = mod.TRANSLATION.from_artifact({k: v.shape for k, v in exported.items()})
     assert {k: shape for k, (_, shape) in plan.items()} == {k: tuple(v.shape) for k, v in view.items()}
+    _, artifact_shapes = mod.TRANSLATION.to_artifact({k: v.shape for k, v in view.items()})
+    assert artifact_shapes == {k: tuple(v.shape) for k, v in exported.items()}
 
 
 def test_gpt2_layout():
@@ -144,7 +143,7 @@ def test_tied_head_detection():
     untied = {**hf, "lm_head.weight": hf["transformer.wte.weight"] + 1}
     ours = gpt2.translate_hf_state_dict_to_smpckpt(untied)  # an untied head is kept, and exported again
     assert torch.equal(ours["lm_head.weight"], untied["lm_head.weight"])
-    _same(gpt2.translate_state_dict_to_hf(ours), untied)
+    assert_same_state(gpt2.translate_state_dict_to_hf(ours), untied)
     assert "lm_head.weight" in gpt2.translate_hf_state_dict_to_smpckpt(hf, tie_word_embeddings=False)
     with pytest.raises(ValueError, match="tie_word_embeddings=True but 'lm_head.weight' differs"):
         gpt2.translate_hf_state_dict_to_smpckpt(untied, tie_word_embeddings=True)
@@ -184,7 +183,7 @@ def test_optimizer_state_keys_follow_their_parameters():
     assert torch.equal(
         out["model.layers.0.mlp.up_proj.weight.exp_avg"], model.state_dict()["model.layers.0.mlp.up_proj.weight"] * 3
     )
-    _same(mod.TRANSLATION.translate_from_artifact(out), state)
+    assert_same_state(mod.TRANSLATION.translate_from_artifact(out), state)
 
 
 # -- tp_specs ------------------------------------------------------------------------------------------
@@ -274,11 +273,11 @@ def test_gpt2_smp_names():
     gpt2 = MODULES["gpt2"]
     model = tiny_model("gpt2", dtype=torch.float32)
     ours = gpt2.translate_hf_state_dict_to_smdistributed_gpt2(model.state_dict())
-    _same(ours, gpt2.translate_hf_state_dict_to_smpckpt(model.state_dict()))
+    assert_same_state(ours, gpt2.translate_hf_state_dict_to_smpckpt(model.state_dict()))
     hf = gpt2.translate_state_dict_to_hf_gpt2(ours)
     fresh = type(model)(model.config)
     fresh.load_state_dict(hf)  # strict: every key, lm_head.weight included
-    _same(fresh.state_dict(), model.state_dict())
+    assert_same_state(fresh.state_dict(), model.state_dict())
     old = gpt2.translate_state_dict_to_hf_gpt2(ours, max_seq_len=16)
     assert set(old) - set(hf) == {f"transformer.h.{i}.attn.{b}" for i in range(2) for b in ("bias", "masked_bias")}
     mask = old["transformer.h.1.attn.bias"]

@@ -25,10 +25,10 @@ LAYOUT = ParallelLayout(tp=2, pp=2, pp_layers=(1, 1))
 _LAYER = re.compile(r"^(model\.transformer\.h\.)(\d+)\.")
 
 
-def stage_keys(stage: int, keys: list[str]) -> list[str]:
+def stage_keys(stage: int, keys: list[str], layout: ParallelLayout = LAYOUT) -> list[str]:
     """Global keys (without ``model.``) a stage holds: embeddings and layer 0 first, layer 1 and ln_f last."""
-    first = LAYOUT.layer_offset(stage)
-    count = LAYOUT.pp_layers[stage] if LAYOUT.pp_layers else 0
+    first = layout.layer_offset(stage)
+    count = layout.pp_layers[stage] if layout.pp_layers else 0
     mine = []
     for k in keys:
         m = re.match(r"^transformer\.h\.(\d+)\.", k)
@@ -37,19 +37,19 @@ def stage_keys(stage: int, keys: list[str]) -> list[str]:
                 mine.append(k)
         elif k.startswith(("transformer.wte.", "transformer.wpe.")) and stage == 0:
             mine.append(k)
-        elif k.startswith("transformer.ln_f.") and stage == LAYOUT.pp - 1:
+        elif k.startswith("transformer.ln_f.") and stage == layout.pp - 1:
             mine.append(k)
     return mine
 
 
-def to_local_name(key: str, stage: int) -> str:
+def to_local_name(key: str, stage: int, layout: ParallelLayout = LAYOUT) -> str:
     """``transformer.h.<global>.`` -> the stage's own numbering ``transformer.h.<local>.``."""
-    first = LAYOUT.layer_offset(stage)
+    first = layout.layer_offset(stage)
     return re.sub(r"^(transformer\.h\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) - first}.", key)
 
 
-def name_map_for(stage: int) -> Any:
-    first = LAYOUT.layer_offset(stage)
+def name_map_for(stage: int, layout: ParallelLayout = LAYOUT) -> Any:
+    first = layout.layer_offset(stage)
 
     def to_global(key: str) -> str:
         return _LAYER.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", key)

@@ -11,12 +11,11 @@ stages whose last holds its own ``lm_head.weight``.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from hf_e2e_workers import Holder
+from hf_e2e_workers import Holder, name_map_for, stage_keys, to_local_name
 from hf_reference import AUTO_CLASS, MODULES, global_view, shard, tiny_config, tiny_model
 
 import smpckpt
@@ -107,43 +106,15 @@ def one_family(rank: int, name: str, root: str, hf_dir: str) -> dict[str, Any]:
 
 
 # -- pipeline: GPT-2 over two stages, the last holding its own copy of the tied head ------------------
-_LAYER = re.compile(r"^(model\.transformer\.h\.)(\d+)\.")
-
-
-def _stage_keys(stage: int, keys: list[str]) -> list[str]:
-    first = PP.layer_offset(stage)
-    mine = []
-    for k in keys:
-        m = re.match(r"^transformer\.h\.(\d+)\.", k)
-        if m:
-            if first <= int(m.group(1)) < first + (PP.pp_layers or (0, 0))[stage]:
-                mine.append(k)
-        elif k.startswith(("transformer.wte.", "transformer.wpe.")) and stage == 0:
-            mine.append(k)
-        elif k.startswith("transformer.ln_f.") and stage == PP.pp - 1:
-            mine.append(k)
-    return mine
-
-
-def _local(key: str, stage: int) -> str:
-    first = PP.layer_offset(stage)
-    return re.sub(r"^(transformer\.h\.)(\d+)\.", lambda m: f"{m.group(1)}{int(m.group(2)) - first}.", key)
-
-
-def _name_map(stage: int) -> Any:
-    first = PP.layer_offset(stage)
-    return lambda key: _LAYER.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", key)
-
-
 def pipeline(rank: int, root: str, hf_dir: str) -> dict[str, Any]:
     model = tiny_model("gpt2", seed=SEED, dtype=torch.float32)
     ours = global_view("gpt2", model)  # no lm_head: tied
     stage = PP.coords(rank).pp
-    want = {_local(k, stage): ours[k] for k in _stage_keys(stage, sorted(ours))}
+    want = {to_local_name(k, stage, PP): ours[k] for k in stage_keys(stage, sorted(ours), PP)}
     if stage == PP.pp - 1:
         want["lm_head.weight"] = ours["transformer.wte.weight"]  # the last stage's own copy of the head
     held = Holder({k: torch.full_like(v, -3.0) for k, v in want.items()})
-    common = dict(layout=PP, name_map=_name_map(stage))
+    common = dict(layout=PP, name_map=name_map_for(stage, PP))
     # a save_pretrained folder leaves lm_head out: the last stage reads it from the embedding's bytes
     smpckpt.resume_from_checkpoint(
         hf_dir, partial=False, model=held, translate_function=MODULES["gpt2"].TRANSLATION, **common

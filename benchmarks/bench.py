@@ -47,7 +47,7 @@ from bench_storage import fsync_tree
 from contenders import Contender, Ctx, State, contenders, select
 from torch.distributed.checkpoint.api import CheckpointException
 
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 
 warnings.filterwarnings("ignore")
 

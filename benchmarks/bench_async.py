@@ -54,7 +54,7 @@ from _rss import peak, reset_peak
 from torch import nn
 
 import smpckpt
-from smpckpt import _async
+from smpckpt.api import _async
 
 warnings.filterwarnings("ignore")
 logging.getLogger("smpckpt").setLevel(logging.WARNING)

@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 from _model import check_safetensors, global_tensor, local_piece, model_defs, model_specs
 from _rss import peak, reset_peak
 
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from bench_storage import nbytes
 
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from smpckpt import gc_frozen
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.specs import ShardSpec
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 __all__ = ["Ctx", "Contender", "State", "contenders", "select", "OURS", "OURS_FULL"]

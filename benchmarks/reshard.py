@@ -31,9 +31,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from sim import reset_dcp_caches, sim_load, sim_save  # noqa: E402
 
-from smpckpt.layout import ParallelLayout  # noqa: E402
+from smpckpt.model.layout import ParallelLayout  # noqa: E402
+from smpckpt.model.specs import ShardSpec  # noqa: E402
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
-from smpckpt.specs import ShardSpec  # noqa: E402
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter  # noqa: E402
 
 __all__ = ["Case", "cases", "run_cases"]

@@ -57,8 +57,8 @@ from tp_layers import (  # noqa: F401 - re-exported: tests import the TP ops and
 )
 
 from smpckpt.errors import SpecError
-from smpckpt.layout import ParallelLayout
-from smpckpt.specs import ShardSpec
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import ShardSpec
 
 __all__ = [
     "GPTConfig",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smpckpt.errors import SpecError
-from smpckpt.layout import ParallelLayout, RankCoords
+from smpckpt.model.layout import ParallelLayout, RankCoords
 
 __all__ = [
     "ParallelContext",

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt.errors import SpecError, not_dense
-from smpckpt.layout import ParallelLayout, RankCoords
-from smpckpt.naming import KeyMapper, NameMap
-from smpckpt.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
+from smpckpt.model.layout import ParallelLayout, RankCoords
+from smpckpt.model.naming import KeyMapper, NameMap
+from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
 __all__ = [
     "Entry",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 
 __all__ = ["assign_owners", "replica_group", "replica_range"]
 

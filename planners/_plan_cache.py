@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import SpecError
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 from smpckpt.planners._entries import Entry
 
 __all__ = ["PlanCache", "structure_signature", "GENERATION"]

@@ -11,9 +11,9 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import ReplicaMismatch, SpecError
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import SpecRules
 from smpckpt.planners._entries import Entry
-from smpckpt.specs import SpecRules
 
 __all__ = ["check_rules_apply", "check_replica_digests", "gather_ties", "replica_digest"]
 

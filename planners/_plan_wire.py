@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem
 
-from smpckpt.storage._gc import gc_paused
+from smpckpt._gc import gc_paused
 
 __all__ = ["CompactSavePlan", "CompactLoadPlan", "compact", "compact_load", "FIELDS_PER_ITEM", "FIELDS_PER_READ"]
 

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from smpckpt.errors import ReplicaMismatch
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 
 __all__ = ["SAMPLES", "value_digests", "stage_keys", "check_replica_values"]
 

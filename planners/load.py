@@ -39,15 +39,15 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
+from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
-from smpckpt.layout import ParallelLayout
-from smpckpt.naming import NameMap
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.naming import NameMap
+from smpckpt.model.record import LayoutRecord, checkpoint_ties
+from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs, tied_entries
 from smpckpt.planners._plan_wire import compact_load
-from smpckpt.record import LayoutRecord, checkpoint_ties
-from smpckpt.specs import SpecLike, SpecRules
-from smpckpt.storage._gc import gc_paused
-from smpckpt.storage._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
+from smpckpt.storage.format._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
 
@@ -129,7 +129,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         """(all ranks, once per load) Resolve this rank's destinations against the layout and read the
-        checkpoint's :class:`~smpckpt.record.LayoutRecord`."""
+        checkpoint's :class:`~smpckpt.model.record.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         resolved = self._resolve(state_dict)
@@ -425,7 +425,7 @@ def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
         raise CheckpointError(
             "this checkpoint was written in smpckpt's raw format, which stock DCP readers cannot decode: load "
             "it with storage_reader=smpckpt.storage.FsspecStorageReader(path), or export it for stock tools "
-            "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.convert.convert_checkpoint)"
+            "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.tools.convert.convert_checkpoint)"
         )
 
 

@@ -29,9 +29,12 @@ from torch.distributed.checkpoint.default_planner import _validate_global_plan, 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
+from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
-from smpckpt.layout import ParallelLayout
-from smpckpt.naming import NameMap
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.naming import NameMap
+from smpckpt.model.record import METADATA_KEY, LayoutRecord
+from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -44,9 +47,6 @@ from smpckpt.planners._plan_cache import PlanCache, structure_signature
 from smpckpt.planners._plan_checks import check_replica_digests, check_rules_apply, gather_ties, replica_digest
 from smpckpt.planners._plan_wire import compact
 from smpckpt.planners._replica_values import check_replica_values, stage_keys, value_digests
-from smpckpt.record import METADATA_KEY, LayoutRecord
-from smpckpt.specs import SpecLike, SpecRules
-from smpckpt.storage._gc import gc_paused
 
 __all__ = ["ParallelSavePlanner", "SaveReport"]
 
@@ -88,7 +88,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
         dedup_tied: write a tensor held under several keys (tied parameters: transformers ties
             ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint
-            records the others (:attr:`~smpckpt.record.LayoutRecord.tied`), our storage writer lists
+            records the others (:attr:`~smpckpt.model.record.LayoutRecord.tied`), our storage writer lists
             them in ``.metadata`` over the same bytes (stock readers load both keys), and our load
             planner fills a destination that holds them apart. ``False`` writes each key's bytes.
         verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, and a global
@@ -265,7 +265,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     @gc_paused()
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """(coordinator) Compare replica digests per stage, dedup objects, build the ``Metadata``
-        (with the :class:`~smpckpt.record.LayoutRecord`) and check that the chunks tile every tensor."""
+        (with the :class:`~smpckpt.model.record.LayoutRecord`) and check that the chunks tile every tensor."""
         reused = self._cache.reuse_global(all_plans)
         if reused is not None:
             check_replica_values(all_plans, self._cache.all_plans or [], self.layout)

@@ -17,16 +17,20 @@ Public entry points:
 import importlib as _importlib
 from typing import Any as _Any
 
+from smpckpt import _moved
 from smpckpt import errors as _errors
-from smpckpt._async import free_staging_buffers, set_exit_status_on_failed_save, wait_for_saves  # noqa: E402
-from smpckpt.api import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint  # noqa: E402
-from smpckpt.consolidate import consolidate_checkpoint  # noqa: E402
+from smpckpt._gc import gc_frozen
+from smpckpt._version import VERSION
+from smpckpt.api._async import free_staging_buffers, set_exit_status_on_failed_save, wait_for_saves
+from smpckpt.api.calls import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
-from smpckpt.layout import ParallelLayout, RankCoords
-from smpckpt.specs import ShardSpec
-from smpckpt.storage._gc import gc_frozen
+from smpckpt.model.layout import ParallelLayout, RankCoords
+from smpckpt.model.specs import ShardSpec
+from smpckpt.tools.consolidate import consolidate_checkpoint
 
-__version__ = "0.1.0"
+_moved.install()  # 0.1.0's flat module paths (smpckpt.layout, smpckpt.storage.writer, ...) keep importing
+
+__version__ = VERSION  # pyproject.toml's, as installed
 
 #: submodules reachable as attributes of the package without importing them first
 _LAZY_SUBMODULES = ("hf", "translation")

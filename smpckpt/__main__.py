@@ -2,7 +2,7 @@
 
 import sys
 
-from smpckpt.cli import main
+from smpckpt.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,12 +6,12 @@ if __name__ != "smpckpt.storage":
         "(install the project with `pip install -e .`)"
     )
 
-from smpckpt.storage._fs import open_fs, write_bytes_atomic  # noqa: E402
-from smpckpt.storage._full_options import FullOptions  # noqa: E402
-from smpckpt.storage._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
-from smpckpt.storage._prefixes import BinaryPrefixes, FlatLayout, HexPrefixes, PrefixStrategy  # noqa: E402
-from smpckpt.storage.manifest import FileRecord, Manifest  # noqa: E402
-from smpckpt.storage.reader import FsspecStorageReader, ReadStats  # noqa: E402
+from smpckpt.storage.backends._fs import open_fs, write_bytes_atomic  # noqa: E402
+from smpckpt.storage.backends._prefixes import BinaryPrefixes, FlatLayout, HexPrefixes, PrefixStrategy  # noqa: E402
+from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
+from smpckpt.storage.format.manifest import FileRecord, Manifest  # noqa: E402
+from smpckpt.storage.full.options import FullOptions  # noqa: E402
+from smpckpt.storage.read.reader import FsspecStorageReader, ReadStats  # noqa: E402
 from smpckpt.storage.tools import (  # noqa: E402
     VerifyReport,
     abort_stale_uploads,
@@ -23,7 +23,7 @@ from smpckpt.storage.tools import (  # noqa: E402
     remove_checkpoint,
     verify_checkpoint,
 )
-from smpckpt.storage.writer import FsspecStorageWriter  # noqa: E402
+from smpckpt.storage.write.writer import FsspecStorageWriter  # noqa: E402
 
 __all__ = [
     "FsspecStorageWriter",

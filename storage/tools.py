@@ -10,15 +10,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
-from smpckpt.storage import _names
-from smpckpt.storage._checksum import hash_bytes
-from smpckpt.storage._errors import translate_errors
-from smpckpt.storage._fs import is_local, join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
-from smpckpt.storage._read_io import digest_of
-from smpckpt.storage._safe_pickle import load_metadata
-from smpckpt.storage._state import CheckpointState, Probe, probe
-from smpckpt.storage._verify_plan import load_problems
-from smpckpt.storage.manifest import Manifest
+from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
+from smpckpt.storage.format import _names
+from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.format._safe_pickle import load_metadata
+from smpckpt.storage.format._state import CheckpointState, Probe, probe
+from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.read._fetch import digest_of
+from smpckpt.storage.read._verify_plan import load_problems
 
 __all__ = [
     "checkpoint_state",
@@ -183,7 +183,7 @@ def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
 
 
 def _verify_full(fs: Any, path: str, url: str, manifest: Manifest) -> list[str]:
-    from smpckpt.storage._full_read import FullSource
+    from smpckpt.storage.full._read import FullSource
 
     md = load_metadata(bytes(fs.cat_file(join(path, manifest.metadata.name))), where=manifest.metadata.name)
     source = FullSource(fs, path, url, verify=True, allow_pickle=False)

@@ -90,7 +90,7 @@ def _save_id(rec: Any) -> str:
 def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
     """(a) + (b) on the current state of ``epoch.root``; plus leftovers attributed to this kill."""
     import smpckpt
-    from smpckpt.catalog import scan_root
+    from smpckpt.catalog.listing import scan_root
     from smpckpt.storage import verify_checkpoint
 
     out: dict[str, Any] = {

@@ -109,11 +109,11 @@ class Injector:
         return hits
 
     def install(self) -> dict[str, list[str]]:
-        import smpckpt.storage._fs as fsmod
-        import smpckpt.storage._sinks as sinks
+        import smpckpt.catalog.tags as tags
+        import smpckpt.storage.backends._fs as fsmod
+        import smpckpt.storage.backends._sinks as sinks
         import smpckpt.storage.tools as tools
-        import smpckpt.tags as tags
-        from smpckpt.storage.writer import FsspecStorageWriter
+        from smpckpt.storage.write.writer import FsspecStorageWriter
 
         inj = self
 
@@ -134,8 +134,8 @@ class Injector:
         sinks.LocalSink.write = sink_write  # type: ignore[method-assign]
         sinks.LocalSink.commit = sink_commit  # type: ignore[method-assign]
         self.patched["LocalSink"] = [
-            "smpckpt.storage._sinks.LocalSink.write",
-            "smpckpt.storage._sinks.LocalSink.commit",
+            "smpckpt.storage.backends._sinks.LocalSink.write",
+            "smpckpt.storage.backends._sinks.LocalSink.commit",
         ]
 
         # the writer's commit seam (a class attribute)
@@ -148,7 +148,7 @@ class Injector:
             return out
 
         FsspecStorageWriter._write_manifest = write_manifest  # type: ignore[method-assign]
-        self.patched["FsspecStorageWriter"] = ["smpckpt.storage.writer.FsspecStorageWriter._write_manifest"]
+        self.patched["FsspecStorageWriter"] = ["smpckpt.storage.write.writer.FsspecStorageWriter._write_manifest"]
 
         # write_bytes_atomic: the definition and every imported copy
         orig_wba = fsmod.write_bytes_atomic

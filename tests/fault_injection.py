@@ -18,10 +18,10 @@ armed), then arms its fault and goes on saving until it dies.
 Kill points (``--kills N``: half of each, unless ``--kinds`` says otherwise):
 
 * deterministic (``KINDS``): the child wraps a function of the commit sequence -- data-file sink
-  writes/fsyncs (``smpckpt.storage._sinks.LocalSink``), ``write_bytes_atomic`` of ``.metadata`` and
+  writes/fsyncs (``smpckpt.storage.backends._sinks.LocalSink``), ``write_bytes_atomic`` of ``.metadata`` and
   the manifest commit (the writer's ``_write_manifest`` seam), ``os.replace``/``os.link`` publishing
   ``.metadata``/the manifest/``newest`` (before or after),
-  ``os.fsync``, ``smpckpt.tags.write_newest``, retention's ``remove_checkpoint`` (before it, and
+  ``os.fsync``, ``smpckpt.catalog.tags.write_newest``, retention's ``remove_checkpoint`` (before it, and
   between the files it deletes), and the point after ``save_checkpoint`` returned but before the
   progress line -- so that its N-th call (N drawn by the parent from the seed and passed in the
   ``SMPCKPT_FI_FAULT`` environment variable) runs ``os.kill(os.getpid(), SIGKILL)``. Functions are
@@ -523,7 +523,7 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
     final_left = {"dirs": 0, "files": 0, "bytes": 0}
     for ep in epochs:
         try:
-            from smpckpt.catalog import scan_root
+            from smpckpt.catalog.listing import scan_root
 
             committed = {r.tag: r for r in scan_root(ep.root) if r.committed}
         except Exception:  # noqa: BLE001

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import smpckpt
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -210,7 +210,7 @@ def hf_example(
     from hf_reference import global_view, shard, tiny_config, tiny_model
     from transformers import AutoModelForCausalLM
 
-    from smpckpt.specs import SpecRules
+    from smpckpt.model.specs import SpecRules
 
     layout = ParallelLayout(tp=2)
     hf_config = tiny_config("llama")

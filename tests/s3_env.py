@@ -69,7 +69,7 @@ def serve_full_artifact(
 ) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
     """A full artifact from local ``folder`` served from ``s3://bucket/ck``, with the full reader's
     span limit set (``None``: its default); the storage options and the ranged GETs of its files."""
-    from smpckpt.storage import _full_files
+    from smpckpt.storage.full import _files as _full_files
 
     opts = upload_folder(folder, endpoint, bucket, "ck")
     if span_limit is not None:

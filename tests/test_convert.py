@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from smpckpt import ParallelLayout, ShardSpec
-from smpckpt.cli import main
-from smpckpt.convert import convert_checkpoint
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageWriter
+from smpckpt.tools.cli import main
+from smpckpt.tools.convert import convert_checkpoint
 
 H, D = 8, 4  # heads' width and model width of the fused QKV
 SPECS = {"model.qkv.weight": ShardSpec(dim=1, view=(3, -1, D)), "model.fc.weight": ShardSpec(dim=0)}
@@ -128,7 +128,7 @@ def test_a_crafted_huge_shape_is_refused_before_allocating(tmp_path: Path) -> No
 
     from smpckpt.errors import CheckpointCorrupt
     from smpckpt.storage import MANIFEST_NAME, Manifest
-    from smpckpt.storage._checksum import hash_bytes
+    from smpckpt.storage.format._checksum import hash_bytes
 
     _save_tp2(tmp_path / "ckpt")
     folder = tmp_path / "ckpt"

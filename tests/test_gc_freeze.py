@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-import smpckpt._full
-import smpckpt._resume
-import smpckpt._save
+import smpckpt.api._full
+import smpckpt.api._resume
+import smpckpt.api._save
 from smpckpt import CheckpointExists, resume_from_checkpoint, save_checkpoint
-from smpckpt.storage._gc import gc_frozen
+from smpckpt._gc import gc_frozen
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +113,9 @@ def _model() -> nn.Module:
 def frozen_during_dcp(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """(call, freeze count) at every real ``dcp.save``/``dcp.load`` the API makes (each then runs)."""
     seen: list[tuple[str, int]] = []
-    modules = {id(m.dcp): m.dcp for m in (smpckpt._save, smpckpt._resume, smpckpt._full)}  # one, as imported
+    modules = {
+        id(m.dcp): m.dcp for m in (smpckpt.api._save, smpckpt.api._resume, smpckpt.api._full)
+    }  # one, as imported
     for dcp in modules.values():
         for name in ("save", "load"):
             real = getattr(dcp, name)

@@ -11,8 +11,8 @@ import torch
 from golden_model import GOLDEN_ROOT, GOLDEN_TAG, GOLDEN_USER_CONTENT, golden_model
 
 from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint
-from smpckpt.catalog import scan_root
-from smpckpt.record import LayoutRecord
+from smpckpt.catalog.listing import scan_root
+from smpckpt.model.record import LayoutRecord
 from smpckpt.storage import verify_checkpoint
 
 DATA = Path(__file__).with_name("data") / GOLDEN_ROOT

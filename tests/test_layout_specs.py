@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smpckpt import ParallelLayout, ShardSpec, SpecError
-from smpckpt.naming import KeyMapper
+from smpckpt.model.naming import KeyMapper
+from smpckpt.model.specs import SpecRules, shard_geometry
 from smpckpt.planners._ownership import assign_owners, replica_group
-from smpckpt.specs import SpecRules, shard_geometry
 
 
 @settings(max_examples=50, deadline=None, derandomize=True)

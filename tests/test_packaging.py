@@ -25,3 +25,24 @@ def test_mapped_subpackages_import_from_anywhere(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ParallelSavePlanner"
+
+
+def test_old_module_paths_give_the_moved_modules() -> None:
+    """0.1.0's flat paths (``smpckpt.layout``, ``smpckpt.storage.writer``...) import the module at its room's
+    path, the same object, so classes keep one identity (isinstance, pickles naming the old path)."""
+    import importlib
+    import pickle
+
+    from smpckpt._moved import MOVED
+    from smpckpt.model.layout import ParallelLayout
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    # protocol 0 names the class by a newline-ended string, so the path can be swapped in place
+    old_pickle = pickle.dumps(ParallelLayout(tp=2, dp=3), protocol=0).replace(
+        b"smpckpt.model.layout", b"smpckpt.layout"
+    )
+    assert b"smpckpt.layout" in old_pickle
+    assert pickle.loads(old_pickle) == ParallelLayout(tp=2, dp=3)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("smpckpt.no_such_module")

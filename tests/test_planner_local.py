@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import _version as dcp_version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.model.specs import shard_geometry
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.planners._entries import Entry, flatten
-from smpckpt.specs import shard_geometry
 
 _TENSORS = [torch.zeros(2), torch.ones(3, 1), torch.empty(0)]
 _LEAVES = st.one_of(

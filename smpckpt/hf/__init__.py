@@ -4,12 +4,12 @@ One module per model family -- :mod:`~smpckpt.hf.gpt2`, :mod:`~smpckpt.hf.bert`,
 :mod:`~smpckpt.hf.roberta`, :mod:`~smpckpt.hf.gptj`, :mod:`~smpckpt.hf.gptneo` (the five SageMaker smp
 translated), :mod:`~smpckpt.hf.llama`, :mod:`~smpckpt.hf.qwen2` and :mod:`~smpckpt.hf.mistral` -- each with:
 
-* ``TRANSLATION`` -- a :class:`smpckpt.translation.Translation` (lazy region-mapping rules, for reading
+* ``TRANSLATION`` -- a :class:`smpckpt.model.translation.Translation` (lazy region-mapping rules, for reading
   a rank's shard straight out of an HF file or writing HF-shaped tensors from each rank's chunk; it names
   the family's tied heads and its transformers class);
 * ``translate_hf_state_dict_to_smpckpt(state_dict)`` / ``translate_state_dict_to_hf(state_dict)`` --
   eager, bit-exact translation of whole (unsharded) state dicts;
-* ``tp_specs(tp, config, prefix="")`` -- glob -> :class:`smpckpt.specs.ShardSpec` rules of our layout
+* ``tp_specs(tp, config, prefix="")`` -- glob -> :class:`smpckpt.model.specs.ShardSpec` rules of our layout
   (written against the model's own names; the API also matches them under ``model.``);
 * for the smp families, smp's own function names as aliases (``translate_state_dict_to_hf_gpt2``,
   ``translate_hf_state_dict_to_smdistributed_gpt2``, ...): a migration changes only the import.
@@ -19,7 +19,7 @@ transformers: configs are read by attribute or dict key.
 """
 
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.translation import Translation
+from smpckpt.model.translation import Translation
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from smpckpt.errors import SpecError
-from smpckpt.specs import ShardSpec
-from smpckpt.translation import Translation
+from smpckpt.model.specs import ShardSpec
+from smpckpt.model.translation import Translation
 
 _MISSING = object()
 

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
-from smpckpt.specs import ShardSpec
-from smpckpt.translation import Rule, Translation, stack
+from smpckpt.model.specs import ShardSpec
+from smpckpt.model.translation import Rule, Translation, stack
 
 __all__ = [
     "TRANSLATION",

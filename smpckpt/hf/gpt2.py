@@ -48,8 +48,8 @@ from smpckpt.hf._common import (
     prefixed,
     vocab_spec,
 )
-from smpckpt.specs import ShardSpec
-from smpckpt.translation import Leaf, Rule, Shape, Translation, rename, transpose
+from smpckpt.model.specs import ShardSpec
+from smpckpt.model.translation import Leaf, Rule, Shape, Translation, rename, transpose
 
 __all__ = [
     "TRANSLATION",

@@ -53,8 +53,8 @@ from smpckpt.hf._common import (
     prefixed,
     vocab_spec,
 )
-from smpckpt.specs import ShardSpec
-from smpckpt.translation import Translation, stack
+from smpckpt.model.specs import ShardSpec
+from smpckpt.model.translation import Translation, stack
 
 __all__ = [
     "TRANSLATION",

@@ -34,8 +34,8 @@ import torch
 
 from smpckpt.errors import SpecError
 from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
-from smpckpt.specs import ShardSpec
-from smpckpt.translation import Translation, stack
+from smpckpt.model.specs import ShardSpec
+from smpckpt.model.translation import Translation, stack
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
 

@@ -14,7 +14,7 @@ import torch
 
 from smpckpt.hf._common import export_hf, import_hf
 from smpckpt.hf.llama import FUSED, family_specs, make_translation
-from smpckpt.specs import ShardSpec
+from smpckpt.model.specs import ShardSpec
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
 

@@ -38,7 +38,7 @@ import torch
 
 from smpckpt.hf._common import export_hf, import_hf
 from smpckpt.hf.bert import family_specs, make_fused, make_translation, position_ids_buffer
-from smpckpt.specs import ShardSpec
+from smpckpt.model.specs import ShardSpec
 
 __all__ = [
     "TRANSLATION",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import smpckpt
-from smpckpt.storage.writer import FsspecStorageWriter
+from smpckpt.storage.write.writer import FsspecStorageWriter
 
 
 def model(seed: int) -> nn.Module:
@@ -118,7 +118,7 @@ def dcp_process_mode(rank: int, world: int, root: str) -> bool:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from smpckpt import ShardSpec
-    from smpckpt.layout import ParallelLayout
+    from smpckpt.model.layout import ParallelLayout
     from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
     from smpckpt.storage import FsspecStorageReader
 

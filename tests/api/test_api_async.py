@@ -16,7 +16,7 @@ from async_workers import model, training_loop_while_saving
 from dist_harness import run_world
 
 import smpckpt
-import smpckpt.api
+import smpckpt.api.calls
 from smpckpt import CheckpointError, CheckpointExists, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import verify_checkpoint
 
@@ -57,7 +57,7 @@ def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None
     resume_from_checkpoint(str(tmp_path), "a", model=fresh, optimizer=fresh_opt)
     for k, v in moments.items():
         assert torch.equal(fresh_opt.state_dict()["state"][0][k], v), k
-    assert smpckpt._async.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
+    assert smpckpt.api._async.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
 
 
 def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
@@ -81,7 +81,7 @@ def _hold_background_writes(monkeypatch: Any) -> threading.Event:
     """Background writes wait (up to 30 s) until the returned event is set; only in this process (a forked
     child inherits the patch and must not be held)."""
     release = threading.Event()
-    real = smpckpt.api.write_checkpoint
+    real = smpckpt.api.calls.write_checkpoint
     parent = os.getpid()
 
     def held(*args: Any) -> None:
@@ -89,7 +89,7 @@ def _hold_background_writes(monkeypatch: Any) -> threading.Event:
             release.wait(30)
         real(*args)
 
-    monkeypatch.setattr(smpckpt.api, "write_checkpoint", held)
+    monkeypatch.setattr(smpckpt.api.calls, "write_checkpoint", held)
     return release
 
 
@@ -241,7 +241,7 @@ def test_async_saves_beside_the_training_loops_collectives(tmp_path: Any) -> Non
 def test_dcp_async_save_with_our_planner_and_writer(tmp_path: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from smpckpt.layout import ParallelLayout
+    from smpckpt.model.layout import ParallelLayout
     from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
     from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from smpckpt import ParallelLayout, save_checkpoint
-from smpckpt.cli import main
 from smpckpt.storage import open_fs
+from smpckpt.tools.cli import main
 
 
 def _run(*argv: str) -> tuple[int, str, str]:

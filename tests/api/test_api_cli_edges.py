@@ -13,7 +13,7 @@ from damage import flip_byte
 from torch import nn
 
 from smpckpt import save_checkpoint
-from smpckpt.cli import main
+from smpckpt.tools.cli import main
 
 
 def _run(*argv: str) -> tuple[int, str, str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import smpckpt.storage._fs as fs_mod
+import smpckpt.storage.backends._fs as fs_mod
 from smpckpt import (
     CheckpointError,
     LayoutMismatch,
@@ -23,7 +23,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog import scan_root
+from smpckpt.catalog.listing import scan_root
 from smpckpt.storage import MANIFEST_NAME
 
 
@@ -157,9 +157,9 @@ def test_a_save_into_a_partly_removed_folder_finishes_the_removal_first(
     """A retention interrupted on ``s1`` left its removal marker and old data files. Saving ``s1`` again
     must finish that removal before writing: a prune running meanwhile (it finishes partly removed
     folders) deleted the running save's folder, and the old files outlived the new commit."""
-    from smpckpt.cli import main
     from smpckpt.storage import FsspecStorageWriter, verify_checkpoint
-    from smpckpt.storage._names import REMOVING_NAME
+    from smpckpt.storage.format._names import REMOVING_NAME
+    from smpckpt.tools.cli import main
 
     root = str(tmp_path)
     save_checkpoint(root, "s0", model=_model(0))

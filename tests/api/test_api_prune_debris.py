@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from smpckpt import save_checkpoint
-from smpckpt.cli import main
-from smpckpt.retention import apply_retention
+from smpckpt.catalog.retention import apply_retention
 from smpckpt.storage import read_manifest, verify_checkpoint
+from smpckpt.tools.cli import main
 
 HOUR = 3600.0
 

@@ -26,10 +26,10 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog import scan_root
-from smpckpt.cli import main
+from smpckpt.catalog.listing import scan_root
+from smpckpt.catalog.tags import write_newest
 from smpckpt.storage import MANIFEST_NAME, FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
-from smpckpt.tags import write_newest
+from smpckpt.tools.cli import main
 
 
 def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -130,7 +130,7 @@ class _DiskFullAtCommit(FsspecStorageWriter):
 def test_a_failed_save_removes_its_files_so_the_retry_leaves_none_beside_its_own(
     tmp_path: Any, monkeypatch: Any
 ) -> None:
-    import smpckpt._save as api
+    import smpckpt.api._save as api
 
     root = str(tmp_path)
     _steps(root, 1)
@@ -157,7 +157,7 @@ def test_a_failed_save_removes_its_files_so_the_retry_leaves_none_beside_its_own
 
 
 def _make_uncommitted(root: str, tag: str, monkeypatch: Any, seed: int = 0) -> None:
-    import smpckpt._save as api
+    import smpckpt.api._save as api
 
     m, o = _model(seed)
     with monkeypatch.context() as patch:
@@ -208,7 +208,7 @@ def test_restart_after_crash_mid_retention_finishes_the_removal(tmp_path: Any) -
 
 
 def test_a_clean_up_that_fails_does_not_hide_the_saves_own_error(tmp_path: Any, monkeypatch: Any) -> None:
-    import smpckpt._save as api
+    import smpckpt.api._save as api
 
     def broken(self: Any, error: Any = None) -> list[str]:
         raise RuntimeError("clean-up broke")
@@ -316,7 +316,7 @@ def test_refused_metadata_surfaces_as_unsafe_checkpoint(tmp_path: Any) -> None:
     (folder / manifest["metadata"]["name"]).write_bytes(payload)
     # a consistent (crafted) manifest: digests match the payload
     from smpckpt.storage import Manifest
-    from smpckpt.storage._checksum import hash_bytes
+    from smpckpt.storage.format._checksum import hash_bytes
 
     parsed = Manifest.from_bytes((folder / "smpckpt.manifest.json").read_bytes())
     import dataclasses
@@ -368,7 +368,7 @@ def test_a_restart_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: p
     """A job resumes on a node whose clock is a day behind: its new checkpoints must still count as the
     newest, for retention and for a resume that falls back (``newest`` lost). A damaged stamp beyond
     any date is not followed."""
-    import smpckpt._save_clock as save_clock
+    import smpckpt.catalog._save_clock as save_clock
 
     root = str(tmp_path)
     m, o = _model(0)
@@ -395,7 +395,7 @@ def test_a_rollback_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: 
     """A job rolls back to an explicit older tag on a node whose clock is a day behind. Its new checkpoints
     must outrank the abandoned run's later ones, or retention removes the new ones first (without the
     fix: ``b``, ``c`` and ``e`` kept, ``d`` removed)."""
-    import smpckpt._save_clock as save_clock
+    import smpckpt.catalog._save_clock as save_clock
 
     root = str(tmp_path)
     m, o = _model(0)
@@ -416,7 +416,7 @@ def test_a_job_saving_without_a_resume_on_a_node_whose_clock_is_behind(
     """No resume first (issue 33 item 4): a job an hour behind saves s5, s6 into a root holding s3, s4
     with num_kept_partial_checkpoints=2. Without the floor read from ``newest`` retention deleted s5 and
     s6 and kept s3, s4, and a tag-less resume rolled back to s4."""
-    import smpckpt._save_clock as save_clock
+    import smpckpt.catalog._save_clock as save_clock
 
     root = str(tmp_path)
     m, o = _model(0)
@@ -437,7 +437,7 @@ def test_retention_removes_nothing_when_a_checkpoint_is_stamped_after_the_one_ju
 ) -> None:
     """What the save clock cannot see (a checkpoint committed after newest and never named by it,
     another job): retention refuses to guess which are the oldest, and says so."""
-    import smpckpt._save_clock as save_clock
+    import smpckpt.catalog._save_clock as save_clock
 
     root = str(tmp_path)
     m, o = _model(0)
@@ -464,11 +464,11 @@ def test_a_rollback_whose_newest_checkpoint_is_damaged(tmp_path: Any) -> None:
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("smpckpt.api").addHandler(handler)
+    logging.getLogger("smpckpt.api.calls").addHandler(handler)
     try:
         resume_from_checkpoint(root, tag="a", model=m2, optimizer=o2)
     finally:
-        logging.getLogger("smpckpt.api").removeHandler(handler)
+        logging.getLogger("smpckpt.api.calls").removeHandler(handler)
     assert last_resume_info().tag == "a"
     _assert_same_params(m2, m)
     assert any("newest's checkpoint" in msg for msg in seen), seen

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from smpckpt.catalog import CheckpointRecord, record_order
-from smpckpt.retention import KeepLatestN, select_for_removal, validate_keep
+from smpckpt.catalog.listing import CheckpointRecord, record_order
+from smpckpt.catalog.retention import KeepLatestN, select_for_removal, validate_keep
 
 
 def rec(tag: str, t: int, committed: bool = True) -> CheckpointRecord:

@@ -22,8 +22,8 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
+from smpckpt.catalog.tags import validate_tag
 from smpckpt.storage import FsspecStorageWriter
-from smpckpt.tags import validate_tag
 
 
 def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -307,7 +307,7 @@ def test_save_without_rng(tmp_path: Any) -> None:
 def test_saves_reuse_the_local_plan_and_follow_structure_changes(tmp_path: Any) -> None:
     """The API keeps its save planner across saves: an unchanged structure is not planned again, a
     changed one (optimizer state appearing, a refused save in between) is, and every save is exact."""
-    from smpckpt import _planner_reuse
+    from smpckpt.api import _planner_reuse
 
     _planner_reuse.forget_save_planners()
     torch.manual_seed(0)

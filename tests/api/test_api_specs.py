@@ -14,9 +14,9 @@ from sim import sim_save
 from torch import nn
 
 from smpckpt import ParallelLayout, ShardSpec, SpecError, resume_from_checkpoint, save_checkpoint
-from smpckpt._args import spec_rules
+from smpckpt.api._args import spec_rules
+from smpckpt.model.specs import SpecRules
 from smpckpt.planners import ParallelSavePlanner
-from smpckpt.specs import SpecRules
 from smpckpt.storage import FsspecStorageWriter
 
 

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def fast_marker_watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from smpckpt.storage import _full_marker
+    from smpckpt.storage.full import _marker as _full_marker
 
     monkeypatch.setattr(_full_marker, "REFRESH_S", 0.2)
     monkeypatch.setattr(_full_marker, "WATCH_S", 1.0)

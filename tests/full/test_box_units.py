@@ -21,11 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from smpckpt.storage._check_units import item_checks
-from smpckpt.storage._full_plan import FullWrite
-from smpckpt.storage._full_units import BoxUnits, Unit, UnitIndex, rows_of
-from smpckpt.storage._full_write import box_buffer, unit_digests
-from smpckpt.storage._regions import intersect
+from smpckpt.storage.format._check_units import item_checks
+from smpckpt.storage.format._regions import intersect
+from smpckpt.storage.full._plan import FullWrite
+from smpckpt.storage.full._units import BoxUnits, Unit, UnitIndex, rows_of
+from smpckpt.storage.full._write import box_buffer, unit_digests
 
 
 def _write(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> FullWrite:

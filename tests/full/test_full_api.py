@@ -242,9 +242,9 @@ def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:
 
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:
     m, _ = trained_model(0)
-    with pytest.raises(TypeError, match="must be a smpckpt.translation.Translation"):
+    with pytest.raises(TypeError, match="must be a smpckpt.model.translation.Translation"):
         save_checkpoint(str(tmp_path), "t", partial=False, model=m, translate_function=lambda sd: sd)
-    with pytest.raises(TypeError, match="must be a smpckpt.translation.Translation"):
+    with pytest.raises(TypeError, match="must be a smpckpt.model.translation.Translation"):
         resume_from_checkpoint(str(tmp_path), "t", partial=False, model=m, translate_function=lambda sd: sd)
     assert not os.path.exists(tmp_path / "t" / MANIFEST)
 

@@ -14,7 +14,7 @@ import torch
 from full_models import MARKER, assert_models_equal, trained_model
 from safetensors.torch import load_file
 
-import smpckpt._full as full_api
+import smpckpt.api._full as full_api
 from smpckpt import CheckpointExists, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FsspecStorageWriter, verify_checkpoint
 
@@ -68,8 +68,8 @@ def test_a_second_full_save_of_a_tag_is_refused_while_the_first_runs(
 
 
 def test_two_saves_creating_the_marker_at_once_one_wins(tmp_path: Any) -> None:
-    from smpckpt.storage._fs import open_fs
-    from smpckpt.storage._full_marker import create_marker
+    from smpckpt.storage.backends._fs import open_fs
+    from smpckpt.storage.full._marker import create_marker
 
     fs, path = open_fs(str(tmp_path / "f"))
     os.makedirs(path)

@@ -34,7 +34,7 @@ class _DiskFullAtCommit(FsspecStorageWriter):
 
 @pytest.mark.parametrize("case", ["plain", "take_over", "intruder"])
 def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    import smpckpt._full as full_api
+    import smpckpt.api._full as full_api
 
     root = str(tmp_path)
     m, o = trained_model(0)
@@ -61,7 +61,7 @@ def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: 
 def test_a_full_commit_that_landed_is_never_discarded(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The manifest is linked, then the directory's fsync fails: the save reports the error, and the
     committed artifact must survive the clean-up."""
-    import smpckpt.storage._full_commit as full_commit
+    import smpckpt.storage.full._commit as full_commit
 
     real = full_commit.create_bytes_exclusive
 
@@ -91,7 +91,7 @@ def test_a_full_checkpoint_without_its_manifest_is_refused(tmp_path: Any, how: s
     from torch.distributed.checkpoint.api import CheckpointException
 
     from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, checkpoint_state
-    from smpckpt.storage._names import REMOVING_NAME
+    from smpckpt.storage.format._names import REMOVING_NAME
 
     path = str(tmp_path / "full")
     state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}

@@ -3,7 +3,7 @@
 A fused QKV saved as plain ``[3h, d]`` (a TP=1 run, or any save without ``ShardSpec(view=...)``) is
 checked in units of that shape. A TP layout declaring ``ShardSpec(1, view=(3, -1, d))`` reads the same
 row-major bytes as ``[3, h/tp, d]`` boxes: the reader matches units to the requested bytes byte by
-byte (:func:`~smpckpt.storage._full_units.cross_view`). These tests hold that matching to a reference
+byte (:func:`~smpckpt.storage.full._units.cross_view`). These tests hold that matching to a reference
 built from the tensor's own bytes, and the whole load to the expected shards bit-exactly, with a
 damaged byte found by the rank that reads it.
 """
@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt import CheckpointCorrupt, LayoutMismatch, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage._full_units import Unit, UnitIndex, cross_view
-from smpckpt.storage._regions import box_runs
+from smpckpt.storage.format._regions import box_runs
+from smpckpt.storage.full._units import Unit, UnitIndex, cross_view
 
 TP = 2
 

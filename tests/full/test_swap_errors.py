@@ -16,9 +16,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-import smpckpt.storage._full_write as full_write
-from smpckpt.storage._full_exchange import Block, Exchange
-from smpckpt.storage._full_plan import FullWrite, RankFullData
+import smpckpt.storage.full._write as full_write
+from smpckpt.storage.full._exchange import Block, Exchange
+from smpckpt.storage.full._plan import FullWrite, RankFullData
 
 INDEX = MetadataIndex("model.w")
 BOX = FullWrite(

@@ -18,8 +18,8 @@ from torch import nn
 
 import smpckpt
 from smpckpt.hf import gpt2
-from smpckpt.layout import ParallelLayout
-from smpckpt.specs import SpecRules
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import SpecRules
 
 LAYOUT = ParallelLayout(tp=2, pp=2, pp_layers=(1, 1))
 _LAYER = re.compile(r"^(model\.transformer\.h\.)(\d+)\.")

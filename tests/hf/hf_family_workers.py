@@ -19,8 +19,8 @@ from hf_e2e_workers import Holder, name_map_for, stage_keys, to_local_name
 from hf_reference import AUTO_CLASS, MODULES, global_view, shard, tiny_config, tiny_model
 
 import smpckpt
-from smpckpt.layout import ParallelLayout
-from smpckpt.specs import SpecRules
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import SpecRules
 
 TP = ParallelLayout(tp=2)
 PP = ParallelLayout(pp=2, pp_layers=(1, 1))

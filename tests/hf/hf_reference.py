@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.layout import RankCoords
-from smpckpt.specs import ShardSpec, SpecRules, shard_geometry
-from smpckpt.translation import Piece
+from smpckpt.model.layout import RankCoords
+from smpckpt.model.specs import ShardSpec, SpecRules, shard_geometry
+from smpckpt.model.translation import Piece
 
 #: every family, by HF ``config.model_type``; configs, models and forwards of the later five live in
 #: ``ref_encoders`` (BERT, RoBERTa) and ``ref_decoders`` (GPT-J, GPT-Neo, Mistral)

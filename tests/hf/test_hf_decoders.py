@@ -11,7 +11,7 @@ from hf_reference import assert_same_state
 from ref_decoders import FORWARDS, MODULES, NAMES, forward, global_view, shard_all, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
-from smpckpt.specs import ShardSpec, SpecRules
+from smpckpt.model.specs import ShardSpec, SpecRules
 
 #: our fused attention input projection of each family with its HF parts (no biases in either)
 QKV = {

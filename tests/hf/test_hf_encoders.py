@@ -12,7 +12,7 @@ from hf_reference import assert_same_state
 from ref_encoders import AUTO_CLASS, FORWARDS, MODULES, PREFIXES, global_view, shard_all, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
-from smpckpt.specs import ShardSpec, SpecRules
+from smpckpt.model.specs import ShardSpec, SpecRules
 
 NAMES = ["bert", "roberta"]
 D, LAYERS = 32, 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hf_reference import FORWARDS, MODULES, global_view, head_dim, shard, shard_all, tiny_model
 
-from smpckpt.specs import SpecRules
+from smpckpt.model.specs import SpecRules
 
 
 def _spec(name: str, key: str, tp: int, config):

@@ -15,8 +15,8 @@ from hf_reference import MODULES, assemble, regions, slices, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smpckpt.specs import SpecRules
-from smpckpt.translation import evaluate, pieces
+from smpckpt.model.specs import SpecRules
+from smpckpt.model.translation import evaluate, pieces
 
 NAMES = sorted(MODULES)
 

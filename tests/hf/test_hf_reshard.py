@@ -13,9 +13,9 @@ import torch
 from hf_reference import MODULES, global_view, shard, tiny_model
 from sim import reset_dcp_caches, sim_load, sim_save
 
-from smpckpt.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import SpecRules
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.specs import SpecRules
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
 
 

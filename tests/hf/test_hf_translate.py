@@ -9,7 +9,7 @@ from hf_reference import MODULES, assert_same_state, tiny_config, tiny_model
 
 from smpckpt.errors import SpecError
 from smpckpt.hf import TRANSLATIONS, translation_for
-from smpckpt.specs import ShardSpec
+from smpckpt.model.specs import ShardSpec
 
 NAMES = ["gpt2", "llama", "qwen2"]
 

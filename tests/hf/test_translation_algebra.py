@@ -1,4 +1,4 @@
-"""smpckpt.translation: the Leaf/Cat algebra, region pieces, eager evaluate/scatter and Translation rules."""
+"""smpckpt.model.translation: the Leaf/Cat algebra, region pieces, eager evaluate/scatter and Translation rules."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hf_reference import assemble, regions, slices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smpckpt.translation import (
+from smpckpt.model.translation import (
     IDENTITY,
     Cat,
     Leaf,

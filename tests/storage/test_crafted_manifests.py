@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from smpckpt import last_resume_info, resume_from_checkpoint, save_checkpoint
-from smpckpt.catalog import scan_root
+from smpckpt.catalog.listing import scan_root
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.manifest import _DIGEST_KEY, Manifest, _pack, _self_digest
+from smpckpt.storage.format.manifest import _DIGEST_KEY, Manifest, _pack, _self_digest
 
 MANIFEST = "smpckpt.manifest.json"
 

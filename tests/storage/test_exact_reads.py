@@ -25,10 +25,10 @@ from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage._check_units import MIN_SEGMENT, Tiling, item_checks
-from smpckpt.storage._checksum import BlockHasher
-from smpckpt.storage._read_io import digest_of
-from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling, item_checks
+from smpckpt.storage.format._checksum import BlockHasher
+from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.tools import read_manifest, verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

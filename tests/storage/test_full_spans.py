@@ -18,7 +18,7 @@ from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
-from smpckpt.storage._full_files import RunFiles, SpanFetcher, plan_spans
+from smpckpt.storage.full._files import RunFiles, SpanFetcher, plan_spans
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

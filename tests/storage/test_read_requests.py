@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage._read_gate import InOrder, ReadAborted
+from smpckpt.storage.read._gate import InOrder, ReadAborted
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 from storage_helpers import assert_state_equal, load_error, roundtrip_load, save, zeros_like_state
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage import FsspecStorageReader, _s3, open_fs, read_manifest
+from smpckpt.storage import FsspecStorageReader, open_fs, read_manifest
+from smpckpt.storage.backends import _s3
 
 Backend = tuple[str, dict[str, Any]]
 MiB = 1 << 20
@@ -150,7 +151,7 @@ def test_a_server_that_ignores_ranges_is_refused_not_trusted(s3: Backend, moto_e
 
 def test_a_read_past_the_end_of_a_truncated_object_reports_the_truncation(s3: Backend) -> None:
     """A range that starts beyond the object's end (S3 answers InvalidRange) is a truncated file, named."""
-    from smpckpt.storage._s3 import get_range_into
+    from smpckpt.storage.backends._s3 import get_range_into
 
     base, opts = s3
     fs, path = open_fs(f"{base}/short", opts)

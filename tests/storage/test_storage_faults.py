@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
-from smpckpt.storage._failed_save import CommitUncertain
-from smpckpt.storage._sinks import Sink
+from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.write._failed_save import CommitUncertain
 
 Backend = tuple[str, dict[str, Any]]
 

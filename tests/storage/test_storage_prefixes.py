@@ -24,9 +24,9 @@ from smpckpt.storage import (
     remove_checkpoint,
     verify_checkpoint,
 )
-from smpckpt.storage._names import check_member_name, is_smpckpt_file
-from smpckpt.storage._prefixes import resolve
-from smpckpt.storage._s3 import PartBody, S3MultipartSink
+from smpckpt.storage.backends._prefixes import resolve
+from smpckpt.storage.backends._s3 import PartBody, S3MultipartSink
+from smpckpt.storage.format._names import check_member_name, is_smpckpt_file
 
 Backend = tuple[str, dict[str, Any]]
 
@@ -260,7 +260,7 @@ def test_object_store_bins_stop_at_the_cap_and_then_grow_the_files() -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from smpckpt.storage._write_file import MAX_OBJECT_FILES, object_store_bins
+    from smpckpt.storage.write._write_file import MAX_OBJECT_FILES, object_store_bins
 
     def items(n: int, mib: int) -> list[WriteItem]:
         size = torch.Size([mib << 18])  # fp32
@@ -282,7 +282,7 @@ def test_object_store_bins_count_the_shard_not_the_global_tensor() -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from smpckpt.storage._write_file import object_store_bins, split_items
+    from smpckpt.storage.write._write_file import object_store_bins, split_items
 
     def shard(i: int, mib: int) -> WriteItem:
         whole = torch.Size([4 * (mib << 18)])  # fp32, global

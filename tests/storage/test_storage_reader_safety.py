@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, Manifest, open_fs
-from smpckpt.storage._checksum import hash_bytes
-from smpckpt.storage._read_io import BufferPool
+from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.read._fetch import BufferPool
 
 Backend = tuple[str, dict[str, Any]]
 

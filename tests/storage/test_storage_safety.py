@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
 from smpckpt.storage import checkpoint_state
-from smpckpt.storage._safe_pickle import check_weights_only, load_metadata
+from smpckpt.storage.format._safe_pickle import check_weights_only, load_metadata
 
 # os.system pickles as posix.system on POSIX (nt.system on Windows)
 _SYSTEM_REFUSED = r"global '(posix|nt|os)\.system' is not allowed in checkpoint metadata"

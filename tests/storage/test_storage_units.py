@@ -15,14 +15,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage._check_units import Tiling
-from smpckpt.storage._checksum import BlockHasher
-from smpckpt.storage._ranges import Need, coalesce, slice_byte_range
-from smpckpt.storage._read_plan import raw_item, writable_bytes
-from smpckpt.storage._read_run import _decode_raw
-from smpckpt.storage._tensor_bytes import cpu_bytes
-from smpckpt.storage._write_file import _tensor_bytes
-from smpckpt.storage.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.format._check_units import Tiling
+from smpckpt.storage.format._checksum import BlockHasher
+from smpckpt.storage.format._ranges import Need, coalesce, slice_byte_range
+from smpckpt.storage.format._tensor_bytes import cpu_bytes
+from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
+from smpckpt.storage.read._plan import raw_item, writable_bytes
+from smpckpt.storage.read._run import _decode_raw
+from smpckpt.storage.write._write_file import _tensor_bytes
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""What crosses ranks after the write (storage/_wire.py), tier 1: a simulated world.
+"""What crosses ranks after the write (storage/format/_wire.py), tier 1: a simulated world.
 
 DCP unpickles every rank's write results on the coordinator and the Metadata on every rank, in its own
 code, with the cyclic collector running. Each object those unpickles make is one the next full
@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.planners import ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, _wire
-from smpckpt.storage._safe_pickle import load_metadata
-from smpckpt.storage._wire import CommittedMetadata, CommittedView, PackedResults, open_results, pack_results
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage.format import _wire
+from smpckpt.storage.format._safe_pickle import load_metadata
+from smpckpt.storage.format._wire import CommittedMetadata, CommittedView, PackedResults, open_results, pack_results
 
 TP = 2
 TENSORS = 400

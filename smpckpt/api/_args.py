@@ -1,0 +1,237 @@
+"""Argument handling shared by save_checkpoint and resume_from_checkpoint (validation, state dicts,
+error translation). Internal: the public names live in :mod:`smpckpt.api.calls`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+from smpckpt._checks import check_flag
+from smpckpt.api._dist import DistContext
+from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.model.keys import RESERVED
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.naming import NameMap
+from smpckpt.model.specs import SpecLike, SpecRules
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+__all__ = ["check_flag", "OPTIONS"]  # check_flag: re-exported for the API steps
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def check_partial(partial: Any) -> None:
+    if partial is not True and partial is not False:
+        raise TypeError(f"partial must be True or False, got {partial!r}")
+
+
+def root_url(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    url = os.fspath(path)
+    if not url:
+        raise ValueError("path must not be empty")
+    return url
+
+
+def optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    if isinstance(optimizer, Iterable):
+        found = tuple(optimizer)
+        if all(isinstance(o, torch.optim.Optimizer) for o in found):
+            return found
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer or a sequence of them, got {type(optimizer).__name__}")
+
+
+def check_model(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if model is None and optimizers:
+        raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
+    if model is not None and optimizers:
+        # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the
+        # model does not own (an optimizer built over another model, or a parameter replaced after it).
+        owned = {id(p) for p in model.parameters()}
+        for i, opt in enumerate(optimizers):
+            for g, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) not in owned:
+                        raise ValueError(
+                            f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
+                            f"{p.dtype}) is not a parameter of the model: build the optimizer over "
+                            "model.parameters() of the model you pass"
+                        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonRequest:
+    """What a save and a resume both need, validated: the base of their request types."""
+
+    root: str
+    model: nn.Module | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    layout: ParallelLayout
+    rules: SpecRules
+    name_map: NameMap | None
+    storage_options: Mapping[str, Any] | None
+    process_group: Any
+
+    def planner_args(self) -> dict[str, Any]:
+        """The layout arguments both planners take, as the API passes them."""
+        return {
+            "layout": self.layout,
+            "specs": self.rules,
+            "name_map": wrap_name_map(self.name_map),
+            "process_group": self.process_group,
+            "rank_local": RESERVED.rank_local,
+        }
+
+    def fields(self) -> dict[str, Any]:
+        """The common fields by name (shallow: models and optimizers are not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
+
+
+def common_args(ctx: DistContext, path: Any, partial: Any, kw: Mapping[str, Any]) -> CommonRequest:
+    """Validate the arguments save and resume share (``kw`` holds the public function's arguments)."""
+    check_partial(partial)
+    opts = optimizers(kw["optimizer"])
+    check_model(kw["model"], opts)
+    return CommonRequest(
+        root=root_url(path),
+        model=kw["model"],
+        optimizers=opts,
+        layout=resolve_layout(kw["layout"], ctx),
+        rules=spec_rules(kw["specs"]),
+        name_map=kw["name_map"],
+        storage_options=kw["storage_options"],
+        process_group=kw["process_group"],
+    )
+
+
+def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
+    if layout is None:
+        return ParallelLayout(dp=ctx.world_size)
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
+    layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
+    return layout
+
+
+def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
+    """The user's map sees model/optimizer keys only; our own keys (rng, user_content) pass through."""
+    if name_map is None:
+        return None
+    if not callable(name_map):
+        raise TypeError(f"name_map must be callable (str -> str), got {type(name_map).__name__}")
+    own = (f"{RESERVED.rng}.", RESERVED.user_content)
+
+    def mapped(key: str) -> str:
+        if key.startswith(own[0]) or key == own[1]:
+            return key
+        return name_map(key)
+
+    return mapped
+
+
+def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
+    """The API's rules: each matches a stored key (``model.transformer.h.0.attn.qkv.weight``) or the
+    model's own name for it (``transformer.h.0.attn.qkv.weight``, as ``tp_specs`` writes rules)."""
+    if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
+        raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
+    return SpecRules.of(specs, also_under=(RESERVED.model,))
+
+
+def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` through DCP's state_dict API (FQN-keyed optimizer state)."""
+    if model is None:
+        return {}
+    if not optimizers:
+        return {"model": get_model_state_dict(model, options=OPTIONS)}
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def translate_dcp(
+    exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None
+) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank.
+
+    ``metadata_error`` is the reader's own exception from ``read_metadata``: DCP replaces it with an
+    ``AssertionError("metadata is None; ...")``, and the caller deserves the real one
+    (:class:`~smpckpt.errors.UnsafeCheckpoint`, :class:`~smpckpt.errors.CheckpointCorrupt`, ...).
+    """
+    failures = exc.failures or {}
+    if not failures:
+        err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
+    else:
+        ranks = sorted(failures)
+        first = failures[ranks[0]][0]
+        if isinstance(first, AssertionError) and metadata_error is not None:
+            first = metadata_error
+        where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
+        message = f"{action} failed on {where}: {first}"
+        if isinstance(first, CheckpointError):
+            try:
+                err = type(first)(message)
+            except TypeError:
+                err = CheckpointError(message)
+        elif isinstance(first, FileNotFoundError):
+            err = CheckpointNotFound(message)
+        else:
+            err = CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
+    err.__cause__ = exc
+    return err
+
+
+_PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
+
+
+def _is_peer_failure(exc: RuntimeError) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+@contextlib.contextmanager
+def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
+    """A collective that fails because another rank died (gloo: ``Connection reset by peer``; any
+    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing; any other
+    ``OSError`` (storage) -> :class:`CheckpointError` naming the action and, in its text, the object."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        # an I/O error outside dcp.save/dcp.load (listing tags, reading newest, a probe) reaches the
+        # caller as ours too, its object named (an S3 endpoint that died mid-resume gave a bare OSError)
+        raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
+    except RuntimeError as exc:
+        if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
+            raise
+        raise CheckpointError(
+            f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
+            f"rank died or was killed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "what was committed before is intact -- check with `smpckpt ls`"
+        ) from exc
+
+
+@contextlib.contextmanager
+def quiet_no_dist() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is exactly our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

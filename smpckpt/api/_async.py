@@ -1,0 +1,254 @@
+"""``save_checkpoint(..., async_save=True)``: training blocks only while the state is staged.
+
+Which rank does what ("all" = every rank of the group)::
+
+    (caller)  previous failure?   raise it once, naming its tag (never silently)
+    (caller)  previous save?      wait for it (logged with how long), or raise with wait_for_previous=False
+    (caller)  resolve_save, build_save_state         as a synchronous save (collectives on the caller's group)
+    (caller)  stage                                  copy every tensor into host buffers reused across
+                                                     saves (pinned for CUDA tensors): later in-place
+                                                     updates never reach the checkpoint
+    (thread)  write_checkpoint, publish_newest, retain   on a gloo group of their own, so the training
+                                                     loop's collectives never interleave with the save's
+    (thread)  future.set_result                      only after data, manifest and ``newest`` are durable
+                                                     and retention ran
+
+At most one save is in flight per process. ``wait_for_saves()`` finishes it; the interpreter's exit
+waits for it too (before thread pools shut down: ``_register_exit_wait``), but a process group destroyed
+first leaves a multi-rank save without its collectives: call ``wait_for_saves()`` before
+``destroy_process_group()``. A process killed while a background save runs leaves ``newest`` on the previous committed
+tag: ``newest`` moves only after the commit, and uncommitted folders are never taken as checkpoints.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from smpckpt.api._dist import DistContext
+from smpckpt.errors import CheckpointError
+
+__all__ = [
+    "submit",
+    "wait_for_saves",
+    "free_staging_buffers",
+    "check_previous",
+    "staging_bytes",
+    "async_used",
+    "set_exit_status_on_failed_save",
+]
+
+log = logging.getLogger("smpckpt.api.calls")
+
+
+@dataclasses.dataclass
+class _State:
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    inflight: concurrent.futures.Future[None] | None = None
+    inflight_tag: str = ""
+    failed: tuple[str, BaseException] | None = None
+    groups: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )
+    atexit_registered: bool = False
+    #: the process's exit status when a background save fails at (or before, unreported) its exit
+    exit_status: int | None = 1
+
+
+_STATE = _State()
+
+
+def set_exit_status_on_failed_save(status: int | None = 1) -> None:
+    """The exit status of a process whose background save failed and was never raised to it (the last
+    save of a script that returns while it runs, or one whose failure no later call reported).
+
+    Default 1: a job scheduler then sees the failure instead of a clean exit with its last checkpoint
+    lost. ``None`` keeps the interpreter's own status (the failure is still logged at ERROR). A
+    non-zero status ends the process with ``os._exit`` once the remaining ``atexit`` hooks have run
+    and the standard streams are flushed: Python offers no other way to change the status of a
+    program whose main code already returned."""
+    if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 0 <= status <= 255):
+        raise ValueError(f"status must be an exit status 0..255 or None, got {status!r}")
+    _STATE.exit_status = status
+
+
+def async_used() -> bool:
+    """Whether this process ever started a background save (then every save checks on it first)."""
+    return _STATE.executor is not None
+
+
+def check_previous(wait: bool) -> None:
+    """(caller) Raise a background failure once; then wait for (or refuse) a save still in flight."""
+    st = _STATE
+    fut = st.inflight
+    if fut is not None and not fut.done():
+        if not wait:
+            raise CheckpointError(
+                f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
+                "smpckpt.wait_for_saves() or save with wait_for_previous=True"
+            )
+        started = time.monotonic()
+        concurrent.futures.wait([fut])
+        log.info("waited %.2fs for the background save of %r to finish", time.monotonic() - started, st.inflight_tag)
+    if st.failed is not None:
+        tag, exc = st.failed
+        st.failed = None
+        raise CheckpointError(
+            f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (this save was not started)"
+        ) from exc
+
+
+def _background_group(process_group: Any, ctx: DistContext) -> Any:
+    """(all ranks of the group, collectively, the first time) A gloo group over the same ranks."""
+    if not ctx.active or ctx.world_size == 1:
+        return None
+    key = id(process_group) if process_group is not None else "default"
+    group = _STATE.groups.get(key)
+    if group is None:
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+        _STATE.groups[key] = group
+    return group
+
+
+def _stage(state: Any, prefix: str = "") -> Any:
+    """A copy of ``state`` whose tensors live in buffers of ours, reused across saves of the same structure."""
+    if isinstance(state, dict):
+        return {k: _stage(v, f"{prefix}{k}.") for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_stage(v, f"{prefix}{i}.") for i, v in enumerate(state))
+    if not isinstance(state, torch.Tensor):
+        return state
+    t = state.detach()
+    if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
+        return t.clone()  # DTensor and other subclasses: a copy on their own device
+    cuda = t.device.type == "cuda"
+    key = (prefix, tuple(t.shape), t.dtype, cuda)
+    buf = _STATE.buffers.get(key)
+    if buf is None:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        _STATE.buffers[key] = buf
+    buf.copy_(t, non_blocking=cuda)
+    return buf
+
+
+def staging_bytes() -> int:
+    """Bytes held in reused staging buffers (one copy of the state saved asynchronously)."""
+    return sum(b.numel() * b.element_size() for b in _STATE.buffers.values())
+
+
+def free_staging_buffers() -> None:
+    """Release the reused staging buffers (after waiting for the save in flight)."""
+    wait_for_saves(raise_errors=False)
+    _STATE.buffers.clear()
+
+
+def submit(
+    tag: str,
+    ctx: DistContext,
+    process_group: Any,
+    state: dict[str, Any],
+    work: Callable[[dict[str, Any], Any], None],
+) -> concurrent.futures.Future[None]:
+    """(caller) Stage ``state``, then run ``work(staged_state, background_group)`` on the save thread."""
+    st = _STATE
+    group = _background_group(process_group, ctx)
+    started = time.monotonic()
+    staged = _stage(state)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
+    log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
+    with st.lock:
+        if st.executor is None:
+            st.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-async-save")
+        if not st.atexit_registered:
+            _register_exit_wait()
+            st.atexit_registered = True
+
+        def run() -> None:
+            try:
+                work(staged, group)
+            except BaseException as exc:
+                st.failed = (tag, exc)
+                log.error("background save of checkpoint %r failed: %s", tag, exc)
+                raise
+
+        fut = st.executor.submit(run)
+        st.inflight, st.inflight_tag = fut, tag
+    return fut
+
+
+def _forget_in_child() -> None:
+    """(a forked child) The parent's save in flight is not this process's: no thread here will ever
+    finish its future, so a child that waited for it (at exit, or in its own save) would hang."""
+    global _STATE
+    _STATE = _State(atexit_registered=True)  # the inherited exit hook stays, with nothing to wait for
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _register_exit_wait() -> None:
+    """Finish the save in flight when the interpreter exits.
+
+    Why not ``atexit``: at exit CPython first runs the hooks ``threading`` keeps (concurrent.futures'
+    among them: after it, no thread pool takes work), then joins non-daemon threads, and only then runs
+    ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
+    new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
+    Registered after concurrent.futures', ours runs before it (those hooks run newest first)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython >= 3.9: the plain hook is the best left
+        atexit.register(_wait_at_exit)
+        return
+    register(_wait_at_exit)
+
+
+def _wait_at_exit() -> None:
+    """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag, and
+    the process exits with :func:`set_exit_status_on_failed_save`'s status (1 by default)."""
+    fut = _STATE.inflight
+    if fut is None:
+        return
+    if not fut.done():
+        log.info("waiting for the background save of %r to finish before exiting", _STATE.inflight_tag)
+    try:
+        wait_for_saves(raise_errors=True)
+    except CheckpointError as exc:
+        status = _STATE.exit_status
+        suffix = f"; exiting with status {status}" if status else ""
+        log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
+        if status:
+            atexit._run_exitfuncs()  # what a normal exit still runs (logging's flush among them)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream must not hide the status
+                    pass
+            os._exit(status)
+
+
+def wait_for_saves(*, raise_errors: bool = True) -> None:
+    """Block until the background save in flight (if any) has finished. With ``raise_errors``, its
+    failure is raised here (and not again by the next ``save_checkpoint``)."""
+    fut = _STATE.inflight
+    if fut is None:
+        return
+    concurrent.futures.wait([fut])
+    if raise_errors and _STATE.failed is not None:
+        tag, exc = _STATE.failed
+        _STATE.failed = None
+        raise CheckpointError(f"the background save of checkpoint {tag!r} failed: {exc}") from exc

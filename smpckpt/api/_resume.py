@@ -1,0 +1,363 @@
+"""The steps of :func:`smpckpt.resume_from_checkpoint`: resolve -> choose the checkpoint -> build the
+destination state -> load (reshard) -> apply. Each step is one function over a :class:`ResumeRequest`.
+
+Which rank does what ("all" = every rank of the group)::
+
+    resolve_resume      (all)    validate; compare arguments across ranks
+    choose_target       (rank 0) ``newest`` or the newest committed tag; the answer is broadcast
+    build_resume_state  (all)    destinations: model/optimizer state, user_content, RNG (same layout only)
+    load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
+                                 before any data is read)
+    apply_state         (all)    set_state_dict, RNG, user_content (decoded once, weights-only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+from smpckpt.api._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
+from smpckpt.api._dist import DistContext
+from smpckpt.api.rng import get_rng_state, set_rng_state
+from smpckpt.api.user_content import decode_user_content
+from smpckpt.catalog._save_clock import saw_checkpoint
+from smpckpt.catalog.listing import newest_stamp, record_order, scan_root
+from smpckpt.catalog.tags import join_url, open_root, partial_url, read_newest, validate_tag
+from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.model.keys import API_RECORD_V1, RESERVED
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.record import LayoutRecord
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
+from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
+
+__all__ = [
+    "ResumeInfo",
+    "ResumeRequest",
+    "Target",
+    "resolve_resume",
+    "choose_target",
+    "resolve_target",
+    "build_resume_state",
+    "load_checkpoint",
+    "apply_state",
+    "summarize",
+    "not_found_hint",
+]
+
+log = logging.getLogger("smpckpt.api.calls")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeInfo:
+    """What a :func:`~smpckpt.resume_from_checkpoint` did (same on every rank).
+
+    ``path_taken`` is ``"fast"`` when every rank's pieces matched saved chunks exactly (same
+    partition), ``"reshard"`` when some rank assembled tensors from overlapping saved chunks.
+    RNG states are restored only when the layout (and world size) is unchanged; otherwise
+    ``rng_restored`` is empty and a warning was issued: RNG streams do not map across layouts.
+    """
+
+    path: str  #: checkpoint root
+    tag: str
+    checkpoint_url: str
+    path_taken: Literal["fast", "reshard"]
+    layout: ParallelLayout
+    saved_layout: ParallelLayout | None
+    layout_changed: bool
+    fast_path_tensors: int  #: summed over ranks
+    resharded_tensors: int  #: summed over ranks
+    rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
+    fell_back: bool  #: ``newest`` was not taken (unusable, or a later tag committed); see the warning
+    skipped_keys: tuple[str, ...] = ()  #: keys not loaded (``strict=False`` only)
+
+    @property
+    def resharded(self) -> bool:
+        return self.path_taken == "reshard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The committed checkpoint rank 0 chose (small and picklable: it is broadcast)."""
+
+    tag: str
+    url: str
+    record: LayoutRecord | None
+    api: str | None  #: the manifest's API record (how user_content is stored)
+    has_rng: bool
+    fell_back: bool
+    #: the newest save time rank 0 saw while choosing (this checkpoint's, or for an explicit older tag
+    #: that of the checkpoint ``newest`` names): the job's next saves are stamped after it (``_save_clock``)
+    seen_ns: int = 0
+
+    @classmethod
+    def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
+        extra = manifest.extra if manifest is not None else {}
+        record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
+        return cls(tag, url, record, api, rng, fell_back, record_order(manifest)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeRequest(CommonRequest):
+    """Everything one resume needs, validated and identical on every rank."""
+
+    tag: str | None
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None
+    missing_ok: bool
+    strict: bool
+    load_rng: bool
+    allow_pickle: bool
+    allow_dtype_cast: bool
+    verify_checksums: bool
+
+
+def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> ResumeRequest:
+    """(all ranks) Validate the arguments and check that every rank passed the same ones."""
+    common = common_args(ctx, path, partial, kw)
+    root, layout = common.root, common.layout
+    translate = kw["translate_function"]
+    if translate is not None and not callable(translate):
+        raise TypeError("translate_function must be callable (state_dict -> state_dict)")
+    ctx.check_identical(
+        (tag, root, bool(kw["strict"]), bool(kw["missing_ok"]), layout.to_dict(), bool(kw["load_rng"])),
+        "resume_from_checkpoint(path, tag, strict, missing_ok, layout, load_rng)",
+    )
+    if tag is not None:
+        validate_tag(tag)
+    return ResumeRequest(
+        **common.fields(),
+        tag=tag,
+        translate_function=translate,
+        missing_ok=bool(kw["missing_ok"]),
+        strict=bool(kw["strict"]),
+        load_rng=bool(kw["load_rng"]),
+        allow_pickle=bool(kw["allow_pickle"]),
+        allow_dtype_cast=bool(kw["allow_dtype_cast"]),
+        verify_checksums=bool(kw["verify_checksums"]),
+    )
+
+
+def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
+    """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
+    target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
+    if target is not None:  # this job's next saves stamp after it (_save_clock)
+        saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    return target
+
+
+def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
+    """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists.
+
+    With ``tag=None``: the tag ``newest`` names, unless a checkpoint committed *after* it exists --
+    a job killed between a commit and the ``newest`` update -- or ``newest`` is unusable; then the
+    newest committed tag, with a warning. So a restarted job never replays steps into a tag that
+    is already committed.
+    """
+    if tag is not None:
+        url = partial_url(root, tag)
+        found = probe_checkpoint(url, storage_options)
+        if found.state == "missing":  # a folder stock dcp.save wrote under the tag's own name
+            plain = join_url(root, tag)
+            if probe_checkpoint(plain, storage_options).state == "legacy":
+                url, found = plain, probe_checkpoint(plain, storage_options)
+        if found.manifest is None:
+            if found.state == "missing":
+                return None
+            if found.state == "legacy":
+                # our reader reads what stock dcp.save wrote; there is no manifest to check it against
+                log.warning("%s was written by stock dcp.save: loading it without integrity checks", url)
+                return Target(tag, url, None, None, False, False)
+            raise CheckpointNotFound(
+                f"checkpoint {tag!r} at {url} is {found.state}: it has no commit marker (a failed or running save)"
+            )
+        target = Target.of(tag, url, found.manifest, False)
+        return dataclasses.replace(target, seen_ns=max(target.seen_ns, newest_stamp(root, storage_options, unless=tag)))
+    fs, root_path = open_root(root, storage_options)
+    newest = read_newest(fs, root_path)
+    records = scan_root(root, storage_options=storage_options)
+    committed = [r for r in records if r.committed]
+    if not committed:
+        return None
+    latest = max(committed, key=lambda r: r.order)
+    named = next((r for r in committed if r.tag == newest), None)
+    if named is not None and named.order >= latest.order:
+        return Target.of(named.tag, named.url, named.manifest, False)
+    if named is not None:
+        reason = (
+            f"{root}/newest names {newest!r}, but {latest.tag!r} was committed after it (the job probably "
+            "stopped between that commit and the update of 'newest')"
+        )
+    elif newest is None:
+        reason = f"{root}/newest is missing or unreadable"
+    else:
+        named_record = next((r for r in records if r.tag == newest), None)
+        state = named_record.state if named_record is not None else "missing"
+        if named_record is not None and state == "unreadable":
+            # an I/O error says nothing against that checkpoint: falling back would silently resume an
+            # older one (the job replays its steps); a retry of the resume reads it
+            raise CheckpointError(
+                f"{root}/newest names {newest!r}, which could not be read ({named_record.detail}); not falling back to "
+                "an older checkpoint. Retry the resume, or pass tag= to choose one"
+            )
+        reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
+    message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
+    log.warning(message)
+    warnings.warn(message, stacklevel=3)
+    return Target.of(latest.tag, latest.url, latest.manifest, True)
+
+
+def not_found_hint(root: str, storage_options: Any) -> str:
+    """(error path only) Why nothing was found when ``root`` is itself a checkpoint folder: ``path`` is the
+    root that holds tags, not a checkpoint."""
+    try:
+        state = probe_checkpoint(root, storage_options).state
+    except (OSError, CheckpointError):
+        return ""
+    if state not in ("legacy", "committed"):
+        return ""
+    parent, _, name = root.rstrip("/").rpartition("/")
+    tag = name[: -len("_partial")] if name.endswith("_partial") else name
+    return (
+        f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
+        f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
+    )
+
+
+def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:
+    """RNG states map to ranks only under the same layout (which fixes the world size too)."""
+    saved = target.record.layout if target.record is not None else None
+    if not (req.load_rng and target.has_rng):
+        return False
+    if saved == req.layout:
+        return True
+    if ctx.is_coordinator:
+        warnings.warn(
+            f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
+            "across layouts); every rank keeps its current generators",
+            stacklevel=4,
+        )
+    return False
+
+
+def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) -> dict[str, Any]:
+    """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
+    state = train_state(req.model, req.optimizers)
+    state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
+    if restore_rng:
+        state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
+    return state
+
+
+def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -> ParallelLoadPlanner:
+    """(all ranks) ``dcp.load`` in place; strict key checks run before any data is read."""
+    optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
+    planner = ParallelLoadPlanner(
+        **req.planner_args(),
+        allow_dtype_cast=req.allow_dtype_cast,
+        allow_pickle=req.allow_pickle,
+        allow_partial_load=not req.strict,
+        optional=optional,
+    )
+    reader = FsspecStorageReader(
+        target.url,
+        storage_options=req.storage_options,
+        verify_checksums=req.verify_checksums,
+        allow_pickle=req.allow_pickle,
+    )
+    try:
+        with quiet_no_dist():
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=req.process_group)
+    except CheckpointException as exc:
+        raise translate_dcp(exc, f"loading checkpoint {target.url}", metadata_error=reader.metadata_error) from exc
+    return planner
+
+
+def apply_state(
+    req: ResumeRequest,
+    target: Target,
+    ctx: DistContext,
+    state: dict[str, Any],
+    report: LoadReport | None,
+    restore_rng: bool,
+) -> tuple[Any, tuple[str, ...]]:
+    """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once."""
+    if req.model is not None:
+        model_sd = state[RESERVED.model]
+        if req.translate_function is not None:
+            model_sd = req.translate_function(model_sd)
+            if not isinstance(model_sd, Mapping):
+                raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
+        opts = dataclasses.replace(OPTIONS, strict=req.strict)
+        if req.optimizers:
+            set_state_dict(
+                req.model,
+                req.optimizers,
+                model_state_dict=model_sd,
+                optim_state_dict=state[RESERVED.optim],
+                options=opts,
+            )
+        else:
+            set_model_state_dict(req.model, model_sd, options=opts)
+    restored: tuple[str, ...] = ()
+    if restore_rng:
+        skipped = set(report.skipped_optional if report else ())
+        mine = RESERVED.rng_of(ctx.rank)
+        states = state[RESERVED.rng][mine]
+        complete = tuple(c for c in states if not any(k.startswith(f"{RESERVED.rng}.{mine}.{c}") for k in skipped))
+        restored = set_rng_state(states, complete)
+    stored = state[RESERVED.user_content]
+    user_content = decode_user_content(
+        stored if stored else None, allow_pickle=req.allow_pickle, nested=target.api == API_RECORD_V1
+    )
+    return user_content, restored
+
+
+def summarize(
+    req: ResumeRequest, target: Target, ctx: DistContext, planner: ParallelLoadPlanner, restored: tuple[str, ...]
+) -> ResumeInfo:
+    """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
+    report = planner.report
+    counts = ctx.all_gather_object(
+        (
+            report.fast_path if report else 0,
+            len(report.resharded) if report else 0,
+            report.missing_keys if report else (),
+        )
+    )
+    unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
+    fast = sum(c[0] for c in counts)
+    resharded = sum(c[1] for c in counts)
+    skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
+    saved = target.record.layout if target.record is not None else None
+    info = ResumeInfo(
+        path=req.root,
+        tag=target.tag,
+        checkpoint_url=target.url,
+        path_taken="reshard" if resharded else "fast",
+        layout=req.layout,
+        saved_layout=saved,
+        layout_changed=saved != req.layout,
+        fast_path_tensors=fast,
+        resharded_tensors=resharded,
+        rng_restored=restored,
+        fell_back=target.fell_back,
+        skipped_keys=tuple(skipped),
+    )
+    if info.resharded:
+        log.info(
+            "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
+            target.url,
+            resharded,
+            saved,
+            req.layout,
+            fast,
+        )
+    else:
+        log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, req.layout)
+    return info

@@ -1,0 +1,205 @@
+"""Retention: which partial checkpoints to keep (a pure policy) and applying it (rank 0 only).
+
+The policy works on :class:`CheckpointRecord` values and touches no filesystem, so it is unit-tested
+on its own. :func:`apply_retention` scans the root, asks the policy and deletes, tolerating failures.
+
+Rules (issue 4):
+
+* only **committed** partial checkpoints count; an uncommitted folder may be a save in progress and
+  is left alone -- unless the caller asks for stale ones (``uncommitted_older_than``): then folders
+  with no write for that long, and S3 multipart uploads that old, are removed;
+* ``unsafe`` and ``corrupt`` folders are never deleted automatically (evidence for a human);
+* a folder an interrupted removal left (``removing``: its manifest already gone, a marker file in it)
+  is removed by the next retention whatever ``keep`` says -- it was chosen for deletion already;
+* the ``keep`` newest committed ones (by save time) stay;
+* the tag ``newest`` names is never deleted, even if clocks made it look old;
+* a failed delete is logged and the rest continue; it never fails the save that triggered it.
+
+``keep=1`` is allowed (torchtitan forbids it because its purge may run while the new checkpoint is
+still being written); here deletion starts only after the new checkpoint committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from smpckpt.catalog._debris import sweep_debris
+from smpckpt.catalog.listing import CheckpointRecord, scan_root
+from smpckpt.errors import CheckpointError
+from smpckpt.storage import abort_stale_uploads, last_activity, remove_checkpoint
+
+__all__ = [
+    "KeepLatestN",
+    "select_for_removal",
+    "select_stale_uncommitted",
+    "apply_retention",
+    "RetentionResult",
+    "validate_keep",
+]
+
+log = logging.getLogger(__name__)
+
+
+def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:
+    """``None`` (keep everything) or a positive int; anything else raises :class:`ValueError`."""
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int):
+        raise ValueError(f"{what} must be a positive int or None, got {keep!r}")
+    if keep < 1:
+        raise ValueError(f"{what} must be >= 1 (it counts the checkpoints kept, the new one included), got {keep}")
+    return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatestN:
+    """Keep the ``n`` newest committed checkpoints and every protected tag; keep uncommitted ones."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        validate_keep(self.n, "KeepLatestN.n")
+
+    def should_preserve(self, records: Sequence[CheckpointRecord], protected: Collection[str] = ()) -> list[bool]:
+        """One bool per record (same order): ``True`` = keep."""
+        committed = sorted(
+            (i for i, r in enumerate(records) if r.committed), key=lambda i: records[i].order, reverse=True
+        )
+        newest = set(committed[: self.n])
+        return [(not r.committed) or i in newest or r.tag in protected for i, r in enumerate(records)]
+
+
+def select_for_removal(records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = ()) -> list[str]:
+    """Tags to delete, oldest first."""
+    preserve = KeepLatestN(keep).should_preserve(records, protected)
+    doomed = [r for r, p in zip(records, preserve) if not p]
+    return [r.tag for r in sorted(doomed, key=lambda r: r.order)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionResult:
+    removed: tuple[str, ...]
+    failed: tuple[str, ...]  #: tags whose removal raised (logged); retried by the next save
+    removed_uncommitted: tuple[str, ...] = ()  #: stale uncommitted folders removed (their tags)
+    aborted_uploads: tuple[str, ...] = ()  #: stale S3 multipart uploads aborted (their keys)
+    removed_debris: tuple[str, ...] = ()  #: other stale debris removed (paths; see smpckpt.catalog._debris)
+
+
+def select_stale_uncommitted(
+    records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
+) -> list[str]:
+    """Tags of uncommitted folders with no activity for ``older_than_s`` seconds (pure policy).
+
+    ``activity`` maps a tag to the newest modification time under its folder (``None``: nothing
+    there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
+    recoverable data) and ``unsafe`` folders are left for a human.
+    """
+    stale = []
+    for r in records:
+        if r.state != "uncommitted":
+            continue
+        t = activity.get(r.tag)
+        if t is None or now - t >= older_than_s:
+            stale.append(r.tag)
+    return stale
+
+
+def apply_retention(
+    root_url: str,
+    keep: int | None,
+    *,
+    storage_options: Any = None,
+    protected: Collection[str] = (),
+    dry_run: bool = False,
+    uncommitted_older_than: float | None = None,
+    just_saved: str | None = None,
+) -> RetentionResult:
+    """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest.
+
+    Each removal deletes the manifest first (see :func:`smpckpt.storage.remove_checkpoint`), so an
+    interrupted removal leaves an uncommitted folder that readers refuse, never a half-deleted
+    "committed" one. ``keep=None`` removes no committed checkpoint.
+
+    ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves:
+    uncommitted folders in which nothing was written for that long, S3 multipart uploads under the
+    root started that long ago, and the debris :mod:`smpckpt.catalog._debris` finds (dead generations beside a
+    committed checkpoint, killed full saves, stale markers, temp files). A save in flight keeps writing (or has just started its uploads),
+    so an age well above the longest save (hours, not minutes) never touches one.
+
+    ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
+    committed checkpoint is stamped later than it, the save times cannot be trusted to say which are
+    the oldest (another job writes here, or clocks disagree in a way the save clock could not see): no
+    committed checkpoint is removed, with a warning, rather than the wrong ones.
+    """
+    if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
+        raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
+    records = scan_root(root_url, storage_options=storage_options)
+    doomed = select_for_removal(records, keep, protected) if keep is not None else []
+    saved = next((r for r in records if r.tag == just_saved and r.committed), None)
+    later = [r.tag for r in records if saved is not None and r.committed and r.order > saved.order]
+    if doomed and later:
+        log.warning(
+            "retention: %s, committed later than the checkpoint just saved (%s) by their save times: another job "
+            "saves here, or a clock is off; removing no committed checkpoint (prune by hand once that is settled)",
+            later[:5],
+            just_saved,
+        )
+        doomed = []
+    removed: list[str] = []
+    failed: list[str] = []
+    by_tag = {r.tag: r for r in records}
+
+    def remove(tag: str, what: str) -> bool:
+        if dry_run:
+            return True
+        try:
+            remove_checkpoint(by_tag[tag].url, storage_options)
+            log.info("retention: removed %s %s", what, by_tag[tag].url)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed delete must not fail the save
+            failed.append(tag)
+            log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
+            return False
+
+    removed = [tag for tag in doomed if remove(tag, "checkpoint")]
+    # folders an interrupted removal left behind were already chosen for deletion: finish the job
+    removed += [
+        r.tag
+        for r in records
+        if r.state == "removing" and r.tag not in protected and remove(r.tag, "partly removed checkpoint")
+    ]
+    stale: list[str] = []
+    aborted: list[str] = []
+    debris: list[str] = []
+    if uncommitted_older_than is not None:
+        now = time.time()
+        activity = {
+            r.tag: last_activity(r.url, storage_options)
+            for r in records
+            if r.state == "uncommitted" and r.tag not in protected
+        }
+        candidates = select_stale_uncommitted(
+            [r for r in records if r.tag not in protected], activity, uncommitted_older_than, now
+        )
+        stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder")]
+        try:
+            debris = sweep_debris(
+                root_url,
+                [r for r in records if r.tag not in stale],
+                uncommitted_older_than,
+                storage_options=storage_options,
+                protected=protected,
+                dry_run=dry_run,
+            )
+        except (OSError, CheckpointError) as exc:
+            log.warning("retention: could not sweep stale debris under %s: %s", root_url, exc)
+        if not dry_run:
+            try:
+                aborted = abort_stale_uploads(root_url, uncommitted_older_than, storage_options)
+            except OSError as exc:
+                log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
+    return RetentionResult(tuple(removed), tuple(failed), tuple(stale), tuple(aborted), tuple(debris))

@@ -1,0 +1,307 @@
+"""Shard specs: how a plain local tensor is a piece of a global tensor.
+
+A :class:`ShardSpec` says which dimension of the (optionally viewed) local tensor is split across
+which parallel axis, and how big each rank's piece is. Specs are attached to keys by glob rules
+(:class:`SpecRules`), matched against the flattened key as DCP flattens a state dict
+(``model.layers.3.qkv.weight``). The first matching rule wins, in the mapping's insertion order.
+Optimizer state (``optim.state.<param>.exp_avg`` ...) inherits the spec of ``<param>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import itertools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+
+from smpckpt.errors import SpecError
+from smpckpt.model.layout import RankCoords
+
+__all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
+
+#: Key prefixes under which torch's FQN-keyed optimizer state lives (``get_state_dict`` with
+#: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
+#: these inherits the spec of the parameter named after the prefix.
+OPTIMIZER_STATE_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
+
+
+_UNKNOWN: Any = object()  # a cache's "not looked up yet" (None is a result: no rule matches)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How a local tensor is one rank's piece of a global tensor.
+
+    Args:
+        dim: the sharded dimension, indexing ``view`` when given, else the local tensor's shape.
+        axis: the parallel axis the tensor is split over: ``"tp"`` (tensor parallel) or ``"dp"``
+            (ZeRO-style sharded optimizer state).
+        view: the shape the local tensor is viewed as before sharding applies, e.g. a fused QKV
+            weight stored as ``[3*h/tp, d]`` declared as ``[3, h/tp, d]`` with ``dim=1``. The
+            checkpoint stores the tensor under its global *view* shape (``[3, h, d]``), so q, k and v
+            rows reshard correctly under any TP degree. One ``-1`` is allowed.
+        sizes: every rank's extent along ``dim`` in the current layout, one entry per rank of
+            ``axis`` (uneven splits, vocabulary padding). ``None`` means an even split.
+    """
+
+    dim: int
+    axis: str = "tp"
+    view: tuple[int, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.axis not in ("tp", "dp"):
+            raise SpecError(f"ShardSpec.axis must be 'tp' or 'dp', got {self.axis!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise SpecError(f"ShardSpec.dim must be an int, got {self.dim!r}")
+        if self.view is not None:
+            view = tuple(int(v) for v in self.view)
+            if sum(1 for v in view if v == -1) > 1 or any(v < -1 for v in view):
+                raise SpecError(f"ShardSpec.view {view} may hold at most one -1 and no other negatives")
+            object.__setattr__(self, "view", view)
+        if self.sizes is not None:
+            sizes = tuple(int(s) for s in self.sizes)
+            if not sizes or any(s < 0 for s in sizes):
+                raise SpecError(f"ShardSpec.sizes must be non-negative extents, got {self.sizes!r}")
+            object.__setattr__(self, "sizes", sizes)
+
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:
+        """Offsets of every rank's piece along ``dim`` plus the total (``sizes`` given): computed once
+        per spec, so placing one rank's piece costs O(1) however many ranks the axis has."""
+        return (0, *itertools.accumulate(self.sizes or ()))
+
+
+#: A rule's value: one spec, or several (outermost split first) for a tensor split over TP and DP.
+SpecLike = Union[ShardSpec, Sequence[ShardSpec]]
+
+
+def _as_tuple(spec: SpecLike, pattern: str = "?") -> tuple[ShardSpec, ...]:
+    if isinstance(spec, ShardSpec):
+        specs: tuple[Any, ...] = (spec,)
+    elif isinstance(spec, (list, tuple)):
+        specs = tuple(spec)
+    else:
+        specs = ()
+    if not specs or not all(isinstance(s, ShardSpec) for s in specs):
+        raise SpecError(
+            f"spec rule {pattern!r}: needs a ShardSpec or a tuple of them (outermost first), got "
+            f"{type(spec).__name__} {spec!r}"
+        )
+    if len({s.axis for s in specs}) != len(specs):
+        raise SpecError(f"a tensor can be split once per axis; got {specs}")
+    views = {s.view for s in specs if s.view is not None}
+    if len(views) > 1:
+        raise SpecError(f"specs combined on one tensor must agree on view; got {sorted(views)}")
+    return specs
+
+
+class SpecRules:
+    """Ordered glob rules mapping flattened keys to shard specs; first match wins.
+
+    Patterns use :mod:`fnmatch` syntax (``*`` also crosses dots). A key under an optimizer-state
+    prefix (``optim.state.<param>.<name>``) that matches no rule itself inherits the spec of
+    ``<param>``.
+
+    Args:
+        rules: glob -> spec (or tuple of specs, outermost first), in the order they are tried.
+        also_under: top-level names (``("model",)``) under which every rule also matches: a rule
+            ``transformer.h.*.attn.qkv.weight`` -- written against the model's own parameter names, as
+            ``smpckpt.hf.<family>.tp_specs`` returns them -- then matches the stored key
+            ``model.transformer.h.0.attn.qkv.weight`` too. Each rule tries the key as given, then under
+            each name, before the next rule is tried; so "first match wins" keeps its meaning.
+            :func:`smpckpt.save_checkpoint` and :func:`smpckpt.resume_from_checkpoint` pass ``("model",)``.
+    """
+
+    def __init__(self, rules: Mapping[str, SpecLike] | None = None, *, also_under: Sequence[str] = ()) -> None:
+        self._rules: list[tuple[str, re.Pattern[str], tuple[ShardSpec, ...]]] = []
+        self.also_under: tuple[str, ...] = tuple(also_under)
+        for name in self.also_under:
+            if not isinstance(name, str) or not name or "." in name:
+                raise SpecError(f"also_under names are top-level keys without dots, got {name!r}")
+        for pattern, spec in (rules or {}).items():
+            if not isinstance(pattern, str):
+                raise SpecError(f"spec rule keys are glob strings, got {type(pattern).__name__} {pattern!r}")
+            glob = fnmatch.translate(pattern)
+            alternatives = [glob, *(re.escape(name + ".") + glob for name in self.also_under)]
+            self._rules.append((pattern, re.compile("|".join(alternatives)), _as_tuple(spec, pattern)))
+        # Every rank resolves every key at every save: one regex over all rules instead of one per rule.
+        # Each rule is a named alternative, tried in order, so the first rule matching wins as before;
+        # its group encloses any the glob makes, so it is the match's last closed group (``lastgroup``).
+        self._any = (
+            re.compile("|".join(f"(?P<_r{i}>{rx.pattern})" for i, (_, rx, _) in enumerate(self._rules)))
+            if self._rules
+            else None
+        )
+        self._by_group = {f"_r{i}": specs for i, (_, _, specs) in enumerate(self._rules)}
+        self._cache: dict[tuple[str, tuple[str, ...]], tuple[tuple[ShardSpec, ...], str | None] | None] = {}
+        # a parameter's own match, looked up again by each of its optimizer-state keys
+        self._direct: dict[str, tuple[ShardSpec, ...] | None] = {}
+
+    @classmethod
+    def of(cls, rules: Mapping[str, SpecLike] | SpecRules | None, *, also_under: Sequence[str] = ()) -> SpecRules:
+        """``rules`` as :class:`SpecRules`. Equal rule mappings share one instance, and with it the
+        per-key match caches: a planner built afresh for every save (as the API builds them) then
+        matches each key against the rules once per process instead of once per save (measured: a
+        third of local planning at 2 ranks, ``benchmarks/RESULTS.md``). Given a :class:`SpecRules`,
+        ``also_under`` names are added to its own."""
+        also = tuple(also_under)
+        if isinstance(rules, SpecRules):
+            if all(name in rules.also_under for name in also):
+                return rules
+            also = rules.also_under + tuple(n for n in also if n not in rules.also_under)
+            rules = {p: s for p, _, s in rules._rules}
+        items = tuple((rules or {}).items())
+        try:
+            hash(items)
+        except TypeError:  # a list of specs: not shared (rare; correct either way)
+            return cls(rules, also_under=also)
+        return _shared_rules(items, also)
+
+    def __bool__(self) -> bool:
+        return bool(self._rules)
+
+    def __repr__(self) -> str:
+        also = f", also_under={self.also_under}" if self.also_under else ""
+        return f"SpecRules({ {p: s for p, _, s in self._rules} }{also})"
+
+    def match(self, key: str, prefixes: Iterable[str] = ()) -> tuple[tuple[ShardSpec, ...], str | None] | None:
+        """Specs for ``key`` (a flattened, global key), or ``None`` when it is replicated.
+
+        Returns ``(specs, inherited_from)``: ``inherited_from`` is the parameter key whose spec an
+        optimizer-state key inherited, else ``None``. ``prefixes`` are the top-level names under
+        which parameters live in the same state dict (``"model"``), tried in front of the parameter
+        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``).
+        """
+        prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
+        cache_key = (key, prefixes)
+        found = self._cache.get(cache_key, _UNKNOWN)
+        if found is not _UNKNOWN:
+            return found
+        direct = self._match_direct(key)
+        if direct is not None:
+            found = (direct, None)
+        else:
+            found = None
+            param = _optimizer_param(key) if key.startswith(OPTIMIZER_STATE_PREFIXES) else None
+            if param is not None:
+                for candidate in (param, *(f"{p}.{param}" for p in prefixes)):
+                    inherited = self._match_direct(candidate)
+                    if inherited is not None:
+                        found = (inherited, candidate)
+                        break
+        self._cache[cache_key] = found
+        return found
+
+    def _match_direct(self, key: str) -> tuple[ShardSpec, ...] | None:
+        known = self._direct.get(key, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known
+        m = self._any.fullmatch(key) if self._any is not None else None
+        found = self._by_group[m.lastgroup] if m is not None and m.lastgroup is not None else None
+        self._direct[key] = found
+        return found
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The rules' globs, in the order they are tried."""
+        return tuple(p for p, _, _ in self._rules)
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """JSON-able description of the rules, for the checkpoint's record of the partition."""
+        also = {"also_under": list(self.also_under)} if self.also_under else {}
+        return [{"pattern": p, "specs": [dataclasses.asdict(s) for s in specs], **also} for p, _, specs in self._rules]
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_rules(items: tuple[tuple[str, SpecLike], ...], also_under: tuple[str, ...] = ()) -> SpecRules:
+    return SpecRules(dict(items), also_under=also_under)
+
+
+def _optimizer_param(key: str) -> str | None:
+    for prefix in OPTIMIZER_STATE_PREFIXES:
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            head, sep, _name = rest.rpartition(".")
+            return head if sep else None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGeometry:
+    """Where one rank's piece sits in the global tensor (all in *view* coordinates)."""
+
+    view_shape: torch.Size  #: shape of the local tensor as viewed (== local shape without a view)
+    global_shape: torch.Size  #: shape the checkpoint stores
+    offsets: torch.Size  #: offset of the local piece in the global tensor
+    sharded_axes: frozenset[str]  #: axes the tensor is split over (its replicas differ along the rest)
+
+
+def _resolve_view(view: tuple[int, ...], numel: int, key: str, shape: torch.Size) -> torch.Size:
+    known = math.prod(v for v in view if v != -1)
+    if -1 in view:
+        if known == 0 or numel % known:
+            raise SpecError(f"{key}: local shape {tuple(shape)} cannot be viewed as {view}")
+        view = tuple(numel // known if v == -1 else v for v in view)
+    if math.prod(view) != numel:
+        raise SpecError(
+            f"{key}: local shape {tuple(shape)} ({numel} elements) cannot be viewed as {view} "
+            f"({math.prod(view)} elements)"
+        )
+    return torch.Size(view)
+
+
+def shard_geometry(
+    key: str,
+    local_shape: Sequence[int],
+    specs: Iterable[ShardSpec],
+    coords: RankCoords,
+    degrees: Mapping[str, int],
+) -> ShardGeometry:
+    """Global shape and offsets of this rank's local tensor under ``specs``.
+
+    Specs are given outermost first; they are applied innermost first, each growing the extent along
+    its dim from this rank's piece to the piece of the enclosing level.
+    """
+    specs = _as_tuple(tuple(specs))
+    shape = torch.Size(local_shape)
+    view = next((s.view for s in specs if s.view is not None), None)
+    view_shape = _resolve_view(view, math.prod(shape), key, shape) if view is not None else shape
+    extents = list(view_shape)
+    offsets = [0] * len(extents)
+    for spec in reversed(specs):
+        ndim = len(extents)
+        if not -ndim <= spec.dim < ndim:
+            raise SpecError(f"{key}: spec dim {spec.dim} is out of range for shape {tuple(view_shape)}")
+        dim = spec.dim % ndim
+        degree = degrees[spec.axis]
+        axis_rank = getattr(coords, spec.axis)
+        local_extent = extents[dim]
+        if spec.sizes is None:
+            offsets[dim] += axis_rank * local_extent
+            extents[dim] = local_extent * degree
+        else:
+            if len(spec.sizes) != degree:
+                raise SpecError(
+                    f"{key}: spec sizes {spec.sizes} has {len(spec.sizes)} entries but the {spec.axis} "
+                    f"degree is {degree}"
+                )
+            if spec.sizes[axis_rank] != local_extent:
+                raise SpecError(
+                    f"{key}: {spec.axis} rank {axis_rank} holds extent {local_extent} along dim {dim} "
+                    f"(shape {tuple(view_shape)}) but the spec's sizes say {spec.sizes[axis_rank]}"
+                )
+            offsets[dim] += spec._starts[axis_rank]
+            extents[dim] = spec._starts[-1]
+    return ShardGeometry(
+        view_shape=view_shape,
+        global_shape=torch.Size(extents),
+        offsets=torch.Size(offsets),
+        sharded_axes=frozenset(s.axis for s in specs),
+    )

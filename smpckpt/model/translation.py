@@ -1,0 +1,372 @@
+"""State-dict translation as lazy region-mapping rules (e.g. Hugging Face <-> our TP layouts).
+
+Two namespaces meet here. *Ours* is our model's global tensor, keyed by our FQN and shaped as the
+checkpoint stores it (its global *view* shape: a fused QKV weight is ``[3, d, d]``). The *artifact* is
+the foreign file's tensor (an HF safetensors entry), keyed by its own FQN, in its own shape.
+
+Each of our tensors is an :data:`Expr` over artifact tensors, from a two-constructor algebra:
+
+* :class:`Leaf` -- ``artifact[key].reshape(view).permute(perm)`` (rename, transpose, split a fused dim);
+* :class:`Cat` -- ``torch.cat([part, ...], dim)`` (fuse several artifact tensors, e.g. gate and up).
+
+Because an Expr is data, not code, it can be evaluated *lazily, by region*: :func:`pieces` says which
+rectangular region of which artifact tensor (in its viewed coordinates) lands where in any requested
+region of ours. A storage layer uses that to read only one TP rank's shard out of an HF tensor, or to
+write each rank's chunk straight into HF-shaped tensors. :func:`evaluate` and :func:`scatter` are the
+eager forms (whole tensors), used by :meth:`Translation.translate_from_artifact` and
+:meth:`Translation.translate_to_artifact`; both are exact (bit-for-bit) inverses of each other.
+
+The algebra lives in :mod:`smpckpt.model._translation_algebra` and is re-exported here; this module holds
+the rules. A :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
+(``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from smpckpt.model._translation_algebra import (
+    Cat,
+    Expr,
+    Leaf,
+    Piece,
+    Shape,
+    evaluate,
+    expr_keys,
+    expr_shape,
+    pieces,
+    scatter,
+)
+
+__all__ = [
+    "Leaf",
+    "Cat",
+    "Expr",
+    "Piece",
+    "Shape",
+    "expr_shape",
+    "expr_keys",
+    "pieces",
+    "evaluate",
+    "scatter",
+    "Rule",
+    "rename",
+    "transpose",
+    "stack",
+    "Translation",
+    "IDENTITY",
+]
+
+
+# -- rules --------------------------------------------------------------------------------------------
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@functools.cache
+def _template_regex(template: str) -> re.Pattern[str]:
+    """``a.{i}.b`` -> a regex with a named group of digits per field."""
+    parts, pos, seen = [], 0, set()
+    for m in _FIELD.finditer(template):
+        parts.append(re.escape(template[pos : m.start()]))
+        name = m.group(1)
+        parts.append(f"(?P={name})" if name in seen else rf"(?P<{name}>\d+)")
+        seen.add(name)
+        pos = m.end()
+    parts.append(re.escape(template[pos:]))
+    return re.compile("".join(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One of our key templates as an Expr over artifact key templates.
+
+    Templates name numeric fields in braces (``transformer.h.{i}.attn.qkv.weight``); every template of
+    a rule uses the same fields, so either side's key determines the other's.
+
+    Args:
+        ours: our key template.
+        artifact: the artifact key templates the tensor is made of.
+        build: ``(artifact keys, their shapes) -> Expr`` of our tensor (used both ways).
+        split: ``our shape -> artifact shapes`` (one per template), for saving. Either callable raises
+            ValueError for shapes it cannot take.
+    """
+
+    ours: str
+    artifact: tuple[str, ...]
+    build: Callable[[tuple[str, ...], tuple[Shape, ...]], Expr]
+    split: Callable[[Shape], tuple[Shape, ...]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "artifact", tuple(self.artifact))
+        fields = set(_FIELD.findall(self.ours))
+        for template in self.artifact:
+            if set(_FIELD.findall(template)) != fields:
+                raise ValueError(f"rule {self.ours!r}: template {template!r} must use exactly the fields {fields}")
+
+    def match_ours(self, key: str) -> dict[str, str] | None:
+        """Fields of ``key`` if it is one of ours this rule makes, else ``None``."""
+        m = _template_regex(self.ours).fullmatch(key)
+        return m.groupdict() if m else None
+
+    def match_artifact(self, key: str) -> dict[str, str] | None:
+        """Fields of ``key`` if it is an artifact key this rule reads, else ``None``."""
+        for template in self.artifact:
+            m = _template_regex(template).fullmatch(key)
+            if m:
+                return m.groupdict()
+        return None
+
+
+def rename(ours: str, artifact: str) -> Rule:
+    """Same tensor, another name."""
+    return Rule(ours, (artifact,), build=lambda keys, _shapes: Leaf(keys[0]), split=lambda shape: (shape,))
+
+
+def _transposed(shape: Shape) -> tuple[Shape]:
+    if len(shape) != 2:
+        raise ValueError(f"a transpose needs a 2-d tensor, got shape {shape}")
+    return ((shape[1], shape[0]),)
+
+
+def transpose(ours: str, artifact: str) -> Rule:
+    """Ours is the transpose of a 2-d artifact tensor (HF GPT-2 ``Conv1D [in, out]`` vs ``Linear [out, in]``)."""
+    return Rule(ours, (artifact,), build=lambda keys, _shapes: Leaf(keys[0], perm=(1, 0)), split=_transposed)
+
+
+def stack(ours: str, artifact: Sequence[str]) -> Rule:
+    """Ours is the artifact tensors stacked along a new dim 0 (``[n, *shape]``); they must share a shape."""
+    templates = tuple(artifact)
+
+    def build(keys: tuple[str, ...], shapes: tuple[Shape, ...]) -> Expr:
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(
+                "stacked tensors must share a shape, got " + ", ".join(f"{k} {s}" for k, s in zip(keys, shapes))
+            )
+        return Cat(0, tuple(Leaf(k, view=(1, *s)) for k, s in zip(keys, shapes)))
+
+    def split(shape: Shape) -> tuple[Shape, ...]:
+        if not shape or shape[0] != len(templates):
+            raise ValueError(f"expected a leading dim of {len(templates)} (one per stacked tensor), got {shape}")
+        return (shape[1:],) * len(templates)
+
+    return Rule(ours, templates, build=build, split=split)
+
+
+# -- translations -------------------------------------------------------------------------------------
+
+
+def _shapes_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, Shape]:
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{key!r}: expected a tensor, got {type(value).__name__}")
+        out[key] = tuple(value.shape)
+    return out
+
+
+class Translation:
+    """Key and layout translation between our state dict and an artifact's, as lazy rules.
+
+    Built from :class:`Rule` s (first match wins); our keys no rule mentions map to the same artifact
+    key unchanged. Optimizer state follows its parameter: ``<param>.<suffix>`` (``x.weight.exp_avg``)
+    with the parameter's shape, where the parameter is in the same mapping, gets the parameter's Expr
+    with every Leaf key suffixed alike (``hf.weight.exp_avg``); a suffixed key of another shape (scalar
+    ``step``) maps to itself. Subclasses may override :meth:`to_artifact` / :meth:`from_artifact`; the
+    eager helpers are built on them.
+
+    Args:
+        name: for messages (``"gpt2"``).
+        rules: the rules.
+        ignore: artifact key templates that are not state (non-persistent buffers some exporters
+            wrote); :meth:`from_artifact` and the eager import skip them.
+        tied: head key -> the key it is tied to (``{"lm_head.weight": "transformer.wte.weight"}``):
+            one tensor under two names, as transformers ties output embeddings to input ones. Neither
+            key may be one a rule rewrites, so each names the same tensor on both sides. A file that
+            leaves the head out (what ``save_pretrained`` writes) still gives a model that holds the
+            head separately its values (:meth:`missing_ties`); the eager helpers drop and add heads by
+            it. Whether a model ties is its config's ``tie_word_embeddings``.
+        architecture: the transformers class whose state dict the artifact side is
+            (``"GPT2LMHeadModel"``), written into ``config.json``'s ``architectures`` when the config
+            given has none.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rules: Iterable[Rule] = (),
+        ignore: Iterable[str] = (),
+        tied: Mapping[str, str] | None = None,
+        architecture: str | None = None,
+    ) -> None:
+        self.name = name
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.ignore: tuple[str, ...] = tuple(ignore)
+        self._ignore_re = [_template_regex(t) for t in self.ignore]
+        self.tied: dict[str, str] = dict(tied or {})
+        self.architecture = architecture
+        for head, embed in self.tied.items():
+            for key in (head, embed):
+                if any(r.match_ours(key) is not None or r.match_artifact(key) is not None for r in self.rules):
+                    raise ValueError(f"translation {name!r}: tied key {key!r} is rewritten by a rule")
+            if head == embed or head in self.tied.values():
+                raise ValueError(f"translation {name!r}: tied head {head!r} must name another tensor than a head")
+
+    def __repr__(self) -> str:
+        return f"Translation({self.name!r}, {len(self.rules)} rules)"
+
+    def missing_ties(self, keys: Iterable[str]) -> dict[str, str]:
+        """The tied heads ``keys`` lack although their embedding is there: head -> embedding."""
+        present = set(keys)
+        return {head: embed for head, embed in self.tied.items() if head not in present and embed in present}
+
+    def is_ignored(self, artifact_key: str) -> bool:
+        """Whether ``artifact_key`` is a non-state entry this translation drops on import."""
+        return any(r.fullmatch(artifact_key) for r in self._ignore_re)
+
+    def _match(self, key: str, shapes: Mapping[str, Shape], side: str) -> tuple[int, dict[str, str], str] | None:
+        """``(rule index, fields, suffix)`` of ``key`` on ``side`` (``"ours"`` / ``"artifact"``): a direct
+        match, else the longest ``<param>.<suffix>`` split whose parameter matches and has ``key``'s shape."""
+        for candidate, suffix in ((key, ""), *_prefixes(key)):
+            if suffix and shapes.get(candidate) != shapes[key]:
+                continue
+            for index, rule in enumerate(self.rules):
+                fields = rule.match_ours(candidate) if side == "ours" else rule.match_artifact(candidate)
+                if fields is not None:
+                    return index, fields, suffix
+        return None
+
+    def to_artifact(self, our_shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, Expr], dict[str, Shape]]:
+        """For saving: our key -> Expr over artifact keys, and every artifact key's shape.
+
+        Raises ValueError when a shape does not fit its rule or two of our keys would write one
+        artifact key.
+        """
+        shapes = {k: tuple(int(s) for s in v) for k, v in our_shapes.items()}
+        exprs: dict[str, Expr] = {}
+        artifact_shapes: dict[str, Shape] = {}
+        owner: dict[str, str] = {}
+        for key, shape in shapes.items():
+            hit = self._match(key, shapes, "ours")
+            if hit is None:
+                expr: Expr = Leaf(key)
+                produced = {key: shape}
+            else:
+                expr, produced = self._split(key, shape, *hit)
+            for art_key, art_shape in produced.items():
+                if art_key in owner:
+                    raise ValueError(
+                        f"{self.name}: artifact key {art_key!r} would be written from both {owner[art_key]!r} and {key!r}"
+                    )
+                owner[art_key] = key
+                artifact_shapes[art_key] = art_shape
+            exprs[key] = expr
+        return exprs, artifact_shapes
+
+    def _split(
+        self, key: str, shape: Shape, index: int, fields: dict[str, str], suffix: str
+    ) -> tuple[Expr, dict[str, Shape]]:
+        rule = self.rules[index]
+        keys = tuple(t.format(**fields) + suffix for t in rule.artifact)
+        try:
+            produced = dict(zip(keys, (tuple(s) for s in rule.split(shape))))
+            expr = rule.build(keys, tuple(produced.values()))
+            got = expr_shape(expr, produced)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: our {key!r} of shape {shape} -> {list(keys)}: {e}") from None
+        if got != shape:  # a rule whose split and build disagree is a bug in the rule
+            raise ValueError(f"{self.name}: rule {rule.ours!r} rebuilds {key!r} as {got}, not {shape}")
+        return expr, produced
+
+    def from_artifact(self, artifact_shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[Expr, Shape]]:
+        """For loading: our key -> (Expr, our global shape), covering every artifact key but ignored ones.
+
+        Raises ValueError when a fused tensor's parts are missing or disagree in shape, or two
+        translated keys collide.
+        """
+        shapes = {k: tuple(int(s) for s in v) for k, v in artifact_shapes.items()}
+        groups: dict[tuple[int, tuple[tuple[str, str], ...], str], str] = {}  # -> the artifact key that found it
+        for key in shapes:
+            hit = None if self.is_ignored(key) else self._match(key, shapes, "artifact")
+            if hit is not None:
+                groups.setdefault((hit[0], tuple(sorted(hit[1].items())), hit[2]), key)
+        made: list[tuple[str, Expr, Shape]] = []  # one per group
+        member: dict[str, int] = {}  # artifact key -> index into made
+        for (index, items, suffix), seen in groups.items():
+            our_key, expr, keys = self._build(shapes, seen, index, dict(items), suffix)
+            for k in keys:
+                if k in member:
+                    raise ValueError(f"{self.name}: {k!r} would be read by two rules")
+                member[k] = len(made)
+            made.append((our_key, expr, expr_shape(expr, shapes)))
+        # our keys in the artifact's order: a fused tensor where its first part was
+        out: dict[str, tuple[Expr, Shape]] = {}
+        emitted: set[int] = set()
+        for key, shape in shapes.items():
+            if key in member:
+                if member[key] not in emitted:
+                    emitted.add(member[key])
+                    our_key, expr, our_shape = made[member[key]]
+                    _put(out, our_key, (expr, our_shape), self.name)
+            elif not self.is_ignored(key):
+                _put(out, key, (Leaf(key), shape), self.name)
+        return out
+
+    def _build(
+        self, shapes: Mapping[str, Shape], seen: str, index: int, fields: dict[str, str], suffix: str
+    ) -> tuple[str, Expr, tuple[str, ...]]:
+        """``(our key, Expr, artifact keys)`` of one rule instance, checked against ``shapes``."""
+        rule = self.rules[index]
+        keys = tuple(t.format(**fields) + suffix for t in rule.artifact)
+        missing = [k for k in keys if k not in shapes]
+        if missing:
+            raise ValueError(f"{self.name}: {seen!r} is part of {rule.ours!r} but {missing} is missing")
+        for k in keys:  # every part of suffixed state must have its parameter's shape
+            base = k[: len(k) - len(suffix)]
+            if suffix and shapes.get(base, shapes[k]) != shapes[k]:
+                raise ValueError(f"{self.name}: {k!r} has shape {shapes[k]} but {base!r} has {shapes[base]}")
+        part_shapes = tuple(shapes[k] for k in keys)
+        try:
+            expr = rule.build(keys, part_shapes)
+            expr_shape(expr, shapes)
+        except ValueError as e:
+            described = ", ".join(f"{k} {s}" for k, s in zip(keys, part_shapes))
+            raise ValueError(f"{self.name}: {described}: {e}") from None
+        return rule.ours.format(**fields) + suffix, expr, keys
+
+    def translate_to_artifact(self, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Eager export: our whole tensors -> artifact tensors (may share memory with ``ours``)."""
+        exprs, artifact_shapes = self.to_artifact(_shapes_of(ours))
+        out: dict[str, torch.Tensor] = {}
+        for key, expr in exprs.items():
+            out.update(scatter(expr, ours[key], artifact_shapes))
+        return out
+
+    def translate_from_artifact(self, artifact: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Eager import: artifact tensors -> our whole tensors (may share memory with ``artifact``)."""
+        plan = self.from_artifact(_shapes_of(artifact))
+        return {key: evaluate(expr, artifact) for key, (expr, _shape) in plan.items()}
+
+
+def _prefixes(key: str) -> Iterable[tuple[str, str]]:
+    """``(param, suffix)`` splits of ``key`` at dots, longest parameter first (``a.b.c`` -> ``a.b``, ``.c``)."""
+    pos = len(key)
+    while (pos := key.rfind(".", 0, pos)) > 0:
+        yield key[:pos], key[pos:]
+
+
+def _put(out: dict[str, tuple[Expr, Shape]], key: str, value: tuple[Expr, Shape], name: str) -> None:
+    if key in out:
+        raise ValueError(
+            f"{name}: our key {key!r} would be read from both {expr_keys(out[key][0])} and {expr_keys(value[0])}"
+        )
+    out[key] = value
+
+
+#: The translation that maps every key to itself.
+IDENTITY = Translation("identity")

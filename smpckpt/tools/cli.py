@@ -1,0 +1,329 @@
+"""``smpckpt`` command line: ``ls``, ``inspect``, ``verify``, ``prune``, ``convert``, ``consolidate`` (also
+``python -m smpckpt``).
+
+Every command takes local paths and URLs (``s3://bucket/run``). fsspec options come from
+``--storage-options '{"key": ..., "client_kwargs": {"endpoint_url": ...}}'`` or, when that is not
+given, from the ``SMPCKPT_STORAGE_OPTIONS`` environment variable (same JSON); S3 endpoints also follow
+botocore's own ``AWS_ENDPOINT_URL``.
+
+``PATH/TAG`` (inspect, verify) is a checkpoint root plus a tag and resolves to ``PATH/TAG_partial``;
+the checkpoint folder itself is accepted too.
+
+Exit status: 0 success; 1 a problem was found (verify) or the command failed; 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
+
+from smpckpt.catalog.listing import newest_tag, scan_root
+from smpckpt.errors import CheckpointError
+from smpckpt.model.record import LayoutRecord
+from smpckpt.storage import FsspecStorageReader, verify_checkpoint
+from smpckpt.tools._common import (
+    ENV_OPTIONS,
+    UsageError,
+    human,
+    layout_json,
+    layout_text,
+    resolve_checkpoint_url,
+    storage_options_arg,
+)
+from smpckpt.tools._maintain import DTYPES, TRANSLATIONS, cmd_consolidate, cmd_convert, cmd_prune, duration
+
+__all__ = ["main", "build_parser", "resolve_checkpoint_url"]
+
+#: ``--progress auto`` draws a bar for checkpoints at least this large.
+_PROGRESS_MIN_BYTES = 256 << 20
+
+
+# -- commands ----------------------------------------------------------------------------------------
+def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    options = storage_options_arg(args.storage_options)
+    records = scan_root(args.path, storage_options=options)
+    newest = newest_tag(args.path, storage_options=options)
+    rows: list[dict[str, Any]] = []
+    for r in records:
+        rows.append(
+            {
+                "tag": r.tag,
+                "state": r.state,
+                "newest": r.tag == newest,
+                "size": r.size,
+                "layout": layout_json(r.manifest),
+                "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
+                "detail": r.detail,
+            }
+        )
+    if args.json:
+        json.dump({"path": args.path, "newest": newest, "checkpoints": rows}, out, indent=1)
+        out.write("\n")
+        return 0
+    if not rows:
+        out.write(f"no partial checkpoints under {args.path}\n")
+        return 0
+    header = ("", "TAG", "STATE", "SIZE", "LAYOUT", "SAVED")
+    table: list[tuple[str, ...]] = [header] + [
+        (
+            "*" if row["newest"] else "",
+            row["tag"],
+            row["state"],
+            human(row["size"]),
+            layout_text(row["layout"]),
+            row["saved_at"] or "-",
+        )
+        for row in rows
+    ]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    for line in table:
+        out.write("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() + "\n")
+    for r in records:
+        if r.state in ("unsafe", "corrupt", "unreadable"):
+            out.write(f"warning: {r.tag} is {r.state}: {r.detail}\n")
+    if newest is None:
+        out.write("(no valid 'newest' file)\n")
+    elif newest not in {r.tag for r in records if r.committed}:
+        out.write(f"warning: 'newest' names {newest!r}, which is not a committed checkpoint\n")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    options = storage_options_arg(args.storage_options)
+    url = resolve_checkpoint_url(args.checkpoint, options)
+    reader = FsspecStorageReader(url, storage_options=options)
+    metadata = reader.read_metadata()
+    extra: Mapping[str, Any] = reader.manifest.extra if reader.manifest is not None else {}
+    record = LayoutRecord.from_manifest(reader.manifest) or LayoutRecord.from_metadata(metadata)
+    world_size = reader.manifest.world_size if reader.manifest is not None else None
+    tensors: list[dict[str, Any]] = []
+    objects: list[str] = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if not isinstance(md, TensorStorageMetadata):
+            objects.append(key)
+            continue
+        size, dtype = md.size, md.properties.dtype
+        tensors.append(
+            {
+                "key": key,
+                "shape": [int(s) for s in size],
+                "dtype": str(dtype).replace("torch.", ""),
+                "chunks": len(md.chunks),
+                "bytes": math.prod(size) * dtype.itemsize,
+            }
+        )
+    tensor_bytes = sum(int(t["bytes"]) for t in tensors)
+    info: dict[str, Any] = {
+        "checkpoint": url,
+        "state": reader.state,
+        "tag": extra.get("tag"),
+        "layout": record.layout.to_dict() if record is not None else None,
+        "saved_at": extra.get("saved_at"),
+        "world_size": world_size,
+        "user_content_keys": extra.get("user_content_keys"),
+        "user_content_type": extra.get("user_content_type"),
+        "tensors": tensors,
+        "objects": objects,
+        "tensor_bytes": tensor_bytes,
+    }
+    if args.json:
+        json.dump(info, out, indent=1)
+        out.write("\n")
+        return 0
+    out.write(f"checkpoint: {url} ({reader.state})\n")
+    if extra:
+        out.write(f"tag: {extra.get('tag')}  saved: {extra.get('saved_at')}  world size: {world_size}\n")
+        out.write(f"layout: {layout_text(info['layout'])}\n")
+        keys = extra.get("user_content_keys")
+        out.write(
+            f"user content: {', '.join(keys) if keys else '(none)'}"
+            f"{'' if keys is not None else ' [' + str(extra.get('user_content_type')) + ']'}\n"
+        )
+    width = max([len(t["key"]) for t in tensors] + [3])
+    out.write(f"{'KEY'.ljust(width)}  {'SHAPE':<18}  {'DTYPE':<9}  {'CHUNKS':>6}  BYTES\n")
+    for t in tensors:
+        shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+        out.write(f"{t['key'].ljust(width)}  {shape:<18}  {t['dtype']:<9}  {t['chunks']:>6}  {t['bytes']}\n")
+    out.write(f"{len(tensors)} tensors, {human(tensor_bytes)}; {len(objects)} objects\n")
+    return 0
+
+
+class _ProgressBar:
+    """A tqdm byte bar on ``stream`` (``--progress``: auto draws it for large checkpoints only)."""
+
+    def __init__(self, stream: TextIO, mode: str) -> None:
+        self.stream = stream
+        self.mode = mode
+        self._bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.mode == "never" or (self.mode == "auto" and total < _PROGRESS_MIN_BYTES):
+            return
+        if self._bar is None:
+            self._bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="verify",
+                file=self.stream,
+                mininterval=0.1,
+                dynamic_ncols=True,
+            )
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    options = storage_options_arg(args.storage_options)
+    url = resolve_checkpoint_url(args.checkpoint, options)
+    bar = _ProgressBar(err, args.progress)
+    try:
+        report = verify_checkpoint(url, options, progress=bar)
+    finally:
+        bar.close()
+    for warning in report.warnings:
+        err.write(f"warning: {warning}\n")
+    if report.ok:
+        kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
+        out.write(f"OK {url}: {report.files_checked} files, {human(report.bytes_checked)} ({kind})\n")
+        return 0
+    err.write(f"FAILED {url}: {len(report.problems)} problem(s)\n")
+    for problem in report.problems:
+        err.write(f"  {problem}\n")
+    return 1
+
+
+# -- entry point -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="smpckpt", description="Inspect and maintain smpckpt checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        default=None,
+        help=f"fsspec storage options as JSON (default: ${ENV_OPTIONS})",
+    )
+
+    p = sub.add_parser("ls", parents=[common], help="list the tags under a checkpoint root")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("inspect", parents=[common], help="tensors, shapes, dtypes, chunks of one checkpoint")
+    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", parents=[common], help="check completeness and every checksum")
+    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help=f"progress bar on stderr (auto: checkpoints of {human(_PROGRESS_MIN_BYTES)} or more)",
+    )
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "prune",
+        parents=[common],
+        help="keep the N newest committed partial checkpoints; remove stale debris of failed saves",
+    )
+    p.add_argument("path")
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="committed checkpoints to keep (N >= 1)")
+    p.add_argument(
+        "--uncommitted-older-than",
+        type=duration,
+        default=None,
+        metavar="AGE",
+        help="also remove uncommitted folders with no write for AGE (e.g. 6h; make it longer than any save) "
+        "and abort S3 multipart uploads started that long ago",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    p.set_defaults(func=cmd_prune)
+    p = sub.add_parser(
+        "convert",
+        parents=[common],
+        help="export a checkpoint for stock tools: one torch.save file, or a stock-readable DCP folder",
+    )
+    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--to", choices=("torch_save", "dcp"), default="torch_save", help="output format")
+    p.add_argument("--keep-view-shapes", action="store_true", help="keep fused views in their stored shape")
+    p.add_argument("--allow-pickle", action="store_true", help="objects that need code to load (trusted only)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT")
+    p.set_defaults(func=cmd_convert)
+    p = sub.add_parser(
+        "consolidate",
+        parents=[common],
+        help="turn a committed partial checkpoint into one safetensors artifact (as save_checkpoint(partial=False))",
+    )
+    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p.add_argument("out", metavar="OUT", help="output folder (a POSIX path; must not hold a committed checkpoint)")
+    p.add_argument("--include-optimizer", action="store_true", help="also write optimizer.safetensors")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch_save"),
+        default="safetensors",
+        help="safetensors files (default) or torch.save ones (pytorch_model.bin, optimizer.bin)",
+    )
+    p.add_argument("--translation", choices=TRANSLATIONS, default=None, help="write Hugging Face names and layouts")
+    p.add_argument("--hf-config", default=None, metavar="CONFIG_JSON", help="written as config.json beside the weights")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_consolidate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Run the CLI; returns the exit status (the console script exits with it)."""
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args, out, err))
+    except BrokenPipeError:
+        # the reader went away (`smpckpt inspect ... | head`): stop quietly, like any Unix tool
+        _silence_stdout(out)
+        return 0
+    except UsageError as exc:
+        err.write(f"smpckpt {args.command}: {exc}\n")
+        return 2
+    except (CheckpointError, OSError, ValueError, ImportError) as exc:
+        err.write(f"smpckpt {args.command}: {type(exc).__name__}: {exc}\n")
+        return 1
+
+
+def _silence_stdout(out: TextIO) -> None:
+    """Point the closed stdout at /dev/null so the interpreter's final flush does not complain."""
+    if out is not sys.stdout:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _console() -> None:  # pragma: no cover - thin wrapper
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _console()

@@ -1,0 +1,253 @@
+"""Offline consolidation: a committed partial checkpoint -> the full artifact ``partial=False`` writes.
+
+:func:`consolidate_checkpoint` (``smpckpt consolidate SRC OUT``) runs in one CPU process with no
+process group. It drives the full-mode storage writer as ``dcp.save`` would for a one-rank world whose
+every tensor is one whole chunk, and fetches each tensor from the partial checkpoint only when the
+writer asks for it -- one tensor at a time, every saved shard read with its checksums verified -- so
+memory stays about twice the largest tensor (the tensor, plus one contiguous box while a translation
+transposes or a cast converts it), whatever the model size. A tqdm bar shows bytes done.
+
+The output is the same as an online full save: ``model.safetensors`` (or shards + index),
+``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt``, the commit manifest.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from tqdm.auto import tqdm
+
+from smpckpt.api._full import ARTIFACTS, MODEL_PREFIX, OPTIM_PREFIX
+from smpckpt.errors import CheckpointError
+from smpckpt.model.keys import RESERVED
+from smpckpt.model.record import METADATA_KEY
+from smpckpt.model.translation import Translation
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+
+__all__ = ["consolidate_checkpoint", "ConsolidateReport"]
+
+log = logging.getLogger(__name__)
+
+
+class ConsolidateReport(dict[str, Any]):
+    """``{"out": url, "tensors": n, "bytes": n, "files": [names]}``."""
+
+
+class _OneTensorAtATime(SavePlanner):
+    """Hands the writer each tensor read whole from the partial checkpoint, only when asked."""
+
+    def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
+        self.reader, self.md, self.bar = reader, metadata, bar
+        self.objects: dict[str, bytes] = {}
+
+    # The writer calls only resolve_data; the rest of the protocol is not used offline.
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
+        pass
+
+    def create_local_plan(self) -> SavePlan:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:  # pragma: no cover
+        raise NotImplementedError
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:  # pragma: no cover - unused
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        fqn = write_item.index.fqn
+        md = self.md.state_dict_metadata[fqn]
+        sink = _Sink()
+        if isinstance(md, BytesStorageMetadata):
+            req = ReadItem(
+                type=LoadItemType.BYTE_IO,
+                dest_index=MetadataIndex(fqn),
+                dest_offsets=torch.Size(),
+                storage_index=MetadataIndex(fqn),
+                storage_offsets=torch.Size(),
+                lengths=torch.Size(),
+            )
+            self.reader.read_data(LoadPlan([req]), sink).wait()
+            return io.BytesIO(sink.data[fqn])
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{fqn!r}: unexpected metadata type {type(md).__name__}")
+        whole = torch.empty(md.size, dtype=md.properties.dtype)
+        zeros = torch.Size([0] * len(md.size))
+        reads = [
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(fqn, zeros),
+                dest_offsets=c.offsets,
+                storage_index=MetadataIndex(fqn, c.offsets),
+                storage_offsets=zeros,
+                lengths=c.sizes,
+            )
+            for c in md.chunks
+        ]
+        sink.whole = whole
+        self.reader.read_data(LoadPlan(reads), sink).wait()
+        self.bar.update(whole.numel() * whole.element_size())
+        return whole
+
+
+class _Sink(LoadPlanner):
+    """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes."""
+
+    def __init__(self) -> None:
+        self.whole: torch.Tensor | None = None
+        self.data: dict[str, bytes] = {}
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
+        pass
+
+    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:  # pragma: no cover - unused
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.data[read_item.dest_index.fqn] = value.getvalue()
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if self.whole is None:
+            raise CheckpointError("internal: no destination tensor")
+        t = self.whole
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(d, o, n)
+        return t
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def _is_api_checkpoint(keys: Any) -> bool:
+    heads = {k.split(".", 1)[0] for k in keys}
+    return RESERVED.model in heads and heads <= {RESERVED.model, RESERVED.optim, RESERVED.rng, RESERVED.user_content}
+
+
+def consolidate_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    include_optimizer: bool = False,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = "5GB",
+    translation: Translation | None = None,
+    hf_config: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool = True,
+    format: str = "safetensors",
+    out_storage_options: Mapping[str, Any] | None = None,
+) -> ConsolidateReport:
+    """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (a local path or
+    any URL the storage supports: on S3 each file is one streamed multipart upload).
+
+    Checkpoints written by :func:`smpckpt.save_checkpoint` give ``model.safetensors`` (keys without the
+    ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer`` and ``user_content.pt``;
+    RNG states are left out. Other DCP checkpoints put every tensor in ``model.safetensors`` under its
+    flattened key and every object in ``<key>.pt``. ``out`` must not hold a committed checkpoint.
+    ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
+    instead of safetensors ones. ``storage_options`` apply to ``src``, and to ``out`` unless
+    ``out_storage_options`` are given.
+    """
+    reader = FsspecStorageReader(src, storage_options=storage_options)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    api = _is_api_checkpoint(metadata.state_dict_metadata)
+    if api:
+        if include_optimizer and not any(k.startswith(OPTIM_PREFIX) for k in metadata.state_dict_metadata):
+            raise ValueError(f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({OPTIM_PREFIX}*)")
+        artifacts = dict(ARTIFACTS) if include_optimizer else {MODEL_PREFIX: ARTIFACTS[MODEL_PREFIX]}
+    else:
+        if include_optimizer:
+            raise ValueError(f"{src}: include_optimizer needs a checkpoint written by smpckpt.save_checkpoint")
+        artifacts = {"": "model"}
+    opts = FullOptions(
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        artifacts=artifacts,
+        translation=translation,
+        hf_config=hf_config,
+        format=format,
+    )
+    items: list[WriteItem] = []
+    kept: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            if opts.route(fqn) is None:
+                continue
+            zeros = torch.Size([0] * len(md.size))
+            items.append(
+                WriteItem(
+                    MetadataIndex(fqn, zeros),
+                    WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(ChunkStorageMetadata(zeros, md.size), md.properties, md.size),
+                )
+            )
+            kept[fqn] = md
+        elif not api or fqn == RESERVED.user_content:
+            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+            kept[fqn] = md
+    total = sum(md.size.numel() * md.properties.dtype.itemsize for md in kept.values() if hasattr(md, "size"))
+    record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
+    plan = SavePlan(items, planner_data={METADATA_KEY: record} if record else None)
+    # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor
+    writer = FsspecStorageWriter(
+        out,
+        mode="full",
+        full=opts,
+        thread_count=1,
+        storage_options=out_storage_options if out_storage_options is not None else storage_options,
+    )
+    writer.set_up_storage_writer(True, rank=0)
+    writer.storage_meta()  # starts the record of the files this save makes (what a failure removes)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="consolidate", disable=not progress) as bar:
+            planner = _OneTensorAtATime(reader, metadata, bar)
+            (final,) = writer.prepare_global_plan([plan])
+            results = writer.write_data(final, planner).wait()
+        out_md = Metadata(
+            state_dict_metadata=kept,
+            planner_data={METADATA_KEY: record} if record else None,
+            storage_data=None,
+        )
+        writer.finish(out_md, [results])
+    except BaseException as exc:
+        # as a failed online save does: a full-size artifact of unwritten zeros must not stay in OUT
+        left = writer.discard_failed_save(exc)
+        if left:
+            log.warning("%s: could not remove %d file(s) of the failed consolidation: %s", writer.url, len(left), left)
+        raise
+    log.info("consolidated %s into %s (%d tensors, %d bytes)", src, writer.url, len(kept), total)
+    return ConsolidateReport(
+        out=writer.url,
+        tensors=sum(isinstance(md, TensorStorageMetadata) for md in kept.values()),
+        bytes=total,
+        files=writer.written_files(),
+    )

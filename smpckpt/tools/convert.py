@@ -1,0 +1,146 @@
+"""Export a checkpoint to what stock tools read: one ``torch.save`` file, or a stock-DCP folder.
+
+Stock DCP cannot read smpckpt's default (``raw``) format -- ``dcp.load`` and ``dcp_to_torch_save``
+fail with ``Unknown extension name='smpckpt.raw'`` -- and a tensor saved with a ShardSpec ``view`` is
+stored under its view shape (a fused QKV ``[3h, d]`` as ``[3, h, d]``). :func:`convert_checkpoint`
+(``smpckpt convert SRC OUT``) reads any checkpoint our reader reads, in one process with no process
+group, and writes:
+
+* ``to="torch_save"``: one file ``torch.load`` opens, nested as the saved state dict was;
+* ``to="dcp"``: a committed smpckpt folder in ``format="torch_save"``, which stock ``dcp.load`` (with
+  ``FileSystemReader`` or ``checkpoint_id=``) and ``dcp_to_torch_save`` read with nothing installed.
+
+Viewed tensors are written in their original shape (recorded at save time) unless ``keep_view_shapes``.
+Memory: every tensor is held once, full-size (an offline tool; use a machine that fits the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from smpckpt.api._args import quiet_no_dist, translate_dcp
+from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.record import METADATA_KEY, LayoutRecord
+from smpckpt.planners import ParallelLoadPlanner
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
+
+__all__ = ["convert_checkpoint", "ConvertReport"]
+
+log = logging.getLogger(__name__)
+
+Target = Literal["torch_save", "dcp"]
+
+
+class ConvertReport(dict[str, Any]):
+    """``{"tensors": n, "objects": n, "bytes": n, "reshaped": [keys], "out": url}``."""
+
+
+def _check_declared_sizes(src: str, metadata: Any, reader: FsspecStorageReader, record: LayoutRecord | None) -> None:
+    """Before allocating: the metadata's shapes are sizes, and a committed checkpoint declares no more
+    tensor bytes than its files hold (a crafted shape must fail here, not as a raw RuntimeError from
+    ``torch.empty``, or by allocating without bound). Tied keys share their bytes and do not count."""
+    tied = set(record.tied) if record is not None else set()
+    declared = 0
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if any(not isinstance(n, int) or n < 0 for n in md.size):
+            raise CheckpointCorrupt(f"{src}: {key!r} has shape {tuple(md.size)}")
+        if key not in tied:
+            declared += math.prod(md.size) * md.properties.dtype.itemsize
+    stored = reader.manifest.total_bytes if reader.manifest is not None else None
+    if stored is not None and declared > stored:
+        raise CheckpointCorrupt(f"{src}: its metadata declares {declared} bytes of tensors but its files hold {stored}")
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    to: Target = "torch_save",
+    keep_view_shapes: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    out_storage_options: Mapping[str, Any] | None = None,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+) -> ConvertReport:
+    """Read the checkpoint folder ``src`` (committed smpckpt or stock DCP; checksums verified) and
+    write it to ``out`` as ``to`` says. Returns what was written."""
+    if to not in ("torch_save", "dcp"):
+        raise ValueError(f"to must be 'torch_save' or 'dcp', got {to!r}")
+    reader = FsspecStorageReader(src, storage_options=storage_options, allow_pickle=allow_pickle)
+    metadata = reader.read_metadata()
+    record = LayoutRecord.from_metadata(metadata)
+    _check_declared_sizes(os.fspath(src), metadata, reader, record)
+    flat: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            try:
+                flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            except (RuntimeError, MemoryError) as exc:
+                raise CheckpointError(
+                    f"{os.fspath(src)}: cannot hold {key!r} {tuple(md.size)} in memory: {exc}"
+                ) from exc
+        else:
+            flat[key] = None  # an object: loaded (weights-only unless allow_pickle) into this slot
+    reader.reset()
+    # Full tensors in one process: layout of one rank, every key as saved (no renaming, no specs).
+    planner = ParallelLoadPlanner(ParallelLayout(), rank=0, allow_pickle=allow_pickle)
+    try:
+        with quiet_no_dist():
+            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:  # a BaseException: the CLI would print DCP's whole traceback
+        raise translate_dcp(exc, f"reading {os.fspath(src)}") from exc
+    reshaped: list[str] = []
+    if not keep_view_shapes and record is not None:
+        for key, shape in record.original_shapes.items():
+            value = flat.get(key)
+            if isinstance(value, torch.Tensor) and math.prod(shape) == value.numel():
+                flat[key] = value.reshape(shape)
+                reshaped.append(key)
+    mappings = {k: v for k, v in (metadata.planner_data or {}).items() if k != METADATA_KEY and k in flat}
+    state = unflatten_state_dict(flat, mappings) if len(mappings) == len(flat) else flat
+    out_url = os.fspath(out)
+    if to == "torch_save":
+        fs, path = open_fs(out_url, out_storage_options)
+        if fs.isdir(path):  # a move into it would leave the file inside, not at OUT
+            raise IsADirectoryError(f"{out_url} is a folder; torch_save output is one file: name the file")
+        if fs.exists(path) and not overwrite:
+            raise FileExistsError(f"{out_url} exists; pass overwrite=True (--overwrite) to replace it")
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with fs.open(tmp, "wb") as f:
+            torch.save(state, f)
+        fs.mv(tmp, path)
+    else:
+        writer = FsspecStorageWriter(
+            out_url, storage_options=out_storage_options, format="torch_save", overwrite=overwrite
+        )
+        try:
+            with quiet_no_dist():
+                dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+        except CheckpointException as exc:
+            raise translate_dcp(exc, f"writing {out_url}") from exc
+    tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
+    report = ConvertReport(
+        tensors=len(tensors),
+        objects=len(flat) - len(tensors),
+        bytes=sum(t.numel() * t.element_size() for t in tensors),
+        reshaped=sorted(reshaped),
+        out=out_url,
+    )
+    log.info(
+        "converted %s -> %s (%s): %d tensors, %d objects", os.fspath(src), out_url, to, len(tensors), report["objects"]
+    )
+    return report

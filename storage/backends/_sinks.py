@@ -1,0 +1,185 @@
+"""Byte sinks: where one data file's bytes go, sequentially, straight from the caller's buffers.
+
+Every sink has ``write(memoryview)``, ``commit()`` (make the file complete and durable) and
+``abort()`` (best-effort removal of a partial file; idempotent). ``commit`` after ``abort`` is an error.
+Sinks do not copy the caller's bytes except where the backend needs its own buffer (S3 parts, unless
+the sink was opened with ``borrow=True``: then the caller's memory must stay unchanged until
+``commit``/``abort`` returns, and S3 parts are sent straight from it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import is_local, is_s3
+
+__all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink"]
+
+
+class Sink(Protocol):
+    path: str
+
+    def write(self, data: memoryview) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc ``sync_file_range`` (Linux), or None. Python's ``os`` has no binding for it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+
+def write_back(fd: int, offset: int, nbytes: int, *, wait: bool) -> bool:
+    """Start (``wait=False``) or complete (``wait=True``) writeback of a file range (Linux
+    ``sync_file_range``). Not durable on its own (no metadata, no disk cache flush). False where the
+    call is unavailable or fails, so the caller falls back to fsync."""
+    if _sync_file_range is None:
+        return False
+    flags = _SYNC_FILE_RANGE_WRITE
+    if wait:
+        flags |= _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WAIT_AFTER
+    return _sync_file_range(fd, offset, nbytes, flags) == 0
+
+
+# start writeback of what was written once this many bytes are pending
+_WRITEBACK_BYTES = 8 << 20
+
+
+class LocalSink:
+    """A local/POSIX file written with unbuffered ``os.write`` from the caller's memory, then fsync'd."""
+
+    def __init__(self, path: str, *, sync: bool) -> None:
+        self.path = path
+        self._sync = sync
+        with translate_errors(path):
+            # O_EXCL: a data file name is unique to one save; finding it already there is a bug.
+            self._fd: int | None = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
+        self._pos = 0
+        self._flushed = 0
+
+    def write(self, data: memoryview) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: write after commit/abort")
+        mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        with translate_errors(self.path):
+            while mv:
+                n = os.write(self._fd, mv)
+                mv = mv[n:]
+                self._pos += n
+        if self._sync and _sync_file_range is not None and self._pos - self._flushed >= _WRITEBACK_BYTES:
+            # Start (not wait for) writeback of the bytes written so far, so the disk works while we
+            # keep writing and the fsync in commit() has little left to flush. A hint only: commit()
+            # still fsyncs everything.
+            _sync_file_range(self._fd, self._flushed, self._pos - self._flushed, _SYNC_FILE_RANGE_WRITE)
+            self._flushed = self._pos
+
+    def commit(self) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: commit after commit/abort")
+        fd, self._fd = self._fd, None
+        with translate_errors(self.path):
+            try:
+                if self._sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class FsspecSink:
+    """Any fsspec backend through ``fs.open(path, "wb")`` (memory://, gcs, ...).
+
+    ``commit`` closes the file, which is what makes it visible on object stores. No ``os.sync()``:
+    fsspec file objects have no descriptor to fsync, and a host-wide sync is not ours to call.
+    """
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.path = path
+        self._fs = fs
+        with translate_errors(path):
+            self._f: Any = fs.open(path, "wb")
+
+    def write(self, data: memoryview) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: write after commit/abort")
+        with translate_errors(self.path):
+            self._f.write(data.cast("B") if data.format != "B" or data.ndim != 1 else data)
+
+    def commit(self) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: commit after commit/abort")
+        f, self._f = self._f, None
+        with translate_errors(self.path):
+            f.close()
+
+    def abort(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            # Drop the buffer without close(): close() would commit a partial object on S3-like stores.
+            for name in ("discard", "_abort"):
+                fn = getattr(f, name, None)
+                if callable(fn):
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
+                    break
+            else:
+                try:
+                    f.close()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        try:
+            self._fs.rm_file(self.path)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def open_sink(
+    fs: Any, path: str, *, sync: bool, part_size: int, max_parts_in_flight: int, borrow: bool = False
+) -> Sink:
+    """The sink for ``path`` on ``fs``. ``borrow=True``: the caller does not change the memory it passes
+    to ``write`` until ``commit``/``abort`` returns, so a sink may send it without copying (S3)."""
+    if is_local(fs):
+        return LocalSink(path, sync=sync)
+    if is_s3(fs):
+        from smpckpt.storage.backends._s3 import S3MultipartSink
+
+        return S3MultipartSink(fs, path, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow)
+    return FsspecSink(fs, path)

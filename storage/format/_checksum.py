@@ -1,0 +1,149 @@
+"""Block checksums of data files (xxh3-64 from the C-accelerated ``xxhash`` package).
+
+Files are cut into check units so a ranged read verifies only the units it touches. Unit boundaries
+are recorded explicitly (as end offsets) because they follow the items: every raw tensor record starts
+a fresh unit and is cut into units sized for it -- blocks, or tiles for column reads (see
+:mod:`._check_units`) -- so the slices a resharding load reads start and end on unit boundaries and
+verification adds little or nothing to the bytes read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import xxhash
+
+from smpckpt.storage.format._check_units import ItemChecks, Tiling
+
+__all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockHasher", "hash_bytes", "hash_parts"]
+
+#: The checksum algorithm's name as the manifest records it (and names its digest fields after).
+ALGORITHM = "xxh3_64"
+DEFAULT_BLOCK_SIZE = 1 << 20
+
+
+def hash_bytes(data: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 of ``data`` (the GIL is released for large buffers, so this overlaps with I/O)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def hash_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    """xxh3-64 of the concatenation of ``parts`` (equal to :func:`hash_bytes` of the joined bytes)."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
+class BlockHasher:
+    """Streams a file's bytes into check units and records (end offset, digest) per unit.
+
+    Items fed with :meth:`start_item` alone pack into ``block_size`` blocks (a large item starts a fresh
+    one); items fed with an :class:`~._check_units.ItemChecks` get units of their own: blocks of its
+    ``unit`` size, or tiles (see :mod:`._check_units`), listed in :attr:`tilings`.
+
+    Not thread-safe: feed one file's bytes in order from one thread.
+    """
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.ends: list[int] = []
+        self.digests: list[int] = []
+        self.tilings: list[Tiling] = []
+        self._pos = 0
+        self._fill = 0
+        self._h = xxhash.xxh3_64()
+        self._unit = block_size
+        self._item_end = -1  # end of an item with units of its own (-1: none open)
+        self._tiling: Tiling | None = None
+        self._tile_h: list[xxhash.xxh3_64] = []
+
+    def start_item(self, nbytes: int, checks: ItemChecks | None = None) -> None:
+        """Called before an item's bytes: an item of at least one block, or with ``checks``, starts a
+        fresh unit."""
+        if self._fill and (checks is not None or nbytes >= self.block_size):
+            self._cut()
+        if checks is None or nbytes == 0:
+            return
+        self._unit = checks.unit
+        self._item_end = self._pos + nbytes
+        self._tiling = checks.tiling(self._pos, nbytes)
+        if self._tiling is not None:
+            self.tilings.append(self._tiling)
+            self._tile_h = [xxhash.xxh3_64() for _ in range(self._tiling.groups)]
+
+    def update(self, data: memoryview) -> None:
+        mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        if self._tiling is not None:
+            self._update_tiles(mv)
+            return
+        i, n = 0, len(mv)
+        while i < n:
+            take = min(self._unit - self._fill, n - i)
+            if take == self._unit:
+                # whole unit: one-shot digest, no streaming state
+                self.digests.append(xxhash.xxh3_64_intdigest(mv[i : i + take]))
+                self._pos += take
+                self.ends.append(self._pos)
+            else:
+                self._h.update(mv[i : i + take])
+                self._fill += take
+                self._pos += take
+                if self._fill == self._unit:
+                    self._cut()
+            i += take
+        if self._pos == self._item_end:
+            self._end_item()
+
+    def _update_tiles(self, mv: memoryview) -> None:
+        t = self._tiling
+        assert t is not None
+        seg, row, hs = t.segment, t.row_bytes, self._tile_h
+        i, n = 0, len(mv)
+        while i < n:
+            col = (self._pos - t.start) % row
+            if col == 0 and n - i >= row:
+                # whole rows up to the row group's end: one update per segment, no position arithmetic
+                k = min((n - i) // row, (t.group_ceil(self._pos + 1) - self._pos) // row)
+                for base in range(i, i + k * row, row):
+                    for g in range(t.groups):
+                        hs[g].update(mv[base + g * seg : base + (g + 1) * seg])
+                take = k * row
+            else:
+                take = min(seg - col % seg, n - i)
+                hs[col // seg].update(mv[i : i + take])
+            i += take
+            self._pos += take
+            if self._pos == t.group_ceil(self._pos):
+                self._close_row_group(t)
+
+    def _close_row_group(self, t: Tiling) -> None:
+        rg_start = t.group_floor(self._pos - 1)
+        width = (self._pos - rg_start) // t.groups
+        for g, h in enumerate(self._tile_h):
+            self.digests.append(h.intdigest())
+            self.ends.append(rg_start + (g + 1) * width)
+            h.reset()
+        if self._pos == t.end:
+            self._end_item()
+
+    def _end_item(self) -> None:
+        if self._fill:
+            self._cut()
+        self._unit = self.block_size
+        self._item_end = -1
+        self._tiling = None
+
+    def _cut(self) -> None:
+        self.digests.append(self._h.intdigest())
+        self.ends.append(self._pos)
+        self._h.reset()
+        self._fill = 0
+
+    def finish(self) -> tuple[list[int], list[int]]:
+        """Close the last partial block; returns (unit end offsets, digests)."""
+        if self._fill:
+            self._cut()
+        return self.ends, self.digests

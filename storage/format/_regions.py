@@ -1,0 +1,78 @@
+"""Boxes of row-major tensors and the byte runs they occupy in a file (pure functions, no I/O).
+
+A *box* is ``(offsets, sizes)`` inside a tensor of shape ``view`` stored contiguously (row-major) at a
+file offset. Its bytes are ``prod(sizes[:k])`` runs of equal length, where ``k`` is the innermost
+dimension the box does not span fully; a dim-0 slice is one run, a column (dim-1) slice one run per row.
+Runs come out in the box's own row-major order, so reading them back to back fills a contiguous buffer
+of shape ``sizes``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from smpckpt.storage.format._ranges import c_strides
+
+__all__ = ["Box", "box_runs", "intersect", "split_box", "box_bytes"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def box_bytes(sizes: Sequence[int], itemsize: int) -> int:
+    return math.prod(sizes) * itemsize
+
+
+def box_runs(
+    view: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
+) -> tuple[np.ndarray, int]:
+    """Start offsets (bytes, relative to the tensor's first byte, ascending) and the common length of
+    the runs of the box ``(offsets, sizes)`` in a row-major tensor of shape ``view``."""
+    nd = len(view)
+    if len(offsets) != nd or len(sizes) != nd:
+        raise ValueError(f"box {list(offsets)}+{list(sizes)} does not match the rank of shape {list(view)}")
+    for o, s, v in zip(offsets, sizes, view):
+        if o < 0 or s < 0 or o + s > v:
+            raise ValueError(f"box {list(offsets)}+{list(sizes)} lies outside shape {list(view)}")
+    if nd == 0:
+        return np.zeros(1, dtype=np.int64), itemsize
+    strides = c_strides(view)
+    k = nd - 1
+    while k > 0 and sizes[k] == view[k]:
+        k -= 1
+    run = sizes[k] * strides[k] * itemsize
+    base = sum(o * st for o, st in zip(offsets, strides)) * itemsize
+    starts = np.full(1, base, dtype=np.int64)
+    for d in range(k):
+        steps = np.arange(sizes[d], dtype=np.int64) * (strides[d] * itemsize)
+        starts = (starts[:, None] + steps[None, :]).reshape(-1)
+    if math.prod(sizes) == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    return starts, run
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes of one shape, or ``None``."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= low for low, h in zip(lo, hi)) and len(lo) > 0:
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def split_box(offsets: Sequence[int], sizes: Sequence[int], itemsize: int, target: int) -> list[Box]:
+    """Cut a box along its outermost dimension of extent > 1 into boxes of about ``target`` bytes
+    (at least one slice each). Each part's bytes are a contiguous slice of the box's row-major buffer."""
+    offsets, sizes = tuple(offsets), tuple(sizes)
+    k = next((d for d, s in enumerate(sizes) if s > 1), None)
+    if k is None:
+        return [(offsets, sizes)]
+    per = math.prod(sizes[k + 1 :]) * itemsize
+    step = max(1, target // per) if per else sizes[k]
+    out = []
+    for r in range(0, sizes[k], step):
+        n = min(step, sizes[k] - r)
+        out.append((offsets[:k] + (offsets[k] + r,) + offsets[k + 1 :], sizes[:k] + (n,) + sizes[k + 1 :]))
+    return out

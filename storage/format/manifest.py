@@ -1,0 +1,344 @@
+"""The JSON manifest: commit marker and integrity record of one checkpoint generation.
+
+The coordinator writes it last, after every rank's data and the metadata are durable; its presence
+is what makes a checkpoint committed. Layout (``format_version`` 1, or 2 when a file has tilings)::
+
+    {
+      "format": "smpckpt", "format_version": 1 | 2,
+      "kind": "partial" | "full",        # full: one consolidated safetensors artifact (see _full_plan)
+      "save_id": "18c1f...", "created": "2026-11-21T20:54:00Z", "world_size": 4,
+      "data_format": "raw" | "torch_save",
+      "checksum": {"algorithm": "xxh3_64"},
+      "metadata": {"name": ".metadata.<save_id>", "size": 1972, "xxh3_64": "<16 hex>"},
+      "files": [{"name": "...", "size": 123, "rank": 0,
+                 "block_ends": "<base64 of little-endian uint64>", "block_digests": "<base64 ...>",
+                 "tilings": "<base64 ...>"}],   # optional (version 2): 5 uint64 per tiled tensor
+      "extra": {...},                    # caller-supplied JSON (layout, user info)
+      "manifest_xxh3_64": "<16 hex>"     # digest of everything above (canonical JSON); see below
+    }
+
+``manifest_xxh3_64`` covers the manifest itself -- its ``extra``, file list and block digests -- so a
+flipped byte in the manifest is reported as a corrupt manifest, not blamed on an intact data file.
+It is computed over the canonical JSON (sorted keys, compact separators) of the object without that
+field. Manifests written before it existed have none and are read as before.
+
+File names are checked when the manifest is parsed: a name that is not a plain file name inside the
+checkpoint folder (``../x``, ``a/b``) makes the checkpoint :class:`~smpckpt.errors.UnsafeCheckpoint`
+before anything is read or deleted.
+
+Block lists are packed (8 bytes per block, base64) so a 1 TiB checkpoint with 1 MiB blocks needs
+about 22 MiB of manifest rather than ~60 MiB of JSON numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import dataclasses
+import functools
+import json
+import operator
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+from smpckpt.errors import CheckpointCorrupt
+from smpckpt.model.record import MANIFEST_KEY, LayoutRecord
+from smpckpt.storage.format._check_units import Tiling
+from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
+from smpckpt.storage.format._names import FORMAT_VERSION, check_member_name
+
+__all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat", "extra_with_layout_record"]
+
+# Digest fields are named after the algorithm (``"xxh3_64"``, ``"manifest_xxh3_64"``): changing
+# ALGORITHM is a format change, not a setting.
+_MD_DIGEST_KEY = ALGORITHM
+_DIGEST_KEY = f"manifest_{ALGORITHM}"
+# every top-level field a manifest of format_version <= FORMAT_VERSION may hold
+_TOP_KEYS = frozenset(
+    {"format", "format_version", "save_id", "kind", "data_format", "checksum", "created", "world_size"}
+    | {"metadata", "files", "extra", _DIGEST_KEY}
+)
+
+
+def _self_digest(obj: Mapping[str, Any]) -> int:
+    """xxh3-64 of the canonical JSON of the manifest object (without its own digest field)."""
+    return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+CheckpointKind = Literal["partial", "full"]
+DataFormat = Literal["raw", "torch_save"]
+
+
+def _pack(values: Sequence[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}Q", *values)).decode("ascii")
+
+
+def _unpack(text: str) -> tuple[int, ...]:
+    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    if len(raw) % 8:
+        raise ValueError("packed block list length is not a multiple of 8")
+    return struct.unpack(f"<{len(raw) // 8}Q", raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One data file: its size and the end offset and xxh3-64 digest of each check unit ("block").
+
+    A unit inside one of :attr:`tilings` is a tile (see :mod:`._check_units`): its digest covers
+    :meth:`spans`, not the range its end offset suggests. Ranges meant for verification are cut with
+    :meth:`widen`, which keeps a tiling's row groups whole.
+    """
+
+    name: str
+    size: int
+    rank: int
+    block_ends: tuple[int, ...]
+    block_digests: tuple[int, ...]
+    #: ``"blocks"``: the block lists above cover the file. ``"tensors"``: a full artifact's safetensors
+    #: file, written by many ranks at once; its header and every tensor box are checksummed in the
+    #: generation's metadata (itself checksummed here), and the block lists are empty.
+    checks: Literal["blocks", "tensors"] = "blocks"
+    #: tensors checked by tiles (by start offset); ``format_version`` 2
+    tilings: tuple[Tiling, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.block_ends) != len(self.block_digests):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: block ends and digests differ in count")
+        if self.checks not in ("blocks", "tensors"):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: unknown checks {self.checks!r}")
+        if self.checks == "tensors":
+            if self.block_ends:
+                raise CheckpointCorrupt(f"manifest entry {self.name}: tensor-checked file with block list")
+        elif (self.block_ends and self.block_ends[-1] != self.size) or (not self.block_ends and self.size):
+            raise CheckpointCorrupt(f"manifest entry {self.name}: blocks do not cover the file size {self.size}")
+        if not all(map(operator.lt, (0,) + self.block_ends, self.block_ends)):  # pairwise, in C
+            raise CheckpointCorrupt(f"manifest entry {self.name}: block ends are not increasing")
+        self._check_tilings()
+
+    def _check_tilings(self) -> None:
+        """Each tiling lies in the file, after the previous one, and the block list holds exactly its
+        tiles (a reader trusts both to find which bytes a tile digest covers)."""
+        prev_end = 0
+        for t in self.tilings:
+            i = bisect.bisect_right(self.block_ends, t.start)
+            # sizes first, from the tiling's numbers alone: listing the tiles of a crafted tiling
+            # ([0, 2**40, 2, 2, 1]: 2**40 tiles) would allocate without bound before any comparison
+            if t.start < prev_end or t.end > self.size or t.tiles > len(self.block_ends) - i:
+                raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
+            ends = t.tile_ends()
+            if self.block_start(i) != t.start or list(self.block_ends[i : i + len(ends)]) != ends:
+                raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
+            prev_end = t.end
+
+    @functools.cached_property
+    def _tiling_starts(self) -> list[int]:
+        # a reader asks for every item; the tilings never change (frozen)
+        return [t.start for t in self.tilings]
+
+    def tiling_at(self, offset: int) -> Tiling | None:
+        """The tiling holding file byte ``offset``, if any."""
+        if not self.tilings:
+            return None
+        j = bisect.bisect_right(self._tiling_starts, offset) - 1
+        t = self.tilings[j] if j >= 0 else None
+        return t if t is not None and t.start <= offset < t.end else None
+
+    def widen(self, start: int, end: int) -> tuple[int, int]:
+        """``[start, end)`` widened to whole check units (whole row groups inside a tiling)."""
+        if end <= start:
+            return start, end
+        blocks = self.blocks_covering(start, end)
+        lo, hi = self.block_start(blocks[0]), self.block_ends[blocks[-1]]
+        if (t := self.tiling_at(start)) is not None:
+            lo = t.group_floor(start)
+        if (t := self.tiling_at(end - 1)) is not None:
+            hi = t.group_ceil(end)
+        return lo, hi
+
+    def is_cut(self, offset: int) -> bool:
+        """Whether a range may end at ``offset`` and hold whole units (not inside a row group)."""
+        t = self.tiling_at(offset)
+        return t is None or t.group_floor(offset) == offset
+
+    def unit_ranges(self) -> Iterator[tuple[int, int, range]]:
+        """The file in order as ``(start, end, blocks)``: a block, or a row group of tiles, at a time."""
+        first = 0
+        for i, end in enumerate(self.block_ends):
+            if self.is_cut(end):
+                yield self.block_start(first), end, range(first, i + 1)
+                first = i + 1
+
+    def spans(self, i: int) -> list[tuple[int, int]]:
+        """File byte ranges whose bytes, in order, block ``i``'s digest covers."""
+        bs, be = self.block_start(i), self.block_ends[i]
+        t = self.tiling_at(bs)
+        if t is None:
+            return [(bs, be)]
+        try:
+            return t.spans(bs, be)
+        except ValueError as exc:
+            raise CheckpointCorrupt(f"manifest entry {self.name}: {exc}") from exc
+
+    def block_start(self, i: int) -> int:
+        return self.block_ends[i - 1] if i else 0
+
+    def blocks_covering(self, start: int, end: int) -> range:
+        """Indices of the blocks that overlap the byte range ``[start, end)``."""
+        if end <= start:
+            return range(0)
+        first = bisect.bisect_right(self.block_ends, start)
+        last = bisect.bisect_left(self.block_ends, end)
+        return range(first, min(last, len(self.block_ends) - 1) + 1)
+
+    def to_json(self) -> dict[str, Any]:
+        obj = {
+            "name": self.name,
+            "size": self.size,
+            "rank": self.rank,
+            "block_ends": _pack(self.block_ends),
+            "block_digests": _pack(self.block_digests),
+        }
+        if self.checks != "blocks":
+            obj["checks"] = self.checks
+        if self.tilings:
+            obj["tilings"] = _pack([v for t in self.tilings for v in dataclasses.astuple(t)])
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], *, where: str = "manifest") -> FileRecord:
+        size = int(obj["size"])
+        if size < 0:
+            raise ValueError(f"file {obj['name']!r} has a negative size")
+        return cls(
+            name=check_member_name(obj["name"], where=where),
+            size=size,
+            rank=int(obj.get("rank", -1)),
+            block_ends=_unpack(obj["block_ends"]),
+            block_digests=_unpack(obj["block_digests"]),
+            checks=obj.get("checks", "blocks"),
+            tilings=_tilings(obj.get("tilings")),
+        )
+
+
+def _tilings(packed: str | None) -> tuple[Tiling, ...]:
+    values = _unpack(packed) if packed else ()
+    if len(values) % 5:
+        raise ValueError("packed tiling list length is not a multiple of 5 values")
+    return tuple(Tiling(*values[i : i + 5]) for i in range(0, len(values), 5))
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataRecord:
+    """The per-generation copy of ``.metadata``: name, size and whole-file digest."""
+
+    name: str
+    size: int
+    digest: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    save_id: str
+    kind: CheckpointKind
+    data_format: DataFormat
+    metadata: MetadataRecord
+    files: tuple[FileRecord, ...]
+    world_size: int
+    created: str
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    format_version: int = 0  # 0: the lowest version that describes the files (see _names.FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            object.__setattr__(self, "format_version", 2 if any(f.tilings for f in self.files) else 1)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.metadata.size + sum(f.size for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        obj = {
+            "format": "smpckpt",
+            "format_version": self.format_version,
+            "kind": self.kind,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "data_format": self.data_format,
+            "checksum": {"algorithm": ALGORITHM},
+            "metadata": {
+                "name": self.metadata.name,
+                "size": self.metadata.size,
+                _MD_DIGEST_KEY: f"{self.metadata.digest:016x}",
+            },
+            "files": [f.to_json() for f in self.files],
+            "extra": dict(self.extra),
+        }
+        obj[_DIGEST_KEY] = f"{_self_digest(obj):016x}"
+        return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+        """Parse and validate; any problem is a :class:`CheckpointCorrupt` naming ``where``."""
+        try:
+            obj = json.loads(data.decode("utf-8"))
+            if not isinstance(obj, dict) or obj.get("format") != "smpckpt":
+                raise ValueError("not an smpckpt manifest")
+            version = int(obj["format_version"])
+            if version > FORMAT_VERSION:
+                raise ValueError(
+                    f"format_version {version} is newer than this smpckpt understands ({FORMAT_VERSION}); upgrade smpckpt"
+                )
+            # after the version check: a newer format may digest differently (and add fields)
+            unknown = sorted(set(obj) - _TOP_KEYS)
+            if unknown:
+                # a field this version never writes is damage: one flipped bit in the digest's own name
+                # would otherwise read as a manifest from before the digest, and skip the check
+                raise ValueError(f"unknown field(s) {unknown[:5]} for format_version {version}")
+            if _DIGEST_KEY in obj:
+                recorded = obj.pop(_DIGEST_KEY)
+                if not isinstance(recorded, str) or int(recorded, 16) != _self_digest(obj):
+                    raise CheckpointCorrupt(
+                        f"{where} is corrupt: its own checksum does not match its content (the manifest, "
+                        "not necessarily the data, was damaged)"
+                    )
+            if obj["checksum"]["algorithm"] != ALGORITHM:
+                raise ValueError(f"unknown checksum algorithm {obj['checksum']['algorithm']!r}")
+            kind = obj["kind"]
+            if kind not in ("partial", "full"):
+                raise ValueError(f"unknown checkpoint kind {kind!r}")
+            data_format = obj["data_format"]
+            if data_format not in ("raw", "torch_save"):
+                raise ValueError(f"unknown data format {data_format!r}")
+            md = obj["metadata"]
+            files = tuple(FileRecord.from_json(f, where=where) for f in obj["files"])
+            if len({f.name for f in files}) != len(files):
+                raise ValueError("a data file is listed twice")
+            if int(md["size"]) < 0:
+                raise ValueError("negative metadata size")
+            return cls(
+                save_id=str(obj["save_id"]),
+                kind=kind,
+                data_format=data_format,
+                metadata=MetadataRecord(
+                    check_member_name(md["name"], where=where), int(md["size"]), int(md[_MD_DIGEST_KEY], 16)
+                ),
+                files=files,
+                world_size=int(obj["world_size"]),
+                created=str(obj["created"]),
+                extra=obj.get("extra") or {},
+                format_version=version,
+            )
+        except CheckpointCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error, OverflowError, RecursionError) as exc:
+            # OverflowError: "size": 1e400 parses as inf; RecursionError: JSON nested thousands deep
+            raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
+
+
+def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
+    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
+    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
+    record = LayoutRecord.json_in_metadata(metadata)
+    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)

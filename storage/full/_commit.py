@@ -1,0 +1,279 @@
+"""Full (consolidated) mode, the coordinator's side: the folder cleared before a save, then at the
+commit what every rank reported, the artifact's own records, and the metadata loaders see (one whole
+chunk per tensor, in the stored dtype, with the artifact description)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from smpckpt._gc import gc_paused
+from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.model.record import METADATA_KEY, LayoutRecord
+from smpckpt.storage.backends._fs import (
+    create_bytes_exclusive,
+    fsync_path,
+    is_local,
+    join,
+    read_bytes_or_none,
+    remove_files,
+    remove_tree,
+    write_bytes_atomic,
+)
+from smpckpt.storage.format import _names
+from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
+from smpckpt.storage.full._marker import WATCH_S, create_marker, marker_alive, marker_owner
+from smpckpt.storage.full._plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
+from smpckpt.storage.full._units import BoxUnits, rows_of
+from smpckpt.storage.full._write import ObjectResult, create_files
+from smpckpt.storage.full.options import FullOptions
+from smpckpt.storage.write._failed_save import committed_by, raise_commit_failure
+
+__all__ = [
+    "results_of",
+    "folder_names",
+    "whole_tensor_metadata",
+    "clear_for_full_save",
+    "settle_uncommitted_folder",
+    "begin_full_save",
+    "artifact_records",
+    "commit_full",
+]
+
+log = logging.getLogger(__name__)
+_NO_SWAP_WARNED = False
+
+
+def _warn_no_swap_once(process_group: Any) -> None:
+    """Column shards with short rows are then written row by row: correct, but slower (README: 0.61x
+    instead of 0.87x a partial save's throughput on the benchmark). Said once per process."""
+    global _NO_SWAP_WARNED
+    if _NO_SWAP_WARNED or not (dist.is_available() and dist.is_initialized()):
+        return
+    _NO_SWAP_WARNED = True
+    log.warning(
+        "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
+        "written row by row instead of swapped into blocks (slower, same bytes). For the faster path pass "
+        "FsspecStorageWriter(process_group=dist.new_group(backend='gloo')) or init the default group with "
+        "backend='cpu:gloo,cuda:nccl'",
+        dist.get_backend(process_group),
+    )
+
+
+def clear_for_full_save(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or
+    foreign files; remove the debris of an unfinished full save of ours (marker, no manifest)."""
+    found = probe(fs, path, list_when_empty=False)
+    if found.state in ("committed", "legacy"):
+        raise CheckpointExists(
+            f"{url} already holds a {found.state} checkpoint; full artifacts have fixed file names and are "
+            "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
+        )
+    names = folder_names(fs, path)
+    if names and WRITING_MARKER not in names:
+        if found.state == "uncommitted" or _partial_save_files(fs, path):
+            raise CheckpointExists(
+                f"{url} holds the files of an uncommitted partial save (no {_names.MANIFEST_NAME}): one running "
+                "there, or one that failed or was killed. Save under a new tag, or remove them first (`smpckpt "
+                "prune --uncommitted-older-than AGE` removes such folders once nothing has written for AGE)"
+            )
+        raise CheckpointExists(
+            f"{url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
+            "to write a full artifact over them"
+        )
+    if _names.MANIFEST_NAME in names:  # the unfinished save committed since the probe: it is a checkpoint now
+        raise CheckpointExists(f"{url}: a save committed here while this full save was starting; refusing")
+    if names:
+        marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+        if marker is None or marker_alive(fs, path, marker):
+            raise CheckpointExists(
+                f"{url}: another full save (save {marker_owner(marker)!r}) is writing this folder (its "
+                f"{WRITING_MARKER} changed while watched for {WATCH_S:.0f} s); this save wrote nothing. Save "
+                "under another tag, or retry once that save ended"
+            )
+        # debris of a save that stopped (killed: its marker no longer changes, its manifest never came):
+        # all of it goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
+        log.warning("%s: removing %d file(s) of an unfinished full save before writing", url, len(names))
+        failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})], within=path)
+        failed = failed or remove_files(fs, [join(path, WRITING_MARKER)], within=path)
+        if failed:
+            raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
+
+
+def _partial_save_files(fs: Any, path: str) -> bool:
+    """Whether a folder (no manifest, no marker) holds a partial save's data or metadata files."""
+    return any(_names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2))
+
+
+def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before a partial save writes into a folder with no committed checkpoint; two small
+    GETs, not a listing: on S3 listing an absent folder lists its parent, the whole root)
+
+    * Refuse a folder holding a full save's in-progress marker: that save may still be running, and if
+      it was killed its fixed-name files (``model.safetensors``, ...) would sit beside the partial
+      checkpoint, where a Hugging Face loader would read their unwritten zeros. The API never meets this
+      (full saves go to ``{tag}``, partial ones to ``{tag}_partial``); ``dcp.save`` callers mixing modes
+      in a folder do.
+    * Finish an interrupted removal (its marker is there) first: otherwise a later retention or prune,
+      which finishes such folders, would delete this save's files, and the removed checkpoint's leftovers
+      would outlive this save's commit."""
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+    if marker is not None:
+        raise CheckpointExists(
+            f"{url} holds an unfinished full save ({WRITING_MARKER} names save {marker[:40]!r}, no "
+            f"{_names.MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
+            "another folder, or remove that one first (smpckpt.storage.remove_checkpoint)"
+        )
+    if read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
+        log.warning("%s: finishing an interrupted removal before saving here", url)
+        failed = remove_tree(fs, path)
+        if failed:
+            raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
+
+
+def begin_full_save(
+    fs: Any,
+    path: str,
+    url: str,
+    plans: list[SavePlan],
+    options: FullOptions,
+    save_id: str,
+    process_group: Any,
+    *,
+    sync: bool,
+) -> tuple[list[SavePlan], ArtifactLayout]:
+    """(coordinator, after :func:`clear_for_full_save`) Lay the artifact out over the ranks' plans,
+    write the in-progress marker, and on POSIX paths create the files every rank writes into; the
+    plans for the ranks and the layout the commit checks."""
+    record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
+    original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
+    extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
+    gather = not is_local(fs)  # an object cannot be written at offsets by many ranks
+    if gather and len(plans) > 1 and not moves_cpu_tensors(process_group):
+        raise CheckpointError(
+            f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
+            f"owner rank over the process group, and this one ({dist.get_backend(process_group)}) "
+            "cannot: pass FsspecStorageWriter(process_group=dist.new_group(backend='gloo')), or init the "
+            "default group with backend='cpu:gloo,cuda:nccl'"
+        )
+    out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
+    if is_local(fs):
+        os.makedirs(path, exist_ok=True)
+    # the marker first, exclusively: from here until the commit the folder is this save's, never an HF model
+    create_marker(fs, path, url, save_id, sync=sync)
+    if not gather:
+        if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
+            out = plan_exchanges(out, options.row_swap_below)
+        elif options.row_swap_below and len(plans) > 1 and not moves_cpu_tensors(process_group):
+            _warn_no_swap_once(process_group)
+        create_files(path, layout.files, sync=sync)
+    return out, layout
+
+
+def artifact_records(
+    fs: Any, path: str, layout: ArtifactLayout, options: FullOptions, *, sync: bool
+) -> list[FileRecord]:
+    """(coordinator, at the commit) The artifact files, checked for their planned size and made durable,
+    and the side files (shard index, ``config.json``) written; their manifest records."""
+    records: list[FileRecord] = []
+    for f in layout.files:
+        size = int(fs.size(join(path, f.name)))
+        if size != f.size:
+            raise CheckpointError(f"{join(path, f.name)}: {size} bytes after the write, expected {f.size}")
+        if sync and is_local(fs):
+            # the ranks wrote their boxes back (see _full_write._flush); this makes the file durable
+            fsync_path(join(path, f.name))
+        records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
+    side = dict(layout.indexes)
+    cfg = options.hf_config_json(weights_dtype(layout, options))
+    if cfg is not None:
+        side["config.json"] = cfg
+    for name, data in side.items():
+        write_bytes_atomic(fs, join(path, name), data, sync=sync, sync_dir=False)
+        records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
+    return records
+
+
+def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
+    """The floating-point dtype most of the model artifact's tensors are stored in (``config.json``'s
+    ``dtype``, as ``save_pretrained`` records the model's); optimizer state does not count."""
+    counts: dict[torch.dtype, int] = {}
+    for fqn, dtype in layout.dtypes.items():
+        routed = options.route(fqn)
+        if dtype.is_floating_point and routed is not None and routed[0] == "model":
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else None
+
+
+def whole_tensor_metadata(metadata: Metadata, layout: ArtifactLayout, checks: dict[str, list[list[Any]]]) -> None:
+    """Loaders see one chunk per tensor, in the stored dtype; the description says where its bytes are."""
+    sdm = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            props = dataclasses.replace(md.properties, dtype=layout.dtypes.get(fqn, md.properties.dtype))
+            md = TensorStorageMetadata(props, md.size, [ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)])
+        sdm[fqn] = md
+    metadata.state_dict_metadata = sdm
+    metadata.storage_data = {MetadataIndex(DESCRIPTION_FQN): layout.description(checks)}
+
+
+def results_of(
+    layout: ArtifactLayout, results: list[list[WriteResult]]
+) -> tuple[list[FileRecord], dict[str, list[list[Any]]]]:
+    """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
+    boxes: dict[str, list[BoxUnits]] = {}
+    records: list[FileRecord] = []
+    with gc_paused():  # thousands of small lists per rank: no collections while they are made
+        for rank, rank_results in enumerate(results):
+            for wr in rank_results:
+                if isinstance(wr.storage_data, ObjectResult):
+                    name, size, digest = wr.storage_data
+                    records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
+                    continue
+                art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
+                for box in wr.storage_data or ():
+                    boxes.setdefault(f"{art}/{box.key}", []).append(box)
+        checks = {key: rows_of(bs) for key, bs in boxes.items()}
+    return records, checks
+
+
+def folder_names(fs: Any, path: str) -> set[str]:
+    """Base names in a folder (empty when it does not exist)."""
+    try:
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+
+
+def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool) -> None:
+    """(coordinator, last step of a full save) The manifest, exclusively, while the in-progress marker
+    still names this save; then the marker goes. A failed request on an object store raises
+    ``CommitUncertain`` (it may still land: see ``_failed_save``)."""
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
+    if marker_owner(marker) != manifest.save_id:
+        raise CheckpointExists(
+            f"{url}: another save took this folder over while this full save was writing (its "
+            f"{WRITING_MARKER} marker names {marker!r}, not this save {manifest.save_id}); not committed"
+        )
+    try:
+        create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=sync)
+    except FileExistsError as exc:
+        # a retried conditional PUT whose first attempt landed is refused (412) by our own manifest
+        if not committed_by(fs, path, manifest.save_id):
+            raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
+    except Exception as exc:
+        raise_commit_failure(fs, path, url, manifest.save_id, exc)
+    if remove_files(fs, [join(path, WRITING_MARKER)]):
+        log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)

@@ -1,0 +1,151 @@
+"""Full mode on object stores (S3, ``memory://``): each file streamed by one owner rank.
+
+An object cannot be written at offsets by many ranks, so here every artifact file has an owner rank
+(files round-robin over ranks) that uploads it front to back as one stream (multipart on S3). Tensor
+by tensor, in file order, the owner assembles the tensor from the boxes every rank holds: its own are
+copied, the others arrive over the process group (``send``/``recv`` of the box bytes, no pickling).
+Every rank walks the same global order of boxes (file, tensor offset, sending rank), so each send
+meets its receive like steps of one sequential program: no deadlock, whatever the ownership.
+
+Memory: an owner holds one tensor (plus one received box) at a time; a sender one box. The bytes
+cross the network once from their holder to the file's owner, and to storage once. The sink borrows
+what it is given (S3 parts go out as views, no copy into part buffers): every buffer written is the
+resolved tensor's own bytes, a box buffer or an assembled tensor made for this write, none changed
+before the sink's commit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from smpckpt.errors import CheckpointError
+from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.full._plan import FullWrite, RankFullData
+from smpckpt.storage.full._units import BoxUnits
+from smpckpt.storage.full._write import box_buffer, unit_digests, write_objects
+
+__all__ = ["gather_rank"]
+
+
+def gather_rank(
+    folder: str,
+    data: RankFullData,
+    items: Sequence[WriteItem],
+    planner: SavePlanner,
+    *,
+    fs: Any,
+    open_sink: Any,
+    process_group: Any,
+    sync: bool,
+) -> list[WriteResult]:
+    """(every rank) Send this rank's boxes to the files' owners and stream the files this rank owns."""
+    run = _Gather(data, items, planner, process_group)
+    sinks: dict[str, Sink] = {}
+    try:
+        for f in data.files:
+            owner = run.owner[f.name] == data.rank
+            if owner:
+                sinks[f.name] = open_sink(f.name)
+            # front to back: the pieces that are not tensor data (a header, a torch.save archive's
+            # record headers) between the tensors
+            events = sorted([(o, 0, b) for o, b in f.pieces] + [(s, 1, k) for s, k in zip(f.starts, f.keys)])
+            for _, kind, what in events:
+                if kind == 0:
+                    if owner:
+                        sinks[f.name].write(memoryview(cast(bytes, what)))
+                    continue
+                tensor = run.tensor(f.name, cast(str, what))
+                if tensor is not None:
+                    sinks[f.name].write(memoryview(cast(Any, tensor)))
+            if f.name in sinks:
+                sinks.pop(f.name).commit()
+    except BaseException:
+        for sink in sinks.values():
+            sink.abort()
+        raise
+    return run.results() + write_objects(folder, data, items, planner, fs, sync)
+
+
+class _Gather:
+    """One rank's part in the global order of boxes."""
+
+    def __init__(self, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, pg: Any) -> None:
+        self.data, self.planner, self.pg = data, planner, pg
+        self.owner = dict(data.owners)
+        self.by_index = {it.index: it for it in items}
+        self.items = items
+        self.chunks: dict[Any, torch.Tensor] = {}
+        self.units: dict[Any, list[BoxUnits]] = {}
+        self.written: dict[Any, int] = {}
+        self.boxes: dict[tuple[str, str], list[tuple[int, FullWrite]]] = {}
+        for r, w in data.all_writes:
+            self.boxes.setdefault((w.file, w.key), []).append((r, w))
+
+    def _global(self, r: int) -> int:
+        return dist.get_global_rank(self.pg, r) if self.pg is not None else r
+
+    def _my_box(self, w: FullWrite) -> memoryview:
+        chunk = self.chunks.get(w.item)
+        if chunk is None:
+            item = self.by_index[w.item]
+            tensor = self.planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
+                raise CheckpointError(f"{w.item.fqn!r}: expected a tensor from the planner")
+            chunk = self.chunks[w.item] = tensor.detach().cpu().reshape(tuple(item.tensor_data.chunk.sizes))
+        buf = box_buffer(chunk, w)
+        self.units.setdefault(w.item, []).append(unit_digests(w, buf, self.data.check_block))
+        self.written[w.item] = self.written.get(w.item, 0) + buf.nbytes
+        return buf
+
+    def tensor(self, file: str, key: str) -> np.ndarray | None:
+        """(all ranks) This tensor's boxes: sent by their holders; assembled (and returned) by the owner."""
+        me, owner = self.data.rank, self.owner[file]
+        boxes = self.boxes.get((file, key), [])
+        if len(boxes) == 1 and boxes[0][0] == me == owner and _whole(boxes[0][1]):
+            # the owner holds all of it (one rank, a replica): its bytes as they are, no assembly
+            return np.frombuffer(self._my_box(boxes[0][1]), dtype=np.uint8)
+        out: np.ndarray | None = None
+        for r, w in boxes:
+            if r != me and owner != me:
+                continue
+            if r == me:
+                buf = self._my_box(w)
+                if owner != me:
+                    dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=self._global(owner), group=self.pg)
+                    continue
+                got = np.frombuffer(buf, dtype=np.uint8)
+            else:
+                recv = torch.empty(math.prod(w.sizes) * w.dtype.itemsize, dtype=torch.uint8)
+                dist.recv(recv, src=self._global(r), group=self.pg)
+                got = recv.numpy()
+            if out is None:
+                out = np.zeros(math.prod(w.view) * w.dtype.itemsize, dtype=np.uint8)
+            box = tuple(slice(o, o + s) for o, s in zip(w.offsets, w.sizes))
+            out.reshape(*w.view, w.dtype.itemsize)[box] = got.reshape(*w.sizes, w.dtype.itemsize)
+        return out
+
+    def results(self) -> list[WriteResult]:
+        out = [
+            WriteResult(index=i, size_in_bytes=self.written.get(i, 0), storage_data=tuple(u))
+            for i, u in self.units.items()
+        ]
+        done = {r.index for r in out}
+        out += [
+            WriteResult(index=it.index, size_in_bytes=0, storage_data=())
+            for it in self.items
+            if it.tensor_data is not None and it.index not in done
+        ]
+        return out
+
+
+def _whole(w: FullWrite) -> bool:
+    """Whether the box is the whole tensor (its own row-major bytes are the tensor's in the file)."""
+    return not any(w.offsets) and tuple(w.sizes) == tuple(w.view)

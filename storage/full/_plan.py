@@ -1,0 +1,491 @@
+"""Full (consolidated) mode, planning: where every rank's shard bytes land in the safetensors artifact.
+
+The coordinator turns the global save plan into an artifact layout -- which tensors go to which
+``model*.safetensors`` file, every header, every tensor's byte offset -- and gives each rank the list
+of *writes* for its own shards: a box of an artifact tensor (in the tensor's row-major bytes, so a
+column shard is one run per row) and where in the rank's chunk its data comes from. Ranks then write
+straight into the shared files at those offsets (``_full_write``): the bytes cross to storage once, no
+rank gathers a tensor, and extra memory is one piece of one shard.
+
+A :class:`~smpckpt.model.translation.Translation` (e.g. ``smpckpt.hf.gpt2.TRANSLATION``) maps our keys to
+Hugging Face keys region by region: a fused QKV shard becomes boxes of ``c_attn.weight`` transposed,
+written in place, never assembled.
+
+Integrity: each write is cut into *check units* of about ``check_block`` bytes along its outermost
+dimension; every unit's xxh3 goes into the generation's metadata (itself checksummed by the
+manifest), so a reader verifies exactly the boxes it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from smpckpt.errors import CheckpointError, SpecError
+from smpckpt.model.translation import Cat, Expr, Leaf, pieces
+from smpckpt.storage.full._safetensors import encode_header
+from smpckpt.storage.full._torch_zip import torch_layout
+from smpckpt.storage.full.options import FullOptions, parse_size
+
+__all__ = [
+    "FullWrite",
+    "RankFullData",
+    "ArtifactFile",
+    "ArtifactLayout",
+    "plan_artifact",
+    "expr_to_json",
+    "expr_from_json",
+    "file_pieces_from_json",
+    "first_leaf",
+    "DESCRIPTION_FQN",
+    "WRITING_MARKER",
+]
+
+#: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
+DESCRIPTION_FQN = "\x00smpckpt.full"
+#: Written by the coordinator before any rank writes a full artifact's fixed-name files, removed after
+#: the commit: a folder with it and no manifest is an unfinished save, never a Hugging Face folder.
+WRITING_MARKER = "smpckpt.writing"
+
+
+@dataclasses.dataclass(frozen=True)
+class FullWrite:
+    """One box of an artifact tensor that a rank fills from one of its write items."""
+
+    item: MetadataIndex  # the rank's write item (its chunk)
+    key: str  # artifact tensor
+    file: str
+    start: int  # absolute file offset of the artifact tensor's first byte
+    view: tuple[int, ...]
+    offsets: tuple[int, ...]  # box in ``view`` coordinates
+    sizes: tuple[int, ...]
+    perm: tuple[int, ...]  # box.permute(perm) is the chunk's sub-box at dest_offsets
+    dest_offsets: tuple[int, ...]
+    dtype: torch.dtype  # artifact dtype (after any cast)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFullData:
+    """SavePlan.storage_data of one rank in full mode (sent by the coordinator; never stored)."""
+
+    save_id: str
+    rank: int
+    writes: tuple[FullWrite, ...]
+    objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
+    check_block: int
+    world: int = 1
+    #: gather mode (object stores): every rank's boxes in the global order, and each file's owner rank
+    all_writes: tuple[tuple[int, FullWrite], ...] = ()
+    owners: tuple[tuple[str, int], ...] = ()
+    files: tuple[ArtifactFile, ...] = ()
+    #: POSIX mode: the row-block swaps (``_full_exchange.Exchange``) this rank takes part in, global order
+    exchanges: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactFile:
+    """One file of an artifact: everything in it that is not tensor data (``pieces``: the safetensors
+    header, or a torch.save archive's pickle, record headers and directory) and where each tensor goes."""
+
+    name: str
+    artifact: str
+    pieces: tuple[tuple[int, bytes], ...]  # (offset, bytes), ascending
+    size: int
+    keys: tuple[str, ...]
+    starts: tuple[int, ...]  # each key's first byte
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactLayout:
+    """What the coordinator decided; turned into the stored description in ``finish``."""
+
+    files: tuple[ArtifactFile, ...]
+    tensors: Mapping[
+        str, tuple[str, str, int, torch.dtype, tuple[int, ...]]
+    ]  # "art/key" -> (art, file, start, dtype, shape)
+    exprs: Mapping[str, tuple[str, Expr]]  # our fqn -> (artifact, expr over that artifact's keys)
+    dtypes: Mapping[str, torch.dtype]  # our fqn -> stored dtype (after any cast)
+    objects: Mapping[str, str]  # our fqn -> file
+    indexes: Mapping[str, bytes]  # index file name -> JSON
+
+    def names(self, options: FullOptions) -> tuple[str, ...]:
+        """The files a full save of this layout writes besides its metadata copy and marker."""
+        side = ("config.json",) if options.hf_config_json() is not None else ()
+        return (*(f.name for f in self.files), *self.objects.values(), *self.indexes, *side)
+
+    def description(self, checks: Mapping[str, list[list[Any]]]) -> str:
+        """The JSON stored in the generation's metadata (see ``_full_read``)."""
+        from smpckpt.storage.format._checksum import hash_bytes
+
+        return json.dumps(
+            {
+                "version": 1,
+                "files": {
+                    f.name: {"size": f.size, "pieces": [[o, len(b), f"{hash_bytes(b):016x}"] for o, b in f.pieces]}
+                    for f in self.files
+                },
+                "tensors": {
+                    k: {"artifact": a, "file": f, "start": s, "dtype": str(d).removeprefix("torch."), "shape": list(sh)}
+                    for k, (a, f, s, d, sh) in self.tensors.items()
+                },
+                "exprs": {fqn: {"artifact": a, "expr": expr_to_json(e)} for fqn, (a, e) in self.exprs.items()},
+                "objects": dict(self.objects),
+                "checks": checks,
+            },
+            separators=(",", ":"),
+        )
+
+
+def expr_to_json(expr: Expr) -> Any:
+    if isinstance(expr, Leaf):
+        return {
+            "leaf": expr.key,
+            "view": list(expr.view) if expr.view else None,
+            "perm": list(expr.perm) if expr.perm else None,
+        }
+    return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
+
+
+def first_leaf(expr: Expr) -> str:
+    """The key of the first artifact tensor an expression reads."""
+    while not isinstance(expr, Leaf):
+        expr = expr.parts[0]
+    return expr.key
+
+
+def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
+    descriptions written before torch.save files existed."""
+    if "pieces" in f:
+        return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
+    return [(0, int(f["header"][0]), int(f["header"][1], 16))]
+
+
+def expr_from_json(obj: Any) -> Expr:
+    if "leaf" in obj:
+        view, perm = obj.get("view"), obj.get("perm")
+        return Leaf(
+            str(obj["leaf"]),
+            tuple(int(v) for v in view) if view else None,
+            tuple(int(p) for p in perm) if perm else None,
+        )
+    return Cat(int(obj["cat"]), tuple(expr_from_json(p) for p in obj["parts"]))
+
+
+def _leaf_keys(expr: Expr) -> list[str]:
+    if isinstance(expr, Leaf):
+        return [expr.key]
+    return [k for p in expr.parts for k in _leaf_keys(p)]
+
+
+def _cast(shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
+    """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: they are
+    optimizer counters and running products (Adam's ``step``, NAdam's ``mu_product``, ASGD's ``eta``),
+    which a narrow float rounds (fp16 turned step 70,001 into inf, bf16 1,001 into 1,000, and a resumed
+    optimizer then applied the wrong bias correction), and they weigh nothing. By shape, not name:
+    optimizers name their scalars freely."""
+    if to is None or not dtype.is_floating_point or len(shape) == 0:
+        return dtype
+    return to
+
+
+_SAFE_OBJECT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
+
+
+def plan_artifact(
+    plans: Sequence[SavePlan],
+    opts: FullOptions,
+    save_id: str,
+    original_shapes: Mapping[str, Sequence[int]],
+    *,
+    reserved_names: Sequence[str] = (),
+    gather: bool = False,
+) -> tuple[list[SavePlan], ArtifactLayout]:
+    """(coordinator) The artifact layout and every rank's writes; raises naming the key at fault."""
+    shapes, dtypes, chunks, object_items = _collect(plans)
+    _check_tiling(shapes, chunks)
+    exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
+    files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans), opts.format)
+    objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
+    out = _rank_writes(plans, opts, save_id, exprs, art_shapes, tensors, rank_objects, files, gather)
+    layout = ArtifactLayout(
+        tuple(files),
+        tensors,
+        exprs,
+        {fqn: _cast(shapes[fqn], d, opts.dtype) for fqn, d in dtypes.items()},
+        objects,
+        indexes,
+    )
+    return out, layout
+
+
+def _collect(
+    plans: Sequence[SavePlan],
+) -> tuple[
+    dict[str, tuple[int, ...]],
+    dict[str, torch.dtype],
+    dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
+    list[tuple[int, MetadataIndex]],
+]:
+    """Every tensor's global shape, dtype and chunks, and every object item, from all ranks' plans."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    object_items: list[tuple[int, MetadataIndex]] = []
+    for rank, plan in enumerate(plans):
+        for it in plan.items:
+            if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
+                object_items.append((rank, it.index))
+                continue
+            fqn, td = it.index.fqn, it.tensor_data
+            size = tuple(td.size)
+            if (
+                shapes.setdefault(fqn, size) != size
+                or dtypes.setdefault(fqn, td.properties.dtype) != td.properties.dtype
+            ):
+                raise SpecError(f"{fqn!r}: ranks disagree on its global shape or dtype ({shapes[fqn]} vs {size})")
+            chunks.setdefault(fqn, []).append((tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
+
+    return shapes, dtypes, chunks, object_items
+
+
+def _expressions(
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, torch.dtype],
+    opts: FullOptions,
+    original_shapes: Mapping[str, Sequence[int]],
+) -> tuple[dict[str, tuple[str, Expr]], dict[str, dict[str, tuple[int, ...]]], dict[str, dict[str, torch.dtype]]]:
+    """Which artifact each tensor goes to and the expression of its bytes over that artifact's tensors."""
+    by_artifact: dict[str, dict[str, str]] = {}  # artifact -> our key inside it -> fqn
+    for fqn in shapes:
+        routed = opts.route(fqn)
+        if routed is None:
+            raise CheckpointError(
+                f"tensor {fqn!r} matches none of the full artifact's key prefixes {sorted(opts.artifacts)}; "
+                "leave it out of the state dict or add a prefix to FullOptions.artifacts"
+            )
+        art, key = routed
+        if key in by_artifact.setdefault(art, {}):
+            raise CheckpointError(f"tensors {by_artifact[art][key]!r} and {fqn!r} both map to {art}:{key!r}")
+        by_artifact[art][key] = fqn
+    exprs: dict[str, tuple[str, Expr]] = {}
+    art_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    art_dtypes: dict[str, dict[str, torch.dtype]] = {}
+    for art, members in by_artifact.items():
+        ours = {key: shapes[fqn] for key, fqn in members.items()}
+        if opts.translation is not None:
+            key_exprs, a_shapes = opts.translation.to_artifact(ours)
+            key_exprs, a_shapes = dict(key_exprs), {k: tuple(v) for k, v in a_shapes.items()}
+        else:
+            key_exprs, a_shapes = {k: Leaf(k) for k in ours}, {k: v for k, v in ours.items()}
+        for key, fqn in members.items():
+            expr = key_exprs[key]
+            original = original_shapes.get(fqn)
+            if isinstance(expr, Leaf) and expr.view is None and expr.perm is None and original is not None:
+                original = tuple(int(s) for s in original)
+                if math.prod(original) == math.prod(shapes[fqn]) and original != shapes[fqn]:
+                    # stored in the shape the model holds it in (fused QKV [3h, d], not the view [3, h, d])
+                    a_shapes[expr.key] = original
+                    expr = Leaf(expr.key, view=shapes[fqn])
+            exprs[fqn] = (art, expr)
+            for leaf in _leaf_keys(expr):
+                art_dtypes.setdefault(art, {})[leaf] = _cast(shapes[fqn], dtypes[fqn], opts.dtype)
+        art_shapes[art] = a_shapes
+
+    return exprs, art_shapes, art_dtypes
+
+
+def _files(
+    art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
+    art_dtypes: Mapping[str, Mapping[str, torch.dtype]],
+    max_shard_size: int | str | None,
+    world: int,
+    file_format: str = "safetensors",
+) -> tuple[list[ArtifactFile], dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]], dict[str, bytes]]:
+    """Tensors in order, cut into files at ``max_shard_size``; headers, offsets and index files."""
+    files: list[ArtifactFile] = []
+    tensors: dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]] = {}
+    indexes: dict[str, bytes] = {}
+    for art in sorted(art_shapes):
+        order = [k for k in art_shapes[art] if k in art_dtypes.get(art, {})]
+        cap = (
+            parse_size(max_shard_size)
+            if max_shard_size is not None
+            else _auto_shard_size(
+                sum(math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize for k in order), world
+            )
+        )
+        groups: list[list[str]] = [[]]
+        size = 0
+        for k in order:
+            n = math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize
+            if groups[-1] and size + n > cap:
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += n
+        stem, ext = (art, "safetensors") if file_format == "safetensors" else (_TORCH_STEMS.get(art, art), "bin")
+        names = (
+            [f"{stem}.{ext}"]
+            if len(groups) == 1
+            else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}" for i in range(len(groups))]
+        )
+        weight_map: dict[str, str] = {}
+        total = 0
+        for name, keys in zip(names, groups):
+            entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
+            f = _layout_file(name, art, entries, file_format)
+            files.append(f)
+            for (k, dtype, shape), start in zip(entries, f.starts):
+                tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
+                weight_map[k] = name
+                total += math.prod(shape) * dtype.itemsize
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            indexes[f"{stem}.{ext}.index.json"] = json.dumps(index, indent=2).encode("utf-8")
+
+    return files, tensors, indexes
+
+
+#: Hugging Face's torch.save file names (``pytorch_model.bin``); other artifacts keep their own stem
+_TORCH_STEMS = {"model": "pytorch_model"}
+
+
+def _layout_file(
+    name: str, art: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str
+) -> ArtifactFile:
+    if file_format == "torch_save":
+        t = torch_layout(entries)
+        return ArtifactFile(name, art, t.pieces, t.size, tuple(k for k, _, _ in entries), t.starts)
+    header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
+    end = max([e.start + e.nbytes for e in tensors], default=len(header))
+    return ArtifactFile(name, art, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
+
+
+def _auto_shard_size(total: int, world: int) -> int:
+    """Hugging Face's 5 GB cap, lowered until the ranks of a multi-rank save can each start on their
+    own file (at most ``2 x world`` files, each at least 256 MiB, 64 in all)."""
+    hf = 5 * 10**9
+    files = max(math.ceil(total / hf), min(2 * world, total // (256 << 20), 64), 1)
+    return max(1, math.ceil(total / files))
+
+
+def _objects(
+    object_items: Sequence[tuple[int, MetadataIndex]], taken: set[str]
+) -> tuple[dict[str, str], dict[int, list[tuple[MetadataIndex, str]]]]:
+    """One file per object value, named after its key where that is a safe plain name."""
+    objects: dict[str, str] = {}
+    rank_objects: dict[int, list[tuple[MetadataIndex, str]]] = {}
+    for n, (rank, index) in enumerate(object_items):
+        stem = index.fqn if _SAFE_OBJECT.match(index.fqn) else f"object-{n:05d}"
+        name = f"{stem}.pt"
+        if name in taken or index.fqn in objects:
+            name = f"object-{n:05d}.pt"
+        if index.fqn in objects:
+            continue  # the same object from several ranks: the planner dedups; keep the first
+        taken.add(name)
+        objects[index.fqn] = name
+        rank_objects.setdefault(rank, []).append((index, name))
+
+    return objects, rank_objects
+
+
+def _rank_writes(
+    plans: Sequence[SavePlan],
+    opts: FullOptions,
+    save_id: str,
+    exprs: Mapping[str, tuple[str, Expr]],
+    art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
+    tensors: Mapping[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]],
+    rank_objects: Mapping[int, list[tuple[MetadataIndex, str]]],
+    files: Sequence[ArtifactFile],
+    gather: bool,
+) -> list[SavePlan]:
+    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (in gather mode,
+    also every rank's boxes and each file's owner, so all ranks walk one global order of transfers)."""
+    per_rank: list[list[FullWrite]] = []
+    for plan in plans:
+        writes: list[FullWrite] = []
+        for it in plan.items:
+            if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
+                continue
+            fqn, td = it.index.fqn, it.tensor_data
+            art, expr = exprs[fqn]
+            for pc in pieces(expr, tuple(td.chunk.offsets), tuple(td.chunk.sizes), art_shapes[art]):
+                _, file, start, dtype, _shape = tensors[f"{art}/{pc.key}"]
+                writes.append(
+                    FullWrite(
+                        it.index,
+                        pc.key,
+                        file,
+                        start,
+                        tuple(pc.view),
+                        tuple(pc.offsets),
+                        tuple(pc.sizes),
+                        tuple(pc.perm),
+                        tuple(pc.dest_offsets),
+                        dtype,
+                    )
+                )
+        per_rank.append(writes)
+    gathered: tuple[tuple[int, FullWrite], ...] = ()
+    owners: tuple[tuple[str, int], ...] = ()
+    if gather:
+        # every box in the order the files are written: file, tensor offset, sending rank
+        file_index = {f.name: i for i, f in enumerate(files)}
+        gathered = tuple(
+            sorted(
+                ((r, w) for r, ws in enumerate(per_rank) for w in ws),
+                key=lambda rw: (file_index[rw[1].file], rw[1].start, rw[0]),
+            )
+        )
+        owners = tuple((f.name, i % len(plans)) for i, f in enumerate(files))
+    out: list[SavePlan] = []
+    for rank, plan in enumerate(plans):
+        data = RankFullData(
+            save_id,
+            rank,
+            tuple(per_rank[rank]),
+            tuple(rank_objects.get(rank, ())),
+            opts.check_block,
+            len(plans),
+            gathered,
+            owners,
+            tuple(files) if gather else (),
+        )
+        out.append(dataclasses.replace(plan, storage_data=data))
+    return out
+
+
+def _check_tiling(
+    shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+) -> None:
+    """Every tensor's chunks cover it exactly once: a hole would be zeros in the artifact, silently."""
+    for fqn, shape in shapes.items():
+        boxes = chunks[fqn]
+        covered = sum(math.prod(s) for _, s in boxes)
+        if covered != math.prod(shape):
+            raise SpecError(
+                f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
+                f"{list(shape)}); a full artifact needs every element exactly once"
+            )
+        if len(boxes) <= 64:
+            for i in range(len(boxes)):
+                for j in range(i + 1, len(boxes)):
+                    if _overlap(boxes[i], boxes[j]):
+                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
+
+
+def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    return all(x < y + t and y < x + s for x, s, y, t in zip(a[0], a[1], b[0], b[1])) and math.prod(a[1]) > 0
+
+
+ExprJSON = Union[dict[str, Any], list[Any]]

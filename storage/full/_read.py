@@ -1,0 +1,500 @@
+"""Full (consolidated) artifacts and Hugging Face folders, reading: exact boxes, verified.
+
+Two sources look alike to a loader: a committed full artifact of ours (its description -- tensor
+offsets, our keys' expressions, check units -- lives in the generation's metadata, checksummed by the
+manifest) and a plain Hugging Face folder (``model.safetensors`` or an index and shards; no manifest:
+*unverified*, like a stock DCP checkpoint). Both become a DCP ``Metadata`` with one chunk per tensor,
+so any load planner reshards from them into any TP x PP x DP layout.
+
+A read request (a box of one of our tensors) maps through its expression to boxes of artifact tensors
+(:func:`smpckpt.model.translation.pieces`); each box is a set of byte runs (:func:`~._regions.box_runs`):
+one run for a row shard, one per row for a column shard. With checksums, the check units a box
+touches are read whole and verified (a reshard to another TP degree may read a unit's far side);
+``last_read_stats`` reports bytes read against bytes needed, per file and in total.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import json
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from smpckpt._gc import gc_paused
+from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.model.record import TIED_KEY
+from smpckpt.model.translation import Expr, Leaf, Piece, Translation, pieces
+from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import join, read_bytes_or_none
+from smpckpt.storage.format._checksum import hash_bytes, hash_parts
+from smpckpt.storage.format._names import check_member_name
+from smpckpt.storage.format._regions import box_runs
+from smpckpt.storage.format._safe_pickle import check_weights_only
+from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.full import _files as _full_files
+from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
+from smpckpt.storage.full._hf_ties import hf_folder_ties
+from smpckpt.storage.full._plan import DESCRIPTION_FQN, expr_from_json, file_pieces_from_json, first_leaf
+from smpckpt.storage.full._safetensors import header_length, parse_header
+from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
+
+__all__ = ["FullSource", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
+
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+)}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    file: str
+    start: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class FileStats:
+    bytes_read: int = 0
+    bytes_needed: int = 0
+
+
+def hf_folder_files(fs: Any, path: str) -> list[str] | None:
+    """The safetensors files of a Hugging Face folder (index first), or ``None`` when it is not one."""
+    data = read_bytes_or_none(fs, join(path, HF_INDEX))
+    if data is not None:
+        try:
+            weight_map = json.loads(data)["weight_map"]
+            names = sorted({str(v) for v in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CheckpointCorrupt(f"{join(path, HF_INDEX)}: malformed index: {type(exc).__name__}: {exc}") from exc
+        return [check_member_name(n, where=join(path, HF_INDEX)) for n in names]
+    with translate_errors(path):
+        if fs.exists(join(path, HF_SINGLE)):
+            return [HF_SINGLE]
+    return None
+
+
+class FullSource:
+    """The tensors of one full artifact or Hugging Face folder, and the reads from it."""
+
+    def __init__(self, fs: Any, path: str, url: str, *, verify: bool, allow_pickle: bool) -> None:
+        self.fs, self.path, self.url = fs, path, url
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, _Tensor] = {}  # "artifact/key" -> where
+        self.exprs: dict[str, tuple[str, Expr]] = {}  # our fqn -> (artifact, expr)
+        self.objects: dict[str, str] = {}
+        self.units: dict[str, UnitIndex] = {}
+        self.records: dict[str, FileRecord] = {}
+        self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
+        self.file_stats: dict[str, FileStats] = {}
+        self.requests = 0
+        self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
+        self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
+        """A committed full artifact: the description stored with its metadata."""
+        raw = (metadata.storage_data or {}).get(MetadataIndex(DESCRIPTION_FQN))
+        if not isinstance(raw, str):
+            raise CheckpointCorrupt(f"{self.url}: full checkpoint metadata has no artifact description")
+        try:
+            with gc_paused():
+                self._describe(raw, records)
+        except CheckpointCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as exc:
+            raise CheckpointCorrupt(f"{self.url}: malformed full artifact description: {exc}") from exc
+        self.records = dict(records)
+        for key, t in self.tensors.items():
+            rec = records[t.file]
+            if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
+                raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
+        return metadata
+
+    def _describe(self, raw: str, records: Mapping[str, FileRecord]) -> None:
+        """Parse the description (tensors, expressions, objects, check units) into this source."""
+        desc = json.loads(raw)
+        for key, t in desc["tensors"].items():
+            name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
+            if name not in records:
+                raise CheckpointCorrupt(f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list")
+            self.tensors[key] = _Tensor(name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"]))
+        for fqn, e in desc["exprs"].items():
+            self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
+        self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
+        for key, units in desc["checks"].items():
+            self.units[key] = UnitIndex.from_rows(units)
+        self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
+
+    def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
+        """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
+        art_shapes: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            path = join(self.path, name)
+            with translate_errors(path):
+                try:
+                    size = int(self.fs.size(path))
+                    first = self.fs.cat_file(path, start=0, end=8)
+                    head = self.fs.cat_file(path, start=0, end=header_length(first, where=path))
+                except FileNotFoundError as exc:
+                    raise CheckpointCorrupt(f"{path}: listed in the Hugging Face index but missing") from exc
+            entries, _ = parse_header(head, size, where=path)
+            self.records[name] = FileRecord(name, size, -1, (), (), checks="tensors")
+            for e in entries:
+                if e.key in art_shapes:
+                    raise CheckpointCorrupt(f"{path}: tensor {e.key!r} appears in two files")
+                self.tensors[f"model/{e.key}"] = _Tensor(name, e.start, e.dtype, e.shape)
+                art_shapes[e.key] = e.shape
+        if translation is not None:
+            ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
+        else:
+            ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}
+        sdm: dict[str, Any] = {}
+        for key, (expr, shape) in ours.items():
+            fqn = prefix + key
+            self.exprs[fqn] = ("model", expr)
+            dtype = self.tensors[f"model/{first_leaf(expr)}"].dtype
+            tsize = torch.Size(shape)
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
+            )
+        ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
+        tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
+        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
+
+    # -- reading ------------------------------------------------------------------------------------
+    def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
+        """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``.
+
+        The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
+        worker threads (at most twice that many items in flight), so hashing overlaps the next read. On
+        object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
+        (:func:`~._full_files.plan_spans`; items in file order), several GETs in flight."""
+        self.requests = 0
+        items = list(plan.items)
+        with (
+            RunFiles(self.fs, self.path) as files,
+            concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="smpckpt-full-read") as pool,
+        ):
+            self._files = files
+            spans: SpanFetcher | None = None
+            item_spans: list[tuple[int, ...]] = [()] * len(items)
+            if not files.local:
+                extents = [self._extents(r) if r.type != LoadItemType.BYTE_IO else [] for r in items]
+                span_list, item_spans = plan_spans(extents)
+                if span_list:
+                    spans = SpanFetcher(
+                        files, span_list, item_spans, ahead=_THREADS, on_fetch=lambda name, n: self._stat(name, 0, n)
+                    )
+                    order = sorted(range(len(items)), key=lambda i: item_spans[i][:1] or (-1,))
+                    items = [items[i] for i in order]
+                    item_spans = [item_spans[i] for i in order]
+            pending: dict[concurrent.futures.Future[None], tuple[ReadItem, torch.Tensor, tuple[int, ...]]] = {}
+
+            def finish(done: Iterable[concurrent.futures.Future[None]]) -> None:
+                for f in done:
+                    req, target, used = pending.pop(f)
+                    f.result()
+                    if spans is not None:
+                        spans.release(used)
+                    planner.commit_tensor(req, target)
+
+            def make_room() -> bool:
+                if not pending:
+                    return False
+                finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
+                return True
+
+            try:
+                for req, used in zip(items, item_spans):
+                    if req.type == LoadItemType.BYTE_IO:
+                        self._read_object(req, planner)
+                        continue
+                    target = planner.resolve_tensor(req).detach()
+                    held = spans.need(used, make_room) if spans is not None else []
+                    pending[pool.submit(self._fill, req, target, held)] = (req, target, used)
+                    if spans is not None:
+                        spans.top_up()
+                    if len(pending) >= 2 * _THREADS:
+                        make_room()
+                while pending:
+                    make_room()
+            finally:
+                for f in pending:
+                    f.cancel()
+                if spans is not None:
+                    spans.close()
+            self.requests = files.requests
+        with self._lock:
+            return (
+                sum(st.bytes_needed for st in self.file_stats.values()),
+                sum(st.bytes_read for st in self.file_stats.values()),
+            )
+
+    def _read_object(self, req: ReadItem, planner: LoadPlanner) -> int:
+        fqn = req.storage_index.fqn
+        name = self.objects.get(fqn)
+        if name is None:
+            raise CheckpointCorrupt(f"{self.url}: no file holds the object {fqn!r}")
+        path = join(self.path, name)
+        data = read_bytes_or_none(self.fs, path)
+        if data is None:
+            raise CheckpointCorrupt(f"{path}: object file of {fqn!r} is missing")
+        rec = self.records.get(name)
+        if (
+            self.verify
+            and rec is not None
+            and (len(data) != rec.size or (rec.block_digests and hash_bytes(data) != rec.block_digests[0]))
+        ):
+            raise CheckpointCorrupt(f"{path}: checksum mismatch in the object file of {fqn!r}")
+        if not self.allow_pickle:
+            check_weights_only(data, where=f"{path} (key {fqn!r})")
+        planner.load_bytes(req, io.BytesIO(data))
+        self._stat(name, len(data), len(data))
+        return len(data)
+
+    def _boxes(self, req: ReadItem) -> list[tuple[str, _Tensor, Piece]]:
+        """The artifact boxes that make up ``req``: ``(artifact key, its tensor, piece)``."""
+        fqn = req.storage_index.fqn
+        if fqn not in self.exprs:
+            raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
+        art, expr = self.exprs[fqn]
+        shapes = self._shapes(art)
+        md = self.live.state_dict_metadata.get(fqn) if self.live is not None else None
+        if isinstance(expr, Leaf) and expr.perm is None and isinstance(md, TensorStorageMetadata):
+            asked, stored = tuple(md.size), tuple(expr.view or shapes[expr.key])
+            if asked != stored and math.prod(asked) == math.prod(stored):
+                expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in another shape
+        out = []
+        for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
+            out.append((f"{art}/{pc.key}", self.tensors[f"{art}/{pc.key}"], pc))
+        return out
+
+    def _shapes(self, art: str) -> dict[str, tuple[int, ...]]:
+        """The shapes of one artifact's tensors by key (computed once: every item needs them)."""
+        with self._lock:
+            cached = self._shape_cache.get(art)
+            if cached is None:
+                prefix = art + "/"
+                cached = {k[len(prefix) :]: t.shape for k, t in self.tensors.items() if k.startswith(prefix)}
+                self._shape_cache[art] = cached
+            return cached
+
+    def _extents(self, req: ReadItem) -> list[tuple[str, int, int]]:
+        """(object stores) The byte range each box of ``req`` touches in its file, check units included."""
+        out = []
+        for key, t, pc in self._boxes(req):
+            index = self.units.get(key) if self.verify else None
+            units = [u for u, _ in index.touched(pc.offsets, pc.sizes)] if index and index.view == pc.view else []
+            ext = unit_extent(tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), t.dtype.itemsize, units)
+            if ext is not None:
+                out.append((t.file, t.start + ext[0], t.start + ext[1]))
+        return out
+
+    def _fill(self, req: ReadItem, target: torch.Tensor, held: Sequence[concurrent.futures.Future[Held]]) -> None:
+        """(worker thread) The bytes of ``req`` into ``target``, verified; runs served from the ``held``
+        spans where they lie inside one (object stores)."""
+        self._files.serve([f.result() for f in held])
+        try:
+            for key, t, pc in self._boxes(req):
+                sub = target
+                for d, (o, n) in enumerate(zip(pc.dest_offsets, [pc.sizes[p] for p in pc.perm])):
+                    sub = sub.narrow(d, o, n)
+                # the box's bytes straight into the destination when it holds them as stored
+                dst = bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
+                buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst, bool(held))
+                if dst is None:
+                    box = (
+                        torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
+                        if len(buf)
+                        else torch.empty(pc.sizes, dtype=t.dtype)
+                    )
+                    sub.copy_(box.permute(tuple(pc.perm)))
+        finally:
+            self._files.serve(())
+
+    def _read_box(
+        self,
+        key: str,
+        t: _Tensor,
+        view: tuple[int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        dst: memoryview | None = None,
+        prefetched: bool = False,
+    ) -> memoryview:
+        """The box's bytes (row-major; into ``dst`` when given, else a new buffer), verified; the bytes
+        read from storage go to ``file_stats``. ``prefetched``: its spans are held already."""
+        itemsize = t.dtype.itemsize
+        nbytes = math.prod(sizes) * itemsize
+        out = dst if dst is not None else memoryview(bytearray(nbytes))
+        if nbytes == 0:
+            return out
+        if math.prod(view) != math.prod(t.shape):
+            raise CheckpointCorrupt(
+                f"{self.url}: tensor {key!r} of shape {list(t.shape)} cannot be viewed as {list(view)}"
+            )
+        units = self.units.get(key) if self.verify else None
+        starts, run = box_runs(view, offsets, sizes, itemsize)
+        if not units:
+            fetched = self._files.read_runs(t.file, t.start + starts, run, out)
+            self._stat(t.file, nbytes, fetched)
+            return out
+        other = units.views - {view}
+        if other and units.view is not None:  # checked in another view of the same bytes
+            return self._read_across_views(key, t, units, starts, run, out, prefetched)
+        if other:
+            raise CheckpointError(
+                f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
+                f"{list(next(iter(other)))}"
+            )
+        read = 0
+        whole = units.whole_inside(offsets, sizes)
+        if whole is not None:
+            # a box holding every unit it touches whole (any box read at the layout it was saved
+            # in, column shards too): read its runs once into ``out`` and check each unit where it
+            # lies there (no scratch buffer, no copy)
+            if not prefetched and not self._files.local:
+                read = self._hold_units(t, view, offsets, sizes, [])
+            read += self._files.read_runs(t.file, t.start + starts, run, out)
+            bad = whole.first_mismatch(whole.digests(out, sizes, itemsize))
+            if bad is not None:
+                raise self._mismatch(t, key, bad)
+            covered = whole.volume()
+            touched = []
+        else:
+            touched = units.touched(offsets, sizes)
+            if not prefetched and not self._files.local:
+                read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
+            covered = 0
+        dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
+        for u, box in touched:
+            # every unit the box touches is read whole and checked; its overlap is copied out
+            ubytes = bytearray(math.prod(u.sizes) * itemsize)
+            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+            read += self._files.read_runs(t.file, t.start + ustarts, urun, memoryview(ubytes))
+            self._check_unit(t, key, u, hash_bytes(ubytes))
+            src = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
+            s_sub, d_sub = src, dst_t
+            for d, (lo, n) in enumerate(zip(box[0], box[1])):
+                s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
+                d_sub = d_sub.narrow(d, lo - offsets[d], n)
+            d_sub.copy_(s_sub)
+            covered += math.prod(box[1])
+        if covered != math.prod(sizes):
+            raise self._uncovered(t, key)
+        self._stat(t.file, nbytes, read)
+        return out
+
+    def _read_across_views(
+        self, key: str, t: _Tensor, units: UnitIndex, starts: np.ndarray, run: int, out: memoryview, prefetched: bool
+    ) -> memoryview:
+        """A box requested in another view than its units were checked in (a whole tensor the planner
+        reshaped), matched byte by byte (:func:`cross_view`): a unit sharing only part of the box is read
+        whole and its shared bytes copied in, so every byte delivered is a byte checked."""
+        plan = cross_view(units, starts, run, t.dtype.itemsize)
+        lo, hi = plan.extent
+        wide = hi - lo > _full_files.SPAN_BYTES  # too wide for one GET: only drop what an earlier box held
+        read = 0 if prefetched else self._files.hold(t.file, 0 if wide else t.start + lo, 0 if wide else t.start + hi)
+        if plan.partial:  # the bytes they share with the box come with them
+            for at, pos, n in plan.direct:
+                read += self._files.read_runs(t.file, np.array([t.start + at]), n, out[pos : pos + n])
+        else:
+            read += self._files.read_runs(t.file, t.start + starts, run, out)
+        for u, parts in plan.inside:
+            self._check_unit(t, key, u, hash_parts(out[a : a + n] for a, n in parts))
+        for u, ustarts, urun, copies in plan.partial:
+            ubytes = memoryview(bytearray(len(ustarts) * urun))
+            read += self._files.read_runs(t.file, t.start + ustarts, urun, ubytes)
+            self._check_unit(t, key, u, hash_bytes(ubytes))
+            for src, dst, n in copies:
+                out[dst : dst + n] = ubytes[src : src + n]
+        if plan.covered != len(starts) * run:
+            raise self._uncovered(t, key)
+        self._stat(t.file, len(starts) * run, read)
+        return out
+
+    def _check_unit(self, t: _Tensor, key: str, u: Unit, digest: int) -> None:
+        if digest != u.digest:
+            raise self._mismatch(t, key, u)
+
+    def _uncovered(self, t: _Tensor, key: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(
+            f"{join(self.path, t.file)}: part of tensor {key.split('/', 1)[1]!r} is covered by no checksum"
+        )
+
+    def _mismatch(self, t: _Tensor, key: str, u: Unit) -> CheckpointCorrupt:
+        return CheckpointCorrupt(
+            f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
+            f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
+        )
+
+    def _hold_units(
+        self,
+        t: _Tensor,
+        view: tuple[int, ...],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        units: list[Unit],
+    ) -> int:
+        """(object stores) One GET for the span of every unit the box touches, when it is at most
+        ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
+        ext = unit_extent(view, offsets, sizes, t.dtype.itemsize, units)
+        if ext is None or ext[1] - ext[0] > _full_files.SPAN_BYTES:
+            return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
+        return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
+
+    def _stat(self, name: str, needed: int, read: int) -> None:
+        with self._lock:
+            st = self.file_stats.setdefault(name, FileStats())
+            st.bytes_needed += needed
+            st.bytes_read += read
+
+    def verify_all(self) -> list[str]:
+        """(``smpckpt verify``) Read every header and check unit; the problems found."""
+        problems: list[str] = []
+        with RunFiles(self.fs, self.path) as files:
+            for name, pieces in getattr(self, "headers", {}).items():
+                for offset, length, digest in pieces:
+                    buf = bytearray(length)
+                    files.read_runs(name, np.array([offset], dtype=np.int64), length, memoryview(buf))
+                    if hash_bytes(buf) != digest:
+                        what = "header" if offset == 0 else f"archive bytes at offset {offset}"
+                        problems.append(f"{join(self.path, name)}: {what} checksum mismatch")
+            for key, index in self.units.items():
+                t = self.tensors[key]
+                for u in index.units:
+                    ubytes = bytearray(math.prod(u.sizes) * t.dtype.itemsize)
+                    starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
+                    files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
+                    if hash_bytes(ubytes) != u.digest:
+                        problems.append(
+                            f"{join(self.path, t.file)}: checksum mismatch in {key.split('/', 1)[1]!r} at {list(u.offsets)}"
+                        )
+        return problems
+
+
+#: worker threads of a full read (reads and checks of different tensors overlap)
+_THREADS = 4

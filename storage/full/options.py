@@ -1,0 +1,144 @@
+"""Full (consolidated) mode, options: how a full artifact is laid out (:class:`FullOptions`), and the
+byte sizes those options accept (``"5GB"``, ``"512MiB"``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from smpckpt.model.translation import Translation
+
+__all__ = ["FullOptions", "FORMATS", "parse_size"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 10**3, "M": 10**6})
+_UNITS.update({"G": 10**9, "T": 10**12})
+
+
+def parse_size(size: int | str) -> int:
+    """``5000000``, ``"5GB"`` (decimal, as Hugging Face counts) or ``"4GiB"`` -> bytes."""
+    if isinstance(size, bool):
+        raise ValueError(f"size must be bytes or a string like '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE_RE.match(str(size))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"size must be bytes or a string like '5GB' or '512MiB', got {size!r}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return value
+
+
+FORMATS = ("safetensors", "torch_save")
+
+
+@dataclasses.dataclass(frozen=True)
+class FullOptions:
+    """How a full (consolidated) artifact is laid out. Every field has a safe default.
+
+    Args:
+        max_shard_size: above this many bytes an artifact is split into
+            ``{name}-0000i-of-0000N.safetensors`` files plus ``{name}.safetensors.index.json``, as
+            Hugging Face does (bytes, or ``"5GB"``/``"512MiB"``). ``None`` (default): Hugging Face's
+            5 GB, lowered for a multi-rank save so that the ranks can start on different files (up
+            to ``2 x world`` files of at least 256 MiB, 64 at most): the kernel serialises writes into
+            one file, and ranks sharing one file write at a fraction of their speed. Small artifacts
+            stay one ``model.safetensors``.
+        dtype: cast floating-point tensors to this dtype on export (fp32 master weights -> bf16
+            artifact); integer and bool tensors are kept, and so are scalars (0-dim: optimizer step
+            counters and running products, which a narrow float would round).
+        artifacts: flattened-key prefix -> artifact name. A tensor goes to the artifact of the longest
+            prefix its key starts with, stored under the key without that prefix. The default puts
+            every tensor in ``model.safetensors`` under its own key; :func:`smpckpt.save_checkpoint`
+            uses ``{"model.": "model", "optim.state.": "optimizer"}``.
+        translation: maps our keys to another naming and layout (``smpckpt.hf.gpt2.TRANSLATION``),
+            region by region; ``None`` stores our keys, each in its shape before any ShardSpec view.
+        hf_config: a Hugging Face config (a ``PretrainedConfig`` or a dict) written as ``config.json``
+            beside the weights, so ``from_pretrained(folder)`` opens the artifact. As ``save_pretrained``
+            writes it: ``architectures`` (when the config has none: :attr:`architecture`) and ``dtype``
+            (when unset: the artifact's floating-point dtype) are filled in.
+        architecture: the transformers class ``config.json``'s ``architectures`` names when the config
+            has none (``"GPT2LMHeadModel"``); ``None``: the translation's
+            (:attr:`smpckpt.model.translation.Translation.architecture`), if any.
+        check_block: bytes per checksum unit (a reader verifies only the units its boxes touch).
+        row_swap_below: on POSIX filesystems in a multi-rank save, a tensor split on a trailing dim
+            whose rows are shorter than this many bytes per rank is not written row by row: its
+            writers swap rows over the process group and each writes a block of whole rows in one run
+            (see ``smpckpt.storage.full._exchange``; 1.3-1.5x faster full saves on the benchmark's
+            GPT-like state). ``0`` disables the swap.
+        format: ``"safetensors"`` (default) or ``"torch_save"``: each file is then what ``torch.save``
+            writes for a flat ``{key: tensor}`` dict (``torch.load(path, weights_only=True)`` reads it,
+            ``mmap=True`` too), named as Hugging Face names them (``pytorch_model.bin``, or
+            ``pytorch_model-0000i-of-0000N.bin`` + ``pytorch_model.bin.index.json``; other artifacts
+            ``optimizer.bin``). Written the same way, at offsets, with the same checks.
+    """
+
+    max_shard_size: int | str | None = None
+    dtype: torch.dtype | None = None
+    artifacts: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"": "model"})
+    translation: Translation | None = None
+    hf_config: Any = None
+    architecture: str | None = None
+    check_block: int = 1 << 20
+    row_swap_below: int = 256 << 10
+    format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        if self.max_shard_size is not None:
+            object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+        if not self.artifacts:
+            raise ValueError("artifacts must map at least one key prefix to an artifact name")
+        for prefix, name in self.artifacts.items():
+            if not isinstance(prefix, str) or not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"artifacts: {prefix!r} -> {name!r} must map a str prefix to a plain file stem")
+        if self.translation is not None and not isinstance(self.translation, Translation):
+            raise TypeError(
+                "translation must be a smpckpt.model.translation.Translation (e.g. smpckpt.hf.gpt2.TRANSLATION): full "
+                f"saves translate shard by shard, never a gathered state dict; got {type(self.translation).__name__}"
+            )
+        if isinstance(self.row_swap_below, bool) or not isinstance(self.row_swap_below, int) or self.row_swap_below < 0:
+            raise ValueError(f"row_swap_below must be a byte count >= 0, got {self.row_swap_below!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.check_block < 4096:
+            raise ValueError(f"check_block must be at least 4096 bytes, got {self.check_block}")
+
+    def hf_config_json(self, dtype: torch.dtype | None = None) -> bytes | None:
+        """``config.json``'s bytes (``None`` without ``hf_config``); ``dtype``: the artifact's weights'."""
+        cfg = self.hf_config
+        if cfg is None:
+            return None
+        if hasattr(cfg, "to_json_string"):  # transformers' own form: what differs from the class defaults
+            data = json.loads(cfg.to_json_string())
+        elif isinstance(cfg, Mapping):
+            data = dict(cfg)
+        else:
+            raise TypeError(f"hf_config must be a transformers PretrainedConfig or a dict, got {type(cfg).__name__}")
+        architecture = self.architecture or (self.translation.architecture if self.translation is not None else None)
+        if not data.get("architectures") and architecture:
+            data["architectures"] = [architecture]
+        # transformers >= 4.56 writes "dtype"; older versions "torch_dtype": keep a config's own spelling
+        key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
+        if data.get(key) is None and dtype is not None:
+            data[key] = str(dtype).removeprefix("torch.")
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    def route(self, fqn: str) -> tuple[str, str] | None:
+        """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""
+        best = None
+        for prefix, name in self.artifacts.items():
+            if fqn.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
+                best = (prefix, name)
+        if best is None:
+            return None
+        return best[1], fqn[len(best[0]) :]

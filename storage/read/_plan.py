@@ -1,0 +1,289 @@
+"""Read planning: which bytes each load item needs, widened to checksum blocks, coalesced into requests,
+and which items may be read straight into their destination.
+
+No I/O here; :func:`direct_target` asks the planner for the destination (on the calling thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+
+from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
+from smpckpt.storage.format._ranges import Fetch, Need, c_strides, coalesce, slice_byte_range
+from smpckpt.storage.format._tensor_bytes import cpu_bytes
+from smpckpt.storage.format.manifest import FileRecord
+
+__all__ = [
+    "BoxRead",
+    "box_read",
+    "DIRECT_MIN_BYTES",
+    "PIECE_BYTES",
+    "Item",
+    "FetchTask",
+    "DirectCandidate",
+    "ReadPlan",
+    "raw_item",
+    "plan_reads",
+    "direct_target",
+    "writable_bytes",
+    "pieces",
+]
+
+# raw tensor items at least this large skip the shared buffer (read into the destination tensor)
+DIRECT_MIN_BYTES = 1 << 20
+# bytes of a direct item read (then verified) per task: pieces of one tensor run on several threads
+PIECE_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One load item and the exact bytes ``[start, end)`` of ``file`` it decodes from."""
+
+    req: ReadItem
+    file: str
+    start: int
+    end: int
+    raw: bool  # raw tensor bytes (decode with dtype/shape) vs a torch.save record / object bytes
+    dtype: torch.dtype | None = None
+    chunk_sizes: tuple[int, ...] = ()
+
+    @property
+    def fqn(self) -> str:
+        return self.req.storage_index.fqn
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchTask:
+    """One coalesced request into a pooled buffer: bytes ``fetch.start..fetch.end`` of ``file``."""
+
+    file: str
+    fetch: Fetch[Item]
+
+    @property
+    def nbytes(self) -> int:
+        return self.fetch.end - self.fetch.start
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectCandidate:
+    """A raw item that may be read straight into its destination; ``need`` holds its block-widened
+    range. Whether it is depends on the destination, resolved when its turn comes."""
+
+    file: str
+    need: Need[Item]
+
+    @property
+    def nbytes(self) -> int:
+        return self.need.end - self.need.start
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxRead:
+    """A column slice read as one run per row: rows ``[row0, row1)`` of the record at ``base`` (rows of
+    ``row_bytes``), bytes ``[col0, col1)`` of each. Inside a ``tiling`` (when verifying) that is whole
+    column groups of whole row groups, so the tiles read verify; else exactly the slice's bytes."""
+
+    file: str
+    item: Item
+    base: int
+    row_bytes: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    tiling: Tiling | None = None
+
+    @property
+    def start(self) -> int:
+        return self.base + self.row0 * self.row_bytes + self.col0
+
+    @property
+    def width(self) -> int:
+        return self.col1 - self.col0
+
+    @property
+    def nbytes(self) -> int:
+        return (self.row1 - self.row0) * self.width
+
+    def buffer_offset(self, file_offset: int) -> int:
+        """Where file byte ``file_offset`` (inside the box) sits in the box's row-by-row buffer."""
+        row, col = divmod(file_offset - self.base, self.row_bytes)
+        return (row - self.row0) * self.width + col - self.col0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    fetches: list[FetchTask]  # by file, then offset
+    empty: list[Item]  # items of no bytes (delivered without a read)
+    direct: list[DirectCandidate]  # by file, then offset
+    bytes_needed: int  # bytes of the requested slices / records (exact: a strided slice counts its elements)
+    needed_per_file: dict[str, int] = dataclasses.field(default_factory=dict)
+    boxes: list[BoxRead] = dataclasses.field(default_factory=list)  # column slices read row by row
+
+
+def raw_item(req: ReadItem, file: str, offset: int, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> Item:
+    """The item for a raw tensor record of ``length`` bytes at ``offset`` of ``file`` holding a chunk of
+    shape ``sizes``: only the bytes of the requested slice (their enclosing span when it is strided)."""
+    itemsize = dtype.itemsize
+    lo, hi = slice_byte_range(sizes, list(req.storage_offsets), list(req.lengths), itemsize)
+    if math.prod(sizes) * itemsize != length:
+        raise CheckpointCorrupt(
+            f"{file}: record of {req.storage_index.fqn!r} is {length} bytes, "
+            f"its shape {list(sizes)} x {dtype} needs {math.prod(sizes) * itemsize}"
+        )
+    if not 0 <= lo <= hi <= length:
+        raise CheckpointCorrupt(
+            f"{file}: requested slice of {req.storage_index.fqn!r} (offsets {list(req.storage_offsets)}, "
+            f"lengths {list(req.lengths)}) is outside its stored chunk {list(sizes)}"
+        )
+    return Item(req, file, offset + lo, offset + hi, True, dtype, sizes)
+
+
+def plan_reads(
+    items: list[Item],
+    records: Mapping[str, FileRecord],
+    *,
+    verify: bool,
+    local: bool,
+    direct: bool,
+    direct_min_bytes: int,
+    coalesce_gap: int,
+    max_request_bytes: int,
+) -> ReadPlan:
+    """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
+    row-by-row box reads (``local`` files only) and direct candidates (where ``direct``: reads can land
+    in the destination) and coalesce the rest per file."""
+    per_file: dict[str, list[Need[Item]]] = {}
+    empty: list[Item] = []
+    candidates: list[DirectCandidate] = []
+    boxes: list[BoxRead] = []
+    needed = 0
+    needed_per_file: dict[str, int] = {}
+    for it in items:
+        if it.end <= it.start:
+            empty.append(it)
+            continue
+        exact = _exact_bytes(it)
+        needed += exact
+        needed_per_file[it.file] = needed_per_file.get(it.file, 0) + exact
+        rec = records.get(it.file) if verify else None
+        box = box_read(it, rec, verify=verify) if local and it.raw and not _file_contiguous(it) else None
+        if box is not None:
+            boxes.append(box)
+            continue
+        lo, hi = _widen(it, rec)
+        if direct and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
+            # candidate for reading straight into the destination (decided when its target is resolved)
+            candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))
+            continue
+        per_file.setdefault(it.file, []).append(Need(lo, hi, it))
+    fetches = [
+        FetchTask(name, f)
+        for name in sorted(per_file)
+        for f in coalesce(per_file[name], gap=coalesce_gap, max_bytes=max_request_bytes)
+    ]
+    candidates.sort(key=lambda d: (d.file, d.need.start))
+    boxes.sort(key=lambda b: (b.file, b.start))
+    return ReadPlan(fetches, empty, candidates, needed, needed_per_file, boxes)
+
+
+def _exact_bytes(it: Item) -> int:
+    """The bytes the item's destination receives: a strided (column) slice counts only its elements,
+    not the span that encloses them, so ``last_read_stats`` shows what a column read really costs."""
+    if it.raw and it.dtype is not None:
+        return math.prod(int(x) for x in it.req.lengths) * it.dtype.itemsize
+    return it.end - it.start
+
+
+def _widen(it: Item, rec: FileRecord | None) -> tuple[int, int]:
+    """``[it.start, it.end)`` widened to the check units of ``rec`` it touches (unchanged without ``rec``)."""
+    # the reader's record checks have put [it.start, it.end) inside the file and the file in the manifest
+    if rec is None or it.end <= it.start:
+        return it.start, it.end
+    return rec.widen(it.start, it.end)
+
+
+def _file_contiguous(it: Item) -> bool:
+    """The requested slice is one contiguous run of the stored chunk's bytes."""
+    return it.dtype is not None and math.prod(int(x) for x in it.req.lengths) * it.dtype.itemsize == it.end - it.start
+
+
+def direct_target(it: Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
+    """(calling thread) The destination and a writable view of its bytes, when the item's bytes can be
+    read into it as they are (see :func:`writable_bytes`)."""
+    target = planner.resolve_tensor(it.req).detach()
+    dst = writable_bytes(it, target)
+    return None if dst is None else (target, dst)
+
+
+def writable_bytes(it: Item, target: torch.Tensor) -> memoryview | None:
+    """A writable view of ``target``'s bytes when they take the item's stored bytes as they are: a
+    contiguous CPU tensor of the saved dtype and the requested shape, and the slice one run in the file."""
+    if target.dtype != it.dtype or tuple(target.shape) != tuple(int(n) for n in it.req.lengths):
+        return None
+    dst = cpu_bytes(target)
+    if dst is None or dst.readonly or dst.nbytes != it.end - it.start:
+        return None
+    return dst
+
+
+def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Split ``[lo, hi)`` into pieces of about :data:`PIECE_BYTES`, cut where whole units of ``rec``
+    end (the file's record when verifying, else ``None``), so each piece verifies on its own."""
+    if hi - lo <= PIECE_BYTES:
+        return [(lo, hi)]
+    if rec is None:
+        return [(a, min(a + PIECE_BYTES, hi)) for a in range(lo, hi, PIECE_BYTES)]
+    out: list[tuple[int, int]] = []
+    start = lo
+    for i in rec.blocks_covering(lo, hi):
+        be = rec.block_ends[i]
+        if (be - start >= PIECE_BYTES and rec.is_cut(be)) or be >= hi:
+            out.append((start, be))
+            start = be
+    if start < hi:  # pragma: no cover - widened ranges end on a block end
+        out.append((start, hi))
+    return out
+
+
+def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | None:
+    """The row-by-row read of a strided slice (local files): verifying, the column groups it touches
+    over the row groups it touches when its record is tiled in ``rec``; not verifying, exactly its
+    bytes when each row's run is at least :data:`~._check_units.MIN_SEGMENT`. ``None``: read a range."""
+    if verify:
+        t = rec.tiling_at(it.start) if rec is not None else None
+        if t is None or it.end > t.end:
+            return None
+        base, row_bytes = t.start, t.row_bytes
+    elif it.chunk_sizes and it.dtype is not None:
+        t = None
+        row_bytes = math.prod(it.chunk_sizes[1:]) * it.dtype.itemsize
+        base = it.start - _first_byte(it)
+    else:
+        return None
+    row0, col0 = divmod(it.start - base, row_bytes)
+    row1, last = divmod(it.end - 1 - base, row_bytes)
+    if last < col0:
+        return None
+    if t is None:
+        if last + 1 - col0 < MIN_SEGMENT:
+            return None  # runs this short cost more in calls than the enclosing span costs in bytes
+        return BoxRead(it.file, it, base, row_bytes, row0, row1 + 1, col0, last + 1)
+    g0, g1 = col0 // t.segment, last // t.segment + 1
+    if (g1 - g0) * t.segment == row_bytes:
+        return None
+    rows = (row0 // t.rows_per_group * t.rows_per_group, min(t.rows, (row1 // t.rows_per_group + 1) * t.rows_per_group))
+    return BoxRead(it.file, it, base, row_bytes, rows[0], rows[1], g0 * t.segment, g1 * t.segment, t)
+
+
+def _first_byte(it: Item) -> int:
+    """Offset of the slice's first byte from its record's start."""
+    assert it.dtype is not None
+    strides = c_strides(it.chunk_sizes)
+    return sum(int(o) * s for o, s in zip(it.req.storage_offsets, strides)) * it.dtype.itemsize

@@ -1,0 +1,441 @@
+"""``FsspecStorageReader``: DCP StorageReader for smpckpt checkpoints and stock DCP checkpoints.
+
+Call order inside ``dcp.load`` ("all" = every rank)::
+
+    0) (all)         reset(checkpoint_id)            only when dcp.load gets checkpoint_id=
+    1) (all)         read_metadata()                 manifest (the commit marker), then the metadata it names
+    2) (all)         set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)
+    3) (all)         prepare_local_plan(plan)         items sorted by file and offset
+    4) (coordinator) prepare_global_plan(plans)       unchanged
+    5) (all)         read_data(plan, planner)         ranged, coalesced, verified reads
+
+What ``read_metadata`` accepts: a committed smpckpt checkpoint (manifest present); a stock DCP
+checkpoint (``.metadata`` from ``FileSystemWriter``/``FsspecWriter``, read as *legacy*: no checksums).
+It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.errors.CheckpointNotFound`.
+
+Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
+requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
+``thread_count`` worker threads read and verify -- small reads first, then the files side by side,
+each in offset order (``_read_run``) -- with at most ``reads_in_flight`` of them inside a read, started
+in that order, when that is set lower; the planner is called from the calling thread only.
+
+Direct reads (local files and S3): a raw tensor item of at least 1 MiB whose requested slice is
+contiguous in the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor
+of the saved dtype and shape, is read straight into the destination's memory -- ``os.preadv``, or one
+ranged GET whose body streams in (``_s3.get_range_into``) -- (the block-widening head/tail bytes go to
+small scratch buffers), in pieces of about 16 MiB cut at checksum block boundaries; consecutive pieces
+(of one item or of neighbouring items) are read with one request of up to ``max_request_bytes`` and
+verified by the worker thread that read them (xxh3 releases the GIL, so hashing overlaps the next
+read); ``commit_tensor`` follows on the calling thread once every piece of the item is verified.
+Everything else (small, strided, cast and object items, and other backends' reads) goes through the
+coalesced, pooled buffers (``cat_file`` on backends other than local disk and S3) and a copy into the
+destination.
+
+This module holds the protocol, the metadata and the checks of every storage record; the read itself
+lives in ``_read_plan`` (byte ranges, block widening, coalescing, direct candidates), ``_read_io``
+(ranged reads, block verification, the buffer pool) and ``_read_run`` (tasks on worker threads,
+delivery to the planner).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import traceback
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from smpckpt._checks import check_flag, check_int
+from smpckpt._gc import gc_paused
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from smpckpt.model.translation import Translation
+from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import confine, is_local, join, read_bytes_or_none
+from smpckpt.storage.backends._location import FsspecLocation
+from smpckpt.storage.format import _names
+from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.format._safe_pickle import load_metadata
+from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.full._commit import folder_names
+from smpckpt.storage.full._plan import WRITING_MARKER
+from smpckpt.storage.full._read import FullSource, hf_folder_files
+from smpckpt.storage.read._fetch import missing_file_error, reads_into
+from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
+from smpckpt.storage.read._run import ReadRun
+
+__all__ = ["FsspecStorageReader", "ReadStats"]
+
+log = logging.getLogger(__name__)
+
+# default request size caps (see max_request_bytes)
+LOCAL_REQUEST_BYTES = 32 << 20
+REMOTE_REQUEST_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
+
+    bytes_needed: int  # bytes the destinations receive (a column slice: its elements, not its span)
+    bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
+    requests: int  # ranged reads issued (``preadv`` calls, GETs)
+    items: int
+    #: file name -> (bytes needed, bytes read), for every file the load touched
+    per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+class FsspecStorageReader(FsspecLocation, StorageReader):
+    """Read a checkpoint at ``path`` (any fsspec URL).
+
+    Args:
+        path: folder or URL.
+        storage_options: fsspec filesystem options; kept across :meth:`reset`.
+        verify_checksums: verify the checksum of every block a read touches (default). ``False``
+            skips it (and reads only the exact bytes).
+        allow_pickle: hand object values that need arbitrary code to load to the planner. Only for
+            checkpoints you trust; by default they raise :class:`~smpckpt.errors.UnsafeCheckpoint`.
+        thread_count: worker threads that read, verify and copy.
+        reads_in_flight: how many of them may be inside a read at once (``None``: all of them).
+            Fewer than ``thread_count`` starts reads in file order while the other workers verify:
+            for devices that punish concurrent streams (disks with seeks). On this project's virtio
+            disk 2-4 in flight beat 1 (``benchmarks/RESULTS.md``, "cold loads").
+        max_request_bytes: coalesced requests stop growing at this size (``None``: 32 MiB on local
+            filesystems, 64 MiB on object stores and others). Why 32 MiB locally: on a cold virtio disk
+            it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
+            (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
+        coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
+        translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
+            manifest): present its tensors under our keys and layout (``smpckpt.hf.llama.TRANSLATION``),
+            box by box, so each rank reads only its shards' bytes. Full artifacts of ours need none.
+        hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
+            that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
+
+    Besides checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of ours and
+    Hugging Face folders; Hugging Face folders have no checksums and are read as *unverified*.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        verify_checksums: bool = True,
+        allow_pickle: bool = False,
+        thread_count: int = 4,
+        reads_in_flight: int | None = None,
+        max_request_bytes: int | None = None,
+        coalesce_gap: int = 0,
+        translation: Translation | None = None,
+        hf_prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.verify_checksums = verify_checksums
+        self.allow_pickle = allow_pickle
+        check_flag("verify_checksums", verify_checksums)
+        check_flag("allow_pickle", allow_pickle)
+        self.thread_count = check_int("thread_count", thread_count, minimum=1)
+        self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
+        self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
+        self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
+        # raw items at least this large are read straight into their destination when it allows
+        self.direct_min_bytes = DIRECT_MIN_BYTES
+        self.last_read_stats: ReadStats | None = None
+        self.translation = translation
+        self.hf_prefix = hf_prefix
+        self._open(path)
+
+    def _open(self, path: str | os.PathLike[str]) -> None:
+        super()._open(path)
+        self.manifest: Manifest | None = None
+        self.state: str | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._records: dict[str, FileRecord] = {}
+        self._sizes: dict[str, int | None] = {}  # legacy checkpoints: data file sizes, one stat per file
+        self._plain_names: set[str] = set()  # data file names already checked (thousands of items share a few)
+        self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
+        self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
+        self.metadata_error: Exception | None = None
+        self._full: FullSource | None = None  # a full artifact or Hugging Face folder
+
+    # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -------
+    def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
+        """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
+
+        DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
+        the original exception is kept in :attr:`metadata_error` so callers can re-raise it. (The
+        keyword parameter is deliberately not named ``kwargs``: DCP retries a failed read with
+        ``rank=`` -- "rank-local metadata" -- when it is, which would read and fail twice.)
+        """
+        try:
+            return self._read_metadata()
+        except Exception as exc:
+            self.metadata_error = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
+        found = probe(self.fs, self.path)
+        self.state = found.state
+        if found.state == "missing":
+            raise CheckpointNotFound(f"no checkpoint at {self.url}")
+        if found.state == "uncommitted":
+            hf_files = self._hf_files()
+            if hf_files is not None:
+                confine(self.fs, self.path, hf_files, where=self.url)
+                log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
+                self.state = "huggingface"
+                self._full = FullSource(
+                    self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
+                )
+                metadata = self._full.from_hf_folder(hf_files, translation=self.translation, prefix=self.hf_prefix)
+                metadata.storage_meta = StorageMeta(load_id=self.load_id)
+                _mark_whole(metadata)
+                return metadata
+            raise CheckpointNotFound(
+                f"{self.url} holds an uncommitted (incomplete or failed) save: {found.detail}; refusing to load it"
+            )
+        if found.state == "legacy":
+            log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
+            metadata = found.legacy_metadata
+            self._metadata_path = join(self.path, _names.METADATA_NAME)
+        else:
+            manifest = found.manifest
+            if manifest is None:  # pragma: no cover - probe guarantees it
+                raise CheckpointError("internal: committed checkpoint without manifest")
+            md_path = join(self.path, manifest.metadata.name)
+            data = read_bytes_or_none(self.fs, md_path)
+            if data is None:
+                raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
+            if len(data) != manifest.metadata.size or hash_bytes(data) != manifest.metadata.digest:
+                raise CheckpointCorrupt(
+                    f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "
+                    f"manifest says {manifest.metadata.size})"
+                )
+            metadata = load_metadata(data, where=md_path)
+            self._metadata_path = md_path
+            self.manifest = manifest
+            self._records = {f.name: f for f in manifest.files}
+            if manifest.kind == "full":
+                self._full = FullSource(
+                    self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
+                )
+                self._full.from_description(metadata, self._records)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if self._full is not None:
+            _mark_whole(metadata)
+        return metadata
+
+    @gc_paused()  # an index entry per chunk of every tensor
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._full is not None:
+            self._full.live = metadata  # a planner may have reshaped an entry (see _names.WHOLE_TENSORS)
+            return  # the artifact's own description says where every byte is
+        if metadata.storage_data is None:
+            raise CheckpointCorrupt(f"{self.url}: metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self._chunks[MetadataIndex(fqn, chunk.offsets)] = (md.properties.dtype, tuple(chunk.sizes))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        def key(it: ReadItem) -> tuple[str, int]:
+            info = self.storage_data.get(it.storage_index)
+            # records are checked in _item (with a message naming the key); sorting must not fail first
+            offset = getattr(info, "offset", 0)
+            return (str(getattr(info, "relative_path", "")), offset if _is_int(offset) else -1)
+
+        plan.items = sorted(plan.items, key=key)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into ``planner``; returns a completed future.
+
+        A failure is raised from here (as DCP's own ``FileSystemReader`` does), not stored in the future:
+        torch's ``Future`` holds its exception from C++, where the garbage collector cannot see the cycle
+        exception -> traceback -> DCP's frame (which holds the future) -> exception, so every failed load
+        would pin that exception, the frames of its caller and the state dict being loaded until the
+        process ends. The frames the failure went through are cleared, so the exception, wherever it is
+        kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
+        """
+        try:
+            if self._full is not None:
+                self._read_full(plan, planner)
+            else:
+                self._read(plan, planner)
+        except Exception as exc:
+            _release_frames(exc)
+            raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _item(self, req: ReadItem) -> Item:
+        info = self.storage_data.get(req.storage_index)
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointCorrupt(f"{self.url}: no storage record for {req.storage_index.fqn!r}")
+        descriptors = tuple(info.transform_descriptors or ())
+        raw = _names.RAW_DESCRIPTOR in descriptors
+        unknown = [d for d in descriptors if d != _names.RAW_DESCRIPTOR]
+        if unknown:
+            raise CheckpointError(f"{req.storage_index.fqn!r}: unsupported stream transforms {unknown}")
+        self._check_record(req.storage_index.fqn, info)
+        if req.type == LoadItemType.TENSOR and raw:
+            chunk = self._chunks.get(req.storage_index)
+            if chunk is None:
+                raise CheckpointCorrupt(f"{self.url}: no chunk metadata for {req.storage_index.fqn!r}")
+            dtype, sizes = chunk
+            return raw_item(req, info.relative_path, info.offset, info.length, dtype, sizes)
+        return Item(req, info.relative_path, info.offset, info.offset + info.length, False)
+
+    def _check_record(self, fqn: str, info: _StorageInfo) -> None:
+        """(calling thread, before any byte is read) The metadata names a plain file inside the folder
+        (listed in the manifest when there is one) and a byte range inside that file.
+
+        The metadata may be crafted: a ``../`` name must never reach the filesystem, and a negative offset
+        or a huge length must fail here with a :class:`CheckpointCorrupt` naming the file and the key,
+        not later as an ``OSError``, a ``MemoryError`` or a read of the wrong bytes. A committed
+        checkpoint's file sizes come from the manifest; a stock (legacy) checkpoint's data files are
+        stat'ed, once each.
+        """
+        name = getattr(info, "relative_path", None)  # DCP drops None fields when pickling a record
+        if not (isinstance(name, str) and name in self._plain_names):
+            name = _names.check_member_name(name, where=f"{self._metadata_path} (key {fqn!r})")
+            self._plain_names.add(name)
+        path = join(self.path, name)
+        offset: Any = getattr(info, "offset", None)
+        length: Any = getattr(info, "length", None)
+        if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0):
+            raise CheckpointCorrupt(
+                f"{path}: key {fqn!r} is recorded at offset {offset!r} with length {length!r}; both must be "
+                f"non-negative integers (the metadata {self._metadata_path} is corrupt or crafted)"
+            )
+        if self.manifest is not None:
+            rec = self._records.get(name)
+            if rec is None:
+                raise CheckpointCorrupt(
+                    f"{path}: data file of key {fqn!r} is not listed in the manifest (the metadata "
+                    f"{self._metadata_path} is corrupt or crafted)"
+                )
+            size: int | None = rec.size
+        else:
+            size = self._legacy_size(name, fqn)
+        if size is not None and offset + length > size:
+            raise CheckpointCorrupt(
+                f"{path}: key {fqn!r} is recorded at offset {offset} with length {length}, past the end of the "
+                f"file ({size} bytes; the metadata is corrupt or crafted, or the file is truncated)"
+            )
+
+    def _legacy_size(self, name: str, fqn: str) -> int | None:
+        """Size of a stock checkpoint's data file (``None`` where the backend cannot tell), stat'ed once."""
+        if name not in self._sizes:
+            path = join(self.path, name)
+            try:
+                with translate_errors(path):
+                    size = self.fs.size(path)
+            except FileNotFoundError as exc:
+                raise missing_file_error(path, [fqn]) from exc
+            self._sizes[name] = int(size) if size is not None else None
+        return self._sizes[name]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """(calling thread) Plan every item's byte range (every record checked before any byte is read),
+        then read, verify and deliver them; buffers live only for this call."""
+        local = is_local(self.fs)
+        max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
+        # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
+        with gc_paused() if self.manifest is not None else contextlib.nullcontext():
+            reads = plan_reads(
+                [self._item(req) for req in plan.items],
+                self._records,
+                verify=self.verify_checksums,
+                local=local,
+                direct=reads_into(self.fs),
+                direct_min_bytes=self.direct_min_bytes,
+                coalesce_gap=self.coalesce_gap,
+                max_request_bytes=max_request,
+            )
+        run = ReadRun(
+            self.fs,
+            self.path,
+            self._records,
+            verify=self.verify_checksums,
+            allow_pickle=self.allow_pickle,
+            thread_count=self.thread_count,
+            max_request_bytes=max_request,
+            planner=planner,
+            reads_in_flight=self.reads_in_flight,
+        )
+        run.run(reads)
+        per_file = {
+            n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
+            for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
+        }
+        self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items), per_file)
+
+    def _hf_files(self) -> list[str] | None:
+        """The safetensors files when the folder is a Hugging Face model, not a save of ours without its
+        manifest: one in progress (its marker), a full checkpoint whose manifest is gone (a removal
+        interrupted after deleting it, or lost; its ``.metadata.<id>`` generation file stays), or a
+        folder marked for removal. Those are refused, never read without their checksums."""
+        names = folder_names(self.fs, self.path)
+        ours = {WRITING_MARKER, _names.REMOVING_NAME}
+        if names & ours or any(_names.is_smpckpt_file(n) for n in names):
+            return None
+        return hf_folder_files(self.fs, self.path)
+
+    def _read_full(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        full = self._full
+        if full is None:  # pragma: no cover - checked by the caller
+            raise CheckpointError("internal: no full artifact")
+        full.file_stats = {}
+        needed, read = full.read(plan, planner)
+        per_file = {n: (st.bytes_needed, st.bytes_read) for n, st in full.file_stats.items()}
+        self.last_read_stats = ReadStats(needed, read, full.requests, len(plan.items), per_file)
+
+
+def _mark_whole(metadata: Metadata) -> None:
+    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals of every finished frame ``exc`` (and the exceptions chained to it) went through:
+    read buffers, destination views and plans would otherwise live as long as the exception."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running (the caller's)
+        todo += [e.__cause__, e.__context__]

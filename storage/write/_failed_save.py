@@ -1,0 +1,154 @@
+"""Removing what a failed save wrote (partial or full), so that a retry leaves none of it behind.
+
+``dcp.save`` reports a failure to every rank only after every rank's ``write_data`` returned (and the
+coordinator's ``finish``, when it ran, returned or raised), so by then nothing of that save is still
+being written. Each rank then removes the files it recorded for the failed save: a partial save's data
+files (named with its save id) and the coordinator's metadata copy; a full save's artifact, side files
+and metadata copy (the coordinator: it laid them out), its in-progress marker last and only while the
+marker still names that save. Nothing is removed when a manifest shows the commit landed (partial: this
+save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
+way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
+goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still
+running; it is left to ``remove_uncommitted_older_than`` and ``smpckpt prune``, which judge by age.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, NoReturn
+
+from smpckpt.errors import CheckpointError
+from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none, remove_files
+from smpckpt.storage.backends._prefixes import remove_empty_folders
+from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.full._marker import marker_owner
+from smpckpt.storage.full._plan import WRITING_MARKER
+
+__all__ = [
+    "CommitUncertain",
+    "FailedSaveFiles",
+    "commit_uncertain",
+    "committed_by",
+    "discard_generation",
+    "folder_is_new",
+    "raise_commit_failure",
+]
+
+log = logging.getLogger(__name__)
+
+
+class CommitUncertain(CheckpointError):
+    """The commit (the manifest's write) failed in a way that does not tell whether it landed: an
+    object store's timeout or dropped connection, where the request may still complete. Nothing of
+    that save is removed: it may be a committed checkpoint."""
+
+
+def commit_uncertain(error: BaseException | None) -> bool:
+    """Whether ``error`` (DCP's ``CheckpointException``, or the exception itself) carries a
+    :class:`CommitUncertain` from the coordinator."""
+    if isinstance(error, CommitUncertain):
+        return True
+    failures = getattr(error, "failures", None) or {}
+    return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
+
+
+def raise_commit_failure(fs: Any, path: str, url: str, save_id: str, exc: Exception) -> NoReturn:
+    """(in the ``except`` of a failed commit request) On object stores raise a :class:`CommitUncertain`
+    from ``exc``: the request may still land, so no clean-up may remove that save's files. On local disk
+    and memory:// the folder tells exactly whether the manifest landed: if it did (the step that failed
+    came after it: the folder's fsync), say so instead of reporting a plain failure; else re-raise ``exc``."""
+    if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
+        if committed_by(fs, path, save_id):
+            raise CheckpointError(
+                f"{url} is committed (its manifest is in place; it can be resumed by tag), but a step after the "
+                f"commit failed ({type(exc).__name__}: {exc}), so it may not survive a power loss"
+            ) from exc
+        raise exc
+    raise CommitUncertain(
+        f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's files "
+        "are kept: `smpckpt ls` tells whether it committed"
+    ) from exc
+
+
+def _manifest_save_id(fs: Any, path: str) -> str | None:
+    """The save id of the manifest at ``path`` (None: no manifest); raises when it cannot be read."""
+    found = probe(fs, path, list_when_empty=False)
+    return found.manifest.save_id if found.manifest is not None else None
+
+
+def committed_by(fs: Any, path: str, save_id: str) -> bool:
+    """After a refused exclusive commit: is the manifest there this save's own (a retried request whose
+    first attempt landed)? An unreadable one is not."""
+    try:
+        return _manifest_save_id(fs, path) == save_id
+    except CheckpointError:
+        return False
+
+
+def discard_generation(fs: Any, path: str, manifest: Manifest) -> None:
+    """(coordinator, after losing a commit race) Remove the files of the refused save's ``manifest``."""
+    failed = remove_files(
+        fs, [join(path, f.name) for f in manifest.files] + [join(path, manifest.metadata.name)], within=path
+    )
+    if failed:
+        log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
+
+
+class FailedSaveFiles:
+    """The files one rank wrote for one save, to remove if that save fails.
+
+    Call order: a new instance per save (``storage_writer.storage_meta``, DCP's first call) ->
+    :meth:`begin` (partial: ``write_data``, every rank; full: ``prepare_global_plan``, coordinator) ->
+    :meth:`add` per file created (writer threads too) -> :meth:`discard` (every rank, after
+    ``dcp.save`` raised)."""
+
+    def __init__(self) -> None:
+        self.save_id: str | None = None
+        self.names: list[str] = []
+        self.new_folder = False  # the folder did not exist when the save began (local paths)
+
+    def begin(self, save_id: str, *, new_folder: bool, names: tuple[str, ...] = ()) -> None:
+        self.save_id, self.names, self.new_folder = save_id, list(names), new_folder
+
+    def add(self, name: str) -> None:
+        if self.save_id is not None:
+            self.names.append(name)  # list.append is atomic: writer threads call this concurrently
+
+    def discard(self, fs: Any, path: str, url: str, *, full: bool) -> list[str]:
+        """Remove the recorded files (see the module docstring for when not); the paths that could
+        not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
+        save_id, names = self.save_id, list(dict.fromkeys(self.names))
+        self.save_id, self.names = None, []
+        if save_id is None or not names:
+            return []
+        paths = [join(path, n) for n in names]
+        try:
+            committed = _manifest_save_id(fs, path)
+            marker = read_bytes_or_none(fs, join(path, WRITING_MARKER)) if full else None
+        except (CheckpointError, OSError) as exc:
+            log.warning(
+                "%s: the failed save's %d file(s) were left: the folder could not be read (%s)", url, len(paths), exc
+            )
+            return paths
+        if committed == save_id or (full and (committed is not None or marker_owner(marker) != save_id)):
+            return []  # the commit landed (these files are the checkpoint), or another save took the folder
+        failed = remove_files(fs, paths, within=path)
+        if full and not failed:  # the marker keeps the folder recognisable as debris until the rest is gone
+            failed = remove_files(fs, [join(path, WRITING_MARKER)])
+        if failed:
+            log.warning("%s: could not remove %d file(s) of the failed save: %s", url, len(failed), failed[:5])
+        elif is_local(fs):
+            remove_empty_folders(path, paths)
+            if self.new_folder:
+                # the rank that removes the last file succeeds; the others find it not empty yet
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        return failed
+
+
+def folder_is_new(fs: Any, path: str) -> bool:
+    """(coordinator, before a save writes anything) Whether the save will make its folder (local paths)."""
+    return is_local(fs) and not os.path.isdir(path)

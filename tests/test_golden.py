@@ -75,3 +75,23 @@ def test_golden_checkpoint_lists_and_verifies(tmp_path: Path) -> None:
     assert record is not None and record.layout == ParallelLayout() and record.rank_local == ("rng.*", "user_content")
     report = verify_checkpoint(str(DATA / f"{GOLDEN_TAG}_partial"))
     assert report.ok and report.problems == () and report.warnings == ()
+
+
+def test_format_tags_are_pinned() -> None:
+    """Strings written into checkpoints never change with the code around them (a module move once
+    renamed the full API's tag): old checkpoints are read, and old readers read new ones, by these."""
+    from smpckpt.model.keys import API_RECORD, API_RECORD_V1, FULL_API_RECORD
+    from smpckpt.model.record import METADATA_KEY, RECORD_VERSION
+    from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR
+
+    assert (API_RECORD, API_RECORD_V1, FULL_API_RECORD) == (
+        "smpckpt.save_checkpoint/2",
+        "smpckpt.save_checkpoint/1",
+        "smpckpt.api.full/1",
+    )
+    assert (MANIFEST_NAME, RAW_DESCRIPTOR, METADATA_KEY, RECORD_VERSION) == (
+        "smpckpt.manifest.json",
+        "smpckpt.raw/1",
+        "__smpckpt__",
+        1,
+    )

@@ -49,7 +49,7 @@ __all__ = [
     "set_exit_status_on_failed_save",
 ]
 
-log = logging.getLogger("smpckpt.api.calls")
+log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass

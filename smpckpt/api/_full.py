@@ -32,16 +32,15 @@ from smpckpt.api._planner_reuse import kept_save_planner
 from smpckpt.api.user_content import decode_user_content, describe_user_content, encode_user_content
 from smpckpt.catalog.tags import join_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
-from smpckpt.model.keys import RESERVED
+from smpckpt.model.keys import FULL_API_RECORD, RESERVED
 from smpckpt.model.translation import Translation
 from smpckpt.planners import ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
 
 __all__ = ["save_full", "resume_full", "FULL_API_RECORD", "full_url"]
 
-log = logging.getLogger("smpckpt.api.calls")
+log = logging.getLogger("smpckpt.api")
 
-FULL_API_RECORD = "smpckpt.api.calls.full/1"
 #: flattened-key prefix -> artifact: HF-style ``model.safetensors`` and ``optimizer.safetensors``
 MODEL_PREFIX, OPTIM_PREFIX = f"{RESERVED.model}.", f"{RESERVED.optim}.state."
 ARTIFACTS = {MODEL_PREFIX: "model", OPTIM_PREFIX: "optimizer"}

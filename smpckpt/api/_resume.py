@@ -51,7 +51,7 @@ __all__ = [
     "not_found_hint",
 ]
 
-log = logging.getLogger("smpckpt.api.calls")
+log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from smpckpt.storage import FsspecStorageWriter
 
 __all__ = ["SaveRequest", "resolve_save", "build_save_state", "write_checkpoint", "publish_newest", "retain"]
 
-log = logging.getLogger("smpckpt.api.calls")
+log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,7 @@ from smpckpt.model.translation import Translation
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("smpckpt.api")  # one logger for the API, whichever module logs
 
 # Per thread (and per asyncio task): concurrent resumes in one process never see each other's report.
 _last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar("smpckpt_last_resume", default=None)

@@ -143,7 +143,7 @@ def newest_stamp(root: str, storage_options: Any = None, *, unless: str | None =
         ns = record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
         return ns if plausible_ns(ns) else 0  # a damaged stamp must not displace the others
     except (OSError, CheckpointError) as exc:
-        logging.getLogger("smpckpt.api.calls").warning(
+        logging.getLogger("smpckpt.api").warning(
             "could not read the save time of %s/newest's checkpoint: %s", root, exc
         )
         return 0

@@ -464,11 +464,11 @@ def test_a_rollback_whose_newest_checkpoint_is_damaged(tmp_path: Any) -> None:
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("smpckpt.api.calls").addHandler(handler)
+    logging.getLogger("smpckpt.api").addHandler(handler)
     try:
         resume_from_checkpoint(root, tag="a", model=m2, optimizer=o2)
     finally:
-        logging.getLogger("smpckpt.api.calls").removeHandler(handler)
+        logging.getLogger("smpckpt.api").removeHandler(handler)
     assert last_resume_info().tag == "a"
     _assert_same_params(m2, m)
     assert any("newest's checkpoint" in msg for msg in seen), seen

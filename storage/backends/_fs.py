@@ -222,15 +222,11 @@ def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True
             bucket, key, _ = fs.split_path(path)
             fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
             fs.invalidate_cache(path)
-        elif _protocol(fs) == "memory":
-            with _MEMORY_LOCK:
+        else:
+            with _MEMORY_LOCK if _protocol(fs) == "memory" else contextlib.nullcontext():
                 if fs.exists(path):
                     raise FileExistsError(errno.EEXIST, "exists", path)
                 fs.pipe_file(path, data)
-        else:
-            if fs.exists(path):
-                raise FileExistsError(errno.EEXIST, "exists", path)
-            fs.pipe_file(path, data)
 
 
 def _protocol(fs: Any) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp.payload import Payload
 
 from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._sinks import byte_view
 
 __all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object", "get_range_into"]
 
@@ -40,10 +41,6 @@ MIN_PART_SIZE = 16 << 20
 _MAX_PARTS = 10_000  # S3 limit per upload
 # bytes handed to aiohttp per write: the event loop interleaves the parts of several files
 _SEND_CHUNK = 1 << 20
-
-
-def _bytes_view(data: memoryview) -> memoryview:
-    return data.cast("B") if data.format != "B" or data.ndim != 1 else data
 
 
 class PartBody(Payload):
@@ -57,7 +54,7 @@ class PartBody(Payload):
     _autoclose = True  # holds no resources: nothing for aiohttp to close
 
     def __init__(self, views: Sequence[memoryview]) -> None:
-        parts = [v for v in (_bytes_view(v) for v in views) if len(v)]
+        parts = [v for v in (byte_view(v) for v in views) if len(v)]
         super().__init__(parts, content_type="application/octet-stream")
         self._parts = parts
         self._starts: list[int] = []
@@ -188,7 +185,7 @@ class S3MultipartSink:
     def write(self, data: memoryview) -> None:
         if self._done:
             raise ValueError(f"{self.path}: write after commit/abort")
-        mv = _bytes_view(data)
+        mv = byte_view(data)
         i = 0
         while i < len(mv):
             room = self._part_size - self._fill

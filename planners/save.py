@@ -20,7 +20,6 @@ import hashlib
 import io
 import logging
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,11 +29,12 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from smpckpt._gc import gc_paused
-from smpckpt.errors import ReplicaMismatch, SpecError
+from smpckpt.errors import SpecError
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.naming import NameMap
 from smpckpt.model.record import METADATA_KEY, LayoutRecord
 from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.planners._dedup import dedup_plans
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -279,7 +279,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        deduped = self._dedup(full)
+        deduped = dedup_plans(full)
         plans, metadata = create_default_global_save_plan(deduped)
         mappings: dict[str, Any] = {}
         for plan in full:
@@ -314,57 +314,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
-
-    def _dedup(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Keep one writer per chunk and per object; identical objects only."""
-        chunk_owner: dict[MetadataIndex, tuple[int, WriteItem]] = {}
-        object_holders: dict[str, list[tuple[int, str]]] = {}
-        tensor_meta: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
-        for i, plan in enumerate(plans):
-            objects = plan.planner_data["objects"]
-            for item in plan.items:
-                fqn = item.index.fqn
-                if item.type == WriteItemType.BYTE_IO:
-                    object_holders.setdefault(fqn, []).append((i, objects[fqn]))
-                    continue
-                td = item.tensor_data
-                if td is None:
-                    raise SpecError(f"{fqn}: rank {i} planned a tensor item without tensor data")
-                seen = tensor_meta.setdefault(fqn, (i, td.size, td.properties.dtype))
-                if (seen[1], seen[2]) != (td.size, td.properties.dtype):
-                    raise SpecError(
-                        f"{fqn}: rank {seen[0]} saves global shape {tuple(seen[1])} {seen[2]} but rank {i} saves "
-                        f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes disagree"
-                    )
-                prior = chunk_owner.get(item.index)
-                prior_td = prior[1].tensor_data if prior is not None else None
-                if prior is not None and prior_td is not None and prior_td.chunk.sizes != td.chunk.sizes:
-                    raise SpecError(
-                        f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
-                        f"with sizes {tuple(prior_td.chunk.sizes)} and {tuple(td.chunk.sizes)}"
-                    )
-                if prior is None:
-                    chunk_owner[item.index] = (i, item)
-        object_owner: dict[str, int] = {}
-        for fqn, holders in object_holders.items():
-            digests = {d for _, d in holders}
-            if len(digests) > 1:
-                ranks = sorted({r for r, _ in holders})
-                raise ReplicaMismatch(
-                    f"object {fqn!r} differs between ranks {ranks}: one key can hold one value. Give per-rank "
-                    "values rank-unique keys (e.g. f'...rank{rank}...') and list them in rank_local="
-                )
-            object_owner[fqn] = holders[zlib.crc32(fqn.encode()) % len(holders)][0]
-        out = []
-        for i, plan in enumerate(plans):
-            kept = [
-                item
-                for item in plan.items
-                if (item.type == WriteItemType.BYTE_IO and object_owner[item.index.fqn] == i)
-                or (item.type != WriteItemType.BYTE_IO and chunk_owner[item.index][0] == i)
-            ]
-            out.append(dataclasses.replace(plan, items=kept))
-        return out
 
     # -- 4. finish ---------------------------------------------------------------------------------
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

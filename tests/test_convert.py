@@ -146,3 +146,19 @@ def test_a_crafted_huge_shape_is_refused_before_allocating(tmp_path: Path) -> No
     (folder / MANIFEST_NAME).write_bytes(resealed.to_bytes())
     with pytest.raises(CheckpointCorrupt, match=r"declares \d+ bytes of tensors but its files hold \d+"):
         convert_checkpoint(folder, tmp_path / "out.pt")
+
+
+def test_dcps_private_helpers_convert_relies_on_are_still_there() -> None:
+    """convert uses DCP's offline pattern through two private names; this fails, saying what to fix,
+    when torch changes them (the round trips above then fail too, less plainly)."""
+    import inspect
+
+    from torch.distributed.checkpoint import default_planner, state_dict_loader
+
+    fix = "smpckpt/tools/convert.py relies on it: rebuild the state dict from the metadata there instead"
+    planner = getattr(default_planner, "_EmptyStateDictLoadPlanner", None)
+    assert planner is not None and issubclass(planner, DefaultLoadPlanner), f"_EmptyStateDictLoadPlanner changed: {fix}"
+    load = getattr(state_dict_loader, "_load_state_dict", None)
+    assert load is not None, f"torch.distributed.checkpoint.state_dict_loader._load_state_dict is gone: {fix}"
+    params = inspect.signature(load).parameters
+    assert {"state_dict", "storage_reader", "planner", "no_dist"} <= set(params), f"_load_state_dict{params}: {fix}"

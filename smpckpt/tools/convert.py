@@ -25,15 +25,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from smpckpt.api._args import quiet_no_dist, translate_dcp
-from smpckpt.errors import CheckpointCorrupt, CheckpointError
-from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.record import METADATA_KEY, LayoutRecord
-from smpckpt.planners import ParallelLoadPlanner
+from smpckpt.errors import CheckpointCorrupt
+from smpckpt.model.record import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 
 __all__ = ["convert_checkpoint", "ConvertReport"]
@@ -84,34 +83,30 @@ def convert_checkpoint(
     metadata = reader.read_metadata()
     record = LayoutRecord.from_metadata(metadata)
     _check_declared_sizes(os.fspath(src), metadata, reader, record)
-    flat: dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            try:
-                flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
-            except (RuntimeError, MemoryError) as exc:
-                raise CheckpointError(
-                    f"{os.fspath(src)}: cannot hold {key!r} {tuple(md.size)} in memory: {exc}"
-                ) from exc
-        else:
-            flat[key] = None  # an object: loaded (weights-only unless allow_pickle) into this slot
     reader.reset()
-    # Full tensors in one process: layout of one rank, every key as saved (no renaming, no specs).
-    planner = ParallelLoadPlanner(ParallelLayout(), rank=0, allow_pickle=allow_pickle)
+    # DCP's own offline pattern (dcp_to_torch_save's, which takes only a FileSystemReader): the empty
+    # planner rebuilds the state dict, nested as saved, from the metadata, and the stock loader fills it.
+    # Both names are private to DCP (tests/test_convert.py pins them). The stock planner unpickles
+    # objects as given: our reader has refused any that are not weights-only-safe unless allow_pickle.
+    state: dict[str, Any] = {}
+    planner = _EmptyStateDictLoadPlanner()
     try:
         with quiet_no_dist():
-            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as exc:  # a BaseException: the CLI would print DCP's whole traceback
         raise translate_dcp(exc, f"reading {os.fspath(src)}") from exc
+    flat, paths = planner.state_dict, planner.mappings  # the same tensors, by saved key
     reshaped: list[str] = []
     if not keep_view_shapes and record is not None:
         for key, shape in record.original_shapes.items():
             value = flat.get(key)
             if isinstance(value, torch.Tensor) and math.prod(shape) == value.numel():
-                flat[key] = value.reshape(shape)
+                *parents, last = paths[key]
+                node: Any = state
+                for step in parents:
+                    node = node[step]
+                node[last] = value.reshape(shape)
                 reshaped.append(key)
-    mappings = {k: v for k, v in (metadata.planner_data or {}).items() if k != METADATA_KEY and k in flat}
-    state = unflatten_state_dict(flat, mappings) if len(mappings) == len(flat) else flat
     out_url = os.fspath(out)
     if to == "torch_save":
         fs, path = open_fs(out_url, out_storage_options)
@@ -135,7 +130,7 @@ def convert_checkpoint(
     tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
     report = ConvertReport(
         tensors=len(tensors),
-        objects=len(flat) - len(tensors),
+        objects=len(metadata.state_dict_metadata) - len(tensors),
         bytes=sum(t.numel() * t.element_size() for t in tensors),
         reshaped=sorted(reshaped),
         out=out_url,

@@ -1,7 +1,10 @@
-"""Backend errors -> builtin ``OSError`` family at the storage boundary, keeping ``__cause__``.
+"""Backend errors -> builtin ``OSError`` family at the storage boundary, naming the file, keeping ``__cause__``.
 
 Callers then catch ``FileNotFoundError`` / ``PermissionError`` the same way for local disk, shared
-filesystems and S3. smpckpt's own errors pass through untouched.
+filesystems and S3. S3's error codes are s3fs's to translate (``s3fs.errors.translate_boto_error``, which
+every s3fs call already applies); what is ours is naming the object the request was for (s3fs leaves it
+out), turning transport errors that reach us untranslated into ``OSError``, and letting smpckpt's own
+errors pass untouched.
 """
 
 from __future__ import annotations
@@ -14,20 +17,11 @@ from smpckpt.errors import CheckpointError
 
 __all__ = ["translate_errors", "translate"]
 
-# botocore error codes (as found in ClientError.response["Error"]["Code"]) by builtin class
-_CODE_TO_EXC: dict[str, type[OSError]] = {
-    "NoSuchKey": FileNotFoundError,
-    "NoSuchBucket": FileNotFoundError,
-    "NoSuchUpload": FileNotFoundError,
-    "404": FileNotFoundError,
-    "NotFound": FileNotFoundError,
-    "AccessDenied": PermissionError,
-    "403": PermissionError,
-    "InvalidAccessKeyId": PermissionError,
-    "SignatureDoesNotMatch": PermissionError,
-    # a conditional PUT (If-None-Match: *) found the object already there
-    "PreconditionFailed": FileExistsError,
-    "412": FileExistsError,
+_ERRNO: dict[type[OSError], int] = {
+    FileNotFoundError: errno.ENOENT,
+    PermissionError: errno.EACCES,
+    FileExistsError: errno.EEXIST,
+    TimeoutError: errno.ETIMEDOUT,
 }
 
 
@@ -35,31 +29,29 @@ def translate(exc: BaseException, path: str) -> BaseException:
     """The exception to raise instead of ``exc`` (``exc`` itself when it is already fine)."""
     if isinstance(exc, CheckpointError):
         return exc
+    if isinstance(getattr(exc, "response", None), dict):
+        # a botocore ClientError that reached us untranslated (a call made outside s3fs's wrapper):
+        # s3fs's table says which builtin it is (a botocore error means s3fs is installed)
+        from s3fs.errors import translate_boto_error
+
+        return _named(translate_boto_error(exc), path, cause=exc)
     if isinstance(exc, OSError):
         if exc.filename is None and exc.errno is not None and path and type(exc).__module__ == "builtins":
-            # s3fs translates S3's errors to OSError without the key: name the file the request was for
-            named = type(exc)(exc.errno, exc.strerror or str(exc), path)
-            named.__cause__ = exc
-            return named
+            return _named(exc, path, cause=exc)  # s3fs's translation without the key
         return exc
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", ""))
-        cls = _CODE_TO_EXC.get(code, OSError)
-        new: OSError = cls(errno.EIO if cls is OSError else _errno_for(cls), f"{code or 'error'}: {exc}", path)
-        new.__cause__ = exc
-        return new
     if type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "s3fs"):
-        new = OSError(errno.EIO, f"{type(exc).__name__}: {exc}", path)
-        new.__cause__ = exc
-        return new
+        return _named(OSError(errno.EIO, f"{type(exc).__name__}: {exc}"), path, cause=exc)
     return exc
 
 
-def _errno_for(cls: type[OSError]) -> int:
-    return {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, FileExistsError: errno.EEXIST}.get(
-        cls, errno.EIO
-    )
+def _named(exc: BaseException, path: str, *, cause: BaseException) -> BaseException:
+    """``exc`` again, as ``type(exc)(errno, message, path)``, caused by ``cause``."""
+    if not isinstance(exc, OSError) or type(exc).__module__ != "builtins":
+        return exc
+    code = exc.errno if isinstance(exc.errno, int) else _ERRNO.get(type(exc), errno.EIO)
+    named = type(exc)(code, exc.strerror or str(exc), path)
+    named.__cause__ = cause
+    return named
 
 
 @contextlib.contextmanager

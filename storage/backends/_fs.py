@@ -126,6 +126,7 @@ def is_s3(fs: Any) -> bool:
     GET bodies through its async client. Decided without importing s3fs or aiohttp, which only the s3
     extra installs; the one test for writes and reads alike."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    # ``_call_s3`` (s3fs's async call, which _s3 uses) marks s3fs itself, not another "s3" backend
     return "s3" in protocols and hasattr(fs, "_call_s3")
 
 
@@ -218,18 +219,14 @@ def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True
         elif _protocol(fs) in ("s3", "s3a"):
             # One PutObject whatever the size: s3fs's pipe_file switches to a multipart upload at
             # 100 MiB and drops the condition there, which would make a large commit unconditional.
-            bucket, _, key = fs._strip_protocol(path).partition("/")
+            bucket, key, _ = fs.split_path(path)
             fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
             fs.invalidate_cache(path)
-        elif _protocol(fs) == "memory":
-            with _MEMORY_LOCK:
+        else:
+            with _MEMORY_LOCK if _protocol(fs) == "memory" else contextlib.nullcontext():
                 if fs.exists(path):
                     raise FileExistsError(errno.EEXIST, "exists", path)
                 fs.pipe_file(path, data)
-        else:
-            if fs.exists(path):
-                raise FileExistsError(errno.EEXIST, "exists", path)
-            fs.pipe_file(path, data)
 
 
 def _protocol(fs: Any) -> str:
@@ -331,7 +328,7 @@ def remove_files(fs: Any, paths: list[str], *, within: str | None = None) -> lis
 def file_sizes(fs: Any, folder: str) -> dict[str, int]:
     """Every file under ``folder`` (prefix folders included): relative name -> size. One listing: on S3
     a LIST per 1,000 objects, never a HEAD per file."""
-    base = str(fs._strip_protocol(folder)).rstrip("/") + "/"
+    base = folder.rstrip("/") + "/"  # ``folder`` is as open_fs gave it: as fs.find names its files
     with translate_errors(folder):
         found = fs.find(folder, detail=True)
     return {

@@ -11,9 +11,18 @@ in the metadata, ``name`` in the manifest), so readers, ``verify_checkpoint``, `
 overwrite clean-up and consolidation follow the recorded names and need no strategy. Every object stays
 under the checkpoint's folder (design notes 5: entropy right after the folder, never before it).
 
-The strategies mirror s3torchconnector's ``NumericPrefixStrategy`` (``HexPrefixStrategy``,
-``BinaryPrefixStrategy``): the file's index written in base 2 or 16, digits reversed, so the fastest-
-changing digit comes first.
+The numeric strategies compute the same prefixes as s3torchconnector's ``HexPrefixStrategy`` /
+``BinaryPrefixStrategy`` (the index written in base 16 or 2, zero-padded, digits reversed so the
+fastest-changing digit comes first; tests/storage/test_storage_prefixes.py checks them against the
+installed s3torchconnector). They are ours rather than theirs because:
+
+* s3torchconnector is not a dependency (the test extra installs it): it brings its Rust S3 client,
+  and smpckpt reaches S3 through s3fs; a strategy is the one piece we would use from it.
+* Theirs name a *rank's* files (``<prefix>/__<rank>_``, with the prefix count taken from
+  ``torch.distributed`` when built); ours place each of a rank's several data files by its index in
+  the whole save, are picklable and compared by value (the coordinator's instance travels with the
+  plan), and check that a prefix is one plain folder name. Key names already written keep loading:
+  readers follow the names recorded in the checkpoint, never a strategy.
 """
 
 from __future__ import annotations

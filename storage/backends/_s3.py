@@ -28,11 +28,12 @@ import inspect
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from aiohttp.payload import Payload
 
-from smpckpt.storage.backends._errors import translate
+from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._sinks import byte_view
 
 __all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object", "get_range_into"]
 
@@ -40,10 +41,6 @@ MIN_PART_SIZE = 16 << 20
 _MAX_PARTS = 10_000  # S3 limit per upload
 # bytes handed to aiohttp per write: the event loop interleaves the parts of several files
 _SEND_CHUNK = 1 << 20
-
-
-def _bytes_view(data: memoryview) -> memoryview:
-    return data.cast("B") if data.format != "B" or data.ndim != 1 else data
 
 
 class PartBody(Payload):
@@ -57,7 +54,7 @@ class PartBody(Payload):
     _autoclose = True  # holds no resources: nothing for aiohttp to close
 
     def __init__(self, views: Sequence[memoryview]) -> None:
-        parts = [v for v in (_bytes_view(v) for v in views) if len(v)]
+        parts = [v for v in (byte_view(v) for v in views) if len(v)]
         super().__init__(parts, content_type="application/octet-stream")
         self._parts = parts
         self._starts: list[int] = []
@@ -133,13 +130,14 @@ class S3MultipartSink:
         return asyncio.run_coroutine_threadsafe(coro, self._fs.loop)
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        try:
-            return self._run(self._fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)).result()
-        except Exception as exc:  # noqa: BLE001 - translated, cause kept
-            _reraise(exc, self.path)
+        with translate_errors(self.path):
+            return self._fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
 
     async def _upload_part(self, number: int, body: PartBody, buf: bytearray | None) -> str:
         try:
+            # ``_call_s3`` is the coroutine behind the public ``call_s3`` (fsspec names the async form of
+            # every method with a leading underscore): parts run concurrently on s3fs's loop, with
+            # s3fs's retries and error translation. tests/storage/test_s3fs_private_api.py pins it.
             resp = await self._fs._call_s3(
                 "upload_part",
                 Bucket=self._bucket,
@@ -187,7 +185,7 @@ class S3MultipartSink:
     def write(self, data: memoryview) -> None:
         if self._done:
             raise ValueError(f"{self.path}: write after commit/abort")
-        mv = _bytes_view(data)
+        mv = byte_view(data)
         i = 0
         while i < len(mv):
             room = self._part_size - self._fill
@@ -222,10 +220,8 @@ class S3MultipartSink:
         self._release()
 
     def _result(self, fut: concurrent.futures.Future[str]) -> str:
-        try:
+        with translate_errors(self.path):
             return fut.result()
-        except Exception as exc:  # noqa: BLE001 - translated, cause kept
-            _reraise(exc, self.path)
 
     def _release(self) -> None:
         """Drop every buffer and borrowed view: the caller's memory is its own again."""
@@ -247,18 +243,14 @@ class S3MultipartSink:
                 pass
 
 
-def _reraise(exc: Exception, path: str) -> NoReturn:
-    """Raise ``exc`` as the builtin error naming ``path`` (``translate``), keeping it as the cause."""
-    new = translate(exc, path)
-    if new is exc:
-        raise exc
-    raise new from exc
-
-
 async def _one_attempt(fs: Any, method: str, **kwargs: Any) -> Any:
     """One S3 call without s3fs's retry loop (``_call_s3`` has one): our readers run the request *and*
     its body read inside one ``_error_wrapper``, and a loop inside that loop multiplied the attempts
-    (measured: 50 GETs and 33 s against 10 and 7 s for an endpoint that never answers)."""
+    (measured: 50 GETs and 33 s against 10 and 7 s for an endpoint that never answers).
+
+    ``_get_s3_method_kwargs`` is private, and kept: it is how the request gets the filesystem's
+    ``s3_additional_kwargs`` and ``requester_pays`` (filtered to what the method accepts), as every
+    s3fs call does; s3fs has no public form of it. tests/storage/test_s3fs_private_api.py pins it."""
     await fs.set_session()
     s3 = await fs.get_s3(kwargs.get("Bucket"))
     call = getattr(s3, method)
@@ -284,11 +276,19 @@ def get_object(fs: Any, path: str) -> bytes:
     asks for the size (a HEAD, and a LIST when that 404s): three requests to learn a key is absent.
     Retried as s3fs retries its own reads, the body's read included: a body cut short once (measured
     on a manifest) must not make a committed checkpoint look unreadable."""
+    bucket, key, _ = fs.split_path(path)
+    return bytes(_retried(fs, _get, fs, bucket, key))
+
+
+def _retried(fs: Any, func: Any, *args: Any) -> Any:
+    """(any thread but s3fs's loop) ``await func(*args)`` on s3fs's loop, retried as s3fs retries its own
+    calls and translated as it translates them. ``s3fs.core._error_wrapper`` is private, and kept: it is
+    s3fs's retry policy (which errors, how long to wait, ``fs.retries`` attempts) and there is no public
+    way to run a coroutine of ours under it. tests/storage/test_s3fs_private_api.py pins it."""
     from fsspec.asyn import sync
     from s3fs.core import _error_wrapper
 
-    bucket, key, _ = fs.split_path(path)
-    return bytes(sync(fs.loop, _error_wrapper, _get, args=(fs, bucket, key), retries=fs.retries))
+    return sync(fs.loop, _error_wrapper, func, args=args, retries=fs.retries)
 
 
 async def _get_into(
@@ -348,22 +348,8 @@ def get_range_into(fs: Any, path: str, lo: int, hi: int, views: Sequence[memoryv
     retried as s3fs retries its own reads, each attempt from the start; what still fails is raised as
     a builtin error (``FileNotFoundError``, ``PermissionError``, ``OSError``; the caller adds the
     file's name where s3fs's own translation left it out)."""
-    from fsspec.asyn import sync
-
     if hi <= lo:
         return 0
-    from s3fs.core import _error_wrapper  # s3fs's retry policy for its own reads (every supported s3fs)
-
     bucket, key, version = fs.split_path(path)
-    try:
-        return int(
-            sync(
-                fs.loop,
-                _error_wrapper,
-                _get_into,
-                args=(fs, bucket, key, version, lo, hi, views),
-                retries=fs.retries,
-            )
-        )
-    except Exception as exc:  # noqa: BLE001 - translated to a builtin error naming the file
-        _reraise(exc, path)
+    with translate_errors(path):
+        return int(_retried(fs, _get_into, fs, bucket, key, version, lo, hi, views))

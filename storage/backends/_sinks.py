@@ -19,7 +19,12 @@ from typing import Any, Protocol
 from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, is_s3
 
-__all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink"]
+__all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink", "byte_view"]
+
+
+def byte_view(data: memoryview) -> memoryview:
+    """``data`` as flat bytes (a typed or shaped view of the caller's memory, recast; no copy)."""
+    return data.cast("B") if data.format != "B" or data.ndim != 1 else data
 
 
 class Sink(Protocol):
@@ -85,7 +90,7 @@ class LocalSink:
     def write(self, data: memoryview) -> None:
         if self._fd is None:
             raise ValueError(f"{self.path}: write after commit/abort")
-        mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        mv = byte_view(data)
         with translate_errors(self.path):
             while mv:
                 n = os.write(self._fd, mv)
@@ -139,7 +144,7 @@ class FsspecSink:
         if self._f is None:
             raise ValueError(f"{self.path}: write after commit/abort")
         with translate_errors(self.path):
-            self._f.write(data.cast("B") if data.format != "B" or data.ndim != 1 else data)
+            self._f.write(byte_view(data))
 
     def commit(self) -> None:
         if self._f is None:
@@ -151,20 +156,10 @@ class FsspecSink:
     def abort(self) -> None:
         f, self._f = self._f, None
         if f is not None:
-            # Drop the buffer without close(): close() would commit a partial object on S3-like stores.
-            for name in ("discard", "_abort"):
-                fn = getattr(f, name, None)
-                if callable(fn):
-                    try:
-                        fn()
-                    except Exception:  # noqa: BLE001 - best effort
-                        pass
-                    break
-            else:
-                try:
-                    f.close()
-                except Exception:  # noqa: BLE001 - best effort
-                    pass
+            try:  # fsspec's discard drops the buffer: close() would commit a partial object on S3-like stores
+                (getattr(f, "discard", None) or f.close)()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
         try:
             self._fs.rm_file(self.path)
         except Exception:  # noqa: BLE001 - best effort

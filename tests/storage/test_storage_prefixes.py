@@ -56,6 +56,21 @@ def test_numeric_prefixes_put_neighbours_apart() -> None:
         HexPrefixes(count=0)
 
 
+@pytest.mark.parametrize("count", [1, 2, 5, 16, 17, 300])
+@pytest.mark.parametrize("min_length", [1, 3, 10])
+def test_numeric_prefixes_are_s3torchconnectors(count: int, min_length: int) -> None:
+    """The module docstring's claim, against the installed s3torchconnector (the test extra): for the
+    same count and minimum length, file ``i``'s prefix is the one their strategy gives rank ``i``."""
+    dcp_prefixes = pytest.importorskip("s3torchconnector.dcp.s3_prefix_strategy")
+    for ours, theirs in (
+        (HexPrefixes(count, min_length=min_length), dcp_prefixes.HexPrefixStrategy),
+        (BinaryPrefixes(count, min_length=min_length), dcp_prefixes.BinaryPrefixStrategy),
+    ):
+        strategy = theirs(min_prefix_length=min_length, prefix_count=count)
+        for i in range(2 * count + 1):
+            assert ours(i, 4096) == strategy(i).split("/")[0], (type(ours).__name__, count, min_length, i)
+
+
 def test_resolve_defaults_and_bad_strategies() -> None:
     assert resolve("auto", local=True) == FlatLayout()
     assert resolve("auto", local=False) == HexPrefixes()

@@ -1,0 +1,56 @@
+"""storage.backends._errors: S3's codes go through s3fs's table; ours is naming the object, keeping the
+cause, and leaving smpckpt's own errors alone."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage.backends._errors import translate, translate_errors
+
+botocore_exceptions = pytest.importorskip("botocore.exceptions")
+pytest.importorskip("s3fs")
+
+
+def _client_error(code: str, **extra: str) -> Exception:
+    return botocore_exceptions.ClientError({"Error": {"Code": code, "Message": f"{code}!", **extra}}, "PutObject")
+
+
+@pytest.mark.parametrize(
+    ("code", "extra", "cls", "num"),
+    [
+        ("NoSuchKey", {}, FileNotFoundError, errno.ENOENT),
+        ("AccessDenied", {}, PermissionError, errno.EACCES),
+        ("PreconditionFailed", {"Condition": "If-None-Match"}, FileExistsError, errno.EEXIST),
+        ("InternalError", {}, OSError, getattr(errno, "EREMOTEIO", errno.EIO)),
+        ("SomethingNew", {}, OSError, errno.EIO),
+    ],
+)
+def test_a_raw_client_error_is_named_and_keeps_its_cause(code: str, extra: dict[str, str], cls: type, num: int) -> None:
+    exc = _client_error(code, **extra)
+    with pytest.raises(OSError) as info, translate_errors("bkt/ck/file.distcp"):
+        raise exc
+    got = info.value
+    assert type(got) is cls and got.errno == num and got.filename == "bkt/ck/file.distcp", repr(got)
+    assert got.__cause__ is exc
+
+
+def test_s3fs_translations_without_the_key_are_named() -> None:
+    s3fs_style = OSError(errno.EREMOTEIO, "We encountered an internal error.")
+    got = translate(s3fs_style, "bkt/ck/a")
+    assert type(got) is OSError and got.filename == "bkt/ck/a" and got.errno == errno.EREMOTEIO
+    assert got.strerror == "We encountered an internal error." and got.__cause__ is s3fs_style
+
+
+def test_ours_and_named_errors_and_others_pass_untouched() -> None:
+    for exc in (CheckpointCorrupt("x"), FileNotFoundError(errno.ENOENT, "gone", "/a"), ValueError("v")):
+        assert translate(exc, "/b") is exc
+
+
+def test_transport_errors_become_oserror() -> None:
+    exc = botocore_exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+    got = translate(exc, "bkt/x")
+    assert type(got) is OSError and got.errno == errno.EIO and got.filename == "bkt/x" and got.__cause__ is exc
+    assert str(got.strerror).startswith("EndpointConnectionError: ")

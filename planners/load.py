@@ -46,7 +46,7 @@ from smpckpt.model.naming import NameMap
 from smpckpt.model.record import LayoutRecord, checkpoint_ties
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs, tied_entries
-from smpckpt.planners._plan_wire import compact_load
+from smpckpt.planners._wire import compact_load
 from smpckpt.storage.format._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]

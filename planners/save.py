@@ -34,6 +34,8 @@ from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.naming import NameMap
 from smpckpt.model.record import METADATA_KEY, LayoutRecord
 from smpckpt.model.specs import SpecLike, SpecRules
+from smpckpt.planners._cache import PlanCache, structure_signature
+from smpckpt.planners._checks import check_replica_digests, check_rules_apply, gather_ties, replica_digest
 from smpckpt.planners._dedup import dedup_plans
 from smpckpt.planners._entries import (
     Entry,
@@ -43,10 +45,8 @@ from smpckpt.planners._entries import (
     tied_entries,
 )
 from smpckpt.planners._ownership import assign_owners
-from smpckpt.planners._plan_cache import PlanCache, structure_signature
-from smpckpt.planners._plan_checks import check_replica_digests, check_rules_apply, gather_ties, replica_digest
-from smpckpt.planners._plan_wire import compact
 from smpckpt.planners._replica_values import check_replica_values, stage_keys, value_digests
+from smpckpt.planners._wire import compact
 
 __all__ = ["ParallelSavePlanner", "SaveReport"]
 
@@ -109,7 +109,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).
 
-    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._plan_cache`.
+    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._cache`.
     """
 
     def __init__(

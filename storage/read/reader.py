@@ -94,17 +94,12 @@ class FsspecStorageReader(ReaderBase):
             it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
             (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
-        translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
-            manifest): present its tensors under our keys and layout (``smpckpt.hf.llama.TRANSLATION``),
-            box by box, so each rank reads only its shards' bytes. Full artifacts of ours need none.
-        hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
-            that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
+        translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
 
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
-    ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`
-    (``translation`` and ``hf_prefix`` are its options); Hugging Face folders have no checksums and are
-    read as *unverified*. ``thread_count``, ``reads_in_flight``, ``max_request_bytes`` and
-    ``coalesce_gap`` apply to partial and stock checkpoints.
+    ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;
+    Hugging Face folders have no checksums and are read as *unverified*. ``thread_count``,
+    ``reads_in_flight``, ``max_request_bytes`` and ``coalesce_gap`` apply to partial and stock checkpoints.
     """
 
     def __init__(

@@ -6,7 +6,7 @@ out-proj and MLP down split on dim 1, MLP up split on dim 0, layernorm vectors r
 (after one warm-up round) runs, with the two save contenders in rotated order:
 
 * save partial: ``dcp.save`` + ``ParallelSavePlanner`` + ``FsspecStorageWriter(path)``
-* save full:    the same with ``FsspecStorageWriter(path, mode="full", full=FullOptions(max_shard_size=...))``
+* save full:    the same with ``FullArtifactWriter(path, full=FullOptions(max_shard_size=...))``
 * load (partial / full checkpoint) into the same layout and into another TP degree, with
   ``FsspecStorageReader`` + ``ParallelLoadPlanner``; ``reader.last_read_stats`` summed over ranks.
 
@@ -56,7 +56,7 @@ from _rss import peak, reset_peak
 
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, FullOptions
 
 warnings.filterwarnings("ignore")
 
@@ -119,9 +119,7 @@ def _run_rank(rank: int, cfg: dict[str, Any]) -> None:
     def save(mode: str) -> Callable[[], Any]:
         def run() -> None:
             writer = (
-                FsspecStorageWriter(paths[mode], mode="full", full=full_opts)
-                if mode == "full"
-                else FsspecStorageWriter(paths[mode])
+                FullArtifactWriter(paths[mode], full=full_opts) if mode == "full" else FsspecStorageWriter(paths[mode])
             )
             planner = ParallelSavePlanner(save_layout, specs, rank=rank, enable_plan_caching=False)
             dcp.save({"model": mine}, storage_writer=writer, planner=planner)

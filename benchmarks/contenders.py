@@ -32,7 +32,7 @@ from smpckpt import gc_frozen
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.specs import ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
 
 __all__ = ["Ctx", "Contender", "State", "contenders", "select", "OURS", "OURS_FULL"]
 
@@ -161,7 +161,7 @@ def contenders(ctx: Ctx) -> list[Contender]:
     ours = _dcp_pair(ctx, ours_writer, ours_reader, frozen=True)
     full = _dcp_pair(
         ctx,
-        lambda u: FsspecStorageWriter(u, storage_options=_opts(ctx, u), mode="full", process_group=ctx.process_group),
+        lambda u: FullArtifactWriter(u, storage_options=_opts(ctx, u), process_group=ctx.process_group),
         ours_reader,
         frozen=True,
     )

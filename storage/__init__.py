@@ -9,9 +9,12 @@ if __name__ != "smpckpt.storage":
 from smpckpt.storage.backends._fs import open_fs, write_bytes_atomic  # noqa: E402
 from smpckpt.storage.backends._prefixes import BinaryPrefixes, FlatLayout, HexPrefixes, PrefixStrategy  # noqa: E402
 from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
+from smpckpt.storage.format._reading import ReadStats  # noqa: E402
 from smpckpt.storage.format.manifest import FileRecord, Manifest  # noqa: E402
 from smpckpt.storage.full.options import FullOptions  # noqa: E402
-from smpckpt.storage.read.reader import FsspecStorageReader, ReadStats  # noqa: E402
+from smpckpt.storage.full.reader import FullArtifactReader  # noqa: E402
+from smpckpt.storage.full.writer import FullArtifactWriter  # noqa: E402
+from smpckpt.storage.read.reader import FsspecStorageReader  # noqa: E402
 from smpckpt.storage.tools import (  # noqa: E402
     VerifyReport,
     abort_stale_uploads,
@@ -27,12 +30,14 @@ from smpckpt.storage.write.writer import FsspecStorageWriter  # noqa: E402
 
 __all__ = [
     "FsspecStorageWriter",
+    "FullArtifactWriter",
     "FullOptions",
     "PrefixStrategy",
     "FlatLayout",
     "HexPrefixes",
     "BinaryPrefixes",
     "FsspecStorageReader",
+    "FullArtifactReader",
     "ReadStats",
     "checkpoint_state",
     "probe_checkpoint",

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt import CheckpointError, ParallelLayout, ShardSpec, SpecError
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, FullOptions
 
 DP2 = ParallelLayout(dp=2)
 
@@ -186,7 +186,7 @@ def test_the_cached_metadata_is_not_the_object_the_storage_writer_rewrites(tmp_p
     planner = ParallelSavePlanner(ParallelLayout(), rank=0)
     sd = {"model": {"w": torch.arange(6, dtype=torch.float16) / 3}}
     full = FullOptions(dtype=torch.bfloat16)
-    sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "full", mode="full", full=full, sync_files=False)])
+    sim_save([sd], [planner], [FullArtifactWriter(tmp_path / "full", full=full, sync_files=False)])
     sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "partial", sync_files=False)])
     assert planner.report.cached is True
     md = FsspecStorageReader(tmp_path / "partial").read_metadata()
@@ -201,8 +201,8 @@ def test_a_full_mode_writer_refuses_cached_plans_with_the_fix_and_the_next_save_
     sd = {"w": torch.arange(6, dtype=torch.float32)}
     sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "a", sync_files=False)])
     with pytest.raises(CheckpointError, match="cache_scope='local'"):
-        sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "b", mode="full", sync_files=False)])
-    sim_save([sd], [planner], [FsspecStorageWriter(tmp_path / "c", mode="full", sync_files=False)])
+        sim_save([sd], [planner], [FullArtifactWriter(tmp_path / "b", sync_files=False)])
+    sim_save([sd], [planner], [FullArtifactWriter(tmp_path / "c", sync_files=False)])
     out = {"w": torch.zeros(6)}
     sim_load([out], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(tmp_path / "c")])
     assert torch.equal(out["w"], sd["w"])

@@ -4,7 +4,7 @@
 Which rank does what ("all" = every rank of the group)::
 
     save_full    (all)    validate; model (+ optimizer tensors) state; rank 0 adds user_content;
-                          dcp.save with ParallelSavePlanner + FsspecStorageWriter(mode="full"):
+                          dcp.save with ParallelSavePlanner + FullArtifactWriter:
                           every rank writes its shards into {path}/{tag}/model*.safetensors at their
                           offsets; rank 0 commits the manifest. ``newest`` and retention are left alone:
                           they track the partial checkpoints training resumes from.
@@ -35,7 +35,7 @@ from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.keys import FULL_API_RECORD, RESERVED
 from smpckpt.model.translation import Translation
 from smpckpt.planners import ObjectBytes, ParallelLoadPlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
 
 __all__ = ["save_full", "resume_full", "FULL_API_RECORD", "full_url"]
 
@@ -141,12 +141,11 @@ def save_full(ctx: DistContext, path: Any, tag: Any, kw: Mapping[str, Any]) -> s
         return state, extra
 
     state, extra = ctx.all_ok(build)
-    writer = FsspecStorageWriter(
+    writer = FullArtifactWriter(
         url,
         storage_options=common.storage_options,
         manifest_extra=extra,
         sync_files=bool(kw["sync_files"]),
-        mode="full",
         full=opts,
         process_group=common.process_group,
     )

@@ -26,13 +26,12 @@ from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._fs import join, remove_files
-from smpckpt.storage.format._names import MANIFEST_NAME, generation_metadata_name, is_smpckpt_file
+from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
 
 __all__ = ["sweep_debris"]
 
 log = logging.getLogger(__name__)
 
-_MARKER = "smpckpt.writing"
 _NOT_TAGS = ("newest",)
 
 
@@ -120,13 +119,13 @@ def _full_debris(
             continue
         folder = join(root_path, name)
         times = _mtimes(fs, folder)
-        if _MARKER not in times or not old(times[_MARKER]):
+        if WRITING_MARKER not in times or not old(times[WRITING_MARKER]):
             continue  # not ours, or a save in flight (it keeps its marker fresh)
         url = join(root_url.rstrip("/"), name)
         if MANIFEST_NAME in times:  # committed: only the marker a kill after the commit left goes
             if probe_checkpoint(url, storage_options).state == "committed":
-                if dry_run or not remove_files(fs, [join(folder, _MARKER)], within=folder):
-                    removed.append(join(folder, _MARKER))
+                if dry_run or not remove_files(fs, [join(folder, WRITING_MARKER)], within=folder):
+                    removed.append(join(folder, WRITING_MARKER))
             continue
         if not all(old(t) for t in times.values()):
             continue  # written to within AGE

@@ -45,7 +45,7 @@ from smpckpt.errors import CheckpointError
 from smpckpt.model.keys import RESERVED
 from smpckpt.model.record import METADATA_KEY
 from smpckpt.model.translation import Translation
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
@@ -218,9 +218,8 @@ def consolidate_checkpoint(
     record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
     plan = SavePlan(items, planner_data={METADATA_KEY: record} if record else None)
     # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor
-    writer = FsspecStorageWriter(
+    writer = FullArtifactWriter(
         out,
-        mode="full",
         full=opts,
         thread_count=1,
         storage_options=out_storage_options if out_storage_options is not None else storage_options,

@@ -25,6 +25,8 @@ import time
 __all__ = [
     "MANIFEST_NAME",
     "REMOVING_NAME",
+    "WRITING_MARKER",
+    "DESCRIPTION_FQN",
     "METADATA_NAME",
     "RAW_DESCRIPTOR",
     "LOAD_ID_PREFIX",
@@ -34,13 +36,20 @@ __all__ = [
     "generation_metadata_name",
     "is_smpckpt_file",
     "check_member_name",
+    "marker_owner",
 ]
 
 MANIFEST_NAME = "smpckpt.manifest.json"
 #: Written by remove_checkpoint before it deletes anything: a folder holding it is being (or was
 #: partly) removed on purpose, never a save in flight, so a later retention may finish the job.
 REMOVING_NAME = "smpckpt.removing"
+#: Written by the coordinator before any rank writes a full artifact's fixed-name files, removed after
+#: the commit: a folder with it and no manifest is an unfinished save, never a Hugging Face folder. Its
+#: body is ``<save id>\n<count>`` (``storage/full/_marker.py``).
+WRITING_MARKER = "smpckpt.writing"
 METADATA_NAME = ".metadata"
+#: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
+DESCRIPTION_FQN = "\x00smpckpt.full"
 #: Transform descriptor recorded on raw tensor items. A stock DCP reader does not know it and fails
 #: with ``ValueError: Unknown extension name='smpckpt.raw'`` instead of decoding garbage.
 RAW_DESCRIPTOR = "smpckpt.raw/1"
@@ -92,6 +101,13 @@ def is_smpckpt_file(name: str) -> bool:
     """True for a data or per-generation metadata file written by our writer (recorded name: base name,
     with its prefix folder for data files)."""
     return bool(_DATA_RE.match(name) or _GEN_META_RE.match(name))
+
+
+def marker_owner(data: bytes | None) -> str | None:
+    """The save id a :data:`WRITING_MARKER` body names (its first line; markers before the refresh held only it)."""
+    if data is None:
+        return None
+    return data.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
 def check_member_name(name: object, *, where: str) -> str:

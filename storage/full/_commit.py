@@ -25,16 +25,17 @@ from smpckpt.storage.backends._fs import (
     join,
     read_bytes_or_none,
     remove_files,
-    remove_tree,
     write_bytes_atomic,
 )
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.format._names import DESCRIPTION_FQN, WRITING_MARKER, marker_owner
 from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
-from smpckpt.storage.full._marker import WATCH_S, create_marker, marker_alive, marker_owner
-from smpckpt.storage.full._plan import DESCRIPTION_FQN, WRITING_MARKER, ArtifactLayout, plan_artifact
+from smpckpt.storage.full._layout import ArtifactLayout
+from smpckpt.storage.full._marker import WATCH_S, create_marker, marker_alive
+from smpckpt.storage.full._plan import plan_artifact
 from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions
@@ -45,7 +46,6 @@ __all__ = [
     "folder_names",
     "whole_tensor_metadata",
     "clear_for_full_save",
-    "settle_uncommitted_folder",
     "begin_full_save",
     "artifact_records",
     "commit_full",
@@ -65,7 +65,7 @@ def _warn_no_swap_once(process_group: Any) -> None:
     log.warning(
         "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
         "written row by row instead of swapped into blocks (slower, same bytes). For the faster path pass "
-        "FsspecStorageWriter(process_group=dist.new_group(backend='gloo')) or init the default group with "
+        "FullArtifactWriter(process_group=dist.new_group(backend='gloo')) or init the default group with "
         "backend='cpu:gloo,cuda:nccl'",
         dist.get_backend(process_group),
     )
@@ -116,32 +116,6 @@ def _partial_save_files(fs: Any, path: str) -> bool:
     return any(_names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2))
 
 
-def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before a partial save writes into a folder with no committed checkpoint; two small
-    GETs, not a listing: on S3 listing an absent folder lists its parent, the whole root)
-
-    * Refuse a folder holding a full save's in-progress marker: that save may still be running, and if
-      it was killed its fixed-name files (``model.safetensors``, ...) would sit beside the partial
-      checkpoint, where a Hugging Face loader would read their unwritten zeros. The API never meets this
-      (full saves go to ``{tag}``, partial ones to ``{tag}_partial``); ``dcp.save`` callers mixing modes
-      in a folder do.
-    * Finish an interrupted removal (its marker is there) first: otherwise a later retention or prune,
-      which finishes such folders, would delete this save's files, and the removed checkpoint's leftovers
-      would outlive this save's commit."""
-    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
-    if marker is not None:
-        raise CheckpointExists(
-            f"{url} holds an unfinished full save ({WRITING_MARKER} names save {marker[:40]!r}, no "
-            f"{_names.MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
-            "another folder, or remove that one first (smpckpt.storage.remove_checkpoint)"
-        )
-    if read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
-        log.warning("%s: finishing an interrupted removal before saving here", url)
-        failed = remove_tree(fs, path)
-        if failed:
-            raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
-
-
 def begin_full_save(
     fs: Any,
     path: str,
@@ -164,7 +138,7 @@ def begin_full_save(
         raise CheckpointError(
             f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
             f"owner rank over the process group, and this one ({dist.get_backend(process_group)}) "
-            "cannot: pass FsspecStorageWriter(process_group=dist.new_group(backend='gloo')), or init the "
+            "cannot: pass FullArtifactWriter(process_group=dist.new_group(backend='gloo')), or init the "
             "default group with backend='cpu:gloo,cuda:nccl'"
         )
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._regions import box_runs
-from smpckpt.storage.full._plan import FullWrite, RankFullData
+from smpckpt.storage.full._layout import FullWrite, RankFullData
 
 __all__ = [
     "Exchange",

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._sinks import Sink
-from smpckpt.storage.full._plan import FullWrite, RankFullData
+from smpckpt.storage.full._layout import FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits
 from smpckpt.storage.full._write import box_buffer, unit_digests, write_objects
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from smpckpt.errors import CheckpointExists
 from smpckpt.storage.backends._fs import create_bytes_exclusive, join, read_bytes_or_none, write_bytes_atomic
-from smpckpt.storage.full._plan import WRITING_MARKER
+from smpckpt.storage.format._names import WRITING_MARKER, marker_owner
 
-__all__ = ["REFRESH_S", "WATCH_S", "marker_owner", "create_marker", "marker_alive", "MarkerRefresher"]
+__all__ = ["REFRESH_S", "WATCH_S", "create_marker", "marker_alive", "MarkerRefresher"]
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,6 @@ log = logging.getLogger(__name__)
 REFRESH_S = 5.0
 #: a marker unchanged for this long belongs to a save that stopped: three refreshes missed
 WATCH_S = 3 * REFRESH_S + 1.0
-
-
-def marker_owner(data: bytes | None) -> str | None:
-    """The save id a marker body names (its first line; markers before the refresh held only it)."""
-    if data is None:
-        return None
-    return data.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
 def create_marker(fs: Any, path: str, url: str, save_id: str, *, sync: bool) -> None:

@@ -23,161 +23,19 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
-from smpckpt.model.translation import Cat, Expr, Leaf, pieces
+from smpckpt.model.translation import Expr, Leaf, pieces
+from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, RankFullData
 from smpckpt.storage.full._safetensors import encode_header
 from smpckpt.storage.full._torch_zip import torch_layout
 from smpckpt.storage.full.options import FullOptions, parse_size
 
-__all__ = [
-    "FullWrite",
-    "RankFullData",
-    "ArtifactFile",
-    "ArtifactLayout",
-    "plan_artifact",
-    "expr_to_json",
-    "expr_from_json",
-    "file_pieces_from_json",
-    "first_leaf",
-    "DESCRIPTION_FQN",
-    "WRITING_MARKER",
-]
-
-#: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
-DESCRIPTION_FQN = "\x00smpckpt.full"
-#: Written by the coordinator before any rank writes a full artifact's fixed-name files, removed after
-#: the commit: a folder with it and no manifest is an unfinished save, never a Hugging Face folder.
-WRITING_MARKER = "smpckpt.writing"
-
-
-@dataclasses.dataclass(frozen=True)
-class FullWrite:
-    """One box of an artifact tensor that a rank fills from one of its write items."""
-
-    item: MetadataIndex  # the rank's write item (its chunk)
-    key: str  # artifact tensor
-    file: str
-    start: int  # absolute file offset of the artifact tensor's first byte
-    view: tuple[int, ...]
-    offsets: tuple[int, ...]  # box in ``view`` coordinates
-    sizes: tuple[int, ...]
-    perm: tuple[int, ...]  # box.permute(perm) is the chunk's sub-box at dest_offsets
-    dest_offsets: tuple[int, ...]
-    dtype: torch.dtype  # artifact dtype (after any cast)
-
-
-@dataclasses.dataclass(frozen=True)
-class RankFullData:
-    """SavePlan.storage_data of one rank in full mode (sent by the coordinator; never stored)."""
-
-    save_id: str
-    rank: int
-    writes: tuple[FullWrite, ...]
-    objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
-    check_block: int
-    world: int = 1
-    #: gather mode (object stores): every rank's boxes in the global order, and each file's owner rank
-    all_writes: tuple[tuple[int, FullWrite], ...] = ()
-    owners: tuple[tuple[str, int], ...] = ()
-    files: tuple[ArtifactFile, ...] = ()
-    #: POSIX mode: the row-block swaps (``_full_exchange.Exchange``) this rank takes part in, global order
-    exchanges: tuple[Any, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class ArtifactFile:
-    """One file of an artifact: everything in it that is not tensor data (``pieces``: the safetensors
-    header, or a torch.save archive's pickle, record headers and directory) and where each tensor goes."""
-
-    name: str
-    artifact: str
-    pieces: tuple[tuple[int, bytes], ...]  # (offset, bytes), ascending
-    size: int
-    keys: tuple[str, ...]
-    starts: tuple[int, ...]  # each key's first byte
-
-
-@dataclasses.dataclass(frozen=True)
-class ArtifactLayout:
-    """What the coordinator decided; turned into the stored description in ``finish``."""
-
-    files: tuple[ArtifactFile, ...]
-    tensors: Mapping[
-        str, tuple[str, str, int, torch.dtype, tuple[int, ...]]
-    ]  # "art/key" -> (art, file, start, dtype, shape)
-    exprs: Mapping[str, tuple[str, Expr]]  # our fqn -> (artifact, expr over that artifact's keys)
-    dtypes: Mapping[str, torch.dtype]  # our fqn -> stored dtype (after any cast)
-    objects: Mapping[str, str]  # our fqn -> file
-    indexes: Mapping[str, bytes]  # index file name -> JSON
-
-    def names(self, options: FullOptions) -> tuple[str, ...]:
-        """The files a full save of this layout writes besides its metadata copy and marker."""
-        side = ("config.json",) if options.hf_config_json() is not None else ()
-        return (*(f.name for f in self.files), *self.objects.values(), *self.indexes, *side)
-
-    def description(self, checks: Mapping[str, list[list[Any]]]) -> str:
-        """The JSON stored in the generation's metadata (see ``_full_read``)."""
-        from smpckpt.storage.format._checksum import hash_bytes
-
-        return json.dumps(
-            {
-                "version": 1,
-                "files": {
-                    f.name: {"size": f.size, "pieces": [[o, len(b), f"{hash_bytes(b):016x}"] for o, b in f.pieces]}
-                    for f in self.files
-                },
-                "tensors": {
-                    k: {"artifact": a, "file": f, "start": s, "dtype": str(d).removeprefix("torch."), "shape": list(sh)}
-                    for k, (a, f, s, d, sh) in self.tensors.items()
-                },
-                "exprs": {fqn: {"artifact": a, "expr": expr_to_json(e)} for fqn, (a, e) in self.exprs.items()},
-                "objects": dict(self.objects),
-                "checks": checks,
-            },
-            separators=(",", ":"),
-        )
-
-
-def expr_to_json(expr: Expr) -> Any:
-    if isinstance(expr, Leaf):
-        return {
-            "leaf": expr.key,
-            "view": list(expr.view) if expr.view else None,
-            "perm": list(expr.perm) if expr.perm else None,
-        }
-    return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
-
-
-def first_leaf(expr: Expr) -> str:
-    """The key of the first artifact tensor an expression reads."""
-    while not isinstance(expr, Leaf):
-        expr = expr.parts[0]
-    return expr.key
-
-
-def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
-    descriptions written before torch.save files existed."""
-    if "pieces" in f:
-        return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
-    return [(0, int(f["header"][0]), int(f["header"][1], 16))]
-
-
-def expr_from_json(obj: Any) -> Expr:
-    if "leaf" in obj:
-        view, perm = obj.get("view"), obj.get("perm")
-        return Leaf(
-            str(obj["leaf"]),
-            tuple(int(v) for v in view) if view else None,
-            tuple(int(p) for p in perm) if perm else None,
-        )
-    return Cat(int(obj["cat"]), tuple(expr_from_json(p) for p in obj["parts"]))
+__all__ = ["plan_artifact"]
 
 
 def _leaf_keys(expr: Expr) -> list[str]:
@@ -421,20 +279,8 @@ def _rank_writes(
             art, expr = exprs[fqn]
             for pc in pieces(expr, tuple(td.chunk.offsets), tuple(td.chunk.sizes), art_shapes[art]):
                 _, file, start, dtype, _shape = tensors[f"{art}/{pc.key}"]
-                writes.append(
-                    FullWrite(
-                        it.index,
-                        pc.key,
-                        file,
-                        start,
-                        tuple(pc.view),
-                        tuple(pc.offsets),
-                        tuple(pc.sizes),
-                        tuple(pc.perm),
-                        tuple(pc.dest_offsets),
-                        dtype,
-                    )
-                )
+                box = (tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), tuple(pc.perm), tuple(pc.dest_offsets))
+                writes.append(FullWrite(it.index, pc.key, file, start, *box, dtype))
         per_rank.append(writes)
     gathered: tuple[tuple[int, FullWrite], ...] = ()
     owners: tuple[tuple[str, int], ...] = ()
@@ -486,6 +332,3 @@ def _check_tiling(
 
 def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
     return all(x < y + t and y < x + s for x, s, y, t in zip(a[0], a[1], b[0], b[1])) and math.prod(a[1]) > 0
-
-
-ExprJSON = Union[dict[str, Any], list[Any]]

@@ -1,16 +1,11 @@
 """Full (consolidated) artifacts and Hugging Face folders, reading: exact boxes, verified.
 
-Two sources look alike to a loader: a committed full artifact of ours (its description -- tensor
-offsets, our keys' expressions, check units -- lives in the generation's metadata, checksummed by the
-manifest) and a plain Hugging Face folder (``model.safetensors`` or an index and shards; no manifest:
-*unverified*, like a stock DCP checkpoint). Both become a DCP ``Metadata`` with one chunk per tensor,
-so any load planner reshards from them into any TP x PP x DP layout.
-
 A read request (a box of one of our tensors) maps through its expression to boxes of artifact tensors
 (:func:`smpckpt.model.translation.pieces`); each box is a set of byte runs (:func:`~._regions.box_runs`):
 one run for a row shard, one per row for a column shard. With checksums, the check units a box
 touches are read whole and verified (a reshard to another TP degree may read a unit's far side);
-``last_read_stats`` reports bytes read against bytes needed, per file and in total.
+``last_read_stats`` reports bytes read against bytes needed, per file and in total. Where the
+tensors are comes from :class:`~._source.ArtifactIndex`.
 """
 
 from __future__ import annotations
@@ -18,59 +13,28 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
-import json
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
-from smpckpt.model.record import TIED_KEY
-from smpckpt.model.translation import Expr, Leaf, Piece, Translation, pieces
-from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.model.translation import Leaf, Piece, pieces
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
-from smpckpt.storage.format._names import check_member_name
 from smpckpt.storage.format._regions import box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full import _files as _full_files
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
-from smpckpt.storage.full._hf_ties import hf_folder_ties
-from smpckpt.storage.full._plan import DESCRIPTION_FQN, expr_from_json, file_pieces_from_json, first_leaf
-from smpckpt.storage.full._safetensors import header_length, parse_header
+from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
 from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
 
-__all__ = ["FullSource", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
-
-HF_SINGLE = "model.safetensors"
-HF_INDEX = "model.safetensors.index.json"
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-)}  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    file: str
-    start: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+__all__ = ["FullSource", "FileStats"]
 
 
 @dataclasses.dataclass
@@ -79,110 +43,18 @@ class FileStats:
     bytes_needed: int = 0
 
 
-def hf_folder_files(fs: Any, path: str) -> list[str] | None:
-    """The safetensors files of a Hugging Face folder (index first), or ``None`` when it is not one."""
-    data = read_bytes_or_none(fs, join(path, HF_INDEX))
-    if data is not None:
-        try:
-            weight_map = json.loads(data)["weight_map"]
-            names = sorted({str(v) for v in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CheckpointCorrupt(f"{join(path, HF_INDEX)}: malformed index: {type(exc).__name__}: {exc}") from exc
-        return [check_member_name(n, where=join(path, HF_INDEX)) for n in names]
-    with translate_errors(path):
-        if fs.exists(join(path, HF_SINGLE)):
-            return [HF_SINGLE]
-    return None
-
-
-class FullSource:
+class FullSource(ArtifactIndex):
     """The tensors of one full artifact or Hugging Face folder, and the reads from it."""
 
     def __init__(self, fs: Any, path: str, url: str, *, verify: bool, allow_pickle: bool) -> None:
-        self.fs, self.path, self.url = fs, path, url
+        super().__init__(fs, path, url)
         self.verify = verify
         self.allow_pickle = allow_pickle
-        self.tensors: dict[str, _Tensor] = {}  # "artifact/key" -> where
-        self.exprs: dict[str, tuple[str, Expr]] = {}  # our fqn -> (artifact, expr)
-        self.objects: dict[str, str] = {}
-        self.units: dict[str, UnitIndex] = {}
-        self.records: dict[str, FileRecord] = {}
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, FileStats] = {}
         self.requests = 0
         self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
         self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
-
-    # -- metadata ---------------------------------------------------------------------------------
-    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
-        """A committed full artifact: the description stored with its metadata."""
-        raw = (metadata.storage_data or {}).get(MetadataIndex(DESCRIPTION_FQN))
-        if not isinstance(raw, str):
-            raise CheckpointCorrupt(f"{self.url}: full checkpoint metadata has no artifact description")
-        try:
-            with gc_paused():
-                self._describe(raw, records)
-        except CheckpointCorrupt:
-            raise
-        except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as exc:
-            raise CheckpointCorrupt(f"{self.url}: malformed full artifact description: {exc}") from exc
-        self.records = dict(records)
-        for key, t in self.tensors.items():
-            rec = records[t.file]
-            if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
-                raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
-        return metadata
-
-    def _describe(self, raw: str, records: Mapping[str, FileRecord]) -> None:
-        """Parse the description (tensors, expressions, objects, check units) into this source."""
-        desc = json.loads(raw)
-        for key, t in desc["tensors"].items():
-            name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
-            if name not in records:
-                raise CheckpointCorrupt(f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list")
-            self.tensors[key] = _Tensor(name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"]))
-        for fqn, e in desc["exprs"].items():
-            self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
-        self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
-        for key, units in desc["checks"].items():
-            self.units[key] = UnitIndex.from_rows(units)
-        self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
-
-    def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
-        """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
-        art_shapes: dict[str, tuple[int, ...]] = {}
-        for name in files:
-            path = join(self.path, name)
-            with translate_errors(path):
-                try:
-                    size = int(self.fs.size(path))
-                    first = self.fs.cat_file(path, start=0, end=8)
-                    head = self.fs.cat_file(path, start=0, end=header_length(first, where=path))
-                except FileNotFoundError as exc:
-                    raise CheckpointCorrupt(f"{path}: listed in the Hugging Face index but missing") from exc
-            entries, _ = parse_header(head, size, where=path)
-            self.records[name] = FileRecord(name, size, -1, (), (), checks="tensors")
-            for e in entries:
-                if e.key in art_shapes:
-                    raise CheckpointCorrupt(f"{path}: tensor {e.key!r} appears in two files")
-                self.tensors[f"model/{e.key}"] = _Tensor(name, e.start, e.dtype, e.shape)
-                art_shapes[e.key] = e.shape
-        if translation is not None:
-            ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
-        else:
-            ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}
-        sdm: dict[str, Any] = {}
-        for key, (expr, shape) in ours.items():
-            fqn = prefix + key
-            self.exprs[fqn] = ("model", expr)
-            dtype = self.tensors[f"model/{first_leaf(expr)}"].dtype
-            tsize = torch.Size(shape)
-            sdm[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
-            )
-        ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
-        tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
-        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
@@ -275,7 +147,7 @@ class FullSource:
         self._stat(name, len(data), len(data))
         return len(data)
 
-    def _boxes(self, req: ReadItem) -> list[tuple[str, _Tensor, Piece]]:
+    def _boxes(self, req: ReadItem) -> list[tuple[str, StoredTensor, Piece]]:
         """The artifact boxes that make up ``req``: ``(artifact key, its tensor, piece)``."""
         fqn = req.storage_index.fqn
         if fqn not in self.exprs:
@@ -338,7 +210,7 @@ class FullSource:
     def _read_box(
         self,
         key: str,
-        t: _Tensor,
+        t: StoredTensor,
         view: tuple[int, ...],
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
@@ -409,7 +281,14 @@ class FullSource:
         return out
 
     def _read_across_views(
-        self, key: str, t: _Tensor, units: UnitIndex, starts: np.ndarray, run: int, out: memoryview, prefetched: bool
+        self,
+        key: str,
+        t: StoredTensor,
+        units: UnitIndex,
+        starts: np.ndarray,
+        run: int,
+        out: memoryview,
+        prefetched: bool,
     ) -> memoryview:
         """A box requested in another view than its units were checked in (a whole tensor the planner
         reshaped), matched byte by byte (:func:`cross_view`): a unit sharing only part of the box is read
@@ -436,16 +315,16 @@ class FullSource:
         self._stat(t.file, len(starts) * run, read)
         return out
 
-    def _check_unit(self, t: _Tensor, key: str, u: Unit, digest: int) -> None:
+    def _check_unit(self, t: StoredTensor, key: str, u: Unit, digest: int) -> None:
         if digest != u.digest:
             raise self._mismatch(t, key, u)
 
-    def _uncovered(self, t: _Tensor, key: str) -> CheckpointCorrupt:
+    def _uncovered(self, t: StoredTensor, key: str) -> CheckpointCorrupt:
         return CheckpointCorrupt(
             f"{join(self.path, t.file)}: part of tensor {key.split('/', 1)[1]!r} is covered by no checksum"
         )
 
-    def _mismatch(self, t: _Tensor, key: str, u: Unit) -> CheckpointCorrupt:
+    def _mismatch(self, t: StoredTensor, key: str, u: Unit) -> CheckpointCorrupt:
         return CheckpointCorrupt(
             f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
             f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
@@ -453,7 +332,7 @@ class FullSource:
 
     def _hold_units(
         self,
-        t: _Tensor,
+        t: StoredTensor,
         view: tuple[int, ...],
         offsets: Sequence[int],
         sizes: Sequence[int],
@@ -476,7 +355,7 @@ class FullSource:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""
         problems: list[str] = []
         with RunFiles(self.fs, self.path) as files:
-            for name, pieces in getattr(self, "headers", {}).items():
+            for name, pieces in self.headers.items():
                 for offset, length, digest in pieces:
                     buf = bytearray(length)
                     files.read_runs(name, np.array([offset], dtype=np.int64), length, memoryview(buf))

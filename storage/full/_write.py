@@ -30,7 +30,7 @@ from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._regions import box_runs, split_box
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.full._exchange import Block, Swapper, batches
-from smpckpt.storage.full._plan import ArtifactFile, FullWrite, RankFullData
+from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits
 
 __all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
@@ -163,7 +163,7 @@ def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
     Every rank fsyncing every shared file would make each wait for all the others' pages too (one
     file, many writers). On Linux each rank instead writes back and waits for the span of its own
     boxes (``sync_file_range``), and the coordinator fsyncs each file once, after every rank is done
-    and before the commit (``FsspecStorageWriter.finish``), which flushes the metadata and the disk
+    and before the commit (``FullArtifactWriter.finish``), which flushes the metadata and the disk
     cache with little data left to write. Every span is submitted before the first wait, so the disk
     sees all of them at once rather than one file at a time. Elsewhere: fsync."""
     spans = _spans(writes)

@@ -1,13 +1,5 @@
-"""``FsspecStorageReader``: DCP StorageReader for smpckpt checkpoints and stock DCP checkpoints.
-
-Call order inside ``dcp.load`` ("all" = every rank)::
-
-    0) (all)         reset(checkpoint_id)            only when dcp.load gets checkpoint_id=
-    1) (all)         read_metadata()                 manifest (the commit marker), then the metadata it names
-    2) (all)         set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)
-    3) (all)         prepare_local_plan(plan)         items sorted by file and offset
-    4) (coordinator) prepare_global_plan(plans)       unchanged
-    5) (all)         read_data(plan, planner)         ranged, coalesced, verified reads
+"""``FsspecStorageReader``: DCP StorageReader for partial smpckpt checkpoints and stock DCP checkpoints; a
+full artifact or Hugging Face folder it finds is read by ``FullArtifactReader``, which it hands the load to.
 
 What ``read_metadata`` accepts: a committed smpckpt checkpoint (manifest present); a stock DCP
 checkpoint (``.metadata`` from ``FileSystemWriter``/``FsspecWriter``, read as *legacy*: no checksums).
@@ -40,36 +32,26 @@ delivery to the planner).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import traceback
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future
 
-from smpckpt._checks import check_flag, check_int
+from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import confine, is_local, join, read_bytes_or_none
-from smpckpt.storage.backends._location import FsspecLocation
+from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format import _names
-from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format._state import probe
-from smpckpt.storage.format.manifest import FileRecord, Manifest
-from smpckpt.storage.full._commit import folder_names
-from smpckpt.storage.full._plan import WRITING_MARKER
-from smpckpt.storage.full._read import FullSource, hf_folder_files
+from smpckpt.storage.format._reading import ReaderBase, ReadStats
+from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.full.reader import FullArtifactReader, opens
 from smpckpt.storage.read._fetch import missing_file_error, reads_into
 from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
@@ -83,24 +65,17 @@ LOCAL_REQUEST_BYTES = 32 << 20
 REMOTE_REQUEST_BYTES = 64 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadStats:
-    """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
-
-    bytes_needed: int  # bytes the destinations receive (a column slice: its elements, not its span)
-    bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
-    requests: int  # ranged reads issued (``preadv`` calls, GETs)
-    items: int
-    #: file name -> (bytes needed, bytes read), for every file the load touched
-    per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def amplification(self) -> float:
-        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
-
-
-class FsspecStorageReader(FsspecLocation, StorageReader):
+class FsspecStorageReader(ReaderBase):
     """Read a checkpoint at ``path`` (any fsspec URL).
+
+    Call order inside ``dcp.load`` ("all" = every rank)::
+
+        0) (all)         reset(checkpoint_id)            only when dcp.load gets checkpoint_id=
+        1) (all)         read_metadata()                 manifest (the commit marker), then the metadata it names
+        2) (all)         set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)
+        3) (all)         prepare_local_plan(plan)         items sorted by file and offset
+        4) (coordinator) prepare_global_plan(plans)       unchanged
+        5) (all)         read_data(plan, planner)         ranged, coalesced, verified reads
 
     Args:
         path: folder or URL.
@@ -119,14 +94,12 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
             (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
-        translation: for a plain Hugging Face folder (``model.safetensors`` or an index and shards, no
-            manifest): present its tensors under our keys and layout (``smpckpt.hf.llama.TRANSLATION``),
-            box by box, so each rank reads only its shards' bytes. Full artifacts of ours need none.
-        hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
-            that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
+        translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
 
-    Besides checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of ours and
-    Hugging Face folders; Hugging Face folders have no checksums and are read as *unverified*.
+    Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
+    ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;
+    Hugging Face folders have no checksums and are read as *unverified*. ``thread_count``,
+    ``reads_in_flight``, ``max_request_bytes`` and ``coalesce_gap`` apply to partial and stock checkpoints.
     """
 
     def __init__(
@@ -143,110 +116,58 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         translation: Translation | None = None,
         hf_prefix: str = "",
     ) -> None:
-        super().__init__()
-        self.storage_options = dict(storage_options or {})
-        self.verify_checksums = verify_checksums
-        self.allow_pickle = allow_pickle
-        check_flag("verify_checksums", verify_checksums)
-        check_flag("allow_pickle", allow_pickle)
         self.thread_count = check_int("thread_count", thread_count, minimum=1)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
         self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
         self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
-        self.last_read_stats: ReadStats | None = None
         self.translation = translation
         self.hf_prefix = hf_prefix
-        self._open(path)
+        super().__init__(
+            path, storage_options=storage_options, verify_checksums=verify_checksums, allow_pickle=allow_pickle
+        )
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
-        self.manifest: Manifest | None = None
-        self.state: str | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._records: dict[str, FileRecord] = {}
         self._sizes: dict[str, int | None] = {}  # legacy checkpoints: data file sizes, one stat per file
         self._plain_names: set[str] = set()  # data file names already checked (thousands of items share a few)
         self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
-        self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
-        self.metadata_error: Exception | None = None
-        self._full: FullSource | None = None  # a full artifact or Hugging Face folder
+        self._full: FullArtifactReader | None = None  # a full artifact or Hugging Face folder: its reader
 
-    # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) -------
-    def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
-        """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
-
-        DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
-        the original exception is kept in :attr:`metadata_error` so callers can re-raise it. (The
-        keyword parameter is deliberately not named ``kwargs``: DCP retries a failed read with
-        ``rank=`` -- "rank-local metadata" -- when it is, which would read and fail twice.)
-        """
-        try:
-            return self._read_metadata()
-        except Exception as exc:
-            self.metadata_error = exc
-            raise
-
+    # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation; read_metadata,
+    # prepare_global_plan, read_data: ReaderBase) -------------------------------------------------------
     def _read_metadata(self) -> Metadata:
-        found = probe(self.fs, self.path)
-        self.state = found.state
-        if found.state == "missing":
-            raise CheckpointNotFound(f"no checkpoint at {self.url}")
-        if found.state == "uncommitted":
-            hf_files = self._hf_files()
-            if hf_files is not None:
-                confine(self.fs, self.path, hf_files, where=self.url)
-                log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
-                self.state = "huggingface"
-                self._full = FullSource(
-                    self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
-                )
-                metadata = self._full.from_hf_folder(hf_files, translation=self.translation, prefix=self.hf_prefix)
-                metadata.storage_meta = StorageMeta(load_id=self.load_id)
-                _mark_whole(metadata)
-                return metadata
-            raise CheckpointNotFound(
-                f"{self.url} holds an uncommitted (incomplete or failed) save: {found.detail}; refusing to load it"
+        found = self._probe()
+        if opens(found):
+            self._full = FullArtifactReader(
+                self.url,
+                storage_options=self.storage_options,
+                verify_checksums=self.verify_checksums,
+                allow_pickle=self.allow_pickle,
+                translation=self.translation,
+                hf_prefix=self.hf_prefix,
             )
+            metadata = self._full.metadata_from(found)
+            self.state, self.manifest = self._full.state, self._full.manifest
+            return metadata
         if found.state == "legacy":
             log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
-            metadata = found.legacy_metadata
             self._metadata_path = join(self.path, _names.METADATA_NAME)
-        else:
-            manifest = found.manifest
-            if manifest is None:  # pragma: no cover - probe guarantees it
-                raise CheckpointError("internal: committed checkpoint without manifest")
-            md_path = join(self.path, manifest.metadata.name)
-            data = read_bytes_or_none(self.fs, md_path)
-            if data is None:
-                raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
-            if len(data) != manifest.metadata.size or hash_bytes(data) != manifest.metadata.digest:
-                raise CheckpointCorrupt(
-                    f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "
-                    f"manifest says {manifest.metadata.size})"
-                )
-            metadata = load_metadata(data, where=md_path)
-            self._metadata_path = md_path
-            self.manifest = manifest
-            self._records = {f.name: f for f in manifest.files}
-            if manifest.kind == "full":
-                self._full = FullSource(
-                    self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
-                )
-                self._full.from_description(metadata, self._records)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        if self._full is not None:
-            _mark_whole(metadata)
+            return found.legacy_metadata
+        if found.manifest is None:  # pragma: no cover - probe guarantees it
+            raise CheckpointError("internal: committed checkpoint without manifest")
+        metadata, self._metadata_path = self._committed_metadata(found.manifest)
+        self._records = {f.name: f for f in found.manifest.files}
         return metadata
 
     @gc_paused()  # an index entry per chunk of every tensor
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._full is not None:
-            self._full.live = metadata  # a planner may have reshaped an entry (see _names.WHOLE_TENSORS)
+            self._full.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
             return  # the artifact's own description says where every byte is
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.url}: metadata has no storage_data")
@@ -266,31 +187,6 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
 
         plan.items = sorted(plan.items, key=key)
         return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read every item of ``plan`` into ``planner``; returns a completed future.
-
-        A failure is raised from here (as DCP's own ``FileSystemReader`` does), not stored in the future:
-        torch's ``Future`` holds its exception from C++, where the garbage collector cannot see the cycle
-        exception -> traceback -> DCP's frame (which holds the future) -> exception, so every failed load
-        would pin that exception, the frames of its caller and the state dict being loaded until the
-        process ends. The frames the failure went through are cleared, so the exception, wherever it is
-        kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
-        """
-        try:
-            if self._full is not None:
-                self._read_full(plan, planner)
-            else:
-                self._read(plan, planner)
-        except Exception as exc:
-            _release_frames(exc)
-            raise
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     # -- planning ---------------------------------------------------------------------------------
     def _item(self, req: ReadItem) -> Item:
@@ -365,6 +261,10 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """(calling thread) Plan every item's byte range (every record checked before any byte is read),
         then read, verify and deliver them; buffers live only for this call."""
+        if self._full is not None:
+            self._full._read(plan, planner)
+            self.last_read_stats = self._full.last_read_stats
+            return
         local = is_local(self.fs)
         max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
         # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
@@ -397,45 +297,6 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         }
         self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items), per_file)
 
-    def _hf_files(self) -> list[str] | None:
-        """The safetensors files when the folder is a Hugging Face model, not a save of ours without its
-        manifest: one in progress (its marker), a full checkpoint whose manifest is gone (a removal
-        interrupted after deleting it, or lost; its ``.metadata.<id>`` generation file stays), or a
-        folder marked for removal. Those are refused, never read without their checksums."""
-        names = folder_names(self.fs, self.path)
-        ours = {WRITING_MARKER, _names.REMOVING_NAME}
-        if names & ours or any(_names.is_smpckpt_file(n) for n in names):
-            return None
-        return hf_folder_files(self.fs, self.path)
-
-    def _read_full(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        full = self._full
-        if full is None:  # pragma: no cover - checked by the caller
-            raise CheckpointError("internal: no full artifact")
-        full.file_stats = {}
-        needed, read = full.read(plan, planner)
-        per_file = {n: (st.bytes_needed, st.bytes_read) for n, st in full.file_stats.items()}
-        self.last_read_stats = ReadStats(needed, read, full.requests, len(plan.items), per_file)
-
-
-def _mark_whole(metadata: Metadata) -> None:
-    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
-
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _release_frames(exc: BaseException) -> None:
-    """Drop the locals of every finished frame ``exc`` (and the exceptions chained to it) went through:
-    read buffers, destination views and plans would otherwise live as long as the exception."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)  # skips frames still running (the caller's)
-        todo += [e.__cause__, e.__context__]

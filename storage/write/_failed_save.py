@@ -22,10 +22,9 @@ from typing import Any, NoReturn
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none, remove_files
 from smpckpt.storage.backends._prefixes import remove_empty_folders
+from smpckpt.storage.format._names import WRITING_MARKER, marker_owner
 from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.manifest import Manifest
-from smpckpt.storage.full._marker import marker_owner
-from smpckpt.storage.full._plan import WRITING_MARKER
 
 __all__ = [
     "CommitUncertain",

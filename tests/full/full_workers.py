@@ -23,7 +23,7 @@ from smpckpt import ParallelLayout, ShardSpec, resume_from_checkpoint, save_chec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
 from smpckpt.storage import (  # noqa: E402
     FsspecStorageReader,
-    FsspecStorageWriter,
+    FullArtifactWriter,
     FullOptions,
     _full_exchange,  # noqa: E402
 )
@@ -63,7 +63,7 @@ def save_and_reshard_world(rank: int, world: int, root: str) -> dict[str, Any]:
     return results
 
 
-class _KillingWriter(FsspecStorageWriter):
+class _KillingWriter(FullArtifactWriter):
     """Ends its own process in ``write_data`` of the save into ``kill_tag``, on rank ``victim``, before
     or after writing that rank's boxes: ``os._exit`` -- no ``finally``, no atexit, no process-group
     teardown; the kernel closes its sockets, as for SIGKILL. (Exit status 0: the harness reports a
@@ -90,7 +90,7 @@ def killed_during_save(rank: int, world: int, root: str, victim: int, when: str)
     save_checkpoint(root, "k1", partial=False, model=model, layout=layout, specs=tp_model.SPECS, user_content="k1")
     dist.barrier()
     _KillingWriter.victim, _KillingWriter.when, _KillingWriter.kill_tag = victim, when, "k2"
-    smpckpt.api._full.FsspecStorageWriter = _KillingWriter  # type: ignore[misc]  # this process only
+    smpckpt.api._full.FullArtifactWriter = _KillingWriter  # type: ignore[misc]  # this process only
     _, model2, _ = tp_model.build(layout, seed=1)
     text = api_workers._expect_error(
         lambda: save_checkpoint(root, "k2", partial=False, model=model2, layout=layout, specs=tp_model.SPECS)
@@ -160,7 +160,7 @@ def swap_local(rank: int, world: int) -> dict[str, torch.Tensor]:
     return {k.removeprefix("m."): v for k, v in out.items()}
 
 
-class _RecordingWriter(FsspecStorageWriter):
+class _RecordingWriter(FullArtifactWriter):
     """Records how many row-block swaps this rank's plan holds."""
 
     swaps = -1
@@ -189,7 +189,7 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
     ):
         # every swap a batch of its own (one message per tensor and pair of ranks), as before batching
         _full_exchange.SWAP_BATCH_BYTES = 1 if name == "one_per_batch" else default_batch
-        writer = _RecordingWriter(os.path.join(root, name), mode="full", full=opts)
+        writer = _RecordingWriter(os.path.join(root, name), full=opts)
         try:
             dcp.save({"m": local}, storage_writer=writer, planner=ParallelSavePlanner(layout, SWAP_SPECS, rank=rank))
         finally:

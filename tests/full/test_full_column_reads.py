@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import CheckpointCorrupt, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
 
 TP = 4
 #: rows of 32 KiB: a rank's column shard is one 8 KiB run per row, checked in tiles of two column
@@ -48,7 +48,7 @@ def artifact(tmp_path: Path) -> Path:
     sim_save(
         sds,
         [ParallelSavePlanner(layout, SPECS, rank=r) for r in range(TP)],
-        [FsspecStorageWriter(str(tmp_path), mode="full", sync_files=False) for _ in range(TP)],
+        [FullArtifactWriter(str(tmp_path), sync_files=False) for _ in range(TP)],
     )
     return tmp_path
 

@@ -16,21 +16,21 @@ from safetensors.torch import load_file
 
 import smpckpt.api._full as full_api
 from smpckpt import CheckpointExists, resume_from_checkpoint, save_checkpoint
-from smpckpt.storage import FsspecStorageWriter, verify_checkpoint
+from smpckpt.storage import FullArtifactWriter, verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-class _Paused(FsspecStorageWriter):
+class _Paused(FullArtifactWriter):
     """A full save that stops before its commit until released (a long save, seen from outside)."""
 
     started = threading.Event()
     release = threading.Event()
 
-    def _finish_full(self, *args: Any, **kwargs: Any) -> None:
+    def finish(self, *args: Any, **kwargs: Any) -> None:
         type(self).started.set()
         assert type(self).release.wait(30)
-        super()._finish_full(*args, **kwargs)
+        super().finish(*args, **kwargs)
 
 
 def test_a_second_full_save_of_a_tag_is_refused_while_the_first_runs(
@@ -39,7 +39,7 @@ def test_a_second_full_save_of_a_tag_is_refused_while_the_first_runs(
     root = str(tmp_path)
     a, _ = trained_model(0)
     b, _ = trained_model(1)
-    monkeypatch.setattr(full_api, "FsspecStorageWriter", _Paused)
+    monkeypatch.setattr(full_api, "FullArtifactWriter", _Paused)
     errors: list[BaseException] = []
 
     def first() -> None:
@@ -51,7 +51,7 @@ def test_a_second_full_save_of_a_tag_is_refused_while_the_first_runs(
     thread = threading.Thread(target=first)
     thread.start()
     assert _Paused.started.wait(30)
-    monkeypatch.setattr(full_api, "FsspecStorageWriter", FsspecStorageWriter)
+    monkeypatch.setattr(full_api, "FullArtifactWriter", FullArtifactWriter)
     with pytest.raises(CheckpointExists, match=r"another full save .* is writing this folder"):
         save_checkpoint(root, "t", partial=False, model=b)  # its marker changes while watched: alive
     _Paused.release.set()

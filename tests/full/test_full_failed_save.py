@@ -10,12 +10,12 @@ import pytest
 from full_models import MARKER, assert_models_equal, trained_model
 
 from smpckpt import CheckpointError, resume_from_checkpoint, save_checkpoint
-from smpckpt.storage import FsspecStorageWriter
+from smpckpt.storage import FullArtifactWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-class _DiskFullAtCommit(FsspecStorageWriter):
+class _DiskFullAtCommit(FullArtifactWriter):
     """Every artifact file is written; the metadata copy hits a full disk (a failure, not a kill).
     ``case``: "take_over" -- another save's marker replaced this one's first; "intruder" -- another
     job's file appeared in the folder meanwhile."""
@@ -40,7 +40,7 @@ def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: 
     m, o = trained_model(0)
     monkeypatch.setattr(_DiskFullAtCommit, "case", case)
     with monkeypatch.context() as patch:
-        patch.setattr(full_api, "FsspecStorageWriter", _DiskFullAtCommit)
+        patch.setattr(full_api, "FullArtifactWriter", _DiskFullAtCommit)
         with pytest.raises(CheckpointError, match=os.strerror(errno.ENOSPC)):
             save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
     folder = os.path.join(root, "t")
@@ -95,7 +95,7 @@ def test_a_full_checkpoint_without_its_manifest_is_refused(tmp_path: Any, how: s
 
     path = str(tmp_path / "full")
     state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}
-    dcp.save(state, storage_writer=FsspecStorageWriter(path, mode="full"), no_dist=True)
+    dcp.save(state, storage_writer=FullArtifactWriter(path), no_dist=True)
     if how == "removal interrupted":
         with open(os.path.join(path, REMOVING_NAME), "w") as f:
             f.write("removing\n")

@@ -41,7 +41,7 @@ from world_gen import (
 
 from smpckpt import LayoutMismatch, ParallelLayout
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
 
 CI = settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -130,7 +130,7 @@ def save_full(
     world = layout.world_size
     sds = [rank_state(model, values, layout, r, parts) for r in range(world)]
     planners = [ParallelSavePlanner(layout, specs, rank=r) for r in range(world)]
-    writers = [FsspecStorageWriter(folder, mode="full", full=opts, sync_files=False) for _ in range(world)]
+    writers = [FullArtifactWriter(folder, full=opts, sync_files=False) for _ in range(world)]
     sim_save(sds, planners, writers)
 
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import CheckpointCorrupt, LayoutMismatch, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
 from smpckpt.storage.format._regions import box_runs
 from smpckpt.storage.full._units import Unit, UnitIndex, cross_view
 
@@ -49,7 +49,7 @@ def _save_plain(folder: Path, qkv: torch.Tensor) -> None:
     sim_save(
         [{"model": {"qkv": qkv.clone()}}],
         [ParallelSavePlanner(ParallelLayout(tp=1), {}, rank=0)],
-        [FsspecStorageWriter(str(folder), mode="full", sync_files=False)],
+        [FullArtifactWriter(str(folder), sync_files=False)],
     )
 
 
@@ -99,7 +99,10 @@ def test_a_save_under_a_view_loads_into_a_plain_model_and_a_transpose_is_refused
     sim_save(
         [{"model": {"qkv": _shard(qkv, h, r)}} for r in range(TP)],
         [ParallelSavePlanner(ParallelLayout(tp=TP), spec, rank=r) for r in range(TP)],
-        [FsspecStorageWriter(str(tmp_path), mode=mode, sync_files=False) for _ in range(TP)],
+        [
+            (FullArtifactWriter if mode == "full" else FsspecStorageWriter)(str(tmp_path), sync_files=False)
+            for _ in range(TP)
+        ],
     )
     for shape, fits in (((3 * h, d), True), ((d, 3 * h), False)):
         dest = {"qkv": torch.full(shape, float("nan"))}

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 import smpckpt.storage.full._write as full_write
 from smpckpt.storage.full._exchange import Block, Exchange
-from smpckpt.storage.full._plan import FullWrite, RankFullData
+from smpckpt.storage.full._layout import FullWrite, RankFullData
 
 INDEX = MetadataIndex("model.w")
 BOX = FullWrite(

@@ -16,7 +16,7 @@ from sim import reset_dcp_caches, sim_load, sim_save
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.specs import SpecRules
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullOptions
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
 
 
 def _shards(name: str, ours: dict[str, torch.Tensor], tp: int, config) -> list[dict[str, torch.Tensor]]:
@@ -67,10 +67,7 @@ def test_full_artifact_from_tp2_reshards_to_tp4_and_tp1(tmp_path, name):
     layout = ParallelLayout(tp=2)
     specs = MODULES[name].tp_specs(2, config)
     states = _shards(name, ours, 2, config)
-    writers = [
-        FsspecStorageWriter(folder, mode="full", full=FullOptions(translation=MODULES[name].TRANSLATION))
-        for _ in range(2)
-    ]
+    writers = [FullArtifactWriter(folder, full=FullOptions(translation=MODULES[name].TRANSLATION)) for _ in range(2)]
     sim_save(states, [ParallelSavePlanner(layout, specs, rank=r) for r in range(2)], writers)
     # HF names and layouts on disk: the original state dict, bit-exact
     from safetensors.torch import load_file

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling, item_checks
 from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
@@ -118,7 +118,11 @@ def test_small_records_and_narrow_rows_are_not_tiled() -> None:
 def _save(tmp_path: Any, tensors: dict[str, torch.Tensor], mode: str = "partial") -> str:
     path = str(tmp_path / "ck")
     planner = ParallelSavePlanner(ParallelLayout(), SPECS)
-    dcp.save({"m": tensors}, storage_writer=FsspecStorageWriter(path, mode=mode), planner=planner)
+    dcp.save(
+        {"m": tensors},
+        storage_writer=(FullArtifactWriter if mode == "full" else FsspecStorageWriter)(path),
+        planner=planner,
+    )
     return path
 
 
@@ -222,7 +226,7 @@ def test_on_s3_a_full_artifact_loads_a_column_split_with_few_spanning_reads(s3: 
     g = {"col": torch.randn(256, 8192)}
     url = f"{base}/full"
     planner = ParallelSavePlanner(ParallelLayout(), SPECS)
-    dcp.save({"m": g}, storage_writer=FsspecStorageWriter(url, storage_options=opts, mode="full"), planner=planner)
+    dcp.save({"m": g}, storage_writer=FullArtifactWriter(url, storage_options=opts), planner=planner)
     for rank in range(4):
         dest = {"col": torch.empty(256, 2048)}
         reader = FsspecStorageReader(url, storage_options=opts)

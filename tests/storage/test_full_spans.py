@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, open_fs
 from smpckpt.storage.full._files import RunFiles, SpanFetcher, plan_spans
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -122,7 +122,7 @@ def test_at_most_ahead_spans_are_held() -> None:
 
 def _save_full(url: str, opts: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
     planner = ParallelSavePlanner(ParallelLayout(), SPECS)
-    dcp.save({"m": state}, storage_writer=FsspecStorageWriter(url, storage_options=opts, mode="full"), planner=planner)
+    dcp.save({"m": state}, storage_writer=FullArtifactWriter(url, storage_options=opts), planner=planner)
 
 
 def _load(url: str, opts: dict[str, Any], dest: dict[str, torch.Tensor], tp: int = 1, rank: int = 0) -> Any:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt import ParallelLayout
 from smpckpt.errors import CheckpointExists
 from smpckpt.planners import ParallelSavePlanner
-from smpckpt.storage import FsspecStorageWriter, open_fs, read_manifest
+from smpckpt.storage import FsspecStorageWriter, FullArtifactWriter, open_fs, read_manifest
 
 Backend = tuple[str, dict[str, Any]]
 MARKER = "smpckpt.writing"
@@ -47,7 +47,7 @@ def _other_partial_save(fs: Any, path: str) -> None:
 def _killed_full_save(url: str, opts: dict[str, Any]) -> str:
     """A full save's folder as a kill before its commit leaves it (and a killed partial save's files
     beside it); the full save's id."""
-    writer = FsspecStorageWriter(url, storage_options=opts, mode="full")
+    writer = FullArtifactWriter(url, storage_options=opts)
     dcp.save({"m": _model(0)}, storage_writer=writer, planner=_planner())
     save_id = read_manifest(url, opts).save_id
     fs, path = open_fs(url, opts)
@@ -77,12 +77,12 @@ def test_full_save_never_removes_a_manifest_that_appeared(tmp_path: Any, monkeyp
     from smpckpt.storage.format._state import Probe
 
     url = str(tmp_path / "committed-meanwhile")
-    dcp.save({"m": _model(0)}, storage_writer=FsspecStorageWriter(url, mode="full"), planner=_planner())
+    dcp.save({"m": _model(0)}, storage_writer=FullArtifactWriter(url), planner=_planner())
     (tmp_path / "committed-meanwhile" / MARKER).write_text("x")  # listed while its marker was still there
     before = _listing(url, {})
     monkeypatch.setattr(full_commit, "probe", lambda *a, **k: Probe("missing"))  # what it saw a moment earlier
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"m": _model(1)}, storage_writer=FsspecStorageWriter(url, mode="full"), planner=_planner())
+        dcp.save({"m": _model(1)}, storage_writer=FullArtifactWriter(url), planner=_planner())
     assert isinstance(unwrap(info.value), CheckpointExists), unwrap(info.value)
     assert _listing(url, {}) == before and MANIFEST in before
 
@@ -94,7 +94,7 @@ def test_full_save_refuses_a_partial_saves_files_by_name(backend: Backend) -> No
     url = f"{base}/partial-debris"
     fs, path = open_fs(url, opts)
     _other_partial_save(fs, path)
-    writer = FsspecStorageWriter(url, storage_options=opts, mode="full")
+    writer = FullArtifactWriter(url, storage_options=opts)
     with pytest.raises(CheckpointException) as info:
         dcp.save({"m": _model(0)}, storage_writer=writer, planner=_planner())
     err = unwrap(info.value)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
+from smpckpt.storage import FsspecStorageWriter, FullArtifactWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.write._failed_save import CommitUncertain
 
@@ -368,7 +368,10 @@ def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoin
     url = f"{base}/lost-{mode}"
     with FaultyProxy(moto_endpoint, lambda *_: None, fail_after=fail_after) as proxy:
         popts = _proxy_opts(opts, proxy.url, attempts=3)
-        dcp.save(sd, storage_writer=FsspecStorageWriter(url, storage_options=popts, mode=mode))
+        dcp.save(
+            sd,
+            storage_writer=(FullArtifactWriter if mode == "full" else FsspecStorageWriter)(url, storage_options=popts),
+        )
         assert len(proxy.injected) == 1, proxy.injected
     assert checkpoint_state(url, opts) == "committed"
     fs, path = open_fs(url, opts)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
-from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, Manifest, open_fs
+from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, FullArtifactWriter, Manifest, open_fs
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.read._fetch import BufferPool
 
@@ -380,11 +380,11 @@ def test_verify_refuses_a_full_artifacts_index_pointing_elsewhere(tmp_path: Any)
     """A resealed index.json of a full artifact naming a file outside it: transformers would follow it."""
     import json
 
-    from smpckpt.storage import FsspecStorageWriter, FullOptions, verify_checkpoint
+    from smpckpt.storage import FullOptions, verify_checkpoint
 
     url = str(tmp_path / "f")
     state = {"model": {f"w{i}": torch.randn(64, 64) for i in range(4)}}
-    dcp.save(state, storage_writer=FsspecStorageWriter(url, mode="full", full=FullOptions(max_shard_size="20KB")))
+    dcp.save(state, storage_writer=FullArtifactWriter(url, full=FullOptions(max_shard_size="20KB")))
     assert verify_checkpoint(url).ok
     fs, path = open_fs(url, {})
     index_path = f"{path}/model.safetensors.index.json"

@@ -1,0 +1,165 @@
+"""What both readers of this format share (``FsspecStorageReader``: partial and stock DCP checkpoints;
+``FullArtifactReader``: full artifacts and Hugging Face folders), and the byte accounting they report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from smpckpt._checks import check_flag
+from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
+from smpckpt.storage.backends._fs import join, read_bytes_or_none
+from smpckpt.storage.backends._location import FsspecLocation
+from smpckpt.storage.format import _names
+from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.format._safe_pickle import load_metadata
+from smpckpt.storage.format._state import Probe, probe
+from smpckpt.storage.format.manifest import Manifest
+
+__all__ = ["ReaderBase", "ReadStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+    """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
+
+    bytes_needed: int  # bytes the destinations receive (a column slice: its elements, not its span)
+    bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
+    requests: int  # ranged reads issued (``preadv`` calls, GETs)
+    items: int
+    #: file name -> (bytes needed, bytes read), for every file the load touched
+    per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+class ReaderBase(FsspecLocation, StorageReader):
+    """The shared half of both readers: the location, the folder's state, the metadata a manifest names
+    (checked against it), the load id our planner recognises, the original ``read_metadata`` error kept
+    for callers, and a failed read's frames released. A subclass supplies ``_read_metadata`` (from
+    :meth:`_probe`), ``set_up_storage_reader``, ``prepare_local_plan`` and ``_read`` (sets
+    ``last_read_stats``).
+
+    Steps of ``dcp.load`` handled here ("all" = every rank): ``reset`` (all, ``FsspecLocation``),
+    ``read_metadata`` (all: the subclass's ``_read_metadata``, then the load id), ``prepare_global_plan``
+    (coordinator: unchanged) and ``read_data`` (all: the subclass's ``_read``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        verify_checksums: bool = True,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__()
+        check_flag("verify_checksums", verify_checksums)
+        check_flag("allow_pickle", allow_pickle)
+        self.storage_options = dict(storage_options or {})
+        self.verify_checksums = verify_checksums
+        self.allow_pickle = allow_pickle
+        self.last_read_stats: ReadStats | None = None
+        self._open(path)
+
+    def _open(self, path: str | os.PathLike[str]) -> None:
+        super()._open(path)
+        self.manifest: Manifest | None = None
+        self.state: str | None = None
+        self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
+        self.metadata_error: Exception | None = None
+
+    def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
+        """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
+
+        DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
+        the original exception is kept in :attr:`metadata_error` so callers can re-raise it. (The
+        keyword parameter is deliberately not named ``kwargs``: DCP retries a failed read with
+        ``rank=`` -- "rank-local metadata" -- when it is, which would read and fail twice.)
+        """
+        try:
+            metadata = self._read_metadata()
+        except Exception as exc:
+            self.metadata_error = exc
+            raise
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
+        return metadata
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into ``planner``; returns a completed future.
+
+        A failure is raised from here (as DCP's own ``FileSystemReader`` does), not stored in the future:
+        torch's ``Future`` holds its exception from C++, where the garbage collector cannot see the cycle
+        exception -> traceback -> DCP's frame (which holds the future) -> exception, so every failed load
+        would pin that exception, the frames of its caller and the state dict being loaded until the
+        process ends. The frames the failure went through are cleared, so the exception, wherever it is
+        kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
+        """
+        try:
+            self._read(plan, planner)
+        except Exception as exc:
+            _release_frames(exc)
+            raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- for the subclasses --------------------------------------------------------------------------
+    def _read_metadata(self) -> Metadata:
+        raise NotImplementedError
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        raise NotImplementedError
+
+    def _probe(self) -> Probe:
+        """The folder's state (``self.state``); a missing checkpoint raises."""
+        found = probe(self.fs, self.path)
+        self.state = found.state
+        if found.state == "missing":
+            raise CheckpointNotFound(f"no checkpoint at {self.url}")
+        return found
+
+    def _committed_metadata(self, manifest: Manifest) -> tuple[Metadata, str]:
+        """The metadata ``manifest`` names, checked against its size and checksum, and where it was."""
+        md_path = join(self.path, manifest.metadata.name)
+        data = read_bytes_or_none(self.fs, md_path)
+        if data is None:
+            raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
+        if len(data) != manifest.metadata.size or hash_bytes(data) != manifest.metadata.digest:
+            raise CheckpointCorrupt(
+                f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "
+                f"manifest says {manifest.metadata.size})"
+            )
+        metadata = load_metadata(data, where=md_path)
+        self.manifest = manifest
+        return metadata, md_path
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals of every finished frame ``exc`` (and the exceptions chained to it) went through:
+    read buffers, destination views and plans would otherwise live as long as the exception."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running (the caller's)
+        todo += [e.__cause__, e.__context__]

@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-from smpckpt._checks import check_flag
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.keys import RESERVED
@@ -25,7 +24,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["check_flag", "OPTIONS"]  # check_flag: re-exported for the API steps
+__all__ = ["OPTIONS", "CommonRequest", "resolve_common", "check_same_arguments"]
 
 
 # -- helpers -----------------------------------------------------------------------------------------

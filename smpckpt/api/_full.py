@@ -3,7 +3,7 @@
 
 Which rank does what ("all" = every rank of the group)::
 
-    save_full    (all)    validate; model (+ optimizer tensors) state; rank 0 adds user_content;
+    save_full    (all)    model (+ optimizer tensors) state; rank 0 adds user_content;
                           dcp.save with ParallelSavePlanner + FsspecStorageWriter(mode="full"):
                           every rank writes its shards into {path}/{tag}/model*.safetensors at their
                           offsets; rank 0 commits the manifest. ``newest`` and retention are left alone:
@@ -26,9 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from smpckpt.api._args import OPTIONS, CommonRequest, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api._dist import DistContext
-from smpckpt.api._planner_reuse import kept_save_planner
-from smpckpt.api._save import manifest_extra
-from smpckpt.api.options import ResumeOptions, SaveOptions, config_value
+from smpckpt.api._save import manifest_extra, run_save
+from smpckpt.api.options import ResumeOptions, SaveOptions
 from smpckpt.api.user_content import decode_user_content, encode_user_content
 from smpckpt.catalog.tags import NEWEST_NAME, join_url, validate_tag
 from smpckpt.model.keys import FULL_API_RECORD, RESERVED
@@ -101,18 +100,7 @@ def save_full(ctx: DistContext, common: CommonRequest, tag: str, opts: SaveOptio
         process_group=common.process_group,
     )
     started = time.monotonic()
-    try:
-        with kept_save_planner("full", common) as planner, quiet_no_dist():
-            # as save_pretrained: a head tied to its embedding is left out unless the config unties them
-            planner.dedup_tied = config_value(opts.hf_config, "tie_word_embeddings") is not False
-            planner.verify_replicas = opts.verify_replicas
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
-    except CheckpointException as exc:
-        try:  # every rank is past its writes: the coordinator removes the unfinished artifact
-            writer.discard_failed_save(exc)
-        except Exception:  # noqa: BLE001 - the save's own error is the one to raise
-            log.warning("%s: removing the failed full save's files failed", url, exc_info=True)
-        raise translate_dcp(exc, f"saving full checkpoint {url}") from exc
+    run_save("full", common, writer, state, opts, f"saving full checkpoint {url}")
     log.info("saved full checkpoint %s (%s) in %.2fs", url, common.layout, time.monotonic() - started)
     return url
 

@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,7 +26,7 @@ from smpckpt._version import VERSION
 from smpckpt.api._args import CommonRequest, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api._dist import DistContext
 from smpckpt.api._planner_reuse import kept_save_planner
-from smpckpt.api.options import SaveOptions
+from smpckpt.api.options import SaveOptions, config_value
 from smpckpt.api.rng import get_rng_state
 from smpckpt.api.user_content import describe_user_content, encode_user_content
 from smpckpt.catalog._save_clock import knows, next_save_ns, saw_checkpoint
@@ -44,6 +44,7 @@ __all__ = [
     "manifest_extra",
     "build_save_state",
     "write_checkpoint",
+    "run_save",
     "publish_newest",
     "retain",
 ]
@@ -120,18 +121,32 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         format="torch_save" if req.opts.format == "torch_save" else "raw",  # SaveOptions allows no other
         sync_files=req.opts.sync_files,
     )
+    run_save("partial", req, writer, state, req.opts, f"saving checkpoint {req.url}")
+
+
+def run_save(
+    kind: Literal["partial", "full"],
+    common: CommonRequest,
+    writer: FsspecStorageWriter,
+    state: dict[str, Any],
+    opts: SaveOptions,
+    action: str,
+) -> None:
+    """(all ranks) ``dcp.save`` with the kept planner of ``kind``. On failure every rank is past its
+    writes: the failed save's files are removed (a retry under the tag must not find them beside its
+    own; a full artifact of unwritten zeros must not stay), then our error is raised."""
     try:
-        with kept_save_planner("partial", req) as planner, quiet_no_dist():
-            planner.verify_replicas = req.opts.verify_replicas
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=req.process_group)
+        with kept_save_planner(kind, common) as planner, quiet_no_dist():
+            planner.verify_replicas = opts.verify_replicas
+            if kind == "full":  # as save_pretrained: a head tied to its embedding is left out unless untied
+                planner.dedup_tied = config_value(opts.hf_config, "tie_word_embeddings") is not False
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
-        # every rank is past its writes now: each removes its own files of this save, so a retry
-        # under the tag does not leave them beside its own
         try:
             writer.discard_failed_save(exc)
         except Exception:  # noqa: BLE001 - the save's own error is the one to raise
-            log.warning("%s: removing the failed save's files failed", req.url, exc_info=True)
-        raise translate_dcp(exc, f"saving checkpoint {req.url}") from exc
+            log.warning("%s: removing the failed save's files failed", action, exc_info=True)
+        raise translate_dcp(exc, action) from exc
 
 
 def publish_newest(req: SaveRequest, ctx: DistContext) -> None:

@@ -12,33 +12,13 @@ Folder structure under ``path`` (as SageMaker smp lays it out)::
                                #                      LayoutRecord (layout, specs) and the API record
                                #                      (tag, save time, user_content keys)
 
-``user_content`` is stored *inside* the DCP checkpoint, as one ``torch.save`` record written by rank 0,
-so it is checksummed and committed together with the tensors; it is serialised once on save and
-loaded once, weights-only by default (``allow_pickle=True`` for trusted checkpoints holding arbitrary
-objects).
+``user_content`` is stored inside the checkpoint (one ``torch.save`` record by rank 0: checksummed and
+committed with the tensors; loaded once, weights-only unless ``allow_pickle=True``).
 
-The steps live in :mod:`smpckpt.api._save` and :mod:`smpckpt.api._resume`; this module only wires them.
-
-Call order of :func:`save_checkpoint` (every rank calls it; "rank 0" = rank 0 of ``process_group``):
-
-    1. (all)    options validated (:class:`~smpckpt.api.options.SaveOptions`); tag, path, layout and options
-                compared across ranks (a mismatch: an error on all, naming what differs)
-    2. (all)    local state built (get_state_dict, RNG, user_content on rank 0); failure: error on all
-    3. (all)    ``dcp.save`` with ParallelSavePlanner + FsspecStorageWriter; rank 0 commits the manifest
-    4. (rank 0) ``newest`` := tag (only after the commit); its success/failure is broadcast
-    5. (rank 0) retention: the oldest committed partial checkpoints beyond N are deleted (failures logged)
-
-Call order of :func:`resume_from_checkpoint`:
-
-    1. (all)    options validated (:class:`~smpckpt.api.options.ResumeOptions`) and compared across ranks
-    2. (rank 0) the tag is resolved (``newest``, else the newest committed tag, with a warning) and its
-                manifest read; the answer is broadcast (one reader, not N ranks listing S3)
-    3. (all)    ``dcp.load`` in place with ParallelLoadPlanner (strict key checks before any data is read)
-    4. (all)    set_state_dict, RNG restore (layout unchanged only), user_content decoded; failures on
-                any rank raise on every rank
-    5. (all)    :func:`last_resume_info` says which tag, fast path or reshard, and what was restored
-
-Works the same without a process group (one process: a notebook, conversion scripts).
+Both calls first validate their options (:mod:`smpckpt.api.options`) and compare them, the tag, path
+and layout across ranks (:func:`~smpckpt.api._args.check_same_arguments`); the steps that follow live
+in :mod:`smpckpt.api._save`, :mod:`smpckpt.api._resume` and :mod:`smpckpt.api._full` (each says which
+rank does what), and this module only wires them. Works the same without a process group.
 """
 
 from __future__ import annotations
@@ -80,14 +60,7 @@ from smpckpt.model.naming import NameMap
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 
-__all__ = [
-    "save_checkpoint",
-    "resume_from_checkpoint",
-    "last_resume_info",
-    "ResumeInfo",
-    "SaveOptions",
-    "ResumeOptions",
-]
+__all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
 
 log = logging.getLogger("smpckpt.api")  # one logger for the API, whichever module logs
 

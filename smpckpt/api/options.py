@@ -44,15 +44,11 @@ class _Options:
     partial: bool
 
     def __post_init__(self) -> None:
-        fields = dataclasses.fields(self)  # type: ignore[arg-type]
-        for f in fields:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
             if isinstance(f.default, bool):
                 check_flag(f.name, getattr(self, f.name))
-        given = [
-            f.name
-            for f in fields
-            if f.metadata.get("only") not in (None, self.partial) and getattr(self, f.name) != f.default
-        ]
+        only = {f.name: f.metadata["only"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        given = [name for name in self.given() if only[name] not in (None, self.partial)]
         if given:
             verb, kind = "applies" if len(given) == 1 else "apply", "full" if self.partial else "partial"
             raise ValueError(f"{', '.join(given)} {verb} only to {kind} checkpoints (partial={not self.partial})")
@@ -63,12 +59,12 @@ class _Options:
 
     def compared(self) -> dict[str, Any]:
         """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
-        out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            same, value = f.metadata.get("same", True), getattr(self, f.name)
-            if same:
-                out[f.name] = same(value) if callable(same) else value
-        return out
+        same = {f.name: f.metadata["same"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {
+            name: key(getattr(self, name)) if callable(key) else getattr(self, name)
+            for name, key in same.items()
+            if key
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +72,9 @@ class SaveOptions(_Options):
     """The options of :func:`~smpckpt.save_checkpoint`."""
 
     partial: bool = _opt(True)
-    """``True``: a partial checkpoint ``{path}/{tag}_partial``: every rank saves its own shards (resumable
-    under any layout), then ``{path}/newest`` names it. ``False``: one full artifact ``{path}/{tag}/``
-    (README, "Full checkpoints"): every tensor full-size under its global name in ``model.safetensors``
-    (or shards + index), readable without smpckpt, ``user_content`` beside it as ``user_content.pt``;
-    no rank holds the whole model. ``newest`` and retention ignore full checkpoints; RNG is not saved."""
+    """``True``: a partial checkpoint ``{path}/{tag}_partial`` (every rank saves its own shards; resumable
+    under any layout), then named by ``{path}/newest``. ``False``: one full artifact ``{path}/{tag}/``
+    readable without smpckpt (README, "Full checkpoints"), which ``newest`` and retention ignore."""
 
     num_kept_partial_checkpoints: int | None = _opt(None)
     """Keep only the N newest committed partial checkpoints (N >= 1), deleting older ones on rank 0 after
@@ -140,14 +134,12 @@ class SaveOptions(_Options):
     :class:`~smpckpt.errors.CheckpointError` instead."""
 
     freeze_gc: bool = _opt(True, same=False)
-    """Run a synchronous save (or a load) inside :func:`smpckpt.gc_frozen` (README, "Garbage
-    collection"); not applied to async saves."""
+    """Run a synchronous save inside :func:`smpckpt.gc_frozen` (README, "Garbage collection")."""
 
     verify_replicas: bool = _opt(True)
     """Ranks holding the same piece of a tensor (replicas; a key two pipeline stages hold) must hold the
-    same values, or the save fails on every rank naming keys and ranks: only one replica is written, so a
-    forgotten TP spec would lose data silently. A 4-byte digest of a 16-element sample per tensor.
-    ``False`` for replicas meant to differ."""
+    same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys
+    and ranks: one replica is written, so a forgotten TP spec would lose data silently."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

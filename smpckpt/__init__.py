@@ -6,7 +6,8 @@ Public entry points:
 * :mod:`smpckpt.planners` -- ``ParallelSavePlanner``/``ParallelLoadPlanner`` for ``dcp.save``/``dcp.load``.
 * :mod:`smpckpt.storage` -- fsspec-backed ``StorageWriter``/``StorageReader`` (local, shared FS, S3).
 * :func:`save_checkpoint`, :func:`resume_from_checkpoint` -- the smp-style checkpoint API (tags,
-  ``newest``, retention, user_content); :func:`last_resume_info` says whether a resume resharded.
+  ``newest``, retention, user_content); :func:`last_resume_info` says whether a resume resharded;
+  :class:`SaveOptions` / :class:`ResumeOptions` document (and validate) their options.
 * :func:`gc_frozen` -- what the API does around a synchronous save or load, for ``dcp.save``/``dcp.load``
   called directly: the process's existing objects sit out cyclic garbage collections meanwhile.
 * :mod:`smpckpt.hf` -- Hugging Face translations per model family (``smpckpt.hf.llama.TRANSLATION``);
@@ -23,6 +24,7 @@ from smpckpt._gc import gc_frozen
 from smpckpt._version import VERSION
 from smpckpt.api._async import free_staging_buffers, set_exit_status_on_failed_save, wait_for_saves
 from smpckpt.api.calls import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint
+from smpckpt.api.options import ResumeOptions, SaveOptions
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
 from smpckpt.model.layout import ParallelLayout, RankCoords
 from smpckpt.model.specs import ShardSpec
@@ -51,6 +53,8 @@ __all__ = [
     "resume_from_checkpoint",
     "last_resume_info",
     "ResumeInfo",
+    "SaveOptions",
+    "ResumeOptions",
     "ParallelLayout",
     "RankCoords",
     "ShardSpec",

@@ -5,5 +5,13 @@ public names), ``smpckpt.errors``. Nothing below the API imports it.
 """
 
 from smpckpt.api.calls import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint
+from smpckpt.api.options import ResumeOptions, SaveOptions
 
-__all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
+__all__ = [
+    "save_checkpoint",
+    "resume_from_checkpoint",
+    "last_resume_info",
+    "ResumeInfo",
+    "SaveOptions",
+    "ResumeOptions",
+]

@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-from smpckpt._checks import check_flag
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.keys import RESERVED
@@ -25,15 +24,10 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["check_flag", "OPTIONS"]  # check_flag: re-exported for the API steps
+__all__ = ["OPTIONS", "CommonRequest", "resolve_common", "check_same_arguments"]
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def check_partial(partial: Any) -> None:
-    if partial is not True and partial is not False:
-        raise TypeError(f"partial must be True or False, got {partial!r}")
-
-
 def root_url(path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -103,21 +97,40 @@ class CommonRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
 
 
-def common_args(ctx: DistContext, path: Any, partial: Any, kw: Mapping[str, Any]) -> CommonRequest:
-    """Validate the arguments save and resume share (``kw`` holds the public function's arguments)."""
-    check_partial(partial)
-    opts = optimizers(kw["optimizer"])
-    check_model(kw["model"], opts)
+def resolve_common(
+    ctx: DistContext,
+    path: Any,
+    *,
+    model: Any,
+    optimizer: Any,
+    layout: ParallelLayout | None,
+    specs: Mapping[str, SpecLike] | SpecRules | None,
+    name_map: NameMap | None,
+    storage_options: Mapping[str, Any] | None,
+    process_group: Any,
+) -> CommonRequest:
+    """Validate the arguments save and resume share (the public functions' of the same names)."""
+    opts = optimizers(optimizer)
+    check_model(model, opts)
     return CommonRequest(
         root=root_url(path),
-        model=kw["model"],
+        model=model,
         optimizers=opts,
-        layout=resolve_layout(kw["layout"], ctx),
-        rules=spec_rules(kw["specs"]),
-        name_map=kw["name_map"],
-        storage_options=kw["storage_options"],
-        process_group=kw["process_group"],
+        layout=resolve_layout(layout, ctx),
+        rules=spec_rules(specs),
+        name_map=name_map,
+        storage_options=storage_options,
+        process_group=process_group,
     )
+
+
+def check_same_arguments(ctx: DistContext, call: str, tag: Any, common: CommonRequest, options: Any) -> None:
+    """(all ranks) Every rank passed the same tag, path, layout and options (the fields of ``options``
+    its :meth:`~smpckpt.api.options.SaveOptions.compared` lists); else :class:`ValueError` on every rank
+    naming the arguments that differ. Before the tag is validated: a tag bad on one rank only must fail
+    every rank, not hang the others."""
+    same = {"tag": tag, "path": common.root, "layout": common.layout.to_dict(), **options.compared()}
+    ctx.check_identical(same, f"{call}'s arguments")
 
 
 def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
@@ -154,13 +167,14 @@ def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
 
 
 def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` through DCP's state_dict API (FQN-keyed optimizer state)."""
+    """``{model: ..., optim: ...}`` (:data:`RESERVED`'s keys) through DCP's state_dict API (FQN-keyed
+    optimizer state)."""
     if model is None:
         return {}
     if not optimizers:
-        return {"model": get_model_state_dict(model, options=OPTIONS)}
+        return {RESERVED.model: get_model_state_dict(model, options=OPTIONS)}
     model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
-    return {"model": model_sd, "optim": optim_sd}
+    return {RESERVED.model: model_sd, RESERVED.optim: optim_sd}
 
 
 def translate_dcp(

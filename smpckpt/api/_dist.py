@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from smpckpt import errors as _errors
+import smpckpt.errors as _errors
 from smpckpt.errors import CheckpointError
 
 __all__ = ["DistContext", "RankError"]
@@ -174,10 +174,16 @@ class DistContext:
             raise value.rebuild()
         return value
 
-    def check_identical(self, value: Any, what: str) -> None:
-        """(all ranks) Raise :class:`ValueError` on every rank unless all ranks passed equal ``value``."""
-        values = self._gather_step(f"the comparison of {what}", value)
-        if any(v != values[0] for v in values):
-            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values[:8]))
-            more = f", ... ({len(values) - 8} more)" if len(values) > 8 else ""
-            raise ValueError(f"{what} differs between ranks ({shown}{more}); every rank must pass the same value")
+    def check_identical(self, values: Mapping[str, Any], what: str) -> None:
+        """(all ranks) Raise :class:`ValueError` on every rank unless all ranks passed equal ``values``,
+        naming each entry that differs and its value on the first ranks."""
+        got = self._gather_step(f"the comparison of {what}", dict(values))
+        differ = [k for k in got[0] if any(v.get(k) != got[0][k] for v in got)]
+        if differ:
+            shown = "; ".join(
+                f"{k}: " + ", ".join(f"rank {r}: {v.get(k)!r}" for r, v in enumerate(got[:8])) for k in differ
+            )
+            more = f" ({len(got) - 8} more ranks)" if len(got) > 8 else ""
+            raise ValueError(
+                f"{what} differ between ranks in {', '.join(differ)} ({shown}{more}); every rank must pass the same"
+            )

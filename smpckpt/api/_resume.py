@@ -3,7 +3,7 @@ destination state -> load (reshard) -> apply. Each step is one function over a :
 
 Which rank does what ("all" = every rank of the group)::
 
-    resolve_resume      (all)    validate; compare arguments across ranks
+    resolve_resume      (all)    the tag validated (the arguments were compared across ranks before)
     choose_target       (rank 0) ``newest`` or the newest committed tag; the answer is broadcast
     build_resume_state  (all)    destinations: model/optimizer state, user_content, RNG (same layout only)
     load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
@@ -16,15 +16,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from smpckpt.api._args import OPTIONS, CommonRequest, common_args, quiet_no_dist, train_state, translate_dcp
+from smpckpt.api._args import OPTIONS, CommonRequest, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api._dist import DistContext
+from smpckpt.api.options import ResumeOptions
 from smpckpt.api.rng import get_rng_state, set_rng_state
 from smpckpt.api.user_content import decode_user_content
 from smpckpt.catalog._save_clock import saw_checkpoint
@@ -108,39 +109,14 @@ class ResumeRequest(CommonRequest):
     """Everything one resume needs, validated and identical on every rank."""
 
     tag: str | None
-    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None
-    missing_ok: bool
-    strict: bool
-    load_rng: bool
-    allow_pickle: bool
-    allow_dtype_cast: bool
-    verify_checksums: bool
+    opts: ResumeOptions
 
 
-def resolve_resume(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> ResumeRequest:
-    """(all ranks) Validate the arguments and check that every rank passed the same ones."""
-    common = common_args(ctx, path, partial, kw)
-    root, layout = common.root, common.layout
-    translate = kw["translate_function"]
-    if translate is not None and not callable(translate):
-        raise TypeError("translate_function must be callable (state_dict -> state_dict)")
-    ctx.check_identical(
-        (tag, root, bool(kw["strict"]), bool(kw["missing_ok"]), layout.to_dict(), bool(kw["load_rng"])),
-        "resume_from_checkpoint(path, tag, strict, missing_ok, layout, load_rng)",
-    )
+def resolve_resume(common: CommonRequest, tag: Any, opts: ResumeOptions) -> ResumeRequest:
+    """(all ranks, after the arguments were compared across ranks) The resume's request."""
     if tag is not None:
         validate_tag(tag)
-    return ResumeRequest(
-        **common.fields(),
-        tag=tag,
-        translate_function=translate,
-        missing_ok=bool(kw["missing_ok"]),
-        strict=bool(kw["strict"]),
-        load_rng=bool(kw["load_rng"]),
-        allow_pickle=bool(kw["allow_pickle"]),
-        allow_dtype_cast=bool(kw["allow_dtype_cast"]),
-        verify_checksums=bool(kw["verify_checksums"]),
-    )
+    return ResumeRequest(**common.fields(), tag=tag, opts=opts)
 
 
 def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
@@ -232,7 +208,7 @@ def not_found_hint(root: str, storage_options: Any) -> str:
 def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:
     """RNG states map to ranks only under the same layout (which fixes the world size too)."""
     saved = target.record.layout if target.record is not None else None
-    if not (req.load_rng and target.has_rng):
+    if not (req.opts.load_rng and target.has_rng):
         return False
     if saved == req.layout:
         return True
@@ -259,16 +235,16 @@ def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -
     optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
     planner = ParallelLoadPlanner(
         **req.planner_args(),
-        allow_dtype_cast=req.allow_dtype_cast,
-        allow_pickle=req.allow_pickle,
-        allow_partial_load=not req.strict,
+        allow_dtype_cast=req.opts.allow_dtype_cast,
+        allow_pickle=req.opts.allow_pickle,
+        allow_partial_load=not req.opts.strict,
         optional=optional,
     )
     reader = FsspecStorageReader(
         target.url,
         storage_options=req.storage_options,
-        verify_checksums=req.verify_checksums,
-        allow_pickle=req.allow_pickle,
+        verify_checksums=req.opts.verify_checksums,
+        allow_pickle=req.opts.allow_pickle,
     )
     try:
         with quiet_no_dist():
@@ -289,11 +265,12 @@ def apply_state(
     """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once."""
     if req.model is not None:
         model_sd = state[RESERVED.model]
-        if req.translate_function is not None:
-            model_sd = req.translate_function(model_sd)
+        fn = req.opts.translate_function
+        if callable(fn):  # partial=True: a callable (ResumeOptions checks)
+            model_sd = fn(model_sd)
             if not isinstance(model_sd, Mapping):
                 raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
-        opts = dataclasses.replace(OPTIONS, strict=req.strict)
+        opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         if req.optimizers:
             set_state_dict(
                 req.model,
@@ -313,7 +290,7 @@ def apply_state(
         restored = set_rng_state(states, complete)
     stored = state[RESERVED.user_content]
     user_content = decode_user_content(
-        stored if stored else None, allow_pickle=req.allow_pickle, nested=target.api == API_RECORD_V1
+        stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
     )
     return user_content, restored
 

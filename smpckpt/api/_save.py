@@ -3,7 +3,7 @@
 
 Which rank does what ("all" = every rank of the group)::
 
-    resolve_save      (all)    validate; compare arguments across ranks (a mismatch fails every rank)
+    resolve_save      (all)    the tag validated (the arguments were compared across ranks before)
     build_save_state  (all)    model/optimizer state, RNG; rank 0 adds user_content and the API record
     write_checkpoint  (all)    dcp.save with ParallelSavePlanner + FsspecStorageWriter; rank 0 commits
     publish_newest    (rank 0) ``newest`` := tag, only after the commit; the outcome reaches every rank
@@ -23,112 +23,91 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt._version import VERSION
-from smpckpt.api._args import CommonRequest, check_flag, common_args, quiet_no_dist, train_state, translate_dcp
+from smpckpt.api._args import CommonRequest, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api._dist import DistContext
 from smpckpt.api._planner_reuse import kept_save_planner
+from smpckpt.api.options import SaveOptions, config_value
 from smpckpt.api.rng import get_rng_state
 from smpckpt.api.user_content import describe_user_content, encode_user_content
 from smpckpt.catalog._save_clock import knows, next_save_ns, saw_checkpoint
 from smpckpt.catalog.listing import newest_stamp
-from smpckpt.catalog.retention import apply_retention, validate_keep
+from smpckpt.catalog.retention import apply_retention
 from smpckpt.catalog.tags import open_root, partial_url, validate_tag, write_newest
 from smpckpt.errors import CheckpointError
 from smpckpt.model.keys import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageWriter
 
-__all__ = ["SaveRequest", "resolve_save", "build_save_state", "write_checkpoint", "publish_newest", "retain"]
+__all__ = [
+    "SaveRequest",
+    "resolve_save",
+    "manifest_extra",
+    "build_save_state",
+    "write_checkpoint",
+    "run_save",
+    "publish_newest",
+    "retain",
+]
 
 log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest(CommonRequest):
-    """Everything one save needs, validated and identical on every rank."""
+    """Everything one partial save needs, validated and identical on every rank."""
 
     tag: str
     url: str
     user_content: Any
-    keep: int | None
-    overwrite: bool
-    save_rng: bool
-    format: Literal["raw", "torch_save"]
-    sync_files: bool
-    stale_after: float | None
-    verify_replicas: bool = True
+    opts: SaveOptions
 
 
-def resolve_save(ctx: DistContext, path: Any, tag: Any, partial: Any, **kw: Any) -> SaveRequest:
-    """(all ranks) Validate the arguments and check that every rank passed the same ones."""
-    common = common_args(ctx, path, partial, kw)
-    root, layout = common.root, common.layout
-    keep = validate_keep(kw["num_kept_partial_checkpoints"])
-    verify = check_flag("verify_replicas", kw["verify_replicas"])
-    stale = kw["remove_uncommitted_older_than"]
-    if stale is not None and not (isinstance(stale, (int, float)) and not isinstance(stale, bool) and stale >= 0):
-        raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
-    if kw["format"] not in ("raw", "torch_save"):
-        hint = (
-            " ('safetensors' is a format of full checkpoints, partial=False)" if kw["format"] == "safetensors" else ""
-        )
-        raise ValueError(f"format must be 'raw' or 'torch_save', got {kw['format']!r}{hint}")
-    # Compare before validating the tag: a tag bad on one rank only must fail every rank, not hang the others.
-    ctx.check_identical(
-        (
-            tag,
-            root,
-            keep,
-            bool(kw["overwrite"]),
-            kw["format"],
-            layout.to_dict(),
-            bool(kw["save_rng"]),
-            stale,
-            bool(kw["async_save"]),
-            verify,
-        ),
-        "save_checkpoint(path, tag, num_kept_partial_checkpoints, overwrite, format, layout, save_rng, "
-        "remove_uncommitted_older_than, async_save, verify_replicas)",
-    )
+def resolve_save(common: CommonRequest, tag: Any, opts: SaveOptions, user_content: Any) -> SaveRequest:
+    """(all ranks, after the arguments were compared across ranks) The partial save's request."""
     validate_tag(tag)
     return SaveRequest(
-        **common.fields(),
-        tag=tag,
-        url=partial_url(root, tag),
-        user_content=kw["user_content"],
-        keep=keep,
-        overwrite=bool(kw["overwrite"]),
-        save_rng=bool(kw["save_rng"]),
-        format=kw["format"],
-        sync_files=bool(kw["sync_files"]),
-        stale_after=stale,
-        verify_replicas=verify,
+        **common.fields(), tag=tag, url=partial_url(common.root, tag), user_content=user_content, opts=opts
     )
+
+
+def manifest_extra(common: CommonRequest, api: str, tag: str, user_content: Any, **fields: Any) -> dict[str, Any]:
+    """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, the save
+    time from the save clock (:mod:`smpckpt.catalog._save_clock`), ``fields``, what user_content holds,
+    and the versions that wrote it."""
+    if not knows(common.root, common.storage_options):  # first save here without a resume: the root's floor
+        saw_checkpoint(common.root, newest_stamp(common.root, common.storage_options), common.storage_options)
+    now = next_save_ns(common.root, common.storage_options)
+    return {
+        "api": api,
+        "tag": tag,
+        "saved_at_ns": now,
+        "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
+        **fields,
+        **describe_user_content(user_content),
+        "smpckpt_version": VERSION,
+        "torch_version": torch.__version__,
+    }
 
 
 def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(all ranks, through ``ctx.all_ok``) This rank's state dict and, on rank 0, the manifest's API record."""
+    """(all ranks, through ``ctx.all_ok``) This rank's state dict and, on rank 0, the manifest's ``extra``."""
     state = train_state(req.model, req.optimizers)
-    if req.save_rng:
+    if req.opts.save_rng:
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
     if not ctx.is_coordinator:
         return state, {}
     payload, _ = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
     state[RESERVED.user_content] = ObjectBytes(payload)
-    if not knows(req.root, req.storage_options):  # first save here without a resume: the root's floor
-        saw_checkpoint(req.root, newest_stamp(req.root, req.storage_options), req.storage_options)
-    now = next_save_ns(req.root, req.storage_options)
-    extra = {
-        "api": API_RECORD,
-        "tag": req.tag,
-        "saved_at_ns": now,
-        "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
-        "name_map": req.name_map is not None,
-        "parts": sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state),
-        "rng": req.save_rng,
-        **describe_user_content(req.user_content),
-        "smpckpt_version": VERSION,
-        "torch_version": torch.__version__,
-    }
+    parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
+    extra = manifest_extra(
+        req,
+        API_RECORD,
+        req.tag,
+        req.user_content,
+        name_map=req.name_map is not None,
+        parts=parts,
+        rng=req.opts.save_rng,
+    )
     return state, extra
 
 
@@ -137,23 +116,37 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
     writer = FsspecStorageWriter(
         req.url,
         storage_options=req.storage_options,
-        overwrite=req.overwrite,
+        overwrite=req.opts.overwrite,
         manifest_extra=extra,
-        format=req.format,
-        sync_files=req.sync_files,
+        format="torch_save" if req.opts.format == "torch_save" else "raw",  # SaveOptions allows no other
+        sync_files=req.opts.sync_files,
     )
+    run_save("partial", req, writer, state, req.opts, f"saving checkpoint {req.url}")
+
+
+def run_save(
+    kind: Literal["partial", "full"],
+    common: CommonRequest,
+    writer: FsspecStorageWriter,
+    state: dict[str, Any],
+    opts: SaveOptions,
+    action: str,
+) -> None:
+    """(all ranks) ``dcp.save`` with the kept planner of ``kind``. On failure every rank is past its
+    writes: the failed save's files are removed (a retry under the tag must not find them beside its
+    own; a full artifact of unwritten zeros must not stay), then our error is raised."""
     try:
-        with kept_save_planner("partial", req) as planner, quiet_no_dist():
-            planner.verify_replicas = req.verify_replicas
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=req.process_group)
+        with kept_save_planner(kind, common) as planner, quiet_no_dist():
+            planner.verify_replicas = opts.verify_replicas
+            if kind == "full":  # as save_pretrained: a head tied to its embedding is left out unless untied
+                planner.dedup_tied = config_value(opts.hf_config, "tie_word_embeddings") is not False
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
-        # every rank is past its writes now: each removes its own files of this save, so a retry
-        # under the tag does not leave them beside its own
         try:
             writer.discard_failed_save(exc)
         except Exception:  # noqa: BLE001 - the save's own error is the one to raise
-            log.warning("%s: removing the failed save's files failed", req.url, exc_info=True)
-        raise translate_dcp(exc, f"saving checkpoint {req.url}") from exc
+            log.warning("%s: removing the failed save's files failed", action, exc_info=True)
+        raise translate_dcp(exc, action) from exc
 
 
 def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
@@ -161,7 +154,7 @@ def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
 
     def point() -> None:
         fs, root_path = open_root(req.root, req.storage_options)
-        write_newest(fs, root_path, req.tag, sync=req.sync_files)
+        write_newest(fs, root_path, req.tag, sync=req.opts.sync_files)
 
     try:
         ctx.on_coordinator(point)
@@ -173,22 +166,23 @@ def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
 
 def retain(req: SaveRequest, ctx: DistContext) -> None:
     """(rank 0) Retention and stale-debris removal; never fails the committed save."""
-    if not ctx.is_coordinator or (req.keep is None and req.stale_after is None):
+    keep, stale_after = req.opts.num_kept_partial_checkpoints, req.opts.remove_uncommitted_older_than
+    if not ctx.is_coordinator or (keep is None and stale_after is None):
         return
     try:
         result = apply_retention(
             req.root,
-            req.keep,
+            keep,
             storage_options=req.storage_options,
             protected={req.tag},
             just_saved=req.tag,
-            uncommitted_older_than=req.stale_after,
+            uncommitted_older_than=stale_after,
         )
     except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
         log.warning("retention after saving %s failed (nothing else affected): %s", req.url, exc)
         return
     if result.removed:
-        log.info("retention kept %s checkpoint(s); removed %s", req.keep, list(result.removed))
+        log.info("retention kept %s checkpoint(s); removed %s", keep, list(result.removed))
     if result.removed_uncommitted or result.aborted_uploads:
         log.info(
             "removed stale uncommitted folders %s and aborted %d multipart upload(s)",

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from typing import Any
 
 from smpckpt.catalog.listing import CheckpointRecord
-from smpckpt.catalog.tags import open_root, tag_of_partial_dirname
+from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._fs import join, remove_files
 from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
@@ -31,8 +31,6 @@ from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generat
 __all__ = ["sweep_debris"]
 
 log = logging.getLogger(__name__)
-
-_NOT_TAGS = ("newest",)
 
 
 def _mtimes(fs: Any, path: str) -> dict[str, float]:
@@ -113,7 +111,7 @@ def _full_debris(
     removed: list[str] = []
     for e in entries:
         name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-        if e.get("type") != "directory" or tag_of_partial_dirname(name) is not None or name in _NOT_TAGS:
+        if e.get("type") != "directory" or tag_of_partial_dirname(name) is not None or name == NEWEST_NAME:
             continue
         if name in protected:
             continue

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ReservedKeys", "RESERVED", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD"]
+__all__ = [
+    "ReservedKeys",
+    "RESERVED",
+    "API_RECORD",
+    "API_RECORD_V1",
+    "FULL_API_RECORD",
+    "OPTIM_STATE_PREFIX",
+    "FULL_ARTIFACTS",
+]
 
 #: ``manifest.extra["api"]`` of checkpoints written by :func:`smpckpt.save_checkpoint`. Version 2 stores
 #: user_content as one ``torch.save`` record; version 1 (smpckpt 0.1.0) wrapped those bytes in a second
@@ -48,3 +56,7 @@ class ReservedKeys:
 
 
 RESERVED = ReservedKeys()
+#: where FQN-keyed optimizer state lives (``get_state_dict`` with ``flatten_optimizer_state_dict=True``)
+OPTIM_STATE_PREFIX = f"{RESERVED.optim}.state."
+#: a full artifact's files: flattened-key prefix -> file stem, as Hugging Face names them
+FULL_ARTIFACTS = {f"{RESERVED.model}.": "model", OPTIM_STATE_PREFIX: "optimizer"}

@@ -21,6 +21,7 @@ from typing import Any, Union
 import torch
 
 from smpckpt.errors import SpecError
+from smpckpt.model.keys import OPTIM_STATE_PREFIX
 from smpckpt.model.layout import RankCoords
 
 __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
@@ -28,7 +29,7 @@ __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometr
 #: Key prefixes under which torch's FQN-keyed optimizer state lives (``get_state_dict`` with
 #: ``flatten_optimizer_state_dict=True`` gives ``optim.state.<param>.<name>``). A key under one of
 #: these inherits the spec of the parameter named after the prefix.
-OPTIMIZER_STATE_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
+OPTIMIZER_STATE_PREFIXES = (OPTIM_STATE_PREFIX, "optimizer.state.", "state.")
 
 
 _UNKNOWN: Any = object()  # a cache's "not looked up yet" (None is a result: no rule matches)

@@ -275,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder (a POSIX path; must not hold a committed checkpoint)")
     p.add_argument("--include-optimizer", action="store_true", help="also write optimizer.safetensors")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
-    p.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
+    p.add_argument(
+        "--max-shard-size", default=None, help="bytes per file, e.g. 5GB (default: FullOptions.max_shard_size's)"
+    )
     p.add_argument(
         "--format",
         choices=("safetensors", "torch_save"),

@@ -40,9 +40,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from tqdm.auto import tqdm
 
-from smpckpt.api._full import ARTIFACTS, MODEL_PREFIX, OPTIM_PREFIX
 from smpckpt.errors import CheckpointError
-from smpckpt.model.keys import RESERVED
+from smpckpt.model.keys import FULL_ARTIFACTS, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.record import METADATA_KEY
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
@@ -157,7 +156,7 @@ def consolidate_checkpoint(
     *,
     include_optimizer: bool = False,
     dtype: torch.dtype | None = None,
-    max_shard_size: int | str | None = "5GB",
+    max_shard_size: int | str | None = None,
     translation: Translation | None = None,
     hf_config: Any = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -173,7 +172,8 @@ def consolidate_checkpoint(
     RNG states are left out. Other DCP checkpoints put every tensor in ``model.safetensors`` under its
     flattened key and every object in ``<key>.pt``. ``out`` must not hold a committed checkpoint.
     ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
-    instead of safetensors ones. ``storage_options`` apply to ``src``, and to ``out`` unless
+    instead of safetensors ones. ``max_shard_size`` and the other artifact options are those of
+    :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given.
     """
     reader = FsspecStorageReader(src, storage_options=storage_options)
@@ -181,9 +181,11 @@ def consolidate_checkpoint(
     reader.set_up_storage_reader(metadata, True)
     api = _is_api_checkpoint(metadata.state_dict_metadata)
     if api:
-        if include_optimizer and not any(k.startswith(OPTIM_PREFIX) for k in metadata.state_dict_metadata):
-            raise ValueError(f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({OPTIM_PREFIX}*)")
-        artifacts = dict(ARTIFACTS) if include_optimizer else {MODEL_PREFIX: ARTIFACTS[MODEL_PREFIX]}
+        if include_optimizer and not any(k.startswith(OPTIM_STATE_PREFIX) for k in metadata.state_dict_metadata):
+            raise ValueError(
+                f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({OPTIM_STATE_PREFIX}*)"
+            )
+        artifacts = {p: n for p, n in FULL_ARTIFACTS.items() if include_optimizer or p != OPTIM_STATE_PREFIX}
     else:
         if include_optimizer:
             raise ValueError(f"{src}: include_optimizer needs a checkpoint written by smpckpt.save_checkpoint")

@@ -168,6 +168,18 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
         out["resume_mismatch"] = _expect_error(lambda: resume_from_checkpoint(root, tag=f"t{rank}", model=m))
         # async on rank 0 only: rank 0 takes one step more (its check of a previous background save)
         out["async_mismatch"] = _expect_error(lambda: save_checkpoint(root, "t_async", model=m, async_save=rank == 0))
+        out["options_mismatch"] = _expect_error(
+            lambda: save_checkpoint(
+                root, "t_opts", model=m, num_kept_partial_checkpoints=rank + 1, sync_files=rank == 0
+            )
+        )
+        dtype = torch.bfloat16 if rank == 0 else torch.float16
+        out["full_mismatch"] = _expect_error(
+            lambda: save_checkpoint(root, "t_full", partial=False, model=m, dtype=dtype)
+        )
+        out["resume_options_mismatch"] = _expect_error(
+            lambda: resume_from_checkpoint(root, model=m, strict=rank == 0, missing_ok=True)
+        )
         out["dirs"] = _dirs(root)
         return out
 

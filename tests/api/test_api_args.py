@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from smpckpt import resume_from_checkpoint, save_checkpoint
+from smpckpt import ResumeOptions, SaveOptions, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 
@@ -38,20 +38,100 @@ def test_resume_flags_must_be_booleans(tmp_path: Any, name: str) -> None:
         resume_from_checkpoint(str(tmp_path), model=_model(), **{name: 1})
 
 
+def _translation() -> Any:
+    import smpckpt.hf.gpt2
+
+    return smpckpt.hf.gpt2.TRANSLATION
+
+
+#: (function, partial, option, value): every option that does not apply to the mode asked for
+NOT_APPLICABLE = [
+    *[
+        (save_checkpoint, True, name, value)
+        for name, value in [
+            ("include_optimizer", True),
+            ("dtype", torch.bfloat16),
+            ("hf_config", {"model_type": "gpt2"}),
+            ("translate_function", "gpt2"),
+            ("max_shard_size", "1GB"),
+        ]
+    ],
+    *[
+        (save_checkpoint, False, name, value)
+        for name, value in [
+            ("overwrite", True),
+            ("save_rng", False),
+            ("remove_uncommitted_older_than", 60.0),
+            ("async_save", True),
+        ]
+    ],
+    *[(resume_from_checkpoint, False, name, value) for name, value in [("missing_ok", True), ("load_rng", False)]],
+]
+
+
 @pytest.mark.parametrize(
-    "option",
+    ("fn", "partial", "name", "value"), NOT_APPLICABLE, ids=lambda v: getattr(v, "__name__", str(v))
+)
+def test_options_of_the_other_mode_are_refused_by_name(
+    tmp_path: Any, fn: Any, partial: bool, name: str, value: Any
+) -> None:
+    if name == "translate_function":
+        value = _translation()
+    if fn is resume_from_checkpoint:
+        save_checkpoint(str(tmp_path), "t", partial=partial, model=_model())
+    before = sorted(os.listdir(tmp_path))
+    mode = "full" if partial else "partial"
+    with pytest.raises(ValueError, match=rf"^{name} applies only to {mode} checkpoints \(partial={not partial}\)$"):
+        fn(str(tmp_path), "t2" if fn is save_checkpoint else "t", partial=partial, model=_model(), **{name: value})
+    assert sorted(os.listdir(tmp_path)) == before  # refused before anything was written
+    # the dataclass refuses it the same way, and names every such option at once
+    cls = SaveOptions if fn is save_checkpoint else ResumeOptions
+    with pytest.raises(ValueError, match=rf"^{name} applies only"):
+        cls(partial=partial, **{name: value})
+
+
+def test_several_options_of_the_other_mode_are_named_together() -> None:
+    with pytest.raises(ValueError, match=r"^dtype, max_shard_size apply only to full checkpoints \(partial=False\)$"):
+        SaveOptions(dtype=torch.bfloat16, max_shard_size="1GB")
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "error", "match"),
     [
-        {"dtype": torch.bfloat16},
-        {"include_optimizer": True},
-        {"hf_config": {"model_type": "gpt2"}},
-        {"max_shard_size": "1GB"},
+        (SaveOptions, {"partial": "yes"}, TypeError, "partial must be True or False, got 'yes'"),
+        (SaveOptions, {"num_kept_partial_checkpoints": 0}, ValueError, "num_kept_partial_checkpoints must be >= 1"),
+        (SaveOptions, {"remove_uncommitted_older_than": -1}, ValueError, "remove_uncommitted_older_than must be"),
+        (SaveOptions, {"format": "safetensors"}, ValueError, "'safetensors' is a format of full checkpoints"),
+        (SaveOptions, {"partial": False, "format": "zip"}, ValueError, "with partial=False, format must be"),
+        (SaveOptions, {"partial": False, "dtype": torch.int8}, ValueError, "dtype must be a floating-point"),
+        (SaveOptions, {"partial": False, "max_shard_size": "lots"}, ValueError, "size must be bytes or a string"),
+        (SaveOptions, {"partial": False, "max_shard_size": 0}, ValueError, "size must be positive"),
+        (SaveOptions, {"partial": False, "translate_function": len}, TypeError, "must be a smpckpt.model.translation"),
+        (ResumeOptions, {"strict": 1}, TypeError, "strict must be True or False, got 1"),
+        (ResumeOptions, {"translate_function": "gpt2"}, TypeError, "translate_function must be callable"),
+        (ResumeOptions, {"partial": False, "translate_function": len}, TypeError, "plain callables would need"),
     ],
 )
-def test_full_only_options_are_refused_on_partial_saves(tmp_path: Any, option: dict[str, Any]) -> None:
-    (name,) = option
-    with pytest.raises(ValueError, match=f"{name} apply to full checkpoints only"):
-        save_checkpoint(str(tmp_path), "t", model=_model(), **option)
-    assert not os.listdir(tmp_path)
+def test_option_dataclasses_reject_bad_values_up_front(cls: Any, kw: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        cls(**kw)
+
+
+def test_options_object_or_keywords_not_both(tmp_path: Any) -> None:
+    m = _model()
+    opts = SaveOptions(save_rng=False, num_kept_partial_checkpoints=1)
+    assert save_checkpoint(str(tmp_path), "a", model=m, options=opts) is None
+    save_checkpoint(str(tmp_path), "b", model=m, options=opts)
+    assert sorted(os.listdir(tmp_path)) == ["b_partial", "newest"]  # retention from the options object
+    with pytest.raises(ValueError, match=r"^overwrite: pass options as keywords or as options=, not both$"):
+        save_checkpoint(str(tmp_path), "c", model=m, overwrite=True, options=opts)
+    with pytest.raises(TypeError, match="options must be a SaveOptions, got ResumeOptions"):
+        save_checkpoint(str(tmp_path), "c", model=m, options=ResumeOptions())  # type: ignore[arg-type]
+    dst = nn.Linear(3, 2)
+    assert resume_from_checkpoint(str(tmp_path), model=dst, options=ResumeOptions(load_rng=False)) is None
+    assert torch.equal(dst.weight, m.weight) and torch.equal(dst.bias, m.bias)
+    with pytest.raises(ValueError, match=r"^strict: pass options"):
+        resume_from_checkpoint(str(tmp_path), model=dst, strict=False, options=ResumeOptions())
 
 
 def test_full_saves_refuse_integer_dtypes_and_bad_counts(tmp_path: Any) -> None:

@@ -98,18 +98,30 @@ def test_tag_mismatch_is_an_error_on_every_rank(cycles: list[dict[str, Any]]) ->
             ("bad_on_one_rank", "save_checkpoint", ("ok", "bad/tag")),  # the mismatch is found first
             ("resume_mismatch", "resume_from_checkpoint", ("t0", "t1")),
         ):
-            pattern = (
-                rf"ValueError: {fn}\(path, tag, [^)]*\) differs between ranks "
-                rf"\(rank 0: \('{re.escape(tags[0])}', .*, rank 1: \('{re.escape(tags[1])}', .*\); "
-                r"every rank must pass the same value"
-            )
-            assert re.fullmatch(pattern, r[key]), (key, r[key])
+            assert r[key] == (
+                f"ValueError: {fn}'s arguments differ between ranks in tag (tag: rank 0: {tags[0]!r}, rank 1: "
+                f"{tags[1]!r}); every rank must pass the same"
+            ), (key, r[key])
+        # every option field is compared (dataclasses.fields), each named when it differs
+        assert r["options_mismatch"] == (
+            "ValueError: save_checkpoint's arguments differ between ranks in num_kept_partial_checkpoints, sync_files "
+            "(num_kept_partial_checkpoints: rank 0: 1, rank 1: 2; sync_files: rank 0: True, rank 1: False); every "
+            "rank must pass the same"
+        ), r["options_mismatch"]
+        assert r["full_mismatch"] == (
+            "ValueError: save_checkpoint's arguments differ between ranks in dtype (dtype: rank 0: 'torch.bfloat16', "
+            "rank 1: 'torch.float16'); every rank must pass the same"
+        ), r["full_mismatch"]
+        assert r["resume_options_mismatch"] == (
+            "ValueError: resume_from_checkpoint's arguments differ between ranks in strict (strict: rank 0: True, "
+            "rank 1: False); every rank must pass the same"
+        ), r["resume_options_mismatch"]
         # a rank with async_save=True takes a step more: both ranks name the steps, not a bare AttributeError
         assert r["async_mismatch"].startswith(
             "ValueError: ranks reached different steps of one smpckpt call (rank 0: a checked step, rank 1: the "
-            "comparison of save_checkpoint("
+            "comparison of save_checkpoint's arguments"
         ), r["async_mismatch"]
-        assert not any(d.startswith(("t0", "t1", "ok", "bad")) for d in r["dirs"])
+        assert not any(d.startswith(("t0", "t1", "ok", "bad", "t_opts", "t_full")) for d in r["dirs"])
 
 
 def test_failed_delete_is_survived_and_retried(cycles: list[dict[str, Any]]) -> None:

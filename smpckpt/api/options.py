@@ -1,0 +1,237 @@
+"""The options of :func:`~smpckpt.save_checkpoint` and :func:`~smpckpt.resume_from_checkpoint`: one
+frozen dataclass each, a docstring per field (the one place they are documented), validated once in
+``__post_init__``, before anything runs. The functions' keywords of the same names build them (or pass
+one as ``options=``).
+
+Each field's metadata says which mode it applies to (``only=True``: ``partial=True``; ``only=False``:
+``partial=False``; unmarked: both): a value other than the default in the other mode is refused by name
+(:class:`ValueError`) rather than ignored -- ``dtype=`` on a partial save would write fp32 without a
+word. And whether every rank must pass the same value (``same``): the API compares those fields across
+ranks (:meth:`SaveOptions.compared`), naming the one that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from smpckpt._checks import check_flag
+from smpckpt.catalog.retention import validate_keep
+from smpckpt.model.keys import FULL_ARTIFACTS
+from smpckpt.model.translation import Translation
+from smpckpt.storage import FullOptions
+
+__all__ = ["SaveOptions", "ResumeOptions"]
+
+
+def _opt(default: Any, *, only: bool | None = None, same: bool | Callable[[Any], Any] = True) -> Any:
+    """A field: ``only`` = the ``partial`` value it applies to (``None``: both); ``same``: compared across
+    ranks (``True``), not (``False``), or compared as ``same(value)`` (a picklable stand-in)."""
+    return dataclasses.field(default=default, metadata={"only": only, "same": same})
+
+
+def config_value(config: Any, name: str) -> Any:
+    """``config.<name>`` of a transformers config or a dict (``None`` when absent)."""
+    return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+class _Options:
+    """What both option classes share: flags are booleans, options of the other mode are refused."""
+
+    partial: bool
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if isinstance(f.default, bool):
+                check_flag(f.name, getattr(self, f.name))
+        only = {f.name: f.metadata["only"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        given = [name for name in self.given() if only[name] not in (None, self.partial)]
+        if given:
+            verb, kind = "applies" if len(given) == 1 else "apply", "full" if self.partial else "partial"
+            raise ValueError(f"{', '.join(given)} {verb} only to {kind} checkpoints (partial={not self.partial})")
+
+    def given(self) -> list[str]:
+        """The fields set to something other than their default."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]  # type: ignore[arg-type]
+
+    def compared(self) -> dict[str, Any]:
+        """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
+        same = {f.name: f.metadata["same"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {
+            name: key(getattr(self, name)) if callable(key) else getattr(self, name)
+            for name, key in same.items()
+            if key
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions(_Options):
+    """The options of :func:`~smpckpt.save_checkpoint`."""
+
+    partial: bool = _opt(True)
+    """``True``: a partial checkpoint ``{path}/{tag}_partial`` (every rank saves its own shards; resumable
+    under any layout), then named by ``{path}/newest``. ``False``: one full artifact ``{path}/{tag}/``
+    readable without smpckpt (README, "Full checkpoints"), which ``newest`` and retention ignore."""
+
+    num_kept_partial_checkpoints: int | None = _opt(None)
+    """Keep only the N newest committed partial checkpoints (N >= 1), deleting older ones on rank 0 after
+    this one committed; ``None`` keeps all. Accepted (and checked) with ``partial=False``, as smp accepts
+    it: there it changes nothing (full checkpoints are never counted or removed)."""
+
+    overwrite: bool = _opt(False, only=True)
+    """Replace a committed checkpoint of the same tag (a full artifact's file names are fixed: it is never
+    overwritten)."""
+
+    save_rng: bool = _opt(True, only=True)
+    """Save every rank's RNG states (torch, CUDA, python, numpy); resume restores them under an unchanged
+    layout."""
+
+    format: Literal["raw", "torch_save", "safetensors"] = _opt("raw")
+    """Partial checkpoints: ``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable).
+    Full ones: ``"safetensors"`` (``"raw"`` means the same) or ``"torch_save"`` (``pytorch_model.bin``...,
+    see :attr:`smpckpt.storage.FullOptions.format`)."""
+
+    sync_files: bool = _opt(True)
+    """fsync data before the commit (``False`` accepts losing a "committed" checkpoint to a power loss)."""
+
+    remove_uncommitted_older_than: float | None = _opt(None, only=True)
+    """Seconds: after the commit, rank 0 also removes uncommitted folders (debris of killed saves) with no
+    write for that long and aborts S3 multipart uploads under ``path`` started that long ago. Make it
+    longer than any save (``6 * 3600``); ``None`` leaves them (``smpckpt prune`` removes them)."""
+
+    include_optimizer: bool = _opt(False, only=False)
+    """Also write the optimizer's tensor state to ``optimizer.safetensors``, keyed ``<param fqn>.<name>``
+    (hyper-parameters are not saved). Needs ``optimizer=``."""
+
+    dtype: torch.dtype | None = _opt(None, only=False, same=str)
+    """Cast floating-point tensors on export (fp32 -> ``torch.bfloat16``), as
+    :attr:`smpckpt.storage.FullOptions.dtype`."""
+
+    hf_config: Any = _opt(None, only=False, same=lambda c: config_value(c, "tie_word_embeddings"))
+    """A Hugging Face config (or dict) written as ``config.json`` (rank 0's), as
+    :attr:`smpckpt.storage.FullOptions.hf_config`; a head tied to its embedding is left out unless it
+    says ``tie_word_embeddings: false`` (that flag must agree across ranks)."""
+
+    translate_function: Translation | None = _opt(None, only=False, same=lambda t: t and t.name)
+    """A :class:`~smpckpt.model.translation.Translation` (``smpckpt.hf.gpt2.TRANSLATION``): the artifact
+    gets Hugging Face names and layouts, translated shard by shard."""
+
+    max_shard_size: int | str | None = _opt(None, only=False)
+    """Bytes (or ``"5GB"``) per file; ``None``: :attr:`smpckpt.storage.FullOptions.max_shard_size`'s
+    default, the one default of every full export (API, ``consolidate_checkpoint``, CLI)."""
+
+    async_save: bool = _opt(False, only=True)
+    """Return a ``concurrent.futures.Future`` once the state is staged (copied into reused host buffers)
+    and write, commit, point ``newest`` and apply retention on a background thread with a gloo group of
+    its own (README, "Async saves"). One save is in flight at a time; :func:`smpckpt.wait_for_saves`
+    finishes it (call it before ``destroy_process_group()``); a resume waits for it first."""
+
+    wait_for_previous: bool = _opt(True, same=False)
+    """A save first waits for the background save in flight, logging how long; ``False`` raises
+    :class:`~smpckpt.errors.CheckpointError` instead."""
+
+    freeze_gc: bool = _opt(True, same=False)
+    """Run a synchronous save inside :func:`smpckpt.gc_frozen` (README, "Garbage collection")."""
+
+    verify_replicas: bool = _opt(True)
+    """Ranks holding the same piece of a tensor (replicas; a key two pipeline stages hold) must hold the
+    same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys
+    and ranks: one replica is written, so a forgotten TP spec would lose data silently."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate_keep(self.num_kept_partial_checkpoints)
+        stale = self.remove_uncommitted_older_than
+        if stale is not None and (isinstance(stale, bool) or not isinstance(stale, (int, float)) or stale < 0):
+            raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
+        if self.partial and self.format not in ("raw", "torch_save"):
+            hint = (
+                " ('safetensors' is a format of full checkpoints, partial=False)"
+                if self.format == "safetensors"
+                else ""
+            )
+            raise ValueError(f"format must be 'raw' or 'torch_save', got {self.format!r}{hint}")
+        if self.partial:
+            return
+        if self.format not in ("raw", "safetensors", "torch_save"):
+            raise ValueError(
+                f"with partial=False, format must be 'safetensors' (or 'raw') or 'torch_save', got {self.format!r}"
+            )
+        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
+            raise ValueError(
+                f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype!r}"
+            )
+        if self.translate_function is not None and not isinstance(self.translate_function, Translation):
+            raise TypeError(
+                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
+                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard, never as a gathered "
+                f"state dict; got {type(self.translate_function).__name__}"
+            )
+        self.artifact()  # the artifact's own checks (max_shard_size...), once, here
+
+    def artifact(self, architecture: str | None = None) -> FullOptions:
+        """The full artifact's layout (``partial=False``); ``architecture``: see :class:`FullOptions`."""
+        return FullOptions(
+            format="torch_save" if self.format == "torch_save" else "safetensors",
+            max_shard_size=self.max_shard_size,
+            dtype=self.dtype,
+            artifacts=FULL_ARTIFACTS,
+            translation=self.translate_function,
+            hf_config=self.hf_config,
+            architecture=architecture,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeOptions(_Options):
+    """The options of :func:`~smpckpt.resume_from_checkpoint` (``freeze_gc`` as :class:`SaveOptions`)."""
+
+    partial: bool = _opt(True)
+    """``True``: a partial checkpoint ``{path}/{tag}_partial`` (``tag=None``: the one ``newest`` names).
+    ``False``: a full one, ``{path}/{tag}/`` (``tag=None``: ``path`` itself), written by
+    ``save_checkpoint(partial=False)`` or a plain Hugging Face folder (read unverified); optimizer tensor
+    state is loaded when the artifact has it and ``optimizer`` is given; RNG is not restored and
+    :func:`~smpckpt.last_resume_info` is not updated."""
+
+    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | Translation | None = _opt(None, same=False)
+    """``partial=True``: ``state_dict -> state_dict`` applied to the loaded model state before it is set
+    into ``model`` (Hugging Face <-> our names). ``partial=False``: a
+    :class:`~smpckpt.model.translation.Translation` (``smpckpt.hf.gpt2.TRANSLATION``), applied box by box
+    while reading."""
+
+    missing_ok: bool = _opt(False, only=True)
+    """Return ``None`` (start fresh) instead of raising :class:`~smpckpt.errors.CheckpointNotFound` when
+    nothing committed exists."""
+
+    strict: bool = _opt(True)
+    """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or
+    checkpoint keys would be left unloaded; ``False`` skips them (:attr:`ResumeInfo.skipped_keys`)."""
+
+    load_rng: bool = _opt(True, only=True)
+    """Restore the saved RNG states when the layout (and world size) is unchanged."""
+
+    allow_pickle: bool = _opt(False)
+    """Load stored objects (``user_content``) with arbitrary classes: trusted checkpoints only."""
+
+    allow_dtype_cast: bool = _opt(False)
+    """Convert tensors saved in another dtype instead of refusing."""
+
+    verify_checksums: bool = _opt(True)
+    """Check every byte read against its checksum."""
+
+    freeze_gc: bool = _opt(True, same=False)
+    """Run the load inside :func:`smpckpt.gc_frozen`."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fn = self.translate_function
+        if self.partial and fn is not None and not callable(fn):
+            raise TypeError("translate_function must be callable (state_dict -> state_dict)")
+        if not self.partial and fn is not None and not isinstance(fn, Translation):
+            raise TypeError(
+                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
+                "smpckpt.hf.llama.TRANSLATION); plain callables would need the whole state dict on one rank"
+            )

@@ -37,6 +37,7 @@ from smpckpt.errors import CheckpointError
 from smpckpt.model.keys import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageWriter
+from smpckpt.storage.write._base import FsspecWriterBase
 
 __all__ = [
     "SaveRequest",
@@ -127,7 +128,7 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
 def run_save(
     kind: Literal["partial", "full"],
     common: CommonRequest,
-    writer: FsspecStorageWriter,
+    writer: FsspecWriterBase,
     state: dict[str, Any],
     opts: SaveOptions,
     action: str,

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import xxhash
 
+from smpckpt.storage.backends._sinks import byte_view
 from smpckpt.storage.format._check_units import ItemChecks, Tiling
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockHasher", "hash_bytes", "hash_parts"]
@@ -75,7 +76,7 @@ class BlockHasher:
             self._tile_h = [xxhash.xxh3_64() for _ in range(self._tiling.groups)]
 
     def update(self, data: memoryview) -> None:
-        mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        mv = byte_view(data)
         if self._tiling is not None:
             self._update_tiles(mv)
             return

@@ -5,7 +5,7 @@ is what makes a checkpoint committed. Layout (``format_version`` 1, or 2 when a 
 
     {
       "format": "smpckpt", "format_version": 1 | 2,
-      "kind": "partial" | "full",        # full: one consolidated safetensors artifact (see _full_plan)
+      "kind": "partial" | "full",        # full: one consolidated safetensors artifact (see storage/full/_plan.py)
       "save_id": "18c1f...", "created": "2026-11-21T20:54:00Z", "world_size": 4,
       "data_format": "raw" | "torch_save",
       "checksum": {"algorithm": "xxh3_64"},

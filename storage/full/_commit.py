@@ -166,7 +166,7 @@ def artifact_records(
         if size != f.size:
             raise CheckpointError(f"{join(path, f.name)}: {size} bytes after the write, expected {f.size}")
         if sync and is_local(fs):
-            # the ranks wrote their boxes back (see _full_write._flush); this makes the file durable
+            # the ranks wrote their boxes back (see _write._flush); this makes the file durable
             fsync_path(join(path, f.name))
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)

@@ -20,7 +20,7 @@ size expected: no deadlock, whatever the layout.
 
 Planned by the coordinator (:func:`plan_exchanges`, only when the process group spans every planning
 rank); carried out by every rank (:class:`Swapper`). Memory: one batch's boxes and blocks, plus the
-previous batch's blocks while they are written (``_full_write``).
+previous batch's blocks while they are written (``_write``).
 """
 
 from __future__ import annotations

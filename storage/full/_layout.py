@@ -60,7 +60,7 @@ class RankFullData:
     all_writes: tuple[tuple[int, FullWrite], ...] = ()
     owners: tuple[tuple[str, int], ...] = ()
     files: tuple[ArtifactFile, ...] = ()
-    #: POSIX mode: the row-block swaps (``_full_exchange.Exchange``) this rank takes part in, global order
+    #: POSIX mode: the row-block swaps (``_exchange.Exchange``) this rank takes part in, global order
     exchanges: tuple[Any, ...] = ()
 
 

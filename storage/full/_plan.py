@@ -4,7 +4,7 @@ The coordinator turns the global save plan into an artifact layout -- which tens
 ``model*.safetensors`` file, every header, every tensor's byte offset -- and gives each rank the list
 of *writes* for its own shards: a box of an artifact tensor (in the tensor's row-major bytes, so a
 column shard is one run per row) and where in the rank's chunk its data comes from. Ranks then write
-straight into the shared files at those offsets (``_full_write``): the bytes cross to storage once, no
+straight into the shared files at those offsets (``_write``): the bytes cross to storage once, no
 rank gathers a tensor, and extra memory is one piece of one shard.
 
 A :class:`~smpckpt.model.translation.Translation` (e.g. ``smpckpt.hf.gpt2.TRANSLATION``) maps our keys to

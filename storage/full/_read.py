@@ -29,7 +29,7 @@ from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._regions import box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.full import _files as _full_files
+from smpckpt.storage.full import _files
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
 from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
@@ -63,7 +63,7 @@ class FullSource(ArtifactIndex):
         The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
         worker threads (at most twice that many items in flight), so hashing overlaps the next read. On
         object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
-        (:func:`~._full_files.plan_spans`; items in file order), several GETs in flight."""
+        (:func:`~._files.plan_spans`; items in file order), several GETs in flight."""
         self.requests = 0
         items = list(plan.items)
         with (
@@ -295,7 +295,7 @@ class FullSource(ArtifactIndex):
         whole and its shared bytes copied in, so every byte delivered is a byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
         lo, hi = plan.extent
-        wide = hi - lo > _full_files.SPAN_BYTES  # too wide for one GET: only drop what an earlier box held
+        wide = hi - lo > _files.SPAN_BYTES  # too wide for one GET: only drop what an earlier box held
         read = 0 if prefetched else self._files.hold(t.file, 0 if wide else t.start + lo, 0 if wide else t.start + hi)
         if plan.partial:  # the bytes they share with the box come with them
             for at, pos, n in plan.direct:
@@ -341,7 +341,7 @@ class FullSource(ArtifactIndex):
         """(object stores) One GET for the span of every unit the box touches, when it is at most
         ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
         ext = unit_extent(view, offsets, sizes, t.dtype.itemsize, units)
-        if ext is None or ext[1] - ext[0] > _full_files.SPAN_BYTES:
+        if ext is None or ext[1] - ext[0] > _files.SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
         return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
 

@@ -201,7 +201,7 @@ def write_rank(
     Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
     staggered file order, so no two threads of a rank share a file and at most ``files / world``
     threads are useful (more would only queue on the same files as the other ranks). Swaps
-    (:mod:`._full_exchange`) run in one more thread, in the global order, beside them."""
+    (:mod:`._exchange`) run in one more thread, in the global order, beside them."""
     with _RankWriter(folder, data, items, planner) as w:
         results = w.run(thread_count, process_group)
         if sync:

@@ -37,7 +37,7 @@ __all__ = [
     "reads_into",
 ]
 
-# a read's turn at the device (see _read_gate); held only around the I/O, never around verification
+# a read's turn at the device (see _gate); held only around the I/O, never around verification
 Turn = AbstractContextManager[None]
 
 

@@ -8,7 +8,7 @@ It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.er
 Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
 requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
 ``thread_count`` worker threads read and verify -- small reads first, then the files side by side,
-each in offset order (``_read_run``) -- with at most ``reads_in_flight`` of them inside a read, started
+each in offset order (``_run``) -- with at most ``reads_in_flight`` of them inside a read, started
 in that order, when that is set lower; the planner is called from the calling thread only.
 
 Direct reads (local files and S3): a raw tensor item of at least 1 MiB whose requested slice is
@@ -24,8 +24,8 @@ coalesced, pooled buffers (``cat_file`` on backends other than local disk and S3
 destination.
 
 This module holds the protocol, the metadata and the checks of every storage record; the read itself
-lives in ``_read_plan`` (byte ranges, block widening, coalescing, direct candidates), ``_read_io``
-(ranged reads, block verification, the buffer pool) and ``_read_run`` (tasks on worker threads,
+lives in ``_plan`` (byte ranges, block widening, coalescing, direct candidates), ``_fetch``
+(ranged reads, block verification, the buffer pool) and ``_run`` (tasks on worker threads,
 delivery to the planner).
 """
 

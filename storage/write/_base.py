@@ -31,7 +31,10 @@ from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord, extra_with_layout_record
 from smpckpt.storage.write._failed_save import FailedSaveFiles, commit_uncertain
 
-__all__ = ["FsspecWriterBase"]
+__all__ = ["FsspecWriterBase", "MIN_PART_SIZE"]
+
+#: S3's smallest multipart part (every part but the last)
+MIN_PART_SIZE = 5 << 20
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         super().__init__()
         check_flag("sync_files", sync_files)
         check_int("thread_count", thread_count, minimum=1, optional=True)
-        check_int("part_size", part_size, minimum=5 << 20)  # S3's smallest part but the last
+        check_int("part_size", part_size, minimum=MIN_PART_SIZE)
         check_int("max_parts_in_flight", max_parts_in_flight, minimum=1)
         self.storage_options = dict(storage_options or {})
         self.sync_files = sync_files

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import not_dense
-from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.backends._sinks import Sink, byte_view
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._check_units import ItemChecks, item_checks
 from smpckpt.storage.format._checksum import BlockHasher
@@ -146,7 +146,7 @@ def write_file(
                 else:
                     mv = _torch_save_bytes(value)
                 nbytes = mv.nbytes
-                flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+                flat = byte_view(mv)
                 if nbytes < _INLINE_HASH:
                     # hashed here: two hand-offs to the hash thread cost more than the hash
                     while backlog:  # the hasher takes a file's bytes in order

@@ -35,7 +35,7 @@ from smpckpt.storage.backends._prefixes import PrefixOption, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format._state import probe
-from smpckpt.storage.write._base import FsspecWriterBase
+from smpckpt.storage.write._base import MIN_PART_SIZE, FsspecWriterBase
 from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
 from smpckpt.storage.write._failed_save import committed_by, discard_generation, folder_is_new, raise_commit_failure
 from smpckpt.storage.write._rank_files import RankPlanData, write_partial_rank
@@ -150,7 +150,8 @@ class FsspecStorageWriter(FsspecWriterBase):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
         check_flag("overwrite", overwrite)
         check_int("block_size", block_size, minimum=4096)
-        if object_file_size is None:
+        if object_file_size is None:  # part_size is checked (by the base) before it is derived from
+            check_int("part_size", part_size, minimum=MIN_PART_SIZE)
             object_file_size = int(part_size * PART_FILL)
         if not isinstance(object_file_size, int) or not (object_file_size == 0 or object_file_size >= 1 << 20):
             raise ValueError(f"object_file_size must be None, 0 or at least 1 MiB, got {object_file_size!r}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD  # noqa: F401 - named here too (their old home)
+
 __all__ = [
     "ReservedKeys",
     "RESERVED",
@@ -17,15 +19,6 @@ __all__ = [
     "OPTIM_STATE_PREFIX",
     "FULL_ARTIFACTS",
 ]
-
-#: ``manifest.extra["api"]`` of checkpoints written by :func:`smpckpt.save_checkpoint`. Version 2 stores
-#: user_content as one ``torch.save`` record; version 1 (smpckpt 0.1.0) wrapped those bytes in a second
-#: pickle, which resume still unwraps.
-API_RECORD = "smpckpt.save_checkpoint/2"
-API_RECORD_V1 = "smpckpt.save_checkpoint/1"
-#: ``manifest.extra["api"]`` of full checkpoints (``save_checkpoint(partial=False)``). A format tag: it
-#: does not follow module moves (``tests/test_golden.py`` pins every tag).
-FULL_API_RECORD = "smpckpt.api.full/1"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from smpckpt._formats import RECORD_VERSION
 from smpckpt.errors import CheckpointCorrupt, SpecError
 from smpckpt.model.layout import ParallelLayout
 
@@ -26,7 +27,6 @@ __all__ = ["LayoutRecord", "METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TI
 METADATA_KEY = "__smpckpt__"
 #: Key in the manifest's ``extra`` (a copy of the same JSON, made by the storage writer).
 MANIFEST_KEY = "layout_record"
-RECORD_VERSION = 1
 #: Key in ``Metadata.planner_data`` of a plain Hugging Face folder read through our storage reader: tied
 #: heads the folder leaves out (``{"model.lm_head.weight": "model.transformer.wte.weight"}``). Our own
 #: checkpoints record their ties in the :class:`LayoutRecord` instead.

@@ -22,6 +22,8 @@ import re
 import secrets
 import time
 
+from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR  # noqa: F401 - named here too (their old home)
+
 __all__ = [
     "MANIFEST_NAME",
     "REMOVING_NAME",
@@ -50,19 +52,12 @@ WRITING_MARKER = "smpckpt.writing"
 METADATA_NAME = ".metadata"
 #: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
 DESCRIPTION_FQN = "\x00smpckpt.full"
-#: Transform descriptor recorded on raw tensor items. A stock DCP reader does not know it and fails
-#: with ``ValueError: Unknown extension name='smpckpt.raw'`` instead of decoding garbage.
-RAW_DESCRIPTOR = "smpckpt.raw/1"
 #: Set in ``Metadata.planner_data`` (at load time, never stored) by our reader when every tensor is one
 #: whole row-major block (full artifacts, Hugging Face folders): a planner may read it in another shape
 #: of the same size (a fused ``[3h, d]`` as the view ``[3, h, d]``).
 WHOLE_TENSORS = "smpckpt.whole_tensors"
 #: Prefix of the ``StorageMeta.load_id`` our reader sets, so a planner can tell it from a stock reader.
 LOAD_ID_PREFIX = "smpckpt-"
-#: Version of the manifest layout. Readers refuse manifests newer than they understand. A manifest
-#: is written with the lowest version that describes it: 2 only when a file has tiled check units
-#: (which an older reader would misread as corrupt), so checkpoints without them stay readable by 1.
-FORMAT_VERSION = 2
 
 _DATA_RE = re.compile(r"^(?:[0-9A-Za-z_-]{1,64}/)?[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]+\.smp\.distcp$")
 # folder components a recorded file name may have before its base name: prefix strategies (ours, one

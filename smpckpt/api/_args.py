@@ -24,7 +24,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["OPTIONS", "CommonRequest", "resolve_common", "check_same_arguments"]
+__all__ = ["OPTIONS", "CommonRequest", "resolve_common", "same_arguments"]
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -124,13 +124,11 @@ def resolve_common(
     )
 
 
-def check_same_arguments(ctx: DistContext, call: str, tag: Any, common: CommonRequest, options: Any) -> None:
-    """(all ranks) Every rank passed the same tag, path, layout and options (the fields of ``options``
-    its :meth:`~smpckpt.api.options.SaveOptions.compared` lists); else :class:`ValueError` on every rank
-    naming the arguments that differ. Before the tag is validated: a tag bad on one rank only must fail
-    every rank, not hang the others."""
-    same = {"tag": tag, "path": common.root, "layout": common.layout.to_dict(), **options.compared()}
-    ctx.check_identical(same, f"{call}'s arguments")
+def same_arguments(tag: Any, common: CommonRequest, options: Any) -> dict[str, Any]:
+    """What every rank must pass alike: the tag, path, layout and the fields of ``options`` its
+    :meth:`~smpckpt.api.options.SaveOptions.compared` lists (compared by :meth:`DistContext.agreed`,
+    before the tag is validated: a tag bad on one rank only must fail every rank, not hang the others)."""
+    return {"tag": tag, "path": common.root, "layout": common.layout.to_dict(), **options.compared()}
 
 
 def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:

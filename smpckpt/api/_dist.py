@@ -174,16 +174,36 @@ class DistContext:
             raise value.rebuild()
         return value
 
-    def check_identical(self, values: Mapping[str, Any], what: str) -> None:
-        """(all ranks) Raise :class:`ValueError` on every rank unless all ranks passed equal ``values``,
-        naming each entry that differs and its value on the first ranks."""
-        got = self._gather_step(f"the comparison of {what}", dict(values))
-        differ = [k for k in got[0] if any(v.get(k) != got[0][k] for v in got)]
+    def agreed(self, fn: Callable[[], tuple[T, Mapping[str, Any]]], what: str) -> T:
+        """(all ranks) Run ``fn`` -- local checks that return a result and the values every rank must
+        share -- then agree in one collective: if ``fn`` raised anywhere, raise on every rank (as
+        :meth:`all_ok`); else raise :class:`ValueError` on every rank unless all ranks' values are equal,
+        naming each entry that differs and its value on the first ranks. A check that fails on one rank
+        only (a bad option there) fails every rank instead of leaving the others in the next collective."""
+        result: Any = None
+        values: dict[str, Any] = {}
+        failure: RankError | None = None
+        error: Exception | None = None
+        try:
+            result, shared = fn()
+            values = dict(shared)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+            failure = RankError.capture(self.rank, exc)
+        got = self._gather_step(f"the comparison of {what}", (failure, values))
+        failures = [f for f, _ in got if f is not None]
+        if error is not None:
+            raise error
+        if failures:
+            raise failures[0].rebuild(len(failures) - 1)
+        seen = [v for _, v in got]
+        differ = [k for k in seen[0] if any(v.get(k) != seen[0][k] for v in seen)]
         if differ:
             shown = "; ".join(
-                f"{k}: " + ", ".join(f"rank {r}: {v.get(k)!r}" for r, v in enumerate(got[:8])) for k in differ
+                f"{k}: " + ", ".join(f"rank {r}: {v.get(k)!r}" for r, v in enumerate(seen[:8])) for k in differ
             )
-            more = f" ({len(got) - 8} more ranks)" if len(got) > 8 else ""
+            more = f" ({len(seen) - 8} more ranks)" if len(seen) > 8 else ""
             raise ValueError(
                 f"{what} differ between ranks in {', '.join(differ)} ({shown}{more}); every rank must pass the same"
             )
+        return result

@@ -16,7 +16,7 @@ Folder structure under ``path`` (as SageMaker smp lays it out)::
 committed with the tensors; loaded once, weights-only unless ``allow_pickle=True``).
 
 Both calls first validate their options (:mod:`smpckpt.api.options`) and compare them, the tag, path
-and layout across ranks (:func:`~smpckpt.api._args.check_same_arguments`); the steps that follow live
+and layout across ranks (:func:`~smpckpt.api._args.same_arguments`); the steps that follow live
 in :mod:`smpckpt.api._save`, :mod:`smpckpt.api._resume` and :mod:`smpckpt.api._full` (each says which
 rank does what), and this module only wires them. Works the same without a process group.
 """
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from smpckpt._gc import gc_frozen
-from smpckpt.api._args import check_same_arguments, peer_failures, resolve_common
+from smpckpt.api._args import CommonRequest, peer_failures, resolve_common, same_arguments
 from smpckpt.api._async import async_used, check_previous, submit, wait_for_saves
 from smpckpt.api._dist import DistContext
 from smpckpt.api._full import resume_full, save_full
@@ -157,33 +157,30 @@ def save_checkpoint(
         CheckpointError: any other failure, on every rank (DCP's ``CheckpointException`` is the
             ``__cause__``).
     """
-    opts = _chosen(
-        options,
-        SaveOptions(
-            partial=partial,
-            num_kept_partial_checkpoints=num_kept_partial_checkpoints,
-            overwrite=overwrite,
-            save_rng=save_rng,
-            format=format,
-            sync_files=sync_files,
-            remove_uncommitted_older_than=remove_uncommitted_older_than,
-            include_optimizer=include_optimizer,
-            dtype=dtype,
-            hf_config=hf_config,
-            translate_function=translate_function,
-            max_shard_size=max_shard_size,
-            async_save=async_save,
-            wait_for_previous=wait_for_previous,
-            freeze_gc=freeze_gc,
-            verify_replicas=verify_replicas,
-        ),
-    )
     ctx = DistContext(process_group)
-    action = f"saving {'' if opts.partial else 'full '}checkpoint {tag!r} under {_shown(path)}"
-    if opts.async_save or async_used():  # one collective more, only in jobs that save asynchronously
-        with peer_failures(ctx, action):
-            ctx.all_ok(lambda: check_previous(opts.wait_for_previous))
-    with peer_failures(ctx, action), _frozen(opts.freeze_gc and not opts.async_save):
+
+    def validated() -> tuple[tuple[CommonRequest, SaveOptions], dict[str, Any]]:
+        opts = _chosen(
+            options,
+            SaveOptions(
+                partial=partial,
+                num_kept_partial_checkpoints=num_kept_partial_checkpoints,
+                overwrite=overwrite,
+                save_rng=save_rng,
+                format=format,
+                sync_files=sync_files,
+                remove_uncommitted_older_than=remove_uncommitted_older_than,
+                include_optimizer=include_optimizer,
+                dtype=dtype,
+                hf_config=hf_config,
+                translate_function=translate_function,
+                max_shard_size=max_shard_size,
+                async_save=async_save,
+                wait_for_previous=wait_for_previous,
+                freeze_gc=freeze_gc,
+                verify_replicas=verify_replicas,
+            ),
+        )
         common = resolve_common(
             ctx,
             path,
@@ -195,7 +192,15 @@ def save_checkpoint(
             storage_options=storage_options,
             process_group=process_group,
         )
-        check_same_arguments(ctx, "save_checkpoint", tag, common, opts)
+        return (common, opts), same_arguments(tag, common, opts)
+
+    with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
+        common, opts = ctx.agreed(validated, "save_checkpoint's arguments")
+    action = f"saving {'' if opts.partial else 'full '}checkpoint {tag!r} under {_shown(path)}"
+    if opts.async_save or async_used():  # one collective more, only in jobs that save asynchronously
+        with peer_failures(ctx, action):
+            ctx.all_ok(lambda: check_previous(opts.wait_for_previous))
+    with peer_failures(ctx, action), _frozen(opts.freeze_gc and not opts.async_save):
         if not opts.partial:
             save_full(ctx, common, tag, opts, user_content)
             return None
@@ -255,27 +260,27 @@ def resume_from_checkpoint(
     The arguments are :func:`save_checkpoint`'s; the option keywords (or ``options=``) are the fields of
     :class:`ResumeOptions`, documented there.
     """
-    opts = _chosen(
-        options,
-        ResumeOptions(
-            partial=partial,
-            translate_function=translate_function,
-            missing_ok=missing_ok,
-            strict=strict,
-            load_rng=load_rng,
-            allow_pickle=allow_pickle,
-            allow_dtype_cast=allow_dtype_cast,
-            verify_checksums=verify_checksums,
-            freeze_gc=freeze_gc,
-        ),
-    )
     ctx = DistContext(process_group)
     if async_used():
         # this process's background save may be committing, updating newest or removing the checkpoint
         # retention would pick: resume from what it leaves (its failure stays for the next save to raise)
         wait_for_saves(raise_errors=False)
-    action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {_shown(path)}"
-    with peer_failures(ctx, action), _frozen(opts.freeze_gc):
+
+    def validated() -> tuple[tuple[CommonRequest, ResumeOptions], dict[str, Any]]:
+        opts = _chosen(
+            options,
+            ResumeOptions(
+                partial=partial,
+                translate_function=translate_function,
+                missing_ok=missing_ok,
+                strict=strict,
+                load_rng=load_rng,
+                allow_pickle=allow_pickle,
+                allow_dtype_cast=allow_dtype_cast,
+                verify_checksums=verify_checksums,
+                freeze_gc=freeze_gc,
+            ),
+        )
         common = resolve_common(
             ctx,
             path,
@@ -287,7 +292,12 @@ def resume_from_checkpoint(
             storage_options=storage_options,
             process_group=process_group,
         )
-        check_same_arguments(ctx, "resume_from_checkpoint", tag, common, opts)
+        return (common, opts), same_arguments(tag, common, opts)
+
+    with peer_failures(ctx, f"resuming from {_shown(path)}"):
+        common, opts = ctx.agreed(validated, "resume_from_checkpoint's arguments")
+    action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {_shown(path)}"
+    with peer_failures(ctx, action), _frozen(opts.freeze_gc):
         if not opts.partial:
             return resume_full(ctx, common, tag, opts)
         req = resolve_resume(common, tag, opts)

@@ -180,6 +180,14 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
         out["resume_options_mismatch"] = _expect_error(
             lambda: resume_from_checkpoint(root, model=m, strict=rank == 0, missing_ok=True)
         )
+        # an option bad on one rank only: that rank's own error there, the others name it (no hang)
+        out["bad_option_on_one_rank"] = _expect_error(
+            lambda: save_checkpoint(root, "t_bad", model=m, num_kept_partial_checkpoints=0 if rank == 1 else None)
+        )
+        out["bad_resume_option_on_one_rank"] = _expect_error(
+            lambda: resume_from_checkpoint(root, model=m, options=None if rank == 0 else "strict", missing_ok=True)
+        )
+        out["rank"] = rank
         out["dirs"] = _dirs(root)
         return out
 

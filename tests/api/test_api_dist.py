@@ -116,11 +116,22 @@ def test_tag_mismatch_is_an_error_on_every_rank(cycles: list[dict[str, Any]]) ->
             "ValueError: resume_from_checkpoint's arguments differ between ranks in strict (strict: rank 0: True, "
             "rank 1: False); every rank must pass the same"
         ), r["resume_options_mismatch"]
-        # a rank with async_save=True takes a step more: both ranks name the steps, not a bare AttributeError
-        assert r["async_mismatch"].startswith(
-            "ValueError: ranks reached different steps of one smpckpt call (rank 0: a checked step, rank 1: the "
-            "comparison of save_checkpoint's arguments"
+        # async_save on one rank only is found by the comparison, before that rank's extra step
+        assert r["async_mismatch"] == (
+            "ValueError: save_checkpoint's arguments differ between ranks in async_save (async_save: rank 0: True, "
+            "rank 1: False); every rank must pass the same"
         ), r["async_mismatch"]
+        # an argument that fails its own check on one rank fails every rank, in the same collective
+        bad_keep = (
+            "num_kept_partial_checkpoints must be >= 1 (it counts the checkpoints kept, the new one included), got 0"
+        )
+        bad_options = "options must be a ResumeOptions, got str"
+        if r["rank"] == 1:
+            assert r["bad_option_on_one_rank"] == f"ValueError: {bad_keep}", r["bad_option_on_one_rank"]
+            assert r["bad_resume_option_on_one_rank"] == f"TypeError: {bad_options}", r
+        else:
+            assert r["bad_option_on_one_rank"] == f"ValueError: rank 1 failed: {bad_keep}", r["bad_option_on_one_rank"]
+            assert r["bad_resume_option_on_one_rank"] == f"TypeError: rank 1 failed: {bad_options}", r
         assert not any(d.startswith(("t0", "t1", "ok", "bad", "t_opts", "t_full")) for d in r["dirs"])
 
 

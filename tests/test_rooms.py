@@ -16,7 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"smpckpt": "smpckpt", "planners": "smpckpt.planners", "storage": "smpckpt.storage"}
 #: the helpers every room may use: errors, typed argument checks, the GC pause, the version, format tags
 SHARED = {"smpckpt.errors", "smpckpt._checks", "smpckpt._gc", "smpckpt._version", "smpckpt._formats"}
-STORAGE = {f"smpckpt.storage.{r}" for r in ("format", "backends", "write", "read", "full")} | {"smpckpt.storage"}
+STORAGE = {f"smpckpt.storage.{r}" for r in ("format", "backends", "write", "read", "full", "tier")} | {
+    "smpckpt.storage"
+}
 #: room -> the rooms it may import (besides itself and SHARED); README "Architecture" says the same
 MAY_IMPORT: dict[str, set[str]] = {
     "smpckpt.shared": set(),
@@ -37,6 +39,12 @@ MAY_IMPORT: dict[str, set[str]] = {
         "smpckpt.storage.backends",
         "smpckpt.storage.format",
         "smpckpt.storage.full",
+    },
+    "smpckpt.storage.tier": {
+        "smpckpt.storage.backends",
+        "smpckpt.storage.format",
+        "smpckpt.storage.write",
+        "smpckpt.storage.read",
     },
     "smpckpt.storage": STORAGE,
     "smpckpt.planners": {"smpckpt.model", "smpckpt.storage.format"},

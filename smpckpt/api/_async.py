@@ -41,6 +41,10 @@ from smpckpt.errors import CheckpointError
 
 __all__ = [
     "submit",
+    "submit_drain",
+    "draining",
+    "wait_for_drain",
+    "background_group",
     "wait_for_saves",
     "free_staging_buffers",
     "check_previous",
@@ -64,6 +68,11 @@ class _State:
         default_factory=dict
     )
     atexit_registered: bool = False
+    #: the drain to the durable tier (tiered checkpoints): its own thread, future and failure
+    drain_executor: concurrent.futures.ThreadPoolExecutor | None = None
+    drain: concurrent.futures.Future[None] | None = None
+    drain_tag: str = ""
+    drain_failed: tuple[str, BaseException] | None = None
     #: the process's exit status when a background save fails at (or before, unreported) its exit
     exit_status: int | None = 1
 
@@ -87,7 +96,7 @@ def set_exit_status_on_failed_save(status: int | None = 1) -> None:
 
 def async_used() -> bool:
     """Whether this process ever started a background save (then every save checks on it first)."""
-    return _STATE.executor is not None
+    return _STATE.executor is not None or _STATE.drain_executor is not None
 
 
 def check_previous(wait: bool) -> None:
@@ -109,13 +118,64 @@ def check_previous(wait: bool) -> None:
         raise CheckpointError(
             f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (this save was not started)"
         ) from exc
+    _raise_drain_failure(" (this save was not started)")
 
 
-def _background_group(process_group: Any, ctx: DistContext) -> Any:
-    """(all ranks of the group, collectively, the first time) A gloo group over the same ranks."""
+def _raise_drain_failure(suffix: str) -> None:
+    if _STATE.drain_failed is not None:
+        tag, exc = _STATE.drain_failed
+        _STATE.drain_failed = None
+        raise CheckpointError(
+            f"the drain of checkpoint {tag!r} to the durable tier failed: {type(exc).__name__}: {exc}; it is "
+            f"still in the fast tier{suffix}"
+        ) from exc
+
+
+def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Future[None]:
+    """Run ``work`` (a drain to the durable tier) on the drain thread, after the drain before it."""
+    st = _STATE
+    with st.lock:
+        if st.drain_executor is None:
+            st.drain_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-drain")
+        if not st.atexit_registered:
+            _register_exit_wait()
+            st.atexit_registered = True
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                st.drain_failed = (tag, exc)
+                log.error("the drain of checkpoint %r to the durable tier failed: %s", tag, exc)
+                raise
+
+        fut = st.drain_executor.submit(run)
+        st.drain, st.drain_tag = fut, tag
+    return fut
+
+
+def draining() -> str | None:
+    """The tag of the drain not yet finished in this process, if any (the fast tier keeps it)."""
+    fut = _STATE.drain
+    return _STATE.drain_tag if fut is not None and not fut.done() else None
+
+
+def wait_for_drain() -> None:
+    """Wait for the drain in flight (no error raised here: the next save or ``wait_for_saves`` does)."""
+    fut = _STATE.drain
+    if fut is not None and not fut.done():
+        started = time.monotonic()
+        concurrent.futures.wait([fut])
+        log.info("waited %.2fs for the drain of %r to the durable tier", time.monotonic() - started, _STATE.drain_tag)
+
+
+def background_group(process_group: Any, ctx: DistContext, purpose: str = "save") -> Any:
+    """(all ranks of the group, collectively, the first time) A gloo group over the same ranks, one per
+    ``purpose``: ``"save"`` (background saves, the fast tier's transfers) and ``"drain"`` (the drain
+    thread, which runs beside them: two threads never share a group's collectives)."""
     if not ctx.active or ctx.world_size == 1:
         return None
-    key = id(process_group) if process_group is not None else "default"
+    key = (purpose, id(process_group) if process_group is not None else "default")
     group = _STATE.groups.get(key)
     if group is None:
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
@@ -165,7 +225,7 @@ def submit(
 ) -> concurrent.futures.Future[None]:
     """(caller) Stage ``state``, then run ``work(staged_state, background_group)`` on the save thread."""
     st = _STATE
-    group = _background_group(process_group, ctx)
+    group = background_group(process_group, ctx)
     started = time.monotonic()
     staged = _stage(state)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -221,10 +281,12 @@ def _wait_at_exit() -> None:
     """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag, and
     the process exits with :func:`set_exit_status_on_failed_save`'s status (1 by default)."""
     fut = _STATE.inflight
-    if fut is None:
+    if fut is None and _STATE.drain is None:
         return
-    if not fut.done():
+    if fut is not None and not fut.done():
         log.info("waiting for the background save of %r to finish before exiting", _STATE.inflight_tag)
+    if _STATE.drain is not None and not _STATE.drain.done():
+        log.info("waiting for the drain of %r to the durable tier before exiting", _STATE.drain_tag)
     try:
         wait_for_saves(raise_errors=True)
     except CheckpointError as exc:
@@ -242,13 +304,19 @@ def _wait_at_exit() -> None:
 
 
 def wait_for_saves(*, raise_errors: bool = True) -> None:
-    """Block until the background save in flight (if any) has finished. With ``raise_errors``, its
-    failure is raised here (and not again by the next ``save_checkpoint``)."""
+    """Block until the background save in flight (if any) and then the drain to the durable tier (tiered
+    checkpoints) have finished. With ``raise_errors``, a failure of either is raised here (and not again
+    by the next ``save_checkpoint``)."""
     fut = _STATE.inflight
-    if fut is None:
-        return
-    concurrent.futures.wait([fut])
+    if fut is not None:
+        concurrent.futures.wait([fut])
+    # after the save: a background save of a durable tag submits its drain when its fast tier committed
+    drain = _STATE.drain
+    if drain is not None:
+        concurrent.futures.wait([drain])
     if raise_errors and _STATE.failed is not None:
         tag, exc = _STATE.failed
         _STATE.failed = None
         raise CheckpointError(f"the background save of checkpoint {tag!r} failed: {exc}") from exc
+    if raise_errors:
+        _raise_drain_failure("")

@@ -77,6 +77,10 @@ class ResumeInfo:
     rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
     fell_back: bool  #: ``newest`` was not taken (unusable, or a later tag committed); see the warning
     skipped_keys: tuple[str, ...] = ()  #: keys not loaded (``strict=False`` only)
+    #: where it came from: ``"durable"`` (``path``) or ``"fast"`` (the fast tiers, ``local_path=``)
+    tier: Literal["durable", "fast"] = "durable"
+    #: fast tier: the parts a node lacked and fetched from a peer, as (file, from rank, to rank)
+    from_peers: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def resharded(self) -> bool:
@@ -230,8 +234,11 @@ def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) 
     return state
 
 
-def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place; strict key checks run before any data is read."""
+def load_checkpoint(
+    req: ResumeRequest, target: Target, state: dict[str, Any], reader: FsspecStorageReader | None = None
+) -> ParallelLoadPlanner:
+    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``target.url``); strict key
+    checks run before any data is read."""
     optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
     planner = ParallelLoadPlanner(
         **req.planner_args(),
@@ -240,7 +247,7 @@ def load_checkpoint(req: ResumeRequest, target: Target, state: dict[str, Any]) -
         allow_partial_load=not req.opts.strict,
         optional=optional,
     )
-    reader = FsspecStorageReader(
+    reader = reader or FsspecStorageReader(
         target.url,
         storage_options=req.storage_options,
         verify_checksums=req.opts.verify_checksums,

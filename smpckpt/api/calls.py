@@ -38,8 +38,19 @@ from torch import nn
 
 from smpckpt._gc import gc_frozen
 from smpckpt.api._args import CommonRequest, peer_failures, resolve_common, same_arguments
-from smpckpt.api._async import async_used, check_previous, submit, wait_for_saves
+from smpckpt.api._async import (
+    async_used,
+    background_group,
+    check_previous,
+    submit,
+    submit_drain,
+    wait_for_drain,
+    wait_for_saves,
+)
 from smpckpt.api._dist import DistContext
+from smpckpt.api._drain import drain
+from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader, heal
+from smpckpt.api._fast_save import TierPlan, plan_tier_save, save_fast
 from smpckpt.api._full import resume_full, save_full
 from smpckpt.api._resume import (
     ResumeInfo,
@@ -52,13 +63,14 @@ from smpckpt.api._resume import (
     restores_rng,
     summarize,
 )
-from smpckpt.api._save import build_save_state, publish_newest, resolve_save, retain, write_checkpoint
+from smpckpt.api._save import SaveRequest, build_save_state, publish_newest, resolve_save, retain, write_checkpoint
 from smpckpt.api.options import ResumeOptions, SaveOptions
-from smpckpt.errors import CheckpointNotFound
+from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.naming import NameMap
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
+from smpckpt.storage.tier import PeerFetchingReader
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
 
@@ -124,6 +136,10 @@ def save_checkpoint(
     wait_for_previous: bool = True,
     freeze_gc: bool = True,
     verify_replicas: bool = True,
+    local_path: str | os.PathLike[str] | None = None,
+    replicas: int = 2,
+    durable_every: int = 1,
+    num_kept_local: int | None = 2,
     options: SaveOptions | None = None,
 ) -> concurrent.futures.Future[None] | None:
     """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
@@ -179,6 +195,10 @@ def save_checkpoint(
                 wait_for_previous=wait_for_previous,
                 freeze_gc=freeze_gc,
                 verify_replicas=verify_replicas,
+                local_path=local_path,
+                replicas=replicas,
+                durable_every=durable_every,
+                num_kept_local=num_kept_local,
             ),
         )
         common = resolve_common(
@@ -205,6 +225,11 @@ def save_checkpoint(
             save_full(ctx, common, tag, opts, user_content)
             return None
         req = resolve_save(common, tag, opts, user_content)
+        tier = plan_tier_save(req, ctx, opts) if opts.local_path is not None else None
+        if tier is not None:
+            if tier.durable:
+                wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
+            groups = (background_group(process_group, ctx), background_group(process_group, ctx, "drain"))
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
         if opts.async_save:
@@ -212,17 +237,47 @@ def save_checkpoint(
             def in_background(staged: dict[str, Any], group: Any) -> None:
                 breq, bctx = dataclasses.replace(req, process_group=group), DistContext(group)
                 with peer_failures(bctx, f"saving checkpoint {req.tag!r} under {req.root} in the background"):
+                    if tier is not None:
+                        _save_tiered(breq, staged, extra, tier, group, groups[1])
+                        return
                     write_checkpoint(breq, staged, extra)
                     publish_newest(breq, bctx)
                     log.info("saved checkpoint %s in the background", req.url)
                     retain(breq, bctx)
 
             return submit(req.tag, ctx, process_group, state, in_background)
+        if tier is not None:
+            _save_tiered(req, state, extra, tier, *groups)
+            return None
         write_checkpoint(req, state, extra)
         publish_newest(req, ctx)
         log.info("saved checkpoint %s (%s) in %.2fs", req.url, req.layout, time.monotonic() - started)
         retain(req, ctx)
     return None
+
+
+def _save_tiered(
+    req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan, group: Any, drain_group: Any
+) -> None:
+    """(all ranks) The fast tiers, then (every ``durable_every``-th save) the drain, in the background."""
+    started = time.monotonic()
+    prepared = save_fast(req, state, extra, tier, group)
+    log.info(
+        "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s",
+        req.tag,
+        tier.local_path,
+        tier.seq,
+        tier.replicas,
+        time.monotonic() - started,
+        f"; draining to {req.url}" if tier.durable else "",
+    )
+    if tier.durable:
+
+        def work() -> None:
+            with peer_failures(DistContext(drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
+                drain(req, tier, prepared, drain_group)
+
+        submit_drain(req.tag, work)
 
 
 def resume_from_checkpoint(
@@ -245,6 +300,7 @@ def resume_from_checkpoint(
     allow_dtype_cast: bool = False,
     verify_checksums: bool = True,
     freeze_gc: bool = True,
+    local_path: str | os.PathLike[str] | None = None,
     options: ResumeOptions | None = None,
 ) -> Any:
     """Load ``{path}/{tag}_partial`` (``newest`` when ``tag`` is None) into ``model``/``optimizer``
@@ -279,6 +335,7 @@ def resume_from_checkpoint(
                 allow_dtype_cast=allow_dtype_cast,
                 verify_checksums=verify_checksums,
                 freeze_gc=freeze_gc,
+                local_path=local_path,
             ),
         )
         common = resolve_common(
@@ -301,7 +358,12 @@ def resume_from_checkpoint(
         if not opts.partial:
             return resume_full(ctx, common, tag, opts)
         req = resolve_resume(common, tag, opts)
-        target = choose_target(req, ctx)
+        fast = fallback = nodes = group = None
+        if opts.local_path is not None:
+            group = background_group(process_group, ctx)
+            target, fast, fallback, nodes = choose_tier(req, ctx, opts.local_path)
+        else:
+            target = choose_target(req, ctx)
         if target is None:
             if opts.missing_ok:
                 log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", req.root)
@@ -311,7 +373,26 @@ def resume_from_checkpoint(
             raise CheckpointNotFound(f"no {what} under {req.root}{hint}")
         rng = restores_rng(req, target, ctx)
         state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
-        planner = load_checkpoint(req, target, state)
-        user_content, restored = ctx.all_ok(lambda: apply_state(req, target, ctx, state, planner.report, rng))
-        _last_resume.set(summarize(req, target, ctx, planner, restored))
+        reader: PeerFetchingReader | None = None
+        try:
+            if fast is not None and nodes is not None:
+                heal(fast, target, nodes, group)
+                reader = fast_reader(req, target, fast, nodes, group)
+            planner = load_checkpoint(req, target, state, reader)
+        except CheckpointError as exc:
+            if fast is None or fallback is None:
+                raise
+            if ctx.is_coordinator:
+                fall_back_warning(target, fallback, exc)
+            target, reader = fallback, None
+            rng = restores_rng(req, target, ctx)
+            state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+            planner = load_checkpoint(req, target, state)
+        chosen = target
+        user_content, restored = ctx.all_ok(lambda: apply_state(req, chosen, ctx, state, planner.report, rng))
+        info = summarize(req, target, ctx, planner, restored)
+        if reader is not None:
+            peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
+            info = dataclasses.replace(info, tier="fast", from_peers=peers)
+        _last_resume.set(info)
         return user_content

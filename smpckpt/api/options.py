@@ -13,12 +13,13 @@ ranks (:meth:`SaveOptions.compared`), naming the one that differs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 
-from smpckpt._checks import check_flag
+from smpckpt._checks import check_flag, check_int
 from smpckpt.catalog.retention import validate_keep
 from smpckpt.model.keys import FULL_ARTIFACTS
 from smpckpt.model.translation import Translation
@@ -36,6 +37,18 @@ def _opt(default: Any, *, only: bool | None = None, same: bool | Callable[[Any],
 def config_value(config: Any, name: str) -> Any:
     """``config.<name>`` of a transformers config or a dict (``None`` when absent)."""
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+def check_local_path(path: Any) -> str:
+    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"local_path must be a non-empty str or os.PathLike, got {path!r}")
+    text = str(os.fspath(path))
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    elif "://" in text:
+        raise ValueError(f"local_path must be a folder on this node (NVMe, /dev/shm), not a URL: {text!r}")
+    return os.path.abspath(text)
 
 
 class _Options:
@@ -141,9 +154,29 @@ class SaveOptions(_Options):
     same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys
     and ranks: one replica is written, so a forgotten TP spec would lose data silently."""
 
+    local_path: str | os.PathLike[str] | None = _opt(None, only=True, same=False)
+    """This node's fast tier (node-local NVMe or ``/dev/shm``; each process passes its own node's folder,
+    the same on every rank of a node). Every save commits to the fast tiers first, each rank's files also
+    copied to ``replicas - 1`` other nodes over the process group; every ``durable_every``-th save is then
+    copied from there to ``path`` in the background (README, "Tiered checkpoints"). ``None``: every save
+    goes to ``path`` directly."""
+
+    replicas: int = _opt(2, only=True)
+    """With ``local_path``: copies of each rank's files in the fast tiers, each on a different node
+    (``LOCAL_WORLD_SIZE`` ranks per node); at most the number of nodes."""
+
+    durable_every: int = _opt(1, only=True)
+    """With ``local_path``: every N-th save of the job (counted across restarts from the saves already in
+    either tier) is also committed to ``path``, drained in the background from the fast tier's files."""
+
+    num_kept_local: int | None = _opt(2, only=True)
+    """With ``local_path``: keep the N newest committed checkpoints in each node's fast tier (never the
+    one a drain is copying); ``None`` keeps all. ``num_kept_partial_checkpoints`` governs ``path``."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         validate_keep(self.num_kept_partial_checkpoints)
+        self._check_tiers()
         stale = self.remove_uncommitted_older_than
         if stale is not None and (isinstance(stale, bool) or not isinstance(stale, (int, float)) or stale < 0):
             raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
@@ -171,6 +204,19 @@ class SaveOptions(_Options):
                 f"state dict; got {type(self.translate_function).__name__}"
             )
         self.artifact()  # the artifact's own checks (max_shard_size...), once, here
+
+    def _check_tiers(self) -> None:
+        if self.local_path is None:
+            tiered = [n for n in ("replicas", "durable_every", "num_kept_local") if n in self.given()]
+            if tiered:
+                raise ValueError(f"{', '.join(tiered)} apply only with local_path= (tiered checkpoints)")
+            return
+        check_local_path(self.local_path)
+        check_int("replicas", self.replicas, minimum=1)
+        check_int("durable_every", self.durable_every, minimum=1)
+        validate_keep(self.num_kept_local, "num_kept_local")
+        if self.overwrite:
+            raise ValueError("overwrite does not apply with local_path= (a tiered save never replaces a tag)")
 
     def artifact(self, architecture: str | None = None) -> FullOptions:
         """The full artifact's layout (``partial=False``); ``architecture``: see :class:`FullOptions`."""
@@ -225,8 +271,15 @@ class ResumeOptions(_Options):
     freeze_gc: bool = _opt(True, same=False)
     """Run the load inside :func:`smpckpt.gc_frozen`."""
 
+    local_path: str | os.PathLike[str] | None = _opt(None, only=True, same=False)
+    """This node's fast tier, as given to :func:`~smpckpt.save_checkpoint`: the newest checkpoint complete
+    and verified across the surviving fast tiers (parts a node lacks fetched from peers) or in ``path``,
+    whichever is newer, is loaded (:attr:`ResumeInfo.tier`)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.local_path is not None:
+            check_local_path(self.local_path)
         fn = self.translate_function
         if self.partial and fn is not None and not callable(fn):
             raise TypeError("translate_function must be callable (state_dict -> state_dict)")

@@ -1,0 +1,112 @@
+"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, in the
+background, committed there as any partial checkpoint (same files, same manifest bytes).
+
+Which rank does what ("all" = every rank, on the drain thread with a gloo group of its own)::
+
+    copy            (all)     this rank's own files, from its node's fast-tier folder to ``{path}/{tag}_partial``
+                              (never staged from the model again); agreed across ranks
+    commit          (rank 0)  nothing committed there yet; every file at its size; the metadata, the
+                              manifest (create-if-absent: the commit), the stock ``.metadata``
+    publish_newest  (rank 0)  ``{path}/newest`` := tag
+    retain          (rank 0)  ``num_kept_partial_checkpoints`` over ``path``
+
+A kill during the drain leaves ``path`` as it was (uncommitted files at most: never taken as a
+checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the fast tier still
+holds the checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from smpckpt.api._dist import DistContext
+from smpckpt.api._fast_save import TierPlan
+from smpckpt.api._save import SaveRequest, publish_newest, retain
+from smpckpt.api._tiers import note_durable_seq
+from smpckpt.errors import CheckpointExists
+from smpckpt.storage.backends._fs import (
+    create_bytes_exclusive,
+    is_local,
+    join,
+    open_fs,
+    read_bytes_or_none,
+    remove_files,
+    write_bytes_atomic,
+)
+from smpckpt.storage.backends._sinks import open_sink
+from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format._state import probe
+from smpckpt.storage.tier import PreparedCommit, parts_of
+from smpckpt.storage.write._commit import after_commit, check_data_files
+
+__all__ = ["drain"]
+
+log = logging.getLogger("smpckpt.api")
+
+_PART = 32 << 20  # bytes per read from the fast tier and per S3 part
+_FILES_AT_ONCE = 4
+
+
+def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit, group: Any) -> None:
+    """(all ranks, the drain thread) Copy, commit, point ``newest``, apply retention (module docstring)."""
+    started = time.monotonic()
+    dctx = DistContext(group)
+    manifest = prepared.parsed()
+    fs, path = open_fs(req.url, req.storage_options)
+    mine = parts_of(manifest, [tier.nodes.rank])
+    sync = req.opts.sync_files
+
+    def copy_one(name: str) -> None:
+        if is_local(fs):
+            os.makedirs(os.path.dirname(join(path, name)), exist_ok=True)
+        sink = open_sink(fs, join(path, name), sync=sync, part_size=_PART, max_parts_in_flight=2)
+        try:
+            with open(os.path.join(tier.folder, name), "rb") as f:
+                while chunk := f.read(_PART):
+                    sink.write(memoryview(chunk))
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+
+    def copy_mine() -> None:
+        with concurrent.futures.ThreadPoolExecutor(_FILES_AT_ONCE, thread_name_prefix="smpckpt-drain-copy") as pool:
+            for done in [pool.submit(copy_one, rec.name) for rec in mine]:
+                done.result()
+
+    def commit() -> None:
+        found = probe(fs, path, list_when_empty=False)
+        if found.state in ("committed", "legacy"):
+            raise CheckpointExists(f"{req.url} already holds a committed checkpoint; the drain of {req.tag!r} stops")
+        check_data_files(fs, path, req.url, list(manifest.files))
+        write_bytes_atomic(fs, join(path, prepared.metadata_name), prepared.metadata, sync=sync, sync_dir=False)
+        create_bytes_exclusive(fs, join(path, MANIFEST_NAME), prepared.manifest, sync=sync)
+        after_commit(fs, path, req.url, manifest, prepared.metadata, [], sync=sync)
+
+    try:
+        dctx.all_ok(copy_mine)
+        dctx.on_coordinator(commit)
+    except BaseException:
+        if _committed(fs, path, prepared) is False:  # unknown (None): nothing is removed blind
+            failed = remove_files(fs, [join(path, rec.name) for rec in mine], within=path)
+            if failed:
+                log.warning("the failed drain of %s left %d file(s): %s", req.url, len(failed), failed[:5])
+        raise
+    note_durable_seq(req.root, tier.seq)
+    breq = dataclasses.replace(req, process_group=group)
+    publish_newest(breq, dctx)
+    log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
+    retain(breq, dctx)
+
+
+def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:
+    """Whether this drain's manifest is in place; ``None`` when that cannot be read."""
+    try:
+        return read_bytes_or_none(fs, join(path, MANIFEST_NAME)) == prepared.manifest
+    except Exception:  # noqa: BLE001 - unknown
+        return None

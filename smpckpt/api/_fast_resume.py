@@ -1,0 +1,138 @@
+"""``resume_from_checkpoint(..., local_path=...)``: the newest checkpoint complete across the surviving
+fast tiers or committed in ``path``, whichever is newer.
+
+Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
+
+    choose_tier   (all)      every node's fast tier scanned and gathered
+                  (rank 0)   the newest fast-tier tag whose surviving files cover its manifest, against
+                             ``path``'s newest committed one (or the tag asked for); the answer broadcast
+    heal          (all)      leaders of nodes that lack the chosen copy's metadata or manifest receive
+                             them from a node that has them (the metadata first: the manifest commits)
+    (load)        (all)      dcp.load with PeerFetchingReader: each node fetches from peers the parts its
+                             ranks read and it lacks, then reads its own folder, checksums verified
+
+A fast-tier load that fails (a corrupt part, a peer lost mid-load) falls back to ``path``'s checkpoint,
+with a warning, when there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from typing import Any
+
+from smpckpt.api._dist import DistContext
+from smpckpt.api._resume import ResumeRequest, Target, resolve_target
+from smpckpt.api._tiers import FastCandidate, Nodes, fast_candidates, gather_views, node_layout
+from smpckpt.api.options import check_local_path
+from smpckpt.catalog._save_clock import saw_checkpoint
+from smpckpt.catalog.tags import partial_dirname
+from smpckpt.errors import CheckpointError
+from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
+
+__all__ = ["FastSource", "choose_tier", "heal", "fast_reader"]
+
+log = logging.getLogger("smpckpt.api")
+
+
+@dataclasses.dataclass(frozen=True)
+class FastSource:
+    """The fast-tier copy rank 0 chose, and what every rank needs to load it."""
+
+    candidate: FastCandidate
+    heal: tuple[Transfer, ...]  #: metadata and manifest to the leaders of nodes that lack them
+
+
+def choose_tier(
+    req: ResumeRequest, ctx: DistContext, local_path: Any
+) -> tuple[Target | None, FastSource | None, Target | None, Nodes]:
+    """(all ranks) The target to load, its fast-tier source (``None``: load from ``path``), the durable
+    target to fall back to, and the nodes."""
+    nodes = node_layout(ctx, req.process_group)
+    local = check_local_path(local_path)
+    views = gather_views(ctx, nodes, local)
+
+    def decide() -> tuple[Target | None, FastSource | None, Target | None]:
+        candidates = [c for c in fast_candidates(views) if req.tag is None or c.tag == req.tag]
+        durable = resolve_target(req.root, req.tag, req.storage_options)
+        best = next((c for c in candidates if c.complete), None)
+        for c in candidates:
+            if c is best:
+                break
+            log.warning(
+                "fast tier: checkpoint %r is committed but incomplete across the surviving nodes (missing %s); "
+                "not used",
+                c.tag,
+                ", ".join(c.missing[:5]),
+            )
+        if best is None or (durable is not None and durable.seen_ns > best.order[0]):
+            return durable, None, None
+        manifest = best.parsed()
+        target = Target.of(best.tag, f"{local}/{partial_dirname(best.tag)}", manifest, False)
+        return target, FastSource(best, _heal_transfers(best, nodes)), durable
+
+    target, fast, fallback = ctx.on_coordinator(decide)
+    if target is not None:
+        saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    if fast is not None and target is not None:
+        target = dataclasses.replace(target, url=f"{local}/{partial_dirname(target.tag)}")  # this node's copy
+    return target, fast, fallback, nodes
+
+
+def _heal_transfers(best: FastCandidate, nodes: Nodes) -> tuple[Transfer, ...]:
+    """(rank 0) The chosen copy's metadata, then its manifest, to each node's leader that lacks them."""
+    manifest = best.parsed()
+    sizes = {manifest.metadata.name: manifest.metadata.size, MANIFEST_NAME: len(best.manifest)}
+    out = []
+    for name in (manifest.metadata.name, MANIFEST_NAME):
+        holders = best.held_by[name]
+        for node in range(nodes.count):
+            leader = nodes.ranks_of(node)[0]
+            if not any(nodes.node_of(r) == node for r in holders):
+                out.append(Transfer(name, sizes[name], min(holders), leader))
+    return tuple(out)
+
+
+def heal(fast: FastSource, target: Target, nodes: Nodes, group: Any) -> None:
+    """(all ranks) Nodes that lack the copy's metadata or manifest receive them; agreed across ranks."""
+    gctx = DistContext(group)
+    if fast.heal:
+        os.makedirs(target.url, exist_ok=True)
+    outcome = run_transfers(
+        fast.heal, rank=nodes.rank, group=group, read_folder=target.url, write_folder=target.url, sync=False
+    )
+
+    def check() -> None:
+        if outcome.errors:
+            raise CheckpointError(
+                f"sending the fast-tier copy's metadata to a node failed: {'; '.join(outcome.errors)}"
+            )
+
+    gctx.all_ok(check)
+
+
+def fast_reader(req: ResumeRequest, target: Target, fast: FastSource, nodes: Nodes, group: Any) -> PeerFetchingReader:
+    """This rank's reader of the chosen fast-tier copy."""
+    return PeerFetchingReader(
+        target.url,
+        group=group,
+        ranks=list(range(nodes.world_size)),
+        rank=nodes.rank,
+        local_world_size=nodes.local_world_size,
+        held_by=fast.candidate.held_by,
+        verify_checksums=req.opts.verify_checksums,
+        allow_pickle=req.opts.allow_pickle,
+    )
+
+
+def fall_back_warning(target: Target, fallback: Target, exc: BaseException) -> None:
+    """(all ranks; rank 0 warns) Loading the fast-tier copy failed: say so, and what is loaded instead."""
+    message = (
+        f"loading checkpoint {target.tag!r} from the fast tier failed ({exc}); resuming from {fallback.url} "
+        f"(tag {fallback.tag!r}) in the durable tier instead"
+    )
+    log.warning(message)
+    warnings.warn(message, stacklevel=4)

@@ -1,0 +1,20 @@
+"""The fast tier: a partial checkpoint in every node's own folder (node-local NVMe or ``/dev/shm``), each
+rank's files also copied to other nodes over the process group, committed per node; read back with the
+parts a node lacks fetched from peers. The API (``smpckpt.api``) drives it: ``save_checkpoint(...,
+local_path=...)``."""
+
+from smpckpt.storage.tier.reader import PeerFetchingReader
+from smpckpt.storage.tier.transfer import Transfer, fetch_transfers, replica_transfers, run_transfers
+from smpckpt.storage.tier.writer import FastTierWriter, PreparedCommit, commit_node_copy, parts_of
+
+__all__ = [
+    "FastTierWriter",
+    "PeerFetchingReader",
+    "PreparedCommit",
+    "Transfer",
+    "commit_node_copy",
+    "fetch_transfers",
+    "parts_of",
+    "replica_transfers",
+    "run_transfers",
+]

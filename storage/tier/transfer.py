@@ -1,0 +1,221 @@
+"""Checkpoint files moved between ranks over a process group: the fast tier's replicas (at save) and
+the parts a resume fetches from peers.
+
+Every rank gets the same list of :class:`Transfer` and walks it in list order, acting only on the
+transfers it sends or receives. Why that cannot deadlock: the earliest unfinished transfer of the
+list has both its ranks waiting for it (each did everything before it), so it always completes.
+
+Each transfer is a status word, the file in chunks, and a closing status word, so a sender that
+cannot read its file (gone, cut short) never leaves its receiver waiting: it sends zeros, the
+closing word says so, and the receiver discards what it got. A receiver that cannot write still
+receives every chunk (its sender must not block) and reports its error. Received files appear under
+their final name only when complete (a temp name, then a rename), so a kill mid-transfer never
+leaves a file that looks whole; its bytes are checked against the manifest's checksums when read.
+
+The group must be able to move CPU tensors (gloo): the API passes a gloo group of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
+
+from smpckpt.storage.backends._fs import fsync_dir
+from smpckpt.storage.format._names import check_member_name
+
+__all__ = ["Transfer", "TransferOutcome", "run_transfers", "replica_transfers", "fetch_transfers", "CHUNK_BYTES"]
+
+#: bytes per send: large enough for full speed over gloo, small enough to bound the memory in flight
+CHUNK_BYTES = 32 << 20
+_OK, _FAILED = 1, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One file, ``src`` (global rank) -> ``dst`` (global rank): relative ``name``, ``size`` bytes."""
+
+    name: str
+    size: int
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass
+class TransferOutcome:
+    """What this rank did: the files it received, and its errors (sending or receiving), by file."""
+
+    received: list[Transfer] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+def replica_transfers(
+    files_by_rank: Mapping[int, Sequence[tuple[str, int]]], *, world_size: int, local_world_size: int, replicas: int
+) -> list[Transfer]:
+    """Every rank's files to the same local rank of the next ``replicas - 1`` nodes (ring order):
+    every copy of a rank's files is on a different node, so one lost node never takes two of them."""
+    nodes = world_size // local_world_size
+    out: list[Transfer] = []
+    for hop in range(1, replicas):
+        for rank in range(world_size):
+            dst = (rank + hop * local_world_size) % (nodes * local_world_size)
+            out.extend(Transfer(name, size, rank, dst) for name, size in files_by_rank.get(rank, ()))
+    return out
+
+
+def fetch_transfers(
+    needs: Mapping[int, set[str]],
+    held_by: Mapping[str, Sequence[int]],
+    sizes: Mapping[str, int],
+    *,
+    local_world_size: int,
+) -> list[Transfer]:
+    """(coordinator) The files each node lacks for what its ranks will read: one copy per node, to the
+    lowest rank of the node that reads it, from a rank holding it (the least loaded one so far)."""
+    node_of = {rank: rank // local_world_size for rank in needs}
+    on_node: dict[int, set[str]] = {}
+    for name, ranks in held_by.items():
+        for r in ranks:
+            on_node.setdefault(r // local_world_size, set()).add(name)
+    load: dict[int, int] = {}
+    out: list[Transfer] = []
+    wanted: dict[tuple[int, str], int] = {}  # (node, file) -> lowest rank of the node reading it
+    for rank in sorted(needs):
+        for name in needs[rank]:
+            key = (node_of[rank], name)
+            if name not in on_node.get(node_of[rank], set()) and key not in wanted:
+                wanted[key] = rank
+    for (_, name), dst in sorted(wanted.items(), key=lambda kv: (kv[0][1], kv[1])):
+        holders = list(held_by.get(name, ()))
+        if not holders:
+            raise FileNotFoundError(f"{name}: no surviving fast tier holds this file")
+        src = min(holders, key=lambda r: (load.get(r, 0), r))
+        load[src] = load.get(src, 0) + sizes[name]
+        out.append(Transfer(name, sizes[name], src, dst))
+    return out
+
+
+def run_transfers(
+    transfers: Sequence[Transfer], *, rank: int, group: Any, read_folder: str, write_folder: str, sync: bool
+) -> TransferOutcome:
+    """(every rank, the same ``transfers``) Send this rank's files from ``read_folder``, receive into
+    ``write_folder``. Errors are collected, not raised: the caller agrees on them across ranks."""
+    outcome = TransferOutcome()
+    for t in transfers:
+        if t.src == t.dst:
+            continue
+        if t.src == rank:
+            error = _send(t, read_folder, group)
+            if error:
+                outcome.errors.append(error)
+        elif t.dst == rank:
+            error = _receive(t, write_folder, group, sync=sync)
+            if error:
+                outcome.errors.append(error)
+            else:
+                outcome.received.append(t)
+    return outcome
+
+
+def _word(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64)
+
+
+def _chunks(size: int) -> Iterator[int]:
+    done = 0
+    while done < size:
+        n = min(CHUNK_BYTES, size - done)
+        yield n
+        done += n
+
+
+def _send(t: Transfer, folder: str, group: Any) -> str:
+    """Stream ``t`` to its receiver; an error (the receiver still gets every word and chunk) or ''."""
+    path = os.path.join(folder, t.name)
+    error = ""
+    f: io.BufferedReader | None = None
+    try:
+        check_member_name(t.name, where=folder)
+        f = open(path, "rb")  # noqa: SIM115 - closed below, after the last chunk went out
+        if os.fstat(f.fileno()).st_size != t.size:
+            raise OSError(f"{path}: {os.fstat(f.fileno()).st_size} bytes, the manifest says {t.size}")
+    except Exception as exc:  # noqa: BLE001 - reported; the receiver must not wait forever
+        error = f"{path}: {exc}"
+    dist.send(_word(_FAILED if error else _OK), dst=t.dst, group=group)
+    if error:
+        return error
+    buf = torch.empty(min(CHUNK_BYTES, max(t.size, 1)), dtype=torch.uint8)
+    try:
+        for n in _chunks(t.size):
+            view = buf[:n]
+            if not error:
+                try:
+                    got = f.readinto(view.numpy().data) if f is not None else 0
+                    if got != n:
+                        raise OSError(f"{path}: cut short while sending ({got} of {n} bytes read)")
+                except Exception as exc:  # noqa: BLE001 - zeros go out instead, marked failed below
+                    error = f"{path}: {exc}"
+                    view.zero_()
+            dist.send(view, dst=t.dst, group=group)
+    finally:
+        if f is not None:
+            f.close()
+    dist.send(_word(_FAILED if error else _OK), dst=t.dst, group=group)
+    return error
+
+
+def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
+    """Receive ``t`` into ``folder`` (temp name, then rename); an error or ''."""
+    status = _word(0)
+    dist.recv(status, src=t.src, group=group)
+    if int(status.item()) != _OK:
+        return f"{t.name}: rank {t.src} could not send it"
+    path = os.path.join(folder, t.name)
+    tmp = f"{path}.recv.{os.getpid()}.{os.urandom(4).hex()}"
+    error = ""
+    out: BinaryIO | None = None
+    try:
+        check_member_name(t.name, where=folder)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        out = open(tmp, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
+    except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
+        error = f"{path}: {exc}"
+    buf = torch.empty(min(CHUNK_BYTES, max(t.size, 1)), dtype=torch.uint8)
+    with contextlib.ExitStack() as cleanup:
+        if out is not None:
+            cleanup.callback(out.close)
+        for n in _chunks(t.size):
+            view = buf[:n]
+            dist.recv(view, src=t.src, group=group)
+            if out is not None and not error:
+                try:
+                    out.write(view.numpy().data)
+                except Exception as exc:  # noqa: BLE001 - as above
+                    error = f"{path}: {exc}"
+        dist.recv(status, src=t.src, group=group)
+        if not error and int(status.item()) != _OK:
+            error = f"{t.name}: rank {t.src} failed while sending it"
+        if out is not None and not error:
+            try:
+                out.flush()
+                if sync:
+                    os.fsync(out.fileno())
+            except OSError as exc:
+                error = f"{path}: {exc}"
+    try:
+        if error:
+            raise OSError(error)
+        os.replace(tmp, path)
+        if sync:
+            fsync_dir(os.path.dirname(path))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return error or f"{path}: {exc}"
+    return ""

@@ -1,0 +1,125 @@
+"""``FastTierWriter``: a partial checkpoint written into this node's fast-tier folder, committed per
+node only after every node holds its share.
+
+Each rank passes its own node's folder; ``dcp.save`` runs as with :class:`FsspecStorageWriter`
+(same files, same checksums), except that the coordinator's ``finish`` writes nothing: it keeps the
+manifest and metadata bytes (:attr:`FastTierWriter.prepared`). The API then sends them to every rank,
+copies each rank's files to its replica nodes (:mod:`.transfer`), agrees that every node holds
+what it should, and only then each node's first rank commits its copy (:func:`commit_node_copy`):
+the generation's metadata, the manifest (create-if-absent), the stock ``.metadata``.
+
+Why commit per node, and only after that agreement: a manifest on any node then proves that every
+node held its share at that moment, so a tag is usable exactly when the surviving nodes' files cover
+its manifest. A kill before the agreement leaves no manifest anywhere: the tag was never committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from smpckpt._gc import gc_paused
+from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.storage.backends._fs import (
+    create_bytes_exclusive,
+    is_local,
+    join,
+    open_fs,
+    read_bytes_or_none,
+    write_bytes_atomic,
+)
+from smpckpt.storage.backends._prefixes import resolve
+from smpckpt.storage.format import _names, _wire
+from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.write._commit import check_data_files
+from smpckpt.storage.write._rank_files import RankPlanData
+from smpckpt.storage.write.writer import FsspecStorageWriter
+
+__all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCommit:
+    """What the coordinator's ``finish`` built and every node commits: the manifest and metadata bytes."""
+
+    manifest: bytes
+    metadata_name: str
+    metadata: bytes
+
+    def parsed(self) -> Manifest:
+        return Manifest.from_bytes(self.manifest)
+
+
+class FastTierWriter(FsspecStorageWriter):
+    """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path); the
+    coordinator's ``finish`` prepares the commit (:attr:`prepared`) instead of writing it.
+
+    Call order inside ``dcp.save`` as the partial writer's, except (coordinator) ``prepare_global_plan``
+    does not probe its folder (the API checked every node's folder before the save) and ``finish`` only
+    builds :attr:`prepared`. ``prefix_strategy`` is the durable root's (object stores: hex prefixes),
+    so a drain copies the files under the names they will have there."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        if not is_local(self.fs):
+            raise ValueError(f"local_path must be a folder on this node, got {path!r}")
+        self.prepared: PreparedCommit | None = None
+        self._kept_metadata: tuple[str, bytes] | None = None
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) A fresh save id for every rank; the folders were settled by the API."""
+        self._save_id = _names.new_save_id()
+        prefixes = resolve(self.prefix_strategy, local=True)
+        return [
+            dataclasses.replace(p, storage_data=RankPlanData(self._save_id, i, len(plans), prefixes, False))
+            for i, p in enumerate(plans)
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Build the manifest and metadata bytes; write nothing (see the module docstring)."""
+        save_id = self._save_id
+        if save_id is None:
+            raise CheckpointError("finish() called without prepare_global_plan() on this writer")
+        with gc_paused():
+            files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
+            _wire.list_tied(metadata)
+        files = sorted(files, key=lambda f: (f.rank, f.name))
+        manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)
+        self._used_save_ids.add(save_id)
+        self.prepared = PreparedCommit(manifest.to_bytes(), manifest.metadata.name, md_bytes)
+
+    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
+        self._kept_metadata = (gen_name, md_bytes)  # every node writes it at its own commit
+
+
+def parts_of(manifest: Manifest, ranks: Iterable[int]) -> list[FileRecord]:
+    """The data files ``ranks`` wrote."""
+    wanted = set(ranks)
+    return [f for f in manifest.files if f.rank in wanted]
+
+
+def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileRecord], *, sync: bool) -> bool:
+    """(one rank per node) Commit this node's copy: check that ``expected`` files are there at their
+    sizes, then write the generation's metadata, the manifest (create-if-absent) and the stock
+    ``.metadata``. ``False`` when this very generation was already committed here (nothing written);
+    :class:`CheckpointExists` when another generation was."""
+    fs, path = open_fs(folder)
+    url = folder
+    existing = read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME))
+    if existing is not None:
+        if existing == prepared.manifest:
+            return False
+        raise CheckpointExists(f"{url}: holds another committed checkpoint of this tag")
+    check_data_files(fs, path, url, expected)
+    write_bytes_atomic(fs, join(path, prepared.metadata_name), prepared.metadata, sync=sync, sync_dir=False)
+    try:
+        create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), prepared.manifest, sync=sync)
+    except FileExistsError as exc:
+        raise CheckpointExists(f"{url}: another save committed here at the same time") from exc
+    write_bytes_atomic(fs, join(path, _names.METADATA_NAME), prepared.metadata, sync=sync)
+    return True

@@ -42,7 +42,6 @@ from smpckpt.errors import CheckpointError
 __all__ = [
     "submit",
     "submit_drain",
-    "draining",
     "wait_for_drain",
     "background_group",
     "wait_for_saves",
@@ -152,12 +151,6 @@ def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Futur
         fut = st.drain_executor.submit(run)
         st.drain, st.drain_tag = fut, tag
     return fut
-
-
-def draining() -> str | None:
-    """The tag of the drain not yet finished in this process, if any (the fast tier keeps it)."""
-    fut = _STATE.drain
-    return _STATE.drain_tag if fut is not None and not fut.done() else None
 
 
 def wait_for_drain() -> None:

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api._fast_save import TierPlan
+from smpckpt.api._fast_save import TierPlan, retain_fast
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import note_durable_seq
 from smpckpt.errors import CheckpointExists
@@ -102,6 +102,8 @@ def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit, group: Any
     publish_newest(breq, dctx)
     log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
     retain(breq, dctx)
+    if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
+        retain_fast(tier, None, req.opts.num_kept_local, release=True)
 
 
 def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:

@@ -51,7 +51,7 @@ def choose_tier(
 ) -> tuple[Target | None, FastSource | None, Target | None, Nodes]:
     """(all ranks) The target to load, its fast-tier source (``None``: load from ``path``), the durable
     target to fall back to, and the nodes."""
-    nodes = node_layout(ctx, req.process_group)
+    nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group))  # one rank's env fails all
     local = check_local_path(local_path)
     views = gather_views(ctx, nodes, local)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
-from smpckpt.api._async import draining
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, run_save
 from smpckpt.api._tiers import (
@@ -51,9 +51,14 @@ from smpckpt.storage.tier import (
 )
 from smpckpt.storage.write._commit import check_data_files
 
-__all__ = ["TierPlan", "plan_tier_save", "save_fast"]
+__all__ = ["TierPlan", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
 
 log = logging.getLogger("smpckpt.api")
+
+# fast tier -> the tag a drain of this process is copying from it; the lock also keeps the save
+# thread's and the drain thread's retention from running at once
+_RETENTION = threading.Lock()
+_HELD: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,7 @@ class TierPlan:
 
 def plan_tier_save(req: SaveRequest, ctx: DistContext, opts: SaveOptions) -> TierPlan:
     """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled."""
-    nodes = node_layout(ctx, req.process_group, opts.replicas)
+    nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group, opts.replicas))  # one rank's env fails all
     local = check_local_path(opts.local_path)
     views = gather_views(ctx, nodes, local)
 
@@ -166,7 +171,7 @@ def save_fast(
             _remove_quietly(tier.folder)
         raise
     if nodes.is_leader:
-        _retain(tier, req.tag, opts.num_kept_local)
+        retain_fast(tier, req.tag, opts.num_kept_local)
     return prepared
 
 
@@ -179,13 +184,24 @@ def _remove_quietly(folder: str) -> None:
         log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
 
 
-def _retain(tier: TierPlan, tag: str, keep: int | None) -> None:
-    """(leaders) ``num_kept_local``: never the tag just saved, nor the one a drain is copying."""
-    protected = {tag} | ({t} if (t := draining()) else set())
-    try:
-        removed = retain_local(tier.local_path, scan_local(tier.local_path), keep, protected)
-    except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-        log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.local_path, exc)
-        return
+def hold_for_drain(local_path: str, tag: str) -> None:
+    """``tag``'s files in this fast tier are about to be drained: retention keeps them until released."""
+    with _RETENTION:
+        _HELD[local_path] = tag
+
+
+def retain_fast(tier: TierPlan, just_saved: str | None, keep: int | None, *, release: bool = False) -> None:
+    """(leaders) ``num_kept_local`` over this node's fast tier: after a save (never the tag just saved),
+    and after a drain (``release``: its tag, held meanwhile, may go now). One lock orders the two, so
+    whichever runs last sees the other's outcome: a drained tag never outlives the next retention."""
+    with _RETENTION:
+        if release:
+            _HELD.pop(tier.local_path, None)
+        protected = {t for t in (just_saved, _HELD.get(tier.local_path)) if t is not None}
+        try:
+            removed = retain_local(tier.local_path, scan_local(tier.local_path), keep, protected)
+        except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+            log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.local_path, exc)
+            return
     if removed:
         log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.local_path, keep, removed)

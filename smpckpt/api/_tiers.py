@@ -133,15 +133,18 @@ def gather_views(ctx: DistContext, nodes: Nodes, local_path: Any) -> list[dict[s
     """(all ranks) Every rank's scan of its node's fast tier, in rank order; refuses ranks of one node
     that name different folders (they would write one node's share twice, or not at all)."""
     mine = check_local_path(local_path)
-    got = ctx.all_gather_object((mine, scan_local(mine)))
-    for rank, (path, _) in enumerate(got):
+    got = ctx.all_gather_object((mine, nodes.local_world_size, scan_local(mine)))
+    sizes = sorted({lws for _, lws, _ in got})
+    if len(sizes) > 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE differs between ranks ({sizes}); every rank must see the same")
+    for rank, (path, _, _) in enumerate(got):
         leader = nodes.ranks_of(nodes.node_of(rank))[0]
         if path != got[leader][0]:
             raise ValueError(
                 f"local_path differs between ranks of node {nodes.node_of(rank)}: rank {leader} passes "
                 f"{got[leader][0]!r}, rank {rank} {path!r}; every rank of a node passes its node's folder"
             )
-    return [view for _, view in got]
+    return [view for _, _, view in got]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ from smpckpt.api._async import (
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import drain
 from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader, heal
-from smpckpt.api._fast_save import TierPlan, plan_tier_save, save_fast
+from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, save_fast
 from smpckpt.api._full import resume_full, save_full
 from smpckpt.api._resume import (
     ResumeInfo,
@@ -272,6 +272,7 @@ def _save_tiered(
         f"; draining to {req.url}" if tier.durable else "",
     )
     if tier.durable:
+        hold_for_drain(tier.local_path, req.tag)
 
         def work() -> None:
             with peer_failures(DistContext(drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):

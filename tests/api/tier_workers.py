@@ -61,6 +61,7 @@ def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool 
             fut.result()
         states[step] = _clone(tp_model.local_state(model, opt))
     wait_for_saves()
+    dist.barrier()  # a node's first rank may still be applying num_kept_local after the others returned
     out: dict[str, Any] = {
         "local_after_saves": sorted(os.listdir(local)),
         "durable_after_saves": sorted(os.listdir(durable)),
@@ -86,4 +87,202 @@ def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool 
             durable, model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local
         )
     out["all_lost"] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), states[3])}
+    return out
+
+
+def _save(durable: str, local: str, step: int, model: Any, opt: Any, **kw: Any) -> Any:
+    return save_checkpoint(
+        durable,
+        f"step{step}",
+        model=model,
+        optimizer=opt,
+        user_content={"step": step},
+        layout=LAYOUT,
+        specs=tp_model.SPECS,
+        local_path=local,
+        **kw,
+    )
+
+
+def _report(base: str, rank: int, what: Any) -> None:
+    """A dead rank makes run_world raise and drop the others' values: each rank leaves its own in a file."""
+    import pickle
+
+    with open(os.path.join(base, f"report{rank}.pkl"), "wb") as f:
+        pickle.dump(what, f)
+
+
+def killed_in_replication(rank: int, world: int, base: str, durable: str) -> Any:
+    """Save step1; during step2's replica transfers rank 3 dies after announcing its first file."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    import smpckpt.storage.tier.transfer as transfer
+
+    local = node_dir(base, rank)
+    ctx, model, opt = tp_model.build(LAYOUT)
+    tp_model.train_step(ctx, model, opt, 1)
+    _save(durable, local, 1, model, opt, durable_every=5)
+    state1 = _clone(tp_model.local_state(model, opt))
+    torch.save(state1, os.path.join(base, f"state1_rank{rank}.pt"))
+    if rank == 3:
+        real_send = transfer._send
+
+        def dying_send(t: Any, folder: str, group: Any) -> str:
+            dist.send(transfer._word(transfer._OK), dst=t.dst, group=group)  # "a file follows", then death
+            os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
+            return real_send(t, folder, group)  # pragma: no cover
+
+        transfer._send = dying_send  # type: ignore[assignment]
+    tp_model.train_step(ctx, model, opt, 2)
+    try:
+        _save(durable, local, 2, model, opt, durable_every=5)
+        text = "no error"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        text = f"{type(exc).__name__}: {exc}"
+    _report(base, rank, {"error": text, "local": sorted(os.listdir(local))})
+    return text
+
+
+def killed_in_drain(rank: int, world: int, base: str, durable: str) -> Any:
+    """Every save durable: step1 drains; during step2's drain rank 1 dies copying its first file."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    import smpckpt.api._drain as drain_module
+
+    local = node_dir(base, rank)
+    ctx, model, opt = tp_model.build(LAYOUT)
+    tp_model.train_step(ctx, model, opt, 1)
+    _save(durable, local, 1, model, opt, durable_every=1)
+    wait_for_saves()
+    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state1_rank{rank}.pt"))
+    if rank == 1:
+        real_open_sink = drain_module.open_sink
+
+        def dying_open_sink(fs: Any, path: str, **kw: Any) -> Any:
+            if "step2_partial" in path:
+                os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
+            return real_open_sink(fs, path, **kw)
+
+        drain_module.open_sink = dying_open_sink  # type: ignore[assignment]
+    tp_model.train_step(ctx, model, opt, 2)
+    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state2_rank{rank}.pt"))
+    try:
+        _save(durable, local, 2, model, opt, durable_every=1)
+        wait_for_saves()
+        text = "no error"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        text = f"{type(exc).__name__}: {exc}"
+    _report(base, rank, {"error": text})
+    return text
+
+
+def resume_after(rank: int, world: int, base: str, durable: str, drop_fast: bool, then_save: int | None) -> Any:
+    """A restarted job: resume (after deleting every fast tier when ``drop_fast``), compare with the
+    states the killed job left per rank, then optionally save ``then_save`` again and resume it."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    if drop_fast and rank % 2 == 0 and os.path.isdir(local):
+        shutil.rmtree(local)
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT, seed=97)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        uc = resume_from_checkpoint(
+            durable, model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local
+        )
+    step = uc["step"]
+    want = torch.load(os.path.join(base, f"state{step}_rank{rank}.pt"))
+    out: dict[str, Any] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), want)}
+    if then_save is not None:
+        _save(durable, local, then_save, model, opt, durable_every=5)
+        ctx, model2, opt2 = tp_model.build(LAYOUT, seed=96)
+        uc2 = resume_from_checkpoint(
+            durable, model=model2, optimizer=opt2, layout=LAYOUT, specs=tp_model.SPECS, local_path=local
+        )
+        out["after_resave"] = {
+            **_info(),
+            "uc": uc2,
+            "exact": _same(tp_model.local_state(model2, opt2), tp_model.local_state(model, opt)),
+        }
+    return out
+
+
+def save_for_reshard(rank: int, world: int, base: str, durable: str) -> Any:
+    """4 ranks (tp=2, dp=2), 2 nodes: two saves (the second only in the fast tier); the global state."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    ctx, model, opt = tp_model.build(LAYOUT)
+    for step in (1, 2):
+        tp_model.train_step(ctx, model, opt, step)
+        _save(durable, local, step, model, opt, durable_every=2 if step == 1 else 3)
+    wait_for_saves()
+    return tp_model.local_state(model, opt)
+
+
+def resume_resharded(rank: int, world: int, base: str, durable: str) -> Any:
+    """2 ranks (tp=2), one rank per node (LOCAL_WORLD_SIZE=1): each reads the old node folder of its
+    number; the world and layout changed, so the load reshards from the fast tier."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    layout = ParallelLayout(tp=2)
+    ctx, model, opt = tp_model.build(layout, seed=95)
+    uc = resume_from_checkpoint(
+        durable,
+        model=model,
+        optimizer=opt,
+        layout=layout,
+        specs=tp_model.SPECS,
+        local_path=os.path.join(base, f"node{rank}"),
+    )
+    info = last_resume_info()
+    assert info is not None
+    return {**_info(), "uc": uc, "layout_changed": info.layout_changed, "state": tp_model.local_state(model, opt)}
+
+
+def refusals(rank: int, world: int, base: str, durable: str) -> Any:
+    """Errors every rank must get, by name: no LOCAL_WORLD_SIZE; node-mates naming different folders."""
+    from torch import nn
+
+    if rank == 0:
+        os.makedirs(base, exist_ok=True)
+    dist.barrier()
+    model = nn.Linear(4, 4)
+    out = {}
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    try:
+        save_checkpoint(durable, "a", model=model, local_path=node_dir(base, rank))
+        out["no_lws"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        out["no_lws"] = f"{type(exc).__name__}: {exc}"
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        save_checkpoint(durable, "b", model=model, local_path=os.path.join(base, f"rank{rank}"))
+        out["mates_differ"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        out["mates_differ"] = f"{type(exc).__name__}: {exc}"
+    out["left"] = sorted(os.listdir(base))
+    return out
+
+
+def main_world(rank: int, world: int, base: str) -> dict[str, Any]:
+    """One 4-rank world for the cases that need no killed rank (spawning costs seconds on 2 cores)."""
+    out: dict[str, Any] = {"refusals": refusals(rank, world, os.path.join(base, "refusals"), os.path.join(base, "r"))}
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out["sync"] = five_saves(rank, world, os.path.join(base, "sync", "fast"), os.path.join(base, "sync", "durable"))
+    out["async"] = five_saves(
+        rank, world, os.path.join(base, "async", "fast"), os.path.join(base, "async", "durable"), True
+    )
+    out["reshard"] = save_for_reshard(
+        rank, world, os.path.join(base, "reshard", "fast"), os.path.join(base, "reshard", "durable")
+    )
+    return out
+
+
+def resume_killed(rank: int, world: int, base: str) -> dict[str, Any]:
+    """After the two killed jobs: resume each (replication kill: then save step2 again; drain kill: then
+    lose every fast tier and resume the durable one)."""
+    rep, drain = os.path.join(base, "replication"), os.path.join(base, "drain")
+    out = {"replication": resume_after(rank, world, os.path.join(rep, "fast"), os.path.join(rep, "durable"), False, 2)}
+    out["drain"] = resume_after(rank, world, os.path.join(drain, "fast"), os.path.join(drain, "durable"), False, None)
+    dist.barrier()
+    out["drain_no_fast"] = resume_after(
+        rank, world, os.path.join(drain, "fast"), os.path.join(drain, "durable"), True, None
+    )
     return out

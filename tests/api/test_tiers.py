@@ -1,0 +1,255 @@
+"""Tiered checkpoints (``local_path=``): 2 simulated nodes x 2 gloo ranks (``LOCAL_WORLD_SIZE=2``), each
+node's fast tier its own folder; kills during replication and during the drain; a changed world; the
+options refused by name. Single-process cases (one node, ``replicas=1``) first: they are cheap."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tier_workers
+import torch
+from dist_harness import RankFailed, run_world
+from torch import nn
+
+from smpckpt import last_resume_info, resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt.api import _tiers
+
+
+def _linear(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(8, 8)
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _tier_record(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "smpckpt.manifest.json").read_text())["extra"]["tier"]
+
+
+# -- one process, one node ---------------------------------------------------------------------------
+def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -> None:
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    _tiers._DURABLE_SEQ.clear()
+    models = {}
+    for step in range(1, 4):
+        models[step] = _linear(step)
+        save_checkpoint(durable, f"s{step}", model=models[step], local_path=local, replicas=1, durable_every=2)
+    wait_for_saves()
+    assert sorted(os.listdir(local)) == ["s2_partial", "s3_partial"]  # num_kept_local=2
+    assert sorted(os.listdir(durable)) == ["newest", "s2_partial"]
+    assert (durable / "newest").read_text().strip() == "s2"
+    assert [_tier_record(local / f"s{s}_partial")["seq"] for s in (2, 3)] == [2, 3]
+    assert _tier_record(durable / "s2_partial") == {
+        "seq": 2,
+        "durable": True,
+        "replicas": 1,
+        "nodes": 1,
+        "local_world_size": 1,
+    }
+    # the durable copy is the fast tier's, byte for byte (drained from its files)
+    for name in os.listdir(local / "s2_partial"):
+        assert (durable / "s2_partial" / name).read_bytes() == (local / "s2_partial" / name).read_bytes()
+
+    got = _linear(99)
+    resume_from_checkpoint(durable, model=got, local_path=local)
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier, info.from_peers) == ("s3", "fast", ())
+    assert _same(got, models[3])
+
+    # a restart (nothing cached) keeps counting from the saves already there: s4 is save 4, durable
+    _tiers._DURABLE_SEQ.clear()
+    models[4] = _linear(4)
+    save_checkpoint(durable, "s4", model=models[4], local_path=local, replicas=1, durable_every=2)
+    wait_for_saves()
+    assert _tier_record(durable / "s4_partial")["seq"] == 4
+
+    for name in os.listdir(local):  # the whole fast tier lost: the newest durable checkpoint
+        (local / name).rename(tmp_path / f"gone-{name}")
+    got = _linear(98)
+    resume_from_checkpoint(durable, model=got, local_path=local)
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s4", "durable")
+    assert _same(got, models[4])
+
+
+def test_corrupt_fast_copy_falls_back_to_the_durable_one(tmp_path: Path) -> None:
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    _tiers._DURABLE_SEQ.clear()
+    m1, m2 = _linear(1), _linear(2)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
+    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1, durable_every=1)
+    wait_for_saves()
+    data = [p for p in (local / "s2_partial").iterdir() if p.name.endswith(".distcp")]
+    raw = bytearray(data[0].read_bytes())
+    raw[-1] ^= 0xFF
+    data[0].write_bytes(bytes(raw))
+    (durable / "s2_partial" / "smpckpt.manifest.json").unlink()  # the durable s2 is gone too: s1 there
+    got = _linear(99)
+    with pytest.warns(UserWarning, match="from the fast tier failed"):
+        resume_from_checkpoint(durable, model=got, local_path=local)
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s1", "durable")
+    assert _same(got, m1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replicas": 3}, "replicas apply only with local_path"),
+        ({"durable_every": 3, "num_kept_local": 1}, "durable_every, num_kept_local apply only with local_path"),
+        ({"local_path": "s3://bucket/x"}, "not a URL"),
+        ({"local_path": "LOCAL", "replicas": 2}, "replicas=2 needs 2 nodes, this job has 1"),
+        ({"local_path": "LOCAL", "replicas": 0}, "replicas must be >= 1"),
+        ({"local_path": "LOCAL", "durable_every": 0}, "durable_every must be >= 1"),
+        ({"local_path": "LOCAL", "overwrite": True}, "overwrite does not apply with local_path"),
+        ({"local_path": "LOCAL", "partial": False}, "local_path applies only to partial checkpoints"),
+    ],
+)
+def test_tier_options_refused_by_name(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    kwargs = {k: str(tmp_path / "fast") if v == "LOCAL" else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=message):
+        save_checkpoint(tmp_path / "durable", "t", model=_linear(0), **kwargs)
+    assert not (tmp_path / "durable").exists() and not (tmp_path / "fast").exists()
+
+
+def test_a_tag_in_either_tier_is_not_saved_again(tmp_path: Path) -> None:
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    _tiers._DURABLE_SEQ.clear()
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1)
+    wait_for_saves()
+    with pytest.raises(Exception, match="already committed in the fast tier"):
+        save_checkpoint(durable, "s1", model=_linear(2), local_path=local, replicas=1)
+    os.rename(local / "s1_partial", tmp_path / "moved")
+    with pytest.raises(Exception, match="already holds a committed checkpoint"):
+        save_checkpoint(durable, "s1", model=_linear(2), local_path=local, replicas=1)
+
+
+# -- 2 nodes x 2 ranks -------------------------------------------------------------------------------
+# Spawning 4 ranks costs ~9 s on 2 cores: one world runs every case without a killed rank, one world
+# per kill, one world resumes both killed jobs, one 2-rank world reshards.
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("tiers")
+    return base, run_world(tier_workers.main_world, 4, str(base))
+
+
+def _reports(base: Path) -> dict[int, Any]:
+    out = {}
+    for rank in range(4):
+        path = base / f"report{rank}.pkl"
+        if path.exists():
+            out[rank] = pickle.loads(path.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, Any]], list[dict[str, Any]]]:
+    """Rank 3 killed during step2's replica transfers; rank 1 killed during step2's drain; then one
+    restarted world resumes both."""
+    base = tmp_path_factory.mktemp("killed")
+    reports = {}
+    for name, fn, victim in (
+        ("replication", tier_workers.killed_in_replication, 3),
+        ("drain", tier_workers.killed_in_drain, 1),
+    ):
+        (base / name / "fast").mkdir(parents=True)
+        with pytest.raises(RankFailed, match=f"rank {victim}: no result"):
+            run_world(fn, 4, str(base / name / "fast"), str(base / name / "durable"), timeout=180)
+        reports[name] = _reports(base / name / "fast")
+    return base, reports, run_world(tier_workers.resume_killed, 4, str(base))
+
+
+@pytest.mark.dist
+def test_five_saves_keep_two_fast_and_drain_the_third(world: tuple[Path, list[dict[str, Any]]]) -> None:
+    for rank, r in enumerate(world[1]):
+        for mode in ("sync", "async"):
+            assert r[mode]["local_after_saves"] == ["step4_partial", "step5_partial"], (rank, mode)
+            assert r[mode]["durable_after_saves"] == ["newest", "step3_partial"], (rank, mode)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_node_lost_resumes_the_fifth_save_from_peer_replicas(
+    world: tuple[Path, list[dict[str, Any]]], mode: str
+) -> None:
+    for rank, r in enumerate(world[1]):
+        got = r[mode]["one_node_lost"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step5", "fast", {"step": 5}, True), rank
+        peers = got["from_peers"]
+        assert peers and {dst for _, _, dst in peers} == {2}  # node 1's first rank fetched, once per file
+        assert {src for _, src, _ in peers} <= {0, 1}
+    assert world[1][2][mode]["local_after_heal"] == ["step5_partial"]  # the lost node holds the copy again
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_fast_tier_lost_resumes_the_newest_durable_save(
+    world: tuple[Path, list[dict[str, Any]]], mode: str
+) -> None:
+    for rank, r in enumerate(world[1]):
+        got = r[mode]["all_lost"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step3", "durable", {"step": 3}, True), rank
+
+
+@pytest.mark.dist
+def test_ranks_without_local_world_size_or_with_different_node_folders_are_refused(
+    world: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for rank, r in enumerate(world[1]):
+        got = r["refusals"]
+        assert "needs LOCAL_WORLD_SIZE" in got["no_lws"], (rank, got)
+        assert "local_path differs between ranks of node" in got["mates_differ"], (rank, got)
+        assert got["left"] == [], (rank, got)
+
+
+@pytest.mark.dist
+def test_a_smaller_world_reshards_from_the_fast_tier(world: tuple[Path, list[dict[str, Any]]]) -> None:
+    base, saved = world[0] / "reshard", [r["reshard"] for r in world[1]]
+    out = run_world(tier_workers.resume_resharded, 2, str(base / "fast"), str(base / "durable"))
+    for rank, r in enumerate(out):
+        assert (r["tag"], r["tier"], r["uc"], r["layout_changed"]) == ("step2", "fast", {"step": 2}, True), rank
+        want = saved[rank]  # old ranks 0 and 1 are tp 0 and 1 of dp 0: the same pieces
+        assert r["state"].keys() == want.keys()
+        assert all(torch.equal(r["state"][k], want[k]) for k in want), rank
+
+
+@pytest.mark.dist
+def test_kill_during_replication_leaves_the_previous_save_newest(killed: Any) -> None:
+    base, reports, resumed = killed
+    rep = reports["replication"]
+    assert sorted(rep) == [0, 1, 2], rep  # rank 3 died; every other rank got an error, none hung
+    for rank, got in rep.items():
+        assert got["error"].startswith("CheckpointError"), (rank, got)
+        if rank % 2 == 0:  # each node's first rank removed its copy of the uncommitted step2
+            assert got["local"] == ["step1_partial"], (rank, got)
+    for rank, r in enumerate(resumed):
+        got = r["replication"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step1", "fast", True), rank
+        again = got["after_resave"]  # the tag saves again: its leftovers were settled
+        assert (again["tag"], again["tier"], again["uc"], again["exact"]) == ("step2", "fast", {"step": 2}, True)
+
+
+@pytest.mark.dist
+def test_kill_during_the_drain_keeps_both_tiers_usable(killed: Any) -> None:
+    base, reports, resumed = killed
+    rep = reports["drain"]
+    assert 1 not in rep and rep, rep
+    for rank, got in rep.items():
+        assert "drain of checkpoint 'step2'" in got["error"], (rank, got)
+    durable = base / "drain" / "durable"
+    assert (durable / "newest").read_text().strip() == "step1"
+    for rank, r in enumerate(resumed):
+        # the fast tier committed step2 before its drain began: it is the newest checkpoint ...
+        got = r["drain"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step2", "fast", True), rank
+        # ... and the last durable checkpoint was never lost
+        got = r["drain_no_fast"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step1", "durable", True), rank

@@ -22,7 +22,13 @@ from smpckpt import _moved
 from smpckpt import errors as _errors
 from smpckpt._gc import gc_frozen
 from smpckpt._version import VERSION
-from smpckpt.api._async import free_staging_buffers, set_exit_status_on_failed_save, wait_for_saves
+from smpckpt.api._async import (
+    DrainStatus,
+    drain_status,
+    free_staging_buffers,
+    set_exit_status_on_failed_save,
+    wait_for_saves,
+)
 from smpckpt.api.calls import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.api.options import ResumeOptions, SaveOptions
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
@@ -47,6 +53,8 @@ def __getattr__(name: str) -> _Any:
 __all__ = [
     "consolidate_checkpoint",
     "wait_for_saves",
+    "drain_status",
+    "DrainStatus",
     "set_exit_status_on_failed_save",
     "free_staging_buffers",
     "save_checkpoint",

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,8 @@ from smpckpt.errors import CheckpointError
 __all__ = [
     "submit",
     "submit_drain",
+    "drain_status",
+    "DrainStatus",
     "wait_for_drain",
     "background_group",
     "wait_for_saves",
@@ -151,6 +153,29 @@ def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Futur
         fut = st.drain_executor.submit(run)
         st.drain, st.drain_tag = fut, tag
     return fut
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainStatus:
+    """The last drain of this process to the durable tier (tiered checkpoints)."""
+
+    tag: str
+    state: Literal["running", "done", "failed"]
+    error: str | None = None  #: the failure, until ``wait_for_saves`` or the next save raised it
+
+
+def drain_status() -> DrainStatus | None:
+    """The state of this process's last drain to the durable tier (``None``: none started)."""
+    st = _STATE
+    fut = st.drain
+    if fut is None:
+        return None
+    if not fut.done():
+        return DrainStatus(st.drain_tag, "running")
+    failed = st.drain_failed
+    if failed is not None and failed[0] == st.drain_tag:
+        return DrainStatus(st.drain_tag, "failed", f"{type(failed[1]).__name__}: {failed[1]}")
+    return DrainStatus(st.drain_tag, "failed" if fut.exception() is not None else "done")
 
 
 def wait_for_drain() -> None:

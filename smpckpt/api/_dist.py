@@ -104,12 +104,14 @@ class DistContext:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
-    def broadcast_object(self, obj: T | None) -> T:
-        """Rank 0's ``obj`` on every rank (others pass anything, typically ``None``)."""
+    def broadcast_object(self, obj: T | None, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` (group rank; default 0) on every rank (others pass anything, typically
+        ``None``)."""
         if not self.active or self.world_size == 1:
             return obj  # type: ignore[return-value]
         box = [obj]
-        dist.broadcast_object_list(box, src=self._src, group=self.pg)
+        source = self._src if src == 0 else dist.get_global_rank(self.pg, src) if self.pg is not None else src
+        dist.broadcast_object_list(box, src=source, group=self.pg)
         return box[0]  # type: ignore[return-value]
 
     def barrier(self) -> None:

@@ -25,11 +25,11 @@ from typing import Any
 
 from smpckpt.api._dist import DistContext
 from smpckpt.api._resume import ResumeRequest, Target, resolve_target
-from smpckpt.api._tiers import FastCandidate, Nodes, fast_candidates, gather_views, node_layout
+from smpckpt.api._tiers import FastCandidate, Nodes, gather_views, newest_complete, node_layout
 from smpckpt.api.options import check_local_path
 from smpckpt.catalog._save_clock import saw_checkpoint
 from smpckpt.catalog.tags import partial_dirname
-from smpckpt.errors import CheckpointError
+from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 
@@ -54,32 +54,26 @@ def choose_tier(
     nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group))  # one rank's env fails all
     local = check_local_path(local_path)
     views = gather_views(ctx, nodes, local)
+    best = newest_complete(ctx, local, views, req.tag)
 
-    def decide() -> tuple[Target | None, FastSource | None, Target | None]:
-        candidates = [c for c in fast_candidates(views) if req.tag is None or c.tag == req.tag]
-        durable = resolve_target(req.root, req.tag, req.storage_options)
-        best = next((c for c in candidates if c.complete), None)
-        for c in candidates:
-            if c is best:
-                break
-            log.warning(
-                "fast tier: checkpoint %r is committed but incomplete across the surviving nodes (missing %s); "
-                "not used",
-                c.tag,
-                ", ".join(c.missing[:5]),
-            )
-        if best is None or (durable is not None and durable.seen_ns > best.order[0]):
-            return durable, None, None
-        manifest = best.parsed()
-        target = Target.of(best.tag, f"{local}/{partial_dirname(best.tag)}", manifest, False)
-        return target, FastSource(best, _heal_transfers(best, nodes)), durable
+    def durable_target() -> Target | None:
+        try:
+            return resolve_target(req.root, req.tag, req.storage_options)
+        except CheckpointNotFound:
+            if best is None or req.tag is None:
+                raise
+            return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
-    target, fast, fallback = ctx.on_coordinator(decide)
-    if target is not None:
-        saw_checkpoint(req.root, target.seen_ns, req.storage_options)
-    if fast is not None and target is not None:
-        target = dataclasses.replace(target, url=f"{local}/{partial_dirname(target.tag)}")  # this node's copy
-    return target, fast, fallback, nodes
+    durable = ctx.on_coordinator(durable_target)
+    # the same tag in both tiers (tag=...): the fast copy; else whichever was saved later
+    if best is None or (req.tag is None and durable is not None and durable.seen_ns > best.order[0]):
+        if durable is not None:
+            saw_checkpoint(req.root, durable.seen_ns, req.storage_options)
+        return durable, None, None, nodes
+    folder = f"{local}/{partial_dirname(best.tag)}"  # this node's copy
+    target = Target.of(best.tag, folder, best.parsed(), False)
+    saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    return target, FastSource(best, _heal_transfers(best, nodes)), durable, nodes
 
 
 def _heal_transfers(best: FastCandidate, nodes: Nodes) -> tuple[Transfer, ...]:

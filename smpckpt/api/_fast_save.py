@@ -29,8 +29,8 @@ from smpckpt.api._tiers import (
     TIER_KEY,
     Nodes,
     durable_seq,
-    fast_candidates,
     gather_views,
+    newest_complete,
     node_layout,
     retain_local,
     scan_local,
@@ -89,12 +89,10 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, opts: SaveOptions) -> Tie
     local = check_local_path(opts.local_path)
     views = gather_views(ctx, nodes, local)
 
+    if newest_complete(ctx, local, views, req.tag) is not None:  # the same answer on every rank
+        raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
+
     def decide() -> int:
-        same_tag = [c for c in fast_candidates(views) if c.tag == req.tag and c.complete]
-        if same_tag:
-            raise CheckpointExists(
-                f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)"
-            )
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         return 1 + max(tier_seq(views), durable_seq(req.root, req.storage_options))

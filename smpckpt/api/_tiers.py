@@ -24,6 +24,7 @@ from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none, remove_tree
+from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
 
 __all__ = [
@@ -33,7 +34,9 @@ __all__ = [
     "node_layout",
     "scan_local",
     "gather_views",
-    "fast_candidates",
+    "committed_copies",
+    "fast_candidate",
+    "newest_complete",
     "tier_seq",
     "durable_seq",
     "note_durable_seq",
@@ -107,15 +110,18 @@ def node_layout(ctx: DistContext, process_group: Any, replicas: int = 1) -> Node
 
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
-    """One tag's folder in one node's fast tier: its manifest's bytes (``None``: not committed there)
-    and every file in it (relative name -> size)."""
+    """One tag's folder in one node's fast tier, as its first rank saw it: its manifest's digest and
+    save order (``digest`` ``None``: not committed there), its save number, every file (name -> size).
+    Manifests themselves do not travel in the listing: at 1 TiB one is ~20 MiB, and every node has one."""
 
-    manifest: bytes | None
+    digest: int | None
+    order: tuple[int, str]
+    seq: int
     files: Mapping[str, int]
 
 
 def scan_local(local_path: str) -> dict[str, LocalCopy]:
-    """(any rank) Every ``{tag}_partial`` folder in this node's fast tier."""
+    """(a node's first rank) Every ``{tag}_partial`` folder in this node's fast tier."""
     if not os.path.isdir(local_path):
         return {}
     fs, root = open_root(local_path)
@@ -123,20 +129,34 @@ def scan_local(local_path: str) -> dict[str, LocalCopy]:
     for tag, name in list_partial_tags(fs, root).items():
         folder = join(root, name)
         try:
-            out[tag] = LocalCopy(read_bytes_or_none(fs, join(folder, MANIFEST_NAME)), file_sizes(fs, folder))
+            data = read_bytes_or_none(fs, join(folder, MANIFEST_NAME))
+            files = file_sizes(fs, folder)
         except OSError as exc:  # a folder being removed: not a copy
             log.warning("fast tier %s: %s could not be read (%s); skipped", local_path, name, exc)
+            continue
+        manifest = None
+        if data is not None:
+            try:
+                manifest = Manifest.from_bytes(data, where=join(folder, MANIFEST_NAME))
+            except CheckpointCorrupt as exc:
+                log.warning("fast tier: %s; that copy is not used", exc)
+        if manifest is None:
+            out[tag] = LocalCopy(None, (0, ""), 0, files)
+        else:
+            out[tag] = LocalCopy(hash_bytes(data or b""), record_order(manifest), seq_of(manifest), files)
     return out
 
 
 def gather_views(ctx: DistContext, nodes: Nodes, local_path: Any) -> list[dict[str, LocalCopy]]:
-    """(all ranks) Every rank's scan of its node's fast tier, in rank order; refuses ranks of one node
-    that name different folders (they would write one node's share twice, or not at all)."""
+    """(all ranks) Every node's fast tier as its first rank listed it, by rank (a node's ranks share
+    its listing); refuses ranks of one node that name different folders (they would write one node's
+    share twice, or not at all) and ranks that disagree on ``LOCAL_WORLD_SIZE``."""
     mine = check_local_path(local_path)
-    got = ctx.all_gather_object((mine, nodes.local_world_size, scan_local(mine)))
+    got = ctx.all_gather_object((mine, nodes.local_world_size, scan_local(mine) if nodes.is_leader else None))
     sizes = sorted({lws for _, lws, _ in got})
     if len(sizes) > 1:
         raise ValueError(f"LOCAL_WORLD_SIZE differs between ranks ({sizes}); every rank must see the same")
+    views = []
     for rank, (path, _, _) in enumerate(got):
         leader = nodes.ranks_of(nodes.node_of(rank))[0]
         if path != got[leader][0]:
@@ -144,7 +164,8 @@ def gather_views(ctx: DistContext, nodes: Nodes, local_path: Any) -> list[dict[s
                 f"local_path differs between ranks of node {nodes.node_of(rank)}: rank {leader} passes "
                 f"{got[leader][0]!r}, rank {rank} {path!r}; every rank of a node passes its node's folder"
             )
-    return [view for _, _, view in got]
+        views.append(got[leader][2] or {})
+    return views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +185,6 @@ class FastCandidate:
     def parsed(self) -> Manifest:
         return Manifest.from_bytes(self.manifest, where=f"fast-tier manifest of {self.tag!r}")
 
-    def seq(self) -> int:
-        return seq_of(self.parsed())
-
 
 def seq_of(manifest: Manifest | None) -> int:
     tier = manifest.extra.get(TIER_KEY) if manifest is not None else None
@@ -174,31 +192,57 @@ def seq_of(manifest: Manifest | None) -> int:
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
 
 
-def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandidate]:
-    """(rank 0) Every tag some node committed, newest first, with its completeness across ``views``."""
-    out = []
-    tags = sorted({tag for view in views for tag in view})
-    for tag in tags:
-        manifests = {v[tag].manifest for v in views if tag in v and v[tag].manifest is not None}
-        for data in manifests:
-            if data is None:
-                continue
-            try:
-                manifest = Manifest.from_bytes(data, where=f"fast-tier manifest of {tag!r}")
-            except CheckpointCorrupt as exc:
-                log.warning("fast tier: %s; that copy is not used", exc)
-                continue
-            sizes = {f.name: f.size for f in manifest.files}
-            sizes[manifest.metadata.name] = manifest.metadata.size
-            held = {
-                name: tuple(r for r, v in enumerate(views) if tag in v and v[tag].files.get(name) == size)
-                for name, size in sizes.items()
-            }
-            held[MANIFEST_NAME] = tuple(r for r, v in enumerate(views) if tag in v and v[tag].manifest == data)
-            missing = tuple(sorted(n for n, ranks in held.items() if not ranks))
-            out.append(FastCandidate(tag, data, record_order(manifest), held, missing))
-    out.sort(key=lambda c: (c.order, c.tag), reverse=True)
-    return out
+def committed_copies(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[tuple[str, int]]:
+    """Every (tag, manifest digest) some node committed (only ``tag``'s when given), newest first."""
+    seen: dict[tuple[str, int], tuple[int, str]] = {}
+    for view in views:
+        for t, copy in view.items():
+            if copy.digest is not None and (tag is None or t == tag):
+                seen[(t, copy.digest)] = copy.order
+    return sorted(seen, key=lambda k: (seen[k], k[0]), reverse=True)
+
+
+def fast_candidate(
+    ctx: DistContext, local_path: str, views: Sequence[Mapping[str, LocalCopy]], tag: str, digest: int
+) -> FastCandidate | None:
+    """(all ranks, one broadcast) The committed copy ``(tag, digest)``: its manifest from the first rank
+    holding it, and its completeness across ``views`` (the same answer on every rank)."""
+    holders = [r for r, v in enumerate(views) if tag in v and v[tag].digest == digest]
+    data = None
+    if ctx.rank == holders[0]:
+        data = read_bytes_or_none(open_root(local_path)[0], join(join(local_path, partial_dirname(tag)), MANIFEST_NAME))
+    data = ctx.broadcast_object(data, src=holders[0])
+    if data is None or hash_bytes(data) != digest:
+        return None  # removed since the listing (retention of another job's process?): not a candidate
+    manifest = Manifest.from_bytes(data, where=f"fast-tier manifest of {tag!r}")
+    sizes = {f.name: f.size for f in manifest.files}
+    sizes[manifest.metadata.name] = manifest.metadata.size
+    held = {
+        name: tuple(r for r, v in enumerate(views) if tag in v and v[tag].files.get(name) == size)
+        for name, size in sizes.items()
+    }
+    held[MANIFEST_NAME] = tuple(holders)
+    missing = tuple(sorted(n for n, ranks in held.items() if not ranks))
+    return FastCandidate(tag, data, record_order(manifest), held, missing)
+
+
+def newest_complete(
+    ctx: DistContext, local_path: str, views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None
+) -> FastCandidate | None:
+    """(all ranks) The newest copy (of ``tag``, when given) the surviving fast tiers hold completely;
+    newer incomplete ones are named in a warning (rank 0)."""
+    for t, digest in committed_copies(views, tag):
+        found = fast_candidate(ctx, local_path, views, t, digest)
+        if found is not None and found.complete:
+            return found
+        if found is not None and ctx.is_coordinator:
+            log.warning(
+                "fast tier: checkpoint %r is committed but incomplete across the surviving nodes (missing %s); "
+                "not used",
+                t,
+                ", ".join(found.missing[:5]),
+            )
+    return None
 
 
 def durable_seq(root: str, storage_options: Any) -> int:
@@ -216,29 +260,13 @@ def note_durable_seq(root: str, seq: int) -> None:
 
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
     """The highest save number any node's committed copy carries."""
-    best = 0
-    for view in views:
-        for copy in view.values():
-            if copy.manifest is not None:
-                try:
-                    best = max(best, seq_of(Manifest.from_bytes(copy.manifest)))
-                except CheckpointCorrupt:
-                    continue
-    return best
+    return max((c.seq for view in views for c in view.values() if c.digest is not None), default=0)
 
 
 def retain_local(local_path: str, view: Mapping[str, LocalCopy], keep: int | None, protected: set[str]) -> list[str]:
     """(one rank per node) Keep the ``keep`` newest committed copies of this node (and ``protected``);
     remove older committed ones and uncommitted folders older than the newest commit. The removed tags."""
-    committed = []
-    for tag, copy in view.items():
-        if copy.manifest is None:
-            continue
-        try:
-            committed.append((record_order(Manifest.from_bytes(copy.manifest)), tag))
-        except CheckpointCorrupt:
-            continue
-    committed.sort(reverse=True)
+    committed = sorted(((c.order, tag) for tag, c in view.items() if c.digest is not None), reverse=True)
     if keep is None or not committed:
         return []
     kept = {tag for _, tag in committed[:keep]} | protected
@@ -249,7 +277,7 @@ def retain_local(local_path: str, view: Mapping[str, LocalCopy], keep: int | Non
         folder = os.path.join(local_path, partial_dirname(tag))
         if tag in kept:
             continue
-        if copy.manifest is None and os.stat(folder).st_mtime >= newest_mtime:
+        if copy.digest is None and os.stat(folder).st_mtime >= newest_mtime:
             continue  # possibly a save of another process still writing: only older debris goes
         failed = remove_tree(fs, join(root, partial_dirname(tag)))
         if failed:

@@ -149,7 +149,9 @@ def save_checkpoint(
     ``. _ - + = @ ,`` (validated up front). ``user_content``: any picklable value, rank 0's is saved
     (values that weights-only loading rejects need ``allow_pickle=True`` on resume: a warning says so).
     With ``async_save=True`` returns a ``concurrent.futures.Future`` that completes when the save is
-    durable; else ``None``.
+    durable; else ``None``. With ``local_path=`` the save is tiered: committed to every node's fast tier
+    (with replicas on other nodes), every ``durable_every``-th one drained to ``path`` in the background
+    (README, "Tiered checkpoints"; an async save's future completes when the fast tier is committed).
 
     Args:
         path: checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``).

@@ -16,7 +16,14 @@ import torch
 from dist_harness import RankFailed, run_world
 from torch import nn
 
-from smpckpt import last_resume_info, resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt import (
+    DrainStatus,
+    drain_status,
+    last_resume_info,
+    resume_from_checkpoint,
+    save_checkpoint,
+    wait_for_saves,
+)
 from smpckpt.api import _tiers
 
 
@@ -43,6 +50,7 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
         models[step] = _linear(step)
         save_checkpoint(durable, f"s{step}", model=models[step], local_path=local, replicas=1, durable_every=2)
     wait_for_saves()
+    assert drain_status() == DrainStatus("s2", "done")
     assert sorted(os.listdir(local)) == ["s2_partial", "s3_partial"]  # num_kept_local=2
     assert sorted(os.listdir(durable)) == ["newest", "s2_partial"]
     assert (durable / "newest").read_text().strip() == "s2"
@@ -130,6 +138,50 @@ def test_a_tag_in_either_tier_is_not_saved_again(tmp_path: Path) -> None:
     os.rename(local / "s1_partial", tmp_path / "moved")
     with pytest.raises(Exception, match="already holds a committed checkpoint"):
         save_checkpoint(durable, "s1", model=_linear(2), local_path=local, replicas=1)
+
+
+def test_drain_to_s3_and_resume_from_it(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """S3 (moto on loopback) as the durable root: the fast tier writes the files under hex prefixes,
+    the drain copies them under the same names, and a resume without the fast tier reads them."""
+    import s3fs
+
+    root, options = s3_root
+    local = tmp_path / "fast"
+    _tiers._DURABLE_SEQ.clear()
+    m1 = _linear(1)
+    save_checkpoint(root, "s1", model=m1, local_path=local, replicas=1, storage_options=options)
+    wait_for_saves()
+    fs = s3fs.S3FileSystem(**options)
+    bucket_path = root[len("s3://") :]
+    names = sorted(p[len(bucket_path) + 1 :] for p in fs.find(f"{bucket_path}/s1_partial"))
+    local_names = sorted(
+        str(p.relative_to(local / "s1_partial")) for p in (local / "s1_partial").rglob("*") if p.is_file()
+    )
+    assert [n.split("/", 1)[1] for n in names] == local_names
+    assert any(n.count("/") == 2 for n in names)  # s1_partial/<prefix>/<file>
+    got = _linear(9)
+    resume_from_checkpoint(root, model=got, storage_options=options, local_path=tmp_path / "empty")
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s1", "durable")
+    assert _same(got, m1)
+
+
+def test_tag_asked_for_comes_from_the_fast_tier_when_its_drain_never_committed(tmp_path: Path) -> None:
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    _tiers._DURABLE_SEQ.clear()
+    m1, m2 = _linear(1), _linear(2)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
+    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)
+    wait_for_saves()
+    (durable / "s2_partial" / "smpckpt.manifest.json").unlink()  # as a drain killed before its commit
+    for tag, want in (("s1", m1), ("s2", m2)):
+        got = _linear(9)
+        resume_from_checkpoint(durable, tag=tag, model=got, local_path=local)
+        info = last_resume_info()
+        assert info is not None and (info.tag, info.tier) == (tag, "fast")
+        assert _same(got, want)
+    with pytest.raises(Exception, match="no checkpoint 's3'"):
+        resume_from_checkpoint(durable, tag="s3", model=_linear(9), local_path=local)
 
 
 # -- 2 nodes x 2 ranks -------------------------------------------------------------------------------

@@ -9,12 +9,19 @@ botocore's own ``AWS_ENDPOINT_URL``.
 ``PATH/TAG`` (inspect, verify) is a checkpoint root plus a tag and resolves to ``PATH/TAG_partial``;
 the checkpoint folder itself is accepted too.
 
+``ls`` and ``verify`` take ``--local DIR ...``: node folders of the fast tier of tiered checkpoints
+(``save_checkpoint(local_path=...)``), judged together (``smpckpt.tools._tiers``, ``._tier_verify``).
+``ls --json`` keeps ``path``, ``newest`` and ``checkpoints`` (the durable root) as without ``--local``
+and adds ``fast``: ``{"folders", "checkpoints", "warnings"}`` (one row per committed save, newest first:
+``FastRow.to_json``) and ``resume``: ``{"tier": "fast"|"durable", "tag", "save_id"}`` or ``null``.
+
 Exit status: 0 success; 1 a problem was found (verify) or the command failed; 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,9 +33,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.catalog.listing import newest_tag, scan_root
-from smpckpt.errors import CheckpointError
+from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.record import LayoutRecord
-from smpckpt.storage import FsspecStorageReader, verify_checkpoint
+from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
 from smpckpt.tools._common import (
     ENV_OPTIONS,
     UsageError,
@@ -39,6 +46,16 @@ from smpckpt.tools._common import (
     storage_options_arg,
 )
 from smpckpt.tools._maintain import DTYPES, TRANSLATIONS, cmd_consolidate, cmd_convert, cmd_prune, duration
+from smpckpt.tools._tier_verify import verify_fast, write_fast_report
+from smpckpt.tools._tiers import (
+    FastRow,
+    check_local_dirs,
+    fast_rows,
+    resume_pick,
+    split_tag_spec,
+    write_fast_table,
+    write_table,
+)
 
 __all__ = ["main", "build_parser", "resolve_checkpoint_url"]
 
@@ -49,8 +66,17 @@ _PROGRESS_MIN_BYTES = 256 << 20
 # -- commands ----------------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     options = storage_options_arg(args.storage_options)
+    local = check_local_dirs(args.local) if args.local else None
     records = scan_root(args.path, storage_options=options)
     newest = newest_tag(args.path, storage_options=options)
+    fast: list[FastRow] = []
+    notes: list[str] = []
+    pick, why = None, ""
+    if local is not None:
+        fast, notes = fast_rows(local, records)
+        pick, why = resume_pick(fast, args.path, options)
+    durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
+    fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
     rows: list[dict[str, Any]] = []
     for r in records:
         rows.append(
@@ -65,27 +91,36 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             }
         )
     if args.json:
-        json.dump({"path": args.path, "newest": newest, "checkpoints": rows}, out, indent=1)
+        doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows}
+        if local is not None:
+            marks = [f.save_id is not None and f.save_id == fast_pick for f in fast]
+            doc["fast"] = {
+                "folders": local,
+                "checkpoints": [f.to_json(mark) for f, mark in zip(fast, marks)],
+                "warnings": notes,
+            }
+            doc["resume"] = dataclasses.asdict(pick) if pick is not None else None
+        json.dump(doc, out, indent=1)
         out.write("\n")
         return 0
     if not rows:
         out.write(f"no partial checkpoints under {args.path}\n")
-        return 0
-    header = ("", "TAG", "STATE", "SIZE", "LAYOUT", "SAVED")
-    table: list[tuple[str, ...]] = [header] + [
-        (
-            "*" if row["newest"] else "",
-            row["tag"],
-            row["state"],
-            human(row["size"]),
-            layout_text(row["layout"]),
-            row["saved_at"] or "-",
+    else:
+        write_table(
+            out,
+            ("", "TAG", "STATE", "SIZE", "LAYOUT", "SAVED"),
+            [
+                (
+                    ("*" if row["newest"] else "") + (">" if row["tag"] == durable_pick else ""),
+                    row["tag"],
+                    row["state"],
+                    human(row["size"]),
+                    layout_text(row["layout"]),
+                    row["saved_at"] or "-",
+                )
+                for row in rows
+            ],
         )
-        for row in rows
-    ]
-    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
-    for line in table:
-        out.write("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() + "\n")
     for r in records:
         if r.state in ("unsafe", "corrupt", "unreadable"):
             out.write(f"warning: {r.tag} is {r.state}: {r.detail}\n")
@@ -93,6 +128,10 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write("(no valid 'newest' file)\n")
     elif newest not in {r.tag for r in records if r.committed}:
         out.write(f"warning: 'newest' names {newest!r}, which is not a committed checkpoint\n")
+    if local is not None:
+        write_fast_table(out, local, fast, notes, fast_pick)
+        where = {"fast": "the fast tier", "durable": f"{args.path} (durable)"}
+        out.write(f"resume: {pick.tag} from {where[pick.tier]}\n" if pick is not None else f"resume: none ({why})\n")
     return 0
 
 
@@ -187,8 +226,40 @@ class _ProgressBar:
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     options = storage_options_arg(args.storage_options)
+    if not args.local:
+        return _verify_durable(resolve_checkpoint_url(args.checkpoint, options), options, args.progress, out, err)
+    local = check_local_dirs(args.local)
+    root, tag = split_tag_spec(args.checkpoint)
     url = resolve_checkpoint_url(args.checkpoint, options)
+    state = checkpoint_state(url, options)
     bar = _ProgressBar(err, args.progress)
+    try:
+        fast = verify_fast(local, tag, progress=bar)
+    finally:
+        bar.close()
+    fast_committed = fast is not None and (fast.manifest is not None or bool(fast.problems))
+    if state not in ("committed", "legacy") and not fast_committed:
+        held = (
+            "holds it" if fast is None else "holds it committed (files without a manifest: a save that did not finish)"
+        )
+        raise CheckpointNotFound(
+            f"checkpoint {tag!r} is in neither tier: nothing committed at {url} ({state}), and none of the fast "
+            f"tier folders {', '.join(local)} {held}"
+        )
+    rc = 0
+    if state in ("committed", "legacy"):
+        rc = _verify_durable(url, options, args.progress, out, err)
+    else:
+        out.write(f"durable: {root} holds no committed {tag!r} ({state}): only the fast tier's copy is verified\n")
+    if fast is None or not fast_committed:
+        where = "in none of" if fast is None else "not committed in any of"
+        out.write(f"fast tier: {tag!r} is {where} the {len(local)} folder(s)\n")
+        return rc
+    return max(rc, write_fast_report(fast, out, err))
+
+
+def _verify_durable(url: str, options: dict[str, Any], progress: str, out: TextIO, err: TextIO) -> int:
+    bar = _ProgressBar(err, progress)
     try:
         report = verify_checkpoint(url, options, progress=bar)
     finally:
@@ -217,7 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"fsspec storage options as JSON (default: ${ENV_OPTIONS})",
     )
 
-    p = sub.add_parser("ls", parents=[common], help="list the tags under a checkpoint root")
+    local = argparse.ArgumentParser(add_help=False)
+    local.add_argument(
+        "--local",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="DIR",
+        help="node folders of the fast tier (save_checkpoint's local_path), judged together; repeatable",
+    )
+
+    p = sub.add_parser("ls", parents=[common, local], help="list the tags under a checkpoint root (and fast tier)")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_ls)
@@ -227,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("verify", parents=[common], help="check completeness and every checksum")
+    p = sub.add_parser(
+        "verify", parents=[common, local], help="check completeness and every checksum (durable and fast tier)"
+    )
     p.add_argument("checkpoint", metavar="PATH/TAG")
     p.add_argument(
         "--progress",

@@ -1,0 +1,354 @@
+"""``smpckpt ls`` / ``smpckpt verify`` with ``--local``: both tiers of tiered checkpoints (issue 36).
+
+Real tiered saves: a one-node fast tier from a single process (cheap), node folders split by hand from
+it, and one 4-rank world (2 nodes of 2 ranks, gloo) whose node folders hold replicas, or not.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+import tp_model
+from dist_harness import run_world
+from torch import nn
+
+from smpckpt import ParallelLayout, save_checkpoint, wait_for_saves
+from smpckpt.storage import Manifest, read_manifest
+from smpckpt.tools.cli import main
+
+MANIFEST = "smpckpt.manifest.json"
+FAST_HEADER = ["TAG", "SEQ", "COMMITTED", "PARTS", "STATE", "DURABLE", "SIZE", "SAVED"]
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(list(argv), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _manifest(folder: str) -> Manifest:
+    with open(os.path.join(folder, MANIFEST), "rb") as f:
+        return Manifest.from_bytes(f.read())
+
+
+def _fast_rows(out: str) -> list[list[str]]:
+    """The fast-tier table's rows (split on whitespace), after its header."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == FAST_HEADER) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith(("resume:", "note:", "warning:"))), None)
+    return [line.split() for line in lines[start:end]]
+
+
+def _flip_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
+# -- one node, one process -----------------------------------------------------------------------------
+@pytest.fixture
+def tiered(tmp_path: Any) -> tuple[str, str]:
+    """(durable root, node folder): step1..3 saved with a fast tier, durable_every=2 -> PATH holds step2,
+    the fast tier step2 and step3 (num_kept_local=2)."""
+    root, node = str(tmp_path / "run"), str(tmp_path / "node0")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    for i in (1, 2, 3):
+        save_checkpoint(root, f"step{i}", model=m, local_path=node, replicas=1, durable_every=2)
+    wait_for_saves()
+    assert sorted(os.listdir(root)) == ["newest", "step2_partial"]
+    assert sorted(os.listdir(node)) == ["step2_partial", "step3_partial"]
+    return root, node
+
+
+def test_ls_local_lists_the_fast_tier_and_the_resume_pick(tiered: tuple[str, str]) -> None:
+    root, node = tiered
+    n = len(_manifest(f"{node}/step3_partial").files) + 1  # data files + the generation's metadata
+    rc, out, err = _run("ls", root, "--local", node)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["TAG", "STATE", "SIZE", "LAYOUT", "SAVED"]
+    assert lines[1].split()[:3] == ["*", "step2", "committed"]  # the durable table as without --local
+    assert lines[2] == f"fast tier (1 folder(s): {node}), newest first:"
+    assert _fast_rows(out) == [
+        [">", "step3", "3", "1/1", f"{n}/{n}", "complete", "no", *_fast_rows(out)[0][7:]],
+        ["step2", "2", "1/1", f"{n}/{n}", "complete", "yes", *_fast_rows(out)[1][6:]],
+    ]
+    assert lines[-1] == "resume: step3 from the fast tier"
+
+    rc, plain_out, _ = _run("ls", root, "--json")
+    plain = json.loads(plain_out)
+    assert "fast" not in plain and "resume" not in plain  # without --local: the JSON of before
+    rc, out, _ = _run("ls", root, "--local", node, "--json")
+    doc = json.loads(out)
+    assert {k: doc[k] for k in ("path", "newest", "checkpoints")} == plain  # the durable part unchanged
+    step3 = _manifest(f"{node}/step3_partial")
+    assert doc["resume"] == {"tier": "fast", "tag": "step3", "save_id": step3.save_id}
+    assert doc["fast"]["folders"] == [node]
+    got = [
+        {k: row[k] for k in ("tag", "state", "resume", "seq", "committed_in", "parts_held", "missing", "durable")}
+        for row in doc["fast"]["checkpoints"]
+    ]
+    assert got == [
+        dict(
+            tag="step3",
+            state="complete",
+            resume=True,
+            seq=3,
+            committed_in=[node],
+            parts_held=n,
+            missing=[],
+            durable="no",
+        ),
+        dict(
+            tag="step2",
+            state="complete",
+            resume=False,
+            seq=2,
+            committed_in=[node],
+            parts_held=n,
+            missing=[],
+            durable="yes",
+        ),
+    ]
+    assert doc["fast"]["checkpoints"][0]["size"] == step3.total_bytes
+    assert doc["fast"]["checkpoints"][0]["holds"] == {node: n}
+
+
+def test_ls_resume_picks_the_durable_tier_when_it_is_newer(tiered: tuple[str, str]) -> None:
+    root, node = tiered
+    save_checkpoint(root, "step4", model=nn.Linear(2, 2))  # no fast tier: PATH only, saved last
+    rc, out, _ = _run("ls", root, "--local", node)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[2].split()[:2] == ["*>", "step4"]  # newest and the resume pick
+    assert [row[0] for row in _fast_rows(out)] == ["step3", "step2"]  # no '>' in the fast tier
+    assert lines[-1] == f"resume: step4 from {root} (durable)"
+
+
+def test_verify_local_checks_the_fast_copy_and_the_durable_one(tiered: tuple[str, str]) -> None:
+    root, node = tiered
+    m3 = _manifest(f"{node}/step3_partial")
+    nfiles = len(m3.files)
+    rc, out, err = _run("verify", f"{root}/step3", "--local", node)  # only in the fast tier
+    assert rc == 0, err
+    assert out.splitlines()[:3] == [
+        f"durable: {root} holds no committed 'step3' (missing): only the fast tier's copy is verified",
+        f"fast tier: step3 (save {m3.save_id}, seq 3) in 1 folder(s):",
+        f"  {node}: committed; {nfiles}/{nfiles} data files (all of rank 0), metadata",
+    ]
+    assert out.splitlines()[3].startswith(f"OK fast tier step3: complete; {nfiles + 1} file copies, ")
+
+    rc, out, err = _run("verify", f"{root}/step2", "--local", node)  # in both tiers: both verified
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"OK {root}/step2_partial: {nfiles + 1} files")
+    assert lines[-1].startswith("OK fast tier step2: complete;")
+
+
+def test_verify_local_names_a_corrupt_byte_in_a_fast_tier_file(tiered: tuple[str, str]) -> None:
+    root, node = tiered
+    folder = f"{node}/step2_partial"
+    files = _manifest(folder).files
+    name = sorted(f.name for f in files)[0]
+    _flip_byte(f"{folder}/{name}")
+    rc, out, err = _run("verify", f"{root}/step2", "--local", node)
+    assert rc == 1
+    assert out.splitlines()[0].startswith(f"OK {root}/step2_partial:")  # the durable copy is intact
+    assert f"  {node}: committed; {len(files) - 1}/{len(files)} data files, metadata; 1 problem(s)\n" in out
+    assert f"FAILED fast tier step2: 2 problem(s)\n  {folder}/{name}: checksum mismatch in bytes " in err
+    assert f"no folder holds {name} (rank 0's data file) intact" in err
+    assert _run("verify", f"{root}/step2")[0] == 0  # without --local: the durable copy only, as before
+
+
+def _split(node: str, base: str, tag: str, a_names: list[str] | None) -> tuple[str, str, list[str], list[str]]:
+    """Two hand-made node folders A and B of ``tag``'s one-node copy: A holds ``a_names`` (default: the
+    first half of the data files) and the metadata, B the other data files (all of them when
+    ``a_names`` is given); both hold the manifest."""
+    src = f"{node}/{tag}_partial"
+    m = _manifest(src)
+    names = sorted(f.name for f in m.files)
+    first = a_names if a_names is not None else names[: len(names) // 2]
+    second = names if a_names is not None else names[len(names) // 2 :]
+    dirs = []
+    for label, held in (("A", first + [m.metadata.name, ".metadata"]), ("B", second)):
+        d = os.path.join(base, label)
+        os.makedirs(f"{d}/{tag}_partial")
+        for n in held + [MANIFEST]:
+            shutil.copy2(f"{src}/{n}", f"{d}/{tag}_partial/{n}")
+        dirs.append(d)
+    return dirs[0], dirs[1], first, second
+
+
+def test_two_folders_complete_together_and_missing_without_one(tiered: tuple[str, str], tmp_path: Any) -> None:
+    root, node = tiered
+    a, b, first, second = _split(node, str(tmp_path / "split"), "step3", None)
+    n = len(first) + len(second) + 1
+    rc, out, _ = _run("ls", root, "--local", a, b)
+    assert _fast_rows(out) == [[">", "step3", "3", "2/2", f"{n}/{n}", "complete", "no", *_fast_rows(out)[0][7:]]]
+    rc, out, err = _run("verify", f"{root}/step3", "--local", a, b)
+    assert rc == 0, err
+    assert f"  {a}: committed; {len(first)}/{n - 1} data files, metadata\n" in out
+    assert f"  {b}: committed; {len(second)}/{n - 1} data files, no metadata\n" in out
+
+    shutil.rmtree(f"{b}/step3_partial")  # node B lost its copy; A holds no replicas of B's files
+    rc, out, _ = _run("ls", root, "--local", a, b)
+    held = len(first) + 1
+    assert _fast_rows(out) == [
+        ["step3", "3", "1/2", f"{held}/{n}", "missing", str(len(second)), "no", *_fast_rows(out)[0][7:]]
+    ]
+    assert out.splitlines()[-1] == f"resume: step2 from {root} (durable)"
+    rc, out, err = _run("verify", f"{root}/step3", "--local", a, b)
+    assert rc == 1
+    assert f"  {b}: absent\n" in out
+    assert [line for line in err.splitlines() if "no folder holds" in line] == [
+        f"  step3: no folder holds {name} (rank 0's data file) intact: the fast-tier copy is incomplete"
+        for name in second
+    ]
+
+
+def test_a_folder_holding_replicas_keeps_the_tag_complete(tiered: tuple[str, str], tmp_path: Any) -> None:
+    root, node = tiered
+    a, b, first, second = _split(node, str(tmp_path / "split"), "step3", [])  # B holds every data file
+    shutil.rmtree(f"{a}/step3_partial")  # A (with the metadata) lost: the metadata is gone too
+    rc, out, _ = _run("ls", root, "--local", a, b)
+    assert _fast_rows(out)[0][:5] == ["step3", "3", "1/2", f"{len(second)}/{len(second) + 1}", "missing"]
+    shutil.copy2(f"{node}/step3_partial/{_manifest(b + '/step3_partial').metadata.name}", f"{b}/step3_partial/")
+    rc, out, _ = _run("ls", root, "--local", a, b)
+    assert _fast_rows(out)[0][:6] == [">", "step3", "3", "1/2", f"{len(second) + 1}/{len(second) + 1}", "complete"]
+    rc, out, err = _run("verify", f"{root}/step3", "--local", a, b)
+    assert rc == 0, err
+    assert f"  {a}: absent\n  {b}: committed; {len(second)}/{len(second)} data files (all of rank 0), metadata\n" in out
+
+
+def test_folders_whose_manifests_disagree_fail_verify(tiered: tuple[str, str], tmp_path: Any) -> None:
+    root, node = tiered
+    a, b, _, _ = _split(node, str(tmp_path / "split"), "step3", None)
+    shutil.copy2(f"{node}/step2_partial/{MANIFEST}", f"{b}/step3_partial/{MANIFEST}")  # another save's
+    old, new = _manifest(f"{node}/step2_partial"), _manifest(f"{node}/step3_partial")
+    rc, out, _ = _run("ls", root, "--local", a, b)
+    # completeness goes by the files the folders hold, as resume judges it: step3's are all there
+    n_new, n_old = len(new.files) + 1, len(old.files) + 1
+    assert [row[:6] for row in _fast_rows(out)] == [
+        [">", "step3", "3", "1/2", f"{n_new}/{n_new}", "complete"],
+        ["step3", "2", "1/2", f"0/{n_old}", "missing", str(n_old)],
+    ]
+    assert "warning: step3: the folders hold 2 different committed saves of this tag" in out
+    rc, out, err = _run("verify", f"{root}/step3", "--local", a, b)
+    assert rc == 1
+    assert f"  {b}: other save;" in out
+    assert (
+        f"  {b}: its manifest of 'step3' (save {old.save_id}) differs from the newest one the folders hold "
+        f"(save {new.save_id})"
+    ) in err
+
+
+def test_a_corrupt_fast_tier_manifest_is_named(tiered: tuple[str, str]) -> None:
+    root, node = tiered
+    path = f"{node}/step3_partial/{MANIFEST}"
+    _flip_byte(path)
+    rc, out, _ = _run("ls", root, "--local", node)
+    assert rc == 0
+    assert _fast_rows(out)[0][:2] == [">", "step2"]  # the corrupt copy is not a resume candidate
+    assert any(row[:1] == ["step3"] and "corrupt" in row for row in _fast_rows(out))
+    assert f"warning: {path} is " in out
+    rc, out, err = _run("verify", f"{root}/step3", "--local", node)
+    assert rc == 1
+    assert f"  {node}: corrupt manifest; 1 problem(s)" in out
+    assert f"FAILED fast tier step3: 1 problem(s)\n  {path} is " in err
+
+
+def test_usage_errors_and_unknown_tags(tiered: tuple[str, str], tmp_path: Any) -> None:
+    root, node = tiered
+    missing = str(tmp_path / "nowhere")
+    for cmd, target in (("ls", root), ("verify", f"{root}/step3")):
+        rc, _, err = _run(cmd, target, "--local", node, missing)
+        assert (rc, err.splitlines()[0]) == (
+            2,
+            f"smpckpt {cmd}: --local '{missing}': no such folder (a node's fast tier, the local_path it saved to)",
+        )
+        rc, _, err = _run(cmd, target, "--local", node, node + "/")
+        assert rc == 2 and f"--local '{node}' is the same folder as --local '{node}'" in err
+    rc, _, err = _run("verify", f"{root}/step9", "--local", node)
+    assert rc == 1
+    assert f"CheckpointNotFound: checkpoint 'step9' is in neither tier: nothing committed at {root}/step9" in err
+    assert node in err
+    rc, _, err = _run("verify", f"{root}/bad*tag", "--local", node)
+    assert rc == 2 and "is not PATH/TAG: invalid checkpoint tag 'bad*tag'" in err
+    os.makedirs(f"{node}/step7_partial")
+    open(f"{node}/step7_partial/x.distcp", "wb").close()  # a save that never committed
+    rc, out, _ = _run("ls", root, "--local", node)
+    assert ["step7", "-", "0/1", "1/?", "uncommitted", "-", "-", "-"] in _fast_rows(out)
+    assert "note: step7 is uncommitted: no folder holds a manifest" in out
+    rc, _, err = _run("verify", f"{root}/step7", "--local", node)
+    assert rc == 1 and "'step7' is in neither tier" in err and "files without a manifest" in err
+
+
+# -- two nodes of two ranks ------------------------------------------------------------------------------
+LAYOUT = ParallelLayout(tp=2, dp=2)
+
+
+def two_saves(rank: int, world: int, base: str, durable: str) -> None:
+    """(4 ranks, LOCAL_WORLD_SIZE=2) step1 with replicas=2 (each node holds every file), step2 with
+    replicas=1 (each node its own ranks'); durable_every=2 drains step2 to ``durable``."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = os.path.join(base, f"node{rank // 2}")
+    ctx, model, opt = tp_model.build(LAYOUT)
+    for step, replicas in ((1, 2), (2, 1)):
+        tp_model.train_step(ctx, model, opt, step)
+        save_checkpoint(
+            durable,
+            f"step{step}",
+            model=model,
+            optimizer=opt,
+            layout=LAYOUT,
+            specs=tp_model.SPECS,
+            local_path=local,
+            replicas=replicas,
+            durable_every=2,
+        )
+    wait_for_saves()
+
+
+@pytest.mark.dist
+def test_two_nodes_with_and_without_replicas(tmp_path: Any) -> None:
+    base, root = str(tmp_path / "fast"), str(tmp_path / "run")
+    run_world(two_saves, 4, base, root, timeout=180)
+    node0, node1 = f"{base}/node0", f"{base}/node1"
+    m2 = read_manifest(f"{root}/step2_partial")
+    n = len(m2.files) + 1
+    of = {r: sorted(f.name for f in m2.files if f.rank in r) for r in ((0, 1), (2, 3))}
+    rc, out, _ = _run("ls", root, "--local", node0, node1)
+    rows = _fast_rows(out)
+    assert [r[:7] for r in rows] == [
+        [">", "step2", "2", "2/2", f"{n}/{n}", "complete", "yes"],
+        ["step1", "1", "2/2", f"{n}/{n}", "complete", "no", rows[1][6]],
+    ]
+    rc, out, err = _run("verify", f"{root}/step2", "--local", node0, node1)
+    assert rc == 0, err
+    assert f"  {node0}: committed; {len(of[0, 1])}/{n - 1} data files (all of ranks 0-1), metadata\n" in out
+    assert f"  {node1}: committed; {len(of[2, 3])}/{n - 1} data files (all of ranks 2-3), metadata\n" in out
+
+    shutil.rmtree(node1)  # node 1 lost: step1 survives in node 0's replicas, step2 does not
+    rc, out, _ = _run("ls", root, "--local", node0)
+    rows = _fast_rows(out)
+    assert [r[:6] for r in rows] == [
+        ["step2", "2", "1/1", f"{n - len(of[2, 3])}/{n}", "missing", str(len(of[2, 3]))],
+        ["step1", "1", "1/1", f"{n}/{n}", "complete", "no"],
+    ]
+    assert out.splitlines()[-1] == f"resume: step2 from {root} (durable)"  # newer than the fast tier's step1
+    rc, out, err = _run("verify", f"{root}/step1", "--local", node0)
+    assert rc == 0, err
+    assert f"  {node0}: committed; {n - 1}/{n - 1} data files (all of ranks 0-3), metadata\n" in out
+    rc, out, err = _run("verify", f"{root}/step2", "--local", node0)
+    assert rc == 1
+    assert out.splitlines()[0].startswith(f"OK {root}/step2_partial:")
+    missing = sorted(line.split()[4] for line in err.splitlines() if "no folder holds" in line)
+    assert missing == of[2, 3]

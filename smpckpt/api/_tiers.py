@@ -36,6 +36,7 @@ __all__ = [
     "gather_views",
     "committed_copies",
     "fast_candidate",
+    "assess",
     "newest_complete",
     "tier_seq",
     "durable_seq",
@@ -214,15 +215,22 @@ def fast_candidate(
     data = ctx.broadcast_object(data, src=holders[0])
     if data is None or hash_bytes(data) != digest:
         return None  # removed since the listing (retention of another job's process?): not a candidate
+    return assess(tag, data, holders, [v[tag].files if tag in v else None for v in views])
+
+
+def assess(tag: str, data: bytes, holders: Sequence[int], files: Sequence[Mapping[str, int] | None]) -> FastCandidate:
+    """The committed copy ``data`` (manifest bytes) of ``tag`` across folders: ``files[i]`` is what folder
+    ``i`` holds of the tag (``None``: nothing), ``holders`` the folders holding this manifest. A part is
+    held where a folder has it at the manifest's size (its bytes are checked when read)."""
     manifest = Manifest.from_bytes(data, where=f"fast-tier manifest of {tag!r}")
     sizes = {f.name: f.size for f in manifest.files}
     sizes[manifest.metadata.name] = manifest.metadata.size
     held = {
-        name: tuple(r for r, v in enumerate(views) if tag in v and v[tag].files.get(name) == size)
+        name: tuple(i for i, held in enumerate(files) if held is not None and held.get(name) == size)
         for name, size in sizes.items()
     }
     held[MANIFEST_NAME] = tuple(holders)
-    missing = tuple(sorted(n for n, ranks in held.items() if not ranks))
+    missing = tuple(sorted(n for n, where in held.items() if not where))
     return FastCandidate(tag, data, record_order(manifest), held, missing)
 
 

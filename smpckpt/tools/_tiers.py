@@ -4,7 +4,7 @@
 One node's ``{tag}_partial`` folder usually holds only its share -- its ranks' files plus replicas of
 other nodes' -- so a tag is judged across every folder given: committed in how many (a node writes the
 manifest only after every node held its share), which parts the union holds at the manifest's sizes
-(``smpckpt.api._tiers.fast_candidates``: what a resume uses), and, for ``verify``, every file any
+(``smpckpt.api._tiers.assess``: what a resume uses), and, for ``verify``, every file any
 folder holds checked against the manifest, block by block. A *part* is a data file the manifest lists
 or the generation's metadata (``.metadata.<save id>``).
 """
@@ -18,11 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from smpckpt.api._resume import resolve_target
-from smpckpt.api._tiers import TIER_KEY, LocalCopy, fast_candidates, scan_local, seq_of
+from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, seq_of
 from smpckpt.catalog.listing import CheckpointRecord
-from smpckpt.catalog.tags import PARTIAL_SUFFIX, partial_dirname, validate_tag
+from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, partial_dirname, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import Manifest
+from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.tools._common import UsageError, human, layout_json
 
@@ -125,6 +126,42 @@ class ResumePick:
     tier: str  #: "fast" or "durable"
     tag: str
     save_id: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCopy:
+    """One tag's folder in one ``--local`` folder: its manifest's bytes (``None``: not committed there)
+    and every file in it (relative name -> size)."""
+
+    manifest: bytes | None
+    files: Mapping[str, int]
+
+
+def scan_local(folder: str) -> dict[str, LocalCopy]:
+    """Every ``{tag}_partial`` folder of one node's fast tier, with its manifest."""
+    fs, root = open_root(folder)
+    out = {}
+    for tag, name in list_partial_tags(fs, root).items():
+        path = join(root, name)
+        out[tag] = LocalCopy(read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
+    return out
+
+
+def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandidate]:
+    """Every save some folder committed, newest first, with its completeness across the folders (as a
+    resume judges it: :func:`smpckpt.api._tiers.assess`). Manifests that do not parse are left out."""
+    out = []
+    for tag in sorted({t for v in views for t in v}):
+        for data in {v[tag].manifest for v in views if tag in v and v[tag].manifest is not None}:
+            if data is None:
+                continue
+            holders = [i for i, v in enumerate(views) if tag in v and v[tag].manifest == data]
+            try:
+                out.append(assess(tag, data, holders, [v[tag].files if tag in v else None for v in views]))
+            except CheckpointCorrupt:
+                continue
+    out.sort(key=lambda c: (c.order, c.tag), reverse=True)
+    return out
 
 
 def manifest_parts(m: Manifest) -> list[str]:

@@ -211,6 +211,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, di
     for name, fn, victim in (
         ("replication", tier_workers.killed_in_replication, 3),
         ("drain", tier_workers.killed_in_drain, 1),
+        ("commit", tier_workers.killed_between_node_commits, 2),
     ):
         (base / name / "fast").mkdir(parents=True)
         with pytest.raises(RankFailed, match=f"rank {victim}: no result"):
@@ -305,3 +306,17 @@ def test_kill_during_the_drain_keeps_both_tiers_usable(killed: Any) -> None:
         # ... and the last durable checkpoint was never lost
         got = r["drain_no_fast"]
         assert (got["tag"], got["tier"], got["exact"]) == ("step1", "durable", True), rank
+
+
+@pytest.mark.dist
+def test_kill_between_the_node_commits_leaves_a_complete_checkpoint(killed: Any) -> None:
+    base, reports, resumed = killed
+    rep = reports["commit"]
+    assert 2 not in rep and rep, rep
+    node1 = base / "commit" / "fast" / "node1" / "step2_partial"
+    assert "smpckpt.manifest.json" not in rep[3]["local"], rep[3]  # node 1 never committed its copy
+    for rank, r in enumerate(resumed):
+        # every node held its share before any committed: the union of the copies is complete
+        got = r["commit"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step2", "fast", True), rank
+    assert (node1 / "smpckpt.manifest.json").exists()  # the resume sent node 1 the manifest

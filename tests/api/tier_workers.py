@@ -174,6 +174,37 @@ def killed_in_drain(rank: int, world: int, base: str, durable: str) -> Any:
     return text
 
 
+def killed_between_node_commits(rank: int, world: int, base: str, durable: str) -> Any:
+    """Save step1; in step2, node 1's first rank (rank 2) dies just before committing its node's copy,
+    after node 0 may have committed its own: step2 is then committed and complete across the nodes."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    import smpckpt.api._fast_save as fast_save
+
+    local = node_dir(base, rank)
+    ctx, model, opt = tp_model.build(LAYOUT)
+    tp_model.train_step(ctx, model, opt, 1)
+    _save(durable, local, 1, model, opt, durable_every=5)
+    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state1_rank{rank}.pt"))
+    if rank == 2:
+        real_commit = fast_save.commit_node_copy
+
+        def dying_commit(folder: str, *args: Any, **kwargs: Any) -> Any:
+            if "step2_partial" in folder:
+                os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
+            return real_commit(folder, *args, **kwargs)
+
+        fast_save.commit_node_copy = dying_commit  # type: ignore[assignment]
+    tp_model.train_step(ctx, model, opt, 2)
+    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state2_rank{rank}.pt"))
+    try:
+        _save(durable, local, 2, model, opt, durable_every=5)
+        text = "no error"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        text = f"{type(exc).__name__}: {exc}"
+    _report(base, rank, {"error": text, "local": sorted(os.listdir(os.path.join(local, "step2_partial")))})
+    return text
+
+
 def resume_after(rank: int, world: int, base: str, durable: str, drop_fast: bool, then_save: int | None) -> Any:
     """A restarted job: resume (after deleting every fast tier when ``drop_fast``), compare with the
     states the killed job left per rank, then optionally save ``then_save`` again and resume it."""
@@ -281,6 +312,10 @@ def resume_killed(rank: int, world: int, base: str) -> dict[str, Any]:
     rep, drain = os.path.join(base, "replication"), os.path.join(base, "drain")
     out = {"replication": resume_after(rank, world, os.path.join(rep, "fast"), os.path.join(rep, "durable"), False, 2)}
     out["drain"] = resume_after(rank, world, os.path.join(drain, "fast"), os.path.join(drain, "durable"), False, None)
+    commit = os.path.join(base, "commit")
+    out["commit"] = resume_after(
+        rank, world, os.path.join(commit, "fast"), os.path.join(commit, "durable"), False, None
+    )
     dist.barrier()
     out["drain_no_fast"] = resume_after(
         rank, world, os.path.join(drain, "fast"), os.path.join(drain, "durable"), True, None

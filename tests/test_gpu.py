@@ -185,6 +185,32 @@ def test_save_checkpoint_resume_model_and_adam_on_device(tmp_path: Any) -> None:
 
 
 @on_device
+@pytest.mark.parametrize("async_save", [False, True])
+def test_tiered_save_resumes_from_each_tier_on_device(tmp_path: Any, async_save: bool) -> None:
+    """``local_path=`` with device tensors (async: staged into pinned buffers), one node: the fast tier
+    first, then (fast tier gone) the drained durable copy, both bit-exact on the device."""
+    from smpckpt import wait_for_saves
+
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "fast")
+    m, o = _model(0)
+    _train(m, o, 0)
+    fut = save_checkpoint(
+        durable, "s1", model=m, optimizer=o, local_path=local, replicas=1, durable_every=1, async_save=async_save
+    )
+    if fut is not None:
+        fut.result()
+    wait_for_saves()
+    for tier in ("fast", "durable"):
+        if tier == "durable":
+            os.rename(local, str(tmp_path / "lost"))
+        m2, o2 = _model(1)
+        resume_from_checkpoint(durable, model=m2, optimizer=o2, local_path=local)
+        info = last_resume_info()
+        assert info is not None and (info.tag, info.tier) == ("s1", tier)
+        _assert_same_training_state(m, o, m2, o2)
+
+
+@on_device
 def test_device_checkpoint_resumes_into_cpu_model(tmp_path: Any) -> None:
     root = str(tmp_path)
     m, o = _model(0)

@@ -1,9 +1,10 @@
 """Checkpoint files moved between ranks over a process group: the fast tier's replicas (at save) and
 the parts a resume fetches from peers.
 
-Every rank gets the same list of :class:`Transfer` and walks it in list order, acting only on the
-transfers it sends or receives. Why that cannot deadlock: the earliest unfinished transfer of the
-list has both its ranks waiting for it (each did everything before it), so it always completes.
+Every rank gets the same list of :class:`Transfer` and walks it in list order -- its sends on one
+thread, its receives on another -- acting only on the transfers it sends or receives. Why that cannot
+deadlock: the earliest unfinished transfer of the list has its sender's and its receiver's thread
+waiting for it (each did everything before it), so it always completes.
 
 Each transfer is a status word, the file in chunks, and a closing status word, so a sender that
 cannot read its file (gone, cut short) never leaves its receiver waiting: it sends zeros, the
@@ -17,6 +18,7 @@ The group must be able to move CPU tensors (gloo): the API passes a gloo group o
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -107,19 +109,27 @@ def run_transfers(
     """(every rank, the same ``transfers``) Send this rank's files from ``read_folder``, receive into
     ``write_folder``. Errors are collected, not raised: the caller agrees on them across ranks."""
     outcome = TransferOutcome()
-    for t in transfers:
-        if t.src == t.dst:
-            continue
-        if t.src == rank:
-            error = _send(t, read_folder, group)
-            if error:
-                outcome.errors.append(error)
-        elif t.dst == rank:
-            error = _receive(t, write_folder, group, sync=sync)
-            if error:
-                outcome.errors.append(error)
-            else:
-                outcome.received.append(t)
+    sends = [t for t in transfers if t.src == rank and t.dst != rank]
+    receives = [t for t in transfers if t.dst == rank and t.src != rank]
+
+    def send_all() -> list[str]:
+        return [e for e in (_send(t, read_folder, group) for t in sends) if e]
+
+    # Sends on a thread of their own, receives on this one, each in list order: a rank sends and
+    # receives at once (both directions of a link busy), and the earliest unfinished transfer still
+    # has its sender's and its receiver's thread waiting for it, so the order argument above holds.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-send") as pool:
+        sending = pool.submit(send_all) if sends else None
+        try:
+            for t in receives:
+                error = _receive(t, write_folder, group, sync=sync)
+                if error:
+                    outcome.errors.append(error)
+                else:
+                    outcome.received.append(t)
+        finally:
+            if sending is not None:
+                outcome.errors.extend(sending.result())
     return outcome
 
 

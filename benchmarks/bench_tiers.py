@@ -24,10 +24,16 @@ round; barriers before and after every timer, wall time = rank 0's (the slowest 
   from the durable disk folder with its files dropped from the page cache (``posix_fadvise(DONTNEED)``
   after an fsync; the ranks' ``read_bytes`` from ``/proc/self/io`` prove it) and warm right after; from
   S3. Every resume is checked bit-exact against the saved tensors, and ``last_resume_info().tier``.
+  (A resume after the loss heals node 1's folder with the parts its ranks read, so the next "intact"
+  resume reads the same local files as before; node 0's replicas are not restored there.)
+
+Noise: per phase, the CPU seconds the ranks, the moto server and every other process of the machine
+used (``/proc/stat``; kernel threads such as writeback included) are recorded and printed: on a shared
+machine, read them next to the times.
 
 Ratios are medians of per-round ratios (min..max), measured in the same run.
 
-    python benchmarks/bench_tiers.py            # 512 MiB over 4 ranks, 1 warm-up + 5 rounds (~3-4 min, 2 vCPU)
+    python benchmarks/bench_tiers.py            # 512 MiB over 4 ranks, 1 warm-up + 5 rounds (~2-3 min, 2 vCPU)
     python benchmarks/bench_tiers.py --quick    # 16 MiB, 1 warm-up + 1 round (smoke test)
     python benchmarks/bench_tiers.py --no-s3    # the disk folder only
 """
@@ -201,13 +207,22 @@ class Rank:
             kw.update(local_path=self.local(tier), num_kept_local=None)
         save_checkpoint(root, tag, model=self.model, layout=LAYOUT, specs=SPECS, storage_options=opts, **kw)
 
-    def resume(self, where: str, name: str, tier: str | None = None) -> tuple[str, int]:
+    def resume(self, where: str, name: str, tier: str | None = None) -> tuple[str, int, int]:
+        """The tier it loaded from, and the files and bytes fetched from peers (all ranks' fetches)."""
         root, opts = self.root(where, name)
         kw = {"local_path": self.local(tier)} if tier is not None else {}
         resume_from_checkpoint(root, model=self.model, layout=LAYOUT, specs=SPECS, storage_options=opts, **kw)
         info = last_resume_info()
         assert info is not None
-        return info.tier, len(info.from_peers)
+        if not info.from_peers:
+            return info.tier, 0, 0
+        assert tier is not None  # a fetched file is in its receiver's folder, and in its sender's: in every one
+        folder = os.path.join(self.local(tier), f"{info.tag}_partial")
+        return (
+            info.tier,
+            len(info.from_peers),
+            sum(os.path.getsize(os.path.join(folder, f)) for f, _, _ in info.from_peers),
+        )
 
     def remove(self, where: str | None, name: str, tag: str, tier: str | None = None) -> None:
         """(outside the timers) This tag's fast-tier folders (node leaders) and durable copy (rank 0)."""
@@ -338,7 +353,7 @@ class Rank:
             tiers, peers = {o[0] for o in got["out"]}, got["out"][0][1]
             if not all(ok) or tiers != {want} or (key == "fast_peer") != (peers > 0):
                 raise RuntimeError(f"resume {key}: exact {ok}, tier {tiers} (want {want}), {peers} file(s) from peers")
-            got["from_peers"] = peers
+            got["from_peers"], got["from_peers_bytes"] = peers, got["out"][0][2]
             return got
 
         return self.rounds("resume", [k for k in RESUMES if k != "s3" or self.s3], one)
@@ -387,6 +402,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             if phase == "resume":
                 row["device_read_frac"] = statistics.median(sum(x["read_bytes"]) / total for x in recs)
                 row["from_peers_files"] = max(x.get("from_peers", 0) for x in recs)
+                row["from_peers_bytes"] = max(x.get("from_peers_bytes", 0) for x in recs)
             rows[key] = row
         out[phase] = rows
     return out
@@ -428,6 +444,12 @@ def print_tables(summ: dict[str, Any], total: int, rounds: int) -> None:
                 f"{RESUMES[key]:28s} {_fmt(row['s']):>19s} {row['GBps']:5.2f} {_fmt(row['x_ref']):>18s} {srv(row)} "
                 f"{row['device_read_frac']:8.2f}"
             )
+    peer = summ["resume"].get("fast_peer")
+    if peer:
+        print(
+            f"node 1 lost: {peer['from_peers_files']} file(s), {peer['from_peers_bytes'] / MiB:.0f} MiB fetched from "
+            "node 0 per resume; 'dev read' = bytes the ranks read from the block device / state bytes"
+        )
 
 
 def run_ranks(cfg: dict[str, Any], deadline_s: float) -> dict[str, Any]:

@@ -22,10 +22,17 @@ round; barriers before and after every timer, wall time = rank 0's (the slowest 
 * resume (one checkpoint of each kind saved first): from the fast tier with both nodes' folders intact;
   after node 1's folder was deleted (its ranks' parts fetched from node 0 over gloo: ``from_peers``);
   from the durable disk folder with its files dropped from the page cache (``posix_fadvise(DONTNEED)``
-  after an fsync; the ranks' ``read_bytes`` from ``/proc/self/io`` prove it) and warm right after; from
+  after an fsync; the ranks' ``read_bytes`` from ``/proc/self/io`` prove it) and in the page cache; from
   S3. Every resume is checked bit-exact against the saved tensors, and ``last_resume_info().tier``.
   (A resume after the loss heals node 1's folder with the parts its ranks read, so the next "intact"
   resume reads the same local files as before; node 0's replicas are not restored there.)
+
+Pauses: every timed operation starts ``--settle`` seconds (default 2) after the previous one and its
+clean-up, so that each starts from the same state, as saves minutes apart in training would. Back to
+back, an operation here can reuse memory its predecessor just freed: a drain to the disk folder took
+0.3-0.4 s right after another one and 0.8-1.0 s after a 2 or 5 s pause (2-vCPU Firecracker VM, whose
+balloon device reports freed guest memory to the host, ``VIRTIO_BALLOON_F_REPORTING``: probably the
+cause; touching 2 GiB of fresh memory took 0.45-0.55 s back to back, 0.57-0.81 s after 3-6 s pauses).
 
 Noise: per phase, the CPU seconds the ranks, the moto server and every other process of the machine
 used (``/proc/stat``; kernel threads such as writeback included) are recorded and printed: on a shared
@@ -33,8 +40,8 @@ machine, read them next to the times.
 
 Ratios are medians of per-round ratios (min..max), measured in the same run.
 
-    python benchmarks/bench_tiers.py            # 512 MiB over 4 ranks, 1 warm-up + 5 rounds (~2-3 min, 2 vCPU)
-    python benchmarks/bench_tiers.py --quick    # 16 MiB, 1 warm-up + 1 round (smoke test)
+    python benchmarks/bench_tiers.py            # 512 MiB over 4 ranks, 1 warm-up + 5 rounds (~4 min, 2 vCPU)
+    python benchmarks/bench_tiers.py --quick    # 16 MiB, 1 warm-up + 1 round, no pauses (smoke test)
     python benchmarks/bench_tiers.py --no-s3    # the disk folder only
 """
 
@@ -239,9 +246,11 @@ class Rank:
         dist.barrier()
 
     def timed(self, fn: Callable[[], Any], wait_drain: bool = False) -> dict[str, Any]:
-        """``fn`` between barriers: wall ``s`` (rank 0's), each rank's call time and device reads, the moto
-        server's CPU. ``wait_drain``: then ``wait_for_saves()`` and a barrier; ``drain_s`` = from rank 0's
-        return from ``fn`` to the end of that barrier (every rank's drain done)."""
+        """After ``--settle`` seconds, ``fn`` between barriers: wall ``s`` (rank 0's), each rank's call
+        time and device reads, the moto server's CPU. ``wait_drain``: then ``wait_for_saves()`` and a
+        barrier; ``drain_s`` = from rank 0's return from ``fn`` to the end of that barrier (every rank's
+        drain done)."""
+        time.sleep(self.cfg["settle_s"])
         dist.barrier()
         io0, srv0 = _read_bytes(), _pid_cpu_s(self.moto_pid) if self.rank == 0 else 0.0
         t0 = time.perf_counter()
@@ -434,7 +443,8 @@ def print_tables(summ: dict[str, Any], total: int, rounds: int) -> None:
     for key, row in summ["drain"].items():
         if not key.startswith("_"):
             print(
-                f"{DRAINS[key]:28s} {_fmt(row['s']):>19s} {_fmt(row['drain_s']):>20s} {row['drain_GBps']:5.2f} {srv(row)}"
+                f"{DRAINS[key]:28s} {_fmt(row['s']):>19s} {_fmt(row['drain_s']):>20s} {row['drain_GBps']:5.2f} "
+                f"{srv(row)}"
             )
     hdr = f"\n{'resume':28s} {'s':>19s} {'GB/s':>5s} {'time / fast intact':>18s} {'moto CPU':>8s} {'dev read':>8s}"
     print(hdr + _noise(summ["resume"]))
@@ -473,12 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shm-dir", default="/dev/shm", help="parent of the fast tiers (node-local storage)")
     ap.add_argument("--disk-dir", default=os.path.join(HERE, "out"), help="parent of the durable folder")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) contenders")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds of pause before every timed operation")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run of the ranks")
-    ap.add_argument("--quick", action="store_true", help="16 MiB, hidden 512, 1 round (smoke test)")
+    ap.add_argument("--quick", action="store_true", help="16 MiB, hidden 512, 1 round, no pauses (smoke test)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tiers_<timestamp>.json)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.size_mib, args.hidden, args.rounds = 16, 512, 1
+        args.size_mib, args.hidden, args.rounds, args.settle = 16, 512, 1, 0.0
     if args.hidden % WORLD or args.rounds < 1:
         ap.error(f"--hidden must be a multiple of {WORLD}; --rounds at least 1")
     layers = max(1, round(args.size_mib * MiB / (args.hidden * args.hidden * 4)))
@@ -524,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             "init_file": os.path.join(disk, "rendezvous"),
             "result_file": os.path.join(disk, "result.json"),
             "op_timeout_s": 300,
+            "settle_s": args.settle,
         }
         print(
             f"{WORLD} gloo ranks = 2 nodes x {LWS} (LOCAL_WORLD_SIZE={LWS}); {layers} x Linear({args.hidden}, "

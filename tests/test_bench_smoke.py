@@ -150,7 +150,7 @@ def test_bench_tiers_quick(tmp_path: Path) -> None:
     assert all(summary["drain"][k]["drain_s"]["median"] > 0 for k in cases["drain"])
     resume = res["raw"]["resume"]
     for key in cases["resume"]:
-        tiers = {tier for rec in resume[key] for tier, _ in rec["out"]}
+        tiers = {out[0] for rec in resume[key] for out in rec["out"]}
         assert tiers == ({"fast"} if key.startswith("fast") else {"durable"}), key
     assert summary["resume"]["fast_peer"]["from_peers_files"] > 0
     assert summary["resume"]["fast"]["from_peers_files"] == 0

@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
+TIERS = ROOT / "benchmarks" / "bench_tiers.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LOCAL = {
     "raw write+fsync / read",
@@ -110,3 +111,47 @@ def test_quick_two_ranks_on_disk(tmp_path: Path) -> None:
     }
     for name in data["records"]:
         assert len(res["summary"]["disk"][name]["load_cold"]["per_rank_GBps"]) == 2
+
+
+@pytest.mark.dist
+@pytest.mark.s3
+@pytest.mark.timeout(150)
+def test_bench_tiers_quick(tmp_path: Path) -> None:
+    """``bench_tiers.py --quick``: 4 gloo ranks (2 simulated nodes), every save, drain and resume case
+    measured (the script itself checks every resume bit-exact and from the tier it names), its folders
+    removed. No timing assertions."""
+    out, disk, shm = tmp_path / "tiers.json", tmp_path / "disk", tmp_path / "shm"
+    cmd = [sys.executable, str(TIERS), "--quick", "--out", str(out), "--disk-dir", str(disk), "--shm-dir", str(shm)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=130)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script's session: its ranks and the moto child
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"bench_tiers.py --quick took over 130 s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert {"cpus", "platform", "torch", "date"} <= set(res["env"])
+    assert res["state_bytes"] == sum(res["raw"]["bytes_per_rank"]) > 0 and len(res["raw"]["bytes_per_rank"]) == 4
+    summary = res["summary"]
+    cases = {
+        "save": {"tier_r2", "tier_r1", "disk", "s3"},
+        "drain": {"drain_disk", "drain_s3"},
+        "resume": {"fast", "fast_peer", "disk_cold", "disk_warm", "s3"},
+    }
+    for phase, keys in cases.items():
+        assert set(summary[phase]) == keys | {"_cpu"}, phase
+        for key in keys:
+            assert summary[phase][key]["s"]["median"] > 0, (phase, key)
+            assert len(res["raw"][phase][key]) == res["config"]["rounds"]
+        assert summary[phase]["_cpu"]["wall_s"] > 0
+    assert all(summary["drain"][k]["drain_s"]["median"] > 0 for k in cases["drain"])
+    resume = res["raw"]["resume"]
+    for key in cases["resume"]:
+        tiers = {out[0] for rec in resume[key] for out in rec["out"]}
+        assert tiers == ({"fast"} if key.startswith("fast") else {"durable"}), key
+    assert summary["resume"]["fast_peer"]["from_peers_files"] > 0
+    assert summary["resume"]["fast"]["from_peers_files"] == 0
+    assert not list(disk.iterdir()) and not list(shm.iterdir()), "folders left behind"

@@ -48,8 +48,10 @@ __all__ = ["drain"]
 
 log = logging.getLogger("smpckpt.api")
 
-_PART = 32 << 20  # bytes per read from the fast tier and per S3 part
-_FILES_AT_ONCE = 4
+_PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the writers' default part size)
+# files copied at once: local and shared filesystems gain little beyond a few streams; object stores
+# want many requests in flight (the fast tier sized these files to about one request each)
+_FILES_AT_ONCE = {True: 4, False: 16}
 
 
 def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit, group: Any) -> None:
@@ -75,7 +77,9 @@ def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit, group: Any
             raise
 
     def copy_mine() -> None:
-        with concurrent.futures.ThreadPoolExecutor(_FILES_AT_ONCE, thread_name_prefix="smpckpt-drain-copy") as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+            _FILES_AT_ONCE[is_local(fs)], thread_name_prefix="smpckpt-drain-copy"
+        ) as pool:
             for done in [pool.submit(copy_one, rec.name) for rec in mine]:
                 done.result()
 

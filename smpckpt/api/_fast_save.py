@@ -125,6 +125,7 @@ def save_fast(
         format="torch_save" if opts.format == "torch_save" else "raw",
         sync_files=opts.sync_files,
         prefix_strategy="auto" if root_local else "hex",  # the durable root's names, for the drain
+        durable_is_local=root_local,
     )
     committed = False
     try:

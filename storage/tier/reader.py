@@ -9,8 +9,10 @@ Call order inside ``dcp.load`` as :class:`~smpckpt.storage.FsspecStorageReader`'
                                                   (:mod:`.transfer`) and one agreement on their
                                                   errors; then the reads, checksums verified
 
-Only the files some rank of a node reads are fetched, so a resume after a lost node moves that node's
-own parts (and whatever a changed layout reads elsewhere), not the whole checkpoint. Fetched files stay
+Only the files some rank of a node reads from are fetched, whole, so a resume after a lost node moves
+that node's own parts, the files holding what every rank reads (``user_content`` and the replicated
+pieces DP ranks read from their owner, in rank 0's files) and whatever a changed layout reads
+elsewhere -- not the whole checkpoint. Fetched files stay
 in the node's folder: the copy is healed for the next resume. Every rank's folder must already hold
 the manifest and metadata (the API sends them before the load).
 """

@@ -145,6 +145,12 @@ def _chunks(size: int) -> Iterator[int]:
         done += n
 
 
+def _buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chunk buffers: one on the wire while the other is read or written."""
+    n = min(CHUNK_BYTES, max(size, 1))
+    return torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+
+
 def _send(t: Transfer, folder: str, group: Any) -> str:
     """Stream ``t`` to its receiver; an error (the receiver still gets every word and chunk) or ''."""
     path = os.path.join(folder, t.name)
@@ -160,10 +166,11 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
     dist.send(_word(_FAILED if error else _OK), dst=t.dst, group=group)
     if error:
         return error
-    buf = torch.empty(min(CHUNK_BYTES, max(t.size, 1)), dtype=torch.uint8)
+    bufs = _buffers(t.size)
+    in_flight: Any = None
     try:
-        for n in _chunks(t.size):
-            view = buf[:n]
+        for i, n in enumerate(_chunks(t.size)):
+            view = bufs[i % 2][:n]  # the send before the previous one used it: waited for below
             if not error:
                 try:
                     got = f.readinto(view.numpy().data) if f is not None else 0
@@ -172,7 +179,11 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
                 except Exception as exc:  # noqa: BLE001 - zeros go out instead, marked failed below
                     error = f"{path}: {exc}"
                     view.zero_()
-            dist.send(view, dst=t.dst, group=group)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = dist.isend(view, dst=t.dst, group=group)  # the next chunk is read meanwhile
+        if in_flight is not None:
+            in_flight.wait()
     finally:
         if f is not None:
             f.close()
@@ -196,13 +207,20 @@ def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
         out = open(tmp, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
     except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
         error = f"{path}: {exc}"
-    buf = torch.empty(min(CHUNK_BYTES, max(t.size, 1)), dtype=torch.uint8)
+    bufs = _buffers(t.size)
+    sizes = list(_chunks(t.size))
     with contextlib.ExitStack() as cleanup:
         if out is not None:
             cleanup.callback(out.close)
-        for n in _chunks(t.size):
-            view = buf[:n]
-            dist.recv(view, src=t.src, group=group)
+        pending = dist.irecv(bufs[0][: sizes[0]], src=t.src, group=group) if sizes else None
+        for i, n in enumerate(sizes):
+            view = bufs[i % 2][:n]
+            if pending is not None:
+                pending.wait()
+            # the next chunk arrives while this one is written
+            pending = (
+                dist.irecv(bufs[(i + 1) % 2][: sizes[i + 1]], src=t.src, group=group) if i + 1 < len(sizes) else None
+            )
             if out is not None and not error:
                 try:
                     out.write(view.numpy().data)

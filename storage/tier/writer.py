@@ -61,13 +61,16 @@ class FastTierWriter(FsspecStorageWriter):
 
     Call order inside ``dcp.save`` as the partial writer's, except (coordinator) ``prepare_global_plan``
     does not probe its folder (the API checked every node's folder before the save) and ``finish`` only
-    builds :attr:`prepared`. ``prefix_strategy`` is the durable root's (object stores: hex prefixes),
-    so a drain copies the files under the names they will have there."""
+    builds :attr:`prepared`. ``prefix_strategy`` is the durable root's (object stores: hex prefixes) and,
+    with ``durable_is_local=False``, files are sized as for an object store (about one part each), so a
+    drain uploads the files under the names and in the sizes a direct save would have written."""
 
-    def __init__(self, path: str, **kwargs: Any) -> None:
+    def __init__(self, path: str, *, durable_is_local: bool = True, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         if not is_local(self.fs):
             raise ValueError(f"local_path must be a folder on this node, got {path!r}")
+        # the files a drain uploads as they are: for an object store, one-request objects
+        self._split_as_local = durable_is_local
         self.prepared: PreparedCommit | None = None
         self._kept_metadata: tuple[str, bytes] | None = None
 

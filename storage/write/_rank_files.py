@@ -65,13 +65,16 @@ def write_partial_rank(
     object_file_size: int,
     max_parts_in_flight: int,
     sync: bool,
+    split_as_local: bool | None = None,
 ) -> list[WriteResult]:
     """Write this rank's ``items`` into its data files under ``path``; their results (the last of each
-    file carries its manifest record)."""
+    file carries its manifest record). ``split_as_local``: size the files as for a local folder (``True``)
+    or an object store (``False``) whatever ``fs`` is (default: as ``fs``): the fast tier writes locally
+    the files a drain will upload."""
     local = is_local(fs)
     buckets, workers = split_rank(
         items,
-        local=local,
+        local=local if split_as_local is None else split_as_local,
         thread_count=thread_count,
         object_file_size=object_file_size,
         max_parts_in_flight=max_parts_in_flight,

@@ -100,6 +100,8 @@ class FsspecStorageWriter(FsspecWriterBase):
     """
 
     _KIND = "partial"
+    #: size data files as for a local folder / an object store regardless of ``path`` (None: as ``path``)
+    _split_as_local: bool | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("mode", "partial") != "full":
@@ -246,6 +248,7 @@ class FsspecStorageWriter(FsspecWriterBase):
             object_file_size=self.object_file_size,
             max_parts_in_flight=self.max_parts_in_flight,
             sync=self.sync_files,
+            split_as_local=self._split_as_local,
         )
         self._used_save_ids.add(data.save_id)
         return written

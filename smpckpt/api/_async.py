@@ -46,6 +46,7 @@ __all__ = [
     "DrainStatus",
     "wait_for_drain",
     "background_group",
+    "stream_groups",
     "wait_for_saves",
     "free_staging_buffers",
     "check_previous",
@@ -232,6 +233,19 @@ def free_staging_buffers() -> None:
     """Release the reused staging buffers (after waiting for the save in flight)."""
     wait_for_saves(raise_errors=False)
     _STATE.buffers.clear()
+
+
+def stream_groups(process_group: Any, ctx: DistContext) -> tuple[Any, ...]:
+    """(all ranks, collectively the first time) The gloo groups the fast tier moves files over: the
+    ``"save"`` group and ``STREAMS - 1`` more (``()`` without a process group)."""
+    from smpckpt.storage.tier import STREAMS
+
+    if not ctx.active or ctx.world_size == 1:
+        return ()
+    return (
+        background_group(process_group, ctx),
+        *(background_group(process_group, ctx, f"stream{i}") for i in range(1, STREAMS)),
+    )
 
 
 def submit(

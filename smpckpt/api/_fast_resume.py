@@ -108,11 +108,14 @@ def heal(fast: FastSource, target: Target, nodes: Nodes, group: Any) -> None:
     gctx.all_ok(check)
 
 
-def fast_reader(req: ResumeRequest, target: Target, fast: FastSource, nodes: Nodes, group: Any) -> PeerFetchingReader:
+def fast_reader(
+    req: ResumeRequest, target: Target, fast: FastSource, nodes: Nodes, group: Any, streams: tuple[Any, ...] = ()
+) -> PeerFetchingReader:
     """This rank's reader of the chosen fast-tier copy."""
     return PeerFetchingReader(
         target.url,
         group=group,
+        streams=streams,
         ranks=list(range(nodes.world_size)),
         rank=nodes.rank,
         local_world_size=nodes.local_world_size,

@@ -112,10 +112,16 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, opts: SaveOptions) -> Tie
 
 
 def save_fast(
-    req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan, group: Any
+    req: SaveRequest,
+    state: dict[str, Any],
+    extra: dict[str, Any],
+    tier: TierPlan,
+    group: Any,
+    streams: tuple[Any, ...] = (),
 ) -> PreparedCommit:
-    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``group`` -- gloo -- the transfers) Write,
-    replicate and commit this tag in every node's fast tier; the commit every node holds."""
+    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``group`` -- gloo -- the agreements and
+    ``streams`` -- gloo groups, default ``group`` -- the transfers) Write, replicate and commit this tag
+    in every node's fast tier; the commit every node holds."""
     gctx = DistContext(group)
     opts, nodes = req.opts, tier.nodes
     root_local = is_local(open_fs(req.root, req.storage_options)[0])
@@ -141,7 +147,7 @@ def save_fast(
         outcome = run_transfers(
             transfers,
             rank=nodes.rank,
-            group=group,
+            group=streams or group,
             read_folder=tier.folder,
             write_folder=tier.folder,
             sync=opts.sync_files,

@@ -42,6 +42,7 @@ from smpckpt.api._async import (
     async_used,
     background_group,
     check_previous,
+    stream_groups,
     submit,
     submit_drain,
     wait_for_drain,
@@ -231,7 +232,8 @@ def save_checkpoint(
         if tier is not None:
             if tier.durable:
                 wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
-            groups = (background_group(process_group, ctx), background_group(process_group, ctx, "drain"))
+            streams = stream_groups(process_group, ctx)
+            drain_group = background_group(process_group, ctx, "drain")
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
         if opts.async_save:
@@ -240,7 +242,7 @@ def save_checkpoint(
                 breq, bctx = dataclasses.replace(req, process_group=group), DistContext(group)
                 with peer_failures(bctx, f"saving checkpoint {req.tag!r} under {req.root} in the background"):
                     if tier is not None:
-                        _save_tiered(breq, staged, extra, tier, group, groups[1])
+                        _save_tiered(breq, staged, extra, tier, group, streams, drain_group)
                         return
                     write_checkpoint(breq, staged, extra)
                     publish_newest(breq, bctx)
@@ -249,7 +251,7 @@ def save_checkpoint(
 
             return submit(req.tag, ctx, process_group, state, in_background)
         if tier is not None:
-            _save_tiered(req, state, extra, tier, *groups)
+            _save_tiered(req, state, extra, tier, streams[0] if streams else None, streams, drain_group)
             return None
         write_checkpoint(req, state, extra)
         publish_newest(req, ctx)
@@ -259,11 +261,17 @@ def save_checkpoint(
 
 
 def _save_tiered(
-    req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan, group: Any, drain_group: Any
+    req: SaveRequest,
+    state: dict[str, Any],
+    extra: dict[str, Any],
+    tier: TierPlan,
+    group: Any,
+    streams: tuple[Any, ...],
+    drain_group: Any,
 ) -> None:
     """(all ranks) The fast tiers, then (every ``durable_every``-th save) the drain, in the background."""
     started = time.monotonic()
-    prepared = save_fast(req, state, extra, tier, group)
+    prepared = save_fast(req, state, extra, tier, group, streams)
     log.info(
         "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s",
         req.tag,
@@ -362,8 +370,10 @@ def resume_from_checkpoint(
             return resume_full(ctx, common, tag, opts)
         req = resolve_resume(common, tag, opts)
         fast = fallback = nodes = group = None
+        streams: tuple[Any, ...] = ()
         if opts.local_path is not None:
-            group = background_group(process_group, ctx)
+            streams = stream_groups(process_group, ctx)
+            group = streams[0] if streams else None
             target, fast, fallback, nodes = choose_tier(req, ctx, opts.local_path)
         else:
             target = choose_target(req, ctx)
@@ -380,7 +390,7 @@ def resume_from_checkpoint(
         try:
             if fast is not None and nodes is not None:
                 heal(fast, target, nodes, group)
-                reader = fast_reader(req, target, fast, nodes, group)
+                reader = fast_reader(req, target, fast, nodes, group, streams)
             planner = load_checkpoint(req, target, state, reader)
         except CheckpointError as exc:
             if fast is None or fallback is None:

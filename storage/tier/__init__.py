@@ -4,10 +4,11 @@ parts a node lacks fetched from peers. The API (``smpckpt.api``) drives it: ``sa
 local_path=...)``."""
 
 from smpckpt.storage.tier.reader import PeerFetchingReader
-from smpckpt.storage.tier.transfer import Transfer, fetch_transfers, replica_transfers, run_transfers
+from smpckpt.storage.tier.transfer import STREAMS, Transfer, fetch_transfers, replica_transfers, run_transfers
 from smpckpt.storage.tier.writer import FastTierWriter, PreparedCommit, commit_node_copy, parts_of
 
 __all__ = [
+    "STREAMS",
     "FastTierWriter",
     "PeerFetchingReader",
     "PreparedCommit",

@@ -38,6 +38,7 @@ class PeerFetchingReader(FsspecStorageReader):
 
     Args (besides :class:`~smpckpt.storage.FsspecStorageReader`'s):
         group: a gloo group over the ranks ``dcp.load`` runs on (moves CPU tensors).
+        streams: gloo groups over the same ranks that move the files (default: ``group``).
         ranks: the global rank of each rank of the load's process group, in group order.
         rank: this process's global rank.
         local_world_size: ranks per node (``r // local_world_size`` is rank ``r``'s node).
@@ -55,10 +56,12 @@ class PeerFetchingReader(FsspecStorageReader):
         local_world_size: int,
         held_by: Mapping[str, Sequence[int]],
         sync: bool = False,
+        streams: Sequence[Any] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(path, **kwargs)
         self._group, self._ranks, self._rank = group, list(ranks), rank
+        self._streams = tuple(streams) or (group,)
         self._lws, self._held_by, self._sync = local_world_size, held_by, sync
         self._schedule: list[Transfer] = []
         #: every transfer of the load (all ranks'): file, from rank, to rank
@@ -91,7 +94,7 @@ class PeerFetchingReader(FsspecStorageReader):
             outcome = run_transfers(
                 schedule,
                 rank=self._rank,
-                group=self._group,
+                group=self._streams,
                 read_folder=self.path,
                 write_folder=self.path,
                 sync=self._sync,

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import io
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -32,11 +32,22 @@ import torch.distributed as dist
 from smpckpt.storage.backends._fs import fsync_dir
 from smpckpt.storage.format._names import check_member_name
 
-__all__ = ["Transfer", "TransferOutcome", "run_transfers", "replica_transfers", "fetch_transfers", "CHUNK_BYTES"]
+__all__ = [
+    "Transfer",
+    "TransferOutcome",
+    "run_transfers",
+    "replica_transfers",
+    "fetch_transfers",
+    "CHUNK_BYTES",
+    "STREAMS",
+]
 
 #: bytes per send: large enough for full speed over gloo, small enough to bound the memory in flight
 CHUNK_BYTES = 32 << 20
 _OK, _FAILED = 1, 0
+#: gloo groups the API opens for transfers: one TCP connection per pair of ranks each, so a link
+#: carries several files at once (one connection fell well short of a loopback's or a NIC's speed)
+STREAMS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,33 +115,54 @@ def fetch_transfers(
 
 
 def run_transfers(
-    transfers: Sequence[Transfer], *, rank: int, group: Any, read_folder: str, write_folder: str, sync: bool
+    transfers: Sequence[Transfer],
+    *,
+    rank: int,
+    group: Any | Sequence[Any],
+    read_folder: str,
+    write_folder: str,
+    sync: bool,
 ) -> TransferOutcome:
     """(every rank, the same ``transfers``) Send this rank's files from ``read_folder``, receive into
-    ``write_folder``. Errors are collected, not raised: the caller agrees on them across ranks."""
+    ``write_folder``. ``group``: one group, or several (streams: transfer ``i`` goes over group
+    ``i % len``, each its own connections, all at once). Errors are collected, not raised: the caller
+    agrees on them across ranks."""
+    streams = list(group) if isinstance(group, (list, tuple)) else [group]
     outcome = TransferOutcome()
-    sends = [t for t in transfers if t.src == rank and t.dst != rank]
-    receives = [t for t in transfers if t.dst == rank and t.src != rank]
-
-    def send_all() -> list[str]:
-        return [e for e in (_send(t, read_folder, group) for t in sends) if e]
-
-    # Sends on a thread of their own, receives on this one, each in list order: a rank sends and
-    # receives at once (both directions of a link busy), and the earliest unfinished transfer still
-    # has its sender's and its receiver's thread waiting for it, so the order argument above holds.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-send") as pool:
-        sending = pool.submit(send_all) if sends else None
-        try:
-            for t in receives:
-                error = _receive(t, write_folder, group, sync=sync)
-                if error:
-                    outcome.errors.append(error)
-                else:
-                    outcome.received.append(t)
-        finally:
-            if sending is not None:
-                outcome.errors.extend(sending.result())
+    jobs: list[tuple[Callable[..., list[str]], tuple[Any, ...]]] = []
+    for i, g in enumerate(streams):
+        mine = transfers[i :: len(streams)]  # the same sub-list on every rank: the order argument holds per group
+        sends = [t for t in mine if t.src == rank and t.dst != rank]
+        receives = [t for t in mine if t.dst == rank and t.src != rank]
+        if sends:
+            jobs.append((_send_all, (sends, read_folder, g)))
+        if receives:
+            jobs.append((_receive_all, (receives, write_folder, g, sync, outcome)))
+    if not jobs:
+        return outcome
+    # Per group, sends on one thread and receives on another, each in list order: a rank sends and
+    # receives at once (both directions of a link busy), and the earliest unfinished transfer of a
+    # group still has its sender's and its receiver's thread waiting for it: the order argument holds.
+    with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="smpckpt-transfer") as pool:
+        running = [pool.submit(fn, *args) for fn, args in jobs]
+        for job in running:
+            outcome.errors.extend(job.result())
     return outcome
+
+
+def _send_all(sends: list[Transfer], folder: str, group: Any) -> list[str]:
+    return [e for e in (_send(t, folder, group) for t in sends) if e]
+
+
+def _receive_all(receives: list[Transfer], folder: str, group: Any, sync: bool, outcome: TransferOutcome) -> list[str]:
+    errors = []
+    for t in receives:
+        error = _receive(t, folder, group, sync=sync)
+        if error:
+            errors.append(error)
+        else:
+            outcome.received.append(t)  # list.append is atomic: receiving threads share the outcome
+    return errors
 
 
 def _word(value: int) -> torch.Tensor:

@@ -249,3 +249,31 @@ def hf_example(
         )
         out["user_content"] = torch.load(os.path.join(final, "user_content.pt"), weights_only=True)
     return out
+
+
+def tiered_example(rank: int, world: int, readme: str, snippet: tuple[str, int], base: str) -> dict[str, Any]:
+    """README's tiered block on this rank: 2 nodes x 2 ranks, the fast tier ``<base>/node<n>``."""
+    import contextlib
+    import io
+
+    from smpckpt import ParallelLayout
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    node = os.path.join(base, f"node{rank // 2}")
+    code, first_line = snippet
+    assert '"/dev/shm/ckpt"' in code, "the README example no longer names /dev/shm/ckpt"
+    code = code.replace('"/dev/shm/ckpt"', repr(node))
+    torch.manual_seed(0)  # every rank the same model: pure data parallel
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    opt = adam_step(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ns: dict[str, Any] = {"model": model, "opt": opt, "step": 1, "layout": ParallelLayout(dp=world), "specs": {}}
+    ns["s3"] = None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_snippet(code, first_line, readme, ns)
+    return {
+        "printed": out.getvalue().split(),
+        "same": all(torch.equal(model.state_dict()[k], v) for k, v in before.items()),
+        "node_committed": os.path.exists(os.path.join(node, "step1_partial", "smpckpt.manifest.json")),
+    }

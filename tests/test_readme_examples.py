@@ -32,6 +32,7 @@ MARKERS = (
     "ParallelSavePlanner(layout, specs)",
     "dist.destroy_process_group()",
     "smpckpt.last_resume_info().path_taken",
+    'local_path="/dev/shm/ckpt",',
     "translate_function=smpckpt.hf.llama.TRANSLATION,",
 )
 #: block 1: where the example moves to the 4-rank world, and its save statement
@@ -168,8 +169,22 @@ def test_smp_style_api_in_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
+def test_tiered_checkpoints_on_two_nodes(tmp_path: Path) -> None:
+    """Block 4 on 4 ranks as 2 nodes x 2 (``LOCAL_WORLD_SIZE=2``): the durable root a tmp folder (the
+    example's S3 URL replaced, its storage options ``None``), each node's fast tier its own folder. The
+    save commits to both fast tiers (each with every rank's files: 2 nodes, 2 replicas) and the resume
+    prints "fast", restoring what was saved."""
+    durable = plain_path(tmp_path / "durable")
+    example = block(3).replaced("s3://bucket/run", durable)
+    results = run_world(rw.tiered_example, 4, str(README), example.arg(), str(tmp_path), timeout=180)
+    for rank, got in enumerate(results):
+        assert got == {"printed": ["fast"], "same": True, "node_committed": True}, (rank, got)
+    assert not (tmp_path / "durable" / "step1_partial").exists()  # save 1 of durable_every=3: fast tier only
+
+
+@pytest.mark.dist
 def test_full_checkpoint_and_hugging_face(tmp_path: Path) -> None:
-    """Block 4 on 2 ranks (tp=2, tiny Llama): a bf16 HF artifact whose from_pretrained weights are the
+    """Block 5 on 2 ranks (tp=2, tiny Llama): a bf16 HF artifact whose from_pretrained weights are the
     original's cast to bf16, and a resume from a save_pretrained folder that gives each rank its slices."""
     rw.hf_helpers_importable()
     from hf_reference import tiny_model
@@ -177,7 +192,7 @@ def test_full_checkpoint_and_hugging_face(tmp_path: Path) -> None:
     root = plain_path(tmp_path / "run1")
     hf_folder = str(tmp_path / "pretrained")
     tiny_model("llama", seed=rw.LLAMA_SEED, dtype=torch.float32).save_pretrained(hf_folder)
-    example = block(3).replaced("/fsx/run1", root)  # also inside "/fsx/run1/final"
+    example = block(4).replaced("/fsx/run1", root)  # also inside "/fsx/run1/final"
     results = run_world(rw.hf_example, 2, str(README), example.arg(), root, hf_folder, timeout=180)
     for rank, got in enumerate(results):
         assert got["pieces_differ"] == [], f"rank {rank}: pieces differ after resuming from the HF folder"

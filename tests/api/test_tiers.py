@@ -203,9 +203,11 @@ def _reports(base: Path) -> dict[int, Any]:
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, Any]], list[dict[str, Any]]]:
-    """Rank 3 killed during step2's replica transfers; rank 1 killed during step2's drain; then one
-    restarted world resumes both."""
+def killed(
+    tmp_path_factory: pytest.TempPathFactory, world: tuple[Path, list[dict[str, Any]]]
+) -> tuple[Path, dict[str, dict[int, Any]], list[dict[str, Any]]]:
+    """Rank 3 killed during step2's replica transfers; rank 1 killed during step2's drain; rank 2 killed
+    between the node commits; then one restarted world resumes these and the five saves of ``world``."""
     base = tmp_path_factory.mktemp("killed")
     reports = {}
     for name, fn, victim in (
@@ -217,7 +219,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, di
         with pytest.raises(RankFailed, match=f"rank {victim}: no result"):
             run_world(fn, 4, str(base / name / "fast"), str(base / name / "durable"), timeout=180)
         reports[name] = _reports(base / name / "fast")
-    return base, reports, run_world(tier_workers.resume_killed, 4, str(base))
+    return base, reports, run_world(tier_workers.restarted, 4, str(base), str(world[0]))
 
 
 @pytest.mark.dist
@@ -230,24 +232,21 @@ def test_five_saves_keep_two_fast_and_drain_the_third(world: tuple[Path, list[di
 
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_one_node_lost_resumes_the_fifth_save_from_peer_replicas(
-    world: tuple[Path, list[dict[str, Any]]], mode: str
-) -> None:
-    for rank, r in enumerate(world[1]):
+def test_one_node_lost_resumes_the_fifth_save_from_peer_replicas(killed: Any, mode: str) -> None:
+    restarted = killed[2]
+    for rank, r in enumerate(restarted):
         got = r[mode]["one_node_lost"]
         assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step5", "fast", {"step": 5}, True), rank
         peers = got["from_peers"]
         assert peers and {dst for _, _, dst in peers} == {2}  # node 1's first rank fetched, once per file
         assert {src for _, src, _ in peers} <= {0, 1}
-    assert world[1][2][mode]["local_after_heal"] == ["step5_partial"]  # the lost node holds the copy again
+    assert restarted[2][mode]["local_after_heal"] == ["step5_partial"]  # the lost node holds the copy again
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_every_fast_tier_lost_resumes_the_newest_durable_save(
-    world: tuple[Path, list[dict[str, Any]]], mode: str
-) -> None:
-    for rank, r in enumerate(world[1]):
+def test_every_fast_tier_lost_resumes_the_newest_durable_save(killed: Any, mode: str) -> None:
+    for rank, r in enumerate(killed[2]):
         got = r[mode]["all_lost"]
         assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step3", "durable", {"step": 3}, True), rank
 

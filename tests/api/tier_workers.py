@@ -36,12 +36,11 @@ def _info() -> dict[str, Any]:
 
 
 def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool = False) -> dict[str, Any]:
-    """Five saves with replicas=2, durable_every=3; then a resume after node 1's fast tier is lost, and
-    one after both are. Returns what every rank saw and whether each resume was bit-exact."""
+    """Five saves with replicas=2, durable_every=3; each rank's state after each save is left in
+    ``base`` for the restarted job (:func:`restart_after_five`) to compare with."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local = node_dir(base, rank)
     ctx, model, opt = tp_model.build(LAYOUT)
-    states: dict[int, dict[str, torch.Tensor]] = {}
     for step in range(1, 6):
         tp_model.train_step(ctx, model, opt, step)
         fut = save_checkpoint(
@@ -59,14 +58,18 @@ def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool 
         )
         if fut is not None:
             fut.result()
-        states[step] = _clone(tp_model.local_state(model, opt))
+        torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
     wait_for_saves()
     dist.barrier()  # a node's first rank may still be applying num_kept_local after the others returned
-    out: dict[str, Any] = {
-        "local_after_saves": sorted(os.listdir(local)),
-        "durable_after_saves": sorted(os.listdir(durable)),
-    }
-    dist.barrier()
+    return {"local_after_saves": sorted(os.listdir(local)), "durable_after_saves": sorted(os.listdir(durable))}
+
+
+def restart_after_five(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
+    """A restarted job (fresh processes) after :func:`five_saves`: node 1's fast tier lost, resume; then
+    every fast tier lost, resume. Whether each resume was bit-exact."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    out: dict[str, Any] = {}
     if rank == 2:
         shutil.rmtree(node_dir(base, rank))  # node 1 lost
     dist.barrier()
@@ -74,7 +77,8 @@ def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool 
     uc = resume_from_checkpoint(
         durable, model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local
     )
-    out["one_node_lost"] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), states[5])}
+    want = torch.load(os.path.join(base, f"state{uc['step']}_rank{rank}.pt"))
+    out["one_node_lost"] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), want)}
     out["local_after_heal"] = sorted(os.listdir(local)) if os.path.isdir(local) else None
     dist.barrier()
     if rank % 2 == 0:
@@ -86,7 +90,8 @@ def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool 
         uc = resume_from_checkpoint(
             durable, model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local
         )
-    out["all_lost"] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), states[3])}
+    want = torch.load(os.path.join(base, f"state{uc['step']}_rank{rank}.pt"))
+    out["all_lost"] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), want)}
     return out
 
 
@@ -306,9 +311,20 @@ def main_world(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def restarted(rank: int, world: int, base: str, saved: str) -> dict[str, Any]:
+    """One restarted 4-rank job for every case: the five saves of ``saved`` (sync and async), and the
+    killed jobs under ``base`` (replication kill: then save step2 again; drain kill: then lose every
+    fast tier and resume the durable one; kill between the node commits)."""
+    out = {
+        mode: restart_after_five(rank, world, os.path.join(saved, mode, "fast"), os.path.join(saved, mode, "durable"))
+        for mode in ("sync", "async")
+    }
+    out.update(resume_killed(rank, world, base))
+    return out
+
+
 def resume_killed(rank: int, world: int, base: str) -> dict[str, Any]:
-    """After the two killed jobs: resume each (replication kill: then save step2 again; drain kill: then
-    lose every fast tier and resume the durable one)."""
+    """After the killed jobs: resume each."""
     rep, drain = os.path.join(base, "replication"), os.path.join(base, "drain")
     out = {"replication": resume_after(rank, world, os.path.join(rep, "fast"), os.path.join(rep, "durable"), False, 2)}
     out["drain"] = resume_after(rank, world, os.path.join(drain, "fast"), os.path.join(drain, "durable"), False, None)

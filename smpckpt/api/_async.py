@@ -133,15 +133,21 @@ def _raise_drain_failure(suffix: str) -> None:
         ) from exc
 
 
+def _started(
+    executor: concurrent.futures.ThreadPoolExecutor | None, name: str
+) -> concurrent.futures.ThreadPoolExecutor:
+    """(under the lock) ``executor``, or a new one-thread one; the exit wait registered once."""
+    if not _STATE.atexit_registered:
+        _register_exit_wait()
+        _STATE.atexit_registered = True
+    return executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+
 def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Future[None]:
     """Run ``work`` (a drain to the durable tier) on the drain thread, after the drain before it."""
     st = _STATE
     with st.lock:
-        if st.drain_executor is None:
-            st.drain_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-drain")
-        if not st.atexit_registered:
-            _register_exit_wait()
-            st.atexit_registered = True
+        st.drain_executor = _started(st.drain_executor, "smpckpt-drain")
 
         def run() -> None:
             try:
@@ -264,11 +270,7 @@ def submit(
         torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
     log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
     with st.lock:
-        if st.executor is None:
-            st.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-async-save")
-        if not st.atexit_registered:
-            _register_exit_wait()
-            st.atexit_registered = True
+        st.executor = _started(st.executor, "smpckpt-async-save")
 
         def run() -> None:
             try:

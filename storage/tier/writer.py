@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.errors import CheckpointExists
 from smpckpt.storage.backends._fs import (
     create_bytes_exclusive,
     is_local,
@@ -34,7 +33,7 @@ from smpckpt.storage.backends._fs import (
     write_bytes_atomic,
 )
 from smpckpt.storage.backends._prefixes import resolve
-from smpckpt.storage.format import _names, _wire
+from smpckpt.storage.format import _names
 from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.write._commit import check_data_files
 from smpckpt.storage.write._rank_files import RankPlanData
@@ -85,12 +84,7 @@ class FastTierWriter(FsspecStorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Build the manifest and metadata bytes; write nothing (see the module docstring)."""
-        save_id = self._save_id
-        if save_id is None:
-            raise CheckpointError("finish() called without prepare_global_plan() on this writer")
-        with gc_paused():
-            files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
-            _wire.list_tied(metadata)
+        save_id, files = self._committed_files(metadata, results)
         files = sorted(files, key=lambda f: (f.rank, f.name))
         manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)
         self._used_save_ids.add(save_id)

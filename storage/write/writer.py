@@ -35,6 +35,7 @@ from smpckpt.storage.backends._prefixes import PrefixOption, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.write._base import MIN_PART_SIZE, FsspecWriterBase
 from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
 from smpckpt.storage.write._failed_save import committed_by, discard_generation, folder_is_new, raise_commit_failure
@@ -196,8 +197,8 @@ class FsspecStorageWriter(FsspecWriterBase):
             for i, p in enumerate(plans)
         ]
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """(coordinator) Write metadata, then the manifest (the commit), then drop the old generation."""
+    def _committed_files(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[str, list[FileRecord]]:
+        """(coordinator, in ``finish``) This save's id and every rank's files; ``metadata`` gets its index."""
         save_id = self._save_id
         if save_id is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
@@ -206,6 +207,11 @@ class FsspecStorageWriter(FsspecWriterBase):
         with gc_paused():
             files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
             _wire.list_tied(metadata)
+        return save_id, files
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Write metadata, then the manifest (the commit), then drop the old generation."""
+        save_id, files = self._committed_files(metadata, results)
         check_data_files(self.fs, self.path, self.url, files)
         files = sorted(files, key=lambda f: (f.rank, f.name))
         manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)

@@ -133,6 +133,16 @@ def _raise_drain_failure(suffix: str) -> None:
         ) from exc
 
 
+def _recorded(st: _State, slot: str, tag: str, work: Callable[[], None], what: str) -> None:
+    """(a background thread) ``work()``; its failure is kept in ``st.<slot>`` for the next call to raise."""
+    try:
+        work()
+    except BaseException as exc:
+        setattr(st, slot, (tag, exc))
+        log.error("%s of checkpoint %r failed: %s", what, tag, exc)
+        raise
+
+
 def _started(
     executor: concurrent.futures.ThreadPoolExecutor | None, name: str
 ) -> concurrent.futures.ThreadPoolExecutor:
@@ -149,15 +159,7 @@ def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Futur
     with st.lock:
         st.drain_executor = _started(st.drain_executor, "smpckpt-drain")
 
-        def run() -> None:
-            try:
-                work()
-            except BaseException as exc:
-                st.drain_failed = (tag, exc)
-                log.error("the drain of checkpoint %r to the durable tier failed: %s", tag, exc)
-                raise
-
-        fut = st.drain_executor.submit(run)
+        fut = st.drain_executor.submit(_recorded, st, "drain_failed", tag, work, "the drain to the durable tier")
         st.drain, st.drain_tag = fut, tag
     return fut
 
@@ -272,15 +274,7 @@ def submit(
     with st.lock:
         st.executor = _started(st.executor, "smpckpt-async-save")
 
-        def run() -> None:
-            try:
-                work(staged, group)
-            except BaseException as exc:
-                st.failed = (tag, exc)
-                log.error("background save of checkpoint %r failed: %s", tag, exc)
-                raise
-
-        fut = st.executor.submit(run)
+        fut = st.executor.submit(_recorded, st, "failed", tag, lambda: work(staged, group), "the background save")
         st.inflight, st.inflight_tag = fut, tag
     return fut
 

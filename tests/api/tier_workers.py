@@ -117,97 +117,92 @@ def _report(base: str, rank: int, what: Any) -> None:
         pickle.dump(what, f)
 
 
-def killed_in_replication(rank: int, world: int, base: str, durable: str) -> Any:
-    """Save step1; during step2's replica transfers rank 3 dies after announcing its first file."""
+def _killed_job(rank: int, base: str, durable: str, *, durable_every: int, victim: int, kill: Any) -> str:
+    """Save step1 (drained when ``durable_every`` is 1), then step2 with ``kill()`` run first on rank
+    ``victim`` (it patches the library so the rank dies at one point of that save). Each state is left
+    in ``base`` for the restarted job; each surviving rank reports its error and its folder listings."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    import smpckpt.storage.tier.transfer as transfer
-
     local = node_dir(base, rank)
     ctx, model, opt = tp_model.build(LAYOUT)
-    tp_model.train_step(ctx, model, opt, 1)
-    _save(durable, local, 1, model, opt, durable_every=5)
-    state1 = _clone(tp_model.local_state(model, opt))
-    torch.save(state1, os.path.join(base, f"state1_rank{rank}.pt"))
-    if rank == 3:
-        real_send = transfer._send
+    text = ""
+    for step in (1, 2):
+        tp_model.train_step(ctx, model, opt, step)
+        torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
+        if step == 2 and rank == victim:
+            kill()
+        try:
+            _save(durable, local, step, model, opt, durable_every=durable_every)
+            wait_for_saves()
+            text = "no error"
+        except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+            if step == 1:
+                raise
+            text = f"{type(exc).__name__}: {exc}"
+    step2 = os.path.join(local, "step2_partial")
+    _report(
+        base,
+        rank,
+        {
+            "error": text,
+            "local": sorted(os.listdir(local)),
+            "step2": sorted(os.listdir(step2)) if os.path.isdir(step2) else None,
+        },
+    )
+    return text
 
+
+def _die() -> None:
+    os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
+
+
+def killed_in_replication(rank: int, world: int, base: str, durable: str) -> Any:
+    """During step2's replica transfers rank 3 dies after announcing its first file."""
+    import smpckpt.storage.tier.transfer as transfer
+
+    def kill() -> None:
         def dying_send(t: Any, folder: str, group: Any) -> str:
             dist.send(transfer._word(transfer._OK), dst=t.dst, group=group)  # "a file follows", then death
-            os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
-            return real_send(t, folder, group)  # pragma: no cover
+            _die()
+            return ""  # pragma: no cover
 
         transfer._send = dying_send  # type: ignore[assignment]
-    tp_model.train_step(ctx, model, opt, 2)
-    try:
-        _save(durable, local, 2, model, opt, durable_every=5)
-        text = "no error"
-    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
-        text = f"{type(exc).__name__}: {exc}"
-    _report(base, rank, {"error": text, "local": sorted(os.listdir(local))})
-    return text
+
+    return _killed_job(rank, base, durable, durable_every=5, victim=3, kill=kill)
 
 
 def killed_in_drain(rank: int, world: int, base: str, durable: str) -> Any:
     """Every save durable: step1 drains; during step2's drain rank 1 dies copying its first file."""
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
     import smpckpt.api._drain as drain_module
 
-    local = node_dir(base, rank)
-    ctx, model, opt = tp_model.build(LAYOUT)
-    tp_model.train_step(ctx, model, opt, 1)
-    _save(durable, local, 1, model, opt, durable_every=1)
-    wait_for_saves()
-    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state1_rank{rank}.pt"))
-    if rank == 1:
+    def kill() -> None:
         real_open_sink = drain_module.open_sink
 
         def dying_open_sink(fs: Any, path: str, **kw: Any) -> Any:
             if "step2_partial" in path:
-                os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
+                _die()
             return real_open_sink(fs, path, **kw)
 
         drain_module.open_sink = dying_open_sink  # type: ignore[assignment]
-    tp_model.train_step(ctx, model, opt, 2)
-    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state2_rank{rank}.pt"))
-    try:
-        _save(durable, local, 2, model, opt, durable_every=1)
-        wait_for_saves()
-        text = "no error"
-    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
-        text = f"{type(exc).__name__}: {exc}"
-    _report(base, rank, {"error": text})
-    return text
+
+    return _killed_job(rank, base, durable, durable_every=1, victim=1, kill=kill)
 
 
 def killed_between_node_commits(rank: int, world: int, base: str, durable: str) -> Any:
-    """Save step1; in step2, node 1's first rank (rank 2) dies just before committing its node's copy,
-    after node 0 may have committed its own: step2 is then committed and complete across the nodes."""
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    """In step2, node 1's first rank (rank 2) dies just before committing its node's copy, after node 0
+    may have committed its own: step2 is then committed and complete across the nodes."""
     import smpckpt.api._fast_save as fast_save
 
-    local = node_dir(base, rank)
-    ctx, model, opt = tp_model.build(LAYOUT)
-    tp_model.train_step(ctx, model, opt, 1)
-    _save(durable, local, 1, model, opt, durable_every=5)
-    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state1_rank{rank}.pt"))
-    if rank == 2:
+    def kill() -> None:
         real_commit = fast_save.commit_node_copy
 
         def dying_commit(folder: str, *args: Any, **kwargs: Any) -> Any:
             if "step2_partial" in folder:
-                os._exit(0)  # status 0: the harness would otherwise SIGTERM the other ranks at once
+                _die()
             return real_commit(folder, *args, **kwargs)
 
         fast_save.commit_node_copy = dying_commit  # type: ignore[assignment]
-    tp_model.train_step(ctx, model, opt, 2)
-    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state2_rank{rank}.pt"))
-    try:
-        _save(durable, local, 2, model, opt, durable_every=5)
-        text = "no error"
-    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
-        text = f"{type(exc).__name__}: {exc}"
-    _report(base, rank, {"error": text, "local": sorted(os.listdir(os.path.join(local, "step2_partial")))})
-    return text
+
+    return _killed_job(rank, base, durable, durable_every=5, victim=2, kill=kill)
 
 
 def resume_after(rank: int, world: int, base: str, durable: str, drop_fast: bool, then_save: int | None) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -75,6 +75,7 @@ class Fused:
     """
 
     def __init__(self, templates: Mapping[str, tuple[int, int]]) -> None:
+        self.templates = tuple(templates)
         self._rules = [
             (re.compile(re.escape(t).replace(re.escape("{i}"), r"\d+") + r"(\.\w+)*"), count, ndim)
             for t, (count, ndim) in templates.items()
@@ -103,46 +104,81 @@ class Fused:
         return tensors
 
 
-def import_hf(
-    translation: Translation,
-    state_dict: Mapping[str, torch.Tensor],
-    *,
-    fused: Fused,
-    tie_word_embeddings: bool | None,
-    keep_view_shapes: bool,
-) -> dict[str, torch.Tensor]:
-    """HF state dict -> ours, dropping each head tied to its embedding (``translation.tied``).
-
-    ``tie_word_embeddings``: ``None`` drops a head that is its embedding (same memory or equal values),
-    ``True`` drops it and raises if it differs, ``False`` keeps it."""
-    sd = dict(state_dict)
-    if tie_word_embeddings is not False:
-        for head, embed in translation.tied.items():
-            if head in sd and embed in sd:
-                if _tied(sd[head], sd[embed]):
-                    del sd[head]
-                elif tie_word_embeddings:
-                    raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
-    ours = translation.translate_from_artifact(sd)
-    return ours if keep_view_shapes else fused.collapse(ours)
+class ImportFn(Protocol):
+    def __call__(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        tie_word_embeddings: bool | None = None,
+        keep_view_shapes: bool = False,
+    ) -> dict[str, torch.Tensor]: ...
 
 
-def export_hf(
-    translation: Translation,
-    state_dict: Mapping[str, torch.Tensor],
-    *,
-    fused: Fused,
-    tie_word_embeddings: bool,
-) -> dict[str, torch.Tensor]:
-    """Ours (model or view shapes) -> HF state dict; ``tie_word_embeddings`` adds each tied head
-    (``translation.tied``) as its embedding, for ``load_state_dict`` of a model that holds both names."""
-    sd = fused.expand(dict(state_dict))
-    out = translation.translate_to_artifact(sd)
-    if tie_word_embeddings:
-        for head, embed in translation.tied.items():
-            if head not in out and embed in out:
-                out[head] = out[embed]
-    return out
+class ExportFn(Protocol):
+    def __call__(
+        self, state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+    ) -> dict[str, torch.Tensor]: ...
+
+
+_IMPORT_DOC = """HF ``{arch}`` state dict -> ours (bit-exact; tensors may share memory with the input).
+
+    Args:
+        state_dict: HF keys, no wrapper prefix.
+        tie_word_embeddings: ``None`` drops each tied head ({heads}) when it is the tensor it is tied to
+            (same memory or equal values), ``True`` drops it (raises if it differs), ``False`` keeps it.
+        keep_view_shapes: give the fused tensors ({fused}) their global view shape, as the checkpoint
+            stores them, instead of the unsharded model's (the view's first two dims as one).
+    """
+
+_EXPORT_DOC = """Our unsharded {arch} state dict -> HF keys and layouts (bit-exact; may share memory with
+    the input). Fused tensors ({fused}) may come in the model's shape or the view shape.
+
+    ``tie_word_embeddings=True`` adds each tied head ({heads}) as the tensor it is tied to, when ours
+    lacks it (what ``load_state_dict`` of an HF model holding both names wants); by default a missing
+    head stays missing, as in HF's own files.
+    """
+
+
+def eager_helpers(module: str, translation: Translation, fused: Fused) -> tuple[ImportFn, ExportFn]:
+    """A family's eager ``translate_hf_state_dict_to_smpckpt`` and ``translate_state_dict_to_hf``, bound
+    to its translation (whose ``tied`` heads they drop on import and may add on export) and fused
+    tensors, documented as functions of ``module``."""
+
+    def translate_hf_state_dict_to_smpckpt(
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        tie_word_embeddings: bool | None = None,
+        keep_view_shapes: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        sd = dict(state_dict)
+        if tie_word_embeddings is not False:
+            for head, embed in translation.tied.items():
+                if head in sd and embed in sd:
+                    if _tied(sd[head], sd[embed]):
+                        del sd[head]
+                    elif tie_word_embeddings:
+                        raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
+        ours = translation.translate_from_artifact(sd)
+        return ours if keep_view_shapes else fused.collapse(ours)
+
+    def translate_state_dict_to_hf(
+        state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+    ) -> dict[str, torch.Tensor]:
+        out = translation.translate_to_artifact(fused.expand(dict(state_dict)))
+        if tie_word_embeddings:
+            for head, embed in translation.tied.items():
+                if head not in out and embed in out:
+                    out[head] = out[embed]
+        return out
+
+    facts = {
+        "arch": translation.architecture,
+        "heads": ", ".join(f"``{h}``" for h in translation.tied) or "none",
+        "fused": ", ".join(f"``{t}``" for t in fused.templates),
+    }
+    for fn, doc in ((translate_hf_state_dict_to_smpckpt, _IMPORT_DOC), (translate_state_dict_to_hf, _EXPORT_DOC)):
+        fn.__module__, fn.__qualname__, fn.__doc__ = module, fn.__name__, doc.format(**facts)
+    return translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf
 
 
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.")

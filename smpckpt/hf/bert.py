@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Rule, Translation, stack
 
@@ -162,39 +162,7 @@ TRANSLATION = make_translation(
 _FUSED = make_fused(_BASE)
 
 
-def translate_hf_state_dict_to_smpckpt(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF BERT state dict -> ours (bit-exact; tensors may share memory with the input).
-
-    Args:
-        state_dict: HF keys of a head model (``bert.encoder.layer.0...``, ``cls.predictions...``) or of a
-            bare ``BertModel`` (``encoder.layer.0...``), no wrapper prefix.
-        tie_word_embeddings: ``None`` drops ``cls.predictions.decoder.weight`` / ``.bias`` when each is
-            the tensor it is tied to (same memory or equal values), ``True`` drops them (raises if one
-            differs), ``False`` keeps them.
-        keep_view_shapes: give the fused q/k/v their global view shape (``[3, d, d]`` / ``[3, d]``, as
-            the checkpoint stores them) instead of the unsharded model's ``[3d, d]`` / ``[3d]``.
-    """
-    return import_hf(
-        TRANSLATION,
-        state_dict,
-        fused=_FUSED,
-        tie_word_embeddings=tie_word_embeddings,
-        keep_view_shapes=keep_view_shapes,
-    )
-
-
-def translate_state_dict_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Our unsharded BERT state dict -> HF keys and layouts (bit-exact; may share memory with the input).
-
-    Fused q/k/v may come in the model's shape (``[3d, d]``) or the view shape (``[3, d, d]``).
-    ``tie_word_embeddings=True`` adds the tied decoder weight and bias (what ``load_state_dict`` of an
-    HF model wants); by default they are left out, as HF's own files do.
-    """
-    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

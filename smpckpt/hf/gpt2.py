@@ -43,8 +43,7 @@ from smpckpt.hf._common import (
     cfg_get,
     check_divides,
     check_tp,
-    export_hf,
-    import_hf,
+    eager_helpers,
     prefixed,
     vocab_spec,
 )
@@ -110,37 +109,7 @@ TRANSLATION = Translation(
 _FUSED = Fused({_H + "attn.qkv.weight": (3, 3), _H + "attn.qkv.bias": (3, 2)})
 
 
-def translate_hf_state_dict_to_smpckpt(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF ``GPT2LMHeadModel`` state dict -> ours (bit-exact; tensors may share memory with the input).
-
-    Args:
-        state_dict: HF keys (``transformer.h.0.attn.c_attn.weight`` ...), no wrapper prefix.
-        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding, ``True``
-            drops it (and raises if it differs), ``False`` keeps it.
-        keep_view_shapes: give fused QKV tensors their global view shape (``[3, d, d]``, as the
-            checkpoint stores them) instead of the unsharded model's ``[3d, d]``.
-    """
-    return import_hf(
-        TRANSLATION,
-        state_dict,
-        fused=_FUSED,
-        tie_word_embeddings=tie_word_embeddings,
-        keep_view_shapes=keep_view_shapes,
-    )
-
-
-def translate_state_dict_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Our unsharded GPT-2 state dict -> HF keys and layouts (bit-exact; may share memory with the input).
-
-    Fused QKV tensors may come in the model's shape (``[3d, d]``) or the view shape (``[3, d, d]``).
-    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding (what ``load_state_dict``
-    of an HF model wants); by default it is left out, as HF's own files do.
-    """
-    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
 
 
 def translate_state_dict_to_hf_gpt2(
@@ -164,10 +133,9 @@ def translate_state_dict_to_hf_gpt2(
     return out
 
 
-def translate_hf_state_dict_to_smdistributed_gpt2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """smp v1's name: HF ``GPT2LMHeadModel`` state dict -> ours, as :func:`translate_hf_state_dict_to_smpckpt`
-    with its defaults (model shapes; a head equal to the embedding dropped; mask buffers dropped)."""
-    return translate_hf_state_dict_to_smpckpt(state_dict)
+#: smp v1's import: :func:`translate_hf_state_dict_to_smpckpt` (its defaults: model shapes; a head equal
+#: to the embedding dropped; mask buffers dropped).
+translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smpckpt
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -51,8 +51,7 @@ from smpckpt.hf._common import (
     cfg_get,
     check_divides,
     check_tp,
-    export_hf,
-    import_hf,
+    eager_helpers,
     prefixed,
     vocab_spec,
 )
@@ -83,37 +82,7 @@ TRANSLATION = Translation(
 _FUSED = Fused({_QKV: (3, 3)})
 
 
-def translate_hf_state_dict_to_smpckpt(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF ``GPTNeoForCausalLM`` state dict -> ours (bit-exact; tensors may share memory with the input).
-
-    Args:
-        state_dict: HF keys (``transformer.h.0.attn.attention.q_proj.weight`` ...), no wrapper prefix.
-        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding (same memory or
-            equal values), ``True`` drops it (raises if it differs), ``False`` keeps it.
-        keep_view_shapes: give the fused QKV weight its global view shape ``[3, d, d]`` (as the
-            checkpoint stores it) instead of the unsharded model's ``[3d, d]``.
-    """
-    return import_hf(
-        TRANSLATION,
-        state_dict,
-        fused=_FUSED,
-        tie_word_embeddings=tie_word_embeddings,
-        keep_view_shapes=keep_view_shapes,
-    )
-
-
-def translate_state_dict_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Our unsharded GPT-Neo state dict (``qkv_proj`` as ``[3d, d]`` or ``[3, d, d]``) -> HF's
-    (bit-exact; may share memory with the input).
-
-    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding when ours has no head (what
-    ``load_state_dict`` of an HF model wants); by default it is left out, as HF's own files do.
-    """
-    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
@@ -178,7 +147,6 @@ def translate_state_dict_to_hf_gptneo(
     return out
 
 
-def translate_hf_state_dict_to_smdistributed_gptneo(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """smp v1's import: HF ``GPTNeoForCausalLM`` state dict -> ours, as :func:`translate_hf_state_dict_to_smpckpt`
-    with its defaults (model shapes; a head equal to the embedding dropped; mask buffers dropped)."""
-    return translate_hf_state_dict_to_smpckpt(state_dict)
+#: smp v1's import: :func:`translate_hf_state_dict_to_smpckpt` (its defaults: model shapes; a head equal
+#: to the embedding dropped; mask buffers dropped).
+translate_hf_state_dict_to_smdistributed_gptneo = translate_hf_state_dict_to_smpckpt

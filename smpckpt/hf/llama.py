@@ -27,13 +27,10 @@ old transformers versions) are not weights and are dropped on import.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from smpckpt.errors import SpecError
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, export_hf, import_hf, prefixed, vocab_spec
+from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
@@ -58,35 +55,7 @@ TRANSLATION = make_translation("llama", "LlamaForCausalLM")
 FUSED = Fused({_L + "mlp.gate_up_proj.weight": (2, 3)})
 
 
-def translate_hf_state_dict_to_smpckpt(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF ``LlamaForCausalLM`` state dict -> ours (bit-exact; tensors may share memory with the input).
-
-    Args:
-        state_dict: HF keys, no wrapper prefix.
-        tie_word_embeddings: ``None`` drops ``lm_head.weight`` when it is the embedding (same memory
-            or equal values), ``True`` drops it (raises if it differs), ``False`` keeps it.
-        keep_view_shapes: give ``gate_up_proj`` its global view shape ``[2, I, d]`` (as the checkpoint
-            stores it) instead of the unsharded model's ``[2I, d]``.
-    """
-    return import_hf(
-        TRANSLATION,
-        state_dict,
-        fused=FUSED,
-        tie_word_embeddings=tie_word_embeddings,
-        keep_view_shapes=keep_view_shapes,
-    )
-
-
-def translate_state_dict_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Our unsharded Llama state dict (``gate_up_proj`` as ``[2I, d]`` or ``[2, I, d]``) -> HF's.
-
-    ``tie_word_embeddings=True`` adds ``lm_head.weight`` as the embedding when ours has no head.
-    """
-    return export_hf(TRANSLATION, state_dict, fused=FUSED, tie_word_embeddings=tie_word_embeddings)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, FUSED)
 
 
 def kv_sharded(model: str, tp: int, config: Any) -> bool:

@@ -29,12 +29,9 @@ supported Mistral, so there are no smp-named aliases here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from smpckpt.hf._common import export_hf, import_hf
+from smpckpt.hf._common import eager_helpers
 from smpckpt.hf.llama import FUSED, family_specs, make_translation
 from smpckpt.model.specs import ShardSpec
 
@@ -43,24 +40,7 @@ __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state
 TRANSLATION = make_translation("mistral", "MistralForCausalLM")
 
 
-def translate_hf_state_dict_to_smpckpt(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF ``MistralForCausalLM`` state dict -> ours; arguments as :func:`smpckpt.hf.llama.translate_hf_state_dict_to_smpckpt`."""
-    return import_hf(
-        TRANSLATION,
-        state_dict,
-        fused=FUSED,
-        tie_word_embeddings=tie_word_embeddings,
-        keep_view_shapes=keep_view_shapes,
-    )
-
-
-def translate_state_dict_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Our unsharded Mistral state dict -> HF's; as :func:`smpckpt.hf.llama.translate_state_dict_to_hf`."""
-    return export_hf(TRANSLATION, state_dict, fused=FUSED, tie_word_embeddings=tie_word_embeddings)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, FUSED)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import export_hf, import_hf
+from smpckpt.hf._common import eager_helpers
 from smpckpt.hf.bert import family_specs, make_fused, make_translation, position_ids_buffer
 from smpckpt.model.specs import ShardSpec
 
@@ -62,27 +62,7 @@ TRANSLATION = make_translation(
 _FUSED = make_fused(_BASE)
 
 
-def translate_hf_state_dict_to_smpckpt(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool | None = None, keep_view_shapes: bool = False
-) -> dict[str, torch.Tensor]:
-    """HF RoBERTa state dict (``roberta.``-prefixed head model or bare ``RobertaModel``) -> ours; the
-    decoder's weight and bias play ``cls.predictions.decoder``'s part in
-    :func:`smpckpt.hf.bert.translate_hf_state_dict_to_smpckpt`, whose arguments these are."""
-    return import_hf(
-        TRANSLATION,
-        state_dict,
-        fused=_FUSED,
-        tie_word_embeddings=tie_word_embeddings,
-        keep_view_shapes=keep_view_shapes,
-    )
-
-
-def translate_state_dict_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
-) -> dict[str, torch.Tensor]:
-    """Our unsharded RoBERTa state dict -> HF's; as :func:`smpckpt.hf.bert.translate_state_dict_to_hf`
-    (``tie_word_embeddings=True`` adds ``lm_head.decoder.weight`` / ``.bias``)."""
-    return export_hf(TRANSLATION, state_dict, fused=_FUSED, tie_word_embeddings=tie_word_embeddings)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -71,7 +71,6 @@ class FastTierWriter(FsspecStorageWriter):
         # the files a drain uploads as they are: for an object store, one-request objects
         self._split_as_local = durable_is_local
         self.prepared: PreparedCommit | None = None
-        self._kept_metadata: tuple[str, bytes] | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) A fresh save id for every rank; the folders were settled by the API."""
@@ -91,7 +90,7 @@ class FastTierWriter(FsspecStorageWriter):
         self.prepared = PreparedCommit(manifest.to_bytes(), manifest.metadata.name, md_bytes)
 
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        self._kept_metadata = (gen_name, md_bytes)  # every node writes it at its own commit
+        pass  # every node writes it at its own commit, from :attr:`prepared`
 
 
 def parts_of(manifest: Manifest, ranks: Iterable[int]) -> list[FileRecord]:

@@ -26,10 +26,7 @@ from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSp
 
 __all__ = [
     "Entry",
-    "Resolved",
     "ObjectBytes",
-    "resolve_state_dict",
-    "resolve_rank",
     "compile_globs",
     "dtensor_is_owner",
     "tied_entries",
@@ -77,39 +74,11 @@ _NOT_SPLIT: frozenset[str] = frozenset()
 _STRIDED = torch.strided
 
 
-@dataclasses.dataclass
-class Resolved:
-    entries: dict[str, Entry]  #: by global key
-    mappings: dict[str, tuple[Any, ...]]  #: global key -> flatten path for the checkpoint's record
-
-
-def resolve_rank(layout: ParallelLayout, rank: int | None, process_group: Any = None) -> int:
-    """The layout rank this process plays: explicit, else the process group's, else 0."""
-    if rank is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank(process_group)
-            layout.check_world_size(dist.get_world_size(process_group), "the process group")
-        else:
-            rank = 0
-    if not 0 <= rank < layout.world_size:
-        raise SpecError(f"rank {rank} is outside the layout's world of {layout.world_size} ({layout})")
-    return rank
-
-
 def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
     patterns = list(patterns)
     if not patterns:
         return None
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
-
-
-def _param_prefixes(flat: Mapping[str, Any], mappings: Mapping[str, tuple[Any, ...]]) -> tuple[str, ...]:
-    """Top-level names under which parameters sit (``model``), for optimizer-state spec inheritance."""
-    found: dict[str, None] = {}
-    for key, path in mappings.items():
-        if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES):
-            found.setdefault(str(path[0]), None)
-    return tuple(found)
 
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
@@ -161,35 +130,6 @@ def _dcp_is_terminal(value: Any) -> bool:
         if isinstance(entry, torch.Tensor):
             return False
     return True
-
-
-def resolve_state_dict(
-    state_dict: Mapping[str, Any],
-    layout: ParallelLayout,
-    rank: int,
-    rules: SpecRules,
-    name_map: NameMap | None,
-    rank_local: re.Pattern[str] | None,
-) -> Resolved:
-    coords = layout.coords(rank)
-    mapper = KeyMapper(layout, coords.pp, name_map)
-    flat, local_paths = flatten(state_dict)
-    entries: dict[str, Entry] = {}
-    mappings: dict[str, tuple[Any, ...]] = {}
-    global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
-    by_global = {global_keys[k]: v for k, v in flat.items()}  # parameters, for optimizer-state inheritance
-    maker = _EntryMaker(rules, _param_prefixes(flat, local_paths), by_global, coords, layout)
-    for local_key, value in flat.items():
-        key = global_keys[local_key]
-        if key in entries:
-            raise SpecError(
-                f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on rank {rank}"
-            )
-        path = local_paths[local_key]
-        mappings[key] = mapper.global_path(path, local_key, key)
-        is_local = bool(rank_local is not None and rank_local.fullmatch(key))
-        entries[key] = maker.entry(local_key, key, path, value, is_local)
-    return Resolved(entries, mappings)
 
 
 def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
@@ -361,10 +301,46 @@ class LayoutScope:
         self._rank_local_globs = tuple(rank_local)
         self._rank_local = compile_globs(self._rank_local_globs)
 
-    def _resolve(self, state_dict: Mapping[str, Any]) -> Resolved:
-        """(all ranks, in set_up_planner) This rank, and its state dict resolved against the layout."""
-        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
-        return resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
+    def _resolve(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Entry], dict[str, tuple[Any, ...]]]:
+        """(all ranks, in set_up_planner) Set this rank -- explicit, else the process group's, else 0 -- and
+        resolve its state dict against the layout: the entries, and each key's flatten path for the
+        checkpoint's record, by global key."""
+        layout, rank = self.layout, self._rank_arg
+        if rank is None:
+            if dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank(self.process_group)
+                layout.check_world_size(dist.get_world_size(self.process_group), "the process group")
+            else:
+                rank = 0
+        if not 0 <= rank < layout.world_size:
+            raise SpecError(f"rank {rank} is outside the layout's world of {layout.world_size} ({layout})")
+        self.rank = rank
+        coords = layout.coords(rank)
+        mapper = KeyMapper(layout, coords.pp, self.name_map)
+        flat, local_paths = flatten(state_dict)
+        entries: dict[str, Entry] = {}
+        mappings: dict[str, tuple[Any, ...]] = {}
+        global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
+        by_global = {global_keys[k]: v for k, v in flat.items()}  # parameters, for optimizer-state inheritance
+        # top-level names under which parameters sit (``model``), for optimizer-state spec inheritance
+        prefixes = {
+            str(path[0]): None
+            for key, path in local_paths.items()
+            if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES)
+        }
+        maker = _EntryMaker(self.rules, tuple(prefixes), by_global, coords, layout)
+        for local_key, value in flat.items():
+            key = global_keys[local_key]
+            if key in entries:
+                raise SpecError(
+                    f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on "
+                    f"rank {rank}"
+                )
+            path = local_paths[local_key]
+            mappings[key] = mapper.global_path(path, local_key, key)
+            is_local = bool(self._rank_local is not None and self._rank_local.fullmatch(key))
+            entries[key] = maker.entry(local_key, key, path, value, is_local)
+        return entries, mappings
 
 
 def original_global_shape(

@@ -132,11 +132,11 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         checkpoint's :class:`~smpckpt.model.record.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
-        resolved = self._resolve(state_dict)
-        for entry in resolved.entries.values():
+        entries, _ = self._resolve(state_dict)
+        for entry in entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
-        self.entries: dict[str, Entry] = resolved.entries
+        self.entries: dict[str, Entry] = entries
         #: destination keys that are another key's tensor (loaded through that key)
         self.dest_tied = tied_entries(self.entries)
         self.original_state_dict = state_dict
@@ -270,32 +270,35 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 sources[key] = stored(key)
         return sources, covered
 
-    def _reshapes(self, entry: Entry, md: TensorStorageMetadata) -> bool:
+    def _reshaped(self, entry: Entry, md: TensorStorageMetadata) -> TensorStorageMetadata | None:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
         safetensors file, loaded into a ``ShardSpec(view=[3, h/tp, d])`` layout) is the same row-major
-        bytes: read it in the layout's shape. Only where the reader says its tensors are whole and
-        reshapable (full artifacts, Hugging Face folders), and only when the shape is not a guess: the
-        destination's view comes from a spec, or the destination has the shape the tensor had before
-        the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a plain ``[3h, d]``
-        model). Any other same-size shape (a transpose, say) stays a mismatch."""
+        bytes: its metadata is replaced by the layout's shape (returned). Only where the reader says its
+        tensors are whole and reshapable (full artifacts, Hugging Face folders), and only when the shape
+        is not a guess: the destination's view comes from a spec, or the destination has the shape the
+        tensor had before the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a
+        plain ``[3h, d]`` model). Any other same-size shape (a transpose, say) stays a mismatch."""
         shape = tuple(entry.global_shape or ())
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
-        if not (whole and math.prod(md.size) == math.prod(shape)):
-            return False
-        if not (any(s.view for s in entry.specs) or self._shape_before_view(entry) == shape):
-            return False
-        if not isinstance(self.metadata.planner_data, dict) or not self.metadata.planner_data.get(WHOLE_TENSORS):
-            return False
+        if not (
+            whole
+            and math.prod(md.size) == math.prod(shape)
+            and (any(s.view for s in entry.specs) or self._shape_before_view(entry) == shape)
+            and self._whole_tensors()
+        ):
+            return None
         size = torch.Size(shape)
-        self.metadata.state_dict_metadata[entry.key] = TensorStorageMetadata(
-            md.properties, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)]
-        )
-        return True
+        md = TensorStorageMetadata(md.properties, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
+        self.metadata.state_dict_metadata[entry.key] = md
+        return md
+
+    def _whole_tensors(self) -> bool:
+        """Whether the reader says its tensors are whole and reshapable (full artifacts, HF folders)."""
+        return isinstance(self.metadata.planner_data, dict) and bool(self.metadata.planner_data.get(WHOLE_TENSORS))
 
     def _reshape_hint(self, entry: Entry, md: TensorStorageMetadata) -> str:
         """What to do when only a ShardSpec view separates the shapes of a partial checkpoint's tensor."""
-        whole = isinstance(self.metadata.planner_data, dict) and self.metadata.planner_data.get(WHOLE_TENSORS)
-        if whole or math.prod(md.size) != math.prod(entry.global_shape or ()):
+        if self._whole_tensors() or math.prod(md.size) != math.prod(entry.global_shape or ()):
             return ""
         return (
             "; a partial checkpoint is read only in the shape it was saved in (same elements, other view): "
@@ -307,15 +310,15 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """The shape the save recorded for the tensor before its ShardSpec view (``()``: none)."""
         return tuple(self.saved_original_shapes.get(entry.key, ()))
 
-    def _views_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> bool:
+    def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
         under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
-        viewed as the saved shape: the same row-major bytes, the save's view undone."""
+        viewed as the saved shape (the entry returned): the same row-major bytes, the save's view undone."""
         shape = tuple(entry.global_shape or ())
         if entry.specs or entry.sharded_axes or entry.dtensor is not None or entry.kind != "tensor":
-            return False
+            return None
         if self._shape_before_view(entry) != shape or math.prod(md.size) != math.prod(shape):
-            return False
+            return None
         size = torch.Size(md.size)
         try:
             viewed = entry.value.view(size)
@@ -325,23 +328,22 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.value.stride()}) cannot be viewed so in place: make it contiguous"
             ) from exc
         origin = torch.Size([0] * len(size))
-        self.entries[entry.key] = dataclasses.replace(
-            entry, value=viewed, chunk=ChunkStorageMetadata(origin, size), global_shape=size
-        )
-        return True
+        entry = dataclasses.replace(entry, value=viewed, chunk=ChunkStorageMetadata(origin, size), global_shape=size)
+        self.entries[entry.key] = entry
+        return entry
 
     def _check_tensor(
         self, entry: Entry, md: TensorStorageMetadata, cast: list[str]
     ) -> tuple[Entry, TensorStorageMetadata]:
         """Shape and dtype checks; the entry and metadata to plan from (a whole tensor read in the
         destination's shape, or the destination viewed as saved, when the shapes differ in those ways)."""
-        if tuple(md.size) != tuple(entry.global_shape or ()) and self._reshapes(entry, md):
-            reshaped = self.metadata.state_dict_metadata[entry.key]
-            if isinstance(reshaped, TensorStorageMetadata):
-                return self._check_tensor(entry, reshaped, cast)
-        if tuple(md.size) != tuple(entry.global_shape or ()) and self._views_as_saved(entry, md):
-            return self._check_tensor(self.entries[entry.key], md, cast)
         if tuple(md.size) != tuple(entry.global_shape or ()):
+            reshaped = self._reshaped(entry, md)
+            if reshaped is not None:
+                return self._check_tensor(entry, reshaped, cast)
+            viewed = self._viewed_as_saved(entry, md)
+            if viewed is not None:
+                return self._check_tensor(viewed, md, cast)
             local = tuple(entry.value.shape)
             raise LayoutMismatch(
                 f"{entry.key}: the checkpoint holds global shape {tuple(md.size)} but rank {self.rank}'s layout "

@@ -57,7 +57,7 @@ def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str
     return list(replica_range(layout, rank, sharded_axes))
 
 
-def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int], lowest: bool) -> dict[str, int]:
+def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]) -> dict[str, int]:
     """Greedy largest-first: each item to the member with the least load, the lowest rank among equals.
 
     Equal to ``min(members, key=lambda r: (loads.get(r, 0), r))`` per item, without visiting members
@@ -72,11 +72,6 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
         loads[only] = loads.get(only, 0) + sum(nbytes for _, nbytes in items)
         return owners
     order = sorted(items, key=lambda kv: (-kv[1], kv[0]))
-    if lowest:
-        for key, nbytes in order:
-            owners[key] = members[0]
-            loads[members[0]] = loads.get(members[0], 0) + nbytes
-        return owners
     heap = [(load, r) for r, load in loads.items() if r in members]
     if not heap and len(order) <= len(members) and all(nbytes > 0 for _, nbytes in order):
         # A large group with nothing loaded yet (the usual case at scale): each tensor finds a member
@@ -135,7 +130,7 @@ def assign_owners(
             continue
         members = replica_range(layout, rank, axes)
         loads = stage_loads if not axes else dict(stage_loads)
-        owners.update(_lpt(items, members, loads, lowest_rank))
+        owners.update(_lpt(items, members[:1] if lowest_rank else members, loads))
     for items in by_axes.values():  # split over every axis: nothing to share
         owners.update({key: rank for key, _ in items})
     return owners

@@ -139,7 +139,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self.entries: dict[str, Entry] = entries
         #: destination keys that are another key's tensor (loaded through that key)
         self.dest_tied = tied_entries(self.entries)
-        self.original_state_dict = state_dict
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -192,15 +191,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             exact = _exact_chunk(md, chunk)
             if exact is not None:
                 fast += 1
-                items.append(
-                    _create_read_item_for_tensor(
-                        dest_index=MetadataIndex(entry.key, chunk.offsets),
-                        dest_offsets=[0] * len(chunk.sizes),
-                        storage_index=MetadataIndex(source, md.chunks[exact].offsets, exact),
-                        storage_offsets=[0] * len(chunk.sizes),
-                        lengths=chunk.sizes,
-                    )
-                )
+                dest, saved = MetadataIndex(entry.key, chunk.offsets), MetadataIndex(source, chunk.offsets, exact)
+                zeros = [0] * len(chunk.sizes)  # the piece is the saved chunk: both start at its origin
+                items.append(_create_read_item_for_tensor(dest, zeros, saved, zeros, chunk.sizes))
                 continue
             found = create_read_items_for_chunk_list(source, md, [chunk])
             if source != entry.key:  # reads of the tied key's bytes, landing in this key's tensor
@@ -232,10 +225,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: layout unchanged for all %d tensors: fast path", self.rank, fast)
         if tied:
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
-        # "empty" and "covered" keys count as asked for in the coordinator's unexpected-key check
-        return compact_load(
-            LoadPlan(items, planner_data={"empty": empty + tied_covered})
-        )  # gathered on the coordinator
+        # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
+        return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
 
     def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str | None], list[str]]:
         """Where tied keys load from: destination key -> the checkpoint key read for it, or ``None``
@@ -393,7 +384,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """(all ranks, from the storage reader) Unpickle one object (weights-only unless allow_pickle)."""
         entry = self.entries[read_item.dest_index.fqn]
         if isinstance(entry.value, ObjectBytes):
-            set_element(self.original_state_dict, entry.path, ObjectBytes(value.read()))
+            set_element(self.state_dict, entry.path, ObjectBytes(value.read()))
             return
         try:
             obj = torch.load(value, weights_only=not self.allow_pickle, map_location="cpu")
@@ -402,7 +393,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
                 "allow_pickle=True only if you trust this checkpoint."
             ) from exc
-        set_element(self.original_state_dict, entry.path, obj)
+        set_element(self.state_dict, entry.path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """(all ranks, from the storage reader) The destination view of one read."""
@@ -411,7 +402,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """(all ranks) Nothing to do: reads land in the destination's own memory."""
-        pass
 
 
 def _refuse_raw_without_our_reader(metadata: Metadata) -> None:

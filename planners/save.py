@@ -283,8 +283,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
         errors = _validate_global_plan(plans, metadata)
-        if isinstance(errors, bool):  # torch < 2.13 returns "valid" (its log says why not)
-            errors = [] if errors else ["DCP's check found chunks that overlap or leave gaps"]
         if errors:
             shown = "; ".join(errors[:5])
             raise SpecError(
@@ -359,9 +357,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if entry.kind == "object":
             return io.BytesIO(self._object_bytes[entry.key])
         return entry.value
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.entries[index.fqn].value
 
 
 #: a tensor split over both TP and DP is held by one rank: no replica to assign

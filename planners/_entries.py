@@ -195,21 +195,12 @@ class _EntryMaker:
             if inherited_from is not None and not self._inherits(value, inherited_from):
                 matched = None
         # Entries are built with positional arguments, in field order (keywords cost ~0.2 us more per
-        # key); the field each one fills is named beside it.
+        # key): local_key, key, path, kind, value, chunk, global_shape, sharded_axes, specs, rank_local,
+        # dtensor, original_global_shape.
         if matched is None:
             size = value.size()
-            return Entry(
-                local_key,
-                key,
-                path,
-                "tensor",
-                value,
-                ChunkStorageMetadata(self._origin(len(size)), size),  # chunk
-                size,  # global_shape
-                _NOT_SPLIT,  # sharded_axes
-                (),  # specs
-                is_local,  # rank_local
-            )
+            chunk = ChunkStorageMetadata(self._origin(len(size)), size)
+            return Entry(local_key, key, path, "tensor", value, chunk, size, _NOT_SPLIT, (), is_local)
         specs, _ = matched
         shape = value.shape
         geometry, original = self._geometry_of(key, shape, specs)
@@ -222,19 +213,10 @@ class _EntryMaker:
                     f"{key}: the local tensor (shape {tuple(value.shape)}, strides {value.stride()}) cannot be "
                     f"viewed as {tuple(geometry.view_shape)} in place; make it contiguous"
                 ) from exc
+        chunk = ChunkStorageMetadata(geometry.offsets, geometry.view_shape)
+        axes = geometry.sharded_axes
         return Entry(
-            local_key,
-            key,
-            path,
-            "tensor",
-            viewed,
-            ChunkStorageMetadata(geometry.offsets, geometry.view_shape),  # chunk
-            geometry.global_shape,  # global_shape
-            geometry.sharded_axes,  # sharded_axes
-            specs,  # specs
-            False,  # rank_local
-            None,  # dtensor
-            original,  # original_global_shape
+            local_key, key, path, "tensor", viewed, chunk, geometry.global_shape, axes, specs, False, None, original
         )
 
     def _inherits(self, value: torch.Tensor, param_key: str) -> bool:
@@ -383,17 +365,8 @@ def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTens
     chunks = value.__create_chunk_list__()
     if len(chunks) != 1:
         raise SpecError(f"{key}: DTensor yields {len(chunks)} local chunks; smpckpt supports one per rank")
-    return Entry(
-        local_key,
-        key,
-        path,
-        "dtensor",
-        value.to_local(),
-        chunk=chunks[0],
-        global_shape=value.size(),
-        rank_local=is_local,
-        dtensor=value,
-    )
+    local = value.to_local()
+    return Entry(local_key, key, path, "dtensor", local, chunks[0], value.size(), rank_local=is_local, dtensor=value)
 
 
 def dtensor_is_owner(entry: Entry) -> bool:

@@ -88,15 +88,13 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
         while cursor < len(members) and members[cursor] in loaded:
             cursor += 1
         fresh = members[cursor] if cursor < len(members) else None
-        if heap and (fresh is None or heap[0] < (0, fresh)):
-            load, owner = heap[0]
-            heapq.heapreplace(heap, (load + nbytes, owner))
-        else:
-            if fresh is None:  # unreachable: members is never empty (it holds this rank)
-                raise ValueError("replica group without members")
+        if fresh is not None and not (heap and heap[0] < (0, fresh)):
             owner = fresh
             loaded.add(owner)
             heapq.heappush(heap, (nbytes, owner))
+        else:  # no fresh member left means every member is loaded: the heap holds them all
+            load, owner = heap[0]
+            heapq.heapreplace(heap, (load + nbytes, owner))
         owners[key] = owner
         loads[owner] = loads.get(owner, 0) + nbytes
     return owners

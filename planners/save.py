@@ -36,13 +36,7 @@ from smpckpt.model.record import METADATA_KEY, LayoutRecord
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, structure_signature
 from smpckpt.planners._checks import check_replica_digests, check_rules_apply, dedup_plans, gather_ties, replica_digest
-from smpckpt.planners._entries import (
-    Entry,
-    LayoutScope,
-    ObjectBytes,
-    dtensor_is_owner,
-    tied_entries,
-)
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._replica_values import check_replica_values, stage_keys, value_digests
 from smpckpt.planners._wire import compact
@@ -171,17 +165,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         # leaves object values out: they change the plan's object digests only (refreshed on a hit).
         signature = None
         if self.enable_plan_caching:
-            digests = None if self.cache_scope == "local" else object_digests
-            signature = structure_signature(
-                self.layout,
-                self.rank,
-                self.replica_owner,
-                self.entries,
-                self.mappings,
-                digests,
-                self.tied,
-                self.verify_replicas,
-            )
+            signature = structure_signature(self, None if self.cache_scope == "local" else object_digests)
         # plain tensors every rank of the stage must agree on (the replica digest's rows), and of them the
         # replicas: those other ranks hold too (ownership and value checks)
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
@@ -296,11 +280,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             # the storage writer's coordinator reads the record here (full mode lays tensors out in
             # their original shapes); one copy, on the coordinator's own plan
             plans[0] = dataclasses.replace(plans[0], planner_data={**(gen or {}), METADATA_KEY: record.to_json()})
-        self.report = SaveReport(
-            bytes_per_rank=tuple(sum(i.tensor_storage_size() or 0 for i in p.items) for p in plans),
-            items=sum(len(p.items) for p in plans),
-            cached=False,
-        )
+        per_rank = tuple(sum(i.tensor_storage_size() or 0 for i in p.items) for p in plans)
+        self.report = SaveReport(per_rank, items=sum(len(p.items) for p in plans), cached=False)
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata

@@ -63,12 +63,6 @@ class Entry:
     #: when the view only splits dimensions of the original; ``None`` without a view
     original_global_shape: tuple[int, ...] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        if self.kind == "object":
-            return 0
-        return int(self.value.nbytes)  # numel x itemsize, in one call (a view's, not its storage's)
-
 
 _NOT_SPLIT: frozenset[str] = frozenset()
 _STRIDED = torch.strided

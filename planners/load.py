@@ -132,11 +132,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         checkpoint's :class:`~smpckpt.model.record.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
-        entries, _ = self._resolve(state_dict)
-        for entry in entries.values():
+        self.entries, _ = self._resolve(state_dict)
+        for entry in self.entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
-        self.entries: dict[str, Entry] = entries
         #: destination keys that are another key's tensor (loaded through that key)
         self.dest_tied = tied_entries(self.entries)
         self.state_dict = state_dict

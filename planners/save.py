@@ -176,7 +176,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         if hit is not None:
             return hit
 
-        replicated = [(e.key, e.nbytes, e.sharded_axes) for e in replicas]
+        # Tensor.nbytes: numel x itemsize, in one call (a view's, not its storage's)
+        replicated = [(e.key, int(e.value.nbytes), e.sharded_axes) for e in replicas]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         properties: dict[tuple[Any, ...], TensorProperties] = {}

@@ -161,11 +161,11 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         resharded: list[str] = []
         cast: list[str] = []
         fast = 0
-        sources, tied_covered = self._tie_sources(md_all)
+        sources, through, tied_covered = self._tie_sources(md_all)
         for entry in self.entries.values():
-            source = sources.get(entry.key, entry.key)
-            if source is None:  # tied in the destination: loaded through another key of its tensor
+            if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
+            source = sources.get(entry.key, entry.key)
             md = md_all.get(source)
             if md is None:
                 missing.append(entry.key)
@@ -187,7 +187,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             if math.prod(chunk.sizes) == 0:
                 empty.append(entry.key)
                 continue
-            exact = _exact_chunk(md, chunk)
+            # the saved chunk that is exactly this piece, if any: one read, no overlap search
+            piece = (tuple(chunk.offsets), tuple(chunk.sizes))
+            exact = next((i for i, c in enumerate(md.chunks) if (tuple(c.offsets), tuple(c.sizes)) == piece), None)
             if exact is not None:
                 fast += 1
                 dest, saved = MetadataIndex(entry.key, chunk.offsets), MetadataIndex(source, chunk.offsets, exact)
@@ -214,7 +216,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
             )
-        tied = {key: source or self._through[key] for key, source in sources.items()}
+        tied = {**through, **sources}
         self.report = LoadReport(
             fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped), tied
         )
@@ -227,10 +229,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
         return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
 
-    def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str | None], list[str]]:
-        """Where tied keys load from: destination key -> the checkpoint key read for it, or ``None``
-        when the key is the tensor of another destination key that loads it; and the checkpoint keys
-        such a skipped key covers (they are loaded, through the other key of the same tensor).
+    def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str], list[str]]:
+        """Where tied keys load from: destination key -> the checkpoint key read for it; skipped key (the
+        tensor of another destination key) -> the key that loads it; and the checkpoint keys such a
+        skipped key covers (they are loaded, through the other key of the same tensor).
 
         Of keys tied in the destination, the first the checkpoint holds (directly, or stored tied to
         another key) is read; each tied key of the checkpoint missing from it reads its tied key."""
@@ -241,24 +243,23 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             first = self.saved_tied.get(key)
             return first if first is not None and first in md_all else None
 
-        sources: dict[str, str | None] = {}
         groups: dict[str, list[str]] = {}
         for alias, first in self.dest_tied.items():
             groups.setdefault(first, [first]).append(alias)
+        through: dict[str, str] = {}
         covered: list[str] = []
-        self._through: dict[str, str] = {}  # a skipped key -> the key of its tensor that loads it
         for keys in groups.values():
             reader = next((k for k in keys if stored(k) is not None), keys[0])
             for key in keys:
                 if key != reader:
-                    sources[key] = None
-                    self._through[key] = reader
+                    through[key] = reader
                     if key in md_all:
                         covered.append(key)
+        sources: dict[str, str] = {}
         for key in self.entries:
-            if key not in sources and key not in md_all and stored(key) is not None:
-                sources[key] = stored(key)
-        return sources, covered
+            if key not in through and key not in md_all and (source := stored(key)) is not None:
+                sources[key] = source
+        return sources, through, covered
 
     def _reshaped(self, entry: Entry, md: TensorStorageMetadata) -> TensorStorageMetadata | None:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
@@ -418,14 +419,6 @@ def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
             "it with storage_reader=smpckpt.storage.FsspecStorageReader(path), or export it for stock tools "
             "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.tools.convert.convert_checkpoint)"
         )
-
-
-def _exact_chunk(md: TensorStorageMetadata, chunk: ChunkStorageMetadata) -> int | None:
-    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-    for i, saved in enumerate(md.chunks):
-        if tuple(saved.offsets) == offsets and tuple(saved.sizes) == sizes:
-            return i
-    return None
 
 
 def _show(keys: Sequence[str]) -> str:

@@ -255,8 +255,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        deduped = dedup_plans(full)
-        plans, metadata = create_default_global_save_plan(deduped)
+        plans, metadata = create_default_global_save_plan(dedup_plans(full))
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
         for plan in full:

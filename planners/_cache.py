@@ -113,11 +113,7 @@ class PlanCache:
         self.round_open = True
 
     def hit(
-        self,
-        signature: tuple[Any, ...] | None,
-        rank: int,
-        object_digests: Mapping[str, str],
-        values: bytes | None = None,
+        self, signature: tuple[Any, ...] | None, rank: int, object_digests: Mapping[str, str], values: bytes | None
     ) -> SavePlan | None:
         """The plan to send when ``signature`` is the cached structure's, else None: "local", the cached
         plan with this save's object digests; "global", an empty plan naming the held generation. Either

@@ -24,13 +24,7 @@ from smpckpt.model.layout import ParallelLayout, RankCoords
 from smpckpt.model.naming import KeyMapper, NameMap
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = [
-    "Entry",
-    "ObjectBytes",
-    "compile_globs",
-    "dtensor_is_owner",
-    "tied_entries",
-]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries"]
 
 Kind = Literal["tensor", "dtensor", "object"]
 

@@ -177,10 +177,9 @@ def _flatten_reads(items: list[ReadItem]) -> list[Any]:
 def _open_load(flat: list[Any], storage_data: Any, planner_data: Any) -> LoadPlan:
     """(unpickling) The plain load plan ``flat`` stands for."""
     items: list[ReadItem] = []
+    rows = _rows(flat, FIELDS_PER_READ, "load")
     with gc_paused():  # an object per field of every item
-        for kind, dfqn, doff, dhint, doffsets, sfqn, soff, shint, soffsets, lengths in _rows(
-            flat, FIELDS_PER_READ, "load"
-        ):
+        for kind, dfqn, doff, dhint, doffsets, sfqn, soff, shint, soffsets, lengths in rows:
             dest = _index(dfqn, doff, dhint)
             # one object where the sender's were one value: interned offsets arrive as one object, so
             # identity (not equality: a tuple equals a torch.Size) says the types match too

@@ -58,9 +58,7 @@ class SaveReport:
     def balance(self) -> float:
         """max / mean of bytes written per rank (1.0 is perfect)."""
         total = sum(self.bytes_per_rank)
-        if not total:
-            return 1.0
-        return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank))
+        return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank)) if total else 1.0
 
 
 class ParallelSavePlanner(LayoutScope, SavePlanner):
@@ -138,10 +136,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
     # -- 1. set up ---------------------------------------------------------------------------------
     def set_up_planner(
-        self,
-        state_dict: dict[str, Any],
-        storage_meta: StorageMeta | None = None,
-        is_coordinator: bool = False,
+        self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
         """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
         (PP renaming), global chunks (specs, DTensor placements), objects."""

@@ -28,14 +28,15 @@ import logging
 import pickle
 import secrets
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import SpecError
-from smpckpt.model.layout import ParallelLayout
-from smpckpt.planners._entries import Entry
+
+if TYPE_CHECKING:
+    from smpckpt.planners.save import ParallelSavePlanner
 
 __all__ = ["PlanCache", "structure_signature", "GENERATION"]
 
@@ -52,24 +53,16 @@ def _copy(metadata: Metadata) -> Metadata:
     return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
 
 
-def structure_signature(
-    layout: ParallelLayout,
-    rank: int,
-    replica_owner: str,
-    entries: Mapping[str, Entry],
-    mappings: Mapping[str, Any],
-    object_digests: Mapping[str, str] | None,
-    tied: Mapping[str, str] | None = None,
-    verify_replicas: bool = False,
-) -> tuple[Any, ...]:
-    """Everything a local plan depends on, compared by equality at the next save (no hashing of text):
-    the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
+def structure_signature(planner: ParallelSavePlanner, object_digests: Mapping[str, str] | None) -> tuple[Any, ...]:
+    """Everything the planner's local plan depends on, compared by equality at the next save (no hashing
+    of text): the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
     ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; which
     keys are tied to which (a tie made or broken between saves changes what is written), whether
     replica values are verified (the plan then carries the stage's key list); object
     values only when ``object_digests`` is given."""
-    parts: list[Any] = [layout, rank, replica_owner, tuple((tied or {}).items()), verify_replicas]
-    for e in entries.values():
+    p, mappings = planner, planner.mappings
+    parts: list[Any] = [p.layout, p.rank, p.replica_owner, tuple(p.tied.items()), p.verify_replicas]
+    for e in p.entries.values():
         if e.kind == "object":
             parts.append((e.key, mappings.get(e.key), None if object_digests is None else object_digests[e.key]))
             continue
@@ -77,24 +70,10 @@ def structure_signature(
         if chunk is None:
             raise SpecError(f"{e.key}: tensor entry without a chunk")
         v = e.value
-        parts.append(
-            (
-                e.key,
-                mappings.get(e.key),
-                e.kind,
-                v.dtype,
-                v.layout,
-                v.requires_grad,
-                v.is_pinned(),
-                e.global_shape,
-                chunk.offsets,
-                chunk.sizes,
-                e.sharded_axes,
-                e.original_global_shape,
-                e.rank_local,
-                None if e.dtensor is None else (e.dtensor.placements, e.dtensor.device_mesh),
-            )
-        )
+        properties = (v.dtype, v.layout, v.requires_grad, v.is_pinned())  # what TensorProperties holds
+        geometry = (e.global_shape, chunk.offsets, chunk.sizes, e.sharded_axes, e.original_global_shape)
+        placement = None if e.dtensor is None else (e.dtensor.placements, e.dtensor.device_mesh)
+        parts.append((e.key, mappings.get(e.key), e.kind, properties, geometry, e.rank_local, placement))
     return tuple(parts)
 
 
@@ -134,11 +113,7 @@ class PlanCache:
         self.round_open = True
 
     def hit(
-        self,
-        signature: tuple[Any, ...] | None,
-        rank: int,
-        object_digests: Mapping[str, str],
-        values: bytes | None = None,
+        self, signature: tuple[Any, ...] | None, rank: int, object_digests: Mapping[str, str], values: bytes | None
     ) -> SavePlan | None:
         """The plan to send when ``signature`` is the cached structure's, else None: "local", the cached
         plan with this save's object digests; "global", an empty plan naming the held generation. Either

@@ -1,21 +1,26 @@
 """The coordinator's checks of a save plan's structure (``ParallelSavePlanner.create_global_plan``), and
 the digest each rank sends for them: spec rules that match nothing, ranks of a stage that disagree on
-their tensors, parameters tied differently. Values are compared in :mod:`._replica_values`."""
+their tensors, parameters tied differently; then its deduplication of the ranks' plans (one writer per
+chunk and per object). Values are compared in :mod:`._replica_values`."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from torch.distributed.checkpoint.planner import SavePlan
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.specs import SpecRules
 from smpckpt.planners._entries import Entry
 
-__all__ = ["check_rules_apply", "check_replica_digests", "gather_ties", "replica_digest"]
+__all__ = ["check_rules_apply", "check_replica_digests", "gather_ties", "replica_digest", "dedup_plans"]
 
 
 def check_rules_apply(rules: SpecRules, plans: list[SavePlan]) -> None:
@@ -102,3 +107,52 @@ def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, s
         if key in tied:
             parts.append(f"=|{tied[key]}\n")
     return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
+
+
+def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
+    """(coordinator) ``plans`` with one writer per chunk and per object.
+
+    Ranks that hold the same chunk (replicas the ownership choice could not keep apart, or pieces of
+    an uneven split) must agree on its global shape, dtype and sizes; objects held by several ranks
+    must be identical (per-rank values need rank-unique keys), and one holder, chosen by the key's
+    CRC32, writes each."""
+    chunk_owner: dict[MetadataIndex, tuple[int, torch.Size]] = {}
+    object_holders: dict[str, list[tuple[int, str]]] = {}
+    tensor_meta: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+    for i, plan in enumerate(plans):
+        objects = plan.planner_data["objects"]
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                object_holders.setdefault(fqn, []).append((i, objects[fqn]))
+                continue
+            td = item.tensor_data
+            if td is None:
+                raise SpecError(f"{fqn}: rank {i} planned a tensor item without tensor data")
+            seen = tensor_meta.setdefault(fqn, (i, td.size, td.properties.dtype))
+            if (seen[1], seen[2]) != (td.size, td.properties.dtype):
+                raise SpecError(
+                    f"{fqn}: rank {seen[0]} saves global shape {tuple(seen[1])} {seen[2]} but rank {i} saves "
+                    f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes disagree"
+                )
+            prior = chunk_owner.setdefault(item.index, (i, td.chunk.sizes))
+            if prior[1] != td.chunk.sizes:
+                raise SpecError(
+                    f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
+                    f"with sizes {tuple(prior[1])} and {tuple(td.chunk.sizes)}"
+                )
+    object_owner: dict[str, int] = {}
+    for fqn, holders in object_holders.items():
+        digests = {d for _, d in holders}
+        if len(digests) > 1:
+            ranks = sorted({r for r, _ in holders})
+            raise ReplicaMismatch(
+                f"object {fqn!r} differs between ranks {ranks}: one key can hold one value. Give per-rank "
+                "values rank-unique keys (e.g. f'...rank{rank}...') and list them in rank_local="
+            )
+        object_owner[fqn] = holders[zlib.crc32(fqn.encode()) % len(holders)][0]
+
+    def owner(item: WriteItem) -> int:
+        return object_owner[item.index.fqn] if item.type == WriteItemType.BYTE_IO else chunk_owner[item.index][0]
+
+    return [dataclasses.replace(p, items=[it for it in p.items if owner(it) == i]) for i, p in enumerate(plans)]

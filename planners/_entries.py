@@ -24,16 +24,7 @@ from smpckpt.model.layout import ParallelLayout, RankCoords
 from smpckpt.model.naming import KeyMapper, NameMap
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = [
-    "Entry",
-    "Resolved",
-    "ObjectBytes",
-    "resolve_state_dict",
-    "resolve_rank",
-    "compile_globs",
-    "dtensor_is_owner",
-    "tied_entries",
-]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries"]
 
 Kind = Literal["tensor", "dtensor", "object"]
 
@@ -66,34 +57,9 @@ class Entry:
     #: when the view only splits dimensions of the original; ``None`` without a view
     original_global_shape: tuple[int, ...] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        if self.kind == "object":
-            return 0
-        return int(self.value.nbytes)  # numel x itemsize, in one call (a view's, not its storage's)
-
 
 _NOT_SPLIT: frozenset[str] = frozenset()
 _STRIDED = torch.strided
-
-
-@dataclasses.dataclass
-class Resolved:
-    entries: dict[str, Entry]  #: by global key
-    mappings: dict[str, tuple[Any, ...]]  #: global key -> flatten path for the checkpoint's record
-
-
-def resolve_rank(layout: ParallelLayout, rank: int | None, process_group: Any = None) -> int:
-    """The layout rank this process plays: explicit, else the process group's, else 0."""
-    if rank is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank(process_group)
-            layout.check_world_size(dist.get_world_size(process_group), "the process group")
-        else:
-            rank = 0
-    if not 0 <= rank < layout.world_size:
-        raise SpecError(f"rank {rank} is outside the layout's world of {layout.world_size} ({layout})")
-    return rank
 
 
 def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
@@ -101,15 +67,6 @@ def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
     if not patterns:
         return None
     return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
-
-
-def _param_prefixes(flat: Mapping[str, Any], mappings: Mapping[str, tuple[Any, ...]]) -> tuple[str, ...]:
-    """Top-level names under which parameters sit (``model``), for optimizer-state spec inheritance."""
-    found: dict[str, None] = {}
-    for key, path in mappings.items():
-        if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES):
-            found.setdefault(str(path[0]), None)
-    return tuple(found)
 
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
@@ -161,35 +118,6 @@ def _dcp_is_terminal(value: Any) -> bool:
         if isinstance(entry, torch.Tensor):
             return False
     return True
-
-
-def resolve_state_dict(
-    state_dict: Mapping[str, Any],
-    layout: ParallelLayout,
-    rank: int,
-    rules: SpecRules,
-    name_map: NameMap | None,
-    rank_local: re.Pattern[str] | None,
-) -> Resolved:
-    coords = layout.coords(rank)
-    mapper = KeyMapper(layout, coords.pp, name_map)
-    flat, local_paths = flatten(state_dict)
-    entries: dict[str, Entry] = {}
-    mappings: dict[str, tuple[Any, ...]] = {}
-    global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
-    by_global = {global_keys[k]: v for k, v in flat.items()}  # parameters, for optimizer-state inheritance
-    maker = _EntryMaker(rules, _param_prefixes(flat, local_paths), by_global, coords, layout)
-    for local_key, value in flat.items():
-        key = global_keys[local_key]
-        if key in entries:
-            raise SpecError(
-                f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on rank {rank}"
-            )
-        path = local_paths[local_key]
-        mappings[key] = mapper.global_path(path, local_key, key)
-        is_local = bool(rank_local is not None and rank_local.fullmatch(key))
-        entries[key] = maker.entry(local_key, key, path, value, is_local)
-    return Resolved(entries, mappings)
 
 
 def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
@@ -255,21 +183,12 @@ class _EntryMaker:
             if inherited_from is not None and not self._inherits(value, inherited_from):
                 matched = None
         # Entries are built with positional arguments, in field order (keywords cost ~0.2 us more per
-        # key); the field each one fills is named beside it.
+        # key): local_key, key, path, kind, value, chunk, global_shape, sharded_axes, specs, rank_local,
+        # dtensor, original_global_shape.
         if matched is None:
             size = value.size()
-            return Entry(
-                local_key,
-                key,
-                path,
-                "tensor",
-                value,
-                ChunkStorageMetadata(self._origin(len(size)), size),  # chunk
-                size,  # global_shape
-                _NOT_SPLIT,  # sharded_axes
-                (),  # specs
-                is_local,  # rank_local
-            )
+            chunk = ChunkStorageMetadata(self._origin(len(size)), size)
+            return Entry(local_key, key, path, "tensor", value, chunk, size, _NOT_SPLIT, (), is_local)
         specs, _ = matched
         shape = value.shape
         geometry, original = self._geometry_of(key, shape, specs)
@@ -282,19 +201,10 @@ class _EntryMaker:
                     f"{key}: the local tensor (shape {tuple(value.shape)}, strides {value.stride()}) cannot be "
                     f"viewed as {tuple(geometry.view_shape)} in place; make it contiguous"
                 ) from exc
+        chunk = ChunkStorageMetadata(geometry.offsets, geometry.view_shape)
+        axes = geometry.sharded_axes
         return Entry(
-            local_key,
-            key,
-            path,
-            "tensor",
-            viewed,
-            ChunkStorageMetadata(geometry.offsets, geometry.view_shape),  # chunk
-            geometry.global_shape,  # global_shape
-            geometry.sharded_axes,  # sharded_axes
-            specs,  # specs
-            False,  # rank_local
-            None,  # dtensor
-            original,  # original_global_shape
+            local_key, key, path, "tensor", viewed, chunk, geometry.global_shape, axes, specs, False, None, original
         )
 
     def _inherits(self, value: torch.Tensor, param_key: str) -> bool:
@@ -361,10 +271,46 @@ class LayoutScope:
         self._rank_local_globs = tuple(rank_local)
         self._rank_local = compile_globs(self._rank_local_globs)
 
-    def _resolve(self, state_dict: Mapping[str, Any]) -> Resolved:
-        """(all ranks, in set_up_planner) This rank, and its state dict resolved against the layout."""
-        self.rank = resolve_rank(self.layout, self._rank_arg, self.process_group)
-        return resolve_state_dict(state_dict, self.layout, self.rank, self.rules, self.name_map, self._rank_local)
+    def _resolve(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Entry], dict[str, tuple[Any, ...]]]:
+        """(all ranks, in set_up_planner) Set this rank -- explicit, else the process group's, else 0 -- and
+        resolve its state dict against the layout: the entries, and each key's flatten path for the
+        checkpoint's record, by global key."""
+        layout, rank = self.layout, self._rank_arg
+        if rank is None:
+            if dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank(self.process_group)
+                layout.check_world_size(dist.get_world_size(self.process_group), "the process group")
+            else:
+                rank = 0
+        if not 0 <= rank < layout.world_size:
+            raise SpecError(f"rank {rank} is outside the layout's world of {layout.world_size} ({layout})")
+        self.rank = rank
+        coords = layout.coords(rank)
+        mapper = KeyMapper(layout, coords.pp, self.name_map)
+        flat, local_paths = flatten(state_dict)
+        entries: dict[str, Entry] = {}
+        mappings: dict[str, tuple[Any, ...]] = {}
+        global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
+        by_global = {global_keys[k]: v for k, v in flat.items()}  # parameters, for optimizer-state inheritance
+        # top-level names under which parameters sit (``model``), for optimizer-state spec inheritance
+        prefixes = {
+            str(path[0]): None
+            for key, path in local_paths.items()
+            if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES)
+        }
+        maker = _EntryMaker(self.rules, tuple(prefixes), by_global, coords, layout)
+        for local_key, value in flat.items():
+            key = global_keys[local_key]
+            if key in entries:
+                raise SpecError(
+                    f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on "
+                    f"rank {rank}"
+                )
+            path = local_paths[local_key]
+            mappings[key] = mapper.global_path(path, local_key, key)
+            is_local = bool(self._rank_local is not None and self._rank_local.fullmatch(key))
+            entries[key] = maker.entry(local_key, key, path, value, is_local)
+        return entries, mappings
 
 
 def original_global_shape(
@@ -407,17 +353,8 @@ def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTens
     chunks = value.__create_chunk_list__()
     if len(chunks) != 1:
         raise SpecError(f"{key}: DTensor yields {len(chunks)} local chunks; smpckpt supports one per rank")
-    return Entry(
-        local_key,
-        key,
-        path,
-        "dtensor",
-        value.to_local(),
-        chunk=chunks[0],
-        global_shape=value.size(),
-        rank_local=is_local,
-        dtensor=value,
-    )
+    local = value.to_local()
+    return Entry(local_key, key, path, "dtensor", local, chunks[0], value.size(), rank_local=is_local, dtensor=value)
 
 
 def dtensor_is_owner(entry: Entry) -> bool:

@@ -57,7 +57,7 @@ def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str
     return list(replica_range(layout, rank, sharded_axes))
 
 
-def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int], lowest: bool) -> dict[str, int]:
+def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]) -> dict[str, int]:
     """Greedy largest-first: each item to the member with the least load, the lowest rank among equals.
 
     Equal to ``min(members, key=lambda r: (loads.get(r, 0), r))`` per item, without visiting members
@@ -72,11 +72,6 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
         loads[only] = loads.get(only, 0) + sum(nbytes for _, nbytes in items)
         return owners
     order = sorted(items, key=lambda kv: (-kv[1], kv[0]))
-    if lowest:
-        for key, nbytes in order:
-            owners[key] = members[0]
-            loads[members[0]] = loads.get(members[0], 0) + nbytes
-        return owners
     heap = [(load, r) for r, load in loads.items() if r in members]
     if not heap and len(order) <= len(members) and all(nbytes > 0 for _, nbytes in order):
         # A large group with nothing loaded yet (the usual case at scale): each tensor finds a member
@@ -93,15 +88,13 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
         while cursor < len(members) and members[cursor] in loaded:
             cursor += 1
         fresh = members[cursor] if cursor < len(members) else None
-        if heap and (fresh is None or heap[0] < (0, fresh)):
-            load, owner = heap[0]
-            heapq.heapreplace(heap, (load + nbytes, owner))
-        else:
-            if fresh is None:  # unreachable: members is never empty (it holds this rank)
-                raise ValueError("replica group without members")
+        if fresh is not None and not (heap and heap[0] < (0, fresh)):
             owner = fresh
             loaded.add(owner)
             heapq.heappush(heap, (nbytes, owner))
+        else:  # no fresh member left means every member is loaded: the heap holds them all
+            load, owner = heap[0]
+            heapq.heapreplace(heap, (load + nbytes, owner))
         owners[key] = owner
         loads[owner] = loads.get(owner, 0) + nbytes
     return owners
@@ -135,7 +128,7 @@ def assign_owners(
             continue
         members = replica_range(layout, rank, axes)
         loads = stage_loads if not axes else dict(stage_loads)
-        owners.update(_lpt(items, members, loads, lowest_rank))
+        owners.update(_lpt(items, members[:1] if lowest_rank else members, loads))
     for items in by_axes.values():  # split over every axis: nothing to share
         owners.update({key: rank for key, _ in items})
     return owners

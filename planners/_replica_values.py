@@ -86,11 +86,6 @@ def stage_keys(keys: Sequence[str], splits: Sequence[frozenset[str]]) -> tuple[t
     return tuple(keys), bytes(_SPLIT_CODES[s] for s in splits)
 
 
-def _grouping(code: int, coords: Any) -> tuple[int, ...]:
-    """Ranks that hold the same piece of a key split as ``code``: same coordinates on its split axes."""
-    return () if code == 0 else (coords.tp,) if code == 1 else (coords.dp,)
-
-
 def _cause(code: int, ranks: list[int], layout: ParallelLayout) -> str:
     tps = {layout.coords(r).tp for r in ranks}
     if code in (0, 2) and len(tps) > 1:
@@ -134,8 +129,9 @@ def check_replica_values(fresh: Sequence[Any], structure: Sequence[Any], layout:
             if not len(cols):
                 continue
             groups: dict[tuple[int, ...], list[tuple[int, np.ndarray]]] = {}
-            for rank, v in members:
-                groups.setdefault(_grouping(code, layout.coords(rank)), []).append((rank, v))
+            for rank, v in members:  # ranks that hold the same piece: same coordinates on its split axes
+                c = layout.coords(rank)
+                groups.setdefault(() if code == 0 else (c.tp,) if code == 1 else (c.dp,), []).append((rank, v))
             for group in groups.values():
                 base_rank, base = group[0]
                 for rank, v in group[1:]:

@@ -24,7 +24,8 @@ plans unchanged (a plain pickle, as before) rather than drop a field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterator
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -81,20 +82,16 @@ class CompactSavePlan(_ComparesAsPlain, SavePlan):
         return (_open, (_flatten(self.items), self.storage_data, self.planner_data, self.usable))
 
 
-def compact(plan: SavePlan) -> SavePlan:
-    """``plan`` as a :class:`CompactSavePlan` (the same fields; no copy of its items)."""
-    return _as(CompactSavePlan, plan)
-
-
-def compact_load(plan: LoadPlan) -> LoadPlan:
-    """``plan`` as a :class:`CompactLoadPlan` (the same fields; no copy of its items)."""
-    return _as(CompactLoadPlan, plan)
-
-
-def _as(cls: type[_Plan], plan: _Plan) -> _Plan:
+def compact(plan: _Plan) -> _Plan:
+    """``plan`` as a :class:`CompactSavePlan` or :class:`CompactLoadPlan` (the same fields; no copy of
+    its items)."""
+    cls: type[Any] = CompactSavePlan if isinstance(plan, SavePlan) else CompactLoadPlan
     if not _SUPPORTED or isinstance(plan, cls):
         return plan
-    return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+    return cast(_Plan, cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}))
+
+
+compact_load = compact  # the name the load planner calls it by
 
 
 def _flatten(items: list[WriteItem]) -> list[Any]:
@@ -139,14 +136,18 @@ def _index(fqn: str, offset: Any, hint: int | None) -> MetadataIndex:
     return index
 
 
+def _rows(flat: list[Any], width: int, what: str) -> Iterator[tuple[Any, ...]]:
+    """(unpickling) The items' fields in ``flat``, ``width`` at a time."""
+    if len(flat) % width:
+        raise ValueError(f"a compact {what} plan holds {len(flat)} fields, not a multiple of {width}")
+    return zip(*[iter(flat)] * width)
+
+
 def _open(flat: list[Any], storage_data: Any, planner_data: Any, usable: bool) -> SavePlan:
     """(unpickling) The plain save plan ``flat`` stands for."""
-    if len(flat) % FIELDS_PER_ITEM:
-        raise ValueError(f"a compact save plan holds {len(flat)} fields, not a multiple of {FIELDS_PER_ITEM}")
     items: list[WriteItem] = []
     with gc_paused():  # an object per field of every item
-        cols = [iter(flat)] * FIELDS_PER_ITEM
-        for fqn, offset, hint, kind, bio, offsets, sizes, props, size in zip(*cols):
+        for fqn, offset, hint, kind, bio, offsets, sizes, props, size in _rows(flat, FIELDS_PER_ITEM, "save"):
             td = None if offsets is None else TensorWriteData(ChunkStorageMetadata(offsets, sizes), props, size)
             items.append(WriteItem(_index(fqn, offset, hint), kind, bio, td))
     return SavePlan(items, storage_data, planner_data, usable)
@@ -175,12 +176,10 @@ def _flatten_reads(items: list[ReadItem]) -> list[Any]:
 
 def _open_load(flat: list[Any], storage_data: Any, planner_data: Any) -> LoadPlan:
     """(unpickling) The plain load plan ``flat`` stands for."""
-    if len(flat) % FIELDS_PER_READ:
-        raise ValueError(f"a compact load plan holds {len(flat)} fields, not a multiple of {FIELDS_PER_READ}")
     items: list[ReadItem] = []
+    rows = _rows(flat, FIELDS_PER_READ, "load")
     with gc_paused():  # an object per field of every item
-        cols = [iter(flat)] * FIELDS_PER_READ
-        for kind, dfqn, doff, dhint, doffsets, sfqn, soff, shint, soffsets, lengths in zip(*cols):
+        for kind, dfqn, doff, dhint, doffsets, sfqn, soff, shint, soffsets, lengths in rows:
             dest = _index(dfqn, doff, dhint)
             # one object where the sender's were one value: interned offsets arrive as one object, so
             # identity (not equality: a tuple equals a torch.Size) says the types match too

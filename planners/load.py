@@ -132,14 +132,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         checkpoint's :class:`~smpckpt.model.record.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
-        resolved = self._resolve(state_dict)
-        for entry in resolved.entries.values():
+        self.entries, _ = self._resolve(state_dict)
+        for entry in self.entries.values():
             if entry.kind != "object" and entry.value.device.type == "meta":
                 raise SpecError(f"{entry.key}: destination is on the meta device; allocate it before loading")
-        self.entries: dict[str, Entry] = resolved.entries
         #: destination keys that are another key's tensor (loaded through that key)
         self.dest_tied = tied_entries(self.entries)
-        self.original_state_dict = state_dict
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -163,11 +161,11 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         resharded: list[str] = []
         cast: list[str] = []
         fast = 0
-        sources, tied_covered = self._tie_sources(md_all)
+        sources, through, tied_covered = self._tie_sources(md_all)
         for entry in self.entries.values():
-            source = sources.get(entry.key, entry.key)
-            if source is None:  # tied in the destination: loaded through another key of its tensor
+            if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
+            source = sources.get(entry.key, entry.key)
             md = md_all.get(source)
             if md is None:
                 missing.append(entry.key)
@@ -189,18 +187,14 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             if math.prod(chunk.sizes) == 0:
                 empty.append(entry.key)
                 continue
-            exact = _exact_chunk(md, chunk)
+            # the saved chunk that is exactly this piece, if any: one read, no overlap search
+            piece = (tuple(chunk.offsets), tuple(chunk.sizes))
+            exact = next((i for i, c in enumerate(md.chunks) if (tuple(c.offsets), tuple(c.sizes)) == piece), None)
             if exact is not None:
                 fast += 1
-                items.append(
-                    _create_read_item_for_tensor(
-                        dest_index=MetadataIndex(entry.key, chunk.offsets),
-                        dest_offsets=[0] * len(chunk.sizes),
-                        storage_index=MetadataIndex(source, md.chunks[exact].offsets, exact),
-                        storage_offsets=[0] * len(chunk.sizes),
-                        lengths=chunk.sizes,
-                    )
-                )
+                dest, saved = MetadataIndex(entry.key, chunk.offsets), MetadataIndex(source, chunk.offsets, exact)
+                zeros = [0] * len(chunk.sizes)  # the piece is the saved chunk: both start at its origin
+                items.append(_create_read_item_for_tensor(dest, zeros, saved, zeros, chunk.sizes))
                 continue
             found = create_read_items_for_chunk_list(source, md, [chunk])
             if source != entry.key:  # reads of the tied key's bytes, landing in this key's tensor
@@ -222,7 +216,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
             )
-        tied = {key: source or self._through[key] for key, source in sources.items()}
+        tied = {**through, **sources}
         self.report = LoadReport(
             fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped), tied
         )
@@ -232,15 +226,13 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: layout unchanged for all %d tensors: fast path", self.rank, fast)
         if tied:
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
-        # "empty" and "covered" keys count as asked for in the coordinator's unexpected-key check
-        return compact_load(
-            LoadPlan(items, planner_data={"empty": empty + tied_covered})
-        )  # gathered on the coordinator
+        # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
+        return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
 
-    def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str | None], list[str]]:
-        """Where tied keys load from: destination key -> the checkpoint key read for it, or ``None``
-        when the key is the tensor of another destination key that loads it; and the checkpoint keys
-        such a skipped key covers (they are loaded, through the other key of the same tensor).
+    def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str], list[str]]:
+        """Where tied keys load from: destination key -> the checkpoint key read for it; skipped key (the
+        tensor of another destination key) -> the key that loads it; and the checkpoint keys such a
+        skipped key covers (they are loaded, through the other key of the same tensor).
 
         Of keys tied in the destination, the first the checkpoint holds (directly, or stored tied to
         another key) is read; each tied key of the checkpoint missing from it reads its tied key."""
@@ -251,51 +243,53 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             first = self.saved_tied.get(key)
             return first if first is not None and first in md_all else None
 
-        sources: dict[str, str | None] = {}
         groups: dict[str, list[str]] = {}
         for alias, first in self.dest_tied.items():
             groups.setdefault(first, [first]).append(alias)
+        through: dict[str, str] = {}
         covered: list[str] = []
-        self._through: dict[str, str] = {}  # a skipped key -> the key of its tensor that loads it
         for keys in groups.values():
             reader = next((k for k in keys if stored(k) is not None), keys[0])
             for key in keys:
                 if key != reader:
-                    sources[key] = None
-                    self._through[key] = reader
+                    through[key] = reader
                     if key in md_all:
                         covered.append(key)
+        sources: dict[str, str] = {}
         for key in self.entries:
-            if key not in sources and key not in md_all and stored(key) is not None:
-                sources[key] = stored(key)
-        return sources, covered
+            if key not in through and key not in md_all and (source := stored(key)) is not None:
+                sources[key] = source
+        return sources, through, covered
 
-    def _reshapes(self, entry: Entry, md: TensorStorageMetadata) -> bool:
+    def _reshaped(self, entry: Entry, md: TensorStorageMetadata) -> TensorStorageMetadata | None:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
         safetensors file, loaded into a ``ShardSpec(view=[3, h/tp, d])`` layout) is the same row-major
-        bytes: read it in the layout's shape. Only where the reader says its tensors are whole and
-        reshapable (full artifacts, Hugging Face folders), and only when the shape is not a guess: the
-        destination's view comes from a spec, or the destination has the shape the tensor had before
-        the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a plain ``[3h, d]``
-        model). Any other same-size shape (a transpose, say) stays a mismatch."""
+        bytes: its metadata is replaced by the layout's shape (returned). Only where the reader says its
+        tensors are whole and reshapable (full artifacts, Hugging Face folders), and only when the shape
+        is not a guess: the destination's view comes from a spec, or the destination has the shape the
+        tensor had before the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a
+        plain ``[3h, d]`` model). Any other same-size shape (a transpose, say) stays a mismatch."""
         shape = tuple(entry.global_shape or ())
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
-        if not (whole and math.prod(md.size) == math.prod(shape)):
-            return False
-        if not (any(s.view for s in entry.specs) or self._shape_before_view(entry) == shape):
-            return False
-        if not isinstance(self.metadata.planner_data, dict) or not self.metadata.planner_data.get(WHOLE_TENSORS):
-            return False
+        if not (
+            whole
+            and math.prod(md.size) == math.prod(shape)
+            and (any(s.view for s in entry.specs) or self._shape_before_view(entry) == shape)
+            and self._whole_tensors()
+        ):
+            return None
         size = torch.Size(shape)
-        self.metadata.state_dict_metadata[entry.key] = TensorStorageMetadata(
-            md.properties, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)]
-        )
-        return True
+        md = TensorStorageMetadata(md.properties, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
+        self.metadata.state_dict_metadata[entry.key] = md
+        return md
+
+    def _whole_tensors(self) -> bool:
+        """Whether the reader says its tensors are whole and reshapable (full artifacts, HF folders)."""
+        return isinstance(self.metadata.planner_data, dict) and bool(self.metadata.planner_data.get(WHOLE_TENSORS))
 
     def _reshape_hint(self, entry: Entry, md: TensorStorageMetadata) -> str:
         """What to do when only a ShardSpec view separates the shapes of a partial checkpoint's tensor."""
-        whole = isinstance(self.metadata.planner_data, dict) and self.metadata.planner_data.get(WHOLE_TENSORS)
-        if whole or math.prod(md.size) != math.prod(entry.global_shape or ()):
+        if self._whole_tensors() or math.prod(md.size) != math.prod(entry.global_shape or ()):
             return ""
         return (
             "; a partial checkpoint is read only in the shape it was saved in (same elements, other view): "
@@ -307,15 +301,15 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """The shape the save recorded for the tensor before its ShardSpec view (``()``: none)."""
         return tuple(self.saved_original_shapes.get(entry.key, ()))
 
-    def _views_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> bool:
+    def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
         under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
-        viewed as the saved shape: the same row-major bytes, the save's view undone."""
+        viewed as the saved shape (the entry returned): the same row-major bytes, the save's view undone."""
         shape = tuple(entry.global_shape or ())
         if entry.specs or entry.sharded_axes or entry.dtensor is not None or entry.kind != "tensor":
-            return False
+            return None
         if self._shape_before_view(entry) != shape or math.prod(md.size) != math.prod(shape):
-            return False
+            return None
         size = torch.Size(md.size)
         try:
             viewed = entry.value.view(size)
@@ -325,23 +319,22 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.value.stride()}) cannot be viewed so in place: make it contiguous"
             ) from exc
         origin = torch.Size([0] * len(size))
-        self.entries[entry.key] = dataclasses.replace(
-            entry, value=viewed, chunk=ChunkStorageMetadata(origin, size), global_shape=size
-        )
-        return True
+        entry = dataclasses.replace(entry, value=viewed, chunk=ChunkStorageMetadata(origin, size), global_shape=size)
+        self.entries[entry.key] = entry
+        return entry
 
     def _check_tensor(
         self, entry: Entry, md: TensorStorageMetadata, cast: list[str]
     ) -> tuple[Entry, TensorStorageMetadata]:
         """Shape and dtype checks; the entry and metadata to plan from (a whole tensor read in the
         destination's shape, or the destination viewed as saved, when the shapes differ in those ways)."""
-        if tuple(md.size) != tuple(entry.global_shape or ()) and self._reshapes(entry, md):
-            reshaped = self.metadata.state_dict_metadata[entry.key]
-            if isinstance(reshaped, TensorStorageMetadata):
-                return self._check_tensor(entry, reshaped, cast)
-        if tuple(md.size) != tuple(entry.global_shape or ()) and self._views_as_saved(entry, md):
-            return self._check_tensor(self.entries[entry.key], md, cast)
         if tuple(md.size) != tuple(entry.global_shape or ()):
+            reshaped = self._reshaped(entry, md)
+            if reshaped is not None:
+                return self._check_tensor(entry, reshaped, cast)
+            viewed = self._viewed_as_saved(entry, md)
+            if viewed is not None:
+                return self._check_tensor(viewed, md, cast)
             local = tuple(entry.value.shape)
             raise LayoutMismatch(
                 f"{entry.key}: the checkpoint holds global shape {tuple(md.size)} but rank {self.rank}'s layout "
@@ -391,7 +384,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """(all ranks, from the storage reader) Unpickle one object (weights-only unless allow_pickle)."""
         entry = self.entries[read_item.dest_index.fqn]
         if isinstance(entry.value, ObjectBytes):
-            set_element(self.original_state_dict, entry.path, ObjectBytes(value.read()))
+            set_element(self.state_dict, entry.path, ObjectBytes(value.read()))
             return
         try:
             obj = torch.load(value, weights_only=not self.allow_pickle, map_location="cpu")
@@ -400,7 +393,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
                 "allow_pickle=True only if you trust this checkpoint."
             ) from exc
-        set_element(self.original_state_dict, entry.path, obj)
+        set_element(self.state_dict, entry.path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """(all ranks, from the storage reader) The destination view of one read."""
@@ -409,7 +402,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """(all ranks) Nothing to do: reads land in the destination's own memory."""
-        pass
 
 
 def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
@@ -427,14 +419,6 @@ def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
             "it with storage_reader=smpckpt.storage.FsspecStorageReader(path), or export it for stock tools "
             "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.tools.convert.convert_checkpoint)"
         )
-
-
-def _exact_chunk(md: TensorStorageMetadata, chunk: ChunkStorageMetadata) -> int | None:
-    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-    for i, saved in enumerate(md.chunks):
-        if tuple(saved.offsets) == offsets and tuple(saved.sizes) == sizes:
-            return i
-    return None
 
 
 def _show(keys: Sequence[str]) -> str:

@@ -35,15 +35,8 @@ from smpckpt.model.naming import NameMap
 from smpckpt.model.record import METADATA_KEY, LayoutRecord
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, structure_signature
-from smpckpt.planners._checks import check_replica_digests, check_rules_apply, gather_ties, replica_digest
-from smpckpt.planners._dedup import dedup_plans
-from smpckpt.planners._entries import (
-    Entry,
-    LayoutScope,
-    ObjectBytes,
-    dtensor_is_owner,
-    tied_entries,
-)
+from smpckpt.planners._checks import check_replica_digests, check_rules_apply, dedup_plans, gather_ties, replica_digest
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._replica_values import check_replica_values, stage_keys, value_digests
 from smpckpt.planners._wire import compact
@@ -65,9 +58,7 @@ class SaveReport:
     def balance(self) -> float:
         """max / mean of bytes written per rank (1.0 is perfect)."""
         total = sum(self.bytes_per_rank)
-        if not total:
-            return 1.0
-        return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank))
+        return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank)) if total else 1.0
 
 
 class ParallelSavePlanner(LayoutScope, SavePlanner):
@@ -145,17 +136,12 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
     # -- 1. set up ---------------------------------------------------------------------------------
     def set_up_planner(
-        self,
-        state_dict: dict[str, Any],
-        storage_meta: StorageMeta | None = None,
-        is_coordinator: bool = False,
+        self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
         """(all ranks, once per save) Resolve this rank's state dict against the layout: global keys
         (PP renaming), global chunks (specs, DTensor placements), objects."""
         self._cache.begin_round(self._rank_arg)
-        resolved = self._resolve(state_dict)
-        self.entries = resolved.entries
-        self.mappings = resolved.mappings
+        self.entries, self.mappings = self._resolve(state_dict)
         self.tied = tied_entries(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
@@ -174,34 +160,19 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         # leaves object values out: they change the plan's object digests only (refreshed on a hit).
         signature = None
         if self.enable_plan_caching:
-            digests = None if self.cache_scope == "local" else object_digests
-            signature = structure_signature(
-                self.layout,
-                self.rank,
-                self.replica_owner,
-                self.entries,
-                self.mappings,
-                digests,
-                self.tied,
-                self.verify_replicas,
-            )
-        # plain tensors every rank of the stage must agree on: the replica digest's rows and the replicas
+            signature = structure_signature(self, None if self.cache_scope == "local" else object_digests)
+        # plain tensors every rank of the stage must agree on (the replica digest's rows), and of them the
+        # replicas: those other ranks hold too (ownership and value checks)
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
-        checked = (
-            sorted((e for e in shared if e.key not in self.tied and e.sharded_axes != _SPLIT_OVER_BOTH), key=_by_key)
-            if self.verify_replicas
-            else []
-        )
+        replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in self.tied]
+        checked = sorted(replicas, key=lambda e: e.key) if self.verify_replicas else []
         values = value_digests([e.value for e in checked]) if self.verify_replicas else None
         hit = self._cache.hit(signature, self.rank, object_digests, values)
         if hit is not None:
             return hit
 
-        replicated = [
-            (e.key, e.nbytes, e.sharded_axes)
-            for e in shared
-            if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in self.tied
-        ]
+        # Tensor.nbytes: numel x itemsize, in one call (a view's, not its storage's)
+        replicated = [(e.key, int(e.value.nbytes), e.sharded_axes) for e in replicas]
         owners = assign_owners(self.layout, self.rank, replicated, lowest_rank=self.replica_owner == "lowest")
         items: list[WriteItem] = []
         properties: dict[tuple[Any, ...], TensorProperties] = {}
@@ -279,22 +250,18 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        deduped = dedup_plans(full)
-        plans, metadata = create_default_global_save_plan(deduped)
+        plans, metadata = create_default_global_save_plan(dedup_plans(full))
         mappings: dict[str, Any] = {}
-        for plan in full:
-            mappings.update(plan.planner_data["mappings"])
         original: dict[str, tuple[int, ...]] = {}
         for plan in full:
-            original.update((plan.planner_data or {}).get("original_shapes", {}))
+            mappings.update(plan.planner_data["mappings"])
+            original.update(plan.planner_data.get("original_shapes", {}))
         record = LayoutRecord(
             self.layout, tuple(self.rules.to_records()), self._rank_local_globs, original_shapes=original, tied=tied
         )
         mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
         errors = _validate_global_plan(plans, metadata)
-        if isinstance(errors, bool):  # torch < 2.13 returns "valid" (its log says why not)
-            errors = [] if errors else ["DCP's check found chunks that overlap or leave gaps"]
         if errors:
             shown = "; ".join(errors[:5])
             raise SpecError(
@@ -308,9 +275,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             # the storage writer's coordinator reads the record here (full mode lays tensors out in
             # their original shapes); one copy, on the coordinator's own plan
             plans[0] = dataclasses.replace(plans[0], planner_data={**(gen or {}), METADATA_KEY: record.to_json()})
-        self.report = SaveReport(
-            bytes_per_rank=tuple(_plan_bytes(p) for p in plans), items=sum(len(p.items) for p in plans), cached=False
-        )
+        per_rank = tuple(sum(i.tensor_storage_size() or 0 for i in p.items) for p in plans)
+        self.report = SaveReport(per_rank, items=sum(len(p.items) for p in plans), cached=False)
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
         self.global_plan, self.metadata = plans, metadata
         return plans, metadata
@@ -368,13 +334,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             return io.BytesIO(self._object_bytes[entry.key])
         return entry.value
 
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.entries[index.fqn].value
-
-
-def _by_key(entry: Entry) -> str:
-    return entry.key
-
 
 #: a tensor split over both TP and DP is held by one rank: no replica to assign
 _SPLIT_OVER_BOTH = frozenset({"tp", "dp"})
@@ -410,11 +369,3 @@ def _tensor_item(entry: Entry, properties: dict[tuple[Any, ...], TensorPropertie
         type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
         tensor_data=TensorWriteData(chunk=chunk, properties=props, size=shape),
     )
-
-
-def _plan_bytes(plan: SavePlan) -> int:
-    total = 0
-    for item in plan.items:
-        if item.tensor_data is not None:
-            total += item.tensor_storage_size() or 0
-    return total

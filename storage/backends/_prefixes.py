@@ -141,15 +141,15 @@ def resolve(option: Any, *, local: bool) -> PrefixStrategy:
     (the layout shared filesystems and tools expect), hex prefixes on object stores."""
     if isinstance(option, PrefixStrategy):
         return option
-    if option == "auto":
-        return FlatLayout() if local else HexPrefixes()
-    if option == "flat":
-        return FlatLayout()
-    if option == "hex":
-        return HexPrefixes()
-    if option == "binary":
-        return BinaryPrefixes()
-    raise ValueError(f"prefix_strategy must be 'auto', 'flat', 'hex', 'binary' or a PrefixStrategy, got {option!r}")
+    named = {
+        "auto": FlatLayout if local else HexPrefixes,
+        "flat": FlatLayout,
+        "hex": HexPrefixes,
+        "binary": BinaryPrefixes,
+    }
+    if not isinstance(option, str) or option not in named:
+        raise ValueError(f"prefix_strategy must be 'auto', 'flat', 'hex', 'binary' or a PrefixStrategy, got {option!r}")
+    return named[option]()
 
 
 def folder_of(path: str, name: str) -> str:

@@ -26,7 +26,7 @@ from smpckpt.storage.read._plan import BoxRead, Item
 __all__ = [
     "BufferPool",
     "pread_into",
-    "missing_file_error",
+    "reading",
     "check_complete",
     "verify_blocks",
     "digest_of",
@@ -140,9 +140,15 @@ def _trimmed(buffers: Sequence[memoryview], want: int) -> list[memoryview]:
     return out
 
 
-def missing_file_error(path: str, keys: Sequence[str]) -> CheckpointCorrupt:
-    """The error for a data file that the metadata names but storage does not have."""
-    return CheckpointCorrupt(f"{path}: data file is missing (needed for keys {list(keys)[:5]})")
+@contextlib.contextmanager
+def reading(path: str, keys: Sequence[str], turn: Turn | None = None) -> Iterator[None]:
+    """Around I/O on data file ``path`` for ``keys``: the read's ``turn`` at the device, errors translated,
+    and a file that the metadata names but storage does not have reported as corrupt, naming the keys."""
+    try:
+        with translate_errors(path), turn or contextlib.nullcontext():
+            yield
+    except FileNotFoundError as exc:
+        raise CheckpointCorrupt(f"{path}: data file is missing (needed for keys {list(keys)[:5]})") from exc
 
 
 def check_complete(path: str, keys: Sequence[str], lo: int, hi: int, got: int) -> None:
@@ -207,16 +213,13 @@ def read_range(
     other backends through ``cat_file``."""
     keys = sorted({it.fqn for it in items})
     want = hi - lo
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            if reads_into(fs):
-                # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
-                buf = pool.take(want)
-                data = memoryview(buf)[: _read_into(fs, path, [memoryview(buf)], lo, want)]
-            else:
-                data = memoryview(fs.cat_file(path, start=lo, end=hi))
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, keys) from exc
+    with reading(path, keys, turn):
+        if reads_into(fs):
+            # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
+            buf = pool.take(want)
+            data = memoryview(buf)[: _read_into(fs, path, [memoryview(buf)], lo, want)]
+        else:
+            data = memoryview(fs.cat_file(path, start=lo, end=hi))
     check_complete(path, keys, lo, hi, len(data))
     if rec is not None:
         verify_blocks(path, rec, lo, hi, items, digest_of(data, lo))
@@ -257,11 +260,8 @@ def read_direct(
     segs = [part.segments() for part in parts]
     lo, hi = parts[0].lo, parts[-1].hi
     keys = [part.it.fqn for part in parts]
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            got = _read_into(fs, path, [mv for ss in segs for _, mv in ss], lo, hi - lo)
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, keys) from exc
+    with reading(path, keys, turn):
+        got = _read_into(fs, path, [mv for ss in segs for _, mv in ss], lo, hi - lo)
     check_complete(path, keys, lo, hi, got)
     if rec is not None:
         for part, ss in zip(parts, segs):
@@ -296,18 +296,15 @@ def read_box(path: str, box: BoxRead, rec: FileRecord | None, pool: BufferPool, 
     width, it = box.width, box.item
     buf = pool.take(box.nbytes)
     data = memoryview(buf)[: box.nbytes]
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                for k in range(box.row1 - box.row0):
-                    at = box.start + k * box.row_bytes
-                    got = pread_into(fd, [data[k * width : (k + 1) * width]], at, width)
-                    check_complete(path, [it.fqn], at, at + width, got)
-            finally:
-                os.close(fd)
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, [it.fqn]) from exc
+    with reading(path, [it.fqn], turn):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for k in range(box.row1 - box.row0):
+                at = box.start + k * box.row_bytes
+                got = pread_into(fd, [data[k * width : (k + 1) * width]], at, width)
+                check_complete(path, [it.fqn], at, at + width, got)
+        finally:
+            os.close(fd)
     if rec is None or box.tiling is None:
         return data
     first = box.base + box.row0 * box.row_bytes

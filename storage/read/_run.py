@@ -273,24 +273,21 @@ class ReadRun:
 
     def _complete(self, task: _Task, data: memoryview | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""
+        if isinstance(task, _DirectBatch):
+            for entry in task.entries:
+                entry.pieces_left -= 1
+                if entry.pieces_left == 0:
+                    self.planner.commit_tensor(entry.item.req, entry.target)
+            return
+        assert data is not None
         if isinstance(task, FetchTask):
-            assert data is not None
             f = task.fetch
             for need in f.needs:
                 it = need.item
                 self._deliver(it, data[it.start - f.start : it.end - f.start])
-            self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
-            return
-        if isinstance(task, BoxRead):
-            assert data is not None
-            it = task.item
-            self._deliver(it, data[task.buffer_offset(it.start) :], row_bytes=task.width)
-            self.pool.give_back(data)
-            return
-        for entry in task.entries:
-            entry.pieces_left -= 1
-            if entry.pieces_left == 0:
-                self.planner.commit_tensor(entry.item.req, entry.target)
+        else:
+            self._deliver(task.item, data[task.buffer_offset(task.item.start) :], row_bytes=task.width)
+        self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
 
     def _deliver(self, it: Item, data: memoryview, *, row_bytes: int = 0) -> None:
         req, planner = it.req, self.planner

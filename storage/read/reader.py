@@ -46,13 +46,12 @@ from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full.reader import FullArtifactReader, opens
-from smpckpt.storage.read._fetch import missing_file_error, reads_into
+from smpckpt.storage.read._fetch import reading, reads_into
 from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
 
@@ -249,11 +248,8 @@ class FsspecStorageReader(ReaderBase):
         """Size of a stock checkpoint's data file (``None`` where the backend cannot tell), stat'ed once."""
         if name not in self._sizes:
             path = join(self.path, name)
-            try:
-                with translate_errors(path):
-                    size = self.fs.size(path)
-            except FileNotFoundError as exc:
-                raise missing_file_error(path, [fqn]) from exc
+            with reading(path, [fqn]):
+                size = self.fs.size(path)
             self._sizes[name] = int(size) if size is not None else None
         return self._sizes[name]
 

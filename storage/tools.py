@@ -38,8 +38,7 @@ _READ_CHUNK = 16 << 20
 def checkpoint_state(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> CheckpointState:
     """``"committed"`` (manifest present), ``"uncommitted"`` (files but no manifest: a failed or
     running save), ``"legacy"`` (a stock DCP checkpoint: ``.metadata``, no manifest) or ``"missing"``."""
-    fs, path = open_fs(url, storage_options)
-    return probe(fs, path).state
+    return probe_checkpoint(url, storage_options).state
 
 
 def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Probe:
@@ -120,14 +119,11 @@ def verify_checkpoint(
     manifest: Manifest = found.manifest
     total = manifest.total_bytes
     done = 0
-    md_path = join(path, manifest.metadata.name)
-    try:
-        with translate_errors(md_path):
-            md = bytes(fs.cat_file(md_path))
-        if len(md) != manifest.metadata.size or hash_bytes(md) != manifest.metadata.digest:
-            problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
-    except FileNotFoundError:
+    md = read_bytes_or_none(fs, join(path, manifest.metadata.name))
+    if md is None:
         problems.append(f"{manifest.metadata.name}: missing")
+    elif len(md) != manifest.metadata.size or hash_bytes(md) != manifest.metadata.digest:
+        problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     warnings = _stock_copy_warnings(fs, path, manifest)
     done += manifest.metadata.size
     if progress:
@@ -160,7 +156,7 @@ def verify_checkpoint(
         # what a load would refuse before reading (records, files, chunks; a full artifact's HF index),
         # then a full artifact's safetensors files by header and tensor box, as its metadata lists them
         problems += load_problems(url, fs, path, manifest, storage_options)
-        problems += _verify_full(fs, path, url, manifest) if manifest.kind == "full" and not problems else []
+        problems += _verify_full(fs, path, url, manifest, md) if manifest.kind == "full" and not problems else []
     return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
 
 
@@ -182,10 +178,10 @@ def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     return warnings
 
 
-def _verify_full(fs: Any, path: str, url: str, manifest: Manifest) -> list[str]:
+def _verify_full(fs: Any, path: str, url: str, manifest: Manifest, metadata_bytes: bytes | None) -> list[str]:
     from smpckpt.storage.full._read import FullSource
 
-    md = load_metadata(bytes(fs.cat_file(join(path, manifest.metadata.name))), where=manifest.metadata.name)
+    md = load_metadata(metadata_bytes or b"", where=manifest.metadata.name)
     source = FullSource(fs, path, url, verify=True, allow_pickle=False)
     try:
         source.from_description(md, {f.name: f for f in manifest.files})

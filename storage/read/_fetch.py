@@ -52,11 +52,6 @@ class BufferPool:
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        """Buffers kept for reuse."""
-        with self._lock:
-            return len(self._free)
-
     def take(self, n: int) -> bytearray:
         """A buffer of at least ``n`` bytes (a kept one when one is large enough)."""
         with self._lock:
@@ -105,14 +100,6 @@ def pread_into(fd: int, buffers: Sequence[memoryview], offset: int, want: int) -
     return got
 
 
-def _pread_file(path: str, buffers: Sequence[memoryview], offset: int, want: int) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return pread_into(fd, buffers, offset, want)
-    finally:
-        os.close(fd)
-
-
 def reads_into(fs: Any) -> bool:
     """Whether ranged reads of ``fs`` can land in caller buffers (local ``preadv``; S3 GET bodies streamed
     in): then reads go into pooled buffers or straight into destinations, never through a ``bytes``."""
@@ -123,7 +110,11 @@ def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, w
     """File bytes ``[offset, offset + want)`` into ``buffers`` (see :func:`pread_into`), for a ``fs`` that
     :func:`reads_into`. Returns the bytes read: fewer only when the file ends first."""
     if is_local(fs):
-        return _pread_file(path, buffers, offset, want)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return pread_into(fd, buffers, offset, want)
+        finally:
+            os.close(fd)
     from smpckpt.storage.backends._s3 import get_range_into
 
     return get_range_into(fs, path, offset, offset + want, _trimmed(buffers, want))

@@ -1,7 +1,7 @@
 """Read planning: which bytes each load item needs, widened to checksum blocks, coalesced into requests,
 and which items may be read straight into their destination.
 
-No I/O here; :func:`direct_target` asks the planner for the destination (on the calling thread).
+No I/O here, and no planner calls (``_run`` resolves a direct candidate's destination when its turn comes).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
@@ -30,7 +30,6 @@ __all__ = [
     "ReadPlan",
     "raw_item",
     "plan_reads",
-    "direct_target",
     "writable_bytes",
     "pieces",
 ]
@@ -205,14 +204,6 @@ def _exact_bytes(it: Item) -> int:
 def _file_contiguous(it: Item) -> bool:
     """The requested slice is one contiguous run of the stored chunk's bytes."""
     return it.dtype is not None and _exact_bytes(it) == it.end - it.start
-
-
-def direct_target(it: Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
-    """(calling thread) The destination and a writable view of its bytes, when the item's bytes can be
-    read into it as they are (see :func:`writable_bytes`)."""
-    target = planner.resolve_tensor(it.req).detach()
-    dst = writable_bytes(it, target)
-    return None if dst is None else (target, dst)
 
 
 def writable_bytes(it: Item, target: torch.Tensor) -> memoryview | None:

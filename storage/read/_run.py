@@ -51,7 +51,6 @@ from smpckpt.storage.read._plan import (
     FetchTask,
     Item,
     ReadPlan,
-    direct_target,
     pieces,
     writable_bytes,
 )
@@ -198,11 +197,11 @@ class ReadRun:
                 yield w
                 continue
             need = w.need
-            found = direct_target(need.item, self.planner)
-            if found is None:
+            target = self.planner.resolve_tensor(need.item.req).detach()
+            dst = writable_bytes(need.item, target)
+            if dst is None:  # not a destination the stored bytes can be read into as they are
                 yield self._counted(FetchTask(w.file, Fetch(need.start, need.end, (need,))))
                 continue
-            target, dst = found
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
             self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)

@@ -118,14 +118,13 @@ def verify_checkpoint(
         return _verify_legacy(fs, path, url, found.legacy_metadata, progress)
     manifest: Manifest = found.manifest
     total = manifest.total_bytes
-    done = 0
     md = read_bytes_or_none(fs, join(path, manifest.metadata.name))
     if md is None:
         problems.append(f"{manifest.metadata.name}: missing")
     elif len(md) != manifest.metadata.size or hash_bytes(md) != manifest.metadata.digest:
         problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     warnings = _stock_copy_warnings(fs, path, manifest)
-    done += manifest.metadata.size
+    done = manifest.metadata.size
     if progress:
         progress(done, total)
     for rec in manifest.files:
@@ -163,19 +162,17 @@ def verify_checkpoint(
 def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     """The stock ``.metadata`` copy of a partial checkpoint is missing or stale (a warning, not an error:
     a crash between the commit and that copy leaves exactly this, and smpckpt still loads it)."""
-    warnings: list[str] = []
-    stock_path = join(path, _names.METADATA_NAME)
-    stock = read_bytes_or_none(fs, stock_path)
     if manifest.kind == "full":
-        pass  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
-    elif stock is None:
-        warnings.append(f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
-    elif len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
-        warnings.append(
+        return []  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
+    stock = read_bytes_or_none(fs, join(path, _names.METADATA_NAME))
+    if stock is None:
+        return [f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
+    if len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
+        return [
             f"{_names.METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
             "load another generation or fail)"
-        )
-    return warnings
+        ]
+    return []
 
 
 def _verify_full(fs: Any, path: str, url: str, manifest: Manifest, metadata_bytes: bytes | None) -> list[str]:
@@ -302,21 +299,14 @@ def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any
     """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files
     and, on S3, the start of any multipart upload still open there. ``None`` when nothing is there."""
     fs, path = open_fs(url, storage_options)
-    times: list[float] = []
     try:
         with translate_errors(path):
             found = fs.find(path, withdirs=False, detail=True)
     except FileNotFoundError:
         found = {}
-    for info in found.values():
-        t = _mtime(info)
-        if t is not None:
-            times.append(t)
-    for upload in _s3_uploads(fs, path):
-        t = _mtime({"created": upload.get("Initiated")})
-        if t is not None:
-            times.append(t)
-    return max(times) if times else None
+    uploads = ({"created": upload.get("Initiated")} for upload in _s3_uploads(fs, path))
+    times = [t for t in map(_mtime, [*found.values(), *uploads]) if t is not None]
+    return max(times, default=None)
 
 
 def abort_stale_uploads(

@@ -111,12 +111,9 @@ class NumericPrefixes(PrefixStrategy):
 
     def prefix(self, file_index: int, file_count: int) -> str:
         count = self.count or max(1, file_count)
-        digits, span = 1, self.base
-        while span < count:
-            digits, span = digits + 1, span * self.base
-        width = max(digits, self.min_length)
-        text = format(file_index % count, f"0{width}{'b' if self.base == 2 else 'x'}")
-        return text[::-1]
+        spec = "b" if self.base == 2 else "x"
+        width = max(len(format(count - 1, spec)), self.min_length)  # the digits the largest index needs
+        return format(file_index % count, f"0{width}{spec}")[::-1]
 
 
 class HexPrefixes(NumericPrefixes):

@@ -38,8 +38,7 @@ _READ_CHUNK = 16 << 20
 def checkpoint_state(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> CheckpointState:
     """``"committed"`` (manifest present), ``"uncommitted"`` (files but no manifest: a failed or
     running save), ``"legacy"`` (a stock DCP checkpoint: ``.metadata``, no manifest) or ``"missing"``."""
-    fs, path = open_fs(url, storage_options)
-    return probe(fs, path).state
+    return probe_checkpoint(url, storage_options).state
 
 
 def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Probe:
@@ -119,17 +118,13 @@ def verify_checkpoint(
         return _verify_legacy(fs, path, url, found.legacy_metadata, progress)
     manifest: Manifest = found.manifest
     total = manifest.total_bytes
-    done = 0
-    md_path = join(path, manifest.metadata.name)
-    try:
-        with translate_errors(md_path):
-            md = bytes(fs.cat_file(md_path))
-        if len(md) != manifest.metadata.size or hash_bytes(md) != manifest.metadata.digest:
-            problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
-    except FileNotFoundError:
+    md = read_bytes_or_none(fs, join(path, manifest.metadata.name))
+    if md is None:
         problems.append(f"{manifest.metadata.name}: missing")
+    elif len(md) != manifest.metadata.size or hash_bytes(md) != manifest.metadata.digest:
+        problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     warnings = _stock_copy_warnings(fs, path, manifest)
-    done += manifest.metadata.size
+    done = manifest.metadata.size
     if progress:
         progress(done, total)
     for rec in manifest.files:
@@ -160,32 +155,30 @@ def verify_checkpoint(
         # what a load would refuse before reading (records, files, chunks; a full artifact's HF index),
         # then a full artifact's safetensors files by header and tensor box, as its metadata lists them
         problems += load_problems(url, fs, path, manifest, storage_options)
-        problems += _verify_full(fs, path, url, manifest) if manifest.kind == "full" and not problems else []
+        problems += _verify_full(fs, path, url, manifest, md) if manifest.kind == "full" and not problems else []
     return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
 
 
 def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     """The stock ``.metadata`` copy of a partial checkpoint is missing or stale (a warning, not an error:
     a crash between the commit and that copy leaves exactly this, and smpckpt still loads it)."""
-    warnings: list[str] = []
-    stock_path = join(path, _names.METADATA_NAME)
-    stock = read_bytes_or_none(fs, stock_path)
     if manifest.kind == "full":
-        pass  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
-    elif stock is None:
-        warnings.append(f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
-    elif len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
-        warnings.append(
+        return []  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
+    stock = read_bytes_or_none(fs, join(path, _names.METADATA_NAME))
+    if stock is None:
+        return [f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
+    if len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
+        return [
             f"{_names.METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
             "load another generation or fail)"
-        )
-    return warnings
+        ]
+    return []
 
 
-def _verify_full(fs: Any, path: str, url: str, manifest: Manifest) -> list[str]:
+def _verify_full(fs: Any, path: str, url: str, manifest: Manifest, metadata_bytes: bytes | None) -> list[str]:
     from smpckpt.storage.full._read import FullSource
 
-    md = load_metadata(bytes(fs.cat_file(join(path, manifest.metadata.name))), where=manifest.metadata.name)
+    md = load_metadata(metadata_bytes or b"", where=manifest.metadata.name)
     source = FullSource(fs, path, url, verify=True, allow_pickle=False)
     try:
         source.from_description(md, {f.name: f for f in manifest.files})
@@ -306,21 +299,14 @@ def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any
     """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files
     and, on S3, the start of any multipart upload still open there. ``None`` when nothing is there."""
     fs, path = open_fs(url, storage_options)
-    times: list[float] = []
     try:
         with translate_errors(path):
             found = fs.find(path, withdirs=False, detail=True)
     except FileNotFoundError:
         found = {}
-    for info in found.values():
-        t = _mtime(info)
-        if t is not None:
-            times.append(t)
-    for upload in _s3_uploads(fs, path):
-        t = _mtime({"created": upload.get("Initiated")})
-        if t is not None:
-            times.append(t)
-    return max(times) if times else None
+    uploads = ({"created": upload.get("Initiated")} for upload in _s3_uploads(fs, path))
+    times = [t for t in map(_mtime, [*found.values(), *uploads]) if t is not None]
+    return max(times, default=None)
 
 
 def abort_stale_uploads(

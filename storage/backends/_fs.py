@@ -39,11 +39,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_INSTALL_HINTS = {
-    "s3": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
-    "s3a": "install smpckpt[s3] (it adds s3fs) to use s3:// paths",
-}
-
 
 #: fsspec options LocalFileSystem understands; anything else given for a local path is a mistake.
 _LOCAL_OPTIONS = frozenset(
@@ -75,9 +70,8 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
-        hint = _INSTALL_HINTS.get(scheme)
-        if hint:
-            raise ImportError(f"{url}: {hint}") from exc
+        if scheme in ("s3", "s3a"):
+            raise ImportError(f"{url}: install smpckpt[s3] (it adds s3fs) to use s3:// paths") from exc
         raise
     except ValueError as exc:
         if "Protocol not known" in str(exc):
@@ -135,22 +129,18 @@ def join(folder: str, name: str) -> str:
     return f"{folder.rstrip('/')}/{name}" if folder else name
 
 
+def fsync_path(path: str, *, directory: bool = False) -> None:
+    """fsync a local file by name (its data and metadata), or a ``directory`` so a rename or a new file
+    in it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
-    """fsync a local directory so a rename or a new file in it survives a power loss."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    """fsync a local file by name (its data and metadata)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path, directory=True)
 
 
 def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
@@ -378,7 +368,7 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
         files = [p for p, info in found.items() if info.get("type") != "directory"]
         dirs = [p for p, info in found.items() if info.get("type") == "directory"]
     failed = remove_files(fs, files, within=folder)
-    if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
+    if is_local(fs) or _protocol(fs) == "memory":
         for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
             try:
                 with translate_errors(d):

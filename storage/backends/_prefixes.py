@@ -111,12 +111,9 @@ class NumericPrefixes(PrefixStrategy):
 
     def prefix(self, file_index: int, file_count: int) -> str:
         count = self.count or max(1, file_count)
-        digits, span = 1, self.base
-        while span < count:
-            digits, span = digits + 1, span * self.base
-        width = max(digits, self.min_length)
-        text = format(file_index % count, f"0{width}{'b' if self.base == 2 else 'x'}")
-        return text[::-1]
+        spec = "b" if self.base == 2 else "x"
+        width = max(len(format(count - 1, spec)), self.min_length)  # the digits the largest index needs
+        return format(file_index % count, f"0{width}{spec}")[::-1]
 
 
 class HexPrefixes(NumericPrefixes):
@@ -141,15 +138,15 @@ def resolve(option: Any, *, local: bool) -> PrefixStrategy:
     (the layout shared filesystems and tools expect), hex prefixes on object stores."""
     if isinstance(option, PrefixStrategy):
         return option
-    if option == "auto":
-        return FlatLayout() if local else HexPrefixes()
-    if option == "flat":
-        return FlatLayout()
-    if option == "hex":
-        return HexPrefixes()
-    if option == "binary":
-        return BinaryPrefixes()
-    raise ValueError(f"prefix_strategy must be 'auto', 'flat', 'hex', 'binary' or a PrefixStrategy, got {option!r}")
+    named = {
+        "auto": FlatLayout if local else HexPrefixes,
+        "flat": FlatLayout,
+        "hex": HexPrefixes,
+        "binary": BinaryPrefixes,
+    }
+    if not isinstance(option, str) or option not in named:
+        raise ValueError(f"prefix_strategy must be 'auto', 'flat', 'hex', 'binary' or a PrefixStrategy, got {option!r}")
+    return named[option]()
 
 
 def folder_of(path: str, name: str) -> str:

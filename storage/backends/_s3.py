@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import errno
 import inspect
+import itertools
 import re
 import threading
 from collections.abc import Sequence
@@ -57,13 +58,9 @@ class PartBody(Payload):
         parts = [v for v in (byte_view(v) for v in views) if len(v)]
         super().__init__(parts, content_type="application/octet-stream")
         self._parts = parts
-        self._starts: list[int] = []
-        total = 0
-        for v in parts:
-            self._starts.append(total)
-            total += len(v)
-        self._total = total
-        self._size = total  # what aiohttp reads
+        offsets = [0, *itertools.accumulate(len(v) for v in parts)]
+        self._starts, self._total = offsets[:-1], offsets[-1]  # where each part starts; the size
+        self._size = self._total  # what aiohttp reads
         self._pos = 0
 
     # -- file protocol (botocore: checksums, payload hash, retries' reset_stream) ----------------

@@ -73,12 +73,8 @@ class Tiling:
         return self.rows_per_group * self.row_bytes
 
     @property
-    def row_groups(self) -> int:
-        return -(-self.rows // self.rows_per_group)
-
-    @property
     def tiles(self) -> int:
-        return self.row_groups * self.groups
+        return -(-self.rows // self.rows_per_group) * self.groups  # row groups x column groups
 
     def group_floor(self, offset: int) -> int:
         """Start of the row group holding file byte ``offset`` (inside the tiling)."""

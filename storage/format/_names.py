@@ -23,6 +23,7 @@ import secrets
 import time
 
 from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR  # noqa: F401 - named here too (their old home)
+from smpckpt.storage.backends._prefixes import _PREFIX_RE, check_prefix
 
 __all__ = [
     "MANIFEST_NAME",
@@ -60,9 +61,8 @@ WHOLE_TENSORS = "smpckpt.whole_tensors"
 LOAD_ID_PREFIX = "smpckpt-"
 
 _DATA_RE = re.compile(r"^(?:[0-9A-Za-z_-]{1,64}/)?[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]+\.smp\.distcp$")
-# folder components a recorded file name may have before its base name: prefix strategies (ours, one
-# level; s3torchconnector's, up to two: "<prefix>/epoch_<n>/__0_0.distcp")
-_FOLDER_RE = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+# folder components (each one _PREFIX_RE) a recorded file name may have before its base name: prefix
+# strategies (ours, one level; s3torchconnector's, up to two: "<prefix>/epoch_<n>/__0_0.distcp")
 _MAX_FOLDERS = 2
 _GEN_META_RE = re.compile(r"^\.metadata\.[0-9a-z]+$")
 _SAVE_ID_RE = re.compile(r"^[0-9a-z]{8,40}$")
@@ -83,9 +83,7 @@ def data_file_name(save_id: str, rank: int, n: int, prefix: str = "") -> str:
     """The recorded name of data file ``n`` of ``rank``: ``[<prefix>/]<e4>_r<rank>_<n>.<save_id>.smp.distcp``."""
     entropy = hashlib.blake2b(f"{save_id}/{rank}/{n}".encode(), digest_size=2).hexdigest()
     name = f"{entropy}_r{rank}_{n}.{check_save_id(save_id)}.smp.distcp"
-    if prefix and not _FOLDER_RE.fullmatch(prefix):
-        raise ValueError(f"malformed prefix {prefix!r}")
-    return f"{prefix}/{name}" if prefix else name
+    return f"{check_prefix(prefix)}/{name}" if prefix else name
 
 
 def generation_metadata_name(save_id: str) -> str:
@@ -122,7 +120,7 @@ def check_member_name(name: object, *, where: str) -> str:
     base = name
     if isinstance(name, str) and "/" in name:
         *folders, base = name.split("/")
-        if len(folders) > _MAX_FOLDERS or not all(_FOLDER_RE.fullmatch(f) for f in folders):
+        if len(folders) > _MAX_FOLDERS or not all(_PREFIX_RE.fullmatch(f) for f in folders):
             base = None  # refused below
     ok = (
         isinstance(base, str)

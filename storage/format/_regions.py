@@ -16,13 +16,9 @@ import numpy as np
 
 from smpckpt.storage.format._ranges import c_strides
 
-__all__ = ["Box", "box_runs", "intersect", "split_box", "box_bytes"]
+__all__ = ["Box", "box_runs", "intersect", "split_box"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def box_bytes(sizes: Sequence[int], itemsize: int) -> int:
-    return math.prod(sizes) * itemsize
 
 
 def box_runs(

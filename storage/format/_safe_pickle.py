@@ -46,20 +46,12 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("torch.distributed.checkpoint.planner", "LoadItemType"),
         ("torch.serialization", "_get_layout"),
         ("torch", "Size"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
         ("collections", "OrderedDict"),
         ("collections", "defaultdict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-        ("builtins", "complex"),
-        ("builtins", "range"),
         ("copyreg", "_reconstructor"),
-        ("builtins", "object"),
     }
+    | {("pathlib", name) for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+    | {("builtins", name) for name in ("set", "frozenset", "slice", "complex", "range", "object")}
 )
 
 

@@ -26,7 +26,7 @@ from smpckpt.storage.read._plan import BoxRead, Item
 __all__ = [
     "BufferPool",
     "pread_into",
-    "missing_file_error",
+    "reading",
     "check_complete",
     "verify_blocks",
     "digest_of",
@@ -51,11 +51,6 @@ class BufferPool:
         self.max_kept = max_kept
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        """Buffers kept for reuse."""
-        with self._lock:
-            return len(self._free)
 
     def take(self, n: int) -> bytearray:
         """A buffer of at least ``n`` bytes (a kept one when one is large enough)."""
@@ -105,14 +100,6 @@ def pread_into(fd: int, buffers: Sequence[memoryview], offset: int, want: int) -
     return got
 
 
-def _pread_file(path: str, buffers: Sequence[memoryview], offset: int, want: int) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return pread_into(fd, buffers, offset, want)
-    finally:
-        os.close(fd)
-
-
 def reads_into(fs: Any) -> bool:
     """Whether ranged reads of ``fs`` can land in caller buffers (local ``preadv``; S3 GET bodies streamed
     in): then reads go into pooled buffers or straight into destinations, never through a ``bytes``."""
@@ -123,7 +110,11 @@ def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, w
     """File bytes ``[offset, offset + want)`` into ``buffers`` (see :func:`pread_into`), for a ``fs`` that
     :func:`reads_into`. Returns the bytes read: fewer only when the file ends first."""
     if is_local(fs):
-        return _pread_file(path, buffers, offset, want)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return pread_into(fd, buffers, offset, want)
+        finally:
+            os.close(fd)
     from smpckpt.storage.backends._s3 import get_range_into
 
     return get_range_into(fs, path, offset, offset + want, _trimmed(buffers, want))
@@ -140,9 +131,15 @@ def _trimmed(buffers: Sequence[memoryview], want: int) -> list[memoryview]:
     return out
 
 
-def missing_file_error(path: str, keys: Sequence[str]) -> CheckpointCorrupt:
-    """The error for a data file that the metadata names but storage does not have."""
-    return CheckpointCorrupt(f"{path}: data file is missing (needed for keys {list(keys)[:5]})")
+@contextlib.contextmanager
+def reading(path: str, keys: Sequence[str], turn: Turn | None = None) -> Iterator[None]:
+    """Around I/O on data file ``path`` for ``keys``: the read's ``turn`` at the device, errors translated,
+    and a file that the metadata names but storage does not have reported as corrupt, naming the keys."""
+    try:
+        with translate_errors(path), turn or contextlib.nullcontext():
+            yield
+    except FileNotFoundError as exc:
+        raise CheckpointCorrupt(f"{path}: data file is missing (needed for keys {list(keys)[:5]})") from exc
 
 
 def check_complete(path: str, keys: Sequence[str], lo: int, hi: int, got: int) -> None:
@@ -182,12 +179,21 @@ def verify_blocks(
 
 def digest_of(data: memoryview, base: int) -> Callable[[Spans], int]:
     """A ``digest`` for :func:`verify_blocks` over ``data``, which holds file bytes from ``base`` on."""
+    return _digest([(base, data)])
+
+
+def _digest(segs: Sequence[tuple[int, memoryview]]) -> Callable[[Spans], int]:
+    """A ``digest`` over the file bytes of ``segs`` ((file offset, buffer) pairs, in file order): the
+    bytes of each span taken from whichever buffers hold them."""
 
     def digest(spans: Spans) -> int:
-        if len(spans) == 1:
-            s, e = spans[0]
-            return hash_bytes(data[s - base : e - base])
-        return hash_parts(data[s - base : e - base] for s, e in spans)
+        views = [
+            mv[max(s, off) - off : min(e, off + len(mv)) - off]
+            for s, e in spans
+            for off, mv in segs
+            if max(s, off) < min(e, off + len(mv))
+        ]
+        return hash_bytes(views[0]) if len(views) == 1 else hash_parts(views)
 
     return digest
 
@@ -207,16 +213,13 @@ def read_range(
     other backends through ``cat_file``."""
     keys = sorted({it.fqn for it in items})
     want = hi - lo
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            if reads_into(fs):
-                # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
-                buf = pool.take(want)
-                data = memoryview(buf)[: _read_into(fs, path, [memoryview(buf)], lo, want)]
-            else:
-                data = memoryview(fs.cat_file(path, start=lo, end=hi))
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, keys) from exc
+    with reading(path, keys, turn):
+        if reads_into(fs):
+            # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
+            buf = pool.take(want)
+            data = memoryview(buf)[: _read_into(fs, path, [memoryview(buf)], lo, want)]
+        else:
+            data = memoryview(fs.cat_file(path, start=lo, end=hi))
     check_complete(path, keys, lo, hi, len(data))
     if rec is not None:
         verify_blocks(path, rec, lo, hi, items, digest_of(data, lo))
@@ -257,36 +260,13 @@ def read_direct(
     segs = [part.segments() for part in parts]
     lo, hi = parts[0].lo, parts[-1].hi
     keys = [part.it.fqn for part in parts]
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            got = _read_into(fs, path, [mv for ss in segs for _, mv in ss], lo, hi - lo)
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, keys) from exc
+    with reading(path, keys, turn):
+        got = _read_into(fs, path, [mv for ss in segs for _, mv in ss], lo, hi - lo)
     check_complete(path, keys, lo, hi, got)
     if rec is not None:
         for part, ss in zip(parts, segs):
-            _verify_direct(path, part, ss, rec)
-
-
-def _verify_direct(path: str, part: DirectPart, segs: list[tuple[int, memoryview]], rec: FileRecord) -> None:
-    it, dst, lo, hi = part.it, part.dst, part.lo, part.hi
-    a, b = max(lo, it.start), min(hi, it.end)
-
-    def parts(spans: Spans) -> Iterator[memoryview]:
-        for s, e in spans:
-            if s >= a and e <= b:
-                yield dst[s - it.start : e - it.start]
-                continue
-            for off, mv in segs:
-                if max(s, off) < min(e, off + len(mv)):
-                    yield mv[max(s, off) - off : min(e, off + len(mv)) - off]
-
-    def digest(spans: Spans) -> int:
-        if len(spans) == 1 and spans[0][0] >= a and spans[0][1] <= b:
-            return hash_bytes(dst[spans[0][0] - it.start : spans[0][1] - it.start])
-        return hash_parts(parts(spans))
-
-    verify_blocks(path, rec, lo, hi, [it], digest)
+            # the destination's bytes, and the block-widening head and tail from their scratch buffers
+            verify_blocks(path, rec, part.lo, part.hi, [part.it], _digest(ss))
 
 
 def read_box(path: str, box: BoxRead, rec: FileRecord | None, pool: BufferPool, turn: Turn | None = None) -> memoryview:
@@ -296,18 +276,15 @@ def read_box(path: str, box: BoxRead, rec: FileRecord | None, pool: BufferPool, 
     width, it = box.width, box.item
     buf = pool.take(box.nbytes)
     data = memoryview(buf)[: box.nbytes]
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                for k in range(box.row1 - box.row0):
-                    at = box.start + k * box.row_bytes
-                    got = pread_into(fd, [data[k * width : (k + 1) * width]], at, width)
-                    check_complete(path, [it.fqn], at, at + width, got)
-            finally:
-                os.close(fd)
-    except FileNotFoundError as exc:
-        raise missing_file_error(path, [it.fqn]) from exc
+    with reading(path, [it.fqn], turn):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for k in range(box.row1 - box.row0):
+                at = box.start + k * box.row_bytes
+                got = pread_into(fd, [data[k * width : (k + 1) * width]], at, width)
+                check_complete(path, [it.fqn], at, at + width, got)
+        finally:
+            os.close(fd)
     if rec is None or box.tiling is None:
         return data
     first = box.base + box.row0 * box.row_bytes

@@ -14,7 +14,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["InOrder", "Unordered", "ReadAborted"]
+__all__ = ["InOrder", "ReadAborted"]
 
 
 class ReadAborted(RuntimeError):
@@ -60,14 +60,3 @@ class InOrder:
         with self._cv:
             self._aborted = True
             self._cv.notify_all()
-
-
-class Unordered:
-    """No gate: every worker reads when it gets to its task (object stores reward concurrency)."""
-
-    @contextlib.contextmanager
-    def turn(self, ticket: int) -> Iterator[None]:  # noqa: ARG002 - same protocol as InOrder
-        yield
-
-    def abort(self) -> None:
-        pass

@@ -1,7 +1,7 @@
 """Read planning: which bytes each load item needs, widened to checksum blocks, coalesced into requests,
 and which items may be read straight into their destination.
 
-No I/O here; :func:`direct_target` asks the planner for the destination (on the calling thread).
+No I/O here, and no planner calls (``_run`` resolves a direct candidate's destination when its turn comes).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import math
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
-from smpckpt.storage.format._ranges import Fetch, Need, c_strides, coalesce, slice_byte_range
+from smpckpt.storage.format._ranges import Fetch, Need, coalesce, slice_byte_range
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.format.manifest import FileRecord
 
@@ -30,7 +30,6 @@ __all__ = [
     "ReadPlan",
     "raw_item",
     "plan_reads",
-    "direct_target",
     "writable_bytes",
     "pieces",
 ]
@@ -177,7 +176,8 @@ def plan_reads(
         if box is not None:
             boxes.append(box)
             continue
-        lo, hi = _widen(it, rec)
+        # the reader's record checks have put the item inside the file and the file in the manifest
+        lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)
         if direct and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
             # candidate for reading straight into the destination (decided when its target is resolved)
             candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))
@@ -201,25 +201,9 @@ def _exact_bytes(it: Item) -> int:
     return it.end - it.start
 
 
-def _widen(it: Item, rec: FileRecord | None) -> tuple[int, int]:
-    """``[it.start, it.end)`` widened to the check units of ``rec`` it touches (unchanged without ``rec``)."""
-    # the reader's record checks have put [it.start, it.end) inside the file and the file in the manifest
-    if rec is None or it.end <= it.start:
-        return it.start, it.end
-    return rec.widen(it.start, it.end)
-
-
 def _file_contiguous(it: Item) -> bool:
     """The requested slice is one contiguous run of the stored chunk's bytes."""
-    return it.dtype is not None and math.prod(int(x) for x in it.req.lengths) * it.dtype.itemsize == it.end - it.start
-
-
-def direct_target(it: Item, planner: LoadPlanner) -> tuple[torch.Tensor, memoryview] | None:
-    """(calling thread) The destination and a writable view of its bytes, when the item's bytes can be
-    read into it as they are (see :func:`writable_bytes`)."""
-    target = planner.resolve_tensor(it.req).detach()
-    dst = writable_bytes(it, target)
-    return None if dst is None else (target, dst)
+    return it.dtype is not None and _exact_bytes(it) == it.end - it.start
 
 
 def writable_bytes(it: Item, target: torch.Tensor) -> memoryview | None:
@@ -264,7 +248,8 @@ def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | Non
     elif it.chunk_sizes and it.dtype is not None:
         t = None
         row_bytes = math.prod(it.chunk_sizes[1:]) * it.dtype.itemsize
-        base = it.start - _first_byte(it)
+        first, _ = slice_byte_range(it.chunk_sizes, it.req.storage_offsets, it.req.lengths, it.dtype.itemsize)
+        base = it.start - first  # the record's start
     else:
         return None
     row0, col0 = divmod(it.start - base, row_bytes)
@@ -280,10 +265,3 @@ def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | Non
         return None
     rows = (row0 // t.rows_per_group * t.rows_per_group, min(t.rows, (row1 // t.rows_per_group + 1) * t.rows_per_group))
     return BoxRead(it.file, it, base, row_bytes, rows[0], rows[1], g0 * t.segment, g1 * t.segment, t)
-
-
-def _first_byte(it: Item) -> int:
-    """Offset of the slice's first byte from its record's start."""
-    assert it.dtype is not None
-    strides = c_strides(it.chunk_sizes)
-    return sum(int(o) * s for o, s in zip(it.req.storage_offsets, strides)) * it.dtype.itemsize

@@ -11,8 +11,9 @@ verifying them overlaps other reads. Task kinds:
   ``load_bytes``).
 * :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
   their destinations with one request (a ``preadv``, or one S3 GET streamed in) of up to
-  ``max_request_bytes`` and verified by the worker that read them; an item is committed when its last
-  piece is done (:class:`_OpenItem` counts them down).
+  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL, so hashing
+  overlaps the next read); an item is committed when its last piece is done (:class:`_OpenItem` counts
+  them down).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
@@ -31,7 +32,7 @@ import heapq
 import io
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
@@ -42,7 +43,7 @@ from smpckpt.storage.format._ranges import Fetch, c_strides
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
-from smpckpt.storage.read._gate import InOrder, Unordered
+from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
     BoxRead,
@@ -50,10 +51,12 @@ from smpckpt.storage.read._plan import (
     FetchTask,
     Item,
     ReadPlan,
-    direct_target,
     pieces,
     writable_bytes,
 )
+
+if TYPE_CHECKING:
+    from smpckpt.storage.read.reader import FsspecStorageReader
 
 __all__ = ["ReadRun"]
 
@@ -93,34 +96,21 @@ class ReadRun:
     """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``bytes_read`` and ``requests``
     count what it issued. Single use; holds buffers and destinations only while :meth:`run` runs."""
 
-    def __init__(
-        self,
-        fs: Any,
-        folder: str,
-        records: Mapping[str, FileRecord],
-        *,
-        verify: bool,
-        allow_pickle: bool,
-        thread_count: int,
-        max_request_bytes: int,
-        planner: LoadPlanner,
-        reads_in_flight: int | None = None,
-    ) -> None:
-        self.fs = fs
-        self.folder = folder
+    def __init__(self, reader: FsspecStorageReader, planner: LoadPlanner, max_request_bytes: int) -> None:
+        """``reader``'s location, records, checks and threads; requests of up to ``max_request_bytes``."""
+        self.fs, self.folder, self.planner = reader.fs, reader.path, planner
         # records to verify against (none when verification is off)
-        self.records: Mapping[str, FileRecord] = records if verify else {}
-        self.allow_pickle = allow_pickle
-        self.thread_count = thread_count
+        self.records: Mapping[str, FileRecord] = reader._records if reader.verify_checksums else {}
+        self.allow_pickle = reader.allow_pickle
+        self.thread_count = thread_count = reader.thread_count
         self.max_request_bytes = max_request_bytes
-        self.planner = planner
-        depth = thread_count if reads_in_flight is None else reads_in_flight
-        self.gate: InOrder | Unordered = InOrder(depth) if depth < thread_count else Unordered()
+        depth = reader.reads_in_flight or thread_count
+        # None: every worker reads when it gets to its task (object stores reward concurrency)
+        self.gate = InOrder(depth) if depth < thread_count else None
         # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
         # records must not zero-fill 64 MiB buffers (measured: 192 MiB extra RSS for a 17 MiB load)
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
-        self.bytes_read = 0
-        self.requests = 0
+        self.bytes_read = self.requests = 0
         self.read_per_file: dict[str, int] = {}
 
     def run(self, plan: ReadPlan) -> None:
@@ -153,7 +143,8 @@ class ReadRun:
                         self._complete(pending.pop(f), f.result())
             except BaseException:
                 # workers waiting for a turn that will never come must not hang the pool's shutdown
-                self.gate.abort()
+                if self.gate is not None:
+                    self.gate.abort()
                 raise
             finally:
                 for f in pending:
@@ -206,11 +197,11 @@ class ReadRun:
                 yield w
                 continue
             need = w.need
-            found = direct_target(need.item, self.planner)
-            if found is None:
+            target = self.planner.resolve_tensor(need.item.req).detach()
+            dst = writable_bytes(need.item, target)
+            if dst is None:  # not a destination the stored bytes can be read into as they are
                 yield self._counted(FetchTask(w.file, Fetch(need.start, need.end, (need,))))
                 continue
-            target, dst = found
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
             self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
@@ -262,7 +253,7 @@ class ReadRun:
         """(worker thread) Read the task's bytes when its turn comes, then verify them."""
         path = join(self.folder, task.file)
         rec = self.records.get(task.file)
-        turn = self.gate.turn(ticket)
+        turn = self.gate.turn(ticket) if self.gate is not None else None
         if isinstance(task, FetchTask):
             f = task.fetch
             return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool, turn)
@@ -273,24 +264,21 @@ class ReadRun:
 
     def _complete(self, task: _Task, data: memoryview | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""
+        if isinstance(task, _DirectBatch):
+            for entry in task.entries:
+                entry.pieces_left -= 1
+                if entry.pieces_left == 0:
+                    self.planner.commit_tensor(entry.item.req, entry.target)
+            return
+        assert data is not None
         if isinstance(task, FetchTask):
-            assert data is not None
             f = task.fetch
             for need in f.needs:
                 it = need.item
                 self._deliver(it, data[it.start - f.start : it.end - f.start])
-            self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
-            return
-        if isinstance(task, BoxRead):
-            assert data is not None
-            it = task.item
-            self._deliver(it, data[task.buffer_offset(it.start) :], row_bytes=task.width)
-            self.pool.give_back(data)
-            return
-        for entry in task.entries:
-            entry.pieces_left -= 1
-            if entry.pieces_left == 0:
-                self.planner.commit_tensor(entry.item.req, entry.target)
+        else:
+            self._deliver(task.item, data[task.buffer_offset(task.item.start) :], row_bytes=task.width)
+        self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
 
     def _deliver(self, it: Item, data: memoryview, *, row_bytes: int = 0) -> None:
         req, planner = it.req, self.planner

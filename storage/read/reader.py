@@ -6,27 +6,15 @@ checkpoint (``.metadata`` from ``FileSystemWriter``/``FsspecWriter``, read as *l
 It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.errors.CheckpointNotFound`.
 
 Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
-requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced;
-``thread_count`` worker threads read and verify -- small reads first, then the files side by side,
-each in offset order (``_run``) -- with at most ``reads_in_flight`` of them inside a read, started
-in that order, when that is set lower; the planner is called from the calling thread only.
-
-Direct reads (local files and S3): a raw tensor item of at least 1 MiB whose requested slice is
-contiguous in the file, and whose destination (``planner.resolve_tensor``) is a contiguous CPU tensor
-of the saved dtype and shape, is read straight into the destination's memory -- ``os.preadv``, or one
-ranged GET whose body streams in (``_s3.get_range_into``) -- (the block-widening head/tail bytes go to
-small scratch buffers), in pieces of about 16 MiB cut at checksum block boundaries; consecutive pieces
-(of one item or of neighbouring items) are read with one request of up to ``max_request_bytes`` and
-verified by the worker thread that read them (xxh3 releases the GIL, so hashing overlaps the next
-read); ``commit_tensor`` follows on the calling thread once every piece of the item is verified.
-Everything else (small, strided, cast and object items, and other backends' reads) goes through the
-coalesced, pooled buffers (``cat_file`` on backends other than local disk and S3) and a copy into the
-destination.
-
-This module holds the protocol, the metadata and the checks of every storage record; the read itself
-lives in ``_plan`` (byte ranges, block widening, coalescing, direct candidates), ``_fetch``
-(ranged reads, block verification, the buffer pool) and ``_run`` (tasks on worker threads,
-delivery to the planner).
+requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced
+(``_plan``); ``thread_count`` worker threads read and verify them (``_fetch``) in the order ``_run``
+describes, and the planner is called from the calling thread only. On local disk and S3 a raw tensor item
+of at least 1 MiB whose slice is contiguous in the file, and whose destination
+(``planner.resolve_tensor``) is a contiguous CPU tensor of the saved dtype and shape, is read straight
+into the destination's memory (``os.preadv``, or a ranged GET streamed in: ``_s3.get_range_into``);
+everything else (small, strided, cast and object items, and other backends' reads, by ``cat_file``)
+goes through pooled buffers and a copy into the destination. This module holds the protocol, the
+metadata and the checks of every storage record.
 """
 
 from __future__ import annotations
@@ -46,13 +34,12 @@ from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full.reader import FullArtifactReader, opens
-from smpckpt.storage.read._fetch import missing_file_error, reads_into
+from smpckpt.storage.read._fetch import reading, reads_into
 from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
 
@@ -249,11 +236,8 @@ class FsspecStorageReader(ReaderBase):
         """Size of a stock checkpoint's data file (``None`` where the backend cannot tell), stat'ed once."""
         if name not in self._sizes:
             path = join(self.path, name)
-            try:
-                with translate_errors(path):
-                    size = self.fs.size(path)
-            except FileNotFoundError as exc:
-                raise missing_file_error(path, [fqn]) from exc
+            with reading(path, [fqn]):
+                size = self.fs.size(path)
             self._sizes[name] = int(size) if size is not None else None
         return self._sizes[name]
 
@@ -279,17 +263,7 @@ class FsspecStorageReader(ReaderBase):
                 coalesce_gap=self.coalesce_gap,
                 max_request_bytes=max_request,
             )
-        run = ReadRun(
-            self.fs,
-            self.path,
-            self._records,
-            verify=self.verify_checksums,
-            allow_pickle=self.allow_pickle,
-            thread_count=self.thread_count,
-            max_request_bytes=max_request,
-            planner=planner,
-            reads_in_flight=self.reads_in_flight,
-        )
+        run = ReadRun(self, planner, max_request)
         run.run(reads)
         per_file = {
             n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))

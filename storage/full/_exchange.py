@@ -41,6 +41,7 @@ from smpckpt.storage.full._layout import FullWrite, RankFullData
 
 __all__ = [
     "Exchange",
+    "global_rank",
     "plan_exchanges",
     "exchange_group_ok",
     "moves_cpu_tensors",
@@ -171,6 +172,11 @@ def place(block: np.ndarray, block_w: FullWrite, piece: np.ndarray, w: FullWrite
     dst[idx] = piece.reshape(rows, *w.sizes[1:-1], w.sizes[-1] * isz)
 
 
+def global_rank(process_group: Any, rank: int) -> int:
+    """The default group's rank of ``rank`` of ``process_group`` (what ``send``/``recv`` take)."""
+    return dist.get_global_rank(process_group, rank) if process_group is not None else rank
+
+
 _Assembly = tuple[FullWrite, np.ndarray, list[tuple[FullWrite, memoryview]]]
 
 
@@ -180,9 +186,6 @@ class Swapper:
     def __init__(self, rank: int, process_group: Any) -> None:
         self.me = rank
         self.pg = process_group
-
-    def _global(self, r: int) -> int:
-        return dist.get_global_rank(self.pg, r) if self.pg is not None else r
 
     def swap(self, batch: Sequence[Exchange], my_buf: Mapping[FullWrite, memoryview]) -> list[Block]:
         """Send my boxes' rows to the other writers and receive the rows of my blocks, for every swap of
@@ -233,11 +236,11 @@ class Swapper:
                 msg = torch.frombuffer(pieces[0], dtype=torch.uint8)
             else:
                 msg = torch.from_numpy(np.concatenate([np.frombuffer(p, np.uint8) for p in pieces]))
-            pending.append(dist.isend(msg, dst=self._global(peer), group=self.pg))
+            pending.append(dist.isend(msg, dst=global_rank(self.pg, peer), group=self.pg))
         received: dict[int, torch.Tensor] = {}
         for peer in sorted(sizes):
             received[peer] = torch.empty(sizes[peer], dtype=torch.uint8)
-            pending.append(dist.irecv(received[peer], src=self._global(peer), group=self.pg))
+            pending.append(dist.irecv(received[peer], src=global_rank(self.pg, peer), group=self.pg))
         for req in pending:
             req.wait()
         return {peer: t.numpy() for peer, t in received.items()}

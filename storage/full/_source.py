@@ -36,7 +36,7 @@ from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full._hf_ties import hf_folder_ties
 from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, first_leaf
-from smpckpt.storage.full._safetensors import header_length, parse_header
+from smpckpt.storage.full._safetensors import DTYPE_NAMES, header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex
 
 __all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
@@ -44,10 +44,7 @@ __all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "HF_INDEX", "HF_S
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-)}  # fmt: skip
+_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}  # the description names dtypes as torch does
 
 
 @dataclasses.dataclass(frozen=True)

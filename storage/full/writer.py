@@ -8,8 +8,7 @@ from every rank's shards. Beside ``FsspecStorageWriter`` (partial checkpoints) a
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -31,8 +30,11 @@ from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
 from smpckpt.storage.full._marker import MarkerRefresher
 from smpckpt.storage.full._write import write_rank
 from smpckpt.storage.full.options import FullOptions
-from smpckpt.storage.write._base import FsspecWriterBase
+from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._failed_save import folder_is_new
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FullArtifactWriter"]
 
@@ -74,31 +76,12 @@ class FullArtifactWriter(FsspecWriterBase):
     _KIND = "full"
 
     def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        full: FullOptions | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        sync_files: bool = True,
-        thread_count: int | None = None,
-        part_size: int = 32 << 20,
-        max_parts_in_flight: int = 4,
-        manifest_extra: Mapping[str, Any] | None = None,
-        process_group: Any = None,
+        self, path: str | os.PathLike[str], *, full: FullOptions | None = None, **options: Unpack[WriterOptions]
     ) -> None:
         if full is not None and not isinstance(full, FullOptions):
             raise TypeError(f"full must be a FullOptions, got {type(full).__name__}")
         self.full = full if full is not None else FullOptions()
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            sync_files=sync_files,
-            thread_count=thread_count,
-            part_size=part_size,
-            max_parts_in_flight=max_parts_in_flight,
-            manifest_extra=manifest_extra,
-            process_group=process_group,
-        )
+        super().__init__(path, **options)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         if getattr(self, "_marker", None) is not None:  # reset() without the last save's discard

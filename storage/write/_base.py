@@ -10,7 +10,7 @@ import logging
 import os
 import pickle
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -31,7 +31,7 @@ from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord, extra_with_layout_record
 from smpckpt.storage.write._failed_save import FailedSaveFiles, commit_uncertain
 
-__all__ = ["FsspecWriterBase", "MIN_PART_SIZE"]
+__all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions"]
 
 #: S3's smallest multipart part (every part but the last)
 MIN_PART_SIZE = 5 << 20
@@ -45,6 +45,18 @@ class _PlanData(Protocol):
 
 
 _Data = TypeVar("_Data", bound=_PlanData)
+
+
+class WriterOptions(TypedDict, total=False):
+    """The options both writers take (as ``**options``), handed on to :class:`FsspecWriterBase`."""
+
+    storage_options: Mapping[str, Any] | None
+    sync_files: bool
+    thread_count: int | None
+    part_size: int
+    max_parts_in_flight: int
+    manifest_extra: Mapping[str, Any] | None
+    process_group: Any
 
 
 class FsspecWriterBase(FsspecLocation, StorageWriter):

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.model.record import METADATA_KEY, LayoutRecord
 from smpckpt.storage.backends._fs import (
@@ -208,17 +207,17 @@ def results_of(
     """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
     boxes: dict[str, list[BoxUnits]] = {}
     records: list[FileRecord] = []
-    with gc_paused():  # thousands of small lists per rank: no collections while they are made
-        for rank, rank_results in enumerate(results):
-            for wr in rank_results:
-                if isinstance(wr.storage_data, ObjectResult):
-                    name, size, digest = wr.storage_data
-                    records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
-                    continue
-                art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
-                for box in wr.storage_data or ():
-                    boxes.setdefault(f"{art}/{box.key}", []).append(box)
-        checks = {key: rows_of(bs) for key, bs in boxes.items()}
+    # (under the caller's gc_paused: thousands of small lists per rank, no collections while they are made)
+    for rank, rank_results in enumerate(results):
+        for wr in rank_results:
+            if isinstance(wr.storage_data, ObjectResult):
+                name, size, digest = wr.storage_data
+                records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
+                continue
+            art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
+            for box in wr.storage_data or ():
+                boxes.setdefault(f"{art}/{box.key}", []).append(box)
+    checks = {key: rows_of(bs) for key, bs in boxes.items()}
     return records, checks
 
 

@@ -81,11 +81,8 @@ class Exchange:
 
 def exchange_group_ok(process_group: Any, world: int) -> bool:
     """Swaps need a live process group that moves CPU tensors (gloo), with one member per planning rank."""
-    if world < 2 or not (dist.is_available() and dist.is_initialized()):
-        return False
-    if not moves_cpu_tensors(process_group):
-        return False  # rows are written in place instead
-    return bool(dist.get_world_size(process_group) == world)
+    # without one, rows are written in place instead
+    return world >= 2 and moves_cpu_tensors(process_group) and dist.get_world_size(process_group) == world
 
 
 def moves_cpu_tensors(process_group: Any) -> bool:

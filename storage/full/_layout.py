@@ -23,11 +23,16 @@ __all__ = [
     "RankFullData",
     "ArtifactFile",
     "ArtifactLayout",
+    "Place",
     "expr_to_json",
     "expr_from_json",
     "file_pieces_from_json",
     "first_leaf",
 ]
+
+
+#: where an artifact tensor is: (artifact, file, start, dtype, shape)
+Place = tuple[str, str, int, torch.dtype, tuple[int, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +87,7 @@ class ArtifactLayout:
     """What the coordinator decided; turned into the stored description in ``finish``."""
 
     files: tuple[ArtifactFile, ...]
-    tensors: Mapping[
-        str, tuple[str, str, int, torch.dtype, tuple[int, ...]]
-    ]  # "art/key" -> (art, file, start, dtype, shape)
+    tensors: Mapping[str, Place]  # "art/key" -> where
     exprs: Mapping[str, tuple[str, Expr]]  # our fqn -> (artifact, expr over that artifact's keys)
     dtypes: Mapping[str, torch.dtype]  # our fqn -> stored dtype (after any cast)
     objects: Mapping[str, str]  # our fqn -> file

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.model.translation import Expr, Leaf, pieces
-from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, RankFullData
+from smpckpt.storage.format._regions import Box
+from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData
 from smpckpt.storage.full._safetensors import encode_header
 from smpckpt.storage.full._torch_zip import torch_layout
 from smpckpt.storage.full.options import FullOptions, parse_size
@@ -87,16 +88,11 @@ def plan_artifact(
 
 def _collect(
     plans: Sequence[SavePlan],
-) -> tuple[
-    dict[str, tuple[int, ...]],
-    dict[str, torch.dtype],
-    dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
-    list[tuple[int, MetadataIndex]],
-]:
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], dict[str, list[Box]], list[tuple[int, MetadataIndex]]]:
     """Every tensor's global shape, dtype and chunks, and every object item, from all ranks' plans."""
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
-    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    chunks: dict[str, list[Box]] = {}
     object_items: list[tuple[int, MetadataIndex]] = []
     for rank, plan in enumerate(plans):
         for it in plan.items:
@@ -167,10 +163,10 @@ def _files(
     max_shard_size: int | str | None,
     world: int,
     file_format: str = "safetensors",
-) -> tuple[list[ArtifactFile], dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]], dict[str, bytes]]:
+) -> tuple[list[ArtifactFile], dict[str, Place], dict[str, bytes]]:
     """Tensors in order, cut into files at ``max_shard_size``; headers, offsets and index files."""
     files: list[ArtifactFile] = []
-    tensors: dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]] = {}
+    tensors: dict[str, Place] = {}
     indexes: dict[str, bytes] = {}
     for art in sorted(art_shapes):
         order = [k for k in art_shapes[art] if k in art_dtypes.get(art, {})]
@@ -262,7 +258,7 @@ def _rank_writes(
     save_id: str,
     exprs: Mapping[str, tuple[str, Expr]],
     art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
-    tensors: Mapping[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]],
+    tensors: Mapping[str, Place],
     rank_objects: Mapping[int, list[tuple[MetadataIndex, str]]],
     files: Sequence[ArtifactFile],
     gather: bool,
@@ -311,9 +307,7 @@ def _rank_writes(
     return out
 
 
-def _check_tiling(
-    shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
-) -> None:
+def _check_tiling(shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[Box]]) -> None:
     """Every tensor's chunks cover it exactly once: a hole would be zeros in the artifact, silently."""
     for fqn, shape in shapes.items():
         boxes = chunks[fqn]
@@ -330,5 +324,5 @@ def _check_tiling(
                         raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
 
 
-def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+def _overlap(a: Box, b: Box) -> bool:
     return all(x < y + t and y < x + s for x, s, y, t in zip(a[0], a[1], b[0], b[1])) and math.prod(a[1]) > 0

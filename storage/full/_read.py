@@ -264,10 +264,8 @@ class FullSource(ArtifactIndex):
         dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
         for u, box in touched:
             # every unit the box touches is read whole and checked; its overlap is copied out
-            ubytes = bytearray(math.prod(u.sizes) * itemsize)
-            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            read += self._files.read_runs(t.file, t.start + ustarts, urun, memoryview(ubytes))
-            self._check_unit(t, key, u, hash_bytes(ubytes))
+            ubytes, fetched = self._unit_bytes(t, key, u)
+            read += fetched
             src = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
             s_sub, d_sub = src, dst_t
             for d, (lo, n) in enumerate(zip(box[0], box[1])):
@@ -303,11 +301,11 @@ class FullSource(ArtifactIndex):
         else:
             read += self._files.read_runs(t.file, t.start + starts, run, out)
         for u, parts in plan.inside:
-            self._check_unit(t, key, u, hash_parts(out[a : a + n] for a, n in parts))
-        for u, ustarts, urun, copies in plan.partial:
-            ubytes = memoryview(bytearray(len(ustarts) * urun))
-            read += self._files.read_runs(t.file, t.start + ustarts, urun, ubytes)
-            self._check_unit(t, key, u, hash_bytes(ubytes))
+            if hash_parts(out[a : a + n] for a, n in parts) != u.digest:
+                raise self._mismatch(t, key, u)
+        for u, _, _, copies in plan.partial:
+            ubytes, fetched = self._unit_bytes(t, key, u)
+            read += fetched
             for src, dst, n in copies:
                 out[dst : dst + n] = ubytes[src : src + n]
         if plan.covered != len(starts) * run:
@@ -315,9 +313,12 @@ class FullSource(ArtifactIndex):
         self._stat(t.file, len(starts) * run, read)
         return out
 
-    def _check_unit(self, t: StoredTensor, key: str, u: Unit, digest: int) -> None:
-        if digest != u.digest:
+    def _unit_bytes(self, t: StoredTensor, key: str, u: Unit) -> tuple[memoryview, int]:
+        """A check unit's bytes, read whole and verified, and the bytes fetched for them."""
+        ubytes, fetched = _read_unit(self._files, t, u)
+        if hash_bytes(ubytes) != u.digest:
             raise self._mismatch(t, key, u)
+        return ubytes, fetched
 
     def _uncovered(self, t: StoredTensor, key: str) -> CheckpointCorrupt:
         return CheckpointCorrupt(
@@ -365,14 +366,18 @@ class FullSource(ArtifactIndex):
             for key, index in self.units.items():
                 t = self.tensors[key]
                 for u in index.units:
-                    ubytes = bytearray(math.prod(u.sizes) * t.dtype.itemsize)
-                    starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
-                    files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
-                    if hash_bytes(ubytes) != u.digest:
+                    if hash_bytes(_read_unit(files, t, u)[0]) != u.digest:
                         problems.append(
                             f"{join(self.path, t.file)}: checksum mismatch in {key.split('/', 1)[1]!r} at {list(u.offsets)}"
                         )
         return problems
+
+
+def _read_unit(files: RunFiles, t: StoredTensor, u: Unit) -> tuple[memoryview, int]:
+    """A check unit's bytes (row-major), and the bytes fetched for them."""
+    starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
+    ubytes = memoryview(bytearray(len(starts) * run))
+    return ubytes, files.read_runs(t.file, t.start + starts, run, ubytes)
 
 
 #: worker threads of a full read (reads and checks of different tensors overlap)

@@ -75,9 +75,7 @@ def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
 def chunk_of(planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None) -> torch.Tensor:
     """The item's tensor (``tensor``: resolved already), detached, on the CPU, in global-view
     coordinates (its chunk's shape)."""
-    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach()
-    if chunk.device.type != "cpu":
-        chunk = chunk.cpu()
+    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach().cpu()
     td = item.tensor_data
     return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk
 

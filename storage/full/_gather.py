@@ -36,15 +36,7 @@ __all__ = ["gather_rank"]
 
 
 def gather_rank(
-    folder: str,
-    data: RankFullData,
-    items: Sequence[WriteItem],
-    planner: SavePlanner,
-    *,
-    fs: Any,
-    open_sink: Any,
-    process_group: Any,
-    sync: bool,
+    data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, *, open_sink: Any, process_group: Any
 ) -> list[WriteResult]:
     """(every rank) Send this rank's boxes to the files' owners and stream the files this rank owns."""
     run = _Gather(data, items, planner, process_group)
@@ -71,7 +63,7 @@ def gather_rank(
         for sink in sinks.values():
             sink.abort()
         raise
-    return _write.tensor_results(items, run.done) + _write.write_objects(folder, data, items, planner, fs, sync)
+    return _write.tensor_results(items, run.done)
 
 
 class _Gather:

@@ -14,15 +14,29 @@ written in place, never assembled.
 Integrity: each write is cut into *check units* of about ``check_block`` bytes along its outermost
 dimension; every unit's xxh3 goes into the generation's metadata (itself checksummed by the
 manifest), so a reader verifies exactly the boxes it reads.
+
+Files in ``torch_save`` format are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat
+``{key: tensor}`` dict, made of FakeTensors of the right shapes and dtypes, is saved under
+``torch.serialization.skip_data``, which writes the zip archive with its pickle, record headers and
+directory and leaves a hole where each storage's bytes go. That file is sparse (a few KiB on disk
+whatever the model size) and is read back as the byte pieces around the holes plus each tensor's record
+offset. The result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too: torch aligns
+every record to 64 bytes) with nothing of ours installed. Record CRCs are written as zero, as
+``torch.save`` does under ``torch.serialization.set_crc32_options(False)``; integrity comes from the
+manifest's check units.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -33,7 +47,6 @@ from smpckpt.model.translation import Expr, Leaf, pieces
 from smpckpt.storage.format._regions import Box
 from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData
 from smpckpt.storage.full._safetensors import encode_header
-from smpckpt.storage.full._torch_zip import torch_layout
 from smpckpt.storage.full.options import FullOptions, parse_size
 
 __all__ = ["plan_artifact"]
@@ -217,11 +230,41 @@ def _layout_file(
     name: str, art: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str
 ) -> ArtifactFile:
     if file_format == "torch_save":
-        t = torch_layout(entries)
-        return ArtifactFile(name, art, t.pieces, t.size, tuple(k for k, _, _ in entries), t.starts)
+        return _torch_file(name, art, entries)
     header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
     end = max([e.start + e.nbytes for e in tensors], default=len(header))
     return ArtifactFile(name, art, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
+
+
+def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
+    """The file ``torch.save({key: tensor})`` writes for these ``(key, dtype, shape)`` tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape in entries}
+    fd, path = tempfile.mkstemp(prefix="smpckpt-torch-layout-", suffix=".pt")
+    os.close(fd)
+    try:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(fake, path)
+        size = os.path.getsize(path)
+        reader: Any = torch._C.PyTorchFileReader(path)
+        # torch.save numbers storages in pickling order; a dict pickles its values in insertion order
+        starts = [int(reader.get_record_offset(f"data/{i}")) for i in range(len(entries))]
+        del reader
+        holes = sorted((s, s + math.prod(shape) * dtype.itemsize) for s, (_, dtype, shape) in zip(starts, entries))
+        pieces = []
+        with open(path, "rb") as f:
+            pos = 0
+            for lo, hi in holes + [(size, size)]:
+                if lo > pos:
+                    f.seek(pos)
+                    pieces.append((pos, f.read(lo - pos)))
+                pos = max(pos, hi)
+        return ArtifactFile(name, art, tuple(pieces), size, tuple(k for k, _, _ in entries), tuple(starts))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _auto_shard_size(total: int, world: int) -> int:

@@ -6,14 +6,23 @@ manifest) and a plain Hugging Face folder (``model.safetensors`` or an index and
 *unverified*, like a stock DCP checkpoint). Both become an :class:`ArtifactIndex` and a DCP ``Metadata``
 with one chunk per tensor, so any load planner reshards from them into any TP x PP x DP layout; the
 reads themselves are ``_read``'s.
+
+A Hugging Face folder's tied heads: ``save_pretrained`` leaves out a key that is another key's tensor
+(``lm_head.weight`` is ``transformer.wte.weight`` in GPT-2). A model that holds the head apart (a
+pipeline's last stage; a TP layout built by hand) needs its values from the embedding's bytes; a model
+that ties them in memory loads the embedding once either way (:class:`~smpckpt.planners.ParallelLoadPlanner`).
+Which keys are tied comes from the translation the load uses, else from the folder's ``config.json`` (its
+``model_type`` names a family of :mod:`smpckpt.hf`); a config that says ``"tie_word_embeddings": false``
+ties nothing (:func:`hf_folder_ties`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,12 +43,13 @@ from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.full._hf_ties import hf_folder_ties
 from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, first_leaf
 from smpckpt.storage.full._safetensors import DTYPE_NAMES, header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex
 
-__all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
+__all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "hf_folder_ties", "HF_INDEX", "HF_SINGLE"]
+
+log = logging.getLogger(__name__)
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -155,3 +165,37 @@ class ArtifactIndex:
         ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
         tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
         return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
+
+
+#: a config.json larger than this is not read for its ties (real ones are a few KiB)
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def _config(fs: Any, path: str) -> dict[str, Any]:
+    where = join(path, "config.json")
+    try:
+        raw = bytes(fs.cat_file(where, start=0, end=_MAX_CONFIG_BYTES + 1))
+        if len(raw) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"over {_MAX_CONFIG_BYTES} bytes")
+        found = json.loads(raw)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        log.info("%s: not read for tied weights (%s)", where, exc)
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def hf_folder_ties(fs: Any, path: str, keys: Iterable[str], translation: Translation | None) -> dict[str, str]:
+    """Head -> embedding key for each tied head the folder's tensors (``keys``) lack but whose
+    embedding they hold; keys as the artifact names them (tied keys are never renamed)."""
+    config = _config(fs, path)
+    if config.get("tie_word_embeddings") is False:
+        return {}
+    if translation is None:
+        from smpckpt.hf import TRANSLATIONS  # lazily: only folders with a config of a known family
+
+        translation = TRANSLATIONS.get(str(config.get("model_type")))
+        if translation is None:
+            return {}
+    return translation.missing_ties(keys)

@@ -197,10 +197,9 @@ def write_rank(
     *,
     sync: bool,
     thread_count: int,
-    fs: Any,
     process_group: Any = None,
 ) -> list[WriteResult]:
-    """(every rank) Write this rank's boxes, row-block swaps and objects; durable when it returns.
+    """(every rank) Write this rank's boxes and row-block swaps; durable when it returns.
 
     Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
     staggered file order, so no two threads of a rank share a file and at most ``files / world``
@@ -210,7 +209,7 @@ def write_rank(
         results = w.run(thread_count, process_group)
         if sync:
             _flush(w.fds, list(data.writes) + w.blocks)
-    return results + write_objects(folder, data, items, planner, fs, sync)
+    return results
 
 
 class _RankWriter:

@@ -28,7 +28,7 @@ from smpckpt.storage.full._commit import (
 from smpckpt.storage.full._gather import gather_rank
 from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
 from smpckpt.storage.full._marker import MarkerRefresher
-from smpckpt.storage.full._write import write_rank
+from smpckpt.storage.full._write import write_objects, write_rank
 from smpckpt.storage.full.options import FullOptions
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._failed_save import folder_is_new
@@ -141,16 +141,9 @@ class FullArtifactWriter(FsspecWriterBase):
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         data = self._plan_data(plan, RankFullData)
-        if data.files:  # object stores: each file streamed by its owner rank
+        if data.files:  # object stores: each file streamed by its owner rank (the sinks borrow: see _open_sink)
             written = gather_rank(
-                self.path,
-                data,
-                plan.items,
-                planner,
-                fs=self.fs,
-                open_sink=self._open_sink,  # borrows: see _open_sink and _gather
-                process_group=self.process_group,
-                sync=self.sync_files,
+                data, plan.items, planner, open_sink=self._open_sink, process_group=self.process_group
             )
         else:  # POSIX: every rank at its offsets
             written = write_rank(
@@ -160,8 +153,8 @@ class FullArtifactWriter(FsspecWriterBase):
                 planner,
                 sync=self.sync_files,
                 thread_count=self.thread_count,
-                fs=self.fs,
                 process_group=self.process_group,
             )
+        written += write_objects(self.path, data, plan.items, planner, self.fs, self.sync_files)
         self._used_save_ids.add(data.save_id)
         return written

@@ -41,16 +41,13 @@ from smpckpt.storage.full._layout import FullWrite, RankFullData
 
 __all__ = [
     "Exchange",
-    "global_rank",
-    "plan_exchanges",
-    "exchange_group_ok",
-    "moves_cpu_tensors",
-    "rows_of",
-    "place",
-    "piece_of",
     "Block",
     "Swapper",
     "batches",
+    "plan_exchanges",
+    "exchange_group_ok",
+    "moves_cpu_tensors",
+    "global_rank",
     "SWAP_BATCH_BYTES",
 ]
 

@@ -27,7 +27,7 @@ __all__ = [
     "expr_to_json",
     "expr_from_json",
     "file_pieces_from_json",
-    "first_leaf",
+    "leaf_keys",
 ]
 
 
@@ -129,11 +129,9 @@ def expr_to_json(expr: Expr) -> Any:
     return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
 
 
-def first_leaf(expr: Expr) -> str:
-    """The key of the first artifact tensor an expression reads."""
-    while not isinstance(expr, Leaf):
-        expr = expr.parts[0]
-    return expr.key
+def leaf_keys(expr: Expr) -> list[str]:
+    """The keys of the artifact tensors an expression reads, in order."""
+    return [expr.key] if isinstance(expr, Leaf) else [k for p in expr.parts for k in leaf_keys(p)]
 
 
 def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:

@@ -44,18 +44,12 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.model.translation import Expr, Leaf, pieces
-from smpckpt.storage.format._regions import Box
-from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData
+from smpckpt.storage.format._regions import Box, intersect
+from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData, leaf_keys
 from smpckpt.storage.full._safetensors import encode_header
 from smpckpt.storage.full.options import FullOptions, parse_size
 
 __all__ = ["plan_artifact"]
-
-
-def _leaf_keys(expr: Expr) -> list[str]:
-    if isinstance(expr, Leaf):
-        return [expr.key]
-    return [k for p in expr.parts for k in _leaf_keys(p)]
 
 
 def _cast(shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
@@ -163,7 +157,7 @@ def _expressions(
                     a_shapes[expr.key] = original
                     expr = Leaf(expr.key, view=shapes[fqn])
             exprs[fqn] = (art, expr)
-            for leaf in _leaf_keys(expr):
+            for leaf in leaf_keys(expr):
                 art_dtypes.setdefault(art, {})[leaf] = _cast(shapes[fqn], dtypes[fqn], opts.dtype)
         art_shapes[art] = a_shapes
 
@@ -363,9 +357,5 @@ def _check_tiling(shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, li
         if len(boxes) <= 64:
             for i in range(len(boxes)):
                 for j in range(i + 1, len(boxes)):
-                    if _overlap(boxes[i], boxes[j]):
+                    if intersect(boxes[i], boxes[j]) is not None:
                         raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
-
-
-def _overlap(a: Box, b: Box) -> bool:
-    return all(x < y + t and y < x + s for x, s, y, t in zip(a[0], a[1], b[0], b[1])) and math.prod(a[1]) > 0

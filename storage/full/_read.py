@@ -125,7 +125,7 @@ class FullSource(ArtifactIndex):
                 sum(st.bytes_read for st in self.file_stats.values()),
             )
 
-    def _read_object(self, req: ReadItem, planner: LoadPlanner) -> int:
+    def _read_object(self, req: ReadItem, planner: LoadPlanner) -> None:
         fqn = req.storage_index.fqn
         name = self.objects.get(fqn)
         if name is None:
@@ -145,7 +145,6 @@ class FullSource(ArtifactIndex):
             check_weights_only(data, where=f"{path} (key {fqn!r})")
         planner.load_bytes(req, io.BytesIO(data))
         self._stat(name, len(data), len(data))
-        return len(data)
 
     def _boxes(self, req: ReadItem) -> list[tuple[str, StoredTensor, Piece]]:
         """The artifact boxes that make up ``req``: ``(artifact key, its tensor, piece)``."""
@@ -242,25 +241,21 @@ class FullSource(ArtifactIndex):
                 f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
                 f"{list(next(iter(other)))}"
             )
-        read = 0
         whole = units.whole_inside(offsets, sizes)
+        touched = units.touched(offsets, sizes) if whole is None else []
+        read = 0
+        if not prefetched and not self._files.local:
+            read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
+        covered = 0
         if whole is not None:
             # a box holding every unit it touches whole (any box read at the layout it was saved
             # in, column shards too): read its runs once into ``out`` and check each unit where it
             # lies there (no scratch buffer, no copy)
-            if not prefetched and not self._files.local:
-                read = self._hold_units(t, view, offsets, sizes, [])
             read += self._files.read_runs(t.file, t.start + starts, run, out)
             bad = whole.first_mismatch(whole.digests(out, sizes, itemsize))
             if bad is not None:
                 raise self._mismatch(t, key, bad)
             covered = whole.volume()
-            touched = []
-        else:
-            touched = units.touched(offsets, sizes)
-            if not prefetched and not self._files.local:
-                read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
-            covered = 0
         dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
         for u, box in touched:
             # every unit the box touches is read whole and checked; its overlap is copied out

@@ -43,7 +43,7 @@ from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, first_leaf
+from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
 from smpckpt.storage.full._safetensors import DTYPE_NAMES, header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex
 
@@ -157,7 +157,7 @@ class ArtifactIndex:
         for key, (expr, shape) in ours.items():
             fqn = prefix + key
             self.exprs[fqn] = ("model", expr)
-            dtype = self.tensors[f"model/{first_leaf(expr)}"].dtype
+            dtype = self.tensors[f"model/{leaf_keys(expr)[0]}"].dtype
             tsize = torch.Size(shape)
             sdm[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]

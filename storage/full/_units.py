@@ -20,18 +20,7 @@ from smpckpt.storage.format._ranges import c_strides
 from smpckpt.storage.format._regions import Box, box_runs, intersect
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 
-__all__ = [
-    "rows_of",
-    "Unit",
-    "BoxUnits",
-    "UnitIndex",
-    "WholeUnits",
-    "CrossView",
-    "cross_view",
-    "intervals",
-    "unit_extent",
-    "bytes_of",
-]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "rows_of", "cross_view", "intervals", "unit_extent", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)

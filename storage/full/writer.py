@@ -20,9 +20,7 @@ from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.full._commit import (
     artifact_records,
     begin_full_save,
-    clear_for_full_save,
     commit_full,
-    results_of,
     whole_tensor_metadata,
 )
 from smpckpt.storage.full._gather import gather_rank
@@ -99,7 +97,6 @@ class FullArtifactWriter(FsspecWriterBase):
                 "ParallelSavePlanner(..., cache_scope='local') (the next save with this planner plans afresh)"
             )
         new_folder = folder_is_new(self.fs, self.path)
-        clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()
         out, layout = begin_full_save(
             self.fs, self.path, self.url, plans, self.full, save_id, self.process_group, sync=self.sync_files
@@ -116,9 +113,7 @@ class FullArtifactWriter(FsspecWriterBase):
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
         records = artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
         with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
-            objects, checks = results_of(layout, _wire.open_results(results))
-            whole_tensor_metadata(metadata, layout, checks)
-            del checks
+            objects = whole_tensor_metadata(metadata, layout, _wire.open_results(results))
         files = sorted(records + objects, key=lambda f: f.name)
         manifest, _ = self._manifest(save_id, metadata, files, len(results), "raw")
         self._stop_marker()  # before the commit removes the marker: a late rewrite would bring it back

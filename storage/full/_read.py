@@ -11,7 +11,6 @@ tensors are comes from :class:`~._source.ArtifactIndex`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import io
 import math
 import threading
@@ -34,13 +33,7 @@ from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
 from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
 
-__all__ = ["FullSource", "FileStats"]
-
-
-@dataclasses.dataclass
-class FileStats:
-    bytes_read: int = 0
-    bytes_needed: int = 0
+__all__ = ["FullSource"]
 
 
 class FullSource(ArtifactIndex):
@@ -51,20 +44,20 @@ class FullSource(ArtifactIndex):
         self.verify = verify
         self.allow_pickle = allow_pickle
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
-        self.file_stats: dict[str, FileStats] = {}
+        self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
         self.requests = 0
         self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
         self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
 
     # -- reading ------------------------------------------------------------------------------------
-    def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
-        """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``.
+    def read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Every item of ``plan`` into ``planner``; the bytes it needed and read go to ``file_stats``.
 
         The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
         worker threads (at most twice that many items in flight), so hashing overlaps the next read. On
         object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
         (:func:`~._files.plan_spans`; items in file order), several GETs in flight."""
-        self.requests = 0
+        self.requests, self.file_stats = 0, {}
         items = list(plan.items)
         with (
             RunFiles(self.fs, self.path) as files,
@@ -119,11 +112,6 @@ class FullSource(ArtifactIndex):
                 if spans is not None:
                     spans.close()
             self.requests = files.requests
-        with self._lock:
-            return (
-                sum(st.bytes_needed for st in self.file_stats.values()),
-                sum(st.bytes_read for st in self.file_stats.values()),
-            )
 
     def _read_object(self, req: ReadItem, planner: LoadPlanner) -> None:
         fqn = req.storage_index.fqn
@@ -343,9 +331,9 @@ class FullSource(ArtifactIndex):
 
     def _stat(self, name: str, needed: int, read: int) -> None:
         with self._lock:
-            st = self.file_stats.setdefault(name, FileStats())
-            st.bytes_needed += needed
-            st.bytes_read += read
+            st = self.file_stats.setdefault(name, [0, 0])
+            st[0] += needed
+            st[1] += read
 
     def verify_all(self) -> list[str]:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""

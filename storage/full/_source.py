@@ -94,14 +94,29 @@ class ArtifactIndex:
         self.headers: dict[str, list[tuple[int, int, int]]] = {}  # file -> its non-tensor byte ranges
 
     # -- metadata ---------------------------------------------------------------------------------
-    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
+    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> None:
         """A committed full artifact: the description stored with its metadata."""
         raw = (metadata.storage_data or {}).get(MetadataIndex(DESCRIPTION_FQN))
         if not isinstance(raw, str):
             raise CheckpointCorrupt(f"{self.url}: full checkpoint metadata has no artifact description")
         try:
-            with gc_paused():
-                self._describe(raw, records)
+            with gc_paused():  # parse the description: tensors, expressions, objects, check units
+                desc = json.loads(raw)
+                for key, t in desc["tensors"].items():
+                    name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
+                    if name not in records:
+                        raise CheckpointCorrupt(
+                            f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list"
+                        )
+                    self.tensors[key] = StoredTensor(
+                        name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
+                    )
+                for fqn, e in desc["exprs"].items():
+                    self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
+                self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
+                for key, units in desc["checks"].items():
+                    self.units[key] = UnitIndex.from_rows(units)
+                self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
         except CheckpointCorrupt:
             raise
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as exc:
@@ -111,24 +126,6 @@ class ArtifactIndex:
             rec = records[t.file]
             if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
                 raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
-        return metadata
-
-    def _describe(self, raw: str, records: Mapping[str, FileRecord]) -> None:
-        """Parse the description (tensors, expressions, objects, check units) into this source."""
-        desc = json.loads(raw)
-        for key, t in desc["tensors"].items():
-            name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
-            if name not in records:
-                raise CheckpointCorrupt(f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list")
-            self.tensors[key] = StoredTensor(
-                name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
-            )
-        for fqn, e in desc["exprs"].items():
-            self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
-        self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
-        for key, units in desc["checks"].items():
-            self.units[key] = UnitIndex.from_rows(units)
-        self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
         """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""

@@ -26,6 +26,7 @@ previous batch's blocks while they are written (``_write``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -242,13 +243,7 @@ class Swapper:
 
 def batches(exchanges: Sequence[Exchange]) -> list[list[Exchange]]:
     """A rank's swaps grouped by batch (consecutive: they come in the global order)."""
-    out: list[list[Exchange]] = []
-    for e in exchanges:
-        if out and out[-1][0].batch == e.batch:
-            out[-1].append(e)
-        else:
-            out.append([e])
-    return out
+    return [list(group) for _, group in itertools.groupby(exchanges, key=lambda e: e.batch)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ from smpckpt.model.translation import Expr, Leaf, pieces
 from smpckpt.storage.format._regions import Box, intersect
 from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData, leaf_keys
 from smpckpt.storage.full._safetensors import encode_header
-from smpckpt.storage.full.options import FullOptions, parse_size
+from smpckpt.storage.full.options import FullOptions
 
 __all__ = ["plan_artifact"]
 
@@ -176,18 +176,14 @@ def _files(
     tensors: dict[str, Place] = {}
     indexes: dict[str, bytes] = {}
     for art in sorted(art_shapes):
-        order = [k for k in art_shapes[art] if k in art_dtypes.get(art, {})]
-        cap = (
-            parse_size(max_shard_size)
-            if max_shard_size is not None
-            else _auto_shard_size(
-                sum(math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize for k in order), world
-            )
-        )
+        dtypes = art_dtypes.get(art, {})
+        nbytes = {k: math.prod(shape) * dtypes[k].itemsize for k, shape in art_shapes[art].items() if k in dtypes}
+        total = sum(nbytes.values())
+        # max_shard_size is bytes already (FullOptions parses it)
+        cap = int(max_shard_size) if max_shard_size is not None else _auto_shard_size(total, world)
         groups: list[list[str]] = [[]]
         size = 0
-        for k in order:
-            n = math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize
+        for k, n in nbytes.items():
             if groups[-1] and size + n > cap:
                 groups.append([])
                 size = 0
@@ -200,7 +196,6 @@ def _files(
             else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}" for i in range(len(groups))]
         )
         weight_map: dict[str, str] = {}
-        total = 0
         for name, keys in zip(names, groups):
             entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
             f = _layout_file(name, art, entries, file_format)
@@ -208,7 +203,6 @@ def _files(
             for (k, dtype, shape), start in zip(entries, f.starts):
                 tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
                 weight_map[k] = name
-                total += math.prod(shape) * dtype.itemsize
         if len(groups) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             indexes[f"{stem}.{ext}.index.json"] = json.dumps(index, indent=2).encode("utf-8")

@@ -14,7 +14,7 @@ import concurrent.futures
 import io
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,18 +78,16 @@ class FullSource(ArtifactIndex):
                     item_spans = [item_spans[i] for i in order]
             pending: dict[concurrent.futures.Future[None], tuple[ReadItem, torch.Tensor, tuple[int, ...]]] = {}
 
-            def finish(done: Iterable[concurrent.futures.Future[None]]) -> None:
-                for f in done:
+            def make_room() -> bool:
+                """Finish the items done first (spans released, tensors committed); ``False``: none pending."""
+                if not pending:
+                    return False
+                for f in concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0]:
                     req, target, used = pending.pop(f)
                     f.result()
                     if spans is not None:
                         spans.release(used)
                     planner.commit_tensor(req, target)
-
-            def make_room() -> bool:
-                if not pending:
-                    return False
-                finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
                 return True
 
             try:

@@ -8,7 +8,6 @@ bytes it touches are the box's runs and those units' runs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -349,18 +348,15 @@ def unit_extent(
     view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[Unit]
 ) -> tuple[int, int] | None:
     """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
-    the box's runs and the whole check units it overlaps (they are read whole to be verified)."""
+    the box's runs and the whole check units it overlaps, ``units`` (:meth:`UnitIndex.touched`'s, in
+    ``view``: they are read whole to be verified)."""
     starts, run = box_runs(view, offsets, sizes, itemsize)
     if not len(starts):
         return None
     lo, hi = int(starts[0]), int(starts[-1]) + run
     for u in units:
-        if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
-            if math.prod(box[1]) == 0:
-                continue
-            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            if len(ustarts):
-                lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
+        ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+        lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
     return lo, hi
 
 

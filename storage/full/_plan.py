@@ -270,12 +270,11 @@ def _objects(
     objects: dict[str, str] = {}
     rank_objects: dict[int, list[tuple[MetadataIndex, str]]] = {}
     for n, (rank, index) in enumerate(object_items):
-        stem = index.fqn if _SAFE_OBJECT.match(index.fqn) else f"object-{n:05d}"
-        name = f"{stem}.pt"
-        if name in taken or index.fqn in objects:
-            name = f"object-{n:05d}.pt"
         if index.fqn in objects:
             continue  # the same object from several ranks: the planner dedups; keep the first
+        name = f"{index.fqn}.pt"
+        if not _SAFE_OBJECT.match(index.fqn) or name in taken:
+            name = f"object-{n:05d}.pt"
         taken.add(name)
         objects[index.fqn] = name
         rank_objects.setdefault(rank, []).append((index, name))

@@ -86,9 +86,9 @@ MOVED: dict[str, str] = {
     "smpckpt.storage._full_read": "smpckpt.storage.full._read",
     "smpckpt.storage._full_units": "smpckpt.storage.full._units",
     "smpckpt.storage._full_write": "smpckpt.storage.full._write",
-    "smpckpt.storage._hf_ties": "smpckpt.storage.full._hf_ties",
+    "smpckpt.storage._hf_ties": "smpckpt.storage.full._source",
     "smpckpt.storage._safetensors": "smpckpt.storage.full._safetensors",
-    "smpckpt.storage._torch_zip": "smpckpt.storage.full._torch_zip",
+    "smpckpt.storage._torch_zip": "smpckpt.storage.full._plan",
 }
 
 

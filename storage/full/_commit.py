@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.model.record import METADATA_KEY, LayoutRecord
 from smpckpt.storage.backends._fs import (
@@ -42,7 +41,6 @@ from smpckpt.storage.full.options import FullOptions
 from smpckpt.storage.write._failed_save import committed_by, raise_commit_failure
 
 __all__ = [
-    "results_of",
     "folder_names",
     "whole_tensor_metadata",
     "clear_for_full_save",
@@ -82,7 +80,10 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
         )
     names = folder_names(fs, path)
     if names and WRITING_MARKER not in names:
-        if found.state == "uncommitted" or _partial_save_files(fs, path):
+        # a partial save's data or metadata files (the folder has no manifest and no marker)
+        if found.state == "uncommitted" or any(
+            _names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2)
+        ):
             raise CheckpointExists(
                 f"{url} holds the files of an uncommitted partial save (no {_names.MANIFEST_NAME}): one running "
                 "there, or one that failed or was killed. Save under a new tag, or remove them first (`smpckpt "
@@ -111,11 +112,6 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
             raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
 
 
-def _partial_save_files(fs: Any, path: str) -> bool:
-    """Whether a folder (no manifest, no marker) holds a partial save's data or metadata files."""
-    return any(_names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2))
-
-
 def begin_full_save(
     fs: Any,
     path: str,
@@ -127,9 +123,10 @@ def begin_full_save(
     *,
     sync: bool,
 ) -> tuple[list[SavePlan], ArtifactLayout]:
-    """(coordinator, after :func:`clear_for_full_save`) Lay the artifact out over the ranks' plans,
-    write the in-progress marker, and on POSIX paths create the files every rank writes into; the
+    """(coordinator) Clear the folder (:func:`clear_for_full_save`), lay the artifact out over the ranks'
+    plans, write the in-progress marker, and on POSIX paths create the files every rank writes into; the
     plans for the ranks and the layout the commit checks."""
+    clear_for_full_save(fs, path, url)
     record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
     original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
     extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
@@ -190,8 +187,23 @@ def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype |
     return max(counts, key=lambda d: counts[d]) if counts else None
 
 
-def whole_tensor_metadata(metadata: Metadata, layout: ArtifactLayout, checks: dict[str, list[list[Any]]]) -> None:
-    """Loaders see one chunk per tensor, in the stored dtype; the description says where its bytes are."""
+def whole_tensor_metadata(
+    metadata: Metadata, layout: ArtifactLayout, results: list[list[WriteResult]]
+) -> list[FileRecord]:
+    """(coordinator, in ``finish``, under its ``gc_paused``: thousands of small lists per rank) The object
+    files' records, from all ranks' results. Loaders see one chunk per tensor, in the stored dtype; the
+    description says where its bytes are, with every tensor's check units (the results' boxes)."""
+    boxes: dict[str, list[BoxUnits]] = {}
+    records: list[FileRecord] = []
+    for rank, rank_results in enumerate(results):
+        for wr in rank_results:
+            if isinstance(wr.storage_data, ObjectResult):
+                name, size, digest = wr.storage_data
+                records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
+                continue
+            art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
+            for box in wr.storage_data or ():
+                boxes.setdefault(f"{art}/{box.key}", []).append(box)
     sdm = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -199,27 +211,9 @@ def whole_tensor_metadata(metadata: Metadata, layout: ArtifactLayout, checks: di
             md = TensorStorageMetadata(props, md.size, [ChunkStorageMetadata(torch.Size([0] * len(md.size)), md.size)])
         sdm[fqn] = md
     metadata.state_dict_metadata = sdm
-    metadata.storage_data = {MetadataIndex(DESCRIPTION_FQN): layout.description(checks)}
-
-
-def results_of(
-    layout: ArtifactLayout, results: list[list[WriteResult]]
-) -> tuple[list[FileRecord], dict[str, list[list[Any]]]]:
-    """Full mode: the object files' records and every tensor's check units, from all ranks' results."""
-    boxes: dict[str, list[BoxUnits]] = {}
-    records: list[FileRecord] = []
-    with gc_paused():  # thousands of small lists per rank: no collections while they are made
-        for rank, rank_results in enumerate(results):
-            for wr in rank_results:
-                if isinstance(wr.storage_data, ObjectResult):
-                    name, size, digest = wr.storage_data
-                    records.append(FileRecord(name, size, rank, (size,) if size else (), (digest,) if size else ()))
-                    continue
-                art = layout.exprs[wr.index.fqn][0] if wr.index.fqn in layout.exprs else ""
-                for box in wr.storage_data or ():
-                    boxes.setdefault(f"{art}/{box.key}", []).append(box)
-        checks = {key: rows_of(bs) for key, bs in boxes.items()}
-    return records, checks
+    description = layout.description({key: rows_of(bs) for key, bs in boxes.items()})
+    metadata.storage_data = {MetadataIndex(DESCRIPTION_FQN): description}
+    return records
 
 
 def folder_names(fs: Any, path: str) -> set[str]:

@@ -26,6 +26,7 @@ previous batch's blocks while they are written (``_write``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -41,15 +42,13 @@ from smpckpt.storage.full._layout import FullWrite, RankFullData
 
 __all__ = [
     "Exchange",
-    "plan_exchanges",
-    "exchange_group_ok",
-    "moves_cpu_tensors",
-    "rows_of",
-    "place",
-    "piece_of",
     "Block",
     "Swapper",
     "batches",
+    "plan_exchanges",
+    "exchange_group_ok",
+    "moves_cpu_tensors",
+    "global_rank",
     "SWAP_BATCH_BYTES",
 ]
 
@@ -80,11 +79,8 @@ class Exchange:
 
 def exchange_group_ok(process_group: Any, world: int) -> bool:
     """Swaps need a live process group that moves CPU tensors (gloo), with one member per planning rank."""
-    if world < 2 or not (dist.is_available() and dist.is_initialized()):
-        return False
-    if not moves_cpu_tensors(process_group):
-        return False  # rows are written in place instead
-    return bool(dist.get_world_size(process_group) == world)
+    # without one, rows are written in place instead
+    return world >= 2 and moves_cpu_tensors(process_group) and dist.get_world_size(process_group) == world
 
 
 def moves_cpu_tensors(process_group: Any) -> bool:
@@ -171,6 +167,11 @@ def place(block: np.ndarray, block_w: FullWrite, piece: np.ndarray, w: FullWrite
     dst[idx] = piece.reshape(rows, *w.sizes[1:-1], w.sizes[-1] * isz)
 
 
+def global_rank(process_group: Any, rank: int) -> int:
+    """The default group's rank of ``rank`` of ``process_group`` (what ``send``/``recv`` take)."""
+    return dist.get_global_rank(process_group, rank) if process_group is not None else rank
+
+
 _Assembly = tuple[FullWrite, np.ndarray, list[tuple[FullWrite, memoryview]]]
 
 
@@ -180,9 +181,6 @@ class Swapper:
     def __init__(self, rank: int, process_group: Any) -> None:
         self.me = rank
         self.pg = process_group
-
-    def _global(self, r: int) -> int:
-        return dist.get_global_rank(self.pg, r) if self.pg is not None else r
 
     def swap(self, batch: Sequence[Exchange], my_buf: Mapping[FullWrite, memoryview]) -> list[Block]:
         """Send my boxes' rows to the other writers and receive the rows of my blocks, for every swap of
@@ -233,11 +231,11 @@ class Swapper:
                 msg = torch.frombuffer(pieces[0], dtype=torch.uint8)
             else:
                 msg = torch.from_numpy(np.concatenate([np.frombuffer(p, np.uint8) for p in pieces]))
-            pending.append(dist.isend(msg, dst=self._global(peer), group=self.pg))
+            pending.append(dist.isend(msg, dst=global_rank(self.pg, peer), group=self.pg))
         received: dict[int, torch.Tensor] = {}
         for peer in sorted(sizes):
             received[peer] = torch.empty(sizes[peer], dtype=torch.uint8)
-            pending.append(dist.irecv(received[peer], src=self._global(peer), group=self.pg))
+            pending.append(dist.irecv(received[peer], src=global_rank(self.pg, peer), group=self.pg))
         for req in pending:
             req.wait()
         return {peer: t.numpy() for peer, t in received.items()}
@@ -245,13 +243,7 @@ class Swapper:
 
 def batches(exchanges: Sequence[Exchange]) -> list[list[Exchange]]:
     """A rank's swaps grouped by batch (consecutive: they come in the global order)."""
-    out: list[list[Exchange]] = []
-    for e in exchanges:
-        if out and out[-1][0].batch == e.batch:
-            out[-1].append(e)
-        else:
-            out.append([e])
-    return out
+    return [list(group) for _, group in itertools.groupby(exchanges, key=lambda e: e.batch)]
 
 
 @dataclasses.dataclass(frozen=True)

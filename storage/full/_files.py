@@ -19,6 +19,7 @@ import numpy as np
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.full._units import intervals
 
 __all__ = ["RunFiles", "SpanFetcher", "plan_spans", "SPAN_BYTES", "SPAN_WASTE"]
 
@@ -86,16 +87,13 @@ class RunFiles:
                 if fd is None:
                     with translate_errors(path):
                         fd = self.fds[name] = os.open(path, os.O_RDONLY)
-            # adjacent runs merge into one request
-            pos = 0
-            merged = _merge(starts, run)
-            self._count(len(merged))
-            for lo, n in merged:
+            los, his, at = intervals(starts, run)  # adjacent runs merge into one request
+            self._count(len(los))
+            for lo, n, pos in zip(los.tolist(), (his - los).tolist(), at.tolist()):
                 got = os.preadv(fd, [out[pos : pos + n]], lo)
                 if got != n:
                     raise CheckpointCorrupt(f"{path}: truncated ({got} of {n} bytes at offset {lo})")
-                pos += n
-            return pos
+            return len(starts) * run
         # Object stores: a GET costs far more than the bytes between strided runs (a column shard's
         # rows), so runs are fetched in enclosing spans of up to SPAN_BYTES and cut out here.
         groups = _span_groups(starts, run)
@@ -241,13 +239,3 @@ def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
             out.append((a, i))
             a = i
     return out
-
-
-def _merge(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    if len(starts) == 0:
-        return []
-    s = starts.astype(np.int64)
-    breaks = np.nonzero(s[1:] != s[:-1] + run)[0] + 1
-    firsts = np.concatenate([[0], breaks])
-    lasts = np.concatenate([breaks, [len(s)]])
-    return [(int(s[a]), int((b - a) * run)) for a, b in zip(firsts, lasts)]

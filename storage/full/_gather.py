@@ -26,25 +26,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.full import _write
+from smpckpt.storage.full._exchange import global_rank
 from smpckpt.storage.full._layout import FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits
-from smpckpt.storage.full._write import box_buffer, unit_digests, write_objects
 
 __all__ = ["gather_rank"]
 
 
 def gather_rank(
-    folder: str,
-    data: RankFullData,
-    items: Sequence[WriteItem],
-    planner: SavePlanner,
-    *,
-    fs: Any,
-    open_sink: Any,
-    process_group: Any,
-    sync: bool,
+    data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, *, open_sink: Any, process_group: Any
 ) -> list[WriteResult]:
     """(every rank) Send this rank's boxes to the files' owners and stream the files this rank owns."""
     run = _Gather(data, items, planner, process_group)
@@ -71,7 +63,7 @@ def gather_rank(
         for sink in sinks.values():
             sink.abort()
         raise
-    return run.results() + write_objects(folder, data, items, planner, fs, sync)
+    return _write.tensor_results(items, run.done)
 
 
 class _Gather:
@@ -81,28 +73,19 @@ class _Gather:
         self.data, self.planner, self.pg = data, planner, pg
         self.owner = dict(data.owners)
         self.by_index = {it.index: it for it in items}
-        self.items = items
         self.chunks: dict[Any, torch.Tensor] = {}
-        self.units: dict[Any, list[BoxUnits]] = {}
-        self.written: dict[Any, int] = {}
+        self.done: dict[Any, tuple[int, list[BoxUnits]]] = {}  # item -> (bytes, check units) so far
         self.boxes: dict[tuple[str, str], list[tuple[int, FullWrite]]] = {}
         for r, w in data.all_writes:
             self.boxes.setdefault((w.file, w.key), []).append((r, w))
 
-    def _global(self, r: int) -> int:
-        return dist.get_global_rank(self.pg, r) if self.pg is not None else r
-
     def _my_box(self, w: FullWrite) -> memoryview:
         chunk = self.chunks.get(w.item)
         if chunk is None:
-            item = self.by_index[w.item]
-            tensor = self.planner.resolve_data(item)
-            if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
-                raise CheckpointError(f"{w.item.fqn!r}: expected a tensor from the planner")
-            chunk = self.chunks[w.item] = tensor.detach().cpu().reshape(tuple(item.tensor_data.chunk.sizes))
-        buf = box_buffer(chunk, w)
-        self.units.setdefault(w.item, []).append(unit_digests(w, buf, self.data.check_block))
-        self.written[w.item] = self.written.get(w.item, 0) + buf.nbytes
+            chunk = self.chunks[w.item] = _write.chunk_of(self.planner, self.by_index[w.item])
+        buf = _write.box_buffer(chunk, w)
+        nbytes, units = self.done.get(w.item, (0, []))
+        self.done[w.item] = (nbytes + buf.nbytes, [*units, _write.unit_digests(w, buf, self.data.check_block)])
         return buf
 
     def tensor(self, file: str, key: str) -> np.ndarray | None:
@@ -119,30 +102,17 @@ class _Gather:
             if r == me:
                 buf = self._my_box(w)
                 if owner != me:
-                    dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=self._global(owner), group=self.pg)
+                    dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=global_rank(self.pg, owner), group=self.pg)
                     continue
                 got = np.frombuffer(buf, dtype=np.uint8)
             else:
                 recv = torch.empty(math.prod(w.sizes) * w.dtype.itemsize, dtype=torch.uint8)
-                dist.recv(recv, src=self._global(r), group=self.pg)
+                dist.recv(recv, src=global_rank(self.pg, r), group=self.pg)
                 got = recv.numpy()
             if out is None:
                 out = np.zeros(math.prod(w.view) * w.dtype.itemsize, dtype=np.uint8)
             box = tuple(slice(o, o + s) for o, s in zip(w.offsets, w.sizes))
             out.reshape(*w.view, w.dtype.itemsize)[box] = got.reshape(*w.sizes, w.dtype.itemsize)
-        return out
-
-    def results(self) -> list[WriteResult]:
-        out = [
-            WriteResult(index=i, size_in_bytes=self.written.get(i, 0), storage_data=tuple(u))
-            for i, u in self.units.items()
-        ]
-        done = {r.index for r in out}
-        out += [
-            WriteResult(index=it.index, size_in_bytes=0, storage_data=())
-            for it in self.items
-            if it.tensor_data is not None and it.index not in done
-        ]
         return out
 
 

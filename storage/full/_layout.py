@@ -23,11 +23,16 @@ __all__ = [
     "RankFullData",
     "ArtifactFile",
     "ArtifactLayout",
+    "Place",
     "expr_to_json",
     "expr_from_json",
     "file_pieces_from_json",
-    "first_leaf",
+    "leaf_keys",
 ]
+
+
+#: where an artifact tensor is: (artifact, file, start, dtype, shape)
+Place = tuple[str, str, int, torch.dtype, tuple[int, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +87,7 @@ class ArtifactLayout:
     """What the coordinator decided; turned into the stored description in ``finish``."""
 
     files: tuple[ArtifactFile, ...]
-    tensors: Mapping[
-        str, tuple[str, str, int, torch.dtype, tuple[int, ...]]
-    ]  # "art/key" -> (art, file, start, dtype, shape)
+    tensors: Mapping[str, Place]  # "art/key" -> where
     exprs: Mapping[str, tuple[str, Expr]]  # our fqn -> (artifact, expr over that artifact's keys)
     dtypes: Mapping[str, torch.dtype]  # our fqn -> stored dtype (after any cast)
     objects: Mapping[str, str]  # our fqn -> file
@@ -126,11 +129,9 @@ def expr_to_json(expr: Expr) -> Any:
     return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
 
 
-def first_leaf(expr: Expr) -> str:
-    """The key of the first artifact tensor an expression reads."""
-    while not isinstance(expr, Leaf):
-        expr = expr.parts[0]
-    return expr.key
+def leaf_keys(expr: Expr) -> list[str]:
+    """The keys of the artifact tensors an expression reads, in order."""
+    return [expr.key] if isinstance(expr, Leaf) else [k for p in expr.parts for k in leaf_keys(p)]
 
 
 def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:

@@ -14,15 +14,29 @@ written in place, never assembled.
 Integrity: each write is cut into *check units* of about ``check_block`` bytes along its outermost
 dimension; every unit's xxh3 goes into the generation's metadata (itself checksummed by the
 manifest), so a reader verifies exactly the boxes it reads.
+
+Files in ``torch_save`` format are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat
+``{key: tensor}`` dict, made of FakeTensors of the right shapes and dtypes, is saved under
+``torch.serialization.skip_data``, which writes the zip archive with its pickle, record headers and
+directory and leaves a hole where each storage's bytes go. That file is sparse (a few KiB on disk
+whatever the model size) and is read back as the byte pieces around the holes plus each tensor's record
+offset. The result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too: torch aligns
+every record to 64 bytes) with nothing of ours installed. Record CRCs are written as zero, as
+``torch.save`` does under ``torch.serialization.set_crc32_options(False)``; integrity comes from the
+manifest's check units.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -30,18 +44,12 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.model.translation import Expr, Leaf, pieces
-from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, RankFullData
+from smpckpt.storage.format._regions import Box, intersect
+from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData, leaf_keys
 from smpckpt.storage.full._safetensors import encode_header
-from smpckpt.storage.full._torch_zip import torch_layout
-from smpckpt.storage.full.options import FullOptions, parse_size
+from smpckpt.storage.full.options import FullOptions
 
 __all__ = ["plan_artifact"]
-
-
-def _leaf_keys(expr: Expr) -> list[str]:
-    if isinstance(expr, Leaf):
-        return [expr.key]
-    return [k for p in expr.parts for k in _leaf_keys(p)]
 
 
 def _cast(shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
@@ -87,16 +95,11 @@ def plan_artifact(
 
 def _collect(
     plans: Sequence[SavePlan],
-) -> tuple[
-    dict[str, tuple[int, ...]],
-    dict[str, torch.dtype],
-    dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
-    list[tuple[int, MetadataIndex]],
-]:
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], dict[str, list[Box]], list[tuple[int, MetadataIndex]]]:
     """Every tensor's global shape, dtype and chunks, and every object item, from all ranks' plans."""
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
-    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    chunks: dict[str, list[Box]] = {}
     object_items: list[tuple[int, MetadataIndex]] = []
     for rank, plan in enumerate(plans):
         for it in plan.items:
@@ -154,7 +157,7 @@ def _expressions(
                     a_shapes[expr.key] = original
                     expr = Leaf(expr.key, view=shapes[fqn])
             exprs[fqn] = (art, expr)
-            for leaf in _leaf_keys(expr):
+            for leaf in leaf_keys(expr):
                 art_dtypes.setdefault(art, {})[leaf] = _cast(shapes[fqn], dtypes[fqn], opts.dtype)
         art_shapes[art] = a_shapes
 
@@ -167,24 +170,20 @@ def _files(
     max_shard_size: int | str | None,
     world: int,
     file_format: str = "safetensors",
-) -> tuple[list[ArtifactFile], dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]], dict[str, bytes]]:
+) -> tuple[list[ArtifactFile], dict[str, Place], dict[str, bytes]]:
     """Tensors in order, cut into files at ``max_shard_size``; headers, offsets and index files."""
     files: list[ArtifactFile] = []
-    tensors: dict[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]] = {}
+    tensors: dict[str, Place] = {}
     indexes: dict[str, bytes] = {}
     for art in sorted(art_shapes):
-        order = [k for k in art_shapes[art] if k in art_dtypes.get(art, {})]
-        cap = (
-            parse_size(max_shard_size)
-            if max_shard_size is not None
-            else _auto_shard_size(
-                sum(math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize for k in order), world
-            )
-        )
+        dtypes = art_dtypes.get(art, {})
+        nbytes = {k: math.prod(shape) * dtypes[k].itemsize for k, shape in art_shapes[art].items() if k in dtypes}
+        total = sum(nbytes.values())
+        # max_shard_size is bytes already (FullOptions parses it)
+        cap = int(max_shard_size) if max_shard_size is not None else _auto_shard_size(total, world)
         groups: list[list[str]] = [[]]
         size = 0
-        for k in order:
-            n = math.prod(art_shapes[art][k]) * art_dtypes[art][k].itemsize
+        for k, n in nbytes.items():
             if groups[-1] and size + n > cap:
                 groups.append([])
                 size = 0
@@ -197,7 +196,6 @@ def _files(
             else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.{ext}" for i in range(len(groups))]
         )
         weight_map: dict[str, str] = {}
-        total = 0
         for name, keys in zip(names, groups):
             entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
             f = _layout_file(name, art, entries, file_format)
@@ -205,7 +203,6 @@ def _files(
             for (k, dtype, shape), start in zip(entries, f.starts):
                 tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
                 weight_map[k] = name
-                total += math.prod(shape) * dtype.itemsize
         if len(groups) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             indexes[f"{stem}.{ext}.index.json"] = json.dumps(index, indent=2).encode("utf-8")
@@ -221,11 +218,41 @@ def _layout_file(
     name: str, art: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str
 ) -> ArtifactFile:
     if file_format == "torch_save":
-        t = torch_layout(entries)
-        return ArtifactFile(name, art, t.pieces, t.size, tuple(k for k, _, _ in entries), t.starts)
+        return _torch_file(name, art, entries)
     header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
     end = max([e.start + e.nbytes for e in tensors], default=len(header))
     return ArtifactFile(name, art, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
+
+
+def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
+    """The file ``torch.save({key: tensor})`` writes for these ``(key, dtype, shape)`` tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = {key: torch.empty(shape, dtype=dtype) for key, dtype, shape in entries}
+    fd, path = tempfile.mkstemp(prefix="smpckpt-torch-layout-", suffix=".pt")
+    os.close(fd)
+    try:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(fake, path)
+        size = os.path.getsize(path)
+        reader: Any = torch._C.PyTorchFileReader(path)
+        # torch.save numbers storages in pickling order; a dict pickles its values in insertion order
+        starts = [int(reader.get_record_offset(f"data/{i}")) for i in range(len(entries))]
+        del reader
+        holes = sorted((s, s + math.prod(shape) * dtype.itemsize) for s, (_, dtype, shape) in zip(starts, entries))
+        pieces = []
+        with open(path, "rb") as f:
+            pos = 0
+            for lo, hi in holes + [(size, size)]:
+                if lo > pos:
+                    f.seek(pos)
+                    pieces.append((pos, f.read(lo - pos)))
+                pos = max(pos, hi)
+        return ArtifactFile(name, art, tuple(pieces), size, tuple(k for k, _, _ in entries), tuple(starts))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _auto_shard_size(total: int, world: int) -> int:
@@ -243,12 +270,11 @@ def _objects(
     objects: dict[str, str] = {}
     rank_objects: dict[int, list[tuple[MetadataIndex, str]]] = {}
     for n, (rank, index) in enumerate(object_items):
-        stem = index.fqn if _SAFE_OBJECT.match(index.fqn) else f"object-{n:05d}"
-        name = f"{stem}.pt"
-        if name in taken or index.fqn in objects:
-            name = f"object-{n:05d}.pt"
         if index.fqn in objects:
             continue  # the same object from several ranks: the planner dedups; keep the first
+        name = f"{index.fqn}.pt"
+        if not _SAFE_OBJECT.match(index.fqn) or name in taken:
+            name = f"object-{n:05d}.pt"
         taken.add(name)
         objects[index.fqn] = name
         rank_objects.setdefault(rank, []).append((index, name))
@@ -262,7 +288,7 @@ def _rank_writes(
     save_id: str,
     exprs: Mapping[str, tuple[str, Expr]],
     art_shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
-    tensors: Mapping[str, tuple[str, str, int, torch.dtype, tuple[int, ...]]],
+    tensors: Mapping[str, Place],
     rank_objects: Mapping[int, list[tuple[MetadataIndex, str]]],
     files: Sequence[ArtifactFile],
     gather: bool,
@@ -311,9 +337,7 @@ def _rank_writes(
     return out
 
 
-def _check_tiling(
-    shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
-) -> None:
+def _check_tiling(shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[Box]]) -> None:
     """Every tensor's chunks cover it exactly once: a hole would be zeros in the artifact, silently."""
     for fqn, shape in shapes.items():
         boxes = chunks[fqn]
@@ -326,9 +350,5 @@ def _check_tiling(
         if len(boxes) <= 64:
             for i in range(len(boxes)):
                 for j in range(i + 1, len(boxes)):
-                    if _overlap(boxes[i], boxes[j]):
+                    if intersect(boxes[i], boxes[j]) is not None:
                         raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
-
-
-def _overlap(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    return all(x < y + t and y < x + s for x, s, y, t in zip(a[0], a[1], b[0], b[1])) and math.prod(a[1]) > 0

@@ -11,11 +11,10 @@ tensors are comes from :class:`~._source.ArtifactIndex`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import io
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,13 +33,7 @@ from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
 from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
 
-__all__ = ["FullSource", "FileStats"]
-
-
-@dataclasses.dataclass
-class FileStats:
-    bytes_read: int = 0
-    bytes_needed: int = 0
+__all__ = ["FullSource"]
 
 
 class FullSource(ArtifactIndex):
@@ -51,20 +44,20 @@ class FullSource(ArtifactIndex):
         self.verify = verify
         self.allow_pickle = allow_pickle
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
-        self.file_stats: dict[str, FileStats] = {}
+        self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
         self.requests = 0
         self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
         self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
 
     # -- reading ------------------------------------------------------------------------------------
-    def read(self, plan: LoadPlan, planner: LoadPlanner) -> tuple[int, int]:
-        """Every item of ``plan`` into ``planner``; returns ``(bytes_needed, bytes_read)``.
+    def read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Every item of ``plan`` into ``planner``; the bytes it needed and read go to ``file_stats``.
 
         The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
         worker threads (at most twice that many items in flight), so hashing overlaps the next read. On
         object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
         (:func:`~._files.plan_spans`; items in file order), several GETs in flight."""
-        self.requests = 0
+        self.requests, self.file_stats = 0, {}
         items = list(plan.items)
         with (
             RunFiles(self.fs, self.path) as files,
@@ -85,18 +78,16 @@ class FullSource(ArtifactIndex):
                     item_spans = [item_spans[i] for i in order]
             pending: dict[concurrent.futures.Future[None], tuple[ReadItem, torch.Tensor, tuple[int, ...]]] = {}
 
-            def finish(done: Iterable[concurrent.futures.Future[None]]) -> None:
-                for f in done:
+            def make_room() -> bool:
+                """Finish the items done first (spans released, tensors committed); ``False``: none pending."""
+                if not pending:
+                    return False
+                for f in concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0]:
                     req, target, used = pending.pop(f)
                     f.result()
                     if spans is not None:
                         spans.release(used)
                     planner.commit_tensor(req, target)
-
-            def make_room() -> bool:
-                if not pending:
-                    return False
-                finish(concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")[0])
                 return True
 
             try:
@@ -119,13 +110,8 @@ class FullSource(ArtifactIndex):
                 if spans is not None:
                     spans.close()
             self.requests = files.requests
-        with self._lock:
-            return (
-                sum(st.bytes_needed for st in self.file_stats.values()),
-                sum(st.bytes_read for st in self.file_stats.values()),
-            )
 
-    def _read_object(self, req: ReadItem, planner: LoadPlanner) -> int:
+    def _read_object(self, req: ReadItem, planner: LoadPlanner) -> None:
         fqn = req.storage_index.fqn
         name = self.objects.get(fqn)
         if name is None:
@@ -145,7 +131,6 @@ class FullSource(ArtifactIndex):
             check_weights_only(data, where=f"{path} (key {fqn!r})")
         planner.load_bytes(req, io.BytesIO(data))
         self._stat(name, len(data), len(data))
-        return len(data)
 
     def _boxes(self, req: ReadItem) -> list[tuple[str, StoredTensor, Piece]]:
         """The artifact boxes that make up ``req``: ``(artifact key, its tensor, piece)``."""
@@ -242,32 +227,26 @@ class FullSource(ArtifactIndex):
                 f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
                 f"{list(next(iter(other)))}"
             )
-        read = 0
         whole = units.whole_inside(offsets, sizes)
+        touched = units.touched(offsets, sizes) if whole is None else []
+        read = 0
+        if not prefetched and not self._files.local:
+            read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
+        covered = 0
         if whole is not None:
             # a box holding every unit it touches whole (any box read at the layout it was saved
             # in, column shards too): read its runs once into ``out`` and check each unit where it
             # lies there (no scratch buffer, no copy)
-            if not prefetched and not self._files.local:
-                read = self._hold_units(t, view, offsets, sizes, [])
             read += self._files.read_runs(t.file, t.start + starts, run, out)
             bad = whole.first_mismatch(whole.digests(out, sizes, itemsize))
             if bad is not None:
                 raise self._mismatch(t, key, bad)
             covered = whole.volume()
-            touched = []
-        else:
-            touched = units.touched(offsets, sizes)
-            if not prefetched and not self._files.local:
-                read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
-            covered = 0
         dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
         for u, box in touched:
             # every unit the box touches is read whole and checked; its overlap is copied out
-            ubytes = bytearray(math.prod(u.sizes) * itemsize)
-            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            read += self._files.read_runs(t.file, t.start + ustarts, urun, memoryview(ubytes))
-            self._check_unit(t, key, u, hash_bytes(ubytes))
+            ubytes, fetched = self._unit_bytes(t, key, u)
+            read += fetched
             src = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
             s_sub, d_sub = src, dst_t
             for d, (lo, n) in enumerate(zip(box[0], box[1])):
@@ -303,11 +282,11 @@ class FullSource(ArtifactIndex):
         else:
             read += self._files.read_runs(t.file, t.start + starts, run, out)
         for u, parts in plan.inside:
-            self._check_unit(t, key, u, hash_parts(out[a : a + n] for a, n in parts))
-        for u, ustarts, urun, copies in plan.partial:
-            ubytes = memoryview(bytearray(len(ustarts) * urun))
-            read += self._files.read_runs(t.file, t.start + ustarts, urun, ubytes)
-            self._check_unit(t, key, u, hash_bytes(ubytes))
+            if hash_parts(out[a : a + n] for a, n in parts) != u.digest:
+                raise self._mismatch(t, key, u)
+        for u, _, _, copies in plan.partial:
+            ubytes, fetched = self._unit_bytes(t, key, u)
+            read += fetched
             for src, dst, n in copies:
                 out[dst : dst + n] = ubytes[src : src + n]
         if plan.covered != len(starts) * run:
@@ -315,9 +294,12 @@ class FullSource(ArtifactIndex):
         self._stat(t.file, len(starts) * run, read)
         return out
 
-    def _check_unit(self, t: StoredTensor, key: str, u: Unit, digest: int) -> None:
-        if digest != u.digest:
+    def _unit_bytes(self, t: StoredTensor, key: str, u: Unit) -> tuple[memoryview, int]:
+        """A check unit's bytes, read whole and verified, and the bytes fetched for them."""
+        ubytes, fetched = _read_unit(self._files, t, u)
+        if hash_bytes(ubytes) != u.digest:
             raise self._mismatch(t, key, u)
+        return ubytes, fetched
 
     def _uncovered(self, t: StoredTensor, key: str) -> CheckpointCorrupt:
         return CheckpointCorrupt(
@@ -347,9 +329,9 @@ class FullSource(ArtifactIndex):
 
     def _stat(self, name: str, needed: int, read: int) -> None:
         with self._lock:
-            st = self.file_stats.setdefault(name, FileStats())
-            st.bytes_needed += needed
-            st.bytes_read += read
+            st = self.file_stats.setdefault(name, [0, 0])
+            st[0] += needed
+            st[1] += read
 
     def verify_all(self) -> list[str]:
         """(``smpckpt verify``) Read every header and check unit; the problems found."""
@@ -365,14 +347,18 @@ class FullSource(ArtifactIndex):
             for key, index in self.units.items():
                 t = self.tensors[key]
                 for u in index.units:
-                    ubytes = bytearray(math.prod(u.sizes) * t.dtype.itemsize)
-                    starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
-                    files.read_runs(t.file, t.start + starts, run, memoryview(ubytes))
-                    if hash_bytes(ubytes) != u.digest:
+                    if hash_bytes(_read_unit(files, t, u)[0]) != u.digest:
                         problems.append(
                             f"{join(self.path, t.file)}: checksum mismatch in {key.split('/', 1)[1]!r} at {list(u.offsets)}"
                         )
         return problems
+
+
+def _read_unit(files: RunFiles, t: StoredTensor, u: Unit) -> tuple[memoryview, int]:
+    """A check unit's bytes (row-major), and the bytes fetched for them."""
+    starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
+    ubytes = memoryview(bytearray(len(starts) * run))
+    return ubytes, files.read_runs(t.file, t.start + starts, run, ubytes)
 
 
 #: worker threads of a full read (reads and checks of different tensors overlap)

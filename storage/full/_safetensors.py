@@ -19,42 +19,17 @@ import torch
 
 from smpckpt.errors import CheckpointCorrupt
 
-__all__ = ["DTYPE_NAMES", "dtype_of", "name_of", "HeaderEntry", "encode_header", "parse_header", "MAX_HEADER"]
+__all__ = ["DTYPE_NAMES", "HeaderEntry", "encode_header", "parse_header", "MAX_HEADER"]
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
     torch.uint64: "U64",
-}
+}  # fmt: skip
 _BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 #: The reference reader refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER = 100_000_000
-
-
-def name_of(dtype: torch.dtype, *, key: str = "") -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"tensor {key!r}: dtype {dtype} has no safetensors equivalent") from None
-
-
-def dtype_of(name: str, *, where: str) -> torch.dtype:
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise CheckpointCorrupt(f"{where}: unknown safetensors dtype {name!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +55,10 @@ def encode_header(
     spans = []
     for key, dtype, shape in tensors:
         nbytes = math.prod(shape) * dtype.itemsize
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {key!r}: dtype {dtype} has no safetensors equivalent")
         obj[key] = {
-            "dtype": name_of(dtype, key=key),
+            "dtype": DTYPE_NAMES[dtype],
             "shape": [int(s) for s in shape],
             "data_offsets": [pos, pos + nbytes],
         }
@@ -119,11 +96,13 @@ def parse_header(head: bytes, file_size: int | None, *, where: str) -> tuple[lis
     entries = []
     for key, spec in obj.items():
         try:
-            dtype = dtype_of(spec["dtype"], where=f"{where} (tensor {key!r})")
+            dtype = _BY_NAME.get(spec["dtype"])
             shape = tuple(int(s) for s in spec["shape"])
             begin, end = (int(x) for x in spec["data_offsets"])
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CheckpointCorrupt(f"{where}: malformed header entry for tensor {key!r}: {exc}") from exc
+        if dtype is None:
+            raise CheckpointCorrupt(f"{where} (tensor {key!r}): unknown safetensors dtype {spec['dtype']!r}")
         nbytes = math.prod(shape) * dtype.itemsize
         if any(s < 0 for s in shape) or begin < 0 or end - begin != nbytes:
             raise CheckpointCorrupt(

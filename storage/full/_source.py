@@ -6,14 +6,23 @@ manifest) and a plain Hugging Face folder (``model.safetensors`` or an index and
 *unverified*, like a stock DCP checkpoint). Both become an :class:`ArtifactIndex` and a DCP ``Metadata``
 with one chunk per tensor, so any load planner reshards from them into any TP x PP x DP layout; the
 reads themselves are ``_read``'s.
+
+A Hugging Face folder's tied heads: ``save_pretrained`` leaves out a key that is another key's tensor
+(``lm_head.weight`` is ``transformer.wte.weight`` in GPT-2). A model that holds the head apart (a
+pipeline's last stage; a TP layout built by hand) needs its values from the embedding's bytes; a model
+that ties them in memory loads the embedding once either way (:class:`~smpckpt.planners.ParallelLoadPlanner`).
+Which keys are tied comes from the translation the load uses, else from the folder's ``config.json`` (its
+``model_type`` names a family of :mod:`smpckpt.hf`); a config that says ``"tie_word_embeddings": false``
+ties nothing (:func:`hf_folder_ties`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,20 +43,18 @@ from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.full._hf_ties import hf_folder_ties
-from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, first_leaf
-from smpckpt.storage.full._safetensors import header_length, parse_header
+from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
+from smpckpt.storage.full._safetensors import DTYPE_NAMES, header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex
 
-__all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "HF_INDEX", "HF_SINGLE"]
+__all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "hf_folder_ties", "HF_INDEX", "HF_SINGLE"]
+
+log = logging.getLogger(__name__)
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-)}  # fmt: skip
+_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}  # the description names dtypes as torch does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +94,29 @@ class ArtifactIndex:
         self.headers: dict[str, list[tuple[int, int, int]]] = {}  # file -> its non-tensor byte ranges
 
     # -- metadata ---------------------------------------------------------------------------------
-    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> Metadata:
+    def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> None:
         """A committed full artifact: the description stored with its metadata."""
         raw = (metadata.storage_data or {}).get(MetadataIndex(DESCRIPTION_FQN))
         if not isinstance(raw, str):
             raise CheckpointCorrupt(f"{self.url}: full checkpoint metadata has no artifact description")
         try:
-            with gc_paused():
-                self._describe(raw, records)
+            with gc_paused():  # parse the description: tensors, expressions, objects, check units
+                desc = json.loads(raw)
+                for key, t in desc["tensors"].items():
+                    name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
+                    if name not in records:
+                        raise CheckpointCorrupt(
+                            f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list"
+                        )
+                    self.tensors[key] = StoredTensor(
+                        name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
+                    )
+                for fqn, e in desc["exprs"].items():
+                    self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
+                self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
+                for key, units in desc["checks"].items():
+                    self.units[key] = UnitIndex.from_rows(units)
+                self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
         except CheckpointCorrupt:
             raise
         except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as exc:
@@ -104,24 +126,6 @@ class ArtifactIndex:
             rec = records[t.file]
             if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
                 raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
-        return metadata
-
-    def _describe(self, raw: str, records: Mapping[str, FileRecord]) -> None:
-        """Parse the description (tensors, expressions, objects, check units) into this source."""
-        desc = json.loads(raw)
-        for key, t in desc["tensors"].items():
-            name = check_member_name(t["file"], where=f"{self.url} (tensor {key!r})")
-            if name not in records:
-                raise CheckpointCorrupt(f"{self.url}: tensor {key!r} lives in {name}, which the manifest does not list")
-            self.tensors[key] = StoredTensor(
-                name, int(t["start"]), _DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
-            )
-        for fqn, e in desc["exprs"].items():
-            self.exprs[fqn] = (str(e["artifact"]), expr_from_json(e["expr"]))
-        self.objects = {str(k): check_member_name(v, where=self.url) for k, v in desc["objects"].items()}
-        for key, units in desc["checks"].items():
-            self.units[key] = UnitIndex.from_rows(units)
-        self.headers = {n: file_pieces_from_json(f) for n, f in desc["files"].items()}
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
         """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
@@ -150,7 +154,7 @@ class ArtifactIndex:
         for key, (expr, shape) in ours.items():
             fqn = prefix + key
             self.exprs[fqn] = ("model", expr)
-            dtype = self.tensors[f"model/{first_leaf(expr)}"].dtype
+            dtype = self.tensors[f"model/{leaf_keys(expr)[0]}"].dtype
             tsize = torch.Size(shape)
             sdm[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
@@ -158,3 +162,37 @@ class ArtifactIndex:
         ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
         tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
         return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
+
+
+#: a config.json larger than this is not read for its ties (real ones are a few KiB)
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def _config(fs: Any, path: str) -> dict[str, Any]:
+    where = join(path, "config.json")
+    try:
+        raw = bytes(fs.cat_file(where, start=0, end=_MAX_CONFIG_BYTES + 1))
+        if len(raw) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"over {_MAX_CONFIG_BYTES} bytes")
+        found = json.loads(raw)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        log.info("%s: not read for tied weights (%s)", where, exc)
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def hf_folder_ties(fs: Any, path: str, keys: Iterable[str], translation: Translation | None) -> dict[str, str]:
+    """Head -> embedding key for each tied head the folder's tensors (``keys``) lack but whose
+    embedding they hold; keys as the artifact names them (tied keys are never renamed)."""
+    config = _config(fs, path)
+    if config.get("tie_word_embeddings") is False:
+        return {}
+    if translation is None:
+        from smpckpt.hf import TRANSLATIONS  # lazily: only folders with a config of a known family
+
+        translation = TRANSLATIONS.get(str(config.get("model_type")))
+        if translation is None:
+            return {}
+    return translation.missing_ties(keys)

@@ -8,7 +8,6 @@ bytes it touches are the box's runs and those units' runs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,17 +19,7 @@ from smpckpt.storage.format._ranges import c_strides
 from smpckpt.storage.format._regions import Box, box_runs, intersect
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 
-__all__ = [
-    "rows_of",
-    "Unit",
-    "BoxUnits",
-    "UnitIndex",
-    "WholeUnits",
-    "CrossView",
-    "cross_view",
-    "unit_extent",
-    "bytes_of",
-]
+__all__ = ["Unit", "BoxUnits", "UnitIndex", "rows_of", "cross_view", "intervals", "unit_extent", "bytes_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,17 +120,31 @@ class UnitIndex:
 
     def __init__(self, units: Sequence[Unit]) -> None:
         units = list(units)
+        views = {u.view for u in units}
+        digests = [u.digest for u in units]
+        if len(views) == 1:
+            self._uniform(views.pop(), [u.offsets for u in units], [u.sizes for u in units], digests)
+            return
         #: the views the units are checked in (one, unless the description is odd)
-        self.views = frozenset(u.view for u in units)
+        self.views = frozenset(views)
         #: the view every unit is checked in, or ``None`` when they differ (then boxes are matched
         #: one unit at a time, and a read in either view reports the mismatch)
-        self.view: tuple[int, ...] | None = next(iter(self.views)) if len(self.views) == 1 else None
-        self._mixed: list[Unit] = [] if self.view is not None else units
-        if self.view is not None:
-            shape = (len(units), len(self.view))
-            self._lo = np.array([u.offsets for u in units], dtype=np.int64).reshape(shape)
-            self._hi = self._lo + np.array([u.sizes for u in units], dtype=np.int64).reshape(shape)
-        self._digests = [u.digest for u in units]
+        self.view: tuple[int, ...] | None = None
+        self._mixed: list[Unit] = units
+        self._digests = digests
+
+    def _uniform(self, view: tuple[int, ...], offsets: Sequence[Any], sizes: Sequence[Any], digests: list[int]) -> None:
+        """Units all checked in ``view``, kept as arrays; offsets or sizes of another length raise ``ValueError``."""
+        self.views, self.view, self._mixed, self._digests = frozenset([view]), view, [], digests
+        shape = (len(digests), len(view))
+        wrong = f"check units of {len(view)}-dim view {list(view)} have other offsets or sizes"
+        try:
+            lo, sz = np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64)
+        except ValueError as exc:  # ragged rows
+            raise ValueError(wrong) from exc
+        if lo.shape != shape or sz.shape != shape:
+            raise ValueError(wrong)
+        self._lo, self._hi = lo, lo + sz
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[Any]]) -> UnitIndex:
@@ -149,32 +152,10 @@ class UnitIndex:
         row raises ``ValueError``, ``TypeError``, ``IndexError`` or ``OverflowError``."""
         views = {tuple(int(x) for x in r[0]) for r in rows}
         if len(views) != 1:
-            return cls(
-                [
-                    Unit(
-                        tuple(int(x) for x in r[0]),
-                        tuple(int(x) for x in r[1]),
-                        tuple(int(x) for x in r[2]),
-                        int(r[3], 16),
-                    )
-                    for r in rows
-                ]
-            )
+            ints = [[tuple(int(x) for x in r[i]) for i in range(3)] for r in rows]
+            return cls([Unit(v, o, s, int(r[3], 16)) for (v, o, s), r in zip(ints, rows)])
         index = cls.__new__(cls)
-        index.views = frozenset(views)
-        index.view = next(iter(views))
-        index._mixed = []
-        shape = (len(rows), len(index.view))
-        wrong = f"check units of {len(index.view)}-dim view {list(index.view)} have other offsets or sizes"
-        try:
-            lo = np.array([r[1] for r in rows], dtype=np.int64)
-            sizes = np.array([r[2] for r in rows], dtype=np.int64)
-        except ValueError as exc:  # ragged rows
-            raise ValueError(wrong) from exc
-        if lo.shape != shape or sizes.shape != shape:
-            raise ValueError(wrong)
-        index._lo, index._hi = lo, lo + sizes
-        index._digests = [int(r[3], 16) for r in rows]
+        index._uniform(views.pop(), [r[1] for r in rows], [r[2] for r in rows], [int(r[3], 16) for r in rows])
         return index
 
     def __len__(self) -> int:
@@ -296,18 +277,25 @@ class CrossView:
     extent: tuple[int, int]
 
 
+def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of ``run`` bytes at ``starts`` (ascending) as maximal contiguous intervals ``[lo, hi)``, with
+    the position of each interval's first byte among the runs' bytes back to back."""
+    s = np.asarray(starts, dtype=np.int64)
+    if not len(s):
+        return s, s, s
+    breaks = np.flatnonzero(s[1:] != s[:-1] + run) + 1
+    firsts = np.concatenate([[0], breaks]).astype(np.int64)
+    lasts = np.concatenate([breaks, [len(s)]]).astype(np.int64)
+    return s[firsts], s[lasts - 1] + run, firsts * run
+
+
 def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) -> CrossView:
     """Match the requested runs (``run`` bytes at each of ``starts``, ascending, relative to the
     tensor's first byte) against the units of ``index`` (one view, the tensor's bytes) byte by byte."""
     if index.view is None:
         raise ValueError("units in several views")
     view = index.view
-    # the requested bytes as maximal intervals, with where each starts in ``out``
-    s = np.asarray(starts, dtype=np.int64)
-    breaks = np.flatnonzero(s[1:] != s[:-1] + run) + 1
-    firsts = np.concatenate([[0], breaks]).astype(np.int64)
-    lasts = np.concatenate([breaks, [len(s)]]).astype(np.int64)
-    lo, hi, pos = s[firsts], s[lasts - 1] + run, firsts * run
+    lo, hi, pos = intervals(starts, run)  # the requested bytes, and where each interval starts in ``out``
     strides = np.asarray(c_strides(view), dtype=np.int64)
     # candidates: units whose byte extent meets a requested interval
     first = (index._lo * strides).sum(axis=1) * itemsize
@@ -360,18 +348,15 @@ def unit_extent(
     view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[Unit]
 ) -> tuple[int, int] | None:
     """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
-    the box's runs and the whole check units it overlaps (they are read whole to be verified)."""
+    the box's runs and the whole check units it overlaps, ``units`` (:meth:`UnitIndex.touched`'s, in
+    ``view``: they are read whole to be verified)."""
     starts, run = box_runs(view, offsets, sizes, itemsize)
     if not len(starts):
         return None
     lo, hi = int(starts[0]), int(starts[-1]) + run
     for u in units:
-        if u.view == view and (box := intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) is not None:
-            if math.prod(box[1]) == 0:
-                continue
-            ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
-            if len(ustarts):
-                lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
+        ustarts, urun = box_runs(u.view, u.offsets, u.sizes, itemsize)
+        lo, hi = min(lo, int(ustarts[0])), max(hi, int(ustarts[-1]) + urun)
     return lo, hi
 
 

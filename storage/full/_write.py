@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -65,11 +65,19 @@ def create_files(folder: str, files: Sequence[ArtifactFile], *, sync: bool) -> N
             os.close(fd)
 
 
-def _inverse(perm: Sequence[int]) -> list[int]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return inv
+def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    tensor = planner.resolve_data(item)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{item.index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
+    return tensor
+
+
+def chunk_of(planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The item's tensor (``tensor``: resolved already), detached, on the CPU, in global-view
+    coordinates (its chunk's shape)."""
+    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach().cpu()
+    td = item.tensor_data
+    return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk
 
 
 def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
@@ -79,18 +87,14 @@ def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
     for d, (o, n) in enumerate(zip(w.dest_offsets, dest_sizes)):
         if o or n != sub.shape[d]:
             sub = sub.narrow(d, o, n)
-    box = sub.permute(_inverse(w.perm)) if list(w.perm) != sorted(w.perm) else sub
+    inverse = sorted(range(len(w.perm)), key=w.perm.__getitem__)  # permute(inverse) undoes permute(perm)
+    box = sub.permute(inverse) if list(w.perm) != sorted(w.perm) else sub
     if box.dtype != w.dtype:
         box = box.to(w.dtype)
     mv = cpu_bytes(box.contiguous())
     if mv is None:
         raise TypeError(f"{w.key!r}: cannot take the bytes of a {box.dtype} box of shape {list(box.shape)}")
     return mv
-
-
-def _write_box(fd: int, w: FullWrite, buf: memoryview, check_block: int) -> BoxUnits:
-    _put(fd, w, buf)
-    return unit_digests(w, buf, check_block)
 
 
 def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
@@ -193,10 +197,9 @@ def write_rank(
     *,
     sync: bool,
     thread_count: int,
-    fs: Any,
     process_group: Any = None,
 ) -> list[WriteResult]:
-    """(every rank) Write this rank's boxes, row-block swaps and objects; durable when it returns.
+    """(every rank) Write this rank's boxes and row-block swaps; durable when it returns.
 
     Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
     staggered file order, so no two threads of a rank share a file and at most ``files / world``
@@ -206,7 +209,7 @@ def write_rank(
         results = w.run(thread_count, process_group)
         if sync:
             _flush(w.fds, list(data.writes) + w.blocks)
-    return results + write_objects(folder, data, items, planner, fs, sync)
+    return results
 
 
 class _RankWriter:
@@ -256,28 +259,16 @@ class _RankWriter:
             n, us = self.done.get(index, (0, []))
             self.done[index] = (n + nbytes, us + units)
 
-    def _tensor(self, index: Any) -> torch.Tensor:
-        tensor = self.planner.resolve_data(self.item_of[index])
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
-        return tensor
-
-    def _chunk(self, index: Any, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        chunk = (tensor if tensor is not None else self._tensor(index)).detach()
-        if chunk.device.type != "cpu":
-            chunk = chunk.cpu()
-        td = self.item_of[index].tensor_data
-        return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk  # global-view coordinates
-
     def _write_item(self, item: WriteItem) -> None:
         writes = self.by_item[item.index]
-        t = self._tensor(item.index)
+        t = resolved_tensor(self.planner, item)
         copies = t.device.type != "cpu" or any(w.dtype != t.dtype or list(w.perm) != sorted(w.perm) for w in writes)
         with self.copying if copies else contextlib.nullcontext():
-            chunk = self._chunk(item.index, t)  # the planner resolves each item once
+            chunk = chunk_of(self.planner, item, t)  # the planner resolves each item once
             for w in writes:
                 buf = box_buffer(chunk, w)
-                self._record(item.index, buf.nbytes, [_write_box(self.fds[w.file], w, buf, self.data.check_block)])
+                _put(self.fds[w.file], w, buf)
+                self._record(item.index, buf.nbytes, [unit_digests(w, buf, self.data.check_block)])
 
     def _write_file(self, name: str) -> None:
         for it in self.per_file[name]:
@@ -294,7 +285,7 @@ class _RankWriter:
             try:
                 for batch in batches(self.data.exchanges):
                     mine = [w for e in batch for r, w in e.boxes if r == self.data.rank]
-                    bufs = {w: box_buffer(self._chunk(w.item), w) for w in mine}
+                    bufs = {w: box_buffer(chunk_of(self.planner, self.item_of[w.item]), w) for w in mine}
                     got = swapper.swap(batch, bufs)
                     del bufs
                     for w in mine:
@@ -333,12 +324,18 @@ class _RankWriter:
                 f.result()
             if swaps is not None:
                 swaps.result()
-        results = []
-        for it in self.items:
-            if it.tensor_data is not None:  # items with no box (empty shards) report too: DCP checks every item
-                nbytes, units = self.done.get(it.index, (0, []))
-                results.append(WriteResult(index=it.index, size_in_bytes=nbytes, storage_data=tuple(units)))
-        return results
+        return tensor_results(self.items, self.done)
+
+
+def tensor_results(items: Sequence[WriteItem], done: Mapping[Any, tuple[int, list[BoxUnits]]]) -> list[WriteResult]:
+    """A result per tensor item: its bytes written and its boxes' check units (``done``, by item index).
+    Items with no box (empty shards) report too: DCP checks every item."""
+    results = []
+    for it in items:
+        if it.tensor_data is not None:
+            nbytes, units = done.get(it.index, (0, []))
+            results.append(WriteResult(index=it.index, size_in_bytes=nbytes, storage_data=tuple(units)))
+    return results
 
 
 def _note(exc: BaseException, text: str) -> None:

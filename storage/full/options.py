@@ -135,10 +135,7 @@ class FullOptions:
 
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""
-        best = None
-        for prefix, name in self.artifacts.items():
-            if fqn.startswith(prefix) and (best is None or len(prefix) > len(best[0])):
-                best = (prefix, name)
-        if best is None:
-            return None
-        return best[1], fqn[len(best[0]) :]
+        # the longest matching prefix (two matching prefixes of one length are the same prefix)
+        matches = [(len(prefix), name) for prefix, name in self.artifacts.items() if fqn.startswith(prefix)]
+        n, name = max(matches, default=(0, None))
+        return None if name is None else (name, fqn[n:])

@@ -124,9 +124,9 @@ class FullArtifactReader(ReaderBase):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         if self.source is None:
             raise CheckpointError("read_data() called before read_metadata()")
-        self.source.file_stats = {}
-        needed, read = self.source.read(plan, planner)
-        per_file = {n: (st.bytes_needed, st.bytes_read) for n, st in self.source.file_stats.items()}
+        self.source.read(plan, planner)
+        per_file = {n: (needed, read) for n, (needed, read) in self.source.file_stats.items()}
+        needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
         self.last_read_stats = ReadStats(needed, read, self.source.requests, len(plan.items), per_file)
 
     def _hf_files(self) -> list[str] | None:

@@ -8,8 +8,7 @@ from every rank's shards. Beside ``FsspecStorageWriter`` (partial checkpoints) a
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -21,18 +20,19 @@ from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.full._commit import (
     artifact_records,
     begin_full_save,
-    clear_for_full_save,
     commit_full,
-    results_of,
     whole_tensor_metadata,
 )
 from smpckpt.storage.full._gather import gather_rank
 from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
 from smpckpt.storage.full._marker import MarkerRefresher
-from smpckpt.storage.full._write import write_rank
+from smpckpt.storage.full._write import write_objects, write_rank
 from smpckpt.storage.full.options import FullOptions
-from smpckpt.storage.write._base import FsspecWriterBase
+from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._failed_save import folder_is_new
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FullArtifactWriter"]
 
@@ -74,31 +74,12 @@ class FullArtifactWriter(FsspecWriterBase):
     _KIND = "full"
 
     def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        full: FullOptions | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        sync_files: bool = True,
-        thread_count: int | None = None,
-        part_size: int = 32 << 20,
-        max_parts_in_flight: int = 4,
-        manifest_extra: Mapping[str, Any] | None = None,
-        process_group: Any = None,
+        self, path: str | os.PathLike[str], *, full: FullOptions | None = None, **options: Unpack[WriterOptions]
     ) -> None:
         if full is not None and not isinstance(full, FullOptions):
             raise TypeError(f"full must be a FullOptions, got {type(full).__name__}")
         self.full = full if full is not None else FullOptions()
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            sync_files=sync_files,
-            thread_count=thread_count,
-            part_size=part_size,
-            max_parts_in_flight=max_parts_in_flight,
-            manifest_extra=manifest_extra,
-            process_group=process_group,
-        )
+        super().__init__(path, **options)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         if getattr(self, "_marker", None) is not None:  # reset() without the last save's discard
@@ -116,7 +97,6 @@ class FullArtifactWriter(FsspecWriterBase):
                 "ParallelSavePlanner(..., cache_scope='local') (the next save with this planner plans afresh)"
             )
         new_folder = folder_is_new(self.fs, self.path)
-        clear_for_full_save(self.fs, self.path, self.url)
         self._save_id = save_id = _names.new_save_id()
         out, layout = begin_full_save(
             self.fs, self.path, self.url, plans, self.full, save_id, self.process_group, sync=self.sync_files
@@ -133,9 +113,7 @@ class FullArtifactWriter(FsspecWriterBase):
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
         records = artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
         with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
-            objects, checks = results_of(layout, _wire.open_results(results))
-            whole_tensor_metadata(metadata, layout, checks)
-            del checks
+            objects = whole_tensor_metadata(metadata, layout, _wire.open_results(results))
         files = sorted(records + objects, key=lambda f: f.name)
         manifest, _ = self._manifest(save_id, metadata, files, len(results), "raw")
         self._stop_marker()  # before the commit removes the marker: a late rewrite would bring it back
@@ -158,16 +136,9 @@ class FullArtifactWriter(FsspecWriterBase):
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         data = self._plan_data(plan, RankFullData)
-        if data.files:  # object stores: each file streamed by its owner rank
+        if data.files:  # object stores: each file streamed by its owner rank (the sinks borrow: see _open_sink)
             written = gather_rank(
-                self.path,
-                data,
-                plan.items,
-                planner,
-                fs=self.fs,
-                open_sink=self._open_sink,  # borrows: see _open_sink and _gather
-                process_group=self.process_group,
-                sync=self.sync_files,
+                data, plan.items, planner, open_sink=self._open_sink, process_group=self.process_group
             )
         else:  # POSIX: every rank at its offsets
             written = write_rank(
@@ -177,8 +148,8 @@ class FullArtifactWriter(FsspecWriterBase):
                 planner,
                 sync=self.sync_files,
                 thread_count=self.thread_count,
-                fs=self.fs,
                 process_group=self.process_group,
             )
+        written += write_objects(self.path, data, plan.items, planner, self.fs, self.sync_files)
         self._used_save_ids.add(data.save_id)
         return written

@@ -10,7 +10,7 @@ import logging
 import os
 import pickle
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -31,7 +31,7 @@ from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord, extra_with_layout_record
 from smpckpt.storage.write._failed_save import FailedSaveFiles, commit_uncertain
 
-__all__ = ["FsspecWriterBase", "MIN_PART_SIZE"]
+__all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions"]
 
 #: S3's smallest multipart part (every part but the last)
 MIN_PART_SIZE = 5 << 20
@@ -47,6 +47,18 @@ class _PlanData(Protocol):
 _Data = TypeVar("_Data", bound=_PlanData)
 
 
+class WriterOptions(TypedDict, total=False):
+    """The options both writers take (as ``**options``), handed on to :class:`FsspecWriterBase`."""
+
+    storage_options: Mapping[str, Any] | None
+    sync_files: bool
+    thread_count: int | None
+    part_size: int
+    max_parts_in_flight: int
+    manifest_extra: Mapping[str, Any] | None
+    process_group: Any
+
+
 class FsspecWriterBase(FsspecLocation, StorageWriter):
     """The shared half of both writers: the location, the options both take, the steps of ``dcp.save``
     that do not depend on the product, the metadata and manifest, data file sinks and the removal of a
@@ -56,8 +68,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
     ``storage_meta`` (all: starts the record of this rank's files), ``set_up_storage_writer`` (all),
     ``prepare_local_plan`` (all: no I/O), ``write_data`` (all: the subclass's ``_write_rank``), and
     ``discard_failed_save`` (all, after ``dcp.save`` raised; the API calls it). The coordinator's
-    ``finish`` builds its manifest with :meth:`_metadata_bytes`, :meth:`_write_generation_metadata`
-    and :meth:`_manifest`.
+    ``finish`` builds its manifest with :meth:`_manifest` (the metadata from :meth:`_metadata_bytes`).
 
     Args:
         path: folder or URL (``/data/ckpt``, ``file://...``, ``s3://bucket/ckpt``, ``memory://ckpt``).
@@ -193,13 +204,6 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             _wire.lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
         return md_bytes, extra
 
-    def _write_generation_metadata(self, save_id: str, md_bytes: bytes) -> MetadataRecord:
-        """(coordinator) The metadata under this generation's name; its record goes into the manifest."""
-        gen_name = _names.generation_metadata_name(save_id)
-        self._attempt.add(gen_name)
-        self._write_metadata(gen_name, md_bytes)
-        return MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes))
-
     def _manifest(
         self,
         save_id: str,
@@ -211,11 +215,14 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         """(coordinator, in ``finish``) The metadata written under this generation's name, and the
         manifest naming it and ``files``; the metadata's bytes (for the stock ``.metadata`` copy)."""
         md_bytes, extra = self._metadata_bytes(save_id, metadata)
+        gen_name = _names.generation_metadata_name(save_id)
+        self._attempt.add(gen_name)
+        self._write_metadata(gen_name, md_bytes)
         manifest = Manifest(
             save_id=save_id,
             kind=self._KIND,
             data_format=data_format,
-            metadata=self._write_generation_metadata(save_id, md_bytes),
+            metadata=MetadataRecord(gen_name, len(md_bytes), hash_bytes(md_bytes)),
             files=tuple(files),
             world_size=world_size,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -22,7 +22,7 @@ from smpckpt.storage.backends._prefixes import FlatLayout, PrefixStrategy, folde
 from smpckpt.storage.format import _names
 from smpckpt.storage.write._write_file import object_store_bins, split_items
 
-__all__ = ["RankPlanData", "write_partial_rank", "split_rank"]
+__all__ = ["RankPlanData", "write_partial_rank"]
 
 #: writes one data file: (name, items, planner, rank) -> results (the writer's seam for fault tests)
 WriteFile = Callable[[str, list[WriteItem], SavePlanner, int], list[WriteResult]]
@@ -39,18 +39,6 @@ class RankPlanData:
     prefixes: PrefixStrategy = dataclasses.field(default_factory=FlatLayout)
     #: the folder did not exist when the save began (local paths): a failed save removes it once empty
     new_folder: bool = False
-
-
-def split_rank(
-    items: list[WriteItem], *, local: bool, thread_count: int, object_file_size: int, max_parts_in_flight: int
-) -> tuple[list[list[WriteItem]], int]:
-    """A rank's items split into data files, and how many of them to write at once."""
-    if local:
-        return split_items(items, thread_count), thread_count
-    # object stores: files of about one part each, one PutObject apiece, as many in flight as the
-    # multipart uploads of thread_count files would have had parts
-    bins, one_part = object_store_bins(items, thread_count, object_file_size)
-    return split_items(items, bins), thread_count * (max_parts_in_flight if one_part else 1)
 
 
 def write_partial_rank(
@@ -72,13 +60,13 @@ def write_partial_rank(
     or an object store (``False``) whatever ``fs`` is (default: as ``fs``): the fast tier writes locally
     the files a drain will upload."""
     local = is_local(fs)
-    buckets, workers = split_rank(
-        items,
-        local=local if split_as_local is None else split_as_local,
-        thread_count=thread_count,
-        object_file_size=object_file_size,
-        max_parts_in_flight=max_parts_in_flight,
-    )
+    if local if split_as_local is None else split_as_local:
+        buckets, workers = split_items(items, thread_count), thread_count
+    else:
+        # object stores: files of about one part each, one PutObject apiece, as many in flight as the
+        # multipart uploads of thread_count files would have had parts
+        bins, one_part = object_store_bins(items, thread_count, object_file_size)
+        buckets, workers = split_items(items, bins), thread_count * (max_parts_in_flight if one_part else 1)
     # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r is
     # slot r * thread_count + k of the save, wherever it goes
     count = data.world_size * thread_count

@@ -39,12 +39,7 @@ FILE_RESULT_FQN = "\x00smpckpt.file"
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes)."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = t.detach().cpu().contiguous()  # each a no-op where it does not apply
     mv = cpu_bytes(t)
     if mv is None:  # a conjugate or negative view: its values, materialised
         mv = cpu_bytes(t.resolve_conj().resolve_neg().contiguous())
@@ -54,9 +49,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _torch_save_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    t = t.detach().cpu()
     # torch.save writes the whole storage: compact views so the record holds only this tensor
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone(memory_format=torch.contiguous_format)

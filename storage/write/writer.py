@@ -20,8 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
@@ -36,11 +35,14 @@ from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.write._base import MIN_PART_SIZE, FsspecWriterBase
+from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
 from smpckpt.storage.write._failed_save import committed_by, discard_generation, folder_is_new, raise_commit_failure
 from smpckpt.storage.write._rank_files import RankPlanData, write_partial_rank
 from smpckpt.storage.write._write_file import PART_FILL, write_file
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FsspecStorageWriter"]
 
@@ -127,20 +129,14 @@ class FsspecStorageWriter(FsspecWriterBase):
         self,
         path: str | os.PathLike[str],
         *,
-        storage_options: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         format: Literal["raw", "torch_save"] = "raw",
-        sync_files: bool = True,
-        thread_count: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        part_size: int = 32 << 20,
-        max_parts_in_flight: int = 4,
         object_file_size: int | None = None,
-        manifest_extra: Mapping[str, Any] | None = None,
         mode: Literal["partial", "full"] = "partial",
         full: Any = None,
-        process_group: Any = None,
         prefix_strategy: PrefixOption = "auto",
+        **options: Unpack[WriterOptions],
     ) -> None:
         if mode not in ("partial", "full"):
             raise ValueError(f"mode must be 'partial' or 'full', got {mode!r}")
@@ -153,27 +149,18 @@ class FsspecStorageWriter(FsspecWriterBase):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
         check_flag("overwrite", overwrite)
         check_int("block_size", block_size, minimum=4096)
-        if object_file_size is None:  # part_size is checked (by the base) before it is derived from
-            check_int("part_size", part_size, minimum=MIN_PART_SIZE)
-            object_file_size = int(part_size * PART_FILL)
-        if not isinstance(object_file_size, int) or not (object_file_size == 0 or object_file_size >= 1 << 20):
+        if object_file_size is not None and (
+            not isinstance(object_file_size, int) or not (object_file_size == 0 or object_file_size >= 1 << 20)
+        ):
             raise ValueError(f"object_file_size must be None, 0 or at least 1 MiB, got {object_file_size!r}")
         resolve(prefix_strategy, local=True)  # fail on a bad option now, not inside dcp.save
         self.overwrite = overwrite
         self.format = format
         self.block_size = block_size
-        self.object_file_size = object_file_size
         self.prefix_strategy = prefix_strategy
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            sync_files=sync_files,
-            thread_count=thread_count,
-            part_size=part_size,
-            max_parts_in_flight=max_parts_in_flight,
-            manifest_extra=manifest_extra,
-            process_group=process_group,
-        )
+        super().__init__(path, **options)
+        # derived from part_size once the base has checked it
+        self.object_file_size = int(self.part_size * PART_FILL) if object_file_size is None else object_file_size
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)

@@ -24,7 +24,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["OPTIONS", "CommonRequest", "resolve_common", "same_arguments"]
+__all__ = ["OPTIONS", "CommonRequest", "resolve_common"]
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -97,38 +97,20 @@ class CommonRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
 
 
-def resolve_common(
-    ctx: DistContext,
-    path: Any,
-    *,
-    model: Any,
-    optimizer: Any,
-    layout: ParallelLayout | None,
-    specs: Mapping[str, SpecLike] | SpecRules | None,
-    name_map: NameMap | None,
-    storage_options: Mapping[str, Any] | None,
-    process_group: Any,
-) -> CommonRequest:
-    """Validate the arguments save and resume share (the public functions' of the same names)."""
-    opts = optimizers(optimizer)
-    check_model(model, opts)
+def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
+    """Validate the arguments save and resume share (``args``: the public function's parameters by name)."""
+    opts = optimizers(args["optimizer"])
+    check_model(args["model"], opts)
     return CommonRequest(
-        root=root_url(path),
-        model=model,
+        root=root_url(args["path"]),
+        model=args["model"],
         optimizers=opts,
-        layout=resolve_layout(layout, ctx),
-        rules=spec_rules(specs),
-        name_map=name_map,
-        storage_options=storage_options,
-        process_group=process_group,
+        layout=resolve_layout(args["layout"], ctx),
+        rules=spec_rules(args["specs"]),
+        name_map=args["name_map"],
+        storage_options=args["storage_options"],
+        process_group=args["process_group"],
     )
-
-
-def same_arguments(tag: Any, common: CommonRequest, options: Any) -> dict[str, Any]:
-    """What every rank must pass alike: the tag, path, layout and the fields of ``options`` its
-    :meth:`~smpckpt.api.options.SaveOptions.compared` lists (compared by :meth:`DistContext.agreed`,
-    before the tag is validated: a tag bad on one rank only must fail every rank, not hang the others)."""
-    return {"tag": tag, "path": common.root, "layout": common.layout.to_dict(), **options.compared()}
 
 
 def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:

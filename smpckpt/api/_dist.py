@@ -135,26 +135,30 @@ class DistContext:
         return [g[1] for g in got]
 
     # -- failure-aware steps ---------------------------------------------------------------------
-    def all_ok(self, fn: Callable[[], T]) -> T:
-        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank.
-
-        The failing rank re-raises its own exception (original traceback); the others raise the same
-        smpckpt error class naming the failed rank.
-        """
+    def _checked(self, fn: Callable[[], tuple[T, Mapping[str, Any]]], step: str) -> tuple[T, list[dict[str, Any]]]:
+        """(all ranks) Run ``fn`` locally (a result and values to share), then agree in one collective: if
+        it raised anywhere, raise on every rank -- the failing rank its own exception (original
+        traceback), the others the same smpckpt error class naming the failed rank. Every rank's values."""
         result: Any = None
+        values: dict[str, Any] = {}
         failure: RankError | None = None
         error: Exception | None = None
         try:
-            result = fn()
+            result, shared = fn()
+            values = dict(shared)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = exc
-            failure = RankError.capture(self.rank, exc)
-        failures = [f for f in self._gather_step("a checked step", failure) if f is not None]
+            error, failure = exc, RankError.capture(self.rank, exc)
+        got = self._gather_step(step, (failure, values))
+        failures = [f for f, _ in got if f is not None]
         if error is not None:
             raise error
         if failures:
             raise failures[0].rebuild(len(failures) - 1)
-        return result
+        return result, [v for _, v in got]
+
+    def all_ok(self, fn: Callable[[], T]) -> T:
+        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank (:meth:`_checked`)."""
+        return self._checked(lambda: (fn(), {}), "a checked step")[0]
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
         """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
@@ -167,8 +171,7 @@ class DistContext:
             try:
                 payload = ("ok", fn())
             except Exception as exc:  # noqa: BLE001 - broadcast to every rank below
-                error = exc
-                payload = ("error", RankError.capture(self.rank, exc))
+                error, payload = exc, ("error", RankError.capture(self.rank, exc))
         status, value = self.broadcast_object(payload)
         if error is not None:
             raise error
@@ -182,23 +185,7 @@ class DistContext:
         :meth:`all_ok`); else raise :class:`ValueError` on every rank unless all ranks' values are equal,
         naming each entry that differs and its value on the first ranks. A check that fails on one rank
         only (a bad option there) fails every rank instead of leaving the others in the next collective."""
-        result: Any = None
-        values: dict[str, Any] = {}
-        failure: RankError | None = None
-        error: Exception | None = None
-        try:
-            result, shared = fn()
-            values = dict(shared)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = exc
-            failure = RankError.capture(self.rank, exc)
-        got = self._gather_step(f"the comparison of {what}", (failure, values))
-        failures = [f for f, _ in got if f is not None]
-        if error is not None:
-            raise error
-        if failures:
-            raise failures[0].rebuild(len(failures) - 1)
-        seen = [v for _, v in got]
+        result, seen = self._checked(fn, f"the comparison of {what}")
         differ = [k for k in seen[0] if any(v.get(k) != seen[0][k] for v in seen)]
         if differ:
             shown = "; ".join(

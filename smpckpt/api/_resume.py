@@ -235,29 +235,35 @@ def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) 
 
 
 def load_checkpoint(
-    req: ResumeRequest, target: Target, state: dict[str, Any], reader: FsspecStorageReader | None = None
+    common: CommonRequest,
+    opts: ResumeOptions,
+    url: str,
+    state: dict[str, Any],
+    reader: FsspecStorageReader | None = None,
+    *,
+    optional: tuple[str, ...] | None = None,
+    what: str = "checkpoint",
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``target.url``); strict key
-    checks run before any data is read."""
-    optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
+    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``url``); strict key checks run
+    before any data is read. ``optional``: keys that may be absent (default: what a resume may lack)."""
     planner = ParallelLoadPlanner(
-        **req.planner_args(),
-        allow_dtype_cast=req.opts.allow_dtype_cast,
-        allow_pickle=req.opts.allow_pickle,
-        allow_partial_load=not req.opts.strict,
-        optional=optional,
+        **common.planner_args(),
+        allow_dtype_cast=opts.allow_dtype_cast,
+        allow_pickle=opts.allow_pickle,
+        allow_partial_load=not opts.strict,
+        optional=optional or RESERVED.optional(model=common.model is not None, optim=bool(common.optimizers)),
     )
     reader = reader or FsspecStorageReader(
-        target.url,
-        storage_options=req.storage_options,
-        verify_checksums=req.opts.verify_checksums,
-        allow_pickle=req.opts.allow_pickle,
+        url,
+        storage_options=common.storage_options,
+        verify_checksums=opts.verify_checksums,
+        allow_pickle=opts.allow_pickle,
     )
     try:
         with quiet_no_dist():
-            dcp.load(state, storage_reader=reader, planner=planner, process_group=req.process_group)
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
-        raise translate_dcp(exc, f"loading checkpoint {target.url}", metadata_error=reader.metadata_error) from exc
+        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=reader.metadata_error) from exc
     return planner
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "committed_copies",
     "fast_candidate",
     "assess",
+    "part_sizes",
     "newest_complete",
     "tier_seq",
     "durable_seq",
@@ -223,15 +224,18 @@ def assess(tag: str, data: bytes, holders: Sequence[int], files: Sequence[Mappin
     ``i`` holds of the tag (``None``: nothing), ``holders`` the folders holding this manifest. A part is
     held where a folder has it at the manifest's size (its bytes are checked when read)."""
     manifest = Manifest.from_bytes(data, where=f"fast-tier manifest of {tag!r}")
-    sizes = {f.name: f.size for f in manifest.files}
-    sizes[manifest.metadata.name] = manifest.metadata.size
     held = {
         name: tuple(i for i, held in enumerate(files) if held is not None and held.get(name) == size)
-        for name, size in sizes.items()
+        for name, size in part_sizes(manifest).items()
     }
     held[MANIFEST_NAME] = tuple(holders)
     missing = tuple(sorted(n for n, where in held.items() if not where))
     return FastCandidate(tag, data, record_order(manifest), held, missing)
+
+
+def part_sizes(manifest: Manifest) -> dict[str, int]:
+    """A save's parts -- its data files, then the generation's metadata -- and their sizes."""
+    return {f.name: f.size for f in manifest.files} | {manifest.metadata.name: manifest.metadata.size}
 
 
 def newest_complete(

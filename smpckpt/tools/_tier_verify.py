@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from smpckpt.api._tiers import seq_of
+from smpckpt.api._tiers import part_sizes, seq_of
 from smpckpt.catalog.listing import record_order
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointCorrupt
@@ -25,7 +25,7 @@ from smpckpt.storage.format._names import MANIFEST_NAME, METADATA_NAME
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
 from smpckpt.tools._common import human
-from smpckpt.tools._tiers import manifest_parts, ranks_text
+from smpckpt.tools._tiers import ranks_text
 
 __all__ = ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report"]
 
@@ -109,7 +109,7 @@ def verify_fast(
                 f"{rep.folder}: its manifest of {tag!r} (save {m.save_id}) differs from the newest one the folders "
                 f"hold (save {ref.save_id})"
             )
-        checks.append((i, copy, m or ref, _sizes(m or ref)))
+        checks.append((i, copy, m or ref, part_sizes(m or ref)))
     total = sum(size for _, c, _, sizes in checks for n, size in c.files.items() if size == sizes.get(n))
     good: dict[str, set[int]] = {}
     for i, copy, m, sizes in checks:
@@ -118,7 +118,7 @@ def verify_fast(
         if rep.state != "other save":
             for n in held:
                 good.setdefault(n, set()).add(i)
-    report.missing = [n for n in manifest_parts(ref) if n not in good]
+    report.missing = [n for n in part_sizes(ref) if n not in good]
     rank_of = {f.name: f.rank for f in ref.files}
     for n in report.missing:
         whose = f"rank {rank_of[n]}'s data file" if n in rank_of else "the save's metadata"
@@ -142,11 +142,6 @@ def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: _Copy | N
         rep.state, rep.problems = "corrupt manifest", 1
         report.problems.append(str(exc))
         return None
-
-
-def _sizes(m: Manifest) -> dict[str, int]:
-    """Every part of a save and its size."""
-    return {f.name: f.size for f in m.files} | {m.metadata.name: m.metadata.size}
 
 
 def _check_folder(

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from smpckpt.api._resume import resolve_target
-from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, seq_of
+from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, part_sizes, seq_of
 from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, partial_dirname, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
@@ -35,7 +35,6 @@ __all__ = [
     "fast_rows",
     "resume_pick",
     "ranks_text",
-    "manifest_parts",
     "write_table",
     "write_fast_table",
 ]
@@ -99,24 +98,9 @@ class FastRow:
     detail: str = ""
 
     def to_json(self, resume: bool) -> dict[str, Any]:
-        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load)."""
-        return {
-            "tag": self.tag,
-            "state": self.state,
-            "resume": resume,
-            "save_id": self.save_id,
-            "seq": self.seq,
-            "committed_in": list(self.committed_in),
-            "parts_held": self.parts_held,
-            "parts_needed": self.parts_needed,
-            "missing": list(self.missing),
-            "holds": dict(self.holds),
-            "durable": self.durable,
-            "size": self.size,
-            "layout": self.layout,
-            "saved_at": self.saved_at,
-            "detail": self.detail,
-        }
+        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load):
+        every field but ``order``."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "order"} | {"resume": resume}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,11 +148,6 @@ def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandid
     return out
 
 
-def manifest_parts(m: Manifest) -> list[str]:
-    """A save's parts: its data files and the generation's metadata."""
-    return [f.name for f in m.files] + [m.metadata.name]
-
-
 def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple[list[FastRow], list[str]]:
     """Every tag in the folders, newest committed save first (then uncommitted and corrupt tags, by
     tag), and warnings (a folder's manifest that does not parse; several saves of one tag)."""
@@ -180,7 +159,7 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
     for c in fast_candidates(views):
         valid.setdefault(c.tag, set()).add(c.manifest)
         m = c.parsed()
-        parts = manifest_parts(m)
+        parts = list(part_sizes(m))
         tier = m.extra.get(TIER_KEY)
         twin = twins.get(c.tag)
         if twin is not None:

@@ -114,23 +114,23 @@ def check_previous(wait: bool) -> None:
         started = time.monotonic()
         concurrent.futures.wait([fut])
         log.info("waited %.2fs for the background save of %r to finish", time.monotonic() - started, st.inflight_tag)
-    if st.failed is not None:
-        tag, exc = st.failed
-        st.failed = None
-        raise CheckpointError(
-            f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (this save was not started)"
-        ) from exc
-    _raise_drain_failure(" (this save was not started)")
+    _raise_failed(" (this save was not started)")
 
 
-def _raise_drain_failure(suffix: str) -> None:
-    if _STATE.drain_failed is not None:
-        tag, exc = _STATE.drain_failed
-        _STATE.drain_failed = None
-        raise CheckpointError(
-            f"the drain of checkpoint {tag!r} to the durable tier failed: {type(exc).__name__}: {exc}; it is "
-            f"still in the fast tier{suffix}"
-        ) from exc
+def _raise_failed(suffix: str) -> None:
+    """Raise the failure the save thread kept, else the drain thread's (each once: it is then cleared)."""
+    for slot in ("failed", "drain_failed"):
+        failed: tuple[str, BaseException] | None = getattr(_STATE, slot)
+        if failed is not None:
+            setattr(_STATE, slot, None)
+            tag, exc = failed
+            what = (
+                f"the background save of checkpoint {tag!r}"
+                if slot == "failed"
+                else f"the drain of checkpoint {tag!r} to the durable tier"
+            )
+            kept = "" if slot == "failed" else "; it is still in the fast tier"
+            raise CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}{kept}{suffix}") from exc
 
 
 def _recorded(st: _State, slot: str, tag: str, work: Callable[[], None], what: str) -> None:
@@ -298,11 +298,8 @@ def _register_exit_wait() -> None:
     ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
     new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
     Registered after concurrent.futures', ours runs before it (those hooks run newest first)."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # not CPython >= 3.9: the plain hook is the best left
-        atexit.register(_wait_at_exit)
-        return
-    register(_wait_at_exit)
+    # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
+    (getattr(threading, "_register_atexit", None) or atexit.register)(_wait_at_exit)
 
 
 def _wait_at_exit() -> None:
@@ -342,9 +339,5 @@ def wait_for_saves(*, raise_errors: bool = True) -> None:
     drain = _STATE.drain
     if drain is not None:
         concurrent.futures.wait([drain])
-    if raise_errors and _STATE.failed is not None:
-        tag, exc = _STATE.failed
-        _STATE.failed = None
-        raise CheckpointError(f"the background save of checkpoint {tag!r} failed: {exc}") from exc
     if raise_errors:
-        _raise_drain_failure("")
+        _raise_failed("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TextIO
 
 from smpckpt.catalog.listing import newest_tag
@@ -61,9 +62,7 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write(f"{verb} {path} (debris of a killed save)\n")
     for tag in result.failed:
         err.write(f"could not remove {tag}\n")
-    if not (
-        result.removed or result.removed_uncommitted or result.aborted_uploads or result.removed_debris or result.failed
-    ):
+    if not any(dataclasses.astuple(result)):  # every field is a tuple of what was done
         out.write("nothing to remove\n")
     return 1 if result.failed else 0
 

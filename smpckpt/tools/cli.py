@@ -78,19 +78,18 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         pick, why = resume_pick(fast, args.path, options)
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
-    rows: list[dict[str, Any]] = []
-    for r in records:
-        rows.append(
-            {
-                "tag": r.tag,
-                "state": r.state,
-                "newest": r.tag == newest,
-                "size": r.size,
-                "layout": layout_json(r.manifest),
-                "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
-                "detail": r.detail,
-            }
-        )
+    rows: list[dict[str, Any]] = [
+        {
+            "tag": r.tag,
+            "state": r.state,
+            "newest": r.tag == newest,
+            "size": r.size,
+            "layout": layout_json(r.manifest),
+            "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
+            "detail": r.detail,
+        }
+        for r in records
+    ]
     if args.json:
         doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows}
         if local is not None:

@@ -54,9 +54,10 @@ _PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the write
 _FILES_AT_ONCE = {True: 4, False: 16}
 
 
-def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit, group: Any) -> None:
-    """(all ranks, the drain thread) Copy, commit, point ``newest``, apply retention (module docstring)."""
-    started = time.monotonic()
+def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
+    """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
+    retention (module docstring)."""
+    started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
     fs, path = open_fs(req.url, req.storage_options)

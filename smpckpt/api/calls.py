@@ -40,12 +40,10 @@ from smpckpt._gc import gc_frozen
 from smpckpt.api._args import CommonRequest, peer_failures, resolve_common
 from smpckpt.api._async import (
     async_used,
-    background_group,
     check_previous,
     stream_groups,
     submit,
     submit_drain,
-    wait_for_drain,
     wait_for_saves,
 )
 from smpckpt.api._dist import DistContext
@@ -199,18 +197,14 @@ def save_checkpoint(
             save_full(ctx, common, tag, opts, user_content)
             return None
         req = resolve_save(common, tag, opts, user_content)
-        tier = plan_tier_save(req, ctx, opts) if opts.local_path is not None else None
-        if tier is not None and tier.durable:
-            wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
-        streams = stream_groups(process_group, ctx) if tier is not None else ()
-        drain_group = background_group(process_group, ctx, "drain") if tier is not None else None
+        tier = plan_tier_save(req, ctx) if opts.local_path is not None else None
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
 
-        def save(sreq: SaveRequest, staged: dict[str, Any], group: Any, how: str) -> None:
+        def save(sreq: SaveRequest, staged: dict[str, Any], how: str) -> None:
             """Write, commit, point ``newest``, retain on ``sreq.process_group`` (or the tiered save)."""
             if tier is not None:
-                _save_tiered(sreq, staged, extra, tier, group, streams, drain_group)
+                _save_tiered(sreq, staged, extra, tier)
                 return
             sctx = DistContext(sreq.process_group)
             write_checkpoint(sreq, staged, extra)
@@ -224,25 +218,17 @@ def save_checkpoint(
                 with peer_failures(
                     DistContext(group), f"saving checkpoint {req.tag!r} under {req.root} in the background"
                 ):
-                    save(dataclasses.replace(req, process_group=group), staged, group, "in the background")
+                    save(dataclasses.replace(req, process_group=group), staged, "in the background")
 
             return submit(req.tag, ctx, process_group, state, in_background)
-        save(req, state, streams[0] if streams else None, f"in {time.monotonic() - started:.2f}s")
+        save(req, state, f"in {time.monotonic() - started:.2f}s")
     return None
 
 
-def _save_tiered(
-    req: SaveRequest,
-    state: dict[str, Any],
-    extra: dict[str, Any],
-    tier: TierPlan,
-    group: Any,
-    streams: tuple[Any, ...],
-    drain_group: Any,
-) -> None:
+def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
     """(all ranks) The fast tiers, then (every ``durable_every``-th save) the drain, in the background."""
     started = time.monotonic()
-    prepared = save_fast(req, state, extra, tier, group, streams)
+    prepared = save_fast(req, state, extra, tier)
     log.info(
         "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s",
         req.tag,
@@ -256,8 +242,8 @@ def _save_tiered(
         hold_for_drain(tier.local_path, req.tag)
 
         def work() -> None:
-            with peer_failures(DistContext(drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                drain(req, tier, prepared, drain_group)
+            with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
+                drain(req, tier, prepared)
 
         submit_drain(req.tag, work)
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api.options import check_local_path
 from smpckpt.catalog.listing import record_order, scan_root
 from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
 from smpckpt.errors import CheckpointCorrupt
@@ -149,11 +148,11 @@ def scan_local(local_path: str) -> dict[str, LocalCopy]:
     return out
 
 
-def gather_views(ctx: DistContext, nodes: Nodes, local_path: Any) -> list[dict[str, LocalCopy]]:
+def gather_views(ctx: DistContext, nodes: Nodes, mine: str) -> list[dict[str, LocalCopy]]:
     """(all ranks) Every node's fast tier as its first rank listed it, by rank (a node's ranks share
     its listing); refuses ranks of one node that name different folders (they would write one node's
-    share twice, or not at all) and ranks that disagree on ``LOCAL_WORLD_SIZE``."""
-    mine = check_local_path(local_path)
+    share twice, or not at all) and ranks that disagree on ``LOCAL_WORLD_SIZE``. ``mine``: this node's
+    folder, as :func:`~smpckpt.api.options.check_local_path` returns it."""
     got = ctx.all_gather_object((mine, nodes.local_world_size, scan_local(mine) if nodes.is_leader else None))
     sizes = sorted({lws for _, lws, _ in got})
     if len(sizes) > 1:

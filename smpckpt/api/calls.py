@@ -41,14 +41,13 @@ from smpckpt.api._args import CommonRequest, peer_failures, resolve_common
 from smpckpt.api._async import (
     async_used,
     check_previous,
-    stream_groups,
     submit,
     submit_drain,
     wait_for_saves,
 )
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import drain
-from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader, heal
+from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader
 from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, save_fast
 from smpckpt.api._full import resume_full, save_full
 from smpckpt.api._resume import (
@@ -296,12 +295,9 @@ def resume_from_checkpoint(
         if not opts.partial:
             return resume_full(ctx, common, tag, opts)
         req = resolve_resume(common, tag, opts)
-        fast = fallback = nodes = group = None
-        streams: tuple[Any, ...] = ()
+        fast = fallback = None
         if opts.local_path is not None:
-            streams = stream_groups(process_group, ctx)
-            group = streams[0] if streams else None
-            target, fast, fallback, nodes = choose_tier(req, ctx, opts.local_path)
+            target, fast, fallback = choose_tier(req, ctx)
         else:
             target = choose_target(req, ctx)
         if target is None:
@@ -315,9 +311,8 @@ def resume_from_checkpoint(
         state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
         reader: PeerFetchingReader | None = None
         try:
-            if fast is not None and nodes is not None:
-                heal(fast, target, nodes, group)
-                reader = fast_reader(req, target, fast, nodes, group, streams)
+            if fast is not None:
+                reader = fast_reader(req, target, fast)
             planner = load_checkpoint(req, req.opts, target.url, state, reader)
         except CheckpointError as exc:
             if fast is None or fallback is None:

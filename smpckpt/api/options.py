@@ -52,11 +52,15 @@ def check_local_path(path: Any) -> str:
 
 
 class _Options:
-    """What both option classes share: flags are booleans, options of the other mode are refused."""
+    """What both option classes share: flags are booleans, options of the other mode are refused,
+    ``local_path`` is a folder on this node."""
 
     partial: bool
+    local_path: str | os.PathLike[str] | None
 
     def __post_init__(self) -> None:
+        if self.local_path is not None:
+            check_local_path(self.local_path)
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             if isinstance(f.default, bool):
                 check_flag(f.name, getattr(self, f.name))
@@ -211,7 +215,6 @@ class SaveOptions(_Options):
             if tiered:
                 raise ValueError(f"{', '.join(tiered)} apply only with local_path= (tiered checkpoints)")
             return
-        check_local_path(self.local_path)
         check_int("replicas", self.replicas, minimum=1)
         check_int("durable_every", self.durable_every, minimum=1)
         validate_keep(self.num_kept_local, "num_kept_local")
@@ -278,8 +281,6 @@ class ResumeOptions(_Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.local_path is not None:
-            check_local_path(self.local_path)
         fn = self.translate_function
         if self.partial and fn is not None and not callable(fn):
             raise TypeError("translate_function must be callable (state_dict -> state_dict)")

@@ -218,7 +218,8 @@ def consolidate_checkpoint(
             kept[fqn] = md
     total = sum(md.size.numel() * md.properties.dtype.itemsize for md in kept.values() if hasattr(md, "size"))
     record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
-    plan = SavePlan(items, planner_data={METADATA_KEY: record} if record else None)
+    planner_data = {METADATA_KEY: record} if record else None
+    plan = SavePlan(items, planner_data=planner_data)
     # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor
     writer = FullArtifactWriter(
         out,
@@ -233,12 +234,7 @@ def consolidate_checkpoint(
             planner = _OneTensorAtATime(reader, metadata, bar)
             (final,) = writer.prepare_global_plan([plan])
             results = writer.write_data(final, planner).wait()
-        out_md = Metadata(
-            state_dict_metadata=kept,
-            planner_data={METADATA_KEY: record} if record else None,
-            storage_data=None,
-        )
-        writer.finish(out_md, [results])
+        writer.finish(Metadata(state_dict_metadata=kept, planner_data=planner_data, storage_data=None), [results])
     except BaseException as exc:
         # as a failed online save does: a full-size artifact of unwritten zeros must not stay in OUT
         left = writer.discard_failed_save(exc)

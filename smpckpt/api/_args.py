@@ -24,8 +24,6 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["OPTIONS", "CommonRequest", "resolve_common"]
-
 
 # -- helpers -----------------------------------------------------------------------------------------
 def root_url(path: Any) -> str:

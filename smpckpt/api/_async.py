@@ -88,17 +88,21 @@ def async_used() -> bool:
 def check_previous(wait: bool) -> None:
     """(caller) Raise a background failure once; then wait for (or refuse) a save still in flight."""
     st = _STATE
-    fut = st.inflight
+    if st.inflight is not None and not st.inflight.done() and not wait:
+        raise CheckpointError(
+            f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
+            "smpckpt.wait_for_saves() or save with wait_for_previous=True"
+        )
+    _wait_logged(st.inflight, f"the background save of {st.inflight_tag!r} to finish")
+    _raise_failed(" (this save was not started)")
+
+
+def _wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
+    """Wait for ``fut`` when it is running, logging how long."""
     if fut is not None and not fut.done():
-        if not wait:
-            raise CheckpointError(
-                f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
-                "smpckpt.wait_for_saves() or save with wait_for_previous=True"
-            )
         started = time.monotonic()
         concurrent.futures.wait([fut])
-        log.info("waited %.2fs for the background save of %r to finish", time.monotonic() - started, st.inflight_tag)
-    _raise_failed(" (this save was not started)")
+        log.info("waited %.2fs for %s", time.monotonic() - started, what)
 
 
 def _raise_failed(suffix: str) -> None:
@@ -173,11 +177,7 @@ def drain_status() -> DrainStatus | None:
 
 def wait_for_drain() -> None:
     """Wait for the drain in flight (no error raised here: the next save or ``wait_for_saves`` does)."""
-    fut = _STATE.drain
-    if fut is not None and not fut.done():
-        started = time.monotonic()
-        concurrent.futures.wait([fut])
-        log.info("waited %.2fs for the drain of %r to the durable tier", time.monotonic() - started, _STATE.drain_tag)
+    _wait_logged(_STATE.drain, f"the drain of {_STATE.drain_tag!r} to the durable tier")
 
 
 def background_group(process_group: Any, ctx: DistContext, purpose: str = "save") -> Any:

@@ -299,16 +299,10 @@ def summarize(
 ) -> ResumeInfo:
     """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
     report = planner.report
-    counts = ctx.all_gather_object(
-        (
-            report.fast_path if report else 0,
-            len(report.resharded) if report else 0,
-            report.missing_keys if report else (),
-        )
-    )
+    mine = (report.fast_path, len(report.resharded), report.missing_keys) if report else (0, 0, ())
+    counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
-    fast = sum(c[0] for c in counts)
-    resharded = sum(c[1] for c in counts)
+    fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
@@ -325,15 +319,6 @@ def summarize(
         fell_back=target.fell_back,
         skipped_keys=tuple(skipped),
     )
-    if info.resharded:
-        log.info(
-            "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
-            target.url,
-            resharded,
-            saved,
-            req.layout,
-            fast,
-        )
-    else:
-        log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, req.layout)
+    how = f"resharded {resharded} tensor(s) from {saved} to {req.layout} (fast path for {fast})"
+    log.info("resumed %s: %s", target.url, how if resharded else f"fast path for all {fast} tensor(s) ({req.layout})")
     return info

@@ -123,10 +123,8 @@ def scan_local(local_path: str) -> dict[str, LocalCopy]:
                 manifest = Manifest.from_bytes(data, where=join(folder, MANIFEST_NAME))
             except CheckpointCorrupt as exc:
                 log.warning("fast tier: %s; that copy is not used", exc)
-        if manifest is None:
-            out[tag] = LocalCopy(None, (0, ""), 0, files)
-        else:
-            out[tag] = LocalCopy(hash_bytes(data or b""), record_order(manifest), seq_of(manifest), files)
+        digest = hash_bytes(data or b"") if manifest is not None else None
+        out[tag] = LocalCopy(digest, record_order(manifest), seq_of(manifest), files)  # (0, ""), 0 without one
     return out
 
 

@@ -26,15 +26,6 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def root_url(path: Any) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    url = os.fspath(path)
-    if not url:
-        raise ValueError("path must not be empty")
-    return url
-
-
 def optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
     if optimizer is None:
         return ()
@@ -97,27 +88,28 @@ class CommonRequest:
 
 def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
     """Validate the arguments save and resume share (``args``: the public function's parameters by name)."""
-    opts = optimizers(args["optimizer"])
+    opts, path, layout = optimizers(args["optimizer"]), args["path"], args["layout"]
     check_model(args["model"], opts)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError("path must not be empty")
+    if layout is None:
+        layout = ParallelLayout(dp=ctx.world_size)
+    elif not isinstance(layout, ParallelLayout):
+        raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
+    else:
+        layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
     return CommonRequest(
-        root=root_url(args["path"]),
+        root=os.fspath(path),
         model=args["model"],
         optimizers=opts,
-        layout=resolve_layout(args["layout"], ctx),
+        layout=layout,
         rules=spec_rules(args["specs"]),
         name_map=args["name_map"],
         storage_options=args["storage_options"],
         process_group=args["process_group"],
     )
-
-
-def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
-    if layout is None:
-        return ParallelLayout(dp=ctx.world_size)
-    if not isinstance(layout, ParallelLayout):
-        raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
-    layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
-    return layout
 
 
 def wrap_name_map(name_map: NameMap | None) -> NameMap | None:

@@ -38,13 +38,7 @@ from torch import nn
 
 from smpckpt._gc import gc_frozen
 from smpckpt.api._args import CommonRequest, peer_failures, resolve_common
-from smpckpt.api._async import (
-    async_used,
-    check_previous,
-    submit,
-    submit_drain,
-    wait_for_saves,
-)
+from smpckpt.api._async import async_used, check_previous, submit, submit_drain, wait_for_saves
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import drain
 from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader

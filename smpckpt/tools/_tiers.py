@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from smpckpt.api._resume import resolve_target
 from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, part_sizes, seq_of
 from smpckpt.catalog.listing import CheckpointRecord
-from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, partial_dirname, validate_tag
+from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
@@ -102,21 +102,27 @@ class ResumePick:
 
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
-    """One tag's folder in one ``--local`` folder: its manifest's bytes (``None``: not committed there)
-    and every file in it (relative name -> size)."""
+    """One tag's folder in one ``--local`` folder: where (``url``; ``fs`` and ``path`` to read it), its
+    manifest's bytes (``None``: not committed there) and every file in it (relative name -> size)."""
 
+    url: str
+    fs: Any
+    path: str
     manifest: bytes | None
     files: Mapping[str, int]
+
+    @classmethod
+    def read(cls, fs: Any, path: str, url: str) -> LocalCopy:
+        return cls(url, fs, path, read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
 
 
 def scan_local(folder: str) -> dict[str, LocalCopy]:
     """Every ``{tag}_partial`` folder of one node's fast tier, with its manifest."""
     fs, root = open_root(folder)
-    out = {}
-    for tag, name in list_partial_tags(fs, root).items():
-        path = join(root, name)
-        out[tag] = LocalCopy(read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
-    return out
+    return {
+        tag: LocalCopy.read(fs, join(root, name), f"{folder}/{name}")
+        for tag, name in list_partial_tags(fs, root).items()
+    }
 
 
 def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandidate]:
@@ -175,11 +181,11 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
     for tag in sorted({t for v in views for t in v}):
         copies = [(d, v[tag]) for d, v in zip(dirs, views) if tag in v]
         bad = [
-            (d, _manifest_problem(d, tag, c))
-            for d, c in copies
+            _manifest_problem(c)
+            for _, c in copies
             if c.manifest is not None and c.manifest not in valid.get(tag, set())
         ]
-        notes += [f"{problem}; that copy is not used" for _, problem in bad]
+        notes += [f"{problem}; that copy is not used" for problem in bad]
         if len(valid.get(tag, ())) > 1:
             notes.append(f"{tag}: the folders hold {len(valid[tag])} different committed saves of this tag")
         if tag in valid:
@@ -195,8 +201,8 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
     return rows, notes
 
 
-def _manifest_problem(folder: str, tag: str, copy: LocalCopy) -> str:
-    where = f"{folder}/{partial_dirname(tag)}/{MANIFEST_NAME}"
+def _manifest_problem(copy: LocalCopy) -> str:
+    where = f"{copy.url}/{MANIFEST_NAME}"
     try:
         Manifest.from_bytes(copy.manifest or b"", where=where)
     except CheckpointCorrupt as exc:

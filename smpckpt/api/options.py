@@ -76,11 +76,10 @@ class _Options:
 
     def compared(self) -> dict[str, Any]:
         """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
-        same = {f.name: f.metadata["same"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
         return {
-            name: key(getattr(self, name)) if callable(key) else getattr(self, name)
-            for name, key in same.items()
-            if key
+            f.name: key(getattr(self, f.name)) if callable(key) else getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if (key := f.metadata["same"])
         }
 
 

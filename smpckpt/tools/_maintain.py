@@ -50,16 +50,11 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         uncommitted_older_than=args.uncommitted_older_than,
     )
     verb = "would remove" if args.dry_run else "removed"
-    for tag in result.removed:
-        out.write(f"{verb} {tag}\n")
-    for tag in result.removed_uncommitted:
-        out.write(f"{verb} {tag} (uncommitted, stale)\n")
-    for key in result.aborted_uploads:
-        out.write(f"aborted multipart upload {key}\n")
-    for path in result.removed_debris:
-        out.write(f"{verb} {path} (debris of a killed save)\n")
-    for tag in result.failed:
-        err.write(f"could not remove {tag}\n")
+    out.writelines(f"{verb} {tag}\n" for tag in result.removed)
+    out.writelines(f"{verb} {tag} (uncommitted, stale)\n" for tag in result.removed_uncommitted)
+    out.writelines(f"aborted multipart upload {key}\n" for key in result.aborted_uploads)
+    out.writelines(f"{verb} {path} (debris of a killed save)\n" for path in result.removed_debris)
+    err.writelines(f"could not remove {tag}\n" for tag in result.failed)
     if not any(dataclasses.astuple(result)):  # every field is a tuple of what was done
         out.write("nothing to remove\n")
     return 1 if result.failed else 0

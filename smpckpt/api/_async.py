@@ -146,7 +146,6 @@ def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Futur
     st = _STATE
     with st.lock:
         st.drain_executor = _started(st.drain_executor, "smpckpt-drain")
-
         fut = st.drain_executor.submit(_recorded, st, "drain_failed", tag, work, "the drain to the durable tier")
         st.drain, st.drain_tag = fut, tag
     return fut
@@ -257,7 +256,6 @@ def submit(
     log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
     with st.lock:
         st.executor = _started(st.executor, "smpckpt-async-save")
-
         fut = st.executor.submit(_recorded, st, "failed", tag, lambda: work(staged, group), "the background save")
         st.inflight, st.inflight_tag = fut, tag
     return fut

@@ -130,8 +130,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
         found = probe_checkpoint(url, storage_options)
         if found.state == "missing":  # a folder stock dcp.save wrote under the tag's own name
             plain = join_url(root, tag)
-            if probe_checkpoint(plain, storage_options).state == "legacy":
-                url, found = plain, probe_checkpoint(plain, storage_options)
+            if (legacy := probe_checkpoint(plain, storage_options)).state == "legacy":
+                url, found = plain, legacy
         if found.manifest is None:
             if found.state == "missing":
                 return None

@@ -172,15 +172,9 @@ def apply_retention(
     aborted: list[str] = []
     debris: list[str] = []
     if uncommitted_older_than is not None:
-        now = time.time()
-        activity = {
-            r.tag: last_activity(r.url, storage_options)
-            for r in records
-            if r.state == "uncommitted" and r.tag not in protected
-        }
-        candidates = select_stale_uncommitted(
-            [r for r in records if r.tag not in protected], activity, uncommitted_older_than, now
-        )
+        unprotected = [r for r in records if r.tag not in protected]
+        activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
+        candidates = select_stale_uncommitted(unprotected, activity, uncommitted_older_than, time.time())
         stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder")]
         try:
             debris = sweep_debris(

@@ -133,30 +133,30 @@ class DistContext:
         return [g[1] for g in got]
 
     # -- failure-aware steps ---------------------------------------------------------------------
-    def _checked(self, fn: Callable[[], tuple[T, Mapping[str, Any]]], step: str) -> tuple[T, list[dict[str, Any]]]:
-        """(all ranks) Run ``fn`` locally (a result and values to share), then agree in one collective: if
-        it raised anywhere, raise on every rank -- the failing rank its own exception (original
-        traceback), the others the same smpckpt error class naming the failed rank. Every rank's values."""
-        result: Any = None
-        values: dict[str, Any] = {}
-        failure: RankError | None = None
-        error: Exception | None = None
-        try:
-            result, shared = fn()
-            values = dict(shared)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error, failure = exc, RankError.capture(self.rank, exc)
+    def _agree(self, step: str, error: Exception | None, values: Any) -> list[Any]:
+        """(all ranks) Gather every rank's failure (``error``) and ``values`` of ``step``: if a step raised
+        anywhere, raise on every rank -- the failing rank its own ``error`` (original traceback), the
+        others the same smpckpt error class naming the failed rank. Every rank's values."""
+        failure = RankError.capture(self.rank, error) if error is not None else None
         got = self._gather_step(step, (failure, values))
         failures = [f for f, _ in got if f is not None]
         if error is not None:
             raise error
         if failures:
             raise failures[0].rebuild(len(failures) - 1)
-        return result, [v for _, v in got]
+        return [v for _, v in got]
 
     def all_ok(self, fn: Callable[[], T]) -> T:
-        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank (:meth:`_checked`)."""
-        return self._checked(lambda: (fn(), {}), "a checked step")[0]
+        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank (:meth:`_agree`).
+        ``fn`` runs one frame below this method (callers' warning ``stacklevel`` count on it)."""
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+        self._agree("a checked step", error, None)
+        return result
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
         """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
@@ -183,7 +183,15 @@ class DistContext:
         :meth:`all_ok`); else raise :class:`ValueError` on every rank unless all ranks' values are equal,
         naming each entry that differs and its value on the first ranks. A check that fails on one rank
         only (a bad option there) fails every rank instead of leaving the others in the next collective."""
-        result, seen = self._checked(fn, f"the comparison of {what}")
+        result: Any = None
+        values: dict[str, Any] = {}
+        error: Exception | None = None
+        try:
+            result, shared = fn()
+            values = dict(shared)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+        seen = self._agree(f"the comparison of {what}", error, values)
         differ = [k for k in seen[0] if any(v.get(k) != seen[0][k] for v in seen)]
         if differ:
             shown = "; ".join(

@@ -19,9 +19,11 @@ import importlib as _importlib
 from typing import Any as _Any
 
 from smpckpt import _moved
+from smpckpt import api as _api
 from smpckpt import errors as _errors
 from smpckpt._gc import gc_frozen
 from smpckpt._version import VERSION
+from smpckpt.api import *  # noqa: F403 - the call API: its __all__
 from smpckpt.api._async import (
     DrainStatus,
     drain_status,
@@ -29,8 +31,6 @@ from smpckpt.api._async import (
     set_exit_status_on_failed_save,
     wait_for_saves,
 )
-from smpckpt.api.calls import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint
-from smpckpt.api.options import ResumeOptions, SaveOptions
 from smpckpt.errors import *  # noqa: F403 - the error classes are public names of the package
 from smpckpt.model.layout import ParallelLayout, RankCoords
 from smpckpt.model.specs import ShardSpec
@@ -57,12 +57,7 @@ __all__ = [
     "DrainStatus",
     "set_exit_status_on_failed_save",
     "free_staging_buffers",
-    "save_checkpoint",
-    "resume_from_checkpoint",
-    "last_resume_info",
-    "ResumeInfo",
-    "SaveOptions",
-    "ResumeOptions",
+    *_api.__all__,  # save_checkpoint, resume_from_checkpoint, last_resume_info, ResumeInfo, Save/ResumeOptions
     "ParallelLayout",
     "RankCoords",
     "ShardSpec",

@@ -4,14 +4,8 @@ May import: ``smpckpt.model``, ``smpckpt.catalog``, ``smpckpt.planners``, ``smpc
 public names), ``smpckpt.errors``. Nothing below the API imports it.
 """
 
-from smpckpt.api.calls import ResumeInfo, last_resume_info, resume_from_checkpoint, save_checkpoint
-from smpckpt.api.options import ResumeOptions, SaveOptions
+from smpckpt.api import calls, options
+from smpckpt.api.calls import *  # noqa: F403 - its __all__: the two calls and their report
+from smpckpt.api.options import *  # noqa: F403 - its __all__: the option classes
 
-__all__ = [
-    "save_checkpoint",
-    "resume_from_checkpoint",
-    "last_resume_info",
-    "ResumeInfo",
-    "SaveOptions",
-    "ResumeOptions",
-]
+__all__ = [*calls.__all__, *options.__all__]

@@ -24,19 +24,8 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["OPTIONS", "CommonRequest", "resolve_common", "same_arguments"]
-
 
 # -- helpers -----------------------------------------------------------------------------------------
-def root_url(path: Any) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    url = os.fspath(path)
-    if not url:
-        raise ValueError("path must not be empty")
-    return url
-
-
 def optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
     if optimizer is None:
         return ()
@@ -97,47 +86,30 @@ class CommonRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
 
 
-def resolve_common(
-    ctx: DistContext,
-    path: Any,
-    *,
-    model: Any,
-    optimizer: Any,
-    layout: ParallelLayout | None,
-    specs: Mapping[str, SpecLike] | SpecRules | None,
-    name_map: NameMap | None,
-    storage_options: Mapping[str, Any] | None,
-    process_group: Any,
-) -> CommonRequest:
-    """Validate the arguments save and resume share (the public functions' of the same names)."""
-    opts = optimizers(optimizer)
-    check_model(model, opts)
-    return CommonRequest(
-        root=root_url(path),
-        model=model,
-        optimizers=opts,
-        layout=resolve_layout(layout, ctx),
-        rules=spec_rules(specs),
-        name_map=name_map,
-        storage_options=storage_options,
-        process_group=process_group,
-    )
-
-
-def same_arguments(tag: Any, common: CommonRequest, options: Any) -> dict[str, Any]:
-    """What every rank must pass alike: the tag, path, layout and the fields of ``options`` its
-    :meth:`~smpckpt.api.options.SaveOptions.compared` lists (compared by :meth:`DistContext.agreed`,
-    before the tag is validated: a tag bad on one rank only must fail every rank, not hang the others)."""
-    return {"tag": tag, "path": common.root, "layout": common.layout.to_dict(), **options.compared()}
-
-
-def resolve_layout(layout: ParallelLayout | None, ctx: DistContext) -> ParallelLayout:
+def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
+    """Validate the arguments save and resume share (``args``: the public function's parameters by name)."""
+    opts, path, layout = optimizers(args["optimizer"]), args["path"], args["layout"]
+    check_model(args["model"], opts)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError("path must not be empty")
     if layout is None:
-        return ParallelLayout(dp=ctx.world_size)
-    if not isinstance(layout, ParallelLayout):
+        layout = ParallelLayout(dp=ctx.world_size)
+    elif not isinstance(layout, ParallelLayout):
         raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
-    layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
-    return layout
+    else:
+        layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
+    return CommonRequest(
+        root=os.fspath(path),
+        model=args["model"],
+        optimizers=opts,
+        layout=layout,
+        rules=spec_rules(args["specs"]),
+        name_map=args["name_map"],
+        storage_options=args["storage_options"],
+        process_group=args["process_group"],
+    )
 
 
 def wrap_name_map(name_map: NameMap | None) -> NameMap | None:

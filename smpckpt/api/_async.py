@@ -39,22 +39,6 @@ import torch.distributed as dist
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
-__all__ = [
-    "submit",
-    "submit_drain",
-    "drain_status",
-    "DrainStatus",
-    "wait_for_drain",
-    "background_group",
-    "stream_groups",
-    "wait_for_saves",
-    "free_staging_buffers",
-    "check_previous",
-    "staging_bytes",
-    "async_used",
-    "set_exit_status_on_failed_save",
-]
-
 log = logging.getLogger("smpckpt.api")
 
 
@@ -104,33 +88,37 @@ def async_used() -> bool:
 def check_previous(wait: bool) -> None:
     """(caller) Raise a background failure once; then wait for (or refuse) a save still in flight."""
     st = _STATE
-    fut = st.inflight
+    if st.inflight is not None and not st.inflight.done() and not wait:
+        raise CheckpointError(
+            f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
+            "smpckpt.wait_for_saves() or save with wait_for_previous=True"
+        )
+    _wait_logged(st.inflight, f"the background save of {st.inflight_tag!r} to finish")
+    _raise_failed(" (this save was not started)")
+
+
+def _wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
+    """Wait for ``fut`` when it is running, logging how long."""
     if fut is not None and not fut.done():
-        if not wait:
-            raise CheckpointError(
-                f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
-                "smpckpt.wait_for_saves() or save with wait_for_previous=True"
-            )
         started = time.monotonic()
         concurrent.futures.wait([fut])
-        log.info("waited %.2fs for the background save of %r to finish", time.monotonic() - started, st.inflight_tag)
-    if st.failed is not None:
-        tag, exc = st.failed
-        st.failed = None
-        raise CheckpointError(
-            f"the background save of checkpoint {tag!r} failed: {type(exc).__name__}: {exc} (this save was not started)"
-        ) from exc
-    _raise_drain_failure(" (this save was not started)")
+        log.info("waited %.2fs for %s", time.monotonic() - started, what)
 
 
-def _raise_drain_failure(suffix: str) -> None:
-    if _STATE.drain_failed is not None:
-        tag, exc = _STATE.drain_failed
-        _STATE.drain_failed = None
-        raise CheckpointError(
-            f"the drain of checkpoint {tag!r} to the durable tier failed: {type(exc).__name__}: {exc}; it is "
-            f"still in the fast tier{suffix}"
-        ) from exc
+def _raise_failed(suffix: str) -> None:
+    """Raise the failure the save thread kept, else the drain thread's (each once: it is then cleared)."""
+    for slot in ("failed", "drain_failed"):
+        failed: tuple[str, BaseException] | None = getattr(_STATE, slot)
+        if failed is not None:
+            setattr(_STATE, slot, None)
+            tag, exc = failed
+            what = (
+                f"the background save of checkpoint {tag!r}"
+                if slot == "failed"
+                else f"the drain of checkpoint {tag!r} to the durable tier"
+            )
+            kept = "" if slot == "failed" else "; it is still in the fast tier"
+            raise CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}{kept}{suffix}") from exc
 
 
 def _recorded(st: _State, slot: str, tag: str, work: Callable[[], None], what: str) -> None:
@@ -158,7 +146,6 @@ def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Futur
     st = _STATE
     with st.lock:
         st.drain_executor = _started(st.drain_executor, "smpckpt-drain")
-
         fut = st.drain_executor.submit(_recorded, st, "drain_failed", tag, work, "the drain to the durable tier")
         st.drain, st.drain_tag = fut, tag
     return fut
@@ -189,11 +176,7 @@ def drain_status() -> DrainStatus | None:
 
 def wait_for_drain() -> None:
     """Wait for the drain in flight (no error raised here: the next save or ``wait_for_saves`` does)."""
-    fut = _STATE.drain
-    if fut is not None and not fut.done():
-        started = time.monotonic()
-        concurrent.futures.wait([fut])
-        log.info("waited %.2fs for the drain of %r to the durable tier", time.monotonic() - started, _STATE.drain_tag)
+    _wait_logged(_STATE.drain, f"the drain of {_STATE.drain_tag!r} to the durable tier")
 
 
 def background_group(process_group: Any, ctx: DistContext, purpose: str = "save") -> Any:
@@ -273,7 +256,6 @@ def submit(
     log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
     with st.lock:
         st.executor = _started(st.executor, "smpckpt-async-save")
-
         fut = st.executor.submit(_recorded, st, "failed", tag, lambda: work(staged, group), "the background save")
         st.inflight, st.inflight_tag = fut, tag
     return fut
@@ -298,11 +280,8 @@ def _register_exit_wait() -> None:
     ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
     new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
     Registered after concurrent.futures', ours runs before it (those hooks run newest first)."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # not CPython >= 3.9: the plain hook is the best left
-        atexit.register(_wait_at_exit)
-        return
-    register(_wait_at_exit)
+    # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
+    (getattr(threading, "_register_atexit", None) or atexit.register)(_wait_at_exit)
 
 
 def _wait_at_exit() -> None:
@@ -342,9 +321,5 @@ def wait_for_saves(*, raise_errors: bool = True) -> None:
     drain = _STATE.drain
     if drain is not None:
         concurrent.futures.wait([drain])
-    if raise_errors and _STATE.failed is not None:
-        tag, exc = _STATE.failed
-        _STATE.failed = None
-        raise CheckpointError(f"the background save of checkpoint {tag!r} failed: {exc}") from exc
     if raise_errors:
-        _raise_drain_failure("")
+        _raise_failed("")

@@ -20,8 +20,6 @@ import torch.distributed as dist
 import smpckpt.errors as _errors
 from smpckpt.errors import CheckpointError
 
-__all__ = ["DistContext", "RankError"]
-
 T = TypeVar("T")
 
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
@@ -135,25 +133,29 @@ class DistContext:
         return [g[1] for g in got]
 
     # -- failure-aware steps ---------------------------------------------------------------------
-    def all_ok(self, fn: Callable[[], T]) -> T:
-        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank.
+    def _agree(self, step: str, error: Exception | None, values: Any) -> list[Any]:
+        """(all ranks) Gather every rank's failure (``error``) and ``values`` of ``step``: if a step raised
+        anywhere, raise on every rank -- the failing rank its own ``error`` (original traceback), the
+        others the same smpckpt error class naming the failed rank. Every rank's values."""
+        failure = RankError.capture(self.rank, error) if error is not None else None
+        got = self._gather_step(step, (failure, values))
+        failures = [f for f, _ in got if f is not None]
+        if error is not None:
+            raise error
+        if failures:
+            raise failures[0].rebuild(len(failures) - 1)
+        return [v for _, v in got]
 
-        The failing rank re-raises its own exception (original traceback); the others raise the same
-        smpckpt error class naming the failed rank.
-        """
+    def all_ok(self, fn: Callable[[], T]) -> T:
+        """(all ranks) Run ``fn`` locally, then agree: if it raised anywhere, raise on every rank (:meth:`_agree`).
+        ``fn`` runs one frame below this method (callers' warning ``stacklevel`` count on it)."""
         result: Any = None
-        failure: RankError | None = None
         error: Exception | None = None
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-            failure = RankError.capture(self.rank, exc)
-        failures = [f for f in self._gather_step("a checked step", failure) if f is not None]
-        if error is not None:
-            raise error
-        if failures:
-            raise failures[0].rebuild(len(failures) - 1)
+        self._agree("a checked step", error, None)
         return result
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
@@ -167,8 +169,7 @@ class DistContext:
             try:
                 payload = ("ok", fn())
             except Exception as exc:  # noqa: BLE001 - broadcast to every rank below
-                error = exc
-                payload = ("error", RankError.capture(self.rank, exc))
+                error, payload = exc, ("error", RankError.capture(self.rank, exc))
         status, value = self.broadcast_object(payload)
         if error is not None:
             raise error
@@ -184,21 +185,13 @@ class DistContext:
         only (a bad option there) fails every rank instead of leaving the others in the next collective."""
         result: Any = None
         values: dict[str, Any] = {}
-        failure: RankError | None = None
         error: Exception | None = None
         try:
             result, shared = fn()
             values = dict(shared)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-            failure = RankError.capture(self.rank, exc)
-        got = self._gather_step(f"the comparison of {what}", (failure, values))
-        failures = [f for f, _ in got if f is not None]
-        if error is not None:
-            raise error
-        if failures:
-            raise failures[0].rebuild(len(failures) - 1)
-        seen = [v for _, v in got]
+        seen = self._agree(f"the comparison of {what}", error, values)
         differ = [k for k in seen[0] if any(v.get(k) != seen[0][k] for v in seen)]
         if differ:
             shown = "; ".join(

@@ -44,8 +44,6 @@ from smpckpt.storage.format._state import probe
 from smpckpt.storage.tier import PreparedCommit, parts_of
 from smpckpt.storage.write._commit import after_commit, check_data_files
 
-__all__ = ["drain"]
-
 log = logging.getLogger("smpckpt.api")
 
 _PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the writers' default part size)
@@ -54,9 +52,10 @@ _PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the write
 _FILES_AT_ONCE = {True: 4, False: 16}
 
 
-def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit, group: Any) -> None:
-    """(all ranks, the drain thread) Copy, commit, point ``newest``, apply retention (module docstring)."""
-    started = time.monotonic()
+def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
+    """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
+    retention (module docstring)."""
+    started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
     fs, path = open_fs(req.url, req.storage_options)

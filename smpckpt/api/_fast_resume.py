@@ -3,10 +3,10 @@ fast tiers or committed in ``path``, whichever is newer.
 
 Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
 
-    choose_tier   (all)      every node's fast tier scanned and gathered
+    choose_tier   (all)      the gloo groups (``smpckpt.api._async``); every node's fast tier scanned and gathered
                   (rank 0)   the newest fast-tier tag whose surviving files cover its manifest, against
                              ``path``'s newest committed one (or the tag asked for); the answer broadcast
-    heal          (all)      leaders of nodes that lack the chosen copy's metadata or manifest receive
+    fast_reader   (all)      heal: leaders of nodes that lack the chosen copy's metadata or manifest receive
                              them from a node that has them (the metadata first: the manifest commits)
     (load)        (all)      dcp.load with PeerFetchingReader: each node fetches from peers the parts its
                              ranks read and it lacks, then reads its own folder, checksums verified
@@ -23,6 +23,7 @@ import os
 import warnings
 from typing import Any
 
+from smpckpt.api._async import stream_groups
 from smpckpt.api._dist import DistContext
 from smpckpt.api._resume import ResumeRequest, Target, resolve_target
 from smpckpt.api._tiers import FastCandidate, Nodes, gather_views, newest_complete, node_layout
@@ -33,8 +34,6 @@ from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 
-__all__ = ["FastSource", "choose_tier", "heal", "fast_reader"]
-
 log = logging.getLogger("smpckpt.api")
 
 
@@ -44,15 +43,20 @@ class FastSource:
 
     candidate: FastCandidate
     heal: tuple[Transfer, ...]  #: metadata and manifest to the leaders of nodes that lack them
+    nodes: Nodes
+    streams: tuple[Any, ...]  #: this process's gloo groups for the transfers (the first: agreements)
+
+    @property
+    def group(self) -> Any:
+        return self.streams[0] if self.streams else None
 
 
-def choose_tier(
-    req: ResumeRequest, ctx: DistContext, local_path: Any
-) -> tuple[Target | None, FastSource | None, Target | None, Nodes]:
-    """(all ranks) The target to load, its fast-tier source (``None``: load from ``path``), the durable
-    target to fall back to, and the nodes."""
+def choose_tier(req: ResumeRequest, ctx: DistContext) -> tuple[Target | None, FastSource | None, Target | None]:
+    """(all ranks) The target to load, its fast-tier source (``None``: load from ``path``), and the
+    durable target to fall back to."""
+    streams = stream_groups(req.process_group, ctx)
     nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group))  # one rank's env fails all
-    local = check_local_path(local_path)
+    local = check_local_path(req.opts.local_path)
     views = gather_views(ctx, nodes, local)
     best = newest_complete(ctx, local, views, req.tag)
 
@@ -69,11 +73,11 @@ def choose_tier(
     if best is None or (req.tag is None and durable is not None and durable.seen_ns > best.order[0]):
         if durable is not None:
             saw_checkpoint(req.root, durable.seen_ns, req.storage_options)
-        return durable, None, None, nodes
+        return durable, None, None
     folder = f"{local}/{partial_dirname(best.tag)}"  # this node's copy
     target = Target.of(best.tag, folder, best.parsed(), False)
     saw_checkpoint(req.root, target.seen_ns, req.storage_options)
-    return target, FastSource(best, _heal_transfers(best, nodes)), durable, nodes
+    return target, FastSource(best, _heal_transfers(best, nodes), nodes, streams), durable
 
 
 def _heal_transfers(best: FastCandidate, nodes: Nodes) -> tuple[Transfer, ...]:
@@ -90,13 +94,14 @@ def _heal_transfers(best: FastCandidate, nodes: Nodes) -> tuple[Transfer, ...]:
     return tuple(out)
 
 
-def heal(fast: FastSource, target: Target, nodes: Nodes, group: Any) -> None:
-    """(all ranks) Nodes that lack the copy's metadata or manifest receive them; agreed across ranks."""
-    gctx = DistContext(group)
+def fast_reader(req: ResumeRequest, target: Target, fast: FastSource) -> PeerFetchingReader:
+    """(all ranks) Nodes that lack the copy's metadata or manifest receive them (agreed across ranks);
+    then this rank's reader of the chosen fast-tier copy."""
+    gctx, nodes = DistContext(fast.group), fast.nodes
     if fast.heal:
         os.makedirs(target.url, exist_ok=True)
     outcome = run_transfers(
-        fast.heal, rank=nodes.rank, group=group, read_folder=target.url, write_folder=target.url, sync=False
+        fast.heal, rank=nodes.rank, group=fast.group, read_folder=target.url, write_folder=target.url, sync=False
     )
 
     def check() -> None:
@@ -106,16 +111,10 @@ def heal(fast: FastSource, target: Target, nodes: Nodes, group: Any) -> None:
             )
 
     gctx.all_ok(check)
-
-
-def fast_reader(
-    req: ResumeRequest, target: Target, fast: FastSource, nodes: Nodes, group: Any, streams: tuple[Any, ...] = ()
-) -> PeerFetchingReader:
-    """This rank's reader of the chosen fast-tier copy."""
     return PeerFetchingReader(
         target.url,
-        group=group,
-        streams=streams,
+        group=fast.group,
+        streams=fast.streams,
         ranks=list(range(nodes.world_size)),
         rank=nodes.rank,
         local_world_size=nodes.local_world_size,

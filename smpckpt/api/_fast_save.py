@@ -5,7 +5,8 @@ Which rank does what ("all" = every rank; "leader" = the first rank of each node
     plan_tier_save  (all, caller)   nodes from LOCAL_WORLD_SIZE; every node's fast tier scanned and
                                     gathered; rank 0: the save number (durable_every), refusal of a tag
                                     already complete in the fast tier or committed in ``path``;
-                                    leaders: this tag's leftover folder removed
+                                    leaders: this tag's leftover folder removed; a durable save waits
+                                    for the drain in flight; the gloo groups (``smpckpt.api._async``)
     save_fast       (all)           dcp.save into each node's folder (FastTierWriter: nothing committed);
                                     the manifest broadcast; each rank's files sent to its replica nodes;
                                     agreement that every node holds its share; then every leader commits
@@ -23,6 +24,7 @@ import logging
 import threading
 from typing import Any
 
+from smpckpt.api._async import background_group, stream_groups, wait_for_drain
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, run_save
 from smpckpt.api._tiers import (
@@ -36,7 +38,7 @@ from smpckpt.api._tiers import (
     scan_local,
     tier_seq,
 )
-from smpckpt.api.options import SaveOptions, check_local_path
+from smpckpt.api.options import check_local_path
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
@@ -51,8 +53,6 @@ from smpckpt.storage.tier import (
 )
 from smpckpt.storage.write._commit import check_data_files
 
-__all__ = ["TierPlan", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
-
 log = logging.getLogger("smpckpt.api")
 
 # fast tier -> the tag a drain of this process is copying from it; the lock also keeps the save
@@ -63,7 +63,8 @@ _HELD: dict[str, str] = {}
 
 @dataclasses.dataclass(frozen=True)
 class TierPlan:
-    """One tiered save, decided before anything is written (identical on every rank but ``folder``)."""
+    """One tiered save, decided before anything is written (identical on every rank but ``folder``), and
+    this process's gloo groups for it."""
 
     nodes: Nodes
     local_path: str  #: this node's fast tier
@@ -71,6 +72,13 @@ class TierPlan:
     seq: int  #: this save's number in the job (1, 2, ...), across restarts
     durable: bool  #: also drained to ``path``
     replicas: int
+    streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
+    drain_group: Any = None  #: the drain thread's group
+
+    @property
+    def group(self) -> Any:
+        """The gloo group of the agreements (``None`` without a process group)."""
+        return self.streams[0] if self.streams else None
 
     def record(self) -> dict[str, Any]:
         """The manifest's ``extra["tier"]``."""
@@ -83,8 +91,9 @@ class TierPlan:
         }
 
 
-def plan_tier_save(req: SaveRequest, ctx: DistContext, opts: SaveOptions) -> TierPlan:
-    """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled."""
+def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
+    """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled, the groups."""
+    opts = req.opts
     nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group, opts.replicas))  # one rank's env fails all
     local = check_local_path(opts.local_path)
     views = gather_views(ctx, nodes, local)
@@ -108,21 +117,19 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, opts: SaveOptions) -> Tie
                 raise CheckpointError(f"{folder}: could not remove the leftovers of an earlier save: {failed[:5]}")
 
     ctx.all_ok(settle)
-    return TierPlan(nodes, local, folder, seq, seq % opts.durable_every == 0, opts.replicas)
+    durable = seq % opts.durable_every == 0
+    if durable:
+        wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
+    streams = stream_groups(req.process_group, ctx)
+    drain_group = background_group(req.process_group, ctx, "drain")
+    return TierPlan(nodes, local, folder, seq, durable, opts.replicas, streams, drain_group)
 
 
-def save_fast(
-    req: SaveRequest,
-    state: dict[str, Any],
-    extra: dict[str, Any],
-    tier: TierPlan,
-    group: Any,
-    streams: tuple[Any, ...] = (),
-) -> PreparedCommit:
-    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``group`` -- gloo -- the agreements and
-    ``streams`` -- gloo groups, default ``group`` -- the transfers) Write, replicate and commit this tag
-    in every node's fast tier; the commit every node holds."""
-    gctx = DistContext(group)
+def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:
+    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``tier.group`` the agreements and
+    ``tier.streams`` the transfers) Write, replicate and commit this tag in every node's fast tier; the
+    commit every node holds."""
+    gctx = DistContext(tier.group)
     opts, nodes = req.opts, tier.nodes
     root_local = is_local(open_fs(req.root, req.storage_options)[0])
     writer = FastTierWriter(
@@ -147,7 +154,7 @@ def save_fast(
         outcome = run_transfers(
             transfers,
             rank=nodes.rank,
-            group=streams or group,
+            group=tier.streams or tier.group,
             read_folder=tier.folder,
             write_folder=tier.folder,
             sync=opts.sync_files,

@@ -20,21 +20,18 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from smpckpt.api._args import OPTIONS, CommonRequest, quiet_no_dist, train_state, translate_dcp
+from smpckpt.api._args import OPTIONS, CommonRequest, train_state
 from smpckpt.api._dist import DistContext
+from smpckpt.api._resume import load_checkpoint
 from smpckpt.api._save import manifest_extra, run_save
 from smpckpt.api.options import ResumeOptions, SaveOptions
 from smpckpt.api.user_content import decode_user_content, encode_user_content
 from smpckpt.catalog.tags import NEWEST_NAME, join_url, validate_tag
 from smpckpt.model.keys import FULL_API_RECORD, RESERVED
-from smpckpt.planners import ObjectBytes, ParallelLoadPlanner
+from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
-
-__all__ = ["save_full", "resume_full", "full_url"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -120,18 +117,8 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         translation=opts.translate_function,  # type: ignore[arg-type]  # a Translation (ResumeOptions checks)
         hf_prefix=f"{RESERVED.model}.",
     )
-    planner = ParallelLoadPlanner(
-        **common.planner_args(),
-        allow_dtype_cast=opts.allow_dtype_cast,
-        allow_pickle=opts.allow_pickle,
-        allow_partial_load=not opts.strict,
-        optional=(RESERVED.user_content, f"{RESERVED.optim}.*"),
-    )
-    try:
-        with quiet_no_dist():
-            dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
-    except CheckpointException as exc:
-        raise translate_dcp(exc, f"loading full checkpoint {url}", metadata_error=reader.metadata_error) from exc
+    optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
+    load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
 
     def apply() -> Any:
         sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)

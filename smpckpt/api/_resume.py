@@ -38,20 +38,6 @@ from smpckpt.model.record import LayoutRecord
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
-__all__ = [
-    "ResumeInfo",
-    "ResumeRequest",
-    "Target",
-    "resolve_resume",
-    "choose_target",
-    "resolve_target",
-    "build_resume_state",
-    "load_checkpoint",
-    "apply_state",
-    "summarize",
-    "not_found_hint",
-]
-
 log = logging.getLogger("smpckpt.api")
 
 
@@ -144,8 +130,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
         found = probe_checkpoint(url, storage_options)
         if found.state == "missing":  # a folder stock dcp.save wrote under the tag's own name
             plain = join_url(root, tag)
-            if probe_checkpoint(plain, storage_options).state == "legacy":
-                url, found = plain, probe_checkpoint(plain, storage_options)
+            if (legacy := probe_checkpoint(plain, storage_options)).state == "legacy":
+                url, found = plain, legacy
         if found.manifest is None:
             if found.state == "missing":
                 return None
@@ -235,29 +221,35 @@ def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) 
 
 
 def load_checkpoint(
-    req: ResumeRequest, target: Target, state: dict[str, Any], reader: FsspecStorageReader | None = None
+    common: CommonRequest,
+    opts: ResumeOptions,
+    url: str,
+    state: dict[str, Any],
+    reader: FsspecStorageReader | None = None,
+    *,
+    optional: tuple[str, ...] | None = None,
+    what: str = "checkpoint",
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``target.url``); strict key
-    checks run before any data is read."""
-    optional = RESERVED.optional(model=req.model is not None, optim=bool(req.optimizers))
+    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``url``); strict key checks run
+    before any data is read. ``optional``: keys that may be absent (default: what a resume may lack)."""
     planner = ParallelLoadPlanner(
-        **req.planner_args(),
-        allow_dtype_cast=req.opts.allow_dtype_cast,
-        allow_pickle=req.opts.allow_pickle,
-        allow_partial_load=not req.opts.strict,
-        optional=optional,
+        **common.planner_args(),
+        allow_dtype_cast=opts.allow_dtype_cast,
+        allow_pickle=opts.allow_pickle,
+        allow_partial_load=not opts.strict,
+        optional=optional or RESERVED.optional(model=common.model is not None, optim=bool(common.optimizers)),
     )
     reader = reader or FsspecStorageReader(
-        target.url,
-        storage_options=req.storage_options,
-        verify_checksums=req.opts.verify_checksums,
-        allow_pickle=req.opts.allow_pickle,
+        url,
+        storage_options=common.storage_options,
+        verify_checksums=opts.verify_checksums,
+        allow_pickle=opts.allow_pickle,
     )
     try:
         with quiet_no_dist():
-            dcp.load(state, storage_reader=reader, planner=planner, process_group=req.process_group)
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
-        raise translate_dcp(exc, f"loading checkpoint {target.url}", metadata_error=reader.metadata_error) from exc
+        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=reader.metadata_error) from exc
     return planner
 
 
@@ -307,16 +299,10 @@ def summarize(
 ) -> ResumeInfo:
     """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
     report = planner.report
-    counts = ctx.all_gather_object(
-        (
-            report.fast_path if report else 0,
-            len(report.resharded) if report else 0,
-            report.missing_keys if report else (),
-        )
-    )
+    mine = (report.fast_path, len(report.resharded), report.missing_keys) if report else (0, 0, ())
+    counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
-    fast = sum(c[0] for c in counts)
-    resharded = sum(c[1] for c in counts)
+    fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
@@ -333,15 +319,6 @@ def summarize(
         fell_back=target.fell_back,
         skipped_keys=tuple(skipped),
     )
-    if info.resharded:
-        log.info(
-            "resumed %s: resharded %d tensor(s) from %s to %s (fast path for %d)",
-            target.url,
-            resharded,
-            saved,
-            req.layout,
-            fast,
-        )
-    else:
-        log.info("resumed %s: fast path for all %d tensor(s) (%s)", target.url, fast, req.layout)
+    how = f"resharded {resharded} tensor(s) from {saved} to {req.layout} (fast path for {fast})"
+    log.info("resumed %s: %s", target.url, how if resharded else f"fast path for all {fast} tensor(s) ({req.layout})")
     return info

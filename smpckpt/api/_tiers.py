@@ -18,7 +18,6 @@ from typing import Any
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
-from smpckpt.api.options import check_local_path
 from smpckpt.catalog.listing import record_order, scan_root
 from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
 from smpckpt.errors import CheckpointCorrupt
@@ -26,23 +25,6 @@ from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none, remove_tree
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
-
-__all__ = [
-    "Nodes",
-    "LocalCopy",
-    "FastCandidate",
-    "node_layout",
-    "scan_local",
-    "gather_views",
-    "committed_copies",
-    "fast_candidate",
-    "assess",
-    "newest_complete",
-    "tier_seq",
-    "durable_seq",
-    "note_durable_seq",
-    "retain_local",
-]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -141,18 +123,16 @@ def scan_local(local_path: str) -> dict[str, LocalCopy]:
                 manifest = Manifest.from_bytes(data, where=join(folder, MANIFEST_NAME))
             except CheckpointCorrupt as exc:
                 log.warning("fast tier: %s; that copy is not used", exc)
-        if manifest is None:
-            out[tag] = LocalCopy(None, (0, ""), 0, files)
-        else:
-            out[tag] = LocalCopy(hash_bytes(data or b""), record_order(manifest), seq_of(manifest), files)
+        digest = hash_bytes(data or b"") if manifest is not None else None
+        out[tag] = LocalCopy(digest, record_order(manifest), seq_of(manifest), files)  # (0, ""), 0 without one
     return out
 
 
-def gather_views(ctx: DistContext, nodes: Nodes, local_path: Any) -> list[dict[str, LocalCopy]]:
+def gather_views(ctx: DistContext, nodes: Nodes, mine: str) -> list[dict[str, LocalCopy]]:
     """(all ranks) Every node's fast tier as its first rank listed it, by rank (a node's ranks share
     its listing); refuses ranks of one node that name different folders (they would write one node's
-    share twice, or not at all) and ranks that disagree on ``LOCAL_WORLD_SIZE``."""
-    mine = check_local_path(local_path)
+    share twice, or not at all) and ranks that disagree on ``LOCAL_WORLD_SIZE``. ``mine``: this node's
+    folder, as :func:`~smpckpt.api.options.check_local_path` returns it."""
     got = ctx.all_gather_object((mine, nodes.local_world_size, scan_local(mine) if nodes.is_leader else None))
     sizes = sorted({lws for _, lws, _ in got})
     if len(sizes) > 1:
@@ -223,15 +203,18 @@ def assess(tag: str, data: bytes, holders: Sequence[int], files: Sequence[Mappin
     ``i`` holds of the tag (``None``: nothing), ``holders`` the folders holding this manifest. A part is
     held where a folder has it at the manifest's size (its bytes are checked when read)."""
     manifest = Manifest.from_bytes(data, where=f"fast-tier manifest of {tag!r}")
-    sizes = {f.name: f.size for f in manifest.files}
-    sizes[manifest.metadata.name] = manifest.metadata.size
     held = {
         name: tuple(i for i, held in enumerate(files) if held is not None and held.get(name) == size)
-        for name, size in sizes.items()
+        for name, size in part_sizes(manifest).items()
     }
     held[MANIFEST_NAME] = tuple(holders)
     missing = tuple(sorted(n for n, where in held.items() if not where))
     return FastCandidate(tag, data, record_order(manifest), held, missing)
+
+
+def part_sizes(manifest: Manifest) -> dict[str, int]:
+    """A save's parts -- its data files, then the generation's metadata -- and their sizes."""
+    return {f.name: f.size for f in manifest.files} | {manifest.metadata.name: manifest.metadata.size}
 
 
 def newest_complete(

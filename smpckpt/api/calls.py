@@ -16,9 +16,9 @@ Folder structure under ``path`` (as SageMaker smp lays it out)::
 committed with the tensors; loaded once, weights-only unless ``allow_pickle=True``).
 
 Both calls first validate their options (:mod:`smpckpt.api.options`) and compare them, the tag, path
-and layout across ranks (:func:`~smpckpt.api._args.same_arguments`); the steps that follow live
-in :mod:`smpckpt.api._save`, :mod:`smpckpt.api._resume` and :mod:`smpckpt.api._full` (each says which
-rank does what), and this module only wires them. Works the same without a process group.
+and layout across ranks (``_agreed``); the steps that follow live in :mod:`smpckpt.api._save`,
+:mod:`smpckpt.api._resume` and :mod:`smpckpt.api._full` (each says which rank does what), and this
+module only wires them. Works the same without a process group.
 """
 
 from __future__ import annotations
@@ -37,20 +37,11 @@ import torch
 from torch import nn
 
 from smpckpt._gc import gc_frozen
-from smpckpt.api._args import CommonRequest, peer_failures, resolve_common, same_arguments
-from smpckpt.api._async import (
-    async_used,
-    background_group,
-    check_previous,
-    stream_groups,
-    submit,
-    submit_drain,
-    wait_for_drain,
-    wait_for_saves,
-)
+from smpckpt.api._args import CommonRequest, peer_failures, resolve_common
+from smpckpt.api._async import async_used, check_previous, submit, submit_drain, wait_for_saves
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import drain
-from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader, heal
+from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader
 from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, save_fast
 from smpckpt.api._full import resume_full, save_full
 from smpckpt.api._resume import (
@@ -93,15 +84,26 @@ def _shown(path: Any) -> str:
     return os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
 
 
-def _chosen(options: _O | None, keywords: _O) -> _O:
-    """``options=`` when given (then no option keyword may be), else the options the keywords built."""
-    if options is None:
-        return keywords
-    if not isinstance(options, type(keywords)):
-        raise TypeError(f"options must be a {type(keywords).__name__}, got {type(options).__name__}")
-    if keywords.given():
-        raise ValueError(f"{', '.join(keywords.given())}: pass options as keywords or as options=, not both")
-    return options
+def _agreed(ctx: DistContext, cls: type[_O], args: dict[str, Any], what: str) -> tuple[CommonRequest, _O]:
+    """(all ranks) Validate a call's arguments (``args``: its parameters by name): the options ``options=``
+    gives (then no option keyword may differ from its default) or the option keywords build, and the
+    arguments both calls share; then compare across ranks the tag, path, layout and the options'
+    :meth:`~smpckpt.api.options.SaveOptions.compared` fields (by :meth:`DistContext.agreed`, before the tag
+    is validated: a tag bad on one rank only must fail every rank, not hang the others)."""
+
+    def validated() -> tuple[tuple[CommonRequest, _O], dict[str, Any]]:
+        keywords, opts = cls(**{f.name: args[f.name] for f in dataclasses.fields(cls)}), args["options"]
+        if opts is None:
+            opts = keywords
+        elif not isinstance(opts, cls):
+            raise TypeError(f"options must be a {cls.__name__}, got {type(opts).__name__}")
+        elif keywords.given():
+            raise ValueError(f"{', '.join(keywords.given())}: pass options as keywords or as options=, not both")
+        common = resolve_common(ctx, args)
+        shared = {"tag": args["tag"], "path": common.root, "layout": common.layout.to_dict(), **opts.compared()}
+        return (common, opts), shared
+
+    return ctx.agreed(validated, what)
 
 
 def _frozen(enabled: bool) -> contextlib.AbstractContextManager[None]:
@@ -176,49 +178,9 @@ def save_checkpoint(
         CheckpointError: any other failure, on every rank (DCP's ``CheckpointException`` is the
             ``__cause__``).
     """
-    ctx = DistContext(process_group)
-
-    def validated() -> tuple[tuple[CommonRequest, SaveOptions], dict[str, Any]]:
-        opts = _chosen(
-            options,
-            SaveOptions(
-                partial=partial,
-                num_kept_partial_checkpoints=num_kept_partial_checkpoints,
-                overwrite=overwrite,
-                save_rng=save_rng,
-                format=format,
-                sync_files=sync_files,
-                remove_uncommitted_older_than=remove_uncommitted_older_than,
-                include_optimizer=include_optimizer,
-                dtype=dtype,
-                hf_config=hf_config,
-                translate_function=translate_function,
-                max_shard_size=max_shard_size,
-                async_save=async_save,
-                wait_for_previous=wait_for_previous,
-                freeze_gc=freeze_gc,
-                verify_replicas=verify_replicas,
-                local_path=local_path,
-                replicas=replicas,
-                durable_every=durable_every,
-                num_kept_local=num_kept_local,
-            ),
-        )
-        common = resolve_common(
-            ctx,
-            path,
-            model=model,
-            optimizer=optimizer,
-            layout=layout,
-            specs=specs,
-            name_map=name_map,
-            storage_options=storage_options,
-            process_group=process_group,
-        )
-        return (common, opts), same_arguments(tag, common, opts)
-
+    args, ctx = dict(locals()), DistContext(process_group)  # the parameters by name: nothing else is bound yet
     with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
-        common, opts = ctx.agreed(validated, "save_checkpoint's arguments")
+        common, opts = _agreed(ctx, SaveOptions, args, "save_checkpoint's arguments")
     action = f"saving {'' if opts.partial else 'full '}checkpoint {tag!r} under {_shown(path)}"
     if opts.async_save or async_used():  # one collective more, only in jobs that save asynchronously
         with peer_failures(ctx, action):
@@ -228,50 +190,38 @@ def save_checkpoint(
             save_full(ctx, common, tag, opts, user_content)
             return None
         req = resolve_save(common, tag, opts, user_content)
-        tier = plan_tier_save(req, ctx, opts) if opts.local_path is not None else None
-        if tier is not None:
-            if tier.durable:
-                wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
-            streams = stream_groups(process_group, ctx)
-            drain_group = background_group(process_group, ctx, "drain")
+        tier = plan_tier_save(req, ctx) if opts.local_path is not None else None
         started = time.monotonic()
         state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
+
+        def save(sreq: SaveRequest, staged: dict[str, Any], how: str) -> None:
+            """Write, commit, point ``newest``, retain on ``sreq.process_group`` (or the tiered save)."""
+            if tier is not None:
+                _save_tiered(sreq, staged, extra, tier)
+                return
+            sctx = DistContext(sreq.process_group)
+            write_checkpoint(sreq, staged, extra)
+            publish_newest(sreq, sctx)
+            log.info("saved checkpoint %s (%s) %s", req.url, req.layout, how)
+            retain(sreq, sctx)
+
         if opts.async_save:
 
             def in_background(staged: dict[str, Any], group: Any) -> None:
-                breq, bctx = dataclasses.replace(req, process_group=group), DistContext(group)
-                with peer_failures(bctx, f"saving checkpoint {req.tag!r} under {req.root} in the background"):
-                    if tier is not None:
-                        _save_tiered(breq, staged, extra, tier, group, streams, drain_group)
-                        return
-                    write_checkpoint(breq, staged, extra)
-                    publish_newest(breq, bctx)
-                    log.info("saved checkpoint %s in the background", req.url)
-                    retain(breq, bctx)
+                with peer_failures(
+                    DistContext(group), f"saving checkpoint {req.tag!r} under {req.root} in the background"
+                ):
+                    save(dataclasses.replace(req, process_group=group), staged, "in the background")
 
             return submit(req.tag, ctx, process_group, state, in_background)
-        if tier is not None:
-            _save_tiered(req, state, extra, tier, streams[0] if streams else None, streams, drain_group)
-            return None
-        write_checkpoint(req, state, extra)
-        publish_newest(req, ctx)
-        log.info("saved checkpoint %s (%s) in %.2fs", req.url, req.layout, time.monotonic() - started)
-        retain(req, ctx)
+        save(req, state, f"in {time.monotonic() - started:.2f}s")
     return None
 
 
-def _save_tiered(
-    req: SaveRequest,
-    state: dict[str, Any],
-    extra: dict[str, Any],
-    tier: TierPlan,
-    group: Any,
-    streams: tuple[Any, ...],
-    drain_group: Any,
-) -> None:
+def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
     """(all ranks) The fast tiers, then (every ``durable_every``-th save) the drain, in the background."""
     started = time.monotonic()
-    prepared = save_fast(req, state, extra, tier, group, streams)
+    prepared = save_fast(req, state, extra, tier)
     log.info(
         "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s",
         req.tag,
@@ -285,8 +235,8 @@ def _save_tiered(
         hold_for_drain(tier.local_path, req.tag)
 
         def work() -> None:
-            with peer_failures(DistContext(drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                drain(req, tier, prepared, drain_group)
+            with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
+                drain(req, tier, prepared)
 
         submit_drain(req.tag, work)
 
@@ -327,54 +277,21 @@ def resume_from_checkpoint(
     The arguments are :func:`save_checkpoint`'s; the option keywords (or ``options=``) are the fields of
     :class:`ResumeOptions`, documented there.
     """
-    ctx = DistContext(process_group)
+    args, ctx = dict(locals()), DistContext(process_group)  # the parameters by name: nothing else is bound yet
     if async_used():
         # this process's background save may be committing, updating newest or removing the checkpoint
         # retention would pick: resume from what it leaves (its failure stays for the next save to raise)
         wait_for_saves(raise_errors=False)
-
-    def validated() -> tuple[tuple[CommonRequest, ResumeOptions], dict[str, Any]]:
-        opts = _chosen(
-            options,
-            ResumeOptions(
-                partial=partial,
-                translate_function=translate_function,
-                missing_ok=missing_ok,
-                strict=strict,
-                load_rng=load_rng,
-                allow_pickle=allow_pickle,
-                allow_dtype_cast=allow_dtype_cast,
-                verify_checksums=verify_checksums,
-                freeze_gc=freeze_gc,
-                local_path=local_path,
-            ),
-        )
-        common = resolve_common(
-            ctx,
-            path,
-            model=model,
-            optimizer=optimizer,
-            layout=layout,
-            specs=specs,
-            name_map=name_map,
-            storage_options=storage_options,
-            process_group=process_group,
-        )
-        return (common, opts), same_arguments(tag, common, opts)
-
     with peer_failures(ctx, f"resuming from {_shown(path)}"):
-        common, opts = ctx.agreed(validated, "resume_from_checkpoint's arguments")
+        common, opts = _agreed(ctx, ResumeOptions, args, "resume_from_checkpoint's arguments")
     action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {_shown(path)}"
     with peer_failures(ctx, action), _frozen(opts.freeze_gc):
         if not opts.partial:
             return resume_full(ctx, common, tag, opts)
         req = resolve_resume(common, tag, opts)
-        fast = fallback = nodes = group = None
-        streams: tuple[Any, ...] = ()
+        fast = fallback = None
         if opts.local_path is not None:
-            streams = stream_groups(process_group, ctx)
-            group = streams[0] if streams else None
-            target, fast, fallback, nodes = choose_tier(req, ctx, opts.local_path)
+            target, fast, fallback = choose_tier(req, ctx)
         else:
             target = choose_target(req, ctx)
         if target is None:
@@ -388,10 +305,9 @@ def resume_from_checkpoint(
         state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
         reader: PeerFetchingReader | None = None
         try:
-            if fast is not None and nodes is not None:
-                heal(fast, target, nodes, group)
-                reader = fast_reader(req, target, fast, nodes, group, streams)
-            planner = load_checkpoint(req, target, state, reader)
+            if fast is not None:
+                reader = fast_reader(req, target, fast)
+            planner = load_checkpoint(req, req.opts, target.url, state, reader)
         except CheckpointError as exc:
             if fast is None or fallback is None:
                 raise
@@ -400,7 +316,7 @@ def resume_from_checkpoint(
             target, reader = fallback, None
             rng = restores_rng(req, target, ctx)
             state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
-            planner = load_checkpoint(req, target, state)
+            planner = load_checkpoint(req, req.opts, target.url, state)
         chosen = target
         user_content, restored = ctx.all_ok(lambda: apply_state(req, chosen, ctx, state, planner.report, rng))
         info = summarize(req, target, ctx, planner, restored)

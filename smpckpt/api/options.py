@@ -52,11 +52,15 @@ def check_local_path(path: Any) -> str:
 
 
 class _Options:
-    """What both option classes share: flags are booleans, options of the other mode are refused."""
+    """What both option classes share: flags are booleans, options of the other mode are refused,
+    ``local_path`` is a folder on this node."""
 
     partial: bool
+    local_path: str | os.PathLike[str] | None
 
     def __post_init__(self) -> None:
+        if self.local_path is not None:
+            check_local_path(self.local_path)
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             if isinstance(f.default, bool):
                 check_flag(f.name, getattr(self, f.name))
@@ -72,11 +76,10 @@ class _Options:
 
     def compared(self) -> dict[str, Any]:
         """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
-        same = {f.name: f.metadata["same"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
         return {
-            name: key(getattr(self, name)) if callable(key) else getattr(self, name)
-            for name, key in same.items()
-            if key
+            f.name: key(getattr(self, f.name)) if callable(key) else getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if (key := f.metadata["same"])
         }
 
 
@@ -211,7 +214,6 @@ class SaveOptions(_Options):
             if tiered:
                 raise ValueError(f"{', '.join(tiered)} apply only with local_path= (tiered checkpoints)")
             return
-        check_local_path(self.local_path)
         check_int("replicas", self.replicas, minimum=1)
         check_int("durable_every", self.durable_every, minimum=1)
         validate_keep(self.num_kept_local, "num_kept_local")
@@ -278,8 +280,6 @@ class ResumeOptions(_Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.local_path is not None:
-            check_local_path(self.local_path)
         fn = self.translate_function
         if self.partial and fn is not None and not callable(fn):
             raise TypeError("translate_function must be callable (state_dict -> state_dict)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from smpckpt.catalog.listing import CheckpointRecord
@@ -27,16 +27,13 @@ from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._fs import join, remove_files
 from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
-
-__all__ = ["sweep_debris"]
+from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 
 log = logging.getLogger(__name__)
 
 
 def _mtimes(fs: Any, path: str) -> dict[str, float]:
     """Relative name -> modification time (epoch seconds) of every file under ``path``."""
-    from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
-
     base = str(fs._strip_protocol(path)).rstrip("/") + "/"
     try:
         found = fs.find(path, detail=True)
@@ -75,42 +72,40 @@ def sweep_debris(
         for name, t in _mtimes(fs, folder).items():
             if name not in listed and is_smpckpt_file(name) and old(t):
                 doomed.append(join(folder, name))
-    for name, t in _mtimes_of_root(fs, root_path).items():  # temp files of interrupted atomic writes
-        if ".tmp." in name and old(t):
-            doomed.append(join(root_path, name))
+    try:
+        entries = fs.ls(root_path, detail=True)
+    except FileNotFoundError:
+        entries = []
+    for e in entries:  # temp files of interrupted atomic writes
+        if e.get("type") != "directory" and ".tmp." in _name(e) and old(_mtime(e)):
+            doomed.append(join(root_path, _name(e)))
     removed = doomed if dry_run else [p for p in doomed if p not in remove_files(fs, doomed)]
-    removed += _full_debris(fs, root_path, root_url, old, storage_options, protected, dry_run)
+    removed += _full_debris(fs, entries, root_path, root_url, old, storage_options, protected, dry_run)
     for p in removed:
         log.info("prune: %s %s", "would remove" if dry_run else "removed", p)
     return removed
 
 
-def _mtimes_of_root(fs: Any, root_path: str) -> dict[str, float]:
-    from smpckpt.storage.tools import _mtime
-
-    try:
-        entries = fs.ls(root_path, detail=True)
-    except FileNotFoundError:
-        return {}
-    out = {}
-    for e in entries:
-        t = _mtime(e)
-        if e.get("type") != "directory" and t is not None:
-            out[str(e["name"]).rstrip("/").rsplit("/", 1)[-1]] = t
-    return out
+def _name(entry: Mapping[str, Any]) -> str:
+    """The last component of a listing entry's name."""
+    return str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
 
 
 def _full_debris(
-    fs: Any, root_path: str, root_url: str, old: Any, storage_options: Any, protected: Collection[str], dry_run: bool
+    fs: Any,
+    entries: list[Mapping[str, Any]],
+    root_path: str,
+    root_url: str,
+    old: Any,
+    storage_options: Any,
+    protected: Collection[str],
+    dry_run: bool,
 ) -> list[str]:
-    """Killed full saves (marker, no manifest) removed whole; a committed full folder's stale marker."""
-    try:
-        entries = fs.ls(root_path, detail=True)
-    except FileNotFoundError:
-        return []
+    """Killed full saves (marker, no manifest) among the root's ``entries`` removed whole; a committed
+    full folder's stale marker."""
     removed: list[str] = []
     for e in entries:
-        name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+        name = _name(e)
         if e.get("type") != "directory" or tag_of_partial_dirname(name) is not None or name == NEWEST_NAME:
             continue
         if name in protected:

@@ -11,6 +11,7 @@ from "legacy"/"missing". A hostile or broken sibling folder is listed as such, n
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -75,10 +76,8 @@ def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, st
     if not isinstance(ns, int):
         ns = 0
         if isinstance(created, str):
-            try:
+            with contextlib.suppress(ValueError):  # not a date: 0
                 ns = int(datetime.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() * 1e9)
-            except ValueError:
-                ns = 0
     return (ns, str(save_id))
 
 

@@ -98,14 +98,11 @@ def select_stale_uncommitted(
     there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
     recoverable data) and ``unsafe`` folders are left for a human.
     """
-    stale = []
-    for r in records:
-        if r.state != "uncommitted":
-            continue
-        t = activity.get(r.tag)
-        if t is None or now - t >= older_than_s:
-            stale.append(r.tag)
-    return stale
+    return [
+        r.tag
+        for r in records
+        if r.state == "uncommitted" and ((t := activity.get(r.tag)) is None or now - t >= older_than_s)
+    ]
 
 
 def apply_retention(
@@ -149,7 +146,6 @@ def apply_retention(
             just_saved,
         )
         doomed = []
-    removed: list[str] = []
     failed: list[str] = []
     by_tag = {r.tag: r for r in records}
 
@@ -176,15 +172,9 @@ def apply_retention(
     aborted: list[str] = []
     debris: list[str] = []
     if uncommitted_older_than is not None:
-        now = time.time()
-        activity = {
-            r.tag: last_activity(r.url, storage_options)
-            for r in records
-            if r.state == "uncommitted" and r.tag not in protected
-        }
-        candidates = select_stale_uncommitted(
-            [r for r in records if r.tag not in protected], activity, uncommitted_older_than, now
-        )
+        unprotected = [r for r in records if r.tag not in protected]
+        activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
+        candidates = select_stale_uncommitted(unprotected, activity, uncommitted_older_than, time.time())
         stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder")]
         try:
             debris = sweep_debris(

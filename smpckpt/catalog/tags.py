@@ -99,10 +99,8 @@ def partial_dirname(tag: str) -> str:
 
 def tag_of_partial_dirname(name: str) -> str | None:
     """``"step10_partial"`` -> ``"step10"``; ``None`` for names that are not a valid partial folder."""
-    if not name.endswith(PARTIAL_SUFFIX):
-        return None
-    tag = name[: -len(PARTIAL_SUFFIX)]
-    return tag if is_valid_tag(tag) else None
+    tag = name.removesuffix(PARTIAL_SUFFIX)
+    return tag if tag != name and is_valid_tag(tag) else None
 
 
 def join_url(root: str, name: str) -> str:

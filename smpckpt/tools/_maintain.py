@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TextIO
 
 from smpckpt.catalog.listing import newest_tag
 from smpckpt.catalog.retention import apply_retention, validate_keep
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url, storage_options_arg
-
-__all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 #: ``--translation`` choices: HF ``config.model_type`` of every family in :mod:`smpckpt.hf`
@@ -51,19 +50,12 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         uncommitted_older_than=args.uncommitted_older_than,
     )
     verb = "would remove" if args.dry_run else "removed"
-    for tag in result.removed:
-        out.write(f"{verb} {tag}\n")
-    for tag in result.removed_uncommitted:
-        out.write(f"{verb} {tag} (uncommitted, stale)\n")
-    for key in result.aborted_uploads:
-        out.write(f"aborted multipart upload {key}\n")
-    for path in result.removed_debris:
-        out.write(f"{verb} {path} (debris of a killed save)\n")
-    for tag in result.failed:
-        err.write(f"could not remove {tag}\n")
-    if not (
-        result.removed or result.removed_uncommitted or result.aborted_uploads or result.removed_debris or result.failed
-    ):
+    out.writelines(f"{verb} {tag}\n" for tag in result.removed)
+    out.writelines(f"{verb} {tag} (uncommitted, stale)\n" for tag in result.removed_uncommitted)
+    out.writelines(f"aborted multipart upload {key}\n" for key in result.aborted_uploads)
+    out.writelines(f"{verb} {path} (debris of a killed save)\n" for path in result.removed_debris)
+    err.writelines(f"could not remove {tag}\n" for tag in result.failed)
+    if not any(dataclasses.astuple(result)):  # every field is a tuple of what was done
         out.write("nothing to remove\n")
     return 1 if result.failed else 0
 

@@ -13,21 +13,19 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from smpckpt.api._tiers import seq_of
+from smpckpt.api._tiers import part_sizes, seq_of
 from smpckpt.catalog.listing import record_order
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import FileRecord, Manifest, open_fs
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
+from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME, METADATA_NAME
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
 from smpckpt.tools._common import human
-from smpckpt.tools._tiers import manifest_parts, ranks_text
-
-__all__ = ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report"]
+from smpckpt.tools._tiers import LocalCopy, ranks_text
 
 _READ_CHUNK = 16 << 20
 
@@ -61,23 +59,9 @@ class FastVerifyReport:
         return self.manifest is not None and not self.problems
 
 
-@dataclasses.dataclass(frozen=True)
-class _Copy:
-    """One folder's ``{tag}_partial``: where, its manifest's bytes and every file in it."""
-
-    url: str
-    fs: Any
-    path: str
-    manifest: bytes | None
-    files: Mapping[str, int]
-
-
-def _read_copy(folder: str, tag: str) -> _Copy | None:
+def _read_copy(folder: str, tag: str) -> LocalCopy | None:
     url = f"{folder}/{partial_dirname(tag)}"
-    if not os.path.isdir(url):
-        return None
-    fs, path = open_fs(url)
-    return _Copy(url, fs, path, read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
+    return LocalCopy.read(*open_fs(url), url) if os.path.isdir(url) else None
 
 
 def verify_fast(
@@ -98,7 +82,7 @@ def verify_fast(
         return report
     ref = report.manifest = max(found, key=record_order)
     # what vouches for each folder's files: its own manifest, else (uncommitted there) the newest one
-    checks: list[tuple[int, _Copy, Manifest, dict[str, int]]] = []
+    checks: list[tuple[int, LocalCopy, Manifest, dict[str, int]]] = []
     for i, (rep, copy, m) in enumerate(zip(report.folders, copies, own)):
         if copy is None or (copy.manifest is not None and m is None):
             continue  # absent, or its manifest is corrupt: nothing vouches for its files
@@ -109,7 +93,7 @@ def verify_fast(
                 f"{rep.folder}: its manifest of {tag!r} (save {m.save_id}) differs from the newest one the folders "
                 f"hold (save {ref.save_id})"
             )
-        checks.append((i, copy, m or ref, _sizes(m or ref)))
+        checks.append((i, copy, m or ref, part_sizes(m or ref)))
     total = sum(size for _, c, _, sizes in checks for n, size in c.files.items() if size == sizes.get(n))
     good: dict[str, set[int]] = {}
     for i, copy, m, sizes in checks:
@@ -118,7 +102,7 @@ def verify_fast(
         if rep.state != "other save":
             for n in held:
                 good.setdefault(n, set()).add(i)
-    report.missing = [n for n in manifest_parts(ref) if n not in good]
+    report.missing = [n for n in part_sizes(ref) if n not in good]
     rank_of = {f.name: f.rank for f in ref.files}
     for n in report.missing:
         whose = f"rank {rank_of[n]}'s data file" if n in rank_of else "the save's metadata"
@@ -129,7 +113,7 @@ def verify_fast(
     return report
 
 
-def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: _Copy | None) -> Manifest | None:
+def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: LocalCopy | None) -> Manifest | None:
     """One folder's manifest (``None``: absent, or corrupt -- then a problem), its state set."""
     if copy is None:
         return None
@@ -144,15 +128,10 @@ def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: _Copy | N
         return None
 
 
-def _sizes(m: Manifest) -> dict[str, int]:
-    """Every part of a save and its size."""
-    return {f.name: f.size for f in m.files} | {m.metadata.name: m.metadata.size}
-
-
 def _check_folder(
     report: FastVerifyReport,
     rep: FolderReport,
-    copy: _Copy,
+    copy: LocalCopy,
     m: Manifest,
     sizes: Mapping[str, int],
     total: int,

@@ -18,27 +18,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from smpckpt.api._resume import resolve_target
-from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, seq_of
+from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, part_sizes, seq_of
 from smpckpt.catalog.listing import CheckpointRecord
-from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, partial_dirname, validate_tag
+from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.tools._common import UsageError, human, layout_json
-
-__all__ = [
-    "FastRow",
-    "ResumePick",
-    "check_local_dirs",
-    "split_tag_spec",
-    "fast_rows",
-    "resume_pick",
-    "ranks_text",
-    "manifest_parts",
-    "write_table",
-    "write_fast_table",
-]
 
 
 def check_local_dirs(dirs: Sequence[str]) -> list[str]:
@@ -99,24 +86,9 @@ class FastRow:
     detail: str = ""
 
     def to_json(self, resume: bool) -> dict[str, Any]:
-        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load)."""
-        return {
-            "tag": self.tag,
-            "state": self.state,
-            "resume": resume,
-            "save_id": self.save_id,
-            "seq": self.seq,
-            "committed_in": list(self.committed_in),
-            "parts_held": self.parts_held,
-            "parts_needed": self.parts_needed,
-            "missing": list(self.missing),
-            "holds": dict(self.holds),
-            "durable": self.durable,
-            "size": self.size,
-            "layout": self.layout,
-            "saved_at": self.saved_at,
-            "detail": self.detail,
-        }
+        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load):
+        every field but ``order``."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "order"} | {"resume": resume}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,21 +102,27 @@ class ResumePick:
 
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
-    """One tag's folder in one ``--local`` folder: its manifest's bytes (``None``: not committed there)
-    and every file in it (relative name -> size)."""
+    """One tag's folder in one ``--local`` folder: where (``url``; ``fs`` and ``path`` to read it), its
+    manifest's bytes (``None``: not committed there) and every file in it (relative name -> size)."""
 
+    url: str
+    fs: Any
+    path: str
     manifest: bytes | None
     files: Mapping[str, int]
+
+    @classmethod
+    def read(cls, fs: Any, path: str, url: str) -> LocalCopy:
+        return cls(url, fs, path, read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
 
 
 def scan_local(folder: str) -> dict[str, LocalCopy]:
     """Every ``{tag}_partial`` folder of one node's fast tier, with its manifest."""
     fs, root = open_root(folder)
-    out = {}
-    for tag, name in list_partial_tags(fs, root).items():
-        path = join(root, name)
-        out[tag] = LocalCopy(read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
-    return out
+    return {
+        tag: LocalCopy.read(fs, join(root, name), f"{folder}/{name}")
+        for tag, name in list_partial_tags(fs, root).items()
+    }
 
 
 def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandidate]:
@@ -164,11 +142,6 @@ def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandid
     return out
 
 
-def manifest_parts(m: Manifest) -> list[str]:
-    """A save's parts: its data files and the generation's metadata."""
-    return [f.name for f in m.files] + [m.metadata.name]
-
-
 def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple[list[FastRow], list[str]]:
     """Every tag in the folders, newest committed save first (then uncommitted and corrupt tags, by
     tag), and warnings (a folder's manifest that does not parse; several saves of one tag)."""
@@ -180,7 +153,7 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
     for c in fast_candidates(views):
         valid.setdefault(c.tag, set()).add(c.manifest)
         m = c.parsed()
-        parts = manifest_parts(m)
+        parts = list(part_sizes(m))
         tier = m.extra.get(TIER_KEY)
         twin = twins.get(c.tag)
         if twin is not None:
@@ -208,11 +181,11 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
     for tag in sorted({t for v in views for t in v}):
         copies = [(d, v[tag]) for d, v in zip(dirs, views) if tag in v]
         bad = [
-            (d, _manifest_problem(d, tag, c))
-            for d, c in copies
+            _manifest_problem(c)
+            for _, c in copies
             if c.manifest is not None and c.manifest not in valid.get(tag, set())
         ]
-        notes += [f"{problem}; that copy is not used" for _, problem in bad]
+        notes += [f"{problem}; that copy is not used" for problem in bad]
         if len(valid.get(tag, ())) > 1:
             notes.append(f"{tag}: the folders hold {len(valid[tag])} different committed saves of this tag")
         if tag in valid:
@@ -228,8 +201,8 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
     return rows, notes
 
 
-def _manifest_problem(folder: str, tag: str, copy: LocalCopy) -> str:
-    where = f"{folder}/{partial_dirname(tag)}/{MANIFEST_NAME}"
+def _manifest_problem(copy: LocalCopy) -> str:
+    where = f"{copy.url}/{MANIFEST_NAME}"
     try:
         Manifest.from_bytes(copy.manifest or b"", where=where)
     except CheckpointCorrupt as exc:

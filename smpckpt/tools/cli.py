@@ -21,12 +21,13 @@ Exit status: 0 success; 1 a problem was found (verify) or the command failed; 2 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -77,19 +78,18 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         pick, why = resume_pick(fast, args.path, options)
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
-    rows: list[dict[str, Any]] = []
-    for r in records:
-        rows.append(
-            {
-                "tag": r.tag,
-                "state": r.state,
-                "newest": r.tag == newest,
-                "size": r.size,
-                "layout": layout_json(r.manifest),
-                "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
-                "detail": r.detail,
-            }
-        )
+    rows: list[dict[str, Any]] = [
+        {
+            "tag": r.tag,
+            "state": r.state,
+            "newest": r.tag == newest,
+            "size": r.size,
+            "layout": layout_json(r.manifest),
+            "saved_at": r.extra.get("saved_at") or (r.manifest.created if r.manifest is not None else None),
+            "detail": r.detail,
+        }
+        for r in records
+    ]
     if args.json:
         doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows}
         if local is not None:
@@ -232,11 +232,8 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     root, tag = split_tag_spec(args.checkpoint)
     url = resolve_checkpoint_url(args.checkpoint, options)
     state = checkpoint_state(url, options)
-    bar = _ProgressBar(err, args.progress)
-    try:
+    with contextlib.closing(_ProgressBar(err, args.progress)) as bar:
         fast = verify_fast(local, tag, progress=bar)
-    finally:
-        bar.close()
     fast_committed = fast is not None and (fast.manifest is not None or bool(fast.problems))
     if state not in ("committed", "legacy") and not fast_committed:
         held = (
@@ -259,11 +256,8 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _verify_durable(url: str, options: dict[str, Any], progress: str, out: TextIO, err: TextIO) -> int:
-    bar = _ProgressBar(err, progress)
-    try:
+    with contextlib.closing(_ProgressBar(err, progress)) as bar:
         report = verify_checkpoint(url, options, progress=bar)
-    finally:
-        bar.close()
     for warning in report.warnings:
         err.write(f"warning: {warning}\n")
     if report.ok:
@@ -298,34 +292,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="node folders of the fast tier (save_checkpoint's local_path), judged together; repeatable",
     )
 
-    p = sub.add_parser("ls", parents=[common, local], help="list the tags under a checkpoint root (and fast tier)")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_ls)
+    def command(
+        name: str,
+        func: Callable[[argparse.Namespace, TextIO, TextIO], int],
+        help: str,
+        target: str = "checkpoint",
+        *,
+        tiers: bool = False,
+    ) -> argparse.ArgumentParser:
+        """A subcommand over ``target`` (``checkpoint``: a ``PATH/TAG``; ``tiers``: also ``--local``)."""
+        p = sub.add_parser(name, parents=[common, local] if tiers else [common], help=help)
+        p.add_argument(target, metavar="PATH/TAG" if target == "checkpoint" else None)
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("inspect", parents=[common], help="tensors, shapes, dtypes, chunks of one checkpoint")
-    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p = command("ls", _cmd_ls, "list the tags under a checkpoint root (and fast tier)", "path", tiers=True)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_inspect)
-
-    p = sub.add_parser(
-        "verify", parents=[common, local], help="check completeness and every checksum (durable and fast tier)"
-    )
-    p.add_argument("checkpoint", metavar="PATH/TAG")
+    p = command("inspect", _cmd_inspect, "tensors, shapes, dtypes, chunks of one checkpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("verify", _cmd_verify, "check completeness and every checksum (durable and fast tier)", tiers=True)
     p.add_argument(
         "--progress",
         choices=("auto", "always", "never"),
         default="auto",
         help=f"progress bar on stderr (auto: checkpoints of {human(_PROGRESS_MIN_BYTES)} or more)",
     )
-    p.set_defaults(func=_cmd_verify)
-
-    p = sub.add_parser(
+    p = command(
         "prune",
-        parents=[common],
-        help="keep the N newest committed partial checkpoints; remove stale debris of failed saves",
+        cmd_prune,
+        "keep the N newest committed partial checkpoints; remove stale debris of failed saves",
+        "path",
     )
-    p.add_argument("path")
     p.add_argument("--keep", type=int, default=None, metavar="N", help="committed checkpoints to keep (N >= 1)")
     p.add_argument(
         "--uncommitted-older-than",
@@ -336,25 +333,21 @@ def build_parser() -> argparse.ArgumentParser:
         "and abort S3 multipart uploads started that long ago",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be removed")
-    p.set_defaults(func=cmd_prune)
-    p = sub.add_parser(
+    p = command(
         "convert",
-        parents=[common],
-        help="export a checkpoint for stock tools: one torch.save file, or a stock-readable DCP folder",
+        cmd_convert,
+        "export a checkpoint for stock tools: one torch.save file, or a stock-readable DCP folder",
     )
-    p.add_argument("checkpoint", metavar="PATH/TAG")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--to", choices=("torch_save", "dcp"), default="torch_save", help="output format")
     p.add_argument("--keep-view-shapes", action="store_true", help="keep fused views in their stored shape")
     p.add_argument("--allow-pickle", action="store_true", help="objects that need code to load (trusted only)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT")
-    p.set_defaults(func=cmd_convert)
-    p = sub.add_parser(
+    p = command(
         "consolidate",
-        parents=[common],
-        help="turn a committed partial checkpoint into one safetensors artifact (as save_checkpoint(partial=False))",
+        cmd_consolidate,
+        "turn a committed partial checkpoint into one safetensors artifact (as save_checkpoint(partial=False))",
     )
-    p.add_argument("checkpoint", metavar="PATH/TAG")
     p.add_argument("out", metavar="OUT", help="output folder (a POSIX path; must not hold a committed checkpoint)")
     p.add_argument("--include-optimizer", action="store_true", help="also write optimizer.safetensors")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
@@ -370,7 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--translation", choices=TRANSLATIONS, default=None, help="write Hugging Face names and layouts")
     p.add_argument("--hf-config", default=None, metavar="CONFIG_JSON", help="written as config.json beside the weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_consolidate)
     return parser
 
 

@@ -55,25 +55,29 @@ class ConsolidateReport(dict[str, Any]):
     """``{"out": url, "tensors": n, "bytes": n, "files": [names]}``."""
 
 
-class _OneTensorAtATime(SavePlanner):
+class _Offline:
+    """The planning half of DCP's planner protocols, which nothing calls offline: the writer calls only
+    ``resolve_data`` of the save planner, the reader only the load planner's destinations."""
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
+        pass
+
+    def create_local_plan(self) -> Any:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def create_global_plan(self, *plans: Any) -> Any:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def finish_plan(self, plan: Any) -> Any:  # pragma: no cover - unused
+        return plan
+
+
+class _OneTensorAtATime(_Offline, SavePlanner):
     """Hands the writer each tensor read whole from the partial checkpoint, only when asked."""
 
     def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
         self.reader, self.md, self.bar = reader, metadata, bar
         self.objects: dict[str, bytes] = {}
-
-    # The writer calls only resolve_data; the rest of the protocol is not used offline.
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
-        pass
-
-    def create_local_plan(self) -> SavePlan:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:  # pragma: no cover
-        raise NotImplementedError
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:  # pragma: no cover - unused
-        return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
@@ -111,24 +115,12 @@ class _OneTensorAtATime(SavePlanner):
         return whole
 
 
-class _Sink(LoadPlanner):
+class _Sink(_Offline, LoadPlanner):
     """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes."""
 
     def __init__(self) -> None:
         self.whole: torch.Tensor | None = None
         self.data: dict[str, bytes] = {}
-
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
-        pass
-
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:  # pragma: no cover - unused
-        return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.data[read_item.dest_index.fqn] = value.getvalue()
@@ -218,7 +210,8 @@ def consolidate_checkpoint(
             kept[fqn] = md
     total = sum(md.size.numel() * md.properties.dtype.itemsize for md in kept.values() if hasattr(md, "size"))
     record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
-    plan = SavePlan(items, planner_data={METADATA_KEY: record} if record else None)
+    planner_data = {METADATA_KEY: record} if record else None
+    plan = SavePlan(items, planner_data=planner_data)
     # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor
     writer = FullArtifactWriter(
         out,
@@ -233,12 +226,7 @@ def consolidate_checkpoint(
             planner = _OneTensorAtATime(reader, metadata, bar)
             (final,) = writer.prepare_global_plan([plan])
             results = writer.write_data(final, planner).wait()
-        out_md = Metadata(
-            state_dict_metadata=kept,
-            planner_data={METADATA_KEY: record} if record else None,
-            storage_data=None,
-        )
-        writer.finish(out_md, [results])
+        writer.finish(Metadata(state_dict_metadata=kept, planner_data=planner_data, storage_data=None), [results])
     except BaseException as exc:
         # as a failed online save does: a full-size artifact of unwritten zeros must not stay in OUT
         left = writer.discard_failed_save(exc)

@@ -24,6 +24,8 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
+__all__ = ["OPTIONS", "CommonRequest", "resolve_common"]
+
 
 # -- helpers -----------------------------------------------------------------------------------------
 def optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:

@@ -39,6 +39,22 @@ import torch.distributed as dist
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
+__all__ = [
+    "submit",
+    "submit_drain",
+    "drain_status",
+    "DrainStatus",
+    "wait_for_drain",
+    "background_group",
+    "stream_groups",
+    "wait_for_saves",
+    "free_staging_buffers",
+    "check_previous",
+    "staging_bytes",
+    "async_used",
+    "set_exit_status_on_failed_save",
+]
+
 log = logging.getLogger("smpckpt.api")
 
 

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import smpckpt.errors as _errors
 from smpckpt.errors import CheckpointError
 
+__all__ = ["DistContext", "RankError"]
+
 T = TypeVar("T")
 
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).

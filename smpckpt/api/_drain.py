@@ -44,6 +44,8 @@ from smpckpt.storage.format._state import probe
 from smpckpt.storage.tier import PreparedCommit, parts_of
 from smpckpt.storage.write._commit import after_commit, check_data_files
 
+__all__ = ["drain"]
+
 log = logging.getLogger("smpckpt.api")
 
 _PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the writers' default part size)

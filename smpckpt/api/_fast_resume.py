@@ -34,6 +34,8 @@ from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 
+__all__ = ["FastSource", "choose_tier", "fast_reader"]
+
 log = logging.getLogger("smpckpt.api")
 
 

@@ -53,6 +53,8 @@ from smpckpt.storage.tier import (
 )
 from smpckpt.storage.write._commit import check_data_files
 
+__all__ = ["TierPlan", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
+
 log = logging.getLogger("smpckpt.api")
 
 # fast tier -> the tag a drain of this process is copying from it; the lock also keeps the save

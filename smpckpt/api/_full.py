@@ -33,6 +33,8 @@ from smpckpt.model.keys import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
 
+__all__ = ["save_full", "resume_full", "full_url"]
+
 log = logging.getLogger("smpckpt.api")
 
 

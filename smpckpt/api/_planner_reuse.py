@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from smpckpt.api._args import CommonRequest
 from smpckpt.planners import ParallelSavePlanner
 
+__all__ = ["kept_save_planner", "forget_save_planners"]
+
 _LOCK = threading.Lock()
 # kind -> planner; a planner in use is taken out, so no two saves share one
 _KEPT: dict[str, ParallelSavePlanner] = {}

@@ -38,6 +38,20 @@ from smpckpt.model.record import LayoutRecord
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
+__all__ = [
+    "ResumeInfo",
+    "ResumeRequest",
+    "Target",
+    "resolve_resume",
+    "choose_target",
+    "resolve_target",
+    "build_resume_state",
+    "load_checkpoint",
+    "apply_state",
+    "summarize",
+    "not_found_hint",
+]
+
 log = logging.getLogger("smpckpt.api")
 
 

@@ -39,6 +39,17 @@ from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageWriter
 from smpckpt.storage.write._base import FsspecWriterBase
 
+__all__ = [
+    "SaveRequest",
+    "resolve_save",
+    "manifest_extra",
+    "build_save_state",
+    "write_checkpoint",
+    "run_save",
+    "publish_newest",
+    "retain",
+]
+
 log = logging.getLogger("smpckpt.api")
 
 

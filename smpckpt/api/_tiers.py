@@ -26,6 +26,24 @@ from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none, r
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
 
+__all__ = [
+    "Nodes",
+    "LocalCopy",
+    "FastCandidate",
+    "node_layout",
+    "scan_local",
+    "gather_views",
+    "committed_copies",
+    "fast_candidate",
+    "assess",
+    "part_sizes",
+    "newest_complete",
+    "tier_seq",
+    "durable_seq",
+    "note_durable_seq",
+    "retain_local",
+]
+
 log = logging.getLogger("smpckpt.api")
 
 #: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size"}

@@ -29,6 +29,8 @@ from smpckpt.storage.backends._fs import join, remove_files
 from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 
+__all__ = ["sweep_debris"]
+
 log = logging.getLogger(__name__)
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from smpckpt.storage.backends._fs import location_key
 
+__all__ = ["saw_checkpoint", "next_save_ns", "plausible_ns", "knows"]
+
 _MAX_NS = 2**62  # about the year 2116
 _now = time.time_ns  # the clock (a test moves it)
 _lock = threading.Lock()

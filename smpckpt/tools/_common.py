@@ -12,6 +12,16 @@ from smpckpt.errors import CheckpointError
 from smpckpt.model.record import LayoutRecord
 from smpckpt.storage import checkpoint_state
 
+__all__ = [
+    "ENV_OPTIONS",
+    "UsageError",
+    "storage_options_arg",
+    "human",
+    "layout_text",
+    "layout_json",
+    "resolve_checkpoint_url",
+]
+
 ENV_OPTIONS = "SMPCKPT_STORAGE_OPTIONS"
 
 

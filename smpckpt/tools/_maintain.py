@@ -11,6 +11,8 @@ from smpckpt.catalog.retention import apply_retention, validate_keep
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url, storage_options_arg
 
+__all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 #: ``--translation`` choices: HF ``config.model_type`` of every family in :mod:`smpckpt.hf`
 TRANSLATIONS = tuple(sorted(_FAMILIES))

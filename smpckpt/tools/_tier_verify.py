@@ -27,6 +27,8 @@ from smpckpt.storage.read._verify_plan import load_problems
 from smpckpt.tools._common import human
 from smpckpt.tools._tiers import LocalCopy, ranks_text
 
+__all__ = ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report"]
+
 _READ_CHUNK = 16 << 20
 
 

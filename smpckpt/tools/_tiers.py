@@ -27,6 +27,18 @@ from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.tools._common import UsageError, human, layout_json
 
+__all__ = [
+    "FastRow",
+    "ResumePick",
+    "check_local_dirs",
+    "split_tag_spec",
+    "fast_rows",
+    "resume_pick",
+    "ranks_text",
+    "write_table",
+    "write_fast_table",
+]
+
 
 def check_local_dirs(dirs: Sequence[str]) -> list[str]:
     """The ``--local`` folders as given (trailing ``/`` dropped); a usage error names one that is not

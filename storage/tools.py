@@ -16,7 +16,7 @@ from smpckpt.storage.format import _names
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._state import CheckpointState, Probe, probe
-from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
 
@@ -140,23 +140,43 @@ def verify_checkpoint(
             problems.append(f"{rec.name}: size {size}, manifest says {rec.size}")
             done += rec.size
             continue
-        with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
-            for n, (start, end, blocks) in enumerate(rec.unit_ranges()):
-                # a block, or a row group of tiles read whole so each tile's row segments are at hand
-                digest = digest_of(memoryview(f.read(end - start)), start)
-                for i in blocks:
-                    if digest(rec.spans(i)) != rec.block_digests[i]:
-                        bs, be = rec.block_start(i), rec.block_ends[i]
-                        problems.append(f"{rec.name}: checksum mismatch in bytes {bs}..{be} (block {i})")
-                done += end - start
-                if progress and (n % 16 == 15 or end == rec.size):
-                    progress(done, total)
+        units = 0
+
+        def tick(nbytes: int) -> None:
+            nonlocal done, units
+            done, units = done + nbytes, units + 1
+            if progress and units % 16 == 0:
+                progress(done, total)
+
+        check_blocks(fs, fpath, rec, rec.name, problems, tick)
+        if progress:
+            progress(done, total)
     if not problems:
         # what a load would refuse before reading (records, files, chunks; a full artifact's HF index),
         # then a full artifact's safetensors files by header and tensor box, as its metadata lists them
         problems += load_problems(url, fs, path, manifest, storage_options)
         problems += _verify_full(fs, path, url, manifest, md) if manifest.kind == "full" and not problems else []
     return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
+
+
+def check_blocks(
+    fs: Any, fpath: str, rec: FileRecord, where: str, problems: list[str], tick: Callable[[int], None]
+) -> bool:
+    """Every block checksum of the data file ``rec`` at ``fpath``: a problem per mismatch (``where`` names
+    the file), ``tick(bytes)`` after each unit read; ``True`` when all match. Shared with
+    ``smpckpt verify --local``, which checks each fast-tier copy so."""
+    ok = True
+    with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
+        for start, end, blocks in rec.unit_ranges():
+            # a block, or a row group of tiles read whole so each tile's row segments are at hand
+            digest = digest_of(memoryview(f.read(end - start)), start)
+            for i in blocks:
+                if digest(rec.spans(i)) != rec.block_digests[i]:
+                    ok = False
+                    bs, be = rec.block_start(i), rec.block_ends[i]
+                    problems.append(f"{where}: checksum mismatch in bytes {bs}..{be} (block {i})")
+            tick(end - start)
+    return ok
 
 
 def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:

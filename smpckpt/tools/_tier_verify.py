@@ -11,25 +11,22 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from smpckpt.api._tiers import part_sizes, seq_of
 from smpckpt.catalog.listing import record_order
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage import FileRecord, Manifest, open_fs
-from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage import Manifest, open_fs
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME, METADATA_NAME
-from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
+from smpckpt.storage.tools import check_blocks
 from smpckpt.tools._common import human
 from smpckpt.tools._tiers import LocalCopy, ranks_text
 
 __all__ = ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report"]
-
-_READ_CHUNK = 16 << 20
 
 
 @dataclasses.dataclass
@@ -174,7 +171,7 @@ def _check_folder(
                 report.problems.append(f"{where}: checksum differs from the manifest")
             tick(size)
         else:
-            ok = _check_blocks(fs, join(path, name), where, records[name], report.problems, tick)
+            ok = check_blocks(fs, join(path, name), records[name], where, report.problems, tick)
         if ok:
             held.add(name)
     rep.problems += len(report.problems) - before
@@ -185,24 +182,6 @@ def _check_folder(
         by_rank.setdefault(f.rank, set()).add(f.name)
     rep.ranks = tuple(r for r, names in sorted(by_rank.items()) if names <= held)
     return held
-
-
-def _check_blocks(
-    fs: Any, fpath: str, where: str, rec: FileRecord, problems: list[str], tick: Callable[[int], None]
-) -> bool:
-    """Every block checksum of one data file (as ``verify_checkpoint`` checks them); ``True`` when all match."""
-    ok = True
-    with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
-        for start, end, blocks in rec.unit_ranges():
-            digest = digest_of(memoryview(f.read(end - start)), start)
-            for i in blocks:
-                if digest(rec.spans(i)) != rec.block_digests[i]:
-                    ok = False
-                    problems.append(
-                        f"{where}: checksum mismatch in bytes {rec.block_start(i)}..{rec.block_ends[i]} (block {i})"
-                    )
-            tick(end - start)
-    return ok
 
 
 def write_fast_report(fast: FastVerifyReport, out: TextIO, err: TextIO) -> int:

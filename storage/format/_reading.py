@@ -17,6 +17,7 @@ from torch.futures import Future
 
 from smpckpt._checks import check_flag
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
+from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.backends._location import FsspecLocation
 from smpckpt.storage.format import _names
@@ -63,6 +64,8 @@ class ReaderBase(FsspecLocation, StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         verify_checksums: bool = True,
         allow_pickle: bool = False,
+        translation: Translation | None = None,
+        hf_prefix: str = "",
     ) -> None:
         super().__init__()
         check_flag("verify_checksums", verify_checksums)
@@ -70,6 +73,7 @@ class ReaderBase(FsspecLocation, StorageReader):
         self.storage_options = dict(storage_options or {})
         self.verify_checksums = verify_checksums
         self.allow_pickle = allow_pickle
+        self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder
         self.last_read_stats: ReadStats | None = None
         self._open(path)
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import confine
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
@@ -59,22 +57,6 @@ class FullArtifactReader(ReaderBase):
         hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
             that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
     """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        verify_checksums: bool = True,
-        allow_pickle: bool = False,
-        translation: Translation | None = None,
-        hf_prefix: str = "",
-    ) -> None:
-        self.translation = translation
-        self.hf_prefix = hf_prefix
-        super().__init__(
-            path, storage_options=storage_options, verify_checksums=verify_checksums, allow_pickle=allow_pickle
-        )
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)

@@ -109,10 +109,13 @@ class FsspecStorageReader(ReaderBase):
         self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
-        self.translation = translation
-        self.hf_prefix = hf_prefix
         super().__init__(
-            path, storage_options=storage_options, verify_checksums=verify_checksums, allow_pickle=allow_pickle
+            path,
+            storage_options=storage_options,
+            verify_checksums=verify_checksums,
+            allow_pickle=allow_pickle,
+            translation=translation,
+            hf_prefix=hf_prefix,
         )
 
     def _open(self, path: str | os.PathLike[str]) -> None:

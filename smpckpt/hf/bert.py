@@ -60,14 +60,9 @@ from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_he
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Rule, Translation, stack
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
-    "translate_state_dict_to_hf_bert",
-    "translate_hf_state_dict_to_smdistributed_bert",
-]
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["translate_state_dict_to_hf_bert", "translate_hf_state_dict_to_smdistributed_bert"]
 
 _BASE = "bert."
 _HEAD = "cls.predictions."

@@ -41,14 +41,9 @@ from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims,
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Leaf, Rule, Shape, Translation, rename, transpose
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
-    "translate_state_dict_to_hf_gpt2",
-    "translate_hf_state_dict_to_smdistributed_gpt2",
-]
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["translate_state_dict_to_hf_gpt2", "translate_hf_state_dict_to_smdistributed_gpt2"]
 
 _H = "transformer.h.{i}."
 _EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"

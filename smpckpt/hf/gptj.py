@@ -46,11 +46,9 @@ from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims,
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += [
     "translate_state_dict_to_hf_gptj",
     "translate_hf_state_dict_to_smdistributed_gptj",
     "translate_hf_gptj_state_dict_to_smdistributed_gptj",

@@ -49,14 +49,9 @@ from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims,
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
-    "translate_state_dict_to_hf_gptneo",
-    "translate_hf_state_dict_to_smdistributed_gptneo",
-]
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["translate_state_dict_to_hf_gptneo", "translate_hf_state_dict_to_smdistributed_gptneo"]
 
 _A = "transformer.h.{i}.attn.attention."
 _EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"

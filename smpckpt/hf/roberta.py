@@ -40,11 +40,9 @@ from smpckpt.hf._common import eager_helpers
 from smpckpt.hf.bert import family_specs, make_fused, make_translation, position_ids_buffer
 from smpckpt.model.specs import ShardSpec
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += [
     "translate_state_dict_to_hf_roberta",
     "translate_hf_state_dict_to_smdistributed_roberta",
     "translate_state_dict_to_smdistributed",

@@ -50,23 +50,9 @@ def __getattr__(name: str) -> _Any:
     raise AttributeError(f"module 'smpckpt' has no attribute {name!r}")
 
 
-__all__ = [
-    "consolidate_checkpoint",
-    "wait_for_saves",
-    "drain_status",
-    "DrainStatus",
-    "set_exit_status_on_failed_save",
-    "free_staging_buffers",
-    "save_checkpoint",
-    "resume_from_checkpoint",
-    "last_resume_info",
-    "ResumeInfo",
-    "SaveOptions",
-    "ResumeOptions",
-    "ParallelLayout",
-    "RankCoords",
-    "ShardSpec",
-    "gc_frozen",
-    "__version__",
-    *_errors.__all__,
-]
+# the checkpoint API and its options; async saves; layouts, tools and errors
+__all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
+__all__ += ["SaveOptions", "ResumeOptions"]
+__all__ += ["wait_for_saves", "drain_status", "DrainStatus", "set_exit_status_on_failed_save", "free_staging_buffers"]
+__all__ += ["ParallelLayout", "RankCoords", "ShardSpec", "consolidate_checkpoint", "gc_frozen", "__version__"]
+__all__ += _errors.__all__

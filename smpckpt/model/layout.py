@@ -127,12 +127,7 @@ class ParallelLayout:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelLayout:
         layers = data.get("pp_layers")
-        return cls(
-            tp=int(data["tp"]),
-            pp=int(data["pp"]),
-            dp=int(data["dp"]),
-            pp_layers=tuple(layers) if layers is not None else None,
-        )
+        return cls(**{axis: int(data[axis]) for axis in AXES}, pp_layers=tuple(layers) if layers is not None else None)
 
     @classmethod
     def from_device_mesh(
@@ -158,12 +153,8 @@ class ParallelLayout:
         def size(name: str) -> int:
             return int(mesh.size(names.index(name))) if name in names else 1
 
-        layout = cls(
-            tp=size(tp_dim),
-            dp=size(dp_dim),
-            pp=size(pp_dim),
-            pp_layers=tuple(pp_layers) if pp_layers is not None else None,
-        )
+        pp_layers = tuple(pp_layers) if pp_layers is not None else None
+        layout = cls(tp=size(tp_dim), dp=size(dp_dim), pp=size(pp_dim), pp_layers=pp_layers)
         grid = mesh.mesh
         order = [n for n in (pp_dim, dp_dim, tp_dim) if n in names]
         perm = [names.index(n) for n in order]

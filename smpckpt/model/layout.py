@@ -83,10 +83,7 @@ class ParallelLayout:
         """Coordinates of global ``rank``."""
         if not 0 <= rank < self.world_size:
             raise SpecError(f"rank {rank} is outside a world of {self.world_size} ({self})")
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return RankCoords(tp_rank, dp_rank, pp_rank)
+        return RankCoords(rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp))
 
     def rank_of(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates."""
@@ -103,9 +100,7 @@ class ParallelLayout:
     # -- pipeline partition -----------------------------------------------------------------------
     def layer_offset(self, pp_rank: int) -> int:
         """Global index of stage ``pp_rank``'s first layer (0 when no partition is recorded)."""
-        if self.pp_layers is None:
-            return 0
-        return sum(self.pp_layers[:pp_rank])
+        return 0 if self.pp_layers is None else sum(self.pp_layers[:pp_rank])
 
     def stage_layers(self, pp_rank: int) -> range:
         """Global layer indices held by stage ``pp_rank``."""

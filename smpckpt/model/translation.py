@@ -93,11 +93,7 @@ class Rule:
 
     def match_artifact(self, key: str) -> dict[str, str] | None:
         """Fields of ``key`` if it is an artifact key this rule reads, else ``None``."""
-        for template in self.artifact:
-            m = _template_regex(template).fullmatch(key)
-            if m:
-                return m.groupdict()
-        return None
+        return next((m.groupdict() for t in self.artifact if (m := _template_regex(t).fullmatch(key))), None)
 
 
 def rename(ours: str, artifact: str) -> Rule:

@@ -7,16 +7,9 @@ translates it at its boundary and keeps the original as ``__cause__``.
 
 from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointNotFound",
-    "CheckpointCorrupt",
-    "CheckpointExists",
-    "LayoutMismatch",
-    "SpecError",
-    "ReplicaMismatch",
-    "UnsafeCheckpoint",
-]
+# the base; a stored checkpoint's state; what the caller passed does not fit
+__all__ = ["CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointExists", "UnsafeCheckpoint"]
+__all__ += ["LayoutMismatch", "SpecError", "ReplicaMismatch"]
 
 
 class CheckpointError(Exception):

@@ -49,6 +49,19 @@ def vocab_spec(model: str, vocab: int, tp: int) -> ShardSpec:
     return ShardSpec(0, sizes=tuple(base + (r < extra) for r in range(tp)))
 
 
+def gpt_dims(
+    model: str, tp: int, config: Any, d: tuple[str, ...], heads: tuple[str, ...], inner: str
+) -> tuple[int, ShardSpec]:
+    """``(d, vocab rows' spec)`` of a GPT-style config (GPT-2, GPT-J, GPT-Neo), after checking ``tp`` and
+    that the heads (the first of ``heads`` set), the MLP width (``inner``, default ``4d``) and the
+    vocabulary split ``tp`` ways (SpecError otherwise)."""
+    check_tp(tp)
+    width = int(cfg_get(config, *d))
+    check_divides(model, heads[0], int(cfg_get(config, *heads)), tp)
+    check_divides(model, inner, int(cfg_get(config, inner, default=None) or 4 * width), tp)
+    return width, vocab_spec(model, int(cfg_get(config, "vocab_size")), tp)
+
+
 def prefixed(prefix: str, rules: Mapping[str, ShardSpec]) -> dict[str, ShardSpec]:
     return {prefix + pattern: spec for pattern, spec in rules.items()}
 

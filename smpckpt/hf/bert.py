@@ -60,14 +60,9 @@ from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_he
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Rule, Translation, stack
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
-    "translate_state_dict_to_hf_bert",
-    "translate_hf_state_dict_to_smdistributed_bert",
-]
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["translate_state_dict_to_hf_bert", "translate_hf_state_dict_to_smdistributed_bert"]
 
 _BASE = "bert."
 _HEAD = "cls.predictions."
@@ -82,20 +77,24 @@ def _qkv_rules(base: str) -> tuple[Rule, ...]:
     )
 
 
-def make_translation(name: str, architecture: str, base: str, tied: Mapping[str, str]) -> Translation:
+def make_translation(name: str, architecture: str, base: str, head: str) -> Translation:
     """The BERT-family translation: fused q/k/v under the head models' ``base`` and in the bare model.
 
     Args:
         name: HF ``config.model_type``.
         architecture: the transformers class of the artifact side.
         base: the head models' prefix of the encoder (``"bert."``).
-        tied: the MLM decoder's weight and bias -> the tensors transformers ties them to.
+        head: the MLM head's prefix (``"cls.predictions."``), whose decoder weight and bias transformers
+            ties to the word embeddings and to ``<head>bias``.
     """
     return Translation(
         name,
         rules=_qkv_rules(base) + _qkv_rules(""),
         ignore=tuple(b + f"embeddings.{buf}" for b in (base, "") for buf in ("position_ids", "token_type_ids")),
-        tied=tied,
+        tied={
+            head + "decoder.weight": base + "embeddings.word_embeddings.weight",
+            head + "decoder.bias": head + "bias",
+        },
         architecture=architecture,
     )
 
@@ -107,14 +106,9 @@ def make_fused(base: str) -> Fused:
     )
 
 
-def family_specs(
-    model: str, tp: int, config: Any, prefix: str, *, base: str, vocab_keys: tuple[str, ...]
-) -> dict[str, ShardSpec]:
-    """Spec rules of the BERT family, for the head models' ``base`` and the bare model.
-
-    ``vocab_keys``: the MLM head's vocab-sized tensors (bias, untied decoder weight and bias), split as the
-    embedding is.
-    """
+def family_specs(model: str, tp: int, config: Any, prefix: str, *, base: str, head: str) -> dict[str, ShardSpec]:
+    """Spec rules of the BERT family, for the head models' ``base`` and the bare model; the MLM ``head``'s
+    vocab-sized tensors (bias, untied decoder weight and bias) are split as the embedding is."""
     check_tp(tp)
     d = int(cfg_get(config, "hidden_size"))
     check_divides(model, "num_attention_heads", int(cfg_get(config, "num_attention_heads")), tp)
@@ -132,7 +126,7 @@ def family_specs(
         # fnmatch's ``*`` crosses dots: ``*[0-9].output`` is the layer's own output (``layer.11.output``),
         # not ``attention.output`` nor a replicated ``crossattention.output``
         rules[b + "encoder.layer.*[0-9].output.dense.weight"] = ShardSpec(1)
-    rules.update(dict.fromkeys(vocab_keys, rows))
+    rules.update(dict.fromkeys((head + "bias", head + "decoder.weight", head + "decoder.bias"), rows))
     return prefixed(prefix, rules)
 
 
@@ -153,12 +147,7 @@ def position_ids_buffer(out: dict[str, torch.Tensor], max_seq_len: int | None) -
     return out
 
 
-TRANSLATION = make_translation(
-    "bert",
-    "BertForMaskedLM",
-    _BASE,
-    {_HEAD + "decoder.weight": _BASE + "embeddings.word_embeddings.weight", _HEAD + "decoder.bias": _HEAD + "bias"},
-)
+TRANSLATION = make_translation("bert", "BertForMaskedLM", _BASE, _HEAD)
 _FUSED = make_fused(_BASE)
 
 
@@ -176,14 +165,7 @@ def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, Shar
 
     Raises SpecError when heads, the intermediate size or the vocabulary cannot be split ``tp`` ways.
     """
-    return family_specs(
-        "bert",
-        tp,
-        config,
-        prefix,
-        base=_BASE,
-        vocab_keys=(_HEAD + "bias", _HEAD + "decoder.weight", _HEAD + "decoder.bias"),
-    )
+    return family_specs("bert", tp, config, prefix, base=_BASE, head=_HEAD)
 
 
 def translate_state_dict_to_hf_bert(

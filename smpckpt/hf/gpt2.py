@@ -37,27 +37,13 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import (
-    Fused,
-    add_mask_buffers,
-    cfg_get,
-    check_divides,
-    check_tp,
-    eager_helpers,
-    prefixed,
-    vocab_spec,
-)
+from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims, prefixed
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Leaf, Rule, Shape, Translation, rename, transpose
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
-    "translate_state_dict_to_hf_gpt2",
-    "translate_hf_state_dict_to_smdistributed_gpt2",
-]
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["translate_state_dict_to_hf_gpt2", "translate_hf_state_dict_to_smdistributed_gpt2"]
 
 _H = "transformer.h.{i}."
 _EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
@@ -149,14 +135,7 @@ def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, Shar
 
     Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
     """
-    check_tp(tp)
-    d = int(cfg_get(config, "n_embd", "hidden_size"))
-    heads = int(cfg_get(config, "n_head", "num_attention_heads"))
-    inner = int(cfg_get(config, "n_inner", default=None) or 4 * d)
-    vocab = int(cfg_get(config, "vocab_size"))
-    check_divides("gpt2", "n_head", heads, tp)
-    check_divides("gpt2", "n_inner", inner, tp)
-    rows = vocab_spec("gpt2", vocab, tp)
+    d, rows = gpt_dims("gpt2", tp, config, ("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), "n_inner")
     return prefixed(
         prefix,
         {

@@ -45,27 +45,13 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import (
-    Fused,
-    add_mask_buffers,
-    cfg_get,
-    check_divides,
-    check_tp,
-    eager_helpers,
-    prefixed,
-    vocab_spec,
-)
+from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims, prefixed
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
-    "translate_state_dict_to_hf_gptneo",
-    "translate_hf_state_dict_to_smdistributed_gptneo",
-]
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += ["translate_state_dict_to_hf_gptneo", "translate_hf_state_dict_to_smdistributed_gptneo"]
 
 _A = "transformer.h.{i}.attn.attention."
 _EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
@@ -96,14 +82,9 @@ def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, Shar
 
     Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
     """
-    check_tp(tp)
-    d = int(cfg_get(config, "hidden_size"))
-    heads = int(cfg_get(config, "num_heads", "num_attention_heads"))
-    inner = int(cfg_get(config, "intermediate_size", default=None) or 4 * d)
-    vocab = int(cfg_get(config, "vocab_size"))
-    check_divides("gpt_neo", "num_heads", heads, tp)
-    check_divides("gpt_neo", "intermediate_size", inner, tp)
-    rows = vocab_spec("gpt_neo", vocab, tp)
+    d, rows = gpt_dims(
+        "gpt_neo", tp, config, ("hidden_size",), ("num_heads", "num_attention_heads"), "intermediate_size"
+    )
     return prefixed(
         prefix,
         {

@@ -40,11 +40,9 @@ from smpckpt.hf._common import eager_helpers
 from smpckpt.hf.bert import family_specs, make_fused, make_translation, position_ids_buffer
 from smpckpt.model.specs import ShardSpec
 
-__all__ = [
-    "TRANSLATION",
-    "translate_hf_state_dict_to_smpckpt",
-    "translate_state_dict_to_hf",
-    "tp_specs",
+# every family's names, then smp v1's
+__all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
+__all__ += [
     "translate_state_dict_to_hf_roberta",
     "translate_hf_state_dict_to_smdistributed_roberta",
     "translate_state_dict_to_smdistributed",
@@ -53,12 +51,7 @@ __all__ = [
 _BASE = "roberta."
 _HEAD = "lm_head."
 
-TRANSLATION = make_translation(
-    "roberta",
-    "RobertaForMaskedLM",
-    _BASE,
-    {_HEAD + "decoder.weight": _BASE + "embeddings.word_embeddings.weight", _HEAD + "decoder.bias": _HEAD + "bias"},
-)
+TRANSLATION = make_translation("roberta", "RobertaForMaskedLM", _BASE, _HEAD)
 _FUSED = make_fused(_BASE)
 
 
@@ -68,14 +61,7 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
     """Glob -> ShardSpec rules of our RoBERTa under TP degree ``tp``; as :func:`smpckpt.hf.bert.tp_specs`
     (``RobertaConfig`` or a dict), with ``lm_head.bias`` and an untied decoder vocab-parallel."""
-    return family_specs(
-        "roberta",
-        tp,
-        config,
-        prefix,
-        base=_BASE,
-        vocab_keys=(_HEAD + "bias", _HEAD + "decoder.weight", _HEAD + "decoder.bias"),
-    )
+    return family_specs("roberta", tp, config, prefix, base=_BASE, head=_HEAD)
 
 
 def translate_state_dict_to_hf_roberta(

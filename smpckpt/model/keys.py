@@ -10,15 +10,8 @@ import dataclasses
 
 from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD  # noqa: F401 - named here too (their old home)
 
-__all__ = [
-    "ReservedKeys",
-    "RESERVED",
-    "API_RECORD",
-    "API_RECORD_V1",
-    "FULL_API_RECORD",
-    "OPTIM_STATE_PREFIX",
-    "FULL_ARTIFACTS",
-]
+__all__ = ["ReservedKeys", "RESERVED", "OPTIM_STATE_PREFIX", "FULL_ARTIFACTS"]
+__all__ += ["API_RECORD", "API_RECORD_V1", "FULL_API_RECORD"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,10 +83,7 @@ class ParallelLayout:
         """Coordinates of global ``rank``."""
         if not 0 <= rank < self.world_size:
             raise SpecError(f"rank {rank} is outside a world of {self.world_size} ({self})")
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return RankCoords(tp_rank, dp_rank, pp_rank)
+        return RankCoords(rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp))
 
     def rank_of(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates."""
@@ -103,9 +100,7 @@ class ParallelLayout:
     # -- pipeline partition -----------------------------------------------------------------------
     def layer_offset(self, pp_rank: int) -> int:
         """Global index of stage ``pp_rank``'s first layer (0 when no partition is recorded)."""
-        if self.pp_layers is None:
-            return 0
-        return sum(self.pp_layers[:pp_rank])
+        return 0 if self.pp_layers is None else sum(self.pp_layers[:pp_rank])
 
     def stage_layers(self, pp_rank: int) -> range:
         """Global layer indices held by stage ``pp_rank``."""
@@ -127,12 +122,7 @@ class ParallelLayout:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelLayout:
         layers = data.get("pp_layers")
-        return cls(
-            tp=int(data["tp"]),
-            pp=int(data["pp"]),
-            dp=int(data["dp"]),
-            pp_layers=tuple(layers) if layers is not None else None,
-        )
+        return cls(**{axis: int(data[axis]) for axis in AXES}, pp_layers=tuple(layers) if layers is not None else None)
 
     @classmethod
     def from_device_mesh(
@@ -158,12 +148,8 @@ class ParallelLayout:
         def size(name: str) -> int:
             return int(mesh.size(names.index(name))) if name in names else 1
 
-        layout = cls(
-            tp=size(tp_dim),
-            dp=size(dp_dim),
-            pp=size(pp_dim),
-            pp_layers=tuple(pp_layers) if pp_layers is not None else None,
-        )
+        pp_layers = tuple(pp_layers) if pp_layers is not None else None
+        layout = cls(tp=size(tp_dim), dp=size(dp_dim), pp=size(pp_dim), pp_layers=pp_layers)
         grid = mesh.mesh
         order = [n for n in (pp_dim, dp_dim, tp_dim) if n in names]
         perm = [names.index(n) for n in order]

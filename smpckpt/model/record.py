@@ -105,15 +105,8 @@ class LayoutRecord:
         if MANIFEST_KEY in extra:
             return cls.from_json(extra[MANIFEST_KEY], where=f"manifest extra[{MANIFEST_KEY!r}]")
         if isinstance(extra.get("layout"), Mapping):  # smpckpt 0.1.0's save_checkpoint
-            return cls.from_json(
-                {
-                    "version": 1,
-                    "layout": extra["layout"],
-                    "specs": extra.get("specs"),
-                    "rank_local": extra.get("rank_local"),
-                },
-                where="manifest extra (0.1.0 layout fields)",
-            )
+            fields = {name: extra.get(name) for name in ("layout", "specs", "rank_local")}
+            return cls.from_json({"version": 1, **fields}, where="manifest extra (0.1.0 layout fields)")
         return None
 
     @staticmethod

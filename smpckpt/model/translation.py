@@ -4,20 +4,12 @@ Two namespaces meet here. *Ours* is our model's global tensor, keyed by our FQN 
 checkpoint stores it (its global *view* shape: a fused QKV weight is ``[3, d, d]``). The *artifact* is
 the foreign file's tensor (an HF safetensors entry), keyed by its own FQN, in its own shape.
 
-Each of our tensors is an :data:`Expr` over artifact tensors, from a two-constructor algebra:
-
-* :class:`Leaf` -- ``artifact[key].reshape(view).permute(perm)`` (rename, transpose, split a fused dim);
-* :class:`Cat` -- ``torch.cat([part, ...], dim)`` (fuse several artifact tensors, e.g. gate and up).
-
-Because an Expr is data, not code, it can be evaluated *lazily, by region*: :func:`pieces` says which
-rectangular region of which artifact tensor (in its viewed coordinates) lands where in any requested
-region of ours. A storage layer uses that to read only one TP rank's shard out of an HF tensor, or to
-write each rank's chunk straight into HF-shaped tensors. :func:`evaluate` and :func:`scatter` are the
-eager forms (whole tensors), used by :meth:`Translation.translate_from_artifact` and
-:meth:`Translation.translate_to_artifact`; both are exact (bit-for-bit) inverses of each other.
-
-The algebra lives in :mod:`smpckpt.model._translation_algebra` and is re-exported here; this module holds
-the rules. A :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
+Each of our tensors is an :data:`Expr` (:class:`Leaf` / :class:`Cat`) over artifact tensors, evaluated
+lazily by region (:func:`pieces`: read one TP rank's shard out of an HF tensor, or write each rank's chunk
+straight into HF-shaped tensors) or eagerly (:func:`evaluate` / :func:`scatter`, exact inverses, used by
+:meth:`Translation.translate_from_artifact` / :meth:`Translation.translate_to_artifact`). That algebra
+lives in :mod:`smpckpt.model._translation_algebra` (documented there) and is re-exported here; this module
+holds the rules. A :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
 (``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way.
 """
 
@@ -43,24 +35,9 @@ from smpckpt.model._translation_algebra import (
     scatter,
 )
 
-__all__ = [
-    "Leaf",
-    "Cat",
-    "Expr",
-    "Piece",
-    "Shape",
-    "expr_shape",
-    "expr_keys",
-    "pieces",
-    "evaluate",
-    "scatter",
-    "Rule",
-    "rename",
-    "transpose",
-    "stack",
-    "Translation",
-    "IDENTITY",
-]
+# the algebra's names, then the rules'
+__all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
+__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "IDENTITY"]
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -116,11 +93,7 @@ class Rule:
 
     def match_artifact(self, key: str) -> dict[str, str] | None:
         """Fields of ``key`` if it is an artifact key this rule reads, else ``None``."""
-        for template in self.artifact:
-            m = _template_regex(template).fullmatch(key)
-            if m:
-                return m.groupdict()
-        return None
+        return next((m.groupdict() for t in self.artifact if (m := _template_regex(t).fullmatch(key))), None)
 
 
 def rename(ours: str, artifact: str) -> Rule:

@@ -7,15 +7,6 @@ from smpckpt.storage.tier.reader import PeerFetchingReader
 from smpckpt.storage.tier.transfer import STREAMS, Transfer, fetch_transfers, replica_transfers, run_transfers
 from smpckpt.storage.tier.writer import FastTierWriter, PreparedCommit, commit_node_copy, parts_of
 
-__all__ = [
-    "STREAMS",
-    "FastTierWriter",
-    "PeerFetchingReader",
-    "PreparedCommit",
-    "Transfer",
-    "commit_node_copy",
-    "fetch_transfers",
-    "parts_of",
-    "replica_transfers",
-    "run_transfers",
-]
+# writing and reading a fast-tier copy; moving its files between ranks
+__all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of", "PeerFetchingReader"]
+__all__ += ["STREAMS", "Transfer", "fetch_transfers", "replica_transfers", "run_transfers"]

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import io
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -32,15 +32,8 @@ import torch.distributed as dist
 from smpckpt.storage.backends._fs import fsync_dir
 from smpckpt.storage.format._names import check_member_name
 
-__all__ = [
-    "Transfer",
-    "TransferOutcome",
-    "run_transfers",
-    "replica_transfers",
-    "fetch_transfers",
-    "CHUNK_BYTES",
-    "STREAMS",
-]
+__all__ = ["Transfer", "TransferOutcome", "run_transfers", "replica_transfers", "fetch_transfers"]
+__all__ += ["CHUNK_BYTES", "STREAMS"]
 
 #: bytes per send: large enough for full speed over gloo, small enough to bound the memory in flight
 CHUNK_BYTES = 32 << 20
@@ -169,12 +162,8 @@ def _word(value: int) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int64)
 
 
-def _chunks(size: int) -> Iterator[int]:
-    done = 0
-    while done < size:
-        n = min(CHUNK_BYTES, size - done)
-        yield n
-        done += n
+def _chunks(size: int) -> list[int]:
+    return [min(CHUNK_BYTES, size - done) for done in range(0, size, CHUNK_BYTES)]
 
 
 def _buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +229,7 @@ def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
     except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
         error = f"{path}: {exc}"
     bufs = _buffers(t.size)
-    sizes = list(_chunks(t.size))
+    sizes = _chunks(t.size)
     with contextlib.ExitStack() as cleanup:
         if out is not None:
             cleanup.callback(out.close)

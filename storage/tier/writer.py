@@ -105,17 +105,16 @@ def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileR
     ``.metadata``. ``False`` when this very generation was already committed here (nothing written);
     :class:`CheckpointExists` when another generation was."""
     fs, path = open_fs(folder)
-    url = folder
     existing = read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME))
     if existing is not None:
         if existing == prepared.manifest:
             return False
-        raise CheckpointExists(f"{url}: holds another committed checkpoint of this tag")
-    check_data_files(fs, path, url, expected)
+        raise CheckpointExists(f"{folder}: holds another committed checkpoint of this tag")
+    check_data_files(fs, path, folder, expected)
     write_bytes_atomic(fs, join(path, prepared.metadata_name), prepared.metadata, sync=sync, sync_dir=False)
     try:
         create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), prepared.manifest, sync=sync)
     except FileExistsError as exc:
-        raise CheckpointExists(f"{url}: another save committed here at the same time") from exc
+        raise CheckpointExists(f"{folder}: another save committed here at the same time") from exc
     write_bytes_atomic(fs, join(path, _names.METADATA_NAME), prepared.metadata, sync=sync)
     return True

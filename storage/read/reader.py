@@ -133,14 +133,8 @@ class FsspecStorageReader(ReaderBase):
     def _read_metadata(self) -> Metadata:
         found = self._probe()
         if opens(found):
-            self._full = FullArtifactReader(
-                self.url,
-                storage_options=self.storage_options,
-                verify_checksums=self.verify_checksums,
-                allow_pickle=self.allow_pickle,
-                translation=self.translation,
-                hf_prefix=self.hf_prefix,
-            )
+            shared = ("storage_options", "verify_checksums", "allow_pickle", "translation", "hf_prefix")
+            self._full = FullArtifactReader(self.url, **{k: getattr(self, k) for k in shared})
             metadata = self._full.metadata_from(found)
             self.state, self.manifest = self._full.state, self._full.manifest
             return metadata

@@ -138,12 +138,10 @@ class FsspecStorageReader(ReaderBase):
             metadata = self._full.metadata_from(found)
             self.state, self.manifest = self._full.state, self._full.manifest
             return metadata
-        if found.state == "legacy":
+        if found.manifest is None:  # what opens() leaves: a stock (legacy) or a committed partial checkpoint
             log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
             self._metadata_path = join(self.path, _names.METADATA_NAME)
             return found.legacy_metadata
-        if found.manifest is None:  # pragma: no cover - probe guarantees it
-            raise CheckpointError("internal: committed checkpoint without manifest")
         metadata, self._metadata_path = self._committed_metadata(found.manifest)
         self._records = {f.name: f for f in found.manifest.files}
         return metadata

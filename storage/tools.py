@@ -13,7 +13,6 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
 from smpckpt.storage.format import _names
-from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._state import CheckpointState, Probe, probe
 from smpckpt.storage.format.manifest import FileRecord, Manifest
@@ -121,7 +120,7 @@ def verify_checkpoint(
     md = read_bytes_or_none(fs, join(path, manifest.metadata.name))
     if md is None:
         problems.append(f"{manifest.metadata.name}: missing")
-    elif len(md) != manifest.metadata.size or hash_bytes(md) != manifest.metadata.digest:
+    elif not manifest.metadata.matches(md):
         problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     warnings = _stock_copy_warnings(fs, path, manifest)
     done = manifest.metadata.size
@@ -129,15 +128,9 @@ def verify_checkpoint(
         progress(done, total)
     for rec in manifest.files:
         fpath = join(path, rec.name)
-        try:
-            with translate_errors(fpath):
-                size = int(fs.size(fpath))
-        except FileNotFoundError:
-            problems.append(f"{rec.name}: missing")
-            done += rec.size
-            continue
+        size = _size(fs, fpath)
         if size != rec.size:
-            problems.append(f"{rec.name}: size {size}, manifest says {rec.size}")
+            problems.append(f"{rec.name}: " + ("missing" if size is None else f"size {size}, manifest says {rec.size}"))
             done += rec.size
             continue
         units = 0
@@ -179,6 +172,15 @@ def check_blocks(
     return ok
 
 
+def _size(fs: Any, fpath: str) -> int | None:
+    """The size of file ``fpath``; ``None`` when it is missing."""
+    try:
+        with translate_errors(fpath):
+            return int(fs.size(fpath))
+    except FileNotFoundError:
+        return None
+
+
 def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     """The stock ``.metadata`` copy of a partial checkpoint is missing or stale (a warning, not an error:
     a crash between the commit and that copy leaves exactly this, and smpckpt still loads it)."""
@@ -187,7 +189,7 @@ def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     stock = read_bytes_or_none(fs, join(path, _names.METADATA_NAME))
     if stock is None:
         return [f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
-    if len(stock) != manifest.metadata.size or hash_bytes(stock) != manifest.metadata.digest:
+    if not manifest.metadata.matches(stock):
         return [
             f"{_names.METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
             "load another generation or fail)"
@@ -224,14 +226,9 @@ def _verify_legacy(
     total = sum(needed.values())
     done = 0
     for name, end in sorted(needed.items()):
-        fpath = join(path, name)
-        try:
-            with translate_errors(fpath):
-                size = int(fs.size(fpath))
-            if size < end:
-                problems.append(f"{name}: {size} bytes, records need {end}")
-        except FileNotFoundError:
-            problems.append(f"{name}: missing")
+        size = _size(fs, join(path, name))
+        if size is None or size < end:
+            problems.append(f"{name}: " + ("missing" if size is None else f"{size} bytes, records need {end}"))
         done += end
         if progress:
             progress(done, total)

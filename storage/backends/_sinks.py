@@ -100,7 +100,7 @@ class LocalSink:
             # Start (not wait for) writeback of the bytes written so far, so the disk works while we
             # keep writing and the fsync in commit() has little left to flush. A hint only: commit()
             # still fsyncs everything.
-            _sync_file_range(self._fd, self._flushed, self._pos - self._flushed, _SYNC_FILE_RANGE_WRITE)
+            write_back(self._fd, self._flushed, self._pos - self._flushed, wait=False)
             self._flushed = self._pos
 
     def commit(self) -> None:

@@ -114,11 +114,6 @@ class ItemChecks:
     groups: int = 1
     rows_per_group: int = 0
 
-    def tiling(self, start: int, nbytes: int) -> Tiling | None:
-        if self.groups < 2 or nbytes <= 0:
-            return None
-        return Tiling(start, start + nbytes, self.row_bytes, self.groups, self.rows_per_group)
-
 
 def item_checks(shape: Sequence[int], itemsize: int, block_size: int) -> ItemChecks:
     """The check units of a raw tensor record of ``shape`` (row-major) under a writer ``block_size``."""

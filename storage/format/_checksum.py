@@ -70,8 +70,9 @@ class BlockHasher:
             return
         self._unit = checks.unit
         self._item_end = self._pos + nbytes
-        self._tiling = checks.tiling(self._pos, nbytes)
-        if self._tiling is not None:
+        self._tiling = None
+        if checks.groups > 1:
+            self._tiling = Tiling(self._pos, self._item_end, checks.row_bytes, checks.groups, checks.rows_per_group)
             self.tilings.append(self._tiling)
             self._tile_h = [xxhash.xxh3_64() for _ in range(self._tiling.groups)]
 

@@ -21,7 +21,6 @@ from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.backends._location import FsspecLocation
 from smpckpt.storage.format import _names
-from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._state import Probe, probe
 from smpckpt.storage.format.manifest import Manifest
@@ -145,7 +144,7 @@ class ReaderBase(FsspecLocation, StorageReader):
         data = read_bytes_or_none(self.fs, md_path)
         if data is None:
             raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
-        if len(data) != manifest.metadata.size or hash_bytes(data) != manifest.metadata.digest:
+        if not manifest.metadata.matches(data):
             raise CheckpointCorrupt(
                 f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "
                 f"manifest says {manifest.metadata.size})"

@@ -236,6 +236,10 @@ class MetadataRecord:
     size: int
     digest: int
 
+    def matches(self, data: bytes) -> bool:
+        """Whether ``data`` (a copy of the metadata, read back) has the recorded size and digest."""
+        return len(data) == self.size and hash_bytes(data) == self.digest
+
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:

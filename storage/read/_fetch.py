@@ -107,8 +107,9 @@ def reads_into(fs: Any) -> bool:
 
 
 def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, want: int) -> int:
-    """File bytes ``[offset, offset + want)`` into ``buffers`` (see :func:`pread_into`), for a ``fs`` that
-    :func:`reads_into`. Returns the bytes read: fewer only when the file ends first."""
+    """File bytes ``[offset, offset + want)`` into ``buffers`` (``want`` bytes in all: a GET body fills
+    exactly what it sends), for a ``fs`` that :func:`reads_into`. Returns the bytes read: fewer only
+    when the file ends first."""
     if is_local(fs):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -117,18 +118,7 @@ def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, w
             os.close(fd)
     from smpckpt.storage.backends._s3 import get_range_into
 
-    return get_range_into(fs, path, offset, offset + want, _trimmed(buffers, want))
-
-
-def _trimmed(buffers: Sequence[memoryview], want: int) -> list[memoryview]:
-    """The first ``want`` bytes of ``buffers`` (a GET body must fill exactly what it sends)."""
-    out: list[memoryview] = []
-    for mv in buffers:
-        if want <= 0:
-            break
-        out.append(mv[:want])
-        want -= len(out[-1])
-    return out
+    return get_range_into(fs, path, offset, offset + want, buffers)
 
 
 @contextlib.contextmanager
@@ -216,8 +206,8 @@ def read_range(
     with reading(path, keys, turn):
         if reads_into(fs):
             # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
-            buf = pool.take(want)
-            data = memoryview(buf)[: _read_into(fs, path, [memoryview(buf)], lo, want)]
+            buf = memoryview(pool.take(want))
+            data = buf[: _read_into(fs, path, [buf[:want]], lo, want)]
         else:
             data = memoryview(fs.cat_file(path, start=lo, end=hi))
     check_complete(path, keys, lo, hi, len(data))

@@ -172,13 +172,14 @@ def plan_reads(
         needed += exact
         needed_per_file[it.file] = needed_per_file.get(it.file, 0) + exact
         rec = records.get(it.file) if verify else None
-        box = box_read(it, rec, verify=verify) if local and it.raw and not _file_contiguous(it) else None
+        contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
+        box = box_read(it, rec, verify=verify) if local and it.raw and not contiguous else None
         if box is not None:
             boxes.append(box)
             continue
         # the reader's record checks have put the item inside the file and the file in the manifest
         lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)
-        if direct and it.raw and it.end - it.start >= direct_min_bytes and _file_contiguous(it):
+        if direct and contiguous and it.end - it.start >= direct_min_bytes:
             # candidate for reading straight into the destination (decided when its target is resolved)
             candidates.append(DirectCandidate(it.file, Need(lo, hi, it)))
             continue
@@ -199,11 +200,6 @@ def _exact_bytes(it: Item) -> int:
     if it.raw and it.dtype is not None:
         return math.prod(int(x) for x in it.req.lengths) * it.dtype.itemsize
     return it.end - it.start
-
-
-def _file_contiguous(it: Item) -> bool:
-    """The requested slice is one contiguous run of the stored chunk's bytes."""
-    return it.dtype is not None and _exact_bytes(it) == it.end - it.start
 
 
 def writable_bytes(it: Item, target: torch.Tensor) -> memoryview | None:

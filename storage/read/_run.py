@@ -189,7 +189,8 @@ class ReadRun:
         destination is resolved when its turn comes."""
         for w in work:
             if isinstance(w, FetchTask):
-                yield self._counted(w)
+                self._add(w.file, w.nbytes, 1)
+                yield w
                 continue
             if isinstance(w, BoxRead):
                 # one pread per row: that many requests
@@ -200,7 +201,8 @@ class ReadRun:
             target = self.planner.resolve_tensor(need.item.req).detach()
             dst = writable_bytes(need.item, target)
             if dst is None:  # not a destination the stored bytes can be read into as they are
-                yield self._counted(FetchTask(w.file, Fetch(need.start, need.end, (need,))))
+                self._add(w.file, w.nbytes, 1)
+                yield FetchTask(w.file, Fetch(need.start, need.end, (need,)))
                 continue
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
@@ -239,10 +241,6 @@ class ReadRun:
         if held is not None:
             self.requests += 1
             yield held
-
-    def _counted(self, task: FetchTask) -> FetchTask:
-        self._add(task.file, task.fetch.end - task.fetch.start, 1)
-        return task
 
     def _add(self, file: str, nbytes: int, requests: int) -> None:
         self.bytes_read += nbytes

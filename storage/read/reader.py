@@ -133,23 +133,15 @@ class FsspecStorageReader(ReaderBase):
     def _read_metadata(self) -> Metadata:
         found = self._probe()
         if opens(found):
-            self._full = FullArtifactReader(
-                self.url,
-                storage_options=self.storage_options,
-                verify_checksums=self.verify_checksums,
-                allow_pickle=self.allow_pickle,
-                translation=self.translation,
-                hf_prefix=self.hf_prefix,
-            )
+            shared = ("storage_options", "verify_checksums", "allow_pickle", "translation", "hf_prefix")
+            self._full = FullArtifactReader(self.url, **{k: getattr(self, k) for k in shared})
             metadata = self._full.metadata_from(found)
             self.state, self.manifest = self._full.state, self._full.manifest
             return metadata
-        if found.state == "legacy":
+        if found.manifest is None:  # what opens() leaves: a stock (legacy) or a committed partial checkpoint
             log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
             self._metadata_path = join(self.path, _names.METADATA_NAME)
             return found.legacy_metadata
-        if found.manifest is None:  # pragma: no cover - probe guarantees it
-            raise CheckpointError("internal: committed checkpoint without manifest")
         metadata, self._metadata_path = self._committed_metadata(found.manifest)
         self._records = {f.name: f for f in found.manifest.files}
         return metadata

@@ -86,6 +86,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import json
+    import pathlib
 
     import torch
 
@@ -94,10 +95,7 @@ def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     src = resolve_checkpoint_url(args.checkpoint, args.storage_options)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     translation = _FAMILIES[args.translation] if args.translation else None
-    hf_config = None
-    if args.hf_config:
-        with open(args.hf_config, encoding="utf-8") as f:
-            hf_config = json.load(f)
+    hf_config = json.loads(pathlib.Path(args.hf_config).read_text(encoding="utf-8")) if args.hf_config else None
     report = consolidate_checkpoint(
         src,
         args.out,

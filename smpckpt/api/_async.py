@@ -295,8 +295,6 @@ def _wait_at_exit() -> None:
     """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag, and
     the process exits with :func:`set_exit_status_on_failed_save`'s status (1 by default)."""
     save, drain = _STATE.save, _STATE.drain
-    if save.fut is None and drain.fut is None:
-        return
     if save.fut is not None and not save.fut.done():
         log.info("waiting for the background save of %r to finish before exiting", save.tag)
     if drain.fut is not None and not drain.fut.done():

@@ -49,7 +49,6 @@ from smpckpt.tools._common import (
 from smpckpt.tools._maintain import DTYPES, TRANSLATIONS, cmd_consolidate, cmd_convert, cmd_prune, duration
 from smpckpt.tools._tier_verify import verify_fast, write_fast_report
 from smpckpt.tools._tiers import (
-    FastRow,
     check_local_dirs,
     fast_rows,
     resume_pick,
@@ -69,12 +68,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     local = check_local_dirs(args.local) if args.local else None
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
-    fast: list[FastRow] = []
-    notes: list[str] = []
-    pick, why = None, ""
-    if local is not None:
-        fast, notes = fast_rows(local, records)
-        pick, why = resume_pick(fast, args.path, args.storage_options)
+    fast, notes = fast_rows(local, records) if local is not None else ([], [])
+    pick, why = resume_pick(fast, args.path, args.storage_options) if local is not None else (None, "")
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
     rows: list[dict[str, Any]] = [

@@ -27,39 +27,6 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 __all__ = ["OPTIONS", "CommonRequest", "resolve_common"]
 
 
-# -- helpers -----------------------------------------------------------------------------------------
-def optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
-    if optimizer is None:
-        return ()
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return (optimizer,)
-    if isinstance(optimizer, Iterable):
-        found = tuple(optimizer)
-        if all(isinstance(o, torch.optim.Optimizer) for o in found):
-            return found
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer or a sequence of them, got {type(optimizer).__name__}")
-
-
-def check_model(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if model is None and optimizers:
-        raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
-    if model is not None and optimizers:
-        # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the
-        # model does not own (an optimizer built over another model, or a parameter replaced after it).
-        owned = {id(p) for p in model.parameters()}
-        for i, opt in enumerate(optimizers):
-            for g, group in enumerate(opt.param_groups):
-                for j, p in enumerate(group["params"]):
-                    if id(p) not in owned:
-                        raise ValueError(
-                            f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
-                            f"{p.dtype}) is not a parameter of the model: build the optimizer over "
-                            "model.parameters() of the model you pass"
-                        )
-
-
 @dataclasses.dataclass(frozen=True)
 class CommonRequest:
     """What a save and a resume both need, validated: the base of their request types."""
@@ -90,8 +57,29 @@ class CommonRequest:
 
 def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
     """Validate the arguments save and resume share (``args``: the public function's parameters by name)."""
-    opts, path, layout = optimizers(args["optimizer"]), args["path"], args["layout"]
-    check_model(args["model"], opts)
+    model, optimizer, path, layout = args["model"], args["optimizer"], args["path"], args["layout"]
+    # one optimizer, a sequence of them, or None; anything else fails the check below
+    opts = tuple(optimizer) if isinstance(optimizer, Iterable) else () if optimizer is None else (optimizer,)
+    if not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a sequence of them, got {type(optimizer).__name__}"
+        )
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if model is None and opts:
+        raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
+    # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the model does
+    # not own (an optimizer built over another model, or a parameter replaced after it)
+    owned = {id(p) for p in model.parameters()} if model is not None and opts else set()
+    for i, opt in enumerate(opts):
+        for g, group in enumerate(opt.param_groups):
+            for j, p in enumerate(group["params"]):
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
+                        f"{p.dtype}) is not a parameter of the model: build the optimizer over "
+                        "model.parameters() of the model you pass"
+                    )
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     if not os.fspath(path):
@@ -104,7 +92,7 @@ def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
         layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
     return CommonRequest(
         root=os.fspath(path),
-        model=args["model"],
+        model=model,
         optimizers=opts,
         layout=layout,
         rules=spec_rules(args["specs"]),

@@ -59,22 +59,28 @@ log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass
+class _Lane:
+    """One background thread's work: the background saves', or the drains' to the durable tier (tiered
+    checkpoints). ``failed`` is kept for the next call to raise."""
+
+    name: str  #: the thread's name prefix
+    what: str  #: the work, as logs and errors name it
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    fut: concurrent.futures.Future[None] | None = None
+    tag: str = ""
+    failed: tuple[str, BaseException] | None = None
+
+
+@dataclasses.dataclass
 class _State:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    executor: concurrent.futures.ThreadPoolExecutor | None = None
-    inflight: concurrent.futures.Future[None] | None = None
-    inflight_tag: str = ""
-    failed: tuple[str, BaseException] | None = None
+    save: _Lane = dataclasses.field(default_factory=lambda: _Lane("smpckpt-async-save", "the background save"))
+    drain: _Lane = dataclasses.field(default_factory=lambda: _Lane("smpckpt-drain", "the drain to the durable tier"))
     groups: dict[Any, Any] = dataclasses.field(default_factory=dict)
     buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = dataclasses.field(
         default_factory=dict
     )
     atexit_registered: bool = False
-    #: the drain to the durable tier (tiered checkpoints): its own thread, future and failure
-    drain_executor: concurrent.futures.ThreadPoolExecutor | None = None
-    drain: concurrent.futures.Future[None] | None = None
-    drain_tag: str = ""
-    drain_failed: tuple[str, BaseException] | None = None
     #: the process's exit status when a background save fails at (or before, unreported) its exit
     exit_status: int | None = 1
 
@@ -98,18 +104,18 @@ def set_exit_status_on_failed_save(status: int | None = 1) -> None:
 
 def async_used() -> bool:
     """Whether this process ever started a background save (then every save checks on it first)."""
-    return _STATE.executor is not None or _STATE.drain_executor is not None
+    return _STATE.save.executor is not None or _STATE.drain.executor is not None
 
 
 def check_previous(wait: bool) -> None:
     """(caller) Raise a background failure once; then wait for (or refuse) a save still in flight."""
-    st = _STATE
-    if st.inflight is not None and not st.inflight.done() and not wait:
+    lane = _STATE.save
+    if lane.fut is not None and not lane.fut.done() and not wait:
         raise CheckpointError(
-            f"a background save of {st.inflight_tag!r} is still running (wait_for_previous=False); call "
+            f"a background save of {lane.tag!r} is still running (wait_for_previous=False); call "
             "smpckpt.wait_for_saves() or save with wait_for_previous=True"
         )
-    _wait_logged(st.inflight, f"the background save of {st.inflight_tag!r} to finish")
+    _wait_logged(lane.fut, f"the background save of {lane.tag!r} to finish")
     _raise_failed(" (this save was not started)")
 
 
@@ -123,48 +129,40 @@ def _wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None
 
 def _raise_failed(suffix: str) -> None:
     """Raise the failure the save thread kept, else the drain thread's (each once: it is then cleared)."""
-    for slot in ("failed", "drain_failed"):
-        failed: tuple[str, BaseException] | None = getattr(_STATE, slot)
-        if failed is not None:
-            setattr(_STATE, slot, None)
-            tag, exc = failed
+    for lane in (_STATE.save, _STATE.drain):
+        if lane.failed is not None:
+            (tag, exc), lane.failed = lane.failed, None
             what = (
                 f"the background save of checkpoint {tag!r}"
-                if slot == "failed"
+                if lane is _STATE.save
                 else f"the drain of checkpoint {tag!r} to the durable tier"
             )
-            kept = "" if slot == "failed" else "; it is still in the fast tier"
+            kept = "" if lane is _STATE.save else "; it is still in the fast tier"
             raise CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}{kept}{suffix}") from exc
 
 
-def _recorded(st: _State, slot: str, tag: str, work: Callable[[], None], what: str) -> None:
-    """(a background thread) ``work()``; its failure is kept in ``st.<slot>`` for the next call to raise."""
+def _recorded(lane: _Lane, tag: str, work: Callable[[], None]) -> None:
+    """(a background thread) ``work()``; its failure is kept in ``lane.failed`` for the next call to raise."""
     try:
         work()
     except BaseException as exc:
-        setattr(st, slot, (tag, exc))
-        log.error("%s of checkpoint %r failed: %s", what, tag, exc)
+        lane.failed = (tag, exc)
+        log.error("%s of checkpoint %r failed: %s", lane.what, tag, exc)
         raise
 
 
-def _started(
-    executor: concurrent.futures.ThreadPoolExecutor | None, name: str
-) -> concurrent.futures.ThreadPoolExecutor:
-    """(under the lock) ``executor``, or a new one-thread one; the exit wait registered once."""
-    if not _STATE.atexit_registered:
-        _register_exit_wait()
-        _STATE.atexit_registered = True
-    return executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-
-
-def submit_drain(tag: str, work: Callable[[], None]) -> concurrent.futures.Future[None]:
-    """Run ``work`` (a drain to the durable tier) on the drain thread, after the drain before it."""
+def submit_drain(tag: str, work: Callable[[], None], lane: _Lane | None = None) -> concurrent.futures.Future[None]:
+    """Run ``work`` on ``lane``'s thread (default: a drain to the durable tier, after the drain before it);
+    the exit wait is registered the first time."""
     st = _STATE
+    lane = lane or st.drain
     with st.lock:
-        st.drain_executor = _started(st.drain_executor, "smpckpt-drain")
-        fut = st.drain_executor.submit(_recorded, st, "drain_failed", tag, work, "the drain to the durable tier")
-        st.drain, st.drain_tag = fut, tag
-    return fut
+        if not st.atexit_registered:
+            _register_exit_wait()
+            st.atexit_registered = True
+        lane.executor = lane.executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=lane.name)
+        lane.fut, lane.tag = lane.executor.submit(_recorded, lane, tag, work), tag
+        return lane.fut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,21 +176,19 @@ class DrainStatus:
 
 def drain_status() -> DrainStatus | None:
     """The state of this process's last drain to the durable tier (``None``: none started)."""
-    st = _STATE
-    fut = st.drain
-    if fut is None:
+    lane = _STATE.drain
+    if lane.fut is None:
         return None
-    if not fut.done():
-        return DrainStatus(st.drain_tag, "running")
-    failed = st.drain_failed
-    if failed is not None and failed[0] == st.drain_tag:
-        return DrainStatus(st.drain_tag, "failed", f"{type(failed[1]).__name__}: {failed[1]}")
-    return DrainStatus(st.drain_tag, "failed" if fut.exception() is not None else "done")
+    if not lane.fut.done():
+        return DrainStatus(lane.tag, "running")
+    if lane.failed is not None and lane.failed[0] == lane.tag:
+        return DrainStatus(lane.tag, "failed", f"{type(lane.failed[1]).__name__}: {lane.failed[1]}")
+    return DrainStatus(lane.tag, "failed" if lane.fut.exception() is not None else "done")
 
 
 def wait_for_drain() -> None:
     """Wait for the drain in flight (no error raised here: the next save or ``wait_for_saves`` does)."""
-    _wait_logged(_STATE.drain, f"the drain of {_STATE.drain_tag!r} to the durable tier")
+    _wait_logged(_STATE.drain.fut, f"the drain of {_STATE.drain.tag!r} to the durable tier")
 
 
 def background_group(process_group: Any, ctx: DistContext, purpose: str = "save") -> Any:
@@ -263,18 +259,13 @@ def submit(
     work: Callable[[dict[str, Any], Any], None],
 ) -> concurrent.futures.Future[None]:
     """(caller) Stage ``state``, then run ``work(staged_state, background_group)`` on the save thread."""
-    st = _STATE
     group = background_group(process_group, ctx)
     started = time.monotonic()
     staged = _stage(state)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
     log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
-    with st.lock:
-        st.executor = _started(st.executor, "smpckpt-async-save")
-        fut = st.executor.submit(_recorded, st, "failed", tag, lambda: work(staged, group), "the background save")
-        st.inflight, st.inflight_tag = fut, tag
-    return fut
+    return submit_drain(tag, lambda: work(staged, group), _STATE.save)
 
 
 def _forget_in_child() -> None:
@@ -303,13 +294,11 @@ def _register_exit_wait() -> None:
 def _wait_at_exit() -> None:
     """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag, and
     the process exits with :func:`set_exit_status_on_failed_save`'s status (1 by default)."""
-    fut = _STATE.inflight
-    if fut is None and _STATE.drain is None:
-        return
-    if fut is not None and not fut.done():
-        log.info("waiting for the background save of %r to finish before exiting", _STATE.inflight_tag)
-    if _STATE.drain is not None and not _STATE.drain.done():
-        log.info("waiting for the drain of %r to the durable tier before exiting", _STATE.drain_tag)
+    save, drain = _STATE.save, _STATE.drain
+    if save.fut is not None and not save.fut.done():
+        log.info("waiting for the background save of %r to finish before exiting", save.tag)
+    if drain.fut is not None and not drain.fut.done():
+        log.info("waiting for the drain of %r to the durable tier before exiting", drain.tag)
     try:
         wait_for_saves(raise_errors=True)
     except CheckpointError as exc:
@@ -330,12 +319,9 @@ def wait_for_saves(*, raise_errors: bool = True) -> None:
     """Block until the background save in flight (if any) and then the drain to the durable tier (tiered
     checkpoints) have finished. With ``raise_errors``, a failure of either is raised here (and not again
     by the next ``save_checkpoint``)."""
-    fut = _STATE.inflight
-    if fut is not None:
-        concurrent.futures.wait([fut])
-    # after the save: a background save of a durable tag submits its drain when its fast tier committed
-    drain = _STATE.drain
-    if drain is not None:
-        concurrent.futures.wait([drain])
+    # the save first: a background save of a durable tag submits its drain when its fast tier committed
+    for lane in (_STATE.save, _STATE.drain):
+        if lane.fut is not None:
+            concurrent.futures.wait([lane.fut])
     if raise_errors:
         _raise_failed("")

@@ -114,10 +114,6 @@ class DistContext:
         dist.broadcast_object_list(box, src=source, group=self.pg)
         return box[0]  # type: ignore[return-value]
 
-    def barrier(self) -> None:
-        if self.active and self.world_size > 1:
-            dist.barrier(group=self.pg)
-
     def _gather_step(self, step: str, obj: T) -> list[T]:
         """(all ranks) ``all_gather_object`` of ``obj``, labelled with ``step``. Ranks given different
         arguments can take different paths (``async_save`` on some ranks: one step more) and meet in

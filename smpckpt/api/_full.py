@@ -46,13 +46,6 @@ def full_url(root: str, tag: str) -> str:
     return join_url(root, tag)
 
 
-def _hf_class(model: Any) -> str | None:
-    """The model's class name when it is a transformers model (what ``save_pretrained`` records as
-    ``architectures``), found without importing transformers."""
-    is_hf = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
-    return type(model).__name__ if is_hf else None
-
-
 def _tensor_state(common: CommonRequest, optim: bool) -> dict[str, Any]:
     """The model's state and (``optim``) the optimizer's tensors: hyper-parameters (param_groups) stay
     with the code that builds the optimizer."""
@@ -69,7 +62,11 @@ def save_full(ctx: DistContext, common: CommonRequest, tag: str, opts: SaveOptio
     if opts.include_optimizer and not common.optimizers:
         raise ValueError("include_optimizer=True needs optimizer=")
     url = full_url(common.root, tag)
-    artifact = opts.artifact(architecture=_hf_class(common.model) if opts.translate_function is None else None)
+    # a transformers model (found without importing transformers): its class name is what save_pretrained
+    # records as ``architectures``
+    model_class = type(common.model)
+    hf = opts.translate_function is None and any(c.__name__ == "PreTrainedModel" for c in model_class.__mro__)
+    artifact = opts.artifact(architecture=model_class.__name__ if hf else None)
 
     def build() -> tuple[dict[str, Any], dict[str, Any]]:
         state = _tensor_state(common, opts.include_optimizer)

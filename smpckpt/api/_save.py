@@ -29,7 +29,7 @@ from smpckpt.api._planner_reuse import kept_save_planner
 from smpckpt.api.options import SaveOptions, config_value
 from smpckpt.api.rng import get_rng_state
 from smpckpt.api.user_content import describe_user_content, encode_user_content
-from smpckpt.catalog._save_clock import knows, next_save_ns, saw_checkpoint
+from smpckpt.catalog._save_clock import next_save_ns
 from smpckpt.catalog.listing import newest_stamp
 from smpckpt.catalog.retention import apply_retention
 from smpckpt.catalog.tags import open_root, partial_url, validate_tag, write_newest
@@ -75,9 +75,7 @@ def manifest_extra(common: CommonRequest, api: str, tag: str, user_content: Any,
     """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, the save
     time from the save clock (:mod:`smpckpt.catalog._save_clock`), ``fields``, what user_content holds,
     and the versions that wrote it."""
-    if not knows(common.root, common.storage_options):  # first save here without a resume: the root's floor
-        saw_checkpoint(common.root, newest_stamp(common.root, common.storage_options), common.storage_options)
-    now = next_save_ns(common.root, common.storage_options)
+    now = next_save_ns(common.root, common.storage_options, lambda: newest_stamp(common.root, common.storage_options))
     return {
         "api": api,
         "tag": tag,

@@ -53,14 +53,22 @@ def check_local_path(path: Any) -> str:
 
 class _Options:
     """What both option classes share: flags are booleans, options of the other mode are refused,
-    ``local_path`` is a folder on this node."""
+    ``local_path`` is a folder on this node, ``partial=False`` translates by a :class:`Translation`."""
 
     partial: bool
     local_path: str | os.PathLike[str] | None
+    translate_function: Any
 
     def __post_init__(self) -> None:
         if self.local_path is not None:
             check_local_path(self.local_path)
+        fn = self.translate_function
+        if not self.partial and fn is not None and not isinstance(fn, Translation):
+            raise TypeError(
+                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
+                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
+                f"need the whole state dict on one rank); got {type(fn).__name__}"
+            )
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             if isinstance(f.default, bool):
                 check_flag(f.name, getattr(self, f.name))
@@ -183,14 +191,11 @@ class SaveOptions(_Options):
         stale = self.remove_uncommitted_older_than
         if stale is not None and (isinstance(stale, bool) or not isinstance(stale, (int, float)) or stale < 0):
             raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
-        if self.partial and self.format not in ("raw", "torch_save"):
-            hint = (
-                " ('safetensors' is a format of full checkpoints, partial=False)"
-                if self.format == "safetensors"
-                else ""
-            )
-            raise ValueError(f"format must be 'raw' or 'torch_save', got {self.format!r}{hint}")
         if self.partial:
+            if self.format not in ("raw", "torch_save"):
+                full = self.format == "safetensors"
+                hint = " ('safetensors' is a format of full checkpoints, partial=False)" if full else ""
+                raise ValueError(f"format must be 'raw' or 'torch_save', got {self.format!r}{hint}")
             return
         if self.format not in ("raw", "safetensors", "torch_save"):
             raise ValueError(
@@ -199,12 +204,6 @@ class SaveOptions(_Options):
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype!r}"
-            )
-        if self.translate_function is not None and not isinstance(self.translate_function, Translation):
-            raise TypeError(
-                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard, never as a gathered "
-                f"state dict; got {type(self.translate_function).__name__}"
             )
         self.artifact()  # the artifact's own checks (max_shard_size...), once, here
 
@@ -280,11 +279,5 @@ class ResumeOptions(_Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        fn = self.translate_function
-        if self.partial and fn is not None and not callable(fn):
+        if self.partial and self.translate_function is not None and not callable(self.translate_function):
             raise TypeError("translate_function must be callable (state_dict -> state_dict)")
-        if not self.partial and fn is not None and not isinstance(fn, Translation):
-            raise TypeError(
-                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION); plain callables would need the whole state dict on one rank"
-            )

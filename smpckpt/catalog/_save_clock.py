@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from smpckpt.storage.backends._fs import location_key
 
-__all__ = ["saw_checkpoint", "next_save_ns", "plausible_ns", "knows"]
+__all__ = ["saw_checkpoint", "next_save_ns", "plausible_ns"]
 
 _MAX_NS = 2**62  # about the year 2116
 _now = time.time_ns  # the clock (a test moves it)
@@ -46,16 +47,15 @@ def saw_checkpoint(root: Any, saved_at_ns: Any, storage_options: Any = None) -> 
         _latest[key] = max(_latest.get(key, 0), saved_at_ns)
 
 
-def knows(root: Any, storage_options: Any = None) -> bool:
-    """Whether this process resumed from or saved under ``root`` already (its floor is known)."""
+def next_save_ns(root: Any, storage_options: Any = None, floor: Callable[[], int] = lambda: 0) -> int:
+    """(rank 0) The stamp of a new save under ``root``: now, or just after the newest one seen. The first
+    time this process neither resumed from nor saved under ``root``, ``floor()`` (read outside the lock)
+    is seen first: the root's own floor."""
     key = location_key(root, storage_options)
     with _lock:
-        return key in _latest
-
-
-def next_save_ns(root: Any, storage_options: Any = None) -> int:
-    """(rank 0) The stamp of a new save under ``root``: now, or just after the newest one seen."""
-    key = location_key(root, storage_options)
+        known = key in _latest
+    if not known:
+        saw_checkpoint(root, floor(), storage_options)
     with _lock:
         ns = max(_now(), _latest.get(key, 0) + 1)
         _latest[key] = ns

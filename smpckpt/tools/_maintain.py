@@ -9,7 +9,7 @@ from typing import TextIO
 from smpckpt.catalog.listing import newest_tag
 from smpckpt.catalog.retention import apply_retention, validate_keep
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
-from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url, storage_options_arg
+from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url
 
 __all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
 
@@ -35,18 +35,17 @@ def duration(text: str) -> float:
 
 
 def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = storage_options_arg(args.storage_options)
     if args.keep is None and args.uncommitted_older_than is None:
         raise UsageError("give --keep N, --uncommitted-older-than AGE, or both")
     try:
         keep = validate_keep(args.keep, "--keep")
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    newest = newest_tag(args.path, storage_options=options)
+    newest = newest_tag(args.path, storage_options=args.storage_options)
     result = apply_retention(
         args.path,
         keep,
-        storage_options=options,
+        storage_options=args.storage_options,
         protected={newest} if newest else set(),
         dry_run=args.dry_run,
         uncommitted_older_than=args.uncommitted_older_than,
@@ -65,15 +64,14 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from smpckpt.tools.convert import convert_checkpoint
 
-    options = storage_options_arg(args.storage_options)
-    src = resolve_checkpoint_url(args.checkpoint, options)
+    src = resolve_checkpoint_url(args.checkpoint, args.storage_options)
     report = convert_checkpoint(
         src,
         args.out,
         to=args.to,
         keep_view_shapes=args.keep_view_shapes,
-        storage_options=options,
-        out_storage_options=options,
+        storage_options=args.storage_options,
+        out_storage_options=args.storage_options,
         allow_pickle=args.allow_pickle,
         overwrite=args.overwrite,
     )
@@ -88,19 +86,16 @@ def cmd_convert(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import json
+    import pathlib
 
     import torch
 
     from smpckpt.tools.consolidate import consolidate_checkpoint
 
-    options = storage_options_arg(args.storage_options)
-    src = resolve_checkpoint_url(args.checkpoint, options)
+    src = resolve_checkpoint_url(args.checkpoint, args.storage_options)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     translation = _FAMILIES[args.translation] if args.translation else None
-    hf_config = None
-    if args.hf_config:
-        with open(args.hf_config, encoding="utf-8") as f:
-            hf_config = json.load(f)
+    hf_config = json.loads(pathlib.Path(args.hf_config).read_text(encoding="utf-8")) if args.hf_config else None
     report = consolidate_checkpoint(
         src,
         args.out,
@@ -109,7 +104,7 @@ def cmd_consolidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         max_shard_size=args.max_shard_size,
         translation=translation,
         hf_config=hf_config,
-        storage_options=options,
+        storage_options=args.storage_options,
         progress=not args.no_progress,
         format=args.format,
     )

@@ -58,11 +58,6 @@ class FastVerifyReport:
         return self.manifest is not None and not self.problems
 
 
-def _read_copy(folder: str, tag: str) -> LocalCopy | None:
-    url = f"{folder}/{partial_dirname(tag)}"
-    return LocalCopy.read(*open_fs(url), url) if os.path.isdir(url) else None
-
-
 def verify_fast(
     dirs: Sequence[str], tag: str, progress: Callable[[int, int], None] | None = None
 ) -> FastVerifyReport | None:
@@ -71,7 +66,8 @@ def verify_fast(
     listed size and every block checksum; every part is held intact by some folder agreeing with the
     newest manifest; and (once, on a folder with that manifest) what a load checks before reading.
     ``None`` when no folder has the tag."""
-    copies = [_read_copy(d, tag) for d in dirs]
+    urls = [f"{d}/{partial_dirname(tag)}" for d in dirs]
+    copies = [LocalCopy.read(*open_fs(url), url) if os.path.isdir(url) else None for url in urls]
     if all(c is None for c in copies):
         return None
     report = FastVerifyReport(tag, [FolderReport(d) for d in dirs])

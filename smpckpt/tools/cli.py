@@ -27,7 +27,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -49,7 +49,6 @@ from smpckpt.tools._common import (
 from smpckpt.tools._maintain import DTYPES, TRANSLATIONS, cmd_consolidate, cmd_convert, cmd_prune, duration
 from smpckpt.tools._tier_verify import verify_fast, write_fast_report
 from smpckpt.tools._tiers import (
-    FastRow,
     check_local_dirs,
     fast_rows,
     resume_pick,
@@ -66,16 +65,11 @@ _PROGRESS_MIN_BYTES = 256 << 20
 
 # -- commands ----------------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = storage_options_arg(args.storage_options)
     local = check_local_dirs(args.local) if args.local else None
-    records = scan_root(args.path, storage_options=options)
-    newest = newest_tag(args.path, storage_options=options)
-    fast: list[FastRow] = []
-    notes: list[str] = []
-    pick, why = None, ""
-    if local is not None:
-        fast, notes = fast_rows(local, records)
-        pick, why = resume_pick(fast, args.path, options)
+    records = scan_root(args.path, storage_options=args.storage_options)
+    newest = newest_tag(args.path, storage_options=args.storage_options)
+    fast, notes = fast_rows(local, records) if local is not None else ([], [])
+    pick, why = resume_pick(fast, args.path, args.storage_options) if local is not None else (None, "")
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
     rows: list[dict[str, Any]] = [
@@ -136,9 +130,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = storage_options_arg(args.storage_options)
-    url = resolve_checkpoint_url(args.checkpoint, options)
-    reader = FsspecStorageReader(url, storage_options=options)
+    url = resolve_checkpoint_url(args.checkpoint, args.storage_options)
+    reader = FsspecStorageReader(url, storage_options=args.storage_options)
     metadata = reader.read_metadata()
     extra: Mapping[str, Any] = reader.manifest.extra if reader.manifest is not None else {}
     record = LayoutRecord.from_manifest(reader.manifest) or LayoutRecord.from_metadata(metadata)
@@ -195,44 +188,35 @@ def _cmd_inspect(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-class _ProgressBar:
-    """A tqdm byte bar on ``stream`` (``--progress``: auto draws it for large checkpoints only)."""
+@contextlib.contextmanager
+def _progress_bar(stream: TextIO, mode: str) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done, total)`` drawing a tqdm byte bar on ``stream`` (``--progress``: auto draws it for
+    large checkpoints only), closed on exit."""
+    bars: list[tqdm] = []
 
-    def __init__(self, stream: TextIO, mode: str) -> None:
-        self.stream = stream
-        self.mode = mode
-        self._bar: tqdm | None = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.mode == "never" or (self.mode == "auto" and total < _PROGRESS_MIN_BYTES):
+    def progress(done: int, total: int) -> None:
+        if mode == "never" or (mode == "auto" and total < _PROGRESS_MIN_BYTES):
             return
-        if self._bar is None:
-            self._bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="verify",
-                file=self.stream,
-                mininterval=0.1,
-                dynamic_ncols=True,
-            )
-        self._bar.update(done - self._bar.n)
+        if not bars:
+            opts = {"unit": "B", "unit_scale": True, "unit_divisor": 1024, "mininterval": 0.1, "dynamic_ncols": True}
+            bars.append(tqdm(total=total, desc="verify", file=stream, **opts))
+        bars[0].update(done - bars[0].n)
 
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+    try:
+        yield progress
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    options = storage_options_arg(args.storage_options)
     if not args.local:
-        return _verify_durable(resolve_checkpoint_url(args.checkpoint, options), options, args.progress, out, err)
+        return _verify_durable(args, resolve_checkpoint_url(args.checkpoint, args.storage_options), out, err)
     local = check_local_dirs(args.local)
     root, tag = split_tag_spec(args.checkpoint)
-    url = resolve_checkpoint_url(args.checkpoint, options)
-    state = checkpoint_state(url, options)
-    with contextlib.closing(_ProgressBar(err, args.progress)) as bar:
+    url = resolve_checkpoint_url(args.checkpoint, args.storage_options)
+    state = checkpoint_state(url, args.storage_options)
+    with _progress_bar(err, args.progress) as bar:
         fast = verify_fast(local, tag, progress=bar)
     fast_committed = fast is not None and (fast.manifest is not None or bool(fast.problems))
     if state not in ("committed", "legacy") and not fast_committed:
@@ -245,7 +229,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
     rc = 0
     if state in ("committed", "legacy"):
-        rc = _verify_durable(url, options, args.progress, out, err)
+        rc = _verify_durable(args, url, out, err)
     else:
         out.write(f"durable: {root} holds no committed {tag!r} ({state}): only the fast tier's copy is verified\n")
     if fast is None or not fast_committed:
@@ -255,9 +239,9 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return max(rc, write_fast_report(fast, out, err))
 
 
-def _verify_durable(url: str, options: dict[str, Any], progress: str, out: TextIO, err: TextIO) -> int:
-    with contextlib.closing(_ProgressBar(err, progress)) as bar:
-        report = verify_checkpoint(url, options, progress=bar)
+def _verify_durable(args: argparse.Namespace, url: str, out: TextIO, err: TextIO) -> int:
+    with _progress_bar(err, args.progress) as bar:
+        report = verify_checkpoint(url, args.storage_options, progress=bar)
     for warning in report.warnings:
         err.write(f"warning: {warning}\n")
     if report.ok:
@@ -373,6 +357,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        args.storage_options = storage_options_arg(args.storage_options)  # every command's, parsed once
         return int(args.func(args, out, err))
     except BrokenPipeError:
         # the reader went away (`smpckpt inspect ... | head`): stop quietly, like any Unix tool

@@ -5,6 +5,7 @@ chunk per tensor, in the stored dtype, with the artifact description)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -38,7 +39,7 @@ from smpckpt.storage.full._plan import plan_artifact
 from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions
-from smpckpt.storage.write._failed_save import committed_by, raise_commit_failure
+from smpckpt.storage.write._failed_save import commit_manifest
 
 __all__ = [
     "folder_names",
@@ -235,13 +236,8 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
             f"{url}: another save took this folder over while this full save was writing (its "
             f"{WRITING_MARKER} marker names {marker!r}, not this save {manifest.save_id}); not committed"
         )
-    try:
-        create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=sync)
-    except FileExistsError as exc:
-        # a retried conditional PUT whose first attempt landed is refused (412) by our own manifest
-        if not committed_by(fs, path, manifest.save_id):
-            raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
-    except Exception as exc:
-        raise_commit_failure(fs, path, url, manifest.save_id, exc)
+    write = functools.partial(create_bytes_exclusive, fs, join(path, _names.MANIFEST_NAME), sync=sync)
+    refused = "another save committed here while this full save was writing"
+    commit_manifest(fs, path, url, manifest, write, refused=refused, discard=False)
     if remove_files(fs, [join(path, WRITING_MARKER)]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)

@@ -31,7 +31,7 @@ from smpckpt.storage.format._regions import box_runs, split_box
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.full._exchange import Block, Swapper, batches
 from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
-from smpckpt.storage.full._units import BoxUnits
+from smpckpt.storage.full._units import BoxUnits, unit_extent
 
 __all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
 
@@ -153,11 +153,10 @@ def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
     """Per file, the byte span ``[lo, hi)`` that covers this rank's boxes."""
     spans: dict[str, tuple[int, int]] = {}
     for w in writes:
-        starts, run = box_runs(w.view, w.offsets, w.sizes, w.dtype.itemsize)
-        if len(starts):
-            lo, hi = w.start + int(starts[0]), w.start + int(starts[-1]) + run
-            old = spans.get(w.file)
-            spans[w.file] = (min(old[0], lo), max(old[1], hi)) if old else (lo, hi)
+        ext = unit_extent(w.view, w.offsets, w.sizes, w.dtype.itemsize, ())
+        if ext is not None:
+            lo, hi = spans.get(w.file, (w.start + ext[0], 0))
+            spans[w.file] = (min(lo, w.start + ext[0]), max(hi, w.start + ext[1]))
     return spans
 
 

@@ -8,7 +8,8 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions
 from smpckpt.storage.write._failed_save import commit_manifest
+
+if TYPE_CHECKING:
+    from smpckpt.storage.full.writer import FullArtifactWriter
 
 __all__ = [
     "folder_names",
@@ -114,19 +118,13 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
 
 
 def begin_full_save(
-    fs: Any,
-    path: str,
-    url: str,
-    plans: list[SavePlan],
-    options: FullOptions,
-    save_id: str,
-    process_group: Any,
-    *,
-    sync: bool,
+    writer: FullArtifactWriter, plans: list[SavePlan], save_id: str
 ) -> tuple[list[SavePlan], ArtifactLayout]:
-    """(coordinator) Clear the folder (:func:`clear_for_full_save`), lay the artifact out over the ranks'
+    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder (:func:`clear_for_full_save`), lay the artifact out over the ranks'
     plans, write the in-progress marker, and on POSIX paths create the files every rank writes into; the
     plans for the ranks and the layout the commit checks."""
+    fs, path, url, process_group = writer.fs, writer.path, writer.url, writer.process_group
+    options, sync = writer.full, writer.sync_files
     clear_for_full_save(fs, path, url)
     record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
     original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
@@ -140,7 +138,7 @@ def begin_full_save(
             "default group with backend='cpu:gloo,cuda:nccl'"
         )
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
-    if is_local(fs):
+    if not gather:
         os.makedirs(path, exist_ok=True)
     # the marker first, exclusively: from here until the commit the folder is this save's, never an HF model
     create_marker(fs, path, url, save_id, sync=sync)
@@ -180,12 +178,9 @@ def artifact_records(
 def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
     """The floating-point dtype most of the model artifact's tensors are stored in (``config.json``'s
     ``dtype``, as ``save_pretrained`` records the model's); optimizer state does not count."""
-    counts: dict[torch.dtype, int] = {}
-    for fqn, dtype in layout.dtypes.items():
-        routed = options.route(fqn)
-        if dtype.is_floating_point and routed is not None and routed[0] == "model":
-            counts[dtype] = counts.get(dtype, 0) + 1
-    return max(counts, key=lambda d: counts[d]) if counts else None
+    model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
+    counts = Counter(d for d in model if d.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def whole_tensor_metadata(

@@ -71,7 +71,7 @@ class _Gather:
 
     def __init__(self, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, pg: Any) -> None:
         self.data, self.planner, self.pg = data, planner, pg
-        self.owner = dict(data.owners)
+        self.owner = {f.name: i % data.world for i, f in enumerate(data.files)}  # files round-robin over ranks
         self.by_index = {it.index: it for it in items}
         self.chunks: dict[Any, torch.Tensor] = {}
         self.done: dict[Any, tuple[int, list[BoxUnits]]] = {}  # item -> (bytes, check units) so far

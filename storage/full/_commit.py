@@ -5,9 +5,11 @@ chunk per tensor, in the stored dtype, with the artifact description)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from typing import Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,10 @@ from smpckpt.storage.full._plan import plan_artifact
 from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions
-from smpckpt.storage.write._failed_save import committed_by, raise_commit_failure
+from smpckpt.storage.write._failed_save import commit_manifest
+
+if TYPE_CHECKING:
+    from smpckpt.storage.full.writer import FullArtifactWriter
 
 __all__ = [
     "folder_names",
@@ -113,19 +118,13 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
 
 
 def begin_full_save(
-    fs: Any,
-    path: str,
-    url: str,
-    plans: list[SavePlan],
-    options: FullOptions,
-    save_id: str,
-    process_group: Any,
-    *,
-    sync: bool,
+    writer: FullArtifactWriter, plans: list[SavePlan], save_id: str
 ) -> tuple[list[SavePlan], ArtifactLayout]:
-    """(coordinator) Clear the folder (:func:`clear_for_full_save`), lay the artifact out over the ranks'
+    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder (:func:`clear_for_full_save`), lay the artifact out over the ranks'
     plans, write the in-progress marker, and on POSIX paths create the files every rank writes into; the
     plans for the ranks and the layout the commit checks."""
+    fs, path, url, process_group = writer.fs, writer.path, writer.url, writer.process_group
+    options, sync = writer.full, writer.sync_files
     clear_for_full_save(fs, path, url)
     record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
     original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
@@ -139,7 +138,7 @@ def begin_full_save(
             "default group with backend='cpu:gloo,cuda:nccl'"
         )
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
-    if is_local(fs):
+    if not gather:
         os.makedirs(path, exist_ok=True)
     # the marker first, exclusively: from here until the commit the folder is this save's, never an HF model
     create_marker(fs, path, url, save_id, sync=sync)
@@ -179,12 +178,9 @@ def artifact_records(
 def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
     """The floating-point dtype most of the model artifact's tensors are stored in (``config.json``'s
     ``dtype``, as ``save_pretrained`` records the model's); optimizer state does not count."""
-    counts: dict[torch.dtype, int] = {}
-    for fqn, dtype in layout.dtypes.items():
-        routed = options.route(fqn)
-        if dtype.is_floating_point and routed is not None and routed[0] == "model":
-            counts[dtype] = counts.get(dtype, 0) + 1
-    return max(counts, key=lambda d: counts[d]) if counts else None
+    model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
+    counts = Counter(d for d in model if d.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def whole_tensor_metadata(
@@ -235,13 +231,8 @@ def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool)
             f"{url}: another save took this folder over while this full save was writing (its "
             f"{WRITING_MARKER} marker names {marker!r}, not this save {manifest.save_id}); not committed"
         )
-    try:
-        create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), manifest.to_bytes(), sync=sync)
-    except FileExistsError as exc:
-        # a retried conditional PUT whose first attempt landed is refused (412) by our own manifest
-        if not committed_by(fs, path, manifest.save_id):
-            raise CheckpointExists(f"{url}: another save committed here while this full save was writing") from exc
-    except Exception as exc:
-        raise_commit_failure(fs, path, url, manifest.save_id, exc)
+    write = functools.partial(create_bytes_exclusive, fs, join(path, _names.MANIFEST_NAME), sync=sync)
+    refused = "another save committed here while this full save was writing"
+    commit_manifest(fs, path, url, manifest, write, refused=refused, discard=False)
     if remove_files(fs, [join(path, WRITING_MARKER)]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)

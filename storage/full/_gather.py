@@ -71,7 +71,7 @@ class _Gather:
 
     def __init__(self, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, pg: Any) -> None:
         self.data, self.planner, self.pg = data, planner, pg
-        self.owner = dict(data.owners)
+        self.owner = {f.name: i % data.world for i, f in enumerate(data.files)}  # files round-robin over ranks
         self.by_index = {it.index: it for it in items}
         self.chunks: dict[Any, torch.Tensor] = {}
         self.done: dict[Any, tuple[int, list[BoxUnits]]] = {}  # item -> (bytes, check units) so far
@@ -92,9 +92,11 @@ class _Gather:
         """(all ranks) This tensor's boxes: sent by their holders; assembled (and returned) by the owner."""
         me, owner = self.data.rank, self.owner[file]
         boxes = self.boxes.get((file, key), [])
-        if len(boxes) == 1 and boxes[0][0] == me == owner and _whole(boxes[0][1]):
-            # the owner holds all of it (one rank, a replica): its bytes as they are, no assembly
-            return np.frombuffer(self._my_box(boxes[0][1]), dtype=np.uint8)
+        w0 = boxes[0][1] if len(boxes) == 1 and boxes[0][0] == me == owner else None
+        if w0 is not None and not any(w0.offsets) and tuple(w0.sizes) == tuple(w0.view):
+            # the owner holds all of it (one rank, a replica), whose own row-major bytes are the tensor's
+            # in the file: no assembly
+            return np.frombuffer(self._my_box(w0), dtype=np.uint8)
         out: np.ndarray | None = None
         for r, w in boxes:
             if r != me and owner != me:
@@ -114,8 +116,3 @@ class _Gather:
             box = tuple(slice(o, o + s) for o, s in zip(w.offsets, w.sizes))
             out.reshape(*w.view, w.dtype.itemsize)[box] = got.reshape(*w.sizes, w.dtype.itemsize)
         return out
-
-
-def _whole(w: FullWrite) -> bool:
-    """Whether the box is the whole tensor (its own row-major bytes are the tensor's in the file)."""
-    return not any(w.offsets) and tuple(w.sizes) == tuple(w.view)

@@ -61,9 +61,9 @@ class RankFullData:
     objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
     check_block: int
     world: int = 1
-    #: gather mode (object stores): every rank's boxes in the global order, and each file's owner rank
+    #: gather mode (object stores): every rank's boxes in the global order, and the files (file ``i`` is
+    #: owned by rank ``i % world``)
     all_writes: tuple[tuple[int, FullWrite], ...] = ()
-    owners: tuple[tuple[str, int], ...] = ()
     files: tuple[ArtifactFile, ...] = ()
     #: POSIX mode: the row-block swaps (``_exchange.Exchange``) this rank takes part in, global order
     exchanges: tuple[Any, ...] = ()

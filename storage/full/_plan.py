@@ -294,7 +294,8 @@ def _rank_writes(
     gather: bool,
 ) -> list[SavePlan]:
     """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (in gather mode,
-    also every rank's boxes and each file's owner, so all ranks walk one global order of transfers)."""
+    also every rank's boxes and the files, file ``i`` owned by rank ``i % world``, so all ranks walk one
+    global order of transfers)."""
     per_rank: list[list[FullWrite]] = []
     for plan in plans:
         writes: list[FullWrite] = []
@@ -309,7 +310,6 @@ def _rank_writes(
                 writes.append(FullWrite(it.index, pc.key, file, start, *box, dtype))
         per_rank.append(writes)
     gathered: tuple[tuple[int, FullWrite], ...] = ()
-    owners: tuple[tuple[str, int], ...] = ()
     if gather:
         # every box in the order the files are written: file, tensor offset, sending rank
         file_index = {f.name: i for i, f in enumerate(files)}
@@ -319,7 +319,6 @@ def _rank_writes(
                 key=lambda rw: (file_index[rw[1].file], rw[1].start, rw[0]),
             )
         )
-        owners = tuple((f.name, i % len(plans)) for i, f in enumerate(files))
     out: list[SavePlan] = []
     for rank, plan in enumerate(plans):
         data = RankFullData(
@@ -330,7 +329,6 @@ def _rank_writes(
             opts.check_block,
             len(plans),
             gathered,
-            owners,
             tuple(files) if gather else (),
         )
         out.append(dataclasses.replace(plan, storage_data=data))

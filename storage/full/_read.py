@@ -230,8 +230,8 @@ class FullSource(ArtifactIndex):
         whole = units.whole_inside(offsets, sizes)
         touched = units.touched(offsets, sizes) if whole is None else []
         read = 0
-        if not prefetched and not self._files.local:
-            read = self._hold_units(t, view, offsets, sizes, [u for u, _ in touched])
+        if not prefetched and not self._files.local:  # the tiles of a column box share their rows' span
+            read = self._hold(t, unit_extent(view, offsets, sizes, itemsize, [u for u, _ in touched]))
         covered = 0
         if whole is not None:
             # a box holding every unit it touches whole (any box read at the layout it was saved
@@ -273,9 +273,7 @@ class FullSource(ArtifactIndex):
         reshaped), matched byte by byte (:func:`cross_view`): a unit sharing only part of the box is read
         whole and its shared bytes copied in, so every byte delivered is a byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
-        lo, hi = plan.extent
-        wide = hi - lo > _files.SPAN_BYTES  # too wide for one GET: only drop what an earlier box held
-        read = 0 if prefetched else self._files.hold(t.file, 0 if wide else t.start + lo, 0 if wide else t.start + hi)
+        read = 0 if prefetched else self._hold(t, plan.extent)
         if plan.partial:  # the bytes they share with the box come with them
             for at, pos, n in plan.direct:
                 read += self._files.read_runs(t.file, np.array([t.start + at]), n, out[pos : pos + n])
@@ -312,19 +310,12 @@ class FullSource(ArtifactIndex):
             f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
         )
 
-    def _hold_units(
-        self,
-        t: StoredTensor,
-        view: tuple[int, ...],
-        offsets: Sequence[int],
-        sizes: Sequence[int],
-        units: list[Unit],
-    ) -> int:
-        """(object stores) One GET for the span of every unit the box touches, when it is at most
-        ``SPAN_BYTES``: the tiles of a column box share their rows' span. Returns the bytes fetched."""
-        ext = unit_extent(view, offsets, sizes, t.dtype.itemsize, units)
+    def _hold(self, t: StoredTensor, ext: tuple[int, int] | None) -> int:
+        """(object stores) One GET for bytes ``ext`` of ``t`` (a box's runs and the units it reads), held
+        for its reads when at most ``SPAN_BYTES``; too wide for one GET, only what an earlier box held is
+        dropped. Returns the bytes fetched."""
         if ext is None or ext[1] - ext[0] > _files.SPAN_BYTES:
-            return self._files.hold(t.file, 0, 0)  # drops what an earlier box held
+            return self._files.hold(t.file, 0, 0)
         return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
 
     def _stat(self, name: str, needed: int, read: int) -> None:

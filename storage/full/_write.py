@@ -2,7 +2,7 @@
 
 POSIX filesystems (local disk, Lustre/FSx, NFS) only: the coordinator creates every file at its final
 size with its header (:func:`create_files`), then every rank opens the files and ``pwrite``\\ s its boxes
-(:func:`write_rank`) -- one run per row for a column shard, one run for a row shard -- hashing each
+(:meth:`_RankWriter.run`) -- one run per row for a column shard, one run for a row shard -- hashing each
 check unit from the same buffer, and ``fsync``\\ s before reporting success. Object values (user
 content, non-tensor state) go to one small file each, written by the rank that holds them.
 """
@@ -31,9 +31,9 @@ from smpckpt.storage.format._regions import box_runs, split_box
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.full._exchange import Block, Swapper, batches
 from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
-from smpckpt.storage.full._units import BoxUnits
+from smpckpt.storage.full._units import BoxUnits, unit_extent
 
-__all__ = ["create_files", "write_rank", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
+__all__ = ["create_files", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ def create_files(folder: str, files: Sequence[ArtifactFile], *, sync: bool) -> N
 
     Truncating an existing file (debris of an unfinished save under this fixed name) first means no
     stale byte survives: every byte is either the header, written by a rank, or a hole (zeros) that the
-    tiling check guarantees some rank fills."""
-    os.makedirs(folder, exist_ok=True)
+    tiling check guarantees some rank fills. The folder exists: ``begin_full_save`` made it."""
     for f in files:
         fd = os.open(join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -153,11 +152,10 @@ def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
     """Per file, the byte span ``[lo, hi)`` that covers this rank's boxes."""
     spans: dict[str, tuple[int, int]] = {}
     for w in writes:
-        starts, run = box_runs(w.view, w.offsets, w.sizes, w.dtype.itemsize)
-        if len(starts):
-            lo, hi = w.start + int(starts[0]), w.start + int(starts[-1]) + run
-            old = spans.get(w.file)
-            spans[w.file] = (min(old[0], lo), max(old[1], hi)) if old else (lo, hi)
+        ext = unit_extent(w.view, w.offsets, w.sizes, w.dtype.itemsize, ())
+        if ext is not None:
+            lo, hi = spans.get(w.file, (w.start + ext[0], 0))
+            spans[w.file] = (min(lo, w.start + ext[0]), max(hi, w.start + ext[1]))
     return spans
 
 
@@ -187,29 +185,6 @@ def _file_order(files: Sequence[str], rank: int, world: int) -> list[str]:
     files = sorted(files)
     first = rank * len(files) // max(1, world)
     return files[first:] + files[:first]
-
-
-def write_rank(
-    folder: str,
-    data: RankFullData,
-    items: Sequence[WriteItem],
-    planner: SavePlanner,
-    *,
-    sync: bool,
-    thread_count: int,
-    process_group: Any = None,
-) -> list[WriteResult]:
-    """(every rank) Write this rank's boxes and row-block swaps; durable when it returns.
-
-    Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
-    staggered file order, so no two threads of a rank share a file and at most ``files / world``
-    threads are useful (more would only queue on the same files as the other ranks). Swaps
-    (:mod:`._exchange`) run in one more thread, in the global order, beside them."""
-    with _RankWriter(folder, data, items, planner) as w:
-        results = w.run(thread_count, process_group)
-        if sync:
-            _flush(w.fds, list(data.writes) + w.blocks)
-    return results
 
 
 class _RankWriter:
@@ -314,7 +289,13 @@ class _RankWriter:
             with self.done_lock:
                 self.blocks.append(block.write)
 
-    def run(self, thread_count: int, process_group: Any) -> list[WriteResult]:
+    def run(self, thread_count: int, process_group: Any, *, sync: bool) -> list[WriteResult]:
+        """(every rank) Write this rank's boxes and row-block swaps; durable when it returns (``sync``).
+
+        Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
+        staggered file order, so no two threads of a rank share a file and at most ``files / world``
+        threads are useful (more would only queue on the same files as the other ranks). Swaps
+        (:mod:`._exchange`) run in one more thread, in the global order, beside them."""
         order = _file_order(list(self.per_file), self.data.rank, self.data.world)
         workers = max(1, min(thread_count, len(order) // max(1, self.data.world)))
         with concurrent.futures.ThreadPoolExecutor(workers + 1, thread_name_prefix="smpckpt-full") as pool:
@@ -324,6 +305,8 @@ class _RankWriter:
                 f.result()
             if swaps is not None:
                 swaps.result()
+        if sync:
+            _flush(self.fds, list(self.data.writes) + self.blocks)
         return tensor_results(self.items, self.done)
 
 

@@ -26,7 +26,7 @@ from smpckpt.storage.full._commit import (
 from smpckpt.storage.full._gather import gather_rank
 from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
 from smpckpt.storage.full._marker import MarkerRefresher
-from smpckpt.storage.full._write import write_objects, write_rank
+from smpckpt.storage.full._write import _RankWriter, write_objects
 from smpckpt.storage.full.options import FullOptions
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._failed_save import folder_is_new
@@ -98,9 +98,7 @@ class FullArtifactWriter(FsspecWriterBase):
             )
         new_folder = folder_is_new(self.fs, self.path)
         self._save_id = save_id = _names.new_save_id()
-        out, layout = begin_full_save(
-            self.fs, self.path, self.url, plans, self.full, save_id, self.process_group, sync=self.sync_files
-        )
+        out, layout = begin_full_save(self, plans, save_id)
         self._marker = MarkerRefresher(self.fs, self.path, save_id, self)  # stopped at the commit or discard
         self._layout = layout
         self._attempt.begin(save_id, new_folder=new_folder, names=layout.names(self.full))
@@ -141,15 +139,8 @@ class FullArtifactWriter(FsspecWriterBase):
                 data, plan.items, planner, open_sink=self._open_sink, process_group=self.process_group
             )
         else:  # POSIX: every rank at its offsets
-            written = write_rank(
-                self.path,
-                data,
-                plan.items,
-                planner,
-                sync=self.sync_files,
-                thread_count=self.thread_count,
-                process_group=self.process_group,
-            )
+            with _RankWriter(self.path, data, plan.items, planner) as w:
+                written = w.run(self.thread_count, self.process_group, sync=self.sync_files)
         written += write_objects(self.path, data, plan.items, planner, self.fs, self.sync_files)
         self._used_save_ids.add(data.save_id)
         return written

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
-from smpckpt.errors import CheckpointError
+from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none, remove_files
 from smpckpt.storage.backends._prefixes import remove_empty_folders
 from smpckpt.storage.format._names import WRITING_MARKER, marker_owner
@@ -30,10 +31,9 @@ __all__ = [
     "CommitUncertain",
     "FailedSaveFiles",
     "commit_uncertain",
+    "commit_manifest",
     "committed_by",
-    "discard_generation",
     "folder_is_new",
-    "raise_commit_failure",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,22 +54,41 @@ def commit_uncertain(error: BaseException | None) -> bool:
     return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
 
 
-def raise_commit_failure(fs: Any, path: str, url: str, save_id: str, exc: Exception) -> NoReturn:
-    """(in the ``except`` of a failed commit request) On object stores raise a :class:`CommitUncertain`
-    from ``exc``: the request may still land, so no clean-up may remove that save's files. On local disk
-    and memory:// the folder tells exactly whether the manifest landed: if it did (the step that failed
-    came after it: the folder's fsync), say so instead of reporting a plain failure; else re-raise ``exc``."""
-    if is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",)):
-        if committed_by(fs, path, save_id):
+def commit_manifest(
+    fs: Any, path: str, url: str, manifest: Manifest, write: Callable[[bytes], None], *, refused: str, discard: bool
+) -> None:
+    """(coordinator) The commit: ``write`` puts ``manifest``'s bytes (create-if-absent, unless it replaces one).
+
+    Refused (``FileExistsError``) by another save's manifest: ``CheckpointExists`` (``url``: ``refused``),
+    after removing the refused save's files when ``discard``; by this save's own (a retried conditional
+    PUT whose first attempt landed is refused, 412): committed. Any other failure, on object stores: a
+    :class:`CommitUncertain` (the request may still land, so no clean-up may remove that save's files).
+    On local disk and memory:// the folder tells exactly whether the manifest landed: if it did (the
+    step that failed came after it: the folder's fsync), say so instead of reporting a plain failure;
+    else the error itself."""
+    try:
+        write(manifest.to_bytes())
+    except FileExistsError as exc:
+        if committed_by(fs, path, manifest.save_id):
+            return
+        if discard:
+            names = [f.name for f in manifest.files] + [manifest.metadata.name]
+            failed = remove_files(fs, [join(path, n) for n in names], within=path)
+            if failed:
+                log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
+        raise CheckpointExists(f"{url}: {refused}") from exc
+    except Exception as exc:
+        if not (is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",))):
+            raise CommitUncertain(
+                f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's "
+                "files are kept: `smpckpt ls` tells whether it committed"
+            ) from exc
+        if committed_by(fs, path, manifest.save_id):
             raise CheckpointError(
                 f"{url} is committed (its manifest is in place; it can be resumed by tag), but a step after the "
                 f"commit failed ({type(exc).__name__}: {exc}), so it may not survive a power loss"
             ) from exc
-        raise exc
-    raise CommitUncertain(
-        f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's files "
-        "are kept: `smpckpt ls` tells whether it committed"
-    ) from exc
+        raise
 
 
 def _manifest_save_id(fs: Any, path: str) -> str | None:
@@ -85,15 +104,6 @@ def committed_by(fs: Any, path: str, save_id: str) -> bool:
         return _manifest_save_id(fs, path) == save_id
     except CheckpointError:
         return False
-
-
-def discard_generation(fs: Any, path: str, manifest: Manifest) -> None:
-    """(coordinator, after losing a commit race) Remove the files of the refused save's ``manifest``."""
-    failed = remove_files(
-        fs, [join(path, f.name) for f in manifest.files] + [join(path, manifest.metadata.name)], within=path
-    )
-    if failed:
-        log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
 
 
 class FailedSaveFiles:

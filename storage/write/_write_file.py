@@ -107,19 +107,16 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 def write_file(
     sink: Sink, name: str, items: list[WriteItem], planner: SavePlanner, rank: int, *, raw: bool, block_size: int
 ) -> list[WriteResult]:
-    """Write ``items`` into ``sink`` (objects first, then tensors) and commit it; the last result
-    carries the file's :class:`FileRecord` (size, block ends and digests) for the manifest."""
+    """Write ``items`` (objects first, small, then tensors, as DCP does: :func:`split_items`'s order)
+    into ``sink`` and commit it; the last result carries the file's :class:`FileRecord` (size, block ends
+    and digests) for the manifest."""
     hasher = BlockHasher(block_size)
     results: list[WriteResult] = []
     offset = 0
     backlog: deque[concurrent.futures.Future[None]] = deque()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash") as hash_pool:
         try:
-            # objects first (small), then tensors, as DCP does
-            ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
-                i for i in items if i.type != WriteItemType.BYTE_IO
-            ]
-            for item in ordered:
+            for item in items:
                 value = planner.resolve_data(item)
                 descriptors: list[str] | None = None
                 checks: ItemChecks | None = None

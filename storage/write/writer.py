@@ -17,6 +17,7 @@ so a crash between writing ``.metadata`` and the manifest still loads the old ge
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import warnings
@@ -29,17 +30,24 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import create_bytes_exclusive, is_local, join, write_bytes_atomic
-from smpckpt.storage.backends._prefixes import PrefixOption, resolve
+from smpckpt.storage.backends._fs import (
+    create_bytes_exclusive,
+    fsync_dir,
+    is_local,
+    join,
+    remove_files,
+    write_bytes_atomic,
+)
+from smpckpt.storage.backends._prefixes import PrefixOption, folder_of, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
-from smpckpt.storage.write._failed_save import committed_by, discard_generation, folder_is_new, raise_commit_failure
-from smpckpt.storage.write._rank_files import RankPlanData, write_partial_rank
-from smpckpt.storage.write._write_file import PART_FILL, write_file
+from smpckpt.storage.write._failed_save import commit_manifest, folder_is_new
+from smpckpt.storage.write._rank_files import RankPlanData
+from smpckpt.storage.write._write_file import PART_FILL, object_store_bins, split_items, write_file
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -202,18 +210,16 @@ class FsspecStorageWriter(FsspecWriterBase):
         check_data_files(self.fs, self.path, self.url, files)
         files = sorted(files, key=lambda f: (f.rank, f.name))
         manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)
-        try:
-            self._write_manifest(manifest.to_bytes())
-        except FileExistsError as exc:
-            if not committed_by(self.fs, self.path, save_id):
-                discard_generation(self.fs, self.path, manifest)
-                raise CheckpointExists(
-                    f"{self.url}: another save committed a checkpoint here while this one was writing; this "
-                    "save's files were removed and the other checkpoint is untouched (pass overwrite=True to "
-                    "replace it)"
-                ) from exc
-        except Exception as exc:
-            raise_commit_failure(self.fs, self.path, self.url, save_id, exc)
+        commit_manifest(
+            self.fs,
+            self.path,
+            self.url,
+            manifest,
+            self._write_manifest,
+            refused="another save committed a checkpoint here while this one was writing; this save's files were "
+            "removed and the other checkpoint is untouched (pass overwrite=True to replace it)",
+            discard=True,
+        )
         self._used_save_ids.add(save_id)
         after_commit(self.fs, self.path, self.url, manifest, md_bytes, self._old_files, sync=self.sync_files)
 
@@ -228,23 +234,59 @@ class FsspecStorageWriter(FsspecWriterBase):
             create_bytes_exclusive(self.fs, path, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently
+        (each by :meth:`_write_file`, the seam for fault tests, through the writer's sink), made durable;
+        their results (the last of each file carries its manifest record). ``_split_as_local`` sizes the
+        files as for a local folder (``True``) or an object store (``False``) whatever ``path`` is: the fast
+        tier writes locally the files a drain will upload. A rank whose file fails removes the files it
+        wrote (they would be orphans: the save does not commit) and raises the first error."""
         data = self._plan_data(plan, RankPlanData)
         self._attempt.begin(data.save_id, new_folder=data.new_folder)
-        written = write_partial_rank(
-            self.path,
-            self.fs,
-            data,
-            list(plan.items),
-            planner,
-            write_file=self._write_file,
-            thread_count=self.thread_count,
-            object_file_size=self.object_file_size,
-            max_parts_in_flight=self.max_parts_in_flight,
-            sync=self.sync_files,
-            split_as_local=self._split_as_local,
-        )
+        items, threads, path = list(plan.items), self.thread_count, self.path
+        local = is_local(self.fs)
+        if local if self._split_as_local is None else self._split_as_local:
+            buckets, workers = split_items(items, threads), threads
+        else:
+            # object stores: files of about one part each, one PutObject apiece, as many in flight as the
+            # multipart uploads of thread_count files would have had parts
+            bins, one_part = object_store_bins(items, threads, self.object_file_size)
+            buckets, workers = split_items(items, bins), threads * (self.max_parts_in_flight if one_part else 1)
+        # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r is
+        # slot r * thread_count + k of the save, wherever it goes
+        count = data.world_size * threads
+        names = [
+            _names.data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
+            for n in range(len(buckets))
+        ]
+        folders = sorted({folder_of(path, n) for n in names})
+        if local:
+            # the checkpoint folder too, even on a rank with nothing to write: the coordinator's metadata
+            # and manifest go there
+            for folder in [path, *folders]:
+                os.makedirs(folder, exist_ok=True)
+        results: list[WriteResult] = []
+        errors: list[BaseException] = []
+        if buckets:
+            with concurrent.futures.ThreadPoolExecutor(
+                min(len(buckets), workers), thread_name_prefix="smpckpt-write"
+            ) as pool:
+                futs = [pool.submit(self._write_file, n, part, planner, data.rank) for n, part in zip(names, buckets)]
+                for f in futs:
+                    try:
+                        results.extend(f.result())
+                    except BaseException as exc:  # noqa: BLE001 - first error re-raised below
+                        errors.append(exc)
+        if errors:
+            # this rank's finished files are orphans now; remove them (best effort) and report
+            remove_files(self.fs, [join(path, n) for n in names], within=path)
+            raise errors[0]
+        if buckets and local and self.sync_files:
+            for folder in folders:  # the files' own folders, then the checkpoint folder holding them
+                fsync_dir(folder)
+            if folders != [path]:
+                fsync_dir(path)
         self._used_save_ids.add(data.save_id)
-        return written
+        return results
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, rank: int) -> list[WriteResult]:
         return write_file(

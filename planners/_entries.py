@@ -127,6 +127,8 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     Tied means the same memory seen the same way -- device, address, shape, strides, dtype -- and the
     same place in the same global tensor (specs can differ only by mistake; then both are kept). Plain
     tensors only: a DTensor's tie shows in its local tensor, but its placements decide ownership alone.
+    Only tensors with real storage can be tied: every meta tensor (and every empty one) reports address
+    0, so same-shaped ones would look like one tensor.
     """
     first: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
@@ -134,7 +136,7 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
         if e.kind != "tensor" or e.rank_local or e.chunk is None:
             continue
         v = e.value
-        if v.numel() == 0:
+        if v.numel() == 0 or v.is_meta:
             continue
         where = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), tuple(e.chunk.offsets), e.global_shape)
         key = first.setdefault(where, e.key)

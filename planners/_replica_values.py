@@ -45,7 +45,10 @@ _SHOWN = 5
 @functools.lru_cache(maxsize=4096)
 def _indices(numel: int, device: int) -> torch.Tensor:
     """The sampled flat indices of a tensor of ``numel`` elements on CUDA ``device`` (-1: the CPU)."""
-    idx = torch.linspace(0, numel - 1, SAMPLES).round().long()
+    # Integer arithmetic only: a float32 linspace rounds ``numel - 1`` up to ``numel`` above 2**24
+    # elements (every 7B-class weight) and ``take`` then indexes past the end.
+    last, steps = numel - 1, SAMPLES - 1
+    idx = torch.tensor([(i * last + steps // 2) // steps for i in range(SAMPLES)], dtype=torch.int64)
     return idx if device < 0 else idx.to(f"cuda:{device}")
 
 

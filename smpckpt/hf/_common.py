@@ -71,6 +71,8 @@ def _tied(head: torch.Tensor, embed: torch.Tensor) -> bool:
     (a tied model written out with both entries)."""
     if head.shape != embed.shape or head.dtype != embed.dtype:
         return False
+    if head.is_meta or embed.is_meta:  # no values, and every meta tensor reports address 0
+        return head is embed
     same_memory = (
         head.device == embed.device and head.data_ptr() == embed.data_ptr() and head.stride() == embed.stride()
     )

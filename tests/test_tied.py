@@ -231,3 +231,27 @@ def test_hf_folder_without_its_head_fills_a_head_held_apart(tmp_path: Path, gpt2
             json.dump({**cfg, "tie_word_embeddings": False}, f)
         with pytest.raises(smpckpt.LayoutMismatch, match="lm_head.weight"):
             smpckpt.resume_from_checkpoint(str(folder), partial=False, model=_Apart())
+
+
+def test_meta_and_empty_tensors_of_one_shape_are_not_tied() -> None:
+    """Every meta tensor and every empty one reports address 0: same-shaped ones are not one tensor. (The
+    planning benchmarks plan on meta tensors; seen as tied, all but one key per shape left the plan.)"""
+    state = {
+        "model": {
+            **{f"layers.{i}.weight": torch.empty(64, 32, device="meta") for i in range(4)},
+            **{f"layers.{i}.bias": torch.empty(0) for i in range(2)},
+        }
+    }
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0)
+    planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=True)
+    assert planner.tied == {}
+    plan = planner.create_local_plan()
+    assert sorted(item.index.fqn for item in plan.items) == sorted(f"model.{k}" for k in state["model"])
+
+
+def test_a_real_tie_is_still_found_next_to_meta_tensors() -> None:
+    w = torch.randn(8, 4)
+    state = {"model": {"embed.weight": w, "head.weight": w, "other": torch.empty(8, 4, device="meta")}}
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0)
+    planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=True)
+    assert planner.tied == {"model.head.weight": "model.embed.weight"}

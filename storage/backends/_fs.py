@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -35,6 +35,7 @@ __all__ = [
     "fsync_path",
     "remove_files",
     "remove_tree",
+    "pread_into",
 ]
 
 log = logging.getLogger(__name__)
@@ -378,3 +379,31 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
             except OSError:
                 failed.append(d)
     return failed
+
+
+def pread_into(fd: int, buffers: Sequence[memoryview], offset: int, want: int) -> int:
+    """Read file bytes ``[offset, offset + want)`` of ``fd`` into ``buffers`` (byte views, filled in order;
+    capacity past ``want`` bytes is left alone), looping on short reads. Returns the bytes read: fewer
+    than ``want`` only when the file ends first.
+
+    Every local read goes through here: Linux returns at most 2 GiB - 4 KiB from one ``preadv``, so a
+    single call cannot fill a tensor or run past 2**31 bytes however the file is read."""
+    got = 0
+    while got < want:
+        views: list[memoryview] = []
+        skip, room = got, want - got
+        for mv in buffers:
+            if skip >= len(mv):
+                skip -= len(mv)
+                continue
+            part = mv[skip : skip + room]
+            views.append(part)
+            room -= len(part)
+            skip = 0
+            if not room:
+                break
+        n = os.preadv(fd, views, offset + got)
+        if n == 0:
+            break
+        got += n
+    return got

@@ -18,7 +18,7 @@ import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._fs import is_local, join, pread_into
 from smpckpt.storage.full._units import intervals
 
 __all__ = ["RunFiles", "SpanFetcher", "plan_spans", "SPAN_BYTES", "SPAN_WASTE"]
@@ -90,7 +90,7 @@ class RunFiles:
             los, his, at = intervals(starts, run)  # adjacent runs merge into one request
             self._count(len(los))
             for lo, n, pos in zip(los.tolist(), (his - los).tolist(), at.tolist()):
-                got = os.preadv(fd, [out[pos : pos + n]], lo)
+                got = pread_into(fd, [out[pos : pos + n]], lo, n)
                 if got != n:
                     raise CheckpointCorrupt(f"{path}: truncated ({got} of {n} bytes at offset {lo})")
             return len(starts) * run

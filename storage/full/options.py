@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ def parse_size(size: int | str) -> int:
         m = _SIZE_RE.match(str(size))
         if not m or m.group(2).upper() not in _UNITS:
             raise ValueError(f"size must be bytes or a string like '5GB' or '512MiB', got {size!r}")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        value = int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: "1.1GB" is 1,100,000,000
     if value <= 0:
         raise ValueError(f"size must be positive, got {size!r}")
     return value

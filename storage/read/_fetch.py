@@ -18,14 +18,13 @@ from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, is_s3
+from smpckpt.storage.backends._fs import is_local, is_s3, pread_into
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._plan import BoxRead, Item
 
 __all__ = [
     "BufferPool",
-    "pread_into",
     "reading",
     "check_complete",
     "verify_blocks",
@@ -73,31 +72,6 @@ class BufferPool:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
-
-
-def pread_into(fd: int, buffers: Sequence[memoryview], offset: int, want: int) -> int:
-    """Read file bytes ``[offset, offset + want)`` of ``fd`` into ``buffers`` (byte views, filled in order;
-    capacity past ``want`` bytes is left alone), looping on short reads. Returns the bytes read: fewer
-    than ``want`` only when the file ends first."""
-    got = 0
-    while got < want:
-        views: list[memoryview] = []
-        skip, room = got, want - got
-        for mv in buffers:
-            if skip >= len(mv):
-                skip -= len(mv)
-                continue
-            part = mv[skip : skip + room]
-            views.append(part)
-            room -= len(part)
-            skip = 0
-            if not room:
-                break
-        n = os.preadv(fd, views, offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 def reads_into(fs: Any) -> bool:

@@ -85,7 +85,7 @@ def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int)
     complete. Many one-part files in flight keep the concurrency with a third of the requests."""
     if file_size <= 0:
         return thread_count, False
-    want = math.ceil(sum(_item_size(it) for it in items) / file_size)
+    want = -(-sum(_item_size(it) for it in items) // file_size)  # an integer ceiling (byte counts pass 2**53)
     return max(thread_count, min(MAX_OBJECT_FILES, want)), want <= MAX_OBJECT_FILES
 
 

@@ -12,7 +12,17 @@ import torch
 
 from smpckpt import ShardSpec
 
-__all__ = ["TDef", "model_defs", "model_specs", "global_tensor", "local_piece", "check_safetensors"]
+__all__ = [
+    "TDef",
+    "model_defs",
+    "model_specs",
+    "LLAMA7B",
+    "llama7b_defs",
+    "llama7b_specs",
+    "global_tensor",
+    "local_piece",
+    "check_safetensors",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +30,7 @@ class TDef:
     key: str  #: key inside state["model"]
     shape: tuple[int, ...]  #: global shape
     kind: str  #: repl | row (split dim 0) | col (split dim 1) | fused (qkv, view (3, -1, h), dim 1)
+    dtype: torch.dtype = torch.float32
 
 
 def model_defs(hidden: int, layers: int, vocab: int) -> list[TDef]:
@@ -41,6 +52,41 @@ def model_defs(hidden: int, layers: int, vocab: int) -> list[TDef]:
     return defs
 
 
+#: Llama-2-7B's real tensor shapes (hidden 4096, MLP 11008, vocab 32000): every weight matrix is past
+#: 2**24 elements, where float index arithmetic fails first; the GPT-like state above has none.
+LLAMA7B = {"hidden": 4096, "inter": 11008, "vocab": 32000}
+
+
+def llama7b_defs(layers: int, dtype: torch.dtype = torch.bfloat16) -> list[TDef]:
+    """Llama-7B's tensors with ``layers`` decoder layers (the real model has 32), Megatron TP splits."""
+    h, f, v = LLAMA7B["hidden"], LLAMA7B["inter"], LLAMA7B["vocab"]
+    defs = [TDef("embed_tokens.weight", (v, h), "row", dtype)]
+    for i in range(layers):
+        p = f"layers.{i}."
+        defs += [TDef(p + f"self_attn.{x}_proj.weight", (h, h), "row", dtype) for x in "qkv"]
+        defs += [
+            TDef(p + "self_attn.o_proj.weight", (h, h), "col", dtype),
+            TDef(p + "mlp.gate_proj.weight", (f, h), "row", dtype),
+            TDef(p + "mlp.up_proj.weight", (f, h), "row", dtype),
+            TDef(p + "mlp.down_proj.weight", (h, f), "col", dtype),
+            TDef(p + "input_layernorm.weight", (h,), "repl", dtype),
+            TDef(p + "post_attention_layernorm.weight", (h,), "repl", dtype),
+        ]
+    return defs + [TDef("norm.weight", (h,), "repl", dtype), TDef("lm_head.weight", (v, h), "row", dtype)]
+
+
+def llama7b_specs() -> dict[str, ShardSpec]:
+    return {
+        "model.embed_tokens.weight": ShardSpec(0),
+        "model.lm_head.weight": ShardSpec(0),
+        "model.layers.*.self_attn.[qkv]_proj.weight": ShardSpec(0),
+        "model.layers.*.self_attn.o_proj.weight": ShardSpec(1),
+        "model.layers.*.mlp.gate_proj.weight": ShardSpec(0),
+        "model.layers.*.mlp.up_proj.weight": ShardSpec(0),
+        "model.layers.*.mlp.down_proj.weight": ShardSpec(1),
+    }
+
+
 def model_specs(hidden: int) -> dict[str, ShardSpec]:
     return {
         "model.embed.weight": ShardSpec(0),
@@ -52,7 +98,7 @@ def model_specs(hidden: int) -> dict[str, ShardSpec]:
 
 
 def global_tensor(j: int, d: TDef) -> torch.Tensor:
-    return torch.randn(d.shape, generator=torch.Generator().manual_seed(1000 + j))
+    return torch.randn(d.shape, generator=torch.Generator().manual_seed(1000 + j)).to(d.dtype)
 
 
 def local_piece(d: TDef, g: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _model import global_tensor, local_piece, model_defs, model_specs
+from _model import TDef, global_tensor, llama7b_defs, llama7b_specs, local_piece, model_defs, model_specs
 from _rss import peak, reset_peak
 from _s3server import S3Endpoint, connect, loopback_credentials, server_cpu_s, start_moto
 from bench_full import _cmd
@@ -48,6 +48,7 @@ from contenders import Contender, Ctx, State, contenders, select
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.specs import ShardSpec
 
 warnings.filterwarnings("ignore")
 
@@ -108,15 +109,18 @@ def model_dims(size_mib: int, hidden: int | None = None) -> tuple[int, int, int]
     return h, layers, vocab
 
 
-def make_state(
-    size_mib: int, layout: ParallelLayout, rank: int, device: torch.device, hidden: int | None = None
-) -> State:
-    h, layers, vocab = model_dims(size_mib, hidden)
+def state_defs(args: argparse.Namespace, size_mib: int) -> tuple[list[TDef], dict[str, ShardSpec]]:
+    """The benchmarked state's tensors and specs: the GPT-like state nearest ``size_mib``, or (``--model
+    llama7b``) Llama-7B's real shapes with ``--layers`` layers in bf16, whatever the size."""
+    if args.model == "llama7b":
+        return llama7b_defs(args.layers), llama7b_specs()
+    h, layers, vocab = model_dims(size_mib, args.hidden)
+    return model_defs(h, layers, vocab), model_specs(h)
+
+
+def make_state(defs: list[TDef], layout: ParallelLayout, rank: int, device: torch.device) -> State:
     tp_rank = layout.coords(rank).tp
-    return {
-        d.key: local_piece(d, global_tensor(j, d), layout.tp, tp_rank).to(device)
-        for j, d in enumerate(model_defs(h, layers, vocab))
-    }
+    return {d.key: local_piece(d, global_tensor(j, d), layout.tp, tp_rank).to(device) for j, d in enumerate(defs)}
 
 
 def nbytes(sd: State) -> int:
@@ -198,8 +202,8 @@ class Bench:
     def __init__(self, w: World, args: argparse.Namespace, ep: S3Endpoint | None) -> None:
         self.w, self.args, self.ep = w, args, ep
         self.layout = ParallelLayout(tp=w.size)
-        h = model_dims(args.size_mib, args.hidden)[0]
-        ctx = Ctx(self.layout, model_specs(h), w.rank, dict(ep.options) if ep else {}, process_group=w.group)
+        specs = state_defs(args, args.size_mib)[1]
+        ctx = Ctx(self.layout, specs, w.rank, dict(ep.options) if ep else {}, process_group=w.group)
         self.all = contenders(ctx)
         self.names = [n for n in args.contenders.split(",") if n] if args.contenders else None
         self.log: Callable[[str], None] = (lambda s: print(s, flush=True)) if w.rank == 0 else (lambda s: None)
@@ -230,7 +234,7 @@ class Bench:
     def run(self, storage: str, run_id: str) -> dict[str, Any]:
         self.run_id = run_id
         size = self.args.s3_size_mib if storage == "s3" else self.args.size_mib
-        state = make_state(size, self.layout, self.w.rank, self.w.device, self.args.hidden)
+        state = make_state(state_defs(self.args, size)[0], self.layout, self.w.rank, self.w.device)
         dest = {k: torch.empty_like(v) for k, v in state.items()}
         chosen = select(self.all, storage, self.names)
         skipped = {c.name: c.unavailable for c in chosen if c.unavailable}
@@ -306,6 +310,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="model width (default 1024, 256 below 64 MiB; smaller: more, smaller tensors)",
     )
+    ap.add_argument(
+        "--model",
+        choices=("gpt", "llama7b"),
+        default="gpt",
+        help="gpt: a GPT-like state of --size-mib (many mid-sized fp32 tensors); llama7b: Llama-7B's real tensor "
+        "shapes in bf16 (vocab 32000, hidden 4096, MLP 11008) with --layers layers, every matrix past 2**24 elements",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="llama7b: decoder layers (default 2: 1.3 GiB; --quick 1)")
     ap.add_argument("--s3-size-mib", type=int, default=None, help="state size on S3 (default 128; moto is slow)")
     ap.add_argument("--disk-dir", default=os.path.join(HERE, "out"), help="parent folder on local disk")
     ap.add_argument("--shm-dir", default="/dev/shm")
@@ -319,6 +331,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds if args.rounds is not None else (1 if q else 5)
     args.size_mib = args.size_mib or (16 if q else 512)
     args.s3_size_mib = args.s3_size_mib or (8 if q else 128)
+    args.layers = args.layers or (1 if q else 2)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     return args

@@ -45,6 +45,7 @@ from smpckpt.model.keys import FULL_ARTIFACTS, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.record import METADATA_KEY
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
+from smpckpt.tools._common import resolve_checkpoint_url
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
@@ -157,7 +158,8 @@ def consolidate_checkpoint(
     out_storage_options: Mapping[str, Any] | None = None,
 ) -> ConsolidateReport:
     """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (a local path or
-    any URL the storage supports: on S3 each file is one streamed multipart upload).
+    any URL the storage supports: on S3 each file is one streamed multipart upload). ``src`` is the
+    checkpoint folder or, as on the command line, ``PATH/TAG`` (``PATH/TAG_partial`` when that exists).
 
     Checkpoints written by :func:`smpckpt.save_checkpoint` give ``model.safetensors`` (keys without the
     ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer`` and ``user_content.pt``;
@@ -168,6 +170,7 @@ def consolidate_checkpoint(
     :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given.
     """
+    src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)

@@ -63,8 +63,9 @@ class FullOptions:
             region by region; ``None`` stores our keys, each in its shape before any ShardSpec view.
         hf_config: a Hugging Face config (a ``PretrainedConfig`` or a dict) written as ``config.json``
             beside the weights, so ``from_pretrained(folder)`` opens the artifact. As ``save_pretrained``
-            writes it: ``architectures`` (when the config has none: :attr:`architecture`) and ``dtype``
-            (when unset: the artifact's floating-point dtype) are filled in.
+            writes it: ``architectures`` (when the config has none: :attr:`architecture`) is filled in,
+            and ``dtype`` is set to the dtype of the floating-point weights written (after
+            :attr:`dtype`), whatever the config says.
         architecture: the transformers class ``config.json``'s ``architectures`` names when the config
             has none (``"GPT2LMHeadModel"``); ``None``: the translation's
             (:attr:`smpckpt.model.translation.Translation.architecture`), if any.
@@ -127,10 +128,14 @@ class FullOptions:
         architecture = self.architecture or (self.translation.architecture if self.translation is not None else None)
         if not data.get("architectures") and architecture:
             data["architectures"] = [architecture]
-        # transformers >= 4.56 writes "dtype"; older versions "torch_dtype": keep a config's own spelling
-        key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
-        if data.get(key) is None and dtype is not None:
-            data[key] = str(dtype).removeprefix("torch.")
+        # The dtype of the tensors written, whatever the config says: a config saved with an fp32 model
+        # says "float32", and from_pretrained of a bf16 artifact under it would build an fp32 model.
+        # transformers >= 4.56 writes "dtype", older versions "torch_dtype": keep a config's own spelling
+        # (both when it has both).
+        if dtype is not None:
+            keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["dtype"]
+            for key in keys:
+                data[key] = str(dtype).removeprefix("torch.")
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     def route(self, fqn: str) -> tuple[str, str] | None:

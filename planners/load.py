@@ -43,7 +43,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.naming import NameMap
-from smpckpt.model.record import LayoutRecord, checkpoint_ties
+from smpckpt.model.record import LayoutRecord, checkpoint_original_shapes, checkpoint_ties
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs, tied_entries
 from smpckpt.planners._wire import compact_load
@@ -146,8 +146,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         #: checkpoint keys stored once under another key (read from that key's bytes)
         self.saved_tied = checkpoint_ties(metadata)
         self.saved_layout = record.layout if record is not None else None
-        #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold)
-        self.saved_original_shapes = dict(record.original_shapes) if record is not None else {}
+        #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold;
+        #: a Hugging Face folder's fused tensors in the shape an unsharded model holds them)
+        self.saved_original_shapes = checkpoint_original_shapes(metadata)
 
     # -- 2. local plan -----------------------------------------------------------------------------
     @gc_paused()

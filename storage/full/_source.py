@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.model.record import TIED_KEY
+from smpckpt.model.record import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
@@ -160,8 +160,14 @@ class ArtifactIndex:
                 TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
             )
         ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
-        tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
-        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
+        data: dict[str, Any] = (
+            {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
+        )
+        if translation is not None:  # a model without specs holds a fused [3, d, d] as [3d, d]
+            merged = translation.merged_shapes({k: s for k, (_, s) in ours.items()})
+            if merged:
+                data[MERGED_KEY] = {prefix + k: list(s) for k, s in merged.items()}
+        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=data)
 
 
 #: a config.json larger than this is not read for its ties (real ones are a few KiB)

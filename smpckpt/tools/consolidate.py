@@ -193,9 +193,18 @@ def consolidate_checkpoint(
         hf_config=hf_config,
         format=format,
     )
+    record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
+    # As the online full save (and save_pretrained): a key the checkpoint stores tied to another (one
+    # tensor under two names, written once) stays out of the artifact unless the config unties them;
+    # then it is written, and the record no longer says it is tied.
+    tied = dict(record.get("tied") or {}) if isinstance(record, dict) else {}
+    if tied and not opts.leaves_tied_out:
+        record, tied = {k: v for k, v in record.items() if k != "tied"}, {}
     items: list[WriteItem] = []
     kept: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
+        if fqn in tied:
+            continue
         if isinstance(md, TensorStorageMetadata):
             if opts.route(fqn) is None:
                 continue
@@ -212,7 +221,6 @@ def consolidate_checkpoint(
             items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
             kept[fqn] = md
     total = sum(md.size.numel() * md.properties.dtype.itemsize for md in kept.values() if hasattr(md, "size"))
-    record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
     planner_data = {METADATA_KEY: record} if record else None
     plan = SavePlan(items, planner_data=planner_data)
     # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor

@@ -138,6 +138,18 @@ class FullOptions:
                 data[key] = str(dtype).removeprefix("torch.")
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
+    @property
+    def leaves_tied_out(self) -> bool:
+        """Whether a tensor tied to another (one tensor under two keys: ``lm_head.weight`` and the input
+        embedding) is written once, under its first key, as ``save_pretrained`` writes a tied model:
+        unless :attr:`hf_config` says ``tie_word_embeddings: false`` (transformers would then not tie
+        them on load, and needs both)."""
+        cfg = self.hf_config
+        untied = (
+            cfg.get("tie_word_embeddings") if isinstance(cfg, Mapping) else getattr(cfg, "tie_word_embeddings", None)
+        )
+        return untied is not False
+
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""
         # the longest matching prefix (two matching prefixes of one length are the same prefix)

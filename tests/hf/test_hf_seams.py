@@ -82,3 +82,49 @@ def test_hf_folder_loads_into_a_tp1_model_in_our_names_without_specs(tmp_path: P
     model = Holder({k: torch.zeros_like(v) for k, v in ours.items()})
     smpckpt.resume_from_checkpoint(str(tmp_path / "hf"), partial=False, model=model, translate_function=mod.TRANSLATION)
     assert _equal({k: p.detach() for k, p in model.named_parameters()}, ours) == []
+
+
+def _tied_in_memory(name: str, hf: Any) -> Holder:
+    """Our TP=1 model of ``hf`` holding each tied head as its embedding's very tensor, as HF ties them."""
+    mod = MODULES[name]
+    model = Holder(
+        {
+            k: v.clone()
+            for k, v in mod.translate_hf_state_dict_to_smpckpt(hf.state_dict(), tie_word_embeddings=False).items()
+        }
+    )
+    for head, embed in mod.TRANSLATION.tied.items():
+        *path, leaf = head.split(".")
+        owner = model.get_submodule(".".join(path))
+        setattr(owner, leaf, model.get_parameter(embed))
+    return model
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_online_and_offline_full_saves_leave_tied_heads_out_as_save_pretrained(tmp_path: Path, name: str) -> None:
+    mod = MODULES[name]
+    hf = tiny_model(name, seed=5, dtype=torch.float32, tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path / "sp")
+    pretrained = _artifact(tmp_path / "sp")
+    assert set(mod.TRANSLATION.tied) & set(hf.state_dict()) and not set(mod.TRANSLATION.tied) & set(pretrained)
+    ours = _tied_in_memory(name, hf)
+    cfg = hf.config.to_dict()
+    root = str(tmp_path / "run")
+    for tag, model, translation in (("hf", hf, None), ("ours", ours, mod.TRANSLATION)):
+        for untied in (False, True):
+            config = {**cfg, "tie_word_embeddings": False} if untied else cfg
+            full, off = f"{tag}-{untied}", tmp_path / f"{tag}-{untied}-off"
+            smpckpt.save_checkpoint(
+                root, full, partial=False, model=model, translate_function=translation, hf_config=config
+            )
+            smpckpt.save_checkpoint(root, tag, model=model, save_rng=False, overwrite=True)
+            smpckpt.consolidate_checkpoint(
+                os.path.join(root, tag), off, translation=translation, hf_config=config, progress=False
+            )
+            online, offline = _artifact(tmp_path / "run" / full), _artifact(off)
+            assert _equal(online, offline) == [], (tag, untied)
+            want = hf.state_dict() if untied else pretrained  # an untied config gets every key
+            assert _equal(online, {k: v for k, v in want.items() if k in online}) == [] and set(online) == set(want), (
+                tag,
+                untied,
+            )

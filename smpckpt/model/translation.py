@@ -230,6 +230,12 @@ class Translation:
         """Whether ``artifact_key`` is a non-state entry this translation drops on import."""
         return any(r.fullmatch(artifact_key) for r in self._ignore_re)
 
+    def rule_of(self, key: str, shapes: Mapping[str, Sequence[int]], side: str) -> Rule | None:
+        """The rule that takes ``key`` of ``shapes`` on ``side`` (``"ours"`` / ``"artifact"``: optimizer
+        state by its parameter's), or ``None`` when it keeps its key."""
+        found = self._match(key, {k: tuple(v) for k, v in shapes.items()}, side)
+        return None if found is None else self.rules[found[0]]
+
     def _match(self, key: str, shapes: Mapping[str, Shape], side: str) -> tuple[int, dict[str, str], str] | None:
         """``(rule index, fields, suffix)`` of ``key`` on ``side`` (``"ours"`` / ``"artifact"``): a direct
         match, else the longest ``<param>.<suffix>`` split whose parameter matches and has ``key``'s shape."""

@@ -170,6 +170,8 @@ def consolidate_checkpoint(
     :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given.
     """
+    # the arguments first (a translation and a config of different families, a bad size), before any read
+    FullOptions(max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format)
     src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()

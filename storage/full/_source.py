@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt
+from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
+from smpckpt.hf import check_translation
 from smpckpt.model.record import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._errors import translate_errors
@@ -147,6 +148,10 @@ class ArtifactIndex:
                 self.tensors[f"model/{e.key}"] = StoredTensor(name, e.start, e.dtype, e.shape)
                 art_shapes[e.key] = e.shape
         if translation is not None:
+            try:  # the wrong family's rules would take nothing and leave its fused tensors unread
+                check_translation(translation, art_shapes, "artifact")
+            except SpecError as exc:
+                raise LayoutMismatch(f"{self.url}: {exc}") from exc
             ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
         else:
             ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}

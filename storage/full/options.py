@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from smpckpt.hf import check_config
 from smpckpt.model.translation import Translation
 
 __all__ = ["FullOptions", "FORMATS", "parse_size"]
@@ -107,6 +108,8 @@ class FullOptions:
                 "translation must be a smpckpt.model.translation.Translation (e.g. smpckpt.hf.gpt2.TRANSLATION): full "
                 f"saves translate shard by shard, never a gathered state dict; got {type(self.translation).__name__}"
             )
+        if self.translation is not None and self.hf_config is not None:
+            check_config(self.translation, self.hf_config)  # config.json must describe the tensors written
         if isinstance(self.row_swap_below, bool) or not isinstance(self.row_swap_below, int) or self.row_swap_below < 0:
             raise ValueError(f"row_swap_below must be a byte count >= 0, got {self.row_swap_below!r}")
         if self.format not in FORMATS:

@@ -69,9 +69,11 @@ def check_translates(
     if len(kept) == len(keys) and (side == "ours" or theirs):
         prefixed = next((p for k in kept if (p := _prefixed(translation, k, side)) is not None), None)
         if theirs:
-            # a family whose rules fuse the tensors names it surest (GPT-2's renames are GPT-Neo's keys)
+            # a family whose rules fuse the tensors names it surest (GPT-2's renames are GPT-Neo's keys);
+            # families sharing rules (Llama, Mistral, Qwen2) are named together
             name, found = max((fused or theirs).items(), key=lambda item: len(item[1]))
-            hint = f"they are {name}'s ({_show(found)}): use its translation, smpckpt.hf.translation_for({name!r})"
+            names = " or ".join(f"{n}'s" for n, f in (fused or theirs).items() if f == found)
+            hint = f"they are {names} ({_show(found)}): use its translation, smpckpt.hf.translation_for({name!r})"
         elif side == "ours" and any(translation.rule_of(k, shapes, "artifact") is not None for k in kept):
             hint = "they already have the artifact's (Hugging Face) names: save without a translation"
         elif prefixed is not None:
@@ -82,9 +84,10 @@ def check_translates(
             f"translation {translation.name!r} takes none of the {len(keys)} {what} ({_show(kept)}), so it "
             f"would change nothing: {hint}"
         )
-    for name, found in fused.items():
+    for found in fused.values():
+        names = " or ".join(f"{n}'s" for n, f in fused.items() if f == found)
         raise SpecError(
-            f"translation {translation.name!r} leaves {_show(found)} as they are, but they are {name}'s "
+            f"translation {translation.name!r} leaves {_show(found)} as they are, but they are {names} "
             f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
         )
     prefixed_keys = [k for k in kept if _prefixed(translation, k, side) is not None]

@@ -139,7 +139,8 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
         v = e.value
         if v.numel() == 0 or v.is_meta:
             continue
-        where = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), tuple(e.chunk.offsets), e.global_shape)
+        where: tuple[Any, ...] = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
+        where += (tuple(e.chunk.offsets), e.global_shape)
         if e.dtensor is not None:
             where += (tuple(e.dtensor.placements), id(e.dtensor.device_mesh))
         key = first.setdefault(where, e.key)

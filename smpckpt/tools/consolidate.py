@@ -200,7 +200,7 @@ def consolidate_checkpoint(
     # tensor under two names, written once) stays out of the artifact unless the config unties them;
     # then it is written, and the record no longer says it is tied.
     tied = dict(record.get("tied") or {}) if isinstance(record, dict) else {}
-    if tied and not opts.leaves_tied_out:
+    if isinstance(record, dict) and tied and not opts.leaves_tied_out:
         record, tied = {k: v for k, v in record.items() if k != "tied"}, {}
     items: list[WriteItem] = []
     kept: dict[str, Any] = {}

@@ -231,10 +231,49 @@ def pipeline(rank: int, root: str, hf_dir: str) -> dict[str, Any]:
     return out
 
 
+# -- DTensor: GPT-2 whose vocab-parallel embedding is a DTensor, the head tied to it again -------------
+def dtensor_tied(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The same GPT-2 held in plain tensors and with ``parallelize_module`` over a 1-D mesh of the ranks,
+    its head tied to the DTensor embedding again as a user re-ties it: both full saves must write the
+    same artifact (the head left out, as ``save_pretrained`` writes a tied model), and a partial save
+    of the DTensor model resumes into another one bit-exact, tie intact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    layout, cfg = ParallelLayout(tp=world), tiny_config("gpt2", vocab_size=98)
+
+    def dtensor_model(seed: int) -> Any:
+        model = tiny_model("gpt2", seed=seed, dtype=torch.float32, vocab_size=98)
+        parallelize_module(model, mesh, {"transformer.wte": RowwiseParallel()})  # vocab-parallel rows
+        model.lm_head.weight = model.transformer.wte.weight  # tied again, as the model was
+        return model
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain, model = tiny_model("gpt2", seed=SEED, dtype=torch.float32, vocab_size=98), dtensor_model(SEED)
+    assert isinstance(model.lm_head.weight, DTensor)
+    smpckpt.save_checkpoint(root, "plain", partial=False, model=plain, layout=layout, hf_config=cfg)
+    smpckpt.save_checkpoint(root, "dtensor", partial=False, model=model, layout=layout, hf_config=cfg)
+    smpckpt.save_checkpoint(root, "p", model=model, layout=layout, save_rng=False)
+    again = dtensor_model(SEED + 1)
+    smpckpt.resume_from_checkpoint(root, "p", model=again, layout=layout)
+
+    def whole(t: Any) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    pairs = zip(model.state_dict().items(), again.state_dict().values())
+    return {
+        "resumed": sorted(k for (k, a), b in pairs if not torch.equal(whole(a), whole(b))),
+        "still_tied": again.lm_head.weight is again.transformer.wte.weight,
+        "want": {k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"} if rank == 0 else {},
+    }
+
+
 def families(rank: int, world: int, root: str, hf_root: str, names: list[str]) -> dict[str, Any]:
     import transformers
 
     transformers.logging.set_verbosity_error()
     results = {name: one_family(rank, name, root, os.path.join(hf_root, name)) for name in names}
     results["gpt2 pp=2"] = pipeline(rank, os.path.join(root, "pp"), os.path.join(hf_root, "gpt2"))
+    results["gpt2 dtensor"] = dtensor_tied(rank, world, os.path.join(root, "dtensor"))
     return results

@@ -3,17 +3,21 @@ checkpoint -> full HF artifact (online and offline) -> ``from_pretrained`` gives
 logits exactly, and a bf16 export's ``config.json`` says bfloat16 whatever the config given said; a
 sharded ``save_pretrained`` folder loads into TP=2 bit-exact; a folder whose heads differ from their
 embeddings is refused by a model tying them, naming both keys, until ``keep_tied`` picks the head;
-another family's translation is refused on export and import; and GPT-2 over two pipeline stages, whose
-last holds its own copy of the tied head, loads from a folder that leaves it out. One world for all
-eight families (spawning ranks costs more than a family's work)."""
+another family's translation is refused on export and import; GPT-2 over two pipeline stages, whose
+last holds its own copy of the tied head, loads from a folder that leaves it out; and a GPT-2 whose head
+is tied to its DTensor embedding after ``parallelize_module`` writes what the plain model writes. One
+world for all eight families (spawning ranks costs more than a family's work)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from dist_harness import run_world
 from hf_family_workers import SEED, families, untied_model
 from hf_reference import MODULES, tiny_model
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.dist
 
@@ -28,7 +32,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         assert (hf_root / name / "model.safetensors.index.json").exists()
         untied_model(name).save_pretrained(hf_root / f"{name}-untied")  # heads of their own, not the embeddings
     root = tmp_path_factory.mktemp("ckpt")
-    return run_world(families, 2, str(root), str(hf_root), NAMES, timeout=480)
+    out = run_world(families, 2, str(root), str(hf_root), NAMES, timeout=480)
+    out[0]["gpt2 dtensor:root"] = os.path.join(str(root), "dtensor")
+    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -82,3 +88,23 @@ def test_pipeline_stage_holding_its_own_head(results: list[dict]) -> None:
         assert got["hf_folder_into_pp2"] == [], f"rank {rank}: HF folder landed wrong in PP=2"
         assert got["partial_round_trip"] == [], f"rank {rank}"
     assert results[0]["gpt2 pp=2"]["pp-full:logits_equal"]
+
+
+def _artifact(folder: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def test_dtensor_model_with_a_tied_head_writes_what_the_plain_model_writes(results: list[dict]) -> None:
+    for rank, per_rank in enumerate(results):
+        got = per_rank["gpt2 dtensor"]
+        assert got["resumed"] == [] and got["still_tied"], rank
+    root = results[0]["gpt2 dtensor:root"]
+    plain, dtensor = _artifact(os.path.join(root, "plain")), _artifact(os.path.join(root, "dtensor"))
+    assert "lm_head.weight" not in plain  # as save_pretrained writes a tied GPT-2
+    assert sorted(dtensor) == sorted(plain) == sorted(results[0]["gpt2 dtensor"]["want"])
+    for key, want in results[0]["gpt2 dtensor"]["want"].items():
+        assert torch.equal(plain[key], want) and torch.equal(dtensor[key], want), key

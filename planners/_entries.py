@@ -125,20 +125,24 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order.
 
     Tied means the same memory seen the same way -- device, address, shape, strides, dtype -- and the
-    same place in the same global tensor (specs can differ only by mistake; then both are kept). Plain
-    tensors only: a DTensor's tie shows in its local tensor, but its placements decide ownership alone.
-    Only tensors with real storage can be tied: every meta tensor (and every empty one) reports address
-    0, so same-shaped ones would look like one tensor.
+    same place in the same global tensor (specs can differ only by mistake; then both are kept). A
+    DTensor ties by its local tensor, under the same placements on the same mesh (a head tied to a
+    vocab-parallel embedding after ``parallelize_module``): its placements decide which rank writes it,
+    alike for both keys. Only tensors with real storage can be tied: every meta tensor (and every empty
+    one) reports address 0, so same-shaped ones would look like one tensor.
     """
     first: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
     for e in entries.values():
-        if e.kind != "tensor" or e.rank_local or e.chunk is None:
+        if e.kind not in ("tensor", "dtensor") or e.rank_local or e.chunk is None:
             continue
         v = e.value
         if v.numel() == 0 or v.is_meta:
             continue
-        where = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride(), tuple(e.chunk.offsets), e.global_shape)
+        where: tuple[Any, ...] = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
+        where += (tuple(e.chunk.offsets), e.global_shape)
+        if e.dtensor is not None:
+            where += (tuple(e.dtensor.placements), id(e.dtensor.device_mesh))
         key = first.setdefault(where, e.key)
         if key != e.key:
             tied[e.key] = key

@@ -43,9 +43,10 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.naming import NameMap
-from smpckpt.model.record import LayoutRecord, checkpoint_ties
+from smpckpt.model.record import LayoutRecord, checkpoint_original_shapes, checkpoint_ties
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs, tied_entries
+from smpckpt.planners._ties import TiedLoads
 from smpckpt.planners._wire import compact_load
 from smpckpt.storage.format._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
@@ -86,12 +87,18 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             a matching state-dict key missing from the checkpoint keeps its value (listed in
             ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
             Everything else stays strict unless ``allow_partial_load``.
+        keep_tied: globs of checkpoint keys: when the checkpoint holds two keys of a tensor the
+            destination ties (``lm_head.weight`` and the embedding) apart, the matching one is loaded
+            and the others are not read. Without a match both are read and must be equal.
 
     Tied parameters (one tensor under two keys, as transformers ties ``lm_head.weight`` to the input
     embedding) load without ``allow_partial_load``: keys tied in the destination are one tensor, loaded
     once through the first key the checkpoint holds (the others count as loaded); a destination key
     the checkpoint stores tied to another (our record of the save, or a Hugging Face folder that leaves
-    the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head.
+    the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head. A
+    checkpoint holding the keys of one destination tensor apart must hold them equal (bit for bit):
+    a head that differs from its embedding is :class:`~smpckpt.errors.LayoutMismatch` naming both,
+    unless ``keep_tied`` says which to load (see ``_ties``).
     """
 
     def __init__(
@@ -107,12 +114,16 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         allow_dtype_cast: bool = False,
         allow_pickle: bool = False,
         optional: Sequence[str] = (),
+        keep_tied: Sequence[str] = (),
     ) -> None:
         self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
         self.allow_partial_load = allow_partial_load
         self.allow_dtype_cast = allow_dtype_cast
         self.allow_pickle = allow_pickle
         self._optional = compile_globs(optional)
+        if isinstance(keep_tied, str) or not all(isinstance(g, str) for g in keep_tied):
+            raise TypeError(f"keep_tied must be a sequence of key globs, got {keep_tied!r}")
+        self._ties = TiedLoads(compile_globs(keep_tied))
         self.report: LoadReport | None = None
 
     @property
@@ -146,8 +157,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         #: checkpoint keys stored once under another key (read from that key's bytes)
         self.saved_tied = checkpoint_ties(metadata)
         self.saved_layout = record.layout if record is not None else None
-        #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold)
-        self.saved_original_shapes = dict(record.original_shapes) if record is not None else {}
+        #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold;
+        #: a Hugging Face folder's fused tensors in the shape an unsharded model holds them)
+        self.saved_original_shapes = checkpoint_original_shapes(metadata)
 
     # -- 2. local plan -----------------------------------------------------------------------------
     @gc_paused()
@@ -161,10 +173,14 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         resharded: list[str] = []
         cast: list[str] = []
         fast = 0
-        sources, through, tied_covered = self._tie_sources(md_all)
-        for entry in self.entries.values():
+        ties = self._ties
+        ties.plan(self.entries, self.dest_tied, self.saved_tied, md_all)
+        sources, through, tied_covered = ties.sources, ties.through, ties.covered
+        for entry in list(self.entries.values()):
             if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
+            if entry.key in ties.compare:  # held apart in the checkpoint: read into scratch, compared
+                entry = self.entries[entry.key] = ties.scratch(entry)
             source = sources.get(entry.key, entry.key)
             md = md_all.get(source)
             if md is None:
@@ -216,7 +232,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
             )
-        tied = {**through, **sources}
+        ties.count(items)
+        tied = {**through, **sources, **ties.compare}
         self.report = LoadReport(
             fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped), tied
         )
@@ -228,38 +245,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
         return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
-
-    def _tie_sources(self, md_all: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str], list[str]]:
-        """Where tied keys load from: destination key -> the checkpoint key read for it; skipped key (the
-        tensor of another destination key) -> the key that loads it; and the checkpoint keys such a
-        skipped key covers (they are loaded, through the other key of the same tensor).
-
-        Of keys tied in the destination, the first the checkpoint holds (directly, or stored tied to
-        another key) is read; each tied key of the checkpoint missing from it reads its tied key."""
-
-        def stored(key: str) -> str | None:
-            if key in md_all:
-                return key
-            first = self.saved_tied.get(key)
-            return first if first is not None and first in md_all else None
-
-        groups: dict[str, list[str]] = {}
-        for alias, first in self.dest_tied.items():
-            groups.setdefault(first, [first]).append(alias)
-        through: dict[str, str] = {}
-        covered: list[str] = []
-        for keys in groups.values():
-            reader = next((k for k in keys if stored(k) is not None), keys[0])
-            for key in keys:
-                if key != reader:
-                    through[key] = reader
-                    if key in md_all:
-                        covered.append(key)
-        sources: dict[str, str] = {}
-        for key in self.entries:
-            if key not in through and key not in md_all and (source := stored(key)) is not None:
-                sources[key] = source
-        return sources, through, covered
 
     def _reshaped(self, entry: Entry, md: TensorStorageMetadata) -> TensorStorageMetadata | None:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
@@ -401,7 +386,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         return narrow_tensor_by_index(entry.value, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """(all ranks) Nothing to do: reads land in the destination's own memory."""
+        """(all ranks) Reads land in the destination's own memory; a tied key the checkpoint holds apart
+        is compared with the key loaded once both are in (``_ties``)."""
+        self._ties.committed(read_item, self.entries, self.rank)
 
 
 def _refuse_raw_without_our_reader(metadata: Metadata) -> None:

@@ -113,9 +113,12 @@ def sim_load(
         readers[rank].read_data(final, planners[rank]).wait()
 
 
-def load_shards_and_check(folder: str, shards: Sequence[dict[str, torch.Tensor]], specs: Any) -> None:
+def load_shards_and_check(
+    folder: str, shards: Sequence[dict[str, torch.Tensor]], specs: Any, optional: Sequence[str] = ()
+) -> None:
     """Load a checkpoint folder saved at TP ``len(shards)`` under ``"model"`` into zeroed tensors shaped
-    like each rank's ``shards``, through our planner and reader, and check every tensor bit-exact."""
+    like each rank's ``shards``, through our planner and reader, and check every tensor bit-exact
+    (``optional``: the planner's globs of keys that may be left out, e.g. ``user_content``)."""
     from smpckpt import ParallelLayout
     from smpckpt.planners import ParallelLoadPlanner
     from smpckpt.storage import FsspecStorageReader
@@ -124,7 +127,7 @@ def load_shards_and_check(folder: str, shards: Sequence[dict[str, torch.Tensor]]
     dests = [{"model": {k: torch.zeros_like(v) for k, v in mine.items()}} for mine in shards]
     sim_load(
         dests,
-        [ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=r) for r in range(tp)],
+        [ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=r, optional=optional) for r in range(tp)],
         [FsspecStorageReader(folder) for _ in range(tp)],
     )
     for r, mine in enumerate(shards):

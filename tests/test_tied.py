@@ -255,3 +255,77 @@ def test_a_real_tie_is_still_found_next_to_meta_tensors() -> None:
     planner = ParallelSavePlanner(ParallelLayout(), rank=0)
     planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=True)
     assert planner.tied == {"model.head.weight": "model.embed.weight"}
+
+
+def _untied_folder(folder: Path, gpt2: Any) -> Any:
+    """A save_pretrained folder of a GPT-2 whose head is its own tensor, different from its embedding."""
+    src = gpt2(3, tie_word_embeddings=False)
+    with torch.no_grad():
+        src.lm_head.weight.copy_(torch.randn_like(src.lm_head.weight))
+    assert not torch.equal(src.lm_head.weight, src.transformer.wte.weight)
+    src.save_pretrained(folder)
+    return src
+
+
+def test_a_tied_model_refuses_a_head_that_differs_from_its_embedding(tmp_path: Path, gpt2: Any) -> None:
+    """transformers keeps the two apart (it unties); a tied model holds one value, so the load names both
+    keys -- from a Hugging Face folder and from a partial checkpoint -- unless keep_tied says which."""
+    src = _untied_folder(tmp_path / "hf", gpt2)
+    dst = gpt2(4)  # tie_word_embeddings=True: lm_head.weight is transformer.wte.weight
+    before = dst.transformer.wte.weight.detach().clone()
+    with pytest.raises(smpckpt.LayoutMismatch, match=r"'model\.lm_head\.weight' and 'model\.transformer\.wte\.weight'"):
+        smpckpt.resume_from_checkpoint(str(tmp_path / "hf"), partial=False, model=dst)
+    assert dst.lm_head.weight is dst.transformer.wte.weight
+    # keep the head: the tied tensor takes its values (and the embedding's are ignored)
+    smpckpt.resume_from_checkpoint(str(tmp_path / "hf"), partial=False, model=dst, keep_tied=["model.lm_head.weight"])
+    assert torch.equal(dst.transformer.wte.weight, src.lm_head.weight) and not torch.equal(dst.lm_head.weight, before)
+    assert dst.lm_head.weight is dst.transformer.wte.weight
+    smpckpt.resume_from_checkpoint(str(tmp_path / "hf"), partial=False, model=dst, keep_tied=["*wte*"])
+    assert torch.equal(dst.lm_head.weight, src.transformer.wte.weight)
+    # a partial checkpoint of the untied model, resumed into the tied one
+    smpckpt.save_checkpoint(str(tmp_path / "run"), "u", model=src, save_rng=False)
+    with pytest.raises(smpckpt.LayoutMismatch, match=r"keep_tied=\['model\.transformer\.wte\.weight'\]"):
+        smpckpt.resume_from_checkpoint(str(tmp_path / "run"), "u", model=dst)
+    smpckpt.resume_from_checkpoint(str(tmp_path / "run"), "u", model=dst, keep_tied=["model.lm_head.weight"])
+    assert torch.equal(dst.transformer.wte.weight, src.lm_head.weight)
+    # a model that holds them apart loads both, and a tied model loads a checkpoint whose two are equal
+    apart = gpt2(5, tie_word_embeddings=False)
+    smpckpt.resume_from_checkpoint(str(tmp_path / "hf"), partial=False, model=apart)
+    _equal_states(src, apart)
+    with torch.no_grad():
+        src.lm_head.weight.copy_(src.transformer.wte.weight)
+    smpckpt.save_checkpoint(str(tmp_path / "run"), "equal", model=src, save_rng=False)
+    smpckpt.resume_from_checkpoint(str(tmp_path / "run"), "equal", model=dst)
+    assert torch.equal(dst.lm_head.weight, src.lm_head.weight)
+
+
+@pytest.mark.parametrize("differs_on", [0, 1])
+def test_tied_vocab_parallel_shards_refuse_a_head_apart_that_differs_on_one_rank(
+    tmp_path: Path, differs_on: int
+) -> None:
+    """TP=2: each rank compares its own shard of the head with its shard of the embedding."""
+    full = torch.randn(10, 4)
+    head = full.clone()
+    head[5 * differs_on + 2, 1] += 1.0  # one element, in one rank's half
+    sim_save(
+        [{"model": {"embed": full, "head": head}}],
+        [ParallelSavePlanner(ParallelLayout(), rank=0)],
+        [FsspecStorageWriter(str(tmp_path))],
+    )
+    layout, specs = ParallelLayout(tp=2), {"model.embed": ShardSpec(0), "model.head": ShardSpec(0)}
+    dests = []
+    for _ in range(2):
+        piece = torch.zeros(5, 4)
+        dests.append({"model": {"embed": piece, "head": piece}})
+    with pytest.raises(smpckpt.LayoutMismatch, match=rf"rank {differs_on}: 'model\.head' and 'model\.embed'"):
+        sim_load(
+            dests,
+            [ParallelLoadPlanner(layout, specs, rank=r) for r in range(2)],
+            [FsspecStorageReader(str(tmp_path)) for _ in range(2)],
+        )
+    sim_load(
+        dests,
+        [ParallelLoadPlanner(layout, specs, rank=r, keep_tied=["model.head"]) for r in range(2)],
+        [FsspecStorageReader(str(tmp_path)) for _ in range(2)],
+    )
+    assert torch.equal(torch.cat([d["model"]["embed"] for d in dests]), head)

@@ -252,6 +252,7 @@ def load_checkpoint(
         allow_pickle=opts.allow_pickle,
         allow_partial_load=not opts.strict,
         optional=optional or RESERVED.optional(model=common.model is not None, optim=bool(common.optimizers)),
+        keep_tied=opts.keep_tied,
     )
     reader = reader or FsspecStorageReader(
         url,

@@ -26,7 +26,7 @@ from smpckpt._version import VERSION
 from smpckpt.api._args import CommonRequest, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api._dist import DistContext
 from smpckpt.api._planner_reuse import kept_save_planner
-from smpckpt.api.options import SaveOptions, config_value
+from smpckpt.api.options import SaveOptions
 from smpckpt.api.rng import get_rng_state
 from smpckpt.api.user_content import describe_user_content, encode_user_content
 from smpckpt.catalog._save_clock import next_save_ns
@@ -138,7 +138,7 @@ def run_save(
         with kept_save_planner(kind, common) as planner, quiet_no_dist():
             planner.verify_replicas = opts.verify_replicas
             if kind == "full":  # as save_pretrained: a head tied to its embedding is left out unless untied
-                planner.dedup_tied = config_value(opts.hf_config, "tie_word_embeddings") is not False
+                planner.dedup_tied = opts.artifact().leaves_tied_out  # consolidate_checkpoint's rule too
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         try:

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -262,6 +262,7 @@ def resume_from_checkpoint(
     verify_checksums: bool = True,
     freeze_gc: bool = True,
     local_path: str | os.PathLike[str] | None = None,
+    keep_tied: Sequence[str] = (),
     options: ResumeOptions | None = None,
 ) -> Any:
     """Load ``{path}/{tag}_partial`` (``newest`` when ``tag`` is None) into ``model``/``optimizer``

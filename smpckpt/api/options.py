@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -266,6 +266,14 @@ class ResumeOptions(_Options):
     allow_dtype_cast: bool = _opt(False)
     """Convert tensors saved in another dtype instead of refusing."""
 
+    keep_tied: Sequence[str] = _opt((), same=tuple)
+    """Globs (``*`` crosses dots) of checkpoint keys, as the state dict names them (``model.`` first):
+    when the model ties two keys (``lm_head.weight`` to the input embedding) that the checkpoint holds
+    apart with different values -- a Hugging Face folder of an untied model, a partial checkpoint saved
+    untied -- the load is refused naming both, unless one matches here: that one is loaded, the other
+    ignored (``["model.lm_head.weight"]`` keeps the head, ``["*embed*"]`` the embedding). Values held
+    apart but equal load without it."""
+
     verify_checksums: bool = _opt(True)
     """Check every byte read against its checksum."""
 
@@ -279,5 +287,9 @@ class ResumeOptions(_Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        tied = self.keep_tied
+        if isinstance(tied, str) or not isinstance(tied, Sequence) or not all(isinstance(g, str) for g in tied):
+            raise TypeError(f"keep_tied must be a list of key globs, got {tied!r}")
+        object.__setattr__(self, "keep_tied", tuple(tied))
         if self.partial and self.translate_function is not None and not callable(self.translate_function):
             raise TypeError("translate_function must be callable (state_dict -> state_dict)")

@@ -18,10 +18,16 @@ translated), :mod:`~smpckpt.hf.llama`, :mod:`~smpckpt.hf.qwen2` and :mod:`~smpck
 transformers: configs are read by attribute or dict key.
 """
 
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
+from smpckpt.model._translation_checks import check_translates
 from smpckpt.model.translation import Translation
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
+__all__ += ["check_translation", "check_config"]
 
 #: HF ``config.model_type`` -> translation.
 TRANSLATIONS: dict[str, Translation] = {
@@ -38,3 +44,40 @@ def translation_for(name: str) -> Translation:
     if found is None:
         raise KeyError(f"no Hugging Face translation for {name!r}; known: {sorted(TRANSLATIONS)}")
     return found
+
+
+def check_translation(translation: Translation, shapes: Mapping[str, Sequence[int]], side: str) -> None:
+    """Refuse a translation that does not fit the tensors ``shapes`` (``side``: ``"ours"`` when
+    exporting ours, ``"artifact"`` when importing a Hugging Face folder's), as
+    :func:`smpckpt.model._translation_checks.check_translates` says, against every family here."""
+    check_translates(translation, shapes, "ours" if side == "ours" else "artifact", TRANSLATIONS.values())
+
+
+#: what may follow a family's class prefix in ``architectures`` (``GPTJ`` + ``ForCausalLM``)
+_HEADS = re.compile(r"(For[A-Z]\w*|LMHeadModel|DoubleHeadsModel|Model|PreTrainedModel)")
+
+
+def check_config(translation: Translation, config: Any) -> None:
+    """Refuse a ``config.json`` of another family than ``translation`` (one of ours): its
+    ``model_type`` must be the translation's and each of its ``architectures`` a class of that family
+    (``from_pretrained`` builds the model they name, over tensors laid out for the translation's)."""
+    if translation.name not in TRANSLATIONS or config is None:
+        return  # a translation of the user's own: its family is theirs to know
+    get = config.get if isinstance(config, Mapping) else lambda name: getattr(config, name, None)
+    model_type = get("model_type")
+    if model_type and model_type != translation.name:
+        raise ValueError(
+            f"hf_config is a {model_type!r} config but the translation is for {translation.name!r}: use "
+            f"smpckpt.hf.translation_for({model_type!r}) if the model is a {model_type}, or the config of its family"
+        )
+    prefix = re.sub(r"(For[A-Z]\w*|LMHeadModel)$", "", translation.architecture or "")
+    wrong = [
+        a
+        for a in get("architectures") or ()
+        if not (prefix and str(a).startswith(prefix) and _HEADS.fullmatch(str(a)[len(prefix) :]))
+    ]
+    if prefix and wrong:
+        raise ValueError(
+            f"hf_config names the architectures {wrong}, which are not {translation.name!r} models (the "
+            f"translation writes {translation.architecture}'s tensors): give the config of the model's family"
+        )

@@ -78,8 +78,8 @@ def _qkv_bias_split(shape: Shape) -> tuple[Shape, ...]:
 TRANSLATION = Translation(
     "gpt2",
     rules=(
-        Rule(_H + "attn.qkv.weight", (_H + "attn.c_attn.weight",), build=_qkv_weight, split=_qkv_weight_split),
-        Rule(_H + "attn.qkv.bias", (_H + "attn.c_attn.bias",), build=_qkv_bias, split=_qkv_bias_split),
+        Rule(_H + "attn.qkv.weight", (_H + "attn.c_attn.weight",), _qkv_weight, _qkv_weight_split, fused=3),
+        Rule(_H + "attn.qkv.bias", (_H + "attn.c_attn.bias",), _qkv_bias, _qkv_bias_split, fused=3),
         transpose(_H + "attn.proj.weight", _H + "attn.c_proj.weight"),
         rename(_H + "attn.proj.bias", _H + "attn.c_proj.bias"),
         transpose(_H + "mlp.fc.weight", _H + "mlp.c_fc.weight"),

@@ -22,6 +22,7 @@ from typing import Union
 import torch
 
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
+__all__ += ["merge_leading", "split_leading", "reshaped"]
 
 Shape = tuple[int, ...]
 
@@ -144,6 +145,83 @@ def expr_shape(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> Shap
                 f"has {first}; they must agree on every other dim"
             )
     return first[: expr.dim] + (sum(s[expr.dim] for s in shapes),) + first[expr.dim + 1 :]
+
+
+# -- the model's shape of a fused view ----------------------------------------------------------------
+# A fused tensor is stored in a view (``[3, d, d]``) whose first two dims the unsharded model holds as
+# one (``nn.Linear``'s ``[3d, d]``): the same row-major elements. These rewrite an Expr of one shape into
+# the Expr of the other, so that regions of either shape map to artifact boxes.
+
+
+def _leaf_parts(leaf: Leaf, artifact_shapes: Mapping[str, Sequence[int]]) -> tuple[Shape, Shape, Shape]:
+    view, perm = _leaf_view(leaf, artifact_shapes)
+    return _artifact_shape(leaf.key, artifact_shapes), view, perm
+
+
+def _leaf(key: str, shape: Shape, view: Shape, perm: Shape) -> Leaf:
+    """The simplest Leaf for ``artifact[key].reshape(view).permute(perm)`` (defaults where they are)."""
+    identity = perm == tuple(range(len(perm)))
+    return Leaf(key, view=None if view == shape else view, perm=None if identity else perm)
+
+
+def merge_leading(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> Expr:
+    """``expr`` with its first two dims as one (``[a, b, *rest]`` -> ``[a*b, *rest]``, row-major).
+
+    Raises ValueError when no Expr says it: a Leaf whose two dims are not adjacent in its artifact
+    tensor, or a Cat along dim 1."""
+    if isinstance(expr, Leaf):
+        shape, view, perm = _leaf_parts(expr, artifact_shapes)
+        if len(perm) < 2 or perm[1] != perm[0] + 1:
+            raise ValueError(f"{expr.key!r}: dims 0 and 1 of {expr} are not adjacent in the artifact tensor")
+        a = perm[0]
+        merged = view[:a] + (view[a] * view[a + 1],) + view[a + 2 :]
+        return _leaf(expr.key, shape, merged, (a, *(p if p < a else p - 1 for p in perm[2:])))
+    if expr.dim == 1:
+        raise ValueError(f"a Cat along dim 1 ({expr_keys(expr)}) cannot have its dims 0 and 1 merged")
+    parts = tuple(merge_leading(p, artifact_shapes) for p in expr.parts)
+    return Cat(0 if expr.dim == 0 else expr.dim - 1, parts)
+
+
+def split_leading(expr: Expr, count: int, artifact_shapes: Mapping[str, Sequence[int]]) -> Expr:
+    """``expr`` with its first dim split in ``count`` (``[n, *rest]`` -> ``[count, n/count, *rest]``,
+    row-major): the inverse of :func:`merge_leading`.
+
+    Raises ValueError when ``count`` does not divide the dim, or a Cat's parts along it do not fall on
+    the split's boundaries."""
+    shape = expr_shape(expr, artifact_shapes)
+    if not shape or count < 1 or shape[0] % count:
+        raise ValueError(f"{expr_keys(expr)}: shape {shape} does not split into {count} on dim 0")
+    rows = shape[0] // count
+    if isinstance(expr, Leaf):
+        stored, view, perm = _leaf_parts(expr, artifact_shapes)
+        a = perm[0]
+        split = view[:a] + (count, rows) + view[a + 1 :]
+        return _leaf(expr.key, stored, split, (a, a + 1, *(p if p < a else p + 1 for p in perm[1:])))
+    if expr.dim != 0:
+        return Cat(expr.dim + 1, tuple(split_leading(p, count, artifact_shapes) for p in expr.parts))
+    parts = []
+    for part in expr.parts:
+        extent = expr_shape(part, artifact_shapes)[0]
+        if extent % rows:
+            raise ValueError(f"{expr_keys(part)}: {extent} rows do not fall on the split into {count} x {rows}")
+        parts.append(split_leading(part, extent // rows, artifact_shapes))
+    return Cat(0, tuple(parts))
+
+
+def reshaped(expr: Expr, shape: Sequence[int], artifact_shapes: Mapping[str, Sequence[int]]) -> Expr | None:
+    """``expr`` seen in ``shape`` when that is its shape with the first two dims merged or the first dim
+    split (a fused tensor in the model's shape or in its view); ``None`` when it is neither."""
+    want, have = tuple(int(s) for s in shape), expr_shape(expr, artifact_shapes)
+    try:
+        if want == have:
+            return expr
+        if len(have) >= 2 and want == (have[0] * have[1], *have[2:]):
+            return merge_leading(expr, artifact_shapes)
+        if len(want) >= 2 and have and have == (want[0] * want[1], *want[2:]):
+            return split_leading(expr, want[0], artifact_shapes)
+    except ValueError:
+        return None
+    return None
 
 
 # -- lazy, by region -----------------------------------------------------------------------------------

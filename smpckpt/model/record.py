@@ -22,6 +22,7 @@ from smpckpt.errors import CheckpointCorrupt, SpecError
 from smpckpt.model.layout import ParallelLayout
 
 __all__ = ["LayoutRecord", "METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties"]
+__all__ += ["MERGED_KEY", "checkpoint_original_shapes"]
 
 #: Key in ``Metadata.planner_data`` (plain JSON-able values, so stock unpicklers read it).
 METADATA_KEY = "__smpckpt__"
@@ -31,6 +32,10 @@ MANIFEST_KEY = "layout_record"
 #: heads the folder leaves out (``{"model.lm_head.weight": "model.transformer.wte.weight"}``). Our own
 #: checkpoints record their ties in the :class:`LayoutRecord` instead.
 TIED_KEY = "__smpckpt_tied__"
+#: Key in ``Metadata.planner_data`` of a plain Hugging Face folder read through a translation: the shape
+#: an unsharded model holds each fused tensor in (``[3d, d]`` for the stored view ``[3, d, d]``), as
+#: :attr:`LayoutRecord.original_shapes` records it for our checkpoints.
+MERGED_KEY = "__smpckpt_merged__"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +132,16 @@ def checkpoint_ties(metadata: Any) -> dict[str, str]:
     data = getattr(metadata, "planner_data", None)
     found = data.get(TIED_KEY) if isinstance(data, Mapping) else None
     return {str(k): str(v) for k, v in found.items()} if isinstance(found, Mapping) else {}
+
+
+def checkpoint_original_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
+    """Shapes tensors stored in a view had before it (key -> shape): from our record, or from what the
+    storage reader knows of a Hugging Face folder's fused tensors (:data:`MERGED_KEY`)."""
+    record = LayoutRecord.from_metadata(metadata)
+    if record is not None:
+        return dict(record.original_shapes)
+    data = getattr(metadata, "planner_data", None)
+    found = data.get(MERGED_KEY) if isinstance(data, Mapping) else None
+    if not isinstance(found, Mapping):
+        return {}
+    return {str(k): tuple(int(n) for n in v) for k, v in found.items()}

@@ -31,12 +31,16 @@ from smpckpt.model._translation_algebra import (
     evaluate,
     expr_keys,
     expr_shape,
+    merge_leading,
     pieces,
+    reshaped,
     scatter,
+    split_leading,
 )
 
 # the algebra's names, then the rules'
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
+__all__ += ["merge_leading", "split_leading", "reshaped"]
 __all__ += ["Rule", "rename", "transpose", "stack", "Translation", "IDENTITY"]
 
 
@@ -72,15 +76,21 @@ class Rule:
         build: ``(artifact keys, their shapes) -> Expr`` of our tensor (used both ways).
         split: ``our shape -> artifact shapes`` (one per template), for saving. Either callable raises
             ValueError for shapes it cannot take.
+        fused: ``n`` when ours is ``n`` tensors fused along a new dim 0 that an unsharded model holds
+            merged with the next (``[3, d, d]`` stored, ``[3d, d]`` in an ``nn.Linear``): saving then
+            also takes our tensor in that merged shape (a TP=1 model saved without specs); ``0``: not.
     """
 
     ours: str
     artifact: tuple[str, ...]
     build: Callable[[tuple[str, ...], tuple[Shape, ...]], Expr]
     split: Callable[[Shape], tuple[Shape, ...]]
+    fused: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "artifact", tuple(self.artifact))
+        if isinstance(self.fused, bool) or not isinstance(self.fused, int) or self.fused < 0:
+            raise ValueError(f"rule {self.ours!r}: fused must be a count >= 0, got {self.fused!r}")
         fields = set(_FIELD.findall(self.ours))
         for template in self.artifact:
             if set(_FIELD.findall(template)) != fields:
@@ -113,7 +123,9 @@ def transpose(ours: str, artifact: str) -> Rule:
 
 
 def stack(ours: str, artifact: Sequence[str]) -> Rule:
-    """Ours is the artifact tensors stacked along a new dim 0 (``[n, *shape]``); they must share a shape."""
+    """Ours is the artifact tensors stacked along a new dim 0 (``[n, *shape]``); they must share a shape.
+    A model holding them concatenated (``[n * shape[0], ...]``: a fused ``nn.Linear``) saves too
+    (:attr:`Rule.fused`)."""
     templates = tuple(artifact)
 
     def build(keys: tuple[str, ...], shapes: tuple[Shape, ...]) -> Expr:
@@ -128,7 +140,7 @@ def stack(ours: str, artifact: Sequence[str]) -> Rule:
             raise ValueError(f"expected a leading dim of {len(templates)} (one per stacked tensor), got {shape}")
         return (shape[1:],) * len(templates)
 
-    return Rule(ours, templates, build=build, split=split)
+    return Rule(ours, templates, build=build, split=split, fused=len(templates))
 
 
 # -- translations -------------------------------------------------------------------------------------
@@ -198,9 +210,31 @@ class Translation:
         present = set(keys)
         return {head: embed for head, embed in self.tied.items() if head not in present and embed in present}
 
+    def merged_shapes(self, our_shapes: Mapping[str, Sequence[int]]) -> dict[str, Shape]:
+        """Our fused tensors (:attr:`Rule.fused`) of ``our_shapes`` (view shapes, ``[3, d, d]``) -> the
+        shape an unsharded model holds them in (``[3d, d]``), optimizer state alike."""
+        shapes = {k: tuple(int(s) for s in v) for k, v in our_shapes.items()}
+        out: dict[str, Shape] = {}
+        for key, shape in shapes.items():
+            hit = self._match(key, shapes, "ours")
+            if (
+                hit is not None
+                and self.rules[hit[0]].fused
+                and len(shape) >= 2
+                and shape[0] == self.rules[hit[0]].fused
+            ):
+                out[key] = (shape[0] * shape[1], *shape[2:])
+        return out
+
     def is_ignored(self, artifact_key: str) -> bool:
         """Whether ``artifact_key`` is a non-state entry this translation drops on import."""
         return any(r.fullmatch(artifact_key) for r in self._ignore_re)
+
+    def rule_of(self, key: str, shapes: Mapping[str, Sequence[int]], side: str) -> Rule | None:
+        """The rule that takes ``key`` of ``shapes`` on ``side`` (``"ours"`` / ``"artifact"``: optimizer
+        state by its parameter's), or ``None`` when it keeps its key."""
+        found = self._match(key, {k: tuple(v) for k, v in shapes.items()}, side)
+        return None if found is None else self.rules[found[0]]
 
     def _match(self, key: str, shapes: Mapping[str, Shape], side: str) -> tuple[int, dict[str, str], str] | None:
         """``(rule index, fields, suffix)`` of ``key`` on ``side`` (``"ours"`` / ``"artifact"``): a direct
@@ -247,11 +281,22 @@ class Translation:
         rule = self.rules[index]
         keys = tuple(t.format(**fields) + suffix for t in rule.artifact)
         try:
-            produced = dict(zip(keys, (tuple(s) for s in rule.split(shape))))
-            expr = rule.build(keys, tuple(produced.values()))
-            got = expr_shape(expr, produced)
+            expr, produced = _split_as(rule, keys, shape)
         except ValueError as e:
-            raise ValueError(f"{self.name}: our {key!r} of shape {shape} -> {list(keys)}: {e}") from None
+            merged = rule.fused and len(shape) >= 1 and shape[0] % rule.fused == 0
+            try:  # the model's shape of a fused view: [3d, d] for [3, d, d] (a TP=1 model without specs)
+                if not merged:
+                    raise e
+                expr, produced = _split_as(rule, keys, (rule.fused, shape[0] // rule.fused, *shape[1:]))
+                expr = merge_leading(expr, produced)
+            except ValueError:
+                hint = f" (nor, merged, of shape {(rule.fused, shape[0] // rule.fused, *shape[1:])})" if merged else ""
+                raise ValueError(
+                    f"{self.name}: our {key!r} of shape {shape} -> {list(keys)}: {e}{hint}. A tensor-parallel "
+                    "model's fused tensors are saved in their global view only with the specs the model was "
+                    "built with (a ShardSpec view, as smpckpt.hf.<family>.tp_specs gives): pass specs="
+                ) from None
+        got = expr_shape(expr, produced)
         if got != shape:  # a rule whose split and build disagree is a bug in the rule
             raise ValueError(f"{self.name}: rule {rule.ours!r} rebuilds {key!r} as {got}, not {shape}")
         return expr, produced
@@ -324,6 +369,12 @@ class Translation:
         """Eager import: artifact tensors -> our whole tensors (may share memory with ``artifact``)."""
         plan = self.from_artifact(_shapes_of(artifact))
         return {key: evaluate(expr, artifact) for key, (expr, _shape) in plan.items()}
+
+
+def _split_as(rule: Rule, keys: tuple[str, ...], shape: Shape) -> tuple[Expr, dict[str, Shape]]:
+    """``rule``'s Expr of our tensor of ``shape`` over its artifact ``keys``, and their shapes."""
+    produced = dict(zip(keys, (tuple(s) for s in rule.split(shape))))
+    return rule.build(keys, tuple(produced.values())), produced
 
 
 def _prefixes(key: str) -> Iterable[tuple[str, str]]:

@@ -45,6 +45,7 @@ from smpckpt.model.keys import FULL_ARTIFACTS, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.record import METADATA_KEY
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
+from smpckpt.tools._common import resolve_checkpoint_url
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
@@ -157,7 +158,8 @@ def consolidate_checkpoint(
     out_storage_options: Mapping[str, Any] | None = None,
 ) -> ConsolidateReport:
     """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (a local path or
-    any URL the storage supports: on S3 each file is one streamed multipart upload).
+    any URL the storage supports: on S3 each file is one streamed multipart upload). ``src`` is the
+    checkpoint folder or, as on the command line, ``PATH/TAG`` (``PATH/TAG_partial`` when that exists).
 
     Checkpoints written by :func:`smpckpt.save_checkpoint` give ``model.safetensors`` (keys without the
     ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer`` and ``user_content.pt``;
@@ -168,6 +170,9 @@ def consolidate_checkpoint(
     :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given.
     """
+    # the arguments first (a translation and a config of different families, a bad size), before any read
+    FullOptions(max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format)
+    src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
@@ -190,9 +195,18 @@ def consolidate_checkpoint(
         hf_config=hf_config,
         format=format,
     )
+    record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
+    # As the online full save (and save_pretrained): a key the checkpoint stores tied to another (one
+    # tensor under two names, written once) stays out of the artifact unless the config unties them;
+    # then it is written, and the record no longer says it is tied.
+    tied = dict(record.get("tied") or {}) if isinstance(record, dict) else {}
+    if isinstance(record, dict) and tied and not opts.leaves_tied_out:
+        record, tied = {k: v for k, v in record.items() if k != "tied"}, {}
     items: list[WriteItem] = []
     kept: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
+        if fqn in tied:
+            continue
         if isinstance(md, TensorStorageMetadata):
             if opts.route(fqn) is None:
                 continue
@@ -209,7 +223,6 @@ def consolidate_checkpoint(
             items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
             kept[fqn] = md
     total = sum(md.size.numel() * md.properties.dtype.itemsize for md in kept.values() if hasattr(md, "size"))
-    record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
     planner_data = {METADATA_KEY: record} if record else None
     plan = SavePlan(items, planner_data=planner_data)
     # one thread: the writer asks for one tensor at a time, so memory stays ~2x the largest tensor

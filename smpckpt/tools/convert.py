@@ -34,6 +34,7 @@ from smpckpt.api._args import quiet_no_dist, translate_dcp
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.record import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
+from smpckpt.tools._common import resolve_checkpoint_url
 
 __all__ = ["convert_checkpoint", "ConvertReport"]
 
@@ -75,10 +76,12 @@ def convert_checkpoint(
     allow_pickle: bool = False,
     overwrite: bool = False,
 ) -> ConvertReport:
-    """Read the checkpoint folder ``src`` (committed smpckpt or stock DCP; checksums verified) and
-    write it to ``out`` as ``to`` says. Returns what was written."""
+    """Read the checkpoint folder ``src`` (committed smpckpt or stock DCP; checksums verified; as on
+    the command line, ``PATH/TAG`` names ``PATH/TAG_partial`` when that exists) and write it to ``out``
+    as ``to`` says. Returns what was written."""
     if to not in ("torch_save", "dcp"):
         raise ValueError(f"to must be 'torch_save' or 'dcp', got {to!r}")
+    src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options, allow_pickle=allow_pickle)
     metadata = reader.read_metadata()
     record = LayoutRecord.from_metadata(metadata)

@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from smpckpt.errors import CheckpointError, SpecError
-from smpckpt.model.translation import Expr, Leaf, pieces
+from smpckpt.hf import check_translation
+from smpckpt.model.translation import Expr, Leaf, Translation, pieces
 from smpckpt.storage.format._regions import Box, intersect
 from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData, leaf_keys
 from smpckpt.storage.full._safetensors import encode_header
@@ -140,11 +141,11 @@ def _expressions(
     exprs: dict[str, tuple[str, Expr]] = {}
     art_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     art_dtypes: dict[str, dict[str, torch.dtype]] = {}
+    translated = _translated(by_artifact, shapes, opts.translation) if opts.translation is not None else {}
     for art, members in by_artifact.items():
         ours = {key: shapes[fqn] for key, fqn in members.items()}
-        if opts.translation is not None:
-            key_exprs, a_shapes = opts.translation.to_artifact(ours)
-            key_exprs, a_shapes = dict(key_exprs), {k: tuple(v) for k, v in a_shapes.items()}
+        if art in translated:
+            key_exprs, a_shapes = translated[art]
         else:
             key_exprs, a_shapes = {k: Leaf(k) for k in ours}, {k: v for k, v in ours.items()}
         for key, fqn in members.items():
@@ -162,6 +163,28 @@ def _expressions(
         art_shapes[art] = a_shapes
 
     return exprs, art_shapes, art_dtypes
+
+
+def _translated(
+    by_artifact: Mapping[str, Mapping[str, str]], shapes: Mapping[str, tuple[int, ...]], translation: Translation
+) -> dict[str, tuple[dict[str, Expr], dict[str, tuple[int, ...]]]]:
+    """Each artifact's expressions and artifact shapes under ``translation``, after checking that it
+    fits the tensors (a wrong family's rules would change nothing and fail nowhere). The artifacts are
+    translated as one: optimizer state (``optimizer.safetensors``' ``<param>.exp_avg``) follows its
+    parameter only where the translation sees the parameter (``model.safetensors``' ``<param>``)."""
+    joint = {key: shapes[fqn] for members in by_artifact.values() for key, fqn in members.items()}
+    check_translation(translation, joint, "ours")
+    groups = [list(by_artifact)]
+    if len(joint) < sum(len(members) for members in by_artifact.values()):  # a key in two artifacts
+        groups = [[art] for art in by_artifact]
+    out: dict[str, tuple[dict[str, Expr], dict[str, tuple[int, ...]]]] = {}
+    for arts in groups:
+        ours = {key: shapes[fqn] for art in arts for key, fqn in by_artifact[art].items()}
+        key_exprs, a_shapes = translation.to_artifact(ours)
+        for art in arts:
+            mine = {k: key_exprs[k] for k in by_artifact[art]}
+            out[art] = (mine, {leaf: tuple(a_shapes[leaf]) for e in mine.values() for leaf in leaf_keys(e)})
+    return out
 
 
 def _files(

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
-from smpckpt.model.translation import Leaf, Piece, pieces
+from smpckpt.model.translation import Leaf, Piece, pieces, reshaped
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._regions import box_runs
@@ -144,6 +144,10 @@ class FullSource(ArtifactIndex):
             asked, stored = tuple(md.size), tuple(expr.view or shapes[expr.key])
             if asked != stored and math.prod(asked) == math.prod(stored):
                 expr = Leaf(expr.key, view=asked)  # the planner reads this whole tensor in another shape
+        elif isinstance(md, TensorStorageMetadata):
+            # a translated fused tensor saved in the model's shape ([2I, d]) read in its view ([2, I, d]),
+            # or the other way round: the same elements, the expression rewritten
+            expr = reshaped(expr, tuple(md.size), shapes) or expr
         out = []
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
             out.append((f"{art}/{pc.key}", self.tensors[f"{art}/{pc.key}"], pc))

@@ -36,8 +36,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointCorrupt
-from smpckpt.model.record import TIED_KEY
+from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
+from smpckpt.hf import check_translation
+from smpckpt.model.record import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
@@ -147,6 +148,10 @@ class ArtifactIndex:
                 self.tensors[f"model/{e.key}"] = StoredTensor(name, e.start, e.dtype, e.shape)
                 art_shapes[e.key] = e.shape
         if translation is not None:
+            try:  # the wrong family's rules would take nothing and leave its fused tensors unread
+                check_translation(translation, art_shapes, "artifact")
+            except SpecError as exc:
+                raise LayoutMismatch(f"{self.url}: {exc}") from exc
             ours = {k: (expr, tuple(shape)) for k, (expr, shape) in translation.from_artifact(art_shapes).items()}
         else:
             ours = {k: (Leaf(k), s) for k, s in art_shapes.items()}
@@ -160,8 +165,14 @@ class ArtifactIndex:
                 TensorProperties(dtype=dtype), tsize, [ChunkStorageMetadata(torch.Size([0] * len(shape)), tsize)]
             )
         ties = hf_folder_ties(self.fs, self.path, art_shapes, translation)
-        tied = {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
-        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=tied)
+        data: dict[str, Any] = (
+            {TIED_KEY: {prefix + head: prefix + embed for head, embed in ties.items()}} if ties else {}
+        )
+        if translation is not None:  # a model without specs holds a fused [3, d, d] as [3d, d]
+            merged = translation.merged_shapes({k: s for k, (_, s) in ours.items()})
+            if merged:
+                data[MERGED_KEY] = {prefix + k: list(s) for k, s in merged.items()}
+        return Metadata(state_dict_metadata=sdm, storage_data={}, storage_meta=StorageMeta(), planner_data=data)
 
 
 #: a config.json larger than this is not read for its ties (real ones are a few KiB)

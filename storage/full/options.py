@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from smpckpt.hf import check_config
 from smpckpt.model.translation import Translation
 
 __all__ = ["FullOptions", "FORMATS", "parse_size"]
@@ -64,8 +65,9 @@ class FullOptions:
             region by region; ``None`` stores our keys, each in its shape before any ShardSpec view.
         hf_config: a Hugging Face config (a ``PretrainedConfig`` or a dict) written as ``config.json``
             beside the weights, so ``from_pretrained(folder)`` opens the artifact. As ``save_pretrained``
-            writes it: ``architectures`` (when the config has none: :attr:`architecture`) and ``dtype``
-            (when unset: the artifact's floating-point dtype) are filled in.
+            writes it: ``architectures`` (when the config has none: :attr:`architecture`) is filled in,
+            and ``dtype`` is set to the dtype of the floating-point weights written (after
+            :attr:`dtype`), whatever the config says.
         architecture: the transformers class ``config.json``'s ``architectures`` names when the config
             has none (``"GPT2LMHeadModel"``); ``None``: the translation's
             (:attr:`smpckpt.model.translation.Translation.architecture`), if any.
@@ -107,6 +109,8 @@ class FullOptions:
                 "translation must be a smpckpt.model.translation.Translation (e.g. smpckpt.hf.gpt2.TRANSLATION): full "
                 f"saves translate shard by shard, never a gathered state dict; got {type(self.translation).__name__}"
             )
+        if self.translation is not None and self.hf_config is not None:
+            check_config(self.translation, self.hf_config)  # config.json must describe the tensors written
         if isinstance(self.row_swap_below, bool) or not isinstance(self.row_swap_below, int) or self.row_swap_below < 0:
             raise ValueError(f"row_swap_below must be a byte count >= 0, got {self.row_swap_below!r}")
         if self.format not in FORMATS:
@@ -128,11 +132,27 @@ class FullOptions:
         architecture = self.architecture or (self.translation.architecture if self.translation is not None else None)
         if not data.get("architectures") and architecture:
             data["architectures"] = [architecture]
-        # transformers >= 4.56 writes "dtype"; older versions "torch_dtype": keep a config's own spelling
-        key = "torch_dtype" if "torch_dtype" in data and "dtype" not in data else "dtype"
-        if data.get(key) is None and dtype is not None:
-            data[key] = str(dtype).removeprefix("torch.")
+        # The dtype of the tensors written, whatever the config says: a config saved with an fp32 model
+        # says "float32", and from_pretrained of a bf16 artifact under it would build an fp32 model.
+        # transformers >= 4.56 writes "dtype", older versions "torch_dtype": keep a config's own spelling
+        # (both when it has both).
+        if dtype is not None:
+            keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["dtype"]
+            for key in keys:
+                data[key] = str(dtype).removeprefix("torch.")
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    @property
+    def leaves_tied_out(self) -> bool:
+        """Whether a tensor tied to another (one tensor under two keys: ``lm_head.weight`` and the input
+        embedding) is written once, under its first key, as ``save_pretrained`` writes a tied model:
+        unless :attr:`hf_config` says ``tie_word_embeddings: false`` (transformers would then not tie
+        them on load, and needs both)."""
+        cfg = self.hf_config
+        untied = (
+            cfg.get("tie_word_embeddings") if isinstance(cfg, Mapping) else getattr(cfg, "tie_word_embeddings", None)
+        )
+        return untied is not False
 
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""

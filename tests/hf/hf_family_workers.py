@@ -2,14 +2,18 @@
 
 For every family: an HF model -> our TP=2 shards (each rank holds only its pieces, in a parameter-only
 module) -> a partial checkpoint -> a full HF artifact, online (``save_checkpoint(partial=False)``) and
-offline (``consolidate_checkpoint`` of the partial one); and an HF ``save_pretrained`` folder cut into
-small shards -> our TP=2 layout. The spec rules are ``tp_specs``' defaults (the model's own names), as a
-user writes them. The pipeline case loads a GPT-2 folder, which leaves the tied head out, into two
-stages whose last holds its own ``lm_head.weight``.
+offline (``consolidate_checkpoint`` of the partial one), and online in bf16 under the ``config.json``
+``save_pretrained`` wrote (which says float32); and an HF ``save_pretrained`` folder cut into small
+shards -> our TP=2 layout. Then what must be refused: a folder of an untied model whose head differs
+from its embedding, loaded into a model tying them (until ``keep_tied`` says which to keep), and
+another family's translation, on export and on import. The spec rules are ``tp_specs``' defaults (the
+model's own names), as a user writes them. The pipeline case loads a GPT-2 folder, which leaves the
+tied head out, into two stages whose last holds its own ``lm_head.weight``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -51,6 +55,66 @@ def _expected_shards(name: str, model: Any, rank: int) -> tuple[dict[str, Any], 
     return specs, mine
 
 
+def untied_model(name: str) -> Any:
+    """The family's model with its heads untied, each different from the tensor HF would tie it to."""
+    return tiny_model(name, seed=SEED + 1, dtype=torch.float32, tie_word_embeddings=False)
+
+
+def other_family(name: str) -> str:
+    """A family whose rules differ from ``name``'s (Llama, Qwen2 and Mistral share theirs)."""
+    rules = {n: {(r.ours, r.artifact) for r in MODULES[n].TRANSLATION.rules} for n in MODULES}
+    names = sorted(MODULES)
+    return next(n for n in names[names.index(name) + 1 :] + names if rules[n] != rules[name])
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except smpckpt.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def tie_mismatch(rank: int, name: str, untied_dir: str) -> dict[str, Any]:
+    """A folder whose heads differ from their embeddings, into our TP=2 model that ties them."""
+    mod = MODULES[name]
+    untied = untied_model(name)
+    specs, mine = _expected_shards(name, untied, rank)
+    heads = {h: e for h, e in mod.TRANSLATION.tied.items() if h in mine and e in mine}
+    held = Holder({k: torch.zeros_like(v) for k, v in mine.items() if k not in heads})
+    for head, embed in heads.items():  # the head is the embedding's very parameter, as HF ties them
+        *path, leaf = head.split(".")
+        owner: torch.nn.Module = held
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        setattr(owner, leaf, held.get_parameter(embed))
+    common: dict[str, Any] = dict(partial=False, model=held, translate_function=mod.TRANSLATION, layout=TP, specs=specs)
+    out: dict[str, Any] = {"heads": heads}
+    out["refused"] = _error(lambda: smpckpt.resume_from_checkpoint(untied_dir, **common))
+    smpckpt.resume_from_checkpoint(untied_dir, keep_tied=[f"model.{h}" for h in heads], **common)
+    want = {k: v for k, v in mine.items() if k not in heads}
+    want.update({embed: mine[head] for head, embed in heads.items()})  # the tied tensor took the heads
+    out["kept_heads"] = _same(dict(held.named_parameters()), want)
+    out["still_tied"] = all(held.get_parameter(h) is held.get_parameter(e) for h, e in heads.items())
+    return out
+
+
+def wrong_translation(rank: int, name: str, root: str, hf_dir: str, holder: Any, specs: Any) -> dict[str, Any]:
+    """Another family's translation, refused on export (nothing written) and on import."""
+    other = MODULES[other_family(name)].TRANSLATION
+    kw: dict[str, Any] = dict(partial=False, model=holder, translate_function=other, layout=TP, specs=specs)
+    return {
+        "other": other.name,
+        "export": _error(lambda: smpckpt.save_checkpoint(root, f"{name}-wrong", **kw)),
+        "import": _error(lambda: smpckpt.resume_from_checkpoint(hf_dir, strict=False, **kw)),
+        "written": sorted(os.listdir(os.path.join(root, f"{name}-wrong")))
+        if os.path.isdir(os.path.join(root, f"{name}-wrong"))
+        else [],
+    }
+
+
 def one_family(rank: int, name: str, root: str, hf_dir: str) -> dict[str, Any]:
     mod = MODULES[name]
     model = tiny_model(name, seed=SEED, dtype=torch.float32)
@@ -85,10 +149,26 @@ def one_family(rank: int, name: str, root: str, hf_dir: str) -> dict[str, Any]:
             progress=False,
         )
 
+    # bf16, under the config.json save_pretrained wrote (it says float32): config.json must say bfloat16
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        pretrained_config = json.load(f)
+    smpckpt.save_checkpoint(
+        root,
+        f"{name}-bf16",
+        partial=False,
+        model=holder,
+        translate_function=mod.TRANSLATION,
+        hf_config=pretrained_config,
+        dtype=torch.bfloat16,
+        **common,
+    )
+
     # HF save_pretrained folder in small shards -> our TP=2 layout, each rank reading its pieces
     loaded = Holder({k: torch.full_like(v, -3.0) for k, v in mine.items()})
     smpckpt.resume_from_checkpoint(hf_dir, partial=False, model=loaded, translate_function=mod.TRANSLATION, **common)
     out["hf_folder_into_tp2"] = _same(dict(loaded.named_parameters()), mine)
+    out["tie_mismatch"] = tie_mismatch(rank, name, f"{hf_dir}-untied")
+    out["wrong_translation"] = wrong_translation(rank, name, root, hf_dir, holder, specs)
 
     dist.barrier()
     if rank == 0:
@@ -102,6 +182,12 @@ def one_family(rank: int, name: str, root: str, hf_dir: str) -> dict[str, Any]:
             out[f"{artifact}:logits_equal"] = bool(torch.equal(_logits(hf, ids), want))
             out[f"{artifact}:class"] = type(hf).__name__
             out[f"{artifact}:weights"] = _same(hf.state_dict(), model.state_dict())
+        folder = os.path.join(root, f"{name}-bf16")
+        with open(os.path.join(folder, "config.json")) as f:
+            out["bf16:config_dtype"] = json.load(f).get("dtype")
+        hf = auto.from_pretrained(folder, attn_implementation="eager").eval()
+        out["bf16:model_dtype"] = hf.dtype
+        out["bf16:weights"] = _same(hf.state_dict(), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
     return out
 
 
@@ -145,10 +231,49 @@ def pipeline(rank: int, root: str, hf_dir: str) -> dict[str, Any]:
     return out
 
 
+# -- DTensor: GPT-2 whose vocab-parallel embedding is a DTensor, the head tied to it again -------------
+def dtensor_tied(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The same GPT-2 held in plain tensors and with ``parallelize_module`` over a 1-D mesh of the ranks,
+    its head tied to the DTensor embedding again as a user re-ties it: both full saves must write the
+    same artifact (the head left out, as ``save_pretrained`` writes a tied model), and a partial save
+    of the DTensor model resumes into another one bit-exact, tie intact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    layout, cfg = ParallelLayout(tp=world), tiny_config("gpt2", vocab_size=98)
+
+    def dtensor_model(seed: int) -> Any:
+        model = tiny_model("gpt2", seed=seed, dtype=torch.float32, vocab_size=98)
+        parallelize_module(model, mesh, {"transformer.wte": RowwiseParallel()})  # vocab-parallel rows
+        model.lm_head.weight = model.transformer.wte.weight  # tied again, as the model was
+        return model
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain, model = tiny_model("gpt2", seed=SEED, dtype=torch.float32, vocab_size=98), dtensor_model(SEED)
+    assert isinstance(model.lm_head.weight, DTensor)
+    smpckpt.save_checkpoint(root, "plain", partial=False, model=plain, layout=layout, hf_config=cfg)
+    smpckpt.save_checkpoint(root, "dtensor", partial=False, model=model, layout=layout, hf_config=cfg)
+    smpckpt.save_checkpoint(root, "p", model=model, layout=layout, save_rng=False)
+    again = dtensor_model(SEED + 1)
+    smpckpt.resume_from_checkpoint(root, "p", model=again, layout=layout)
+
+    def whole(t: Any) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    pairs = zip(model.state_dict().items(), again.state_dict().values())
+    return {
+        "resumed": sorted(k for (k, a), b in pairs if not torch.equal(whole(a), whole(b))),
+        "still_tied": again.lm_head.weight is again.transformer.wte.weight,
+        "want": {k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"} if rank == 0 else {},
+    }
+
+
 def families(rank: int, world: int, root: str, hf_root: str, names: list[str]) -> dict[str, Any]:
     import transformers
 
     transformers.logging.set_verbosity_error()
     results = {name: one_family(rank, name, root, os.path.join(hf_root, name)) for name in names}
     results["gpt2 pp=2"] = pipeline(rank, os.path.join(root, "pp"), os.path.join(hf_root, "gpt2"))
+    results["gpt2 dtensor"] = dtensor_tied(rank, world, os.path.join(root, "dtensor"))
     return results

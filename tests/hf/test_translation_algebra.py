@@ -20,6 +20,7 @@ from smpckpt.model.translation import (
     expr_shape,
     pieces,
     rename,
+    reshaped,
     scatter,
     stack,
     transpose,
@@ -87,6 +88,41 @@ def test_random_expressions_pieces_evaluate_scatter(case):
     assert back.keys() == artifact.keys()
     for key, tensor in artifact.items():
         assert torch.equal(back[key], tensor) and back[key].is_contiguous()
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(cases(), st.integers(1, 5))
+def test_expressions_merge_and_split_their_leading_dims_row_major(case, count):
+    """A fused tensor in the model's shape ([3d, d]) and in its view ([3, d, d]) are the same elements:
+    ``reshaped`` rewrites an Expr into either shape exactly, or says it cannot (``None``)."""
+    shape, expr, shapes, drawn = case
+    artifact = {k: torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+    ours = evaluate(expr, artifact)
+    targets = []
+    if len(shape) >= 2:
+        targets.append((shape[0] * shape[1], *shape[2:]))
+    if shape[0] % count == 0:
+        targets.append((count, shape[0] // count, *shape[1:]))
+    for target in targets:
+        other = reshaped(expr, target, shapes)
+        if other is None:
+            continue
+        assert expr_shape(other, shapes) == target
+        assert torch.equal(evaluate(other, artifact), ours.reshape(target))
+        assert torch.equal(evaluate(reshaped(other, shape, shapes), artifact), ours)  # and back
+        offsets, sizes = (0,) * len(target), target
+        assert torch.equal(assemble(pieces(other, offsets, sizes, shapes), artifact, sizes), ours.reshape(target))
+
+
+def test_fused_views_merge_as_the_model_holds_them():
+    """The families' fused rules: GPT-2's transposed c_attn and a stacked gate/up merge to one Leaf each."""
+    d = 4
+    qkv = Leaf("c_attn", view=(d, 3, d), perm=(1, 2, 0))
+    assert reshaped(qkv, (3 * d, d), {"c_attn": (d, 3 * d)}) == Leaf("c_attn", perm=(1, 0))
+    gate_up = Cat(0, (Leaf("g", view=(1, 3, 2)), Leaf("u", view=(1, 3, 2))))
+    assert reshaped(gate_up, (6, 2), {"g": (3, 2), "u": (3, 2)}) == Cat(0, (Leaf("g"), Leaf("u")))
+    assert reshaped(Cat(1, (Leaf("g"), Leaf("u"))), (6,), {"g": (3, 1), "u": (3, 1)}) is None  # not expressible
+    assert reshaped(Leaf("g"), (2, 3), {"g": (3, 2)}) is None  # not a leading merge or split
 
 
 def test_gpt2_style_leaf_pieces_by_hand():
@@ -201,8 +237,14 @@ def test_translation_errors():
         _T.from_artifact({k: v for k, v in artifact.items() if k != "l.1.gate"})
     with pytest.raises(ValueError, match=r"l\.0\.gate \(3, 2\), l\.0\.up \(4, 2\): stacked tensors must share a shape"):
         _T.from_artifact({**artifact, "l.0.up": (4, 2)})
-    with pytest.raises(ValueError, match=r"our 'l\.0\.gate_up' of shape \(3, 3, 2\)"):
+    with pytest.raises(ValueError, match=r"our 'l\.0\.gate_up' of shape \(3, 3, 2\).*pass specs="):
         _T.to_artifact({"l.0.gate_up": (3, 3, 2)})
+    # the model's merged shape of the fused view saves (a TP=1 model without specs); one that cannot be
+    # the view's merged says what would have made it so
+    exprs, shapes = _T.to_artifact({"l.0.gate_up": (6, 2)})
+    assert exprs["l.0.gate_up"] == Cat(0, (Leaf("l.0.gate"), Leaf("l.0.up"))) and shapes["l.0.gate"] == (3, 2)
+    with pytest.raises(ValueError, match=r"\(7, 2\).*specs the model was built with"):
+        _T.to_artifact({"l.0.gate_up": (7, 2)})
     with pytest.raises(ValueError, match=r"'l\.0\.gate' would be written from both 'l\.0\.gate_up' and 'l\.0\.gate'"):
         _T.to_artifact({"l.0.gate_up": (2, 3, 2), "l.0.gate": (3, 2)})
     with pytest.raises(ValueError, match=r"our key 'head' would be read from both"):

@@ -1,0 +1,82 @@
+"""Where full exports meet Hugging Face: the offline and online paths write one artifact (tied heads
+included), translations that do not fit the model are refused, ``config.json`` states the dtype written,
+a TP=1 model in our names exports without specs, and ``consolidate_checkpoint`` takes ``PATH/TAG``
+(tier 1, one process)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from full_models import assert_state_equal, trained_model
+from safetensors.torch import load_file
+
+import smpckpt
+from smpckpt.tools.consolidate import consolidate_checkpoint
+from smpckpt.tools.convert import convert_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def test_consolidate_and_convert_take_path_slash_tag_as_the_cli_does(tmp_path: Path) -> None:
+    model, _ = trained_model(0)
+    root = str(tmp_path / "run")
+    smpckpt.save_checkpoint(root, "step3", model=model, save_rng=False)
+    report = consolidate_checkpoint(os.path.join(root, "step3"), tmp_path / "full", progress=False)
+    assert "model.safetensors" in report["files"]
+    got = load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert_state_equal(model.state_dict(), got)
+    converted = convert_checkpoint(Path(root) / "step3", tmp_path / "one.pt")
+    assert converted["tensors"] == len(model.state_dict())
+    back = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert_state_equal(model.state_dict(), back["model"])
+
+
+@pytest.fixture
+def gpt2() -> Any:
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+
+    def make(seed: int, **overrides: Any) -> Any:
+        torch.manual_seed(seed)
+        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32, **overrides)
+        return GPT2LMHeadModel(cfg).eval()
+
+    return make
+
+
+def _config_json(folder: Path) -> dict[str, Any]:
+    with open(folder / "config.json") as f:
+        return json.load(f)
+
+
+def test_config_json_states_the_dtype_written_not_the_configs(tmp_path: Path, gpt2: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = gpt2(0)
+    model.save_pretrained(tmp_path / "pretrained")  # its config now says float32
+    saved = _config_json(tmp_path / "pretrained")
+    assert saved["dtype"] == "float32"
+    root = str(tmp_path / "run")
+    smpckpt.save_checkpoint(root, "bf", partial=False, model=model, dtype=torch.bfloat16, hf_config=model.config)
+    assert _config_json(tmp_path / "run" / "bf")["dtype"] == "bfloat16"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "bf")
+    assert back.dtype == torch.bfloat16
+    assert torch.equal(back.transformer.wte.weight, model.transformer.wte.weight.to(torch.bfloat16))
+    # offline, from a config.json that spells it the older way
+    smpckpt.save_checkpoint(root, "p", model=model, save_rng=False)
+    old = {k: v for k, v in saved.items() if k != "dtype"} | {"torch_dtype": "float32"}
+    consolidate_checkpoint(
+        os.path.join(root, "p"), tmp_path / "off", dtype=torch.float16, hf_config=old, progress=False
+    )
+    written = _config_json(tmp_path / "off")
+    assert written["torch_dtype"] == "float16" and "dtype" not in written
+    # and without a cast, the dtype of the weights as they are
+    smpckpt.save_checkpoint(root, "fp32", partial=False, model=model, hf_config={**saved, "dtype": "bfloat16"})
+    assert _config_json(tmp_path / "run" / "fp32")["dtype"] == "float32"

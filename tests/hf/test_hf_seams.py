@@ -1,0 +1,287 @@
+"""Every Hugging Face family where our exports meet transformers (tier 1, one process): a TP=1 model in
+our names exports with a translation and no specs (the model's fused shapes are the view's merged), and
+loads back into TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_e2e_workers import Holder
+from hf_reference import AUTO_CLASS, MODULES, global_view, shard_all, tiny_config, tiny_model
+from safetensors.torch import load_file
+from sim import load_shards_and_check
+
+import smpckpt
+from smpckpt.tools.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+NAMES = sorted(MODULES)
+
+
+def _artifact(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(str(folder / name)))
+    return out
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Keys missing from either side or whose tensors differ (bit-exact, dtype included)."""
+    return sorted(
+        k
+        for k in set(a) | set(b)
+        if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tp1_model_in_our_names_exports_without_specs(tmp_path: Path, name: str) -> None:
+    import transformers
+
+    mod = MODULES[name]
+    hf = tiny_model(name, seed=3, dtype=torch.float32)
+    ours = mod.translate_hf_state_dict_to_smpckpt(hf.state_dict())  # TP=1: fused tensors in nn.Linear shape
+    assert any(v.shape != global_view(name, hf)[k].shape for k, v in ours.items())  # some are fused views
+    model = Holder({k: v.clone() for k, v in ours.items()})
+    root = str(tmp_path / "run")
+    kw: dict[str, Any] = dict(translate_function=mod.TRANSLATION, hf_config=tiny_config(name))
+    smpckpt.save_checkpoint(root, "full", partial=False, model=model, **kw)
+    want = {k: v for k, v in hf.state_dict().items() if k in _artifact(tmp_path / "run" / "full")}
+    assert _equal(_artifact(tmp_path / "run" / "full"), want) == []
+    back = getattr(transformers, AUTO_CLASS[name]).from_pretrained(tmp_path / "run" / "full")
+    assert _equal(back.state_dict(), hf.state_dict()) == []
+    # offline, from the command line, which cannot take specs: the same artifact
+    smpckpt.save_checkpoint(root, "p", model=model, save_rng=False)
+    out = tmp_path / "off"
+    rc = main(
+        ["consolidate", os.path.join(root, "p"), str(out), "--translation", name, "--no-progress"], stdout=io.StringIO()
+    )
+    assert rc == 0
+    assert _equal(_artifact(out), _artifact(tmp_path / "run" / "full")) == []
+    # and back: into the TP=1 model without specs, and into TP=2 under the family's specs
+    again = Holder({k: torch.zeros_like(v) for k, v in ours.items()})
+    smpckpt.resume_from_checkpoint(root, "full", partial=False, model=again)
+    assert _equal({k: p.detach() for k, p in again.named_parameters()}, ours) == []
+    shards = shard_all(name, global_view(name, hf), 2, hf.config)
+    load_shards_and_check(str(out), shards, mod.tp_specs(2, hf.config, prefix="model."), optional=["user_content"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_folder_loads_into_a_tp1_model_in_our_names_without_specs(tmp_path: Path, name: str) -> None:
+    mod = MODULES[name]
+    hf = tiny_model(name, seed=4, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = mod.translate_hf_state_dict_to_smpckpt(hf.state_dict())
+    model = Holder({k: torch.zeros_like(v) for k, v in ours.items()})
+    smpckpt.resume_from_checkpoint(str(tmp_path / "hf"), partial=False, model=model, translate_function=mod.TRANSLATION)
+    assert _equal({k: p.detach() for k, p in model.named_parameters()}, ours) == []
+
+
+def _tied_in_memory(name: str, hf: Any) -> Holder:
+    """Our TP=1 model of ``hf`` holding each tied head as its embedding's very tensor, as HF ties them."""
+    mod = MODULES[name]
+    model = Holder(
+        {
+            k: v.clone()
+            for k, v in mod.translate_hf_state_dict_to_smpckpt(hf.state_dict(), tie_word_embeddings=False).items()
+        }
+    )
+    for head, embed in mod.TRANSLATION.tied.items():
+        *path, leaf = head.split(".")
+        owner = model.get_submodule(".".join(path))
+        setattr(owner, leaf, model.get_parameter(embed))
+    return model
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_online_and_offline_full_saves_leave_tied_heads_out_as_save_pretrained(tmp_path: Path, name: str) -> None:
+    mod = MODULES[name]
+    hf = tiny_model(name, seed=5, dtype=torch.float32, tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path / "sp")
+    pretrained = _artifact(tmp_path / "sp")
+    assert set(mod.TRANSLATION.tied) & set(hf.state_dict()) and not set(mod.TRANSLATION.tied) & set(pretrained)
+    ours = _tied_in_memory(name, hf)
+    cfg = hf.config.to_dict()
+    root = str(tmp_path / "run")
+    for tag, model, translation in (("hf", hf, None), ("ours", ours, mod.TRANSLATION)):
+        for untied in (False, True):
+            config = {**cfg, "tie_word_embeddings": False} if untied else cfg
+            full, off = f"{tag}-{untied}", tmp_path / f"{tag}-{untied}-off"
+            smpckpt.save_checkpoint(
+                root, full, partial=False, model=model, translate_function=translation, hf_config=config
+            )
+            smpckpt.save_checkpoint(root, tag, model=model, save_rng=False, overwrite=True)
+            smpckpt.consolidate_checkpoint(
+                os.path.join(root, tag), off, translation=translation, hf_config=config, progress=False
+            )
+            online, offline = _artifact(tmp_path / "run" / full), _artifact(off)
+            assert _equal(online, offline) == [], (tag, untied)
+            want = hf.state_dict() if untied else pretrained  # an untied config gets every key
+            assert _equal(online, {k: v for k, v in want.items() if k in online}) == [] and set(online) == set(want), (
+                tag,
+                untied,
+            )
+
+
+# -- a translation that does not fit ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def states() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Each family's (HF state dict, ours at TP=1)."""
+    out = {}
+    for name in NAMES:
+        hf = tiny_model(name, seed=1, dtype=torch.float32).state_dict()
+        out[name] = (hf, MODULES[name].translate_hf_state_dict_to_smpckpt(hf))
+    return out
+
+
+def _same_rules(a: str, b: str) -> bool:
+    def templates(name: str) -> set[tuple[str, tuple[str, ...]]]:
+        return {(r.ours, r.artifact) for r in MODULES[name].TRANSLATION.rules}
+
+    return templates(a) == templates(b)
+
+
+@pytest.mark.parametrize("model", NAMES)
+def test_each_familys_translation_fits_its_tensors_and_no_other_familys(states: Any, model: str) -> None:
+    """Every family's keys (HF's, and ours) pass its own translation and are refused by every other whose
+    rules differ (Llama, Qwen2 and Mistral share theirs: the same layout)."""
+    hf, ours = states[model]
+    shapes_hf = {k: tuple(v.shape) for k, v in hf.items()}
+    shapes_ours = {k: tuple(v.shape) for k, v in ours.items()}
+    for name in NAMES:
+        translation = MODULES[name].TRANSLATION
+        if name == model or _same_rules(name, model):
+            smpckpt.hf.check_translation(translation, shapes_ours, "ours")
+            smpckpt.hf.check_translation(translation, shapes_hf, "artifact")
+            continue
+        with pytest.raises(smpckpt.SpecError, match=rf"translation '{name}' (takes none|leaves)"):
+            smpckpt.hf.check_translation(translation, shapes_ours, "ours")
+        with pytest.raises(smpckpt.SpecError, match=rf"translation '{name}' (takes none|leaves)"):
+            smpckpt.hf.check_translation(translation, shapes_hf, "artifact")
+
+
+def test_consolidate_with_another_familys_translation_fails_and_writes_nothing(tmp_path: Path, states: Any) -> None:
+    _, ours = states["gptj"]
+    root = str(tmp_path / "run")
+    smpckpt.save_checkpoint(root, "j", model=Holder({k: v.clone() for k, v in ours.items()}), save_rng=False)
+    err = io.StringIO()
+    rc = main(
+        ["consolidate", os.path.join(root, "j"), str(tmp_path / "out"), "--translation", "gpt_neo", "--no-progress"],
+        stdout=io.StringIO(),
+        stderr=err,
+    )
+    assert rc == 1
+    assert "translation 'gpt_neo' takes none" in err.getvalue() and "attn.qkv_proj.weight" in err.getvalue()
+    assert "gptj's" in err.getvalue()
+    assert not (tmp_path / "out").exists() or not [
+        n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")
+    ]
+
+
+def test_full_save_refuses_a_translation_the_model_does_not_fit(tmp_path: Path, states: Any) -> None:
+    root = str(tmp_path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(smpckpt.SpecError, match=r"translation 'gpt2' takes none of the 4 tensors"):
+        smpckpt.save_checkpoint(root, "a", partial=False, model=model, translate_function=MODULES["gpt2"].TRANSLATION)
+    _, llama = states["llama"]
+    with pytest.raises(smpckpt.SpecError, match=r"takes none.*they are llama's"):
+        smpckpt.save_checkpoint(
+            root, "b", partial=False, model=Holder(llama), translate_function=MODULES["gpt2"].TRANSLATION
+        )
+    hf = tiny_model("gpt2", seed=1, dtype=torch.float32)  # HF names already
+    with pytest.raises(smpckpt.SpecError, match=r"already have the artifact's \(Hugging Face\) names"):
+        smpckpt.save_checkpoint(root, "c", partial=False, model=hf, translate_function=MODULES["gpt2"].TRANSLATION)
+    _, gpt2 = states["gpt2"]
+    wrapped = Holder({("module." + k if ".h.0." in k else k): v for k, v in gpt2.items()})  # half under a wrapper
+    with pytest.raises(smpckpt.SpecError, match=r"without the prefix 'model\.module\.'|without the prefix 'module\.'"):
+        smpckpt.save_checkpoint(root, "d", partial=False, model=wrapped, translate_function=MODULES["gpt2"].TRANSLATION)
+    assert not [n for n in os.listdir(root) if n in "abcd"] or all(
+        not os.listdir(os.path.join(root, n)) for n in "abcd" if os.path.isdir(os.path.join(root, n))
+    )
+
+
+def test_config_of_another_family_is_refused(tmp_path: Path, states: Any) -> None:
+    _, gptj = states["gptj"]
+    model = Holder({k: v.clone() for k, v in gptj.items()})
+    with pytest.raises(ValueError, match=r"'gpt_neo' config but the translation is for 'gptj'"):
+        smpckpt.save_checkpoint(
+            str(tmp_path),
+            "x",
+            partial=False,
+            model=model,
+            translate_function=MODULES["gptj"].TRANSLATION,
+            hf_config=tiny_config("gpt_neo"),
+        )
+    with pytest.raises(ValueError, match=r"architectures \['GPTNeoForCausalLM'\], which are not 'gptj' models"):
+        smpckpt.consolidate_checkpoint(
+            str(tmp_path / "none"),
+            str(tmp_path / "out"),
+            translation=MODULES["gptj"].TRANSLATION,
+            hf_config={"architectures": ["GPTNeoForCausalLM"]},
+        )
+
+
+def test_hf_folder_of_another_family_is_refused(tmp_path: Path, states: Any) -> None:
+    hf = tiny_model("gpt_neo", seed=1, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "neo")
+    _, gptj = states["gptj"]
+    model = Holder({k: torch.zeros_like(v) for k, v in gptj.items()})
+    with pytest.raises(smpckpt.LayoutMismatch, match=r"translation 'gptj' takes none.*gpt_neo's"):
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path / "neo"),
+            partial=False,
+            model=model,
+            translate_function=MODULES["gptj"].TRANSLATION,
+            strict=False,
+        )
+
+
+def test_optimizer_state_is_translated_with_its_parameter(tmp_path: Path, states: Any) -> None:
+    """optimizer.safetensors keys follow the translated parameters (``<HF key>.exp_avg`` in HF's
+    layout), and the artifact resumes both back bit-exact."""
+    mod = MODULES["gpt2"]
+    _, ours = states["gpt2"]
+
+    def trained() -> tuple[Holder, torch.optim.Optimizer]:
+        model = Holder({k: v.clone() for k, v in ours.items()})
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for p in model.parameters():
+            p.grad = torch.sin(p.detach() * 3)
+        opt.step()
+        return model, opt
+
+    model, opt = trained()
+    smpckpt.save_checkpoint(
+        str(tmp_path),
+        "f",
+        partial=False,
+        model=model,
+        optimizer=opt,
+        include_optimizer=True,
+        translate_function=mod.TRANSLATION,
+    )
+    saved = load_file(str(tmp_path / "f" / "optimizer.safetensors"))
+    exp_avg = {k: opt.state[p]["exp_avg"] for k, p in model.named_parameters()}
+    want = mod.translate_state_dict_to_hf(exp_avg)
+    assert _equal({k.removesuffix(".exp_avg"): v for k, v in saved.items() if k.endswith(".exp_avg")}, want) == []
+    fresh, fresh_opt = trained()
+    for p in fresh.parameters():
+        p.data.zero_()
+        fresh_opt.state[p]["exp_avg"].zero_()
+    smpckpt.resume_from_checkpoint(str(tmp_path), "f", partial=False, model=fresh, optimizer=fresh_opt)
+    assert (
+        _equal(
+            {k: p.detach() for k, p in fresh.named_parameters()}, {k: p.detach() for k, p in model.named_parameters()}
+        )
+        == []
+    )
+    assert _equal({k: fresh_opt.state[p]["exp_avg"] for k, p in fresh.named_parameters()}, exp_avg) == []

@@ -194,7 +194,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             mappings[entry.key] = self.mappings[entry.key]
             if entry.original_global_shape is not None:
                 original[entry.key] = entry.original_global_shape
-        planner_data = {
+        planner_data: dict[str, Any] = {
             "rank": self.rank,
             "matched": sum(1 for e in self.entries.values() if e.specs),  # keys a spec rule matched
             "digest": replica_digest(shared, self.tied),

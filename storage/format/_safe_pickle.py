@@ -199,7 +199,7 @@ def _stand_in(real: type, bounds: _Bounds) -> type:
     if dataclasses.is_dataclass(real) and not dataclasses.fields(real):
 
         def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
-            obj = object.__new__(cls)
+            obj: Any = object.__new__(cls)
             made((obj, real))
             return obj
 

@@ -30,7 +30,8 @@ So what a load builds is bounded (:class:`_Bounds`), without giving up the C unp
   fails at once where memory is short, and a ``MemoryError`` while unpickling is reported as
   :class:`CheckpointCorrupt` naming the file (a legitimate ``.metadata`` takes ~15x its size).
 
-The bounds cost a legitimate load ~15 % CPU (Python runs once per BUILD and per ``torch.Size``).
+What the bounds cost a legitimate load (Python runs once per BUILD and per ``torch.Size``):
+``benchmarks/bench_metadata_load.py``.
 
 Object values (BYTE_IO items) are ``torch.save`` pickles deserialised later by the load planner;
 :func:`check_weights_only` refuses those that ``torch.load(weights_only=True)`` would refuse.

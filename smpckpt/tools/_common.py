@@ -85,10 +85,12 @@ def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str
 def check_root(path: str, storage_options: Mapping[str, Any]) -> None:
     """``smpckpt ls`` lists a root: a file (``ROOT/newest``) or a checkpoint (its folder, or ``ROOT/TAG``)
     given instead is refused, saying what to run, rather than listed as an empty root."""
-    spec = path.rstrip("/") or path
+    fs, fpath = open_root(path, storage_options)  # the location itself first (an s3:// without a bucket)
+    spec = path.rstrip("/")
+    if not spec or spec.endswith(":"):  # "/" or a bare scheme: nothing to strip
+        spec = path
     parent, _, name = spec.rpartition("/")
     parent = parent or "."
-    fs, fpath = open_root(spec, storage_options)
     with translate_errors(fpath):
         is_file = fs.isfile(fpath)
     if is_file:

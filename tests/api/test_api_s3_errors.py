@@ -55,7 +55,7 @@ def test_ls_with_the_endpoint_down_fails_cleanly(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("SMPCKPT_STORAGE_OPTIONS", json.dumps(_down()))
     err = io.StringIO()
     assert main(["ls", "s3://bkt/run"], stdout=io.StringIO(), stderr=err) == 1
-    assert "EndpointConnectionError" in err.getvalue() and "'bkt/run'" in err.getvalue(), err.getvalue()
+    assert "EndpointConnectionError" in err.getvalue() and "'bkt/run" in err.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("call", ["save", "resume", "ls"])

@@ -113,19 +113,24 @@ class PlanCache:
         self.round_open = True
 
     def hit(
-        self, signature: tuple[Any, ...] | None, rank: int, object_digests: Mapping[str, str], values: bytes | None
+        self,
+        signature: tuple[Any, ...] | None,
+        rank: int,
+        object_digests: Mapping[str, str],
+        values: Mapping[str, bytes | None],
     ) -> SavePlan | None:
         """The plan to send when ``signature`` is the cached structure's, else None: "local", the cached
         plan with this save's object digests; "global", an empty plan naming the held generation. Either
-        carries this save's replica value digests (``values``: they change at every save)."""
+        carries this save's replica value digests (``values``, planner_data fields: they change at every
+        save)."""
         cached = self.local
         if signature is None or cached is None or signature != self.signature:
             return None
         logger.debug("rank %d: state structure unchanged, reusing its cached plan", rank)
         if self.scope == "local":
-            data = {**cached.planner_data, "objects": dict(object_digests), "values": values}
+            data = {**cached.planner_data, "objects": dict(object_digests), **values}
             return dataclasses.replace(cached, planner_data=data)
-        data = {"rank": rank, "cached": True, GENERATION: self.generation, "values": values}
+        data = {"rank": rank, "cached": True, GENERATION: self.generation, **values}
         return SavePlan([], usable=False, planner_data=data)
 
     def remember(self, signature: tuple[Any, ...] | None, plan: SavePlan) -> None:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from smpckpt._checks import check_process_group
 from smpckpt.errors import SpecError, not_dense
 from smpckpt.model.layout import ParallelLayout, RankCoords
 from smpckpt.model.naming import KeyMapper, NameMap
@@ -269,6 +270,7 @@ class LayoutScope:
     ) -> None:
         if not isinstance(layout, ParallelLayout):
             raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
+        check_process_group(process_group)
         self.layout = layout
         self.rules = SpecRules.of(specs)
         self._rank_arg = rank

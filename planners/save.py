@@ -38,7 +38,7 @@ from smpckpt.planners._cache import PlanCache, structure_signature
 from smpckpt.planners._checks import check_replica_digests, check_rules_apply, dedup_plans, gather_ties, replica_digest
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
 from smpckpt.planners._ownership import assign_owners
-from smpckpt.planners._replica_values import check_replica_values, stage_keys, value_digests
+from smpckpt.planners._replica_values import check_replica_values, dtensor_values, stage_keys, value_digests
 from smpckpt.planners._wire import compact
 
 __all__ = ["ParallelSavePlanner", "SaveReport"]
@@ -82,8 +82,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             records the others (:attr:`~smpckpt.model.record.LayoutRecord.tied`), our storage writer lists
             them in ``.metadata`` over the same bytes (stock readers load both keys), and our load
             planner fills a destination that holds them apart. ``False`` writes each key's bytes.
-        verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, and a global
-            key two stages hold) must hold the same values: each rank sends a 4-byte digest of a sample
+        verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, a global
+            key two stages hold, and a DTensor's replicated pieces) must hold the same values: each rank sends a 4-byte digest of a sample
             of every tensor, and the coordinator fails the save naming the keys and ranks that differ
             (a TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for
             replicas meant to differ. See :mod:`smpckpt.planners._replica_values`.
@@ -167,7 +167,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in self.tied]
         checked = sorted(replicas, key=lambda e: e.key) if self.verify_replicas else []
         values = value_digests([e.value for e in checked]) if self.verify_replicas else None
-        hit = self._cache.hit(signature, self.rank, object_digests, values)
+        fresh = {"values": values, "dtensor_values": self._dtensor_values() if self.verify_replicas else None}
+        hit = self._cache.hit(signature, self.rank, object_digests, fresh)
         if hit is not None:
             return hit
 
@@ -193,7 +194,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             mappings[entry.key] = self.mappings[entry.key]
             if entry.original_global_shape is not None:
                 original[entry.key] = entry.original_global_shape
-        planner_data = {
+        planner_data: dict[str, Any] = {
             "rank": self.rank,
             "matched": sum(1 for e in self.entries.values() if e.specs),  # keys a spec rule matched
             "digest": replica_digest(shared, self.tied),
@@ -201,7 +202,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "mappings": mappings,
             "original_shapes": original,
             "tied": dict(self.tied),
-            "values": values,
+            **fresh,
         }
         coords = self.layout.coords(self.rank)
         if self.verify_replicas and coords.tp == 0 and coords.dp == 0:  # one key list per stage
@@ -209,6 +210,15 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         plan = compact(SavePlan(items, planner_data=planner_data))  # gathered on the coordinator
         self._cache.remember(signature, plan)
         return plan
+
+    def _dtensor_values(self) -> bytes:
+        """The value digests of the DTensor pieces this rank holds (checked by piece at the coordinator:
+        a DTensor's placements, not the layout, say which ranks hold the same piece)."""
+        pieces = []
+        for e in self.entries.values():
+            if e.kind == "dtensor" and not e.rank_local and e.chunk is not None:
+                pieces.append((e.key, e.chunk.offsets, e.chunk.sizes, e.value))
+        return dtensor_values(pieces)
 
     def _writes(self, entry: Entry, owners: Mapping[str, int]) -> bool:
         """Whether this rank writes its piece of a tensor entry (before the empty-piece check)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_flag", "check_int"]
+__all__ = ["check_flag", "check_int", "check_process_group"]
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -25,3 +25,19 @@ def check_int(name: str, value: Any, *, minimum: int, optional: bool = False) ->
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_process_group(process_group: Any, name: str = "process_group") -> None:
+    """``None`` (the default group) or a ``torch.distributed`` ``ProcessGroup``: anything else would be
+    ignored without a process group (every rank a world of one, each saving alone) or fail deep inside
+    a collective."""
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    group_type = getattr(dist, "ProcessGroup", None)
+    if group_type is None or not isinstance(process_group, group_type):
+        raise TypeError(
+            f"{name} must be a torch.distributed ProcessGroup (dist.new_group(...)) or None for the default "
+            f"group, got {type(process_group).__name__}"
+        )

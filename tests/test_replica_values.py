@@ -146,3 +146,49 @@ class _Holder(torch.nn.Module):
     def __init__(self, fc1: torch.nn.Module) -> None:
         super().__init__()
         self.fc1 = fc1
+
+
+@pytest.mark.dist
+def test_dtensor_replicas_are_checked_by_piece(tmp_path: Path) -> None:
+    """DTensor Replicate placements, alone and over one mesh dim of a Shard/Replicate mix: ranks that hold
+    the same piece must hold the same values, or dcp.save fails on every rank naming the key and ranks."""
+    from replica_workers import dtensor_replicas
+
+    from smpckpt.planners import ParallelLoadPlanner
+
+    results = run_world(dtensor_replicas, 4, str(tmp_path))
+    for r in results:
+        assert "ReplicaMismatch" in r["replicate"] and "ranks 0 and 3" in r["replicate"], r["replicate"]
+        assert "DTensor 'w' piece at offsets (0,)" in r["replicate"], r["replicate"]
+        assert "ranks 1 and 3" in r["mixed"] and "DTensor 'w' piece at offsets (4,)" in r["mixed"], r["mixed"]
+        assert "'ok'" not in r["mixed"]  # its tp pieces differ, its dp replicas agree
+        assert r["fine"] is None
+        assert r["kept"][:2] == [None, None] and "ranks 0 and 2" in r["kept"][2] and "'z'" in r["kept"][2], r["kept"]
+    for name in ("rep", "mix"):
+        assert not (tmp_path / name / ".metadata").exists()
+    dest = {"w": torch.zeros(8), "z": torch.ones(3)}
+    sim_load([dest], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path / "fine"))])
+    assert torch.equal(dest["w"], torch.arange(8, dtype=torch.float32))
+    assert torch.equal(dest["z"], torch.tensor([0.0, 1.0, 2.0]))  # either zero: equal values
+
+
+def test_signed_zeros_and_nans_are_values_not_bit_patterns(tmp_path: Path) -> None:
+    """-0.0 and +0.0 are one value, and so are NaNs of any sign and payload; replicas holding them agree.
+    Integers stay bit-exact, and a real difference next to them is still caught."""
+    a = torch.tensor([0.0, 1.0, float("nan"), -2.5])
+    b = a.clone()
+    b[0] = -0.0
+    b.view(torch.int32)[2] = -1  # a negative NaN with another payload (x86 writes 0/0 so)
+    assert torch.isnan(b[2]) and b[0].item() == 0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn):
+        assert value_digests([torch.tensor([0.0, 1.0]).to(dtype)]) == value_digests(
+            [torch.tensor([-0.0, 1.0]).to(dtype)]
+        )
+    assert value_digests([torch.tensor([complex(-0.0, 1.0)])]) == value_digests([torch.tensor([complex(0.0, 1.0)])])
+    assert value_digests([a]) == value_digests([b])
+    assert value_digests([torch.tensor([0, 1])]) != value_digests([torch.tensor([0, 2])])
+    sds = [{"model": {"w": a.clone(), "big": torch.zeros(100)}}, {"model": {"w": b.clone(), "big": -torch.zeros(100)}}]
+    _save(tmp_path / "ok", sds, ParallelLayout(dp=2))
+    sds[1]["model"]["big"][-1] = 1e-30
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 hold different values of 'model\.big'"):
+        _save(tmp_path / "bad", sds, ParallelLayout(dp=2))

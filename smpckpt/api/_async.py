@@ -83,6 +83,9 @@ class _State:
     atexit_registered: bool = False
     #: the process's exit status when a background save fails at (or before, unreported) its exit
     exit_status: int | None = 1
+    #: the status the main thread last asked ``sys.exit`` for (``_record_exit_requests``): a program that
+    #: exits with a failure status of its own keeps it
+    program_status: int = 0
 
 
 _STATE = _State()
@@ -96,7 +99,10 @@ def set_exit_status_on_failed_save(status: int | None = 1) -> None:
     lost. ``None`` keeps the interpreter's own status (the failure is still logged at ERROR). A
     non-zero status ends the process with ``os._exit`` once the remaining ``atexit`` hooks have run
     and the standard streams are flushed: Python offers no other way to change the status of a
-    program whose main code already returned."""
+    program whose main code already returned. A program that ends with ``sys.exit(N)``, ``N`` a
+    failure status of its own, keeps ``N``: CPython holds the status of a ``SystemExit`` where no
+    exit hook can read it, so ``sys.exit`` is wrapped to note what the main thread asks of it (from
+    the first background save on; a bare ``raise SystemExit(N)`` is not seen and gets this status)."""
     if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 0 <= status <= 255):
         raise ValueError(f"status must be an exit status 0..255 or None, got {status!r}")
     _STATE.exit_status = status
@@ -289,6 +295,31 @@ def _register_exit_wait() -> None:
     Registered after concurrent.futures', ours runs before it (those hooks run newest first)."""
     # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
     (getattr(threading, "_register_atexit", None) or atexit.register)(_wait_at_exit)
+    _record_exit_requests()
+
+
+def _record_exit_requests() -> None:
+    """Wrap ``sys.exit`` so the exit hook knows the status the program asked for (see
+    :func:`set_exit_status_on_failed_save`); it still raises ``SystemExit`` with the same argument."""
+    real = sys.exit
+    if getattr(real, "_smpckpt_records", False):
+        return
+
+    def exit(*args: Any) -> Any:  # noqa: A001 - stands in for sys.exit, under its name
+        if threading.current_thread() is threading.main_thread():  # another thread's SystemExit ends only it
+            _STATE.program_status = _status_of(args[0] if args else None)
+        return real(*args)
+
+    exit.__doc__ = real.__doc__
+    exit._smpckpt_records = True  # type: ignore[attr-defined]
+    sys.exit = exit
+
+
+def _status_of(code: Any) -> int:
+    """The process exit status a ``SystemExit(code)`` gives (a code other than None or an int: 1)."""
+    if code is None:
+        return 0
+    return int(code) & 0xFF if isinstance(code, int) else 1
 
 
 def _wait_at_exit() -> None:
@@ -303,6 +334,8 @@ def _wait_at_exit() -> None:
         wait_for_saves(raise_errors=True)
     except CheckpointError as exc:
         status = _STATE.exit_status
+        if status and _STATE.program_status:
+            status = _STATE.program_status  # the program's own failure status stays what it asked for
         suffix = f"; exiting with status {status}" if status else ""
         log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
         if status:

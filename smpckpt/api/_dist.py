@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 import smpckpt.errors as _errors
+from smpckpt._checks import check_process_group
 from smpckpt.errors import CheckpointError
 
 __all__ = ["DistContext", "RankError"]
@@ -83,6 +84,7 @@ class DistContext:
     """
 
     def __init__(self, process_group: Any = None) -> None:
+        check_process_group(process_group)
         self.pg = process_group
         self.active = dist.is_available() and dist.is_initialized()
         if self.active:

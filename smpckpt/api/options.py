@@ -13,6 +13,7 @@ ranks (:meth:`SaveOptions.compared`), naming the one that differs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -189,7 +190,10 @@ class SaveOptions(_Options):
         validate_keep(self.num_kept_partial_checkpoints)
         self._check_tiers()
         stale = self.remove_uncommitted_older_than
-        if stale is not None and (isinstance(stale, bool) or not isinstance(stale, (int, float)) or stale < 0):
+        # NaN passes "< 0" and is unequal to itself: every rank would then seem to pass another value
+        if stale is not None and (
+            isinstance(stale, bool) or not isinstance(stale, (int, float)) or math.isnan(stale) or stale < 0
+        ):
             raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
         if self.partial:
             if self.format not in ("raw", "torch_save"):

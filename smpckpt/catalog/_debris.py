@@ -25,6 +25,7 @@ from typing import Any
 from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
+from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import join, remove_files
 from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
@@ -38,7 +39,8 @@ def _mtimes(fs: Any, path: str) -> dict[str, float]:
     """Relative name -> modification time (epoch seconds) of every file under ``path``."""
     base = str(fs._strip_protocol(path)).rstrip("/") + "/"
     try:
-        found = fs.find(path, detail=True)
+        with translate_errors(path):
+            found = fs.find(path, detail=True)
     except FileNotFoundError:
         return {}
     out = {}
@@ -75,7 +77,8 @@ def sweep_debris(
             if name not in listed and is_smpckpt_file(name) and old(t):
                 doomed.append(join(folder, name))
     try:
-        entries = fs.ls(root_path, detail=True)
+        with translate_errors(root_path):
+            entries = fs.ls(root_path, detail=True)
     except FileNotFoundError:
         entries = []
     for e in entries:  # temp files of interrupted atomic writes

@@ -19,6 +19,7 @@ from typing import Any
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage import open_fs, write_bytes_atomic
+from smpckpt.storage.backends._errors import translate_errors
 
 __all__ = [
     "NEWEST_NAME",
@@ -120,7 +121,10 @@ def read_newest(fs: Any, root_path: str) -> str | None:
     """
     path = join_url(root_path, NEWEST_NAME)
     try:
-        data = fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES + 1)
+        # a backend's own errors (botocore's EndpointConnectionError when S3 is down) as OSError naming
+        # the object, like every storage call: the caller falls back to listing, whose failure is raised
+        with translate_errors(path):
+            data = fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -154,19 +158,25 @@ def list_partial_tags(fs: Any, root_path: str) -> dict[str, str]:
     One LIST of the root (rank 0 only). A missing root gives ``{}``.
     """
     try:
-        entries = fs.ls(root_path, detail=True)
+        with translate_errors(root_path):
+            entries = fs.ls(root_path, detail=True)
     except FileNotFoundError:
         return {}
     found: dict[str, str] = {}
     for entry in entries:
         # a tag folder moved to another disk and linked back is still a tag (fsspec types the link "other")
-        if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
+        if entry.get("type") != "directory" and not (entry.get("islink") and _is_dir(fs, entry["name"])):
             continue
         name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
         tag = tag_of_partial_dirname(name)
         if tag is not None:
             found[tag] = name
     return found
+
+
+def _is_dir(fs: Any, path: str) -> bool:
+    with translate_errors(path):
+        return bool(fs.isdir(path))
 
 
 def open_root(url: str, storage_options: Any = None) -> tuple[Any, str]:

@@ -7,10 +7,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from smpckpt.catalog.tags import PARTIAL_SUFFIX
+from smpckpt.catalog.tags import NEWEST_NAME, PARTIAL_SUFFIX, open_root
 from smpckpt.errors import CheckpointError
 from smpckpt.model.record import LayoutRecord
 from smpckpt.storage import checkpoint_state
+from smpckpt.storage.backends._errors import translate_errors
 
 __all__ = [
     "ENV_OPTIONS",
@@ -20,6 +21,7 @@ __all__ = [
     "layout_text",
     "layout_json",
     "resolve_checkpoint_url",
+    "check_root",
 ]
 
 ENV_OPTIONS = "SMPCKPT_STORAGE_OPTIONS"
@@ -78,3 +80,33 @@ def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str
         if checkpoint_state(candidate, storage_options) != "missing":
             return candidate
     return spec
+
+
+def check_root(path: str, storage_options: Mapping[str, Any]) -> None:
+    """``smpckpt ls`` lists a root: a file (``ROOT/newest``) or a checkpoint (its folder, or ``ROOT/TAG``)
+    given instead is refused, saying what to run, rather than listed as an empty root."""
+    fs, fpath = open_root(path, storage_options)  # the location itself first (an s3:// without a bucket)
+    spec = path.rstrip("/")
+    if not spec or spec.endswith(":"):  # "/" or a bare scheme: nothing to strip
+        spec = path
+    parent, _, name = spec.rpartition("/")
+    parent = parent or "."
+    with translate_errors(fpath):
+        is_file = fs.isfile(fpath)
+    if is_file:
+        what = "the file naming the root's newest checkpoint" if name == NEWEST_NAME else "a file"
+        raise UsageError(f"{spec} is {what}, not a checkpoint root: `smpckpt ls {parent}` lists that root")
+    candidates = [spec] if spec.endswith(PARTIAL_SUFFIX) else [spec, spec + PARTIAL_SUFFIX]
+    for candidate in candidates:
+        try:
+            state = checkpoint_state(candidate, storage_options)
+        except CheckpointError:
+            state = "committed"  # a damaged checkpoint folder is a checkpoint folder all the same
+        if state in ("committed", "legacy"):
+            tag = spec.rsplit("/", 1)[-1].removesuffix(PARTIAL_SUFFIX)
+            raise UsageError(
+                f"{candidate} is a checkpoint, not a root of checkpoints: `smpckpt inspect {parent}/{tag}` shows "
+                f"it, `smpckpt ls {parent}` lists it with the others"
+            )
+        if candidate == spec and state != "missing":
+            return  # a folder of its own: a root (ROOT/TAG_partial is asked about only when ROOT/TAG is not one)

@@ -40,6 +40,7 @@ from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkp
 from smpckpt.tools._common import (
     ENV_OPTIONS,
     UsageError,
+    check_root,
     human,
     layout_json,
     layout_text,
@@ -66,6 +67,7 @@ _PROGRESS_MIN_BYTES = 256 << 20
 # -- commands ----------------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     local = check_local_dirs(args.local) if args.local else None
+    check_root(args.path, args.storage_options)
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
     fast, notes = fast_rows(local, records) if local is not None else ([], [])

@@ -78,6 +78,10 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
         if "Protocol not known" in str(exc):
             raise ValueError(f"{url}: no fsspec backend for scheme {scheme!r}") from exc
         raise
+    if scheme in ("s3", "s3a") and not path.strip("/"):
+        # no bucket: S3 would be asked for an object with an empty key (botocore: "Invalid length for
+        # parameter Key"), by whichever call came first
+        raise OSError(errno.EINVAL, "an S3 location must name a bucket (s3://BUCKET[/PREFIX])", url)
     return fs, path.rstrip("/") if len(path) > 1 else path
 
 

@@ -3,8 +3,35 @@
 ``.metadata`` is a pickle. :func:`load_metadata` unpickles it with an allow-list: DCP's metadata
 dataclasses, ``_StorageInfo``, ``torch.Size``, dtypes/layouts/memory formats, a few path classes and
 harmless builtins. Anything else (``os.system``, ``builtins.eval``, ...) is refused *before* it is
-called, so a crafted ``__reduce__`` payload never runs. Nothing on the list allocates by an argument
-(``bytearray(10**13)`` would: DCP metadata holds no bytearray, so it is not there).
+called, so a crafted ``__reduce__`` payload never runs.
+
+Harmless callables still build what they are given, and a pickle can give one object many times by
+its memo: ``frozenset(range(10**12))``, ``torch.Size(range(10**10))``, ``copyreg._reconstructor(set,
+set, range(...))``, a 1 MiB tuple handed to ``frozenset`` a million times, or one big dict applied as
+the state (``BUILD``) of a million objects -- a few hundred bytes that allocate until memory runs out.
+So what a load builds is bounded (:class:`_Bounds`), without giving up the C unpickler's speed:
+
+* every allow-listed callable is called through a guard that first walks its arguments, charging each
+  element (and each character of a string) to one budget per load, ``1 Mi + the file's size``
+  elements; a legitimate ``.metadata`` spends about one element per twenty bytes (a few per
+  ``torch.Size``), a bomb exhausts it and is refused as :class:`CheckpointCorrupt` naming the file;
+* objects of DCP's classes are made as instances of per-load stand-in subclasses (``NEWOBJ`` makes
+  them in C) whose ``__setstate__`` refuses a ``BUILD`` of more than :data:`_MAX_STATE` fields --
+  DCP's dataclasses have at most six -- however often the pickle builds one object; when the load
+  ends each becomes an instance of its real class. An ``OrderedDict`` (a built-in type: no stand-in can
+  turn into it) carries such a ``__setstate__`` in its own ``__dict__`` until then;
+* no class, function or enum member the process shares is handed to the pickle: classes come as those
+  stand-ins, enums as per-load types whose ``__new__`` returns the real member, functions as per-load
+  guards, so a ``BUILD`` on what ``find_class`` returned changes nothing outside this load; enum
+  members (which must be the real ones) are compared with their state before the load and restored
+  (and the file refused) if a ``BUILD`` reached them;
+* the memo is the C unpickler's array: ``LONG_BINPUT`` with an index near 2**32 asks for up to 64 GiB
+  at once. That request is not preventable without parsing every opcode in Python (10x slower): it
+  fails at once where memory is short, and a ``MemoryError`` while unpickling is reported as
+  :class:`CheckpointCorrupt` naming the file (a legitimate ``.metadata`` takes ~15x its size).
+
+What the bounds cost a legitimate load (Python runs once per BUILD and per ``torch.Size``):
+``benchmarks/bench_metadata_load.py``.
 
 Object values (BYTE_IO items) are ``torch.save`` pickles deserialised later by the load planner;
 :func:`check_weights_only` refuses those that ``torch.load(weights_only=True)`` would refuse.
@@ -12,10 +39,15 @@ Object values (BYTE_IO items) are ``torch.save`` pickles deserialised later by t
 
 from __future__ import annotations
 
+import copyreg
+import dataclasses
+import enum
+import functools
 import io
 import pickle
 import pickletools
 import zipfile
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,38 +87,286 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+#: elements one load may walk through the allow-listed callables, besides one per byte of the file
+_BASE_BUDGET = 1 << 20
+#: fields one BUILD may set on one object (DCP's metadata dataclasses have at most six)
+_MAX_STATE = 64
+
+
+class _TooBig(Exception):
+    """What a load builds went past its bounds (internal: reported as CheckpointCorrupt)."""
+
+
+class _Bounds:
+    """One load's budget of elements, and the objects made as a per-load stand-in class (turned into
+    their real class when the load ends)."""
+
+    def __init__(self, size: int) -> None:
+        self.left = _BASE_BUDGET + size
+        self.made: list[tuple[Any, type]] = []
+        self.hooked: list[Any] = []  # objects carrying a BUILD of their own in their __dict__
+
+    def charge(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise _TooBig(
+                "its allow-listed constructors were given more elements than the file could hold "
+                f"({_BASE_BUDGET} + one per byte): a crafted allocation, refused"
+            )
+
+    def walk(self, *objs: Any) -> None:
+        """Charge every element reachable through the containers in ``objs`` (each time it is reached:
+        a shared tuple given twice is built, or hashed, twice), before anything is built from them."""
+        todo = list(objs)
+        while todo:
+            o = todo.pop()
+            if isinstance(o, (str, bytes)):
+                self.charge(1 + len(o))
+            elif isinstance(o, range):
+                try:
+                    n = len(o)
+                except OverflowError:
+                    n = self.left + 1
+                self.charge(1 + n)
+            elif isinstance(o, (tuple, list, set, frozenset)):
+                self.charge(1 + len(o))  # before the extend: the list of pending elements stays bounded too
+                todo.extend(o)
+            elif isinstance(o, dict):
+                self.charge(1 + 2 * len(o))
+                todo.extend(o.keys())
+                todo.extend(o.values())
+            else:
+                self.charge(1)
+
+    def finish(self) -> None:
+        """Every object made through a stand-in becomes an instance of its real class; BUILD hooks go."""
+        for obj, real in self.made:
+            object.__setattr__(obj, "__class__", real)
+        for obj in self.hooked:
+            obj.__dict__.pop("__setstate__", None)
+        # cleared in place: the stand-ins' closures hold these lists, and the stand-in classes live on in
+        # reference cycles until the collector runs (a rebinding would leave an entry per object to it)
+        self.made.clear()
+        self.hooked.clear()
+
+
+def _check_state(obj: Any, state: Any) -> Any:
+    """``state``'s dict part and slot part, refused beyond :data:`_MAX_STATE` fields each."""
+    slots = None
+    if type(state) is tuple and len(state) == 2:
+        state, slots = state
+    for part in (state, slots):
+        if part is not None and (type(part) is not dict or len(part) > _MAX_STATE):
+            size = len(part) if isinstance(part, dict) else type(part).__name__
+            raise _TooBig(f"a {type(obj).__name__} is given a state of {size} fields (at most {_MAX_STATE})")
+    return state, slots
+
+
+def _bounded_build(obj: Any, state: Any) -> None:
+    """The C unpickler's default BUILD (fill ``__dict__``, then set slot state), bounded."""
+    state, slots = _check_state(obj, state)
+    if state:
+        obj.__dict__.update(state)
+    if slots:
+        for k, v in slots.items():
+            setattr(obj, k, v)
+
+
+def _stand_in(real: type, bounds: _Bounds) -> type:
+    """A per-load subclass of ``real`` for ``NEWOBJ`` and ``REDUCE``: its instances take a bounded BUILD
+    (every one, however often the pickle builds them) and become instances of ``real`` when the load
+    ends. ``NEWOBJ`` makes them in C (``object.__new__``) and only the BUILD runs Python, which also
+    records them -- except for a class without fields (``BytesStorageMetadata``), whose instances get
+    no BUILD and are recorded as they are made."""
+    own_setstate = vars(real).get("__setstate__")
+    made = bounds.made.append
+
+    def __setstate__(self: Any, state: Any) -> None:
+        made((self, real))
+        if own_setstate is not None:  # TensorProperties: unpacks a 5-tuple, nothing more
+            own_setstate(self, state)
+        elif type(state) is dict and len(state) <= _MAX_STATE:  # what pickle writes for a dataclass
+            # dict.update reuses the state's stored hashes: no key is hashed again, whatever its type
+            self.__dict__.update(state)
+        else:
+            _bounded_build(self, state)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # REDUCE: a constructor call
+        bounds.walk(args, kwargs)
+        made((self, real))
+        real.__init__(self, *args, **kwargs)  # type: ignore[misc]
+
+    namespace: dict[str, Any] = {"__slots__": (), "__setstate__": __setstate__, "__init__": __init__}
+    if dataclasses.is_dataclass(real) and not dataclasses.fields(real):
+
+        def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            obj: Any = object.__new__(cls)
+            made((obj, real))
+            return obj
+
+        namespace["__new__"] = __new__
+    return type(real.__name__, (real,), namespace)
+
+
+def _ordered_dict(bounds: _Bounds) -> Any:
+    """``OrderedDict``: a built-in type (no stand-in class can turn into it), whose instances have a
+    ``__dict__``; each carries a bounded BUILD of its own until the load ends."""
+
+    def ordered_dict(*args: Any, **kwargs: Any) -> OrderedDict[Any, Any]:
+        bounds.walk(args, kwargs)
+        obj: OrderedDict[Any, Any] = OrderedDict(*args, **kwargs)
+        obj.__dict__["__setstate__"] = functools.partial(_bounded_build, obj)
+        bounds.hooked.append(obj)
+        return obj
+
+    return ordered_dict
+
+
+def _enum_lookup(real: type[enum.Enum], bounds: _Bounds) -> type:
+    """A per-load type standing for an enum: ``REDUCE`` calls it with a value and gets the real member."""
+
+    def __new__(cls: type, *args: Any) -> Any:
+        bounds.walk(args)
+        return real(*args)
+
+    return type(real.__name__, (), {"__new__": __new__})
+
+
+def _guarded_call(fn: Any, bounds: _Bounds) -> Any:
+    """``fn`` behind a per-load function that charges its arguments first."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bounds.walk(args, kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _size(bounds: _Bounds) -> Any:
+    """``torch.Size``, charged by its length (three per chunk in every .metadata: kept cheap)."""
+
+    def size(*args: Any) -> torch.Size:
+        if len(args) == 1 and type(args[0]) is tuple:  # what pickle writes: a tuple of ints
+            bounds.left -= 1 + len(args[0])
+            if bounds.left < 0:
+                bounds.charge(0)  # raises
+        else:
+            bounds.walk(args)
+        return torch.Size(*args)
+
+    return size
+
+
+def _reconstructor(bounds: _Bounds, stand_ins: set[type]) -> Any:
+    """``copyreg._reconstructor`` (protocols 0 and 1): an allowed class from ``object`` is made as its
+    stand-in makes it; anything else with its state charged first."""
+
+    def reconstructor(cls: Any, base: Any, state: Any) -> Any:
+        if base is object and cls in stand_ins and state is None:
+            return cls.__new__(cls)
+        bounds.walk(state)
+        return copyreg._reconstructor(cls, base, state)  # type: ignore[attr-defined]
+
+    return reconstructor
+
+
+#: classes and functions on the list handed over as they are: immutable, and built in O(1) from
+#: their arguments
+_AS_IS = frozenset({("builtins", "slice"), ("builtins", "range"), ("builtins", "object")})
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, extra: frozenset[tuple[str, str]]) -> None:
+    def __init__(self, f: io.BytesIO, extra: frozenset[tuple[str, str]], bounds: _Bounds) -> None:
         super().__init__(f)
         self._extra = extra
+        self._bounds = bounds
+        self._made: dict[tuple[str, str], Any] = {}
+        self._stand_ins: set[type] = set()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED_GLOBALS or (module, name) in self._extra:
-            return super().find_class(module, name)
+        if (module, name) in self._extra:
+            return super().find_class(module, name)  # the caller's trusted globals, as they are
+        if (module, name) in ALLOWED_GLOBALS:
+            made = self._made.get((module, name))
+            if made is None:
+                made = self._made[(module, name)] = self._guarded(module, name, super().find_class(module, name))
+            return made
         if module == "torch" and "." not in name:
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
+                return value  # immutable C objects without __dict__
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+
+    def _guarded(self, module: str, name: str, real: Any) -> Any:
+        bounds = self._bounds
+        if (module, name) in _AS_IS:
+            return real
+        if (module, name) == ("torch", "Size"):
+            return _size(bounds)
+        if (module, name) == ("copyreg", "_reconstructor"):
+            return _reconstructor(bounds, self._stand_ins)
+        if isinstance(real, type) and issubclass(real, enum.Enum):
+            return _enum_lookup(real, bounds)
+        if real is OrderedDict:
+            return _ordered_dict(bounds)
+        if isinstance(real, type) and real.__module__.startswith("torch.distributed.checkpoint"):
+            stand_in = _stand_in(real, bounds)  # the classes whose instances have a __dict__
+            self._stand_ins.add(stand_in)
+            return stand_in
+        return _guarded_call(real, bounds)  # set, frozenset, complex, defaultdict, paths, _get_layout
+
+
+def _enum_members() -> list[Any]:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+
+    return [m for e in (_MEM_FORMAT_ENCODING, WriteItemType, LoadItemType) for m in e]
 
 
 def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str, str]] = ()) -> Any:
-    """Unpickle DCP ``Metadata`` from ``data`` with the allow-list; :class:`UnsafeCheckpoint` /
-    :class:`CheckpointCorrupt` (naming ``where``) on anything else."""
+    """Unpickle DCP ``Metadata`` from ``data`` with the allow-list, bounded in what it builds;
+    :class:`UnsafeCheckpoint` / :class:`CheckpointCorrupt` (naming ``where``) on anything else."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    bounds = _Bounds(len(data))
+    members = _enum_members()
+    before = [dict(m.__dict__) for m in members]
     try:
-        with gc_paused():  # an object per item: no collections while they are made
-            obj = _MetadataUnpickler(io.BytesIO(data), frozenset(extra_globals)).load()
+        with gc_paused():  # an object per item: no collections while they are made (or turned real)
+            try:
+                obj = _MetadataUnpickler(io.BytesIO(data), frozenset(extra_globals), bounds).load()
+            finally:
+                bounds.finish()
+                tampered = _restore(members, before)
     except pickle.UnpicklingError as exc:
         if "is not allowed" in str(exc):
             raise UnsafeCheckpoint(f"{where}: refused to load: {exc}") from exc
         raise CheckpointCorrupt(f"{where}: cannot be unpickled: {exc}") from exc
+    except _TooBig as exc:
+        raise CheckpointCorrupt(f"{where}: refused to unpickle: {exc}") from exc
+    except MemoryError as exc:
+        raise CheckpointCorrupt(
+            f"{where}: unpickling it ran out of memory (a crafted or damaged .metadata: a legitimate one "
+            f"takes about 15 times its size in memory, and this one is {len(data)} bytes)"
+        ) from exc
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
         raise CheckpointCorrupt(f"{where}: cannot be unpickled: {type(exc).__name__}: {exc}") from exc
+    if tampered:
+        raise CheckpointCorrupt(f"{where}: its pickle sets attributes of shared enum members ({tampered}): refused")
     if not isinstance(obj, Metadata):
         raise CheckpointCorrupt(f"{where}: holds {type(obj).__name__}, not DCP Metadata")
     return obj
+
+
+def _restore(members: list[Any], before: list[dict[str, Any]]) -> str:
+    """Put back any enum member a BUILD reached; the names of those it changed."""
+    changed = []
+    for member, state in zip(members, before):
+        if member.__dict__ != state:
+            member.__dict__.clear()
+            member.__dict__.update(state)
+            changed.append(repr(member))
+    return ", ".join(changed)
 
 
 def check_weights_only(data: bytes | memoryview, *, where: str) -> None:

@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.record import MANIFEST_KEY, LayoutRecord
-from smpckpt.storage.format._check_units import Tiling
+from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage.format._names import FORMAT_VERSION, check_member_name
 
@@ -126,6 +126,14 @@ class FileRecord:
             # ([0, 2**40, 2, 2, 1]: 2**40 tiles) would allocate without bound before any comparison
             if t.start < prev_end or t.end > self.size or t.tiles > len(self.block_ends) - i:
                 raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")
+            if t.segment < MIN_SEGMENT:
+                # a tile's digest is over one run per row: rows of a few bytes would make checking cost a
+                # hash call per few bytes (a 32 MiB file of 2-byte rows: minutes), where every writer
+                # tiles only rows whose segments are at least a page
+                raise CheckpointCorrupt(
+                    f"manifest entry {self.name}: tiling {t} has row segments of {t.segment} bytes; tiles are "
+                    f"written only for segments of at least {MIN_SEGMENT} bytes"
+                )
             ends = t.tile_ends()
             if self.block_start(i) != t.start or list(self.block_ends[i : i + len(ends)]) != ends:
                 raise CheckpointCorrupt(f"manifest entry {self.name}: tiling {t} does not match its block list")

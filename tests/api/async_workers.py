@@ -88,9 +88,10 @@ def returns_while_saving(root: str) -> None:
     smpckpt.save_checkpoint(root, "b", model=m, async_save=True)
 
 
-def fails_while_saving(root: str, status: str) -> None:
+def fails_while_saving(root: str, status: str, exit_code: str = "") -> None:
     """Start an async save whose write fails after a pause, and return without waiting for it; with a
-    status argument other than "default", set the exit status such a failure gives first."""
+    status argument other than "default", set the exit status such a failure gives first; with an
+    ``exit_code``, end with ``sys.exit(int(exit_code))`` instead of returning."""
     if status != "default":
         smpckpt.set_exit_status_on_failed_save(None if status == "none" else int(status))
 
@@ -101,13 +102,15 @@ def fails_while_saving(root: str, status: str) -> None:
     FsspecStorageWriter.write_data = broken  # type: ignore[method-assign]
     smpckpt.save_checkpoint(root, "lost", model=model(0), async_save=True)
     print("main returned", flush=True)
+    if exit_code:
+        sys.exit(int(exit_code))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "returns-while-saving":
         returns_while_saving(sys.argv[2])
     elif sys.argv[1] == "fails-while-saving":
-        fails_while_saving(sys.argv[2], sys.argv[3])
+        fails_while_saving(*sys.argv[2:5])
     else:
         killed_during_background_write(sys.argv[1], sys.argv[2])
 

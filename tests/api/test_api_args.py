@@ -216,3 +216,32 @@ def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_pat
     ) as info:
         resume_from_checkpoint(str(tmp_path), model=_model())
     assert isinstance(info.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1.0])
+def test_remove_uncommitted_older_than_is_refused_by_name(tmp_path: Any, value: float) -> None:
+    """NaN passed "< 0" and then, unequal to itself, made one process report "arguments differ between ranks"."""
+    with pytest.raises(
+        ValueError, match=r"remove_uncommitted_older_than must be seconds >= 0 or None, got (nan|-1\.0)"
+    ):
+        save_checkpoint(str(tmp_path), "t", model=_model(), remove_uncommitted_older_than=value)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("fn", ["save", "resume", "planner"])
+def test_a_process_group_must_be_a_process_group(tmp_path: Any, fn: str) -> None:
+    """Without a process group, any object was taken (and ignored): every rank would save alone."""
+    from smpckpt import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+
+    match = r"process_group must be a torch.distributed ProcessGroup .* got object"
+    with pytest.raises(TypeError, match=match):
+        if fn == "save":
+            save_checkpoint(str(tmp_path), "t", model=_model(), process_group=object())
+        elif fn == "resume":
+            resume_from_checkpoint(str(tmp_path), model=_model(), process_group=object())
+        else:
+            ParallelSavePlanner(ParallelLayout(), process_group=object())
+    with pytest.raises(TypeError, match=match):
+        ParallelLoadPlanner(ParallelLayout(), process_group=object())
+    assert not os.listdir(tmp_path)

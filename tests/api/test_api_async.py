@@ -167,12 +167,25 @@ def test_a_script_that_returns_while_saving_still_commits(tmp_path: Any) -> None
     _loads(root, "b", _state(want))
 
 
-@pytest.mark.parametrize(("status", "want"), [("default", 1), ("3", 3), ("none", 0)])
-def test_a_failed_final_background_save_sets_the_exit_status(tmp_path: Any, status: str, want: int) -> None:
+@pytest.mark.parametrize(
+    ("status", "exit_code", "want"),
+    [("default", "", 1), ("3", "", 3), ("none", "", 0), ("default", "0", 1), ("default", "3", 3), ("5", "4", 4)],
+)
+def test_a_failed_final_background_save_sets_the_exit_status(
+    tmp_path: Any, status: str, exit_code: str, want: int
+) -> None:
     """A script that returns while its last (async) save fails exits non-zero, so the job is seen to
-    fail; set_exit_status_on_failed_save chooses the status, None keeps the interpreter's."""
+    fail; set_exit_status_on_failed_save chooses the status, None keeps the interpreter's. A script that
+    ends with sys.exit(N), N a failure status of its own, keeps N."""
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "async_workers.py"), "fails-while-saving", str(tmp_path), status],
+        [
+            sys.executable,
+            os.path.join(HERE, "async_workers.py"),
+            "fails-while-saving",
+            str(tmp_path),
+            status,
+            exit_code,
+        ],
         cwd=HERE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])},
         capture_output=True,

@@ -94,3 +94,19 @@ def test_verify_fails_a_manifest_whose_digest_field_name_is_damaged(tmp_path: An
         f.write(text.replace('"manifest_xxh3_64"', '"m`nifest_xxh3_64"').replace('"tag": "s"', '"tag": "x"'))
     rc, out, err = _run("verify", os.path.join(root, "s"))
     assert rc == 1 and "unknown field(s) ['m`nifest_xxh3_64']" in out + err, (out, err)
+
+
+def test_ls_refuses_a_file_or_a_checkpoint_instead_of_a_root(tmp_path: Any) -> None:
+    """`smpckpt ls ROOT/newest` printed "no partial checkpoints" and exited 0; a checkpoint folder too."""
+    save_checkpoint(str(tmp_path), "s1", model=nn.Linear(2, 2), save_rng=False)
+    for given, says in [
+        ("newest", "is the file naming the root's newest checkpoint, not a checkpoint root"),
+        ("s1_partial", "is a checkpoint, not a root of checkpoints"),
+        ("s1", "is a checkpoint, not a root of checkpoints"),
+    ]:
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["ls", str(tmp_path / given)], stdout=out, stderr=err) == 2, (given, out.getvalue())
+        assert says in err.getvalue() and f"`smpckpt ls {tmp_path}`" in err.getvalue(), err.getvalue()
+    out = io.StringIO()
+    assert main(["ls", str(tmp_path)], stdout=out, stderr=io.StringIO()) == 0
+    assert "s1" in out.getvalue() and "committed" in out.getvalue()

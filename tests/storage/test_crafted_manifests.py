@@ -72,3 +72,28 @@ def test_a_crafted_sibling_stops_nothing(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="newest is missing or unreadable; resuming from the newest committed"):
         resume_from_checkpoint(str(tmp_path), model=model)
     assert last_resume_info().tag == "a"
+
+
+def test_a_tiling_of_tiny_rows_is_refused_before_any_checksum(tmp_path: Path) -> None:
+    """2-byte rows cut into 1-byte column segments over a sparse file: checking them costs a hash call per
+    byte (32 MiB: minutes). No writer tiles rows under a page per segment, so the manifest is corrupt."""
+    from smpckpt.storage import verify_checkpoint
+    from smpckpt.storage.format._check_units import Tiling
+
+    base = _good(tmp_path, "t")
+    folder = tmp_path / "t_partial"
+    rec = base["files"][0]
+    size = 2 << 20
+    with open(folder / rec["name"], "r+b") as f:
+        f.truncate(size)  # sparse: reading it costs nothing
+    tiling = Tiling(0, size, 2, 2, 1 << 16)
+    ends = tiling.tile_ends()
+    rec.update(
+        size=size, tilings=_pack([0, size, 2, 2, 1 << 16]), block_ends=_pack(ends), block_digests=_pack([0] * len(ends))
+    )
+    base["format_version"] = 2
+    (folder / MANIFEST).write_bytes(_reseal(base))
+    report = verify_checkpoint(str(folder))
+    assert not report.ok and len(report.problems) == 1, report.problems
+    assert f"manifest entry {rec['name']}: tiling" in report.problems[0], report.problems
+    assert "row segments of 1 bytes" in report.problems[0], report.problems

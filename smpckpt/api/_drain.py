@@ -48,7 +48,7 @@ from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.manifest import Manifest
 from smpckpt.storage.tier import PreparedCommit
-from smpckpt.storage.write._commit import after_commit, check_data_files
+from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
 
 __all__ = ["drain", "copiers"]
 
@@ -126,6 +126,8 @@ def drain(
         after_commit(fs, path, req.url, manifest, prepared.metadata, [], sync=sync)
 
     try:
+        if held_by is not None:
+            dctx.on_coordinator(lambda: _clear_leftovers(fs, path, req.url, req.tag, prepared))
         dctx.all_ok(copy_mine)
         dctx.on_coordinator(commit)
     except BaseException:
@@ -141,6 +143,19 @@ def drain(
     retain(breq, dctx)
     if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
         retain_fast(tier, None, req.opts.num_kept_local, release=req.tag)
+
+
+def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:
+    """(rank 0, a retried drain) The files of this very save a killed drain left in the uncommitted
+    folder: they would refuse the copies (files are created exclusively). Only those names, nothing else."""
+    found = probe(fs, path, list_when_empty=False)
+    if found.state in ("committed", "legacy"):
+        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")
+    settle_uncommitted_folder(fs, path, url)
+    names = [rec.name for rec in prepared.parsed().files] + [prepared.metadata_name]
+    failed = remove_files(fs, [join(path, n) for n in names], within=path)
+    if failed:
+        raise CheckpointError(f"{url}: could not remove what an earlier drain of {tag!r} left: {failed[:5]}")
 
 
 def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:

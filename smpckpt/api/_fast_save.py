@@ -145,8 +145,15 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
-        # leftovers of this tag: a killed save, or a copy no surviving node set can complete
+        # leftovers of this tag: a killed save, or a copy no surviving node set can complete; never a
+        # folder this job does not own (a link goes, its target stays)
         if nodes.is_leader and req.tag in views[ctx.rank]:
+            copy = views[ctx.rank][req.tag]
+            if copy.state in ("foreign", "unsafe") and not os.path.islink(folder):
+                raise CheckpointExists(
+                    f"{folder} is {copy.state} ({copy.detail}): it is left alone; save under another tag, or "
+                    "remove that folder"
+                )
             failed = remove_tree(open_fs(folder)[0], folder)
             if failed:
                 raise CheckpointError(f"{folder}: could not remove the leftovers of an earlier save: {failed[:5]}")

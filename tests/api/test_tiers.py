@@ -21,6 +21,7 @@ from dist_harness import RankFailed, run_world
 from torch import nn
 
 from smpckpt import (
+    CheckpointExists,
     DrainStatus,
     drain_status,
     last_resume_info,
@@ -30,6 +31,7 @@ from smpckpt import (
 )
 from smpckpt.api import _tiers
 from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.storage.format._names import MANIFEST_NAME
 
 
 def _linear(seed: int) -> nn.Module:
@@ -186,6 +188,28 @@ def test_a_tag_in_either_tier_is_not_saved_again(tmp_path: Path) -> None:
     os.rename(_job(fast, durable) / "s1_partial", tmp_path / "moved")
     with pytest.raises(Exception, match="already holds a committed checkpoint"):
         save_checkpoint(durable, "s1", model=_linear(2), local_path=fast, replicas=1)
+
+
+def test_a_folder_the_job_does_not_own_is_neither_loaded_nor_saved_over(tmp_path: Path) -> None:
+    """A copy of s1 placed in the job's folder as s2 (its manifest names tag s1): foreign. A resume
+    skips it with a warning; a save of s2 is refused, leaving it as it was."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    job = _job(fast, durable)
+    _tiers._DURABLE_SEQ.clear()
+    m1 = _linear(1)
+    save_checkpoint(durable, "s1", model=m1, local_path=fast, replicas=1, durable_every=5)
+    shutil.copytree(job / "s1_partial", job / "s2_partial")
+    got = _linear(9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume_from_checkpoint(durable, model=got, local_path=fast)
+    assert any("folder s2_partial is foreign (checkpoint 's1' of" in str(w.message) for w in caught)
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s1", "fast") and _same(got, m1)
+    before = sorted(os.listdir(job / "s2_partial"))
+    with pytest.raises(CheckpointExists, match="s2_partial is foreign"):
+        save_checkpoint(durable, "s2", model=_linear(2), local_path=fast, replicas=1, durable_every=5)
+    assert sorted(os.listdir(job / "s2_partial")) == before
 
 
 def test_drain_to_s3_and_resume_from_it(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
@@ -382,7 +406,9 @@ def test_a_drain_killed_is_retried_by_the_next_save_and_never_lost(killed: Any) 
         assert "drain of checkpoint 'step3'" in got["error"], (rank, got)
         if rank % 2 == 0:
             assert got["local"] == ["step2_partial", "step3_partial"], (rank, got)
-        assert not got["step3_committed"], (rank, got)  # the kill left path without step3
+        # the kill left path without step3, and rank 1's file begun there (others' may be being removed)
+        assert MANIFEST_NAME not in got["durable_step3"], (rank, got)
+        assert any("_r1_" in name for name in got["durable_step3"]), (rank, got)
     for rank, r in enumerate(resumed):
         got = r["retry"]
         assert (got["resume"]["tag"], got["resume"]["tier"], got["resume"]["exact"]) == ("step3", "fast", True), rank

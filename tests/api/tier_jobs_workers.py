@@ -249,7 +249,8 @@ def save_one(durable: str, local: str, model: Any) -> None:
 
 # -- 2: a drain killed, then retried ---------------------------------------------------------------------
 def killed_in_drain_of_step3(rank: int, world: int, base: str, durable: str) -> Any:
-    """durable_every=3, num_kept_local=2: step1-3; rank 1 dies copying its first file of step3's drain."""
+    """durable_every=3, num_kept_local=2: step1-3; rank 1 dies copying its first file of step3's drain,
+    that file begun in ``path`` (a retried drain meets it)."""
     import smpckpt.api._drain as drain_module
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
@@ -258,9 +259,11 @@ def killed_in_drain_of_step3(rank: int, world: int, base: str, durable: str) -> 
         real_open_sink = drain_module.open_sink
 
         def dying_open_sink(fs: Any, path: str, **kw: Any) -> Any:
+            sink = real_open_sink(fs, path, **kw)
             if "step3_partial" in path:
+                sink.write(memoryview(b"the first bytes"))
                 os._exit(0)
-            return real_open_sink(fs, path, **kw)
+            return sink
 
         drain_module.open_sink = dying_open_sink  # type: ignore[assignment]
     ctx, model, opt = tp_model.build(LAYOUT)
@@ -275,8 +278,9 @@ def killed_in_drain_of_step3(rank: int, world: int, base: str, durable: str) -> 
         error = f"{type(exc).__name__}: {exc}"
     from tier_workers import _report
 
-    committed = os.path.exists(os.path.join(durable, "step3_partial", MANIFEST))
-    _report(base, rank, {"error": error, "local": partials(job_dir(local, durable)), "step3_committed": committed})
+    step3 = os.path.join(durable, "step3_partial")
+    left = sorted(os.listdir(step3)) if os.path.isdir(step3) else []
+    _report(base, rank, {"error": error, "local": partials(job_dir(local, durable)), "durable_step3": left})
     return error
 
 

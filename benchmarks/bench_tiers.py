@@ -53,6 +53,7 @@ import argparse
 import datetime
 import gc
 import json
+import logging
 import os
 import platform
 import shutil
@@ -181,6 +182,20 @@ def worker(rank: int, cfg: dict[str, Any]) -> None:
     os._exit(0)
 
 
+class _PhaseLog(logging.Handler):
+    """Keeps the step times of the last tiered save from its log line (``...; phases: plan 0.012s, ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "to the fast tier" in text and "; phases: " in text:
+            steps = text.rsplit("; phases: ", 1)[1].split(", ")
+            self.last = {step.split()[0]: float(step.split()[1].rstrip("s")) for step in steps}
+
+
 class Rank:
     def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
         self.rank, self.cfg = rank, cfg
@@ -192,6 +207,9 @@ class Rank:
         self.s3 = cfg["s3"]  # {"root": "s3://bucket/prefix", "options": {...}} or None
         self.moto_pid: int | None = cfg["moto_pid"]
         self.log: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+        self.phases = _PhaseLog()  # the steps of each tiered save, as the library logs them
+        logging.getLogger("smpckpt.api").addHandler(self.phases)
+        logging.getLogger("smpckpt.api").setLevel(logging.INFO)
 
     # paths
     def local(self, kind: str) -> str:
@@ -219,11 +237,16 @@ class Rank:
         return out
 
     # operations
-    def save(self, where: str, name: str, tag: str, tier: str | None = None, **kw: Any) -> None:
+    def save(self, where: str, name: str, tag: str, tier: str | None = None, **kw: Any) -> dict[str, float]:
+        """The save; for a tiered one, this rank's seconds per step of it (``plan``, ``write`` -- its files
+        written and, meanwhile, sent to the replica ranks --, ``replicas`` -- what it still received
+        after --, ``agree``, ``commit``, ``retain``)."""
         root, opts = self.root(where, name)
         if tier is not None:
             kw.update(local_path=self.local(tier), num_kept_local=None)
+        self.phases.last = {}
         save_checkpoint(root, tag, model=self.model, layout=LAYOUT, specs=SPECS, storage_options=opts, **kw)
+        return self.phases.last
 
     def resume(self, where: str, name: str, tier: str | None = None) -> tuple[str, int, int]:
         """The tier it loaded from, and the files and bytes fetched from peers (all ranks' fetches)."""
@@ -416,6 +439,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                 row["x_ref"] = _spread([x["s"] / y["s"] for x, y in zip(recs, res[phase][ref])])
             if phase == "save":  # the goal: a replicated fast-tier save <= 1.2x a plain /dev/shm save
                 row["x_shm"] = _spread([x["s"] / y["s"] for x, y in zip(recs, res[phase]["shm"])])
+                steps = [x["out"][0] for x in recs if x["out"][0]]  # rank 0's steps of a tiered save
+                if steps:
+                    row["steps_s"] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
             if "server_cpu_s" in recs[0] and (key.endswith("s3")):
                 row["server_cpu_s"] = statistics.median(x["server_cpu_s"] for x in recs)
             if phase == "drain":
@@ -454,6 +480,10 @@ def print_tables(summ: dict[str, Any], total: int, rounds: int) -> None:
                 f"{SAVES[key]:28s} {_fmt(row['s']):>19s} {row['GBps']:5.2f} {_fmt(row['x_ref']):>18s} "
                 f"{_fmt(row['x_shm']):>18s} {srv(row)}"
             )
+    for key, row in summ["save"].items():
+        if "steps_s" in row:
+            steps = ", ".join(f"{k} {v:.3f}" for k, v in row["steps_s"].items())
+            print(f"  {SAVES[key]}: where rank 0's time goes (s, medians): {steps}")
     hdr = (
         f"\n{'tiered save + drain':28s} {'blocking s':>19s} {'drain s (background)':>20s} {'GB/s':>5s} {'moto CPU':>8s}"
     )

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,14 +51,8 @@ from smpckpt.storage import Manifest, probe_checkpoint
 from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none, remove_tree
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
-from smpckpt.storage.tier import (
-    FastTierWriter,
-    PreparedCommit,
-    commit_node_copy,
-    parts_of,
-    replica_transfers,
-    run_transfers,
-)
+from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
+from smpckpt.storage.tier.transfer import TransferOutcome
 from smpckpt.storage.write._commit import check_data_files
 
 __all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
@@ -99,6 +94,8 @@ class TierPlan:
     retry: PendingDrain | None = None
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
+    #: seconds this rank spent in each step of the save (logged with it: where the time goes)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def group(self) -> Any:
@@ -122,6 +119,7 @@ class TierPlan:
 
 def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled, the groups."""
+    started = time.monotonic()
     opts = req.opts
     nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group, opts.replicas))  # one rank's env fails all
     local = check_local_path(opts.local_path)
@@ -166,9 +164,11 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     streams = stream_groups(req.process_group, ctx)
     drain_group = background_group(req.process_group, ctx, "drain")
     key = durable_key(req.root, req.storage_options)
-    return TierPlan(
+    plan = TierPlan(
         nodes, local, job, folder, seq, durable, opts.replicas, key, tuple(views), drained, retry, streams, drain_group
     )
+    plan.phases["plan"] = time.monotonic() - started
+    return plan
 
 
 def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, int] | None:
@@ -232,25 +232,34 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         prefix_strategy="auto" if root_local else "hex",  # the durable root's names, for the drain
         durable_is_local=root_local,
     )
-    committed = False
-    try:
-        run_save("partial", req, writer, state, opts, f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}")
-        prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
-        manifest = prepared.parsed()
-        by_rank: dict[int, list[tuple[str, int]]] = {}
-        for f in manifest.files:
-            by_rank.setdefault(f.rank, []).append((f.name, f.size))
-        transfers = replica_transfers(
-            by_rank, world_size=nodes.world_size, local_world_size=nodes.local_world_size, replicas=tier.replicas
-        )
-        outcome = run_transfers(
-            transfers,
+    # each data file also goes to the replica ranks while it is written (not the agreements' group:
+    # an async save's dcp.save runs its collectives there meanwhile)
+    replicator = None
+    if tier.replicas > 1 and tier.streams:
+        replicator = Replicator(
             rank=nodes.rank,
-            group=tier.streams or tier.group,
-            read_folder=tier.folder,
-            write_folder=tier.folder,
+            world_size=nodes.world_size,
+            local_world_size=nodes.local_world_size,
+            replicas=tier.replicas,
+            groups=tier.streams[1:] or tier.streams,
+            folder=tier.folder,
             sync=opts.sync_files,
         )
+        writer.replicator = replicator
+        replicator.start()
+    committed = False
+    clock = _Clock(tier.phases)
+    try:
+        try:
+            run_save(
+                "partial", req, writer, state, opts, f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}"
+            )
+            clock.lap("write")  # this rank's files written, and sent to the replica ranks meanwhile
+        finally:
+            outcome = replicator.close() if replicator is not None else TransferOutcome()
+            clock.lap("replicas")  # what this rank still received after its own writes
+        prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
+        manifest = prepared.parsed()
         node = nodes.node_of(nodes.rank)
         share = [r for n in nodes.replica_nodes(node, tier.replicas) for r in nodes.ranks_of(n)]
         expected = parts_of(manifest, share)
@@ -266,17 +275,32 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
 
         gctx.all_ok(copied)  # also the barrier: a node's other ranks may still be receiving its share
         gctx.all_ok(holds_share)
+        clock.lap("agree")
         committed = True  # from here on, a node's manifest proves every node's share
         gctx.all_ok(
             lambda: commit_node_copy(tier.folder, prepared, expected, sync=opts.sync_files) if nodes.is_leader else None
         )
+        clock.lap("commit")
     except BaseException:
         if not committed and nodes.is_leader:
             _remove_quietly(tier.folder)
         raise
     if nodes.is_leader:
         retain_fast(tier, req.tag, opts.num_kept_local)
+    clock.lap("retain")
     return prepared
+
+
+class _Clock:
+    """Laps of a save's steps into ``phases`` (seconds)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases, self.last = phases, time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = now - self.last
+        self.last = now
 
 
 def _remove_quietly(folder: str) -> None:

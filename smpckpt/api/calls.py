@@ -226,13 +226,14 @@ def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any],
     started = time.monotonic()
     prepared = save_fast(req, state, extra, tier)
     log.info(
-        "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s",
+        "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
         req.tag,
         tier.local_path,
         tier.seq,
         tier.replicas,
         time.monotonic() - started,
         f"; draining to {req.url}" if tier.durable else "",
+        ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
     )
     if tier.durable:
         hold_for_drain(tier.job, req.tag)

@@ -167,16 +167,19 @@ def _die() -> None:
 
 
 def killed_in_replication(rank: int, world: int, base: str, durable: str) -> Any:
-    """During step2's replica transfers rank 3 dies after announcing its first file."""
-    import smpckpt.storage.tier.transfer as transfer
+    """During step2's replica transfers (sent while the files are written) rank 3 dies after announcing
+    its first file."""
+    import smpckpt.storage.tier.stream as stream
 
     def kill() -> None:
-        def dying_send(t: Any, folder: str, group: Any) -> str:
-            dist.send(transfer._word(transfer._OK), dst=t.dst, group=group)  # "a file follows", then death
-            _die()
-            return ""  # pragma: no cover
+        real_send = stream._Sender._send
 
-        transfer._send = dying_send  # type: ignore[assignment]
+        def dying_send(self: Any, kind: int, *args: Any) -> None:
+            real_send(self, kind, *args)
+            if kind == stream.OPEN:  # "a file follows", then death
+                _die()
+
+        stream._Sender._send = dying_send  # type: ignore[method-assign]
 
     return _killed_job(rank, base, durable, durable_every=5, victim=3, kill=kill)
 

@@ -55,7 +55,7 @@ from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, com
 from smpckpt.storage.tier.transfer import TransferOutcome
 from smpckpt.storage.write._commit import check_data_files
 
-__all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
+__all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain", "release_hold"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -316,6 +316,12 @@ def hold_for_drain(job: str, tag: str) -> None:
     """``tag``'s files in this job folder are about to be drained: retention keeps them until released."""
     with _RETENTION:
         _HELD.setdefault(job, set()).add(tag)
+
+
+def release_hold(job: str, tag: str) -> None:
+    """A drain of ``tag`` ended (a failed one too: the next save may drain it again)."""
+    with _RETENTION:
+        _HELD.get(job, set()).discard(tag)
 
 
 def retain_fast(tier: TierPlan, just_saved: str | None, keep: int | None, *, release: str | None = None) -> None:

@@ -43,7 +43,7 @@ from smpckpt.api._async import async_used, check_previous, submit, submit_drain,
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import drain
 from smpckpt.api._fast_resume import choose_tier, load_tiered
-from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, save_fast
+from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, release_hold, save_fast
 from smpckpt.api._full import resume_full, save_full
 from smpckpt.api._resume import (
     ResumeInfo,
@@ -239,8 +239,11 @@ def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any],
         hold_for_drain(tier.job, req.tag)
 
         def work() -> None:
-            with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                drain(req, tier, prepared)
+            try:
+                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
+                    drain(req, tier, prepared)
+            finally:
+                release_hold(tier.job, req.tag)
 
         submit_drain(req.tag, work)
     elif tier.retry is not None:
@@ -256,8 +259,11 @@ def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any],
         hold_for_drain(tier.job, retry.tag)
 
         def again() -> None:
-            with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {retry.tag!r} to {rreq.url}"):
-                drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by)
+            try:
+                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {retry.tag!r} to {rreq.url}"):
+                    drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by)
+            finally:
+                release_hold(tier.job, retry.tag)
 
         submit_drain(retry.tag, again)
 

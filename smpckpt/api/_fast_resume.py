@@ -38,7 +38,7 @@ from smpckpt.api._resume import (
     restores_rng,
 )
 from smpckpt.api._tier_copies import FastCandidate, candidates
-from smpckpt.api._tiers import Nodes, gather_views, node_layout
+from smpckpt.api._tiers import Nodes, gather_views
 from smpckpt.api.options import check_local_path
 from smpckpt.catalog._save_clock import saw_checkpoint
 from smpckpt.catalog.tags import partial_dirname
@@ -87,9 +87,8 @@ class Loaded:
 def choose_tier(req: ResumeRequest, ctx: DistContext) -> TierChoice:
     """(all ranks) The candidates, newest first (module docstring)."""
     streams = stream_groups(req.process_group, ctx)
-    nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group))  # one rank's env fails all
     local = check_local_path(req.opts.local_path)
-    job, views = gather_views(ctx, nodes, local, req.root, req.storage_options)
+    nodes, job, views = gather_views(ctx, req.process_group, 1, local, req.root, req.storage_options)
     found = candidates(views, req.tag)
     complete = [c for c in found if c.complete]
     if ctx.is_coordinator:

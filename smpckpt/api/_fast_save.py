@@ -42,7 +42,6 @@ from smpckpt.api._tiers import (
     durable_seq,
     gather_views,
     known_durable_seq,
-    node_layout,
 )
 from smpckpt.api.options import check_local_path
 from smpckpt.catalog.tags import partial_dirname, partial_url
@@ -121,9 +120,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled, the groups."""
     started = time.monotonic()
     opts = req.opts
-    nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group, opts.replicas))  # one rank's env fails all
     local = check_local_path(opts.local_path)
-    job, views = gather_views(ctx, nodes, local, req.root, req.storage_options)
+    nodes, job, views = gather_views(ctx, req.process_group, opts.replicas, local, req.root, req.storage_options)
 
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")

@@ -192,10 +192,11 @@ def _remove_stale_tokens(local: str) -> None:
 
 
 def gather_views(
-    ctx: DistContext, nodes: Nodes, local: str, root: str, storage_options: Any
-) -> tuple[str, list[dict[str, LocalCopy]]]:
-    """(all ranks, three collectives; two on one node) Check every node's folder and gather this job's listing of each:
-    the job folder on this node, and by global rank the listing of that rank's node (its first rank's).
+    ctx: DistContext, process_group: Any, replicas: int, local: str, root: str, storage_options: Any
+) -> tuple[Nodes, str, list[dict[str, LocalCopy]]]:
+    """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`); every node's
+    folder checked and this job's listing of each gathered: the job folder on this node, and by global
+    rank the listing of that rank's node (its first rank's).
 
     Refused on every rank before anything is written, naming the argument: ``local_path`` not a folder,
     equal to ``path`` (or inside it, or containing it), ranks of one node naming different folders,
@@ -203,14 +204,17 @@ def gather_views(
     sharing one (a leader's token seen in another node's folder)."""
     key = durable_key(root, storage_options)
     job = job_folder(local, key)
+    found: list[Nodes] = []
 
     def check() -> tuple[str, int]:
+        found.append(node_layout(ctx, process_group, replicas))  # one rank's environment fails all
         _check_apart(local, root, storage_options)
         if os.path.lexists(local) and not os.path.isdir(local):
             raise ValueError(f"local_path {local!r} is not a folder (a file or a broken link is in the way)")
-        return local, nodes.local_world_size
+        return local, found[0].local_world_size
 
     got = ctx.all_ok_values(check)
+    nodes = found[0]
     sizes = sorted({lws for _, lws in got})
     if len(sizes) > 1:
         raise ValueError(f"LOCAL_WORLD_SIZE differs between ranks ({sizes}); every rank must see the same")
@@ -247,7 +251,7 @@ def gather_views(
                 os.unlink(os.path.join(local, tokens[ctx.rank]))
     views = [listed[nodes.ranks_of(nodes.node_of(rank))[0]] or {} for rank in range(nodes.world_size)]
     warn_skipped(views, nodes, [got[nodes.ranks_of(node)[0]][0] for node in range(nodes.count)])
-    return job, views
+    return nodes, job, views
 
 
 def warn_skipped(views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str]) -> None:

@@ -14,8 +14,10 @@ round; barriers before and after every timer, wall time = rank 0's (the slowest 
 * save: (a) ``save_checkpoint(..., local_path=node folder, replicas=2)``, timed until it returns (every
   node's fast tier committed, each rank's files also sent over gloo to the other node), with
   ``durable_every`` so large that it never drains; (b) the same with ``replicas=1`` (no replication);
-  (c) a direct save to the disk folder (fsynced: durable); (d) a direct save to S3. Each copy is removed
-  outside the timer (``num_kept_local=None``, so no retention runs inside it).
+  (c) a plain (untiered) save to a folder under ``--shm-dir``: the goal is (a) <= 1.2x (c), replication
+  included; (d) a direct save to the disk folder (fsynced: durable); (e) a direct save to S3. Each copy is
+  removed outside the timer (``num_kept_local=None``, so no retention runs inside it). Every row also
+  shows its time over (c)'s, per round.
 * drain: a tiered save (replicas=2) with ``durable_every=1`` to the disk folder and to S3; *blocking* =
   the save call, *drain* = from its return until ``wait_for_saves()`` returned on every rank (nothing
   else runs meanwhile; in training the drain overlaps the steps). The drained copy is checked committed.
@@ -51,6 +53,7 @@ import argparse
 import datetime
 import gc
 import json
+import logging
 import os
 import platform
 import shutil
@@ -72,6 +75,7 @@ from torch import nn
 
 import smpckpt
 from smpckpt import ParallelLayout, ShardSpec, last_resume_info, resume_from_checkpoint, save_checkpoint
+from smpckpt.api._tiers import durable_key, job_folder
 from smpckpt.storage import probe_checkpoint
 
 warnings.filterwarnings("ignore")
@@ -85,6 +89,7 @@ NEVER = 10**9  # durable_every that never drains within the run
 SAVES = {
     "tier_r2": "fast tier, replicas=2",
     "tier_r1": "fast tier, replicas=1",
+    "shm": "direct to a --shm-dir folder",
     "disk": "direct to disk folder",
     "s3": "direct to S3 (moto)",
 }
@@ -177,6 +182,20 @@ def worker(rank: int, cfg: dict[str, Any]) -> None:
     os._exit(0)
 
 
+class _PhaseLog(logging.Handler):
+    """Keeps the step times of the last tiered save from its log line (``...; phases: plan 0.012s, ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "to the fast tier" in text and "; phases: " in text:
+            steps = text.rsplit("; phases: ", 1)[1].split(", ")
+            self.last = {step.split()[0]: float(step.split()[1].rstrip("s")) for step in steps}
+
+
 class Rank:
     def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
         self.rank, self.cfg = rank, cfg
@@ -188,6 +207,9 @@ class Rank:
         self.s3 = cfg["s3"]  # {"root": "s3://bucket/prefix", "options": {...}} or None
         self.moto_pid: int | None = cfg["moto_pid"]
         self.log: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+        self.phases = _PhaseLog()  # the steps of each tiered save, as the library logs them
+        logging.getLogger("smpckpt.api").addHandler(self.phases)
+        logging.getLogger("smpckpt.api").setLevel(logging.INFO)
 
     # paths
     def local(self, kind: str) -> str:
@@ -200,7 +222,14 @@ class Rank:
         if where == "s3":
             assert self.s3 is not None
             return f"{self.s3['root']}/{name}", self.s3["options"]
+        if where == "shm":
+            return os.path.join(self.cfg["shm"], "plain", name), None
         return self.disk(name), None
+
+    def job(self, tier: str, where: str, name: str) -> str:
+        """This node's folder of the job saving to ``where``/``name`` in the fast tier ``tier``."""
+        root, opts = self.root(where, name)
+        return job_folder(self.local(tier), durable_key(root, opts))
 
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * WORLD
@@ -208,11 +237,16 @@ class Rank:
         return out
 
     # operations
-    def save(self, where: str, name: str, tag: str, tier: str | None = None, **kw: Any) -> None:
+    def save(self, where: str, name: str, tag: str, tier: str | None = None, **kw: Any) -> dict[str, float]:
+        """The save; for a tiered one, this rank's seconds per step of it (``plan``, ``write`` -- its files
+        written and, meanwhile, sent to the replica ranks --, ``replicas`` -- what it still received
+        after --, ``agree``, ``commit``, ``retain``)."""
         root, opts = self.root(where, name)
         if tier is not None:
             kw.update(local_path=self.local(tier), num_kept_local=None)
+        self.phases.last = {}
         save_checkpoint(root, tag, model=self.model, layout=LAYOUT, specs=SPECS, storage_options=opts, **kw)
+        return self.phases.last
 
     def resume(self, where: str, name: str, tier: str | None = None) -> tuple[str, int, int]:
         """The tier it loaded from, and the files and bytes fetched from peers (all ranks' fetches)."""
@@ -224,7 +258,7 @@ class Rank:
         if not info.from_peers:
             return info.tier, 0, 0
         assert tier is not None  # a fetched file is in its receiver's folder, and in its sender's: in every one
-        folder = os.path.join(self.local(tier), f"{info.tag}_partial")
+        folder = os.path.join(self.job(tier, where, name), f"{info.tag}_partial")
         return (
             info.tier,
             len(info.from_peers),
@@ -234,7 +268,7 @@ class Rank:
     def remove(self, where: str | None, name: str, tag: str, tier: str | None = None) -> None:
         """(outside the timers) This tag's fast-tier folders (node leaders) and durable copy (rank 0)."""
         if tier is not None and self.leader:
-            shutil.rmtree(os.path.join(self.local(tier), f"{tag}_partial"))
+            shutil.rmtree(os.path.join(self.job(tier, where or "disk", name), f"{tag}_partial"))
         if where is not None and self.rank == 0:
             root, opts = self.root(where, name)
             path = f"{root}/{tag}_partial"
@@ -305,6 +339,7 @@ class Rank:
         plans = {
             "tier_r2": ("disk", "tier-r2", "r2", 2),
             "tier_r1": ("disk", "tier-r1", "r1", 1),
+            "shm": ("shm", "direct", None, 0),
             "disk": ("disk", "direct", None, 0),
             "s3": ("s3", "direct", None, 0),
         }
@@ -402,6 +437,11 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             row: dict[str, Any] = {"s": _spread(times), "GBps": total / statistics.median(times) / 1e9}
             if ref is not None:
                 row["x_ref"] = _spread([x["s"] / y["s"] for x, y in zip(recs, res[phase][ref])])
+            if phase == "save":  # the goal: a replicated fast-tier save <= 1.2x a plain /dev/shm save
+                row["x_shm"] = _spread([x["s"] / y["s"] for x, y in zip(recs, res[phase]["shm"])])
+                steps = [x["out"][0] for x in recs if x["out"][0]]  # rank 0's steps of a tiered save
+                if steps:
+                    row["steps_s"] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
             if "server_cpu_s" in recs[0] and (key.endswith("s3")):
                 row["server_cpu_s"] = statistics.median(x["server_cpu_s"] for x in recs)
             if phase == "drain":
@@ -432,10 +472,18 @@ def _noise(rows: dict[str, Any]) -> str:
 def print_tables(summ: dict[str, Any], total: int, rounds: int) -> None:
     print(f"\n{total / MiB:.0f} MiB over {WORLD} ranks (2 nodes x 2); medians of {rounds} rounds (min..max)")
     srv = lambda row: f"{row['server_cpu_s']:8.1f}" if "server_cpu_s" in row else f"{'':8s}"  # noqa: E731
-    print(f"\n{'save':28s} {'s':>19s} {'GB/s':>5s} {'time / fast r=2':>18s} {'moto CPU':>8s}" + _noise(summ["save"]))
+    head = f"\n{'save':28s} {'s':>19s} {'GB/s':>5s} {'time / fast r=2':>18s} {'time / plain shm':>18s} {'moto CPU':>8s}"
+    print(head + _noise(summ["save"]))
     for key, row in summ["save"].items():
         if not key.startswith("_"):
-            print(f"{SAVES[key]:28s} {_fmt(row['s']):>19s} {row['GBps']:5.2f} {_fmt(row['x_ref']):>18s} {srv(row)}")
+            print(
+                f"{SAVES[key]:28s} {_fmt(row['s']):>19s} {row['GBps']:5.2f} {_fmt(row['x_ref']):>18s} "
+                f"{_fmt(row['x_shm']):>18s} {srv(row)}"
+            )
+    for key, row in summ["save"].items():
+        if "steps_s" in row:
+            steps = ", ".join(f"{k} {v:.3f}" for k, v in row["steps_s"].items())
+            print(f"  {SAVES[key]}: where rank 0's time goes (s, medians): {steps}")
     hdr = (
         f"\n{'tiered save + drain':28s} {'blocking s':>19s} {'drain s (background)':>20s} {'GB/s':>5s} {'moto CPU':>8s}"
     )

@@ -272,8 +272,11 @@ def tiered_example(rank: int, world: int, readme: str, snippet: tuple[str, int],
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         run_snippet(code, first_line, readme, ns)
+    from smpckpt.api._tiers import durable_key, job_folder
+
+    job = job_folder(node, durable_key(os.path.join(base, "durable"), None))  # the test's durable root
     return {
         "printed": out.getvalue().split(),
         "same": all(torch.equal(model.state_dict()[k], v) for k, v in before.items()),
-        "node_committed": os.path.exists(os.path.join(node, "step1_partial", "smpckpt.manifest.json")),
+        "node_committed": os.path.exists(os.path.join(job, "step1_partial", "smpckpt.manifest.json")),
     }

@@ -137,7 +137,7 @@ def test_bench_tiers_quick(tmp_path: Path) -> None:
     assert res["state_bytes"] == sum(res["raw"]["bytes_per_rank"]) > 0 and len(res["raw"]["bytes_per_rank"]) == 4
     summary = res["summary"]
     cases = {
-        "save": {"tier_r2", "tier_r1", "disk", "s3"},
+        "save": {"tier_r2", "tier_r1", "shm", "disk", "s3"},
         "drain": {"drain_disk", "drain_s3"},
         "resume": {"fast", "fast_peer", "disk_cold", "disk_warm", "s3"},
     }
@@ -148,6 +148,7 @@ def test_bench_tiers_quick(tmp_path: Path) -> None:
             assert len(res["raw"][phase][key]) == res["config"]["rounds"]
         assert summary[phase]["_cpu"]["wall_s"] > 0
     assert all(summary["drain"][k]["drain_s"]["median"] > 0 for k in cases["drain"])
+    assert summary["save"]["tier_r2"]["x_shm"]["median"] > 0  # the replicated save beside a plain /dev/shm save
     resume = res["raw"]["resume"]
     for key in cases["resume"]:
         tiers = {out[0] for rec in resume[key] for out in rec["out"]}

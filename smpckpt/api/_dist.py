@@ -158,6 +158,16 @@ class DistContext:
         self._agree("a checked step", error, None)
         return result
 
+    def all_ok_values(self, fn: Callable[[], T]) -> list[T]:
+        """(all ranks) :meth:`all_ok`, returning every rank's result (by group rank) in the same collective."""
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+        return self._agree("a checked step", error, result)
+
     def on_coordinator(self, fn: Callable[[], T]) -> T:
         """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
         error on every rank."""

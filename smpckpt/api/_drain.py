@@ -3,8 +3,10 @@ background, committed there as any partial checkpoint (same files, same manifest
 
 Which rank does what ("all" = every rank, on the drain thread with a gloo group of its own)::
 
-    copy            (all)     this rank's own files, from its node's fast-tier folder to ``{path}/{tag}_partial``
-                              (never staged from the model again); agreed across ranks
+    copy            (all)     the files assigned to this rank (its own, or -- a drain retried after a lost
+                              node -- those its node holds for a lost one), from its node's fast-tier
+                              folder to ``{path}/{tag}_partial`` (never staged from the model again);
+                              agreed across ranks
     commit          (rank 0)  nothing committed there yet; every file at its size; the metadata, the
                               manifest (create-if-absent: the commit), the stock ``.metadata``
     publish_newest  (rank 0)  ``{path}/newest`` := tag
@@ -12,7 +14,9 @@ Which rank does what ("all" = every rank, on the drain thread with a gloo group 
 
 A kill during the drain leaves ``path`` as it was (uncommitted files at most: never taken as a
 checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the fast tier still
-holds the checkpoint.
+holds the checkpoint, and keeps it (fast-tier retention never removes a save due for the durable tier
+before a drain as new committed); the restarted job's next save drains it again
+(:class:`~smpckpt.api._fast_save.PendingDrain`).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from smpckpt.api._dist import DistContext
 from smpckpt.api._fast_save import TierPlan, retain_fast
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import note_durable_seq
-from smpckpt.errors import CheckpointExists
+from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._fs import (
     create_bytes_exclusive,
     is_local,
@@ -41,10 +46,11 @@ from smpckpt.storage.backends._fs import (
 from smpckpt.storage.backends._sinks import open_sink
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.format._state import probe
-from smpckpt.storage.tier import PreparedCommit, parts_of
-from smpckpt.storage.write._commit import after_commit, check_data_files
+from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.tier import PreparedCommit
+from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
 
-__all__ = ["drain"]
+__all__ = ["drain", "copiers"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -54,14 +60,40 @@ _PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the write
 _FILES_AT_ONCE = {True: 4, False: 16}
 
 
-def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
+def copiers(manifest: Manifest, held_by: Mapping[str, Sequence[int]] | None) -> dict[str, int]:
+    """Which rank copies each data file: the rank that wrote it when its node holds it (always, right
+    after the save), else the least loaded rank whose node holds it (``held_by``: a retried drain)."""
+    load: dict[int, int] = {}
+    out = {}
+    for f in manifest.files:
+        holders = list(held_by.get(f.name, ())) if held_by is not None else [f.rank]
+        if not holders:
+            raise CheckpointError(f"no node's fast tier holds {f.name}: the drain cannot copy it")
+        rank = f.rank if f.rank in holders else min(holders, key=lambda r: (load.get(r, 0), r))
+        load[rank] = load.get(rank, 0) + f.size
+        out[f.name] = rank
+    return out
+
+
+def drain(
+    req: SaveRequest,
+    tier: TierPlan,
+    prepared: PreparedCommit,
+    *,
+    seq: int | None = None,
+    held_by: Mapping[str, Sequence[int]] | None = None,
+) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    retention (module docstring)."""
+    retention (module docstring). ``req``'s tag is the one drained, from this node's folder of it in
+    ``tier.job``; ``seq``: its save number (default: ``tier``'s); ``held_by``: who holds each file
+    (default: every rank its own)."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
     fs, path = open_fs(req.url, req.storage_options)
-    mine = parts_of(manifest, [tier.nodes.rank])
+    assigned = copiers(manifest, held_by)
+    mine = [rec for rec in manifest.files if assigned[rec.name] == tier.nodes.rank]
+    folder = tier.folder_of(req.tag)
     sync = req.opts.sync_files
 
     def copy_one(name: str) -> None:
@@ -69,7 +101,7 @@ def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
             os.makedirs(os.path.dirname(join(path, name)), exist_ok=True)
         sink = open_sink(fs, join(path, name), sync=sync, part_size=_PART, max_parts_in_flight=2)
         try:
-            with open(os.path.join(tier.folder, name), "rb") as f:
+            with open(os.path.join(folder, name), "rb") as f:
                 while chunk := f.read(_PART):
                     sink.write(memoryview(chunk))
             sink.commit()
@@ -94,6 +126,8 @@ def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
         after_commit(fs, path, req.url, manifest, prepared.metadata, [], sync=sync)
 
     try:
+        if held_by is not None:
+            dctx.on_coordinator(lambda: _clear_leftovers(fs, path, req.url, req.tag, prepared))
         dctx.all_ok(copy_mine)
         dctx.on_coordinator(commit)
     except BaseException:
@@ -102,13 +136,26 @@ def drain(req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
             if failed:
                 log.warning("the failed drain of %s left %d file(s): %s", req.url, len(failed), failed[:5])
         raise
-    note_durable_seq(req.root, tier.seq)
+    note_durable_seq(tier.root_key, tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx)
     log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
     retain(breq, dctx)
     if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
-        retain_fast(tier, None, req.opts.num_kept_local, release=True)
+        retain_fast(tier, None, req.opts.num_kept_local, release=req.tag)
+
+
+def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:
+    """(rank 0, a retried drain) The files of this very save a killed drain left in the uncommitted
+    folder: they would refuse the copies (files are created exclusively). Only those names, nothing else."""
+    found = probe(fs, path, list_when_empty=False)
+    if found.state in ("committed", "legacy"):
+        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")
+    settle_uncommitted_folder(fs, path, url)
+    names = [rec.name for rec in prepared.parsed().files] + [prepared.metadata_name]
+    failed = remove_files(fs, [join(path, n) for n in names], within=path)
+    if failed:
+        raise CheckpointError(f"{url}: could not remove what an earlier drain of {tag!r} left: {failed[:5]}")
 
 
 def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:

@@ -1,18 +1,22 @@
 """``resume_from_checkpoint(..., local_path=...)``: the newest checkpoint complete across the surviving
-fast tiers or committed in ``path``, whichever is newer.
+fast tiers or committed in ``path``, whichever is newer -- and when a fast-tier copy cannot be loaded,
+the next one, then ``path``'s.
 
 Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
 
-    choose_tier   (all)      the gloo groups (``smpckpt.api._async``); every node's fast tier scanned and gathered
-                  (rank 0)   the newest fast-tier tag whose surviving files cover its manifest, against
-                             ``path``'s newest committed one (or the tag asked for); the answer broadcast
-    fast_reader   (all)      heal: leaders of nodes that lack the chosen copy's metadata or manifest receive
-                             them from a node that has them (the metadata first: the manifest commits)
-    (load)        (all)      dcp.load with PeerFetchingReader: each node fetches from peers the parts its
-                             ranks read and it lacks, then reads its own folder, checksums verified
-
-A fast-tier load that fails (a corrupt part, a peer lost mid-load) falls back to ``path``'s checkpoint,
-with a warning, when there is one.
+    choose_tier   (all)      the gloo groups (``smpckpt.api._async``); every node's folder checked and this
+                             job's listing gathered (``_tiers.gather_views``): the complete fast-tier saves,
+                             newest first, the same on every rank
+                  (rank 0)   ``path``'s newest committed checkpoint (or the tag asked for); broadcast
+    load_tiered   (all)      for each fast-tier save newer than ``path``'s, newest first:
+                               fast_reader: its manifest from a node holding it; leaders of nodes that
+                               lack its metadata or manifest receive them (the metadata first)
+                               dcp.load with PeerFetchingReader: each node fetches from peers the parts
+                               its ranks read and it lacks, then reads its own folder, checksums verified
+                               failed? leaders check every part their folder holds against the manifest's
+                               checksums (``repair``): a corrupt copy counts as missing, so the load is
+                               tried once more with it fetched from a peer holding a good one
+                             then ``path``'s checkpoint; a warning names each copy that could not be loaded
 """
 
 from __future__ import annotations
@@ -25,70 +29,167 @@ from typing import Any
 
 from smpckpt.api._async import stream_groups
 from smpckpt.api._dist import DistContext
-from smpckpt.api._resume import ResumeRequest, Target, resolve_target
-from smpckpt.api._tiers import FastCandidate, Nodes, gather_views, newest_complete, node_layout
+from smpckpt.api._resume import (
+    ResumeRequest,
+    Target,
+    build_resume_state,
+    load_checkpoint,
+    resolve_target,
+    restores_rng,
+)
+from smpckpt.api._tier_copies import FastCandidate, candidates
+from smpckpt.api._tiers import Nodes, gather_views
 from smpckpt.api.options import check_local_path
 from smpckpt.catalog._save_clock import saw_checkpoint
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.planners import ParallelLoadPlanner
+from smpckpt.storage import Manifest
+from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
+from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
+from smpckpt.storage.tools import check_blocks
 
-__all__ = ["FastSource", "choose_tier", "fast_reader"]
+__all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered"]
 
 log = logging.getLogger("smpckpt.api")
 
 
 @dataclasses.dataclass(frozen=True)
-class FastSource:
-    """The fast-tier copy rank 0 chose, and what every rank needs to load it."""
+class TierChoice:
+    """What a tiered resume may load, the same on every rank: the fast-tier saves newer than ``path``'s
+    checkpoint (newest first), and that checkpoint."""
 
-    candidate: FastCandidate
-    heal: tuple[Transfer, ...]  #: metadata and manifest to the leaders of nodes that lack them
     nodes: Nodes
+    job: str  #: this job's folder on this node
     streams: tuple[Any, ...]  #: this process's gloo groups for the transfers (the first: agreements)
+    fast: tuple[FastCandidate, ...]
+    durable: Target | None
 
     @property
     def group(self) -> Any:
         return self.streams[0] if self.streams else None
 
 
-def choose_tier(req: ResumeRequest, ctx: DistContext) -> tuple[Target | None, FastSource | None, Target | None]:
-    """(all ranks) The target to load, its fast-tier source (``None``: load from ``path``), and the
-    durable target to fall back to."""
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A finished load: what was loaded, its planner and state, and the fast tier's reader (``None``:
+    from ``path``)."""
+
+    target: Target
+    planner: ParallelLoadPlanner
+    state: dict[str, Any]
+    rng: bool
+    reader: PeerFetchingReader | None
+
+
+def choose_tier(req: ResumeRequest, ctx: DistContext) -> TierChoice:
+    """(all ranks) The candidates, newest first (module docstring)."""
     streams = stream_groups(req.process_group, ctx)
-    nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group))  # one rank's env fails all
     local = check_local_path(req.opts.local_path)
-    views = gather_views(ctx, nodes, local)
-    best = newest_complete(ctx, local, views, req.tag)
+    nodes, job, views = gather_views(ctx, req.process_group, 1, local, req.root, req.storage_options)
+    found = candidates(views, req.tag)
+    complete = [c for c in found if c.complete]
+    if ctx.is_coordinator:
+        newest = complete[0].key if complete else None
+        for c in found:
+            if not c.complete and (newest is None or c.key > newest):
+                log.warning(
+                    "fast tier: checkpoint %r is committed but incomplete across the surviving nodes (missing %s); "
+                    "not used",
+                    c.tag,
+                    ", ".join(c.missing[:5]),
+                )
 
     def durable_target() -> Target | None:
         try:
             return resolve_target(req.root, req.tag, req.storage_options)
         except CheckpointNotFound:
-            if best is None or req.tag is None:
+            if not complete or req.tag is None:
                 raise
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
     durable = ctx.on_coordinator(durable_target)
-    # the same tag in both tiers (tag=...): the fast copy; else whichever was saved later
-    if best is None or (req.tag is None and durable is not None and durable.seen_ns > best.order[0]):
-        if durable is not None:
-            saw_checkpoint(req.root, durable.seen_ns, req.storage_options)
-        return durable, None, None
-    folder = f"{local}/{partial_dirname(best.tag)}"  # this node's copy
-    target = Target.of(best.tag, folder, best.parsed(), False)
+    # the same tag in both tiers (tag=...): the fast copy first; else whichever was saved later
+    usable = [c for c in complete if req.tag is not None or durable is None or durable.seen_ns <= c.order[0]]
+    return TierChoice(nodes, job, streams, tuple(usable), durable)
+
+
+def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice) -> Loaded | None:
+    """(all ranks) Load the newest candidate that loads (module docstring); ``None`` when neither tier
+    holds one. The durable checkpoint's own failure is raised."""
+    for i, cand in enumerate(choice.fast):
+        manifest = _manifest_of(ctx, choice, cand)
+        if manifest is None:
+            continue
+        target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest[0], False)
+        try:
+            return _load_fast(req, ctx, choice, cand, target, manifest)
+        except CheckpointError as exc:
+            first = exc
+        repaired = _repair(ctx, choice, cand, manifest[0])
+        if repaired is not None:
+            try:
+                return _load_fast(req, ctx, choice, repaired, target, manifest)
+            except CheckpointError as exc:
+                first = exc
+        nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
+        instead = (
+            f"checkpoint {nxt.tag!r} of the fast tier"
+            if nxt is not None
+            else f"{choice.durable.url} (tag {choice.durable.tag!r}) in the durable tier"
+            if choice.durable is not None
+            else "nothing (no other checkpoint in either tier)"
+        )
+        if ctx.is_coordinator:
+            message = f"loading checkpoint {cand.tag!r} from the fast tier failed ({first}); resuming from {instead}"
+            log.warning(message)
+            warnings.warn(message, stacklevel=4)
+        if nxt is None and choice.durable is None:
+            raise first
+    if choice.durable is None:
+        return None
+    target = choice.durable
     saw_checkpoint(req.root, target.seen_ns, req.storage_options)
-    return target, FastSource(best, _heal_transfers(best, nodes), nodes, streams), durable
+    rng = restores_rng(req, target, ctx)
+    state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+    return Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
 
 
-def _heal_transfers(best: FastCandidate, nodes: Nodes) -> tuple[Transfer, ...]:
-    """(rank 0) The chosen copy's metadata, then its manifest, to each node's leader that lacks them."""
-    manifest = best.parsed()
-    sizes = {manifest.metadata.name: manifest.metadata.size, MANIFEST_NAME: len(best.manifest)}
+def _manifest_of(ctx: DistContext, choice: TierChoice, cand: FastCandidate) -> tuple[Manifest, int] | None:
+    """(all ranks, one broadcast) ``cand``'s manifest and its size in bytes, from the first rank whose
+    node committed it; ``None`` when it changed since the listing (removed by another process of the job?)."""
+    src = cand.held_by[MANIFEST_NAME][0]
+    path = os.path.join(choice.job, partial_dirname(cand.tag), MANIFEST_NAME)
+    data = read_bytes_or_none(open_fs(path)[0], path) if ctx.rank == src else None
+    data = ctx.broadcast_object(data, src=src)
+    if data is None or hash_bytes(data) != cand.digest:
+        return None
+    return Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}"), len(data)
+
+
+def _load_fast(
+    req: ResumeRequest,
+    ctx: DistContext,
+    choice: TierChoice,
+    cand: FastCandidate,
+    target: Target,
+    manifest: tuple[Manifest, int],
+) -> Loaded:
+    saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    rng = restores_rng(req, target, ctx)
+    state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+    reader = fast_reader(req, target, choice, cand, *manifest)
+    return Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
+
+
+def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size: int) -> tuple[Transfer, ...]:
+    """The copy's metadata, then its manifest (``size`` bytes), to each node's leader that lacks them."""
+    sizes = {manifest.metadata.name: manifest.metadata.size, MANIFEST_NAME: size}
     out = []
     for name in (manifest.metadata.name, MANIFEST_NAME):
-        holders = best.held_by[name]
+        holders = cand.held_by[name]
         for node in range(nodes.count):
             leader = nodes.ranks_of(node)[0]
             if not any(nodes.node_of(r) == node for r in holders):
@@ -96,14 +197,17 @@ def _heal_transfers(best: FastCandidate, nodes: Nodes) -> tuple[Transfer, ...]:
     return tuple(out)
 
 
-def fast_reader(req: ResumeRequest, target: Target, fast: FastSource) -> PeerFetchingReader:
-    """(all ranks) Nodes that lack the copy's metadata or manifest receive them (agreed across ranks);
-    then this rank's reader of the chosen fast-tier copy."""
-    gctx, nodes = DistContext(fast.group), fast.nodes
-    if fast.heal:
+def fast_reader(
+    req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate, manifest: Manifest, size: int
+) -> PeerFetchingReader:
+    """(all ranks) Nodes that lack the copy's metadata or manifest (``size`` bytes) receive them (agreed
+    across ranks); then this rank's reader of the chosen fast-tier copy."""
+    gctx, nodes = DistContext(choice.group), choice.nodes
+    heal = _heal_transfers(cand, manifest, nodes, size)
+    if heal:
         os.makedirs(target.url, exist_ok=True)
     outcome = run_transfers(
-        fast.heal, rank=nodes.rank, group=fast.group, read_folder=target.url, write_folder=target.url, sync=False
+        heal, rank=nodes.rank, group=choice.group, read_folder=target.url, write_folder=target.url, sync=False
     )
 
     def check() -> None:
@@ -115,22 +219,59 @@ def fast_reader(req: ResumeRequest, target: Target, fast: FastSource) -> PeerFet
     gctx.all_ok(check)
     return PeerFetchingReader(
         target.url,
-        group=fast.group,
-        streams=fast.streams,
+        group=choice.group,
+        streams=choice.streams,
         ranks=list(range(nodes.world_size)),
         rank=nodes.rank,
         local_world_size=nodes.local_world_size,
-        held_by=fast.candidate.held_by,
+        held_by=cand.held_by,
         verify_checksums=req.opts.verify_checksums,
         allow_pickle=req.opts.allow_pickle,
     )
 
 
-def fall_back_warning(target: Target, fallback: Target, exc: BaseException) -> None:
-    """(all ranks; rank 0 warns) Loading the fast-tier copy failed: say so, and what is loaded instead."""
-    message = (
-        f"loading checkpoint {target.tag!r} from the fast tier failed ({exc}); resuming from {fallback.url} "
-        f"(tag {fallback.tag!r}) in the durable tier instead"
-    )
-    log.warning(message)
-    warnings.warn(message, stacklevel=4)
+def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest: Manifest) -> FastCandidate | None:
+    """(all ranks; leaders read) After a failed load: each leader checks every part its folder holds of
+    ``cand`` against the manifest's checksums; corrupt copies no longer count as held. The candidate so
+    judged when every part is still held intact somewhere and something was corrupt, else ``None``."""
+    gctx, nodes = DistContext(choice.group), choice.nodes
+    folder = os.path.join(choice.job, partial_dirname(cand.tag))
+    node = nodes.node_of(nodes.rank)
+    records = {f.name: f for f in manifest.files}
+
+    def check() -> list[str]:
+        if not nodes.is_leader:
+            return []
+        fs = open_fs(folder)[0]
+        bad = []
+        for name, holders in cand.held_by.items():
+            if name == MANIFEST_NAME or not any(nodes.node_of(r) == node for r in holders):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                if name in records:
+                    ok = check_blocks(fs, path, records[name], path, [], lambda _: None)
+                else:
+                    ok = manifest.metadata.matches(read_bytes_or_none(fs, path) or b"")
+            except OSError:
+                ok = False
+            if not ok:
+                bad.append(name)
+        return bad
+
+    found = gctx.all_ok_values(check)
+    corrupt = {(nodes.node_of(r), name) for r, names in enumerate(found) for name in names}
+    if not corrupt:
+        return None
+    held = {
+        name: tuple(r for r in holders if (nodes.node_of(r), name) not in corrupt)
+        for name, holders in cand.held_by.items()
+    }
+    missing = tuple(sorted(n for n, where in held.items() if not where))
+    shown = ", ".join(f"{name} on node {n}" for n, name in sorted(corrupt)[:5])
+    if ctx.is_coordinator:
+        what = "fetching them from peers with intact copies" if not missing else "no node holds an intact copy of some"
+        message = f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}"
+        log.warning(message)
+        warnings.warn(message, stacklevel=5)
+    return None if missing else dataclasses.replace(cand, held_by=held, missing=missing)

@@ -2,16 +2,19 @@
 
 Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
 
-    plan_tier_save  (all, caller)   nodes from LOCAL_WORLD_SIZE; every node's fast tier scanned and
-                                    gathered; rank 0: the save number (durable_every), refusal of a tag
-                                    already complete in the fast tier or committed in ``path``;
-                                    leaders: this tag's leftover folder removed; a durable save waits
-                                    for the drain in flight; the gloo groups (``smpckpt.api._async``)
+    plan_tier_save  (all, caller)   nodes from LOCAL_WORLD_SIZE; every node's folder checked and this
+                                    job's listing of it gathered (``_tiers.gather_views``); rank 0: the
+                                    save number (durable_every), refusal of a tag already complete in the
+                                    fast tier or committed in ``path``, and a save whose drain never
+                                    committed, to drain again (:class:`PendingDrain`); leaders: this
+                                    tag's leftover folder removed; a durable save waits for the drain
+                                    in flight; the gloo groups (``smpckpt.api._async``)
     save_fast       (all)           dcp.save into each node's folder (FastTierWriter: nothing committed);
                                     the manifest broadcast; each rank's files sent to its replica nodes;
                                     agreement that every node holds its share; then every leader commits
                                     its node's copy; leaders apply ``num_kept_local``
-    (then)          drain           every ``durable_every``-th save: ``smpckpt.api._drain`` in the background
+    (then)          drain           every ``durable_every``-th save (or the pending one):
+                                    ``smpckpt.api._drain`` in the background
 
 A kill before the agreement leaves no manifest on any node (the tag is not committed; the next save of
 it removes the leftovers); after it, every node's share is complete, so any manifest proves the union.
@@ -21,61 +24,77 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from smpckpt.api._async import background_group, stream_groups, wait_for_drain
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, run_save
+from smpckpt.api._tier_copies import FastCandidate, LocalCopy, candidates, pending_drains, retain_local, tier_seq
 from smpckpt.api._tiers import (
     TIER_KEY,
     Nodes,
+    durable_key,
     durable_seq,
     gather_views,
-    newest_complete,
-    node_layout,
-    retain_local,
-    scan_local,
-    tier_seq,
+    known_durable_seq,
 )
 from smpckpt.api.options import check_local_path
-from smpckpt.catalog.tags import partial_dirname
+from smpckpt.catalog.tags import partial_dirname, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage import probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs, remove_tree
-from smpckpt.storage.tier import (
-    FastTierWriter,
-    PreparedCommit,
-    commit_node_copy,
-    parts_of,
-    replica_transfers,
-    run_transfers,
-)
+from smpckpt.storage import Manifest, probe_checkpoint
+from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none, remove_tree
+from smpckpt.storage.format._checksum import hash_bytes
+from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
+from smpckpt.storage.tier.transfer import TransferOutcome
 from smpckpt.storage.write._commit import check_data_files
 
-__all__ = ["TierPlan", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
+__all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain", "release_hold"]
 
 log = logging.getLogger("smpckpt.api")
 
-# fast tier -> the tag a drain of this process is copying from it; the lock also keeps the save
+# job folder -> the tags drains of this process are copying from it; the lock also keeps the save
 # thread's and the drain thread's retention from running at once
 _RETENTION = threading.Lock()
-_HELD: dict[str, str] = {}
+_HELD: dict[str, set[str]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingDrain:
+    """A save of this job that was due for the durable tier and is not there (its drain was killed or
+    failed): drained again by the next save that is not itself durable. The same on every rank."""
+
+    tag: str
+    seq: int
+    prepared: PreparedCommit
+    held_by: Mapping[str, tuple[int, ...]]  #: part -> global ranks whose node folder holds it
 
 
 @dataclasses.dataclass(frozen=True)
 class TierPlan:
-    """One tiered save, decided before anything is written (identical on every rank but ``folder``), and
+    """One tiered save, decided before anything is written (identical on every rank but the folders), and
     this process's gloo groups for it."""
 
     nodes: Nodes
     local_path: str  #: this node's fast tier
+    job: str  #: this job's folder in it
     folder: str  #: this node's folder of the tag
     seq: int  #: this save's number in the job (1, 2, ...), across restarts
     durable: bool  #: also drained to ``path``
     replicas: int
+    root_key: str = ""  #: the durable root, as the manifest records it
+    views: tuple[Mapping[str, LocalCopy], ...] = ()  #: every rank's node listing before this save
+    durable_seq: int = 0  #: the highest save number ``path`` held before this save
+    retry: PendingDrain | None = None
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
+    #: seconds this rank spent in each step of the save (logged with it: where the time goes)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def group(self) -> Any:
@@ -83,37 +102,54 @@ class TierPlan:
         return self.streams[0] if self.streams else None
 
     def record(self) -> dict[str, Any]:
-        """The manifest's ``extra["tier"]``."""
+        """The manifest's ``extra["tier"]``: the one place a tiered save's record is built."""
         return {
             "seq": self.seq,
             "durable": self.durable,
             "replicas": self.replicas,
             "nodes": self.nodes.count,
             "local_world_size": self.nodes.local_world_size,
+            "root": self.root_key,
         }
+
+    def folder_of(self, tag: str) -> str:
+        return os.path.join(self.job, partial_dirname(tag))
 
 
 def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled, the groups."""
+    started = time.monotonic()
     opts = req.opts
-    nodes = ctx.all_ok(lambda: node_layout(ctx, req.process_group, opts.replicas))  # one rank's env fails all
     local = check_local_path(opts.local_path)
-    views = gather_views(ctx, nodes, local)
+    nodes, job, views = gather_views(ctx, req.process_group, opts.replicas, local, req.root, req.storage_options)
 
-    if newest_complete(ctx, local, views, req.tag) is not None:  # the same answer on every rank
+    if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> int:
+    def decide() -> tuple[int, int, tuple[str, int] | None]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
-        return 1 + max(tier_seq(views), durable_seq(req.root, req.storage_options))
+        drained = durable_seq(req.root, req.storage_options)
+        seq = 1 + max(tier_seq(views), drained)
+        with _RETENTION:  # a drain of this process still copying it is not pending: it is running
+            running = set(_HELD.get(job, ()))
+        pending = [c for c in pending_drains(views, drained) if c.tag not in running]
+        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending)
+        return seq, drained, retry
 
-    seq = ctx.on_coordinator(decide)
-    folder = f"{local}/{partial_dirname(req.tag)}"
+    seq, drained, retry_of = ctx.on_coordinator(decide)
+    folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
-        # leftovers of this tag: a killed save, or a copy no surviving node set can complete
+        # leftovers of this tag: a killed save, or a copy no surviving node set can complete; never a
+        # folder this job does not own (a link goes, its target stays)
         if nodes.is_leader and req.tag in views[ctx.rank]:
+            copy = views[ctx.rank][req.tag]
+            if copy.state in ("foreign", "unsafe") and not os.path.islink(folder):
+                raise CheckpointExists(
+                    f"{folder} is {copy.state} ({copy.detail}): it is left alone; save under another tag, or "
+                    "remove that folder"
+                )
             failed = remove_tree(open_fs(folder)[0], folder)
             if failed:
                 raise CheckpointError(f"{folder}: could not remove the leftovers of an earlier save: {failed[:5]}")
@@ -122,9 +158,61 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     durable = seq % opts.durable_every == 0
     if durable:
         wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
+    retry = _pending(ctx, job, views, retry_of) if retry_of is not None else None
     streams = stream_groups(req.process_group, ctx)
     drain_group = background_group(req.process_group, ctx, "drain")
-    return TierPlan(nodes, local, folder, seq, durable, opts.replicas, streams, drain_group)
+    key = durable_key(req.root, req.storage_options)
+    plan = TierPlan(
+        nodes, local, job, folder, seq, durable, opts.replicas, key, tuple(views), drained, retry, streams, drain_group
+    )
+    plan.phases["plan"] = time.monotonic() - started
+    return plan
+
+
+def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, int] | None:
+    """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
+    drained (complete across the nodes, its tag free in ``path``); the others are named in warnings."""
+    for c in pending:
+        why = ""
+        if not c.complete:
+            why = f"it is incomplete across the surviving nodes (missing {', '.join(c.missing[:3])})"
+        elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
+            why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
+        if not why:
+            return c.tag, c.digest
+        message = (
+            f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, but "
+            f"cannot be drained: {why}; it stays in the fast tier until a later save is drained"
+        )
+        log.warning(message)
+        warnings.warn(message, stacklevel=5)
+    return None
+
+
+def _pending(
+    ctx: DistContext, job: str, views: Sequence[Mapping[str, LocalCopy]], chosen: tuple[str, int]
+) -> PendingDrain:
+    """(all ranks, two broadcasts) The pending save's manifest and metadata, from nodes holding them."""
+    tag, digest = chosen
+    found = next(c for c in candidates(views, tag) if c.digest == digest)
+    folder = os.path.join(job, partial_dirname(tag))
+    fs = open_fs(folder)[0]
+    manifest = ctx.broadcast_object(
+        read_bytes_or_none(fs, os.path.join(folder, MANIFEST_NAME))
+        if ctx.rank == found.held_by[MANIFEST_NAME][0]
+        else None,
+        src=found.held_by[MANIFEST_NAME][0],
+    )
+    if manifest is None or hash_bytes(manifest) != digest:
+        raise CheckpointError(f"the manifest of checkpoint {tag!r} changed in the fast tier while it was planned")
+    md = Manifest.from_bytes(manifest, where=f"fast-tier manifest of {tag!r}").metadata
+    src = found.held_by[md.name][0]
+    data = ctx.broadcast_object(
+        read_bytes_or_none(fs, os.path.join(folder, md.name)) if ctx.rank == src else None, src=src
+    )
+    if data is None or not md.matches(data):
+        raise CheckpointError(f"the metadata of checkpoint {tag!r} in the fast tier does not match its manifest")
+    return PendingDrain(tag, found.seq, PreparedCommit(manifest, md.name, data), found.held_by)
 
 
 def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:
@@ -142,25 +230,34 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         prefix_strategy="auto" if root_local else "hex",  # the durable root's names, for the drain
         durable_is_local=root_local,
     )
-    committed = False
-    try:
-        run_save("partial", req, writer, state, opts, f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}")
-        prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
-        manifest = prepared.parsed()
-        by_rank: dict[int, list[tuple[str, int]]] = {}
-        for f in manifest.files:
-            by_rank.setdefault(f.rank, []).append((f.name, f.size))
-        transfers = replica_transfers(
-            by_rank, world_size=nodes.world_size, local_world_size=nodes.local_world_size, replicas=tier.replicas
-        )
-        outcome = run_transfers(
-            transfers,
+    # each data file also goes to the replica ranks while it is written (not the agreements' group:
+    # an async save's dcp.save runs its collectives there meanwhile)
+    replicator = None
+    if tier.replicas > 1 and tier.streams:
+        replicator = Replicator(
             rank=nodes.rank,
-            group=tier.streams or tier.group,
-            read_folder=tier.folder,
-            write_folder=tier.folder,
+            world_size=nodes.world_size,
+            local_world_size=nodes.local_world_size,
+            replicas=tier.replicas,
+            groups=tier.streams[1:] or tier.streams,
+            folder=tier.folder,
             sync=opts.sync_files,
         )
+        writer.replicator = replicator
+        replicator.start()
+    committed = False
+    clock = _Clock(tier.phases)
+    try:
+        try:
+            run_save(
+                "partial", req, writer, state, opts, f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}"
+            )
+            clock.lap("write")  # this rank's files written, and sent to the replica ranks meanwhile
+        finally:
+            outcome = replicator.close() if replicator is not None else TransferOutcome()
+            clock.lap("replicas")  # what this rank still received after its own writes
+        prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
+        manifest = prepared.parsed()
         node = nodes.node_of(nodes.rank)
         share = [r for n in nodes.replica_nodes(node, tier.replicas) for r in nodes.ranks_of(n)]
         expected = parts_of(manifest, share)
@@ -176,17 +273,32 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
 
         gctx.all_ok(copied)  # also the barrier: a node's other ranks may still be receiving its share
         gctx.all_ok(holds_share)
+        clock.lap("agree")
         committed = True  # from here on, a node's manifest proves every node's share
         gctx.all_ok(
             lambda: commit_node_copy(tier.folder, prepared, expected, sync=opts.sync_files) if nodes.is_leader else None
         )
+        clock.lap("commit")
     except BaseException:
         if not committed and nodes.is_leader:
             _remove_quietly(tier.folder)
         raise
     if nodes.is_leader:
         retain_fast(tier, req.tag, opts.num_kept_local)
+    clock.lap("retain")
     return prepared
+
+
+class _Clock:
+    """Laps of a save's steps into ``phases`` (seconds)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases, self.last = phases, time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = now - self.last
+        self.last = now
 
 
 def _remove_quietly(folder: str) -> None:
@@ -198,24 +310,36 @@ def _remove_quietly(folder: str) -> None:
         log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
 
 
-def hold_for_drain(local_path: str, tag: str) -> None:
-    """``tag``'s files in this fast tier are about to be drained: retention keeps them until released."""
+def hold_for_drain(job: str, tag: str) -> None:
+    """``tag``'s files in this job folder are about to be drained: retention keeps them until released."""
     with _RETENTION:
-        _HELD[local_path] = tag
+        _HELD.setdefault(job, set()).add(tag)
 
 
-def retain_fast(tier: TierPlan, just_saved: str | None, keep: int | None, *, release: bool = False) -> None:
-    """(leaders) ``num_kept_local`` over this node's fast tier: after a save (never the tag just saved),
+def release_hold(job: str, tag: str) -> None:
+    """A drain of ``tag`` ended (a failed one too: the next save may drain it again)."""
+    with _RETENTION:
+        _HELD.get(job, set()).discard(tag)
+
+
+def retain_fast(tier: TierPlan, just_saved: str | None, keep: int | None, *, release: str | None = None) -> None:
+    """(leaders) ``num_kept_local`` over this node's job folder: after a save (never the tag just saved),
     and after a drain (``release``: its tag, held meanwhile, may go now). One lock orders the two, so
-    whichever runs last sees the other's outcome: a drained tag never outlives the next retention."""
+    whichever runs last sees the other's outcome: a drained tag never outlives the next retention.
+    Decided on the listings gathered for ``tier`` (every node alike), the save of ``tier`` counted as
+    complete (it committed)."""
     with _RETENTION:
-        if release:
-            _HELD.pop(tier.local_path, None)
-        protected = {t for t in (just_saved, _HELD.get(tier.local_path)) if t is not None}
+        if release is not None:
+            _HELD.get(tier.job, set()).discard(release)
+        protected = {t for t in (just_saved,) if t is not None} | _HELD.get(tier.job, set())
+        this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
+        tag = os.path.basename(tier.folder)[: -len("_partial")]
+        views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
+        drained = max(tier.durable_seq, known_durable_seq(tier.root_key))
         try:
-            removed = retain_local(tier.local_path, scan_local(tier.local_path), keep, protected)
+            removed = retain_local(tier.job, tier.root_key, views, keep, protected, drained)
         except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-            log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.local_path, exc)
+            log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.job, exc)
             return
     if removed:
-        log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.local_path, keep, removed)
+        log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.job, keep, removed)

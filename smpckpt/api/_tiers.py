@@ -1,56 +1,56 @@
-"""What the fast tier's save and resume share: nodes from ``LOCAL_WORLD_SIZE``, every node's folder
-scanned and gathered, which tags the surviving folders hold completely, and the save counter that
+"""What the fast tier's save and resume share: nodes from ``LOCAL_WORLD_SIZE``, this job's folder in
+every node's fast tier, the nodes' folders checked and their listings gathered, and the save numbers
 ``durable_every`` divides.
 
-A tag is *committed in the fast tier* when some node's copy has its manifest: a node commits only
-after every node held its share (``smpckpt.storage.tier.writer``). It is *complete* when the files
-of the surviving folders, at the manifest's sizes, cover the manifest (data files and metadata).
+A fast-tier copy belongs to one durable root ``path``: it lives in
+``{local_path}/smpckpt-job-<hash of the root>/{tag}_partial`` (:func:`job_folder`) and its manifest
+records the root (``extra["tier"]["root"]``). Resume, retention and the save numbers see only their own
+job's folder; other jobs' folders in the same ``local_path`` are left alone (``smpckpt ls --local``
+lists them). The folder's ``smpckpt.job.json`` names the root for people and tools.
+
+The nodes' folders are checked before anything is written (:func:`gather_views`): ``local_path`` must be
+a writable folder apart from ``path``, and no two nodes may share one -- each node's first rank writes
+a token into its folder and looks for the other nodes' tokens there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
+import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
-from smpckpt.catalog.listing import record_order, scan_root
-from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
-from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage import Manifest
-from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none, remove_tree
-from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.api._tier_copies import TIER_KEY, LocalCopy, part_sizes, scan_job, seq_of
+from smpckpt.catalog.listing import scan_root
+from smpckpt.storage.backends._fs import create_bytes_exclusive, is_local, location_key, open_fs
 
-__all__ = [
-    "Nodes",
-    "LocalCopy",
-    "FastCandidate",
-    "node_layout",
-    "scan_local",
-    "gather_views",
-    "committed_copies",
-    "fast_candidate",
-    "assess",
-    "part_sizes",
-    "newest_complete",
-    "tier_seq",
-    "durable_seq",
-    "note_durable_seq",
-    "retain_local",
-]
+__all__ = ["TIER_KEY", "Nodes", "node_layout", "durable_key", "job_dirname", "job_folder", "JOB_PREFIX"]
+__all__ += ["gather_views", "part_sizes", "seq_of", "durable_seq", "note_durable_seq", "known_durable_seq"]
+__all__ += ["warn_skipped", "read_job_record", "JOB_RECORD"]
 
 log = logging.getLogger("smpckpt.api")
 
-#: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size"}
-TIER_KEY = "tier"
+#: a job's folder in a node's fast tier: this prefix, then 16 hex digits of a hash of its durable root
+JOB_PREFIX = "smpckpt-job-"
+#: in a job folder: ``{"root": <durable root>}`` (for people and ``smpckpt ls --local``)
+JOB_RECORD = "smpckpt.job.json"
+#: the token a node's first rank leaves in its folder while the nodes compare folders
+_TOKEN_PREFIX = ".smpckpt-node-"
+_STALE_TOKEN_S = 3600.0
 
 # durable root -> the highest save number committed there (read once per process, then kept current)
 _DURABLE_SEQ: dict[str, int] = {}
+# (folder, problem) already warned about in this process: a crafted folder is named once, not per save
+_WARNED: set[tuple[str, str]] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,188 +109,183 @@ def node_layout(ctx: DistContext, process_group: Any, replicas: int = 1) -> Node
     return nodes
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalCopy:
-    """One tag's folder in one node's fast tier, as its first rank saw it: its manifest's digest and
-    save order (``digest`` ``None``: not committed there), its save number, every file (name -> size).
-    Manifests themselves do not travel in the listing: at 1 TiB one is ~20 MiB, and every node has one."""
-
-    digest: int | None
-    order: tuple[int, str]
-    seq: int
-    files: Mapping[str, int]
+# -- whose copies ------------------------------------------------------------------------------------
+def durable_key(root: str, storage_options: Any) -> str:
+    """The durable root as a fast-tier copy records it: one string per location however it is spelled
+    (no credentials: scheme and path only). Lexical, so every rank computes the same without I/O."""
+    return location_key(root, storage_options)
 
 
-def scan_local(local_path: str) -> dict[str, LocalCopy]:
-    """(a node's first rank) Every ``{tag}_partial`` folder in this node's fast tier."""
-    if not os.path.isdir(local_path):
-        return {}
-    fs, root = open_root(local_path)
-    out = {}
-    for tag, name in list_partial_tags(fs, root).items():
-        folder = join(root, name)
-        try:
-            data = read_bytes_or_none(fs, join(folder, MANIFEST_NAME))
-            files = file_sizes(fs, folder)
-        except OSError as exc:  # a folder being removed: not a copy
-            log.warning("fast tier %s: %s could not be read (%s); skipped", local_path, name, exc)
-            continue
-        manifest = None
-        if data is not None:
-            try:
-                manifest = Manifest.from_bytes(data, where=join(folder, MANIFEST_NAME))
-            except CheckpointCorrupt as exc:
-                log.warning("fast tier: %s; that copy is not used", exc)
-        digest = hash_bytes(data or b"") if manifest is not None else None
-        out[tag] = LocalCopy(digest, record_order(manifest), seq_of(manifest), files)  # (0, ""), 0 without one
-    return out
+def job_dirname(key: str) -> str:
+    return JOB_PREFIX + hashlib.blake2b(key.encode("utf-8"), digest_size=8).hexdigest()
 
 
-def gather_views(ctx: DistContext, nodes: Nodes, mine: str) -> list[dict[str, LocalCopy]]:
-    """(all ranks) Every node's fast tier as its first rank listed it, by rank (a node's ranks share
-    its listing); refuses ranks of one node that name different folders (they would write one node's
-    share twice, or not at all) and ranks that disagree on ``LOCAL_WORLD_SIZE``. ``mine``: this node's
-    folder, as :func:`~smpckpt.api.options.check_local_path` returns it."""
-    got = ctx.all_gather_object((mine, nodes.local_world_size, scan_local(mine) if nodes.is_leader else None))
-    sizes = sorted({lws for _, lws, _ in got})
+def job_folder(local_path: str, key: str) -> str:
+    """This job's folder in a node's fast tier ``local_path``."""
+    return os.path.join(local_path, job_dirname(key))
+
+
+def read_job_record(folder: str) -> str | None:
+    """The durable root a job folder's record names (``None``: none or unreadable)."""
+    try:
+        with open(os.path.join(folder, JOB_RECORD), "rb") as f:
+            root = json.loads(f.read(65536).decode("utf-8")).get("root")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return root if isinstance(root, str) else None
+
+
+# -- the nodes' folders ------------------------------------------------------------------------------
+def _check_apart(local: str, root: str, storage_options: Any) -> None:
+    """``local_path`` must not be ``path``, inside it or contain it (a drain would copy a folder onto
+    itself; listings of either would see the other's folders)."""
+    fs, path = open_fs(root, storage_options)
+    if not is_local(fs):
+        return
+    lp, rp = os.path.realpath(local), os.path.realpath(path)
+    common = os.path.commonpath([lp, rp])
+    how = "is the same folder as" if lp == rp else "is inside" if common == rp else "contains" if common == lp else ""
+    if how:
+        raise ValueError(
+            f"local_path {local!r} {how} path {root!r}: the fast tier must be a folder of its own (node-local "
+            "NVMe or /dev/shm), apart from the durable checkpoints"
+        )
+
+
+def _token(local: str) -> str:
+    """(a node's first rank, several nodes) ``local_path`` created if need be, and this node's token
+    written into it: its name. Errors name the argument."""
+    name = f"{_TOKEN_PREFIX}{os.urandom(8).hex()}"
+    try:
+        os.makedirs(local, exist_ok=True)
+        create_bytes_exclusive(open_fs(local)[0], os.path.join(local, name), b"", sync=False)
+    except OSError as exc:
+        raise ValueError(f"local_path {local!r} is not writable: {exc}") from exc
+    _remove_stale_tokens(local)
+    return name
+
+
+def _job_folder_ready(local: str, job: str, key: str) -> None:
+    """(a node's first rank) This job's folder in ``local_path``, with (once) its record."""
+    try:
+        os.makedirs(job, exist_ok=True)
+        if not os.path.exists(os.path.join(job, JOB_RECORD)):
+            with contextlib.suppress(FileExistsError):
+                record = json.dumps({"root": key}).encode()
+                create_bytes_exclusive(open_fs(job)[0], os.path.join(job, JOB_RECORD), record, sync=False)
+    except OSError as exc:
+        raise ValueError(
+            f"local_path {local!r} is not writable: cannot create this job's folder in it ({exc})"
+        ) from exc
+
+
+def _remove_stale_tokens(local: str) -> None:
+    """Tokens of jobs killed while comparing folders: harmless, but not left to pile up."""
+    try:
+        names = [n for n in os.listdir(local) if n.startswith(_TOKEN_PREFIX)]
+        for name in names:
+            path = os.path.join(local, name)
+            if time.time() - os.lstat(path).st_mtime > _STALE_TOKEN_S:
+                os.unlink(path)
+    except OSError:
+        pass
+
+
+def gather_views(
+    ctx: DistContext, process_group: Any, replicas: int, local: str, root: str, storage_options: Any
+) -> tuple[Nodes, str, list[dict[str, LocalCopy]]]:
+    """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`); every node's
+    folder checked and this job's listing of each gathered: the job folder on this node, and by global
+    rank the listing of that rank's node (its first rank's).
+
+    Refused on every rank before anything is written, naming the argument: ``local_path`` not a folder,
+    equal to ``path`` (or inside it, or containing it), ranks of one node naming different folders,
+    ranks disagreeing on ``LOCAL_WORLD_SIZE``; then a folder that cannot be written, and two nodes
+    sharing one (a leader's token seen in another node's folder)."""
+    key = durable_key(root, storage_options)
+    job = job_folder(local, key)
+    found: list[Nodes] = []
+
+    def check() -> tuple[str, int]:
+        found.append(node_layout(ctx, process_group, replicas))  # one rank's environment fails all
+        _check_apart(local, root, storage_options)
+        if os.path.lexists(local) and not os.path.isdir(local):
+            raise ValueError(f"local_path {local!r} is not a folder (a file or a broken link is in the way)")
+        return local, found[0].local_world_size
+
+    got = ctx.all_ok_values(check)
+    nodes = found[0]
+    sizes = sorted({lws for _, lws in got})
     if len(sizes) > 1:
         raise ValueError(f"LOCAL_WORLD_SIZE differs between ranks ({sizes}); every rank must see the same")
-    views = []
-    for rank, (path, _, _) in enumerate(got):
+    for rank, (path, _) in enumerate(got):
         leader = nodes.ranks_of(nodes.node_of(rank))[0]
         if path != got[leader][0]:
             raise ValueError(
                 f"local_path differs between ranks of node {nodes.node_of(rank)}: rank {leader} passes "
                 f"{got[leader][0]!r}, rank {rank} {path!r}; every rank of a node passes its node's folder"
             )
-        views.append(got[leader][2] or {})
-    return views
+    several = nodes.count > 1
+    tokens = ctx.all_ok_values(lambda: _token(local) if nodes.is_leader and several else "") if several else [""]
+    try:
+
+        def scan() -> dict[str, LocalCopy] | None:
+            if not nodes.is_leader:
+                return None
+            mine = nodes.node_of(nodes.rank)
+            for node in range(nodes.count if several else 0):
+                leader = nodes.ranks_of(node)[0]
+                if node != mine and os.path.exists(os.path.join(local, tokens[leader])):
+                    raise ValueError(
+                        f"local_path {local!r} of node {mine} is the folder node {node} passes too "
+                        f"({got[leader][0]!r}): every node needs a fast tier of its own (replicas on one folder "
+                        "are one copy)"
+                    )
+            _job_folder_ready(local, job, key)
+            return scan_job(job, key)
+
+        listed = ctx.all_ok_values(scan)
+    finally:
+        if several and tokens[ctx.rank]:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(local, tokens[ctx.rank]))
+    views = [listed[nodes.ranks_of(nodes.node_of(rank))[0]] or {} for rank in range(nodes.world_size)]
+    warn_skipped(views, nodes, [got[nodes.ranks_of(node)[0]][0] for node in range(nodes.count)])
+    return nodes, job, views
 
 
-@dataclasses.dataclass(frozen=True)
-class FastCandidate:
-    """A tag committed in the fast tier: its manifest, who holds each of its parts, what none holds."""
-
-    tag: str
-    manifest: bytes
-    order: tuple[int, str]
-    held_by: Mapping[str, tuple[int, ...]]  #: part name -> ranks whose node folder holds it
-    missing: tuple[str, ...]
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing
-
-    def parsed(self) -> Manifest:
-        return Manifest.from_bytes(self.manifest, where=f"fast-tier manifest of {self.tag!r}")
-
-
-def seq_of(manifest: Manifest | None) -> int:
-    tier = manifest.extra.get(TIER_KEY) if manifest is not None else None
-    seq = tier.get("seq") if isinstance(tier, Mapping) else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
-
-
-def committed_copies(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[tuple[str, int]]:
-    """Every (tag, manifest digest) some node committed (only ``tag``'s when given), newest first."""
-    seen: dict[tuple[str, int], tuple[int, str]] = {}
-    for view in views:
-        for t, copy in view.items():
-            if copy.digest is not None and (tag is None or t == tag):
-                seen[(t, copy.digest)] = copy.order
-    return sorted(seen, key=lambda k: (seen[k], k[0]), reverse=True)
-
-
-def fast_candidate(
-    ctx: DistContext, local_path: str, views: Sequence[Mapping[str, LocalCopy]], tag: str, digest: int
-) -> FastCandidate | None:
-    """(all ranks, one broadcast) The committed copy ``(tag, digest)``: its manifest from the first rank
-    holding it, and its completeness across ``views`` (the same answer on every rank)."""
-    holders = [r for r, v in enumerate(views) if tag in v and v[tag].digest == digest]
-    data = None
-    if ctx.rank == holders[0]:
-        data = read_bytes_or_none(open_root(local_path)[0], join(join(local_path, partial_dirname(tag)), MANIFEST_NAME))
-    data = ctx.broadcast_object(data, src=holders[0])
-    if data is None or hash_bytes(data) != digest:
-        return None  # removed since the listing (retention of another job's process?): not a candidate
-    return assess(tag, data, holders, [v[tag].files if tag in v else None for v in views])
-
-
-def assess(tag: str, data: bytes, holders: Sequence[int], files: Sequence[Mapping[str, int] | None]) -> FastCandidate:
-    """The committed copy ``data`` (manifest bytes) of ``tag`` across folders: ``files[i]`` is what folder
-    ``i`` holds of the tag (``None``: nothing), ``holders`` the folders holding this manifest. A part is
-    held where a folder has it at the manifest's size (its bytes are checked when read)."""
-    manifest = Manifest.from_bytes(data, where=f"fast-tier manifest of {tag!r}")
-    held = {
-        name: tuple(i for i, held in enumerate(files) if held is not None and held.get(name) == size)
-        for name, size in part_sizes(manifest).items()
-    }
-    held[MANIFEST_NAME] = tuple(holders)
-    missing = tuple(sorted(n for n, where in held.items() if not where))
-    return FastCandidate(tag, data, record_order(manifest), held, missing)
-
-
-def part_sizes(manifest: Manifest) -> dict[str, int]:
-    """A save's parts -- its data files, then the generation's metadata -- and their sizes."""
-    return {f.name: f.size for f in manifest.files} | {manifest.metadata.name: manifest.metadata.size}
-
-
-def newest_complete(
-    ctx: DistContext, local_path: str, views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None
-) -> FastCandidate | None:
-    """(all ranks) The newest copy (of ``tag``, when given) the surviving fast tiers hold completely;
-    newer incomplete ones are named in a warning (rank 0)."""
-    for t, digest in committed_copies(views, tag):
-        found = fast_candidate(ctx, local_path, views, t, digest)
-        if found is not None and found.complete:
-            return found
-        if found is not None and ctx.is_coordinator:
-            log.warning(
-                "fast tier: checkpoint %r is committed but incomplete across the surviving nodes (missing %s); "
-                "not used",
-                t,
-                ", ".join(found.missing[:5]),
-            )
-    return None
+def warn_skipped(views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str]) -> None:
+    """(every rank alike: the judgement came with the gathered listing) Name each unsafe, foreign,
+    corrupt or unreadable folder of this job's fast tier (``folders``: each node's ``local_path``), once
+    per process."""
+    for node in range(nodes.count):
+        for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
+            if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
+                continue
+            where = f"node {node}'s fast tier {folders[node]}, folder {tag}_partial"
+            if (where, copy.detail) in _WARNED:
+                continue
+            _WARNED.add((where, copy.detail))
+            what = "its manifest is not used" if copy.state == "corrupt" else "it is skipped (not loaded, not removed)"
+            message = f"{where} is {copy.state} ({copy.detail}); {what}"
+            log.warning(message)
+            warnings.warn(message, stacklevel=2)
 
 
 def durable_seq(root: str, storage_options: Any) -> int:
     """(rank 0) The highest save number committed under ``root`` (one scan per process)."""
-    if root not in _DURABLE_SEQ:
+    key = durable_key(root, storage_options)
+    if key not in _DURABLE_SEQ:
         records = scan_root(root, storage_options=storage_options)
-        _DURABLE_SEQ[root] = max((seq_of(r.manifest) for r in records if r.committed), default=0)
-    return _DURABLE_SEQ[root]
+        _DURABLE_SEQ[key] = max((seq_of(r.manifest) for r in records if r.committed), default=0)
+    return _DURABLE_SEQ[key]
 
 
-def note_durable_seq(root: str, seq: int) -> None:
-    """A drain committed save number ``seq`` under ``root``."""
-    _DURABLE_SEQ[root] = max(_DURABLE_SEQ.get(root, 0), seq)
+def note_durable_seq(key: str, seq: int) -> None:
+    """A drain committed save number ``seq`` under the root whose :func:`durable_key` is ``key``."""
+    _DURABLE_SEQ[key] = max(_DURABLE_SEQ.get(key, 0), seq)
 
 
-def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
-    """The highest save number any node's committed copy carries."""
-    return max((c.seq for view in views for c in view.values() if c.digest is not None), default=0)
-
-
-def retain_local(local_path: str, view: Mapping[str, LocalCopy], keep: int | None, protected: set[str]) -> list[str]:
-    """(one rank per node) Keep the ``keep`` newest committed copies of this node (and ``protected``);
-    remove older committed ones and uncommitted folders older than the newest commit. The removed tags."""
-    committed = sorted(((c.order, tag) for tag, c in view.items() if c.digest is not None), reverse=True)
-    if keep is None or not committed:
-        return []
-    kept = {tag for _, tag in committed[:keep]} | protected
-    newest_mtime = os.stat(os.path.join(local_path, partial_dirname(committed[0][1]), MANIFEST_NAME)).st_mtime
-    removed = []
-    fs, root = open_root(local_path)
-    for tag, copy in view.items():
-        folder = os.path.join(local_path, partial_dirname(tag))
-        if tag in kept:
-            continue
-        if copy.digest is None and os.stat(folder).st_mtime >= newest_mtime:
-            continue  # possibly a save of another process still writing: only older debris goes
-        failed = remove_tree(fs, join(root, partial_dirname(tag)))
-        if failed:
-            log.warning("fast tier %s: could not remove %d file(s) of %r", local_path, len(failed), tag)
-        else:
-            removed.append(tag)
-    return removed
+def known_durable_seq(key: str) -> int:
+    """What this process knows of the highest save number drained under ``key`` (no I/O)."""
+    return _DURABLE_SEQ.get(key, 0)

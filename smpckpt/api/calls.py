@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -41,8 +42,8 @@ from smpckpt.api._args import CommonRequest, peer_failures, resolve_common
 from smpckpt.api._async import async_used, check_previous, submit, submit_drain, wait_for_saves
 from smpckpt.api._dist import DistContext
 from smpckpt.api._drain import drain
-from smpckpt.api._fast_resume import choose_tier, fall_back_warning, fast_reader
-from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, save_fast
+from smpckpt.api._fast_resume import choose_tier, load_tiered
+from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, release_hold, save_fast
 from smpckpt.api._full import resume_full, save_full
 from smpckpt.api._resume import (
     ResumeInfo,
@@ -57,7 +58,8 @@ from smpckpt.api._resume import (
 )
 from smpckpt.api._save import SaveRequest, build_save_state, publish_newest, resolve_save, retain, write_checkpoint
 from smpckpt.api.options import ResumeOptions, SaveOptions
-from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.catalog.tags import partial_url
+from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.naming import NameMap
 from smpckpt.model.specs import SpecLike, SpecRules
@@ -219,26 +221,51 @@ def save_checkpoint(
 
 
 def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
-    """(all ranks) The fast tiers, then (every ``durable_every``-th save) the drain, in the background."""
+    """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never
+    committed) the drain, in the background."""
     started = time.monotonic()
     prepared = save_fast(req, state, extra, tier)
     log.info(
-        "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s",
+        "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
         req.tag,
         tier.local_path,
         tier.seq,
         tier.replicas,
         time.monotonic() - started,
         f"; draining to {req.url}" if tier.durable else "",
+        ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
     )
     if tier.durable:
-        hold_for_drain(tier.local_path, req.tag)
+        hold_for_drain(tier.job, req.tag)
 
         def work() -> None:
-            with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                drain(req, tier, prepared)
+            try:
+                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
+                    drain(req, tier, prepared)
+            finally:
+                release_hold(tier.job, req.tag)
 
         submit_drain(req.tag, work)
+    elif tier.retry is not None:
+        retry = tier.retry
+        rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
+        if DistContext(req.process_group).is_coordinator:
+            message = (
+                f"checkpoint {retry.tag!r} (save {retry.seq}) was due for the durable tier and its drain never "
+                f"committed (a job stopped while draining?): draining it to {rreq.url} again, in the background"
+            )
+            log.warning(message)
+            warnings.warn(message, stacklevel=4)
+        hold_for_drain(tier.job, retry.tag)
+
+        def again() -> None:
+            try:
+                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {retry.tag!r} to {rreq.url}"):
+                    drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by)
+            finally:
+                release_hold(tier.job, retry.tag)
+
+        submit_drain(retry.tag, again)
 
 
 def resume_from_checkpoint(
@@ -290,9 +317,10 @@ def resume_from_checkpoint(
         if not opts.partial:
             return resume_full(ctx, common, tag, opts)
         req = resolve_resume(common, tag, opts)
-        fast = fallback = None
+        reader: PeerFetchingReader | None = None
         if opts.local_path is not None:
-            target, fast, fallback = choose_tier(req, ctx)
+            loaded = load_tiered(req, ctx, choose_tier(req, ctx))
+            target = loaded.target if loaded is not None else None
         else:
             target = choose_target(req, ctx)
         if target is None:
@@ -302,19 +330,9 @@ def resume_from_checkpoint(
             what = f"checkpoint {req.tag!r}" if req.tag is not None else "committed checkpoint"
             hint = ctx.on_coordinator(lambda: not_found_hint(req.root, req.storage_options)) if req.tag is None else ""
             raise CheckpointNotFound(f"no {what} under {req.root}{hint}")
-        rng = restores_rng(req, target, ctx)
-        state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
-        reader: PeerFetchingReader | None = None
-        try:
-            if fast is not None:
-                reader = fast_reader(req, target, fast)
-            planner = load_checkpoint(req, req.opts, target.url, state, reader)
-        except CheckpointError as exc:
-            if fast is None or fallback is None:
-                raise
-            if ctx.is_coordinator:
-                fall_back_warning(target, fallback, exc)
-            target, reader = fallback, None
+        if opts.local_path is not None and loaded is not None:
+            rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
+        else:
             rng = restores_rng(req, target, ctx)
             state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
             planner = load_checkpoint(req, req.opts, target.url, state)

@@ -170,8 +170,9 @@ class SaveOptions(_Options):
     """This node's fast tier (node-local NVMe or ``/dev/shm``; each process passes its own node's folder,
     the same on every rank of a node). Every save commits to the fast tiers first, each rank's files also
     copied to ``replicas - 1`` other nodes over the process group; every ``durable_every``-th save is then
-    copied from there to ``path`` in the background (README, "Tiered checkpoints"). ``None``: every save
-    goes to ``path`` directly."""
+    copied from there to ``path`` in the background (README, "Tiered checkpoints"). The copies live in a
+    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``): jobs sharing
+    ``local_path`` never see each other's. ``None``: every save goes to ``path`` directly."""
 
     replicas: int = _opt(2, only=True)
     """With ``local_path``: copies of each rank's files in the fast tiers, each on a different node
@@ -179,11 +180,13 @@ class SaveOptions(_Options):
 
     durable_every: int = _opt(1, only=True)
     """With ``local_path``: every N-th save of the job (counted across restarts from the saves already in
-    either tier) is also committed to ``path``, drained in the background from the fast tier's files."""
+    either tier) is also committed to ``path``, drained in the background from the fast tier's files. A
+    drain that did not commit (a killed job) is retried by the next save that is not itself due."""
 
     num_kept_local: int | None = _opt(2, only=True)
-    """With ``local_path``: keep the N newest committed checkpoints in each node's fast tier (never the
-    one a drain is copying); ``None`` keeps all. ``num_kept_partial_checkpoints`` governs ``path``."""
+    """With ``local_path``: keep the N newest checkpoints complete across the nodes' fast tiers (never the
+    one a drain is copying, nor one due for ``path`` whose drain did not commit); ``None`` keeps all.
+    ``num_kept_partial_checkpoints`` governs ``path``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -286,8 +289,9 @@ class ResumeOptions(_Options):
 
     local_path: str | os.PathLike[str] | None = _opt(None, only=True, same=False)
     """This node's fast tier, as given to :func:`~smpckpt.save_checkpoint`: the newest checkpoint complete
-    and verified across the surviving fast tiers (parts a node lacks fetched from peers) or in ``path``,
-    whichever is newer, is loaded (:attr:`ResumeInfo.tier`)."""
+    and verified across the surviving fast tiers (parts a node lacks, or holds corrupt, fetched from peers)
+    or in ``path``, whichever is newer, is loaded (:attr:`ResumeInfo.tier`); a fast-tier copy that cannot
+    be loaded gives way to the next one, then to ``path``'s."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -13,11 +13,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from smpckpt.api._tiers import part_sizes, seq_of
+from smpckpt.api._tier_copies import TIER_KEY, part_sizes, seq_of
+from smpckpt.api._tiers import job_folder
 from smpckpt.catalog.listing import record_order
 from smpckpt.catalog.tags import partial_dirname
-from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage import Manifest, open_fs
+from smpckpt.errors import CheckpointError, UnsafeCheckpoint
+from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME, METADATA_NAME
@@ -59,15 +60,16 @@ class FastVerifyReport:
 
 
 def verify_fast(
-    dirs: Sequence[str], tag: str, progress: Callable[[int, int], None] | None = None
+    dirs: Sequence[str], owner: str, tag: str, progress: Callable[[int, int], None] | None = None
 ) -> FastVerifyReport | None:
-    """Check ``tag``'s fast-tier copy across ``dirs``: each folder's manifest parses and all agree;
-    every file a folder holds that its manifest lists (a folder without one: the others') has the
-    listed size and every block checksum; every part is held intact by some folder agreeing with the
-    newest manifest; and (once, on a folder with that manifest) what a load checks before reading.
-    ``None`` when no folder has the tag."""
-    urls = [f"{d}/{partial_dirname(tag)}" for d in dirs]
-    copies = [LocalCopy.read(*open_fs(url), url) if os.path.isdir(url) else None for url in urls]
+    """Check ``tag``'s fast-tier copy of the job ``owner`` (its durable root's key) across ``dirs``: each
+    folder's manifest parses, is this job's, and all agree; every file a folder holds that its manifest
+    lists (a folder without one: the others') has the listed size and every block checksum; every part
+    is held intact by some folder agreeing with the newest manifest, and -- when every node's folder is
+    given -- every data file by as many folders as the save's ``replicas``; and (once, on a folder with
+    that manifest) what a load checks before reading. ``None`` when no folder has the tag."""
+    urls = [os.path.join(job_folder(d, owner), partial_dirname(tag)) for d in dirs]
+    copies = [LocalCopy.read(url, tag, owner) if os.path.lexists(url) else None for url in urls]
     if all(c is None for c in copies):
         return None
     report = FastVerifyReport(tag, [FolderReport(d) for d in dirs])
@@ -79,8 +81,8 @@ def verify_fast(
     # what vouches for each folder's files: its own manifest, else (uncommitted there) the newest one
     checks: list[tuple[int, LocalCopy, Manifest, dict[str, int]]] = []
     for i, (rep, copy, m) in enumerate(zip(report.folders, copies, own)):
-        if copy is None or (copy.manifest is not None and m is None):
-            continue  # absent, or its manifest is corrupt: nothing vouches for its files
+        if copy is None or copy.state in ("foreign", "unreadable") or (copy.manifest is not None and m is None):
+            continue  # absent, another job's, or its manifest is unusable: nothing vouches for its files
         if m is not None and m != ref:
             rep.state = "other save"
             rep.problems += 1
@@ -102,23 +104,49 @@ def verify_fast(
     for n in report.missing:
         whose = f"rank {rank_of[n]}'s data file" if n in rank_of else "the save's metadata"
         report.problems.append(f"{tag}: no folder holds {n} ({whose}) intact: the fast-tier copy is incomplete")
+    _check_replicas(report, ref, good, len(dirs))
     if not report.problems:
         first = next(c for c, m in zip(copies, own) if c is not None and m == ref)
         report.problems += load_problems(first.url, first.fs, first.path, ref, None)
     return report
 
 
+def _check_replicas(report: FastVerifyReport, ref: Manifest, good: Mapping[str, set[int]], folders: int) -> None:
+    """Every data file held intact by ``replicas`` folders, when every node's folder was given (the ring
+    puts each copy on another node); with fewer folders, a warning that this was not checked."""
+    tier = ref.extra.get(TIER_KEY)
+    replicas, nodes = (tier.get("replicas"), tier.get("nodes")) if isinstance(tier, Mapping) else (None, None)
+    if not isinstance(replicas, int) or not isinstance(nodes, int) or replicas < 2:
+        return
+    if folders < nodes:
+        report.warnings.append(
+            f"{report.tag}: saved on {nodes} nodes with replicas={replicas}; only {folders} folder(s) given, so "
+            "the replica count was not checked"
+        )
+        return
+    for f in ref.files:
+        held = len(good.get(f.name, ()))
+        if 0 < held < replicas:
+            report.problems.append(
+                f"{report.tag}: {f.name} (rank {f.rank}'s data file) is held intact by {held} of the {replicas} "
+                f"folders replicas={replicas} puts it in: a replica is missing"
+            )
+
+
 def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: LocalCopy | None) -> Manifest | None:
-    """One folder's manifest (``None``: absent, or corrupt -- then a problem), its state set."""
+    """One folder's manifest (``None``: absent, or unusable -- then a problem), its state set."""
     if copy is None:
         return None
     rep.state = "uncommitted" if copy.manifest is None else "committed"
-    if copy.manifest is None:
+    if copy.state in ("foreign", "unreadable") or copy.manifest is None:
+        if copy.state != "uncommitted":
+            rep.state, rep.problems = copy.state, 1
+            report.problems.append(f"{copy.url}: {copy.state}: {copy.detail}")
         return None
     try:
         return Manifest.from_bytes(copy.manifest, where=f"{copy.url}/{MANIFEST_NAME}")
-    except CheckpointCorrupt as exc:
-        rep.state, rep.problems = "corrupt manifest", 1
+    except CheckpointError as exc:
+        rep.state, rep.problems = ("unsafe manifest" if isinstance(exc, UnsafeCheckpoint) else "corrupt manifest"), 1
         report.problems.append(str(exc))
         return None
 

@@ -1,12 +1,16 @@
 """``smpckpt ls`` / ``smpckpt verify`` with ``--local DIR ...``: the fast tier of tiered checkpoints
 (``save_checkpoint(..., local_path=...)``) as the given node folders hold it.
 
-One node's ``{tag}_partial`` folder usually holds only its share -- its ranks' files plus replicas of
-other nodes' -- so a tag is judged across every folder given: committed in how many (a node writes the
-manifest only after every node held its share), which parts the union holds at the manifest's sizes
-(``smpckpt.api._tiers.assess``: what a resume uses), and, for ``verify``, every file any
-folder holds checked against the manifest, block by block. A *part* is a data file the manifest lists
-or the generation's metadata (``.metadata.<save id>``).
+Only ``PATH``'s job folder in each (``{DIR}/smpckpt-job-<hash of PATH>``, ``smpckpt.api._tiers``) is
+judged; other jobs' folders are listed as such (:func:`other_jobs`). One node's ``{tag}_partial``
+folder usually holds only its share -- its ranks' files plus replicas of other nodes' -- so a tag is
+judged across every folder given: committed in how many (a node writes the manifest only after every
+node held its share), which parts the union holds at the manifest's sizes
+(``smpckpt.api._tier_copies.judge``: what a resume uses), and, for ``verify``, every file any folder
+holds checked against the manifest, block by block. A folder a resume skips (``unsafe``: a manifest
+naming files outside its folder; ``foreign``: another job's checkpoint, or a link) is listed as such,
+never read further. A *part* is a data file the manifest lists or the generation's metadata
+(``.metadata.<save id>``).
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from smpckpt.api._resume import resolve_target
-from smpckpt.api._tiers import TIER_KEY, FastCandidate, assess, part_sizes, seq_of
-from smpckpt.catalog.listing import CheckpointRecord
+from smpckpt.api._tier_copies import TIER_KEY, judge, part_sizes, read_copy, seq_of
+from smpckpt.api._tiers import JOB_PREFIX, job_dirname, job_folder, read_job_record
+from smpckpt.catalog.listing import CheckpointRecord, record_order
 from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, validate_tag
-from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.errors import CheckpointError
 from smpckpt.storage import Manifest
-from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.tools._common import UsageError, human, layout_json
 
@@ -33,6 +37,8 @@ __all__ = [
     "check_local_dirs",
     "split_tag_spec",
     "fast_rows",
+    "other_jobs",
+    "OtherJob",
     "resume_pick",
     "ranks_text",
     "write_table",
@@ -75,7 +81,9 @@ class FastRow:
     """One committed save of a tag in the fast tier (or a tag no folder committed), across the folders.
 
     ``state``: ``complete`` (every part held by some folder at the manifest's size), ``incomplete``,
-    ``uncommitted`` (no folder holds a manifest) or ``corrupt`` (no manifest a folder holds parses).
+    ``uncommitted`` (no folder holds a manifest), or -- no folder holds a usable manifest -- ``unsafe``
+    (one names files outside its folder), ``foreign`` (another job's checkpoint, or a link), ``corrupt``
+    (it does not parse) or ``unreadable``.
     ``durable``: ``yes`` (``PATH`` holds this very save), ``pending`` (a ``durable_every`` save that
     ``PATH`` does not hold: a drain in flight or failed), ``other`` (``PATH`` holds another save of
     this tag) or ``no``. ``order`` sorts saves by time (``record_order``).
@@ -115,49 +123,112 @@ class ResumePick:
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
     """One tag's folder in one ``--local`` folder: where (``url``; ``fs`` and ``path`` to read it), its
-    manifest's bytes (``None``: not committed there) and every file in it (relative name -> size)."""
+    manifest's bytes (``None``: none there), every file in it (relative name -> size), and how a resume
+    judges it (``state``: :data:`smpckpt.api._tier_copies.CopyState`, with ``detail``)."""
 
     url: str
     fs: Any
     path: str
     manifest: bytes | None
     files: Mapping[str, int]
+    state: str = "committed"
+    detail: str = ""
 
     @classmethod
-    def read(cls, fs: Any, path: str, url: str) -> LocalCopy:
-        return cls(url, fs, path, read_bytes_or_none(fs, join(path, MANIFEST_NAME)), file_sizes(fs, path))
+    def read(cls, folder: str, tag: str, owner: str | None) -> LocalCopy:
+        """``folder`` (a ``{tag}_partial``) judged as the job whose durable root is ``owner`` would."""
+        copy, data = read_copy(folder, tag, owner)
+        fs, path = open_root(folder)
+        return cls(folder, fs, path, data, copy.files, copy.state, copy.detail)
 
 
-def scan_local(folder: str) -> dict[str, LocalCopy]:
-    """Every ``{tag}_partial`` folder of one node's fast tier, with its manifest."""
-    fs, root = open_root(folder)
-    return {
-        tag: LocalCopy.read(fs, join(root, name), f"{folder}/{name}")
-        for tag, name in list_partial_tags(fs, root).items()
-    }
+def scan_local(folder: str, owner: str) -> dict[str, LocalCopy]:
+    """Every ``{tag}_partial`` folder of the job ``owner`` in one node's fast tier ``folder``."""
+    job = job_folder(folder, owner)
+    if not os.path.isdir(job):
+        return {}
+    fs, root = open_root(job)
+    return {tag: LocalCopy.read(f"{job}/{name}", tag, owner) for tag, name in list_partial_tags(fs, root).items()}
 
 
-def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[FastCandidate]:
-    """Every save some folder committed, newest first, with its completeness across the folders (as a
-    resume judges it: :func:`smpckpt.api._tiers.assess`). Manifests that do not parse are left out."""
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A save some folder committed, judged across the folders (as a resume judges it)."""
+
+    tag: str
+    manifest: bytes
+    held_by: Mapping[str, tuple[int, ...]]  #: part -> indexes of the folders holding it
+    missing: tuple[str, ...]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def parsed(self) -> Manifest:
+        return Manifest.from_bytes(self.manifest, where=f"fast-tier manifest of {self.tag!r}")
+
+    @property
+    def key(self) -> tuple[int, tuple[int, str]]:
+        m = self.parsed()
+        return (seq_of(m), record_order(m))
+
+
+def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[Candidate]:
+    """Every save of the job some folder committed, newest first (save number, then the manifest's order),
+    with its completeness across the folders (as a resume judges it: :func:`smpckpt.api._tier_copies.judge`)."""
     out = []
     for tag in sorted({t for v in views for t in v}):
-        for data in {v[tag].manifest for v in views if tag in v and v[tag].manifest is not None}:
+        for data in {v[tag].manifest for v in views if tag in v and v[tag].state == "committed"}:
             if data is None:
                 continue
             holders = [i for i, v in enumerate(views) if tag in v and v[tag].manifest == data]
-            try:
-                out.append(assess(tag, data, holders, [v[tag].files if tag in v else None for v in views]))
-            except CheckpointCorrupt:
-                continue
-    out.sort(key=lambda c: (c.order, c.tag), reverse=True)
+            files = [
+                v[tag].files if tag in v and v[tag].state in ("committed", "uncommitted", "corrupt") else None
+                for v in views
+            ]
+            manifest = Manifest.from_bytes(data)
+            held, missing = judge(part_sizes(manifest), holders, files)
+            out.append(Candidate(tag, data, held, missing))
+    out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
 
 
-def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple[list[FastRow], list[str]]:
-    """Every tag in the folders, newest committed save first (then uncommitted and corrupt tags, by
-    tag), and warnings (a folder's manifest that does not parse; several saves of one tag)."""
-    views = [scan_local(d) for d in dirs]
+@dataclasses.dataclass(frozen=True)
+class OtherJob:
+    """Another job's fast-tier checkpoints in a ``--local`` folder: left alone by this job."""
+
+    folder: str
+    root: str  #: the durable root it belongs to, as recorded
+    tags: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
+    """The other jobs' folders in ``dirs`` (and tag folders an smpckpt without job folders left directly
+    in them), with the tags they hold."""
+    out = []
+    mine = job_dirname(owner)
+    for d in dirs:
+        fs, root = open_root(d)
+        flat = sorted(list_partial_tags(fs, root))
+        if flat:
+            out.append(OtherJob(d, "none recorded (saved by an smpckpt without job folders)", tuple(flat)))
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            if not name.startswith(JOB_PREFIX) or name == mine or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            tags = tuple(sorted(list_partial_tags(*open_root(path))))
+            out.append(OtherJob(path, read_job_record(path) or "unknown (no readable job record)", tags))
+    return out
+
+
+def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: str) -> tuple[list[FastRow], list[str]]:
+    """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
+    (then tags no folder committed, by tag), and warnings (a folder's manifest that does not parse;
+    several saves of one tag)."""
+    views = [scan_local(d, owner) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
@@ -187,39 +258,35 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord]) -> tuple
                 m.extra.get("saved_at") or m.created,
                 layout_json(m),
                 state,
-                c.order,
+                record_order(m),
             )
         )
     for tag in sorted({t for v in views for t in v}):
         copies = [(d, v[tag]) for d, v in zip(dirs, views) if tag in v]
-        bad = [
-            _manifest_problem(c)
-            for _, c in copies
-            if c.manifest is not None and c.manifest not in valid.get(tag, set())
+        bad = [c for _, c in copies if c.state in _UNUSABLE]
+        # a manifest's own error names its path; a foreign or unreadable folder's does not
+        notes += [
+            f"{c.detail if c.state in ('corrupt', 'unsafe') else f'{c.url} is {c.state}: {c.detail}'}; that copy is not used"
+            for c in bad
         ]
-        notes += [f"{problem}; that copy is not used" for problem in bad]
         if len(valid.get(tag, ())) > 1:
             notes.append(f"{tag}: the folders hold {len(valid[tag])} different committed saves of this tag")
         if tag in valid:
             continue
         files = {n for _, c in copies for n in c.files}
+        state = next((s for s in _UNUSABLE if any(c.state == s for c in bad)), "uncommitted")
         detail = (
             "no folder holds a manifest (a save that did not finish, or one being written)"
             if not bad
-            else f"no manifest a folder holds can be read ({len(bad)} damaged)"
+            else "; ".join(f"{c.url}: {c.detail}" for c in bad[:3])
         )
         holds = {d: len(v[tag].files) if tag in v else 0 for d, v in zip(dirs, views)}
-        rows.append(FastRow(tag, "corrupt" if bad else "uncommitted", (), holds, len(files), None, detail=detail))
+        rows.append(FastRow(tag, state, (), holds, len(files), None, detail=detail))
     return rows, notes
 
 
-def _manifest_problem(copy: LocalCopy) -> str:
-    where = f"{copy.url}/{MANIFEST_NAME}"
-    try:
-        Manifest.from_bytes(copy.manifest or b"", where=where)
-    except CheckpointCorrupt as exc:
-        return str(exc)
-    return f"{where}: not used"  # pragma: no cover - fast_candidates uses every manifest that parses
+#: states of a folder a resume skips, most telling first (a tag's row shows the first any folder has)
+_UNUSABLE = ("unsafe", "foreign", "corrupt", "unreadable")
 
 
 def resume_pick(rows: Sequence[FastRow], root: str, storage_options: Any) -> tuple[ResumePick | None, str]:
@@ -259,7 +326,9 @@ def write_table(out: TextIO, header: tuple[str, ...], body: list[tuple[str, ...]
         out.write("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() + "\n")
 
 
-def write_fast_table(out: TextIO, local: list[str], fast: list[FastRow], notes: list[str], pick: str | None) -> None:
+def write_fast_table(
+    out: TextIO, local: list[str], fast: list[FastRow], notes: list[str], pick: str | None, others: list[OtherJob]
+) -> None:
     """``smpckpt ls --local``'s fast-tier section; ``pick``: the save id a resume would load (``>``)."""
     out.write(f"fast tier ({len(local)} folder(s): {', '.join(local)}), newest first:\n")
     if not fast:
@@ -284,7 +353,9 @@ def write_fast_table(out: TextIO, local: list[str], fast: list[FastRow], notes: 
             ],
         )
     for f in fast:
-        if f.state in ("uncommitted", "corrupt"):
+        if f.state in ("uncommitted", *_UNUSABLE):
             out.write(f"note: {f.tag} is {f.state}: {f.detail}\n")
     for note in notes:
         out.write(f"warning: {note}\n")
+    for job in others:
+        out.write(f"other job: {job.folder} (durable root {job.root}): {', '.join(job.tags) or 'no checkpoints'}\n")

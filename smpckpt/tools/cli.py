@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from smpckpt.api._tiers import durable_key
 from smpckpt.catalog.listing import newest_tag, scan_root
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.record import LayoutRecord
@@ -52,6 +53,7 @@ from smpckpt.tools._tier_verify import verify_fast, write_fast_report
 from smpckpt.tools._tiers import (
     check_local_dirs,
     fast_rows,
+    other_jobs,
     resume_pick,
     split_tag_spec,
     write_fast_table,
@@ -70,7 +72,9 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     check_root(args.path, args.storage_options)
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
-    fast, notes = fast_rows(local, records) if local is not None else ([], [])
+    owner = durable_key(args.path, args.storage_options)
+    fast, notes = fast_rows(local, records, owner) if local is not None else ([], [])
+    others = other_jobs(local, owner) if local is not None else []
     pick, why = resume_pick(fast, args.path, args.storage_options) if local is not None else (None, "")
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
@@ -94,6 +98,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "folders": local,
                 "checkpoints": [f.to_json(mark) for f, mark in zip(fast, marks)],
                 "warnings": notes,
+                "other_jobs": [job.to_json() for job in others],
             }
             doc["resume"] = dataclasses.asdict(pick) if pick is not None else None
         json.dump(doc, out, indent=1)
@@ -125,7 +130,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     elif newest not in {r.tag for r in records if r.committed}:
         out.write(f"warning: 'newest' names {newest!r}, which is not a committed checkpoint\n")
     if local is not None:
-        write_fast_table(out, local, fast, notes, fast_pick)
+        write_fast_table(out, local, fast, notes, fast_pick, others)
         where = {"fast": "the fast tier", "durable": f"{args.path} (durable)"}
         out.write(f"resume: {pick.tag} from {where[pick.tier]}\n" if pick is not None else f"resume: none ({why})\n")
     return 0
@@ -219,7 +224,7 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     url = resolve_checkpoint_url(args.checkpoint, args.storage_options)
     state = checkpoint_state(url, args.storage_options)
     with _progress_bar(err, args.progress) as bar:
-        fast = verify_fast(local, tag, progress=bar)
+        fast = verify_fast(local, durable_key(root, args.storage_options), tag, progress=bar)
     fast_committed = fast is not None and (fast.manifest is not None or bool(fast.problems))
     if state not in ("committed", "legacy") and not fast_committed:
         held = (

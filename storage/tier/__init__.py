@@ -4,9 +4,10 @@ parts a node lacks fetched from peers. The API (``smpckpt.api``) drives it: ``sa
 local_path=...)``."""
 
 from smpckpt.storage.tier.reader import PeerFetchingReader
-from smpckpt.storage.tier.transfer import STREAMS, Transfer, fetch_transfers, replica_transfers, run_transfers
+from smpckpt.storage.tier.stream import Replicator
+from smpckpt.storage.tier.transfer import STREAMS, Transfer, fetch_transfers, run_transfers
 from smpckpt.storage.tier.writer import FastTierWriter, PreparedCommit, commit_node_copy, parts_of
 
 # writing and reading a fast-tier copy; moving its files between ranks
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of", "PeerFetchingReader"]
-__all__ += ["STREAMS", "Transfer", "fetch_transfers", "replica_transfers", "run_transfers"]
+__all__ += ["STREAMS", "Transfer", "fetch_transfers", "run_transfers", "Replicator"]

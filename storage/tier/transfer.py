@@ -1,5 +1,6 @@
-"""Checkpoint files moved between ranks over a process group: the fast tier's replicas (at save) and
-the parts a resume fetches from peers.
+"""Checkpoint files moved between ranks over a process group: the parts a resume fetches from peers, and
+a resumed copy's metadata and manifest sent to the nodes that lack them. (A save's replicas go while
+they are written: :mod:`.stream`.)
 
 Every rank gets the same list of :class:`Transfer` and walks it in list order -- its sends on one
 thread, its receives on another -- acting only on the transfers it sends or receives. Why that cannot
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from smpckpt.storage.backends._fs import fsync_dir
 from smpckpt.storage.format._names import check_member_name
 
-__all__ = ["Transfer", "TransferOutcome", "run_transfers", "replica_transfers", "fetch_transfers"]
+__all__ = ["Transfer", "TransferOutcome", "run_transfers", "fetch_transfers"]
 __all__ += ["CHUNK_BYTES", "STREAMS"]
 
 #: bytes per send: large enough for full speed over gloo, small enough to bound the memory in flight
@@ -59,20 +60,6 @@ class TransferOutcome:
 
     received: list[Transfer] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
-
-
-def replica_transfers(
-    files_by_rank: Mapping[int, Sequence[tuple[str, int]]], *, world_size: int, local_world_size: int, replicas: int
-) -> list[Transfer]:
-    """Every rank's files to the same local rank of the next ``replicas - 1`` nodes (ring order):
-    every copy of a rank's files is on a different node, so one lost node never takes two of them."""
-    nodes = world_size // local_world_size
-    out: list[Transfer] = []
-    for hop in range(1, replicas):
-        for rank in range(world_size):
-            dst = (rank + hop * local_world_size) % (nodes * local_world_size)
-            out.extend(Transfer(name, size, rank, dst) for name, size in files_by_rank.get(rank, ()))
-    return out
 
 
 def fetch_transfers(

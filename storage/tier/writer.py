@@ -33,8 +33,10 @@ from smpckpt.storage.backends._fs import (
     write_bytes_atomic,
 )
 from smpckpt.storage.backends._prefixes import resolve
+from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.format import _names
 from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.tier.stream import Replicator
 from smpckpt.storage.write._commit import check_data_files
 from smpckpt.storage.write._rank_files import RankPlanData
 from smpckpt.storage.write.writer import FsspecStorageWriter
@@ -56,7 +58,8 @@ class PreparedCommit:
 
 class FastTierWriter(FsspecStorageWriter):
     """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path); the
-    coordinator's ``finish`` prepares the commit (:attr:`prepared`) instead of writing it.
+    coordinator's ``finish`` prepares the commit (:attr:`prepared`) instead of writing it; with a
+    ``replicator`` (:mod:`.stream`), each data file is also sent to the replica ranks while it is written.
 
     Call order inside ``dcp.save`` as the partial writer's, except (coordinator) ``prepare_global_plan``
     does not probe its folder (the API checked every node's folder before the save) and ``finish`` only
@@ -64,13 +67,23 @@ class FastTierWriter(FsspecStorageWriter):
     with ``durable_is_local=False``, files are sized as for an object store (about one part each), so a
     drain uploads the files under the names and in the sizes a direct save would have written."""
 
-    def __init__(self, path: str, *, durable_is_local: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, path: str, *, durable_is_local: bool = True, replicator: Replicator | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(path, **kwargs)
         if not is_local(self.fs):
             raise ValueError(f"local_path must be a folder on this node, got {path!r}")
         # the files a drain uploads as they are: for an object store, one-request objects
         self._split_as_local = durable_is_local
         self.prepared: PreparedCommit | None = None
+        #: sends every data file to the replica ranks while it is written (``None``: no replicas)
+        self.replicator = replicator
+
+    def _open_sink(self, name: str) -> Sink:
+        """The local file's sink; with a :attr:`replicator`, its bytes also go to the replica ranks as they
+        are written (the bytes already in memory, never read back)."""
+        sink = super()._open_sink(name)
+        return self.replicator.sink(sink, name) if self.replicator is not None else sink
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) A fresh save id for every rank; the folders were settled by the API."""

@@ -19,6 +19,7 @@ from dist_harness import run_world
 from torch import nn
 
 from smpckpt import ParallelLayout, save_checkpoint, wait_for_saves
+from smpckpt.api._tiers import durable_key, job_folder
 from smpckpt.storage import Manifest, read_manifest
 from smpckpt.tools.cli import main
 
@@ -37,12 +38,30 @@ def _manifest(folder: str) -> Manifest:
         return Manifest.from_bytes(f.read())
 
 
+def _j(node: str, root: str) -> str:
+    """The job folder of the durable root ``root`` in the node folder ``node``."""
+    return job_folder(node, durable_key(root, None))
+
+
 def _fast_rows(out: str) -> list[list[str]]:
     """The fast-tier table's rows (split on whitespace), after its header."""
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split() == FAST_HEADER) + 1
     end = next((i for i in range(start, len(lines)) if lines[i].startswith(("resume:", "note:", "warning:"))), None)
     return [line.split() for line in lines[start:end]]
+
+
+def _retag(src: str, dst: str, tag: str) -> None:
+    """``src``'s manifest written to ``dst`` as a save of ``tag`` (its own checksum recomputed)."""
+    from smpckpt.storage.format.manifest import _DIGEST_KEY, _self_digest
+
+    with open(src) as f:
+        obj = json.load(f)
+    obj.pop(_DIGEST_KEY)
+    obj["extra"]["tag"] = tag
+    obj[_DIGEST_KEY] = f"{_self_digest(obj):016x}"
+    with open(dst, "w") as f:
+        json.dump(obj, f)
 
 
 def _flip_byte(path: str) -> None:
@@ -64,13 +83,13 @@ def tiered(tmp_path: Any) -> tuple[str, str]:
         save_checkpoint(root, f"step{i}", model=m, local_path=node, replicas=1, durable_every=2)
     wait_for_saves()
     assert sorted(os.listdir(root)) == ["newest", "step2_partial"]
-    assert sorted(os.listdir(node)) == ["step2_partial", "step3_partial"]
+    assert sorted(n for n in os.listdir(_j(node, root)) if n.endswith("_partial")) == ["step2_partial", "step3_partial"]
     return root, node
 
 
 def test_ls_local_lists_the_fast_tier_and_the_resume_pick(tiered: tuple[str, str]) -> None:
     root, node = tiered
-    n = len(_manifest(f"{node}/step3_partial").files) + 1  # data files + the generation's metadata
+    n = len(_manifest(f"{_j(node, root)}/step3_partial").files) + 1  # data files + the generation's metadata
     rc, out, err = _run("ls", root, "--local", node)
     assert rc == 0, err
     lines = out.splitlines()
@@ -89,7 +108,7 @@ def test_ls_local_lists_the_fast_tier_and_the_resume_pick(tiered: tuple[str, str
     rc, out, _ = _run("ls", root, "--local", node, "--json")
     doc = json.loads(out)
     assert {k: doc[k] for k in ("path", "newest", "checkpoints")} == plain  # the durable part unchanged
-    step3 = _manifest(f"{node}/step3_partial")
+    step3 = _manifest(f"{_j(node, root)}/step3_partial")
     assert doc["resume"] == {"tier": "fast", "tag": "step3", "save_id": step3.save_id}
     assert doc["fast"]["folders"] == [node]
     got = [
@@ -135,7 +154,7 @@ def test_ls_resume_picks_the_durable_tier_when_it_is_newer(tiered: tuple[str, st
 
 def test_verify_local_checks_the_fast_copy_and_the_durable_one(tiered: tuple[str, str]) -> None:
     root, node = tiered
-    m3 = _manifest(f"{node}/step3_partial")
+    m3 = _manifest(f"{_j(node, root)}/step3_partial")
     nfiles = len(m3.files)
     rc, out, err = _run("verify", f"{root}/step3", "--local", node)  # only in the fast tier
     assert rc == 0, err
@@ -155,7 +174,7 @@ def test_verify_local_checks_the_fast_copy_and_the_durable_one(tiered: tuple[str
 
 def test_verify_local_names_a_corrupt_byte_in_a_fast_tier_file(tiered: tuple[str, str]) -> None:
     root, node = tiered
-    folder = f"{node}/step2_partial"
+    folder = f"{_j(node, root)}/step2_partial"
     files = _manifest(folder).files
     name = sorted(f.name for f in files)[0]
     _flip_byte(f"{folder}/{name}")
@@ -168,11 +187,13 @@ def test_verify_local_names_a_corrupt_byte_in_a_fast_tier_file(tiered: tuple[str
     assert _run("verify", f"{root}/step2")[0] == 0  # without --local: the durable copy only, as before
 
 
-def _split(node: str, base: str, tag: str, a_names: list[str] | None) -> tuple[str, str, list[str], list[str]]:
+def _split(
+    node: str, base: str, tag: str, a_names: list[str] | None, root: str
+) -> tuple[str, str, list[str], list[str]]:
     """Two hand-made node folders A and B of ``tag``'s one-node copy: A holds ``a_names`` (default: the
     first half of the data files) and the metadata, B the other data files (all of them when
     ``a_names`` is given); both hold the manifest."""
-    src = f"{node}/{tag}_partial"
+    src = f"{_j(node, root)}/{tag}_partial"
     m = _manifest(src)
     names = sorted(f.name for f in m.files)
     first = a_names if a_names is not None else names[: len(names) // 2]
@@ -180,16 +201,16 @@ def _split(node: str, base: str, tag: str, a_names: list[str] | None) -> tuple[s
     dirs = []
     for label, held in (("A", first + [m.metadata.name, ".metadata"]), ("B", second)):
         d = os.path.join(base, label)
-        os.makedirs(f"{d}/{tag}_partial")
+        os.makedirs(f"{_j(d, root)}/{tag}_partial")
         for n in held + [MANIFEST]:
-            shutil.copy2(f"{src}/{n}", f"{d}/{tag}_partial/{n}")
+            shutil.copy2(f"{src}/{n}", f"{_j(d, root)}/{tag}_partial/{n}")
         dirs.append(d)
     return dirs[0], dirs[1], first, second
 
 
 def test_two_folders_complete_together_and_missing_without_one(tiered: tuple[str, str], tmp_path: Any) -> None:
     root, node = tiered
-    a, b, first, second = _split(node, str(tmp_path / "split"), "step3", None)
+    a, b, first, second = _split(node, str(tmp_path / "split"), "step3", None, root)
     n = len(first) + len(second) + 1
     rc, out, _ = _run("ls", root, "--local", a, b)
     assert _fast_rows(out) == [[">", "step3", "3", "2/2", f"{n}/{n}", "complete", "no", *_fast_rows(out)[0][7:]]]
@@ -198,7 +219,7 @@ def test_two_folders_complete_together_and_missing_without_one(tiered: tuple[str
     assert f"  {a}: committed; {len(first)}/{n - 1} data files, metadata\n" in out
     assert f"  {b}: committed; {len(second)}/{n - 1} data files, no metadata\n" in out
 
-    shutil.rmtree(f"{b}/step3_partial")  # node B lost its copy; A holds no replicas of B's files
+    shutil.rmtree(f"{_j(b, root)}/step3_partial")  # node B lost its copy; A holds no replicas of B's files
     rc, out, _ = _run("ls", root, "--local", a, b)
     held = len(first) + 1
     assert _fast_rows(out) == [
@@ -216,11 +237,14 @@ def test_two_folders_complete_together_and_missing_without_one(tiered: tuple[str
 
 def test_a_folder_holding_replicas_keeps_the_tag_complete(tiered: tuple[str, str], tmp_path: Any) -> None:
     root, node = tiered
-    a, b, first, second = _split(node, str(tmp_path / "split"), "step3", [])  # B holds every data file
-    shutil.rmtree(f"{a}/step3_partial")  # A (with the metadata) lost: the metadata is gone too
+    a, b, first, second = _split(node, str(tmp_path / "split"), "step3", [], root)  # B holds every data file
+    shutil.rmtree(f"{_j(a, root)}/step3_partial")  # A (with the metadata) lost: the metadata is gone too
     rc, out, _ = _run("ls", root, "--local", a, b)
     assert _fast_rows(out)[0][:5] == ["step3", "3", "1/2", f"{len(second)}/{len(second) + 1}", "missing"]
-    shutil.copy2(f"{node}/step3_partial/{_manifest(b + '/step3_partial').metadata.name}", f"{b}/step3_partial/")
+    shutil.copy2(
+        f"{_j(node, root)}/step3_partial/{_manifest(_j(b, root) + '/step3_partial').metadata.name}",
+        f"{_j(b, root)}/step3_partial/",
+    )
     rc, out, _ = _run("ls", root, "--local", a, b)
     assert _fast_rows(out)[0][:6] == [">", "step3", "3", "1/2", f"{len(second) + 1}/{len(second) + 1}", "complete"]
     rc, out, err = _run("verify", f"{root}/step3", "--local", a, b)
@@ -230,9 +254,10 @@ def test_a_folder_holding_replicas_keeps_the_tag_complete(tiered: tuple[str, str
 
 def test_folders_whose_manifests_disagree_fail_verify(tiered: tuple[str, str], tmp_path: Any) -> None:
     root, node = tiered
-    a, b, _, _ = _split(node, str(tmp_path / "split"), "step3", None)
-    shutil.copy2(f"{node}/step2_partial/{MANIFEST}", f"{b}/step3_partial/{MANIFEST}")  # another save's
-    old, new = _manifest(f"{node}/step2_partial"), _manifest(f"{node}/step3_partial")
+    a, b, _, _ = _split(node, str(tmp_path / "split"), "step3", None, root)
+    # another save of step3 (step2's manifest under this tag, its digest recomputed)
+    _retag(f"{_j(node, root)}/step2_partial/{MANIFEST}", f"{_j(b, root)}/step3_partial/{MANIFEST}", "step3")
+    old, new = _manifest(f"{_j(node, root)}/step2_partial"), _manifest(f"{_j(node, root)}/step3_partial")
     rc, out, _ = _run("ls", root, "--local", a, b)
     # completeness goes by the files the folders hold, as resume judges it: step3's are all there
     n_new, n_old = len(new.files) + 1, len(old.files) + 1
@@ -252,7 +277,7 @@ def test_folders_whose_manifests_disagree_fail_verify(tiered: tuple[str, str], t
 
 def test_a_corrupt_fast_tier_manifest_is_named(tiered: tuple[str, str]) -> None:
     root, node = tiered
-    path = f"{node}/step3_partial/{MANIFEST}"
+    path = f"{_j(node, root)}/step3_partial/{MANIFEST}"
     _flip_byte(path)
     rc, out, _ = _run("ls", root, "--local", node)
     assert rc == 0
@@ -282,8 +307,8 @@ def test_usage_errors_and_unknown_tags(tiered: tuple[str, str], tmp_path: Any) -
     assert node in err
     rc, _, err = _run("verify", f"{root}/bad*tag", "--local", node)
     assert rc == 2 and "is not PATH/TAG: invalid checkpoint tag 'bad*tag'" in err
-    os.makedirs(f"{node}/step7_partial")
-    open(f"{node}/step7_partial/x.distcp", "wb").close()  # a save that never committed
+    os.makedirs(f"{_j(node, root)}/step7_partial")
+    open(f"{_j(node, root)}/step7_partial/x.distcp", "wb").close()  # a save that never committed
     rc, out, _ = _run("ls", root, "--local", node)
     assert ["step7", "-", "0/1", "1/?", "uncommitted", "-", "-", "-"] in _fast_rows(out)
     assert "note: step7 is uncommitted: no folder holds a manifest" in out

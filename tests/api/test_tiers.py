@@ -4,20 +4,24 @@ options refused by name. Single-process cases (one node, ``replicas=1``) first: 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tier_jobs_workers
 import tier_workers
 import torch
 from dist_harness import RankFailed, run_world
 from torch import nn
 
 from smpckpt import (
+    CheckpointExists,
     DrainStatus,
     drain_status,
     last_resume_info,
@@ -26,6 +30,8 @@ from smpckpt import (
     wait_for_saves,
 )
 from smpckpt.api import _tiers
+from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.storage.format._names import MANIFEST_NAME
 
 
 def _linear(seed: int) -> nn.Module:
@@ -38,21 +44,31 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def _job(local: Path, durable: Path | str) -> Path:
+    """The job folder of the durable root ``durable`` in the fast tier ``local``."""
+    return Path(job_folder(str(local), durable_key(str(durable), None)))
+
+
+def _partials(folder: Path) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith("_partial"))
+
+
 def _tier_record(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "smpckpt.manifest.json").read_text())["extra"]["tier"]
 
 
 # -- one process, one node ---------------------------------------------------------------------------
 def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -> None:
-    durable, local = tmp_path / "durable", tmp_path / "fast"
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    local = _job(fast, durable)
     _tiers._DURABLE_SEQ.clear()
     models = {}
     for step in range(1, 4):
         models[step] = _linear(step)
-        save_checkpoint(durable, f"s{step}", model=models[step], local_path=local, replicas=1, durable_every=2)
+        save_checkpoint(durable, f"s{step}", model=models[step], local_path=fast, replicas=1, durable_every=2)
     wait_for_saves()
     assert drain_status() == DrainStatus("s2", "done")
-    assert sorted(os.listdir(local)) == ["s2_partial", "s3_partial"]  # num_kept_local=2
+    assert _partials(local) == ["s2_partial", "s3_partial"]  # num_kept_local=2
     assert sorted(os.listdir(durable)) == ["newest", "s2_partial"]
     assert (durable / "newest").read_text().strip() == "s2"
     assert [_tier_record(local / f"s{s}_partial")["seq"] for s in (2, 3)] == [2, 3]
@@ -62,13 +78,14 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
         "replicas": 1,
         "nodes": 1,
         "local_world_size": 1,
+        "root": durable_key(str(durable), None),  # the durable root this copy belongs to
     }
     # the durable copy is the fast tier's, byte for byte (drained from its files)
     for name in os.listdir(local / "s2_partial"):
         assert (durable / "s2_partial" / name).read_bytes() == (local / "s2_partial" / name).read_bytes()
 
     got = _linear(99)
-    resume_from_checkpoint(durable, model=got, local_path=local)
+    resume_from_checkpoint(durable, model=got, local_path=fast)
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier, info.from_peers) == ("s3", "fast", ())
     assert _same(got, models[3])
@@ -76,41 +93,46 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
     # a restart (nothing cached) keeps counting from the saves already there: s4 is save 4, durable
     _tiers._DURABLE_SEQ.clear()
     models[4] = _linear(4)
-    save_checkpoint(durable, "s4", model=models[4], local_path=local, replicas=1, durable_every=2)
+    save_checkpoint(durable, "s4", model=models[4], local_path=fast, replicas=1, durable_every=2)
     wait_for_saves()
     assert _tier_record(durable / "s4_partial")["seq"] == 4
 
-    for name in os.listdir(local):  # the whole fast tier lost: the newest durable checkpoint
+    for name in _partials(local):  # the whole fast tier lost: the newest durable checkpoint
         (local / name).rename(tmp_path / f"gone-{name}")
     got = _linear(98)
-    resume_from_checkpoint(durable, model=got, local_path=local)
+    resume_from_checkpoint(durable, model=got, local_path=fast)
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s4", "durable")
     assert _same(got, models[4])
 
 
-def test_corrupt_fast_copy_falls_back_to_the_durable_one(tmp_path: Path) -> None:
-    durable, local = tmp_path / "durable", tmp_path / "fast"
+def test_corrupt_fast_copy_falls_back_to_the_next_one_then_the_durable_one(tmp_path: Path) -> None:
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    local = _job(fast, durable)
     _tiers._DURABLE_SEQ.clear()
     m1, m2 = _linear(1), _linear(2)
-    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
-    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1, durable_every=1)
+    save_checkpoint(durable, "s1", model=m1, local_path=fast, replicas=1)
+    save_checkpoint(durable, "s2", model=m2, local_path=fast, replicas=1, durable_every=1)
     wait_for_saves()
     data = [p for p in (local / "s2_partial").iterdir() if p.name.endswith(".distcp")]
     raw = bytearray(data[0].read_bytes())
     raw[-1] ^= 0xFF
     data[0].write_bytes(bytes(raw))
     (durable / "s2_partial" / "smpckpt.manifest.json").unlink()  # the durable s2 is gone too: s1 there
-    got = _linear(99)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resume_from_checkpoint(durable, model=got, local_path=local)
-    said = [str(w.message) for w in caught]
-    assert any("from the fast tier failed" in m for m in said), said  # the fast copy, then ...
-    assert any("newest names 's2', which is not a committed" in m for m in said), said  # ... path's newest
-    info = last_resume_info()
-    assert info is not None and (info.tag, info.tier) == ("s1", "durable")
-    assert _same(got, m1)
+    for tier in ("fast", "durable"):  # the fast tier's s1 next; without it, path's s1
+        got = _linear(99)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resume_from_checkpoint(durable, model=got, local_path=fast)
+        said = [str(w.message) for w in caught]
+        assert any("'s2' has corrupt parts" in m and "no node holds an intact copy" in m for m in said), said
+        assert any("'s2' from the fast tier failed" in m for m in said), said  # the fast copy, then ...
+        assert any("newest names 's2', which is not a committed" in m for m in said), said  # ... path's newest
+        info = last_resume_info()
+        assert info is not None and (info.tag, info.tier) == ("s1", tier)
+        assert _same(got, m1)
+        if tier == "fast":
+            shutil.rmtree(local / "s1_partial")
 
 
 @pytest.mark.parametrize(
@@ -133,16 +155,61 @@ def test_tier_options_refused_by_name(tmp_path: Path, kwargs: dict[str, Any], me
     assert not (tmp_path / "durable").exists() and not (tmp_path / "fast").exists()
 
 
+def test_local_path_apart_from_path_and_a_folder_refused_by_name(tmp_path: Path) -> None:
+    """(one process) ``local_path`` equal to ``path``, inside it or containing it; a file; a folder
+    that cannot be written: refused before anything is written, naming the argument."""
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    (tmp_path / "file").write_bytes(b"x")
+    for local, message in (
+        (durable, "is the same folder as path"),
+        (durable / "fast", "is inside path"),
+        (tmp_path, "contains path"),
+        (tmp_path / "file", "local_path '.*file' is not a folder"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            save_checkpoint(durable, "t", model=_linear(0), local_path=local, replicas=1)
+        with pytest.raises(ValueError, match=message):
+            resume_from_checkpoint(durable, model=_linear(0), local_path=local)
+    assert sorted(os.listdir(durable)) == [] and sorted(os.listdir(tmp_path)) == ["durable", "file"]
+    if os.access("/sys", os.W_OK) and not os.path.isdir("/sys/kernel"):
+        pytest.skip("no folder that cannot be written here")
+    with pytest.raises(ValueError, match="local_path '/sys' is not writable"):
+        save_checkpoint(durable, "t", model=_linear(0), local_path="/sys", replicas=1)
+
+
 def test_a_tag_in_either_tier_is_not_saved_again(tmp_path: Path) -> None:
-    durable, local = tmp_path / "durable", tmp_path / "fast"
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
     _tiers._DURABLE_SEQ.clear()
-    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1)
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=fast, replicas=1)
     wait_for_saves()
     with pytest.raises(Exception, match="already committed in the fast tier"):
-        save_checkpoint(durable, "s1", model=_linear(2), local_path=local, replicas=1)
-    os.rename(local / "s1_partial", tmp_path / "moved")
+        save_checkpoint(durable, "s1", model=_linear(2), local_path=fast, replicas=1)
+    os.rename(_job(fast, durable) / "s1_partial", tmp_path / "moved")
     with pytest.raises(Exception, match="already holds a committed checkpoint"):
-        save_checkpoint(durable, "s1", model=_linear(2), local_path=local, replicas=1)
+        save_checkpoint(durable, "s1", model=_linear(2), local_path=fast, replicas=1)
+
+
+def test_a_folder_the_job_does_not_own_is_neither_loaded_nor_saved_over(tmp_path: Path) -> None:
+    """A copy of s1 placed in the job's folder as s2 (its manifest names tag s1): foreign. A resume
+    skips it with a warning; a save of s2 is refused, leaving it as it was."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    job = _job(fast, durable)
+    _tiers._DURABLE_SEQ.clear()
+    m1 = _linear(1)
+    save_checkpoint(durable, "s1", model=m1, local_path=fast, replicas=1, durable_every=5)
+    shutil.copytree(job / "s1_partial", job / "s2_partial")
+    got = _linear(9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume_from_checkpoint(durable, model=got, local_path=fast)
+    assert any("folder s2_partial is foreign (checkpoint 's1' of" in str(w.message) for w in caught)
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s1", "fast") and _same(got, m1)
+    before = sorted(os.listdir(job / "s2_partial"))
+    with pytest.raises(CheckpointExists, match="s2_partial is foreign"):
+        save_checkpoint(durable, "s2", model=_linear(2), local_path=fast, replicas=1, durable_every=5)
+    assert sorted(os.listdir(job / "s2_partial")) == before
 
 
 def test_drain_to_s3_and_resume_from_it(s3_root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
@@ -159,9 +226,8 @@ def test_drain_to_s3_and_resume_from_it(s3_root: tuple[str, dict[str, Any]], tmp
     fs = s3fs.S3FileSystem(**options)
     bucket_path = root[len("s3://") :]
     names = sorted(p[len(bucket_path) + 1 :] for p in fs.find(f"{bucket_path}/s1_partial"))
-    local_names = sorted(
-        str(p.relative_to(local / "s1_partial")) for p in (local / "s1_partial").rglob("*") if p.is_file()
-    )
+    job = Path(job_folder(str(local), durable_key(root, options)))
+    local_names = sorted(str(p.relative_to(job / "s1_partial")) for p in (job / "s1_partial").rglob("*") if p.is_file())
     assert [n.split("/", 1)[1] for n in names] == local_names
     assert any(n.count("/") == 2 for n in names)  # s1_partial/<prefix>/<file>
     got = _linear(9)
@@ -212,13 +278,15 @@ def killed(
     tmp_path_factory: pytest.TempPathFactory, world: tuple[Path, list[dict[str, Any]]]
 ) -> tuple[Path, dict[str, dict[int, Any]], list[dict[str, Any]]]:
     """Rank 3 killed during step2's replica transfers; rank 1 killed during step2's drain; rank 2 killed
-    between the node commits; then one restarted world resumes these and the five saves of ``world``."""
+    between the node commits; rank 1 killed during step3's drain (num_kept_local=2); then one restarted
+    world resumes these and the five saves of ``world``."""
     base = tmp_path_factory.mktemp("killed")
     reports = {}
     for name, fn, victim in (
         ("replication", tier_workers.killed_in_replication, 3),
         ("drain", tier_workers.killed_in_drain, 1),
         ("commit", tier_workers.killed_between_node_commits, 2),
+        ("drain3", tier_jobs_workers.killed_in_drain_of_step3, 1),
     ):
         (base / name / "fast").mkdir(parents=True)
         with pytest.raises(RankFailed, match=f"rank {victim}: no result"):
@@ -317,10 +385,165 @@ def test_kill_between_the_node_commits_leaves_a_complete_checkpoint(killed: Any)
     base, reports, resumed = killed
     rep = reports["commit"]
     assert 2 not in rep and rep, rep
-    node1 = base / "commit" / "fast" / "node1" / "step2_partial"
+    node1 = _job(base / "commit" / "fast" / "node1", base / "commit" / "durable") / "step2_partial"
     assert "smpckpt.manifest.json" not in rep[3]["step2"], rep[3]  # node 1 never committed its copy
     for rank, r in enumerate(resumed):
         # every node held its share before any committed: the union of the copies is complete
         got = r["commit"]
         assert (got["tag"], got["tier"], got["exact"]) == ("step2", "fast", True), rank
     assert (node1 / "smpckpt.manifest.json").exists()  # the resume sent node 1 the manifest
+
+
+@pytest.mark.dist
+def test_a_drain_killed_is_retried_by_the_next_save_and_never_lost(killed: Any) -> None:
+    """durable_every=3, num_kept_local=2: rank 1 killed while draining step3. The restarted job resumes
+    step3 from the fast tier; its next save drains step3 again (a warning says so) and retention keeps
+    step3 until then; with every fast tier lost, step3 comes from the durable tier."""
+    base, reports, resumed = killed
+    rep = reports["drain3"]
+    assert 1 not in rep and rep, rep
+    for rank, got in rep.items():
+        assert "drain of checkpoint 'step3'" in got["error"], (rank, got)
+        if rank % 2 == 0:
+            assert got["local"] == ["step2_partial", "step3_partial"], (rank, got)
+        # the kill left path without step3, and rank 1's file begun there (others' may be being removed)
+        assert MANIFEST_NAME not in got["durable_step3"], (rank, got)
+        assert any("_r1_" in name for name in got["durable_step3"]), (rank, got)
+    for rank, r in enumerate(resumed):
+        got = r["retry"]
+        assert (got["resume"]["tag"], got["resume"]["tier"], got["resume"]["exact"]) == ("step3", "fast", True), rank
+        if rank == 0:
+            said = got["warnings"]
+            assert len([w for w in said if "'step3' (save 3) was due for the durable tier" in w]) == 1, said
+            assert "draining it to" in said[0] and "again" in said[0], said
+        if rank % 2 == 0:
+            assert got["fast"] == ["step4_partial", "step5_partial"], (rank, got)
+        assert got["durable"] == ["newest", "step3_partial"], (rank, got)
+        no_fast = got["no_fast"]
+        assert (no_fast["tag"], no_fast["tier"], no_fast["uc"], no_fast["exact"]) == (
+            "step3",
+            "durable",
+            {"step": 3},
+            True,
+        )
+
+
+# -- issue 46: jobs apart, crafted and corrupt folders, folders refused (one 4-rank world) ----------------
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("cases")
+    return base, run_world(tier_jobs_workers.new_cases, 4, str(base), timeout=300)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    from smpckpt.tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(list(argv), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.dist
+def test_jobs_sharing_local_path_see_only_their_own_copies(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    """X saves step1-2 in the fast tier only; Z (a new run, empty path) resumes with missing_ok and saves
+    step1; Y saves three with num_kept_local=2; a link to Y's step103 sits in X's folder as step9."""
+    base, results = cases
+    for rank, r in enumerate(results):
+        got = r["jobs"]
+        assert got["z_resume"] == "ok None", (rank, got)  # starts fresh: X's step2 is not Z's
+        assert got["z_save"] == "ok None", (rank, got)  # X's step1 is no obstacle to Z's
+        assert got["jobs"] == {
+            "X": ["step1_partial", "step2_partial", "step9_partial"],  # Y's retention left X's alone
+            "Y": ["step102_partial", "step103_partial"],
+            "Z": ["step1_partial"],
+        }, (rank, got)
+        x = got["x_resume"]
+        assert (x["tag"], x["tier"], x["uc"], x["exact"]) == ("step2", "fast", {"step": 2}, True), (rank, x)
+        assert any("folder step9_partial is foreign" in w and "a link to" in w for w in x["warnings"]), x
+    jobs = base / "jobs"
+    nodes = [str(jobs / "fast" / f"node{n}") for n in (0, 1)]
+    rc, out, err = _cli("ls", str(jobs / "X"), "--local", *nodes)
+    assert rc == 0, err
+    tags = [line.split()[1 if line.startswith(">") else 0] for line in out.splitlines() if "step" in line[:12]]
+    assert tags[:3] == ["step2", "step1", "step9"], out
+    assert "note: step9 is foreign: " in out
+    for name in ("Y", "Z"):
+        root = durable_key(str(jobs / name), None)
+        for node in nodes:
+            assert f"other job: {job_folder(node, root)} (durable root {root}): " in out, out
+    assert out.splitlines()[-1] == "resume: step2 from the fast tier", out
+
+
+@pytest.mark.dist
+def test_a_crafted_newer_incomplete_save_keeps_no_retention_slot(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    for rank, r in enumerate(cases[1]):
+        if rank == 0:
+            assert r["slot"]["after"] == ["step2_partial", "step3_partial", "zz_partial"], r["slot"]
+        elif rank == 2:
+            assert r["slot"]["after"] == ["step2_partial", "step3_partial"], r["slot"]
+
+
+@pytest.mark.dist
+def test_unsafe_fast_tier_folders_are_skipped_alike_on_every_rank(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    base, results = cases
+    said = [r["unsafe"]["warnings"] for r in results]
+    for rank, r in enumerate(results):
+        got = r["unsafe"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step2", "fast", {"step": 2}, True), rank
+        assert got["save3"] == "ok None", (rank, got)
+        assert said[rank] == said[0], rank  # one judgement, shared
+        junk = ["junk_abs_partial", "junk_climb_partial", "junk_meta_partial"] if rank < 2 else ["junk_node1_partial"]
+        assert got["after"] == [*junk, "step2_partial", "step3_partial"], got  # retention left them alone
+    assert [w.split("folder ")[1].split(" ")[0] for w in said[0]] == [
+        "junk_abs_partial",
+        "junk_climb_partial",
+        "junk_meta_partial",
+        "junk_node1_partial",
+    ], said[0]
+    unsafe = base / "unsafe"
+    rc, out, err = _cli("ls", str(unsafe / "durable"), "--local", *(str(unsafe / "fast" / f"node{n}") for n in (0, 1)))
+    assert rc == 0, err
+    for tag in ("junk_abs", "junk_climb", "junk_meta", "junk_node1"):
+        assert f"note: {tag} is unsafe: " in out, out
+
+
+@pytest.mark.dist
+def test_a_corrupt_fast_tier_file_heals_from_a_peer_then_the_next_save(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    base, results = cases
+    victim = results[0]["heal"]["victim"]
+    for rank, r in enumerate(results):
+        got = r["heal"]["one_copy"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step3", "fast", {"step": 3}, True), rank
+        assert [(src // 2, dst) for name, src, dst in got["from_peers"] if name == victim] == [(1, 0)], got
+        if rank == 0:  # rank 0 warns
+            assert any("'step3' has corrupt parts" in w and "fetching them from peers" in w for w in got["warnings"])
+        assert r["heal"]["healed"], rank  # node 0's copy is intact again
+        got = r["heal"]["both_copies"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step2", "fast", {"step": 2}, True), rank
+    assert any("'step3' from the fast tier failed" in w for w in results[0]["heal"]["both_copies"]["warnings"])
+    heal = base / "heal"
+    nodes = [str(heal / "fast" / f"node{n}") for n in (0, 1)]
+    rc, out, err = _cli("verify", f"{heal / 'durable'}/step2", "--local", *nodes)
+    assert rc == 1, out + err
+    removed = results[0]["heal"]["removed"]
+    assert f"step2: {removed} (rank 0's data file) is held intact by 1 of the 2 folders" in err, err
+    rc, out, err = _cli("verify", f"{heal / 'durable'}/step1", "--local", *nodes)
+    assert rc == 0, out + err
+
+
+@pytest.mark.dist
+def test_fast_tier_folders_refused_up_front_by_name(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in cases[1]:
+        got = r["refused"]
+        for how in ("", "_resume"):
+            assert got[f"shared{how}"].startswith("ValueError") and "passes too" in got[f"shared{how}"], got
+            assert "is the same folder as path" in got[f"same{how}"], got
+            assert "is inside path" in got[f"inside{how}"], got
+            assert "contains path" in got[f"contains{how}"], got
+            assert "local_path" in got[f"file{how}"] and "is not a folder" in got[f"file{how}"], got
+            if os.path.isdir("/sys/kernel"):
+                assert "local_path '/sys' is not writable" in got[f"read_only{how}"], got
+        assert got["left"] == (["durable", "file", "shared"], []), got
+        assert got["shared_left"] == [], got

@@ -13,12 +13,23 @@ import torch.distributed as dist
 import tp_model
 
 from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt.api._tiers import durable_key, job_folder
 
 LAYOUT = ParallelLayout(tp=2, dp=2)
 
 
 def node_dir(base: str, rank: int, local_world_size: int = 2) -> str:
     return os.path.join(base, f"node{rank // local_world_size}")
+
+
+def job_dir(local: str, durable: str) -> str:
+    """The folder of the job whose durable root is ``durable`` in the fast tier ``local``."""
+    return job_folder(local, durable_key(durable, None))
+
+
+def partials(folder: str) -> list[str] | None:
+    """The ``{tag}_partial`` folders in ``folder`` (``None``: no such folder)."""
+    return sorted(n for n in os.listdir(folder) if n.endswith("_partial")) if os.path.isdir(folder) else None
 
 
 def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -61,7 +72,7 @@ def five_saves(rank: int, world: int, base: str, durable: str, async_save: bool 
         torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
     wait_for_saves()
     dist.barrier()  # a node's first rank may still be applying num_kept_local after the others returned
-    return {"local_after_saves": sorted(os.listdir(local)), "durable_after_saves": sorted(os.listdir(durable))}
+    return {"local_after_saves": partials(job_dir(local, durable)), "durable_after_saves": sorted(os.listdir(durable))}
 
 
 def restart_after_five(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
@@ -79,7 +90,7 @@ def restart_after_five(rank: int, world: int, base: str, durable: str) -> dict[s
     )
     want = torch.load(os.path.join(base, f"state{uc['step']}_rank{rank}.pt"))
     out["one_node_lost"] = {**_info(), "uc": uc, "exact": _same(tp_model.local_state(model, opt), want)}
-    out["local_after_heal"] = sorted(os.listdir(local)) if os.path.isdir(local) else None
+    out["local_after_heal"] = partials(job_dir(local, durable))
     dist.barrier()
     if rank % 2 == 0:
         shutil.rmtree(node_dir(base, rank))  # every fast tier lost
@@ -138,13 +149,13 @@ def _killed_job(rank: int, base: str, durable: str, *, durable_every: int, victi
             if step == 1:
                 raise
             text = f"{type(exc).__name__}: {exc}"
-    step2 = os.path.join(local, "step2_partial")
+    step2 = os.path.join(job_dir(local, durable), "step2_partial")
     _report(
         base,
         rank,
         {
             "error": text,
-            "local": sorted(os.listdir(local)),
+            "local": partials(job_dir(local, durable)),
             "step2": sorted(os.listdir(step2)) if os.path.isdir(step2) else None,
         },
     )
@@ -156,16 +167,19 @@ def _die() -> None:
 
 
 def killed_in_replication(rank: int, world: int, base: str, durable: str) -> Any:
-    """During step2's replica transfers rank 3 dies after announcing its first file."""
-    import smpckpt.storage.tier.transfer as transfer
+    """During step2's replica transfers (sent while the files are written) rank 3 dies after announcing
+    its first file."""
+    import smpckpt.storage.tier.stream as stream
 
     def kill() -> None:
-        def dying_send(t: Any, folder: str, group: Any) -> str:
-            dist.send(transfer._word(transfer._OK), dst=t.dst, group=group)  # "a file follows", then death
-            _die()
-            return ""  # pragma: no cover
+        real_send = stream._Sender._send
 
-        transfer._send = dying_send  # type: ignore[assignment]
+        def dying_send(self: Any, kind: int, *args: Any) -> None:
+            real_send(self, kind, *args)
+            if kind == stream.OPEN:  # "a file follows", then death
+                _die()
+
+        stream._Sender._send = dying_send  # type: ignore[method-assign]
 
     return _killed_job(rank, base, durable, durable_every=5, victim=3, kill=kill)
 
@@ -315,6 +329,10 @@ def restarted(rank: int, world: int, base: str, saved: str) -> dict[str, Any]:
         for mode in ("sync", "async")
     }
     out.update(resume_killed(rank, world, base))
+    from tier_jobs_workers import retry_after_drain_kill  # it imports this module
+
+    drain3 = os.path.join(base, "drain3")
+    out["retry"] = retry_after_drain_kill(rank, world, os.path.join(drain3, "fast"), os.path.join(drain3, "durable"))
     return out
 
 

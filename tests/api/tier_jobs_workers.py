@@ -1,0 +1,332 @@
+"""Rank functions for issue 46's tiered-checkpoint cases (tests/api/test_tiers.py): several jobs sharing
+each node's ``local_path``, crafted and corrupt fast-tier folders, folders refused up front, a drain
+killed and retried. 2 simulated nodes of 2 ranks (``LOCAL_WORLD_SIZE=2``), as in ``tier_workers``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import tp_model
+from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
+
+from smpckpt import resume_from_checkpoint, wait_for_saves
+
+MANIFEST = "smpckpt.manifest.json"
+
+
+def _attempt(fn: Callable[[], Any]) -> str:
+    """``ok <result>`` or the error's type and message (the tests compare them across ranks)."""
+    try:
+        return f"ok {fn()!r}"
+    except Exception as exc:  # noqa: BLE001 - the error is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _resume(durable: str, local: str, seed: int, **kw: Any) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
+    """Resume into a fresh model; its user_content, this rank's state, and the warnings it raised."""
+    ctx, model, opt = tp_model.build(LAYOUT, seed=seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        uc = resume_from_checkpoint(
+            durable, model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local, **kw
+        )
+    return uc, tp_model.local_state(model, opt), [str(w.message) for w in caught]
+
+
+def _states(base: str, rank: int, steps: range | tuple[int, ...], durable: str, local: str, **kw: Any) -> None:
+    """Train and save ``steps``, leaving each state in ``base`` (``state{step}_rank{rank}.pt``)."""
+    ctx, model, opt = tp_model.build(LAYOUT)
+    for step in steps:
+        tp_model.train_step(ctx, model, opt, step)
+        torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
+        _save(durable, local, step, model, opt, **kw)
+    wait_for_saves()
+    dist.barrier()  # a node's first rank may still be applying num_kept_local
+
+
+def _want(base: str, step: int, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(base, f"state{step}_rank{rank}.pt"))
+
+
+def craft(folder: str, tag: str, source: str, change: Callable[[dict[str, Any]], None]) -> None:
+    """``{folder}/{tag}_partial`` with ``source``'s manifest changed by ``change`` and its digest
+    recomputed (a crafted folder that passes the manifest's own checksum), and no data files."""
+    from smpckpt.storage.format.manifest import _DIGEST_KEY, _self_digest
+
+    with open(os.path.join(source, MANIFEST)) as f:
+        obj = json.load(f)
+    obj.pop(_DIGEST_KEY)
+    obj["extra"]["tag"] = tag
+    change(obj)
+    obj[_DIGEST_KEY] = f"{_self_digest(obj):016x}"
+    os.makedirs(os.path.join(folder, f"{tag}_partial"))
+    with open(os.path.join(folder, f"{tag}_partial", MANIFEST), "w") as f:
+        json.dump(obj, f)
+
+
+# -- 1 and 6: jobs apart -------------------------------------------------------------------------------
+def jobs_apart(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Job X saves step1-2 (fast tier only); a new job Z with an empty path resumes (missing_ok) and
+    saves step1; job Y saves step101-103 with num_kept_local=2; a link to Y's step103 is put in X's job
+    folder as step9; then X resumes. All share each node's local_path."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(os.path.join(base, "fast"), rank)
+    dx, dy, dz = (os.path.join(base, name) for name in ("X", "Y", "Z"))
+    out: dict[str, Any] = {}
+    _states(base, rank, (1, 2), dx, local, durable_every=100)
+    ctx, zmodel, zopt = tp_model.build(LAYOUT, seed=7)
+    out["z_resume"] = _attempt(
+        lambda: resume_from_checkpoint(
+            dz, model=zmodel, optimizer=zopt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local, missing_ok=True
+        )
+    )
+    out["z_save"] = _attempt(lambda: _save(dz, local, 1, zmodel, zopt, durable_every=100))
+    ctx, ymodel, yopt = tp_model.build(LAYOUT, seed=8)
+    for step in (101, 102, 103):
+        tp_model.train_step(ctx, ymodel, yopt, step)
+        _save(dy, local, step, ymodel, yopt, durable_every=100, num_kept_local=2)
+    wait_for_saves()
+    dist.barrier()
+    if rank % 2 == 0:  # another job's checkpoint linked into X's folder under a newer-looking tag
+        os.symlink(
+            os.path.join(job_dir(local, dy), "step103_partial"), os.path.join(job_dir(local, dx), "step9_partial")
+        )
+    dist.barrier()
+    out["jobs"] = {name: partials(job_dir(local, d)) for name, d in (("X", dx), ("Y", dy), ("Z", dz))}
+    uc, state, said = _resume(dx, local, 9)
+    out["x_resume"] = {**_info(), "uc": uc, "exact": _same(state, _want(base, 2, rank)), "warnings": said}
+    return out
+
+
+def slot_of_incomplete(rank: int, world: int, base: str) -> dict[str, Any]:
+    """num_kept_local=2: step1, step2 saved; a crafted newer save 'zz' (this job's root, seq 9, its data
+    files nowhere) put in node 0's job folder; step3 saved: retention keeps step2 and step3."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    _states(base, rank, (1, 2), durable, local, durable_every=100)
+    if rank == 0:
+        job = job_dir(local, durable)
+        craft(job, "zz", os.path.join(job, "step2_partial"), lambda m: m["extra"]["tier"].update(seq=9))
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT, seed=3)
+    _save(durable, local, 3, model, opt, durable_every=100)
+    wait_for_saves()
+    dist.barrier()
+    return {"after": partials(job_dir(local, durable))}
+
+
+# -- 3: crafted, unsafe folders --------------------------------------------------------------------------
+def _climb(m: dict[str, Any]) -> None:
+    m["files"][0]["name"] = "../x"
+
+
+def _absolute(m: dict[str, Any]) -> None:
+    m["files"][0]["name"] = "/etc/x"
+
+
+def _metadata_climbs(m: dict[str, Any]) -> None:
+    m["metadata"]["name"] = "../.metadata.x"
+
+
+def unsafe_folders(rank: int, world: int, base: str) -> dict[str, Any]:
+    """step1, step2 saved; rank 0 crafts in node 0's job folder three folders whose manifests (digest
+    recomputed) name ``../x``, ``/etc/x`` and a ``../`` metadata name -- one with a newer save number --
+    and rank 2 one more in node 1's; every rank resumes, then saves step3."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    _states(base, rank, (1, 2), durable, local, durable_every=100)
+    job = job_dir(local, durable)
+    step1 = os.path.join(job, "step1_partial")
+    if rank == 0:
+        craft(job, "junk_climb", step1, _climb)
+        craft(job, "junk_abs", step1, _absolute)
+        craft(job, "junk_meta", step1, lambda m: (_metadata_climbs(m), m["extra"]["tier"].update(seq=50)))
+    if rank == 2:
+        craft(job, "junk_node1", step1, _climb)
+    dist.barrier()
+    uc, state, said = _resume(durable, local, 5)
+    out: dict[str, Any] = {**_info(), "uc": uc, "exact": _same(state, _want(base, 2, rank))}
+    out["warnings"] = sorted(w for w in said if "unsafe" in w)
+    ctx, model, opt = tp_model.build(LAYOUT, seed=6)
+    out["save3"] = _attempt(lambda: _save(durable, local, 3, model, opt, durable_every=100))
+    wait_for_saves()
+    dist.barrier()
+    out["after"] = partials(job)
+    return out
+
+
+# -- 4: replicas that heal ------------------------------------------------------------------------------
+def _flip(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
+def heal_from_peers(rank: int, world: int, base: str) -> dict[str, Any]:
+    """step1-3 saved with replicas=2 (nothing durable). (a) One byte flipped in node 0's copy of a file
+    rank 0 wrote for step3: resume loads step3, the file fetched from node 1's intact copy. (b) The same
+    byte flipped in both nodes' copies: resume loads step2. (c) Node 0's copy of a step2 file removed,
+    for ``smpckpt verify --local`` (the test runs it)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    _states(base, rank, (1, 2, 3), durable, local, durable_every=100, num_kept_local=None)
+    job = job_dir(local, durable)
+    from smpckpt.storage import Manifest
+
+    with open(os.path.join(job, "step3_partial", MANIFEST), "rb") as f:
+        victim = min(r.name for r in Manifest.from_bytes(f.read()).files if r.rank == 0)
+    node0, node1 = (job_dir(node_dir(os.path.join(base, "fast"), r), durable) for r in (0, 2))
+    if rank == 0:
+        _flip(os.path.join(node0, "step3_partial", victim))
+    dist.barrier()
+    out: dict[str, Any] = {"victim": victim}
+    uc, state, said = _resume(durable, local, 11)
+    out["one_copy"] = {**_info(), "uc": uc, "exact": _same(state, _want(base, 3, rank)), "warnings": said}
+    dist.barrier()
+    good = open(os.path.join(node1, "step3_partial", victim), "rb").read()
+    out["healed"] = open(os.path.join(node0, "step3_partial", victim), "rb").read() == good
+    dist.barrier()
+    if rank == 0:
+        for node in (node0, node1):
+            _flip(os.path.join(node, "step3_partial", victim))
+    dist.barrier()
+    uc, state, said = _resume(durable, local, 12)
+    out["both_copies"] = {**_info(), "uc": uc, "exact": _same(state, _want(base, 2, rank)), "warnings": said}
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(node0, "step2_partial", MANIFEST), "rb") as f:
+            victim2 = min(r.name for r in Manifest.from_bytes(f.read()).files if r.rank == 0)
+        os.unlink(os.path.join(node0, "step2_partial", victim2))
+        out["removed"] = victim2
+    return out
+
+
+# -- 5: folders refused up front --------------------------------------------------------------------------
+def refused_folders(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Both nodes on one folder; local_path equal to path, inside it, containing it; a file; a folder
+    that cannot be written (``/sys``, when it cannot). Every rank's error, and what was left."""
+    from torch import nn
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    durable = os.path.join(base, "durable")
+    if rank == 0:
+        os.makedirs(durable)
+        open(os.path.join(base, "file"), "wb").close()
+    dist.barrier()
+    model = nn.Linear(4, 4)
+    cases = {
+        "shared": os.path.join(base, "shared"),
+        "same": durable,
+        "inside": os.path.join(durable, "fast"),
+        "contains": base,
+        "file": os.path.join(base, "file"),
+        "read_only": "/sys",
+    }
+    out: dict[str, Any] = {}
+    for name, local in cases.items():
+        out[name] = _attempt(lambda local=local: save_one(durable, local, model))
+        out[f"{name}_resume"] = _attempt(
+            lambda local=local: resume_from_checkpoint(durable, model=model, local_path=local)
+        )
+    out["left"] = sorted(os.listdir(base)), sorted(os.listdir(durable))
+    out["shared_left"] = sorted(os.listdir(cases["shared"]))
+    return out
+
+
+def save_one(durable: str, local: str, model: Any) -> None:
+    from smpckpt import save_checkpoint
+
+    save_checkpoint(durable, "t", model=model, local_path=local, replicas=2)
+
+
+# -- 2: a drain killed, then retried ---------------------------------------------------------------------
+def killed_in_drain_of_step3(rank: int, world: int, base: str, durable: str) -> Any:
+    """durable_every=3, num_kept_local=2: step1-3; rank 1 dies copying its first file of step3's drain,
+    that file begun in ``path`` (a retried drain meets it)."""
+    import smpckpt.api._drain as drain_module
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    if rank == 1:
+        real_open_sink = drain_module.open_sink
+
+        def dying_open_sink(fs: Any, path: str, **kw: Any) -> Any:
+            sink = real_open_sink(fs, path, **kw)
+            if "step3_partial" in path:
+                sink.write(memoryview(b"the first bytes"))
+                os._exit(0)
+            return sink
+
+        drain_module.open_sink = dying_open_sink  # type: ignore[assignment]
+    ctx, model, opt = tp_model.build(LAYOUT)
+    error = ""
+    for step in (1, 2, 3):
+        tp_model.train_step(ctx, model, opt, step)
+        torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
+        _save(durable, local, step, model, opt, durable_every=3)
+    try:
+        wait_for_saves()
+    except Exception as exc:  # noqa: BLE001 - reported below
+        error = f"{type(exc).__name__}: {exc}"
+    from tier_workers import _report
+
+    step3 = os.path.join(durable, "step3_partial")
+    left = sorted(os.listdir(step3)) if os.path.isdir(step3) else []
+    _report(base, rank, {"error": error, "local": partials(job_dir(local, durable)), "durable_step3": left})
+    return error
+
+
+def retry_after_drain_kill(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
+    """The restarted job: resume (step3, from the fast tier), save step4 and step5 (its drain of step3 is
+    retried, said in a warning); then every fast tier lost: resume step3 from the durable tier."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local = node_dir(base, rank)
+    out: dict[str, Any] = {}
+    uc, state, said = _resume(durable, local, 21)
+    out["resume"] = {**_info(), "uc": uc, "exact": _same(state, _want(base, uc["step"], rank))}
+    ctx, model, opt = tp_model.build(LAYOUT, seed=22)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (4, 5):
+            tp_model.train_step(ctx, model, opt, step)
+            torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
+            _save(durable, local, step, model, opt, durable_every=3)
+        wait_for_saves()
+    out["warnings"] = [str(w.message) for w in caught if "drain" in str(w.message)]
+    dist.barrier()
+    out["fast"] = partials(job_dir(local, durable))
+    out["durable"] = sorted(os.listdir(durable))
+    dist.barrier()
+    if rank % 2 == 0:
+        shutil.rmtree(local)  # every fast tier lost
+    dist.barrier()
+    uc, state, _ = _resume(durable, local, 23)
+    out["no_fast"] = {**_info(), "uc": uc, "exact": _same(state, _want(base, uc["step"], rank))}
+    return out
+
+
+def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
+    """One 4-rank world for the cases above that need no killed rank."""
+    out: dict[str, Any] = {}
+    for name, fn in (
+        ("refused", refused_folders),
+        ("jobs", jobs_apart),
+        ("slot", slot_of_incomplete),
+        ("unsafe", unsafe_folders),
+        ("heal", heal_from_peers),
+    ):
+        path = os.path.join(base, name)
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        out[name] = fn(rank, world, path)
+        dist.barrier()
+    return out

@@ -110,7 +110,9 @@ class Injector:
 
     def install(self) -> dict[str, list[str]]:
         import smpckpt.catalog.tags as tags
-        import smpckpt.storage.backends._fs as fsmod
+        import smpckpt.storage.backends._folder as folder_mod
+        import smpckpt.storage.backends._nofollow as nofollow
+        import smpckpt.storage.backends._paths as fsmod
         import smpckpt.storage.backends._sinks as sinks
         import smpckpt.storage.tools as tools
         from smpckpt.storage.write.writer import FsspecStorageWriter
@@ -150,7 +152,41 @@ class Injector:
         FsspecStorageWriter._write_manifest = write_manifest  # type: ignore[method-assign]
         self.patched["FsspecStorageWriter"] = ["smpckpt.storage.write.writer.FsspecStorageWriter._write_manifest"]
 
-        # write_bytes_atomic: the definition and every imported copy
+        # the commit protocol's folder: files created (the generation's metadata, side files) or published
+        # (the manifest, the stock .metadata copy), counted by the name they write (class attributes)
+        orig_create, orig_publish = folder_mod.Folder.create, folder_mod.Folder.publish
+
+        def create(folder: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            counter = f"write:{_classify(name)}"
+            inj.before(counter)
+            out = orig_create(folder, name, *args, **kwargs)
+            inj.after(counter)
+            return out
+
+        def publish(folder: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            counter = f"write:{_classify(name)}"
+            inj.before(counter)
+            out = orig_publish(folder, name, *args, **kwargs)
+            inj.after(counter)
+            return out
+
+        folder_mod.Folder.create = create  # type: ignore[method-assign]
+        folder_mod.Folder.publish = publish  # type: ignore[method-assign]
+        self.patched["Folder"] = ["smpckpt.storage.backends._folder.Folder.create", "Folder.publish"]
+
+        # a full save's staging folder renamed into place (the commit of a full artifact on POSIX)
+        orig_rename = nofollow.rename_noreplace
+
+        def rename_noreplace(*args: Any, **kwargs: Any) -> Any:
+            inj.before("publish:folder")
+            out = orig_rename(*args, **kwargs)
+            inj.after("publish:folder")
+            return out
+
+        nofollow.rename_noreplace = rename_noreplace  # type: ignore[assignment]
+        self.patched["rename_noreplace"] = ["smpckpt.storage.backends._nofollow.rename_noreplace"]
+
+        # write_bytes_atomic (newest): the definition and every imported copy
         orig_wba = fsmod.write_bytes_atomic
 
         def wba(*args: Any, **kwargs: Any) -> Any:

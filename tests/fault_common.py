@@ -25,7 +25,7 @@ KINDS: dict[str, tuple[str, str, tuple[int, int], str]] = {
     "data_write_torn": ("sink.write", "torn", (1, 200), "half of a data-file chunk written"),
     "data_fsync": ("sink.commit", "before", (1, 12), "before a data file's fsync+close (LocalSink.commit)"),
     "fsync": ("fsync", "before", (1, 36), "before any os.fsync of the save loop"),
-    "metadata_write": ("wba:.metadata", "before", (1, 6), "before write_bytes_atomic(.metadata[.<id>])"),
+    "metadata_write": ("write:.metadata", "before", (1, 6), "before .metadata[.<id>] is created or published"),
     "metadata_rename": ("publish:.metadata", "before", (1, 6), ".metadata temp written+fsynced, not renamed"),
     "manifest_write": ("commit", "before", (1, 3), "before the writer's _write_manifest (the commit)"),
     "manifest_rename": ("publish:manifest", "before", (1, 3), "manifest temp written+fsynced, not published"),

@@ -28,7 +28,7 @@ from smpckpt.api._dist import DistContext
 from smpckpt.api._resume import ResumeRequest, Target, resolve_target
 from smpckpt.api._tiers import FastCandidate, Nodes, gather_views, newest_complete, node_layout
 from smpckpt.api.options import check_local_path
-from smpckpt.catalog._save_clock import saw_checkpoint
+from smpckpt.catalog.sequence import saw_sequence
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage.format._names import MANIFEST_NAME
@@ -72,13 +72,15 @@ def choose_tier(req: ResumeRequest, ctx: DistContext) -> tuple[Target | None, Fa
 
     durable = ctx.on_coordinator(durable_target)
     # the same tag in both tiers (tag=...): the fast copy; else whichever was saved later
-    if best is None or (req.tag is None and durable is not None and durable.seen_ns > best.order[0]):
+    if best is None or (req.tag is None and durable is not None and durable.order > best.order):
         if durable is not None:
-            saw_checkpoint(req.root, durable.seen_ns, req.storage_options)
+            durable.seen_by(req.root, req.storage_options)
         return durable, None, None
     folder = f"{local}/{partial_dirname(best.tag)}"  # this node's copy
     target = Target.of(best.tag, folder, best.parsed(), False)
-    saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    if durable is not None:
+        durable.seen_by(req.root, req.storage_options)
+    saw_sequence(req.root, best.order[0], req.storage_options)
     return target, FastSource(best, _heal_transfers(best, nodes), nodes, streams), durable
 
 

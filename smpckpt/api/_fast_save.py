@@ -42,7 +42,9 @@ from smpckpt.api.options import check_local_path
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs, remove_tree
+from smpckpt.storage.backends._fs import is_local, open_fs
+from smpckpt.storage.backends._paths import remove_tree
+from smpckpt.storage.format.commit import check_files
 from smpckpt.storage.tier import (
     FastTierWriter,
     PreparedCommit,
@@ -51,7 +53,6 @@ from smpckpt.storage.tier import (
     replica_transfers,
     run_transfers,
 )
-from smpckpt.storage.write._commit import check_data_files
 
 __all__ = ["TierPlan", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain"]
 
@@ -172,7 +173,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         def holds_share() -> None:
             if nodes.is_leader:
                 fs, path = open_fs(tier.folder)
-                check_data_files(fs, path, tier.folder, expected)
+                check_files(fs, path, tier.folder, expected)
 
         gctx.all_ok(copied)  # also the barrier: a node's other ranks may still be receiving its share
         gctx.all_ok(holds_share)

@@ -22,7 +22,8 @@ from smpckpt.catalog.listing import record_order, scan_root
 from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import Manifest
-from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none, remove_tree
+from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
+from smpckpt.storage.backends._paths import remove_tree
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
 
@@ -116,7 +117,7 @@ class LocalCopy:
     Manifests themselves do not travel in the listing: at 1 TiB one is ~20 MiB, and every node has one."""
 
     digest: int | None
-    order: tuple[int, str]
+    order: tuple[int, int, str]
     seq: int
     files: Mapping[str, int]
 
@@ -142,7 +143,7 @@ def scan_local(local_path: str) -> dict[str, LocalCopy]:
             except CheckpointCorrupt as exc:
                 log.warning("fast tier: %s; that copy is not used", exc)
         digest = hash_bytes(data or b"") if manifest is not None else None
-        out[tag] = LocalCopy(digest, record_order(manifest), seq_of(manifest), files)  # (0, ""), 0 without one
+        out[tag] = LocalCopy(digest, record_order(manifest), seq_of(manifest), files)  # (0, 0, ""), 0 without one
     return out
 
 
@@ -173,7 +174,7 @@ class FastCandidate:
 
     tag: str
     manifest: bytes
-    order: tuple[int, str]
+    order: tuple[int, int, str]
     held_by: Mapping[str, tuple[int, ...]]  #: part name -> ranks whose node folder holds it
     missing: tuple[str, ...]
 
@@ -193,7 +194,7 @@ def seq_of(manifest: Manifest | None) -> int:
 
 def committed_copies(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[tuple[str, int]]:
     """Every (tag, manifest digest) some node committed (only ``tag``'s when given), newest first."""
-    seen: dict[tuple[str, int], tuple[int, str]] = {}
+    seen: dict[tuple[str, int], tuple[int, int, str]] = {}
     for view in views:
         for t, copy in view.items():
             if copy.digest is not None and (tag is None or t == tag):

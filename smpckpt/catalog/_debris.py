@@ -25,7 +25,8 @@ from typing import Any
 from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
-from smpckpt.storage.backends._fs import join, remove_files
+from smpckpt.storage.backends._fs import join
+from smpckpt.storage.backends._paths import remove_files
 from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 

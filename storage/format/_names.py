@@ -40,16 +40,25 @@ __all__ = [
     "is_smpckpt_file",
     "check_member_name",
     "marker_owner",
+    "STAGING_PREFIX",
+    "staging_name",
+    "is_staging_name",
+    "is_temp_name",
 ]
 
 MANIFEST_NAME = "smpckpt.manifest.json"
 #: Written by remove_checkpoint before it deletes anything: a folder holding it is being (or was
 #: partly) removed on purpose, never a save in flight, so a later retention may finish the job.
 REMOVING_NAME = "smpckpt.removing"
-#: Written by the coordinator before any rank writes a full artifact's fixed-name files, removed after
-#: the commit: a folder with it and no manifest is an unfinished save, never a Hugging Face folder. Its
-#: body is ``<save id>\n<count>`` (``storage/full/_marker.py``).
+#: (object stores) Created exclusively by the coordinator before any rank writes a full artifact's
+#: fixed-name files, removed after the commit: a folder with it and no manifest is an unfinished save,
+#: never a Hugging Face folder. Its body is ``<save id>``. (POSIX full saves write a staging folder
+#: instead, :data:`STAGING_PREFIX`; older versions wrote this marker there too.)
 WRITING_MARKER = "smpckpt.writing"
+#: (POSIX) A full save writes its artifact into ``.smpckpt-staging.<save id>`` beside its target folder and
+#: renames it into place at the commit (no replace): a reader of the target never sees an unfinished or
+#: mixed artifact. A staging folder left by a killed save is debris for ``prune``; it blocks nothing.
+STAGING_PREFIX = ".smpckpt-staging."
 METADATA_NAME = ".metadata"
 #: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
 DESCRIPTION_FQN = "\x00smpckpt.full"
@@ -66,6 +75,7 @@ _DATA_RE = re.compile(r"^(?:[0-9A-Za-z_-]{1,64}/)?[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]
 _MAX_FOLDERS = 2
 _GEN_META_RE = re.compile(r"^\.metadata\.[0-9a-z]+$")
 _SAVE_ID_RE = re.compile(r"^[0-9a-z]{8,40}$")
+_TEMP_RE = re.compile(r"\.(?:tmp|recv)\.\d+\.[0-9a-f]{8}$")
 
 
 def new_save_id() -> str:
@@ -94,6 +104,21 @@ def is_smpckpt_file(name: str) -> bool:
     """True for a data or per-generation metadata file written by our writer (recorded name: base name,
     with its prefix folder for data files)."""
     return bool(_DATA_RE.match(name) or _GEN_META_RE.match(name))
+
+
+def staging_name(save_id: str) -> str:
+    """The staging folder of a full save (:data:`STAGING_PREFIX`)."""
+    return f"{STAGING_PREFIX}{check_save_id(save_id)}"
+
+
+def is_staging_name(name: str) -> bool:
+    return name.startswith(STAGING_PREFIX) and bool(_SAVE_ID_RE.match(name[len(STAGING_PREFIX) :]))
+
+
+def is_temp_name(name: str) -> bool:
+    """A temporary name of an interrupted write of ours: ``<name>.tmp.<pid>.<hex>`` (a publication or an
+    atomic replacement) or ``<name>.recv.<pid>.<hex>`` (a fast-tier transfer)."""
+    return bool(_TEMP_RE.search(name))
 
 
 def marker_owner(data: bytes | None) -> str | None:

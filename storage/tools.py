@@ -255,8 +255,6 @@ def remove_checkpoint(
     """
     fs, path = open_fs(url, storage_options)
     try:
-        if uncommitted_only and read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME)) is not None:
-            return False
         failed = remove_folder(fs, path, os.fspath(url), uncommitted_only=uncommitted_only)
     except FileNotFoundError:
         if not missing_ok:

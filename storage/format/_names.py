@@ -44,6 +44,7 @@ __all__ = [
     "staging_name",
     "is_staging_name",
     "is_temp_name",
+    "unfinished_full_save",
 ]
 
 MANIFEST_NAME = "smpckpt.manifest.json"
@@ -119,6 +120,15 @@ def is_temp_name(name: str) -> bool:
     """A temporary name of an interrupted write of ours: ``<name>.tmp.<pid>.<hex>`` (a publication or an
     atomic replacement) or ``<name>.recv.<pid>.<hex>`` (a fast-tier transfer)."""
     return bool(_TEMP_RE.search(name))
+
+
+def unfinished_full_save(names: set[str]) -> bool:
+    """Whether a folder's base ``names`` (it has no manifest) are those of an unfinished save of ours: its
+    in-progress marker (object stores; older versions on POSIX too), a temporary of that marker (a kill
+    between its write and its link), or the mark of an interrupted removal."""
+    return bool(names & {WRITING_MARKER, REMOVING_NAME}) or any(
+        n.startswith(f"{WRITING_MARKER}.") and is_temp_name(n) for n in names
+    )
 
 
 def marker_owner(data: bytes | None) -> str | None:

@@ -67,15 +67,6 @@ def _warn_no_swap_once(process_group: Any) -> None:
     )
 
 
-def _our_debris(names: set[str]) -> bool:
-    """A folder (no manifest) left by an unfinished save of ours: its in-progress marker (object stores;
-    older versions on POSIX too), a temporary of that marker (a kill between its write and its link), or
-    the mark of an interrupted removal."""
-    return bool(names & {WRITING_MARKER, _names.REMOVING_NAME}) or any(
-        n.startswith(f"{WRITING_MARKER}.") and _names.is_temp_name(n) for n in names
-    )
-
-
 def clear_for_full_save(fs: Any, path: str, url: str) -> None:
     """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or
     foreign files; remove the debris of an unfinished full save of ours (no manifest), whatever state it
@@ -94,7 +85,7 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
         return
     if _names.MANIFEST_NAME in names:  # committed since the probe: it is a checkpoint now
         raise CheckpointExists(f"{url}: a save committed here while this full save was starting; refusing")
-    if not _our_debris(names):
+    if not _names.unfinished_full_save(names):
         # a partial save's data or metadata files (the folder has no manifest and no marker)
         if found.state == "uncommitted" or any(
             _names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2)

@@ -173,10 +173,10 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     if not committed:
         return None
     latest = max(committed, key=lambda r: r.order)
-    seen = {"seen_seq": latest.order[0], "listed": True}  # the listing every later save numbers past
+    top = latest.order[0]  # the listing every later save numbers past
     named = next((r for r in committed if r.tag == newest), None)
     if named is not None and named.order >= latest.order:
-        return dataclasses.replace(Target.of(named.tag, named.url, named.manifest, False), **seen)
+        return dataclasses.replace(Target.of(named.tag, named.url, named.manifest, False), seen_seq=top, listed=True)
     if named is not None:
         reason = (
             f"{root}/newest names {newest!r}, but {latest.tag!r} was committed after it (the job probably "
@@ -198,7 +198,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
     log.warning(message)
     warnings.warn(message, stacklevel=3)
-    return dataclasses.replace(Target.of(latest.tag, latest.url, latest.manifest, True), **seen)
+    return dataclasses.replace(Target.of(latest.tag, latest.url, latest.manifest, True), seen_seq=top, listed=True)
 
 
 def not_found_hint(root: str, storage_options: Any) -> str:

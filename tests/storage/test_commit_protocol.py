@@ -25,7 +25,6 @@ from smpckpt.catalog import retention
 from smpckpt.catalog.listing import scan_root
 from smpckpt.errors import CheckpointExists, UnsafeCheckpoint
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, read_manifest, verify_checkpoint
-from smpckpt.storage.backends import _paths
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

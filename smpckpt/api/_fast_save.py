@@ -43,8 +43,7 @@ from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
 from smpckpt.storage.backends._fs import is_local, open_fs
-from smpckpt.storage.backends._paths import remove_tree
-from smpckpt.storage.format.commit import check_files
+from smpckpt.storage.format.commit import check_files, remove_folder
 from smpckpt.storage.tier import (
     FastTierWriter,
     PreparedCommit,
@@ -115,7 +114,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     def settle() -> None:
         # leftovers of this tag: a killed save, or a copy no surviving node set can complete
         if nodes.is_leader and req.tag in views[ctx.rank]:
-            failed = remove_tree(open_fs(folder)[0], folder)
+            failed = remove_folder(open_fs(folder)[0], folder, folder)  # manifest first, never through a link
             if failed:
                 raise CheckpointError(f"{folder}: could not remove the leftovers of an earlier save: {failed[:5]}")
 
@@ -192,7 +191,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
 
 def _remove_quietly(folder: str) -> None:
     try:
-        remove_tree(open_fs(folder)[0], folder)
+        remove_folder(open_fs(folder)[0], folder, folder)
     except FileNotFoundError:
         pass
     except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise

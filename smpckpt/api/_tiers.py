@@ -23,9 +23,9 @@ from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
-from smpckpt.storage.backends._paths import remove_tree
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format.commit import remove_folder
 
 __all__ = [
     "Nodes",
@@ -289,7 +289,10 @@ def retain_local(local_path: str, view: Mapping[str, LocalCopy], keep: int | Non
             continue
         if copy.digest is None and os.stat(folder).st_mtime >= newest_mtime:
             continue  # possibly a save of another process still writing: only older debris goes
-        failed = remove_tree(fs, join(root, partial_dirname(tag)))
+        # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing
+        # parts), never through a link; an uncommitted folder only while it stays uncommitted
+        path = join(root, partial_dirname(tag))
+        failed = remove_folder(fs, path, path, uncommitted_only=copy.digest is None)
         if failed:
             log.warning("fast tier %s: could not remove %d file(s) of %r", local_path, len(failed), tag)
         else:

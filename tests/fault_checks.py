@@ -88,7 +88,8 @@ def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set
         if entry.is_dir(follow_symlinks=False):
             tag = entry.name[: -len("_partial")] if entry.name.endswith("_partial") else None
             rec = committed.get(tag) if tag else None
-            if rec is None and tag is None and (full := _committed_full(entry.path)) is not None:
+            staged = entry.name.startswith((".smpckpt-staging.", ".smpckpt-trash."))  # never a checkpoint
+            if rec is None and tag is None and not staged and (full := _committed_full(entry.path)) is not None:
                 rec = dataclasses.make_dataclass("Full", ["manifest"])(full)  # a committed full artifact
             if rec is None:
                 dirs.add(entry.path)

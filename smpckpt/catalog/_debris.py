@@ -6,7 +6,9 @@ retention's (:mod:`smpckpt.catalog.retention`); this sweeps what a kill leaves e
   manifest's -- a killed save whose retry under the same tag committed, a killed overwrite's new
   generation, the old generation of an overwrite killed after its commit -- and temporary files of an
   interrupted write (``*.tmp.<pid>.<hex>``, a transfer's ``*.recv.<pid>.<hex>``);
-* **killed full saves**: a full save's staging folder (``.smpckpt-staging.<id>``, POSIX), and a ``{tag}``
+* **killed full saves**: a full save's staging folder (``.smpckpt-staging.<id>``, POSIX; taken away by a
+  rename first, so one being published is never touched; a ``.smpckpt-trash.<hex>`` folder a killed
+  removal left), and a ``{tag}``
   folder holding only an unfinished save of ours -- its in-progress marker (object stores, older
   versions), a temporary of that marker, or a removal's mark -- and no manifest (retention sees
   ``*_partial`` folders only), removed whole, and only if still uncommitted once marked for removal;
@@ -29,10 +31,11 @@ from typing import Any
 from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
-from smpckpt.storage.backends._fs import join
+from smpckpt.storage.backends._fs import is_local, join
 from smpckpt.storage.backends._paths import remove_files
 from smpckpt.storage.format._names import (
     MANIFEST_NAME,
+    TRASH_PREFIX,
     WRITING_MARKER,
     generation_metadata_name,
     is_smpckpt_file,
@@ -40,6 +43,7 @@ from smpckpt.storage.format._names import (
     is_temp_name,
     unfinished_full_save,
 )
+from smpckpt.storage.format.commit import remove_staged
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 
 __all__ = ["sweep_debris"]
@@ -142,10 +146,17 @@ def _full_debris(
                 removed += paths if dry_run else [p for p in paths if p not in remove_files(fs, paths, within=folder)]
             continue
         names = {n.rpartition("/")[2] for n in times}
-        if not (is_staging_name(name) or unfinished_full_save(names)):
+        staged = is_staging_name(name) or name.startswith(TRASH_PREFIX)
+        if not (staged or unfinished_full_save(names)):
             continue  # not ours (a Hugging Face folder, a partial save's files under a full tag: left alone)
-        if not times or not all(old(t) for t in times.values()):
+        if (not times and not name.startswith(TRASH_PREFIX)) or not all(old(t) for t in times.values()):
             continue  # written to within AGE (an empty folder: nothing says how old it is)
-        if dry_run or remove_checkpoint(url, storage_options, uncommitted_only=True):
+        if dry_run:
+            removed.append(folder)
+        elif staged and is_local(fs):
+            # taken away by a rename first: a save publishing it meanwhile wins (commit.remove_staged)
+            if remove_staged(fs, root_path, name) == []:
+                removed.append(folder)
+        elif remove_checkpoint(url, storage_options, uncommitted_only=True):
             removed.append(folder)
     return removed

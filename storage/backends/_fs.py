@@ -26,8 +26,6 @@ __all__ = [
     "is_local",
     "join",
     "read_bytes_or_none",
-    "fsync_dir",
-    "fsync_path",
     "file_sizes",
 ]
 
@@ -121,20 +119,6 @@ def is_s3(fs: Any) -> bool:
 def join(folder: str, name: str) -> str:
     """``folder/name`` for any backend (fsspec paths use ``/`` everywhere, local disk included)."""
     return f"{folder.rstrip('/')}/{name}" if folder else name
-
-
-def fsync_path(path: str, *, directory: bool = False) -> None:
-    """fsync a local file by name (its data and metadata), or a ``directory`` so a rename or a new file
-    in it survives a power loss."""
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fsync_path(path, directory=True)
 
 
 def _protocol(fs: Any) -> str:

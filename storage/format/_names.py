@@ -41,6 +41,7 @@ __all__ = [
     "check_member_name",
     "marker_owner",
     "STAGING_PREFIX",
+    "TRASH_PREFIX",
     "staging_name",
     "is_staging_name",
     "is_temp_name",
@@ -60,6 +61,9 @@ WRITING_MARKER = "smpckpt.writing"
 #: renames it into place at the commit (no replace): a reader of the target never sees an unfinished or
 #: mixed artifact. A staging folder left by a killed save is debris for ``prune``; it blocks nothing.
 STAGING_PREFIX = ".smpckpt-staging."
+#: (POSIX) A removal renames a staging folder to ``.smpckpt-trash.<hex>`` before deleting it (its own
+#: name: a commit can no longer publish it); one left by a killed removal is garbage for ``prune``.
+TRASH_PREFIX = ".smpckpt-trash."
 METADATA_NAME = ".metadata"
 #: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
 DESCRIPTION_FQN = "\x00smpckpt.full"

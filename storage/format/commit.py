@@ -49,6 +49,7 @@ __all__ = [
     "commit",
     "publish_staged",
     "remove_folder",
+    "remove_staged",
     "committed_save_id",
 ]
 
@@ -286,10 +287,11 @@ def publish_staged(
     refused: str,
 ) -> None:
     """(coordinator, POSIX) Commit the staged folder ``staging`` in ``parent`` and publish it as
-    ``target``: steps 1-4 inside it (the manifest created directly: nobody reads the folder before it is
+    ``target``: steps 1-3 inside it (the manifest created directly: nobody reads the folder before it is
     published), then the rename into place, which never replaces anything (an empty ``target`` folder,
     made by the caller beforehand, is removed first). Another folder already published under ``target``:
-    :class:`CheckpointExists` (``url``: ``refused``)."""
+    :class:`CheckpointExists` (``url``: ``refused``); the staging folder taken away by a removal meanwhile
+    (:func:`remove_staged`): the rename finds nothing to rename and the save fails."""
     with Folder(parent.fs, join(parent.path, staging)) as folder:
         own = ({manifest.metadata.name: metadata} if metadata is not None else {}) | dict(side)
         _create_own(folder, url, own, sync=sync)
@@ -298,7 +300,8 @@ def publish_staged(
         folder.create(_names.MANIFEST_NAME, manifest_bytes, sync=sync)
         if sync:
             folder.fsync_dirs()
-        _unless_removing(folder, url, manifest_bytes)
+    # Step 4 is the rename itself: a removal takes a staging folder away by renaming it too
+    # (remove_staged), and of two renames of one name exactly one succeeds.
     with contextlib.suppress(OSError):  # an empty folder made beforehand (`mkdir OUT`): not a checkpoint
         os.rmdir(target, dir_fd=parent.fd)
     try:
@@ -311,6 +314,21 @@ def publish_staged(
         raise
     if sync:
         parent.fsync()
+
+
+def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
+    """(POSIX) Remove the staging folder ``name`` of ``root`` (a killed full save's). It is first renamed
+    to a trash name of this removal's own (``.smpckpt-trash.<hex>``): the save's commit renames that same
+    name into place, and of the two renames exactly one succeeds, so a removal never empties a folder
+    that is being published (its rename fails: ``None``, nothing removed). Then the trash goes, never
+    following a link; the paths not removed."""
+    trash = f"{_names.TRASH_PREFIX}{os.urandom(8).hex()}"
+    with Folder(fs, root, follow=True) as parent:
+        try:
+            nf.rename_noreplace(parent.fd, name, parent.fd, trash)
+        except FileNotFoundError:
+            return None  # published (or removed) meanwhile
+        return nf.remove_tree_at(parent.fd, trash, where=join(root, trash), device=os.fstat(parent.fd).st_dev)
 
 
 def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = False) -> list[str]:

@@ -65,6 +65,7 @@ def _debris(root: Path) -> dict[str, Path]:
     staging = root / ".smpckpt-staging.18c1f0000abcdef0"
     staging.mkdir()
     (staging / "model.safetensors").write_bytes(b"\0" * 64)
+    (staging / "smpckpt.manifest.json").write_bytes(b"{}")  # killed between its manifest and its rename
     found = {
         "dead": dead,
         "dead_md": dead_md,

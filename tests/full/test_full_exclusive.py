@@ -211,3 +211,22 @@ def test_a_side_file_removed_before_the_commit_fails_the_save(tmp_path: Any, mon
     back, _ = trained_model(2)
     assert resume_from_checkpoint(root, "t", partial=False, model=back) == {"step": 1}
     assert MANIFEST in os.listdir(os.path.join(root, "t"))
+
+
+def test_a_prune_taking_a_staging_folder_away_fails_the_save_publishing_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``prune --uncommitted-older-than 0`` while a full save is about to commit: the prune renames the
+    save's staging folder away before deleting it, so the save's own rename into place finds nothing and
+    the save fails; nothing is published half-deleted, and nothing is left."""
+    from smpckpt.catalog.retention import apply_retention
+
+    root = str(tmp_path)
+    m, _ = trained_model(0)
+    thread, errors = _held_save(monkeypatch, "commit", root, m)
+    result = apply_retention(root, None, uncommitted_older_than=0)
+    assert len(result.removed_debris) == 1 and ".smpckpt-staging." in result.removed_debris[0]
+    _Held.release.set()
+    thread.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointError), errors
+    assert os.listdir(root) == []

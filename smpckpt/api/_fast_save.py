@@ -39,6 +39,7 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.api.options import check_local_path
+from smpckpt.catalog.sequence import saw_sequence
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
@@ -106,6 +107,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     def decide() -> int:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
+        # the fast tiers' copies are numbered too (catalog.sequence): this save is numbered after them
+        copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
+        saw_sequence(req.root, max(copies, default=0), req.storage_options)
         return 1 + max(tier_seq(views), durable_seq(req.root, req.storage_options))
 
     seq = ctx.on_coordinator(decide)

@@ -484,3 +484,27 @@ def test_old_checkpoints_without_numbers_come_first_in_time_order(tmp_path: Any)
     assert record_order({"created": "1970-01-01T00:00:01+00:00", "save_id": "y"}) == (0, 10**9, "y")
     assert record_order({"extra": {"sequence": 1, "saved_at_ns": 1}, "save_id": "z"}) > record_order(old)
     assert record_order({"extra": {"sequence": True}, "save_id": "w"})[0] == 0
+
+
+def test_a_tiered_save_is_numbered_after_the_fast_tiers_copies(tmp_path: Any) -> None:
+    """Saves kept only in the fast tier (not drained) are numbered too: a new process saving without a
+    resume numbers its checkpoint after them, not after the durable root's highest alone."""
+    from smpckpt.catalog.sequence import forget_roots
+
+    root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+    m, o = _model(0)
+    tier = {"local_path": fast, "replicas": 1, "durable_every": 2, "num_kept_local": None}
+    for tag in ("s1", "s2", "s3"):  # only s2 is drained to the root; s3 is in the fast tier alone
+        save_checkpoint(root, tag, model=m, optimizer=o, **tier)
+    smpckpt_wait()
+    assert [r.tag for r in scan_root(root) if r.committed] == ["s2"]
+    forget_roots()  # a new process, no resume
+    save_checkpoint(root, "s4", model=m, optimizer=o, **tier)
+    assert read_manifest(os.path.join(fast, "s4_partial")).extra["sequence"] == 4
+    assert [r.order[0] for r in scan_root(fast) if r.committed] == [1, 2, 3, 4]
+
+
+def smpckpt_wait() -> None:
+    from smpckpt import wait_for_saves
+
+    wait_for_saves()

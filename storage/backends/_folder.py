@@ -158,7 +158,7 @@ class Folder:
                 return str(resp.get("ETag") or "") or None
             with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
                 if self.fs.exists(where):
-                    raise FileExistsError(errno.EEXIST, "exists", where)
+                    raise FileExistsError(errno.EEXIST, nf.EXISTS, where)
                 self.fs.pipe_file(where, bytes(data))
             return None
 
@@ -167,7 +167,7 @@ class Folder:
         hole for the ranks to fill (a full artifact's file)."""
         dir_fd, base = self._at(name)
         with translate_errors(self.where(name)):
-            fd = os.open(base, nf.NEW_FLAGS, 0o644, dir_fd=dir_fd)
+            fd = nf.open_new_at(dir_fd, base, where=self.where(name))
             try:
                 os.ftruncate(fd, size)
                 for offset, data in pieces:
@@ -198,7 +198,7 @@ class Folder:
         with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
             with translate_errors(where):
                 if self.fs.exists(where):
-                    raise FileExistsError(errno.EEXIST, "exists", where)
+                    raise FileExistsError(errno.EEXIST, nf.EXISTS, where)
             return FsspecSink(self.fs, where)
 
     def open_temp(self, name: str, *, tag: str = "tmp") -> tuple[int, str]:
@@ -208,7 +208,7 @@ class Folder:
         dir_fd = self.dir_fd(rel, create=True) if rel else self._dirs[""]
         tmp = temp_name(base, tag)
         with translate_errors(self.where(name)):
-            fd = os.open(tmp, nf.NEW_FLAGS, 0o644, dir_fd=dir_fd)
+            fd = nf.open_new_at(dir_fd, tmp, where=self.where(name))
         return fd, f"{rel}/{tmp}" if rel else tmp
 
     def link_temp(self, tmp: str, name: str, *, sync: bool, replace: bool = False) -> None:

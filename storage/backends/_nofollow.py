@@ -28,6 +28,7 @@ __all__ = [
     "open_dir_at",
     "open_parent_and_name",
     "create_at",
+    "open_new_at",
     "remove_tree_at",
     "rename_noreplace",
     "walk_sizes",
@@ -83,7 +84,7 @@ def open_parent_and_name(path: str, *, create_parent: bool = False) -> tuple[int
 def create_at(dir_fd: int, name: str, data: bytes | memoryview, *, sync: bool, where: str) -> os.stat_result:
     """Create file ``name`` in ``dir_fd`` holding ``data`` (create-only; fsynced when ``sync``); its stat.
     A failure after the create removes what was created (nothing torn stays under the name)."""
-    fd = os.open(name, NEW_FLAGS, 0o644, dir_fd=dir_fd)
+    fd = open_new_at(dir_fd, name, where=where)
     try:
         view = memoryview(data).cast("B")
         while view:
@@ -97,6 +98,19 @@ def create_at(dir_fd: int, name: str, data: bytes | memoryview, *, sync: bool, w
         raise
     finally:
         os.close(fd)
+
+
+#: what a create-only open that found something under its name says (the file is named with it)
+EXISTS = "exists: another save's file, or a link planted under its name; a save creates its files, never writes into existing ones"
+
+
+def open_new_at(dir_fd: int | None, name: str, *, where: str) -> int:
+    """A write descriptor of file ``name`` created in ``dir_fd`` by this call (``O_CREAT | O_EXCL |
+    O_NOFOLLOW``); ``FileExistsError`` naming ``where`` when anything is there."""
+    try:
+        return os.open(name, NEW_FLAGS, 0o644, dir_fd=dir_fd)
+    except FileExistsError as exc:
+        raise FileExistsError(errno.EEXIST, EXISTS, where) from exc
 
 
 def walk_sizes(dir_fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, int | None]]:

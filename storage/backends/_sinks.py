@@ -94,9 +94,10 @@ class LocalSink:
         self._sync = sync
         self._dir_fd = dir_fd
         self._name: str = name if dir_fd is not None and name is not None else path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        from smpckpt.storage.backends._nofollow import open_new_at
+
         with translate_errors(path):
-            self._fd: int | None = os.open(self._name, flags, 0o644, dir_fd=dir_fd)
+            self._fd: int | None = open_new_at(dir_fd, self._name, where=path)
         self._pos = 0
         self._flushed = 0
 

@@ -3,9 +3,11 @@
 ``dcp.save`` reports a failure to every rank only after every rank's ``write_data`` returned (and the
 coordinator's ``finish``, when it ran, returned or raised), so by then nothing of that save is still
 being written. Each rank then removes the files it recorded for the failed save: a partial save's data
-files (named with its save id) and the coordinator's metadata copy; a full save's artifact, side files
-and metadata copy (the coordinator: it laid them out), its in-progress marker last and only while the
-marker still names that save. Nothing is removed when a manifest shows the commit landed (partial: this
+files (named with its save id) and the coordinator's metadata copy; on object stores a full save's
+artifact, side files and metadata copy (the coordinator: it laid them out), its in-progress marker last
+and only while the marker still names that save (on POSIX a full save's staging folder goes whole:
+``FullArtifactWriter.discard_failed_save``). Every removal goes through the protocol's folder, never
+through a link. Nothing is removed when a manifest shows the commit landed (partial: this
 save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
 way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
 goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still

@@ -29,6 +29,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import _protocol, is_local, is_s3, join
 from smpckpt.storage.backends._sinks import FsspecSink, LocalSink, Sink
 
-__all__ = ["Folder", "precondition", "drop_temp", "temp_name"]
+__all__ = ["Folder", "precondition", "drop_temp", "temp_name", "is_temp_name"]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,17 @@ def drop_temp(dir_fd: int, tmp: str, where: str) -> None:
 
 
 def temp_name(base: str, tag: str = "tmp") -> str:
-    # ".tmp." / ".recv." mark it for prune as an interrupted write (_names.is_temp_name)
+    """A temporary name beside ``base``: ``<base>.tmp.<pid>.<8 hex>`` (a publication or an atomic
+    replacement) or, ``tag="recv"``, ``<base>.recv.<pid>.<8 hex>`` (a fast-tier transfer)."""
     return f"{base}.{tag}.{os.getpid()}.{os.urandom(4).hex()}"
+
+
+_TEMP_RE = re.compile(r"\.(?:tmp|recv)\.\d+\.[0-9a-f]{8}$")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a :func:`temp_name` (an interrupted write's leftover, for prune)."""
+    return bool(_TEMP_RE.search(name))
 
 
 class Folder:

@@ -23,6 +23,7 @@ import secrets
 import time
 
 from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR  # noqa: F401 - named here too (their old home)
+from smpckpt.storage.backends._folder import is_temp_name  # noqa: F401 - the names' owner is the folder that makes them
 from smpckpt.storage.backends._prefixes import _PREFIX_RE, check_prefix
 
 __all__ = [
@@ -80,7 +81,6 @@ _DATA_RE = re.compile(r"^(?:[0-9A-Za-z_-]{1,64}/)?[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]
 _MAX_FOLDERS = 2
 _GEN_META_RE = re.compile(r"^\.metadata\.[0-9a-z]+$")
 _SAVE_ID_RE = re.compile(r"^[0-9a-z]{8,40}$")
-_TEMP_RE = re.compile(r"\.(?:tmp|recv)\.\d+\.[0-9a-f]{8}$")
 
 
 def new_save_id() -> str:
@@ -118,12 +118,6 @@ def staging_name(save_id: str) -> str:
 
 def is_staging_name(name: str) -> bool:
     return name.startswith(STAGING_PREFIX) and bool(_SAVE_ID_RE.match(name[len(STAGING_PREFIX) :]))
-
-
-def is_temp_name(name: str) -> bool:
-    """A temporary name of an interrupted write of ours: ``<name>.tmp.<pid>.<hex>`` (a publication or an
-    atomic replacement) or ``<name>.recv.<pid>.<hex>`` (a fast-tier transfer)."""
-    return bool(_TEMP_RE.search(name))
 
 
 def unfinished_full_save(names: set[str]) -> bool:

@@ -11,10 +11,11 @@ from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none, remove_tree, write_bytes_atomic
+from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._state import CheckpointState, Probe, probe
+from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
@@ -236,38 +237,32 @@ def _verify_legacy(
 
 
 def remove_checkpoint(
-    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, missing_ok: bool = True
-) -> None:
-    """Delete a checkpoint folder. The manifest goes first, so an interrupted removal leaves an
-    uncommitted folder (refused by readers), never a committed one with files missing.
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    missing_ok: bool = True,
+    uncommitted_only: bool = False,
+) -> bool:
+    """Delete a checkpoint folder (``storage.format.commit.remove_folder``): marked first (an interrupted
+    removal is known for garbage; a save committing meanwhile withdraws its commit), the manifest next, so
+    an interrupted removal leaves an uncommitted folder (refused by readers), never a committed one with
+    files missing; then the rest.
 
-    Deletes exactly the files listed under the folder (never a glob), so characters such as ``*`` or
-    ``[`` in the path cannot reach other checkpoints. A folder that is a symbolic link (local disk)
-    loses the link only, never what it points at. Raises :class:`OSError` naming what could not be
-    removed.
+    Deletes exactly what it finds under the folder (never a glob), through directory descriptors that
+    never follow a link (POSIX): a folder that is itself a link loses the link only; a link inside it
+    goes itself, never its target. ``uncommitted_only`` (stale debris): a folder found committed after the
+    mark is left as it is (``False`` returned). Raises :class:`OSError` naming what could not be removed.
     """
     fs, path = open_fs(url, storage_options)
-    if is_local(fs) and os.path.islink(path):
-        remove_tree(fs, path)  # the link only: its target may be another root's checkpoint
-        return
-    manifest_path = join(path, _names.MANIFEST_NAME)
-    if fs.exists(manifest_path):
-        # mark the folder first: if this removal is interrupted, the leftover is known to be garbage
-        # (see removal_marked), not a save in flight
-        write_bytes_atomic(fs, join(path, _names.REMOVING_NAME), b"removing\n")
     try:
-        with translate_errors(manifest_path):
-            fs.rm_file(manifest_path)
-    except FileNotFoundError:
-        pass
-    try:
-        failed = remove_tree(fs, path)
+        failed = remove_folder(fs, path, os.fspath(url), uncommitted_only=uncommitted_only)
     except FileNotFoundError:
         if not missing_ok:
             raise CheckpointNotFound(f"no checkpoint at {os.fspath(url)}") from None
-        return
+        return True
     if failed:
         raise OSError(f"could not remove {len(failed)} path(s) of {os.fspath(url)}: {failed[:5]}")
+    return not (uncommitted_only and read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME)) is not None)
 
 
 def _mtime(info: Mapping[str, Any]) -> float | None:

@@ -14,9 +14,12 @@ from fault_common import (
     STOCK_ONLY,
     build_model,
     fill_state,
+    full_tag_of,
+    model_mismatches,
     state_mismatches,
     step_of,
     tag_of,
+    tier_options,
 )
 
 
@@ -30,6 +33,13 @@ class Epoch:
     seen_unverifiable: set[tuple[str, str]] = dataclasses.field(default_factory=set)  # (tag, save id)
     max_attempted: int = 0  # newest step any save of this root may have attempted
     pending: list[int] = dataclasses.field(default_factory=list)  # kill points awaiting their restart check
+    mode: str = "partial"  # the save loop (fault_common.MODES)
+    reported_full: list[int] = dataclasses.field(default_factory=list)  # full artifacts reported committed
+
+    @property
+    def fast(self) -> str | None:
+        """(tiered) the fast tier's folder."""
+        return str(tier_options(self.root)["local_path"]) if self.mode == "tiered" else None
 
 
 def _tree_files(folder: str) -> list[tuple[str, int]]:
@@ -55,6 +65,17 @@ def _owned_names(manifest: Any) -> set[str]:
     return {str(f.name) for f in manifest.files} | {str(manifest.metadata.name)}
 
 
+def _committed_full(folder: str) -> Any:
+    """The manifest of a committed full artifact at ``folder`` (``None``: not one)."""
+    from smpckpt.storage import probe_checkpoint
+
+    try:
+        found = probe_checkpoint(folder)
+    except Exception:  # noqa: BLE001 - not a committed checkpoint
+        return None
+    return found.manifest if found.manifest is not None and found.manifest.kind == "full" else None
+
+
 def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set[str]]:
     """``{path: bytes}`` of files no committed generation owns, and the uncommitted folder paths."""
     files: dict[str, int] = {}
@@ -67,6 +88,9 @@ def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set
         if entry.is_dir(follow_symlinks=False):
             tag = entry.name[: -len("_partial")] if entry.name.endswith("_partial") else None
             rec = committed.get(tag) if tag else None
+            staged = entry.name.startswith((".smpckpt-staging.", ".smpckpt-trash."))  # never a checkpoint
+            if rec is None and tag is None and not staged and (full := _committed_full(entry.path)) is not None:
+                rec = dataclasses.make_dataclass("Full", ["manifest"])(full)  # a committed full artifact
             if rec is None:
                 dirs.add(entry.path)
                 files.update(_tree_files(entry.path))
@@ -77,6 +101,23 @@ def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set
                     files[p] = size
         elif entry.name != "newest":
             files[entry.path] = entry.stat(follow_symlinks=False).st_size
+    return files, dirs
+
+
+def leftovers_of(epoch: Epoch) -> tuple[dict[str, int], set[str]]:
+    """:func:`leftovers` of the epoch's root and (tiered) of its fast tier."""
+    from smpckpt.catalog.listing import scan_root
+
+    files: dict[str, int] = {}
+    dirs: set[str] = set()
+    for root in [epoch.root, *([epoch.fast] if epoch.fast else [])]:
+        try:
+            committed = {r.tag: r for r in scan_root(root) if r.committed}
+        except Exception:  # noqa: BLE001
+            committed = {}
+        f, d = leftovers(root, committed)
+        files.update(f)
+        dirs |= d
     return files, dirs
 
 
@@ -108,6 +149,10 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
         for r in scan_root(epoch.root):
             if r.committed:
                 committed[r.tag] = r
+        if epoch.fast:  # every committed copy in the fast tier is checked too (tagged "fast:")
+            for r in scan_root(epoch.fast):
+                if r.committed:
+                    committed[f"fast:{r.tag}"] = r
     except Exception as exc:  # noqa: BLE001 - the root cannot even be listed: every kept tag is lost
         out["errors"].append(f"scan_root: {type(exc).__name__}: {exc}")
         out["lost"] = [{"tag": tag_of(s), "why": "scan_root failed"} for s in reported[-KEEP:]]
@@ -125,7 +170,8 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001
                 out["corrupt"].append({"tag": tag, "why": f"{type(exc).__name__}: {exc}", "id": _save_id(rec)})
         corrupt = {c["tag"] for c in out["corrupt"] if not c.get("stock_only")}
-        for s in reported[-KEEP:]:
+        # (tiered: which saves were drained is not reported; the newest reported one must resume, (b))
+        for s in reported[-KEEP:] if epoch.mode != "tiered" else []:
             t = tag_of(s)
             if t in committed and t not in corrupt:
                 continue
@@ -149,14 +195,17 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
         out["stock_metadata_missing"] = [c for c in fresh if c.get("stock_only")]
         out["committed_on_disk"] = sorted(committed)
 
+    out["lost"] += _check_full(epoch, out)
+
     # (b) resume into a fresh, poisoned model
     res: dict[str, Any] = {"ok": False}
     try:
         model, opt = build_model()
         fill_state(model, opt, POISON_STEP)
+        tier = {"local_path": epoch.fast} if epoch.fast else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            uc = smpckpt.resume_from_checkpoint(epoch.root, model=model, optimizer=opt, missing_ok=not reported)
+            uc = smpckpt.resume_from_checkpoint(epoch.root, model=model, optimizer=opt, missing_ok=not reported, **tier)
         if uc is None:
             res.update(step=None, ok=not reported, why=None if not reported else "nothing to resume")
         else:
@@ -180,9 +229,42 @@ def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
     out["resume"] = res
 
     # leftovers created by this kill (paths not seen at an earlier check of this root)
-    files, dirs = leftovers(epoch.root, committed)
+    files, dirs = leftovers_of(epoch)
     new_files = {p: b for p, b in files.items() if p not in epoch.seen_leftovers}
     new_dirs = {d for d in dirs if d not in epoch.seen_leftovers}
     epoch.seen_leftovers |= set(files) | dirs
     out["leftovers"] = {"dirs": len(new_dirs), "files": len(new_files), "bytes": sum(new_files.values())}
     return out
+
+
+def _check_full(epoch: Epoch, out: dict[str, Any]) -> list[dict[str, str]]:
+    """(mode "full") Every ``full*`` folder under the root is a committed artifact that verifies (a staged
+    save is renamed into place only once committed: anything else is a failure), and each of the last
+    ``KEEP`` reported full artifacts is there and holds its step's weights bit-exactly."""
+    import smpckpt
+    from smpckpt.storage import verify_checkpoint
+
+    if epoch.mode != "full":
+        return []
+    lost: list[dict[str, str]] = []
+    for entry in sorted(os.scandir(epoch.root), key=lambda e: e.name):
+        if not entry.name.startswith("full") or not entry.is_dir(follow_symlinks=False):
+            continue
+        if _committed_full(entry.path) is None:
+            out["corrupt"].append({"tag": entry.name, "why": "a full artifact's folder without a commit", "id": ""})
+            continue
+        rep = verify_checkpoint(entry.path)
+        if not rep.ok:
+            out["corrupt"].append({"tag": entry.name, "why": "; ".join(rep.problems[:5]), "id": ""})
+    for step in sorted(set(epoch.reported_full))[-KEEP:]:
+        tag = full_tag_of(step)
+        model, _ = build_model()
+        try:
+            uc = smpckpt.resume_from_checkpoint(epoch.root, tag, partial=False, model=model)
+        except Exception as exc:  # noqa: BLE001
+            lost.append({"tag": tag, "why": f"reported committed, now {type(exc).__name__}: {exc}"})
+            continue
+        bad = model_mismatches(model, step)
+        if uc != {"step": step} or bad:
+            lost.append({"tag": tag, "why": f"holds user_content {uc}, {len(bad)} parameter(s) differ: {bad[:3]}"})
+    return lost

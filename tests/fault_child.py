@@ -21,7 +21,9 @@ from fault_common import (
     MANIFEST,
     build_model,
     fill_state,
+    full_tag_of,
     tag_of,
+    tier_options,
 )
 
 _REAL_FSYNC = os.fsync  # the child's own progress file never goes through the patched fsync
@@ -110,7 +112,9 @@ class Injector:
 
     def install(self) -> dict[str, list[str]]:
         import smpckpt.catalog.tags as tags
-        import smpckpt.storage.backends._fs as fsmod
+        import smpckpt.storage.backends._folder as folder_mod
+        import smpckpt.storage.backends._nofollow as nofollow
+        import smpckpt.storage.backends._paths as fsmod
         import smpckpt.storage.backends._sinks as sinks
         import smpckpt.storage.tools as tools
         from smpckpt.storage.write.writer import FsspecStorageWriter
@@ -150,7 +154,41 @@ class Injector:
         FsspecStorageWriter._write_manifest = write_manifest  # type: ignore[method-assign]
         self.patched["FsspecStorageWriter"] = ["smpckpt.storage.write.writer.FsspecStorageWriter._write_manifest"]
 
-        # write_bytes_atomic: the definition and every imported copy
+        # the commit protocol's folder: files created (the generation's metadata, side files) or published
+        # (the manifest, the stock .metadata copy), counted by the name they write (class attributes)
+        orig_create, orig_publish = folder_mod.Folder.create, folder_mod.Folder.publish
+
+        def create(folder: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            counter = f"write:{_classify(name)}"
+            inj.before(counter)
+            out = orig_create(folder, name, *args, **kwargs)
+            inj.after(counter)
+            return out
+
+        def publish(folder: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            counter = f"write:{_classify(name)}"
+            inj.before(counter)
+            out = orig_publish(folder, name, *args, **kwargs)
+            inj.after(counter)
+            return out
+
+        folder_mod.Folder.create = create  # type: ignore[method-assign]
+        folder_mod.Folder.publish = publish  # type: ignore[method-assign]
+        self.patched["Folder"] = ["smpckpt.storage.backends._folder.Folder.create", "Folder.publish"]
+
+        # a full save's staging folder renamed into place (the commit of a full artifact on POSIX)
+        orig_rename = nofollow.rename_noreplace
+
+        def rename_noreplace(*args: Any, **kwargs: Any) -> Any:
+            inj.before("publish:folder")
+            out = orig_rename(*args, **kwargs)
+            inj.after("publish:folder")
+            return out
+
+        nofollow.rename_noreplace = rename_noreplace  # type: ignore[assignment]
+        self.patched["rename_noreplace"] = ["smpckpt.storage.backends._nofollow.rename_noreplace"]
+
+        # write_bytes_atomic (newest): the definition and every imported copy
         orig_wba = fsmod.write_bytes_atomic
 
         def wba(*args: Any, **kwargs: Any) -> Any:
@@ -209,6 +247,7 @@ class Injector:
         os_wrap("replace", publish_counter)  # write_bytes_atomic: temp + rename
         os_wrap("link", publish_counter)  # exclusive commit: temp + hard link
         os_wrap("fsync", lambda a, k: "fsync")
+        os_wrap("pwrite", lambda a, k: "pwrite")  # a full artifact's boxes, written at their offsets
         for fn_name in ("unlink", "remove", "rmdir"):
             os_wrap(fn_name, lambda a, k: "rm_in_removal" if inj.in_removal else "")
         for name, hits in self.patched.items():
@@ -235,9 +274,28 @@ def child_main() -> int:
     go = json.loads(line)
     root, progress = go["root"], Progress(go["progress"])
     max_saves = int(fault.get("max_saves", DET_MAX_SAVES))
+    mode = fault.get("mode", "partial")
+    # tiered: every save to this root's fast tier, every 2nd drained to the root in the background
+    tier = tier_options(root) if mode == "tiered" else {}
+    tier_resume = {"local_path": tier["local_path"]} if tier else {}
+
+    def save(k: int) -> None:
+        smpckpt.save_checkpoint(
+            root,
+            tag_of(k),
+            model=model,
+            optimizer=opt,
+            user_content={"step": k},
+            num_kept_partial_checkpoints=KEEP,
+            **tier,
+        )
+
+    def save_full(k: int) -> None:
+        smpckpt.save_checkpoint(root, full_tag_of(k), partial=False, model=model, user_content={"step": k})
+
     phase = "resume"
     try:
-        uc = smpckpt.resume_from_checkpoint(root, model=model, optimizer=opt, missing_ok=True)
+        uc = smpckpt.resume_from_checkpoint(root, model=model, optimizer=opt, missing_ok=True, **tier_resume)
         info = smpckpt.last_resume_info() if uc is not None else None
         step = None if uc is None else int(uc["step"])
         progress.emit(
@@ -249,14 +307,7 @@ def child_main() -> int:
         start = 0 if step is None else step + 1
         phase = "restart_save"
         fill_state(model, opt, start)
-        smpckpt.save_checkpoint(
-            root,
-            tag_of(start),
-            model=model,
-            optimizer=opt,
-            user_content={"step": start},
-            num_kept_partial_checkpoints=KEEP,
-        )
+        save(start)
         progress.emit(event="committed", step=start, phase="restart")
         phase = "install"
         inj = Injector(fault, progress)
@@ -265,11 +316,13 @@ def child_main() -> int:
         phase = "loop"
         for k in range(start + 1, start + 1 + max_saves):
             fill_state(model, opt, k)
-            smpckpt.save_checkpoint(
-                root, tag_of(k), model=model, optimizer=opt, user_content={"step": k}, num_kept_partial_checkpoints=KEEP
-            )
+            save(k)
             inj.before("post_save")
             progress.emit(event="committed", step=k, phase="loop", counts=dict(inj.counts))
+            if mode == "full":  # and the same step as a full artifact
+                save_full(k)
+                progress.emit(event="committed_full", step=k, phase="loop")
+        smpckpt.wait_for_saves()  # a drain in flight
         progress.emit(event="done")
         return 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit 3

@@ -25,7 +25,7 @@ KINDS: dict[str, tuple[str, str, tuple[int, int], str]] = {
     "data_write_torn": ("sink.write", "torn", (1, 200), "half of a data-file chunk written"),
     "data_fsync": ("sink.commit", "before", (1, 12), "before a data file's fsync+close (LocalSink.commit)"),
     "fsync": ("fsync", "before", (1, 36), "before any os.fsync of the save loop"),
-    "metadata_write": ("wba:.metadata", "before", (1, 6), "before write_bytes_atomic(.metadata[.<id>])"),
+    "metadata_write": ("write:.metadata", "before", (1, 6), "before .metadata[.<id>] is created or published"),
     "metadata_rename": ("publish:.metadata", "before", (1, 6), ".metadata temp written+fsynced, not renamed"),
     "manifest_write": ("commit", "before", (1, 3), "before the writer's _write_manifest (the commit)"),
     "manifest_rename": ("publish:manifest", "before", (1, 3), "manifest temp written+fsynced, not published"),
@@ -37,6 +37,25 @@ KINDS: dict[str, tuple[str, str, tuple[int, int], str]] = {
     "retention_start": ("remove_checkpoint", "before", (1, 3), "before retention's remove_checkpoint"),
     "retention_mid": ("rm_in_removal", "before", (2, 8), "between the deletions of remove_checkpoint"),
     "post_save": ("post_save", "before", (1, 3), "save returned, progress line not written"),
+    # issue 42: the protocol's own steps, and those of full saves, fast-tier node copies and drains
+    "manifest_publish": ("write:manifest", "before", (1, 6), "before any manifest is published (node copy, drain)"),
+    "manifest_published": ("write:manifest", "after", (1, 6), "a manifest published (node copy, drain, save)"),
+    "full_box_write": ("pwrite", "before", (1, 60), "before a full artifact's box (or header) pwrite"),
+    "full_publish": ("publish:folder", "before", (1, 2), "a full save's staging folder complete, not renamed"),
+    "full_published": ("publish:folder", "after", (1, 2), "the staging folder renamed into place, root not fsynced"),
+}
+#: save loops the campaign kills (``--modes``): plain partial saves; partial + full saves of each step;
+#: tiered saves (fast tier + a drain of every 2nd save, in the background)
+MODES = ("partial", "full", "tiered")
+#: the kinds that can land in each mode (a counter a mode never reaches would leave its child unkilled)
+_COMMON = ("data_write", "data_write_torn", "data_fsync", "fsync", "metadata_write", "newest_write")
+_COMMON += ("newest_rename", "newest_renamed", "retention_start", "retention_mid", "post_save")
+MODE_KINDS: dict[str, tuple[str, ...]] = {
+    "partial": (*_COMMON, "metadata_rename", "manifest_write", "manifest_rename", "manifest_renamed")
+    + ("manifest_committed", "manifest_published"),
+    "full": (*_COMMON, "manifest_write", "manifest_committed", "full_box_write", "full_publish", "full_published"),
+    "tiered": (*_COMMON, "metadata_rename", "manifest_rename", "manifest_renamed", "manifest_publish")
+    + ("manifest_published",),
 }
 TIMED = "timed"
 #: verify_checkpoint's warning for a committed checkpoint whose stock ``.metadata`` copy (written after
@@ -48,6 +67,16 @@ ALL_KINDS = (*KINDS, TIMED)
 
 def tag_of(step: int) -> str:
     return f"step{step:05d}"
+
+
+def full_tag_of(step: int) -> str:
+    """The full artifact of ``step`` (mode "full")."""
+    return f"full{step:05d}"
+
+
+def tier_options(root: str) -> dict[str, Any]:
+    """The tiered saves' options (mode "tiered"): this root's fast tier beside it."""
+    return {"local_path": f"{root.rstrip('/')}_fast", "replicas": 1, "durable_every": 2, "num_kept_local": 2}
 
 
 def step_of(tag: str) -> int | None:
@@ -89,6 +118,16 @@ def fill_state(model: Any, opt: Any, step: int) -> None:
             st["exp_avg"].copy_(torch.randn(p.shape, generator=g))
             st["exp_avg_sq"].copy_(torch.rand(p.shape, generator=g))
             st["step"].fill_(float(step + 1))
+
+
+def model_mismatches(model: Any, step: int) -> list[str]:
+    """Names of the parameters of ``model`` that differ (bit-exact) from those of ``step``."""
+    import torch
+
+    exp_model, exp_opt = build_model()
+    fill_state(exp_model, exp_opt, step)
+    got = dict(model.named_parameters())
+    return [n for n, q in exp_model.named_parameters() if n not in got or not torch.equal(got[n].detach(), q.detach())]
 
 
 def state_mismatches(model: Any, opt: Any, step: int) -> list[str]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault injection: SIGKILL a save loop at many points and count the checkpoints lost (must be 0).
 
-    python tests/fault_injection.py --kills 60 --seed 0 [--root DIR] [--json out.json]
+    python tests/fault_injection.py --kills 60 --seed 0 [--modes partial,full,tiered] [--root DIR] [--json out.json]
 
 A child process (this script with ``--child``: one plain process, no process group) trains a tiny
 model (a ``nn.Linear`` stack + Adam, ~3.3 MB of state) whose parameters and Adam state at step ``k``
@@ -11,7 +11,11 @@ are a pure function of ``k`` (filled from ``torch.Generator().manual_seed(k)``),
                     num_kept_partial_checkpoints=3)
 
 appending (and fsyncing) one line to a progress file after every save that returned, so the parent
-knows which tags were *reported committed*. Every child run starts as a restart would: it resumes
+knows which tags were *reported committed*. Three save loops (``--modes``; kill points are spread over
+them, each on a root of its own): ``partial`` (the loop above); ``full`` (each step also saved as a full
+artifact ``full{k:05d}``: staging folder, boxes written at offsets, renamed into place); ``tiered``
+(``local_path=`` a fast tier beside the root, ``replicas=1``, every 2nd save drained to the root in the
+background: fast-tier node copies and drains). Every child run starts as a restart would: it resumes
 (``newest``, fallback: newest committed tag), saves ``resumed step + 1`` (the restart save, no fault
 armed), then arms its fault and goes on saving until it dies.
 
@@ -46,6 +50,12 @@ imports:
     replay a committed tag -- is reported against the kill point that left the state behind; the
     remaining points then run on a fresh root (the failure is counted, not worked around).
 
+Per mode: ``full`` also checks that every ``full*`` folder is a committed artifact that verifies (a
+staged save is published only once committed) and that the last 3 reported full artifacts hold their
+step's weights bit-exactly; ``tiered`` resumes with ``local_path`` (the newest complete copy of either
+tier) and verifies every committed copy in both tiers (which saves were drained is not reported, so
+(a) is replaced by (b)).
+
 LOST = a reported-committed tag that should be kept is gone or unverifiable, or resume fails or
 returns an older step than the newest reported one. Every other committed checkpoint is verified
 too: a checksum/size problem is a failure ("corrupt"); a missing stock ``.metadata`` copy only (a
@@ -79,7 +89,7 @@ import tempfile
 import time
 from typing import Any
 
-from fault_checks import Epoch, check_root, leftovers
+from fault_checks import Epoch, check_root, leftovers_of
 from fault_child import child_main
 from fault_common import (
     ALL_KINDS,
@@ -87,6 +97,8 @@ from fault_common import (
     FAULT_ENV,
     KEEP,
     KINDS,
+    MODE_KINDS,
+    MODES,
     READY_TIMEOUT_S,
     RUN_TIMEOUT_S,
     TIMED,
@@ -102,33 +114,44 @@ class Point:
     kind: str
     n: int | None = None  # deterministic kinds
     delay_s: float | None = None  # timed kills
+    mode: str = "partial"  # the save loop killed (fault_common.MODES)
 
     def fault(self) -> dict[str, Any]:
         if self.kind in KINDS:
-            return {"kind": self.kind, "n": self.n, "max_saves": DET_MAX_SAVES}
-        return {"kind": self.kind, "max_saves": TIMED_MAX_SAVES if self.kind == TIMED else 3}
+            return {"kind": self.kind, "n": self.n, "max_saves": DET_MAX_SAVES, "mode": self.mode}
+        return {"kind": self.kind, "max_saves": TIMED_MAX_SAVES if self.kind == TIMED else 3, "mode": self.mode}
+
+    @property
+    def key(self) -> str:
+        """Where its figures go in the report: kind per mode."""
+        return f"{self.mode}:{self.kind}"
 
     def label(self) -> str:
         if self.kind in KINDS:
-            return f"{self.kind} N={self.n}"
+            return f"{self.mode}:{self.kind} N={self.n}"
         if self.kind == TIMED:
-            return f"timed {self.delay_s:.3f}s"
-        return self.kind
+            return f"{self.mode}:timed {self.delay_s:.3f}s"
+        return f"{self.mode}:{self.kind}"
 
 
-def make_plan(kills: int, seed: int, kinds: list[str], force_n: int | None) -> list[Point]:
+def make_plan(kills: int, seed: int, kinds: list[str], force_n: int | None, modes: list[str]) -> list[Point]:
     rng = random.Random(seed)
-    det = [k for k in kinds if k in KINDS]
+    det = [(m, k) for m in modes for k in MODE_KINDS[m] if k in kinds]
     timed = TIMED in kinds
     n_timed = kills // 2 if (timed and det) else (kills if timed else 0)
     n_det = kills - n_timed
-    det_seq: list[str] = []
+    det_seq: list[tuple[str, str]] = []
     while len(det_seq) < n_det:
         cycle = list(det)
         rng.shuffle(cycle)
         det_seq.extend(cycle)
-    points = [Point(0, k, n=force_n if force_n is not None else rng.randint(*KINDS[k][2])) for k in det_seq[:n_det]]
-    points += [Point(0, TIMED, delay_s=round(rng.uniform(*TIMED_RANGE_S), 3)) for _ in range(n_timed)]
+    points = [
+        Point(0, k, n=force_n if force_n is not None else rng.randint(*KINDS[k][2]), mode=m) for m, k in det_seq[:n_det]
+    ]
+    points += [
+        Point(0, TIMED, delay_s=round(rng.uniform(*TIMED_RANGE_S), 3), mode=modes[i % len(modes)])
+        for i in range(n_timed)
+    ]
     rng.shuffle(points)
     for i, p in enumerate(points):
         p.index = i
@@ -228,8 +251,8 @@ class RunResult:
     def restart_ok(self) -> bool:
         return any(e.get("event") == "committed" and e.get("phase") == "restart" for e in self.events)
 
-    def committed_steps(self) -> list[int]:
-        return [int(e["step"]) for e in self.events if e.get("event") == "committed"]
+    def committed_steps(self, event: str = "committed") -> list[int]:
+        return [int(e["step"]) for e in self.events if e.get("event") == event]
 
 
 def run_child(child: Child, root: str, progress_path: str) -> RunResult:
@@ -300,7 +323,7 @@ def repro(args: argparse.Namespace, point: Point) -> str:
     me = "python tests/fault_injection.py"
     if point.kind in KINDS:
         return (
-            f"{me} --kills 1 --seed {args.seed} --kinds {point.kind} --n {point.n}  "
+            f"{me} --kills 1 --seed {args.seed} --modes {point.mode} --kinds {point.kind} --n {point.n}  "
             f"(in the full run: --kills {args.kills} --seed {args.seed}, kill #{point.index})"
         )
     return (
@@ -314,9 +337,11 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
     os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(state_dir, "progress"), exist_ok=True)
     kinds = args.kinds.split(",") if args.kinds else list(ALL_KINDS)
-    plan = make_plan(args.kills, args.seed, kinds, args.n)
-    final = Point(len(plan), "final")  # no fault: the restart check of the last kill
-    todo = [*plan, final]
+    modes = args.modes.split(",") if args.modes else list(MODES)
+    plan = make_plan(args.kills, args.seed, kinds, args.n, modes)
+    # no fault: the restart check of the last kill of each save loop
+    finals = [Point(len(plan) + i, "final", mode=m) for i, m in enumerate(dict.fromkeys(p.mode for p in plan))]
+    todo = [*plan, *finals]
 
     serial = 0  # children started
     runs = 0  # children run
@@ -335,11 +360,12 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
     logging.getLogger("smpckpt").addHandler(logging.NullHandler())
     logging.getLogger("smpckpt").propagate = False
 
-    epochs = [Epoch(0, os.path.join(base, "ckpt0"))]
+    # one root per save loop (a tiered root's fast tier beside it), a fresh one after a failed restart
+    epochs_of: dict[str, list[Epoch]] = {m: [Epoch(0, os.path.join(base, f"{m}0"), mode=m)] for m in modes}
     records: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     warnings_: list[dict[str, Any]] = []  # reported, not failing: see STOCK_ONLY
-    by_kind: dict[str, dict[str, int]] = {k: zero_stats() for k in dict.fromkeys(p.kind for p in plan)}
+    by_kind: dict[str, dict[str, int]] = {k: zero_stats() for k in dict.fromkeys(p.key for p in plan)}
     calls_per_save: dict[str, int] = {}
 
     def fail(point: Point, what: str, detail: str, epoch: Epoch) -> None:
@@ -358,8 +384,15 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
 
     try:
         for i, point in enumerate(todo):
-            rec: dict[str, Any] = {"kill": point.index, "kind": point.kind, "n": point.n, "delay_s": point.delay_s}
+            rec: dict[str, Any] = {
+                "kill": point.index,
+                "kind": point.kind,
+                "mode": point.mode,
+                "n": point.n,
+                "delay_s": point.delay_s,
+            }
             retried = False
+            epochs = epochs_of[point.mode]
             while True:
                 epoch = epochs[-1]
                 if queue and queue[0].point is point:
@@ -398,6 +431,7 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
                         for k, v in b["counts"].items():
                             calls_per_save.setdefault(k, v - a["counts"].get(k, 0))
                 epoch.reported.extend(result.committed_steps())
+                epoch.reported_full.extend(result.committed_steps("committed_full"))
 
                 # (c) for the kill points that left this root's state behind
                 restart_failed = err is not None and err.get("phase") in ("resume", "restart_save")
@@ -408,7 +442,7 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
                     blamed = epoch.pending[-1] if epoch.pending else None
                     if blamed is not None:
                         bp = plan[blamed]
-                        by_kind[bp.kind]["restart_failures"] += 1
+                        by_kind[bp.key]["restart_failures"] += 1
                         for r in records:
                             if r["kill"] == blamed:
                                 r["restart"] = f"FAILED in the next run: {detail}"
@@ -421,11 +455,11 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
                         )
                         print(f"    !! restart after kill #{blamed} ({bp.label()}) FAILED: {detail[:300]}", flush=True)
                     else:
-                        if point.kind in by_kind:
-                            by_kind[point.kind]["errors"] += 1
+                        if point.key in by_kind:
+                            by_kind[point.key]["errors"] += 1
                         fail(point, "restart save failed with no kill before it", detail, epoch)
                     # go on testing on a fresh root; retry this point there once
-                    epochs.append(Epoch(len(epochs), os.path.join(base, f"ckpt{len(epochs)}")))
+                    epochs.append(Epoch(len(epochs), os.path.join(base, f"{point.mode}{len(epochs)}"), mode=point.mode))
                     print(f"    -> continuing on a fresh root {epochs[-1].root}", flush=True)
                     if not retried:
                         retried = True
@@ -447,9 +481,9 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
                         }
                     )
                 records.append(rec)
-                break
+                continue
 
-            stats = by_kind[point.kind]
+            stats = by_kind[point.key]
             stats["points"] += 1
             if result.landed:
                 stats["landed"] += 1
@@ -521,18 +555,16 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
         for k, v in s.items():
             totals[k] += v
     final_left = {"dirs": 0, "files": 0, "bytes": 0}
-    for ep in epochs:
-        try:
-            from smpckpt.catalog.listing import scan_root
-
-            committed = {r.tag: r for r in scan_root(ep.root) if r.committed}
-        except Exception:  # noqa: BLE001
-            committed = {}
-        files, dirs = leftovers(ep.root, committed)
+    all_epochs = [ep for eps in epochs_of.values() for ep in eps]
+    for ep in all_epochs:
+        files, dirs = leftovers_of(ep)
         final_left["dirs"] += len(dirs)
         final_left["files"] += len(files)
         final_left["bytes"] += sum(files.values())
-    final_rec = records[-1] if records and records[-1]["kind"] == "final" else {}
+    final_recs = [r for r in records if r["kind"] == "final"]
+    final_check = "ok" if final_recs and all(r.get("restart_check") == "ok" for r in final_recs) else None
+    if final_check is None and final_recs:
+        final_check = "; ".join(f"{r['mode']}: {r.get('restart_check')}" for r in final_recs)
     ok = (
         totals["lost"] == 0
         and totals["resume_failures"] == 0
@@ -548,11 +580,12 @@ def campaign(args: argparse.Namespace, base: str) -> dict[str, Any]:
         "kinds": kinds,
         "keep": KEEP,
         "base": base,
-        "roots": [ep.root for ep in epochs],
+        "modes": modes,
+        "roots": [ep.root for ep in all_epochs],
         "runtime_s": round(time.monotonic() - t_start, 1),
         "by_kind": by_kind,
         "totals": totals,
-        "final_restart_check": final_rec.get("restart_check"),
+        "final_restart_check": final_check,
         "final_leftovers_on_disk": final_left,
         "calls_per_save": calls_per_save,
         "failures": failures,
@@ -636,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", help="work folder (created; must be empty); default: a temp folder, removed on success")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--kinds", help=f"comma-separated subset of: {','.join(ALL_KINDS)}")
+    ap.add_argument("--modes", help=f"save loops killed, comma-separated subset of: {','.join(MODES)} (default: all)")
     ap.add_argument("--n", type=int, help="force N for deterministic kinds (reproduction)")
     ap.add_argument("--prefetch", type=int, default=2, help="children started ahead (overlaps torch import)")
     args = ap.parse_args(argv)
@@ -647,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = [k for k in args.kinds.split(",") if k not in ALL_KINDS]
         if bad:
             ap.error(f"unknown kinds {bad}; choose from {','.join(ALL_KINDS)}")
+    if args.modes:
+        bad = [m for m in args.modes.split(",") if m not in MODES]
+        if bad:
+            ap.error(f"unknown modes {bad}; choose from {','.join(MODES)}")
     if args.root:
         base = os.path.abspath(args.root)
         if os.path.exists(base) and os.listdir(base):

@@ -7,6 +7,7 @@ import pickle
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from golden_model import GOLDEN_ROOT, GOLDEN_TAG, GOLDEN_USER_CONTENT, golden_model
 
@@ -95,3 +96,31 @@ def test_format_tags_are_pinned() -> None:
         "__smpckpt__",
         1,
     )
+
+
+def test_golden_checkpoint_orders_before_every_numbered_one(tmp_path: Path) -> None:
+    """A 0.1.0 manifest has no sequence number: it counts as 0, so a root holding it numbers its first new
+    save 1 and orders it after (tag-less resume, retention), whatever either save time says. A stock DCP
+    folder beside them is listed as legacy, never ordered or removed by retention."""
+    import torch.distributed.checkpoint as dcp
+
+    from smpckpt import save_checkpoint
+    from smpckpt.catalog.retention import apply_retention
+
+    root = tmp_path / "golden"
+    shutil.copytree(DATA, root)
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(root / "stock_partial"), no_dist=True)
+    model, opt = golden_model()
+    save_checkpoint(str(root), "step4", model=model, optimizer=opt, user_content={"step": 4})
+    records = scan_root(str(root))
+    assert [(r.tag, r.state, r.order[0]) for r in records] == [
+        ("stock", "legacy", 0),
+        (GOLDEN_TAG, "committed", 0),
+        ("step4", "committed", 1),
+    ]
+    (root / "newest").unlink()  # the fallback orders by sequence number alone
+    back, back_opt = golden_model()
+    with pytest.warns(UserWarning, match="newest is missing"):
+        assert resume_from_checkpoint(str(root), model=back, optimizer=back_opt) == {"step": 4}
+    assert apply_retention(str(root), 1).removed == (GOLDEN_TAG,)
+    assert [(r.tag, r.state) for r in scan_root(str(root))] == [("stock", "legacy"), ("step4", "committed")]

@@ -34,27 +34,21 @@ from smpckpt.api._fast_save import TierPlan, retain_fast
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import note_durable_seq
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import (
-    create_bytes_exclusive,
-    is_local,
-    join,
-    open_fs,
-    read_bytes_or_none,
-    remove_files,
-    write_bytes_atomic,
-)
-from smpckpt.storage.backends._sinks import open_sink
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.commit import commit as commit_in
+from smpckpt.storage.format.commit import settle_uncommitted_folder
 from smpckpt.storage.format.manifest import Manifest
 from smpckpt.storage.tier import PreparedCommit
-from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
 
 __all__ = ["drain", "copiers"]
 
 log = logging.getLogger("smpckpt.api")
 
-_PART = 32 << 20  # bytes per read from the fast tier and per S3 part (the writers' default part size)
+_PART = DEFAULT_PART_SIZE  # bytes per read from the fast tier and per S3 part (the writers' default part size)
 # files copied at once: local and shared filesystems gain little beyond a few streams; object stores
 # want many requests in flight (the fast tier sized these files to about one request each)
 _FILES_AT_ONCE = {True: 4, False: 16}
@@ -93,15 +87,14 @@ def drain(
     fs, path = open_fs(req.url, req.storage_options)
     assigned = copiers(manifest, held_by)
     mine = [rec for rec in manifest.files if assigned[rec.name] == tier.nodes.rank]
-    folder = tier.folder_of(req.tag)
+    source = tier.folder_of(req.tag)  # this node's fast-tier copy of the tag
     sync = req.opts.sync_files
 
-    def copy_one(name: str) -> None:
-        if is_local(fs):
-            os.makedirs(os.path.dirname(join(path, name)), exist_ok=True)
-        sink = open_sink(fs, join(path, name), sync=sync, part_size=_PART, max_parts_in_flight=2)
+    def copy_one(name: str, folder: Folder) -> None:
+        # create-only, in the folder opened without following links (storage/backends/_folder.py)
+        sink = open_sink(fs, join(path, name), sync=sync, part_size=_PART, max_parts_in_flight=2, folder=folder)
         try:
-            with open(os.path.join(folder, name), "rb") as f:
+            with open(os.path.join(source, name), "rb") as f:
                 while chunk := f.read(_PART):
                     sink.write(memoryview(chunk))
             sink.commit()
@@ -110,20 +103,31 @@ def drain(
             raise
 
     def copy_mine() -> None:
-        with concurrent.futures.ThreadPoolExecutor(
-            _FILES_AT_ONCE[is_local(fs)], thread_name_prefix="smpckpt-drain-copy"
-        ) as pool:
-            for done in [pool.submit(copy_one, rec.name) for rec in mine]:
+        with (
+            Folder(fs, path, create=True) as folder,
+            concurrent.futures.ThreadPoolExecutor(
+                _FILES_AT_ONCE[is_local(fs)], thread_name_prefix="smpckpt-drain-copy"
+            ) as pool,
+        ):
+            for done in [pool.submit(copy_one, rec.name, folder) for rec in mine]:
                 done.result()
+            if sync:
+                folder.fsync_dirs()
 
     def commit() -> None:
         found = probe(fs, path, list_when_empty=False)
         if found.state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint; the drain of {req.tag!r} stops")
-        check_data_files(fs, path, req.url, list(manifest.files))
-        write_bytes_atomic(fs, join(path, prepared.metadata_name), prepared.metadata, sync=sync, sync_dir=False)
-        create_bytes_exclusive(fs, join(path, MANIFEST_NAME), prepared.manifest, sync=sync)
-        after_commit(fs, path, req.url, manifest, prepared.metadata, [], sync=sync)
+        with Folder(fs, path) as folder:  # the one commit protocol (storage/format/commit.py)
+            commit_in(
+                folder,
+                req.url,
+                manifest,
+                prepared.manifest,
+                sync=sync,
+                metadata=prepared.metadata,
+                stock_metadata=prepared.metadata,
+            )
 
     try:
         if held_by is not None:
@@ -132,7 +136,8 @@ def drain(
         dctx.on_coordinator(commit)
     except BaseException:
         if _committed(fs, path, prepared) is False:  # unknown (None): nothing is removed blind
-            failed = remove_files(fs, [join(path, rec.name) for rec in mine], within=path)
+            with Folder(fs, path) as folder:
+                failed = folder.remove([rec.name for rec in mine])
             if failed:
                 log.warning("the failed drain of %s left %d file(s): %s", req.url, len(failed), failed[:5])
         raise
@@ -153,7 +158,12 @@ def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedC
         raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")
     settle_uncommitted_folder(fs, path, url)
     names = [rec.name for rec in prepared.parsed().files] + [prepared.metadata_name]
-    failed = remove_files(fs, [join(path, n) for n in names], within=path)
+    try:
+        folder = Folder(fs, path)  # removes by exact name, never following a link
+    except FileNotFoundError:
+        return  # the killed drain never created the folder: nothing to clear
+    with folder:
+        failed = folder.remove(names)
     if failed:
         raise CheckpointError(f"{url}: could not remove what an earlier drain of {tag!r} left: {failed[:5]}")
 

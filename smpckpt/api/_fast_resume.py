@@ -40,11 +40,12 @@ from smpckpt.api._resume import (
 from smpckpt.api._tier_copies import FastCandidate, candidates
 from smpckpt.api._tiers import Nodes, gather_views
 from smpckpt.api.options import check_local_path
-from smpckpt.catalog._save_clock import saw_checkpoint
+from smpckpt.catalog.sequence import saw_sequence
 from smpckpt.catalog.tags import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
+from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
@@ -111,8 +112,12 @@ def choose_tier(req: ResumeRequest, ctx: DistContext) -> TierChoice:
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
     durable = ctx.on_coordinator(durable_target)
-    # the same tag in both tiers (tag=...): the fast copy first; else whichever was saved later
-    usable = [c for c in complete if req.tag is not None or durable is None or durable.seen_ns <= c.order[0]]
+    if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.sequence)
+        durable.seen_by(req.root, req.storage_options)
+    # the same tag in both tiers (tag=...): the fast copy first; else whichever is later in the root's order
+    # (sequence number, then save time: a drained copy is the fast copy's manifest, so it ties and the fast
+    # copy is taken)
+    usable = [c for c in complete if req.tag is not None or durable is None or durable.order <= c.order]
     return TierChoice(nodes, job, streams, tuple(usable), durable)
 
 
@@ -151,7 +156,6 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice) -> Loa
     if choice.durable is None:
         return None
     target = choice.durable
-    saw_checkpoint(req.root, target.seen_ns, req.storage_options)
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
     return Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
@@ -177,7 +181,7 @@ def _load_fast(
     target: Target,
     manifest: tuple[Manifest, int],
 ) -> Loaded:
-    saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    saw_sequence(req.root, target.order[0], req.storage_options)
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
     reader = fast_reader(req, target, choice, cand, *manifest)
@@ -274,4 +278,18 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
         message = f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}"
         log.warning(message)
         warnings.warn(message, stacklevel=5)
-    return None if missing else dataclasses.replace(cand, held_by=held, missing=missing)
+    if missing:
+        return None
+
+    def drop() -> None:
+        # the corrupt copies go (exact names, never through a link), so the intact ones fetched from the
+        # peers can take their names: received files are created, never written over (the commit protocol)
+        mine = sorted(name for n, name in corrupt if n == node)
+        if nodes.is_leader and mine:
+            with Folder(open_fs(folder)[0], folder) as f:
+                failed = f.remove(mine)
+            if failed:
+                raise CheckpointError(f"fast tier: could not remove the corrupt copies {failed[:5]}")
+
+    gctx.all_ok(drop)
+    return dataclasses.replace(cand, held_by=held, missing=missing)

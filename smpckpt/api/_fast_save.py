@@ -44,15 +44,16 @@ from smpckpt.api._tiers import (
     known_durable_seq,
 )
 from smpckpt.api.options import check_local_path
+from smpckpt.catalog.sequence import saw_sequence
 from smpckpt.catalog.tags import partial_dirname, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import Manifest, probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none, remove_tree
+from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format.commit import check_files, remove_folder
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.transfer import TransferOutcome
-from smpckpt.storage.write._commit import check_data_files
 
 __all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain", "release_hold"]
 
@@ -129,6 +130,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
     def decide() -> tuple[int, int, tuple[str, int] | None]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
+        # the fast tiers' copies are numbered too (catalog.sequence): this save is numbered after them
+        copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
+        saw_sequence(req.root, max(copies, default=0), req.storage_options)
         drained = durable_seq(req.root, req.storage_options)
         seq = 1 + max(tier_seq(views), drained)
         with _RETENTION:  # a drain of this process still copying it is not pending: it is running
@@ -150,7 +154,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
                     f"{folder} is {copy.state} ({copy.detail}): it is left alone; save under another tag, or "
                     "remove that folder"
                 )
-            failed = remove_tree(open_fs(folder)[0], folder)
+            failed = remove_folder(open_fs(folder)[0], folder, folder)  # manifest first, never through a link
             if failed:
                 raise CheckpointError(f"{folder}: could not remove the leftovers of an earlier save: {failed[:5]}")
 
@@ -269,7 +273,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         def holds_share() -> None:
             if nodes.is_leader:
                 fs, path = open_fs(tier.folder)
-                check_data_files(fs, path, tier.folder, expected)
+                check_files(fs, path, tier.folder, expected)
 
         gctx.all_ok(copied)  # also the barrier: a node's other ranks may still be receiving its share
         gctx.all_ok(holds_share)
@@ -303,7 +307,7 @@ class _Clock:
 
 def _remove_quietly(folder: str) -> None:
     try:
-        remove_tree(open_fs(folder)[0], folder)
+        remove_folder(open_fs(folder)[0], folder, folder)
     except FileNotFoundError:
         pass
     except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise

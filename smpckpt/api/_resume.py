@@ -28,8 +28,8 @@ from smpckpt.api._dist import DistContext
 from smpckpt.api.options import ResumeOptions
 from smpckpt.api.rng import get_rng_state, set_rng_state
 from smpckpt.api.user_content import decode_user_content
-from smpckpt.catalog._save_clock import saw_checkpoint
-from smpckpt.catalog.listing import newest_stamp, record_order, scan_root
+from smpckpt.catalog.listing import record_order, scan_root
+from smpckpt.catalog.sequence import saw_sequence
 from smpckpt.catalog.tags import join_url, open_root, partial_url, read_newest, validate_tag
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.keys import API_RECORD_V1, RESERVED
@@ -97,15 +97,23 @@ class Target:
     api: str | None  #: the manifest's API record (how user_content is stored)
     has_rng: bool
     fell_back: bool
-    #: the newest save time rank 0 saw while choosing (this checkpoint's, or for an explicit older tag
-    #: that of the checkpoint ``newest`` names): the job's next saves are stamped after it (``_save_clock``)
-    seen_ns: int = 0
+    #: this checkpoint's place in its root's order (``record_order``: sequence number, save time, save id)
+    order: tuple[int, int, str] = (0, 0, "")
+    #: the highest sequence number rank 0 saw while choosing, and whether that was a listing of the whole
+    #: root (a tag-less resume): the job's next saves are numbered after it (``catalog.sequence``)
+    seen_seq: int = 0
+    listed: bool = False
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
-        return cls(tag, url, record, api, rng, fell_back, record_order(manifest)[0])
+        order = record_order(manifest)
+        return cls(tag, url, record, api, rng, fell_back, order, order[0])
+
+    def seen_by(self, root: str, storage_options: Any) -> None:
+        """This process's next saves under ``root`` are numbered after what choosing this target saw."""
+        saw_sequence(root, self.seen_seq, storage_options, listed=self.listed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,18 +134,18 @@ def resolve_resume(common: CommonRequest, tag: Any, opts: ResumeOptions) -> Resu
 def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
     """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
     target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
-    if target is not None:  # this job's next saves stamp after it (_save_clock)
-        saw_checkpoint(req.root, target.seen_ns, req.storage_options)
+    if target is not None:  # this job's next saves are numbered after it (catalog.sequence)
+        target.seen_by(req.root, req.storage_options)
     return target
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
     """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists.
 
-    With ``tag=None``: the tag ``newest`` names, unless a checkpoint committed *after* it exists --
-    a job killed between a commit and the ``newest`` update -- or ``newest`` is unusable; then the
-    newest committed tag, with a warning. So a restarted job never replays steps into a tag that
-    is already committed.
+    With ``tag=None``: the tag ``newest`` names (a hint), unless a checkpoint committed *after* it exists
+    (a higher sequence number: a job killed between a commit and the ``newest`` update) or ``newest`` is
+    unusable; then the newest committed tag by sequence number, with a warning. So a restarted job never
+    replays steps into a tag that is already committed, whatever the clocks said.
     """
     if tag is not None:
         url = partial_url(root, tag)
@@ -156,8 +164,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
             raise CheckpointNotFound(
                 f"checkpoint {tag!r} at {url} is {found.state}: it has no commit marker (a failed or running save)"
             )
-        target = Target.of(tag, url, found.manifest, False)
-        return dataclasses.replace(target, seen_ns=max(target.seen_ns, newest_stamp(root, storage_options, unless=tag)))
+        # no listing here: a roll-back's next save lists the root and numbers past everything in it
+        return Target.of(tag, url, found.manifest, False)
     fs, root_path = open_root(root, storage_options)
     newest = read_newest(fs, root_path)
     records = scan_root(root, storage_options=storage_options)
@@ -165,9 +173,10 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     if not committed:
         return None
     latest = max(committed, key=lambda r: r.order)
+    top = latest.order[0]  # the listing every later save numbers past
     named = next((r for r in committed if r.tag == newest), None)
     if named is not None and named.order >= latest.order:
-        return Target.of(named.tag, named.url, named.manifest, False)
+        return dataclasses.replace(Target.of(named.tag, named.url, named.manifest, False), seen_seq=top, listed=True)
     if named is not None:
         reason = (
             f"{root}/newest names {newest!r}, but {latest.tag!r} was committed after it (the job probably "
@@ -189,7 +198,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
     log.warning(message)
     warnings.warn(message, stacklevel=3)
-    return Target.of(latest.tag, latest.url, latest.manifest, True)
+    return dataclasses.replace(Target.of(latest.tag, latest.url, latest.manifest, True), seen_seq=top, listed=True)
 
 
 def not_found_hint(root: str, storage_options: Any) -> str:

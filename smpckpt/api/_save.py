@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -29,9 +30,8 @@ from smpckpt.api._planner_reuse import kept_save_planner
 from smpckpt.api.options import SaveOptions
 from smpckpt.api.rng import get_rng_state
 from smpckpt.api.user_content import describe_user_content, encode_user_content
-from smpckpt.catalog._save_clock import next_save_ns
-from smpckpt.catalog.listing import newest_stamp
 from smpckpt.catalog.retention import apply_retention
+from smpckpt.catalog.sequence import SEQUENCE_KEY, next_sequence
 from smpckpt.catalog.tags import open_root, partial_url, validate_tag, write_newest
 from smpckpt.errors import CheckpointError
 from smpckpt.model.keys import API_RECORD, RESERVED
@@ -72,13 +72,16 @@ def resolve_save(common: CommonRequest, tag: Any, opts: SaveOptions, user_conten
 
 
 def manifest_extra(common: CommonRequest, api: str, tag: str, user_content: Any, **fields: Any) -> dict[str, Any]:
-    """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, the save
-    time from the save clock (:mod:`smpckpt.catalog._save_clock`), ``fields``, what user_content holds,
-    and the versions that wrote it."""
-    now = next_save_ns(common.root, common.storage_options, lambda: newest_stamp(common.root, common.storage_options))
+    """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
+    number under the root (:mod:`smpckpt.catalog.sequence`: what orders checkpoints), the save time (for
+    people; it orders nothing but checkpoints without sequence numbers), ``fields``, what user_content
+    holds, and the versions that wrote it."""
+    seq = next_sequence(common.root, common.storage_options)
+    now = time.time_ns()
     return {
         "api": api,
         "tag": tag,
+        SEQUENCE_KEY: seq,
         "saved_at_ns": now,
         "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
         **fields,

@@ -30,9 +30,10 @@ from smpckpt.catalog.listing import record_order
 from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
-from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none, remove_tree
+from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format.commit import remove_folder
 
 __all__ = ["TIER_KEY", "CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of"]
 __all__ += ["part_sizes", "judge", "candidates", "tier_seq", "pending_drains", "retain_local"]
@@ -55,7 +56,7 @@ class LocalCopy:
     files: Mapping[str, int] = dataclasses.field(default_factory=dict)
     digest: int | None = None  #: the manifest's digest (committed copies only)
     seq: int = 0
-    order: tuple[int, str] = (0, "")
+    order: tuple[int, int, str] = (0, 0, "")
     parts: Mapping[str, int] | None = None
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
@@ -65,7 +66,7 @@ class LocalCopy:
         return self.state == "committed"
 
     @property
-    def key(self) -> tuple[int, tuple[int, str]]:
+    def key(self) -> tuple[int, tuple[int, int, str]]:
         return (self.seq, self.order)
 
 
@@ -135,7 +136,7 @@ class FastCandidate:
     tag: str
     digest: int
     seq: int
-    order: tuple[int, str]
+    order: tuple[int, int, str]
     held_by: Mapping[str, tuple[int, ...]]
     missing: tuple[str, ...]
     durable: bool = False
@@ -145,7 +146,7 @@ class FastCandidate:
         return not self.missing
 
     @property
-    def key(self) -> tuple[int, tuple[int, str]]:
+    def key(self) -> tuple[int, tuple[int, int, str]]:
         return (self.seq, self.order)
 
 
@@ -232,7 +233,10 @@ def retain_local(
                 continue
         elif newest_mtime is None or os.stat(os.path.join(folder, partial_dirname(tag))).st_mtime >= newest_mtime:
             continue  # possibly a save still writing: only older debris goes
-        failed = remove_tree(fs, join(root, partial_dirname(tag)))
+        # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing
+        # parts), never through a link; an uncommitted folder only while it stays uncommitted
+        path = join(root, partial_dirname(tag))
+        failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
         if failed:
             log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
         else:

@@ -4,10 +4,16 @@ retention's (:mod:`smpckpt.catalog.retention`); this sweeps what a kill leaves e
 
 * **inside a committed partial folder**: data and ``.metadata.<id>`` files of another save id than the
   manifest's -- a killed save whose retry under the same tag committed, a killed overwrite's new
-  generation, the old generation of an overwrite killed after its commit;
-* **killed full saves**: a ``{tag}`` folder holding our in-progress marker and no manifest (retention
-  sees ``*_partial`` folders only), removed whole;
-* a **stale marker in a committed full folder** (a kill between the commit and the marker's removal);
+  generation, the old generation of an overwrite killed after its commit -- and temporary files of an
+  interrupted write (``*.tmp.<pid>.<hex>``, a transfer's ``*.recv.<pid>.<hex>``);
+* **killed full saves**: a full save's staging folder (``.smpckpt-staging.<id>``, POSIX; taken away by a
+  rename first, so one being published is never touched; a ``.smpckpt-trash.<hex>`` folder a killed
+  removal left), and a ``{tag}``
+  folder holding only an unfinished save of ours -- its in-progress marker (object stores, older
+  versions), a temporary of that marker, or a removal's mark -- and no manifest (retention sees
+  ``*_partial`` folders only), removed whole, and only if still uncommitted once marked for removal;
+* a **stale marker or temporary file in a committed full folder** (a kill between the commit and the
+  marker's removal, or during a publication);
 * **temp files** of an interrupted atomic write in the root (``newest.tmp.*``).
 
 Only what nothing has written for ``AGE`` goes, and never a file a committed manifest lists: a save in
@@ -26,8 +32,19 @@ from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import join, remove_files
-from smpckpt.storage.format._names import MANIFEST_NAME, WRITING_MARKER, generation_metadata_name, is_smpckpt_file
+from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._paths import remove_files
+from smpckpt.storage.format._names import (
+    MANIFEST_NAME,
+    TRASH_PREFIX,
+    WRITING_MARKER,
+    generation_metadata_name,
+    is_smpckpt_file,
+    is_staging_name,
+    is_temp_name,
+    unfinished_full_save,
+)
+from smpckpt.storage.format.commit import remove_staged
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 
 __all__ = ["sweep_debris"]
@@ -68,23 +85,28 @@ def sweep_debris(
     def old(t: float | None) -> bool:
         return t is not None and now - t >= older_than_s
 
-    for r in records:  # dead generations beside a committed partial checkpoint
+    removed: list[str] = []
+    for r in records:  # dead generations and temporary files beside a committed partial checkpoint
         if not r.committed or r.manifest is None:
             continue  # (a protected tag too: its listed files stay, whatever else is there goes)
         listed = {f.name for f in r.manifest.files} | {generation_metadata_name(r.manifest.save_id)}
         folder = join(root_path, f"{r.tag}_partial")
-        for name, t in _mtimes(fs, folder).items():
-            if name not in listed and is_smpckpt_file(name) and old(t):
-                doomed.append(join(folder, name))
+        dead = [
+            join(folder, name)
+            for name, t in _mtimes(fs, folder).items()
+            if name not in listed and (is_smpckpt_file(name) or is_temp_name(name)) and old(t)
+        ]
+        # resolved inside the tag's folder without following links (a folder swapped for a link is not entered)
+        removed += dead if dry_run else [p for p in dead if p not in remove_files(fs, dead, within=folder)]
     try:
         with translate_errors(root_path):
             entries = fs.ls(root_path, detail=True)
     except FileNotFoundError:
         entries = []
     for e in entries:  # temp files of interrupted atomic writes
-        if e.get("type") != "directory" and ".tmp." in _name(e) and old(_mtime(e)):
+        if e.get("type") != "directory" and is_temp_name(_name(e)) and old(_mtime(e)):
             doomed.append(join(root_path, _name(e)))
-    removed = doomed if dry_run else [p for p in doomed if p not in remove_files(fs, doomed)]
+    removed += doomed if dry_run else [p for p in doomed if p not in remove_files(fs, doomed)]
     removed += _full_debris(fs, entries, root_path, root_url, old, storage_options, protected, dry_run)
     for p in removed:
         log.info("prune: %s %s", "would remove" if dry_run else "removed", p)
@@ -106,8 +128,9 @@ def _full_debris(
     protected: Collection[str],
     dry_run: bool,
 ) -> list[str]:
-    """Killed full saves (marker, no manifest) among the root's ``entries`` removed whole; a committed
-    full folder's stale marker."""
+    """Killed full saves among the root's ``entries`` removed whole (staging folders; ``{tag}`` folders of
+    an unfinished save of ours without a manifest); a committed full folder's stale marker and
+    temporary files."""
     removed: list[str] = []
     for e in entries:
         name = _name(e)
@@ -117,17 +140,26 @@ def _full_debris(
             continue
         folder = join(root_path, name)
         times = _mtimes(fs, folder)
-        if WRITING_MARKER not in times or not old(times[WRITING_MARKER]):
-            continue  # not ours, or a save in flight (it keeps its marker fresh)
         url = join(root_url.rstrip("/"), name)
-        if MANIFEST_NAME in times:  # committed: only the marker a kill after the commit left goes
-            if probe_checkpoint(url, storage_options).state == "committed":
-                if dry_run or not remove_files(fs, [join(folder, WRITING_MARKER)], within=folder):
-                    removed.append(join(folder, WRITING_MARKER))
+        if MANIFEST_NAME in times and not is_staging_name(name):
+            # committed (or about to be): only a marker or temporary a kill left, once old, goes
+            stray = [n for n, t in times.items() if (n == WRITING_MARKER or is_temp_name(n)) and old(t)]
+            if stray and probe_checkpoint(url, storage_options).state == "committed":
+                paths = [join(folder, n) for n in stray]
+                removed += paths if dry_run else [p for p in paths if p not in remove_files(fs, paths, within=folder)]
             continue
-        if not all(old(t) for t in times.values()):
-            continue  # written to within AGE
-        if not dry_run:
-            remove_checkpoint(url, storage_options)
-        removed.append(folder)
+        names = {n.rpartition("/")[2] for n in times}
+        staged = is_staging_name(name) or name.startswith(TRASH_PREFIX)
+        if not (staged or unfinished_full_save(names)):
+            continue  # not ours (a Hugging Face folder, a partial save's files under a full tag: left alone)
+        if (not times and not name.startswith(TRASH_PREFIX)) or not all(old(t) for t in times.values()):
+            continue  # written to within AGE (an empty folder: nothing says how old it is)
+        if dry_run:
+            removed.append(folder)
+        elif staged and is_local(fs):
+            # taken away by a rename first: a save publishing it meanwhile wins (commit.remove_staged)
+            if remove_staged(fs, root_path, name) == []:
+                removed.append(folder)
+        elif remove_checkpoint(url, storage_options, uncommitted_only=True):
+            removed.append(folder)
     return removed

@@ -18,13 +18,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from smpckpt.catalog._save_clock import plausible_ns
-from smpckpt.catalog.tags import join_url, list_partial_tags, open_root, partial_url, read_newest
+from smpckpt.catalog.sequence import sequence_of
+from smpckpt.catalog.tags import join_url, list_partial_tags, open_root, read_newest
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest, probe_checkpoint, removal_marked
 from smpckpt.storage.backends._fs import is_local
 
-__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag", "newest_stamp"]
+__all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag", "highest_sequence"]
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,14 @@ RecordState = Literal["committed", "uncommitted", "removing", "legacy", "missing
 class CheckpointRecord:
     """One partial checkpoint folder under a root.
 
-    ``order`` sorts records by save time (oldest first): ``(saved_at_ns, save_id)``; ``committed`` is
-    true only with a valid manifest (the commit marker). ``detail`` says why a folder is not usable.
+    ``order`` sorts records oldest first: ``(sequence, save time, save_id)`` (:func:`record_order`);
+    ``committed`` is true only with a valid manifest (the commit marker). ``detail`` says why a folder is
+    not usable.
     """
 
     tag: str
     committed: bool
-    order: tuple[int, str] = (0, "")
+    order: tuple[int, int, str] = (0, 0, "")
     url: str = ""
     state: RecordState = "committed"
     manifest: Manifest | None = None
@@ -61,24 +62,27 @@ class CheckpointRecord:
         return self.manifest.total_bytes if self.manifest is not None else None
 
 
-def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, str]:
-    """Sort key of a committed checkpoint: our nanosecond save time, else the manifest's ``created``."""
+def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, int, str]:
+    """Sort key of a committed checkpoint, oldest first: its sequence number (``smpckpt.catalog.sequence``;
+    0 for checkpoints written before sequence numbers), then -- only among equal numbers, so only among
+    those older checkpoints or two jobs racing in one root -- the save time (our nanosecond stamp, else the
+    manifest's ``created``), then the save id."""
     if manifest is None:
-        return (0, "")
+        return (0, 0, "")
     created: Any
     if isinstance(manifest, Manifest):
         extra, created, save_id = manifest.extra, manifest.created, manifest.save_id
     else:
         if not manifest:
-            return (0, "")
+            return (0, 0, "")
         extra, created, save_id = manifest.get("extra") or {}, manifest.get("created"), str(manifest.get("save_id", ""))
     ns = extra.get("saved_at_ns")
-    if not isinstance(ns, int):
+    if not isinstance(ns, int) or isinstance(ns, bool):
         ns = 0
         if isinstance(created, str):
-            with contextlib.suppress(ValueError):  # not a date: 0
+            with contextlib.suppress(ValueError, OverflowError):  # not a date: 0
                 ns = int(datetime.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp() * 1e9)
-    return (ns, str(save_id))
+    return (sequence_of(extra), ns, str(save_id))
 
 
 def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
@@ -126,23 +130,6 @@ def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     return read_newest(fs, root_path)
 
 
-def newest_stamp(root: str, storage_options: Any = None, *, unless: str | None = None) -> int:
-    """(rank 0) The save time of the checkpoint ``newest`` names (0 when there is none, or it is
-    ``unless``): the floor under which a job's next saves must not be stamped (``_save_clock``).
-
-    Why: retention keeps the newest by save time, which is rank 0's clock. A job on a node whose clock
-    is behind -- restarted without a resume, or resumed from an explicit older tag -- would otherwise
-    stamp its new checkpoints before the ones already there, and retention would remove the new ones
-    first. Two small reads; any problem with them is logged and costs only that protection."""
-    try:
-        fs, root_path = open_root(root, storage_options)
-        newest = read_newest(fs, root_path)
-        if newest is None or newest == unless:
-            return 0
-        ns = record_order(probe_checkpoint(partial_url(root, newest), storage_options).manifest)[0]
-        return ns if plausible_ns(ns) else 0  # a damaged stamp must not displace the others
-    except (OSError, CheckpointError) as exc:
-        logging.getLogger("smpckpt.api").warning(
-            "could not read the save time of %s/newest's checkpoint: %s", root, exc
-        )
-        return 0
+def highest_sequence(root: str, storage_options: Any = None) -> int:
+    """(rank 0) The highest sequence number committed under ``root`` (one listing; 0 when there is none)."""
+    return max((r.order[0] for r in scan_root(root, storage_options=storage_options) if r.committed), default=0)

@@ -128,9 +128,13 @@ def apply_retention(
     so an age well above the longest save (hours, not minutes) never touches one.
 
     ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
-    committed checkpoint is stamped later than it, the save times cannot be trusted to say which are
-    the oldest (another job writes here, or clocks disagree in a way the save clock could not see): no
-    committed checkpoint is removed, with a warning, rather than the wrong ones.
+    committed checkpoint is numbered after it (``smpckpt.catalog.sequence``: another job saves into this
+    root at the same time), which are the oldest is not settled: no committed checkpoint is removed,
+    with a warning, rather than the wrong ones.
+
+    A stale uncommitted folder is removed only if it is still uncommitted once marked for removal: a save
+    that commits there meanwhile withdraws its commit or keeps the folder (``storage.format.commit``),
+    so a prune with too short an age fails a save, never empties a committed checkpoint.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
@@ -140,8 +144,8 @@ def apply_retention(
     later = [r.tag for r in records if saved is not None and r.committed and r.order > saved.order]
     if doomed and later:
         log.warning(
-            "retention: %s, committed later than the checkpoint just saved (%s) by their save times: another job "
-            "saves here, or a clock is off; removing no committed checkpoint (prune by hand once that is settled)",
+            "retention: %s, numbered after the checkpoint just saved (%s): another job saves into this root at the "
+            "same time; removing no committed checkpoint (prune by hand once that is settled)",
             later[:5],
             just_saved,
         )
@@ -149,11 +153,13 @@ def apply_retention(
     failed: list[str] = []
     by_tag = {r.tag: r for r in records}
 
-    def remove(tag: str, what: str) -> bool:
+    def remove(tag: str, what: str, *, uncommitted_only: bool = False) -> bool:
         if dry_run:
             return True
         try:
-            remove_checkpoint(by_tag[tag].url, storage_options)
+            if not remove_checkpoint(by_tag[tag].url, storage_options, uncommitted_only=uncommitted_only):
+                log.info("retention: %s committed while it was being removed; left as it is", by_tag[tag].url)
+                return False
             log.info("retention: removed %s %s", what, by_tag[tag].url)
             return True
         except Exception as exc:  # noqa: BLE001 - a failed delete must not fail the save
@@ -175,7 +181,7 @@ def apply_retention(
         unprotected = [r for r in records if r.tag not in protected]
         activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
         candidates = select_stale_uncommitted(unprotected, activity, uncommitted_older_than, time.time())
-        stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder")]
+        stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder", uncommitted_only=True)]
         try:
             debris = sweep_debris(
                 root_url,

@@ -86,7 +86,7 @@ class FastRow:
     (it does not parse) or ``unreadable``.
     ``durable``: ``yes`` (``PATH`` holds this very save), ``pending`` (a ``durable_every`` save that
     ``PATH`` does not hold: a drain in flight or failed), ``other`` (``PATH`` holds another save of
-    this tag) or ``no``. ``order`` sorts saves by time (``record_order``).
+    this tag) or ``no``. ``order`` sorts saves by sequence number (``record_order``).
     """
 
     tag: str
@@ -102,7 +102,7 @@ class FastRow:
     saved_at: str | None = None
     layout: dict[str, Any] | None = None
     durable: str | None = None  #: ``None`` for uncommitted and corrupt tags
-    order: tuple[int, str] = (0, "")
+    order: tuple[int, int, str] = (0, 0, "")
     detail: str = ""
 
     def to_json(self, resume: bool) -> dict[str, Any]:
@@ -168,7 +168,7 @@ class Candidate:
         return Manifest.from_bytes(self.manifest, where=f"fast-tier manifest of {self.tag!r}")
 
     @property
-    def key(self) -> tuple[int, tuple[int, str]]:
+    def key(self) -> tuple[int, tuple[int, int, str]]:
         m = self.parsed()
         return (seq_of(m), record_order(m))
 
@@ -300,7 +300,7 @@ def resume_pick(rows: Sequence[FastRow], root: str, storage_options: Any) -> tup
             durable = resolve_target(root, None, storage_options)
     except CheckpointError as exc:
         return None, f"a resume would fail: {exc}"
-    if best is not None and (durable is None or durable.seen_ns <= best.order[0]):
+    if best is not None and (durable is None or durable.order <= best.order):
         return ResumePick("fast", best.tag, best.save_id), ""
     if durable is not None:
         return ResumePick("durable", durable.tag, None), ""

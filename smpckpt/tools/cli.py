@@ -81,6 +81,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     rows: list[dict[str, Any]] = [
         {
             "tag": r.tag,
+            "sequence": r.order[0] if r.committed else None,
             "state": r.state,
             "newest": r.tag == newest,
             "size": r.size,
@@ -109,11 +110,12 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         write_table(
             out,
-            ("", "TAG", "STATE", "SIZE", "LAYOUT", "SAVED"),
+            ("", "TAG", "SEQ", "STATE", "SIZE", "LAYOUT", "SAVED"),
             [
                 (
                     ("*" if row["newest"] else "") + (">" if row["tag"] == durable_pick else ""),
                     row["tag"],
+                    str(row["sequence"]) if row["sequence"] else "-",
                     row["state"],
                     human(row["size"]),
                     layout_text(row["layout"]),

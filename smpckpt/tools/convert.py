@@ -16,6 +16,7 @@ Memory: every tensor is held once, full-size (an offline tool; use a machine tha
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -34,6 +35,8 @@ from smpckpt.api._args import quiet_no_dist, translate_dcp
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.record import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE
 from smpckpt.tools._common import resolve_checkpoint_url
 
 __all__ = ["convert_checkpoint", "ConvertReport"]
@@ -63,6 +66,53 @@ def _check_declared_sizes(src: str, metadata: Any, reader: FsspecStorageReader, 
     stored = reader.manifest.total_bytes if reader.manifest is not None else None
     if stored is not None and declared > stored:
         raise CheckpointCorrupt(f"{src}: its metadata declares {declared} bytes of tensors but its files hold {stored}")
+
+
+class _SinkFile(io.RawIOBase):
+    """A create-only sink as the file ``torch.save`` writes to."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sink.write(view)
+        return len(view)
+
+
+def _save_file(fs: Any, path: str, state: dict[str, Any], *, overwrite: bool) -> None:
+    """``torch.save(state)`` to ``path`` through the commit protocol's folder (storage/backends/_folder.py):
+    on POSIX a create-only temporary linked into place (renamed over the old file with ``overwrite``),
+    never through a link; on object stores a create-only upload (``overwrite``: one plain upload, which
+    appears whole at its completion)."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    with Folder(fs, parent or "/", create=True, follow=True) as folder:
+        if folder.local:
+            fd, tmp = folder.open_temp(name)
+            try:
+                with open(fd, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                folder.link_temp(tmp, name, sync=True, replace=overwrite)
+            finally:
+                folder.remove([tmp])
+            return
+        if overwrite:
+            with fs.open(path, "wb") as f:
+                torch.save(state, f)
+            return
+        sink = folder.sink(name, sync=True, part_size=DEFAULT_PART_SIZE, max_parts_in_flight=4)
+        try:
+            with io.BufferedWriter(_SinkFile(sink), buffer_size=8 << 20) as f:
+                torch.save(state, f)
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
 
 
 def convert_checkpoint(
@@ -117,10 +167,7 @@ def convert_checkpoint(
             raise IsADirectoryError(f"{out_url} is a folder; torch_save output is one file: name the file")
         if fs.exists(path) and not overwrite:
             raise FileExistsError(f"{out_url} exists; pass overwrite=True (--overwrite) to replace it")
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with fs.open(tmp, "wb") as f:
-            torch.save(state, f)
-        fs.mv(tmp, path)
+        _save_file(fs, path, state, overwrite=overwrite)
     else:
         writer = FsspecStorageWriter(
             out_url, storage_options=out_storage_options, format="torch_save", overwrite=overwrite

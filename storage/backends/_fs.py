@@ -1,4 +1,5 @@
-"""The small filesystem seam: open a URL, atomic small writes, durable local writes, removal.
+"""The small filesystem seam: open a URL, read a small file, list sizes (create-only writes and removals that
+never follow links: ``_folder.py``).
 
 Backends are chosen by URL scheme through fsspec. ``s3://`` needs s3fs, imported lazily (by fsspec)
 with an install hint when it is missing. Paths are plain ``str`` (never ``pathlib.Path``) so URLs keep
@@ -7,13 +8,10 @@ their scheme.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import errno
 import logging
 import os
-import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -28,13 +26,8 @@ __all__ = [
     "location_key",
     "is_local",
     "join",
-    "write_bytes_atomic",
-    "create_bytes_exclusive",
     "read_bytes_or_none",
-    "fsync_dir",
-    "fsync_path",
-    "remove_files",
-    "remove_tree",
+    "file_sizes",
     "pread_into",
 ]
 
@@ -134,118 +127,9 @@ def join(folder: str, name: str) -> str:
     return f"{folder.rstrip('/')}/{name}" if folder else name
 
 
-def fsync_path(path: str, *, directory: bool = False) -> None:
-    """fsync a local file by name (its data and metadata), or a ``directory`` so a rename or a new file
-    in it survives a power loss."""
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fsync_path(path, directory=True)
-
-
-def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
-    """Write a small file so a reader sees the old content or all of the new, never a torn file.
-
-    Local/POSIX: temp file in the same directory, fsync, rename over the target, fsync the directory
-    (``sync=False`` skips both fsyncs: faster, but a power loss may lose the write; ``sync_dir=False``
-    leaves the directory fsync to a later write in the same folder). Other backends:
-    one ``pipe_file`` call, which on S3 is a single PUT (objects appear atomically; no rename, which
-    S3 would implement as copy + delete).
-    """
-    with translate_errors(path):
-        if is_local(fs):
-            with _temp_copy(path, data, sync=sync) as tmp:
-                os.replace(tmp, path)
-            if sync and sync_dir:
-                fsync_dir(os.path.dirname(path) or ".")
-        else:
-            fs.pipe_file(path, data)
-
-
-@contextlib.contextmanager
-def _temp_copy(path: str, data: bytes, *, sync: bool) -> Iterator[str]:
-    """A temp file beside ``path`` holding ``data`` (fsynced when ``sync``), removed when still there
-    after the block (the block renames or links it into place)."""
-    tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        yield tmp
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            # After the rename or link the write has landed: a temp name left behind must not turn it
-            # into a reported failure (nor replace the block's own error). It is debris, named as such.
-            log.warning("could not remove the temporary file %s: %s", tmp, exc)
-
-
-_MEMORY_LOCK = threading.Lock()
-
-
-def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True) -> None:
-    """Create ``path`` holding ``data`` only if nothing is there; raise ``FileExistsError`` otherwise.
-
-    This is what makes a commit exclusive: of two saves racing on one folder, exactly one creates
-    the commit marker. Readers see no file or all of it, never a torn one.
-
-    * Local/POSIX (also Lustre, NFS): write and fsync a temp file, then ``os.link`` it to the target
-      (atomic, fails with ``EEXIST``), drop the temp name, fsync the directory. Where hard links are
-      not supported it falls back to ``O_CREAT | O_EXCL`` (exclusive, but a crash mid-write can leave
-      a torn file, which readers reject as a corrupt manifest).
-    * S3: one conditional PutObject (``If-None-Match: *``, needs botocore > 1.35.20); the server
-      answers 412 if the key exists.
-    * ``memory://``: check and write under a process-wide lock (the store is per process).
-    * Other backends: check, then write (best effort; not exclusive against other processes).
-    """
-    with translate_errors(path):
-        if is_local(fs):
-            _create_local_exclusive(path, data, sync=sync)
-        elif _protocol(fs) in ("s3", "s3a"):
-            # One PutObject whatever the size: s3fs's pipe_file switches to a multipart upload at
-            # 100 MiB and drops the condition there, which would make a large commit unconditional.
-            bucket, key, _ = fs.split_path(path)
-            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-            fs.invalidate_cache(path)
-        else:
-            with _MEMORY_LOCK if _protocol(fs) == "memory" else contextlib.nullcontext():
-                if fs.exists(path):
-                    raise FileExistsError(errno.EEXIST, "exists", path)
-                fs.pipe_file(path, data)
-
-
 def _protocol(fs: Any) -> str:
     proto = getattr(fs, "protocol", "")
     return str(proto[0] if isinstance(proto, (tuple, list)) else proto)
-
-
-def _create_local_exclusive(path: str, data: bytes, *, sync: bool) -> None:
-    folder = os.path.dirname(path) or "."
-    with _temp_copy(path, data, sync=sync) as tmp:
-        try:
-            os.link(tmp, path)
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                raise
-            # no hard links here (some FUSE mounts): exclusive create, then write in place
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
-    if sync:
-        fsync_dir(folder)
 
 
 def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
@@ -284,42 +168,6 @@ def confine(fs: Any, folder: str, names: Iterable[str], *, where: str) -> None:
             )
 
 
-def remove_files(fs: Any, paths: list[str], *, within: str | None = None) -> list[str]:
-    """Best-effort removal of exactly these files; returns those that could not be removed (missing
-    ones count as removed).
-
-    One ``rm_file`` per path, never ``fs.rm``: fsspec's ``rm`` expands glob characters (``*``, ``[``)
-    on S3 and ``memory://`` (and on local disk in some fsspec versions), so a name holding them would
-    delete other checkpoints. ``within`` (the checkpoint folder the paths are named in): on local disk
-    a path reached through a link leading out of it is not removed (it is returned as failed), so a
-    crafted or moved checkpoint cannot make an overwrite or a retention delete another folder's files.
-    """
-
-    def one(p: str) -> str | None:
-        # a link named as the file goes itself (its target stays); a linked folder on the way does not
-        parent = os.path.dirname(p)
-        if within is not None and is_local(fs) and os.path.normpath(parent) != os.path.normpath(within):
-            if escapes(within, parent):
-                log.warning("%s is reached through a link leading out of %s: not removed", p, within)
-                return p
-        try:
-            with translate_errors(p):
-                fs.rm_file(p)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return p
-        return None
-
-    if len(paths) > 1 and not is_local(fs):
-        # object stores: one DELETE per request, so a few in flight
-        with concurrent.futures.ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="smpckpt-rm") as pool:
-            outcome = list(pool.map(one, paths))
-    else:
-        outcome = [one(p) for p in paths]
-    return [p for p in outcome if p is not None]
-
-
 def file_sizes(fs: Any, folder: str) -> dict[str, int]:
     """Every file under ``folder`` (prefix folders included): relative name -> size. One listing: on S3
     a LIST per 1,000 objects, never a HEAD per file."""
@@ -331,58 +179,6 @@ def file_sizes(fs: Any, folder: str) -> dict[str, int]:
         for p, info in found.items()
         if str(p).startswith(base) and info.get("type") != "directory"
     }
-
-
-def _local_tree(folder: str) -> tuple[list[str], list[str]]:
-    """(local disk) Files and folders under ``folder``, never descending into a linked folder: a link
-    (to a file or a folder) is listed as a file, so removing it removes the link, not its target."""
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(folder)
-    files: list[str] = []
-    dirs: list[str] = []
-    with translate_errors(folder):
-        for top, subdirs, names in os.walk(folder, followlinks=False):
-            files.extend(os.path.join(top, n) for n in names)
-            for d in subdirs:
-                (files if os.path.islink(os.path.join(top, d)) else dirs).append(os.path.join(top, d))
-    return files, dirs
-
-
-def remove_tree(fs: Any, folder: str) -> list[str]:
-    """Delete ``folder`` and everything under it by exact listed paths (no globbing anywhere).
-
-    Lists with ``find`` (a plain listing), removes every file with :func:`remove_files`, then the
-    emptied directories deepest first (local disk and ``memory://``; object stores have none).
-    Returns the paths that could not be removed. A missing folder raises ``FileNotFoundError``.
-    """
-    if is_local(fs) and os.path.islink(folder):
-        # A link (a folder moved to another disk, or another run's checkpoint linked in): the link goes,
-        # what it points at stays -- it may be data this root does not own.
-        target = os.path.realpath(folder)
-        with translate_errors(folder):
-            os.unlink(folder)
-        log.warning("%s is a link to %s: removed the link, left its target", folder, target)
-        return []
-    if is_local(fs):
-        files, dirs = _local_tree(folder)
-    else:
-        with translate_errors(folder):
-            found = fs.find(folder, withdirs=True, detail=True)
-        if not found and not fs.exists(folder):
-            raise FileNotFoundError(folder)
-        files = [p for p, info in found.items() if info.get("type") != "directory"]
-        dirs = [p for p, info in found.items() if info.get("type") == "directory"]
-    failed = remove_files(fs, files, within=folder)
-    if is_local(fs) or _protocol(fs) == "memory":
-        for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
-            try:
-                with translate_errors(d):
-                    fs.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                failed.append(d)
-    return failed
 
 
 def pread_into(fd: int, buffers: Sequence[memoryview], offset: int, want: int) -> int:

@@ -28,7 +28,6 @@ installed s3torchconnector). They are ours rather than theirs because:
 from __future__ import annotations
 
 import abc
-import os
 import re
 from typing import Any, Literal
 
@@ -41,8 +40,6 @@ __all__ = [
     "BinaryPrefixes",
     "resolve",
     "check_prefix",
-    "folder_of",
-    "remove_empty_folders",
 ]
 
 # A prefix is one plain folder name: what _names.check_member_name accepts for a folder component.
@@ -147,19 +144,3 @@ def resolve(option: Any, *, local: bool) -> PrefixStrategy:
     if not isinstance(option, str) or option not in named:
         raise ValueError(f"prefix_strategy must be 'auto', 'flat', 'hex', 'binary' or a PrefixStrategy, got {option!r}")
     return named[option]()
-
-
-def folder_of(path: str, name: str) -> str:
-    """The folder holding data file ``name`` (a recorded name, maybe with a prefix folder) of ``path``."""
-    sub = name.rpartition("/")[0]
-    return f"{path.rstrip('/')}/{sub}" if sub else path
-
-
-def remove_empty_folders(path: str, removed: list[str]) -> None:
-    """(local disk) Best effort: drop the prefix folders that removing the files ``removed`` (full paths
-    under ``path``: an overwrite's previous generation) left empty; a folder still holding files stays."""
-    for folder in sorted({p.rpartition("/")[0] for p in removed} - {path.rstrip("/")}, reverse=True):
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass

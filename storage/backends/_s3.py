@@ -34,12 +34,10 @@ from typing import Any
 from aiohttp.payload import Payload
 
 from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._sinks import byte_view
+from smpckpt.storage.backends._sinks import MAX_PARTS, MIN_PART_SIZE, byte_view
 
-__all__ = ["S3MultipartSink", "PartBody", "MIN_PART_SIZE", "get_object", "get_range_into"]
+__all__ = ["S3MultipartSink", "PartBody", "get_object", "get_object_and_etag", "get_range_into"]
 
-MIN_PART_SIZE = 16 << 20
-_MAX_PARTS = 10_000  # S3 limit per upload
 # bytes handed to aiohttp per write: the event loop interleaves the parts of several files
 _SEND_CHUNK = 1 << 20
 
@@ -104,14 +102,23 @@ class PartBody(Payload):
 
 
 class S3MultipartSink:
-    """One S3 object written as parts in flight (see the module docstring); the writer's Sink."""
+    """One S3 object written as parts in flight (see the module docstring); the writer's Sink.
+
+    Create-only: the object appears through a conditional request, ``PutObject`` or
+    ``CompleteMultipartUpload`` with ``If-None-Match: *``, so an object already under the key (another
+    save's) is never replaced: the commit fails with ``FileExistsError`` and the upload is aborted.
+    ``etag`` is the created object's ETag (after ``commit``). ``part_size`` is honoured as given: below
+    S3's minimum it is refused, never raised silently."""
 
     def __init__(self, fs: Any, path: str, *, part_size: int, max_in_flight: int, borrow: bool = False) -> None:
+        if int(part_size) < MIN_PART_SIZE:
+            raise ValueError(f"{path}: part_size {part_size} is below S3's minimum part of {MIN_PART_SIZE} bytes")
         self.path = path
         self._fs = fs
         bucket, key, _ = fs.split_path(path)
         self._bucket, self._key = bucket, key
-        self._part_size = max(int(part_size), MIN_PART_SIZE)
+        self._part_size = int(part_size)
+        self.etag: str | None = None
         self._borrow = borrow
         self._views: list[memoryview] = []  # the part being filled (borrow mode) ...
         self._buf: bytearray | None = None  # ... or (copy mode) ...
@@ -164,8 +171,8 @@ class S3MultipartSink:
         if self._upload_id is None:
             self._upload_id = str(self._call("create_multipart_upload")["UploadId"])
         number = len(self._parts) + 1
-        if number > _MAX_PARTS:
-            raise OSError(f"{self.path}: more than {_MAX_PARTS} parts; raise part_size")
+        if number > MAX_PARTS:
+            raise OSError(f"{self.path}: more than {MAX_PARTS} parts; raise part_size")
         # a failed part surfaces now rather than after the whole file was produced
         for fut in self._parts.values():
             if fut.done() and fut.exception() is not None:
@@ -204,12 +211,18 @@ class S3MultipartSink:
         try:
             if self._upload_id is None:
                 body, _ = self._take_part()
-                self._call("put_object", Body=body if len(body) else b"")
+                resp = self._call("put_object", Body=body if len(body) else b"", IfNoneMatch="*")
             else:
                 if self._fill:
                     self._flush_part()
                 parts = [{"PartNumber": n, "ETag": self._result(f)} for n, f in sorted(self._parts.items())]
-                self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+                resp = self._call(
+                    "complete_multipart_upload",
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
+                )
+            self.etag = str(resp.get("ETag") or "") or None
         except BaseException:
             self.abort()
             raise
@@ -266,6 +279,22 @@ async def _get(fs: Any, bucket: str, key: str) -> bytes:
         return bytes(await resp["Body"].read())
     finally:
         resp["Body"].close()
+
+
+async def _get_with_etag(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
+    resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key)
+    try:
+        return bytes(await resp["Body"].read()), str(resp.get("ETag") or "")
+    finally:
+        resp["Body"].close()
+
+
+def get_object_and_etag(fs: Any, path: str) -> tuple[bytes, str]:
+    """The whole object and its ETag from one GET (what a conditional replacement names)."""
+    bucket, key, _ = fs.split_path(path)
+    with translate_errors(path):
+        data, etag = _retried(fs, _get_with_etag, fs, bucket, key)
+    return bytes(data), str(etag)
 
 
 def get_object(fs: Any, path: str) -> bytes:

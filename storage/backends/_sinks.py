@@ -20,6 +20,15 @@ from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, is_s3
 
 __all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink", "byte_view"]
+__all__ += ["MIN_PART_SIZE", "DEFAULT_PART_SIZE", "MAX_PARTS"]
+
+# The S3 multipart limits, owned here (the writers check their options against them; the S3 sink
+# honours the part size it is given, never a clamped one): every part but the last at least 5 MiB, at
+# most 10,000 parts per upload.
+MIN_PART_SIZE = 5 << 20
+MAX_PARTS = 10_000
+#: the writers' default part size (and the drain's copy chunk)
+DEFAULT_PART_SIZE = 32 << 20
 
 
 def byte_view(data: memoryview) -> memoryview:
@@ -74,16 +83,21 @@ _WRITEBACK_BYTES = 8 << 20
 
 
 class LocalSink:
-    """A local/POSIX file written with unbuffered ``os.write`` from the caller's memory, then fsync'd."""
+    """A local/POSIX file written with unbuffered ``os.write`` from the caller's memory, then fsync'd.
 
-    def __init__(self, path: str, *, sync: bool) -> None:
+    Create-only: ``O_CREAT | O_EXCL | O_NOFOLLOW``, relative to ``dir_fd`` (the folder's descriptor,
+    opened without following links) when given, so neither another save's file nor a link planted under
+    the name is ever written through: both fail the open with ``FileExistsError``."""
+
+    def __init__(self, path: str, *, sync: bool, dir_fd: int | None = None, name: str | None = None) -> None:
         self.path = path
         self._sync = sync
+        self._dir_fd = dir_fd
+        self._name: str = name if dir_fd is not None and name is not None else path
+        from smpckpt.storage.backends._nofollow import open_new_at
+
         with translate_errors(path):
-            # O_EXCL: a data file name is unique to one save; finding it already there is a bug.
-            self._fd: int | None = os.open(
-                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
-            )
+            self._fd: int | None = open_new_at(dir_fd, self._name, where=path)
         self._pos = 0
         self._flushed = 0
 
@@ -122,7 +136,7 @@ class LocalSink:
             except OSError:
                 pass
         try:
-            os.unlink(self.path)
+            os.unlink(self._name, dir_fd=self._dir_fd)  # never through a link: unlink removes a name
         except OSError:
             pass
 
@@ -167,10 +181,22 @@ class FsspecSink:
 
 
 def open_sink(
-    fs: Any, path: str, *, sync: bool, part_size: int, max_parts_in_flight: int, borrow: bool = False
+    fs: Any,
+    path: str,
+    *,
+    sync: bool,
+    part_size: int,
+    max_parts_in_flight: int,
+    borrow: bool = False,
+    folder: Any = None,
 ) -> Sink:
-    """The sink for ``path`` on ``fs``. ``borrow=True``: the caller does not change the memory it passes
-    to ``write`` until ``commit``/``abort`` returns, so a sink may send it without copying (S3)."""
+    """The create-only sink for ``path`` on ``fs`` (the writers open theirs through
+    :meth:`~._folder.Folder.sink`, relative to the folder's descriptor). ``borrow=True``: the caller does
+    not change the memory it passes to ``write`` until ``commit``/``abort`` returns, so a sink may send it
+    without copying (S3). ``folder`` (a ``_folder.Folder`` holding ``path``): opened relative to it."""
+    if folder is not None:
+        name = path[len(folder.path.rstrip("/")) + 1 :]
+        return folder.sink(name, sync=sync, part_size=part_size, max_parts_in_flight=max_parts_in_flight, borrow=borrow)
     if is_local(fs):
         return LocalSink(path, sync=sync)
     if is_s3(fs):

@@ -23,6 +23,7 @@ import secrets
 import time
 
 from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR  # noqa: F401 - named here too (their old home)
+from smpckpt.storage.backends._folder import is_temp_name  # noqa: F401 - the names' owner is the folder that makes them
 from smpckpt.storage.backends._prefixes import _PREFIX_RE, check_prefix
 
 __all__ = [
@@ -40,16 +41,30 @@ __all__ = [
     "is_smpckpt_file",
     "check_member_name",
     "marker_owner",
+    "STAGING_PREFIX",
+    "TRASH_PREFIX",
+    "staging_name",
+    "is_staging_name",
+    "is_temp_name",
+    "unfinished_full_save",
 ]
 
 MANIFEST_NAME = "smpckpt.manifest.json"
 #: Written by remove_checkpoint before it deletes anything: a folder holding it is being (or was
 #: partly) removed on purpose, never a save in flight, so a later retention may finish the job.
 REMOVING_NAME = "smpckpt.removing"
-#: Written by the coordinator before any rank writes a full artifact's fixed-name files, removed after
-#: the commit: a folder with it and no manifest is an unfinished save, never a Hugging Face folder. Its
-#: body is ``<save id>\n<count>`` (``storage/full/_marker.py``).
+#: (object stores) Created exclusively by the coordinator before any rank writes a full artifact's
+#: fixed-name files, removed after the commit: a folder with it and no manifest is an unfinished save,
+#: never a Hugging Face folder. Its body is ``<save id>``. (POSIX full saves write a staging folder
+#: instead, :data:`STAGING_PREFIX`; older versions wrote this marker there too.)
 WRITING_MARKER = "smpckpt.writing"
+#: (POSIX) A full save writes its artifact into ``.smpckpt-staging.<save id>`` beside its target folder and
+#: renames it into place at the commit (no replace): a reader of the target never sees an unfinished or
+#: mixed artifact. A staging folder left by a killed save is debris for ``prune``; it blocks nothing.
+STAGING_PREFIX = ".smpckpt-staging."
+#: (POSIX) A removal renames a staging folder to ``.smpckpt-trash.<hex>`` before deleting it (its own
+#: name: a commit can no longer publish it); one left by a killed removal is garbage for ``prune``.
+TRASH_PREFIX = ".smpckpt-trash."
 METADATA_NAME = ".metadata"
 #: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
 DESCRIPTION_FQN = "\x00smpckpt.full"
@@ -94,6 +109,24 @@ def is_smpckpt_file(name: str) -> bool:
     """True for a data or per-generation metadata file written by our writer (recorded name: base name,
     with its prefix folder for data files)."""
     return bool(_DATA_RE.match(name) or _GEN_META_RE.match(name))
+
+
+def staging_name(save_id: str) -> str:
+    """The staging folder of a full save (:data:`STAGING_PREFIX`)."""
+    return f"{STAGING_PREFIX}{check_save_id(save_id)}"
+
+
+def is_staging_name(name: str) -> bool:
+    return name.startswith(STAGING_PREFIX) and bool(_SAVE_ID_RE.match(name[len(STAGING_PREFIX) :]))
+
+
+def unfinished_full_save(names: set[str]) -> bool:
+    """Whether a folder's base ``names`` (it has no manifest) are those of an unfinished save of ours: its
+    in-progress marker (object stores; older versions on POSIX too), a temporary of that marker (a kill
+    between its write and its link), or the mark of an interrupted removal."""
+    return bool(names & {WRITING_MARKER, REMOVING_NAME}) or any(
+        n.startswith(f"{WRITING_MARKER}.") and is_temp_name(n) for n in names
+    )
 
 
 def marker_owner(data: bytes | None) -> str | None:

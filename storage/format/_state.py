@@ -28,6 +28,8 @@ class Probe:
     manifest: Manifest | None = None
     legacy_metadata: Any = None  # DCP Metadata of a stock checkpoint
     detail: str = ""
+    #: the manifest's bytes as read (what an overwrite replaces, exactly: ``commit(replace=...)``)
+    raw: bytes | None = None
 
     def generation_files(self) -> list[str]:
         """Base names of the files of the checkpoint found (to remove after an overwrite commits)."""
@@ -68,7 +70,7 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     where = join(folder, _names.MANIFEST_NAME)
     data = read_bytes_or_none(fs, where)
     if data is not None:
-        found = Probe("committed", manifest=Manifest.from_bytes(data, where=where))
+        found = Probe("committed", manifest=Manifest.from_bytes(data, where=where), raw=data)
         confine(fs, folder, found.generation_files(), where=folder)  # links out of the folder: unsafe
         return found
     md_path = join(folder, _names.METADATA_NAME)

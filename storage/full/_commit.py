@@ -1,13 +1,13 @@
-"""Full (consolidated) mode, the coordinator's side: the folder cleared before a save, then at the
-commit what every rank reported, the artifact's own records, and the metadata loaders see (one whole
-chunk per tensor, in the stored dtype, with the artifact description)."""
+"""Full (consolidated) mode, the coordinator's side: the folder cleared before a save and a place to write
+taken (POSIX: a staging folder of the save's own; object stores: the in-progress marker), then at the
+commit what every rank reported, the artifact's own records, the metadata loaders see (one whole chunk
+per tensor, in the stored dtype, with the artifact description) and the commit itself, through the one
+protocol (``storage/format/commit.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -19,33 +19,26 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.model.record import METADATA_KEY, LayoutRecord
-from smpckpt.storage.backends._fs import (
-    create_bytes_exclusive,
-    fsync_path,
-    is_local,
-    join,
-    read_bytes_or_none,
-    remove_files,
-    write_bytes_atomic,
-)
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import DESCRIPTION_FQN, WRITING_MARKER, marker_owner
+from smpckpt.storage.format._names import DESCRIPTION_FQN, WRITING_MARKER
 from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
 from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage.full._layout import ArtifactLayout
-from smpckpt.storage.full._marker import WATCH_S, create_marker, marker_alive
 from smpckpt.storage.full._plan import plan_artifact
 from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions
-from smpckpt.storage.write._failed_save import commit_manifest
 
 if TYPE_CHECKING:
     from smpckpt.storage.full.writer import FullArtifactWriter
 
 __all__ = [
+    "staging_path",
     "folder_names",
     "whole_tensor_metadata",
     "clear_for_full_save",
@@ -76,7 +69,11 @@ def _warn_no_swap_once(process_group: Any) -> None:
 
 def clear_for_full_save(fs: Any, path: str, url: str) -> None:
     """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or
-    foreign files; remove the debris of an unfinished full save of ours (marker, no manifest)."""
+    foreign files; remove the debris of an unfinished full save of ours (no manifest), whatever state it
+    is in: a killed save never blocks its tag. No liveness watch is needed: on POSIX a running save
+    writes its own staging folder, never this one; on object stores every object of a save is created
+    only if absent, so a save that was only stalled fails at its first write into what this save created,
+    and at the latest at its commit (the marker no longer names it)."""
     found = probe(fs, path, list_when_empty=False)
     if found.state in ("committed", "legacy"):
         raise CheckpointExists(
@@ -84,7 +81,11 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
             "never overwritten in place (even with overwrite=True): save under a new tag, or remove it first"
         )
     names = folder_names(fs, path)
-    if names and WRITING_MARKER not in names:
+    if not names:
+        return
+    if _names.MANIFEST_NAME in names:  # committed since the probe: it is a checkpoint now
+        raise CheckpointExists(f"{url}: a save committed here while this full save was starting; refusing")
+    if not _names.unfinished_full_save(names):
         # a partial save's data or metadata files (the folder has no manifest and no marker)
         if found.state == "uncommitted" or any(
             _names.is_smpckpt_file(str(p)[len(path) + 1 :]) for p in fs.find(path, maxdepth=2)
@@ -98,31 +99,30 @@ def clear_for_full_save(fs: Any, path: str, url: str) -> None:
             f"{url} holds files that are not an smpckpt save in progress (a Hugging Face model?); refusing "
             "to write a full artifact over them"
         )
-    if _names.MANIFEST_NAME in names:  # the unfinished save committed since the probe: it is a checkpoint now
+    # debris of an unfinished save: all of it goes, or a stale model.safetensors beside a new index would
+    # be what from_pretrained loads. Marked first, so a save committing here meanwhile is never removed
+    log.warning("%s: removing %d file(s) of an unfinished full save before writing", url, len(names))
+    failed = remove_folder(fs, path, url, uncommitted_only=True)
+    if failed:
+        raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
+    if read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME)) is not None:
         raise CheckpointExists(f"{url}: a save committed here while this full save was starting; refusing")
-    if names:
-        marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
-        if marker is None or marker_alive(fs, path, marker):
-            raise CheckpointExists(
-                f"{url}: another full save (save {marker_owner(marker)!r}) is writing this folder (its "
-                f"{WRITING_MARKER} changed while watched for {WATCH_S:.0f} s); this save wrote nothing. Save "
-                "under another tag, or retry once that save ended"
-            )
-        # debris of a save that stopped (killed: its marker no longer changes, its manifest never came):
-        # all of it goes, or a stale model.safetensors beside a new index would be what from_pretrained loads
-        log.warning("%s: removing %d file(s) of an unfinished full save before writing", url, len(names))
-        failed = remove_files(fs, [join(path, n) for n in sorted(names - {WRITING_MARKER})], within=path)
-        failed = failed or remove_files(fs, [join(path, WRITING_MARKER)], within=path)
-        if failed:
-            raise CheckpointError(f"{url}: could not remove the unfinished save's files {failed[:5]}")
+
+
+def staging_path(path: str, save_id: str) -> str:
+    """(POSIX) Where a full save of ``path`` writes its artifact before the commit renames it into place."""
+    parent = path.rstrip("/").rpartition("/")[0] or "/"
+    return join(parent, _names.staging_name(save_id))
 
 
 def begin_full_save(
     writer: FullArtifactWriter, plans: list[SavePlan], save_id: str
 ) -> tuple[list[SavePlan], ArtifactLayout]:
-    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder (:func:`clear_for_full_save`), lay the artifact out over the ranks'
-    plans, write the in-progress marker, and on POSIX paths create the files every rank writes into; the
-    plans for the ranks and the layout the commit checks."""
+    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder (:func:`clear_for_full_save`), lay
+    the artifact out over the ranks' plans, and take a place to write it: on POSIX a staging folder of
+    its own (``.smpckpt-staging.<save id>`` beside the target) with every file the ranks write created in
+    it; on object stores the in-progress marker, created only if absent. The plans for the ranks and
+    the layout the commit checks."""
     fs, path, url, process_group = writer.fs, writer.path, writer.url, writer.process_group
     options, sync = writer.full, writer.sync_files
     clear_for_full_save(fs, path, url)
@@ -138,41 +138,44 @@ def begin_full_save(
             "default group with backend='cpu:gloo,cuda:nccl'"
         )
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
-    if not gather:
-        os.makedirs(path, exist_ok=True)
-    # the marker first, exclusively: from here until the commit the folder is this save's, never an HF model
-    create_marker(fs, path, url, save_id, sync=sync)
-    if not gather:
-        if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
-            out = plan_exchanges(out, options.row_swap_below)
-        elif options.row_swap_below and len(plans) > 1 and not moves_cpu_tensors(process_group):
-            _warn_no_swap_once(process_group)
-        create_files(path, layout.files, sync=sync)
+    if gather:
+        # from here until the commit the folder is this save's, never an HF model
+        with Folder(fs, path) as folder:
+            try:
+                folder.create(WRITING_MARKER, save_id.encode(), sync=sync)
+            except FileExistsError as exc:
+                raise CheckpointExists(
+                    f"{url}: another full save started writing here at the same moment (its {WRITING_MARKER} was "
+                    "created first); this one wrote nothing. Save under another tag, or retry once that save ended"
+                ) from exc
+        return out, layout
+    if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
+        out = plan_exchanges(out, options.row_swap_below)
+    elif options.row_swap_below and len(plans) > 1 and not moves_cpu_tensors(process_group):
+        _warn_no_swap_once(process_group)
+    with Folder(fs, staging_path(path, save_id), create=True) as staging:
+        create_files(staging, layout.files, sync=sync)
     return out, layout
 
 
 def artifact_records(
-    fs: Any, path: str, layout: ArtifactLayout, options: FullOptions, *, sync: bool
-) -> list[FileRecord]:
-    """(coordinator, at the commit) The artifact files, checked for their planned size and made durable,
-    and the side files (shard index, ``config.json``) written; their manifest records."""
+    folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool
+) -> tuple[list[FileRecord], dict[str, bytes]]:
+    """(coordinator, at the commit) The artifact files' manifest records (made durable: the ranks wrote
+    their boxes back, see ``_write._flush``; their sizes are checked by the commit's listing) and the
+    side files the commit creates (shard index, ``config.json``) with their records."""
     records: list[FileRecord] = []
     for f in layout.files:
-        size = int(fs.size(join(path, f.name)))
-        if size != f.size:
-            raise CheckpointError(f"{join(path, f.name)}: {size} bytes after the write, expected {f.size}")
-        if sync and is_local(fs):
-            # the ranks wrote their boxes back (see _write._flush); this makes the file durable
-            fsync_path(join(path, f.name))
+        if sync and folder.local:
+            folder.fsync(f.name)
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)
     cfg = options.hf_config_json(weights_dtype(layout, options))
     if cfg is not None:
         side["config.json"] = cfg
     for name, data in side.items():
-        write_bytes_atomic(fs, join(path, name), data, sync=sync, sync_dir=False)
         records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
-    return records
+    return records, side
 
 
 def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
@@ -221,18 +224,39 @@ def folder_names(fs: Any, path: str) -> set[str]:
     return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
 
 
-def commit_full(fs: Any, path: str, url: str, manifest: Manifest, *, sync: bool) -> None:
-    """(coordinator, last step of a full save) The manifest, exclusively, while the in-progress marker
-    still names this save; then the marker goes. A failed request on an object store raises
-    ``CommitUncertain`` (it may still land: see ``_failed_save``)."""
-    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
-    if marker_owner(marker) != manifest.save_id:
-        raise CheckpointExists(
-            f"{url}: another save took this folder over while this full save was writing (its "
-            f"{WRITING_MARKER} marker names {marker!r}, not this save {manifest.save_id}); not committed"
-        )
-    write = functools.partial(create_bytes_exclusive, fs, join(path, _names.MANIFEST_NAME), sync=sync)
+def commit_full(
+    writer: FullArtifactWriter, manifest: Manifest, metadata: bytes, side: dict[str, bytes], folder: Folder
+) -> None:
+    """(coordinator, last step of a full save) The one commit protocol (``storage.format.commit``): on
+    POSIX the staging folder committed and renamed into place, replacing nothing; on object stores the
+    manifest created in place while the in-progress marker still names this save, the marker removed
+    after. A failed request on an object store raises ``CommitUncertain`` (it may still land)."""
     refused = "another save committed here while this full save was writing"
-    commit_manifest(fs, path, url, manifest, write, refused=refused, discard=False)
-    if remove_files(fs, [join(path, WRITING_MARKER)]):
-        log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)
+    if folder.local:
+        parent = folder.path.rstrip("/").rpartition("/")[0] or "/"
+        target = writer.path.rstrip("/").rpartition("/")[2]
+        with Folder(writer.fs, parent, follow=True) as root:
+            publish_staged(
+                root,
+                _names.staging_name(manifest.save_id),
+                target,
+                writer.url,
+                manifest,
+                manifest.to_bytes(),
+                sync=writer.sync_files,
+                metadata=metadata,
+                side=side,
+                refused=refused,
+            )
+        return
+    commit(
+        folder,
+        writer.url,
+        manifest,
+        manifest.to_bytes(),
+        sync=writer.sync_files,
+        metadata=metadata,
+        side=side,
+        owner_marker=manifest.save_id,
+        refused=refused,
+    )

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt.storage.backends._fs import join, write_bytes_atomic
+from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import write_back
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
@@ -46,22 +46,13 @@ class ObjectResult(tuple):
     """``(file name, size, digest)`` of one object file."""
 
 
-def create_files(folder: str, files: Sequence[ArtifactFile], *, sync: bool) -> None:
-    """(coordinator, before any rank writes) Each file at its final size, everything but tensor data in place.
-
-    Truncating an existing file (debris of an unfinished save under this fixed name) first means no
-    stale byte survives: every byte is either the header, written by a rank, or a hole (zeros) that the
-    tiling check guarantees some rank fills. The folder exists: ``begin_full_save`` made it."""
+def create_files(folder: Folder, files: Sequence[ArtifactFile], *, sync: bool) -> None:
+    """(coordinator, before any rank writes) Each file created (never over an existing one: the folder is
+    this save's staging folder) at its final size, everything but tensor data in place: every byte is
+    either the header, written by a rank, or a hole (zeros) that the tiling check guarantees some rank
+    fills."""
     for f in files:
-        fd = os.open(join(folder, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, f.size)
-            for offset, data in f.pieces:
-                os.pwrite(fd, data, offset)
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        folder.create_sized(f.name, f.size, f.pieces, sync=sync)
 
 
 def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
@@ -190,7 +181,7 @@ def _file_order(files: Sequence[str], rank: int, world: int) -> list[str]:
 class _RankWriter:
     """One rank's tensor writes: whole files per thread, plus its swaps in one more thread."""
 
-    def __init__(self, folder: str, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner) -> None:
+    def __init__(self, folder: Folder, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner) -> None:
         self.data, self.items, self.planner = data, items, planner
         self.by_item: dict[Any, list[FullWrite]] = {}
         for w in data.writes:
@@ -205,7 +196,7 @@ class _RankWriter:
         self.fds: dict[str, int] = {}
         try:
             for name in sorted(names):
-                self.fds[name] = os.open(join(folder, name), os.O_WRONLY)
+                self.fds[name] = folder.open_for_write(name)  # created by this save's coordinator
         except BaseException:
             self.close()
             raise
@@ -330,9 +321,10 @@ def _note(exc: BaseException, text: str) -> None:
 
 
 def write_objects(
-    folder: str, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, fs: Any, sync: bool
+    folder: Folder, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, sync: bool
 ) -> list[WriteResult]:
-    """(every rank) This rank's object values, one ``<key>.pt`` file each (torch.save bytes as given)."""
+    """(every rank) This rank's object values, one ``<key>.pt`` file each (torch.save bytes as given),
+    created (never over an existing file)."""
     names = dict(data.objects)
     results = []
     for it in items:
@@ -341,7 +333,7 @@ def write_objects(
             continue
         value = planner.resolve_data(it)
         payload = value.getvalue() if isinstance(value, io.BytesIO) else bytes(cast(Any, value))
-        write_bytes_atomic(fs, join(folder, name), payload, sync=sync, sync_dir=False)
+        folder.create(name, payload, sync=sync)
         results.append(
             WriteResult(
                 index=it.index,

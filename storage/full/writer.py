@@ -7,6 +7,7 @@ from every rank's shards. Beside ``FsspecStorageWriter`` (partial checkpoints) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING
 
@@ -16,20 +17,24 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local
+from smpckpt.storage.backends._paths import remove_tree
 from smpckpt.storage.format import _names, _wire
+from smpckpt.storage.format.commit import commit_uncertain, committed_save_id
 from smpckpt.storage.full._commit import (
     artifact_records,
     begin_full_save,
     commit_full,
+    staging_path,
     whole_tensor_metadata,
 )
 from smpckpt.storage.full._gather import gather_rank
 from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
-from smpckpt.storage.full._marker import MarkerRefresher
 from smpckpt.storage.full._write import _RankWriter, write_objects
 from smpckpt.storage.full.options import FullOptions
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
-from smpckpt.storage.write._failed_save import folder_is_new
+from smpckpt.storage.write._failed_save import FailedSaveFiles, folder_is_new
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -47,19 +52,24 @@ class FullArtifactWriter(FsspecWriterBase):
         2) (all)         set_up_storage_writer(is_coordinator, rank=, use_collectives=)
         3) (all)         prepare_local_plan(plan)         nothing to do: no I/O on every rank
         4) (coordinator) prepare_global_plan(plans)       refuses a committed or foreign folder, clears an
-                                                          unfinished save's debris, takes the folder (the
-                                                          in-progress marker, kept fresh until the commit),
-                                                          lays the artifact out; POSIX: creates its files
+                                                          unfinished save's debris, lays the artifact out;
+                                                          POSIX: creates its files in a staging folder of
+                                                          its own (.smpckpt-staging.<id> beside the target);
+                                                          object stores: the in-progress marker (create-only)
         5) (all)         write_data(plan, planner)        POSIX: this rank's boxes at their offsets; object
                                                           stores: each file streamed by its owner rank, which
-                                                          receives the other ranks' shard bytes
-        6) (coordinator) finish(metadata, results)        the files checked and made durable, side files
-                                                          (shard index, config.json), .metadata.<id>, then
-                                                          the manifest (exclusive), then the marker goes
+                                                          receives the other ranks' shard bytes; every
+                                                          object created only if absent
+        6) (coordinator) finish(metadata, results)        the one commit protocol: side files (shard index,
+                                                          config.json) and .metadata.<id> created, one
+                                                          listing checks every named file, the manifest;
+                                                          POSIX: the staging folder renamed into place
+                                                          (replacing nothing); object stores: the marker goes
 
     A failed save: every rank calls ``discard_failed_save()`` (the API does); the coordinator removes the
-    artifact it laid out, its marker last. The file names are fixed (``model.safetensors``...), so a
-    folder holding a committed checkpoint is never written over: save under a new folder.
+    staging folder (POSIX), or the artifact it laid out, its marker last (object stores). The file names
+    are fixed (``model.safetensors``...), so a folder holding a committed checkpoint is never written
+    over: save under a new folder.
 
     Args (besides those of :class:`~smpckpt.storage.write._base.FsspecWriterBase`: ``path``,
     ``storage_options``, ``sync_files``, ``thread_count``, ``part_size``, ``max_parts_in_flight``,
@@ -82,11 +92,16 @@ class FullArtifactWriter(FsspecWriterBase):
         super().__init__(path, **options)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
-        if getattr(self, "_marker", None) is not None:  # reset() without the last save's discard
-            self._stop_marker()
         super()._open(path)
-        self._marker: MarkerRefresher | None = None  # coordinator: refreshes the in-progress marker
         self._layout: ArtifactLayout | None = None  # what prepare_global_plan laid out
+
+    def _open_folder(self, *, create: bool = False, save_id: str | None = None) -> Folder:
+        """Where this save's files go: on POSIX its staging folder (``save_id``: the save's), on object
+        stores the target itself."""
+        sid = save_id or self._save_id
+        if is_local(self.fs) and sid is not None:
+            return Folder(self.fs, staging_path(self.path, sid), create=create)
+        return Folder(self.fs, self.path, create=create)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Take the folder, lay out the artifact, create its files (POSIX) and tell each
@@ -99,7 +114,6 @@ class FullArtifactWriter(FsspecWriterBase):
         new_folder = folder_is_new(self.fs, self.path)
         self._save_id = save_id = _names.new_save_id()
         out, layout = begin_full_save(self, plans, save_id)
-        self._marker = MarkerRefresher(self.fs, self.path, save_id, self)  # stopped at the commit or discard
         self._layout = layout
         self._attempt.begin(save_id, new_folder=new_folder, names=layout.names(self.full))
         return out
@@ -109,38 +123,55 @@ class FullArtifactWriter(FsspecWriterBase):
         save_id, layout = self._save_id, self._layout
         if save_id is None or layout is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
-        records = artifact_records(self.fs, self.path, layout, self.full, sync=self.sync_files)
-        with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
-            objects = whole_tensor_metadata(metadata, layout, _wire.open_results(results))
-        files = sorted(records + objects, key=lambda f: f.name)
-        manifest, _ = self._manifest(save_id, metadata, files, len(results), "raw")
-        self._stop_marker()  # before the commit removes the marker: a late rewrite would bring it back
-        commit_full(self.fs, self.path, self.url, manifest, sync=self.sync_files)
+        with self._open_folder() as self._folder:
+            try:
+                records, side = artifact_records(self._folder, layout, self.full, sync=self.sync_files)
+                with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
+                    objects = whole_tensor_metadata(metadata, layout, _wire.open_results(results))
+                files = sorted(records + objects, key=lambda f: f.name)
+                manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), "raw")
+                commit_full(self, manifest, md_bytes, side, self._folder)
+            finally:
+                self._folder = None
         self._used_save_ids.add(save_id)
 
+    def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
+        pass  # created by the commit (``commit_full``), with the side files
+
     def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
-        self._stop_marker()
-        return super().discard_failed_save(error)
+        """(all ranks, after ``dcp.save`` raised) POSIX: the coordinator removes this save's staging folder,
+        whole (nothing else ever writes into it), unless the commit landed. Object stores: as the base."""
+        if not is_local(self.fs):
+            return super().discard_failed_save(error)
+        save_id, self._save_id = self._save_id, None
+        self._attempt = FailedSaveFiles()
+        if save_id is None or not self.is_coordinator or commit_uncertain(error):
+            return []
+        with contextlib.suppress(OSError), Folder(self.fs, self.path) as target:
+            if committed_save_id(target) == save_id:
+                return []  # published: the commit landed
+        try:
+            return remove_tree(self.fs, staging_path(self.path, save_id))
+        except FileNotFoundError:
+            return []
 
     def written_files(self) -> list[str]:
         """The safetensors (or torch.save) files of the artifact being written (after prepare_global_plan)."""
         return sorted(f.name for f in self._layout.files) if self._layout is not None else []
 
-    def _stop_marker(self) -> None:
-        """(coordinator) Stop refreshing the in-progress marker (``_marker``)."""
-        marker, self._marker = self._marker, None
-        if marker is not None:
-            marker.stop()
-
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         data = self._plan_data(plan, RankFullData)
-        if data.files:  # object stores: each file streamed by its owner rank (the sinks borrow: see _open_sink)
-            written = gather_rank(
-                data, plan.items, planner, open_sink=self._open_sink, process_group=self.process_group
-            )
-        else:  # POSIX: every rank at its offsets
-            with _RankWriter(self.path, data, plan.items, planner) as w:
-                written = w.run(self.thread_count, self.process_group, sync=self.sync_files)
-        written += write_objects(self.path, data, plan.items, planner, self.fs, self.sync_files)
+        with self._open_folder(save_id=data.save_id) as self._folder:
+            try:
+                if data.files:  # object stores: each file streamed by its owner rank (the sinks borrow: see _open_sink)
+                    written = gather_rank(
+                        data, plan.items, planner, open_sink=self._open_sink, process_group=self.process_group
+                    )
+                else:  # POSIX: every rank at its offsets, in the staging folder the coordinator made
+                    with _RankWriter(self._folder, data, plan.items, planner) as w:
+                        written = w.run(self.thread_count, self.process_group, sync=self.sync_files)
+                written += write_objects(self._folder, data, plan.items, planner, self.sync_files)
+            finally:
+                self._folder = None
         self._used_save_ids.add(data.save_id)
         return written

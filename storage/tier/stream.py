@@ -22,8 +22,11 @@ holds views of the writer's own buffers, and a sink's ``commit`` returns only wh
 message went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). Each
 receiver holds one chunk (the writer's chunk size, 8 MiB, at most) at a time.
 
-Received files appear under their final name only when complete (a temp name, then a rename); their
-sizes are checked against the manifest before the node commits, their bytes when they are read.
+Received files appear under their final name only when complete, through the one commit protocol's
+file operations (``storage/backends/_folder.py``): a create-only temporary name in the node's folder
+opened without following links, then linked into place without replacing anything (a file already
+there under that name is an error, never overwritten). Their sizes are checked against the manifest
+before the node commits, their bytes when they are read.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smpckpt.storage.backends._fs import fsync_dir
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.backends._sinks import Sink, byte_view
 from smpckpt.storage.format._names import check_member_name
 from smpckpt.storage.tier.transfer import Transfer, TransferOutcome
@@ -115,12 +119,39 @@ class _Sender:
                 work.wait()
 
 
-class _Receiver:
-    """One channel's receiving side: the files from ``src`` over ``group`` into ``folder``."""
+class _Place:
+    """The node's folder, opened (once, by the first receiver that needs it) without following links;
+    shared by a rank's receivers."""
 
-    def __init__(self, src: int, group: Any, folder: str, sync: bool, outcome: TransferOutcome) -> None:
-        self.src, self.group, self.folder, self.sync, self.outcome = src, group, folder, sync, outcome
-        self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp path, file object, error
+    def __init__(self, folder: str) -> None:
+        self.path = folder
+        self._lock = threading.Lock()
+        self._folder: Folder | None = None
+
+    def get(self) -> Folder:
+        with self._lock:
+            if self._folder is None:
+                self._folder = Folder(open_fs(self.path)[0], self.path, create=True)
+            return self._folder
+
+    def close(self, *, sync: bool) -> None:
+        with self._lock:
+            folder, self._folder = self._folder, None
+        if folder is not None:
+            try:
+                if sync:
+                    folder.fsync_dirs()  # once for every file received: new names survive a power loss
+            finally:
+                folder.close()
+
+
+class _Receiver:
+    """One channel's receiving side: the files from ``src`` over ``group`` into ``place``."""
+
+    def __init__(self, src: int, group: Any, place: _Place, sync: bool, outcome: TransferOutcome) -> None:
+        self.src, self.group, self.place, self.sync, self.outcome = src, group, place, sync, outcome
+        self.folder = place.path
+        self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
         self.thread = threading.Thread(target=self._run, name=f"smpckpt-replica-recv-{src}", daemon=True)
 
     def _run(self) -> None:
@@ -149,21 +180,21 @@ class _Receiver:
             self.outcome.errors.append(f"receiving replicas from rank {self.src} failed: {exc}")
         finally:
             for name, tmp, f, _ in self.open.values():
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(Exception):
                     if f is not None:
                         f.close()
-                    os.unlink(tmp)
+                        self.place.get().remove([tmp])
                 self.outcome.errors.append(f"{name}: rank {self.src} never finished sending it")
 
     def _opened(self, file: int, name: str) -> None:
         path = os.path.join(self.folder, name)
-        tmp = f"{path}.recv.{os.getpid()}.{os.urandom(4).hex()}"
+        tmp = ""
         errors: list[str] = []
         f = None
         try:
             check_member_name(name, where=f"the replica stream from rank {self.src}")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(tmp, "wb", buffering=0)  # noqa: SIM115 - closed at END (or when the stream fails)
+            fd, tmp = self.place.get().open_temp(name, tag="recv")  # create-only, never through a link
+            f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed at END (or when the stream fails)
         except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
             errors.append(f"{path}: {exc}")
         self.open[file] = (name, tmp, f, errors)
@@ -186,13 +217,15 @@ class _Receiver:
                     os.fsync(f.fileno())
                 f.close()
             if ok and not errors:
-                os.replace(tmp, path)
+                # linked into place only if nothing is there: a file under that name is not ours to replace
+                self.place.get().link_temp(tmp, name, sync=False)  # the folders are fsynced at close
                 self.outcome.received.append(Transfer(name, size, self.src, -1))
                 return
         except OSError as exc:
             errors.append(f"{path}: {exc}")
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if f is not None:
+            with contextlib.suppress(Exception):
+                self.place.get().remove([tmp])
         if ok:  # a file the writer failed on is its own error, reported there
             self.outcome.errors.extend(errors)
 
@@ -216,9 +249,9 @@ class Replicator:
         self.outcome = TransferOutcome()
         self._lock = threading.Lock()
         self._count = 0
-        self._folder, self._sync = folder, sync
+        self._place, self._sync = _Place(folder), sync
         self._senders = [[_Sender(dst, g, self.outcome.errors) for dst in sends] for g in groups]
-        self._receivers = [_Receiver(src, g, folder, sync, self.outcome) for g in groups for src in receives]
+        self._receivers = [_Receiver(src, g, self._place, sync, self.outcome) for g in groups for src in receives]
         self._closed = False
 
     def start(self) -> None:
@@ -270,13 +303,10 @@ class Replicator:
                     s.thread.join()
             for r in self._receivers:
                 r.thread.join()
-            if self._sync and self.outcome.received:
-                with contextlib.suppress(OSError):
-                    for folder in sorted(
-                        {os.path.dirname(os.path.join(self._folder, t.name)) for t in self.outcome.received}
-                    ):
-                        fsync_dir(folder)
-                    fsync_dir(self._folder)
+            try:
+                self._place.close(sync=self._sync and bool(self.outcome.received))
+            except OSError as exc:
+                self.outcome.errors.append(f"{self._place.path}: {exc}")
         return self.outcome
 
 

@@ -11,8 +11,9 @@ Each transfer is a status word, the file in chunks, and a closing status word, s
 cannot read its file (gone, cut short) never leaves its receiver waiting: it sends zeros, the
 closing word says so, and the receiver discards what it got. A receiver that cannot write still
 receives every chunk (its sender must not block) and reports its error. Received files appear under
-their final name only when complete (a temp name, then a rename), so a kill mid-transfer never
-leaves a file that looks whole; its bytes are checked against the manifest's checksums when read.
+their final name only when complete (a create-only temp name, then a hard link that replaces nothing:
+a file already under the name fails the transfer), so a kill mid-transfer never leaves a file that
+looks whole; its bytes are checked against the manifest's checksums when read.
 
 The group must be able to move CPU tensors (gloo): the API passes a gloo group of its own.
 """
@@ -30,7 +31,8 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
-from smpckpt.storage.backends._fs import fsync_dir
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.format._names import check_member_name
 
 __all__ = ["Transfer", "TransferOutcome", "run_transfers", "fetch_transfers"]
@@ -200,26 +202,27 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
 
 
 def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
-    """Receive ``t`` into ``folder`` (temp name, then rename); an error or ''."""
+    """Receive ``t`` into ``folder`` (a create-only temporary name, then linked into place without replacing
+    anything, relative to the folder opened without following links); an error or ''."""
     status = _word(0)
     dist.recv(status, src=t.src, group=group)
     if int(status.item()) != _OK:
         return f"{t.name}: rank {t.src} could not send it"
     path = os.path.join(folder, t.name)
-    tmp = f"{path}.recv.{os.getpid()}.{os.urandom(4).hex()}"
     error = ""
     out: BinaryIO | None = None
-    try:
-        check_member_name(t.name, where=folder)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        out = open(tmp, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
-    except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
-        error = f"{path}: {exc}"
-    bufs = _buffers(t.size)
-    sizes = _chunks(t.size)
     with contextlib.ExitStack() as cleanup:
-        if out is not None:
-            cleanup.callback(out.close)
+        place: Folder | None = None
+        tmp = ""
+        try:
+            check_member_name(t.name, where=folder)
+            place = cleanup.enter_context(Folder(open_fs(folder)[0], folder, create=True))
+            fd, tmp = place.open_temp(t.name, tag="recv")
+            out = open(fd, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
+        except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
+            error = f"{path}: {exc}"
+        bufs = _buffers(t.size)
+        sizes = _chunks(t.size)
         pending = dist.irecv(bufs[0][: sizes[0]], src=t.src, group=group) if sizes else None
         for i, n in enumerate(sizes):
             view = bufs[i % 2][:n]
@@ -237,21 +240,23 @@ def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
         dist.recv(status, src=t.src, group=group)
         if not error and int(status.item()) != _OK:
             error = f"{t.name}: rank {t.src} failed while sending it"
-        if out is not None and not error:
+        if out is not None:
             try:
-                out.flush()
-                if sync:
-                    os.fsync(out.fileno())
+                if not error:
+                    out.flush()
+                    if sync:
+                        os.fsync(out.fileno())
             except OSError as exc:
                 error = f"{path}: {exc}"
-    try:
+            finally:
+                out.close()
+        if place is None:
+            return error
         if error:
-            raise OSError(error)
-        os.replace(tmp, path)
-        if sync:
-            fsync_dir(os.path.dirname(path))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        return error or f"{path}: {exc}"
+            place.remove([tmp])
+            return error
+        try:
+            place.link_temp(tmp, t.name, sync=sync)
+        except OSError as exc:
+            return f"{path}: {exc}"
     return ""

@@ -24,20 +24,14 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointExists
-from smpckpt.storage.backends._fs import (
-    create_bytes_exclusive,
-    is_local,
-    join,
-    open_fs,
-    read_bytes_or_none,
-    write_bytes_atomic,
-)
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local, open_fs
 from smpckpt.storage.backends._prefixes import resolve
 from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.format import _names
+from smpckpt.storage.format.commit import commit
 from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.tier.stream import Replicator
-from smpckpt.storage.write._commit import check_data_files
 from smpckpt.storage.write._rank_files import RankPlanData
 from smpckpt.storage.write.writer import FsspecStorageWriter
 
@@ -118,16 +112,21 @@ def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileR
     ``.metadata``. ``False`` when this very generation was already committed here (nothing written);
     :class:`CheckpointExists` when another generation was."""
     fs, path = open_fs(folder)
-    existing = read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME))
-    if existing is not None:
-        if existing == prepared.manifest:
-            return False
-        raise CheckpointExists(f"{folder}: holds another committed checkpoint of this tag")
-    check_data_files(fs, path, folder, expected)
-    write_bytes_atomic(fs, join(path, prepared.metadata_name), prepared.metadata, sync=sync, sync_dir=False)
-    try:
-        create_bytes_exclusive(fs, join(path, _names.MANIFEST_NAME), prepared.manifest, sync=sync)
-    except FileExistsError as exc:
-        raise CheckpointExists(f"{folder}: another save committed here at the same time") from exc
-    write_bytes_atomic(fs, join(path, _names.METADATA_NAME), prepared.metadata, sync=sync)
+    with Folder(fs, path) as f:  # the one commit protocol (storage/format/commit.py)
+        existing = f.read(_names.MANIFEST_NAME)
+        if existing is not None:
+            if existing == prepared.manifest:
+                return False
+            raise CheckpointExists(f"{folder}: holds another committed checkpoint of this tag")
+        commit(
+            f,
+            folder,
+            prepared.parsed(),
+            prepared.manifest,
+            sync=sync,
+            metadata=prepared.metadata,
+            expected=expected,
+            stock_metadata=prepared.metadata,
+            refused="another save committed here at the same time",
+        )
     return True

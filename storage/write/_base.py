@@ -21,20 +21,20 @@ from torch.futures import Future
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
-from smpckpt.storage.backends._fs import is_local, join, write_bytes_atomic
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local
 from smpckpt.storage.backends._location import FsspecLocation
-from smpckpt.storage.backends._sinks import Sink, open_sink
+from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, MIN_PART_SIZE, Sink
 from smpckpt.storage.backends._threads import default_write_threads
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
+from smpckpt.storage.format.commit import commit_uncertain
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord, extra_with_layout_record
-from smpckpt.storage.write._failed_save import FailedSaveFiles, commit_uncertain
+from smpckpt.storage.write._failed_save import FailedSaveFiles
 
+# MIN_PART_SIZE: S3's smallest multipart part, owned by storage/backends/_sinks.py (named here for callers)
 __all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions"]
-
-#: S3's smallest multipart part (every part but the last)
-MIN_PART_SIZE = 5 << 20
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             Object stores ignore it (an object is durable once its upload completes).
         thread_count: data files written concurrently per rank. Default: 4, locally fewer when this
             node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs (``storage/backends/_threads.py``).
-        part_size: S3 multipart part size (at least 5 MiB).
+        part_size: S3 multipart part size (at least 5 MiB, S3's minimum; honoured as given).
         max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
             ``max_parts_in_flight * part_size``).
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
@@ -96,7 +96,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         storage_options: Mapping[str, Any] | None = None,
         sync_files: bool = True,
         thread_count: int | None = None,
-        part_size: int = 32 << 20,
+        part_size: int = DEFAULT_PART_SIZE,
         max_parts_in_flight: int = 4,
         manifest_extra: Mapping[str, Any] | None = None,
         process_group: Any = None,
@@ -124,6 +124,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         self.rank = 0
         self._save_id: str | None = None
         self._attempt = FailedSaveFiles()  # this rank's files of the save under way
+        self._folder: Folder | None = None  # open while this rank writes its files, or commits
 
     def set_manifest_extra(self, extra: Mapping[str, Any]) -> None:
         """Replace the JSON recorded under ``"extra"`` in the next manifest (must be JSON-serialisable)."""
@@ -230,19 +231,30 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         )
         return manifest, md_bytes
 
+    def _open_folder(self, *, create: bool = False) -> Folder:
+        """This save's folder for one step (``with`` it; ``self._folder`` meanwhile, for the seams)."""
+        return Folder(self.fs, self.path, create=create)
+
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        # the directory fsync comes with the manifest's, in the same folder
-        write_bytes_atomic(self.fs, join(self.path, gen_name), md_bytes, sync=self.sync_files, sync_dir=False)
+        """The generation's metadata, created (never over another file); its folder's fsync comes with
+        the manifest's."""
+        folder = self._folder or self._open_folder()
+        try:
+            folder.create(gen_name, md_bytes, sync=self.sync_files)
+        finally:
+            if folder is not self._folder:
+                folder.close()
 
     def _open_sink(self, name: str) -> Sink:
-        """A data file's sink, recorded as this save's. It may borrow: ``write_file`` and ``gather_rank``
-        pass views of the resolved tensors (or of buffers made for that write) and never change them
-        before the sink's commit, so S3 parts go out without a copy."""
+        """A data file's create-only sink in this save's folder, recorded as this save's. It may borrow:
+        ``write_file`` and ``gather_rank`` pass views of the resolved tensors (or of buffers made for that
+        write) and never change them before the sink's commit, so S3 parts go out without a copy."""
+        if self._folder is None:
+            raise CheckpointError(f"{self.url}: a data file opened outside this rank's write step")
         self._attempt.add(name)
-        return open_sink(
-            self.fs,
-            join(self.path, name),
+        return self._folder.sink(
+            name,
             sync=self.sync_files,
             part_size=self.part_size,
             max_parts_in_flight=self.max_parts_in_flight,

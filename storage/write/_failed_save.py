@@ -3,9 +3,11 @@
 ``dcp.save`` reports a failure to every rank only after every rank's ``write_data`` returned (and the
 coordinator's ``finish``, when it ran, returned or raised), so by then nothing of that save is still
 being written. Each rank then removes the files it recorded for the failed save: a partial save's data
-files (named with its save id) and the coordinator's metadata copy; a full save's artifact, side files
-and metadata copy (the coordinator: it laid them out), its in-progress marker last and only while the
-marker still names that save. Nothing is removed when a manifest shows the commit landed (partial: this
+files (named with its save id) and the coordinator's metadata copy; on object stores a full save's
+artifact, side files and metadata copy (the coordinator: it laid them out), its in-progress marker last
+and only while the marker still names that save (on POSIX a full save's staging folder goes whole:
+``FullArtifactWriter.discard_failed_save``). Every removal goes through the protocol's folder, never
+through a link. Nothing is removed when a manifest shows the commit landed (partial: this
 save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
 way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
 goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still
@@ -17,93 +19,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
-from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none, remove_files
-from smpckpt.storage.backends._prefixes import remove_empty_folders
+from smpckpt.errors import CheckpointError
+from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage.backends._paths import remove_files
 from smpckpt.storage.format._names import WRITING_MARKER, marker_owner
 from smpckpt.storage.format._state import probe
-from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.format.commit import CommitUncertain, commit_uncertain
 
-__all__ = [
-    "CommitUncertain",
-    "FailedSaveFiles",
-    "commit_uncertain",
-    "commit_manifest",
-    "committed_by",
-    "folder_is_new",
-]
+# CommitUncertain and commit_uncertain live with the commit protocol (storage/format/commit.py)
+__all__ = ["CommitUncertain", "FailedSaveFiles", "commit_uncertain", "folder_is_new"]
 
 log = logging.getLogger(__name__)
-
-
-class CommitUncertain(CheckpointError):
-    """The commit (the manifest's write) failed in a way that does not tell whether it landed: an
-    object store's timeout or dropped connection, where the request may still complete. Nothing of
-    that save is removed: it may be a committed checkpoint."""
-
-
-def commit_uncertain(error: BaseException | None) -> bool:
-    """Whether ``error`` (DCP's ``CheckpointException``, or the exception itself) carries a
-    :class:`CommitUncertain` from the coordinator."""
-    if isinstance(error, CommitUncertain):
-        return True
-    failures = getattr(error, "failures", None) or {}
-    return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
-
-
-def commit_manifest(
-    fs: Any, path: str, url: str, manifest: Manifest, write: Callable[[bytes], None], *, refused: str, discard: bool
-) -> None:
-    """(coordinator) The commit: ``write`` puts ``manifest``'s bytes (create-if-absent, unless it replaces one).
-
-    Refused (``FileExistsError``) by another save's manifest: ``CheckpointExists`` (``url``: ``refused``),
-    after removing the refused save's files when ``discard``; by this save's own (a retried conditional
-    PUT whose first attempt landed is refused, 412): committed. Any other failure, on object stores: a
-    :class:`CommitUncertain` (the request may still land, so no clean-up may remove that save's files).
-    On local disk and memory:// the folder tells exactly whether the manifest landed: if it did (the
-    step that failed came after it: the folder's fsync), say so instead of reporting a plain failure;
-    else the error itself."""
-    try:
-        write(manifest.to_bytes())
-    except FileExistsError as exc:
-        if committed_by(fs, path, manifest.save_id):
-            return
-        if discard:
-            names = [f.name for f in manifest.files] + [manifest.metadata.name]
-            failed = remove_files(fs, [join(path, n) for n in names], within=path)
-            if failed:
-                log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
-        raise CheckpointExists(f"{url}: {refused}") from exc
-    except Exception as exc:
-        if not (is_local(fs) or getattr(fs, "protocol", None) in ("memory", ("memory",))):
-            raise CommitUncertain(
-                f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's "
-                "files are kept: `smpckpt ls` tells whether it committed"
-            ) from exc
-        if committed_by(fs, path, manifest.save_id):
-            raise CheckpointError(
-                f"{url} is committed (its manifest is in place; it can be resumed by tag), but a step after the "
-                f"commit failed ({type(exc).__name__}: {exc}), so it may not survive a power loss"
-            ) from exc
-        raise
 
 
 def _manifest_save_id(fs: Any, path: str) -> str | None:
     """The save id of the manifest at ``path`` (None: no manifest); raises when it cannot be read."""
     found = probe(fs, path, list_when_empty=False)
     return found.manifest.save_id if found.manifest is not None else None
-
-
-def committed_by(fs: Any, path: str, save_id: str) -> bool:
-    """After a refused exclusive commit: is the manifest there this save's own (a retried request whose
-    first attempt landed)? An unreadable one is not."""
-    try:
-        return _manifest_save_id(fs, path) == save_id
-    except CheckpointError:
-        return False
 
 
 class FailedSaveFiles:
@@ -150,7 +84,6 @@ class FailedSaveFiles:
         if failed:
             log.warning("%s: could not remove %d file(s) of the failed save: %s", url, len(failed), failed[:5])
         elif is_local(fs):
-            remove_empty_folders(path, paths)
             if self.new_folder:
                 # the rank that removes the last file succeeds; the others find it not empty yet
                 with contextlib.suppress(OSError):

@@ -6,9 +6,13 @@ DCP runs ``finish`` (step 6 of the class docstring) only when every rank succeed
 keeps its previous committed generation (or stays uncommitted); every rank gets the error, and then
 ``discard_failed_save()`` (the API calls it) removes what the rank wrote for the failed save.
 
-Two saves racing on one folder without ``overwrite``: both pass the check in ``prepare_global_plan``, but the commit is
-create-if-absent (a hard link on POSIX, ``If-None-Match: *`` on S3), so exactly one commits; the
-other removes its own files and fails with :class:`~smpckpt.errors.CheckpointExists`.
+Every file is created, never overwritten, and the commit follows the one protocol
+(``smpckpt.storage.format.commit``): two saves racing on one folder without ``overwrite`` both pass the
+check in ``prepare_global_plan``, but the manifest is create-if-absent (a hard link on POSIX,
+``If-None-Match: *`` on S3), so exactly one commits; the other removes its own files and fails with
+:class:`~smpckpt.errors.CheckpointExists`. With ``overwrite`` the manifest replaces exactly the one the
+save saw when it began (S3: ``If-Match``), so of two racing overwrites one fails instead of both
+"succeeding".
 
 Data files are named per save id, so an overwrite writes a new generation beside the old one. The
 manifest swap is the commit; our reader follows the manifest to its own generation's metadata copy,
@@ -30,22 +34,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import (
-    create_bytes_exclusive,
-    fsync_dir,
-    is_local,
-    join,
-    remove_files,
-    write_bytes_atomic,
-)
-from smpckpt.storage.backends._prefixes import PrefixOption, folder_of, resolve
+from smpckpt.storage.backends._fs import is_local
+from smpckpt.storage.backends._prefixes import PrefixOption, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format._state import probe
+from smpckpt.storage.format.commit import commit, settle_uncommitted_folder
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
-from smpckpt.storage.write._commit import after_commit, check_data_files, settle_uncommitted_folder
-from smpckpt.storage.write._failed_save import commit_manifest, folder_is_new
+from smpckpt.storage.write._failed_save import folder_is_new
 from smpckpt.storage.write._rank_files import RankPlanData
 from smpckpt.storage.write._write_file import PART_FILL, object_store_bins, split_items, write_file
 
@@ -173,6 +170,7 @@ class FsspecStorageWriter(FsspecWriterBase):
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
         self._old_files: list[str] = []
+        self._replacing: bytes | None = None  # the manifest an overwrite replaces, as read
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank."""
@@ -182,6 +180,7 @@ class FsspecStorageWriter(FsspecWriterBase):
                 f"{self.url} already holds a {found.state} checkpoint; pass overwrite=True to replace it"
             )
         self._old_files = found.generation_files() if found.state in ("committed", "legacy") else []
+        self._replacing = found.raw if self.overwrite else None
         if found.state not in ("committed", "legacy"):
             settle_uncommitted_folder(self.fs, self.path, self.url)
         self._save_id = _names.new_save_id()
@@ -205,33 +204,40 @@ class FsspecStorageWriter(FsspecWriterBase):
         return save_id, files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """(coordinator) Write metadata, then the manifest (the commit), then drop the old generation."""
+        """(coordinator) The metadata, then the commit (``storage.format.commit``: one listing checks every
+        named file, the manifest, no removal meanwhile), then the stock copy and the old generation's removal."""
         save_id, files = self._committed_files(metadata, results)
-        check_data_files(self.fs, self.path, self.url, files)
         files = sorted(files, key=lambda f: (f.rank, f.name))
-        manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)
-        commit_manifest(
-            self.fs,
-            self.path,
-            self.url,
-            manifest,
-            self._write_manifest,
-            refused="another save committed a checkpoint here while this one was writing; this save's files were "
-            "removed and the other checkpoint is untouched (pass overwrite=True to replace it)",
-            discard=True,
-        )
+        with self._open_folder() as self._folder:
+            try:
+                manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)
+                commit(
+                    self._folder,
+                    self.url,
+                    manifest,
+                    manifest.to_bytes(),
+                    sync=self.sync_files,
+                    write_manifest=self._write_manifest,
+                    stock_metadata=md_bytes,
+                    old_files=self._old_files,
+                    refused="another save committed a checkpoint here while this one was writing; this save's "
+                    "files were removed and the other checkpoint is untouched (pass overwrite=True to replace it)",
+                    discard=[f.name for f in files] + [manifest.metadata.name],
+                )
+            finally:
+                self._folder = None
         self._used_save_ids.add(save_id)
-        after_commit(self.fs, self.path, self.url, manifest, md_bytes, self._old_files, sync=self.sync_files)
 
     def _write_manifest(self, data: bytes) -> None:
         """The commit (a seam for fault-injection tests). Without ``overwrite`` it is exclusive:
-        ``FileExistsError`` when another save committed first. With ``overwrite`` it atomically
-        replaces the previous manifest."""
-        path = join(self.path, _names.MANIFEST_NAME)
-        if self.overwrite:
-            write_bytes_atomic(self.fs, path, data, sync=self.sync_files)
+        ``FileExistsError`` when another save committed first. With ``overwrite`` it replaces the manifest
+        this save saw when it began, and only that one (``FileExistsError`` when another save replaced it)."""
+        if self._folder is None:
+            raise CheckpointError(f"{self.url}: the manifest written outside the commit")
+        if self._replacing is not None:
+            self._folder.replace_if(_names.MANIFEST_NAME, data, self._replacing, sync=self.sync_files)
         else:
-            create_bytes_exclusive(self.fs, path, data, sync=self.sync_files)
+            self._folder.publish(_names.MANIFEST_NAME, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """(every rank, in ``write_data``) This rank's items split into data files, written concurrently
@@ -242,7 +248,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         wrote (they would be orphans: the save does not commit) and raises the first error."""
         data = self._plan_data(plan, RankPlanData)
         self._attempt.begin(data.save_id, new_folder=data.new_folder)
-        items, threads, path = list(plan.items), self.thread_count, self.path
+        items, threads = list(plan.items), self.thread_count
         local = is_local(self.fs)
         if local if self._split_as_local is None else self._split_as_local:
             buckets, workers = split_items(items, threads), threads
@@ -258,33 +264,33 @@ class FsspecStorageWriter(FsspecWriterBase):
             _names.data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
             for n in range(len(buckets))
         ]
-        folders = sorted({folder_of(path, n) for n in names})
-        if local:
-            # the checkpoint folder too, even on a rank with nothing to write: the coordinator's metadata
-            # and manifest go there
-            for folder in [path, *folders]:
-                os.makedirs(folder, exist_ok=True)
         results: list[WriteResult] = []
         errors: list[BaseException] = []
-        if buckets:
-            with concurrent.futures.ThreadPoolExecutor(
-                min(len(buckets), workers), thread_name_prefix="smpckpt-write"
-            ) as pool:
-                futs = [pool.submit(self._write_file, n, part, planner, data.rank) for n, part in zip(names, buckets)]
-                for f in futs:
-                    try:
-                        results.extend(f.result())
-                    except BaseException as exc:  # noqa: BLE001 - first error re-raised below
-                        errors.append(exc)
-        if errors:
-            # this rank's finished files are orphans now; remove them (best effort) and report
-            remove_files(self.fs, [join(path, n) for n in names], within=path)
-            raise errors[0]
-        if buckets and local and self.sync_files:
-            for folder in folders:  # the files' own folders, then the checkpoint folder holding them
-                fsync_dir(folder)
-            if folders != [path]:
-                fsync_dir(path)
+        # the checkpoint folder is made (and opened) even on a rank with nothing to write: the coordinator's
+        # metadata and manifest go there. Every file is created in it, never through a link
+        with self._open_folder(create=True) as self._folder:
+            try:
+                if buckets:
+                    with concurrent.futures.ThreadPoolExecutor(
+                        min(len(buckets), workers), thread_name_prefix="smpckpt-write"
+                    ) as pool:
+                        futs = [
+                            pool.submit(self._write_file, n, part, planner, data.rank)
+                            for n, part in zip(names, buckets)
+                        ]
+                        for f in futs:
+                            try:
+                                results.extend(f.result())
+                            except BaseException as exc:  # noqa: BLE001 - first error re-raised below
+                                errors.append(exc)
+                if errors:
+                    # this rank's finished files are orphans now; remove them (best effort) and report
+                    self._folder.remove(names)
+                    raise errors[0]
+                if buckets and local and self.sync_files:
+                    self._folder.fsync_dirs()  # the files' own folders, then the checkpoint folder holding them
+            finally:
+                self._folder = None
         self._used_save_ids.add(data.save_id)
         return results
 

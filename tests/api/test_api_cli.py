@@ -57,14 +57,15 @@ def test_ls(root: tuple[str, dict[str, Any], list[str]]) -> None:
     rc, out, _ = _run("ls", url, *opts)
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["TAG", "STATE", "SIZE", "LAYOUT", "SAVED"]
+    assert lines[0].split() == ["TAG", "SEQ", "STATE", "SIZE", "LAYOUT", "SAVED"]
     assert [ln.split()[0] for ln in lines[1:3]] == ["step0", "step1"]
-    assert lines[3].split()[:3] == ["*", "step2", "committed"]
+    assert lines[3].split()[:4] == ["*", "step2", "3", "committed"]  # the third save under the root
     assert "tp=1 pp=1 dp=1" in lines[3]
     rc, out, _ = _run("ls", url, "--json", *opts)
     data = json.loads(out)
     assert data["newest"] == "step2"
     assert [c["tag"] for c in data["checkpoints"]] == ["step0", "step1", "step2"]
+    assert [c["sequence"] for c in data["checkpoints"]] == [1, 2, 3]
     assert all(c["size"] > 0 and c["layout"]["tp"] == 1 for c in data["checkpoints"])
 
 

@@ -93,8 +93,8 @@ def test_ls_local_lists_the_fast_tier_and_the_resume_pick(tiered: tuple[str, str
     rc, out, err = _run("ls", root, "--local", node)
     assert rc == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["TAG", "STATE", "SIZE", "LAYOUT", "SAVED"]
-    assert lines[1].split()[:3] == ["*", "step2", "committed"]  # the durable table as without --local
+    assert lines[0].split() == ["TAG", "SEQ", "STATE", "SIZE", "LAYOUT", "SAVED"]
+    assert lines[1].split()[:4] == ["*", "step2", "2", "committed"]  # the durable table as without --local
     assert lines[2] == f"fast tier (1 folder(s): {node}), newest first:"
     assert _fast_rows(out) == [
         [">", "step3", "3", "1/1", f"{n}/{n}", "complete", "no", *_fast_rows(out)[0][7:]],

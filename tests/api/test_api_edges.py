@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import smpckpt.storage.backends._fs as fs_mod
+import smpckpt.storage.backends._folder as folder_mod
 from smpckpt import (
     CheckpointError,
     LayoutMismatch,
@@ -49,18 +49,22 @@ def test_a_failure_after_the_commit_says_the_checkpoint_is_committed(
     root = str(tmp_path)
     save_checkpoint(root, "a", model=_model(0))
     tag = "a" if overwrite else "b"
-    real = fs_mod.fsync_dir
+    real = os.fsync
+    before = open(os.path.join(root, "a_partial", MANIFEST_NAME), "rb").read()
 
-    def failing(path: str) -> None:
-        if path.endswith(f"{tag}_partial") and os.path.exists(os.path.join(path, MANIFEST_NAME)):
+    def failing(fd: int) -> None:
+        # the folder's own descriptor (the commit fsyncs it after linking the manifest), read back by name
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        manifest = os.path.join(path, MANIFEST_NAME)
+        if path.endswith(f"{tag}_partial") and os.path.exists(manifest) and open(manifest, "rb").read() != before:
             raise OSError(5, "injected EIO")
-        real(path)
+        real(fd)
 
-    monkeypatch.setattr(fs_mod, "fsync_dir", failing)
+    monkeypatch.setattr(os, "fsync", failing)
     new = _model(1)
     with pytest.raises(CheckpointError, match=r"_partial is committed \(its manifest is in place.*injected EIO"):
         save_checkpoint(root, tag, model=new, overwrite=overwrite)
-    monkeypatch.setattr(fs_mod, "fsync_dir", real)
+    monkeypatch.setattr(os, "fsync", real)
     assert open(os.path.join(root, "newest")).read().strip() == "a"
     _assert_resumes(root, tag, new)
 
@@ -81,14 +85,14 @@ def test_a_temp_name_left_behind_is_not_a_failed_save(tmp_path: Any, monkeypatch
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger(fs_mod.__name__).addHandler(handler)
+    logging.getLogger(folder_mod.__name__).addHandler(handler)
     monkeypatch.setattr(os, "unlink", failing)
     m = _model(2)
     try:
         save_checkpoint(root, "a", model=m)
     finally:
         monkeypatch.setattr(os, "unlink", real)
-        logging.getLogger(fs_mod.__name__).removeHandler(handler)
+        logging.getLogger(folder_mod.__name__).removeHandler(handler)
     assert left and any(left[0] in msg for msg in seen), seen
     assert open(os.path.join(root, "newest")).read().strip() == "a"
     _assert_resumes(root, None, m)

@@ -51,21 +51,50 @@ def _debris(root: Path) -> dict[str, Path]:
     stale_marker.write_bytes(b"gone\n9")
     temp = root / "newest.tmp.123.abcd1234"
     temp.write_text("a")
-    for p in (dead, dead_md, killed_full, stale_marker, temp):
+    # issue 42: temporary files inside committed folders (an interrupted publication, a transfer), a folder
+    # holding only a marker's temporary file, a killed full save's staging folder
+    inner_temp = part / "smpckpt.manifest.json.tmp.77.0badf00d"
+    inner_temp.write_text("{")
+    recv = part / (data.name + ".recv.78.feedbeef")
+    recv.write_bytes(b"half")
+    full_temp = root / "f" / ".metadata.tmp.79.cafe0123"
+    full_temp.write_bytes(b"x")
+    marker_temp_only = root / "h"
+    marker_temp_only.mkdir()
+    (marker_temp_only / "smpckpt.writing.tmp.80.12345678").write_bytes(b"killed\n0")
+    staging = root / ".smpckpt-staging.18c1f0000abcdef0"
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"\0" * 64)
+    (staging / "smpckpt.manifest.json").write_bytes(b"{}")  # killed between its manifest and its rename
+    found = {
+        "dead": dead,
+        "dead_md": dead_md,
+        "killed_full": killed_full,
+        "marker": stale_marker,
+        "temp": temp,
+        "inner_temp": inner_temp,
+        "recv": recv,
+        "full_temp": full_temp,
+        "marker_temp_only": marker_temp_only,
+        "staging": staging,
+    }
+    for p in found.values():
         _age(p, 2 * HOUR)
-    return {"dead": dead, "dead_md": dead_md, "killed_full": killed_full, "marker": stale_marker, "temp": temp}
+    return found
 
 
 def test_prune_removes_every_kind_of_debris_and_nothing_else(tmp_path: Path) -> None:
     found = _debris(tmp_path)
     dry = apply_retention(str(tmp_path), None, uncommitted_older_than=HOUR, dry_run=True)
-    assert len(dry.removed_debris) == 5 and all(p.exists() for p in found.values())
+    assert len(dry.removed_debris) == len(found) and all(p.exists() for p in found.values())
     out = io.StringIO()
     assert main(["prune", str(tmp_path), "--uncommitted-older-than", "1h"], stdout=out) == 0
-    assert out.getvalue().count("(debris of a killed save)") == 5, out.getvalue()
+    assert out.getvalue().count("(debris of a killed save)") == len(found), out.getvalue()
     assert not any(p.exists() for p in found.values())
-    # what is committed is whole
+    # what is committed is whole, and the tags the debris held are free
     assert verify_checkpoint(str(tmp_path / "a_partial")).ok and verify_checkpoint(str(tmp_path / "f")).ok
+    save_checkpoint(str(tmp_path), "h", partial=False, model=_model())
+    assert verify_checkpoint(str(tmp_path / "h")).ok
 
 
 def test_debris_written_to_within_the_age_stays(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import io
 import json
-import logging
 import os
 import pickle
 import time
@@ -28,7 +27,7 @@ from smpckpt import (
 )
 from smpckpt.catalog.listing import scan_root
 from smpckpt.catalog.tags import write_newest
-from smpckpt.storage import MANIFEST_NAME, FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
+from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.tools.cli import main
 
 
@@ -364,111 +363,150 @@ def test_save_over_a_committed_tag_still_refused(tmp_path: Any) -> None:
     assert checkpoint_state(f"{root}/step0_partial") == "committed"
 
 
-def test_a_restart_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job resumes on a node whose clock is a day behind: its new checkpoints must still count as the
-    newest, for retention and for a resume that falls back (``newest`` lost). A damaged stamp beyond
-    any date is not followed."""
-    import smpckpt.catalog._save_clock as save_clock
+def _clock_behind(monkeypatch: pytest.MonkeyPatch, seconds: int) -> None:
+    """This process is a new job on a node whose clock is ``seconds`` behind the previous job's: no root
+    known yet, every save stamped in the past."""
+    import contextlib
+    import importlib
+
+    from smpckpt.catalog.sequence import forget_roots
+
+    forget_roots()
+    behind = time.time_ns() - seconds * 10**9
+    monkeypatch.setattr(time, "time_ns", lambda: behind)
+    with contextlib.suppress(ImportError):  # before issue 42 the save clock kept its own reference
+        clock = importlib.import_module("smpckpt.catalog._save_clock")
+        monkeypatch.setattr(clock, "_latest", {})
+        monkeypatch.setattr(clock, "_now", lambda: behind)
+
+
+@pytest.mark.parametrize("newest", ["deleted", "stale"])
+def test_a_later_job_is_ordered_after_the_earlier_one_whatever_the_clocks_say(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, newest: str
+) -> None:
+    """Issue 42, row 7: ``newest`` deleted or stale, the second job's clock an hour behind, no resume.
+    Its saves s5-s7 must come after the old run's s1-s4: a tag-less resume takes s7 (not s4), and
+    ``prune --keep 3`` keeps s5-s7 (before: it deleted them and kept the old run's)."""
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("s1", "s2", "s3", "s4"):
+        save_checkpoint(root, tag, model=m, optimizer=o)
+
+    def spoil_newest() -> None:
+        if newest == "deleted":
+            os.remove(os.path.join(root, "newest"))
+        else:  # updates of newest lost: it names an older checkpoint of the old run
+            write_newest(open_fs(root)[0], root, "s2")
+
+    spoil_newest()
+    _clock_behind(monkeypatch, 3600)
+    for i, tag in enumerate(("s5", "s6", "s7")):
+        m, o = _model(10 + i)
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    records = [r for r in scan_root(root) if r.committed]
+    assert [r.tag for r in records] == ["s1", "s2", "s3", "s4", "s5", "s6", "s7"]
+    assert [r.order[0] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    stamps = [r.manifest.extra["saved_at_ns"] for r in records if r.manifest is not None]
+    assert stamps[-1] < stamps[0]  # the clocks did disagree
+    spoil_newest()
+    back, bo = _model(99)
+    with pytest.warns(UserWarning, match="newest"):
+        resume_from_checkpoint(root, model=back, optimizer=bo)
+    assert last_resume_info().tag == "s7" and last_resume_info().fell_back
+    _assert_same_params(back, m)
+    rc, _, err = _run_cli("prune", root, "--keep", "3")
+    assert rc == 0, err
+    kept = ["s5", "s6", "s7"] if newest == "deleted" else ["s2", "s5", "s6", "s7"]  # (never what newest names)
+    assert [r.tag for r in scan_root(root) if r.committed] == kept
+
+
+def test_a_rollback_numbers_past_the_abandoned_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job rolls back to an explicit older tag on a node whose clock is a day behind: its new checkpoints
+    outrank the abandoned run's later ones, so retention removes those first (one listing of the root at
+    the first save: an explicit-tag resume lists nothing)."""
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("a", "b", "c"):
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    _clock_behind(monkeypatch, 86_400)
+    resume_from_checkpoint(root, tag="a", model=m, optimizer=o)
+    for tag in ("d", "e"):
+        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert [(r.tag, r.order[0]) for r in scan_root(root) if r.committed] == [("d", 4), ("e", 5)]
+
+
+def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a tag-less resume (which listed the root) the next saves count on without listing it again;
+    a damaged number (beyond any plausible count) in a manifest is not followed."""
+    import smpckpt.catalog.listing as listing
+    from smpckpt.catalog.sequence import next_sequence, saw_sequence
 
     root = str(tmp_path)
     m, o = _model(0)
     for tag in ("a", "b"):
-        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
-    monkeypatch.setattr(save_clock, "_latest", {})  # a new process
-    behind = time.time_ns() - 86_400 * 10**9
-    monkeypatch.setattr(save_clock, "_now", lambda: behind)
-    # the root spelled another way on resume than on save: still one location
-    assert resume_from_checkpoint(f"file://{root}", model=m, optimizer=o) is None and last_resume_info().tag == "b"
-    for tag in ("c", "d"):
-        save_checkpoint(f"{root}/", tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
-    assert [r.tag for r in scan_root(root) if r.committed] == ["c", "d"]  # retention kept the new ones
-    os.remove(os.path.join(root, "newest"))
-    with pytest.warns(UserWarning, match="newest is missing"):
-        resume_from_checkpoint(root, model=m, optimizer=o)
-    assert last_resume_info().tag == "d"
-    save_clock.saw_checkpoint(root, 2**80)  # a damaged manifest's stamp: ignored, saves still work
-    save_checkpoint(root, "e", model=m, optimizer=o)
-    assert read_manifest(os.path.join(root, "e_partial")).extra["saved_at_ns"] < 2**62
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    _clock_behind(monkeypatch, 600)
+    resume_from_checkpoint(f"file://{root}", model=m, optimizer=o)  # the root spelled another way
+    assert last_resume_info().tag == "b"
+    monkeypatch.setattr(listing, "highest_sequence", lambda *a, **k: pytest.fail("listed the root again"))
+    save_checkpoint(f"{root}/", "c", model=m, optimizer=o)
+    assert read_manifest(os.path.join(root, "c_partial")).extra["sequence"] == 3
+    saw_sequence(root, 2**80)  # a damaged manifest's number: ignored
+    assert next_sequence(root) == 4
 
 
-def test_a_rollback_on_a_node_whose_clock_is_behind(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job rolls back to an explicit older tag on a node whose clock is a day behind. Its new checkpoints
-    must outrank the abandoned run's later ones, or retention removes the new ones first (without the
-    fix: ``b``, ``c`` and ``e`` kept, ``d`` removed)."""
-    import smpckpt.catalog._save_clock as save_clock
+def test_retention_removes_nothing_when_a_checkpoint_is_numbered_after_the_one_just_saved(tmp_path: Any) -> None:
+    """Another job saving into this root at the same time drew a higher number than the checkpoint just
+    saved: retention refuses to guess which are the oldest, and says so."""
+    from smpckpt.catalog.sequence import forget_roots, saw_sequence
 
     root = str(tmp_path)
     m, o = _model(0)
     for tag in ("a", "b", "c"):
         save_checkpoint(root, tag, model=m, optimizer=o)
-    monkeypatch.setattr(save_clock, "_latest", {})  # a new process
-    behind = time.time_ns() - 86_400 * 10**9
-    monkeypatch.setattr(save_clock, "_now", lambda: behind)
-    resume_from_checkpoint(root, tag="a", model=m, optimizer=o)
-    for tag in ("d", "e"):
-        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
-    assert [r.tag for r in scan_root(root) if r.committed] == ["d", "e"]
-
-
-def test_a_job_saving_without_a_resume_on_a_node_whose_clock_is_behind(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No resume first (issue 33 item 4): a job an hour behind saves s5, s6 into a root holding s3, s4
-    with num_kept_partial_checkpoints=2. Without the floor read from ``newest`` retention deleted s5 and
-    s6 and kept s3, s4, and a tag-less resume rolled back to s4."""
-    import smpckpt.catalog._save_clock as save_clock
-
-    root = str(tmp_path)
-    m, o = _model(0)
-    for tag in ("s3", "s4"):
-        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
-    monkeypatch.setattr(save_clock, "_latest", {})  # a new process, which does not resume
-    behind = time.time_ns() - 3600 * 10**9
-    monkeypatch.setattr(save_clock, "_now", lambda: behind)
-    for tag in ("s5", "s6"):
-        save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
-    assert [r.tag for r in scan_root(root) if r.committed] == ["s5", "s6"]
-    resume_from_checkpoint(root, model=m, optimizer=o)
-    assert last_resume_info().tag == "s6" and not last_resume_info().fell_back
-
-
-def test_retention_removes_nothing_when_a_checkpoint_is_stamped_after_the_one_just_saved(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What the save clock cannot see (a checkpoint committed after newest and never named by it,
-    another job): retention refuses to guess which are the oldest, and says so."""
-    import smpckpt.catalog._save_clock as save_clock
-
-    root = str(tmp_path)
-    m, o = _model(0)
-    for tag in ("a", "b", "c"):
-        save_checkpoint(root, tag, model=m, optimizer=o)
-    with open(os.path.join(root, "newest"), "w") as f:
-        f.write("a")  # as if killed between committing b, c and moving newest
-    monkeypatch.setattr(save_clock, "_latest", {})  # a new process, an hour behind, without a resume
-    monkeypatch.setattr(save_clock, "_now", lambda: time.time_ns() - 3600 * 10**9)
+    forget_roots()
+    saw_sequence(root, 0, listed=True)  # this process believes the root empty: another job wrote a, b, c
     save_checkpoint(root, "d", model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    assert read_manifest(os.path.join(root, "d_partial")).extra["sequence"] == 1
     assert {r.tag for r in scan_root(root) if r.committed} == {"a", "b", "c", "d"}  # nothing removed
 
 
-def test_a_rollback_whose_newest_checkpoint_is_damaged(tmp_path: Any) -> None:
-    """Reading the save time of the checkpoint ``newest`` names is a protection only: a damaged manifest
-    there is logged and the explicit-tag resume goes on, bit-exact."""
-    root = str(tmp_path)
+def test_old_checkpoints_without_numbers_come_first_in_time_order(tmp_path: Any) -> None:
+    """Manifests written before sequence numbers (no ``extra["sequence"]``; stock DCP folders are not
+    committed checkpoints) are ordered among themselves by save time, all before any numbered one; a
+    root holding them numbers its first new save 1."""
+    from smpckpt.catalog.listing import record_order
+
+    old = {"extra": {"saved_at_ns": 5}, "save_id": "x"}
+    assert record_order(old) == (0, 5, "x")
+    assert record_order({"created": "1970-01-01T00:00:01+00:00", "save_id": "y"}) == (0, 10**9, "y")
+    assert record_order({"extra": {"sequence": 1, "saved_at_ns": 1}, "save_id": "z"}) > record_order(old)
+    assert record_order({"extra": {"sequence": True}, "save_id": "w"})[0] == 0
+
+
+def test_a_tiered_save_is_numbered_after_the_fast_tiers_copies(tmp_path: Any) -> None:
+    """Saves kept only in the fast tier (not drained) are numbered too: a new process saving without a
+    resume numbers its checkpoint after them, not after the durable root's highest alone."""
+    from smpckpt.api._tiers import durable_key, job_folder
+    from smpckpt.catalog.sequence import forget_roots
+
+    root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
     m, o = _model(0)
-    save_checkpoint(root, "a", model=m, optimizer=o)
-    save_checkpoint(root, "b", model=m, optimizer=o)
-    with open(os.path.join(root, "b_partial", MANIFEST_NAME), "w") as f:
-        f.write("{not json")
-    m2, o2 = _model(2)
-    seen: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("smpckpt.api").addHandler(handler)
-    try:
-        resume_from_checkpoint(root, tag="a", model=m2, optimizer=o2)
-    finally:
-        logging.getLogger("smpckpt.api").removeHandler(handler)
-    assert last_resume_info().tag == "a"
-    _assert_same_params(m2, m)
-    assert any("newest's checkpoint" in msg for msg in seen), seen
+    tier = {"local_path": fast, "replicas": 1, "durable_every": 2, "num_kept_local": None}
+    for tag in ("s1", "s2", "s3"):  # only s2 is drained to the root; s3 is in the fast tier alone
+        save_checkpoint(root, tag, model=m, optimizer=o, **tier)
+    smpckpt_wait()
+    assert [r.tag for r in scan_root(root) if r.committed] == ["s2"]
+    forget_roots()  # a new process, no resume
+    save_checkpoint(root, "s4", model=m, optimizer=o, **tier)
+    job = job_folder(fast, durable_key(root, None))  # the fast tier's folder of this job (issue 46)
+    assert read_manifest(os.path.join(job, "s4_partial")).extra["sequence"] == 4
+    assert [r.order[0] for r in scan_root(job) if r.committed] == [1, 2, 3, 4]
+
+
+def smpckpt_wait() -> None:
+    from smpckpt import wait_for_saves
+
+    wait_for_saves()

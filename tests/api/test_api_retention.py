@@ -9,7 +9,7 @@ from smpckpt.catalog.retention import KeepLatestN, select_for_removal, validate_
 
 
 def rec(tag: str, t: int, committed: bool = True) -> CheckpointRecord:
-    return CheckpointRecord(tag, committed, (t, ""))
+    return CheckpointRecord(tag, committed, (t, 0, ""))
 
 
 def test_keeps_n_newest_by_time_not_name() -> None:
@@ -41,9 +41,10 @@ def test_validate_keep_none_and_positive() -> None:
     assert validate_keep(None) is None and validate_keep(1) == 1
 
 
-def test_record_order_prefers_ns_then_created() -> None:
-    assert record_order({"extra": {"saved_at_ns": 5}, "save_id": "x"}) == (5, "x")
+def test_record_order_prefers_sequence_then_ns_then_created() -> None:
+    assert record_order({"extra": {"saved_at_ns": 5}, "save_id": "x"}) == (0, 5, "x")
+    assert record_order({"extra": {"sequence": 2, "saved_at_ns": 1}, "save_id": "x"}) == (2, 1, "x")
     a = record_order({"created": "2026-01-01T00:00:00+00:00", "save_id": "a"})
     b = record_order({"created": "2026-01-02T00:00:00+00:00", "save_id": "b"})
     assert a < b
-    assert record_order(None) == (0, "")
+    assert record_order(None) == (0, 0, "")

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 import pytest
-from full_models import MARKER, assert_models_equal, trained_model
+from full_models import assert_models_equal, trained_model
 
 from smpckpt import CheckpointError, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FullArtifactWriter
@@ -16,23 +16,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class _DiskFullAtCommit(FullArtifactWriter):
-    """Every artifact file is written; the metadata copy hits a full disk (a failure, not a kill).
-    ``case``: "take_over" -- another save's marker replaced this one's first; "intruder" -- another
-    job's file appeared in the folder meanwhile."""
+    """Every artifact file is written (into the save's staging folder); the metadata copy hits a full disk
+    (a failure, not a kill). ``case``: "intruder" -- another job's file appeared at the target meanwhile."""
 
     case = "plain"
 
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        if self.case == "take_over":
-            with open(os.path.join(self.path, MARKER), "w") as f:
-                f.write("another-save")
         if self.case == "intruder":
+            os.makedirs(self.path, exist_ok=True)
             with open(os.path.join(self.path, "other.smp.distcp"), "wb") as f:
                 f.write(b"another job's data")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), gen_name)
 
 
-@pytest.mark.parametrize("case", ["plain", "take_over", "intruder"])
+@pytest.mark.parametrize("case", ["plain", "intruder"])
 def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     import smpckpt.api._full as full_api
 
@@ -44,14 +41,13 @@ def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: 
         with pytest.raises(CheckpointError, match=os.strerror(errno.ENOSPC)):
             save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True)
     folder = os.path.join(root, "t")
-    if case == "take_over":  # the marker names another save now: none of the folder is this save's to remove
-        assert "model.safetensors" in os.listdir(folder) and MARKER in os.listdir(folder)
-        return
-    if case == "intruder":  # only what this save laid out goes; the folder stays for the other file
+    # the save's staging folder went whole; the target was never its to write
+    assert not [n for n in os.listdir(root) if n.startswith(".smpckpt-staging.")], os.listdir(root)
+    if case == "intruder":  # another job's file at the target is not this save's to remove
         assert os.listdir(folder) == ["other.smp.distcp"]
         os.remove(os.path.join(folder, "other.smp.distcp"))
     else:
-        assert not os.path.exists(folder)  # the artifact, its marker and the folder it made are gone
+        assert not os.path.exists(folder)
     save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content=5)
     m2, o2 = trained_model(1)
     assert resume_from_checkpoint(root, "t", partial=False, model=m2, optimizer=o2) == 5
@@ -59,11 +55,11 @@ def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: 
 
 
 def test_a_full_commit_that_landed_is_never_discarded(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The manifest is linked, then the directory's fsync fails: the save reports the error, and the
-    committed artifact must survive the clean-up."""
+    """The staged artifact is renamed into place, then the root's fsync fails: the save reports the error,
+    and the committed artifact must survive the clean-up."""
     import smpckpt.storage.full._commit as full_commit
 
-    real = full_commit.create_bytes_exclusive
+    real = full_commit.publish_staged
 
     def landed_then_failed(*args: Any, **kwargs: Any) -> None:
         real(*args, **kwargs)
@@ -72,7 +68,7 @@ def test_a_full_commit_that_landed_is_never_discarded(tmp_path: Any, monkeypatch
     root = str(tmp_path)
     m, o = trained_model(0)
     with monkeypatch.context() as patch:
-        patch.setattr(full_commit, "create_bytes_exclusive", landed_then_failed)
+        patch.setattr(full_commit, "publish_staged", landed_then_failed)
         with pytest.raises(CheckpointError, match="fsync of the folder failed"):
             save_checkpoint(root, "t", partial=False, model=m, optimizer=o, include_optimizer=True, user_content=3)
     assert "model.safetensors" in os.listdir(os.path.join(root, "t"))

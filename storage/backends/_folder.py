@@ -1,0 +1,428 @@
+"""The storage half of the one commit protocol: a folder whose files are created, never overwritten, and
+removed without following links (``storage/format/commit.py`` is the other half: what a commit checks,
+in which order).
+
+Every file a save writes is **created exclusively** and never opened for overwrite:
+
+* POSIX (local disk, Lustre, NFS): the folder is opened once (:class:`Folder`; its parent by path, since a
+  root may sit behind links, the folder itself with ``O_NOFOLLOW``) and every name inside is resolved
+  against that descriptor (:mod:`._nofollow`): prefix folders ``O_NOFOLLOW | O_DIRECTORY``, files
+  ``O_CREAT | O_EXCL | O_NOFOLLOW`` -- one open flag, no extra round trip. Something already under a
+  name (another save's file, a planted link) fails the create with ``FileExistsError`` naming it.
+* S3: every object is a conditional request: ``If-None-Match: *`` on ``PutObject`` and on
+  ``CompleteMultipartUpload`` (the server answers 412 when the key exists); a replacement names the object
+  it replaces (``If-Match`` with the ETag just read).
+* ``memory://`` and other fsspec backends: check, then write, under a process-wide lock (the best these
+  stores allow; not exclusive against other processes).
+
+Files that must appear whole (the manifest, ``newest``, the stock ``.metadata``) are *published*: written
+to a create-only temporary name, then linked (no replace) or renamed (replace) into place, relative to the
+folder's descriptor. Removals (:meth:`Folder.remove`, :func:`remove_tree`, :func:`remove_files`) use
+``unlinkat``/``rmdir`` relative to descriptors opened without following links: a link found anywhere is
+removed itself, its target never.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from smpckpt.storage.backends import _nofollow as nf
+from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import _protocol, is_local, is_s3, join
+from smpckpt.storage.backends._sinks import FsspecSink, LocalSink, Sink
+
+__all__ = ["Folder", "precondition", "drop_temp", "temp_name", "is_temp_name"]
+
+log = logging.getLogger(__name__)
+
+_MEMORY_LOCK = threading.Lock()
+
+
+def precondition(exc: BaseException) -> bool:
+    """Whether ``exc`` (translated by s3fs or not) is S3's 412 Precondition Failed."""
+    for e in (exc, exc.__cause__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+            return True
+    return False
+
+
+def drop_temp(dir_fd: int, tmp: str, where: str) -> None:
+    """Remove a temporary name after its file was linked or renamed into place (or failed to be). A name
+    that cannot be removed must not turn a landed write into a reported failure: it is debris (prune
+    removes it), named in a warning."""
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove the temporary file %s: %s", join(where.rpartition("/")[0], tmp), exc)
+
+
+def temp_name(base: str, tag: str = "tmp") -> str:
+    """A temporary name beside ``base``: ``<base>.tmp.<pid>.<8 hex>`` (a publication or an atomic
+    replacement) or, ``tag="recv"``, ``<base>.recv.<pid>.<8 hex>`` (a fast-tier transfer)."""
+    return f"{base}.{tag}.{os.getpid()}.{os.urandom(4).hex()}"
+
+
+_TEMP_RE = re.compile(r"\.(?:tmp|recv)\.\d+\.[0-9a-f]{8}$")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a :func:`temp_name` (an interrupted write's leftover, for prune)."""
+    return bool(_TEMP_RE.search(name))
+
+
+class Folder:
+    """A checkpoint folder (or root, ``follow=True``) opened for one step of a save or a removal.
+
+    POSIX: holds a descriptor of the folder and of each sub-folder it touched; close it (a ``with``
+    block) when the step is done. Not picklable on purpose: writers open one per step, never keep one.
+    ``create=True`` makes the folder (and its parents) when missing. A folder that is a link is
+    :class:`~smpckpt.errors.UnsafeCheckpoint` unless ``follow`` (a root named by the caller)."""
+
+    def __init__(self, fs: Any, path: str, *, create: bool = False, follow: bool = False) -> None:
+        self.fs, self.path = fs, (path.rstrip("/") or path)
+        self.local = is_local(fs)
+        self.s3 = is_s3(fs)
+        self._dirs: dict[str, int] = {}
+        self._lock = threading.Lock()
+        if self.local:
+            with translate_errors(self.path):
+                if follow:
+                    if create:
+                        os.makedirs(self.path, exist_ok=True)
+                    fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+                else:
+                    parent, name = nf.open_parent_and_name(self.path, create_parent=create)
+                    try:
+                        fd = nf.open_dir_at(parent, name, create=create, where=self.path)
+                    finally:
+                        os.close(parent)
+            self._dirs[""] = fd
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._dirs = list(self._dirs.values()), {}
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- names ---------------------------------------------------------------------------------------
+    def where(self, name: str) -> str:
+        return join(self.path, name)
+
+    @property
+    def fd(self) -> int:
+        """(POSIX) The folder's own descriptor."""
+        return self._dirs[""]
+
+    def dir_fd(self, rel: str, *, create: bool = False) -> int:
+        """(POSIX) Descriptor of the sub-folder ``rel`` (``a/b``), each level opened without following links."""
+        with self._lock:
+            fd = self._dirs.get(rel)
+            if fd is not None:
+                return fd
+            parent_rel, _, name = rel.rpartition("/")
+        parent = self.dir_fd(parent_rel, create=create) if parent_rel else self._dirs[""]
+        fd = nf.open_dir_at(parent, name, create=create, where=self.where(rel))
+        with self._lock:
+            if rel in self._dirs:  # another thread opened it meanwhile
+                os.close(fd)
+                return self._dirs[rel]
+            self._dirs[rel] = fd
+            return fd
+
+    def _at(self, name: str, *, create_dirs: bool = False) -> tuple[int, str]:
+        rel, _, base = name.rpartition("/")
+        return (self.dir_fd(rel, create=create_dirs) if rel else self._dirs[""]), base
+
+    # -- create-only writes ------------------------------------------------------------------------------
+    def create(self, name: str, data: bytes | memoryview, *, sync: bool) -> str | None:
+        """Create file ``name`` holding ``data``, only if nothing is there (``FileExistsError``). Returns the
+        object's ETag on S3 (what a conditional delete names), else ``None``."""
+        where = self.where(name)
+        with translate_errors(where):
+            if self.local:
+                dir_fd, base = self._at(name, create_dirs=True)
+                nf.create_at(dir_fd, base, data, sync=sync, where=where)
+                return None
+            if self.s3:
+                bucket, key, _ = self.fs.split_path(where)
+                resp = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
+                self.fs.invalidate_cache(where)
+                return str(resp.get("ETag") or "") or None
+            with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
+                if self.fs.exists(where):
+                    raise FileExistsError(errno.EEXIST, nf.EXISTS, where)
+                self.fs.pipe_file(where, bytes(data))
+            return None
+
+    def create_sized(self, name: str, size: int, pieces: Sequence[tuple[int, bytes]], *, sync: bool) -> None:
+        """(POSIX) Create file ``name`` at ``size`` bytes with ``pieces`` (offset, bytes) in place, the rest a
+        hole for the ranks to fill (a full artifact's file)."""
+        dir_fd, base = self._at(name)
+        with translate_errors(self.where(name)):
+            fd = nf.open_new_at(dir_fd, base, where=self.where(name))
+            try:
+                os.ftruncate(fd, size)
+                for offset, data in pieces:
+                    os.pwrite(fd, data, offset)
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def open_for_write(self, name: str) -> int:
+        """(POSIX) A write descriptor of the existing file ``name`` this save created (never through a link)."""
+        dir_fd, base = self._at(name)
+        with translate_errors(self.where(name)):
+            return os.open(base, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+
+    def sink(self, name: str, *, sync: bool, part_size: int, max_parts_in_flight: int, borrow: bool = False) -> Sink:
+        """A create-only sink for data file ``name`` (its prefix folder made when missing)."""
+        where = self.where(name)
+        if self.local:
+            dir_fd, base = self._at(name, create_dirs=True)
+            return LocalSink(where, sync=sync, dir_fd=dir_fd, name=base)
+        if self.s3:
+            from smpckpt.storage.backends._s3 import S3MultipartSink
+
+            return S3MultipartSink(
+                self.fs, where, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow
+            )
+        with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
+            with translate_errors(where):
+                if self.fs.exists(where):
+                    raise FileExistsError(errno.EEXIST, nf.EXISTS, where)
+            return FsspecSink(self.fs, where)
+
+    def open_temp(self, name: str, *, tag: str = "tmp") -> tuple[int, str]:
+        """(POSIX) A create-only temporary file beside ``name`` (its folder made when missing), to be filled
+        and then :meth:`link_temp`-ed into place: ``(write descriptor, temporary name)``."""
+        rel, _, base = name.rpartition("/")
+        dir_fd = self.dir_fd(rel, create=True) if rel else self._dirs[""]
+        tmp = temp_name(base, tag)
+        with translate_errors(self.where(name)):
+            fd = nf.open_new_at(dir_fd, tmp, where=self.where(name))
+        return fd, f"{rel}/{tmp}" if rel else tmp
+
+    def link_temp(self, tmp: str, name: str, *, sync: bool, replace: bool = False) -> None:
+        """(POSIX) Give the temporary ``tmp`` (from :meth:`open_temp`, filled and closed) the name ``name``,
+        only if nothing is there (``FileExistsError``; ``replace``: in place of what is there, a link
+        replaced as a name), then drop the temporary name."""
+        dir_fd, base = self._at(name)
+        tmp_base = tmp.rpartition("/")[2]
+        with translate_errors(self.where(name)):
+            try:
+                if replace:
+                    os.replace(tmp_base, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                else:
+                    os.link(tmp_base, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            finally:
+                drop_temp(dir_fd, tmp_base, self.where(name))
+            if sync:
+                os.fsync(dir_fd)
+
+    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False) -> None:
+        """Make ``name`` appear holding ``data`` whole (readers see nothing, or all of it): created only if
+        absent (``FileExistsError``), or with ``replace`` in place of what is there. POSIX: a create-only
+        temporary, then ``linkat`` (no replace) or ``renameat`` (replace; a link under the name is replaced
+        as a name, never followed), then the folder's fsync. S3: one conditional PUT."""
+        where = self.where(name)
+        if not self.local:
+            if not replace:
+                self.create(name, data, sync=sync)
+                return
+            with translate_errors(where):
+                self.fs.pipe_file(where, data)
+            return
+        dir_fd, base = self._at(name)
+        tmp = temp_name(base)
+        with translate_errors(where):
+            nf.create_at(dir_fd, tmp, data, sync=sync, where=where)
+            try:
+                if replace:
+                    os.replace(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                else:
+                    os.link(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            except OSError as exc:
+                if replace or exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                # no hard links here (some FUSE mounts): create-only in place (a crash mid-write leaves a
+                # torn file, which readers refuse as a corrupt manifest)
+                nf.create_at(dir_fd, base, data, sync=sync, where=where)
+            finally:
+                drop_temp(dir_fd, tmp, where)
+            if sync:
+                os.fsync(dir_fd)
+
+    def replace_if(self, name: str, data: bytes, expect: bytes, *, sync: bool) -> None:
+        """Replace ``name`` with ``data`` only while it still holds ``expect`` (what a save saw when it
+        began), else ``FileExistsError``. S3: the object's ETag is read with it and the PUT names it
+        (``If-Match``): exact. POSIX: compared just before the rename (a narrow window remains)."""
+        where = self.where(name)
+        if self.s3:
+            from smpckpt.storage.backends._s3 import get_object_and_etag
+
+            bucket, key, _ = self.fs.split_path(where)
+            current, etag = get_object_and_etag(self.fs, where)
+            if current != expect:
+                raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where)
+            try:
+                with translate_errors(where):
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
+            except OSError as exc:
+                if precondition(exc):
+                    raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where) from exc
+                raise
+            self.fs.invalidate_cache(where)
+            return
+        if self.read(name) != expect:
+            raise FileExistsError(errno.EEXIST, "another save replaced it meanwhile", where)
+        self.publish(name, data, sync=sync, replace=True)
+
+    # -- reading what the commit checks ------------------------------------------------------------------
+    def read(self, name: str) -> bytes | None:
+        """The whole (small) file ``name``, or ``None`` when absent; never through a link."""
+        where = self.where(name)
+        if not self.local:
+            from smpckpt.storage.backends._fs import read_bytes_or_none
+
+            return read_bytes_or_none(self.fs, where)
+        dir_fd, base = self._at(name)
+        with translate_errors(where):
+            try:
+                fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+            except FileNotFoundError:
+                return None
+            try:
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    return f.read()
+            finally:
+                os.close(fd)
+
+    def exists(self, name: str) -> bool:
+        """Whether anything (a link too) is under ``name``."""
+        if not self.local:
+            return self.read(name) is not None
+        dir_fd, base = self._at(name)
+        try:
+            os.stat(base, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def listing(self) -> dict[str, int | None]:
+        """Every file under the folder (prefix folders included): relative name -> size, ``None`` for a link
+        or anything that is not a plain file. One listing (on S3 a LIST per 1,000 objects)."""
+        if self.local:
+            with translate_errors(self.path):
+                return dict(nf.walk_sizes(self._dirs[""]))
+        base = self.path.rstrip("/") + "/"
+        with translate_errors(self.path):
+            self.fs.invalidate_cache(self.path)
+            found = self.fs.find(self.path, detail=True)
+        return {
+            str(p)[len(base) :]: int(info.get("size") or 0)
+            for p, info in found.items()
+            if str(p).startswith(base) and info.get("type") != "directory"
+        }
+
+    def fsync(self, name: str | None = None) -> None:
+        """(POSIX) fsync file ``name`` (never through a link), or the folder itself."""
+        if not self.local:
+            return
+        if name is None:
+            os.fsync(self._dirs[""])
+            return
+        dir_fd, base = self._at(name)
+        with translate_errors(self.where(name)):
+            fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def fsync_dirs(self) -> None:
+        """(POSIX) fsync every sub-folder touched, then the folder: new names survive a power loss."""
+        with self._lock:
+            items = sorted(self._dirs.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0]))
+        for _, fd in items:
+            os.fsync(fd)
+
+    # -- removal -----------------------------------------------------------------------------------------
+    def remove(self, names: Iterable[str], *, etags: dict[str, str] | None = None) -> list[str]:
+        """Remove exactly these files (relative names); the paths that could not be removed (missing ones
+        count as removed). POSIX: ``unlinkat`` relative to the file's folder, opened without following
+        links (a link under a name goes itself; a linked prefix folder is never entered: its names fail),
+        then the prefix folders left empty. S3: one DELETE per key (never a glob), conditional on the
+        ETag when ``etags`` names one (so an object another save created since is never deleted)."""
+        names = list(dict.fromkeys(names))
+        if not self.local:
+            return self._remove_objects(names, etags or {})
+        failed: list[str] = []
+        emptied: set[str] = set()
+        for name in names:
+            rel, _, base = name.rpartition("/")
+            try:
+                dir_fd = self.dir_fd(rel) if rel else self._dirs[""]
+                os.unlink(base, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - reported as not removed (UnsafeCheckpoint: a link)
+                log.warning("%s not removed: %s", self.where(name), exc)
+                failed.append(self.where(name))
+                continue
+            if rel:
+                emptied.add(rel)
+        for rel in sorted(emptied, key=lambda r: -r.count("/")):
+            parent_rel, _, base = rel.rpartition("/")
+            with contextlib.suppress(OSError):  # still holds files: it stays
+                os.rmdir(base, dir_fd=self.dir_fd(parent_rel) if parent_rel else self._dirs[""])
+        return failed
+
+    def _remove_objects(self, names: list[str], etags: dict[str, str]) -> list[str]:
+        def one(name: str) -> str | None:
+            where = self.where(name)
+            try:
+                with translate_errors(where):
+                    if self.s3 and name in etags:
+                        bucket, key, _ = self.fs.split_path(where)
+                        self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etags[name])
+                        self.fs.invalidate_cache(where)
+                    else:
+                        self.fs.rm_file(where)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if not precondition(exc):
+                    return where
+                log.warning("%s was not removed: another save created it since", where)
+            return None
+
+        if len(names) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="smpckpt-rm") as pool:
+                outcome = list(pool.map(one, names))
+        else:
+            outcome = [one(n) for n in names]
+        return [p for p in outcome if p is not None]
+
+    def remove_tree(self, name: str) -> list[str]:
+        """(POSIX) Remove ``name`` inside this folder and everything under it, never following a link."""
+        rel, _, base = name.rpartition("/")
+        return nf.remove_tree_at(self.dir_fd(rel) if rel else self._dirs[""], base, where=self.where(name))

@@ -1,0 +1,365 @@
+"""The one commit protocol, used by every kind of save (partial, full, fast-tier node copies, drains,
+``convert``, ``consolidate``) and by every removal.
+
+A save's files are created, never overwritten (:mod:`smpckpt.storage.backends._folder`: ``O_CREAT |
+O_EXCL | O_NOFOLLOW`` relative to folder descriptors on POSIX, ``If-None-Match: *`` on S3), under names
+no other save uses: data files and ``.metadata.<save id>`` carry the save's id (a *generation*); a full
+artifact, whose names are Hugging Face's, is written on POSIX into a folder of its own
+(``.smpckpt-staging.<save id>`` beside the target) that :func:`publish_staged` renames into place
+without replacing anything. So a save that finds a file it did not create fails, naming it, and a
+save that stalled and woke after another took over fails at its first write (its folder is gone, or
+every name it creates exists) instead of writing into the other's files.
+
+The commit (:func:`commit` in place, :func:`publish_staged` for a staged folder), in this order:
+
+1. the generation's metadata and side files, created;
+2. **one listing** of the folder: every file the manifest names (data, metadata, side files) is there
+   at its size, else nothing is committed (:func:`check_named`);
+3. the manifest, created last and exclusively (``linkat`` of a create-only temporary; one conditional
+   PUT) -- or, for an overwrite, replacing exactly the manifest the save saw when it began (S3:
+   ``If-Match``); for a staged folder, the rename into place (``renameat2(RENAME_NOREPLACE)``);
+4. no removal started meanwhile (:func:`remove_folder` marks a folder first and then looks for a
+   manifest; the commit writes its manifest and then looks for that mark: of the two, at least one sees
+   the other, so a prune never deletes the files of a checkpoint that committed during it);
+5. after the commit: the stock ``.metadata`` copy, then the previous generation's files (an overwrite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from smpckpt.errors import CheckpointError, CheckpointExists
+from smpckpt.storage.backends import _nofollow as nf
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.format import _names
+from smpckpt.storage.format.manifest import FileRecord, Manifest
+
+__all__ = [
+    "CommitUncertain",
+    "commit_uncertain",
+    "check_named",
+    "check_files",
+    "settle_uncommitted_folder",
+    "commit",
+    "publish_staged",
+    "remove_folder",
+    "remove_staged",
+    "committed_save_id",
+]
+
+log = logging.getLogger(__name__)
+
+
+class CommitUncertain(CheckpointError):
+    """The commit (the manifest's write) failed in a way that does not tell whether it landed: an
+    object store's timeout or dropped connection, where the request may still complete. Nothing of
+    that save is removed: it may be a committed checkpoint."""
+
+
+def commit_uncertain(error: BaseException | None) -> bool:
+    """Whether ``error`` (DCP's ``CheckpointException``, or the exception itself) carries a
+    :class:`CommitUncertain` from the coordinator."""
+    if isinstance(error, CommitUncertain):
+        return True
+    failures = getattr(error, "failures", None) or {}
+    return any(isinstance(f[0] if isinstance(f, tuple) else f, CommitUncertain) for f in failures.values())
+
+
+def check_named(listing: Mapping[str, int | None], named: Mapping[str, int], url: str) -> None:
+    """Refuse a commit naming a file that is missing or of another size (a link under its name counts as
+    missing): the save would return OK with data gone (a prune with too short an age, a side file removed)."""
+    bad = [
+        f"{n} ({listing.get(n, 'missing')} bytes, {size} written)"
+        for n, size in named.items()
+        if listing.get(n) != size
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{url}: {len(bad)} file(s) of this save are missing or cut short at the commit (or of another size): "
+            f"{', '.join(bad[:5])}; nothing was committed. Did something remove files here during the save "
+            "(a prune of uncommitted folders with too short an age)?"
+        )
+
+
+def check_files(fs: Any, path: str, url: str, files: Iterable[FileRecord]) -> None:
+    """:func:`check_named` for ``files`` in the folder ``path`` (one listing; a fast-tier node's share)."""
+    with Folder(fs, path) as folder:
+        check_named(folder.listing(), {f.name: f.size for f in files}, url)
+
+
+def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before a partial save writes into a folder with no committed checkpoint; two small
+    reads, not a listing: on S3 listing an absent folder lists its parent, the whole root)
+
+    * Refuse a folder holding a full save's in-progress marker (object stores; older versions on POSIX):
+      that save may still be running, and its fixed-name files would sit beside the partial checkpoint.
+    * Finish an interrupted removal (its mark is there) first: otherwise a later retention or prune,
+      which finishes such folders, would delete this save's files."""
+    from smpckpt.storage.backends._fs import read_bytes_or_none
+
+    marker = read_bytes_or_none(fs, join(path, _names.WRITING_MARKER))
+    if marker is not None:
+        raise CheckpointExists(
+            f"{url} holds an unfinished full save ({_names.WRITING_MARKER} names save {marker[:40]!r}, no "
+            f"{_names.MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
+            "another folder, or remove that one first (smpckpt.storage.remove_checkpoint)"
+        )
+    if read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
+        log.warning("%s: finishing an interrupted removal before saving here", url)
+        failed = remove_folder(fs, path, url)
+        if failed:
+            raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
+
+
+def committed_save_id(folder: Folder) -> str | None:
+    """The save id of the manifest in ``folder`` (``None``: none, or unreadable)."""
+    try:
+        data = folder.read(_names.MANIFEST_NAME)
+        return Manifest.from_bytes(data).save_id if data is not None else None
+    except (CheckpointError, OSError):
+        return None
+
+
+def _create_own(folder: Folder, url: str, files: Mapping[str, bytes], *, sync: bool) -> dict[str, str]:
+    """Create this generation's small files (metadata, side files); their ETags (S3). A file already there
+    with the same bytes is this save's own (a retried step); anything else refuses the commit."""
+    etags: dict[str, str] = {}
+    for name, data in files.items():
+        try:
+            etag = folder.create(name, data, sync=sync)
+        except FileExistsError as exc:
+            if folder.read(name) == data:
+                continue
+            raise CheckpointExists(
+                f"{url}: {name} exists and was not written by this save; refusing to commit over it"
+            ) from exc
+        if etag:
+            etags[name] = etag
+    return etags
+
+
+def _named(manifest: Manifest, expected: Sequence[FileRecord] | None) -> dict[str, int]:
+    files = manifest.files if expected is None else expected
+    return {f.name: f.size for f in files} | {manifest.metadata.name: manifest.metadata.size}
+
+
+def commit(
+    folder: Folder,
+    url: str,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    *,
+    sync: bool,
+    metadata: bytes | None = None,
+    side: Mapping[str, bytes] | None = None,
+    expected: Sequence[FileRecord] | None = None,
+    replace: bytes | None = None,
+    write_manifest: Callable[[bytes], None] | None = None,
+    stock_metadata: bytes | None = None,
+    old_files: Iterable[str] = (),
+    owner_marker: str | None = None,
+    refused: str = "another save committed a checkpoint here while this one was writing",
+    discard: Sequence[str] = (),
+) -> None:
+    """(coordinator) Commit ``manifest`` in place in ``folder`` (module docstring, steps 1-5).
+
+    ``metadata``/``side``: created now (``None``: the writer created the metadata already); ``expected``:
+    the files to check (default: every file the manifest names; a fast-tier node holds its share only);
+    ``replace``: the manifest bytes an overwrite replaces (``None``: the commit is exclusive);
+    ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full artifacts)
+    the in-progress marker must still name this save id, and goes after the commit; ``discard``: this
+    save's files, removed when another save's commit refuses this one.
+    """
+    _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
+    _create_own(folder, url, dict(side or {}), sync=sync)
+    check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
+    if owner_marker is not None:
+        marker = folder.read(_names.WRITING_MARKER)
+        if _names.marker_owner(marker) != owner_marker:
+            raise CheckpointExists(
+                f"{url}: another save took this folder over while this one was writing (its "
+                f"{_names.WRITING_MARKER} names {marker!r}, not this save {owner_marker}); not committed"
+            )
+    if write_manifest is None:
+        if replace is None:
+            write_manifest = lambda data: folder.publish(_names.MANIFEST_NAME, data, sync=sync)  # noqa: E731
+        else:
+            write_manifest = lambda data: folder.replace_if(_names.MANIFEST_NAME, data, replace, sync=sync)  # noqa: E731
+    _write_manifest(folder, url, manifest, manifest_bytes, write_manifest, refused=refused, discard=discard)
+    _unless_removing(folder, url, manifest_bytes)
+    if owner_marker is not None and folder.remove([_names.WRITING_MARKER]):
+        log.warning("%s is committed; its %s marker could not be removed (harmless)", url, _names.WRITING_MARKER)
+    _after_commit(folder, url, manifest, stock_metadata, old_files, sync=sync)
+
+
+def _write_manifest(
+    folder: Folder,
+    url: str,
+    manifest: Manifest,
+    data: bytes,
+    write: Callable[[bytes], None],
+    *,
+    refused: str,
+    discard: Sequence[str],
+) -> None:
+    """Step 3. Refused (``FileExistsError``) by another save's manifest: ``CheckpointExists`` after
+    removing ``discard``; by this save's own (a retried conditional PUT whose first attempt landed):
+    committed. Another failure on an object store: :class:`CommitUncertain` (it may still land); on POSIX
+    and memory:// the folder tells exactly whether the manifest landed."""
+    try:
+        write(data)
+    except FileExistsError as exc:
+        if committed_save_id(folder) == manifest.save_id:
+            return
+        if discard:
+            failed = folder.remove(discard)
+            if failed:
+                log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
+        raise CheckpointExists(f"{url}: {refused}") from exc
+    except Exception as exc:
+        if not (folder.local or getattr(folder.fs, "protocol", None) in ("memory", ("memory",))):
+            raise CommitUncertain(
+                f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's "
+                "files are kept: `smpckpt ls` tells whether it committed"
+            ) from exc
+        if committed_save_id(folder) == manifest.save_id:
+            raise CheckpointError(
+                f"{url} is committed (its manifest is in place; it can be resumed by tag), but a step after the "
+                f"commit failed ({type(exc).__name__}: {exc}), so it may not survive a power loss"
+            ) from exc
+        raise
+
+
+def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
+    """Step 4: a removal marked this folder meanwhile (a prune with too short an age, a retention of this
+    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
+    if not folder.exists(_names.REMOVING_NAME):
+        return
+    if folder.read(_names.MANIFEST_NAME) == manifest_bytes:
+        folder.remove([_names.MANIFEST_NAME])
+    raise CheckpointError(
+        f"{url}: a removal of this folder (prune, retention or remove_checkpoint) started while this save was "
+        "committing; the commit was withdrawn and nothing is committed here"
+    )
+
+
+def _after_commit(
+    folder: Folder, url: str, manifest: Manifest, stock: bytes | None, old_files: Iterable[str], *, sync: bool
+) -> None:
+    """Step 5 (failures are logged: the save is committed). The stock ``.metadata`` name, for stock
+    readers (ours follows the manifest), written only now so the loser of a race never replaces the
+    winner's copy; then the previous generation's files, when this save replaced one."""
+    if stock is not None:
+        try:
+            folder.publish(_names.METADATA_NAME, stock, sync=sync, replace=True)
+        except OSError as exc:
+            log.warning(
+                "%s is committed, but its stock .metadata copy could not be written (stock DCP readers cannot "
+                "load it; smpckpt can): %s",
+                url,
+                exc,
+            )
+    keep = {f.name for f in manifest.files} | {manifest.metadata.name, _names.METADATA_NAME, _names.MANIFEST_NAME}
+    stale = [n for n in dict.fromkeys(old_files) if n not in keep]
+    if stale:
+        failed = folder.remove(stale)
+        if failed:
+            log.warning("could not remove %d file(s) of the previous generation: %s", len(failed), failed[:5])
+
+
+def publish_staged(
+    parent: Folder,
+    staging: str,
+    target: str,
+    url: str,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    *,
+    sync: bool,
+    metadata: bytes | None,
+    side: Mapping[str, bytes],
+    refused: str,
+) -> None:
+    """(coordinator, POSIX) Commit the staged folder ``staging`` in ``parent`` and publish it as
+    ``target``: steps 1-3 inside it (the manifest created directly: nobody reads the folder before it is
+    published), then the rename into place, which never replaces anything (an empty ``target`` folder,
+    made by the caller beforehand, is removed first). Another folder already published under ``target``:
+    :class:`CheckpointExists` (``url``: ``refused``); the staging folder taken away by a removal meanwhile
+    (:func:`remove_staged`): the rename finds nothing to rename and the save fails."""
+    with Folder(parent.fs, join(parent.path, staging)) as folder:
+        own = ({manifest.metadata.name: metadata} if metadata is not None else {}) | dict(side)
+        _create_own(folder, url, own, sync=sync)
+        named = _named(manifest, None) | {n: len(d) for n, d in side.items()}
+        check_named(folder.listing(), named, url)
+        folder.create(_names.MANIFEST_NAME, manifest_bytes, sync=sync)
+        if sync:
+            folder.fsync_dirs()
+    # Step 4 is the rename itself: a removal takes a staging folder away by renaming it too
+    # (remove_staged), and of two renames of one name exactly one succeeds.
+    with contextlib.suppress(OSError):  # an empty folder made beforehand (`mkdir OUT`): not a checkpoint
+        os.rmdir(target, dir_fd=parent.fd)
+    try:
+        nf.rename_noreplace(parent.fd, staging, parent.fd, target)
+    except FileExistsError as exc:
+        raise CheckpointExists(f"{url}: {refused}") from exc
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY:  # a rename onto a folder that holds something
+            raise CheckpointExists(f"{url}: {refused}") from exc
+        raise
+    if sync:
+        parent.fsync()
+
+
+def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
+    """(POSIX) Remove the staging folder ``name`` of ``root`` (a killed full save's). It is first renamed
+    to a trash name of this removal's own (``.smpckpt-trash.<hex>``): the save's commit renames that same
+    name into place, and of the two renames exactly one succeeds, so a removal never empties a folder
+    that is being published (its rename fails: ``None``, nothing removed). Then the trash goes, never
+    following a link; the paths not removed."""
+    trash = f"{_names.TRASH_PREFIX}{os.urandom(8).hex()}"
+    with Folder(fs, root, follow=True) as parent:
+        try:
+            nf.rename_noreplace(parent.fd, name, parent.fd, trash)
+        except FileNotFoundError:
+            return None  # published (or removed) meanwhile
+        return nf.remove_tree_at(parent.fd, trash, where=join(root, trash), device=os.fstat(parent.fd).st_dev)
+
+
+def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = False) -> list[str]:
+    """Remove a checkpoint folder (committed or not); the paths not removed. Marks it first
+    (:data:`~._names.REMOVING_NAME`, so an interrupted removal is known for garbage and a commit running
+    meanwhile withdraws, step 4), removes the manifest next (readers refuse what is left), then the rest,
+    never following a link: a folder that is itself a link loses the link only.
+
+    ``uncommitted_only`` (stale debris): when a manifest is found after the mark, a save committed here
+    meanwhile: the mark goes and nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
+    from smpckpt.storage.backends._paths import remove_tree
+
+    if is_local(fs):
+        parent, name = nf.open_parent_and_name(path)
+        try:
+            if os.path.islink(path):
+                return nf.remove_tree_at(parent, name, where=path)  # the link only
+        finally:
+            os.close(parent)
+    with Folder(fs, path) as folder:
+        if not folder.local and not folder.listing():
+            raise FileNotFoundError(path)
+        try:
+            folder.publish(_names.REMOVING_NAME, b"removing\n", sync=True)
+        except FileExistsError:
+            pass  # an interrupted removal's mark: this one finishes it
+        if uncommitted_only and folder.exists(_names.MANIFEST_NAME):
+            log.warning("%s committed while it was being removed as stale: left as it is", url)
+            folder.remove([_names.REMOVING_NAME])
+            return []
+        failed = folder.remove([_names.MANIFEST_NAME])
+        if failed:
+            return failed
+    return remove_tree(fs, path)

@@ -91,7 +91,7 @@ def _gather(rows: np.ndarray, out: np.ndarray) -> memoryview:
     """``rows`` (a 2-D byte view) back to back into ``out``; a view of them there."""
     n = rows.shape[0] * rows.shape[1]
     np.copyto(out[:n].reshape(rows.shape), rows)  # numpy releases the GIL for the copy
-    return memoryview(out[:n])
+    return out[:n].data
 
 
 class BlockHasher:

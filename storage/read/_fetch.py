@@ -19,10 +19,10 @@ from typing import Any
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._fs import is_local, is_s3, pread_into
-from smpckpt.storage.backends._page_cache import NOT_SUPPORTED, in_memory, pread_cached
+from smpckpt.storage.backends._page_cache import NOT_SUPPORTED, advise_random, in_memory, pread_cached
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._plan import BoxRead, Item
+from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item
 
 __all__ = [
     "BufferPool",
@@ -240,9 +240,10 @@ def _read_local(
     rec: FileRecord | None,
     items: Sequence[Item],
     turn: Turn | None,
+    scattered: bool = False,
 ) -> None:
     """(worker thread) Local file bytes ``[lo, hi)`` into ``land``, each unit verified against ``rec``
-    (``None``: not verified).
+    (``None``: not verified); a ``scattered`` request's descriptor gets no read-ahead (``advise_random``).
 
     Bytes in memory (the page cache, tmpfs) are read a chunk of whole units at a time, each chunk
     verified right after it is read (:data:`FUSE_BYTES`); from the first byte that is not (a cold
@@ -252,6 +253,8 @@ def _read_local(
     with reading(path, keys, turn):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
+            if scattered:
+                advise_random(fd)
             if rec is None or turn is not None:
                 check_complete(path, keys, lo, hi, pread_into(fd, land.views(lo, hi), lo, hi - lo))
             else:
@@ -292,15 +295,16 @@ def read_range(
     rec: FileRecord | None,
     pool: BufferPool,
     turn: Turn | None = None,
+    scattered: bool = False,
 ) -> memoryview:
     """(worker thread) File bytes ``[lo, hi)`` serving ``items``, verified against ``rec`` (the file's
     record; ``None``: not verified). Local files and S3 objects are read into a buffer from ``pool``;
-    other backends through ``cat_file``."""
+    other backends through ``cat_file``. ``scattered``: see :func:`_read_local`."""
     keys = sorted({it.fqn for it in items})
     want = hi - lo
     if is_local(fs):
         data = memoryview(pool.take(want))[:want]
-        _read_local(path, keys, Landing([(lo, data)]), lo, hi, rec, items, turn)
+        _read_local(path, keys, Landing([(lo, data)]), lo, hi, rec, items, turn, scattered)
         return data
     with reading(path, keys, turn):
         if reads_into(fs):
@@ -339,20 +343,25 @@ class DirectPart:
 
 
 def read_direct(
-    fs: Any, path: str, parts: Sequence[DirectPart], rec: FileRecord | None, turn: Turn | None = None
+    fs: Any,
+    path: str,
+    parts: Sequence[DirectPart],
+    rec: FileRecord | None,
+    turn: Turn | None = None,
+    scattered: bool = False,
 ) -> None:
     """(worker thread; a ``fs`` that :func:`reads_into`) Read consecutive direct parts (each part's ``lo``
     is the previous one's ``hi``) into their destinations and verify every unit against ``rec``
     (``None``: not verified): on local disk as :func:`_read_local` reads (units in memory verified
     as they arrive, a cold remainder in one request), on S3 with one GET whose body streams into the
     destinations. One large request instead of one per item: a disk streams it at full speed, and an
-    object store is asked once."""
+    object store is asked once. ``scattered``: see :func:`_read_local`."""
     land = Landing([seg for part in parts for seg in part.segments()])
     lo, hi = parts[0].lo, parts[-1].hi
     items = [part.it for part in parts]
     keys = [it.fqn for it in items]
     if is_local(fs):
-        _read_local(path, keys, land, lo, hi, rec, items, turn)
+        _read_local(path, keys, land, lo, hi, rec, items, turn, scattered)
         return
     with reading(path, keys, turn):
         got = _read_into(fs, path, land.views(lo, hi), lo, hi - lo)
@@ -361,33 +370,71 @@ def read_direct(
         verify_blocks(path, rec, lo, hi, items, land.digest)
 
 
-def read_box(path: str, box: BoxRead, rec: FileRecord | None, pool: BufferPool, turn: Turn | None = None) -> memoryview:
-    """(worker thread, local files) The box's rows, one ``pread`` each, back to back into a pooled
-    buffer; then every tile it covers verified from its row segments there (when it is tiled and
-    ``rec`` is given)."""
-    width, it = box.width, box.item
-    buf = pool.take(box.nbytes)
-    data = memoryview(buf)[: box.nbytes]
-    with reading(path, [it.fqn], turn):
+def read_box(
+    path: str, box: BoxRead, rows: tuple[int, int], rec: FileRecord | None, out: memoryview, turn: Turn | None = None
+) -> None:
+    """(worker thread, local files) Rows ``[a, b)`` of the box (whole row groups) back to back into
+    ``out`` (``width`` bytes each: a buffer, or the destination's own rows), a row group at a time: its
+    rows read -- one request each, or (``box.merge``) up to :data:`~._plan.ROWS_PER_CALL` rows per
+    request with the gaps read into a scratch buffer -- then every tile of it inside the box's columns
+    verified from ``out`` (when the box is tiled and ``rec`` is given), while its bytes are in cache.
+    Rows read one by one get no read-ahead: it would fetch the gaps between them from the device."""
+    a, b = rows
+    check = rec if box.tiling is not None else None  # the record to verify tiles against
+    sink = memoryview(bytearray(box.row_bytes - box.width)) if box.merge else None
+    with reading(path, [box.item.fqn], turn):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            for k in range(box.row1 - box.row0):
-                at = box.start + k * box.row_bytes
-                got = pread_into(fd, [data[k * width : (k + 1) * width]], at, width)
-                check_complete(path, [it.fqn], at, at + width, got)
+            advise_random(fd, random=not box.merge)  # merged rows are one run: read ahead of it
+            for g0 in range(a, b, box.group_rows):
+                g1 = min(b, g0 + box.group_rows)
+                _read_rows(fd, path, box, out, a, (g0, g1), sink)
+                if check is not None and turn is None:
+                    _verify_box(path, box, check, out, a, (g0, g1))
         finally:
             os.close(fd)
-    if rec is None or box.tiling is None:
-        return data
-    first = box.base + box.row0 * box.row_bytes
-    last = box.base + box.row1 * box.row_bytes
+    if check is not None and turn is not None:  # a turn at the device covers the reads only
+        _verify_box(path, box, check, out, a, (a, b))
 
-    def digest(first: int, rows: int, run: int, stride: int) -> int:
-        # the box's rows lie back to back in ``data``: a tile's row segments are ``width`` apart there
-        return hash_rows(data, box.buffer_offset(first), rows, run, width)
+
+def _read_rows(
+    fd: int, path: str, box: BoxRead, out: memoryview, a: int, rows: tuple[int, int], sink: memoryview | None
+) -> None:
+    """Rows ``rows`` of ``box`` into ``out`` (which starts at row ``a``)."""
+    w, rb = box.width, box.row_bytes
+    g0, g1 = rows
+    at = box.base + g0 * rb + box.col0
+    if sink is None:
+        for r in range(g0, g1):
+            dst = out[(r - a) * w : (r - a + 1) * w]
+            got = os.preadv(fd, [dst], at)
+            if got != w:  # a short read: finish it (or find the file cut short)
+                got += pread_into(fd, [dst[got:]], at + got, w - got)
+                check_complete(path, [box.item.fqn], at, at + w, got)
+            at += rb
+        return
+    for r0 in range(g0, g1, ROWS_PER_CALL):
+        r1 = min(g1, r0 + ROWS_PER_CALL)
+        views = []
+        for r in range(r0, r1):
+            views += [out[(r - a) * w : (r - a + 1) * w], sink]
+        want = (r1 - r0 - 1) * rb + w
+        start = box.base + r0 * rb + box.col0
+        check_complete(path, [box.item.fqn], start, start + want, pread_into(fd, views[:-1], start, want))
+
+
+def _verify_box(path: str, box: BoxRead, rec: FileRecord, out: memoryview, a: int, rows: tuple[int, int]) -> None:
+    """Every tile of rows ``rows`` (whole row groups) inside the box's columns, from ``out`` (rows back to
+    back from row ``a``, ``width`` bytes each)."""
+    first = box.base + rows[0] * box.row_bytes
+    last = box.base + rows[1] * box.row_bytes
+    w, base, rb = box.width, box.base, box.row_bytes
+
+    def digest(start: int, nrows: int, run: int, stride: int) -> int:
+        row, col = divmod(start - base, rb)
+        return hash_rows(out, (row - a) * w + col - box.col0, nrows, run, w)
 
     def in_box(i: int) -> bool:
-        return box.col0 <= (rec.spans(i)[0][0] - box.base) % box.row_bytes < box.col1
+        return box.col0 <= (unit_rows(rec, i)[0] - base) % rb < box.col1
 
-    verify_blocks(path, rec, first, last, [it], digest, blocks=filter(in_box, rec.blocks_covering(first, last)))
-    return data
+    verify_blocks(path, rec, first, last, [box.item], digest, blocks=filter(in_box, rec.blocks_covering(first, last)))

@@ -35,12 +35,13 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._page_cache import device_read_bytes
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full.reader import FullArtifactReader, opens
 from smpckpt.storage.read._fetch import reading, reads_into
-from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
+from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, ROW_GAP, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
 
 __all__ = ["FsspecStorageReader", "ReadStats"]
@@ -257,14 +258,20 @@ class FsspecStorageReader(ReaderBase):
                 direct_min_bytes=self.direct_min_bytes,
                 coalesce_gap=self.coalesce_gap,
                 max_request_bytes=max_request,
+                row_gap=max(self.coalesce_gap, ROW_GAP),
             )
         run = ReadRun(self, planner, max_request)
+        device0 = device_read_bytes() if local else None
         run.run(reads)
+        device1 = device_read_bytes() if device0 is not None else None
         per_file = {
             n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
             for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
         }
-        self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items), per_file)
+        device = device1 - device0 if device0 is not None and device1 is not None else None
+        self.last_read_stats = ReadStats(
+            reads.bytes_needed, run.bytes_requested, run.requests, len(plan.items), per_file, device
+        )
 
 
 def _is_int(x: object) -> bool:

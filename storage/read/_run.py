@@ -11,9 +11,13 @@ verifying them overlaps other reads. Task kinds:
   ``load_bytes``).
 * :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
   their destinations with one request (a ``preadv``, or one S3 GET streamed in) of up to
-  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL, so hashing
-  overlaps the next read); an item is committed when its last piece is done (:class:`_OpenItem` counts
-  them down).
+  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL above 64 KiB,
+  and tiles are hashed gathered, so hashing overlaps other threads' reads); an item is committed when
+  its last piece is done (:class:`_OpenItem` counts them down). Local reads of bytes in memory are
+  carried out a chunk of check units at a time, each verified as it arrives (``_fetch._read_local``).
+* :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB requested each, so
+  several threads share a slice), a request per row (or per run of rows closer than a page), into the
+  destination's rows or a pooled buffer whose rows are then copied into place.
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner

@@ -12,9 +12,11 @@ describes, and the planner is called from the calling thread only. On local disk
 of at least 1 MiB whose slice is contiguous in the file, and whose destination
 (``planner.resolve_tensor``) is a contiguous CPU tensor of the saved dtype and shape, is read straight
 into the destination's memory (``os.preadv``, or a ranged GET streamed in: ``_s3.get_range_into``);
-everything else (small, strided, cast and object items, and other backends' reads, by ``cat_file``)
-goes through pooled buffers and a copy into the destination. This module holds the protocol, the
-metadata and the checks of every storage record.
+a column slice on local disk is read row by row, straight into the destination when its tiles are
+exactly the slice's columns; everything else (small, cast and object items, and other backends'
+reads, by ``cat_file``) goes through pooled buffers and a copy into the destination. Verified local
+reads of bytes in memory hash each check unit as it arrives (``_fetch``). This module holds the
+protocol, the metadata and the checks of every storage record.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class FsspecStorageReader(ReaderBase):
             filesystems, 64 MiB on object stores and others). Why 32 MiB locally: on a cold virtio disk
             it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
             (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
-        coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
+        coalesce_gap: merge ranges separated by at most this many bytes (reading the gap); the rows of
+            a column slice on local disk share requests when they are at most this many bytes apart, or
+            less than a page (``_plan.ROW_GAP``).
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
 
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of

@@ -247,30 +247,40 @@ def plan_reads(
     ]
     candidates.sort(key=lambda d: (d.file, d.need.start))
     boxes.sort(key=lambda b: (b.file, b.start))
-    fetches, candidates = _mark_scattered(fetches, candidates)
+    fetches, candidates = _mark_scattered(fetches, candidates, {n: r.size for n, r in records.items()})
     return ReadPlan(fetches, empty, candidates, needed, needed_per_file, boxes)
 
 
 def _mark_scattered(
-    fetches: list[FetchTask], candidates: list[DirectCandidate]
+    fetches: list[FetchTask], candidates: list[DirectCandidate], sizes: Mapping[str, int]
 ) -> tuple[list[FetchTask], list[DirectCandidate]]:
-    """Mark the requests whose byte range no other request of the load touches or continues, in its file.
+    """Mark the requests followed in their file by bytes this load does not read (``sizes``: file
+    sizes, where known; past the last request of a file of unknown size nothing counts as unread).
 
     Why: the kernel reads ahead of a read (here up to ``read_ahead_kb``, 8 MiB), which a load of whole
-    files uses, but which makes a resharding load's slices -- a quarter of each tensor -- fetch bytes
-    of the next slice that another rank wants (measured: device bytes 1.13x the bytes asked for a
-    TP 1->4 row split). A load of whole files has no scattered request, and reads as before."""
+    files uses, but which makes a resharding load's slices -- a quarter of each tensor -- fetch the
+    next slice, another rank's, from the device for nothing. A load of whole files has no such request
+    and reads as before."""
     spans = sorted(
         [(t.file, t.fetch.start, t.fetch.end) for t in fetches]
         + [(d.file, d.need.start, d.need.end) for d in candidates]
     )
-    joined: set[tuple[str, int]] = set()  # (file, start) of requests that touch a neighbour
-    for (f0, s0, e0), (f1, s1, _) in zip(spans, spans[1:]):
-        if f0 == f1 and s1 <= e0:
-            joined.update({(f0, s0), (f1, s1)})
+    followed: set[tuple[str, int]] = set()  # (file, start) of requests with unread bytes right after them
+    k = 0
+    while k < len(spans):
+        # a run of requests whose bytes touch or overlap: only the one reaching its end can be followed
+        f, j, reach, last = spans[k][0], k, spans[k][2], k
+        while j + 1 < len(spans) and spans[j + 1][0] == f and spans[j + 1][1] <= reach:
+            j += 1
+            if spans[j][2] > reach:
+                reach, last = spans[j][2], j
+        more = j + 1 < len(spans) and spans[j + 1][0] == f  # a later request of the file, past a gap
+        if more or reach < sizes.get(f, reach):
+            followed.add((f, spans[last][1]))
+        k = j + 1
 
     def alone(file: str, start: int) -> bool:
-        return (file, start) not in joined
+        return (file, start) in followed
 
     return (
         [dataclasses.replace(t, scattered=alone(t.file, t.fetch.start)) for t in fetches],

@@ -181,3 +181,44 @@ def test_on_s3_device_bytes_are_not_reported(s3: tuple[str, dict[str, Any]]) -> 
     stats = _load(url, dest, 4, 3, storage_options=opts)
     assert torch.equal(dest["col"], g["col"][:, 6144:])
     assert stats.device_bytes is None and stats.device_amplification is None
+
+
+def test_read_ahead_is_turned_off_only_for_requests_no_neighbour_continues(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A same-layout load reads its files end to end (read-ahead helps); a row split's slices are apart."""
+    gen = torch.Generator().manual_seed(7)
+    rows = {f"row{i:02d}": torch.randn(1024, 1024, generator=gen) for i in range(6)}  # 4 MiB each
+    path = str(tmp_path / "ck")
+    _save(path, rows, thread_count=1)  # one data file
+    advice: list[int] = []
+    fadvise = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, what: int) -> None:
+        advice.append(what)
+        fadvise(fd, offset, length, what)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    same = {k: torch.zeros_like(v) for k, v in rows.items()}
+    _load(path, same, 1, 0)
+    assert all(torch.equal(same[k], v) for k, v in rows.items())
+    assert os.POSIX_FADV_RANDOM not in advice
+    split = {k: torch.zeros(256, 1024) for k in rows}
+    _load(path, split, 4, 1)
+    assert all(torch.equal(split[k], v[256:512]) for k, v in rows.items())
+    assert advice.count(os.POSIX_FADV_RANDOM) >= len(rows)  # each slice is followed by another rank's
+
+
+def test_requests_followed_by_unread_bytes_are_scattered() -> None:
+    from smpckpt.storage.format._ranges import Fetch, Need
+
+    spans = [("x", 0, 10), ("x", 5, 6), ("x", 30, 40), ("y", 10, 20)]
+    fetch = [_plan.FetchTask(n, Fetch(a, b, ())) for n, a, b in spans]
+    direct = [_plan.DirectCandidate(n, Need(a, b, None)) for n, a, b in [("x", 10, 20), ("y", 25, 30)]]  # type: ignore[arg-type]
+    fs, ds = _plan._mark_scattered(fetch, direct, {"x": 40, "y": 100})
+    # x: [0, 10) (holding [5, 6)) runs on into [10, 20), which a gap follows; [30, 40) ends the file;
+    # y: [10, 20) and [25, 30) are followed by unread bytes
+    assert [t.scattered for t in fs] == [False, False, False, True]
+    assert [d.scattered for d in ds] == [True, True]
+    # a file of unknown size: nothing after its last request counts as unread
+    assert not _plan._mark_scattered([_plan.FetchTask("z", Fetch(0, 5, ()))], [], {})[0][0].scattered

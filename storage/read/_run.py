@@ -116,8 +116,9 @@ TAPER_FLOOR = PIECE_BYTES
 
 
 class ReadRun:
-    """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``bytes_requested`` and ``requests``
-    count what it asked storage for (see :class:`~smpckpt.storage.format._reading.ReadStats`). Single use; holds buffers and destinations only while :meth:`run` runs."""
+    """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``bytes_requested`` and
+    ``requests`` count what it asked storage for (see :class:`~smpckpt.storage.format._reading.ReadStats`).
+    Single use; holds buffers and destinations only while :meth:`run` runs."""
 
     def __init__(self, reader: FsspecStorageReader, planner: LoadPlanner, max_request_bytes: int) -> None:
         """``reader``'s location, records, checks and threads; requests of up to ``max_request_bytes``."""

@@ -214,7 +214,7 @@ def test_requests_followed_by_unread_bytes_are_scattered() -> None:
 
     spans = [("x", 0, 10), ("x", 5, 6), ("x", 30, 40), ("y", 10, 20)]
     fetch = [_plan.FetchTask(n, Fetch(a, b, ())) for n, a, b in spans]
-    direct = [_plan.DirectCandidate(n, Need(a, b, None)) for n, a, b in [("x", 10, 20), ("y", 25, 30)]]  # type: ignore[arg-type]
+    direct = [_plan.DirectCandidate(n, Need(a, b, None)) for n, a, b in [("x", 10, 20), ("y", 25, 30)]]
     fs, ds = _plan._mark_scattered(fetch, direct, {"x": 40, "y": 100})
     # x: [0, 10) (holding [5, 6)) runs on into [10, 20), which a gap follows; [30, 40) ends the file;
     # y: [10, 20) and [25, 30) are followed by unread bytes

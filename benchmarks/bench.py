@@ -15,6 +15,7 @@ slowest rank, per rank = its bytes / its own time. Ratios are medians of per-rou
     python benchmarks/bench.py                                           # 512 MiB, 5 rounds, all storages
     torchrun --nproc-per-node 2 benchmarks/bench.py --storage disk,shm   # 2 ranks (tp=2)
     python benchmarks/bench.py --storage s3 --s3-endpoint http://host:9000 --s3-bucket b
+    python benchmarks/bench.py --reshard-only --rounds 5                 # column/row reshard reads vs DCP
 
 Output: a table with each goal, ``--out``/bench.json and PNG plots (throughput, read amplification,
 planning cost vs world size from ``benchmarks/out/planning.json`` when present).
@@ -323,7 +324,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for bench.json and the PNGs")
     ap.add_argument("--contenders", default=None, help="comma list of name substrings to keep")
-    ap.add_argument("--no-reshard", action="store_true", help="skip the read-amplification cases")
+    ap.add_argument("--no-reshard", action="store_true", help="skip the reshard cases (amplification and speed)")
+    ap.add_argument(
+        "--reshard-only", action="store_true", help="only the reshard cases (no save/load rounds on any storage)"
+    )
     ap.add_argument("--cpu", action="store_true", help="keep the state on the CPU even where CUDA exists")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
     args = ap.parse_args(argv)
@@ -414,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     log: Callable[[str], None] = (lambda s: print(s, flush=True)) if w.rank == 0 else (lambda s: None)
     started = time.perf_counter()
     os.makedirs(args.disk_dir, exist_ok=True)
-    wanted = storages(args)
+    wanted = [] if args.reshard_only else storages(args)
     ep = _s3(args, w, log) if "s3" in wanted else None
     if ep is None and "s3" in wanted:
         wanted.remove("s3")
@@ -441,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             base = tempfile.mkdtemp(prefix="bench-reshard-", dir=args.disk_dir)
             try:
                 results["reshard"] = reshard.run_cases(base, args.quick, log)
+                log(f"reshard speed: one TP=4 rank of a TP=1 save beside DCP, cold and warm, {args.rounds} round(s)")
+                results["reshard_speed"] = reshard.run_speed(base, args.quick, args.rounds, log)
             finally:
                 shutil.rmtree(base, ignore_errors=True)
         results["planning"] = _report.planning(args.quick, log)

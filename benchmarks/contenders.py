@@ -181,6 +181,14 @@ def contenders(ctx: Ctx) -> list[Contender]:
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), max_request_bytes=64 << 20),
         frozen=True,
     )
+    # an A/B of the reader's thread count on warm loads: on the loaded 2-vCPU VM one thread loaded as fast
+    # as four with a quarter less CPU (benchmarks/RESULTS.md, "Where a load's CPU goes")
+    threads_2 = _dcp_pair(
+        ctx,
+        ours_writer,
+        lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), thread_count=2),
+        frozen=True,
+    )
     fs_default = _dcp_pair(ctx, FileSystemWriter, FileSystemReader)
     # tuned: several files in flight per rank (the reader has no knobs; it reads what was written)
     fs_tuned = _dcp_pair(ctx, lambda u: FileSystemWriter(u, thread_count=4), FileSystemReader)
@@ -203,6 +211,7 @@ def contenders(ctx: Ctx) -> list[Contender]:
         Contender("smpckpt partial, loads unverified", *unverified, ANY, opt_in=True),
         Contender("smpckpt partial, 64 MiB read requests", *requests_64, ANY, opt_in=True),
         Contender("smpckpt partial, gc not frozen", *unfrozen, ANY, opt_in=True),
+        Contender("smpckpt partial, 2 read threads", *threads_2, ANY, opt_in=True),
     ]
 
 

@@ -13,19 +13,29 @@ which do the resharding; DCP's default planner cannot reshard plain TP shards). 
 Cases: TP 1->4 row split (dim 0) of many 1 MiB tensors, TP 1->4 column split (dim 1) of one large
 matrix, TP 4->1 (row and column shards), PP 2->1 (stage-local layer names renamed to global ones).
 Every load is checked bit-exact against the expected shards.
+
+:func:`run_speed` times one loading rank (TP=4 rank 1 of a TP=1 save, ``dcp.load`` without a process
+group) beside stock DCP ``FileSystemReader`` on the same layout's checkpoint, cold (page cache dropped)
+and warm, interleaved rounds: a column split of fp32 rows of 64 KiB and of bf16 rows of 8 KiB, and a row
+split of 16 MiB tensors. Per load: wall and CPU seconds (``getrusage``, every thread), device bytes
+(``read_bytes`` of ``/proc/self/io``) and smpckpt's ``last_read_stats`` (bytes requested, requests,
+device bytes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -36,7 +46,7 @@ from smpckpt.model.specs import ShardSpec  # noqa: E402
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter  # noqa: E402
 
-__all__ = ["Case", "cases", "run_cases"]
+__all__ = ["Case", "cases", "run_cases", "run_speed"]
 
 MiB = 1 << 20
 State = dict[str, torch.Tensor]
@@ -193,3 +203,137 @@ def run_cases(base: str, quick: bool, log: Callable[[str], None]) -> dict[str, A
             extra = f", own stats {row['stats_ampl']:.3f}x" if "stats_ampl" in row else ""
             log(f"  reshard {case.name:34s} {label:22s} read/needed (rchar) {row['rchar_ampl']:.3f}x{extra}")
     return out
+
+
+# -- one loading rank, timed beside stock DCP -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SpeedCase:
+    name: str
+    glob: State
+    dim: int  #: split dim of every tensor
+
+
+def speed_cases(quick: bool) -> list[SpeedCase]:
+    g = torch.Generator().manual_seed(1)
+    fp32_rows, bf16_rows, tensors, rows = (256, 1024, 16, 256) if quick else (4096, 16384, 16, 4096)
+    return [
+        SpeedCase(
+            f"TP 1->4 dim 1, fp32 rows of 64 KiB ({fp32_rows * 64 // 1024} MiB)",
+            {"w": torch.randn(fp32_rows, 16384, generator=g)},
+            1,
+        ),
+        SpeedCase(
+            f"TP 1->4 dim 1, bf16 rows of 8 KiB ({bf16_rows * 8 // 1024} MiB)",
+            {"w": torch.randn(bf16_rows, 4096, generator=g).to(torch.bfloat16)},
+            1,
+        ),
+        SpeedCase(
+            f"TP 1->4 dim 0, {tensors} x {rows * 4 // 1024} MiB fp32",
+            {f"r{i:02d}": torch.randn(rows, 1024, generator=g) for i in range(tensors)},
+            0,
+        ),
+    ]
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _device_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _drop(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Every speed case: {case: {"needed": bytes, "readers": {who: {"cold"|"warm": figures}},
+    "dcp_over_ours": {"cold"|"warm": spread of per-round time ratios}}}."""
+    out: dict[str, Any] = {}
+    tp, rank = 4, 1
+    for case in speed_cases(quick):
+        specs = {f"model.{k}": ShardSpec(case.dim) for k in case.glob}
+        want = {k: v.chunk(tp, case.dim)[rank].contiguous() for k, v in case.glob.items()}
+        needed = sum(t.numel() * t.element_size() for t in want.values())
+        paths = {who: os.path.join(base, f"speed-{who}") for who in ("smpckpt", "DCP FileSystemReader")}
+        for who, path in paths.items():
+            shutil.rmtree(path, ignore_errors=True)
+            writer = FsspecStorageWriter(path) if who == "smpckpt" else FileSystemWriter(path)
+            reset_dcp_caches()
+            dcp.save({"model": case.glob}, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), specs))
+        recs: dict[str, dict[str, list[dict[str, Any]]]] = {who: {"cold": [], "warm": []} for who in paths}
+        order = list(paths)
+        try:
+            for r in range(rounds + 1):  # round 0: warm-up
+                for who in order[r % 2 :] + order[: r % 2]:
+                    for temp in ("cold", "warm"):
+                        if temp == "cold":
+                            _drop(paths[who])
+                        got = _speed_one(who, paths[who], specs, want, tp, rank)
+                        if r:
+                            recs[who][temp].append(got)
+        finally:
+            for path in paths.values():
+                shutil.rmtree(path, ignore_errors=True)
+        row: dict[str, Any] = {"needed": needed, "readers": {}, "dcp_over_ours": {}}
+        for who, by in recs.items():
+            row["readers"][who] = {
+                temp: {
+                    "s": _spread([g["s"] for g in gs]),
+                    "cpu_s": statistics.median(g["cpu_s"] for g in gs),
+                    "device_ampl": statistics.median(g["device"] / needed for g in gs),
+                    **({"stats": gs[-1]["stats"]} if gs[-1].get("stats") else {}),
+                }
+                for temp, gs in by.items()
+            }
+        for temp in ("cold", "warm"):
+            ratios = [d["s"] / o["s"] for d, o in zip(recs["DCP FileSystemReader"][temp], recs["smpckpt"][temp])]
+            row["dcp_over_ours"][temp] = _spread(ratios)
+        out[case.name] = row
+        for temp in ("cold", "warm"):
+            ours, theirs = row["readers"]["smpckpt"][temp], row["readers"]["DCP FileSystemReader"][temp]
+            st = ours.get("stats", {})
+            log(
+                f"  {case.name:44s} {temp}: DCP time / ours {row['dcp_over_ours'][temp]['median']:.2f}; "
+                f"CPU s {ours['cpu_s']:.3f} vs {theirs['cpu_s']:.3f}; device/needed {ours['device_ampl']:.2f} vs "
+                f"{theirs['device_ampl']:.2f}; requested/needed {st.get('requested_ampl', float('nan')):.2f} "
+                f"in {st.get('requests', 0)} requests"
+            )
+    return out
+
+
+def _speed_one(who: str, path: str, specs: dict[str, ShardSpec], want: State, tp: int, rank: int) -> dict[str, Any]:
+    dest = {k: torch.full_like(v, -7) for k, v in want.items()}
+    reader: Any = FsspecStorageReader(path) if who == "smpckpt" else FileSystemReader(path)
+    reset_dcp_caches()
+    planner = ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=rank)
+    dev0, cpu0, t0 = _device_bytes(), _cpu_s(), time.perf_counter()
+    dcp.load({"model": dest}, storage_reader=reader, planner=planner)
+    got: dict[str, Any] = {"s": time.perf_counter() - t0, "cpu_s": _cpu_s() - cpu0, "device": _device_bytes() - dev0}
+    bad = [k for k, v in want.items() if not torch.equal(dest[k], v)]
+    if bad:
+        raise RuntimeError(f"{who}, rank {rank}: loaded values differ for {bad[:3]}")
+    st = getattr(reader, "last_read_stats", None)
+    if st is not None:
+        got["stats"] = {
+            "bytes_needed": st.bytes_needed,
+            "bytes_requested": st.bytes_requested,
+            "requested_ampl": st.amplification,
+            "requests": st.requests,
+            "device_bytes": st.device_bytes,
+        }
+    return got

@@ -90,6 +90,13 @@ def test_quick_single_process(tmp_path: Path) -> None:
     for rows in res["reshard"].values():
         assert set(rows) == {"smpckpt", "DCP FileSystemReader"}
         assert rows["smpckpt"]["stats_ampl"] >= 1.0 and rows["DCP FileSystemReader"]["rchar_ampl"] >= 1.0
+    # one resharding rank beside DCP, cold and warm (loaded values checked bit-exact by the script)
+    assert len(res["reshard_speed"]) == 3
+    for row in res["reshard_speed"].values():
+        assert set(row["readers"]) == {"smpckpt", "DCP FileSystemReader"}
+        assert set(row["dcp_over_ours"]) == {"cold", "warm"}
+        stats = row["readers"]["smpckpt"]["cold"]["stats"]
+        assert stats["bytes_requested"] >= stats["bytes_needed"] == row["needed"] > 0
     goals = res["goals"]
     assert len(goals) >= 10 and all({"goal", "target", "met"} <= set(g) for g in goals)
     assert res["planning"]["rows"]

@@ -92,16 +92,22 @@ class Tiling:
             ends.extend(range(rg_start + width, rg_start + width * self.groups + 1, width))
         return ends
 
-    def spans(self, block_start: int, block_end: int) -> list[tuple[int, int]]:
-        """The file byte ranges, in hash order, of the tile listed as ``[block_start, block_end)``;
-        ``ValueError`` when that is no tile of this tiling."""
+    def tile_rows(self, block_start: int, block_end: int) -> tuple[int, int]:
+        """``(first, rows)`` of the tile listed as ``[block_start, block_end)``: its row segments are
+        :attr:`segment` bytes at ``first + r * row_bytes`` for ``r < rows``; ``ValueError`` when that is
+        no tile of this tiling."""
         rg_start = self.group_floor(block_start)
         nrows = min(self.rows_per_group, (self.end - rg_start) // self.row_bytes)
         width = nrows * self.segment
         g, rem = divmod(block_start - rg_start, width)
         if rem or block_end - block_start != width or not 0 <= g < self.groups:
             raise ValueError(f"block {block_start}..{block_end} is not a tile of {self}")
-        first = rg_start + g * self.segment
+        return rg_start + g * self.segment, nrows
+
+    def spans(self, block_start: int, block_end: int) -> list[tuple[int, int]]:
+        """The file byte ranges, in hash order, of the tile listed as ``[block_start, block_end)``;
+        ``ValueError`` when that is no tile of this tiling."""
+        first, nrows = self.tile_rows(block_start, block_end)
         return [(first + r * self.row_bytes, first + r * self.row_bytes + self.segment) for r in range(nrows)]
 
 

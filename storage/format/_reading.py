@@ -30,18 +30,51 @@ __all__ = ["ReaderBase", "ReadStats"]
 
 @dataclasses.dataclass(frozen=True)
 class ReadStats:
-    """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``)."""
+    """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``).
 
-    bytes_needed: int  # bytes the destinations receive (a column slice: its elements, not its span)
-    bytes_read: int  # bytes fetched from storage (after block widening and coalescing)
-    requests: int  # ranged reads issued (``preadv`` calls, GETs)
+    * ``bytes_needed``: bytes the destinations receive: each requested slice's elements times their
+      size (a column slice counts its elements, not the rows around them); an object its record.
+    * ``bytes_requested``: bytes this reader asked storage for: the lengths of its read requests
+      (``preadv`` calls, ranged GETs) added up. Beyond ``bytes_needed`` it holds the bytes read only to
+      verify a check unit (a slice widened to whole blocks, a column slice to whole tiles) and the gaps
+      a merged request reads between the ranges it wants. What the OS does with a request is not in it:
+      a page-cache hit counts, read-ahead does not (``device_bytes`` sees both).
+    * ``requests``: read requests as planned: a coalesced range, a batch of direct pieces, a row (or a
+      merged run of rows) of a column slice, an object GET. A verified local read of bytes already in
+      memory is carried out a chunk of whole check units (about 1 MiB) at a time, each its own
+      ``preadv``, and still counts once.
+    * ``items``: the plan's read items.
+    * ``per_file``: file name -> (bytes needed, bytes requested), for every file the load touched.
+    * ``device_bytes``: bytes the kernel read from block devices while the call ran, from
+      ``/proc/self/io`` (``read_bytes``); ``None`` where the OS does not report it or the checkpoint is
+      not on a local filesystem (object stores). It counts the whole process -- another thread reading
+      meanwhile (a data loader) adds its bytes -- counts read-ahead and skips page-cache hits: 0 for a
+      warm load, and on tmpfs or network filesystems, which have no block device here.
+    """
+
+    bytes_needed: int
+    bytes_requested: int
+    requests: int
     items: int
-    #: file name -> (bytes needed, bytes read), for every file the load touched
     per_file: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    device_bytes: int | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        """``bytes_requested`` (its earlier name)."""
+        return self.bytes_requested
 
     @property
     def amplification(self) -> float:
-        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+        """``bytes_requested / bytes_needed`` (1.0 when nothing was needed)."""
+        return self.bytes_requested / self.bytes_needed if self.bytes_needed else 1.0
+
+    @property
+    def device_amplification(self) -> float | None:
+        """``device_bytes / bytes_needed``, where ``device_bytes`` is known."""
+        if self.device_bytes is None:
+            return None
+        return self.device_bytes / self.bytes_needed if self.bytes_needed else 1.0
 
 
 class ReaderBase(FsspecLocation, StorageReader):

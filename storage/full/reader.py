@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.storage.backends._fs import confine
+from smpckpt.storage.backends._fs import confine, is_local
+from smpckpt.storage.backends._page_cache import device_read_bytes
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format._state import Probe
@@ -106,10 +107,13 @@ class FullArtifactReader(ReaderBase):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         if self.source is None:
             raise CheckpointError("read_data() called before read_metadata()")
+        device0 = device_read_bytes() if is_local(self.fs) else None
         self.source.read(plan, planner)
+        device1 = device_read_bytes() if device0 is not None else None
         per_file = {n: (needed, read) for n, (needed, read) in self.source.file_stats.items()}
         needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
-        self.last_read_stats = ReadStats(needed, read, self.source.requests, len(plan.items), per_file)
+        device = device1 - device0 if device0 is not None and device1 is not None else None
+        self.last_read_stats = ReadStats(needed, read, self.source.requests, len(plan.items), per_file, device)
 
     def _hf_files(self) -> list[str] | None:
         """The safetensors files when the folder is a Hugging Face model, not a save of ours without its

@@ -24,6 +24,8 @@ __all__ = [
     "box_read",
     "DIRECT_MIN_BYTES",
     "PIECE_BYTES",
+    "ROW_GAP",
+    "ROWS_PER_CALL",
     "Item",
     "FetchTask",
     "DirectCandidate",
@@ -38,6 +40,16 @@ __all__ = [
 DIRECT_MIN_BYTES = 1 << 20
 # bytes of a direct item read (then verified) per task: pieces of one tensor run on several threads
 PIECE_BYTES = 16 << 20
+#: a strided (column) slice's rows share one request, gaps and all, when the bytes between them are at
+#: most this many (or the reader's ``coalesce_gap``): less than a page, which the device reads anyway
+#: for the rows on either side. Wider gaps cost device bytes: a column slice of bf16 rows of 8 KiB at
+#: TP=4 read per row (4 KiB tiles) beat the same rows merged (whole rows, as stock DCP reads them) on
+#: the project's VM warm (0.138 vs 0.185 CPU-s) and tied cold, with half the device bytes
+#: (``benchmarks/RESULTS.md``, "Strided reads"); devices that punish small requests may set
+#: ``coalesce_gap``.
+ROW_GAP = (4 << 10) - 1
+#: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): a merged request carries a row and a gap each
+ROWS_PER_CALL = 511
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +75,9 @@ class FetchTask:
 
     file: str
     fetch: Fetch[Item]
+    #: no other request of this load ends where it starts or starts where it ends in its file: read-ahead
+    #: would fetch bytes nobody asked for, so its descriptor gets none (``POSIX_FADV_RANDOM``)
+    scattered: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +91,7 @@ class DirectCandidate:
 
     file: str
     need: Need[Item]
+    scattered: bool = False  #: as :attr:`FetchTask.scattered`
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +102,12 @@ class DirectCandidate:
 class BoxRead:
     """A column slice read as one run per row: rows ``[row0, row1)`` of the record at ``base`` (rows of
     ``row_bytes``), bytes ``[col0, col1)`` of each. Inside a ``tiling`` (when verifying) that is whole
-    column groups of whole row groups, so the tiles read verify; else exactly the slice's bytes."""
+    column groups of whole row groups, so the tiles read verify; else exactly the slice's bytes.
+
+    The rows land back to back (``width`` bytes each). ``merge``: neighbouring rows share one request,
+    the gap between them read into a scratch buffer (a gap of at most :data:`ROW_GAP`); else each row
+    is a request of its own. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
+    spread over the reader's threads."""
 
     file: str
     item: Item
@@ -97,6 +118,7 @@ class BoxRead:
     col0: int
     col1: int
     tiling: Tiling | None = None
+    merge: bool = False
 
     @property
     def start(self) -> int:
@@ -109,6 +131,38 @@ class BoxRead:
     @property
     def nbytes(self) -> int:
         return (self.row1 - self.row0) * self.width
+
+    @property
+    def group_rows(self) -> int:
+        """Rows read and verified together: a tiling's row group (tasks and requests never cut one);
+        without one (not verified), :data:`ROWS_PER_CALL`."""
+        return self.tiling.rows_per_group if self.tiling is not None else ROWS_PER_CALL
+
+    def requested(self, a: int, b: int) -> tuple[int, int]:
+        """``(bytes, requests)`` asked of storage for rows ``[a, b)`` (a range of whole row groups):
+        merged rows read their gaps too, ``ROWS_PER_CALL`` rows per request within each row group."""
+        if not self.merge:
+            return (b - a) * self.width, b - a
+        gap = self.row_bytes - self.width
+        nbytes = requests = 0
+        for g0 in range(a, b, self.group_rows):
+            for r0 in range(g0, min(b, g0 + self.group_rows), ROWS_PER_CALL):
+                n = min(ROWS_PER_CALL, b - r0, g0 + self.group_rows - r0)
+                nbytes += n * self.width + (n - 1) * gap
+                requests += 1
+        return nbytes, requests
+
+    def chunks(self, limit: int) -> list[tuple[int, int]]:
+        """The box's rows as ``[a, b)`` ranges of whole row groups of about ``limit`` requested bytes."""
+        per_row = self.row_bytes if self.merge else self.width
+        step = max(1, limit // max(1, per_row * self.group_rows)) * self.group_rows
+        return [(a, min(self.row1, a + step)) for a in range(self.row0, self.row1, step)]
+
+    def item_rows(self) -> tuple[int, int, int]:
+        """``(first row, end row, first byte column)`` of the item's own slice in the record."""
+        r0, c0 = divmod(self.item.start - self.base, self.row_bytes)
+        r1 = (self.item.end - 1 - self.base) // self.row_bytes + 1
+        return r0, r1, c0
 
     def buffer_offset(self, file_offset: int) -> int:
         """Where file byte ``file_offset`` (inside the box) sits in the box's row-by-row buffer."""
@@ -154,10 +208,12 @@ def plan_reads(
     direct_min_bytes: int,
     coalesce_gap: int,
     max_request_bytes: int,
+    row_gap: int = ROW_GAP,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    row-by-row box reads (``local`` files only) and direct candidates (where ``direct``: reads can land
-    in the destination) and coalesce the rest per file."""
+    row-by-row box reads (``local`` files only; rows at most ``row_gap`` apart share requests) and direct
+    candidates (where ``direct``: reads can land in the destination), coalesce the rest per file, and mark
+    the requests no neighbour continues (``scattered``)."""
     per_file: dict[str, list[Need[Item]]] = {}
     empty: list[Item] = []
     candidates: list[DirectCandidate] = []
@@ -175,7 +231,7 @@ def plan_reads(
         contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
         box = box_read(it, rec, verify=verify) if local and it.raw and not contiguous else None
         if box is not None:
-            boxes.append(box)
+            boxes.append(dataclasses.replace(box, merge=box.row_bytes - box.width <= row_gap))
             continue
         # the reader's record checks have put the item inside the file and the file in the manifest
         lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)
@@ -191,7 +247,45 @@ def plan_reads(
     ]
     candidates.sort(key=lambda d: (d.file, d.need.start))
     boxes.sort(key=lambda b: (b.file, b.start))
+    fetches, candidates = _mark_scattered(fetches, candidates, {n: r.size for n, r in records.items()})
     return ReadPlan(fetches, empty, candidates, needed, needed_per_file, boxes)
+
+
+def _mark_scattered(
+    fetches: list[FetchTask], candidates: list[DirectCandidate], sizes: Mapping[str, int]
+) -> tuple[list[FetchTask], list[DirectCandidate]]:
+    """Mark the requests followed in their file by bytes this load does not read (``sizes``: file
+    sizes, where known; past the last request of a file of unknown size nothing counts as unread).
+
+    Why: the kernel reads ahead of a read (here up to ``read_ahead_kb``, 8 MiB), which a load of whole
+    files uses, but which makes a resharding load's slices -- a quarter of each tensor -- fetch the
+    next slice, another rank's, from the device for nothing. A load of whole files has no such request
+    and reads as before."""
+    spans = sorted(
+        [(t.file, t.fetch.start, t.fetch.end) for t in fetches]
+        + [(d.file, d.need.start, d.need.end) for d in candidates]
+    )
+    followed: set[tuple[str, int]] = set()  # (file, start) of requests with unread bytes right after them
+    k = 0
+    while k < len(spans):
+        # a run of requests whose bytes touch or overlap: only the one reaching its end can be followed
+        f, j, reach, last = spans[k][0], k, spans[k][2], k
+        while j + 1 < len(spans) and spans[j + 1][0] == f and spans[j + 1][1] <= reach:
+            j += 1
+            if spans[j][2] > reach:
+                reach, last = spans[j][2], j
+        more = j + 1 < len(spans) and spans[j + 1][0] == f  # a later request of the file, past a gap
+        if more or reach < sizes.get(f, reach):
+            followed.add((f, spans[last][1]))
+        k = j + 1
+
+    def alone(file: str, start: int) -> bool:
+        return (file, start) in followed
+
+    return (
+        [dataclasses.replace(t, scattered=alone(t.file, t.fetch.start)) for t in fetches],
+        [dataclasses.replace(d, scattered=alone(d.file, d.need.start)) for d in candidates],
+    )
 
 
 def _exact_bytes(it: Item) -> int:

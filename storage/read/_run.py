@@ -11,9 +11,13 @@ verifying them overlaps other reads. Task kinds:
   ``load_bytes``).
 * :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
   their destinations with one request (a ``preadv``, or one S3 GET streamed in) of up to
-  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL, so hashing
-  overlaps the next read); an item is committed when its last piece is done (:class:`_OpenItem` counts
-  them down).
+  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL above 64 KiB,
+  and tiles are hashed gathered, so hashing overlaps other threads' reads); an item is committed when
+  its last piece is done (:class:`_OpenItem` counts them down). Local reads of bytes in memory are
+  carried out a chunk of check units at a time, each verified as it arrives (``_fetch._read_local``).
+* :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB requested each, so
+  several threads share a slice), a request per row (or per run of rows closer than a page), into the
+  destination's rows or a pooled buffer whose rows are then copied into place.
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
@@ -30,6 +34,7 @@ import concurrent.futures
 import dataclasses
 import heapq
 import io
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -41,6 +46,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
 from smpckpt.storage.format._ranges import Fetch, c_strides
 from smpckpt.storage.format._safe_pickle import check_weights_only
+from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder
@@ -78,13 +84,30 @@ class _DirectBatch:
     file: str
     entries: tuple[_OpenItem, ...]
     parts: tuple[DirectPart, ...]
+    scattered: bool = False  #: see FetchTask.scattered
 
     @property
     def nbytes(self) -> int:
         return self.parts[-1].hi - self.parts[0].lo
 
 
-_Task = FetchTask | _DirectBatch | BoxRead
+@dataclasses.dataclass(frozen=True)
+class _BoxPart:
+    """Rows ``[a, b)`` of a box (whole row groups), read into ``dst`` (the destination's own rows, when it
+    takes the box's bytes as they are) or a pooled buffer; ``entry`` is the box's item."""
+
+    box: BoxRead
+    rows: tuple[int, int]
+    entry: _OpenItem
+    dst: memoryview | None
+    nbytes: int  #: bytes requested
+
+    @property
+    def file(self) -> str:
+        return self.box.file
+
+
+_Task = FetchTask | _DirectBatch | _BoxPart
 
 # buffered requests below this size are issued before every larger one (see ReadRun._interleaved)
 SMALL_FIRST = 1 << 20
@@ -93,8 +116,9 @@ TAPER_FLOOR = PIECE_BYTES
 
 
 class ReadRun:
-    """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``bytes_read`` and ``requests``
-    count what it issued. Single use; holds buffers and destinations only while :meth:`run` runs."""
+    """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``bytes_requested`` and
+    ``requests`` count what it asked storage for (see :class:`~smpckpt.storage.format._reading.ReadStats`).
+    Single use; holds buffers and destinations only while :meth:`run` runs."""
 
     def __init__(self, reader: FsspecStorageReader, planner: LoadPlanner, max_request_bytes: int) -> None:
         """``reader``'s location, records, checks and threads; requests of up to ``max_request_bytes``."""
@@ -110,7 +134,7 @@ class ReadRun:
         # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
         # records must not zero-fill 64 MiB buffers (measured: 192 MiB extra RSS for a 17 MiB load)
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
-        self.bytes_read = self.requests = 0
+        self.bytes_requested = self.requests = 0
         self.read_per_file: dict[str, int] = {}
 
     def run(self, plan: ReadPlan) -> None:
@@ -193,22 +217,34 @@ class ReadRun:
                 yield w
                 continue
             if isinstance(w, BoxRead):
-                # one pread per row: that many requests
-                self._add(w.file, w.nbytes, w.row1 - w.row0)
-                yield w
+                yield from self._box_parts(w)
                 continue
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
             dst = writable_bytes(need.item, target)
             if dst is None:  # not a destination the stored bytes can be read into as they are
                 self._add(w.file, w.nbytes, 1)
-                yield FetchTask(w.file, Fetch(need.start, need.end, (need,)))
+                yield FetchTask(w.file, Fetch(need.start, need.end, (need,)), w.scattered)
                 continue
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
             self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
             for lo, hi in spans:
-                yield _DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),))
+                yield _DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered)
+
+    def _box_parts(self, box: BoxRead) -> Iterator[_BoxPart]:
+        """(calling thread) A box's tasks: whole row groups of about :data:`PIECE_BYTES` each, so several
+        threads read one column slice (its rows' requests are small: one thread in a row of them leaves
+        the device, and the other cores, idle), each part committed when all are done."""
+        target = self.planner.resolve_tensor(box.item.req).detach()
+        dst = box_destination(box, target)
+        chunks = box.chunks(PIECE_BYTES)
+        entry = _OpenItem(box.item, target, len(chunks))
+        for a, b in chunks:
+            nbytes, requests = box.requested(a, b)
+            self._add(box.file, nbytes, requests)
+            rows = dst[(a - box.row0) * box.width : (b - box.row0) * box.width] if dst is not None else None
+            yield _BoxPart(box, (a, b), entry, rows, nbytes)
 
     def _batched(self, tasks: Iterator[_Task], total: int) -> Iterator[_Task]:
         """(calling thread) Direct pieces that follow each other in one file's ``tasks`` (``total`` bytes)
@@ -226,7 +262,8 @@ class ReadRun:
                 and task.parts[0].lo == held.parts[-1].hi
                 and held.nbytes + task.nbytes <= min(self.max_request_bytes, max(TAPER_FLOOR, left // 2))
             ):
-                held = _DirectBatch(held.file, held.entries + task.entries, held.parts + task.parts)
+                scattered = held.scattered and task.scattered
+                held = _DirectBatch(held.file, held.entries + task.entries, held.parts + task.parts, scattered)
                 continue
             if held is not None:
                 self.requests += 1
@@ -243,7 +280,7 @@ class ReadRun:
             yield held
 
     def _add(self, file: str, nbytes: int, requests: int) -> None:
-        self.bytes_read += nbytes
+        self.bytes_requested += nbytes
         self.requests += requests
         self.read_per_file[file] = self.read_per_file.get(file, 0) + nbytes
 
@@ -254,31 +291,55 @@ class ReadRun:
         turn = self.gate.turn(ticket) if self.gate is not None else None
         if isinstance(task, FetchTask):
             f = task.fetch
-            return read_range(self.fs, path, f.start, f.end, [n.item for n in f.needs], rec, self.pool, turn)
-        if isinstance(task, BoxRead):
-            return read_box(path, task, rec, self.pool, turn)
-        read_direct(self.fs, path, task.parts, rec, turn)
+            items = [n.item for n in f.needs]
+            return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
+        if isinstance(task, _BoxPart):
+            a, b = task.rows
+            out = task.dst if task.dst is not None else memoryview(self.pool.take((b - a) * task.box.width))
+            read_box(path, task.box, task.rows, rec, out, turn)
+            return None if task.dst is not None else out
+        read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
 
     def _complete(self, task: _Task, data: memoryview | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""
         if isinstance(task, _DirectBatch):
             for entry in task.entries:
-                entry.pieces_left -= 1
-                if entry.pieces_left == 0:
-                    self.planner.commit_tensor(entry.item.req, entry.target)
+                self._count_down(entry)
+            return
+        if isinstance(task, _BoxPart):
+            if data is not None:
+                self._deliver_rows(task, data)
+                self.pool.give_back(data)
+            self._count_down(task.entry)
             return
         assert data is not None
-        if isinstance(task, FetchTask):
-            f = task.fetch
-            for need in f.needs:
-                it = need.item
-                self._deliver(it, data[it.start - f.start : it.end - f.start])
-        else:
-            self._deliver(task.item, data[task.buffer_offset(task.item.start) :], row_bytes=task.width)
+        f = task.fetch
+        for need in f.needs:
+            it = need.item
+            self._deliver(it, data[it.start - f.start : it.end - f.start])
         self.pool.give_back(data)  # every view of it (and tensors made from them) is gone now
 
-    def _deliver(self, it: Item, data: memoryview, *, row_bytes: int = 0) -> None:
+    def _count_down(self, entry: _OpenItem) -> None:
+        entry.pieces_left -= 1
+        if entry.pieces_left == 0:
+            self.planner.commit_tensor(entry.item.req, entry.target)
+
+    def _deliver_rows(self, part: _BoxPart, data: memoryview) -> None:
+        """The item's rows among a box part's (rows ``[a, b)``, ``width`` bytes each in ``data``) copied
+        into their place in the destination."""
+        box, (a, b) = part.box, part.rows
+        r0, r1, c0 = box.item_rows()
+        lo, hi = max(a, r0), min(b, r1)
+        if hi <= lo:
+            return
+        src = _decode_raw(box.item, data[(lo - a) * box.width + c0 - box.col0 :], box.width, hi - lo)
+        dst = part.entry.target.narrow(0, lo - r0, hi - lo)
+        if dst.size() != src.size():
+            raise LayoutMismatch(f"{box.item.fqn!r}: destination {list(dst.size())} vs stored rows {list(src.size())}")
+        dst.copy_(src)
+
+    def _deliver(self, it: Item, data: memoryview) -> None:
         req, planner = it.req, self.planner
         where = f"{join(self.folder, it.file)} key {it.fqn!r} at offset {it.start}"
         if req.type == LoadItemType.BYTE_IO:
@@ -290,14 +351,14 @@ class ReadRun:
             return
         if it.raw:
             target = planner.resolve_tensor(req).detach()
-            dst = None if row_bytes else writable_bytes(it, target)
+            dst = writable_bytes(it, target)
             if dst is not None and data.nbytes >= dst.nbytes:
                 # stored as the destination holds it: one copy, and no torch call per item (each
                 # queues for the GIL behind the reader threads; see _tensor_bytes)
                 dst[:] = data[: dst.nbytes]
                 planner.commit_tensor(req, target)
                 return
-            src = _decode_raw(it, data, row_bytes)
+            src = _decode_raw(it, data)
         else:
             try:
                 loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -313,6 +374,23 @@ class ReadRun:
         planner.commit_tensor(req, target)
 
 
+def box_destination(box: BoxRead, target: torch.Tensor) -> memoryview | None:
+    """The destination's bytes when the box's rows can be read straight into them: the box is exactly
+    the item's rows and columns (tile columns that match the slice), each row of the slice one run, and
+    the destination a contiguous CPU tensor of the saved dtype and the slice's shape."""
+    it = box.item
+    r0, r1, c0 = box.item_rows()
+    if (r0, r1, c0) != (box.row0, box.row1, box.col0) or it.dtype is None:
+        return None
+    lengths = [int(n) for n in it.req.lengths]
+    if math.prod(lengths[1:]) * it.dtype.itemsize != box.width:
+        return None
+    if target.dtype != it.dtype or list(target.shape) != lengths:
+        return None
+    dst = cpu_bytes(target)
+    return dst if dst is not None and not dst.readonly and dst.nbytes == box.nbytes else None
+
+
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:
     if isinstance(w, FetchTask):
         return (w.file, w.fetch.start, 0)
@@ -321,13 +399,16 @@ def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:
     return (w.file, w.start, 2)
 
 
-def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0) -> torch.Tensor:
+def _decode_raw(it: Item, data: memoryview, row_bytes: int = 0, rows: int | None = None) -> torch.Tensor:
     """The requested slice as a tensor over ``data`` (which starts at the slice's first element); rows
-    (dim 0) are ``row_bytes`` apart in ``data`` when given (a box read), else as stored."""
+    (dim 0) are ``row_bytes`` apart in ``data`` when given (a box read), else as stored; only the first
+    ``rows`` rows of the slice when given (a part of a box)."""
     dtype = it.dtype
     if dtype is None:  # pragma: no cover - raw items always carry one (raw_item)
         raise CheckpointError(f"internal: raw record of {it.fqn!r} has no dtype")
     lengths = [int(n) for n in it.req.lengths]
+    if rows is not None:
+        lengths[0] = rows
     if any(n == 0 for n in lengths):
         return torch.empty(lengths, dtype=dtype)
     with warnings.catch_warnings():

@@ -12,9 +12,11 @@ describes, and the planner is called from the calling thread only. On local disk
 of at least 1 MiB whose slice is contiguous in the file, and whose destination
 (``planner.resolve_tensor``) is a contiguous CPU tensor of the saved dtype and shape, is read straight
 into the destination's memory (``os.preadv``, or a ranged GET streamed in: ``_s3.get_range_into``);
-everything else (small, strided, cast and object items, and other backends' reads, by ``cat_file``)
-goes through pooled buffers and a copy into the destination. This module holds the protocol, the
-metadata and the checks of every storage record.
+a column slice on local disk is read row by row, straight into the destination when its tiles are
+exactly the slice's columns; everything else (small, cast and object items, and other backends'
+reads, by ``cat_file``) goes through pooled buffers and a copy into the destination. Verified local
+reads of bytes in memory hash each check unit as it arrives (``_fetch``). This module holds the
+protocol, the metadata and the checks of every storage record.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._page_cache import device_read_bytes
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full.reader import FullArtifactReader, opens
 from smpckpt.storage.read._fetch import reading, reads_into
-from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, Item, plan_reads, raw_item
+from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, ROW_GAP, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
 
 __all__ = ["FsspecStorageReader", "ReadStats"]
@@ -80,7 +83,9 @@ class FsspecStorageReader(ReaderBase):
             filesystems, 64 MiB on object stores and others). Why 32 MiB locally: on a cold virtio disk
             it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
             (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
-        coalesce_gap: merge ranges separated by at most this many bytes (reading the gap).
+        coalesce_gap: merge ranges separated by at most this many bytes (reading the gap); the rows of
+            a column slice on local disk share requests when they are at most this many bytes apart, or
+            less than a page (``_plan.ROW_GAP``).
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
 
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
@@ -257,14 +262,20 @@ class FsspecStorageReader(ReaderBase):
                 direct_min_bytes=self.direct_min_bytes,
                 coalesce_gap=self.coalesce_gap,
                 max_request_bytes=max_request,
+                row_gap=max(self.coalesce_gap, ROW_GAP),
             )
         run = ReadRun(self, planner, max_request)
+        device0 = device_read_bytes() if local else None
         run.run(reads)
+        device1 = device_read_bytes() if device0 is not None else None
         per_file = {
             n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
             for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
         }
-        self.last_read_stats = ReadStats(reads.bytes_needed, run.bytes_read, run.requests, len(plan.items), per_file)
+        device = device1 - device0 if device0 is not None and device1 is not None else None
+        self.last_read_stats = ReadStats(
+            reads.bytes_needed, run.bytes_requested, run.requests, len(plan.items), per_file, device
+        )
 
 
 def _is_int(x: object) -> bool:

@@ -1,0 +1,168 @@
+"""Where a warm load's CPU goes: smpckpt's load (verified and not) beside a raw ``readinto`` of the same
+bytes, in CPU seconds per GiB (``getrusage``: every thread, kernel copies included), with the reader's
+worker time split into reading and verifying.
+
+CPU seconds are far steadier than wall time on a shared machine, and the wall-time goal follows from
+them: a load whose CPU is at most ~2x the raw read's can reach the raw read's time on two cores.
+
+    python benchmarks/profile_load.py                               # 512 MiB GPT-like state, /dev/shm and disk
+    python benchmarks/profile_load.py --model llama7b --dirs /dev/shm  # Llama-7B layer shapes (bf16, all tiled)
+    python benchmarks/profile_load.py --tree /path/to/staged/old/tree  # the same, with an older smpckpt
+
+``--tree`` puts a folder on ``sys.path`` first (a copy of another commit's ``smpckpt`` whose
+``planners``/``storage`` link to that commit's folders), to measure two trees side by side; for native
+profiles run it under ``perf record -g`` or ``py-spy record --native`` (``--rounds 30``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+warnings.filterwarnings("ignore")
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, default=512, help="GPT-like state size (default 512)")
+    ap.add_argument("--model", choices=("gpt", "llama7b"), default="gpt", help="llama7b: one decoder layer")
+    ap.add_argument("--dirs", default=f"/dev/shm,{os.path.join(HERE, 'out')}", help="comma list of parent folders")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tree", default=None, help="a staged smpckpt tree to import instead of the installed one")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    if args.tree:
+        sys.path.insert(0, args.tree)
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from _model import global_tensor, llama7b_defs, llama7b_specs, local_piece, model_defs, model_specs
+    from bench import model_dims
+
+    from smpckpt import gc_frozen
+    from smpckpt.model.layout import ParallelLayout
+    from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+    from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+    from smpckpt.storage.read import _fetch
+
+    torch.set_num_threads(1)
+    if args.model == "llama7b":
+        defs = [d for d in llama7b_defs(1) if "embed" not in d.key and "lm_head" not in d.key]
+        specs = llama7b_specs()
+    else:
+        h, layers, vocab = model_dims(args.size_mib)
+        defs, specs = model_defs(h, layers, vocab), model_specs(h)
+    layout = ParallelLayout()
+    state = {d.key: local_piece(d, global_tensor(j, d), 1, 0) for j, d in enumerate(defs)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    gib = nbytes / (1 << 30)
+    split: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            c0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    split[name] = split.get(name, 0.0) + time.thread_time() - c0
+
+        return wrapper
+
+    # the worker threads' CPU: verification, and the whole local read (which includes it where fused)
+    for name in ("verify_blocks", "_read_local"):
+        if hasattr(_fetch, name):
+            setattr(_fetch, name, timed(name, getattr(_fetch, name)))
+    results: dict[str, Any] = {"code": _fetch.__file__, "model": args.model, "bytes": nbytes, "dirs": {}}
+    print(f"smpckpt from {os.path.dirname(_fetch.__file__)}; {len(state)} tensors, {nbytes / (1 << 20):.0f} MiB")
+    for parent in [d for d in args.dirs.split(",") if d]:
+        os.makedirs(parent, exist_ok=True)
+        ck, raw = os.path.join(parent, "profile-load-ck"), os.path.join(parent, "profile-load-raw")
+        shutil.rmtree(ck, ignore_errors=True)
+        planner = ParallelSavePlanner(layout, specs, rank=0, enable_plan_caching=False)
+        dcp.save({"model": state}, storage_writer=FsspecStorageWriter(ck), planner=planner)
+        with open(raw, "wb") as f:
+            for t in state.values():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        dest = {k: torch.empty_like(v) for k, v in state.items()}
+
+        def raw_load(raw: str = raw, dest: dict[str, Any] = dest) -> None:
+            with open(raw, "rb", buffering=0) as f:
+                for t in dest.values():
+                    mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    while mv:
+                        mv = mv[f.readinto(mv) :]
+
+        def ours(verify: bool, ck: str = ck, dest: dict[str, Any] = dest) -> Any:
+            def load() -> None:
+                reader = FsspecStorageReader(ck, verify_checksums=verify)
+                with gc_frozen():
+                    dcp.load({"model": dest}, storage_reader=reader, planner=ParallelLoadPlanner(layout, specs, rank=0))
+
+            return load
+
+        cases = {"raw readinto": raw_load, "smpckpt": ours(True), "smpckpt unverified": ours(False)}
+        recs: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
+        try:
+            for r in range(args.rounds + 1):
+                for name, fn in list(cases.items())[r % 3 :] + list(cases.items())[: r % 3]:
+                    split.clear()
+                    c0, t0 = _cpu_s(), time.perf_counter()
+                    fn()
+                    if r:
+                        recs[name].append({"s": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0, **split})
+                    if name != "raw readinto":
+                        bad = [k for k, v in state.items() if not torch.equal(dest[k], v)]
+                        if bad:
+                            raise RuntimeError(f"{name}: loaded values differ for {bad[:3]}")
+        finally:
+            shutil.rmtree(ck, ignore_errors=True)
+            os.remove(raw)
+        rows = {}
+        raw_cpu = statistics.median(g["cpu_s"] for g in recs["raw readinto"])
+        print(f"\n{parent} (warm): CPU s per GiB, median of {args.rounds} (min..max); x raw; worker split")
+        for name, gs in recs.items():
+            cpu = [g["cpu_s"] / gib for g in gs]
+            row = {
+                "cpu_s_per_gib": statistics.median(cpu),
+                "min": min(cpu),
+                "max": max(cpu),
+                "x_raw_cpu": statistics.median(g["cpu_s"] for g in gs) / raw_cpu,
+                "wall_s": statistics.median(g["s"] for g in gs),
+                **{k: statistics.median(g.get(k, 0.0) for g in gs) / gib for k in ("_read_local", "verify_blocks")},
+            }
+            rows[name] = row
+            extra = (
+                f"  read+verify {row['_read_local']:.3f}, of which verify {row['verify_blocks']:.3f}"
+                if row["_read_local"]
+                else ""
+            )
+            print(
+                f"  {name:20s} {row['cpu_s_per_gib']:.3f} ({row['min']:.3f}..{row['max']:.3f})  "
+                f"x{row['x_raw_cpu']:.2f}{extra}"
+            )
+        results["dirs"][parent] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    raise SystemExit(main())

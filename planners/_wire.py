@@ -23,6 +23,8 @@ plans unchanged (a plain pickle, as before) rather than drop a field.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import dataclasses
 from collections.abc import Iterator
 from typing import Any, ClassVar, TypeVar, cast
@@ -45,7 +47,7 @@ FIELDS_PER_ITEM = 9
 #: offsets, the same four for the storage index and offsets, lengths.
 FIELDS_PER_READ = 10
 
-_EXPECTED_FIELDS = {
+_EXPECTED_FIELDS = MappingProxyType({
     SavePlan: ("items", "storage_data", "planner_data", "usable"),
     LoadPlan: ("items", "storage_data", "planner_data"),
     ReadItem: ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"),
@@ -53,7 +55,7 @@ _EXPECTED_FIELDS = {
     MetadataIndex: ("fqn", "offset", "index"),
     TensorWriteData: ("chunk", "properties", "size"),
     ChunkStorageMetadata: ("offsets", "sizes"),
-}
+})
 # the flat form names every field of these classes; with any other field it would drop data
 _SUPPORTED = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _EXPECTED_FIELDS.items())
 

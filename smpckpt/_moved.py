@@ -8,6 +8,8 @@ finder before anything else is imported.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -18,7 +20,7 @@ from types import ModuleType
 __all__ = ["MOVED", "install"]
 
 #: old dotted module path -> where it lives now
-MOVED: dict[str, str] = {
+MOVED: Mapping[str, str] = MappingProxyType({
     "smpckpt.layout": "smpckpt.model.layout",
     "smpckpt.specs": "smpckpt.model.specs",
     "smpckpt.naming": "smpckpt.model.naming",
@@ -87,7 +89,7 @@ MOVED: dict[str, str] = {
     "smpckpt.storage._hf_ties": "smpckpt.storage.full._source",
     "smpckpt.storage._safetensors": "smpckpt.storage.full._safetensors",
     "smpckpt.storage._torch_zip": "smpckpt.storage.full._plan",
-}
+})
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

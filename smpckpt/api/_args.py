@@ -1,5 +1,5 @@
-"""Argument handling shared by save_checkpoint and resume_from_checkpoint (validation, state dicts,
-error translation). Internal: the public names live in :mod:`smpckpt.api.calls`."""
+"""What a Checkpointer's saves and resumes share: the request both build, the model and optimizer
+checked, state dicts, error translation. Internal: the public names live in :mod:`smpckpt.api.checkpointer`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["OPTIONS", "CommonRequest", "resolve_common"]
+__all__ = ["OPTIONS", "CommonRequest", "check_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +55,8 @@ class CommonRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
 
 
-def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
-    """Validate the arguments save and resume share (``args``: the public function's parameters by name)."""
-    model, optimizer, path, layout = args["model"], args["optimizer"], args["path"], args["layout"]
-    # one optimizer, a sequence of them, or None; anything else fails the check below
+def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[torch.optim.Optimizer, ...]]:
+    """(each call, every rank) The model and its optimizers (one, a sequence of them, or None), checked."""
     opts = tuple(optimizer) if isinstance(optimizer, Iterable) else () if optimizer is None else (optimizer,)
     if not all(isinstance(o, torch.optim.Optimizer) for o in opts):
         raise TypeError(
@@ -80,34 +78,13 @@ def resolve_common(ctx: DistContext, args: Mapping[str, Any]) -> CommonRequest:
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
                     )
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    if not os.fspath(path):
-        raise ValueError("path must not be empty")
-    if layout is None:
-        layout = ParallelLayout(dp=ctx.world_size)
-    elif not isinstance(layout, ParallelLayout):
-        raise TypeError(f"layout must be a ParallelLayout or None, got {type(layout).__name__}")
-    else:
-        layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
-    return CommonRequest(
-        root=os.fspath(path),
-        model=model,
-        optimizers=opts,
-        layout=layout,
-        rules=spec_rules(args["specs"]),
-        name_map=args["name_map"],
-        storage_options=args["storage_options"],
-        process_group=args["process_group"],
-    )
+    return model, opts
 
 
 def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
     """The user's map sees model/optimizer keys only; our own keys (rng, user_content) pass through."""
     if name_map is None:
         return None
-    if not callable(name_map):
-        raise TypeError(f"name_map must be callable (str -> str), got {type(name_map).__name__}")
     own = (f"{RESERVED.rng}.", RESERVED.user_content)
 
     def mapped(key: str) -> str:

@@ -10,7 +10,10 @@ the local call: rank 0 of a world of 1, no communication.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import dataclasses
+import hashlib
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -21,12 +24,12 @@ import smpckpt.errors as _errors
 from smpckpt._checks import check_process_group
 from smpckpt.errors import CheckpointError
 
-__all__ = ["DistContext", "RankError"]
+__all__ = ["DistContext", "RankError", "digest"]
 
 T = TypeVar("T")
 
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
-_BUILTINS: dict[str, type[Exception]] = {
+_BUILTINS: Mapping[str, type[Exception]] = MappingProxyType({
     cls.__name__: cls
     for cls in (
         ValueError,
@@ -38,7 +41,7 @@ _BUILTINS: dict[str, type[Exception]] = {
         OSError,
         RuntimeError,
     )
-}
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,11 @@ class RankError:
             return cls(text)
         except TypeError:  # an exception class with a different constructor
             return CheckpointError(text)
+
+
+def digest(values: Mapping[str, Any]) -> str:
+    """One string for the values every rank must share (compared instead of the values themselves)."""
+    return hashlib.blake2b(repr(sorted(values.items())).encode(), digest_size=16).hexdigest()
 
 
 class DistContext:
@@ -189,10 +197,11 @@ class DistContext:
 
     def agreed(self, fn: Callable[[], tuple[T, Mapping[str, Any]]], what: str) -> T:
         """(all ranks) Run ``fn`` -- local checks that return a result and the values every rank must
-        share -- then agree in one collective: if ``fn`` raised anywhere, raise on every rank (as
-        :meth:`all_ok`); else raise :class:`ValueError` on every rank unless all ranks' values are equal,
-        naming each entry that differs and its value on the first ranks. A check that fails on one rank
-        only (a bad option there) fails every rank instead of leaving the others in the next collective."""
+        share -- then agree in one collective on a digest of those values: if ``fn`` raised anywhere,
+        raise on every rank (as :meth:`all_ok`); else, unless all ranks' digests are equal, gather the values
+        themselves and raise :class:`ValueError` on every rank naming each entry that differs and its
+        value on the first ranks. A check that fails on one rank only (a bad option there) fails every rank
+        instead of leaving the others in the next collective."""
         result: Any = None
         values: dict[str, Any] = {}
         error: Exception | None = None
@@ -201,14 +210,16 @@ class DistContext:
             values = dict(shared)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-        seen = self._agree(f"the comparison of {what}", error, values)
-        differ = [k for k in seen[0] if any(v.get(k) != seen[0][k] for v in seen)]
-        if differ:
-            shown = "; ".join(
-                f"{k}: " + ", ".join(f"rank {r}: {v.get(k)!r}" for r, v in enumerate(seen[:8])) for k in differ
-            )
-            more = f" ({len(seen) - 8} more ranks)" if len(seen) > 8 else ""
-            raise ValueError(
-                f"{what} differ between ranks in {', '.join(differ)} ({shown}{more}); every rank must pass the same"
-            )
-        return result
+        keys = self._agree(f"the comparison of {what}", error, digest(values))
+        if len(set(keys)) == 1:
+            return result
+        seen = self.all_gather_object(values)
+        names = sorted(set().union(*seen))
+        differ = [k for k in names if any(v.get(k) != seen[0].get(k) for v in seen)]
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"rank {r}: {v.get(k)!r}" for r, v in enumerate(seen[:8])) for k in differ
+        )
+        more = f" ({len(seen) - 8} more ranks)" if len(seen) > 8 else ""
+        raise ValueError(
+            f"{what} differ between ranks in {', '.join(differ)} ({shown}{more}); every rank must pass the same"
+        )

@@ -1,5 +1,5 @@
-"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, in the
-background, committed there as any partial checkpoint (same files, same manifest bytes).
+"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, on the
+Checkpointer's drain lane, committed there as any partial checkpoint (same files, same manifest bytes).
 
 Which rank does what ("all" = every rank, on the drain thread with a gloo group of its own)::
 
@@ -21,6 +21,8 @@ before a drain as new committed); the restarted job's next save drains it again
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,7 +34,6 @@ from typing import Any
 from smpckpt.api._dist import DistContext
 from smpckpt.api._fast_save import TierPlan, retain_fast
 from smpckpt.api._save import SaveRequest, publish_newest, retain
-from smpckpt.api._tiers import note_durable_seq
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
@@ -51,7 +52,7 @@ log = logging.getLogger("smpckpt.api")
 _PART = DEFAULT_PART_SIZE  # bytes per read from the fast tier and per S3 part (the writers' default part size)
 # files copied at once: local and shared filesystems gain little beyond a few streams; object stores
 # want many requests in flight (the fast tier sized these files to about one request each)
-_FILES_AT_ONCE = {True: 4, False: 16}
+_FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
 
 
 def copiers(manifest: Manifest, held_by: Mapping[str, Sequence[int]] | None) -> dict[str, int]:
@@ -141,13 +142,13 @@ def drain(
             if failed:
                 log.warning("the failed drain of %s left %d file(s): %s", req.url, len(failed), failed[:5])
         raise
-    note_durable_seq(tier.root_key, tier.seq if seq is None else seq)
+    tier.memory.note_durable(tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx)
     log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
     retain(breq, dctx)
     if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
-        retain_fast(tier, None, req.opts.num_kept_local, release=req.tag)
+        retain_fast(tier, None, release=req.tag)
 
 
 def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:

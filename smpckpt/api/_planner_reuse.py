@@ -7,7 +7,7 @@ full local plans every time -- so a rank that builds a fresh planner (a backgrou
 kept one) mixes safely with ranks that reuse theirs. Measured: the local planning of a 2-rank save
 drops from 1.07x DCP's to about 0.43x (``benchmarks/RESULTS.md``).
 
-One planner is kept per kind of save ("partial", "full"). It is given the save's scope (layout, specs,
+A :class:`~smpckpt.Checkpointer` keeps one planner per kind of save ("partial", "full"). It is given the save's scope (layout, specs,
 name map, process group) before every save, so sync and async saves (which run on a gloo group of their
 own) share it, and between saves it holds no tensors and no reference to the user's name map or
 process group (:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
@@ -22,32 +22,30 @@ from collections.abc import Iterator
 from smpckpt.api._args import CommonRequest
 from smpckpt.planners import ParallelSavePlanner
 
-__all__ = ["kept_save_planner", "forget_save_planners"]
-
-_LOCK = threading.Lock()
-# kind -> planner; a planner in use is taken out, so no two saves share one
-_KEPT: dict[str, ParallelSavePlanner] = {}
+__all__ = ["PlannerCache"]
 
 
-@contextlib.contextmanager
-def kept_save_planner(kind: str, req: CommonRequest) -> Iterator[ParallelSavePlanner]:
-    """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free); kept
-    again, without this save's tensors or scope, once the save returns or raises."""
-    with _LOCK:
-        planner = _KEPT.pop(kind, None)
-    if planner is None:
-        planner = ParallelSavePlanner(**req.planner_args(), cache_scope="local")
-    else:
-        planner.rescope(**req.planner_args())
-    try:
-        yield planner
-    finally:
-        planner.release_state(scope=True)
-        with _LOCK:
-            _KEPT[kind] = planner
+class PlannerCache:
+    """The save planners one Checkpointer keeps, one per kind of save; a planner in use is taken out, so
+    no two saves share one."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the caller's saves and the background save's
+        self._kept: dict[str, ParallelSavePlanner] = {}
 
-def forget_save_planners() -> None:
-    """Drop every kept planner (tests; a process that will not save again)."""
-    with _LOCK:
-        _KEPT.clear()
+    @contextlib.contextmanager
+    def kept(self, kind: str, req: CommonRequest) -> Iterator[ParallelSavePlanner]:
+        """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free); kept
+        again, without this save's tensors or scope, once the save returns or raises."""
+        with self._lock:
+            planner = self._kept.pop(kind, None)
+        if planner is None:
+            planner = ParallelSavePlanner(**req.planner_args(), cache_scope="local")
+        else:
+            planner.rescope(**req.planner_args())
+        try:
+            yield planner
+        finally:
+            planner.release_state(scope=True)
+            with self._lock:
+                self._kept[kind] = planner

@@ -1,9 +1,9 @@
-"""The steps of :func:`smpckpt.save_checkpoint`: resolve -> build state -> write (commit) -> publish
-``newest`` -> retention. Each step is one function over a resolved :class:`SaveRequest`.
+"""The steps of :meth:`smpckpt.Checkpointer.save`: build state -> write (commit) -> publish ``newest`` ->
+retention. Each step is one function over a :class:`SaveRequest` (validated, and compared across ranks,
+by the Checkpointer before).
 
 Which rank does what ("all" = every rank of the group)::
 
-    resolve_save      (all)    the tag validated (the arguments were compared across ranks before)
     build_save_state  (all)    model/optimizer state, RNG; rank 0 adds user_content and the API record
     write_checkpoint  (all)    dcp.save with ParallelSavePlanner + FsspecStorageWriter; rank 0 commits
     publish_newest    (rank 0) ``newest`` := tag, only after the commit; the outcome reaches every rank
@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt._version import VERSION
 from smpckpt.api._args import CommonRequest, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api._dist import DistContext
-from smpckpt.api._planner_reuse import kept_save_planner
-from smpckpt.api.options import SaveOptions
+from smpckpt.api._planner_reuse import PlannerCache
+from smpckpt.api.options import Retention, SaveOptions
 from smpckpt.api.rng import get_rng_state
 from smpckpt.api.user_content import describe_user_content, encode_user_content
 from smpckpt.catalog.retention import apply_retention
-from smpckpt.catalog.sequence import SEQUENCE_KEY, next_sequence
-from smpckpt.catalog.tags import open_root, partial_url, validate_tag, write_newest
+from smpckpt.catalog.sequence import SEQUENCE_KEY, SequenceCounter
+from smpckpt.catalog.tags import open_root, write_newest
 from smpckpt.errors import CheckpointError
 from smpckpt.model.keys import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
@@ -41,7 +41,6 @@ from smpckpt.storage.write._base import FsspecWriterBase
 
 __all__ = [
     "SaveRequest",
-    "resolve_save",
     "manifest_extra",
     "build_save_state",
     "write_checkpoint",
@@ -61,22 +60,15 @@ class SaveRequest(CommonRequest):
     url: str
     user_content: Any
     opts: SaveOptions
+    retention: Retention
+    planners: PlannerCache = dataclasses.field(compare=False)  #: the Checkpointer's kept planners
 
 
-def resolve_save(common: CommonRequest, tag: Any, opts: SaveOptions, user_content: Any) -> SaveRequest:
-    """(all ranks, after the arguments were compared across ranks) The partial save's request."""
-    validate_tag(tag)
-    return SaveRequest(
-        **common.fields(), tag=tag, url=partial_url(common.root, tag), user_content=user_content, opts=opts
-    )
-
-
-def manifest_extra(common: CommonRequest, api: str, tag: str, user_content: Any, **fields: Any) -> dict[str, Any]:
+def manifest_extra(api: str, tag: str, seq: int, user_content: Any, **fields: Any) -> dict[str, Any]:
     """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
-    number under the root (:mod:`smpckpt.catalog.sequence`: what orders checkpoints), the save time (for
-    people; it orders nothing but checkpoints without sequence numbers), ``fields``, what user_content
-    holds, and the versions that wrote it."""
-    seq = next_sequence(common.root, common.storage_options)
+    number under the root (``seq``, the job's :class:`~smpckpt.catalog.sequence.SequenceCounter` drew it:
+    what orders checkpoints), the save time (for people; it orders nothing but checkpoints without
+    sequence numbers), ``fields``, what user_content holds, and the versions that wrote it."""
     now = time.time_ns()
     return {
         "api": api,
@@ -91,7 +83,9 @@ def manifest_extra(common: CommonRequest, api: str, tag: str, user_content: Any,
     }
 
 
-def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any], dict[str, Any]]:
+def build_save_state(
+    req: SaveRequest, ctx: DistContext, counter: SequenceCounter
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(all ranks, through ``ctx.all_ok``) This rank's state dict and, on rank 0, the manifest's ``extra``."""
     state = train_state(req.model, req.optimizers)
     if req.opts.save_rng:
@@ -102,9 +96,9 @@ def build_save_state(req: SaveRequest, ctx: DistContext) -> tuple[dict[str, Any]
     state[RESERVED.user_content] = ObjectBytes(payload)
     parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
     extra = manifest_extra(
-        req,
         API_RECORD,
         req.tag,
+        counter.next(),
         req.user_content,
         name_map=req.name_map is not None,
         parts=parts,
@@ -123,7 +117,7 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         format="torch_save" if req.opts.format == "torch_save" else "raw",  # SaveOptions allows no other
         sync_files=req.opts.sync_files,
     )
-    run_save("partial", req, writer, state, req.opts, f"saving checkpoint {req.url}")
+    run_save("partial", req, writer, state, f"saving checkpoint {req.url}", req.planners, req.opts.verify_replicas)
 
 
 def run_save(
@@ -131,17 +125,20 @@ def run_save(
     common: CommonRequest,
     writer: FsspecWriterBase,
     state: dict[str, Any],
-    opts: SaveOptions,
     action: str,
+    planners: PlannerCache,
+    verify_replicas: bool,
+    dedup_tied: bool | None = None,
 ) -> None:
     """(all ranks) ``dcp.save`` with the kept planner of ``kind``. On failure every rank is past its
     writes: the failed save's files are removed (a retry under the tag must not find them beside its
-    own; a full artifact of unwritten zeros must not stay), then our error is raised."""
+    own; a full artifact of unwritten zeros must not stay), then our error is raised. ``dedup_tied``
+    (full artifacts, as ``save_pretrained``): whether a head tied to its embedding is left out."""
     try:
-        with kept_save_planner(kind, common) as planner, quiet_no_dist():
-            planner.verify_replicas = opts.verify_replicas
-            if kind == "full":  # as save_pretrained: a head tied to its embedding is left out unless untied
-                planner.dedup_tied = opts.artifact().leaves_tied_out  # consolidate_checkpoint's rule too
+        with planners.kept(kind, common) as planner, quiet_no_dist():
+            planner.verify_replicas = verify_replicas
+            if dedup_tied is not None:
+                planner.dedup_tied = dedup_tied
             dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         try:
@@ -168,7 +165,7 @@ def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
 
 def retain(req: SaveRequest, ctx: DistContext) -> None:
     """(rank 0) Retention and stale-debris removal; never fails the committed save."""
-    keep, stale_after = req.opts.num_kept_partial_checkpoints, req.opts.remove_uncommitted_older_than
+    keep, stale_after = req.retention.num_kept_partial_checkpoints, req.retention.remove_uncommitted_older_than
     if not ctx.is_coordinator or (keep is None and stale_after is None):
         return
     try:

@@ -95,7 +95,8 @@ def is_valid_tag(tag: Any) -> bool:
 
 
 def partial_dirname(tag: str) -> str:
-    return f"{validate_tag(tag)}{PARTIAL_SUFFIX}"
+    """``{tag}_partial``; ``tag`` was validated at the caller's edge (:func:`validate_tag`)."""
+    return f"{tag}{PARTIAL_SUFFIX}"
 
 
 def tag_of_partial_dirname(name: str) -> str | None:
@@ -147,8 +148,8 @@ def read_newest(fs: Any, root_path: str) -> str | None:
 
 def write_newest(fs: Any, root_path: str, tag: str, *, sync: bool = True) -> None:
     """(rank 0, after the checkpoint committed) Point ``newest`` at ``tag``: tmp + rename on POSIX,
-    one PUT on object stores, so readers see the old or the new content, never a torn one."""
-    validate_tag(tag)
+    one PUT on object stores, so readers see the old or the new content, never a torn one. ``tag`` was
+    validated at the caller's edge."""
     write_bytes_atomic(fs, join_url(root_path, NEWEST_NAME), f"{tag}\n".encode(), sync=sync)
 
 

@@ -1,3 +1,4 @@
+from types import MappingProxyType
 """Hugging Face interop: translation between HF state dicts and our tensor-parallel layouts.
 
 One module per model family -- :mod:`~smpckpt.hf.gpt2`, :mod:`~smpckpt.hf.bert`,
@@ -30,12 +31,12 @@ __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistr
 __all__ += ["check_translation", "check_config"]
 
 #: HF ``config.model_type`` -> translation.
-TRANSLATIONS: dict[str, Translation] = {
+TRANSLATIONS: Mapping[str, Translation] = MappingProxyType({
     mod.TRANSLATION.name: mod.TRANSLATION for mod in (gpt2, bert, roberta, gptj, gptneo, llama, qwen2, mistral)
-}
+})
 
 #: module names that differ from the model_type (smp's import path is ``...huggingface.gptneo``)
-_MODULE_NAMES = {"gptneo": "gpt_neo"}
+_MODULE_NAMES = MappingProxyType({"gptneo": "gpt_neo"})
 
 
 def translation_for(name: str) -> Translation:

@@ -6,6 +6,8 @@ its optional-key globs from this one object.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import dataclasses
 
 from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD  # noqa: F401 - named here too (their old home)
@@ -45,4 +47,4 @@ RESERVED = ReservedKeys()
 #: where FQN-keyed optimizer state lives (``get_state_dict`` with ``flatten_optimizer_state_dict=True``)
 OPTIM_STATE_PREFIX = f"{RESERVED.optim}.state."
 #: a full artifact's files: flattened-key prefix -> file stem, as Hugging Face names them
-FULL_ARTIFACTS = {f"{RESERVED.model}.": "model", OPTIM_STATE_PREFIX: "optimizer"}
+FULL_ARTIFACTS = MappingProxyType({f"{RESERVED.model}.": "model", OPTIM_STATE_PREFIX: "optimizer"})

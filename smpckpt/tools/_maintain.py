@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import argparse
 import dataclasses
 from typing import TextIO
@@ -13,11 +15,11 @@ from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url
 
 __all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+DTYPES = MappingProxyType({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"})
 #: ``--translation`` choices: HF ``config.model_type`` of every family in :mod:`smpckpt.hf`
 TRANSLATIONS = tuple(sorted(_FAMILIES))
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_UNITS = MappingProxyType({"s": 1, "m": 60, "h": 3600, "d": 86400})
 
 
 def duration(text: str) -> float:

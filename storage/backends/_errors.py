@@ -9,6 +9,8 @@ errors pass untouched.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import contextlib
 import errno
 from collections.abc import Iterator
@@ -17,12 +19,12 @@ from smpckpt.errors import CheckpointError
 
 __all__ = ["translate_errors", "translate"]
 
-_ERRNO: dict[type[OSError], int] = {
+_ERRNO: Mapping[type[OSError], int] = MappingProxyType({
     FileNotFoundError: errno.ENOENT,
     PermissionError: errno.EACCES,
     FileExistsError: errno.EEXIST,
     TimeoutError: errno.ETIMEDOUT,
-}
+})
 
 
 def translate(exc: BaseException, path: str) -> BaseException:

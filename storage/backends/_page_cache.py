@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Sequence
 
 __all__ = ["pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "device_read_bytes"]
@@ -21,11 +20,6 @@ __all__ = ["pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "devic
 NOT_SUPPORTED = -1
 
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
-#: st_dev -> whether RWF_NOWAIT reads work there (learned from the first read on each filesystem)
-_nowait: dict[int, bool] = {}
-#: st_dev -> filesystem type from /proc/self/mountinfo ("" when not found)
-_fstypes: dict[int, str] = {}
-_lock = threading.Lock()
 #: filesystems whose files are memory: reading them never waits for a device
 _MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
@@ -34,8 +28,9 @@ def pread_cached(fd: int, views: Sequence[memoryview], offset: int, dev: int) ->
     """Read file bytes at ``offset`` into ``views`` (filled in order) as far as they are in the page
     cache, without waiting for the device: the bytes read (0 when the first page is not cached; fewer
     than asked when a later one is not, or the file ends), or :data:`NOT_SUPPORTED` where the
-    filesystem (``dev``: the file's ``st_dev``) cannot read so."""
-    if _RWF_NOWAIT is None or _nowait.get(dev) is False:
+    filesystem (``dev``: the file's ``st_dev``) cannot read so. Nothing is remembered here (the package
+    keeps no state between calls): a caller reading a file chunk by chunk asks once and keeps the answer."""
+    if _RWF_NOWAIT is None:
         return NOT_SUPPORTED
     try:
         got = os.preadv(fd, views, offset, _RWF_NOWAIT)
@@ -44,22 +39,14 @@ def pread_cached(fd: int, views: Sequence[memoryview], offset: int, dev: int) ->
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-        with _lock:
-            _nowait[dev] = False
         return NOT_SUPPORTED
-    if dev not in _nowait:
-        with _lock:
-            _nowait[dev] = True
     return got
 
 
 def in_memory(dev: int) -> bool:
     """Whether files on the filesystem of ``st_dev`` ``dev`` live in memory (tmpfs, ramfs), by
-    ``/proc/self/mountinfo``; ``False`` where that cannot be told."""
-    if dev not in _fstypes:
-        with _lock:
-            _fstypes[dev] = _fstype(dev)
-    return _fstypes[dev] in _MEMORY_FS
+    ``/proc/self/mountinfo`` (about 45 us: ask once per request); ``False`` where that cannot be told."""
+    return _fstype(dev) in _MEMORY_FS
 
 
 def _fstype(dev: int) -> str:

@@ -28,6 +28,8 @@ manifest's check units.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import contextlib
 import dataclasses
 import json
@@ -234,7 +236,7 @@ def _files(
 
 
 #: Hugging Face's torch.save file names (``pytorch_model.bin``); other artifacts keep their own stem
-_TORCH_STEMS = {"model": "pytorch_model"}
+_TORCH_STEMS = MappingProxyType({"model": "pytorch_model"})
 
 
 def _layout_file(

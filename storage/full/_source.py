@@ -18,6 +18,8 @@ ties nothing (:func:`hf_folder_ties`).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import dataclasses
 import json
 import logging
@@ -55,7 +57,7 @@ log = logging.getLogger(__name__)
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}  # the description names dtypes as torch does
+_DTYPES = MappingProxyType({str(d).removeprefix("torch."): d for d in DTYPE_NAMES})  # the description names dtypes as torch does
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,8 @@ so a crash between writing ``.metadata`` and the manifest still loads the old ge
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import concurrent.futures
 import dataclasses
 import os
@@ -52,13 +54,13 @@ if TYPE_CHECKING:
 __all__ = ["FsspecStorageWriter"]
 
 #: options only this writer takes, with their defaults (the deprecated ``mode="full"`` refuses others)
-_PARTIAL_ONLY: dict[str, Any] = {
+_PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType({
     "overwrite": False,
     "format": "raw",
     "block_size": DEFAULT_BLOCK_SIZE,
     "object_file_size": None,
     "prefix_strategy": "auto",
-}
+})
 
 
 class FsspecStorageWriter(FsspecWriterBase):

@@ -27,10 +27,9 @@ coordinator compares the ranks that sent the same piece. Samples are compared as
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import functools
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np

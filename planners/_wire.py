@@ -23,10 +23,9 @@ plans unchanged (a plain pickle, as before) rather than drop a field.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import dataclasses
 from collections.abc import Iterator
+from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
@@ -47,15 +46,17 @@ FIELDS_PER_ITEM = 9
 #: offsets, the same four for the storage index and offsets, lengths.
 FIELDS_PER_READ = 10
 
-_EXPECTED_FIELDS = MappingProxyType({
-    SavePlan: ("items", "storage_data", "planner_data", "usable"),
-    LoadPlan: ("items", "storage_data", "planner_data"),
-    ReadItem: ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"),
-    WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
-    MetadataIndex: ("fqn", "offset", "index"),
-    TensorWriteData: ("chunk", "properties", "size"),
-    ChunkStorageMetadata: ("offsets", "sizes"),
-})
+_EXPECTED_FIELDS = MappingProxyType(
+    {
+        SavePlan: ("items", "storage_data", "planner_data", "usable"),
+        LoadPlan: ("items", "storage_data", "planner_data"),
+        ReadItem: ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"),
+        WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
+        MetadataIndex: ("fqn", "offset", "index"),
+        TensorWriteData: ("chunk", "properties", "size"),
+        ChunkStorageMetadata: ("offsets", "sizes"),
+    }
+)
 # the flat form names every field of these classes; with any other field it would drop data
 _SUPPORTED = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _EXPECTED_FIELDS.items())
 

@@ -41,9 +41,7 @@ _LAZY_SUBMODULES = ("hf", "translation")
 
 
 #: process-wide functions of 0.1.0 whose job one Checkpointer's option or method now does
-_MOVED_TO_CHECKPOINTER = (
-    ("set_exit_status_on_failed_save", "AsyncOptions(exit_status=...)"),
-)
+_MOVED_TO_CHECKPOINTER = (("set_exit_status_on_failed_save", "AsyncOptions(exit_status=...)"),)
 
 
 def __getattr__(name: str) -> _Any:

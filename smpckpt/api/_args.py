@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any

@@ -44,7 +44,16 @@ import torch.distributed as dist
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
-__all__ = ["Lane", "LaneThread", "GlooGroups", "DrainStatus", "check_previous", "raise_failed", "wait_lanes", "wait_logged"]
+__all__ = [
+    "Lane",
+    "LaneThread",
+    "GlooGroups",
+    "DrainStatus",
+    "check_previous",
+    "raise_failed",
+    "wait_lanes",
+    "wait_logged",
+]
 __all__ += ["register_exit_wait", "live_lanes", "wait_for_saves", "drain_status", "free_staging_buffers"]
 
 log = logging.getLogger("smpckpt.api")
@@ -81,7 +90,7 @@ class Lane:
         self.failed: tuple[str, BaseException] | None = None
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: (lane := ref()) is not None and lane._forget())
+            os.register_at_fork(after_in_child=lambda: _forget_lane(ref))
 
     @property
     def used(self) -> bool:
@@ -147,6 +156,13 @@ class Lane:
         self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
         self._queue.clear()
         self._thread, self.fut, self.failed = None, None, None
+
+
+def _forget_lane(ref: weakref.ref[Lane]) -> None:
+    """(a forked child) :meth:`Lane._forget` of the lane ``ref`` names, if it still exists."""
+    lane = ref()
+    if lane is not None:
+        lane._forget()
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:

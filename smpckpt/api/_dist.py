@@ -10,12 +10,11 @@ the local call: rank 0 of a world of 1, no communication.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import dataclasses
 import hashlib
 import traceback
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -29,19 +28,21 @@ __all__ = ["DistContext", "RankError", "digest"]
 T = TypeVar("T")
 
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
-_BUILTINS: Mapping[str, type[Exception]] = MappingProxyType({
-    cls.__name__: cls
-    for cls in (
-        ValueError,
-        TypeError,
-        KeyError,
-        NotImplementedError,
-        FileNotFoundError,
-        PermissionError,
-        OSError,
-        RuntimeError,
-    )
-})
+_BUILTINS: Mapping[str, type[Exception]] = MappingProxyType(
+    {
+        cls.__name__: cls
+        for cls in (
+            ValueError,
+            TypeError,
+            KeyError,
+            NotImplementedError,
+            FileNotFoundError,
+            PermissionError,
+            OSError,
+            RuntimeError,
+        )
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)

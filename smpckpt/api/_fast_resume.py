@@ -50,7 +50,7 @@ from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
-    from smpckpt.api._fast_tier import FastTierPart
+    from smpckpt.api._drain import FastTierPart
 
 __all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered"]
 
@@ -89,9 +89,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     """(all ranks) The candidates, newest first (module docstring)."""
     streams = part.groups.streams(ctx)
     local = part.options.local_path
-    nodes, job, views = gather_views(
-        ctx, req.process_group, 1, local, req.root, req.storage_options, part.state.warned
-    )
+    nodes, job, views = gather_views(ctx, req.process_group, 1, local, req.root, req.storage_options, part.state.warned)
     found = candidates(views, req.tag)
     complete = [c for c in found if c.complete]
     if ctx.is_coordinator:

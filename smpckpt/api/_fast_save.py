@@ -46,7 +46,7 @@ from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, com
 from smpckpt.storage.tier.transfer import TransferOutcome
 
 if TYPE_CHECKING:
-    from smpckpt.api._fast_tier import FastTierPart
+    from smpckpt.api._drain import FastTierPart
 
 __all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast"]
 

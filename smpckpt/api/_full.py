@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from smpckpt.api._args import OPTIONS, CommonRequest, train_state
 from smpckpt.api._dist import DistContext
-from smpckpt.api._resume import load_checkpoint
 from smpckpt.api._planner_reuse import PlannerCache
+from smpckpt.api._resume import load_checkpoint
 from smpckpt.api._save import manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.api.user_content import decode_user_content, encode_user_content

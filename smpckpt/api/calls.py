@@ -180,7 +180,10 @@ def resume_from_checkpoint(
             moved,
             {
                 Sharding: _set(layout=layout, specs=specs),
-                ResumeOptions: {**_set(translate_function=translate_function), **({} if strict is True else {"strict": strict})},
+                ResumeOptions: {
+                    **_set(translate_function=translate_function),
+                    **({} if strict is True else {"strict": strict}),
+                },
             },
         )
     except Exception as exc:
@@ -226,33 +229,10 @@ def _prepare(
     (``None``: a keyword that does not apply to this mode)."""
     save = fn == "save_checkpoint"
     check_flag("partial", partial)
-    allowed = _SAVE_OPTIONS if save else _RESUME_OPTIONS
-    objects: dict[type, Any] = {}
-    for obj in options if isinstance(options, (list, tuple)) else () if options is None else (options,):
-        if type(obj) not in allowed:
-            names = ", ".join(c.__name__ for c in allowed)
-            raise TypeError(f"options must be a {names} or a sequence of them; got {type(obj).__name__}")
-        if type(obj) in objects:
-            raise ValueError(f"options holds two {type(obj).__name__}: pass each option object once")
-        objects[type(obj)] = obj
     call = (SaveOptions if partial else ExportOptions) if save else ResumeOptions
-    for cls in (SaveOptions, ExportOptions, FastTier):
-        if cls in objects and cls is not call and (cls is not FastTier or not partial):
-            kind = "full" if cls is ExportOptions else "partial"
-            raise ValueError(f"{cls.__name__} applies only to {kind} checkpoints (partial={kind == 'partial'})")
-    unknown = sorted(set(moved) - (_SAVE_KEYWORDS if save else _RESUME_KEYWORDS))
-    if unknown:
-        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
-    for name, value in moved.items():
-        home = _MOVED[name][0 if partial else 1]
-        if not save:  # a resume's own options are all ResumeOptions'; no fast tier for a full artifact
-            home = ResumeOptions if home in (SaveOptions, ExportOptions) else None if home is FastTier and not partial else home
-        keywords.setdefault(home, {})[name] = value
-    wrong = list(keywords.pop(None, {}))
-    if wrong:
-        verb, kind = "applies" if len(wrong) == 1 else "apply", "full" if partial else "partial"
-        raise ValueError(f"{', '.join(wrong)} {verb} only to {kind} checkpoints (partial={not partial})")
-    homes = {n: c for c, fields in keywords.items() for n in fields if n in moved}
+    objects = _option_objects(options, _SAVE_OPTIONS if save else _RESUME_OPTIONS, call, partial)
+    _route_keywords(fn, save, partial, moved, keywords)
+    homes = {n: c.__name__ for c, fields in keywords.items() if c is not None for n in fields if n in moved}
     if Location in keywords:
         if isinstance(path, Location):
             raise ValueError("storage_options: pass them in the Location given as path, not as a keyword")
@@ -272,7 +252,7 @@ def _prepare(
     location = path if isinstance(path, Location) else Location(path)
     if homes:
         shown = "; ".join(
-            f"{n}= -> " + ("Location(path, storage_options=...) as path" if c is Location else f"{c.__name__}({n}=...)")
+            f"{n}= -> " + ("Location(path, storage_options=...) as path" if c == "Location" else f"{c}({n}=...)")
             for n, c in homes.items()
         )
         warnings.warn(
@@ -281,15 +261,59 @@ def _prepare(
             DeprecationWarning,
             stacklevel=3,
         )
-    config = (built[Sharding] or Sharding(), built[FastTier], built[Retention] or Retention())
-    config += (built[AsyncOptions] or AsyncOptions(),)
-    key = (location_key(location.path, location.storage_options), location.storage_options, *config)
+    sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
+    retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
+    where = (location_key(location.path, location.storage_options), location.storage_options)
+    key = (*where, sharding, fast_tier, retention, async_options)
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
     ckpt = kept.checkpointer if isinstance(kept, _Kept) and kept.key == key else None
     if ckpt is None:
         if isinstance(kept, _Kept) and kept.checkpointer is not None:
             kept.checkpointer.wait()  # one save in flight per model: the one it replaces first (its failure raised)
-        ckpt = Checkpointer(location, config[0], fast_tier=config[1], retention=config[2], async_options=config[3])
+        ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     return ckpt, built[call]
+
+
+def _option_objects(options: Any, allowed: tuple[type, ...], call: type, partial: bool) -> dict[type, Any]:
+    """``options=`` (one option object, a sequence of them, or ``None``) by class, each of ``allowed`` at
+    most once, none that applies only to the other kind of checkpoint."""
+    objects: dict[type, Any] = {}
+    for obj in options if isinstance(options, (list, tuple)) else () if options is None else (options,):
+        if type(obj) not in allowed:
+            names = ", ".join(c.__name__ for c in allowed)
+            raise TypeError(f"options must be a {names} or a sequence of them; got {type(obj).__name__}")
+        if type(obj) in objects:
+            raise ValueError(f"options holds two {type(obj).__name__}: pass each option object once")
+        objects[type(obj)] = obj
+    for cls in (SaveOptions, ExportOptions, FastTier):
+        if cls in objects and cls is not call and (cls is not FastTier or not partial):
+            kind = "full" if cls is ExportOptions else "partial"
+            raise ValueError(f"{cls.__name__} applies only to {kind} checkpoints (partial={kind == 'partial'})")
+    return objects
+
+
+def _route_keywords(
+    fn: str, save: bool, partial: bool, moved: Mapping[str, Any], keywords: dict[type | None, dict[str, Any]]
+) -> None:
+    """Each deprecated keyword in ``moved`` into ``keywords`` under the option class that now holds it;
+    a keyword the function never took, or one that does not apply to this kind of checkpoint, refused."""
+    unknown = sorted(set(moved) - (_SAVE_KEYWORDS if save else _RESUME_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+    for name, value in moved.items():
+        home = _MOVED[name][0 if partial else 1]
+        if not save:  # a resume's own options are all ResumeOptions'; no fast tier for a full artifact
+            home = (
+                ResumeOptions
+                if home in (SaveOptions, ExportOptions)
+                else None
+                if home is FastTier and not partial
+                else home
+            )
+        keywords.setdefault(home, {})[name] = value
+    wrong = list(keywords.pop(None, {}))
+    if wrong:
+        verb, kind = "applies" if len(wrong) == 1 else "apply", "full" if partial else "partial"
+        raise ValueError(f"{', '.join(wrong)} {verb} only to {kind} checkpoints (partial={not partial})")

@@ -20,7 +20,7 @@ committed with the tensors; loaded once, weights-only unless ``allow_pickle=True
 
 Every call first compares its tag and options (one digest) across ranks; the steps that follow live in
 :mod:`smpckpt.api._save`, :mod:`smpckpt.api._resume`, :mod:`smpckpt.api._full` and the fast tier's
-:mod:`smpckpt.api._fast_tier` (each says which rank does what). Works the same without a process group.
+:mod:`smpckpt.api._drain` (each says which rank does what). Works the same without a process group.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from smpckpt.api._async import (
     wait_lanes,
 )
 from smpckpt.api._dist import DistContext
-from smpckpt.api._fast_tier import FastTierPart
+from smpckpt.api._drain import FastTierPart
 from smpckpt.api._full import full_url, resume_full, save_full
 from smpckpt.api._planner_reuse import PlannerCache
 from smpckpt.api._resume import (
@@ -129,7 +129,9 @@ class Checkpointer:
         if layout is None:
             layout = ParallelLayout(dp=ctx.world_size)
         else:
-            layout.check_world_size(ctx.world_size, "the process group" if ctx.active else "the world (no process group)")
+            layout.check_world_size(
+                ctx.world_size, "the process group" if ctx.active else "the world (no process group)"
+            )
         self.layout = layout  #: the layout saved and loaded under
         #: what every rank must configure alike (compared at every call, with the call's own options)
         self._compared = {
@@ -158,7 +160,13 @@ class Checkpointer:
 
     # -- the calls ---------------------------------------------------------------------------------
     def save(
-        self, tag: str, model: Any = None, optimizer: Any = None, user_content: Any = None, *, options: SaveOptions | None = None
+        self,
+        tag: str,
+        model: Any = None,
+        optimizer: Any = None,
+        user_content: Any = None,
+        *,
+        options: SaveOptions | None = None,
     ) -> concurrent.futures.Future[None] | None:
         """Save a partial checkpoint ``{path}/{tag}_partial`` of ``model`` (its state under ``model.<fqn>``),
         ``optimizer`` (one or a sequence: FQN-keyed state under ``optim.*``, inheriting its parameter's
@@ -438,8 +446,9 @@ class Checkpointer:
             with peer_failures(ctx, action):
                 ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, True))
         with peer_failures(ctx, action), _frozen(opts.freeze_gc):
-            if common.model is None:
-                return ctx.on_coordinator(lambda: self._consolidate(tag, out, opts))
+            if common.model is None and out is not None:  # no model and no out was refused above
+                dest = out
+                return ctx.on_coordinator(lambda: self._consolidate(tag, dest, opts))
             url = out if out is not None else full_url(path, tag)
             return save_full(ctx, common, tag, url, opts, user_content, self._counter, self._planners)
 

@@ -278,7 +278,11 @@ class SaveOptions(_Options):
         if self.async_save is not None:
             check_flag("async_save", self.async_save)
         if self.format not in ("raw", "torch_save"):
-            hint = " ('safetensors' is a format of full checkpoints: ExportOptions)" if self.format == "safetensors" else ""
+            hint = (
+                " ('safetensors' is a format of full checkpoints: ExportOptions)"
+                if self.format == "safetensors"
+                else ""
+            )
             raise ValueError(f"format must be 'raw' or 'torch_save', got {self.format!r}{hint}")
 
 

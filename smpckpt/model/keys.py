@@ -6,9 +6,8 @@ its optional-key globs from this one object.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import dataclasses
+from types import MappingProxyType
 
 from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD  # noqa: F401 - named here too (their old home)
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import argparse
 import dataclasses
+from types import MappingProxyType
 from typing import TextIO
 
 from smpckpt.catalog.listing import newest_tag
@@ -15,7 +14,9 @@ from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url
 
 __all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
 
-DTYPES = MappingProxyType({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"})
+DTYPES = MappingProxyType(
+    {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+)
 #: ``--translation`` choices: HF ``config.model_type`` of every family in :mod:`smpckpt.hf`
 TRANSLATIONS = tuple(sorted(_FAMILIES))
 

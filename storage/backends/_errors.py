@@ -9,22 +9,23 @@ errors pass untouched.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import contextlib
 import errno
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 from smpckpt.errors import CheckpointError
 
 __all__ = ["translate_errors", "translate"]
 
-_ERRNO: Mapping[type[OSError], int] = MappingProxyType({
-    FileNotFoundError: errno.ENOENT,
-    PermissionError: errno.EACCES,
-    FileExistsError: errno.EEXIST,
-    TimeoutError: errno.ETIMEDOUT,
-})
+_ERRNO: Mapping[type[OSError], int] = MappingProxyType(
+    {
+        FileNotFoundError: errno.ENOENT,
+        PermissionError: errno.EACCES,
+        FileExistsError: errno.EEXIST,
+        TimeoutError: errno.ETIMEDOUT,
+    }
+)
 
 
 def translate(exc: BaseException, path: str) -> BaseException:

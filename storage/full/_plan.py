@@ -28,8 +28,6 @@ manifest's check units.
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import contextlib
 import dataclasses
 import json
@@ -38,6 +36,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch

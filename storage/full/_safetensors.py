@@ -9,13 +9,12 @@ as the reference writer does, and lay tensors out back to back, as its reader re
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import dataclasses
 import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 

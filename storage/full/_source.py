@@ -18,13 +18,12 @@ ties nothing (:func:`hf_folder_ties`).
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import dataclasses
 import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -57,7 +56,9 @@ log = logging.getLogger(__name__)
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-_DTYPES = MappingProxyType({str(d).removeprefix("torch."): d for d in DTYPE_NAMES})  # the description names dtypes as torch does
+_DTYPES = MappingProxyType(
+    {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}
+)  # the description names dtypes as torch does
 
 
 @dataclasses.dataclass(frozen=True)

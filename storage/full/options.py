@@ -3,13 +3,12 @@ byte sizes those options accept (``"5GB"``, ``"512MiB"``)."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import dataclasses
 import json
 import re
 from collections.abc import Mapping
 from fractions import Fraction
+from types import MappingProxyType
 from typing import Any
 
 import torch

@@ -21,12 +21,12 @@ so a crash between writing ``.metadata`` and the manifest still loads the old ge
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import concurrent.futures
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -54,13 +54,15 @@ if TYPE_CHECKING:
 __all__ = ["FsspecStorageWriter"]
 
 #: options only this writer takes, with their defaults (the deprecated ``mode="full"`` refuses others)
-_PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType({
-    "overwrite": False,
-    "format": "raw",
-    "block_size": DEFAULT_BLOCK_SIZE,
-    "object_file_size": None,
-    "prefix_strategy": "auto",
-})
+_PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
+    {
+        "overwrite": False,
+        "format": "raw",
+        "block_size": DEFAULT_BLOCK_SIZE,
+        "object_file_size": None,
+        "prefix_strategy": "auto",
+    }
+)
 
 
 class FsspecStorageWriter(FsspecWriterBase):

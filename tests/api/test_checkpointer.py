@@ -85,7 +85,9 @@ def test_old_keywords_still_work_warning_where_they_live_now(tmp_path: Any) -> N
     m, opt = _trained(0)
     fast = tmp_path / "fast"
     with pytest.warns(DeprecationWarning) as seen:
-        save_checkpoint(str(tmp_path / "run"), "a", model=m, optimizer=opt, storage_options={}, local_path=fast, replicas=1)
+        save_checkpoint(
+            str(tmp_path / "run"), "a", model=m, optimizer=opt, storage_options={}, local_path=fast, replicas=1
+        )
     text = str(seen[0].message)
     assert "Location(path, storage_options=...) as path" in text and "FastTier(local_path=...)" in text
     assert "FastTier(replicas=...)" in text
@@ -186,8 +188,10 @@ def test_a_step_waits_for_staging_and_the_checkpoint_holds_the_values_of_the_sav
     stepped.start()
     stepped.join(0.5)
     assert stepped.is_alive()  # the step waits for the staging still unfinished
-    _assert_equal({k: v for k, v in _values(m, opt).items() if "running" not in k and "batches" not in k},
-                  {k: v for k, v in want.items() if "running" not in k and "batches" not in k})
+    _assert_equal(
+        {k: v for k, v in _values(m, opt).items() if "running" not in k and "batches" not in k},
+        {k: v for k, v in want.items() if "running" not in k and "batches" not in k},
+    )
     release.set()
     stepped.join(30)
     assert not stepped.is_alive()

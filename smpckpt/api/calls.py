@@ -36,6 +36,7 @@ from smpckpt.api.options import (
     SaveOptions,
     Sharding,
 )
+from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
@@ -263,7 +264,10 @@ def _prepare(
         )
     sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
     retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
-    where = (location_key(location.path, location.storage_options), location.storage_options)
+    try:  # the location's identity (an s3:// without a bucket has none): a storage error, the location named
+        where = (location_key(location.path, location.storage_options), location.storage_options)
+    except OSError as exc:
+        raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
     key = (*where, sharding, fast_tier, retention, async_options)
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
     ckpt = kept.checkpointer if isinstance(kept, _Kept) and kept.key == key else None

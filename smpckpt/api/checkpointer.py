@@ -300,7 +300,9 @@ class Checkpointer:
             common, opts = self._agreed(ctx, what, tag, options, SaveOptions, model, optimizer)
             validate_tag(tag)  # the same on every rank now: it fails all alike
             if self._tier is not None and opts.overwrite:
-                raise ValueError("overwrite does not apply with a fast tier (a tiered save never replaces a tag)")
+                raise ValueError(
+                    "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"
+                )
         asynchronous = self.async_options.enabled if opts.async_save is None else opts.async_save
         if asynchronous or self._tier is not None:
             self._register_exit_wait()

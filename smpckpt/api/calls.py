@@ -15,6 +15,7 @@ The keywords these functions took before the option objects still work for one r
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import types
 import warnings
@@ -316,8 +317,18 @@ def _route_keywords(
                 if home is FastTier and not partial
                 else home
             )
+        if home is None and value == _default(_MOVED[name][1 if partial else 0], name):
+            continue  # the other mode's keyword at its default: nothing asked of this mode (as smp accepts it)
         keywords.setdefault(home, {})[name] = value
     wrong = list(keywords.pop(None, {}))
     if wrong:
         verb, kind = "applies" if len(wrong) == 1 else "apply", "full" if partial else "partial"
         raise ValueError(f"{', '.join(wrong)} {verb} only to {kind} checkpoints (partial={not partial})")
+
+
+def _default(cls: type | None, name: str) -> Any:
+    """The default of option ``name`` in ``cls`` (``None`` where it has none, as the old keywords had)."""
+    for f in dataclasses.fields(cls) if cls is not None and dataclasses.is_dataclass(cls) else ():
+        if f.name == name:
+            return None if f.default is dataclasses.MISSING else f.default
+    return None

@@ -10,8 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._state import CheckpointState, Probe, probe

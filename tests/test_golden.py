@@ -81,7 +81,7 @@ def test_golden_checkpoint_lists_and_verifies(tmp_path: Path) -> None:
 def test_format_tags_are_pinned() -> None:
     """Strings written into checkpoints never change with the code around them (a module move once
     renamed the full API's tag): old checkpoints are read, and old readers read new ones, by these."""
-    from smpckpt.model.keys import API_RECORD, API_RECORD_V1, FULL_API_RECORD
+    from smpckpt.model.naming import API_RECORD, API_RECORD_V1, FULL_API_RECORD
     from smpckpt.model.record import METADATA_KEY, RECORD_VERSION
     from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR
 

@@ -36,17 +36,15 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from smpckpt.api._args import peer_failures
 from smpckpt.api._async import GlooGroups, Lane
-from smpckpt.api._dist import DistContext
+from smpckpt.api._dist import DistContext, peer_failures
 from smpckpt.api._fast_resume import Loaded, choose_tier, load_tiered
 from smpckpt.api._fast_save import TierPlan, plan_tier_save, retain_fast, save_fast
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import TierState
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.sequence import SequenceCounter
-from smpckpt.catalog.tags import partial_url
+from smpckpt.catalog.tags import SequenceCounter, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none

@@ -35,7 +35,6 @@ import weakref
 from typing import Any
 
 from smpckpt._gc import gc_frozen
-from smpckpt.api._args import CommonRequest, check_state, peer_failures
 from smpckpt.api._async import (
     DrainStatus,
     GlooGroups,
@@ -45,10 +44,9 @@ from smpckpt.api._async import (
     register_exit_wait,
     wait_lanes,
 )
-from smpckpt.api._dist import DistContext
+from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_failures
 from smpckpt.api._drain import FastTierPart
 from smpckpt.api._full import full_url, resume_full, save_full
-from smpckpt.api._planner_reuse import PlannerCache
 from smpckpt.api._resume import (
     ResumeInfo,
     ResumeRequest,
@@ -60,7 +58,7 @@ from smpckpt.api._resume import (
     restores_rng,
     summarize,
 )
-from smpckpt.api._save import SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
+from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
 from smpckpt.api._staging import Stager, StagingGate, owned_storages
 from smpckpt.api.options import (
     AsyncOptions,
@@ -72,8 +70,7 @@ from smpckpt.api.options import (
     SaveOptions,
     Sharding,
 )
-from smpckpt.catalog.sequence import SequenceCounter
-from smpckpt.catalog.tags import partial_url, validate_tag
+from smpckpt.catalog.tags import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
 

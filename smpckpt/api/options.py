@@ -22,11 +22,10 @@ from typing import Any, Literal
 import torch
 
 from smpckpt._checks import check_flag, check_int, check_process_group
-from smpckpt.api._args import spec_rules
+from smpckpt.api._dist import spec_rules
 from smpckpt.catalog.retention import validate_keep
-from smpckpt.model.keys import FULL_ARTIFACTS
 from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.naming import NameMap
+from smpckpt.model.naming import FULL_ARTIFACTS, NameMap
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FullOptions

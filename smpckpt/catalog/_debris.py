@@ -31,8 +31,7 @@ from typing import Any
 from smpckpt.catalog.listing import CheckpointRecord
 from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._fs import is_local, join, translate_errors
 from smpckpt.storage.backends._paths import remove_files
 from smpckpt.storage.format._names import (
     MANIFEST_NAME,

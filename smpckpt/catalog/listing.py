@@ -18,8 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from smpckpt.catalog.sequence import sequence_of
-from smpckpt.catalog.tags import join_url, list_partial_tags, open_root, read_newest
+from smpckpt.catalog.tags import join_url, list_partial_tags, open_root, read_newest, sequence_of
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest, probe_checkpoint, removal_marked
 from smpckpt.storage.backends._fs import is_local
@@ -63,7 +62,7 @@ class CheckpointRecord:
 
 
 def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, int, str]:
-    """Sort key of a committed checkpoint, oldest first: its sequence number (``smpckpt.catalog.sequence``;
+    """Sort key of a committed checkpoint, oldest first: its sequence number (``smpckpt.catalog.tags``;
     0 for checkpoints written before sequence numbers), then -- only among equal numbers, so only among
     those older checkpoints or two jobs racing in one root -- the save time (our nanosecond stamp, else the
     manifest's ``created``), then the save id."""

@@ -128,7 +128,7 @@ def apply_retention(
     so an age well above the longest save (hours, not minutes) never touches one.
 
     ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
-    committed checkpoint is numbered after it (``smpckpt.catalog.sequence``: another job saves into this
+    committed checkpoint is numbered after it (``smpckpt.catalog.tags``: another job saves into this
     root at the same time), which are the oldest is not settled: no committed checkpoint is removed,
     with a warning, rather than the wrong ones.
 

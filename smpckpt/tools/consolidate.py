@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import (
 from tqdm.auto import tqdm
 
 from smpckpt.errors import CheckpointError
-from smpckpt.model.keys import FULL_ARTIFACTS, OPTIM_STATE_PREFIX, RESERVED
+from smpckpt.model.naming import FULL_ARTIFACTS, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.record import METADATA_KEY
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions

@@ -35,8 +35,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from smpckpt.storage.backends import _nofollow as nf
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import _protocol, is_local, is_s3, join
+from smpckpt.storage.backends._fs import _protocol, is_local, is_s3, join, translate_errors
 from smpckpt.storage.backends._sinks import FsspecSink, LocalSink, Sink
 
 __all__ = ["Folder", "precondition", "drop_temp", "temp_name", "is_temp_name"]

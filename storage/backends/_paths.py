@@ -11,9 +11,8 @@ import stat
 from typing import Any
 
 from smpckpt.storage.backends import _nofollow as nf
-from smpckpt.storage.backends._errors import translate_errors
 from smpckpt.storage.backends._folder import Folder, drop_temp, temp_name
-from smpckpt.storage.backends._fs import _protocol, is_local, join
+from smpckpt.storage.backends._fs import _protocol, is_local, join, translate_errors
 
 __all__ = ["write_bytes_atomic", "create_bytes_exclusive", "remove_files", "remove_tree"]
 

@@ -18,8 +18,7 @@ from torch.futures import Future
 from smpckpt._checks import check_flag
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._fs import join, read_bytes_or_none
-from smpckpt.storage.backends._location import FsspecLocation
+from smpckpt.storage.backends._fs import FsspecLocation, join, read_bytes_or_none
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._state import Probe, probe

@@ -11,8 +11,7 @@ import dataclasses
 from typing import Any, Literal
 
 from smpckpt.errors import UnsafeCheckpoint
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import confine, join, read_bytes_or_none
+from smpckpt.storage.backends._fs import confine, join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import Manifest

@@ -439,7 +439,7 @@ def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
     """After a tag-less resume (which listed the root) the next saves count on without listing it again;
     a damaged number (beyond any plausible count) in a manifest is not followed."""
     import smpckpt.catalog.listing as listing
-    from smpckpt.catalog.sequence import SequenceCounter
+    from smpckpt.catalog.tags import SequenceCounter
 
     root = str(tmp_path)
     m, o = _model(0)

@@ -31,8 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import smpckpt.errors as _errors
 from smpckpt._checks import check_process_group
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.naming import RESERVED, NameMap
+from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state"]

@@ -26,12 +26,10 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api.options import ResumeOptions
 from smpckpt.api.user_content import decode_user_content, get_rng_state, set_rng_state
-from smpckpt.catalog.listing import record_order, scan_root
+from smpckpt.catalog.retention import record_order, scan_root
 from smpckpt.catalog.tags import SequenceCounter, join_url, open_root, partial_url, read_newest
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.naming import API_RECORD_V1, RESERVED
-from smpckpt.model.record import LayoutRecord
+from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 

@@ -46,7 +46,7 @@ from smpckpt.api.user_content import describe_user_content, encode_user_content,
 from smpckpt.catalog.retention import apply_retention
 from smpckpt.catalog.tags import SEQUENCE_KEY, SequenceCounter, open_root, write_newest
 from smpckpt.errors import CheckpointError
-from smpckpt.model.naming import API_RECORD, RESERVED
+from smpckpt.model.layout import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageWriter
 from smpckpt.storage.write._base import FsspecWriterBase

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
 from smpckpt.api._tier_copies import TIER_KEY, LocalCopy, part_sizes, scan_job, seq_of
-from smpckpt.catalog.listing import scan_root
+from smpckpt.catalog.retention import scan_root
 from smpckpt.storage.backends._fs import is_local, location_key, open_fs
 from smpckpt.storage.backends._paths import create_bytes_exclusive
 

@@ -15,7 +15,7 @@ Checkpoints under a root are ordered by a sequence number in their manifests, ne
 Every save through the API records ``extra["sequence"]``: one higher than the highest committed under
 its root. Retention, a resume without a tag (and its fallback when ``newest`` is missing, stale or
 unusable), ``smpckpt ls`` and the fast tier order checkpoints by it, then by save time, then by save id
-(:func:`smpckpt.catalog.listing.record_order`). ``newest`` stays a hint for stock tools and a cheap
+(:func:`smpckpt.catalog.retention.record_order`). ``newest`` stays a hint for stock tools and a cheap
 first guess; wall clocks only break ties among checkpoints written before sequence numbers existed
 (smpckpt <= 0.2 manifests, stock DCP folders: sequence 0, so every sequenced checkpoint is newer).
 
@@ -247,7 +247,7 @@ class SequenceCounter:
         (default: the highest committed number a listing of the root finds) is read first, outside the lock."""
         if not self._listed:
             if scan is None:
-                from smpckpt.catalog.listing import highest_sequence
+                from smpckpt.catalog.retention import highest_sequence
 
                 seen = highest_sequence(self.root, self.storage_options)
             else:

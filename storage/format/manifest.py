@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.model.record import MANIFEST_KEY, LayoutRecord
+from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage.format._names import FORMAT_VERSION, check_member_name

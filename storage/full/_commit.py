@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.model.record import METADATA_KEY, LayoutRecord
+from smpckpt.model.layout import METADATA_KEY, LayoutRecord
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage.format import _names

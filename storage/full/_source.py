@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
 from smpckpt.hf import check_translation
-from smpckpt.model.record import MERGED_KEY, TIED_KEY
+from smpckpt.model.layout import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name

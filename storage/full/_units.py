@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
-from smpckpt.storage.format._ranges import c_strides
+from smpckpt.storage.format._reading import c_strides
 from smpckpt.storage.format._regions import Box, box_runs, intersect
 from smpckpt.storage.format._tensor_bytes import cpu_bytes
 

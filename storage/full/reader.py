@@ -14,8 +14,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.storage.backends._fs import confine, is_local
-from smpckpt.storage.backends._page_cache import device_read_bytes
+from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format._state import Probe

@@ -17,8 +17,16 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._fs import is_local, is_s3, pread_into, translate_errors
-from smpckpt.storage.backends._page_cache import NOT_SUPPORTED, advise_random, in_memory, pread_cached
+from smpckpt.storage.backends._fs import (
+    NOT_SUPPORTED,
+    advise_random,
+    in_memory,
+    is_local,
+    is_s3,
+    pread_cached,
+    pread_into,
+    translate_errors,
+)
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item

@@ -36,8 +36,7 @@ from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._fs import is_local, join
-from smpckpt.storage.backends._page_cache import device_read_bytes
+from smpckpt.storage.backends._fs import device_read_bytes, is_local, join
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format.manifest import FileRecord

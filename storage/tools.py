@@ -13,9 +13,8 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format._state import CheckpointState, Probe, probe
 from smpckpt.storage.format.commit import remove_folder
-from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.format.manifest import CheckpointState, FileRecord, Manifest, Probe, probe
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
 

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from smpckpt.api._dist import DistContext
 from smpckpt.api._tier_copies import TIER_KEY, LocalCopy, part_sizes, scan_job, seq_of
 from smpckpt.catalog.retention import scan_root
+from smpckpt.storage.backends._folder import create_bytes_exclusive
 from smpckpt.storage.backends._fs import is_local, location_key, open_fs
-from smpckpt.storage.backends._paths import create_bytes_exclusive
 
 __all__ = ["TIER_KEY", "Nodes", "node_layout", "durable_key", "job_dirname", "job_folder", "JOB_PREFIX"]
 __all__ += ["gather_views", "part_sizes", "seq_of", "TierState"]

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
+from smpckpt.storage.backends._folder import remove_files
 from smpckpt.storage.backends._fs import is_local, join, translate_errors
-from smpckpt.storage.backends._paths import remove_files
 from smpckpt.storage.format._names import (
     MANIFEST_NAME,
     TRASH_PREFIX,

@@ -4,6 +4,13 @@
 Byte-range planning for reads: what each item needs, widened to checksum blocks, coalesced.
 
 Pure functions (no I/O), property-tested against a brute-force oracle.
+
+A CPU tensor's own bytes as a flat memoryview, without a copy (one job, for every reader and writer).
+
+Each torch call drops and retakes the GIL. With a writer or reader thread per file that is a queue per
+call: a save of 2,700 small tensors spent more time in ``detach``/``reshape``/``view`` than in its
+writes. So a tensor of a numpy dtype is turned into bytes with one torch call (``numpy()``) and numpy
+does the rest; other dtypes (bfloat16, float8) take the ``view(torch.uint8)`` route.
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import os
 import traceback
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
+import numpy as np
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -26,10 +35,27 @@ from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import FsspecLocation, join, read_bytes_or_none
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format._state import Probe, probe
-from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.format.manifest import Manifest, Probe, probe
 
-__all__ = ["ReaderBase", "ReadStats", "Need", "Fetch", "c_strides", "slice_byte_range", "coalesce"]
+__all__ = ["ReaderBase", "ReadStats", "Need", "Fetch", "c_strides", "slice_byte_range", "coalesce", "cpu_bytes"]
+
+
+def cpu_bytes(t: torch.Tensor) -> memoryview | None:
+    """The bytes of ``t`` in row-major order as a flat ``"B"`` memoryview over its own memory, when
+    ``t`` is a contiguous CPU tensor that needs no grad; ``None`` otherwise (another device, not
+    contiguous, requiring grad, a conjugate or negative view)."""
+    try:
+        arr = t.numpy()
+    except (TypeError, RuntimeError):  # no numpy dtype, or a tensor numpy cannot share
+        if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            return None
+        try:
+            return memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))
+        except (RuntimeError, TypeError, ValueError):
+            return None
+    if not arr.flags.c_contiguous:
+        return None
+    return memoryview(cast(Any, arr.reshape(-1).view(np.uint8)))
 
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
-from smpckpt.storage.format._state import Probe
+from smpckpt.storage.format.manifest import Probe
 from smpckpt.storage.full._commit import folder_names
 from smpckpt.storage.full._read import FullSource
 from smpckpt.storage.full._source import hf_folder_files

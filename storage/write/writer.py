@@ -40,9 +40,8 @@ from smpckpt.storage.backends._fs import is_local
 from smpckpt.storage.backends._prefixes import PrefixOption, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
-from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.commit import commit, settle_uncommitted_folder
-from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.format.manifest import FileRecord, probe
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._failed_save import folder_is_new
 from smpckpt.storage.write._rank_files import RankPlanData

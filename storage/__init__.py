@@ -7,8 +7,13 @@ if __name__ != "smpckpt.storage":
     )
 
 from smpckpt.storage.backends._folder import write_bytes_atomic  # noqa: E402
-from smpckpt.storage.backends._fs import open_fs  # noqa: E402
-from smpckpt.storage.backends._prefixes import BinaryPrefixes, FlatLayout, HexPrefixes, PrefixStrategy  # noqa: E402
+from smpckpt.storage.backends._fs import (  # noqa: E402
+    BinaryPrefixes,
+    FlatLayout,
+    HexPrefixes,
+    PrefixStrategy,
+    open_fs,  # noqa: E402
+)
 from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
 from smpckpt.storage.format._reading import ReadStats  # noqa: E402
 from smpckpt.storage.format.manifest import FileRecord, Manifest  # noqa: E402

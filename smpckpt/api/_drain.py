@@ -44,7 +44,7 @@ from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import TierState
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.tags import SequenceCounter, partial_url
+from smpckpt.catalog.retention import SequenceCounter, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none

@@ -38,7 +38,7 @@ from smpckpt.api._resume import (
 )
 from smpckpt.api._tier_copies import FastCandidate, candidates
 from smpckpt.api._tiers import Nodes, gather_views
-from smpckpt.catalog.tags import partial_dirname
+from smpckpt.catalog.retention import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest

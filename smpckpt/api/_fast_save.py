@@ -35,7 +35,7 @@ from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, run_save
 from smpckpt.api._tier_copies import FastCandidate, LocalCopy, candidates, pending_drains, retain_local, tier_seq
 from smpckpt.api._tiers import TIER_KEY, Nodes, TierState, durable_key, gather_views
-from smpckpt.catalog.tags import partial_dirname, partial_url
+from smpckpt.catalog.retention import partial_dirname, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import Manifest, probe_checkpoint
 from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none

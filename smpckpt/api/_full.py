@@ -28,7 +28,7 @@ from smpckpt.api._resume import load_checkpoint
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.api.user_content import decode_user_content, encode_user_content
-from smpckpt.catalog.tags import NEWEST_NAME, SequenceCounter, join_url
+from smpckpt.catalog.retention import NEWEST_NAME, SequenceCounter, join_url
 from smpckpt.model.layout import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter

@@ -26,8 +26,15 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api.options import ResumeOptions
 from smpckpt.api.user_content import decode_user_content, get_rng_state, set_rng_state
-from smpckpt.catalog.retention import record_order, scan_root
-from smpckpt.catalog.tags import SequenceCounter, join_url, open_root, partial_url, read_newest
+from smpckpt.catalog.retention import (
+    SequenceCounter,
+    join_url,
+    open_root,
+    partial_url,
+    read_newest,
+    record_order,
+    scan_root,
+)
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner

@@ -43,8 +43,7 @@ from smpckpt._version import VERSION
 from smpckpt.api._dist import CommonRequest, DistContext, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api.options import Retention, SaveOptions
 from smpckpt.api.user_content import describe_user_content, encode_user_content, get_rng_state
-from smpckpt.catalog.retention import apply_retention
-from smpckpt.catalog.tags import SEQUENCE_KEY, SequenceCounter, open_root, write_newest
+from smpckpt.catalog.retention import SEQUENCE_KEY, SequenceCounter, apply_retention, open_root, write_newest
 from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
@@ -80,7 +79,7 @@ class SaveRequest(CommonRequest):
 
 def manifest_extra(api: str, tag: str, seq: int, user_content: Any, **fields: Any) -> dict[str, Any]:
     """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
-    number under the root (``seq``, the job's :class:`~smpckpt.catalog.tags.SequenceCounter` drew it:
+    number under the root (``seq``, the job's :class:`~smpckpt.catalog.retention.SequenceCounter` drew it:
     what orders checkpoints), the save time (for people; it orders nothing but checkpoints without
     sequence numbers), ``fields``, what user_content holds, and the versions that wrote it."""
     now = time.time_ns()

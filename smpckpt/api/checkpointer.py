@@ -70,7 +70,7 @@ from smpckpt.api.options import (
     SaveOptions,
     Sharding,
 )
-from smpckpt.catalog.tags import SequenceCounter, partial_url, validate_tag
+from smpckpt.catalog.retention import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
 

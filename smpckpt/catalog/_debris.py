@@ -28,7 +28,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
+from smpckpt.catalog.retention import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._folder import remove_files
 from smpckpt.storage.backends._fs import is_local, join, translate_errors

@@ -36,8 +36,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import is_local
-from smpckpt.storage.backends._prefixes import PrefixOption, resolve
+from smpckpt.storage.backends._fs import PrefixOption, is_local, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format.commit import commit, settle_uncommitted_folder

@@ -25,8 +25,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog.retention import scan_root
-from smpckpt.catalog.tags import write_newest
+from smpckpt.catalog.retention import scan_root, write_newest
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.tools.cli import main
 
@@ -439,7 +438,7 @@ def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
     """After a tag-less resume (which listed the root) the next saves count on without listing it again;
     a damaged number (beyond any plausible count) in a manifest is not followed."""
     import smpckpt.catalog.retention as listing
-    from smpckpt.catalog.tags import SequenceCounter
+    from smpckpt.catalog.retention import SequenceCounter
 
     root = str(tmp_path)
     m, o = _model(0)

@@ -47,6 +47,7 @@ MOVED: Mapping[str, str] = MappingProxyType(
         "smpckpt.storage.format._ranges": "smpckpt.storage.format._reading",
         "smpckpt.storage.backends._paths": "smpckpt.storage.backends._folder",
         "smpckpt.storage.backends._prefixes": "smpckpt.storage.backends._fs",
+        "smpckpt.storage.full.reader": "smpckpt.storage.read.reader",
         "smpckpt.storage.format._state": "smpckpt.storage.format.manifest",
         "smpckpt.storage.format._tensor_bytes": "smpckpt.storage.format._reading",
         "smpckpt.translation": "smpckpt.model.translation",

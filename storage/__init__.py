@@ -18,9 +18,11 @@ from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa:
 from smpckpt.storage.format._reading import ReadStats  # noqa: E402
 from smpckpt.storage.format.manifest import FileRecord, Manifest  # noqa: E402
 from smpckpt.storage.full.options import FullOptions  # noqa: E402
-from smpckpt.storage.full.reader import FullArtifactReader  # noqa: E402
 from smpckpt.storage.full.writer import FullArtifactWriter  # noqa: E402
-from smpckpt.storage.read.reader import FsspecStorageReader  # noqa: E402
+from smpckpt.storage.read.reader import (
+    FsspecStorageReader,  # noqa: E402
+    FullArtifactReader,  # noqa: E402
+)
 from smpckpt.storage.tools import (  # noqa: E402
     VerifyReport,
     abort_stale_uploads,

@@ -44,13 +44,14 @@ import dataclasses
 import functools
 import json
 import operator
+import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-from smpckpt.errors import CheckpointCorrupt, UnsafeCheckpoint
+from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
-from smpckpt.storage.backends._fs import confine, join, read_bytes_or_none, translate_errors
+from smpckpt.storage.backends._fs import confine, join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
@@ -67,6 +68,8 @@ __all__ = [
     "CheckpointState",
     "Probe",
     "probe",
+    "probe_checkpoint",
+    "read_manifest",
 ]
 
 
@@ -449,3 +452,25 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     if entries:
         return Probe("uncommitted", detail=f"{len(entries)} file(s) but no {_names.MANIFEST_NAME} and no .metadata")
     return Probe("missing")
+
+
+def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Probe:
+    """State and (when committed) the parsed :class:`Manifest` of a checkpoint folder, in one call.
+
+    Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest and
+    :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` or manifest that must not be trusted.
+    """
+    fs, path = open_fs(url, storage_options)
+    return probe(fs, path)
+
+
+def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The committed :class:`Manifest` (``.extra`` holds what the writer was given).
+
+    Raises :class:`~smpckpt.errors.CheckpointNotFound` when the folder holds no committed checkpoint.
+    """
+    fs, path = open_fs(url, storage_options)
+    found = probe(fs, path, list_when_empty=False)
+    if found.manifest is None:
+        raise CheckpointNotFound(f"no committed smpckpt checkpoint at {os.fspath(url)} (state: {found.state})")
+    return found.manifest

@@ -1,4 +1,7 @@
-"""Retention: which partial checkpoints to keep (a pure policy) and applying it (rank 0 only).
+"""A root's catalog, one module (issue 44): tags, folder names and ``newest``; sequence numbers; the listing of
+the root; retention. Each part below as it was documented on its own.
+
+Retention: which partial checkpoints to keep (a pure policy) and applying it (rank 0 only).
 
 The policy works on :class:`CheckpointRecord` values and touches no filesystem, so it is unit-tested
 on its own. :func:`apply_retention` scans the root, asks the policy and deletes, tolerating failures.
@@ -313,9 +316,6 @@ class SequenceCounter:
             return self._highest
 
 
-log = logging.getLogger(__name__)
-
-
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be
 #: trusted (a pickle payload, names escaping the folder); ``unreadable``: probing failed (I/O error).
 #: ``removing``: an interrupted removal (retention, prune) left it: garbage, finished by the next retention.
@@ -420,9 +420,6 @@ def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
 def highest_sequence(root: str, storage_options: Any = None) -> int:
     """(rank 0) The highest sequence number committed under ``root`` (one listing; 0 when there is none)."""
     return max((r.order[0] for r in scan_root(root, storage_options=storage_options) if r.committed), default=0)
-
-
-log = logging.getLogger(__name__)
 
 
 def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:

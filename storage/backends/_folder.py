@@ -443,9 +443,6 @@ class Folder:
         return nf.remove_tree_at(self.dir_fd(rel) if rel else self._dirs[""], base, where=self.where(name))
 
 
-log = logging.getLogger(__name__)
-
-
 def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
     """Write a small file so a reader sees the old content or all of the new, never a torn file (``newest``,
     markers, the stock ``.metadata``). POSIX: a create-only temporary renamed into place relative to the

@@ -157,8 +157,6 @@ class FullArtifactReader(ReaderBase):
         return hf_folder_files(self.fs, self.path)
 
 
-log = logging.getLogger(__name__)
-
 # default request size caps (see max_request_bytes)
 LOCAL_REQUEST_BYTES = 32 << 20
 REMOTE_REQUEST_BYTES = 64 << 20

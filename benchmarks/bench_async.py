@@ -54,7 +54,6 @@ from _rss import peak, reset_peak
 from torch import nn
 
 import smpckpt
-from smpckpt.api import _async
 
 warnings.filterwarnings("ignore")
 logging.getLogger("smpckpt").setLevel(logging.WARNING)
@@ -106,32 +105,38 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
 
 
 # -- one save --------------------------------------------------------------------------------------
-def save_sync(root: str, tag: str, model: nn.Module, opt: Any, rss_model: int) -> dict[str, float]:
+def save_sync(ckpt: smpckpt.Checkpointer, tag: str, model: nn.Module, opt: Any, rss_model: int) -> dict[str, float]:
     rss0 = reset_peak()
     t0 = time.perf_counter()
-    smpckpt.save_checkpoint(root, tag, model=model, optimizer=opt)
+    ckpt.save(tag, model, opt)
     t1 = time.perf_counter()
     hwm = peak()
     return {"time_s": t1 - t0, "extra_rss": hwm - rss0, "over_model_rss": hwm - rss_model}
 
 
-def save_async(root: str, tag: str, model: nn.Module, opt: Any, rss_model: int) -> dict[str, float]:
+def save_async(ckpt: smpckpt.Checkpointer, tag: str, model: nn.Module, opt: Any, rss_model: int) -> dict[str, float]:
     rss0 = reset_peak()
     t0 = time.perf_counter()
-    fut = smpckpt.save_checkpoint(root, tag, model=model, optimizer=opt, async_save=True)
+    fut = ckpt.save(tag, model, opt, options=smpckpt.SaveOptions(async_save=True))
     t1 = time.perf_counter()
     hwm_blocking = peak()
+    if opt is not None:  # a step right after the save (no gradients: it changes nothing) waits for staging
+        opt.step()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    t_step = time.perf_counter()
     assert fut is not None
     fut.result()
     t2 = time.perf_counter()
     hwm = peak()
     return {
         "blocking_s": t1 - t0,
+        "step_stall_s": t_step - t1,
         "total_s": t2 - t0,
         "extra_rss_blocking": hwm_blocking - rss0,
         "extra_rss": hwm - rss0,
         "over_model_rss": hwm - rss_model,
-        "staging_bytes": _async.staging_bytes(),
+        "staging_bytes": ckpt.staging_bytes(),
     }
 
 
@@ -141,11 +146,12 @@ def remove_tag(root: str, tag: str) -> None:
 
 # -- one case (cpu or cuda) ------------------------------------------------------------------------
 def run_case(device: str, args: argparse.Namespace, base: str) -> dict[str, Any]:
-    _async.free_staging_buffers()  # the first async save of this case allocates its own buffers
     model = make_model(args.size_mb, args.hidden, device)
     opt = make_optimizer(model, args.optimizer)
     size = state_bytes(model, opt)
     root = tempfile.mkdtemp(prefix=f"bench-async-{device}-", dir=base)
+    # the first async save of this case allocates its own buffers (its Checkpointer's)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(overlap_staging=not args.no_overlap))
     print(
         f"\n[{device}] {size / MiB:.0f} MiB state ({len(model)} x Linear({args.hidden}, {args.hidden}), optimizer "
         f"{args.optimizer}); under {root}",
@@ -159,7 +165,7 @@ def run_case(device: str, args: argparse.Namespace, base: str) -> dict[str, Any]
         for kind in order:
             tag = f"r{r}-{kind}"
             fn = save_sync if kind == "sync" else save_async
-            rec[kind] = fn(root, tag, model, opt, rss_model)
+            rec[kind] = fn(ckpt, tag, model, opt, rss_model)
             remove_tag(root, tag)
         rec["ratio"] = rec["async"]["blocking_s"] / rec["sync"]["time_s"]
         s, a = rec["sync"], rec["async"]
@@ -170,9 +176,9 @@ def run_case(device: str, args: argparse.Namespace, base: str) -> dict[str, Any]
         )
         rounds.append(rec)
     shutil.rmtree(root, ignore_errors=True)
-    staged = _async.staging_bytes()
-    _async.free_staging_buffers()
-    del model, opt
+    staged = ckpt.staging_bytes()
+    ckpt.close()
+    del model, opt, ckpt
     return {"device": device, "state_bytes": size, "staging_bytes": staged, "rss_model": rss_model, "rounds": rounds}
 
 
@@ -186,6 +192,7 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
     ratios = [r["ratio"] for r in meas]
     sync = [r["sync"]["time_s"] for r in meas]
     block = [r["async"]["blocking_s"] for r in meas]
+    stall = [r["async"]["step_stall_s"] for r in meas]
     total = [r["async"]["total_s"] for r in meas]
     target = TARGETS["cuda" if case["device"].startswith("cuda") else "cpu"]
     ratio = _med(ratios)
@@ -197,6 +204,7 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
         "sync_GBps": size / _med(sync) / 1e9,
         "blocking_s": _med(block),
         "blocking_min_max_s": [min(block), max(block)],
+        "step_stall_s": _med(stall),
         "staging_GBps": size / _med(block) / 1e9,
         "total_s": _med(total),
         "total_over_sync": _med([t / s for t, s in zip(total, sync)]),
@@ -224,6 +232,7 @@ def print_table(s: dict[str, Any]) -> None:
         ),
         ("sync save, durable", f"{s['sync_s']:.2f} s ({s['sync_GBps']:.2f} GB/s)"),
         ("async blocking (steady)", f"{s['blocking_s']:.3f} s ({blo:.3f}..{bhi:.3f}; {s['staging_GBps']:.2f} GB/s)"),
+        ("optimizer step right after (stall)", f"{s['step_stall_s']:.3f} s (waits for staging still unfinished)"),
         ("async blocking (first save)", f"{s['first_blocking_s']:.3f} s ({s['first_ratio']:.1%} of its sync save)"),
         ("async total (to durable)", f"{s['total_s']:.2f} s ({s['total_over_sync']:.2f}x sync)"),
         ("blocking / sync", f"{s['ratio_median']:.1%} median ({lo:.1%}..{hi:.1%}); target <= {s['target_ratio']:.0%}"),
@@ -258,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="measured rounds (after one warm-up round)")
     ap.add_argument("--dir", default=os.path.join(HERE, "out"), help="parent of the temp dir (/dev/shm: tmpfs)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA case even when a GPU exists")
+    ap.add_argument(
+        "--no-overlap", action="store_true", help="AsyncOptions(overlap_staging=False): stage all before returning"
+    )
     ap.add_argument("--quick", action="store_true", help="256 MiB, 3 rounds (< 60 s)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/async_<timestamp>.json)")
     args = ap.parse_args(argv)
@@ -277,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": _cmd(["nproc"]),
         "free_g": _cmd(["free", "-g"]),
         "dir": args.dir,
+        "overlap_staging": not args.no_overlap,
         "df": _cmd(["df", "-h", args.dir]),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys
 #: elements sampled per tensor (evenly spaced, first and last included)
 SAMPLES = 16
 #: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
-_SPLIT_CODES = {frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2}
+_SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
 _SHOWN = 5
 
 

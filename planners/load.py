@@ -41,13 +41,10 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
-from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.naming import NameMap
-from smpckpt.model.record import LayoutRecord, checkpoint_original_shapes, checkpoint_ties
+from smpckpt.model.layout import LayoutRecord, NameMap, ParallelLayout, checkpoint_original_shapes, checkpoint_ties
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, compile_globs, tied_entries
-from smpckpt.planners._ties import TiedLoads
-from smpckpt.planners._wire import compact_load
+from smpckpt.planners._cache import compact_load
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, TiedLoads, compile_globs, tied_entries
 from smpckpt.storage.format._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
@@ -140,7 +137,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         """(all ranks, once per load) Resolve this rank's destinations against the layout and read the
-        checkpoint's :class:`~smpckpt.model.record.LayoutRecord`."""
+        checkpoint's :class:`~smpckpt.model.layout.LayoutRecord`."""
         if metadata is None:
             raise CheckpointCorrupt("the storage reader returned no checkpoint metadata")
         self.entries, _ = self._resolve(state_dict)

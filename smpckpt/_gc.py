@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 from collections.abc import Iterator
 
 __all__ = ["gc_frozen", "gc_paused"]
@@ -35,12 +34,6 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-_frozen_lock = threading.Lock()
-_frozen_depth = 0  # callers inside gc_frozen, all threads
-_froze = False  # whether the outermost one froze (and so the last to leave unfreezes)
-_full_at_freeze = 0  # full collections the process had run when we froze
-
-
 @contextlib.contextmanager
 def gc_frozen() -> Iterator[None]:
     """The objects that exist on entry sit out every cyclic collection until exit (``gc.freeze``).
@@ -59,34 +52,28 @@ def gc_frozen() -> Iterator[None]:
     one ran, exit runs that full collection itself, once (an unfrozen save would have run at least one
     by then), so the cost stays inside the save and nothing is left to the code that follows.
 
-    Not used when the collector is off or when the process froze objects itself
-    (``gc.get_freeze_count() > 0``): exit would unfreeze them too (a ``gc.freeze()`` another thread
-    makes inside is lifted with ours). Nested and concurrent callers share one freeze, lifted when the
-    last leaves. The API wraps synchronous saves and loads; async saves not at all, since their write
-    runs beside training, whose garbage must not wait for it (a load that overlaps one still freezes)."""
-    global _frozen_depth, _froze, _full_at_freeze
-    counted = settle = False
+    Only a caller that finds nothing frozen freezes, and only it unfreezes, at its exit: not used when
+    the collector is off or when objects are frozen already (``gc.get_freeze_count() > 0``) -- by the
+    process itself, whose freeze exit would otherwise lift, or by an enclosing ``gc_frozen``, which
+    keeps its freeze until it leaves. Of two threads inside at once, the one that froze lifts the freeze
+    when it leaves, and the other loses it early: a speed loss, nothing else (it keeps no state, so the
+    process holds none). The API wraps synchronous saves and loads; async saves not at all, since their
+    write runs beside training, whose garbage must not wait for it."""
+    froze = False
+    full_at_freeze = 0
     try:
-        if _frozen_depth == 0 and gc.isenabled():
-            gc.collect(1)  # outside the lock: finalizers it runs may enter here too
-        with _frozen_lock:
-            _frozen_depth += 1
-            counted = True
-            if _frozen_depth == 1 and gc.isenabled() and gc.get_freeze_count() == 0:
-                _full_at_freeze = _full_collections()
+        if gc.isenabled() and gc.get_freeze_count() == 0:
+            gc.collect(1)  # finalizers it runs may enter here too (and freeze: then this caller does not)
+            if gc.get_freeze_count() == 0:
+                full_at_freeze = _full_collections()
                 gc.freeze()
-                _froze = True
+                froze = True
         yield
     finally:
-        if counted:
-            with _frozen_lock:
-                _frozen_depth -= 1
-                if _frozen_depth == 0 and _froze:
-                    _froze = False
-                    gc.unfreeze()
-                    settle = _full_collections() > _full_at_freeze
-        if settle:
-            gc.collect()
+        if froze:
+            gc.unfreeze()
+            if _full_collections() > full_at_freeze:
+                gc.collect()
 
 
 def _full_collections() -> int:

@@ -6,16 +6,23 @@ if __name__ != "smpckpt.storage":
         "(install the project with `pip install -e .`)"
     )
 
-from smpckpt.storage.backends._fs import open_fs  # noqa: E402
-from smpckpt.storage.backends._paths import write_bytes_atomic  # noqa: E402
-from smpckpt.storage.backends._prefixes import BinaryPrefixes, FlatLayout, HexPrefixes, PrefixStrategy  # noqa: E402
+from smpckpt.storage.backends._folder import write_bytes_atomic  # noqa: E402
+from smpckpt.storage.backends._fs import (  # noqa: E402
+    BinaryPrefixes,
+    FlatLayout,
+    HexPrefixes,
+    PrefixStrategy,
+    open_fs,  # noqa: E402
+)
 from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
 from smpckpt.storage.format._reading import ReadStats  # noqa: E402
 from smpckpt.storage.format.manifest import FileRecord, Manifest  # noqa: E402
 from smpckpt.storage.full.options import FullOptions  # noqa: E402
-from smpckpt.storage.full.reader import FullArtifactReader  # noqa: E402
 from smpckpt.storage.full.writer import FullArtifactWriter  # noqa: E402
-from smpckpt.storage.read.reader import FsspecStorageReader  # noqa: E402
+from smpckpt.storage.read.reader import (
+    FsspecStorageReader,  # noqa: E402
+    FullArtifactReader,  # noqa: E402
+)
 from smpckpt.storage.tools import (  # noqa: E402
     VerifyReport,
     abort_stale_uploads,

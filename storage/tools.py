@@ -10,13 +10,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format._state import CheckpointState, Probe, probe
 from smpckpt.storage.format.commit import remove_folder
-from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.format.manifest import (  # the two openers by URL live with the probe they wrap
+    CheckpointState,
+    FileRecord,
+    Manifest,
+    probe,
+    probe_checkpoint,
+    read_manifest,
+)
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
 
@@ -39,28 +44,6 @@ def checkpoint_state(url: str | os.PathLike[str], storage_options: Mapping[str, 
     """``"committed"`` (manifest present), ``"uncommitted"`` (files but no manifest: a failed or
     running save), ``"legacy"`` (a stock DCP checkpoint: ``.metadata``, no manifest) or ``"missing"``."""
     return probe_checkpoint(url, storage_options).state
-
-
-def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Probe:
-    """State and (when committed) the parsed :class:`Manifest` of a checkpoint folder, in one call.
-
-    Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest and
-    :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` or manifest that must not be trusted.
-    """
-    fs, path = open_fs(url, storage_options)
-    return probe(fs, path)
-
-
-def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Manifest:
-    """The committed :class:`Manifest` (``.extra`` holds what the writer was given).
-
-    Raises :class:`~smpckpt.errors.CheckpointNotFound` when the folder holds no committed checkpoint.
-    """
-    fs, path = open_fs(url, storage_options)
-    found = probe(fs, path, list_when_empty=False)
-    if found.manifest is None:
-        raise CheckpointNotFound(f"no committed smpckpt checkpoint at {os.fspath(url)} (state: {found.state})")
-    return found.manifest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,13 +51,3 @@ def moto_endpoint() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_sequence_numbers() -> Iterator[None]:
-    """Each test starts as a new process would: no root's highest sequence number known yet (roots are
-    keyed by location, and an S3 bucket reset between tests reuses its URLs)."""
-    from smpckpt.catalog.sequence import forget_roots
-
-    forget_roots()
-    yield

@@ -111,10 +111,10 @@ class Injector:
         return hits
 
     def install(self) -> dict[str, list[str]]:
-        import smpckpt.catalog.tags as tags
+        import smpckpt.catalog.retention as tags
         import smpckpt.storage.backends._folder as folder_mod
+        import smpckpt.storage.backends._folder as fsmod
         import smpckpt.storage.backends._nofollow as nofollow
-        import smpckpt.storage.backends._paths as fsmod
         import smpckpt.storage.backends._sinks as sinks
         import smpckpt.storage.tools as tools
         from smpckpt.storage.write.writer import FsspecStorageWriter

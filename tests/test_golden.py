@@ -12,8 +12,8 @@ import torch
 from golden_model import GOLDEN_ROOT, GOLDEN_TAG, GOLDEN_USER_CONTENT, golden_model
 
 from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint
-from smpckpt.catalog.listing import scan_root
-from smpckpt.model.record import LayoutRecord
+from smpckpt.catalog.retention import scan_root
+from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import verify_checkpoint
 
 DATA = Path(__file__).with_name("data") / GOLDEN_ROOT
@@ -81,8 +81,7 @@ def test_golden_checkpoint_lists_and_verifies(tmp_path: Path) -> None:
 def test_format_tags_are_pinned() -> None:
     """Strings written into checkpoints never change with the code around them (a module move once
     renamed the full API's tag): old checkpoints are read, and old readers read new ones, by these."""
-    from smpckpt.model.keys import API_RECORD, API_RECORD_V1, FULL_API_RECORD
-    from smpckpt.model.record import METADATA_KEY, RECORD_VERSION
+    from smpckpt.model.layout import API_RECORD, API_RECORD_V1, FULL_API_RECORD, METADATA_KEY, RECORD_VERSION
     from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR
 
     assert (API_RECORD, API_RECORD_V1, FULL_API_RECORD) == (

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smpckpt import ParallelLayout, ShardSpec, SpecError
-from smpckpt.model.naming import KeyMapper
+from smpckpt.model.layout import KeyMapper
 from smpckpt.model.specs import SpecRules, shard_geometry
 from smpckpt.planners._ownership import assign_owners, replica_group
 

@@ -1,4 +1,4 @@
-"""Save and load plans across ranks as flat columns (planners/_wire.py), tier 1.
+"""Save and load plans across ranks as flat columns (planners/_cache.py), tier 1.
 
 A compact plan must unpickle as exactly the plan a plain pickle gives -- every field, the index hints
 (which ``WriteItem`` equality ignores) and the sharing of ``torch.Size``/``TensorProperties`` objects
@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.planner import (
 
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.planners import _wire as _plan_wire
-from smpckpt.planners._wire import FIELDS_PER_ITEM, FIELDS_PER_READ, CompactLoadPlan, CompactSavePlan, compact
+from smpckpt.planners import _cache as _plan_wire  # the wire format lives with the plan cache
+from smpckpt.planners._cache import FIELDS_PER_ITEM, FIELDS_PER_READ, CompactLoadPlan, CompactSavePlan, compact
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 

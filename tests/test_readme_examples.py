@@ -31,7 +31,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 MARKERS = (
     "ParallelSavePlanner(layout, specs)",
     "dist.destroy_process_group()",
-    "smpckpt.last_resume_info().path_taken",
+    "print(restarted.last_resume_info.path_taken)",
     'local_path="/dev/shm/ckpt",',
     "translate_function=smpckpt.hf.llama.TRANSLATION,",
 )
@@ -138,8 +138,9 @@ def test_end_of_rank_recipe_after_async_save(tmp_path: Path) -> None:
     assert results == [{"future_done": True, "committed": True, "group_gone": True}] * 2
 
 
-def test_smp_style_api_in_one_process(tmp_path: Path) -> None:
-    """Block 3 in this process (no process group): saves, resumes the newest tag, prints "fast"."""
+def test_checkpointer_example_in_one_process(tmp_path: Path) -> None:
+    """Block 3 in this process (no process group): a Checkpointer saves (async) and waits; another one
+    resumes the newest tag, printing "fast"."""
     import smpckpt
     from smpckpt import ParallelLayout
 
@@ -206,11 +207,11 @@ def test_full_checkpoint_and_hugging_face(tmp_path: Path) -> None:
 
 
 def test_a_broken_example_fails(tmp_path: Path) -> None:
-    """The examples are read from the README at test time: a scratch README whose smp-style example
-    calls a function that does not exist fails the block-3 run."""
+    """The examples are read from the README at test time: a scratch README whose Checkpointer example
+    calls a method that does not exist fails the block-3 run."""
     broken = tmp_path / "README.md"
     broken.write_text(
-        README.read_text(encoding="utf-8").replace("smpckpt.save_checkpoint(", "smpckpt.save_checkpnt("),
+        README.read_text(encoding="utf-8").replace("ckpt.save(", "ckpt.save_checkpnt("),
         encoding="utf-8",
     )
     example = block(2, broken).replaced("/fsx/run1", plain_path(tmp_path / "run1"))

@@ -1,7 +1,7 @@
 """The package's rooms (README "Architecture"): what each subpackage may import, and the size rules.
 
 Read from the source with ``ast`` (no imports run): a module importing a room it may not, a folder with
-more than 20 modules side by side, a module over 450 lines, or a module importing the package root fails
+more than 20 modules side by side, a module over 600 lines, or a module importing the package root fails
 here, naming the file.
 """
 
@@ -56,9 +56,12 @@ MAY_IMPORT: dict[str, set[str]] = {
 #: (module file, imported module) -> why this one arrow against the rooms' order is allowed
 BACK_EDGES = {
     ("storage/write/writer.py", "smpckpt.storage.full.writer"): "the deprecated mode='full' spelling hands off",
+    ("smpckpt/api/checkpointer.py", "smpckpt.tools.consolidate"): (
+        "Checkpointer.export of a committed checkpoint (no model=) is the offline consolidation"
+    ),
 }
 MAX_MODULES_PER_FOLDER = 20
-MAX_LINES = 450
+MAX_LINES = 600  # issue 44 lifted the earlier 450 cap: a module may be up to ~600 lines when it is one job
 
 
 def _modules() -> list[tuple[str, str]]:
@@ -120,7 +123,7 @@ def test_no_folder_holds_more_than_20_modules() -> None:
     assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"
 
 
-def test_no_module_is_over_450_lines() -> None:
+def test_no_module_is_over_600_lines() -> None:
     long = {p: n for p, _ in MODULES if (n := sum(1 for _ in open(os.path.join(ROOT, p)))) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split by job): {long}"
 

@@ -1,131 +1,171 @@
-"""``save_checkpoint(..., async_save=True)``: training blocks only while the state is staged.
+"""The background lanes of a :class:`~smpckpt.Checkpointer`: its async saves and its drains to the
+durable tier each run, in order, on a thread of their own, and training blocks only while the state is
+staged.
 
 Which rank does what ("all" = every rank of the group)::
 
     (caller)  previous failure?   raise it once, naming its tag (never silently)
     (caller)  previous save?      wait for it (logged with how long), or raise with wait_for_previous=False
-    (caller)  resolve_save, build_save_state         as a synchronous save (collectives on the caller's group)
-    (caller)  stage                                  copy every tensor into host buffers reused across
-                                                     saves (pinned for CUDA tensors): later in-place
-                                                     updates never reach the checkpoint
-    (thread)  write_checkpoint, publish_newest, retain   on a gloo group of their own, so the training
-                                                     loop's collectives never interleave with the save's
-    (thread)  future.set_result                      only after data, manifest and ``newest`` are durable
-                                                     and retention ran
+    (caller)  state, staging      as a synchronous save; the state copied into host buffers reused across
+                                  saves (``_staging``), the optimizers' part on the lane thread
+    (lane)    write, commit, ``newest``, retention   on a gloo group of the Checkpointer's own, so the
+                                  training loop's collectives never interleave with the save's
+    (lane)    future.set_result   only after data, manifest and ``newest`` are durable and retention ran
 
-At most one save is in flight per process. ``wait_for_saves()`` finishes it; the interpreter's exit
-waits for it too (before thread pools shut down: ``_register_exit_wait``), but a process group destroyed
-first leaves a multi-rank save without its collectives: call ``wait_for_saves()`` before
-``destroy_process_group()``. A process killed while a background save runs leaves ``newest`` on the previous committed
-tag: ``newest`` moves only after the commit, and uncommitted folders are never taken as checkpoints.
+The package keeps no registry of lanes: the lanes' threads are :class:`LaneThread`\\ s, so
+:func:`wait_for_saves` and :func:`drain_status` find every live Checkpointer's work in the interpreter's
+thread list. The interpreter's exit waits for a Checkpointer's work too (:func:`register_exit_wait`,
+registered by the Checkpointer at its first background work), but a process group destroyed first leaves
+a multi-rank save without its collectives: call ``wait_for_saves()`` (or the Checkpointer's ``wait()``)
+before ``destroy_process_group()``. A process killed while a background save runs leaves ``newest`` on the
+previous committed tag: ``newest`` moves only after the commit.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (ours runs first)
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
 __all__ = [
-    "submit",
-    "submit_drain",
-    "drain_status",
+    "Lane",
+    "LaneThread",
+    "GlooGroups",
     "DrainStatus",
-    "wait_for_drain",
-    "background_group",
-    "stream_groups",
-    "wait_for_saves",
-    "free_staging_buffers",
     "check_previous",
-    "staging_bytes",
-    "async_used",
-    "set_exit_status_on_failed_save",
+    "raise_failed",
+    "wait_lanes",
+    "wait_logged",
 ]
+__all__ += ["register_exit_wait", "live_lanes", "wait_for_saves", "drain_status", "free_staging_buffers"]
 
 log = logging.getLogger("smpckpt.api")
 
 
-@dataclasses.dataclass
-class _Lane:
-    """One background thread's work: the background saves', or the drains' to the durable tier (tiered
-    checkpoints). ``failed`` is kept for the next call to raise."""
+class LaneThread(threading.Thread):
+    """The thread of one :class:`Lane` (how :func:`wait_for_saves` finds it among the interpreter's)."""
 
-    name: str  #: the thread's name prefix
-    what: str  #: the work, as logs and errors name it
-    executor: concurrent.futures.ThreadPoolExecutor | None = None
-    fut: concurrent.futures.Future[None] | None = None
-    tag: str = ""
-    failed: tuple[str, BaseException] | None = None
+    def __init__(self, lane: Lane) -> None:
+        super().__init__(name=lane.name, daemon=True)  # its exit hook waits for its work, then ends it
+        self.lane = lane
+
+    def run(self) -> None:
+        self.lane.run()
 
 
-@dataclasses.dataclass
-class _State:
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    save: _Lane = dataclasses.field(default_factory=lambda: _Lane("smpckpt-async-save", "the background save"))
-    drain: _Lane = dataclasses.field(default_factory=lambda: _Lane("smpckpt-drain", "the drain to the durable tier"))
-    groups: dict[Any, Any] = dataclasses.field(default_factory=dict)
-    buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = dataclasses.field(
-        default_factory=dict
-    )
-    atexit_registered: bool = False
-    #: the process's exit status when a background save fails at (or before, unreported) its exit
-    exit_status: int | None = 1
-    #: the status the main thread last asked ``sys.exit`` for (``_record_exit_requests``): a program that
-    #: exits with a failure status of its own keeps it
-    program_status: int = 0
+class Lane:
+    """One kind of background work of one Checkpointer (``kind``: its saves, or its drains), run in order
+    on a :class:`LaneThread` started at the first :meth:`submit`. ``failed`` is kept for the next call to
+    raise."""
 
-
-_STATE = _State()
-
-
-def set_exit_status_on_failed_save(status: int | None = 1) -> None:
-    """The exit status of a process whose background save failed and was never raised to it (the last
-    save of a script that returns while it runs, or one whose failure no later call reported).
-
-    Default 1: a job scheduler then sees the failure instead of a clean exit with its last checkpoint
-    lost. ``None`` keeps the interpreter's own status (the failure is still logged at ERROR). A
-    non-zero status ends the process with ``os._exit`` once the remaining ``atexit`` hooks have run
-    and the standard streams are flushed: Python offers no other way to change the status of a
-    program whose main code already returned. A program that ends with ``sys.exit(N)``, ``N`` a
-    failure status of its own, keeps ``N``: CPython holds the status of a ``SystemExit`` where no
-    exit hook can read it, so ``sys.exit`` is wrapped to note what the main thread asks of it (from
-    the first background save on; a bare ``raise SystemExit(N)`` is not seen and gets this status)."""
-    if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 0 <= status <= 255):
-        raise ValueError(f"status must be an exit status 0..255 or None, got {status!r}")
-    _STATE.exit_status = status
-
-
-def async_used() -> bool:
-    """Whether this process ever started a background save (then every save checks on it first)."""
-    return _STATE.save.executor is not None or _STATE.drain.executor is not None
-
-
-def check_previous(wait: bool) -> None:
-    """(caller) Raise a background failure once; then wait for (or refuse) a save still in flight."""
-    lane = _STATE.save
-    if lane.fut is not None and not lane.fut.done() and not wait:
-        raise CheckpointError(
-            f"a background save of {lane.tag!r} is still running (wait_for_previous=False); call "
-            "smpckpt.wait_for_saves() or save with wait_for_previous=True"
+    def __init__(self, kind: Literal["save", "drain"], what: str, owner: Any) -> None:
+        self.kind, self.what, self.name = kind, what, f"smpckpt-{'async-save' if kind == 'save' else 'drain'}"
+        self.owner = weakref.ref(owner)  #: the Checkpointer (module functions reach it through the thread)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, Callable[[], None], concurrent.futures.Future[None]]] = (
+            collections.deque()
         )
-    _wait_logged(lane.fut, f"the background save of {lane.tag!r} to finish")
-    _raise_failed(" (this save was not started)")
+        self._thread: LaneThread | None = None
+        self._stopping = False
+        self.fut: concurrent.futures.Future[None] | None = None  #: the last work submitted
+        self.tag = ""  #: its tag
+        self.submitted = 0.0  #: when (``time.monotonic``): the newest drain of the process is the last one
+        self.failed: tuple[str, BaseException] | None = None
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_lane(ref))
+
+    @property
+    def used(self) -> bool:
+        """Whether work was ever submitted (then every save checks on this lane first)."""
+        return self._thread is not None
+
+    @property
+    def running(self) -> bool:
+        return self.fut is not None and not self.fut.done()
+
+    def submit(self, tag: str, work: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Run ``work()`` on the lane's thread after the work before it; its failure is kept in ``failed``."""
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = LaneThread(self)
+                self._thread.start()
+            self._queue.append((tag, work, fut))
+            self.fut, self.tag, self.submitted = fut, tag, time.monotonic()
+            self._cond.notify()
+        return fut
+
+    def run(self) -> None:
+        """(the lane's thread) Work in order until stopped with nothing left."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                tag, work, fut = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - kept for the next call, raised by the future
+                self.failed = (tag, exc)
+                log.error("%s of checkpoint %r failed: %s", self.what, tag, exc)
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+            del work  # it holds the staged state and the Checkpointer: nothing of it is kept while idle
+
+    def wait(self) -> None:
+        """Wait for the work in flight (no error raised here)."""
+        fut = self.fut
+        if fut is not None:
+            concurrent.futures.wait([fut])
+
+    def stop(self, join: bool = False) -> None:
+        """End the thread once the work submitted is done (a later :meth:`submit` starts another)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if join and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _forget(self) -> None:
+        """(a forked child) The parent's work is not this process's: no thread here will ever finish its
+        future, so a child that waited for it (at exit, or in its own save) would hang."""
+        self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
+        self._queue.clear()
+        self._thread, self.fut, self.failed = None, None, None
 
 
-def _wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
+def _forget_lane(ref: weakref.ref[Lane]) -> None:
+    """(a forked child) :meth:`Lane._forget` of the lane ``ref`` names, if it still exists."""
+    lane = ref()
+    if lane is not None:
+        lane._forget()
+
+
+def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
     """Wait for ``fut`` when it is running, logging how long."""
     if fut is not None and not fut.done():
         started = time.monotonic()
@@ -133,209 +173,180 @@ def _wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None
         log.info("waited %.2fs for %s", time.monotonic() - started, what)
 
 
-def _raise_failed(suffix: str) -> None:
-    """Raise the failure the save thread kept, else the drain thread's (each once: it is then cleared)."""
-    for lane in (_STATE.save, _STATE.drain):
+def raise_failed(lanes: Iterable[Lane], suffix: str) -> None:
+    """Raise the first failure a lane kept (each once: it is then cleared); saves before drains."""
+    for lane in sorted(lanes, key=lambda lane: lane.kind != "save"):
         if lane.failed is not None:
             (tag, exc), lane.failed = lane.failed, None
-            what = (
-                f"the background save of checkpoint {tag!r}"
-                if lane is _STATE.save
-                else f"the drain of checkpoint {tag!r} to the durable tier"
-            )
-            kept = "" if lane is _STATE.save else "; it is still in the fast tier"
+            if lane.kind == "save":
+                what, kept = f"the background save of checkpoint {tag!r}", ""
+            else:
+                what, kept = f"the drain of checkpoint {tag!r} to the durable tier", "; it is still in the fast tier"
             raise CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}{kept}{suffix}") from exc
 
 
-def _recorded(lane: _Lane, tag: str, work: Callable[[], None]) -> None:
-    """(a background thread) ``work()``; its failure is kept in ``lane.failed`` for the next call to raise."""
-    try:
-        work()
-    except BaseException as exc:
-        lane.failed = (tag, exc)
-        log.error("%s of checkpoint %r failed: %s", lane.what, tag, exc)
-        raise
+def check_previous(save: Lane, drain: Lane, wait: bool) -> None:
+    """(caller) Refuse a save while one is in flight (``wait`` false), else wait for it; then raise a
+    background failure once."""
+    if save.running and not wait:
+        raise CheckpointError(
+            f"a background save of {save.tag!r} is still running (wait_for_previous=False); call "
+            "wait() (smpckpt.wait_for_saves()) or save with wait_for_previous=True"
+        )
+    wait_logged(save.fut, f"the background save of {save.tag!r} to finish")
+    raise_failed((save, drain), " (this save was not started)")
 
 
-def submit_drain(tag: str, work: Callable[[], None], lane: _Lane | None = None) -> concurrent.futures.Future[None]:
-    """Run ``work`` on ``lane``'s thread (default: a drain to the durable tier, after the drain before it);
-    the exit wait is registered the first time."""
-    st = _STATE
-    lane = lane or st.drain
-    with st.lock:
-        if not st.atexit_registered:
-            _register_exit_wait()
-            st.atexit_registered = True
-        lane.executor = lane.executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=lane.name)
-        lane.fut, lane.tag = lane.executor.submit(_recorded, lane, tag, work), tag
-        return lane.fut
+def wait_lanes(save: Lane, drain: Lane, *, raise_errors: bool) -> None:
+    """The save first: a background save of a durable tag submits its drain when its fast tier committed."""
+    save.wait()
+    drain.wait()
+    if raise_errors:
+        raise_failed((save, drain), "")
+
+
+def live_lanes() -> list[Lane]:
+    """Every live Checkpointer's lanes that ever ran work (their threads are the interpreter's)."""
+    return [t.lane for t in threading.enumerate() if isinstance(t, LaneThread)]
+
+
+def wait_for_saves(*, raise_errors: bool = True) -> None:
+    """Block until every :class:`~smpckpt.Checkpointer`'s background save in flight (if any), and then
+    its drain to the durable tier (tiered checkpoints), have finished. With ``raise_errors``, a failure
+    of either is raised here (and not again by the next save)."""
+    for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
+        lane.wait()
+    drains = [lane for lane in live_lanes() if lane.kind == "drain"]  # a save may have started the first one
+    for lane in drains:
+        lane.wait()
+    if raise_errors:
+        raise_failed(live_lanes(), "")
+
+
+def free_staging_buffers() -> None:
+    """Release every live Checkpointer's staging buffers (after waiting for its save in flight)."""
+    for lane in live_lanes():
+        owner = lane.owner()
+        if owner is not None and lane.kind == "save":
+            owner.free_staging_buffers()
 
 
 @dataclasses.dataclass(frozen=True)
 class DrainStatus:
-    """The last drain of this process to the durable tier (tiered checkpoints)."""
+    """The last drain of a Checkpointer to the durable tier (tiered checkpoints)."""
 
     tag: str
     state: Literal["running", "done", "failed"]
     error: str | None = None  #: the failure, until ``wait_for_saves`` or the next save raised it
 
+    @classmethod
+    def of(cls, lane: Lane) -> DrainStatus | None:
+        fut = lane.fut
+        if fut is None:
+            return None
+        if not fut.done():
+            return cls(lane.tag, "running")
+        if lane.failed is not None and lane.failed[0] == lane.tag:
+            return cls(lane.tag, "failed", f"{type(lane.failed[1]).__name__}: {lane.failed[1]}")
+        return cls(lane.tag, "failed" if fut.exception() is not None else "done")
+
 
 def drain_status() -> DrainStatus | None:
-    """The state of this process's last drain to the durable tier (``None``: none started)."""
-    lane = _STATE.drain
-    if lane.fut is None:
-        return None
-    if not lane.fut.done():
-        return DrainStatus(lane.tag, "running")
-    if lane.failed is not None and lane.failed[0] == lane.tag:
-        return DrainStatus(lane.tag, "failed", f"{type(lane.failed[1]).__name__}: {lane.failed[1]}")
-    return DrainStatus(lane.tag, "failed" if lane.fut.exception() is not None else "done")
+    """The state of the newest drain to the durable tier of any live Checkpointer (``None``: none
+    started); ``Checkpointer.drain_status()`` says the same of one."""
+    drains = [lane for lane in live_lanes() if lane.kind == "drain"]
+    return DrainStatus.of(max(drains, key=lambda lane: lane.submitted)) if drains else None
 
 
-def wait_for_drain() -> None:
-    """Wait for the drain in flight (no error raised here: the next save or ``wait_for_saves`` does)."""
-    _wait_logged(_STATE.drain.fut, f"the drain of {_STATE.drain.tag!r} to the durable tier")
+class GlooGroups:
+    """The gloo groups a Checkpointer's background work runs on, over the ranks of its process group, one
+    per purpose: ``"save"`` (background saves, the fast tier's agreements and transfers), ``"drain"`` (the
+    drain thread, which runs beside them: two threads never share a group's collectives) and the fast
+    tier's further transfer streams. Created collectively, the first time each is needed."""
+
+    def __init__(self, process_group: Any) -> None:
+        self.process_group = process_group
+        self._groups: dict[str, Any] = {}
+
+    def get(self, ctx: DistContext, purpose: str = "save") -> Any:
+        """(all ranks of the group, collectively the first time) The group for ``purpose`` (``None``
+        without a process group)."""
+        if not ctx.active or ctx.world_size == 1:
+            return None
+        group = self._groups.get(purpose)
+        if group is None:
+            pg = self.process_group
+            ranks = dist.get_process_group_ranks(pg) if pg is not None else None
+            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+            self._groups[purpose] = group
+        return group
+
+    def streams(self, ctx: DistContext) -> tuple[Any, ...]:
+        """(all ranks, collectively the first time) The groups the fast tier moves files over: the
+        ``"save"`` group and ``STREAMS - 1`` more (``()`` without a process group)."""
+        from smpckpt.storage.tier import STREAMS
+
+        if not ctx.active or ctx.world_size == 1:
+            return ()
+        return (self.get(ctx), *(self.get(ctx, f"stream{i}") for i in range(1, STREAMS)))
+
+    def destroy(self) -> None:
+        """(all ranks, collectively) Each group once every rank is past its last collective there."""
+        groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            if dist.is_available() and dist.is_initialized():
+                with contextlib.suppress(Exception):  # a group torn down with the job's already
+                    dist.barrier(group=group)
+                    dist.destroy_process_group(group)
 
 
-def background_group(process_group: Any, ctx: DistContext, purpose: str = "save") -> Any:
-    """(all ranks of the group, collectively, the first time) A gloo group over the same ranks, one per
-    ``purpose``: ``"save"`` (background saves, the fast tier's transfers) and ``"drain"`` (the drain
-    thread, which runs beside them: two threads never share a group's collectives)."""
-    if not ctx.active or ctx.world_size == 1:
-        return None
-    key = (purpose, id(process_group) if process_group is not None else "default")
-    group = _STATE.groups.get(key)
-    if group is None:
-        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
-        _STATE.groups[key] = group
-    return group
+class ExitRecorder:
+    """Stands in for ``sys.exit`` and notes the status the main thread asks for (``status``), so the exit
+    wait keeps a program's own failure status: CPython holds a ``SystemExit``'s status where no exit hook
+    can read it (a bare ``raise SystemExit(N)`` is not seen). It still raises ``SystemExit`` as asked."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        self.real, self.status = real, 0
+        self.__doc__ = real.__doc__
+
+    def __call__(self, *args: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():  # another thread's SystemExit ends only it
+            code = args[0] if args else None
+            self.status = 0 if code is None else int(code) & 0xFF if isinstance(code, int) else 1
+        return self.real(*args)
 
 
-def _stage(state: Any, prefix: str = "") -> Any:
-    """A copy of ``state`` whose tensors live in buffers of ours, reused across saves of the same structure."""
-    if isinstance(state, dict):
-        return {k: _stage(v, f"{prefix}{k}.") for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_stage(v, f"{prefix}{i}.") for i, v in enumerate(state))
-    if not isinstance(state, torch.Tensor):
-        return state
-    t = state.detach()
-    if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
-        return t.clone()  # DTensor and other subclasses: a copy on their own device
-    cuda = t.device.type == "cuda"
-    key = (prefix, tuple(t.shape), t.dtype, cuda)
-    buf = _STATE.buffers.get(key)
-    if buf is None:
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-        _STATE.buffers[key] = buf
-    buf.copy_(t, non_blocking=cuda)
-    return buf
-
-
-def staging_bytes() -> int:
-    """Bytes held in reused staging buffers (one copy of the state saved asynchronously)."""
-    return sum(b.numel() * b.element_size() for b in _STATE.buffers.values())
-
-
-def free_staging_buffers() -> None:
-    """Release the reused staging buffers (after waiting for the save in flight)."""
-    wait_for_saves(raise_errors=False)
-    _STATE.buffers.clear()
-
-
-def stream_groups(process_group: Any, ctx: DistContext) -> tuple[Any, ...]:
-    """(all ranks, collectively the first time) The gloo groups the fast tier moves files over: the
-    ``"save"`` group and ``STREAMS - 1`` more (``()`` without a process group)."""
-    from smpckpt.storage.tier import STREAMS
-
-    if not ctx.active or ctx.world_size == 1:
-        return ()
-    return (
-        background_group(process_group, ctx),
-        *(background_group(process_group, ctx, f"stream{i}") for i in range(1, STREAMS)),
-    )
-
-
-def submit(
-    tag: str,
-    ctx: DistContext,
-    process_group: Any,
-    state: dict[str, Any],
-    work: Callable[[dict[str, Any], Any], None],
-) -> concurrent.futures.Future[None]:
-    """(caller) Stage ``state``, then run ``work(staged_state, background_group)`` on the save thread."""
-    group = background_group(process_group, ctx)
-    started = time.monotonic()
-    staged = _stage(state)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the device-to-host copies were issued non-blocking
-    log.info("staged checkpoint %r in %.3fs; writing in the background", tag, time.monotonic() - started)
-    return submit_drain(tag, lambda: work(staged, group), _STATE.save)
-
-
-def _forget_in_child() -> None:
-    """(a forked child) The parent's save in flight is not this process's: no thread here will ever
-    finish its future, so a child that waited for it (at exit, or in its own save) would hang."""
-    global _STATE
-    _STATE = _State(atexit_registered=True)  # the inherited exit hook stays, with nothing to wait for
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _register_exit_wait() -> None:
-    """Finish the save in flight when the interpreter exits.
+def register_exit_wait(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
+    """Finish ``lanes``' work when the interpreter exits (each Checkpointer registers its own, at its first
+    background work; the hook holds the lanes, never the Checkpointer), and wrap ``sys.exit`` once
+    (:class:`ExitRecorder`: a wrapper already there is kept).
 
     Why not ``atexit``: at exit CPython first runs the hooks ``threading`` keeps (concurrent.futures'
     among them: after it, no thread pool takes work), then joins non-daemon threads, and only then runs
     ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
     new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
-    Registered after concurrent.futures', ours runs before it (those hooks run newest first)."""
+    Registered after concurrent.futures' (imported above), ours runs before it (those hooks run newest first)."""
     # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
-    (getattr(threading, "_register_atexit", None) or atexit.register)(_wait_at_exit)
-    _record_exit_requests()
+    hook = functools.partial(_wait_at_exit, lanes, exit_status)
+    (getattr(threading, "_register_atexit", None) or atexit.register)(hook)
+    if not isinstance(sys.exit, ExitRecorder):
+        sys.exit = ExitRecorder(sys.exit)
 
 
-def _record_exit_requests() -> None:
-    """Wrap ``sys.exit`` so the exit hook knows the status the program asked for (see
-    :func:`set_exit_status_on_failed_save`); it still raises ``SystemExit`` with the same argument."""
-    real = sys.exit
-    if getattr(real, "_smpckpt_records", False):
-        return
-
-    def exit(*args: Any) -> Any:  # noqa: A001 - stands in for sys.exit, under its name
-        if threading.current_thread() is threading.main_thread():  # another thread's SystemExit ends only it
-            _STATE.program_status = _status_of(args[0] if args else None)
-        return real(*args)
-
-    exit.__doc__ = real.__doc__
-    exit._smpckpt_records = True  # type: ignore[attr-defined]
-    sys.exit = exit
-
-
-def _status_of(code: Any) -> int:
-    """The process exit status a ``SystemExit(code)`` gives (a code other than None or an int: 1)."""
-    if code is None:
-        return 0
-    return int(code) & 0xFF if isinstance(code, int) else 1
-
-
-def _wait_at_exit() -> None:
-    """(interpreter exit) Wait for the save in flight; a failure is logged at ERROR naming the tag, and
-    the process exits with :func:`set_exit_status_on_failed_save`'s status (1 by default)."""
-    save, drain = _STATE.save, _STATE.drain
-    if save.fut is not None and not save.fut.done():
-        log.info("waiting for the background save of %r to finish before exiting", save.tag)
-    if drain.fut is not None and not drain.fut.done():
-        log.info("waiting for the drain of %r to the durable tier before exiting", drain.tag)
+def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
+    """(interpreter exit) Wait for the work in flight, then end the lanes' threads; a failure is logged at
+    ERROR naming the tag, and the process exits with :attr:`AsyncOptions.exit_status` (1 by default)."""
+    save, drain = lanes
+    for lane in lanes:
+        if lane.running:
+            log.info("waiting for %s of %r before exiting", lane.what, lane.tag)
     try:
-        wait_for_saves(raise_errors=True)
+        wait_lanes(save, drain, raise_errors=True)
     except CheckpointError as exc:
-        status = _STATE.exit_status
-        if status and _STATE.program_status:
-            status = _STATE.program_status  # the program's own failure status stays what it asked for
+        status = exit_status
+        program = sys.exit.status if isinstance(sys.exit, ExitRecorder) else 0
+        if status and program:
+            status = program  # the program's own failure status stays what it asked for
         suffix = f"; exiting with status {status}" if status else ""
         log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
         if status:
@@ -346,15 +357,5 @@ def _wait_at_exit() -> None:
                 except Exception:  # noqa: BLE001 - a closed stream must not hide the status
                     pass
             os._exit(status)
-
-
-def wait_for_saves(*, raise_errors: bool = True) -> None:
-    """Block until the background save in flight (if any) and then the drain to the durable tier (tiered
-    checkpoints) have finished. With ``raise_errors``, a failure of either is raised here (and not again
-    by the next ``save_checkpoint``)."""
-    # the save first: a background save of a durable tag submits its drain when its fast tier committed
-    for lane in (_STATE.save, _STATE.drain):
-        if lane.fut is not None:
-            concurrent.futures.wait([lane.fut])
-    if raise_errors:
-        _raise_failed("")
+    for lane in lanes:
+        lane.stop(join=True)

@@ -1,5 +1,10 @@
-"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, in the
-background, committed there as any partial checkpoint (same files, same manifest bytes).
+"""A Checkpointer's fast tier (:class:`~smpckpt.FastTier`; README, "Tiered checkpoints"),
+:class:`FastTierPart`: each save into the nodes' fast tiers (``_fast_save``), every ``durable_every``-th
+one drained to ``path`` on the Checkpointer's drain lane (below), and resumes from either tier
+(``_fast_resume``). It owns what the tier remembers between saves (:class:`~smpckpt.api._tiers.TierState`).
+
+The drain: a tiered save copied from the fast tier's files to the durable root ``path``, on the
+Checkpointer's drain lane, committed there as any partial checkpoint (same files, same manifest bytes).
 
 Which rank does what ("all" = every rank, on the drain thread with a gloo group of its own)::
 
@@ -26,32 +31,98 @@ import dataclasses
 import logging
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
-from smpckpt.api._dist import DistContext
-from smpckpt.api._fast_save import TierPlan, retain_fast
+from smpckpt.api._async import GlooGroups, Lane
+from smpckpt.api._dist import DistContext, peer_failures
+from smpckpt.api._fast_resume import Loaded, choose_tier, load_tiered
+from smpckpt.api._fast_save import TierPlan, plan_tier_save, retain_fast, save_fast
+from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, publish_newest, retain
-from smpckpt.api._tiers import note_durable_seq
+from smpckpt.api._tiers import TierState
+from smpckpt.api.options import FastTier
+from smpckpt.catalog.retention import SequenceCounter, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
 from smpckpt.storage.format._names import MANIFEST_NAME
-from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.commit import commit as commit_in
 from smpckpt.storage.format.commit import settle_uncommitted_folder
-from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.format.manifest import Manifest, probe
 from smpckpt.storage.tier import PreparedCommit
 
-__all__ = ["drain", "copiers"]
+__all__ = ["FastTierPart", "drain", "copiers"]
 
 log = logging.getLogger("smpckpt.api")
 
 _PART = DEFAULT_PART_SIZE  # bytes per read from the fast tier and per S3 part (the writers' default part size)
 # files copied at once: local and shared filesystems gain little beyond a few streams; object stores
 # want many requests in flight (the fast tier sized these files to about one request each)
-_FILES_AT_ONCE = {True: 4, False: 16}
+_FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
+
+
+class FastTierPart:
+    """The fast tier of one Checkpointer: its options, its memory between saves, and the Checkpointer's
+    gloo groups, save numbers and drain lane it works with."""
+
+    def __init__(self, options: FastTier, groups: GlooGroups, counter: SequenceCounter, drain_lane: Lane) -> None:
+        self.options, self.groups, self.counter, self.drain_lane = options, groups, counter, drain_lane
+        self.state = TierState()
+
+    def plan(self, req: SaveRequest, ctx: DistContext) -> TierPlan:
+        """(all ranks, the caller's thread) What this save is in the fast tier (``_fast_save``)."""
+        return plan_tier_save(req, ctx, self)
+
+    def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
+        """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never
+        committed) the drain, on the drain lane."""
+        started = time.monotonic()
+        prepared = save_fast(req, state, extra, tier)
+        log.info(
+            "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
+            req.tag,
+            tier.local_path,
+            tier.seq,
+            tier.replicas,
+            time.monotonic() - started,
+            f"; draining to {req.url}" if tier.durable else "",
+            ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
+        )
+        if tier.durable:
+            self._drain(req, tier, lambda: drain(req, tier, prepared))
+        elif tier.retry is not None:
+            retry = tier.retry
+            rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
+            if DistContext(req.process_group).is_coordinator:
+                message = (
+                    f"checkpoint {retry.tag!r} (save {retry.seq}) was due for the durable tier and its drain never "
+                    f"committed (a job stopped while draining?): draining it to {rreq.url} again, in the background"
+                )
+                log.warning(message)
+                warnings.warn(message, stacklevel=5)
+            self._drain(rreq, tier, lambda: drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by))
+
+    def _drain(self, req: SaveRequest, tier: TierPlan, copy: Any) -> None:
+        """Hold ``req``'s tag in the fast tier while the drain lane runs ``copy()``."""
+        self.state.hold(req.tag)
+
+        def work() -> None:
+            try:
+                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
+                    copy()
+            finally:
+                self.state.release(req.tag)
+
+        self.drain_lane.submit(req.tag, work)
+
+    def resume(self, req: ResumeRequest, ctx: DistContext) -> Loaded | None:
+        """(all ranks) The newest checkpoint complete across the fast tiers or committed in ``path``,
+        loaded (``_fast_resume``); ``None`` when neither tier holds one."""
+        return load_tiered(req, ctx, choose_tier(req, ctx, self), self)
 
 
 def copiers(manifest: Manifest, held_by: Mapping[str, Sequence[int]] | None) -> dict[str, int]:
@@ -141,13 +212,13 @@ def drain(
             if failed:
                 log.warning("the failed drain of %s left %d file(s): %s", req.url, len(failed), failed[:5])
         raise
-    note_durable_seq(tier.root_key, tier.seq if seq is None else seq)
+    tier.memory.note_durable(tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx)
     log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
     retain(breq, dctx)
     if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
-        retain_fast(tier, None, req.opts.num_kept_local, release=req.tag)
+        retain_fast(tier, None, release=req.tag)
 
 
 def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:

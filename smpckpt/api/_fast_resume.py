@@ -1,10 +1,10 @@
-"""``resume_from_checkpoint(..., local_path=...)``: the newest checkpoint complete across the surviving
+"""A tiered resume (``FastTier``): the newest checkpoint complete across the surviving
 fast tiers or committed in ``path``, whichever is newer -- and when a fast-tier copy cannot be loaded,
 the next one, then ``path``'s.
 
 Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
 
-    choose_tier   (all)      the gloo groups (``smpckpt.api._async``); every node's folder checked and this
+    choose_tier   (all)      the Checkpointer's gloo groups; every node's folder checked and this
                              job's listing gathered (``_tiers.gather_views``): the complete fast-tier saves,
                              newest first, the same on every rank
                   (rank 0)   ``path``'s newest committed checkpoint (or the tag asked for); broadcast
@@ -25,9 +25,8 @@ import dataclasses
 import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from smpckpt.api._async import stream_groups
 from smpckpt.api._dist import DistContext
 from smpckpt.api._resume import (
     ResumeRequest,
@@ -39,9 +38,7 @@ from smpckpt.api._resume import (
 )
 from smpckpt.api._tier_copies import FastCandidate, candidates
 from smpckpt.api._tiers import Nodes, gather_views
-from smpckpt.api.options import check_local_path
-from smpckpt.catalog.sequence import saw_sequence
-from smpckpt.catalog.tags import partial_dirname
+from smpckpt.catalog.retention import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
@@ -51,6 +48,9 @@ from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 from smpckpt.storage.tools import check_blocks
+
+if TYPE_CHECKING:
+    from smpckpt.api._drain import FastTierPart
 
 __all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered"]
 
@@ -85,11 +85,11 @@ class Loaded:
     reader: PeerFetchingReader | None
 
 
-def choose_tier(req: ResumeRequest, ctx: DistContext) -> TierChoice:
+def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> TierChoice:
     """(all ranks) The candidates, newest first (module docstring)."""
-    streams = stream_groups(req.process_group, ctx)
-    local = check_local_path(req.opts.local_path)
-    nodes, job, views = gather_views(ctx, req.process_group, 1, local, req.root, req.storage_options)
+    streams = part.groups.streams(ctx)
+    local = part.options.local_path
+    nodes, job, views = gather_views(ctx, req.process_group, 1, local, req.root, req.storage_options, part.state.warned)
     found = candidates(views, req.tag)
     complete = [c for c in found if c.complete]
     if ctx.is_coordinator:
@@ -113,7 +113,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext) -> TierChoice:
 
     durable = ctx.on_coordinator(durable_target)
     if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.sequence)
-        durable.seen_by(req.root, req.storage_options)
+        durable.seen_by(part.counter)
     # the same tag in both tiers (tag=...): the fast copy first; else whichever is later in the root's order
     # (sequence number, then save time: a drained copy is the fast copy's manifest, so it ties and the fast
     # copy is taken)
@@ -121,7 +121,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext) -> TierChoice:
     return TierChoice(nodes, job, streams, tuple(usable), durable)
 
 
-def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice) -> Loaded | None:
+def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
     """(all ranks) Load the newest candidate that loads (module docstring); ``None`` when neither tier
     holds one. The durable checkpoint's own failure is raised."""
     for i, cand in enumerate(choice.fast):
@@ -130,13 +130,13 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice) -> Loa
             continue
         target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest[0], False)
         try:
-            return _load_fast(req, ctx, choice, cand, target, manifest)
+            return _load_fast(req, ctx, choice, cand, target, manifest, part)
         except CheckpointError as exc:
             first = exc
         repaired = _repair(ctx, choice, cand, manifest[0])
         if repaired is not None:
             try:
-                return _load_fast(req, ctx, choice, repaired, target, manifest)
+                return _load_fast(req, ctx, choice, repaired, target, manifest, part)
             except CheckpointError as exc:
                 first = exc
         nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
@@ -180,8 +180,9 @@ def _load_fast(
     cand: FastCandidate,
     target: Target,
     manifest: tuple[Manifest, int],
+    part: FastTierPart,
 ) -> Loaded:
-    saw_sequence(req.root, target.order[0], req.storage_options)
+    part.counter.saw(target.order[0])
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
     reader = fast_reader(req, target, choice, cand, *manifest)

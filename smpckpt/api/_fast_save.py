@@ -1,4 +1,4 @@
-"""``save_checkpoint(..., local_path=...)``: the save into the fast tiers, with replicas on other nodes.
+"""A tiered save (``FastTier``): the save into the fast tiers, with replicas on other nodes.
 
 Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
 
@@ -8,13 +8,13 @@ Which rank does what ("all" = every rank; "leader" = the first rank of each node
                                     fast tier or committed in ``path``, and a save whose drain never
                                     committed, to drain again (:class:`PendingDrain`); leaders: this
                                     tag's leftover folder removed; a durable save waits for the drain
-                                    in flight; the gloo groups (``smpckpt.api._async``)
+                                    in flight; the Checkpointer's gloo groups
     save_fast       (all)           dcp.save into each node's folder (FastTierWriter: nothing committed);
                                     the manifest broadcast; each rank's files sent to its replica nodes;
                                     agreement that every node holds its share; then every leader commits
                                     its node's copy; leaders apply ``num_kept_local``
     (then)          drain           every ``durable_every``-th save (or the pending one):
-                                    ``smpckpt.api._drain`` in the background
+                                    ``smpckpt.api._drain`` on the Checkpointer's drain lane
 
 A kill before the agreement leaves no manifest on any node (the tag is not committed; the next save of
 it removes the leftovers); after it, every node's share is complete, so any manifest proves the union.
@@ -25,27 +25,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from smpckpt.api._async import background_group, stream_groups, wait_for_drain
+from smpckpt.api._async import wait_logged
 from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, run_save
 from smpckpt.api._tier_copies import FastCandidate, LocalCopy, candidates, pending_drains, retain_local, tier_seq
-from smpckpt.api._tiers import (
-    TIER_KEY,
-    Nodes,
-    durable_key,
-    durable_seq,
-    gather_views,
-    known_durable_seq,
-)
-from smpckpt.api.options import check_local_path
-from smpckpt.catalog.sequence import saw_sequence
-from smpckpt.catalog.tags import partial_dirname, partial_url
+from smpckpt.api._tiers import TIER_KEY, Nodes, TierState, durable_key, gather_views
+from smpckpt.catalog.retention import partial_dirname, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import Manifest, probe_checkpoint
 from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none
@@ -55,14 +45,12 @@ from smpckpt.storage.format.commit import check_files, remove_folder
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.transfer import TransferOutcome
 
-__all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast", "hold_for_drain", "release_hold"]
+if TYPE_CHECKING:
+    from smpckpt.api._drain import FastTierPart
+
+__all__ = ["TierPlan", "PendingDrain", "plan_tier_save", "save_fast", "retain_fast"]
 
 log = logging.getLogger("smpckpt.api")
-
-# job folder -> the tags drains of this process are copying from it; the lock also keeps the save
-# thread's and the drain thread's retention from running at once
-_RETENTION = threading.Lock()
-_HELD: dict[str, set[str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +82,8 @@ class TierPlan:
     retry: PendingDrain | None = None
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
+    keep: int | None = None  #: ``num_kept_local``
+    memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -117,12 +107,14 @@ class TierPlan:
         return os.path.join(self.job, partial_dirname(tag))
 
 
-def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
+def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> TierPlan:
     """(all ranks, the caller's thread) The nodes, the save number, the tag's folders settled, the groups."""
     started = time.monotonic()
-    opts = req.opts
-    local = check_local_path(opts.local_path)
-    nodes, job, views = gather_views(ctx, req.process_group, opts.replicas, local, req.root, req.storage_options)
+    opts, memory = part.options, part.state
+    local = opts.local_path
+    nodes, job, views = gather_views(
+        ctx, req.process_group, opts.replicas, local, req.root, req.storage_options, memory.warned
+    )
 
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
@@ -132,11 +124,11 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.sequence): this save is numbered after them
         copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
-        saw_sequence(req.root, max(copies, default=0), req.storage_options)
-        drained = durable_seq(req.root, req.storage_options)
+        part.counter.saw(max(copies, default=0))
+        drained = memory.durable_seq(req.root, req.storage_options)
         seq = 1 + max(tier_seq(views), drained)
-        with _RETENTION:  # a drain of this process still copying it is not pending: it is running
-            running = set(_HELD.get(job, ()))
+        with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
+            running = set(memory.held)
         pending = [c for c in pending_drains(views, drained) if c.tag not in running]
         retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending)
         return seq, drained, retry
@@ -160,14 +152,28 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext) -> TierPlan:
 
     ctx.all_ok(settle)
     durable = seq % opts.durable_every == 0
-    if durable:
-        wait_for_drain()  # one drain at a time: the fast tier keeps its tag until it is done
+    if durable:  # one drain at a time: the fast tier keeps its tag until it is done
+        wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
     retry = _pending(ctx, job, views, retry_of) if retry_of is not None else None
-    streams = stream_groups(req.process_group, ctx)
-    drain_group = background_group(req.process_group, ctx, "drain")
+    streams = part.groups.streams(ctx)
+    drain_group = part.groups.get(ctx, "drain")
     key = durable_key(req.root, req.storage_options)
     plan = TierPlan(
-        nodes, local, job, folder, seq, durable, opts.replicas, key, tuple(views), drained, retry, streams, drain_group
+        nodes,
+        local,
+        job,
+        folder,
+        seq,
+        durable,
+        opts.replicas,
+        key,
+        tuple(views),
+        drained,
+        retry,
+        streams,
+        drain_group,
+        opts.num_kept_local,
+        memory,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan
@@ -253,9 +259,8 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
     clock = _Clock(tier.phases)
     try:
         try:
-            run_save(
-                "partial", req, writer, state, opts, f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}"
-            )
+            action = f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}"
+            run_save("partial", req, writer, state, action, req.planners, opts.verify_replicas)
             clock.lap("write")  # this rank's files written, and sent to the replica ranks meanwhile
         finally:
             outcome = replicator.close() if replicator is not None else TransferOutcome()
@@ -288,7 +293,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
             _remove_quietly(tier.folder)
         raise
     if nodes.is_leader:
-        retain_fast(tier, req.tag, opts.num_kept_local)
+        retain_fast(tier, req.tag)
     clock.lap("retain")
     return prepared
 
@@ -314,32 +319,21 @@ def _remove_quietly(folder: str) -> None:
         log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
 
 
-def hold_for_drain(job: str, tag: str) -> None:
-    """``tag``'s files in this job folder are about to be drained: retention keeps them until released."""
-    with _RETENTION:
-        _HELD.setdefault(job, set()).add(tag)
-
-
-def release_hold(job: str, tag: str) -> None:
-    """A drain of ``tag`` ended (a failed one too: the next save may drain it again)."""
-    with _RETENTION:
-        _HELD.get(job, set()).discard(tag)
-
-
-def retain_fast(tier: TierPlan, just_saved: str | None, keep: int | None, *, release: str | None = None) -> None:
+def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None = None) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder: after a save (never the tag just saved),
     and after a drain (``release``: its tag, held meanwhile, may go now). One lock orders the two, so
     whichever runs last sees the other's outcome: a drained tag never outlives the next retention.
     Decided on the listings gathered for ``tier`` (every node alike), the save of ``tier`` counted as
     complete (it committed)."""
-    with _RETENTION:
+    memory, keep = tier.memory, tier.keep
+    with memory.lock:
         if release is not None:
-            _HELD.get(tier.job, set()).discard(release)
-        protected = {t for t in (just_saved,) if t is not None} | _HELD.get(tier.job, set())
+            memory.held.discard(release)
+        protected = {t for t in (just_saved,) if t is not None} | memory.held
         this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
         tag = os.path.basename(tier.folder)[: -len("_partial")]
         views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
-        drained = max(tier.durable_seq, known_durable_seq(tier.root_key))
+        drained = max(tier.durable_seq, memory.durable or 0)
         try:
             removed = retain_local(tier.job, tier.root_key, views, keep, protected, drained)
         except Exception as exc:  # noqa: BLE001 - retention never fails a committed save

@@ -1,11 +1,12 @@
-"""``partial=False``: :func:`smpckpt.save_checkpoint` writes one consolidated artifact and
-:func:`smpckpt.resume_from_checkpoint` starts from one (ours, or a plain Hugging Face folder).
+"""Full artifacts: :meth:`smpckpt.Checkpointer.export` of the live state writes one consolidated artifact
+(``save_checkpoint(..., partial=False)``), and a resume with ``ResumeOptions(partial=False)`` starts from
+one (ours, or a plain Hugging Face folder).
 
 Which rank does what ("all" = every rank of the group)::
 
     save_full    (all)    model (+ optimizer tensors) state; rank 0 adds user_content;
                           dcp.save with ParallelSavePlanner + FullArtifactWriter:
-                          every rank writes its shards into {path}/{tag}/model*.safetensors at their
+                          every rank writes its shards into {out}/model*.safetensors at their
                           offsets; rank 0 commits the manifest. ``newest`` and retention are left alone:
                           they track the partial checkpoints training resumes from.
     resume_full  (all)    dcp.load of the artifact (or HF folder) with ParallelLoadPlanner: each rank
@@ -22,14 +23,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from smpckpt.api._args import OPTIONS, CommonRequest, train_state
-from smpckpt.api._dist import DistContext
+from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, train_state
 from smpckpt.api._resume import load_checkpoint
-from smpckpt.api._save import manifest_extra, run_save
-from smpckpt.api.options import ResumeOptions, SaveOptions
+from smpckpt.api._save import PlannerCache, manifest_extra, run_save
+from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.api.user_content import decode_user_content, encode_user_content
-from smpckpt.catalog.tags import NEWEST_NAME, join_url, validate_tag
-from smpckpt.model.keys import FULL_API_RECORD, RESERVED
+from smpckpt.catalog.retention import NEWEST_NAME, SequenceCounter, join_url
+from smpckpt.model.layout import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
 
@@ -39,8 +39,8 @@ log = logging.getLogger("smpckpt.api")
 
 
 def full_url(root: str, tag: str) -> str:
-    """``{root}/{tag}``: the folder of a full checkpoint (partial ones are ``{root}/{tag}_partial``)."""
-    validate_tag(tag)
+    """``{root}/{tag}``: the folder of a full checkpoint (partial ones are ``{root}/{tag}_partial``);
+    ``tag`` was validated at the caller's edge."""
     if tag == NEWEST_NAME:
         raise ValueError(f"{tag!r} cannot name a full checkpoint: {{path}}/{tag} is the pointer file of partial ones")
     return join_url(root, tag)
@@ -55,13 +55,22 @@ def _tensor_state(common: CommonRequest, optim: bool) -> dict[str, Any]:
     return state
 
 
-def save_full(ctx: DistContext, common: CommonRequest, tag: str, opts: SaveOptions, user_content: Any) -> str:
-    """(all ranks, after the arguments were compared across ranks) The full save; returns the artifact's folder."""
+def save_full(
+    ctx: DistContext,
+    common: CommonRequest,
+    tag: str,
+    url: str,
+    opts: ExportOptions,
+    user_content: Any,
+    counter: SequenceCounter,
+    planners: PlannerCache,
+) -> str:
+    """(all ranks, after the arguments were compared across ranks) The full save of ``tag`` into ``url``;
+    returns the artifact's folder."""
     if common.model is None:
-        raise ValueError("save_checkpoint(partial=False) needs model=: a full checkpoint holds the model's weights")
+        raise ValueError("a full checkpoint of the live state needs model=: it holds the model's weights")
     if opts.include_optimizer and not common.optimizers:
         raise ValueError("include_optimizer=True needs optimizer=")
-    url = full_url(common.root, tag)
     # a transformers model (found without importing transformers): its class name is what save_pretrained
     # records as ``architectures``
     model_class = type(common.model)
@@ -76,9 +85,9 @@ def save_full(ctx: DistContext, common: CommonRequest, tag: str, opts: SaveOptio
         state[RESERVED.user_content] = ObjectBytes(payload)
         translation = opts.translate_function
         return state, manifest_extra(
-            common,
             FULL_API_RECORD,
             tag,
+            counter.next(),
             user_content,
             optimizer=opts.include_optimizer,
             dtype=str(opts.dtype) if opts.dtype is not None else None,
@@ -88,14 +97,16 @@ def save_full(ctx: DistContext, common: CommonRequest, tag: str, opts: SaveOptio
     state, extra = ctx.all_ok(build)
     writer = FullArtifactWriter(
         url,
-        storage_options=common.storage_options,
+        storage_options=opts.out_storage_options if opts.out_storage_options is not None else common.storage_options,
         manifest_extra=extra,
         sync_files=opts.sync_files,
         full=artifact,
         process_group=common.process_group,
     )
     started = time.monotonic()
-    run_save("full", common, writer, state, opts, f"saving full checkpoint {url}")
+    # as save_pretrained: a head tied to its embedding is left out unless untied (consolidate's rule too)
+    action = f"saving full checkpoint {url}"
+    run_save("full", common, writer, state, action, planners, opts.verify_replicas, artifact.leaves_tied_out)
     log.info("saved full checkpoint %s (%s) in %.2fs", url, common.layout, time.monotonic() - started)
     return url
 
@@ -104,7 +115,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     """(all ranks, after the arguments were compared across ranks) Load a full artifact or Hugging Face
     folder into the model (and optimizer)."""
     if common.model is None:
-        raise ValueError("resume_from_checkpoint(partial=False) needs model=")
+        raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
     url = full_url(common.root, tag) if tag is not None else common.root
     state = _tensor_state(common, True)
     state[RESERVED.user_content] = ObjectBytes(b"")

@@ -1,9 +1,9 @@
-"""The steps of :func:`smpckpt.resume_from_checkpoint`: resolve -> choose the checkpoint -> build the
-destination state -> load (reshard) -> apply. Each step is one function over a :class:`ResumeRequest`.
+"""The steps of :meth:`smpckpt.Checkpointer.resume`: choose the checkpoint -> build the destination
+state -> load (reshard) -> apply. Each step is one function over a :class:`ResumeRequest` (validated, and
+compared across ranks, by the Checkpointer before).
 
 Which rank does what ("all" = every rank of the group)::
 
-    resolve_resume      (all)    the tag validated (the arguments were compared across ranks before)
     choose_target       (rank 0) ``newest`` or the newest committed tag; the answer is broadcast
     build_resume_state  (all)    destinations: model/optimizer state, user_content, RNG (same layout only)
     load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
@@ -23,18 +23,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from smpckpt.api._args import OPTIONS, CommonRequest, quiet_no_dist, train_state, translate_dcp
-from smpckpt.api._dist import DistContext
+from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, quiet_no_dist, train_state, translate_dcp
 from smpckpt.api.options import ResumeOptions
-from smpckpt.api.rng import get_rng_state, set_rng_state
-from smpckpt.api.user_content import decode_user_content
-from smpckpt.catalog.listing import record_order, scan_root
-from smpckpt.catalog.sequence import saw_sequence
-from smpckpt.catalog.tags import join_url, open_root, partial_url, read_newest, validate_tag
+from smpckpt.api.user_content import decode_user_content, get_rng_state, set_rng_state
+from smpckpt.catalog.retention import (
+    SequenceCounter,
+    join_url,
+    open_root,
+    partial_url,
+    read_newest,
+    record_order,
+    scan_root,
+)
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.model.keys import API_RECORD_V1, RESERVED
-from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.record import LayoutRecord
+from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
@@ -42,7 +44,6 @@ __all__ = [
     "ResumeInfo",
     "ResumeRequest",
     "Target",
-    "resolve_resume",
     "choose_target",
     "resolve_target",
     "build_resume_state",
@@ -111,9 +112,9 @@ class Target:
         order = record_order(manifest)
         return cls(tag, url, record, api, rng, fell_back, order, order[0])
 
-    def seen_by(self, root: str, storage_options: Any) -> None:
-        """This process's next saves under ``root`` are numbered after what choosing this target saw."""
-        saw_sequence(root, self.seen_seq, storage_options, listed=self.listed)
+    def seen_by(self, counter: SequenceCounter) -> None:
+        """The job's next saves are numbered after what choosing this target saw."""
+        counter.saw(self.seen_seq, listed=self.listed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,18 +125,11 @@ class ResumeRequest(CommonRequest):
     opts: ResumeOptions
 
 
-def resolve_resume(common: CommonRequest, tag: Any, opts: ResumeOptions) -> ResumeRequest:
-    """(all ranks, after the arguments were compared across ranks) The resume's request."""
-    if tag is not None:
-        validate_tag(tag)
-    return ResumeRequest(**common.fields(), tag=tag, opts=opts)
-
-
-def choose_target(req: ResumeRequest, ctx: DistContext) -> Target | None:
+def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter) -> Target | None:
     """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
     target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
     if target is not None:  # this job's next saves are numbered after it (catalog.sequence)
-        target.seen_by(req.root, req.storage_options)
+        target.seen_by(counter)
     return target
 
 

@@ -26,8 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from smpckpt.catalog.listing import record_order
-from smpckpt.catalog.tags import list_partial_tags, open_root, partial_dirname
+from smpckpt.catalog.retention import list_partial_tags, open_root, partial_dirname, record_order
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none

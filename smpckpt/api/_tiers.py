@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -30,12 +31,12 @@ import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
 from smpckpt.api._tier_copies import TIER_KEY, LocalCopy, part_sizes, scan_job, seq_of
-from smpckpt.catalog.listing import scan_root
+from smpckpt.catalog.retention import scan_root
+from smpckpt.storage.backends._folder import create_bytes_exclusive
 from smpckpt.storage.backends._fs import is_local, location_key, open_fs
-from smpckpt.storage.backends._paths import create_bytes_exclusive
 
 __all__ = ["TIER_KEY", "Nodes", "node_layout", "durable_key", "job_dirname", "job_folder", "JOB_PREFIX"]
-__all__ += ["gather_views", "part_sizes", "seq_of", "durable_seq", "note_durable_seq", "known_durable_seq"]
+__all__ += ["gather_views", "part_sizes", "seq_of", "TierState"]
 __all__ += ["warn_skipped", "read_job_record", "JOB_RECORD"]
 
 log = logging.getLogger("smpckpt.api")
@@ -48,10 +49,40 @@ JOB_RECORD = "smpckpt.job.json"
 _TOKEN_PREFIX = ".smpckpt-node-"
 _STALE_TOKEN_S = 3600.0
 
-# durable root -> the highest save number committed there (read once per process, then kept current)
-_DURABLE_SEQ: dict[str, int] = {}
-# (folder, problem) already warned about in this process: a crafted folder is named once, not per save
-_WARNED: set[tuple[str, str]] = set()
+
+@dataclasses.dataclass
+class TierState:
+    """What one Checkpointer's fast tier remembers between its saves (one durable root, one job folder)."""
+
+    #: orders the save thread's and the drain thread's fast-tier retention, and guards ``held``
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: the tags its drains are copying from the job folder (retention keeps them)
+    held: set[str] = dataclasses.field(default_factory=set)
+    #: the highest save number committed under ``path`` (read once, then kept current by the drains)
+    durable: int | None = None
+    #: (folder, problem) named already: a crafted folder is named once, not at every save
+    warned: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+
+    def durable_seq(self, root: str, storage_options: Any) -> int:
+        """(rank 0) The highest save number committed under ``root`` (one scan, the first time)."""
+        if self.durable is None:
+            records = scan_root(root, storage_options=storage_options)
+            self.durable = max((seq_of(r.manifest) for r in records if r.committed), default=0)
+        return self.durable
+
+    def hold(self, tag: str) -> None:
+        """``tag``'s files are about to be drained: retention keeps them until released."""
+        with self.lock:
+            self.held.add(tag)
+
+    def release(self, tag: str) -> None:
+        """A drain of ``tag`` ended (a failed one too: the next save may drain it again)."""
+        with self.lock:
+            self.held.discard(tag)
+
+    def note_durable(self, seq: int) -> None:
+        """A drain committed save number ``seq`` under ``path``."""
+        self.durable = max(self.durable or 0, seq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +224,13 @@ def _remove_stale_tokens(local: str) -> None:
 
 
 def gather_views(
-    ctx: DistContext, process_group: Any, replicas: int, local: str, root: str, storage_options: Any
+    ctx: DistContext,
+    process_group: Any,
+    replicas: int,
+    local: str,
+    root: str,
+    storage_options: Any,
+    warned: set[tuple[str, str]],
 ) -> tuple[Nodes, str, list[dict[str, LocalCopy]]]:
     """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`); every node's
     folder checked and this job's listing of each gathered: the job folder on this node, and by global
@@ -251,42 +288,25 @@ def gather_views(
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(local, tokens[ctx.rank]))
     views = [listed[nodes.ranks_of(nodes.node_of(rank))[0]] or {} for rank in range(nodes.world_size)]
-    warn_skipped(views, nodes, [got[nodes.ranks_of(node)[0]][0] for node in range(nodes.count)])
+    warn_skipped(views, nodes, [got[nodes.ranks_of(node)[0]][0] for node in range(nodes.count)], warned)
     return nodes, job, views
 
 
-def warn_skipped(views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str]) -> None:
+def warn_skipped(
+    views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str], warned: set[tuple[str, str]]
+) -> None:
     """(every rank alike: the judgement came with the gathered listing) Name each unsafe, foreign,
     corrupt or unreadable folder of this job's fast tier (``folders``: each node's ``local_path``), once
-    per process."""
+    (``warned``: the Checkpointer's record of what it named)."""
     for node in range(nodes.count):
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
             if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
                 continue
             where = f"node {node}'s fast tier {folders[node]}, folder {tag}_partial"
-            if (where, copy.detail) in _WARNED:
+            if (where, copy.detail) in warned:
                 continue
-            _WARNED.add((where, copy.detail))
+            warned.add((where, copy.detail))
             what = "its manifest is not used" if copy.state == "corrupt" else "it is skipped (not loaded, not removed)"
             message = f"{where} is {copy.state} ({copy.detail}); {what}"
             log.warning(message)
             warnings.warn(message, stacklevel=2)
-
-
-def durable_seq(root: str, storage_options: Any) -> int:
-    """(rank 0) The highest save number committed under ``root`` (one scan per process)."""
-    key = durable_key(root, storage_options)
-    if key not in _DURABLE_SEQ:
-        records = scan_root(root, storage_options=storage_options)
-        _DURABLE_SEQ[key] = max((seq_of(r.manifest) for r in records if r.committed), default=0)
-    return _DURABLE_SEQ[key]
-
-
-def note_durable_seq(key: str, seq: int) -> None:
-    """A drain committed save number ``seq`` under the root whose :func:`durable_key` is ``key``."""
-    _DURABLE_SEQ[key] = max(_DURABLE_SEQ.get(key, 0), seq)
-
-
-def known_durable_seq(key: str) -> int:
-    """What this process knows of the highest save number drained under ``key`` (no I/O)."""
-    return _DURABLE_SEQ.get(key, 0)

@@ -1,346 +1,334 @@
-"""smp-style checkpoint API: :func:`save_checkpoint` / :func:`resume_from_checkpoint` on top of DCP.
+"""smp's functions, as the thin face of a :class:`~smpckpt.Checkpointer`: :func:`save_checkpoint` and
+:func:`resume_from_checkpoint` keep SageMaker smp's parameters and a few of ours; every other option is
+a field of an option object (``options=``).
 
-Folder structure under ``path`` (as SageMaker smp lays it out)::
+Each call reuses the Checkpointer kept on the ``model`` it is given (an attribute that is no parameter or
+buffer, so it never enters a state_dict; copies and pickles of the model leave it behind, as torch's
+composable APIs keep their state on the module) when it was built from the same options, so its staging
+buffers, kept planners, sequence counter and background lanes carry over from call to call; otherwise
+(other options, or no model) the call builds a fresh one, waiting first for the one it replaces.
 
-    {path}/newest              # names the newest committed tag (rank 0 writes it, after the commit)
-    {path}/{tag}_partial/      # a partial checkpoint: one committed smpckpt/DCP folder holding
-                               #   model.*            model state (plain shards via ShardSpecs, DTensors)
-                               #   optim.*            FQN-keyed optimizer state (inherits model specs)
-                               #   rng.rank<r>.*      rank r's RNG states (rank-unique keys)
-                               #   user_content       user_content: one torch.save record
-                               #   smpckpt.manifest.json  commit marker; its "extra" holds the
-                               #                      LayoutRecord (layout, specs) and the API record
-                               #                      (tag, save time, user_content keys)
-
-``user_content`` is stored inside the checkpoint (one ``torch.save`` record by rank 0: checksummed and
-committed with the tensors; loaded once, weights-only unless ``allow_pickle=True``).
-
-Both calls first validate their options (:mod:`smpckpt.api.options`) and compare them, the tag, path
-and layout across ranks (``_agreed``); the steps that follow live in :mod:`smpckpt.api._save`,
-:mod:`smpckpt.api._resume` and :mod:`smpckpt.api._full` (each says which rank does what), and this
-module only wires them. Works the same without a process group.
+The keywords these functions took before the option objects still work for one release, with a
+``DeprecationWarning`` naming the option object and field that now hold them (``_MOVED``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import contextvars
 import dataclasses
-import logging
 import os
-import time
+import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
-import torch
 from torch import nn
 
-from smpckpt._gc import gc_frozen
-from smpckpt.api._args import CommonRequest, peer_failures, resolve_common
-from smpckpt.api._async import async_used, check_previous, submit, submit_drain, wait_for_saves
+from smpckpt._checks import check_flag
 from smpckpt.api._dist import DistContext
-from smpckpt.api._drain import drain
-from smpckpt.api._fast_resume import choose_tier, load_tiered
-from smpckpt.api._fast_save import TierPlan, hold_for_drain, plan_tier_save, release_hold, save_fast
-from smpckpt.api._full import resume_full, save_full
-from smpckpt.api._resume import (
-    ResumeInfo,
-    apply_state,
-    build_resume_state,
-    choose_target,
-    load_checkpoint,
-    not_found_hint,
-    resolve_resume,
-    restores_rng,
-    summarize,
+from smpckpt.api.checkpointer import Checkpointer, ResumeInfo, last_resume_info
+from smpckpt.api.options import (
+    AsyncOptions,
+    ExportOptions,
+    FastTier,
+    Location,
+    ResumeOptions,
+    Retention,
+    SaveOptions,
+    Sharding,
 )
-from smpckpt.api._save import SaveRequest, build_save_state, publish_newest, resolve_save, retain, write_checkpoint
-from smpckpt.api.options import ResumeOptions, SaveOptions
-from smpckpt.catalog.tags import partial_url
-from smpckpt.errors import CheckpointNotFound
+from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import ParallelLayout
-from smpckpt.model.naming import NameMap
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
-from smpckpt.storage.tier import PeerFetchingReader
+from smpckpt.storage.backends._fs import location_key
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "last_resume_info", "ResumeInfo"]
 
-log = logging.getLogger("smpckpt.api")  # one logger for the API, whichever module logs
-
-# Per thread (and per asyncio task): concurrent resumes in one process never see each other's report.
-_last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar("smpckpt_last_resume", default=None)
-
-_O = TypeVar("_O", SaveOptions, ResumeOptions)
-
-
-def last_resume_info() -> ResumeInfo | None:
-    """The :class:`ResumeInfo` of the last successful :func:`resume_from_checkpoint` in this thread."""
-    return _last_resume.get()
-
-
-def _shown(path: Any) -> str:
-    """``path`` for an error message (validated later, so anything may arrive here)."""
-    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
-
-
-def _agreed(ctx: DistContext, cls: type[_O], args: dict[str, Any], what: str) -> tuple[CommonRequest, _O]:
-    """(all ranks) Validate a call's arguments (``args``: its parameters by name): the options ``options=``
-    gives (then no option keyword may differ from its default) or the option keywords build, and the
-    arguments both calls share; then compare across ranks the tag, path, layout and the options'
-    :meth:`~smpckpt.api.options.SaveOptions.compared` fields (by :meth:`DistContext.agreed`, before the tag
-    is validated: a tag bad on one rank only must fail every rank, not hang the others)."""
-
-    def validated() -> tuple[tuple[CommonRequest, _O], dict[str, Any]]:
-        keywords, opts = cls(**{f.name: args[f.name] for f in dataclasses.fields(cls)}), args["options"]
-        if opts is None:
-            opts = keywords
-        elif not isinstance(opts, cls):
-            raise TypeError(f"options must be a {cls.__name__}, got {type(opts).__name__}")
-        elif keywords.given():
-            raise ValueError(f"{', '.join(keywords.given())}: pass options as keywords or as options=, not both")
-        common = resolve_common(ctx, args)
-        shared = {"tag": args["tag"], "path": common.root, "layout": common.layout.to_dict(), **opts.compared()}
-        return (common, opts), shared
-
-    return ctx.agreed(validated, what)
+#: a keyword the functions took before the option objects -> its home: (the class holding it in a partial
+#: call, in a full one); ``None``: it does not apply to that mode
+_MOVED: Mapping[str, tuple[type | None, type | None]] = types.MappingProxyType(
+    {
+        "storage_options": (Location, Location),
+        "name_map": (Sharding, Sharding),
+        "process_group": (Sharding, Sharding),
+        **{name: (FastTier, None) for name in ("local_path", "replicas", "durable_every", "num_kept_local")},
+        "remove_uncommitted_older_than": (Retention, None),
+        **{name: (SaveOptions, None) for name in ("async_save", "wait_for_previous", "overwrite", "save_rng")},
+        **{name: (SaveOptions, ExportOptions) for name in ("format", "sync_files", "freeze_gc", "verify_replicas")},
+        **{name: (None, ExportOptions) for name in ("include_optimizer", "dtype", "hf_config", "max_shard_size")},
+        **{
+            name: (ResumeOptions, ResumeOptions)
+            for name in ("missing_ok", "load_rng", "allow_pickle", "allow_dtype_cast", "verify_checksums", "keep_tied")
+        },
+    }
+)
+#: the moved keywords each function took
+_SAVE_KEYWORDS = frozenset(n for n, (p, f) in _MOVED.items() if ResumeOptions not in (p, f))
+_RESUME_KEYWORDS = frozenset({"storage_options", "name_map", "process_group", "local_path", "freeze_gc"}) | frozenset(
+    n for n, (p, _) in _MOVED.items() if p is ResumeOptions
+)
+#: the option objects each function takes in ``options=`` (the call's own last)
+_SAVE_OPTIONS = (Sharding, FastTier, Retention, AsyncOptions, SaveOptions, ExportOptions)
+_RESUME_OPTIONS = (Sharding, FastTier, AsyncOptions, ResumeOptions)
+#: the attribute of a model that keeps its Checkpointer
+_KEPT = "_smpckpt_checkpointer"
 
 
-def _frozen(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """``gc_frozen()`` when ``enabled`` (``freeze_gc``), else nothing."""
-    return gc_frozen() if enabled else contextlib.nullcontext()
+class _Kept:
+    """A model's Checkpointer, as the smp face keeps it, with what it was built from (``key``: its options,
+    the location however spelled); a copy or pickle of the model holds none."""
+
+    __slots__ = ("checkpointer", "key")
+
+    def __init__(self, checkpointer: Checkpointer | None = None, key: tuple[Any, ...] = ()) -> None:
+        self.checkpointer, self.key = checkpointer, key
+
+    def __copy__(self) -> _Kept:
+        return _Kept()
+
+    def __deepcopy__(self, memo: Any) -> _Kept:
+        return _Kept()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (_Kept, ())
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     tag: str,
     partial: bool = True,
     model: nn.Module | None = None,
     optimizer: Any = None,
     user_content: Any = None,
     num_kept_partial_checkpoints: int | None = None,
+    translate_function: Translation | None = None,
     layout: ParallelLayout | None = None,
     specs: Mapping[str, SpecLike] | SpecRules | None = None,
-    name_map: NameMap | None = None,
     *,
-    storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    process_group: Any = None,
-    save_rng: bool = True,
-    format: Literal["raw", "torch_save", "safetensors"] = "raw",
-    sync_files: bool = True,
-    remove_uncommitted_older_than: float | None = None,
-    include_optimizer: bool = False,
-    dtype: torch.dtype | None = None,
-    hf_config: Any = None,
-    translate_function: Translation | None = None,
-    max_shard_size: int | str | None = None,
-    async_save: bool = False,
-    wait_for_previous: bool = True,
-    freeze_gc: bool = True,
-    verify_replicas: bool = True,
-    local_path: str | os.PathLike[str] | None = None,
-    replicas: int = 2,
-    durable_every: int = 1,
-    num_kept_local: int | None = 2,
-    options: SaveOptions | None = None,
+    options: Any = None,
+    **moved: Any,
 ) -> concurrent.futures.Future[None] | None:
-    """Save a partial checkpoint ``{path}/{tag}_partial`` and point ``{path}/newest`` at it; with
-    ``partial=False``, one full artifact ``{path}/{tag}/`` instead. Every rank of ``process_group`` (or
-    the single process) calls it with the same ``path``, ``tag``, layout and options (compared: a
-    mismatch is a :class:`ValueError` on every rank naming what differs). ``tag``: letters, digits and
-    ``. _ - + = @ ,`` (validated up front). ``user_content``: any picklable value, rank 0's is saved
-    (values that weights-only loading rejects need ``allow_pickle=True`` on resume: a warning says so).
-    With ``async_save=True`` returns a ``concurrent.futures.Future`` that completes when the save is
-    durable; else ``None``. With ``local_path=`` the save is tiered: committed to every node's fast tier
-    (with replicas on other nodes), every ``durable_every``-th one drained to ``path`` in the background
-    (README, "Tiered checkpoints"; an async save's future completes when the fast tier is committed).
+    """smp's ``save_checkpoint``: :meth:`Checkpointer.save` (``partial=True``: ``{path}/{tag}_partial``,
+    then ``{path}/newest``) or, ``partial=False``, :meth:`Checkpointer.export` of the live state into
+    ``{path}/{tag}/``. Every rank calls it with the same arguments (compared: a mismatch is a
+    :class:`ValueError` on every rank naming what differs).
 
     Args:
-        path: checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``).
-        model: a ``torch.nn.Module`` (plain, Megatron-style local shards with ``specs``, or
-            DTensor/FSDP2 parameters); its state is stored under ``model.<fqn>``.
-        optimizer: an optimizer (or a sequence) over ``model``'s parameters; its state is stored
-            FQN-keyed under ``optim.state.<param fqn>.<name>`` and inherits the parameter's spec.
-        layout: the parallel layout (default: pure data parallel over the world).
-        specs: glob -> :class:`~smpckpt.ShardSpec` for plain sharded tensors, matched against keys
-            such as ``model.layers.3.qkv.weight`` or the model's own names (first match wins).
-        name_map: stage-local -> global key map for pipeline stages (sees ``model.*``/``optim.*`` keys).
-        storage_options: fsspec options (S3: ``key``, ``secret``, ``client_kwargs``...).
-        process_group: the group that saves (default: the default group).
-        options: a :class:`SaveOptions` instead of the option keywords (not both). Every other keyword
-            is the field of the same name of :class:`SaveOptions`, documented there; one that does not
-            apply to the mode (``partial``) raises :class:`ValueError` naming it.
+        path: the checkpoint root (a path or URL), or a :class:`Location` (with storage options).
+        num_kept_partial_checkpoints: :attr:`Retention.num_kept_partial_checkpoints` (accepted with
+            ``partial=False``, as smp accepts it: it changes nothing there).
+        translate_function: ``partial=False`` only: :attr:`ExportOptions.translate_function`.
+        layout, specs: the :class:`Sharding` (not with a ``Sharding`` in ``options``).
+        options: an option object or a sequence of them, each class once: :class:`Sharding`,
+            :class:`FastTier`, :class:`Retention`, :class:`AsyncOptions`, and :class:`SaveOptions`
+            (``partial=True``) or :class:`ExportOptions` (``partial=False``).
 
-    Raises:
-        ValueError: an invalid tag or option, or arguments that differ between ranks.
-        CheckpointExists: the tag exists and ``overwrite`` is false.
-        CheckpointError: any other failure, on every rank (DCP's ``CheckpointException`` is the
-            ``__cause__``).
+    Returns ``None``, or a ``concurrent.futures.Future`` for an async save (README, "Async saves").
     """
-    args, ctx = dict(locals()), DistContext(process_group)  # the parameters by name: nothing else is bound yet
-    with peer_failures(ctx, f"saving checkpoint {tag!r} under {_shown(path)}"):
-        common, opts = _agreed(ctx, SaveOptions, args, "save_checkpoint's arguments")
-    action = f"saving {'' if opts.partial else 'full '}checkpoint {tag!r} under {_shown(path)}"
-    if opts.async_save or async_used():  # one collective more, only in jobs that save asynchronously
-        with peer_failures(ctx, action):
-            ctx.all_ok(lambda: check_previous(opts.wait_for_previous))
-    with peer_failures(ctx, action), _frozen(opts.freeze_gc and not opts.async_save):
-        if not opts.partial:
-            save_full(ctx, common, tag, opts, user_content)
-            return None
-        req = resolve_save(common, tag, opts, user_content)
-        tier = plan_tier_save(req, ctx) if opts.local_path is not None else None
-        started = time.monotonic()
-        state, extra = ctx.all_ok(lambda: build_save_state(req, ctx))
-
-        def save(sreq: SaveRequest, staged: dict[str, Any], how: str) -> None:
-            """Write, commit, point ``newest``, retain on ``sreq.process_group`` (or the tiered save)."""
-            if tier is not None:
-                _save_tiered(sreq, staged, extra, tier)
-                return
-            sctx = DistContext(sreq.process_group)
-            write_checkpoint(sreq, staged, extra)
-            publish_newest(sreq, sctx)
-            log.info("saved checkpoint %s (%s) %s", req.url, req.layout, how)
-            retain(sreq, sctx)
-
-        if opts.async_save:
-
-            def in_background(staged: dict[str, Any], group: Any) -> None:
-                with peer_failures(
-                    DistContext(group), f"saving checkpoint {req.tag!r} under {req.root} in the background"
-                ):
-                    save(dataclasses.replace(req, process_group=group), staged, "in the background")
-
-            return submit(req.tag, ctx, process_group, state, in_background)
-        save(req, state, f"in {time.monotonic() - started:.2f}s")
+    what = "save_checkpoint's arguments"
+    try:
+        ckpt, opts = _prepare(
+            "save_checkpoint",
+            path,
+            model,
+            partial,
+            options,
+            moved,
+            {
+                Sharding: _set(layout=layout, specs=specs),
+                Retention: _set(num_kept_partial_checkpoints=num_kept_partial_checkpoints),
+                ExportOptions if partial is False else None: _set(translate_function=translate_function),
+            },
+        )
+    except Exception as exc:
+        _fail_together(options, moved, what, exc)
+        raise
+    if partial:
+        return ckpt._save(tag, model, optimizer, user_content, opts, what)
+    ckpt._export(tag, None, model, optimizer, user_content, opts, what)
     return None
 
 
-def _save_tiered(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
-    """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never
-    committed) the drain, in the background."""
-    started = time.monotonic()
-    prepared = save_fast(req, state, extra, tier)
-    log.info(
-        "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
-        req.tag,
-        tier.local_path,
-        tier.seq,
-        tier.replicas,
-        time.monotonic() - started,
-        f"; draining to {req.url}" if tier.durable else "",
-        ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
-    )
-    if tier.durable:
-        hold_for_drain(tier.job, req.tag)
-
-        def work() -> None:
-            try:
-                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                    drain(req, tier, prepared)
-            finally:
-                release_hold(tier.job, req.tag)
-
-        submit_drain(req.tag, work)
-    elif tier.retry is not None:
-        retry = tier.retry
-        rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
-        if DistContext(req.process_group).is_coordinator:
-            message = (
-                f"checkpoint {retry.tag!r} (save {retry.seq}) was due for the durable tier and its drain never "
-                f"committed (a job stopped while draining?): draining it to {rreq.url} again, in the background"
-            )
-            log.warning(message)
-            warnings.warn(message, stacklevel=4)
-        hold_for_drain(tier.job, retry.tag)
-
-        def again() -> None:
-            try:
-                with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {retry.tag!r} to {rreq.url}"):
-                    drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by)
-            finally:
-                release_hold(tier.job, retry.tag)
-
-        submit_drain(retry.tag, again)
-
-
 def resume_from_checkpoint(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
     tag: str | None = None,
     partial: bool = True,
     model: nn.Module | None = None,
     optimizer: Any = None,
-    translate_function: Callable[[dict[str, Any]], dict[str, Any]] | Translation | None = None,
+    strict: bool = True,
+    translate_function: Any = None,
     layout: ParallelLayout | None = None,
     specs: Mapping[str, SpecLike] | SpecRules | None = None,
-    name_map: NameMap | None = None,
     *,
-    storage_options: Mapping[str, Any] | None = None,
-    missing_ok: bool = False,
-    strict: bool = True,
-    process_group: Any = None,
-    load_rng: bool = True,
-    allow_pickle: bool = False,
-    allow_dtype_cast: bool = False,
-    verify_checksums: bool = True,
-    freeze_gc: bool = True,
-    local_path: str | os.PathLike[str] | None = None,
-    keep_tied: Sequence[str] = (),
-    options: ResumeOptions | None = None,
+    options: Any = None,
+    **moved: Any,
 ) -> Any:
-    """Load ``{path}/{tag}_partial`` (``newest`` when ``tag`` is None) into ``model``/``optimizer``
-    in place, under the current ``layout`` (resharding when it differs), and return its ``user_content``.
+    """smp's ``resume_from_checkpoint``: :meth:`Checkpointer.resume` of ``{path}/{tag}_partial``
+    (``tag=None``: the one ``newest`` names), or with ``partial=False`` of the full artifact ``{path}/{tag}/``
+    (``tag=None``: ``path`` itself, or a plain Hugging Face folder), into ``model`` and ``optimizer`` in
+    place, resharding to this ``layout``; returns ``user_content``. ``strict`` and ``translate_function``
+    are :class:`ResumeOptions`' (not with one in ``options``); ``options``: an option object or a sequence
+    of them, each class once: :class:`Sharding`, :class:`FastTier`, :class:`AsyncOptions`,
+    :class:`ResumeOptions`. What the resume did: :func:`last_resume_info`."""
+    what = "resume_from_checkpoint's arguments"
+    try:
+        ckpt, opts = _prepare(
+            "resume_from_checkpoint",
+            path,
+            model,
+            partial,
+            options,
+            moved,
+            {
+                Sharding: _set(layout=layout, specs=specs),
+                ResumeOptions: {
+                    **_set(translate_function=translate_function),
+                    **({} if strict is True else {"strict": strict}),
+                },
+            },
+        )
+    except Exception as exc:
+        _fail_together(options, moved, what, exc)
+        raise
+    return ckpt._resume(tag, model, optimizer, opts, what)
 
-    Every rank of ``process_group`` calls it with the same arguments. With ``tag=None``: if ``newest``
-    is missing, unreadable or names a checkpoint without a commit marker, the newest committed
-    checkpoint is used instead (a warning on rank 0; :attr:`ResumeInfo.fell_back`). Nothing committed:
-    :class:`~smpckpt.errors.CheckpointNotFound`, or ``None`` with ``missing_ok=True`` (start fresh).
-    RNG states (torch, CUDA, python, numpy) are restored when the saved layout equals ``layout``;
-    after a layout change they are not (a warning; each rank keeps its current generators).
 
-    The arguments are :func:`save_checkpoint`'s; the option keywords (or ``options=``) are the fields of
-    :class:`ResumeOptions`, documented there.
-    """
-    args, ctx = dict(locals()), DistContext(process_group)  # the parameters by name: nothing else is bound yet
-    if async_used():
-        # this process's background save may be committing, updating newest or removing the checkpoint
-        # retention would pick: resume from what it leaves (its failure stays for the next save to raise)
-        wait_for_saves(raise_errors=False)
-    with peer_failures(ctx, f"resuming from {_shown(path)}"):
-        common, opts = _agreed(ctx, ResumeOptions, args, "resume_from_checkpoint's arguments")
-    action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {_shown(path)}"
-    with peer_failures(ctx, action), _frozen(opts.freeze_gc):
-        if not opts.partial:
-            return resume_full(ctx, common, tag, opts)
-        req = resolve_resume(common, tag, opts)
-        reader: PeerFetchingReader | None = None
-        if opts.local_path is not None:
-            loaded = load_tiered(req, ctx, choose_tier(req, ctx))
-            target = loaded.target if loaded is not None else None
-        else:
-            target = choose_target(req, ctx)
-        if target is None:
-            if opts.missing_ok:
-                log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", req.root)
-                return None
-            what = f"checkpoint {req.tag!r}" if req.tag is not None else "committed checkpoint"
-            hint = ctx.on_coordinator(lambda: not_found_hint(req.root, req.storage_options)) if req.tag is None else ""
-            raise CheckpointNotFound(f"no {what} under {req.root}{hint}")
-        if opts.local_path is not None and loaded is not None:
-            rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
-        else:
-            rng = restores_rng(req, target, ctx)
-            state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
-            planner = load_checkpoint(req, req.opts, target.url, state)
-        chosen = target
-        user_content, restored = ctx.all_ok(lambda: apply_state(req, chosen, ctx, state, planner.report, rng))
-        info = summarize(req, target, ctx, planner, restored)
-        if reader is not None:
-            peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
-            info = dataclasses.replace(info, tier="fast", from_peers=peers)
-        _last_resume.set(info)
-        return user_content
+def _set(**values: Any) -> dict[str, Any]:
+    """The keywords a caller set (not ``None``)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _fail_together(options: Any, moved: Mapping[str, Any], what: str, exc: Exception) -> None:
+    """Arguments that failed their own checks on this rank fail every rank, in the collective the others
+    are in (the comparison of ``what``) -- instead of leaving them there."""
+    group = moved.get("process_group")
+    for obj in options if isinstance(options, (list, tuple)) else (options,):
+        group = obj.process_group if isinstance(obj, Sharding) else group
+    try:
+        ctx = DistContext(group)
+    except TypeError:
+        return  # not a process group: every rank fails alike, before any collective
+    if ctx.active and ctx.world_size > 1:
+
+        def failed() -> tuple[None, dict[str, Any]]:
+            raise exc
+
+        ctx.agreed(failed, what)
+
+
+def _prepare(
+    fn: str,
+    path: Any,
+    model: Any,
+    partial: Any,
+    options: Any,
+    moved: Mapping[str, Any],
+    keywords: dict[type | None, dict[str, Any]],
+) -> tuple[Checkpointer, Any]:
+    """(this rank, no collective) The Checkpointer for these arguments -- the model's, or a fresh one kept
+    on it -- and the call's own options. ``keywords``: the fields the caller set by keyword, by class
+    (``None``: a keyword that does not apply to this mode)."""
+    save = fn == "save_checkpoint"
+    check_flag("partial", partial)
+    call = (SaveOptions if partial else ExportOptions) if save else ResumeOptions
+    objects = _option_objects(options, _SAVE_OPTIONS if save else _RESUME_OPTIONS, call, partial)
+    _route_keywords(fn, save, partial, moved, keywords)
+    homes = {n: c.__name__ for c, fields in keywords.items() if c is not None for n in fields if n in moved}
+    if Location in keywords:
+        if isinstance(path, Location):
+            raise ValueError("storage_options: pass them in the Location given as path, not as a keyword")
+        path = Location(path, **keywords.pop(Location))
+    built: dict[type, Any] = {}
+    for cls in (Sharding, FastTier, Retention, AsyncOptions, call):
+        kw = keywords.get(cls, {})
+        if kw and cls in objects:
+            raise ValueError(f"{', '.join(kw)}: pass options as keywords or as options=, not both")
+        if cls is FastTier and kw and "local_path" not in kw:
+            raise ValueError(f"{', '.join(kw)} apply only with local_path= (tiered checkpoints)")
+        if cls is ResumeOptions and cls not in objects:
+            kw = {**kw, "partial": partial}
+        built[cls] = objects[cls] if cls in objects else cls(**kw) if kw or cls is call else None
+    if not save and built[ResumeOptions].partial != partial:
+        raise ValueError(f"partial={partial}, but options holds ResumeOptions(partial={built[ResumeOptions].partial})")
+    location = path if isinstance(path, Location) else Location(path)
+    if homes:
+        shown = "; ".join(
+            f"{n}= -> " + ("Location(path, storage_options=...) as path" if c == "Location" else f"{c}({n}=...)")
+            for n, c in homes.items()
+        )
+        warnings.warn(
+            f"{fn}'s keywords {', '.join(homes)} are deprecated: pass option objects in options= ({shown}); "
+            "README, 'Coming from smp'",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
+    retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
+    try:  # the location's identity (an s3:// without a bucket has none): a storage error, the location named
+        where = (location_key(location.path, location.storage_options), location.storage_options)
+    except OSError as exc:
+        raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
+    key = (*where, sharding, fast_tier, retention, async_options)
+    kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
+    ckpt = kept.checkpointer if isinstance(kept, _Kept) and kept.key == key else None
+    if ckpt is None:
+        if isinstance(kept, _Kept) and kept.checkpointer is not None:
+            kept.checkpointer.wait()  # one save in flight per model: the one it replaces first (its failure raised)
+        ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
+        if isinstance(model, nn.Module):
+            model.__dict__[_KEPT] = _Kept(ckpt, key)
+    return ckpt, built[call]
+
+
+def _option_objects(options: Any, allowed: tuple[type, ...], call: type, partial: bool) -> dict[type, Any]:
+    """``options=`` (one option object, a sequence of them, or ``None``) by class, each of ``allowed`` at
+    most once, none that applies only to the other kind of checkpoint."""
+    objects: dict[type, Any] = {}
+    for obj in options if isinstance(options, (list, tuple)) else () if options is None else (options,):
+        if type(obj) not in allowed:
+            names = ", ".join(c.__name__ for c in allowed)
+            raise TypeError(f"options must be a {names} or a sequence of them; got {type(obj).__name__}")
+        if type(obj) in objects:
+            raise ValueError(f"options holds two {type(obj).__name__}: pass each option object once")
+        objects[type(obj)] = obj
+    for cls in (SaveOptions, ExportOptions, FastTier):
+        if cls in objects and cls is not call and (cls is not FastTier or not partial):
+            kind = "full" if cls is ExportOptions else "partial"
+            raise ValueError(f"{cls.__name__} applies only to {kind} checkpoints (partial={kind == 'partial'})")
+    return objects
+
+
+def _route_keywords(
+    fn: str, save: bool, partial: bool, moved: Mapping[str, Any], keywords: dict[type | None, dict[str, Any]]
+) -> None:
+    """Each deprecated keyword in ``moved`` into ``keywords`` under the option class that now holds it;
+    a keyword the function never took, or one that does not apply to this kind of checkpoint, refused."""
+    unknown = sorted(set(moved) - (_SAVE_KEYWORDS if save else _RESUME_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+    for name, value in moved.items():
+        home = _MOVED[name][0 if partial else 1]
+        if not save:  # a resume's own options are all ResumeOptions'; no fast tier for a full artifact
+            home = (
+                ResumeOptions
+                if home in (SaveOptions, ExportOptions)
+                else None
+                if home is FastTier and not partial
+                else home
+            )
+        if home is None and value == _default(_MOVED[name][1 if partial else 0], name):
+            continue  # the other mode's keyword at its default: nothing asked of this mode (as smp accepts it)
+        keywords.setdefault(home, {})[name] = value
+    wrong = list(keywords.pop(None, {}))
+    if wrong:
+        verb, kind = "applies" if len(wrong) == 1 else "apply", "full" if partial else "partial"
+        raise ValueError(f"{', '.join(wrong)} {verb} only to {kind} checkpoints (partial={not partial})")
+
+
+def _default(cls: type | None, name: str) -> Any:
+    """The default of option ``name`` in ``cls`` (``None`` where it has none, as the old keywords had)."""
+    for f in dataclasses.fields(cls) if cls is not None and dataclasses.is_dataclass(cls) else ():
+        if f.name == name:
+            return None if f.default is dataclasses.MISSING else f.default
+    return None

@@ -1,13 +1,14 @@
-"""The options of :func:`~smpckpt.save_checkpoint` and :func:`~smpckpt.resume_from_checkpoint`: one
-frozen dataclass each, a docstring per field (the one place they are documented), validated once in
-``__post_init__``, before anything runs. The functions' keywords of the same names build them (or pass
-one as ``options=``).
+"""The options of a :class:`~smpckpt.Checkpointer` and of its calls: one frozen dataclass per concern, a
+docstring per field (the one place each is documented), each validated once in ``__post_init__``. The
+layers below trust them.
 
-Each field's metadata says which mode it applies to (``only=True``: ``partial=True``; ``only=False``:
-``partial=False``; unmarked: both): a value other than the default in the other mode is refused by name
-(:class:`ValueError`) rather than ignored -- ``dtype=`` on a partial save would write fp32 without a
-word. And whether every rank must pass the same value (``same``): the API compares those fields across
-ranks (:meth:`SaveOptions.compared`), naming the one that differs.
+Built once per job (the :class:`~smpckpt.Checkpointer`'s configuration): :class:`Location` (where),
+:class:`Sharding` (how the state is laid out), :class:`FastTier` (tiered checkpoints), :class:`Retention`,
+:class:`AsyncOptions`. Per call: :class:`SaveOptions` (a partial save), :class:`ExportOptions` (a full
+artifact), :class:`ResumeOptions`.
+
+Each field's metadata says whether every rank must pass the same value (``same``): every call compares
+its options across ranks by one digest (:func:`smpckpt.api._dist.digest`) and, when the digests differ, names the fields.
 """
 
 from __future__ import annotations
@@ -20,24 +21,120 @@ from typing import Any, Literal
 
 import torch
 
-from smpckpt._checks import check_flag, check_int
+from smpckpt._checks import check_flag, check_int, check_process_group
+from smpckpt.api._dist import spec_rules
 from smpckpt.catalog.retention import validate_keep
-from smpckpt.model.keys import FULL_ARTIFACTS
+from smpckpt.model.layout import FULL_ARTIFACTS, NameMap, ParallelLayout
+from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FullOptions
 
-__all__ = ["SaveOptions", "ResumeOptions"]
+__all__ = [
+    "Location",
+    "Sharding",
+    "FastTier",
+    "Retention",
+    "AsyncOptions",
+    "SaveOptions",
+    "ExportOptions",
+    "ResumeOptions",
+]
 
 
-def _opt(default: Any, *, only: bool | None = None, same: bool | Callable[[Any], Any] = True) -> Any:
-    """A field: ``only`` = the ``partial`` value it applies to (``None``: both); ``same``: compared across
-    ranks (``True``), not (``False``), or compared as ``same(value)`` (a picklable stand-in)."""
-    return dataclasses.field(default=default, metadata={"only": only, "same": same})
+def _opt(default: Any = dataclasses.MISSING, *, same: bool | Callable[[Any], Any] = True) -> Any:
+    """A field; ``same``: compared across ranks (``True``), not (``False``; a rank's own value: a node's
+    folder, credentials, a callable), or compared as ``same(value)`` (a picklable stand-in)."""
+    return dataclasses.field(default=default, metadata={"same": same})
 
 
 def config_value(config: Any, name: str) -> Any:
     """``config.<name>`` of a transformers config or a dict (``None`` when absent)."""
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+class _Options:
+    """What every option class shares: flags are booleans; :meth:`compared` lists the fields every rank
+    must pass alike."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if isinstance(f.default, bool):
+                check_flag(f.name, getattr(self, f.name))
+
+    def given(self) -> list[str]:
+        """The fields set to something other than their default."""
+        return [
+            f.name
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.init and (f.default is dataclasses.MISSING or getattr(self, f.name) != f.default)
+        ]
+
+    def compared(self) -> dict[str, Any]:
+        """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
+        return {
+            f.name: key(getattr(self, f.name)) if callable(key) else getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if (key := f.metadata.get("same", True))
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Location(_Options):
+    """Where the checkpoints of a job live."""
+
+    path: str
+    """The checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``). Partial
+    checkpoints are ``{path}/{tag}_partial``, full ones ``{path}/{tag}``, and ``{path}/newest`` names the
+    newest partial one (smp's folder layout). An ``os.PathLike`` is kept as its ``str``."""
+
+    storage_options: Mapping[str, Any] | None = _opt(None, same=False)
+    """fsspec options of ``path`` (S3: ``key``, ``secret``, ``client_kwargs``...)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(self.path).__name__}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if not self.path:
+            raise ValueError("path must not be empty")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"storage_options must be a mapping or None, got {type(self.storage_options).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding(_Options):
+    """How the state is laid out over the ranks."""
+
+    layout: ParallelLayout | None = _opt(None, same=lambda layout: layout.to_dict() if layout is not None else None)
+    """The parallel layout (:class:`~smpckpt.ParallelLayout`; recorded in every checkpoint). ``None``: pure
+    data parallel over the world -- also right for models whose parameters are all DTensors (FSDP2,
+    ``parallelize_module``): they carry their own layout."""
+
+    specs: Mapping[str, SpecLike] | SpecRules | None = _opt(None, same=False)  # compared as ``rules``
+    """glob -> :class:`~smpckpt.ShardSpec` for plain sharded tensors (Megatron-style local shards), matched
+    against stored keys (``model.layers.3.qkv.weight``) or the model's own names (``layers.3.qkv.weight``,
+    as :func:`smpckpt.hf.llama.tp_specs` writes rules); the first match wins. Optimizer state inherits its
+    parameter's spec."""
+
+    name_map: NameMap | None = _opt(None, same=lambda fn: fn is not None)
+    """Stage-local -> global key map for pipeline stages (sees ``model.*``/``optim.*`` keys), used both ways."""
+
+    process_group: Any = _opt(None, same=False)
+    """The group that saves and loads (``None``: the default group; without one, a world of one)."""
+
+    rules: SpecRules = dataclasses.field(
+        init=False, repr=False, compare=False, metadata={"same": lambda rules: rules.to_records()}
+    )
+    #: ``specs`` as the planners take them (derived, compared across ranks)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layout is not None and not isinstance(self.layout, ParallelLayout):
+            raise TypeError(f"layout must be a ParallelLayout or None, got {type(self.layout).__name__}")
+        if self.name_map is not None and not callable(self.name_map):
+            raise TypeError(f"name_map must be callable (str -> str), got {type(self.name_map).__name__}")
+        check_process_group(self.process_group)
+        object.__setattr__(self, "rules", spec_rules(self.specs))
 
 
 def check_local_path(path: Any) -> str:
@@ -52,184 +149,204 @@ def check_local_path(path: Any) -> str:
     return os.path.abspath(text)
 
 
-class _Options:
-    """What both option classes share: flags are booleans, options of the other mode are refused,
-    ``local_path`` is a folder on this node, ``partial=False`` translates by a :class:`Translation`."""
+@dataclasses.dataclass(frozen=True)
+class FastTier(_Options):
+    """Tiered checkpoints: every save to the nodes' own fast storage first, every few to ``path``
+    (README, "Tiered checkpoints")."""
 
-    partial: bool
-    local_path: str | os.PathLike[str] | None
-    translate_function: Any
+    local_path: str = _opt(same=False)
+    """This node's fast tier (node-local NVMe or ``/dev/shm``; each process passes its own node's folder,
+    the same on every rank of a node; kept as an absolute path). Every save commits to the fast tiers
+    first, each rank's files also copied to ``replicas - 1`` other nodes over the process group; every
+    ``durable_every``-th save is then copied from there to ``path`` in the background. The copies live in a
+    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``): jobs sharing
+    ``local_path`` never see each other's. A resume loads the newest checkpoint complete and verified
+    across the surviving fast tiers (parts a node lacks, or holds corrupt, fetched from peers) or in
+    ``path``, whichever is newer (:attr:`ResumeInfo.tier`)."""
+
+    replicas: int = 2
+    """Copies of each rank's files in the fast tiers, each on a different node (``LOCAL_WORLD_SIZE``
+    ranks per node); at most the number of nodes."""
+
+    durable_every: int = 1
+    """Every N-th save of the job (counted across restarts from the saves already in either tier) is also
+    committed to ``path``, drained in the background from the fast tier's files. A drain that did not
+    commit (a killed job) is retried by the next save that is not itself due."""
+
+    num_kept_local: int | None = 2
+    """Keep the N newest checkpoints complete across the nodes' fast tiers (never the one a drain is
+    copying, nor one due for ``path`` whose drain did not commit); ``None`` keeps all.
+    :attr:`Retention.num_kept_partial_checkpoints` governs ``path``."""
 
     def __post_init__(self) -> None:
-        if self.local_path is not None:
-            check_local_path(self.local_path)
-        fn = self.translate_function
-        if not self.partial and fn is not None and not isinstance(fn, Translation):
-            raise TypeError(
-                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
-                f"need the whole state dict on one rank); got {type(fn).__name__}"
-            )
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            if isinstance(f.default, bool):
-                check_flag(f.name, getattr(self, f.name))
-        only = {f.name: f.metadata["only"] for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-        given = [name for name in self.given() if only[name] not in (None, self.partial)]
-        if given:
-            verb, kind = "applies" if len(given) == 1 else "apply", "full" if self.partial else "partial"
-            raise ValueError(f"{', '.join(given)} {verb} only to {kind} checkpoints (partial={not self.partial})")
-
-    def given(self) -> list[str]:
-        """The fields set to something other than their default."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]  # type: ignore[arg-type]
-
-    def compared(self) -> dict[str, Any]:
-        """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
-        return {
-            f.name: key(getattr(self, f.name)) if callable(key) else getattr(self, f.name)
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if (key := f.metadata["same"])
-        }
+        object.__setattr__(self, "local_path", check_local_path(self.local_path))
+        check_int("replicas", self.replicas, minimum=1)
+        check_int("durable_every", self.durable_every, minimum=1)
+        validate_keep(self.num_kept_local, "num_kept_local")
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveOptions(_Options):
-    """The options of :func:`~smpckpt.save_checkpoint`."""
+class Retention(_Options):
+    """What is removed under ``path`` after each save (rank 0, only after the new one committed)."""
 
-    partial: bool = _opt(True)
-    """``True``: a partial checkpoint ``{path}/{tag}_partial`` (every rank saves its own shards; resumable
-    under any layout), then named by ``{path}/newest``. ``False``: one full artifact ``{path}/{tag}/``
-    readable without smpckpt (README, "Full checkpoints"), which ``newest`` and retention ignore."""
+    num_kept_partial_checkpoints: int | None = None
+    """Keep only the N newest committed partial checkpoints (N >= 1; by sequence number, never by a
+    clock), never the tag ``newest`` names; ``None`` keeps all. Full checkpoints are never counted or
+    removed."""
 
-    num_kept_partial_checkpoints: int | None = _opt(None)
-    """Keep only the N newest committed partial checkpoints (N >= 1), deleting older ones on rank 0 after
-    this one committed; ``None`` keeps all. Accepted (and checked) with ``partial=False``, as smp accepts
-    it: there it changes nothing (full checkpoints are never counted or removed)."""
-
-    overwrite: bool = _opt(False, only=True)
-    """Replace a committed checkpoint of the same tag (a full artifact's file names are fixed: it is never
-    overwritten)."""
-
-    save_rng: bool = _opt(True, only=True)
-    """Save every rank's RNG states (torch, CUDA, python, numpy); resume restores them under an unchanged
-    layout."""
-
-    format: Literal["raw", "torch_save", "safetensors"] = _opt("raw")
-    """Partial checkpoints: ``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable).
-    Full ones: ``"safetensors"`` (``"raw"`` means the same) or ``"torch_save"`` (``pytorch_model.bin``...,
-    see :attr:`smpckpt.storage.FullOptions.format`)."""
-
-    sync_files: bool = _opt(True)
-    """fsync data before the commit (``False`` accepts losing a "committed" checkpoint to a power loss)."""
-
-    remove_uncommitted_older_than: float | None = _opt(None, only=True)
-    """Seconds: after the commit, rank 0 also removes uncommitted folders (debris of killed saves) with no
-    write for that long and aborts S3 multipart uploads under ``path`` started that long ago. Make it
-    longer than any save (``6 * 3600``); ``None`` leaves them (``smpckpt prune`` removes them)."""
-
-    include_optimizer: bool = _opt(False, only=False)
-    """Also write the optimizer's tensor state to ``optimizer.safetensors``, keyed ``<param fqn>.<name>``
-    (hyper-parameters are not saved). Needs ``optimizer=``."""
-
-    dtype: torch.dtype | None = _opt(None, only=False, same=str)
-    """Cast floating-point tensors on export (fp32 -> ``torch.bfloat16``), as
-    :attr:`smpckpt.storage.FullOptions.dtype`."""
-
-    hf_config: Any = _opt(None, only=False, same=lambda c: config_value(c, "tie_word_embeddings"))
-    """A Hugging Face config (or dict) written as ``config.json`` (rank 0's), as
-    :attr:`smpckpt.storage.FullOptions.hf_config`; a head tied to its embedding is left out unless it
-    says ``tie_word_embeddings: false`` (that flag must agree across ranks)."""
-
-    translate_function: Translation | None = _opt(None, only=False, same=lambda t: t and t.name)
-    """A :class:`~smpckpt.model.translation.Translation` (``smpckpt.hf.gpt2.TRANSLATION``): the artifact
-    gets Hugging Face names and layouts, translated shard by shard."""
-
-    max_shard_size: int | str | None = _opt(None, only=False)
-    """Bytes (or ``"5GB"``) per file; ``None``: :attr:`smpckpt.storage.FullOptions.max_shard_size`'s
-    default, the one default of every full export (API, ``consolidate_checkpoint``, CLI)."""
-
-    async_save: bool = _opt(False, only=True)
-    """Return a ``concurrent.futures.Future`` once the state is staged (copied into reused host buffers)
-    and write, commit, point ``newest`` and apply retention on a background thread with a gloo group of
-    its own (README, "Async saves"). One save is in flight at a time; :func:`smpckpt.wait_for_saves`
-    finishes it (call it before ``destroy_process_group()``); a resume waits for it first."""
-
-    wait_for_previous: bool = _opt(True, same=False)
-    """A save first waits for the background save in flight, logging how long; ``False`` raises
-    :class:`~smpckpt.errors.CheckpointError` instead."""
-
-    freeze_gc: bool = _opt(True, same=False)
-    """Run a synchronous save inside :func:`smpckpt.gc_frozen` (README, "Garbage collection")."""
-
-    verify_replicas: bool = _opt(True)
-    """Ranks holding the same piece of a tensor (replicas; a key two pipeline stages hold) must hold the
-    same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys
-    and ranks: one replica is written, so a forgotten TP spec would lose data silently."""
-
-    local_path: str | os.PathLike[str] | None = _opt(None, only=True, same=False)
-    """This node's fast tier (node-local NVMe or ``/dev/shm``; each process passes its own node's folder,
-    the same on every rank of a node). Every save commits to the fast tiers first, each rank's files also
-    copied to ``replicas - 1`` other nodes over the process group; every ``durable_every``-th save is then
-    copied from there to ``path`` in the background (README, "Tiered checkpoints"). The copies live in a
-    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``): jobs sharing
-    ``local_path`` never see each other's. ``None``: every save goes to ``path`` directly."""
-
-    replicas: int = _opt(2, only=True)
-    """With ``local_path``: copies of each rank's files in the fast tiers, each on a different node
-    (``LOCAL_WORLD_SIZE`` ranks per node); at most the number of nodes."""
-
-    durable_every: int = _opt(1, only=True)
-    """With ``local_path``: every N-th save of the job (counted across restarts from the saves already in
-    either tier) is also committed to ``path``, drained in the background from the fast tier's files. A
-    drain that did not commit (a killed job) is retried by the next save that is not itself due."""
-
-    num_kept_local: int | None = _opt(2, only=True)
-    """With ``local_path``: keep the N newest checkpoints complete across the nodes' fast tiers (never the
-    one a drain is copying, nor one due for ``path`` whose drain did not commit); ``None`` keeps all.
-    ``num_kept_partial_checkpoints`` governs ``path``."""
+    remove_uncommitted_older_than: float | None = None
+    """Seconds: also remove uncommitted folders (debris of killed saves) with no write for that long and
+    abort S3 multipart uploads under ``path`` started that long ago. Make it longer than any save
+    (``6 * 3600``); ``None`` leaves them (``smpckpt prune`` removes them)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         validate_keep(self.num_kept_partial_checkpoints)
-        self._check_tiers()
         stale = self.remove_uncommitted_older_than
         # NaN passes "< 0" and is unequal to itself: every rank would then seem to pass another value
         if stale is not None and (
             isinstance(stale, bool) or not isinstance(stale, (int, float)) or math.isnan(stale) or stale < 0
         ):
             raise ValueError(f"remove_uncommitted_older_than must be seconds >= 0 or None, got {stale!r}")
-        if self.partial:
-            if self.format not in ("raw", "torch_save"):
-                full = self.format == "safetensors"
-                hint = " ('safetensors' is a format of full checkpoints, partial=False)" if full else ""
-                raise ValueError(f"format must be 'raw' or 'torch_save', got {self.format!r}{hint}")
-            return
-        if self.format not in ("raw", "safetensors", "torch_save"):
-            raise ValueError(
-                f"with partial=False, format must be 'safetensors' (or 'raw') or 'torch_save', got {self.format!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncOptions(_Options):
+    """Saves that return before the state is written (README, "Async saves")."""
+
+    enabled: bool = False
+    """Partial saves return a ``concurrent.futures.Future`` once the state is staged (copied into host
+    buffers the :class:`~smpckpt.Checkpointer` reuses across saves) and are written, committed, pointed at
+    by ``newest`` and retained on a background thread with a gloo group of its own.
+    :attr:`SaveOptions.async_save` overrides it per save. One save is in flight per Checkpointer."""
+
+    overlap_staging: bool = True
+    """The parameters and optimizer state of the optimizers passed to a save are staged on the background
+    thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step pre-hook)
+    only for staging still unfinished, so it never changes values being staged. Everything else (buffers,
+    a model saved without its optimizer) is staged before the save returns. ``False``: all of it is."""
+
+    exit_status: int | None = _opt(1, same=False)
+    """The exit status of a process whose background save failed and was never raised to it (the last
+    save of a script that returns while it runs). ``None`` keeps the interpreter's own status (the failure
+    is still logged at ERROR). A non-zero status ends the process with ``os._exit`` once the remaining exit
+    hooks have run; a program that ends with ``sys.exit(N)``, ``N`` non-zero, keeps ``N``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        status = self.exit_status
+        if status is not None and (isinstance(status, bool) or not isinstance(status, int) or not 0 <= status <= 255):
+            raise ValueError(f"exit_status must be an exit status 0..255 or None, got {status!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions(_Options):
+    """The options of one partial save (:meth:`smpckpt.Checkpointer.save`)."""
+
+    async_save: bool | None = None
+    """This save in the background (:class:`AsyncOptions`); ``None``: :attr:`AsyncOptions.enabled`."""
+
+    wait_for_previous: bool = _opt(True, same=False)
+    """A save first waits for the background save in flight, logging how long; ``False`` raises
+    :class:`~smpckpt.errors.CheckpointError` instead."""
+
+    overwrite: bool = False
+    """Replace a committed checkpoint of the same tag (not with a fast tier: a tiered save never
+    replaces a tag)."""
+
+    save_rng: bool = True
+    """Save every rank's RNG states (torch, CUDA, python, numpy); resume restores them under an
+    unchanged layout."""
+
+    format: Literal["raw", "torch_save"] = "raw"
+    """``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable)."""
+
+    sync_files: bool = True
+    """fsync data before the commit (``False`` accepts losing a "committed" checkpoint to a power loss)."""
+
+    freeze_gc: bool = _opt(True, same=False)
+    """Run a synchronous save inside :func:`smpckpt.gc_frozen` (README, "Garbage collection")."""
+
+    verify_replicas: bool = True
+    """Ranks holding the same piece of a tensor (replicas; a key two pipeline stages hold) must hold the
+    same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys and
+    ranks: one replica is written, so a forgotten TP spec would lose data silently."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.async_save is not None:
+            check_flag("async_save", self.async_save)
+        if self.format not in ("raw", "torch_save"):
+            hint = (
+                " ('safetensors' is a format of full checkpoints: ExportOptions)"
+                if self.format == "safetensors"
+                else ""
+            )
+            raise ValueError(f"format must be 'raw' or 'torch_save', got {self.format!r}{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions(_Options):
+    """The options of a full artifact (:meth:`smpckpt.Checkpointer.export`; ``save_checkpoint(...,
+    partial=False)``): the Hugging Face shaped files README "Full checkpoints" describes."""
+
+    format: Literal["safetensors", "torch_save"] = "safetensors"
+    """``"safetensors"`` (``model.safetensors``...) or ``"torch_save"`` (``pytorch_model.bin``..., see
+    :attr:`smpckpt.storage.FullOptions.format`)."""
+
+    include_optimizer: bool = False
+    """Also write the optimizer's tensor state to ``optimizer.safetensors``, keyed ``<param fqn>.<name>``
+    (hyper-parameters are not saved). Needs ``optimizer=`` (or, exporting a committed partial checkpoint,
+    one saved with its optimizer)."""
+
+    dtype: torch.dtype | None = _opt(None, same=str)
+    """Cast floating-point tensors on export (fp32 -> ``torch.bfloat16``), as
+    :attr:`smpckpt.storage.FullOptions.dtype`."""
+
+    hf_config: Any = _opt(None, same=lambda c: config_value(c, "tie_word_embeddings"))
+    """A Hugging Face config (or dict) written as ``config.json`` (rank 0's), as
+    :attr:`smpckpt.storage.FullOptions.hf_config`; a head tied to its embedding is left out unless it says
+    ``tie_word_embeddings: false`` (that flag must agree across ranks)."""
+
+    translate_function: Translation | None = _opt(None, same=lambda t: t and t.name)
+    """A :class:`~smpckpt.model.translation.Translation` (``smpckpt.hf.gpt2.TRANSLATION``): the artifact
+    gets Hugging Face names and layouts, translated shard by shard (a plain callable would need the whole
+    state dict on one rank)."""
+
+    max_shard_size: int | str | None = None
+    """Bytes (or ``"5GB"``) per file; ``None``: :attr:`smpckpt.storage.FullOptions.max_shard_size`'s
+    default, the one default of every full export (API, ``consolidate_checkpoint``, CLI)."""
+
+    sync_files: bool = True
+    """As :attr:`SaveOptions.sync_files`."""
+
+    freeze_gc: bool = _opt(True, same=False)
+    """As :attr:`SaveOptions.freeze_gc`."""
+
+    verify_replicas: bool = True
+    """As :attr:`SaveOptions.verify_replicas`."""
+
+    out_storage_options: Mapping[str, Any] | None = _opt(None, same=False)
+    """fsspec options of ``out`` when it is given (default: :attr:`Location.storage_options`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fn = self.translate_function
+        if fn is not None and not isinstance(fn, Translation):
+            raise TypeError(
+                "translate_function must be a smpckpt.model.translation.Translation (for example "
+                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
+                f"need the whole state dict on one rank); got {type(fn).__name__}"
             )
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype!r}"
             )
-        self.artifact()  # the artifact's own checks (max_shard_size...), once, here
-
-    def _check_tiers(self) -> None:
-        if self.local_path is None:
-            tiered = [n for n in ("replicas", "durable_every", "num_kept_local") if n in self.given()]
-            if tiered:
-                raise ValueError(f"{', '.join(tiered)} apply only with local_path= (tiered checkpoints)")
-            return
-        check_int("replicas", self.replicas, minimum=1)
-        check_int("durable_every", self.durable_every, minimum=1)
-        validate_keep(self.num_kept_local, "num_kept_local")
-        if self.overwrite:
-            raise ValueError("overwrite does not apply with local_path= (a tiered save never replaces a tag)")
+        self.artifact()  # the artifact's own checks (format, max_shard_size, config and translation), once
 
     def artifact(self, architecture: str | None = None) -> FullOptions:
-        """The full artifact's layout (``partial=False``); ``architecture``: see :class:`FullOptions`."""
+        """The full artifact's layout; ``architecture``: see :class:`FullOptions`."""
         return FullOptions(
-            format="torch_save" if self.format == "torch_save" else "safetensors",
+            format=self.format,
             max_shard_size=self.max_shard_size,
             dtype=self.dtype,
             artifacts=FULL_ARTIFACTS,
@@ -241,12 +358,12 @@ class SaveOptions(_Options):
 
 @dataclasses.dataclass(frozen=True)
 class ResumeOptions(_Options):
-    """The options of :func:`~smpckpt.resume_from_checkpoint` (``freeze_gc`` as :class:`SaveOptions`)."""
+    """The options of one resume (:meth:`smpckpt.Checkpointer.resume`)."""
 
-    partial: bool = _opt(True)
+    partial: bool = True
     """``True``: a partial checkpoint ``{path}/{tag}_partial`` (``tag=None``: the one ``newest`` names).
     ``False``: a full one, ``{path}/{tag}/`` (``tag=None``: ``path`` itself), written by
-    ``save_checkpoint(partial=False)`` or a plain Hugging Face folder (read unverified); optimizer tensor
+    :meth:`~smpckpt.Checkpointer.export` or a plain Hugging Face folder (read unverified); optimizer tensor
     state is loaded when the artifact has it and ``optimizer`` is given; RNG is not restored and
     :func:`~smpckpt.last_resume_info` is not updated."""
 
@@ -256,21 +373,21 @@ class ResumeOptions(_Options):
     :class:`~smpckpt.model.translation.Translation` (``smpckpt.hf.gpt2.TRANSLATION``), applied box by box
     while reading."""
 
-    missing_ok: bool = _opt(False, only=True)
+    missing_ok: bool = False
     """Return ``None`` (start fresh) instead of raising :class:`~smpckpt.errors.CheckpointNotFound` when
-    nothing committed exists."""
+    nothing committed exists (``partial=True`` only)."""
 
-    strict: bool = _opt(True)
+    strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or
     checkpoint keys would be left unloaded; ``False`` skips them (:attr:`ResumeInfo.skipped_keys`)."""
 
-    load_rng: bool = _opt(True, only=True)
-    """Restore the saved RNG states when the layout (and world size) is unchanged."""
+    load_rng: bool = True
+    """Restore the saved RNG states when the layout (and world size) is unchanged (``partial=True`` only)."""
 
-    allow_pickle: bool = _opt(False)
+    allow_pickle: bool = False
     """Load stored objects (``user_content``) with arbitrary classes: trusted checkpoints only."""
 
-    allow_dtype_cast: bool = _opt(False)
+    allow_dtype_cast: bool = False
     """Convert tensors saved in another dtype instead of refusing."""
 
     keep_tied: Sequence[str] = _opt((), same=tuple)
@@ -281,17 +398,11 @@ class ResumeOptions(_Options):
     ignored (``["model.lm_head.weight"]`` keeps the head, ``["*embed*"]`` the embedding). Values held
     apart but equal load without it."""
 
-    verify_checksums: bool = _opt(True)
+    verify_checksums: bool = True
     """Check every byte read against its checksum."""
 
     freeze_gc: bool = _opt(True, same=False)
     """Run the load inside :func:`smpckpt.gc_frozen`."""
-
-    local_path: str | os.PathLike[str] | None = _opt(None, only=True, same=False)
-    """This node's fast tier, as given to :func:`~smpckpt.save_checkpoint`: the newest checkpoint complete
-    and verified across the surviving fast tiers (parts a node lacks, or holds corrupt, fetched from peers)
-    or in ``path``, whichever is newer, is loaded (:attr:`ResumeInfo.tier`); a fast-tier copy that cannot
-    be loaded gives way to the next one, then to ``path``'s."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -299,5 +410,18 @@ class ResumeOptions(_Options):
         if isinstance(tied, str) or not isinstance(tied, Sequence) or not all(isinstance(g, str) for g in tied):
             raise TypeError(f"keep_tied must be a list of key globs, got {tied!r}")
         object.__setattr__(self, "keep_tied", tuple(tied))
-        if self.partial and self.translate_function is not None and not callable(self.translate_function):
-            raise TypeError("translate_function must be callable (state_dict -> state_dict)")
+        fn = self.translate_function
+        if self.partial:
+            if fn is not None and not callable(fn):
+                raise TypeError("translate_function must be callable (state_dict -> state_dict)")
+            return
+        if fn is not None and not isinstance(fn, Translation):
+            raise TypeError(
+                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
+                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
+                f"need the whole state dict on one rank); got {type(fn).__name__}"
+            )
+        wrong = [name for name in ("missing_ok", "load_rng") if name in self.given()]
+        if wrong:
+            verb = "applies" if len(wrong) == 1 else "apply"
+            raise ValueError(f"{', '.join(wrong)} {verb} only to partial checkpoints (partial=True)")

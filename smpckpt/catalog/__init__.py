@@ -3,6 +3,13 @@
 May import: ``smpckpt.storage``, ``smpckpt.errors``. Not the API, planners or model layer.
 """
 
-from smpckpt.catalog.listing import CheckpointRecord, RecordState, highest_sequence, newest_tag, record_order, scan_root
+from smpckpt.catalog.retention import (
+    CheckpointRecord,
+    RecordState,
+    highest_sequence,
+    newest_tag,
+    record_order,
+    scan_root,
+)
 
 __all__ = ["CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag", "highest_sequence"]

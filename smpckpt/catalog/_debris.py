@@ -26,14 +26,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from smpckpt.catalog.listing import CheckpointRecord
-from smpckpt.catalog.tags import NEWEST_NAME, open_root, tag_of_partial_dirname
+from smpckpt.catalog.retention import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, join
-from smpckpt.storage.backends._paths import remove_files
+from smpckpt.storage.backends._folder import remove_files
+from smpckpt.storage.backends._fs import is_local, join, translate_errors
 from smpckpt.storage.format._names import (
     MANIFEST_NAME,
     TRASH_PREFIX,
@@ -46,6 +44,9 @@ from smpckpt.storage.format._names import (
 )
 from smpckpt.storage.format.commit import remove_staged
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
+
+if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
+    from smpckpt.catalog.retention import CheckpointRecord
 
 __all__ = ["sweep_debris"]
 

@@ -20,6 +20,7 @@ transformers: configs are read by attribute or dict key.
 
 import re
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
@@ -30,12 +31,12 @@ __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistr
 __all__ += ["check_translation", "check_config"]
 
 #: HF ``config.model_type`` -> translation.
-TRANSLATIONS: dict[str, Translation] = {
-    mod.TRANSLATION.name: mod.TRANSLATION for mod in (gpt2, bert, roberta, gptj, gptneo, llama, qwen2, mistral)
-}
+TRANSLATIONS: Mapping[str, Translation] = MappingProxyType(
+    {mod.TRANSLATION.name: mod.TRANSLATION for mod in (gpt2, bert, roberta, gptj, gptneo, llama, qwen2, mistral)}
+)
 
 #: module names that differ from the model_type (smp's import path is ``...huggingface.gptneo``)
-_MODULE_NAMES = {"gptneo": "gpt_neo"}
+_MODULE_NAMES = MappingProxyType({"gptneo": "gpt_neo"})
 
 
 def translation_for(name: str) -> Translation:

@@ -7,17 +7,66 @@ Rank order is TP fastest, then DP, then PP (as in Megatron)::
 ``pp_layers`` is the pipeline partition decision: how many transformer layers each stage holds. With
 ``pp_layers=(2, 2)`` stage 1 holds global layers 2 and 3, and its stage-local ``layers.0`` is saved
 as ``layers.2``.
+
+Pipeline-parallel key renaming: stage-local keys to global (checkpoint) keys.
+
+Renaming happens only when the layout records a partition (``pp_layers``) or a ``name_map`` is
+given. The default rule rewrites the integer after a ``layers.`` path segment by the stage's layer
+offset (``layers.<i>.`` -> ``layers.<i + offset>.``) and checks that ``i`` is one of the stage's
+layers. Without a partition or a map, keys are taken as already global (torchtitan-style PP).
+
+The top-level keys :func:`~smpckpt.save_checkpoint` reserves in a checkpoint -- named here only.
+
+Adding a reserved key means adding it here: the API builds its state dict, its rank-local globs and
+its optional-key globs from this one object.
+
+What a checkpoint records about how it was partitioned -- one type, written once, read by all.
+
+The save planner builds a :class:`LayoutRecord` and stores its JSON in ``Metadata.planner_data``
+under :data:`METADATA_KEY`; :class:`~smpckpt.storage.FsspecStorageWriter` copies that JSON verbatim
+into the commit manifest under :data:`MANIFEST_KEY`, so tools that list many checkpoints (``smpckpt
+ls``, resume's choice of tag) read it without fetching ``.metadata``. Every reader -- the load
+planner, resume, the CLI -- parses it here and nowhere else.
+
+Versions: 1 is the current record. Checkpoints written by smpckpt 0.1.0's ``save_checkpoint`` kept
+``layout``/``specs``/``rank_local`` loose in the manifest's ``extra``; :meth:`LayoutRecord.from_manifest`
+still reads those.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from smpckpt.errors import SpecError
+from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD, RECORD_VERSION  # noqa: F401 - named here too (their old home)
+from smpckpt.errors import CheckpointCorrupt, SpecError
 
-__all__ = ["ParallelLayout", "RankCoords", "AXES"]
+__all__ = [
+    "ParallelLayout",
+    "RankCoords",
+    "AXES",
+    "KeyMapper",
+    "NameMap",
+    "ReservedKeys",
+    "RESERVED",
+    "OPTIM_STATE_PREFIX",
+    "FULL_ARTIFACTS",
+    "API_RECORD",
+    "API_RECORD_V1",
+    "FULL_API_RECORD",
+    "LayoutRecord",
+    "METADATA_KEY",
+    "MANIFEST_KEY",
+    "RECORD_VERSION",
+    "TIED_KEY",
+    "checkpoint_ties",
+    "MERGED_KEY",
+    "checkpoint_original_shapes",
+]
+
 
 #: Parallel axes a :class:`~smpckpt.ShardSpec` can name, in rank order (fastest first).
 AXES = ("tp", "dp", "pp")
@@ -160,3 +209,215 @@ class ParallelLayout:
                 "build the mesh as (pp, dp, tp) over ranks 0..N-1"
             )
         return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class ReservedKeys:
+    model: str = "model"  #: model state (``model.<fqn>``)
+    optim: str = "optim"  #: FQN-keyed optimizer state (``optim.state.<fqn>.<name>``)
+    rng: str = "rng"  #: per-rank RNG states (``rng.rank<r>.<generator>``)
+    user_content: str = "user_content"  #: rank 0's user_content, one weights-only object
+
+    def rng_of(self, rank: int) -> str:
+        """The sub-key holding ``rank``'s RNG states (under :attr:`rng`)."""
+        return f"rank{rank}"
+
+    @property
+    def rank_local(self) -> tuple[str, ...]:
+        """Globs of keys one rank holds for itself (never treated as replicas)."""
+        return (f"{self.rng}.*", self.user_content)
+
+    def optional(self, *, model: bool, optim: bool) -> tuple[str, ...]:
+        """Globs of keys a load may skip: RNG states and user_content always; ``model``/``optim``
+        parts when the caller passed no model or no optimizer."""
+        globs = [f"{self.rng}.*", self.user_content]
+        if not model:
+            globs.append(f"{self.model}.*")
+        if not optim:
+            globs.append(f"{self.optim}.*")
+        return tuple(globs)
+
+
+RESERVED = ReservedKeys()
+#: where FQN-keyed optimizer state lives (``get_state_dict`` with ``flatten_optimizer_state_dict=True``)
+OPTIM_STATE_PREFIX = f"{RESERVED.optim}.state."
+#: a full artifact's files: flattened-key prefix -> file stem, as Hugging Face names them
+FULL_ARTIFACTS = MappingProxyType({f"{RESERVED.model}.": "model", OPTIM_STATE_PREFIX: "optimizer"})
+
+
+NameMap = Callable[[str], str]
+
+_LAYER = re.compile(r"(?:(?<=^)|(?<=\.))layers\.(\d+)(?=\.|$)")
+
+
+class KeyMapper:
+    """Maps one rank's local keys to global keys (and flatten paths alike)."""
+
+    def __init__(self, layout: ParallelLayout, pp_rank: int, name_map: NameMap | None = None) -> None:
+        self.layout = layout
+        self.pp_rank = pp_rank
+        self.name_map = name_map
+        self.active = name_map is not None or layout.pp_layers is not None
+        self._offset = layout.layer_offset(pp_rank)
+        self._count = layout.pp_layers[pp_rank] if layout.pp_layers is not None else None
+
+    def to_global(self, key: str) -> str:
+        if not self.active:
+            return key
+        if self.name_map is not None:
+            mapped = self.name_map(key)
+            if not isinstance(mapped, str) or not mapped:
+                raise SpecError(f"name_map returned {mapped!r} for key {key!r}; it must return a non-empty str")
+            return mapped
+        return _LAYER.sub(self._shift, key)
+
+    def _shift(self, match: re.Match[str]) -> str:
+        local = int(match.group(1))
+        if self._count is not None and local >= self._count:
+            raise SpecError(
+                f"stage {self.pp_rank} holds {self._count} layers (pp_layers={self.layout.pp_layers}) "
+                f"but the state dict has stage-local layer {local} ({match.string!r})"
+            )
+        return f"layers.{local + self._offset}"
+
+    def global_path(self, local_path: tuple[object, ...], local_key: str, global_key: str) -> tuple[object, ...]:
+        """Flatten path for ``global_key``: the elements both keys share, then the renamed rest.
+
+        DCP records ``key -> path`` so tools can re-nest a flat checkpoint (``dcp_to_torch_save``).
+        A renamed key keeps its unchanged leading path elements and holds the rest as one string.
+        """
+        if global_key == local_key:
+            return local_path
+        prefix: list[object] = []
+        text = ""
+        for element in local_path:
+            candidate = f"{text}{element}."
+            if global_key.startswith(candidate) and local_key.startswith(candidate):
+                prefix.append(element)
+                text = candidate
+            else:
+                break
+        return (*prefix, global_key[len(text) :])
+
+
+#: Key in ``Metadata.planner_data`` (plain JSON-able values, so stock unpicklers read it).
+METADATA_KEY = "__smpckpt__"
+#: Key in the manifest's ``extra`` (a copy of the same JSON, made by the storage writer).
+MANIFEST_KEY = "layout_record"
+#: Key in ``Metadata.planner_data`` of a plain Hugging Face folder read through our storage reader: tied
+#: heads the folder leaves out (``{"model.lm_head.weight": "model.transformer.wte.weight"}``). Our own
+#: checkpoints record their ties in the :class:`LayoutRecord` instead.
+TIED_KEY = "__smpckpt_tied__"
+#: Key in ``Metadata.planner_data`` of a plain Hugging Face folder read through a translation: the shape
+#: an unsharded model holds each fused tensor in (``[3d, d]`` for the stored view ``[3, d, d]``), as
+#: :attr:`LayoutRecord.original_shapes` records it for our checkpoints.
+MERGED_KEY = "__smpckpt_merged__"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRecord:
+    """The partition a checkpoint was saved under.
+
+    ``specs`` are the spec rules as JSON records (``SpecRules.to_records()``): kept as data, since
+    a reader needs them for display and comparison, not to shard anything.
+    """
+
+    layout: ParallelLayout
+    specs: tuple[Mapping[str, Any], ...] = ()
+    rank_local: tuple[str, ...] = ()
+    version: int = RECORD_VERSION
+    #: key -> shape before its ShardSpec ``view`` (the checkpoint stores the view shape); export tools
+    #: reshape to it so a fused QKV comes out as ``[3h, d]``, not ``[3, h, d]``
+    original_shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: tied key -> the key whose stored bytes it is (one tensor held under two names, written once);
+    #: a load into a model that holds the two apart reads the second for the first
+    tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "version": self.version,
+            "layout": self.layout.to_dict(),
+            "specs": [dict(s) for s in self.specs],
+            "rank_local": list(self.rank_local),
+            "original_shapes": {k: list(v) for k, v in sorted(self.original_shapes.items())},
+        }
+        if self.tied:  # absent otherwise: records without ties stay as every earlier version wrote them
+            out["tied"] = dict(sorted(self.tied.items()))
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any, *, where: str = "layout record") -> LayoutRecord:
+        """Parse; a malformed record is :class:`~smpckpt.errors.CheckpointCorrupt` naming ``where``."""
+        try:
+            if not isinstance(obj, Mapping):
+                raise TypeError(f"expected an object, got {type(obj).__name__}")
+            version = int(obj.get("version", RECORD_VERSION))
+            if version > RECORD_VERSION:
+                raise ValueError(f"record version {version} is newer than this smpckpt understands; upgrade smpckpt")
+            specs = obj.get("specs") or ()
+            rank_local = obj.get("rank_local") or ()
+            if not isinstance(specs, Sequence) or not isinstance(rank_local, Sequence):
+                raise TypeError("specs and rank_local must be lists")
+            return cls(
+                layout=ParallelLayout.from_dict(obj["layout"]),
+                specs=tuple(dict(s) for s in specs),
+                rank_local=tuple(str(g) for g in rank_local),
+                version=version,
+                original_shapes={
+                    str(k): tuple(int(n) for n in v) for k, v in dict(obj.get("original_shapes") or {}).items()
+                },
+                tied={str(k): str(v) for k, v in dict(obj.get("tied") or {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, SpecError, OverflowError, RecursionError) as exc:
+            raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
+
+    @classmethod
+    def from_metadata(cls, metadata: Any) -> LayoutRecord | None:
+        """The record in a DCP ``Metadata`` (``None`` for checkpoints saved without our planner)."""
+        data = getattr(metadata, "planner_data", None)
+        if not isinstance(data, Mapping) or METADATA_KEY not in data:
+            return None
+        return cls.from_json(data[METADATA_KEY], where=f"Metadata.planner_data[{METADATA_KEY!r}]")
+
+    @classmethod
+    def from_manifest(cls, manifest: Any) -> LayoutRecord | None:
+        """The record in a manifest's ``extra`` (``None`` when the save recorded none)."""
+        extra = getattr(manifest, "extra", None) or {}
+        if MANIFEST_KEY in extra:
+            return cls.from_json(extra[MANIFEST_KEY], where=f"manifest extra[{MANIFEST_KEY!r}]")
+        if isinstance(extra.get("layout"), Mapping):  # smpckpt 0.1.0's save_checkpoint
+            fields = {name: extra.get(name) for name in ("layout", "specs", "rank_local")}
+            return cls.from_json({"version": 1, **fields}, where="manifest extra (0.1.0 layout fields)")
+        return None
+
+    @staticmethod
+    def json_in_metadata(metadata: Any) -> Mapping[str, Any] | None:
+        """The raw JSON of the record in ``metadata`` (what the storage writer copies into the manifest)."""
+        data = getattr(metadata, "planner_data", None)
+        if isinstance(data, Mapping) and isinstance(data.get(METADATA_KEY), Mapping):
+            return data[METADATA_KEY]
+        return None
+
+
+def checkpoint_ties(metadata: Any) -> dict[str, str]:
+    """Tied keys a checkpoint stores once (key -> the key holding its bytes): from our record, or from
+    what the storage reader found missing in a plain Hugging Face folder (:data:`TIED_KEY`)."""
+    record = LayoutRecord.from_metadata(metadata)
+    if record is not None:
+        return dict(record.tied)
+    data = getattr(metadata, "planner_data", None)
+    found = data.get(TIED_KEY) if isinstance(data, Mapping) else None
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, Mapping) else {}
+
+
+def checkpoint_original_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
+    """Shapes tensors stored in a view had before it (key -> shape): from our record, or from what the
+    storage reader knows of a Hugging Face folder's fused tensors (:data:`MERGED_KEY`)."""
+    record = LayoutRecord.from_metadata(metadata)
+    if record is not None:
+        return dict(record.original_shapes)
+    data = getattr(metadata, "planner_data", None)
+    found = data.get(MERGED_KEY) if isinstance(data, Mapping) else None
+    if not isinstance(found, Mapping):
+        return {}
+    return {str(k): tuple(int(n) for n in v) for k, v in found.items()}

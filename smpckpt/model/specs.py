@@ -21,8 +21,7 @@ from typing import Any, Union
 import torch
 
 from smpckpt.errors import SpecError
-from smpckpt.model.keys import OPTIM_STATE_PREFIX
-from smpckpt.model.layout import RankCoords
+from smpckpt.model.layout import OPTIM_STATE_PREFIX, RankCoords
 
 __all__ = ["ShardSpec", "SpecRules", "SpecLike", "ShardGeometry", "shard_geometry", "OPTIMIZER_STATE_PREFIXES"]
 

@@ -7,11 +7,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from smpckpt.catalog.tags import NEWEST_NAME, PARTIAL_SUFFIX, open_root
+from smpckpt.catalog.retention import NEWEST_NAME, PARTIAL_SUFFIX, open_root
 from smpckpt.errors import CheckpointError
-from smpckpt.model.record import LayoutRecord
+from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import checkpoint_state
-from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import translate_errors
 
 __all__ = [
     "ENV_OPTIONS",

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from types import MappingProxyType
 from typing import TextIO
 
-from smpckpt.catalog.listing import newest_tag
-from smpckpt.catalog.retention import apply_retention, validate_keep
+from smpckpt.catalog.retention import apply_retention, newest_tag, validate_keep
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url
 
 __all__ = ["cmd_prune", "cmd_convert", "cmd_consolidate", "duration", "DTYPES", "TRANSLATIONS"]
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+DTYPES = MappingProxyType(
+    {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+)
 #: ``--translation`` choices: HF ``config.model_type`` of every family in :mod:`smpckpt.hf`
 TRANSLATIONS = tuple(sorted(_FAMILIES))
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_UNITS = MappingProxyType({"s": 1, "m": 60, "h": 3600, "d": 86400})
 
 
 def duration(text: str) -> float:

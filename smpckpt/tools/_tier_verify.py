@@ -15,8 +15,7 @@ from typing import TextIO
 
 from smpckpt.api._tier_copies import TIER_KEY, part_sizes, seq_of
 from smpckpt.api._tiers import job_folder
-from smpckpt.catalog.listing import record_order
-from smpckpt.catalog.tags import partial_dirname
+from smpckpt.catalog.retention import partial_dirname, record_order
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import join, read_bytes_or_none

@@ -24,8 +24,14 @@ from typing import Any, TextIO
 from smpckpt.api._resume import resolve_target
 from smpckpt.api._tier_copies import TIER_KEY, judge, part_sizes, read_copy, seq_of
 from smpckpt.api._tiers import JOB_PREFIX, job_dirname, job_folder, read_job_record
-from smpckpt.catalog.listing import CheckpointRecord, record_order
-from smpckpt.catalog.tags import PARTIAL_SUFFIX, list_partial_tags, open_root, validate_tag
+from smpckpt.catalog.retention import (
+    PARTIAL_SUFFIX,
+    CheckpointRecord,
+    list_partial_tags,
+    open_root,
+    record_order,
+    validate_tag,
+)
 from smpckpt.errors import CheckpointError
 from smpckpt.storage import Manifest
 from smpckpt.storage.format._names import MANIFEST_NAME

@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
-from smpckpt.catalog.listing import newest_tag, scan_root
+from smpckpt.catalog.retention import newest_tag, scan_root
 from smpckpt.errors import CheckpointError, CheckpointNotFound
-from smpckpt.model.record import LayoutRecord
+from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
 from smpckpt.tools._common import (
     ENV_OPTIONS,

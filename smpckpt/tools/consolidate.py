@@ -41,8 +41,7 @@ from torch.distributed.checkpoint.planner import (
 from tqdm.auto import tqdm
 
 from smpckpt.errors import CheckpointError
-from smpckpt.model.keys import FULL_ARTIFACTS, OPTIM_STATE_PREFIX, RESERVED
-from smpckpt.model.record import METADATA_KEY
+from smpckpt.model.layout import FULL_ARTIFACTS, METADATA_KEY, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
 from smpckpt.tools._common import resolve_checkpoint_url

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from smpckpt.api._args import quiet_no_dist, translate_dcp
+from smpckpt.api._dist import quiet_no_dist, translate_dcp
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.model.record import LayoutRecord
+from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE

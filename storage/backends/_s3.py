@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp.payload import Payload
 
-from smpckpt.storage.backends._errors import translate_errors
+from smpckpt.storage.backends._fs import translate_errors
 from smpckpt.storage.backends._sinks import MAX_PARTS, MIN_PART_SIZE, byte_view
 
 __all__ = ["S3MultipartSink", "PartBody", "get_object", "get_object_and_etag", "get_range_into"]

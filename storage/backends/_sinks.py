@@ -16,8 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, is_s3
+from smpckpt.storage.backends._fs import is_local, is_s3, translate_errors
 
 __all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink", "byte_view"]
 __all__ += ["MIN_PART_SIZE", "DEFAULT_PART_SIZE", "MAX_PARTS"]

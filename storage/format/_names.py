@@ -24,7 +24,7 @@ import time
 
 from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR  # noqa: F401 - named here too (their old home)
 from smpckpt.storage.backends._folder import is_temp_name  # noqa: F401 - the names' owner is the folder that makes them
-from smpckpt.storage.backends._prefixes import _PREFIX_RE, check_prefix
+from smpckpt.storage.backends._fs import _PREFIX_RE, check_prefix
 
 __all__ = [
     "MANIFEST_NAME",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from smpckpt.storage.format._ranges import c_strides
+from smpckpt.storage.format._reading import c_strides
 
 __all__ = ["Box", "box_runs", "intersect", "split_box"]
 

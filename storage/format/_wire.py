@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
-from smpckpt.model.record import LayoutRecord
+from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import FileRecord
 

@@ -339,7 +339,7 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
 
     ``uncommitted_only`` (stale debris): when a manifest is found after the mark, a save committed here
     meanwhile: the mark goes and nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
-    from smpckpt.storage.backends._paths import remove_tree
+    from smpckpt.storage.backends._folder import remove_tree
 
     if is_local(fs):
         parent, name = nf.open_parent_and_name(path)

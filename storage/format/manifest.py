@@ -28,6 +28,12 @@ before anything is read or deleted.
 
 Block lists are packed (8 bytes per block, base64) so a 1 TiB checkpoint with 1 MiB blocks needs
 about 22 MiB of manifest rather than ~60 MiB of JSON numbers.
+
+What a checkpoint folder holds: committed, uncommitted, legacy (stock DCP) or missing.
+
+One GET for the manifest; only without one, a GET of ``.metadata``; only without both, a LIST (to
+tell an uncommitted save from an empty location). Nothing here runs on the save hot path except the
+coordinator's single overwrite check.
 """
 
 from __future__ import annotations
@@ -38,17 +44,34 @@ import dataclasses
 import functools
 import json
 import operator
+import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-from smpckpt.errors import CheckpointCorrupt
-from smpckpt.model.record import MANIFEST_KEY, LayoutRecord
+from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound, UnsafeCheckpoint
+from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
+from smpckpt.storage.backends._fs import confine, join, open_fs, read_bytes_or_none, translate_errors
+from smpckpt.storage.format import _names
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage.format._names import FORMAT_VERSION, check_member_name
+from smpckpt.storage.format._safe_pickle import load_metadata
 
-__all__ = ["FileRecord", "MetadataRecord", "Manifest", "CheckpointKind", "DataFormat", "extra_with_layout_record"]
+__all__ = [
+    "FileRecord",
+    "MetadataRecord",
+    "Manifest",
+    "CheckpointKind",
+    "DataFormat",
+    "extra_with_layout_record",
+    "CheckpointState",
+    "Probe",
+    "probe",
+    "probe_checkpoint",
+    "read_manifest",
+]
+
 
 # Digest fields are named after the algorithm (``"xxh3_64"``, ``"manifest_xxh3_64"``): changing
 # ALGORITHM is a format change, not a setting.
@@ -354,3 +377,100 @@ def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[st
     planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
     record = LayoutRecord.json_in_metadata(metadata)
     return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
+
+
+CheckpointState = Literal["committed", "uncommitted", "legacy", "missing"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    state: CheckpointState
+    manifest: Manifest | None = None
+    legacy_metadata: Any = None  # DCP Metadata of a stock checkpoint
+    detail: str = ""
+    #: the manifest's bytes as read (what an overwrite replaces, exactly: ``commit(replace=...)``)
+    raw: bytes | None = None
+
+    def generation_files(self) -> list[str]:
+        """Base names of the files of the checkpoint found (to remove after an overwrite commits)."""
+        if self.manifest is not None:
+            return [f.name for f in self.manifest.files] + [self.manifest.metadata.name]
+        if self.legacy_metadata is not None:
+            names = {
+                getattr(info, "relative_path", None) for info in (self.legacy_metadata.storage_data or {}).values()
+            }
+            # a crafted name must never reach a delete: refuse the checkpoint instead
+            return sorted(_names.check_member_name(n, where="legacy .metadata") for n in names)
+        return []
+
+
+def _plain_names(metadata: Any) -> list[str]:
+    names = []
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        try:
+            names.append(_names.check_member_name(getattr(info, "relative_path", None), where=""))
+        except UnsafeCheckpoint:
+            continue
+    return names
+
+
+def _refers_to_our_files(metadata: Any) -> bool:
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        if _names.RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ()):
+            return True
+        if _names.is_smpckpt_file(str(getattr(info, "relative_path", ""))):
+            return True
+    return False
+
+
+def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
+    """Classify ``folder``. Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest
+    and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load, or (local
+    disk) files reached through a link leading out of the folder: nothing reads or deletes through it."""
+    where = join(folder, _names.MANIFEST_NAME)
+    data = read_bytes_or_none(fs, where)
+    if data is not None:
+        found = Probe("committed", manifest=Manifest.from_bytes(data, where=where), raw=data)
+        confine(fs, folder, found.generation_files(), where=folder)  # links out of the folder: unsafe
+        return found
+    md_path = join(folder, _names.METADATA_NAME)
+    md_bytes = read_bytes_or_none(fs, md_path)
+    if md_bytes is not None:
+        metadata = load_metadata(md_bytes, where=md_path)
+        if _refers_to_our_files(metadata):
+            return Probe("uncommitted", detail=f"{md_path} exists but {_names.MANIFEST_NAME} does not")
+        # plain names only: a crafted one is refused where it is read, naming its key
+        confine(fs, folder, _plain_names(metadata), where=folder)
+        return Probe("legacy", legacy_metadata=metadata)
+    if not list_when_empty:
+        return Probe("missing")
+    try:
+        with translate_errors(folder):
+            entries = fs.ls(folder, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    if entries:
+        return Probe("uncommitted", detail=f"{len(entries)} file(s) but no {_names.MANIFEST_NAME} and no .metadata")
+    return Probe("missing")
+
+
+def probe_checkpoint(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Probe:
+    """State and (when committed) the parsed :class:`Manifest` of a checkpoint folder, in one call.
+
+    Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest and
+    :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` or manifest that must not be trusted.
+    """
+    fs, path = open_fs(url, storage_options)
+    return probe(fs, path)
+
+
+def read_manifest(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The committed :class:`Manifest` (``.extra`` holds what the writer was given).
+
+    Raises :class:`~smpckpt.errors.CheckpointNotFound` when the folder holds no committed checkpoint.
+    """
+    fs, path = open_fs(url, storage_options)
+    found = probe(fs, path, list_when_empty=False)
+    if found.manifest is None:
+        raise CheckpointNotFound(f"no committed smpckpt checkpoint at {os.fspath(url)} (state: {found.state})")
+    return found.manifest

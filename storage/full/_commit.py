@@ -18,15 +18,14 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.model.record import METADATA_KEY, LayoutRecord
+from smpckpt.model.layout import METADATA_KEY, LayoutRecord
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._names import DESCRIPTION_FQN, WRITING_MARKER
-from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
-from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.format.manifest import FileRecord, Manifest, probe
 from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage.full._layout import ArtifactLayout
 from smpckpt.storage.full._plan import plan_artifact
@@ -48,16 +47,14 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_NO_SWAP_WARNED = False
 
 
-def _warn_no_swap_once(process_group: Any) -> None:
+def _warn_no_swap(process_group: Any) -> None:
     """Column shards with short rows are then written row by row: correct, but slower (README: 0.61x
-    instead of 0.87x a partial save's throughput on the benchmark). Said once per process."""
-    global _NO_SWAP_WARNED
-    if _NO_SWAP_WARNED or not (dist.is_available() and dist.is_initialized()):
+    instead of 0.87x a partial save's throughput on the benchmark). Said by each full save it slows (full
+    saves are few: exports), the package keeping no state between saves."""
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    _NO_SWAP_WARNED = True
     log.warning(
         "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
         "written row by row instead of swapped into blocks (slower, same bytes). For the faster path pass "
@@ -152,7 +149,7 @@ def begin_full_save(
     if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
         out = plan_exchanges(out, options.row_swap_below)
     elif options.row_swap_below and len(plans) > 1 and not moves_cpu_tensors(process_group):
-        _warn_no_swap_once(process_group)
+        _warn_no_swap(process_group)
     with Folder(fs, staging_path(path, save_id), create=True) as staging:
         create_files(staging, layout.files, sync=sync)
     return out, layout

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, join, pread_into
+from smpckpt.storage.backends._fs import is_local, join, pread_into, translate_errors
 from smpckpt.storage.full._units import intervals
 
 __all__ = ["RunFiles", "SpanFetcher", "plan_spans", "SPAN_BYTES", "SPAN_WASTE"]

@@ -36,6 +36,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -234,7 +235,7 @@ def _files(
 
 
 #: Hugging Face's torch.save file names (``pytorch_model.bin``); other artifacts keep their own stem
-_TORCH_STEMS = {"model": "pytorch_model"}
+_TORCH_STEMS = MappingProxyType({"model": "pytorch_model"})
 
 
 def _layout_file(

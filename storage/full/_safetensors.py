@@ -14,6 +14,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
@@ -21,13 +22,13 @@ from smpckpt.errors import CheckpointCorrupt
 
 __all__ = ["DTYPE_NAMES", "HeaderEntry", "encode_header", "parse_header", "MAX_HEADER"]
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
+DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
     torch.uint64: "U64",
-}  # fmt: skip
-_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+})  # fmt: skip
+_BY_NAME = MappingProxyType({v: k for k, v in DTYPE_NAMES.items()})
 #: The reference reader refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER = 100_000_000
 

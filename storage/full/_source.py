@@ -23,6 +23,7 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -38,10 +39,9 @@ from torch.distributed.checkpoint.metadata import (
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
 from smpckpt.hf import check_translation
-from smpckpt.model.record import MERGED_KEY, TIED_KEY
+from smpckpt.model.layout import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import join, read_bytes_or_none
+from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}  # the description names dtypes as torch does
+_DTYPES = MappingProxyType(
+    {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}
+)  # the description names dtypes as torch does
 
 
 @dataclasses.dataclass(frozen=True)

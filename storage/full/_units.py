@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
-from smpckpt.storage.format._ranges import c_strides
+from smpckpt.storage.format._reading import c_strides, cpu_bytes
 from smpckpt.storage.format._regions import Box, box_runs, intersect
-from smpckpt.storage.format._tensor_bytes import cpu_bytes
 
 __all__ = ["Unit", "BoxUnits", "UnitIndex", "rows_of", "cross_view", "intervals", "unit_extent", "bytes_of"]
 

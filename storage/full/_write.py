@@ -27,8 +27,8 @@ from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import write_back
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
+from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format._regions import box_runs, split_box
-from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.full._exchange import Block, Swapper, batches
 from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits, unit_extent

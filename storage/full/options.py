@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Mapping
 from fractions import Fraction
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -18,9 +19,10 @@ from smpckpt.model.translation import Translation
 __all__ = ["FullOptions", "FORMATS", "parse_size"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 10**3, "M": 10**6})
-_UNITS.update({"G": 10**9, "T": 10**12})
+_UNITS = MappingProxyType(
+    {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12}
+    | {"TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+)
 
 
 def parse_size(size: int | str) -> int:

@@ -17,9 +17,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
-from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._folder import Folder, remove_tree
 from smpckpt.storage.backends._fs import is_local
-from smpckpt.storage.backends._paths import remove_tree
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format.commit import commit_uncertain, committed_save_id
 from smpckpt.storage.full._commit import (

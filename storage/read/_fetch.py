@@ -17,9 +17,16 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._errors import translate_errors
-from smpckpt.storage.backends._fs import is_local, is_s3, pread_into
-from smpckpt.storage.backends._page_cache import NOT_SUPPORTED, advise_random, in_memory, pread_cached
+from smpckpt.storage.backends._fs import (
+    NOT_SUPPORTED,
+    advise_random,
+    in_memory,
+    is_local,
+    is_s3,
+    pread_cached,
+    pread_into,
+    translate_errors,
+)
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item
@@ -271,10 +278,13 @@ def _read_fused(
     """Read ``[lo, hi)``; chunks found in memory are verified as they come. Returns where the bytes left
     to verify start (``hi``: none)."""
     dev = os.fstat(fd).st_dev
+    nowait, memory = True, None  # what the file's filesystem can tell, asked once per request
     for a, b, blocks in _chunks(rec, lo, hi):
-        got = pread_cached(fd, land.views(a, b), a, dev)
+        got = pread_cached(fd, land.views(a, b), a, dev) if nowait else NOT_SUPPORTED
         if got == NOT_SUPPORTED:
-            if not in_memory(dev):  # no way to tell what is in memory: the rest in one request
+            nowait = False
+            memory = in_memory(dev) if memory is None else memory
+            if not memory:  # no way to tell what is in memory: the rest in one request
                 check_complete(path, keys, a, hi, pread_into(fd, land.views(a, hi), a, hi - a))
                 return a
             check_complete(path, keys, a, b, pread_into(fd, land.views(a, b), a, b - a))

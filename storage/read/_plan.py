@@ -15,8 +15,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
-from smpckpt.storage.format._ranges import Fetch, Need, coalesce, slice_byte_range
-from smpckpt.storage.format._tensor_bytes import cpu_bytes
+from smpckpt.storage.format._reading import Fetch, Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord
 
 __all__ = [

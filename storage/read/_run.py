@@ -44,9 +44,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
-from smpckpt.storage.format._ranges import Fetch, c_strides
+from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.format._tensor_bytes import cpu_bytes
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder

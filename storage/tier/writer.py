@@ -25,8 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointExists
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, open_fs
-from smpckpt.storage.backends._prefixes import resolve
+from smpckpt.storage.backends._fs import is_local, open_fs, resolve
 from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.format import _names
 from smpckpt.storage.format.commit import commit

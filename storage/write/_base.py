@@ -22,10 +22,8 @@ from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local
-from smpckpt.storage.backends._location import FsspecLocation
+from smpckpt.storage.backends._fs import FsspecLocation, default_write_threads, is_local
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, MIN_PART_SIZE, Sink
-from smpckpt.storage.backends._threads import default_write_threads
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
@@ -78,7 +76,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             reporting success. ``False`` is faster but a power loss can lose a "committed" save.
             Object stores ignore it (an object is durable once its upload completes).
         thread_count: data files written concurrently per rank. Default: 4, locally fewer when this
-            node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs (``storage/backends/_threads.py``).
+            node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs (``storage/backends/_fs.py``).
         part_size: S3 multipart part size (at least 5 MiB, S3's minimum; honoured as given).
         max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
             ``max_parts_in_flight * part_size``).

@@ -22,11 +22,11 @@ import os
 from typing import Any
 
 from smpckpt.errors import CheckpointError
+from smpckpt.storage.backends._folder import remove_files
 from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
-from smpckpt.storage.backends._paths import remove_files
 from smpckpt.storage.format._names import WRITING_MARKER, marker_owner
-from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.commit import CommitUncertain, commit_uncertain
+from smpckpt.storage.format.manifest import probe
 
 # CommitUncertain and commit_uncertain live with the commit protocol (storage/format/commit.py)
 __all__ = ["CommitUncertain", "FailedSaveFiles", "commit_uncertain", "folder_is_new"]

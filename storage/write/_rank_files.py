@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from smpckpt.storage.backends._prefixes import FlatLayout, PrefixStrategy
+from smpckpt.storage.backends._fs import FlatLayout, PrefixStrategy
 
 __all__ = ["RankPlanData"]
 

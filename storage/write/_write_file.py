@@ -22,7 +22,7 @@ from smpckpt.storage.backends._sinks import Sink, byte_view
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._check_units import ItemChecks, item_checks
 from smpckpt.storage.format._checksum import BlockHasher
-from smpckpt.storage.format._tensor_bytes import cpu_bytes
+from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format.manifest import FileRecord
 
 __all__ = ["PART_FILL", "MAX_OBJECT_FILES", "object_store_bins", "write_file", "split_items", "FILE_RESULT_FQN"]

@@ -25,6 +25,8 @@ import concurrent.futures
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -34,13 +36,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import is_local
-from smpckpt.storage.backends._prefixes import PrefixOption, resolve
+from smpckpt.storage.backends._fs import PrefixOption, is_local, resolve
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
-from smpckpt.storage.format._state import probe
 from smpckpt.storage.format.commit import commit, settle_uncommitted_folder
-from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.format.manifest import FileRecord, probe
 from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
 from smpckpt.storage.write._failed_save import folder_is_new
 from smpckpt.storage.write._rank_files import RankPlanData
@@ -52,13 +52,15 @@ if TYPE_CHECKING:
 __all__ = ["FsspecStorageWriter"]
 
 #: options only this writer takes, with their defaults (the deprecated ``mode="full"`` refuses others)
-_PARTIAL_ONLY: dict[str, Any] = {
-    "overwrite": False,
-    "format": "raw",
-    "block_size": DEFAULT_BLOCK_SIZE,
-    "object_file_size": None,
-    "prefix_strategy": "auto",
-}
+_PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
+    {
+        "overwrite": False,
+        "format": "raw",
+        "block_size": DEFAULT_BLOCK_SIZE,
+        "object_file_size": None,
+        "prefix_strategy": "auto",
+    }
+)
 
 
 class FsspecStorageWriter(FsspecWriterBase):

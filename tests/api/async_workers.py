@@ -92,15 +92,16 @@ def fails_while_saving(root: str, status: str, exit_code: str = "") -> None:
     """Start an async save whose write fails after a pause, and return without waiting for it; with a
     status argument other than "default", set the exit status such a failure gives first; with an
     ``exit_code``, end with ``sys.exit(int(exit_code))`` instead of returning."""
+    opts = smpckpt.AsyncOptions(enabled=True)
     if status != "default":
-        smpckpt.set_exit_status_on_failed_save(None if status == "none" else int(status))
+        opts = smpckpt.AsyncOptions(enabled=True, exit_status=None if status == "none" else int(status))
 
     def broken(self: Any, plan: Any, planner: Any) -> Any:
         time.sleep(0.5)
         raise OSError(28, "No space left on device (injected)")
 
     FsspecStorageWriter.write_data = broken  # type: ignore[method-assign]
-    smpckpt.save_checkpoint(root, "lost", model=model(0), async_save=True)
+    smpckpt.Checkpointer(root, async_options=opts).save("lost", model=model(0))
     print("main returned", flush=True)
     if exit_code:
         sys.exit(int(exit_code))

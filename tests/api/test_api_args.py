@@ -4,6 +4,7 @@ not silently ignored."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -11,7 +12,18 @@ import pytest
 import torch
 from torch import nn
 
-from smpckpt import ResumeOptions, SaveOptions, resume_from_checkpoint, save_checkpoint
+from smpckpt import (
+    AsyncOptions,
+    ExportOptions,
+    FastTier,
+    Location,
+    ResumeOptions,
+    Retention,
+    SaveOptions,
+    Sharding,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 
@@ -84,29 +96,45 @@ def test_options_of_the_other_mode_are_refused_by_name(
     with pytest.raises(ValueError, match=rf"^{name} applies only to {mode} checkpoints \(partial={not partial}\)$"):
         fn(str(tmp_path), "t2" if fn is save_checkpoint else "t", partial=partial, model=_model(), **{name: value})
     assert sorted(os.listdir(tmp_path)) == before  # refused before anything was written
-    # the dataclass refuses it the same way, and names every such option at once
-    cls = SaveOptions if fn is save_checkpoint else ResumeOptions
-    with pytest.raises(ValueError, match=rf"^{name} applies only"):
-        cls(partial=partial, **{name: value})
+    if fn is resume_from_checkpoint:  # the dataclass refuses it the same way
+        with pytest.raises(ValueError, match=rf"^{name} applies only"):
+            ResumeOptions(partial=partial, **{name: value})
+    else:  # the options of a save's mode have no such field at all
+        assert name not in {f.name for f in dataclasses.fields(SaveOptions if partial else ExportOptions)}
 
 
-def test_several_options_of_the_other_mode_are_named_together() -> None:
+def test_several_options_of_the_other_mode_are_named_together(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"^dtype, max_shard_size apply only to full checkpoints \(partial=False\)$"):
-        SaveOptions(dtype=torch.bfloat16, max_shard_size="1GB")
+        save_checkpoint(str(tmp_path), "t", model=_model(), dtype=torch.bfloat16, max_shard_size="1GB")
+    with pytest.raises(ValueError, match=r"^ExportOptions applies only to full checkpoints \(partial=False\)$"):
+        save_checkpoint(str(tmp_path), "t", model=_model(), options=ExportOptions(dtype=torch.bfloat16))
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize(
     ("cls", "kw", "error", "match"),
     [
-        (SaveOptions, {"partial": "yes"}, TypeError, "partial must be True or False, got 'yes'"),
-        (SaveOptions, {"num_kept_partial_checkpoints": 0}, ValueError, "num_kept_partial_checkpoints must be >= 1"),
-        (SaveOptions, {"remove_uncommitted_older_than": -1}, ValueError, "remove_uncommitted_older_than must be"),
+        (ResumeOptions, {"partial": "yes"}, TypeError, "partial must be True or False, got 'yes'"),
+        (Retention, {"num_kept_partial_checkpoints": 0}, ValueError, "num_kept_partial_checkpoints must be >= 1"),
+        (Retention, {"remove_uncommitted_older_than": -1}, ValueError, "remove_uncommitted_older_than must be"),
         (SaveOptions, {"format": "safetensors"}, ValueError, "'safetensors' is a format of full checkpoints"),
-        (SaveOptions, {"partial": False, "format": "zip"}, ValueError, "with partial=False, format must be"),
-        (SaveOptions, {"partial": False, "dtype": torch.int8}, ValueError, "dtype must be a floating-point"),
-        (SaveOptions, {"partial": False, "max_shard_size": "lots"}, ValueError, "size must be bytes or a string"),
-        (SaveOptions, {"partial": False, "max_shard_size": 0}, ValueError, "size must be positive"),
-        (SaveOptions, {"partial": False, "translate_function": len}, TypeError, "must be a smpckpt.model.translation"),
+        (SaveOptions, {"async_save": 1}, TypeError, "async_save must be True or False, got 1"),
+        (ExportOptions, {"format": "zip"}, ValueError, "format must be one of"),
+        (ExportOptions, {"dtype": torch.int8}, ValueError, "dtype must be a floating-point"),
+        (ExportOptions, {"max_shard_size": "lots"}, ValueError, "size must be bytes or a string"),
+        (ExportOptions, {"max_shard_size": 0}, ValueError, "size must be positive"),
+        (ExportOptions, {"translate_function": len}, TypeError, "must be a smpckpt.model.translation"),
+        (Location, {"path": ""}, ValueError, "path must not be empty"),
+        (Location, {"path": 3}, TypeError, "path must be a str or os.PathLike, got int"),
+        (Location, {"path": "x", "storage_options": "anon"}, TypeError, "storage_options must be a mapping"),
+        (Sharding, {"layout": (2, 1, 1)}, TypeError, "layout must be a ParallelLayout or None, got tuple"),
+        (Sharding, {"specs": ["x"]}, TypeError, "specs must be a mapping"),
+        (Sharding, {"name_map": "x"}, TypeError, "name_map must be callable"),
+        (FastTier, {"local_path": "s3://b/x"}, ValueError, "local_path must be a folder on this node"),
+        (FastTier, {"local_path": "x", "replicas": 0}, ValueError, "replicas must be >= 1"),
+        (FastTier, {"local_path": "x", "num_kept_local": 0}, ValueError, "num_kept_local must be >= 1"),
+        (AsyncOptions, {"exit_status": 256}, ValueError, "exit_status must be an exit status 0..255 or None"),
+        (AsyncOptions, {"overlap_staging": "no"}, TypeError, "overlap_staging must be True or False"),
         (ResumeOptions, {"strict": 1}, TypeError, "strict must be True or False, got 1"),
         (ResumeOptions, {"translate_function": "gpt2"}, TypeError, "translate_function must be callable"),
         (ResumeOptions, {"partial": False, "translate_function": len}, TypeError, "plain callables would need"),
@@ -119,13 +147,13 @@ def test_option_dataclasses_reject_bad_values_up_front(cls: Any, kw: dict[str, A
 
 def test_options_object_or_keywords_not_both(tmp_path: Any) -> None:
     m = _model()
-    opts = SaveOptions(save_rng=False, num_kept_partial_checkpoints=1)
+    opts = (SaveOptions(save_rng=False), Retention(num_kept_partial_checkpoints=1))
     assert save_checkpoint(str(tmp_path), "a", model=m, options=opts) is None
     save_checkpoint(str(tmp_path), "b", model=m, options=opts)
     assert sorted(os.listdir(tmp_path)) == ["b_partial", "newest"]  # retention from the options object
     with pytest.raises(ValueError, match=r"^overwrite: pass options as keywords or as options=, not both$"):
         save_checkpoint(str(tmp_path), "c", model=m, overwrite=True, options=opts)
-    with pytest.raises(TypeError, match="options must be a SaveOptions, got ResumeOptions"):
+    with pytest.raises(TypeError, match="options must be a Sharding, .* or a sequence of them; got ResumeOptions"):
         save_checkpoint(str(tmp_path), "c", model=m, options=ResumeOptions())  # type: ignore[arg-type]
     dst = nn.Linear(3, 2)
     assert resume_from_checkpoint(str(tmp_path), model=dst, options=ResumeOptions(load_rng=False)) is None

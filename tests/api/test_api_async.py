@@ -16,7 +16,7 @@ from async_workers import model, training_loop_while_saving
 from dist_harness import run_world
 
 import smpckpt
-import smpckpt.api.calls
+import smpckpt.api.checkpointer
 from smpckpt import CheckpointError, CheckpointExists, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import verify_checkpoint
 
@@ -41,7 +41,9 @@ def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None
     opt.step()
     before = _state(m)
     moments = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-    fut = save_checkpoint(str(tmp_path), "a", model=m, optimizer=opt, async_save=True)
+    # staging before the save returns (overlap_staging=False): no change after it reaches the checkpoint
+    ckpt = smpckpt.Checkpointer(str(tmp_path), async_options=smpckpt.AsyncOptions(enabled=True, overlap_staging=False))
+    fut = ckpt.save("a", model=m, optimizer=opt)
     with torch.no_grad():  # every parameter and optimizer tensor, in place, at once
         for p in m.parameters():
             p.add_(1.0)
@@ -57,7 +59,7 @@ def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None
     resume_from_checkpoint(str(tmp_path), "a", model=fresh, optimizer=fresh_opt)
     for k, v in moments.items():
         assert torch.equal(fresh_opt.state_dict()["state"][0][k], v), k
-    assert smpckpt.api._async.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
+    assert ckpt.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
 
 
 def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
@@ -81,7 +83,7 @@ def _hold_background_writes(monkeypatch: Any) -> threading.Event:
     """Background writes wait (up to 30 s) until the returned event is set; only in this process (a forked
     child inherits the patch and must not be held)."""
     release = threading.Event()
-    real = smpckpt.api.calls.write_checkpoint
+    real = smpckpt.api.checkpointer.write_checkpoint
     parent = os.getpid()
 
     def held(*args: Any) -> None:
@@ -89,7 +91,7 @@ def _hold_background_writes(monkeypatch: Any) -> threading.Event:
             release.wait(30)
         real(*args)
 
-    monkeypatch.setattr(smpckpt.api.calls, "write_checkpoint", held)
+    monkeypatch.setattr(smpckpt.api.checkpointer, "write_checkpoint", held)
     return release
 
 
@@ -175,7 +177,7 @@ def test_a_failed_final_background_save_sets_the_exit_status(
     tmp_path: Any, status: str, exit_code: str, want: int
 ) -> None:
     """A script that returns while its last (async) save fails exits non-zero, so the job is seen to
-    fail; set_exit_status_on_failed_save chooses the status, None keeps the interpreter's. A script that
+    fail; AsyncOptions(exit_status=...) chooses the status, None keeps the interpreter's. A script that
     ends with sys.exit(N), N a failure status of its own, keeps N."""
     proc = subprocess.run(
         [

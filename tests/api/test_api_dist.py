@@ -125,7 +125,7 @@ def test_tag_mismatch_is_an_error_on_every_rank(cycles: list[dict[str, Any]]) ->
         bad_keep = (
             "num_kept_partial_checkpoints must be >= 1 (it counts the checkpoints kept, the new one included), got 0"
         )
-        bad_options = "options must be a ResumeOptions, got str"
+        bad_options = "options must be a Sharding, FastTier, AsyncOptions, ResumeOptions or a sequence of them; got str"
         if r["rank"] == 1:
             assert r["bad_option_on_one_rank"] == f"ValueError: {bad_keep}", r["bad_option_on_one_rank"]
             assert r["bad_resume_option_on_one_rank"] == f"TypeError: {bad_options}", r

@@ -25,8 +25,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog.listing import scan_root
-from smpckpt.catalog.tags import write_newest
+from smpckpt.catalog.retention import scan_root, write_newest
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.tools.cli import main
 
@@ -364,14 +363,11 @@ def test_save_over_a_committed_tag_still_refused(tmp_path: Any) -> None:
 
 
 def _clock_behind(monkeypatch: pytest.MonkeyPatch, seconds: int) -> None:
-    """This process is a new job on a node whose clock is ``seconds`` behind the previous job's: no root
-    known yet, every save stamped in the past."""
+    """A new job on a node whose clock is ``seconds`` behind the previous job's: every save stamped in the
+    past (the caller's new model gets a new Checkpointer: no root known yet)."""
     import contextlib
     import importlib
 
-    from smpckpt.catalog.sequence import forget_roots
-
-    forget_roots()
     behind = time.time_ns() - seconds * 10**9
     monkeypatch.setattr(time, "time_ns", lambda: behind)
     with contextlib.suppress(ImportError):  # before issue 42 the save clock kept its own reference
@@ -429,6 +425,7 @@ def test_a_rollback_numbers_past_the_abandoned_run(tmp_path: Any, monkeypatch: p
     for tag in ("a", "b", "c"):
         save_checkpoint(root, tag, model=m, optimizer=o)
     _clock_behind(monkeypatch, 86_400)
+    m, o = _model(0)  # the new job's model, and so its own Checkpointer
     resume_from_checkpoint(root, tag="a", model=m, optimizer=o)
     for tag in ("d", "e"):
         save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
@@ -440,35 +437,38 @@ def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
 ) -> None:
     """After a tag-less resume (which listed the root) the next saves count on without listing it again;
     a damaged number (beyond any plausible count) in a manifest is not followed."""
-    import smpckpt.catalog.listing as listing
-    from smpckpt.catalog.sequence import next_sequence, saw_sequence
+    import smpckpt.catalog.retention as listing
+    from smpckpt.catalog.retention import SequenceCounter
 
     root = str(tmp_path)
     m, o = _model(0)
     for tag in ("a", "b"):
         save_checkpoint(root, tag, model=m, optimizer=o)
     _clock_behind(monkeypatch, 600)
+    m, o = _model(0)  # a new job
     resume_from_checkpoint(f"file://{root}", model=m, optimizer=o)  # the root spelled another way
     assert last_resume_info().tag == "b"
     monkeypatch.setattr(listing, "highest_sequence", lambda *a, **k: pytest.fail("listed the root again"))
     save_checkpoint(f"{root}/", "c", model=m, optimizer=o)
     assert read_manifest(os.path.join(root, "c_partial")).extra["sequence"] == 3
-    saw_sequence(root, 2**80)  # a damaged manifest's number: ignored
-    assert next_sequence(root) == 4
+    counter = SequenceCounter(root)
+    counter.saw(3, listed=True)
+    counter.saw(2**80)  # a damaged manifest's number: ignored
+    assert counter.next() == 4
 
 
 def test_retention_removes_nothing_when_a_checkpoint_is_numbered_after_the_one_just_saved(tmp_path: Any) -> None:
     """Another job saving into this root at the same time drew a higher number than the checkpoint just
     saved: retention refuses to guess which are the oldest, and says so."""
-    from smpckpt.catalog.sequence import forget_roots, saw_sequence
+    from smpckpt import Checkpointer, Retention
 
     root = str(tmp_path)
     m, o = _model(0)
     for tag in ("a", "b", "c"):
         save_checkpoint(root, tag, model=m, optimizer=o)
-    forget_roots()
-    saw_sequence(root, 0, listed=True)  # this process believes the root empty: another job wrote a, b, c
-    save_checkpoint(root, "d", model=m, optimizer=o, num_kept_partial_checkpoints=2)
+    ckpt = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2))
+    ckpt._counter.saw(0, listed=True)  # this job believes the root empty: another job wrote a, b, c
+    ckpt.save("d", model=m, optimizer=o)
     assert read_manifest(os.path.join(root, "d_partial")).extra["sequence"] == 1
     assert {r.tag for r in scan_root(root) if r.committed} == {"a", "b", "c", "d"}  # nothing removed
 
@@ -477,7 +477,7 @@ def test_old_checkpoints_without_numbers_come_first_in_time_order(tmp_path: Any)
     """Manifests written before sequence numbers (no ``extra["sequence"]``; stock DCP folders are not
     committed checkpoints) are ordered among themselves by save time, all before any numbered one; a
     root holding them numbers its first new save 1."""
-    from smpckpt.catalog.listing import record_order
+    from smpckpt.catalog.retention import record_order
 
     old = {"extra": {"saved_at_ns": 5}, "save_id": "x"}
     assert record_order(old) == (0, 5, "x")
@@ -490,7 +490,6 @@ def test_a_tiered_save_is_numbered_after_the_fast_tiers_copies(tmp_path: Any) ->
     """Saves kept only in the fast tier (not drained) are numbered too: a new process saving without a
     resume numbers its checkpoint after them, not after the durable root's highest alone."""
     from smpckpt.api._tiers import durable_key, job_folder
-    from smpckpt.catalog.sequence import forget_roots
 
     root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
     m, o = _model(0)
@@ -499,7 +498,7 @@ def test_a_tiered_save_is_numbered_after_the_fast_tiers_copies(tmp_path: Any) ->
         save_checkpoint(root, tag, model=m, optimizer=o, **tier)
     smpckpt_wait()
     assert [r.tag for r in scan_root(root) if r.committed] == ["s2"]
-    forget_roots()  # a new process, no resume
+    m, o = _model(1)  # a new job (its own Checkpointer), no resume
     save_checkpoint(root, "s4", model=m, optimizer=o, **tier)
     job = job_folder(fast, durable_key(root, None))  # the fast tier's folder of this job (issue 46)
     assert read_manifest(os.path.join(job, "s4_partial")).extra["sequence"] == 4

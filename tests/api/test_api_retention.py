@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smpckpt.catalog.listing import CheckpointRecord, record_order
-from smpckpt.catalog.retention import KeepLatestN, select_for_removal, validate_keep
+from smpckpt.catalog.retention import CheckpointRecord, KeepLatestN, record_order, select_for_removal, validate_keep
 
 
 def rec(tag: str, t: int, committed: bool = True) -> CheckpointRecord:

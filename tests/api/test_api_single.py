@@ -22,7 +22,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog.tags import validate_tag
+from smpckpt.catalog.retention import validate_tag
 from smpckpt.storage import FsspecStorageWriter
 
 
@@ -305,23 +305,24 @@ def test_save_without_rng(tmp_path: Any) -> None:
 
 
 def test_saves_reuse_the_local_plan_and_follow_structure_changes(tmp_path: Any) -> None:
-    """The API keeps its save planner across saves: an unchanged structure is not planned again, a
-    changed one (optimizer state appearing, a refused save in between) is, and every save is exact."""
-    from smpckpt.api import _planner_reuse
+    """A Checkpointer keeps its save planner across saves (so do save_checkpoint's calls with one model:
+    they share the Checkpointer kept on it): an unchanged structure is not planned again, a changed one
+    (optimizer state appearing, a refused save in between) is, and every save is exact."""
+    from smpckpt.api.calls import _KEPT
 
-    _planner_reuse.forget_save_planners()
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     o = torch.optim.AdamW(m.parameters(), lr=1e-2)  # no step yet: no optimizer state
     save_checkpoint(str(tmp_path), "a", model=m, optimizer=o, user_content={"step": 0})
-    planner = _planner_reuse._KEPT["partial"]
+    kept = m.__dict__[_KEPT].checkpointer._planners._kept
+    planner = kept["partial"]
     first = planner._cache.local
     assert first is not None and planner.entries == {}  # kept without the saved tensors
     with torch.no_grad():
         m[0].weight.add_(1.0)
     save_checkpoint(str(tmp_path), "b", model=m, optimizer=o, user_content={"step": 1})
     at_b = {k: v.clone() for k, v in m.state_dict().items()}
-    assert _planner_reuse._KEPT["partial"] is planner
+    assert kept["partial"] is planner
     assert planner._cache.local is not None and planner._cache.local.items is first.items  # not re-planned
     o.zero_grad()
     m(torch.randn(5, 4)).sum().backward()

@@ -29,7 +29,6 @@ from smpckpt import (
     save_checkpoint,
     wait_for_saves,
 )
-from smpckpt.api import _tiers
 from smpckpt.api._tiers import durable_key, job_folder
 from smpckpt.storage.format._names import MANIFEST_NAME
 
@@ -61,7 +60,6 @@ def _tier_record(folder: Path) -> dict[str, Any]:
 def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -> None:
     durable, fast = tmp_path / "durable", tmp_path / "fast"
     local = _job(fast, durable)
-    _tiers._DURABLE_SEQ.clear()
     models = {}
     for step in range(1, 4):
         models[step] = _linear(step)
@@ -91,7 +89,6 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
     assert _same(got, models[3])
 
     # a restart (nothing cached) keeps counting from the saves already there: s4 is save 4, durable
-    _tiers._DURABLE_SEQ.clear()
     models[4] = _linear(4)
     save_checkpoint(durable, "s4", model=models[4], local_path=fast, replicas=1, durable_every=2)
     wait_for_saves()
@@ -109,7 +106,6 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
 def test_corrupt_fast_copy_falls_back_to_the_next_one_then_the_durable_one(tmp_path: Path) -> None:
     durable, fast = tmp_path / "durable", tmp_path / "fast"
     local = _job(fast, durable)
-    _tiers._DURABLE_SEQ.clear()
     m1, m2 = _linear(1), _linear(2)
     save_checkpoint(durable, "s1", model=m1, local_path=fast, replicas=1)
     save_checkpoint(durable, "s2", model=m2, local_path=fast, replicas=1, durable_every=1)
@@ -180,7 +176,6 @@ def test_local_path_apart_from_path_and_a_folder_refused_by_name(tmp_path: Path)
 
 def test_a_tag_in_either_tier_is_not_saved_again(tmp_path: Path) -> None:
     durable, fast = tmp_path / "durable", tmp_path / "fast"
-    _tiers._DURABLE_SEQ.clear()
     save_checkpoint(durable, "s1", model=_linear(1), local_path=fast, replicas=1)
     wait_for_saves()
     with pytest.raises(Exception, match="already committed in the fast tier"):
@@ -195,7 +190,6 @@ def test_a_folder_the_job_does_not_own_is_neither_loaded_nor_saved_over(tmp_path
     skips it with a warning; a save of s2 is refused, leaving it as it was."""
     durable, fast = tmp_path / "durable", tmp_path / "fast"
     job = _job(fast, durable)
-    _tiers._DURABLE_SEQ.clear()
     m1 = _linear(1)
     save_checkpoint(durable, "s1", model=m1, local_path=fast, replicas=1, durable_every=5)
     shutil.copytree(job / "s1_partial", job / "s2_partial")
@@ -219,7 +213,6 @@ def test_drain_to_s3_and_resume_from_it(s3_root: tuple[str, dict[str, Any]], tmp
 
     root, options = s3_root
     local = tmp_path / "fast"
-    _tiers._DURABLE_SEQ.clear()
     m1 = _linear(1)
     save_checkpoint(root, "s1", model=m1, local_path=local, replicas=1, storage_options=options)
     wait_for_saves()
@@ -239,7 +232,6 @@ def test_drain_to_s3_and_resume_from_it(s3_root: tuple[str, dict[str, Any]], tmp
 
 def test_tag_asked_for_comes_from_the_fast_tier_when_its_drain_never_committed(tmp_path: Path) -> None:
     durable, local = tmp_path / "durable", tmp_path / "fast"
-    _tiers._DURABLE_SEQ.clear()
     m1, m2 = _linear(1), _linear(2)
     save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
     save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)

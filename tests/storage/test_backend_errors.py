@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._errors import translate, translate_errors
+from smpckpt.storage.backends._fs import translate, translate_errors
 
 botocore_exceptions = pytest.importorskip("botocore.exceptions")
 pytest.importorskip("s3fs")

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import smpckpt.storage.format.commit as commit_mod
 from smpckpt.catalog import retention
-from smpckpt.catalog.listing import scan_root
+from smpckpt.catalog.retention import scan_root
 from smpckpt.errors import CheckpointExists, UnsafeCheckpoint
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, read_manifest, verify_checkpoint
 

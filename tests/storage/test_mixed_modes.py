@@ -74,7 +74,7 @@ def test_partial_save_refuses_an_unfinished_full_save(backend: Backend) -> None:
 def test_full_save_never_removes_a_manifest_that_appeared(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The unfinished full save commits between the probe and the listing: its checkpoint stays."""
     import smpckpt.storage.full._commit as full_commit
-    from smpckpt.storage.format._state import Probe
+    from smpckpt.storage.format.manifest import Probe
 
     url = str(tmp_path / "committed-meanwhile")
     dcp.save({"m": _model(0)}, storage_writer=FullArtifactWriter(url), planner=_planner())

@@ -24,7 +24,7 @@ from smpckpt.storage import (
     remove_checkpoint,
     verify_checkpoint,
 )
-from smpckpt.storage.backends._prefixes import resolve
+from smpckpt.storage.backends._fs import resolve
 from smpckpt.storage.backends._s3 import PartBody, S3MultipartSink
 from smpckpt.storage.format._names import check_member_name, is_smpckpt_file
 

@@ -42,7 +42,7 @@ from smpckpt.storage import (
     remove_checkpoint,
     verify_checkpoint,
 )
-from smpckpt.storage.backends._paths import remove_files
+from smpckpt.storage.backends._folder import remove_files
 
 Backend = tuple[str, dict[str, Any]]
 
@@ -598,7 +598,7 @@ if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "race-worker
 def test_exclusive_create_holds_for_large_objects_on_s3(s3: Backend) -> None:
     """s3fs's pipe_file turns a >= 100 MiB write into a multipart upload without the condition;
     the commit must stay one conditional PUT at any size (a manifest that large is a ~5 TiB save)."""
-    from smpckpt.storage.backends._paths import create_bytes_exclusive
+    from smpckpt.storage.backends._folder import create_bytes_exclusive
 
     base, opts = s3
     fs, path = _fs(f"{base}/big", opts)

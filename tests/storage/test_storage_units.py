@@ -17,8 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format._check_units import Tiling
 from smpckpt.storage.format._checksum import BlockHasher
-from smpckpt.storage.format._ranges import Need, coalesce, slice_byte_range
-from smpckpt.storage.format._tensor_bytes import cpu_bytes
+from smpckpt.storage.format._reading import Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
 from smpckpt.storage.read._plan import raw_item, writable_bytes
 from smpckpt.storage.read._run import _decode_raw

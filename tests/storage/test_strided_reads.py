@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
-from smpckpt.storage.backends._page_cache import in_memory
+from smpckpt.storage.backends._fs import in_memory
 from smpckpt.storage.format._reading import ReadStats
 from smpckpt.storage.read import _plan, _run
 
@@ -210,7 +210,7 @@ def test_read_ahead_is_turned_off_only_for_requests_no_neighbour_continues(
 
 
 def test_requests_followed_by_unread_bytes_are_scattered() -> None:
-    from smpckpt.storage.format._ranges import Fetch, Need
+    from smpckpt.storage.format._reading import Fetch, Need
 
     spans = [("x", 0, 10), ("x", 5, 6), ("x", 30, 40), ("y", 10, 20)]
     fetch = [_plan.FetchTask(n, Fetch(a, b, ())) for n, a, b in spans]

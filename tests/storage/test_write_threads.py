@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from smpckpt.storage import FsspecStorageWriter
-from smpckpt.storage.backends._threads import MAX_WRITE_THREADS, default_write_threads
+from smpckpt.storage.backends._fs import MAX_WRITE_THREADS, default_write_threads
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

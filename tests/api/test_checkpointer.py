@@ -1,0 +1,279 @@
+"""The Checkpointer (issue 44): built once from option objects, owning what lives between calls; smp's
+functions as its thin face (smp's parameters, the Checkpointer kept on the model, old keywords mapped to
+their new home); async staging that overlaps the next step, an optimizer's step waiting only for what is
+still being staged (issue 47)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import smpckpt
+import smpckpt.api._staging as staging
+from smpckpt import (
+    AsyncOptions,
+    Checkpointer,
+    CheckpointError,
+    ExportOptions,
+    FastTier,
+    ResumeOptions,
+    Retention,
+    SaveOptions,
+    resume_from_checkpoint,
+    save_checkpoint,
+)
+from smpckpt.api._async import LaneThread
+from smpckpt.api.calls import _KEPT
+
+
+def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    _step(m, opt)
+    return m, opt
+
+
+def _step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One training step: a forward (BatchNorm's running stats change in place), a backward, a step."""
+    opt.zero_grad()
+    m(torch.randn(16, 8)).square().sum().backward()
+    opt.step()
+
+
+def _values(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in m.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"optim.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _resumed(root: str, tag: str) -> dict[str, torch.Tensor]:
+    m, opt = _trained(99)
+    Checkpointer(root).resume(tag, m, opt)
+    return _values(m, opt)
+
+
+# -- smp's face ----------------------------------------------------------------------------------------
+def test_smps_functions_keep_smps_parameters_and_at_most_twelve() -> None:
+    save = list(inspect.signature(save_checkpoint).parameters)
+    resume = list(inspect.signature(resume_from_checkpoint).parameters)
+    assert len(save) <= 12 and len(resume) <= 12, (save, resume)
+    smp_save = ["path", "tag", "partial", "model", "optimizer", "user_content", "num_kept_partial_checkpoints"]
+    assert save[:7] == smp_save and "translate_function" in save
+    assert resume[:3] == ["path", "tag", "partial"]
+    assert {"strict", "translate_function", "model", "optimizer"} <= set(resume)
+
+
+def test_old_keywords_still_work_warning_where_they_live_now(tmp_path: Any) -> None:
+    m, opt = _trained(0)
+    fast = tmp_path / "fast"
+    with pytest.warns(DeprecationWarning) as seen:
+        save_checkpoint(
+            str(tmp_path / "run"), "a", model=m, optimizer=opt, storage_options={}, local_path=fast, replicas=1
+        )
+    text = str(seen[0].message)
+    assert "Location(path, storage_options=...) as path" in text and "FastTier(local_path=...)" in text
+    assert "FastTier(replicas=...)" in text
+    got, gopt = _trained(5)
+    with pytest.warns(DeprecationWarning, match=r"FastTier\(local_path=...\)"):
+        resume_from_checkpoint(str(tmp_path / "run"), model=got, optimizer=gopt, local_path=fast)
+    _assert_equal(_values(got, gopt), _values(m, opt))
+    with pytest.raises(TypeError, match=r"save_checkpoint\(\) got an unexpected keyword argument 'no_such'"):
+        save_checkpoint(str(tmp_path), "b", model=m, no_such=1)
+    with pytest.raises(ValueError, match=r"^local_path: pass options as keywords or as options=, not both$"):
+        save_checkpoint(str(tmp_path), "b", model=m, local_path=fast, options=FastTier(fast))
+
+
+def test_save_checkpoint_keeps_its_checkpointer_on_the_model_and_copies_leave_it_behind(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    m, opt = _trained(0)
+    save_checkpoint(root, "a", model=m, optimizer=opt)
+    ckpt = m.__dict__[_KEPT].checkpointer
+    save_checkpoint(f"{root}/", "b", model=m, optimizer=opt)  # the same root, spelled another way
+    assert m.__dict__[_KEPT].checkpointer is ckpt
+    resume_from_checkpoint(root, model=m, optimizer=opt, options=ResumeOptions(load_rng=False))
+    assert m.__dict__[_KEPT].checkpointer is ckpt and ckpt.last_resume_info is smpckpt.last_resume_info()
+    save_checkpoint(root, "c", model=m, optimizer=opt, num_kept_partial_checkpoints=2)  # other options
+    assert m.__dict__[_KEPT].checkpointer is not ckpt
+    assert sorted(n for n in os.listdir(root) if n.endswith("_partial")) == ["b_partial", "c_partial"]
+    assert _KEPT not in m.state_dict() and not any(_KEPT in k for k in m.state_dict())
+    twin = copy.deepcopy(m)
+    assert twin.__dict__[_KEPT].checkpointer is None  # a copy is another model: it builds its own
+    assert pickle.loads(pickle.dumps(m)).__dict__[_KEPT].checkpointer is None
+    _assert_equal(_resumed(root, "c"), _values(m, opt))
+
+
+# -- the Checkpointer ----------------------------------------------------------------------------------
+def test_a_checkpointer_saves_resumes_and_exports_the_live_state_and_a_committed_tag(tmp_path: Any) -> None:
+    root = str(tmp_path / "run")
+    m, opt = _trained(0)
+    with Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=1)) as ckpt:
+        assert ckpt.save("s1", m, opt, user_content={"step": 1}) is None
+        _step(m, opt)
+        ckpt.save("s2", m, opt, user_content={"step": 2})
+        want = _values(m, opt)
+        live = ckpt.export("s2", model=m, options=ExportOptions(include_optimizer=True), optimizer=opt)
+        offline = ckpt.export("s2", str(tmp_path / "offline"), options=ExportOptions(include_optimizer=True))
+    assert sorted(os.listdir(root)) == ["newest", "s2", "s2_partial"]  # retention: s1 went
+    got, gopt = _trained(7)
+    with Checkpointer(root) as again:
+        assert again.resume(model=got, optimizer=gopt) == {"step": 2}
+        assert again.last_resume_info is not None and again.last_resume_info.tag == "s2"
+        assert again.resume("nothing", options=ResumeOptions(missing_ok=True)) is None
+    _assert_equal(_values(got, gopt), want)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(os.path.join(live, name)), load_file(os.path.join(offline, name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(load_file(os.path.join(live, "model.safetensors"))["0.weight"], want["model.0.weight"])
+
+
+def test_a_checkpointer_refuses_options_of_the_wrong_kind_by_name(tmp_path: Any) -> None:
+    with pytest.raises(TypeError, match="retention must be a smpckpt.Retention or None, got int"):
+        Checkpointer(str(tmp_path), retention=3)  # type: ignore[arg-type]
+    ckpt = Checkpointer(str(tmp_path))
+    with pytest.raises(TypeError, match="options must be a smpckpt.SaveOptions, got ResumeOptions"):
+        ckpt.save("a", nn.Linear(2, 2), options=ResumeOptions())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid checkpoint tag"):
+        ckpt.save("a/b", nn.Linear(2, 2))
+    assert not os.listdir(tmp_path)
+
+
+# -- async staging that overlaps the next step -------------------------------------------------------------
+@pytest.fixture
+def held_staging(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Copies the save's lane makes wait for ``release``; ``entered`` is set when the lane starts one."""
+    entered, release = threading.Event(), threading.Event()
+    real = staging.copy_into
+
+    def held(pairs: Any, stream: Any = None) -> None:
+        if isinstance(threading.current_thread(), LaneThread):
+            entered.set()
+            release.wait(30)
+        real(pairs, stream)
+
+    monkeypatch.setattr(staging, "copy_into", held)
+    yield entered, release
+    release.set()
+
+
+def test_a_step_waits_for_staging_and_the_checkpoint_holds_the_values_of_the_save(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
+) -> None:
+    entered, release = held_staging
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    want = _values(m, opt)
+    fut = ckpt.save("a", m, opt)
+    assert fut is not None and entered.wait(30)  # the optimizers' part is being staged on the lane
+    opt.zero_grad()
+    m(torch.randn(16, 8)).square().sum().backward()  # forward and backward overlap the staging
+    stepped = threading.Thread(target=opt.step)
+    stepped.start()
+    stepped.join(0.5)
+    assert stepped.is_alive()  # the step waits for the staging still unfinished
+    _assert_equal(
+        {k: v for k, v in _values(m, opt).items() if "running" not in k and "batches" not in k},
+        {k: v for k, v in want.items() if "running" not in k and "batches" not in k},
+    )
+    release.set()
+    stepped.join(30)
+    assert not stepped.is_alive()
+    fut.result()
+    assert not torch.equal(m[0].weight, want["model.0.weight"])  # the step ran, after the staging
+    _assert_equal(_resumed(str(tmp_path), "a"), want)  # bit-exact: the values of the save, BatchNorm's too
+    ckpt.close()
+
+
+def test_a_change_outside_the_optimizer_before_staging_fails_the_save(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
+) -> None:
+    entered, release = held_staging
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    fut = ckpt.save("a", m, opt)
+    assert fut is not None and entered.wait(30)
+    with torch.no_grad():
+        m[2].weight.mul_(2.0)  # not the optimizer's step: nothing waits for the staging
+    release.set()
+    with pytest.raises(CheckpointError, match=r"model\.2\.weight changed in place after the async save"):
+        fut.result()
+    assert not os.path.exists(os.path.join(str(tmp_path), "newest"))  # nothing committed
+    with pytest.raises(CheckpointError, match="background save of checkpoint 'a' failed"):
+        ckpt.wait()
+    ckpt.close()
+
+
+def test_without_overlap_the_save_stages_everything_before_returning(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
+) -> None:
+    entered, _ = held_staging
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=False))
+    want = _values(m, opt)
+    fut = ckpt.save("a", m, opt)
+    _step(m, opt)  # no wait: nothing was left to stage
+    with torch.no_grad():
+        m[2].weight.mul_(2.0)
+    assert fut is not None and fut.result() is None and not entered.is_set()
+    _assert_equal(_resumed(str(tmp_path), "a"), want)
+    ckpt.close()
+
+
+@pytest.mark.gpu
+def test_cuda_staging_on_a_side_stream_holds_the_values_of_the_save(tmp_path: Any) -> None:
+    """On a GPU: the optimizers' tensors copied on a side stream into pinned buffers while training goes
+    on; the step's kernels run after the copies."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).cuda()
+    opt = torch.optim.Adam(m.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        m(torch.randn(64, 256, device="cuda")).square().sum().backward()
+        opt.step()
+    want = {k: v.cpu() for k, v in m.state_dict().items()}
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    fut = ckpt.save("a", m, opt)
+    for _ in range(3):  # steps queued right behind the save
+        opt.zero_grad()
+        m(torch.randn(64, 256, device="cuda")).square().sum().backward()
+        opt.step()
+    assert fut is not None and fut.result() is None
+    got = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    Checkpointer(str(tmp_path)).resume("a", got)
+    for k, v in got.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    ckpt.close()
+
+
+def test_wait_for_saves_finds_every_checkpointer_through_its_lane_thread(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
+) -> None:
+    entered, release = held_staging
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    fut = ckpt.save("a", m, opt, options=SaveOptions(save_rng=False))
+    assert fut is not None and entered.wait(30)
+    lanes = [t for t in threading.enumerate() if isinstance(t, LaneThread) and t.lane.owner() is ckpt]
+    assert [t.lane.kind for t in lanes] == ["save"]
+    threading.Timer(0.2, release.set).start()
+    smpckpt.wait_for_saves()
+    assert fut.done()
+    ckpt.close()
+    assert not any(t.is_alive() for t in lanes)  # close ends its lanes' threads

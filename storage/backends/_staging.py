@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -82,14 +83,24 @@ def buffer_size(limit: int) -> int:
 
 
 class HostBuffer:
-    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it."""
+    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it.
+
+    A pageable buffer is its own anonymous mapping, unmapped when the last tensor or view of it goes:
+    made by ``malloc`` instead, freed buffers of this size stay in the heap once glibc's dynamic mmap
+    threshold has grown past them, and every save or load that staged through a fresh pool grew the
+    process by up to its cap (``test_failed_loads_do_not_grow_memory`` under the CPU stand-in: ~20 MiB
+    per failed load). Pinned buffers come from torch's caching host allocator, which reuses them."""
 
     __slots__ = ("index", "tensor", "view", "pinned")
 
     def __init__(self, index: int, size: int, pinned: bool) -> None:
         self.index = index
         self.pinned = pinned
-        self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        if pinned:
+            self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            # the tensor keeps the mapping alive (frombuffer holds the exporter until its storage goes)
+            self.tensor = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
         self.view = memoryview(self.tensor.numpy())
 
     @property

@@ -71,8 +71,8 @@ def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
     if slow:
         rows.extend(_gather_torch([tensors[i] for i in slow], slow))
     h = _start(counts)
-    for where, data in rows:
-        h[where] = _mix(h[where], data)
+    for at, data in rows:
+        h[at] = _mix(h[at], data)
     return _finish(h).astype("<u4").tobytes()
 
 

@@ -32,7 +32,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
@@ -101,7 +101,7 @@ class HostBuffer:
         else:
             # the tensor keeps the mapping alive (frombuffer holds the exporter until its storage goes)
             self.tensor = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
-        self.view = memoryview(self.tensor.numpy())
+        self.view = memoryview(cast(Any, self.tensor.numpy()))
 
     @property
     def size(self) -> int:

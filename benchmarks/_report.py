@@ -82,12 +82,19 @@ def goals(res: dict[str, Any]) -> list[dict[str, Any]]:
         ("disk cold load vs DCP FileSystemReader (defaults' checkpoint)", 1.0, "disk", "load_cold", FS, OURS),
         ("disk cold load vs DCP FileSystemReader (thread_count=4 ckpt)", 1.0, "disk", "load_cold", FS_TUNED, OURS),
         ("/dev/shm save vs DCP FileSystemWriter defaults", 2.0, "shm", "save", FS, OURS),
+        # disk saves: no slower than before issue 47's pipeline (1.1x raw, 2.5x DCP on the 2-vCPU VM)
+        ("disk save vs raw write+fsync of the same bytes (was 1.1)", 1.1, "disk", "save", RAW, OURS),
+        ("disk save vs DCP FileSystemWriter defaults (was 2.5)", 2.5, "disk", "save", FS, OURS),
         ("disk save, full vs partial", 0.7, "disk", "save", OURS, OURS_FULL),
         ("/dev/shm save, full vs partial", 0.7, "shm", "save", OURS, OURS_FULL),
         ("S3 save vs s3torchconnector", 1.0, "s3", "save", S3TC, OURS),
         ("S3 load vs s3torchconnector", 1.0, "s3", "load_warm", S3TC, OURS),
     ]
     g = [_goal(goal, t, _ratio(st.get(where, {}), op, a, b), gone) for goal, t, where, op, a, b in speed]
+    # issue 47: /dev/shm saves at least 2x DCP's in every round, not only in the median one
+    shm = _ratio(st.get("shm", {}), "save", FS, OURS)
+    worst = None if shm is None else {"median": shm["min"], "min": shm["min"], "max": shm["min"]}
+    g.append(_goal("/dev/shm save vs DCP FileSystemWriter defaults, slowest round", 2.0, worst, gone))
     for op, what in (("save", "save"), ("load_warm", "load")):
         cpu = _ratio(st.get("s3", {}), op, OURS, S3TC, field="cpu_s")
         g.append(_goal(f"S3 {what}: client CPU / s3torchconnector's", 1.0, cpu, gone, below=True))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -189,6 +189,9 @@ def contenders(ctx: Ctx) -> list[Contender]:
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), thread_count=2),
         frozen=True,
     )
+    # a diagnostic of the device stage on the CPU: every tensor through the staging pool (its CPU stand-in,
+    # SMPCKPT_TEST_DEVICE=cpu), as CUDA tensors go, against "smpckpt partial" writing them in place
+    staged = _stand_in(*_dcp_pair(ctx, ours_writer, ours_reader, frozen=True))
     fs_default = _dcp_pair(ctx, FileSystemWriter, FileSystemReader)
     # tuned: several files in flight per rank (the reader has no knobs; it reads what was written)
     fs_tuned = _dcp_pair(ctx, lambda u: FileSystemWriter(u, thread_count=4), FileSystemReader)
@@ -212,7 +215,36 @@ def contenders(ctx: Ctx) -> list[Contender]:
         Contender("smpckpt partial, 64 MiB read requests", *requests_64, ANY, opt_in=True),
         Contender("smpckpt partial, gc not frozen", *unfrozen, ANY, opt_in=True),
         Contender("smpckpt partial, 2 read threads", *threads_2, ANY, opt_in=True),
+        Contender("smpckpt partial, staged (CPU stand-in)", *staged, ANY, opt_in=True),
     ]
+
+
+def _stand_in(
+    save: Callable[[State, str], None], load: Callable[[State, str], Any]
+) -> tuple[Callable[[State, str], None], Callable[[State, str], Any]]:
+    """``save``/``load`` with ``SMPCKPT_TEST_DEVICE=cpu`` set around them (read per tensor by the stage)."""
+
+    @contextlib.contextmanager
+    def env() -> Iterator[None]:
+        old = os.environ.get("SMPCKPT_TEST_DEVICE")
+        os.environ["SMPCKPT_TEST_DEVICE"] = "cpu"
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ["SMPCKPT_TEST_DEVICE"]
+            else:
+                os.environ["SMPCKPT_TEST_DEVICE"] = old
+
+    def staged_save(sd: State, url: str) -> None:
+        with env():
+            save(sd, url)
+
+    def staged_load(dest: State, url: str) -> Any:
+        with env():
+            return load(dest, url)
+
+    return staged_save, staged_load
 
 
 def select(all_: Sequence[Contender], storage: str, names: Sequence[str] | None) -> list[Contender]:

@@ -8,26 +8,34 @@ values silently. Two mistakes produce exactly that, and no check of keys, dtypes
 * two pipeline stages holding the same global key (a stage-local name the default ``layers.<i>``
   renaming does not reach): one stage's tensor is stored, the other's is gone.
 
-Every rank sends, with its local plan, a 4-byte digest per tensor it holds (:func:`value_digests`) of a
-fixed sample of its elements (:data:`SAMPLES` evenly spaced ones and the element count), in the key
-order the replica digest uses; the first rank of each stage (tp=0, dp=0) also sends the keys and how
-each is split. The coordinator compares, per stage and key, the ranks that hold the same piece (same
-coordinates on the axes the key is split over), and each key two stages hold
-(:func:`check_replica_values`). A sample is cheap (one ``take`` of 16 elements per tensor, one host
-copy per device and dtype for all of them: ~4 us per tensor, ``benchmarks/bench_replica_values.py``)
-and catches both mistakes, whose pieces differ nearly everywhere; it does not promise to see replicas
-that drifted apart in a few elements (the written bytes are checksummed either way). What crosses
-ranks is 4 bytes per tensor and rank, as one opaque ``bytes`` object (no Python object per tensor).
+Every rank computes a 4-byte digest (:func:`~._value_digests.value_digests`: a fixed sample of
+:data:`SAMPLES` elements and the element count, compared as values) of each tensor other ranks hold
+too, in the key order the replica digest uses. Which tensors those are follows from the layout alone,
+by how a key is split (:func:`checked_codes`): a key replicated over the stage when the stage has more
+than one rank, a TP shard when dp > 1 (its DP replicas), a ZeRO shard when tp > 1; with pipeline
+stages every replicated key, since two stages may hold one global key. A rank of a single-rank stage
+computes nothing.
+
+What crosses ranks stays small (:func:`rank_values`): every rank sends one 4-byte summary per split
+code (a digest of its digests), and per-key digests only where they name keys: the first two ranks of
+each group that holds one piece send theirs (:func:`detail_codes`), and the first rank of each stage
+(tp=0, dp=0) sends every one, with the keys and how each is split, for the check across stages. At
+4,096 ranks that is a few dozen per-key lists instead of 4,096. The coordinator compares summaries
+within each group and, where two differ, the per-key digests of the two ranks -- naming the keys when
+both sent theirs, else the ranks (:func:`check_replica_values`).
+
+A sample catches both mistakes, whose pieces differ nearly everywhere; it does not promise to see
+replicas that drifted apart in a few elements (the written bytes are checksummed either way).
 
 DTensors say by their placements which ranks hold the same piece, whatever the layout: each rank sends
-12 bytes per DTensor piece (:func:`dtensor_values`: the piece's id and its value digest) and the
-coordinator compares the ranks that sent the same piece. Samples are compared as values, not bits
-(:func:`_canonical`: signed zeros are equal, and so are all NaNs).
+12 bytes per DTensor piece that other ranks may hold too (:func:`dtensor_values`: the piece's id and
+its value digest; a piece no placement replicates is left out) and the coordinator compares the ranks
+that sent the same piece.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
@@ -37,84 +45,82 @@ import torch
 import xxhash
 
 from smpckpt.errors import ReplicaMismatch
-from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.layout import ParallelLayout, RankCoords
+from smpckpt.planners._value_digests import SAMPLES, value_digests
 
-__all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
+__all__ = [
+    "SAMPLES",
+    "value_digests",
+    "dtensor_values",
+    "piece_id",
+    "stage_keys",
+    "check_replica_values",
+    "checked_codes",
+    "detail_codes",
+    "rank_values",
+    "split_code",
+]
 
-#: elements sampled per tensor (evenly spaced, first and last included)
-SAMPLES = 16
 #: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
 _SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
+_CODES = (0, 1, 2)
 _SHOWN = 5
+#: bytes of a rank's summaries (one little-endian uint32 per split code) ahead of its per-key digests
+_SUMMARY_BYTES = 4 * len(_CODES)
 
 
-@functools.lru_cache(maxsize=4096)
-def _indices(numel: int, device: int) -> torch.Tensor:
-    """The sampled flat indices of a tensor of ``numel`` elements on CUDA ``device`` (-1: the CPU)."""
-    # Integer arithmetic only: a float32 linspace rounds ``numel - 1`` up to ``numel`` above 2**24
-    # elements (every 7B-class weight) and ``take`` then indexes past the end.
-    last, steps = numel - 1, SAMPLES - 1
-    idx = torch.tensor([(i * last + steps // 2) // steps for i in range(SAMPLES)], dtype=torch.int64)
-    return idx if device < 0 else idx.to(f"cuda:{device}")
+def split_code(axes: frozenset[str]) -> int:
+    """A replicated key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp."""
+    return _SPLIT_CODES[axes]
 
 
-def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
-    """One little-endian uint32 per tensor: xxh3 of its sampled elements' bytes, seeded with its element
-    count. A meta tensor (no values: planning benchmarks plan with them) samples nothing.
-
-    Every rank runs this over every tensor at every save, so the loop avoids what costs microseconds
-    per tensor (``Tensor.device`` builds an object; ``get_device`` is a plain int)."""
-    counts = [t.numel() for t in tensors]
-    raw: list[memoryview] = [memoryview(b"")] * len(tensors)
-    groups: dict[tuple[int, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
-    for i, (t, n) in enumerate(zip(tensors, counts)):
-        if not n or t.is_meta:
-            continue
-        device = t.get_device()
-        # take() reads a logical flat index of any strides: no copy of the tensor
-        sample = torch.take(t, _indices(n, device)) if n > SAMPLES else t.reshape(-1)
-        groups.setdefault((device, t.dtype), []).append((i, sample))
-    for (device, _dtype), members in groups.items():
-        # one join, one canonicalisation (and, on a GPU, one copy to the host) per device and dtype, not
-        # one per tensor
-        joined = _canonical(torch.cat([m for _, m in members])).reshape(-1).view(torch.uint8)
-        view = (joined.cpu() if device >= 0 else joined).numpy().data
-        size = len(view) // sum(m.numel() for _, m in members)  # bytes per sampled element, canonical
-        pos = 0
-        for i, m in members:
-            n = m.numel() * size
-            raw[i] = view[pos : pos + n]
-            pos += n
-    digest = xxhash.xxh3_64_intdigest
-    return np.fromiter(
-        (digest(b, seed=n) & 0xFFFFFFFF for b, n in zip(raw, counts)), dtype="<u4", count=len(tensors)
-    ).tobytes()
+def _shared_codes(layout: ParallelLayout) -> tuple[int, ...]:
+    """The split codes whose pieces more than one rank of a stage holds."""
+    sizes = (layout.tp * layout.dp, layout.dp, layout.tp)  # ranks per group, by code
+    return tuple(c for c in _CODES if sizes[c] > 1)
 
 
-#: floating dtypes compared in their own precision; the others (float8 variants) are widened to float32,
-#: which holds each of their values exactly, because comparisons are not implemented for them
-_COMPARABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+def checked_codes(layout: ParallelLayout) -> tuple[int, ...]:
+    """The split codes whose keys every rank digests: those another rank of its stage holds too, and
+    with pipeline stages all of them (two stages may hold one global key)."""
+    return _CODES if layout.pp > 1 else _shared_codes(layout)
 
 
-def _canonical(samples: torch.Tensor) -> torch.Tensor:
-    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN.
+def _group(code: int, c: RankCoords) -> tuple[int, ...]:
+    """Which group of ranks holding one piece (within a stage) a rank is in, for keys of ``code``."""
+    return () if code == 0 else (c.tp,) if code == 1 else (c.dp,)
 
-    Replicas are compared by value, so two ranks that hold equal numbers are replicas even where their
-    bits differ. Signed zeros compare equal (``-0.0 == 0.0``) and arise in replicas computed alike
-    (``0 * -x`` on one rank, ``0 * x`` on another). NaN is never equal to itself, but a NaN held in the
-    same place by two replicas is the same "not a number" for the checkpoint: its sign and payload
-    bits carry no value (x86 writes ``0/0`` as a negative NaN, CUDA as a positive one; torch keeps no
-    payload across arithmetic), so NaNs of any bits count as equal. Which replica's bits are stored
-    is then unspecified, as it always was between equal replicas. Integers and booleans are their bits.
-    """
-    if samples.is_complex():
-        samples = torch.view_as_real(samples)  # each part on its own: (-0.0, 1.0) == (0.0, 1.0)
-    elif not samples.is_floating_point():
-        return samples
-    if samples.dtype not in _COMPARABLE:
-        samples = samples.float()
-    samples = torch.where(samples == 0, 0.0, samples)
-    return torch.where(torch.isnan(samples), float("nan"), samples)
+
+def _index_in_group(code: int, c: RankCoords, layout: ParallelLayout) -> int:
+    """A rank's place among the ranks of its group, in rank order."""
+    return c.tp + layout.tp * c.dp if code == 0 else c.dp if code == 1 else c.tp
+
+
+def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
+    """The split codes a rank sends per-key digests of: where it is one of the first two ranks of its
+    group (so a difference between those two is named key by key), and, with pipeline stages, every
+    code from the first rank of each stage (compared key by key across stages)."""
+    c = layout.coords(rank)
+    if layout.pp > 1 and c.tp == 0 and c.dp == 0:
+        return _CODES
+    return tuple(code for code in _shared_codes(layout) if _index_in_group(code, c, layout) < 2)
+
+
+def _summary(digests: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(digests.tobytes()) & 0xFFFFFFFF
+
+
+def rank_values(layout: ParallelLayout, rank: int, tensors: Sequence[torch.Tensor], codes: bytes) -> bytes:
+    """What a rank sends for its checked tensors (``codes``: each one's split code, in the order of
+    the stage's key list): a summary per code, then the per-key digests of its :func:`detail_codes`."""
+    digests = np.frombuffer(value_digests(tensors), dtype="<u4")
+    code_of = np.frombuffer(codes, dtype=np.uint8)
+    summaries = np.zeros(len(_CODES), dtype="<u4")
+    for code in _shared_codes(layout):
+        summaries[code] = _summary(digests[code_of == code])
+    detail = detail_codes(layout, rank)
+    keep = np.isin(code_of, np.asarray(detail, dtype=np.uint8))
+    return summaries.tobytes() + digests[keep].tobytes()
 
 
 def stage_keys(keys: Sequence[str], splits: Sequence[frozenset[str]]) -> tuple[tuple[str, ...], bytes]:
@@ -150,53 +156,64 @@ def _cause(code: int, ranks: list[int], layout: ParallelLayout) -> str:
     return "data-parallel replicas hold different values: replicas that drifted apart"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One rank's values, parsed: its summaries (by code) and its per-key digests (``None`` where it
+    sent none), aligned with its stage's key list."""
+
+    rank: int
+    summaries: np.ndarray
+    digests: np.ndarray
+    detail: tuple[int, ...]
+
+
+def _parse(layout: ParallelLayout, rank: int, values: bytes, codes: np.ndarray) -> _Row | None:
+    """A rank's values against its stage's key list; ``None`` when they do not fit it (the rank holds
+    other keys: the replica digest check names it)."""
+    detail = detail_codes(layout, rank)
+    keep = np.isin(codes, np.asarray(detail, dtype=np.uint8))
+    if len(values) != _SUMMARY_BYTES + 4 * int(keep.sum()):
+        return None
+    digests = np.zeros(len(codes), dtype="<u4")
+    digests[keep] = np.frombuffer(values, dtype="<u4", offset=_SUMMARY_BYTES)
+    return _Row(rank, np.frombuffer(values, dtype="<u4", count=len(_CODES)), digests, detail)
+
+
+_HOW = (
+    "replicated over the stage",  # code 0
+    "split over tp (their data-parallel replicas)",  # code 1
+    "split over dp (their tensor-parallel replicas)",  # code 2
+)
+
+
 def check_replica_values(fresh: Sequence[Any], structure: Sequence[Any], layout: ParallelLayout) -> None:
     """(coordinator) Compare the ranks' value digests; raise :class:`ReplicaMismatch` naming keys and ranks.
 
-    ``fresh`` are this save's local plans (their ``planner_data["values"]``); ``structure`` the full local
-    plans (cached ones substituted), whose stage leaders carry ``planner_data["value_keys"]``. Ranks
-    that sent no digests (the check turned off) are skipped."""
+    ``fresh`` are this save's local plans (their ``planner_data["values"]``, :func:`rank_values`);
+    ``structure`` the full local plans (cached ones substituted), whose stage leaders carry
+    ``planner_data["value_keys"]``. Ranks that sent no digests (the check turned off) are skipped."""
     leaders: dict[int, tuple[tuple[str, ...], np.ndarray]] = {}
     for plan in structure:
         data = plan.planner_data or {}
         if data.get("value_keys") is not None:
             keys, codes = data["value_keys"]
             leaders[layout.coords(data["rank"]).pp] = (tuple(keys), np.frombuffer(codes, dtype=np.uint8))
-    rows: dict[int, list[tuple[int, np.ndarray]]] = {}
+    rows: dict[int, list[_Row]] = {}
     for rank, plan in enumerate(fresh):
         values = (plan.planner_data or {}).get("values")
-        if values is not None:
-            rows.setdefault(layout.coords(rank).pp, []).append((rank, np.frombuffer(values, dtype="<u4")))
+        stage = layout.coords(rank).pp
+        if values is None or stage not in leaders:
+            continue
+        row = _parse(layout, rank, values, leaders[stage][1])
+        if row is not None:
+            rows.setdefault(stage, []).append(row)
     problems: list[str] = []
-    first_rows: dict[int, tuple[int, np.ndarray]] = {}
+    first_rows: dict[int, _Row] = {}
+    shared = _shared_codes(layout)
     for stage, members in sorted(rows.items()):
-        if stage not in leaders:
-            continue
-        keys, codes = leaders[stage]
-        members = [(r, v) for r, v in members if len(v) == len(keys)]  # others failed the replica digest
-        if not members:
-            continue
-        first_rows[stage] = members[0]
-        for code in (0, 1, 2):
-            cols = np.nonzero(codes == code)[0]
-            if not len(cols):
-                continue
-            groups: dict[tuple[int, ...], list[tuple[int, np.ndarray]]] = {}
-            for rank, v in members:  # ranks that hold the same piece: same coordinates on its split axes
-                c = layout.coords(rank)
-                groups.setdefault(() if code == 0 else (c.tp,) if code == 1 else (c.dp,), []).append((rank, v))
-            for group in groups.values():
-                base_rank, base = group[0]
-                for rank, v in group[1:]:
-                    bad = cols[v[cols] != base[cols]]
-                    if len(bad):
-                        shown = ", ".join(repr(keys[i]) for i in bad[:_SHOWN])
-                        more = f" (and {len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else ""
-                        problems.append(
-                            f"stage {stage}: ranks {base_rank} and {rank} hold different values of {shown}{more}: "
-                            + _cause(code, [base_rank, rank], layout)
-                        )
-                        break
+        if members[0].rank == layout.rank_of(pp=stage):
+            first_rows[stage] = members[0]  # the stage's first rank: every key's digest
+        problems.extend(_stage_problems(stage, members, leaders[stage], shared, layout))
     problems.extend(_across_stages(leaders, first_rows))
     problems.extend(_dtensor_problems(fresh, structure))
     if problems:
@@ -207,13 +224,51 @@ def check_replica_values(fresh: Sequence[Any], structure: Sequence[Any], layout:
         )
 
 
-def _across_stages(
-    leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first_rows: dict[int, tuple[int, np.ndarray]]
+def _stage_problems(
+    stage: int,
+    members: list[_Row],
+    leader: tuple[tuple[str, ...], np.ndarray],
+    shared: tuple[int, ...],
+    layout: ParallelLayout,
 ) -> list[str]:
+    """Within one stage, per split code: the ranks of each group holding one piece compared with the
+    group's first rank, by summary; a difference named key by key where both ranks sent per-key digests."""
+    keys, codes = leader
+    problems: list[str] = []
+    for code in shared:
+        cols = np.nonzero(codes == code)[0]
+        if not len(cols):
+            continue
+        groups: dict[tuple[int, ...], list[_Row]] = {}
+        for row in members:  # ranks that hold the same piece: same coordinates on its split axes
+            groups.setdefault(_group(code, layout.coords(row.rank)), []).append(row)
+        for group in groups.values():
+            base = group[0]
+            for row in group[1:]:
+                if row.summaries[code] == base.summaries[code]:
+                    continue
+                ranks = f"stage {stage}: ranks {base.rank} and {row.rank}"
+                cause = _cause(code, [base.rank, row.rank], layout)
+                if code in base.detail and code in row.detail:
+                    bad = cols[row.digests[cols] != base.digests[cols]]
+                    shown = ", ".join(repr(keys[i]) for i in bad[:_SHOWN])
+                    more = f" (and {len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else ""
+                    problems.append(f"{ranks} hold different values of {shown}{more}: {cause}")
+                else:
+                    problems.append(
+                        f"{ranks} hold different values of some of the {len(cols)} tensors {_HOW[code]} (keys "
+                        "are named between the first two ranks of a group, which agree here): " + cause
+                    )
+                break
+    return problems
+
+
+def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first_rows: dict[int, _Row]) -> list[str]:
     """A global key two stages hold must hold one value: else a stage-local name was not renumbered."""
     seen: dict[str, tuple[int, int, int]] = {}  # key -> (stage, rank, digest) of its first holder
     problems: list[str] = []
-    for stage, (rank, values) in sorted(first_rows.items()):
+    for stage, row in sorted(first_rows.items()):
+        rank, values = row.rank, row.digests
         keys = leaders[stage][0]
         for i, key in enumerate(keys):
             prior = seen.setdefault(key, (stage, rank, int(values[i])))

@@ -30,9 +30,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import Replicate
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
@@ -41,7 +43,13 @@ from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, compact, structure_signature
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
 from smpckpt.planners._ownership import assign_owners
-from smpckpt.planners._replica_values import check_replica_values, dtensor_values, stage_keys, value_digests
+from smpckpt.planners._replica_values import (
+    check_replica_values,
+    checked_codes,
+    dtensor_values,
+    rank_values,
+    split_code,
+)
 
 __all__ = [
     "ParallelSavePlanner",
@@ -311,9 +319,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         # replicas: those other ranks hold too (ownership and value checks)
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
         replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in self.tied]
-        checked = sorted(replicas, key=lambda e: e.key) if self.verify_replicas else []
-        values = value_digests([e.value for e in checked]) if self.verify_replicas else None
-        fresh = {"values": values, "dtensor_values": self._dtensor_values() if self.verify_replicas else None}
+        checked, codes, fresh = self._replica_values(replicas)
         hit = self._cache.hit(signature, self.rank, object_digests, fresh)
         if hit is not None:
             return hit
@@ -351,20 +357,36 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             **fresh,
         }
         coords = self.layout.coords(self.rank)
-        if self.verify_replicas and coords.tp == 0 and coords.dp == 0:  # one key list per stage
-            planner_data["value_keys"] = stage_keys([e.key for e in checked], [e.sharded_axes for e in checked])
+        if fresh["values"] is not None and coords.tp == 0 and coords.dp == 0:  # one key list per stage
+            planner_data["value_keys"] = (tuple(e.key for e in checked), codes)
         plan = compact(SavePlan(items, planner_data=planner_data))  # gathered on the coordinator
         self._cache.remember(signature, plan)
         return plan
 
-    def _dtensor_values(self) -> bytes:
-        """The value digests of the DTensor pieces this rank holds (checked by piece at the coordinator:
-        a DTensor's placements, not the layout, say which ranks hold the same piece)."""
+    def _replica_values(self, replicas: list[Entry]) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
+        """The tensors whose values other ranks hold too (sorted by key), their split codes, and what
+        this rank sends about their values (``planner_data`` fields; ``None``: nothing to compare).
+        Which tensors those are follows from the layout alone (``_replica_values.checked_codes``): a
+        rank of a one-rank stage digests none."""
+        if not self.verify_replicas:
+            return [], b"", {"values": None, "dtensor_values": None}
+        wanted = checked_codes(self.layout)
+        checked = [e for e in replicas if split_code(e.sharded_axes) in wanted]
+        checked.sort(key=_by_key)
+        codes = bytes(split_code(e.sharded_axes) for e in checked)
+        values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
+        return checked, codes, {"values": values, "dtensor_values": self._dtensor_values()}
+
+    def _dtensor_values(self) -> bytes | None:
+        """The value digests of the DTensor pieces this rank holds that other ranks may hold too (checked
+        by piece at the coordinator: a DTensor's placements, not the layout, say which ranks hold the
+        same piece); ``None`` when it holds no such piece."""
         pieces = []
+        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
         for e in self.entries.values():
-            if e.kind == "dtensor" and not e.rank_local and e.chunk is not None:
+            if e.kind == "dtensor" and not e.rank_local and e.chunk is not None and _replicated(e, world):
                 pieces.append((e.key, e.chunk.offsets, e.chunk.sizes, e.value))
-        return dtensor_values(pieces)
+        return dtensor_values(pieces) if pieces else None
 
     def _writes(self, entry: Entry, owners: Mapping[str, int]) -> bool:
         """Whether this rank writes its piece of a tensor entry (before the empty-piece check)."""
@@ -493,6 +515,19 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
 #: a tensor split over both TP and DP is held by one rank: no replica to assign
 _SPLIT_OVER_BOTH = frozenset({"tp", "dp"})
+
+
+def _by_key(entry: Entry) -> str:
+    return entry.key
+
+
+def _replicated(entry: Entry, world: int) -> bool:
+    """Whether other ranks may hold this DTensor piece too: a ``Replicate`` mesh dim, or a mesh that
+    spans only part of the job (each copy of it holds the same pieces)."""
+    dt = entry.dtensor
+    if dt is None:
+        return False
+    return any(isinstance(p, Replicate) for p in dt.placements) or dt.device_mesh.size() < world
 
 
 def _carries_no_data(entry: Entry) -> bool:

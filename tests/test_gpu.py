@@ -316,3 +316,59 @@ def test_user_content_saved_on_gpu_resumes_without_cuda(tmp_path: Any, monkeypat
         save_checkpoint(str(tmp_path), "a", model=m, user_content={"scale": torch.ones(2)})
     uc = resume_from_checkpoint(str(tmp_path), model=copy.deepcopy(m))
     assert set(uc) == {"scale"} and torch.equal(uc["scale"], torch.ones(2))
+
+
+# -- the CUDA stage itself: pinned pool, side stream, events (the CPU stand-in: tests/storage/test_staging.py)
+@pytest.mark.gpu
+def test_cuda_saves_and_loads_stage_through_a_small_pinned_pool(tmp_path: Any) -> None:
+    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+    from smpckpt.storage.tools import verify_checkpoint
+
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    x = torch.randn(1024, 1024, device="cuda:0", generator=g)
+    sd = {
+        "made_just_now": x * 2 + 1,  # queued on the current stream: the side stream must wait for it
+        "wide": torch.randn(96, 4096, device="cuda:0", generator=g),
+        "transposed": torch.randn(700, 300, device="cuda:0", generator=g).t(),
+        "bf16": torch.randn(333, 129, device="cuda:0", generator=g).to(torch.bfloat16),
+        "small": [torch.randn(3 + i, device="cuda:0", generator=g) for i in range(40)],
+    }
+    expected = {k: [t.cpu() for t in v] if isinstance(v, list) else v.cpu() for k, v in sd.items()}
+    writer = FsspecStorageWriter(str(tmp_path), staging_bytes=MIN_STAGING_BYTES)
+    pools = []
+    real = writer._stages
+
+    def stages() -> Any:
+        s = real()
+        pools.append(s.pool)
+        return s
+
+    writer._stages = stages  # type: ignore[method-assign]
+    dcp.save(sd, storage_writer=writer)
+    assert pools and 0 < pools[0].peak_in_use <= pools[0].count
+    verify_checkpoint(str(tmp_path)).raise_if_failed()
+    out = {k: [torch.zeros_like(t) for t in v] if isinstance(v, list) else torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=FsspecStorageReader(str(tmp_path), staging_bytes=MIN_STAGING_BYTES))
+    for k, want in expected.items():
+        got = out[k]
+        if isinstance(want, list):
+            assert all(torch.equal(a.cpu(), b) and a.is_cuda for a, b in zip(got, want)), k
+        else:
+            assert got.is_cuda and torch.equal(got.cpu(), want), k
+
+
+@pytest.mark.gpu
+def test_cuda_full_export_stages_boxes_with_the_cast(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    from smpckpt.storage import FullArtifactWriter, FullOptions
+    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+
+    sd = {"model": {"w": torch.randn(1024, 1024, device="cuda:0"), "t": torch.randn(300, 600, device="cuda:0").t()}}
+    writer = FullArtifactWriter(
+        str(tmp_path / "full"), full=FullOptions(dtype=torch.bfloat16), staging_bytes=MIN_STAGING_BYTES
+    )
+    dcp.save(sd, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), rank=0))
+    got = load_file(str(tmp_path / "full" / "model.safetensors"))
+    for k in ("w", "t"):
+        assert torch.equal(got[f"model.{k}"], sd["model"][k].to(torch.bfloat16).cpu()), k

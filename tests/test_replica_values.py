@@ -5,12 +5,15 @@ rank's piece, silently."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from dist_harness import run_world
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sim import sim_load, sim_save
 
 from smpckpt import ParallelLayout, ShardSpec
@@ -192,3 +195,71 @@ def test_signed_zeros_and_nans_are_values_not_bit_patterns(tmp_path: Path) -> No
     sds[1]["model"]["big"][-1] = 1e-30
     with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 hold different values of 'model\.big'"):
         _save(tmp_path / "bad", sds, ParallelLayout(dp=2))
+
+
+def _local_plans(layout: ParallelLayout, sds: list[dict[str, Any]], specs: Any = None) -> list[Any]:
+    plans = []
+    for r, sd in enumerate(sds):
+        p = ParallelSavePlanner(layout, specs, rank=r)
+        p.set_up_planner(sd, None, r == 0)
+        plans.append(p.create_local_plan())
+    return plans
+
+
+def test_only_the_first_two_ranks_of_a_group_send_per_key_digests() -> None:
+    """tp=2 x dp=4: a replicated key (compared over the stage) and a TP shard (compared across dp).
+    Every rank sends its three 4-byte summaries; per-key digests come only from the first two ranks of
+    each group -- ranks 0 and 1 for the replicated key, dp 0 and 1 for the shard -- so the bytes
+    gathered stop growing with the data-parallel degree."""
+    layout, specs = ParallelLayout(tp=2, dp=4), {"model.w": ShardSpec(0)}
+    full = torch.randn(8, 4)
+    sds = [{"model": {"w": full.chunk(2)[r % 2].clone(), "norm": torch.ones(4)}} for r in range(8)]
+    sizes = [len(p.planner_data["values"]) for p in _local_plans(layout, sds, specs)]
+    assert sizes == [12 + 8, 12 + 8, 12 + 4, 12 + 4, 12, 12, 12, 12]
+
+
+def test_a_rank_no_other_rank_shares_a_piece_with_sends_no_digests() -> None:
+    one = _local_plans(ParallelLayout(), [{"model": {"w": torch.randn(5), "b": torch.zeros(2)}}])
+    assert one[0].planner_data["values"] is None and "value_keys" not in one[0].planner_data
+    # tp=2 at dp=1: the TP shard has no replica (not digested); the replicated key is
+    sds = [{"model": {"w": torch.randn(4, 4), "norm": torch.ones(4)}} for _ in range(2)]
+    plans = _local_plans(ParallelLayout(tp=2), sds, {"model.w": ShardSpec(0)})
+    assert plans[0].planner_data["value_keys"][0] == ("model.norm",)
+    assert [len(p.planner_data["values"]) for p in plans] == [12 + 4, 12 + 4]
+
+
+def test_a_later_replica_that_drifted_is_named_by_its_ranks(tmp_path: Path) -> None:
+    """dp=4: rank 3 sends a summary only; its difference from rank 0 is caught and named by rank."""
+    w = torch.randn(6, 3)
+    sds = [{"model": {"w": w.clone(), "v": w.clone()}} for _ in range(4)]
+    sds[3]["model"]["v"] = w + 1
+    with pytest.raises(
+        ReplicaMismatch,
+        match=r"stage 0: ranks 0 and 3 hold different values of some of the 2 tensors replicated over the stage",
+    ):
+        _save(tmp_path, sds, ParallelLayout(dp=4))
+    sds[3]["model"]["v"] = w.clone()
+    sds[1]["model"]["v"] = w + 1  # between the first two: named by key
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 hold different values of 'model\.v'"):
+        _save(tmp_path / "b", sds, ParallelLayout(dp=4))
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool]
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_contiguous_and_strided_tensors_of_equal_values_have_one_digest(data: st.DataObject) -> None:
+    """Plain contiguous CPU tensors are sampled straight from memory, others with ``take``: one digest
+    for equal values either way, and a changed sampled element changes it."""
+    dtype = data.draw(st.sampled_from(_DTYPES))
+    shape = tuple(data.draw(st.lists(st.integers(1, 9), min_size=0, max_size=3)))
+    t = (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) * 1.25 - 7).to(dtype)
+    wide = torch.zeros(*shape, 3, dtype=dtype)
+    wide[..., 1] = t
+    strided = wide[..., 1]
+    assert strided.is_contiguous() == (t.numel() <= 1)
+    assert value_digests([t, t.clone()]) == value_digests([strided, t]) == value_digests([t, strided])
+    changed = t.clone().reshape(-1)
+    changed[-1] = (changed[-1] == 0).to(dtype) if dtype == torch.bool else -changed[-1] - 1
+    assert value_digests([changed.reshape(shape)]) != value_digests([t])

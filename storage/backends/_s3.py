@@ -120,6 +120,7 @@ class S3MultipartSink:
         self._part_size = int(part_size)
         self.etag: str | None = None
         self._borrow = borrow
+        self.borrows = borrow
         self._views: list[memoryview] = []  # the part being filled (borrow mode) ...
         self._buf: bytearray | None = None  # ... or (copy mode) ...
         self._fill = 0  # ... and its bytes so far

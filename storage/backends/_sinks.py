@@ -37,6 +37,10 @@ def byte_view(data: memoryview) -> memoryview:
 
 class Sink(Protocol):
     path: str
+    #: whether the sink may keep views of what ``write`` was given until ``commit`` (S3 parts sent from
+    #: the caller's memory, replication): a caller reusing a buffer sooner hands such a sink a copy. A
+    #: sink without the attribute is taken to borrow.
+    borrows: bool
 
     def write(self, data: memoryview) -> None: ...
 
@@ -87,6 +91,8 @@ class LocalSink:
     Create-only: ``O_CREAT | O_EXCL | O_NOFOLLOW``, relative to ``dir_fd`` (the folder's descriptor,
     opened without following links) when given, so neither another save's file nor a link planted under
     the name is ever written through: both fail the open with ``FileExistsError``."""
+
+    borrows = False  # os.write is done with the bytes when it returns
 
     def __init__(self, path: str, *, sync: bool, dir_fd: int | None = None, name: str | None = None) -> None:
         self.path = path
@@ -146,6 +152,8 @@ class FsspecSink:
     ``commit`` closes the file, which is what makes it visible on object stores. No ``os.sync()``:
     fsspec file objects have no descriptor to fsync, and a host-wide sync is not ours to call.
     """
+
+    borrows = False  # fsspec's buffered files copy what they are given
 
     def __init__(self, fs: Any, path: str) -> None:
         self.path = path

@@ -16,7 +16,7 @@ import numpy as np
 
 from smpckpt.storage.format._reading import c_strides
 
-__all__ = ["Box", "box_runs", "intersect", "split_box"]
+__all__ = ["Box", "box_runs", "intersect", "split_box", "range_boxes"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -72,3 +72,39 @@ def split_box(offsets: Sequence[int], sizes: Sequence[int], itemsize: int, targe
         n = min(step, sizes[k] - r)
         out.append((offsets[:k] + (offsets[k] + r,) + offsets[k + 1 :], sizes[:k] + (n,) + sizes[k + 1 :]))
     return out
+
+
+def range_boxes(sizes: Sequence[int], start: int, end: int) -> list[Box]:
+    """The elements ``[start, end)`` of a row-major array of shape ``sizes`` (flat, row-major indices)
+    as boxes, in order: a partial row, whole rows, a partial row -- each part of a partial row cut the
+    same way one dimension in. Their bytes, back to back, are the range's bytes; a staged copy of a
+    range (a chunk of a tensor larger than a buffer) copies these boxes of the tensor."""
+    total = math.prod(sizes)
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"elements {start}..{end} outside shape {list(sizes)}")
+    out: list[Box] = []
+    _range_boxes(tuple(sizes), (), start, end, out)
+    return out
+
+
+def _range_boxes(sizes: tuple[int, ...], prefix: tuple[int, ...], a: int, b: int, out: list[Box]) -> None:
+    if a >= b:
+        return
+    rest = sizes[len(prefix) :]
+    ones = (1,) * len(prefix)
+    if len(rest) <= 1:
+        out.append((prefix + (a,) * len(rest), ones + ((b - a,) if rest else ())))
+        return
+    inner = math.prod(rest[1:])
+    r0, o0 = divmod(a, inner)
+    r1, o1 = divmod(b, inner)
+    if r0 == r1:
+        _range_boxes(sizes, prefix + (r0,), o0, o1, out)
+        return
+    if o0:
+        _range_boxes(sizes, prefix + (r0,), o0, inner, out)
+        r0 += 1
+    if r1 > r0:
+        out.append((prefix + (r0,) + (0,) * (len(rest) - 1), ones + (r1 - r0,) + rest[1:]))
+    if o1:
+        _range_boxes(sizes, prefix + (r1,), 0, o1, out)

@@ -10,7 +10,7 @@ content, non-tensor state) go to one small file each, written by the rank that h
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
+import dataclasses
 import io
 import logging
 import math
@@ -25,15 +25,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import write_back
-from smpckpt.storage.format._check_units import item_checks
-from smpckpt.storage.format._checksum import hash_bytes, hash_parts
+from smpckpt.storage.backends._staging import HostBuffer, Stage, Stages, Ticket, settle, stage_kind
+from smpckpt.storage.format._check_units import ItemChecks, item_checks
+from smpckpt.storage.format._checksum import BlockHasher, hash_bytes
 from smpckpt.storage.format._reading import cpu_bytes
-from smpckpt.storage.format._regions import box_runs, split_box
+from smpckpt.storage.format._regions import box_runs, range_boxes, split_box
+from smpckpt.storage.format._staged import copy_chunks
 from smpckpt.storage.full._exchange import Block, Swapper, batches
 from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits, unit_extent
+from smpckpt.storage.write._pipeline import chunk_bytes
 
-__all__ = ["create_files", "write_objects", "box_buffer", "unit_digests", "ObjectResult"]
+__all__ = ["create_files", "write_objects", "box_buffer", "box_view", "box_units", "unit_digests", "ObjectResult"]
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +65,34 @@ def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return tensor
 
 
-def chunk_of(planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """The item's tensor (``tensor``: resolved already), detached, on the CPU, in global-view
-    coordinates (its chunk's shape)."""
-    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach().cpu()
+def chunk_of(
+    planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None, *, cpu: bool = True
+) -> torch.Tensor:
+    """The item's tensor (``tensor``: resolved already), detached, in global-view coordinates (its
+    chunk's shape); on the CPU unless ``cpu=False`` (the staged path copies from where it lies)."""
+    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach()
+    if cpu:
+        chunk = chunk.cpu()
     td = item.tensor_data
     return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk
 
 
-def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
-    """The write's box as contiguous row-major bytes of the artifact dtype."""
+def box_view(chunk: torch.Tensor, w: FullWrite) -> torch.Tensor:
+    """The write's box of ``chunk``, in the artifact's axis order (shape ``w.sizes``), no copy and no
+    cast: a view of the chunk."""
     sub = chunk
     dest_sizes = [w.sizes[p] for p in w.perm]
     for d, (o, n) in enumerate(zip(w.dest_offsets, dest_sizes)):
         if o or n != sub.shape[d]:
             sub = sub.narrow(d, o, n)
     inverse = sorted(range(len(w.perm)), key=w.perm.__getitem__)  # permute(inverse) undoes permute(perm)
-    box = sub.permute(inverse) if list(w.perm) != sorted(w.perm) else sub
+    return sub.permute(inverse) if list(w.perm) != sorted(w.perm) else sub
+
+
+def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
+    """The write's box as contiguous row-major bytes of the artifact dtype (a copy where it is not that
+    already: the swap and object-store paths, which hold boxes whole)."""
+    box = box_view(chunk, w)
     if box.dtype != w.dtype:
         box = box.to(w.dtype)
     mv = cpu_bytes(box.contiguous())
@@ -106,37 +120,62 @@ def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
             write_back(fd, w.start + s, run, wait=False)
 
 
-def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> BoxUnits:
-    """The check units of one box, hashed from its row-major bytes: slices along its outermost
-    dimension, or -- for wide rows -- tiles of column groups x row groups (as the partial writer's
-    :func:`~._check_units.item_checks` cuts records), so a reader loading another TP layout reads and
-    verifies only the columns it needs."""
+def box_units(w: FullWrite, check_block: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], ItemChecks]:
+    """The check units of one box: their offsets and sizes (in the artifact tensor's view), and how a
+    :class:`~smpckpt.storage.format._checksum.BlockHasher` fed the box's row-major bytes cuts them --
+    slices along its outermost dimension, or, for wide rows, tiles of column groups x row groups (as
+    the partial writer's :func:`~._check_units.item_checks` cuts records), so a reader loading another
+    TP layout reads and verifies only the columns it needs."""
     itemsize = w.dtype.itemsize
     checks = item_checks(w.sizes, itemsize, check_block)
     offsets: list[tuple[int, ...]] = []
     sizes: list[tuple[int, ...]] = []
-    digests: list[int] = []
     if checks.groups > 1:
-        rows, seg = w.sizes[0], checks.row_bytes // checks.groups
+        rows = w.sizes[0]
         width = w.sizes[1] // checks.groups
         for r0 in range(0, rows, checks.rows_per_group):
             n = min(checks.rows_per_group, rows - r0)
             for g in range(checks.groups):
-                first = r0 * checks.row_bytes + g * seg
-                digests.append(
-                    hash_parts(buf[a : a + seg] for a in range(first, first + n * checks.row_bytes, checks.row_bytes))
-                )
                 offsets.append((w.offsets[0] + r0, w.offsets[1] + g * width, *w.offsets[2:]))
                 sizes.append((n, width, *w.sizes[2:]))
-        return BoxUnits.pack(w.key, w.view, offsets, sizes, digests)
-    pos = 0
+        return offsets, sizes, checks
     for lo, size in split_box(w.offsets, w.sizes, itemsize, checks.unit):
-        n = math.prod(size) * itemsize
-        digests.append(hash_bytes(buf[pos : pos + n]))
         offsets.append(tuple(lo))
         sizes.append(tuple(size))
-        pos += n
-    return BoxUnits.pack(w.key, w.view, offsets, sizes, digests)
+    # slices of one size (the last may be shorter), back to back in the box's row-major bytes: blocks
+    unit = max(1, math.prod(sizes[0]) * itemsize) if sizes else 1
+    return offsets, sizes, ItemChecks(unit)
+
+
+def unit_digests(w: FullWrite, buf: memoryview, check_block: int) -> BoxUnits:
+    """The check units of one box, hashed from its row-major bytes (see :func:`box_units`)."""
+    hasher = _BoxHasher(w, check_block)
+    hasher.update(buf)
+    return hasher.finish()
+
+
+class _BoxHasher:
+    """A box's check units hashed as its row-major bytes stream in, in any pieces (a staged box comes
+    a buffer at a time); tiles of whole row groups each in one gathered hash (``hash_rows``)."""
+
+    def __init__(self, w: FullWrite, check_block: int) -> None:
+        self.w = w
+        self.offsets, self.sizes, checks = box_units(w, check_block)
+        self.nbytes = math.prod(w.sizes) * w.dtype.itemsize
+        self.hasher = BlockHasher(check_block)
+        self.hasher.start_item(self.nbytes, checks)
+
+    def update(self, data: memoryview) -> None:
+        if len(data):
+            self.hasher.update(data)
+
+    def finish(self) -> BoxUnits:
+        _, digests = self.hasher.finish()
+        if not self.nbytes:
+            digests = [hash_bytes(b"")] * len(self.offsets)  # empty units, one per slice
+        if len(digests) != len(self.offsets):
+            raise RuntimeError(f"{self.w.key!r}: {len(digests)} digests for {len(self.offsets)} check units")
+        return BoxUnits.pack(self.w.key, self.w.view, self.offsets, self.sizes, digests)
 
 
 def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
@@ -181,8 +220,10 @@ def _file_order(files: Sequence[str], rank: int, world: int) -> list[str]:
 class _RankWriter:
     """One rank's tensor writes: whole files per thread, plus its swaps in one more thread."""
 
-    def __init__(self, folder: Folder, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner) -> None:
-        self.data, self.items, self.planner = data, items, planner
+    def __init__(
+        self, folder: Folder, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, stages: Stages
+    ) -> None:
+        self.data, self.items, self.planner, self.stages = data, items, planner, stages
         self.by_item: dict[Any, list[FullWrite]] = {}
         for w in data.writes:
             self.by_item.setdefault(w.item, []).append(w)
@@ -200,11 +241,6 @@ class _RankWriter:
         except BaseException:
             self.close()
             raise
-        # A device-to-host copy, a transposed box or a cast makes a temporary as large as the shard:
-        # two at a time, so extra memory stays within two shards however many threads write, and one
-        # thread's copy overlaps another's write (one at a time serialised the copies with the writes:
-        # a full save from GPU memory ran at 0.43x the partial save's speed on /dev/shm).
-        self.copying = threading.BoundedSemaphore(2)
         self.done: dict[Any, tuple[int, list[BoxUnits]]] = {}
         self.done_lock = threading.Lock()
         self.blocks: list[FullWrite] = []
@@ -226,15 +262,84 @@ class _RankWriter:
             self.done[index] = (n + nbytes, us + units)
 
     def _write_item(self, item: WriteItem) -> None:
-        writes = self.by_item[item.index]
+        """Each of the item's boxes written in place from the tensor's memory when it is its row-major
+        bytes of the artifact dtype, else staged: copied a buffer at a time (device-to-host, a
+        transposed box's gather, a cast: whatever ``copy_`` does) into the save's pool
+        (:mod:`~smpckpt.storage.backends._staging`), each chunk written and hashed while the next is
+        copied. Extra memory stays within the pool however large the box (before, each such box was
+        copied whole: two shards at a time)."""
         t = resolved_tensor(self.planner, item)
-        copies = t.device.type != "cpu" or any(w.dtype != t.dtype or list(w.perm) != sorted(w.perm) for w in writes)
-        with self.copying if copies else contextlib.nullcontext():
-            chunk = chunk_of(self.planner, item, t)  # the planner resolves each item once
-            for w in writes:
-                buf = box_buffer(chunk, w)
-                _put(self.fds[w.file], w, buf)
-                self._record(item.index, buf.nbytes, [unit_digests(w, buf, self.data.check_block)])
+        chunk = chunk_of(self.planner, item, t, cpu=False)  # the planner resolves each item once
+        for w in self.by_item[item.index]:
+            box = box_view(chunk, w)
+            own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None
+            kind = stage_kind(box, in_place=own is not None)
+            if kind is None and own is not None:
+                _put(self.fds[w.file], w, own)
+                self._record(item.index, own.nbytes, [unit_digests(w, own, self.data.check_block)])
+            else:
+                units = self._stage_box(w, box, self.stages.get(box, kind or "host"))
+                self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
+
+    def _stage_box(self, w: FullWrite, box: torch.Tensor, stage: Stage) -> BoxUnits:
+        """One box through ``stage``: element ranges of a buffer each (whole row groups of a tiled box),
+        copied (with the cast) into pool buffers; a chunk is written and hashed while the next one is
+        copied; a buffer goes back once its chunk is written and hashed."""
+        pool, itemsize = stage.pool, w.dtype.itemsize
+        hasher = _BoxHasher(w, self.data.check_block)
+        _, _, checks = box_units(w, self.data.check_block)
+        step = max(1, chunk_bytes(pool.buffer_bytes, checks) // itemsize)
+        numel = math.prod(w.sizes)
+        fd = self.fds[w.file]
+        pending: tuple[HostBuffer, Ticket, int, int] | None = None  # (buffer, its copies, first, last)
+
+        def finish(held: tuple[HostBuffer, Ticket, int, int]) -> None:
+            buf, ticket, first, last = held
+            try:
+                ticket.wait()
+                pos = 0
+                for rel, sizes in range_boxes(w.sizes, first, last):
+                    n = math.prod(sizes) * itemsize
+                    part = buf.view[pos : pos + n]
+                    sub = dataclasses.replace(w, offsets=tuple(o + r for o, r in zip(w.offsets, rel)), sizes=sizes)
+                    _put(fd, sub, part)
+                    pos += n
+                hasher.update(buf.view[:pos])
+            finally:
+                pool.release(buf)
+
+        try:
+            for first in range(0, numel, step):
+                last = min(numel, first + step)
+                buf = pool.try_acquire(pinned=stage.pinned)
+                if buf is None and pending is not None:
+                    held, pending = pending, None
+                    finish(held)  # ours first: never wait for a buffer while holding one
+                if buf is None:
+                    buf = pool.acquire(pinned=stage.pinned)
+                try:
+                    typed = buf.tensor[: (last - first) * itemsize].view(w.dtype)
+                    for piece, view in copy_chunks(typed, box, first, last):
+                        stage.copy(piece, view)  # the cast, if any, happens in the copy
+                    ticket = stage.fence()
+                except BaseException:
+                    settle(stage)  # nothing copies into it any more
+                    pool.release(buf)
+                    raise
+                if pending is not None:
+                    held, pending = pending, None
+                    finish(held)
+                pending = (buf, ticket, first, last)
+            if pending is not None:
+                held, pending = pending, None
+                finish(held)
+        finally:
+            if pending is not None:
+                try:
+                    pending[1].wait()
+                finally:
+                    pool.release(pending[0])
+        return hasher.finish()
 
     def _write_file(self, name: str) -> None:
         for it in self.per_file[name]:

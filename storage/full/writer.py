@@ -167,8 +167,12 @@ class FullArtifactWriter(FsspecWriterBase):
                         data, plan.items, planner, open_sink=self._open_sink, process_group=self.process_group
                     )
                 else:  # POSIX: every rank at its offsets, in the staging folder the coordinator made
-                    with _RankWriter(self._folder, data, plan.items, planner) as w:
-                        written = w.run(self.thread_count, self.process_group, sync=self.sync_files)
+                    stages = self._stages()
+                    try:
+                        with _RankWriter(self._folder, data, plan.items, planner, stages) as w:
+                            written = w.run(self.thread_count, self.process_group, sync=self.sync_files)
+                    finally:
+                        stages.close()
                 written += write_objects(self._folder, data, plan.items, planner, self.sync_files)
             finally:
                 self._folder = None

@@ -44,8 +44,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
+from smpckpt.storage.backends._staging import STAGING_BYTES
 from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
+from smpckpt.storage.format._staged import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder
@@ -135,6 +137,8 @@ class ReadRun:
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
         self.bytes_requested = self.requests = 0
         self.read_per_file: dict[str, int] = {}
+        # destinations not filled in place (CUDA) are copied to through a pool of pinned buffers
+        self.copies = DeviceCopies(getattr(reader, "staging_bytes", STAGING_BYTES))
 
     def run(self, plan: ReadPlan) -> None:
         try:
@@ -143,6 +147,7 @@ class ReadRun:
             # buffers are reused within one read_data call only: a reader kept by the caller (or by a
             # failed load's traceback) must not keep up to 2 * thread_count 64 MiB buffers alive
             self.pool.clear()
+            self.copies.close()  # every copy to a device done before the load returns
 
     def _run(self, plan: ReadPlan) -> None:
         for it in plan.empty:
@@ -220,7 +225,7 @@ class ReadRun:
                 continue
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
-            dst = writable_bytes(need.item, target)
+            dst = writable_bytes(need.item, target) if in_place(target) else None
             if dst is None:  # not a destination the stored bytes can be read into as they are
                 self._add(w.file, w.nbytes, 1)
                 yield FetchTask(w.file, Fetch(need.start, need.end, (need,)), w.scattered)
@@ -236,7 +241,7 @@ class ReadRun:
         threads read one column slice (its rows' requests are small: one thread in a row of them leaves
         the device, and the other cores, idle), each part committed when all are done."""
         target = self.planner.resolve_tensor(box.item.req).detach()
-        dst = box_destination(box, target)
+        dst = box_destination(box, target) if in_place(target) else None
         chunks = box.chunks(PIECE_BYTES)
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
@@ -336,7 +341,7 @@ class ReadRun:
         dst = part.entry.target.narrow(0, lo - r0, hi - lo)
         if dst.size() != src.size():
             raise LayoutMismatch(f"{box.item.fqn!r}: destination {list(dst.size())} vs stored rows {list(src.size())}")
-        dst.copy_(src)
+        self.copies.copy(dst, src)
 
     def _deliver(self, it: Item, data: memoryview) -> None:
         req, planner = it.req, self.planner
@@ -350,7 +355,7 @@ class ReadRun:
             return
         if it.raw:
             target = planner.resolve_tensor(req).detach()
-            dst = writable_bytes(it, target)
+            dst = writable_bytes(it, target) if in_place(target) else None
             if dst is not None and data.nbytes >= dst.nbytes:
                 # stored as the destination holds it: one copy, and no torch call per item (each
                 # queues for the GIL behind the reader threads; see _tensor_bytes)
@@ -369,7 +374,7 @@ class ReadRun:
             target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise LayoutMismatch(f"{it.fqn!r}: destination {list(target.size())} vs stored slice {list(src.size())}")
-        target.copy_(src)
+        self.copies.copy(target, src)
         planner.commit_tensor(req, target)
 
 

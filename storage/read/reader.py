@@ -42,6 +42,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
+from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format.manifest import FileRecord, Probe
@@ -194,6 +195,10 @@ class FsspecStorageReader(ReaderBase):
             a column slice on local disk share requests when they are at most this many bytes apart, or
             less than a page (``_plan.ROW_GAP``).
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
+        staging_bytes: the cap on host memory a load into CUDA tensors stages through (default 128 MiB):
+            what the reader read is copied into a pool of pinned buffers of this many bytes in all and
+            from there to the device on a side stream, a buffer at a time
+            (``storage/backends/_staging.py``); CPU destinations are filled in place and use none of it.
 
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
     ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;
@@ -214,8 +219,10 @@ class FsspecStorageReader(ReaderBase):
         coalesce_gap: int = 0,
         translation: Translation | None = None,
         hf_prefix: str = "",
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         self.thread_count = check_int("thread_count", thread_count, minimum=1)
+        self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
         self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
         self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)

@@ -313,6 +313,8 @@ class Replicator:
 class TeeSink:
     """A data file's sink that also sends its bytes to the replica ranks (:class:`Replicator`)."""
 
+    borrows = True  # what it sends is read by the sender threads until the file's end is sent
+
     def __init__(self, inner: Sink, replicator: Replicator, file: _File) -> None:
         self.inner, self.path = inner, inner.path
         self._rep, self._file = replicator, file

@@ -24,6 +24,7 @@ from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import FsspecLocation, default_write_threads, is_local
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, MIN_PART_SIZE, Sink
+from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, STAGING_BYTES, Stages
 from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
@@ -55,6 +56,7 @@ class WriterOptions(TypedDict, total=False):
     max_parts_in_flight: int
     manifest_extra: Mapping[str, Any] | None
     process_group: Any
+    staging_bytes: int
 
 
 class FsspecWriterBase(FsspecLocation, StorageWriter):
@@ -83,6 +85,12 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
             layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
         process_group: the group ``dcp.save`` runs on (default: the default group).
+        staging_bytes: the cap on host memory a rank's save uses above its state (default 128 MiB):
+            tensors that cannot be written from their own memory -- CUDA tensors, strided views, and
+            (full artifacts) dtype casts and transposed boxes -- are copied through a pool of buffers of
+            this many bytes in all (pinned for CUDA), chunk by chunk, each buffer reused once its bytes
+            are written and hashed (``storage/backends/_staging.py``). Contiguous CPU tensors are
+            written in place and use none of it.
     """
 
     _KIND: Literal["partial", "full"]  # the manifest's "kind"; discard_failed_save follows it
@@ -98,12 +106,17 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         max_parts_in_flight: int = 4,
         manifest_extra: Mapping[str, Any] | None = None,
         process_group: Any = None,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         super().__init__()
         check_flag("sync_files", sync_files)
         check_int("thread_count", thread_count, minimum=1, optional=True)
         check_int("part_size", part_size, minimum=MIN_PART_SIZE)
         check_int("max_parts_in_flight", max_parts_in_flight, minimum=1)
+        check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
+        self.staging_bytes = staging_bytes
+        #: (tests) hooks handed to the staging pool and the file streams of each save
+        self._staging_hooks: Any = None
         self.storage_options = dict(storage_options or {})
         self.sync_files = sync_files
         self.part_size = part_size
@@ -228,6 +241,11 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             extra=extra,
         )
         return manifest, md_bytes
+
+    def _stages(self) -> Stages:
+        """The staging pool of one rank's write step (``close()`` it when the step ends)."""
+        hooks = self._staging_hooks
+        return Stages(self.staging_bytes, on_wait=getattr(hooks, "on_wait", None))
 
     def _open_folder(self, *, create: bool = False) -> Folder:
         """This save's folder for one step (``with`` it; ``self._folder`` meanwhile, for the seams)."""

@@ -1,15 +1,15 @@
 """One data file of one rank: items written in order through a sink, hashed on a second thread.
 
 :func:`write_file` is the writer's data path (``FsspecStorageWriter.write_data`` runs one per file
-on its thread pool); :func:`split_items` decides which items go to which file.
+on its thread pool, all of them staging through one pool of buffers: :mod:`._pipeline`);
+:func:`split_items` decides which items go to which file.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
 import math
-from collections import deque
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -18,34 +18,19 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import not_dense
-from smpckpt.storage.backends._sinks import Sink, byte_view
+from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.backends._staging import Stages, stage_kind
 from smpckpt.storage.format import _names
-from smpckpt.storage.format._check_units import ItemChecks, item_checks
+from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.write._pipeline import FileStream
 
 __all__ = ["PART_FILL", "MAX_OBJECT_FILES", "object_store_bins", "write_file", "split_items", "FILE_RESULT_FQN"]
 
-# bytes handed to the hash thread at a time: small enough that hashing trails the write closely
-_CHUNK = 8 << 20
-#: items below this many bytes are hashed on the writing thread
-_INLINE_HASH = 256 << 10
-# hash chunks a file's writer may run ahead of its hasher (bounds memory held for temporary buffers)
-_MAX_HASH_BACKLOG = 8
 #: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
 FILE_RESULT_FQN = "\x00smpckpt.file"
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's own bytes (no copy for contiguous CPU tensors; views yield only their bytes)."""
-    t = t.detach().cpu().contiguous()  # each a no-op where it does not apply
-    mv = cpu_bytes(t)
-    if mv is None:  # a conjugate or negative view: its values, materialised
-        mv = cpu_bytes(t.resolve_conj().resolve_neg().contiguous())
-    if mv is None:
-        raise TypeError(f"cannot take the bytes of a {t.dtype} tensor of shape {list(t.shape)}")
-    return mv
 
 
 def _torch_save_bytes(t: torch.Tensor) -> memoryview:
@@ -105,72 +90,71 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 
 def write_file(
-    sink: Sink, name: str, items: list[WriteItem], planner: SavePlanner, rank: int, *, raw: bool, block_size: int
+    sink: Sink,
+    name: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    rank: int,
+    *,
+    raw: bool,
+    block_size: int,
+    stages: Stages,
+    hooks: Any = None,
 ) -> list[WriteResult]:
     """Write ``items`` (objects first, small, then tensors, as DCP does: :func:`split_items`'s order)
     into ``sink`` and commit it; the last result carries the file's :class:`FileRecord` (size, block ends
-    and digests) for the manifest."""
+    and digests) for the manifest. Raw tensors that cannot be written in place are copied through
+    ``stages`` (:mod:`._pipeline`)."""
     hasher = BlockHasher(block_size)
     results: list[WriteResult] = []
     offset = 0
-    backlog: deque[concurrent.futures.Future[None]] = deque()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash") as hash_pool:
-        try:
-            for item in items:
-                value = planner.resolve_data(item)
-                descriptors: list[str] | None = None
-                checks: ItemChecks | None = None
-                if item.type == WriteItemType.BYTE_IO:
-                    if not isinstance(value, io.BytesIO):
-                        raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
-                    mv = value.getbuffer()
-                elif not isinstance(value, torch.Tensor):
-                    raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
-                elif value.layout is not torch.strided:
-                    raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
-                elif raw:
-                    mv = _tensor_bytes(value)
-                    descriptors = [_names.RAW_DESCRIPTOR]
-                    # units of its own, so a reshard reads (and verifies) only the slices it needs
-                    checks = item_checks(tuple(value.shape), value.element_size(), block_size)
-                else:
-                    mv = _torch_save_bytes(value)
+    stream = FileStream(sink, hasher, stages, hooks)
+    try:
+        for item in items:
+            value = planner.resolve_data(item)
+            descriptors: list[str] | None = None
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(value, io.BytesIO):
+                    raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
+                mv = value.getbuffer()
                 nbytes = mv.nbytes
-                flat = byte_view(mv)
-                if nbytes < _INLINE_HASH:
-                    # hashed here: two hand-offs to the hash thread cost more than the hash
-                    while backlog:  # the hasher takes a file's bytes in order
-                        backlog.popleft().result()
-                    hasher.start_item(nbytes, checks)
-                    if nbytes:
-                        hasher.update(flat)
-                        sink.write(flat)
+                stream.put(mv, None)
+            elif not isinstance(value, torch.Tensor):
+                raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
+            elif value.layout is not torch.strided:
+                raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
+            elif raw:
+                descriptors = [_names.RAW_DESCRIPTOR]
+                # units of its own, so a reshard reads (and verifies) only the slices it needs
+                checks = item_checks(tuple(value.shape), value.element_size(), block_size)
+                t = value.detach()
+                own = cpu_bytes(t) if t.device.type == "cpu" else None
+                kind = stage_kind(t, in_place=own is not None)
+                if kind is None and own is not None:
+                    nbytes = own.nbytes
+                    stream.put(own, checks)
                 else:
-                    backlog.append(hash_pool.submit(hasher.start_item, nbytes, checks))
-                    for i in range(0, nbytes, _CHUNK):
-                        chunk = flat[i : i + _CHUNK]
-                        # hash on the second thread while this one writes the same bytes
-                        backlog.append(hash_pool.submit(hasher.update, chunk))
-                        sink.write(chunk)
-                        while len(backlog) > _MAX_HASH_BACKLOG:
-                            backlog.popleft().result()
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=nbytes,
-                        storage_data=_StorageInfo(name, offset, nbytes, transform_descriptors=descriptors),
-                    )
+                    nbytes = stream.stage(t, stages.get(t, kind or "host"), checks)
+            else:
+                mv = _torch_save_bytes(value)
+                nbytes = mv.nbytes
+                stream.put(mv, None)
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=nbytes,
+                    storage_data=_StorageInfo(name, offset, nbytes, transform_descriptors=descriptors),
                 )
-                offset += nbytes
-            while backlog:
-                backlog.popleft().result()
-            ends, digests = hasher.finish()
-            sink.commit()
-        except BaseException:
-            for f in backlog:
-                f.cancel()
-            sink.abort()
-            raise
+            )
+            offset += nbytes
+        stream.finish()
+        ends, digests = hasher.finish()
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        stream.close()
     results.append(
         WriteResult(
             index=MetadataIndex(f"{FILE_RESULT_FQN}/{name}"),

@@ -271,6 +271,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         # the checkpoint folder is made (and opened) even on a rank with nothing to write: the coordinator's
         # metadata and manifest go there. Every file is created in it, never through a link
         with self._open_folder(create=True) as self._folder:
+            self._staging = self._stages()  # one pool for every file of this rank: the cap holds per rank
             try:
                 if buckets:
                     with concurrent.futures.ThreadPoolExecutor(
@@ -293,6 +294,7 @@ class FsspecStorageWriter(FsspecWriterBase):
                     self._folder.fsync_dirs()  # the files' own folders, then the checkpoint folder holding them
             finally:
                 self._folder = None
+                self._staging.close()
         self._used_save_ids.add(data.save_id)
         return results
 
@@ -305,4 +307,6 @@ class FsspecStorageWriter(FsspecWriterBase):
             rank,
             raw=self.format == "raw",
             block_size=self.block_size,
+            stages=self._staging,
+            hooks=self._staging_hooks,
         )

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 import smpckpt.storage.full._write as full_write
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs
+from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, Stages
 from smpckpt.storage.full._exchange import Block, Exchange
 from smpckpt.storage.full._layout import FullWrite, RankFullData
 
@@ -73,12 +74,16 @@ def test_a_failed_block_write_is_reported_with_the_swap_error_that_followed_it(
     logged: list[str] = []
     monkeypatch.setattr(full_write.log, "error", lambda msg, *args: logged.append(msg % args))
     monkeypatch.setattr(full_write._RankWriter, "_write_blocks", _disk_full)
-    with (
-        Folder(open_fs(str(tmp_path))[0], str(tmp_path)) as folder,
-        full_write._RankWriter(folder, data, [item], _Planner()) as writer,  # type: ignore[arg-type]
-    ):
-        with pytest.raises(RuntimeError, match="peer 1 closed the connection") as raised:
-            writer._swap_all(None)
+    stages = Stages(MIN_STAGING_BYTES)  # the writer's staging pool (swaps do not use it)
+    try:
+        with (
+            Folder(open_fs(str(tmp_path))[0], str(tmp_path)) as folder,
+            full_write._RankWriter(folder, data, [item], _Planner(), stages) as writer,  # type: ignore[arg-type]
+        ):
+            with pytest.raises(RuntimeError, match="peer 1 closed the connection") as raised:
+                writer._swap_all(None)
+    finally:
+        stages.close()
     # Python 3.11+: a note on the raised error; before: a log line
     told = " ".join(getattr(raised.value, "__notes__", [])) if sys.version_info >= (3, 11) else " ".join(logged)
     assert "writing the previous swap blocks into model.safetensors failed too" in told

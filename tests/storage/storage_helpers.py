@@ -52,6 +52,10 @@ def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
         assert isinstance(b, dict) and set(a) == set(b), path
         for k in a:
             assert_state_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_state_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -60,6 +60,9 @@ def test_large_tensors_stream_from_get_bodies_into_their_destinations(
 ) -> None:
     import s3fs
 
+    # reads straight into CPU destinations: the CPU stand-in of the device stage stages every load
+    # through pool buffers (as CUDA destinations go; tests/storage/test_staging.py covers that path)
+    monkeypatch.delenv("SMPCKPT_TEST_DEVICE", raising=False)
     base, opts = s3
     url = f"{base}/direct"
     sd = _state()

@@ -12,16 +12,17 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
 
 from smpckpt.errors import CheckpointCorrupt
+from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, Stages
 from smpckpt.storage.format._check_units import Tiling
 from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format._reading import Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
 from smpckpt.storage.read._plan import raw_item, writable_bytes
 from smpckpt.storage.read._run import _decode_raw
-from smpckpt.storage.write._write_file import _tensor_bytes
+from smpckpt.storage.write._write_file import write_file
 
 
 @st.composite
@@ -227,11 +228,42 @@ def _reference_bytes(t: torch.Tensor) -> bytes:
         lambda: torch.empty(0, dtype=torch.bfloat16),
     ],
 )
-def test_tensor_bytes_are_the_tensors_own_bytes_in_row_major_order(make: Any) -> None:
+@pytest.mark.parametrize("stand_in", [False, True])
+def test_a_raw_record_is_the_tensors_own_bytes_in_row_major_order(
+    make: Any, stand_in: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written in place or staged (strided views; every tensor under the CPU stand-in of the device
+    stage), a raw record holds the tensor's values, row-major, and nothing else."""
+    if stand_in:
+        monkeypatch.setenv("SMPCKPT_TEST_DEVICE", "cpu")
     t = make()
-    got = _tensor_bytes(t)
-    assert got.format == "B" and got.ndim == 1
-    assert bytes(got) == _reference_bytes(t)
+
+    class _Sink:
+        path, borrows = "mem", False
+
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, data: memoryview) -> None:
+            self.data += data
+
+        def commit(self) -> None: ...
+
+        def abort(self) -> None: ...
+
+    class _Planner:
+        def resolve_data(self, item: WriteItem) -> torch.Tensor:
+            return t
+
+    sink, stages = _Sink(), Stages(MIN_STAGING_BYTES)
+    try:
+        item = WriteItem(index=MetadataIndex("t"), type=WriteItemType.TENSOR)
+        results = write_file(sink, "f", [item], _Planner(), 0, raw=True, block_size=1 << 20, stages=stages)  # type: ignore[arg-type]
+    finally:
+        stages.close()
+    info = results[0].storage_data
+    assert (info.offset, info.length) == (0, len(sink.data))
+    assert bytes(sink.data) == _reference_bytes(t)
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,0 +1,391 @@
+"""Staging: tensor bytes moved between where they live and a small pool of reused host buffers.
+
+The device stage of every save and load, behind one small interface (:class:`Stage`):
+
+* a save copies what it cannot write in place (a CUDA tensor, a strided view, a dtype cast) into
+  buffers of a :class:`BufferPool`, chunk by chunk, and writes each buffer once it holds its bytes;
+* a load into a CUDA tensor copies the bytes it read into such buffers (pinned) and from there to
+  the device.
+
+:meth:`Stage.copy` enqueues one copy and returns at once; :meth:`Stage.fence` returns a
+:class:`Ticket` that completes when every copy enqueued before it has. On CUDA (:class:`CudaStage`)
+copies run on a side stream of the tensor's device, each buffer pinned, and a ticket is an event: the
+copy engine moves the next chunks while the host hashes and writes the last ones. Elsewhere
+(:class:`HostStage`) copies run in order on one copier thread (torch releases the GIL for a copy), a
+ticket is a future: the same pool, the same order and the same overlap, on the CPU. With
+``SMPCKPT_TEST_DEVICE=cpu`` in the environment the writers and readers send CPU tensors through the
+:class:`HostStage` too (:func:`stage_kind`), even those they would write or fill in place: the CPU
+stand-in of the CUDA stage, so CI runs the pipeline a GPU machine runs.
+
+Memory: a pool holds at most ``limit`` bytes in buffers of ``buffer_bytes``, allocated when first
+needed and dropped with the pool (pinned ones return to torch's caching host allocator, which hands
+them out again to the next pool without a new ``cudaHostAlloc``). A buffer goes back to the pool
+only when every use of its bytes has finished (the caller's :meth:`BufferPool.release`), so it is
+never refilled while a write or a hash still reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, cast
+
+import torch
+
+__all__ = [
+    "STAGING_BYTES",
+    "BUFFER_BYTES",
+    "MIN_STAGING_BYTES",
+    "HostBuffer",
+    "BufferPool",
+    "Ticket",
+    "Stage",
+    "HostStage",
+    "CudaStage",
+    "Stages",
+    "stage_kind",
+    "settle",
+    "TEST_DEVICE_ENV",
+]
+
+#: default cap of host memory a save (or a load into CUDA tensors) stages through, per rank
+STAGING_BYTES = 128 << 20
+#: the pool's buffer size (a chunk of a large tensor), at most; smaller pools use smaller buffers
+BUFFER_BYTES = 16 << 20
+#: the smallest cap accepted: two buffers of 512 KiB
+MIN_STAGING_BYTES = 1 << 20
+#: the environment variable that selects the CPU stand-in for tests (``SMPCKPT_TEST_DEVICE=cpu``)
+TEST_DEVICE_ENV = "SMPCKPT_TEST_DEVICE"
+
+
+def stage_kind(t: torch.Tensor, *, in_place: bool) -> Literal["cuda", "host"] | None:
+    """How a tensor's bytes reach storage (or a load's bytes reach it): ``None`` in place (a CPU tensor
+    the caller can write from or read into directly, ``in_place``), ``"cuda"`` through a
+    :class:`CudaStage`, ``"host"`` through a :class:`HostStage` (CPU tensors that cannot be used in
+    place, and every CPU tensor under ``SMPCKPT_TEST_DEVICE=cpu``)."""
+    if t.is_cuda:
+        return "cuda"
+    if t.device.type != "cpu":
+        return "host"  # another accelerator: its own copy_ moves the bytes, synchronously
+    if in_place and os.environ.get(TEST_DEVICE_ENV) != "cpu":
+        return None
+    return "host"
+
+
+def buffer_size(limit: int) -> int:
+    """The buffer size of a pool capped at ``limit`` bytes: :data:`BUFFER_BYTES`, or a quarter of a
+    smaller cap (so it still holds a few), a multiple of 4 KiB."""
+    return max(4096, min(BUFFER_BYTES, limit // 4) // 4096 * 4096)
+
+
+class HostBuffer:
+    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it.
+
+    A pageable buffer is its own anonymous mapping, unmapped when the last tensor or view of it goes:
+    made by ``malloc`` instead, freed buffers of this size stay in the heap once glibc's dynamic mmap
+    threshold has grown past them, and every save or load that staged through a fresh pool grew the
+    process by up to its cap (``test_failed_loads_do_not_grow_memory`` under the CPU stand-in: ~20 MiB
+    per failed load). Pinned buffers come from torch's caching host allocator, which reuses them."""
+
+    __slots__ = ("index", "tensor", "view", "pinned")
+
+    def __init__(self, index: int, size: int, pinned: bool) -> None:
+        self.index = index
+        self.pinned = pinned
+        if pinned:
+            self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            # the tensor keeps the mapping alive (frombuffer holds the exporter until its storage goes)
+            self.tensor = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+        self.view = memoryview(cast(Any, self.tensor.numpy()))
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
+
+class BufferPool:
+    """At most ``limit`` bytes of host buffers, handed out one at a time and given back when their
+    bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
+    holds whatever mix of tensors it moves: a buffer is made pinned when a CUDA stage first needs it
+    (pinned memory serves CPU copies as well), and a stage takes a free buffer of the other kind
+    rather than exceed the cap (a device copy into pageable memory is slower, never wrong).
+
+    ``on_wait`` (tests) is called, without the lock, when an :meth:`acquire` must wait for a buffer."""
+
+    def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
+        if limit < MIN_STAGING_BYTES:
+            raise ValueError(f"staging_bytes must be at least {MIN_STAGING_BYTES} bytes, got {limit}")
+        self.buffer_bytes = buffer_size(limit)
+        self.count = max(2, limit // self.buffer_bytes)
+        self._on_wait = on_wait
+        self._free: list[HostBuffer] = []
+        self._made = 0
+        self._in_use = 0
+        self.peak_in_use = 0
+        self._cond = threading.Condition()
+        self._deferred: collections.deque[tuple[Ticket, HostBuffer]] = collections.deque()
+
+    @property
+    def limit(self) -> int:
+        """Bytes the pool holds at most."""
+        return self.count * self.buffer_bytes
+
+    def try_acquire(self, *, pinned: bool = False) -> HostBuffer | None:
+        """A free buffer (made when fewer than ``count`` exist), or ``None`` when all are in use."""
+        self._settle(block=False)
+        with self._cond:
+            return self._take(pinned)
+
+    def acquire(self, *, pinned: bool = False) -> HostBuffer:
+        """A free buffer, waiting for one when all are in use."""
+        buf = self.try_acquire(pinned=pinned)
+        if buf is not None:
+            return buf
+        if self._on_wait is not None:
+            self._on_wait()
+        while True:
+            if self._settle(block=True):  # a buffer whose copy was still running is free now
+                with self._cond:
+                    buf = self._take(pinned)
+                if buf is not None:
+                    return buf
+                continue
+            with self._cond:
+                while not self._free and self._made >= self.count and not self._deferred:
+                    self._cond.wait()
+                buf = self._take(pinned)
+            if buf is not None:
+                return buf
+
+    def _take(self, pinned: bool) -> HostBuffer | None:
+        match = next((i for i in range(len(self._free) - 1, -1, -1) if self._free[i].pinned == pinned), None)
+        if match is not None:
+            buf = self._free.pop(match)
+        elif self._made < self.count:
+            buf = HostBuffer(self._made, self.buffer_bytes, pinned)
+            self._made += 1
+        elif self._free:
+            buf = self._free.pop()
+        else:
+            return None
+        self._in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self._in_use)
+        return buf
+
+    def release(self, buf: HostBuffer) -> None:
+        """Give ``buf`` back: nothing reads or writes its bytes any more."""
+        with self._cond:
+            self._in_use -= 1
+            self._free.append(buf)
+            self._cond.notify()
+
+    def release_after(self, ticket: Ticket, buf: HostBuffer) -> None:
+        """Give ``buf`` back once ``ticket`` completes (the copy out of it, into a device tensor)."""
+        with self._cond:
+            self._deferred.append((ticket, buf))
+            self._cond.notify()
+
+    def _settle(self, *, block: bool) -> bool:
+        """Release deferred buffers whose tickets completed (the oldest waited for when ``block``);
+        whether any was released."""
+        released = False
+        while True:
+            with self._cond:
+                if not self._deferred:
+                    return released
+                ticket, buf = self._deferred[0]
+                if not (ticket.done() or (block and not released)):
+                    return released
+                self._deferred.popleft()
+            ticket.wait()
+            self.release(buf)
+            released = True
+
+    def drain(self) -> None:
+        """Wait for every deferred release (the end of a load)."""
+        while self._settle(block=True):
+            pass
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._in_use
+
+
+class Ticket:
+    """Completion of the copies enqueued on a stage before it was made."""
+
+    def __init__(
+        self, future: concurrent.futures.Future[None] | None = None, event: Any = None, device: Any = None
+    ) -> None:
+        self._future, self._event, self._device = future, event, device
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        """Block until the copies completed (their errors raised here)."""
+        if self._future is not None:
+            self._future.result()
+        elif self._event is not None:
+            self._event.synchronize()
+
+    def before_use(self) -> None:
+        """Order the copies before the caller's next use of their destinations: on CUDA the current
+        stream waits for them (no host wait); elsewhere the host does."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+        else:
+            self.wait()
+
+
+class Stage(Protocol):
+    """Moves bytes between tensors and host buffers, asynchronously and in order."""
+
+    pool: BufferPool
+    #: whether its buffers should be pinned (``pool.acquire(pinned=stage.pinned)``)
+    pinned: bool
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue ``dst.copy_(src)`` (same shape; ``dst`` a view of a pool buffer for a save, ``src``
+        one for a load). The caller keeps both alive and unchanged until a later ticket completes."""
+        ...
+
+    def fence(self) -> Ticket:
+        """A ticket that completes when every copy enqueued so far has."""
+        ...
+
+    def close(self) -> None:
+        """Wait for every enqueued copy, then stop (idempotent)."""
+        ...
+
+
+class HostStage:
+    """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the
+    CPU stand-in of :class:`CudaStage` (``SMPCKPT_TEST_DEVICE=cpu``). ``on_copy`` (tests) runs on the
+    copier thread before each batch of copies.
+
+    One stage serves every file thread of a save, so the copies not yet fenced are kept per calling
+    thread: a fence submits the caller's own copies only, and its ticket fails with the caller's own
+    copy errors (a batch that mixed threads' copies would stop at another thread's failed copy and
+    leave this thread's buffer unfilled under a ticket that completed)."""
+
+    pinned = False
+
+    def __init__(self, pool: BufferPool, *, on_copy: Callable[[], None] | None = None) -> None:
+        self.pool = pool
+        self._local = threading.local()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-stage")
+        self._on_copy = on_copy
+
+    def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pending: list[tuple[torch.Tensor, torch.Tensor]] | None = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = []
+        return pending
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._pending().append((dst, src))
+
+    def fence(self) -> Ticket:
+        batch = self._pending()
+        self._local.pending = []
+        return Ticket(self._thread.submit(self._run, batch))
+
+    def _run(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self._on_copy is not None:
+            self._on_copy()
+        for dst, src in batch:
+            dst.copy_(src)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+class CudaStage:
+    """Copies on a side stream of one CUDA device: device-to-host into pinned pool buffers (saves),
+    host-to-device from them (loads). Each fence records an event; the side stream first waits for
+    the work already queued on the device's current stream, which produced the values (a save) or
+    last used the destinations (a load)."""
+
+    pinned = True
+
+    def __init__(self, pool: BufferPool, device: torch.device, producer: Any = None) -> None:
+        self.pool = pool
+        self.device = device
+        # the stream that made the values (a save) or uses the destinations (a load): the caller's
+        # current stream when the save or load began, not a worker thread's (the default stream)
+        self._producer = producer if producer is not None else torch.cuda.current_stream(device)
+        self._stream = torch.cuda.Stream(device=device)
+        self._synced = False  # the side stream waits on the producer's stream before its first copy
+        self._lock = threading.Lock()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._lock, torch.cuda.stream(self._stream):
+            if not self._synced:
+                self._stream.wait_stream(self._producer)
+                self._synced = True
+            dst.copy_(src, non_blocking=True)
+            device_tensor = src if src.is_cuda else dst
+            # the caching allocator must not hand this memory to another stream's work before the copy
+            device_tensor.record_stream(self._stream)
+
+    def fence(self) -> Ticket:
+        with self._lock:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._synced = False  # values produced after this point are waited for by the next copy
+            return Ticket(event=event, device=self.device)
+
+    def close(self) -> None:
+        self._stream.synchronize()
+
+
+def settle(stage: Stage) -> None:
+    """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise: a buffer is
+    given back only once nothing copies into it."""
+    try:
+        stage.fence().wait()
+    except Exception:  # noqa: BLE001 - the error being raised is the one to report
+        pass
+
+
+class Stages:
+    """The stages of one save or load over one :class:`BufferPool` of ``limit`` bytes, made when first
+    needed: one :class:`HostStage`, one :class:`CudaStage` per device. Thread-safe; :meth:`close`
+    waits for every copy and drops the pool's buffers."""
+
+    def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
+        self.pool = BufferPool(limit, on_wait=on_wait)
+        self._stages: dict[Any, Stage] = {}
+        self._lock = threading.Lock()
+        # made on the caller's thread (dcp.save's, dcp.load's): its current streams are the producers'
+        self._producers: dict[int, Any] = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._producers = {i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
+
+    def get(self, t: torch.Tensor, kind: Literal["cuda", "host"]) -> Stage:
+        key: Any = t.device if kind == "cuda" else "host"
+        with self._lock:
+            stage = self._stages.get(key)
+            if stage is None:
+                if kind == "cuda":
+                    stage = CudaStage(self.pool, t.device, self._producers.get(t.device.index or 0))
+                else:
+                    stage = HostStage(self.pool)
+                self._stages[key] = stage
+            return stage
+
+    def close(self) -> None:
+        with self._lock:
+            stages, self._stages = list(self._stages.values()), {}
+        for stage in stages:
+            stage.close()
+        self.pool.drain()

@@ -1,0 +1,251 @@
+"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers.
+
+A file is a sequence of records. Each goes one of two ways (:func:`~smpckpt.storage.backends._staging.
+stage_kind`):
+
+* **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is, in
+  chunks of :data:`CHUNK` bytes, each hashed on the file's hash thread while the file's thread writes
+  the same bytes (no copy);
+* **staged** -- a CUDA tensor, a strided view or a conjugate view is copied into buffers of the save's
+  :class:`~smpckpt.storage.backends._staging.BufferPool` by its stage (device-to-host on a side stream
+  for CUDA, on a copier thread otherwise): a record larger than :data:`PACK_BELOW` in chunks of one
+  buffer each (cut on row-group boundaries of a tiled record, so its tiles are hashed whole), smaller
+  ones packed back to back into shared buffers. A buffer is queued once its copies are enqueued; the
+  file's thread takes the oldest queued buffer, waits for its copies, hands its bytes to the hash
+  thread, writes them, and gives the buffer back when both the write and the hash are done. Copies of
+  the next buffers run meanwhile, so copy, hash and write overlap; several files (threads) share one
+  pool, whose size is the save's cap on host memory above its state.
+
+A thread that needs a buffer when the pool has none free writes its own queued buffers first, and
+waits only with none queued: the buffers it waits for are then being written or hashed by threads
+that never wait while holding queued buffers, so the pool cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import torch
+
+from smpckpt.storage.backends._sinks import Sink, byte_view
+from smpckpt.storage.backends._staging import HostBuffer, Stage, Stages, Ticket, settle
+from smpckpt.storage.format._check_units import ItemChecks
+from smpckpt.storage.format._checksum import BlockHasher
+from smpckpt.storage.format._staged import copy_chunks
+
+__all__ = ["FileStream", "CHUNK", "PACK_BELOW"]
+
+#: bytes of an in-place record handed to the hash thread at a time: small enough that hashing trails
+#: the write closely
+CHUNK = 8 << 20
+#: in-place records below this many bytes are hashed on the writing thread
+INLINE_HASH = 256 << 10
+#: staged records below this many bytes (and a quarter of a buffer) share buffers
+PACK_BELOW = 1 << 20
+# hash chunks a file's writer may run ahead of its hasher (in place: they are views, no memory)
+_MAX_HASH_BACKLOG = 8
+# staged buffers a file may have queued before it writes the oldest (the pool bounds them too)
+_MAX_QUEUED = 4
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A pool buffer on its way: its copies (``ticket``), and the parts of records it holds, in file
+    order: (bytes here, and -- where a record starts here -- its size and check units)."""
+
+    stage: Stage
+    buffer: HostBuffer
+    parts: list[tuple[int, tuple[int, ItemChecks | None] | None]]
+    fill: int = 0
+    ticket: Ticket | None = None
+
+
+class FileStream:
+    """The bytes of one data file, in order, into ``sink`` and ``hasher`` (see the module docstring).
+
+    ``hooks`` (tests): ``on_hash(buffer_index)`` runs on the hash thread before a staged buffer is
+    hashed; ``on_written(buffer_index)`` after a staged buffer's write."""
+
+    def __init__(self, sink: Sink, hasher: BlockHasher, stages: Stages, hooks: Any = None) -> None:
+        self.sink, self.hasher, self.stages = sink, hasher, stages
+        self.pool = stages.pool
+        # a sink that keeps views of what it is given until its commit (S3 parts, replication) gets
+        # copies of staged bytes: their buffers are reused long before that
+        self._copy_out = getattr(sink, "borrows", True)
+        self._hash = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash")
+        self._backlog: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+        self._queue: collections.deque[_Staged] = collections.deque()
+        self._pack: _Staged | None = None
+        self._hooks = hooks
+
+    # -- in place ----------------------------------------------------------------------------------
+    def put(self, data: memoryview, checks: ItemChecks | None) -> None:
+        """A record written from ``data`` itself (not changed until the sink's commit)."""
+        self._flush_staged()
+        flat = byte_view(data)
+        nbytes = flat.nbytes
+        if nbytes < INLINE_HASH:
+            # hashed here: two hand-offs to the hash thread cost more than the hash
+            self._wait_hashes()  # the hasher takes a file's bytes in order
+            self.hasher.start_item(nbytes, checks)
+            if nbytes:
+                self.hasher.update(flat)
+                self.sink.write(flat)
+            return
+        self._backlog.append(self._hash.submit(self.hasher.start_item, nbytes, checks))
+        for i in range(0, nbytes, CHUNK):
+            chunk = flat[i : i + CHUNK]
+            # hash on the second thread while this one writes the same bytes
+            self._backlog.append(self._hash.submit(self.hasher.update, chunk))
+            self.sink.write(chunk)
+            while len(self._backlog) > _MAX_HASH_BACKLOG:
+                self._backlog.popleft().result()
+
+    # -- staged ------------------------------------------------------------------------------------
+    def stage(self, t: torch.Tensor, stage: Stage, checks: ItemChecks | None) -> int:
+        """A tensor record copied through ``stage``'s pool (its bytes: the tensor's values, row-major)."""
+        t = t.detach()
+        nbytes = t.numel() * t.element_size()
+        if nbytes < min(PACK_BELOW, self.pool.buffer_bytes // 4):
+            self._stage_small(t, stage, nbytes, checks)
+        else:
+            self._stage_chunks(t, stage, nbytes, checks)
+        return nbytes
+
+    def _stage_small(self, t: torch.Tensor, stage: Stage, nbytes: int, checks: ItemChecks | None) -> None:
+        pack = self._pack
+        if pack is not None and (pack.stage is not stage or pack.fill + nbytes > pack.buffer.size):
+            self._seal()
+            pack = None
+        if pack is None:
+            pack = self._pack = _Staged(stage, self._acquire(stage), [])
+        if nbytes:
+            # as bytes: a packed record may start at any offset, where a typed view of the buffer cannot
+            src = t.resolve_conj().resolve_neg()
+            if not src.is_contiguous():
+                src = src.contiguous()  # on its device, at most PACK_BELOW bytes
+            stage.copy(pack.buffer.tensor[pack.fill : pack.fill + nbytes], src.reshape(-1).view(torch.uint8))
+        pack.parts.append((nbytes, (nbytes, checks)))
+        pack.fill += nbytes
+
+    def _stage_chunks(self, t: torch.Tensor, stage: Stage, nbytes: int, checks: ItemChecks | None) -> None:
+        self._seal()
+        size = t.element_size()
+        step = chunk_bytes(self.pool.buffer_bytes, checks) // size
+        numel = t.numel()
+        for first in range(0, numel, step):
+            last = min(numel, first + step)
+            start = (nbytes, checks) if first == 0 else None
+            staged = _Staged(stage, self._acquire(stage), [((last - first) * size, start)])
+            try:
+                typed = staged.buffer.tensor[: (last - first) * size].view(t.dtype)
+                for piece, view in copy_chunks(typed, t, first, last):
+                    stage.copy(piece, view)
+            except BaseException:
+                settle(stage)  # nothing copies into it any more
+                self.pool.release(staged.buffer)
+                raise
+            staged.fill = (last - first) * size
+            self._enqueue(staged)
+
+    def _seal(self) -> None:
+        pack, self._pack = self._pack, None
+        if pack is not None:
+            self._enqueue(pack)
+
+    def _enqueue(self, staged: _Staged) -> None:
+        staged.ticket = staged.stage.fence()
+        self._queue.append(staged)
+        while len(self._queue) > _MAX_QUEUED:
+            self._write_oldest()
+
+    def _acquire(self, stage: Stage) -> HostBuffer:
+        while True:
+            buf = self.pool.try_acquire(pinned=stage.pinned)
+            if buf is not None:
+                return buf
+            if self._queue:
+                self._write_oldest()  # ours first: a thread never waits while holding queued buffers
+                continue
+            if self._pack is not None:
+                self._seal()
+                continue
+            return self.pool.acquire(pinned=stage.pinned)
+
+    def _write_oldest(self) -> None:
+        staged = self._queue.popleft()
+        buf = staged.buffer
+        try:
+            if staged.ticket is None:
+                raise RuntimeError("a staged buffer was queued without its copies' ticket")
+            staged.ticket.wait()
+        except BaseException:
+            self.pool.release(buf)  # nothing copies into it or reads it any more: the save is failing
+            raise
+        data = buf.view[: staged.fill]
+        fut = self._hash.submit(self._hash_staged, staged, data)
+        self._backlog.append(fut)
+        try:
+            self.sink.write(memoryview(bytes(data)) if self._copy_out else data)
+            if self._hooks is not None:
+                self._hooks.on_written(buf.index, staged.fill)
+        finally:
+            # back to the pool once the write has returned (here) and the hash is done (now, when it
+            # already is): also when the write fails, the hash thread may still be reading the buffer
+            fut.add_done_callback(lambda _f: self.pool.release(buf))
+        while len(self._backlog) > _MAX_HASH_BACKLOG:
+            self._backlog.popleft().result()
+
+    def _hash_staged(self, staged: _Staged, data: memoryview) -> None:
+        if self._hooks is not None:
+            self._hooks.on_hash(staged.buffer.index)
+        pos = 0
+        for nbytes, start in staged.parts:
+            if start is not None:
+                self.hasher.start_item(*start)
+            if nbytes:
+                self.hasher.update(data[pos : pos + nbytes])
+            pos += nbytes
+
+    def _flush_staged(self) -> None:
+        self._seal()
+        while self._queue:
+            self._write_oldest()
+
+    def _wait_hashes(self) -> None:
+        while self._backlog:
+            self._backlog.popleft().result()
+
+    def finish(self) -> None:
+        """Every record written and hashed (errors raised here)."""
+        self._flush_staged()
+        self._wait_hashes()
+
+    def close(self) -> None:
+        """(always, last) Stop the hash thread; on failure, buffers still queued go back to the pool
+        once their copies are done."""
+        for fut in self._backlog:
+            fut.cancel()
+        self._hash.shutdown(wait=True)
+        for staged in [*self._queue, *([self._pack] if self._pack is not None else [])]:
+            if staged.ticket is not None:
+                try:
+                    staged.ticket.wait()
+                except BaseException:  # noqa: BLE001 - the copy's error is not this one's to report
+                    pass
+            self.pool.release(staged.buffer)
+        self._queue.clear()
+        self._pack = None
+
+
+def chunk_bytes(buffer_bytes: int, checks: ItemChecks | None) -> int:
+    """Bytes of one staged chunk of a large record: a buffer's worth, cut after the last whole row
+    group of a tiled record that fits (its tiles then hashed whole, in one gathered call each)."""
+    if checks is not None and checks.groups > 1:
+        group = checks.rows_per_group * checks.row_bytes
+        if group <= buffer_bytes:
+            return buffer_bytes // group * group
+    return buffer_bytes

@@ -13,6 +13,7 @@ import json
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import size_workers
 import torch
@@ -29,7 +30,7 @@ from smpckpt import (
     save_checkpoint,
     wait_for_saves,
 )
-from smpckpt.planners._replica_values import SAMPLES, _indices
+from smpckpt.planners._value_digests import SAMPLES, _sample_index
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def _fresh() -> Big:
 
 @pytest.mark.parametrize("numel", [2**24 + 1, 4097 * 4096, 11008 * 4096, 32000 * 4096, 128256 * 4096, 2**40 + 3])
 def test_sample_positions_are_exact_integers(numel: int) -> None:
-    idx = _indices(numel, -1).tolist()
+    rows, valid = _sample_index(np.array([numel], dtype=np.int64))
+    assert valid.all()
+    idx = rows[0].tolist()
     assert idx[0] == 0 and idx[-1] == numel - 1 and len(idx) == SAMPLES
     assert idx == sorted(idx) and all(0 <= i < numel for i in idx)
     # evenly spaced, exactly: position i is i * (numel - 1) / (SAMPLES - 1) rounded (no exact halves: 15 is odd)

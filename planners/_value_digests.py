@@ -42,6 +42,33 @@ _S32 = np.uint64(32)
 _S29 = np.uint64(29)
 
 
+#: dtypes whose every element takes ``itemsize`` bytes of its storage, the only ones whose samples the
+#: fast path reads from raw addresses: a packed or quantized dtype (``quint4x2`` keeps two elements per
+#: byte) would be read past its storage's end (the slow path's ``torch.take`` checks bounds)
+_WHOLE_BYTES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
+        *(
+            getattr(torch, n)
+            for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+            if hasattr(torch, n)
+        ),
+    }
+)
+
+
 def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
     """One little-endian uint32 per tensor: a digest of its sampled elements' values and its element
     count. Meta and empty tensors (no values: planning benchmarks plan with meta tensors) digest their
@@ -56,7 +83,13 @@ def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
         counts[i] = numel
         if not numel or t.is_meta:
             continue
-        if type(t) is _PLAIN and t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        if (
+            type(t) is _PLAIN
+            and t.dtype in _WHOLE_BYTES
+            and t.is_cpu
+            and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg())
+        ):
             group = fast.get(t.dtype)
             if group is None:
                 group = fast[t.dtype] = ([], [], [])

@@ -372,3 +372,41 @@ def test_cuda_full_export_stages_boxes_with_the_cast(tmp_path: Any) -> None:
     got = load_file(str(tmp_path / "full" / "model.safetensors"))
     for k in ("w", "t"):
         assert torch.equal(got[f"model.{k}"], sd["model"][k].to(torch.bfloat16).cpu()), k
+
+
+@pytest.mark.gpu
+def test_cuda_views_made_just_before_the_copy_and_large_conjugate_views_keep_their_values(tmp_path: Any) -> None:
+    """Two ways the side-stream copy could read the wrong bytes, each with a checksum that matches them:
+    small strided views are made contiguous on the writer thread's stream just before their copy (the
+    side stream must wait for that kernel, not only for the producer's work at the first copy), and a
+    non-blocking device-to-host copy of a conjugate view conjugates the host buffer before the transfer
+    lands (pytorch/pytorch#146286), so large conjugate views are resolved on the device first."""
+    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+    from smpckpt.storage.tools import verify_checkpoint
+
+    g = torch.Generator(device="cuda:0").manual_seed(1)
+    big = torch.randn(2048, 2048, device="cuda:0", generator=g)
+    sd = {
+        # each a matmul queued just now, then a transposed (strided) view: packed, made contiguous first
+        "small_t": [
+            (torch.randn(64, 40 + i, device="cuda:0", generator=g) @ big[: 40 + i, :96]).t() for i in range(24)
+        ],
+        "conj": torch.randn(1024, 1024, dtype=torch.complex64, device="cuda:0", generator=g).conj(),  # 8 MiB
+        "neg": torch._neg_view(torch.randn(1024, 1024, device="cuda:0", generator=g)),
+    }
+    expected = {
+        k: [t.resolve_conj().resolve_neg().cpu() for t in v]
+        if isinstance(v, list)
+        else v.resolve_conj().resolve_neg().cpu()
+        for k, v in sd.items()
+    }
+    dcp.save(sd, storage_writer=FsspecStorageWriter(str(tmp_path), staging_bytes=MIN_STAGING_BYTES))
+    verify_checkpoint(str(tmp_path)).raise_if_failed()
+    out = {
+        k: [torch.zeros_like(t) for t in v] if isinstance(v, list) else torch.zeros_like(v) for k, v in expected.items()
+    }
+    dcp.load(out, storage_reader=FsspecStorageReader(str(tmp_path)))
+    for k, want in expected.items():
+        got = out[k]
+        pairs = zip(got, want) if isinstance(want, list) else [(got, want)]
+        assert all(torch.equal(a, b) for a, b in pairs), k

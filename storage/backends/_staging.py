@@ -78,8 +78,9 @@ def stage_kind(t: torch.Tensor, *, in_place: bool) -> Literal["cuda", "host"] | 
 
 def buffer_size(limit: int) -> int:
     """The buffer size of a pool capped at ``limit`` bytes: :data:`BUFFER_BYTES`, or a quarter of a
-    smaller cap (so it still holds a few), a multiple of 4 KiB."""
-    return max(4096, min(BUFFER_BYTES, limit // 4) // 4096 * 4096)
+    smaller cap (so it still holds a few), rounded down to a power of two: torch's pinned allocator
+    rounds every request up to one (buffers of 5 MiB would pin 8 MiB each, past the cap)."""
+    return max(4096, 1 << (min(BUFFER_BYTES, limit // 4).bit_length() - 1))
 
 
 class HostBuffer:
@@ -202,8 +203,10 @@ class BufferPool:
                 if not (ticket.done() or (block and not released)):
                     return released
                 self._deferred.popleft()
-            ticket.wait()
-            self.release(buf)
+            try:
+                ticket.wait()
+            finally:  # a failed copy has stopped too: its buffer goes back either way
+                self.release(buf)
             released = True
 
     def drain(self) -> None:
@@ -328,12 +331,23 @@ class CudaStage:
         self._lock = threading.Lock()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # the calling thread's stream, taken before the side stream becomes current: it may have just
+        # made ``src`` (a ``.contiguous()`` or resolved temporary of a strided or conjugate view), and
+        # the side stream is non-blocking, so without this wait the copy could read it before it is
+        # written -- wrong bytes with a matching checksum, since the hash reads the copy
+        caller = torch.cuda.current_stream(self.device)
         with self._lock, torch.cuda.stream(self._stream):
             if not self._synced:
                 self._stream.wait_stream(self._producer)
                 self._synced = True
-            dst.copy_(src, non_blocking=True)
+            self._stream.wait_stream(caller)
             device_tensor = src if src.is_cuda else dst
+            if src.is_cuda and (src.is_conj() or src.is_neg()):
+                # a non-blocking device-to-host copy of a conjugate or negative view applies the
+                # conjugation to the host buffer before the transfer lands (pytorch/pytorch#146286):
+                # resolve it on the device, on this stream, first
+                src = src.resolve_conj().resolve_neg()
+            dst.copy_(src, non_blocking=True)
             # the caching allocator must not hand this memory to another stream's work before the copy
             device_tensor.record_stream(self._stream)
 
@@ -346,6 +360,14 @@ class CudaStage:
 
     def close(self) -> None:
         self._stream.synchronize()
+
+
+def settle_close(stage: Stage) -> None:
+    """(on an error path) Close ``stage``, whatever it raises."""
+    try:
+        stage.close()
+    except Exception:  # noqa: BLE001 - the error being raised is the one to report
+        pass
 
 
 def settle(stage: Stage) -> None:
@@ -386,6 +408,15 @@ class Stages:
     def close(self) -> None:
         with self._lock:
             stages, self._stages = list(self._stages.values()), {}
-        for stage in stages:
-            stage.close()
-        self.pool.drain()
+        try:
+            for stage in stages:
+                try:
+                    stage.close()
+                except BaseException:
+                    # close the others anyway (a host stage's copier thread must not outlive the
+                    # save); the first error is the one raised
+                    for rest in stages[stages.index(stage) + 1 :]:
+                        settle_close(rest)
+                    raise
+        finally:
+            self.pool.drain()

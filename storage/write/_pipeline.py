@@ -157,7 +157,12 @@ class FileStream:
             self._enqueue(pack)
 
     def _enqueue(self, staged: _Staged) -> None:
-        staged.ticket = staged.stage.fence()
+        try:
+            staged.ticket = staged.stage.fence()
+        except BaseException:
+            settle(staged.stage)  # nothing copies into it any more: the buffer can go back
+            self.pool.release(staged.buffer)
+            raise
         self._queue.append(staged)
         while len(self._queue) > _MAX_QUEUED:
             self._write_oldest()
@@ -236,6 +241,11 @@ class FileStream:
                     staged.ticket.wait()
                 except BaseException:  # noqa: BLE001 - the copy's error is not this one's to report
                     pass
+            else:
+                # an unsealed pack: copies into it may still be pending (on a host stage, in this
+                # thread's batch, which its next fence would submit into a buffer another file then
+                # owns); settle them before the buffer goes back
+                settle(staged.stage)
             self.pool.release(staged.buffer)
         self._queue.clear()
         self._pack = None

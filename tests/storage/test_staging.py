@@ -328,3 +328,26 @@ def test_a_buffer_is_not_refilled_while_its_write_is_still_running() -> None:
     assert not sinks["a"].changed_under_write, "file A's buffer was refilled while it was being written"
     assert bytes(sinks["a"].data) == a_data.numpy().tobytes()
     assert bytes(sinks["b"].data) == b_data.numpy().tobytes()
+
+
+@pytest.mark.parametrize("cap", [MIN_STAGING_BYTES, 5 << 20, 20 << 20, 100 << 20, 128 << 20, (1 << 30) + 12345])
+def test_buffers_are_powers_of_two_and_the_pool_stays_within_its_cap(cap: int) -> None:
+    """torch's pinned allocator rounds each request up to a power of two: a 20 MiB cap cut into 5 MiB
+    buffers would pin 4 x 8 MiB. Buffers are powers of two, so what is pinned is what is counted."""
+    pool = BufferPool(cap)
+    size = pool.buffer_bytes
+    assert size & (size - 1) == 0 and 4096 <= size <= 16 << 20
+    assert pool.count * size <= cap and pool.count >= 4
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_packed_dtypes_never_take_the_raw_address_path() -> None:
+    """The value digests' fast path reads samples from raw addresses at ``index * itemsize``; a packed
+    dtype (``quint4x2``: two elements a byte) would read past its storage (a crash, or bytes of other
+    memory), so it takes the bounds-checked ``torch.take`` path, which refuses it as before."""
+    from smpckpt.planners._value_digests import value_digests
+
+    packed = torch.quantize_per_tensor(torch.rand(1 << 22), 0.1, 0, torch.quint4x2)
+    assert packed.untyped_storage().nbytes() < packed.numel() * packed.element_size()
+    with pytest.raises(NotImplementedError):
+        value_digests([packed])

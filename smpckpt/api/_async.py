@@ -350,6 +350,16 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
         suffix = f"; exiting with status {status}" if status else ""
         log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
         if status:
+            # every other Checkpointer's work in flight finishes first (its hook, registered earlier,
+            # would run after this one, and os._exit ends the process before it): its final save is
+            # not lost to this one's failure; its own failure is logged too
+            for other in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
+                if other is save or other is drain:
+                    continue
+                other.wait()
+                fut = other.fut
+                if fut is not None and not fut.cancelled() and fut.exception() is not None:
+                    log.error("%s of %r failed (at interpreter exit): %s", other.what, other.tag, fut.exception())
             atexit._run_exitfuncs()  # what a normal exit still runs (logging's flush among them)
             for stream in (sys.stdout, sys.stderr):
                 try:

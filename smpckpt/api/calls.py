@@ -272,6 +272,16 @@ def _prepare(
     key = (*where, sharding, fast_tier, retention, async_options)
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
     ckpt = kept.checkpointer if isinstance(kept, _Kept) and kept.key == key else None
+    if (
+        ckpt is None
+        and isinstance(kept, _Kept)
+        and kept.checkpointer is not None
+        and kept.key[:2] + kept.key[3:] == (key[:2] + key[3:])
+    ):
+        # only the sharding differs, often by identity alone (a name_map lambda written at the call)
+        if kept.checkpointer._rebind_sharding(sharding):
+            ckpt = kept.checkpointer
+            model.__dict__[_KEPT] = _Kept(ckpt, key)
     if ckpt is None:
         if isinstance(kept, _Kept) and kept.checkpointer is not None:
             kept.checkpointer.wait()  # one save in flight per model: the one it replaces first (its failure raised)

@@ -73,6 +73,7 @@ from smpckpt.api.options import (
 from smpckpt.catalog.retention import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
+from smpckpt.storage.backends._fs import location_key
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
 
@@ -141,6 +142,12 @@ class Checkpointer:
             **self.async_options.compared(),
         }
         self._counter = SequenceCounter(location.path, location.storage_options)
+        #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x'): other Checkpointers of
+        #: the same root finish their background work before this one saves
+        try:
+            self._root_key = location_key(location.path, location.storage_options)
+        except (OSError, ValueError):  # refused by name where the location is first used
+            self._root_key = str(location.path).rstrip("/")
         self._planners = PlannerCache()
         self._stager, self._gate = Stager(), StagingGate()
         self._save_lane = Lane("save", "the background save", self)
@@ -224,6 +231,22 @@ class Checkpointer:
         """Block until the background save in flight (if any) and then the drain to the durable tier have
         finished; a failure of either is raised here (and not again by the next save)."""
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=True)
+
+    def _rebind_sharding(self, sharding: Sharding) -> bool:
+        """(smp's face) Take ``sharding`` in place of this Checkpointer's when only what compares by identity
+        differs (a ``name_map`` lambda or ``specs`` rules built afresh at every call): same process group,
+        same layout. Rebuilding instead would leave a background gloo group, an exit hook and the staging
+        buffers behind at every call. ``False``: it does not fit; build another Checkpointer."""
+        if sharding.process_group is not self.sharding.process_group:
+            return False
+        layout = sharding.layout if sharding.layout is not None else ParallelLayout(dp=self._world)
+        if layout != self.layout:
+            return False
+        self.wait()  # the save in flight used the old mapping; its failure is raised here, as a rebuild would
+        self.sharding = sharding
+        self._compared = {**self._compared, **sharding.compared()}
+        self._planners = PlannerCache()  # plans made under the old mapping are not reused
+        return True
 
     def close(self) -> None:
         """(every rank) :meth:`wait`, then end the lanes' threads, remove the optimizer step hooks, free the
@@ -371,7 +394,7 @@ class Checkpointer:
         flight, a drain): each numbers its saves and holds its drains as its own, like two jobs would."""
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             owner = lane.owner()
-            if owner is not None and owner is not self and owner.location.path == self.location.path:
+            if owner is not None and owner is not self and owner._root_key == self._root_key:
                 lane.wait()
 
     def _register_exit_wait(self) -> None:

@@ -219,11 +219,18 @@ class AsyncOptions(_Options):
     by ``newest`` and retained on a background thread with a gloo group of its own.
     :attr:`SaveOptions.async_save` overrides it per save. One save is in flight per Checkpointer."""
 
-    overlap_staging: bool = True
-    """The parameters and optimizer state of the optimizers passed to a save are staged on the background
-    thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step pre-hook)
-    only for staging still unfinished, so it never changes values being staged. Everything else (buffers,
-    a model saved without its optimizer) is staged before the save returns. ``False``: all of it is."""
+    overlap_staging: bool = False
+    """``True``: the parameters and optimizer state of the optimizers passed to a save are staged on the
+    background thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step
+    pre-hook) only for staging still unfinished, so it never changes values being staged. Everything else
+    (buffers, a model saved without its optimizer) is staged before the save returns.
+
+    Off by default because the contract is the caller's: between the save and its staging, those
+    tensors may change only through the optimizers' ``step``. An in-place change through autograd-visible
+    ops moves the tensor's version counter and fails the save naming it, but writes that bypass the
+    counter (``p.data.zero_()``, an EMA swap through ``.data``, numpy or dlpack views, CUDA-graph replays,
+    custom kernels) are not seen and would reach the checkpoint. ``False``: everything is staged before
+    the save returns."""
 
     exit_status: int | None = _opt(1, same=False)
     """The exit status of a process whose background save failed and was never raised to it (the last

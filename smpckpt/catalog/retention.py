@@ -311,9 +311,26 @@ class SequenceCounter:
             else:
                 seen = scan()
             self.saw(seen, listed=True)
+        elif scan is None:
+            # another writer of this root in this process (a second model's Checkpointer, an explicit one
+            # beside smp's face) draws from its own counter: the tag ``newest`` names carries the number
+            # of the last commit by any of them, so a new save is numbered after it (one small read)
+            self.saw(self._newest_sequence())
         with self._lock:
             self._highest += 1
             return self._highest
+
+    def _newest_sequence(self) -> int:
+        """The sequence number of the committed checkpoint ``newest`` names (0: none, or unreadable)."""
+        try:
+            fs, root_path = open_root(self.root, self.storage_options)
+            tag = read_newest(fs, root_path)
+        except (CheckpointError, OSError):
+            return 0
+        if tag is None:
+            return 0
+        record = _record(tag, partial_url(self.root, tag), self.storage_options)
+        return record.order[0] if record.committed else 0
 
 
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be

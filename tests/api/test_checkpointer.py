@@ -29,6 +29,8 @@ from smpckpt import (
     ResumeOptions,
     Retention,
     SaveOptions,
+    Sharding,
+    last_resume_info,
     resume_from_checkpoint,
     save_checkpoint,
 )
@@ -178,7 +180,7 @@ def test_a_step_waits_for_staging_and_the_checkpoint_holds_the_values_of_the_sav
 ) -> None:
     entered, release = held_staging
     m, opt = _trained(0)
-    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
     want = _values(m, opt)
     fut = ckpt.save("a", m, opt)
     assert fut is not None and entered.wait(30)  # the optimizers' part is being staged on the lane
@@ -206,7 +208,7 @@ def test_a_change_outside_the_optimizer_before_staging_fails_the_save(
 ) -> None:
     entered, release = held_staging
     m, opt = _trained(0)
-    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
     fut = ckpt.save("a", m, opt)
     assert fut is not None and entered.wait(30)
     with torch.no_grad():
@@ -248,7 +250,7 @@ def test_cuda_staging_on_a_side_stream_holds_the_values_of_the_save(tmp_path: An
         m(torch.randn(64, 256, device="cuda")).square().sum().backward()
         opt.step()
     want = {k: v.cpu() for k, v in m.state_dict().items()}
-    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
     fut = ckpt.save("a", m, opt)
     for _ in range(3):  # steps queued right behind the save
         opt.zero_grad()
@@ -267,7 +269,7 @@ def test_wait_for_saves_finds_every_checkpointer_through_its_lane_thread(
 ) -> None:
     entered, release = held_staging
     m, opt = _trained(0)
-    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True))
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
     fut = ckpt.save("a", m, opt, options=SaveOptions(save_rng=False))
     assert fut is not None and entered.wait(30)
     lanes = [t for t in threading.enumerate() if isinstance(t, LaneThread) and t.lane.owner() is ckpt]
@@ -277,3 +279,73 @@ def test_wait_for_saves_finds_every_checkpointer_through_its_lane_thread(
     assert fut.done()
     ckpt.close()
     assert not any(t.is_alive() for t in lanes)  # close ends its lanes' threads
+
+
+def test_overlap_is_opt_in_and_by_default_a_write_that_bypasses_the_version_counter_stays_out(tmp_path: Any) -> None:
+    """A write through ``.data`` moves no version counter, so an overlapped staging could not see it:
+    the default stages everything before ``save`` returns, and the checkpoint holds the save's values."""
+    assert AsyncOptions().overlap_staging is False
+    m, opt = _trained(0)
+    want = _values(m, opt)
+    with Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True)) as ckpt:
+        fut = ckpt.save("a", m, opt)
+        m[0].weight.data.zero_()  # an EMA swap or a manual edit: no version bump
+        assert fut is not None and fut.result() is None
+    _assert_equal(_resumed(str(tmp_path), "a"), want)
+
+
+def test_two_models_saving_into_one_root_number_their_saves_after_each_other(tmp_path: Any) -> None:
+    """smp's face keeps a Checkpointer per model; two models in one root (a GAN, an EMA module) each draw
+    sequence numbers, and a tag-less resume must still pick the last save, whichever model made it."""
+    root = str(tmp_path)
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    for tag, model in (("a1", a), ("b1", b), ("b2", b), ("a2", a)):
+        save_checkpoint(root, tag, model=model)
+    got = nn.Linear(2, 2)
+    resume_from_checkpoint(root, model=got)
+    assert last_resume_info().tag == "a2"
+    assert torch.equal(got.weight, a.weight)
+
+
+def test_a_name_map_written_at_the_call_keeps_one_checkpointer(tmp_path: Any) -> None:
+    """Option objects holding a lambda compare by identity: a fresh lambda at every call must not build
+    a Checkpointer (and its threads, hooks and gloo groups) per save."""
+    m = nn.Linear(2, 2)
+    seen = set()
+    for i in range(4):
+        save_checkpoint(str(tmp_path), f"s{i}", model=m, options=Sharding(name_map=lambda k: k))
+        seen.add(id(m.__dict__[_KEPT].checkpointer))
+    assert len(seen) == 1
+    got = nn.Linear(2, 2)
+    resume_from_checkpoint(str(tmp_path), model=got)
+    assert last_resume_info().tag == "s3" and torch.equal(got.weight, m.weight)
+
+
+_EXIT_SCRIPT = """
+import sys, time, torch, smpckpt
+rx, ry = sys.argv[1], sys.argv[2]
+m = torch.nn.Linear(2, 2); A = smpckpt.AsyncOptions(enabled=True)
+x, y = smpckpt.Checkpointer(rx, async_options=A), smpckpt.Checkpointer(ry, async_options=A)
+real = x._write
+x._write = lambda *a: (time.sleep(1.0), real(*a))[1]  # a slow final save (a big model)
+y._write = lambda *a: (_ for _ in ()).throw(OSError("disk full"))  # another root's final save fails
+x.save("final", m)
+y.save("final", m)
+"""
+
+
+def test_at_exit_one_checkpointers_failure_does_not_cut_anothers_final_save(tmp_path: Any) -> None:
+    """Each Checkpointer's exit hook ends a failed process with ``os._exit``; the others' saves in flight
+    (their hooks would run later) are finished first."""
+    import subprocess
+    import sys
+
+    rx, ry = tmp_path / "x", tmp_path / "y"
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(rx), str(ry)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "disk full" in proc.stderr
+    assert (rx / "newest").read_text().strip() == "final"
+    got = nn.Linear(2, 2)
+    Checkpointer(str(rx)).resume("final", got)

@@ -121,7 +121,11 @@ def walk_sizes(dir_fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[
         entries = list(it)
     for e in entries:
         rel = f"{prefix}{e.name}"
-        st = e.stat(follow_symlinks=False)
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            # removed since the listing (another save's temp file, renamed or discarded): not there
+            continue
         if stat.S_ISDIR(st.st_mode):
             if depth >= MAX_DEPTH:
                 yield rel + "/", None

@@ -468,6 +468,9 @@ def test_retention_removes_nothing_when_a_checkpoint_is_numbered_after_the_one_j
         save_checkpoint(root, tag, model=m, optimizer=o)
     ckpt = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2))
     ckpt._counter.saw(0, listed=True)  # this job believes the root empty: another job wrote a, b, c
+    # ... while this save drew its number: that job's ``newest`` (read by a save to number itself after
+    # another writer's commit) was not there yet
+    os.remove(os.path.join(root, "newest"))
     ckpt.save("d", model=m, optimizer=o)
     assert read_manifest(os.path.join(root, "d_partial")).extra["sequence"] == 1
     assert {r.tag for r in scan_root(root) if r.committed} == {"a", "b", "c", "d"}  # nothing removed

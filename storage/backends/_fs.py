@@ -83,9 +83,7 @@ __all__ = [
     "translate",
     "FsspecLocation",
     "default_write_threads",
-    "default_read_threads",
     "MAX_WRITE_THREADS",
-    "MAX_READ_THREADS",
     "pread_cached",
     "NOT_SUPPORTED",
     "in_memory",
@@ -358,19 +356,6 @@ class FsspecLocation:
 
 #: threads per rank when CPUs are plentiful (one rank per node, or a few on a large one)
 MAX_WRITE_THREADS = 4
-#: reader threads per rank where CPUs allow (:func:`default_read_threads`)
-MAX_READ_THREADS = 4
-
-
-def _node_share() -> tuple[int, int]:
-    """This node's CPUs (the affinity mask) and its ranks (torchrun's ``LOCAL_WORLD_SIZE``; 1 when
-    unset or malformed)."""
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    except ValueError:
-        ranks = 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cpus, ranks
 
 
 def default_write_threads(local: bool) -> int:
@@ -384,23 +369,12 @@ def default_write_threads(local: bool) -> int:
     they keep 4, and their file count and key prefixes with it."""
     if not local:
         return MAX_WRITE_THREADS
-    cpus, ranks = _node_share()
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        ranks = 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(MAX_WRITE_THREADS, max(cpus, MAX_WRITE_THREADS) // ranks))
-
-
-def default_read_threads(local: bool) -> int:
-    """Reader threads per rank: 4, fewer when the node's ranks would oversubscribe its CPUs, never
-    fewer than 2 (one reads while another verifies and copies).
-
-    A warm local load is CPU work (copying out of the page cache, hashing): on the 2-vCPU VM, quiet, 4
-    threads loaded from the disk's page cache at 0.83x a raw read of the same bytes and 2 threads at
-    0.92x, cold 1.04x and 1.13x, /dev/shm 1.02x and 0.95x (``benchmarks/RESULTS.md``, "Quiet-machine
-    figures"). So local readers keep ``ranks x threads`` within the node's CPUs. Object-store reads wait
-    on the network: 4."""
-    if not local:
-        return MAX_READ_THREADS
-    cpus, ranks = _node_share()
-    return max(2, min(MAX_READ_THREADS, cpus // ranks))
 
 
 #: :func:`pread_cached`'s answer where the filesystem cannot tell (tmpfs, NFS, FUSE, non-Linux)

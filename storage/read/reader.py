@@ -41,7 +41,7 @@ from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._fs import confine, default_read_threads, device_read_bytes, is_local, join
+from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
 from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format import _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
@@ -182,9 +182,7 @@ class FsspecStorageReader(ReaderBase):
             skips it (and reads only the exact bytes).
         allow_pickle: hand object values that need arbitrary code to load to the planner. Only for
             checkpoints you trust; by default they raise :class:`~smpckpt.errors.UnsafeCheckpoint`.
-        thread_count: worker threads that read, verify and copy (``None``: 4, fewer on local paths
-            when this node's ranks times 4 exceed its CPUs, at least 2; object stores 4:
-            ``backends._fs.default_read_threads``). An explicit count wins.
+        thread_count: worker threads that read, verify and copy.
         reads_in_flight: how many of them may be inside a read at once (``None``: all of them).
             Fewer than ``thread_count`` starts reads in file order while the other workers verify:
             for devices that punish concurrent streams (disks with seeks). On this project's virtio
@@ -215,7 +213,7 @@ class FsspecStorageReader(ReaderBase):
         storage_options: Mapping[str, Any] | None = None,
         verify_checksums: bool = True,
         allow_pickle: bool = False,
-        thread_count: int | None = None,
+        thread_count: int = 4,
         reads_in_flight: int | None = None,
         max_request_bytes: int | None = None,
         coalesce_gap: int = 0,
@@ -223,7 +221,7 @@ class FsspecStorageReader(ReaderBase):
         hf_prefix: str = "",
         staging_bytes: int = STAGING_BYTES,
     ) -> None:
-        threads = check_int("thread_count", thread_count, minimum=1, optional=True)
+        self.thread_count = check_int("thread_count", thread_count, minimum=1)
         self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
         self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
@@ -238,8 +236,6 @@ class FsspecStorageReader(ReaderBase):
             translation=translation,
             hf_prefix=hf_prefix,
         )
-        # resolved once the filesystem is known
-        self.thread_count: int = threads if threads is not None else default_read_threads(is_local(self.fs))
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)

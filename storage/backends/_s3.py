@@ -34,7 +34,14 @@ from typing import Any
 from aiohttp.payload import Payload
 
 from smpckpt.storage.backends._fs import translate_errors
-from smpckpt.storage.backends._sinks import MAX_PARTS, MIN_PART_SIZE, byte_view
+from smpckpt.storage.backends._sinks import (
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MIN_PART_SIZE,
+    PART_GROWTH_EVERY,
+    byte_view,
+    part_size_of,
+)
 
 __all__ = ["S3MultipartSink", "PartBody", "get_object", "get_object_and_etag", "get_range_into"]
 
@@ -107,12 +114,28 @@ class S3MultipartSink:
     Create-only: the object appears through a conditional request, ``PutObject`` or
     ``CompleteMultipartUpload`` with ``If-None-Match: *``, so an object already under the key (another
     save's) is never replaced: the commit fails with ``FileExistsError`` and the upload is aborted.
-    ``etag`` is the created object's ETag (after ``commit``). ``part_size`` is honoured as given: below
-    S3's minimum it is refused, never raised silently."""
+    ``etag`` is the created object's ETag (after ``commit``). ``part_size`` is the first parts' size,
+    honoured as given (below S3's minimum it is refused, never raised silently); it doubles every
+    ``grow_every`` parts (:func:`~smpckpt.storage.backends._sinks.part_size_of`), so a file past
+    ``10,000 * part_size`` still uploads, and memory in flight grows with it (``max_in_flight`` parts)."""
 
-    def __init__(self, fs: Any, path: str, *, part_size: int, max_in_flight: int, borrow: bool = False) -> None:
-        if int(part_size) < MIN_PART_SIZE:
-            raise ValueError(f"{path}: part_size {part_size} is below S3's minimum part of {MIN_PART_SIZE} bytes")
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        *,
+        part_size: int,
+        max_in_flight: int,
+        borrow: bool = False,
+        grow_every: int = PART_GROWTH_EVERY,
+    ) -> None:
+        if int(part_size) < MIN_PART_SIZE or int(part_size) > MAX_PART_SIZE:
+            raise ValueError(
+                f"{path}: part_size {part_size} is outside S3's part sizes ({MIN_PART_SIZE} to {MAX_PART_SIZE} bytes)"
+            )
+        if int(grow_every) < 1:
+            raise ValueError(f"{path}: grow_every must be at least 1, got {grow_every}")
+        self._first_part_size, self._grow_every = int(part_size), int(grow_every)
         self.path = path
         self._fs = fs
         bucket, key, _ = fs.split_path(path)
@@ -173,7 +196,7 @@ class S3MultipartSink:
             self._upload_id = str(self._call("create_multipart_upload")["UploadId"])
         number = len(self._parts) + 1
         if number > MAX_PARTS:
-            raise OSError(f"{self.path}: more than {MAX_PARTS} parts; raise part_size")
+            raise OSError(f"{self.path}: more than {MAX_PARTS} parts (S3's limit per object); raise part_size")
         # a failed part surfaces now rather than after the whole file was produced
         for fut in self._parts.values():
             if fut.done() and fut.exception() is not None:
@@ -185,6 +208,15 @@ class S3MultipartSink:
         except BaseException:
             self._slots.release()
             raise
+        # the next part's size: buffers of a smaller one are dropped as they come back (``_next_buffer``)
+        self._part_size = part_size_of(number + 1, self._first_part_size, self._grow_every)
+
+    def _next_buffer(self) -> bytearray:
+        while self._free:
+            buf = self._free.popleft()
+            if len(buf) == self._part_size:
+                return buf
+        return bytearray(self._part_size)
 
     # -- Sink -----------------------------------------------------------------------------------
     def write(self, data: memoryview) -> None:
@@ -199,7 +231,7 @@ class S3MultipartSink:
                 self._views.append(mv[i : i + take])
             else:
                 if self._buf is None:
-                    self._buf = self._free.popleft() if self._free else bytearray(self._part_size)
+                    self._buf = self._next_buffer()
                 self._buf[self._fill : self._fill + take] = mv[i : i + take]
             self._fill += take
             i += take

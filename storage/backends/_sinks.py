@@ -19,13 +19,26 @@ from typing import Any, Protocol
 from smpckpt.storage.backends._fs import is_local, is_s3, translate_errors
 
 __all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink", "byte_view"]
-__all__ += ["MIN_PART_SIZE", "DEFAULT_PART_SIZE", "MAX_PARTS"]
+__all__ += ["MIN_PART_SIZE", "MAX_PART_SIZE", "DEFAULT_PART_SIZE", "MAX_PARTS", "PART_GROWTH_EVERY", "part_size_of"]
 
 # The S3 multipart limits, owned here (the writers check their options against them; the S3 sink
-# honours the part size it is given, never a clamped one): every part but the last at least 5 MiB, at
-# most 10,000 parts per upload.
+# starts with the part size it is given, never a clamped one): every part but the last at least 5 MiB,
+# at most 5 GiB, at most 10,000 parts per upload.
 MIN_PART_SIZE = 5 << 20
+MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
+#: S3 multipart parts are numbered from 1; every this many parts the size doubles (up to MAX_PART_SIZE),
+#: so one upload has no size ceiling short of S3's 5 TiB object limit whatever part size it starts from
+#: (32 MiB parts alone stop at 312 GiB; doubled every 1,000 they reach 31 TiB). A file's size is not
+#: known when its first parts go out (the writers stream), so the schedule cannot be picked up front.
+PART_GROWTH_EVERY = 1_000
+
+
+def part_size_of(number: int, first: int, every: int = PART_GROWTH_EVERY) -> int:
+    """The size of multipart part ``number`` (from 1) of an upload whose first part is ``first`` bytes."""
+    return min(MAX_PART_SIZE, max(first, first << ((number - 1) // every)))
+
+
 #: the writers' default part size (and the drain's copy chunk)
 DEFAULT_PART_SIZE = 32 << 20
 

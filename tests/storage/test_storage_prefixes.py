@@ -26,6 +26,7 @@ from smpckpt.storage import (
 )
 from smpckpt.storage.backends._fs import resolve
 from smpckpt.storage.backends._s3 import PartBody, S3MultipartSink
+from smpckpt.storage.backends._sinks import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_of
 from smpckpt.storage.format._names import check_member_name, is_smpckpt_file
 
 Backend = tuple[str, dict[str, Any]]
@@ -211,6 +212,45 @@ def test_s3_sink_odd_writes(s3: Backend, borrow: bool) -> None:
     small.write(memoryview(b"abc"))
     small.commit()
     assert fs.cat_file(path + "-small") == b"abc"
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("borrow", [False, True])
+def test_s3_sink_grows_its_parts_past_the_part_limit(
+    s3: Backend, borrow: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file longer than 10,000 parts of the first size still uploads: the part size doubles every
+    ``grow_every`` parts (here 2, so 5 MiB parts: 5, 5, 10, 10, then the rest); the object is bit-exact
+    and S3 (moto) accepted every part's size."""
+    base, opts = s3
+    fs, path = open_fs(f"{base}/grow/obj", opts)
+    sent: dict[int, int] = {}
+    real = S3MultipartSink._upload_part
+
+    async def recording(self: S3MultipartSink, number: int, body: PartBody, buf: Any) -> str:
+        sent[number] = len(body)
+        return await real(self, number, body, buf)
+
+    monkeypatch.setattr(S3MultipartSink, "_upload_part", recording)
+    payload = os.urandom((37 << 20) + 777)
+    sink = S3MultipartSink(fs, path, part_size=5 << 20, max_in_flight=2, borrow=borrow, grow_every=2)
+    mv = memoryview(payload)
+    for i in range(0, len(payload), 3 << 20):  # writes that straddle every part boundary
+        sink.write(mv[i : i + (3 << 20)])
+    sink.commit()
+    assert fs.cat_file(path) == payload
+    mib = 1 << 20
+    assert sent == {1: 5 * mib, 2: 5 * mib, 3: 10 * mib, 4: 10 * mib, 5: 7 * mib + 777}
+
+
+def test_part_schedule_reaches_s3s_object_limit() -> None:
+    """The default schedule: whatever the first part size, 10,000 parts hold S3's 5 TiB object (from
+    32 MiB parts: the 312 GiB that failed before is passed by part ~4,000), and no part exceeds 5 GiB."""
+    for first in (MIN_PART_SIZE, 32 << 20, 1 << 30):
+        sizes = [part_size_of(n, first) for n in range(1, MAX_PARTS + 1)]
+        assert sizes[0] == first and max(sizes) <= MAX_PART_SIZE
+        assert sum(sizes) >= (5 << 40) * 0.97  # 4.88 TiB at the 5 MiB minimum, more from larger starts
+    assert sum(part_size_of(n, 32 << 20) for n in range(1, 4001)) > 320 << 30
 
 
 def test_part_body_reads_like_a_file() -> None:

@@ -71,6 +71,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_storage import fsync_tree  # the one page-cache dropper of the benchmarks
 from torch import nn
 
 import smpckpt
@@ -142,18 +143,6 @@ def _host_cpu_s() -> tuple[float, float, float]:
         t = [int(x) for x in f.readline().split()[1:9]]
     hz = os.sysconf("SC_CLK_TCK")
     return (t[0] + t[1] + t[2]) / hz, (t[5] + t[6]) / hz, t[7] / hz
-
-
-def drop_cache(path: str) -> None:
-    """fsync every file under ``path``, then evict it from the page cache (a cold read follows)."""
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # -- one rank --------------------------------------------------------------------------------------
@@ -390,7 +379,7 @@ class Rank:
             if key == "fast_peer" and self.rank == LWS:  # node 1's leader: its node's fast tier is lost
                 shutil.rmtree(self.local("resume"))
             if key == "disk_cold" and self.rank == 0:
-                drop_cache(self.disk(name))
+                fsync_tree(self.disk(name), drop_cache=True)
             got = self.timed(lambda: self.resume(where, name, tier))
             exact = all(torch.equal(p, e) for p, e in zip(self.model.parameters(), self.expected))
             ok = self.gather(exact)

@@ -31,8 +31,7 @@ from smpckpt.storage.format import _names
 from smpckpt.storage.format.commit import commit
 from smpckpt.storage.format.manifest import FileRecord, Manifest
 from smpckpt.storage.tier.stream import Replicator
-from smpckpt.storage.write._rank_files import RankPlanData
-from smpckpt.storage.write.writer import FsspecStorageWriter
+from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
 

@@ -275,7 +275,7 @@ def test_object_store_bins_stop_at_the_cap_and_then_grow_the_files() -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from smpckpt.storage.write._write_file import MAX_OBJECT_FILES, object_store_bins
+    from smpckpt.storage.write.writer import MAX_OBJECT_FILES, object_store_bins
 
     def items(n: int, mib: int) -> list[WriteItem]:
         size = torch.Size([mib << 18])  # fp32
@@ -297,7 +297,7 @@ def test_object_store_bins_count_the_shard_not_the_global_tensor() -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from smpckpt.storage.write._write_file import object_store_bins, split_items
+    from smpckpt.storage.write.writer import object_store_bins, split_items
 
     def shard(i: int, mib: int) -> WriteItem:
         whole = torch.Size([4 * (mib << 18)])  # fp32, global

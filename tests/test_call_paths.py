@@ -63,18 +63,6 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     return {"save": saved, "resume": resumed}
 
 
-#: what this branch reached for the save (was 31): a regression guard until the save meets MAX_MODULES
-SAVE_TODAY = 26
-
-
-def test_a_partial_save_passes_through_no_more_modules_than_today(traced: dict[str, list[str]]) -> None:
-    saved = traced["save"]
-    assert len(saved) <= SAVE_TODAY, f"save_checkpoint passes through {len(saved)} modules: {saved}"
-
-
-# The rest of the save's reduction is the planners' room's (4 of its modules are on this path), being merged
-# on another branch. Strict: once the save passes, this marker and SAVE_TODAY go.
-@pytest.mark.xfail(strict=True, reason="26 modules until the planners' fragments are merged (issue 44)")
 def test_a_partial_save_passes_through_at_most_25_modules(traced: dict[str, list[str]]) -> None:
     saved = traced["save"]
     assert len(saved) <= MAX_MODULES, f"save_checkpoint passes through {len(saved)} modules: {saved}"

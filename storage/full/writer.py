@@ -19,7 +19,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._folder import Folder, remove_tree
 from smpckpt.storage.backends._fs import is_local
-from smpckpt.storage.format import _names
+from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format.commit import commit_uncertain, committed_save_id
 from smpckpt.storage.full._commit import (
     artifact_records,

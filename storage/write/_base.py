@@ -58,17 +58,23 @@ from torch.futures import Future
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
-from smpckpt.model.layout import LayoutRecord
+from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage.backends._folder import Folder, remove_files
 from smpckpt.storage.backends._fs import FsspecLocation, default_write_threads, is_local, join, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, MIN_PART_SIZE, Sink
-from smpckpt.storage.format import _names
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import WRITING_MARKER, marker_owner
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES, Stages
 from smpckpt.storage.format.commit import CommitUncertain, commit_uncertain
-from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord, extra_with_layout_record, probe
+from smpckpt.storage.format.manifest import (
+    WRITING_MARKER,
+    FileRecord,
+    Manifest,
+    MetadataRecord,
+    generation_metadata_name,
+    marker_owner,
+    probe,
+)
 
 # MIN_PART_SIZE: S3's smallest multipart part, owned by storage/backends/_sinks.py (named here for callers);
 # CommitUncertain and commit_uncertain live with the commit protocol (storage/format/commit.py)
@@ -269,7 +275,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         """(coordinator, in ``finish``) The metadata written under this generation's name, and the
         manifest naming it and ``files``; the metadata's bytes (for the stock ``.metadata`` copy)."""
         md_bytes, extra = self._metadata_bytes(save_id, metadata)
-        gen_name = _names.generation_metadata_name(save_id)
+        gen_name = generation_metadata_name(save_id)
         self._attempt.add(gen_name)
         self._write_metadata(gen_name, md_bytes)
         manifest = Manifest(
@@ -318,6 +324,13 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             max_parts_in_flight=self.max_parts_in_flight,
             borrow=True,
         )
+
+
+def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
+    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
+    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
+    record = LayoutRecord.json_in_metadata(metadata)
+    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
 
 
 # -- a failed save's files (the module docstring: what is removed, and when not) -----------------------

@@ -42,13 +42,19 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists, not_dense
 from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, resolve
 from smpckpt.storage.backends._sinks import Sink
-from smpckpt.storage.format import _names
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE, BlockHasher
 from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format._staging import Stages, stage_kind
 from smpckpt.storage.format.commit import commit, settle_uncommitted_folder
-from smpckpt.storage.format.manifest import FileRecord, probe
+from smpckpt.storage.format.manifest import (
+    MANIFEST_NAME,
+    RAW_DESCRIPTOR,
+    FileRecord,
+    data_file_name,
+    new_save_id,
+    probe,
+)
 from smpckpt.storage.write._base import (
     FsspecWriterBase,
     WriterOptions,
@@ -213,7 +219,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         self._replacing = found.raw if self.overwrite else None
         if found.state not in ("committed", "legacy"):
             settle_uncommitted_folder(self.fs, self.path, self.url)
-        self._save_id = _names.new_save_id()
+        self._save_id = new_save_id()
         prefixes = resolve(self.prefix_strategy, local=is_local(self.fs))
         new_folder = folder_is_new(self.fs, self.path)
         return [
@@ -265,9 +271,9 @@ class FsspecStorageWriter(FsspecWriterBase):
         if self._folder is None:
             raise CheckpointError(f"{self.url}: the manifest written outside the commit")
         if self._replacing is not None:
-            self._folder.replace_if(_names.MANIFEST_NAME, data, self._replacing, sync=self.sync_files)
+            self._folder.replace_if(MANIFEST_NAME, data, self._replacing, sync=self.sync_files)
         else:
-            self._folder.publish(_names.MANIFEST_NAME, data, sync=self.sync_files)
+            self._folder.publish(MANIFEST_NAME, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """(every rank, in ``write_data``) This rank's items split into data files, written concurrently
@@ -291,7 +297,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         # slot r * thread_count + k of the save, wherever it goes
         count = data.world_size * threads
         names = [
-            _names.data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
+            data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
             for n in range(len(buckets))
         ]
         results: list[WriteResult] = []
@@ -439,7 +445,7 @@ def write_file(
             elif value.layout is not torch.strided:
                 raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
             elif raw:
-                descriptors = [_names.RAW_DESCRIPTOR]
+                descriptors = [RAW_DESCRIPTOR]
                 # units of its own, so a reshard reads (and verifies) only the slices it needs
                 checks = item_checks(tuple(value.shape), value.element_size(), block_size)
                 t = value.detach()

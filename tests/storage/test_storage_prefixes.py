@@ -26,7 +26,7 @@ from smpckpt.storage import (
 )
 from smpckpt.storage.backends._fs import resolve
 from smpckpt.storage.backends._s3 import PartBody, S3MultipartSink
-from smpckpt.storage.format._names import check_member_name, is_smpckpt_file
+from smpckpt.storage.format.manifest import check_member_name, is_smpckpt_file
 
 Backend = tuple[str, dict[str, Any]]
 

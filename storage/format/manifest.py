@@ -12,7 +12,8 @@ after the folder so every object stays under the checkpoint's folder. ``<prefix>
 prefix strategy puts the file in (``backends/_fs.py``; object stores by default), part of the recorded name.
 
 The manifest, the commit marker and integrity record of one generation, is written last by the coordinator,
-after every rank's data and the metadata are durable: its presence makes a checkpoint committed. Layout (``format_version`` 1, or 2 when a file has tilings)::
+after every rank's data and the metadata are durable: its presence makes a checkpoint committed. Layout
+(``format_version`` 1, or 2 when a file has tilings)::
 
     {
       "format": "smpckpt", "format_version": 1 | 2,
@@ -173,9 +174,8 @@ def check_member_name(name: object, *, where: str) -> str:
     strategies: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``); nothing else may
     hold a separator, so no name climbs out of the folder.
 
-    Every file name read from a checkpoint (manifest entries when it is parsed, the metadata's
-    ``relative_path``) goes through here before anything is read or deleted: a crafted ``../../victim`` must never reach the
-    filesystem.
+    Every file name read from a checkpoint (manifest entries as it is parsed, the metadata's ``relative_path``)
+    goes through here before anything is read or deleted: a crafted ``../../victim`` never reaches the disk.
     """
     base = name
     if isinstance(name, str) and "/" in name:

@@ -45,7 +45,7 @@ from smpckpt.model.layout import LayoutRecord, NameMap, ParallelLayout, checkpoi
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import compact_load
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, TiedLoads, compile_globs, tied_entries
-from smpckpt.storage.format._names import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
+from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
 

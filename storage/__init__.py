@@ -14,9 +14,8 @@ from smpckpt.storage.backends._fs import (  # noqa: E402
     PrefixStrategy,
     open_fs,  # noqa: E402
 )
-from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR  # noqa: E402
 from smpckpt.storage.format._reading import ReadStats  # noqa: E402
-from smpckpt.storage.format.manifest import FileRecord, Manifest  # noqa: E402
+from smpckpt.storage.format.manifest import MANIFEST_NAME, RAW_DESCRIPTOR, FileRecord, Manifest  # noqa: E402  # noqa: E402
 from smpckpt.storage.full.options import FullOptions  # noqa: E402
 from smpckpt.storage.full.writer import FullArtifactWriter  # noqa: E402
 from smpckpt.storage.read.reader import (

@@ -11,13 +11,16 @@ from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
-from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import (  # the two openers by URL live with the probe they wrap
+    MANIFEST_NAME,
+    METADATA_NAME,
+    REMOVING_NAME,
     CheckpointState,
     FileRecord,
     Manifest,
+    check_member_name,
     probe,
     probe_checkpoint,
     read_manifest,
@@ -170,12 +173,12 @@ def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     a crash between the commit and that copy leaves exactly this, and smpckpt still loads it)."""
     if manifest.kind == "full":
         return []  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
-    stock = read_bytes_or_none(fs, join(path, _names.METADATA_NAME))
+    stock = read_bytes_or_none(fs, join(path, METADATA_NAME))
     if stock is None:
-        return [f"{_names.METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
+        return [f"{METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
     if not manifest.metadata.matches(stock):
         return [
-            f"{_names.METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
+            f"{METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
             "load another generation or fail)"
         ]
     return []
@@ -199,7 +202,7 @@ def _verify_legacy(
     needed: dict[str, int] = {}
     problems: list[str] = []
     for index, info in (metadata.storage_data or {}).items():
-        name = _names.check_member_name(getattr(info, "relative_path", None), where=f"{url}/.metadata")
+        name = check_member_name(getattr(info, "relative_path", None), where=f"{url}/.metadata")
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
             problems.append(
@@ -245,7 +248,7 @@ def remove_checkpoint(
         return True
     if failed:
         raise OSError(f"could not remove {len(failed)} path(s) of {os.fspath(url)}: {failed[:5]}")
-    return not (uncommitted_only and read_bytes_or_none(fs, join(path, _names.MANIFEST_NAME)) is not None)
+    return not (uncommitted_only and read_bytes_or_none(fs, join(path, MANIFEST_NAME)) is not None)
 
 
 def _mtime(info: Mapping[str, Any]) -> float | None:
@@ -287,7 +290,7 @@ def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, An
     """Whether an interrupted :func:`remove_checkpoint` left this folder (its marker is there)."""
     fs, path = open_fs(url, storage_options)
     with translate_errors(path):
-        return bool(fs.exists(join(path, _names.REMOVING_NAME)))
+        return bool(fs.exists(join(path, REMOVING_NAME)))
 
 
 def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:

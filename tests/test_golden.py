@@ -82,7 +82,7 @@ def test_format_tags_are_pinned() -> None:
     """Strings written into checkpoints never change with the code around them (a module move once
     renamed the full API's tag): old checkpoints are read, and old readers read new ones, by these."""
     from smpckpt.model.layout import API_RECORD, API_RECORD_V1, FULL_API_RECORD, METADATA_KEY, RECORD_VERSION
-    from smpckpt.storage.format._names import MANIFEST_NAME, RAW_DESCRIPTOR
+    from smpckpt.storage.format.manifest import MANIFEST_NAME, RAW_DESCRIPTOR
 
     assert (API_RECORD, API_RECORD_V1, FULL_API_RECORD) == (
         "smpckpt.save_checkpoint/2",

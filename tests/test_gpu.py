@@ -321,7 +321,7 @@ def test_user_content_saved_on_gpu_resumes_without_cuda(tmp_path: Any, monkeypat
 # -- the CUDA stage itself: pinned pool, side stream, events (the CPU stand-in: tests/storage/test_staging.py)
 @pytest.mark.gpu
 def test_cuda_saves_and_loads_stage_through_a_small_pinned_pool(tmp_path: Any) -> None:
-    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+    from smpckpt.storage.format._staging import MIN_STAGING_BYTES
     from smpckpt.storage.tools import verify_checkpoint
 
     g = torch.Generator(device="cuda:0").manual_seed(0)
@@ -362,7 +362,7 @@ def test_cuda_full_export_stages_boxes_with_the_cast(tmp_path: Any) -> None:
     from safetensors.torch import load_file
 
     from smpckpt.storage import FullArtifactWriter, FullOptions
-    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+    from smpckpt.storage.format._staging import MIN_STAGING_BYTES
 
     sd = {"model": {"w": torch.randn(1024, 1024, device="cuda:0"), "t": torch.randn(300, 600, device="cuda:0").t()}}
     writer = FullArtifactWriter(
@@ -381,7 +381,7 @@ def test_cuda_views_made_just_before_the_copy_and_large_conjugate_views_keep_the
     side stream must wait for that kernel, not only for the producer's work at the first copy), and a
     non-blocking device-to-host copy of a conjugate view conjugates the host buffer before the transfer
     lands (pytorch/pytorch#146286), so large conjugate views are resolved on the device first."""
-    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+    from smpckpt.storage.format._staging import MIN_STAGING_BYTES
     from smpckpt.storage.tools import verify_checkpoint
 
     g = torch.Generator(device="cuda:0").manual_seed(1)

@@ -49,10 +49,9 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
-from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.format.commit import commit as commit_in
 from smpckpt.storage.format.commit import settle_uncommitted_folder
-from smpckpt.storage.format.manifest import Manifest, probe
+from smpckpt.storage.format.manifest import MANIFEST_NAME, Manifest, probe
 from smpckpt.storage.tier import PreparedCommit
 
 __all__ = ["FastTierPart", "drain", "copiers"]

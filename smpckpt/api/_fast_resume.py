@@ -45,7 +45,7 @@ from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 from smpckpt.storage.tools import check_blocks
 

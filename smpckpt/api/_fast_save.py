@@ -40,8 +40,8 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import Manifest, probe_checkpoint
 from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.format.commit import check_files, remove_folder
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.transfer import TransferOutcome
 

@@ -23,11 +23,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, train_state
+from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, decode_user_content, encode_user_content, train_state
 from smpckpt.api._resume import load_checkpoint
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
-from smpckpt.api.user_content import decode_user_content, encode_user_content
 from smpckpt.catalog.retention import NEWEST_NAME, SequenceCounter, join_url
 from smpckpt.model.layout import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes

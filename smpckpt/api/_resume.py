@@ -23,9 +23,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, quiet_no_dist, train_state, translate_dcp
+from smpckpt.api._dist import (
+    OPTIONS,
+    CommonRequest,
+    DistContext,
+    decode_user_content,
+    get_rng_state,
+    quiet_no_dist,
+    set_rng_state,
+    train_state,
+    translate_dcp,
+)
 from smpckpt.api.options import ResumeOptions
-from smpckpt.api.user_content import decode_user_content, get_rng_state, set_rng_state
 from smpckpt.catalog.retention import (
     SequenceCounter,
     join_url,

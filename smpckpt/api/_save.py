@@ -40,9 +40,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt._version import VERSION
-from smpckpt.api._dist import CommonRequest, DistContext, quiet_no_dist, train_state, translate_dcp
+from smpckpt.api._dist import (
+    CommonRequest,
+    DistContext,
+    describe_user_content,
+    encode_user_content,
+    get_rng_state,
+    quiet_no_dist,
+    train_state,
+    translate_dcp,
+)
 from smpckpt.api.options import Retention, SaveOptions
-from smpckpt.api.user_content import describe_user_content, encode_user_content, get_rng_state
 from smpckpt.catalog.retention import SEQUENCE_KEY, SequenceCounter, apply_retention, open_root, write_newest
 from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import API_RECORD, RESERVED

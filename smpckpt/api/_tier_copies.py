@@ -31,8 +31,8 @@ from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import file_sizes, join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import MANIFEST_NAME
 from smpckpt.storage.format.commit import remove_folder
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 
 __all__ = ["TIER_KEY", "CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of"]
 __all__ += ["part_sizes", "judge", "candidates", "tier_seq", "pending_drains", "retain_local"]

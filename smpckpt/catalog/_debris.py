@@ -32,7 +32,8 @@ from smpckpt.catalog.retention import NEWEST_NAME, open_root, tag_of_partial_dir
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._folder import remove_files
 from smpckpt.storage.backends._fs import is_local, join, translate_errors
-from smpckpt.storage.format._names import (
+from smpckpt.storage.format.commit import remove_staged
+from smpckpt.storage.format.manifest import (
     MANIFEST_NAME,
     TRASH_PREFIX,
     WRITING_MARKER,
@@ -42,7 +43,6 @@ from smpckpt.storage.format._names import (
     is_temp_name,
     unfinished_full_save,
 )
-from smpckpt.storage.format.commit import remove_staged
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only

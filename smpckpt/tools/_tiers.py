@@ -34,7 +34,7 @@ from smpckpt.catalog.retention import (
 )
 from smpckpt.errors import CheckpointError
 from smpckpt.storage import Manifest
-from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.tools._common import UsageError, human, layout_json
 
 __all__ = [

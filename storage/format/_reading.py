@@ -33,9 +33,8 @@ from smpckpt._checks import check_flag
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import FsspecLocation, join, read_bytes_or_none
-from smpckpt.storage.format import _names
 from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format.manifest import Manifest, Probe, probe
+from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, Manifest, Probe, probe
 
 __all__ = ["ReaderBase", "ReadStats", "Need", "Fetch", "c_strides", "slice_byte_range", "coalesce", "cpu_bytes"]
 
@@ -207,7 +206,7 @@ class ReaderBase(FsspecLocation, StorageReader):
         super()._open(path)
         self.manifest: Manifest | None = None
         self.state: str | None = None
-        self.load_id = f"{_names.LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
+        self.load_id = f"{LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
         self.metadata_error: Exception | None = None
 
     def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:

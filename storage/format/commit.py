@@ -37,8 +37,16 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends import _nofollow as nf
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join
-from smpckpt.storage.format import _names
-from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.format.manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    REMOVING_NAME,
+    TRASH_PREFIX,
+    WRITING_MARKER,
+    FileRecord,
+    Manifest,
+    marker_owner,
+)
 
 __all__ = [
     "CommitUncertain",
@@ -103,14 +111,14 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
       which finishes such folders, would delete this save's files."""
     from smpckpt.storage.backends._fs import read_bytes_or_none
 
-    marker = read_bytes_or_none(fs, join(path, _names.WRITING_MARKER))
+    marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
     if marker is not None:
         raise CheckpointExists(
-            f"{url} holds an unfinished full save ({_names.WRITING_MARKER} names save {marker[:40]!r}, no "
-            f"{_names.MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
+            f"{url} holds an unfinished full save ({WRITING_MARKER} names save {marker[:40]!r}, no "
+            f"{MANIFEST_NAME}): one running there, or one that failed or was killed. Save under "
             "another folder, or remove that one first (smpckpt.storage.remove_checkpoint)"
         )
-    if read_bytes_or_none(fs, join(path, _names.REMOVING_NAME)) is not None:
+    if read_bytes_or_none(fs, join(path, REMOVING_NAME)) is not None:
         log.warning("%s: finishing an interrupted removal before saving here", url)
         failed = remove_folder(fs, path, url)
         if failed:
@@ -120,7 +128,7 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
 def committed_save_id(folder: Folder) -> str | None:
     """The save id of the manifest in ``folder`` (``None``: none, or unreadable)."""
     try:
-        data = folder.read(_names.MANIFEST_NAME)
+        data = folder.read(MANIFEST_NAME)
         return Manifest.from_bytes(data).save_id if data is not None else None
     except (CheckpointError, OSError):
         return None
@@ -180,21 +188,21 @@ def commit(
     _create_own(folder, url, dict(side or {}), sync=sync)
     check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
     if owner_marker is not None:
-        marker = folder.read(_names.WRITING_MARKER)
-        if _names.marker_owner(marker) != owner_marker:
+        marker = folder.read(WRITING_MARKER)
+        if marker_owner(marker) != owner_marker:
             raise CheckpointExists(
                 f"{url}: another save took this folder over while this one was writing (its "
-                f"{_names.WRITING_MARKER} names {marker!r}, not this save {owner_marker}); not committed"
+                f"{WRITING_MARKER} names {marker!r}, not this save {owner_marker}); not committed"
             )
     if write_manifest is None:
         if replace is None:
-            write_manifest = lambda data: folder.publish(_names.MANIFEST_NAME, data, sync=sync)  # noqa: E731
+            write_manifest = lambda data: folder.publish(MANIFEST_NAME, data, sync=sync)  # noqa: E731
         else:
-            write_manifest = lambda data: folder.replace_if(_names.MANIFEST_NAME, data, replace, sync=sync)  # noqa: E731
+            write_manifest = lambda data: folder.replace_if(MANIFEST_NAME, data, replace, sync=sync)  # noqa: E731
     _write_manifest(folder, url, manifest, manifest_bytes, write_manifest, refused=refused, discard=discard)
     _unless_removing(folder, url, manifest_bytes)
-    if owner_marker is not None and folder.remove([_names.WRITING_MARKER]):
-        log.warning("%s is committed; its %s marker could not be removed (harmless)", url, _names.WRITING_MARKER)
+    if owner_marker is not None and folder.remove([WRITING_MARKER]):
+        log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)
     _after_commit(folder, url, manifest, stock_metadata, old_files, sync=sync)
 
 
@@ -239,10 +247,10 @@ def _write_manifest(
 def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
     """Step 4: a removal marked this folder meanwhile (a prune with too short an age, a retention of this
     tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
-    if not folder.exists(_names.REMOVING_NAME):
+    if not folder.exists(REMOVING_NAME):
         return
-    if folder.read(_names.MANIFEST_NAME) == manifest_bytes:
-        folder.remove([_names.MANIFEST_NAME])
+    if folder.read(MANIFEST_NAME) == manifest_bytes:
+        folder.remove([MANIFEST_NAME])
     raise CheckpointError(
         f"{url}: a removal of this folder (prune, retention or remove_checkpoint) started while this save was "
         "committing; the commit was withdrawn and nothing is committed here"
@@ -257,7 +265,7 @@ def _after_commit(
     winner's copy; then the previous generation's files, when this save replaced one."""
     if stock is not None:
         try:
-            folder.publish(_names.METADATA_NAME, stock, sync=sync, replace=True)
+            folder.publish(METADATA_NAME, stock, sync=sync, replace=True)
         except OSError as exc:
             log.warning(
                 "%s is committed, but its stock .metadata copy could not be written (stock DCP readers cannot "
@@ -265,7 +273,7 @@ def _after_commit(
                 url,
                 exc,
             )
-    keep = {f.name for f in manifest.files} | {manifest.metadata.name, _names.METADATA_NAME, _names.MANIFEST_NAME}
+    keep = {f.name for f in manifest.files} | {manifest.metadata.name, METADATA_NAME, MANIFEST_NAME}
     stale = [n for n in dict.fromkeys(old_files) if n not in keep]
     if stale:
         failed = folder.remove(stale)
@@ -297,7 +305,7 @@ def publish_staged(
         _create_own(folder, url, own, sync=sync)
         named = _named(manifest, None) | {n: len(d) for n, d in side.items()}
         check_named(folder.listing(), named, url)
-        folder.create(_names.MANIFEST_NAME, manifest_bytes, sync=sync)
+        folder.create(MANIFEST_NAME, manifest_bytes, sync=sync)
         if sync:
             folder.fsync_dirs()
     # Step 4 is the rename itself: a removal takes a staging folder away by renaming it too
@@ -322,7 +330,7 @@ def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
     name into place, and of the two renames exactly one succeeds, so a removal never empties a folder
     that is being published (its rename fails: ``None``, nothing removed). Then the trash goes, never
     following a link; the paths not removed."""
-    trash = f"{_names.TRASH_PREFIX}{os.urandom(8).hex()}"
+    trash = f"{TRASH_PREFIX}{os.urandom(8).hex()}"
     with Folder(fs, root, follow=True) as parent:
         try:
             nf.rename_noreplace(parent.fd, name, parent.fd, trash)
@@ -333,7 +341,7 @@ def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
 
 def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = False) -> list[str]:
     """Remove a checkpoint folder (committed or not); the paths not removed. Marks it first
-    (:data:`~._names.REMOVING_NAME`, so an interrupted removal is known for garbage and a commit running
+    (:data:`~.manifest.REMOVING_NAME`, so an interrupted removal is known for garbage and a commit running
     meanwhile withdraws, step 4), removes the manifest next (readers refuse what is left), then the rest,
     never following a link: a folder that is itself a link loses the link only.
 
@@ -352,14 +360,14 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)
         try:
-            folder.publish(_names.REMOVING_NAME, b"removing\n", sync=True)
+            folder.publish(REMOVING_NAME, b"removing\n", sync=True)
         except FileExistsError:
             pass  # an interrupted removal's mark: this one finishes it
-        if uncommitted_only and folder.exists(_names.MANIFEST_NAME):
+        if uncommitted_only and folder.exists(MANIFEST_NAME):
             log.warning("%s committed while it was being removed as stale: left as it is", url)
-            folder.remove([_names.REMOVING_NAME])
+            folder.remove([REMOVING_NAME])
             return []
-        failed = folder.remove([_names.MANIFEST_NAME])
+        failed = folder.remove([MANIFEST_NAME])
         if failed:
             return failed
     return remove_tree(fs, path)

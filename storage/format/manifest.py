@@ -1,7 +1,19 @@
-"""The JSON manifest: commit marker and integrity record of one checkpoint generation.
+"""A checkpoint folder's files: their names (pure functions, no I/O), the JSON manifest that commits them,
+and what a folder holds. A committed checkpoint folder holds::
 
-The coordinator writes it last, after every rank's data and the metadata are durable; its presence
-is what makes a checkpoint committed. Layout (``format_version`` 1, or 2 when a file has tilings)::
+    <folder>/smpckpt.manifest.json          # commit marker, written last (JSON, below)
+    <folder>/.metadata                      # pickled DCP Metadata (stock readers look here)
+    <folder>/.metadata.<save_id>            # the same bytes under a per-generation name (our reader)
+    <folder>/[<prefix>/]<e4>_r<rank>_<n>.<save_id>.smp.distcp   # data files, one generation per save
+
+``<e4>`` is four hex characters of a hash of the file's identity. It comes first in the object name so
+object-store keys of one checkpoint spread over many key prefixes (S3 partitions by prefix); it sits right
+after the folder so every object stays under the checkpoint's folder. ``<prefix>/``: the optional folder a
+prefix strategy puts the file in (``backends/_fs.py``; object stores by default), part of the recorded name.
+
+The manifest, the commit marker and integrity record of one generation, is written last by the coordinator,
+after every rank's data and the metadata are durable: its presence makes a checkpoint committed. Layout
+(``format_version`` 1, or 2 when a file has tilings)::
 
     {
       "format": "smpckpt", "format_version": 1 | 2,
@@ -22,10 +34,6 @@ flipped byte in the manifest is reported as a corrupt manifest, not blamed on an
 It is computed over the canonical JSON (sorted keys, compact separators) of the object without that
 field. Manifests written before it existed have none and are read as before.
 
-File names are checked when the manifest is parsed: a name that is not a plain file name inside the
-checkpoint folder (``../x``, ``a/b``) makes the checkpoint :class:`~smpckpt.errors.UnsafeCheckpoint`
-before anything is read or deleted.
-
 Block lists are packed (8 bytes per block, base64) so a 1 TiB checkpoint with 1 MiB blocks needs
 about 22 MiB of manifest rather than ~60 MiB of JSON numbers.
 
@@ -42,37 +50,158 @@ import base64
 import bisect
 import dataclasses
 import functools
+import hashlib
 import json
 import operator
 import os
+import re
+import secrets
 import struct
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
+from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound, UnsafeCheckpoint
-from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
+from smpckpt.storage.backends import _fs  # the prefix strategies' folder names: a recorded name may hold them
+from smpckpt.storage.backends._folder import is_temp_name  # the names' owner is the folder that makes them
 from smpckpt.storage.backends._fs import confine, join, open_fs, read_bytes_or_none, translate_errors
-from smpckpt.storage.format import _names
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
-from smpckpt.storage.format._names import FORMAT_VERSION, check_member_name
 from smpckpt.storage.format._safe_pickle import load_metadata
 
-__all__ = [
-    "FileRecord",
-    "MetadataRecord",
-    "Manifest",
-    "CheckpointKind",
-    "DataFormat",
-    "extra_with_layout_record",
-    "CheckpointState",
-    "Probe",
-    "probe",
-    "probe_checkpoint",
-    "read_manifest",
-]
+__all__ = ["MANIFEST_NAME", "REMOVING_NAME", "WRITING_MARKER", "DESCRIPTION_FQN", "METADATA_NAME", "RAW_DESCRIPTOR"]
+__all__ += ["LOAD_ID_PREFIX", "FORMAT_VERSION", "WHOLE_TENSORS", "STAGING_PREFIX", "TRASH_PREFIX", "new_save_id"]
+__all__ += ["data_file_name", "generation_metadata_name", "is_smpckpt_file", "check_member_name", "marker_owner"]
+__all__ += ["staging_name", "is_staging_name", "is_temp_name", "unfinished_full_save", "FileRecord", "Manifest"]
+__all__ += ["MetadataRecord", "CheckpointKind", "DataFormat", "CheckpointState", "Probe", "probe", "probe_checkpoint"]
+__all__ += ["read_manifest"]
 
 
+# -- file names ---------------------------------------------------------------------------------------
+MANIFEST_NAME = "smpckpt.manifest.json"
+#: Written by remove_checkpoint before it deletes anything: a folder holding it is being (or was
+#: partly) removed on purpose, never a save in flight, so a later retention may finish the job.
+REMOVING_NAME = "smpckpt.removing"
+#: (object stores) Created exclusively by the coordinator before any rank writes a full artifact's
+#: fixed-name files, removed after the commit: a folder with it and no manifest is an unfinished save,
+#: never a Hugging Face folder. Its body is ``<save id>``. (POSIX full saves write a staging folder
+#: instead, :data:`STAGING_PREFIX`; older versions wrote this marker there too.)
+WRITING_MARKER = "smpckpt.writing"
+#: (POSIX) A full save writes its artifact into ``.smpckpt-staging.<save id>`` beside its target folder and
+#: renames it into place at the commit (no replace): a reader of the target never sees an unfinished or
+#: mixed artifact. A staging folder left by a killed save is debris for ``prune``; it blocks nothing.
+STAGING_PREFIX = ".smpckpt-staging."
+#: (POSIX) A removal renames a staging folder to ``.smpckpt-trash.<hex>`` before deleting it (its own
+#: name: a commit can no longer publish it); one left by a killed removal is garbage for ``prune``.
+TRASH_PREFIX = ".smpckpt-trash."
+METADATA_NAME = ".metadata"
+#: Key in ``Metadata.storage_data`` under which a full artifact's description (JSON) is stored.
+DESCRIPTION_FQN = "\x00smpckpt.full"
+#: Set in ``Metadata.planner_data`` (at load time, never stored) by our reader when every tensor is one
+#: whole row-major block (full artifacts, Hugging Face folders): a planner may read it in another shape
+#: of the same size (a fused ``[3h, d]`` as the view ``[3, h, d]``).
+WHOLE_TENSORS = "smpckpt.whole_tensors"
+#: Prefix of the ``StorageMeta.load_id`` our reader sets, so a planner can tell it from a stock reader.
+LOAD_ID_PREFIX = "smpckpt-"
+
+_DATA_RE = re.compile(r"^(?:[0-9A-Za-z_-]{1,64}/)?[0-9a-f]{4}_r\d+_\d+\.[0-9a-z]+\.smp\.distcp$")
+# folder components (each one _PREFIX_RE) a recorded file name may have before its base name: prefix
+# strategies (ours, one level; s3torchconnector's, up to two: "<prefix>/epoch_<n>/__0_0.distcp")
+_MAX_FOLDERS = 2
+_GEN_META_RE = re.compile(r"^\.metadata\.[0-9a-z]+$")
+_SAVE_ID_RE = re.compile(r"^[0-9a-z]{8,40}$")
+
+
+def new_save_id() -> str:
+    """A fresh save id: time-ordered (hex milliseconds) then random, lowercase alphanumerics only."""
+    return f"{int(time.time() * 1000):x}{secrets.token_hex(4)}"
+
+
+def check_save_id(save_id: str) -> str:
+    if not isinstance(save_id, str) or not _SAVE_ID_RE.match(save_id):
+        raise ValueError(f"malformed save id {save_id!r}")
+    return save_id
+
+
+def data_file_name(save_id: str, rank: int, n: int, prefix: str = "") -> str:
+    """The recorded name of data file ``n`` of ``rank``: ``[<prefix>/]<e4>_r<rank>_<n>.<save_id>.smp.distcp``."""
+    entropy = hashlib.blake2b(f"{save_id}/{rank}/{n}".encode(), digest_size=2).hexdigest()
+    name = f"{entropy}_r{rank}_{n}.{check_save_id(save_id)}.smp.distcp"
+    return f"{_fs.check_prefix(prefix)}/{name}" if prefix else name
+
+
+def generation_metadata_name(save_id: str) -> str:
+    return f"{METADATA_NAME}.{check_save_id(save_id)}"
+
+
+def is_smpckpt_file(name: str) -> bool:
+    """True for a data or per-generation metadata file written by our writer (recorded name: base name,
+    with its prefix folder for data files)."""
+    return bool(_DATA_RE.match(name) or _GEN_META_RE.match(name))
+
+
+def staging_name(save_id: str) -> str:
+    """The staging folder of a full save (:data:`STAGING_PREFIX`)."""
+    return f"{STAGING_PREFIX}{check_save_id(save_id)}"
+
+
+def is_staging_name(name: str) -> bool:
+    return name.startswith(STAGING_PREFIX) and bool(_SAVE_ID_RE.match(name[len(STAGING_PREFIX) :]))
+
+
+def unfinished_full_save(names: set[str]) -> bool:
+    """Whether a folder's base ``names`` (it has no manifest) are those of an unfinished save of ours: its
+    in-progress marker (object stores; older versions on POSIX too), a temporary of that marker (a kill
+    between its write and its link), or the mark of an interrupted removal."""
+    return bool(names & {WRITING_MARKER, REMOVING_NAME}) or any(
+        n.startswith(f"{WRITING_MARKER}.") and is_temp_name(n) for n in names
+    )
+
+
+def marker_owner(data: bytes | None) -> str | None:
+    """The save id a :data:`WRITING_MARKER` body names (its first line; markers before the refresh held only it)."""
+    if data is None:
+        return None
+    return data.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
+def check_member_name(name: object, *, where: str) -> str:
+    """``name`` if it is a plain file name that stays inside its checkpoint folder, else raise
+    :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where`` (the manifest or metadata that held it).
+
+    A name may start with up to two folder components of ``[0-9A-Za-z_-]`` (the prefixes of prefix
+    strategies: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``); nothing else may
+    hold a separator, so no name climbs out of the folder.
+
+    Every file name read from a checkpoint (manifest entries as it is parsed, the metadata's ``relative_path``)
+    goes through here before anything is read or deleted: a crafted ``../../victim`` never reaches the disk.
+    """
+    base = name
+    if isinstance(name, str) and "/" in name:
+        *folders, base = name.split("/")
+        if len(folders) > _MAX_FOLDERS or not all(_fs._PREFIX_RE.fullmatch(f) for f in folders):
+            base = None  # refused below
+    ok = (
+        isinstance(base, str)
+        and isinstance(name, str)
+        and 0 < len(base) <= 255
+        and len(name) <= 400
+        and base not in (".", "..")
+        and "/" not in base
+        and "\\" not in name
+        and (os.sep == "/" or os.sep not in name)
+        and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)
+    )
+    if not ok:
+        raise UnsafeCheckpoint(
+            f"{where}: file name {str(name)[:100]!r} is not a plain name inside the checkpoint folder; "
+            "refusing the checkpoint (crafted or corrupt)"
+        )
+    return name  # type: ignore[return-value]
+
+
+# -- the manifest -------------------------------------------------------------------------------------
 # Digest fields are named after the algorithm (``"xxh3_64"``, ``"manifest_xxh3_64"``): changing
 # ALGORITHM is a format change, not a setting.
 _MD_DIGEST_KEY = ALGORITHM
@@ -282,7 +411,7 @@ class Manifest:
     world_size: int
     created: str
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    format_version: int = 0  # 0: the lowest version that describes the files (see _names.FORMAT_VERSION)
+    format_version: int = 0  # 0: the lowest version that describes the files (see FORMAT_VERSION)
 
     def __post_init__(self) -> None:
         if not self.format_version:
@@ -372,13 +501,6 @@ class Manifest:
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
 
 
-def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
-    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
-    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
-    record = LayoutRecord.json_in_metadata(metadata)
-    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
-
-
 CheckpointState = Literal["committed", "uncommitted", "legacy", "missing"]
 
 
@@ -400,7 +522,7 @@ class Probe:
                 getattr(info, "relative_path", None) for info in (self.legacy_metadata.storage_data or {}).values()
             }
             # a crafted name must never reach a delete: refuse the checkpoint instead
-            return sorted(_names.check_member_name(n, where="legacy .metadata") for n in names)
+            return sorted(check_member_name(n, where="legacy .metadata") for n in names)
         return []
 
 
@@ -408,7 +530,7 @@ def _plain_names(metadata: Any) -> list[str]:
     names = []
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         try:
-            names.append(_names.check_member_name(getattr(info, "relative_path", None), where=""))
+            names.append(check_member_name(getattr(info, "relative_path", None), where=""))
         except UnsafeCheckpoint:
             continue
     return names
@@ -416,9 +538,9 @@ def _plain_names(metadata: Any) -> list[str]:
 
 def _refers_to_our_files(metadata: Any) -> bool:
     for info in (getattr(metadata, "storage_data", None) or {}).values():
-        if _names.RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ()):
+        if RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ()):
             return True
-        if _names.is_smpckpt_file(str(getattr(info, "relative_path", ""))):
+        if is_smpckpt_file(str(getattr(info, "relative_path", ""))):
             return True
     return False
 
@@ -427,18 +549,18 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     """Classify ``folder``. Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest
     and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load, or (local
     disk) files reached through a link leading out of the folder: nothing reads or deletes through it."""
-    where = join(folder, _names.MANIFEST_NAME)
+    where = join(folder, MANIFEST_NAME)
     data = read_bytes_or_none(fs, where)
     if data is not None:
         found = Probe("committed", manifest=Manifest.from_bytes(data, where=where), raw=data)
         confine(fs, folder, found.generation_files(), where=folder)  # links out of the folder: unsafe
         return found
-    md_path = join(folder, _names.METADATA_NAME)
+    md_path = join(folder, METADATA_NAME)
     md_bytes = read_bytes_or_none(fs, md_path)
     if md_bytes is not None:
         metadata = load_metadata(md_bytes, where=md_path)
         if _refers_to_our_files(metadata):
-            return Probe("uncommitted", detail=f"{md_path} exists but {_names.MANIFEST_NAME} does not")
+            return Probe("uncommitted", detail=f"{md_path} exists but {MANIFEST_NAME} does not")
         # plain names only: a crafted one is refused where it is read, naming its key
         confine(fs, folder, _plain_names(metadata), where=folder)
         return Probe("legacy", legacy_metadata=metadata)
@@ -450,7 +572,7 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     except (FileNotFoundError, NotADirectoryError):
         entries = []
     if entries:
-        return Probe("uncommitted", detail=f"{len(entries)} file(s) but no {_names.MANIFEST_NAME} and no .metadata")
+        return Probe("uncommitted", detail=f"{len(entries)} file(s) but no {MANIFEST_NAME} and no .metadata")
     return Probe("missing")
 
 

@@ -21,11 +21,10 @@ from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.model.layout import METADATA_KEY, LayoutRecord
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
-from smpckpt.storage.format import _names
+from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format._names import DESCRIPTION_FQN, WRITING_MARKER
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
-from smpckpt.storage.format.manifest import FileRecord, Manifest, probe
+from smpckpt.storage.format.manifest import DESCRIPTION_FQN, WRITING_MARKER, FileRecord, Manifest, probe
 from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
 from smpckpt.storage.full._layout import ArtifactLayout
 from smpckpt.storage.full._plan import plan_artifact

@@ -42,8 +42,7 @@ from smpckpt.hf import check_translation
 from smpckpt.model.layout import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
-from smpckpt.storage.format._names import DESCRIPTION_FQN, check_member_name
-from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.format.manifest import DESCRIPTION_FQN, FileRecord, check_member_name
 from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
 from smpckpt.storage.full._safetensors import DTYPE_NAMES, header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex

@@ -25,12 +25,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import write_back
-from smpckpt.storage.backends._staging import HostBuffer, Stage, Stages, Ticket, settle, stage_kind
 from smpckpt.storage.format._check_units import ItemChecks, item_checks
 from smpckpt.storage.format._checksum import BlockHasher, hash_bytes
 from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format._regions import box_runs, range_boxes, split_box
-from smpckpt.storage.format._staged import copy_chunks
+from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, copy_chunks, settle, stage_kind
 from smpckpt.storage.full._exchange import Block, Swapper, batches
 from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits, unit_extent

@@ -19,7 +19,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._folder import Folder, remove_tree
 from smpckpt.storage.backends._fs import is_local
-from smpckpt.storage.format import _names, _wire
+from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format.commit import commit_uncertain, committed_save_id
 from smpckpt.storage.full._commit import (
     artifact_records,
@@ -32,8 +32,7 @@ from smpckpt.storage.full._gather import gather_rank
 from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
 from smpckpt.storage.full._write import _RankWriter, write_objects
 from smpckpt.storage.full.options import FullOptions
-from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
-from smpckpt.storage.write._failed_save import FailedSaveFiles, folder_is_new
+from smpckpt.storage.write._base import FailedSaveFiles, FsspecWriterBase, WriterOptions, folder_is_new, open_results
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -126,7 +125,7 @@ class FullArtifactWriter(FsspecWriterBase):
             try:
                 records, side = artifact_records(self._folder, layout, self.full, sync=self.sync_files)
                 with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
-                    objects = whole_tensor_metadata(metadata, layout, _wire.open_results(results))
+                    objects = whole_tensor_metadata(metadata, layout, open_results(results))
                 files = sorted(records + objects, key=lambda f: f.name)
                 manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), "raw")
                 commit_full(self, manifest, md_bytes, side, self._folder)

@@ -44,10 +44,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
-from smpckpt.storage.backends._staging import STAGING_BYTES
 from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.format._staged import DeviceCopies, in_place
+from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder

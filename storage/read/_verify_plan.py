@@ -21,8 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
-from smpckpt.storage.format._names import check_member_name
-from smpckpt.storage.format.manifest import Manifest
+from smpckpt.storage.format.manifest import Manifest, check_member_name
 
 __all__ = ["load_problems"]
 

@@ -42,9 +42,9 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
-from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, STAGING_BYTES
-from smpckpt.storage.format import _names
+from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
+from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format.manifest import FileRecord, Probe
 from smpckpt.storage.full._commit import folder_names
 from smpckpt.storage.full._read import FullSource

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.backends._sinks import Sink, byte_view
-from smpckpt.storage.format._names import check_member_name
+from smpckpt.storage.format.manifest import check_member_name
 from smpckpt.storage.tier.transfer import Transfer, TransferOutcome
 
 __all__ = ["Replicator", "TeeSink", "ring_peers"]

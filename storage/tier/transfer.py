@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs
-from smpckpt.storage.format._names import check_member_name
+from smpckpt.storage.format.manifest import check_member_name
 
 __all__ = ["Transfer", "TransferOutcome", "run_transfers", "fetch_transfers"]
 __all__ += ["CHUNK_BYTES", "STREAMS"]

@@ -27,12 +27,10 @@ from smpckpt.errors import CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, open_fs, resolve
 from smpckpt.storage.backends._sinks import Sink
-from smpckpt.storage.format import _names
 from smpckpt.storage.format.commit import commit
-from smpckpt.storage.format.manifest import FileRecord, Manifest
+from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, new_save_id
 from smpckpt.storage.tier.stream import Replicator
-from smpckpt.storage.write._rank_files import RankPlanData
-from smpckpt.storage.write.writer import FsspecStorageWriter
+from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
 
@@ -80,7 +78,7 @@ class FastTierWriter(FsspecStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) A fresh save id for every rank; the folders were settled by the API."""
-        self._save_id = _names.new_save_id()
+        self._save_id = new_save_id()
         prefixes = resolve(self.prefix_strategy, local=True)
         return [
             dataclasses.replace(p, storage_data=RankPlanData(self._save_id, i, len(plans), prefixes, False))
@@ -112,7 +110,7 @@ def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileR
     :class:`CheckpointExists` when another generation was."""
     fs, path = open_fs(folder)
     with Folder(fs, path) as f:  # the one commit protocol (storage/format/commit.py)
-        existing = f.read(_names.MANIFEST_NAME)
+        existing = f.read(MANIFEST_NAME)
         if existing is not None:
             if existing == prepared.manifest:
                 return False

@@ -1,19 +1,56 @@
 """What both writers share (``FsspecStorageWriter``: partial checkpoints; ``FullArtifactWriter``: the full
-artifact), as DCP's ``HuggingFaceStorageWriter`` builds on ``FsspecWriter``."""
+artifact), as DCP's ``HuggingFaceStorageWriter`` builds on ``FsspecWriter``: the steps of ``dcp.save`` that
+do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
+(:class:`FailedSaveFiles`), and the compact forms of what ``dcp.save`` sends between ranks once the data
+is written (:func:`pack_results`, :func:`lean_returned_metadata`).
+
+**A failed save's files.** ``dcp.save`` reports a failure to every rank only after every rank's
+``write_data`` returned (and the coordinator's ``finish``, when it ran, returned or raised), so by then
+nothing of that save is still being written. Each rank then removes the files it recorded for the failed
+save: a partial save's data files (named with its save id) and the coordinator's metadata copy; on object
+stores a full save's artifact, side files and metadata copy (the coordinator: it laid them out), its
+in-progress marker last and only while the marker still names that save (on POSIX a full save's staging
+folder goes whole: ``FullArtifactWriter.discard_failed_save``). Every removal goes through the protocol's
+folder, never through a link. Nothing is removed when a manifest shows the commit landed (partial: this
+save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
+way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
+goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still
+running; it is left to ``remove_uncommitted_older_than`` and ``smpckpt prune``, which judge by age.
+
+**What crosses ranks.** After ``write_data`` DCP gathers every rank's write results on the coordinator,
+and after ``finish`` it broadcasts the checkpoint's ``Metadata`` to every rank; both travel as pickles
+and are unpickled in DCP's own code, between our hooks, with Python's cyclic collector running. With
+thousands of items per rank each unpickle makes objects by the ten thousand (the Metadata of 2,723
+tensors at 4 ranks: 67,000, 41,000 of them its storage index), which sets off a full collection that
+walks every object of a process with torch loaded: 0.13-0.2 s per save on the coordinator's gather and
+again on every rank's broadcast (benchmarks/RESULTS.md, "Results and Metadata across ranks"). So:
+
+* each rank's results cross as **one** pickle (:func:`pack_results`); the coordinator's ``finish``
+  opens them with the collector paused (:func:`open_results`);
+* the Metadata ``dcp.save`` returns (and DCP broadcasts) holds its mappings -- ``state_dict_metadata``
+  (a chunk per item), ``storage_data`` (a record per item) and ``planner_data`` -- as read-only views
+  of the committed metadata file's bytes (:func:`lean_returned_metadata`), decoded on first use:
+  receivers unpickle one ``bytes`` object instead of an object per item, the coordinator drops its
+  per-item objects (the index before the collector resumes: none lives on into an old generation),
+  and each view still maps what was committed for whoever reads it.
+
+Nothing of the latter changes what is stored: the ``.metadata`` files hold the plain dict DCP readers expect.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -21,19 +58,30 @@ from torch.futures import Future
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
-from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import FsspecLocation, default_write_threads, is_local
+from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
+from smpckpt.storage.backends._folder import Folder, remove_files
+from smpckpt.storage.backends._fs import FsspecLocation, default_write_threads, is_local, join, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, MIN_PART_SIZE, Sink
-from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, STAGING_BYTES, Stages
-from smpckpt.storage.format import _names, _wire
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format.commit import commit_uncertain
-from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord, extra_with_layout_record
-from smpckpt.storage.write._failed_save import FailedSaveFiles
+from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES, Stages
+from smpckpt.storage.format.commit import CommitUncertain, commit_uncertain
+from smpckpt.storage.format.manifest import (
+    WRITING_MARKER,
+    FileRecord,
+    Manifest,
+    MetadataRecord,
+    generation_metadata_name,
+    marker_owner,
+    probe,
+)
 
-# MIN_PART_SIZE: S3's smallest multipart part, owned by storage/backends/_sinks.py (named here for callers)
-__all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions"]
+# MIN_PART_SIZE: S3's smallest multipart part, owned by storage/backends/_sinks.py (named here for callers);
+# CommitUncertain and commit_uncertain live with the commit protocol (storage/format/commit.py)
+__all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions", "CommitUncertain", "FailedSaveFiles"]
+__all__ += ["commit_uncertain", "folder_is_new", "PackedResults", "crosses_ranks", "pack_results", "open_results"]
+__all__ += ["committed_index", "list_tied", "CommittedMetadata", "CommittedView", "lean_returned_metadata"]
+__all__ += ["with_plain_mappings"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +137,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             tensors that cannot be written from their own memory -- CUDA tensors, strided views, and
             (full artifacts) dtype casts and transposed boxes -- are copied through a pool of buffers of
             this many bytes in all (pinned for CUDA), chunk by chunk, each buffer reused once its bytes
-            are written and hashed (``storage/backends/_staging.py``). Contiguous CPU tensors are
+            are written and hashed (``storage/format/_staging.py``). Contiguous CPU tensors are
             written in place and use none of it.
     """
 
@@ -169,14 +217,14 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         try:
             results = self._write_rank(plan, planner)
-            fut.set_result(_wire.pack_results(results) if _wire.crosses_ranks(self.process_group) else results)
+            fut.set_result(pack_results(results) if crosses_ranks(self.process_group) else results)
         except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
 
     def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
         """(all ranks, after ``dcp.save`` raised ``error``; the API calls it) Remove what this rank wrote
-        for the failed save (``_failed_save``); the paths not removed."""
+        for the failed save (:class:`FailedSaveFiles`); the paths not removed."""
         if commit_uncertain(error):
             log.warning("%s: the commit's outcome is unknown; the failed save's files are left", self.url)
             return []
@@ -208,12 +256,12 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
-            md_bytes = pickle.dumps(_wire.with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
+            md_bytes = pickle.dumps(with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
             # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
             # now, before the commit, rather than produce a checkpoint nobody can load safely.
             load_metadata(md_bytes, where="metadata being written")
             extra = extra_with_layout_record(self._extra, metadata)
-            _wire.lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
+            lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
         return md_bytes, extra
 
     def _manifest(
@@ -227,7 +275,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         """(coordinator, in ``finish``) The metadata written under this generation's name, and the
         manifest naming it and ``files``; the metadata's bytes (for the stock ``.metadata`` copy)."""
         md_bytes, extra = self._metadata_bytes(save_id, metadata)
-        gen_name = _names.generation_metadata_name(save_id)
+        gen_name = generation_metadata_name(save_id)
         self._attempt.add(gen_name)
         self._write_metadata(gen_name, md_bytes)
         manifest = Manifest(
@@ -276,3 +324,234 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             max_parts_in_flight=self.max_parts_in_flight,
             borrow=True,
         )
+
+
+def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
+    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
+    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
+    record = LayoutRecord.json_in_metadata(metadata)
+    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
+
+
+# -- a failed save's files (the module docstring: what is removed, and when not) -----------------------
+def _manifest_save_id(fs: Any, path: str) -> str | None:
+    """The save id of the manifest at ``path`` (None: no manifest); raises when it cannot be read."""
+    found = probe(fs, path, list_when_empty=False)
+    return found.manifest.save_id if found.manifest is not None else None
+
+
+class FailedSaveFiles:
+    """The files one rank wrote for one save, to remove if that save fails.
+
+    Call order: a new instance per save (``storage_writer.storage_meta``, DCP's first call) ->
+    :meth:`begin` (partial: ``write_data``, every rank; full: ``prepare_global_plan``, coordinator) ->
+    :meth:`add` per file created (writer threads too) -> :meth:`discard` (every rank, after
+    ``dcp.save`` raised)."""
+
+    def __init__(self) -> None:
+        self.save_id: str | None = None
+        self.names: list[str] = []
+        self.new_folder = False  # the folder did not exist when the save began (local paths)
+
+    def begin(self, save_id: str, *, new_folder: bool, names: tuple[str, ...] = ()) -> None:
+        self.save_id, self.names, self.new_folder = save_id, list(names), new_folder
+
+    def add(self, name: str) -> None:
+        if self.save_id is not None:
+            self.names.append(name)  # list.append is atomic: writer threads call this concurrently
+
+    def discard(self, fs: Any, path: str, url: str, *, full: bool) -> list[str]:
+        """Remove the recorded files (see the module docstring for when not); the paths that could
+        not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
+        save_id, names = self.save_id, list(dict.fromkeys(self.names))
+        self.save_id, self.names = None, []
+        if save_id is None or not names:
+            return []
+        paths = [join(path, n) for n in names]
+        try:
+            committed = _manifest_save_id(fs, path)
+            marker = read_bytes_or_none(fs, join(path, WRITING_MARKER)) if full else None
+        except (CheckpointError, OSError) as exc:
+            log.warning(
+                "%s: the failed save's %d file(s) were left: the folder could not be read (%s)", url, len(paths), exc
+            )
+            return paths
+        if committed == save_id or (full and (committed is not None or marker_owner(marker) != save_id)):
+            return []  # the commit landed (these files are the checkpoint), or another save took the folder
+        failed = remove_files(fs, paths, within=path)
+        if full and not failed:  # the marker keeps the folder recognisable as debris until the rest is gone
+            failed = remove_files(fs, [join(path, WRITING_MARKER)])
+        if failed:
+            log.warning("%s: could not remove %d file(s) of the failed save: %s", url, len(failed), failed[:5])
+        elif is_local(fs):
+            if self.new_folder:
+                # the rank that removes the last file succeeds; the others find it not empty yet
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        return failed
+
+
+def folder_is_new(fs: Any, path: str) -> bool:
+    """(coordinator, before a save writes anything) Whether the save will make its folder (local paths)."""
+    return is_local(fs) and not os.path.isdir(path)
+
+
+# -- what crosses ranks once the data is written (the module docstring) ---------------------------------
+#: Index of the one WriteResult that carries a rank's packed results (never stored).
+PACKED_RESULTS_FQN = "\x00smpckpt.packed_results"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedResults:
+    """One rank's write results as one pickle: ``storage_data`` of the single result it sends."""
+
+    payload: bytes
+    count: int
+
+
+def crosses_ranks(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether DCP will pickle results and Metadata between ranks (a one-process save passes them on
+    as they are: packing there would only add a pickle round trip)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+
+
+def pack_results(results: list[WriteResult]) -> list[WriteResult]:
+    """(every rank, end of ``write_data``) This rank's results as one result holding their pickle."""
+    with gc_paused():
+        payload = pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+    total = sum(r.size_in_bytes for r in results)
+    return [WriteResult(MetadataIndex(PACKED_RESULTS_FQN), total, PackedResults(payload, len(results)))]
+
+
+def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
+    """(coordinator, ``finish``) Every rank's results, packed or not, as DCP would have delivered them.
+
+    The payloads come from the ranks of this job through DCP's gather, which unpickles whatever the
+    ranks send anyway: opening them trusts the same peers, no more."""
+    out: list[list[WriteResult]] = []
+    with gc_paused():  # an object per item of every rank
+        for rank, rank_results in enumerate(results):
+            if len(rank_results) == 1 and isinstance(rank_results[0].storage_data, PackedResults):
+                packed = rank_results[0].storage_data
+                opened = pickle.loads(packed.payload)
+                if not isinstance(opened, list) or len(opened) != packed.count:
+                    raise CheckpointError(
+                        f"rank {rank}'s packed write results hold {type(opened).__name__} "
+                        f"(expected a list of {packed.count} WriteResult)"
+                    )
+                out.append(opened)
+            else:
+                out.append(rank_results)
+    return out
+
+
+def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord], dict[MetadataIndex, Any]]:
+    """(coordinator, partial mode) The data files' records (for the manifest) and the storage index
+    (``Metadata.storage_data``: each item's file, offset and length), from every rank's results."""
+    files: list[FileRecord] = []
+    index: dict[MetadataIndex, Any] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            if isinstance(wr.storage_data, FileRecord):
+                files.append(wr.storage_data)
+            else:
+                index[wr.index] = wr.storage_data
+    return files, index
+
+
+def list_tied(metadata: Metadata) -> None:
+    """(coordinator, partial mode) Each tied key (written once, under the key it is tied to: the save
+    planner's ``LayoutRecord.tied``) gets that key's entries in ``state_dict_metadata`` and
+    ``storage_data``, over the same bytes: stock readers then load both keys of a tied model."""
+    record = LayoutRecord.from_metadata(metadata)
+    tied = record.tied if record is not None else {}
+    sdm, index = metadata.state_dict_metadata, metadata.storage_data
+    for alias, first in tied.items():
+        md = sdm.get(first)
+        if md is None or alias in sdm or not hasattr(md, "chunks"):
+            continue
+        sdm[alias] = md
+        for chunk in md.chunks:
+            stored = index.get(MetadataIndex(first, chunk.offsets))
+            if stored is not None:
+                index[MetadataIndex(alias, chunk.offsets)] = stored
+
+
+class CommittedMetadata:
+    """The committed metadata file's bytes, decoded (with the reader's allow-list) once, on first use.
+    Pickles as those bytes: the views below share one instance, so a pickle of the Metadata that holds
+    them carries the bytes once."""
+
+    def __init__(self, metadata_bytes: bytes, where: str) -> None:
+        self._bytes = metadata_bytes
+        self.where = where
+        self._decoded: Metadata | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, str]]:
+        return (CommittedMetadata, (self._bytes, self.where))
+
+    @property
+    def decoded(self) -> bool:
+        return self._decoded is not None
+
+    def metadata(self) -> Metadata:
+        if self._decoded is None:
+            self._decoded = load_metadata(self._bytes, where=self.where)
+        return self._decoded
+
+
+class CommittedView(Mapping[Any, Any]):
+    """One mapping field of the committed Metadata (``state_dict_metadata``, ``storage_data`` or
+    ``planner_data``), read-only, decoded on first use."""
+
+    def __init__(self, source: CommittedMetadata, field: str) -> None:
+        if field not in _VIEW_FIELDS:
+            raise ValueError(f"no committed view of Metadata.{field} (one of {_VIEW_FIELDS})")
+        self._source = source
+        self._field = field
+
+    def __reduce__(self) -> tuple[Any, tuple[CommittedMetadata, str]]:
+        return (CommittedView, (self._source, self._field))
+
+    def _mapping(self) -> Mapping[Any, Any]:
+        value = getattr(self._source.metadata(), self._field)
+        return value if value is not None else {}
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._mapping()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._mapping())
+
+    def __repr__(self) -> str:
+        state = f"{len(self._mapping())} entries" if self._source.decoded else "not decoded yet"
+        return f"CommittedView({self._field} of {self._source.where}, {state})"
+
+
+_VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
+
+
+def with_plain_mappings(metadata: Metadata) -> Metadata:
+    """``metadata`` with any view of a committed file turned back into the dict it stands for, before
+    it is pickled into a new file: a planner may hand ``finish`` a Metadata that a previous save left
+    lean (DCP's ``DefaultSavePlanner`` with plan caching reuses the object), and the file must hold
+    plain dicts."""
+    for field in _VIEW_FIELDS:
+        value = getattr(metadata, field)
+        if isinstance(value, CommittedView):
+            setattr(metadata, field, dict(value))
+    return metadata
+
+
+def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:
+    """(coordinator, end of ``finish``) Turn the Metadata ``dcp.save`` returns (and DCP broadcasts)
+    into views of the committed bytes: receivers unpickle one ``bytes`` object instead of an object
+    per item, and the coordinator drops its own per-item objects. A field that is not a mapping (a
+    planner that sets no ``planner_data``) is left as it is."""
+    source = CommittedMetadata(metadata_bytes, where)
+    for field in _VIEW_FIELDS:
+        if isinstance(getattr(metadata, field), Mapping):
+            setattr(metadata, field, CommittedView(source, field))

@@ -1,13 +1,13 @@
 """One data file's bytes on their way to its sink: in place, or staged through pooled buffers.
 
-A file is a sequence of records. Each goes one of two ways (:func:`~smpckpt.storage.backends._staging.
+A file is a sequence of records. Each goes one of two ways (:func:`~smpckpt.storage.format._staging.
 stage_kind`):
 
 * **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is, in
   chunks of :data:`CHUNK` bytes, each hashed on the file's hash thread while the file's thread writes
   the same bytes (no copy);
 * **staged** -- a CUDA tensor, a strided view or a conjugate view is copied into buffers of the save's
-  :class:`~smpckpt.storage.backends._staging.BufferPool` by its stage (device-to-host on a side stream
+  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage (device-to-host on a side stream
   for CUDA, on a copier thread otherwise): a record larger than :data:`PACK_BELOW` in chunks of one
   buffer each (cut on row-group boundaries of a tiled record, so its tiles are hashed whole), smaller
   ones packed back to back into shared buffers. A buffer is queued once its copies are enqueued; the
@@ -31,10 +31,9 @@ from typing import Any
 import torch
 
 from smpckpt.storage.backends._sinks import Sink, byte_view
-from smpckpt.storage.backends._staging import HostBuffer, Stage, Stages, Ticket, settle
 from smpckpt.storage.format._check_units import ItemChecks
 from smpckpt.storage.format._checksum import BlockHasher
-from smpckpt.storage.format._staged import copy_chunks
+from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, copy_chunks, settle
 
 __all__ = ["FileStream", "CHUNK", "PACK_BELOW"]
 

@@ -23,33 +23,53 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import io
+import math
 import os
 import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
-from smpckpt.errors import CheckpointError, CheckpointExists
-from smpckpt.storage.backends._fs import PrefixOption, is_local, resolve
-from smpckpt.storage.format import _names, _wire
-from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
+from smpckpt.errors import CheckpointError, CheckpointExists, not_dense
+from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, resolve
+from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.format._check_units import item_checks
+from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE, BlockHasher
+from smpckpt.storage.format._reading import cpu_bytes
+from smpckpt.storage.format._staging import Stages, stage_kind
 from smpckpt.storage.format.commit import commit, settle_uncommitted_folder
-from smpckpt.storage.format.manifest import FileRecord, probe
-from smpckpt.storage.write._base import FsspecWriterBase, WriterOptions
-from smpckpt.storage.write._failed_save import folder_is_new
-from smpckpt.storage.write._rank_files import RankPlanData
-from smpckpt.storage.write._write_file import PART_FILL, object_store_bins, split_items, write_file
+from smpckpt.storage.format.manifest import (
+    MANIFEST_NAME,
+    RAW_DESCRIPTOR,
+    FileRecord,
+    data_file_name,
+    new_save_id,
+    probe,
+)
+from smpckpt.storage.write._base import (
+    FsspecWriterBase,
+    WriterOptions,
+    committed_index,
+    folder_is_new,
+    list_tied,
+    open_results,
+)
+from smpckpt.storage.write._pipeline import FileStream
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["FsspecStorageWriter"]
+__all__ = ["FsspecStorageWriter", "RankPlanData", "write_file", "split_items", "object_store_bins"]
+__all__ += ["PART_FILL", "MAX_OBJECT_FILES", "FILE_RESULT_FQN"]
 
 #: options only this writer takes, with their defaults (the deprecated ``mode="full"`` refuses others)
 _PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
@@ -61,6 +81,20 @@ _PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
         "prefix_strategy": "auto",
     }
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlanData:
+    """What the coordinator's ``prepare_global_plan`` puts on each rank's plan (``SavePlan.storage_data``)
+    for its data path (:meth:`FsspecStorageWriter._write_rank`); never stored."""
+
+    save_id: str
+    rank: int
+    world_size: int = 1
+    #: the coordinator's strategy, so every rank lays out its files alike
+    prefixes: PrefixStrategy = dataclasses.field(default_factory=FlatLayout)
+    #: the folder did not exist when the save began (local paths): a failed save removes it once empty
+    new_folder: bool = False
 
 
 class FsspecStorageWriter(FsspecWriterBase):
@@ -185,7 +219,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         self._replacing = found.raw if self.overwrite else None
         if found.state not in ("committed", "legacy"):
             settle_uncommitted_folder(self.fs, self.path, self.url)
-        self._save_id = _names.new_save_id()
+        self._save_id = new_save_id()
         prefixes = resolve(self.prefix_strategy, local=is_local(self.fs))
         new_folder = folder_is_new(self.fs, self.path)
         return [
@@ -201,8 +235,8 @@ class FsspecStorageWriter(FsspecWriterBase):
         # An object per item of every rank, each dropped before the collector resumes: none lives on
         # into an old generation, where it would bring the next full collection nearer.
         with gc_paused():
-            files, metadata.storage_data = _wire.committed_index(_wire.open_results(results))
-            _wire.list_tied(metadata)
+            files, metadata.storage_data = committed_index(open_results(results))
+            list_tied(metadata)
         return save_id, files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -237,9 +271,9 @@ class FsspecStorageWriter(FsspecWriterBase):
         if self._folder is None:
             raise CheckpointError(f"{self.url}: the manifest written outside the commit")
         if self._replacing is not None:
-            self._folder.replace_if(_names.MANIFEST_NAME, data, self._replacing, sync=self.sync_files)
+            self._folder.replace_if(MANIFEST_NAME, data, self._replacing, sync=self.sync_files)
         else:
-            self._folder.publish(_names.MANIFEST_NAME, data, sync=self.sync_files)
+            self._folder.publish(MANIFEST_NAME, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """(every rank, in ``write_data``) This rank's items split into data files, written concurrently
@@ -263,7 +297,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         # slot r * thread_count + k of the save, wherever it goes
         count = data.world_size * threads
         names = [
-            _names.data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
+            data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
             for n in range(len(buckets))
         ]
         results: list[WriteResult] = []
@@ -310,3 +344,143 @@ class FsspecStorageWriter(FsspecWriterBase):
             stages=self._staging,
             hooks=self._staging_hooks,
         )
+
+
+# -- one data file of one rank: items written in order through a sink, hashed on a second thread ----------
+# ``write_file`` is the data path (``_write_rank`` runs one per file on its thread pool, all of them staging
+# through one pool of buffers: ``_pipeline``); ``split_items`` decides which items go to which file.
+
+#: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
+FILE_RESULT_FQN = "\x00smpckpt.file"
+
+
+def _torch_save_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().cpu()
+    # torch.save writes the whole storage: compact views so the record holds only this tensor
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getbuffer()
+
+
+def _item_size(item: WriteItem) -> int:
+    """Bytes of the tensor piece ``item`` writes (its chunk's, not the global tensor's), 0 for objects."""
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+#: object stores: by default a data file aims at this fraction of a part, so that with the imbalance
+#: of the greedy split and its records' headers it still fits one part (one PutObject)
+PART_FILL = 0.85
+
+
+#: object stores: at most this many data files per rank by default (~6.8 GiB in one-part files at
+#: the default part size); a larger rank writes larger, multipart files instead of ever more objects
+MAX_OBJECT_FILES = 256
+
+
+def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> tuple[int, bool]:
+    """How many data files a rank's ``items`` go into on an object store, and whether they are about
+    ``file_size`` each (else larger): at least ``thread_count`` files, enough to hold about
+    ``file_size`` bytes each (``0``: just ``thread_count``), at most ``MAX_OBJECT_FILES``.
+
+    A file of at most one part is uploaded with one ``PutObject``; a larger one needs a multipart
+    upload: a create and a complete request besides its parts, and a server-side concatenation at the
+    complete. Many one-part files in flight keep the concurrency with a third of the requests."""
+    if file_size <= 0:
+        return thread_count, False
+    want = -(-sum(_item_size(it) for it in items) // file_size)  # an integer ceiling (byte counts pass 2**53)
+    return max(thread_count, min(MAX_OBJECT_FILES, want)), want <= MAX_OBJECT_FILES
+
+
+def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Objects round-robin, tensors largest-first to the least-loaded bin; empty bins dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    objects = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True)
+    for i, it in enumerate(objects):
+        buckets[i % bins].append(it)
+    for it in tensors:
+        j = min(range(bins), key=sizes.__getitem__)
+        buckets[j].append(it)
+        sizes[j] += _item_size(it)
+    return [b for b in buckets if b]
+
+
+def write_file(
+    sink: Sink,
+    name: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    rank: int,
+    *,
+    raw: bool,
+    block_size: int,
+    stages: Stages,
+    hooks: Any = None,
+) -> list[WriteResult]:
+    """Write ``items`` (objects first, small, then tensors, as DCP does: :func:`split_items`'s order)
+    into ``sink`` and commit it; the last result carries the file's :class:`FileRecord` (size, block ends
+    and digests) for the manifest. Raw tensors that cannot be written in place are copied through
+    ``stages`` (:mod:`._pipeline`)."""
+    hasher = BlockHasher(block_size)
+    results: list[WriteResult] = []
+    offset = 0
+    stream = FileStream(sink, hasher, stages, hooks)
+    try:
+        for item in items:
+            value = planner.resolve_data(item)
+            descriptors: list[str] | None = None
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(value, io.BytesIO):
+                    raise TypeError(f"{item.index.fqn}: BYTE_IO item resolved to {type(value).__name__}")
+                mv = value.getbuffer()
+                nbytes = mv.nbytes
+                stream.put(mv, None)
+            elif not isinstance(value, torch.Tensor):
+                raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(value).__name__}")
+            elif value.layout is not torch.strided:
+                raise not_dense(item.index.fqn, value.layout, tuple(value.shape))
+            elif raw:
+                descriptors = [RAW_DESCRIPTOR]
+                # units of its own, so a reshard reads (and verifies) only the slices it needs
+                checks = item_checks(tuple(value.shape), value.element_size(), block_size)
+                t = value.detach()
+                own = cpu_bytes(t) if t.device.type == "cpu" else None
+                kind = stage_kind(t, in_place=own is not None)
+                if kind is None and own is not None:
+                    nbytes = own.nbytes
+                    stream.put(own, checks)
+                else:
+                    nbytes = stream.stage(t, stages.get(t, kind or "host"), checks)
+            else:
+                mv = _torch_save_bytes(value)
+                nbytes = mv.nbytes
+                stream.put(mv, None)
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=nbytes,
+                    storage_data=_StorageInfo(name, offset, nbytes, transform_descriptors=descriptors),
+                )
+            )
+            offset += nbytes
+        stream.finish()
+        ends, digests = hasher.finish()
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        stream.close()
+    results.append(
+        WriteResult(
+            index=MetadataIndex(f"{FILE_RESULT_FQN}/{name}"),
+            size_in_bytes=offset,
+            storage_data=FileRecord(name, offset, rank, tuple(ends), tuple(digests), tilings=tuple(hasher.tilings)),
+        )
+    )
+    return results

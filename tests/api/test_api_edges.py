@@ -162,7 +162,7 @@ def test_a_save_into_a_partly_removed_folder_finishes_the_removal_first(
     must finish that removal before writing: a prune running meanwhile (it finishes partly removed
     folders) deleted the running save's folder, and the old files outlived the new commit."""
     from smpckpt.storage import FsspecStorageWriter, verify_checkpoint
-    from smpckpt.storage.format._names import REMOVING_NAME
+    from smpckpt.storage.format.manifest import REMOVING_NAME
     from smpckpt.tools.cli import main
 
     root = str(tmp_path)

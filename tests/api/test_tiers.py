@@ -30,7 +30,7 @@ from smpckpt import (
     wait_for_saves,
 )
 from smpckpt.api._tiers import durable_key, job_folder
-from smpckpt.storage.format._names import MANIFEST_NAME
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 
 
 def _linear(seed: int) -> nn.Module:

@@ -87,7 +87,7 @@ def test_a_full_checkpoint_without_its_manifest_is_refused(tmp_path: Any, how: s
     from torch.distributed.checkpoint.api import CheckpointException
 
     from smpckpt.storage import MANIFEST_NAME, FsspecStorageReader, checkpoint_state
-    from smpckpt.storage.format._names import REMOVING_NAME
+    from smpckpt.storage.format.manifest import REMOVING_NAME
 
     path = str(tmp_path / "full")
     state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64)}

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 import smpckpt.storage.full._write as full_write
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs
-from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, Stages
+from smpckpt.storage.format._staging import MIN_STAGING_BYTES, Stages
 from smpckpt.storage.full._exchange import Block, Exchange
 from smpckpt.storage.full._layout import FullWrite, RankFullData
 

@@ -146,7 +146,7 @@ def test_staged_path_at_real_sizes(mlp: Big, tmp_path: Path, monkeypatch: pytest
 
     from smpckpt.planners import ParallelSavePlanner
     from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
-    from smpckpt.storage.backends._staging import MIN_STAGING_BYTES
+    from smpckpt.storage.format._staging import MIN_STAGING_BYTES
 
     monkeypatch.setenv("SMPCKPT_TEST_DEVICE", "cpu")
     w = mlp.up.weight.detach()

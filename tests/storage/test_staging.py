@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from storage_helpers import assert_state_equal
 
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, BufferPool, buffer_size
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._regions import range_boxes
+from smpckpt.storage.format._staging import MIN_STAGING_BYTES, BufferPool, buffer_size
 from smpckpt.storage.tools import verify_checkpoint
 from smpckpt.storage.write._pipeline import PACK_BELOW, chunk_bytes
 
@@ -276,8 +276,8 @@ def test_a_buffer_is_not_refilled_while_its_write_is_still_running() -> None:
     """File A's first buffer is hashed at once but its write is held until file B, sharing the pool,
     had to wait for a buffer (or finished). B must wait: A's buffer is not free until its write
     returns. Releasing a buffer when its hash alone was done let B refill it under A's write."""
-    from smpckpt.storage.backends._staging import Stages
     from smpckpt.storage.format._checksum import BlockHasher
+    from smpckpt.storage.format._staging import Stages
     from smpckpt.storage.write._pipeline import FileStream
 
     b_waited_or_done = threading.Event()

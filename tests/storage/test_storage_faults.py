@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.storage import FsspecStorageWriter, FullArtifactWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.storage.backends._sinks import Sink
-from smpckpt.storage.write._failed_save import CommitUncertain
+from smpckpt.storage.write._base import CommitUncertain
 
 Backend = tuple[str, dict[str, Any]]
 

@@ -27,7 +27,7 @@ from smpckpt.storage import (
 from smpckpt.storage.backends._fs import resolve
 from smpckpt.storage.backends._s3 import PartBody, S3MultipartSink
 from smpckpt.storage.backends._sinks import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_size_of
-from smpckpt.storage.format._names import check_member_name, is_smpckpt_file
+from smpckpt.storage.format.manifest import check_member_name, is_smpckpt_file
 
 Backend = tuple[str, dict[str, Any]]
 
@@ -315,7 +315,7 @@ def test_object_store_bins_stop_at_the_cap_and_then_grow_the_files() -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from smpckpt.storage.write._write_file import MAX_OBJECT_FILES, object_store_bins
+    from smpckpt.storage.write.writer import MAX_OBJECT_FILES, object_store_bins
 
     def items(n: int, mib: int) -> list[WriteItem]:
         size = torch.Size([mib << 18])  # fp32
@@ -337,7 +337,7 @@ def test_object_store_bins_count_the_shard_not_the_global_tensor() -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from smpckpt.storage.write._write_file import object_store_bins, split_items
+    from smpckpt.storage.write.writer import object_store_bins, split_items
 
     def shard(i: int, mib: int) -> WriteItem:
         whole = torch.Size([4 * (mib << 18)])  # fp32, global

@@ -15,14 +15,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.backends._staging import MIN_STAGING_BYTES, Stages
 from smpckpt.storage.format._check_units import Tiling
 from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format._reading import Need, coalesce, cpu_bytes, slice_byte_range
+from smpckpt.storage.format._staging import MIN_STAGING_BYTES, Stages
 from smpckpt.storage.format.manifest import FileRecord, Manifest, MetadataRecord
 from smpckpt.storage.read._plan import raw_item, writable_bytes
 from smpckpt.storage.read._run import _decode_raw
-from smpckpt.storage.write._write_file import write_file
+from smpckpt.storage.write.writer import write_file
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""What crosses ranks after the write (storage/format/_wire.py), tier 1: a simulated world.
+"""What crosses ranks after the write (storage/write/_base.py), tier 1: a simulated world.
 
 DCP unpickles every rank's write results on the coordinator and the Metadata on every rank, in its own
 code, with the cyclic collector running. Each object those unpickles make is one the next full
@@ -25,9 +25,9 @@ from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
-from smpckpt.storage.format import _wire
 from smpckpt.storage.format._safe_pickle import load_metadata
-from smpckpt.storage.format._wire import CommittedMetadata, CommittedView, PackedResults, open_results, pack_results
+from smpckpt.storage.write import _base
+from smpckpt.storage.write._base import CommittedMetadata, CommittedView, PackedResults, open_results, pack_results
 
 TP = 2
 TENSORS = 400
@@ -46,7 +46,7 @@ def _shard(t: torch.Tensor, rank: int) -> torch.Tensor:
 def _save(folder: Path, monkeypatch: pytest.MonkeyPatch, *, crossing: bool) -> tuple[Metadata, list[Any]]:
     """A TP=2 save in the simulated world, as if results and Metadata crossed ranks (``crossing``);
     returns what ``dcp.save`` would return and every rank's write results as the gather sends them."""
-    monkeypatch.setattr(_wire, "crosses_ranks", lambda group: crossing)
+    monkeypatch.setattr(_base, "crosses_ranks", lambda group: crossing)
     sent: list[Any] = []
 
     def recording_wire(obj: Any) -> Any:

@@ -107,8 +107,9 @@ class Lane:
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
-                self._thread = LaneThread(self)
-                self._thread.start()
+                thread = LaneThread(self)
+                thread.start()  # kept only once started: stop(join=True) must never join one that is not
+                self._thread = thread
             self._queue.append((tag, work, fut))
             self.fut, self.tag, self.submitted = fut, tag, time.monotonic()
             self._cond.notify()

@@ -384,7 +384,14 @@ class Checkpointer:
             with peer_failures(DistContext(group), f"saving checkpoint {req.tag!r} under {req.root} in the background"):
                 self._write(breq, staged, extra, tier, "in the background")
 
-        fut = self._save_lane.submit(req.tag, work)
+        try:
+            fut = self._save_lane.submit(req.tag, work)
+        except BaseException:
+            if pending is not None:  # never queued (no thread could start): no step may wait for it
+                if self._gate.pending is pending:
+                    self._gate.pending = None
+                pending.issued.set()
+            raise
         if pending is not None:  # a future cancelled before it ran never stages: no step may wait for it
             fut.add_done_callback(lambda f: pending.issued.set() if f.cancelled() else None)
         return fut

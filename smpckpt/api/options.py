@@ -135,6 +135,10 @@ class Sharding(_Options):
             raise TypeError(f"name_map must be callable (str -> str), got {type(self.name_map).__name__}")
         check_process_group(self.process_group)
         object.__setattr__(self, "rules", spec_rules(self.specs))
+        if isinstance(self.specs, Mapping):
+            # a copy: the rules were derived once, so a later change to the caller's dict must not show in
+            # ``specs`` while the rules still say the old (options are read once, at the edge)
+            object.__setattr__(self, "specs", dict(self.specs))
 
 
 def check_local_path(path: Any) -> str:

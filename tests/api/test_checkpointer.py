@@ -349,3 +349,35 @@ def test_at_exit_one_checkpointers_failure_does_not_cut_anothers_final_save(tmp_
     assert (rx / "newest").read_text().strip() == "final"
     got = nn.Linear(2, 2)
     Checkpointer(str(rx)).resume("final", got)
+
+
+def test_a_save_that_cannot_start_its_lane_leaves_no_step_waiting(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging gate is set before the save is queued; a queueing that fails (no thread can start)
+    must take it down again, or every later optimizer step would wait forever for staging never run."""
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+
+    def no_thread(self: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(LaneThread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ckpt.save("a", m, opt)
+    stepped = threading.Thread(target=_step, args=(m, opt), daemon=True)
+    stepped.start()
+    stepped.join(30)
+    assert not stepped.is_alive()  # the step did not wait for the staging that never ran
+    monkeypatch.undo()
+    ckpt.close()
+
+
+def test_sharding_keeps_the_specs_it_derived_its_rules_from(tmp_path: Any) -> None:
+    """A dict of specs changed after the options were built changes neither the rules nor ``specs``."""
+    specs: dict[str, Any] = {"w": smpckpt.ShardSpec(dim=0)}
+    sharding = Sharding(specs=specs)
+    specs["v"] = smpckpt.ShardSpec(dim=1)
+    assert dict(sharding.specs) == {"w": smpckpt.ShardSpec(dim=0)}
+    assert sharding.rules.to_records() == Sharding(specs={"w": smpckpt.ShardSpec(dim=0)}).rules.to_records()
+    assert pickle.loads(pickle.dumps(sharding)).specs == sharding.specs

@@ -3,8 +3,9 @@
 * ``pwrite``: every rank ``pwrite``s its own boxes in place into files the coordinator created
   (column shards with short rows swapped into row blocks first) -- the POSIX default.
 * ``gather``: gather-to-owner, the object-store algorithm -- each file streamed front to back by its
-  owner rank, which receives the other ranks' boxes over the process group. Forced on POSIX through a
-  private environment switch read by the coordinator (``_commit._FORCE_GATHER``), not a user option.
+  owner rank, which receives the other ranks' boxes over the process group. Forced on POSIX by this
+  script alone (:func:`force_gather` patches the coordinator's planning in the rank processes; the
+  package has no such option), and checked: every rank counts its ``gather_rank`` calls.
 
 For each storage folder (``--dirs``: local disk, ``/dev/shm``), world size (``--worlds``: gloo ranks on
 127.0.0.1, ``tp = world``) and sharding (``--shapes``): ``row`` = every matrix split on dim 0 (each
@@ -51,7 +52,7 @@ from smpckpt import ShardSpec
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FullArtifactWriter, FullOptions
-from smpckpt.storage.full._commit import _FORCE_GATHER
+from smpckpt.storage.full import _commit, writer
 
 warnings.filterwarnings("ignore")
 
@@ -68,6 +69,28 @@ def case_defs(hidden: int, layers: int, vocab: int, shape: str) -> list[TDef]:
 def case_specs(defs: list[TDef], shape: str) -> dict[str, ShardSpec]:
     dim = 0 if shape == "row" else 1
     return {f"model.{d.key}": ShardSpec(dim) for d in defs if d.kind != "repl"}
+
+
+_PLAN, _CREATE, _GATHER = _commit.plan_artifact, _commit.create_files, writer.gather_rank
+CALLS = {"gather_rank": 0}
+
+
+def force_gather(on: bool) -> None:
+    """(benchmark only) Make the coordinator lay a POSIX save out for gather-to-owner (``gather=True``:
+    each rank then gets the files and every box, and ``FullArtifactWriter`` streams each file by its
+    owner into the staging folder) and create no files there (the owners' sinks create them, only if
+    absent); ``on=False`` restores the package's own functions."""
+
+    def plan(*args: Any, **kwargs: Any) -> Any:
+        return _PLAN(*args, **{**kwargs, "gather": True})
+
+    _commit.plan_artifact = plan if on else _PLAN  # type: ignore[assignment]
+    _commit.create_files = (lambda *a, **k: None) if on else _CREATE  # type: ignore[assignment]
+
+
+def _counted_gather(*args: Any, **kwargs: Any) -> Any:
+    CALLS["gather_rank"] += 1
+    return _GATHER(*args, **kwargs)
 
 
 def worker(rank: int, cfg: dict[str, Any]) -> None:
@@ -94,7 +117,12 @@ def _run_rank(rank: int, cfg: dict[str, Any]) -> None:
     defs = case_defs(cfg["hidden"], cfg["layers"], cfg["vocab"], cfg["shape"])
     specs = case_specs(defs, cfg["shape"])
     mine = {d.key: local_piece(d, global_tensor(j, d), world, rank) for j, d in enumerate(defs)}
-    opts = FullOptions(max_shard_size=cfg["max_shard_size"])
+    writer.gather_rank = _counted_gather  # type: ignore[assignment]
+    # gather-to-owner swaps nothing: no swap planned for it (pwrite keeps the default)
+    opts = {
+        "pwrite": FullOptions(max_shard_size=cfg["max_shard_size"]),
+        "gather": FullOptions(max_shard_size=cfg["max_shard_size"], row_swap_below=0),
+    }
     rec: dict[str, dict[str, list[Any]]] = {a: {"s": [], "extra_rss": []} for a in ALGOS}
     checks: dict[str, Any] = {}
     for r in range(cfg["rounds"] + 1):  # round 0: warm-up, checked, not counted
@@ -107,25 +135,24 @@ def _run_rank(rank: int, cfg: dict[str, Any]) -> None:
         paths = _gather(paths)[0]
         line = []
         for a in order:
-            # every rank sets it; only the coordinator's (rank 0) is read, when it plans
-            if a == "gather":
-                os.environ[_FORCE_GATHER] = "1"
-            else:
-                os.environ.pop(_FORCE_GATHER, None)
+            force_gather(a == "gather")  # only the coordinator (rank 0) plans; every rank alike
+            calls = CALLS["gather_rank"]
             dist.barrier()
             base = reset_peak()
             t0 = time.perf_counter()
             planner = ParallelSavePlanner(layout, specs, rank=rank, enable_plan_caching=False)
-            dcp.save({"model": mine}, storage_writer=FullArtifactWriter(paths[a], full=opts), planner=planner)
+            dcp.save({"model": mine}, storage_writer=FullArtifactWriter(paths[a], full=opts[a]), planner=planner)
             hwm = peak()
             dist.barrier()
             elapsed = time.perf_counter() - t0
+            if CALLS["gather_rank"] - calls != (a == "gather"):
+                raise RuntimeError(f"rank {rank}: the {a} save did not run {a} (gather_rank calls: {CALLS})")
             rss = _gather(hwm - base)
             if r:
                 rec[a]["s"].append(elapsed)
                 rec[a]["extra_rss"].append(max(rss))
             line.append(f"{a} {elapsed:5.2f}s")
-        os.environ.pop(_FORCE_GATHER, None)
+        force_gather(False)
         if rank == 0:
             if r == 0:
                 checks = {a: check_safetensors(paths[a], defs) for a in ALGOS}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_FORCE_GATHER = "_SMPCKPT_BENCH_FULL_GATHER_ON_POSIX"
 
 
 def _warn_no_swap(process_group: Any) -> None:
@@ -129,10 +126,7 @@ def begin_full_save(
     record_json = (plans[0].planner_data or {}).get(METADATA_KEY) if plans else None
     original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
     extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
-    # an object cannot be written at offsets by many ranks. _FORCE_GATHER: a private switch for
-    # benchmarks/bench_full_algorithms.py only (issue 44: measure both algorithms on POSIX), not an option
-    local = is_local(fs)
-    gather = not local or os.environ.get(_FORCE_GATHER) == "1"
+    gather = not is_local(fs)  # an object cannot be written at offsets by many ranks
     if gather and len(plans) > 1 and not moves_cpu_tensors(process_group):
         raise CheckpointError(
             f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
@@ -141,10 +135,6 @@ def begin_full_save(
             "default group with backend='cpu:gloo,cuda:nccl'"
         )
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
-    if gather and local:  # the private switch: streamed by owners into a staging folder of its own
-        with Folder(fs, staging_path(path, save_id), create=True):
-            pass
-        return out, layout
     if gather:
         # from here until the commit the folder is this save's, never an HF model
         with Folder(fs, path) as folder:

@@ -19,12 +19,9 @@ The sink borrows what it is given (S3 parts go out as views, no copy into part b
 written is the resolved tensor's own bytes, a box buffer or an assembled tensor made for this write,
 none changed before the sink's commit.
 
-**Why two** (issue 44 asked for one, the faster by measurement): gather-to-owner is the only one an
-object store can take, and on POSIX it was measured against pwrite in the same runs
-(``benchmarks/bench_full_algorithms.py``, ``benchmarks/RESULTS_full.md``): at 2 and 4 ranks it took
-1.8-3.2x pwrite's time with row shards and 1.1-1.4x with column shards, on local disk and /dev/shm
-(its owners stream the files one after another, while with pwrite every rank writes at once), and
-held a whole tensor per owner where pwrite holds about one shard.
+**Why two** (issue 44 asked for one, the faster): on POSIX, gather-to-owner took 1.8-3.2x pwrite's time
+at 2 and 4 ranks (its owners stream the files one after another; ``benchmarks/RESULTS_full.md``), and
+it is the only one an object store can take.
 
 Object values (user content, non-tensor state) go to one small file each, written by the rank that
 holds them.

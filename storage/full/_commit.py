@@ -48,19 +48,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _warn_no_swap(process_group: Any) -> None:
-    """Column shards with short rows are then written row by row: correct, but slower (README: 0.61x
-    instead of 0.87x a partial save's throughput on the benchmark). Said by each full save it slows (full
-    saves are few: exports), the package keeping no state between saves."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    log.warning(
-        "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
-        "written row by row instead of swapped into blocks (slower, same bytes). For the faster path pass "
-        "FullArtifactWriter(process_group=dist.new_group(backend='gloo')) or init the default group with "
-        "backend='cpu:gloo,cuda:nccl'",
-        dist.get_backend(process_group),
-    )
+#: how to give a full save a process group that moves CPU tensors (both algorithms send shard bytes)
+_GLOO = (
+    "pass FullArtifactWriter(process_group=dist.new_group(backend='gloo')), or init the default group with "
+    "backend='cpu:gloo,cuda:nccl'"
+)
 
 
 def clear_for_full_save(fs: Any, path: str, url: str) -> None:
@@ -126,12 +118,12 @@ def begin_full_save(
     original = LayoutRecord.from_json(record_json).original_shapes if record_json else {}
     extra_names = [_names.MANIFEST_NAME, WRITING_MARKER, "config.json", _names.generation_metadata_name(save_id)]
     gather = not is_local(fs)  # an object cannot be written at offsets by many ranks
-    if gather and len(plans) > 1 and not moves_cpu_tensors(process_group):
+    # both algorithms send shard bytes (CPU tensors) over the process group: gather needs it, swaps prefer it
+    cpu_group = len(plans) < 2 or moves_cpu_tensors(process_group)
+    if gather and not cpu_group:
         raise CheckpointError(
-            f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's "
-            f"owner rank over the process group, and this one ({dist.get_backend(process_group)}) "
-            "cannot: pass FullArtifactWriter(process_group=dist.new_group(backend='gloo')), or init the "
-            "default group with backend='cpu:gloo,cuda:nccl'"
+            f"{url}: a full save to an object store sends shard bytes (CPU tensors) to each file's owner rank "
+            f"over the process group, and this one ({dist.get_backend(process_group)}) cannot: {_GLOO}"
         )
     out, layout = plan_artifact(plans, options, save_id, original, reserved_names=extra_names, gather=gather)
     if gather:
@@ -145,10 +137,18 @@ def begin_full_save(
                     "created first); this one wrote nothing. Save under another tag, or retry once that save ended"
                 ) from exc
         return out, layout
-    if options.row_swap_below and exchange_group_ok(process_group, len(plans)):
+    if options.row_swap_below and not cpu_group and dist.is_available() and dist.is_initialized():
+        # correct, but slower (README: 0.61x instead of 0.87x a partial save's throughput on the
+        # benchmark); said by each full save it slows, the package keeping no state between saves.
+        # Ranks simulated in one process (tests) have no group to name.
+        log.warning(
+            "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
+            "written row by row instead of swapped into blocks (slower, same bytes); for the faster path %s",
+            dist.get_backend(process_group),
+            _GLOO,
+        )
+    elif options.row_swap_below and exchange_group_ok(process_group, len(plans)):
         out = plan_exchanges(out, options.row_swap_below)
-    elif options.row_swap_below and len(plans) > 1 and not moves_cpu_tensors(process_group):
-        _warn_no_swap(process_group)
     with Folder(fs, staging_path(path, save_id), create=True) as staging:
         create_files(staging, layout.files, sync=sync)
     return out, layout

@@ -49,6 +49,7 @@ __all__ = [
     "exchange_group_ok",
     "moves_cpu_tensors",
     "global_rank",
+    "paste",
     "SWAP_BATCH_BYTES",
 ]
 
@@ -157,14 +158,17 @@ def rows_of(buf: memoryview, w: FullWrite, lo: int, hi: int) -> memoryview:
     return buf[lo * row : hi * row]
 
 
-def place(block: np.ndarray, block_w: FullWrite, piece: np.ndarray, w: FullWrite) -> None:
-    """Copy the rows of box ``w`` that fall in ``block_w`` (``piece``, row-major bytes) into ``block``."""
+def paste(dst: np.ndarray, dst_offsets: Sequence[int], dst_sizes: Sequence[int], src: np.ndarray, w: FullWrite) -> None:
+    """Copy box ``w`` (``src``: its row-major bytes) into ``dst``, the row-major bytes of a box of the same
+    tensor that holds it (a swap's row block, an owner's whole tensor): one copy per row of ``w``."""
     isz = w.dtype.itemsize
-    rows = block_w.sizes[0]
-    dst = block.reshape(rows, *block_w.sizes[1:-1], block_w.sizes[-1] * isz)
-    idx = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(w.offsets[1:-1], w.sizes[1:-1]))
-    idx += (slice(w.offsets[-1] * isz, (w.offsets[-1] + w.sizes[-1]) * isz),)
-    dst[idx] = piece.reshape(rows, *w.sizes[1:-1], w.sizes[-1] * isz)
+    if not w.sizes:  # a 0-dim tensor: its one element
+        dst[:] = src
+        return
+    idx = tuple(slice(o - d, o - d + n) for o, d, n in zip(w.offsets[:-1], dst_offsets[:-1], w.sizes[:-1]))
+    lo = (w.offsets[-1] - dst_offsets[-1]) * isz
+    idx += (slice(lo, lo + w.sizes[-1] * isz),)
+    dst.reshape(*dst_sizes[:-1], dst_sizes[-1] * isz)[idx] = src.reshape(*w.sizes[:-1], w.sizes[-1] * isz)
 
 
 def global_rank(process_group: Any, rank: int) -> int:
@@ -203,9 +207,9 @@ class Swapper:
                     elif s == self.me and r != self.me:
                         incoming.setdefault(r, []).append((j, w, (hi - lo) * math.prod(w.sizes[1:]) * w.dtype.itemsize))
                     elif s == self.me and mine is not None:
-                        own = rows_of(my_buf[w], w, lo, hi)
-                        place(mine[1], mine[0], np.frombuffer(own, dtype=np.uint8), w)
-                        mine[2].append((piece_of(w, lo, hi), own))
+                        own, rows = rows_of(my_buf[w], w, lo, hi), piece_of(w, lo, hi)
+                        paste(mine[1], mine[0].offsets, mine[0].sizes, np.frombuffer(own, dtype=np.uint8), rows)
+                        mine[2].append((rows, own))
         received = self._send_and_receive(outgoing, {peer: sum(n for _, _, n in got) for peer, got in incoming.items()})
         for peer in sorted(incoming):
             at = 0
@@ -216,8 +220,8 @@ class Swapper:
                 block_w, block, parts = entry
                 piece = received[peer][at : at + n]
                 at += n
-                place(block, block_w, piece, w)
                 rows = piece_of(w, lo=block_w.offsets[0], hi=block_w.offsets[0] + block_w.sizes[0])
+                paste(block, block_w.offsets, block_w.sizes, piece, rows)
                 parts.append((rows, memoryview(cast(Any, piece))))
         return [Block(bw, memoryview(cast(Any, b)), tuple(p)) for bw, b, p in (m for m in made if m is not None)]
 

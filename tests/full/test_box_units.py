@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._regions import intersect
+from smpckpt.storage.full._exchange import paste
 from smpckpt.storage.full._layout import FullWrite
 from smpckpt.storage.full._units import BoxUnits, Unit, UnitIndex, rows_of
 from smpckpt.storage.full._write import box_buffer, unit_digests
@@ -233,3 +234,26 @@ def test_rows_of_many_boxes_equal_their_rows_one_after_another() -> None:
     bad = BoxUnits(boxes[3].key, boxes[3].view, boxes[3].offsets + b"\0" * 8, boxes[3].sizes, boxes[3].digests)
     with pytest.raises(ValueError, match="'k3': packed units do not match"):
         rows_of(boxes[:3] + [bad])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), ndim=st.integers(0, 3))
+def test_paste_puts_a_box_where_it_belongs_in_a_box_holding_it(data: st.DataObject, ndim: int) -> None:
+    """``_exchange.paste`` (a swap's row block, an owner's assembled tensor): the sub-box's bytes land at
+    their place in the holding box, every other byte untouched; against torch slicing."""
+    view = tuple(data.draw(st.integers(1, 5)) for _ in range(ndim))
+    hold_lo = tuple(data.draw(st.integers(0, n - 1)) for n in view)
+    hold_sz = tuple(data.draw(st.integers(1, n - lo)) for n, lo in zip(view, hold_lo))
+    sub_lo = tuple(lo + data.draw(st.integers(0, s - 1)) for lo, s in zip(hold_lo, hold_sz))
+    sub_sz = tuple(data.draw(st.integers(1, lo + s - so)) for lo, s, so in zip(hold_lo, hold_sz, sub_lo))
+    t = torch.randn(view)
+    w = _write(view, sub_lo, sub_sz)
+    src = t[tuple(slice(o, o + s) for o, s in zip(sub_lo, sub_sz))].contiguous().reshape(-1).view(torch.uint8).numpy()
+    dst = torch.full(hold_sz, -1.0)
+    expect = dst.clone()
+    expect[tuple(slice(o - h, o - h + s) for o, h, s in zip(sub_lo, hold_lo, sub_sz))] = t[
+        tuple(slice(o, o + s) for o, s in zip(sub_lo, sub_sz))
+    ]
+    raw = dst.reshape(-1).view(torch.uint8).numpy()  # dst's own memory
+    paste(raw, hold_lo, hold_sz, src, w)
+    assert torch.equal(dst, expect)

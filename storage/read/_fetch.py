@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
+
+import numpy as np
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.backends._fs import (
@@ -41,6 +44,7 @@ __all__ = [
     "DirectPart",
     "read_direct",
     "read_box",
+    "BoxRows",
     "reads_into",
 ]
 
@@ -380,37 +384,128 @@ def read_direct(
         verify_blocks(path, rec, lo, hi, items, land.digest)
 
 
+@dataclasses.dataclass(frozen=True)
+class BoxRows:
+    """What :func:`read_box` read: rows of a box from the part's first row and the box's first column
+    on, ``pitch`` bytes apart in ``data`` (``None``: they landed in the destination given), and the
+    bytes and requests it asked storage for."""
+
+    data: memoryview | None
+    pitch: int
+    nbytes: int
+    requests: int
+
+
 def read_box(
-    path: str, box: BoxRead, rows: tuple[int, int], rec: FileRecord | None, out: memoryview, turn: Turn | None = None
-) -> None:
-    """(worker thread, local files) Rows ``[a, b)`` of the box (whole row groups) back to back into
-    ``out`` (``width`` bytes each: a buffer, or the destination's own rows), a row group at a time: its
-    rows read -- one request each, or (``box.merge``) up to :data:`~._plan.ROWS_PER_CALL` rows per
-    request with the gaps read into a scratch buffer -- then every tile of it inside the box's columns
-    verified from ``out`` (when the box is tiled and ``rec`` is given), while its bytes are in cache.
-    Rows read one by one get no read-ahead: it would fetch the gaps between them from the device."""
-    a, b = rows
-    check = rec if box.tiling is not None else None  # the record to verify tiles against
-    sink = memoryview(bytearray(box.row_bytes - box.width)) if box.merge else None
+    path: str,
+    box: BoxRead,
+    rows: tuple[int, int],
+    rec: FileRecord | None,
+    dst: memoryview | None,
+    pool: BufferPool,
+    turn: Turn | None = None,
+) -> BoxRows:
+    """(worker thread, local files) Rows ``[a, b)`` of the box (whole row groups), verified against
+    ``rec`` (when the box is tiled and ``rec`` is given: every tile inside the box's columns), into
+    ``dst`` (the destination's own rows, ``width`` bytes each) or a pooled buffer.
+
+    Read a row group at a time, back to back: its rows read -- one request each, or (``box.merge``) up
+    to :data:`~._plan.ROWS_PER_CALL` rows per request with the gaps read into a scratch buffer -- then
+    its tiles verified while their bytes are in cache. No read-ahead on these descriptors: it would
+    fetch the gaps between the rows from the device (merged rows are one run: they get read-ahead).
+
+    ``box.stream`` (the planner's cost model) and the part's first or last row not in memory (asked with
+    one-byte ``RWF_NOWAIT`` reads, which never wait for the device): the rows go in one sequential
+    request of whole rows instead (``pitch`` ``row_bytes``), their tiles verified from it; a ``dst``
+    gets the box's columns copied in. Without read-ahead, the next part's rows stay out of memory
+    unless something else read them, so the probe answers for the whole part."""
     with reading(path, [box.item.fqn], turn):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            advise_random(fd, random=not box.merge)  # merged rows are one run: read ahead of it
-            for g0 in range(a, b, box.group_rows):
-                g1 = min(b, g0 + box.group_rows)
-                _read_rows(fd, path, box, out, a, (g0, g1), sink)
-                if check is not None and turn is None:
-                    _verify_box(path, box, check, out, a, (g0, g1))
+            advise_random(fd, random=not box.merge)
+            if box.stream and not _rows_in_memory(fd, box, rows):
+                got = _read_span(fd, path, box, rows, dst, pool)
+                if turn is None:
+                    _verify_rows(path, box, rec, got, dst, rows)
+            else:
+                got = _read_groups(fd, path, box, rows, rec, dst, pool, verify=turn is None)
         finally:
             os.close(fd)
-    if check is not None and turn is not None:  # a turn at the device covers the reads only
-        _verify_box(path, box, check, out, a, (a, b))
+    if turn is not None:  # a turn at the device covers the reads only
+        _verify_rows(path, box, rec, got, dst, rows)
+    return got
+
+
+def _verify_rows(
+    path: str, box: BoxRead, rec: FileRecord | None, got: BoxRows, dst: memoryview | None, rows: tuple[int, int]
+) -> None:
+    """Every tile of ``rows`` inside the box's columns (a tiled box, ``rec`` given), where ``got`` says
+    the rows are (``dst`` when they landed there)."""
+    if box.tiling is not None and rec is not None:
+        _verify_box(path, box, rec, got.data if got.data is not None else dst, got.pitch, rows[0], rows)
+
+
+def _rows_in_memory(fd: int, box: BoxRead, rows: tuple[int, int]) -> bool:
+    """Whether the first and the last row of ``rows`` are in memory (a byte each, read ``RWF_NOWAIT``);
+    where the filesystem cannot tell, whether its files live in memory (tmpfs)."""
+    probe = memoryview(bytearray(1))
+    for r in (rows[0], rows[1] - 1):
+        try:
+            got = os.preadv(fd, [probe], box.base + r * box.row_bytes + box.col0, _NOWAIT) if _NOWAIT else -1
+        except BlockingIOError:  # EAGAIN: not in the page cache
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            got = -1
+        if got < 0:
+            return in_memory(os.fstat(fd).st_dev)
+        if got == 0:  # past the end of the file: the read proper reports it
+            return True
+    return True
+
+
+_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
+
+def _read_groups(
+    fd: int,
+    path: str,
+    box: BoxRead,
+    rows: tuple[int, int],
+    rec: FileRecord | None,
+    dst: memoryview | None,
+    pool: BufferPool,
+    *,
+    verify: bool,
+) -> BoxRows:
+    """Rows ``rows`` a row group at a time into ``dst`` or a pooled buffer, each group verified after
+    its rows are in (``verify``)."""
+    a, b = rows
+    out = dst if dst is not None else memoryview(pool.take((b - a) * box.width))
+    sink = memoryview(bytearray(box.row_bytes - box.width)) if box.merge else None
+    check = rec if box.tiling is not None and verify else None
+    asked = [0, 0]
+    for g0 in range(a, b, box.group_rows):
+        g1 = min(b, g0 + box.group_rows)
+        _read_rows(fd, path, box, out, a, (g0, g1), sink, asked)
+        if check is not None:
+            _verify_box(path, box, check, out, box.width, a, (g0, g1))
+    return BoxRows(None if dst is not None else out, box.width, asked[0], asked[1])
 
 
 def _read_rows(
-    fd: int, path: str, box: BoxRead, out: memoryview, a: int, rows: tuple[int, int], sink: memoryview | None
+    fd: int,
+    path: str,
+    box: BoxRead,
+    out: memoryview,
+    a: int,
+    rows: tuple[int, int],
+    sink: memoryview | None,
+    asked: list[int],
 ) -> None:
-    """Rows ``rows`` of ``box`` into ``out`` (which starts at row ``a``)."""
+    """Rows ``rows`` of ``box`` into ``out`` (which starts at row ``a``); ``asked`` gets the bytes and
+    requests issued."""
     w, rb = box.width, box.row_bytes
     g0, g1 = rows
     at = box.base + g0 * rb + box.col0
@@ -422,6 +517,8 @@ def _read_rows(
                 got += pread_into(fd, [dst[got:]], at + got, w - got)
                 check_complete(path, [box.item.fqn], at, at + w, got)
             at += rb
+        asked[0] += (g1 - g0) * w
+        asked[1] += g1 - g0
         return
     for r0 in range(g0, g1, ROWS_PER_CALL):
         r1 = min(g1, r0 + ROWS_PER_CALL)
@@ -431,18 +528,46 @@ def _read_rows(
         want = (r1 - r0 - 1) * rb + w
         start = box.base + r0 * rb + box.col0
         check_complete(path, [box.item.fqn], start, start + want, pread_into(fd, views[:-1], start, want))
+        asked[0] += want
+        asked[1] += 1
 
 
-def _verify_box(path: str, box: BoxRead, rec: FileRecord, out: memoryview, a: int, rows: tuple[int, int]) -> None:
-    """Every tile of rows ``rows`` (whole row groups) inside the box's columns, from ``out`` (rows back to
-    back from row ``a``, ``width`` bytes each)."""
+def _read_span(
+    fd: int, path: str, box: BoxRead, rows: tuple[int, int], dst: memoryview | None, pool: BufferPool
+) -> BoxRows:
+    """Rows ``rows`` of ``box`` as one sequential request -- from the box's first column of the first row
+    to its last column of the last, gaps included -- into a pooled buffer; with a ``dst``, the box's
+    columns of each row are then copied into it with one strided copy (numpy: no GIL)."""
+    w, rb = box.width, box.row_bytes
+    r0, r1 = rows
+    start = box.base + r0 * rb + box.col0
+    want = (r1 - r0 - 1) * rb + w
+    buf = memoryview(pool.take(want))
+    check_complete(path, [box.item.fqn], start, start + want, pread_into(fd, [buf[:want]], start, want))
+    if dst is None:
+        return BoxRows(buf, rb, want, 1)
+    np.copyto(
+        np.ndarray((r1 - r0, w), np.uint8, buffer=dst),
+        np.ndarray((r1 - r0, w), np.uint8, buffer=buf, strides=(rb, 1)),
+    )
+    pool.give_back(buf)  # the arrays over it are gone with the statement above
+    return BoxRows(None, w, want, 1)
+
+
+def _verify_box(
+    path: str, box: BoxRead, rec: FileRecord, out: memoryview | None, pitch: int, a: int, rows: tuple[int, int]
+) -> None:
+    """Every tile of rows ``rows`` (whole row groups) inside the box's columns, from ``out`` (rows from row
+    ``a`` and the box's first column on, ``pitch`` bytes apart)."""
+    if out is None:  # pragma: no cover - callers pass the destination's rows then
+        raise CheckpointCorrupt(f"{path}: internal: no bytes to verify for {box.item.fqn!r}")
     first = box.base + rows[0] * box.row_bytes
     last = box.base + rows[1] * box.row_bytes
-    w, base, rb = box.width, box.base, box.row_bytes
+    base, rb = box.base, box.row_bytes
 
     def digest(start: int, nrows: int, run: int, stride: int) -> int:
         row, col = divmod(start - base, rb)
-        return hash_rows(out, (row - a) * w + col - box.col0, nrows, run, w)
+        return hash_rows(out, (row - a) * pitch + col - box.col0, nrows, run, pitch)
 
     def in_box(i: int) -> bool:
         return box.col0 <= (unit_rows(rec, i)[0] - base) % rb < box.col1

@@ -25,6 +25,8 @@ __all__ = [
     "PIECE_BYTES",
     "ROW_GAP",
     "ROWS_PER_CALL",
+    "REQUEST_COST_BYTES",
+    "streams",
     "Item",
     "FetchTask",
     "DirectCandidate",
@@ -49,6 +51,21 @@ PIECE_BYTES = 16 << 20
 ROW_GAP = (4 << 10) - 1
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): a merged request carries a row and a gap each
 ROWS_PER_CALL = 511
+#: the read planner's cost of one more small request from a device, in bytes the device could have
+#: streamed in the same time. A column slice's rows cost ``rows x (REQUEST_COST_BYTES + run)`` read one
+#: request each and ``rows x row_bytes`` read as one sequential span, so rows whose unread gap is below
+#: this stream (:func:`streams`) -- when they are not already in memory. Measured on the project's
+#: virtio disk (cold, 4 reader threads, ``benchmarks/RESULTS.md``, "Strided reads"): 16,384 requests of
+#: 4 KiB took 0.30 s more than streaming their 64 MiB, 4,096 of 16 KiB 0.08 s more: 18-19 us a request,
+#: 18-19 KB at the disk's ~1 GB/s. So bf16 rows of 8 KiB needing a 4 KiB tile (gap 4 KiB) stream,
+#: fp32 rows of 64 KiB needing 16 KiB (gap 48 KiB) stay a request per row, at 1.00x the needed bytes.
+REQUEST_COST_BYTES = 16 << 10
+
+
+def streams(row_bytes: int, width: int) -> bool:
+    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read from a device
+    as one sequential span of whole rows than as a request per row (see :data:`REQUEST_COST_BYTES`)."""
+    return row_bytes - width < REQUEST_COST_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +122,9 @@ class BoxRead:
 
     The rows land back to back (``width`` bytes each). ``merge``: neighbouring rows share one request,
     the gap between them read into a scratch buffer (a gap of at most :data:`ROW_GAP`); else each row
-    is a request of its own. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
+    is a request of its own. ``stream`` (the planner's cost model, :func:`streams`; never with
+    ``merge``): rows found not to be in memory are read as one sequential span of whole rows instead,
+    their columns copied out. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
     spread over the reader's threads."""
 
     file: str
@@ -118,6 +137,7 @@ class BoxRead:
     col1: int
     tiling: Tiling | None = None
     merge: bool = False
+    stream: bool = False
 
     @property
     def start(self) -> int:
@@ -152,8 +172,9 @@ class BoxRead:
         return nbytes, requests
 
     def chunks(self, limit: int) -> list[tuple[int, int]]:
-        """The box's rows as ``[a, b)`` ranges of whole row groups of about ``limit`` requested bytes."""
-        per_row = self.row_bytes if self.merge else self.width
+        """The box's rows as ``[a, b)`` ranges of whole row groups of about ``limit`` requested bytes (of
+        whole rows where they may be read so: a streamed span stays within ``limit`` too)."""
+        per_row = self.row_bytes if self.merge or self.stream else self.width
         step = max(1, limit // max(1, per_row * self.group_rows)) * self.group_rows
         return [(a, min(self.row1, a + step)) for a in range(self.row0, self.row1, step)]
 
@@ -230,7 +251,9 @@ def plan_reads(
         contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
         box = box_read(it, rec, verify=verify) if local and it.raw and not contiguous else None
         if box is not None:
-            boxes.append(dataclasses.replace(box, merge=box.row_bytes - box.width <= row_gap))
+            merge = box.row_bytes - box.width <= row_gap
+            stream = not merge and streams(box.row_bytes, box.width)
+            boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
             continue
         # the reader's record checks have put the item inside the file and the file in the manifest
         lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)

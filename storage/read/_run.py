@@ -49,7 +49,7 @@ from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staged import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
+from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
@@ -245,8 +245,8 @@ class ReadRun:
         chunks = box.chunks(PIECE_BYTES)
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
-            nbytes, requests = box.requested(a, b)
-            self._add(box.file, nbytes, requests)
+            # counted when done (_complete): a streamed box's requests depend on what is in memory
+            nbytes, _ = box.requested(a, b)
             rows = dst[(a - box.row0) * box.width : (b - box.row0) * box.width] if dst is not None else None
             yield _BoxPart(box, (a, b), entry, rows, nbytes)
 
@@ -288,7 +288,7 @@ class ReadRun:
         self.requests += requests
         self.read_per_file[file] = self.read_per_file.get(file, 0) + nbytes
 
-    def _execute(self, task: _Task, ticket: int) -> memoryview | None:
+    def _execute(self, task: _Task, ticket: int) -> memoryview | BoxRows | None:
         """(worker thread) Read the task's bytes when its turn comes, then verify them."""
         path = join(self.folder, task.file)
         rec = self.records.get(task.file)
@@ -298,26 +298,27 @@ class ReadRun:
             items = [n.item for n in f.needs]
             return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
         if isinstance(task, _BoxPart):
-            a, b = task.rows
-            out = task.dst if task.dst is not None else memoryview(self.pool.take((b - a) * task.box.width))
-            read_box(path, task.box, task.rows, rec, out, turn)
-            return None if task.dst is not None else out
+            return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn)
         read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
 
-    def _complete(self, task: _Task, data: memoryview | None) -> None:
+    def _complete(self, task: _Task, data: memoryview | BoxRows | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""
         if isinstance(task, _DirectBatch):
             for entry in task.entries:
                 self._count_down(entry)
             return
         if isinstance(task, _BoxPart):
-            if data is not None:
-                self._deliver_rows(task, data)
-                self.pool.give_back(data)
+            if not isinstance(data, BoxRows):  # pragma: no cover - _execute returns one for a box part
+                raise CheckpointError(f"internal: box part of {task.box.item.fqn!r} returned {type(data)}")
+            self._add(task.file, data.nbytes, data.requests)
+            if data.data is not None:
+                self._deliver_rows(task, data.data, data.pitch)
+                self.pool.give_back(data.data)
             self._count_down(task.entry)
             return
-        assert data is not None
+        if not isinstance(data, memoryview):  # pragma: no cover - _execute returns the buffer of a fetch
+            raise CheckpointError(f"internal: fetch of {task.file} returned {type(data)}")
         f = task.fetch
         for need in f.needs:
             it = need.item
@@ -329,15 +330,15 @@ class ReadRun:
         if entry.pieces_left == 0:
             self.planner.commit_tensor(entry.item.req, entry.target)
 
-    def _deliver_rows(self, part: _BoxPart, data: memoryview) -> None:
-        """The item's rows among a box part's (rows ``[a, b)``, ``width`` bytes each in ``data``) copied
-        into their place in the destination."""
+    def _deliver_rows(self, part: _BoxPart, data: memoryview, pitch: int) -> None:
+        """The item's rows among a box part's (rows ``[a, b)`` from the box's first column on, ``pitch``
+        bytes apart in ``data``) copied into their place in the destination."""
         box, (a, b) = part.box, part.rows
         r0, r1, c0 = box.item_rows()
         lo, hi = max(a, r0), min(b, r1)
         if hi <= lo:
             return
-        src = _decode_raw(box.item, data[(lo - a) * box.width + c0 - box.col0 :], box.width, hi - lo)
+        src = _decode_raw(box.item, data[(lo - a) * pitch + c0 - box.col0 :], pitch, hi - lo)
         dst = part.entry.target.narrow(0, lo - r0, hi - lo)
         if dst.size() != src.size():
             raise LayoutMismatch(f"{box.item.fqn!r}: destination {list(dst.size())} vs stored rows {list(src.size())}")

@@ -13,8 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_helpers import unwrap
+from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
 from smpckpt.storage.backends._fs import in_memory
@@ -112,6 +115,67 @@ def test_coalesce_gap_merges_wider_gaps_verified(tmp_path: Any) -> None:
             assert stats.bytes_needed == 1024 * 2 * KiB and stats.amplification == requested / stats.bytes_needed
 
 
+def _not_in_memory(monkeypatch: pytest.MonkeyPatch, asked: list[int]) -> None:
+    """Every ``RWF_NOWAIT`` read finds its page absent (as after a dropped page cache, on any
+    filesystem); ``asked`` gets the length of every other ``preadv``."""
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        if flags and flags[0] & os.RWF_NOWAIT:
+            raise BlockingIOError(11, "not in the page cache")
+        asked.append(sum(len(b) for b in buffers))
+        return preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", spy)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 flags (Linux)")
+def test_small_runs_not_in_memory_are_read_as_sequential_spans(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 rows of 8 KiB, TP=4: each rank needs 2 KiB of every row, whose 4 KiB tile it must verify. A
+    request per row costs a device more than reading the 4 KiB gap (``_plan.streams``), so rows not in
+    memory are read as one span per part of whole rows: few large requests, values bit-exact, every
+    tile used verified (a flipped byte in one fails the load; one in a column group not used does not)."""
+    g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    path = str(tmp_path / "ck")
+    _save(path, g)
+    monkeypatch.setattr(_run, "PIECE_BYTES", 2 * MiB)  # parts of 256 rows (8 row groups of 32)
+    asked: list[int] = []
+    _not_in_memory(monkeypatch, asked)
+    span = 255 * 8 * KiB + 4 * KiB  # first row's tile column to the last row's: one request per part
+    for rank in range(4):
+        asked.clear()
+        dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
+        stats = _load(path, dest, 4, rank)
+        assert torch.equal(dest["col_bf16"], g["col_bf16"][:, rank * 1024 : (rank + 1) * 1024]), rank
+        assert (stats.requests, stats.bytes_requested) == (4, 4 * span), (rank, stats)
+        assert asked == [span] * 4, rank
+        assert stats.bytes_needed == 1024 * 2 * KiB
+    # rows of 64 KiB needing 16 KiB (a 48 KiB gap): a request per row however cold
+    wide = {"col": torch.randn(64, 16384, generator=torch.Generator().manual_seed(8))}
+    wpath = str(tmp_path / "wide")
+    _save(wpath, wide)
+    stats = _load(wpath, {"col": torch.zeros(64, 4096)}, 4, 1)
+    assert (stats.requests, stats.bytes_requested) == (64, 64 * 16 * KiB)
+    # the data file holds the record from offset 0 on (one tensor): flip a byte of rank 1's tile (row 5,
+    # byte 100 of the row), then one of the column group rank 1 does not use (row 5, byte 6000)
+    (data,) = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+    for at, fails in [(5 * 8 * KiB + 6000, False), (5 * 8 * KiB + 100, True)]:
+        with open(data, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
+        if fails:
+            with pytest.raises(CheckpointException) as info:
+                _load(path, dest, 4, 1)
+            err = unwrap(info.value)
+            assert isinstance(err, CheckpointCorrupt) and "checksum mismatch in bytes 0..131072" in str(err), err
+        else:
+            _load(path, dest, 4, 1)
+            assert torch.equal(dest["col_bf16"], g["col_bf16"][:, 1024:2048])
+
+
 def _cold(path: str) -> None:
     for root, _, files in os.walk(path):
         for f in files:
@@ -159,6 +223,29 @@ def test_cold_loads_read_from_the_device_what_they_asked_for(tmp_path: Any) -> N
         assert stats.bytes_requested <= stats.device_bytes <= stats.bytes_requested * 1.05 + 64 * KiB, (name, stats)
         warm = _load(path, {k: torch.zeros(shape) for k in tensors}, tp, rank)
         assert warm.device_bytes == 0, name
+
+
+def test_cold_small_runs_stream_and_warm_ones_are_read_per_row(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bf16 column slice twice on a real page cache: cold, a span per part (the device reads what
+    was asked, no read-ahead past it); warm, a request per row of just the tiles (least copying)."""
+    if not os.path.exists("/proc/self/io") or not _device_read_bytes_work(tmp_path):
+        pytest.skip("needs a block device whose page cache can be dropped (/proc/self/io, not tmpfs)")
+    g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)}
+    path = str(tmp_path / "ck")
+    _save(path, g)
+    monkeypatch.setattr(_run, "PIECE_BYTES", 2 * MiB)
+    _cold(path)
+    want = g["col_bf16"][:, 2048:3072]
+    dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
+    cold = _load(path, dest, 4, 2)
+    assert torch.equal(dest["col_bf16"], want)
+    assert (cold.requests, cold.bytes_requested) == (4, 4 * (255 * 8 * KiB + 4 * KiB)), cold
+    assert cold.device_bytes is not None
+    assert cold.bytes_requested <= cold.device_bytes <= cold.bytes_requested * 1.05 + 64 * KiB, cold
+    dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
+    warm = _load(path, dest, 4, 2)
+    assert torch.equal(dest["col_bf16"], want)
+    assert (warm.requests, warm.bytes_requested, warm.device_bytes) == (1024, 1024 * 4 * KiB, 0), warm
 
 
 def test_full_artifacts_report_device_bytes_too(tmp_path: Any) -> None:

@@ -49,7 +49,7 @@ from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staged import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
+from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, Into, read_box, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
@@ -101,7 +101,8 @@ class _BoxPart:
     rows: tuple[int, int]
     entry: _OpenItem
     dst: memoryview | None
-    nbytes: int  #: bytes requested
+    nbytes: int  #: bytes requested when read a request per row (the order of work only)
+    into: Into | None = None  #: a streamed box's destination, whole (see _fetch.Into)
 
     @property
     def file(self) -> str:
@@ -242,13 +243,15 @@ class ReadRun:
         the device, and the other cores, idle), each part committed when all are done."""
         target = self.planner.resolve_tensor(box.item.req).detach()
         dst = box_destination(box, target) if in_place(target) else None
+        # a streamed part copies the item's columns straight into its destination on the worker
+        into = item_destination(box, target) if box.stream and dst is None and in_place(target) else None
         chunks = box.chunks(PIECE_BYTES)
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
             # counted when done (_complete): a streamed box's requests depend on what is in memory
             nbytes, _ = box.requested(a, b)
             rows = dst[(a - box.row0) * box.width : (b - box.row0) * box.width] if dst is not None else None
-            yield _BoxPart(box, (a, b), entry, rows, nbytes)
+            yield _BoxPart(box, (a, b), entry, rows, nbytes, into)
 
     def _batched(self, tasks: Iterator[_Task], total: int) -> Iterator[_Task]:
         """(calling thread) Direct pieces that follow each other in one file's ``tasks`` (``total`` bytes)
@@ -298,7 +301,7 @@ class ReadRun:
             items = [n.item for n in f.needs]
             return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
         if isinstance(task, _BoxPart):
-            return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn)
+            return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn, task.into)
         read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
 
@@ -394,6 +397,27 @@ def box_destination(box: BoxRead, target: torch.Tensor) -> memoryview | None:
         return None
     dst = cpu_bytes(target)
     return dst if dst is not None and not dst.readonly and dst.nbytes == box.nbytes else None
+
+
+def item_destination(box: BoxRead, target: torch.Tensor) -> Into | None:
+    """The destination's bytes as rows of the item's slice, when a streamed box's rows can be copied into
+    them as stored: a contiguous CPU tensor of the saved dtype and the slice's shape, the slice two
+    dimensions or more whose rows are each one run of the record's rows."""
+    it = box.item
+    if it.dtype is None or not it.chunk_sizes:
+        return None
+    lengths = [int(n) for n in it.req.lengths]
+    width = math.prod(lengths[1:]) * it.dtype.itemsize
+    r0, r1, c0 = box.item_rows()
+    # each destination row one run of the record row: trailing dimensions whole past the first
+    if list(it.chunk_sizes[2:]) != lengths[2:] or r1 - r0 != lengths[0] or c0 + width > box.row_bytes:
+        return None
+    if target.dtype != it.dtype or list(target.shape) != lengths:
+        return None
+    dst = cpu_bytes(target)
+    if dst is None or dst.readonly or dst.nbytes != lengths[0] * width:
+        return None
+    return Into(dst, r0, width, c0)
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

@@ -62,10 +62,11 @@ ROWS_PER_CALL = 511
 REQUEST_COST_BYTES = 16 << 10
 
 
-def streams(row_bytes: int, width: int) -> bool:
-    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read from a device
-    as one sequential span of whole rows than as a request per row (see :data:`REQUEST_COST_BYTES`)."""
-    return row_bytes - width < REQUEST_COST_BYTES
+def streams(row_bytes: int, width: int, request_cost: int = REQUEST_COST_BYTES) -> bool:
+    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one
+    sequential span of whole rows than as a request per row, when a request costs what streaming
+    ``request_cost`` bytes does (:data:`REQUEST_COST_BYTES`; 0: never)."""
+    return row_bytes - width < request_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +230,11 @@ def plan_reads(
     coalesce_gap: int,
     max_request_bytes: int,
     row_gap: int = ROW_GAP,
+    request_cost: int = REQUEST_COST_BYTES,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    row-by-row box reads (``local`` files only; rows at most ``row_gap`` apart share requests) and direct
+    row-by-row box reads (``local`` files only; rows at most ``row_gap`` apart share requests, rows whose
+    gaps cost less than a request, ``request_cost`` bytes, stream: :func:`streams`) and direct
     candidates (where ``direct``: reads can land in the destination), coalesce the rest per file, and mark
     the requests no neighbour continues (``scattered``)."""
     per_file: dict[str, list[Need[Item]]] = {}
@@ -252,7 +255,7 @@ def plan_reads(
         box = box_read(it, rec, verify=verify) if local and it.raw and not contiguous else None
         if box is not None:
             merge = box.row_bytes - box.width <= row_gap
-            stream = not merge and streams(box.row_bytes, box.width)
+            stream = not merge and streams(box.row_bytes, box.width, request_cost)
             boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
             continue
         # the reader's record checks have put the item inside the file and the file in the manifest

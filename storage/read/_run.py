@@ -17,7 +17,9 @@ verifying them overlaps other reads. Task kinds:
   carried out a chunk of check units at a time, each verified as it arrives (``_fetch._read_local``).
 * :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB requested each, so
   several threads share a slice), a request per row (or per run of rows closer than a page), into the
-  destination's rows or a pooled buffer whose rows are then copied into place.
+  destination's rows or a pooled buffer whose rows are then copied into place; or, where the planner's
+  cost model says rows are closer than a request costs (``_plan.streams``), sequential spans of whole
+  rows whose columns the worker copies into the destination (``_boxes``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
@@ -49,7 +51,8 @@ from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staged import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, Into, read_box, read_direct, read_range
+from smpckpt.storage.read._boxes import BoxRows, Into, read_box
+from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
@@ -102,7 +105,7 @@ class _BoxPart:
     entry: _OpenItem
     dst: memoryview | None
     nbytes: int  #: bytes requested when read a request per row (the order of work only)
-    into: Into | None = None  #: a streamed box's destination, whole (see _fetch.Into)
+    into: Into | None = None  #: a streamed box's destination, whole (see _boxes.Into)
 
     @property
     def file(self) -> str:

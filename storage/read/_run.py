@@ -118,6 +118,10 @@ _Task = FetchTask | _DirectBatch | _BoxPart
 SMALL_FIRST = 1 << 20
 # the tapered tail's smallest requests (see ReadRun._batched)
 TAPER_FLOOR = PIECE_BYTES
+#: a streamed column slice's parts (bytes of whole rows): smaller than PIECE_BYTES so the threads share
+#: the work evenly (bf16 rows of 8 KiB at TP=4, 128 MiB of rows, warm, on the loaded 2-vCPU VM: parts
+#: of 16 MiB 0.147 s median, 8 MiB 0.100-0.105, 4 MiB 0.082-0.104; cold within noise of each other)
+STREAM_PART_BYTES = 8 << 20
 
 
 class ReadRun:
@@ -248,7 +252,7 @@ class ReadRun:
         dst = box_destination(box, target) if in_place(target) else None
         # a streamed part copies the item's columns straight into its destination on the worker
         into = item_destination(box, target) if box.stream and dst is None and in_place(target) else None
-        chunks = box.chunks(PIECE_BYTES)
+        chunks = box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
             # counted when done (_complete): a streamed box's requests depend on what is in memory

@@ -129,7 +129,7 @@ def test_small_runs_are_read_as_sequential_spans(tmp_path: Any, monkeypatch: pyt
     g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
     path = str(tmp_path / "ck")
     _save(path, g)
-    monkeypatch.setattr(_run, "PIECE_BYTES", 2 * MiB)  # parts of 256 rows (8 row groups of 32)
+    monkeypatch.setattr(_run, "STREAM_PART_BYTES", 2 * MiB)  # parts of 256 rows (8 row groups of 32)
     asked: list[int] = []
     preadv = os.preadv
 
@@ -241,7 +241,7 @@ def test_cold_small_runs_read_from_the_device_the_spans_they_asked_for(
     g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)}
     path = str(tmp_path / "ck")
     _save(path, g)
-    monkeypatch.setattr(_run, "PIECE_BYTES", 2 * MiB)
+    monkeypatch.setattr(_run, "STREAM_PART_BYTES", 2 * MiB)
     _cold(path)
     want = g["col_bf16"][:, 2048:3072]
     for temp in ("cold", "warm"):

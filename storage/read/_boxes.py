@@ -70,6 +70,17 @@ class Into:
 STREAM_PIECE_BYTES = 4 << 20
 
 
+def _prefetch(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start reading file bytes ``[offset, offset + length)`` now (``WILLNEED``): exactly
+    the span a streamed part reads, so its later pieces arrive while the first is verified and copied
+    (the descriptor has no read-ahead, which would read past the part)."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # advice only
+
+
 def read_box(
     path: str,
     box: BoxRead,
@@ -203,6 +214,8 @@ def _stream_into(
     buf = memoryview(pool.take(min(b - a, step) * rb))
     check = rec if box.tiling is not None else None
     nbytes = requests = 0
+    if b - a > step:  # more than one piece
+        _prefetch(fd, box.base + a * rb + box.col0, (b - a - 1) * rb + w)
     for p0 in range(a, b, step):
         p1 = min(b, p0 + step)
         start = box.base + p0 * rb + box.col0

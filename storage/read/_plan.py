@@ -54,8 +54,10 @@ ROWS_PER_CALL = 511
 #: the read planner's cost of one more small request from a device, in bytes the device could have
 #: streamed in the same time. A column slice's rows cost ``rows x (REQUEST_COST_BYTES + run)`` read one
 #: request each and ``rows x row_bytes`` read as one sequential span, so rows whose unread gap is below
-#: this stream (:func:`streams`) -- when they are not already in memory. Measured on the project's
-#: virtio disk (cold, 4 reader threads, ``benchmarks/RESULTS.md``, "Strided reads"): 16,384 requests of
+#: this stream (:func:`streams`), in memory or not (from the page cache a request per row also costs
+#: more CPU than copying such gaps: ``_boxes.read_box``). Measured on the project's
+#: virtio disk (cold, 4 reader threads; ``benchmarks/RESULTS.md``, "Column slices: the streaming cost
+#: model"): 16,384 requests of
 #: 4 KiB took 0.30 s more than streaming their 64 MiB, 4,096 of 16 KiB 0.08 s more: 18-19 us a request,
 #: 18-19 KB at the disk's ~1 GB/s. So bf16 rows of 8 KiB needing a 4 KiB tile (gap 4 KiB) stream,
 #: fp32 rows of 64 KiB needing 16 KiB (gap 48 KiB) stay a request per row, at 1.00x the needed bytes.
@@ -124,8 +126,8 @@ class BoxRead:
     The rows land back to back (``width`` bytes each). ``merge``: neighbouring rows share one request,
     the gap between them read into a scratch buffer (a gap of at most :data:`ROW_GAP`); else each row
     is a request of its own. ``stream`` (the planner's cost model, :func:`streams`; never with
-    ``merge``): rows found not to be in memory are read as one sequential span of whole rows instead,
-    their columns copied out. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
+    ``merge``): the rows are read as sequential spans of whole rows instead, gaps included, and their
+    columns copied out. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
     spread over the reader's threads."""
 
     file: str
@@ -160,7 +162,11 @@ class BoxRead:
 
     def requested(self, a: int, b: int) -> tuple[int, int]:
         """``(bytes, requests)`` asked of storage for rows ``[a, b)`` (a range of whole row groups):
-        merged rows read their gaps too, ``ROWS_PER_CALL`` rows per request within each row group."""
+        merged rows read their gaps too, ``ROWS_PER_CALL`` rows per request within each row group; a
+        streamed box its span, gaps included, counted as one request here (the reader reads it in
+        pieces and counts those as it issues them)."""
+        if self.stream:
+            return (b - a - 1) * self.row_bytes + self.width, 1
         if not self.merge:
             return (b - a) * self.width, b - a
         gap = self.row_bytes - self.width

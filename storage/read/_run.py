@@ -104,7 +104,7 @@ class _BoxPart:
     rows: tuple[int, int]
     entry: _OpenItem
     dst: memoryview | None
-    nbytes: int  #: bytes requested when read a request per row (the order of work only)
+    nbytes: int  #: bytes the part will request (orders the work; _complete counts what was asked)
     into: Into | None = None  #: a streamed box's destination, whole (see _boxes.Into)
 
     @property
@@ -255,7 +255,7 @@ class ReadRun:
         chunks = box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
-            # counted when done (_complete): a streamed box's requests depend on what is in memory
+            # bytes to order the work by; what was asked of storage is counted when done (_complete)
             nbytes, _ = box.requested(a, b)
             rows = dst[(a - box.row0) * box.width : (b - box.row0) * box.width] if dst is not None else None
             yield _BoxPart(box, (a, b), entry, rows, nbytes, into)

@@ -1,8 +1,10 @@
 """Strided (column, dim >= 1) slices on local disk: a request per row, spread over the reader's threads
 and with no read-ahead on their descriptors; rows closer than a page (or than ``coalesce_gap``) share
-requests, the gaps read into a scratch buffer. ``last_read_stats`` says what was asked of storage
-(``bytes_requested``, ``requests``) and what the device read (``device_bytes``), and on a cold load the
-two agree: no read-ahead past what was asked, for column slices and for scattered row slices alike."""
+requests, the gaps read into a scratch buffer; rows whose gaps cost less than a request
+(``request_cost_bytes``, the planner's cost model) are read as sequential spans of whole rows.
+``last_read_stats`` says what was asked of storage (``bytes_requested``, ``requests``) and what the
+device read (``device_bytes``), and on a cold load the two agree: no read-ahead past what was asked, for
+column slices and for scattered row slices alike."""
 
 from __future__ import annotations
 

@@ -106,12 +106,19 @@ def goals(res: dict[str, Any]) -> list[dict[str, Any]]:
     for case, row in res.get("reshard_speed", {}).items():
         for temp in ("cold", "warm"):
             g.append(_goal(f"reshard {case}, one rank, {temp}: DCP time / ours", 1.0, row["dcp_over_ours"][temp], ""))
-        ours = row["readers"]["smpckpt"]["cold"]
-        dev = ours["device_ampl"]
-        # a verified column slice reads whole tiles: bf16 rows of 8 KiB have 4 KiB tiles for 2 KiB needed
-        floor = 2.0 if "bf16 rows of 8 KiB" in case else 1.0
-        one = {"median": dev, "min": dev, "max": dev}
-        g.append(_goal(f"reshard {case}, cold: device bytes / needed", 1.05 * floor, one, "", below=True))
+        # a verified column slice reads whole tiles: bf16 rows of 8 KiB have 4 KiB tiles for 2 KiB needed,
+        # so read a request per row it reads 2x; the reader's cost model streams such rows whole (a request
+        # per row costs more than the 4 KiB gap beside it), reading what DCP reads: 4x
+        streamed = "bf16 rows of 8 KiB" in case
+        for who, floor, label in (
+            ("smpckpt", 4.0 if streamed else 1.0, " (streamed: whole rows, as DCP)" if streamed else ""),
+            ("smpckpt, a request per row", 2.0 if streamed else 1.0, ", a request per row"),
+        ):
+            if who not in row["readers"]:
+                continue
+            dev = row["readers"][who]["cold"]["device_ampl"]
+            one = {"median": dev, "min": dev, "max": dev}
+            g.append(_goal(f"reshard {case}, cold: device bytes / needed{label}", 1.05 * floor, one, "", below=True))
     for case, rows in res.get("reshard", {}).items():
         ours = rows.get("smpckpt", {})
         a = ours.get("stats_ampl")

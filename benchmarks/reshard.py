@@ -16,8 +16,9 @@ Every load is checked bit-exact against the expected shards.
 
 :func:`run_speed` times one loading rank (TP=4 rank 1 of a TP=1 save, ``dcp.load`` without a process
 group) beside stock DCP ``FileSystemReader`` on the same layout's checkpoint, cold (page cache dropped)
-and warm, interleaved rounds: a column split of fp32 rows of 64 KiB and of bf16 rows of 8 KiB, and a row
-split of 16 MiB tensors. Per load: wall and CPU seconds (``getrusage``, every thread), device bytes
+and warm, interleaved rounds: a column split of fp32 rows of 64 KiB and of bf16 rows of 8 KiB (each also
+read with ``request_cost_bytes=0``, a request per row: the choice before the streaming cost model), and
+a row split of 16 MiB tensors. Per load: wall and CPU seconds (``getrusage``, every thread), device bytes
 (``read_bytes`` of ``/proc/self/io``) and smpckpt's ``last_read_stats`` (bytes requested, requests,
 device bytes).
 """
@@ -260,34 +261,47 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+#: the extra contender of the column cases: smpckpt with ``request_cost_bytes=0`` (a request per row)
+PER_ROW = "smpckpt, a request per row"
+
+
 def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Every speed case: {case: {"needed": bytes, "readers": {who: {"cold"|"warm": figures}},
-    "dcp_over_ours": {"cold"|"warm": spread of per-round time ratios}}}."""
+    "dcp_over_ours": {"cold"|"warm": spread of per-round time ratios}}}; the column cases also time
+    :data:`PER_ROW` (``"dcp_over_per_row"``), the reader's choice before its streaming cost model."""
     out: dict[str, Any] = {}
     tp, rank = 4, 1
     for case in speed_cases(quick):
         specs = {f"model.{k}": ShardSpec(case.dim) for k in case.glob}
         want = {k: v.chunk(tp, case.dim)[rank].contiguous() for k, v in case.glob.items()}
         needed = sum(t.numel() * t.element_size() for t in want.values())
-        paths = {who: os.path.join(base, f"speed-{who}") for who in ("smpckpt", "DCP FileSystemReader")}
-        for who, path in paths.items():
+        saved = {who: os.path.join(base, f"speed-{who}") for who in ("smpckpt", "DCP FileSystemReader")}
+        for who, path in saved.items():
             shutil.rmtree(path, ignore_errors=True)
             writer = FsspecStorageWriter(path) if who == "smpckpt" else FileSystemWriter(path)
             reset_dcp_caches()
             dcp.save({"model": case.glob}, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), specs))
-        recs: dict[str, dict[str, list[dict[str, Any]]]] = {who: {"cold": [], "warm": []} for who in paths}
-        order = list(paths)
+        # reader -> (checkpoint, smpckpt reader options; None: DCP's reader)
+        readers: dict[str, tuple[str, dict[str, Any] | None]] = {
+            "smpckpt": (saved["smpckpt"], {}),
+            "DCP FileSystemReader": (saved["DCP FileSystemReader"], None),
+        }
+        if case.dim:  # the column slice read a request per row, as before the streaming cost model
+            readers[PER_ROW] = (saved["smpckpt"], {"request_cost_bytes": 0})
+        recs: dict[str, dict[str, list[dict[str, Any]]]] = {who: {"cold": [], "warm": []} for who in readers}
+        order = list(readers)
         try:
             for r in range(rounds + 1):  # round 0: warm-up
-                for who in order[r % 2 :] + order[: r % 2]:
+                for who in order[r % len(order) :] + order[: r % len(order)]:
+                    path, options = readers[who]
                     for temp in ("cold", "warm"):
                         if temp == "cold":
-                            _drop(paths[who])
-                        got = _speed_one(who, paths[who], specs, want, tp, rank)
+                            _drop(path)
+                        got = _speed_one(options, path, specs, want, tp, rank)
                         if r:
                             recs[who][temp].append(got)
         finally:
-            for path in paths.values():
+            for path in saved.values():
                 shutil.rmtree(path, ignore_errors=True)
         row: dict[str, Any] = {"needed": needed, "readers": {}, "dcp_over_ours": {}}
         for who, by in recs.items():
@@ -303,6 +317,9 @@ def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -
         for temp in ("cold", "warm"):
             ratios = [d["s"] / o["s"] for d, o in zip(recs["DCP FileSystemReader"][temp], recs["smpckpt"][temp])]
             row["dcp_over_ours"][temp] = _spread(ratios)
+            if PER_ROW in recs:
+                per_row = zip(recs["DCP FileSystemReader"][temp], recs[PER_ROW][temp])
+                row.setdefault("dcp_over_per_row", {})[temp] = _spread([d["s"] / o["s"] for d, o in per_row])
         out[case.name] = row
         for temp in ("cold", "warm"):
             ours, theirs = row["readers"]["smpckpt"][temp], row["readers"]["DCP FileSystemReader"][temp]
@@ -313,12 +330,23 @@ def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -
                 f"{theirs['device_ampl']:.2f}; requested/needed {st.get('requested_ampl', float('nan')):.2f} "
                 f"in {st.get('requests', 0)} requests"
             )
+            if PER_ROW in row["readers"]:
+                pr = row["readers"][PER_ROW][temp]
+                log(
+                    f"  {'':44s} {temp}: a request per row: DCP time / it "
+                    f"{row['dcp_over_per_row'][temp]['median']:.2f}; CPU s {pr['cpu_s']:.3f}; device/needed "
+                    f"{pr['device_ampl']:.2f} in {pr.get('stats', {}).get('requests', 0)} requests"
+                )
     return out
 
 
-def _speed_one(who: str, path: str, specs: dict[str, ShardSpec], want: State, tp: int, rank: int) -> dict[str, Any]:
+def _speed_one(
+    options: dict[str, Any] | None, path: str, specs: dict[str, ShardSpec], want: State, tp: int, rank: int
+) -> dict[str, Any]:
+    """One timed load: smpckpt's reader with ``options``, or (``None``) DCP's."""
+    who = "smpckpt" if options is not None else "DCP FileSystemReader"
     dest = {k: torch.full_like(v, -7) for k, v in want.items()}
-    reader: Any = FsspecStorageReader(path) if who == "smpckpt" else FileSystemReader(path)
+    reader: Any = FsspecStorageReader(path, **options) if options is not None else FileSystemReader(path)
     reset_dcp_caches()
     planner = ParallelLoadPlanner(ParallelLayout(tp=tp), specs, rank=rank)
     dev0, cpu0, t0 = _device_bytes(), _cpu_s(), time.perf_counter()

@@ -29,7 +29,7 @@ from smpckpt.storage.backends._fs import (
 )
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item
+from smpckpt.storage.read._plan import Item
 
 __all__ = [
     "BufferPool",
@@ -40,7 +40,6 @@ __all__ = [
     "read_range",
     "DirectPart",
     "read_direct",
-    "read_box",
     "reads_into",
 ]
 
@@ -378,73 +377,3 @@ def read_direct(
     check_complete(path, keys, lo, hi, got)
     if rec is not None:
         verify_blocks(path, rec, lo, hi, items, land.digest)
-
-
-def read_box(
-    path: str, box: BoxRead, rows: tuple[int, int], rec: FileRecord | None, out: memoryview, turn: Turn | None = None
-) -> None:
-    """(worker thread, local files) Rows ``[a, b)`` of the box (whole row groups) back to back into
-    ``out`` (``width`` bytes each: a buffer, or the destination's own rows), a row group at a time: its
-    rows read -- one request each, or (``box.merge``) up to :data:`~._plan.ROWS_PER_CALL` rows per
-    request with the gaps read into a scratch buffer -- then every tile of it inside the box's columns
-    verified from ``out`` (when the box is tiled and ``rec`` is given), while its bytes are in cache.
-    Rows read one by one get no read-ahead: it would fetch the gaps between them from the device."""
-    a, b = rows
-    check = rec if box.tiling is not None else None  # the record to verify tiles against
-    sink = memoryview(bytearray(box.row_bytes - box.width)) if box.merge else None
-    with reading(path, [box.item.fqn], turn):
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            advise_random(fd, random=not box.merge)  # merged rows are one run: read ahead of it
-            for g0 in range(a, b, box.group_rows):
-                g1 = min(b, g0 + box.group_rows)
-                _read_rows(fd, path, box, out, a, (g0, g1), sink)
-                if check is not None and turn is None:
-                    _verify_box(path, box, check, out, a, (g0, g1))
-        finally:
-            os.close(fd)
-    if check is not None and turn is not None:  # a turn at the device covers the reads only
-        _verify_box(path, box, check, out, a, (a, b))
-
-
-def _read_rows(
-    fd: int, path: str, box: BoxRead, out: memoryview, a: int, rows: tuple[int, int], sink: memoryview | None
-) -> None:
-    """Rows ``rows`` of ``box`` into ``out`` (which starts at row ``a``)."""
-    w, rb = box.width, box.row_bytes
-    g0, g1 = rows
-    at = box.base + g0 * rb + box.col0
-    if sink is None:
-        for r in range(g0, g1):
-            dst = out[(r - a) * w : (r - a + 1) * w]
-            got = os.preadv(fd, [dst], at)
-            if got != w:  # a short read: finish it (or find the file cut short)
-                got += pread_into(fd, [dst[got:]], at + got, w - got)
-                check_complete(path, [box.item.fqn], at, at + w, got)
-            at += rb
-        return
-    for r0 in range(g0, g1, ROWS_PER_CALL):
-        r1 = min(g1, r0 + ROWS_PER_CALL)
-        views = []
-        for r in range(r0, r1):
-            views += [out[(r - a) * w : (r - a + 1) * w], sink]
-        want = (r1 - r0 - 1) * rb + w
-        start = box.base + r0 * rb + box.col0
-        check_complete(path, [box.item.fqn], start, start + want, pread_into(fd, views[:-1], start, want))
-
-
-def _verify_box(path: str, box: BoxRead, rec: FileRecord, out: memoryview, a: int, rows: tuple[int, int]) -> None:
-    """Every tile of rows ``rows`` (whole row groups) inside the box's columns, from ``out`` (rows back to
-    back from row ``a``, ``width`` bytes each)."""
-    first = box.base + rows[0] * box.row_bytes
-    last = box.base + rows[1] * box.row_bytes
-    w, base, rb = box.width, box.base, box.row_bytes
-
-    def digest(start: int, nrows: int, run: int, stride: int) -> int:
-        row, col = divmod(start - base, rb)
-        return hash_rows(out, (row - a) * w + col - box.col0, nrows, run, w)
-
-    def in_box(i: int) -> bool:
-        return box.col0 <= (unit_rows(rec, i)[0] - base) % rb < box.col1
-
-    verify_blocks(path, rec, first, last, [box.item], digest, blocks=filter(in_box, rec.blocks_covering(first, last)))

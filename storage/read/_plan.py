@@ -25,6 +25,8 @@ __all__ = [
     "PIECE_BYTES",
     "ROW_GAP",
     "ROWS_PER_CALL",
+    "REQUEST_COST_BYTES",
+    "streams",
     "Item",
     "FetchTask",
     "DirectCandidate",
@@ -49,6 +51,24 @@ PIECE_BYTES = 16 << 20
 ROW_GAP = (4 << 10) - 1
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): a merged request carries a row and a gap each
 ROWS_PER_CALL = 511
+#: the read planner's cost of one more small request from a device, in bytes the device could have
+#: streamed in the same time. A column slice's rows cost ``rows x (REQUEST_COST_BYTES + run)`` read one
+#: request each and ``rows x row_bytes`` read as one sequential span, so rows whose unread gap is below
+#: this stream (:func:`streams`), in memory or not (from the page cache a request per row also costs
+#: more CPU than copying such gaps: ``_boxes.read_box``). Measured on the project's
+#: virtio disk (cold, 4 reader threads; ``benchmarks/RESULTS.md``, "Column slices: the streaming cost
+#: model"): 16,384 requests of
+#: 4 KiB took 0.30 s more than streaming their 64 MiB, 4,096 of 16 KiB 0.08 s more: 18-19 us a request,
+#: 18-19 KB at the disk's ~1 GB/s. So bf16 rows of 8 KiB needing a 4 KiB tile (gap 4 KiB) stream,
+#: fp32 rows of 64 KiB needing 16 KiB (gap 48 KiB) stay a request per row, at 1.00x the needed bytes.
+REQUEST_COST_BYTES = 16 << 10
+
+
+def streams(row_bytes: int, width: int, request_cost: int = REQUEST_COST_BYTES) -> bool:
+    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one
+    sequential span of whole rows than as a request per row, when a request costs what streaming
+    ``request_cost`` bytes does (:data:`REQUEST_COST_BYTES`; 0: never)."""
+    return row_bytes - width < request_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +125,9 @@ class BoxRead:
 
     The rows land back to back (``width`` bytes each). ``merge``: neighbouring rows share one request,
     the gap between them read into a scratch buffer (a gap of at most :data:`ROW_GAP`); else each row
-    is a request of its own. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
+    is a request of its own. ``stream`` (the planner's cost model, :func:`streams`; never with
+    ``merge``): the rows are read as sequential spans of whole rows instead, gaps included, and their
+    columns copied out. Either way a box is read in tasks of whole row groups (:meth:`chunks`),
     spread over the reader's threads."""
 
     file: str
@@ -118,6 +140,7 @@ class BoxRead:
     col1: int
     tiling: Tiling | None = None
     merge: bool = False
+    stream: bool = False
 
     @property
     def start(self) -> int:
@@ -139,7 +162,11 @@ class BoxRead:
 
     def requested(self, a: int, b: int) -> tuple[int, int]:
         """``(bytes, requests)`` asked of storage for rows ``[a, b)`` (a range of whole row groups):
-        merged rows read their gaps too, ``ROWS_PER_CALL`` rows per request within each row group."""
+        merged rows read their gaps too, ``ROWS_PER_CALL`` rows per request within each row group; a
+        streamed box its span, gaps included, counted as one request here (the reader reads it in
+        pieces and counts those as it issues them)."""
+        if self.stream:
+            return (b - a - 1) * self.row_bytes + self.width, 1
         if not self.merge:
             return (b - a) * self.width, b - a
         gap = self.row_bytes - self.width
@@ -152,8 +179,9 @@ class BoxRead:
         return nbytes, requests
 
     def chunks(self, limit: int) -> list[tuple[int, int]]:
-        """The box's rows as ``[a, b)`` ranges of whole row groups of about ``limit`` requested bytes."""
-        per_row = self.row_bytes if self.merge else self.width
+        """The box's rows as ``[a, b)`` ranges of whole row groups of about ``limit`` requested bytes (of
+        whole rows where they may be read so: a streamed span stays within ``limit`` too)."""
+        per_row = self.row_bytes if self.merge or self.stream else self.width
         step = max(1, limit // max(1, per_row * self.group_rows)) * self.group_rows
         return [(a, min(self.row1, a + step)) for a in range(self.row0, self.row1, step)]
 
@@ -208,9 +236,11 @@ def plan_reads(
     coalesce_gap: int,
     max_request_bytes: int,
     row_gap: int = ROW_GAP,
+    request_cost: int = REQUEST_COST_BYTES,
 ) -> ReadPlan:
     """Widen each item to whole checksum blocks (of files in ``records``, when ``verify``), set aside
-    row-by-row box reads (``local`` files only; rows at most ``row_gap`` apart share requests) and direct
+    row-by-row box reads (``local`` files only; rows at most ``row_gap`` apart share requests, rows whose
+    gaps cost less than a request, ``request_cost`` bytes, stream: :func:`streams`) and direct
     candidates (where ``direct``: reads can land in the destination), coalesce the rest per file, and mark
     the requests no neighbour continues (``scattered``)."""
     per_file: dict[str, list[Need[Item]]] = {}
@@ -230,7 +260,9 @@ def plan_reads(
         contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
         box = box_read(it, rec, verify=verify) if local and it.raw and not contiguous else None
         if box is not None:
-            boxes.append(dataclasses.replace(box, merge=box.row_bytes - box.width <= row_gap))
+            merge = box.row_bytes - box.width <= row_gap
+            stream = not merge and streams(box.row_bytes, box.width, request_cost)
+            boxes.append(dataclasses.replace(box, merge=merge, stream=stream))
             continue
         # the reader's record checks have put the item inside the file and the file in the manifest
         lo, hi = rec.widen(it.start, it.end) if rec is not None else (it.start, it.end)

@@ -17,7 +17,9 @@ verifying them overlaps other reads. Task kinds:
   carried out a chunk of check units at a time, each verified as it arrives (``_fetch._read_local``).
 * :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB requested each, so
   several threads share a slice), a request per row (or per run of rows closer than a page), into the
-  destination's rows or a pooled buffer whose rows are then copied into place.
+  destination's rows or a pooled buffer whose rows are then copied into place; or, where the planner's
+  cost model says rows are closer than a request costs (``_plan.streams``), sequential spans of whole
+  rows whose columns the worker copies into the destination (``_boxes``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
@@ -48,7 +50,8 @@ from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_box, read_direct, read_range
+from smpckpt.storage.read._boxes import BoxRows, Into, read_box
+from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_direct, read_range
 from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
@@ -100,7 +103,8 @@ class _BoxPart:
     rows: tuple[int, int]
     entry: _OpenItem
     dst: memoryview | None
-    nbytes: int  #: bytes requested
+    nbytes: int  #: bytes the part will request (orders the work; _complete counts what was asked)
+    into: Into | None = None  #: a streamed box's destination, whole (see _boxes.Into)
 
     @property
     def file(self) -> str:
@@ -113,6 +117,10 @@ _Task = FetchTask | _DirectBatch | _BoxPart
 SMALL_FIRST = 1 << 20
 # the tapered tail's smallest requests (see ReadRun._batched)
 TAPER_FLOOR = PIECE_BYTES
+#: a streamed column slice's parts (bytes of whole rows): smaller than PIECE_BYTES so the threads share
+#: the work evenly (bf16 rows of 8 KiB at TP=4, 128 MiB of rows, warm, on the loaded 2-vCPU VM: parts
+#: of 16 MiB 0.147 s median, 8 MiB 0.100-0.105, 4 MiB 0.082-0.104; cold within noise of each other)
+STREAM_PART_BYTES = 8 << 20
 
 
 class ReadRun:
@@ -241,13 +249,15 @@ class ReadRun:
         the device, and the other cores, idle), each part committed when all are done."""
         target = self.planner.resolve_tensor(box.item.req).detach()
         dst = box_destination(box, target) if in_place(target) else None
-        chunks = box.chunks(PIECE_BYTES)
+        # a streamed part copies the item's columns straight into its destination on the worker
+        into = item_destination(box, target) if box.stream and dst is None and in_place(target) else None
+        chunks = box.chunks(STREAM_PART_BYTES if box.stream else PIECE_BYTES)
         entry = _OpenItem(box.item, target, len(chunks))
         for a, b in chunks:
-            nbytes, requests = box.requested(a, b)
-            self._add(box.file, nbytes, requests)
+            # bytes to order the work by; what was asked of storage is counted when done (_complete)
+            nbytes, _ = box.requested(a, b)
             rows = dst[(a - box.row0) * box.width : (b - box.row0) * box.width] if dst is not None else None
-            yield _BoxPart(box, (a, b), entry, rows, nbytes)
+            yield _BoxPart(box, (a, b), entry, rows, nbytes, into)
 
     def _batched(self, tasks: Iterator[_Task], total: int) -> Iterator[_Task]:
         """(calling thread) Direct pieces that follow each other in one file's ``tasks`` (``total`` bytes)
@@ -287,7 +297,7 @@ class ReadRun:
         self.requests += requests
         self.read_per_file[file] = self.read_per_file.get(file, 0) + nbytes
 
-    def _execute(self, task: _Task, ticket: int) -> memoryview | None:
+    def _execute(self, task: _Task, ticket: int) -> memoryview | BoxRows | None:
         """(worker thread) Read the task's bytes when its turn comes, then verify them."""
         path = join(self.folder, task.file)
         rec = self.records.get(task.file)
@@ -297,26 +307,27 @@ class ReadRun:
             items = [n.item for n in f.needs]
             return read_range(self.fs, path, f.start, f.end, items, rec, self.pool, turn, task.scattered)
         if isinstance(task, _BoxPart):
-            a, b = task.rows
-            out = task.dst if task.dst is not None else memoryview(self.pool.take((b - a) * task.box.width))
-            read_box(path, task.box, task.rows, rec, out, turn)
-            return None if task.dst is not None else out
+            return read_box(path, task.box, task.rows, rec, task.dst, self.pool, turn, task.into)
         read_direct(self.fs, path, task.parts, rec, turn, task.scattered)
         return None
 
-    def _complete(self, task: _Task, data: memoryview | None) -> None:
+    def _complete(self, task: _Task, data: memoryview | BoxRows | None) -> None:
         """(calling thread) Hand a finished task's items to the planner."""
         if isinstance(task, _DirectBatch):
             for entry in task.entries:
                 self._count_down(entry)
             return
         if isinstance(task, _BoxPart):
-            if data is not None:
-                self._deliver_rows(task, data)
-                self.pool.give_back(data)
+            if not isinstance(data, BoxRows):  # pragma: no cover - _execute returns one for a box part
+                raise CheckpointError(f"internal: box part of {task.box.item.fqn!r} returned {type(data)}")
+            self._add(task.file, data.nbytes, data.requests)
+            if data.data is not None:
+                self._deliver_rows(task, data.data, data.pitch)
+                self.pool.give_back(data.data)
             self._count_down(task.entry)
             return
-        assert data is not None
+        if not isinstance(data, memoryview):  # pragma: no cover - _execute returns the buffer of a fetch
+            raise CheckpointError(f"internal: fetch of {task.file} returned {type(data)}")
         f = task.fetch
         for need in f.needs:
             it = need.item
@@ -328,15 +339,15 @@ class ReadRun:
         if entry.pieces_left == 0:
             self.planner.commit_tensor(entry.item.req, entry.target)
 
-    def _deliver_rows(self, part: _BoxPart, data: memoryview) -> None:
-        """The item's rows among a box part's (rows ``[a, b)``, ``width`` bytes each in ``data``) copied
-        into their place in the destination."""
+    def _deliver_rows(self, part: _BoxPart, data: memoryview, pitch: int) -> None:
+        """The item's rows among a box part's (rows ``[a, b)`` from the box's first column on, ``pitch``
+        bytes apart in ``data``) copied into their place in the destination."""
         box, (a, b) = part.box, part.rows
         r0, r1, c0 = box.item_rows()
         lo, hi = max(a, r0), min(b, r1)
         if hi <= lo:
             return
-        src = _decode_raw(box.item, data[(lo - a) * box.width + c0 - box.col0 :], box.width, hi - lo)
+        src = _decode_raw(box.item, data[(lo - a) * pitch + c0 - box.col0 :], pitch, hi - lo)
         dst = part.entry.target.narrow(0, lo - r0, hi - lo)
         if dst.size() != src.size():
             raise LayoutMismatch(f"{box.item.fqn!r}: destination {list(dst.size())} vs stored rows {list(src.size())}")
@@ -392,6 +403,27 @@ def box_destination(box: BoxRead, target: torch.Tensor) -> memoryview | None:
         return None
     dst = cpu_bytes(target)
     return dst if dst is not None and not dst.readonly and dst.nbytes == box.nbytes else None
+
+
+def item_destination(box: BoxRead, target: torch.Tensor) -> Into | None:
+    """The destination's bytes as rows of the item's slice, when a streamed box's rows can be copied into
+    them as stored: a contiguous CPU tensor of the saved dtype and the slice's shape, the slice two
+    dimensions or more whose rows are each one run of the record's rows."""
+    it = box.item
+    if it.dtype is None or not it.chunk_sizes:
+        return None
+    lengths = [int(n) for n in it.req.lengths]
+    width = math.prod(lengths[1:]) * it.dtype.itemsize
+    r0, r1, c0 = box.item_rows()
+    # each destination row one run of the record row: trailing dimensions whole past the first
+    if list(it.chunk_sizes[2:]) != lengths[2:] or r1 - r0 != lengths[0] or c0 + width > box.row_bytes:
+        return None
+    if target.dtype != it.dtype or list(target.shape) != lengths:
+        return None
+    dst = cpu_bytes(target)
+    if dst is None or dst.readonly or dst.nbytes != lengths[0] * width:
+        return None
+    return Into(dst, r0, width, c0)
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

@@ -1,8 +1,10 @@
 """Strided (column, dim >= 1) slices on local disk: a request per row, spread over the reader's threads
 and with no read-ahead on their descriptors; rows closer than a page (or than ``coalesce_gap``) share
-requests, the gaps read into a scratch buffer. ``last_read_stats`` says what was asked of storage
-(``bytes_requested``, ``requests``) and what the device read (``device_bytes``), and on a cold load the
-two agree: no read-ahead past what was asked, for column slices and for scattered row slices alike."""
+requests, the gaps read into a scratch buffer; rows whose gaps cost less than a request
+(``request_cost_bytes``, the planner's cost model) are read as sequential spans of whole rows.
+``last_read_stats`` says what was asked of storage (``bytes_requested``, ``requests``) and what the
+device read (``device_bytes``), and on a cold load the two agree: no read-ahead past what was asked, for
+column slices and for scattered row slices alike."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_helpers import unwrap
+from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import ParallelLayout, ShardSpec
+from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter
 from smpckpt.storage.backends._fs import in_memory
@@ -32,9 +37,11 @@ def _save(path: str, tensors: dict[str, torch.Tensor], writer: Any = FsspecStora
     dcp.save({"m": tensors}, storage_writer=writer(path, **kw), planner=planner)
 
 
-def _load(path: str, dest: dict[str, torch.Tensor], tp: int, rank: int, specs: Any = None, **kw: Any) -> ReadStats:
+def _load(
+    path: str, dest: dict[str, torch.Tensor], tp: int, rank: int, specs: Any = None, cast: bool = False, **kw: Any
+) -> ReadStats:
     reader = FsspecStorageReader(path, **kw)
-    planner = ParallelLoadPlanner(ParallelLayout(tp=tp), specs or SAVE_SPECS, rank=rank)
+    planner = ParallelLoadPlanner(ParallelLayout(tp=tp), specs or SAVE_SPECS, rank=rank, allow_dtype_cast=cast)
     dcp.load({"m": dest}, storage_reader=reader, planner=planner)
     assert reader.last_read_stats is not None
     return reader.last_read_stats
@@ -98,18 +105,92 @@ def test_rows_closer_than_a_page_share_requests(tmp_path: Any) -> None:
 
 
 def test_coalesce_gap_merges_wider_gaps_verified(tmp_path: Any) -> None:
-    """bf16 rows of 8 KiB: tiles of 4 KiB; TP=4 wants 2 KiB per row and reads its tile, a request per
-    row; with ``coalesce_gap=4096`` each row group of 32 rows is one request, gaps included."""
+    """bf16 rows of 8 KiB: tiles of 4 KiB; TP=4 wants 2 KiB per row and reads its tile: streamed (the gap
+    is below a request's cost), in two sequential requests of 4 MiB; with ``coalesce_gap=4096`` each row
+    group of 32 rows is one request, gaps included."""
     g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
     path = str(tmp_path / "ck")
     _save(path, g)
-    for gap_opt, requests, requested in [(0, 1024, 1024 * 4 * KiB), (4096, 32, 32 * (32 * 4 + 31 * 4) * KiB)]:
+    streamed = 2 * (511 * 8 + 4) * KiB  # rows 0-511 and 512-1023, each from its tile's first byte
+    for gap_opt, requests, requested in [(0, 2, streamed), (4096, 32, 32 * (32 * 4 + 31 * 4) * KiB)]:
         for rank in range(4):
             dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
             stats = _load(path, dest, 4, rank, coalesce_gap=gap_opt)
             assert torch.equal(dest["col_bf16"], g["col_bf16"][:, rank * 1024 : (rank + 1) * 1024]), (gap_opt, rank)
             assert (stats.requests, stats.bytes_requested) == (requests, requested), (gap_opt, rank)
             assert stats.bytes_needed == 1024 * 2 * KiB and stats.amplification == requested / stats.bytes_needed
+
+
+def test_small_runs_are_read_as_sequential_spans(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 rows of 8 KiB, TP=4: each rank needs 2 KiB of every row, whose 4 KiB tile it must verify. A
+    request per row costs more than reading the 4 KiB gap (``_plan.streams``), so each part of whole
+    rows is one sequential request: few large requests, values bit-exact, whether the rows are copied
+    into the destination on the worker (TP=4, TP=2: the tile is the slice), or delivered from a buffer
+    (a cast destination; a turn at the device), and every tile used verified (a flipped byte in one
+    fails the load; one in a column group not used does not)."""
+    g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    path = str(tmp_path / "ck")
+    _save(path, g)
+    monkeypatch.setattr(_run, "STREAM_PART_BYTES", 2 * MiB)  # parts of 256 rows (8 row groups of 32)
+    asked: list[int] = []
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        asked.append(sum(len(b) for b in buffers))
+        return preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    span = 255 * 8 * KiB + 4 * KiB  # first row's tile column to the last row's: one request per part
+    for tp, dtype, kw in [
+        (4, torch.bfloat16, {}),
+        (2, torch.bfloat16, {}),
+        (4, torch.float32, {"cast": True}),
+        (4, torch.bfloat16, {"reads_in_flight": 1, "thread_count": 2}),
+    ]:
+        width = 4096 // tp
+        for rank in range(tp):
+            asked.clear()
+            dest = {"col_bf16": torch.zeros(1024, width, dtype=dtype)}
+            stats = _load(path, dest, tp, rank, **kw)
+            want = g["col_bf16"][:, rank * width : (rank + 1) * width].to(dtype)
+            assert torch.equal(dest["col_bf16"], want), (tp, dtype, kw, rank)
+            assert (stats.requests, stats.bytes_requested) == (4, 4 * span), (tp, dtype, kw, rank, stats)
+            assert asked == [span] * 4, (tp, dtype, kw, rank)
+            assert stats.bytes_needed == 1024 * width * 2
+    # unverified (no tiles; rows in groups of ROWS_PER_CALL): fp32 rows of 16 KiB needing 8 KiB stream too
+    g32 = {"col": torch.randn(512, 4096, generator=torch.Generator().manual_seed(10))}
+    upath = str(tmp_path / "unverified")
+    _save(upath, g32)
+    asked.clear()
+    stats = _load(upath, dest := {"col": torch.zeros(512, 2048)}, 2, 1, verify_checksums=False)
+    assert torch.equal(dest["col"], g32["col"][:, 2048:])
+    assert sorted(asked) == [8 * KiB, (510 * 16 + 8) * KiB]  # rows 0-510 and row 511, on two threads
+    assert (stats.requests, stats.bytes_requested) == (2, sum(asked))
+    monkeypatch.undo()
+    # rows of 64 KiB needing 16 KiB (a 48 KiB gap): a request per row however cold
+    wide = {"col": torch.randn(64, 16384, generator=torch.Generator().manual_seed(8))}
+    wpath = str(tmp_path / "wide")
+    _save(wpath, wide)
+    stats = _load(wpath, {"col": torch.zeros(64, 4096)}, 4, 1)
+    assert (stats.requests, stats.bytes_requested) == (64, 64 * 16 * KiB)
+    # the data file holds the record from offset 0 on (one tensor): flip a byte of rank 1's tile (row 5,
+    # byte 100 of the row), then one of the column group rank 1 does not use (row 5, byte 6000)
+    (data,) = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+    for at, fails in [(5 * 8 * KiB + 6000, False), (5 * 8 * KiB + 100, True)]:
+        with open(data, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
+        if fails:
+            with pytest.raises(CheckpointException) as info:
+                _load(path, dest, 4, 1)
+            err = unwrap(info.value)
+            assert isinstance(err, CheckpointCorrupt) and "checksum mismatch in bytes 0..131072" in str(err), err
+        else:
+            _load(path, dest, 4, 1)
+            assert torch.equal(dest["col_bf16"], g["col_bf16"][:, 1024:2048])
 
 
 def _cold(path: str) -> None:
@@ -159,6 +240,31 @@ def test_cold_loads_read_from_the_device_what_they_asked_for(tmp_path: Any) -> N
         assert stats.bytes_requested <= stats.device_bytes <= stats.bytes_requested * 1.05 + 64 * KiB, (name, stats)
         warm = _load(path, {k: torch.zeros(shape) for k in tensors}, tp, rank)
         assert warm.device_bytes == 0, name
+
+
+def test_cold_small_runs_read_from_the_device_the_spans_they_asked_for(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed bf16 column slice on a real dropped page cache: the device reads the spans asked for
+    and no more (no read-ahead past them); warm, the same requests and no device bytes."""
+    if not os.path.exists("/proc/self/io") or not _device_read_bytes_work(tmp_path):
+        pytest.skip("needs a block device whose page cache can be dropped (/proc/self/io, not tmpfs)")
+    g = {"col_bf16": torch.randn(1024, 4096, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)}
+    path = str(tmp_path / "ck")
+    _save(path, g)
+    monkeypatch.setattr(_run, "STREAM_PART_BYTES", 2 * MiB)
+    _cold(path)
+    want = g["col_bf16"][:, 2048:3072]
+    for temp in ("cold", "warm"):
+        dest = {"col_bf16": torch.zeros(1024, 1024, dtype=torch.bfloat16)}
+        stats = _load(path, dest, 4, 2)
+        assert torch.equal(dest["col_bf16"], want), temp
+        assert (stats.requests, stats.bytes_requested) == (4, 4 * (255 * 8 * KiB + 4 * KiB)), (temp, stats)
+        assert stats.device_bytes is not None, temp
+        if temp == "cold":
+            assert stats.bytes_requested <= stats.device_bytes <= stats.bytes_requested * 1.05 + 64 * KiB, stats
+        else:
+            assert stats.device_bytes == 0, stats
 
 
 def test_full_artifacts_report_device_bytes_too(tmp_path: Any) -> None:

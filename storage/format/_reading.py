@@ -135,7 +135,9 @@ class ReadStats:
     * ``requests``: read requests as planned: a coalesced range, a batch of direct pieces, a row (or a
       merged run of rows) of a column slice, an object GET. A verified local read of bytes already in
       memory is carried out a chunk of whole check units (about 1 MiB) at a time, each its own
-      ``preadv``, and still counts once.
+      ``preadv``, and still counts once. A column slice's requests are counted as issued: a slice
+      streamed as one span of whole rows (``request_cost_bytes``) counts each of its large requests,
+      the gaps between the runs it wants included.
     * ``items``: the plan's read items.
     * ``per_file``: file name -> (bytes needed, bytes requested), for every file the load touched.
     * ``device_bytes``: bytes the kernel read from block devices while the call ran, from

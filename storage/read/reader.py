@@ -204,7 +204,7 @@ class FsspecStorageReader(ReaderBase):
         staging_bytes: the cap on host memory a load into CUDA tensors stages through (default 128 MiB):
             what the reader read is copied into a pool of pinned buffers of this many bytes in all and
             from there to the device on a side stream, a buffer at a time
-            (``storage/backends/_staging.py``); CPU destinations are filled in place and use none of it.
+            (``storage/format/_staging.py``); CPU destinations are filled in place and use none of it.
 
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
     ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;

@@ -40,6 +40,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from bench_full import _spread  # noqa: E402 - one median/min/max helper of the benchmarks
+from bench_storage import fsync_tree  # noqa: E402 - one page-cache dropper of the benchmarks
 from sim import reset_dcp_caches, sim_load, sim_save  # noqa: E402
 
 from smpckpt.model.layout import ParallelLayout  # noqa: E402
@@ -246,21 +248,6 @@ def _device_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _drop(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 #: the extra contender of the column cases: smpckpt with ``request_cost_bytes=0`` (a request per row)
 PER_ROW = "smpckpt, a request per row"
 
@@ -296,7 +283,7 @@ def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -
                     path, options = readers[who]
                     for temp in ("cold", "warm"):
                         if temp == "cold":
-                            _drop(path)
+                            fsync_tree(path, drop_cache=True)
                         got = _speed_one(options, path, specs, want, tp, rank)
                         if r:
                             recs[who][temp].append(got)

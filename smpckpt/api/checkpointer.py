@@ -498,6 +498,7 @@ class Checkpointer:
             progress=False,
             format=opts.format,
             out_storage_options=opts.out_storage_options,
+            sync_files=opts.sync_files,
         )
         return out
 

@@ -155,6 +155,7 @@ def consolidate_checkpoint(
     progress: bool = True,
     format: str = "safetensors",
     out_storage_options: Mapping[str, Any] | None = None,
+    sync_files: bool = True,
 ) -> ConsolidateReport:
     """Write the full artifact of the committed checkpoint ``src`` to the folder ``out`` (a local path or
     any URL the storage supports: on S3 each file is one streamed multipart upload). ``src`` is the
@@ -167,7 +168,8 @@ def consolidate_checkpoint(
     ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
     instead of safetensors ones. ``max_shard_size`` and the other artifact options are those of
     :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
-    ``out_storage_options`` are given.
+    ``out_storage_options`` are given. ``sync_files`` (default on): fsync every local file written and
+    its folder before the commit, as a save does.
     """
     # the arguments first (a translation and a config of different families, a bad size), before any read
     FullOptions(max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format)
@@ -230,6 +232,7 @@ def consolidate_checkpoint(
         full=opts,
         thread_count=1,
         storage_options=out_storage_options if out_storage_options is not None else storage_options,
+        sync_files=sync_files,
     )
     writer.set_up_storage_writer(True, rank=0)
     writer.storage_meta()  # starts the record of the files this save makes (what a failure removes)

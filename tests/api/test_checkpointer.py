@@ -381,3 +381,20 @@ def test_sharding_keeps_the_specs_it_derived_its_rules_from(tmp_path: Any) -> No
     assert dict(sharding.specs) == {"w": smpckpt.ShardSpec(dim=0)}
     assert sharding.rules.to_records() == Sharding(specs={"w": smpckpt.ShardSpec(dim=0)}).rules.to_records()
     assert pickle.loads(pickle.dumps(sharding)).specs == sharding.specs
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_an_export_of_a_committed_tag_honours_sync_files(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """``ExportOptions.sync_files`` reaches the offline export too (it was dropped there: always on)."""
+    m, opt = _trained(0)
+    with Checkpointer(str(tmp_path / "run")) as ckpt:
+        ckpt.save("s1", m, opt)
+        synced: list[int] = []
+        real = os.fsync
+        monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+        out = ckpt.export("s1", str(tmp_path / "out"), options=ExportOptions(sync_files=sync))
+        monkeypatch.undo()
+    assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["0.weight"], m[0].weight.detach())
+    assert bool(synced) is sync

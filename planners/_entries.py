@@ -146,16 +146,36 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     alike for both keys. Only tensors with real storage can be tied: every meta tensor (and every empty
     one) reports address 0, so same-shaped ones would look like one tensor.
     """
-    first: dict[tuple[Any, ...], str] = {}
-    tied: dict[str, str] = {}
+    # Tied tensors share an address: only entries whose address another entry has too (few or none)
+    # are compared in full, so the usual untied state pays one ``data_ptr()`` per tensor, not the
+    # device, shape and strides of each (2 us a tensor, a fifth of DCP's whole local plan).
+    at: dict[int, Entry | list[Entry]] = {}
     for e in entries.values():
-        if e.kind not in ("tensor", "dtensor") or e.rank_local or e.chunk is None:
+        if e.kind == "object" or e.rank_local or e.chunk is None:
             continue
         v = e.value
-        if v.numel() == 0 or v.is_meta:
+        ptr = v.data_ptr()
+        if not ptr and (v.is_meta or not v.numel()):  # no storage (every meta tensor is at 0): never tied
+            continue
+        seen = at.setdefault(ptr, e)
+        if seen is not e:
+            if isinstance(seen, Entry):
+                at[ptr] = seen = [seen]
+            seen.append(e)
+    shared = [e for group in at.values() if isinstance(group, list) for e in group]
+    if not shared:
+        return {}
+    order = {key: i for i, key in enumerate(entries)}
+    shared.sort(key=lambda e: order[e.key])  # state-dict order: the first key of a tie is its first
+    first: dict[tuple[Any, ...], str] = {}
+    tied: dict[str, str] = {}
+    for e in shared:
+        v = e.value
+        chunk = e.chunk
+        if v.numel() == 0 or v.is_meta or chunk is None:
             continue
         where: tuple[Any, ...] = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
-        where += (tuple(e.chunk.offsets), e.global_shape)
+        where += (tuple(chunk.offsets), e.global_shape)
         if e.dtensor is not None:
             where += (tuple(e.dtensor.placements), id(e.dtensor.device_mesh))
         key = first.setdefault(where, e.key)

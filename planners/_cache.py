@@ -246,13 +246,18 @@ def _copy(metadata: Metadata) -> Metadata:
     return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
 
 
-def structure_signature(planner: ParallelSavePlanner, object_digests: Mapping[str, str] | None) -> tuple[Any, ...]:
+def structure_signature(
+    planner: ParallelSavePlanner,
+    object_digests: Mapping[str, str] | None,
+    props: dict[str, tuple[Any, ...]] | None = None,
+) -> tuple[Any, ...]:
     """Everything the planner's local plan depends on, compared by equality at the next save (no hashing
     of text): the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
     ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; which
     keys are tied to which (a tie made or broken between saves changes what is written), whether
     replica values are verified (the plan then carries the stage's key list); object
-    values only when ``object_digests`` is given."""
+    values only when ``object_digests`` is given. Fills ``props`` (when given) with each tensor's
+    ``TensorProperties`` fields by key, for the write items."""
     p, mappings = planner, planner.mappings
     parts: list[Any] = [p.layout, p.rank, p.replica_owner, tuple(p.tied.items()), p.verify_replicas]
     for e in p.entries.values():
@@ -264,6 +269,8 @@ def structure_signature(planner: ParallelSavePlanner, object_digests: Mapping[st
             raise SpecError(f"{e.key}: tensor entry without a chunk")
         v = e.value
         properties = (v.dtype, v.layout, v.requires_grad, v.is_pinned())  # what TensorProperties holds
+        if props is not None:
+            props[e.key] = properties
         geometry = (e.global_shape, chunk.offsets, chunk.sizes, e.sharded_axes, e.original_global_shape)
         placement = None if e.dtensor is None else (e.dtensor.placements, e.dtensor.device_mesh)
         parts.append((e.key, mappings.get(e.key), e.kind, properties, geometry, e.rank_local, placement))

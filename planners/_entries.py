@@ -332,26 +332,36 @@ class LayoutScope:
         flat, local_paths = flatten(state_dict)
         entries: dict[str, Entry] = {}
         mappings: dict[str, tuple[Any, ...]] = {}
-        global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
-        by_global = {global_keys[k]: v for k, v in flat.items()}  # parameters, for optimizer-state inheritance
+        # global keys, and the values by them (parameters, for optimizer-state inheritance); without
+        # renaming the local keys are the global ones, unique (the flattening refuses duplicates)
+        global_keys: dict[str, str] | None = None
+        by_global: Mapping[str, Any] = flat
+        if mapper.active:
+            global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
+            by_global = {global_keys[k]: v for k, v in flat.items()}
         # top-level names under which parameters sit (``model``), for optimizer-state spec inheritance
         prefixes = {
             str(path[0]): None
             for key, path in local_paths.items()
             if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES)
         }
-        maker = _EntryMaker(self.rules, tuple(prefixes), by_global, coords, layout)
+        entry = _EntryMaker(self.rules, tuple(prefixes), by_global, coords, layout).entry
+        rank_local = self._rank_local
         for local_key, value in flat.items():
-            key = global_keys[local_key]
-            if key in entries:
-                raise SpecError(
-                    f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on "
-                    f"rank {rank}"
-                )
+            key = local_key
             path = local_paths[local_key]
-            mappings[key] = mapper.global_path(path, local_key, key)
-            is_local = bool(self._rank_local is not None and self._rank_local.fullmatch(key))
-            entries[key] = maker.entry(local_key, key, path, value, is_local)
+            if global_keys is not None:
+                key = global_keys[local_key]
+                if key in entries:
+                    raise SpecError(
+                        f"keys {entries[key].local_key!r} and {local_key!r} both map to the global key {key!r} on "
+                        f"rank {rank}"
+                    )
+                mappings[key] = mapper.global_path(path, local_key, key)
+            else:
+                mappings[key] = path
+            is_local = rank_local is not None and rank_local.fullmatch(key) is not None
+            entries[key] = entry(local_key, key, path, value, is_local)
         return entries, mappings
 
 

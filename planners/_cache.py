@@ -55,7 +55,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import SpecError
@@ -70,6 +77,7 @@ __all__ = [
     "compact_load",
     "FIELDS_PER_ITEM",
     "FIELDS_PER_READ",
+    "tensor_write_item",
 ]
 
 
@@ -174,6 +182,22 @@ def _index(fqn: str, offset: Any, hint: int | None) -> MetadataIndex:
     object.__setattr__(index, "offset", offset)
     object.__setattr__(index, "index", hint)
     return index
+
+
+def tensor_write_item(
+    fqn: str, chunk: ChunkStorageMetadata, properties: Any, size: torch.Size, kind: WriteItemType
+) -> WriteItem:
+    """A tensor's ``WriteItem``, equal field for field to what the constructors build, in about 2/3 of
+    their time (every rank builds one per tensor it writes at every fresh plan): fields by position,
+    and the index's offset the chunk's own (immutable) ``torch.Size``, which ``MetadataIndex``'s
+    constructor would copy. By keywords should DCP's classes change their fields."""
+    if not _SUPPORTED:
+        data = TensorWriteData(chunk=chunk, properties=properties, size=size)
+        return WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
+    offsets = chunk.offsets
+    if type(offsets) is not torch.Size:
+        offsets = torch.Size(offsets)
+    return WriteItem(_index(fqn, offsets, None), kind, None, TensorWriteData(chunk, properties, size))
 
 
 def _rows(flat: list[Any], width: int, what: str) -> Iterator[tuple[Any, ...]]:

@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import Replicate
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import PlanCache, compact, structure_signature
+from smpckpt.planners._cache import PlanCache, compact, structure_signature, tensor_write_item
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._replica_values import (
@@ -572,8 +572,4 @@ def _tensor_item(
     props = properties.get(fields)
     if props is None:
         props = properties[fields] = TensorProperties.create_from_tensor(value)
-    return WriteItem(
-        index=MetadataIndex(entry.key, chunk.offsets),
-        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=chunk, properties=props, size=shape),
-    )
+    return tensor_write_item(entry.key, chunk, props, shape, WriteItemType.TENSOR if whole else WriteItemType.SHARD)

@@ -131,6 +131,7 @@ def main() -> None:
             t.normal_()
     tensors = sum(len(part) for part in sd.values())
 
+    load_before = os.getloadavg()
     cases = [(verify, kept) for kept in (True, False) for verify in (True, False)]
     times: dict[tuple[bool, bool], list[tuple[float, float]]] = {c: [] for c in cases}
     dcp_s: list[tuple[float, float]] = []
@@ -155,7 +156,11 @@ def main() -> None:
     def ratio(xs: list[tuple[float, float]], j: int) -> float:
         return statistics.median(x[j] / d[j] for x, d in zip(xs, dcp_s))
 
-    print(f"local planning of one rank ({tensors} tensors, {rounds} rounds; shared machine: read the CPU column)")
+    load_after = os.getloadavg()
+    print(
+        f"local planning of one rank ({tensors} tensors, {rounds} rounds; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after; on a shared machine read the CPU column)"
+    )
     print(f"  {'case':34s} {'CPU ms':>8s} {'wall ms':>8s} {'CPU / DCP':>10s} {'wall / DCP':>10s}")
     local: dict[str, Any] = {}
     for verify, kept in cases:
@@ -180,6 +185,7 @@ def main() -> None:
     result = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "load_average": {"before": load_before, "after": load_after},
         "tensors_per_rank": tensors,
         "rounds": rounds,
         "local_planning": local,

@@ -374,8 +374,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         return plan
 
     def _replica_values(self, replicas: list[Entry]) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
-        """The tensors whose values other ranks hold too (of ``replicas``, given in key order), their split codes, and what
-        this rank sends about their values (``planner_data`` fields; ``None``: nothing to compare).
+        """The tensors whose values other ranks hold too (of ``replicas``, given in key order), their
+        split codes, and what this rank sends about their values (``planner_data`` fields; ``None``:
+        nothing to compare).
         Which tensors those are follows from the layout alone (``_replica_values.checked_codes``): a
         rank of a one-rank stage digests none."""
         if not self.verify_replicas:

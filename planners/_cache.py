@@ -284,20 +284,37 @@ def structure_signature(
     ``TensorProperties`` fields by key, for the write items."""
     p, mappings = planner, planner.mappings
     parts: list[Any] = [p.layout, p.rank, p.replica_owner, tuple(p.tied.items()), p.verify_replicas]
+    if props is None:
+        props = {}
+    add = parts.append
     for e in p.entries.values():
-        if e.kind == "object":
-            parts.append((e.key, mappings.get(e.key), None if object_digests is None else object_digests[e.key]))
+        key, kind = e.key, e.kind
+        if kind == "object":
+            add((key, mappings.get(key), None if object_digests is None else object_digests[key]))
             continue
         chunk = e.chunk
         if chunk is None:
-            raise SpecError(f"{e.key}: tensor entry without a chunk")
+            raise SpecError(f"{key}: tensor entry without a chunk")
         v = e.value
-        properties = (v.dtype, v.layout, v.requires_grad, v.is_pinned())  # what TensorProperties holds
-        if props is not None:
-            props[e.key] = properties
-        geometry = (e.global_shape, chunk.offsets, chunk.sizes, e.sharded_axes, e.original_global_shape)
-        placement = None if e.dtensor is None else (e.dtensor.placements, e.dtensor.device_mesh)
-        parts.append((e.key, mappings.get(e.key), e.kind, properties, geometry, e.rank_local, placement))
+        properties = props[key] = (v.dtype, v.layout, v.requires_grad, v.is_pinned())  # TensorProperties' fields
+        dt = e.dtensor
+        placement = None if dt is None else (dt.placements, dt.device_mesh)
+        # one flat row per key (a tuple fewer to build than grouping its geometry)
+        add(
+            (
+                key,
+                mappings.get(key),
+                kind,
+                properties,
+                e.global_shape,
+                chunk.offsets,
+                chunk.sizes,
+                e.sharded_axes,
+                e.original_global_shape,
+                e.rank_local,
+                placement,
+            )
+        )
     return tuple(parts)
 
 

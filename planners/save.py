@@ -337,23 +337,23 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         objects: dict[str, str] = {}
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
-        rank = self.rank
+        rank, all_mappings, add = self.rank, self.mappings, items.append
         for entry in self.entries.values():
             key = entry.key
             if key in tied:  # its bytes are its first key's; only its name is recorded
-                mappings[key] = self.mappings[key]
+                mappings[key] = all_mappings[key]
                 continue
             kind = entry.kind
             if kind == "object":
-                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                add(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
                 objects[key] = object_digests[key]
             elif kind == "tensor" and not entry.rank_local and owners.get(key, rank) != rank:
                 continue  # another replica writes it
             elif (kind == "dtensor" and not dtensor_is_owner(entry)) or _carries_no_data(entry):
                 continue
             else:
-                items.append(_tensor_item(entry, properties, props.get(key)))
-            mappings[key] = self.mappings[key]
+                add(_tensor_item(entry, properties, props.get(key)))
+            mappings[key] = all_mappings[key]
             if entry.original_global_shape is not None:
                 original[key] = entry.original_global_shape
         planner_data: dict[str, Any] = {

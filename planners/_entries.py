@@ -219,19 +219,18 @@ class _EntryMaker:
         if value.layout is not _STRIDED:
             raise not_dense(key, value.layout, tuple(value.shape))
         matched = None if is_local else self.rules.match(key, self.prefixes)
+        shape = value.shape  # read once: every branch below needs it
         if matched is not None:
             specs, inherited_from = matched
-            if inherited_from is not None and not self._inherits(value, inherited_from):
+            if inherited_from is not None and not self._inherits(shape, inherited_from):
                 matched = None
         # Entries are built with positional arguments, in field order (keywords cost ~0.2 us more per
         # key): local_key, key, path, kind, value, chunk, global_shape, sharded_axes, specs, rank_local,
         # dtensor, original_global_shape.
         if matched is None:
-            size = value.size()
-            chunk = ChunkStorageMetadata(self._origin(len(size)), size)
-            return Entry(local_key, key, path, "tensor", value, chunk, size, _NOT_SPLIT, (), is_local)
+            chunk = ChunkStorageMetadata(self._origin(len(shape)), shape)
+            return Entry(local_key, key, path, "tensor", value, chunk, shape, _NOT_SPLIT, (), is_local)
         specs, _ = matched
-        shape = value.shape
         geometry, original = self._geometry_of(key, shape, specs)
         viewed = value
         if original is not None or geometry.view_shape != shape:
@@ -248,18 +247,19 @@ class _EntryMaker:
             local_key, key, path, "tensor", viewed, chunk, geometry.global_shape, axes, specs, False, None, original
         )
 
-    def _inherits(self, value: torch.Tensor, param_key: str) -> bool:
-        """Optimizer state inherits its parameter's spec only when it has the parameter's shape.
+    def _inherits(self, shape: torch.Size, param_key: str) -> bool:
+        """Optimizer state (of local ``shape``) inherits its parameter's spec only when it has the
+        parameter's shape.
 
         Scalars such as Adam's ``step`` stay replicated. When the parameter is in the same state dict
         (as a plain tensor) its local shape must match; otherwise any tensor of rank >= 1 inherits.
         """
-        if value.dim() == 0:
+        if not shape:  # a scalar
             return False
         param = self.by_global.get(param_key)
         if not isinstance(param, torch.Tensor) or isinstance(param, DTensor):
             return True
-        return param.shape == value.shape
+        return param.shape == shape
 
     def _origin(self, ndim: int) -> torch.Size:
         origin = self._origins.get(ndim)

@@ -78,6 +78,7 @@ __all__ = [
     "FIELDS_PER_ITEM",
     "FIELDS_PER_READ",
     "tensor_write_item",
+    "pinning_possible",
 ]
 
 
@@ -270,6 +271,16 @@ def _copy(metadata: Metadata) -> Metadata:
     return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
 
 
+def pinning_possible() -> bool:
+    """Whether a tensor of this process can be pinned at all: ``Tensor.is_pinned()`` answers False
+    without asking anything when torch has no accelerator (``at::getAccelerator()``, the call below;
+    ``Context::isPinnedPtr``), so without one the planners need not ask each tensor (~0.3 us a call
+    from Python, at every save, for every tensor). With one (CUDA, even with no device present) every
+    tensor is asked."""
+    get = getattr(torch._C, "_accelerator_getAccelerator", None)
+    return get is None or get() is not None
+
+
 def structure_signature(
     planner: ParallelSavePlanner,
     object_digests: Mapping[str, str] | None,
@@ -287,6 +298,7 @@ def structure_signature(
     if props is None:
         props = {}
     add = parts.append
+    can_pin = pinning_possible()
     for e in p.entries.values():
         key, kind = e.key, e.kind
         if kind == "object":
@@ -296,7 +308,8 @@ def structure_signature(
         if chunk is None:
             raise SpecError(f"{key}: tensor entry without a chunk")
         v = e.value
-        properties = props[key] = (v.dtype, v.layout, v.requires_grad, v.is_pinned())  # TensorProperties' fields
+        # TensorProperties' fields
+        properties = props[key] = (v.dtype, v.layout, v.requires_grad, can_pin and v.is_pinned())
         dt = e.dtensor
         placement = None if dt is None else (dt.placements, dt.device_mesh)
         # one flat row per key (a tuple fewer to build than grouping its geometry)

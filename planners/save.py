@@ -288,6 +288,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self._cache = PlanCache(cache_scope if enable_plan_caching else "off")
 
     # -- 1. set up ---------------------------------------------------------------------------------
+    @gc_paused()  # an entry and a chunk per key, no cycles: ~0.5 ms of collections at 2,700 keys
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:

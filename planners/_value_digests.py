@@ -109,7 +109,7 @@ def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
         ptrs.append(0)
     counts = np.asarray(numels, dtype=np.int64)
     kind = np.asarray(kinds, dtype=np.int64)
-    addresses = np.asarray(ptrs, dtype=np.uint64).astype(np.int64)  # from the address space's upper half too
+    addresses = np.asarray(ptrs, dtype=np.int64)
     h = _start(counts)
     for code in np.unique(kind[kind >= 0]).tolist():
         at = np.nonzero(kind == code)[0]

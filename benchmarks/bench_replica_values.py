@@ -8,15 +8,20 @@ wall time:
 
 * local planning of one rank (tp=2 x dp=2, rank 1: every tensor has a replica), with the check on and
   off, beside DCP's ``DefaultSavePlanner`` making a fresh plan of the same state: as
-  ``save_checkpoint`` pays it from its second save on (a kept planner, ``cache_scope="local"``: the
-  structure is reused, the values are sampled afresh) and for a fresh planner (its first save), for a
+  ``save_checkpoint`` pays it from its second save on (a kept planner, ``cache_scope="local"``, whose
+  first round finished as ``dcp.save`` finishes it: the structure is reused -- checked: the plan's
+  items are the first plan's -- and the values are sampled afresh) and for a fresh planner (its first
+  save), for a
   GPT-like state of many small tensors (``--layers``; 150 layers ~ 2,700 tensors with Adam state) on
   the CPU;
 * the bytes the check adds to each rank's gathered plan;
 * the coordinator's comparison for simulated worlds (``--worlds``; TP=2 x DP), every rank's values
   built as the ranks would send them, and the bytes of them all.
 
-    python benchmarks/bench_replica_values.py [--quick] [--out benchmarks/out/replica_values.json]
+Ratios are medians of per-round ratios (each case beside DCP's plan of the same round); the load
+average before and after the rounds is printed and recorded, as the CPU columns still move with it.
+
+    python benchmarks/bench_replica_values.py [--quick] [--rounds N] [--out benchmarks/out/replica_values.json]
 """
 
 from __future__ import annotations

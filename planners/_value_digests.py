@@ -23,7 +23,8 @@ for smaller tensors) and the element count. Samples are compared as values, not 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -74,12 +75,14 @@ _WHOLE_BYTES = frozenset(
 
 #: dtype -> a small code of the fast path's dtypes; complex ones from ``_FIRST_COMPLEX`` on (only they
 #: can carry the conjugate bit)
-_FAST_CODES: dict[torch.dtype, int] = {
-    dt: i
-    for i, dt in enumerate(
-        sorted(_WHOLE_BYTES - {torch.complex64, torch.complex128}, key=str) + [torch.complex64, torch.complex128]
-    )
-}
+_FAST_CODES: Mapping[torch.dtype, int] = MappingProxyType(
+    {
+        dt: i
+        for i, dt in enumerate(
+            sorted(_WHOLE_BYTES - {torch.complex64, torch.complex128}, key=str) + [torch.complex64, torch.complex128]
+        )
+    }
+)
 _FAST_DTYPES = tuple(_FAST_CODES)
 _FIRST_COMPLEX = _FAST_CODES[torch.complex64]
 _SKIP = -1  # no values (empty, meta): the count alone
@@ -154,7 +157,7 @@ def _word(dtype: torch.dtype) -> Any:
     return _WORDS[min(dtype.itemsize, 8)]
 
 
-_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_WORDS: Mapping[int, Any] = MappingProxyType({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64})
 
 
 def _gather_cpu(dtype: torch.dtype, base: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -240,14 +243,16 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
 #: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes). One vectorised
 #: integer pass on one thread: ``torch.where`` on the samples of thousands of tensors runs on torch's
 #: intra-op threads, and on a busy machine waiting for them cost more than the whole digest pass
-_FLOAT_BITS: dict[torch.dtype, tuple[Any, int, int, int]] = {
-    torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),
-    torch.bfloat16: (np.uint16, 0x8000, 0x7F80, 0x7FC0),
-    torch.float32: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
-    torch.float64: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
-    torch.complex64: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
-    torch.complex128: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
-}
+_FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
+    {
+        torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),
+        torch.bfloat16: (np.uint16, 0x8000, 0x7F80, 0x7FC0),
+        torch.float32: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
+        torch.float64: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+        torch.complex64: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
+        torch.complex128: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+    }
+)
 
 
 def _canonical_bits(words: np.ndarray, word: Any, sign: int, inf: int, nan: int) -> np.ndarray:

@@ -8,15 +8,20 @@ wall time:
 
 * local planning of one rank (tp=2 x dp=2, rank 1: every tensor has a replica), with the check on and
   off, beside DCP's ``DefaultSavePlanner`` making a fresh plan of the same state: as
-  ``save_checkpoint`` pays it from its second save on (a kept planner, ``cache_scope="local"``: the
-  structure is reused, the values are sampled afresh) and for a fresh planner (its first save), for a
+  ``save_checkpoint`` pays it from its second save on (a kept planner, ``cache_scope="local"``, whose
+  first round finished as ``dcp.save`` finishes it: the structure is reused -- checked: the plan's
+  items are the first plan's -- and the values are sampled afresh) and for a fresh planner (its first
+  save), for a
   GPT-like state of many small tensors (``--layers``; 150 layers ~ 2,700 tensors with Adam state) on
   the CPU;
 * the bytes the check adds to each rank's gathered plan;
 * the coordinator's comparison for simulated worlds (``--worlds``; TP=2 x DP), every rank's values
   built as the ranks would send them, and the bytes of them all.
 
-    python benchmarks/bench_replica_values.py [--quick] [--out benchmarks/out/replica_values.json]
+Ratios are medians of per-round ratios (each case beside DCP's plan of the same round); the load
+average before and after the rounds is printed and recorded, as the CPU columns still move with it.
+
+    python benchmarks/bench_replica_values.py [--quick] [--rounds N] [--out benchmarks/out/replica_values.json]
 """
 
 from __future__ import annotations
@@ -64,13 +69,21 @@ def local_planning(sd: dict[str, Any], verify: bool, kept: bool) -> tuple[tuple[
     (``kept``), else a fresh planner's first."""
     layout = ParallelLayout(tp=2, dp=2)
     planner = ParallelSavePlanner(layout, SPECS, rank=1, cache_scope="local", verify_replicas=verify)
+    first = None
     if kept:
+        # the first save plans; the kept planner reuses the structure after. finish_plan closes the
+        # round as dcp.save does: without it the next round drops the caches (a save that stopped
+        # part-way) and the "kept" plan is a fresh one
         planner.set_up_planner(sd, None, False)
-        planner.create_local_plan()  # the first save plans; the kept planner reuses the structure after
+        first = planner.create_local_plan()
+        planner.finish_plan(first)
     start = _clock()
     planner.set_up_planner(sd, None, False)
     plan = planner.create_local_plan()
-    return _since(start), len(pickle.dumps(plan))
+    took = _since(start)
+    if first is not None and plan.items is not first.items:
+        raise RuntimeError("the kept planner planned afresh: the benchmark measures no reuse")
+    return took, len(pickle.dumps(plan))
 
 
 def dcp_local_planning(sd: dict[str, Any]) -> tuple[float, float]:
@@ -123,6 +136,7 @@ def main() -> None:
             t.normal_()
     tensors = sum(len(part) for part in sd.values())
 
+    load_before = os.getloadavg()
     cases = [(verify, kept) for kept in (True, False) for verify in (True, False)]
     times: dict[tuple[bool, bool], list[tuple[float, float]]] = {c: [] for c in cases}
     dcp_s: list[tuple[float, float]] = []
@@ -147,7 +161,11 @@ def main() -> None:
     def ratio(xs: list[tuple[float, float]], j: int) -> float:
         return statistics.median(x[j] / d[j] for x, d in zip(xs, dcp_s))
 
-    print(f"local planning of one rank ({tensors} tensors, {rounds} rounds; shared machine: read the CPU column)")
+    load_after = os.getloadavg()
+    print(
+        f"local planning of one rank ({tensors} tensors, {rounds} rounds; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after; on a shared machine read the CPU column)"
+    )
     print(f"  {'case':34s} {'CPU ms':>8s} {'wall ms':>8s} {'CPU / DCP':>10s} {'wall / DCP':>10s}")
     local: dict[str, Any] = {}
     for verify, kept in cases:
@@ -172,6 +190,7 @@ def main() -> None:
     result = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "load_average": {"before": load_before, "after": load_after},
         "tensors_per_rank": tensors,
         "rounds": rounds,
         "local_planning": local,

@@ -113,12 +113,23 @@ def _summary(digests: np.ndarray) -> int:
 def rank_values(layout: ParallelLayout, rank: int, tensors: Sequence[torch.Tensor], codes: bytes) -> bytes:
     """What a rank sends for its checked tensors (``codes``: each one's split code, in the order of
     the stage's key list): a summary per code, then the per-key digests of its :func:`detail_codes`."""
-    digests = np.frombuffer(value_digests(tensors), dtype="<u4")
     code_of = np.frombuffer(codes, dtype=np.uint8)
-    summaries = np.zeros(len(_CODES), dtype="<u4")
-    for code in _shared_codes(layout):
-        summaries[code] = _summary(digests[code_of == code])
+    shared = _shared_codes(layout)
     detail = detail_codes(layout, rank)
+    # Only the digests this rank sends are computed: those of the codes it summarises (shared within
+    # its stage) or sends key by key. With pipeline stages every replicated key is on the stage's key
+    # list (for the check across stages), but only the stage's first rank sends every code: a TP shard
+    # held by one rank of its stage (dp=1) is digested there alone.
+    needed = np.isin(code_of, np.asarray(sorted({*shared, *detail}), dtype=np.uint8))
+    if needed.all():
+        digests = np.frombuffer(value_digests(tensors), dtype="<u4")
+    else:
+        digests = np.zeros(len(code_of), dtype="<u4")
+        at = np.nonzero(needed)[0]
+        digests[at] = np.frombuffer(value_digests([tensors[i] for i in at.tolist()]), dtype="<u4")
+    summaries = np.zeros(len(_CODES), dtype="<u4")
+    for code in shared:
+        summaries[code] = _summary(digests[code_of == code])
     keep = np.isin(code_of, np.asarray(detail, dtype=np.uint8))
     return summaries.tobytes() + digests[keep].tobytes()
 

@@ -4,13 +4,16 @@ Every rank computes one per replicated tensor at every save (:mod:`._replica_val
 the cost per tensor is what counts: a save of 2,700 tensors spent 9.6 ms in a loop of one ``torch.take``
 and one ``xxh3`` call per tensor, against DCP's whole local plan of 24.6 ms.
 
-Here the Python loop only reads each tensor's address, element count, dtype and contiguity. The
-samples of plain contiguous CPU tensors (nearly every tensor a CPU state holds) are then gathered in
-one numpy fancy-index per dtype straight from the tensors' memory, canonicalised in one torch call per
-dtype, and hashed row by row with a vectorised mix of 64-bit words: no torch call or hash call per
+Here one Python pass only reads each tensor's address, element count, dtype and contiguity into
+flat lists (numpy groups them by dtype after). The samples of plain contiguous CPU tensors (nearly
+every tensor a CPU state holds) are then gathered in one numpy fancy-index per dtype straight from the
+tensors' memory (as words of the element's size, or bytes where tensors lie at odd distances),
+canonicalised on their bits in numpy (:func:`_canonical_bits`: ``torch.where`` over the samples ran on
+torch's intra-op threads, and on a busy machine waiting for them cost more than the rest of the
+digests), and hashed row by row with a vectorised mix of 64-bit words: no torch call or hash call per
 tensor. Other tensors (CUDA, strided views, conjugate or negative views, subclasses) take one
-``torch.take`` each, one join and one host copy per device and dtype, as before; both paths give
-the same digest for the same values.
+``torch.take`` each, one join and one host copy per device and dtype; both paths give the same digest
+for the same values.
 
 A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
 for smaller tensors) and the element count. Samples are compared as values, not bit patterns
@@ -20,7 +23,8 @@ for smaller tensors) and the element count. Samples are compared as values, not 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -69,43 +73,54 @@ _WHOLE_BYTES = frozenset(
 )
 
 
+#: dtype -> a small code of the fast path's dtypes; complex ones from ``_FIRST_COMPLEX`` on (only they
+#: can carry the conjugate bit)
+_FAST_CODES: Mapping[torch.dtype, int] = MappingProxyType(
+    {
+        dt: i
+        for i, dt in enumerate(
+            sorted(_WHOLE_BYTES - {torch.complex64, torch.complex128}, key=str) + [torch.complex64, torch.complex128]
+        )
+    }
+)
+_FAST_DTYPES = tuple(_FAST_CODES)
+_FIRST_COMPLEX = _FAST_CODES[torch.complex64]
+_SKIP = -1  # no values (empty, meta): the count alone
+_SLOW = -2  # sampled by torch
+
+
 def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
     """One little-endian uint32 per tensor: a digest of its sampled elements' values and its element
     count. Meta and empty tensors (no values: planning benchmarks plan with meta tensors) digest their
     count alone."""
-    n = len(tensors)
-    counts = np.zeros(n, dtype=np.int64)
-    # fast path, per dtype: (positions in ``tensors``, addresses, element counts)
-    fast: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
-    slow: list[int] = []
-    for i, t in enumerate(tensors):
+    # One Python pass reads what each tensor's sampling needs and appends to flat lists (no dict or
+    # group per tensor: this loop is most of the digests' cost); numpy groups them after.
+    numels: list[int] = []
+    ptrs: list[int] = []
+    kinds: list[int] = []
+    codes = _FAST_CODES
+    for t in tensors:
         numel = t.numel()
-        counts[i] = numel
-        if not numel or t.is_meta:
-            continue
-        if (
-            type(t) is _PLAIN
-            and t.dtype in _WHOLE_BYTES
-            and t.is_cpu
-            and t.is_contiguous()
-            and not (t.is_conj() or t.is_neg())
-        ):
-            group = fast.get(t.dtype)
-            if group is None:
-                group = fast[t.dtype] = ([], [], [])
-            group[0].append(i)
-            group[1].append(t.data_ptr())
-            group[2].append(numel)
-        else:
-            slow.append(i)
-    rows: list[tuple[np.ndarray, np.ndarray]] = []  # (positions, canonical sample bytes: one row each)
-    for dtype, (where, ptrs, numels) in fast.items():
-        rows.append((np.asarray(where, dtype=np.int64), _gather_cpu(dtype, ptrs, numels)))
-    if slow:
-        rows.extend(_gather_torch([tensors[i] for i in slow], slow))
+        numels.append(numel)
+        if numel and type(t) is _PLAIN and t.is_cpu and t.is_contiguous() and not t.is_neg():
+            code = codes.get(t.dtype)
+            if code is not None and (code < _FIRST_COMPLEX or not t.is_conj()):
+                kinds.append(code)
+                ptrs.append(t.data_ptr())
+                continue
+        kinds.append(_SKIP if not numel or t.is_meta else _SLOW)
+        ptrs.append(0)
+    counts = np.asarray(numels, dtype=np.int64)
+    kind = np.asarray(kinds, dtype=np.int64)
+    addresses = np.asarray(ptrs, dtype=np.int64)
     h = _start(counts)
-    for at, data in rows:
-        h[at] = _mix(h[at], data)
+    for code in np.unique(kind[kind >= 0]).tolist():
+        at = np.nonzero(kind == code)[0]
+        h[at] = _mix(h[at], _gather_cpu(_FAST_DTYPES[code], addresses[at], counts[at]))
+    slow = np.nonzero(kind == _SLOW)[0].tolist()
+    if slow:
+        for at, data in _gather_torch([tensors[i] for i in slow], slow):
+            h[at] = _mix(h[at], data)
     return _finish(h).astype("<u4").tobytes()
 
 
@@ -130,26 +145,39 @@ def _sample_index(numels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Memory:
-    """A byte array over ``[lo, lo + n)`` of this process's memory (numpy's array interface): the
+    """An array of ``n`` words (bytes by default) from ``lo`` in this process's memory (numpy's array interface): the
     tensors' own bytes, read only where a sample lies, inside the tensors the caller holds."""
 
-    def __init__(self, lo: int, n: int) -> None:
-        self.__array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (lo, True), "version": 3}
+    def __init__(self, lo: int, n: int, typestr: str = "|u1") -> None:
+        self.__array_interface__ = {"shape": (n,), "typestr": typestr, "data": (lo, True), "version": 3}
 
 
-def _gather_cpu(dtype: torch.dtype, ptrs: list[int], numels: list[int]) -> np.ndarray:
-    """The canonical sample bytes of contiguous CPU tensors of ``dtype`` at addresses ``ptrs``, one row
-    each, gathered with one fancy index."""
+def _word(dtype: torch.dtype) -> Any:
+    """The unsigned numpy word a dtype's samples are handled in: its element (a complex one by part)."""
+    return _WORDS[min(dtype.itemsize, 8)]
+
+
+_WORDS: Mapping[int, Any] = MappingProxyType({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64})
+
+
+def _gather_cpu(dtype: torch.dtype, base: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The canonical sample bytes of contiguous CPU tensors of ``dtype`` at addresses ``base``, one row
+    each, gathered with one fancy index (of words: a tensor's elements lie at multiples of their size
+    from each other, as ``torch`` aligns them; bytes where some do not)."""
     size = dtype.itemsize
-    base = np.asarray(ptrs, dtype=np.int64)
-    counts = np.asarray(numels, dtype=np.int64)
     idx, valid = _sample_index(counts)
     lo = int(base.min())
     hi = int((base + counts * size).max())
-    memory = np.asarray(_Memory(lo, hi - lo))
-    at = (base[:, None] - lo + idx * size)[:, :, None] + _offsets(size)[None, None, :]
-    raw = memory[at]  # (rows, SAMPLES, itemsize): copies of the sampled bytes
-    return _canonical_rows(dtype, raw, valid)
+    word = _word(dtype)
+    step = np.dtype(word).itemsize
+    per = size // step  # words per element (2 for complex128)
+    rel = base - lo
+    if (rel % step).any():
+        word, step, per = np.uint8, 1, size
+    memory = np.asarray(_Memory(lo, (hi - lo) // step, np.dtype(word).str))
+    at = (rel // step)[:, None] + idx * per
+    raw = memory[at if per == 1 else at[:, :, None] + _offsets(per)[None, None, :]]
+    return _canonical_rows(dtype, raw.reshape(len(base), SAMPLES, -1), valid)
 
 
 def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -190,18 +218,51 @@ def _torch_index(numel: int, device: int) -> torch.Tensor:
 
 
 def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Sample bytes ``(rows, SAMPLES, itemsize)`` as canonical values, ``(rows, W)`` bytes with ``W`` a
+    """Sample bytes or words ``(rows, SAMPLES, -1)`` as canonical values, ``(rows, W)`` bytes with ``W`` a
     multiple of 8; samples that are not (a small tensor's) are zero bytes."""
     rows = raw.shape[0]
-    values = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows * SAMPLES, dtype.itemsize)).view(dtype)
-    canon = canonical(values.reshape(-1)).contiguous()
-    out = canon.view(torch.uint8).numpy().reshape(rows, SAMPLES, -1).copy()
+    bits = _FLOAT_BITS.get(dtype)
+    raw = np.ascontiguousarray(raw)
+    if bits is not None:
+        out = _canonical_bits(raw.view(bits[0]), *bits).reshape(rows, SAMPLES, -1)
+    elif not (dtype.is_floating_point or dtype.is_complex):
+        out = raw.copy()  # integers and booleans are their bits
+    else:  # float8 variants: widened by torch (they have no numpy dtype)
+        values = torch.from_numpy(raw.view(np.uint8).reshape(rows * SAMPLES, dtype.itemsize)).view(dtype)
+        canon = canonical(values.reshape(-1)).contiguous()
+        out = canon.view(torch.uint8).numpy().reshape(rows, SAMPLES, -1).copy()
     out[~valid] = 0
-    flat = out.reshape(rows, -1)
+    flat = out.view(np.uint8).reshape(rows, -1)
     pad = -flat.shape[1] % 8
     if pad:
         flat = np.concatenate([flat, np.zeros((rows, pad), dtype=np.uint8)], axis=1)
     return flat
+
+
+#: IEEE floating dtypes (complex ones by part) canonicalised on their bits by numpy: (unsigned word
+#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes). One vectorised
+#: integer pass on one thread: ``torch.where`` on the samples of thousands of tensors runs on torch's
+#: intra-op threads, and on a busy machine waiting for them cost more than the whole digest pass
+_FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
+    {
+        torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),
+        torch.bfloat16: (np.uint16, 0x8000, 0x7F80, 0x7FC0),
+        torch.float32: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
+        torch.float64: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+        torch.complex64: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
+        torch.complex128: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+    }
+)
+
+
+def _canonical_bits(words: np.ndarray, word: Any, sign: int, inf: int, nan: int) -> np.ndarray:
+    """``canonical`` on sample words (native order, of type ``word``), as integers: a word whose bits
+    other than the sign are zero is a zero (written ``+0.0``: all bits clear), one whose magnitude bits
+    exceed +inf's is a NaN (written as ``nan``); the same bytes ``canonical`` gives, without torch."""
+    magnitude = words & word(sign - 1)  # every bit but the sign
+    out = np.where(magnitude > word(inf), word(nan), words)
+    out[magnitude == 0] = 0
+    return out
 
 
 #: floating dtypes compared in their own precision; the others (float8 variants) are widened to float32,

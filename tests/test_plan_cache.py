@@ -227,3 +227,21 @@ def test_rescope_keeps_the_local_memo_only_where_it_is_exact():
     assert planner._cache.local.items is not first.items
     assert store.metadata.state_dict_metadata["w"].size == torch.Size([2, 2])
     assert torch.equal(load_back(store, {"w": torch.zeros(2, 2)})["w"], same[0]["w"])
+
+
+def test_tensor_properties_ask_is_pinned_only_where_pinning_is_possible() -> None:
+    """Without an accelerator torch answers ``is_pinned()`` False without asking, so the planner's
+    signature and write items take False for it then (``_cache.pinning_possible``); the plan's
+    properties are what ``TensorProperties.create_from_tensor`` gives for every tensor either way."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from smpckpt.planners import _cache
+
+    assert _cache.pinning_possible() == (torch._C._accelerator_getAccelerator() is not None)
+    sd = {"a": torch.zeros(3), "b": torch.ones(2, 2, dtype=torch.bfloat16).requires_grad_(), "c": torch.arange(4)}
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0)
+    planner.set_up_planner(sd)
+    plan = planner.create_local_plan()
+    for item in plan.items:
+        assert item.tensor_data is not None
+        assert item.tensor_data.properties == TensorProperties.create_from_tensor(sd[item.index.fqn])

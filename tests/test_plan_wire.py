@@ -283,3 +283,23 @@ def test_the_coordinator_scatters_compact_plans(tmp_path: Any) -> None:
         load_local.append(planner.create_local_plan())
     load_global = loaders[0].create_global_plan([pickle.loads(pickle.dumps(p)) for p in load_local])
     assert all(isinstance(p, CompactLoadPlan) for p in load_local + load_global)
+
+
+@pytest.mark.parametrize("offsets", [torch.Size([2, 0]), (2, 0), [2, 0]])
+def test_a_tensor_write_item_is_the_one_the_constructors_build(offsets: Any) -> None:
+    """The save planner builds its write items by position, with the chunk's own offsets in the
+    index: equal to the constructors' item field for field (its offset a ``torch.Size`` whatever the
+    chunk holds, no index hint), and pickled alike."""
+    chunk = ChunkStorageMetadata(offsets, torch.Size([2, 3]))
+    props = TensorProperties.create_from_tensor(torch.zeros(1, dtype=torch.bfloat16))
+    size = torch.Size([4, 3])
+    built = _plan_wire.tensor_write_item("a.b", chunk, props, size, WriteItemType.SHARD)
+    want = WriteItem(
+        index=MetadataIndex("a.b", offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=props, size=size),
+    )
+    assert built == want
+    assert type(built.index.offset) is torch.Size and built.index.index is None
+    assert built.tensor_data is not None and built.tensor_data.chunk is chunk and built.bytes_io_data is None
+    assert pickle.loads(pickle.dumps(built)) == want

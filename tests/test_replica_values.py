@@ -263,3 +263,64 @@ def test_contiguous_and_strided_tensors_of_equal_values_have_one_digest(data: st
     changed = t.clone().reshape(-1)
     changed[-1] = (changed[-1] == 0).to(dtype) if dtype == torch.bool else -changed[-1] - 1
     assert value_digests([changed.reshape(shape)]) != value_digests([t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64])
+def test_samples_are_canonicalised_on_their_bits_as_canonical_does(dtype: torch.dtype) -> None:
+    """The digests canonicalise samples on their bits in numpy: the same bytes as ``canonical`` (torch)
+    for every bit pattern -- signed zeros, NaNs of any sign and payload, infinities, subnormals."""
+    from smpckpt.planners import _value_digests as vd
+
+    raw = torch.randint(
+        0, 256, (20_000 * dtype.itemsize,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+    )
+    special = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 5e-324], dtype=dtype)
+    raw = torch.cat([special.view(torch.uint8).reshape(-1), raw])
+    want = vd.canonical(raw.view(dtype)).contiguous().view(torch.uint8).numpy().reshape(-1)
+    word, *bits = vd._FLOAT_BITS[dtype]
+    got = vd._canonical_bits(raw.numpy().view(word).copy(), word, *bits).view("u1")
+    assert (got == want).all()
+
+
+def test_tensors_at_odd_addresses_digest_as_aligned_ones() -> None:
+    """Samples are gathered as words where the tensors of a dtype lie at multiples of their size from
+    each other, else as bytes: a tensor at an odd address (``frombuffer`` at offset 1) digests alike."""
+    t = torch.randn(1000, dtype=torch.float64)
+    odd = torch.frombuffer(bytearray(b"\0" + t.numpy().tobytes()), dtype=torch.float64, offset=1)
+    assert odd.data_ptr() % 8 and torch.equal(odd, t)
+    other = torch.randn(70, dtype=torch.float64)
+    assert value_digests([t, other, odd]) == value_digests([t, other, t]) == value_digests([odd, other, odd])
+
+
+def test_a_rank_digests_only_what_it_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pp=2 x tp=2 (dp=1): every replicated key is on the stage's key list (compared across stages by
+    the stages' first ranks), but a TP shard has no replica within its stage, so rank 1 (not its
+    stage's first) neither summarises nor sends it: it digests the replicated keys alone, and sends
+    what digests of every key would give. The stage's first rank digests every key."""
+    import numpy as np
+    import xxhash
+
+    from smpckpt.planners import _replica_values as rv
+
+    layout = ParallelLayout(tp=2, pp=2)
+    tensors = [torch.randn(40) for _ in range(5)]
+    codes = bytes([0, 1, 1, 0, 1])  # replicated over the stage, or split over tp
+    seen: list[int] = []
+    real = rv.value_digests
+
+    def counting(ts: list[torch.Tensor]) -> bytes:
+        seen.append(len(ts))
+        return real(ts)
+
+    monkeypatch.setattr(rv, "value_digests", counting)
+    sent = rv.rank_values(layout, 1, tensors, codes)
+    assert seen == [2]
+    digests = np.frombuffer(real(tensors), dtype="<u4")
+    code_of = np.frombuffer(codes, dtype=np.uint8)
+    summaries = np.zeros(3, dtype="<u4")
+    for code in (0, 2):  # the codes the stage's ranks share at tp=2, dp=1
+        summaries[code] = xxhash.xxh3_64_intdigest(digests[code_of == code].tobytes()) & 0xFFFFFFFF
+    assert sent == summaries.tobytes() + digests[code_of == 0].tobytes()
+    seen.clear()
+    rv.rank_values(layout, 0, tensors, codes)
+    assert seen == [5]

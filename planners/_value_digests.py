@@ -189,7 +189,11 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
         # ``get_device`` is a plain int (``Tensor.device`` builds an object); -1 on the CPU
         device = t.get_device()
         if n > SAMPLES:
-            sample = torch.take(t, _torch_index(n, device))
+            bits = _BITS_FOR_TAKE.get(t.dtype) if not _takes(t.dtype) else None
+            if bits is None:
+                sample = torch.take(t, _torch_index(n, device))
+            else:  # the sampled bits through an integer view of the same size (any strides), back as dtype
+                sample = torch.take(t.view(bits), _torch_index(n, device)).view(t.dtype)
         else:
             sample = t.reshape(-1).resolve_conj().resolve_neg()
         group = groups.setdefault((device, t.dtype), ([], [], []))
@@ -207,6 +211,25 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
         raw[valid] = flat  # samples in row order; a small tensor's missing ones stay zero
         out.append((np.asarray(positions, dtype=np.int64), _canonical_rows(dtype, raw, valid)))
     return out
+
+
+#: the integer type of each element size: a dtype ``torch.take`` has no kernel for (float8, uint16-64
+#: on torch 2.13) is sampled as its bits through a view of this type
+_BITS_FOR_TAKE = {
+    dt: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dt.itemsize]
+    for dt in (getattr(torch, name, None) for name in dir(torch))
+    if isinstance(dt, torch.dtype) and not dt.is_complex and dt.itemsize in (1, 2, 4, 8)
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _takes(dtype: torch.dtype) -> bool:
+    """Does ``torch.take`` have a kernel for ``dtype`` (asked once per dtype, on the CPU)?"""
+    try:
+        torch.take(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=torch.long))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=4096)

@@ -324,3 +324,18 @@ def test_a_rank_digests_only_what_it_sends(monkeypatch: pytest.MonkeyPatch) -> N
     seen.clear()
     rv.rank_values(layout, 0, tensors, codes)
     assert seen == [5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64])
+def test_strided_tensors_of_dtypes_take_has_no_kernel_for_digest_as_contiguous_ones(dtype: torch.dtype) -> None:
+    """``torch.take`` (the strided path) has no float8 or uint16-64 kernel: such a transposed or sliced
+    tensor failed the save; now it is sampled through an integer view of its bits, digesting as its
+    contiguous copy does, and a change of every value shows."""
+    src = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+    base = src.to(dtype) if dtype.is_floating_point else (src.abs() * 1000).to(torch.int64).to(dtype)
+    for t in (base.t(), base[:, 1:40]):
+        assert not t.is_contiguous() and t.numel() > SAMPLES
+        assert value_digests([t]) == value_digests([t.contiguous()])
+    changed = base.clone()
+    changed.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]).add_(1)
+    assert value_digests([changed.t()]) != value_digests([base.t()])

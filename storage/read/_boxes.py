@@ -210,7 +210,7 @@ def _stream_into(
     (a tiled box, ``rec`` given) and then its rows copied into ``into``."""
     rb, w = box.row_bytes, box.width
     a, b = rows
-    step = max(1, STREAM_PIECE_BYTES // (rb * box.group_rows)) * box.group_rows
+    step = max(1, STREAM_PIECE_BYTES // (rb * box.unit_rows)) * box.unit_rows
     buf = memoryview(pool.take(min(b - a, step) * rb))
     check = rec if box.tiling is not None else None
     nbytes = requests = 0

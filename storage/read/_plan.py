@@ -160,6 +160,13 @@ class BoxRead:
         without one (not verified), :data:`ROWS_PER_CALL`."""
         return self.tiling.rows_per_group if self.tiling is not None else ROWS_PER_CALL
 
+    @property
+    def unit_rows(self) -> int:
+        """Rows that parts and pieces never cut: a tiling's row group (verified whole); a streamed box
+        without one reads whole rows in one request each piece, so one row (``ROWS_PER_CALL``, the
+        iovec limit of a request per row, would make its pieces 511 rows of any width)."""
+        return 1 if self.stream and self.tiling is None else self.group_rows
+
     def requested(self, a: int, b: int) -> tuple[int, int]:
         """``(bytes, requests)`` asked of storage for rows ``[a, b)`` (a range of whole row groups):
         merged rows read their gaps too, ``ROWS_PER_CALL`` rows per request within each row group; a
@@ -182,7 +189,7 @@ class BoxRead:
         """The box's rows as ``[a, b)`` ranges of whole row groups of about ``limit`` requested bytes (of
         whole rows where they may be read so: a streamed span stays within ``limit`` too)."""
         per_row = self.row_bytes if self.merge or self.stream else self.width
-        step = max(1, limit // max(1, per_row * self.group_rows)) * self.group_rows
+        step = max(1, limit // max(1, per_row * self.unit_rows)) * self.unit_rows
         return [(a, min(self.row1, a + step)) for a in range(self.row0, self.row1, step)]
 
     def item_rows(self) -> tuple[int, int, int]:

@@ -157,15 +157,16 @@ def test_small_runs_are_read_as_sequential_spans(tmp_path: Any, monkeypatch: pyt
             assert (stats.requests, stats.bytes_requested) == (4, 4 * span), (tp, dtype, kw, rank, stats)
             assert asked == [span] * 4, (tp, dtype, kw, rank)
             assert stats.bytes_needed == 1024 * width * 2
-    # unverified (no tiles; rows in groups of ROWS_PER_CALL): fp32 rows of 16 KiB needing 8 KiB stream too
+    # unverified (no tiles): fp32 rows of 16 KiB needing 8 KiB stream too, in parts of whole rows of the
+    # part size (2 MiB: 128 rows), not of ROWS_PER_CALL rows (511 rows of any width: 511 MiB of 1 MiB rows)
     g32 = {"col": torch.randn(512, 4096, generator=torch.Generator().manual_seed(10))}
     upath = str(tmp_path / "unverified")
     _save(upath, g32)
     asked.clear()
     stats = _load(upath, dest := {"col": torch.zeros(512, 2048)}, 2, 1, verify_checksums=False)
     assert torch.equal(dest["col"], g32["col"][:, 2048:])
-    assert sorted(asked) == [8 * KiB, (510 * 16 + 8) * KiB]  # rows 0-510 and row 511, on two threads
-    assert (stats.requests, stats.bytes_requested) == (2, sum(asked))
+    assert asked == [(127 * 16 + 8) * KiB] * 4  # 4 parts of 128 rows, each one request
+    assert (stats.requests, stats.bytes_requested) == (4, sum(asked))
     monkeypatch.undo()
     # rows of 64 KiB needing 16 KiB (a 48 KiB gap): a request per row however cold
     wide = {"col": torch.randn(64, 16384, generator=torch.Generator().manual_seed(8))}

@@ -82,7 +82,8 @@ class Lane:
         self._queue: collections.deque[tuple[str, Callable[[], None], concurrent.futures.Future[None]]] = (
             collections.deque()
         )
-        self._thread: LaneThread | None = None
+        self._thread: LaneThread | None = None  #: the thread running the lane's work, while it runs
+        self._used = False
         self._stopping = False
         self.fut: concurrent.futures.Future[None] | None = None  #: the last work submitted
         self.tag = ""  #: its tag
@@ -95,7 +96,7 @@ class Lane:
     @property
     def used(self) -> bool:
         """Whether work was ever submitted (then every save checks on this lane first)."""
-        return self._thread is not None
+        return self._used
 
     @property
     def running(self) -> bool:
@@ -110,6 +111,7 @@ class Lane:
                 thread = LaneThread(self)
                 thread.start()  # kept only once started: stop(join=True) must never join one that is not
                 self._thread = thread
+            self._used = True
             self._queue.append((tag, work, fut))
             self.fut, self.tag, self.submitted = fut, tag, time.monotonic()
             self._cond.notify()
@@ -122,6 +124,10 @@ class Lane:
                 while not self._queue and not self._stopping:
                     self._cond.wait()
                 if not self._queue:
+                    # let go of the lane under its lock: a submit after this starts a thread of its own
+                    # (this one is still alive for a moment and would never run what it queued)
+                    if self._thread is threading.current_thread():
+                        self._thread = None
                     return
                 tag, work, fut = self._queue.popleft()
             if not fut.set_running_or_notify_cancel():
@@ -156,7 +162,7 @@ class Lane:
         future, so a child that waited for it (at exit, or in its own save) would hang."""
         self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
         self._queue.clear()
-        self._thread, self.fut, self.failed = None, None, None
+        self._thread, self.fut, self.failed, self._used = None, None, None, False
 
 
 def _forget_lane(ref: weakref.ref[Lane]) -> None:

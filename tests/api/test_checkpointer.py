@@ -398,3 +398,29 @@ def test_an_export_of_a_committed_tag_honours_sync_files(
         monkeypatch.undo()
     assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["0.weight"], m[0].weight.detach())
     assert bool(synced) is sync
+
+
+def test_work_submitted_while_a_stopped_lane_thread_ends_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped lane's thread leaves its loop, then lives on a moment: work submitted in that moment
+    went to the dying thread and its future never finished. Held there by a hook, deterministically."""
+    from smpckpt.api._async import Lane
+
+    left, hold = threading.Event(), threading.Event()
+
+    def run_then_linger(self: LaneThread) -> None:
+        self.lane.run()
+        left.set()
+        hold.wait(30)  # still alive, past its loop
+
+    monkeypatch.setattr(LaneThread, "run", run_then_linger)
+    owner = nn.Linear(1, 1)
+    lane = Lane("save", "test", owner)
+    lane.submit("a", lambda: None).result(30)
+    lane.stop()
+    assert left.wait(30)
+    ran = threading.Event()
+    fut = lane.submit("b", ran.set)
+    hold.set()
+    fut.result(30)  # on main before the fix: queued to the thread past its loop, never run (TimeoutError)
+    assert ran.is_set() and lane.used
+    lane.stop(join=True)

@@ -193,6 +193,7 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
             if bits is None:
                 sample = torch.take(t, _torch_index(n, device))
             else:  # the sampled bits through an integer view of the same size (any strides), back as dtype
+                t = t.resolve_conj().resolve_neg()  # a view of other type would drop the conj/neg bit
                 sample = torch.take(t.view(bits), _torch_index(n, device)).view(t.dtype)
         else:
             sample = t.reshape(-1).resolve_conj().resolve_neg()
@@ -213,13 +214,21 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
     return out
 
 
-#: the integer type of each element size: a dtype ``torch.take`` has no kernel for (float8, uint16-64
-#: on torch 2.13) is sampled as its bits through a view of this type
-_BITS_FOR_TAKE = {
-    dt: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dt.itemsize]
-    for dt in (getattr(torch, name, None) for name in dir(torch))
-    if isinstance(dt, torch.dtype) and not dt.is_complex and dt.itemsize in (1, 2, 4, 8)
-}
+#: dtypes whose bytes are not one element each (packed, quantized): never sampled through a view
+_NOT_VIEWABLE = frozenset(
+    dt
+    for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4", "float4_e2m1fn_x2")
+    if (dt := getattr(torch, name, None))
+)
+#: the integer type of each element size: a dtype ``torch.take`` has no kernel for (float8, uint16-64,
+#: complex32 on torch 2.13) is sampled as its bits through a view of this type
+_BITS_FOR_TAKE: Mapping[torch.dtype, torch.dtype] = MappingProxyType(
+    {
+        dt: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dt.itemsize]
+        for dt in (getattr(torch, name, None) for name in dir(torch))
+        if isinstance(dt, torch.dtype) and dt not in _NOT_VIEWABLE and dt.itemsize in (1, 2, 4, 8)
+    }
+)
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,7 +25,7 @@ import hashlib
 import io
 import logging
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -49,6 +49,7 @@ from smpckpt.planners._replica_values import (
     rank_values,
     split_code,
 )
+from smpckpt.planners._value_digests import value_digests
 
 __all__ = [
     "ParallelSavePlanner",
@@ -212,6 +213,24 @@ class SaveReport:
         """max / mean of bytes written per rank (1.0 is perfect)."""
         total = sum(self.bytes_per_rank)
         return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank)) if total else 1.0
+
+
+def _undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> BaseException:
+    """The error for a tensor whose values the replica check cannot sample (a packed or quantized dtype):
+    named by its key, with the way out; ``exc`` itself when no single tensor is at fault."""
+    for key, value in tensors:
+        if not isinstance(value, torch.Tensor):
+            continue
+        try:
+            value_digests([value.to_local() if hasattr(value, "to_local") else value])
+        except (RuntimeError, NotImplementedError, TypeError) as one:
+            why = (str(one).splitlines() or [""])[0][:200]  # torch's dispatcher lists every backend after it
+            return TypeError(
+                f"{key}: the replica value check cannot sample a {value.dtype} tensor ({why}); save with "
+                "verify_replicas=False (SaveOptions(verify_replicas=False) through save_checkpoint or a "
+                "Checkpointer), or hold this tensor on one rank only"
+            )
+    return exc
 
 
 class ParallelSavePlanner(LayoutScope, SavePlanner):
@@ -395,8 +414,12 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
                     checked.append(e)
                     code_list.append(code)
         codes = bytes(code_list)
-        values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
-        return checked, codes, {"values": values, "dtensor_values": self._dtensor_values()}
+        try:
+            values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
+            dvalues = self._dtensor_values()
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            raise _undigestable([(e.key, e.value) for e in self.entries.values() if e.kind != "object"], exc) from exc
+        return checked, codes, {"values": values, "dtensor_values": dvalues}
 
     def _dtensor_values(self) -> bytes | None:
         """The value digests of the DTensor pieces this rank holds that other ranks may hold too (checked

@@ -339,3 +339,20 @@ def test_strided_tensors_of_dtypes_take_has_no_kernel_for_digest_as_contiguous_o
     changed = base.clone()
     changed.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]).add_(1)
     assert value_digests([changed.t()]) != value_digests([base.t()])
+
+
+def test_replicated_complex32_is_checked_and_undigestable_dtypes_are_refused_by_key(tmp_path: Path) -> None:
+    """complex32 has no ``torch.take`` kernel: a replicated one failed every save with the check on, with
+    torch's bare error; now it is sampled through its bits (a drift is still caught). A dtype the check
+    cannot sample at all (quantized) is refused naming its key and the way out."""
+    c = torch.randn(40, 40, dtype=torch.complex64).to(torch.complex32)
+    _save(tmp_path / "same", [{"model": {"c": c.clone()}} for _ in range(2)], ParallelLayout(dp=2))
+    drifted = c.clone()
+    drifted.view(torch.int32).add_(1)
+    with pytest.raises(ReplicaMismatch, match=r"'model\.c'"):
+        _save(tmp_path / "drift", [{"model": {"c": c}}, {"model": {"c": drifted}}], ParallelLayout(dp=2))
+    q = torch.quantize_per_tensor(torch.randn(40, 40), 0.1, 0, torch.quint8)
+    with pytest.raises(
+        TypeError, match=r"model\.q: the replica value check cannot sample a torch\.quint8.*verify_replicas=False"
+    ):
+        _save(tmp_path / "q", [{"model": {"q": q.clone(), "w": torch.ones(3)}} for _ in range(2)], ParallelLayout(dp=2))

@@ -310,6 +310,8 @@ class LayoutScope:
         self._rank_arg = rank
         self.name_map = name_map
         self.process_group = process_group
+        if isinstance(rank_local, (str, bytes)):  # tuple("rng*") would be the globs 'r', 'n', 'g', '*'
+            raise TypeError(f"rank_local must be a list of globs, not a single string: [{rank_local!r}]?")
         self._rank_local_globs = tuple(rank_local)
         self._rank_local = compile_globs(self._rank_local_globs)
 

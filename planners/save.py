@@ -43,6 +43,7 @@ from smpckpt.planners._cache import PlanCache, compact, structure_signature, ten
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._replica_values import (
+    check_duplicate_writers,
     check_replica_values,
     checked_codes,
     dtensor_values,
@@ -466,6 +467,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
+        check_duplicate_writers(full, self.layout, self._rank_local)
         plans, metadata = create_default_global_save_plan(dedup_plans(full))
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}

@@ -36,7 +36,7 @@ that sent the same piece.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -352,25 +352,20 @@ def _piece_names(wanted: set[int], structure: Sequence[Any]) -> dict[int, str]:
     return names
 
 
-def check_duplicate_writers(plans: Sequence[Any], layout: ParallelLayout, rank_local: Any) -> None:
+def check_duplicate_writers(
+    writers: dict[Any, list[int]], plans: Sequence[Any], layout: ParallelLayout, rank_local: Any
+) -> None:
     """(coordinator) Refuse a chunk that several ranks plan to write when nothing compared their values:
     the global plan keeps one writer per chunk, so the others' values would be dropped without a word.
 
-    ``plans`` are the full local plans; ``rank_local`` the compiled ``rank_local`` globs (or ``None``).
-    Two cases are refused by key: a rank-local tensor planned by several ranks under one key (rank-local
-    keys must be unique per rank), and, with the value check on, a chunk planned by ranks of different
-    pipeline stages whose key is on no stage's compared key list (a key split over both TP and DP, whose
-    pieces have no replica to compare within a stage) and is no DTensor piece compared by id: a
-    stage-local key saved without a name map. Empty chunks (uneven splits) are never refused."""
-    writers: dict[Any, list[int]] = {}
-    for plan in plans:
-        rank = plan.planner_data["rank"]
-        for item in plan.items:
-            td = item.tensor_data
-            if td is not None and all(td.chunk.sizes):
-                writers.setdefault(item.index, []).append(rank)
-    dups = {index: ranks for index, ranks in writers.items() if len(ranks) > 1}
-    if not dups:
+    ``writers``: each chunk (``MetadataIndex``) several ranks plan, with their ranks (empty chunks of
+    uneven splits left out); ``plans`` the full local plans; ``rank_local`` the compiled ``rank_local``
+    globs (or ``None``). Two cases are refused by key: a rank-local tensor planned by several ranks under
+    one key (rank-local keys must be unique per rank), and, with the value check on, a chunk planned by
+    ranks of different pipeline stages whose key is on no stage's compared key list (a key split over
+    both TP and DP, whose pieces have no replica to compare within a stage) and is no DTensor piece
+    compared by id: a stage-local key saved without a name map."""
+    if not writers:
         return
     compared: dict[int, set[str]] = {}  # stage -> keys its leader's digests cover
     pieces: set[int] = set()  # DTensor pieces compared by id
@@ -383,7 +378,7 @@ def check_duplicate_writers(plans: Sequence[Any], layout: ParallelLayout, rank_l
         raw = data.get("dtensor_values")
         if raw:
             pieces.update(np.frombuffer(raw, dtype="<u8", count=len(raw) // 12).tolist())
-    for index, ranks in dups.items():
+    for index, ranks in writers.items():
         fqn = index.fqn
         where = f"the chunk at offset {tuple(index.offset or ())}"
         if rank_local is not None and rank_local.fullmatch(fqn):
@@ -405,3 +400,21 @@ def check_duplicate_writers(plans: Sequence[Any], layout: ParallelLayout, rank_l
             "tensor, give the stages' keys global names (name_map); if they are one shared tensor, hold it "
             "replicated or split over one axis so its values can be compared"
         )
+
+
+def undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> BaseException:
+    """The error for a tensor whose values the replica check cannot sample (a packed or quantized dtype):
+    named by its key, with the way out; ``exc`` itself when no single tensor is at fault."""
+    for key, value in tensors:
+        if not isinstance(value, torch.Tensor):
+            continue
+        try:
+            value_digests([value.to_local() if hasattr(value, "to_local") else value])
+        except (RuntimeError, NotImplementedError, TypeError) as one:
+            why = (str(one).splitlines() or [""])[0][:200]  # torch's dispatcher lists every backend after it
+            return TypeError(
+                f"{key}: the replica value check cannot sample a {value.dtype} tensor ({why}); save with "
+                "verify_replicas=False (SaveOptions(verify_replicas=False) through save_checkpoint or a "
+                "Checkpointer), or hold this tensor on one rank only"
+            )
+    return exc

@@ -25,7 +25,7 @@ import hashlib
 import io
 import logging
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -49,8 +49,8 @@ from smpckpt.planners._replica_values import (
     dtensor_values,
     rank_values,
     split_code,
+    undigestable,
 )
-from smpckpt.planners._value_digests import value_digests
 
 __all__ = [
     "ParallelSavePlanner",
@@ -149,14 +149,15 @@ def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, s
     return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 
 
-def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
+def dedup_plans(plans: list[SavePlan], layout: ParallelLayout, rank_local: Any) -> list[SavePlan]:
     """(coordinator) ``plans`` with one writer per chunk and per object.
 
     Ranks that hold the same chunk (replicas the ownership choice could not keep apart, or pieces of
-    an uneven split) must agree on its global shape, dtype and sizes; objects held by several ranks
-    must be identical (per-rank values need rank-unique keys), and one holder, chosen by the key's
-    CRC32, writes each."""
+    an uneven split) must agree on its global shape, dtype and sizes, and something must have compared
+    their values (:func:`check_duplicate_writers`); objects held by several ranks must be identical
+    (per-rank values need rank-unique keys), and one holder, chosen by the key's CRC32, writes each."""
     chunk_owner: dict[MetadataIndex, tuple[int, torch.Size]] = {}
+    writers: dict[MetadataIndex, list[int]] = {}  # chunks more than one rank plans: their ranks
     object_holders: dict[str, list[tuple[int, str]]] = {}
     tensor_meta: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
     for i, plan in enumerate(plans):
@@ -176,11 +177,15 @@ def dedup_plans(plans: list[SavePlan]) -> list[SavePlan]:
                     f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes disagree"
                 )
             prior = chunk_owner.setdefault(item.index, (i, td.chunk.sizes))
-            if prior[1] != td.chunk.sizes:
-                raise SpecError(
-                    f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
-                    f"with sizes {tuple(prior[1])} and {tuple(td.chunk.sizes)}"
-                )
+            if prior[0] != i:
+                if prior[1] != td.chunk.sizes:
+                    raise SpecError(
+                        f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
+                        f"with sizes {tuple(prior[1])} and {tuple(td.chunk.sizes)}"
+                    )
+                if all(td.chunk.sizes):  # an empty piece of an uneven split holds no value
+                    writers.setdefault(item.index, [prior[0]]).append(i)
+    check_duplicate_writers(writers, plans, layout, rank_local)
     object_owner: dict[str, int] = {}
     for fqn, holders in object_holders.items():
         digests = {d for _, d in holders}
@@ -214,24 +219,6 @@ class SaveReport:
         """max / mean of bytes written per rank (1.0 is perfect)."""
         total = sum(self.bytes_per_rank)
         return max(self.bytes_per_rank) / (total / len(self.bytes_per_rank)) if total else 1.0
-
-
-def _undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> BaseException:
-    """The error for a tensor whose values the replica check cannot sample (a packed or quantized dtype):
-    named by its key, with the way out; ``exc`` itself when no single tensor is at fault."""
-    for key, value in tensors:
-        if not isinstance(value, torch.Tensor):
-            continue
-        try:
-            value_digests([value.to_local() if hasattr(value, "to_local") else value])
-        except (RuntimeError, NotImplementedError, TypeError) as one:
-            why = (str(one).splitlines() or [""])[0][:200]  # torch's dispatcher lists every backend after it
-            return TypeError(
-                f"{key}: the replica value check cannot sample a {value.dtype} tensor ({why}); save with "
-                "verify_replicas=False (SaveOptions(verify_replicas=False) through save_checkpoint or a "
-                "Checkpointer), or hold this tensor on one rank only"
-            )
-    return exc
 
 
 class ParallelSavePlanner(LayoutScope, SavePlanner):
@@ -419,7 +406,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
             dvalues = self._dtensor_values()
         except (RuntimeError, NotImplementedError, TypeError) as exc:
-            raise _undigestable([(e.key, e.value) for e in self.entries.values() if e.kind != "object"], exc) from exc
+            raise undigestable([(e.key, e.value) for e in self.entries.values() if e.kind != "object"], exc) from exc
         return checked, codes, {"values": values, "dtensor_values": dvalues}
 
     def _dtensor_values(self) -> bytes | None:
@@ -467,8 +454,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        check_duplicate_writers(full, self.layout, self._rank_local)
-        plans, metadata = create_default_global_save_plan(dedup_plans(full))
+        plans, metadata = create_default_global_save_plan(dedup_plans(full, self.layout, self._rank_local))
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
         for plan in full:

@@ -352,54 +352,28 @@ def _piece_names(wanted: set[int], structure: Sequence[Any]) -> dict[int, str]:
     return names
 
 
-def check_duplicate_writers(
-    writers: dict[Any, list[int]], plans: Sequence[Any], layout: ParallelLayout, rank_local: Any
-) -> None:
-    """(coordinator) Refuse a chunk that several ranks plan to write when nothing compared their values:
-    the global plan keeps one writer per chunk, so the others' values would be dropped without a word.
+def check_duplicate_writers(writers: dict[Any, list[int]], rank_local: Any) -> None:
+    """(coordinator) Refuse a rank-local tensor that several ranks plan to write under one key: the global
+    plan keeps one writer per chunk, so the other ranks' values would be dropped without a word (a
+    rank-local key must be unique per rank).
 
     ``writers``: each chunk (``MetadataIndex``) several ranks plan, with their ranks (empty chunks of
-    uneven splits left out); ``plans`` the full local plans; ``rank_local`` the compiled ``rank_local``
-    globs (or ``None``). Two cases are refused by key: a rank-local tensor planned by several ranks under
-    one key (rank-local keys must be unique per rank), and, with the value check on, a chunk planned by
-    ranks of different pipeline stages whose key is on no stage's compared key list (a key split over
-    both TP and DP, whose pieces have no replica to compare within a stage) and is no DTensor piece
-    compared by id: a stage-local key saved without a name map."""
-    if not writers:
+    uneven splits left out); ``rank_local`` the compiled ``rank_local`` globs (or ``None``).
+
+    Not refused (left as it was, values unchecked): a key split over both TP and DP that several
+    pipeline stages hold under one global key. It is what a tied embedding's optimizer state under a
+    distributed optimizer looks like (legitimate, equal values), and also what a stage-local key saved
+    without a name map looks like (different values, one stage's dropped); telling them apart needs the
+    stages' digests of such keys, which the value check does not send yet."""
+    if rank_local is None:
         return
-    compared: dict[int, set[str]] = {}  # stage -> keys its leader's digests cover
-    pieces: set[int] = set()  # DTensor pieces compared by id
-    checked = False
-    for plan in plans:
-        data = plan.planner_data or {}
-        checked = checked or data.get("values") is not None or bool(data.get("dtensor_values"))
-        if data.get("value_keys") is not None:
-            compared[layout.coords(data["rank"]).pp] = set(data["value_keys"][0])
-        raw = data.get("dtensor_values")
-        if raw:
-            pieces.update(np.frombuffer(raw, dtype="<u8", count=len(raw) // 12).tolist())
     for index, ranks in writers.items():
-        fqn = index.fqn
-        where = f"the chunk at offset {tuple(index.offset or ())}"
-        if rank_local is not None and rank_local.fullmatch(fqn):
+        if rank_local.fullmatch(index.fqn):
             raise ReplicaMismatch(
-                f"{fqn}: ranks {sorted(ranks)} each hold it as rank-local, under one key: only one rank's value "
-                f"of {where} would be written. A rank-local key must be unique per rank (e.g. f'...rank{{rank}}')"
+                f"{index.fqn}: ranks {sorted(ranks)} each hold it as rank-local, under one key: only one rank's "
+                f"value of the chunk at offset {tuple(index.offset or ())} would be written. A rank-local key "
+                "must be unique per rank (e.g. f'...rank{rank}')"
             )
-        stages = sorted({layout.coords(r).pp for r in ranks})
-        if not checked or len(stages) < 2 or all(fqn in compared.get(s, ()) for s in stages):
-            continue
-        item = next(it for p in plans for it in p.items if it.index == index)
-        td = item.tensor_data
-        if td is not None and piece_id(fqn, td.chunk.offsets, td.chunk.sizes) in pieces:
-            continue
-        raise ReplicaMismatch(
-            f"{fqn}: pipeline stages {stages} (ranks {sorted(ranks)}) each write {where} under one global key, "
-            "and no check compares their values (its pieces are split over both TP and DP, or held by one "
-            "rank of each stage): only one stage's values would be written. If each stage holds its own "
-            "tensor, give the stages' keys global names (name_map); if they are one shared tensor, hold it "
-            "replicated or split over one axis so its values can be compared"
-        )
 
 
 def undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> BaseException:

@@ -149,7 +149,7 @@ def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, s
     return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
 
 
-def dedup_plans(plans: list[SavePlan], layout: ParallelLayout, rank_local: Any) -> list[SavePlan]:
+def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
     """(coordinator) ``plans`` with one writer per chunk and per object.
 
     Ranks that hold the same chunk (replicas the ownership choice could not keep apart, or pieces of
@@ -185,7 +185,7 @@ def dedup_plans(plans: list[SavePlan], layout: ParallelLayout, rank_local: Any) 
                     )
                 if all(td.chunk.sizes):  # an empty piece of an uneven split holds no value
                     writers.setdefault(item.index, [prior[0]]).append(i)
-    check_duplicate_writers(writers, plans, layout, rank_local)
+    check_duplicate_writers(writers, rank_local)
     object_owner: dict[str, int] = {}
     for fqn, holders in object_holders.items():
         digests = {d for _, d in holders}
@@ -454,7 +454,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        plans, metadata = create_default_global_save_plan(dedup_plans(full, self.layout, self._rank_local))
+        plans, metadata = create_default_global_save_plan(dedup_plans(full, self._rank_local))
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
         for plan in full:

@@ -358,28 +358,15 @@ def test_replicated_complex32_is_checked_and_undigestable_dtypes_are_refused_by_
         _save(tmp_path / "q", [{"model": {"q": q.clone(), "w": torch.ones(3)}} for _ in range(2)], ParallelLayout(dp=2))
 
 
-def test_a_chunk_several_ranks_write_unchecked_is_refused_not_dropped(tmp_path: Path) -> None:
-    """The global plan keeps one writer per chunk. Two ranks writing one chunk whose values nothing
-    compared lost one rank's values silently: a key split over TP and DP held by two pipeline stages
-    under one global key (a stage-local name saved without a name map), and a rank-local key two ranks
-    hold. Both are refused naming the key; a tensor the stages share replicated still saves."""
-    layout = ParallelLayout(tp=2, dp=2, pp=2, pp_layers=(1, 1))
-    specs = {"optim.state.m": (ShardSpec(0), ShardSpec(0, axis="dp"))}
-
-    def sd(rank: int, shared: torch.Tensor) -> dict[str, Any]:
-        c = layout.coords(rank)
-        full = torch.arange(16.0).reshape(8, 2) + 100 * c.pp  # each stage its own values, one global key
-        m = full.chunk(2)[c.tp].chunk(2)[c.dp].clone()
-        return {"model": {"layers.0.w": torch.ones(2) * c.pp, "shared": shared.clone()}, "optim": {"state": {"m": m}}}
-
-    tie = torch.randn(4)
-    with pytest.raises(ReplicaMismatch, match=r"optim\.state\.m: pipeline stages \[0, 1\] .* under one global key"):
-        _save(tmp_path / "pp", [sd(r, tie) for r in range(8)], layout, specs)
-    ok = [{k: v for k, v in sd(r, tie).items() if k != "optim"} for r in range(8)]  # the shared tensor alone
-    metadata = _save(tmp_path / "tie", ok, layout)
-    assert len(metadata.state_dict_metadata["model.shared"].chunks) == 1
+def test_a_rank_local_key_several_ranks_hold_is_refused_not_dropped(tmp_path: Path) -> None:
+    """The global plan keeps one writer per chunk: a rank-local key two ranks hold lost one rank's value
+    silently (its RNG state, say); refused naming the key. ``rank_local`` as one string became the globs
+    of its characters ('*' among them: every key rank-local, the replica check skipped); refused."""
     sds = [{"model": {"w": torch.ones(3)}, "rng": torch.tensor([r])} for r in range(2)]
     with pytest.raises(ReplicaMismatch, match=r"rng: ranks \[0, 1\] each hold it as rank-local"):
         _save(tmp_path / "rl", sds, ParallelLayout(dp=2), rank_local=["rng"])
+    unique = [{"model": {"w": torch.ones(3)}, f"rng{r}": torch.tensor([r])} for r in range(2)]
+    metadata = _save(tmp_path / "ok", unique, ParallelLayout(dp=2), rank_local=["rng*"])
+    assert {"rng0", "rng1"} <= set(metadata.state_dict_metadata)
     with pytest.raises(TypeError, match=r"rank_local must be a list of globs, not a single string"):
         ParallelSavePlanner(ParallelLayout(dp=2), rank_local="rng*")

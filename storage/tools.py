@@ -6,7 +6,7 @@ import dataclasses
 import datetime
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
@@ -147,16 +147,37 @@ def check_blocks(
     ``smpckpt verify --local``, which checks each fast-tier copy so."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
-        for start, end, blocks in rec.unit_ranges():
-            # a block, or a row group of tiles read whole so each tile's row segments are at hand
-            digest = digest_of(memoryview(f.read(end - start)), start)
-            for i in blocks:
-                if digest(rec.spans(i)) != rec.block_digests[i]:
-                    ok = False
-                    bs, be = rec.block_start(i), rec.block_ends[i]
-                    problems.append(f"{where}: checksum mismatch in bytes {bs}..{be} (block {i})")
-            tick(end - start)
+        # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are
+        # at hand) are read together, up to _READ_CHUNK a request: a unit a request made a checkpoint of
+        # 16 KiB units 64 ranged GETs per MiB on object stores (2,560 for 40 MiB: 24 s on moto)
+        for first, last, units in _unit_batches(rec, _READ_CHUNK):
+            f.seek(first)
+            data = memoryview(f.read(last - first))
+            if len(data) != last - first:  # the file shrank since its size was checked
+                problems.append(f"{where}: bytes {first}..{last} came back short ({len(data)} bytes)")
+                return False
+            digest = digest_of(data, first)
+            for start, end, blocks in units:
+                for i in blocks:
+                    if digest(rec.spans(i)) != rec.block_digests[i]:
+                        ok = False
+                        bs, be = rec.block_start(i), rec.block_ends[i]
+                        problems.append(f"{where}: checksum mismatch in bytes {bs}..{be} (block {i})")
+                tick(end - start)
     return ok
+
+
+def _unit_batches(rec: FileRecord, limit: int) -> Iterator[tuple[int, int, list[tuple[int, int, range]]]]:
+    """``rec``'s check units as ``(first byte, end, units)`` runs of adjacent units of at most ``limit``
+    bytes (a unit larger than ``limit`` alone)."""
+    batch: list[tuple[int, int, range]] = []
+    for unit in rec.unit_ranges():
+        if batch and (unit[0] != batch[-1][1] or unit[1] - batch[0][0] > limit):
+            yield batch[0][0], batch[-1][1], batch
+            batch = []
+        batch.append(unit)
+    if batch:
+        yield batch[0][0], batch[-1][1], batch
 
 
 def _size(fs: Any, fpath: str) -> int | None:

@@ -47,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from _model import TDef, check_safetensors, global_tensor, local_piece, model_defs
 from _rss import peak, reset_peak
+from bench_full import _gather  # the ranks' all_gather_object, as bench_full's
 
 from smpckpt import ShardSpec
 from smpckpt.model.layout import ParallelLayout
@@ -103,12 +104,6 @@ def worker(rank: int, cfg: dict[str, Any]) -> None:
         _run_rank(rank, cfg)
     finally:
         dist.destroy_process_group()
-
-
-def _gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _run_rank(rank: int, cfg: dict[str, Any]) -> None:

@@ -13,8 +13,9 @@ Every rank computes a 4-byte digest (:func:`~._value_digests.value_digests`: a f
 too, in the key order the replica digest uses. Which tensors those are follows from the layout alone,
 by how a key is split (:func:`checked_codes`): a key replicated over the stage when the stage has more
 than one rank, a TP shard when dp > 1 (its DP replicas), a ZeRO shard when tp > 1; with pipeline
-stages every replicated key, since two stages may hold one global key. A rank of a single-rank stage
-computes nothing.
+stages every key, since two stages may hold one global key -- a key split over both TP and DP too, whose
+piece no other rank of its stage holds: only the stage's first rank digests those. A rank of a
+single-rank stage computes nothing.
 
 What crosses ranks stays small (:func:`rank_values`): every rank sends one 4-byte summary per split
 code (a digest of its digests), and per-key digests only where they name keys: the first two ranks of
@@ -61,16 +62,22 @@ __all__ = [
     "split_code",
 ]
 
-#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
-_SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
+#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp, by both
+_SPLIT_CODES = MappingProxyType(
+    {frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2, frozenset({"tp", "dp"}): 3}
+)
+#: the codes another rank of a stage may hold a piece of (summarised per rank)
 _CODES = (0, 1, 2)
+#: with pipeline stages every code: a piece split over both is held by one rank of its stage, but another
+#: stage may hold the same global key (compared between the stages' first ranks)
+_STAGE_CODES = (0, 1, 2, 3)
 _SHOWN = 5
 #: bytes of a rank's summaries (one little-endian uint32 per split code) ahead of its per-key digests
 _SUMMARY_BYTES = 4 * len(_CODES)
 
 
 def split_code(axes: frozenset[str]) -> int:
-    """A replicated key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp."""
+    """A key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp, 3 over both."""
     return _SPLIT_CODES[axes]
 
 
@@ -81,9 +88,9 @@ def _shared_codes(layout: ParallelLayout) -> tuple[int, ...]:
 
 
 def checked_codes(layout: ParallelLayout) -> tuple[int, ...]:
-    """The split codes whose keys every rank digests: those another rank of its stage holds too, and
+    """The split codes of the keys on a stage's key list: those another rank of its stage holds too, and
     with pipeline stages all of them (two stages may hold one global key)."""
-    return _CODES if layout.pp > 1 else _shared_codes(layout)
+    return _STAGE_CODES if layout.pp > 1 else _shared_codes(layout)
 
 
 def _group(code: int, c: RankCoords) -> tuple[int, ...]:
@@ -102,7 +109,7 @@ def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
     code from the first rank of each stage (compared key by key across stages)."""
     c = layout.coords(rank)
     if layout.pp > 1 and c.tp == 0 and c.dp == 0:
-        return _CODES
+        return _STAGE_CODES
     return tuple(code for code in _shared_codes(layout) if _index_in_group(code, c, layout) < 2)
 
 
@@ -360,11 +367,11 @@ def check_duplicate_writers(writers: dict[Any, list[int]], rank_local: Any) -> N
     ``writers``: each chunk (``MetadataIndex``) several ranks plan, with their ranks (empty chunks of
     uneven splits left out); ``rank_local`` the compiled ``rank_local`` globs (or ``None``).
 
-    Not refused (left as it was, values unchecked): a key split over both TP and DP that several
-    pipeline stages hold under one global key. It is what a tied embedding's optimizer state under a
-    distributed optimizer looks like (legitimate, equal values), and also what a stage-local key saved
-    without a name map looks like (different values, one stage's dropped); telling them apart needs the
-    stages' digests of such keys, which the value check does not send yet."""
+    Not refused here: a key split over both TP and DP that several pipeline stages hold under one global
+    key. It is what a tied embedding's optimizer state under a distributed optimizer looks like
+    (legitimate, equal values), and also what a stage-local key saved without a name map looks like
+    (different values, one stage's dropped): the value check tells them apart, comparing the stages'
+    first pieces of it (:func:`checked_codes`)."""
     if rank_local is None:
         return
     for index, ranks in writers.items():

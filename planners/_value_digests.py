@@ -105,9 +105,11 @@ def value_digests(tensors: Sequence[torch.Tensor]) -> bytes:
         if numel and type(t) is _PLAIN and t.is_cpu and t.is_contiguous() and not t.is_neg():
             code = codes.get(t.dtype)
             if code is not None and (code < _FIRST_COMPLEX or not t.is_conj()):
-                kinds.append(code)
-                ptrs.append(t.data_ptr())
-                continue
+                ptr = t.data_ptr()
+                if ptr:  # a ZeroTensor has no memory (address 0): sampled by torch, below
+                    kinds.append(code)
+                    ptrs.append(ptr)
+                    continue
         kinds.append(_SKIP if not numel or t.is_meta else _SLOW)
         ptrs.append(0)
     counts = np.asarray(numels, dtype=np.int64)

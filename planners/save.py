@@ -332,7 +332,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         shared.sort(key=_by_key)
         tied = self.tied
         replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in tied]
-        checked, codes, fresh = self._replica_values(replicas)
+        # with pipeline stages a key split over both TP and DP is value-checked too, across stages: two
+        # stages holding it under one global key would otherwise keep one stage's values without a word
+        digested = replicas if self.layout.pp == 1 else [e for e in shared if e.key not in tied]
+        checked, codes, fresh = self._replica_values(digested)
         hit = self._cache.hit(signature, self.rank, object_digests, fresh)
         if hit is not None:
             return hit
@@ -382,7 +385,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         return plan
 
     def _replica_values(self, replicas: list[Entry]) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
-        """The tensors whose values other ranks hold too (of ``replicas``, given in key order), their
+        """The tensors whose values other ranks (or stages) hold too (of ``replicas``, in key order), their
         split codes, and what this rank sends about their values (``planner_data`` fields; ``None``:
         nothing to compare).
         Which tensors those are follows from the layout alone (``_replica_values.checked_codes``): a

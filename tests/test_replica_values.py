@@ -370,3 +370,41 @@ def test_a_rank_local_key_several_ranks_hold_is_refused_not_dropped(tmp_path: Pa
     assert {"rng0", "rng1"} <= set(metadata.state_dict_metadata)
     with pytest.raises(TypeError, match=r"rank_local must be a list of globs, not a single string"):
         ParallelSavePlanner(ParallelLayout(dp=2), rank_local="rng*")
+
+
+def test_a_key_split_over_tp_and_dp_that_two_stages_hold_is_compared_across_stages(tmp_path: Path) -> None:
+    """A key split over both TP and DP has no replica within a stage, so it was never digested: two
+    pipeline stages holding it under one global key (a stage-local name saved without a name map) lost
+    one stage's values silently. The stages' first ranks now compare their pieces. The legitimate twin, a
+    tensor every stage holds with equal values (a tied embedding's sharded optimizer state), still saves,
+    its one copy bit-exact."""
+    layout = ParallelLayout(tp=2, dp=2, pp=2, pp_layers=(1, 1))
+    specs = {"optim.state.m": (ShardSpec(0), ShardSpec(0, axis="dp"))}
+    base = torch.arange(16.0).reshape(8, 2)
+
+    def sd(rank: int, full: torch.Tensor) -> dict[str, Any]:
+        c = layout.coords(rank)
+        m = full.chunk(2)[c.tp].chunk(2)[c.dp].clone()
+        return {"model": {"layers.0.w": torch.ones(2) * c.pp}, "optim": {"state": {"m": m}}}
+
+    differ = [sd(r, base + 100 * layout.coords(r).pp) for r in range(8)]  # each stage its own values
+    with pytest.raises(ReplicaMismatch, match=r"pipeline stages 0 and 1 \(ranks 0 and 4\) both hold 'optim\.state\.m'"):
+        _save(tmp_path / "differ", differ, layout, specs)
+    metadata = _save(tmp_path / "tied", [sd(r, base) for r in range(8)], layout, specs)
+    assert len(metadata.state_dict_metadata["optim.state.m"].chunks) == 4
+    loaded = {
+        "model": {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)},
+        "optim": {"state": {"m": torch.zeros(8, 2)}},
+    }
+    sim_load([loaded], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path / "tied"))])
+    assert torch.equal(loaded["optim"]["state"]["m"], base)
+
+
+def test_a_replicated_zero_tensor_is_sampled_as_zeros(tmp_path: Path) -> None:
+    """A ZeroTensor (``torch._efficientzerotensor``: no memory, data pointer 0) failed the save with the
+    check on (numpy's "data is NULL"); it digests as the zeros it stands for, and a drift is still seen."""
+    zero = torch._efficientzerotensor((300, 7))
+    assert value_digests([zero, torch.ones(3)]) == value_digests([torch.zeros(300, 7), torch.ones(3)])
+    _save(tmp_path / "same", [{"model": {"z": zero}}, {"model": {"z": torch.zeros(300, 7)}}], ParallelLayout(dp=2))
+    with pytest.raises(ReplicaMismatch, match=r"'model\.z'"):
+        _save(tmp_path / "drift", [{"model": {"z": zero}}, {"model": {"z": torch.ones(300, 7)}}], ParallelLayout(dp=2))

@@ -185,11 +185,12 @@ def _gather_cpu(dtype: torch.dtype, base: np.ndarray, counts: np.ndarray) -> np.
 def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """The canonical sample bytes of any other tensors: one ``take`` each (any strides, no copy of the
     tensor), one join and one copy to the host per device and dtype."""
-    groups: dict[tuple[int, torch.dtype], tuple[list[int], list[torch.Tensor], list[int]]] = {}
+    groups: dict[tuple[torch.device | None, torch.dtype], tuple[list[int], list[torch.Tensor], list[int]]] = {}
     for i, t in zip(where, tensors):
         n = t.numel()
-        # ``get_device`` is a plain int (``Tensor.device`` builds an object); -1 on the CPU
-        device = t.get_device()
+        # ``get_device`` is a plain int, -1 on the CPU (``Tensor.device`` builds an object: read only for
+        # an accelerator's tensor, whose type -- cuda, xpu, mps, ... -- the index must be moved to)
+        device = None if t.get_device() < 0 else t.device
         if n > SAMPLES:
             bits = _BITS_FOR_TAKE.get(t.dtype) if not _takes(t.dtype) else None
             if bits is None:
@@ -208,7 +209,7 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
         counts = np.asarray(numels, dtype=np.int64)
         _, valid = _sample_index(counts)
         joined = torch.cat(samples)
-        host = joined.cpu() if device >= 0 else joined
+        host = joined if device is None else joined.cpu()
         flat = host.contiguous().view(torch.uint8).numpy().reshape(-1, dtype.itemsize)
         raw = np.zeros((len(numels), SAMPLES, dtype.itemsize), dtype=np.uint8)
         raw[valid] = flat  # samples in row order; a small tensor's missing ones stay zero
@@ -244,11 +245,11 @@ def _takes(dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _torch_index(numel: int, device: int) -> torch.Tensor:
-    """The sampled flat indices of a tensor of ``numel`` elements on CUDA ``device`` (-1: the CPU)."""
+def _torch_index(numel: int, device: torch.device | None) -> torch.Tensor:
+    """The sampled flat indices of a tensor of ``numel`` elements on ``device`` (``None``: the CPU)."""
     idx, _ = _sample_index(np.asarray([numel], dtype=np.int64))
     t = torch.from_numpy(idx[0].copy())
-    return t if device < 0 else t.to(f"cuda:{device}")
+    return t if device is None else t.to(device)
 
 
 def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> np.ndarray:

@@ -410,3 +410,22 @@ def test_cuda_views_made_just_before_the_copy_and_large_conjugate_views_keep_the
         got = out[k]
         pairs = zip(got, want) if isinstance(want, list) else [(got, want)]
         assert all(torch.equal(a, b) for a, b in pairs), k
+
+
+@on_device
+def test_value_digests_of_device_tensors_equal_their_cpu_copies() -> None:
+    """The replica value check samples a device tensor where it lies (the sample index is moved to the
+    tensor's own device, of whatever type): contiguous, strided, conjugate and float8 ones digest as
+    their CPU copies do."""
+    from smpckpt.planners._replica_values import value_digests
+
+    base = torch.randn(300, 70, generator=torch.Generator().manual_seed(5))
+    cpu = [
+        base,
+        base.t(),
+        base[:, ::3],
+        torch.randn(50, 50, dtype=torch.complex64).conj(),
+        base.to(torch.float8_e4m3fn),
+    ]
+    device = [t.to(DEVICE) for t in cpu]
+    assert value_digests(device) == value_digests(cpu)

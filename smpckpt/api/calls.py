@@ -91,7 +91,9 @@ class _Kept:
         return _Kept()
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
-        return (_Kept, ())
+        # a plain object, not a _Kept: a pickled model must load where smpckpt is not installed (an
+        # inference host); anything but a _Kept reads as "no Checkpointer kept"
+        return (object, ())
 
 
 def save_checkpoint(

@@ -9,6 +9,8 @@ import copy
 import inspect
 import os
 import pickle
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -118,7 +120,15 @@ def test_save_checkpoint_keeps_its_checkpointer_on_the_model_and_copies_leave_it
     assert _KEPT not in m.state_dict() and not any(_KEPT in k for k in m.state_dict())
     twin = copy.deepcopy(m)
     assert twin.__dict__[_KEPT].checkpointer is None  # a copy is another model: it builds its own
-    assert pickle.loads(pickle.dumps(m)).__dict__[_KEPT].checkpointer is None
+    pickled = pickle.dumps(m)
+    # a pickled model loads where smpckpt is not installed (an inference host)
+    (tmp_path / "model.pkl").write_bytes(pickled)
+    no_smpckpt = "import pickle, sys; sys.modules['smpckpt'] = None; pickle.load(open(sys.argv[1], 'rb'))"
+    subprocess.run([sys.executable, "-c", no_smpckpt, str(tmp_path / "model.pkl")], check=True, timeout=120)
+    unpickled = pickle.loads(pickled)
+    save_checkpoint(root, "d", model=unpickled, num_kept_partial_checkpoints=2)  # builds its own
+    assert isinstance(unpickled.__dict__[_KEPT].checkpointer, smpckpt.Checkpointer)
+    assert unpickled.__dict__[_KEPT].checkpointer is not m.__dict__[_KEPT].checkpointer
     _assert_equal(_resumed(root, "c"), _values(m, opt))
 
 

@@ -144,7 +144,7 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     DTensor ties by its local tensor, under the same placements on the same mesh (a head tied to a
     vocab-parallel embedding after ``parallelize_module``): its placements decide which rank writes it,
     alike for both keys. Only tensors with real storage can be tied: every meta tensor (and every empty
-    one) reports address 0, so same-shaped ones would look like one tensor.
+    one, and every ZeroTensor) reports address 0, so same-shaped ones would look like one tensor.
     """
     # Tied tensors share an address: only entries whose address another entry has too (few or none)
     # are compared in full, so the usual untied state pays one ``data_ptr()`` per tensor, not the
@@ -155,7 +155,7 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
             continue
         v = e.value
         ptr = v.data_ptr()
-        if not ptr and (v.is_meta or not v.numel()):  # no storage (every meta tensor is at 0): never tied
+        if not ptr:  # no storage (meta, empty, ZeroTensor: all at address 0): never tied
             continue
         seen = at.setdefault(ptr, e)
         if seen is not e:

@@ -13,9 +13,8 @@ Every rank computes a 4-byte digest (:func:`~._value_digests.value_digests`: a f
 too, in the key order the replica digest uses. Which tensors those are follows from the layout alone,
 by how a key is split (:func:`checked_codes`): a key replicated over the stage when the stage has more
 than one rank, a TP shard when dp > 1 (its DP replicas), a ZeRO shard when tp > 1; with pipeline
-stages every key, since two stages may hold one global key -- a key split over both TP and DP too, whose
-piece no other rank of its stage holds: only the stage's first rank digests those. A rank of a
-single-rank stage computes nothing.
+stages every replicated key, since two stages may hold one global key. A rank of a single-rank stage
+computes nothing.
 
 What crosses ranks stays small (:func:`rank_values`): every rank sends one 4-byte summary per split
 code (a digest of its digests), and per-key digests only where they name keys: the first two ranks of
@@ -32,12 +31,16 @@ DTensors say by their placements which ranks hold the same piece, whatever the l
 12 bytes per DTensor piece that other ranks may hold too (:func:`dtensor_values`: the piece's id and
 its value digest; a piece no placement replicates is left out) and the coordinator compares the ranks
 that sent the same piece.
+
+Keys split over DP are compared across pipeline stages the same way, by piece (``stage_values``; the
+save planner says which pieces), not through the stages' first ranks: a ZeRO-style piece is often empty
+on DP rank 0, and two stages may put one tied tensor's state on different DP ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -46,7 +49,7 @@ import torch
 import xxhash
 
 from smpckpt.errors import ReplicaMismatch
-from smpckpt.model.layout import ParallelLayout, RankCoords
+from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = [
@@ -60,24 +63,20 @@ __all__ = [
     "detail_codes",
     "rank_values",
     "split_code",
+    "stage_values",
 ]
 
-#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp, by both
-_SPLIT_CODES = MappingProxyType(
-    {frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2, frozenset({"tp", "dp"}): 3}
-)
-#: the codes another rank of a stage may hold a piece of (summarised per rank)
+#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
+_SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
 _CODES = (0, 1, 2)
-#: with pipeline stages every code: a piece split over both is held by one rank of its stage, but another
-#: stage may hold the same global key (compared between the stages' first ranks)
-_STAGE_CODES = (0, 1, 2, 3)
+_DP_SPLIT = 2
 _SHOWN = 5
 #: bytes of a rank's summaries (one little-endian uint32 per split code) ahead of its per-key digests
 _SUMMARY_BYTES = 4 * len(_CODES)
 
 
 def split_code(axes: frozenset[str]) -> int:
-    """A key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp, 3 over both."""
+    """A replicated key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp."""
     return _SPLIT_CODES[axes]
 
 
@@ -88,9 +87,9 @@ def _shared_codes(layout: ParallelLayout) -> tuple[int, ...]:
 
 
 def checked_codes(layout: ParallelLayout) -> tuple[int, ...]:
-    """The split codes of the keys on a stage's key list: those another rank of its stage holds too, and
+    """The split codes whose keys every rank digests: those another rank of its stage holds too, and
     with pipeline stages all of them (two stages may hold one global key)."""
-    return _STAGE_CODES if layout.pp > 1 else _shared_codes(layout)
+    return _CODES if layout.pp > 1 else _shared_codes(layout)
 
 
 def _group(code: int, c: RankCoords) -> tuple[int, ...]:
@@ -109,7 +108,7 @@ def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
     code from the first rank of each stage (compared key by key across stages)."""
     c = layout.coords(rank)
     if layout.pp > 1 and c.tp == 0 and c.dp == 0:
-        return _STAGE_CODES
+        return _CODES
     return tuple(code for code in _shared_codes(layout) if _index_in_group(code, c, layout) < 2)
 
 
@@ -161,6 +160,36 @@ def dtensor_values(pieces: Sequence[tuple[str, Sequence[int], Sequence[int], tor
     of ``Shard`` and ``Replicate`` is compared alike, without sending keys."""
     ids = np.fromiter((piece_id(k, o, s) for k, o, s, _ in pieces), dtype="<u8", count=len(pieces))
     return ids.tobytes() + value_digests([t for *_, t in pieces])
+
+
+def stage_values(
+    layout: ParallelLayout, rank: int, name_map: NameMap | None, shared: Sequence[Any], tied: Mapping[str, str]
+) -> bytes | None:
+    """(pipeline stages) What a rank sends for its tensors split over DP that another stage may hold
+    under the same global key: per piece its :func:`piece_id` and value digest, as :func:`dtensor_values`;
+    ``None`` when there are none. ``shared``: the rank's plain tensor entries other ranks agree on.
+
+    Why by piece, from every holder: a key split over DP (ZeRO-style optimizer state) often has empty
+    pieces -- each tensor's state in one DP rank's range -- and two stages may legitimately place one
+    tied tensor's state on different DP ranks. Pieces are compared where two stages hold the same one
+    (the coordinator groups them by id, :func:`_stage_piece_problems`), so an empty piece compares
+    nothing and a moved one refuses nothing; comparing the stages' first ranks would miss the first and
+    refuse the second. Left out: empty pieces; a key split over DP alone on ranks other than TP rank 0
+    (its TP replicas hold the same piece, compared within the stage); a key the ``layers.<i>`` rule
+    renumbers (its global layer number is its stage's own: no other stage holds it)."""
+    if layout.pp == 1:
+        return None
+    coords = layout.coords(rank)
+    mapper = KeyMapper(layout, coords.pp, name_map)
+    pieces = []
+    for e in shared:
+        axes, chunk = e.sharded_axes, e.chunk
+        if "dp" not in axes or e.key in tied or chunk is None or 0 in chunk.sizes:
+            continue
+        if ("tp" not in axes and coords.tp != 0) or mapper.renumbers(e.local_key):
+            continue
+        pieces.append((e.key, chunk.offsets, chunk.sizes, e.value))
+    return dtensor_values(pieces) if pieces else None
 
 
 def _cause(code: int, ranks: list[int], layout: ParallelLayout) -> str:
@@ -234,10 +263,12 @@ def check_replica_values(fresh: Sequence[Any], structure: Sequence[Any], layout:
         problems.extend(_stage_problems(stage, members, leaders[stage], shared, layout))
     problems.extend(_across_stages(leaders, first_rows))
     problems.extend(_dtensor_problems(fresh, structure))
+    problems.extend(_stage_piece_problems(fresh, structure, layout))
     if problems:
+        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise ReplicaMismatch(
             "ranks that must hold the same tensor piece hold different values, and only one of them would be "
-            f"saved: {'; '.join(problems[:_SHOWN])}. (Checked on a sample of each tensor; pass "
+            f"saved: {'; '.join(problems[:_SHOWN])}{more}. (Checked on a sample of each tensor; pass "
             "verify_replicas=False only if replicas are meant to differ.)"
         )
 
@@ -282,13 +313,16 @@ def _stage_problems(
 
 
 def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first_rows: dict[int, _Row]) -> list[str]:
-    """A global key two stages hold must hold one value: else a stage-local name was not renumbered."""
+    """A global key two stages hold must hold one value: else a stage-local name was not renumbered.
+    Keys split over DP are left to :func:`_stage_piece_problems` (compared by piece)."""
     seen: dict[str, tuple[int, int, int]] = {}  # key -> (stage, rank, digest) of its first holder
     problems: list[str] = []
     for stage, row in sorted(first_rows.items()):
         rank, values = row.rank, row.digests
-        keys = leaders[stage][0]
+        keys, codes = leaders[stage]
         for i, key in enumerate(keys):
+            if codes[i] == _DP_SPLIT:
+                continue
             prior = seen.setdefault(key, (stage, rank, int(values[i])))
             if prior[0] != stage and prior[2] != int(values[i]):
                 problems.append(
@@ -299,15 +333,16 @@ def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first
     return problems
 
 
-def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[str]:
-    """Ranks that sent the same DTensor piece (:func:`dtensor_values`) with different values.
+def _differing_pieces(fresh: Sequence[Any], field: str) -> tuple[dict[int, tuple[int, int]], int]:
+    """Ranks that sent the same piece (``planner_data[field]``, :func:`dtensor_values`' format) with
+    different values: up to :data:`_SHOWN` piece ids -> (the first rank that sent it, a rank that differs),
+    and how many pieces differ in all.
 
     One vectorised pass over every rank's pieces (sorted by piece id, each compared with the first of
-    its run); keys are looked up only for pieces that differ, among the items of the plans (the piece's
-    writer lists it), so nothing per piece crosses ranks but its 12 bytes."""
+    its run), so nothing per piece crosses ranks but its 12 bytes."""
     ids_parts, value_parts, rank_parts = [], [], []
     for rank, plan in enumerate(fresh):
-        raw = (plan.planner_data or {}).get("dtensor_values")
+        raw = (plan.planner_data or {}).get(field)
         if not raw:
             continue
         n = len(raw) // 12
@@ -315,7 +350,7 @@ def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[st
         value_parts.append(np.frombuffer(raw, dtype="<u4", count=n, offset=8 * n))
         rank_parts.append(np.full(n, rank, dtype=np.int64))
     if len(ids_parts) < 2:
-        return []
+        return {}, 0
     order = np.argsort(np.concatenate(ids_parts), kind="stable")
     ids, values, ranks = (np.concatenate(a)[order] for a in (ids_parts, value_parts, rank_parts))
     starts = np.ones(len(ids), dtype=bool)
@@ -323,12 +358,21 @@ def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[st
     first = np.maximum.accumulate(np.where(starts, np.arange(len(ids)), 0))
     bad = np.nonzero(values != values[first])[0]
     if not len(bad):
-        return []
-    shown: dict[int, tuple[int, int]] = {}  # piece id -> (first rank, a rank that differs)
+        return {}, 0
+    shown: dict[int, tuple[int, int]] = {}
     for i in bad:
         if len(shown) == _SHOWN:
             break
         shown.setdefault(int(ids[i]), (int(ranks[first[i]]), int(ranks[i])))
+    return shown, len(np.unique(ids[bad]))
+
+
+def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[str]:
+    """Ranks that sent the same DTensor piece (:func:`dtensor_values`) with different values; keys are
+    looked up only for pieces that differ, among the items of the plans (the piece's writer lists it)."""
+    shown, distinct = _differing_pieces(fresh, "dtensor_values")
+    if not shown:
+        return []
     names = _piece_names(set(shown), structure)
     problems = []
     for pid, (a, b) in shown.items():
@@ -337,13 +381,32 @@ def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[st
             f"ranks {a} and {b} hold different values of {what}: a DTensor's replicas (the ranks of its Replicate "
             "mesh dims, or of another copy of its mesh) must hold the same local values"
         )
-    distinct = len(np.unique(ids[bad]))
     if distinct > len(shown):
         problems.append(f"(and {distinct - len(shown)} more DTensor pieces)")
     return problems
 
 
-def _piece_names(wanted: set[int], structure: Sequence[Any]) -> dict[int, str]:
+def _stage_piece_problems(fresh: Sequence[Any], structure: Sequence[Any], layout: ParallelLayout) -> list[str]:
+    """Pipeline stages that hold the same piece of a key split over DP (``stage_values``) with different
+    values: a stage-local key not renumbered to its global name (one stage's values would be dropped)."""
+    shown, distinct = _differing_pieces(fresh, "stage_values")
+    if not shown:
+        return []
+    names = _piece_names(set(shown), structure, "")
+    problems = []
+    for pid, (a, b) in shown.items():
+        what = names.get(pid, f"a piece (id {pid:#018x}) of a tensor split over data parallelism")
+        problems.append(
+            f"pipeline stages {layout.coords(a).pp} and {layout.coords(b).pp} (ranks {a} and {b}) both hold {what} "
+            "with different values: a stage-local key not renumbered to its global name (only a 'layers.<i>' "
+            "segment is renumbered by pp_layers; pass name_map= for other schemes)"
+        )
+    if distinct > len(shown):
+        problems.append(f"(and {distinct - len(shown)} more pieces held by several stages)")
+    return problems
+
+
+def _piece_names(wanted: set[int], structure: Sequence[Any], kind: str = "DTensor ") -> dict[int, str]:
     """``DTensor 'key' piece at offsets (...)`` for the wanted piece ids, from the plans' write items."""
     names: dict[int, str] = {}
     for plan in structure:
@@ -353,7 +416,7 @@ def _piece_names(wanted: set[int], structure: Sequence[Any]) -> dict[int, str]:
                 continue
             pid = piece_id(item.index.fqn, td.chunk.offsets, td.chunk.sizes)
             if pid in wanted and pid not in names:
-                names[pid] = f"DTensor {item.index.fqn!r} piece at offsets {tuple(td.chunk.offsets)}"
+                names[pid] = f"{kind}{item.index.fqn!r} piece at offsets {tuple(td.chunk.offsets)}"
                 if len(names) == len(wanted):
                     return names
     return names
@@ -367,11 +430,10 @@ def check_duplicate_writers(writers: dict[Any, list[int]], rank_local: Any) -> N
     ``writers``: each chunk (``MetadataIndex``) several ranks plan, with their ranks (empty chunks of
     uneven splits left out); ``rank_local`` the compiled ``rank_local`` globs (or ``None``).
 
-    Not refused here: a key split over both TP and DP that several pipeline stages hold under one global
-    key. It is what a tied embedding's optimizer state under a distributed optimizer looks like
-    (legitimate, equal values), and also what a stage-local key saved without a name map looks like
-    (different values, one stage's dropped): the value check tells them apart, comparing the stages'
-    first pieces of it (:func:`checked_codes`)."""
+    Not refused here: a key split over DP that several pipeline stages hold under one global key. It is
+    what a tied embedding's optimizer state under a distributed optimizer looks like (legitimate, equal
+    values), and also what a stage-local key saved without a name map looks like (different values, one
+    stage's dropped): the value check tells them apart by piece (:func:`_stage_piece_problems`)."""
     if rank_local is None:
         return
     for index, ranks in writers.items():

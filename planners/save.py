@@ -49,6 +49,7 @@ from smpckpt.planners._replica_values import (
     dtensor_values,
     rank_values,
     split_code,
+    stage_values,
     undigestable,
 )
 
@@ -332,10 +333,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         shared.sort(key=_by_key)
         tied = self.tied
         replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in tied]
-        # with pipeline stages a key split over both TP and DP is value-checked too, across stages: two
-        # stages holding it under one global key would otherwise keep one stage's values without a word
-        digested = replicas if self.layout.pp == 1 else [e for e in shared if e.key not in tied]
-        checked, codes, fresh = self._replica_values(digested)
+        checked, codes, fresh = self._replica_values(replicas, shared)
         hit = self._cache.hit(signature, self.rank, object_digests, fresh)
         if hit is not None:
             return hit
@@ -384,14 +382,17 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self._cache.remember(signature, plan)
         return plan
 
-    def _replica_values(self, replicas: list[Entry]) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
-        """The tensors whose values other ranks (or stages) hold too (of ``replicas``, in key order), their
+    def _replica_values(
+        self, replicas: list[Entry], shared: list[Entry]
+    ) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
+        """The tensors whose values other ranks hold too (of ``replicas``, given in key order), their
         split codes, and what this rank sends about their values (``planner_data`` fields; ``None``:
-        nothing to compare).
+        nothing to compare); ``shared``: every plain tensor other ranks agree on (for the pieces other
+        stages may hold, ``_replica_values.stage_values``).
         Which tensors those are follows from the layout alone (``_replica_values.checked_codes``): a
         rank of a one-rank stage digests none."""
         if not self.verify_replicas:
-            return [], b"", {"values": None, "dtensor_values": None}
+            return [], b"", {"values": None, "dtensor_values": None, "stage_values": None}
         wanted = checked_codes(self.layout)
         checked: list[Entry] = []
         code_list: list[int] = []
@@ -408,9 +409,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         try:
             values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
             dvalues = self._dtensor_values()
+            svalues = stage_values(self.layout, self.rank, self.name_map, shared, self.tied)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise undigestable([(e.key, e.value) for e in self.entries.values() if e.kind != "object"], exc) from exc
-        return checked, codes, {"values": values, "dtensor_values": dvalues}
+        return checked, codes, {"values": values, "dtensor_values": dvalues, "stage_values": svalues}
 
     def _dtensor_values(self) -> bytes | None:
         """The value digests of the DTensor pieces this rank holds that other ranks may hold too (checked

@@ -372,39 +372,91 @@ def test_a_rank_local_key_several_ranks_hold_is_refused_not_dropped(tmp_path: Pa
         ParallelSavePlanner(ParallelLayout(dp=2), rank_local="rng*")
 
 
-def test_a_key_split_over_tp_and_dp_that_two_stages_hold_is_compared_across_stages(tmp_path: Path) -> None:
-    """A key split over both TP and DP has no replica within a stage, so it was never digested: two
-    pipeline stages holding it under one global key (a stage-local name saved without a name map) lost
-    one stage's values silently. The stages' first ranks now compare their pieces. The legitimate twin, a
-    tensor every stage holds with equal values (a tied embedding's sharded optimizer state), still saves,
-    its one copy bit-exact."""
+def test_keys_split_over_dp_that_two_stages_hold_are_compared_by_piece(tmp_path: Path) -> None:
+    """A key split over DP (alone or with TP) that two pipeline stages hold under one global key (a
+    stage-local name saved without a name map) lost one stage's values silently: a piece split over both
+    has no replica in its stage, and comparing the stages' first ranks misses a ZeRO-style key whose DP
+    rank 0 piece is empty. Pieces are compared where two stages hold the same one. The legitimate twin
+    -- a tied tensor's sharded optimizer state, equal on both stages, even placed on different DP ranks
+    per stage -- still saves, its one copy bit-exact."""
     layout = ParallelLayout(tp=2, dp=2, pp=2, pp_layers=(1, 1))
-    specs = {"optim.state.m": (ShardSpec(0), ShardSpec(0, axis="dp"))}
-    base = torch.arange(16.0).reshape(8, 2)
+    base = torch.arange(32.0).reshape(8, 4)
 
-    def sd(rank: int, full: torch.Tensor) -> dict[str, Any]:
+    def sd(rank: int, full: torch.Tensor, owner: int | None) -> dict[str, Any]:
+        """``owner``: the DP rank holding the whole TP piece (ZeRO-style); ``None``: split evenly over DP."""
         c = layout.coords(rank)
-        m = full.chunk(2)[c.tp].chunk(2)[c.dp].clone()
-        return {"model": {"layers.0.w": torch.ones(2) * c.pp}, "optim": {"state": {"m": m}}}
+        tp_piece = full.chunk(2)[c.tp]
+        m = tp_piece.chunk(2)[c.dp] if owner is None else tp_piece if c.dp == owner else tp_piece[:0]
+        return {"model": {"layers.0.w": torch.ones(2) * c.pp}, "optim": {"state": {"m": m.clone()}}}
 
-    differ = [sd(r, base + 100 * layout.coords(r).pp) for r in range(8)]  # each stage its own values
-    with pytest.raises(ReplicaMismatch, match=r"pipeline stages 0 and 1 \(ranks 0 and 4\) both hold 'optim\.state\.m'"):
-        _save(tmp_path / "differ", differ, layout, specs)
-    metadata = _save(tmp_path / "tied", [sd(r, base) for r in range(8)], layout, specs)
-    assert len(metadata.state_dict_metadata["optim.state.m"].chunks) == 4
-    loaded = {
-        "model": {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)},
-        "optim": {"state": {"m": torch.zeros(8, 2)}},
+    def planners(owners: dict[int, int | None]) -> list[ParallelSavePlanner]:
+        out = []
+        for r in range(8):
+            owner = owners[layout.coords(r).pp]
+            dp = ShardSpec(0, axis="dp", sizes=None if owner is None else ((4, 0) if owner == 0 else (0, 4)))
+            out.append(ParallelSavePlanner(layout, {"optim.state.m": (ShardSpec(0), dp)}, rank=r))
+        return out
+
+    def save(name: str, owners: dict[int, int | None], differ: bool) -> Any:
+        sds = [
+            sd(r, base + (100 * layout.coords(r).pp if differ else 0), owners[layout.coords(r).pp]) for r in range(8)
+        ]
+        return sim_save(sds, planners(owners), [FsspecStorageWriter(str(tmp_path / name)) for _ in range(8)])
+
+    stage_key = r"pipeline stages 0 and 1 \(ranks \d and \d\) both hold 'optim\.state\.m' piece at offsets"
+    with pytest.raises(ReplicaMismatch, match=stage_key):
+        save("even", {0: None, 1: None}, differ=True)
+    with pytest.raises(ReplicaMismatch, match=stage_key):  # DP rank 0's pieces are empty on both stages
+        save("zero", {0: 1, 1: 1}, differ=True)
+    for name, owners in (("tied", {0: None, 1: None}), ("moved", {0: 1, 1: 0})):
+        metadata = save(name, owners, differ=False)
+        assert len(metadata.state_dict_metadata["optim.state.m"].chunks) == (4 if owners[0] is None else 2)
+        loaded = {
+            "model": {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)},
+            "optim": {"state": {"m": torch.zeros(8, 4)}},
+        }
+        sim_load([loaded], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path / name))])
+        assert torch.equal(loaded["optim"]["state"]["m"], base)
+
+
+def test_only_pieces_another_stage_may_hold_are_sent() -> None:
+    """What the cross-stage piece check costs: a key the ``layers.<i>`` rule renumbers is its stage's own
+    (not sent, stage 0's unchanged names included), a key split over DP alone is sent by TP rank 0 only,
+    and empty pieces never."""
+    layout = ParallelLayout(tp=2, dp=2, pp=2, pp_layers=(1, 1))
+    specs = {
+        "*.both": (ShardSpec(0), ShardSpec(0, axis="dp")),
+        "*.dp_only": ShardSpec(0, axis="dp"),
+        "*.empty_on_dp0": (ShardSpec(0), ShardSpec(0, axis="dp", sizes=(0, 4))),
     }
-    sim_load([loaded], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path / "tied"))])
-    assert torch.equal(loaded["optim"]["state"]["m"], base)
+
+    def sd(rank: int) -> dict[str, Any]:
+        c = layout.coords(rank)
+        return {
+            "layers.0.both": torch.ones(2, 2),
+            "embed.both": torch.ones(2, 2),
+            "embed.dp_only": torch.ones(4, 2),
+            "embed.empty_on_dp0": torch.ones(0 if c.dp == 0 else 4, 2),
+        }
+
+    plans = _local_plans(layout, [sd(r) for r in range(8)], specs)
+    sent = [len(p.planner_data["stage_values"] or b"") // 12 for p in plans]
+    # rank (tp, dp): embed.both always; embed.dp_only on tp 0; embed.empty_on_dp0 on dp 1
+    assert sent == [2, 1, 3, 2] * 2
 
 
 def test_a_replicated_zero_tensor_is_sampled_as_zeros(tmp_path: Path) -> None:
     """A ZeroTensor (``torch._efficientzerotensor``: no memory, data pointer 0) failed the save with the
-    check on (numpy's "data is NULL"); it digests as the zeros it stands for, and a drift is still seen."""
+    check on (numpy's "data is NULL"); it digests as the zeros it stands for, and a drift is still seen.
+    Two of them are not one tied tensor (both at address 0)."""
     zero = torch._efficientzerotensor((300, 7))
     assert value_digests([zero, torch.ones(3)]) == value_digests([torch.zeros(300, 7), torch.ones(3)])
     _save(tmp_path / "same", [{"model": {"z": zero}}, {"model": {"z": torch.zeros(300, 7)}}], ParallelLayout(dp=2))
+    zeros = {"model": {"a": torch._efficientzerotensor((3, 3)), "b": torch._efficientzerotensor((3, 3))}}
+    planner = ParallelSavePlanner(ParallelLayout(), rank=0)
+    planner.set_up_planner(zeros, None, True)
+    assert planner.tied == {}
+    # a rank holding ZeroTensors and one holding zeros agree (they did not: the ZeroTensors looked tied)
+    _save(tmp_path / "two", [zeros, {"model": {"a": torch.zeros(3, 3), "b": torch.zeros(3, 3)}}], ParallelLayout(dp=2))
     with pytest.raises(ReplicaMismatch, match=r"'model\.z'"):
         _save(tmp_path / "drift", [{"model": {"z": zero}}, {"model": {"z": torch.ones(300, 7)}}], ParallelLayout(dp=2))

@@ -271,6 +271,11 @@ class KeyMapper:
             return mapped
         return _LAYER.sub(self._shift, key)
 
+    def renumbers(self, local_key: str) -> bool:
+        """Whether ``local_key`` gets its stage's own global layer numbers from the ``layers.<i>`` rule (the
+        layout records a partition, no name map overrides the rule): a key no other stage holds."""
+        return self.name_map is None and self._count is not None and _LAYER.search(local_key) is not None
+
     def _shift(self, match: re.Match[str]) -> str:
         local = int(match.group(1))
         if self._count is not None and local >= self._count:

@@ -34,7 +34,12 @@ MOVED: Mapping[str, str] = MappingProxyType(
         "smpckpt.catalog.sequence": "smpckpt.catalog.retention",
         "smpckpt.catalog.tags": "smpckpt.catalog.retention",
         # merged into the module of their concept (issue 44); other branches may still name them
-        "smpckpt.api._fast_tier": "smpckpt.api._drain",
+        "smpckpt.api._fast_tier": "smpckpt.api._fast_save",
+        "smpckpt.api._drain": "smpckpt.api._fast_save",
+        "smpckpt.api._tier_copies": "smpckpt.api._tiers",
+        "smpckpt.tools._tier_verify": "smpckpt.tools._tiers",
+        "smpckpt.storage.tier.stream": "smpckpt.storage.tier.writer",
+        "smpckpt.storage.tier.transfer": "smpckpt.storage.tier.reader",
         "smpckpt.api._planner_reuse": "smpckpt.api._save",
         "smpckpt.api._args": "smpckpt.api._dist",
         "smpckpt.storage.backends._errors": "smpckpt.storage.backends._fs",

@@ -36,8 +36,7 @@ from smpckpt.api._resume import (
     resolve_target,
     restores_rng,
 )
-from smpckpt.api._tier_copies import FastCandidate, candidates
-from smpckpt.api._tiers import Nodes, gather_views
+from smpckpt.api._tiers import FastCandidate, Nodes, candidates, gather_views
 from smpckpt.catalog.retention import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.planners import ParallelLoadPlanner
@@ -50,7 +49,7 @@ from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
-    from smpckpt.api._drain import FastTierPart
+    from smpckpt.api._fast_save import FastTierPart
 
 __all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered"]
 

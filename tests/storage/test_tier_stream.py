@@ -1,4 +1,4 @@
-"""The fast tier's replicas sent while they are written (``smpckpt.storage.tier.stream``): two real gloo
+"""The fast tier's replicas sent while they are written (``smpckpt.storage.tier.writer``): two real gloo
 ranks, each a node of its own, exchanging the files they write."""
 
 from __future__ import annotations

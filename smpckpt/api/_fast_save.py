@@ -73,7 +73,7 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.retention import SequenceCounter, partial_dirname, partial_url
+from smpckpt.catalog.root import SequenceCounter, partial_dirname, partial_url
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
 from smpckpt.storage.backends._folder import Folder
@@ -229,7 +229,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     def decide() -> tuple[int, int, tuple[str, int] | None]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
-        # the fast tiers' copies are numbered too (catalog.sequence): this save is numbered after them
+        # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
         copies = [c.order[0] for view in views for c in view.values() if c.digest is not None]
         part.counter.saw(max(copies, default=0))
         drained = memory.durable_seq(req.root, req.storage_options)

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
-from smpckpt.catalog.retention import list_partial_tags, open_root, partial_dirname, record_order, scan_root
+from smpckpt.catalog.root import list_partial_tags, open_root, partial_dirname, record_order, scan_root
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import create_bytes_exclusive

@@ -71,7 +71,7 @@ from smpckpt.api.options import (
     SaveOptions,
     Sharding,
 )
-from smpckpt.catalog.retention import SequenceCounter, partial_url, validate_tag
+from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.storage.backends._fs import location_key

@@ -38,7 +38,7 @@ from smpckpt.api._tiers import (
     read_job_record,
     seq_of,
 )
-from smpckpt.catalog.retention import (
+from smpckpt.catalog.root import (
     PARTIAL_SUFFIX,
     CheckpointRecord,
     list_partial_tags,

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
-from smpckpt.catalog.retention import newest_tag, scan_root
+from smpckpt.catalog.root import newest_tag, scan_root
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint

@@ -359,6 +359,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
             groups=tier.streams[1:] or tier.streams,
             folder=tier.folder,
             sync=opts.sync_files,
+            max_queued=writer.staging_bytes,  # the save's cap on staged host memory bounds the senders' queue
         )
         writer.replicator = replicator
         replicator.start()

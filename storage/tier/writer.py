@@ -30,12 +30,21 @@ Why it cannot hang. A receiver thread only stops at ``EOS`` or when its connecti
 process died: every later receive fails at once); a file it cannot write (a bad name, a full disk) is
 received to the end and discarded, its error reported. Every rank sends ``EOS`` on every channel in
 :meth:`Replicator.close`, which the API calls however its save ended. A sender whose connection failed
-drops what it has left and reports the error: its writers never wait on it.
+drops what it has left and reports the error: its writers never wait on it (one waiting for the queue
+to drain is woken, and raises: below).
 
 Memory. Nothing is copied on the sender but small writes (coalesced into ~1 MiB messages): the queue
-holds views of the writer's own buffers, and a sink's ``commit`` returns only when its file's last
-message went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). Each
-receiver holds one chunk (the writer's chunk size, 8 MiB, at most) at a time.
+holds views of the writer's own buffers (for staged bytes, the copies the writer makes for a borrowing
+sink: ``storage/write/_pipeline.py``), and a sink's ``commit`` returns only when its file's last message
+went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). A rank's senders hold at
+most ``max_queued`` bytes of data messages queued (:class:`_Budget`; the save's ``staging_bytes``, the
+cap it already puts on its staged host memory, 128 MiB by default): a write that would pass it waits
+until the senders have sent enough, so a slow peer slows this rank's writers instead of growing its
+memory (one message is always let in: a write larger than the cap goes alone). That wait cannot hang:
+senders wait only on their peers' receiver threads, which never wait on their own rank's writers (the
+channel's messages are taken in order and none waits for a later write), and a sender whose connection
+failed wakes the waiting writers, which raise (naming the peer) instead of waiting on. Each receiver
+holds one chunk (the writer's chunk size, 8 MiB, at most) at a time.
 
 Received files appear under their final name only when complete, through the one commit protocol's
 file operations (``storage/backends/_folder.py``): a create-only temporary name in the node's folder
@@ -61,10 +70,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt.errors import CheckpointExists
+from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, open_fs, resolve
 from smpckpt.storage.backends._sinks import Sink, byte_view
+from smpckpt.storage.format._staging import STAGING_BYTES
 from smpckpt.storage.format.commit import commit
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, check_member_name, new_save_id
 from smpckpt.storage.tier.reader import Transfer, TransferOutcome
@@ -173,6 +183,8 @@ EOS, OPEN, DATA, END = 0, 1, 2, 3
 #: writes below this many bytes are gathered into one message (a message costs a round trip)
 _SMALL = 256 << 10
 _COALESCE = 1 << 20
+#: seconds a writer waiting for the senders' queue sleeps before it looks again (it is woken sooner)
+_WAIT_S = 1.0
 
 
 def ring_peers(rank: int, world_size: int, local_world_size: int, replicas: int) -> tuple[list[int], list[int]]:
@@ -205,11 +217,56 @@ class _File:
     pending: int = 0  #: destinations still to send its END to
 
 
+class _Budget:
+    """The bytes a rank's senders hold queued (module docstring, "Memory"): a data message counts once,
+    from :meth:`take` until every sender of its channel sent or dropped it (:meth:`give`). Thread-safe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.queued = 0
+        self.waiting = 0  #: writers waiting in :meth:`take` now
+        self.broken = ""  #: the first failed sender's error
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        """(a writer) Wait until ``n`` more bytes fit (or nothing is queued), then count them. Raises
+        :class:`CheckpointError` when it had to wait and a sender of this rank failed: its peer will
+        never take the bytes, and this save fails anyway."""
+        with self._cond:
+            waited = False
+            while self.queued and self.queued + n > self.cap:
+                if self.broken:
+                    break
+                waited = True
+                self.waiting += 1
+                try:
+                    self._cond.wait(_WAIT_S)  # woken by give() or fail(); the timeout only looks again
+                finally:
+                    self.waiting -= 1
+            if self.broken and (waited or (self.queued and self.queued + n > self.cap)):
+                raise CheckpointError(f"{self.broken} (this rank's write waited for it to take its replicas)")
+            self.queued += n
+
+    def give(self, held: list[int]) -> None:
+        """(a sender) One of the ``held[0]`` senders of a message of ``held[1]`` bytes is done with it."""
+        with self._cond:
+            held[0] -= 1
+            if held[0] == 0:
+                self.queued -= held[1]
+                self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        """(a sender) Its connection failed: waiting writers wake and raise."""
+        with self._cond:
+            self.broken = self.broken or why
+            self._cond.notify_all()
+
+
 class _Sender:
     """One channel's sending side: messages in order to ``dst`` over ``group`` (its own thread)."""
 
-    def __init__(self, dst: int, group: Any, errors: list[str]) -> None:
-        self.dst, self.group, self.errors = dst, group, errors
+    def __init__(self, dst: int, group: Any, errors: list[str], budget: _Budget) -> None:
+        self.dst, self.group, self.errors, self.budget = dst, group, errors, budget
         self.queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.broken = ""
         self.thread = threading.Thread(target=self._run, name=f"smpckpt-replica-send-{dst}", daemon=True)
@@ -223,6 +280,7 @@ class _Sender:
                 except Exception as exc:  # noqa: BLE001 - the connection failed: reported, the rest dropped
                     self.broken = f"sending replicas to rank {self.dst} failed: {exc}"
                     self.errors.append(self.broken)
+                    self.budget.fail(self.broken)
             if done is not None:
                 done()
             if kind == EOS:
@@ -362,15 +420,24 @@ class Replicator:
         groups: Sequence[Any],
         folder: str,
         sync: bool,
+        max_queued: int = STAGING_BYTES,
     ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1 byte, got {max_queued}")
         sends, receives = ring_peers(rank, world_size, local_world_size, replicas)
         self.outcome = TransferOutcome()
         self._lock = threading.Lock()
         self._count = 0
         self._place, self._sync = _Place(folder), sync
-        self._senders = [[_Sender(dst, g, self.outcome.errors) for dst in sends] for g in groups]
+        self._budget = _Budget(max_queued)
+        self._senders = [[_Sender(dst, g, self.outcome.errors, self._budget) for dst in sends] for g in groups]
         self._receivers = [_Receiver(src, g, self._place, sync, self.outcome) for g in groups for src in receives]
         self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        """Writers waiting now for the senders to send what they queued (tests watch it)."""
+        return self._budget.waiting
 
     def start(self) -> None:
         for r in self._receivers:
@@ -405,8 +472,13 @@ class Replicator:
                 s.queue.put((END, f.number, None, n, extra, done))
             return
         size = len(payload) if payload is not None else 0
+        release = None
+        if kind == DATA and senders:
+            self._budget.take(size)  # may wait for the senders (module docstring, "Memory")
+            held = [len(senders), size]
+            release = lambda: self._budget.give(held)  # noqa: E731 - one per message, run by each sender
         for s in senders:
-            s.queue.put((kind, f.number, payload, size, extra, None))
+            s.queue.put((kind, f.number, payload, size, extra, release))
 
     def close(self) -> TransferOutcome:
         """(however the save ended) ``EOS`` on every channel, then wait for every thread: what this rank
@@ -458,8 +530,8 @@ class TeeSink:
             self._small = bytearray()
 
     def commit(self) -> None:
+        self._flush()  # before the local commit: a write refused here (a failed peer) fails the file whole
         self.inner.commit()
-        self._flush()
         self._ended = True
         self._rep._put(self._file, END, n=self._file.size, extra=1)
         self._file.sent.wait()  # the caller may reuse its buffers once this returns

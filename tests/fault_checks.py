@@ -106,7 +106,7 @@ def leftovers(root: str, committed: dict[str, Any]) -> tuple[dict[str, int], set
 
 def leftovers_of(epoch: Epoch) -> tuple[dict[str, int], set[str]]:
     """:func:`leftovers` of the epoch's root and (tiered) of its fast tier."""
-    from smpckpt.catalog.retention import scan_root
+    from smpckpt.catalog.root import scan_root
 
     files: dict[str, int] = {}
     dirs: set[str] = set()
@@ -131,7 +131,7 @@ def _save_id(rec: Any) -> str:
 def check_root(epoch: Epoch, ran_up_to: int | None) -> dict[str, Any]:
     """(a) + (b) on the current state of ``epoch.root``; plus leftovers attributed to this kill."""
     import smpckpt
-    from smpckpt.catalog.retention import scan_root
+    from smpckpt.catalog.root import scan_root
     from smpckpt.storage import verify_checkpoint
 
     out: dict[str, Any] = {

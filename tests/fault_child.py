@@ -111,7 +111,7 @@ class Injector:
         return hits
 
     def install(self) -> dict[str, list[str]]:
-        import smpckpt.catalog.retention as tags
+        import smpckpt.catalog.root as tags
         import smpckpt.storage.backends._folder as folder_mod
         import smpckpt.storage.backends._folder as fsmod
         import smpckpt.storage.backends._nofollow as nofollow

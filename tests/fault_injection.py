@@ -25,7 +25,7 @@ Kill points (``--kills N``: half of each, unless ``--kinds`` says otherwise):
   writes/fsyncs (``smpckpt.storage.backends._sinks.LocalSink``), ``write_bytes_atomic`` of ``.metadata`` and
   the manifest commit (the writer's ``_write_manifest`` seam), ``os.replace``/``os.link`` publishing
   ``.metadata``/the manifest/``newest`` (before or after),
-  ``os.fsync``, ``smpckpt.catalog.retention.write_newest``, retention's ``remove_checkpoint`` (before it, and
+  ``os.fsync``, ``smpckpt.catalog.root.write_newest``, retention's ``remove_checkpoint`` (before it, and
   between the files it deletes), and the point after ``save_checkpoint`` returned but before the
   progress line -- so that its N-th call (N drawn by the parent from the seed and passed in the
   ``SMPCKPT_FI_FAULT`` environment variable) runs ``os.kill(os.getpid(), SIGKILL)``. Functions are

@@ -12,7 +12,7 @@ import torch
 from golden_model import GOLDEN_ROOT, GOLDEN_TAG, GOLDEN_USER_CONTENT, golden_model
 
 from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint
-from smpckpt.catalog.retention import scan_root
+from smpckpt.catalog.root import scan_root
 from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import verify_checkpoint
 
@@ -104,7 +104,7 @@ def test_golden_checkpoint_orders_before_every_numbered_one(tmp_path: Path) -> N
     import torch.distributed.checkpoint as dcp
 
     from smpckpt import save_checkpoint
-    from smpckpt.catalog.retention import apply_retention
+    from smpckpt.catalog.root import apply_retention
 
     root = tmp_path / "golden"
     shutil.copytree(DATA, root)

@@ -36,9 +36,8 @@ from smpckpt.api._resume import (
     resolve_target,
     restores_rng,
 )
-from smpckpt.api._tier_copies import FastCandidate, candidates
-from smpckpt.api._tiers import Nodes, gather_views
-from smpckpt.catalog.retention import partial_dirname
+from smpckpt.api._tiers import FastCandidate, Nodes, candidates, gather_views
+from smpckpt.catalog.root import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
@@ -50,7 +49,7 @@ from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
-    from smpckpt.api._drain import FastTierPart
+    from smpckpt.api._fast_save import FastTierPart
 
 __all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered"]
 
@@ -112,7 +111,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
     durable = ctx.on_coordinator(durable_target)
-    if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.sequence)
+    if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.root)
         durable.seen_by(part.counter)
     # the same tag in both tiers (tag=...): the fast copy first; else whichever is later in the root's order
     # (sequence number, then save time: a drained copy is the fast copy's manifest, so it ties and the fast

@@ -27,7 +27,7 @@ from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, decode_user_c
 from smpckpt.api._resume import load_checkpoint
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
-from smpckpt.catalog.retention import NEWEST_NAME, SequenceCounter, join_url
+from smpckpt.catalog.root import NEWEST_NAME, SequenceCounter, join_url
 from smpckpt.model.layout import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter

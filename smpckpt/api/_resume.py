@@ -35,7 +35,7 @@ from smpckpt.api._dist import (
     translate_dcp,
 )
 from smpckpt.api.options import ResumeOptions
-from smpckpt.catalog.retention import (
+from smpckpt.catalog.root import (
     SequenceCounter,
     join_url,
     open_root,
@@ -110,7 +110,7 @@ class Target:
     #: this checkpoint's place in its root's order (``record_order``: sequence number, save time, save id)
     order: tuple[int, int, str] = (0, 0, "")
     #: the highest sequence number rank 0 saw while choosing, and whether that was a listing of the whole
-    #: root (a tag-less resume): the job's next saves are numbered after it (``catalog.sequence``)
+    #: root (a tag-less resume): the job's next saves are numbered after it (``catalog.root``)
     seen_seq: int = 0
     listed: bool = False
 
@@ -137,7 +137,7 @@ class ResumeRequest(CommonRequest):
 def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter) -> Target | None:
     """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
     target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
-    if target is not None:  # this job's next saves are numbered after it (catalog.sequence)
+    if target is not None:  # this job's next saves are numbered after it (catalog.root)
         target.seen_by(counter)
     return target
 

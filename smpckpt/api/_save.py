@@ -51,7 +51,7 @@ from smpckpt.api._dist import (
     translate_dcp,
 )
 from smpckpt.api.options import Retention, SaveOptions
-from smpckpt.catalog.retention import SEQUENCE_KEY, SequenceCounter, apply_retention, open_root, write_newest
+from smpckpt.catalog.root import SEQUENCE_KEY, SequenceCounter, apply_retention, open_root, write_newest
 from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
@@ -87,7 +87,7 @@ class SaveRequest(CommonRequest):
 
 def manifest_extra(api: str, tag: str, seq: int, user_content: Any, **fields: Any) -> dict[str, Any]:
     """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
-    number under the root (``seq``, the job's :class:`~smpckpt.catalog.retention.SequenceCounter` drew it:
+    number under the root (``seq``, the job's :class:`~smpckpt.catalog.root.SequenceCounter` drew it:
     what orders checkpoints), the save time (for people; it orders nothing but checkpoints without
     sequence numbers), ``fields``, what user_content holds, and the versions that wrote it."""
     now = time.time_ns()

@@ -20,7 +20,8 @@ committed with the tensors; loaded once, weights-only unless ``allow_pickle=True
 
 Every call first compares its tag and options (one digest) across ranks; the steps that follow live in
 :mod:`smpckpt.api._save`, :mod:`smpckpt.api._resume`, :mod:`smpckpt.api._full` and the fast tier's
-:mod:`smpckpt.api._drain` (each says which rank does what). Works the same without a process group.
+:mod:`smpckpt.api._fast_save` and :mod:`smpckpt.api._fast_resume` (each says which rank does what).
+Works the same without a process group.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from smpckpt.api._async import (
     wait_lanes,
 )
 from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_failures
-from smpckpt.api._drain import FastTierPart
+from smpckpt.api._fast_save import FastTierPart
 from smpckpt.api._full import full_url, resume_full, save_full
 from smpckpt.api._resume import (
     ResumeInfo,
@@ -70,7 +71,7 @@ from smpckpt.api.options import (
     SaveOptions,
     Sharding,
 )
-from smpckpt.catalog.retention import SequenceCounter, partial_url, validate_tag
+from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
 from smpckpt.model.layout import ParallelLayout
 from smpckpt.storage.backends._fs import location_key

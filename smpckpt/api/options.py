@@ -23,7 +23,7 @@ import torch
 
 from smpckpt._checks import check_flag, check_int, check_process_group
 from smpckpt.api._dist import spec_rules
-from smpckpt.catalog.retention import validate_keep
+from smpckpt.catalog.root import validate_keep
 from smpckpt.model.layout import FULL_ARTIFACTS, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation

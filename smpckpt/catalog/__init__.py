@@ -3,7 +3,7 @@
 May import: ``smpckpt.storage``, ``smpckpt.errors``. Not the API, planners or model layer.
 """
 
-from smpckpt.catalog.retention import (
+from smpckpt.catalog.root import (
     CheckpointRecord,
     RecordState,
     highest_sequence,

@@ -1,6 +1,6 @@
 """Debris that no folder-level state shows, for ``prune --uncommitted-older-than AGE`` and
 ``save_checkpoint(remove_uncommitted_older_than=...)``. Whole uncommitted ``{tag}_partial`` folders are
-retention's (:mod:`smpckpt.catalog.retention`); this sweeps what a kill leaves elsewhere:
+retention's (:mod:`smpckpt.catalog.root`); this sweeps what a kill leaves elsewhere:
 
 * **inside a committed partial folder**: data and ``.metadata.<id>`` files of another save id than the
   manifest's -- a killed save whose retry under the same tag committed, a killed overwrite's new
@@ -28,7 +28,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from smpckpt.catalog.retention import NEWEST_NAME, open_root, tag_of_partial_dirname
+from smpckpt.catalog.root import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._folder import remove_files
 from smpckpt.storage.backends._fs import is_local, join, translate_errors
@@ -46,7 +46,7 @@ from smpckpt.storage.format.manifest import (
 from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
 
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
-    from smpckpt.catalog.retention import CheckpointRecord
+    from smpckpt.catalog.root import CheckpointRecord
 
 __all__ = ["sweep_debris"]
 

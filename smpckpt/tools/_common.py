@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from smpckpt.catalog.retention import NEWEST_NAME, PARTIAL_SUFFIX, open_root
+from smpckpt.catalog.root import NEWEST_NAME, PARTIAL_SUFFIX, open_root
 from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import checkpoint_state

@@ -7,7 +7,7 @@ import dataclasses
 from types import MappingProxyType
 from typing import TextIO
 
-from smpckpt.catalog.retention import apply_retention, newest_tag, validate_keep
+from smpckpt.catalog.root import apply_retention, newest_tag, validate_keep
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.tools._common import UsageError, human, resolve_checkpoint_url
 

@@ -10,7 +10,7 @@ botocore's own ``AWS_ENDPOINT_URL``.
 the checkpoint folder itself is accepted too.
 
 ``ls`` and ``verify`` take ``--local DIR ...``: node folders of the fast tier of tiered checkpoints
-(``save_checkpoint(local_path=...)``), judged together (``smpckpt.tools._tiers``, ``._tier_verify``).
+(``save_checkpoint(local_path=...)``), judged together (``smpckpt.tools._tiers``).
 ``ls --json`` keeps ``path``, ``newest`` and ``checkpoints`` (the durable root) as without ``--local``
 and adds ``fast``: ``{"folders", "checkpoints", "warnings"}`` (one row per committed save, newest first:
 ``FastRow.to_json``) and ``resume``: ``{"tier": "fast"|"durable", "tag", "save_id"}`` or ``null``.
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
-from smpckpt.catalog.retention import newest_tag, scan_root
+from smpckpt.catalog.root import newest_tag, scan_root
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
@@ -49,13 +49,14 @@ from smpckpt.tools._common import (
     storage_options_arg,
 )
 from smpckpt.tools._maintain import DTYPES, TRANSLATIONS, cmd_consolidate, cmd_convert, cmd_prune, duration
-from smpckpt.tools._tier_verify import verify_fast, write_fast_report
 from smpckpt.tools._tiers import (
     check_local_dirs,
     fast_rows,
     other_jobs,
     resume_pick,
     split_tag_spec,
+    verify_fast,
+    write_fast_report,
     write_fast_table,
     write_table,
 )

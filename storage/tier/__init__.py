@@ -3,11 +3,9 @@ rank's files also copied to other nodes over the process group, committed per no
 parts a node lacks fetched from peers. The API (``smpckpt.api``) drives it: ``save_checkpoint(...,
 local_path=...)``."""
 
-from smpckpt.storage.tier.reader import PeerFetchingReader
-from smpckpt.storage.tier.stream import Replicator
-from smpckpt.storage.tier.transfer import STREAMS, Transfer, fetch_transfers, run_transfers
-from smpckpt.storage.tier.writer import FastTierWriter, PreparedCommit, commit_node_copy, parts_of
+from smpckpt.storage.tier.reader import STREAMS, PeerFetchingReader, Transfer, fetch_transfers, run_transfers
+from smpckpt.storage.tier.writer import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 
-# writing and reading a fast-tier copy; moving its files between ranks
+# writing a fast-tier copy and its replicas (writer.py); reading one and moving its files between ranks (reader.py)
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of", "PeerFetchingReader"]
 __all__ += ["STREAMS", "Transfer", "fetch_transfers", "run_transfers", "Replicator"]

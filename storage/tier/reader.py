@@ -1,36 +1,64 @@
-"""``PeerFetchingReader``: read a fast-tier copy from this node's folder, first fetching from peers the
-files this node lacks for what its ranks will read (a lost node's parts, or another node's replica).
+"""Reading a fast-tier copy (``PeerFetchingReader``), and the checkpoint files moved between ranks over a
+process group (:func:`run_transfers`): the parts a resume fetches from peers, and a resumed copy's
+metadata and manifest sent to the nodes that lack them. (A save's replicas go while they are written:
+:mod:`smpckpt.storage.tier.writer`.)
 
+``PeerFetchingReader`` reads a fast-tier copy from this node's folder, first fetching from peers the
+files this node lacks for what its ranks will read (a lost node's parts, or another node's replica).
 Call order inside ``dcp.load`` as :class:`~smpckpt.storage.FsspecStorageReader`'s, plus::
 
     4) (coordinator) prepare_global_plan(plans)   which files each node lacks for its ranks' reads:
                                                   one copy per node, from the least loaded holder
     5) (all)         read_data(plan, planner)     first the schedule (broadcast), the transfers
-                                                  (:mod:`.transfer`) and one agreement on their
+                                                  (:func:`run_transfers`) and one agreement on their
                                                   errors; then the reads, checksums verified
 
 Only the files some rank of a node reads from are fetched, whole, so a resume after a lost node moves
 that node's own parts, the files holding what every rank reads (``user_content`` and the replicated
 pieces DP ranks read from their owner, in rank 0's files) and whatever a changed layout reads
-elsewhere -- not the whole checkpoint. Fetched files stay
-in the node's folder: the copy is healed for the next resume. Every rank's folder must already hold
-the manifest and metadata (the API sends them before the load).
+elsewhere -- not the whole checkpoint. Fetched files stay in the node's folder: the copy is healed for
+the next resume. Every rank's folder must already hold the manifest and metadata (the API sends them
+before the load).
+
+Transfers. Every rank gets the same list of :class:`Transfer` and walks it in list order -- its sends
+on one thread, its receives on another -- acting only on the transfers it sends or receives. Why that
+cannot deadlock: the earliest unfinished transfer of the list has its sender's and its receiver's
+thread waiting for it (each did everything before it), so it always completes.
+
+Each transfer is a status word, the file in chunks, and a closing status word, so a sender that
+cannot read its file (gone, cut short) never leaves its receiver waiting: it sends zeros, the
+closing word says so, and the receiver discards what it got. A receiver that cannot write still
+receives every chunk (its sender must not block) and reports its error. Received files appear under
+their final name only when complete (a create-only temp name, then a hard link that replaces nothing:
+a file already under the name fails the transfer), so a kill mid-transfer never leaves a file that
+looks whole; its bytes are checked against the manifest's checksums when read.
+
+The group must be able to move CPU tensors (gloo): the API passes a gloo group of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import concurrent.futures
+import contextlib
+import dataclasses
+import io
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, BinaryIO
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from smpckpt.errors import CheckpointError
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import open_fs
+from smpckpt.storage.format.manifest import check_member_name
 from smpckpt.storage.read.reader import FsspecStorageReader
-from smpckpt.storage.tier.transfer import Transfer, fetch_transfers, run_transfers
 
-__all__ = ["PeerFetchingReader"]
+__all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers"]
+__all__ += ["CHUNK_BYTES", "STREAMS"]
 
 
 class PeerFetchingReader(FsspecStorageReader):
@@ -108,3 +136,228 @@ class PeerFetchingReader(FsspecStorageReader):
                 )
             self.fetched = tuple(schedule)
         return super().read_data(plan, planner)
+
+
+# -- files moved between ranks (module docstring) ----------------------------------------------------------
+#: bytes per send: large enough for full speed over gloo, small enough to bound the memory in flight
+CHUNK_BYTES = 32 << 20
+_OK, _FAILED = 1, 0
+#: gloo groups the API opens for transfers: one TCP connection per pair of ranks each, so a link
+#: carries several files at once (one connection fell well short of a loopback's or a NIC's speed)
+STREAMS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One file, ``src`` (global rank) -> ``dst`` (global rank): relative ``name``, ``size`` bytes."""
+
+    name: str
+    size: int
+    src: int
+    dst: int
+
+
+@dataclasses.dataclass
+class TransferOutcome:
+    """What this rank did: the files it received, and its errors (sending or receiving), by file."""
+
+    received: list[Transfer] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+def fetch_transfers(
+    needs: Mapping[int, set[str]],
+    held_by: Mapping[str, Sequence[int]],
+    sizes: Mapping[str, int],
+    *,
+    local_world_size: int,
+) -> list[Transfer]:
+    """(coordinator) The files each node lacks for what its ranks will read: one copy per node, to the
+    lowest rank of the node that reads it, from a rank holding it (the least loaded one so far)."""
+    node_of = {rank: rank // local_world_size for rank in needs}
+    on_node: dict[int, set[str]] = {}
+    for name, ranks in held_by.items():
+        for r in ranks:
+            on_node.setdefault(r // local_world_size, set()).add(name)
+    load: dict[int, int] = {}
+    out: list[Transfer] = []
+    wanted: dict[tuple[int, str], int] = {}  # (node, file) -> lowest rank of the node reading it
+    for rank in sorted(needs):
+        for name in needs[rank]:
+            key = (node_of[rank], name)
+            if name not in on_node.get(node_of[rank], set()) and key not in wanted:
+                wanted[key] = rank
+    for (_, name), dst in sorted(wanted.items(), key=lambda kv: (kv[0][1], kv[1])):
+        holders = list(held_by.get(name, ()))
+        if not holders:
+            raise FileNotFoundError(f"{name}: no surviving fast tier holds this file")
+        src = min(holders, key=lambda r: (load.get(r, 0), r))
+        load[src] = load.get(src, 0) + sizes[name]
+        out.append(Transfer(name, sizes[name], src, dst))
+    return out
+
+
+def run_transfers(
+    transfers: Sequence[Transfer],
+    *,
+    rank: int,
+    group: Any | Sequence[Any],
+    read_folder: str,
+    write_folder: str,
+    sync: bool,
+) -> TransferOutcome:
+    """(every rank, the same ``transfers``) Send this rank's files from ``read_folder``, receive into
+    ``write_folder``. ``group``: one group, or several (streams: transfer ``i`` goes over group
+    ``i % len``, each its own connections, all at once). Errors are collected, not raised: the caller
+    agrees on them across ranks."""
+    streams = list(group) if isinstance(group, (list, tuple)) else [group]
+    outcome = TransferOutcome()
+    jobs: list[tuple[Callable[..., list[str]], tuple[Any, ...]]] = []
+    for i, g in enumerate(streams):
+        mine = transfers[i :: len(streams)]  # the same sub-list on every rank: the order argument holds per group
+        sends = [t for t in mine if t.src == rank and t.dst != rank]
+        receives = [t for t in mine if t.dst == rank and t.src != rank]
+        if sends:
+            jobs.append((_send_all, (sends, read_folder, g)))
+        if receives:
+            jobs.append((_receive_all, (receives, write_folder, g, sync, outcome)))
+    if not jobs:
+        return outcome
+    # Per group, sends on one thread and receives on another, each in list order: a rank sends and
+    # receives at once (both directions of a link busy), and the earliest unfinished transfer of a
+    # group still has its sender's and its receiver's thread waiting for it: the order argument holds.
+    with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="smpckpt-transfer") as pool:
+        running = [pool.submit(fn, *args) for fn, args in jobs]
+        for job in running:
+            outcome.errors.extend(job.result())
+    return outcome
+
+
+def _send_all(sends: list[Transfer], folder: str, group: Any) -> list[str]:
+    return [e for e in (_send(t, folder, group) for t in sends) if e]
+
+
+def _receive_all(receives: list[Transfer], folder: str, group: Any, sync: bool, outcome: TransferOutcome) -> list[str]:
+    errors = []
+    for t in receives:
+        error = _receive(t, folder, group, sync=sync)
+        if error:
+            errors.append(error)
+        else:
+            outcome.received.append(t)  # list.append is atomic: receiving threads share the outcome
+    return errors
+
+
+def _word(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64)
+
+
+def _chunks(size: int) -> list[int]:
+    return [min(CHUNK_BYTES, size - done) for done in range(0, size, CHUNK_BYTES)]
+
+
+def _buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chunk buffers: one on the wire while the other is read or written."""
+    n = min(CHUNK_BYTES, max(size, 1))
+    return torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+
+
+def _send(t: Transfer, folder: str, group: Any) -> str:
+    """Stream ``t`` to its receiver; an error (the receiver still gets every word and chunk) or ''."""
+    path = os.path.join(folder, t.name)
+    error = ""
+    f: io.BufferedReader | None = None
+    try:
+        check_member_name(t.name, where=folder)
+        f = open(path, "rb")  # noqa: SIM115 - closed below, after the last chunk went out
+        if os.fstat(f.fileno()).st_size != t.size:
+            raise OSError(f"{path}: {os.fstat(f.fileno()).st_size} bytes, the manifest says {t.size}")
+    except Exception as exc:  # noqa: BLE001 - reported; the receiver must not wait forever
+        error = f"{path}: {exc}"
+    dist.send(_word(_FAILED if error else _OK), dst=t.dst, group=group)
+    if error:
+        return error
+    bufs = _buffers(t.size)
+    in_flight: Any = None
+    try:
+        for i, n in enumerate(_chunks(t.size)):
+            view = bufs[i % 2][:n]  # the send before the previous one used it: waited for below
+            if not error:
+                try:
+                    got = f.readinto(view.numpy().data) if f is not None else 0
+                    if got != n:
+                        raise OSError(f"{path}: cut short while sending ({got} of {n} bytes read)")
+                except Exception as exc:  # noqa: BLE001 - zeros go out instead, marked failed below
+                    error = f"{path}: {exc}"
+                    view.zero_()
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = dist.isend(view, dst=t.dst, group=group)  # the next chunk is read meanwhile
+        if in_flight is not None:
+            in_flight.wait()
+    finally:
+        if f is not None:
+            f.close()
+    dist.send(_word(_FAILED if error else _OK), dst=t.dst, group=group)
+    return error
+
+
+def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
+    """Receive ``t`` into ``folder`` (a create-only temporary name, then linked into place without replacing
+    anything, relative to the folder opened without following links); an error or ''."""
+    status = _word(0)
+    dist.recv(status, src=t.src, group=group)
+    if int(status.item()) != _OK:
+        return f"{t.name}: rank {t.src} could not send it"
+    path = os.path.join(folder, t.name)
+    error = ""
+    out: BinaryIO | None = None
+    with contextlib.ExitStack() as cleanup:
+        place: Folder | None = None
+        tmp = ""
+        try:
+            check_member_name(t.name, where=folder)
+            place = cleanup.enter_context(Folder(open_fs(folder)[0], folder, create=True))
+            fd, tmp = place.open_temp(t.name, tag="recv")
+            out = open(fd, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
+        except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
+            error = f"{path}: {exc}"
+        bufs = _buffers(t.size)
+        sizes = _chunks(t.size)
+        pending = dist.irecv(bufs[0][: sizes[0]], src=t.src, group=group) if sizes else None
+        for i, n in enumerate(sizes):
+            view = bufs[i % 2][:n]
+            if pending is not None:
+                pending.wait()
+            # the next chunk arrives while this one is written
+            pending = (
+                dist.irecv(bufs[(i + 1) % 2][: sizes[i + 1]], src=t.src, group=group) if i + 1 < len(sizes) else None
+            )
+            if out is not None and not error:
+                try:
+                    out.write(view.numpy().data)
+                except Exception as exc:  # noqa: BLE001 - as above
+                    error = f"{path}: {exc}"
+        dist.recv(status, src=t.src, group=group)
+        if not error and int(status.item()) != _OK:
+            error = f"{t.name}: rank {t.src} failed while sending it"
+        if out is not None:
+            try:
+                if not error:
+                    out.flush()
+                    if sync:
+                        os.fsync(out.fileno())
+            except OSError as exc:
+                error = f"{path}: {exc}"
+            finally:
+                out.close()
+        if place is None:
+            return error
+        if error:
+            place.remove([tmp])
+            return error
+        try:
+            place.link_temp(tmp, t.name, sync=sync)
+        except OSError as exc:
+            return f"{path}: {exc}"
+    return ""

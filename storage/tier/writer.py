@@ -1,38 +1,87 @@
-"""``FastTierWriter``: a partial checkpoint written into this node's fast-tier folder, committed per
-node only after every node holds its share.
+"""A fast-tier copy written into this node's folder (``FastTierWriter``), committed per node only after
+every node holds its share (:func:`commit_node_copy`); and its replicas, sent to other nodes while each
+file is written (:class:`Replicator`).
 
 Each rank passes its own node's folder; ``dcp.save`` runs as with :class:`FsspecStorageWriter`
 (same files, same checksums), except that the coordinator's ``finish`` writes nothing: it keeps the
 manifest and metadata bytes (:attr:`FastTierWriter.prepared`). The API then sends them to every rank,
-copies each rank's files to its replica nodes (:mod:`.transfer`), agrees that every node holds
-what it should, and only then each node's first rank commits its copy (:func:`commit_node_copy`):
-the generation's metadata, the manifest (create-if-absent), the stock ``.metadata``.
+agrees that every node holds what it should (the replicas below), and only then each node's first rank
+commits its copy (:func:`commit_node_copy`): the generation's metadata, the manifest
+(create-if-absent), the stock ``.metadata``.
 
 Why commit per node, and only after that agreement: a manifest on any node then proves that every
 node held its share at that moment, so a tag is usable exactly when the surviving nodes' files cover
 its manifest. A kill before the agreement leaves no manifest anywhere: the tag was never committed.
+
+Replicas (:class:`Replicator`, every rank). Each data file a rank writes goes, chunk by chunk as its
+sink receives it, to the same local rank of the next ``replicas - 1`` nodes (ring order) -- the bytes
+already in memory, never read back from the file -- and each rank writes the files it receives from
+the ranks before it into its own node's folder.
+
+Channels. Rank ``r`` sends to ``r + h * L`` and receives from ``r - h * L`` (``h = 1 .. replicas - 1``,
+``L`` ranks per node, modulo the world) over each of its gloo ``groups``: one sender thread and one
+receiver thread per (group, hop), each walking its messages in order. A data file goes over group
+``file number % len(groups)``, so several files move at once; its chunks, in order, interleave with
+other files' on the channel. Messages: a header (int64 ``[kind, file, n, extra]``) then, for
+``OPEN``, the file's name and, for ``DATA``, ``n`` bytes; ``END`` closes a file (``extra`` = 1: the
+writer committed it, 0: it failed and the receiver discards it); ``EOS`` closes the channel.
+
+Why it cannot hang. A receiver thread only stops at ``EOS`` or when its connection fails (its sender's
+process died: every later receive fails at once); a file it cannot write (a bad name, a full disk) is
+received to the end and discarded, its error reported. Every rank sends ``EOS`` on every channel in
+:meth:`Replicator.close`, which the API calls however its save ended. A sender whose connection failed
+drops what it has left and reports the error: its writers never wait on it (one waiting for the queue
+to drain is woken, and raises: below).
+
+Memory. Nothing is copied on the sender but small writes (coalesced into ~1 MiB messages): the queue
+holds views of the writer's own buffers (for staged bytes, the copies the writer makes for a borrowing
+sink: ``storage/write/_pipeline.py``), and a sink's ``commit`` returns only when its file's last message
+went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). A rank's senders hold at
+most ``max_queued`` bytes of data messages queued (:class:`_Budget`; the save's ``staging_bytes``, the
+cap it already puts on its staged host memory, 128 MiB by default): a write that would pass it waits
+until the senders have sent enough, so a slow peer slows this rank's writers instead of growing its
+memory (one message is always let in: a write larger than the cap goes alone). That wait cannot hang:
+senders wait only on their peers' receiver threads, which never wait on their own rank's writers (the
+channel's messages are taken in order and none waits for a later write), and a sender whose connection
+failed wakes the waiting writers, which raise (naming the peer) instead of waiting on. Each receiver
+holds one chunk (the writer's chunk size, 8 MiB, at most) at a time.
+
+Received files appear under their final name only when complete, through the one commit protocol's
+file operations (``storage/backends/_folder.py``): a create-only temporary name in the node's folder
+opened without following links, then linked into place without replacing anything (a file already
+there under that name is an error, never overwritten). Their sizes are checked against the manifest
+before the node commits, their bytes when they are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from smpckpt.errors import CheckpointExists
+from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, open_fs, resolve
-from smpckpt.storage.backends._sinks import Sink
+from smpckpt.storage.backends._sinks import Sink, byte_view
+from smpckpt.storage.format._staging import STAGING_BYTES
 from smpckpt.storage.format.commit import commit
-from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, new_save_id
-from smpckpt.storage.tier.stream import Replicator
+from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, check_member_name, new_save_id
+from smpckpt.storage.tier.reader import Transfer, TransferOutcome
 from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
+__all__ += ["Replicator", "TeeSink", "ring_peers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +99,7 @@ class PreparedCommit:
 class FastTierWriter(FsspecStorageWriter):
     """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path); the
     coordinator's ``finish`` prepares the commit (:attr:`prepared`) instead of writing it; with a
-    ``replicator`` (:mod:`.stream`), each data file is also sent to the replica ranks while it is written.
+    ``replicator`` (:class:`Replicator`), each data file is also sent to the replica ranks while it is written.
 
     Call order inside ``dcp.save`` as the partial writer's, except (coordinator) ``prepare_global_plan``
     does not probe its folder (the API checked every node's folder before the save) and ``finish`` only
@@ -127,3 +176,372 @@ def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileR
             refused="another save committed here at the same time",
         )
     return True
+
+
+# -- replicas sent while they are written (module docstring) -----------------------------------------------
+EOS, OPEN, DATA, END = 0, 1, 2, 3
+#: writes below this many bytes are gathered into one message (a message costs a round trip)
+_SMALL = 256 << 10
+_COALESCE = 1 << 20
+#: seconds a writer waiting for the senders' queue sleeps before it looks again (it is woken sooner)
+_WAIT_S = 1.0
+
+
+def ring_peers(rank: int, world_size: int, local_world_size: int, replicas: int) -> tuple[list[int], list[int]]:
+    """The ranks ``rank`` sends its files to (the same local rank of the next ``replicas - 1`` nodes),
+    and those it receives from (the previous ones), hop by hop."""
+    sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
+    receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
+    return sends, receives
+
+
+def _header(kind: int, file: int = 0, n: int = 0, extra: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, file, n, extra], dtype=torch.int64)
+
+
+def _as_tensor(data: memoryview | bytes) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only buffer: gloo only reads it
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+@dataclasses.dataclass
+class _File:
+    """One file this rank writes: its number, name, channel, and when its last message went out."""
+
+    number: int
+    name: str
+    group: int
+    size: int = 0
+    sent: threading.Event = dataclasses.field(default_factory=threading.Event)
+    pending: int = 0  #: destinations still to send its END to
+
+
+class _Budget:
+    """The bytes a rank's senders hold queued (module docstring, "Memory"): a data message counts once,
+    from :meth:`take` until every sender of its channel sent or dropped it (:meth:`give`). Thread-safe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.queued = 0
+        self.waiting = 0  #: writers waiting in :meth:`take` now
+        self.broken = ""  #: the first failed sender's error
+        self._cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        """(a writer) Wait until ``n`` more bytes fit (or nothing is queued), then count them. Raises
+        :class:`CheckpointError` when it had to wait and a sender of this rank failed: its peer will
+        never take the bytes, and this save fails anyway."""
+        with self._cond:
+            waited = False
+            while self.queued and self.queued + n > self.cap:
+                if self.broken:
+                    break
+                waited = True
+                self.waiting += 1
+                try:
+                    self._cond.wait(_WAIT_S)  # woken by give() or fail(); the timeout only looks again
+                finally:
+                    self.waiting -= 1
+            if self.broken and (waited or (self.queued and self.queued + n > self.cap)):
+                raise CheckpointError(f"{self.broken} (this rank's write waited for it to take its replicas)")
+            self.queued += n
+
+    def give(self, held: list[int]) -> None:
+        """(a sender) One of the ``held[0]`` senders of a message of ``held[1]`` bytes is done with it."""
+        with self._cond:
+            held[0] -= 1
+            if held[0] == 0:
+                self.queued -= held[1]
+                self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        """(a sender) Its connection failed: waiting writers wake and raise."""
+        with self._cond:
+            self.broken = self.broken or why
+            self._cond.notify_all()
+
+
+class _Sender:
+    """One channel's sending side: messages in order to ``dst`` over ``group`` (its own thread)."""
+
+    def __init__(self, dst: int, group: Any, errors: list[str], budget: _Budget) -> None:
+        self.dst, self.group, self.errors, self.budget = dst, group, errors, budget
+        self.queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.broken = ""
+        self.thread = threading.Thread(target=self._run, name=f"smpckpt-replica-send-{dst}", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            kind, file, payload, n, extra, done = self.queue.get()
+            if not self.broken:
+                try:
+                    self._send(kind, file, payload, n, extra)
+                except Exception as exc:  # noqa: BLE001 - the connection failed: reported, the rest dropped
+                    self.broken = f"sending replicas to rank {self.dst} failed: {exc}"
+                    self.errors.append(self.broken)
+                    self.budget.fail(self.broken)
+            if done is not None:
+                done()
+            if kind == EOS:
+                return
+
+    def _send(self, kind: int, file: int, payload: Any, n: int, extra: int) -> None:
+        works = [dist.isend(_header(kind, file, n, extra), dst=self.dst, group=self.group)]
+        if payload is not None:
+            works.append(dist.isend(_as_tensor(payload), dst=self.dst, group=self.group))
+        for work in works:
+            if work is not None:  # None only for ranks outside the group, which never send here
+                work.wait()
+
+
+class _Place:
+    """The node's folder, opened (once, by the first receiver that needs it) without following links;
+    shared by a rank's receivers."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = folder
+        self._lock = threading.Lock()
+        self._folder: Folder | None = None
+
+    def get(self) -> Folder:
+        with self._lock:
+            if self._folder is None:
+                self._folder = Folder(open_fs(self.path)[0], self.path, create=True)
+            return self._folder
+
+    def close(self, *, sync: bool) -> None:
+        with self._lock:
+            folder, self._folder = self._folder, None
+        if folder is not None:
+            try:
+                if sync:
+                    folder.fsync_dirs()  # once for every file received: new names survive a power loss
+            finally:
+                folder.close()
+
+
+class _Receiver:
+    """One channel's receiving side: the files from ``src`` over ``group`` into ``place``."""
+
+    def __init__(self, src: int, group: Any, place: _Place, sync: bool, outcome: TransferOutcome) -> None:
+        self.src, self.group, self.place, self.sync, self.outcome = src, group, place, sync, outcome
+        self.folder = place.path
+        self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
+        self.thread = threading.Thread(target=self._run, name=f"smpckpt-replica-recv-{src}", daemon=True)
+
+    def _run(self) -> None:
+        header = torch.empty(4, dtype=torch.int64)
+        buf = torch.empty(0, dtype=torch.uint8)
+        try:
+            while True:
+                dist.recv(header, src=self.src, group=self.group)
+                kind, file, n, extra = (int(x) for x in header.tolist())
+                if kind == EOS:
+                    return
+                if kind in (OPEN, DATA):
+                    if buf.numel() < n:
+                        buf = torch.empty(n, dtype=torch.uint8)
+                    view = buf[:n]
+                    if n:
+                        dist.recv(view, src=self.src, group=self.group)
+                    data = view.numpy().data
+                    if kind == OPEN:
+                        self._opened(file, bytes(data).decode("utf-8", "replace"))
+                    else:
+                        self._data(file, data)
+                elif kind == END:
+                    self._end(file, n, extra == 1)
+        except Exception as exc:  # noqa: BLE001 - the sender's process is gone: every later receive fails too
+            self.outcome.errors.append(f"receiving replicas from rank {self.src} failed: {exc}")
+        finally:
+            for name, tmp, f, _ in self.open.values():
+                with contextlib.suppress(Exception):
+                    if f is not None:
+                        f.close()
+                        self.place.get().remove([tmp])
+                self.outcome.errors.append(f"{name}: rank {self.src} never finished sending it")
+
+    def _opened(self, file: int, name: str) -> None:
+        path = os.path.join(self.folder, name)
+        tmp = ""
+        errors: list[str] = []
+        f = None
+        try:
+            check_member_name(name, where=f"the replica stream from rank {self.src}")
+            fd, tmp = self.place.get().open_temp(name, tag="recv")  # create-only, never through a link
+            f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed at END (or when the stream fails)
+        except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
+            errors.append(f"{path}: {exc}")
+        self.open[file] = (name, tmp, f, errors)
+
+    def _data(self, file: int, data: memoryview) -> None:
+        name, tmp, f, errors = self.open[file]
+        if f is not None and not errors:
+            try:
+                while data:
+                    data = data[f.write(data) :]
+            except OSError as exc:
+                errors.append(f"{os.path.join(self.folder, name)}: {exc}")
+
+    def _end(self, file: int, size: int, ok: bool) -> None:
+        name, tmp, f, errors = self.open.pop(file)
+        path = os.path.join(self.folder, name)
+        try:
+            if f is not None:
+                if self.sync and ok and not errors:
+                    os.fsync(f.fileno())
+                f.close()
+            if ok and not errors:
+                # linked into place only if nothing is there: a file under that name is not ours to replace
+                self.place.get().link_temp(tmp, name, sync=False)  # the folders are fsynced at close
+                self.outcome.received.append(Transfer(name, size, self.src, -1))
+                return
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+        if f is not None:
+            with contextlib.suppress(Exception):
+                self.place.get().remove([tmp])
+        if ok:  # a file the writer failed on is its own error, reported there
+            self.outcome.errors.extend(errors)
+
+
+class Replicator:
+    """(every rank of a tiered save) The replica channels of this rank (module docstring): start before
+    the save writes, :meth:`sink` for each data file, :meth:`close` after it, however it ended."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_world_size: int,
+        replicas: int,
+        groups: Sequence[Any],
+        folder: str,
+        sync: bool,
+        max_queued: int = STAGING_BYTES,
+    ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1 byte, got {max_queued}")
+        sends, receives = ring_peers(rank, world_size, local_world_size, replicas)
+        self.outcome = TransferOutcome()
+        self._lock = threading.Lock()
+        self._count = 0
+        self._place, self._sync = _Place(folder), sync
+        self._budget = _Budget(max_queued)
+        self._senders = [[_Sender(dst, g, self.outcome.errors, self._budget) for dst in sends] for g in groups]
+        self._receivers = [_Receiver(src, g, self._place, sync, self.outcome) for g in groups for src in receives]
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        """Writers waiting now for the senders to send what they queued (tests watch it)."""
+        return self._budget.waiting
+
+    def start(self) -> None:
+        for r in self._receivers:
+            r.thread.start()
+        for channel in self._senders:
+            for s in channel:
+                s.thread.start()
+
+    def sink(self, inner: Sink, name: str) -> TeeSink:
+        """``inner`` (the local file's sink), its bytes also sent to the replica ranks."""
+        with self._lock:
+            number, self._count = self._count, self._count + 1
+        f = _File(number, name, number % len(self._senders))
+        self._put(f, OPEN, name.encode("utf-8"))
+        return TeeSink(inner, self, f)
+
+    def _put(self, f: _File, kind: int, payload: Any = None, n: int = 0, extra: int = 0) -> None:
+        senders = self._senders[f.group]
+        if kind == END:
+            f.pending = len(senders)
+            lock = threading.Lock()
+
+            def done() -> None:
+                with lock:
+                    f.pending -= 1
+                    if f.pending == 0:
+                        f.sent.set()
+
+            if not senders:
+                f.sent.set()
+            for s in senders:
+                s.queue.put((END, f.number, None, n, extra, done))
+            return
+        size = len(payload) if payload is not None else 0
+        release = None
+        if kind == DATA and senders:
+            self._budget.take(size)  # may wait for the senders (module docstring, "Memory")
+            held = [len(senders), size]
+            release = lambda: self._budget.give(held)  # noqa: E731 - one per message, run by each sender
+        for s in senders:
+            s.queue.put((kind, f.number, payload, size, extra, release))
+
+    def close(self) -> TransferOutcome:
+        """(however the save ended) ``EOS`` on every channel, then wait for every thread: what this rank
+        received, and every error (its sends' and its receives')."""
+        if not self._closed:
+            self._closed = True
+            for channel in self._senders:
+                for s in channel:
+                    s.queue.put((EOS, 0, None, 0, 0, None))
+            for channel in self._senders:
+                for s in channel:
+                    s.thread.join()
+            for r in self._receivers:
+                r.thread.join()
+            try:
+                self._place.close(sync=self._sync and bool(self.outcome.received))
+            except OSError as exc:
+                self.outcome.errors.append(f"{self._place.path}: {exc}")
+        return self.outcome
+
+
+class TeeSink:
+    """A data file's sink that also sends its bytes to the replica ranks (:class:`Replicator`)."""
+
+    borrows = True  # what it sends is read by the sender threads until the file's end is sent
+
+    def __init__(self, inner: Sink, replicator: Replicator, file: _File) -> None:
+        self.inner, self.path = inner, inner.path
+        self._rep, self._file = replicator, file
+        self._small = bytearray()
+        self._ended = False
+
+    def write(self, data: memoryview) -> None:
+        flat = byte_view(data)
+        n = flat.nbytes
+        if n < _SMALL:
+            self._small += flat
+            if len(self._small) >= _COALESCE:
+                self._flush()
+        else:
+            self._flush()
+            self._rep._put(self._file, DATA, flat)  # sent while the local write below runs
+        self.inner.write(data)
+        self._file.size += n
+
+    def _flush(self) -> None:
+        if self._small:
+            self._rep._put(self._file, DATA, bytes(self._small))
+            self._small = bytearray()
+
+    def commit(self) -> None:
+        self._flush()  # before the local commit: a write refused here (a failed peer) fails the file whole
+        self.inner.commit()
+        self._ended = True
+        self._rep._put(self._file, END, n=self._file.size, extra=1)
+        self._file.sent.wait()  # the caller may reuse its buffers once this returns
+
+    def abort(self) -> None:
+        try:
+            self.inner.abort()
+        finally:
+            if not self._ended:  # the receivers discard what they got of it
+                self._ended = True
+                self._small = bytearray()
+                self._rep._put(self._file, END, n=self._file.size, extra=0)
+                self._file.sent.wait()

@@ -194,7 +194,7 @@ def cycles_world(rank: int, world: int, root: str) -> dict[str, Any]:
     _scenario(results, "tags", tags)
 
     def failed_delete() -> Any:
-        import smpckpt.catalog.retention as retention
+        import smpckpt.catalog.root as retention
 
         original = retention.remove_checkpoint
 

@@ -23,7 +23,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog.retention import scan_root
+from smpckpt.catalog.root import scan_root
 from smpckpt.storage import MANIFEST_NAME
 
 

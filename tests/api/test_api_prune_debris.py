@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from smpckpt import save_checkpoint
-from smpckpt.catalog.retention import apply_retention
+from smpckpt.catalog.root import apply_retention
 from smpckpt.storage import read_manifest, verify_checkpoint
 from smpckpt.tools.cli import main
 

@@ -25,7 +25,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog.retention import scan_root, write_newest
+from smpckpt.catalog.root import scan_root, write_newest
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.tools.cli import main
 
@@ -437,8 +437,8 @@ def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
 ) -> None:
     """After a tag-less resume (which listed the root) the next saves count on without listing it again;
     a damaged number (beyond any plausible count) in a manifest is not followed."""
-    import smpckpt.catalog.retention as listing
-    from smpckpt.catalog.retention import SequenceCounter
+    import smpckpt.catalog.root as listing
+    from smpckpt.catalog.root import SequenceCounter
 
     root = str(tmp_path)
     m, o = _model(0)
@@ -480,7 +480,7 @@ def test_old_checkpoints_without_numbers_come_first_in_time_order(tmp_path: Any)
     """Manifests written before sequence numbers (no ``extra["sequence"]``; stock DCP folders are not
     committed checkpoints) are ordered among themselves by save time, all before any numbered one; a
     root holding them numbers its first new save 1."""
-    from smpckpt.catalog.retention import record_order
+    from smpckpt.catalog.root import record_order
 
     old = {"extra": {"saved_at_ns": 5}, "save_id": "x"}
     assert record_order(old) == (0, 5, "x")

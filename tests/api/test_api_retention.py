@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smpckpt.catalog.retention import CheckpointRecord, KeepLatestN, record_order, select_for_removal, validate_keep
+from smpckpt.catalog.root import CheckpointRecord, KeepLatestN, record_order, select_for_removal, validate_keep
 
 
 def rec(tag: str, t: int, committed: bool = True) -> CheckpointRecord:

@@ -22,7 +22,7 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.catalog.retention import validate_tag
+from smpckpt.catalog.root import validate_tag
 from smpckpt.storage import FsspecStorageWriter
 
 

@@ -251,7 +251,7 @@ def save_one(durable: str, local: str, model: Any) -> None:
 def killed_in_drain_of_step3(rank: int, world: int, base: str, durable: str) -> Any:
     """durable_every=3, num_kept_local=2: step1-3; rank 1 dies copying its first file of step3's drain,
     that file begun in ``path`` (a retried drain meets it)."""
-    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as drain_module
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local = node_dir(base, rank)

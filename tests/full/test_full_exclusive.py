@@ -219,7 +219,7 @@ def test_a_prune_taking_a_staging_folder_away_fails_the_save_publishing_it(
     """``prune --uncommitted-older-than 0`` while a full save is about to commit: the prune renames the
     save's staging folder away before deleting it, so the save's own rename into place finds nothing and
     the save fails; nothing is published half-deleted, and nothing is left."""
-    from smpckpt.catalog.retention import apply_retention
+    from smpckpt.catalog.root import apply_retention
 
     root = str(tmp_path)
     m, _ = trained_model(0)

@@ -21,8 +21,8 @@ from storage_helpers import assert_state_equal, make_state, roundtrip_load, unwr
 from torch.distributed.checkpoint.api import CheckpointException
 
 import smpckpt.storage.format.commit as commit_mod
-from smpckpt.catalog import retention
-from smpckpt.catalog.retention import scan_root
+from smpckpt.catalog import root as catalog
+from smpckpt.catalog.root import scan_root
 from smpckpt.errors import CheckpointExists, UnsafeCheckpoint
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, read_manifest, verify_checkpoint
 
@@ -83,7 +83,7 @@ def test_prune_never_deletes_through_a_folder_swapped_for_a_link(
             x.rename(root / "moved_away")
             os.symlink(out, x)
 
-    real_remove = retention.remove_checkpoint
+    real_remove = catalog.remove_checkpoint
 
     def swapping_remove(*args: Any, **kwargs: Any) -> Any:
         if when == "before the removal":
@@ -99,10 +99,10 @@ def test_prune_never_deletes_through_a_folder_swapped_for_a_link(
 
         return look
 
-    monkeypatch.setattr(retention, "remove_checkpoint", swapping_remove)
+    monkeypatch.setattr(catalog, "remove_checkpoint", swapping_remove)
     for name in ("open", "scandir", "walk", "listdir"):
         monkeypatch.setattr(os, name, first_look(getattr(os, name)))
-    retention.apply_retention(str(root), None, uncommitted_older_than=0)
+    catalog.apply_retention(str(root), None, uncommitted_older_than=0)
     monkeypatch.undo()
     assert removing.is_set() and x.is_symlink() or not x.exists()
     _intact(out, names)
@@ -168,7 +168,7 @@ def test_an_overwrite_never_deletes_through_a_prefix_folder_flipped_to_a_link(
 
 # -- row 8: a prune at age 0 during saves never empties a committed checkpoint ---------------------------
 def _prune_now(root: str) -> Any:
-    return retention.apply_retention(root, None, uncommitted_older_than=0)
+    return catalog.apply_retention(root, None, uncommitted_older_than=0)
 
 
 def test_a_prune_between_the_commits_check_and_its_manifest_fails_the_save(tmp_path: Path) -> None:
@@ -242,7 +242,7 @@ def test_a_prune_that_finds_the_manifest_after_marking_leaves_the_checkpoint(
     root = tmp_path / "root"
     url = str(root / "t_partial")
     picked, published, pruned = threading.Event(), threading.Event(), threading.Event()
-    real_remove = retention.remove_checkpoint
+    real_remove = catalog.remove_checkpoint
 
     def remove_when_published(*args: Any, **kwargs: Any) -> Any:
         picked.set()
@@ -264,7 +264,7 @@ def test_a_prune_that_finds_the_manifest_after_marking_leaves_the_checkpoint(
             assert picked.wait(60)
             super()._write_manifest(data)
 
-    monkeypatch.setattr(retention, "remove_checkpoint", remove_when_published)
+    monkeypatch.setattr(catalog, "remove_checkpoint", remove_when_published)
     monkeypatch.setattr(commit_mod, "_unless_removing", unless_after_the_prune)
     results: list[Any] = []
     thread = threading.Thread(target=lambda: results.append(_prune_now(str(root))))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from smpckpt import last_resume_info, resume_from_checkpoint, save_checkpoint
-from smpckpt.catalog.retention import scan_root
+from smpckpt.catalog.root import scan_root
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format.manifest import _DIGEST_KEY, Manifest, _pack, _self_digest
 

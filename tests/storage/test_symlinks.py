@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from smpckpt import UnsafeCheckpoint, resume_from_checkpoint, save_checkpoint
-from smpckpt.catalog.retention import scan_root
+from smpckpt.catalog.root import scan_root
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state
 
 MANIFEST = "smpckpt.manifest.json"

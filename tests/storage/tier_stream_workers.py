@@ -1,9 +1,13 @@
 """Rank functions for tests/storage/test_tier_stream.py: two ranks, each a node of its own, sending the
-files they write to each other with :class:`smpckpt.storage.tier.Replicator`."""
+files they write to each other with :class:`smpckpt.storage.tier.Replicator`; and a rank whose data sends
+are held back (a peer that does not take its bytes), then released or failed, to watch its writer wait."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
 import zlib
 from typing import Any
 
@@ -69,3 +73,140 @@ def exchange(rank: int, world: int, base: str) -> dict[str, Any]:
         "exact": got,
         "escaped": os.path.exists(os.path.join(base, "escape")),
     }
+
+
+# -- the senders' queue bounded by bytes ------------------------------------------------------------------
+CAP = 4 << 20  #: the queue cap the tests give the replicator
+WRITE = 1 << 20  #: each write: its own message (above the coalescing size)
+WRITES = 16  #: 16 MiB in all: four times the cap
+
+
+def _held_back_sends(rank: int) -> tuple[Any, threading.Event, dict[str, int], Any]:
+    """Rank ``rank``'s data sends wait for the returned event (a peer that does not take its bytes); the
+    bytes each rank's senders finished sending are counted (before the replicator learns of it)."""
+    import smpckpt.storage.tier.writer as writer
+
+    gate = threading.Event()
+    counts = {"sent": 0}
+    real_send = writer._Sender._send
+
+    def held_send(self: Any, kind: int, file: int, payload: Any, n: int, extra: int) -> None:
+        if kind == writer.DATA and rank == 0:
+            if not gate.wait(120):
+                raise TimeoutError("the test never released the sends")
+            if counts.get("fail"):
+                raise ConnectionError("the peer is gone (injected)")
+        real_send(self, kind, file, payload, n, extra)
+        if kind == writer.DATA:
+            counts["sent"] += n
+
+    writer._Sender._send = held_send  # type: ignore[method-assign]
+    return writer, gate, counts, real_send
+
+
+def _write_held(rep: Any, folder: str, data: bytes, counts: dict[str, int], out: dict[str, Any]) -> None:
+    """(rank 0's producer thread) One file in ``WRITES`` writes; after each, what its senders hold queued
+    (written but not yet sent: an upper bound, the send is counted before the replicator releases it)."""
+    sink = rep.sink(LocalSink(os.path.join(folder, "own-0-held.bin"), sync=False), "from0-held.bin")
+    written = 0
+    try:
+        for i in range(WRITES):
+            sink.write(memoryview(data)[i * WRITE : (i + 1) * WRITE])
+            written += WRITE
+            out["peak"] = max(out["peak"], written - counts["sent"])
+        out["written"] = True
+        sink.commit()
+    except Exception as exc:  # noqa: BLE001 - the failing case expects it
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        sink.abort()
+
+
+def _wait_blocked_or_done(rep: Any, out: dict[str, Any], thread: threading.Thread) -> bool:
+    """Until rank 0's producer waits for its senders (the cap reached) or wrote everything (no cap); a
+    bounded wait for a state, not a sleep. Whether it was seen waiting."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if getattr(rep, "waiting", 0) > 0:
+            return True
+        if out.get("written") or not thread.is_alive():
+            return False
+        time.sleep(0.01)
+    raise TimeoutError("rank 0's producer neither waited nor finished")
+
+
+def bounded_queue(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 0 writes 16 MiB while its data sends are held back (cap 4 MiB): it must wait with at most the
+    cap queued; released, the file reaches rank 1 whole."""
+    _, gate, counts, _ = _held_back_sends(rank)
+    folder = os.path.join(base, f"node{rank}")
+    os.makedirs(folder, exist_ok=True)
+    rep = Replicator(
+        rank=rank,
+        world_size=world,
+        local_world_size=1,
+        replicas=2,
+        groups=[dist.new_group(backend="gloo")],
+        folder=folder,
+        sync=False,
+        max_queued=CAP,
+    )
+    rep.start()
+    data = payload(0, "held", WRITES * WRITE)
+    out: dict[str, Any] = {"peak": 0}
+    if rank == 0:
+        producer = threading.Thread(target=_write_held, args=(rep, folder, data, counts, out))
+        producer.start()
+        out["waited"] = _wait_blocked_or_done(rep, out, producer)
+        out["peak_while_held"] = out["peak"]
+        gate.set()
+        producer.join(120)
+    outcome = rep.close()
+    dist.barrier()
+    if rank == 1:
+        with open(os.path.join(folder, "from0-held.bin"), "rb") as f:
+            out["exact"] = f.read() == data
+    out["errors"] = outcome.errors
+    return out
+
+
+def failed_peer(rank: int, world: int, base: str) -> dict[str, Any]:
+    """As :func:`bounded_queue`, but rank 0's held sends then fail (the peer's connection lost): the
+    waiting producer must wake with an error naming the peer, not hang. Rank 0's report goes to a file:
+    rank 1 then leaves without a result (rank 0's broken channel never sends it the end of the stream)."""
+    _, gate, counts, _ = _held_back_sends(rank)
+    folder = os.path.join(base, f"node{rank}")
+    os.makedirs(folder, exist_ok=True)
+    rep = Replicator(
+        rank=rank,
+        world_size=world,
+        local_world_size=1,
+        replicas=2,
+        groups=[dist.new_group(backend="gloo")],
+        folder=folder,
+        sync=False,
+        max_queued=CAP,
+    )
+    rep.start()
+    done = os.path.join(base, "rank0-done")
+    if rank == 1:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(0)  # a stopped peer: rank 0's receiver from it fails at once, its close() returns
+    out: dict[str, Any] = {"peak": 0}
+    producer = threading.Thread(target=_write_held, args=(rep, folder, payload(0, "held", WRITES * WRITE), counts, out))
+    producer.start()
+    out["waited"] = _wait_blocked_or_done(rep, out, producer)
+    counts["fail"] = 1
+    gate.set()
+    producer.join(60)
+    out["producer_alive"] = producer.is_alive()
+    with open(os.path.join(base, "report.json"), "w") as f:
+        json.dump(out, f)
+    with open(done, "w"):
+        pass
+    outcome = rep.close()
+    out["errors"] = outcome.errors
+    with open(os.path.join(base, "report.json"), "w") as f:
+        json.dump(out, f)
+    return out

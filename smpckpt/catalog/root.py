@@ -47,7 +47,7 @@ Checkpoints under a root are ordered by a sequence number in their manifests, ne
 Every save through the API records ``extra["sequence"]``: one higher than the highest committed under
 its root. Retention, a resume without a tag (and its fallback when ``newest`` is missing, stale or
 unusable), ``smpckpt ls`` and the fast tier order checkpoints by it, then by save time, then by save id
-(:func:`smpckpt.catalog.retention.record_order`). ``newest`` stays a hint for stock tools and a cheap
+(:func:`smpckpt.catalog.root.record_order`). ``newest`` stays a hint for stock tools and a cheap
 first guess; wall clocks only break ties among checkpoints written before sequence numbers existed
 (smpckpt <= 0.2 manifests, stock DCP folders: sequence 0, so every sequenced checkpoint is newer).
 
@@ -305,7 +305,7 @@ class SequenceCounter:
         (default: the highest committed number a listing of the root finds) is read first, outside the lock."""
         if not self._listed:
             if scan is None:
-                from smpckpt.catalog.retention import highest_sequence
+                from smpckpt.catalog.root import highest_sequence
 
                 seen = highest_sequence(self.root, self.storage_options)
             else:
@@ -367,7 +367,7 @@ class CheckpointRecord:
 
 
 def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, int, str]:
-    """Sort key of a committed checkpoint, oldest first: its sequence number (``smpckpt.catalog.retention``;
+    """Sort key of a committed checkpoint, oldest first: its sequence number (``smpckpt.catalog.root``;
     0 for checkpoints written before sequence numbers), then -- only among equal numbers, so only among
     those older checkpoints or two jobs racing in one root -- the save time (our nanosecond stamp, else the
     manifest's ``created``), then the save id."""
@@ -523,7 +523,7 @@ def apply_retention(
     so an age well above the longest save (hours, not minutes) never touches one.
 
     ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
-    committed checkpoint is numbered after it (``smpckpt.catalog.retention``: another job saves into this
+    committed checkpoint is numbered after it (``smpckpt.catalog.root``: another job saves into this
     root at the same time), which are the oldest is not settled: no committed checkpoint is removed,
     with a warning, rather than the wrong ones.
 

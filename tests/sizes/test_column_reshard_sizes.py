@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from column_reads import streamed
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -39,8 +40,6 @@ from smpckpt.errors import CheckpointCorrupt
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage.format._reading import ReadStats
-from smpckpt.storage.read._boxes import STREAM_PIECE_BYTES
-from smpckpt.storage.read._run import STREAM_PART_BYTES
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -68,7 +67,9 @@ def source() -> dict[str, torch.Tensor]:
 def saved(source: dict[str, torch.Tensor], tmp_path_factory: pytest.TempPathFactory) -> str:
     """The TP=1 checkpoint of ``source`` (default options: checksums on), shared by every test here."""
     path = str(tmp_path_factory.mktemp("column_sizes") / "tp1")
-    dcp.save({"m": source}, storage_writer=FsspecStorageWriter(path), planner=ParallelSavePlanner(ParallelLayout(), SPECS))
+    dcp.save(
+        {"m": source}, storage_writer=FsspecStorageWriter(path), planner=ParallelSavePlanner(ParallelLayout(), SPECS)
+    )
     return path
 
 
@@ -90,22 +91,6 @@ def _columns(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t[:, rank * width : (rank + 1) * width]
 
 
-def _streamed(rows: int, row_bytes: int, width: int, unit: int, pieces: bool) -> tuple[int, int]:
-    """``(requests, bytes)`` of a streamed column read, worked out here independently of the reader:
-    parts of whole ``unit``-row groups of about ``STREAM_PART_BYTES``; each part read in pieces of whole
-    units of about ``STREAM_PIECE_BYTES`` (``pieces``) or as one request; a request spans its rows from
-    the box's first column of its first row to the box's last column (``width`` bytes) of its last."""
-    part = max(1, STREAM_PART_BYTES // (row_bytes * unit)) * unit
-    piece = max(1, STREAM_PIECE_BYTES // (row_bytes * unit)) * unit if pieces else part
-    requests = nbytes = 0
-    for p0 in range(0, rows, part):
-        p1 = min(rows, p0 + part)
-        for q0 in range(p0, p1, piece):
-            n = min(p1, q0 + piece) - q0
-            requests, nbytes = requests + 1, nbytes + (n - 1) * row_bytes + width
-    return requests, nbytes
-
-
 KiB = 1 << 10
 
 
@@ -114,7 +99,7 @@ def test_bf16_embedding_columns_stream_verified(saved: str, source: dict[str, to
     column (two ranks share each) of every row streamed in 4 MiB pieces, verified, copied out."""
     emb = source["emb"]
     # 63 requests: 31 parts of 1024 rows (8 MiB) in two pieces of 512 rows each, then the last 256 rows
-    want = _streamed(32000, 8 * KiB, 4 * KiB, 64, pieces=True)
+    want = streamed(32000, 8 * KiB, 4 * KiB, 64, pieces=True)
     assert want[0] == 63
     for rank in range(TP):
         dest = torch.zeros(32000, 1024, dtype=torch.bfloat16)
@@ -142,7 +127,7 @@ def test_bf16_embedding_columns_into_other_destinations(
     before = base.clone()
     stats = _load(saved, "emb", dest, 2, cast=cast)
     assert torch.equal(dest, _columns(source["emb"], 2).to(dest.dtype)), name
-    assert (stats.requests, stats.bytes_requested) == _streamed(32000, 8 * KiB, 4 * KiB, 64, pieces=False), name
+    assert (stats.requests, stats.bytes_requested) == streamed(32000, 8 * KiB, 4 * KiB, 64, pieces=False), name
     if name == "column view":  # the columns beside the view are untouched
         assert torch.equal(base[:, :512], before[:, :512]) and torch.equal(base[:, 1536:], before[:, 1536:])
 
@@ -164,7 +149,7 @@ def test_fp32_attention_columns_stream_verified_and_unverified(saved: str, sourc
     units are single rows -- the same requests either way here."""
     w = source["o_proj"]
     for verify, unit in [(True, 256), (False, 1)]:
-        want = _streamed(4096, 16 * KiB, 4 * KiB, unit, pieces=True)
+        want = streamed(4096, 16 * KiB, 4 * KiB, unit, pieces=True)
         assert want[0] == 16
         for rank in range(TP):
             dest = torch.zeros(4096, 1024)

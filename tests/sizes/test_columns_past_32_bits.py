@@ -1,14 +1,15 @@
-"""A column (dim 1) reshard past 32-bit byte offsets and element counts (opt in: ``--run-slow``; a few
-minutes and about 5.5 GiB of memory at its peak).
+"""A column (dim 1) reshard past 32-bit byte offsets and element counts (opt in: ``--run-slow``; 40-110 s
+on the project's shared 2-vCPU VM, 5.6 GiB of memory at its peak: the unverified TP=4 load's 4 GiB buffer).
 
 One bf16 tensor of 360,448 x 6144 elements: 2,214,592,512 elements (past 2**31) and 4.125 GiB, so its
 record runs past 2**32 bytes. Its rows are 12 KiB, and a TP=4 rank's 3 KiB of each sits in a 6 KiB tile
 column: the unread gap per row is below ``request_cost_bytes``, so the verified load streams -- parts of
 whole rows read in pieces of about 4 MiB through one buffer, each piece's tiles verified, then its
 columns copied out -- and its pieces straddle the file's 2 GiB and 4 GiB offsets (checked here from
-the record's offset, not assumed). Each TP=4 rank's slice is 1.03 GiB (553 M elements, past 2**29).
-Unverified, a 3 KiB run per row is below a page: the slice's enclosing span, all 4.125 GiB, is one
-request into one buffer -- read too, bit-exact.
+the record's offset, not assumed). Each TP=4 rank's slice is 1.03 GiB; a TP=2 rank's, 2.06 GiB, is
+past 2**31 bytes itself (its 6 KiB per row is a whole tile column: streamed in place, verified or,
+in 1-row units, not). Unverified, a TP=4 rank's 3 KiB run per row is below a page: the slice's
+enclosing span, all 4.125 GiB, is one request into one buffer -- read too, bit-exact.
 
 Every element holds a 14-bit function of its row and its column (a finite bf16 bit pattern: hashed
 row bits plus hashed column bits), so a shifted, repeated or lost run of rows or columns shows; values are
@@ -25,12 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from column_reads import streamed, streamed_spans
+from column_reads import streamed_spans
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage.format._reading import ReadStats
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -66,9 +68,9 @@ def _indexed() -> torch.Tensor:
     return bits.view(torch.bfloat16)
 
 
-def _check_columns(dest: torch.Tensor, rank: int) -> None:
-    """``dest`` holds TP rank ``rank``'s columns of every row, bit-exact."""
-    width = COLS // TP
+def _check_columns(dest: torch.Tensor, tp: int, rank: int) -> None:
+    """``dest`` holds rank ``rank``'s columns of every row at TP=``tp``, bit-exact."""
+    width = COLS // tp
     got = dest.view(torch.int16)
     cols = slice(rank * width, (rank + 1) * width)
     for r0 in range(0, ROWS, BLOCK_ROWS):
@@ -76,15 +78,21 @@ def _check_columns(dest: torch.Tensor, rank: int) -> None:
         want = _pattern(r0, r1, cols)
         if not torch.equal(got[r0:r1], want):
             bad = (got[r0:r1] != want).nonzero()[0].tolist()
-            raise AssertionError(f"TP rank {rank}: row {r0 + bad[0]}, column {bad[1]} of its slice differs")
+            raise AssertionError(f"TP={tp} rank {rank}: row {r0 + bad[0]}, column {bad[1]} of its slice differs")
 
 
-def _load(path: str, rank: int, verify: bool) -> tuple[torch.Tensor, FsspecStorageReader]:
-    dest = torch.empty(ROWS, COLS // TP, dtype=torch.bfloat16)
+def _load(path: str, tp: int, rank: int, verify: bool) -> ReadStats:
+    """Load TP rank ``rank``'s columns, check them and let them go; the read's stats."""
+    dest = torch.empty(ROWS, COLS // tp, dtype=torch.bfloat16)
     reader = FsspecStorageReader(path, verify_checksums=verify)
-    planner = ParallelLoadPlanner(ParallelLayout(tp=TP), SPECS, rank=rank)
+    planner = ParallelLoadPlanner(ParallelLayout(tp=tp), SPECS, rank=rank)
     dcp.load({"m": {"w": dest}}, storage_reader=reader, planner=planner)
-    return dest, reader
+    _check_columns(dest, tp, rank)
+    del dest
+    gc.collect()
+    if reader.last_read_stats is None:
+        raise AssertionError("no read stats")
+    return reader.last_read_stats
 
 
 def test_column_slices_of_a_tensor_past_4_gib(tmp_path: Path) -> None:
@@ -102,23 +110,26 @@ def test_column_slices_of_a_tensor_past_4_gib(tmp_path: Path) -> None:
     base = info.offset
     assert os.path.getsize(os.path.join(path, info.relative_path)) >= base + ROWS * row_bytes > 2**32
 
-    for rank in (1, 2):  # the slice in the first tile column, and in the second
-        dest, reader = _load(path, rank, verify=True)
-        _check_columns(dest, rank)
-        del dest
-        gc.collect()
-        stats = reader.last_read_stats
-        assert stats is not None
-        col0 = rank * (COLS // TP) * 2 // TILE_BYTES * TILE_BYTES  # the tile column's first byte
-        spans = streamed_spans(ROWS, row_bytes, TILE_BYTES, TILE_ROWS, pieces=True)
-        assert (stats.requests, stats.bytes_requested) == streamed(ROWS, row_bytes, TILE_BYTES, TILE_ROWS, pieces=True)
-        assert stats.bytes_needed == ROWS * (COLS // TP) * 2
+    # streamed, verified: TP=4 ranks 1 and 2 read the first and the second tile column (each 6 KiB, twice
+    # their slice: copied out of the piece buffer); TP=2 rank 1's slice is the second tile column, a
+    # destination of 2.06 GiB (past 2**31 bytes) filled in place; unverified, TP=2 rank 0 streams too,
+    # in 1-row units
+    for tp, rank, verify, unit in [
+        (4, 1, True, TILE_ROWS),
+        (4, 2, True, TILE_ROWS),
+        (2, 1, True, TILE_ROWS),
+        (2, 0, False, 1),
+    ]:
+        stats = _load(path, tp, rank, verify)
+        width = COLS // tp * 2
+        assert stats.bytes_needed == ROWS * width
+        col0 = rank * width // TILE_BYTES * TILE_BYTES  # the first byte of the tile column read
+        spans = streamed_spans(ROWS, row_bytes, TILE_BYTES, unit, pieces=True)
+        assert (stats.requests, stats.bytes_requested) == (len(spans), sum(n for _, n in spans)), (tp, rank, stats)
         for edge in (2**31, 2**32):  # a streamed piece reads across each edge
-            assert any(base + col0 + s < edge < base + col0 + s + n for s, n in spans), edge
+            assert any(base + col0 + s < edge < base + col0 + s + n for s, n in spans), (tp, rank, edge)
 
-    dest, reader = _load(path, 3, verify=False)
-    _check_columns(dest, 3)
-    stats = reader.last_read_stats
-    assert stats is not None
-    # one request from the slice's first byte in row 0 to its last in the last row
-    assert (stats.requests, stats.bytes_requested) == (1, (ROWS - 1) * row_bytes + (COLS // TP) * 2)
+    # unverified, TP=4: a 3 KiB run per row is below a page: one request from the slice's first byte in
+    # row 0 to its last in the last row, into one buffer
+    stats = _load(path, 4, 3, verify=False)
+    assert (stats.requests, stats.bytes_requested) == (1, (ROWS - 1) * row_bytes + COLS // 4 * 2)

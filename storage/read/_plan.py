@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
+from smpckpt.storage.format._check_units import Tiling
 from smpckpt.storage.format._reading import Fetch, Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord
 
@@ -367,7 +367,9 @@ def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:
 def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | None:
     """The row-by-row read of a strided slice (local files): verifying, the column groups it touches
     over the row groups it touches when its record is tiled in ``rec``; not verifying, exactly its
-    bytes when each row's run is at least :data:`~._check_units.MIN_SEGMENT`. ``None``: read a range."""
+    bytes (how -- rows merged, streamed or a request each -- is the caller's cost model's choice, for
+    short runs too: read as one range, a slice of a big tensor took its whole enclosing span in one
+    buffer, 4.1 GiB for a 1 GiB slice). ``None``: read a range."""
     if verify:
         t = rec.tiling_at(it.start) if rec is not None else None
         if t is None or it.end > t.end:
@@ -385,8 +387,6 @@ def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | Non
     if last < col0:
         return None
     if t is None:
-        if last + 1 - col0 < MIN_SEGMENT:
-            return None  # runs this short cost more in calls than the enclosing span costs in bytes
         return BoxRead(it.file, it, base, row_bytes, row0, row1 + 1, col0, last + 1)
     g0, g1 = col0 // t.segment, last // t.segment + 1
     if (g1 - g0) * t.segment == row_bytes:

@@ -132,15 +132,18 @@ def test_bf16_embedding_columns_into_other_destinations(
         assert torch.equal(base[:, :512], before[:, :512]) and torch.equal(base[:, 1536:], before[:, 1536:])
 
 
-def test_bf16_embedding_unverified_reads_the_enclosing_span(saved: str, source: dict[str, torch.Tensor]) -> None:
-    """Unverified, a 2 KiB run per row is below a page (``MIN_SEGMENT``): no row-by-row read at all, the
-    slice's enclosing span -- 250 MiB, every row from its first to its last column -- is one request
-    into one buffer. Pinned here so a change of path shows (it is 4x the slice in memory too)."""
-    for rank in (3,):
+def test_bf16_embedding_unverified_streams_its_short_runs(saved: str, source: dict[str, torch.Tensor]) -> None:
+    """Unverified, a 2 KiB run per row (below a page) streams in 1-row units like longer runs: parts of
+    8 MiB read in 4 MiB pieces. It was read as the slice's enclosing span -- 250 MiB, every row from its
+    first to its last column -- in one request into one buffer (4x the slice in memory; 4.1 GiB for a
+    1 GiB slice of a 4 GiB tensor)."""
+    want = streamed(32000, 8 * KiB, 2 * KiB, 1, pieces=True)
+    assert want[0] == 63
+    for rank in (0, 3):
         dest = torch.zeros(32000, 1024, dtype=torch.bfloat16)
         stats = _load(saved, "emb", dest, rank, verify_checksums=False)
         assert torch.equal(dest, _columns(source["emb"], rank)), rank
-        assert (stats.requests, stats.bytes_requested) == (1, 31999 * 8 * KiB + 2 * KiB), (rank, stats)
+        assert (stats.requests, stats.bytes_requested) == want, (rank, stats)
 
 
 def test_fp32_attention_columns_stream_verified_and_unverified(saved: str, source: dict[str, torch.Tensor]) -> None:

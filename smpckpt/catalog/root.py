@@ -117,7 +117,8 @@ __all__ = [
 ]
 
 
-log = logging.getLogger(__name__)
+# the name it had before the module's rename: logging configured for it keeps applying
+log = logging.getLogger("smpckpt.catalog.retention")
 
 NEWEST_NAME = "newest"
 PARTIAL_SUFFIX = "_partial"

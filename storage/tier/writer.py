@@ -37,14 +37,17 @@ Memory. Nothing is copied on the sender but small writes (coalesced into ~1 MiB 
 holds views of the writer's own buffers (for staged bytes, the copies the writer makes for a borrowing
 sink: ``storage/write/_pipeline.py``), and a sink's ``commit`` returns only when its file's last message
 went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). A rank's senders hold at
-most ``max_queued`` bytes of data messages queued (:class:`_Budget`; the save's ``staging_bytes``, the
-cap it already puts on its staged host memory, 128 MiB by default): a write that would pass it waits
+most ``max_queued`` bytes of data messages queued (:class:`_Budget`; the save's ``staging_bytes``, 128 MiB
+by default -- a second cap of that size, beside the staging pool's: a staged buffer queued for a peer is
+a copy, so a replicated save's host memory above the state is up to twice ``staging_bytes`` plus a
+message per sender and a buffer per writer thread): a write that would pass it waits
 until the senders have sent enough, so a slow peer slows this rank's writers instead of growing its
 memory (one message is always let in: a write larger than the cap goes alone). That wait cannot hang:
 senders wait only on their peers' receiver threads, which never wait on their own rank's writers (the
 channel's messages are taken in order and none waits for a later write), and a sender whose connection
 failed wakes the waiting writers, which raise (naming the peer) instead of waiting on. Each receiver
-holds one chunk (the writer's chunk size, 8 MiB, at most) at a time.
+holds one message (a staging buffer, 16 MiB, at most) at a time. Writers are not served in order: with
+a cap below a few messages, small writes can keep a large one waiting (never past the queue emptying).
 
 Received files appear under their final name only when complete, through the one commit protocol's
 file operations (``storage/backends/_folder.py``): a create-only temporary name in the node's folder
@@ -281,6 +284,7 @@ class _Sender:
                     self.broken = f"sending replicas to rank {self.dst} failed: {exc}"
                     self.errors.append(self.broken)
                     self.budget.fail(self.broken)
+            payload = None  # the budget counts it sent: let go of it now, not at the next message
             if done is not None:
                 done()
             if kind == EOS:

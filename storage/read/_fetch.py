@@ -126,12 +126,17 @@ Spans = list[tuple[int, int]]
 #: file offset ``first``, each ``stride`` file bytes after the one before (a block: one run), as read
 RowsDigest = Callable[[int, int, int, int], int]
 
-#: verified local reads go in requests of about this many bytes (whole check units), each unit hashed
-#: right after its request returns, while its bytes are still in the CPU's cache: one pass over memory
-#: instead of two. Measured on the 2-vCPU VM (512 MiB from /dev/shm, one thread, CPU seconds): a 16 MiB
-#: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146,
-#: 256-512 KiB 0.131-0.149, 2 MiB 0.153, reading alone 0.115-0.141 (L2: 2 MiB per core there).
-FUSE_BYTES = 1 << 20
+#: verified local reads go in requests of about this many bytes (whole check units; a tiled row group is
+#: never split), each unit hashed right after its request returns, while its bytes are still in the CPU's
+#: cache: one pass over memory instead of two. Measured on the 2-vCPU VM (L2: 2 MiB per core), one
+#: thread, 512 MiB from the ext4 page cache, CPU s per GiB: the read costs the same in requests of 256 KiB
+#: to 1 MiB (0.217-0.221; 64 KiB 0.237, 16 MiB 0.200), but hashing right after a 1 MiB request found
+#: half its bytes gone from the cache (0.061-0.076 against 0.031-0.039 hashing them again), after
+#: 256 KiB 0.043-0.044. Whole warm loads (512 MiB GPT-like, 4 threads, paired rounds in one process,
+#: loaded VM): 256 KiB used 0.913 / 0.948 / 0.970x the CPU of 1 MiB from the ext4 page cache (12, 14
+#: and 11 of 15 rounds lower), 0.996 / 0.962x from /dev/shm. Earlier (/dev/shm, one thread): a 16 MiB
+#: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146.
+FUSE_BYTES = 256 << 10
 
 
 def unit_rows(rec: FileRecord, i: int) -> tuple[int, int, int, int]:

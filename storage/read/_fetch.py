@@ -134,7 +134,9 @@ RowsDigest = Callable[[int, int, int, int], int]
 #: half its bytes gone from the cache (0.061-0.076 against 0.031-0.039 hashing them again), after
 #: 256 KiB 0.043-0.044. Whole warm loads (512 MiB GPT-like, 4 threads, paired rounds in one process,
 #: loaded VM): 256 KiB used 0.913 / 0.948 / 0.970x the CPU of 1 MiB from the ext4 page cache (12, 14
-#: and 11 of 15 rounds lower), 0.996 / 0.962x from /dev/shm. Earlier (/dev/shm, one thread): a 16 MiB
+#: and 11 of 15 rounds lower; 0.925 / 0.941 in runs of 25), 0.996 / 0.962x from /dev/shm; but
+#: ``profile_load.py --fuse-bytes 1048576`` (same rounds, paired) put 1 MiB at 0.975 / 0.994 / 1.015x
+#: the 256 KiB CPU: no worse, the gain within this loaded VM's noise there. Earlier (/dev/shm, one thread): a 16 MiB
 #: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146.
 FUSE_BYTES = 256 << 10
 

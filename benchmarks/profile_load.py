@@ -45,6 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tree", default=None, help="a staged smpckpt tree to import instead of the installed one")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--threads", type=int, default=None, help="the reader's thread_count (default: its own)")
+    ap.add_argument(
+        "--no-split",
+        action="store_true",
+        help="no per-call timers in the workers (they cost a lock and two clock reads per verified chunk)",
+    )
+    ap.add_argument(
+        "--fuse-bytes",
+        default="",
+        help="comma list of byte counts: also the verified load with _fetch.FUSE_BYTES set to each, in the same rounds",
+    )
     args = ap.parse_args(argv)
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -73,21 +84,26 @@ def main(argv: list[str] | None = None) -> int:
     split: dict[str, float] = {}
     lock = threading.Lock()
 
-    def timed(name: str, fn: Any) -> Any:
+    def timed(name: str, fn: Any, key: str | None = None) -> Any:
+        key = key or name
+
         def wrapper(*a: Any, **k: Any) -> Any:
             c0 = time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 with lock:
-                    split[name] = split.get(name, 0.0) + time.thread_time() - c0
+                    split[key] = split.get(key, 0.0) + time.thread_time() - c0
 
         return wrapper
 
-    # the worker threads' CPU: verification, and the whole local read (which includes it where fused)
-    for name in ("verify_blocks", "_read_local"):
+    # the worker threads' CPU: verification, and the whole local read (which includes it where fused);
+    # a fused chunk is verified by `_verify_chunk` (trees before it: `verify_blocks`), which calls
+    # `verify_blocks` only to report a mismatch, so the two never overlap in a clean load
+    for name in () if args.no_split else ("verify_blocks", "_verify_chunk", "_read_local"):
         if hasattr(_fetch, name):
-            setattr(_fetch, name, timed(name, getattr(_fetch, name)))
+            key = "_read_local" if name == "_read_local" else "verify_blocks"
+            setattr(_fetch, name, timed(name, getattr(_fetch, name), key))
     results: dict[str, Any] = {"code": _fetch.__file__, "model": args.model, "bytes": nbytes, "dirs": {}}
     print(f"smpckpt from {os.path.dirname(_fetch.__file__)}; {len(state)} tensors, {nbytes / (1 << 20):.0f} MiB")
     for parent in [d for d in args.dirs.split(",") if d]:
@@ -108,19 +124,32 @@ def main(argv: list[str] | None = None) -> int:
                     while mv:
                         mv = mv[f.readinto(mv) :]
 
-        def ours(verify: bool, ck: str = ck, dest: dict[str, Any] = dest) -> Any:
+        def ours(verify: bool, ck: str = ck, dest: dict[str, Any] = dest, fuse: int | None = None) -> Any:
             def load() -> None:
-                reader = FsspecStorageReader(ck, verify_checksums=verify)
+                default = getattr(_fetch, "FUSE_BYTES", None)
+                if fuse is not None:
+                    _fetch.FUSE_BYTES = fuse
+                try:
+                    _load()
+                finally:
+                    if fuse is not None:
+                        _fetch.FUSE_BYTES = default
+
+            def _load() -> None:
+                extra = {} if args.threads is None else {"thread_count": args.threads}
+                reader = FsspecStorageReader(ck, verify_checksums=verify, **extra)
                 with gc_frozen():
                     dcp.load({"model": dest}, storage_reader=reader, planner=ParallelLoadPlanner(layout, specs, rank=0))
 
             return load
 
         cases = {"raw readinto": raw_load, "smpckpt": ours(True), "smpckpt unverified": ours(False)}
+        for n in [int(x) for x in args.fuse_bytes.split(",") if x]:
+            cases[f"smpckpt fuse {n >> 10} KiB"] = ours(True, fuse=n)
         recs: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
         try:
             for r in range(args.rounds + 1):
-                for name, fn in list(cases.items())[r % 3 :] + list(cases.items())[: r % 3]:
+                for name, fn in list(cases.items())[r % len(cases) :] + list(cases.items())[: r % len(cases)]:
                     split.clear()
                     c0, t0 = _cpu_s(), time.perf_counter()
                     fn()
@@ -153,8 +182,17 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
             print(
-                f"  {name:20s} {row['cpu_s_per_gib']:.3f} ({row['min']:.3f}..{row['max']:.3f})  "
+                f"  {name:24s} {row['cpu_s_per_gib']:.3f} ({row['min']:.3f}..{row['max']:.3f})  "
                 f"x{row['x_raw_cpu']:.2f}{extra}"
+            )
+        for name in [c for c in recs if c.startswith("smpckpt fuse")]:
+            # paired: each round's CPU against the default's in the same round (the host's load drifts less
+            # within a round than across the run)
+            ratios = [g["cpu_s"] / d["cpu_s"] for g, d in zip(recs[name], recs["smpckpt"])]
+            rows[name]["paired_x_default"] = statistics.median(ratios)
+            lower = sum(x < 1 for x in ratios)
+            print(
+                f"  {name}: x{statistics.median(ratios):.3f} the default's CPU, paired ({lower}/{len(ratios)} rounds lower)"
             )
         results["dirs"][parent] = rows
     if args.json:

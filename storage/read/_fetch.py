@@ -126,12 +126,19 @@ Spans = list[tuple[int, int]]
 #: file offset ``first``, each ``stride`` file bytes after the one before (a block: one run), as read
 RowsDigest = Callable[[int, int, int, int], int]
 
-#: verified local reads go in requests of about this many bytes (whole check units), each unit hashed
-#: right after its request returns, while its bytes are still in the CPU's cache: one pass over memory
-#: instead of two. Measured on the 2-vCPU VM (512 MiB from /dev/shm, one thread, CPU seconds): a 16 MiB
-#: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146,
-#: 256-512 KiB 0.131-0.149, 2 MiB 0.153, reading alone 0.115-0.141 (L2: 2 MiB per core there).
-FUSE_BYTES = 1 << 20
+#: verified local reads go in requests of about this many bytes (whole check units; a tiled row group is
+#: never split), each unit hashed right after its request returns, while its bytes are still in the CPU's
+#: cache: one pass over memory instead of two. Measured on the 2-vCPU VM (L2: 2 MiB per core), one
+#: thread, 512 MiB from the ext4 page cache, CPU s per GiB: the read costs the same in requests of 256 KiB
+#: to 1 MiB (0.217-0.221; 64 KiB 0.237, 16 MiB 0.200), but hashing right after a 1 MiB request found
+#: half its bytes gone from the cache (0.061-0.076 against 0.031-0.039 hashing them again), after
+#: 256 KiB 0.043-0.044. Whole warm loads (512 MiB GPT-like, 4 threads, paired rounds in one process,
+#: loaded VM): 256 KiB used 0.913 / 0.948 / 0.970x the CPU of 1 MiB from the ext4 page cache (12, 14
+#: and 11 of 15 rounds lower; 0.925 / 0.941 in runs of 25), 0.996 / 0.962x from /dev/shm; but
+#: ``profile_load.py --fuse-bytes 1048576`` (same rounds, paired) put 1 MiB at 0.975 / 0.994 / 1.015x
+#: the 256 KiB CPU: no worse, the gain within this loaded VM's noise there. Earlier (/dev/shm, one thread): a 16 MiB
+#: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146.
+FUSE_BYTES = 256 << 10
 
 
 def unit_rows(rec: FileRecord, i: int) -> tuple[int, int, int, int]:
@@ -222,19 +229,60 @@ def digest_of(data: memoryview, base: int) -> Callable[[Spans], int]:
     return digest
 
 
-def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, range]]:
-    """``[lo, hi)`` (cut on unit ends, as ``rec.widen`` cuts) as ``(start, end, blocks)``: runs of whole
+#: one check unit of a fused chunk: ``(index, first, rows, run, stride)`` (see :func:`unit_rows`)
+Unit = tuple[int, int, int, int, int]
+
+
+def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, list[Unit]]]:
+    """``[lo, hi)`` (cut on unit ends, as ``rec.widen`` cuts) as ``(start, end, units)``: runs of whole
     units of about :data:`FUSE_BYTES`, each ending where every unit in it has all its bytes (a tile's
-    rows run to the end of its row group; a tile of one row is contiguous)."""
+    rows run to the end of its row group; a tile of one row is contiguous), with each unit's geometry
+    as :func:`unit_rows` gives it.
+
+    One pass in file order, the tilings walked alongside (not looked up per unit), and the geometry
+    handed to :func:`_verify_chunk` (it was worked out twice): this runs under the GIL on every reader
+    thread for every unit of a verified local read. Measured on the 2-vCPU VM (warm 512 MiB GPT-like
+    load, ~4,500 units per GiB): ``unit_rows`` was 9.6 % of a worker's py-spy samples; the chunking and
+    verification bookkeeping without the hashing went from 11.4 to 5.0 ms per GiB."""
     blocks = rec.blocks_covering(lo, hi)
-    a, first, reach = lo, blocks.start, lo
+    ends, tilings = rec.block_ends, rec.tilings
+    j, nt = 0, len(tilings)
+    a, reach = lo, lo
+    units: list[Unit] = []
+    bs = ends[blocks.start - 1] if blocks.start else 0
+    last = blocks.stop - 1
     for i in blocks:
-        be = rec.block_ends[i]
-        start, rows, run, stride = unit_rows(rec, i)
-        reach = max(reach, start + (rows - 1) * stride + run)
-        if i == blocks.stop - 1 or (be - a >= FUSE_BYTES and reach <= be):
-            yield a, min(be, hi), range(first, i + 1)
-            a, first = be, i + 1
+        be = ends[i]
+        while j < nt and tilings[j].end <= bs:
+            j += 1
+        t = tilings[j] if j < nt and tilings[j].start <= bs else None
+        if t is None:
+            units.append((i, bs, 1, be - bs, be - bs))
+            reach = max(reach, be)
+        else:
+            try:
+                first, rows = t.tile_rows(bs, be)
+            except ValueError as exc:
+                raise CheckpointCorrupt(f"manifest entry {rec.name}: {exc}") from exc
+            seg, row = t.segment, t.row_bytes
+            units.append((i, first, rows, seg, row))
+            reach = max(reach, first + (rows - 1) * row + seg)
+        if i == last or (be - a >= FUSE_BYTES and reach <= be):
+            yield a, min(be, hi), units
+            a, units = be, []
+        bs = be
+
+
+def _verify_chunk(
+    path: str, rec: FileRecord, a: int, b: int, units: Sequence[Unit], items: Sequence[Item], digest: RowsDigest
+) -> None:
+    """Check ``units`` (one of :func:`_chunks`' chunks, file bytes ``[a, b)``) against ``rec`` with
+    ``digest``, as :func:`verify_blocks` does, from the geometry :func:`_chunks` already worked out."""
+    digests = rec.block_digests
+    for i, first, rows, run, stride in units:
+        if digest(first, rows, run, stride) != digests[i]:
+            verify_blocks(path, rec, a, b, items, digest, blocks=[i])  # raises, naming the unit and its keys
+            raise CheckpointCorrupt(f"{path}: checksum mismatch in block {i}")  # pragma: no cover - raised above
 
 
 def _read_local(
@@ -278,7 +326,7 @@ def _read_fused(
     to verify start (``hi``: none)."""
     dev = os.fstat(fd).st_dev
     nowait, memory = True, None  # what the file's filesystem can tell, asked once per request
-    for a, b, blocks in _chunks(rec, lo, hi):
+    for a, b, units in _chunks(rec, lo, hi):
         got = pread_cached(fd, land.views(a, b), a, dev) if nowait else NOT_SUPPORTED
         if got == NOT_SUPPORTED:
             nowait = False
@@ -291,7 +339,7 @@ def _read_fused(
             rest = pread_into(fd, land.views(a + got, hi), a + got, hi - a - got)
             check_complete(path, keys, a, hi, got + rest)
             return a
-        verify_blocks(path, rec, a, b, items, land.digest, blocks=blocks)
+        _verify_chunk(path, rec, a, b, units, items, land.digest)
     return hi
 
 

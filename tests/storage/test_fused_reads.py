@@ -91,6 +91,12 @@ class _Spy:
         monkeypatch.setattr(_fetch.Landing, "digest", spy_digest)
 
 
+def _chunk_bound(path: str) -> int:
+    """The largest read of a fused chunk: :data:`_fetch.FUSE_BYTES`, or a whole tiled row group."""
+    rec = max(read_manifest(path).files, key=lambda f: f.size)
+    return max([_fetch.FUSE_BYTES, *(t.group_bytes for t in rec.tilings)])
+
+
 def _unit_firsts(path: str) -> Counter[int]:
     """Every unit of the big data file, by its first byte, once."""
     rec = max(read_manifest(path).files, key=lambda f: f.size)
@@ -107,8 +113,8 @@ def test_a_load_from_memory_reads_unit_chunks_and_verifies_every_unit_once(
     for k, v in sd.items():
         assert torch.equal(dest[k], v), k
     big = [n for _, n, _ in spy.reads if n > 64 << 10]
-    # no read larger than a chunk of whole units (a tiled row group of 64 rows of 16 KiB is 1 MiB here)
-    assert big and max(big) <= _fetch.FUSE_BYTES, spy.reads
+    # no read larger than a chunk of whole units (a tiled row group, 32 rows of 16 KiB here, is one)
+    assert big and max(big) <= _chunk_bound(path), spy.reads
     # every unit of the big file checked, each exactly once
     units = _unit_firsts(path)
     assert {k: spy.units[k] for k in units} == dict(units)
@@ -162,7 +168,7 @@ def test_where_the_page_cache_cannot_be_asked(tmp_path: Any, monkeypatch: pytest
     for k, v in sd.items():
         assert torch.equal(dest[k], v), k
     sizes = [n for _, n, _ in spy.reads]
-    assert (max(sizes) <= _fetch.FUSE_BYTES) == memory, sizes
+    assert (max(sizes) <= _chunk_bound(path)) == memory, sizes
     units = _unit_firsts(path)
     assert {k: spy.units[k] for k in units} == dict(units)
     flip_byte(data, 3 * MiB + 17)
@@ -190,3 +196,51 @@ def test_page_cache_probe_on_a_real_file(tmp_path: Any) -> None:
         os.close(fd)
     if os.path.isdir("/dev/shm"):
         assert _page_cache.in_memory(os.stat("/dev/shm").st_dev)
+
+
+def test_chunks_carry_each_units_geometry_in_file_order(tmp_path: Any) -> None:
+    """The fused read's chunks walk the tilings alongside the block list: every unit of a widened range
+    comes once, in order, with the geometry ``unit_rows`` gives it, and each chunk holds all its units'
+    bytes."""
+    path, _, _ = _saved(tmp_path)
+    rec = max(read_manifest(path).files, key=lambda f: f.size)
+    assert rec.tilings, "the state must save a tiled tensor"
+    t = rec.tilings[0]
+    ranges = [
+        (0, rec.size),
+        (t.start, t.end),
+        rec.widen(t.start + 5000, t.end - 70000),
+        rec.widen(3 * MiB + 1, rec.size),
+    ]
+    for lo, hi in ranges:
+        chunks = list(_fetch._chunks(rec, lo, hi))
+        assert chunks[0][0] == lo and chunks[-1][1] == hi
+        assert all(chunks[k][1] == chunks[k + 1][0] for k in range(len(chunks) - 1))
+        got = [u for _, _, units in chunks for u in units]
+        assert got == [(i, *_fetch.unit_rows(rec, i)) for i in rec.blocks_covering(lo, hi)], (lo, hi)
+        for a, b, units in chunks:
+            for _, first, rows, run, stride in units:
+                assert a <= first and first + (rows - 1) * stride + run <= b
+
+
+@pytest.mark.parametrize("key", ["blocks", "tiled"])
+def test_a_flipped_byte_in_memory_is_refused_naming_its_unit_and_key(tmp_path: Any, key: str) -> None:
+    """A warm (fused) load refuses a damaged block or tile, naming the unit's kind and the key."""
+    path, sd, data = _saved(tmp_path)
+    rec = max(read_manifest(path).files, key=lambda f: f.size)
+    t = rec.tilings[0]
+    # a byte in the tiled tensor's third row group, second column group; or in the middle of the blocks
+    where = t.start + 2 * t.group_bytes + 5 * t.row_bytes + t.segment + 3 if key == "tiled" else None
+    if where is None:
+        where = next(
+            rec.block_start(i) + 100
+            for i in range(len(rec.block_ends))
+            if rec.tiling_at(rec.block_start(i)) is None and rec.block_ends[i] - rec.block_start(i) >= 64 << 10
+        )
+    _load(path, sd)  # the file is in the page cache: every chunk is read and verified fused
+    flip_byte(data, where)
+    with pytest.raises(CheckpointException) as info:
+        _load(path, sd, thread_count=1)
+    err = unwrap(info.value)
+    assert isinstance(err, CheckpointCorrupt) and "checksum mismatch" in str(err), err
+    assert f"'{key}'" in str(err) and (("tile of" in str(err)) == (key == "tiled")), err

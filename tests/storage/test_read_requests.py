@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
+from smpckpt.storage.read import _fetch
 from smpckpt.storage.read._gate import InOrder, ReadAborted
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -164,7 +165,8 @@ def test_small_reads_first_then_files_side_by_side(tmp_path: Any, monkeypatch: p
     # back to back): calls that continue the one before in the same file are one request
     merged: list[tuple[str, int, int]] = []
     for f, off, n in reads:
-        if merged and merged[-1][0] == f and merged[-1][1] + merged[-1][2] == off and merged[-1][2] >= MiB:
+        chunk = merged and merged[-1][2] >= _fetch.FUSE_BYTES  # a fused chunk (the small records are far below)
+        if chunk and merged[-1][0] == f and merged[-1][1] + merged[-1][2] == off:
             merged[-1] = (f, merged[-1][1], merged[-1][2] + n)
         else:
             merged.append((f, off, n))

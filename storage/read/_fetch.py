@@ -229,11 +229,16 @@ def digest_of(data: memoryview, base: int) -> Callable[[Spans], int]:
     return digest
 
 
-#: one check unit of a fused chunk: ``(index, first, rows, run, stride)`` (see :func:`unit_rows`)
-Unit = tuple[int, int, int, int, int]
+#: a fused chunk's check units, flat: ``index, first, rows, run, stride`` of each in turn (see
+#: :func:`unit_rows`). Flat ints, not a tuple per unit: a tuple is an object the cyclic garbage collector
+#: counts, and a load of thousands of small tensors made enough of them to set off collections during
+#: its I/O (``tests/test_gc_pauses.py``); ints are not counted.
+Units = list[int]
+#: the fields per unit in :data:`Units`
+UNIT_FIELDS = 5
 
 
-def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, list[Unit]]]:
+def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, Units]]:
     """``[lo, hi)`` (cut on unit ends, as ``rec.widen`` cuts) as ``(start, end, units)``: runs of whole
     units of about :data:`FUSE_BYTES`, each ending where every unit in it has all its bytes (a tile's
     rows run to the end of its row group; a tile of one row is contiguous), with each unit's geometry
@@ -248,7 +253,7 @@ def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, list[
     ends, tilings = rec.block_ends, rec.tilings
     j, nt = 0, len(tilings)
     a, reach = lo, lo
-    units: list[Unit] = []
+    units: Units = []
     bs = ends[blocks.start - 1] if blocks.start else 0
     last = blocks.stop - 1
     for i in blocks:
@@ -257,7 +262,7 @@ def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, list[
             j += 1
         t = tilings[j] if j < nt and tilings[j].start <= bs else None
         if t is None:
-            units.append((i, bs, 1, be - bs, be - bs))
+            units.extend((i, bs, 1, be - bs, be - bs))
             reach = max(reach, be)
         else:
             try:
@@ -265,7 +270,7 @@ def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, list[
             except ValueError as exc:
                 raise CheckpointCorrupt(f"manifest entry {rec.name}: {exc}") from exc
             seg, row = t.segment, t.row_bytes
-            units.append((i, first, rows, seg, row))
+            units.extend((i, first, rows, seg, row))
             reach = max(reach, first + (rows - 1) * row + seg)
         if i == last or (be - a >= FUSE_BYTES and reach <= be):
             yield a, min(be, hi), units
@@ -274,12 +279,13 @@ def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, list[
 
 
 def _verify_chunk(
-    path: str, rec: FileRecord, a: int, b: int, units: Sequence[Unit], items: Sequence[Item], digest: RowsDigest
+    path: str, rec: FileRecord, a: int, b: int, units: Units, items: Sequence[Item], digest: RowsDigest
 ) -> None:
     """Check ``units`` (one of :func:`_chunks`' chunks, file bytes ``[a, b)``) against ``rec`` with
     ``digest``, as :func:`verify_blocks` does, from the geometry :func:`_chunks` already worked out."""
     digests = rec.block_digests
-    for i, first, rows, run, stride in units:
+    for k in range(0, len(units), UNIT_FIELDS):
+        i, first, rows, run, stride = units[k : k + UNIT_FIELDS]
         if digest(first, rows, run, stride) != digests[i]:
             verify_blocks(path, rec, a, b, items, digest, blocks=[i])  # raises, naming the unit and its keys
             raise CheckpointCorrupt(f"{path}: checksum mismatch in block {i}")  # pragma: no cover - raised above

@@ -216,10 +216,11 @@ def test_chunks_carry_each_units_geometry_in_file_order(tmp_path: Any) -> None:
         chunks = list(_fetch._chunks(rec, lo, hi))
         assert chunks[0][0] == lo and chunks[-1][1] == hi
         assert all(chunks[k][1] == chunks[k + 1][0] for k in range(len(chunks) - 1))
-        got = [u for _, _, units in chunks for u in units]
+        n = _fetch.UNIT_FIELDS
+        got = [tuple(units[k : k + n]) for _, _, units in chunks for k in range(0, len(units), n)]
         assert got == [(i, *_fetch.unit_rows(rec, i)) for i in rec.blocks_covering(lo, hi)], (lo, hi)
         for a, b, units in chunks:
-            for _, first, rows, run, stride in units:
+            for _, first, rows, run, stride in (units[k : k + n] for k in range(0, len(units), n)):
                 assert a <= first and first + (rows - 1) * stride + run <= b
 
 

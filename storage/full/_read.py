@@ -290,14 +290,8 @@ class FullSource(ArtifactIndex):
         plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
         if plan is None:
             return False
-        if units is not None:
-            # every element of the box lies in some unit it reads (else bytes would go out unchecked)
-            _, lo, hi = units.meeting(offsets, sizes)
-            box_lo = np.asarray(offsets, dtype=np.int64)
-            box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
-            overlap = (np.minimum(hi, box_hi) - np.maximum(lo, box_lo)).prod(axis=1)
-            if int(overlap.sum()) != math.prod(sizes):
-                raise self._uncovered(t, key)
+        if units is not None and plan.covered != math.prod(sizes):
+            raise self._uncovered(t, key)  # some of the box's bytes would go out unchecked
         index = units
         digests = [index.digest(i) for i in plan.units.tolist()] if index is not None else []
 

@@ -33,7 +33,8 @@ class StreamPlan:
     ``[cols)`` read (the box's and those of the units it touches), in ``pieces`` (row ranges cut only
     where no unit spans the cut). ``units``: the check units to verify (positions in their index), with
     their rows ``urows`` ``(m, 2)`` and byte columns ``ucols`` ``(m, 2)``; ``box_rows``/``box_cols``: the
-    box's own."""
+    box's own; ``covered``: the box's elements that lie in those units (all of them, or some would go
+    out unchecked; 0 unverified)."""
 
     row_bytes: int
     rows: tuple[int, int]
@@ -44,6 +45,7 @@ class StreamPlan:
     units: np.ndarray
     urows: np.ndarray
     ucols: np.ndarray
+    covered: int = 0
 
     @property
     def width(self) -> int:
@@ -97,7 +99,10 @@ def stream_plan(
     if c1 - c0 >= row_bytes or not streams(row_bytes, c1 - c0, request_cost):
         return None  # one run per request already, or rows far enough apart to read a request each
     pieces = _pieces(r0, r1, urows, max(1, piece_bytes // row_bytes))
-    return StreamPlan(row_bytes, (r0, r1), (c0, c1), box_rows, box_cols, pieces, idx, urows, ucols)
+    box_lo = np.asarray(offsets, dtype=np.int64)
+    box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
+    covered = int((np.minimum(hi, box_hi) - np.maximum(lo, box_lo)).prod(axis=1).sum()) if len(idx) else 0
+    return StreamPlan(row_bytes, (r0, r1), (c0, c1), box_rows, box_cols, pieces, idx, urows, ucols, covered)
 
 
 def _pieces(r0: int, r1: int, urows: np.ndarray, step: int) -> list[tuple[int, int]]:

@@ -47,7 +47,7 @@ from sim import reset_dcp_caches, sim_load, sim_save  # noqa: E402
 from smpckpt.model.layout import ParallelLayout  # noqa: E402
 from smpckpt.model.specs import ShardSpec  # noqa: E402
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
-from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter  # noqa: E402
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter  # noqa: E402
 
 __all__ = ["Case", "cases", "run_cases", "run_speed"]
 
@@ -250,24 +250,36 @@ def _device_bytes() -> int:
 
 #: the extra contender of the column cases: smpckpt with ``request_cost_bytes=0`` (a request per row)
 PER_ROW = "smpckpt, a request per row"
+#: the column cases also load a TP=1 full artifact (``FullArtifactWriter``) of the same state: as the
+#: streaming cost model reads it, and a request per row (``request_cost_bytes=0``: the full reader's
+#: only way before it took the model -- verified, every tile a request per unit row)
+FULL = "smpckpt full artifact"
+FULL_PER_ROW = "smpckpt full artifact, a request per row"
 
 
 def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Every speed case: {case: {"needed": bytes, "readers": {who: {"cold"|"warm": figures}},
     "dcp_over_ours": {"cold"|"warm": spread of per-round time ratios}}}; the column cases also time
-    :data:`PER_ROW` (``"dcp_over_per_row"``), the reader's choice before its streaming cost model."""
+    :data:`PER_ROW` (``"dcp_over_per_row"``), the reader's choice before its streaming cost model, and a
+    full artifact of the same state read both ways (:data:`FULL`, :data:`FULL_PER_ROW`;
+    ``"full_per_row_over_full"``: the time the model saves there)."""
     out: dict[str, Any] = {}
     tp, rank = 4, 1
     for case in speed_cases(quick):
         specs = {f"model.{k}": ShardSpec(case.dim) for k in case.glob}
         want = {k: v.chunk(tp, case.dim)[rank].contiguous() for k, v in case.glob.items()}
         needed = sum(t.numel() * t.element_size() for t in want.values())
-        saved = {who: os.path.join(base, f"speed-{who}") for who in ("smpckpt", "DCP FileSystemReader")}
+        kinds = ("smpckpt", "DCP FileSystemReader") + ((FULL,) if case.dim else ())
+        saved = {who: os.path.join(base, f"speed-{who.replace(' ', '-')}") for who in kinds}
         for who, path in saved.items():
             shutil.rmtree(path, ignore_errors=True)
-            writer = FsspecStorageWriter(path) if who == "smpckpt" else FileSystemWriter(path)
             reset_dcp_caches()
-            dcp.save({"model": case.glob}, storage_writer=writer, planner=ParallelSavePlanner(ParallelLayout(), specs))
+            planner = ParallelSavePlanner(ParallelLayout(), specs, rank=0)
+            if who == FULL:  # a TP=1 full export: the artifact a TP=4 job loads by column
+                sim_save([{"model": case.glob}], [planner], [FullArtifactWriter(path)])
+                continue
+            writer = FsspecStorageWriter(path) if who == "smpckpt" else FileSystemWriter(path)
+            dcp.save({"model": case.glob}, storage_writer=writer, planner=planner)
         # reader -> (checkpoint, smpckpt reader options; None: DCP's reader)
         readers: dict[str, tuple[str, dict[str, Any] | None]] = {
             "smpckpt": (saved["smpckpt"], {}),
@@ -275,6 +287,8 @@ def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -
         }
         if case.dim:  # the column slice read a request per row, as before the streaming cost model
             readers[PER_ROW] = (saved["smpckpt"], {"request_cost_bytes": 0})
+            readers[FULL] = (saved[FULL], {})
+            readers[FULL_PER_ROW] = (saved[FULL], {"request_cost_bytes": 0})
         recs: dict[str, dict[str, list[dict[str, Any]]]] = {who: {"cold": [], "warm": []} for who in readers}
         order = list(readers)
         try:
@@ -307,6 +321,9 @@ def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -
             if PER_ROW in recs:
                 per_row = zip(recs["DCP FileSystemReader"][temp], recs[PER_ROW][temp])
                 row.setdefault("dcp_over_per_row", {})[temp] = _spread([d["s"] / o["s"] for d, o in per_row])
+            if FULL in recs:
+                full = zip(recs[FULL_PER_ROW][temp], recs[FULL][temp])
+                row.setdefault("full_per_row_over_full", {})[temp] = _spread([b["s"] / a["s"] for b, a in full])
         out[case.name] = row
         for temp in ("cold", "warm"):
             ours, theirs = row["readers"]["smpckpt"][temp], row["readers"]["DCP FileSystemReader"][temp]
@@ -323,6 +340,20 @@ def run_speed(base: str, quick: bool, rounds: int, log: Callable[[str], None]) -
                     f"  {'':44s} {temp}: a request per row: DCP time / it "
                     f"{row['dcp_over_per_row'][temp]['median']:.2f}; CPU s {pr['cpu_s']:.3f}; device/needed "
                     f"{pr['device_ampl']:.2f} in {pr.get('stats', {}).get('requests', 0)} requests"
+                )
+            for who in (FULL, FULL_PER_ROW):
+                if who in row["readers"]:
+                    fr = row["readers"][who][temp]
+                    st = fr.get("stats", {})
+                    log(
+                        f"  {'':44s} {temp}: {who}: {fr['s']['median']:.3f} s, CPU s {fr['cpu_s']:.3f}; "
+                        f"device/needed {fr['device_ampl']:.2f}; requested/needed "
+                        f"{st.get('requested_ampl', float('nan')):.2f} in {st.get('requests', 0)} requests"
+                    )
+            if "full_per_row_over_full" in row:
+                log(
+                    f"  {'':44s} {temp}: full artifact, time per row / streamed "
+                    f"{row['full_per_row_over_full'][temp]['median']:.2f}"
                 )
     return out
 

@@ -93,9 +93,14 @@ def test_quick_single_process(tmp_path: Path) -> None:
     # one resharding rank beside DCP, cold and warm (loaded values checked bit-exact by the script)
     assert len(res["reshard_speed"]) == 3
     for case, row in res["reshard_speed"].items():
-        # column cases also time the reader a request per row (request_cost_bytes=0)
-        extra = {"smpckpt, a request per row"} if "dim 1" in case else set()
+        # column cases also time the reader a request per row (request_cost_bytes=0), and a TP=1 full
+        # artifact both ways
+        full, full_per_row = "smpckpt full artifact", "smpckpt full artifact, a request per row"
+        extra = {"smpckpt, a request per row", full, full_per_row} if "dim 1" in case else set()
         assert set(row["readers"]) == {"smpckpt", "DCP FileSystemReader"} | extra, case
+        if "bf16" in case:  # short rows: the full artifact streams (few requests), unlike a request per row
+            streamed, per_row = (row["readers"][w]["cold"]["stats"]["requests"] for w in (full, full_per_row))
+            assert 0 < streamed < per_row, (case, streamed, per_row)
         assert set(row["dcp_over_ours"]) == {"cold", "warm"}
         stats = row["readers"]["smpckpt"]["cold"]["stats"]
         assert stats["bytes_requested"] >= stats["bytes_needed"] == row["needed"] > 0

@@ -76,16 +76,31 @@ class RunFiles:
             os.close(fd)
         self.fds.clear()
 
+    def _fd(self, name: str) -> int:
+        """(local files) The descriptor of ``name``, opened once per read call."""
+        with self._lock:
+            fd = self.fds.get(name)
+            if fd is None:
+                with translate_errors(join(self.path, name)):
+                    fd = self.fds[name] = os.open(join(self.path, name), os.O_RDONLY)
+            return fd
+
+    def prefetch(self, name: str, lo: int, n: int) -> None:
+        """(local files) Ask the kernel to start reading bytes ``[lo, lo + n)`` of ``name`` now
+        (``WILLNEED``): exactly a streamed box's span, so its later pieces arrive while the first is
+        verified and copied. Advice only; nothing on object stores."""
+        if self.local and n > 0 and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd(name), lo, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # advice only: a filesystem that refuses it reads as before
+
     def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> int:
         """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``; returns the bytes
         fetched from storage (more than the runs' on object stores, where strided runs share a GET)."""
         path = join(self.path, name)
         if self.local:
-            with self._lock:
-                fd = self.fds.get(name)
-                if fd is None:
-                    with translate_errors(path):
-                        fd = self.fds[name] = os.open(path, os.O_RDONLY)
+            fd = self._fd(name)
             los, his, at = intervals(starts, run)  # adjacent runs merge into one request
             self._count(len(los))
             for lo, n, pos in zip(los.tolist(), (his - los).tolist(), at.tolist()):

@@ -26,11 +26,13 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.translation import Leaf, Piece, pieces, reshaped
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
+from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._regions import box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.full import _files
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
+from smpckpt.storage.full._strided import read_streamed, stream_plan
 from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
 
 __all__ = ["FullSource"]
@@ -39,10 +41,14 @@ __all__ = ["FullSource"]
 class FullSource(ArtifactIndex):
     """The tensors of one full artifact or Hugging Face folder, and the reads from it."""
 
-    def __init__(self, fs: Any, path: str, url: str, *, verify: bool, allow_pickle: bool) -> None:
+    def __init__(
+        self, fs: Any, path: str, url: str, *, verify: bool, allow_pickle: bool, request_cost: int = REQUEST_COST_BYTES
+    ) -> None:
         super().__init__(fs, path, url)
         self.verify = verify
         self.allow_pickle = allow_pickle
+        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._strided`)
+        self.request_cost = request_cost
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
         self.requests = 0
@@ -218,6 +224,10 @@ class FullSource(ArtifactIndex):
                 f"{self.url}: tensor {key!r} of shape {list(t.shape)} cannot be viewed as {list(view)}"
             )
         units = self.units.get(key) if self.verify else None
+        if self._files.local and (not units or units.views == {view}):
+            streamed = self._read_streamed(key, t, view, offsets, sizes, units or None, out)
+            if streamed:
+                return out
         starts, run = box_runs(view, offsets, sizes, itemsize)
         if not units:
             fetched = self._files.read_runs(t.file, t.start + starts, run, out)
@@ -262,6 +272,37 @@ class FullSource(ArtifactIndex):
             raise self._uncovered(t, key)
         self._stat(t.file, nbytes, read)
         return out
+
+    def _read_streamed(
+        self,
+        key: str,
+        t: StoredTensor,
+        view: tuple[int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        units: UnitIndex | None,
+        out: memoryview,
+    ) -> bool:
+        """(local files) A column box read as the partial reader's cost model says
+        (:mod:`~._strided`): its rows in sequential spans of whole rows when their unread gap costs less
+        than a request, each piece's units verified before its columns are copied into ``out``.
+        ``False``: not such a box, or gaps wide enough for a request per row (read as before)."""
+        plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
+        if plan is None:
+            return False
+        if units is not None and plan.covered != math.prod(sizes):
+            raise self._uncovered(t, key)  # some of the box's bytes would go out unchecked
+        index = units
+        digests = [index.digest(i) for i in plan.units.tolist()] if index is not None else []
+
+        def mismatch(i: int) -> Exception:
+            if index is None:  # pragma: no cover - an unverified plan has no units to mismatch
+                raise CheckpointError(f"{self.url}: internal: no check units for {key!r}")
+            return self._mismatch(t, key, index.unit(i))
+
+        read = read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch)
+        self._stat(t.file, math.prod(sizes) * t.dtype.itemsize, read)
+        return True
 
     def _read_across_views(
         self,

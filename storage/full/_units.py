@@ -186,6 +186,24 @@ class UnitIndex:
             return None
         return WholeUnits(self, idx, ulo - box_lo, uhi - ulo)
 
+    def meeting(self, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(units in one view) The positions of the units box ``(offsets, sizes)`` overlaps by at least
+        one element, and their corners ``lo``, ``hi`` (one row each): :meth:`touched` as arrays, for a
+        box meeting thousands of units (no :class:`Unit` made)."""
+        if self.view is None:
+            raise ValueError("units in several views")
+        box_lo = np.asarray(offsets, dtype=np.int64)
+        box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
+        idx = np.flatnonzero((np.minimum(self._hi, box_hi) > np.maximum(self._lo, box_lo)).all(axis=1))
+        return idx, self._lo[idx], self._hi[idx]
+
+    def unit(self, i: int) -> Unit:
+        """The unit at position ``i`` (as :meth:`meeting` numbers them)."""
+        return self._unit(i)
+
+    def digest(self, i: int) -> int:
+        return self._digests[i]
+
     def touched(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[tuple[Unit, Box]]:
         """The units box ``(offsets, sizes)`` overlaps by at least one element, with each overlap."""
         if self.view is None:

@@ -15,6 +15,7 @@ import numpy as np
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.backends._fs import advise_random, pread_into
 from smpckpt.storage.format._checksum import hash_rows
+from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BufferPool, Turn, check_complete, reading, unit_rows, verify_blocks
 from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead
@@ -32,42 +33,6 @@ class BoxRows:
     pitch: int
     nbytes: int
     requests: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Into:
-    """A destination a streamed box part copies rows into on the worker: record rows from ``row0`` on,
-    ``pitch`` bytes each in ``view``, each the record row's bytes ``[col, col + pitch)``."""
-
-    view: memoryview
-    row0: int
-    pitch: int
-    col: int
-
-    def copy(self, src: memoryview, src_row0: int, src_col: int, rows: tuple[int, int], stride: int) -> None:
-        """Rows ``rows`` (those of them this destination holds) from ``src``, which holds record rows
-        from ``src_row0`` on, ``stride`` bytes apart, from record byte column ``src_col`` on: one strided
-        copy (numpy, without the GIL)."""
-        q0 = max(rows[0], self.row0)
-        q1 = min(rows[1], self.row0 + len(self.view) // self.pitch)
-        if q1 <= q0:
-            return
-        np.copyto(
-            np.ndarray((q1 - q0, self.pitch), np.uint8, buffer=self.view, offset=(q0 - self.row0) * self.pitch),
-            np.ndarray(
-                (q1 - q0, self.pitch),
-                np.uint8,
-                buffer=src,
-                offset=(q0 - src_row0) * stride + self.col - src_col,
-                strides=(stride, 1),
-            ),
-        )
-
-
-#: a streamed box part is read in requests of about this many bytes (whole row groups) into one
-#: reused buffer, each verified and copied into the destination before the next: the buffer stays
-#: small (no page faults for a part-sized one), and its bytes are still in cache when they are hashed
-STREAM_PIECE_BYTES = 4 << 20
 
 
 def _prefetch(fd: int, offset: int, length: int) -> None:

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.format._check_units import Tiling
+from smpckpt.storage.format._columns import REQUEST_COST_BYTES, streams
 from smpckpt.storage.format._reading import Fetch, Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord
 
@@ -51,24 +52,6 @@ PIECE_BYTES = 16 << 20
 ROW_GAP = (4 << 10) - 1
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): a merged request carries a row and a gap each
 ROWS_PER_CALL = 511
-#: the read planner's cost of one more small request from a device, in bytes the device could have
-#: streamed in the same time. A column slice's rows cost ``rows x (REQUEST_COST_BYTES + run)`` read one
-#: request each and ``rows x row_bytes`` read as one sequential span, so rows whose unread gap is below
-#: this stream (:func:`streams`), in memory or not (from the page cache a request per row also costs
-#: more CPU than copying such gaps: ``_boxes.read_box``). Measured on the project's
-#: virtio disk (cold, 4 reader threads; ``benchmarks/RESULTS.md``, "Column slices: the streaming cost
-#: model"): 16,384 requests of
-#: 4 KiB took 0.30 s more than streaming their 64 MiB, 4,096 of 16 KiB 0.08 s more: 18-19 us a request,
-#: 18-19 KB at the disk's ~1 GB/s. So bf16 rows of 8 KiB needing a 4 KiB tile (gap 4 KiB) stream,
-#: fp32 rows of 64 KiB needing 16 KiB (gap 48 KiB) stay a request per row, at 1.00x the needed bytes.
-REQUEST_COST_BYTES = 16 << 10
-
-
-def streams(row_bytes: int, width: int, request_cost: int = REQUEST_COST_BYTES) -> bool:
-    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one
-    sequential span of whole rows than as a request per row, when a request costs what streaming
-    ``request_cost`` bytes does (:data:`REQUEST_COST_BYTES`; 0: never)."""
-    return row_bytes - width < request_cost
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,7 +88,32 @@ class FullArtifactReader(ReaderBase):
             Full artifacts of ours need none.
         hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
             that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
+        request_cost_bytes: as for :class:`~smpckpt.storage.FsspecStorageReader`: a column slice on
+            local disk whose rows are fewer bytes apart than this is read as sequential spans of whole
+            rows, each piece's check units verified before its columns are copied out; wider gaps read
+            a request per row. 0: a request per row always (fewest bytes read).
     """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        verify_checksums: bool = True,
+        allow_pickle: bool = False,
+        translation: Translation | None = None,
+        hf_prefix: str = "",
+        request_cost_bytes: int = REQUEST_COST_BYTES,
+    ) -> None:
+        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
+        super().__init__(
+            path,
+            storage_options=storage_options,
+            verify_checksums=verify_checksums,
+            allow_pickle=allow_pickle,
+            translation=translation,
+            hf_prefix=hf_prefix,
+        )
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
@@ -102,7 +127,12 @@ class FullArtifactReader(ReaderBase):
         one whole chunk per tensor. Refuses a partial or stock DCP checkpoint and an unfinished save."""
         self.state = found.state
         self.source = FullSource(
-            self.fs, self.path, self.url, verify=self.verify_checksums, allow_pickle=self.allow_pickle
+            self.fs,
+            self.path,
+            self.url,
+            verify=self.verify_checksums,
+            allow_pickle=self.allow_pickle,
+            request_cost=self.request_cost_bytes,
         )
         if found.state == "uncommitted":
             hf_files = self._hf_files()
@@ -199,7 +229,7 @@ class FsspecStorageReader(ReaderBase):
             disk whose rows are fewer bytes apart than this is read as sequential spans of whole rows,
             gaps included, its columns copied out (bf16 rows of 8 KiB at TP=4: 8 requests instead of
             16,384, twice the bytes); wider gaps read a request per row, exactly the tiles needed. 0: a
-            request per row always (fewest device bytes).
+            request per row always (fewest device bytes). Full artifacts too.
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
         staging_bytes: the cap on host memory a load into CUDA tensors stages through (default 128 MiB):
             what the reader read is copied into a pool of pinned buffers of this many bytes in all and
@@ -209,8 +239,8 @@ class FsspecStorageReader(ReaderBase):
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
     ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;
     Hugging Face folders have no checksums and are read as *unverified*. ``thread_count``,
-    ``reads_in_flight``, ``max_request_bytes``, ``coalesce_gap`` and ``request_cost_bytes`` apply to partial
-    and stock checkpoints.
+    ``reads_in_flight``, ``max_request_bytes`` and ``coalesce_gap`` apply to partial and stock checkpoints;
+    ``request_cost_bytes`` to full artifacts too.
     """
 
     def __init__(
@@ -261,7 +291,14 @@ class FsspecStorageReader(ReaderBase):
     def _read_metadata(self) -> Metadata:
         found = self._probe()
         if opens(found):
-            shared = ("storage_options", "verify_checksums", "allow_pickle", "translation", "hf_prefix")
+            shared = (
+                "storage_options",
+                "verify_checksums",
+                "allow_pickle",
+                "translation",
+                "hf_prefix",
+                "request_cost_bytes",
+            )
             self._full = FullArtifactReader(self.url, **{k: getattr(self, k) for k in shared})
             metadata = self._full.metadata_from(found)
             self.state, self.manifest = self._full.state, self._full.manifest

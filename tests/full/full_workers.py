@@ -196,7 +196,10 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
             _full_exchange.SWAP_BATCH_BYTES = default_batch
         out["swaps"][name], out["batches"][name] = writer.swaps, writer.batches
     dest = {k: torch.full_like(v, -7.0) for k, v in local.items()}
-    reader = FsspecStorageReader(os.path.join(root, "swap"))
+    # a request per row always (request_cost_bytes=0): the column shards' short rows would stream
+    # (gaps included) by the cost model; this pins that the swapped artifact's units are exactly the
+    # shards' bytes, read and verified where they land
+    reader = FsspecStorageReader(os.path.join(root, "swap"), request_cost_bytes=0)
     dcp.load({"m": dest}, storage_reader=reader, planner=ParallelLoadPlanner(layout, SWAP_SPECS, rank=rank))
     out["local"], out["loaded"] = local, dest
     stats = reader.last_read_stats

@@ -1,10 +1,11 @@
 """Column shards read back from a full artifact at the layout that saved them (tier 1).
 
 A column (dim 1) shard is one run per row in the row-major artifact. Read at its own layout, every
-check unit it touches lies inside it, so the reader reads its runs once straight into the destination
-and verifies each unit where it lies there. These tests pin what that path must keep: values bit-exact,
-exactly the shard's bytes read, a damaged byte in the shard found, and a damaged byte in another
-rank's columns never touched. On S3 (loopback moto) the rows share ranged GETs, and the bytes read
+check unit it touches lies inside it: rows far apart (gap past the request cost) are read once straight
+into the destination, a request per row, each unit verified where it lies there; rows close together
+stream as sequential spans (``storage/full/_strided.py``). These tests pin what those paths must keep:
+values bit-exact, the bytes each path reads, a damaged byte in the shard found, and a damaged byte in
+another rank's columns never used. On S3 (loopback moto) the rows share ranged GETs, and the bytes read
 are reported GET for GET, through both the shared spans and boxes too large for one.
 """
 
@@ -85,13 +86,18 @@ def flip(path: Path, offset: int) -> None:
 
 
 @pytest.mark.parametrize("rank", range(TP))
-def test_column_shards_load_bit_exact_reading_only_their_bytes(artifact: Path, rank: int) -> None:
+def test_column_shards_load_bit_exact_by_the_streaming_cost_model(artifact: Path, rank: int) -> None:
+    """``wide`` (an 8 KiB run in rows of 32 KiB: a gap past the 16 KiB request cost) reads exactly its
+    bytes, a request per row; ``narrow`` (256 B in rows of 1 KiB) streams its rows as one sequential
+    span, gaps included (the partial reader's cost model), instead of 40 requests of 256 B."""
     got, stats = load_rank(artifact, rank)
     assert torch.equal(got["wide"], shard(WIDE, rank))
     assert torch.equal(got["narrow"], shard(NARROW, rank))
-    needed = (WIDE.numel() + NARROW.numel()) * 4 // TP
-    assert stats.bytes_needed == needed
-    assert stats.bytes_read == needed, stats
+    wide, narrow = WIDE.numel() * 4 // TP, NARROW.numel() * 4 // TP
+    assert stats.bytes_needed == wide + narrow
+    narrow_span = (NARROW.shape[0] - 1) * NARROW.shape[1] * 4 + NARROW.shape[1] * 4 // TP
+    assert stats.bytes_read == wide + narrow_span, stats
+    assert stats.requests == WIDE.shape[0] + 1, stats
 
 
 @pytest.mark.parametrize("key", ["wide", "narrow"])

@@ -50,8 +50,13 @@ def test_hf_folder_straight_into_tp4(tmp_path, name):
     model = tiny_model(name, seed=5, dtype=torch.float32)
     model.save_pretrained(tmp_path / "hf")
     ours = global_view(name, model)
-    readers = _load(name, str(tmp_path / "hf"), 4, model.config, ours, translation=MODULES[name].TRANSLATION)
-    # a rank reads its own boxes only: together the four read no more than the model once per replica
+    # bit-exact as the cost model reads (column rows close together stream, gaps included) ...
+    _load(name, str(tmp_path / "hf"), 4, model.config, ours, translation=MODULES[name].TRANSLATION)
+    # ... and a request per row (request_cost_bytes=0): a rank reads its own boxes only, together the
+    # four no more than the model once per replica
+    readers = _load(
+        name, str(tmp_path / "hf"), 4, model.config, ours, translation=MODULES[name].TRANSLATION, request_cost_bytes=0
+    )
     total_read = sum(r.last_read_stats.bytes_read for r in readers)
     assert all(r.last_read_stats.bytes_read == r.last_read_stats.bytes_needed for r in readers)
     assert total_read < 4 * sum(t.numel() * t.element_size() for t in ours.values())
@@ -78,8 +83,10 @@ def test_full_artifact_from_tp2_reshards_to_tp4_and_tp1(tmp_path, name):
             assert torch.equal(stored[key], t), key
     assert set(stored) >= {k for k in model.state_dict() if k not in MODULES[name].TRANSLATION.tied}
     for tp in (4, 1):
-        readers = _load(name, folder, tp, config, ours)
+        _load(name, folder, tp, config, ours)  # bit-exact as the cost model reads (short rows stream)
+        readers = _load(name, folder, tp, config, ours, request_cost_bytes=0)  # a request per row
         assert all(r.last_read_stats.amplification <= 2.0 for r in readers)
-    # same layout as the save: exactly the bytes needed
-    readers = _load(name, folder, 2, config, ours)
+    # same layout as the save, a request per row: exactly the bytes needed
+    _load(name, folder, 2, config, ours)
+    readers = _load(name, folder, 2, config, ours, request_cost_bytes=0)
     assert all(r.last_read_stats.bytes_read == r.last_read_stats.bytes_needed for r in readers)

@@ -1,0 +1,164 @@
+"""Column (strided) boxes of full artifacts on local files, read by the partial reader's cost model.
+
+A column box of a row-major artifact tensor is one run per row. Read a request per row (and, verified,
+each check unit it touches read whole, a request per unit row), a TP=4 load of a bf16 [32000, 4096]
+embedding from a TP=1 export issued 32,000 requests of 4 KiB. Where the rows' unread gap costs less than
+a request (:func:`~smpckpt.storage.format._columns.streams`, the partial reader's model), the rows are
+read instead as sequential spans of whole rows -- from the first needed column of a piece's first row to
+the last of its last -- in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES`
+that never cut a check unit, through one reused buffer: each piece's units are verified there, then the
+box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece, never
+the box's enclosing span. Wider gaps keep the reader's request per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from smpckpt.storage.format._checksum import hash_rows
+from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into, streams
+from smpckpt.storage.full._files import RunFiles
+from smpckpt.storage.full._units import UnitIndex
+
+__all__ = ["StreamPlan", "stream_plan", "read_streamed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """How a column box is streamed: the tensor as rows of ``row_bytes``, rows ``[rows)`` and byte columns
+    ``[cols)`` read (the box's and those of the units it touches), in ``pieces`` (row ranges cut only
+    where no unit spans the cut). ``units``: the check units to verify (positions in their index), with
+    their rows ``urows`` ``(m, 2)`` and byte columns ``ucols`` ``(m, 2)``; ``box_rows``/``box_cols``: the
+    box's own; ``covered``: the box's elements that lie in those units (all of them, or some would go
+    out unchecked; 0 unverified)."""
+
+    row_bytes: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    box_rows: tuple[int, int]
+    box_cols: tuple[int, int]
+    pieces: list[tuple[int, int]]
+    units: np.ndarray
+    urows: np.ndarray
+    ucols: np.ndarray
+    covered: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.cols[1] - self.cols[0]
+
+    def span(self, p0: int, p1: int) -> tuple[int, int]:
+        """``(offset in the tensor, bytes)`` of the request reading rows ``[p0, p1)``."""
+        return p0 * self.row_bytes + self.cols[0], (p1 - p0 - 1) * self.row_bytes + self.width
+
+    @property
+    def requested(self) -> int:
+        return sum(self.span(a, b)[1] for a, b in self.pieces)
+
+
+def stream_plan(
+    view: Sequence[int],
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    itemsize: int,
+    units: UnitIndex | None,
+    request_cost: int,
+    piece_bytes: int = STREAM_PIECE_BYTES,
+) -> StreamPlan | None:
+    """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by
+    the units of ``units`` it overlaps (all in ``view``; ``None``: unverified), when the cost model says
+    streaming costs less; ``None``: read it as before (not a column box of whole inner dims, units in
+    another view or not expressible as rows x columns, or gaps wider than a request costs)."""
+    nd = len(view)
+    if nd < 2 or math.prod(sizes) == 0 or sizes[0] < 2:
+        return None
+    if tuple(offsets[2:]) != (0,) * (nd - 2) or tuple(sizes[2:]) != tuple(view[2:]):
+        return None  # strided below dim 1: runs shorter than a dim-1 entry, not this model's rows
+    col_bytes = math.prod(view[2:]) * itemsize  # bytes of one dim-1 entry
+    row_bytes = view[1] * col_bytes
+    box_rows = (int(offsets[0]), int(offsets[0]) + int(sizes[0]))
+    box_cols = (int(offsets[1]) * col_bytes, (int(offsets[1]) + int(sizes[1])) * col_bytes)
+    idx = np.zeros(0, dtype=np.int64)
+    lo = hi = np.zeros((0, nd), dtype=np.int64)
+    if units is not None:
+        if units.view is None or tuple(units.view) != tuple(view):
+            return None
+        idx, lo, hi = units.meeting(offsets, sizes)
+        if len(idx) and ((lo[:, 2:] != 0).any() or (hi[:, 2:] != np.asarray(view[2:], dtype=np.int64)).any()):
+            return None  # a unit cut below dim 1 (not written by our writers): read as before
+    urows = np.stack([lo[:, 0], hi[:, 0]], axis=1) if len(idx) else np.zeros((0, 2), dtype=np.int64)
+    ucols = np.stack([lo[:, 1], hi[:, 1]], axis=1) * col_bytes if len(idx) else np.zeros((0, 2), dtype=np.int64)
+    r0 = min([box_rows[0], *([int(urows[:, 0].min())] if len(idx) else [])])
+    r1 = max([box_rows[1], *([int(urows[:, 1].max())] if len(idx) else [])])
+    c0 = min([box_cols[0], *([int(ucols[:, 0].min())] if len(idx) else [])])
+    c1 = max([box_cols[1], *([int(ucols[:, 1].max())] if len(idx) else [])])
+    if c1 - c0 >= row_bytes or not streams(row_bytes, c1 - c0, request_cost):
+        return None  # one run per request already, or rows far enough apart to read a request each
+    pieces = _pieces(r0, r1, urows, max(1, piece_bytes // row_bytes))
+    box_lo = np.asarray(offsets, dtype=np.int64)
+    box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
+    covered = int((np.minimum(hi, box_hi) - np.maximum(lo, box_lo)).prod(axis=1).sum()) if len(idx) else 0
+    return StreamPlan(row_bytes, (r0, r1), (c0, c1), box_rows, box_cols, pieces, idx, urows, ucols, covered)
+
+
+def _pieces(r0: int, r1: int, urows: np.ndarray, step: int) -> list[tuple[int, int]]:
+    """Rows ``[r0, r1)`` as ranges of about ``step`` rows, cut only at rows no unit (rows ``urows``)
+    spans: each piece holds whole units, verified on their own."""
+    if not len(urows):
+        return [(a, min(r1, a + step)) for a in range(r0, r1, step)]
+    order = np.argsort(urows[:, 0], kind="stable")
+    starts = urows[order, 0]
+    reach = np.maximum.accumulate(urows[order, 1])  # the furthest row a unit starting so far reaches
+    cand = np.unique(np.concatenate([np.array([r0, r1], dtype=np.int64), urows[:, 0], urows[:, 1]]))
+    k = np.searchsorted(starts, cand, side="left")  # units starting before each candidate
+    ok = (k == 0) | (reach[np.maximum(k - 1, 0)] <= cand)
+    cuts = cand[ok & (cand >= r0) & (cand <= r1)]
+    out: list[tuple[int, int]] = []
+    p = r0
+    while p < r1:
+        i = int(np.searchsorted(cuts, p + step, side="right")) - 1
+        c = int(cuts[i])
+        if c <= p:  # a unit taller than a piece: the piece takes it whole
+            c = int(cuts[int(np.searchsorted(cuts, p, side="right"))])
+        out.append((p, c))
+        p = c
+    return out
+
+
+def read_streamed(
+    files: RunFiles,
+    name: str,
+    start: int,
+    plan: StreamPlan,
+    out: memoryview,
+    digests: Sequence[int],
+    mismatch: Callable[[int], Exception],
+) -> int:
+    """(local files) The box of ``plan`` from the tensor at byte ``start`` of file ``name`` into ``out``
+    (its row-major bytes), a piece at a time through one buffer: each piece read in one request, its
+    units' bytes hashed there against ``digests`` (by unit position; ``mismatch(position)``: the error
+    to raise), then the box's columns of its rows copied into ``out``. Returns the bytes requested."""
+    rb, (c0, _) = plan.row_bytes, plan.cols
+    longest = max(plan.span(a, b)[1] for a, b in plan.pieces)
+    buf = memoryview(bytearray(longest))
+    first, total = plan.span(plan.rows[0], plan.rows[1])
+    if len(plan.pieces) > 1:
+        files.prefetch(name, start + first, total)
+    into = Into(out, plan.box_rows[0], plan.box_cols[1] - plan.box_cols[0], plan.box_cols[0])
+    order = np.argsort(plan.urows[:, 0], kind="stable")
+    ustart = plan.urows[order, 0]
+    requested = 0
+    for p0, p1 in plan.pieces:
+        at, n = plan.span(p0, p1)
+        requested += files.read_runs(name, np.array([start + at], dtype=np.int64), n, buf[:n])
+        a, b = np.searchsorted(ustart, [p0, p1], side="left").tolist()
+        for j in order[a:b].tolist():
+            (u0, u1), (uc0, uc1) = plan.urows[j].tolist(), plan.ucols[j].tolist()
+            if hash_rows(buf, (u0 - p0) * rb + uc0 - c0, u1 - u0, uc1 - uc0, rb) != digests[j]:
+                raise mismatch(int(plan.units[j]))
+        into.copy(buf, p0, c0, (p0, p1), rb)  # only verified bytes are copied: the piece's units all passed
+    return requested

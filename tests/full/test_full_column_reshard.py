@@ -1,0 +1,233 @@
+"""Column (dim 1) slices of a full artifact loaded at another TP degree: the streaming cost model (tier 1).
+
+A TP=1 full export loaded by TP=4 ranks with ``ShardSpec(1)`` reads a column slice of every row. The
+full reader used to read it a request per row, and verified, every check unit it touched whole, again
+a request per unit row: a TP=4 load of a bf16 [32000, 4096] embedding issued 32,000 requests of 4 KiB.
+It now takes the partial reader's decision (``storage/format/_columns.py``, ``storage/full/_strided.py``):
+
+* ``emb`` bf16 [1024, 4096] (rows of 8 KiB, tiles of 4 KiB x 32 rows; a rank's slice is 2 KiB of a
+  tile): the unread gap per row is below ``request_cost_bytes``, so the rows stream -- pieces of whole
+  tile rows of about ``STREAM_PIECE_BYTES``, one request each through one buffer, each piece's tiles
+  verified before the slice's columns are copied out: 2 requests instead of 1,024.
+* ``wide`` fp32 [64, 16384] (rows of 64 KiB, a rank's slice is 16 KiB, two whole tiles): a 48 KiB gap,
+  past the request cost: a request per row, exactly the slice's bytes.
+
+``last_read_stats`` and the file offsets of the reads are checked against requests worked out here,
+so a load that quietly takes another path fails. A flipped byte in a tile a rank streams fails that
+rank with :class:`~smpckpt.errors.CheckpointCorrupt`; one in a gap it streams past but does not use
+does not.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from sim import reset_dcp_caches, sim_save
+from torch.distributed.checkpoint.api import CheckpointException
+
+from smpckpt import CheckpointCorrupt, ParallelLayout, ShardSpec
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
+from smpckpt.storage.format._check_units import item_checks
+from smpckpt.storage.format._columns import STREAM_PIECE_BYTES
+from smpckpt.storage.full import _files
+from smpckpt.storage.full._strided import _pieces
+
+TP = 4
+KiB = 1 << 10
+_g = torch.Generator().manual_seed(51)
+EMB = torch.randn(1024, 4096, generator=_g).to(torch.bfloat16)
+WIDE = torch.randn(64, 16384, generator=_g)
+SPECS = {"m.emb": ShardSpec(1), "m.wide": ShardSpec(1)}
+CHECK_BLOCK = 1 << 20  # the writer's default block: what item_checks cuts the tiles from
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The TP=1 full export of ``EMB`` and ``WIDE`` (checksums on), shared by every test here."""
+    folder = tmp_path_factory.mktemp("full_columns") / "tp1"
+    reset_dcp_caches()
+    sim_save(
+        [{"m": {"emb": EMB, "wide": WIDE}}],
+        [ParallelSavePlanner(ParallelLayout(), SPECS, rank=0)],
+        [FullArtifactWriter(str(folder), sync_files=False)],
+    )
+    return folder
+
+
+def columns(t: torch.Tensor, rank: int) -> torch.Tensor:
+    n = t.shape[1] // TP
+    return t[:, rank * n : (rank + 1) * n]
+
+
+def load(folder: Path, key: str, dest: torch.Tensor, rank: int, **reader: Any) -> Any:
+    """Rank ``rank`` of TP=4 loads ``key``'s column slice into ``dest`` alone; the read's stats."""
+    reset_dcp_caches()
+    r = FsspecStorageReader(str(folder), **reader)
+    planner = ParallelLoadPlanner(ParallelLayout(tp=TP), SPECS, rank=rank, allow_partial_load=True)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"m": {key: dest}}, storage_reader=r, planner=planner, no_dist=True)
+    if r.last_read_stats is None:
+        raise AssertionError("no read stats")
+    return r.last_read_stats
+
+
+def tensor_start(folder: Path, key: str) -> tuple[Path, int]:
+    """The file holding artifact tensor ``key`` and the offset of its first byte there."""
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        if key in header:
+            return path, 8 + n + header[key]["data_offsets"][0]
+    raise AssertionError(f"{key} in no file")
+
+
+def expected_stream(t: torch.Tensor, rank: int, verified: bool) -> list[tuple[int, int]]:
+    """``(offset in the tensor, bytes)`` of each request of a streamed column read of ``rank``'s slice,
+    worked out from the writer's tiling: pieces of whole tile rows of at most ``STREAM_PIECE_BYTES``
+    (at least one tile row), each from the first needed column of its first row to the last of its
+    last; verified, the needed columns are the tiles' the slice touches, else the slice's own."""
+    rows, itemsize = t.shape[0], t.element_size()
+    row_bytes = t.shape[1] * itemsize
+    width = row_bytes // TP
+    c0, c1 = rank * width, (rank + 1) * width
+    unit_rows = 1
+    if verified:
+        checks = item_checks(list(t.shape), itemsize, CHECK_BLOCK)
+        seg = row_bytes // checks.groups
+        c0, c1 = c0 // seg * seg, -(-c1 // seg) * seg
+        unit_rows = checks.rows_per_group
+    step = max(1, STREAM_PIECE_BYTES // (row_bytes * unit_rows)) * unit_rows
+    out = []
+    for p0 in range(0, rows, step):
+        n = min(rows, p0 + step) - p0
+        out.append((p0 * row_bytes + c0, (n - 1) * row_bytes + c1 - c0))
+    return out
+
+
+@pytest.fixture()
+def preads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``(file offset, bytes)`` of every read the full reader issues on local files."""
+    seen: list[tuple[int, int]] = []
+    real = _files.pread_into
+
+    def record(fd: int, views: Any, offset: int, n: int) -> int:
+        seen.append((offset, n))
+        return real(fd, views, offset, n)
+
+    monkeypatch.setattr(_files, "pread_into", record)
+    return seen
+
+
+DESTS: dict[str, Callable[[torch.dtype], torch.Tensor]] = {
+    "contiguous": lambda dt: torch.zeros(1024, 1024, dtype=dt),
+    "transposed": lambda dt: torch.zeros(1024, 1024, dtype=dt).t(),
+    "column view": lambda dt: torch.zeros(1024, 2048, dtype=dt)[:, 512:1536],
+}
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+@pytest.mark.parametrize("dest_kind", sorted(DESTS))
+def test_bf16_columns_stream_in_pieces(
+    artifact: Path, preads: list[tuple[int, int]], verify: bool, dest_kind: str
+) -> None:
+    """Every TP=4 rank's bf16 slice (2 KiB of each 8 KiB row) streams: 2 requests of 512 rows instead
+    of 1,024 one-row requests (verified: of the 4 KiB tile holding the slice, read whole per unit
+    row), bit-exact into contiguous and strided destinations alike."""
+    _, start = tensor_start(artifact, "m.emb")
+    for rank in range(TP):
+        want = expected_stream(EMB, rank, verify)
+        assert len(want) == 2
+        dest = DESTS[dest_kind](torch.bfloat16)
+        base = dest._base if dest._base is not None else dest
+        before = base.clone()
+        preads.clear()
+        stats = load(artifact, "emb", dest, rank, verify_checksums=verify)
+        assert torch.equal(dest, columns(EMB, rank)), (rank, dest_kind)
+        assert preads == [(start + at, n) for at, n in want], (rank, preads[:4])
+        assert (stats.requests, stats.bytes_requested) == (2, sum(n for _, n in want)), (rank, stats)
+        assert stats.bytes_needed == 1024 * 2 * KiB
+        if dest_kind == "column view":  # the columns beside the view are untouched
+            assert torch.equal(base[:, :512], before[:, :512]) and torch.equal(base[:, 1536:], before[:, 1536:])
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_fp32_wide_rows_keep_a_request_per_row(artifact: Path, preads: list[tuple[int, int]], verify: bool) -> None:
+    """fp32 rows of 64 KiB, a slice of 16 KiB (whole tiles): a 48 KiB gap costs more than a request, so
+    each row is one request of exactly the slice's bytes, verified or not."""
+    _, start = tensor_start(artifact, "m.wide")
+    for rank in range(TP):
+        for dest in (torch.zeros(64, 4096), torch.zeros(4096, 64).t()):
+            preads.clear()
+            stats = load(artifact, "wide", dest, rank, verify_checksums=verify)
+            assert torch.equal(dest, columns(WIDE, rank)), rank
+            rows = [(start + r * 64 * KiB + rank * 16 * KiB, 16 * KiB) for r in range(64)]
+            assert preads == rows, (rank, preads[:4])
+            assert (stats.requests, stats.bytes_requested, stats.bytes_needed) == (64, 1 << 20, 1 << 20), stats
+
+
+def test_request_cost_zero_reads_a_request_per_row(artifact: Path, preads: list[tuple[int, int]]) -> None:
+    """``request_cost_bytes=0``: never stream -- the bf16 slice's tile is read a request per unit row
+    (1,024 requests of 4 KiB), the fewest bytes a verified read can take."""
+    stats = load(artifact, "emb", torch.zeros(1024, 1024, dtype=torch.bfloat16), 1, request_cost_bytes=0)
+    assert (stats.requests, stats.bytes_requested) == (1024, 1024 * 4 * KiB), stats
+    assert all(n == 4 * KiB for _, n in preads)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("col", [100, 1500, 3000], ids=["in rank 0's slice", "beside it in its tile", "another tile"])
+def test_flipped_byte_in_a_streamed_piece_is_refused_before_its_columns_are_used(
+    artifact: Path, tmp_path: Path, col: int
+) -> None:
+    """A byte flipped in row 700 (the second of two pieces), column ``col``. Every rank streams that row
+    whole, but verifies only its own tile (columns 0-2047: ranks 0 and 1; 2048-4095: ranks 2 and 3):
+    the ranks of the damaged tile refuse the load with CheckpointCorrupt -- the piece's columns never
+    copied out, the first piece's are -- and the others, which read the byte as a gap, load bit-exact."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in artifact.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    path, start = tensor_start(copy, "m.emb")
+    _flip(path, start + (700 * 4096 + col) * 2)
+    tile_ranks = {0, 1} if col < 2048 else {2, 3}
+    for rank in range(TP):
+        dest = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+        if rank in tile_ranks:
+            with pytest.raises(CheckpointException) as info:
+                load(copy, "emb", dest, rank)
+            (failure,) = [exc for exc, _ in info.value.failures.values()]
+            assert isinstance(failure, CheckpointCorrupt), failure
+            tile = f"[672, {col // 2048 * 2048}]+[32, 2048]"
+            assert f"checksum mismatch in tensor 'm.emb' at box {tile}" in str(failure), failure
+            assert torch.equal(dest[:512], columns(EMB, rank)[:512]), rank  # the first piece verified, copied
+            assert not dest[512:].any(), rank  # the damaged piece: nothing copied
+        else:
+            load(copy, "emb", dest, rank)
+            assert torch.equal(dest, columns(EMB, rank)), rank
+
+
+def test_pieces_never_cut_a_unit() -> None:
+    """Pieces end only where no unit spans the cut; a unit taller than a piece makes one piece."""
+    urows = np.array([[0, 3], [3, 6], [6, 9], [0, 3]], dtype=np.int64)
+    assert _pieces(0, 9, urows, 4) == [(0, 3), (3, 6), (6, 9)]
+    assert _pieces(0, 9, urows, 1) == [(0, 3), (3, 6), (6, 9)]
+    assert _pieces(0, 9, urows, 7) == [(0, 6), (6, 9)]
+    overlapping = np.array([[0, 5], [2, 8], [8, 9]], dtype=np.int64)  # no cut inside [0, 8)
+    assert _pieces(0, 9, overlapping, 3) == [(0, 8), (8, 9)]
+    assert _pieces(2, 7, np.zeros((0, 2), dtype=np.int64), 2) == [(2, 4), (4, 6), (6, 7)]

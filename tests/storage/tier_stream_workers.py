@@ -134,9 +134,9 @@ def _wait_blocked_or_done(rep: Any, out: dict[str, Any], thread: threading.Threa
     raise TimeoutError("rank 0's producer neither waited nor finished")
 
 
-def bounded_queue(rank: int, world: int, base: str) -> dict[str, Any]:
-    """Rank 0 writes 16 MiB while its data sends are held back (cap 4 MiB): it must wait with at most the
-    cap queued; released, the file reaches rank 1 whole."""
+def _capped_replicator(rank: int, world: int, base: str) -> tuple[Any, Any, str, Replicator]:
+    """This rank's data sends held back (the gate, the counts), its node folder and a started
+    :class:`Replicator` whose queue is capped at ``CAP``."""
     _, gate, counts, _ = _held_back_sends(rank)
     folder = os.path.join(base, f"node{rank}")
     os.makedirs(folder, exist_ok=True)
@@ -151,6 +151,13 @@ def bounded_queue(rank: int, world: int, base: str) -> dict[str, Any]:
         max_queued=CAP,
     )
     rep.start()
+    return gate, counts, folder, rep
+
+
+def bounded_queue(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 0 writes 16 MiB while its data sends are held back (cap 4 MiB): it must wait with at most the
+    cap queued; released, the file reaches rank 1 whole."""
+    gate, counts, folder, rep = _capped_replicator(rank, world, base)
     data = payload(0, "held", WRITES * WRITE)
     out: dict[str, Any] = {"peak": 0}
     if rank == 0:
@@ -173,20 +180,7 @@ def failed_peer(rank: int, world: int, base: str) -> dict[str, Any]:
     """As :func:`bounded_queue`, but rank 0's held sends then fail (the peer's connection lost): the
     waiting producer must wake with an error naming the peer, not hang. Rank 0's report goes to a file:
     rank 1 then leaves without a result (rank 0's broken channel never sends it the end of the stream)."""
-    _, gate, counts, _ = _held_back_sends(rank)
-    folder = os.path.join(base, f"node{rank}")
-    os.makedirs(folder, exist_ok=True)
-    rep = Replicator(
-        rank=rank,
-        world_size=world,
-        local_world_size=1,
-        replicas=2,
-        groups=[dist.new_group(backend="gloo")],
-        folder=folder,
-        sync=False,
-        max_queued=CAP,
-    )
-    rep.start()
+    gate, counts, folder, rep = _capped_replicator(rank, world, base)
     done = os.path.join(base, "rank0-done")
     if rank == 1:
         deadline = time.monotonic() + 120

@@ -141,6 +141,77 @@ def coordinator_rows(worlds: list[int], caps: dict[str, int], layers: int, tp: i
     return rows
 
 
+# -- coordinator with pipeline stages: the cross-stage piece check's gathered bytes --------------------------
+STAGE_SPECS = {
+    **SPECS,
+    # ZeRO-style optimizer state: each TP shard split again over DP (the keys the cross-stage check compares)
+    "optim.state.layers.*.qkv.weight.*": (ShardSpec(0), ShardSpec(0, axis="dp")),
+    "optim.state.layers.*.fc1.weight.*": (ShardSpec(0), ShardSpec(0, axis="dp")),
+    "optim.state.layers.*.proj.weight.*": (ShardSpec(1), ShardSpec(0, axis="dp")),
+    "optim.state.layers.*.fc2.weight.*": (ShardSpec(1), ShardSpec(0, axis="dp")),
+    "optim.state.layers.*.ln.*": ShardSpec(0, axis="dp"),
+}
+
+
+def stage_state(layers: int, tp: int, pp: int, stage: int, renumbered: bool) -> dict:
+    """Stage ``stage``'s state on real CPU tensors (the value check samples values): its layers under
+    stage-local names (``renumbered``, as with ``pp_layers``) or under their global names."""
+    base = state(layers // pp, tp, "cpu")
+    if renumbered:
+        return base
+    first = stage * (layers // pp)
+
+    def rename(key: str) -> str:
+        head, _, rest = key.partition("layers.")
+        i, _, tail = rest.partition(".")
+        return f"{head}layers.{int(i) + first}.{tail}"
+
+    return {part: {rename(k): v for k, v in sub.items()} for part, sub in base.items()}
+
+
+def stage_rows(worlds: list[int], layers: int, tp: int, pp: int) -> list[dict]:
+    """Gathered bytes of a fresh save with ``pp`` pipeline stages and ZeRO-split optimizer state, with and
+    without the partition recorded (``pp_layers``): without it every non-empty DP piece goes into the
+    plan (12 bytes each) for the cross-stage value check; with it the renumbered layer keys are each
+    stage's own and none is sent."""
+    rows = []
+    print(f"\ncoordinator with pipeline stages (TP={tp}, PP={pp}, ZeRO-split optimizer state, real CPU tensors)")
+    print(f"{'world':>6} {'pp_layers':>9} {'gathered KiB':>13} {'stage_values KiB':>17} {'global plan s':>14}")
+    for world in worlds:
+        for renumbered in (True, False):
+            dp = world // (tp * pp)
+            layout = ParallelLayout(tp=tp, dp=dp, pp=pp, pp_layers=(layers // pp,) * pp if renumbered else None)
+            sds = [stage_state(layers, tp, pp, s, renumbered) for s in range(pp)]
+            reset_dcp_caches()
+            planners = [ParallelSavePlanner(layout, STAGE_SPECS, rank=r) for r in range(world)]
+            local = []
+            for rank, p in enumerate(planners):
+                p.set_up_planner(state_dict=sds[layout.coords(rank).pp], storage_meta=None, is_coordinator=rank == 0)
+                local.append(p.create_local_plan())
+            sent = sum(len(lp.planner_data["stage_values"] or b"") for lp in local)
+            gathered = sum(len(pickle.dumps(lp)) for lp in local)
+            start = time.perf_counter()
+            planners[0].create_global_plan(local)
+            elapsed = time.perf_counter() - start
+            del planners, local
+            gc.collect()
+            rows.append(
+                {
+                    "world": world,
+                    "pp": pp,
+                    "pp_layers": renumbered,
+                    "gathered_bytes": gathered,
+                    "stage_values_bytes": sent,
+                    "global_plan_s": elapsed,
+                }
+            )
+            print(
+                f"{world:>6} {'yes' if renumbered else 'no':>9} {gathered / 1024:>13.1f} {sent / 1024:>17.1f} "
+                f"{elapsed:>14.4f}"
+            )
+    return rows
+
+
 # -- local planning: sampled ranks, interleaved ------------------------------------------------------------
 def saved_metadata(layers: int, tp: int) -> dict[str, Metadata]:
     """The checkpoint each load planner reads: saved at TP=tp, DP=1 by that family's own save planner."""
@@ -334,6 +405,10 @@ def main() -> None:
         "--dcp-coordinator-max", type=int, default=None, help="the same for DCP's planner (default 1024, quick 64)"
     )
     ap.add_argument("--no-load", action="store_true", help="skip the load planners")
+    ap.add_argument("--pp", type=int, default=4, help="pipeline stages of the stage case (default 4; 0 skips it)")
+    ap.add_argument(
+        "--stage-max", type=int, default=None, help="largest world of the stage case (default 4096, quick 64)"
+    )
     ap.add_argument("--out", default="benchmarks/out/planning.json")
     args = ap.parse_args()
     layers = args.layers if args.layers is not None else (4 if args.quick else 24)
@@ -351,6 +426,12 @@ def main() -> None:
     local = local_rows(worlds, layers, args.tp, rounds, load=not args.no_load)
     print_local(local, args.tp)
     coordinator = coordinator_rows([w for w in worlds if w <= max(caps.values())], caps, layers, args.tp)
+    stage_max = args.stage_max if args.stage_max is not None else (64 if args.quick else 4096)
+    staged = (
+        stage_rows([w for w in worlds if w <= stage_max and w % (args.tp * args.pp) == 0], layers, args.tp, args.pp)
+        if args.pp
+        else []
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(
@@ -368,6 +449,7 @@ def main() -> None:
                 "local": local,
                 "coordinator_max": caps,
                 "rows": coordinator,
+                "stage_rows": staged,
             },
             f,
             indent=1,

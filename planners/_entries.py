@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt._checks import check_process_group
-from smpckpt.errors import LayoutMismatch, SpecError, not_dense
+from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
@@ -538,3 +538,27 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return bool(torch.equal(a.view(as_int), b.view(as_int)))
     return bool(torch.equal(a, b))
+
+
+def gather_ties(plans: list[SavePlan]) -> dict[str, str]:
+    """(coordinator) Every rank's tied keys, checked: a key is tied to one key by every rank that ties
+    it, and no rank writes bytes of its own under a key another rank ties (its chunks would be missing
+    from the checkpoint's other pieces)."""
+    tied: dict[str, tuple[str, int]] = {}
+    for i, plan in enumerate(plans):
+        for alias, first in ((plan.planner_data or {}).get("tied") or {}).items():
+            seen = tied.setdefault(alias, (first, i))
+            if seen[0] != first:
+                raise ReplicaMismatch(
+                    f"{alias!r} is the tensor of {seen[0]!r} on rank {seen[1]} but of {first!r} on rank {i}: tie "
+                    "parameters alike on every rank"
+                )
+    for i, plan in enumerate(plans):
+        for item in plan.items:
+            if item.index.fqn in tied:
+                alias = item.index.fqn
+                raise ReplicaMismatch(
+                    f"{alias!r} is tied to {tied[alias][0]!r} (the same tensor) on rank {tied[alias][1]} but is a "
+                    f"tensor of its own on rank {i}: tie (or untie) parameters alike on every rank"
+                )
+    return {alias: first for alias, (first, _) in tied.items()}

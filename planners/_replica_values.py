@@ -40,6 +40,7 @@ on DP rank 0, and two stages may put one tied tensor's state on different DP ran
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -47,9 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import ReplicaMismatch
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
+from smpckpt.planners._entries import Entry
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = [
@@ -461,3 +464,49 @@ def undigestable(tensors: Iterable[tuple[str, Any]], exc: BaseException) -> Base
                 "Checkpointer), or hold this tensor on one rank only"
             )
     return exc
+
+
+def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None:
+    """(coordinator) The ranks of each stage sent one replica digest (:func:`replica_digest`)."""
+    by_stage: dict[int, dict[tuple[int, str], list[int]]] = {}
+    for plan in plans:
+        rank = plan.planner_data["rank"]
+        stage = layout.coords(rank).pp
+        digest = tuple(plan.planner_data["digest"])
+        by_stage.setdefault(stage, {}).setdefault(digest, []).append(rank)
+    problems = []
+    for stage, groups in sorted(by_stage.items()):
+        if len(groups) > 1:
+            parts = ", ".join(f"ranks {ranks} hold {count} such tensors" for (count, _), ranks in groups.items())
+            problems.append(f"stage {stage}: {parts}")
+    if problems:
+        raise ReplicaMismatch(
+            "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes, "
+            f"global shapes or tied parameters): {'; '.join(problems)}. Each rank must hold the same keys "
+            "and tie parameters alike; give per-rank values rank-unique keys and list them in rank_local=, "
+            "and check the ShardSpec sizes."
+        )
+
+
+def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:
+    """Constant-size digest of the tensors every rank of this stage must agree on.
+
+    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``), and
+    the key each tied one is the tensor of. Ranks of a stage whose digests differ would disagree on who
+    writes what -- silently losing data. Sorted by key, so ranks that built their state dicts in
+    another order still agree.
+    """
+    rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
+    rows.sort()  # by key: keys are unique, so the other fields are never compared
+    # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
+    tails: dict[tuple[Any, ...], str] = {}
+    parts: list[str] = []
+    for key, dtype, shape, axes in rows:
+        tail = tails.get((dtype, shape, axes))
+        if tail is None:
+            tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
+        parts.append(key)
+        parts.append(tail)
+        if key in tied:
+            parts.append(f"=|{tied[key]}\n")
+    return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()

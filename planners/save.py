@@ -24,14 +24,25 @@ import dataclasses
 import hashlib
 import io
 import logging
+import math
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.default_planner import _validate_global_plan
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import Replicate
 
@@ -39,115 +50,24 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import PlanCache, compact, structure_signature, tensor_write_item
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, tied_entries
+from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, gather_ties, tied_entries
 from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._replica_values import (
     check_duplicate_writers,
+    check_replica_digests,
     check_replica_values,
     checked_codes,
     dtensor_values,
     rank_values,
+    replica_digest,
     split_code,
     stage_values,
     undigestable,
 )
 
-__all__ = [
-    "ParallelSavePlanner",
-    "SaveReport",
-    "check_rules_apply",
-    "check_replica_digests",
-    "gather_ties",
-    "replica_digest",
-    "dedup_plans",
-]
-
-
-def check_rules_apply(rules: SpecRules, plans: list[SavePlan]) -> None:
-    """(coordinator) Spec rules of which no rank matched a single key are a mistake, never a choice: every TP
-    shard they were meant for would be saved as a replica -- one rank's piece kept as the whole
-    tensor (rules written for another key scheme, such as a missing ``model.`` prefix)."""
-    if not rules or any((p.planner_data or {}).get("matched", 1) for p in plans):
-        return
-    shown = ", ".join(repr(p) for p in rules.patterns[:5])
-    more = f" (and {len(rules.patterns) - 5} more)" if len(rules.patterns) > 5 else ""
-    raise SpecError(
-        f"none of the {len(rules.patterns)} spec rules matches a tensor of any rank: {shown}{more}. Rules are "
-        "matched against the flattened keys (for save_checkpoint: 'model.<parameter name>' or the parameter "
-        "name itself; 'optim.state.<parameter name>.<state>'); a rule that matches nothing would save every "
-        "TP shard it was meant for as a replica"
-    )
-
-
-def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None:
-    """(coordinator) The ranks of each stage sent one replica digest (:func:`replica_digest`)."""
-    by_stage: dict[int, dict[tuple[int, str], list[int]]] = {}
-    for plan in plans:
-        rank = plan.planner_data["rank"]
-        stage = layout.coords(rank).pp
-        digest = tuple(plan.planner_data["digest"])
-        by_stage.setdefault(stage, {}).setdefault(digest, []).append(rank)
-    problems = []
-    for stage, groups in sorted(by_stage.items()):
-        if len(groups) > 1:
-            parts = ", ".join(f"ranks {ranks} hold {count} such tensors" for (count, _), ranks in groups.items())
-            problems.append(f"stage {stage}: {parts}")
-    if problems:
-        raise ReplicaMismatch(
-            "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes, "
-            f"global shapes or tied parameters): {'; '.join(problems)}. Each rank must hold the same keys "
-            "and tie parameters alike; give per-rank values rank-unique keys and list them in rank_local=, "
-            "and check the ShardSpec sizes."
-        )
-
-
-def gather_ties(plans: list[SavePlan]) -> dict[str, str]:
-    """(coordinator) Every rank's tied keys, checked: a key is tied to one key by every rank that ties
-    it, and no rank writes bytes of its own under a key another rank ties (its chunks would be missing
-    from the checkpoint's other pieces)."""
-    tied: dict[str, tuple[str, int]] = {}
-    for i, plan in enumerate(plans):
-        for alias, first in ((plan.planner_data or {}).get("tied") or {}).items():
-            seen = tied.setdefault(alias, (first, i))
-            if seen[0] != first:
-                raise ReplicaMismatch(
-                    f"{alias!r} is the tensor of {seen[0]!r} on rank {seen[1]} but of {first!r} on rank {i}: tie "
-                    "parameters alike on every rank"
-                )
-    for i, plan in enumerate(plans):
-        for item in plan.items:
-            if item.index.fqn in tied:
-                alias = item.index.fqn
-                raise ReplicaMismatch(
-                    f"{alias!r} is tied to {tied[alias][0]!r} (the same tensor) on rank {tied[alias][1]} but is a "
-                    f"tensor of its own on rank {i}: tie (or untie) parameters alike on every rank"
-                )
-    return {alias: first for alias, (first, _) in tied.items()}
-
-
-def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:
-    """Constant-size digest of the tensors every rank of this stage must agree on.
-
-    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``), and
-    the key each tied one is the tensor of. Ranks of a stage whose digests differ would disagree on who
-    writes what -- silently losing data. Sorted by key, so ranks that built their state dicts in
-    another order still agree.
-    """
-    rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
-    rows.sort()  # by key: keys are unique, so the other fields are never compared
-    # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
-    tails: dict[tuple[Any, ...], str] = {}
-    parts: list[str] = []
-    for key, dtype, shape, axes in rows:
-        tail = tails.get((dtype, shape, axes))
-        if tail is None:
-            tail = tails[(dtype, shape, axes)] = f"|{dtype}|{tuple(shape or ())}|{sorted(axes)}\n"
-        parts.append(key)
-        parts.append(tail)
-        if key in tied:
-            parts.append(f"=|{tied[key]}\n")
-    return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
+__all__ = ["ParallelSavePlanner", "SaveReport", "check_replica_digests", "gather_ties"]
+__all__ += ["replica_digest", "dedup_plans", "global_save_plan", "tiling_errors"]
 
 
 def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
@@ -161,6 +81,7 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
     writers: dict[MetadataIndex, list[int]] = {}  # chunks more than one rank plans: their ranks
     object_holders: dict[str, list[tuple[int, str]]] = {}
     tensor_meta: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+    losers: set[int] = set()  # ranks with an item another rank writes: only their plans are filtered
     for i, plan in enumerate(plans):
         objects = plan.planner_data["objects"]
         for item in plan.items:
@@ -179,6 +100,7 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
                 )
             prior = chunk_owner.setdefault(item.index, (i, td.chunk.sizes))
             if prior[0] != i:
+                losers.add(i)
                 if prior[1] != td.chunk.sizes:
                     raise SpecError(
                         f"{fqn}: ranks {prior[0]} and {i} both write a chunk at offset {tuple(td.chunk.offsets)} "
@@ -197,11 +119,97 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
                 "values rank-unique keys (e.g. f'...rank{rank}...') and list them in rank_local="
             )
         object_owner[fqn] = holders[zlib.crc32(fqn.encode()) % len(holders)][0]
+        losers.update(r for r, _ in holders if r != object_owner[fqn])
 
     def owner(item: WriteItem) -> int:
         return object_owner[item.index.fqn] if item.type == WriteItemType.BYTE_IO else chunk_owner[item.index][0]
 
-    return [dataclasses.replace(p, items=[it for it in p.items if owner(it) == i]) for i, p in enumerate(plans)]
+    return [
+        dataclasses.replace(p, items=[it for it in p.items if owner(it) == i]) if i in losers else p
+        for i, p in enumerate(plans)
+    ]
+
+
+def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, tuple[int, ...]]:
+    """(coordinator) What ``create_default_global_save_plan(plans)`` returns -- each item's index hint
+    its chunk's position in the tensor's metadata, the metadata in plan order -- and each plan's bytes
+    (its chunks' own: DCP's ``tensor_storage_size`` counts a shard as its whole global tensor)."""
+    md: dict[str, STORAGE_TYPES] = {}
+    itemsizes: dict[torch.dtype, int] = {}
+    out: list[SavePlan] = []
+    per_rank: list[int] = []
+    for rank, plan in enumerate(plans):
+        items: list[WriteItem] = []
+        nbytes = 0
+        for item in plan.items:
+            fqn = item.index.fqn
+            entry = md.get(fqn)
+            if entry is not None and (item.type != WriteItemType.SHARD or not isinstance(entry, TensorStorageMetadata)):
+                raise SpecError(f"{fqn}: written twice in the global plan (rank {rank} among its writers)")
+            if item.type == WriteItemType.BYTE_IO:
+                md[fqn] = BytesStorageMetadata()
+                items.append(item)
+                continue
+            data = item.tensor_data
+            if data is None or data.chunk is None:
+                raise SpecError(f"{fqn}: rank {rank} planned a tensor item without its chunk")
+            if entry is None:
+                entry = md[fqn] = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
+            tensor = cast(TensorStorageMetadata, entry)
+            items.append(hinted(item, len(tensor.chunks)))
+            tensor.chunks.append(data.chunk)
+            dtype = data.properties.dtype
+            size = itemsizes.get(dtype)
+            if size is None:
+                size = itemsizes[dtype] = torch.empty((), dtype=dtype).element_size()
+            nbytes += math.prod(data.chunk.sizes) * size
+        out.append(dataclasses.replace(plan, items=items))
+        per_rank.append(nbytes)
+    return out, Metadata(md), tuple(per_rank)
+
+
+def tiling_errors(plans: list[SavePlan], metadata: Metadata) -> list[str]:
+    """(coordinator) DCP's ``_validate_global_plan(plans, metadata)``: the same errors, in the same order.
+    A tensor whose chunks are the cells of one grid (every TP/DP/ZeRO split of equal or uneven pieces)
+    is proven tiled in one pass over its chunks; DCP's pairwise sweep checks only the rest (at 4,096
+    ranks it took 2.3 s for 246,000 chunks)."""
+    rest = {
+        key: value
+        for key, value in metadata.state_dict_metadata.items()
+        if isinstance(value, TensorStorageMetadata) and len(value.size) and not _grid_tiled(value.size, value.chunks)
+    }
+    if not rest:
+        return []
+    return _validate_global_plan(plans, dataclasses.replace(metadata, state_dict_metadata=rest))
+
+
+def _grid_tiled(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> bool:
+    """True when ``chunks`` are exactly the cells of the grid their boundaries draw on ``size``: each
+    chunk one cell, no cell twice, as many chunks as cells -- so they are in bounds, disjoint and fill
+    the tensor. False says nothing (DCP's check decides)."""
+    dims = len(size)
+    if not chunks:
+        return False
+    if len(chunks) == 1:
+        return all(o == 0 for o in chunks[0].offsets) and tuple(chunks[0].sizes) == tuple(size)
+    rows = [(*c.offsets, *c.sizes) for c in chunks]
+    if any(len(r) != 2 * dims for r in rows):
+        return False
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * dims)
+    cells = np.empty((len(rows), dims), dtype=np.int64)
+    shape = []
+    for d in range(dims):
+        starts, ends = table[:, d], table[:, d] + table[:, dims + d]
+        line = np.union1d(starts, ends)
+        if line[0] != 0 or line[-1] != size[d]:
+            return False
+        cells[:, d] = np.searchsorted(line, starts)
+        if not np.array_equal(np.searchsorted(line, ends), cells[:, d] + 1):  # not one cell (or empty)
+            return False
+        shape.append(len(line) - 1)
+    if math.prod(shape) != len(rows):
+        return False
+    return len(np.unique(np.ravel_multi_index(cells.T, shape))) == len(rows)
 
 
 logger = logging.getLogger(__name__)
@@ -455,11 +463,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             return empty, metadata
         full = self._cache.substitute(all_plans)
         self.layout.check_world_size(len(full), "dcp.save's world")
-        check_rules_apply(self.rules, full)
+        self.rules.check_matched(any((p.planner_data or {}).get("matched", 1) for p in full))
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        plans, metadata = create_default_global_save_plan(dedup_plans(full, self._rank_local))
+        plans, metadata, per_rank = global_save_plan(dedup_plans(full, self._rank_local))
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
         for plan in full:
@@ -470,7 +478,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         )
         mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
-        errors = _validate_global_plan(plans, metadata)
+        errors = tiling_errors(plans, metadata)
         if errors:
             shown = "; ".join(errors[:5])
             raise SpecError(
@@ -484,7 +492,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             # the storage writer's coordinator reads the record here (full mode lays tensors out in
             # their original shapes); one copy, on the coordinator's own plan
             plans[0] = dataclasses.replace(plans[0], planner_data={**(gen or {}), METADATA_KEY: record.to_json()})
-        per_rank = tuple(sum(i.tensor_storage_size() or 0 for i in p.items) for p in plans)
         self.report = SaveReport(per_rank, items=sum(len(p.items) for p in plans), cached=False)
         logger.info("save plan: %d items, max/mean bytes per rank %.2f", self.report.items, self.report.balance)
         self.global_plan, self.metadata = plans, metadata

@@ -213,6 +213,21 @@ class SpecRules:
         """The rules' globs, in the order they are tried."""
         return tuple(p for p, _, _ in self._rules)
 
+    def check_matched(self, matched: bool) -> None:
+        """(save coordinator) Rules of which no rank ``matched`` a single key are a mistake, never a choice:
+        every TP shard they were meant for would be saved as a replica -- one rank's piece kept as the
+        whole tensor (rules written for another key scheme, such as a missing ``model.`` prefix)."""
+        if not self._rules or matched:
+            return
+        shown = ", ".join(repr(p) for p in self.patterns[:5])
+        more = f" (and {len(self._rules) - 5} more)" if len(self._rules) > 5 else ""
+        raise SpecError(
+            f"none of the {len(self._rules)} spec rules matches a tensor of any rank: {shown}{more}. Rules are "
+            "matched against the flattened keys (for save_checkpoint: 'model.<parameter name>' or the parameter "
+            "name itself; 'optim.state.<parameter name>.<state>'); a rule that matches nothing would save every "
+            "TP shard it was meant for as a replica"
+        )
+
     def to_records(self) -> list[dict[str, Any]]:
         """JSON-able description of the rules, for the checkpoint's record of the partition."""
         also = {"also_under": list(self.also_under)} if self.also_under else {}

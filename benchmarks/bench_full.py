@@ -74,15 +74,22 @@ def nbytes(sd: dict[str, torch.Tensor]) -> int:
 # -- memory --------------------------------------------------------------------------------------
 
 
-# -- one rank ------------------------------------------------------------------------------------
-def worker(rank: int, cfg: dict[str, Any]) -> None:
+# -- the ranks (bench_full_algorithms spawns its ranks with these too) -----------------------------
+def spawn_ranks(run_rank: Callable[[int, dict[str, Any]], None], cfg: dict[str, Any], minutes: int) -> None:
+    """``cfg["world"]`` gloo ranks on a free loopback port, each running ``run_rank(rank, cfg)`` with its
+    share of the cores; ``minutes``: the process group's timeout."""
+    cfg = {**cfg, "port": _free_port()}
+    mp.spawn(worker, args=(run_rank, cfg, minutes), nprocs=cfg["world"], join=True)
+
+
+def worker(rank: int, run_rank: Callable[[int, dict[str, Any]], None], cfg: dict[str, Any], minutes: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(cfg["port"])
     world = cfg["world"]
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=minutes))
     try:
-        _run_rank(rank, cfg)
+        run_rank(rank, cfg)
     finally:
         dist.destroy_process_group()
 
@@ -348,13 +355,13 @@ def run_pass(cfg: dict[str, Any], name: str, rounds: int, mmap_threshold: bool) 
     """Spawn the ranks for one pass; rank 0's record. ``mmap_threshold``: blocks of 1 MiB and more are
     mmapped and unmapped on free, so a block freed by an earlier op and kept by malloc cannot hide a
     later op's peak (read by glibc at process start, hence a pass of its own)."""
-    cfg = {**cfg, "pass": name, "rounds": rounds, "port": _free_port()}
+    cfg = {**cfg, "pass": name, "rounds": rounds}
     cfg["result_file"] = os.path.join(cfg["base"], f"result-{name}.json")
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     if mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MiB)
     try:
-        mp.spawn(worker, args=(cfg,), nprocs=cfg["world"], join=True)
+        spawn_ranks(_run_rank, cfg, minutes=5)
     finally:
         if saved is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)

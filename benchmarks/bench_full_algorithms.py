@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,10 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from _model import TDef, check_safetensors, global_tensor, local_piece, model_defs
 from _rss import peak, reset_peak
-from bench_full import _gather  # the ranks' all_gather_object, as bench_full's
+from bench_full import _gather, _spread, spawn_ranks  # the ranks' bootstrap, as bench_full's
 
 from smpckpt import ShardSpec
 from smpckpt.model.layout import ParallelLayout
@@ -92,18 +90,6 @@ def force_gather(on: bool) -> None:
 def _counted_gather(*args: Any, **kwargs: Any) -> Any:
     CALLS["gather_rank"] += 1
     return _GATHER(*args, **kwargs)
-
-
-def worker(rank: int, cfg: dict[str, Any]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(cfg["port"])
-    world = cfg["world"]
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
-    try:
-        _run_rank(rank, cfg)
-    finally:
-        dist.destroy_process_group()
 
 
 def _run_rank(rank: int, cfg: dict[str, Any]) -> None:
@@ -169,20 +155,10 @@ def _run_rank(rank: int, cfg: dict[str, Any]) -> None:
             json.dump({"rec": rec, "checks": checks}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def run_case(cfg: dict[str, Any]) -> dict[str, Any]:
-    cfg = {**cfg, "port": _free_port(), "result_file": os.path.join(cfg["base"], "result.json")}
+    cfg = {**cfg, "result_file": os.path.join(cfg["base"], "result.json")}
     load_before = os.getloadavg()[0]
-    mp.spawn(worker, args=(cfg,), nprocs=cfg["world"], join=True)
+    spawn_ranks(_run_rank, cfg, minutes=10)
     load_after = os.getloadavg()[0]
     with open(cfg["result_file"]) as f:
         got = json.load(f)

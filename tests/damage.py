@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 __all__ = ["flip_byte"]
 
 
-def flip_byte(path: str, offset: int, mask: int = 0x40) -> None:
+def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0x40) -> None:
     """XOR the byte at ``offset`` of ``path`` with ``mask`` (never 0: the byte must change)."""
     if not mask & 0xFF:
         raise ValueError("mask must change the byte")

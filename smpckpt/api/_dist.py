@@ -8,9 +8,11 @@ failure on one rank becomes an error on *every* rank instead of a hang at the ne
 Without an initialised process group (a notebook, a conversion script) every method degenerates to
 the local call: rank 0 of a world of 1, no communication.
 
-Besides the collectives: the request both build, the model and optimizer
-checked, error translation, and the state a save stores and a resume restores -- the model's and the
-optimizers' state dicts (:func:`train_state`), ``user_content`` and each rank's RNG states (below).
+Two sections: the collectives with the translation of failures (DCP's, a dead peer's) into every
+rank's error; then the request both build, the model and optimizer checked, and the state a save
+stores and a resume restores -- the model's and the optimizers' state dicts (:func:`train_state`),
+``user_content`` and each rank's RNG states (below). One module, not two: every save and every resume
+uses both, so a split would add a module to each call's path (``tests/test_call_paths.py``: at most 25).
 Internal: the public names live in :mod:`smpckpt.api.checkpointer`.
 
 **user_content** is serialised once on save, deserialised once (weights-only) on resume. It is stored as
@@ -58,6 +60,9 @@ __all__ += ["get_rng_state", "set_rng_state", "rng_components"]
 
 
 T = TypeVar("T")
+
+
+# -- the collectives, and a failure on one rank made every rank's error ---------------------------------
 
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
 _BUILTINS: Mapping[str, type[Exception]] = MappingProxyType(
@@ -258,6 +263,81 @@ class DistContext:
         )
 
 
+def translate_dcp(
+    exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None
+) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank.
+
+    ``metadata_error`` is the reader's own exception from ``read_metadata``: DCP replaces it with an
+    ``AssertionError("metadata is None; ...")``, and the caller deserves the real one
+    (:class:`~smpckpt.errors.UnsafeCheckpoint`, :class:`~smpckpt.errors.CheckpointCorrupt`, ...).
+    """
+    failures = exc.failures or {}
+    if not failures:
+        err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
+    else:
+        ranks = sorted(failures)
+        first = failures[ranks[0]][0]
+        if isinstance(first, AssertionError) and metadata_error is not None:
+            first = metadata_error
+        where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
+        message = f"{action} failed on {where}: {first}"
+        if isinstance(first, CheckpointError):
+            try:
+                err = type(first)(message)
+            except TypeError:
+                err = CheckpointError(message)
+        elif isinstance(first, FileNotFoundError):
+            err = CheckpointNotFound(message)
+        else:
+            err = CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
+    err.__cause__ = exc
+    return err
+
+
+_PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
+
+
+def _is_peer_failure(exc: RuntimeError) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+@contextlib.contextmanager
+def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
+    """A collective that fails because another rank died (gloo: ``Connection reset by peer``; any
+    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing; any other
+    ``OSError`` (storage) -> :class:`CheckpointError` naming the action and, in its text, the object."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        # an I/O error outside dcp.save/dcp.load (listing tags, reading newest, a probe) reaches the
+        # caller as ours too, its object named (an S3 endpoint that died mid-resume gave a bare OSError)
+        raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
+    except RuntimeError as exc:
+        if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
+            raise
+        raise CheckpointError(
+            f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
+            f"rank died or was killed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "what was committed before is intact -- check with `smpckpt ls`"
+        ) from exc
+
+
+@contextlib.contextmanager
+def quiet_no_dist() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is exactly our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# -- the request and the state: what a save stores and a resume restores ------------------------------
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -487,77 +567,3 @@ def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None =
                 torch.cuda.set_rng_state(s.to(torch.uint8), int(index))
         restored.append("cuda")
     return tuple(restored)
-
-
-def translate_dcp(
-    exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None
-) -> CheckpointError:
-    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank.
-
-    ``metadata_error`` is the reader's own exception from ``read_metadata``: DCP replaces it with an
-    ``AssertionError("metadata is None; ...")``, and the caller deserves the real one
-    (:class:`~smpckpt.errors.UnsafeCheckpoint`, :class:`~smpckpt.errors.CheckpointCorrupt`, ...).
-    """
-    failures = exc.failures or {}
-    if not failures:
-        err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
-    else:
-        ranks = sorted(failures)
-        first = failures[ranks[0]][0]
-        if isinstance(first, AssertionError) and metadata_error is not None:
-            first = metadata_error
-        where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
-        message = f"{action} failed on {where}: {first}"
-        if isinstance(first, CheckpointError):
-            try:
-                err = type(first)(message)
-            except TypeError:
-                err = CheckpointError(message)
-        elif isinstance(first, FileNotFoundError):
-            err = CheckpointNotFound(message)
-        else:
-            err = CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
-    err.__cause__ = exc
-    return err
-
-
-_PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
-
-
-def _is_peer_failure(exc: RuntimeError) -> bool:
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    text = str(exc).lower()
-    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
-
-
-@contextlib.contextmanager
-def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
-    """A collective that fails because another rank died (gloo: ``Connection reset by peer``; any
-    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing; any other
-    ``OSError`` (storage) -> :class:`CheckpointError` naming the action and, in its text, the object."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        # an I/O error outside dcp.save/dcp.load (listing tags, reading newest, a probe) reaches the
-        # caller as ours too, its object named (an S3 endpoint that died mid-resume gave a bare OSError)
-        raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
-    except RuntimeError as exc:
-        if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
-            raise
-        raise CheckpointError(
-            f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
-            f"rank died or was killed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-            "what was committed before is intact -- check with `smpckpt ls`"
-        ) from exc
-
-
-@contextlib.contextmanager
-def quiet_no_dist() -> Iterator[None]:
-    """Without a process group DCP warns that it assumes one process: that is exactly our intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield

@@ -58,7 +58,7 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["judge", "candidates", "tier_seq", "pending_drains", "retain_local"]
+__all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -447,20 +447,6 @@ class FastCandidate:
         return (self.seq, self.order)
 
 
-def judge(
-    parts: Mapping[str, int], holders: Sequence[int], files: Sequence[Mapping[str, int] | None]
-) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
-    """Who holds each part: folder ``i`` holds a part when ``files[i]`` (``None``: nothing usable) has it
-    at its size (its bytes are checked when read); the manifest is held by ``holders``. And the parts
-    none holds."""
-    held = {
-        name: tuple(i for i, got in enumerate(files) if got is not None and got.get(name) == size)
-        for name, size in parts.items()
-    }
-    held[MANIFEST_NAME] = tuple(holders)
-    return held, tuple(sorted(n for n, where in held.items() if not where))
-
-
 def _usable_files(copy: LocalCopy | None) -> Mapping[str, int] | None:
     # another job's files, or an unsafe folder's, never stand in for this job's parts
     return copy.files if copy is not None and copy.state in ("committed", "uncommitted", "corrupt") else None
@@ -468,7 +454,8 @@ def _usable_files(copy: LocalCopy | None) -> Mapping[str, int] | None:
 
 def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[FastCandidate]:
     """Every save of this job some node committed (only ``tag``'s when given), newest first, with its
-    completeness across ``views`` (index ``i``: what global rank ``i``'s node holds)."""
+    completeness across ``views`` (index ``i``: what global rank ``i``'s node holds; for ``smpckpt ls
+    --local``, what its ``i``-th folder holds)."""
     seen: dict[tuple[str, int], LocalCopy] = {}
     for view in views:
         for t, copy in view.items():
@@ -476,8 +463,15 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
                 seen.setdefault((t, copy.digest), copy)
     out = []
     for (t, digest), copy in seen.items():
-        holders = [i for i, v in enumerate(views) if t in v and v[t].digest == digest]
-        held, missing = judge(copy.parts or {}, holders, [_usable_files(v.get(t)) for v in views])
+        # folder i holds a part when its files have it at the manifest's size (its bytes are checked when
+        # read); the manifest, when it committed this very save
+        files = [_usable_files(v.get(t)) for v in views]
+        held = {
+            name: tuple(i for i, got in enumerate(files) if got is not None and got.get(name) == size)
+            for name, size in (copy.parts or {}).items()
+        }
+        held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
+        missing = tuple(sorted(n for n, where in held.items() if not where))
         out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out

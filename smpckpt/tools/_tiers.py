@@ -6,7 +6,7 @@ judged; other jobs' folders are listed as such (:func:`other_jobs`). One node's 
 folder usually holds only its share -- its ranks' files plus replicas of other nodes' -- so a tag is
 judged across every folder given: committed in how many (a node writes the manifest only after every
 node held its share), which parts the union holds at the manifest's sizes
-(``smpckpt.api._tiers.judge``: what a resume uses). A folder a resume skips (``unsafe``: a manifest
+(``smpckpt.api._tiers.candidates``: what a resume uses). A folder a resume skips (``unsafe``: a manifest
 naming files outside its folder; ``foreign``: another job's checkpoint, or a link) is listed as such,
 never read further. A *part* is a data file the manifest lists or the generation's metadata
 (``.metadata.<save id>``).
@@ -30,9 +30,10 @@ from smpckpt.api._resume import resolve_target
 from smpckpt.api._tiers import (
     JOB_PREFIX,
     TIER_KEY,
+    LocalCopy,
+    candidates,
     job_dirname,
     job_folder,
-    judge,
     part_sizes,
     read_copy,
     read_job_record,
@@ -135,76 +136,18 @@ class ResumePick:
     save_id: str | None
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalCopy:
-    """One tag's folder in one ``--local`` folder: where (``url``; ``fs`` and ``path`` to read it), its
-    manifest's bytes (``None``: none there), every file in it (relative name -> size), and how a resume
-    judges it (``state``: :data:`smpckpt.api._tiers.CopyState`, with ``detail``)."""
-
-    url: str
-    fs: Any
-    path: str
-    manifest: bytes | None
-    files: Mapping[str, int]
-    state: str = "committed"
-    detail: str = ""
-
-    @classmethod
-    def read(cls, folder: str, tag: str, owner: str | None) -> LocalCopy:
-        """``folder`` (a ``{tag}_partial``) judged as the job whose durable root is ``owner`` would."""
-        copy, data = read_copy(folder, tag, owner)
-        fs, path = open_root(folder)
-        return cls(folder, fs, path, data, copy.files, copy.state, copy.detail)
-
-
-def scan_local(folder: str, owner: str) -> dict[str, LocalCopy]:
-    """Every ``{tag}_partial`` folder of the job ``owner`` in one node's fast tier ``folder``."""
+def scan_local(folder: str, owner: str, manifests: dict[int, bytes]) -> dict[str, LocalCopy]:
+    """Every ``{tag}_partial`` folder of the job ``owner`` in one node's fast tier ``folder``, judged as a
+    resume judges it; each committed copy's manifest bytes added to ``manifests`` by digest."""
     job = job_folder(folder, owner)
     if not os.path.isdir(job):
         return {}
-    fs, root = open_root(job)
-    return {tag: LocalCopy.read(f"{job}/{name}", tag, owner) for tag, name in list_partial_tags(fs, root).items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """A save some folder committed, judged across the folders (as a resume judges it)."""
-
-    tag: str
-    manifest: bytes
-    held_by: Mapping[str, tuple[int, ...]]  #: part -> indexes of the folders holding it
-    missing: tuple[str, ...]
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing
-
-    def parsed(self) -> Manifest:
-        return Manifest.from_bytes(self.manifest, where=f"fast-tier manifest of {self.tag!r}")
-
-    @property
-    def key(self) -> tuple[int, tuple[int, int, str]]:
-        m = self.parsed()
-        return (seq_of(m), record_order(m))
-
-
-def fast_candidates(views: Sequence[Mapping[str, LocalCopy]]) -> list[Candidate]:
-    """Every save of the job some folder committed, newest first (save number, then the manifest's order),
-    with its completeness across the folders (as a resume judges it: :func:`smpckpt.api._tiers.judge`)."""
-    out = []
-    for tag in sorted({t for v in views for t in v}):
-        for data in {v[tag].manifest for v in views if tag in v and v[tag].state == "committed"}:
-            if data is None:
-                continue
-            holders = [i for i, v in enumerate(views) if tag in v and v[tag].manifest == data]
-            files = [
-                v[tag].files if tag in v and v[tag].state in ("committed", "uncommitted", "corrupt") else None
-                for v in views
-            ]
-            manifest = Manifest.from_bytes(data)
-            held, missing = judge(part_sizes(manifest), holders, files)
-            out.append(Candidate(tag, data, held, missing))
-    out.sort(key=lambda c: (c.key, c.tag), reverse=True)
+    out: dict[str, LocalCopy] = {}
+    for tag, name in list_partial_tags(*open_root(job)).items():
+        copy, data = read_copy(f"{job}/{name}", tag, owner)
+        out[tag] = copy
+        if copy.digest is not None and data is not None:
+            manifests[copy.digest] = data
     return out
 
 
@@ -243,21 +186,21 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: s
     """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
     (then tags no folder committed, by tag), and warnings (a folder's manifest that does not parse;
     several saves of one tag)."""
-    views = [scan_local(d, owner) for d in dirs]
+    manifests: dict[int, bytes] = {}
+    views = [scan_local(d, owner, manifests) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
-    valid: dict[str, set[bytes | None]] = {}
-    for c in fast_candidates(views):
-        valid.setdefault(c.tag, set()).add(c.manifest)
-        m = c.parsed()
+    valid: dict[str, set[int]] = {}
+    for c in candidates(views):  # judged as a resume judges them, over the folders instead of the nodes
+        valid.setdefault(c.tag, set()).add(c.digest)
+        m = Manifest.from_bytes(manifests[c.digest], where=f"fast-tier manifest of {c.tag!r}")
         parts = list(part_sizes(m))
-        tier = m.extra.get(TIER_KEY)
         twin = twins.get(c.tag)
         if twin is not None:
             state = "yes" if twin.save_id == m.save_id else "other"
         else:
-            state = "pending" if isinstance(tier, Mapping) and tier.get("durable") is True else "no"
+            state = "pending" if c.durable else "no"
         rows.append(
             FastRow(
                 c.tag,
@@ -268,32 +211,32 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: s
                 len(parts),
                 c.missing,
                 m.save_id,
-                seq_of(m) or None,
+                c.seq or None,
                 m.total_bytes,
                 m.extra.get("saved_at") or m.created,
                 layout_json(m),
                 state,
-                record_order(m),
+                c.order,
             )
         )
     for tag in sorted({t for v in views for t in v}):
-        copies = [(d, v[tag]) for d, v in zip(dirs, views) if tag in v]
-        bad = [c for _, c in copies if c.state in _UNUSABLE]
+        copies = [(f"{job_folder(d, owner)}/{partial_dirname(tag)}", v[tag]) for d, v in zip(dirs, views) if tag in v]
+        bad = [(url, c) for url, c in copies if c.state in _UNUSABLE]
         # a manifest's own error names its path; a foreign or unreadable folder's does not
         notes += [
-            f"{c.detail if c.state in ('corrupt', 'unsafe') else f'{c.url} is {c.state}: {c.detail}'}; that copy is not used"
-            for c in bad
+            f"{c.detail if c.state in ('corrupt', 'unsafe') else f'{url} is {c.state}: {c.detail}'}; that copy is not used"
+            for url, c in bad
         ]
         if len(valid.get(tag, ())) > 1:
             notes.append(f"{tag}: the folders hold {len(valid[tag])} different committed saves of this tag")
         if tag in valid:
             continue
         files = {n for _, c in copies for n in c.files}
-        state = next((s for s in _UNUSABLE if any(c.state == s for c in bad)), "uncommitted")
+        state = next((s for s in _UNUSABLE if any(c.state == s for _, c in bad)), "uncommitted")
         detail = (
             "no folder holds a manifest (a save that did not finish, or one being written)"
             if not bad
-            else "; ".join(f"{c.url}: {c.detail}" for c in bad[:3])
+            else "; ".join(f"{url}: {c.detail}" for url, c in bad[:3])
         )
         holds = {d: len(v[tag].files) if tag in v else 0 for d, v in zip(dirs, views)}
         rows.append(FastRow(tag, state, (), holds, len(files), None, detail=detail))
@@ -416,19 +359,19 @@ def verify_fast(
     given -- every data file by as many folders as the save's ``replicas``; and (once, on a folder with
     that manifest) what a load checks before reading. ``None`` when no folder has the tag."""
     urls = [os.path.join(job_folder(d, owner), partial_dirname(tag)) for d in dirs]
-    copies = [LocalCopy.read(url, tag, owner) if os.path.lexists(url) else None for url in urls]
+    copies = [read_copy(url, tag, owner) if os.path.lexists(url) else None for url in urls]
     if all(c is None for c in copies):
         return None
     report = FastVerifyReport(tag, [FolderReport(d) for d in dirs])
-    own = [_parse_manifest(report, rep, copy) for rep, copy in zip(report.folders, copies)]
+    own = [_parse_manifest(report, rep, url, copy) for rep, url, copy in zip(report.folders, urls, copies)]
     found = [m for m in own if m is not None]
     if not found:
         return report
     ref = report.manifest = max(found, key=record_order)
     # what vouches for each folder's files: its own manifest, else (uncommitted there) the newest one
-    checks: list[tuple[int, LocalCopy, Manifest, dict[str, int]]] = []
-    for i, (rep, copy, m) in enumerate(zip(report.folders, copies, own)):
-        if copy is None or copy.state in ("foreign", "unreadable") or (copy.manifest is not None and m is None):
+    checks: list[tuple[int, str, Mapping[str, int], Manifest, dict[str, int]]] = []
+    for i, (rep, url, copy, m) in enumerate(zip(report.folders, urls, copies, own)):
+        if copy is None or copy[0].state in ("foreign", "unreadable") or (copy[1] is not None and m is None):
             continue  # absent, another job's, or its manifest is unusable: nothing vouches for its files
         if m is not None and m != ref:
             rep.state = "other save"
@@ -437,12 +380,12 @@ def verify_fast(
                 f"{rep.folder}: its manifest of {tag!r} (save {m.save_id}) differs from the newest one the folders "
                 f"hold (save {ref.save_id})"
             )
-        checks.append((i, copy, m or ref, part_sizes(m or ref)))
-    total = sum(size for _, c, _, sizes in checks for n, size in c.files.items() if size == sizes.get(n))
+        checks.append((i, url, copy[0].files, m or ref, part_sizes(m or ref)))
+    total = sum(size for _, _, files, _, sizes in checks for n, size in files.items() if size == sizes.get(n))
     good: dict[str, set[int]] = {}
-    for i, copy, m, sizes in checks:
+    for i, url, files, m, sizes in checks:
         rep = report.folders[i]
-        held = _check_folder(report, rep, copy, m, sizes, total, progress)
+        held = _check_folder(report, rep, url, files, m, sizes, total, progress)
         if rep.state != "other save":
             for n in held:
                 good.setdefault(n, set()).add(i)
@@ -453,8 +396,8 @@ def verify_fast(
         report.problems.append(f"{tag}: no folder holds {n} ({whose}) intact: the fast-tier copy is incomplete")
     _check_replicas(report, ref, good, len(dirs))
     if not report.problems:
-        first = next(c for c, m in zip(copies, own) if c is not None and m == ref)
-        report.problems += load_problems(first.url, first.fs, first.path, ref, None)
+        first = next(url for url, m in zip(urls, own) if m == ref)
+        report.problems += load_problems(first, *open_root(first), ref, None)
     return report
 
 
@@ -480,18 +423,22 @@ def _check_replicas(report: FastVerifyReport, ref: Manifest, good: Mapping[str, 
             )
 
 
-def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: LocalCopy | None) -> Manifest | None:
-    """One folder's manifest (``None``: absent, or unusable -- then a problem), its state set."""
-    if copy is None:
+def _parse_manifest(
+    report: FastVerifyReport, rep: FolderReport, url: str, read: tuple[LocalCopy, bytes | None] | None
+) -> Manifest | None:
+    """One folder's manifest (``read``: :func:`read_copy`'s judgement and bytes; ``None``: absent, or
+    unusable -- then a problem), its state set."""
+    if read is None:
         return None
-    rep.state = "uncommitted" if copy.manifest is None else "committed"
-    if copy.state in ("foreign", "unreadable") or copy.manifest is None:
+    copy, data = read
+    rep.state = "uncommitted" if data is None else "committed"
+    if copy.state in ("foreign", "unreadable") or data is None:
         if copy.state != "uncommitted":
             rep.state, rep.problems = copy.state, 1
-            report.problems.append(f"{copy.url}: {copy.state}: {copy.detail}")
+            report.problems.append(f"{url}: {copy.state}: {copy.detail}")
         return None
     try:
-        return Manifest.from_bytes(copy.manifest, where=f"{copy.url}/{MANIFEST_NAME}")
+        return Manifest.from_bytes(data, where=f"{url}/{MANIFEST_NAME}")
     except CheckpointError as exc:
         rep.state, rep.problems = ("unsafe manifest" if isinstance(exc, UnsafeCheckpoint) else "corrupt manifest"), 1
         report.problems.append(str(exc))
@@ -501,14 +448,15 @@ def _parse_manifest(report: FastVerifyReport, rep: FolderReport, copy: LocalCopy
 def _check_folder(
     report: FastVerifyReport,
     rep: FolderReport,
-    copy: LocalCopy,
+    url: str,
+    files: Mapping[str, int],
     m: Manifest,
     sizes: Mapping[str, int],
     total: int,
     progress: Callable[[int, int], None] | None,
 ) -> set[str]:
     """Check every file of one folder against ``m`` (``sizes``: its parts'); the parts it holds intact."""
-    url, fs, path, files = copy.url, copy.fs, copy.path, copy.files
+    fs, path = open_root(url)
     records = {f.name: f for f in m.files}
     held: set[str] = set()
     before = len(report.problems)

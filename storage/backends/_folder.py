@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from smpckpt.storage.backends import _nofollow as nf
-from smpckpt.storage.backends._fs import _protocol, is_local, is_s3, join, translate_errors
+from smpckpt.storage.backends._fs import _protocol, file_sizes, is_local, is_s3, join, translate_errors
 from smpckpt.storage.backends._sinks import FsspecSink, LocalSink, Sink
 
 __all__ = [
@@ -348,15 +348,8 @@ class Folder:
         if self.local:
             with translate_errors(self.path):
                 return dict(nf.walk_sizes(self._dirs[""]))
-        base = self.path.rstrip("/") + "/"
-        with translate_errors(self.path):
-            self.fs.invalidate_cache(self.path)
-            found = self.fs.find(self.path, detail=True)
-        return {
-            str(p)[len(base) :]: int(info.get("size") or 0)
-            for p, info in found.items()
-            if str(p).startswith(base) and info.get("type") != "directory"
-        }
+        self.fs.invalidate_cache(self.path)
+        return dict(file_sizes(self.fs, self.path))
 
     def fsync(self, name: str | None = None) -> None:
         """(POSIX) fsync file ``name`` (never through a link), or the folder itself."""

@@ -18,7 +18,8 @@ import logging
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from smpckpt.errors import UnsafeCheckpoint
 
@@ -32,6 +33,7 @@ __all__ = [
     "remove_tree_at",
     "rename_noreplace",
     "walk_sizes",
+    "libc_function",
     "MAX_DEPTH",
 ]
 
@@ -198,20 +200,21 @@ def remove_tree_at(dir_fd: int, name: str, *, where: str, device: int | None = N
     return failed
 
 
-def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """libc's ``name`` taking ``argtypes`` and returning an ``int`` (Linux), or None: another OS, or a
+    libc without it. For the calls Python's ``os`` has no binding for."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2  # glibc >= 2.28
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return cast(Callable[..., int], fn)
 
 
-_renameat2 = _load_renameat2()
+#: glibc >= 2.28
+_renameat2 = libc_function("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
 _RENAME_NOREPLACE = 1
 
 

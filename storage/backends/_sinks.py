@@ -10,13 +10,11 @@ the sink was opened with ``borrow=True``: then the caller's memory must stay unc
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import sys
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from smpckpt.storage.backends._fs import is_local, is_s3, translate_errors
+from smpckpt.storage.backends._nofollow import libc_function
 
 __all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink", "byte_view"]
 __all__ += ["MIN_PART_SIZE", "MAX_PART_SIZE", "DEFAULT_PART_SIZE", "MAX_PARTS", "PART_GROWTH_EVERY", "part_size_of"]
@@ -62,21 +60,8 @@ class Sink(Protocol):
     def abort(self) -> None: ...
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc ``sync_file_range`` (Linux), or None. Python's ``os`` has no binding for it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
+#: libc ``sync_file_range``: starts (or waits for) write-back of a range (:func:`write_back`)
+_sync_file_range = libc_function("sync_file_range", ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
 _SYNC_FILE_RANGE_WAIT_BEFORE = 1
 _SYNC_FILE_RANGE_WRITE = 2
 _SYNC_FILE_RANGE_WAIT_AFTER = 4

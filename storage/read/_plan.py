@@ -317,13 +317,14 @@ def _exact_bytes(it: Item) -> int:
     return it.end - it.start
 
 
-def writable_bytes(it: Item, target: torch.Tensor) -> memoryview | None:
+def writable_bytes(it: Item, target: torch.Tensor, nbytes: int | None = None) -> memoryview | None:
     """A writable view of ``target``'s bytes when they take the item's stored bytes as they are: a
-    contiguous CPU tensor of the saved dtype and the requested shape, and the slice one run in the file."""
+    contiguous CPU tensor of the saved dtype and the requested shape, of ``nbytes`` bytes (default: the
+    slice is one run in the file, ``end - start``)."""
     if target.dtype != it.dtype or tuple(target.shape) != tuple(int(n) for n in it.req.lengths):
         return None
     dst = cpu_bytes(target)
-    if dst is None or dst.readonly or dst.nbytes != it.end - it.start:
+    if dst is None or dst.readonly or dst.nbytes != (it.end - it.start if nbytes is None else nbytes):
         return None
     return dst
 

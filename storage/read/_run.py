@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
-from smpckpt.storage.format._reading import Fetch, c_strides, cpu_bytes
+from smpckpt.storage.format._reading import Fetch, c_strides
 from smpckpt.storage.format._safe_pickle import check_weights_only
 from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
@@ -399,10 +399,7 @@ def box_destination(box: BoxRead, target: torch.Tensor) -> memoryview | None:
     lengths = [int(n) for n in it.req.lengths]
     if math.prod(lengths[1:]) * it.dtype.itemsize != box.width:
         return None
-    if target.dtype != it.dtype or list(target.shape) != lengths:
-        return None
-    dst = cpu_bytes(target)
-    return dst if dst is not None and not dst.readonly and dst.nbytes == box.nbytes else None
+    return writable_bytes(it, target, box.nbytes)
 
 
 def item_destination(box: BoxRead, target: torch.Tensor) -> Into | None:
@@ -418,12 +415,8 @@ def item_destination(box: BoxRead, target: torch.Tensor) -> Into | None:
     # each destination row one run of the record row: trailing dimensions whole past the first
     if list(it.chunk_sizes[2:]) != lengths[2:] or r1 - r0 != lengths[0] or c0 + width > box.row_bytes:
         return None
-    if target.dtype != it.dtype or list(target.shape) != lengths:
-        return None
-    dst = cpu_bytes(target)
-    if dst is None or dst.readonly or dst.nbytes != lengths[0] * width:
-        return None
-    return Into(dst, r0, width, c0)
+    dst = writable_bytes(it, target, lengths[0] * width)
+    return Into(dst, r0, width, c0) if dst is not None else None
 
 
 def _work_key(w: FetchTask | DirectCandidate | BoxRead) -> tuple[str, int, int]:

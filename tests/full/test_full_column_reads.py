@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from damage import flip_byte
 from s3_env import serve_full_artifact
 from sim import reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.api import CheckpointException
@@ -77,14 +78,6 @@ def element_offset(folder: Path, key: str, row: int, col: int) -> tuple[Path, in
     raise AssertionError(f"{key} in no file")
 
 
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("rank", range(TP))
 def test_column_shards_load_bit_exact_by_the_streaming_cost_model(artifact: Path, rank: int) -> None:
     """``wide`` (an 8 KiB run in rows of 32 KiB: a gap past the 16 KiB request cost) reads exactly its
@@ -105,7 +98,7 @@ def test_damaged_byte_in_a_column_shard_is_found_by_its_rank_only(artifact: Path
     t = WIDE if key == "wide" else NARROW
     owner, width = 2, t.shape[1] // TP
     path, offset = element_offset(artifact, f"model.{key}", row=t.shape[0] - 3, col=owner * width + width - 1)
-    flip(path, offset)
+    flip_byte(path, offset, 0x10)
     with pytest.raises(CheckpointException) as info:
         load_rank(artifact, owner)
     (failure,) = [exc for exc, _ in info.value.failures.values()]

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from damage import flip_byte
 from sim import reset_dcp_caches, sim_save
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -183,14 +184,6 @@ def test_request_cost_zero_reads_a_request_per_row(artifact: Path, preads: list[
     assert all(n == 4 * KiB for _, n in preads)
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("col", [100, 1500, 3000], ids=["in rank 0's slice", "beside it in its tile", "another tile"])
 def test_flipped_byte_in_a_streamed_piece_is_refused_before_its_columns_are_used(
     artifact: Path, tmp_path: Path, col: int
@@ -204,7 +197,7 @@ def test_flipped_byte_in_a_streamed_piece_is_refused_before_its_columns_are_used
     for p in artifact.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
     path, start = tensor_start(copy, "m.emb")
-    _flip(path, start + (700 * 4096 + col) * 2)
+    flip_byte(path, start + (700 * 4096 + col) * 2, 0x10)
     tile_ranks = {0, 1} if col < 2048 else {2, 3}
     for rank in range(TP):
         dest = torch.zeros(1024, 1024, dtype=torch.bfloat16)

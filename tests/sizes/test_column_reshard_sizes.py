@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from column_reads import streamed
+from damage import flip_byte
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -185,21 +186,13 @@ def _record(path: str, key: str) -> tuple[str, int]:
     return os.path.join(path, info.relative_path), info.offset
 
 
-def _flip(file: str, at: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x5A]))
-
-
 def test_flipped_byte_mid_file_fails_the_streamed_load(saved: str, source: dict[str, torch.Tensor]) -> None:
     """Row 16000 of ``emb`` (the middle of its 250 MiB record): a byte flipped in the tile column ranks 0
     and 1 read fails their streamed load with CheckpointCorrupt; ranks 2 and 3 read the other tile
     column and load bit-exact. The byte is restored afterwards (the checkpoint is shared)."""
     file, offset = _record(saved, "m.emb")
     at = offset + 16000 * 8 * KiB + 2 * KiB + 100  # rank 1's own columns (bytes 2048..4095 of the row)
-    _flip(file, at)
+    flip_byte(file, at, 0x5A)
     try:
         for rank in (0, 1):
             with pytest.raises(CheckpointException) as info:
@@ -212,7 +205,7 @@ def test_flipped_byte_mid_file_fails_the_streamed_load(saved: str, source: dict[
             _load(saved, "emb", dest, rank)
             assert torch.equal(dest, _columns(source["emb"], rank)), rank
     finally:
-        _flip(file, at)
+        flip_byte(file, at, 0x5A)
     dest = torch.zeros(32000, 1024, dtype=torch.bfloat16)
     _load(saved, "emb", dest, 1)
     assert torch.equal(dest, _columns(source["emb"], 1))

@@ -117,8 +117,8 @@ class FullSource(ArtifactIndex):
                     f.cancel()
                 if spans is not None:
                     spans.close()
+                self._pool = None  # boxes still being read (a failed read) go on alone
             self.requests = files.requests
-        self._pool = None
 
     def _read_object(self, req: ReadItem, planner: LoadPlanner) -> None:
         fqn = req.storage_index.fqn

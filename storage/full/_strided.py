@@ -6,9 +6,9 @@ embedding from a TP=1 export issued 32,000 requests of 4 KiB. Where the rows' un
 a request (:func:`~smpckpt.storage.format._columns.streams`, the partial reader's model), the rows are
 read instead as sequential spans of whole rows -- from the first needed column of a piece's first row to
 the last of its last -- in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES`
-that never cut a check unit, through one reused buffer: each piece's units are verified there, then the
-box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece, never
-the box's enclosing span. Wider gaps keep the reader's request per row.
+that never cut a check unit, each through a reused buffer: each piece's units are verified there, then
+the box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece
+per reader thread, never the box's enclosing span. Wider gaps keep the reader's request per row.
 
 Either way a box is work for several threads (:func:`share`): its pieces, or its rows' requests in
 groups of about :data:`PART_BYTES` (:func:`row_groups`), are drawn one at a time by the thread that reads

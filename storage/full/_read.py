@@ -14,7 +14,7 @@ import concurrent.futures
 import io
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,13 +27,13 @@ from smpckpt.model.translation import Leaf, Piece, pieces, reshaped
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._columns import REQUEST_COST_BYTES
-from smpckpt.storage.format._regions import box_runs
+from smpckpt.storage.format._regions import Box, box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.full import _files
+from smpckpt.storage.full import _files, _strided
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
-from smpckpt.storage.full._strided import read_streamed, stream_plan
-from smpckpt.storage.full._units import Unit, UnitIndex, bytes_of, cross_view, unit_extent
+from smpckpt.storage.full._strided import read_streamed, row_groups, serially, share, stream_plan
+from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, cross_view, unit_extent
 
 __all__ = ["FullSource"]
 
@@ -54,13 +54,15 @@ class FullSource(ArtifactIndex):
         self.requests = 0
         self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
         self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # read()'s, while it runs
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every item of ``plan`` into ``planner``; the bytes it needed and read go to ``file_stats``.
 
         The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
-        worker threads (at most twice that many items in flight), so hashing overlaps the next read. On
+        worker threads (at most twice that many items in flight), so hashing overlaps the next read; on
+        local files a column box's parts are shared by the threads free at the time (:meth:`_spread`). On
         object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
         (:func:`~._files.plan_spans`; items in file order), several GETs in flight."""
         self.requests, self.file_stats = 0, {}
@@ -69,7 +71,7 @@ class FullSource(ArtifactIndex):
             RunFiles(self.fs, self.path) as files,
             concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="smpckpt-full-read") as pool,
         ):
-            self._files = files
+            self._files, self._pool = files, pool
             spans: SpanFetcher | None = None
             item_spans: list[tuple[int, ...]] = [()] * len(items)
             if not files.local:
@@ -115,6 +117,7 @@ class FullSource(ArtifactIndex):
                     f.cancel()
                 if spans is not None:
                     spans.close()
+                self._pool = None  # boxes still being read (a failed read) go on alone
             self.requests = files.requests
 
     def _read_object(self, req: ReadItem, planner: LoadPlanner) -> None:
@@ -230,8 +233,7 @@ class FullSource(ArtifactIndex):
                 return out
         starts, run = box_runs(view, offsets, sizes, itemsize)
         if not units:
-            fetched = self._files.read_runs(t.file, t.start + starts, run, out)
-            self._stat(t.file, nbytes, fetched)
+            self._stat(t.file, nbytes, self._read_rows(t, key, starts, run, sizes[0] if sizes else 1, out, None))
             return out
         other = units.views - {view}
         if other and units.view is not None:  # checked in another view of the same bytes
@@ -251,23 +253,11 @@ class FullSource(ArtifactIndex):
             # a box holding every unit it touches whole (any box read at the layout it was saved
             # in, column shards too): read its runs once into ``out`` and check each unit where it
             # lies there (no scratch buffer, no copy)
-            read += self._files.read_runs(t.file, t.start + starts, run, out)
-            bad = whole.first_mismatch(whole.digests(out, sizes, itemsize))
-            if bad is not None:
-                raise self._mismatch(t, key, bad)
+            read += self._read_rows(t, key, starts, run, sizes[0] if sizes else 1, out, whole, sizes)
             covered = whole.volume()
-        dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
-        for u, box in touched:
-            # every unit the box touches is read whole and checked; its overlap is copied out
-            ubytes, fetched = self._unit_bytes(t, key, u)
-            read += fetched
-            src = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
-            s_sub, d_sub = src, dst_t
-            for d, (lo, n) in enumerate(zip(box[0], box[1])):
-                s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
-                d_sub = d_sub.narrow(d, lo - offsets[d], n)
-            d_sub.copy_(s_sub)
-            covered += math.prod(box[1])
+        if touched:
+            read += self._read_touched(t, key, touched, offsets, sizes, out)
+            covered += sum(math.prod(box[1]) for _, box in touched)
         if covered != math.prod(sizes):
             raise self._uncovered(t, key)
         self._stat(t.file, nbytes, read)
@@ -300,9 +290,110 @@ class FullSource(ArtifactIndex):
                 raise CheckpointError(f"{self.url}: internal: no check units for {key!r}")
             return self._mismatch(t, key, index.unit(i))
 
-        read = read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch)
+        read = read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch, self._spread)
         self._stat(t.file, math.prod(sizes) * t.dtype.itemsize, read)
         return True
+
+    def _spread(self, count: int, work: Callable[[Iterator[int]], int]) -> int:
+        """(worker thread) A box's ``count`` parts (see :func:`~._strided.share`): on local files shared
+        with the read's other threads when they are free; on object stores, or outside :meth:`read`, on
+        this thread (spans are held per thread there)."""
+        pool = self._pool
+        if pool is None or not self._files.local or count < 2:
+            return serially(count, work)
+
+        def submit(fn: Callable[[], None]) -> None:
+            try:
+                pool.submit(fn)
+            except RuntimeError:  # the pool is shutting down (the read failed): this thread does the parts
+                pass
+
+        return share(count, work, submit, _THREADS - 1)
+
+    def _read_rows(
+        self,
+        t: StoredTensor,
+        key: str,
+        starts: np.ndarray,
+        run: int,
+        rows: int,
+        out: memoryview,
+        whole: WholeUnits | None,
+        sizes: Sequence[int] = (),
+    ) -> int:
+        """The runs ``starts`` (``rows`` rows of the box, the same number of runs each) into ``out`` back
+        to back, in row groups of about :data:`~._strided.PART_BYTES` read by several threads
+        (:meth:`_spread`), never cutting one of the ``whole`` units (box ``sizes``; ``None``:
+        unverified): each group's units are checked where they lie in ``out`` by the thread that read
+        them. Returns the bytes fetched."""
+        per_row = len(starts) // rows if rows > 1 and len(starts) % rows == 0 else 0
+        if per_row and self._files.local:
+            urows = (
+                np.stack([whole.within[:, 0], whole.within[:, 0] + whole.sizes[:, 0]], axis=1)
+                if whole is not None
+                else np.zeros((0, 2), dtype=np.int64)
+            )
+            groups = [(a * per_row, b * per_row, a, b) for a, b in row_groups(rows, urows, per_row * run)]
+        else:  # one run, or an object store: one part
+            groups = [(0, len(starts), 0, rows)]
+
+        def work(drawn: Iterator[int]) -> int:
+            got = 0
+            for k in drawn:
+                lo, hi, r0, r1 = groups[k]
+                got += self._files.read_runs(t.file, t.start + starts[lo:hi], run, out[lo * run : hi * run])
+                if whole is None:
+                    continue
+                mine = whole
+                if len(groups) > 1:  # the units starting in this group's rows (no unit crosses a cut)
+                    first = whole.within[:, 0]
+                    sel = (first >= r0) & (first < r1)
+                    mine = WholeUnits(whole.index, whole.idx[sel], whole.within[sel], whole.sizes[sel])
+                bad = mine.first_mismatch(mine.digests(out, sizes, t.dtype.itemsize))
+                if bad is not None:
+                    raise self._mismatch(t, key, bad)
+            return got
+
+        return self._spread(len(groups), work)
+
+    def _read_touched(
+        self,
+        t: StoredTensor,
+        key: str,
+        touched: Sequence[tuple[Unit, Box]],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        out: memoryview,
+    ) -> int:
+        """Every unit the box ``(offsets, sizes)`` touches read whole and checked, its overlap then copied
+        into ``out`` (the box's row-major bytes; units do not overlap, so neither do their copies), in
+        groups of about :data:`~._strided.PART_BYTES` of units read by several threads. Returns the
+        bytes fetched."""
+        itemsize = t.dtype.itemsize
+        groups: list[tuple[int, int]] = []
+        a, acc = 0, 0
+        for i, (u, _) in enumerate(touched):
+            acc += math.prod(u.sizes) * itemsize
+            if acc >= _strided.PART_BYTES or i == len(touched) - 1:
+                groups.append((a, i + 1))
+                a, acc = i + 1, 0
+        dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
+
+        def work(drawn: Iterator[int]) -> int:
+            got = 0
+            for k in drawn:
+                for u, box in touched[groups[k][0] : groups[k][1]]:
+                    ubytes, fetched = self._unit_bytes(t, key, u)
+                    got += fetched
+                    s_sub = torch.frombuffer(ubytes, dtype=torch.uint8).view(*u.sizes, itemsize)
+                    d_sub = dst_t
+                    for d, (lo, n) in enumerate(zip(box[0], box[1])):
+                        s_sub = s_sub.narrow(d, lo - u.offsets[d], n)
+                        d_sub = d_sub.narrow(d, lo - offsets[d], n)
+                    d_sub.copy_(s_sub)  # only after the unit's digest matched
+            return got
+
+        return self._spread(len(groups), work)
 
     def _read_across_views(
         self,

@@ -6,16 +6,25 @@ embedding from a TP=1 export issued 32,000 requests of 4 KiB. Where the rows' un
 a request (:func:`~smpckpt.storage.format._columns.streams`, the partial reader's model), the rows are
 read instead as sequential spans of whole rows -- from the first needed column of a piece's first row to
 the last of its last -- in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES`
-that never cut a check unit, through one reused buffer: each piece's units are verified there, then the
-box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece, never
-the box's enclosing span. Wider gaps keep the reader's request per row.
+that never cut a check unit, each through a reused buffer: each piece's units are verified there, then
+the box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece
+per reader thread, never the box's enclosing span. Wider gaps keep the reader's request per row.
+
+Either way a box is work for several threads (:func:`share`): its pieces, or its rows' requests in
+groups of about :data:`PART_BYTES` (:func:`row_groups`), are drawn one at a time by the thread that reads
+the box and by the reader's other threads while they are free. A column box's rows are small requests;
+read by one thread they leave the device idle between them (a TP=4 slice of fp32 rows of 64 KiB, cold:
+slower than stock DCP, ``benchmarks/RESULTS.md``), as the partial reader's box parts found before
+(``storage/read/_run.py``). Each part writes only its own rows of the destination; a streamed part holds
+one piece buffer, so at most one per reader thread is in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -24,7 +33,93 @@ from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into, streams
 from smpckpt.storage.full._files import RunFiles
 from smpckpt.storage.full._units import UnitIndex
 
-__all__ = ["StreamPlan", "stream_plan", "read_streamed"]
+__all__ = ["PART_BYTES", "Spread", "StreamPlan", "row_groups", "serially", "share", "stream_plan", "read_streamed"]
+
+#: bytes of rows (requested) one thread reads as one part of a column box read a request per row: small
+#: enough that the reader's threads share a box of a few parts, large enough that drawing one is noise
+PART_BYTES = STREAM_PIECE_BYTES
+
+#: how a box's parts run: ``spread(count, work)`` has ``work`` draw part numbers ``0..count-1`` from the
+#: iterator it is given and return the bytes it requested; returns their sum
+Spread = Callable[[int, Callable[[Iterator[int]], int]], int]
+
+
+def serially(count: int, work: Callable[[Iterator[int]], int]) -> int:
+    """Every part on this thread, in order (object stores: spans are held per thread)."""
+    return work(iter(range(count)))
+
+
+class _Parts:
+    """The parts of one box, drawn in order by the threads working on it; after a failure no more are
+    drawn (those drawn finish: no thread is left writing into the destination when the box fails)."""
+
+    def __init__(self, count: int, work: Callable[[Iterator[int]], int]) -> None:
+        self.count, self.work = count, work
+        self.next = 0  # the next part to draw
+        self.active = 0  # threads inside work()
+        self.requested = 0
+        self.failed: BaseException | None = None
+        self.cv = threading.Condition()
+
+    def _draw(self) -> Iterator[int]:
+        while True:
+            with self.cv:
+                if self.failed is not None or self.next >= self.count:
+                    return
+                i, self.next = self.next, self.next + 1
+            yield i
+
+    def join(self) -> None:
+        """Draw and work on parts until none is left (a no-op once all are drawn: a helper that starts
+        late returns at once)."""
+        with self.cv:
+            if self.failed is not None or self.next >= self.count:
+                return
+            self.active += 1
+        got = 0
+        try:
+            got = self.work(self._draw())
+        except BaseException as exc:  # noqa: BLE001 - handed to the box's own thread, which raises it
+            with self.cv:
+                if self.failed is None:
+                    self.failed = exc
+        finally:
+            with self.cv:
+                self.requested += got
+                self.active -= 1
+                self.cv.notify_all()
+
+
+def share(
+    count: int, work: Callable[[Iterator[int]], int], submit: Callable[[Callable[[], None]], object], helpers: int
+) -> int:
+    """Parts ``0..count-1`` of one box worked on by this thread and by up to ``helpers`` more, each
+    started with ``submit`` (a reader thread pool's: a helper queued behind other boxes joins when a
+    thread is free, or finds nothing left). ``work`` as for :data:`Spread`. Returns the bytes requested;
+    raises the first part's failure once every part drawn is done.
+
+    Why not wait on helper futures: every pool thread may be a box's own thread waiting for helpers
+    still queued behind it. This thread draws parts itself and waits only for parts already being
+    worked on, which wait on nothing."""
+    parts = _Parts(count, work)
+    for _ in range(min(helpers, count - 1)):
+        submit(parts.join)
+    parts.join()
+    with parts.cv:
+        parts.cv.wait_for(lambda: parts.active == 0)
+        if parts.failed is not None:
+            raise parts.failed
+        return parts.requested
+
+
+def row_groups(rows: int, urows: np.ndarray, row_bytes: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
+    """A box's ``rows`` as row ranges of about ``part_bytes`` (default :data:`PART_BYTES` as it is when
+    called; ``row_bytes`` a row), cut only where no check unit (rows ``urows``, box-relative; none:
+    unverified) spans the cut: each part verifies its own units from its own rows."""
+    if rows <= 0:
+        return []
+    step = (PART_BYTES if part_bytes is None else part_bytes) // max(1, row_bytes)
+    return _pieces(0, rows, urows, max(1, step))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +162,7 @@ def stream_plan(
     itemsize: int,
     units: UnitIndex | None,
     request_cost: int,
-    piece_bytes: int = STREAM_PIECE_BYTES,
+    piece_bytes: int | None = None,
 ) -> StreamPlan | None:
     """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by
     the units of ``units`` it overlaps (all in ``view``; ``None``: unverified), when the cost model says
@@ -98,7 +193,8 @@ def stream_plan(
     c1 = max([box_cols[1], *([int(ucols[:, 1].max())] if len(idx) else [])])
     if c1 - c0 >= row_bytes or not streams(row_bytes, c1 - c0, request_cost):
         return None  # one run per request already, or rows far enough apart to read a request each
-    pieces = _pieces(r0, r1, urows, max(1, piece_bytes // row_bytes))
+    step = (STREAM_PIECE_BYTES if piece_bytes is None else piece_bytes) // row_bytes  # the constant as it is now
+    pieces = _pieces(r0, r1, urows, max(1, step))
     box_lo = np.asarray(offsets, dtype=np.int64)
     box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
     covered = int((np.minimum(hi, box_hi) - np.maximum(lo, box_lo)).prod(axis=1).sum()) if len(idx) else 0
@@ -137,28 +233,37 @@ def read_streamed(
     out: memoryview,
     digests: Sequence[int],
     mismatch: Callable[[int], Exception],
+    spread: Spread = serially,
 ) -> int:
     """(local files) The box of ``plan`` from the tensor at byte ``start`` of file ``name`` into ``out``
-    (its row-major bytes), a piece at a time through one buffer: each piece read in one request, its
-    units' bytes hashed there against ``digests`` (by unit position; ``mismatch(position)``: the error
-    to raise), then the box's columns of its rows copied into ``out``. Returns the bytes requested."""
+    (its row-major bytes), a piece at a time, the pieces drawn by the threads of ``spread``, each
+    through one buffer of its own: a piece read in one request, its units' bytes hashed there against
+    ``digests`` (by unit position; ``mismatch(position)``: the error to raise), then the box's columns
+    of its rows copied into ``out`` (rows no other piece holds). Returns the bytes requested."""
     rb, (c0, _) = plan.row_bytes, plan.cols
     longest = max(plan.span(a, b)[1] for a, b in plan.pieces)
-    buf = memoryview(bytearray(longest))
     first, total = plan.span(plan.rows[0], plan.rows[1])
     if len(plan.pieces) > 1:
         files.prefetch(name, start + first, total)
     into = Into(out, plan.box_rows[0], plan.box_cols[1] - plan.box_cols[0], plan.box_cols[0])
     order = np.argsort(plan.urows[:, 0], kind="stable")
     ustart = plan.urows[order, 0]
-    requested = 0
-    for p0, p1 in plan.pieces:
-        at, n = plan.span(p0, p1)
-        requested += files.read_runs(name, np.array([start + at], dtype=np.int64), n, buf[:n])
-        a, b = np.searchsorted(ustart, [p0, p1], side="left").tolist()
-        for j in order[a:b].tolist():
-            (u0, u1), (uc0, uc1) = plan.urows[j].tolist(), plan.ucols[j].tolist()
-            if hash_rows(buf, (u0 - p0) * rb + uc0 - c0, u1 - u0, uc1 - uc0, rb) != digests[j]:
-                raise mismatch(int(plan.units[j]))
-        into.copy(buf, p0, c0, (p0, p1), rb)  # only verified bytes are copied: the piece's units all passed
-    return requested
+
+    def work(drawn: Iterator[int]) -> int:
+        buf: memoryview | None = None  # one per thread, made when it draws its first piece
+        requested = 0
+        for k in drawn:
+            p0, p1 = plan.pieces[k]
+            at, n = plan.span(p0, p1)
+            if buf is None:
+                buf = memoryview(bytearray(longest))
+            requested += files.read_runs(name, np.array([start + at], dtype=np.int64), n, buf[:n])
+            a, b = np.searchsorted(ustart, [p0, p1], side="left").tolist()
+            for j in order[a:b].tolist():
+                (u0, u1), (uc0, uc1) = plan.urows[j].tolist(), plan.ucols[j].tolist()
+                if hash_rows(buf, (u0 - p0) * rb + uc0 - c0, u1 - u0, uc1 - uc0, rb) != digests[j]:
+                    raise mismatch(int(plan.units[j]))
+            into.copy(buf, p0, c0, (p0, p1), rb)  # only verified bytes are copied: the piece's units all passed
+        return requested
+
+    return spread(len(plan.pieces), work)

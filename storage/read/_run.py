@@ -221,27 +221,52 @@ class ReadRun:
 
     def _tasks(self, work: list[FetchTask | DirectCandidate | BoxRead]) -> Iterator[_Task]:
         """(calling thread) The tasks of ``work`` (one file's, in offset order); a direct candidate's
-        destination is resolved when its turn comes."""
+        destination is resolved when its turn comes.
+
+        A candidate whose destination cannot take the stored bytes in place (a CUDA tensor; every
+        destination under the CPU stand-in) is read into a pooled buffer instead, and candidates of that
+        kind that follow each other in the file share one such request while it stays within
+        ``max_request_bytes`` -- the bound of every buffered request, so host memory stays what
+        coalesced fetches already take (at most ``2 * thread_count`` requests in flight). Before, each
+        was a request of its own: a load of many 1-4 MiB tensors into CUDA issued one read per tensor."""
+        held: FetchTask | None = None  # buffered candidates not yet handed out, merged so far
         for w in work:
-            if isinstance(w, FetchTask):
-                self._add(w.file, w.nbytes, 1)
-                yield w
-                continue
-            if isinstance(w, BoxRead):
-                yield from self._box_parts(w)
+            if not isinstance(w, DirectCandidate):
+                if held is not None:
+                    yield held
+                    held = None
+                if isinstance(w, FetchTask):
+                    self._add(w.file, w.nbytes, 1)
+                    yield w
+                else:
+                    yield from self._box_parts(w)
                 continue
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
             dst = writable_bytes(need.item, target) if in_place(target) else None
             if dst is None:  # not a destination the stored bytes can be read into as they are
+                f = held.fetch if held is not None else None
+                if held is not None and f is not None and f.start <= need.start <= f.end:
+                    end = max(f.end, need.end)  # widened neighbours may share a check block
+                    if end - f.start <= self.max_request_bytes:
+                        self._add(w.file, end - f.end, 0)
+                        held = FetchTask(w.file, Fetch(f.start, end, (*f.needs, need)), held.scattered and w.scattered)
+                        continue
+                if held is not None:
+                    yield held
                 self._add(w.file, w.nbytes, 1)
-                yield FetchTask(w.file, Fetch(need.start, need.end, (need,)), w.scattered)
+                held = FetchTask(w.file, Fetch(need.start, need.end, (need,)), w.scattered)
                 continue
+            if held is not None:
+                yield held
+                held = None
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
             self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
             for lo, hi in spans:
                 yield _DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered)
+        if held is not None:
+            yield held
 
     def _box_parts(self, box: BoxRead) -> Iterator[_BoxPart]:
         """(calling thread) A box's tasks: whole row groups of about :data:`PIECE_BYTES` each, so several

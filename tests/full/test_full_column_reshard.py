@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES
-from smpckpt.storage.full import _files
+from smpckpt.storage.full import _files, _strided
 from smpckpt.storage.full._strided import _pieces
 
 TP = 4
@@ -154,7 +155,8 @@ def test_bf16_columns_stream_in_pieces(
         preads.clear()
         stats = load(artifact, "emb", dest, rank, verify_checksums=verify)
         assert torch.equal(dest, columns(EMB, rank)), (rank, dest_kind)
-        assert preads == [(start + at, n) for at, n in want], (rank, preads[:4])
+        # the pieces are drawn by the reader's threads side by side: in any order
+        assert sorted(preads) == [(start + at, n) for at, n in want], (rank, preads[:4])
         assert (stats.requests, stats.bytes_requested) == (2, sum(n for _, n in want)), (rank, stats)
         assert stats.bytes_needed == 1024 * 2 * KiB
         if dest_kind == "column view":  # the columns beside the view are untouched
@@ -224,3 +226,123 @@ def test_pieces_never_cut_a_unit() -> None:
     overlapping = np.array([[0, 5], [2, 8], [8, 9]], dtype=np.int64)  # no cut inside [0, 8)
     assert _pieces(0, 9, overlapping, 3) == [(0, 8), (8, 9)]
     assert _pieces(2, 7, np.zeros((0, 2), dtype=np.int64), 2) == [(2, 4), (4, 6), (6, 7)]
+
+
+# -- a box's parts on several threads ---------------------------------------------------------------
+#: the three ways a column box is read, each cut into parts here by small part sizes (monkeypatched):
+#: ``emb`` streamed (pieces of 32 tile rows of 8 KiB), ``wide`` a request per row (row groups of about
+#: 64 KiB: whole 16-row tiles), ``emb`` at ``request_cost_bytes=0`` unit by unit (half a tile each)
+PATHS = {
+    "streamed": ("emb", {}),
+    "a request per row": ("wide", {}),
+    "unit by unit": ("emb", {"request_cost_bytes": 0}),
+}
+
+
+@pytest.fixture()
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_strided, "STREAM_PIECE_BYTES", 256 * KiB)
+    monkeypatch.setattr(_strided, "PART_BYTES", 64 * KiB)
+
+
+def _dest(key: str, kind: str) -> torch.Tensor:
+    t = EMB if key == "emb" else WIDE
+    rows, cols = t.shape[0], t.shape[1] // TP
+    if kind == "contiguous":
+        return torch.zeros(rows, cols, dtype=t.dtype)
+    return torch.zeros(cols, rows, dtype=t.dtype).t()  # strided: read into a buffer, then copied
+
+
+def _thread_of_reads(
+    monkeypatch: pytest.MonkeyPatch, hold: Callable[[int, int], None]
+) -> dict[tuple[int, int], set[int]]:
+    """The threads that issued each pread (by file offset and bytes), ``hold(offset, bytes)`` called
+    first on each."""
+    seen: dict[tuple[int, int], set[int]] = {}
+    real = _files.pread_into
+
+    def record(fd: int, views: Any, offset: int, n: int) -> int:
+        seen.setdefault((offset, n), set()).add(threading.get_ident())
+        hold(offset, n)
+        return real(fd, views, offset, n)
+
+    monkeypatch.setattr(_files, "pread_into", record)
+    return seen
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+@pytest.mark.parametrize("dest_kind", ["contiguous", "transposed"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_column_box_is_read_by_several_threads(
+    artifact: Path, small_parts: None, monkeypatch: pytest.MonkeyPatch, path: str, dest_kind: str, verify: bool
+) -> None:
+    """A column box cut into parts is read by more than one of the reader's threads, bit-exact. The
+    first two threads to read wait for each other (a barrier with a timeout): read by one thread, as
+    before, the load fails; the work each thread then does is whatever it draws."""
+    key, options = PATHS[path]
+    barrier = threading.Barrier(2, timeout=20)
+    waited: set[int] = set()
+    lock = threading.Lock()
+
+    def hold(offset: int, n: int) -> None:
+        me = threading.get_ident()
+        with lock:
+            first = me not in waited and len(waited) < 2
+            waited.add(me)
+        if first:
+            barrier.wait()  # BrokenBarrierError (the load fails) unless a second thread reads too
+
+    seen = _thread_of_reads(monkeypatch, hold)
+    t = EMB if key == "emb" else WIDE
+    for rank in (1, 2):
+        waited.clear()
+        barrier.reset()
+        seen.clear()
+        dest = _dest(key, dest_kind)
+        stats = load(artifact, key, dest, rank, verify_checksums=verify, **options)
+        assert torch.equal(dest, columns(t, rank)), (path, rank)
+        assert len(set().union(*seen.values())) > 1, seen
+        assert stats.bytes_needed == t.numel() * t.element_size() // TP
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_flipped_byte_in_a_part_another_thread_reads_is_refused(
+    artifact: Path, tmp_path: Path, small_parts: None, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A byte flipped in rank 1's columns of the box's last row. The thread that reads the first part
+    waits until another thread has read the damaged last one, so that one is read elsewhere: the load
+    fails with CheckpointCorrupt naming the file and the damaged unit."""
+    key, options = PATHS[path]
+    t = EMB if key == "emb" else WIDE
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in artifact.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    file, start = tensor_start(copy, f"m.{key}")
+    rows, row_bytes, itemsize = t.shape[0], t.shape[1] * t.element_size(), t.element_size()
+    col = t.shape[1] // TP + 5  # in rank 1's slice
+    bad = start + (rows - 1) * row_bytes + col * itemsize
+    _flip(file, bad)
+    damaged_read = threading.Event()
+    first: list[int] = []
+    lock = threading.Lock()
+
+    def hold(offset: int, n: int) -> None:
+        with lock:
+            if not first:
+                first.append(threading.get_ident())
+            mine = first[0] == threading.get_ident()
+        if offset <= bad < offset + n:
+            damaged_read.set()
+        elif mine and not damaged_read.wait(timeout=20):
+            raise AssertionError("no other thread read the damaged part")
+
+    seen = _thread_of_reads(monkeypatch, hold)
+    dest = _dest(key, "contiguous")
+    with pytest.raises(CheckpointException) as info:
+        load(copy, key, dest, 1, **options)
+    (failure,) = [exc for exc, _ in info.value.failures.values()]
+    assert isinstance(failure, CheckpointCorrupt), failure
+    assert str(file) in str(failure) and f"checksum mismatch in tensor 'm.{key}'" in str(failure), failure
+    damaged = [threads for (o, n), threads in seen.items() if o <= bad < o + n]
+    assert damaged and first[0] not in set().union(*damaged), (damaged, first)

@@ -51,7 +51,7 @@ def test_neighbouring_items_share_one_request(
     tmp_path: Any, verify: bool, limit_mib: int, requests: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # reads straight into CPU destinations (their batching is what is counted): not under the CPU
-    # stand-in of the device stage, which stages every load as CUDA destinations are (one request each)
+    # stand-in of the device stage, which stages every load as CUDA destinations are (next test)
     monkeypatch.delenv("SMPCKPT_TEST_DEVICE", raising=False)
     sd = _state()
     dest, reader = _load(_saved(tmp_path, sd), sd, verify_checksums=verify, max_request_bytes=limit_mib * MiB)
@@ -61,6 +61,36 @@ def test_neighbouring_items_share_one_request(
     assert stats is not None
     assert stats.requests == requests
     assert stats.bytes_read == stats.bytes_needed == 20 * 2 * MiB
+
+
+@pytest.mark.parametrize("verify", [True, False])
+# the same 20 items of 2 MiB into destinations that cannot take them in place (CUDA tensors; under the
+# CPU stand-in of the device stage, every destination): read into pooled buffers, neighbours merged up
+# to limit_mib per request (no taper) -- 64 -> one request, 16 -> 16 + 16 + 8, 1 -> an item each (larger
+# than the cap: alone, as before). Before, every item was a request of its own: 20 at every limit.
+@pytest.mark.parametrize(("limit_mib", "requests"), [(64, 1), (16, 3), (1, 20)])
+def test_neighbouring_items_staged_for_a_device_share_one_request(
+    tmp_path: Any, verify: bool, limit_mib: int, requests: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SMPCKPT_TEST_DEVICE", "cpu")
+    sd = _state()
+    sizes: list[int] = []
+    real = _fetch.BufferPool.take
+
+    def take(self: Any, n: int) -> Any:
+        sizes.append(n)
+        return real(self, n)
+
+    monkeypatch.setattr(_fetch.BufferPool, "take", take)
+    dest, reader = _load(_saved(tmp_path, sd), sd, verify_checksums=verify, max_request_bytes=limit_mib * MiB)
+    for k, t in sd.items():
+        assert torch.equal(dest[k], t), k
+    stats = reader.last_read_stats
+    assert stats is not None
+    assert stats.requests == requests, stats
+    assert stats.bytes_read == stats.bytes_needed == 20 * 2 * MiB
+    # every request's buffer within the cap (an item larger than it alone), one buffer per request
+    assert len(sizes) == requests and max(sizes) <= max(limit_mib, 2) * MiB, sizes
 
 
 def test_one_read_in_flight_reads_in_file_order(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

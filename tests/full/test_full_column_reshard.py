@@ -322,7 +322,7 @@ def test_a_flipped_byte_in_a_part_another_thread_reads_is_refused(
     rows, row_bytes, itemsize = t.shape[0], t.shape[1] * t.element_size(), t.element_size()
     col = t.shape[1] // TP + 5  # in rank 1's slice
     bad = start + (rows - 1) * row_bytes + col * itemsize
-    _flip(file, bad)
+    flip_byte(file, bad, 0x10)
     damaged_read = threading.Event()
     first: list[int] = []
     lock = threading.Lock()

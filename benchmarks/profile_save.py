@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-split", action="store_true", help="no per-phase timers (they cost a lock per call)")
     ap.add_argument(
-        "--hash-thread-bytes",
+        "--hash-beside",
         default="",
-        help="comma list of byte counts: also smpckpt with in-place chunks of that size hashed on a hash thread "
-        "beside the writer (_pipeline.HASH_THREAD_CHUNK, the path before inline hashing), in the same rounds",
+        help="comma list of on/off: also smpckpt with in-place records hashed beside their writes on hash "
+        "threads (on) or inline just before each write (off), whatever the writer would choose "
+        "(_pipeline.HASH_BESIDE), in the same rounds, paired against the writer's choice",
     )
     args = ap.parse_args(argv)
     if args.tree:
@@ -134,17 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         with gc_frozen():  # as save_checkpoint and the benchmark driver run it
             dcp.save({"model": state}, storage_writer=FsspecStorageWriter(ck, **extra), planner=planner)
 
-    def hash_thread(step: int) -> Any:
+    def forced(beside: bool) -> Any:
         from smpckpt.storage.write import _pipeline
 
         def save(ck: str) -> None:
-            if not hasattr(_pipeline, "HASH_THREAD_CHUNK"):
-                raise SystemExit("--hash-thread-bytes: this tree has no _pipeline.HASH_THREAD_CHUNK")
-            _pipeline.HASH_THREAD_CHUNK = step
+            if not hasattr(_pipeline, "HASH_BESIDE"):
+                raise SystemExit("--hash-beside: this tree has no _pipeline.HASH_BESIDE")
+            _pipeline.HASH_BESIDE = beside
             try:
                 ours(ck)
             finally:
-                _pipeline.HASH_THREAD_CHUNK = 0
+                _pipeline.HASH_BESIDE = None
 
         return save
 
@@ -171,19 +172,26 @@ def main(argv: list[str] | None = None) -> int:
         "smpckpt": ours,
         "DCP defaults": dcp_defaults,
     }
-    for n in [int(x) for x in args.hash_thread_bytes.split(",") if x]:
-        cases[f"smpckpt hash thread {n >> 10} KiB"] = hash_thread(n)
+    for mode in [x.strip() for x in args.hash_beside.split(",") if x.strip()]:
+        if mode not in ("on", "off"):
+            raise SystemExit(f"--hash-beside takes on and off, got {mode!r}")
+        cases[f"smpckpt beside {mode}"] = forced(mode == "on")
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     if wanted:
         unknown = sorted(set(wanted) - set(cases))
         if unknown:
             raise SystemExit(f"unknown case(s) {unknown}; known: {sorted(cases)}")
-        cases = {k: v for k, v in cases.items() if k in wanted or k.startswith("smpckpt hash thread")}
+        cases = {k: v for k, v in cases.items() if k in wanted or k.startswith("smpckpt beside")}
     import smpckpt.storage
 
     results: dict[str, Any] = {"code": smpckpt.storage.__file__, "bytes": nbytes, "tensors": len(state), "dirs": {}}
+    from smpckpt.storage.backends import _fs
+
+    cpus = _fs.rank_cpus() if hasattr(_fs, "rank_cpus") else None
     print(
-        f"smpckpt from {os.path.dirname(smpckpt.storage.__file__)}; {len(state)} tensors, {nbytes / (1 << 20):.0f} MiB"
+        f"smpckpt from {os.path.dirname(smpckpt.storage.__file__)}; {len(state)} tensors, "
+        f"{nbytes / (1 << 20):.0f} MiB; rank CPUs {cpus} (in-place records hashed inline where the writer "
+        "has at least that many files in flight, beside the writes otherwise)"
     )
     try:
         for parent in [d for d in args.dirs.split(",") if d]:
@@ -238,7 +246,7 @@ def _report(parent: str, recs: dict[str, list[dict[str, float]]], gib: float, ro
         )
         if "phases" in row:
             print("      " + "  ".join(f"{p} {v:.3f}" for p, v in row["phases"].items()))
-    for name in [c for c in recs if c.startswith("smpckpt hash thread") and "smpckpt" in recs]:
+    for name in [c for c in recs if c.startswith("smpckpt beside") and "smpckpt" in recs]:
         # paired: each round against the default's in the same round (the host's load drifts less within
         # a round than across the run)
         for what in ("cpu_s", "s"):

@@ -23,6 +23,7 @@ from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format._staging import Stages
 from smpckpt.storage.format.manifest import read_manifest
 from smpckpt.storage.write import _pipeline
+from smpckpt.storage.write import writer as writer_mod
 from smpckpt.storage.write._pipeline import INLINE_CHUNK, FileStream, inline_chunk
 
 # shapes whose records the chunks cut in every way: 1-D units, tiles with rows dividing a chunk and not
@@ -148,11 +149,36 @@ def test_a_save_hashed_inline_round_trips_and_a_flipped_byte_is_caught(tmp_path:
     assert isinstance(err, CheckpointCorrupt) and "checksum mismatch" in str(err), err
 
 
-def test_the_hash_thread_path_stays_selectable_for_the_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``HASH_THREAD_CHUNK`` (profile_save.py's A/B) hashes on a hash thread and gives the same digests."""
+def test_hashed_beside_the_writes_the_digests_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hash_beside`` (a rank with CPUs to spare): chunks hashed on the file's hash thread while its
+    thread writes them, with the same digests as inline."""
     tensors = [_tensor(i, s, d) for i, (s, d) in enumerate(SHAPES)]
     _, inline = _put_all(1 << 20, tensors)
-    monkeypatch.setattr(_pipeline, "HASH_THREAD_CHUNK", 8 << 20)
+    monkeypatch.setattr(_pipeline, "HASH_BESIDE", True)
     sink, beside = _put_all(1 << 20, tensors)
     assert any(kind == "hash" and name.startswith("smpckpt-hash") for kind, name, _, _ in sink.log)
-    assert beside.finish() == inline.finish()
+    assert beside.finish() == inline.finish() and beside.tilings == inline.tilings
+
+
+@pytest.mark.parametrize(("cpus", "beside"), [(1, False), (2, False), (4, False), (5, True), (64, True)])
+def test_the_writer_hashes_inline_when_its_files_keep_the_cpus_busy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, beside: bool
+) -> None:
+    """4 files written at once: hashed inline where the rank has at most 4 CPUs, beside the writes (on
+    hash threads) where CPUs would idle; the checkpoint loads bit-exactly either way."""
+    monkeypatch.setattr(writer_mod, "rank_cpus", lambda: cpus)
+    names: set[str] = set()
+    update = BlockHasher.update
+
+    def logged(self: BlockHasher, data: memoryview) -> None:
+        names.add(threading.current_thread().name)
+        update(self, data)
+
+    monkeypatch.setattr(BlockHasher, "update", logged)
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 1 MiB each: 4 files of 2
+    path = str(tmp_path / "ck")
+    dcp.save({"m": state}, storage_writer=FsspecStorageWriter(path, thread_count=4))
+    assert names and all(n.startswith("smpckpt-hash" if beside else "smpckpt-write") for n in names), names
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load({"m": dest}, storage_reader=FsspecStorageReader(path))
+    assert all(torch.equal(dest[k], v) for k, v in state.items())

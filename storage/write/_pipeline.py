@@ -9,7 +9,7 @@ stage_kind`):
   :data:`INLINE_CHUNK` bytes is hashed and then written by the file's own thread: the hash brings the
   chunk into the core's cache and the write's copy into the page cache reads it from there, so the
   bytes come from memory once (a hash thread beside the writer reads them from memory a second time:
-  3-25 % more CPU per GiB on the 2-vCPU VM, ``benchmarks/profile_save.py``). Where CPUs would idle
+  more CPU per GiB, ``benchmarks/profile_save.py --hash-beside on,off``). Where CPUs would idle
   (fewer files than CPUs: one large tensor, a many-core node) each chunk of :data:`BESIDE_CHUNK`
   bytes is hashed on the file's hash thread while its own thread writes it, the two overlapped;
 * **staged** -- a CUDA tensor, a strided view or a conjugate view is copied into buffers of the save's

@@ -22,6 +22,7 @@ waiting while no phase ran on it (the file threads' work, or nothing).
     python benchmarks/profile_save.py                              # 1 GiB GPT-like state, /dev/shm and disk
     python benchmarks/profile_save.py --size-mib 256 --rounds 5    # a smaller, quicker one
     python benchmarks/profile_save.py --tree /tmp/stage-old        # the same with an older smpckpt
+    python benchmarks/profile_save.py --hash-beside on,off         # in-place hashing forced each way, paired
 
 ``--tree`` works as in ``profile_load.py``: alternate runs of two trees to compare them. For native
 profiles run it under ``perf record -g`` (``--rounds 20 --cases smpckpt``).

@@ -369,12 +369,24 @@ def default_write_threads(local: bool) -> int:
     they keep 4, and their file count and key prefixes with it."""
     if not local:
         return MAX_WRITE_THREADS
+    return max(1, min(MAX_WRITE_THREADS, max(_cpus(), MAX_WRITE_THREADS) // _local_ranks()))
+
+
+def rank_cpus() -> int:
+    """The CPUs this process may use, shared out among the node's ranks (at least one)."""
+    return max(1, _cpus() // _local_ranks())
+
+
+def _local_ranks() -> int:
+    """Ranks on this node, from torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset or malformed)."""
     try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     except ValueError:
-        ranks = 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_WRITE_THREADS, max(cpus, MAX_WRITE_THREADS) // ranks))
+        return 1
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 #: :func:`pread_cached`'s answer where the filesystem cannot tell (tmpfs, NFS, FUSE, non-Linux)

@@ -3,9 +3,15 @@
 A file is a sequence of records. Each goes one of two ways (:func:`~smpckpt.storage.format._staging.
 stage_kind`):
 
-* **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is, in
-  chunks of :data:`CHUNK` bytes, each hashed on the file's hash thread while the file's thread writes
-  the same bytes (no copy);
+* **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is (no
+  copy). Where the rank's file threads keep its CPUs busy (``hash_beside=False``, the writer's choice
+  when it writes at least as many files at once as the rank has CPUs) each chunk of about
+  :data:`INLINE_CHUNK` bytes is hashed and then written by the file's own thread: the hash brings the
+  chunk into the core's cache and the write's copy into the page cache reads it from there, so the
+  bytes come from memory once (a hash thread beside the writer reads them from memory a second time:
+  more CPU per GiB, ``benchmarks/profile_save.py --hash-beside on,off``). Where CPUs would idle
+  (fewer files than CPUs: one large tensor, a many-core node) each chunk of :data:`BESIDE_CHUNK`
+  bytes is hashed on the file's hash thread while its own thread writes it, the two overlapped;
 * **staged** -- a CUDA tensor, a strided view or a conjugate view is copied into buffers of the save's
   :class:`~smpckpt.storage.format._staging.BufferPool` by its stage (device-to-host on a side stream
   for CUDA, on a copier thread otherwise): a record larger than :data:`PACK_BELOW` in chunks of one
@@ -35,16 +41,23 @@ from smpckpt.storage.format._check_units import ItemChecks
 from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, copy_chunks, settle
 
-__all__ = ["FileStream", "CHUNK", "PACK_BELOW"]
+__all__ = ["FileStream", "INLINE_CHUNK", "BESIDE_CHUNK", "PACK_BELOW", "inline_chunk"]
 
-#: bytes of an in-place record handed to the hash thread at a time: small enough that hashing trails
-#: the write closely
-CHUNK = 8 << 20
-#: in-place records below this many bytes are hashed on the writing thread
-INLINE_HASH = 256 << 10
+#: bytes of an in-place record hashed and then written at a time (rounded to whole check units or
+#: rows, :func:`inline_chunk`): a chunk and its copy in the page cache fit a core's L2 cache
+INLINE_CHUNK = 1 << 20
+#: bytes of an in-place record handed to the hash thread at a time when hashed beside the write: small
+#: enough that hashing trails the write closely
+BESIDE_CHUNK = 8 << 20
+#: in-place records below this many bytes are hashed inline either way: two hand-offs to the hash
+#: thread cost more than the hash
+BESIDE_ABOVE = 256 << 10
+#: (A/B in ``benchmarks/profile_save.py --hash-beside``) ``True``/``False`` overrides every stream's
+#: ``hash_beside``; ``None`` (the default): the writer's choice
+HASH_BESIDE: bool | None = None
 #: staged records below this many bytes (and a quarter of a buffer) share buffers
 PACK_BELOW = 1 << 20
-# hash chunks a file's writer may run ahead of its hasher (in place: they are views, no memory)
+# staged buffers a file's writer may run ahead of its hasher
 _MAX_HASH_BACKLOG = 8
 # staged buffers a file may have queued before it writes the oldest (the pool bounds them too)
 _MAX_QUEUED = 4
@@ -65,11 +78,15 @@ class _Staged:
 class FileStream:
     """The bytes of one data file, in order, into ``sink`` and ``hasher`` (see the module docstring).
 
-    ``hooks`` (tests): ``on_hash(buffer_index)`` runs on the hash thread before a staged buffer is
-    hashed; ``on_written(buffer_index)`` after a staged buffer's write."""
+    ``hash_beside``: in-place records hashed on the hash thread beside their write, not inline before
+    it (the module docstring). ``hooks`` (tests): ``on_hash(buffer_index)`` runs on the hash thread
+    before a staged buffer is hashed; ``on_written(buffer_index)`` after a staged buffer's write."""
 
-    def __init__(self, sink: Sink, hasher: BlockHasher, stages: Stages, hooks: Any = None) -> None:
+    def __init__(
+        self, sink: Sink, hasher: BlockHasher, stages: Stages, hooks: Any = None, *, hash_beside: bool = False
+    ) -> None:
         self.sink, self.hasher, self.stages = sink, hasher, stages
+        self.hash_beside = hash_beside if HASH_BESIDE is None else HASH_BESIDE
         self.pool = stages.pool
         # a sink that keeps views of what it is given until its commit (S3 parts, replication) gets
         # copies of staged bytes: their buffers are reused long before that
@@ -86,18 +103,23 @@ class FileStream:
         self._flush_staged()
         flat = byte_view(data)
         nbytes = flat.nbytes
-        if nbytes < INLINE_HASH:
-            # hashed here: two hand-offs to the hash thread cost more than the hash
-            self._wait_hashes()  # the hasher takes a file's bytes in order
-            self.hasher.start_item(nbytes, checks)
-            if nbytes:
-                self.hasher.update(flat)
-                self.sink.write(flat)
+        if self.hash_beside and nbytes >= BESIDE_ABOVE:
+            self._put_beside(flat, checks)
             return
-        self._backlog.append(self._hash.submit(self.hasher.start_item, nbytes, checks))
-        for i in range(0, nbytes, CHUNK):
-            chunk = flat[i : i + CHUNK]
-            # hash on the second thread while this one writes the same bytes
+        self._wait_hashes()  # the hasher takes a file's bytes in order: staged buffers' first
+        self.hasher.start_item(nbytes, checks)
+        step = inline_chunk(checks)
+        for i in range(0, nbytes, step):
+            chunk = flat[i : i + step]
+            # hashed first, then written from the cache the hash left it in (module docstring)
+            self.hasher.update(chunk)
+            self.sink.write(chunk)
+
+    def _put_beside(self, flat: memoryview, checks: ItemChecks | None) -> None:
+        """Each chunk hashed on the hash thread while this thread writes it (``hash_beside``)."""
+        self._backlog.append(self._hash.submit(self.hasher.start_item, flat.nbytes, checks))
+        for i in range(0, flat.nbytes, BESIDE_CHUNK):
+            chunk = flat[i : i + BESIDE_CHUNK]
             self._backlog.append(self._hash.submit(self.hasher.update, chunk))
             self.sink.write(chunk)
             while len(self._backlog) > _MAX_HASH_BACKLOG:
@@ -248,6 +270,16 @@ class FileStream:
             self.pool.release(staged.buffer)
         self._queue.clear()
         self._pack = None
+
+
+def inline_chunk(checks: ItemChecks | None) -> int:
+    """Bytes of an in-place record hashed and written at a time: about :data:`INLINE_CHUNK`, a whole
+    number of its check units (one-shot digests, no streaming state) or, for a tiled record, of its
+    rows (each tile's row segments gathered a batch at a time, never a segment cut by the chunk)."""
+    if checks is None:
+        return INLINE_CHUNK
+    quantum = checks.row_bytes if checks.groups > 1 else checks.unit
+    return max(1, INLINE_CHUNK // quantum) * quantum
 
 
 def chunk_bytes(buffer_bytes: int, checks: ItemChecks | None) -> int:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError, CheckpointExists, not_dense
-from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, resolve
+from smpckpt.storage.backends._fs import FlatLayout, PrefixOption, PrefixStrategy, is_local, rank_cpus, resolve
 from smpckpt.storage.backends._sinks import Sink
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE, BlockHasher
@@ -207,6 +207,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         super()._open(path)
         self._old_files: list[str] = []
         self._replacing: bytes | None = None  # the manifest an overwrite replaces, as read
+        self._hash_beside = False  # set per write step by _write_rank
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """(coordinator) Overwrite check and a fresh save id for this generation, sent to every rank."""
@@ -302,6 +303,9 @@ class FsspecStorageWriter(FsspecWriterBase):
         ]
         results: list[WriteResult] = []
         errors: list[BaseException] = []
+        # files written at once that keep the rank's CPUs busy hash each chunk just before writing it
+        # (the bytes come from memory once); fewer files hash beside their writes, on threads of their own
+        self._hash_beside = min(len(buckets), workers) < rank_cpus()
         # the checkpoint folder is made (and opened) even on a rank with nothing to write: the coordinator's
         # metadata and manifest go there. Every file is created in it, never through a link
         with self._open_folder(create=True) as self._folder:
@@ -343,6 +347,7 @@ class FsspecStorageWriter(FsspecWriterBase):
             block_size=self.block_size,
             stages=self._staging,
             hooks=self._staging_hooks,
+            hash_beside=self._hash_beside,
         )
 
 
@@ -421,15 +426,17 @@ def write_file(
     block_size: int,
     stages: Stages,
     hooks: Any = None,
+    hash_beside: bool = False,
 ) -> list[WriteResult]:
     """Write ``items`` (objects first, small, then tensors, as DCP does: :func:`split_items`'s order)
     into ``sink`` and commit it; the last result carries the file's :class:`FileRecord` (size, block ends
     and digests) for the manifest. Raw tensors that cannot be written in place are copied through
-    ``stages`` (:mod:`._pipeline`)."""
+    ``stages`` (:mod:`._pipeline`); ``hash_beside``: records written in place are hashed on a thread
+    beside their writes, not by this one just before each write."""
     hasher = BlockHasher(block_size)
     results: list[WriteResult] = []
     offset = 0
-    stream = FileStream(sink, hasher, stages, hooks)
+    stream = FileStream(sink, hasher, stages, hooks, hash_beside=hash_beside)
     try:
         for item in items:
             value = planner.resolve_data(item)

@@ -19,9 +19,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from smpckpt.api._dist import (
     OPTIONS,
@@ -293,9 +295,11 @@ def apply_state(
         model_sd = state[RESERVED.model]
         fn = req.opts.translate_function
         if callable(fn):  # partial=True: a callable (ResumeOptions checks)
+            loaded = model_sd
             model_sd = fn(model_sd)
             if not isinstance(model_sd, Mapping):
                 raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
+            model_sd = unaliased(loaded, model_sd)
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         if req.optimizers:
             set_state_dict(
@@ -319,6 +323,37 @@ def apply_state(
         stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
     )
     return user_content, restored
+
+
+def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """(storage, address, shape, strides) of a tensor's local memory."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
+
+
+def unaliased(loaded: Mapping[str, Any], translated: Mapping[str, Any]) -> dict[str, Any]:
+    """``translated`` with a copy of each tensor that views a ``loaded`` tensor other than its own key's,
+    or its own key's memory another way (a transposed view).
+
+    The load lands in the model's own tensors (the state dict aliases the parameters), and applying the
+    translated state copies into them one key at a time: a value ``translate_function`` moved to
+    another key (a swap, a transposed view) would be read after its own parameter was overwritten, and
+    the parameter it came from would take another key's value, silently."""
+    owners: dict[int, set[str]] = {}
+    where: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...]]] = {}
+    for key, value in loaded.items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            where[key] = _where(value)
+            owners.setdefault(where[key][0], set()).add(key)
+    out = dict(translated)
+    for key, value in translated.items():
+        if not isinstance(value, torch.Tensor) or not value.numel():
+            continue
+        at = _where(value)
+        held = owners.get(at[0])
+        if held is not None and not (held == {key} and where.get(key) == at):
+            out[key] = value.clone()
+    return out
 
 
 def summarize(

@@ -251,6 +251,34 @@ def test_translate_function(tmp_path: Any) -> None:
     assert torch.equal(m2[0].weight, m[0].weight * 2)
 
 
+def test_translate_function_moving_values_between_keys(tmp_path: Any) -> None:
+    """The load lands in the model's own tensors, which the translated state is then copied into key by
+    key: a translation that swaps two keys' values (or hands a key a transposed view of another) was
+    applied from tensors already overwritten -- both layers ended with the second's weights, silently."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+    save_checkpoint(str(tmp_path), "a", model=m)
+    w0, w1, w2 = (layer.weight.detach().clone() for layer in m)
+
+    def swap(sd: dict[str, Any]) -> dict[str, Any]:
+        return {"0.weight": sd["1.weight"], "1.weight": sd["0.weight"], "2.weight": sd["2.weight"]}
+
+    def own_transposed(sd: dict[str, Any]) -> dict[str, Any]:
+        return {**sd, "2.weight": sd["2.weight"].t()}
+
+    def fresh() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+
+    got = fresh()
+    resume_from_checkpoint(str(tmp_path), model=got, translate_function=swap)  # was: silently w1, w1
+    assert torch.equal(got[0].weight, w1)
+    assert torch.equal(got[1].weight, w0)
+    assert torch.equal(got[2].weight, w2)
+    got = fresh()
+    resume_from_checkpoint(str(tmp_path), model=got, translate_function=own_transposed)  # was: a RuntimeError
+    assert torch.equal(got[2].weight, w2.t())
+
+
 class Custom:
     def __init__(self, x: int) -> None:
         self.x = x

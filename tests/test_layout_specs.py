@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim import MemoryReader, MemoryStore, MemoryWriter, sim_load, sim_save
 
 from smpckpt import ParallelLayout, ShardSpec, SpecError
 from smpckpt.model.layout import KeyMapper
 from smpckpt.model.specs import SpecRules, shard_geometry
+from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.planners._ownership import assign_owners, replica_group
 
 
@@ -119,6 +122,39 @@ def test_pp_renaming_default_rule_and_name_map():
     assert KeyMapper(ParallelLayout(pp=2), 1).to_global("layers.0.w") == "layers.0.w"  # no partition
     mapped = KeyMapper(ParallelLayout(pp=2), 1, name_map=lambda k: "stage1." + k)
     assert mapped.to_global("w") == "stage1.w"
+
+
+def test_pp_renaming_shifts_only_the_stage_layer_not_a_layers_list_inside_it():
+    """A layer holding its own ``layers`` list: only the outer index is the stage's. Every ``layers.<i>``
+    segment used to be shifted, so stage 1's inner layer 0 was stored as inner layer 2 (a wrong name in
+    the checkpoint and in a full export), and a load under another partition was refused naming an
+    inner index as a stage-local layer."""
+    m = KeyMapper(ParallelLayout(pp=2, pp_layers=(2, 2)), 1)
+    assert m.to_global("model.layers.1.inner.layers.0.w") == "model.layers.3.inner.layers.0.w"
+    assert m.to_global("model.layers.0.inner.layers.5.w") == "model.layers.2.inner.layers.5.w"
+
+    def states(layout: ParallelLayout, blank: bool) -> list[dict[str, Any]]:
+        out = []
+        for stage, count in enumerate(layout.pp_layers or ()):
+            first = sum((layout.pp_layers or ())[:stage])
+            out.append({"model": {
+                f"layers.{i}.inner.layers.{j}.w": torch.zeros(2) if blank else torch.full((2,), 10.0 * (first + i) + j)
+                for i in range(count) for j in range(2)
+            }})  # fmt: skip
+        return out
+
+    save, load = ParallelLayout(pp=2, pp_layers=(2, 2)), ParallelLayout(pp=2, pp_layers=(1, 3))
+    store = MemoryStore()
+    sim_save(states(save, False), [ParallelSavePlanner(save, rank=r) for r in range(2)], [MemoryWriter(store)] * 2)
+    assert sorted(k.fqn for k in store.chunks) == sorted(
+        f"model.layers.{g}.inner.layers.{j}.w" for g in range(4) for j in range(2)
+    )
+    dests = states(load, True)
+    sim_load(dests, [ParallelLoadPlanner(load, rank=r) for r in range(2)], [MemoryReader(store)] * 2)
+    for got, want in zip(dests, states(load, False)):
+        assert got["model"].keys() == want["model"].keys()
+        for key, value in want["model"].items():
+            assert torch.equal(got["model"][key], value), key
 
 
 def test_ownership_is_deterministic_balanced_and_agreed():

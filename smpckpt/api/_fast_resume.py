@@ -113,10 +113,10 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     durable = ctx.on_coordinator(durable_target)
     if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.root)
         durable.seen_by(part.counter)
-    # the same tag in both tiers (tag=...): the fast copy first; else whichever is later in the root's order
-    # (sequence number, then save time: a drained copy is the fast copy's manifest, so it ties and the fast
-    # copy is taken)
-    usable = [c for c in complete if req.tag is not None or durable is None or durable.order <= c.order]
+    # whichever is later in the root's order (sequence number, then save time: a drained copy is the fast
+    # copy's manifest, so it ties and the fast copy is taken), for tag=... too: a tag saved again in `path`
+    # (overwrite=True by a job without this fast tier) leaves an older save of that tag in the fast tier
+    usable = [c for c in complete if durable is None or durable.order <= c.order]
     return TierChoice(nodes, job, streams, tuple(usable), durable)
 
 

@@ -19,9 +19,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from smpckpt.api._dist import (
     OPTIONS,
@@ -44,7 +46,7 @@ from smpckpt.catalog.root import (
     record_order,
     scan_root,
 )
-from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
@@ -293,11 +295,14 @@ def apply_state(
         model_sd = state[RESERVED.model]
         fn = req.opts.translate_function
         if callable(fn):  # partial=True: a callable (ResumeOptions checks)
+            loaded = model_sd
             model_sd = fn(model_sd)
             if not isinstance(model_sd, Mapping):
                 raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
+            model_sd = unaliased(loaded, model_sd)
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         if req.optimizers:
+            check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
             set_state_dict(
                 req.model,
                 req.optimizers,
@@ -319,6 +324,78 @@ def apply_state(
         stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
     )
     return user_content, restored
+
+
+def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """(storage, address, shape, strides) of a tensor's local memory."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
+
+
+def unaliased(loaded: Mapping[str, Any], translated: Mapping[str, Any]) -> dict[str, Any]:
+    """``translated`` with a copy of each tensor that views a ``loaded`` tensor other than its own key's,
+    or its own key's memory another way (a transposed view).
+
+    The load lands in the model's own tensors (the state dict aliases the parameters), and applying the
+    translated state copies into them one key at a time: a value ``translate_function`` moved to
+    another key (a swap, a transposed view) would be read after its own parameter was overwritten, and
+    the parameter it came from would take another key's value, silently."""
+    owners: dict[int, set[str]] = {}
+    where: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...]]] = {}
+    for key, value in loaded.items():
+        if isinstance(value, torch.Tensor) and value.numel():
+            where[key] = _where(value)
+            owners.setdefault(where[key][0], set()).add(key)
+    out = dict(translated)
+    for key, value in translated.items():
+        if not isinstance(value, torch.Tensor) or not value.numel():
+            continue
+        at = _where(value)
+        held = owners.get(at[0])
+        if held is not None and not (held == {key} and where.get(key) == at):
+            out[key] = value.clone()
+    return out
+
+
+def check_group_values(
+    model: Any, optimizers: tuple[torch.optim.Optimizer, ...], optim_sd: Mapping[str, Any], *, strict: bool
+) -> None:
+    """(all ranks) Refuse (``strict``; else warn) a param group whose parameters were saved with different
+    hyper-parameters (saved in two groups, resumed into one): a group takes one value, and DCP's
+    ``set_state_dict`` would give every parameter the first one's (a bias saved at lr 0.5 resumed at
+    0.01), silently -- its own check compares that first value with itself."""
+    present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
+    for o, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            fqns = [names[id(p)][0] for p in group["params"] if names.get(id(p))]
+            for hp in group:
+                if hp == "params":
+                    continue
+                values = {f: optim_sd[k] for f in fqns if (k := f"param_groups.{f}.{hp}") in optim_sd}
+                first = next(iter(values.values()), None)
+                differ = {f: v for f, v in values.items() if not _same_value(v, first)}
+                if not differ:
+                    continue
+                shown = ", ".join(f"{f}: {v!r}" for f, v in [(next(iter(values)), first), *list(differ.items())[:4]])
+                message = (
+                    f"optimizer {o}, param group {g}: its parameters were saved with different {hp!r} ({shown}); "
+                    "one group takes one value. Build the optimizer's param groups as they were saved"
+                )
+                if strict:
+                    raise LayoutMismatch(message + " (or resume with strict=False to give the group the first value)")
+                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=4)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # containers of tensors (tensor betas): compare as printed
+        return repr(a) == repr(b)
 
 
 def summarize(

@@ -154,7 +154,7 @@ class Stager:
         others now."""
         now: list[Pair] = []
         later: list[Pair] = []
-        staged = self._walk(state, "", deferred, now, later)
+        staged = self._walk(state, "", deferred, now, later, {})
         cuda_now = [p for p in now if p[1].device.type == "cuda"]
         copy_into([p for p in now if p[1].device.type != "cuda"])
         if cuda_now:
@@ -178,16 +178,22 @@ class Stager:
         deferred: set[tuple[str, int]],
         now: list[Pair],
         later: list[Pair],
+        seen: dict[tuple[Any, ...], torch.Tensor],
     ) -> Any:
         if isinstance(state, dict):
-            return {k: self._walk(v, f"{prefix}{k}.", deferred, now, later) for k, v in state.items()}
+            return {k: self._walk(v, f"{prefix}{k}.", deferred, now, later, seen) for k, v in state.items()}
         if isinstance(state, (list, tuple)):
-            return type(state)(self._walk(v, f"{prefix}{i}.", deferred, now, later) for i, v in enumerate(state))
+            return type(state)(self._walk(v, f"{prefix}{i}.", deferred, now, later, seen) for i, v in enumerate(state))
         if not isinstance(state, torch.Tensor):
             return state
         t = state.detach()
         if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
             return t.clone()  # DTensor and other subclasses: a copy on their own device, now
+        # one tensor under two keys (a head tied to its embedding) stays one buffer: the save planner
+        # writes a tie once and records it, as a synchronous save of the same state does
+        where = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        if where is not None and where in seen:
+            return seen[where]
         cuda = t.device.type == "cuda"
         key = (prefix, tuple(t.shape), t.dtype, cuda)
         buf = self._buffers.get(key)
@@ -195,6 +201,8 @@ class Stager:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
             self._buffers[key] = buf
         (later if _storage_key(t) in deferred else now).append((prefix[:-1], t, buf))
+        if where is not None:
+            seen[where] = buf
         return buf
 
     def nbytes(self) -> int:

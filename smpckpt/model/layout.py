@@ -269,7 +269,10 @@ class KeyMapper:
             if not isinstance(mapped, str) or not mapped:
                 raise SpecError(f"name_map returned {mapped!r} for key {key!r}; it must return a non-empty str")
             return mapped
-        return _LAYER.sub(self._shift, key)
+        # only the first `layers.<i>` segment is the stage's layer: a `layers` list inside a layer
+        # (`layers.0.inner.layers.1.w`) keeps its own numbers (shifting those too stored them under
+        # another inner layer's name)
+        return _LAYER.sub(self._shift, key, count=1)
 
     def renumbers(self, local_key: str) -> bool:
         """Whether ``local_key`` gets its stage's own global layer numbers from the ``layers.<i>`` rule (the

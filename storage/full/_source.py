@@ -44,7 +44,7 @@ from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, FileRecord, check_member_name
 from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
-from smpckpt.storage.full._safetensors import DTYPE_NAMES, header_length, parse_header
+from smpckpt.storage.full._safetensors import header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex
 
 __all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "hf_folder_ties", "HF_INDEX", "HF_SINGLE"]
@@ -54,9 +54,11 @@ log = logging.getLogger(__name__)
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
+# The description names dtypes as torch does (``_layout``), every dtype a file holds: a ``torch_save``
+# artifact also holds those safetensors lacks (complex), which must read back as they were written.
 _DTYPES = MappingProxyType(
-    {str(d).removeprefix("torch."): d for d in DTYPE_NAMES}
-)  # the description names dtypes as torch does
+    {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,36 @@ def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None
     assert ckpt.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_tied_head_is_written_once_as_by_a_synchronous_save(tmp_path: Any, overlap: bool) -> None:
+    """Staging copied each key into a buffer of its own, so an async save wrote a head tied to its
+    embedding twice and recorded no tie (a synchronous save of the same model writes it once and records
+    it, which consolidation and exports follow)."""
+    import json
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    torch.manual_seed(0)
+    m = Tied()
+    opt = torch.optim.Adam(m.parameters())
+    m.head(m.embed(torch.tensor([1, 2]))).sum().backward()
+    opt.step()
+    with smpckpt.Checkpointer(
+        str(tmp_path), async_options=smpckpt.AsyncOptions(enabled=True, overlap_staging=overlap)
+    ) as ckpt:
+        ckpt.save("a", model=m, optimizer=opt).result()
+    manifest = json.loads((tmp_path / "a_partial" / "smpckpt.manifest.json").read_text())
+    assert manifest["extra"]["layout_record"]["tied"] == {"model.head.weight": "model.embed.weight"}
+    fresh = Tied()
+    resume_from_checkpoint(str(tmp_path), "a", model=fresh)
+    assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, m.embed.weight)
+
+
 def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
     root = str(tmp_path)
     m = model(1)

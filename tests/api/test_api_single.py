@@ -251,6 +251,63 @@ def test_translate_function(tmp_path: Any) -> None:
     assert torch.equal(m2[0].weight, m[0].weight * 2)
 
 
+def test_translate_function_moving_values_between_keys(tmp_path: Any) -> None:
+    """The load lands in the model's own tensors, which the translated state is then copied into key by
+    key: a translation that swaps two keys' values (or hands a key a transposed view of another) was
+    applied from tensors already overwritten -- both layers ended with the second's weights, silently."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+    save_checkpoint(str(tmp_path), "a", model=m)
+    w0, w1, w2 = (layer.weight.detach().clone() for layer in m)
+
+    def swap(sd: dict[str, Any]) -> dict[str, Any]:
+        return {"0.weight": sd["1.weight"], "1.weight": sd["0.weight"], "2.weight": sd["2.weight"]}
+
+    def own_transposed(sd: dict[str, Any]) -> dict[str, Any]:
+        return {**sd, "2.weight": sd["2.weight"].t()}
+
+    def fresh() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+
+    got = fresh()
+    resume_from_checkpoint(str(tmp_path), model=got, translate_function=swap)  # was: silently w1, w1
+    assert torch.equal(got[0].weight, w1)
+    assert torch.equal(got[1].weight, w0)
+    assert torch.equal(got[2].weight, w2)
+    got = fresh()
+    resume_from_checkpoint(str(tmp_path), model=got, translate_function=own_transposed)  # was: a RuntimeError
+    assert torch.equal(got[2].weight, w2.t())
+
+
+def test_param_groups_saved_apart_resumed_into_one_group_refused(tmp_path: Any) -> None:
+    """Saved with two param groups (lr 0.01 and 0.5), resumed into one group: DCP's set_state_dict gave
+    the whole group the first parameter's lr (the bias's 0.5 was lost, silently). Refused by name;
+    strict=False warns and takes the first value; the groups as saved resume exactly."""
+
+    def setup(groups: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Linear(2, 2)
+        params: Any = (
+            [{"params": [m.weight], "lr": 0.01}, {"params": [m.bias], "lr": 0.5}] if groups else m.parameters()
+        )
+        o = torch.optim.Adam(params, lr=0.1)
+        m(torch.randn(3, 2)).sum().backward()
+        o.step()
+        return m, o
+
+    saved, saved_opt = setup(True)
+    save_checkpoint(str(tmp_path), "a", model=saved, optimizer=saved_opt)
+    m, o = setup(False)
+    with pytest.raises(LayoutMismatch, match=r"param group 0: .*different 'lr' \(weight: 0.01, bias: 0.5\)"):
+        resume_from_checkpoint(str(tmp_path), model=m, optimizer=o)
+    m, o = setup(False)
+    with pytest.warns(UserWarning, match="the group takes 0.01"):
+        resume_from_checkpoint(str(tmp_path), model=m, optimizer=o, strict=False)
+    m, o = setup(True)
+    resume_from_checkpoint(str(tmp_path), model=m, optimizer=o)
+    assert [g["lr"] for g in o.param_groups] == [0.01, 0.5]
+
+
 class Custom:
     def __init__(self, x: int) -> None:
         self.x = x

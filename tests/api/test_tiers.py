@@ -247,6 +247,23 @@ def test_tag_asked_for_comes_from_the_fast_tier_when_its_drain_never_committed(t
         resume_from_checkpoint(durable, tag="s3", model=_linear(9), local_path=local)
 
 
+def test_tag_asked_for_comes_from_the_durable_tier_when_saved_there_again_after_the_fast_copy(tmp_path: Path) -> None:
+    """A tag saved through the fast tier, then saved again in ``path`` (``overwrite=True``, by a job
+    without the fast tier): the fast tier still holds the older save of that tag. A resume of that tag
+    takes the newer durable one, as a resume of the newest does (it once took the fast copy, silently)."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    m1, m2 = _linear(1), _linear(2)
+    save_checkpoint(durable, "final", model=m1, local_path=local, replicas=1)
+    wait_for_saves()
+    save_checkpoint(durable, "final", model=m2, overwrite=True)
+    for tag in (None, "final"):
+        got = _linear(9)
+        resume_from_checkpoint(durable, tag=tag, model=got, local_path=local)
+        info = last_resume_info()
+        assert info is not None and (info.tag, info.tier) == ("final", "durable"), (tag, info)
+        assert _same(got, m2), tag
+
+
 # -- 2 nodes x 2 ranks -------------------------------------------------------------------------------
 # Spawning 4 ranks costs ~9 s on 2 cores: one world runs every case without a killed rank, one world
 # per kill, one world resumes both killed jobs, one 2-rank world reshards.

@@ -222,7 +222,7 @@ def contenders(ctx: Ctx) -> list[Contender]:
 def _stand_in(
     save: Callable[[State, str], None], load: Callable[[State, str], Any]
 ) -> tuple[Callable[[State, str], None], Callable[[State, str], Any]]:
-    """``save``/``load`` with ``SMPCKPT_TEST_DEVICE=cpu`` set around them (read per tensor by the stage)."""
+    """``save``/``load`` with ``SMPCKPT_TEST_DEVICE=cpu`` set around them (neighbouring staged tensors share a read)."""
 
     @contextlib.contextmanager
     def env() -> Iterator[None]:

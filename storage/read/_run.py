@@ -22,7 +22,8 @@ verifying them overlaps other reads. Task kinds:
   rows whose columns the worker copies into the destination (``_boxes``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
-read as a one-item fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner
+read as a buffered fetch instead, merged with its unsuitable neighbours in the file up to
+``max_request_bytes``. At most ``2 * thread_count`` tasks are in flight, so the planner
 is asked for destinations only shortly before their bytes are read.
 
 When ``reads_in_flight`` is below ``thread_count``, at most that many workers are inside a read at a

@@ -38,7 +38,7 @@ from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "tied_entries", "TiedLoads"]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries", "TiedLoads"]
 
 
 Kind = Literal["tensor", "dtensor", "object"]
@@ -520,7 +520,7 @@ class TiedLoads:
         for alias, reader in self.compare.items():
             if fqn in (alias, reader) and self._pending.get(alias) == 0 and self._pending.get(reader) == 0:
                 self._pending.pop(alias)
-                if not _same_bits(entries[reader].value, entries[alias].value):
+                if not same_bits(entries[reader].value, entries[alias].value):
                     raise LayoutMismatch(
                         f"rank {rank}: {alias!r} and {reader!r} are one tensor in the model (tied), but the "
                         "checkpoint holds them apart with different values, and a tied model holds one. Pass "
@@ -529,7 +529,7 @@ class TiedLoads:
                     )
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (a NaN equals itself, -0.0 is not +0.0): one tensor written twice is the same bytes."""
     if a.numel() != b.numel() or a.dtype != b.dtype:
         return False

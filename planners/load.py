@@ -19,7 +19,7 @@ import io
 import logging
 import math
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, S
 from smpckpt.model.layout import LayoutRecord, NameMap, ParallelLayout, checkpoint_original_shapes, checkpoint_ties
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import compact_load
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, TiedLoads, compile_globs, tied_entries
+from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, TiedLoads, compile_globs, same_bits, tied_entries
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
@@ -121,6 +121,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if isinstance(keep_tied, str) or not all(isinstance(g, str) for g in keep_tied):
             raise TypeError(f"keep_tied must be a sequence of key globs, got {keep_tied!r}")
         self._ties = TiedLoads(compile_globs(keep_tied))
+        self._shared = SharedMemoryLoads()
         self.report: LoadReport | None = None
 
     @property
@@ -173,11 +174,13 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         ties = self._ties
         ties.plan(self.entries, self.dest_tied, self.saved_tied, md_all)
         sources, through, tied_covered = ties.sources, ties.through, ties.covered
+        # destinations overlapping another's memory (not tied: another view): read into scratch, checked
+        shared = self._shared
+        shared.plan(self.entries, through.keys() | ties.compare.keys())
         for entry in list(self.entries.values()):
             if entry.key in through:  # tied in the destination: loaded through another key of its tensor
                 continue
-            if entry.key in ties.compare:  # held apart in the checkpoint: read into scratch, compared
-                entry = self.entries[entry.key] = ties.scratch(entry)
+            entry = self._reads_into(entry)
             source = sources.get(entry.key, entry.key)
             md = md_all.get(source)
             if md is None:
@@ -230,6 +233,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
             )
         ties.count(items)
+        shared.count(items)
         tied = {**through, **sources, **ties.compare}
         self.report = LoadReport(
             fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped), tied
@@ -242,6 +246,15 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
         return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
+
+    def _reads_into(self, entry: Entry) -> Entry:
+        """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds
+        apart (compared, ``_ties``) or a destination sharing memory with another (``_shared``)."""
+        if entry.key in self._ties.compare:
+            entry = self.entries[entry.key] = self._ties.scratch(entry)
+        elif entry.key in self._shared.dest:
+            entry = self.entries[entry.key] = self._shared.scratch(entry)
+        return entry
 
     def _reshaped(self, entry: Entry, md: TensorStorageMetadata) -> TensorStorageMetadata | None:
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
@@ -384,8 +397,124 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """(all ranks) Reads land in the destination's own memory; a tied key the checkpoint holds apart
-        is compared with the key loaded once both are in (``_ties``)."""
+        is compared with the key loaded once both are in (``_ties``); destinations sharing memory are
+        read into scratch and written, then checked, once all of them are in (``_shared``)."""
         self._ties.committed(read_item, self.entries, self.rank)
+        self._shared.committed(read_item, self.entries, self.rank)
+
+
+class SharedMemoryLoads:
+    """One load's destinations that share memory without being one view (``base[0:4]`` and ``base[2:6]``
+    under two keys; tied keys, the same view, are :class:`TiedLoads`'): written one after another, the
+    last would silently overwrite the others where they overlap. Each is read into scratch instead, and
+    once all of a group are in they are copied into their destinations in state-dict order and each
+    destination must then hold its own value, bit for bit (a buffer viewing part of a parameter, saved
+    from such a model, loads as saved); otherwise :class:`LayoutMismatch` names the keys."""
+
+    def __init__(self) -> None:
+        #: key of a destination in such a group -> that destination (its entry reads into scratch)
+        self.dest: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, torch.Tensor] = {}
+        self._groups: list[list[str]] = []
+        self._pending: dict[str, int] = {}  # elements of each key still to be read
+        self._read: set[str] = set()  # keys with reads (the others keep their values)
+
+    def plan(self, entries: Mapping[str, Entry], skip: Set[str]) -> None:
+        """Find the groups among ``entries`` (less ``skip``: tied keys loaded through another key, or
+        compared in scratch) by their byte extents: sorted by address, a sweep, no tensor made unless
+        two overlap (a few attribute reads a key). Extents are addresses, not storages, so two storages
+        over one memory (tensors ``from_numpy`` of overlapping arrays) are found too; interleaved views
+        whose extents overlap though no element does (``w[:, :4]``, ``w[:, 4:]``) take the scratch path
+        needlessly but correctly."""
+        self.dest, self._scratch, self._groups, self._pending = {}, {}, [], {}
+        spans: list[tuple[int, int, str]] = []
+        for e in entries.values():
+            if e.kind == "object" or e.chunk is None or e.key in skip:
+                continue
+            v = e.value
+            start = v.data_ptr()
+            if v.is_contiguous():
+                stop = start + v.nbytes
+            elif v.numel():  # strides are never negative: the extent ends at the last element's end
+                stop = start + (sum((n - 1) * s for n, s in zip(v.shape, v.stride())) + 1) * v.element_size()
+            else:
+                continue
+            if start and stop > start:  # address 0: no storage (meta, ZeroTensor), which nothing shares
+                spans.append((start, stop, e.key))
+        order = {key: i for i, key in enumerate(entries)}
+        for group in _overlapping(spans):
+            # the same addresses on two devices are no shared memory: each device's keys swept apart
+            by_device: dict[torch.device, list[tuple[int, int, str]]] = {}
+            for span in group:
+                by_device.setdefault(entries[span[2]].value.device, []).append(span)
+            for row in by_device.values():
+                for found in _overlapping(row) if len(by_device) > 1 else [row]:
+                    self._groups.append(sorted((key for _, _, key in found), key=order.__getitem__))
+        self.dest = {key: entries[key].value for group in self._groups for key in group}
+
+    def scratch(self, entry: Entry) -> Entry:
+        """The entry of a key in a group, reading into a scratch tensor of its shape instead."""
+        value = self._scratch[entry.key] = torch.empty_like(entry.value)
+        return dataclasses.replace(entry, value=value)
+
+    def count(self, items: list[ReadItem]) -> None:
+        """(after the local plan) The elements each key waits for. A key nothing is read for (missing
+        from the checkpoint, optional) keeps its value: its scratch holds that, to be checked too."""
+        self._pending = dict.fromkeys(self.dest, 0)
+        for item in items:
+            if item.dest_index.fqn in self._pending:
+                self._pending[item.dest_index.fqn] += math.prod(item.lengths)
+        self._read = {key for key, left in self._pending.items() if left}
+        for key, left in self._pending.items():
+            if not left:
+                self._scratch.setdefault(key, torch.empty_like(self.dest[key])).copy_(self.dest[key])
+
+    def committed(self, item: ReadItem, entries: Mapping[str, Entry], rank: int) -> None:
+        """(reader) One read is in: write and check each group whose reads are all in."""
+        fqn = item.dest_index.fqn
+        if fqn not in self._pending:
+            return
+        self._pending[fqn] -= math.prod(item.lengths)
+        if self._pending[fqn]:
+            return
+        for group in self._groups:
+            if fqn not in group or any(self._pending[k] for k in group):
+                continue
+            for key in group:
+                if key in self._read:  # a key not read keeps its value: its scratch is only to check
+                    self.dest[key].copy_(self._scratch[key])
+            bad = [k for k in group if not same_bits(self.dest[k], self._scratch[k])]
+            if bad:
+                unread = [k for k in group if k not in self._read]
+                raise LayoutMismatch(
+                    f"rank {rank}: {', '.join(map(repr, group))} are destinations that share memory (overlapping "
+                    "views of one storage, not the same view), but their saved values disagree where they "
+                    f"overlap: once all are written, {', '.join(map(repr, bad))} would not hold "
+                    + ("its" if len(bad) == 1 else "their")
+                    + " saved value"
+                    + (f" ({', '.join(map(repr, unread))}: not in the checkpoint, so its value kept)" if unread else "")
+                    + ". Load them into tensors of their own, or from a checkpoint saved from a model whose "
+                    "views share this memory"
+                )
+
+
+def _overlapping(spans: list[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:
+    """The groups of two or more byte extents ``[start, stop)`` (key last) that overlap, by a sweep in
+    address order: an extent starting before every extent so far has ended joins their group."""
+    groups: list[list[tuple[int, int, str]]] = []
+    group: list[tuple[int, int, str]] = []
+    end = -1
+    for span in sorted(spans):
+        if span[0] < end:
+            group.append(span)
+            end = max(end, span[1])
+            continue
+        if len(group) > 1:
+            groups.append(group)
+        group, end = [span], span[1]
+    if len(group) > 1:
+        groups.append(group)
+    return groups
 
 
 def _refuse_raw_without_our_reader(metadata: Metadata) -> None:

@@ -8,6 +8,8 @@ Which rank does what ("all" = every rank; "leader" = the first rank of each node
                              job's listing gathered (``_tiers.gather_views``): the complete fast-tier saves,
                              newest first, the same on every rank
                   (rank 0)   ``path``'s newest committed checkpoint (or the tag asked for); broadcast
+                  (all)      tag=None: refused when the newest fast-tier save newer than it never saw it
+                             (diverged histories, ``_same_history``); such older saves are no fallback
     load_tiered   (all)      for each fast-tier save newer than ``path``'s, newest first:
                                fast_reader: its manifest from a node holding it; leaders of nodes that
                                lack its metadata or manifest receive them (the metadata first)

@@ -109,11 +109,17 @@ class FastTierPart:
         """(all ranks, the caller's thread) What this save is in the fast tier (:func:`plan_tier_save`)."""
         return plan_tier_save(req, ctx, self)
 
-    def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> None:
-        """(rank 0, the caller's thread: before the next save is planned, an async one too) This save's
-        sequence number is drawn (``extra``): when it is due for ``path``, the job's later saves know it."""
-        if tier.durable and extra:
+    def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
+        """(all ranks, the caller's thread: before the next save is planned, an async one too) This save's
+        sequence number is drawn (rank 0's ``extra``): the plan to save with -- on rank 0 its ``path_seen``
+        also counts what the draw read of ``path`` (``newest``, written by another writer of the root in
+        this process); when the save is due for ``path``, the job's later saves know it."""
+        if not extra:
+            return tier
+        self.state.saw_path(self.counter.read)
+        if tier.durable:
             self.state.saw_path(sequence_of(extra))
+        return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read))
 
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
         """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never

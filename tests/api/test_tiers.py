@@ -349,6 +349,25 @@ def test_a_fast_tier_history_continued_from_the_durable_one_resumes_as_before(tm
             assert _same(got, _linear(2))
 
 
+def test_a_plain_writer_of_the_root_beside_a_tiered_one_in_one_process_is_no_divergence(tmp_path: Path) -> None:
+    """Two Checkpointers of one root in one process, one with the fast tier: p2 (plain) is saved between
+    the fast-only s1 and s3. s3's draw read p2's number from ``newest``, so s3 knew it: tag=None resumes
+    s3 as before, not refused."""
+    durable, fast = tmp_path / "durable", FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=5)
+    models = {tag: _linear(i) for i, tag in enumerate(("s1", "p2", "s3"), 1)}
+    with Checkpointer(durable, fast_tier=fast) as a, Checkpointer(durable) as b:
+        a.save("s1", models["s1"])
+        b.save("p2", models["p2"])
+        a.save("s3", models["s3"])
+    assert _tier_record(_job(Path(fast.local_path), durable) / "s3_partial")["path_seen"] == 1  # p2's number
+    with Checkpointer(durable, fast_tier=fast) as c:
+        got = _linear(99)
+        c.resume(model=got)
+        info = c.last_resume_info
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast")
+    assert _same(got, models["s3"])
+
+
 # -- 2 nodes x 2 ranks -------------------------------------------------------------------------------
 # Spawning 4 ranks costs ~9 s on 2 cores: one world runs every case without a killed rank, one world
 # per kill, one world resumes both killed jobs, one 2-rank world reshards.

@@ -112,7 +112,7 @@ class FastTierPart:
     def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
         """(all ranks, the caller's thread: before the next save is planned, an async one too) This save's
         sequence number is drawn (rank 0's ``extra``): the plan to save with -- on rank 0 its ``path_seen``
-        also counts what the draw read of ``path`` (``newest``, written by another writer of the root in
+        also counts what the draws read of ``path`` (``newest``, written by another writer of the root in
         this process); when the save is due for ``path``, the job's later saves know it."""
         if not extra:
             return tier

@@ -8,6 +8,8 @@ Which rank does what ("all" = every rank; "leader" = the first rank of each node
                              job's listing gathered (``_tiers.gather_views``): the complete fast-tier saves,
                              newest first, the same on every rank
                   (rank 0)   ``path``'s newest committed checkpoint (or the tag asked for); broadcast
+                  (all)      tag=None: refused when the newest fast-tier save newer than it never saw it
+                             (diverged histories, ``_same_history``); such older saves are no fallback
     load_tiered   (all)      for each fast-tier save newer than ``path``'s, newest first:
                                fast_reader: its manifest from a node holding it; leaders of nodes that
                                lack its metadata or manifest receive them (the metadata first)
@@ -113,11 +115,44 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     durable = ctx.on_coordinator(durable_target)
     if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.root)
         durable.seen_by(part.counter)
+        part.state.saw_path(durable.order[0])
     # whichever is later in the root's order (sequence number, then save time: a drained copy is the fast
     # copy's manifest, so it ties and the fast copy is taken), for tag=... too: a tag saved again in `path`
     # (overwrite=True by a job without this fast tier) leaves an older save of that tag in the fast tier
     usable = [c for c in complete if durable is None or durable.order <= c.order]
+    if durable is not None and req.tag is None:
+        usable = _same_history(usable, durable, {c.order for c in found})
     return TierChoice(nodes, job, streams, tuple(usable), durable)
+
+
+def _same_history(
+    usable: list[FastCandidate], durable: Target, copies: set[tuple[int, int, str]]
+) -> list[FastCandidate]:
+    """(every rank alike) The fast-tier saves that may supersede ``path``'s newest checkpoint ``durable``:
+    those whose job knew it. A save records the highest sequence number of ``path`` its job knew
+    (``path_seen``: committed there, or due there from itself); ``durable`` numbered higher, and not a
+    drained copy of one of this fast tier's saves, was saved by a job that never saw that save -- a job
+    without this fast tier that resumed an older checkpoint of ``path`` and numbered its saves after
+    ``path``'s only. The two histories diverged, and neither sequence number nor clock says which one the
+    user continues: when the newest fast-tier save is such a one, the resume is refused, naming both;
+    an older one is only dropped from the fallbacks (a newer save that knew ``durable`` was chosen).
+    Copies that record no ``path_seen`` (older versions) keep the order alone."""
+    drained = durable.order in copies  # path's newest is this fast tier's own save, drained
+
+    def knew(c: FastCandidate) -> bool:
+        return drained or c.path_seen is None or c.order == durable.order or durable.order[0] <= c.path_seen
+
+    if usable and not knew(usable[0]):
+        c = usable[0]
+        raise CheckpointError(
+            f"ambiguous resume: the fast tier's newest checkpoint {c.tag!r} (sequence number {c.order[0]}) and "
+            f"path's newest, {durable.url} (tag {durable.tag!r}, sequence number {durable.order[0]}), belong to "
+            f"diverged histories: {durable.tag!r} was saved by a job that never saw {c.tag!r} (e.g. one without "
+            f"this fast tier, resumed from an older checkpoint), and the job that saved {c.tag!r} knew nothing "
+            f"in path numbered above {c.path_seen}. Pass resume(tag={durable.tag!r}) to continue path's history, "
+            f"or resume(tag={c.tag!r}) to continue the fast tier's"
+        )
+    return [c for c in usable if knew(c)]
 
 
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:

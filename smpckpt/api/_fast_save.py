@@ -73,7 +73,7 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.root import SequenceCounter, partial_dirname, partial_url
+from smpckpt.catalog.root import SequenceCounter, partial_dirname, partial_url, sequence_of
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
 from smpckpt.storage.backends._folder import Folder
@@ -108,6 +108,18 @@ class FastTierPart:
     def plan(self, req: SaveRequest, ctx: DistContext) -> TierPlan:
         """(all ranks, the caller's thread) What this save is in the fast tier (:func:`plan_tier_save`)."""
         return plan_tier_save(req, ctx, self)
+
+    def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
+        """(all ranks, the caller's thread: before the next save is planned, an async one too) This save's
+        sequence number is drawn (rank 0's ``extra``): the plan to save with -- on rank 0 its ``path_seen``
+        also counts what the draws read of ``path`` (``newest``, written by another writer of the root in
+        this process); when the save is due for ``path``, the job's later saves know it."""
+        if not extra:
+            return tier
+        self.state.saw_path(self.counter.read)
+        if tier.durable:
+            self.state.saw_path(sequence_of(extra))
+        return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read))
 
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
         """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never
@@ -191,6 +203,8 @@ class TierPlan:
     drain_group: Any = None  #: the drain thread's group
     keep: int | None = None  #: ``num_kept_local``
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
+    #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
+    path_seen: int = 0
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -208,6 +222,8 @@ class TierPlan:
             "nodes": self.nodes.count,
             "local_world_size": self.nodes.local_world_size,
             "root": self.root_key,
+            # a checkpoint of path numbered higher was saved without this save's knowledge (_fast_resume)
+            "path_seen": self.path_seen,
         }
 
     def folder_of(self, tag: str) -> str:
@@ -262,6 +278,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if durable:  # one drain at a time: the fast tier keeps its tag until it is done
         wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
     retry = _pending(ctx, job, views, retry_of) if retry_of is not None else None
+    if retry is not None and ctx.is_coordinator:  # this job drains it again: its history's, due for path
+        memory.saw_path(sequence_of(retry.prepared.parsed().extra))
     streams = part.groups.streams(ctx)
     drain_group = part.groups.get(ctx, "drain")
     key = durable_key(req.root, req.storage_options)
@@ -281,6 +299,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         drain_group,
         opts.num_kept_local,
         memory,
+        memory.path_seq,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan

@@ -58,6 +58,7 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
+__all__ += ["path_seen_of"]
 __all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
 
 log = logging.getLogger("smpckpt.api")
@@ -85,13 +86,22 @@ class TierState:
     durable: int | None = None
     #: (folder, problem) named already: a crafted folder is named once, not at every save
     warned: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    #: the highest root sequence number of a checkpoint this job knows in ``path`` or on its way there (a
+    #: save of its own due for it): each tiered save records it (``path_seen``), so a resume can tell a
+    #: checkpoint of ``path`` saved without this history's knowledge (``_fast_resume.choose_tier``)
+    path_seq: int = 0
 
     def durable_seq(self, root: str, storage_options: Any) -> int:
         """(rank 0) The highest save number committed under ``root`` (one scan, the first time)."""
         if self.durable is None:
             records = scan_root(root, storage_options=storage_options)
             self.durable = max((seq_of(r.manifest) for r in records if r.committed), default=0)
+            self.saw_path(max((r.order[0] for r in records if r.committed), default=0))
         return self.durable
+
+    def saw_path(self, seq: int) -> None:
+        """A checkpoint with root sequence number ``seq`` is in ``path`` or due there from this job."""
+        self.path_seq = max(self.path_seq, seq)
 
     def hold(self, tag: str) -> None:
         """``tag``'s files are about to be drained: retention keeps them until released."""
@@ -337,7 +347,9 @@ def warn_skipped(
 
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------
 
-#: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size", "root"}
+#: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size", "root",
+#: "path_seen"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job knew in
+#: ``path`` (committed, or due there from itself) when it planned the save
 TIER_KEY = "tier"
 
 CopyState = Literal["committed", "uncommitted", "corrupt", "unsafe", "foreign", "unreadable"]
@@ -357,6 +369,7 @@ class LocalCopy:
     parts: Mapping[str, int] | None = None
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
+    path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
 
     @property
     def committed(self) -> bool:
@@ -372,6 +385,13 @@ def seq_of(manifest: Manifest | None) -> int:
     tier = manifest.extra.get(TIER_KEY) if manifest is not None else None
     seq = tier.get("seq") if isinstance(tier, Mapping) else None
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+
+
+def path_seen_of(manifest: Manifest) -> int | None:
+    """The highest root sequence number of ``path`` a tiered save's job knew (``None``: not recorded)."""
+    tier = manifest.extra.get(TIER_KEY)
+    seen = tier.get("path_seen") if isinstance(tier, Mapping) else None
+    return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
 
 
 def owner_of(manifest: Manifest) -> str | None:
@@ -412,7 +432,14 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
     tier = manifest.extra.get(TIER_KEY)
     durable = isinstance(tier, Mapping) and tier.get("durable") is True
     copy = LocalCopy(
-        "committed", files, hash_bytes(data), seq_of(manifest), record_order(manifest), part_sizes(manifest), durable
+        "committed",
+        files,
+        hash_bytes(data),
+        seq_of(manifest),
+        record_order(manifest),
+        part_sizes(manifest),
+        durable,
+        path_seen=path_seen_of(manifest),
     )
     return copy, data
 
@@ -437,6 +464,7 @@ class FastCandidate:
     held_by: Mapping[str, tuple[int, ...]]
     missing: tuple[str, ...]
     durable: bool = False
+    path_seen: int | None = None  #: :attr:`LocalCopy.path_seen`
 
     @property
     def complete(self) -> bool:
@@ -472,7 +500,7 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable))
+        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
 

@@ -344,6 +344,8 @@ class Checkpointer:
             tier = self._tier.plan(req, ctx) if self._tier is not None else None
             started = time.monotonic()
             state, extra = ctx.all_ok(lambda: build_save_state(req, ctx, self._counter))
+            if tier is not None and self._tier is not None:
+                tier = self._tier.drew(tier, extra)
             if asynchronous:
                 return self._submit(req, ctx, state, extra, tier)
             self._write(req, state, extra, tier, f"in {time.monotonic() - started:.2f}s")

@@ -292,6 +292,7 @@ class SequenceCounter:
         self._lock = threading.Lock()  # the save thread and the drain thread draw and note numbers
         self._highest = 0
         self._listed = False  #: every committed checkpoint of the root has been seen (a listing)
+        self.read = 0  #: the highest number ``newest`` named when a draw read it (a writer beside this job's)
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
         """A checkpoint numbered ``seq`` exists under the root; ``listed``: ``seq`` is the highest of a
@@ -313,10 +314,10 @@ class SequenceCounter:
                 seen = scan()
             self.saw(seen, listed=True)
         elif scan is None:
-            # another writer of this root in this process (a second model's Checkpointer, an explicit one
-            # beside smp's face) draws from its own counter: the tag ``newest`` names carries the number
-            # of the last commit by any of them, so a new save is numbered after it (one small read)
-            self.saw(self._newest_sequence())
+            # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
+            # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
+            self.read = max(self.read, self._newest_sequence())
+            self.saw(self.read)
         with self._lock:
             self._highest += 1
             return self._highest

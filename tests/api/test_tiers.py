@@ -21,8 +21,11 @@ from dist_harness import RankFailed, run_world
 from torch import nn
 
 from smpckpt import (
+    Checkpointer,
+    CheckpointError,
     CheckpointExists,
     DrainStatus,
+    FastTier,
     drain_status,
     last_resume_info,
     resume_from_checkpoint,
@@ -77,6 +80,7 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
         "nodes": 1,
         "local_world_size": 1,
         "root": durable_key(str(durable), None),  # the durable root this copy belongs to
+        "path_seen": 0,  # path held nothing when s2 was planned (s1 was not due for it)
     }
     # the durable copy is the fast tier's, byte for byte (drained from its files)
     for name in os.listdir(local / "s2_partial"):
@@ -262,6 +266,106 @@ def test_tag_asked_for_comes_from_the_durable_tier_when_saved_there_again_after_
         info = last_resume_info()
         assert info is not None and (info.tag, info.tier) == ("final", "durable"), (tag, info)
         assert _same(got, m2), tag
+
+
+def _abandoned_fast_history(tmp_path: Path) -> tuple[Path, FastTier, dict[str, nn.Module]]:
+    """Job A (fast tier, durable_every=3) saves s1..s5: only s3 reaches path. Job B, without the fast
+    tier, resumes s3 from path and saves b1 -- numbered after path's s3 only, so below A's s5."""
+    durable = tmp_path / "durable"
+    fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=3)
+    models = {f"s{s}": _linear(s) for s in range(1, 6)} | {"b1": _linear(100)}
+    with Checkpointer(durable, fast_tier=fast) as a:
+        for s in range(1, 6):
+            a.save(f"s{s}", models[f"s{s}"])
+    with Checkpointer(durable) as b:
+        got = _linear(99)
+        b.resume(model=got)
+        assert b.last_resume_info is not None and b.last_resume_info.tag == "s3"
+        assert _same(got, models["s3"])
+        b.save("b1", models["b1"])
+    return durable, fast, models
+
+
+def test_a_fast_tier_history_a_job_without_it_abandoned_is_refused_by_name(tmp_path: Path) -> None:
+    """tag=None with the fast tier again: its s5 (sequence 5) outranks b1 (4), but b1 continued the run
+    and s5's job never saw it. Neither number nor clock says which history the user continues: refused,
+    naming both (it once resumed the abandoned s5, silently); tag= picks either, bit-exact."""
+    durable, fast, models = _abandoned_fast_history(tmp_path)
+    with Checkpointer(durable, fast_tier=fast) as c:
+        with pytest.raises(
+            CheckpointError,
+            match=r"ambiguous resume.*'s5' \(sequence number 5\).*'b1', sequence "
+            r"number 4.*resume\(tag='b1'\).*resume\(tag='s5'\)",
+        ):
+            c.resume(model=_linear(99))
+        for tag, tier in (("b1", "durable"), ("s5", "fast")):
+            got = _linear(99)
+            c.resume(tag=tag, model=got)
+            info = c.last_resume_info
+            assert info is not None and (info.tag, info.tier) == (tag, tier)
+            assert _same(got, models[tag])
+
+
+def test_a_fast_tier_history_continued_from_the_durable_one_resumes_as_before(tmp_path: Path) -> None:
+    """After tag='b1' chose path's history, the fast tier's next save c1 knew b1: tag=None takes it again,
+    and when c1 cannot be loaded the abandoned s5 is no fallback: path's b1 is (it once was s5, silently).
+    A job that enables a fast tier on a root of plain saves (resuming one, or starting afresh) resumes
+    its fast-tier saves as before."""
+    durable, fast, models = _abandoned_fast_history(tmp_path)
+    fast = FastTier(local_path=fast.local_path, replicas=1, durable_every=10)  # c1 stays in the fast tier
+    with Checkpointer(durable, fast_tier=fast) as c:
+        c.resume(tag="b1", model=_linear(99))
+        models["c1"] = _linear(101)
+        c.save("c1", models["c1"])
+    local = _job(Path(fast.local_path), durable)
+    assert _partials(local) == ["c1_partial", "s5_partial"]  # num_kept_local=2: the abandoned s5 stays
+    for broken in (False, True):
+        if broken:  # one node: no intact copy anywhere, the fast copy of c1 fails
+            data = next(p for p in (local / "c1_partial").iterdir() if p.name.endswith(".distcp"))
+            data.write_bytes(data.read_bytes()[:-1] + bytes([data.read_bytes()[-1] ^ 0xFF]))
+        with Checkpointer(durable, fast_tier=fast) as c, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = _linear(99)
+            c.resume(model=got)
+            info = c.last_resume_info
+        want = "b1" if broken else "c1"
+        assert info is not None and (info.tag, info.tier) == (want, "durable" if broken else "fast")
+        assert _same(got, models[want])
+
+    plain = tmp_path / "plain"
+    with Checkpointer(plain) as p:
+        p.save("p1", _linear(1))
+    for resumed in (True, False):
+        tier = FastTier(local_path=str(tmp_path / f"fast-{resumed}"), replicas=1, durable_every=3)
+        with Checkpointer(plain, fast_tier=tier) as f:
+            if resumed:
+                f.resume(model=_linear(99))
+            f.save(f"f-{resumed}", _linear(2))
+        with Checkpointer(plain, fast_tier=tier) as f:
+            got = _linear(99)
+            f.resume(model=got)
+            info = f.last_resume_info
+            assert info is not None and (info.tag, info.tier) == (f"f-{resumed}", "fast")
+            assert _same(got, _linear(2))
+
+
+def test_a_plain_writer_of_the_root_beside_a_tiered_one_in_one_process_is_no_divergence(tmp_path: Path) -> None:
+    """Two Checkpointers of one root in one process, one with the fast tier: p2 (plain) is saved between
+    the fast-only s1 and s3. s3's draw read p2's number from ``newest``, so s3 knew it: tag=None resumes
+    s3 as before, not refused."""
+    durable, fast = tmp_path / "durable", FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=5)
+    models = {tag: _linear(i) for i, tag in enumerate(("s1", "p2", "s3"), 1)}
+    with Checkpointer(durable, fast_tier=fast) as a, Checkpointer(durable) as b:
+        a.save("s1", models["s1"])
+        b.save("p2", models["p2"])
+        a.save("s3", models["s3"])
+    assert _tier_record(_job(Path(fast.local_path), durable) / "s3_partial")["path_seen"] == 1  # p2's number
+    with Checkpointer(durable, fast_tier=fast) as c:
+        got = _linear(99)
+        c.resume(model=got)
+        info = c.last_resume_info
+    assert info is not None and (info.tag, info.tier) == ("s3", "fast")
+    assert _same(got, models["s3"])
 
 
 # -- 2 nodes x 2 ranks -------------------------------------------------------------------------------

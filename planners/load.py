@@ -469,6 +469,30 @@ class SharedMemoryLoads:
             if not left:
                 self._scratch.setdefault(key, torch.empty_like(self.dest[key])).copy_(self.dest[key])
 
+    def _covered(self, group: list[str]) -> set[str]:
+        """The keys of ``group`` not read whose every byte a read key writes (a buffer viewing part of a
+        weight, resumed from a checkpoint saved before the buffer existed): they have no saved value and
+        cannot keep their old one, so they follow the memory they view, as a view does."""
+        unread = [k for k in group if k not in self._read]
+        if not unread:
+            return set()
+        views = [self.dest[k] for k in group]
+        lo = min(v.data_ptr() for v in views)
+        hi = max(
+            v.data_ptr() + (sum((n - 1) * st for n, st in zip(v.shape, v.stride())) + 1) * v.element_size()
+            for v in views
+        )
+        written = torch.zeros(hi - lo, dtype=torch.uint8, device=views[0].device)
+
+        def bytes_of(v: torch.Tensor) -> torch.Tensor:
+            size = v.element_size()
+            return written.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), v.data_ptr() - lo)
+
+        for key in group:
+            if key in self._read:
+                bytes_of(self.dest[key]).fill_(1)
+        return {k for k in unread if bool(bytes_of(self.dest[k]).all())}
+
     def committed(self, item: ReadItem, entries: Mapping[str, Entry], rank: int) -> None:
         """(reader) One read is in: write and check each group whose reads are all in."""
         fqn = item.dest_index.fqn
@@ -483,7 +507,8 @@ class SharedMemoryLoads:
             for key in group:
                 if key in self._read:  # a key not read keeps its value: its scratch is only to check
                     self.dest[key].copy_(self._scratch[key])
-            bad = [k for k in group if not same_bits(self.dest[k], self._scratch[k])]
+            covered = self._covered(group)  # keys not read that read keys overwrite whole: views of them
+            bad = [k for k in group if k not in covered and not same_bits(self.dest[k], self._scratch[k])]
             if bad:
                 unread = [k for k in group if k not in self._read]
                 raise LayoutMismatch(

@@ -100,6 +100,18 @@ def test_a_model_whose_buffer_views_its_weight_resumes_bit_exact(tmp_path: Path)
     assert dst.cols.data_ptr() == dst.weight.data_ptr() + 2 * 4  # still a view of the weight
 
 
+def test_a_view_the_loaded_keys_cover_whole_follows_them_without_a_saved_value(tmp_path: Path) -> None:
+    """A buffer viewing part of a weight, resumed with allow_partial_load from a checkpoint saved before
+    the buffer existed: the buffer has no saved value and follows the weight it views (it was refused as
+    'would not hold its saved value'); one the loaded keys cover only in part is still refused above."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 6)
+    _save(tmp_path / "c", {"weight": weight})
+    base = torch.zeros(4, 6)
+    _load(tmp_path / "c", {"weight": base, "cols": base[:, 2:5]}, allow_partial_load=True)
+    assert torch.equal(base, weight)
+
+
 def test_a_load_without_shared_memory_reads_straight_into_its_destinations(tmp_path: Path) -> None:
     """No overlap, no scratch: every read lands in the state dict's own tensor; disjoint views of one
     storage (rows of one matrix) are no overlap either."""

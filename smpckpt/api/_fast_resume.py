@@ -147,8 +147,9 @@ def _same_history(
         raise CheckpointError(
             f"ambiguous resume: the fast tier's newest checkpoint {c.tag!r} (sequence number {c.order[0]}) and "
             f"path's newest, {durable.url} (tag {durable.tag!r}, sequence number {durable.order[0]}), belong to "
-            f"diverged histories: {durable.tag!r} was saved by a job that never saw {c.tag!r} (e.g. one without "
-            f"this fast tier, resumed from an older checkpoint), and the job that saved {c.tag!r} knew nothing "
+            f"diverged histories: {durable.tag!r} was saved by a writer that never saw {c.tag!r} (a job without this "
+            f"fast tier resumed from an older checkpoint, or another writer of this root without the fast tier, "
+            f"such as a second Checkpointer, numbering from path alone), and the job that saved {c.tag!r} knew nothing "
             f"in path numbered above {c.path_seen}. Pass resume(tag={durable.tag!r}) to continue path's history, "
             f"or resume(tag={c.tag!r}) to continue the fast tier's"
         )

@@ -188,7 +188,16 @@ class Stager:
             return state
         t = state.detach()
         if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
-            return t.clone()  # DTensor and other subclasses: a copy on their own device, now
+            # DTensor and other subclasses: a copy on their own device, now; one DTensor under two keys
+            # (a tied head) stays one copy, so the tie is recorded as by a synchronous save
+            local = getattr(t, "_local_tensor", None)
+            if local is None or not local.numel():
+                return t.clone()
+            placed = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
+            twin = (placed, tuple(t.shape), tuple(getattr(t, "placements", ())), id(getattr(t, "device_mesh", None)))
+            if twin not in seen:
+                seen[twin] = t.clone()
+            return seen[twin]
         # one tensor under two keys (a head tied to its embedding) stays one buffer: the save planner
         # writes a tie once and records it, as a synchronous save of the same state does
         where = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None

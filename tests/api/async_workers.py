@@ -149,3 +149,44 @@ def dcp_process_mode(rank: int, world: int, root: str) -> bool:
     if proc is not None:
         proc.__del__()
     return bool(torch.equal(state["model"]["w"], want))
+
+
+def tied_dtensor_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """(one gloo rank) A DTensor head tied to its embedding, saved synchronously and asynchronously:
+    each save's tie record and data file sizes, and whether each resumes bit-exact and tied."""
+    import glob
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(6, 4)
+            self.head = torch.nn.Linear(4, 6, bias=False)
+            self.embed.weight = torch.nn.Parameter(distribute_tensor(self.embed.weight.detach(), mesh, [Replicate()]))
+            self.head.weight = self.embed.weight
+
+    out: dict[str, Any] = {}
+    for name, is_async in (("sync", False), ("async", True)):
+        torch.manual_seed(0)
+        m = Tied()
+        done = smpckpt.save_checkpoint(
+            root, name, model=m, options=smpckpt.SaveOptions(async_save=is_async, save_rng=False)
+        )
+        if is_async:
+            done.result()
+        folder = os.path.join(root, f"{name}_partial")
+        manifest = json.load(open(os.path.join(folder, "smpckpt.manifest.json")))
+        back = Tied()
+        smpckpt.resume_from_checkpoint(root, name, model=back)
+        out[name] = {
+            "tied": manifest["extra"]["layout_record"].get("tied"),
+            "sizes": sorted(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*.distcp"))),
+            "equal": bool(torch.equal(back.embed.weight.to_local(), m.embed.weight.to_local())),
+            "still_tied": back.head.weight is back.embed.weight,
+        }
+    return out

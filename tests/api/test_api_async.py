@@ -92,6 +92,18 @@ def test_a_tied_head_is_written_once_as_by_a_synchronous_save(tmp_path: Any, ove
     assert fresh.head.weight is fresh.embed.weight and torch.equal(fresh.embed.weight, m.embed.weight)
 
 
+def test_a_tied_dtensor_head_is_written_once_by_an_async_save(tmp_path: Any) -> None:
+    """DTensors were staged with a copy per key, so an async save of a tied DTensor head wrote it twice and
+    recorded no tie (a synchronous save writes it once and records it)."""
+    from async_workers import tied_dtensor_saves
+    from dist_harness import run_world
+
+    (got,) = run_world(tied_dtensor_saves, 1, str(tmp_path))
+    assert got["sync"]["tied"] == {"model.head.weight": "model.embed.weight"}
+    assert got["async"] == got["sync"]
+    assert got["async"]["equal"] and got["async"]["still_tied"]
+
+
 def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
     root = str(tmp_path)
     m = model(1)

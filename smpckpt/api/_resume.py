@@ -46,7 +46,7 @@ from smpckpt.catalog.root import (
     record_order,
     scan_root,
 )
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
@@ -370,6 +370,12 @@ def check_group_values(
         names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
     for o, opt in enumerate(optimizers):
         for g, group in enumerate(opt.param_groups):
+            if not group["params"]:  # DCP's set_state_dict fails on it with a bare IndexError
+                raise SpecError(
+                    f"optimizer {o}'s param group {g} holds no parameters: torch.distributed.checkpoint's "
+                    "set_state_dict cannot load an optimizer with an empty group. Build the optimizer without "
+                    "it (add groups with add_param_group when their parameters exist)"
+                )
             fqns = [names[id(p)][0] for p in group["params"] if names.get(id(p))]
             for hp in group:
                 if hp == "params":

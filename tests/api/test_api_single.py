@@ -279,6 +279,22 @@ def test_translate_function_moving_values_between_keys(tmp_path: Any) -> None:
     assert torch.equal(got[2].weight, w2.t())
 
 
+def test_an_optimizer_with_an_empty_param_group_is_refused_by_name(tmp_path: Any) -> None:
+    """DCP's set_state_dict fails on a param group without parameters with a bare IndexError; the resume
+    names the optimizer and the group instead."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Linear(4, 2)
+        return m, torch.optim.SGD([{"params": [m.weight, m.bias]}, {"params": [], "lr": 0.3}], lr=0.01)
+
+    m, opt = build()
+    smpckpt.save_checkpoint(str(tmp_path), "t", model=m, optimizer=opt, options=smpckpt.SaveOptions(save_rng=False))
+    m2, opt2 = build()
+    with pytest.raises(smpckpt.SpecError, match=r"optimizer 0's param group 1 holds no parameters"):
+        smpckpt.resume_from_checkpoint(str(tmp_path), "t", model=m2, optimizer=opt2)
+
+
 def test_param_groups_saved_apart_resumed_into_one_group_refused(tmp_path: Any) -> None:
     """Saved with two param groups (lr 0.01 and 0.5), resumed into one group: DCP's set_state_dict gave
     the whole group the first parameter's lr (the bias's 0.5 was lost, silently). Refused by name;

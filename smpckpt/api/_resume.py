@@ -8,6 +8,7 @@ Which rank does what ("all" = every rank of the group)::
     build_resume_state  (all)    destinations: model/optimizer state, user_content, RNG (same layout only)
     load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
                                  before any data is read)
+    check_groups        (all)    param groups resumed as saved (agreed before set_state_dict)
     apply_state         (all)    set_state_dict, RNG, user_content (decoded once, weights-only)
 """
 
@@ -60,6 +61,7 @@ __all__ = [
     "build_resume_state",
     "load_checkpoint",
     "apply_state",
+    "check_groups",
     "summarize",
     "not_found_hint",
 ]
@@ -302,7 +304,6 @@ def apply_state(
             model_sd = unaliased(loaded, model_sd)
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         if req.optimizers:
-            check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
             set_state_dict(
                 req.model,
                 req.optimizers,
@@ -355,6 +356,14 @@ def unaliased(loaded: Mapping[str, Any], translated: Mapping[str, Any]) -> dict[
         if held is not None and not (held == {key} and where.get(key) == at):
             out[key] = value.clone()
     return out
+
+
+def check_groups(req: ResumeRequest, state: Mapping[str, Any]) -> None:
+    """(all ranks, through its own ``ctx.all_ok`` before :func:`apply_state`) :func:`check_group_values`
+    for the request's optimizers: decided on every rank before any enters ``set_state_dict``, whose
+    collectives (FSDP1's optimizer loading) a rank that refused alone would leave waiting."""
+    if req.model is not None and req.optimizers:
+        check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
 
 
 def check_group_values(

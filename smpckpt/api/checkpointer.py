@@ -53,6 +53,7 @@ from smpckpt.api._resume import (
     ResumeRequest,
     apply_state,
     build_resume_state,
+    check_groups,
     choose_target,
     load_checkpoint,
     not_found_hint,
@@ -449,6 +450,7 @@ class Checkpointer:
                 state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
                 planner = load_checkpoint(req, req.opts, target.url, state)
             chosen = target
+            ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
             user_content, restored = ctx.all_ok(lambda: apply_state(req, chosen, ctx, state, planner.report, rng))
             info = summarize(req, target, ctx, planner, restored)
             if reader is not None:

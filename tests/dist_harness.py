@@ -14,10 +14,20 @@ ended by ``pthread_exit`` and aborts the rank (SIGABRT, ``terminate called witho
 exception``), at random, after its work succeeded. A rank whose function raised skips the barrier and
 the destroy (a collective may still be in flight on it, and destroying would wait on it): it reports
 and exits, and the closed sockets fail any peer still waiting on it at once.
+
+Ranks start from a fork server that has imported torch, ``torch.distributed`` and the package once
+(:data:`PRELOAD`), not as fresh interpreters: a spawned rank spent about two CPU-seconds importing
+them, on every rank of every world, which on a 2-core CI machine was minutes of the suite. The fork
+server is started once per test process (before any rank's work, with no thread or process group of
+its own), so its children fork from a clean importer. What a fork server would get wrong is the
+environment: its children inherit the server's, frozen when it started, so each rank is handed the
+parent's environment at call time (a test's ``monkeypatch.setenv`` reaches the ranks as it did when
+they were spawned) and the package reads its variables at call time, never at import.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import sys
@@ -29,6 +39,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 __all__ = ["run_world", "RankFailed"]
+
+#: imported once by the fork server; every rank forks from it with these modules loaded
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "smpckpt"]
 
 
 class RankFailed(AssertionError):
@@ -51,9 +64,13 @@ def _teardown() -> None:
     gc.collect()  # groups held only by reference cycles (exception tracebacks, meshes) go now
 
 
-def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(
+    rank: int, world_size: int, init_file: str, out_dir: str, env: dict[str, str], fn: Callable[..., Any], args: tuple
+) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
+    os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result: Any
     try:
@@ -82,14 +99,16 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` naming every rank
     that raised or did not finish within ``timeout`` seconds.
     """
+    # Takes effect when this process first starts its fork server; later calls change nothing.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="smpckpt-world-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, init_file, tmp, fn, args),
+            args=(world_size, init_file, tmp, dict(os.environ), fn, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline_ok = True
         import time

@@ -8,6 +8,21 @@ them: a load whose CPU is at most ~2x the raw read's can reach the raw read's ti
     python benchmarks/profile_load.py                               # 512 MiB GPT-like state, /dev/shm and disk
     python benchmarks/profile_load.py --model llama7b --dirs /dev/shm  # Llama-7B layer shapes (bf16, all tiled)
     python benchmarks/profile_load.py --tree /path/to/staged/old/tree  # the same, with an older smpckpt
+    python benchmarks/profile_load.py --dirs benchmarks/out --size-mib 1024 --phases --stream-ab --rounds 11
+
+``--phases``: the wall time of each smpckpt load split into its phases (metadata, planning, the read's
+set-up, the workers' I/O from the first request's start to the last one's end, the tail), beside the raw
+read's time: a raw ``readinto`` has no metadata or plan, so a load's fixed cost (about 10 ms on the
+loaded 2-vCPU VM for the 512 MiB GPT-like state's 83 items: no single hot spot) weighs twice as much
+against a 512 MiB raw read as against the 1 GiB the issue's warm-load target names. ``--stream-ab``: also
+the verified load with long tiled row groups read whole and hashed after (``_fetch.STREAM_ABOVE`` out of
+reach, as before streaming), paired against the default in the same rounds.
+
+Fair comparison: the raw read and every load here fill the same preallocated destinations (touched by
+the previous round: no page faults for either), from files in the page cache. How a file got into the
+page cache matters: pages read in with ``POSIX_FADV_RANDOM`` (read-ahead off: a reshard's scattered
+reads) are cached as small folios, and a warm read of them measured 1.5x the CPU of one of pages cached
+by a write or a sequential read (ext4, kernel 6.18); this script's files are all cached by their writes.
 
 ``--tree`` puts a folder on ``sys.path`` first (a copy of another commit's ``smpckpt`` whose
 ``planners``/``storage`` link to that commit's folders), to measure two trees side by side; for native
@@ -56,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma list of byte counts: also the verified load with _fetch.FUSE_BYTES set to each, in the same rounds",
     )
+    ap.add_argument("--phases", action="store_true", help="wall time of each load's phases (module docstring)")
+    ap.add_argument(
+        "--stream-ab",
+        action="store_true",
+        help="also the verified load with long tiled row groups read whole, then hashed (as before streaming), paired",
+    )
     args = ap.parse_args(argv)
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -100,10 +121,50 @@ def main(argv: list[str] | None = None) -> int:
     # the worker threads' CPU: verification, and the whole local read (which includes it where fused);
     # a fused chunk is verified by `_verify_chunk` (trees before it: `verify_blocks`), which calls
     # `verify_blocks` only to report a mismatch, so the two never overlap in a clean load
-    for name in () if args.no_split else ("verify_blocks", "_verify_chunk", "_read_local"):
+    # (a streamed tiled row group's digests are fed by `_feed`, request by request, inside `_read_local`)
+    for name in () if args.no_split else ("verify_blocks", "_verify_chunk", "_feed", "_read_local"):
         if hasattr(_fetch, name):
             key = "_read_local" if name == "_read_local" else "verify_blocks"
             setattr(_fetch, name, timed(name, getattr(_fetch, name), key))
+    phase: dict[str, float] = {}
+    if args.phases:
+        from smpckpt.storage.format import _reading
+        from smpckpt.storage.read import _run
+
+        def stamped(owner: Any, name: str, key: str) -> None:
+            fn = getattr(owner, name)
+
+            def wrapper(*a: Any, **k: Any) -> Any:
+                now = time.perf_counter()
+                with lock:
+                    phase.setdefault(key + "0", now)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    now = time.perf_counter()
+                    with lock:
+                        phase[key + "1"] = max(phase.get(key + "1", now), now)
+
+            setattr(owner, name, wrapper)
+
+        stamped(_reading.ReaderBase, "read_metadata", "md")
+        stamped(_reading.ReaderBase, "read_data", "rd")
+        stamped(_run.ReadRun, "run", "run")
+        stamped(_run.ReadRun, "_execute", "io")
+
+    def phases_of(t0: float, t1: float) -> dict[str, float]:
+        """The phases of the load that ran from ``t0`` to ``t1`` (seconds)."""
+        p = phase
+        if not all(k in p for k in ("md0", "md1", "rd0", "rd1", "run0", "run1", "io0", "io1")):
+            return {}
+        return {
+            "metadata": p["md1"] - t0,
+            "planning": p["rd0"] - p["md1"],
+            "read set-up": p["io0"] - p["rd0"],
+            "I/O": p["io1"] - p["io0"],
+            "tail": t1 - p["io1"],
+        }
+
     results: dict[str, Any] = {"code": _fetch.__file__, "model": args.model, "bytes": nbytes, "dirs": {}}
     print(f"smpckpt from {os.path.dirname(_fetch.__file__)}; {len(state)} tensors, {nbytes / (1 << 20):.0f} MiB")
     for parent in [d for d in args.dirs.split(",") if d]:
@@ -143,7 +204,22 @@ def main(argv: list[str] | None = None) -> int:
 
             return load
 
+        def whole_groups(load: Any) -> Any:
+            def run() -> None:
+                default = _fetch.STREAM_ABOVE
+                _fetch.STREAM_ABOVE = 1 << 62
+                try:
+                    load()
+                finally:
+                    _fetch.STREAM_ABOVE = default
+
+            return run
+
         cases = {"raw readinto": raw_load, "smpckpt": ours(True), "smpckpt unverified": ours(False)}
+        if args.stream_ab:
+            if not hasattr(_fetch, "STREAM_ABOVE"):
+                raise SystemExit("--stream-ab: this tree does not stream tiled row groups")
+            cases["smpckpt unstreamed"] = whole_groups(ours(True))
         for n in [int(x) for x in args.fuse_bytes.split(",") if x]:
             cases[f"smpckpt fuse {n >> 10} KiB"] = ours(True, fuse=n)
         recs: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
@@ -151,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds + 1):
                 for name, fn in list(cases.items())[r % len(cases) :] + list(cases.items())[: r % len(cases)]:
                     split.clear()
+                    phase.clear()
                     c0, t0 = _cpu_s(), time.perf_counter()
                     fn()
+                    t1 = time.perf_counter()
                     if r:
-                        recs[name].append({"s": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0, **split})
+                        parts = {f"phase {k}": v for k, v in phases_of(t0, t1).items()}
+                        recs[name].append({"s": t1 - t0, "cpu_s": _cpu_s() - c0, **split, **parts})
                     if name != "raw readinto":
                         bad = [k for k, v in state.items() if not torch.equal(dest[k], v)]
                         if bad:
@@ -185,7 +264,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {name:24s} {row['cpu_s_per_gib']:.3f} ({row['min']:.3f}..{row['max']:.3f})  "
                 f"x{row['x_raw_cpu']:.2f}{extra}"
             )
-        for name in [c for c in recs if c.startswith("smpckpt fuse")]:
+        if args.phases:
+            raw_s = statistics.median(g["s"] for g in recs["raw readinto"])
+            print(f"  wall, ms (median): raw readinto {raw_s * 1e3:.1f}")
+            for name, gs in recs.items():
+                keys = [k for k in gs[0] if k.startswith("phase ")]
+                if keys:
+                    med = {k: statistics.median(g.get(k, 0.0) for g in gs) for k in keys}
+                    rows[name]["phases_s"] = {k[6:]: v for k, v in med.items()}
+                    print(
+                        f"  {name:24s} {rows[name]['wall_s'] * 1e3:.1f}: "
+                        + ", ".join(f"{k[6:]} {v * 1e3:.1f}" for k, v in med.items())
+                    )
+        for name in [c for c in recs if c.startswith("smpckpt fuse") or c == "smpckpt unstreamed"]:
             # paired: each round's CPU against the default's in the same round (the host's load drifts less
             # within a round than across the run)
             ratios = [g["cpu_s"] / d["cpu_s"] for g, d in zip(recs[name], recs["smpckpt"])]

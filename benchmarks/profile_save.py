@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma list of on/off: also smpckpt with in-place records hashed beside their writes on hash "
         "threads (on) or inline just before each write (off), whatever the writer would choose "
-        "(_pipeline.HASH_BESIDE), in the same rounds, paired against the writer's choice",
+        "(FsspecStorageWriter(hash_beside=True/False)), in the same rounds, paired against the writer's choice",
     )
     args = ap.parse_args(argv)
     if args.tree:
@@ -130,25 +130,19 @@ def main(argv: list[str] | None = None) -> int:
         timed(_folder.Folder, "fsync_dirs", "fsync")
         timed(writer_mod.FsspecStorageWriter, "finish", "commit")
 
-    def ours(ck: str) -> None:
+    def ours(ck: str, **forced: Any) -> None:
         extra = {} if args.threads is None else {"thread_count": args.threads}
         planner = ParallelSavePlanner(layout, specs, rank=0, enable_plan_caching=False)
         with gc_frozen():  # as save_checkpoint and the benchmark driver run it
-            dcp.save({"model": state}, storage_writer=FsspecStorageWriter(ck, **extra), planner=planner)
+            writer = FsspecStorageWriter(ck, **extra, **forced)
+            dcp.save({"model": state}, storage_writer=writer, planner=planner)
 
     def forced(beside: bool) -> Any:
-        from smpckpt.storage.write import _pipeline
+        import inspect
 
-        def save(ck: str) -> None:
-            if not hasattr(_pipeline, "HASH_BESIDE"):
-                raise SystemExit("--hash-beside: this tree has no _pipeline.HASH_BESIDE")
-            _pipeline.HASH_BESIDE = beside
-            try:
-                ours(ck)
-            finally:
-                _pipeline.HASH_BESIDE = None
-
-        return save
+        if "hash_beside" not in inspect.signature(FsspecStorageWriter.__init__).parameters:
+            raise SystemExit("--hash-beside: this tree's FsspecStorageWriter takes no hash_beside")
+        return lambda ck: ours(ck, hash_beside=beside)
 
     def dcp_defaults(ck: str) -> None:
         planner = ParallelSavePlanner(layout, specs, rank=0, enable_plan_caching=False)

@@ -35,16 +35,30 @@ from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
 from smpckpt.storage.full._strided import read_streamed, row_groups, serially, share, stream_plan
 from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, cross_view, unit_extent
 
-__all__ = ["FullSource"]
+__all__ = ["FullSource", "THREADS"]
+
+#: worker threads of a full read by default (reads and checks of different tensors overlap; a column
+#: box's parts are shared by the threads free at the time): the readers' ``thread_count`` default
+THREADS = 4
 
 
 class FullSource(ArtifactIndex):
     """The tensors of one full artifact or Hugging Face folder, and the reads from it."""
 
     def __init__(
-        self, fs: Any, path: str, url: str, *, verify: bool, allow_pickle: bool, request_cost: int = REQUEST_COST_BYTES
+        self,
+        fs: Any,
+        path: str,
+        url: str,
+        *,
+        verify: bool,
+        allow_pickle: bool,
+        request_cost: int = REQUEST_COST_BYTES,
+        threads: int = THREADS,
     ) -> None:
         super().__init__(fs, path, url)
+        #: worker threads of :meth:`read` (the reader's ``thread_count``, checked there)
+        self.threads = threads
         self.verify = verify
         self.allow_pickle = allow_pickle
         #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._strided`)
@@ -60,7 +74,7 @@ class FullSource(ArtifactIndex):
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Every item of ``plan`` into ``planner``; the bytes it needed and read go to ``file_stats``.
 
-        The planner is called on this thread only. The tensors' reads and checks run on :data:`_THREADS`
+        The planner is called on this thread only. The tensors' reads and checks run on ``threads``
         worker threads (at most twice that many items in flight), so hashing overlaps the next read; on
         local files a column box's parts are shared by the threads free at the time (:meth:`_spread`). On
         object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
@@ -69,7 +83,7 @@ class FullSource(ArtifactIndex):
         items = list(plan.items)
         with (
             RunFiles(self.fs, self.path) as files,
-            concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="smpckpt-full-read") as pool,
+            concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="smpckpt-full-read") as pool,
         ):
             self._files, self._pool = files, pool
             spans: SpanFetcher | None = None
@@ -79,7 +93,11 @@ class FullSource(ArtifactIndex):
                 span_list, item_spans = plan_spans(extents)
                 if span_list:
                     spans = SpanFetcher(
-                        files, span_list, item_spans, ahead=_THREADS, on_fetch=lambda name, n: self._stat(name, 0, n)
+                        files,
+                        span_list,
+                        item_spans,
+                        ahead=self.threads,
+                        on_fetch=lambda name, n: self._stat(name, 0, n),
                     )
                     order = sorted(range(len(items)), key=lambda i: item_spans[i][:1] or (-1,))
                     items = [items[i] for i in order]
@@ -108,7 +126,7 @@ class FullSource(ArtifactIndex):
                     pending[pool.submit(self._fill, req, target, held)] = (req, target, used)
                     if spans is not None:
                         spans.top_up()
-                    if len(pending) >= 2 * _THREADS:
+                    if len(pending) >= 2 * self.threads:
                         make_room()
                 while pending:
                     make_room()
@@ -308,7 +326,7 @@ class FullSource(ArtifactIndex):
             except RuntimeError:  # the pool is shutting down (the read failed): this thread does the parts
                 pass
 
-        return share(count, work, submit, _THREADS - 1)
+        return share(count, work, submit, self.threads - 1)
 
     def _read_rows(
         self,
@@ -486,7 +504,3 @@ def _read_unit(files: RunFiles, t: StoredTensor, u: Unit) -> tuple[memoryview, i
     starts, run = box_runs(u.view, u.offsets, u.sizes, t.dtype.itemsize)
     ubytes = memoryview(bytearray(len(starts) * run))
     return ubytes, files.read_runs(t.file, t.start + starts, run, ubytes)
-
-
-#: worker threads of a full read (reads and checks of different tensors overlap)
-_THREADS = 4

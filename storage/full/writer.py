@@ -75,7 +75,7 @@ class FullArtifactWriter(FsspecWriterBase):
         full: layout options (shard size, dtype cast, translation, ``config.json``...; :class:`FullOptions`).
 
     The partial writer's options (``overwrite``, ``format``, ``block_size``, ``object_file_size``,
-    ``prefix_strategy``) are not taken: passing one is a ``TypeError`` naming it.
+    ``prefix_strategy``, ``hash_beside``) are not taken: passing one is a ``TypeError`` naming it.
     """
 
     _KIND = "full"

@@ -229,18 +229,30 @@ class ReadRun:
         kind that follow each other in the file share one such request while it stays within
         ``max_request_bytes`` -- the bound of every buffered request, so host memory stays what
         coalesced fetches already take (at most ``2 * thread_count`` requests in flight). Before, each
-        was a request of its own: a load of many 1-4 MiB tensors into CUDA issued one read per tensor."""
+        was a request of its own: a load of many 1-4 MiB tensors into CUDA issued one read per tensor.
+        Like merged direct reads (:meth:`_batched`) a shared request also stays within half the file's
+        bytes not yet handed out (at least :data:`TAPER_FLOOR`), so the hashing of the file's last
+        requests overlaps other reads; and it is ``scattered`` (no read-ahead) as the candidate reaching
+        its end is: what follows the request is what follows that candidate."""
         held: FetchTask | None = None  # buffered candidates not yet handed out, merged so far
+        left = sum(w.nbytes for w in work)  # bytes of this file's work not yet handed out
+
+        def handed(task: _Task) -> _Task:
+            nonlocal left
+            left -= task.nbytes
+            return task
+
         for w in work:
             if not isinstance(w, DirectCandidate):
                 if held is not None:
-                    yield held
+                    yield handed(held)
                     held = None
                 if isinstance(w, FetchTask):
                     self._add(w.file, w.nbytes, 1)
-                    yield w
+                    yield handed(w)
                 else:
-                    yield from self._box_parts(w)
+                    for part in self._box_parts(w):
+                        yield handed(part)
                 continue
             need = w.need
             target = self.planner.resolve_tensor(need.item.req).detach()
@@ -249,25 +261,29 @@ class ReadRun:
                 f = held.fetch if held is not None else None
                 if held is not None and f is not None and f.start <= need.start <= f.end:
                     end = max(f.end, need.end)  # widened neighbours may share a check block
-                    if end - f.start <= self.max_request_bytes:
+                    if end - f.start <= min(self.max_request_bytes, max(TAPER_FLOOR, left // 2)):
                         self._add(w.file, end - f.end, 0)
-                        held = FetchTask(w.file, Fetch(f.start, end, (*f.needs, need)), held.scattered and w.scattered)
+                        if need.end > f.end:
+                            scattered = w.scattered
+                        else:
+                            scattered = held.scattered or (need.end == f.end and w.scattered)
+                        held = FetchTask(w.file, Fetch(f.start, end, (*f.needs, need)), scattered)
                         continue
                 if held is not None:
-                    yield held
+                    yield handed(held)
                 self._add(w.file, w.nbytes, 1)
                 held = FetchTask(w.file, Fetch(need.start, need.end, (need,)), w.scattered)
                 continue
             if held is not None:
-                yield held
+                yield handed(held)
                 held = None
             spans = pieces(self.records.get(w.file), need.start, need.end)
             entry = _OpenItem(need.item, target, len(spans))
             self._add(w.file, need.end - need.start, 0)  # requests counted per batch (_batched)
             for lo, hi in spans:
-                yield _DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered)
+                yield handed(_DirectBatch(w.file, (entry,), (DirectPart(need.item, dst, lo, hi),), w.scattered))
         if held is not None:
-            yield held
+            yield handed(held)
 
     def _box_parts(self, box: BoxRead) -> Iterator[_BoxPart]:
         """(calling thread) A box's tasks: whole row groups of about :data:`PIECE_BYTES` each, so several
@@ -301,7 +317,8 @@ class ReadRun:
                 and task.parts[0].lo == held.parts[-1].hi
                 and held.nbytes + task.nbytes <= min(self.max_request_bytes, max(TAPER_FLOOR, left // 2))
             ):
-                scattered = held.scattered and task.scattered
+                # what follows the merged request is what follows ``task`` (it starts where ``held`` ends)
+                scattered = task.scattered
                 held = _DirectBatch(held.file, held.entries + task.entries, held.parts + task.parts, scattered)
                 continue
             if held is not None:

@@ -47,7 +47,7 @@ from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format.manifest import FileRecord, Probe
 from smpckpt.storage.full._commit import folder_names
-from smpckpt.storage.full._read import FullSource
+from smpckpt.storage.full._read import THREADS, FullSource
 from smpckpt.storage.full._source import hf_folder_files
 from smpckpt.storage.read._fetch import reading, reads_into
 from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, REQUEST_COST_BYTES, ROW_GAP, Item, plan_reads, raw_item
@@ -92,6 +92,9 @@ class FullArtifactReader(ReaderBase):
             local disk whose rows are fewer bytes apart than this is read as sequential spans of whole
             rows, each piece's check units verified before its columns are copied out; wider gaps read
             a request per row. 0: a request per row always (fewest bytes read).
+        thread_count: worker threads that read and verify the tensors (default 4): reads and checks of
+            different tensors overlap, and on local files a column box's parts are shared by the
+            threads free at the time. 1: every read and check on one worker thread.
     """
 
     def __init__(
@@ -104,8 +107,10 @@ class FullArtifactReader(ReaderBase):
         translation: Translation | None = None,
         hf_prefix: str = "",
         request_cost_bytes: int = REQUEST_COST_BYTES,
+        thread_count: int = THREADS,
     ) -> None:
         self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
+        self.thread_count = check_int("thread_count", thread_count, minimum=1)
         super().__init__(
             path,
             storage_options=storage_options,
@@ -133,6 +138,7 @@ class FullArtifactReader(ReaderBase):
             verify=self.verify_checksums,
             allow_pickle=self.allow_pickle,
             request_cost=self.request_cost_bytes,
+            threads=self.thread_count,
         )
         if found.state == "uncommitted":
             hf_files = self._hf_files()
@@ -238,9 +244,9 @@ class FsspecStorageReader(ReaderBase):
 
     Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
     ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;
-    Hugging Face folders have no checksums and are read as *unverified*. ``thread_count``,
-    ``reads_in_flight``, ``max_request_bytes`` and ``coalesce_gap`` apply to partial and stock checkpoints;
-    ``request_cost_bytes`` to full artifacts too.
+    Hugging Face folders have no checksums and are read as *unverified*. ``reads_in_flight``,
+    ``max_request_bytes`` and ``coalesce_gap`` apply to partial and stock checkpoints;
+    ``thread_count`` and ``request_cost_bytes`` to full artifacts too.
     """
 
     def __init__(
@@ -298,6 +304,7 @@ class FsspecStorageReader(ReaderBase):
                 "translation",
                 "hf_prefix",
                 "request_cost_bytes",
+                "thread_count",
             )
             self._full = FullArtifactReader(self.url, **{k: getattr(self, k) for k in shared})
             metadata = self._full.metadata_from(found)

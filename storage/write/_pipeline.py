@@ -5,7 +5,8 @@ stage_kind`):
 
 * **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is (no
   copy). Where the rank's file threads keep its CPUs busy (``hash_beside=False``, the writer's choice
-  when it writes at least as many files at once as the rank has CPUs) each chunk of about
+  when it writes at least as many files at once as the rank has CPUs; ``FsspecStorageWriter(...,
+  hash_beside=)`` forces either way) each chunk of about
   :data:`INLINE_CHUNK` bytes is hashed and then written by the file's own thread: the hash brings the
   chunk into the core's cache and the write's copy into the page cache reads it from there, so the
   bytes come from memory once (a hash thread beside the writer reads them from memory a second time:
@@ -52,9 +53,6 @@ BESIDE_CHUNK = 8 << 20
 #: in-place records below this many bytes are hashed inline either way: two hand-offs to the hash
 #: thread cost more than the hash
 BESIDE_ABOVE = 256 << 10
-#: (A/B in ``benchmarks/profile_save.py --hash-beside``) ``True``/``False`` overrides every stream's
-#: ``hash_beside``; ``None`` (the default): the writer's choice
-HASH_BESIDE: bool | None = None
 #: staged records below this many bytes (and a quarter of a buffer) share buffers
 PACK_BELOW = 1 << 20
 # staged buffers a file's writer may run ahead of its hasher
@@ -86,7 +84,7 @@ class FileStream:
         self, sink: Sink, hasher: BlockHasher, stages: Stages, hooks: Any = None, *, hash_beside: bool = False
     ) -> None:
         self.sink, self.hasher, self.stages = sink, hasher, stages
-        self.hash_beside = hash_beside if HASH_BESIDE is None else HASH_BESIDE
+        self.hash_beside = hash_beside
         self.pool = stages.pool
         # a sink that keeps views of what it is given until its commit (S3 parts, replication) gets
         # copies of staged bytes: their buffers are reused long before that

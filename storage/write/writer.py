@@ -79,6 +79,7 @@ _PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
         "block_size": DEFAULT_BLOCK_SIZE,
         "object_file_size": None,
         "prefix_strategy": "auto",
+        "hash_beside": None,
     }
 )
 
@@ -136,6 +137,12 @@ class FsspecStorageWriter(FsspecWriterBase):
             save spreads over many S3 prefixes); ``"flat"``, ``"hex"``, ``"binary"`` or a
             :class:`~smpckpt.storage.PrefixStrategy`. The prefix is part of each file's recorded name:
             readers and tools need no setting.
+        hash_beside: how records written in place (a contiguous CPU tensor's own memory) are hashed.
+            ``None`` (default): the writer's choice per save -- inline, each ~1 MiB chunk hashed by the
+            writing thread just before its write, where the files written at once keep the rank's CPUs
+            busy (at least as many as ``rank_cpus()``); otherwise beside the writes, on each file's hash
+            thread. ``True``/``False`` force beside/inline (A/B measurements:
+            ``benchmarks/profile_save.py --hash-beside``). The digests are the same either way.
         mode, full: deprecated. ``mode="full", full=FullOptions(...)`` returns a
             :class:`~smpckpt.storage.FullArtifactWriter` built from the shared options (with a
             ``DeprecationWarning``; an option above set to anything but its default is refused, as it
@@ -177,6 +184,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         mode: Literal["partial", "full"] = "partial",
         full: Any = None,
         prefix_strategy: PrefixOption = "auto",
+        hash_beside: bool | None = None,
         **options: Unpack[WriterOptions],
     ) -> None:
         if mode not in ("partial", "full"):
@@ -189,6 +197,8 @@ class FsspecStorageWriter(FsspecWriterBase):
         if format not in ("raw", "torch_save"):
             raise ValueError(f"format must be 'raw' or 'torch_save', got {format!r}")
         check_flag("overwrite", overwrite)
+        if hash_beside is not None:
+            check_flag("hash_beside", hash_beside)
         check_int("block_size", block_size, minimum=4096)
         if object_file_size is not None and (
             not isinstance(object_file_size, int) or not (object_file_size == 0 or object_file_size >= 1 << 20)
@@ -199,6 +209,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         self.format = format
         self.block_size = block_size
         self.prefix_strategy = prefix_strategy
+        self.hash_beside = hash_beside
         super().__init__(path, **options)
         # derived from part_size once the base has checked it
         self.object_file_size = int(self.part_size * PART_FILL) if object_file_size is None else object_file_size
@@ -305,7 +316,9 @@ class FsspecStorageWriter(FsspecWriterBase):
         errors: list[BaseException] = []
         # files written at once that keep the rank's CPUs busy hash each chunk just before writing it
         # (the bytes come from memory once); fewer files hash beside their writes, on threads of their own
-        self._hash_beside = min(len(buckets), workers) < rank_cpus()
+        # (``hash_beside=True``/``False``: forced, for A/B measurements)
+        beside = self.hash_beside
+        self._hash_beside = min(len(buckets), workers) < rank_cpus() if beside is None else beside
         # the checkpoint folder is made (and opened) even on a rank with nothing to write: the coordinator's
         # metadata and manifest go there. Every file is created in it, never through a link
         with self._open_folder(create=True) as self._folder:

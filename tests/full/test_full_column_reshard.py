@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from smpckpt import CheckpointCorrupt, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
+from smpckpt.storage import FsspecStorageReader, FullArtifactReader, FullArtifactWriter
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES
 from smpckpt.storage.full import _files, _strided
@@ -346,3 +346,46 @@ def test_a_flipped_byte_in_a_part_another_thread_reads_is_refused(
     assert str(file) in str(failure) and f"checksum mismatch in tensor 'm.{key}'" in str(failure), failure
     damaged = [threads for (o, n), threads in seen.items() if o <= bad < o + n]
     assert damaged and first[0] not in set().union(*damaged), (damaged, first)
+
+
+@pytest.mark.parametrize("threads", [1, 6])
+@pytest.mark.parametrize("direct", [True, False], ids=["FullArtifactReader", "through FsspecStorageReader"])
+def test_the_full_reader_reads_on_thread_count_threads(
+    artifact: Path, small_parts: None, monkeypatch: pytest.MonkeyPatch, threads: int, direct: bool
+) -> None:
+    """``thread_count`` sets the full reader's threads (``FsspecStorageReader`` passes its own on):
+    at 1 every part of a streamed column box is read on one thread; at 6 the first six threads to read
+    wait for each other (a barrier with a timeout), so the load fails unless six read (the default is
+    4). Bit-exact either way."""
+    barrier = threading.Barrier(threads, timeout=20)
+    waited: set[int] = set()
+    lock = threading.Lock()
+
+    def hold(offset: int, n: int) -> None:
+        me = threading.get_ident()
+        with lock:
+            first = me not in waited and len(waited) < threads
+            waited.add(me)
+        if first and threads > 1:
+            barrier.wait()  # BrokenBarrierError (the load fails) unless `threads` threads read
+
+    seen = _thread_of_reads(monkeypatch, hold)
+    dest = _dest("emb", "contiguous")
+    reset_dcp_caches()
+    if direct:
+        reader: Any = FullArtifactReader(str(artifact), thread_count=threads)
+    else:
+        reader = FsspecStorageReader(str(artifact), thread_count=threads)
+    planner = ParallelLoadPlanner(ParallelLayout(tp=TP), SPECS, rank=1, allow_partial_load=True)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"m": {"emb": dest}}, storage_reader=reader, planner=planner, no_dist=True)
+    assert torch.equal(dest, columns(EMB, 1))
+    assert len(set().union(*seen.values())) == threads, seen
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_full_reader_thread_count_below_one_is_refused_naming_it(artifact: Path, bad: int) -> None:
+    with pytest.raises(ValueError, match="thread_count"):
+        FullArtifactReader(str(artifact), thread_count=bad)
+    with pytest.raises(TypeError, match="thread_count"):
+        FullArtifactReader(str(artifact), thread_count=2.0)  # type: ignore[arg-type]

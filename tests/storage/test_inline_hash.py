@@ -22,7 +22,6 @@ from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import BlockHasher
 from smpckpt.storage.format._staging import Stages
 from smpckpt.storage.format.manifest import read_manifest
-from smpckpt.storage.write import _pipeline
 from smpckpt.storage.write import writer as writer_mod
 from smpckpt.storage.write._pipeline import INLINE_CHUNK, FileStream, inline_chunk
 
@@ -70,7 +69,9 @@ def _address(mv: memoryview) -> int:
     return int(torch.frombuffer(mv, dtype=torch.uint8).data_ptr()) if mv.nbytes else 0
 
 
-def _put_all(block_size: int, tensors: list[torch.Tensor]) -> tuple[_Recorder, BlockHasher]:
+def _put_all(
+    block_size: int, tensors: list[torch.Tensor], *, hash_beside: bool = False
+) -> tuple[_Recorder, BlockHasher]:
     sink = _Recorder()
 
     class Logged(BlockHasher):
@@ -80,7 +81,7 @@ def _put_all(block_size: int, tensors: list[torch.Tensor]) -> tuple[_Recorder, B
 
     hasher = Logged(block_size)
     stages = Stages(8 << 20)
-    stream = FileStream(sink, hasher, stages)  # type: ignore[arg-type]
+    stream = FileStream(sink, hasher, stages, hash_beside=hash_beside)  # type: ignore[arg-type]
     try:
         for t in tensors:
             data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -149,23 +150,27 @@ def test_a_save_hashed_inline_round_trips_and_a_flipped_byte_is_caught(tmp_path:
     assert isinstance(err, CheckpointCorrupt) and "checksum mismatch" in str(err), err
 
 
-def test_hashed_beside_the_writes_the_digests_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hashed_beside_the_writes_the_digests_are_the_same() -> None:
     """``hash_beside`` (a rank with CPUs to spare): chunks hashed on the file's hash thread while its
     thread writes them, with the same digests as inline."""
     tensors = [_tensor(i, s, d) for i, (s, d) in enumerate(SHAPES)]
     _, inline = _put_all(1 << 20, tensors)
-    monkeypatch.setattr(_pipeline, "HASH_BESIDE", True)
-    sink, beside = _put_all(1 << 20, tensors)
+    sink, beside = _put_all(1 << 20, tensors, hash_beside=True)
     assert any(kind == "hash" and name.startswith("smpckpt-hash") for kind, name, _, _ in sink.log)
     assert beside.finish() == inline.finish() and beside.tilings == inline.tilings
 
 
-@pytest.mark.parametrize(("cpus", "beside"), [(1, False), (2, False), (4, False), (5, True), (64, True)])
+@pytest.mark.parametrize(
+    ("cpus", "forced", "beside"),
+    [(1, None, False), (2, None, False), (4, None, False), (5, None, True), (64, None, True)]
+    + [(1, True, True), (64, False, False)],
+)
 def test_the_writer_hashes_inline_when_its_files_keep_the_cpus_busy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, beside: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, forced: bool | None, beside: bool
 ) -> None:
     """4 files written at once: hashed inline where the rank has at most 4 CPUs, beside the writes (on
-    hash threads) where CPUs would idle; the checkpoint loads bit-exactly either way."""
+    hash threads) where CPUs would idle, unless the writer's ``hash_beside`` forces one way against
+    that choice; the checkpoint loads bit-exactly either way."""
     monkeypatch.setattr(writer_mod, "rank_cpus", lambda: cpus)
     names: set[str] = set()
     update = BlockHasher.update
@@ -177,8 +182,13 @@ def test_the_writer_hashes_inline_when_its_files_keep_the_cpus_busy(
     monkeypatch.setattr(BlockHasher, "update", logged)
     state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}  # 1 MiB each: 4 files of 2
     path = str(tmp_path / "ck")
-    dcp.save({"m": state}, storage_writer=FsspecStorageWriter(path, thread_count=4))
+    dcp.save({"m": state}, storage_writer=FsspecStorageWriter(path, thread_count=4, hash_beside=forced))
     assert names and all(n.startswith("smpckpt-hash" if beside else "smpckpt-write") for n in names), names
     dest = {k: torch.empty_like(v) for k, v in state.items()}
     dcp.load({"m": dest}, storage_reader=FsspecStorageReader(path))
     assert all(torch.equal(dest[k], v) for k, v in state.items())
+
+
+def test_a_hash_beside_other_than_none_true_or_false_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="hash_beside must be True or False"):
+        FsspecStorageWriter(str(tmp_path / "ck"), hash_beside="no")  # type: ignore[arg-type]

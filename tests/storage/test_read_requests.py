@@ -66,9 +66,10 @@ def test_neighbouring_items_share_one_request(
 @pytest.mark.parametrize("verify", [True, False])
 # the same 20 items of 2 MiB into destinations that cannot take them in place (CUDA tensors; under the
 # CPU stand-in of the device stage, every destination): read into pooled buffers, neighbours merged up
-# to limit_mib per request (no taper) -- 64 -> one request, 16 -> 16 + 16 + 8, 1 -> an item each (larger
-# than the cap: alone, as before). Before, every item was a request of its own: 20 at every limit.
-@pytest.mark.parametrize(("limit_mib", "requests"), [(64, 1), (16, 3), (1, 20)])
+# to limit_mib per request and, as straight into destinations (above), at most half the bytes left down
+# to 16 MiB -- 64 -> 20 + 16 + 4, 16 -> 16 + 16 + 8, 1 -> an item each (larger than the cap: alone, as
+# before). Before merging, every item was a request of its own: 20 at every limit.
+@pytest.mark.parametrize(("limit_mib", "requests"), [(64, 3), (16, 3), (1, 20)])
 def test_neighbouring_items_staged_for_a_device_share_one_request(
     tmp_path: Any, verify: bool, limit_mib: int, requests: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,6 +31,7 @@ PARTIAL_ONLY = {
     "block_size": 3 << 20,
     "object_file_size": 0,
     "prefix_strategy": "hex",
+    "hash_beside": True,
 }
 
 

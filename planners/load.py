@@ -568,8 +568,8 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
     keys = sorted(saved)
     notes = []
     for key in missing:
-        at = bisect.bisect_left(keys, f"{key}.")
-        under = [k for k in keys[at : at + _SHOW + 1] if k.startswith(f"{key}.")]
+        # the keys under ``key.``: one run of the sorted keys, ending before ``key/`` ("/" follows ".")
+        under = keys[bisect.bisect_left(keys, f"{key}.") : bisect.bisect_left(keys, f"{key}/")]
         parts = key.split(".")
         whole = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in saved), None)
         if under:

@@ -354,6 +354,11 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it(tmp_path: 
     step(m, o, both=True)
     step(m2, o2, both=True)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    # saved without optimizer: a fresh optimizer resumes fresh (no state), not at step 1
+    save_checkpoint(str(tmp_path), "model_only", model=m)
+    m3, o3 = setup()
+    resume_from_checkpoint(str(tmp_path), "model_only", model=m3, optimizer=o3, strict=False)
+    assert not o3.state and all(torch.equal(a, b) for a, b in zip(m.parameters(), m3.parameters(), strict=True))
 
 
 class Custom:

@@ -14,6 +14,7 @@ otherwise DCP's overlap helper computes which saved chunks cover the piece.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import logging
@@ -231,6 +232,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
+                + _nesting_mismatches(missing, md_all)
             )
         ties.count(items)
         shared.count(items)
@@ -557,6 +559,25 @@ def _refuse_raw_without_our_reader(metadata: Metadata) -> None:
             "it with storage_reader=smpckpt.storage.FsspecStorageReader(path), or export it for stock tools "
             "with `smpckpt convert PATH OUT --to dcp|torch_save` (smpckpt.tools.convert.convert_checkpoint)"
         )
+
+
+def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str:
+    """(error path) Missing keys the checkpoint holds nested the other way, said as such: a dict saved
+    under ``x`` is stored as ``x.a``, ``x.b`` (DCP flattens it), so a tensor asked for as ``x`` would
+    otherwise be called absent, and ``x.a`` asked of a checkpoint holding ``x`` whole likewise."""
+    keys = sorted(saved)
+    notes = []
+    for key in missing:
+        # the keys under ``key.``: one run of the sorted keys, ending before ``key/`` ("/" follows ".")
+        under = keys[bisect.bisect_left(keys, f"{key}.") : bisect.bisect_left(keys, f"{key}/")]
+        parts = key.split(".")
+        whole = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in saved), None)
+        if under:
+            notes.append(f"{key}: the checkpoint holds a container there (keys {_show(under)}), not one value")
+        elif whole is not None:
+            what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
+            notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
+    return "; " + "; ".join(notes[:_SHOW]) if notes else ""
 
 
 def _show(keys: Sequence[str]) -> str:

@@ -112,6 +112,17 @@ def test_missing_unexpected_shape_dtype_errors_name_the_key():
     assert report.missing_keys == ("extra",) and report.unexpected_keys == ("b",) and report.cast_keys == ("w",)
 
 
+def test_a_key_saved_nested_the_other_way_is_named_as_such_not_as_absent():
+    """A dict saved under ``x`` is stored as ``x.a`` (DCP flattens it): a tensor asked for as ``x`` was
+    refused as "not in the checkpoint", as was ``x.a`` asked of a checkpoint holding ``x`` whole."""
+    one = ParallelLayout()
+    store, _ = save([{"x": {"a": torch.ones(2)}, "y": torch.ones(3)}], one)
+    with pytest.raises(LayoutMismatch, match=r"x: the checkpoint holds a container there \(keys x\.a\), not one value"):
+        load([{"x": torch.zeros(2), "y": torch.zeros(3)}], one, store)
+    with pytest.raises(LayoutMismatch, match=r"y\.b: the checkpoint holds 'y' whole \(a tensor\)"):
+        load([{"x": {"a": torch.zeros(2)}, "y": {"b": torch.zeros(3)}}], one, store)
+
+
 def test_reshard_reports_fast_path_vs_overlap():
     store, _ = save([tp_state(0), tp_state(1)], TP2, {"w": ShardSpec(0)})
     same = [tp_state(r, blank=True) for r in range(2)]

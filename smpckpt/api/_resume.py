@@ -62,6 +62,7 @@ __all__ = [
     "load_checkpoint",
     "apply_state",
     "check_groups",
+    "stateless_at_save",
     "summarize",
     "not_found_hint",
 ]
@@ -291,8 +292,10 @@ def apply_state(
     state: dict[str, Any],
     report: LoadReport | None,
     restore_rng: bool,
+    unsaved: frozenset[str] = frozenset(),
 ) -> tuple[Any, tuple[str, ...]]:
-    """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once."""
+    """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once.
+    ``unsaved``: :func:`stateless_at_save`'s parameters, left without optimizer state."""
     if req.model is not None:
         model_sd = state[RESERVED.model]
         fn = req.opts.translate_function
@@ -311,6 +314,11 @@ def apply_state(
                 optim_state_dict=state[RESERVED.optim],
                 options=opts,
             )
+            if unsaved:
+                for name, param in req.model.named_parameters(remove_duplicate=False):
+                    if _get_fqns(req.model, name) & unsaved:
+                        for opt in req.optimizers:
+                            opt.state.pop(param, None)
         else:
             set_model_state_dict(req.model, model_sd, options=opts)
     restored: tuple[str, ...] = ()
@@ -325,6 +333,35 @@ def apply_state(
         stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
     )
     return user_content, restored
+
+
+def stateless_at_save(
+    req: ResumeRequest, state: Mapping[str, Any], fresh: bool, planner: ParallelLoadPlanner
+) -> frozenset[str]:
+    """(each rank, ``strict=False``) The parameters (FQNs) the checkpoint holds no optimizer state for:
+    every one of their ``state`` keys absent (a parameter that had no gradient yet at the save -- an unused
+    branch, an expert never routed to --, one new in the model, or a checkpoint saved without optimizer).
+    A fresh optimizer got state for every parameter from DCP's ``get_state_dict`` (a step at lr 0:
+    ``step`` 1, zero moments); left so, its next ``step()`` would differ from the saved run's (Adam's bias
+    correction), silently: such parameters resume without state, as a fresh optimizer has them. Only for
+    an optimizer that had no state of its own before the resume (``fresh``): a live one keeps its values,
+    as ``strict=False`` promises for every key it skips."""
+    report = planner.report
+    if req.opts.strict or not req.optimizers or not fresh or report is None or not report.missing_keys:
+        return frozenset()  # strict: a missing key was refused before anything was read
+    optim_sd = state[RESERVED.optim]
+    missing = {planner.entries[k].local_key for k in report.missing_keys if k in planner.entries}
+    # the optimizers' parameters: every one has param_groups keys here (hyper-parameter names hold no dots)
+    fqns = {key[len("param_groups.") :].rpartition(".")[0] for key in optim_sd if key.startswith("param_groups.")}
+    absent: dict[str, bool] = {}  # fqn -> every one of its state keys missing
+    for key in optim_sd:
+        if key.startswith("state."):
+            parts = key[len("state.") :].split(".")
+            # the longest FQN in front (a state value may nest: ``state.<fqn>.<name>.<inner>``)
+            fqn = next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in fqns), None)
+            if fqn is not None:
+                absent[fqn] = absent.get(fqn, True) and f"{RESERVED.optim}.{key}" in missing
+    return frozenset(f for f, gone in absent.items() if gone)
 
 
 def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

@@ -58,6 +58,7 @@ from smpckpt.api._resume import (
     load_checkpoint,
     not_found_hint,
     restores_rng,
+    stateless_at_save,
     summarize,
 )
 from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
@@ -430,6 +431,8 @@ class Checkpointer:
             if not opts.partial:
                 return resume_full(ctx, common, tag, opts)
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
+            # before get_state_dict gives a fresh optimizer state for every parameter (stateless_at_save)
+            fresh = all(not o.state for o in req.optimizers)
             loaded = None
             if self._tier is not None:
                 loaded = self._tier.resume(req, ctx)
@@ -451,7 +454,11 @@ class Checkpointer:
                 planner = load_checkpoint(req, req.opts, target.url, state)
             chosen = target
             ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
-            user_content, restored = ctx.all_ok(lambda: apply_state(req, chosen, ctx, state, planner.report, rng))
+            user_content, restored = ctx.all_ok(
+                lambda: apply_state(
+                    req, chosen, ctx, state, planner.report, rng, stateless_at_save(req, state, fresh, planner)
+                )
+            )
             info = summarize(req, target, ctx, planner, restored)
             if reader is not None:
                 peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)

@@ -232,6 +232,71 @@ def test_a_change_outside_the_optimizer_before_staging_fails_the_save(
     ckpt.close()
 
 
+def test_an_in_place_op_still_running_while_the_lane_checks_fails_the_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATen moves a version counter only after the kernel wrote: an op running while the lane copies and
+    compares shows it the old version and the new bytes (hunt53's repro). Held there deterministically by
+    a dispatch mode (it runs between the kernel and the bump); the second comparison, on this thread,
+    sees the change and the save is refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    go, checked = threading.Event(), threading.Event()
+    real_run, real_unchanged = staging.Pending.run, staging.Pending._unchanged
+
+    def held_run(self: Any) -> None:
+        if not go.wait(30):
+            raise RuntimeError("the in-place op never started")
+        real_run(self)
+
+    def signalled(self: Any) -> None:
+        try:
+            real_unchanged(self)
+        finally:
+            checked.set()
+
+    monkeypatch.setattr(staging.Pending, "run", held_run)
+    monkeypatch.setattr(staging.Pending, "_unchanged", signalled)
+
+    class KernelThenWait(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))  # written; the version moves after this returns
+            if func is torch.ops.aten.fill_.Scalar:
+                go.set()
+                checked.wait(30)  # the lane copies and compares meanwhile
+            return out
+
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+    fut = ckpt.save("a", m, opt)
+    with torch.no_grad(), KernelThenWait():
+        m[2].weight.fill_(3.0)
+    assert fut is not None and checked.is_set()
+    with pytest.raises(CheckpointError, match=r"model\.2\.weight changed in place after the async save"):
+        fut.result(30)
+    assert not os.path.exists(os.path.join(str(tmp_path), "newest"))  # nothing committed
+    with pytest.raises(CheckpointError, match="background save of checkpoint 'a' failed"):
+        ckpt.wait()
+    ckpt.close()
+
+
+def test_the_next_step_lets_the_overlapped_save_finish_without_a_wait(tmp_path: Any) -> None:
+    """The lane writes only after the versions were compared between the training thread's ops: the next
+    step's pre-hook does it, so a loop that never waits for the future still gets its checkpoint."""
+    import concurrent.futures
+
+    m, opt = _trained(0)
+    want = _values(m, opt)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+    fut = ckpt.save("a", m, opt)
+    assert fut is not None
+    _step(m, opt)
+    done, _ = concurrent.futures.wait([fut], timeout=60)  # no result(): only the step compared
+    assert fut in done and fut.exception() is None
+    _assert_equal(_resumed(str(tmp_path), "a"), want)  # BatchNorm's statistics were staged at the save
+    ckpt.close()
+
+
 def test_without_overlap_the_save_stages_everything_before_returning(
     tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
 ) -> None:

@@ -19,7 +19,6 @@ from smpckpt.storage.backends._sinks import byte_view
 from smpckpt.storage.format._check_units import ItemChecks, Tiling
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_SIZE", "BlockHasher", "hash_bytes", "hash_parts", "hash_rows", "update_rows"]
-__all__ += ["streaming_hash"]
 
 #: The checksum algorithm's name as the manifest records it (and names its digest fields after).
 ALGORITHM = "xxh3_64"
@@ -30,12 +29,6 @@ def hash_bytes(data: bytes | bytearray | memoryview) -> int:
     """xxh3-64 of ``data`` (xxhash releases the GIL above 64 KiB, so hashing large buffers overlaps with
     other threads' reads and hashing)."""
     return xxhash.xxh3_64_intdigest(data)
-
-
-def streaming_hash() -> xxhash.xxh3_64:
-    """A fresh xxh3-64 state: the ``intdigest()`` of the bytes fed to it (``update``, :func:`update_rows`),
-    in however many pieces, equals :func:`hash_bytes` of them joined."""
-    return xxhash.xxh3_64()
 
 
 def hash_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:

@@ -27,7 +27,7 @@ from smpckpt.storage.backends._fs import (
     pread_into,
     translate_errors,
 )
-from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows, streaming_hash, update_rows
+from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._plan import Item
 
@@ -139,20 +139,6 @@ RowsDigest = Callable[[int, int, int, int], int]
 #: the 256 KiB CPU: no worse, the gain within this loaded VM's noise there. Earlier (/dev/shm, one thread): a 16 MiB
 #: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146.
 FUSE_BYTES = 256 << 10
-#: a fused chunk longer than this (a tiled row group: its tiles' rows run to the group's end, 4-8 MiB
-#: for the default 1 MiB unit) is read in requests of :data:`STREAM_BYTES`, each tile's digest fed the
-#: rows of each request as it arrives (:func:`_read_streamed`), instead of read whole and its tiles hashed
-#: after, when most of the group has left the CPU's cache. Measured on the 2-vCPU VM (loaded), one thread,
-#: 256 MiB from the ext4 page cache, CPU s per GiB: tiles of 4 KiB segments in 16 KiB rows 0.426 read
-#: whole then hashed, 0.375 in 1 MiB requests, 0.367 in 256 KiB; 512 KiB segments in 4 MiB rows 0.402,
-#: 0.357, 0.344 (a raw read of the same bytes 0.249)
-STREAM_ABOVE = 2 * FUSE_BYTES
-#: request size of a streamed chunk (see :data:`STREAM_ABOVE`): fewer digest updates per GiB than
-#: :data:`FUSE_BYTES` (each is a few Python calls per tile), still within a core's L2 cache
-STREAM_BYTES = 512 << 10
-#: chunks of more units than this are not streamed: every request feeds every tile of the group, so a
-#: tiling of many narrow column groups would cost more Python calls than the cache saves
-STREAM_UNITS = 16
 
 
 def unit_rows(rec: FileRecord, i: int) -> tuple[int, int, int, int]:
@@ -187,20 +173,13 @@ class Landing:
                 out.append(mv[a - off : b - off])
         return out
 
-    def within(self, lo: int, hi: int) -> tuple[int, memoryview] | None:
-        """The segment ``(file offset, view)`` that holds all of file bytes ``[lo, hi)``, if one does."""
-        for off, mv in self.segs:
-            if off <= lo and hi <= off + len(mv):
-                return off, mv
-        return None
-
     def digest(self, first: int, rows: int, run: int, stride: int) -> int:
         """A :data:`RowsDigest` over the landed bytes: one call per unit, wherever it lies (a tile's rows
         are gathered and hashed at once, see :func:`~smpckpt.storage.format._checksum.hash_rows`)."""
         end = first + (rows - 1) * stride + run
-        seg = self.within(first, end)
-        if seg is not None:
-            return hash_rows(seg[1], first - seg[0], rows, run, stride)
+        for off, mv in self.segs:
+            if off <= first and end <= off + len(mv):
+                return hash_rows(mv, first - off, rows, run, stride)
         # a unit across two buffers (a widened head or tail beside the destination): its bytes joined
         joined = memoryview(bytearray(end - first))
         pos = 0
@@ -354,12 +333,6 @@ def _read_fused(
     dev = os.fstat(fd).st_dev
     nowait, memory = True, None  # what the file's filesystem can tell, asked once per request
     for a, b, units in _chunks(rec, lo, hi):
-        if nowait and b - a > STREAM_ABOVE and len(units) <= STREAM_UNITS * UNIT_FIELDS:
-            left = _read_streamed(fd, path, keys, land, a, b, hi, rec, units, items, dev)
-            if left == b:
-                continue
-            if left != NOT_SUPPORTED:
-                return left  # not all in memory: read to hi, verified from ``a`` by the caller
         got = pread_cached(fd, land.views(a, b), a, dev) if nowait else NOT_SUPPORTED
         if got == NOT_SUPPORTED:
             nowait = False
@@ -374,82 +347,6 @@ def _read_fused(
             return a
         _verify_chunk(path, rec, a, b, units, items, land.digest)
     return hi
-
-
-def _read_streamed(
-    fd: int,
-    path: str,
-    keys: Sequence[str],
-    land: Landing,
-    a: int,
-    b: int,
-    hi: int,
-    rec: FileRecord,
-    units: Units,
-    items: Sequence[Item],
-    dev: int,
-) -> int:
-    """A long chunk ``[a, b)`` of :func:`_chunks` (a tiled row group, :data:`STREAM_ABOVE`) read from memory
-    in requests of :data:`STREAM_BYTES`, each of its units' digests fed the bytes of each request as it
-    arrives (the digest of bytes fed in pieces is that of the whole), then checked. Returns ``b`` when
-    read and verified; :data:`NOT_SUPPORTED` when the filesystem cannot tell what is in memory (nothing
-    read: the caller reads the chunk its other way); ``a`` when bytes were not in memory: then the rest
-    up to ``hi`` has been read in one request, and ``[a, hi)`` is left to verify."""
-    n = len(units) // UNIT_FIELDS
-    hashers = [streaming_hash() for _ in range(n)]
-    p = a
-    while p < b:
-        q = min(b, p + STREAM_BYTES)
-        got = pread_cached(fd, land.views(p, q), p, dev)
-        if got == NOT_SUPPORTED:
-            if p == a:
-                return NOT_SUPPORTED
-            got = 0
-        if got < q - p:  # not (all) in the page cache: the rest in one request, as _read_fused does
-            rest = pread_into(fd, land.views(p + got, hi), p + got, hi - p - got)
-            check_complete(path, keys, a, hi, p - a + got + rest)
-            return a
-        for k in range(n):
-            _, first, rows, run, stride = units[k * UNIT_FIELDS : (k + 1) * UNIT_FIELDS]
-            _feed(hashers[k], land, first, rows, run, stride, p, q)
-        p = q
-    digests = rec.block_digests
-    for k in range(n):
-        i = units[k * UNIT_FIELDS]
-        if hashers[k].intdigest() != digests[i]:
-            verify_blocks(path, rec, a, b, items, land.digest, blocks=[i])  # raises, naming the unit and its keys
-            raise CheckpointCorrupt(f"{path}: checksum mismatch in block {i}")  # pragma: no cover - raised above
-    return b
-
-
-def _feed(h: Any, land: Landing, first: int, rows: int, run: int, stride: int, p: int, q: int) -> None:
-    """Feed ``h`` the bytes of one unit (``rows`` runs of ``run`` file bytes from ``first``, ``stride``
-    apart: :func:`unit_rows`) that lie in file bytes ``[p, q)``, in order; its bytes before ``p`` were fed
-    by the calls for the requests before. A run cut by ``p`` or ``q`` is fed its part on each side."""
-    if rows == 1 or run == stride:
-        for v in land.views(max(first, p), min(first + (rows - 1) * stride + run, q)):
-            h.update(v)
-        return
-    r = max(0, (p - first - run) // stride + 1)  # the first run that ends after p
-    r_end = min(rows, max(0, -(-(q - first) // stride)))  # past the last run that starts before q
-    while r < r_end:
-        s = first + r * stride
-        if s >= p and s + run <= q:
-            # this run and the whole ones after it, at once where one segment holds them all
-            whole = min(r_end, (q - run - first) // stride + 1) - r
-            end = s + (whole - 1) * stride + run
-            seg = land.within(s, end)
-            if seg is not None:
-                update_rows(h, seg[1], s - seg[0], whole, run, stride)
-            else:
-                for t in range(r, r + whole):
-                    for v in land.views(first + t * stride, first + t * stride + run):
-                        h.update(v)
-            r += whole
-            continue
-        for v in land.views(max(s, p), min(s + run, q)):
-            h.update(v)
-        r += 1
 
 
 def read_range(

@@ -8,15 +8,13 @@ them: a load whose CPU is at most ~2x the raw read's can reach the raw read's ti
     python benchmarks/profile_load.py                               # 512 MiB GPT-like state, /dev/shm and disk
     python benchmarks/profile_load.py --model llama7b --dirs /dev/shm  # Llama-7B layer shapes (bf16, all tiled)
     python benchmarks/profile_load.py --tree /path/to/staged/old/tree  # the same, with an older smpckpt
-    python benchmarks/profile_load.py --dirs benchmarks/out --size-mib 1024 --phases --stream-ab --rounds 11
+    python benchmarks/profile_load.py --dirs benchmarks/out --size-mib 1024 --phases --rounds 11
 
 ``--phases``: the wall time of each smpckpt load split into its phases (metadata, planning, the read's
 set-up, the workers' I/O from the first request's start to the last one's end, the tail), beside the raw
 read's time: a raw ``readinto`` has no metadata or plan, so a load's fixed cost (about 10 ms on the
 loaded 2-vCPU VM for the 512 MiB GPT-like state's 83 items: no single hot spot) weighs twice as much
-against a 512 MiB raw read as against the 1 GiB the issue's warm-load target names. ``--stream-ab``: also
-the verified load with long tiled row groups read whole and hashed after (``_fetch.STREAM_ABOVE`` out of
-reach, as before streaming), paired against the default in the same rounds.
+against a 512 MiB raw read as against the 1 GiB the issue's warm-load target names.
 
 Fair comparison: the raw read and every load here fill the same preallocated destinations (touched by
 the previous round: no page faults for either), from files in the page cache. How a file got into the
@@ -72,11 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of byte counts: also the verified load with _fetch.FUSE_BYTES set to each, in the same rounds",
     )
     ap.add_argument("--phases", action="store_true", help="wall time of each load's phases (module docstring)")
-    ap.add_argument(
-        "--stream-ab",
-        action="store_true",
-        help="also the verified load with long tiled row groups read whole, then hashed (as before streaming), paired",
-    )
     args = ap.parse_args(argv)
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -121,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # the worker threads' CPU: verification, and the whole local read (which includes it where fused);
     # a fused chunk is verified by `_verify_chunk` (trees before it: `verify_blocks`), which calls
     # `verify_blocks` only to report a mismatch, so the two never overlap in a clean load
-    # (a streamed tiled row group's digests are fed by `_feed`, request by request, inside `_read_local`)
-    for name in () if args.no_split else ("verify_blocks", "_verify_chunk", "_feed", "_read_local"):
+    for name in () if args.no_split else ("verify_blocks", "_verify_chunk", "_read_local"):
         if hasattr(_fetch, name):
             key = "_read_local" if name == "_read_local" else "verify_blocks"
             setattr(_fetch, name, timed(name, getattr(_fetch, name), key))
@@ -204,22 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return load
 
-        def whole_groups(load: Any) -> Any:
-            def run() -> None:
-                default = _fetch.STREAM_ABOVE
-                _fetch.STREAM_ABOVE = 1 << 62
-                try:
-                    load()
-                finally:
-                    _fetch.STREAM_ABOVE = default
-
-            return run
-
         cases = {"raw readinto": raw_load, "smpckpt": ours(True), "smpckpt unverified": ours(False)}
-        if args.stream_ab:
-            if not hasattr(_fetch, "STREAM_ABOVE"):
-                raise SystemExit("--stream-ab: this tree does not stream tiled row groups")
-            cases["smpckpt unstreamed"] = whole_groups(ours(True))
         for n in [int(x) for x in args.fuse_bytes.split(",") if x]:
             cases[f"smpckpt fuse {n >> 10} KiB"] = ours(True, fuse=n)
         recs: dict[str, list[dict[str, float]]] = {c: [] for c in cases}
@@ -276,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"  {name:24s} {rows[name]['wall_s'] * 1e3:.1f}: "
                         + ", ".join(f"{k[6:]} {v * 1e3:.1f}" for k, v in med.items())
                     )
-        for name in [c for c in recs if c.startswith("smpckpt fuse") or c == "smpckpt unstreamed"]:
+        for name in [c for c in recs if c.startswith("smpckpt fuse")]:
             # paired: each round's CPU against the default's in the same round (the host's load drifts less
             # within a round than across the run)
             ratios = [g["cpu_s"] / d["cpu_s"] for g, d in zip(recs[name], recs["smpckpt"])]

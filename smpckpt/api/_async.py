@@ -70,25 +70,6 @@ class LaneThread(threading.Thread):
         self.lane.run()
 
 
-class SealingFuture(concurrent.futures.Future[None]):
-    """The future of a save whose staging overlaps the next step: its ``result()`` and ``exception()``
-    first let the staging's versions be compared on the calling thread (``_staging.Pending.seal``), which
-    the lane waits for before writing; without that, a caller waiting here before any optimizer step
-    would wait forever. (``concurrent.futures.wait`` on it does not: call ``result()``, or step.)"""
-
-    def __init__(self, seal: Callable[[], None]) -> None:
-        super().__init__()
-        self._seal = seal
-
-    def result(self, timeout: float | None = None) -> None:
-        self._seal()
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._seal()
-        return super().exception(timeout)
-
-
 class Lane:
     """One kind of background work of one Checkpointer (``kind``: its saves, or its drains), run in order
     on a :class:`LaneThread` started at the first :meth:`submit`. ``failed`` is kept for the next call to
@@ -108,7 +89,6 @@ class Lane:
         self.tag = ""  #: its tag
         self.submitted = 0.0  #: when (``time.monotonic``): the newest drain of the process is the last one
         self.failed: tuple[str, BaseException] | None = None
-        self.seal: Callable[[], None] | None = None  #: the last work's staging check (see SealingFuture)
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _forget_lane(ref))
@@ -122,12 +102,9 @@ class Lane:
     def running(self) -> bool:
         return self.fut is not None and not self.fut.done()
 
-    def submit(
-        self, tag: str, work: Callable[[], None], seal: Callable[[], None] | None = None
-    ) -> concurrent.futures.Future[None]:
-        """Run ``work()`` on the lane's thread after the work before it; its failure is kept in ``failed``.
-        ``seal``: what a waiter runs first (``work`` waits for it; see :class:`SealingFuture`)."""
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future() if seal is None else SealingFuture(seal)
+    def submit(self, tag: str, work: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Run ``work()`` on the lane's thread after the work before it; its failure is kept in ``failed``."""
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
@@ -136,7 +113,7 @@ class Lane:
                 self._thread = thread
             self._used = True
             self._queue.append((tag, work, fut))
-            self.fut, self.tag, self.submitted, self.seal = fut, tag, time.monotonic(), seal
+            self.fut, self.tag, self.submitted = fut, tag, time.monotonic()
             self._cond.notify()
         return fut
 
@@ -167,16 +144,9 @@ class Lane:
 
     def wait(self) -> None:
         """Wait for the work in flight (no error raised here)."""
-        self.seal_staging()
         fut = self.fut
         if fut is not None:
             concurrent.futures.wait([fut])
-
-    def seal_staging(self) -> None:
-        """(a waiter, between its ops) Let the last work's staging check run on this thread, if it has one."""
-        seal = self.seal
-        if seal is not None:
-            seal()
 
     def stop(self, join: bool = False) -> None:
         """End the thread once the work submitted is done (a later :meth:`submit` starts another)."""
@@ -192,7 +162,7 @@ class Lane:
         future, so a child that waited for it (at exit, or in its own save) would hang."""
         self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
         self._queue.clear()
-        self._thread, self.fut, self.failed, self._used, self.seal = None, None, None, False, None
+        self._thread, self.fut, self.failed, self._used = None, None, None, False
 
 
 def _forget_lane(ref: weakref.ref[Lane]) -> None:
@@ -225,7 +195,6 @@ def raise_failed(lanes: Iterable[Lane], suffix: str) -> None:
 def check_previous(save: Lane, drain: Lane, wait: bool) -> None:
     """(caller) Refuse a save while one is in flight (``wait`` false), else wait for it; then raise a
     background failure once."""
-    save.seal_staging()  # a save waiting for its staging check is not "running" on its own
     if save.running and not wait:
         raise CheckpointError(
             f"a background save of {save.tag!r} is still running (wait_for_previous=False); call "

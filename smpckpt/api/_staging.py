@@ -10,14 +10,6 @@ unfinished, so a step never changes values being staged. A deferred tensor chang
 way before it was staged (its version counter moved) fails the save, naming it: never a checkpoint
 holding a value from after the save.
 
-Why the lane's own check is not the last word: ATen moves a tensor's version counter only after its
-kernel wrote the data, so an in-place op still running on the training thread while the lane copies
-and compares shows the lane the old version and the new bytes. The versions are therefore compared once
-more on a thread that is between its ops (:meth:`Pending.seal`): the next step's pre-hook, or whoever
-waits for the save (the future's ``result()``, ``wait()``, ``close()``, the next save, the exit hook); the
-lane writes nothing before that. Any in-place change between the save and that point fails the save,
-even one that came after the copy (the two cannot be told apart).
-
 CUDA: the deferred copies run on a side stream after an event recorded on the caller's stream at the save
 (the weights are final once the kernels queued before it ran), into pinned buffers, non-blocking; then
 the device's current stream waits for the copies' event, so whatever is queued there after that (the
@@ -84,9 +76,6 @@ class Pending:
         self.versions = [src._version for _, src, _ in pairs]  #: at the save: an in-place change moves them
         self.issued = threading.Event()  #: every copy issued (CPU: done); set on failure too
         self.done: Any = None  #: CUDA: the copies' event
-        self.sealed = threading.Event()  #: the versions compared again between a user thread's ops
-        self._seal_lock = threading.Lock()
-        self._changed: list[str] = []  #: what :meth:`seal` found changed
 
     def run(self) -> None:
         """(the lane thread) Issue the copies, check that nothing changed them meanwhile, let the optimizers
@@ -105,42 +94,17 @@ class Pending:
             self.issued.set()
         if self.done is not None:
             self.done.synchronize()
-
-    def _changed_keys(self) -> list[str]:
-        return [key for (key, src, _), v in zip(self.pairs, self.versions) if src._version != v]
-
-    def _refusal(self, changed: list[str]) -> CheckpointError:
-        return CheckpointError(
-            f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed in place after the async save "
-            f"of checkpoint {self.tag!r} started and before its staging was checked (the next optimizer step, "
-            "or a wait for the save), not by an optimizer's step (which waits for the staging): the save is "
-            "refused rather than written with values from after it. Change them only once the save's future is "
-            "done, or save with AsyncOptions(overlap_staging=False)"
-        )
+        self.pairs = []  # the sources: not kept past the copy
 
     def _unchanged(self) -> None:
-        changed = self._changed_keys()
+        changed = [key for (key, src, _), v in zip(self.pairs, self.versions) if src._version != v]
         if changed:
-            raise self._refusal(changed)
-
-    def seal(self) -> None:
-        """(a user thread between its ops: an optimizer step's pre-hook, a wait for the save) Once the
-        copies are issued, compare the versions again: an in-place op that was still running when the
-        lane compared them has moved them by now. Idempotent; never raises (the lane does)."""
-        if self.sealed.is_set():
-            return
-        self.issued.wait()
-        with self._seal_lock:
-            if not self.sealed.is_set():
-                self._changed = self._changed_keys()
-                self.pairs = []  # the sources: not kept past the check
-                self.sealed.set()
-
-    def wait_sealed(self) -> None:
-        """(the lane, before writing) Wait for :meth:`seal`; raise if it found a change."""
-        self.sealed.wait()
-        if self._changed:
-            raise self._refusal(self._changed)
+            raise CheckpointError(
+                f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed in place after the async save "
+                f"of checkpoint {self.tag!r} started and before it was staged, not by an optimizer's step (which "
+                "waits for the staging): the save is refused rather than written with values from after it. "
+                "Change them only once the save's future is done, or save with AsyncOptions(overlap_staging=False)"
+            )
 
     def wait_issued(self) -> None:
         """(an optimizer step) Wait until the copies are issued; on CUDA the step's stream (the device's
@@ -168,9 +132,6 @@ class StagingGate:
         pending = self.pending
         if pending is not None:
             pending.wait_issued()
-            pending.seal()  # this thread is between its ops: what it changed before the step shows now
-            if self.pending is pending:
-                self.pending = None
 
     def close(self) -> None:
         """Remove every hook."""

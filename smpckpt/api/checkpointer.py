@@ -383,7 +383,6 @@ class Checkpointer:
             if pending is not None:
                 try:
                     pending.run()
-                    pending.wait_sealed()  # nothing is written before a user thread compared the versions
                 finally:
                     if self._gate.pending is pending:
                         self._gate.pending = None
@@ -391,7 +390,7 @@ class Checkpointer:
                 self._write(breq, staged, extra, tier, "in the background")
 
         try:
-            fut = self._save_lane.submit(req.tag, work, seal=None if pending is None else pending.seal)
+            fut = self._save_lane.submit(req.tag, work)
         except BaseException:
             if pending is not None:  # never queued (no thread could start): no step may wait for it
                 if self._gate.pending is pending:

@@ -231,11 +231,10 @@ class AsyncOptions(_Options):
 
     Off by default because the contract is the caller's: between the save and its staging, those
     tensors may change only through the optimizers' ``step``. An in-place change through autograd-visible
-    ops moves the tensor's version counter and fails the save naming it (compared again on the training
-    thread at the next step or at a wait for the save, before anything is written: the save finishes
-    only after one of them), but writes that bypass the counter (``p.data.zero_()``, an EMA swap through
-    ``.data``, numpy or dlpack views, CUDA-graph replays, custom kernels) are not seen and would reach the
-    checkpoint. ``False``: everything is staged before the save returns."""
+    ops moves the tensor's version counter and fails the save naming it, but writes that bypass the
+    counter (``p.data.zero_()``, an EMA swap through ``.data``, numpy or dlpack views, CUDA-graph replays,
+    custom kernels) are not seen and would reach the checkpoint. ``False``: everything is staged before
+    the save returns."""
 
     exit_status: int | None = _opt(1, same=False)
     """The exit status of a process whose background save failed and was never raised to it (the last

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, decode_user_content, encode_user_content, train_state
-from smpckpt.api._resume import load_checkpoint
+from smpckpt.api._resume import drop_optimizer_state, load_checkpoint, stateless_at_save
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.catalog.root import NEWEST_NAME, SequenceCounter, join_url
@@ -116,6 +116,8 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     if common.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
     url = full_url(common.root, tag) if tag is not None else common.root
+    # before get_state_dict gives a fresh optimizer state for every parameter (stateless_at_save)
+    fresh = not any(o.state for o in common.optimizers)
     state = _tensor_state(common, True)
     state[RESERVED.user_content] = ObjectBytes(b"")
     reader = FsspecStorageReader(
@@ -127,7 +129,8 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         hf_prefix=f"{RESERVED.model}.",
     )
     optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
-    load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
+    planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
+    unsaved = stateless_at_save(common.model, common.optimizers, state, fresh, planner)
 
     def apply() -> Any:
         sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)
@@ -141,6 +144,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
                 optim_state_dict=current,
                 options=sd_opts,
             )
+            drop_optimizer_state(common.model, common.optimizers, unsaved)
         else:
             common.model.load_state_dict(state[RESERVED.model], strict=opts.strict)  # type: ignore[union-attr]
         stored = state[RESERVED.user_content]

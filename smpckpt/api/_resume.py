@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -63,6 +63,7 @@ __all__ = [
     "apply_state",
     "check_groups",
     "stateless_at_save",
+    "drop_optimizer_state",
     "summarize",
     "not_found_hint",
 ]
@@ -314,11 +315,7 @@ def apply_state(
                 optim_state_dict=state[RESERVED.optim],
                 options=opts,
             )
-            if unsaved:
-                for name, param in req.model.named_parameters(remove_duplicate=False):
-                    if _get_fqns(req.model, name) & unsaved:
-                        for opt in req.optimizers:
-                            opt.state.pop(param, None)
+            drop_optimizer_state(req.model, req.optimizers, unsaved)
         else:
             set_model_state_dict(req.model, model_sd, options=opts)
     restored: tuple[str, ...] = ()
@@ -335,24 +332,42 @@ def apply_state(
     return user_content, restored
 
 
+def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
+    """(after ``set_state_dict``) The parameters named in ``unsaved`` (FQNs) left without optimizer state."""
+    if unsaved:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if _get_fqns(model, name) & unsaved:
+                for opt in optimizers:
+                    opt.state.pop(param, None)
+
+
 def stateless_at_save(
-    req: ResumeRequest, state: Mapping[str, Any], fresh: bool, planner: ParallelLoadPlanner
+    model: Any, optimizers: Sequence[Any], state: Mapping[str, Any], fresh: bool, planner: ParallelLoadPlanner
 ) -> frozenset[str]:
-    """(each rank, ``strict=False``) The parameters (FQNs) the checkpoint holds no optimizer state for:
-    every one of their ``state`` keys absent (a parameter that had no gradient yet at the save -- an unused
-    branch, an expert never routed to --, one new in the model, or a checkpoint saved without optimizer).
+    """(each rank) The parameters (FQNs) the checkpoint holds no optimizer state for: every one of their
+    ``state`` keys absent -- missing under ``strict=False``, or skipped as optional (a full artifact's) --
+    (a parameter that had no gradient yet at the save: an unused branch, an expert never routed to; one
+    new in the model; a checkpoint or artifact saved without optimizer).
     A fresh optimizer got state for every parameter from DCP's ``get_state_dict`` (a step at lr 0:
     ``step`` 1, zero moments); left so, its next ``step()`` would differ from the saved run's (Adam's bias
     correction), silently: such parameters resume without state, as a fresh optimizer has them. Only for
     an optimizer that had no state of its own before the resume (``fresh``): a live one keeps its values,
     as ``strict=False`` promises for every key it skips."""
     report = planner.report
-    if req.opts.strict or not req.optimizers or not fresh or report is None or not report.missing_keys:
-        return frozenset()  # strict: a missing key was refused before anything was read
+    if not optimizers or not fresh or report is None:
+        return frozenset()
+    # strict: a missing key was refused before anything was read; optional ones (a full artifact's
+    # optimizer state) are skipped, not missing
+    gone_keys = (*report.missing_keys, *report.skipped_optional)
+    if not gone_keys:
+        return frozenset()
     optim_sd = state[RESERVED.optim]
-    missing = {planner.entries[k].local_key for k in report.missing_keys if k in planner.entries}
-    # the optimizers' parameters: every one has param_groups keys here (hyper-parameter names hold no dots)
+    missing = {planner.entries[k].local_key if k in planner.entries else k for k in gone_keys}
+    # the optimizers' parameters: the model's FQNs, and every one with param_groups keys here
+    # (hyper-parameter names hold no dots; a full resume keeps only the optimizer's tensors)
     fqns = {key[len("param_groups.") :].rpartition(".")[0] for key in optim_sd if key.startswith("param_groups.")}
+    if model is not None:
+        fqns |= {f for name, _ in model.named_parameters(remove_duplicate=False) for f in _get_fqns(model, name)}
     absent: dict[str, bool] = {}  # fqn -> every one of its state keys missing
     for key in optim_sd:
         if key.startswith("state."):

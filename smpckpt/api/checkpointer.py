@@ -456,7 +456,13 @@ class Checkpointer:
             ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
             user_content, restored = ctx.all_ok(
                 lambda: apply_state(
-                    req, chosen, ctx, state, planner.report, rng, stateless_at_save(req, state, fresh, planner)
+                    req,
+                    chosen,
+                    ctx,
+                    state,
+                    planner.report,
+                    rng,
+                    stateless_at_save(req.model, req.optimizers, state, fresh, planner),
                 )
             )
             info = summarize(req, target, ctx, planner, restored)

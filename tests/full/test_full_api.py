@@ -153,6 +153,45 @@ def test_resume_with_optimizer_from_artifact_without_one(tmp_path: Any) -> None:
     assert_state_equal(before, optim_state(m2, o2))  # left as it was
 
 
+def test_a_fresh_optimizer_resumes_from_a_full_artifact_without_invented_state(tmp_path: Any) -> None:
+    """A parameter the artifact holds no optimizer state for (no gradient yet at the export; or an
+    artifact without optimizer) kept the state DCP's get_state_dict gives a fresh optimizer (step 1, zero
+    moments), so its next step differed from the exporting run's (Adam's bias correction), silently. It
+    now resumes stateless, and the next step is the exporting run's bit for bit."""
+
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        return m, torch.optim.Adam(m.parameters(), lr=0.1)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, both: bool) -> None:
+        o.zero_grad()
+        x = torch.ones(2, 3)
+        (m(x) if both else m[0](x)).sum().backward()
+        o.step()
+
+    root = str(tmp_path)
+    m, o = setup()
+    step(m, o, both=False)  # layer 1 gets no gradient, so no state
+    save_checkpoint(root, "opt", partial=False, model=m, optimizer=o, include_optimizer=True)
+    save_checkpoint(root, "model_only", partial=False, model=m)
+    m2, o2 = setup()
+    resume_from_checkpoint(root, "opt", partial=False, model=m2, optimizer=o2)
+    assert m2[1].weight not in o2.state and m2[1].bias not in o2.state
+    assert torch.equal(o2.state[m2[0].weight]["exp_avg"], o.state[m[0].weight]["exp_avg"])
+    m3, o3 = setup()
+    resume_from_checkpoint(root, "model_only", partial=False, model=m3, optimizer=o3)
+    assert not o3.state  # fresh, as a fresh optimizer is: not at step 1
+    fresh_m, fresh_o = setup()
+    fresh_m.load_state_dict(m.state_dict())
+    step(m, o, both=True)
+    step(m2, o2, both=True)
+    step(m3, o3, both=True)
+    step(fresh_m, fresh_o, both=True)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fresh_m.parameters(), m3.parameters(), strict=True))
+
+
 def test_dtype_bf16_export(tmp_path: Any) -> None:
     root = str(tmp_path)
     m, o = trained_model(0)

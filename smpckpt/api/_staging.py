@@ -7,8 +7,9 @@ the next forward and backward (``AsyncOptions.overlap_staging``); everything els
 forward may update; RNG states; DTensors and other subclasses, copied on their own device) before the
 save returns. Each optimizer gets a step pre-hook (:class:`StagingGate`) that waits only for staging still
 unfinished, so a step never changes values being staged. A deferred tensor changed in place some other
-way before it was staged (its version counter moved) fails the save, naming it: never a checkpoint
-holding a value from after the save.
+way before it was staged (its version counter moved) fails the save, naming it. A safety net only: ATen
+moves a version counter after its kernel wrote, so an op still running while :meth:`Pending.run`
+compares passes unseen (the overlap's contract is that only the optimizers' steps write these tensors).
 
 CUDA: the deferred copies run on a side stream after an event recorded on the caller's stream at the save
 (the weights are final once the kernels queued before it ran), into pinned buffers, non-blocking; then

@@ -231,7 +231,9 @@ class AsyncOptions(_Options):
 
     Off by default because the contract is the caller's: between the save and its staging, those
     tensors may change only through the optimizers' ``step``. An in-place change through autograd-visible
-    ops moves the tensor's version counter and fails the save naming it, but writes that bypass the
+    ops moves the tensor's version counter and fails the save naming it (once the op has finished: ATen
+    moves the counter after the kernel wrote, so an op still running while the staging compares can
+    pass unseen), but writes that bypass the
     counter (``p.data.zero_()``, an EMA swap through ``.data``, numpy or dlpack views, CUDA-graph replays,
     custom kernels) are not seen and would reach the checkpoint. ``False``: everything is staged before
     the save returns."""

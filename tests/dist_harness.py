@@ -22,7 +22,12 @@ server is started once per test process (before any rank's work, with no thread 
 its own), so its children fork from a clean importer. What a fork server would get wrong is the
 environment: its children inherit the server's, frozen when it started, so each rank is handed the
 parent's environment at call time (a test's ``monkeypatch.setenv`` reaches the ranks as it did when
-they were spawned) and the package reads its variables at call time, never at import.
+they were spawned) and the package reads its variables at call time, never at import. Variables torch
+reads at its own import (``TORCH_DISTRIBUTED_DEBUG``, ``TORCH_LOGS``) are the fork server's: a test that
+needs them set must start its processes itself. Random state is the other thing a fork shares: torch's
+default generator (seeded from the OS once per process, at import) and numpy's would be the same on
+every rank, hiding a rank-mixup of RNG states or replicas drifting apart, so each rank reseeds both
+from the OS first, as a fresh interpreter would.
 """
 
 from __future__ import annotations
@@ -67,11 +72,15 @@ def _teardown() -> None:
 def _entry(
     rank: int, world_size: int, init_file: str, out_dir: str, env: dict[str, str], fn: Callable[..., Any], args: tuple
 ) -> None:
+    import numpy as np
+    import torch
     import torch.distributed as dist
 
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.seed()  # a seed of this process's own, as a spawned interpreter draws at import (see above)
+    np.random.seed()
     result: Any
     try:
         dist.init_process_group(

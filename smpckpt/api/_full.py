@@ -24,7 +24,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, decode_user_content, encode_user_content, train_state
-from smpckpt.api._resume import drop_optimizer_state, load_checkpoint, stateless_at_save
+from smpckpt.api._resume import (
+    drop_optimizer_state,
+    init_missing_state,
+    load_checkpoint,
+    stateless_at_save,
+    stateless_params,
+)
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.catalog.root import NEWEST_NAME, SequenceCounter, join_url
@@ -116,8 +122,9 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     if common.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
     url = full_url(common.root, tag) if tag is not None else common.root
-    # before get_state_dict gives a fresh optimizer state for every parameter (stateless_at_save)
-    fresh = not any(o.state for o in common.optimizers)
+    # before the state is built, which gives every parameter optimizer state (stateless_at_save)
+    stateless = stateless_params(common.model, common.optimizers)
+    init_missing_state(common.optimizers)
     state = _tensor_state(common, True)
     state[RESERVED.user_content] = ObjectBytes(b"")
     reader = FsspecStorageReader(
@@ -130,7 +137,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     )
     optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
     planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
-    unsaved = stateless_at_save(common.model, common.optimizers, state, fresh, planner)
+    unsaved = stateless_at_save(common.model, common.optimizers, state, stateless, planner)
 
     def apply() -> Any:
         sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)

@@ -63,6 +63,8 @@ __all__ = [
     "apply_state",
     "check_groups",
     "stateless_at_save",
+    "stateless_params",
+    "init_missing_state",
     "drop_optimizer_state",
     "summarize",
     "not_found_hint",
@@ -243,8 +245,61 @@ def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:
     return False
 
 
+def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> frozenset[str]:
+    """(before anything of the resume) The FQNs of the model's parameters no optimizer holds state for."""
+    if model is None or not optimizers:
+        return frozenset()
+    return frozenset(
+        f
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not any(p in o.state for o in optimizers)
+        for f in _get_fqns(model, name)
+    )
+
+
+def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Give the parameters an optimizer with state holds none for the state DCP's ``get_state_dict`` gives a
+    fresh optimizer (a step with zero gradients at lr 0), through a scratch optimizer of the same class
+    over just them. Why: DCP initialises only an optimizer without any state, so a live one (a parameter
+    that had no gradient yet; a rollback in-process; a second resume into an optimizer the first left
+    with stateless parameters) had no destination for their saved state: refused under ``strict``,
+    skipped silently without. Those the checkpoint holds nothing for lose it again after the load
+    (:func:`stateless_at_save`). An optimizer class that cannot be built from its groups is left as is."""
+    for opt in optimizers:
+        if not opt.state:
+            continue  # fresh: DCP's own initialisation gives every parameter its state
+        groups = []
+        for g in opt.param_groups:
+            todo = [p for p in g["params"] if p.requires_grad and p not in opt.state]
+            if todo:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
+        if not groups:
+            continue
+        try:
+            scratch = type(opt)(groups)
+        except Exception:  # noqa: BLE001 - a custom optimizer with other constructor arguments: as before
+            log.debug("%s cannot be built from its param groups: stateless parameters stay so", type(opt).__name__)
+            continue
+        params = [p for g in groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        for g in scratch.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            scratch.step()
+        finally:
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = grad
+        for p in params:
+            if p in scratch.state:
+                opt.state[p] = scratch.state[p]
+
+
 def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) -> dict[str, Any]:
     """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
+    init_missing_state(req.optimizers)
     state = train_state(req.model, req.optimizers)
     state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
     if restore_rng:
@@ -342,19 +397,24 @@ def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozens
 
 
 def stateless_at_save(
-    model: Any, optimizers: Sequence[Any], state: Mapping[str, Any], fresh: bool, planner: ParallelLoadPlanner
+    model: Any,
+    optimizers: Sequence[Any],
+    state: Mapping[str, Any],
+    stateless: frozenset[str],
+    planner: ParallelLoadPlanner,
 ) -> frozenset[str]:
     """(each rank) The parameters (FQNs) the checkpoint holds no optimizer state for: every one of their
     ``state`` keys absent -- missing under ``strict=False``, or skipped as optional (a full artifact's) --
     (a parameter that had no gradient yet at the save: an unused branch, an expert never routed to; one
     new in the model; a checkpoint or artifact saved without optimizer).
-    A fresh optimizer got state for every parameter from DCP's ``get_state_dict`` (a step at lr 0:
-    ``step`` 1, zero moments); left so, its next ``step()`` would differ from the saved run's (Adam's bias
-    correction), silently: such parameters resume without state, as a fresh optimizer has them. Only for
-    an optimizer that had no state of its own before the resume (``fresh``): a live one keeps its values,
-    as ``strict=False`` promises for every key it skips."""
+    Each was given state for the load (DCP's ``get_state_dict`` for a fresh optimizer, or
+    :func:`init_missing_state`: a step at lr 0, ``step`` 1, zero moments); left so, its next ``step()``
+    would differ from the saved run's (Adam's bias correction), silently. Returned only for the
+    parameters that had no state before the resume (``stateless``, :func:`stateless_params`), which then
+    resume without state, as they were; a parameter with live state keeps it, as ``strict=False``
+    promises for every key it skips."""
     report = planner.report
-    if not optimizers or not fresh or report is None:
+    if not optimizers or not stateless or report is None:
         return frozenset()
     # strict: a missing key was refused before anything was read; optional ones (a full artifact's
     # optimizer state) are skipped, not missing
@@ -376,7 +436,7 @@ def stateless_at_save(
             fqn = next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in fqns), None)
             if fqn is not None:
                 absent[fqn] = absent.get(fqn, True) and f"{RESERVED.optim}.{key}" in missing
-    return frozenset(f for f, gone in absent.items() if gone)
+    return frozenset(f for f, gone in absent.items() if gone and f in stateless)
 
 
 def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

@@ -59,6 +59,7 @@ from smpckpt.api._resume import (
     not_found_hint,
     restores_rng,
     stateless_at_save,
+    stateless_params,
     summarize,
 )
 from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
@@ -431,8 +432,8 @@ class Checkpointer:
             if not opts.partial:
                 return resume_full(ctx, common, tag, opts)
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
-            # before get_state_dict gives a fresh optimizer state for every parameter (stateless_at_save)
-            fresh = all(not o.state for o in req.optimizers)
+            # before the state is built, which gives every parameter optimizer state (stateless_at_save)
+            stateless = stateless_params(req.model, req.optimizers)
             loaded = None
             if self._tier is not None:
                 loaded = self._tier.resume(req, ctx)
@@ -462,7 +463,7 @@ class Checkpointer:
                     state,
                     planner.report,
                     rng,
-                    stateless_at_save(req.model, req.optimizers, state, fresh, planner),
+                    stateless_at_save(req.model, req.optimizers, state, stateless, planner),
                 )
             )
             info = summarize(req, target, ctx, planner, restored)

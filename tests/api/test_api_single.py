@@ -361,6 +361,52 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it(tmp_path: 
     assert not o3.state and all(torch.equal(a, b) for a, b in zip(m.parameters(), m3.parameters(), strict=True))
 
 
+def test_saved_optimizer_state_reaches_a_live_optimizer_that_holds_none_for_that_parameter(tmp_path: Any) -> None:
+    """DCP initialises only an optimizer without any state: one with state for some parameters and none for
+    others (a parameter with no gradient yet in a live run; or the first of two resumes left it so) had no
+    destination for the others' saved state: refused as keys "loaded by no rank" under strict, skipped
+    silently without (the reviewer's repro: resume x, where b had no state, then y, where it has)."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def step(m: M, o: torch.optim.Optimizer, use_b: bool) -> None:
+        o.zero_grad()
+        y = m.a(torch.ones(2, 4))
+        (m.b(y) if use_b else y).sum().backward()
+        o.step()
+
+    def fresh() -> tuple[M, torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        m = M()
+        return m, torch.optim.Adam(m.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    m = M()
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    step(m, o, use_b=False)
+    save_checkpoint(str(tmp_path), "x", model=m, optimizer=o)  # b: no state
+    step(m, o, use_b=True)
+    save_checkpoint(str(tmp_path), "y", model=m, optimizer=o)  # b: real state
+    for strict in (False, True):
+        m2, o2 = fresh()
+        resume_from_checkpoint(str(tmp_path), "x", model=m2, optimizer=o2, strict=False)
+        assert m2.b.weight not in o2.state
+        resume_from_checkpoint(str(tmp_path), "y", model=m2, optimizer=o2, strict=strict)
+        for name in ("a", "b"):
+            for pname in ("weight", "bias"):
+                want, got = o.state[getattr(getattr(m, name), pname)], o2.state[getattr(getattr(m2, name), pname)]
+                assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), (strict, name)
+        step(m2, o2, use_b=True)
+    # a live optimizer keeps no invented state for a parameter the checkpoint holds none for either
+    m3, o3 = fresh()
+    step(m3, o3, use_b=False)
+    resume_from_checkpoint(str(tmp_path), "x", model=m3, optimizer=o3, strict=False)
+    assert m3.b.weight not in o3.state and m3.a.weight in o3.state
+
+
 class Custom:
     def __init__(self, x: int) -> None:
         self.x = x

@@ -42,7 +42,14 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
-from smpckpt.model.layout import LayoutRecord, NameMap, ParallelLayout, checkpoint_original_shapes, checkpoint_ties
+from smpckpt.model.layout import (
+    RESERVED,
+    LayoutRecord,
+    NameMap,
+    ParallelLayout,
+    checkpoint_original_shapes,
+    checkpoint_ties,
+)
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import compact_load
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, TiedLoads, compile_globs, same_bits, tied_entries
@@ -226,8 +233,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 )
             resharded.append(entry.key)
             items.extend(found)
-        skipped = [k for k in missing if self._is_optional(k)]
-        missing = [k for k in missing if not self._is_optional(k)]
+        never = set(RESERVED.stateless_when_saved(missing, sorted(md_all))) if missing else set()
+        skipped = [k for k in missing if self._is_optional(k) or k in never]
+        missing = [k for k in missing if not (self._is_optional(k) or k in never)]
         if missing and not self.allow_partial_load:
             raise LayoutMismatch(
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "

@@ -35,6 +35,7 @@ still reads those.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -236,6 +237,28 @@ class ReservedKeys:
         if not optim:
             globs.append(f"{self.optim}.*")
         return tuple(globs)
+
+    def stateless_when_saved(self, missing: Sequence[str], saved: Sequence[str]) -> list[str]:
+        """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
+        but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
+        never routed to), so a strict resume is right to leave it without, not to refuse. ``saved``: the
+        checkpoint's keys, sorted."""
+        state, groups = f"{self.optim}.state.", f"{self.optim}.param_groups."
+        lo, hi = bisect.bisect_left(saved, groups), bisect.bisect_left(saved, groups[:-1] + "/")
+        # hyper-parameter names hold no dots: what is in front of the last one is the parameter's FQN
+        params = {k[len(groups) :].rpartition(".")[0] for k in saved[lo:hi]}
+        out = []
+        for key in missing:
+            if key.startswith(state):
+                parts = key[len(state) :].split(".")
+                fqn = next(
+                    (f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None
+                )
+                if fqn is not None:
+                    i = bisect.bisect_left(saved, f"{state}{fqn}.")
+                    if i == len(saved) or not saved[i].startswith(f"{state}{fqn}."):
+                        out.append(key)
+        return out
 
 
 RESERVED = ReservedKeys()

@@ -276,10 +276,17 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         plain ``[3h, d]`` model). Any other same-size shape (a transpose, say) stays a mismatch."""
         shape = tuple(entry.global_shape or ())
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
+        # Under a spec's view the stored tensor must have the model's own shape before that view (its
+        # global ``[3h, d]`` for a ``[3, h/tp, d]`` view): equal element counts alone would read a
+        # transposed ``[d, 3h]`` (GPT-2's Conv1D) as ``[3h, d]``, silently scrambled.
+        before_view = entry.original_global_shape if any(s.view for s in entry.specs) else None
         if not (
             whole
             and math.prod(md.size) == math.prod(shape)
-            and (any(s.view for s in entry.specs) or self._shape_before_view(entry) == shape)
+            and (
+                (before_view is not None and tuple(md.size) == tuple(before_view))
+                or self._shape_before_view(entry) == shape
+            )
             and self._whole_tensors()
         ):
             return None

@@ -124,6 +124,24 @@ def test_a_save_under_a_view_loads_into_a_plain_model_and_a_transpose_is_refused
             assert "holds global shape (3, 256, 256)" in str(failure) and "(256, 768)" in str(failure)
 
 
+@pytest.mark.parametrize("stored", ["transposed", "other split"])
+def test_a_whole_tensor_of_another_same_size_shape_is_refused_under_a_view(tmp_path: Path, stored: str) -> None:
+    """A full artifact whose tensor has the model's element count but not its shape before the view (a
+    transposed ``[d, 3h]``, GPT-2's Conv1D layout, or any other split of the same size) is a mismatch
+    for a layout viewing it as ``[3, h/tp, d]``: only ``[3h, d]`` is the same row-major bytes. (It was
+    read reshaped, silently scrambled: hunt54's whole_reshape_transposed.py.)"""
+    h, d = 4, 6
+    qkv = _qkv(h, d)
+    _save_plain(tmp_path, qkv.t().contiguous() if stored == "transposed" else qkv.reshape(-1, 2).contiguous())
+    for rank in range(TP):
+        with pytest.raises(CheckpointException) as info:
+            _load(tmp_path, h, d, rank)
+        (failure,) = [exc for exc, _ in info.value.failures.values()]
+        assert isinstance(failure, LayoutMismatch) and "model.qkv" in str(failure)
+        shape = (d, 3 * h) if stored == "transposed" else (3 * h * d // 2, 2)
+        assert f"holds global shape {shape}" in str(failure)
+
+
 def _element_offset(folder: Path, row: int, col: int) -> tuple[Path, int]:
     path = folder / "model.safetensors"
     with open(path, "rb") as f:

@@ -76,6 +76,9 @@ class LoadReport:
     #: destination key -> the key read for it: a tied key the checkpoint stores once (under the key it
     #: is tied to), or a key tied in the destination itself (same tensor: loaded through the other key)
     tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: optimizer state keys of parameters the checkpoint holds param groups but no state for (they had
+    #: none when saved): not refused as missing; the resume leaves those parameters without state
+    stateless_saved: tuple[str, ...] = ()
 
 
 class ParallelLoadPlanner(LayoutScope, LoadPlanner):
@@ -234,9 +237,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 )
             resharded.append(entry.key)
             items.extend(found)
+        skipped = [k for k in missing if self._is_optional(k)]
+        missing = [k for k in missing if not self._is_optional(k)]
         never = set(RESERVED.stateless_when_saved(missing, sorted(md_all))) if missing else set()
-        skipped = [k for k in missing if self._is_optional(k) or k in never]
-        missing = [k for k in missing if not (self._is_optional(k) or k in never)]
+        missing = [k for k in missing if k not in never]
         if missing and not self.allow_partial_load:
             raise LayoutMismatch(
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
@@ -247,7 +251,15 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         shared.count(items)
         tied = {**through, **sources, **ties.compare}
         self.report = LoadReport(
-            fast, tuple(resharded), tuple(missing), (), tuple(cast), self.saved_layout, tuple(skipped), tied
+            fast,
+            tuple(resharded),
+            tuple(missing),
+            (),
+            tuple(cast),
+            self.saved_layout,
+            tuple(skipped),
+            tied,
+            tuple(never),
         )
         if resharded:
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)

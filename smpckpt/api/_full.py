@@ -124,39 +124,48 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     url = full_url(common.root, tag) if tag is not None else common.root
     # before the state is built, which gives every parameter optimizer state (stateless_at_save)
     stateless = stateless_params(common.model, common.optimizers)
-    init_missing_state(common.optimizers)
-    state = _tensor_state(common, True)
-    state[RESERVED.user_content] = ObjectBytes(b"")
-    reader = FsspecStorageReader(
-        url,
-        storage_options=common.storage_options,
-        verify_checksums=opts.verify_checksums,
-        allow_pickle=opts.allow_pickle,
-        translation=opts.translate_function,  # type: ignore[arg-type]  # a Translation (ResumeOptions checks)
-        hf_prefix=f"{RESERVED.model}.",
-    )
-    optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
-    planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
-    unsaved = stateless_at_save(common.model, common.optimizers, state, stateless, planner)
+    try:
 
-    def apply() -> Any:
-        sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)
-        if common.optimizers and RESERVED.optim in state:
-            _, current = get_state_dict(common.model, common.optimizers, options=OPTIONS)  # type: ignore[arg-type]
-            current.update(state[RESERVED.optim])
-            set_state_dict(
-                common.model,  # type: ignore[arg-type]
-                common.optimizers,
-                model_state_dict=state[RESERVED.model],
-                optim_state_dict=current,
-                options=sd_opts,
-            )
-            drop_optimizer_state(common.model, common.optimizers, unsaved)
-        else:
-            common.model.load_state_dict(state[RESERVED.model], strict=opts.strict)  # type: ignore[union-attr]
-        stored = state[RESERVED.user_content]
-        return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
+        def destinations() -> dict[str, Any]:
+            init_missing_state(common.optimizers)
+            return _tensor_state(common, True)
 
-    user_content = ctx.all_ok(apply)
+        state = ctx.all_ok(destinations)
+        state[RESERVED.user_content] = ObjectBytes(b"")
+        reader = FsspecStorageReader(
+            url,
+            storage_options=common.storage_options,
+            verify_checksums=opts.verify_checksums,
+            allow_pickle=opts.allow_pickle,
+            translation=opts.translate_function,  # type: ignore[arg-type]  # a Translation (ResumeOptions checks)
+            hf_prefix=f"{RESERVED.model}.",
+        )
+        optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
+        planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
+        unsaved = stateless_at_save(common.model, common.optimizers, state, stateless, planner)
+
+        def apply() -> Any:
+            sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)
+            if common.optimizers and RESERVED.optim in state:
+                _, current = get_state_dict(common.model, common.optimizers, options=OPTIONS)  # type: ignore[arg-type]
+                current.update(state[RESERVED.optim])
+                set_state_dict(
+                    common.model,  # type: ignore[arg-type]
+                    common.optimizers,
+                    model_state_dict=state[RESERVED.model],
+                    optim_state_dict=current,
+                    options=sd_opts,
+                )
+                drop_optimizer_state(common.model, common.optimizers, unsaved)
+            else:
+                common.model.load_state_dict(state[RESERVED.model], strict=opts.strict)  # type: ignore[union-attr]
+            stored = state[RESERVED.user_content]
+            return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
+
+        user_content = ctx.all_ok(apply)
+    except BaseException:
+        # a failed resume leaves no invented optimizer state: a retry would take it as saved
+        drop_optimizer_state(common.model, common.optimizers, stateless)
+        raise
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")
     return user_content

@@ -94,7 +94,9 @@ class ResumeInfo:
     resharded_tensors: int  #: summed over ranks
     rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
     fell_back: bool  #: ``newest`` was not taken (unusable, or a later tag committed); see the warning
-    skipped_keys: tuple[str, ...] = ()  #: keys not loaded (``strict=False`` only)
+    #: keys not loaded: missing from the checkpoint (``strict=False`` only), and optimizer state of
+    #: parameters the checkpoint holds none for (they had none when saved; resumed so)
+    skipped_keys: tuple[str, ...] = ()
     #: where it came from: ``"durable"`` (``path``) or ``"fast"`` (the fast tiers, ``local_path=``)
     tier: Literal["durable", "fast"] = "durable"
     #: fast tier: the parts a node lacked and fetched from a peer, as (file, from rank, to rank)
@@ -252,7 +254,7 @@ def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) ->
     return frozenset(
         f
         for name, p in model.named_parameters(remove_duplicate=False)
-        if not any(p in o.state for o in optimizers)
+        if not any(o.state.get(p) for o in optimizers)  # an empty entry (a read of the defaultdict) is none
         for f in _get_fqns(model, name)
     )
 
@@ -266,8 +268,10 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     skipped silently without. Those the checkpoint holds nothing for lose it again after the load
     (:func:`stateless_at_save`). An optimizer class that cannot be built from its groups is left as is."""
     for opt in optimizers:
+        for p in [p for p, v in opt.state.items() if not v]:
+            del opt.state[p]  # empty entries (reads of the defaultdict) would make DCP take them for state
         if not opt.state:
-            continue  # fresh: DCP's own initialisation gives every parameter its state
+            continue  # fresh: DCP's own initialisation gives every parameter its state (when no grads)
         groups = []
         for g in opt.param_groups:
             todo = [p for p in g["params"] if p.requires_grad and p not in opt.state]
@@ -275,20 +279,26 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
         if not groups:
             continue
-        try:
-            scratch = type(opt)(groups)
-        except Exception:  # noqa: BLE001 - a custom optimizer with other constructor arguments: as before
-            log.debug("%s cannot be built from its param groups: stateless parameters stay so", type(opt).__name__)
-            continue
         params = [p for g in groups for p in g["params"]]
         grads = [p.grad for p in params]
-        for g in scratch.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
         try:
+            scratch = type(opt)(groups)  # type: ignore[call-arg]  # torch's optimizers take their groups alone
+            for g in scratch.param_groups:
+                if "lr" in g:
+                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
             for p in params:
                 p.grad = torch.zeros_like(p)
             scratch.step()
+        except Exception as exc:  # noqa: BLE001 - a class not built from its groups, a step needing more: as before
+            log.warning(
+                "%s: %d parameter(s) without state could not be given fresh state (%s: %s); state the "
+                "checkpoint holds for them cannot be loaded into this optimizer (resume into a fresh one)",
+                type(opt).__name__,
+                len(params),
+                type(exc).__name__,
+                exc,
+            )
+            continue
         finally:
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad
@@ -388,7 +398,11 @@ def apply_state(
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
-    """(after ``set_state_dict``) The parameters named in ``unsaved`` (FQNs) left without optimizer state."""
+    """(after ``set_state_dict``, or a failed resume) The parameters named in ``unsaved`` (FQNs) left without
+    optimizer state; empty entries (reads of the defaultdict) dropped too: they hold nothing."""
+    for opt in optimizers:
+        for p in [p for p, v in opt.state.items() if not v]:
+            del opt.state[p]
     if unsaved:
         for name, param in model.named_parameters(remove_duplicate=False):
             if _get_fqns(model, name) & unsaved:
@@ -414,21 +428,24 @@ def stateless_at_save(
     resume without state, as they were; a parameter with live state keeps it, as ``strict=False``
     promises for every key it skips."""
     report = planner.report
-    if not optimizers or not stateless or report is None:
+    if not optimizers or report is None:
         return frozenset()
     # strict: a missing key was refused before anything was read; optional ones (a full artifact's
     # optimizer state) are skipped, not missing
-    gone_keys = (*report.missing_keys, *report.skipped_optional)
+    saved_without = set(report.stateless_saved)  # the checkpoint says: no state when saved
+    gone_keys = (*report.missing_keys, *report.skipped_optional, *saved_without)
     if not gone_keys:
         return frozenset()
     optim_sd = state[RESERVED.optim]
     missing = {planner.entries[k].local_key if k in planner.entries else k for k in gone_keys}
+    never = {planner.entries[k].local_key if k in planner.entries else k for k in saved_without}
     # the optimizers' parameters: the model's FQNs, and every one with param_groups keys here
     # (hyper-parameter names hold no dots; a full resume keeps only the optimizer's tensors)
     fqns = {key[len("param_groups.") :].rpartition(".")[0] for key in optim_sd if key.startswith("param_groups.")}
     if model is not None:
         fqns |= {f for name, _ in model.named_parameters(remove_duplicate=False) for f in _get_fqns(model, name)}
     absent: dict[str, bool] = {}  # fqn -> every one of its state keys missing
+    saved_none: dict[str, bool] = {}  # fqn -> every one of them absent because it had no state when saved
     for key in optim_sd:
         if key.startswith("state."):
             parts = key[len("state.") :].split(".")
@@ -436,7 +453,9 @@ def stateless_at_save(
             fqn = next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in fqns), None)
             if fqn is not None:
                 absent[fqn] = absent.get(fqn, True) and f"{RESERVED.optim}.{key}" in missing
-    return frozenset(f for f, gone in absent.items() if gone and f in stateless)
+                saved_none[fqn] = saved_none.get(fqn, True) and f"{RESERVED.optim}.{key}" in never
+    # stateless before the resume, or stateless when saved (a rollback: its live state is not the saved run's)
+    return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f]))
 
 
 def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
@@ -530,7 +549,8 @@ def summarize(
 ) -> ResumeInfo:
     """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
     report = planner.report
-    mine = (report.fast_path, len(report.resharded), report.missing_keys) if report else (0, 0, ())
+    gone = (*report.missing_keys, *report.stateless_saved) if report else ()
+    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, ())
     counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
     fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)

@@ -55,6 +55,7 @@ from smpckpt.api._resume import (
     build_resume_state,
     check_groups,
     choose_target,
+    drop_optimizer_state,
     load_checkpoint,
     not_found_hint,
     restores_rng,
@@ -434,45 +435,50 @@ class Checkpointer:
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
             # before the state is built, which gives every parameter optimizer state (stateless_at_save)
             stateless = stateless_params(req.model, req.optimizers)
-            loaded = None
-            if self._tier is not None:
-                loaded = self._tier.resume(req, ctx)
-                target = loaded.target if loaded is not None else None
-            else:
-                target = choose_target(req, ctx, self._counter)
-            if target is None:
-                if opts.missing_ok:
-                    log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", path)
-                    return None
-                what_ = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
-                hint = ctx.on_coordinator(lambda: not_found_hint(path, req.storage_options)) if tag is None else ""
-                raise CheckpointNotFound(f"no {what_} under {path}{hint}")
-            if loaded is not None:
-                rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
-            else:
-                rng, reader = restores_rng(req, target, ctx), None
-                state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
-                planner = load_checkpoint(req, req.opts, target.url, state)
-            chosen = target
-            ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
-            user_content, restored = ctx.all_ok(
-                lambda: apply_state(
-                    req,
-                    chosen,
-                    ctx,
-                    state,
-                    planner.report,
-                    rng,
-                    stateless_at_save(req.model, req.optimizers, state, stateless, planner),
+            try:
+                loaded = None
+                if self._tier is not None:
+                    loaded = self._tier.resume(req, ctx)
+                    target = loaded.target if loaded is not None else None
+                else:
+                    target = choose_target(req, ctx, self._counter)
+                if target is None:
+                    if opts.missing_ok:
+                        log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", path)
+                        return None
+                    what_ = f"checkpoint {tag!r}" if tag is not None else "committed checkpoint"
+                    hint = ctx.on_coordinator(lambda: not_found_hint(path, req.storage_options)) if tag is None else ""
+                    raise CheckpointNotFound(f"no {what_} under {path}{hint}")
+                if loaded is not None:
+                    rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
+                else:
+                    rng, reader = restores_rng(req, target, ctx), None
+                    state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+                    planner = load_checkpoint(req, req.opts, target.url, state)
+                chosen = target
+                ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
+                user_content, restored = ctx.all_ok(
+                    lambda: apply_state(
+                        req,
+                        chosen,
+                        ctx,
+                        state,
+                        planner.report,
+                        rng,
+                        stateless_at_save(req.model, req.optimizers, state, stateless, planner),
+                    )
                 )
-            )
-            info = summarize(req, target, ctx, planner, restored)
-            if reader is not None:
-                peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
-                info = dataclasses.replace(info, tier="fast", from_peers=peers)
-            self.last_resume_info = info
-            _last_resume.set(info)
-            return user_content
+                info = summarize(req, target, ctx, planner, restored)
+                if reader is not None:
+                    peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
+                    info = dataclasses.replace(info, tier="fast", from_peers=peers)
+                self.last_resume_info = info
+                _last_resume.set(info)
+                return user_content
+            except BaseException:
+                # a failed resume leaves no invented optimizer state: a retry would take it as saved
+                drop_optimizer_state(req.model, req.optimizers, stateless)
+                raise
 
     def _export(
         self, tag: Any, out: Any, model: Any, optimizer: Any, user_content: Any, options: Any, what: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -408,6 +409,73 @@ def test_saved_optimizer_state_reaches_a_live_optimizer_that_holds_none_for_that
     step(m3, o3, use_b=False)
     resume_from_checkpoint(str(tmp_path), "x", model=m3, optimizer=o3, strict=False)
     assert m3.b.weight not in o3.state and m3.a.weight in o3.state
+
+
+def test_optimizer_state_edges_of_a_resume_rollbacks_failures_and_odd_optimizers(tmp_path: Any) -> None:
+    """The reviewer's F1-F4 around optimizer state given for a resume: a refused resume leaves none behind
+    (a retry took it as saved); a strict in-process rollback to a checkpoint where ``b`` had no state
+    drops ``b``'s live state (it kept later steps' state); an optimizer whose step cannot take zero dense
+    gradients (SparseAdam) still resumes; an empty state entry (a read of the defaultdict) is no state."""
+
+    class M(nn.Module):
+        def __init__(self, extra: bool = False) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            if extra:
+                self.c = nn.Linear(4, 4)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, use_b: bool) -> None:
+        o.zero_grad()
+        y = m.a(torch.ones(2, 4))
+        (m.b(y) if use_b else y).sum().backward()
+        o.step()
+
+    def equal_params(x: nn.Module, y: nn.Module) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(x.parameters(), y.parameters(), strict=True))
+
+    root = str(tmp_path)
+    torch.manual_seed(0)
+    m = M()
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    step(m, o, use_b=False)
+    save_checkpoint(root, "x", model=m, optimizer=o)  # b: no state
+    ref_m, ref_o = copy.deepcopy((m, o))  # one copy: the optimizer steps the copied parameters
+    # F1: a refused resume (an extra parameter) leaves b without state; the retry resumes as saved
+    torch.manual_seed(1)
+    m1 = M(extra=True)
+    o1 = torch.optim.Adam(m1.parameters(), lr=0.01)
+    step(m1, o1, use_b=False)
+    with pytest.raises(LayoutMismatch, match="not in the checkpoint"):
+        resume_from_checkpoint(root, "x", model=m1, optimizer=o1)
+    assert not o1.state.get(m1.b.weight)
+    # F2: a strict rollback: b stepped since x (live state) ends stateless as x holds it
+    step(m, o, use_b=True)
+    assert o.state.get(m.b.weight)
+    resume_from_checkpoint(root, "x", model=m, optimizer=o)
+    assert m.b.weight not in o.state and equal_params(m, ref_m)
+    step(m, o, use_b=True)
+    step(ref_m, ref_o, use_b=True)
+    assert equal_params(m, ref_m)
+    # F4: an empty entry for b is no state: a fresh optimizer resumes x as saved
+    torch.manual_seed(1)
+    m4 = M()
+    o4 = torch.optim.Adam(m4.parameters(), lr=0.01)
+    step(m4, o4, use_b=False)
+    _ = [o4.state[p].get("step") for p in m4.parameters()]  # logging code reading every parameter's state
+    save_checkpoint(root, "y", model=m, optimizer=o)  # b: real state now
+    resume_from_checkpoint(root, "y", model=m4, optimizer=o4)
+    assert torch.equal(o4.state[m4.b.weight]["exp_avg"], o.state[m.b.weight]["exp_avg"])
+    # F3: SparseAdam cannot step zero dense gradients: its stateless parameter stays so, the resume works
+    e = nn.Embedding(5, 4, sparse=True)
+    f = nn.Embedding(5, 4, sparse=True)
+    sm = nn.ModuleDict({"e": e, "f": f})
+    so = torch.optim.SparseAdam(list(sm.parameters()), lr=0.01)
+    so.zero_grad()
+    e(torch.tensor([0, 2])).sum().backward()
+    so.step()
+    save_checkpoint(root, "sparse", model=sm, optimizer=so)
+    resume_from_checkpoint(root, "sparse", model=sm, optimizer=so)
+    assert f.weight not in so.state and e.weight in so.state
 
 
 class Custom:

@@ -366,16 +366,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"implies {tuple(entry.global_shape or ())} (local piece {local}, specs {list(entry.specs) or 'none'})"
                 + self._reshape_hint(entry, md)
             )
-        before = self.saved_original_shapes.get(entry.key)
-        split = entry.chunk is not None and tuple(entry.chunk.sizes) != tuple(md.size)
-        if before is not None and tuple(before) == tuple(md.size) and split and not any(s.view for s in entry.specs):
-            # a full artifact holds a tensor its save split under a view in the model's own shape; split
-            # without that view, a rank would get rows of other parts (a fused QKV's q and half of k)
-            raise LayoutMismatch(
-                f"{entry.key}: saved split under a ShardSpec view (its shape before the view {tuple(before)}); "
-                f"rank {self.rank} splits it without one (specs {list(entry.specs) or 'none'}): load it with the "
-                "view it was saved with, or whole"
-            )
         saved = md.properties.dtype
         if saved != entry.value.dtype:
             if not self.allow_dtype_cast:

@@ -259,7 +259,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             self.saved_layout,
             tuple(skipped),
             tied,
-            tuple(never),
+            tuple(sorted(never)),
         )
         if resharded:
             logger.info("rank %d: resharding %d tensors (fast path for %d)", self.rank, len(resharded), fast)

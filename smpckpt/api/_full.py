@@ -124,6 +124,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     url = full_url(common.root, tag) if tag is not None else common.root
     # before the state is built, which gives every parameter optimizer state (stateless_at_save)
     stateless = stateless_params(common.model, common.optimizers)
+    applying = False
     try:
 
         def destinations() -> dict[str, Any]:
@@ -142,7 +143,10 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         )
         optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
         planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
-        unsaved = stateless_at_save(common.model, common.optimizers, state, stateless, planner)
+        holds_optim = any(k.startswith(f"{RESERVED.optim}.state.") for k in planner.metadata.state_dict_metadata)
+        unsaved = stateless_at_save(
+            common.model, common.optimizers, state, stateless, planner, all_state_saved=holds_optim
+        )
 
         def apply() -> Any:
             sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)
@@ -162,10 +166,11 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
             stored = state[RESERVED.user_content]
             return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
 
+        applying = True  # from here the optimizer holds loaded state: a failure keeps it (it raises)
         user_content = ctx.all_ok(apply)
     except BaseException:
-        # a failed resume leaves no invented optimizer state: a retry would take it as saved
-        drop_optimizer_state(common.model, common.optimizers, stateless)
+        if not applying:  # a failed resume leaves no invented optimizer state: a retry would take it as saved
+            drop_optimizer_state(common.model, common.optimizers, stateless)
         raise
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")
     return user_content

@@ -264,14 +264,15 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     fresh optimizer (a step with zero gradients at lr 0), through a scratch optimizer of the same class
     over just them. Why: DCP initialises only an optimizer without any state, so a live one (a parameter
     that had no gradient yet; a rollback in-process; a second resume into an optimizer the first left
-    with stateless parameters) had no destination for their saved state: refused under ``strict``,
-    skipped silently without. Those the checkpoint holds nothing for lose it again after the load
+    with stateless parameters; a fresh one whose parameters already hold gradients) had no destination
+    for their saved state: refused under ``strict``, skipped silently without. Those the checkpoint holds nothing for lose it again after the load
     (:func:`stateless_at_save`). An optimizer class that cannot be built from its groups is left as is."""
     for opt in optimizers:
         for p in [p for p, v in opt.state.items() if not v]:
             del opt.state[p]  # empty entries (reads of the defaultdict) would make DCP take them for state
-        if not opt.state:
-            continue  # fresh: DCP's own initialisation gives every parameter its state (when no grads)
+        if not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"]):
+            continue  # fresh, no gradients: DCP's own initialisation gives every parameter its state
+        # (DCP skips an optimizer whose parameters hold gradients: those get it here too)
         groups = []
         for g in opt.param_groups:
             todo = [p for p in g["params"] if p.requires_grad and p not in opt.state]
@@ -416,6 +417,8 @@ def stateless_at_save(
     state: Mapping[str, Any],
     stateless: frozenset[str],
     planner: ParallelLoadPlanner,
+    *,
+    all_state_saved: bool = False,
 ) -> frozenset[str]:
     """(each rank) The parameters (FQNs) the checkpoint holds no optimizer state for: every one of their
     ``state`` keys absent -- missing under ``strict=False``, or skipped as optional (a full artifact's) --
@@ -423,16 +426,20 @@ def stateless_at_save(
     new in the model; a checkpoint or artifact saved without optimizer).
     Each was given state for the load (DCP's ``get_state_dict`` for a fresh optimizer, or
     :func:`init_missing_state`: a step at lr 0, ``step`` 1, zero moments); left so, its next ``step()``
-    would differ from the saved run's (Adam's bias correction), silently. Returned only for the
-    parameters that had no state before the resume (``stateless``, :func:`stateless_params`), which then
-    resume without state, as they were; a parameter with live state keeps it, as ``strict=False``
-    promises for every key it skips."""
+    would differ from the saved run's (Adam's bias correction), silently. Returned for the parameters
+    that had no state before the resume (``stateless``, :func:`stateless_params`), which resume without
+    state, as they were, and for those the checkpoint says had none when saved (its param groups name
+    them; or a full artifact holding optimizer state holds none for them: ``all_state_saved``), whose
+    live state a rollback must not keep. A parameter with live state that is merely missing from the
+    checkpoint keeps it, as ``strict=False`` promises for every key it skips."""
     report = planner.report
     if not optimizers or report is None:
         return frozenset()
     # strict: a missing key was refused before anything was read; optional ones (a full artifact's
     # optimizer state) are skipped, not missing
     saved_without = set(report.stateless_saved)  # the checkpoint says: no state when saved
+    if all_state_saved:  # a full artifact holding optimizer state: what it skips had none when saved
+        saved_without |= {k for k in report.skipped_optional if k.startswith(f"{RESERVED.optim}.state.")}
     gone_keys = (*report.missing_keys, *report.skipped_optional, *saved_without)
     if not gone_keys:
         return frozenset()

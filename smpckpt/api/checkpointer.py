@@ -435,6 +435,7 @@ class Checkpointer:
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
             # before the state is built, which gives every parameter optimizer state (stateless_at_save)
             stateless = stateless_params(req.model, req.optimizers)
+            applying = False  # once the state is applied, a failure keeps what was loaded (it raises)
             try:
                 loaded = None
                 if self._tier is not None:
@@ -457,6 +458,7 @@ class Checkpointer:
                     planner = load_checkpoint(req, req.opts, target.url, state)
                 chosen = target
                 ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
+                applying = True
                 user_content, restored = ctx.all_ok(
                     lambda: apply_state(
                         req,
@@ -476,8 +478,8 @@ class Checkpointer:
                 _last_resume.set(info)
                 return user_content
             except BaseException:
-                # a failed resume leaves no invented optimizer state: a retry would take it as saved
-                drop_optimizer_state(req.model, req.optimizers, stateless)
+                if not applying:  # a failed resume leaves no invented optimizer state: a retry would take it as saved
+                    drop_optimizer_state(req.model, req.optimizers, stateless)
                 raise
 
     def _export(

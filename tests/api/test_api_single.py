@@ -465,6 +465,26 @@ def test_optimizer_state_edges_of_a_resume_rollbacks_failures_and_odd_optimizers
     save_checkpoint(root, "y", model=m, optimizer=o)  # b: real state now
     resume_from_checkpoint(root, "y", model=m4, optimizer=o4)
     assert torch.equal(o4.state[m4.b.weight]["exp_avg"], o.state[m.b.weight]["exp_avg"])
+    # a fresh optimizer whose parameters already hold gradients (a backward, no step): DCP gives it no
+    # state, so the saved state had no destination (rev55's E3)
+    torch.manual_seed(1)
+    m5 = M()
+    o5 = torch.optim.Adam(m5.parameters(), lr=0.01)
+    m5.a(torch.ones(2, 4)).sum().backward()
+    grad = m5.a.weight.grad.clone()
+    resume_from_checkpoint(root, "y", model=m5, optimizer=o5)
+    assert torch.equal(o5.state[m5.b.weight]["exp_avg"], o.state[m.b.weight]["exp_avg"])
+    assert torch.equal(m5.a.weight.grad, grad)  # the caller's gradients are theirs
+    # a full artifact: a rollback to one exported when b had no state leaves b stateless (rev55's E1)
+    torch.manual_seed(0)
+    mf = M()
+    of = torch.optim.Adam(mf.parameters(), lr=0.01)
+    step(mf, of, use_b=False)
+    save_checkpoint(root, "fx", partial=False, model=mf, optimizer=of, include_optimizer=True)
+    step(mf, of, use_b=True)
+    assert of.state.get(mf.b.weight)
+    resume_from_checkpoint(root, "fx", partial=False, model=mf, optimizer=of)
+    assert mf.b.weight not in of.state and of.state.get(mf.a.weight)
     # F3: SparseAdam cannot step zero dense gradients: its stateless parameter stays so, the resume works
     e = nn.Embedding(5, 4, sparse=True)
     f = nn.Embedding(5, 4, sparse=True)

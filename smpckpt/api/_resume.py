@@ -455,9 +455,7 @@ def stateless_at_save(
     saved_none: dict[str, bool] = {}  # fqn -> every one of them absent because it had no state when saved
     for key in optim_sd:
         if key.startswith("state."):
-            parts = key[len("state.") :].split(".")
-            # the longest FQN in front (a state value may nest: ``state.<fqn>.<name>.<inner>``)
-            fqn = next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in fqns), None)
+            fqn = RESERVED.state_owner(key[len("state.") :], fqns)
             if fqn is not None:
                 absent[fqn] = absent.get(fqn, True) and f"{RESERVED.optim}.{key}" in missing
                 saved_none[fqn] = saved_none.get(fqn, True) and f"{RESERVED.optim}.{key}" in never

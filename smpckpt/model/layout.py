@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -238,6 +238,14 @@ class ReservedKeys:
             globs.append(f"{self.optim}.*")
         return tuple(globs)
 
+    @staticmethod
+    def state_owner(rest: str, params: Set[str]) -> str | None:
+        """The parameter (FQN, one of ``params``) an optimizer state key names: ``rest`` is the key after
+        its ``state.`` prefix, ``<fqn>.<name>`` or nested ``<fqn>.<name>.<inner>``; the longest FQN in
+        front wins (``layer.1`` and ``layer.1.x`` may both be parameters); ``None``: none of ``params``."""
+        parts = rest.split(".")
+        return next((f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None)
+
     def stateless_when_saved(self, missing: Sequence[str], saved: Sequence[str]) -> list[str]:
         """The ``missing`` keys that are optimizer state of a parameter the checkpoint holds param groups
         but no state at all for: it had none when saved (no gradient yet: an unused branch, an expert
@@ -250,10 +258,7 @@ class ReservedKeys:
         out = []
         for key in missing:
             if key.startswith(state):
-                parts = key[len(state) :].split(".")
-                fqn = next(
-                    (f for f in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if f in params), None
-                )
+                fqn = self.state_owner(key[len(state) :], params)
                 if fqn is not None:
                     i = bisect.bisect_left(saved, f"{state}{fqn}.")
                     if i == len(saved) or not saved[i].startswith(f"{state}{fqn}."):

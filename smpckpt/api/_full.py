@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, decode_user_content, encode_user_content, train_state
 from smpckpt.api._resume import (
+    InventedState,
     drop_optimizer_state,
     init_missing_state,
     load_checkpoint,
     stateless_at_save,
-    stateless_params,
 )
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
@@ -122,10 +122,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     if common.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
     url = full_url(common.root, tag) if tag is not None else common.root
-    # before the state is built, which gives every parameter optimizer state (stateless_at_save)
-    stateless = stateless_params(common.model, common.optimizers)
-    applying = False
-    try:
+    with InventedState(common.model, common.optimizers) as guard:
 
         def destinations() -> dict[str, Any]:
             init_missing_state(common.optimizers)
@@ -145,7 +142,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
         holds_optim = any(k.startswith(f"{RESERVED.optim}.state.") for k in planner.metadata.state_dict_metadata)
         unsaved = stateless_at_save(
-            common.model, common.optimizers, state, stateless, planner, all_state_saved=holds_optim
+            common.model, common.optimizers, state, guard.stateless, planner, all_state_saved=holds_optim
         )
 
         def apply() -> Any:
@@ -166,11 +163,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
             stored = state[RESERVED.user_content]
             return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
 
-        applying = True  # from here the optimizer holds loaded state: a failure keeps it (it raises)
+        guard.applied = True
         user_content = ctx.all_ok(apply)
-    except BaseException:
-        if not applying:  # a failed resume leaves no invented optimizer state: a retry would take it as saved
-            drop_optimizer_state(common.model, common.optimizers, stateless)
-        raise
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")
     return user_content

@@ -63,6 +63,7 @@ __all__ = [
     "apply_state",
     "check_groups",
     "stateless_at_save",
+    "InventedState",
     "stateless_params",
     "init_missing_state",
     "drop_optimizer_state",
@@ -257,6 +258,24 @@ def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) ->
         if not any(o.state.get(p) for o in optimizers)  # an empty entry (a read of the defaultdict) is none
         for f in _get_fqns(model, name)
     )
+
+
+class InventedState:
+    """(a resume) Records, before the state is built (which gives every parameter optimizer state), the
+    parameters that had none (:attr:`stateless`); a resume failing before ``applied`` is set takes that
+    invented state away again (a retry would take it as saved); after, a failure keeps what was loaded."""
+
+    def __init__(self, model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.model, self.optimizers = model, optimizers
+        self.stateless = stateless_params(model, optimizers)
+        self.applied = False
+
+    def __enter__(self) -> InventedState:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and not self.applied:
+            drop_optimizer_state(self.model, self.optimizers, self.stateless)
 
 
 def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -49,18 +49,17 @@ from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_fail
 from smpckpt.api._fast_save import FastTierPart
 from smpckpt.api._full import full_url, resume_full, save_full
 from smpckpt.api._resume import (
+    InventedState,
     ResumeInfo,
     ResumeRequest,
     apply_state,
     build_resume_state,
     check_groups,
     choose_target,
-    drop_optimizer_state,
     load_checkpoint,
     not_found_hint,
     restores_rng,
     stateless_at_save,
-    stateless_params,
     summarize,
 )
 from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
@@ -433,10 +432,7 @@ class Checkpointer:
             if not opts.partial:
                 return resume_full(ctx, common, tag, opts)
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
-            # before the state is built, which gives every parameter optimizer state (stateless_at_save)
-            stateless = stateless_params(req.model, req.optimizers)
-            applying = False  # once the state is applied, a failure keeps what was loaded (it raises)
-            try:
+            with InventedState(req.model, req.optimizers) as guard:
                 loaded = None
                 if self._tier is not None:
                     loaded = self._tier.resume(req, ctx)
@@ -458,7 +454,7 @@ class Checkpointer:
                     planner = load_checkpoint(req, req.opts, target.url, state)
                 chosen = target
                 ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
-                applying = True
+                guard.applied = True
                 user_content, restored = ctx.all_ok(
                     lambda: apply_state(
                         req,
@@ -467,7 +463,7 @@ class Checkpointer:
                         state,
                         planner.report,
                         rng,
-                        stateless_at_save(req.model, req.optimizers, state, stateless, planner),
+                        stateless_at_save(req.model, req.optimizers, state, guard.stateless, planner),
                     )
                 )
                 info = summarize(req, target, ctx, planner, restored)
@@ -477,10 +473,6 @@ class Checkpointer:
                 self.last_resume_info = info
                 _last_resume.set(info)
                 return user_content
-            except BaseException:
-                if not applying:  # a failed resume leaves no invented optimizer state: a retry would take it as saved
-                    drop_optimizer_state(req.model, req.optimizers, stateless)
-                raise
 
     def _export(
         self, tag: Any, out: Any, model: Any, optimizer: Any, user_content: Any, options: Any, what: str

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from unused_branch import unused_branch_model, unused_branch_step
 
 import smpckpt
 from smpckpt import (
@@ -332,16 +333,7 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it(tmp_path: 
     saved, naming the state keys. Both resume it stateless now (the checkpoint holds its param groups and
     no state for it), and the next step is the saved run's bit for bit."""
 
-    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
-        return m, torch.optim.Adam(m.parameters(), lr=0.1)
-
-    def step(m: nn.Module, o: torch.optim.Optimizer, both: bool) -> None:
-        o.zero_grad()
-        x = torch.ones(2, 3)
-        (m(x) if both else m[0](x)).sum().backward()
-        o.step()
+    setup, step = unused_branch_model, unused_branch_step
 
     m, o = setup()
     step(m, o, both=False)  # layer 1 gets no gradient, so no state

@@ -30,6 +30,7 @@ from full_models import (
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from unused_branch import unused_branch_model, unused_branch_step
 
 from smpckpt import (
     CheckpointCorrupt,
@@ -159,16 +160,7 @@ def test_a_fresh_optimizer_resumes_from_a_full_artifact_without_invented_state(t
     moments), so its next step differed from the exporting run's (Adam's bias correction), silently. It
     now resumes stateless, and the next step is the exporting run's bit for bit."""
 
-    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
-        return m, torch.optim.Adam(m.parameters(), lr=0.1)
-
-    def step(m: nn.Module, o: torch.optim.Optimizer, both: bool) -> None:
-        o.zero_grad()
-        x = torch.ones(2, 3)
-        (m(x) if both else m[0](x)).sum().backward()
-        o.step()
+    setup, step = unused_branch_model, unused_branch_step
 
     root = str(tmp_path)
     m, o = setup()

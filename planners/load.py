@@ -44,6 +44,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.model.layout import (
     RESERVED,
+    KeyMapper,
     LayoutRecord,
     NameMap,
     ParallelLayout,
@@ -380,6 +381,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """(coordinator) The unexpected-key check over every rank's requests (under PP each stage
         asks for its own keys only, so no single rank can make it)."""
+        self._refuse_layers_two_stages_load(global_plan)
         asked: set[str] = set()
         for plan in global_plan:
             asked.update(item.storage_index.fqn for item in plan.items)
@@ -399,6 +401,40 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
         return [compact_load(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
+
+    def _refuse_layers_two_stages_load(self, global_plan: Sequence[LoadPlan]) -> None:
+        """(coordinator) Two pipeline stages reading one ``layers.<i>`` key: stage-local names read as
+        global ones (a checkpoint saved with ``pp_layers`` resumed without them), so a later stage would
+        get an earlier stage's layers -- silently under ``allow_partial_load``. Refused, strict or not:
+        a stage's layers are its own (keys outside ``layers.<i>``, an embedding both ends hold, may repeat)."""
+        layout = self.layout
+        if layout.pp == 1:
+            return
+        first: dict[str, int] = {}  # key -> the first stage reading it
+        shared: dict[str, tuple[int, int]] = {}
+        for rank, plan in enumerate(global_plan):
+            stage = layout.coords(rank).pp
+            for item in plan.items:
+                key = item.storage_index.fqn
+                seen = first.setdefault(key, stage)
+                if seen != stage and key not in shared and KeyMapper.names_a_layer(key):
+                    shared[key] = (seen, stage)
+        if not shared:
+            return
+        key, (a, b) = next(iter(shared.items()))
+        more = f" (and {len(shared) - 1} more layer keys read by two stages)" if len(shared) > 1 else ""
+        saved = self.saved_layout
+        partition = (
+            f"the checkpoint records the partition pp_layers={saved.pp_layers}; "
+            if saved is not None and saved.pp_layers is not None
+            else ""
+        )
+        given = "gives none" if layout.pp_layers is None and self.name_map is None else "maps them to one key"
+        raise LayoutMismatch(
+            f"pipeline stages {a} and {b} both load {key!r}{more}: a stage's layers are its own, so stage-local "
+            f"names are being read as global ones ({partition}the loading layout {layout} {given}): pass the "
+            "partition (ParallelLayout(..., pp_layers=...)) or a name_map, or use global names on every stage"
+        )
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
         """(all ranks) The plan as the coordinator returned it."""

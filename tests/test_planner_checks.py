@@ -278,3 +278,32 @@ def test_rank_local_keys_of_other_ranks_are_not_unexpected():
     assert torch.equal(one["rng.rank0"], torch.tensor([0])) and torch.equal(one["w"], torch.ones(2))
     with pytest.raises(LayoutMismatch, match="rng.rank1"):
         load([{"w": torch.zeros(2), "rng.rank0": torch.tensor([9])}], ParallelLayout(), store)
+
+
+def test_two_pipeline_stages_loading_one_layer_key_are_refused_even_without_strictness():
+    """A checkpoint saved with ``pp_layers`` (stage 1's ``layers.0`` stored as ``layers.2``) resumed at pp=2
+    with the partition forgotten: stage-local names are then read as global ones, so stage 1 asked for
+    ``layers.0``/``layers.1`` -- stage 0's layers. Strict, that failed on ``layers.2`` "loaded by no rank"
+    (not saying why); with ``allow_partial_load`` stage 1 silently got stage 0's weights. A stage's layers
+    are its own: two stages asking for one ``layers.<i>`` key is refused by name, strict or not."""
+    pp = ParallelLayout(pp=2, pp_layers=(2, 2))
+
+    def stage(rank: int, base: float) -> dict:
+        return {f"layers.{i}.w": torch.full((2,), base + 10 * rank + i) for i in range(2)} | {"emb": torch.ones(3)}
+
+    store, _ = save([stage(0, 0.0), stage(1, 0.0)], pp)
+    forgot = ParallelLayout(pp=2)
+    for partial in (False, True):
+        sds = [stage(0, -1.0), stage(1, -1.0)]
+        with pytest.raises(
+            LayoutMismatch, match=r"pipeline stages 0 and 1 both load 'layers\.0\.w'.*pp_layers=\(2, 2\)"
+        ):
+            load(sds, forgot, store, allow_partial_load=partial)
+        assert torch.equal(sds[1]["layers.0.w"], torch.full((2,), 9.0))  # refused before any data was read
+    # the partition given: every stage its own layers; a key outside `layers.<i>` both stages hold loads on both
+    sds = [stage(0, -1.0), stage(1, -1.0)]
+    load(sds, pp, store)
+    for rank in range(2):
+        for i in range(2):
+            assert torch.equal(sds[rank][f"layers.{i}.w"], torch.full((2,), 10.0 * rank + i))
+        assert torch.equal(sds[rank]["emb"], torch.ones(3))

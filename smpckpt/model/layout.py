@@ -305,7 +305,12 @@ class KeyMapper:
     def renumbers(self, local_key: str) -> bool:
         """Whether ``local_key`` gets its stage's own global layer numbers from the ``layers.<i>`` rule (the
         layout records a partition, no name map overrides the rule): a key no other stage holds."""
-        return self.name_map is None and self._count is not None and _LAYER.search(local_key) is not None
+        return self.name_map is None and self._count is not None and self.names_a_layer(local_key)
+
+    @staticmethod
+    def names_a_layer(key: str) -> bool:
+        """Whether ``key`` has a ``layers.<i>`` segment: a pipeline stage's own layer, held by no other stage."""
+        return _LAYER.search(key) is not None
 
     def _shift(self, match: re.Match[str]) -> str:
         local = int(match.group(1))

@@ -417,15 +417,42 @@ def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
     return SpecRules.of(specs, also_under=(RESERVED.model,))
 
 
-def train_state(model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, Any]:
+def train_state(
+    model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...], *, destinations: bool = False
+) -> dict[str, Any]:
     """``{model: ..., optim: ...}`` (:data:`RESERVED`'s keys) through DCP's state_dict API (FQN-keyed
-    optimizer state)."""
+    optimizer state). DCP's ``get_state_dict`` gives a fresh optimizer (no state, no gradients) state by
+    stepping it once at lr 0 (``step`` 1, zero moments): a resume (``destinations``) wants that, as where
+    the saved state lands; a save does not -- it changed the saving run's next step (Adam's bias
+    correction: the run diverged from one that never saved) and stored state no step made -- so a save
+    takes a fresh optimizer as it is (:func:`_taken_as_is`)."""
     if model is None:
         return {}
     if not optimizers:
         return {RESERVED.model: get_model_state_dict(model, options=OPTIONS)}
-    model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
+    with contextlib.nullcontext() if destinations else _taken_as_is(optimizers):
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=OPTIONS)
     return {RESERVED.model: model_sd, RESERVED.optim: optim_sd}
+
+
+@contextlib.contextmanager
+def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None]:
+    """DCP initialises only an optimizer without state whose parameters hold no gradient; a zero gradient on
+    the smallest parameter of each fresh optimizer, for the call only, keeps it from stepping the
+    optimizer (and from firing its step hooks)."""
+    lent: list[torch.Tensor] = []
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if opt.state or not params or any(p.grad is not None for p in params):
+            continue
+        smallest = min(params, key=lambda p: p.numel())
+        smallest.grad = torch.zeros_like(smallest)
+        lent.append(smallest)
+    try:
+        yield
+    finally:
+        for p in lent:
+            p.grad = None
 
 
 # -- user_content and RNG states: the rest of the state a save stores and a resume restores -----------

@@ -51,10 +51,10 @@ def full_url(root: str, tag: str) -> str:
     return join_url(root, tag)
 
 
-def _tensor_state(common: CommonRequest, optim: bool) -> dict[str, Any]:
+def _tensor_state(common: CommonRequest, optim: bool, destinations: bool = False) -> dict[str, Any]:
     """The model's state and (``optim``) the optimizer's tensors: hyper-parameters (param_groups) stay
     with the code that builds the optimizer."""
-    state = train_state(common.model, common.optimizers if optim else ())
+    state = train_state(common.model, common.optimizers if optim else (), destinations=destinations)
     if RESERVED.optim in state:
         state[RESERVED.optim] = {k: v for k, v in state[RESERVED.optim].items() if isinstance(v, torch.Tensor)}
     return state
@@ -126,7 +126,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
 
         def destinations() -> dict[str, Any]:
             init_missing_state(common.optimizers)
-            return _tensor_state(common, True)
+            return _tensor_state(common, True, destinations=True)
 
         state = ctx.all_ok(destinations)
         state[RESERVED.user_content] = ObjectBytes(b"")

@@ -330,7 +330,7 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
 def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) -> dict[str, Any]:
     """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
     init_missing_state(req.optimizers)
-    state = train_state(req.model, req.optimizers)
+    state = train_state(req.model, req.optimizers, destinations=True)
     state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
     if restore_rng:
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}

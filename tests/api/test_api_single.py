@@ -357,6 +357,33 @@ def test_a_parameter_saved_without_optimizer_state_resumes_without_it(tmp_path: 
     assert not o3.state and all(torch.equal(a, b) for a, b in zip(m.parameters(), m3.parameters(), strict=True))
 
 
+def test_saving_a_fresh_optimizer_leaves_it_fresh_and_stores_no_invented_state(tmp_path: Any) -> None:
+    """DCP's get_state_dict steps a fresh optimizer (no state, no gradients) once at lr 0 to give it state:
+    a save before the first step turned the saving run's first step into Adam's step 2 (another bias
+    correction: the run diverged from one that never saved, silently) and stored step-1, zero-moment
+    state no step made, which a resume then gave a fresh run too. Saved (partial and full) as it is now."""
+
+    setup, step = unused_branch_model, unused_branch_step
+
+    m, o = setup()
+    ref_m, ref_o = copy.deepcopy((m, o))  # the run that never saves
+    save_checkpoint(str(tmp_path), "fresh", model=m, optimizer=o)
+    save_checkpoint(str(tmp_path), "fresh_full", partial=False, model=m, optimizer=o)
+    assert not o.state and all(p.grad is None for p in m.parameters())
+    step(m, o, both=True)
+    step(ref_m, ref_o, both=True)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters(), strict=True))
+    for tag, partial in (("fresh", True), ("fresh_full", False)):
+        m2, o2 = setup()
+        resume_from_checkpoint(str(tmp_path), tag, partial=partial, model=m2, optimizer=o2)
+        assert not o2.state, tag
+        step(m2, o2, both=True)
+        assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), m.parameters(), strict=True)), tag
+    # the trained run rolled back to the fresh save resumes fresh, as saved
+    resume_from_checkpoint(str(tmp_path), "fresh", model=m, optimizer=o)
+    assert not o.state
+
+
 def test_saved_optimizer_state_reaches_a_live_optimizer_that_holds_none_for_that_parameter(tmp_path: Any) -> None:
     """DCP initialises only an optimizer without any state: one with state for some parameters and none for
     others (a parameter with no gradient yet in a live run; or the first of two resumes left it so) had no

@@ -36,15 +36,16 @@ Checkpointer's drain lane, committed there as any partial checkpoint (same files
     publish_newest  (rank 0)  ``{path}/newest`` := tag
     retain          (rank 0)  ``num_kept_partial_checkpoints`` over ``path``
 
-A kill during the drain leaves ``path`` as it was (uncommitted files at most: never taken as a
-checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the fast tier still
-holds the checkpoint, and keeps it (fast-tier retention never removes a save due for the durable tier
-before a drain as new committed); the restarted job's next save drains it again (:class:`PendingDrain`).
+A failed drain removes its copies, then the folder; a kill during it leaves ``path`` as it was (uncommitted
+files at most: never a checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the
+fast tier still holds the checkpoint, and keeps it (fast-tier retention never removes a save due for the
+durable tier before a drain as new committed); the restarted job's next save drains it again (:class:`PendingDrain`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -432,18 +433,16 @@ class _Clock:
         self.phases, self.last = phases, time.monotonic()
 
     def lap(self, name: str) -> None:
-        now = time.monotonic()
-        self.phases[name] = now - self.last
+        self.phases[name] = (now := time.monotonic()) - self.last
         self.last = now
 
 
 def _remove_quietly(folder: str) -> None:
     try:
         remove_folder(open_fs(folder)[0], folder, folder)
-    except FileNotFoundError:
-        pass
     except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise
-        log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
 
 
 def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None = None) -> None:
@@ -553,10 +552,7 @@ def drain(
         dctx.on_coordinator(commit)
     except BaseException:
         if _committed(fs, path, prepared) is False:  # unknown (None): nothing is removed blind
-            with Folder(fs, path) as folder:
-                failed = folder.remove([rec.name for rec in mine])
-            if failed:
-                log.warning("the failed drain of %s left %d file(s): %s", req.url, len(failed), failed[:5])
+            _remove_copies(fs, path, req.url, [rec.name for rec in mine])
         raise
     tier.memory.note_durable(tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
@@ -565,6 +561,17 @@ def drain(
     retain(breq, dctx)
     if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
         retain_fast(tier, None, release=req.tag)
+
+
+def _remove_copies(fs: Any, path: str, url: str, names: list[str]) -> None:
+    """(each rank, a failed drain) Its copies, then the folder once empty (debris, not a checkpoint): the
+    rank removing the last file succeeds, the others find it not empty yet; ``rmdir`` follows no link."""
+    with contextlib.suppress(FileNotFoundError), Folder(fs, path) as folder:  # failed before making it
+        if failed := folder.remove(names):
+            log.warning("the failed drain of %s left %d file(s): %s", url, len(failed), failed[:5])
+        elif is_local(fs):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
 
 
 def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:

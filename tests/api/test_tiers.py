@@ -251,6 +251,35 @@ def test_tag_asked_for_comes_from_the_fast_tier_when_its_drain_never_committed(t
         resume_from_checkpoint(durable, tag="s3", model=_linear(9), local_path=local)
 
 
+def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
+    an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty
+    now; the fast tier still holds the tag, and the next save drains."""
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real, calls = fast_save.open_sink, []
+
+    def disk_full_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(28, "injected: no space left on the durable storage")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_save, "open_sink", disk_full_once)
+    m1, m2 = _linear(1), _linear(2)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
+    with pytest.raises(CheckpointError, match="no space left on the durable storage; it is still in the fast tier"):
+        wait_for_saves()
+    assert calls and sorted(p.name for p in durable.iterdir() if p.name.startswith("s1")) == []
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="s1", model=got, local_path=local)
+    assert _same(got, m1)
+    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)
+    wait_for_saves()
+    assert (durable / "s2_partial" / MANIFEST_NAME).is_file()
+
+
 def test_tag_asked_for_comes_from_the_durable_tier_when_saved_there_again_after_the_fast_copy(tmp_path: Path) -> None:
     """A tag saved through the fast tier, then saved again in ``path`` (``overwrite=True``, by a job
     without the fast tier): the fast tier still holds the older save of that tag. A resume of that tag

@@ -439,6 +439,20 @@ def test_resume_from_huggingface_folder(tmp_path: Any, transformers_quiet: Any, 
         torch.testing.assert_close(fresh(x).logits, hf(x).logits, rtol=0, atol=0)
 
 
+def test_huggingface_folder_with_a_single_file_and_an_index_is_refused(tmp_path: Any, transformers_quiet: Any) -> None:
+    # save_pretrained with shards over an unsharded save leaves the old model.safetensors beside the new index:
+    # from_pretrained reads the old single file, ours read the index's newer shards, silently
+    folder = str(tmp_path / "hf")
+    _gpt2(transformers_quiet, 0).save_pretrained(folder)
+    _gpt2(transformers_quiet, 1).save_pretrained(folder, max_shard_size="20KB")
+    assert {"model.safetensors", "model.safetensors.index.json"} <= set(os.listdir(folder))
+    fresh = _gpt2(transformers_quiet, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointCorrupt, match="holds both model.safetensors and model.safetensors.index.json"):
+        resume_from_checkpoint(folder, partial=False, model=fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_dcp_load_of_huggingface_folder(tmp_path: Any, transformers_quiet: Any, shard: str | None) -> None:
     hf = _gpt2(transformers_quiet, 0)

@@ -408,6 +408,10 @@ def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
         if found.state == "uncommitted" and removal_marked(url, storage_options):
             return CheckpointRecord(tag, False, url=url, state="removing", detail="an interrupted removal left it")
         return CheckpointRecord(tag, False, url=url, state=found.state, detail=found.detail)
+    if found.manifest.kind != "partial":  # a full artifact exported into a `<x>_partial` folder: a deliverable,
+        detail = f"a {found.manifest.kind} checkpoint (an export), not a partial one"  # never resumed or removed
+        log.warning("%s: %s; leaving it alone", url, detail)
+        return CheckpointRecord(tag, False, url=url, state="unsafe", detail=detail)
     return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -65,9 +66,10 @@ def _tensor_state(common: CommonRequest, optim: bool) -> dict[str, Any]:
     return state
 
 
-def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[str]) -> None:
+def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[str], strict: bool) -> None:
     """(each rank) Refuse an artifact that holds a parameter's tensor state but not its numbers (written
-    before they were kept): the parameter would resume with the saved moments and the live ``step``."""
+    before they were kept): the parameter would resume with the saved moments and the live ``step``
+    (``strict=False``: a warning, as for every key it skips)."""
     report = planner.report
     if report is None or RESERVED.optim not in state:
         return
@@ -78,11 +80,16 @@ def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[s
         for k in report.skipped_optional
         if k in numbers and planner.entries[k].local_key.partition(".state.")[2].rpartition(".")[0] not in unsaved
     ]
-    if lost:
-        raise LayoutMismatch(
-            f"the artifact holds optimizer tensor state but not {len(lost)} non-tensor state value(s) the optimizer "
-            f"keeps beside it ({', '.join(sorted(lost)[:5])}): resume from a partial checkpoint, or re-export"
-        )
+    if not lost:
+        return
+    message = (
+        f"the artifact holds optimizer tensor state but not {len(lost)} non-tensor state value(s) the optimizer "
+        f"keeps beside it ({', '.join(sorted(lost)[:5])}): resume from a partial checkpoint, or re-export"
+    )
+    if strict:
+        raise LayoutMismatch(message)
+    log.warning("%s; strict=False: they keep the live optimizer's values", message)
+    warnings.warn(f"{message}; strict=False: they keep the live optimizer's values", stacklevel=2)
 
 
 def save_full(
@@ -189,7 +196,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
             return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
 
         if holds_optim:
-            ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved))
+            ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved, opts.strict))
         guard.applied = True
         user_content = ctx.all_ok(apply)
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")

@@ -199,8 +199,8 @@ def test_non_tensor_optimizer_state_goes_with_the_artifact(tmp_path: Any, monkey
 
     current = full_api._tensor_state
 
-    def tensors_only(common: Any, optim: bool) -> dict[str, Any]:  # the writer as it was: an old artifact
-        state = current(common, optim)
+    def tensors_only(*args: Any, **kwargs: Any) -> dict[str, Any]:  # the writer as it was: an old artifact
+        state = current(*args, **kwargs)
         state["optim"] = {k: v for k, v in state.get("optim", {}).items() if isinstance(v, torch.Tensor)}
         return state
 

@@ -135,6 +135,22 @@ def _dcp_is_terminal(value: Any) -> bool:
     return True
 
 
+def set_at_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Put a loaded object where ``flatten`` found its destination. DCP's paths hold ``str(key)``
+    (``{0: x}`` flattens to ``("0",)``), and DCP's ``set_element`` then writes a new key ``"0"``
+    beside the caller's ``0``, whose old value stays (an optimizer's ``state`` is keyed by ints): so
+    each mapping level takes the key that is there, the one whose ``str`` is the path's (unique: the
+    flattening refused two with one ``str``)."""
+    container = root
+    for depth, part in enumerate(path):
+        if isinstance(container, Mapping) and part not in container:
+            part = next((k for k in container if str(k) == part), part)
+        if depth == len(path) - 1:
+            container[part] = value
+        else:
+            container = container[part]
+
+
 def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     """Keys whose tensor is one held under an earlier key (tied parameters: transformers ties
     ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order.

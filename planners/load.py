@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -53,7 +52,15 @@ from smpckpt.model.layout import (
 )
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import compact_load
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, TiedLoads, compile_globs, tied_entries
+from smpckpt.planners._entries import (
+    Entry,
+    LayoutScope,
+    ObjectBytes,
+    TiedLoads,
+    compile_globs,
+    set_at_path,
+    tied_entries,
+)
 from smpckpt.planners._shared_memory import SharedMemoryLoads
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
@@ -445,7 +452,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """(all ranks, from the storage reader) Unpickle one object (weights-only unless allow_pickle)."""
         entry = self.entries[read_item.dest_index.fqn]
         if isinstance(entry.value, ObjectBytes):
-            set_element(self.state_dict, entry.path, ObjectBytes(value.read()))
+            set_at_path(self.state_dict, entry.path, ObjectBytes(value.read()))
             return
         try:
             obj = torch.load(value, weights_only=not self.allow_pickle, map_location="cpu")
@@ -454,7 +461,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
                 "allow_pickle=True only if you trust this checkpoint."
             ) from exc
-        set_element(self.state_dict, entry.path, obj)
+        set_at_path(self.state_dict, entry.path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """(all ranks, from the storage reader) The destination view of one read."""

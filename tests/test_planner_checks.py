@@ -146,6 +146,18 @@ def test_objects_load_weights_only_unless_allowed():
     assert sd["args"] == argparse.Namespace(lr=0.1)
 
 
+def test_objects_under_non_string_keys_load_into_those_keys():
+    # DCP flattens {0: x} to the key "0" and its set_element wrote a loaded object under a new key "0",
+    # leaving the caller's 0 at its old value (a param-index optimizer state dict's ints, for example)
+    saved = {"optim": {"state": {0: {"step": 3, "exp_avg": torch.ones(2)}}, "flags": {True: "on", 1.5: [4, 5]}}}
+    store, _ = save([saved], ParallelLayout())
+    dest = {"optim": {"state": {0: {"step": 0, "exp_avg": torch.zeros(2)}}, "flags": {True: "off", 1.5: []}}}
+    load([dest], ParallelLayout(), store)
+    assert dest["optim"]["state"] == {0: {"step": 3, "exp_avg": dest["optim"]["state"][0]["exp_avg"]}}
+    assert torch.equal(dest["optim"]["state"][0]["exp_avg"], torch.ones(2))
+    assert dest["optim"]["flags"] == {True: "on", 1.5: [4, 5]}  # no "True" or "1.5" beside them
+
+
 def test_plan_cache_reuses_plans_per_instance_and_invalidates_on_change():
     layout = ParallelLayout(tp=2, dp=2)
     specs = {"w": ShardSpec(0)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from smpckpt.api._resume import (
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.catalog.root import NEWEST_NAME, SequenceCounter, join_url
+from smpckpt.errors import LayoutMismatch
 from smpckpt.model.layout import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
@@ -52,12 +54,42 @@ def full_url(root: str, tag: str) -> str:
 
 
 def _tensor_state(common: CommonRequest, optim: bool, destinations: bool = False) -> dict[str, Any]:
-    """The model's state and (``optim``) the optimizer's tensors: hyper-parameters (param_groups) stay
-    with the code that builds the optimizer."""
+    """The model's state and (``optim``) the optimizer's per-parameter state: hyper-parameters
+    (param_groups) stay with the code that builds the optimizer; a parameter's state that is a number,
+    not a tensor (transformers' Adafactor keeps ``step`` as an int), goes with its tensors (a ``<key>.pt``
+    file): left behind, a resume paired the saved moments with the live optimizer's step, silently."""
     state = train_state(common.model, common.optimizers if optim else (), destinations=destinations)
     if RESERVED.optim in state:
-        state[RESERVED.optim] = {k: v for k, v in state[RESERVED.optim].items() if isinstance(v, torch.Tensor)}
+        state[RESERVED.optim] = {
+            k: v for k, v in state[RESERVED.optim].items() if isinstance(v, torch.Tensor) or k.startswith("state.")
+        }
     return state
+
+
+def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[str], strict: bool) -> None:
+    """(each rank) Refuse an artifact that holds a parameter's tensor state but not its numbers (written
+    before they were kept): the parameter would resume with the saved moments and the live ``step``
+    (``strict=False``: a warning, as for every key it skips)."""
+    report = planner.report
+    if report is None or RESERVED.optim not in state:
+        return
+    numbers = {f"{RESERVED.optim}.{k}" for k, v in state[RESERVED.optim].items() if not isinstance(v, torch.Tensor)}
+    # state names hold no dots: the parameter is what comes before the last one
+    lost = [
+        k
+        for k in report.skipped_optional
+        if k in numbers and planner.entries[k].local_key.partition(".state.")[2].rpartition(".")[0] not in unsaved
+    ]
+    if not lost:
+        return
+    message = (
+        f"the artifact holds optimizer tensor state but not {len(lost)} non-tensor state value(s) the optimizer "
+        f"keeps beside it ({', '.join(sorted(lost)[:5])}): resume from a partial checkpoint, or re-export"
+    )
+    if strict:
+        raise LayoutMismatch(message)
+    log.warning("%s; strict=False: they keep the live optimizer's values", message)
+    warnings.warn(f"{message}; strict=False: they keep the live optimizer's values", stacklevel=2)
 
 
 def save_full(
@@ -163,6 +195,8 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
             stored = state[RESERVED.user_content]
             return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
 
+        if holds_optim:
+            ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved, opts.strict))
         guard.applied = True
         user_content = ctx.all_ok(apply)
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")

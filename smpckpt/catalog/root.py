@@ -21,10 +21,8 @@ Rules (issue 4):
 ``keep=1`` is allowed (torchtitan forbids it because its purge may run while the new checkpoint is
 still being written); here deletion starts only after the new checkpoint committed.
 
-What a checkpoint root holds: one :class:`CheckpointRecord` per ``{tag}_partial`` folder.
-
-Used by resume (fallback when ``newest`` is unusable), retention and ``smpckpt ls``; always on one
-rank (rank 0), whose answer is broadcast -- 512 ranks listing S3 at once get throttled.
+What a checkpoint root holds: one :class:`CheckpointRecord` per ``{tag}_partial`` folder. Used by resume
+(fallback when ``newest`` is unusable), retention and ``smpckpt ls``; on rank 0, broadcast (512 ranks listing S3 get throttled).
 
 Cost: one LIST of the root plus one GET (the manifest) per committed folder (several in flight on
 object stores); a folder without a manifest costs up to one more GET and a LIST to tell "uncommitted"
@@ -36,8 +34,7 @@ Layout under a checkpoint root ``path`` (smp's structure)::
 
     {path}/newest                  # text: the tag of the newest committed checkpoint (rank 0 writes it)
     {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
-    {path}/{tag}                   # full checkpoint artefact          (reserved: full mode, later issue)
-    {path}/user_content_{tag}      # user content of a full checkpoint (reserved: full mode, later issue)
+    {path}/{tag}/                  # a full checkpoint (an export): not listed here
 
 Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
 never trusts what it reads: the content of ``newest`` is validated exactly like a tag.
@@ -395,6 +392,8 @@ def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
     """Probe one folder; never raises for what the folder holds (one bad sibling must not break a root)."""
     try:
         found = probe_checkpoint(url, storage_options)
+        if found.manifest is not None and found.manifest.kind != "partial":  # an export into `<x>_partial`
+            raise UnsafeCheckpoint(f"a {found.manifest.kind} checkpoint (an export), never resumed or removed here")
     except UnsafeCheckpoint as exc:
         log.warning("%s: refusing an unsafe checkpoint folder: %s", url, exc)
         return CheckpointRecord(tag, False, url=url, state="unsafe", detail=str(exc))

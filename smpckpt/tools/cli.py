@@ -132,6 +132,16 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         out.write("(no valid 'newest' file)\n")
     elif newest not in {r.tag for r in records if r.committed}:
         out.write(f"warning: 'newest' names {newest!r}, which is not a committed checkpoint\n")
+    else:
+        # the '*' marks what the file says; a resume without a tag takes a checkpoint committed after it
+        # instead (resolve_target: a job stopped between a commit and the update of 'newest')
+        named = next(r for r in records if r.committed and r.tag == newest)
+        latest = max((r for r in records if r.committed), key=lambda r: r.order)
+        if latest.order > named.order:
+            out.write(
+                f"warning: 'newest' names {newest!r}, but {latest.tag!r} was committed after it: a resume without "
+                f"a tag loads {latest.tag!r}\n"
+            )
     if local is not None:
         write_fast_table(out, local, fast, notes, fast_pick, others)
         where = {"fast": "the fast tier", "durable": f"{args.path} (durable)"}

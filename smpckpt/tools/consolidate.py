@@ -162,8 +162,11 @@ def consolidate_checkpoint(
     checkpoint folder or, as on the command line, ``PATH/TAG`` (``PATH/TAG_partial`` when that exists).
 
     Checkpoints written by :func:`smpckpt.save_checkpoint` give ``model.safetensors`` (keys without the
-    ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer`` and ``user_content.pt``;
-    RNG states are left out. Other DCP checkpoints put every tensor in ``model.safetensors`` under its
+    ``model.`` prefix), ``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt`` and
+    ``<key>.pt`` for each of the model's non-tensor values (a module's extra_state) and, with
+    ``include_optimizer``, each non-tensor per-parameter optimizer value (an int ``step``), as the online
+    full save; RNG states and the optimizer's hyper-parameters are left out. Other DCP checkpoints put
+    every tensor in ``model.safetensors`` under its
     flattened key and every object in ``<key>.pt``. ``out`` must not hold a committed checkpoint.
     ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
     instead of safetensors ones. ``max_shard_size`` and the other artifact options are those of
@@ -220,7 +223,14 @@ def consolidate_checkpoint(
                 )
             )
             kept[fqn] = md
-        elif not api or fqn == RESERVED.user_content:
+        elif (
+            not api
+            or fqn == RESERVED.user_content
+            or fqn.startswith(f"{RESERVED.model}.")
+            or (include_optimizer and fqn.startswith(OPTIM_STATE_PREFIX))
+        ):
+            # as the online full save: the model's objects (a module's extra_state) and a parameter's
+            # non-tensor optimizer state (an int step) go beside the tensors; param_groups and RNG stay out
             items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
             kept[fqn] = md
     total = sum(md.size.numel() * md.properties.dtype.itemsize for md in kept.values() if hasattr(md, "size"))

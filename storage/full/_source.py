@@ -78,6 +78,16 @@ def hf_folder_files(fs: Any, path: str) -> list[str] | None:
             names = sorted({str(v) for v in weight_map.values()})
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CheckpointCorrupt(f"{join(path, HF_INDEX)}: malformed index: {type(exc).__name__}: {exc}") from exc
+        with translate_errors(path):
+            single = names != [HF_SINGLE] and fs.exists(join(path, HF_SINGLE))
+        if single:
+            # save_pretrained re-saving a folder with shards removes only old shards: an earlier unsharded
+            # save's file stays, and from_pretrained reads it (it looks for the single file first), while the
+            # index names the newer shards -- two saves' weights, and no way to tell which is meant
+            raise CheckpointCorrupt(
+                f"{path} holds both {HF_SINGLE} and {HF_INDEX} (naming {len(names)} file(s)): two saves' "
+                f"weights; transformers' from_pretrained reads {HF_SINGLE}. Remove the stale one(s)"
+            )
         return [check_member_name(n, where=join(path, HF_INDEX)) for n in names]
     with translate_errors(path):
         if fs.exists(join(path, HF_SINGLE)):

@@ -122,6 +122,24 @@ def test_verify_uncommitted_folder_fails(tmp_path: Any) -> None:
     assert "uncommitted" in out
 
 
+def test_ls_says_when_newest_is_behind_what_a_resume_loads(tmp_path: Any) -> None:
+    # a job stopped between a commit and the update of 'newest': ls marked the older tag with '*' and said
+    # nothing, while a resume without a tag loads the later one
+    root = str(tmp_path)
+    _populate(root)
+    with open(os.path.join(root, "newest"), "w") as f:
+        f.write("step0\n")
+    rc, out, _ = _run("ls", root)
+    assert rc == 0 and out.splitlines()[1].split()[:2] == ["*", "step0"]
+    assert (
+        "warning: 'newest' names 'step0', but 'step2' was committed after it: a resume without a tag loads 'step2'"
+        in out
+    )
+    with open(os.path.join(root, "newest"), "w") as f:
+        f.write("step2\n")
+    assert "warning" not in _run("ls", root)[1]
+
+
 def test_python_dash_m_entry_point(tmp_path: Any) -> None:
     root = str(tmp_path)
     save_checkpoint(root, "only", model=nn.Linear(2, 2), layout=ParallelLayout())

@@ -120,6 +120,24 @@ def test_a_tag_folder_linked_from_another_disk(tmp_path: Any) -> None:
     _assert_resumes(elsewhere, "b", b)  # the target is still a committed checkpoint
 
 
+def test_a_full_artifact_in_a_partial_folder_is_no_partial_checkpoint(tmp_path: Any) -> None:
+    """An export written to `ROOT/<x>_partial` (export's out=, or `smpckpt consolidate ROOT/a ROOT/x_partial`)
+    was listed as a committed partial checkpoint numbered after the others: a tag-less resume loaded the
+    export, and retention would have removed it. It is listed as unsafe, skipped and kept."""
+    root = str(tmp_path)
+    a = _model(0)
+    save_checkpoint(root, "a", model=a)
+    save_checkpoint(root, "full", model=_model(1), partial=False)
+    shutil.move(os.path.join(root, "full"), os.path.join(root, "x_partial"))
+    assert [(r.tag, r.state) for r in scan_root(root)] == [("x", "unsafe"), ("a", "committed")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # newest names a, and nothing committed after it
+        _assert_resumes(root, None, a)
+    for tag in ("b", "c"):
+        save_checkpoint(root, tag, model=_model(3), num_kept_partial_checkpoints=1)
+    assert sorted(os.listdir(root)) == ["c_partial", "newest", "x_partial"]
+
+
 @pytest.mark.parametrize("content", [b"", {"k": b""}, frozenset({1})], ids=["empty-bytes", "nested", "frozenset"])
 def test_user_content_weights_only_rejects_is_flagged_at_save(tmp_path: Any, content: Any) -> None:
     """torch's weights-only allow-list refuses these (a type walk had called them safe): the save warns,

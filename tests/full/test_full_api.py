@@ -41,6 +41,7 @@ from smpckpt import (
     save_checkpoint,
 )
 from smpckpt.storage import FsspecStorageReader
+from smpckpt.tools.consolidate import consolidate_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -141,6 +142,76 @@ def test_include_optimizer_writes_adam_state(tmp_path: Any) -> None:
         mm(torch.ones(3, 8)).sum().backward()
         oo.step()
     assert_models_equal(m, m2)
+
+
+class _IntStep(torch.optim.Optimizer):
+    """An optimizer keeping a parameter's step count as a Python int beside a tensor (as transformers'
+    Adafactor does)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"], st["avg"] = 0, torch.zeros_like(p)
+                st["step"] += 1
+                st["avg"].mul_(0.5).add_(p.grad)
+                p.add_(st["avg"], alpha=-group["lr"] / st["step"])
+
+
+def _int_step_model(seed: int, steps: int) -> tuple[nn.Module, _IntStep]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    o = _IntStep(m.parameters())
+    for _ in range(steps):
+        o.zero_grad()
+        m(torch.randn(3, 8)).pow(2).sum().backward()
+        o.step()
+    return m, o
+
+
+def test_non_tensor_optimizer_state_goes_with_the_artifact(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int ``step`` beside a tensor was left out of the artifact (tensors only): a resume paired the
+    saved moments with the live optimizer's step (1 for a fresh one), silently. It is exported online and
+    offline now; an artifact written without it is refused."""
+    root = str(tmp_path)
+    m, o = _int_step_model(0, steps=3)
+    save_checkpoint(root, "online", partial=False, model=m, optimizer=o, include_optimizer=True)
+    save_checkpoint(root, "p", model=m, optimizer=o)
+    consolidate_checkpoint(
+        os.path.join(root, "p"), os.path.join(root, "offline"), include_optimizer=True, progress=False
+    )
+    want = optim_state(m, o)
+    for art in ("online", "offline"):
+        m2, o2 = _int_step_model(1, steps=0)
+        resume_from_checkpoint(root, art, partial=False, model=m2, optimizer=o2)
+        assert_models_equal(m, m2)
+        got = optim_state(m2, o2)
+        assert {k: v for k, v in got.items() if k.endswith(".step")} == {k: 3 for k in want if k.endswith(".step")}
+        assert_state_equal(*({k: v for k, v in d.items() if k.endswith(".avg")} for d in (want, got)))
+    import smpckpt.api._full as full_api
+
+    current = full_api._tensor_state
+
+    def tensors_only(*args: Any, **kwargs: Any) -> dict[str, Any]:  # the writer as it was: an old artifact
+        state = current(*args, **kwargs)
+        state["optim"] = {k: v for k, v in state.get("optim", {}).items() if isinstance(v, torch.Tensor)}
+        return state
+
+    monkeypatch.setattr(full_api, "_tensor_state", tensors_only)
+    save_checkpoint(root, "old", partial=False, model=m, optimizer=o, include_optimizer=True)
+    monkeypatch.setattr(full_api, "_tensor_state", current)
+    m3, o3 = _int_step_model(1, steps=2)
+    with pytest.raises(LayoutMismatch, match=r"not 4 non-tensor state value\(s\).*optim\.state\.0\.bias\.step"):
+        resume_from_checkpoint(root, "old", partial=False, model=m3, optimizer=o3)
+    with pytest.warns(UserWarning, match="strict=False: they keep the live optimizer's values"):
+        resume_from_checkpoint(root, "old", partial=False, model=m3, optimizer=o3, strict=False)
 
 
 def test_resume_with_optimizer_from_artifact_without_one(tmp_path: Any) -> None:
@@ -437,6 +508,20 @@ def test_resume_from_huggingface_folder(tmp_path: Any, transformers_quiet: Any, 
     x = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(fresh(x).logits, hf(x).logits, rtol=0, atol=0)
+
+
+def test_huggingface_folder_with_a_single_file_and_an_index_is_refused(tmp_path: Any, transformers_quiet: Any) -> None:
+    # save_pretrained with shards over an unsharded save leaves the old model.safetensors beside the new index:
+    # from_pretrained reads the old single file, ours read the index's newer shards, silently
+    folder = str(tmp_path / "hf")
+    _gpt2(transformers_quiet, 0).save_pretrained(folder)
+    _gpt2(transformers_quiet, 1).save_pretrained(folder, max_shard_size="20KB")
+    assert {"model.safetensors", "model.safetensors.index.json"} <= set(os.listdir(folder))
+    fresh = _gpt2(transformers_quiet, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointCorrupt, match="holds both model.safetensors and model.safetensors.index.json"):
+        resume_from_checkpoint(folder, partial=False, model=fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
 
 
 @pytest.mark.parametrize("shard", [None, "20KB"])

@@ -36,6 +36,38 @@ def test_consolidate_and_convert_take_path_slash_tag_as_the_cli_does(tmp_path: P
     assert_state_equal(model.state_dict(), back["model"])
 
 
+class _WithExtraState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        self.extra: dict[str, Any] = {"note": "saved", "k": 1}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.extra = dict(state)
+
+
+def test_consolidate_keeps_the_models_objects_as_the_online_export_does(tmp_path: Path) -> None:
+    # a module's extra_state (non-tensor model state): the online export writes it as <key>.pt, the offline
+    # consolidation left it out, so its artifact was not the same and a resume from it lost that state
+    root = str(tmp_path / "run")
+    model = _WithExtraState()
+    smpckpt.save_checkpoint(root, "step3", model=model, save_rng=False)
+    smpckpt.save_checkpoint(root, "online", model=model, partial=False)
+    consolidate_checkpoint(os.path.join(root, "step3"), tmp_path / "offline", progress=False)
+    online, offline = sorted(os.listdir(os.path.join(root, "online"))), sorted(os.listdir(tmp_path / "offline"))
+    assert [n for n in online if not n.startswith(".metadata")] == [n for n in offline if not n.startswith(".metadata")]
+    assert {"model._extra_state.note.pt", "model._extra_state.k.pt"} <= set(offline)
+    back = _WithExtraState()
+    back.extra = {"note": "other", "k": 2}
+    with torch.no_grad():
+        back.w.zero_()
+    smpckpt.resume_from_checkpoint(str(tmp_path / "offline"), partial=False, model=back)
+    assert back.extra == {"note": "saved", "k": 1} and torch.equal(back.w, model.w)
+
+
 @pytest.fixture
 def gpt2() -> Any:
     import transformers

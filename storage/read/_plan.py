@@ -181,11 +181,6 @@ class BoxRead:
         r1 = (self.item.end - 1 - self.base) // self.row_bytes + 1
         return r0, r1, c0
 
-    def buffer_offset(self, file_offset: int) -> int:
-        """Where file byte ``file_offset`` (inside the box) sits in the box's row-by-row buffer."""
-        row, col = divmod(file_offset - self.base, self.row_bytes)
-        return (row - self.row0) * self.width + col - self.col0
-
 
 @dataclasses.dataclass(frozen=True)
 class ReadPlan:

@@ -118,8 +118,8 @@ class HostBuffer:
 
 
 class BufferPool:
-    """At most ``limit`` bytes of host buffers, handed out one at a time and given back when their
-    bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
+    """At most ``limit`` bytes (the writer or reader that took it checked it) of host buffers, handed out
+    one at a time and given back when their bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
     holds whatever mix of tensors it moves: a buffer is made pinned when a CUDA stage first needs it
     (pinned memory serves CPU copies as well), and a stage takes a free buffer of the other kind
     rather than exceed the cap (a device copy into pageable memory is slower, never wrong).
@@ -127,8 +127,6 @@ class BufferPool:
     ``on_wait`` (tests) is called, without the lock, when an :meth:`acquire` must wait for a buffer."""
 
     def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
-        if limit < MIN_STAGING_BYTES:
-            raise ValueError(f"staging_bytes must be at least {MIN_STAGING_BYTES} bytes, got {limit}")
         self.buffer_bytes = buffer_size(limit)
         self.count = max(2, limit // self.buffer_bytes)
         self._on_wait = on_wait

@@ -44,16 +44,8 @@ import torch.distributed as dist
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
-__all__ = [
-    "Lane",
-    "LaneThread",
-    "GlooGroups",
-    "DrainStatus",
-    "check_previous",
-    "raise_failed",
-    "wait_lanes",
-    "wait_logged",
-]
+__all__ = ["Lane", "LaneThread", "GlooGroups", "DrainStatus", "check_previous", "raise_failed", "wait_lanes"]
+__all__ += ["wait_logged"]
 __all__ += ["register_exit_wait", "live_lanes", "wait_for_saves", "drain_status", "free_staging_buffers"]
 
 log = logging.getLogger("smpckpt.api")

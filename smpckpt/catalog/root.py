@@ -72,35 +72,11 @@ from smpckpt.storage import (
 )
 from smpckpt.storage.backends._fs import is_local, translate_errors
 
-__all__ = [
-    "KeepLatestN",
-    "select_for_removal",
-    "select_stale_uncommitted",
-    "apply_retention",
-    "RetentionResult",
-    "validate_keep",
-    "CheckpointRecord",
-    "RecordState",
-    "scan_root",
-    "record_order",
-    "newest_tag",
-    "highest_sequence",
-    "NEWEST_NAME",
-    "PARTIAL_SUFFIX",
-    "validate_tag",
-    "is_valid_tag",
-    "partial_dirname",
-    "tag_of_partial_dirname",
-    "join_url",
-    "partial_url",
-    "read_newest",
-    "write_newest",
-    "list_partial_tags",
-    "open_root",
-    "SEQUENCE_KEY",
-    "sequence_of",
-    "SequenceCounter",
-]
+__all__ = ["KeepLatestN", "select_for_removal", "select_stale_uncommitted", "apply_retention", "RetentionResult"]
+__all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
+__all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
+__all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
+__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying

@@ -70,34 +70,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 
-__all__ = [
-    "supports_url",
-    "open_fs",
-    "location_key",
-    "is_local",
-    "join",
-    "read_bytes_or_none",
-    "file_sizes",
-    "pread_into",
-    "translate_errors",
-    "translate",
-    "FsspecLocation",
-    "default_write_threads",
-    "MAX_WRITE_THREADS",
-    "pread_cached",
-    "NOT_SUPPORTED",
-    "in_memory",
-    "advise_random",
-    "device_read_bytes",
-    "PrefixStrategy",
-    "PrefixOption",
-    "FlatLayout",
-    "NumericPrefixes",
-    "HexPrefixes",
-    "BinaryPrefixes",
-    "resolve",
-    "check_prefix",
-]
+__all__ = ["supports_url", "open_fs", "location_key", "is_local", "join", "read_bytes_or_none", "file_sizes"]
+__all__ += ["pread_into", "translate_errors", "translate", "FsspecLocation", "default_write_threads"]
+__all__ += ["MAX_WRITE_THREADS", "pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "device_read_bytes"]
+__all__ += ["PrefixStrategy", "PrefixOption", "FlatLayout", "NumericPrefixes", "HexPrefixes", "BinaryPrefixes"]
+__all__ += ["resolve", "check_prefix"]
 
 
 _ERRNO: Mapping[type[OSError], int] = MappingProxyType(

@@ -39,26 +39,9 @@ import torch
 
 from smpckpt.storage.format._regions import range_boxes
 
-__all__ = [
-    "STAGING_BYTES",
-    "BUFFER_BYTES",
-    "MIN_STAGING_BYTES",
-    "HostBuffer",
-    "BufferPool",
-    "Ticket",
-    "Stage",
-    "HostStage",
-    "CudaStage",
-    "Stages",
-    "stage_kind",
-    "settle",
-    "TEST_DEVICE_ENV",
-    "narrow_box",
-    "copy_chunks",
-    "copy_into",
-    "DeviceCopies",
-    "in_place",
-]
+__all__ = ["STAGING_BYTES", "BUFFER_BYTES", "MIN_STAGING_BYTES", "HostBuffer", "BufferPool", "Ticket", "Stage"]
+__all__ += ["HostStage", "CudaStage", "Stages", "stage_kind", "settle", "TEST_DEVICE_ENV", "narrow_box", "copy_chunks"]
+__all__ += ["copy_into", "DeviceCopies", "in_place"]
 
 #: default cap of host memory a save (or a load into CUDA tensors) stages through, per rank
 STAGING_BYTES = 128 << 20

@@ -48,18 +48,8 @@ from smpckpt.storage.format.manifest import (
     marker_owner,
 )
 
-__all__ = [
-    "CommitUncertain",
-    "commit_uncertain",
-    "check_named",
-    "check_files",
-    "settle_uncommitted_folder",
-    "commit",
-    "publish_staged",
-    "remove_folder",
-    "remove_staged",
-    "committed_save_id",
-]
+__all__ = ["CommitUncertain", "commit_uncertain", "check_named", "check_files", "settle_uncommitted_folder", "commit"]
+__all__ += ["publish_staged", "remove_folder", "remove_staged", "committed_save_id"]
 
 log = logging.getLogger(__name__)
 

@@ -19,24 +19,9 @@ from smpckpt.storage.format._columns import REQUEST_COST_BYTES, streams
 from smpckpt.storage.format._reading import Fetch, Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord
 
-__all__ = [
-    "BoxRead",
-    "box_read",
-    "DIRECT_MIN_BYTES",
-    "PIECE_BYTES",
-    "ROW_GAP",
-    "ROWS_PER_CALL",
-    "REQUEST_COST_BYTES",
-    "streams",
-    "Item",
-    "FetchTask",
-    "DirectCandidate",
-    "ReadPlan",
-    "raw_item",
-    "plan_reads",
-    "writable_bytes",
-    "pieces",
-]
+__all__ = ["BoxRead", "box_read", "DIRECT_MIN_BYTES", "PIECE_BYTES", "ROW_GAP", "ROWS_PER_CALL", "REQUEST_COST_BYTES"]
+__all__ += ["streams", "Item", "FetchTask", "DirectCandidate", "ReadPlan", "raw_item", "plan_reads", "writable_bytes"]
+__all__ += ["pieces"]
 
 # raw tensor items at least this large skip the shared buffer (read into the destination tensor)
 DIRECT_MIN_BYTES = 1 << 20

@@ -361,10 +361,8 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
                     log.error("%s of %r failed (at interpreter exit): %s", other.what, other.tag, fut.exception())
             atexit._run_exitfuncs()  # what a normal exit still runs (logging's flush among them)
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(Exception):  # a closed stream must not hide the status
                     stream.flush()
-                except Exception:  # noqa: BLE001 - a closed stream must not hide the status
-                    pass
             os._exit(status)
     for lane in lanes:
         lane.stop(join=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import math
 import mmap
 import os
@@ -353,19 +354,15 @@ class CudaStage:
 
 def settle_close(stage: Stage) -> None:
     """(on an error path) Close ``stage``, whatever it raises."""
-    try:
+    with contextlib.suppress(Exception):  # the error being raised is the one to report
         stage.close()
-    except Exception:  # noqa: BLE001 - the error being raised is the one to report
-        pass
 
 
 def settle(stage: Stage) -> None:
     """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise: a buffer is
     given back only once nothing copies into it."""
-    try:
+    with contextlib.suppress(Exception):  # the error being raised is the one to report
         stage.fence().wait()
-    except Exception:  # noqa: BLE001 - the error being raised is the one to report
-        pass
 
 
 class Stages:

@@ -352,12 +352,6 @@ class CudaStage:
         self._stream.synchronize()
 
 
-def settle_close(stage: Stage) -> None:
-    """(on an error path) Close ``stage``, whatever it raises."""
-    with contextlib.suppress(Exception):  # the error being raised is the one to report
-        stage.close()
-
-
 def settle(stage: Stage) -> None:
     """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise: a buffer is
     given back only once nothing copies into it."""
@@ -402,7 +396,8 @@ class Stages:
                     # close the others anyway (a host stage's copier thread must not outlive the
                     # save); the first error is the one raised
                     for rest in stages[stages.index(stage) + 1 :]:
-                        settle_close(rest)
+                        with contextlib.suppress(Exception):
+                            rest.close()
                     raise
         finally:
             self.pool.drain()

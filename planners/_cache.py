@@ -67,20 +67,8 @@ from torch.distributed.checkpoint.planner import (
 from smpckpt._gc import gc_paused
 from smpckpt.errors import SpecError
 
-__all__ = [
-    "PlanCache",
-    "structure_signature",
-    "GENERATION",
-    "CompactSavePlan",
-    "CompactLoadPlan",
-    "compact",
-    "compact_load",
-    "FIELDS_PER_ITEM",
-    "FIELDS_PER_READ",
-    "tensor_write_item",
-    "hinted",
-    "pinning_possible",
-]
+__all__ = ["PlanCache", "structure_signature", "GENERATION", "CompactSavePlan", "CompactLoadPlan", "compact"]
+__all__ += ["compact_load", "FIELDS_PER_ITEM", "FIELDS_PER_READ", "tensor_write_item", "hinted", "pinning_possible"]
 
 
 _Plan = TypeVar("_Plan", SavePlan, LoadPlan)

@@ -55,19 +55,8 @@ from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.planners._entries import Entry
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
-__all__ = [
-    "SAMPLES",
-    "value_digests",
-    "dtensor_values",
-    "piece_id",
-    "stage_keys",
-    "check_replica_values",
-    "checked_codes",
-    "detail_codes",
-    "rank_values",
-    "split_code",
-    "stage_values",
-]
+__all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
+__all__ += ["checked_codes", "detail_codes", "rank_values", "split_code", "stage_values"]
 
 #: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
 _SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})

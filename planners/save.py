@@ -338,7 +338,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         # replicas: those other ranks hold too (ownership and value checks). Sorted by key once: the
         # replica digest's rows and the value check's key list are both in key order.
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
-        shared.sort(key=_by_key)
+        shared.sort(key=lambda e: e.key)
         tied = self.tied
         replicas = [e for e in shared if e.sharded_axes != _SPLIT_OVER_BOTH and e.key not in tied]
         checked, codes, fresh = self._replica_values(replicas, shared)
@@ -553,10 +553,6 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
 #: a tensor split over both TP and DP is held by one rank: no replica to assign
 _SPLIT_OVER_BOTH = frozenset({"tp", "dp"})
-
-
-def _by_key(entry: Entry) -> str:
-    return entry.key
 
 
 def _replicated(entry: Entry, world: int) -> bool:

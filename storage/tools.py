@@ -28,17 +28,8 @@ from smpckpt.storage.format.manifest import (  # the two openers by URL live wit
 from smpckpt.storage.read._fetch import digest_of
 from smpckpt.storage.read._verify_plan import load_problems
 
-__all__ = [
-    "checkpoint_state",
-    "probe_checkpoint",
-    "read_manifest",
-    "verify_checkpoint",
-    "VerifyReport",
-    "remove_checkpoint",
-    "last_activity",
-    "abort_stale_uploads",
-    "removal_marked",
-]
+__all__ = ["checkpoint_state", "probe_checkpoint", "read_manifest", "verify_checkpoint", "VerifyReport"]
+__all__ += ["remove_checkpoint", "last_activity", "abort_stale_uploads", "removal_marked"]
 
 _READ_CHUNK = 16 << 20
 

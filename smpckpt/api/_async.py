@@ -44,16 +44,8 @@ import torch.distributed as dist
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
-__all__ = [
-    "Lane",
-    "LaneThread",
-    "GlooGroups",
-    "DrainStatus",
-    "check_previous",
-    "raise_failed",
-    "wait_lanes",
-    "wait_logged",
-]
+__all__ = ["Lane", "LaneThread", "GlooGroups", "DrainStatus", "check_previous", "raise_failed", "wait_lanes"]
+__all__ += ["wait_logged"]
 __all__ += ["register_exit_wait", "live_lanes", "wait_for_saves", "drain_status", "free_staging_buffers"]
 
 log = logging.getLogger("smpckpt.api")
@@ -369,10 +361,8 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
                     log.error("%s of %r failed (at interpreter exit): %s", other.what, other.tag, fut.exception())
             atexit._run_exitfuncs()  # what a normal exit still runs (logging's flush among them)
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(Exception):  # a closed stream must not hide the status
                     stream.flush()
-                except Exception:  # noqa: BLE001 - a closed stream must not hide the status
-                    pass
             os._exit(status)
     for lane in lanes:
         lane.stop(join=True)

@@ -246,14 +246,12 @@ def _job_folder_ready(local: str, job: str, key: str) -> None:
 
 def _remove_stale_tokens(local: str) -> None:
     """Tokens of jobs killed while comparing folders: harmless, but not left to pile up."""
-    try:
+    with contextlib.suppress(OSError):
         names = [n for n in os.listdir(local) if n.startswith(_TOKEN_PREFIX)]
         for name in names:
             path = os.path.join(local, name)
             if time.time() - os.lstat(path).st_mtime > _STALE_TOKEN_S:
                 os.unlink(path)
-    except OSError:
-        pass
 
 
 def gather_views(

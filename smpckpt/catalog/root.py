@@ -1,12 +1,37 @@
-"""A root's catalog, one module (issue 44): tags, folder names and ``newest``; sequence numbers; the listing of
-the root; retention. Each part below as it was documented on its own.
+"""A root's catalog: tags, folder names and ``newest``; sequence numbers; the listing; retention.
 
-Retention: which partial checkpoints to keep (a pure policy) and applying it (rank 0 only).
+Layout under a checkpoint root ``path`` (smp's structure)::
 
-The policy works on :class:`CheckpointRecord` values and touches no filesystem, so it is unit-tested
-on its own. :func:`apply_retention` scans the root, asks the policy and deletes, tolerating failures.
+    {path}/newest                  # text: the tag of the newest committed checkpoint (rank 0 writes it)
+    {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
+    {path}/{tag}/                  # a full artifact (``storage/full``)
 
-Rules (issue 4):
+Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
+never trusts what it reads: the content of ``newest`` is validated exactly like a tag.
+
+**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder). Used by
+resume (fallback when ``newest`` is unusable), retention and ``smpckpt ls``; always on one rank (rank 0),
+whose answer is broadcast -- 512 ranks listing S3 at once get throttled. Cost: one LIST of the root plus
+one GET (the manifest) per committed folder (several in flight on object stores); a folder without a
+manifest costs up to one more GET and a LIST to tell "uncommitted" from "legacy"/"missing". A hostile
+or broken sibling folder is listed as such, never fatal.
+
+**Order: sequence numbers, never clocks.** Every save through the API records ``extra["sequence"]``:
+one higher than the highest committed under its root. Retention, a resume without a tag (and its
+fallback when ``newest`` is missing, stale or unusable), ``smpckpt ls`` and the fast tier order
+checkpoints by it, then by save time, then by save id (:func:`record_order`). ``newest`` stays a hint
+for stock tools and a cheap first guess; wall clocks only break ties among checkpoints written before
+sequence numbers existed (smpckpt <= 0.2 manifests, stock DCP folders: sequence 0, so every sequenced
+checkpoint is newer). Where a job's highest number comes from (a :class:`SequenceCounter`, which each
+:class:`~smpckpt.Checkpointer` owns for its root): the listing a tag-less resume already makes;
+otherwise, at its first save, one listing of the root (the same listing retention makes after every
+save). After that each save counts on without I/O. A resume of an explicit tag (a roll-back) reads no
+listing, so the next save lists the root and numbers past every checkpoint there, the abandoned run's
+included: retention then removes those first. Two jobs (or two Checkpointers) saving into one root at
+the same time may draw the same number; ties fall back to the save time.
+
+**Retention** (issue 4): a pure policy on :class:`CheckpointRecord` values (no filesystem, unit-tested
+on its own); :func:`apply_retention` (rank 0) scans the root, asks the policy and deletes:
 
 * only **committed** partial checkpoints count; an uncommitted folder may be a save in progress and
   is left alone -- unless the caller asks for stale ones (``uncommitted_older_than``): then folders
@@ -14,47 +39,11 @@ Rules (issue 4):
 * ``unsafe`` and ``corrupt`` folders are never deleted automatically (evidence for a human);
 * a folder an interrupted removal left (``removing``: its manifest already gone, a marker file in it)
   is removed by the next retention whatever ``keep`` says -- it was chosen for deletion already;
-* the ``keep`` newest committed ones (by save time) stay;
-* the tag ``newest`` names is never deleted, even if clocks made it look old;
+* the ``keep`` newest committed ones stay; the tag ``newest`` names is never deleted;
 * a failed delete is logged and the rest continue; it never fails the save that triggered it.
 
 ``keep=1`` is allowed (torchtitan forbids it because its purge may run while the new checkpoint is
 still being written); here deletion starts only after the new checkpoint committed.
-
-What a checkpoint root holds: one :class:`CheckpointRecord` per ``{tag}_partial`` folder. Used by resume
-(fallback when ``newest`` is unusable), retention and ``smpckpt ls``; on rank 0, broadcast (512 ranks listing S3 get throttled).
-
-Cost: one LIST of the root plus one GET (the manifest) per committed folder (several in flight on
-object stores); a folder without a manifest costs up to one more GET and a LIST to tell "uncommitted"
-from "legacy"/"missing". A hostile or broken sibling folder is listed as such, never fatal.
-
-Tags, folder names and the ``newest`` file of an smp-style checkpoint root (no torch, no dist).
-
-Layout under a checkpoint root ``path`` (smp's structure)::
-
-    {path}/newest                  # text: the tag of the newest committed checkpoint (rank 0 writes it)
-    {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
-    {path}/{tag}/                  # a full checkpoint (an export): not listed here
-
-Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
-never trusts what it reads: the content of ``newest`` is validated exactly like a tag.
-
-Checkpoints under a root are ordered by a sequence number in their manifests, never by clocks.
-
-Every save through the API records ``extra["sequence"]``: one higher than the highest committed under
-its root. Retention, a resume without a tag (and its fallback when ``newest`` is missing, stale or
-unusable), ``smpckpt ls`` and the fast tier order checkpoints by it, then by save time, then by save id
-(:func:`smpckpt.catalog.root.record_order`). ``newest`` stays a hint for stock tools and a cheap
-first guess; wall clocks only break ties among checkpoints written before sequence numbers existed
-(smpckpt <= 0.2 manifests, stock DCP folders: sequence 0, so every sequenced checkpoint is newer).
-
-Where a job's highest number comes from (a :class:`SequenceCounter`, which each
-:class:`~smpckpt.Checkpointer` owns for its root): the listing a tag-less resume already makes;
-otherwise, at its first save, one listing of the root (the same listing retention makes after every
-save). After that each save counts on without I/O. A resume of an explicit tag (a roll-back) reads no
-listing, so the next save lists the root and numbers past every checkpoint there, the abandoned run's
-included: retention then removes those first. Two jobs (or two Checkpointers) saving into one root at
-the same time may draw the same number; ties fall back to the save time.
 """
 
 from __future__ import annotations
@@ -83,35 +72,11 @@ from smpckpt.storage import (
 )
 from smpckpt.storage.backends._fs import is_local, translate_errors
 
-__all__ = [
-    "KeepLatestN",
-    "select_for_removal",
-    "select_stale_uncommitted",
-    "apply_retention",
-    "RetentionResult",
-    "validate_keep",
-    "CheckpointRecord",
-    "RecordState",
-    "scan_root",
-    "record_order",
-    "newest_tag",
-    "highest_sequence",
-    "NEWEST_NAME",
-    "PARTIAL_SUFFIX",
-    "validate_tag",
-    "is_valid_tag",
-    "partial_dirname",
-    "tag_of_partial_dirname",
-    "join_url",
-    "partial_url",
-    "read_newest",
-    "write_newest",
-    "list_partial_tags",
-    "open_root",
-    "SEQUENCE_KEY",
-    "sequence_of",
-    "SequenceCounter",
-]
+__all__ = ["KeepLatestN", "select_for_removal", "select_stale_uncommitted", "apply_retention", "RetentionResult"]
+__all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
+__all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
+__all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
+__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -303,13 +268,7 @@ class SequenceCounter:
         """(rank 0) The sequence number of a new save. The first time the root was not listed, ``scan()``
         (default: the highest committed number a listing of the root finds) is read first, outside the lock."""
         if not self._listed:
-            if scan is None:
-                from smpckpt.catalog.root import highest_sequence
-
-                seen = highest_sequence(self.root, self.storage_options)
-            else:
-                seen = scan()
-            self.saw(seen, listed=True)
+            self.saw(highest_sequence(self.root, self.storage_options) if scan is None else scan(), listed=True)
         elif scan is None:
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it

@@ -48,11 +48,8 @@ from smpckpt.model.translation import Translation, stack
 
 # every family's names, then smp v1's
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
-__all__ += [
-    "translate_state_dict_to_hf_gptj",
-    "translate_hf_state_dict_to_smdistributed_gptj",
-    "translate_hf_gptj_state_dict_to_smdistributed_gptj",
-]
+__all__ += ["translate_state_dict_to_hf_gptj", "translate_hf_state_dict_to_smdistributed_gptj"]
+__all__ += ["translate_hf_gptj_state_dict_to_smdistributed_gptj"]
 
 _H = "transformer.h.{i}."
 _EMBED, _HEAD = "transformer.wte.weight", "lm_head.weight"
@@ -111,14 +108,8 @@ def translate_state_dict_to_hf_gptj(
     As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
     head ours lacks is produced as the embedding (GPT-J's untied head is present anyway).
 
-    Args:
-        state_dict: ours.
-        max_seq_len: smp took it so the result held the causal-mask buffers transformers versions of its
-            time kept in state dicts. When given, each layer (counted from the keys present) gets
-            ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
-            ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e9)``, for those versions. ``None`` (the
-            default) adds nothing: current transformers keeps them out of state dicts, and a strict
-            ``load_state_dict`` refuses them as unexpected keys.
+    ``max_seq_len``: the old causal-mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2`
+    adds them (``masked_bias`` is ``tensor(-1e9)`` here).
     """
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:

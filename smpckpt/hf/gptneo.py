@@ -110,17 +110,10 @@ def translate_state_dict_to_hf_gptneo(
     As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
     head ours lacks is produced as the embedding (GPT-Neo ties it by default).
 
-    Args:
-        state_dict: ours.
-        max_seq_len: smp took it so the result held the mask buffers transformers versions of its time
-            kept in state dicts. When given, each layer (counted from the keys present) gets
-            ``transformer.h.{i}.attn.attention.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
-            ``...attn.attention.masked_bias`` = ``tensor(-1e9)``. Without a config this cannot know
-            which layers are local: those versions held a banded mask there
-            (``bias ^ tril(bias, -window_size)``), so where exactness matters, take the buffers from the
-            model's own ``state_dict()`` instead. ``None`` (the default) adds nothing: current
-            transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them as
-            unexpected keys.
+    ``max_seq_len``: the old mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` adds
+    them (under ``attn.attention.``; ``masked_bias`` is ``tensor(-1e9)``). Without a config this cannot
+    know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
+    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``.
     """
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:

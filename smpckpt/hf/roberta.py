@@ -42,11 +42,8 @@ from smpckpt.model.specs import ShardSpec
 
 # every family's names, then smp v1's
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
-__all__ += [
-    "translate_state_dict_to_hf_roberta",
-    "translate_hf_state_dict_to_smdistributed_roberta",
-    "translate_state_dict_to_smdistributed",
-]
+__all__ += ["translate_state_dict_to_hf_roberta", "translate_hf_state_dict_to_smdistributed_roberta"]
+__all__ += ["translate_state_dict_to_smdistributed"]
 
 _BASE = "roberta."
 _HEAD = "lm_head."
@@ -68,13 +65,8 @@ def translate_state_dict_to_hf_roberta(
     state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our RoBERTa -> an HF state dict that ``load_state_dict(strict=True)`` of the HF
-    model accepts (tied ``lm_head.decoder`` weight and bias included).
-
-    ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
-    (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
-    versions of its time kept in RoBERTa state dicts. Given, the buffer is added; ``None`` (the default)
-    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it.
-    """
+    model accepts (tied ``lm_head.decoder`` weight and bias included). ``max_seq_len``: as
+    :func:`smpckpt.hf.bert.translate_state_dict_to_hf_bert` (the old ``embeddings.position_ids`` buffer)."""
     return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
 
 

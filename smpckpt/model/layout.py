@@ -45,28 +45,10 @@ from typing import Any, NamedTuple
 from smpckpt._formats import API_RECORD, API_RECORD_V1, FULL_API_RECORD, RECORD_VERSION  # noqa: F401 - named here too (their old home)
 from smpckpt.errors import CheckpointCorrupt, SpecError
 
-__all__ = [
-    "ParallelLayout",
-    "RankCoords",
-    "AXES",
-    "KeyMapper",
-    "NameMap",
-    "ReservedKeys",
-    "RESERVED",
-    "OPTIM_STATE_PREFIX",
-    "FULL_ARTIFACTS",
-    "API_RECORD",
-    "API_RECORD_V1",
-    "FULL_API_RECORD",
-    "LayoutRecord",
-    "METADATA_KEY",
-    "MANIFEST_KEY",
-    "RECORD_VERSION",
-    "TIED_KEY",
-    "checkpoint_ties",
-    "MERGED_KEY",
-    "checkpoint_original_shapes",
-]
+__all__ = ["ParallelLayout", "RankCoords", "AXES", "KeyMapper", "NameMap", "ReservedKeys", "RESERVED"]
+__all__ += ["OPTIM_STATE_PREFIX", "FULL_ARTIFACTS", "API_RECORD", "API_RECORD_V1", "FULL_API_RECORD", "LayoutRecord"]
+__all__ += ["METADATA_KEY", "MANIFEST_KEY", "RECORD_VERSION", "TIED_KEY", "checkpoint_ties", "MERGED_KEY"]
+__all__ += ["checkpoint_original_shapes"]
 
 
 #: Parallel axes a :class:`~smpckpt.ShardSpec` can name, in rank order (fastest first).

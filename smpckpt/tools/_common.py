@@ -13,16 +13,8 @@ from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import checkpoint_state
 from smpckpt.storage.backends._fs import translate_errors
 
-__all__ = [
-    "ENV_OPTIONS",
-    "UsageError",
-    "storage_options_arg",
-    "human",
-    "layout_text",
-    "layout_json",
-    "resolve_checkpoint_url",
-    "check_root",
-]
+__all__ = ["ENV_OPTIONS", "UsageError", "storage_options_arg", "human", "layout_text", "layout_json"]
+__all__ += ["resolve_checkpoint_url", "check_root"]
 
 ENV_OPTIONS = "SMPCKPT_STORAGE_OPTIONS"
 

@@ -395,12 +395,10 @@ def _silence_stdout(out: TextIO) -> None:
     """Point the closed stdout at /dev/null so the interpreter's final flush does not complain."""
     if out is not sys.stdout:
         return
-    try:
+    with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError):
-        pass
 
 
 def _console() -> None:  # pragma: no cover - thin wrapper

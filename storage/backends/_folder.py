@@ -43,17 +43,8 @@ from smpckpt.storage.backends import _nofollow as nf
 from smpckpt.storage.backends._fs import _protocol, file_sizes, is_local, is_s3, join, translate_errors
 from smpckpt.storage.backends._sinks import FsspecSink, LocalSink, Sink
 
-__all__ = [
-    "Folder",
-    "precondition",
-    "drop_temp",
-    "temp_name",
-    "is_temp_name",
-    "write_bytes_atomic",
-    "create_bytes_exclusive",
-    "remove_files",
-    "remove_tree",
-]
+__all__ = ["Folder", "precondition", "drop_temp", "temp_name", "is_temp_name", "write_bytes_atomic"]
+__all__ += ["create_bytes_exclusive", "remove_files", "remove_tree"]
 
 
 log = logging.getLogger(__name__)

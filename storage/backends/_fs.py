@@ -70,34 +70,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 
-__all__ = [
-    "supports_url",
-    "open_fs",
-    "location_key",
-    "is_local",
-    "join",
-    "read_bytes_or_none",
-    "file_sizes",
-    "pread_into",
-    "translate_errors",
-    "translate",
-    "FsspecLocation",
-    "default_write_threads",
-    "MAX_WRITE_THREADS",
-    "pread_cached",
-    "NOT_SUPPORTED",
-    "in_memory",
-    "advise_random",
-    "device_read_bytes",
-    "PrefixStrategy",
-    "PrefixOption",
-    "FlatLayout",
-    "NumericPrefixes",
-    "HexPrefixes",
-    "BinaryPrefixes",
-    "resolve",
-    "check_prefix",
-]
+__all__ = ["supports_url", "open_fs", "location_key", "is_local", "join", "read_bytes_or_none", "file_sizes"]
+__all__ += ["pread_into", "translate_errors", "translate", "FsspecLocation", "default_write_threads"]
+__all__ += ["MAX_WRITE_THREADS", "pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "device_read_bytes"]
+__all__ += ["PrefixStrategy", "PrefixOption", "FlatLayout", "NumericPrefixes", "HexPrefixes", "BinaryPrefixes"]
+__all__ += ["resolve", "check_prefix"]
 
 
 _ERRNO: Mapping[type[OSError], int] = MappingProxyType(
@@ -424,7 +401,7 @@ def in_memory(dev: int) -> bool:
 
 def _fstype(dev: int) -> str:
     want = f"{os.major(dev)}:{os.minor(dev)}"
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 # "36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw": field 3 is the device,
@@ -432,8 +409,6 @@ def _fstype(dev: int) -> str:
                 fields = line.split()
                 if len(fields) > 2 and fields[2] == want and " - " in line:
                     return line.split(" - ", 1)[1].split()[0]
-    except OSError:
-        pass
     return ""
 
 
@@ -444,23 +419,19 @@ def advise_random(fd: int, random: bool = True) -> None:
     split's 1.13x); else a larger window (``POSIX_FADV_SEQUENTIAL``), for a run of requests that follow
     each other."""
     if hasattr(os, "posix_fadvise"):
-        try:
+        with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_SEQUENTIAL)
-        except OSError:
-            pass  # advice only: a filesystem that refuses it reads as before
 
 
 def device_read_bytes() -> int | None:
     """Bytes this process has caused to be read from storage devices so far (``read_bytes`` of
     ``/proc/self/io``: every thread of the process; page-cache hits are not counted, read-ahead is), or
     ``None`` where the OS does not report it."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/io", encoding="ascii") as f:
             for line in f:
                 if line.startswith("read_bytes:"):
                     return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
     return None
 
 

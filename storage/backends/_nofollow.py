@@ -23,19 +23,8 @@ from typing import Any, cast
 
 from smpckpt.errors import UnsafeCheckpoint
 
-__all__ = [
-    "DIR_FLAGS",
-    "NEW_FLAGS",
-    "open_dir_at",
-    "open_parent_and_name",
-    "create_at",
-    "open_new_at",
-    "remove_tree_at",
-    "rename_noreplace",
-    "walk_sizes",
-    "libc_function",
-    "MAX_DEPTH",
-]
+__all__ = ["DIR_FLAGS", "NEW_FLAGS", "open_dir_at", "open_parent_and_name", "create_at", "open_new_at"]
+__all__ += ["remove_tree_at", "rename_noreplace", "walk_sizes", "libc_function", "MAX_DEPTH"]
 
 log = logging.getLogger(__name__)
 

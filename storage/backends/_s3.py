@@ -23,6 +23,7 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import errno
 import inspect
 import itertools
@@ -280,10 +281,8 @@ class S3MultipartSink:
         concurrent.futures.wait(list(self._parts.values()), timeout=60)
         self._release()
         if self._upload_id is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort; a lifecycle rule catches the rest
                 self._call("abort_multipart_upload", UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001 - best effort; a lifecycle rule catches the rest
-                pass
 
 
 async def _one_attempt(fs: Any, method: str, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ the sink was opened with ``borrow=True``: then the caller's memory must stay unc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from typing import Any, Protocol
@@ -134,14 +135,10 @@ class LocalSink:
     def abort(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self._name, dir_fd=self._dir_fd)  # never through a link: unlink removes a name
-        except OSError:
-            pass
 
 
 class FsspecSink:
@@ -175,14 +172,11 @@ class FsspecSink:
     def abort(self) -> None:
         f, self._f = self._f, None
         if f is not None:
-            try:  # fsspec's discard drops the buffer: close() would commit a partial object on S3-like stores
+            # fsspec's discard drops the buffer: close() would commit a partial object on S3-like stores
+            with contextlib.suppress(Exception):  # best effort
                 (getattr(f, "discard", None) or f.close)()
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        try:
+        with contextlib.suppress(Exception):  # best effort
             self._fs.rm_file(self.path)
-        except Exception:  # noqa: BLE001 - best effort
-            pass
 
 
 def open_sink(

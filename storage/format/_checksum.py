@@ -63,20 +63,11 @@ def hash_rows(data: memoryview, first: int, rows: int, run: int, stride: int) ->
         return hash_bytes(b"")
     if rows == 1 or run == stride:
         return hash_bytes(data[first : first + (rows - 1) * stride + run])
-    if run >= GATHER_BELOW:
-        h = xxhash.xxh3_64()
-        for a in range(first, first + rows * stride, stride):
-            h.update(data[a : a + run])
-        return h.intdigest()
-    # a view of the rows (numpy checks that they lie inside ``data``), gathered a batch at a time
-    rows_view = np.ndarray((rows, run), np.uint8, buffer=data, offset=first, strides=(stride, 1))
-    per = max(1, _GATHER_BYTES // run)
-    out = _gather_buffer(min(rows, per) * run)
-    if rows <= per:
-        return hash_bytes(_gather(rows_view, out))
+    if run < GATHER_BELOW and rows * run <= _GATHER_BYTES:  # one gather, one call: no streaming state
+        rows_view = np.ndarray((rows, run), np.uint8, buffer=data, offset=first, strides=(stride, 1))
+        return hash_bytes(_gather(rows_view, _gather_buffer(rows * run)))
     h = xxhash.xxh3_64()
-    for r in range(0, rows, per):
-        h.update(_gather(rows_view[r : r + per], out))
+    update_rows(h, data, first, rows, run, stride)
     return h.intdigest()
 
 
@@ -92,6 +83,7 @@ def update_rows(h: xxhash.xxh3_64, data: memoryview, first: int, rows: int, run:
         for a in range(first, first + rows * stride, stride):
             h.update(data[a : a + run])
         return
+    # a view of the rows (numpy checks that they lie inside ``data``), gathered a batch at a time
     rows_view = np.ndarray((rows, run), np.uint8, buffer=data, offset=first, strides=(stride, 1))
     per = max(1, _GATHER_BYTES // run)
     out = _gather_buffer(min(rows, per) * run)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import math
 import mmap
 import os
@@ -39,26 +40,9 @@ import torch
 
 from smpckpt.storage.format._regions import range_boxes
 
-__all__ = [
-    "STAGING_BYTES",
-    "BUFFER_BYTES",
-    "MIN_STAGING_BYTES",
-    "HostBuffer",
-    "BufferPool",
-    "Ticket",
-    "Stage",
-    "HostStage",
-    "CudaStage",
-    "Stages",
-    "stage_kind",
-    "settle",
-    "TEST_DEVICE_ENV",
-    "narrow_box",
-    "copy_chunks",
-    "copy_into",
-    "DeviceCopies",
-    "in_place",
-]
+__all__ = ["STAGING_BYTES", "BUFFER_BYTES", "MIN_STAGING_BYTES", "HostBuffer", "BufferPool", "Ticket", "Stage"]
+__all__ += ["HostStage", "CudaStage", "Stages", "stage_kind", "settle", "TEST_DEVICE_ENV", "narrow_box", "copy_chunks"]
+__all__ += ["copy_into", "DeviceCopies", "in_place"]
 
 #: default cap of host memory a save (or a load into CUDA tensors) stages through, per rank
 STAGING_BYTES = 128 << 20
@@ -118,8 +102,8 @@ class HostBuffer:
 
 
 class BufferPool:
-    """At most ``limit`` bytes of host buffers, handed out one at a time and given back when their
-    bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
+    """At most ``limit`` bytes (the writer or reader that took it checked it) of host buffers, handed out
+    one at a time and given back when their bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
     holds whatever mix of tensors it moves: a buffer is made pinned when a CUDA stage first needs it
     (pinned memory serves CPU copies as well), and a stage takes a free buffer of the other kind
     rather than exceed the cap (a device copy into pageable memory is slower, never wrong).
@@ -127,8 +111,6 @@ class BufferPool:
     ``on_wait`` (tests) is called, without the lock, when an :meth:`acquire` must wait for a buffer."""
 
     def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
-        if limit < MIN_STAGING_BYTES:
-            raise ValueError(f"staging_bytes must be at least {MIN_STAGING_BYTES} bytes, got {limit}")
         self.buffer_bytes = buffer_size(limit)
         self.count = max(2, limit // self.buffer_bytes)
         self._on_wait = on_wait
@@ -370,21 +352,11 @@ class CudaStage:
         self._stream.synchronize()
 
 
-def settle_close(stage: Stage) -> None:
-    """(on an error path) Close ``stage``, whatever it raises."""
-    try:
-        stage.close()
-    except Exception:  # noqa: BLE001 - the error being raised is the one to report
-        pass
-
-
 def settle(stage: Stage) -> None:
     """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise: a buffer is
     given back only once nothing copies into it."""
-    try:
+    with contextlib.suppress(Exception):  # the error being raised is the one to report
         stage.fence().wait()
-    except Exception:  # noqa: BLE001 - the error being raised is the one to report
-        pass
 
 
 class Stages:
@@ -424,7 +396,8 @@ class Stages:
                     # close the others anyway (a host stage's copier thread must not outlive the
                     # save); the first error is the one raised
                     for rest in stages[stages.index(stage) + 1 :]:
-                        settle_close(rest)
+                        with contextlib.suppress(Exception):
+                            rest.close()
                     raise
         finally:
             self.pool.drain()

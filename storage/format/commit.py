@@ -48,18 +48,8 @@ from smpckpt.storage.format.manifest import (
     marker_owner,
 )
 
-__all__ = [
-    "CommitUncertain",
-    "commit_uncertain",
-    "check_named",
-    "check_files",
-    "settle_uncommitted_folder",
-    "commit",
-    "publish_staged",
-    "remove_folder",
-    "remove_staged",
-    "committed_save_id",
-]
+__all__ = ["CommitUncertain", "commit_uncertain", "check_named", "check_files", "settle_uncommitted_folder", "commit"]
+__all__ += ["publish_staged", "remove_folder", "remove_staged", "committed_save_id"]
 
 log = logging.getLogger(__name__)
 
@@ -359,10 +349,8 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     with Folder(fs, path) as folder:
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)
-        try:
+        with contextlib.suppress(FileExistsError):  # an interrupted removal's mark: this one finishes it
             folder.publish(REMOVING_NAME, b"removing\n", sync=True)
-        except FileExistsError:
-            pass  # an interrupted removal's mark: this one finishes it
         if uncommitted_only and folder.exists(MANIFEST_NAME):
             log.warning("%s committed while it was being removed as stale: left as it is", url)
             folder.remove([REMOVING_NAME])

@@ -35,15 +35,8 @@ from smpckpt.storage.full.options import FullOptions
 if TYPE_CHECKING:
     from smpckpt.storage.full.writer import FullArtifactWriter
 
-__all__ = [
-    "staging_path",
-    "folder_names",
-    "whole_tensor_metadata",
-    "clear_for_full_save",
-    "begin_full_save",
-    "artifact_records",
-    "commit_full",
-]
+__all__ = ["staging_path", "folder_names", "whole_tensor_metadata", "clear_for_full_save", "begin_full_save"]
+__all__ += ["artifact_records", "commit_full"]
 
 log = logging.getLogger(__name__)
 

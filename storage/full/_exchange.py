@@ -40,18 +40,8 @@ from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._regions import box_runs
 from smpckpt.storage.full._layout import FullWrite, RankFullData
 
-__all__ = [
-    "Exchange",
-    "Block",
-    "Swapper",
-    "batches",
-    "plan_exchanges",
-    "exchange_group_ok",
-    "moves_cpu_tensors",
-    "global_rank",
-    "paste",
-    "SWAP_BATCH_BYTES",
-]
+__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "exchange_group_ok", "moves_cpu_tensors"]
+__all__ += ["global_rank", "paste", "SWAP_BATCH_BYTES"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ box share one GET, and so do neighbouring tensors of one file (:func:`plan_spans
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections import Counter
@@ -90,10 +91,8 @@ class RunFiles:
         (``WILLNEED``): exactly a streamed box's span, so its later pieces arrive while the first is
         verified and copied. Advice only; nothing on object stores."""
         if self.local and n > 0 and hasattr(os, "posix_fadvise"):
-            try:
+            with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
                 os.posix_fadvise(self._fd(name), lo, n, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass  # advice only: a filesystem that refuses it reads as before
 
     def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> int:
         """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``; returns the bytes

@@ -18,17 +18,8 @@ from smpckpt.model.translation import Cat, Expr, Leaf
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.full.options import FullOptions
 
-__all__ = [
-    "FullWrite",
-    "RankFullData",
-    "ArtifactFile",
-    "ArtifactLayout",
-    "Place",
-    "expr_to_json",
-    "expr_from_json",
-    "file_pieces_from_json",
-    "leaf_keys",
-]
+__all__ = ["FullWrite", "RankFullData", "ArtifactFile", "ArtifactLayout", "Place", "expr_to_json", "expr_from_json"]
+__all__ += ["file_pieces_from_json", "leaf_keys"]
 
 
 #: where an artifact tensor is: (artifact, file, start, dtype, shape)

@@ -11,6 +11,7 @@ tensors are comes from :class:`~._source.ArtifactIndex`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import math
 import threading
@@ -321,10 +322,9 @@ class FullSource(ArtifactIndex):
             return serially(count, work)
 
         def submit(fn: Callable[[], None]) -> None:
-            try:
+            # RuntimeError: the pool is shutting down (the read failed): this thread does the parts
+            with contextlib.suppress(RuntimeError):
                 pool.submit(fn)
-            except RuntimeError:  # the pool is shutting down (the read failed): this thread does the parts
-                pass
 
         return share(count, work, submit, self.threads - 1)
 

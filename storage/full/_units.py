@@ -160,7 +160,8 @@ class UnitIndex:
     def __len__(self) -> int:
         return len(self._digests)
 
-    def _unit(self, i: int) -> Unit:
+    def unit(self, i: int) -> Unit:
+        """The unit at position ``i`` (as :meth:`meeting` numbers them)."""
         if self.view is None:
             return self._mixed[i]
         lo = tuple(self._lo[i].tolist())
@@ -169,7 +170,7 @@ class UnitIndex:
     @property
     def units(self) -> list[Unit]:
         """Every unit, made now (``smpckpt verify`` walks them all; reads use :meth:`touched`)."""
-        return [self._unit(i) for i in range(len(self))]
+        return [self.unit(i) for i in range(len(self))]
 
     def whole_inside(self, offsets: Sequence[int], sizes: Sequence[int]) -> WholeUnits | None:
         """When every unit box ``(offsets, sizes)`` overlaps lies wholly inside it (any box read at the
@@ -197,10 +198,6 @@ class UnitIndex:
         idx = np.flatnonzero((np.minimum(self._hi, box_hi) > np.maximum(self._lo, box_lo)).all(axis=1))
         return idx, self._lo[idx], self._hi[idx]
 
-    def unit(self, i: int) -> Unit:
-        """The unit at position ``i`` (as :meth:`meeting` numbers them)."""
-        return self._unit(i)
-
     def digest(self, i: int) -> int:
         return self._digests[i]
 
@@ -214,7 +211,7 @@ class UnitIndex:
         out: list[tuple[Unit, Box]] = []
         for i in np.flatnonzero((hi > lo).all(axis=1)).tolist():
             first = lo[i].tolist()
-            out.append((self._unit(i), (tuple(first), tuple(h - f for h, f in zip(hi[i].tolist(), first)))))
+            out.append((self.unit(i), (tuple(first), tuple(h - f for h, f in zip(hi[i].tolist(), first)))))
         return out
 
 
@@ -270,7 +267,7 @@ class WholeUnits:
         expected = self.index._digests
         for i, got in zip(self.idx.tolist(), digests, strict=True):
             if expected[i] != got:
-                return self.index._unit(i)
+                return self.index.unit(i)
         return None
 
 
@@ -324,7 +321,7 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
     covered = 0
     ext_lo, ext_hi = int(lo[0]), int(hi[-1])
     for i in np.flatnonzero(meets).tolist():
-        u = index._unit(i)
+        u = index.unit(i)
         ustarts, urun = box_runs(view, u.offsets, u.sizes, itemsize)
         j = np.searchsorted(lo, ustarts, side="right") - 1
         jj = np.maximum(j, 0)

@@ -57,16 +57,8 @@ from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits, unit_extent
 from smpckpt.storage.write._pipeline import chunk_bytes
 
-__all__ = [
-    "create_files",
-    "gather_rank",
-    "write_objects",
-    "box_buffer",
-    "box_view",
-    "box_units",
-    "unit_digests",
-    "ObjectResult",
-]
+__all__ = ["create_files", "gather_rank", "write_objects", "box_buffer", "box_view", "box_units", "unit_digests"]
+__all__ += ["ObjectResult"]
 
 log = logging.getLogger(__name__)
 

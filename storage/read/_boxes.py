@@ -7,6 +7,7 @@ The functions here run on the reader's worker threads (``_run``); the rest of th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -40,10 +41,8 @@ def _prefetch(fd: int, offset: int, length: int) -> None:
     the span a streamed part reads, so its later pieces arrive while the first is verified and copied
     (the descriptor has no read-ahead, which would read past the part)."""
     if hasattr(os, "posix_fadvise"):
-        try:
+        with contextlib.suppress(OSError):  # advice only
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # advice only
 
 
 def read_box(

@@ -31,17 +31,8 @@ from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._plan import Item
 
-__all__ = [
-    "BufferPool",
-    "reading",
-    "check_complete",
-    "verify_blocks",
-    "digest_of",
-    "read_range",
-    "DirectPart",
-    "read_direct",
-    "reads_into",
-]
+__all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "digest_of", "read_range", "DirectPart"]
+__all__ += ["read_direct", "reads_into"]
 
 # a read's turn at the device (see _gate); held only around the I/O, never around verification
 Turn = AbstractContextManager[None]

@@ -19,24 +19,9 @@ from smpckpt.storage.format._columns import REQUEST_COST_BYTES, streams
 from smpckpt.storage.format._reading import Fetch, Need, coalesce, cpu_bytes, slice_byte_range
 from smpckpt.storage.format.manifest import FileRecord
 
-__all__ = [
-    "BoxRead",
-    "box_read",
-    "DIRECT_MIN_BYTES",
-    "PIECE_BYTES",
-    "ROW_GAP",
-    "ROWS_PER_CALL",
-    "REQUEST_COST_BYTES",
-    "streams",
-    "Item",
-    "FetchTask",
-    "DirectCandidate",
-    "ReadPlan",
-    "raw_item",
-    "plan_reads",
-    "writable_bytes",
-    "pieces",
-]
+__all__ = ["BoxRead", "box_read", "DIRECT_MIN_BYTES", "PIECE_BYTES", "ROW_GAP", "ROWS_PER_CALL", "REQUEST_COST_BYTES"]
+__all__ += ["streams", "Item", "FetchTask", "DirectCandidate", "ReadPlan", "raw_item", "plan_reads", "writable_bytes"]
+__all__ += ["pieces"]
 
 # raw tensor items at least this large skip the shared buffer (read into the destination tensor)
 DIRECT_MIN_BYTES = 1 << 20
@@ -180,11 +165,6 @@ class BoxRead:
         r0, c0 = divmod(self.item.start - self.base, self.row_bytes)
         r1 = (self.item.end - 1 - self.base) // self.row_bytes + 1
         return r0, r1, c0
-
-    def buffer_offset(self, file_offset: int) -> int:
-        """Where file byte ``file_offset`` (inside the box) sits in the box's row-by-row buffer."""
-        row, col = divmod(file_offset - self.base, self.row_bytes)
-        return (row - self.row0) * self.width + col - self.col0
 
 
 @dataclasses.dataclass(frozen=True)

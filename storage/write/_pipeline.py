@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -256,10 +257,8 @@ class FileStream:
         self._hash.shutdown(wait=True)
         for staged in [*self._queue, *([self._pack] if self._pack is not None else [])]:
             if staged.ticket is not None:
-                try:
+                with contextlib.suppress(BaseException):  # the copy's error is not this one's to report
                     staged.ticket.wait()
-                except BaseException:  # noqa: BLE001 - the copy's error is not this one's to report
-                    pass
             else:
                 # an unsealed pack: copies into it may still be pending (on a host stage, in this
                 # thread's batch, which its next fence would submit into a buffer another file then

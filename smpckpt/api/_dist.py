@@ -55,8 +55,8 @@ from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
-__all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "weights_only_safe"]
-__all__ += ["get_rng_state", "set_rng_state", "rng_components"]
+__all__ += ["encode_user_content", "decode_user_content", "describe_user_content"]
+__all__ += ["get_rng_state", "set_rng_state"]
 
 
 T = TypeVar("T")
@@ -458,15 +458,6 @@ def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None
 # -- user_content and RNG states: the rest of the state a save stores and a resume restores -----------
 
 
-def weights_only_safe(value: Any) -> bool:
-    """Whether ``torch.load(weights_only=True)`` accepts ``value`` once saved: tried, not guessed from
-    types (a type walk had called ``b""`` and ``frozenset`` safe; torch's allow-list refuses both)."""
-    try:
-        return _loads_weights_only(_encode(value))
-    except TypeError:
-        return False
-
-
 def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[bytes, bool]:
     """``(torch.save bytes, loads weights-only)``: the one serialisation of ``user_content`` on save.
     When it will not load weights-only, a warning says so now, not at the resume (``stacklevel``: the
@@ -557,10 +548,6 @@ def get_rng_state() -> dict[str, Any]:
         # a dict, not a list: DCP flattens dicts by key, and device indices stay explicit
         state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     return state
-
-
-def rng_components(state: Mapping[str, Any]) -> tuple[str, ...]:
-    return tuple(state)
 
 
 def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None = None) -> tuple[str, ...]:

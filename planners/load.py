@@ -410,12 +410,16 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         return [compact_load(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
 
     def _refuse_layers_two_stages_load(self, global_plan: Sequence[LoadPlan]) -> None:
-        """(coordinator) Two pipeline stages reading one ``layers.<i>`` key: stage-local names read as
-        global ones (a checkpoint saved with ``pp_layers`` resumed without them), so a later stage would
-        get an earlier stage's layers -- silently under ``allow_partial_load``. Refused, strict or not:
-        a stage's layers are its own (keys outside ``layers.<i>``, an embedding both ends hold, may repeat)."""
-        layout = self.layout
-        if layout.pp == 1:
+        """(coordinator) A checkpoint saved with a partition (``pp_layers``: its layer keys are global) loaded
+        at pp > 1 with neither a partition nor a name map: stage-local names are then read as global ones,
+        and two stages reading one ``layers.<i>`` key means a later stage would get an earlier stage's
+        layers -- silently under ``allow_partial_load``. Refused, strict or not. Only then: without a saved
+        partition two stages may hold one such key as a replica (a layer tied across stages under its
+        global name, a ``layers`` list inside a module every stage holds), which the save accepted."""
+        layout, saved = self.layout, self.saved_layout
+        if layout.pp == 1 or layout.pp_layers is not None or self.name_map is not None:
+            return
+        if saved is None or saved.pp_layers is None:
             return
         first: dict[str, int] = {}  # key -> the first stage reading it
         shared: dict[str, tuple[int, int]] = {}
@@ -430,17 +434,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             return
         key, (a, b) = next(iter(shared.items()))
         more = f" (and {len(shared) - 1} more layer keys read by two stages)" if len(shared) > 1 else ""
-        saved = self.saved_layout
-        partition = (
-            f"the checkpoint records the partition pp_layers={saved.pp_layers}; "
-            if saved is not None and saved.pp_layers is not None
-            else ""
-        )
-        given = "gives none" if layout.pp_layers is None and self.name_map is None else "maps them to one key"
         raise LayoutMismatch(
-            f"pipeline stages {a} and {b} both load {key!r}{more}: a stage's layers are its own, so stage-local "
-            f"names are being read as global ones ({partition}the loading layout {layout} {given}): pass the "
-            "partition (ParallelLayout(..., pp_layers=...)) or a name_map, or use global names on every stage"
+            f"pipeline stages {a} and {b} both load {key!r}{more}: the checkpoint records the partition "
+            f"pp_layers={saved.pp_layers}, but the loading layout {layout} gives none, so stage-local names "
+            "are read as global ones: pass the partition (ParallelLayout(..., pp_layers=...)) or a name_map"
         )
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:

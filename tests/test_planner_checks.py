@@ -297,7 +297,8 @@ def test_two_pipeline_stages_loading_one_layer_key_are_refused_even_without_stri
     with the partition forgotten: stage-local names are then read as global ones, so stage 1 asked for
     ``layers.0``/``layers.1`` -- stage 0's layers. Strict, that failed on ``layers.2`` "loaded by no rank"
     (not saying why); with ``allow_partial_load`` stage 1 silently got stage 0's weights. A stage's layers
-    are its own: two stages asking for one ``layers.<i>`` key is refused by name, strict or not."""
+    are its own: two stages asking for one ``layers.<i>`` key of a checkpoint saved with a partition, under a
+    layout without one, is refused by name, strict or not."""
     pp = ParallelLayout(pp=2, pp_layers=(2, 2))
 
     def stage(rank: int, base: float) -> dict:
@@ -319,3 +320,16 @@ def test_two_pipeline_stages_loading_one_layer_key_are_refused_even_without_stri
         for i in range(2):
             assert torch.equal(sds[rank][f"layers.{i}.w"], torch.full((2,), 10.0 * rank + i))
         assert torch.equal(sds[rank]["emb"], torch.ones(3))
+
+    # saved without a partition, two stages may hold one layer key as a replica (a layer tied across stages
+    # under its global name): the save accepted it, so the load does too
+    def tied(rank: int, base: float) -> dict:
+        return {"layers.0.w": torch.full((2,), base + 5.0), f"layers.{1 + rank}.w": torch.full((2,), base + rank)}
+
+    plain = ParallelLayout(pp=2)
+    store, _ = save([tied(0, 0.0), tied(1, 0.0)], plain)
+    sds = [tied(0, -9.0), tied(1, -9.0)]
+    load(sds, plain, store)
+    for rank in range(2):
+        assert torch.equal(sds[rank]["layers.0.w"], torch.full((2,), 5.0))
+        assert torch.equal(sds[rank][f"layers.{1 + rank}.w"], torch.full((2,), float(rank)))

@@ -172,7 +172,12 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         )
         optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
         planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
-        holds_optim = any(k.startswith(f"{RESERVED.optim}.state.") for k in planner.metadata.state_dict_metadata)
+        # exported with an optimizer (its manifest says so: one saved before its first step holds no state),
+        # the artifact holds the state of every parameter that had some: the others had none
+        exported = reader.manifest is not None and reader.manifest.extra.get("optimizer") is True
+        holds_optim = exported or any(
+            k.startswith(f"{RESERVED.optim}.state.") for k in planner.metadata.state_dict_metadata
+        )
         unsaved = stateless_at_save(
             common.model, common.optimizers, state, guard.stateless, planner, all_state_saved=holds_optim
         )

@@ -182,10 +182,9 @@ def consolidate_checkpoint(
     reader.set_up_storage_reader(metadata, True)
     api = _is_api_checkpoint(metadata.state_dict_metadata)
     if api:
-        if include_optimizer and not any(k.startswith(OPTIM_STATE_PREFIX) for k in metadata.state_dict_metadata):
-            raise ValueError(
-                f"{src}: include_optimizer, but the checkpoint holds no optimizer state ({OPTIM_STATE_PREFIX}*)"
-            )
+        # an optimizer saved before its first step holds param groups and no state: its artifact says so
+        if include_optimizer and not any(k.startswith(f"{RESERVED.optim}.") for k in metadata.state_dict_metadata):
+            raise ValueError(f"{src}: include_optimizer, but the checkpoint was saved without optimizer")
         artifacts = {p: n for p, n in FULL_ARTIFACTS.items() if include_optimizer or p != OPTIM_STATE_PREFIX}
     else:
         if include_optimizer:
@@ -243,6 +242,8 @@ def consolidate_checkpoint(
         thread_count=1,
         storage_options=out_storage_options if out_storage_options is not None else storage_options,
         sync_files=sync_files,
+        # as the online full save records it: a resume reads a parameter without state here as one that had none
+        manifest_extra={"optimizer": True} if include_optimizer else None,
     )
     writer.set_up_storage_writer(True, rank=0)
     writer.storage_meta()  # starts the record of the files this save makes (what a failure removes)

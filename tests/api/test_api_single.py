@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import random
 import re
@@ -361,27 +362,36 @@ def test_saving_a_fresh_optimizer_leaves_it_fresh_and_stores_no_invented_state(t
     """DCP's get_state_dict steps a fresh optimizer (no state, no gradients) once at lr 0 to give it state:
     a save before the first step turned the saving run's first step into Adam's step 2 (another bias
     correction: the run diverged from one that never saved, silently) and stored step-1, zero-moment
-    state no step made, which a resume then gave a fresh run too. Saved (partial and full) as it is now."""
+    state no step made, which a resume then gave a fresh run too. Saved (partial and full) as it is now;
+    an artifact exported with that optimizer (online, or from the partial checkpoint) says it had no
+    state, so a rollback to it leaves a trained optimizer stateless, as the partial checkpoint does."""
 
     setup, step = unused_branch_model, unused_branch_step
+    with_optimizer = smpckpt.ExportOptions(include_optimizer=True)
 
     m, o = setup()
     ref_m, ref_o = copy.deepcopy((m, o))  # the run that never saves
     save_checkpoint(str(tmp_path), "fresh", model=m, optimizer=o)
-    save_checkpoint(str(tmp_path), "fresh_full", partial=False, model=m, optimizer=o)
+    save_checkpoint(str(tmp_path), "fresh_full", partial=False, model=m, optimizer=o, options=with_optimizer)
+    with smpckpt.Checkpointer(str(tmp_path)) as ckpt:  # the offline export of the committed partial one
+        ckpt.export("fresh", str(tmp_path / "exported"), options=with_optimizer)
     assert not o.state and all(p.grad is None for p in m.parameters())
     step(m, o, both=True)
     step(ref_m, ref_o, both=True)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters(), strict=True))
-    for tag, partial in (("fresh", True), ("fresh_full", False)):
+    sources = (("fresh", True), ("fresh_full", False), ("exported", False))
+    for tag, partial in sources:
         m2, o2 = setup()
         resume_from_checkpoint(str(tmp_path), tag, partial=partial, model=m2, optimizer=o2)
         assert not o2.state, tag
         step(m2, o2, both=True)
         assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), m.parameters(), strict=True)), tag
-    # the trained run rolled back to the fresh save resumes fresh, as saved
-    resume_from_checkpoint(str(tmp_path), "fresh", model=m, optimizer=o)
-    assert not o.state
+    # a trained run rolled back to the fresh save resumes fresh, as saved, strict or not
+    for (tag, partial), strict in itertools.product(sources, (True, False)):
+        trained_m, trained_o = setup()
+        step(trained_m, trained_o, both=True)
+        resume_from_checkpoint(str(tmp_path), tag, partial=partial, model=trained_m, optimizer=trained_o, strict=strict)
+        assert not trained_o.state, (tag, strict)
 
 
 def test_saved_optimizer_state_reaches_a_live_optimizer_that_holds_none_for_that_parameter(tmp_path: Any) -> None:

@@ -22,7 +22,7 @@ import dataclasses
 import fnmatch
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -95,8 +95,8 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tu
         return flatten_state_dict(dict(state_dict))
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[Any, ...]] = {}
-    for key, value in state_dict.items():
-        _flatten_into(flat, paths, (str(key),), str(key), value)
+    for key, value in _named_children(state_dict, "the state dict"):
+        _flatten_into(flat, paths, (key,), key, value)
     return flat, paths
 
 
@@ -111,7 +111,7 @@ def _flatten_into(
         flat[fqn] = value
         paths[fqn] = path
         return
-    children = ((str(k), v) for k, v in value.items()) if isinstance(value, Mapping) else enumerate(value)
+    children = _named_children(value, fqn) if isinstance(value, Mapping) else enumerate(value)
     for k, v in children:
         # a tensor is always a leaf (most children are): stored here, without another call
         sub_fqn = f"{fqn}.{k}"
@@ -122,6 +122,24 @@ def _flatten_into(
             paths[sub_fqn] = (*path, k)
         else:
             _flatten_into(flat, paths, (*path, k), sub_fqn, v)
+
+
+def _named_children(value: Mapping[Any, Any], fqn: str) -> Iterator[tuple[str, Any]]:
+    """``(str(key), value)`` of a mapping's entries. Keys that are not ``str`` are named by their ``str``
+    (as DCP names them); two keys of one mapping with one name (``0`` and ``"0"``, ``1.5`` and ``"1.5"``)
+    are refused: their subtrees would merge in the checkpoint, and an object loaded by its path would land
+    under the other key, silently (checked once per mapping that holds a key that is not a ``str``)."""
+    checked = False
+    for key, child in value.items():
+        if type(key) is not str:
+            if not checked:
+                names = [str(k) for k in value]
+                if len(set(names)) != len(names):
+                    same = [k for k in value if names.count(str(k)) > 1]
+                    raise ValueError(f"{fqn}: the keys {same!r} have one name in a checkpoint; rename one of them")
+                checked = True
+            key = str(key)
+        yield key, child
 
 
 def _dcp_is_terminal(value: Any) -> bool:

@@ -156,6 +156,13 @@ def test_objects_under_non_string_keys_load_into_those_keys():
     assert dest["optim"]["state"] == {0: {"step": 3, "exp_avg": dest["optim"]["state"][0]["exp_avg"]}}
     assert torch.equal(dest["optim"]["state"][0]["exp_avg"], torch.ones(2))
     assert dest["optim"]["flags"] == {True: "on", 1.5: [4, 5]}  # no "True" or "1.5" beside them
+    # two keys of one mapping with one name (0 and "0") merged their subtrees in the checkpoint, and the
+    # loaded x landed in the "0" dict, leaving 0's stale: refused on save and load, naming both
+    both = {"d": {0: {"x": "a"}, "0": {"y": "b"}}}
+    with pytest.raises(ValueError, match=r"d: the keys \[0, '0'\] have one name in a checkpoint"):
+        save([both], ParallelLayout())
+    with pytest.raises(ValueError, match=r"the state dict: the keys \[1\.5, '1\.5'\]"):
+        load([{1.5: {"a": 1}, "1.5": {"b": 2}, **saved}], ParallelLayout(), store)
 
 
 def test_plan_cache_reuses_plans_per_instance_and_invalidates_on_change():

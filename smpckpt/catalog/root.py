@@ -84,7 +84,7 @@ from smpckpt.storage import (
     remove_checkpoint,
     write_bytes_atomic,
 )
-from smpckpt.storage.backends._fs import is_local, translate_errors
+from smpckpt.storage.backends._fs import is_local, ls_fresh, translate_errors
 
 __all__ = [
     "KeepLatestN",
@@ -242,7 +242,7 @@ def list_partial_tags(fs: Any, root_path: str) -> dict[str, str]:
     """
     try:
         with translate_errors(root_path):
-            entries = fs.ls(root_path, detail=True)
+            entries = ls_fresh(fs, root_path, detail=True)
     except FileNotFoundError:
         return {}
     found: dict[str, str] = {}

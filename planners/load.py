@@ -330,9 +330,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             "smpckpt.consolidate_checkpoint): a full artifact is read reshaped into a ShardSpec view"
         )
 
-    def _shape_before_view(self, entry: Entry) -> tuple[int, ...]:
-        """The shape the save recorded for the tensor before its ShardSpec view (``()``: none)."""
-        return tuple(self.saved_original_shapes.get(entry.key, ()))
+    def _shape_before_view(self, entry: Entry) -> tuple[int, ...] | None:
+        """The shape the save recorded for the tensor before its ShardSpec view (``None``: none). Not
+        ``()`` for none: that is a 0-d tensor's shape, and a 0-d destination would then pass for one a
+        view was undone for, taking any one-element tensor ([1], [1, 1]) silently, strict or not."""
+        recorded = self.saved_original_shapes.get(entry.key)
+        return None if recorded is None else tuple(recorded)
 
     def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved

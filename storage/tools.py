@@ -302,6 +302,7 @@ def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, An
     """Whether an interrupted :func:`remove_checkpoint` left this folder (its marker is there)."""
     fs, path = open_fs(url, storage_options)
     with translate_errors(path):
+        fs.invalidate_cache(path)  # s3fs answers from a cached listing of the folder, however old
         return bool(fs.exists(join(path, REMOVING_NAME)))
 
 

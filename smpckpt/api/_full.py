@@ -172,6 +172,8 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         )
         optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
         planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
+        if not opts.strict:
+            _warn_skipped(ctx, planner, url)
         # exported with an optimizer (its manifest says so: one saved before its first step holds no state),
         # the artifact holds the state of every parameter that had some: the others had none
         exported = reader.manifest is not None and reader.manifest.extra.get("optimizer") is True
@@ -206,3 +208,23 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         user_content = ctx.all_ok(apply)
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")
     return user_content
+
+
+def _warn_skipped(ctx: DistContext, planner: Any, url: str) -> None:
+    """(all ranks; ``strict=False``) Name the keys the load skipped: model keys the artifact lacks (they
+    keep their values) and artifact keys no rank loaded. A partial resume lists them in
+    ``ResumeInfo.skipped_keys``; a full one makes no ResumeInfo, and skipped them without a word."""
+    report = planner.report
+    missing = sorted({k for keys in ctx.all_gather_object(tuple(report.missing_keys) if report else ()) for k in keys})
+    unexpected = sorted(report.unexpected_keys) if report is not None and ctx.is_coordinator else []
+    if not ctx.is_coordinator or not (missing or unexpected):
+        return
+
+    def show(keys: list[str]) -> str:
+        return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
+
+    parts = [f"not in the artifact, kept as they were: {show(missing)}"] if missing else []
+    parts += [f"in the artifact, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
+    log.warning(message)
+    warnings.warn(message, stacklevel=5)

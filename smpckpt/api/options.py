@@ -392,7 +392,8 @@ class ResumeOptions(_Options):
 
     strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or
-    checkpoint keys would be left unloaded; ``False`` skips them (:attr:`ResumeInfo.skipped_keys`). A
+    checkpoint keys would be left unloaded; ``False`` skips them (:attr:`ResumeInfo.skipped_keys`; from a
+    full artifact, which makes no ResumeInfo: a warning naming them). A
     parameter the checkpoint holds no optimizer state for (every state key of it missing: no gradient
     yet at the save, new in the model, no optimizer saved) resumes without state into an optimizer that
     had none (not with the step-1, zero-moment state DCP's ``get_state_dict`` makes)."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from smpckpt.catalog.root import NEWEST_NAME, open_root, tag_of_partial_dirname
 from smpckpt.storage import probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._folder import remove_files
-from smpckpt.storage.backends._fs import is_local, join, translate_errors
+from smpckpt.storage.backends._fs import is_local, join, ls_fresh, translate_errors
 from smpckpt.storage.format.commit import remove_staged
 from smpckpt.storage.format.manifest import (
     MANIFEST_NAME,
@@ -101,7 +101,7 @@ def sweep_debris(
         removed += dead if dry_run else [p for p in dead if p not in remove_files(fs, dead, within=folder)]
     try:
         with translate_errors(root_path):
-            entries = fs.ls(root_path, detail=True)
+            entries = ls_fresh(fs, root_path, detail=True)
     except FileNotFoundError:
         entries = []
     for e in entries:  # temp files of interrupted atomic writes

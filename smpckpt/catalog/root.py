@@ -70,7 +70,7 @@ from smpckpt.storage import (
     remove_checkpoint,
     write_bytes_atomic,
 )
-from smpckpt.storage.backends._fs import is_local, translate_errors
+from smpckpt.storage.backends._fs import is_local, ls_fresh, translate_errors
 
 __all__ = ["KeepLatestN", "select_for_removal", "select_stale_uncommitted", "apply_retention", "RetentionResult"]
 __all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
@@ -204,7 +204,7 @@ def list_partial_tags(fs: Any, root_path: str) -> dict[str, str]:
     """
     try:
         with translate_errors(root_path):
-            entries = fs.ls(root_path, detail=True)
+            entries = ls_fresh(fs, root_path, detail=True)
     except FileNotFoundError:
         return {}
     found: dict[str, str] = {}

@@ -71,7 +71,7 @@ from fsspec.implementations.local import LocalFileSystem
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 
 __all__ = ["supports_url", "open_fs", "location_key", "is_local", "join", "read_bytes_or_none", "file_sizes"]
-__all__ += ["pread_into", "translate_errors", "translate", "FsspecLocation", "default_write_threads"]
+__all__ += ["ls_fresh", "pread_into", "translate_errors", "translate", "FsspecLocation", "default_write_threads"]
 __all__ += ["MAX_WRITE_THREADS", "pread_cached", "NOT_SUPPORTED", "in_memory", "advise_random", "device_read_bytes"]
 __all__ += ["PrefixStrategy", "PrefixOption", "FlatLayout", "NumericPrefixes", "HexPrefixes", "BinaryPrefixes"]
 __all__ += ["resolve", "check_prefix"]
@@ -262,6 +262,17 @@ def confine(fs: Any, folder: str, names: Iterable[str], *, where: str) -> None:
                 f"{where}: {name!r} is reached through a symbolic link leading out of the checkpoint folder "
                 f"(to {os.path.realpath(join(folder, name))}); refusing to read or delete through it"
             )
+
+
+def ls_fresh(fs: Any, path: str, *, detail: bool) -> Any:
+    """``fs.ls(path, detail=detail)`` as the store holds it now, never from ``fs``'s listing cache.
+
+    s3fs keeps every listing it made for the life of the filesystem object, and fsspec hands one object
+    to every caller in a process with the same options: a root listed before another process saved
+    there hid that save (a tag-less resume then fell back past a committed checkpoint ``newest`` named).
+    """
+    fs.invalidate_cache(path)
+    return fs.ls(path, detail=detail)
 
 
 def file_sizes(fs: Any, folder: str) -> dict[str, int]:

@@ -65,7 +65,7 @@ from smpckpt._formats import FORMAT_VERSION, RAW_DESCRIPTOR
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.storage.backends import _fs  # the prefix strategies' folder names: a recorded name may hold them
 from smpckpt.storage.backends._folder import is_temp_name  # the names' owner is the folder that makes them
-from smpckpt.storage.backends._fs import confine, join, open_fs, read_bytes_or_none, translate_errors
+from smpckpt.storage.backends._fs import confine, join, ls_fresh, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._check_units import MIN_SEGMENT, Tiling
 from smpckpt.storage.format._checksum import ALGORITHM, hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
@@ -568,7 +568,7 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
         return Probe("missing")
     try:
         with translate_errors(folder):
-            entries = fs.ls(folder, detail=False)
+            entries = ls_fresh(fs, folder, detail=False)
     except (FileNotFoundError, NotADirectoryError):
         entries = []
     if entries:

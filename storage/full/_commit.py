@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.model.layout import METADATA_KEY, LayoutRecord
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
+from smpckpt.storage.backends._fs import is_local, join, ls_fresh, read_bytes_or_none
 from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
@@ -205,9 +205,10 @@ def whole_tensor_metadata(
 
 
 def folder_names(fs: Any, path: str) -> set[str]:
-    """Base names in a folder (empty when it does not exist)."""
+    """Base names in a folder (empty when it does not exist), as the store holds them now: a full save
+    decides from them whether an unfinished save's files must go first."""
     try:
-        entries = fs.ls(path, detail=False)
+        entries = ls_fresh(fs, path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
         return set()
     return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}

@@ -229,3 +229,20 @@ def test_export_dtype_keeps_optimizer_step_counters(tmp_path: Any, dtype: torch.
     assert len(exp) == len(opt.state) and all(
         torch.equal(a, b["exp_avg"].to(dtype).float()) for a, b in zip(exp, opt.state.values())
     )
+
+
+@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_one_element_tensor_into_a_0_d_destination_is_refused_by_name(
+    tmp_path: Any, partial: bool, strict: bool
+) -> None:
+    """A parameter saved as ``[1]`` and resumed as a 0-d one (or the reverse, refused already) is a shape
+    change like any other: the planner took ``()`` for "no view recorded", so a 0-d destination passed
+    for one whose save view was being undone, and ``[1]`` loaded into it silently, strict or not."""
+    saved, dest = nn.Module(), nn.Module()
+    saved.s = nn.Parameter(torch.full((1,), 7.0))
+    dest.s = nn.Parameter(torch.tensor(-1.0))
+    save_checkpoint(str(tmp_path), "t", model=saved, partial=partial)
+    with pytest.raises(LayoutMismatch, match=r"s: the checkpoint holds global shape \(1,\) but .* implies \(\)"):
+        resume_from_checkpoint(str(tmp_path), "t", model=dest, partial=partial, strict=strict)
+    assert torch.equal(dest.s.detach(), torch.tensor(-1.0))

@@ -7,10 +7,12 @@ same tag are refused.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import struct
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -340,6 +342,26 @@ def test_strict_refuses_checkpoint_keys_the_model_lacks(tmp_path: Any) -> None:
     assert not torch.equal(small[0].weight, big[0].weight)
     resume_from_checkpoint(root, "big", partial=False, model=small, strict=False)
     assert_state_equal({k: v for k, v in big.state_dict().items() if k.startswith("0.")}, small.state_dict())
+
+
+def test_strict_false_names_the_keys_it_skipped(tmp_path: Any) -> None:
+    """A partial resume lists what strict=False skipped in ResumeInfo.skipped_keys; a full one has no
+    ResumeInfo and skipped without a word: a model key the artifact lacks kept its initial values."""
+    root = str(tmp_path)
+    big = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    save_checkpoint(root, "big", partial=False, model=big)
+    other = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2))
+    init = other[2].weight.detach().clone()
+    with pytest.warns(
+        UserWarning,
+        match=r"not in the artifact, kept as they were: model\.2\.bias, model\.2\.weight; "
+        r"in the artifact, loaded by no rank: model\.1\.bias, model\.1\.weight",
+    ):
+        resume_from_checkpoint(root, "big", partial=False, model=other, strict=False)
+    assert torch.equal(other[0].weight, big[0].weight) and torch.equal(other[2].weight, init)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped: nothing said
+        resume_from_checkpoint(root, "big", partial=False, model=copy.deepcopy(big), strict=False)
 
 
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:

@@ -181,8 +181,8 @@ def contenders(ctx: Ctx) -> list[Contender]:
         lambda u: FsspecStorageReader(u, storage_options=_opts(ctx, u), max_request_bytes=64 << 20),
         frozen=True,
     )
-    # an A/B of the reader's thread count on warm loads: on the loaded 2-vCPU VM one thread loaded as fast
-    # as four with a quarter less CPU (benchmarks/RESULTS.md, "Where a load's CPU goes")
+    # an A/B of the reader's thread count (its default: 4, at most the rank's CPUs on local paths, at least 2;
+    # on the 2-vCPU VM the default is 2, so this equals it there: compare on a machine with more CPUs)
     threads_2 = _dcp_pair(
         ctx,
         ours_writer,

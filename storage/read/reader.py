@@ -41,13 +41,13 @@ from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
+from smpckpt.storage.backends._fs import confine, default_read_threads, device_read_bytes, is_local, join
 from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format.manifest import FileRecord, Probe
 from smpckpt.storage.full._commit import folder_names
-from smpckpt.storage.full._read import THREADS, FullSource
+from smpckpt.storage.full._read import FullSource
 from smpckpt.storage.full._source import hf_folder_files
 from smpckpt.storage.read._fetch import reading, reads_into
 from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, REQUEST_COST_BYTES, ROW_GAP, Item, plan_reads, raw_item
@@ -92,9 +92,10 @@ class FullArtifactReader(ReaderBase):
             local disk whose rows are fewer bytes apart than this is read as sequential spans of whole
             rows, each piece's check units verified before its columns are copied out; wider gaps read
             a request per row. 0: a request per row always (fewest bytes read).
-        thread_count: worker threads that read and verify the tensors (default 4): reads and checks of
-            different tensors overlap, and on local files a column box's parts are shared by the
-            threads free at the time. 1: every read and check on one worker thread.
+        thread_count: worker threads that read and verify the tensors (default: 4; on local files at
+            most the CPUs this rank may use, at least 2): reads and checks of different tensors overlap,
+            and on local files a column box's parts are shared by the threads free at the time. 1:
+            every read and check on one worker thread.
     """
 
     def __init__(
@@ -107,10 +108,10 @@ class FullArtifactReader(ReaderBase):
         translation: Translation | None = None,
         hf_prefix: str = "",
         request_cost_bytes: int = REQUEST_COST_BYTES,
-        thread_count: int = THREADS,
+        thread_count: int | None = None,
     ) -> None:
         self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
-        self.thread_count = check_int("thread_count", thread_count, minimum=1)
+        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         super().__init__(
             path,
             storage_options=storage_options,
@@ -122,6 +123,7 @@ class FullArtifactReader(ReaderBase):
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
+        self.thread_count: int = self._threads_asked or default_read_threads(is_local(self.fs))
         self.source: FullSource | None = None
 
     def _read_metadata(self) -> Metadata:
@@ -218,7 +220,8 @@ class FsspecStorageReader(ReaderBase):
             skips it (and reads only the exact bytes).
         allow_pickle: hand object values that need arbitrary code to load to the planner. Only for
             checkpoints you trust; by default they raise :class:`~smpckpt.errors.UnsafeCheckpoint`.
-        thread_count: worker threads that read, verify and copy.
+        thread_count: worker threads that read, verify and copy (default: 4; on local files at most
+            the CPUs this rank may use, at least 2: :func:`~smpckpt.storage.backends._fs.default_read_threads`).
         reads_in_flight: how many of them may be inside a read at once (``None``: all of them).
             Fewer than ``thread_count`` starts reads in file order while the other workers verify:
             for devices that punish concurrent streams (disks with seeks). On this project's virtio
@@ -256,7 +259,7 @@ class FsspecStorageReader(ReaderBase):
         storage_options: Mapping[str, Any] | None = None,
         verify_checksums: bool = True,
         allow_pickle: bool = False,
-        thread_count: int = 4,
+        thread_count: int | None = None,
         reads_in_flight: int | None = None,
         max_request_bytes: int | None = None,
         coalesce_gap: int = 0,
@@ -265,7 +268,7 @@ class FsspecStorageReader(ReaderBase):
         hf_prefix: str = "",
         staging_bytes: int = STAGING_BYTES,
     ) -> None:
-        self.thread_count = check_int("thread_count", thread_count, minimum=1)
+        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
         self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
@@ -284,6 +287,7 @@ class FsspecStorageReader(ReaderBase):
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
+        self.thread_count: int = self._threads_asked or default_read_threads(is_local(self.fs))
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._records: dict[str, FileRecord] = {}

@@ -1,5 +1,6 @@
-"""The writer's default thread count: 4 per rank, fewer locally when a node's ranks would oversubscribe
-its CPUs (measured: 8 ranks x 4 threads on 16 cores saved slower than DCP's single thread)."""
+"""The writer's and the reader's default thread counts: 4 per rank, fewer locally when a node's ranks
+would oversubscribe its CPUs (measured: 8 ranks x 4 threads on 16 cores saved slower than DCP's single
+thread; 4 reader threads on 2 CPUs loaded from the page cache slower than 2)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from smpckpt.storage import FsspecStorageWriter
-from smpckpt.storage.backends._fs import MAX_WRITE_THREADS, default_write_threads
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactReader
+from smpckpt.storage.backends._fs import MAX_WRITE_THREADS, default_read_threads, default_write_threads
 
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -45,3 +46,26 @@ def test_writer_resolves_its_default_and_keeps_an_explicit_count(
     assert FsspecStorageWriter(str(tmp_path / "b"), thread_count=3).thread_count == 3
     with pytest.raises(ValueError, match="thread_count must be >= 1"):
         FsspecStorageWriter(str(tmp_path / "c"), thread_count=0)
+
+
+@pytest.mark.parametrize("ranks", [None, "1", "2", "8", str(4 * max(CPUS, 4))])
+def test_local_readers_use_at_most_the_ranks_cpus_and_at_least_two(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ranks: str | None
+) -> None:
+    """A load from the page cache is CPU work (the kernel's copy and the checksum): a local reader's
+    default is 4 threads, no more than the CPUs this rank may use, and at least 2 (one reads while
+    another verifies); object stores wait on the network and keep 4. An explicit count is kept."""
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    per_rank = max(1, CPUS // int(ranks or 1))
+    want = max(2, min(MAX_WRITE_THREADS, per_rank))
+    assert default_read_threads(local=True) == want
+    assert default_read_threads(local=False) == MAX_WRITE_THREADS
+    assert FsspecStorageReader(str(tmp_path)).thread_count == want
+    assert FullArtifactReader(str(tmp_path)).thread_count == want
+    assert FsspecStorageReader(str(tmp_path), thread_count=3).thread_count == 3
+    assert FullArtifactReader(str(tmp_path), thread_count=5).thread_count == 5
+    with pytest.raises(ValueError, match="thread_count must be >= 1"):
+        FsspecStorageReader(str(tmp_path), thread_count=0)

@@ -414,16 +414,17 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
 
     def _refuse_layers_two_stages_load(self, global_plan: Sequence[LoadPlan]) -> None:
         """(coordinator) A checkpoint saved with a partition (``pp_layers``: its layer keys are global) loaded
-        at pp > 1 with neither a partition nor a name map: stage-local names are then read as global ones,
-        and two stages reading one ``layers.<i>`` key means a later stage would get an earlier stage's
-        layers -- silently under ``allow_partial_load``. Refused, strict or not. Only then: without a saved
-        partition two stages may hold one such key as a replica (a layer tied across stages under its
-        global name, a ``layers`` list inside a module every stage holds), which the save accepted."""
+        at pp > 1 without one, or through a name map (which replaces the ``layers.<i>`` renumbering): two
+        stages reading one ``layers.<i>`` key means stage-local names were read as global ones, and a later
+        stage would get an earlier stage's layers -- silently under ``allow_partial_load``. Refused, strict
+        or not. Only then: without a saved partition two stages may hold one such key as a replica (a
+        layer tied across stages under its global name, a ``layers`` list inside a module every stage
+        holds), which the save accepted."""
         layout, saved = self.layout, self.saved_layout
-        if layout.pp == 1 or layout.pp_layers is not None or self.name_map is not None:
+        if layout.pp == 1 or saved is None or saved.pp_layers is None:
             return
-        if saved is None or saved.pp_layers is None:
-            return
+        if layout.pp_layers is not None and self.name_map is None:
+            return  # renumbered by the partition: no two stages can ask for one layer
         first: dict[str, int] = {}  # key -> the first stage reading it
         shared: dict[str, tuple[int, int]] = {}
         for rank, plan in enumerate(global_plan):
@@ -437,10 +438,12 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             return
         key, (a, b) = next(iter(shared.items()))
         more = f" (and {len(shared) - 1} more layer keys read by two stages)" if len(shared) > 1 else ""
+        how = "its name_map maps them to one key" if self.name_map is not None else "it gives no partition"
         raise LayoutMismatch(
             f"pipeline stages {a} and {b} both load {key!r}{more}: the checkpoint records the partition "
-            f"pp_layers={saved.pp_layers}, but the loading layout {layout} gives none, so stage-local names "
-            "are read as global ones: pass the partition (ParallelLayout(..., pp_layers=...)) or a name_map"
+            f"pp_layers={saved.pp_layers}, but the loading layout {layout} reads stage-local names as global "
+            f"ones ({how}): pass the partition (ParallelLayout(..., pp_layers=...)) or a name_map giving "
+            "each stage's layers their global names"
         )
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:

@@ -320,6 +320,11 @@ def test_two_pipeline_stages_loading_one_layer_key_are_refused_even_without_stri
         ):
             load(sds, forgot, store, allow_partial_load=partial)
         assert torch.equal(sds[1]["layers.0.w"], torch.full((2,), 9.0))  # refused before any data was read
+    # a name map replaces the renumbering: one that only strips a wrapper's prefix reads stage-local names too
+    wrapped = [{f"module.{k}": v for k, v in stage(r, -1.0).items()} for r in range(2)]
+    with pytest.raises(LayoutMismatch, match=r"stages 0 and 1 both load 'layers\.0\.w'.*its name_map maps them"):
+        load(wrapped, forgot, store, allow_partial_load=True, name_map=lambda k: k.removeprefix("module."))
+    assert torch.equal(wrapped[1]["module.layers.0.w"], torch.full((2,), 9.0))
     # the partition given: every stage its own layers; a key outside `layers.<i>` both stages hold loads on both
     sds = [stage(0, -1.0), stage(1, -1.0)]
     load(sds, pp, store)

@@ -173,7 +173,11 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
         planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
         if not opts.strict:
-            _warn_skipped(ctx, planner, url)
+            report = planner.report
+            missing = ctx.all_ok_values(lambda: tuple(report.missing_keys) if report is not None else ())
+            # inside a checked step: a warning filter turning it into an error on rank 0 fails every rank
+            # (raised on rank 0 alone, the others waited in the next collective until the group's timeout)
+            ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, planner, url, missing))
         # exported with an optimizer (its manifest says so: one saved before its first step holds no state),
         # the artifact holds the state of every parameter that had some: the others had none
         exported = reader.manifest is not None and reader.manifest.extra.get("optimizer") is True
@@ -210,21 +214,22 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     return user_content
 
 
-def _warn_skipped(ctx: DistContext, planner: Any, url: str) -> None:
-    """(all ranks; ``strict=False``) Name the keys the load skipped: model keys the artifact lacks (they
-    keep their values) and artifact keys no rank loaded. A partial resume lists them in
-    ``ResumeInfo.skipped_keys``; a full one makes no ResumeInfo, and skipped them without a word."""
+def _warn_skipped(coordinator: bool, planner: Any, url: str, missing: list[tuple[str, ...]]) -> None:
+    """(every rank, in a checked step; ``strict=False``) Name, on rank 0, the keys the load skipped: model
+    keys the artifact lacks on any rank (``missing``, gathered; they keep their values) and artifact keys
+    no rank loaded. A partial resume lists them in ``ResumeInfo.skipped_keys``; a full one makes no
+    ResumeInfo, and skipped them without a word."""
     report = planner.report
-    missing = sorted({k for keys in ctx.all_gather_object(tuple(report.missing_keys) if report else ()) for k in keys})
-    unexpected = sorted(report.unexpected_keys) if report is not None and ctx.is_coordinator else []
-    if not ctx.is_coordinator or not (missing or unexpected):
+    skipped = sorted({k for keys in missing for k in keys})
+    unexpected = sorted(report.unexpected_keys) if report is not None and coordinator else []
+    if not coordinator or not (skipped or unexpected):
         return
 
     def show(keys: list[str]) -> str:
         return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
 
-    parts = [f"not in the artifact, kept as they were: {show(missing)}"] if missing else []
+    parts = [f"not in the artifact, kept as they were: {show(skipped)}"] if skipped else []
     parts += [f"in the artifact, loaded by no rank: {show(unexpected)}"] if unexpected else []
     message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
     log.warning(message)
-    warnings.warn(message, stacklevel=5)
+    warnings.warn(message, stacklevel=7)  # the caller's frame: below it all_ok, its lambda, resume_full, ...

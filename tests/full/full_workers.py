@@ -205,3 +205,24 @@ def row_swap_world(rank: int, world: int, root: str) -> dict[str, Any]:
     stats = reader.last_read_stats
     out["read"] = (stats.bytes_needed, stats.bytes_read) if stats is not None else None
     return out
+
+
+def nonstrict_resume_warning_as_error(rank: int, world: int, root: str) -> str:
+    """A full save, then a ``strict=False`` resume that skips keys, with warnings turned into errors on rank
+    0 only (``pytest -W error`` on the launcher): the skipped-keys warning must fail every rank, not leave
+    the others waiting in the next collective."""
+    import warnings
+
+    from torch import nn
+
+    layout = ParallelLayout(dp=world)
+    torch.manual_seed(0)
+    save_checkpoint(root, "big", partial=False, model=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3)), layout=layout)
+    other = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2))
+    if rank == 0:
+        warnings.simplefilter("error")
+    try:
+        resume_from_checkpoint(root, "big", partial=False, model=other, strict=False, layout=layout)
+    except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

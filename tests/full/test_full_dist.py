@@ -188,3 +188,11 @@ def test_column_shards_swap_rows_and_write_the_same_bytes(tmp_path: Any) -> None
     for name in ("swap", "one_per_batch", "bf16", "torch"):
         report = verify_checkpoint(str(tmp_path / name))
         assert report.ok and report.checksummed, report.problems
+
+
+def test_a_skipped_keys_warning_made_an_error_on_one_rank_fails_every_rank(tmp_path: Any) -> None:
+    """rev56b: the warning of a ``strict=False`` full resume was raised on rank 0 outside a checked step, so
+    with warnings as errors there rank 0 failed alone and the other ranks waited for it until the group's
+    timeout. Now it fails on every rank, at once, naming the keys."""
+    results = run_world(full_workers.nonstrict_resume_warning_as_error, 2, str(tmp_path), timeout=120)
+    assert all("strict=False skipped keys" in r for r in results), results

@@ -89,7 +89,8 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tu
     values, paths and order, the same error on a duplicate key -- in about a third of its time (every
     rank flattens its state dict at every save and load): one frame per mapping level, keys grown as
     they go, tensors recognised first. Lists keep DCP's rule (traversed only when they hold tensors or
-    such containers); tuples and everything else are leaves."""
+    such containers); tuples and everything else are leaves. One difference: two keys of one mapping
+    with one name (``0`` and ``"0"``) are refused (:func:`_named_children`), where DCP merges them."""
     # DCP's loader switches its flattening to the pre-2.4 key scheme for a moment: follow it there
     if getattr(_dcp_version, "_derived_version", None) is not None:
         return flatten_state_dict(dict(state_dict))

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from smpckpt._checks import check_flag
+from smpckpt._checks import check_flag, check_int
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._fs import FsspecLocation, join, read_bytes_or_none
+from smpckpt.storage.backends._fs import FsspecLocation, default_read_threads, is_local, join, read_bytes_or_none
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, Manifest, Probe, probe
 
@@ -203,6 +203,19 @@ class ReaderBase(FsspecLocation, StorageReader):
         self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder
         self.last_read_stats: ReadStats | None = None
         self._open(path)
+
+    #: the ``thread_count`` the caller gave (``None``: the location's default); subclasses set it first
+    _threads_asked: int | None = None
+
+    @property
+    def thread_count(self) -> int:
+        """Worker threads of a read: the count given, else :func:`default_read_threads` for this location
+        (worked out here, so a :meth:`reset` to another URL gets that one's)."""
+        return self._threads_asked or default_read_threads(is_local(self.fs))
+
+    @thread_count.setter
+    def thread_count(self, value: int) -> None:
+        self._threads_asked = check_int("thread_count", value, minimum=1)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)

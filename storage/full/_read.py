@@ -38,8 +38,8 @@ from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, c
 
 __all__ = ["FullSource", "THREADS"]
 
-#: worker threads of a full read by default (reads and checks of different tensors overlap; a column
-#: box's parts are shared by the threads free at the time): the readers' ``thread_count`` default
+#: worker threads of a full read when none are given (reads and checks of different tensors overlap; a
+#: column box's parts are shared by the threads free at the time); the readers pass their ``thread_count``
 THREADS = 4
 
 

@@ -41,7 +41,7 @@ from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.model.translation import Translation
-from smpckpt.storage.backends._fs import confine, default_read_threads, device_read_bytes, is_local, join
+from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
 from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._reading import ReaderBase, ReadStats
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
@@ -123,7 +123,6 @@ class FullArtifactReader(ReaderBase):
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
-        self.thread_count: int = self._threads_asked or default_read_threads(is_local(self.fs))
         self.source: FullSource | None = None
 
     def _read_metadata(self) -> Metadata:
@@ -287,7 +286,6 @@ class FsspecStorageReader(ReaderBase):
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
-        self.thread_count: int = self._threads_asked or default_read_threads(is_local(self.fs))
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._records: dict[str, FileRecord] = {}

@@ -69,3 +69,10 @@ def test_local_readers_use_at_most_the_ranks_cpus_and_at_least_two(
     assert FullArtifactReader(str(tmp_path), thread_count=5).thread_count == 5
     with pytest.raises(ValueError, match="thread_count must be >= 1"):
         FsspecStorageReader(str(tmp_path), thread_count=0)
+    # a count set on the reader outlives a reset (dcp.load(checkpoint_id=...) resets it); the default
+    # follows the location
+    reader = FsspecStorageReader(str(tmp_path))
+    reader.thread_count = 7
+    reader.reset(str(tmp_path))
+    assert reader.thread_count == 7
+    assert FsspecStorageReader("memory://threads").thread_count == MAX_WRITE_THREADS

@@ -66,12 +66,14 @@ def test_a_failed_consolidation_leaves_nothing_in_its_output(tmp_path: Any) -> N
     assert not os.path.exists(out) or os.listdir(out) == []
 
 
-def test_consolidate_include_optimizer_needs_optimizer_state(tmp_path: Any) -> None:
+def test_consolidate_include_optimizer_needs_an_optimizer_saved(tmp_path: Any) -> None:
+    """A checkpoint saved without optimizer has nothing to export for it (one saved with an optimizer that
+    had no state yet exports: tests/api/test_api_single.py's fresh-optimizer test)."""
     root = str(tmp_path)
     _saved(root)
     out = os.path.join(root, "full")
     rc, _, err = _run("consolidate", os.path.join(root, "s"), out, "--include-optimizer", "--no-progress")
-    assert rc == 1 and "holds no optimizer state" in err, err
+    assert rc == 1 and "the checkpoint was saved without optimizer" in err, err
     assert not os.path.exists(out)
 
 

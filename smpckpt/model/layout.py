@@ -13,7 +13,7 @@ Pipeline-parallel key renaming: stage-local keys to global (checkpoint) keys.
 Renaming happens only when the layout records a partition (``pp_layers``) or a ``name_map`` is
 given. The default rule rewrites the integer after a ``layers.`` path segment by the stage's layer
 offset (``layers.<i>.`` -> ``layers.<i + offset>.``) and checks that ``i`` is one of the stage's
-layers. Without a partition or a map, keys are taken as already global (torchtitan-style PP).
+layers, and that the stage's keys name all of them (:meth:`KeyMapper.check_layers`). Without a partition or a map, keys are taken as already global (torchtitan-style PP).
 
 The top-level keys :func:`~smpckpt.save_checkpoint` reserves in a checkpoint -- named here only.
 
@@ -270,6 +270,7 @@ class KeyMapper:
         self.active = name_map is not None or layout.pp_layers is not None
         self._offset = layout.layer_offset(pp_rank)
         self._count = layout.pp_layers[pp_rank] if layout.pp_layers is not None else None
+        self._layers_seen: set[int] = set()  # stage-local layer numbers renumbered so far
 
     def to_global(self, key: str) -> str:
         if not self.active:
@@ -301,7 +302,25 @@ class KeyMapper:
                 f"stage {self.pp_rank} holds {self._count} layers (pp_layers={self.layout.pp_layers}) "
                 f"but the state dict has stage-local layer {local} ({match.string!r})"
             )
+        self._layers_seen.add(local)
         return f"layers.{local + self._offset}"
+
+    def check_layers(self) -> None:
+        """(after mapping one rank's whole state dict) Its stage's layer keys name every layer the partition
+        gives the stage. A stage holding two layers under ``pp_layers=(3, 2)`` is a partition that does not
+        match the model: the next stage's layers would be saved, or loaded, one layer off -- silently where
+        the load is not strict. A state dict with no ``layers.<i>`` key at all (a subset, optimizer-free
+        extras) is not checked; a name map replaces the rule and is trusted."""
+        if self._count is None or self.name_map is not None or not self._layers_seen:
+            return
+        missing = sorted(set(range(self._count)) - self._layers_seen)
+        if missing:
+            raise SpecError(
+                f"stage {self.pp_rank} holds state for local layers {sorted(self._layers_seen)} but "
+                f"pp_layers={self.layout.pp_layers} gives it {self._count}: no key names its local layer(s) "
+                f"{missing}, so the later stages' layers would be numbered {len(missing)} off; give the "
+                "partition the model was built with (or a name_map for other naming schemes)"
+            )
 
     def global_path(self, local_path: tuple[object, ...], local_key: str, global_key: str) -> tuple[object, ...]:
         """Flatten path for ``global_key``: the elements both keys share, then the renamed rest.

@@ -159,6 +159,7 @@ class Checkpointer:
         self._groups = GlooGroups(self.sharding.process_group)
         self._tier = FastTierPart(fast_tier, self._groups, self._counter, self._drain_lane) if fast_tier else None
         self._exit_wait = False
+        self._closed = False  # close() ended its threads and groups: a later call would quietly rebuild them
         self.last_resume_info: ResumeInfo | None = None  #: this Checkpointer's last partial resume
         # dropped without close(): its lanes end once their work is done, its optimizer hooks go
         weakref.finalize(self, _release, (self._save_lane, self._drain_lane), self._gate)
@@ -254,7 +255,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """(every rank) :meth:`wait`, then end the lanes' threads, remove the optimizer step hooks, free the
-        staging buffers and tear down the background gloo groups (collectively)."""
+        staging buffers and tear down the background gloo groups (collectively). Saves, resumes and
+        exports through it are refused afterwards."""
+        self._closed = True
         try:
             self.wait()
         finally:
@@ -266,6 +269,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._closed = True
         if exc_type is None:
             self.close()
             return
@@ -295,6 +299,8 @@ class Checkpointer:
         one digest)."""
 
         def check() -> tuple[tuple[CommonRequest, Any], dict[str, Any]]:
+            if self._closed:
+                raise RuntimeError(f"{self!r} is closed (close() or the end of its with block): build a new one")
             opts = _options(options, cls)
             if ctx.world_size != self._world:
                 raise ValueError(

@@ -156,6 +156,25 @@ def test_a_checkpointer_saves_resumes_and_exports_the_live_state_and_a_committed
     assert torch.equal(load_file(os.path.join(live, "model.safetensors"))["0.weight"], want["model.0.weight"])
 
 
+def test_a_closed_checkpointer_refuses_calls_by_name(tmp_path: Any) -> None:
+    """After close() (or its with block) a save quietly restarted the lanes and groups close() had ended
+    (left running: nothing closes them again); refused by name, nothing written."""
+    root = str(tmp_path / "run")
+    m, _ = _trained(0)
+    with Checkpointer(root) as ckpt:
+        ckpt.save("s1", m)
+    closed = Checkpointer(root)
+    closed.close()
+    for c in (ckpt, closed):
+        with pytest.raises(RuntimeError, match=r"Checkpointer\(.*\) is closed .*build a new one"):
+            c.save("s2", m)
+        with pytest.raises(RuntimeError, match="is closed"):
+            c.resume(model=m)
+        with pytest.raises(RuntimeError, match="is closed"):
+            c.export("s1", model=m)
+    assert sorted(os.listdir(root)) == ["newest", "s1_partial"]
+
+
 def test_a_checkpointer_refuses_options_of_the_wrong_kind_by_name(tmp_path: Any) -> None:
     with pytest.raises(TypeError, match="retention must be a smpckpt.Retention or None, got int"):
         Checkpointer(str(tmp_path), retention=3)  # type: ignore[arg-type]

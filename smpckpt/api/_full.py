@@ -92,6 +92,37 @@ def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[s
     warnings.warn(f"{message}; strict=False: they keep the live optimizer's values", stacklevel=2)
 
 
+def _untied_without_state(planner: Any, unsaved: frozenset[str], strict: bool) -> None:
+    """(each rank) Refuse a parameter read through a tie the artifact records (a head stored once, under its
+    embedding, whose optimizer state is stored once too) into a model holding it as a parameter of its
+    own: it would resume with the tied tensor's weights and no optimizer state, where the saved run
+    stepped it with the embedding's. A partial checkpoint refuses the same load under strict (its state
+    is not in the checkpoint); ``strict=False``: a warning, and fresh state, as for every key it skips."""
+    report, in_model = planner.report, planner.dest_tied  # later key -> first key of one tensor
+    if report is None:
+        return
+    prefix, untied = f"{RESERVED.model}.", []
+    for key, source in report.tied.items():
+        head, embed = key.removeprefix(prefix), source.removeprefix(prefix)
+        # tied in the model too: one parameter, whose state the artifact holds under the key it read
+        if head == key or in_model.get(key, key) == in_model.get(source, source):
+            continue
+        if head not in unsaved or embed in unsaved:
+            continue
+        untied.append(f"{head!r} (tied to {embed!r} in the artifact)")
+    if not untied:
+        return
+    message = (
+        f"{', '.join(sorted(untied))}: loaded through a tie the artifact records, into a model holding it as "
+        "a parameter of its own, which has no optimizer state in the artifact (stored once, for the tied "
+        "tensor): tie it as saved, or resume from a partial checkpoint"
+    )
+    if strict:
+        raise LayoutMismatch(message)
+    log.warning("%s; strict=False: its optimizer state starts fresh", message)
+    warnings.warn(f"{message}; strict=False: its optimizer state starts fresh", stacklevel=2)
+
+
 def save_full(
     ctx: DistContext,
     common: CommonRequest,
@@ -208,6 +239,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
 
         if holds_optim:
             ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved, opts.strict))
+            ctx.all_ok(lambda: _untied_without_state(planner, unsaved, opts.strict))
         guard.applied = True
         user_content = ctx.all_ok(apply)
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")

@@ -38,6 +38,7 @@ from smpckpt import (
     CheckpointCorrupt,
     CheckpointExists,
     CheckpointNotFound,
+    ExportOptions,
     LayoutMismatch,
     resume_from_checkpoint,
     save_checkpoint,
@@ -362,6 +363,46 @@ def test_strict_false_names_the_keys_it_skipped(tmp_path: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing skipped: nothing said
         resume_from_checkpoint(root, "big", partial=False, model=copy.deepcopy(big), strict=False)
+
+
+class _Tied(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb, self.lm_head = nn.Embedding(6, 4), nn.Linear(4, 6, bias=False)
+        if tied:
+            self.lm_head.weight = self.emb.weight
+
+
+def test_a_head_tied_in_the_artifact_resumed_untied_is_refused_without_its_optimizer_state(tmp_path: Any) -> None:
+    """The artifact stores a tied head once, and the tied tensor's Adam state once (under the embedding).
+    Resumed into the model with the head untied, the head got the weights through the tie and no Adam
+    state, strict or not, without a word -- where the partial checkpoint refuses under strict. Now refused
+    by name under strict; strict=False warns and starts the head's state fresh. Tied as saved: loads."""
+    root = str(tmp_path)
+    torch.manual_seed(0)
+    src = _Tied(True)
+    opt = torch.optim.Adam(src.parameters(), lr=0.1)
+    for p in src.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    save_checkpoint(root, "f", partial=False, model=src, optimizer=opt, options=ExportOptions(include_optimizer=True))
+    untied = _Tied(False)
+    with pytest.raises(
+        LayoutMismatch, match=r"'lm_head\.weight' \(tied to 'emb\.weight' in the artifact\).*tie it as saved"
+    ):
+        resume_from_checkpoint(root, "f", partial=False, model=untied, optimizer=torch.optim.Adam(untied.parameters()))
+    untied = _Tied(False)
+    uopt = torch.optim.Adam(untied.parameters())
+    with pytest.warns(UserWarning, match=r"'lm_head\.weight' \(tied.*starts fresh"):
+        resume_from_checkpoint(root, "f", partial=False, model=untied, optimizer=uopt, strict=False)
+    assert torch.equal(untied.lm_head.weight, src.emb.weight) and untied.lm_head.weight not in uopt.state
+    tied = _Tied(True)
+    topt = torch.optim.Adam(tied.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        resume_from_checkpoint(root, "f", partial=False, model=tied, optimizer=topt)
+    assert torch.equal(tied.lm_head.weight, src.emb.weight)
+    assert torch.equal(topt.state[tied.emb.weight]["exp_avg"], opt.state[src.emb.weight]["exp_avg"])
 
 
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:

@@ -375,8 +375,8 @@ class LayoutScope:
         by_global: Mapping[str, Any] = flat
         if mapper.active:
             global_keys = {local_key: mapper.to_global(local_key) for local_key in flat}
-            mapper.check_layers()
             by_global = {global_keys[k]: v for k, v in flat.items()}
+        self.layers_missing = mapper.layers_missing()  # what the checkpoint holds decides (load)
         # top-level names under which parameters sit (``model``), for optimizer-state spec inheritance
         prefixes = {
             str(path[0]): None

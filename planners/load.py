@@ -175,6 +175,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         #: checkpoint keys stored once under another key (read from that key's bytes)
         self.saved_tied = checkpoint_ties(metadata)
         self.saved_layout = record.layout if record is not None else None
+        self._refuse_partition_off(metadata)
         #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold;
         #: a Hugging Face folder's fused tensors in the shape an unsharded model holds them)
         self.saved_original_shapes = checkpoint_original_shapes(metadata)
@@ -411,6 +412,27 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
         return [compact_load(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
+
+    def _refuse_partition_off(self, metadata: Metadata) -> None:
+        """(each rank) A stage whose state dict names none of the keys of some of its layers (by its
+        partition) while the checkpoint holds those layers: the partition does not match the model (two
+        layers held under ``pp_layers=(3, 2)``), and the later stages' layers would be read one layer off,
+        silently where keys may be skipped. A layer without state (an activation in a ``layers`` list) has
+        no keys in the checkpoint either: not refused."""
+        if not self.layers_missing:
+            return
+        first = self.layout.layer_offset(self.layout.coords(self.rank).pp)
+        held = KeyMapper.layer_numbers(metadata.state_dict_metadata) & {first + i for i in self.layers_missing}
+        if not held:
+            return
+        local = [g - first for g in sorted(held)]
+        raise LayoutMismatch(
+            f"rank {self.rank}: pipeline stage {self.layout.coords(self.rank).pp} is given its local layer(s) "
+            f"{local} by pp_layers={self.layout.pp_layers} (global {sorted(held)}, which the checkpoint holds), "
+            "but its state dict has no key of them: the partition does not match the model, and the later "
+            "stages' layers would be read off by as many; give the partition the model was built with (to load "
+            "only some of a stage's layers, a name_map giving their global names)"
+        )
 
     def _refuse_layers_two_stages_load(self, global_plan: Sequence[LoadPlan]) -> None:
         """(coordinator) A checkpoint saved with a partition (``pp_layers``: its layer keys are global) loaded

@@ -13,7 +13,7 @@ Pipeline-parallel key renaming: stage-local keys to global (checkpoint) keys.
 Renaming happens only when the layout records a partition (``pp_layers``) or a ``name_map`` is
 given. The default rule rewrites the integer after a ``layers.`` path segment by the stage's layer
 offset (``layers.<i>.`` -> ``layers.<i + offset>.``) and checks that ``i`` is one of the stage's
-layers, and that the stage's keys name all of them (:meth:`KeyMapper.check_layers`). Without a partition or a map, keys are taken as already global (torchtitan-style PP).
+layers. Without a partition or a map, keys are taken as already global (torchtitan-style PP).
 
 The top-level keys :func:`~smpckpt.save_checkpoint` reserves in a checkpoint -- named here only.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -305,22 +305,20 @@ class KeyMapper:
         self._layers_seen.add(local)
         return f"layers.{local + self._offset}"
 
-    def check_layers(self) -> None:
-        """(after mapping one rank's whole state dict) Its stage's layer keys name every layer the partition
-        gives the stage. A stage holding two layers under ``pp_layers=(3, 2)`` is a partition that does not
-        match the model: the next stage's layers would be saved, or loaded, one layer off -- silently where
-        the load is not strict. A state dict with no ``layers.<i>`` key at all (a subset, optimizer-free
-        extras) is not checked; a name map replaces the rule and is trusted."""
+    def layers_missing(self) -> tuple[int, ...]:
+        """(after mapping one rank's whole state dict) The stage's local layer numbers, by its partition, that
+        no key named: a layer without state (an activation in a ``layers`` list), or a partition that does
+        not match the model (two layers held under ``pp_layers=(3, 2)``). Only the checkpoint can tell
+        which (:meth:`ParallelLoadPlanner.set_up_planner`). Empty without a partition, under a name map
+        (which replaces the rule), or when no key names a layer at all (a subset of the state)."""
         if self._count is None or self.name_map is not None or not self._layers_seen:
-            return
-        missing = sorted(set(range(self._count)) - self._layers_seen)
-        if missing:
-            raise SpecError(
-                f"stage {self.pp_rank} holds state for local layers {sorted(self._layers_seen)} but "
-                f"pp_layers={self.layout.pp_layers} gives it {self._count}: no key names its local layer(s) "
-                f"{missing}, so the later stages' layers would be numbered {len(missing)} off; give the "
-                "partition the model was built with (or a name_map for other naming schemes)"
-            )
+            return ()
+        return tuple(sorted(set(range(self._count)) - self._layers_seen))
+
+    @staticmethod
+    def layer_numbers(keys: Iterable[str]) -> set[int]:
+        """The numbers of the ``layers.<i>`` segments (the first in each key) of ``keys``."""
+        return {int(m.group(1)) for k in keys if (m := _LAYER.search(k)) is not None}
 
     def global_path(self, local_path: tuple[object, ...], local_key: str, global_key: str) -> tuple[object, ...]:
         """Flatten path for ``global_key``: the elements both keys share, then the renamed rest.

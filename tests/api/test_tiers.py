@@ -280,6 +280,43 @@ def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monke
     assert (durable / "s2_partial" / MANIFEST_NAME).is_file()
 
 
+def test_a_drain_finishing_after_two_more_saves_removes_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain's fast-tier retention decides on the listing gathered before the save it drains; saves
+    committed while it copied were in no listing and passed for uncommitted debris older than the newest
+    commit: s4 (within num_kept_local=2) was removed when s3's drain ended after s5. Held here by
+    ``publish_newest`` waiting until s4 and s5 committed."""
+    import threading
+
+    import smpckpt.api._fast_save as fast_save
+
+    durable, release = tmp_path / "durable", threading.Event()
+    real = fast_save.publish_newest
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not release.wait(60):
+            raise RuntimeError("the test never released the drain")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_save, "publish_newest", held)
+    fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=3, num_kept_local=2)
+    models = {s: _linear(s) for s in range(1, 6)}
+    with Checkpointer(durable, fast_tier=fast) as c:
+        for s in range(1, 6):
+            c.save(f"s{s}", models[s])
+            if s < 3:
+                c.wait()
+        release.set()
+        c.wait()
+    assert _partials(_job(Path(fast.local_path), durable))[-2:] == ["s4_partial", "s5_partial"]
+    got = _linear(9)
+    with Checkpointer(durable, fast_tier=fast) as c:
+        c.resume(tag="s4", model=got)
+        assert c.last_resume_info is not None and c.last_resume_info.tier == "fast"
+    assert _same(got, models[4])
+
+
 def test_tag_asked_for_comes_from_the_durable_tier_when_saved_there_again_after_the_fast_copy(tmp_path: Path) -> None:
     """A tag saved through the fast tier, then saved again in ``path`` (``overwrite=True``, by a job
     without the fast tier): the fast tier still holds the older save of that tag. A resume of that tag

@@ -38,7 +38,7 @@ from smpckpt.api._resume import (
     resolve_target,
     restores_rng,
 )
-from smpckpt.api._tiers import FastCandidate, Nodes, candidates, gather_views
+from smpckpt.api._tiers import FastCandidate, Nodes, candidates, durable_key, gather_views, read_copy
 from smpckpt.catalog.root import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.planners import ParallelLoadPlanner
@@ -237,12 +237,44 @@ def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size:
     return tuple(out)
 
 
+def _drop_superseded(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
+    """(leaders) A node that lacks ``cand``'s manifest but whose folder of its tag holds the manifest of an
+    OLDER save of that tag (a node back with a stale disk after the tag was saved again while it was
+    away): that manifest would refuse the one healed in (files are created, never written over), so the
+    newest complete copy could never load there. The older save is superseded: its manifest goes first
+    (a kill half-way leaves no committed copy missing parts), then its files -- never a part of
+    ``cand``, never through a link. A newer or foreign copy is left alone (the load then fails, by name)."""
+    nodes = choice.nodes
+    node = nodes.node_of(nodes.rank)
+    if not nodes.is_leader or any(nodes.node_of(r) == node for r in cand.held_by[MANIFEST_NAME]):
+        return
+    folder = os.path.join(choice.job, partial_dirname(cand.tag))
+    if not os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
+        return
+    copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
+    if not copy.committed or copy.key >= cand.key:
+        return
+    stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
+    log.warning(
+        "fast tier: node %d holds an older save of checkpoint %r (save %d; the one loaded is save %d): removed",
+        node,
+        cand.tag,
+        copy.seq,
+        cand.seq,
+    )
+    with Folder(open_fs(folder)[0], folder) as f:
+        failed = f.remove(stale)
+    if failed:
+        raise CheckpointError(f"fast tier: could not remove an older save of {cand.tag!r} on node {node}: {failed[:5]}")
+
+
 def fast_reader(
     req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate, manifest: Manifest, size: int
 ) -> PeerFetchingReader:
     """(all ranks) Nodes that lack the copy's metadata or manifest (``size`` bytes) receive them (agreed
     across ranks); then this rank's reader of the chosen fast-tier copy."""
     gctx, nodes = DistContext(choice.group), choice.nodes
+    gctx.all_ok(lambda: _drop_superseded(req, choice, cand))
     heal = _heal_transfers(cand, manifest, nodes, size)
     if heal:
         os.makedirs(target.url, exist_ok=True)

@@ -713,6 +713,19 @@ def test_a_corrupt_fast_tier_file_heals_from_a_peer_then_the_next_save(
 
 
 @pytest.mark.dist
+def test_a_node_back_with_an_older_save_of_the_tag_still_loads_the_newer(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Node 1's stale disk held the older step1's manifest: healing the newer one's in was refused
+    (``File exists``), so the newer step1, complete on node 0, never loaded (the resume fell back or failed)."""
+    for rank, r in enumerate(cases[1]):
+        for tag in ("None", "step1"):
+            got = r["stale"][tag]
+            assert isinstance(got, dict), (rank, tag, got)
+            assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step1", "fast", {"step": 12}, True), rank
+
+
+@pytest.mark.dist
 def test_fast_tier_folders_refused_up_front_by_name(cases: tuple[Path, list[dict[str, Any]]]) -> None:
     for r in cases[1]:
         got = r["refused"]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tp_model
 from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
 
-from smpckpt import resume_from_checkpoint, wait_for_saves
+from smpckpt import resume_from_checkpoint, save_checkpoint, wait_for_saves
 
 MANIFEST = "smpckpt.manifest.json"
 
@@ -209,6 +209,53 @@ def heal_from_peers(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, Any]:
+    """step1 saved with replicas=1; node 1 lost (its folder emptied, a snapshot kept), so step1 is
+    incomplete and saved again (other values, replicas=2: node 0 alone holds it whole). Node 1 comes back
+    with its stale disk: its folder holds the OLDER step1's manifest. The newer step1 must still load,
+    node 1 healing in its manifest (the older one refused it: files are created, never written over)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    _states(base, rank, (1,), durable, local, replicas=1, durable_every=100)
+    snap = os.path.join(base, "node1-snapshot")
+    if rank == 2:
+        shutil.copytree(local, snap, symlinks=True)
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT)
+    for step in (1, 2):
+        tp_model.train_step(ctx, model, opt, step)
+    want = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(
+        durable,
+        "step1",
+        model=model,
+        optimizer=opt,
+        user_content={"step": 12},
+        layout=LAYOUT,
+        specs=tp_model.SPECS,
+        local_path=local,
+        replicas=2,
+        durable_every=100,
+    )
+    wait_for_saves()
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(local)
+        shutil.copytree(snap, local, symlinks=True)  # the node is back, with its old disk
+    dist.barrier()
+    out: dict[str, Any] = {}
+    for tag in (None, "step1"):
+        try:
+            uc, state, _ = _resume(durable, local, 13, tag=tag)
+            out[str(tag)] = {**_info(), "uc": uc, "exact": _same(state, want)}
+        except Exception as exc:  # noqa: BLE001 - the error is what the test shows
+            out[str(tag)] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    return out
+
+
 # -- 5: folders refused up front --------------------------------------------------------------------------
 def refused_folders(rank: int, world: int, base: str) -> dict[str, Any]:
     """Both nodes on one folder; local_path equal to path, inside it, containing it; a file; a folder
@@ -322,6 +369,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         ("slot", slot_of_incomplete),
         ("unsafe", unsafe_folders),
         ("heal", heal_from_peers),
+        ("stale", stale_node_after_tag_reuse),
     ):
         path = os.path.join(base, name)
         if rank == 0:

@@ -113,6 +113,13 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
     durable = ctx.on_coordinator(durable_target)
+    if durable is None and req.tag is not None and found and not complete and not req.opts.missing_ok:
+        # (every rank alike: the listing is gathered, ``durable`` broadcast) say why the fast tier's copy is
+        # no answer, rather than "no checkpoint" as if the tag had never been saved
+        raise CheckpointNotFound(
+            f"no checkpoint {req.tag!r} under {req.root}: the fast tier's copy of it is committed but incomplete "
+            f"across the surviving nodes (no node holds {', '.join(found[0].missing[:3])})"
+        )
     if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.root)
         durable.seen_by(part.counter)
         part.state.saw_path(durable.order[0])

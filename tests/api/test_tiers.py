@@ -251,6 +251,20 @@ def test_tag_asked_for_comes_from_the_fast_tier_when_its_drain_never_committed(t
         resume_from_checkpoint(durable, tag="s3", model=_linear(9), local_path=local)
 
 
+def test_tag_asked_for_incomplete_in_the_fast_tier_is_refused_saying_so(tmp_path: Path) -> None:
+    """The refusal named only path ("no checkpoint 's1' under ..."), as if the tag had never been saved,
+    while the fast tier holds it committed but missing a part (a lost node's): now it says so, by file."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1, durable_every=5)
+    folder = _job(local, durable) / "s1_partial"
+    lost = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]
+    (folder / lost).unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match=f"no checkpoint 's1' under .*committed but incomplete .*{lost}"):
+            resume_from_checkpoint(durable, tag="s1", model=_linear(9), local_path=local)
+
+
 def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
     an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty

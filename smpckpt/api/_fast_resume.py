@@ -245,12 +245,17 @@ def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size:
 
 
 def _drop_superseded(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
-    """(leaders) A node that lacks ``cand``'s manifest but whose folder of its tag holds the manifest of an
-    OLDER save of that tag (a node back with a stale disk after the tag was saved again while it was
-    away): that manifest would refuse the one healed in (files are created, never written over), so the
-    newest complete copy could never load there. The older save is superseded: its manifest goes first
-    (a kill half-way leaves no committed copy missing parts), then its files -- never a part of
-    ``cand``, never through a link. A newer or foreign copy is left alone (the load then fails, by name)."""
+    """(leaders) A node that lacks ``cand``'s manifest but whose folder of its tag holds another manifest
+    that would refuse the one healed in (files are created, never written over), so the newest complete
+    copy could never load there:
+
+    * the manifest of an OLDER save of the tag (a node back with a stale disk after the tag was saved
+      again while it was away): that save is superseded -- its manifest goes first (a kill half-way leaves
+      no committed copy missing parts), then its files, never a part of ``cand``;
+    * a damaged manifest (``corrupt``: it does not parse, or fails its own checksum): it alone goes; the
+      folder's files may be ``cand``'s parts (each is checked against ``cand``'s checksums when read).
+
+    Never through a link. A newer or foreign copy is left alone (the load then fails, by name)."""
     nodes = choice.nodes
     node = nodes.node_of(nodes.rank)
     if not nodes.is_leader or any(nodes.node_of(r) == node for r in cand.held_by[MANIFEST_NAME]):
@@ -259,20 +264,18 @@ def _drop_superseded(req: ResumeRequest, choice: TierChoice, cand: FastCandidate
     if not os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
         return
     copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
-    if not copy.committed or copy.key >= cand.key:
+    if copy.state == "corrupt":
+        stale, what = [MANIFEST_NAME], f"a damaged manifest of checkpoint {cand.tag!r} ({copy.detail})"
+    elif copy.committed and copy.key < cand.key:
+        stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
+        what = f"an older save of checkpoint {cand.tag!r} (save {copy.seq}; the one loaded is save {cand.seq})"
+    else:
         return
-    stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
-    log.warning(
-        "fast tier: node %d holds an older save of checkpoint %r (save %d; the one loaded is save %d): removed",
-        node,
-        cand.tag,
-        copy.seq,
-        cand.seq,
-    )
+    log.warning("fast tier: node %d holds %s: removed, the intact copy is healed in from a peer", node, what)
     with Folder(open_fs(folder)[0], folder) as f:
         failed = f.remove(stale)
     if failed:
-        raise CheckpointError(f"fast tier: could not remove an older save of {cand.tag!r} on node {node}: {failed[:5]}")
+        raise CheckpointError(f"fast tier: could not remove {what} on node {node}: {failed[:5]}")
 
 
 def fast_reader(

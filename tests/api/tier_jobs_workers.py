@@ -213,7 +213,8 @@ def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, An
     """step1 saved with replicas=1; node 1 lost (its folder emptied, a snapshot kept), so step1 is
     incomplete and saved again (other values, replicas=2: node 0 alone holds it whole). Node 1 comes back
     with its stale disk: its folder holds the OLDER step1's manifest. The newer step1 must still load,
-    node 1 healing in its manifest (the older one refused it: files are created, never written over)."""
+    node 1 healing in its manifest (the older one refused it: files are created, never written over).
+    Then node 1's (healed) manifest is damaged: step1 must load again, healed in once more."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     _states(base, rank, (1,), durable, local, replicas=1, durable_every=100)
@@ -253,6 +254,14 @@ def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, An
         except Exception as exc:  # noqa: BLE001 - the error is what the test shows
             out[str(tag)] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
+    if rank == 2:  # node 1's manifest (healed in above) damaged: node 0's is intact, every part on node 0
+        _flip(os.path.join(job_dir(local, durable), "step1_partial", MANIFEST))
+    dist.barrier()
+    try:
+        uc, state, _ = _resume(durable, local, 14)
+        out["damaged"] = {**_info(), "uc": uc, "exact": _same(state, want)}
+    except Exception as exc:  # noqa: BLE001 - the error is what the test shows
+        out["damaged"] = f"{type(exc).__name__}: {exc}"
     return out
 
 

@@ -244,38 +244,59 @@ def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size:
     return tuple(out)
 
 
-def _drop_superseded(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
-    """(leaders) A node that lacks ``cand``'s manifest but whose folder of its tag holds another manifest
-    that would refuse the one healed in (files are created, never written over), so the newest complete
-    copy could never load there:
+def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
+    """(leaders) What in this node's folder of ``cand``'s tag would refuse a part healed in from a peer
+    (received files are created, never written over), so that the newest complete copy could never load
+    here -- removed, never through a link, each kind named in a log line:
 
-    * the manifest of an OLDER save of the tag (a node back with a stale disk after the tag was saved
-      again while it was away): that save is superseded -- its manifest goes first (a kill half-way leaves
-      no committed copy missing parts), then its files, never a part of ``cand``;
-    * a damaged manifest (``corrupt``: it does not parse, or fails its own checksum): it alone goes; the
-      folder's files may be ``cand``'s parts (each is checked against ``cand``'s checksums when read).
+    * a part of ``cand`` this node does not hold at the manifest's size (a file cut short, or grown): it
+      counts as missing, so it is fetched when read, under the same name;
+    * when this node lacks ``cand``'s manifest: the manifest of an OLDER save of the tag (a node back with
+      a stale disk after the tag was saved again while it was away) -- that save is superseded: its
+      manifest goes first (a kill half-way leaves no committed copy missing parts), then its files, never a
+      part of ``cand``; or a damaged manifest (``corrupt``: it does not parse, or fails its own checksum),
+      alone (the folder's files may be ``cand``'s parts, each checked against its checksums when read).
 
-    Never through a link. A newer or foreign copy is left alone (the load then fails, by name)."""
+    A newer or foreign copy is left alone (the load then fails, by name)."""
     nodes = choice.nodes
     node = nodes.node_of(nodes.rank)
-    if not nodes.is_leader or any(nodes.node_of(r) == node for r in cand.held_by[MANIFEST_NAME]):
+    if not nodes.is_leader:
         return
     folder = os.path.join(choice.job, partial_dirname(cand.tag))
-    if not os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
+    if os.path.islink(folder):
+        return  # never written through (the fast tier writes no links): the load fails, by name
+
+    def here(holders: tuple[int, ...]) -> bool:
+        return any(nodes.node_of(r) == node for r in holders)
+
+    stale, what = [], []
+    if not here(cand.held_by[MANIFEST_NAME]) and os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
+        copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
+        if copy.state == "corrupt":
+            stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
+        elif copy.committed and copy.key < cand.key:
+            stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
+            what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]
+    wrong = sorted(
+        name
+        for name, holders in cand.held_by.items()
+        if name != MANIFEST_NAME and not here(holders) and os.path.lexists(os.path.join(folder, name))
+    )
+    if wrong:
+        stale += wrong
+        what.append(f"{len(wrong)} part(s) not at the manifest's size ({', '.join(wrong[:3])})")
+    if not stale:
         return
-    copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
-    if copy.state == "corrupt":
-        stale, what = [MANIFEST_NAME], f"a damaged manifest of checkpoint {cand.tag!r} ({copy.detail})"
-    elif copy.committed and copy.key < cand.key:
-        stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
-        what = f"an older save of checkpoint {cand.tag!r} (save {copy.seq}; the one loaded is save {cand.seq})"
-    else:
-        return
-    log.warning("fast tier: node %d holds %s: removed, the intact copy is healed in from a peer", node, what)
+    log.warning(
+        "fast tier: node %d's copy of checkpoint %r holds %s: removed, intact copies are fetched from peers",
+        node,
+        cand.tag,
+        "; ".join(what),
+    )
     with Folder(open_fs(folder)[0], folder) as f:
         failed = f.remove(stale)
     if failed:
-        raise CheckpointError(f"fast tier: could not remove {what} on node {node}: {failed[:5]}")
+        raise CheckpointError(f"fast tier: could not remove {'; '.join(what)} on node {node}: {failed[:5]}")
 
 
 def fast_reader(
@@ -284,7 +305,7 @@ def fast_reader(
     """(all ranks) Nodes that lack the copy's metadata or manifest (``size`` bytes) receive them (agreed
     across ranks); then this rank's reader of the chosen fast-tier copy."""
     gctx, nodes = DistContext(choice.group), choice.nodes
-    gctx.all_ok(lambda: _drop_superseded(req, choice, cand))
+    gctx.all_ok(lambda: _clear_for_heal(req, choice, cand))
     heal = _heal_transfers(cand, manifest, nodes, size)
     if heal:
         os.makedirs(target.url, exist_ok=True)

@@ -732,9 +732,10 @@ def test_a_node_back_with_an_older_save_of_the_tag_still_loads_the_newer(
 ) -> None:
     """Node 1's stale disk held the older step1's manifest: healing the newer one's in was refused
     (``File exists``), so the newer step1, complete on node 0, never loaded (the resume fell back or failed).
-    A damaged manifest on node 1 ("damaged") refused it alike."""
+    A damaged manifest on node 1 ("damaged") refused it alike, and so did parts cut short there ("cut_short":
+    counted as missing, fetched under the same name) -- README promised a file cut short heals."""
     for rank, r in enumerate(cases[1]):
-        for tag in ("None", "step1", "damaged"):
+        for tag in ("None", "step1", "damaged", "cut_short"):
             got = r["stale"][tag]
             assert isinstance(got, dict), (rank, tag, got)
             assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step1", "fast", {"step": 12}, True), rank

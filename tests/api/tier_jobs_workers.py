@@ -214,7 +214,8 @@ def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, An
     incomplete and saved again (other values, replicas=2: node 0 alone holds it whole). Node 1 comes back
     with its stale disk: its folder holds the OLDER step1's manifest. The newer step1 must still load,
     node 1 healing in its manifest (the older one refused it: files are created, never written over).
-    Then node 1's (healed) manifest is damaged: step1 must load again, healed in once more."""
+    Then node 1's (healed) manifest is damaged: step1 must load again, healed in once more; then a data
+    file and the metadata cut short on node 1 (sizes no longer the manifest's): fetched again."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     _states(base, rank, (1,), durable, local, replicas=1, durable_every=100)
@@ -262,7 +263,24 @@ def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, An
         out["damaged"] = {**_info(), "uc": uc, "exact": _same(state, want)}
     except Exception as exc:  # noqa: BLE001 - the error is what the test shows
         out["damaged"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if rank == 2:  # one of rank 2's files, and the metadata, cut short on node 1 (node 0's intact)
+        folder = os.path.join(job_dir(local, durable), "step1_partial")
+        for name in (sorted(n for n in os.listdir(folder) if "_r2_" in n)[0], _metadata_name(folder)):
+            with open(os.path.join(folder, name), "r+b") as f:
+                f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
+    dist.barrier()
+    try:
+        uc, state, _ = _resume(durable, local, 15)
+        out["cut_short"] = {**_info(), "uc": uc, "exact": _same(state, want)}
+    except Exception as exc:  # noqa: BLE001 - the error is what the test shows
+        out["cut_short"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _metadata_name(folder: str) -> str:
+    with open(os.path.join(folder, MANIFEST), "rb") as f:
+        return str(json.loads(f.read())["metadata"]["name"])
 
 
 # -- 5: folders refused up front --------------------------------------------------------------------------

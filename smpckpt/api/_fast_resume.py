@@ -40,7 +40,7 @@ from smpckpt.api._resume import (
 )
 from smpckpt.api._tiers import FastCandidate, Nodes, candidates, durable_key, gather_views, read_copy
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
@@ -175,12 +175,16 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             return _load_fast(req, ctx, choice, cand, target, manifest, part)
         except CheckpointError as exc:
             first = exc
+            if _callers_fault(choice, exc):
+                raise
         repaired = _repair(ctx, choice, cand, manifest[0])
         if repaired is not None:
             try:
                 return _load_fast(req, ctx, choice, repaired, target, manifest, part)
             except CheckpointError as exc:
                 first = exc
+                if _callers_fault(choice, exc):
+                    raise
         nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
         instead = (
             f"checkpoint {nxt.tag!r} of the fast tier"
@@ -201,6 +205,15 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
     return Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
+
+
+def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
+    """(all ranks, one collective) Whether the load failed because the caller's state does not fit the
+    save (keys, shapes, dtypes, specs: :class:`LayoutMismatch`, :class:`SpecError`) on any rank: no other
+    copy, and no older save, is an answer to that -- falling back loaded an older checkpoint where a
+    resume without the fast tier refuses. Agreed, so every rank raises or falls back alike."""
+    mine = isinstance(exc, (LayoutMismatch, SpecError))
+    return any(DistContext(choice.group).all_ok_values(lambda: mine))
 
 
 def _manifest_of(ctx: DistContext, choice: TierChoice, cand: FastCandidate) -> tuple[Manifest, int] | None:

@@ -26,6 +26,7 @@ from smpckpt import (
     CheckpointExists,
     DrainStatus,
     FastTier,
+    LayoutMismatch,
     drain_status,
     last_resume_info,
     resume_from_checkpoint,
@@ -263,6 +264,22 @@ def test_tag_asked_for_incomplete_in_the_fast_tier_is_refused_saying_so(tmp_path
         warnings.simplefilter("ignore")
         with pytest.raises(CheckpointError, match=f"no checkpoint 's1' under .*committed but incomplete .*{lost}"):
             resume_from_checkpoint(durable, tag="s1", model=_linear(9), local_path=local)
+
+
+def test_a_state_that_does_not_fit_the_newest_save_is_refused_not_resumed_from_an_older_one(tmp_path: Path) -> None:
+    """s2 saved after the model went bf16; the restarted code builds it fp32. Without the fast tier the
+    resume refuses (the dtype, by key); with it, the "this copy failed, try the next" fallback meant for
+    damaged copies loaded the older s1, with only a warning. Now refused alike."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    m1 = _linear(1)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1, durable_every=5)
+    save_checkpoint(durable, "s2", model=_linear(2).to(torch.bfloat16), local_path=local, replicas=1, durable_every=5)
+    got = _linear(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(LayoutMismatch, match="saved as torch.bfloat16 but the destination is torch.float32"):
+            resume_from_checkpoint(durable, model=got, local_path=local)
+    assert not _same(got, m1)
 
 
 def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -264,10 +264,10 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
 
     * a part of ``cand`` this node does not hold at the manifest's size (a file cut short, or grown): it
       counts as missing, so it is fetched when read, under the same name;
-    * when this node lacks ``cand``'s manifest: the manifest of an OLDER save of the tag (a node back with
-      a stale disk after the tag was saved again while it was away) -- that save is superseded: its
-      manifest goes first (a kill half-way leaves no committed copy missing parts), then its files, never a
-      part of ``cand``; or a damaged manifest (``corrupt``: it does not parse, or fails its own checksum),
+    * when this node lacks ``cand``'s manifest: the manifest of an OLDER save of the tag (a lower save
+      number; a node back with a stale disk after the tag was saved again while it was away) -- that save
+      is superseded: its manifest goes first (a kill half-way leaves no committed copy missing parts),
+      then its files, never a part of ``cand``; or a damaged manifest (``corrupt``: it does not parse, or fails its own checksum),
       alone (the folder's files may be ``cand``'s parts, each checked against its checksums when read).
 
     A newer or foreign copy is left alone (the load then fails, by name)."""
@@ -287,7 +287,9 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
         copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
         if copy.state == "corrupt":
             stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
-        elif copy.committed and copy.key < cand.key:
+        elif copy.committed and copy.seq < cand.seq:
+            # a strictly lower save number: the tag was saved again after it, in this history. An equal
+            # number is another history's save (a fork, told apart by clocks at most): never removed
             stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
             what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]
     wrong = sorted(

@@ -38,9 +38,9 @@ from smpckpt.api._resume import (
     resolve_target,
     restores_rng,
 )
-from smpckpt.api._tiers import FastCandidate, Nodes, candidates, gather_views
+from smpckpt.api._tiers import FastCandidate, Nodes, candidates, durable_key, gather_views, read_copy
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointError, CheckpointNotFound
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
@@ -113,6 +113,13 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
             return None  # the tag asked for is uncommitted in path (a drain that did not finish)
 
     durable = ctx.on_coordinator(durable_target)
+    if durable is None and req.tag is not None and found and not complete and not req.opts.missing_ok:
+        # (every rank alike: the listing is gathered, ``durable`` broadcast) say why the fast tier's copy is
+        # no answer, rather than "no checkpoint" as if the tag had never been saved
+        raise CheckpointNotFound(
+            f"no checkpoint {req.tag!r} under {req.root}: the fast tier's copy of it is committed but incomplete "
+            f"across the surviving nodes (no node holds {', '.join(found[0].missing[:3])})"
+        )
     if durable is not None:  # this job's next saves are numbered after what choosing it saw (catalog.root)
         durable.seen_by(part.counter)
         part.state.saw_path(durable.order[0])
@@ -168,12 +175,16 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             return _load_fast(req, ctx, choice, cand, target, manifest, part)
         except CheckpointError as exc:
             first = exc
+            if _callers_fault(choice, exc):
+                raise
         repaired = _repair(ctx, choice, cand, manifest[0])
         if repaired is not None:
             try:
                 return _load_fast(req, ctx, choice, repaired, target, manifest, part)
             except CheckpointError as exc:
                 first = exc
+                if _callers_fault(choice, exc):
+                    raise
         nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
         instead = (
             f"checkpoint {nxt.tag!r} of the fast tier"
@@ -194,6 +205,15 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
     return Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
+
+
+def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
+    """(all ranks, one collective) Whether the load failed because the caller's state does not fit the
+    save (keys, shapes, dtypes, specs: :class:`LayoutMismatch`, :class:`SpecError`) on any rank: no other
+    copy, and no older save, is an answer to that -- falling back loaded an older checkpoint where a
+    resume without the fast tier refuses. Agreed, so every rank raises or falls back alike."""
+    mine = isinstance(exc, (LayoutMismatch, SpecError))
+    return any(DistContext(choice.group).all_ok_values(lambda: mine))
 
 
 def _manifest_of(ctx: DistContext, choice: TierChoice, cand: FastCandidate) -> tuple[Manifest, int] | None:
@@ -237,12 +257,70 @@ def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size:
     return tuple(out)
 
 
+def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
+    """(leaders) What in this node's folder of ``cand``'s tag would refuse a part healed in from a peer
+    (received files are created, never written over), so that the newest complete copy could never load
+    here -- removed, never through a link, each kind named in a log line:
+
+    * a part of ``cand`` this node does not hold at the manifest's size (a file cut short, or grown): it
+      counts as missing, so it is fetched when read, under the same name;
+    * when this node lacks ``cand``'s manifest: the manifest of an OLDER save of the tag (a lower save
+      number; a node back with a stale disk after the tag was saved again while it was away) -- that save
+      is superseded: its manifest goes first (a kill half-way leaves no committed copy missing parts),
+      then its files, never a part of ``cand``; or a damaged manifest (``corrupt``: it does not parse, or fails its own checksum),
+      alone (the folder's files may be ``cand``'s parts, each checked against its checksums when read).
+
+    A newer or foreign copy is left alone (the load then fails, by name)."""
+    nodes = choice.nodes
+    node = nodes.node_of(nodes.rank)
+    if not nodes.is_leader:
+        return
+    folder = os.path.join(choice.job, partial_dirname(cand.tag))
+    if os.path.islink(folder):
+        return  # never written through (the fast tier writes no links): the load fails, by name
+
+    def here(holders: tuple[int, ...]) -> bool:
+        return any(nodes.node_of(r) == node for r in holders)
+
+    stale, what = [], []
+    if not here(cand.held_by[MANIFEST_NAME]) and os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
+        copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
+        if copy.state == "corrupt":
+            stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
+        elif copy.committed and copy.seq < cand.seq:
+            # a strictly lower save number: the tag was saved again after it, in this history. An equal
+            # number is another history's save (a fork, told apart by clocks at most): never removed
+            stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
+            what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]
+    wrong = sorted(
+        name
+        for name, holders in cand.held_by.items()
+        if name != MANIFEST_NAME and not here(holders) and os.path.lexists(os.path.join(folder, name))
+    )
+    if wrong:
+        stale += wrong
+        what.append(f"{len(wrong)} part(s) not at the manifest's size ({', '.join(wrong[:3])})")
+    if not stale:
+        return
+    log.warning(
+        "fast tier: node %d's copy of checkpoint %r holds %s: removed, intact copies are fetched from peers",
+        node,
+        cand.tag,
+        "; ".join(what),
+    )
+    with Folder(open_fs(folder)[0], folder) as f:
+        failed = f.remove(stale)
+    if failed:
+        raise CheckpointError(f"fast tier: could not remove {'; '.join(what)} on node {node}: {failed[:5]}")
+
+
 def fast_reader(
     req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate, manifest: Manifest, size: int
 ) -> PeerFetchingReader:
     """(all ranks) Nodes that lack the copy's metadata or manifest (``size`` bytes) receive them (agreed
     across ranks); then this rank's reader of the chosen fast-tier copy."""
     gctx, nodes = DistContext(choice.group), choice.nodes
+    gctx.all_ok(lambda: _clear_for_heal(req, choice, cand))
     heal = _heal_transfers(cand, manifest, nodes, size)
     if heal:
         os.makedirs(target.url, exist_ok=True)

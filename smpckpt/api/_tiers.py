@@ -527,7 +527,8 @@ def retain_local(
     ``protected`` tags, and every save due for the durable tier that is newer than what it holds
     (``durable_seq``): such a copy goes only once its drain (or a later one) committed. Removed: older
     saves, and folders no node committed that are older than the newest commit here. Unsafe and foreign
-    folders, and committed saves newer than the kept ones (an incomplete one keeps no slot), stay.
+    folders, committed saves newer than the kept ones (an incomplete one keeps no slot), and copies
+    committed here after ``views`` were gathered (a drain's retention, later saves meanwhile), stay.
     The removed tags."""
     found = candidates(views)
     if keep is None or not found:
@@ -548,6 +549,10 @@ def retain_local(
             key = next(c.key for c in found if c.tag == tag)
             if len(complete) < keep or oldest_kept is None or key >= oldest_kept:
                 continue
+        elif copy.committed:
+            # committed here but in no gathered listing: saved after ``views`` were gathered (a drain's
+            # retention runs on its save's listing, after later saves committed) -- newer, never debris
+            continue
         elif newest_mtime is None or os.stat(os.path.join(folder, partial_dirname(tag))).st_mtime >= newest_mtime:
             continue  # possibly a save still writing: only older debris goes
         # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing

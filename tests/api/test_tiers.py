@@ -26,6 +26,7 @@ from smpckpt import (
     CheckpointExists,
     DrainStatus,
     FastTier,
+    LayoutMismatch,
     drain_status,
     last_resume_info,
     resume_from_checkpoint,
@@ -251,6 +252,36 @@ def test_tag_asked_for_comes_from_the_fast_tier_when_its_drain_never_committed(t
         resume_from_checkpoint(durable, tag="s3", model=_linear(9), local_path=local)
 
 
+def test_tag_asked_for_incomplete_in_the_fast_tier_is_refused_saying_so(tmp_path: Path) -> None:
+    """The refusal named only path ("no checkpoint 's1' under ..."), as if the tag had never been saved,
+    while the fast tier holds it committed but missing a part (a lost node's): now it says so, by file."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1, durable_every=5)
+    folder = _job(local, durable) / "s1_partial"
+    lost = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0]
+    (folder / lost).unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match=f"no checkpoint 's1' under .*committed but incomplete .*{lost}"):
+            resume_from_checkpoint(durable, tag="s1", model=_linear(9), local_path=local)
+
+
+def test_a_state_that_does_not_fit_the_newest_save_is_refused_not_resumed_from_an_older_one(tmp_path: Path) -> None:
+    """s2 saved after the model went bf16; the restarted code builds it fp32. Without the fast tier the
+    resume refuses (the dtype, by key); with it, the "this copy failed, try the next" fallback meant for
+    damaged copies loaded the older s1, with only a warning. Now refused alike."""
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    m1 = _linear(1)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1, durable_every=5)
+    save_checkpoint(durable, "s2", model=_linear(2).to(torch.bfloat16), local_path=local, replicas=1, durable_every=5)
+    got = _linear(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(LayoutMismatch, match="saved as torch.bfloat16 but the destination is torch.float32"):
+            resume_from_checkpoint(durable, model=got, local_path=local)
+    assert not _same(got, m1)
+
+
 def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
     an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty
@@ -278,6 +309,43 @@ def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monke
     save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)
     wait_for_saves()
     assert (durable / "s2_partial" / MANIFEST_NAME).is_file()
+
+
+def test_a_drain_finishing_after_two_more_saves_removes_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain's fast-tier retention decides on the listing gathered before the save it drains; saves
+    committed while it copied were in no listing and passed for uncommitted debris older than the newest
+    commit: s4 (within num_kept_local=2) was removed when s3's drain ended after s5. Held here by
+    ``publish_newest`` waiting until s4 and s5 committed."""
+    import threading
+
+    import smpckpt.api._fast_save as fast_save
+
+    durable, release = tmp_path / "durable", threading.Event()
+    real = fast_save.publish_newest
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not release.wait(60):
+            raise RuntimeError("the test never released the drain")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_save, "publish_newest", held)
+    fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=3, num_kept_local=2)
+    models = {s: _linear(s) for s in range(1, 6)}
+    with Checkpointer(durable, fast_tier=fast) as c:
+        for s in range(1, 6):
+            c.save(f"s{s}", models[s])
+            if s < 3:
+                c.wait()
+        release.set()
+        c.wait()
+    assert _partials(_job(Path(fast.local_path), durable))[-2:] == ["s4_partial", "s5_partial"]
+    got = _linear(9)
+    with Checkpointer(durable, fast_tier=fast) as c:
+        c.resume(tag="s4", model=got)
+        assert c.last_resume_info is not None and c.last_resume_info.tier == "fast"
+    assert _same(got, models[4])
 
 
 def test_tag_asked_for_comes_from_the_durable_tier_when_saved_there_again_after_the_fast_copy(tmp_path: Path) -> None:
@@ -673,6 +741,21 @@ def test_a_corrupt_fast_tier_file_heals_from_a_peer_then_the_next_save(
     assert f"step2: {removed} (rank 0's data file) is held intact by 1 of the 2 folders" in err, err
     rc, out, err = _cli("verify", f"{heal / 'durable'}/step1", "--local", *nodes)
     assert rc == 0, out + err
+
+
+@pytest.mark.dist
+def test_a_node_back_with_an_older_save_of_the_tag_still_loads_the_newer(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Node 1's stale disk held the older step1's manifest: healing the newer one's in was refused
+    (``File exists``), so the newer step1, complete on node 0, never loaded (the resume fell back or failed).
+    A damaged manifest on node 1 ("damaged") refused it alike, and so did parts cut short there ("cut_short":
+    counted as missing, fetched under the same name) -- README promised a file cut short heals."""
+    for rank, r in enumerate(cases[1]):
+        for tag in ("None", "step1", "damaged", "cut_short"):
+            got = r["stale"][tag]
+            assert isinstance(got, dict), (rank, tag, got)
+            assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step1", "fast", {"step": 12}, True), rank
 
 
 @pytest.mark.dist

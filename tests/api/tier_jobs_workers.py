@@ -16,7 +16,7 @@ import torch.distributed as dist
 import tp_model
 from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
 
-from smpckpt import resume_from_checkpoint, wait_for_saves
+from smpckpt import resume_from_checkpoint, save_checkpoint, wait_for_saves
 
 MANIFEST = "smpckpt.manifest.json"
 
@@ -209,6 +209,80 @@ def heal_from_peers(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, Any]:
+    """step1 saved with replicas=1; node 1 lost (its folder emptied, a snapshot kept), so step1 is
+    incomplete and saved again (other values, replicas=2: node 0 alone holds it whole). Node 1 comes back
+    with its stale disk: its folder holds the OLDER step1's manifest. The newer step1 must still load,
+    node 1 healing in its manifest (the older one refused it: files are created, never written over).
+    Then node 1's (healed) manifest is damaged: step1 must load again, healed in once more; then a data
+    file and the metadata cut short on node 1 (sizes no longer the manifest's): fetched again."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    _states(base, rank, (1,), durable, local, replicas=1, durable_every=100)
+    snap = os.path.join(base, "node1-snapshot")
+    if rank == 2:
+        shutil.copytree(local, snap, symlinks=True)
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT)
+    for step in (1, 2):
+        tp_model.train_step(ctx, model, opt, step)
+    want = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(
+        durable,
+        "step1",
+        model=model,
+        optimizer=opt,
+        user_content={"step": 12},
+        layout=LAYOUT,
+        specs=tp_model.SPECS,
+        local_path=local,
+        replicas=2,
+        durable_every=100,
+    )
+    wait_for_saves()
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(local)
+        shutil.copytree(snap, local, symlinks=True)  # the node is back, with its old disk
+    dist.barrier()
+    out: dict[str, Any] = {}
+    for tag in (None, "step1"):
+        try:
+            uc, state, _ = _resume(durable, local, 13, tag=tag)
+            out[str(tag)] = {**_info(), "uc": uc, "exact": _same(state, want)}
+        except Exception as exc:  # noqa: BLE001 - the error is what the test shows
+            out[str(tag)] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    if rank == 2:  # node 1's manifest (healed in above) damaged: node 0's is intact, every part on node 0
+        _flip(os.path.join(job_dir(local, durable), "step1_partial", MANIFEST))
+    dist.barrier()
+    try:
+        uc, state, _ = _resume(durable, local, 14)
+        out["damaged"] = {**_info(), "uc": uc, "exact": _same(state, want)}
+    except Exception as exc:  # noqa: BLE001 - the error is what the test shows
+        out["damaged"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    if rank == 2:  # one of rank 2's files, and the metadata, cut short on node 1 (node 0's intact)
+        folder = os.path.join(job_dir(local, durable), "step1_partial")
+        for name in (sorted(n for n in os.listdir(folder) if "_r2_" in n)[0], _metadata_name(folder)):
+            with open(os.path.join(folder, name), "r+b") as f:
+                f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
+    dist.barrier()
+    try:
+        uc, state, _ = _resume(durable, local, 15)
+        out["cut_short"] = {**_info(), "uc": uc, "exact": _same(state, want)}
+    except Exception as exc:  # noqa: BLE001 - the error is what the test shows
+        out["cut_short"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _metadata_name(folder: str) -> str:
+    with open(os.path.join(folder, MANIFEST), "rb") as f:
+        return str(json.loads(f.read())["metadata"]["name"])
+
+
 # -- 5: folders refused up front --------------------------------------------------------------------------
 def refused_folders(rank: int, world: int, base: str) -> dict[str, Any]:
     """Both nodes on one folder; local_path equal to path, inside it, containing it; a file; a folder
@@ -322,6 +396,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         ("slot", slot_of_incomplete),
         ("unsafe", unsafe_folders),
         ("heal", heal_from_peers),
+        ("stale", stale_node_after_tag_reuse),
     ):
         path = os.path.join(base, name)
         if rank == 0:

@@ -129,7 +129,37 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     usable = [c for c in complete if durable is None or durable.order <= c.order]
     if durable is not None and req.tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
+    if req.tag is None and usable:
+        _refuse_forked(usable[0], found)
     return TierChoice(nodes, job, streams, tuple(usable), durable)
+
+
+def _refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
+    """(every rank alike) A job numbers each save after the newest it can see, and records that save's
+    digest (``parent``): so one save number held by two saves of the fast tier, other than the chain
+    ``newest`` descends from, means two histories -- a node that came back with an older disk holding
+    saves the job had lost and saved past (its numbers above the new ones: ``newest`` would resume the
+    abandoned history, on every rank, bit-exact to a state the job left). Neither number nor clock says
+    which the user continues: refused, naming both. Copies that record no parent end the walk."""
+    by_seq: dict[int, list[FastCandidate]] = {}
+    for c in found:
+        by_seq.setdefault(c.seq, []).append(c)
+    chain = newest
+    other = next((c for c in by_seq.get(newest.seq, ()) if c.digest != newest.digest), None)
+    while other is None and chain.parent is not None:
+        below = by_seq.get(chain.seq - 1, [])
+        other = next((c for c in below if c.digest != chain.parent), None)
+        nxt = next((c for c in below if c.digest == chain.parent), None)
+        if nxt is None:
+            break
+        chain = nxt
+    if other is not None:
+        raise CheckpointError(
+            f"ambiguous resume: the fast tier holds two histories of this job: {newest.tag!r} (save {newest.seq}) "
+            f"and {other.tag!r} (save {other.seq}), saved by jobs that did not see each other's saves (a node back "
+            "with an older disk, after the job lost its fast tier and saved past it). Pass resume(tag=...) naming "
+            "the one to continue, and remove the other history's {tag}_partial folders from the nodes' local_path"
+        )
 
 
 def _same_history(

@@ -69,6 +69,7 @@ from smpckpt.api._tiers import (
     candidates,
     durable_key,
     gather_views,
+    parent_for,
     pending_drains,
     retain_local,
     tier_seq,
@@ -206,6 +207,7 @@ class TierPlan:
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
+    parent: int | None = None  #: (rank 0) the fast-tier save numbered one below (``_tiers.parent_for``)
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -225,6 +227,8 @@ class TierPlan:
             "root": self.root_key,
             # a checkpoint of path numbered higher was saved without this save's knowledge (_fast_resume)
             "path_seen": self.path_seen,
+            # a fork: another save of that number is another history (a node back with an old disk)
+            **({"parent": f"{self.parent:016x}"} if self.parent is not None else {}),
         }
 
     def folder_of(self, tag: str) -> str:
@@ -243,7 +247,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, tuple[str, int] | None]:
+    def decide() -> tuple[int, int, tuple[str, int] | None, int | None]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -255,9 +259,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             running = set(memory.held)
         pending = [c for c in pending_drains(views, drained) if c.tag not in running]
         retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending)
-        return seq, drained, retry
+        return seq, drained, retry, parent_for(views, drained)
 
-    seq, drained, retry_of = ctx.on_coordinator(decide)
+    seq, drained, retry_of, parent = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
@@ -301,6 +305,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         opts.num_kept_local,
         memory,
         memory.path_seq,
+        parent,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan
@@ -384,15 +389,20 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         writer.replicator = replicator
         replicator.start()
     committed = False
-    clock = _Clock(tier.phases)
+    last = [time.monotonic()]
+
+    def lap(name: str) -> None:  # the laps of the save's steps into ``phases`` (seconds)
+        tier.phases[name] = (now := time.monotonic()) - last[0]
+        last[0] = now
+
     try:
         try:
             action = f"saving checkpoint {req.tag!r} to the fast tier {tier.folder}"
             run_save("partial", req, writer, state, action, req.planners, opts.verify_replicas)
-            clock.lap("write")  # this rank's files written, and sent to the replica ranks meanwhile
+            lap("write")  # this rank's files written, and sent to the replica ranks meanwhile
         finally:
             outcome = replicator.close() if replicator is not None else TransferOutcome()
-            clock.lap("replicas")  # what this rank still received after its own writes
+            lap("replicas")  # what this rank still received after its own writes
         prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
         manifest = prepared.parsed()
         node = nodes.node_of(nodes.rank)
@@ -410,31 +420,20 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
 
         gctx.all_ok(copied)  # also the barrier: a node's other ranks may still be receiving its share
         gctx.all_ok(holds_share)
-        clock.lap("agree")
+        lap("agree")
         committed = True  # from here on, a node's manifest proves every node's share
         gctx.all_ok(
             lambda: commit_node_copy(tier.folder, prepared, expected, sync=opts.sync_files) if nodes.is_leader else None
         )
-        clock.lap("commit")
+        lap("commit")
     except BaseException:
         if not committed and nodes.is_leader:
             _remove_quietly(tier.folder)
         raise
     if nodes.is_leader:
         retain_fast(tier, req.tag)
-    clock.lap("retain")
+    lap("retain")
     return prepared
-
-
-class _Clock:
-    """Laps of a save's steps into ``phases`` (seconds)."""
-
-    def __init__(self, phases: dict[str, float]) -> None:
-        self.phases, self.last = phases, time.monotonic()
-
-    def lap(self, name: str) -> None:
-        self.phases[name] = (now := time.monotonic()) - self.last
-        self.last = now
 
 
 def _remove_quietly(folder: str) -> None:

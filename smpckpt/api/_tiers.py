@@ -58,7 +58,7 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["path_seen_of"]
+__all__ += ["path_seen_of", "parent_of", "parent_for"]
 __all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
 
 log = logging.getLogger("smpckpt.api")
@@ -346,8 +346,9 @@ def warn_skipped(
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------
 
 #: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size", "root",
-#: "path_seen"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job knew in
-#: ``path`` (committed, or due there from itself) when it planned the save
+#: "path_seen", "parent"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job knew
+#: in ``path`` (committed, or due there from itself) when it planned the save; ``parent`` (absent in older
+#: copies, and after a checkpoint of ``path``): the hex digest of the fast-tier save numbered one below it
 TIER_KEY = "tier"
 
 CopyState = Literal["committed", "uncommitted", "corrupt", "unsafe", "foreign", "unreadable"]
@@ -368,6 +369,7 @@ class LocalCopy:
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
     path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
+    parent: int | None = None  #: :func:`parent_of`
 
     @property
     def committed(self) -> bool:
@@ -390,6 +392,25 @@ def path_seen_of(manifest: Manifest) -> int | None:
     tier = manifest.extra.get(TIER_KEY)
     seen = tier.get("path_seen") if isinstance(tier, Mapping) else None
     return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
+
+
+def parent_of(manifest: Manifest) -> int | None:
+    """The digest of the save its job numbered it after (``extra["tier"]["parent"]``, the committed fast-tier
+    copy one save number below; ``None``: after a checkpoint of ``path``, or not recorded)."""
+    tier = manifest.extra.get(TIER_KEY)
+    parent = tier.get("parent") if isinstance(tier, Mapping) else None
+    try:
+        return int(parent, 16) if isinstance(parent, str) else None
+    except ValueError:
+        return None
+
+
+def parent_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> int | None:
+    """(rank 0, planning a save) The digest a save numbered now records as its parent: the newest
+    committed copy of the highest save number in the fast tier, unless ``path`` numbered higher."""
+    top = tier_seq(views)
+    at = [c for c in candidates(views) if c.seq == top]
+    return at[0].digest if at and top >= durable_seq else None
 
 
 def owner_of(manifest: Manifest) -> str | None:
@@ -438,6 +459,7 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         part_sizes(manifest),
         durable,
         path_seen=path_seen_of(manifest),
+        parent=parent_of(manifest),
     )
     return copy, data
 
@@ -463,6 +485,7 @@ class FastCandidate:
     missing: tuple[str, ...]
     durable: bool = False
     path_seen: int | None = None  #: :attr:`LocalCopy.path_seen`
+    parent: int | None = None  #: :attr:`LocalCopy.parent`
 
     @property
     def complete(self) -> bool:
@@ -498,7 +521,9 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen))
+        out.append(
+            FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen, copy.parent)
+        )
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
 

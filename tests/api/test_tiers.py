@@ -17,6 +17,7 @@ import pytest
 import tier_jobs_workers
 import tier_workers
 import torch
+import xxhash
 from dist_harness import RankFailed, run_world
 from torch import nn
 
@@ -74,7 +75,12 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
     assert sorted(os.listdir(durable)) == ["newest", "s2_partial"]
     assert (durable / "newest").read_text().strip() == "s2"
     assert [_tier_record(local / f"s{s}_partial")["seq"] for s in (2, 3)] == [2, 3]
-    assert _tier_record(durable / "s2_partial") == {
+    s2_record = _tier_record(durable / "s2_partial")
+    # each save names the save it was numbered after by its manifest's digest (s1's: gone by now)
+    assert len(s2_record.pop("parent")) == 16
+    s2_manifest = (local / "s2_partial" / "smpckpt.manifest.json").read_bytes()
+    assert _tier_record(local / "s3_partial")["parent"] == f"{xxhash.xxh3_64_intdigest(s2_manifest):016x}"
+    assert s2_record == {
         "seq": 2,
         "durable": True,
         "replicas": 1,
@@ -772,3 +778,20 @@ def test_fast_tier_folders_refused_up_front_by_name(cases: tuple[Path, list[dict
                 assert "local_path '/sys' is not writable" in got[f"read_only{how}"], got
         assert got["left"] == (["durable", "file", "shared"], []), got
         assert got["shared_left"] == [], got
+
+
+@pytest.mark.dist
+def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Every fast tier lost after step5 (step3 drained): the job resumed step3 and saved new4 (save 4).
+    Node 1 came back with its old disk holding step4 and step5 whole: tag=None resumed step5 (save 5),
+    the abandoned history, on every rank without a word. Each save records the digest of the save it
+    was numbered after, so two saves of one number off the chain are two histories: refused, naming
+    both; by tag, each loads bit-exact."""
+    _, results = cases
+    for r in range(4):
+        fork = results[r]["fork"]
+        assert fork["after_loss"].startswith("ok"), fork
+        assert fork["none"].startswith("CheckpointError: ambiguous resume"), fork["none"]
+        assert "'step5' (save 5) and 'new4' (save 4)" in fork["none"]
+        assert fork["new4"]["tag"] == "new4" and fork["new4"]["exact"], fork["new4"]
+        assert fork["step5"]["tag"] == "step5" and fork["step5"]["exact"], fork["step5"]

@@ -387,6 +387,46 @@ def retry_after_drain_kill(rank: int, world: int, base: str, durable: str) -> di
     return out
 
 
+def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
+    """step1-5 (step3 drained; replicas=2: each node holds every part); node 1's disk snapshotted; every
+    fast tier lost, so the job resumes path's step3 and saves new4 (save 4, other values). Node 1 comes
+    back with its old disk: step4 and step5, complete on it alone. tag=None resumed the abandoned step5
+    (save 5 > 4) on every rank, silently; now refused naming both. By tag, either loads."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    kw: dict[str, Any] = dict(replicas=2, durable_every=3, num_kept_local=None)
+    _states(base, rank, range(1, 6), durable, local, **kw)
+    snap = os.path.join(base, "node1-snapshot")
+    if rank == 2:
+        shutil.copytree(local, snap, symlinks=True)
+    dist.barrier()
+    if rank in (0, 2):  # both nodes' fast tiers lost
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    out: dict[str, Any] = {"after_loss": _attempt(lambda: _resume(durable, local, 21)[0])}
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT, seed=22)
+    tp_model.train_step(ctx, model, opt, 104)
+    want = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(
+        durable, "new4", model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local, **kw
+    )
+    wait_for_saves()
+    dist.barrier()
+    if rank == 2:  # node 1 back, with its old disk
+        shutil.rmtree(local)
+        shutil.copytree(snap, local, symlinks=True)
+    dist.barrier()
+    out["none"] = _attempt(lambda: _resume(durable, local, 23)[0])
+    dist.barrier()
+    for tag, expect in (("new4", want), ("step5", _want(base, 5, rank))):
+        uc, state, _ = _resume(durable, local, 24, tag=tag)
+        out[tag] = {**_info(), "exact": _same(state, expect)}
+        dist.barrier()
+    return out
+
+
 def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
     """One 4-rank world for the cases above that need no killed rank."""
     out: dict[str, Any] = {}
@@ -397,6 +437,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         ("unsafe", unsafe_folders),
         ("heal", heal_from_peers),
         ("stale", stale_node_after_tag_reuse),
+        ("fork", abandoned_history_back),
     ):
         path = os.path.join(base, name)
         if rank == 0:

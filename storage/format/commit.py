@@ -17,7 +17,10 @@ The commit (:func:`commit` in place, :func:`publish_staged` for a staged folder)
    at its size, else nothing is committed (:func:`check_named`);
 3. the manifest, created last and exclusively (``linkat`` of a create-only temporary; one conditional
    PUT) -- or, for an overwrite, replacing exactly the manifest the save saw when it began (S3:
-   ``If-Match``); for a staged folder, the rename into place (``renameat2(RENAME_NOREPLACE)``);
+   ``If-Match``), after removing the old generation's stock ``.metadata`` copy (a crash between the swap
+   and step 5 must not leave stock readers a copy describing the replaced generation, whose files are
+   still there; a failed swap puts the copy back); for a staged folder, the rename into place
+   (``renameat2(RENAME_NOREPLACE)``);
 4. no removal started meanwhile (:func:`remove_folder` marks a folder first and then looks for a
    manifest; the commit writes its manifest and then looks for that mark: of the two, at least one sees
    the other, so a prune never deletes the files of a checkpoint that committed during it);
@@ -164,6 +167,7 @@ def commit(
     owner_marker: str | None = None,
     refused: str = "another save committed a checkpoint here while this one was writing",
     discard: Sequence[str] = (),
+    replaces_committed: bool = False,
 ) -> None:
     """(coordinator) Commit ``manifest`` in place in ``folder`` (module docstring, steps 1-5).
 
@@ -172,7 +176,9 @@ def commit(
     ``replace``: the manifest bytes an overwrite replaces (``None``: the commit is exclusive);
     ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full artifacts)
     the in-progress marker must still name this save id, and goes after the commit; ``discard``: this
-    save's files, removed when another save's commit refuses this one.
+    save's files, removed when another save's commit refuses this one; ``replaces_committed``: the commit
+    replaces a committed manifest of ours (``replace``, or the writer's ``write_manifest`` doing so), whose
+    stock ``.metadata`` copy goes before the swap (:func:`_drop_stock_copy`).
     """
     _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
     _create_own(folder, url, dict(side or {}), sync=sync)
@@ -189,11 +195,54 @@ def commit(
             write_manifest = lambda data: folder.publish(MANIFEST_NAME, data, sync=sync)  # noqa: E731
         else:
             write_manifest = lambda data: folder.replace_if(MANIFEST_NAME, data, replace, sync=sync)  # noqa: E731
-    _write_manifest(folder, url, manifest, manifest_bytes, write_manifest, refused=refused, discard=discard)
+    overwrite = replace is not None or replaces_committed
+    dropped = overwrite and stock_metadata is not None and _drop_stock_copy(folder, url)
+    try:
+        _write_manifest(folder, url, manifest, manifest_bytes, write_manifest, refused=refused, discard=discard)
+    except CommitUncertain:
+        raise  # which manifest will be in place is unknown: a copy put back now could describe the wrong one
+    except BaseException:
+        if dropped:
+            _restore_stock_copy(folder, url)
+        raise
     _unless_removing(folder, url, manifest_bytes)
     if owner_marker is not None and folder.remove([WRITING_MARKER]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)
     _after_commit(folder, url, manifest, stock_metadata, old_files, sync=sync)
+
+
+def _drop_stock_copy(folder: Folder, url: str) -> bool:
+    """(an overwrite, before its manifest replaces the old one) Remove the stock ``.metadata`` copy: it
+    describes the generation being replaced, whose files stay until step 5, so a crash after the swap
+    would leave stock DCP readers loading that older generation silently while the manifest commits the
+    new one. Without a copy they fail loudly until step 5 writes the new one; smpckpt follows the manifest
+    and is unaffected. Whether a copy was removed (a failed removal is logged: the overwrite goes on)."""
+    if not folder.exists(METADATA_NAME):
+        return False
+    failed = folder.remove([METADATA_NAME])
+    if failed:
+        log.warning("%s: the stock %s copy could not be removed before the overwrite: %s", url, METADATA_NAME, failed)
+    return not failed
+
+
+def _restore_stock_copy(folder: Folder, url: str) -> None:
+    """(an overwrite whose swap failed, after :func:`_drop_stock_copy`) Give the checkpoint committed here
+    -- the one this save meant to replace, or another save's that won a race -- its stock copy back: that
+    manifest's own metadata, so writing it beside the winner's own step 5 is harmless (the same bytes)."""
+    try:
+        if folder.exists(METADATA_NAME):
+            return
+        data = folder.read(MANIFEST_NAME)
+        if data is None:
+            return
+        name = Manifest.from_bytes(data).metadata.name
+        stock = folder.read(name)
+        if stock is not None:
+            folder.publish(METADATA_NAME, stock, sync=True, replace=True)
+    except (CheckpointError, OSError) as exc:
+        log.warning(
+            "%s: could not restore the stock %s copy of the checkpoint committed here: %s", url, METADATA_NAME, exc
+        )
 
 
 def _write_manifest(

@@ -271,6 +271,9 @@ class FsspecStorageWriter(FsspecWriterBase):
                     refused="another save committed a checkpoint here while this one was writing; this save's "
                     "files were removed and the other checkpoint is untouched (pass overwrite=True to replace it)",
                     discard=[f.name for f in files] + [manifest.metadata.name],
+                    # an overwrite of a committed checkpoint of ours (a legacy folder's .metadata is its
+                    # only metadata: never dropped before the swap)
+                    replaces_committed=self._replacing is not None,
                 )
             finally:
                 self._folder = None

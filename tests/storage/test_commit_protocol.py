@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -299,6 +302,50 @@ def test_of_two_racing_overwrites_the_later_commit_is_refused(backend: tuple[str
     assert isinstance(unwrap(info.value), CheckpointExists), info.value
     assert_state_equal(b_state, roundtrip_load(b_state, url, opts))
     assert verify_checkpoint(url, opts).ok
+
+
+def test_an_overwrite_killed_after_its_swap_leaves_stock_readers_no_copy_of_the_replaced_generation(
+    tmp_path: Path,
+) -> None:
+    """A save overwriting a committed ``format="torch_save"`` checkpoint is SIGKILLed right after its
+    manifest replaced the old one (before step 5). Before: the stock ``.metadata`` copy still described
+    the replaced generation, whose files were still there, so stock ``dcp.load`` silently loaded the OLD
+    values while smpckpt loaded the committed new ones (verify only warned). Now the overwrite removes
+    that copy before its swap: a stock reader fails loudly, smpckpt is unaffected."""
+    url = str(tmp_path / "t")
+    code = (
+        "import os, signal, sys\n"
+        "import torch.distributed.checkpoint as dcp\n"
+        "from storage_helpers import make_state\n"
+        "from smpckpt.storage import FsspecStorageWriter\n"
+        "from smpckpt.storage.backends._folder import Folder\n"
+        "url = sys.argv[1]\n"
+        "dcp.save(make_state(0), storage_writer=FsspecStorageWriter(url, format='torch_save'))\n"
+        "real = Folder.replace_if\n"
+        "def killed_after_the_swap(self, *a, **kw):\n"
+        "    real(self, *a, **kw)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "Folder.replace_if = killed_after_the_swap\n"
+        "w = FsspecStorageWriter(url, format='torch_save', overwrite=True)\n"
+        "dcp.save(make_state(1), storage_writer=w)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, url], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    new, old = make_state(1), make_state(0)
+    assert_state_equal(new, roundtrip_load(new, url))  # smpckpt follows the manifest: the new generation
+    old_names = {n for n in os.listdir(url) if n.startswith(".metadata.")}
+    assert len(old_names) == 2  # the replaced generation's files are still there (killed before step 5)
+    stock = Path(url, ".metadata")
+    assert not stock.exists() or read_manifest(url).metadata.matches(stock.read_bytes())
+    assert not any("differs" in w for w in verify_checkpoint(url).warnings)
+    assert not torch.equal(old["model"]["w"], new["model"]["w"])
+    got = {"model": {"w": torch.zeros_like(new["model"]["w"])}}
+    try:  # the stock reader: an error, or the committed values; never the replaced generation's
+        dcp.load(got, checkpoint_id=url)
+    except (Exception, CheckpointException):  # noqa: BLE001 - loud is right (DCP raises a BaseException)
+        return
+    assert torch.equal(got["model"]["w"], new["model"]["w"]), "stock dcp.load read the replaced generation"
 
 
 # -- row 9: one owner for the part sizes; 8 MiB honoured, below S3's minimum refused ----------------------

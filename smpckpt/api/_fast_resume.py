@@ -38,7 +38,7 @@ from smpckpt.api._resume import (
     resolve_target,
     restores_rng,
 )
-from smpckpt.api._tiers import FastCandidate, Nodes, candidates, durable_key, gather_views, read_copy
+from smpckpt.api._tiers import FORK_SEEN, FastCandidate, Nodes, candidates, durable_key, gather_views, read_copy
 from smpckpt.catalog.root import partial_dirname
 from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.planners import ParallelLoadPlanner
@@ -140,13 +140,14 @@ def _refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     ``newest`` descends from, means two histories -- a node that came back with an older disk holding
     saves the job had lost and saved past (its numbers above the new ones: ``newest`` would resume the
     abandoned history, on every rank, bit-exact to a state the job left). Neither number nor clock says
-    which the user continues: refused, naming both. Copies that record no parent end the walk."""
+    which the user continues: refused, naming both. Copies that record no parent end the walk, and so does
+    a save whose job saw two histories (:data:`~smpckpt.api._tiers.FORK_SEEN`: it went on from one)."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         by_seq.setdefault(c.seq, []).append(c)
     chain = newest
     other = next((c for c in by_seq.get(newest.seq, ()) if c.digest != newest.digest), None)
-    while other is None and chain.parent is not None:
+    while other is None and chain.parent is not None and chain.parent != FORK_SEEN:
         below = by_seq.get(chain.seq - 1, [])
         other = next((c for c in below if c.digest != chain.parent), None)
         nxt = next((c for c in below if c.digest == chain.parent), None)

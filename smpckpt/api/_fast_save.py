@@ -207,7 +207,7 @@ class TierPlan:
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
-    parent: int | None = None  #: (rank 0) the fast-tier save numbered one below (``_tiers.parent_for``)
+    parent: int | None = None  #: (rank 0) the digest of the fast-tier save numbered one below (``parent_for``)
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -228,7 +228,7 @@ class TierPlan:
             # a checkpoint of path numbered higher was saved without this save's knowledge (_fast_resume)
             "path_seen": self.path_seen,
             # a fork: another save of that number is another history (a node back with an old disk)
-            **({"parent": f"{self.parent:016x}"} if self.parent is not None else {}),
+            **({} if self.parent is None else {"parent": "fork-seen" if self.parent < 0 else f"{self.parent:016x}"}),
         }
 
     def folder_of(self, tag: str) -> str:

@@ -58,7 +58,7 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["path_seen_of", "parent_of", "parent_for"]
+__all__ += ["path_seen_of", "parent_of", "parent_for", "FORK_SEEN"]
 __all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
 
 log = logging.getLogger("smpckpt.api")
@@ -394,11 +394,17 @@ def path_seen_of(manifest: Manifest) -> int | None:
     return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
 
 
+#: the parent of a save planned in sight of two histories: its job went on from one (resumed by tag)
+FORK_SEEN = -1
+
+
 def parent_of(manifest: Manifest) -> int | None:
-    """The digest of the save its job numbered it after (``extra["tier"]["parent"]``, the committed fast-tier
-    copy one save number below; ``None``: after a checkpoint of ``path``, or not recorded)."""
+    """The digest of the save its job numbered it after (``extra["tier"]["parent"]``), :data:`FORK_SEEN`, or
+    ``None`` (after a checkpoint of ``path``, or not recorded)."""
     tier = manifest.extra.get(TIER_KEY)
     parent = tier.get("parent") if isinstance(tier, Mapping) else None
+    if parent == "fork-seen":
+        return FORK_SEEN
     try:
         return int(parent, 16) if isinstance(parent, str) else None
     except ValueError:
@@ -406,10 +412,13 @@ def parent_of(manifest: Manifest) -> int | None:
 
 
 def parent_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> int | None:
-    """(rank 0, planning a save) The digest a save numbered now records as its parent: the newest
-    committed copy of the highest save number in the fast tier, unless ``path`` numbered higher."""
-    top = tier_seq(views)
-    at = [c for c in candidates(views) if c.seq == top]
+    """(rank 0, planning a save) What a save numbered now records as its parent: the digest of the newest
+    committed copy of the highest save number in the fast tier (``None`` when ``path`` numbered higher),
+    or :data:`FORK_SEEN` when two saves of one number are in sight."""
+    found, top = candidates(views), tier_seq(views)
+    if len({(c.seq, c.digest) for c in found}) > len({c.seq for c in found}):
+        return FORK_SEEN
+    at = [c for c in found if c.seq == top]
     return at[0].digest if at and top >= durable_seq else None
 
 

@@ -786,7 +786,7 @@ def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tup
     Node 1 came back with its old disk holding step4 and step5 whole: tag=None resumed step5 (save 5),
     the abandoned history, on every rank without a word. Each save records the digest of the save it
     was numbered after, so two saves of one number off the chain are two histories: refused, naming
-    both; by tag, each loads bit-exact."""
+    both; by tag, each loads bit-exact; a save made after choosing one (in sight of both) resumes."""
     _, results = cases
     for r in range(4):
         fork = results[r]["fork"]
@@ -795,3 +795,5 @@ def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tup
         assert "'step5' (save 5) and 'new4' (save 4)" in fork["none"]
         assert fork["new4"]["tag"] == "new4" and fork["new4"]["exact"], fork["new4"]
         assert fork["step5"]["tag"] == "step5" and fork["step5"]["exact"], fork["step5"]
+        # going on from new4 (resumed by tag), new5 was saved in sight of both: tag=None resumes it
+        assert fork["went_on"]["tag"] == "new5" and fork["went_on"]["exact"], fork["went_on"]

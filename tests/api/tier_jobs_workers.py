@@ -424,6 +424,17 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
         uc, state, _ = _resume(durable, local, 24, tag=tag)
         out[tag] = {**_info(), "exact": _same(state, expect)}
         dist.barrier()
+    # the job goes on from new4 (by tag) and saves new5, in sight of both histories: tag=None resumes it
+    ctx, model, opt = tp_model.build(LAYOUT, seed=25)
+    opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
+    resume_from_checkpoint(durable, "new4", model=model, optimizer=opt, **opts)
+    tp_model.train_step(ctx, model, opt, 105)
+    want5 = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(durable, "new5", model=model, optimizer=opt, **opts, **kw)
+    wait_for_saves()
+    dist.barrier()
+    uc, state, _ = _resume(durable, local, 26)
+    out["went_on"] = {**_info(), "exact": _same(state, want5)}
     return out
 
 

@@ -57,7 +57,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._fast_resume import Loaded, choose_tier, load_tiered
+from smpckpt.api._fast_resume import Loaded, check_before_drain, choose_tier, load_tiered
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, publish_newest, retain, run_save
 from smpckpt.api._tiers import (
@@ -84,7 +84,7 @@ from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import check_files, remove_folder, settle_uncommitted_folder
 from smpckpt.storage.format.commit import commit as commit_in
-from smpckpt.storage.format.manifest import MANIFEST_NAME, Manifest, probe
+from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, probe
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.reader import TransferOutcome
 
@@ -505,11 +505,12 @@ def drain(
     source = tier.folder_of(req.tag)  # this node's fast-tier copy of the tag
     sync = req.opts.sync_files
 
-    def copy_one(name: str, folder: Folder) -> None:
+    def copy_one(rec: FileRecord, folder: Folder) -> None:
+        check_before_drain(source, rec, req.tag)  # never commit a damaged copy as the durable one
         # create-only, in the folder opened without following links (storage/backends/_folder.py)
-        sink = open_sink(fs, join(path, name), sync=sync, part_size=_PART, max_parts_in_flight=2, folder=folder)
+        sink = open_sink(fs, join(path, rec.name), sync=sync, part_size=_PART, max_parts_in_flight=2, folder=folder)
         try:
-            with open(os.path.join(source, name), "rb") as f:
+            with open(os.path.join(source, rec.name), "rb") as f:
                 while chunk := f.read(_PART):
                     sink.write(memoryview(chunk))
             sink.commit()
@@ -524,7 +525,7 @@ def drain(
                 _FILES_AT_ONCE[is_local(fs)], thread_name_prefix="smpckpt-drain-copy"
             ) as pool,
         ):
-            for done in [pool.submit(copy_one, rec.name, folder) for rec in mine]:
+            for done in [pool.submit(copy_one, rec, folder) for rec in mine]:
                 done.result()
             if sync:
                 folder.fsync_dirs()

@@ -317,6 +317,33 @@ def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monke
     assert (durable / "s2_partial" / MANIFEST_NAME).is_file()
 
 
+def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte of a fast-tier data file changed between the save and its drain (a failing disk): the drain
+    copied it unchecked, committed it as the durable copy and pointed ``newest`` at it -- and the fast
+    tier's retention would then remove the intact copies (a peer's replica). Each file is checked against
+    its manifest's block checksums before it is copied: the drain fails, ``path`` holds nothing of it."""
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real, flipped = fast_save.check_before_drain, []
+
+    def damaged_first(source: str, rec: Any, tag: str) -> None:
+        if not flipped:
+            target = Path(source) / rec.name
+            data = bytearray(target.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            target.write_bytes(bytes(data))
+            flipped.append(rec.name)
+        real(source, rec, tag)
+
+    monkeypatch.setattr(fast_save, "check_before_drain", damaged_first)
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1)
+    with pytest.raises(CheckpointError, match=r"the drain of 's1' copies nothing damaged: .*checksum mismatch"):
+        wait_for_saves()
+    assert flipped and sorted(p.name for p in durable.iterdir()) == []  # no copy, no newest
+    assert (_job(local, durable) / "s1_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps the save
+
+
 def test_a_drain_finishing_after_two_more_saves_removes_neither(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

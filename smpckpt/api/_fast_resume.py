@@ -446,7 +446,7 @@ def check_before_drain(source: str, rec: FileRecord, tag: str) -> None:
     would be the durable copy, and the fast tier's retention would then remove the intact ones (a peer's
     replica). Refused: the drain fails and the save stays in the fast tier, due for ``path``, where a
     resume heals the file from a peer."""
-    path, problems = os.path.join(source, rec.name), []
+    path, problems = os.path.join(source, rec.name), list[str]()
     if not check_blocks(open_fs(source)[0], path, rec, path, problems, lambda _: None):
         raise CheckpointCorrupt(
             f"the drain of {tag!r} copies nothing damaged: {'; '.join(problems[:2]) or path} (the fast tier keeps "

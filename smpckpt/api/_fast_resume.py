@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.api._dist import DistContext
@@ -38,7 +39,19 @@ from smpckpt.api._resume import (
     resolve_target,
     restores_rng,
 )
-from smpckpt.api._tiers import FORK_SEEN, FastCandidate, Nodes, candidates, durable_key, gather_views, read_copy
+from smpckpt.api._tiers import (
+    FORK_SEEN,
+    LINEAGE,
+    PATH_MARK,
+    FastCandidate,
+    LocalCopy,
+    Nodes,
+    candidates,
+    durable_key,
+    gather_views,
+    read_copy,
+    tier_seq,
+)
 from smpckpt.catalog.root import partial_dirname
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.planners import ParallelLoadPlanner
@@ -129,37 +142,39 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     usable = [c for c in complete if durable is None or durable.order <= c.order]
     if durable is not None and req.tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
-    if req.tag is None and usable:
+    if usable:  # tag=X too: two histories may both hold X
         _refuse_forked(usable[0], found)
     return TierChoice(nodes, job, streams, tuple(usable), durable)
 
 
 def _refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
-    """(every rank alike) A job numbers each save after the newest it can see, and records that save's
-    digest (``parent``): so one save number held by two saves of the fast tier, other than the chain
-    ``newest`` descends from, means two histories -- a node that came back with an older disk holding
-    saves the job had lost and saved past (its numbers above the new ones: ``newest`` would resume the
-    abandoned history, on every rank, bit-exact to a state the job left). Neither number nor clock says
-    which the user continues: refused, naming both. Copies that record no parent end the walk, and so does
-    a save whose job saw two histories (:data:`~smpckpt.api._tiers.FORK_SEEN`: it went on from one)."""
+    """(every rank alike) A job numbers each save after the newest it can see and records the digests of
+    the saves it was numbered after (``lineage``): so a save of a number in ``newest``'s lineage that is
+    not the one named there (or a second save of ``newest``'s own number) is another history -- a node
+    that came back with an older disk holding saves the job had lost and saved past (its numbers above
+    the new ones: ``newest`` would resume the abandoned history, on every rank, bit-exact to a state the
+    job left). Neither number nor clock says which the user continues: refused, naming both. A
+    :data:`~smpckpt.api._tiers.FORK_SEEN` entry (the job saw both and went on from one) ends the check."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         by_seq.setdefault(c.seq, []).append(c)
-    chain = newest
     other = next((c for c in by_seq.get(newest.seq, ()) if c.digest != newest.digest), None)
-    while other is None and chain.parent is not None and chain.parent != FORK_SEEN:
-        below = by_seq.get(chain.seq - 1, [])
-        other = next((c for c in below if c.digest != chain.parent), None)
-        nxt = next((c for c in below if c.digest == chain.parent), None)
-        if nxt is None:
+    for back, digest in enumerate(newest.lineage, start=1):
+        if other is not None or digest == FORK_SEEN:
             break
-        chain = nxt
+        other = next((c for c in by_seq.get(newest.seq - back, ()) if c.digest != digest), None)
     if other is not None:
         raise CheckpointError(
             f"ambiguous resume: the fast tier holds two histories of this job: {newest.tag!r} (save {newest.seq}) "
             f"and {other.tag!r} (save {other.seq}), saved by jobs that did not see each other's saves (a node back "
-            "with an older disk, after the job lost its fast tier and saved past it). Pass resume(tag=...) naming "
-            "the one to continue, and remove the other history's {tag}_partial folders from the nodes' local_path"
+            "with an older disk, after the job lost its fast tier and saved past it). "
+            + (
+                f"Both are tag {newest.tag!r}: remove one history's {newest.tag}_partial folders from the nodes' "
+                "local_path (its manifest names its save number: extra.tier.seq)"
+                if other.tag == newest.tag
+                else "Pass resume(tag=...) naming the one to continue (the next save settles it), or remove the "
+                "other history's {tag}_partial folders from the nodes' local_path"
+            )
         )
 
 
@@ -235,7 +250,9 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     target = choice.durable
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
-    return Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
+    loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
+    part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)
+    return loaded
 
 
 def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
@@ -272,7 +289,9 @@ def _load_fast(
     rng = restores_rng(req, target, ctx)
     state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
     reader = fast_reader(req, target, choice, cand, *manifest)
-    return Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
+    loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
+    part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
+    return loaded
 
 
 def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size: int) -> tuple[Transfer, ...]:
@@ -318,6 +337,11 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
         copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
         if copy.state == "corrupt":
             stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
+        elif copy.committed and copy.seq < cand.seq and copy.digest not in cand.lineage:
+            raise CheckpointError(  # (a leader's view: agreed by the caller's checked step)
+                f"{folder}: a save of {cand.tag!r} from another history of this job (save {copy.seq}, not one "
+                f"save {cand.seq} descends from): left in place; remove it, or resume the other by tag"
+            )
         elif copy.committed and copy.seq < cand.seq:
             # a strictly lower save number: the tag was saved again after it, in this history. An equal
             # number is another history's save (a fork, told apart by clocks at most): never removed
@@ -452,3 +476,16 @@ def check_before_drain(source: str, rec: FileRecord, tag: str) -> None:
             f"the drain of {tag!r} copies nothing damaged: {'; '.join(problems[:2]) or path} (the fast tier keeps "
             "the save; the next save drains it again, a resume heals the file from a peer)"
         )
+
+
+def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, continues: int | None) -> tuple[int, ...]:
+    """(rank 0, planning a save) The lineage a save numbered now records: the newest committed copy of the
+    highest save number in the fast tier and its own lineage (empty when ``path`` numbered higher), or
+    :data:`~smpckpt.api._tiers.FORK_SEEN` when two saves of one number are in sight or the job goes on from another save
+    (``continues``: :attr:`~smpckpt.api._tiers.TierState.continues`) than that newest one."""
+    found, top = candidates(views), tier_seq(views)
+    at = [c for c in found if c.seq == top]
+    newer = top > durable_seq if continues == PATH_MARK else bool(at) and continues not in (None, at[0].digest)
+    if newer or len({(c.seq, c.digest) for c in found}) > len({c.seq for c in found}):
+        return (FORK_SEEN,)
+    return (at[0].digest, *at[0].lineage)[:LINEAGE] if at and top >= durable_seq else ()

@@ -57,7 +57,7 @@ from typing import Any
 
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
-from smpckpt.api._fast_resume import Loaded, check_before_drain, choose_tier, load_tiered
+from smpckpt.api._fast_resume import Loaded, check_before_drain, choose_tier, lineage_for, load_tiered
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, publish_newest, retain, run_save
 from smpckpt.api._tiers import (
@@ -69,7 +69,6 @@ from smpckpt.api._tiers import (
     candidates,
     durable_key,
     gather_views,
-    parent_for,
     pending_drains,
     retain_local,
     tier_seq,
@@ -128,6 +127,7 @@ class FastTierPart:
         committed) the drain, on the drain lane."""
         started = time.monotonic()
         prepared = save_fast(req, state, extra, tier)
+        self.state.continues = hash_bytes(prepared.manifest)  # the next save goes on from this one
         log.info(
             "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
             req.tag,
@@ -207,7 +207,7 @@ class TierPlan:
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
-    parent: int | None = None  #: (rank 0) the digest of the fast-tier save numbered one below (``parent_for``)
+    lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -228,7 +228,7 @@ class TierPlan:
             # a checkpoint of path numbered higher was saved without this save's knowledge (_fast_resume)
             "path_seen": self.path_seen,
             # a fork: another save of that number is another history (a node back with an old disk)
-            **({} if self.parent is None else {"parent": "fork-seen" if self.parent < 0 else f"{self.parent:016x}"}),
+            **({"lineage": ["fork-seen" if d < 0 else f"{d:016x}" for d in self.lineage]} if self.lineage else {}),
         }
 
     def folder_of(self, tag: str) -> str:
@@ -247,7 +247,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, tuple[str, int] | None, int | None]:
+    def decide() -> tuple[int, int, tuple[str, int] | None, tuple[int, ...]]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -259,9 +259,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             running = set(memory.held)
         pending = [c for c in pending_drains(views, drained) if c.tag not in running]
         retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending)
-        return seq, drained, retry, parent_for(views, drained)
+        return seq, drained, retry, lineage_for(views, drained, memory.continues)
 
-    seq, drained, retry_of, parent = ctx.on_coordinator(decide)
+    seq, drained, retry_of, lineage = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
@@ -305,7 +305,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         opts.num_kept_local,
         memory,
         memory.path_seq,
-        parent,
+        lineage,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan

@@ -58,7 +58,7 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["path_seen_of", "parent_of", "parent_for", "FORK_SEEN"]
+__all__ += ["path_seen_of", "lineage_of", "FORK_SEEN", "PATH_MARK", "LINEAGE"]
 __all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
 
 log = logging.getLogger("smpckpt.api")
@@ -86,10 +86,10 @@ class TierState:
     durable: int | None = None
     #: (folder, problem) named already: a crafted folder is named once, not at every save
     warned: set[tuple[str, str]] = dataclasses.field(default_factory=set)
-    #: the highest root sequence number of a checkpoint this job knows in ``path`` or on its way there (a
-    #: save of its own due for it): each tiered save records it (``path_seen``), so a resume can tell a
-    #: checkpoint of ``path`` saved without this history's knowledge (``_fast_resume.choose_tier``)
+    #: the highest root sequence number this job knows in ``path`` or due there (a save of its own): each
+    #: tiered save records it (``path_seen``): a resume tells a checkpoint of ``path`` saved without it
     path_seq: int = 0
+    continues: int | None = None  #: the save this job goes on from: its digest, PATH_MARK, None (unknown)
 
     def durable_seq(self, root: str, storage_options: Any) -> int:
         """(rank 0) The highest save number committed under ``root`` (one scan, the first time)."""
@@ -346,9 +346,9 @@ def warn_skipped(
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------
 
 #: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size", "root",
-#: "path_seen", "parent"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job knew
-#: in ``path`` (committed, or due there from itself) when it planned the save; ``parent`` (absent in older
-#: copies, and after a checkpoint of ``path``): the hex digest of the fast-tier save numbered one below it
+#: "path_seen", "lineage"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job
+#: knew in ``path`` (committed, or due there from itself) when it planned the save; ``lineage`` (absent in
+#: older copies): the hex digests of the fast-tier saves numbered 1, 2, ... below it, in its history
 TIER_KEY = "tier"
 
 CopyState = Literal["committed", "uncommitted", "corrupt", "unsafe", "foreign", "unreadable"]
@@ -369,7 +369,7 @@ class LocalCopy:
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
     path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
-    parent: int | None = None  #: :func:`parent_of`
+    lineage: tuple[int, ...] = ()  #: :func:`lineage_of`
 
     @property
     def committed(self) -> bool:
@@ -394,32 +394,20 @@ def path_seen_of(manifest: Manifest) -> int | None:
     return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
 
 
-#: the parent of a save planned in sight of two histories: its job went on from one (resumed by tag)
-FORK_SEEN = -1
+FORK_SEEN = -1  #: a lineage entry: its job saw two histories and went on from one (a resume by tag)
+PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
+LINEAGE = 16  #: saves of its history a tiered save names (a fork further back is told apart no more)
 
 
-def parent_of(manifest: Manifest) -> int | None:
-    """The digest of the save its job numbered it after (``extra["tier"]["parent"]``), :data:`FORK_SEEN`, or
-    ``None`` (after a checkpoint of ``path``, or not recorded)."""
+def lineage_of(manifest: Manifest) -> tuple[int, ...]:
+    """The digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
+    :data:`FORK_SEEN` entries; empty: after a checkpoint of ``path``, or not recorded)."""
     tier = manifest.extra.get(TIER_KEY)
-    parent = tier.get("parent") if isinstance(tier, Mapping) else None
-    if parent == "fork-seen":
-        return FORK_SEEN
-    try:
-        return int(parent, 16) if isinstance(parent, str) else None
-    except ValueError:
-        return None
-
-
-def parent_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> int | None:
-    """(rank 0, planning a save) What a save numbered now records as its parent: the digest of the newest
-    committed copy of the highest save number in the fast tier (``None`` when ``path`` numbered higher),
-    or :data:`FORK_SEEN` when two saves of one number are in sight."""
-    found, top = candidates(views), tier_seq(views)
-    if len({(c.seq, c.digest) for c in found}) > len({c.seq for c in found}):
-        return FORK_SEEN
-    at = [c for c in found if c.seq == top]
-    return at[0].digest if at and top >= durable_seq else None
+    found = tier.get("lineage") if isinstance(tier, Mapping) else None
+    try:  # a damaged entry ends the lineage's use: no fork is told by it
+        return tuple(FORK_SEEN if e == "fork-seen" else int(e, 16) for e in found) if isinstance(found, list) else ()
+    except (TypeError, ValueError):
+        return ()
 
 
 def owner_of(manifest: Manifest) -> str | None:
@@ -468,7 +456,7 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         part_sizes(manifest),
         durable,
         path_seen=path_seen_of(manifest),
-        parent=parent_of(manifest),
+        lineage=lineage_of(manifest),
     )
     return copy, data
 
@@ -494,7 +482,7 @@ class FastCandidate:
     missing: tuple[str, ...]
     durable: bool = False
     path_seen: int | None = None  #: :attr:`LocalCopy.path_seen`
-    parent: int | None = None  #: :attr:`LocalCopy.parent`
+    lineage: tuple[int, ...] = ()  #: :attr:`LocalCopy.lineage`
 
     @property
     def complete(self) -> bool:
@@ -531,7 +519,7 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
         out.append(
-            FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen, copy.parent)
+            FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen, copy.lineage)
         )
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
@@ -580,6 +568,8 @@ def retain_local(
         if tag in kept or copy.state in ("unsafe", "foreign", "unreadable"):
             continue
         if tag in committed:
+            if copy.digest not in {c.digest for c in found if c.tag == tag}:
+                continue  # not the save the listing holds: the tag saved again since, or being written
             key = next(c.key for c in found if c.tag == tag)
             if len(complete) < keep or oldest_kept is None or key >= oldest_kept:
                 continue

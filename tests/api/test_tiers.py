@@ -76,10 +76,14 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
     assert (durable / "newest").read_text().strip() == "s2"
     assert [_tier_record(local / f"s{s}_partial")["seq"] for s in (2, 3)] == [2, 3]
     s2_record = _tier_record(durable / "s2_partial")
-    # each save names the save it was numbered after by its manifest's digest (s1's: gone by now)
-    assert len(s2_record.pop("parent")) == 16
+    # each save names the saves it was numbered after by their manifests' digests (s1's: gone by now)
+    s1_digest = s2_record.pop("lineage")
+    assert len(s1_digest) == 1 and len(s1_digest[0]) == 16
     s2_manifest = (local / "s2_partial" / "smpckpt.manifest.json").read_bytes()
-    assert _tier_record(local / "s3_partial")["parent"] == f"{xxhash.xxh3_64_intdigest(s2_manifest):016x}"
+    assert _tier_record(local / "s3_partial")["lineage"] == [
+        f"{xxhash.xxh3_64_intdigest(s2_manifest):016x}",
+        *s1_digest,
+    ]
     assert s2_record == {
         "seq": 2,
         "durable": True,
@@ -349,8 +353,9 @@ def test_a_drain_finishing_after_two_more_saves_removes_neither(
 ) -> None:
     """The drain's fast-tier retention decides on the listing gathered before the save it drains; saves
     committed while it copied were in no listing and passed for uncommitted debris older than the newest
-    commit: s4 (within num_kept_local=2) was removed when s3's drain ended after s5. Held here by
-    ``publish_newest`` waiting until s4 and s5 committed."""
+    commit: s4 (within num_kept_local=2) was removed when s3's drain ended after s5. The fifth save reuses
+    the tag ``s1`` (removed by the fourth's retention): the listing's old ``s1`` stood for it, and the
+    newest save was removed (rev58b F1). Held here by ``publish_newest`` waiting until both committed."""
     import threading
 
     import smpckpt.api._fast_save as fast_save
@@ -368,17 +373,19 @@ def test_a_drain_finishing_after_two_more_saves_removes_neither(
     models = {s: _linear(s) for s in range(1, 6)}
     with Checkpointer(durable, fast_tier=fast) as c:
         for s in range(1, 6):
-            c.save(f"s{s}", models[s])
+            c.save(f"s{s % 5 or 1}" if s == 5 else f"s{s}", models[s])  # the fifth: tag s1 again
             if s < 3:
                 c.wait()
         release.set()
         c.wait()
-    assert _partials(_job(Path(fast.local_path), durable))[-2:] == ["s4_partial", "s5_partial"]
-    got = _linear(9)
+    assert _partials(_job(Path(fast.local_path), durable)) == ["s1_partial", "s3_partial", "s4_partial"]
+    got, newest = _linear(9), _linear(9)
     with Checkpointer(durable, fast_tier=fast) as c:
         c.resume(tag="s4", model=got)
         assert c.last_resume_info is not None and c.last_resume_info.tier == "fast"
-    assert _same(got, models[4])
+        c.resume(model=newest)
+        assert c.last_resume_info is not None and c.last_resume_info.tag == "s1"
+    assert _same(got, models[4]) and _same(newest, models[5])
 
 
 def test_tag_asked_for_comes_from_the_durable_tier_when_saved_there_again_after_the_fast_copy(tmp_path: Path) -> None:
@@ -809,18 +816,18 @@ def test_fast_tier_folders_refused_up_front_by_name(cases: tuple[Path, list[dict
 
 @pytest.mark.dist
 def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tuple[Path, list[dict[str, Any]]]) -> None:
-    """Every fast tier lost after step5 (step3 drained): the job resumed step3 and saved new4 (save 4).
-    Node 1 came back with its old disk holding step4 and step5 whole: tag=None resumed step5 (save 5),
-    the abandoned history, on every rank without a word. Each save records the digest of the save it
-    was numbered after, so two saves of one number off the chain are two histories: refused, naming
-    both; by tag, each loads bit-exact; a save made after choosing one (in sight of both) resumes."""
+    """Every fast tier lost after step9 (step5 drained, step8 and step9 kept): the job resumed step5 and
+    saved new6. Node 1 came back with its old disk holding step8 and step9 whole: tag=None resumed step9,
+    the abandoned history, on every rank without a word. Each save records the digests of the saves it
+    was numbered after (its lineage, 16 back: step9 names step6, beyond what retention kept), so a save of
+    one of those numbers that is not the one named is another history: refused, naming both; by tag, each
+    loads bit-exact; a save made after going on from new6 (in sight of both) resumes."""
     _, results = cases
     for r in range(4):
         fork = results[r]["fork"]
         assert fork["after_loss"].startswith("ok"), fork
         assert fork["none"].startswith("CheckpointError: ambiguous resume"), fork["none"]
-        assert "'step5' (save 5) and 'new4' (save 4)" in fork["none"]
-        assert fork["new4"]["tag"] == "new4" and fork["new4"]["exact"], fork["new4"]
-        assert fork["step5"]["tag"] == "step5" and fork["step5"]["exact"], fork["step5"]
-        # going on from new4 (resumed by tag), new5 was saved in sight of both: tag=None resumes it
-        assert fork["went_on"]["tag"] == "new5" and fork["went_on"]["exact"], fork["went_on"]
+        assert "'step9' (save 9) and 'new6' (save 6)" in fork["none"]
+        assert fork["new6"]["tag"] == "new6" and fork["new6"]["exact"], fork["new6"]
+        assert fork["step9"]["tag"] == "step9" and fork["step9"]["exact"], fork["step9"]
+        assert fork["went_on"]["tag"] == "new7" and fork["went_on"]["exact"], fork["went_on"]

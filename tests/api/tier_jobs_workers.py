@@ -388,14 +388,15 @@ def retry_after_drain_kill(rank: int, world: int, base: str, durable: str) -> di
 
 
 def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
-    """step1-5 (step3 drained; replicas=2: each node holds every part); node 1's disk snapshotted; every
-    fast tier lost, so the job resumes path's step3 and saves new4 (save 4, other values). Node 1 comes
-    back with its old disk: step4 and step5, complete on it alone. tag=None resumed the abandoned step5
-    (save 5 > 4) on every rank, silently; now refused naming both. By tag, either loads."""
+    """step1-9 (step5 drained; replicas=2: each node holds every part; num_kept_local=2 keeps step8, step9);
+    node 1's disk snapshotted; every fast tier lost, so the job resumes path's step5 and saves new6 (save 6,
+    other values). Node 1 comes back with its old disk: step8 and step9, complete on it alone. tag=None
+    resumed the abandoned step9 on every rank, silently; now refused naming both. By tag, either loads;
+    going on from new6 (by tag), the next save settles it."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
-    kw: dict[str, Any] = dict(replicas=2, durable_every=3, num_kept_local=None)
-    _states(base, rank, range(1, 6), durable, local, **kw)
+    kw: dict[str, Any] = dict(replicas=2, durable_every=5)
+    _states(base, rank, range(1, 10), durable, local, **kw)
     snap = os.path.join(base, "node1-snapshot")
     if rank == 2:
         shutil.copytree(local, snap, symlinks=True)
@@ -406,12 +407,12 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     out: dict[str, Any] = {"after_loss": _attempt(lambda: _resume(durable, local, 21)[0])}
     dist.barrier()
+    opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
     ctx, model, opt = tp_model.build(LAYOUT, seed=22)
-    tp_model.train_step(ctx, model, opt, 104)
+    resume_from_checkpoint(durable, "step5", model=model, optimizer=opt, **opts)
+    tp_model.train_step(ctx, model, opt, 106)
     want = _clone(tp_model.local_state(model, opt))
-    save_checkpoint(
-        durable, "new4", model=model, optimizer=opt, layout=LAYOUT, specs=tp_model.SPECS, local_path=local, **kw
-    )
+    save_checkpoint(durable, "new6", model=model, optimizer=opt, **opts, **kw)
     wait_for_saves()
     dist.barrier()
     if rank == 2:  # node 1 back, with its old disk
@@ -420,21 +421,20 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     out["none"] = _attempt(lambda: _resume(durable, local, 23)[0])
     dist.barrier()
-    for tag, expect in (("new4", want), ("step5", _want(base, 5, rank))):
+    for tag, expect in (("new6", want), ("step9", _want(base, 9, rank))):
         uc, state, _ = _resume(durable, local, 24, tag=tag)
         out[tag] = {**_info(), "exact": _same(state, expect)}
         dist.barrier()
-    # the job goes on from new4 (by tag) and saves new5, in sight of both histories: tag=None resumes it
+    # the job goes on from new6 (by tag) and saves new7, in sight of both histories: tag=None resumes it
     ctx, model, opt = tp_model.build(LAYOUT, seed=25)
-    opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
-    resume_from_checkpoint(durable, "new4", model=model, optimizer=opt, **opts)
-    tp_model.train_step(ctx, model, opt, 105)
-    want5 = _clone(tp_model.local_state(model, opt))
-    save_checkpoint(durable, "new5", model=model, optimizer=opt, **opts, **kw)
+    resume_from_checkpoint(durable, "new6", model=model, optimizer=opt, **opts)
+    tp_model.train_step(ctx, model, opt, 107)
+    want7 = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(durable, "new7", model=model, optimizer=opt, **opts, **kw)
     wait_for_saves()
     dist.barrier()
     uc, state, _ = _resume(durable, local, 26)
-    out["went_on"] = {**_info(), "exact": _same(state, want5)}
+    out["went_on"] = {**_info(), "exact": _same(state, want7)}
     return out
 
 

@@ -422,7 +422,11 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if not self.layers_missing:
             return
         first = self.layout.layer_offset(self.layout.coords(self.rank).pp)
-        held = KeyMapper.layer_numbers(metadata.state_dict_metadata) & {first + i for i in self.layers_missing}
+        # evidence only from keys of the kinds this rank loads (an optimizer-only state dict of a model with
+        # a frozen layer holds no optimizer key of it; the checkpoint's model keys of it are no evidence)
+        kinds = {k.partition(".")[0] for k in self.entries if KeyMapper.names_a_layer(k)}
+        saved = (k for k in metadata.state_dict_metadata if k.partition(".")[0] in kinds)
+        held = KeyMapper.layer_numbers(saved) & {first + i for i in self.layers_missing}
         if not held:
             return
         local = [g - first for g in sorted(held)]

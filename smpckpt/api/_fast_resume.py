@@ -40,9 +40,9 @@ from smpckpt.api._resume import (
     restores_rng,
 )
 from smpckpt.api._tiers import (
-    FORK_SEEN,
     LINEAGE,
     PATH_MARK,
+    SKIPPED,
     FastCandidate,
     LocalCopy,
     Nodes,
@@ -149,20 +149,21 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
 def _refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     """(every rank alike) A job numbers each save after the newest it can see and records the digests of
-    the saves it was numbered after (``lineage``): so a save of a number in ``newest``'s lineage that is
-    not the one named there (or a second save of ``newest``'s own number) is another history -- a node
-    that came back with an older disk holding saves the job had lost and saved past (its numbers above
-    the new ones: ``newest`` would resume the abandoned history, on every rank, bit-exact to a state the
-    job left). Neither number nor clock says which the user continues: refused, naming both. A
-    :data:`~smpckpt.api._tiers.FORK_SEEN` entry (the job saw both and went on from one) ends the check."""
+    the saves its history holds at the numbers below (``lineage``): so a complete save of a number in
+    ``newest``'s lineage that is not the one named there (or a second save of ``newest``'s own number) is
+    another history -- a node that came back with an older disk holding saves the job had lost and saved
+    past (numbered above the new ones: ``newest`` would resume the abandoned history, on every rank,
+    bit-exact to a state the job left). Neither number nor clock says which the user continues: refused,
+    naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers (saves the job saw and did not go on from)
+    are not compared; incomplete copies, which never load, are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
-        by_seq.setdefault(c.seq, []).append(c)
+        if c.complete:
+            by_seq.setdefault(c.seq, []).append(c)
     other = next((c for c in by_seq.get(newest.seq, ()) if c.digest != newest.digest), None)
     for back, digest in enumerate(newest.lineage, start=1):
-        if other is not None or digest == FORK_SEEN:
-            break
-        other = next((c for c in by_seq.get(newest.seq - back, ()) if c.digest != digest), None)
+        if other is None and digest != SKIPPED:
+            other = next((c for c in by_seq.get(newest.seq - back, ()) if c.digest != digest), None)
     if other is not None:
         raise CheckpointError(
             f"ambiguous resume: the fast tier holds two histories of this job: {newest.tag!r} (save {newest.seq}) "
@@ -337,14 +338,10 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
         copy, _ = read_copy(folder, cand.tag, durable_key(req.root, req.storage_options))
         if copy.state == "corrupt":
             stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
-        elif copy.committed and copy.seq < cand.seq and copy.digest not in cand.lineage:
-            raise CheckpointError(  # (a leader's view: agreed by the caller's checked step)
-                f"{folder}: a save of {cand.tag!r} from another history of this job (save {copy.seq}, not one "
-                f"save {cand.seq} descends from): left in place; remove it, or resume the other by tag"
-            )
         elif copy.committed and copy.seq < cand.seq:
-            # a strictly lower save number: the tag was saved again after it, in this history. An equal
-            # number is another history's save (a fork, told apart by clocks at most): never removed
+            # a strictly lower save number: the tag was saved again after it, in this history (another
+            # history's, where the lineage reaches, was refused by _refuse_forked). An equal number is
+            # another history's save (a fork, told apart by clocks at most): never removed
             stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
             what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]
     wrong = sorted(
@@ -479,13 +476,18 @@ def check_before_drain(source: str, rec: FileRecord, tag: str) -> None:
 
 
 def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, continues: int | None) -> tuple[int, ...]:
-    """(rank 0, planning a save) The lineage a save numbered now records: the newest committed copy of the
-    highest save number in the fast tier and its own lineage (empty when ``path`` numbered higher), or
-    :data:`~smpckpt.api._tiers.FORK_SEEN` when two saves of one number are in sight or the job goes on from another save
-    (``continues``: :attr:`~smpckpt.api._tiers.TierState.continues`) than that newest one."""
+    """(rank 0, planning a save) The lineage a save numbered now records, newest first: the save the job
+    goes on from (``continues``, :attr:`~smpckpt.api._tiers.TierState.continues`; unknown: the newest it
+    sees) and that save's own lineage, :data:`~smpckpt.api._tiers.SKIPPED` at the numbers in between (saves
+    it saw and did not go on from: a rewind by tag) and at numbers two saves hold in sight; it ends where
+    ``path``'s checkpoint is the one gone on from (its digest is not the fast tier's to check)."""
     found, top = candidates(views), tier_seq(views)
-    at = [c for c in found if c.seq == top]
-    newer = top > durable_seq if continues == PATH_MARK else bool(at) and continues not in (None, at[0].digest)
-    if newer or len({(c.seq, c.digest) for c in found}) > len({c.seq for c in found}):
-        return (FORK_SEEN,)
-    return (at[0].digest, *at[0].lineage)[:LINEAGE] if at and top >= durable_seq else ()
+    seq = 1 + max(top, durable_seq)
+    if continues is None:
+        parent = next((c for c in found if c.seq == top), None) if top >= durable_seq else None
+    else:
+        parent = next((c for c in found if c.digest == continues), None)
+    base = parent.seq if parent is not None else durable_seq if continues in (PATH_MARK, None) else seq - 1
+    lineage = [SKIPPED] * (seq - 1 - base) + ([parent.digest, *parent.lineage] if parent is not None else [])
+    twins = {c.seq for c in found if any(o.seq == c.seq and o.digest != c.digest for o in found)}
+    return tuple(SKIPPED if seq - 1 - i in twins else d for i, d in enumerate(lineage[:LINEAGE]))

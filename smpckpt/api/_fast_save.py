@@ -228,7 +228,7 @@ class TierPlan:
             # a checkpoint of path numbered higher was saved without this save's knowledge (_fast_resume)
             "path_seen": self.path_seen,
             # a fork: another save of that number is another history (a node back with an old disk)
-            **({"lineage": ["fork-seen" if d < 0 else f"{d:016x}" for d in self.lineage]} if self.lineage else {}),
+            **({"lineage": ["skip" if d < 0 else f"{d:016x}" for d in self.lineage]} if self.lineage else {}),
         }
 
     def folder_of(self, tag: str) -> str:

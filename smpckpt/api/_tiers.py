@@ -58,7 +58,7 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["path_seen_of", "lineage_of", "FORK_SEEN", "PATH_MARK", "LINEAGE"]
+__all__ += ["path_seen_of", "lineage_of", "SKIPPED", "PATH_MARK", "LINEAGE"]
 __all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
 
 log = logging.getLogger("smpckpt.api")
@@ -394,18 +394,18 @@ def path_seen_of(manifest: Manifest) -> int | None:
     return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
 
 
-FORK_SEEN = -1  #: a lineage entry: its job saw two histories and went on from one (a resume by tag)
+SKIPPED = -1  #: a lineage entry: a number its job saw and did not go on from (a rewind by tag, two saves)
 PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
 LINEAGE = 16  #: saves of its history a tiered save names (a fork further back is told apart no more)
 
 
 def lineage_of(manifest: Manifest) -> tuple[int, ...]:
     """The digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
-    :data:`FORK_SEEN` entries; empty: after a checkpoint of ``path``, or not recorded)."""
+    :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)."""
     tier = manifest.extra.get(TIER_KEY)
     found = tier.get("lineage") if isinstance(tier, Mapping) else None
     try:  # a damaged entry ends the lineage's use: no fork is told by it
-        return tuple(FORK_SEEN if e == "fork-seen" else int(e, 16) for e in found) if isinstance(found, list) else ()
+        return tuple(SKIPPED if e == "skip" else int(e, 16) for e in found) if isinstance(found, list) else ()
     except (TypeError, ValueError):
         return ()
 

@@ -831,3 +831,38 @@ def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tup
         assert fork["new6"]["tag"] == "new6" and fork["new6"]["exact"], fork["new6"]
         assert fork["step9"]["tag"] == "step9" and fork["step9"]["exact"], fork["step9"]
         assert fork["went_on"]["tag"] == "new7" and fork["went_on"]["exact"], fork["went_on"]
+
+
+def test_lineage_skips_what_the_job_saw_and_left_and_ends_at_path() -> None:
+    """(pure logic, rev58c) A rewind by tag wrote "fork-seen", which switched the fork check off for 16
+    saves: a later real fork resumed the abandoned history silently. A save after a resume from ``path``
+    had an empty lineage, and the heal then refused same-history stale copies, falling back to an older
+    save. Now the numbers a job saw and did not go on from are skipped, the rest stays checked, and a
+    lineage ends where ``path``'s checkpoint was gone on from."""
+    from smpckpt.api._fast_resume import _refuse_forked, lineage_for
+    from smpckpt.api._tiers import PATH_MARK, SKIPPED, LocalCopy, candidates
+
+    def copy(seq: int, lineage: tuple[int, ...] = (), history: int = 1000) -> LocalCopy:
+        return LocalCopy("committed", {}, history + seq, seq, (seq, seq, ""), {}, lineage=lineage)
+
+    saves: dict[str, LocalCopy] = {}
+    for seq in range(1, 8):  # s1..s7, each numbered after the one before
+        saves[f"s{seq}"] = copy(seq, lineage_for([saves], 0, None))
+    assert saves["s7"].lineage == tuple(range(1006, 1000, -1))
+    s8 = copy(8, lineage_for([saves], 0, saves["s6"].digest))  # the job rewound to s6 by tag
+    assert s8.lineage == (SKIPPED, 1006, 1005, 1004, 1003, 1002, 1001)
+    s9 = copy(9, lineage_for([{**saves, "s8": s8}], 0, s8.digest))
+    views = [{"s8": s8, "s9": s9}]
+    _refuse_forked(candidates(views)[0], candidates(views))  # nothing else at its numbers: no fork
+    forked = [
+        {**views[0], "new6": copy(6, history=2000)}
+    ]  # another history's save 6 (the fast tiers lost, path's s5 resumed)
+    with pytest.raises(CheckpointError, match=r"two histories of this job: 's9' \(save 9\) and 'new6' \(save 6\)"):
+        _refuse_forked(candidates(forked)[0], candidates(forked))
+    # after a resume from path's save 4 the next save's lineage ends there; stale saves 3, 4 of the same
+    # history back on a node are no fork
+    x5 = copy(5, lineage_for([{}], 4, PATH_MARK))
+    c6 = copy(6, lineage_for([{"x5": x5}], 4, x5.digest))
+    assert (x5.lineage, c6.lineage) == ((), (1005,))
+    back = [{"x5": x5, "c6": c6, "c3": copy(3), "a4": copy(4)}]
+    _refuse_forked(candidates(back)[0], candidates(back))

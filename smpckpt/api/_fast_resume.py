@@ -66,7 +66,7 @@ from smpckpt.storage.tools import check_blocks
 if TYPE_CHECKING:
     from smpckpt.api._fast_save import FastTierPart
 
-__all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered"]
+__all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered", "refuse_forked"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -143,11 +143,11 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     if durable is not None and req.tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
     if usable:  # tag=X too: two histories may both hold X
-        _refuse_forked(usable[0], found)
+        refuse_forked(usable[0], found)
     return TierChoice(nodes, job, streams, tuple(usable), durable)
 
 
-def _refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
+def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     """(every rank alike) A job numbers each save after the newest it can see and records the digests of
     the saves its history holds at the numbers below (``lineage``): so a complete save of a number in
     ``newest``'s lineage that is not the one named there (or a second save of ``newest``'s own number) is
@@ -340,7 +340,7 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
             stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
         elif copy.committed and copy.seq < cand.seq:
             # a strictly lower save number: the tag was saved again after it, in this history (another
-            # history's, where the lineage reaches, was refused by _refuse_forked). An equal number is
+            # history's, where the lineage reaches, was refused by refuse_forked). An equal number is
             # another history's save (a fork, told apart by clocks at most): never removed
             stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
             what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]

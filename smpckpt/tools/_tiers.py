@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from smpckpt.api._fast_resume import refuse_forked
 from smpckpt.api._resume import resolve_target
 from smpckpt.api._tiers import (
     JOB_PREFIX,
@@ -182,17 +183,27 @@ def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
     return out
 
 
-def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: str) -> tuple[list[FastRow], list[str]]:
+def fast_rows(
+    dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: str
+) -> tuple[list[FastRow], list[str], str]:
     """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
-    (then tags no folder committed, by tag), and warnings (a folder's manifest that does not parse;
-    several saves of one tag)."""
+    (then tags no folder committed, by tag), warnings (a folder's manifest that does not parse; several
+    saves of one tag), and why a resume from the newest complete save would be refused as one of two
+    histories (:func:`~smpckpt.api._fast_resume.refuse_forked`; ``""``: it would not)."""
     manifests: dict[int, bytes] = {}
     views = [scan_local(d, owner, manifests) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
     valid: dict[str, set[int]] = {}
-    for c in candidates(views):  # judged as a resume judges them, over the folders instead of the nodes
+    found, refusal = candidates(views), ""
+    try:
+        complete = [c for c in found if c.complete]
+        if complete:
+            refuse_forked(complete[0], found)
+    except CheckpointError as exc:
+        refusal = str(exc)
+    for c in found:  # judged as a resume judges them, over the folders instead of the nodes
         valid.setdefault(c.tag, set()).add(c.digest)
         m = Manifest.from_bytes(manifests[c.digest], where=f"fast-tier manifest of {c.tag!r}")
         parts = list(part_sizes(m))
@@ -240,17 +251,20 @@ def fast_rows(dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: s
         )
         holds = {d: len(v[tag].files) if tag in v else 0 for d, v in zip(dirs, views)}
         rows.append(FastRow(tag, state, (), holds, len(files), None, detail=detail))
-    return rows, notes
+    return rows, notes, refusal
 
 
 #: states of a folder a resume skips, most telling first (a tag's row shows the first any folder has)
 _UNUSABLE = ("unsafe", "foreign", "corrupt", "unreadable")
 
 
-def resume_pick(rows: Sequence[FastRow], root: str, storage_options: Any) -> tuple[ResumePick | None, str]:
+def resume_pick(
+    rows: Sequence[FastRow], root: str, storage_options: Any, refusal: str = ""
+) -> tuple[ResumePick | None, str]:
     """The checkpoint a resume with these folders as its nodes' fast tiers would load (as
     ``resume_from_checkpoint``: the newest complete fast-tier save unless ``root``'s committed pick
-    was saved strictly later), and a note when there is none."""
+    was saved strictly later; ``refusal``: :func:`fast_rows`' fork refusal of that save), and a note when
+    there is none."""
     best = next((r for r in rows if r.state == "complete"), None)
     try:
         with warnings.catch_warnings():
@@ -259,7 +273,9 @@ def resume_pick(rows: Sequence[FastRow], root: str, storage_options: Any) -> tup
     except CheckpointError as exc:
         return None, f"a resume would fail: {exc}"
     if best is not None and (durable is None or durable.order <= best.order):
-        return ResumePick("fast", best.tag, best.save_id), ""
+        return (
+            (None, f"a resume would fail: {refusal}") if refusal else (ResumePick("fast", best.tag, best.save_id), "")
+        )
     if durable is not None:
         return ResumePick("durable", durable.tag, None), ""
     return None, "no complete checkpoint in either tier"

@@ -377,3 +377,31 @@ def test_two_nodes_with_and_without_replicas(tmp_path: Any) -> None:
     assert out.splitlines()[0].startswith(f"OK {root}/step2_partial:")
     missing = sorted(line.split()[4] for line in err.splitlines() if "no folder holds" in line)
     assert missing == of[2, 3]
+
+
+def test_ls_local_names_no_resume_pick_where_a_resume_refuses_two_histories(tmp_path: Any) -> None:
+    """``ls --local`` printed "resume: <the abandoned save> from the fast tier" where a resume refuses it as
+    one of two histories (rev58b F7): s1-s5 (s4 drained), the fast tier lost, path's s4 resumed and n5
+    saved (save 5); the old s5 put back beside it: two saves of number 5."""
+    from smpckpt import Checkpointer, FastTier
+    from smpckpt.errors import CheckpointError
+
+    root, fast = str(tmp_path / "durable"), tmp_path / "fast"
+    tier = FastTier(local_path=str(fast), replicas=1, durable_every=4, num_kept_local=None)
+    torch.manual_seed(0)
+    with Checkpointer(root, fast_tier=tier) as ckpt:
+        for step in range(1, 6):
+            ckpt.save(f"s{step}", nn.Linear(4, 4))
+    job = _j(str(fast), root)
+    shutil.copytree(os.path.join(job, "s5_partial"), tmp_path / "s5_old")
+    shutil.rmtree(fast)
+    model = nn.Linear(4, 4)
+    with Checkpointer(root, fast_tier=tier) as ckpt:
+        ckpt.resume(model=model)
+        assert ckpt.last_resume_info is not None and ckpt.last_resume_info.tag == "s4"
+        ckpt.save("n5", model)
+    shutil.copytree(tmp_path / "s5_old", os.path.join(job, "s5_partial"))
+    rc, out, _ = _run("ls", root, "--local", str(fast))
+    assert rc == 0 and "resume: none (a resume would fail: ambiguous resume" in out, out
+    with Checkpointer(root, fast_tier=tier) as ckpt, pytest.raises(CheckpointError, match="two histories"):
+        ckpt.resume(model=nn.Linear(4, 4))

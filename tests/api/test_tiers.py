@@ -839,7 +839,7 @@ def test_lineage_skips_what_the_job_saw_and_left_and_ends_at_path() -> None:
     had an empty lineage, and the heal then refused same-history stale copies, falling back to an older
     save. Now the numbers a job saw and did not go on from are skipped, the rest stays checked, and a
     lineage ends where ``path``'s checkpoint was gone on from."""
-    from smpckpt.api._fast_resume import _refuse_forked, lineage_for
+    from smpckpt.api._fast_resume import lineage_for, refuse_forked
     from smpckpt.api._tiers import PATH_MARK, SKIPPED, LocalCopy, candidates
 
     def copy(seq: int, lineage: tuple[int, ...] = (), history: int = 1000) -> LocalCopy:
@@ -853,16 +853,16 @@ def test_lineage_skips_what_the_job_saw_and_left_and_ends_at_path() -> None:
     assert s8.lineage == (SKIPPED, 1006, 1005, 1004, 1003, 1002, 1001)
     s9 = copy(9, lineage_for([{**saves, "s8": s8}], 0, s8.digest))
     views = [{"s8": s8, "s9": s9}]
-    _refuse_forked(candidates(views)[0], candidates(views))  # nothing else at its numbers: no fork
+    refuse_forked(candidates(views)[0], candidates(views))  # nothing else at its numbers: no fork
     forked = [
         {**views[0], "new6": copy(6, history=2000)}
     ]  # another history's save 6 (the fast tiers lost, path's s5 resumed)
     with pytest.raises(CheckpointError, match=r"two histories of this job: 's9' \(save 9\) and 'new6' \(save 6\)"):
-        _refuse_forked(candidates(forked)[0], candidates(forked))
+        refuse_forked(candidates(forked)[0], candidates(forked))
     # after a resume from path's save 4 the next save's lineage ends there; stale saves 3, 4 of the same
     # history back on a node are no fork
     x5 = copy(5, lineage_for([{}], 4, PATH_MARK))
     c6 = copy(6, lineage_for([{"x5": x5}], 4, x5.digest))
     assert (x5.lineage, c6.lineage) == ((), (1005,))
     back = [{"x5": x5, "c6": c6, "c3": copy(3), "a4": copy(4)}]
-    _refuse_forked(candidates(back)[0], candidates(back))
+    refuse_forked(candidates(back)[0], candidates(back))

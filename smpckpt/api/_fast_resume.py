@@ -489,5 +489,8 @@ def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, cont
         parent = next((c for c in found if c.digest == continues), None)
     base = parent.seq if parent is not None else durable_seq if continues in (PATH_MARK, None) else seq - 1
     lineage = [SKIPPED] * (seq - 1 - base) + ([parent.digest, *parent.lineage] if parent is not None else [])
-    twins = {c.seq for c in found if any(o.seq == c.seq and o.digest != c.digest for o in found)}
+    digests: dict[int, set[int]] = {}
+    for c in found:
+        digests.setdefault(c.seq, set()).add(c.digest)
+    twins = {n for n, held in digests.items() if len(held) > 1}
     return tuple(SKIPPED if seq - 1 - i in twins else d for i, d in enumerate(lineage[:LINEAGE]))

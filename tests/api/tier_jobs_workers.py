@@ -248,21 +248,22 @@ def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, An
         shutil.copytree(snap, local, symlinks=True)  # the node is back, with its old disk
     dist.barrier()
     out: dict[str, Any] = {}
-    for tag in (None, "step1"):
+
+    def resumed(seed: int, tag: str | None = None) -> Any:
+        """What a resume loaded (bit-exact against ``want`` or not), or its error."""
         try:
-            uc, state, _ = _resume(durable, local, 13, tag=tag)
-            out[str(tag)] = {**_info(), "uc": uc, "exact": _same(state, want)}
+            uc, state, _ = _resume(durable, local, seed, tag=tag)
+            return {**_info(), "uc": uc, "exact": _same(state, want)}
         except Exception as exc:  # noqa: BLE001 - the error is what the test shows
-            out[str(tag)] = f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}"
+
+    for tag in (None, "step1"):
+        out[str(tag)] = resumed(13, tag)
         dist.barrier()
     if rank == 2:  # node 1's manifest (healed in above) damaged: node 0's is intact, every part on node 0
         _flip(os.path.join(job_dir(local, durable), "step1_partial", MANIFEST))
     dist.barrier()
-    try:
-        uc, state, _ = _resume(durable, local, 14)
-        out["damaged"] = {**_info(), "uc": uc, "exact": _same(state, want)}
-    except Exception as exc:  # noqa: BLE001 - the error is what the test shows
-        out["damaged"] = f"{type(exc).__name__}: {exc}"
+    out["damaged"] = resumed(14)
     dist.barrier()
     if rank == 2:  # one of rank 2's files, and the metadata, cut short on node 1 (node 0's intact)
         folder = os.path.join(job_dir(local, durable), "step1_partial")
@@ -270,11 +271,7 @@ def stale_node_after_tag_reuse(rank: int, world: int, base: str) -> dict[str, An
             with open(os.path.join(folder, name), "r+b") as f:
                 f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
     dist.barrier()
-    try:
-        uc, state, _ = _resume(durable, local, 15)
-        out["cut_short"] = {**_info(), "uc": uc, "exact": _same(state, want)}
-    except Exception as exc:  # noqa: BLE001 - the error is what the test shows
-        out["cut_short"] = f"{type(exc).__name__}: {exc}"
+    out["cut_short"] = resumed(15)
     return out
 
 
@@ -408,13 +405,19 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     out: dict[str, Any] = {"after_loss": _attempt(lambda: _resume(durable, local, 21)[0])}
     dist.barrier()
     opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
-    ctx, model, opt = tp_model.build(LAYOUT, seed=22)
-    resume_from_checkpoint(durable, "step5", model=model, optimizer=opt, **opts)
-    tp_model.train_step(ctx, model, opt, 106)
-    want = _clone(tp_model.local_state(model, opt))
-    save_checkpoint(durable, "new6", model=model, optimizer=opt, **opts, **kw)
-    wait_for_saves()
-    dist.barrier()
+
+    def go_on(tag: str, step: int, new: str) -> dict[str, torch.Tensor]:
+        """Resume ``tag``, train ``step``, save it as ``new``: this rank's state saved."""
+        ctx, model, opt = tp_model.build(LAYOUT, seed=step)
+        resume_from_checkpoint(durable, tag, model=model, optimizer=opt, **opts)
+        tp_model.train_step(ctx, model, opt, step)
+        state = _clone(tp_model.local_state(model, opt))
+        save_checkpoint(durable, new, model=model, optimizer=opt, **opts, **kw)
+        wait_for_saves()
+        dist.barrier()
+        return state
+
+    want = go_on("step5", 106, "new6")
     if rank == 2:  # node 1 back, with its old disk
         shutil.rmtree(local)
         shutil.copytree(snap, local, symlinks=True)
@@ -426,13 +429,7 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
         out[tag] = {**_info(), "exact": _same(state, expect)}
         dist.barrier()
     # the job goes on from new6 (by tag) and saves new7, in sight of both histories: tag=None resumes it
-    ctx, model, opt = tp_model.build(LAYOUT, seed=25)
-    resume_from_checkpoint(durable, "new6", model=model, optimizer=opt, **opts)
-    tp_model.train_step(ctx, model, opt, 107)
-    want7 = _clone(tp_model.local_state(model, opt))
-    save_checkpoint(durable, "new7", model=model, optimizer=opt, **opts, **kw)
-    wait_for_saves()
-    dist.barrier()
+    want7 = go_on("new6", 107, "new7")
     uc, state, _ = _resume(durable, local, 26)
     out["went_on"] = {**_info(), "exact": _same(state, want7)}
     return out

@@ -76,7 +76,7 @@ from smpckpt.api.options import (
 )
 from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
 from smpckpt.errors import CheckpointNotFound
-from smpckpt.model.layout import ParallelLayout
+from smpckpt.model.layout import KeyMapper, ParallelLayout
 from smpckpt.storage.backends._fs import location_key
 
 __all__ = ["Checkpointer", "last_resume_info", "ResumeInfo"]
@@ -307,6 +307,9 @@ class Checkpointer:
                     f"the process group has {ctx.world_size} ranks; this Checkpointer was built for {self._world}"
                 )
             checked_model, optimizers = check_state(model, optimizer)
+            if checked_model is not None:
+                mapper = KeyMapper(self.layout, self.layout.coords(ctx.rank).pp, self.sharding.name_map)
+                mapper.check_model_layers(name for name, _ in checked_model.named_modules(remove_duplicate=False))
             common = CommonRequest(
                 root=self.location.path,
                 model=checked_model,

@@ -315,6 +315,30 @@ class KeyMapper:
             return ()
         return tuple(sorted(set(range(self._count)) - self._layers_seen))
 
+    def check_model_layers(self, module_names: Iterable[str]) -> None:
+        """(every rank, before a save or resume through the API) The stage's ``layers`` container, from the
+        model's module names (``named_modules(remove_duplicate=False)``), against its partition. State keys
+        cannot tell a wrong ``pp_layers`` (``(3, 2)`` for stages of two layers each stores layers 0, 1, 3, 4:
+        a later load under the right one gives stage 1 another layer) from layers without state (an
+        activation in the list); the container counts both. Checked only for one outermost ``layers``
+        container of numbered children (several, or none: nothing to count)."""
+        if self._count is None or self.name_map is not None:
+            return
+        held: dict[str, set[int]] = {}
+        for name in module_names:
+            head, _, last = name.rpartition(".")
+            if last.isdigit() and (head == "layers" or head.endswith(".layers")) and not _LAYER.search(head):
+                held.setdefault(head, set()).add(int(last))
+        if len(held) != 1:
+            return
+        ((container, numbers),) = held.items()
+        if numbers != set(range(self._count)):
+            raise SpecError(
+                f"stage {self.pp_rank} holds {self._count} layers by pp_layers={self.layout.pp_layers} but the "
+                f"model's {container!r} holds {len(numbers)} ({container}.{min(numbers)} .. {container}."
+                f"{max(numbers)}): give each stage's own layer count (the partition decision), or a name_map"
+            )
+
     @staticmethod
     def layer_numbers(keys: Iterable[str]) -> set[int]:
         """The numbers of the ``layers.<i>`` segments (the first in each key) of ``keys``."""

@@ -618,3 +618,33 @@ def test_saves_reuse_the_local_plan_and_follow_structure_changes(tmp_path: Any) 
     got_b = m3.state_dict()
     assert all(torch.equal(got_b[k], v) for k, v in at_b.items())
     assert not torch.equal(got_b["0.weight"], m.state_dict()["0.weight"])  # "b" predates the step
+
+
+class _Stage(nn.Module):
+    """A pipeline stage's model: its own ``layers`` list (an activation among them holds no state)."""
+
+    def __init__(self, kinds: str) -> None:
+        super().__init__()
+        self.emb = nn.Linear(2, 2)
+        self.layers = nn.ModuleList(nn.Linear(2, 2) if k == "L" else nn.ReLU() for k in kinds)
+
+
+def test_a_partition_that_does_not_count_the_models_layers_is_refused_on_save_and_resume(tmp_path: Any) -> None:
+    """``pp_layers=(3, 2)`` declared for stages of two layers each stored layers 0, 1, 3, 4 silently (rev58b
+    F4): the checkpoint alone cannot tell a wrong partition from layers without state, so a later load under
+    the right ``(2, 2)`` with ``strict=False`` gave stage 1 another layer. The model's ``layers`` list counts
+    both: refused by name before anything is written or read; a state-less entry still counts."""
+    wrong = smpckpt.ParallelLayout(pp=1, pp_layers=(3,))
+    with pytest.raises(
+        smpckpt.SpecError, match=r"stage 0 holds 3 layers by pp_layers=\(3,\) but the model's 'layers' holds 2"
+    ):
+        save_checkpoint(str(tmp_path), "a", model=_Stage("LL"), layout=wrong)
+    assert not os.listdir(tmp_path)
+    torch.manual_seed(0)
+    saved = _Stage("LRL")  # three entries, one without state: the partition fits
+    save_checkpoint(str(tmp_path), "a", model=saved, layout=wrong)
+    with pytest.raises(smpckpt.SpecError, match=r"the model's 'layers' holds 4 \(layers.0 .. layers.3\)"):
+        resume_from_checkpoint(str(tmp_path), model=_Stage("LRLL"), layout=wrong, strict=False)
+    loaded = _Stage("LRL")
+    resume_from_checkpoint(str(tmp_path), model=loaded, layout=wrong)
+    assert _equal(saved, loaded)

@@ -66,7 +66,7 @@ from smpckpt.storage.tools import check_blocks
 if TYPE_CHECKING:
     from smpckpt.api._fast_save import FastTierPart
 
-__all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered", "refuse_forked"]
+__all__ = ["TierChoice", "Loaded", "choose_tier", "load_tiered", "refuse_forked", "usable_saves"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -139,12 +139,20 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
     # whichever is later in the root's order (sequence number, then save time: a drained copy is the fast
     # copy's manifest, so it ties and the fast copy is taken), for tag=... too: a tag saved again in `path`
     # (overwrite=True by a job without this fast tier) leaves an older save of that tag in the fast tier
-    usable = [c for c in complete if durable is None or durable.order <= c.order]
-    if durable is not None and req.tag is None:
+    return TierChoice(nodes, job, streams, tuple(usable_saves(found, durable, req.tag)), durable)
+
+
+def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
+    """(every rank alike; ``smpckpt ls --local`` too) The complete fast-tier saves a resume may load, newest
+    first: none older than ``path``'s ``durable`` pick, none of another history than ``path``'s newest
+    (``tag=None``: :func:`_same_history`); a newest save that forks from another complete one is refused
+    (:func:`refuse_forked`)."""
+    usable = [c for c in found if c.complete and (durable is None or durable.order <= c.order)]
+    if durable is not None and tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
     if usable:  # tag=X too: two histories may both hold X
         refuse_forked(usable[0], found)
-    return TierChoice(nodes, job, streams, tuple(usable), durable)
+    return usable
 
 
 def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:

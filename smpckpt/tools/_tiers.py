@@ -26,11 +26,12 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from smpckpt.api._fast_resume import refuse_forked
+from smpckpt.api._fast_resume import usable_saves
 from smpckpt.api._resume import resolve_target
 from smpckpt.api._tiers import (
     JOB_PREFIX,
     TIER_KEY,
+    FastCandidate,
     LocalCopy,
     candidates,
     job_dirname,
@@ -185,24 +186,17 @@ def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
 
 def fast_rows(
     dirs: Sequence[str], durable: Sequence[CheckpointRecord], owner: str
-) -> tuple[list[FastRow], list[str], str]:
+) -> tuple[list[FastRow], list[str], list[FastCandidate]]:
     """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
     (then tags no folder committed, by tag), warnings (a folder's manifest that does not parse; several
-    saves of one tag), and why a resume from the newest complete save would be refused as one of two
-    histories (:func:`~smpckpt.api._fast_resume.refuse_forked`; ``""``: it would not)."""
+    saves of one tag), and the saves as a resume sees them over these folders (for :func:`resume_pick`)."""
     manifests: dict[int, bytes] = {}
     views = [scan_local(d, owner, manifests) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
     valid: dict[str, set[int]] = {}
-    found, refusal = candidates(views), ""
-    try:
-        complete = [c for c in found if c.complete]
-        if complete:
-            refuse_forked(complete[0], found)
-    except CheckpointError as exc:
-        refusal = str(exc)
+    found = candidates(views)
     for c in found:  # judged as a resume judges them, over the folders instead of the nodes
         valid.setdefault(c.tag, set()).add(c.digest)
         m = Manifest.from_bytes(manifests[c.digest], where=f"fast-tier manifest of {c.tag!r}")
@@ -251,7 +245,7 @@ def fast_rows(
         )
         holds = {d: len(v[tag].files) if tag in v else 0 for d, v in zip(dirs, views)}
         rows.append(FastRow(tag, state, (), holds, len(files), None, detail=detail))
-    return rows, notes, refusal
+    return rows, notes, found
 
 
 #: states of a folder a resume skips, most telling first (a tag's row shows the first any folder has)
@@ -259,23 +253,21 @@ _UNUSABLE = ("unsafe", "foreign", "corrupt", "unreadable")
 
 
 def resume_pick(
-    rows: Sequence[FastRow], root: str, storage_options: Any, refusal: str = ""
+    rows: Sequence[FastRow], root: str, storage_options: Any, found: list[FastCandidate]
 ) -> tuple[ResumePick | None, str]:
-    """The checkpoint a resume with these folders as its nodes' fast tiers would load (as
-    ``resume_from_checkpoint``: the newest complete fast-tier save unless ``root``'s committed pick
-    was saved strictly later; ``refusal``: :func:`fast_rows`' fork refusal of that save), and a note when
-    there is none."""
-    best = next((r for r in rows if r.state == "complete"), None)
+    """The checkpoint a resume (``tag=None``) with these folders as its nodes' fast tiers would load, judged
+    as it judges (:func:`~smpckpt.api._fast_resume.usable_saves` over :func:`fast_rows`' ``found``), and why
+    there is none when a resume would fail."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the listing warns about 'newest' itself
             durable = resolve_target(root, None, storage_options)
+        usable = usable_saves(found, durable, None)
     except CheckpointError as exc:
         return None, f"a resume would fail: {exc}"
-    if best is not None and (durable is None or durable.order <= best.order):
-        return (
-            (None, f"a resume would fail: {refusal}") if refusal else (ResumePick("fast", best.tag, best.save_id), "")
-        )
+    if usable:
+        best = next(r for r in rows if r.order == usable[0].order and r.tag == usable[0].tag)
+        return ResumePick("fast", best.tag, best.save_id), ""
     if durable is not None:
         return ResumePick("durable", durable.tag, None), ""
     return None, "no complete checkpoint in either tier"

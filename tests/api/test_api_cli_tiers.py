@@ -405,3 +405,26 @@ def test_ls_local_names_no_resume_pick_where_a_resume_refuses_two_histories(tmp_
     assert rc == 0 and "resume: none (a resume would fail: ambiguous resume" in out, out
     with Checkpointer(root, fast_tier=tier) as ckpt, pytest.raises(CheckpointError, match="two histories"):
         ckpt.resume(model=nn.Linear(4, 4))
+
+
+def test_ls_local_names_no_resume_pick_where_path_holds_another_history(tmp_path: Any) -> None:
+    """``ls --local`` named the fast tier's newest save where a resume refuses it: the tiered job saved s1-s5
+    (s3 drained to ``path``), then a job without the fast tier resumed ``path``'s s3 and saved y4 (numbered from
+    ``path`` alone) -- diverged histories (the resume's ``_same_history``; ls applied only the fork check)."""
+    from smpckpt import Checkpointer, FastTier
+    from smpckpt.errors import CheckpointError
+
+    root, fast = str(tmp_path / "durable"), str(tmp_path / "fast")
+    tier = FastTier(local_path=fast, replicas=1, durable_every=3, num_kept_local=None)
+    torch.manual_seed(0)
+    with Checkpointer(root, fast_tier=tier) as tiered:
+        for step in range(1, 6):
+            tiered.save(f"s{step}", nn.Linear(4, 4))
+    with Checkpointer(root) as plain:
+        plain.resume(model=nn.Linear(4, 4))
+        plain.save("y4", nn.Linear(4, 4))
+    assert _manifest(os.path.join(root, "y4_partial")).extra["sequence"] == 4
+    rc, out, _ = _run("ls", root, "--local", fast)
+    assert rc == 0 and "resume: none (a resume would fail: ambiguous resume" in out, out
+    with Checkpointer(root, fast_tier=tier) as ckpt, pytest.raises(CheckpointError, match="diverged histories"):
+        ckpt.resume(model=nn.Linear(4, 4))

@@ -320,8 +320,10 @@ class KeyMapper:
         model's module names (``named_modules(remove_duplicate=False)``), against its partition. State keys
         cannot tell a wrong ``pp_layers`` (``(3, 2)`` for stages of two layers each stores layers 0, 1, 3, 4:
         a later load under the right one gives stage 1 another layer) from layers without state (an
-        activation in the list); the container counts both. Checked only for one outermost ``layers``
-        container of numbered children (several, or none: nothing to count)."""
+        activation in the list); the container counts both. Every outermost ``layers`` container of
+        numbered children is checked: the rule renumbers each (a second list, such as a head's
+        ``head.layers`` on the last stage, is shifted by the stage's offset too, and another partition would
+        read it one entry off: a name_map is the way)."""
         if self._count is None or self.name_map is not None:
             return
         held: dict[str, set[int]] = {}
@@ -329,15 +331,15 @@ class KeyMapper:
             head, _, last = name.rpartition(".")
             if last.isdigit() and (head == "layers" or head.endswith(".layers")) and not _LAYER.search(head):
                 held.setdefault(head, set()).add(int(last))
-        if len(held) != 1:
-            return
-        ((container, numbers),) = held.items()
-        if numbers != set(range(self._count)):
-            raise SpecError(
-                f"stage {self.pp_rank} holds {self._count} layers by pp_layers={self.layout.pp_layers} but the "
-                f"model's {container!r} holds {len(numbers)} ({container}.{min(numbers)} .. {container}."
-                f"{max(numbers)}): give each stage's own layer count (the partition decision), or a name_map"
-            )
+        for container, numbers in held.items():
+            if numbers != set(range(self._count)):
+                others = f" (it holds {len(held)} `layers` lists: {', '.join(sorted(held))})" if len(held) > 1 else ""
+                raise SpecError(
+                    f"stage {self.pp_rank} holds {self._count} layers by pp_layers={self.layout.pp_layers} but the "
+                    f"model's {container!r} holds {len(numbers)} ({container}.{min(numbers)} .. {container}."
+                    f"{max(numbers)}){others}: give each stage's own layer count (the partition decision), or a "
+                    "name_map naming each key's global name"
+                )
 
     @staticmethod
     def layer_numbers(keys: Iterable[str]) -> set[int]:

@@ -648,3 +648,28 @@ def test_a_partition_that_does_not_count_the_models_layers_is_refused_on_save_an
     loaded = _Stage("LRL")
     resume_from_checkpoint(str(tmp_path), model=loaded, layout=wrong)
     assert _equal(saved, loaded)
+
+
+def test_a_second_layers_list_that_the_partition_would_shift_is_refused() -> None:
+    """A head's own ``head.layers`` list beside the stage's ``layers``: the rule shifts both by the stage's
+    offset, so under another partition the head would be read an entry off (non-strict): refused by name
+    unless it holds exactly the stage's count; nested lists inside a layer are the layer's own."""
+    from smpckpt.model.layout import KeyMapper
+
+    class Headed(_Stage):
+        def __init__(self, head: int) -> None:
+            super().__init__("LL")
+            self.head = nn.Module()
+            self.head.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(head))
+            self.layers[0].inner = nn.Module()
+            self.layers[0].inner.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+
+    mapper = KeyMapper(smpckpt.ParallelLayout(pp=2, pp_layers=(2, 2)), 1)
+    with pytest.raises(
+        smpckpt.SpecError, match=r"model's 'head.layers' holds 1 .* 2 `layers` lists: head.layers, layers"
+    ):
+        mapper.check_model_layers(n for n, _ in Headed(1).named_modules(remove_duplicate=False))
+    mapper.check_model_layers(n for n, _ in Headed(2).named_modules(remove_duplicate=False))
+    mapper.check_model_layers(n for n, _ in _Stage("LR").named_modules(remove_duplicate=False))
+    with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
+        mapper.check_model_layers(n for n, _ in _Stage("LRL").named_modules(remove_duplicate=False))

@@ -309,7 +309,11 @@ class Checkpointer:
             checked_model, optimizers = check_state(model, optimizer)
             if checked_model is not None:
                 mapper = KeyMapper(self.layout, self.layout.coords(ctx.rank).pp, self.sharding.name_map)
-                mapper.check_model_layers(name for name, _ in checked_model.named_modules(remove_duplicate=False))
+                states = [n for n, _ in checked_model.named_parameters(remove_duplicate=False)]
+                states += [n for n, _ in checked_model.named_buffers(remove_duplicate=False)]
+                mapper.check_model_layers(
+                    [n for n, _ in checked_model.named_modules(remove_duplicate=False)] + states, states
+                )
             common = CommonRequest(
                 root=self.location.path,
                 model=checked_model,

@@ -258,6 +258,8 @@ FULL_ARTIFACTS = MappingProxyType({f"{RESERVED.model}.": "model", OPTIM_STATE_PR
 NameMap = Callable[[str], str]
 
 _LAYER = re.compile(r"(?:(?<=^)|(?<=\.))layers\.(\d+)(?=\.|$)")
+#: path segments of module wrappers, which state dicts leave out (activation checkpointing, FSDP1, compile)
+_WRAPPERS = re.compile(r"(?:^|\.)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)(?=\.|$)")
 
 
 class KeyMapper:
@@ -315,31 +317,42 @@ class KeyMapper:
             return ()
         return tuple(sorted(set(range(self._count)) - self._layers_seen))
 
-    def check_model_layers(self, module_names: Iterable[str]) -> None:
-        """(every rank, before a save or resume through the API) The stage's ``layers`` container, from the
-        model's module names (``named_modules(remove_duplicate=False)``), against its partition. State keys
-        cannot tell a wrong ``pp_layers`` (``(3, 2)`` for stages of two layers each stores layers 0, 1, 3, 4:
-        a later load under the right one gives stage 1 another layer) from layers without state (an
-        activation in the list); the container counts both. Every outermost ``layers`` container of
-        numbered children is checked: the rule renumbers each (a second list, such as a head's
-        ``head.layers`` on the last stage, is shifted by the stage's offset too, and another partition would
-        read it one entry off: a name_map is the way)."""
+    def check_model_layers(self, model_names: Iterable[str], state_names: Iterable[str]) -> None:
+        """(every rank, before a save or resume through the API) The stage's ``layers`` lists against its
+        partition, from the model's module and parameter names (``model_names``; wrapper segments such as
+        ``_checkpoint_wrapped_module`` dropped, as the state dict drops them) and the names its state is
+        saved under (``state_names``: a list none of whose entries holds state renames nothing).
+
+        State keys cannot tell a wrong ``pp_layers`` (``(3, 2)`` for stages of two layers each stores
+        layers 0, 1, 3, 4: a later load under the right one gives stage 1 another layer) from layers
+        without state (an activation in the list); a list counts both. The rule renumbers every list:
+        past the first stage, each must hold the stage's count exactly (a head's own ``head.layers`` is
+        shifted too, and another partition would read it an entry off: a name_map is the way); at offset 0
+        nothing is shifted, so one list holding the count is enough (a vision tower's ``layers`` beside the
+        text layers)."""
         if self._count is None or self.name_map is not None:
             return
         held: dict[str, set[int]] = {}
-        for name in module_names:
-            head, _, last = name.rpartition(".")
+        for name in model_names:
+            head, _, last = _WRAPPERS.sub("", name).lstrip(".").rpartition(".")
             if last.isdigit() and (head == "layers" or head.endswith(".layers")) and not _LAYER.search(head):
                 held.setdefault(head, set()).add(int(last))
-        for container, numbers in held.items():
-            if numbers != set(range(self._count)):
-                others = f" (it holds {len(held)} `layers` lists: {', '.join(sorted(held))})" if len(held) > 1 else ""
-                raise SpecError(
-                    f"stage {self.pp_rank} holds {self._count} layers by pp_layers={self.layout.pp_layers} but the "
-                    f"model's {container!r} holds {len(numbers)} ({container}.{min(numbers)} .. {container}."
-                    f"{max(numbers)}){others}: give each stage's own layer count (the partition decision), or a "
-                    "name_map naming each key's global name"
-                )
+        stateful = set()
+        for name in state_names:
+            if (m := _LAYER.search(key := _WRAPPERS.sub("", name).lstrip("."))) is not None:
+                stateful.add(key[: m.start() + len("layers")])
+        lists = {c: numbers for c, numbers in held.items() if c in stateful}
+        wrong = [c for c, numbers in lists.items() if numbers != set(range(self._count))]
+        if not wrong or (self._offset == 0 and len(wrong) < len(lists)):
+            return
+        container, numbers = wrong[0], lists[wrong[0]]
+        others = f" (it holds {len(lists)} `layers` lists: {', '.join(sorted(lists))})" if len(lists) > 1 else ""
+        raise SpecError(
+            f"stage {self.pp_rank} holds {self._count} layers by pp_layers={self.layout.pp_layers} but the "
+            f"model's {container!r} holds {len(numbers)} ({container}.{min(numbers)} .. {container}."
+            f"{max(numbers)}){others}: give each stage's own layer count (the partition decision), or a "
+            "name_map naming each key's global name"
+        )
 
     @staticmethod
     def layer_numbers(keys: Iterable[str]) -> set[int]:

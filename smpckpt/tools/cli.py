@@ -103,6 +103,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "other_jobs": [job.to_json() for job in others],
             }
             doc["resume"] = dataclasses.asdict(pick) if pick is not None else None
+            doc["resume_none_because"] = why or None  # a refusal is no empty tier (rev59 F5)
         json.dump(doc, out, indent=1)
         out.write("\n")
         return 0

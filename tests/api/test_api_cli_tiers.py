@@ -426,5 +426,7 @@ def test_ls_local_names_no_resume_pick_where_path_holds_another_history(tmp_path
     assert _manifest(os.path.join(root, "y4_partial")).extra["sequence"] == 4
     rc, out, _ = _run("ls", root, "--local", fast)
     assert rc == 0 and "resume: none (a resume would fail: ambiguous resume" in out, out
+    doc = json.loads(_run("ls", root, "--local", fast, "--json")[1])
+    assert doc["resume"] is None and "diverged histories" in doc["resume_none_because"]
     with Checkpointer(root, fast_tier=tier) as ckpt, pytest.raises(CheckpointError, match="diverged histories"):
         ckpt.resume(model=nn.Linear(4, 4))

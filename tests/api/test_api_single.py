@@ -650,26 +650,49 @@ def test_a_partition_that_does_not_count_the_models_layers_is_refused_on_save_an
     assert _equal(saved, loaded)
 
 
-def test_a_second_layers_list_that_the_partition_would_shift_is_refused() -> None:
-    """A head's own ``head.layers`` list beside the stage's ``layers``: the rule shifts both by the stage's
-    offset, so under another partition the head would be read an entry off (non-strict): refused by name
-    unless it holds exactly the stage's count; nested lists inside a layer are the layer's own."""
+def test_the_partition_check_counts_every_layers_list_that_the_rule_renumbers() -> None:
+    """Past the first stage every ``layers`` list holding state must hold the stage's count (a head's own
+    ``head.layers`` is shifted by the rule too: under another partition it would be read an entry off); at
+    offset 0 nothing shifts, so one list holding the count is enough (a vision tower beside the text
+    layers, rev59 F1); a list without state renames nothing (rev59 F2); wrapped lists and parameter lists
+    count (rev59 F3); lists nested in a layer are the layer's own."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     from smpckpt.model.layout import KeyMapper
 
-    class Headed(_Stage):
-        def __init__(self, head: int) -> None:
-            super().__init__("LL")
-            self.head = nn.Module()
-            self.head.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(head))
-            self.layers[0].inner = nn.Module()
-            self.layers[0].inner.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+    def check(model: nn.Module, stage: int, layers: tuple[int, ...] = (2, 2)) -> None:
+        states = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        names = [n for n, _ in model.named_modules(remove_duplicate=False)] + states
+        KeyMapper(smpckpt.ParallelLayout(pp=len(layers), pp_layers=layers), stage).check_model_layers(names, states)
 
-    mapper = KeyMapper(smpckpt.ParallelLayout(pp=2, pp_layers=(2, 2)), 1)
+    def headed(head: int, kinds: str = "LL") -> nn.Module:
+        model = _Stage(kinds)
+        model.head = nn.Module()
+        model.head.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(head))
+        model.layers[0].inner = nn.Module()
+        model.layers[0].inner.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+        return model
+
     with pytest.raises(
         smpckpt.SpecError, match=r"model's 'head.layers' holds 1 .* 2 `layers` lists: head.layers, layers"
     ):
-        mapper.check_model_layers(n for n, _ in Headed(1).named_modules(remove_duplicate=False))
-    mapper.check_model_layers(n for n, _ in Headed(2).named_modules(remove_duplicate=False))
-    mapper.check_model_layers(n for n, _ in _Stage("LR").named_modules(remove_duplicate=False))
+        check(headed(1), 1)
+    check(headed(2), 1)
+    check(headed(1), 0)  # offset 0: nothing shifts; `layers` holds the count
+    with pytest.raises(smpckpt.SpecError, match=r"stage 0 holds 3 layers"):
+        check(headed(1), 0, (3, 1))  # neither list holds the count
+    check(_Stage("LR"), 1)
     with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
-        mapper.check_model_layers(n for n, _ in _Stage("LRL").named_modules(remove_duplicate=False))
+        check(_Stage("LRL"), 1)
+    pooled = _Stage("LL")
+    pooled.pool = nn.Module()
+    pooled.pool.layers = nn.ModuleList(nn.ReLU() for _ in range(3))
+    check(pooled, 1)
+    wrapped = _Stage("")
+    wrapped.layers = checkpoint_wrapper(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
+        check(wrapped, 1)
+    listed = _Stage("")
+    listed.layers = nn.ParameterList(nn.Parameter(torch.zeros(2)) for _ in range(3))
+    with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
+        check(listed, 1)

@@ -337,11 +337,17 @@ class KeyMapper:
             head, _, last = _WRAPPERS.sub("", name).lstrip(".").rpartition(".")
             if last.isdigit() and (head == "layers" or head.endswith(".layers")) and not _LAYER.search(head):
                 held.setdefault(head, set()).add(int(last))
-        stateful = set()
+        stateful, state_names = set(), list(state_names)
         for name in state_names:
             if (m := _LAYER.search(key := _WRAPPERS.sub("", name).lstrip("."))) is not None:
                 stateful.add(key[: m.start() + len("layers")])
         lists = {c: numbers for c, numbers in held.items() if c in stateful}
+        if self._count and not stateful and state_names:  # no list (GPT-2's `h`): nothing renamed
+            raise SpecError(
+                f"stage {self.pp_rank} holds {self._count} layers by pp_layers={self.layout.pp_layers} but the "
+                "model has no `layers` list holding state, so the rule renames no key and the stages' layers "
+                "would be saved under one another's names: pass a name_map giving each key's global name"
+            )
         wrong = [c for c, numbers in lists.items() if numbers != set(range(self._count))]
         if not wrong or (self._offset == 0 and len(wrong) < len(lists)):
             return

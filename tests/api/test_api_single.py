@@ -692,6 +692,12 @@ def test_the_partition_check_counts_every_layers_list_that_the_rule_renumbers() 
     wrapped.layers = checkpoint_wrapper(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))
     with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
         check(wrapped, 1)
+    gpt2 = nn.Module()
+    gpt2.h = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    with pytest.raises(smpckpt.SpecError, match=r"no `layers` list holding state, so the rule renames no key"):
+        check(gpt2, 1)
+    check(gpt2, 1, (2, 0))  # a stage of no layers
+    check(nn.Module(), 1)  # no state at all
     listed = _Stage("")
     listed.layers = nn.ParameterList(nn.Parameter(torch.zeros(2)) for _ in range(3))
     with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):

@@ -296,10 +296,10 @@ def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monke
     """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
     an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty
     now; the fast tier still holds the tag, and the next save drains."""
-    import smpckpt.api._fast_save as fast_save
+    import smpckpt.api._drain as drain_module
 
     durable, local = tmp_path / "durable", tmp_path / "fast"
-    real, calls = fast_save.open_sink, []
+    real, calls = drain_module.open_sink, []
 
     def disk_full_once(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
@@ -307,7 +307,7 @@ def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monke
             raise OSError(28, "injected: no space left on the durable storage")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fast_save, "open_sink", disk_full_once)
+    monkeypatch.setattr(drain_module, "open_sink", disk_full_once)
     m1, m2 = _linear(1), _linear(2)
     save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
     with pytest.raises(CheckpointError, match="no space left on the durable storage; it is still in the fast tier"):
@@ -326,21 +326,21 @@ def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypa
     copied it unchecked, committed it as the durable copy and pointed ``newest`` at it -- and the fast
     tier's retention would then remove the intact copies (a peer's replica). Each file is checked against
     its manifest's block checksums before it is copied: the drain fails, ``path`` holds nothing of it."""
-    import smpckpt.api._fast_save as fast_save
+    import smpckpt.api._drain as drain_module
 
     durable, local = tmp_path / "durable", tmp_path / "fast"
-    real, flipped = fast_save.check_before_drain, []
+    real, flipped = drain_module.check_blocks, []
 
-    def damaged_first(source: str, rec: Any, tag: str) -> None:
+    def damaged_first(fs: Any, fpath: str, *args: Any, **kwargs: Any) -> bool:
         if not flipped:
-            target = Path(source) / rec.name
+            target = Path(fpath)
             data = bytearray(target.read_bytes())
             data[len(data) // 2] ^= 0xFF
             target.write_bytes(bytes(data))
-            flipped.append(rec.name)
-        real(source, rec, tag)
+            flipped.append(target.name)
+        return bool(real(fs, fpath, *args, **kwargs))
 
-    monkeypatch.setattr(fast_save, "check_before_drain", damaged_first)
+    monkeypatch.setattr(drain_module, "check_blocks", damaged_first)
     save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1)
     with pytest.raises(CheckpointError, match=r"the drain of 's1' copies nothing damaged: .*checksum mismatch"):
         wait_for_saves()
@@ -358,17 +358,17 @@ def test_a_drain_finishing_after_two_more_saves_removes_neither(
     newest save was removed (rev58b F1). Held here by ``publish_newest`` waiting until both committed."""
     import threading
 
-    import smpckpt.api._fast_save as fast_save
+    import smpckpt.api._drain as drain_module
 
     durable, release = tmp_path / "durable", threading.Event()
-    real = fast_save.publish_newest
+    real = drain_module.publish_newest
 
     def held(*args: Any, **kwargs: Any) -> Any:
         if not release.wait(60):
             raise RuntimeError("the test never released the drain")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fast_save, "publish_newest", held)
+    monkeypatch.setattr(drain_module, "publish_newest", held)
     fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=3, num_kept_local=2)
     models = {s: _linear(s) for s in range(1, 6)}
     with Checkpointer(durable, fast_tier=fast) as c:
@@ -784,6 +784,35 @@ def test_a_corrupt_fast_tier_file_heals_from_a_peer_then_the_next_save(
 
 
 @pytest.mark.dist
+def test_a_drain_copies_a_damaged_file_from_a_peers_intact_replica_and_fails_only_when_none_is(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """rev58b F6: the drain copied each file from the rank that wrote it; a damaged copy there failed the
+    drain, and every retry failed alike (a peer's intact replica was never tried) until a resume healed
+    it. Now a copy that fails the check is taken from the next node holding the file; only when no node
+    holds it intact does the drain fail, naming the file, the tag and every node tried; nothing of it in
+    ``path``; the fast tier keeps the save."""
+    for rank, r in enumerate(cases[1]):
+        got = r["replica"]
+        assert got["save1"] == "ok None", (rank, got)
+        assert "injected: no space left on path's storage" in got["save2"], (rank, got)
+        assert got["save3"] == "ok None", (rank, got)  # step2 drained, its damaged file from node 1
+        assert got["from_path"] == "ok {'uc': {'step': 2}, 'exact': True}", (rank, got)
+        assert "injected: no space left on path's storage" in got["save4"], (rank, got)
+        said, victim = got["save5"], got["victim4"]
+        assert f"the drain of 'step4' copies nothing damaged: no fast tier holds an intact copy of {victim}" in said
+        assert "held by node(s) 0, 1; tried node 0 (ranks 0..1): " in said and "; node 1 (ranks 2..3): " in said, said
+        assert said.count("checksum mismatch") == 2, said
+        assert got["durable"] == ["newest", "step2_partial"], (rank, got)  # nothing of step4
+        assert got["newest"] == "ok b'step2'", (rank, got)
+        assert got["fast"] == [["step4_partial", "step5_partial"]] * 2, (rank, got)  # step4 kept, on both nodes
+        assert got["step4_kept"] == [True, True], (rank, got)
+    first = cases[1][0]["replica"]
+    assert (first["victim_intact"], first["verify"]) == ("ok True", "ok ()"), first
+    assert any("the drain of 'step2' copied 1 file(s) from a peer's intact replica" in w for w in first["warnings"])
+
+
+@pytest.mark.dist
 def test_a_node_back_with_an_older_save_of_the_tag_still_loads_the_newer(
     cases: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -866,3 +895,21 @@ def test_lineage_skips_what_the_job_saw_and_left_and_ends_at_path() -> None:
     assert (x5.lineage, c6.lineage) == ((), (1005,))
     back = [{"x5": x5, "c6": c6, "c3": copy(3), "a4": copy(4)}]
     refuse_forked(candidates(back)[0], candidates(back))
+
+
+def test_the_drain_takes_each_file_from_its_writer_then_from_a_replica_node_not_tried() -> None:
+    """(pure logic, rev58b F6) 3 nodes x 2 ranks, replicas=2: node n holds its own ranks' files and node
+    n - 1's. A file goes to the rank that wrote it; once its node's copy failed, to the least loaded rank of
+    the other node holding it (never the writer's node again); once both failed, to nobody."""
+    from smpckpt.api._drain import copiers, holders_of
+    from smpckpt.api._tiers import Nodes
+    from smpckpt.storage.format.manifest import FileRecord
+
+    files = [FileRecord(f"r{r}", 10, r, (10,), (0,)) for r in range(6)]
+    holders = holders_of(files, Nodes(2, 6, 0), 2, None)
+    assert holders["r0"] == (0, 1, 2, 3) and holders["r5"] == (0, 1, 4, 5), holders
+    assert copiers(files, holders, 2) == {f"r{r}": r for r in range(6)}
+    assert copiers(files[:2], holders, 2, {"r0": {0}, "r1": {0}}) == {"r0": 2, "r1": 3}  # spread over node 1
+    assert copiers(files[:1], holders, 2, {"r0": {0, 1}}) == {}
+    retried = {"r4": (4, 5)}  # a retried drain: the listing's holders (node 2 only)
+    assert copiers(files[4:5], retried, 2) == {"r4": 4} and copiers(files[4:5], retried, 2, {"r4": {2}}) == {}

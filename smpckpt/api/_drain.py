@@ -12,9 +12,10 @@ Checkpointer's drain lane, committed there as any partial checkpoint (same files
 Which copy of a file is drained: every file has its holders (the ranks whose node's fast tier holds it:
 the writer's node and its replica nodes right after the save; the nodes' listings for a retried drain).
 A round assigns each file still to copy to one holder (:func:`copiers`: the rank that wrote it while its
-node's copy has not failed, else the least loaded rank of a node not yet tried), each copier checks its
-node's copy against the manifest's block checksums and copies it only when every block matches, and one
-gather of the round's outcome (the one agreement the copy always had) tells every rank which files failed
+node's copy has not failed, else the least loaded rank of a node not yet tried), each copier reads its
+node's copy once, checking each run of blocks against the manifest's checksums before writing it to
+``path`` (a mismatch aborts that file there: removed, an S3 upload aborted, before anything commits), and
+one gather of the round's outcome (the one agreement the copy always had) tells every rank which files failed
 on which node: the next round gives those to other nodes. One round when nothing is damaged; a round more
 per damaged copy at most (a node is tried once per file). A file no holder has intact fails the drain,
 naming the file, the tag and every node tried, with each one's problem.
@@ -60,7 +61,7 @@ __all__ = ["drain", "copiers", "holders_of"]
 
 log = logging.getLogger("smpckpt.api")
 
-_PART = DEFAULT_PART_SIZE  # bytes per read from the fast tier and per S3 part (the writers' default part size)
+_PART = DEFAULT_PART_SIZE  # bytes per S3 part of a durable copy (the writers' default part size)
 # files copied at once: local and shared filesystems gain little beyond a few streams; object stores
 # want many requests in flight (the fast tier sized these files to about one request each)
 _FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
@@ -119,27 +120,42 @@ class _Copies:
     attempted: list[str] = dataclasses.field(default_factory=list)
 
     def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
-        """This node's copy of ``rec`` checked, then copied; the problem with it instead (nothing written)
-        when a block does not match or it cannot be read. An error writing ``path`` is raised."""
+        """This node's copy of ``rec`` copied as it is checked against the manifest's block checksums (one
+        read: ``check_blocks`` hands on each run of bytes once its blocks matched); the problem with it
+        instead when a block does not match or it cannot be read -- the partial durable file aborted (an S3
+        upload too), so nothing damaged is committed and the next holder's copy can take the name. An
+        error writing ``path`` is raised."""
         src, problems = os.path.join(self.source, rec.name), list[str]()
-        try:  # never commit a damaged copy as the durable one: a peer's replica may be intact
-            if not check_blocks(open_fs(self.source)[0], src, rec, src, problems, lambda _: None):
-                return "; ".join(problems[:2]) or f"{src}: damaged"
-        except (OSError, CheckpointError) as exc:
-            return f"{src}: {type(exc).__name__}: {exc}"
         # create-only, in the folder opened without following links (storage/backends/_folder.py)
         sink = open_sink(
             self.fs, join(self.path, rec.name), sync=self.sync, part_size=_PART, max_parts_in_flight=2, folder=folder
         )
+        failed_writing: list[BaseException] = []  # path's storage failed: the drain fails, no fallback
+
+        def write(data: memoryview) -> None:
+            try:
+                sink.write(data)
+            except BaseException as exc:
+                failed_writing.append(exc)
+                raise
+
+        problem = None
         try:
-            with open(src, "rb") as f:
-                while chunk := f.read(_PART):
-                    sink.write(memoryview(chunk))
-            sink.commit()
+            try:
+                if not check_blocks(open_fs(self.source)[0], src, rec, src, problems, lambda _: None, copy_to=write):
+                    problem = "; ".join(problems[:2]) or f"{src}: damaged"
+            except (OSError, CheckpointError) as exc:
+                if failed_writing:
+                    raise
+                problem = f"{src}: {type(exc).__name__}: {exc}"
+            if problem is None:
+                sink.commit()
+                return None
         except BaseException:
             sink.abort()
             raise
-        return None
+        sink.abort()  # never commit a damaged copy as the durable one: a peer's replica may be intact
+        return problem
 
     def copy_round(self, mine: list[FileRecord]) -> dict[str, str]:
         """This rank's files of one round, several at once; file -> problem, for the copies that failed."""

@@ -325,7 +325,7 @@ def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypa
     """A byte of a fast-tier data file changed between the save and its drain (a failing disk): the drain
     copied it unchecked, committed it as the durable copy and pointed ``newest`` at it -- and the fast
     tier's retention would then remove the intact copies (a peer's replica). Each file is checked against
-    its manifest's block checksums before it is copied: the drain fails, ``path`` holds nothing of it."""
+    its manifest's block checksums as it is copied: the drain fails, ``path`` holds nothing of it."""
     import smpckpt.api._drain as drain_module
 
     durable, local = tmp_path / "durable", tmp_path / "fast"
@@ -346,6 +346,117 @@ def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypa
         wait_for_saves()
     assert flipped and sorted(p.name for p in durable.iterdir()) == []  # no copy, no newest
     assert (_job(local, durable) / "s1_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps the save
+
+
+class _SpySink:
+    """A drain's sink as it is, counting the bytes handed to it and whether it was aborted."""
+
+    def __init__(self, sink: Any, seen: dict[str, int]) -> None:
+        self.sink, self.seen, self.borrows = sink, seen, sink.borrows
+
+    def write(self, data: memoryview) -> None:
+        self.seen["written"] += len(data)
+        self.sink.write(data)
+
+    def commit(self) -> None:
+        self.sink.commit()
+
+    def abort(self) -> None:
+        self.seen["aborted"] += 1
+        self.sink.abort()
+
+
+def _damage_late_in_the_first_file_drained(monkeypatch: pytest.MonkeyPatch, seen: dict[str, int]) -> None:
+    """Before the drain reads its first file, a byte of its last block changes; every sink is spied on."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+
+    real_check, real_open, lock = drain_module.check_blocks, drain_module.open_sink, threading.Lock()
+
+    def damaged_first(fs: Any, fpath: str, rec: Any, *args: Any, **kwargs: Any) -> bool:
+        with lock:  # the drain copies several files at once
+            if not seen["flipped"]:
+                target = Path(fpath)
+                data = bytearray(target.read_bytes())
+                data[rec.block_ends[-1] - 3] ^= 0xFF
+                target.write_bytes(bytes(data))
+                seen["flipped"] = 1
+        return bool(real_check(fs, fpath, rec, *args, **kwargs))
+
+    monkeypatch.setattr(drain_module, "check_blocks", damaged_first)
+    monkeypatch.setattr(drain_module, "open_sink", lambda *a, **kw: _SpySink(real_open(*a, **kw), seen))
+
+
+def test_the_drain_reads_each_file_once_and_removes_a_copy_found_damaged_mid_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain read each fast-tier file twice, the check and then the copy (+50 % drain time): now once,
+    each run of blocks written to ``path`` once its checksums matched. A mismatch further on (here in the
+    last block, after most of the file was written) aborts the partial durable file: nothing of the save
+    in ``path``; the fast tier keeps it."""
+    import builtins
+
+    import smpckpt.storage.tools as tools
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    monkeypatch.setattr(tools, "_READ_CHUNK", 64 << 10)  # a 1 MiB file is checked (and copied) in 16 runs
+    real_open, opened = builtins.open, []
+
+    def counting(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if str(file).startswith(str(local)) and str(file).endswith(".distcp") and "r" in mode:
+            opened.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    torch.manual_seed(3)
+    m1, m2 = nn.Linear(512, 512), nn.Linear(512, 512)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
+    wait_for_saves()
+    names = [n for n in os.listdir(durable / "s1_partial") if n.endswith(".distcp")]
+    assert sorted(Path(p).name for p in opened) == sorted(names) and names, opened  # one read per file
+    monkeypatch.setattr(builtins, "open", real_open)
+    got = nn.Linear(512, 512)
+    resume_from_checkpoint(durable, model=got)  # path alone: bit-exact
+    assert _same(got, m1)
+
+    seen = {"written": 0, "aborted": 0, "flipped": 0}
+    _damage_late_in_the_first_file_drained(monkeypatch, seen)
+    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)
+    with pytest.raises(CheckpointError, match=r"the drain of 's2' copies nothing damaged: .*checksum mismatch"):
+        wait_for_saves()
+    assert seen["flipped"] and seen["aborted"] == 1 and seen["written"] >= 1 << 19, seen  # half written first
+    assert sorted(p.name for p in durable.iterdir()) == ["newest", "s1_partial"]  # nothing of s2
+    assert (_job(local, durable) / "s2_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps it
+
+
+def test_a_drain_to_s3_found_damaged_mid_way_aborts_its_upload(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 as ``path``: the copy of a file found damaged after a part was uploaded aborts its multipart
+    upload (none left billing) and leaves no object of the save."""
+    import s3fs
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.storage.tools as tools
+    from smpckpt.storage.backends._sinks import MIN_PART_SIZE
+
+    root, options = s3_root
+    monkeypatch.setattr(tools, "_READ_CHUNK", 1 << 20)
+    monkeypatch.setattr(drain_module, "_PART", MIN_PART_SIZE)  # a part is uploaded before the last block
+    seen = {"written": 0, "aborted": 0, "flipped": 0}
+    _damage_late_in_the_first_file_drained(monkeypatch, seen)
+    torch.manual_seed(4)
+    save_checkpoint(
+        root, "s1", model=nn.Linear(1536, 1536), local_path=tmp_path / "fast", replicas=1, storage_options=options
+    )
+    with pytest.raises(CheckpointError, match=r"the drain of 's1' copies nothing damaged: .*checksum mismatch"):
+        wait_for_saves()
+    assert seen["flipped"] and seen["aborted"] == 1 and seen["written"] > MIN_PART_SIZE, seen
+    fs = s3fs.S3FileSystem(**options)
+    bucket, prefix = root[len("s3://") :].split("/", 1)
+    assert fs.find(f"{bucket}/{prefix}/s1_partial") == []
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
 
 
 def test_a_drain_finishing_after_two_more_saves_removes_neither(

@@ -908,6 +908,7 @@ def test_a_drain_copies_a_damaged_file_from_a_peers_intact_replica_and_fails_onl
         assert got["save1"] == "ok None", (rank, got)
         assert "injected: no space left on path's storage" in got["save2"], (rank, got)
         assert got["save3"] == "ok None", (rank, got)  # step2 drained, its damaged file from node 1
+        assert got["victim_units"] > 1, got  # node 0's copy failed after its first blocks were copied
         assert got["from_path"] == "ok {'uc': {'step': 2}, 'exact': True}", (rank, got)
         assert "injected: no space left on path's storage" in got["save4"], (rank, got)
         said, victim = got["save5"], got["victim4"]
@@ -919,6 +920,7 @@ def test_a_drain_copies_a_damaged_file_from_a_peers_intact_replica_and_fails_onl
         assert got["fast"] == [["step4_partial", "step5_partial"]] * 2, (rank, got)  # step4 kept, on both nodes
         assert got["step4_kept"] == [True, True], (rank, got)
     first = cases[1][0]["replica"]
+    assert first["partial"]["aborted"] == 1 and first["partial"]["written"] > 0, first  # node 0's copy: begun, aborted
     assert (first["victim_intact"], first["verify"]) == ("ok True", "ok ()"), first
     assert any("the drain of 'step2' copied 1 file(s) from a peer's intact replica" in w for w in first["warnings"])
 

@@ -163,9 +163,9 @@ def unsafe_folders(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- 4: replicas that heal ------------------------------------------------------------------------------
-def _flip(path: str) -> None:
+def _flip(path: str, at: int | None = None) -> None:
     data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0xFF
+    data[len(data) // 2 if at is None else at] ^= 0xFF
     with open(path, "wb") as f:
         f.write(bytes(data))
 
@@ -443,34 +443,60 @@ def _read(folder: str, name: str) -> bytes:
 
 def drain_from_a_replica(rank: int, world: int, base: str) -> dict[str, Any]:
     """replicas=2 (each node holds every file), durable_every=2. step2's drain fails (``path``'s storage
-    refuses rank 0's first file: injected); a byte of node 0's copy of a file rank 0 wrote is flipped; step3
-    drains step2 again: it must come from node 1's intact replica (it came from rank 0's damaged copy,
+    refuses rank 0's first file: injected); a byte of the last block of node 0's copy of a file rank 0
+    wrote is flipped; step3 drains step2 again, its copy of that file failing after its first blocks were
+    written to ``path`` (each unit is read alone here): it must come from node 1's intact replica (it came from rank 0's damaged copy,
     so every retry failed until a resume healed it). Then step4's drain fails alike, and the same byte of
     BOTH nodes' copies of a step4 file is flipped: step5's retry fails naming the file and both nodes,
     ``path`` gets nothing of step4, and the fast tier keeps it."""
     import errno
 
     import smpckpt.api._drain as drain_module
+    import smpckpt.storage.tools as tools
     from smpckpt.storage import Manifest, verify_checkpoint
+    from smpckpt.storage.format.manifest import FileRecord
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     kw: dict[str, Any] = dict(replicas=2, durable_every=2)
     refuse, real_open_sink = {"step2", "step4"}, drain_module.open_sink
+    real_chunk = tools._READ_CHUNK
+    tools._READ_CHUNK = 1  # each check unit read (and copied) alone: a copy can fail after it began
+
+    partial = {"written": 0, "aborted": 0}  # rank 0's copies of step2 in path: what went before an abort
+
+    class Counted:
+        def __init__(self, sink: Any) -> None:
+            self.sink, self.borrows = sink, sink.borrows
+
+        def write(self, data: memoryview) -> None:
+            partial["written"] += len(data)
+            self.sink.write(data)
+
+        def commit(self) -> None:
+            self.sink.commit()
+
+        def abort(self) -> None:
+            partial["aborted"] += 1
+            self.sink.abort()
 
     def refusing(fs: Any, path: str, **kws: Any) -> Any:  # each tag's first drain, once, on rank 0
         tag = next((t for t in sorted(refuse) if f"{t}_partial" in path), None)
         if tag is not None:
             refuse.discard(tag)
             raise OSError(errno.ENOSPC, "injected: no space left on path's storage", path)
-        return real_open_sink(fs, path, **kws)
+        sink = real_open_sink(fs, path, **kws)
+        return Counted(sink) if victim and "step2_partial" in path and path.endswith(victim) else sink
 
-    def victim_of(step: int) -> str:
+    def victim_of(step: int) -> FileRecord:
+        """Rank 0's file of the most check units (the first of them)."""
         with open(os.path.join(node0, f"step{step}_partial", MANIFEST), "rb") as f:
-            return min(r.name for r in Manifest.from_bytes(f.read()).files if r.rank == 0)
+            mine = [r for r in Manifest.from_bytes(f.read()).files if r.rank == 0]
+        return min(mine, key=lambda r: (-len(list(r.unit_ranges())), r.name))
 
     node0, node1 = (job_dir(node_dir(os.path.join(base, "fast"), r), durable) for r in (0, 2))
     out: dict[str, Any] = {}
+    victim = ""  # rank 0's file damaged in step2 (chosen after that save)
     if rank == 0:
         drain_module.open_sink = refusing  # type: ignore[assignment]
     try:
@@ -488,11 +514,13 @@ def drain_from_a_replica(rank: int, world: int, base: str) -> dict[str, Any]:
             return got
 
         out["save1"], out["save2"] = save(1), save(2)  # step2's drain refused
-        victim = victim_of(2)
-        if rank == 0:
-            _flip(os.path.join(node0, "step2_partial", victim))
+        rec = victim_of(2)
+        victim, out["victim_units"] = rec.name, len(list(rec.unit_ranges()))
+        if rank == 0:  # a byte of its last block: the copy fails after its first blocks were written to path
+            _flip(os.path.join(node0, "step2_partial", victim), rec.block_ends[-1] - 3)
         dist.barrier()
         out["save3"] = save(3)  # drains step2 again: from node 1's replica of the victim
+        out["partial"] = partial
         drained = os.path.join(durable, "step2_partial")
         if rank == 0:
             out["victim_intact"] = _attempt(lambda: _read(drained, victim) == _read(node1 + "/step2_partial", victim))
@@ -508,7 +536,7 @@ def drain_from_a_replica(rank: int, world: int, base: str) -> dict[str, Any]:
         out["from_path"] = _attempt(from_path)
         dist.barrier()
         out["save4"] = save(4)  # step4's drain refused
-        victim4 = victim_of(4)
+        victim4 = victim_of(4).name
         out["victim4"] = victim4
         if rank == 0:
             for node in (node0, node1):
@@ -521,6 +549,7 @@ def drain_from_a_replica(rank: int, world: int, base: str) -> dict[str, Any]:
         out["step4_kept"] = [os.path.isfile(os.path.join(n, "step4_partial", MANIFEST)) for n in (node0, node1)]
     finally:
         drain_module.open_sink = real_open_sink  # type: ignore[assignment]
+        tools._READ_CHUNK = real_chunk
     return out
 
 

@@ -18,7 +18,8 @@ Which rank does what ("all" = every rank; "leader" = the first rank of each node
                                     agreement that every node holds its share; then every leader commits
                                     its node's copy; leaders apply ``num_kept_local``
     (then)          drain           every ``durable_every``-th save (or the pending one), on the
-                                    Checkpointer's drain lane
+                                    Checkpointer's drain lane; then (leaders) ``num_kept_local``, the
+                                    drained tag released
 
 A kill before the agreement leaves no manifest on any node (the tag is not committed; the next save of
 it removes the leftovers); after it, every node's share is complete, so any manifest proves the union.

@@ -20,7 +20,9 @@ round; barriers before and after every timer, wall time = rank 0's (the slowest 
   shows its time over (c)'s, per round.
 * drain: a tiered save (replicas=2) with ``durable_every=1`` to the disk folder and to S3; *blocking* =
   the save call, *drain* = from its return until ``wait_for_saves()`` returned on every rank (nothing
-  else runs meanwhile; in training the drain overlaps the steps). The drained copy is checked committed.
+  else runs meanwhile; in training the drain overlaps the steps), with the CPU seconds all ranks' threads
+  used meanwhile (the drain reads each fast-tier file once, checking its blocks as it copies them). The
+  drained copy is checked committed.
 * resume (one checkpoint of each kind saved first): from the fast tier with both nodes' folders intact;
   after node 1's folder was deleted (its ranks' parts fetched from node 0 over gloo: ``from_peers``);
   from the durable disk folder with its files dropped from the page cache (``posix_fadvise(DONTNEED)``
@@ -45,6 +47,7 @@ Ratios are medians of per-round ratios (min..max), measured in the same run.
     python benchmarks/bench_tiers.py            # 512 MiB over 4 ranks, 1 warm-up + 5 rounds (~4 min, 2 vCPU)
     python benchmarks/bench_tiers.py --quick    # 16 MiB, 1 warm-up + 1 round, no pauses (smoke test)
     python benchmarks/bench_tiers.py --no-s3    # the disk folder only
+    python benchmarks/bench_tiers.py --phases drain --no-s3   # the drain alone (before/after a change to it)
 """
 
 from __future__ import annotations
@@ -282,10 +285,12 @@ class Rank:
         dist.barrier()
         wall = time.perf_counter() - t0
         rec: dict[str, Any] = {"s": wall}
+        cpu1 = time.process_time()  # every thread of this rank: the drain's copy threads too
         if wait_drain:
             smpckpt.wait_for_saves()
             dist.barrier()
             rec["drain_s"] = time.perf_counter() - t1
+            rec["drain_cpu_s"] = sum(self.gather(time.process_time() - cpu1))
         if self.moto_pid is not None and self.rank == 0:
             rec["server_cpu_s"] = _pid_cpu_s(self.moto_pid) - srv0
         per_rank = self.gather({"call_s": t1 - t0, "read_bytes": _read_bytes() - io0, "out": out})
@@ -395,9 +400,10 @@ class Rank:
         per_rank = self.gather(self.nbytes)
         self.log(f"state: {sum(per_rank) / MiB:.1f} MiB over {WORLD} ranks ({per_rank[0] / MiB:.1f} MiB each)")
         t0 = time.perf_counter()
-        out = {"bytes_per_rank": per_rank, "save": self.save_phase()}
-        out["drain"] = self.drain_phase()
-        out["resume"] = self.resume_phase()
+        out: dict[str, Any] = {"bytes_per_rank": per_rank}
+        for phase, run in (("save", self.save_phase), ("drain", self.drain_phase), ("resume", self.resume_phase)):
+            if phase in self.cfg["phases"]:
+                out[phase] = run()
         out["phases_s"] = time.perf_counter() - t0
         return out
 
@@ -418,6 +424,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     total = sum(res["bytes_per_rank"])
     out: dict[str, Any] = {}
     for phase, ref in (("save", "tier_r2"), ("drain", None), ("resume", "fast")):
+        if phase not in res:
+            continue
         rows: dict[str, Any] = {"_cpu": res[phase]["_cpu"]}
         for key, recs in res[phase].items():
             if key.startswith("_"):
@@ -437,6 +445,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
                 drains = [x["drain_s"] for x in recs]
                 row["drain_s"] = _spread(drains)
                 row["drain_GBps"] = total / statistics.median(drains) / 1e9
+                if "drain_cpu_s" in recs[0]:
+                    row["drain_cpu_s"] = _spread([x["drain_cpu_s"] for x in recs])
             if phase == "resume":
                 row["device_read_frac"] = statistics.median(sum(x["read_bytes"]) / total for x in recs)
                 row["from_peers_files"] = max(x.get("from_peers", 0) for x in recs)
@@ -462,36 +472,41 @@ def print_tables(summ: dict[str, Any], total: int, rounds: int) -> None:
     print(f"\n{total / MiB:.0f} MiB over {WORLD} ranks (2 nodes x 2); medians of {rounds} rounds (min..max)")
     srv = lambda row: f"{row['server_cpu_s']:8.1f}" if "server_cpu_s" in row else f"{'':8s}"  # noqa: E731
     head = f"\n{'save':28s} {'s':>19s} {'GB/s':>5s} {'time / fast r=2':>18s} {'time / plain shm':>18s} {'moto CPU':>8s}"
-    print(head + _noise(summ["save"]))
-    for key, row in summ["save"].items():
+    if "save" in summ:
+        print(head + _noise(summ["save"]))
+    for key, row in summ.get("save", {}).items():
         if not key.startswith("_"):
             print(
                 f"{SAVES[key]:28s} {_fmt(row['s']):>19s} {row['GBps']:5.2f} {_fmt(row['x_ref']):>18s} "
                 f"{_fmt(row['x_shm']):>18s} {srv(row)}"
             )
-    for key, row in summ["save"].items():
+    for key, row in summ.get("save", {}).items():
         if "steps_s" in row:
             steps = ", ".join(f"{k} {v:.3f}" for k, v in row["steps_s"].items())
             print(f"  {SAVES[key]}: where rank 0's time goes (s, medians): {steps}")
     hdr = (
         f"\n{'tiered save + drain':28s} {'blocking s':>19s} {'drain s (background)':>20s} {'GB/s':>5s} {'moto CPU':>8s}"
+        f" {'ranks CPU-s in the drain':>24s}"
     )
-    print(hdr + _noise(summ["drain"]))
-    for key, row in summ["drain"].items():
+    if "drain" in summ:
+        print(hdr + _noise(summ["drain"]))
+    for key, row in summ.get("drain", {}).items():
         if not key.startswith("_"):
+            cpu = _fmt(row["drain_cpu_s"]) if "drain_cpu_s" in row else ""
             print(
                 f"{DRAINS[key]:28s} {_fmt(row['s']):>19s} {_fmt(row['drain_s']):>20s} {row['drain_GBps']:5.2f} "
-                f"{srv(row)}"
+                f"{srv(row)} {cpu:>24s}"
             )
     hdr = f"\n{'resume':28s} {'s':>19s} {'GB/s':>5s} {'time / fast intact':>18s} {'moto CPU':>8s} {'dev read':>8s}"
-    print(hdr + _noise(summ["resume"]))
-    for key, row in summ["resume"].items():
+    if "resume" in summ:
+        print(hdr + _noise(summ["resume"]))
+    for key, row in summ.get("resume", {}).items():
         if not key.startswith("_"):
             print(
                 f"{RESUMES[key]:28s} {_fmt(row['s']):>19s} {row['GBps']:5.2f} {_fmt(row['x_ref']):>18s} {srv(row)} "
                 f"{row['device_read_frac']:8.2f}"
             )
-    peer = summ["resume"].get("fast_peer")
+    peer = summ.get("resume", {}).get("fast_peer")
     if peer:
         print(
             f"node 1 lost: {peer['from_peers_files']} file(s), {peer['from_peers_bytes'] / MiB:.0f} MiB fetched from "
@@ -524,7 +539,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run of the ranks")
     ap.add_argument("--quick", action="store_true", help="16 MiB, hidden 512, 1 round, no pauses (smoke test)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tiers_<timestamp>.json)")
+    ap.add_argument(
+        "--phases", default="save,drain,resume", help="which phases, comma-separated (e.g. drain: the drain alone)"
+    )
     args = ap.parse_args(argv)
+    phases = [p for p in args.phases.split(",") if p]
+    if not phases or set(phases) - {"save", "drain", "resume"}:
+        ap.error(f"--phases takes save, drain, resume; got {args.phases!r}")
     if args.quick:
         args.size_mib, args.hidden, args.rounds, args.settle = 16, 512, 1, 0.0
     if args.hidden % WORLD or args.rounds < 1:
@@ -573,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             "result_file": os.path.join(disk, "result.json"),
             "op_timeout_s": 300,
             "settle_s": args.settle,
+            "phases": phases,
         }
         print(
             f"{WORLD} gloo ranks = 2 nodes x {LWS} (LOCAL_WORLD_SIZE={LWS}); {layers} x Linear({args.hidden}, "

@@ -36,7 +36,6 @@ MOVED: Mapping[str, str] = MappingProxyType(
         "smpckpt.catalog.tags": "smpckpt.catalog.root",
         # merged into the module of their concept (issue 44); other branches may still name them
         "smpckpt.api._fast_tier": "smpckpt.api._fast_save",
-        "smpckpt.api._drain": "smpckpt.api._fast_save",
         "smpckpt.api._tier_copies": "smpckpt.api._tiers",
         "smpckpt.tools._tier_verify": "smpckpt.tools._tiers",
         "smpckpt.storage.tier.stream": "smpckpt.storage.tier.writer",

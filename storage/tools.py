@@ -131,11 +131,21 @@ def verify_checkpoint(
 
 
 def check_blocks(
-    fs: Any, fpath: str, rec: FileRecord, where: str, problems: list[str], tick: Callable[[int], None]
+    fs: Any,
+    fpath: str,
+    rec: FileRecord,
+    where: str,
+    problems: list[str],
+    tick: Callable[[int], None],
+    *,
+    copy_to: Callable[[memoryview], None] | None = None,
 ) -> bool:
     """Every block checksum of the data file ``rec`` at ``fpath``: a problem per mismatch (``where`` names
     the file), ``tick(bytes)`` after each unit read; ``True`` when all match. Shared with
-    ``smpckpt verify --local``, which checks each fast-tier copy so."""
+    ``smpckpt verify --local``, which checks each fast-tier copy so, and the drain of the fast tier, which
+    copies as it checks: ``copy_to`` is given the file's first ``rec.size`` bytes in order, each run only
+    once all its blocks matched (one read per file); the first mismatch then ends the check, so nothing
+    damaged is handed on (the caller discards what it was given)."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
         # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are
@@ -155,6 +165,10 @@ def check_blocks(
                         bs, be = rec.block_start(i), rec.block_ends[i]
                         problems.append(f"{where}: checksum mismatch in bytes {bs}..{be} (block {i})")
                 tick(end - start)
+            if copy_to is not None:
+                if not ok:
+                    return False
+                copy_to(data)
     return ok
 
 

@@ -53,13 +53,13 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
 from smpckpt.storage.tools import check_blocks
 
@@ -467,20 +467,6 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
 
     gctx.all_ok(drop)
     return dataclasses.replace(cand, held_by=held, missing=missing)
-
-
-def check_before_drain(source: str, rec: FileRecord, tag: str) -> None:
-    """(the drain's copy threads) A fast-tier data file against its manifest's block checksums before the
-    drain copies it: a byte changed since the save (a failing disk, bad memory) committed in ``path``
-    would be the durable copy, and the fast tier's retention would then remove the intact ones (a peer's
-    replica). Refused: the drain fails and the save stays in the fast tier, due for ``path``, where a
-    resume heals the file from a peer."""
-    path, problems = os.path.join(source, rec.name), list[str]()
-    if not check_blocks(open_fs(source)[0], path, rec, path, problems, lambda _: None):
-        raise CheckpointCorrupt(
-            f"the drain of {tag!r} copies nothing damaged: {'; '.join(problems[:2]) or path} (the fast tier keeps "
-            "the save; the next save drains it again, a resume heals the file from a peer)"
-        )
 
 
 def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, continues: int | None) -> tuple[int, ...]:

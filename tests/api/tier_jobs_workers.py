@@ -163,9 +163,9 @@ def unsafe_folders(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- 4: replicas that heal ------------------------------------------------------------------------------
-def _flip(path: str) -> None:
+def _flip(path: str, at: int | None = None) -> None:
     data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0xFF
+    data[len(data) // 2 if at is None else at] ^= 0xFF
     with open(path, "wb") as f:
         f.write(bytes(data))
 
@@ -322,7 +322,7 @@ def save_one(durable: str, local: str, model: Any) -> None:
 def killed_in_drain_of_step3(rank: int, world: int, base: str, durable: str) -> Any:
     """durable_every=3, num_kept_local=2: step1-3; rank 1 dies copying its first file of step3's drain,
     that file begun in ``path`` (a retried drain meets it)."""
-    import smpckpt.api._fast_save as drain_module
+    import smpckpt.api._drain as drain_module
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local = node_dir(base, rank)
@@ -435,6 +435,124 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+# -- rev58b F6: the drain copies from a peer's intact replica ---------------------------------------------
+def _read(folder: str, name: str) -> bytes:
+    with open(os.path.join(folder, name), "rb") as f:
+        return f.read()
+
+
+def drain_from_a_replica(rank: int, world: int, base: str) -> dict[str, Any]:
+    """replicas=2 (each node holds every file), durable_every=2. step2's drain fails (``path``'s storage
+    refuses rank 0's first file: injected); a byte of the last block of node 0's copy of a file rank 0
+    wrote is flipped; step3 drains step2 again, its copy of that file failing after its first blocks were
+    written to ``path`` (each unit is read alone here): it must come from node 1's intact replica (it came from rank 0's damaged copy,
+    so every retry failed until a resume healed it). Then step4's drain fails alike, and the same byte of
+    BOTH nodes' copies of a step4 file is flipped: step5's retry fails naming the file and both nodes,
+    ``path`` gets nothing of step4, and the fast tier keeps it."""
+    import errno
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.storage.tools as tools
+    from smpckpt.storage import Manifest, verify_checkpoint
+    from smpckpt.storage.format.manifest import FileRecord
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    kw: dict[str, Any] = dict(replicas=2, durable_every=2)
+    refuse, real_open_sink = {"step2", "step4"}, drain_module.open_sink
+    real_chunk = tools._READ_CHUNK
+    tools._READ_CHUNK = 1  # each check unit read (and copied) alone: a copy can fail after it began
+
+    partial = {"written": 0, "aborted": 0}  # rank 0's copies of step2 in path: what went before an abort
+
+    class Counted:
+        def __init__(self, sink: Any) -> None:
+            self.sink, self.borrows = sink, sink.borrows
+
+        def write(self, data: memoryview) -> None:
+            partial["written"] += len(data)
+            self.sink.write(data)
+
+        def commit(self) -> None:
+            self.sink.commit()
+
+        def abort(self) -> None:
+            partial["aborted"] += 1
+            self.sink.abort()
+
+    def refusing(fs: Any, path: str, **kws: Any) -> Any:  # each tag's first drain, once, on rank 0
+        tag = next((t for t in sorted(refuse) if f"{t}_partial" in path), None)
+        if tag is not None:
+            refuse.discard(tag)
+            raise OSError(errno.ENOSPC, "injected: no space left on path's storage", path)
+        sink = real_open_sink(fs, path, **kws)
+        return Counted(sink) if victim and "step2_partial" in path and path.endswith(victim) else sink
+
+    def victim_of(step: int) -> FileRecord:
+        """Rank 0's file of the most check units (the first of them)."""
+        with open(os.path.join(node0, f"step{step}_partial", MANIFEST), "rb") as f:
+            mine = [r for r in Manifest.from_bytes(f.read()).files if r.rank == 0]
+        return min(mine, key=lambda r: (-len(list(r.unit_ranges())), r.name))
+
+    node0, node1 = (job_dir(node_dir(os.path.join(base, "fast"), r), durable) for r in (0, 2))
+    out: dict[str, Any] = {}
+    victim = ""  # rank 0's file damaged in step2 (chosen after that save)
+    if rank == 0:
+        drain_module.open_sink = refusing  # type: ignore[assignment]
+    try:
+        ctx, model, opt = tp_model.build(LAYOUT)
+
+        def save(step: int) -> str:
+            tp_model.train_step(ctx, model, opt, step)
+            torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
+            with warnings.catch_warnings(record=True) as caught:  # the drain thread's warnings too
+                warnings.simplefilter("always")
+                _save(durable, local, step, model, opt, **kw)
+                got = _attempt(wait_for_saves)
+            out.setdefault("warnings", []).extend(str(w.message) for w in caught if "drain" in str(w.message))
+            dist.barrier()
+            return got
+
+        out["save1"], out["save2"] = save(1), save(2)  # step2's drain refused
+        rec = victim_of(2)
+        victim, out["victim_units"] = rec.name, len(list(rec.unit_ranges()))
+        if rank == 0:  # a byte of its last block: the copy fails after its first blocks were written to path
+            _flip(os.path.join(node0, "step2_partial", victim), rec.block_ends[-1] - 3)
+        dist.barrier()
+        out["save3"] = save(3)  # drains step2 again: from node 1's replica of the victim
+        out["partial"] = partial
+        drained = os.path.join(durable, "step2_partial")
+        if rank == 0:
+            out["victim_intact"] = _attempt(lambda: _read(drained, victim) == _read(node1 + "/step2_partial", victim))
+            out["verify"] = _attempt(lambda: verify_checkpoint(drained).problems)
+
+        def from_path() -> dict[str, Any]:
+            _, fresh, fresh_opt = tp_model.build(LAYOUT, seed=31)
+            uc = resume_from_checkpoint(
+                durable, "step2", model=fresh, optimizer=fresh_opt, layout=LAYOUT, specs=tp_model.SPECS
+            )
+            return {"uc": uc, "exact": _same(tp_model.local_state(fresh, fresh_opt), _want(base, 2, rank))}
+
+        out["from_path"] = _attempt(from_path)
+        dist.barrier()
+        out["save4"] = save(4)  # step4's drain refused
+        victim4 = victim_of(4).name
+        out["victim4"] = victim4
+        if rank == 0:
+            for node in (node0, node1):
+                _flip(os.path.join(node, "step4_partial", victim4))
+        dist.barrier()
+        out["save5"] = save(5)  # step5's retry of step4: no intact copy anywhere
+        out["durable"] = sorted(os.listdir(durable))
+        out["newest"] = _attempt(lambda: _read(durable, "newest").strip())
+        out["fast"] = [partials(node) for node in (node0, node1)]
+        out["step4_kept"] = [os.path.isfile(os.path.join(n, "step4_partial", MANIFEST)) for n in (node0, node1)]
+    finally:
+        drain_module.open_sink = real_open_sink  # type: ignore[assignment]
+        tools._READ_CHUNK = real_chunk
+    return out
+
+
 def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
     """One 4-rank world for the cases above that need no killed rank."""
     out: dict[str, Any] = {}
@@ -446,6 +564,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         ("heal", heal_from_peers),
         ("stale", stale_node_after_tag_reuse),
         ("fork", abandoned_history_back),
+        ("replica", drain_from_a_replica),
     ):
         path = os.path.join(base, name)
         if rank == 0:

@@ -186,7 +186,7 @@ def killed_in_replication(rank: int, world: int, base: str, durable: str) -> Any
 
 def killed_in_drain(rank: int, world: int, base: str, durable: str) -> Any:
     """Every save durable: step1 drains; during step2's drain rank 1 dies copying its first file."""
-    import smpckpt.api._fast_save as drain_module
+    import smpckpt.api._drain as drain_module
 
     def kill() -> None:
         real_open_sink = drain_module.open_sink

@@ -1,0 +1,310 @@
+"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, on the
+Checkpointer's drain lane, committed there as any partial checkpoint (same files, same manifest bytes).
+"all" = every rank, on the drain thread with a gloo group of its own::
+
+    copy            (all)     each data file from a node whose fast-tier copy of it is intact (below), to
+                              ``{path}/{tag}_partial`` (never staged from the model again); agreed across ranks
+    commit          (rank 0)  nothing committed there yet; every file at its size; the metadata, the
+                              manifest (create-if-absent: the commit), the stock ``.metadata``
+    publish_newest  (rank 0)  ``{path}/newest`` := tag
+    retain          (rank 0)  ``num_kept_partial_checkpoints`` over ``path``
+
+Which copy of a file is drained: every file has its holders (the ranks whose node's fast tier holds it:
+the writer's node and its replica nodes right after the save; the nodes' listings for a retried drain).
+A round assigns each file still to copy to one holder (:func:`copiers`: the rank that wrote it while its
+node's copy has not failed, else the least loaded rank of a node not yet tried), each copier reads its
+node's copy once, checking each run of blocks against the manifest's checksums before writing it to
+``path`` (a mismatch aborts that file there: removed, an S3 upload aborted, before anything commits), and
+one gather of the round's outcome (the one agreement the copy always had) tells every rank which files failed
+on which node: the next round gives those to other nodes. One round when nothing is damaged; a round more
+per damaged copy at most (a node is tried once per file). A file no holder has intact fails the drain,
+naming the file, the tag and every node tried, with each one's problem.
+
+A failed drain removes its copies, then the folder; a kill during it leaves ``path`` as it was (uncommitted
+files at most: never a checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the
+fast tier still holds the checkpoint, and keeps it (fast-tier retention never removes a save due for the
+durable tier before a drain as new committed); the restarted job's next save drains it again
+(:class:`~smpckpt.api._fast_save.PendingDrain`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import time
+import warnings
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from smpckpt.api._dist import DistContext
+from smpckpt.api._save import SaveRequest, publish_newest, retain
+from smpckpt.api._tiers import Nodes
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists
+from smpckpt.storage.backends._folder import Folder
+from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
+from smpckpt.storage.format.commit import commit as commit_in
+from smpckpt.storage.format.commit import settle_uncommitted_folder
+from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, probe
+from smpckpt.storage.tier import PreparedCommit
+from smpckpt.storage.tools import check_blocks
+
+if TYPE_CHECKING:
+    from smpckpt.api._fast_save import TierPlan
+
+__all__ = ["drain", "copiers", "holders_of"]
+
+log = logging.getLogger("smpckpt.api")
+
+_PART = DEFAULT_PART_SIZE  # bytes per S3 part of a durable copy (the writers' default part size)
+# files copied at once: local and shared filesystems gain little beyond a few streams; object stores
+# want many requests in flight (the fast tier sized these files to about one request each)
+_FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
+
+
+def holders_of(
+    files: Sequence[FileRecord], nodes: Nodes, replicas: int, held_by: Mapping[str, Sequence[int]] | None
+) -> dict[str, tuple[int, ...]]:
+    """Each data file's holders: the global ranks whose node's fast tier holds it. Right after the save
+    (``held_by`` ``None``) the writer's node and the nodes it replicated to (:meth:`Nodes.replica_nodes`:
+    the save agreed they hold it before it committed); a retried drain: ``held_by``, the nodes' listings."""
+    out = {}
+    for f in files:
+        if held_by is not None:
+            out[f.name] = tuple(held_by.get(f.name, ()))
+        else:
+            writer = nodes.node_of(f.rank)
+            on = [n for n in range(nodes.count) if writer in nodes.replica_nodes(n, replicas)]
+            out[f.name] = tuple(r for n in on for r in nodes.ranks_of(n))
+    return out
+
+
+def copiers(
+    files: Sequence[FileRecord],
+    holders: Mapping[str, Sequence[int]],
+    local_world_size: int,
+    failed: Mapping[str, Collection[int]] = MappingProxyType({}),
+) -> dict[str, int]:
+    """Which rank copies each of ``files`` this round: the rank that wrote it when its node holds it and
+    its copy there has not failed (``failed``: file -> nodes whose copy did), else the least loaded rank
+    of a node holding it not tried yet. A file no node is left for is not in the answer."""
+    load: dict[int, int] = {}
+    out = {}
+    for f in files:
+        tried = failed.get(f.name, ())
+        ranks = [r for r in holders.get(f.name, ()) if r // local_world_size not in tried]
+        if not ranks:
+            continue
+        rank = f.rank if f.rank in ranks else min(ranks, key=lambda r: (load.get(r, 0), r))
+        load[rank] = load.get(rank, 0) + f.size
+        out[f.name] = rank
+    return out
+
+
+@dataclasses.dataclass
+class _Copies:
+    """One drain's copying on this rank: from this node's fast-tier folder of the tag (``source``) to
+    ``path`` on ``fs``; ``attempted``: every name this rank was given (removed if the drain fails)."""
+
+    fs: Any
+    path: str
+    source: str
+    sync: bool
+    nodes: Nodes
+    holders: Mapping[str, tuple[int, ...]]
+    attempted: list[str] = dataclasses.field(default_factory=list)
+
+    def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
+        """This node's copy of ``rec`` copied as it is checked against the manifest's block checksums (one
+        read: ``check_blocks`` hands on each run of bytes once its blocks matched); the problem with it
+        instead when a block does not match or it cannot be read -- the partial durable file aborted (an S3
+        upload too), so nothing damaged is committed and the next holder's copy can take the name. An
+        error writing ``path`` is raised."""
+        src, problems = os.path.join(self.source, rec.name), list[str]()
+        # create-only, in the folder opened without following links (storage/backends/_folder.py)
+        sink = open_sink(
+            self.fs, join(self.path, rec.name), sync=self.sync, part_size=_PART, max_parts_in_flight=2, folder=folder
+        )
+        failed_writing: list[BaseException] = []  # path's storage failed: the drain fails, no fallback
+
+        def write(data: memoryview) -> None:
+            try:
+                sink.write(data)
+            except BaseException as exc:
+                failed_writing.append(exc)
+                raise
+
+        problem = None
+        try:
+            try:
+                if not check_blocks(open_fs(self.source)[0], src, rec, src, problems, lambda _: None, copy_to=write):
+                    problem = "; ".join(problems[:2]) or f"{src}: damaged"
+            except (OSError, CheckpointError) as exc:
+                if failed_writing:
+                    raise
+                problem = f"{src}: {type(exc).__name__}: {exc}"
+            if problem is None:
+                sink.commit()
+                return None
+        except BaseException:
+            sink.abort()
+            raise
+        sink.abort()  # never commit a damaged copy as the durable one: a peer's replica may be intact
+        return problem
+
+    def copy_round(self, mine: list[FileRecord]) -> dict[str, str]:
+        """This rank's files of one round, several at once; file -> problem, for the copies that failed."""
+        bad: dict[str, str] = {}
+        with (
+            Folder(self.fs, self.path, create=True) as folder,
+            concurrent.futures.ThreadPoolExecutor(
+                _FILES_AT_ONCE[is_local(self.fs)], thread_name_prefix="smpckpt-drain-copy"
+            ) as pool,
+        ):
+            for rec, done in [(rec, pool.submit(self.copy_one, rec, folder)) for rec in mine]:
+                if (problem := done.result()) is not None:
+                    bad[rec.name] = problem
+            if self.sync:
+                folder.fsync_dirs()
+        return bad
+
+    def copy_all(self, dctx: DistContext, tag: str, files: Sequence[FileRecord]) -> dict[str, dict[int, str]]:
+        """(all ranks) Rounds until every file is copied from an intact copy, each round's outcome gathered
+        (the same decisions on every rank); file -> node -> problem, for the copies that failed."""
+        failed: dict[str, dict[int, str]] = {}
+        todo = list(files)
+        while todo:
+            assigned = copiers(todo, self.holders, self.nodes.local_world_size, failed)
+            if lost := [f.name for f in todo if f.name not in assigned]:
+                raise _no_intact_copy(tag, lost, failed, self.holders, self.nodes)
+            mine = [rec for rec in todo if assigned[rec.name] == self.nodes.rank]
+            self.attempted.extend(rec.name for rec in mine)
+            again: set[str] = set()
+            for outcome in dctx.all_ok_values(functools.partial(self.copy_round, mine)):
+                for name, problem in outcome.items():
+                    failed.setdefault(name, {})[self.nodes.node_of(assigned[name])] = problem
+                    again.add(name)
+            todo = [rec for rec in todo if rec.name in again]
+        return failed
+
+
+def drain(
+    req: SaveRequest,
+    tier: TierPlan,
+    prepared: PreparedCommit,
+    *,
+    seq: int | None = None,
+    held_by: Mapping[str, Sequence[int]] | None = None,
+) -> None:
+    """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
+    ``path``'s retention (module docstring). ``req``'s tag is the one drained, from the nodes' folders of
+    it in ``tier.job``; ``seq``: its save number (default: ``tier``'s); ``held_by``: who holds each file
+    (default: the writer's node and its replica nodes). The fast tier's retention is the caller's."""
+    started, group = time.monotonic(), tier.drain_group
+    dctx = DistContext(group)
+    manifest = prepared.parsed()
+    fs, path = open_fs(req.url, req.storage_options)
+    holders = holders_of(manifest.files, tier.nodes, tier.replicas, held_by)
+    copies = _Copies(fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders)
+
+    def commit() -> None:
+        found = probe(fs, path, list_when_empty=False)
+        if found.state in ("committed", "legacy"):
+            raise CheckpointExists(f"{req.url} already holds a committed checkpoint; the drain of {req.tag!r} stops")
+        with Folder(fs, path) as folder:  # the one commit protocol (storage/format/commit.py)
+            commit_in(
+                folder,
+                req.url,
+                manifest,
+                prepared.manifest,
+                sync=copies.sync,
+                metadata=prepared.metadata,
+                stock_metadata=prepared.metadata,
+            )
+
+    try:
+        if held_by is not None:
+            dctx.on_coordinator(lambda: _clear_leftovers(fs, path, req.url, req.tag, prepared))
+        damaged = copies.copy_all(dctx, req.tag, manifest.files)
+        dctx.on_coordinator(commit)
+    except BaseException:
+        if _committed(fs, path, prepared) is False:  # unknown (None): nothing is removed blind
+            _remove_copies(fs, path, req.url, copies.attempted)
+        raise
+    if damaged and dctx.is_coordinator:
+        shown = "; ".join(f"{name} on node {n}: {why}" for name, on in sorted(damaged.items()) for n, why in on.items())
+        message = (
+            f"the drain of {req.tag!r} copied {len(damaged)} file(s) from a peer's intact replica, the other "
+            f"copies being damaged ({shown[:600]}); a resume of {req.tag!r} from the fast tier heals them"
+        )
+        log.warning(message)
+        warnings.warn(message, stacklevel=2)
+    tier.memory.note_durable(tier.seq if seq is None else seq)
+    breq = dataclasses.replace(req, process_group=group)
+    publish_newest(breq, dctx)
+    log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
+    retain(breq, dctx)
+
+
+def _no_intact_copy(
+    tag: str,
+    lost: list[str],
+    failed: Mapping[str, Mapping[int, str]],
+    holders: Mapping[str, Sequence[int]],
+    nodes: Nodes,
+) -> CheckpointCorrupt:
+    """(every rank alike) The drain's refusal: no node holds an intact copy of ``lost[0]`` (and more)."""
+    name = lost[0]
+    on = sorted({nodes.node_of(r) for r in holders.get(name, ())})
+    tried = "; ".join(
+        f"node {n} (ranks {nodes.ranks_of(n)[0]}..{nodes.ranks_of(n)[-1]}): {why}"
+        for n, why in sorted(failed.get(name, {}).items())
+    )
+    more = f" (and {len(lost) - 1} more file(s): {', '.join(lost[1:4])})" if len(lost) > 1 else ""
+    held = f"held by node(s) {', '.join(map(str, on))}; tried {tried}" if on else "no node's fast tier holds it"
+    return CheckpointCorrupt(
+        f"the drain of {tag!r} copies nothing damaged: no fast tier holds an intact copy of {name}{more}: {held} "
+        "(the fast tier keeps the save; the next save drains it again, a resume heals what a peer holds intact)"
+    )
+
+
+def _remove_copies(fs: Any, path: str, url: str, names: list[str]) -> None:
+    """(each rank, a failed drain) Its copies, then the folder once empty (debris, not a checkpoint): the
+    rank removing the last file succeeds, the others find it not empty yet; ``rmdir`` follows no link."""
+    with contextlib.suppress(FileNotFoundError), Folder(fs, path) as folder:  # failed before making it
+        if failed := folder.remove(names):
+            log.warning("the failed drain of %s left %d file(s): %s", url, len(failed), failed[:5])
+        elif is_local(fs):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:
+    """(rank 0, a retried drain) The files of this very save a killed drain left in the uncommitted
+    folder: they would refuse the copies (files are created exclusively). Only those names, nothing else."""
+    found = probe(fs, path, list_when_empty=False)
+    if found.state in ("committed", "legacy"):
+        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")
+    settle_uncommitted_folder(fs, path, url)
+    names = [rec.name for rec in prepared.parsed().files] + [prepared.metadata_name]
+    try:
+        folder = Folder(fs, path)  # removes by exact name, never following a link
+    except FileNotFoundError:
+        return  # the killed drain never created the folder: nothing to clear
+    with folder:
+        failed = folder.remove(names)
+    if failed:
+        raise CheckpointError(f"{url}: could not remove what an earlier drain of {tag!r} left: {failed[:5]}")
+
+
+def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:
+    """Whether this drain's manifest is in place; ``None`` when that cannot be read."""
+    try:
+        return read_bytes_or_none(fs, join(path, MANIFEST_NAME)) == prepared.manifest
+    except Exception:  # noqa: BLE001 - unknown
+        return None

@@ -1,4 +1,4 @@
-"""Rank functions for issue 46's tiered-checkpoint cases (tests/api/test_tiers.py): several jobs sharing
+"""Rank functions for issue 46's tiered-checkpoint cases (tests/api/test_tiers_ranks.py): several jobs sharing
 each node's ``local_path``, crafted and corrupt fast-tier folders, folders refused up front, a drain
 killed and retried. 2 simulated nodes of 2 ranks (``LOCAL_WORLD_SIZE=2``), as in ``tier_workers``."""
 

@@ -1,4 +1,4 @@
-"""Rank functions for the tiered-checkpoint tests (tests/api/test_tiers.py): 2 simulated nodes of 2 ranks
+"""Rank functions for the tiered-checkpoint tests (tests/api/test_tiers_ranks.py): 2 simulated nodes of 2 ranks
 each (``LOCAL_WORLD_SIZE=2``), every node's fast tier its own folder under ``base``."""
 
 from __future__ import annotations

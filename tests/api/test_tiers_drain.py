@@ -1,0 +1,251 @@
+"""The fast tier's drain to ``path``: failures, damaged fast-tier files (checked as they are copied, from a
+peer's replica when one is intact), S3, late drains and retention."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tier_helpers import job as _job
+from tier_helpers import linear as _linear
+from tier_helpers import partials as _partials
+from tier_helpers import same as _same
+from torch import nn
+
+from smpckpt import (
+    Checkpointer,
+    CheckpointError,
+    FastTier,
+    resume_from_checkpoint,
+    save_checkpoint,
+    wait_for_saves,
+)
+from smpckpt.storage.format.manifest import MANIFEST_NAME
+
+
+def test_a_drain_that_fails_leaves_no_empty_folder_in_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain failing mid-copy (the durable storage's disk full) removed the files it had copied but left
+    an empty ``<tag>_partial/`` in ``path``: debris no tool cleaned and ``ls`` showed. Removed when empty
+    now; the fast tier still holds the tag, and the next save drains."""
+    import smpckpt.api._drain as drain_module
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real, calls = drain_module.open_sink, []
+
+    def disk_full_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(28, "injected: no space left on the durable storage")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", disk_full_once)
+    m1, m2 = _linear(1), _linear(2)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
+    with pytest.raises(CheckpointError, match="no space left on the durable storage; it is still in the fast tier"):
+        wait_for_saves()
+    assert calls and sorted(p.name for p in durable.iterdir() if p.name.startswith("s1")) == []
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="s1", model=got, local_path=local)
+    assert _same(got, m1)
+    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)
+    wait_for_saves()
+    assert (durable / "s2_partial" / MANIFEST_NAME).is_file()
+
+
+def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte of a fast-tier data file changed between the save and its drain (a failing disk): the drain
+    copied it unchecked, committed it as the durable copy and pointed ``newest`` at it -- and the fast
+    tier's retention would then remove the intact copies (a peer's replica). Each file is checked against
+    its manifest's block checksums as it is copied: the drain fails, ``path`` holds nothing of it."""
+    import smpckpt.api._drain as drain_module
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real, flipped = drain_module.check_blocks, []
+
+    def damaged_first(fs: Any, fpath: str, *args: Any, **kwargs: Any) -> bool:
+        if not flipped:
+            target = Path(fpath)
+            data = bytearray(target.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            target.write_bytes(bytes(data))
+            flipped.append(target.name)
+        return bool(real(fs, fpath, *args, **kwargs))
+
+    monkeypatch.setattr(drain_module, "check_blocks", damaged_first)
+    save_checkpoint(durable, "s1", model=_linear(1), local_path=local, replicas=1)
+    with pytest.raises(CheckpointError, match=r"the drain of 's1' copies nothing damaged: .*checksum mismatch"):
+        wait_for_saves()
+    assert flipped and sorted(p.name for p in durable.iterdir()) == []  # no copy, no newest
+    assert (_job(local, durable) / "s1_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps the save
+
+
+class _SpySink:
+    """A drain's sink as it is, counting the bytes handed to it and whether it was aborted."""
+
+    def __init__(self, sink: Any, seen: dict[str, int]) -> None:
+        self.sink, self.seen, self.borrows = sink, seen, sink.borrows
+
+    def write(self, data: memoryview) -> None:
+        self.seen["written"] += len(data)
+        self.sink.write(data)
+
+    def commit(self) -> None:
+        self.sink.commit()
+
+    def abort(self) -> None:
+        self.seen["aborted"] += 1
+        self.sink.abort()
+
+
+def _damage_late_in_the_first_file_drained(monkeypatch: pytest.MonkeyPatch, seen: dict[str, int]) -> None:
+    """Before the drain reads its first file, a byte of its last block changes; every sink is spied on."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+
+    real_check, real_open, lock = drain_module.check_blocks, drain_module.open_sink, threading.Lock()
+
+    def damaged_first(fs: Any, fpath: str, rec: Any, *args: Any, **kwargs: Any) -> bool:
+        with lock:  # the drain copies several files at once
+            if not seen["flipped"]:
+                target = Path(fpath)
+                data = bytearray(target.read_bytes())
+                data[rec.block_ends[-1] - 3] ^= 0xFF
+                target.write_bytes(bytes(data))
+                seen["flipped"] = 1
+        return bool(real_check(fs, fpath, rec, *args, **kwargs))
+
+    monkeypatch.setattr(drain_module, "check_blocks", damaged_first)
+    monkeypatch.setattr(drain_module, "open_sink", lambda *a, **kw: _SpySink(real_open(*a, **kw), seen))
+
+
+def test_the_drain_reads_each_file_once_and_removes_a_copy_found_damaged_mid_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain read each fast-tier file twice, the check and then the copy (+50 % drain time): now once,
+    each run of blocks written to ``path`` once its checksums matched. A mismatch further on (here in the
+    last block, after most of the file was written) aborts the partial durable file: nothing of the save
+    in ``path``; the fast tier keeps it."""
+    import builtins
+
+    import smpckpt.storage.tools as tools
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    monkeypatch.setattr(tools, "_READ_CHUNK", 64 << 10)  # a 1 MiB file is checked (and copied) in 16 runs
+    real_open, opened = builtins.open, []
+
+    def counting(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if str(file).startswith(str(local)) and str(file).endswith(".distcp") and "r" in mode:
+            opened.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting)
+    torch.manual_seed(3)
+    m1, m2 = nn.Linear(512, 512), nn.Linear(512, 512)
+    save_checkpoint(durable, "s1", model=m1, local_path=local, replicas=1)
+    wait_for_saves()
+    names = [n for n in os.listdir(durable / "s1_partial") if n.endswith(".distcp")]
+    assert sorted(Path(p).name for p in opened) == sorted(names) and names, opened  # one read per file
+    monkeypatch.setattr(builtins, "open", real_open)
+    got = nn.Linear(512, 512)
+    resume_from_checkpoint(durable, model=got)  # path alone: bit-exact
+    assert _same(got, m1)
+
+    seen = {"written": 0, "aborted": 0, "flipped": 0}
+    _damage_late_in_the_first_file_drained(monkeypatch, seen)
+    save_checkpoint(durable, "s2", model=m2, local_path=local, replicas=1)
+    with pytest.raises(CheckpointError, match=r"the drain of 's2' copies nothing damaged: .*checksum mismatch"):
+        wait_for_saves()
+    assert seen["flipped"] and seen["aborted"] == 1 and seen["written"] >= 1 << 19, seen  # half written first
+    assert sorted(p.name for p in durable.iterdir()) == ["newest", "s1_partial"]  # nothing of s2
+    assert (_job(local, durable) / "s2_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps it
+
+
+def test_a_drain_to_s3_found_damaged_mid_way_aborts_its_upload(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 as ``path``: the copy of a file found damaged after a part was uploaded aborts its multipart
+    upload (none left billing) and leaves no object of the save."""
+    import s3fs
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.storage.tools as tools
+    from smpckpt.storage.backends._sinks import MIN_PART_SIZE
+
+    root, options = s3_root
+    monkeypatch.setattr(tools, "_READ_CHUNK", 1 << 20)
+    monkeypatch.setattr(drain_module, "_PART", MIN_PART_SIZE)  # a part is uploaded before the last block
+    seen = {"written": 0, "aborted": 0, "flipped": 0}
+    _damage_late_in_the_first_file_drained(monkeypatch, seen)
+    torch.manual_seed(4)
+    save_checkpoint(
+        root, "s1", model=nn.Linear(1536, 1536), local_path=tmp_path / "fast", replicas=1, storage_options=options
+    )
+    with pytest.raises(CheckpointError, match=r"the drain of 's1' copies nothing damaged: .*checksum mismatch"):
+        wait_for_saves()
+    assert seen["flipped"] and seen["aborted"] == 1 and seen["written"] > MIN_PART_SIZE, seen
+    fs = s3fs.S3FileSystem(**options)
+    bucket, prefix = root[len("s3://") :].split("/", 1)
+    assert fs.find(f"{bucket}/{prefix}/s1_partial") == []
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+
+
+def test_a_drain_finishing_after_two_more_saves_removes_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain's fast-tier retention decides on the listing gathered before the save it drains; saves
+    committed while it copied were in no listing and passed for uncommitted debris older than the newest
+    commit: s4 (within num_kept_local=2) was removed when s3's drain ended after s5. The fifth save reuses
+    the tag ``s1`` (removed by the fourth's retention): the listing's old ``s1`` stood for it, and the
+    newest save was removed (rev58b F1). Held here by ``publish_newest`` waiting until both committed."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+
+    durable, release = tmp_path / "durable", threading.Event()
+    real = drain_module.publish_newest
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not release.wait(60):
+            raise RuntimeError("the test never released the drain")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "publish_newest", held)
+    fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=3, num_kept_local=2)
+    models = {s: _linear(s) for s in range(1, 6)}
+    with Checkpointer(durable, fast_tier=fast) as c:
+        for s in range(1, 6):
+            c.save(f"s{s % 5 or 1}" if s == 5 else f"s{s}", models[s])  # the fifth: tag s1 again
+            if s < 3:
+                c.wait()
+        release.set()
+        c.wait()
+    assert _partials(_job(Path(fast.local_path), durable)) == ["s1_partial", "s3_partial", "s4_partial"]
+    got, newest = _linear(9), _linear(9)
+    with Checkpointer(durable, fast_tier=fast) as c:
+        c.resume(tag="s4", model=got)
+        assert c.last_resume_info is not None and c.last_resume_info.tier == "fast"
+        c.resume(model=newest)
+        assert c.last_resume_info is not None and c.last_resume_info.tag == "s1"
+    assert _same(got, models[4]) and _same(newest, models[5])
+
+
+def test_the_drain_takes_each_file_from_its_writer_then_from_a_replica_node_not_tried() -> None:
+    """(pure logic, rev58b F6) 3 nodes x 2 ranks, replicas=2: node n holds its own ranks' files and node
+    n - 1's. A file goes to the rank that wrote it; once its node's copy failed, to the least loaded rank of
+    the other node holding it (never the writer's node again); once both failed, to nobody."""
+    from smpckpt.api._drain import copiers, holders_of
+    from smpckpt.api._tiers import Nodes
+    from smpckpt.storage.format.manifest import FileRecord
+
+    files = [FileRecord(f"r{r}", 10, r, (10,), (0,)) for r in range(6)]
+    holders = holders_of(files, Nodes(2, 6, 0), 2, None)
+    assert holders["r0"] == (0, 1, 2, 3) and holders["r5"] == (0, 1, 4, 5), holders
+    assert copiers(files, holders, 2) == {f"r{r}": r for r in range(6)}
+    assert copiers(files[:2], holders, 2, {"r0": {0}, "r1": {0}}) == {"r0": 2, "r1": 3}  # spread over node 1
+    assert copiers(files[:1], holders, 2, {"r0": {0, 1}}) == {}
+    retried = {"r4": (4, 5)}  # a retried drain: the listing's holders (node 2 only)
+    assert copiers(files[4:5], retried, 2) == {"r4": 4} and copiers(files[4:5], retried, 2, {"r4": {2}}) == {}

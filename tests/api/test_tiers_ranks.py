@@ -1,0 +1,377 @@
+"""Tiered checkpoints across ranks: 2 simulated nodes x 2 gloo ranks (``LOCAL_WORLD_SIZE=2``), each node's
+fast tier its own folder; kills during replication and during the drain; a changed world; nodes lost,
+back with old disks, damaged files healed from peers."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tier_jobs_workers
+import tier_workers
+import torch
+from dist_harness import RankFailed, run_world
+from tier_helpers import job as _job
+
+from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.storage.format.manifest import MANIFEST_NAME
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("tiers")
+    return base, run_world(tier_workers.main_world, 4, str(base))
+
+
+def _reports(base: Path) -> dict[int, Any]:
+    out = {}
+    for rank in range(4):
+        path = base / f"report{rank}.pkl"
+        if path.exists():
+            out[rank] = pickle.loads(path.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed(
+    tmp_path_factory: pytest.TempPathFactory, world: tuple[Path, list[dict[str, Any]]]
+) -> tuple[Path, dict[str, dict[int, Any]], list[dict[str, Any]]]:
+    """Rank 3 killed during step2's replica transfers; rank 1 killed during step2's drain; rank 2 killed
+    between the node commits; rank 1 killed during step3's drain (num_kept_local=2); then one restarted
+    world resumes these and the five saves of ``world``."""
+    base = tmp_path_factory.mktemp("killed")
+    reports = {}
+    for name, fn, victim in (
+        ("replication", tier_workers.killed_in_replication, 3),
+        ("drain", tier_workers.killed_in_drain, 1),
+        ("commit", tier_workers.killed_between_node_commits, 2),
+        ("drain3", tier_jobs_workers.killed_in_drain_of_step3, 1),
+    ):
+        (base / name / "fast").mkdir(parents=True)
+        with pytest.raises(RankFailed, match=f"rank {victim}: no result"):
+            run_world(fn, 4, str(base / name / "fast"), str(base / name / "durable"), timeout=180)
+        reports[name] = _reports(base / name / "fast")
+    return base, reports, run_world(tier_workers.restarted, 4, str(base), str(world[0]))
+
+
+@pytest.mark.dist
+def test_five_saves_keep_two_fast_and_drain_the_third(world: tuple[Path, list[dict[str, Any]]]) -> None:
+    for rank, r in enumerate(world[1]):
+        for mode in ("sync", "async"):
+            assert r[mode]["local_after_saves"] == ["step4_partial", "step5_partial"], (rank, mode)
+            assert r[mode]["durable_after_saves"] == ["newest", "step3_partial"], (rank, mode)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_node_lost_resumes_the_fifth_save_from_peer_replicas(killed: Any, mode: str) -> None:
+    restarted = killed[2]
+    for rank, r in enumerate(restarted):
+        got = r[mode]["one_node_lost"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step5", "fast", {"step": 5}, True), rank
+        peers = got["from_peers"]
+        assert peers and {dst for _, _, dst in peers} == {2}  # node 1's first rank fetched, once per file
+        assert {src for _, src, _ in peers} <= {0, 1}
+    assert restarted[2][mode]["local_after_heal"] == ["step5_partial"]  # the lost node holds the copy again
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_fast_tier_lost_resumes_the_newest_durable_save(killed: Any, mode: str) -> None:
+    for rank, r in enumerate(killed[2]):
+        got = r[mode]["all_lost"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step3", "durable", {"step": 3}, True), rank
+
+
+@pytest.mark.dist
+def test_ranks_without_local_world_size_or_with_different_node_folders_are_refused(
+    world: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for rank, r in enumerate(world[1]):
+        got = r["refusals"]
+        assert "needs LOCAL_WORLD_SIZE" in got["no_lws"], (rank, got)
+        assert "local_path differs between ranks of node" in got["mates_differ"], (rank, got)
+        assert got["left"] == [], (rank, got)
+
+
+@pytest.mark.dist
+def test_a_smaller_world_reshards_from_the_fast_tier(world: tuple[Path, list[dict[str, Any]]]) -> None:
+    base, saved = world[0] / "reshard", [r["reshard"] for r in world[1]]
+    out = run_world(tier_workers.resume_resharded, 2, str(base / "fast"), str(base / "durable"))
+    for rank, r in enumerate(out):
+        assert (r["tag"], r["tier"], r["uc"], r["layout_changed"]) == ("step2", "fast", {"step": 2}, True), rank
+        want = saved[rank]  # old ranks 0 and 1 are tp 0 and 1 of dp 0: the same pieces
+        assert r["state"].keys() == want.keys()
+        assert all(torch.equal(r["state"][k], want[k]) for k in want), rank
+
+
+@pytest.mark.dist
+def test_kill_during_replication_leaves_the_previous_save_newest(killed: Any) -> None:
+    base, reports, resumed = killed
+    rep = reports["replication"]
+    assert sorted(rep) == [0, 1, 2], rep  # rank 3 died; every other rank got an error, none hung
+    for rank, got in rep.items():
+        assert got["error"].startswith("CheckpointError"), (rank, got)
+        if rank % 2 == 0:  # each node's first rank removed its copy of the uncommitted step2
+            assert got["local"] == ["step1_partial"], (rank, got)
+    for rank, r in enumerate(resumed):
+        got = r["replication"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step1", "fast", True), rank
+        again = got["after_resave"]  # the tag saves again: its leftovers were settled
+        assert (again["tag"], again["tier"], again["uc"], again["exact"]) == ("step2", "fast", {"step": 2}, True)
+
+
+@pytest.mark.dist
+def test_kill_during_the_drain_keeps_both_tiers_usable(killed: Any) -> None:
+    base, reports, resumed = killed
+    rep = reports["drain"]
+    assert 1 not in rep and rep, rep
+    for rank, got in rep.items():
+        assert "drain of checkpoint 'step2'" in got["error"], (rank, got)
+    durable = base / "drain" / "durable"
+    assert (durable / "newest").read_text().strip() == "step1"
+    for rank, r in enumerate(resumed):
+        # the fast tier committed step2 before its drain began: it is the newest checkpoint ...
+        got = r["drain"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step2", "fast", True), rank
+        # ... and the last durable checkpoint was never lost
+        got = r["drain_no_fast"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step1", "durable", True), rank
+
+
+@pytest.mark.dist
+def test_kill_between_the_node_commits_leaves_a_complete_checkpoint(killed: Any) -> None:
+    base, reports, resumed = killed
+    rep = reports["commit"]
+    assert 2 not in rep and rep, rep
+    node1 = _job(base / "commit" / "fast" / "node1", base / "commit" / "durable") / "step2_partial"
+    assert "smpckpt.manifest.json" not in rep[3]["step2"], rep[3]  # node 1 never committed its copy
+    for rank, r in enumerate(resumed):
+        # every node held its share before any committed: the union of the copies is complete
+        got = r["commit"]
+        assert (got["tag"], got["tier"], got["exact"]) == ("step2", "fast", True), rank
+    assert (node1 / "smpckpt.manifest.json").exists()  # the resume sent node 1 the manifest
+
+
+@pytest.mark.dist
+def test_a_drain_killed_is_retried_by_the_next_save_and_never_lost(killed: Any) -> None:
+    """durable_every=3, num_kept_local=2: rank 1 killed while draining step3. The restarted job resumes
+    step3 from the fast tier; its next save drains step3 again (a warning says so) and retention keeps
+    step3 until then; with every fast tier lost, step3 comes from the durable tier."""
+    base, reports, resumed = killed
+    rep = reports["drain3"]
+    assert 1 not in rep and rep, rep
+    for rank, got in rep.items():
+        assert "drain of checkpoint 'step3'" in got["error"], (rank, got)
+        if rank % 2 == 0:
+            assert got["local"] == ["step2_partial", "step3_partial"], (rank, got)
+        # the kill left path without step3, and rank 1's file begun there (others' may be being removed)
+        assert MANIFEST_NAME not in got["durable_step3"], (rank, got)
+        assert any("_r1_" in name for name in got["durable_step3"]), (rank, got)
+    for rank, r in enumerate(resumed):
+        got = r["retry"]
+        assert (got["resume"]["tag"], got["resume"]["tier"], got["resume"]["exact"]) == ("step3", "fast", True), rank
+        if rank == 0:
+            said = got["warnings"]
+            assert len([w for w in said if "'step3' (save 3) was due for the durable tier" in w]) == 1, said
+            assert "draining it to" in said[0] and "again" in said[0], said
+        if rank % 2 == 0:
+            assert got["fast"] == ["step4_partial", "step5_partial"], (rank, got)
+        assert got["durable"] == ["newest", "step3_partial"], (rank, got)
+        no_fast = got["no_fast"]
+        assert (no_fast["tag"], no_fast["tier"], no_fast["uc"], no_fast["exact"]) == (
+            "step3",
+            "durable",
+            {"step": 3},
+            True,
+        )
+
+
+# -- issue 46: jobs apart, crafted and corrupt folders, folders refused (one 4-rank world) ----------------
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("cases")
+    return base, run_world(tier_jobs_workers.new_cases, 4, str(base), timeout=300)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    from smpckpt.tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    rc = main(list(argv), stdout=out, stderr=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.dist
+def test_jobs_sharing_local_path_see_only_their_own_copies(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    """X saves step1-2 in the fast tier only; Z (a new run, empty path) resumes with missing_ok and saves
+    step1; Y saves three with num_kept_local=2; a link to Y's step103 sits in X's folder as step9."""
+    base, results = cases
+    for rank, r in enumerate(results):
+        got = r["jobs"]
+        assert got["z_resume"] == "ok None", (rank, got)  # starts fresh: X's step2 is not Z's
+        assert got["z_save"] == "ok None", (rank, got)  # X's step1 is no obstacle to Z's
+        assert got["jobs"] == {
+            "X": ["step1_partial", "step2_partial", "step9_partial"],  # Y's retention left X's alone
+            "Y": ["step102_partial", "step103_partial"],
+            "Z": ["step1_partial"],
+        }, (rank, got)
+        x = got["x_resume"]
+        assert (x["tag"], x["tier"], x["uc"], x["exact"]) == ("step2", "fast", {"step": 2}, True), (rank, x)
+        assert any("folder step9_partial is foreign" in w and "a link to" in w for w in x["warnings"]), x
+    jobs = base / "jobs"
+    nodes = [str(jobs / "fast" / f"node{n}") for n in (0, 1)]
+    rc, out, err = _cli("ls", str(jobs / "X"), "--local", *nodes)
+    assert rc == 0, err
+    tags = [line.split()[1 if line.startswith(">") else 0] for line in out.splitlines() if "step" in line[:12]]
+    assert tags[:3] == ["step2", "step1", "step9"], out
+    assert "note: step9 is foreign: " in out
+    for name in ("Y", "Z"):
+        root = durable_key(str(jobs / name), None)
+        for node in nodes:
+            assert f"other job: {job_folder(node, root)} (durable root {root}): " in out, out
+    assert out.splitlines()[-1] == "resume: step2 from the fast tier", out
+
+
+@pytest.mark.dist
+def test_a_crafted_newer_incomplete_save_keeps_no_retention_slot(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    for rank, r in enumerate(cases[1]):
+        if rank == 0:
+            assert r["slot"]["after"] == ["step2_partial", "step3_partial", "zz_partial"], r["slot"]
+        elif rank == 2:
+            assert r["slot"]["after"] == ["step2_partial", "step3_partial"], r["slot"]
+
+
+@pytest.mark.dist
+def test_unsafe_fast_tier_folders_are_skipped_alike_on_every_rank(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    base, results = cases
+    said = [r["unsafe"]["warnings"] for r in results]
+    for rank, r in enumerate(results):
+        got = r["unsafe"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step2", "fast", {"step": 2}, True), rank
+        assert got["save3"] == "ok None", (rank, got)
+        assert said[rank] == said[0], rank  # one judgement, shared
+        junk = ["junk_abs_partial", "junk_climb_partial", "junk_meta_partial"] if rank < 2 else ["junk_node1_partial"]
+        assert got["after"] == [*junk, "step2_partial", "step3_partial"], got  # retention left them alone
+    assert [w.split("folder ")[1].split(" ")[0] for w in said[0]] == [
+        "junk_abs_partial",
+        "junk_climb_partial",
+        "junk_meta_partial",
+        "junk_node1_partial",
+    ], said[0]
+    unsafe = base / "unsafe"
+    rc, out, err = _cli("ls", str(unsafe / "durable"), "--local", *(str(unsafe / "fast" / f"node{n}") for n in (0, 1)))
+    assert rc == 0, err
+    for tag in ("junk_abs", "junk_climb", "junk_meta", "junk_node1"):
+        assert f"note: {tag} is unsafe: " in out, out
+
+
+@pytest.mark.dist
+def test_a_corrupt_fast_tier_file_heals_from_a_peer_then_the_next_save(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    base, results = cases
+    victim = results[0]["heal"]["victim"]
+    for rank, r in enumerate(results):
+        got = r["heal"]["one_copy"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step3", "fast", {"step": 3}, True), rank
+        assert [(src // 2, dst) for name, src, dst in got["from_peers"] if name == victim] == [(1, 0)], got
+        if rank == 0:  # rank 0 warns
+            assert any("'step3' has corrupt parts" in w and "fetching them from peers" in w for w in got["warnings"])
+        assert r["heal"]["healed"], rank  # node 0's copy is intact again
+        got = r["heal"]["both_copies"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step2", "fast", {"step": 2}, True), rank
+    assert any("'step3' from the fast tier failed" in w for w in results[0]["heal"]["both_copies"]["warnings"])
+    heal = base / "heal"
+    nodes = [str(heal / "fast" / f"node{n}") for n in (0, 1)]
+    rc, out, err = _cli("verify", f"{heal / 'durable'}/step2", "--local", *nodes)
+    assert rc == 1, out + err
+    removed = results[0]["heal"]["removed"]
+    assert f"step2: {removed} (rank 0's data file) is held intact by 1 of the 2 folders" in err, err
+    rc, out, err = _cli("verify", f"{heal / 'durable'}/step1", "--local", *nodes)
+    assert rc == 0, out + err
+
+
+@pytest.mark.dist
+def test_a_drain_copies_a_damaged_file_from_a_peers_intact_replica_and_fails_only_when_none_is(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """rev58b F6: the drain copied each file from the rank that wrote it; a damaged copy there failed the
+    drain, and every retry failed alike (a peer's intact replica was never tried) until a resume healed
+    it. Now a copy that fails the check is taken from the next node holding the file; only when no node
+    holds it intact does the drain fail, naming the file, the tag and every node tried; nothing of it in
+    ``path``; the fast tier keeps the save."""
+    for rank, r in enumerate(cases[1]):
+        got = r["replica"]
+        assert got["save1"] == "ok None", (rank, got)
+        assert "injected: no space left on path's storage" in got["save2"], (rank, got)
+        assert got["save3"] == "ok None", (rank, got)  # step2 drained, its damaged file from node 1
+        assert got["victim_units"] > 1, got  # node 0's copy failed after its first blocks were copied
+        assert got["from_path"] == "ok {'uc': {'step': 2}, 'exact': True}", (rank, got)
+        assert "injected: no space left on path's storage" in got["save4"], (rank, got)
+        said, victim = got["save5"], got["victim4"]
+        assert f"the drain of 'step4' copies nothing damaged: no fast tier holds an intact copy of {victim}" in said
+        assert "held by node(s) 0, 1; tried node 0 (ranks 0..1): " in said and "; node 1 (ranks 2..3): " in said, said
+        assert said.count("checksum mismatch") == 2, said
+        assert got["durable"] == ["newest", "step2_partial"], (rank, got)  # nothing of step4
+        assert got["newest"] == "ok b'step2'", (rank, got)
+        assert got["fast"] == [["step4_partial", "step5_partial"]] * 2, (rank, got)  # step4 kept, on both nodes
+        assert got["step4_kept"] == [True, True], (rank, got)
+    first = cases[1][0]["replica"]
+    assert first["partial"]["aborted"] == 1 and first["partial"]["written"] > 0, first  # node 0's copy: begun, aborted
+    assert (first["victim_intact"], first["verify"]) == ("ok True", "ok ()"), first
+    assert any("the drain of 'step2' copied 1 file(s) from a peer's intact replica" in w for w in first["warnings"])
+
+
+@pytest.mark.dist
+def test_a_node_back_with_an_older_save_of_the_tag_still_loads_the_newer(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Node 1's stale disk held the older step1's manifest: healing the newer one's in was refused
+    (``File exists``), so the newer step1, complete on node 0, never loaded (the resume fell back or failed).
+    A damaged manifest on node 1 ("damaged") refused it alike, and so did parts cut short there ("cut_short":
+    counted as missing, fetched under the same name) -- README promised a file cut short heals."""
+    for rank, r in enumerate(cases[1]):
+        for tag in ("None", "step1", "damaged", "cut_short"):
+            got = r["stale"][tag]
+            assert isinstance(got, dict), (rank, tag, got)
+            assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step1", "fast", {"step": 12}, True), rank
+
+
+@pytest.mark.dist
+def test_fast_tier_folders_refused_up_front_by_name(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in cases[1]:
+        got = r["refused"]
+        for how in ("", "_resume"):
+            assert got[f"shared{how}"].startswith("ValueError") and "passes too" in got[f"shared{how}"], got
+            assert "is the same folder as path" in got[f"same{how}"], got
+            assert "is inside path" in got[f"inside{how}"], got
+            assert "contains path" in got[f"contains{how}"], got
+            assert "local_path" in got[f"file{how}"] and "is not a folder" in got[f"file{how}"], got
+            if os.path.isdir("/sys/kernel"):
+                assert "local_path '/sys' is not writable" in got[f"read_only{how}"], got
+        assert got["left"] == (["durable", "file", "shared"], []), got
+        assert got["shared_left"] == [], got
+
+
+@pytest.mark.dist
+def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Every fast tier lost after step9 (step5 drained, step8 and step9 kept): the job resumed step5 and
+    saved new6. Node 1 came back with its old disk holding step8 and step9 whole: tag=None resumed step9,
+    the abandoned history, on every rank without a word. Each save records the digests of the saves it
+    was numbered after (its lineage, 16 back: step9 names step6, beyond what retention kept), so a save of
+    one of those numbers that is not the one named is another history: refused, naming both; by tag, each
+    loads bit-exact; a save made after going on from new6 (in sight of both) resumes."""
+    _, results = cases
+    for r in range(4):
+        fork = results[r]["fork"]
+        assert fork["after_loss"].startswith("ok"), fork
+        assert fork["none"].startswith("CheckpointError: ambiguous resume"), fork["none"]
+        assert "'step9' (save 9) and 'new6' (save 6)" in fork["none"]
+        assert fork["new6"]["tag"] == "new6" and fork["new6"]["exact"], fork["new6"]
+        assert fork["step9"]["tag"] == "step9" and fork["step9"]["exact"], fork["step9"]
+        assert fork["went_on"]["tag"] == "new7" and fork["went_on"]["exact"], fork["went_on"]

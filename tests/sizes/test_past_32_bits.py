@@ -39,6 +39,7 @@ from smpckpt import (
 from smpckpt.errors import CheckpointError
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import FsspecStorageReader, read_manifest, verify_checkpoint
+from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord
 from smpckpt.tools.cli import main as cli_main
@@ -106,6 +107,30 @@ def test_one_tensor_past_4_gib(tmp_path: Path) -> None:
         assert torch.equal(f.get_tensor("w"), _indexed())
     gc.collect()
     _load_tp2(full)
+    gc.collect()
+    _verify_full_artifact(full, full / artifact)
+
+
+def _verify_full_artifact(folder: Path, path: Path) -> None:
+    """``verify_checkpoint`` of the full export reads every check unit of the 4.125 GiB tensor (a box of
+    rows each; those holding bytes either side of 2 and 4 GiB among them), then names the unit of each
+    byte flipped -- either side of 4 GiB, past it, the last -- as does ``smpckpt verify``."""
+    report = verify_checkpoint(folder)
+    assert report.ok and report.bytes_checked == read_manifest(str(folder)).total_bytes, report.problems
+    with open(path, "rb") as f:  # the tensor's bytes start after the safetensors header
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+    # a row-major run of whole rows per unit: the writer's block, for a tensor past 64 of them
+    rows_per_unit = item_checks((ROWS, COLS), 4, DEFAULT_BLOCK_SIZE).unit // (COLS * 4)
+    flipped = [2**32 - 1, 2**32, 2**32 + 4097, path.stat().st_size - 1]
+    first_rows = sorted({(off - data_start) // (COLS * 4) // rows_per_unit * rows_per_unit for off in flipped})
+    _flip(path, flipped)
+    try:
+        report = verify_checkpoint(folder)
+        assert list(report.problems) == [f"{path}: checksum mismatch in 'w' at [{r}, 0]" for r in first_rows]
+        rc, text = _cli("verify", str(folder))
+        assert rc == 1 and all(p in text for p in report.problems), text
+    finally:
+        _flip(path, flipped)
 
 
 def _flip(path: Path, offsets: list[int]) -> None:

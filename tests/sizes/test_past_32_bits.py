@@ -1,4 +1,5 @@
-"""Past 32-bit byte offsets (opt in: ``--run-slow``; about a minute and 13 GiB of memory at its peak).
+"""Past 32-bit byte offsets (opt in: ``--run-slow``; two tests of about a minute each, 13 and 4.5 GiB of
+memory at their peaks; one at a time).
 
 One int32 tensor of 1,081,344 x 1024 elements: 4.125 GiB, so its file is past 2**32 bytes and each
 half (a TP=2 rank's rows) past 2**31 -- where a single ``read``/``pread`` on Linux returns at most
@@ -7,7 +8,12 @@ exact where float32 stops counting at 2**24), so any misplaced, repeated or lost
 
 Through a partial save with default options, a TP=1 resume, a resharded TP=2 load (one-process
 simulated world), a full export read by the reference ``safetensors`` reader, and a resharded TP=2
-load from that full artifact; every value compared bit-exact. Run it with
+load from that full artifact; every value compared bit-exact; then ``verify_checkpoint`` of the full
+artifact, and flipped bytes named by tensor unit. A tiered save of it (``local_path``, every save
+drained): the drain's per-file check refuses a byte flipped past 4 GiB in the fast-tier file, by file
+and block; a clean save drains (checked, copied); ``verify_checkpoint`` and ``smpckpt verify`` read
+every block of the durable copy and name each flipped byte's block; a resume from ``path`` is
+bit-exact. Run it with
 ``python -m pytest --run-slow tests/sizes/test_past_32_bits.py``; its last run is recorded in
 ``benchmarks/RESULTS.md`` ("Real model sizes")."""
 

@@ -1,5 +1,5 @@
-"""Past 32-bit byte offsets (opt in: ``--run-slow``; two tests of about a minute each, 13 and 4.5 GiB of
-memory at their peaks; one at a time).
+"""Past 32-bit byte offsets (opt in: ``--run-slow``; two tests of 1-2 minutes each, 8.5 and 4.7 GiB
+peak RSS; run one at a time).
 
 One int32 tensor of 1,081,344 x 1024 elements: 4.125 GiB, so its file is past 2**32 bytes and each
 half (a TP=2 rank's rows) past 2**31 -- where a single ``read``/``pread`` on Linux returns at most

@@ -163,12 +163,22 @@ def check_blocks(
             digest = digest_of(data, first)
             for start, end, blocks in units:
                 for i in blocks:
-                    if digest(rec.spans(i)) != rec.block_digests[i]:
+                    spans = rec.spans(i)
+                    if digest(spans) != rec.block_digests[i]:
                         ok = False
-                        bs, be = rec.block_start(i), rec.block_ends[i]
-                        problems.append(f"{where}: checksum mismatch in bytes {bs}..{be} (block {i})")
+                        problems.append(f"{where}: checksum mismatch in {_unit_text(i, spans)}")
                 tick(end - start)
     return ok
+
+
+def _unit_text(i: int, spans: list[tuple[int, int]]) -> str:
+    """Where check unit ``i`` lies in its file: a block's bytes, or a tile's first to last byte and its
+    row segments. A tile's offsets in the block list are as if it were contiguous: named so, they
+    missed the damaged byte (a tile's bytes are its row segments across the row group)."""
+    if len(spans) == 1:
+        return f"bytes {spans[0][0]}..{spans[0][1]} (block {i})"
+    (s0, e0), (s1, _) = spans[0], spans[1]
+    return f"bytes {s0}..{spans[-1][1]} (block {i}: a tile, {len(spans)} runs of {e0 - s0} bytes every {s1 - s0})"
 
 
 def _unit_batches(rec: FileRecord, limit: int) -> Iterator[tuple[int, int, list[tuple[int, int, range]]]]:

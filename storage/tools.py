@@ -101,33 +101,46 @@ def verify_checkpoint(
     elif not manifest.metadata.matches(md):
         problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
     warnings = _stock_copy_warnings(fs, path, manifest)
-    done = manifest.metadata.size
-    if progress:
-        progress(done, total)
+    count = _Count(manifest.metadata.size, total, progress)
+    count.report()
     for rec in manifest.files:
         fpath = join(path, rec.name)
         size = _size(fs, fpath)
         if size != rec.size:
             problems.append(f"{rec.name}: " + ("missing" if size is None else f"size {size}, manifest says {rec.size}"))
-            done += rec.size
+            count.done += rec.size
             continue
-        units = 0
-
-        def tick(nbytes: int) -> None:
-            nonlocal done, units
-            done, units = done + nbytes, units + 1
-            if progress and units % 16 == 0:
-                progress(done, total)
-
-        check_blocks(fs, fpath, rec, rec.name, problems, tick)
-        if progress:
-            progress(done, total)
+        check_blocks(fs, fpath, rec, rec.name, problems, count.tick)
+        count.report()
     if not problems:
         # what a load would refuse before reading (records, files, chunks; a full artifact's HF index),
         # then a full artifact's safetensors files by header and tensor box, as its metadata lists them
+        # (they have no block list: their bytes are counted there)
         problems += load_problems(url, fs, path, manifest, storage_options)
-        problems += _verify_full(fs, path, url, manifest, md) if manifest.kind == "full" and not problems else []
-    return VerifyReport(url, "committed", len(manifest.files) + 1, done, tuple(problems), True, tuple(warnings))
+        problems += (
+            _verify_full(fs, path, url, manifest, md, count.tick) if manifest.kind == "full" and not problems else []
+        )
+        count.report()
+    return VerifyReport(url, "committed", len(manifest.files) + 1, count.done, tuple(problems), True, tuple(warnings))
+
+
+class _Count:
+    """``verify_checkpoint``'s bytes checked so far, passed to ``progress`` every 16 check units and on
+    :meth:`report` (a unit is a block, a row group of tiles, or a full artifact's header or tensor box)."""
+
+    __slots__ = ("done", "total", "units", "progress")
+
+    def __init__(self, done: int, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.done, self.total, self.units, self.progress = done, total, 0, progress
+
+    def tick(self, nbytes: int) -> None:
+        self.done, self.units = self.done + nbytes, self.units + 1
+        if self.progress and self.units % 16 == 0:
+            self.progress(self.done, self.total)
+
+    def report(self) -> None:
+        if self.progress:
+            self.progress(self.done, self.total)
 
 
 def check_blocks(
@@ -160,16 +173,26 @@ def check_blocks(
             digest = digest_of(data, first)
             for start, end, blocks in units:
                 for i in blocks:
-                    if digest(rec.spans(i)) != rec.block_digests[i]:
+                    spans = rec.spans(i)
+                    if digest(spans) != rec.block_digests[i]:
                         ok = False
-                        bs, be = rec.block_start(i), rec.block_ends[i]
-                        problems.append(f"{where}: checksum mismatch in bytes {bs}..{be} (block {i})")
+                        problems.append(f"{where}: checksum mismatch in {_unit_text(i, spans)}")
                 tick(end - start)
             if copy_to is not None:
                 if not ok:
                     return False
                 copy_to(data)
     return ok
+
+
+def _unit_text(i: int, spans: list[tuple[int, int]]) -> str:
+    """Where check unit ``i`` lies in its file: a block's bytes, or a tile's first to last byte and its
+    row segments. A tile's offsets in the block list are as if it were contiguous: named so, they
+    missed the damaged byte (a tile's bytes are its row segments across the row group)."""
+    if len(spans) == 1:
+        return f"bytes {spans[0][0]}..{spans[0][1]} (block {i})"
+    (s0, e0), (s1, _) = spans[0], spans[1]
+    return f"bytes {s0}..{spans[-1][1]} (block {i}: a tile, {len(spans)} runs of {e0 - s0} bytes every {s1 - s0})"
 
 
 def _unit_batches(rec: FileRecord, limit: int) -> Iterator[tuple[int, int, list[tuple[int, int, range]]]]:
@@ -210,7 +233,9 @@ def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
     return []
 
 
-def _verify_full(fs: Any, path: str, url: str, manifest: Manifest, metadata_bytes: bytes | None) -> list[str]:
+def _verify_full(
+    fs: Any, path: str, url: str, manifest: Manifest, metadata_bytes: bytes | None, tick: Callable[[int], None]
+) -> list[str]:
     from smpckpt.storage.full._read import FullSource
 
     md = load_metadata(metadata_bytes or b"", where=manifest.metadata.name)
@@ -219,7 +244,7 @@ def _verify_full(fs: Any, path: str, url: str, manifest: Manifest, metadata_byte
         source.from_description(md, {f.name: f for f in manifest.files})
     except CheckpointCorrupt as exc:
         return [str(exc)]
-    return source.verify_all()
+    return source.verify_all(tick)
 
 
 def _verify_legacy(

@@ -206,6 +206,23 @@ def test_a_damaged_tile_fails_the_reads_that_touch_it_and_verify(tmp_path: Any) 
     assert not report.ok and len(report.problems) == 1 and "checksum mismatch" in report.problems[0]
 
 
+def test_verify_names_the_bytes_of_a_damaged_tile(tmp_path: Any) -> None:
+    """``verify_checkpoint`` named a damaged tile by its offsets in the block list, which are as if the
+    tile were contiguous: bytes 640..768 KiB into the second row group, where the tile's bytes are a
+    4 KiB segment of each of its 32 rows -- the flipped byte (20 KiB into that row group) lay outside
+    the bytes named. It names the tile's first to last byte and its row segments."""
+    path = _save(tmp_path, {"col": torch.randn(256, 8192)})
+    (rec,) = read_manifest(path).files
+    (t,) = rec.tilings
+    assert (t.rows_per_group, t.groups, t.segment, t.row_bytes) == (32, 8, 4096, 32768)
+    first = t.start + 32 * t.row_bytes + 5 * t.segment  # row 32 (row group 1), column group 5
+    _flip(path, first + 100)
+    block = rec.blocks_covering(t.start, t.start + 1)[0] + 8 + 5  # row group 1's sixth tile
+    last = first + 31 * t.row_bytes + t.segment
+    want = f"{rec.name}: checksum mismatch in bytes {first}..{last} (block {block}: a tile, 32 runs of 4096 bytes every 32768)"
+    assert verify_checkpoint(path).problems == (want,)
+
+
 @pytest.mark.s3
 def test_on_s3_a_column_slice_reads_its_row_groups_in_one_request_and_verifies_tiles(
     s3: tuple[str, dict[str, Any]],

@@ -24,6 +24,7 @@ import gc
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,28 +172,29 @@ def _cli(*argv: str) -> tuple[int, str]:
 def test_tiered_drain_and_verify_past_4_gib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The 4.125 GiB tensor through a tiered save (``local_path``, ``durable_every=1``: every save
     drains). First a byte just past 4 GiB of the fast-tier file changes between the save and its drain:
-    the drain's per-file check (``check_before_drain``) refuses it by file and block, nothing of the tag
+    the drain's per-file check (``check_blocks`` as it copies) refuses it by file and block, nothing of the tag
     is in ``path``, and ``smpckpt verify --local`` names the same block of the fast-tier copy. A second
-    save drains (checked, then copied past 2**32 bytes); ``verify_checkpoint`` reads every block of the
+    save drains (checked as copied past 2**32 bytes); ``verify_checkpoint`` reads every block of the
     durable copy (those straddling 2 and 4 GiB included), then finds flipped bytes -- either side of 2
     and of 4 GiB, just past 4 GiB, the last -- each by file and block, as does ``smpckpt verify``; restored, a
     resume from ``path`` alone gives every element bit-exact. One copy of the tensor in memory at a
     time: verify and the drain stream the files; the comparison goes a slice at a time."""
-    import smpckpt.api._fast_save as fast_save
+    import smpckpt.api._drain as drain
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     durable, local = tmp_path / "durable", tmp_path / "fast"
     past_4 = 2**32 + 4097
-    real_check, checked = fast_save.check_before_drain, []
+    real_check, checked = drain.check_blocks, []
 
-    def damaged_t1(source: str, rec: FileRecord, tag: str) -> None:
-        """Flip a byte of t1's large file just before the drain checks it (as a failing disk would)."""
+    def damaged_t1(fs: Any, path: str, rec: FileRecord, *args: Any, **kwargs: Any) -> bool:
+        """Flip a byte of t1's large file just before the drain checks (and copies) it, as a failing disk would."""
+        tag = Path(path).parent.name.removesuffix("_partial")
         if tag == "t1" and rec.size > past_4:
-            _flip(Path(source) / rec.name, [past_4])
+            _flip(Path(path), [past_4])
         checked.append((tag, rec.name, rec.size))
-        real_check(source, rec, tag)
+        return real_check(fs, path, rec, *args, **kwargs)
 
-    monkeypatch.setattr(fast_save, "check_before_drain", damaged_t1)
+    monkeypatch.setattr(drain, "check_blocks", damaged_t1)
     model = Holder(_indexed())
     options = (SaveOptions(save_rng=False), FastTier(str(local), replicas=1, durable_every=1))
 
@@ -213,7 +215,7 @@ def test_tiered_drain_and_verify_past_4_gib(tmp_path: Path, monkeypatch: pytest.
     checked.clear()
     save_checkpoint(durable, "t2", model=model, options=options)
     wait_for_saves()
-    (big,) = [(name, size) for tag, name, size in checked if tag == "t2" and size > 2**32]  # checked, then copied
+    (big,) = [(name, size) for tag, name, size in checked if tag == "t2" and size > 2**32]  # checked as copied
     del model
     gc.collect()
     folder = durable / "t2_partial"

@@ -36,7 +36,6 @@ import functools
 import logging
 import os
 import time
-import warnings
 from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -237,13 +236,17 @@ def drain(
             _remove_copies(fs, path, req.url, copies.attempted)
         raise
     if damaged and dctx.is_coordinator:
+        # logged, not warned: a warnings filter that raises would take rank 0 out of the collectives below
+        # (publish_newest) after the commit, and the other ranks would wait there (rev59b F1)
         shown = "; ".join(f"{name} on node {n}: {why}" for name, on in sorted(damaged.items()) for n, why in on.items())
-        message = (
-            f"the drain of {req.tag!r} copied {len(damaged)} file(s) from a peer's intact replica, the other "
-            f"copies being damaged ({shown[:600]}); a resume of {req.tag!r} from the fast tier heals them"
+        log.warning(
+            "the drain of %r copied %d file(s) from a peer's intact replica, the other copies being damaged or "
+            "unreadable (%s); a resume of %r from the fast tier heals them",
+            req.tag,
+            len(damaged),
+            shown[:600],
+            req.tag,
         )
-        log.warning(message)
-        warnings.warn(message, stacklevel=2)
     tier.memory.note_durable(tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx)

@@ -120,14 +120,15 @@ class FastTierPart:
         elif tier.retry is not None:
             retry = tier.retry
             rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
-            if DistContext(req.process_group).is_coordinator:
+            self._drain(rreq, tier, lambda: drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by))
+            if DistContext(req.process_group).is_coordinator:  # after the drain is on every rank's lane: a
+                # warnings filter that raises here leaves no rank waiting for rank 0 in the drain (rev59b F1)
                 message = (
                     f"checkpoint {retry.tag!r} (save {retry.seq}) was due for the durable tier and its drain never "
                     f"committed (a job stopped while draining?): draining it to {rreq.url} again, in the background"
                 )
                 log.warning(message)
                 warnings.warn(message, stacklevel=5)
-            self._drain(rreq, tier, lambda: drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by))
 
     def _drain(self, req: SaveRequest, tier: TierPlan, copy: Any) -> None:
         """Hold ``req``'s tag in the fast tier while the drain lane runs ``copy()``."""

@@ -5,6 +5,7 @@ killed and retried. 2 simulated nodes of 2 ranks (``LOCAL_WORLD_SIZE=2``), as in
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -505,11 +506,16 @@ def drain_from_a_replica(rank: int, world: int, base: str) -> dict[str, Any]:
         def save(step: int) -> str:
             tp_model.train_step(ctx, model, opt, step)
             torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
-            with warnings.catch_warnings(record=True) as caught:  # the drain thread's warnings too
-                warnings.simplefilter("always")
+            logged: list[str] = []
+            handler = logging.Handler(logging.WARNING)
+            handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+            logging.getLogger("smpckpt.api").addHandler(handler)  # the drain thread logs what it copied from a peer
+            try:
                 _save(durable, local, step, model, opt, **kw)
                 got = _attempt(wait_for_saves)
-            out.setdefault("warnings", []).extend(str(w.message) for w in caught if "drain" in str(w.message))
+            finally:
+                logging.getLogger("smpckpt.api").removeHandler(handler)
+            out.setdefault("warnings", []).extend(m for m in logged if "drain" in m)
             dist.barrier()
             return got
 

@@ -158,7 +158,8 @@ def check_blocks(
     ``smpckpt verify --local``, which checks each fast-tier copy so, and the drain of the fast tier, which
     copies as it checks: ``copy_to`` is given the file's first ``rec.size`` bytes in order, each run only
     once all its blocks matched (one read per file); the first mismatch then ends the check, so nothing
-    damaged is handed on (the caller discards what it was given)."""
+    damaged is handed on (the caller discards what it was given). Each run is a view of bytes read for it
+    alone and never changed after: a sink may keep it (the drain's S3 uploads borrow it)."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
         # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are

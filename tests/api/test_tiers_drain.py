@@ -19,6 +19,7 @@ from smpckpt import (
     Checkpointer,
     CheckpointError,
     FastTier,
+    last_resume_info,
     resume_from_checkpoint,
     save_checkpoint,
     wait_for_saves,
@@ -249,3 +250,33 @@ def test_the_drain_takes_each_file_from_its_writer_then_from_a_replica_node_not_
     assert copiers(files[:1], holders, 2, {"r0": {0, 1}}) == {}
     retried = {"r4": (4, 5)}  # a retried drain: the listing's holders (node 2 only)
     assert copiers(files[4:5], retried, 2) == {"r4": 4} and copiers(files[4:5], retried, 2, {"r4": {2}}) == {}
+
+
+def test_the_drain_to_s3_sends_the_fast_tier_files_without_copying_them_into_part_buffers(
+    s3_root: tuple[str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain's reads of fast-tier files are fresh immutable bytes: the S3 sink sends them as they
+    are. It copied each into a part buffer of its own (copy mode): a second 32 MiB per file, 16 files
+    at once (+1.07 GiB peak RSS per rank draining 528 MiB per rank to S3; +0.80 GiB without the copy)."""
+    import threading
+
+    from smpckpt.storage.backends._s3 import S3MultipartSink
+
+    made: list[str] = []
+    real = S3MultipartSink._next_buffer
+
+    def counted(self: S3MultipartSink) -> bytearray:
+        made.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(S3MultipartSink, "_next_buffer", counted)
+    root, options = s3_root
+    m1 = _linear(1)
+    save_checkpoint(root, "s1", model=m1, local_path=tmp_path / "fast", replicas=1, storage_options=options)
+    wait_for_saves()
+    assert [n for n in made if n.startswith("smpckpt-drain-copy")] == []
+    got = _linear(9)
+    resume_from_checkpoint(root, model=got, storage_options=options, local_path=tmp_path / "empty")
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s1", "durable")
+    assert _same(got, m1)

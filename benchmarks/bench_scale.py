@@ -400,7 +400,9 @@ def main() -> None:
         row["checked"] = checked
         row["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
         rows.append(row)
-        print(f"world {w}: done ({row['checked']} tensors checked bit-exact, maxrss {row['maxrss_mib']} MiB)", flush=True)
+        print(
+            f"world {w}: done ({row['checked']} tensors checked bit-exact, maxrss {row['maxrss_mib']} MiB)", flush=True
+        )
         if timer.prof is not None:
             if args.profile_out:
                 timer.prof.dump_stats(args.profile_out)

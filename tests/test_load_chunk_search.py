@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from smpckpt import ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
+from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 
 TP, DP = 2, 8
 HIDDEN = 16
@@ -93,16 +94,7 @@ def _saved(layers: int) -> tuple[ParallelLayout, list[dict[str, Any]], MemorySto
 def _chunks_visited_by_last_rank(layers: int) -> tuple[int, int]:
     """(chunks the last rank's load planning visits, its tensor keys), loading its own layout."""
     layout, states, store = _saved(layers)
-    md = MemoryReader(store).read_metadata()
-    counted = Metadata(
-        {
-            k: dataclasses.replace(v, chunks=_CountingChunks(v.chunks)) if isinstance(v, TensorStorageMetadata) else v
-            for k, v in md.state_dict_metadata.items()
-        },
-        planner_data=md.planner_data,
-        storage_data=md.storage_data,
-        storage_meta=md.storage_meta,
-    )
+    counted = _counted(MemoryReader(store).read_metadata())
     rank = layout.world_size - 1
     planner = ParallelLoadPlanner(layout, _specs(), rank=rank)
     planner.set_up_planner(states[rank], counted, False)
@@ -133,3 +125,45 @@ def test_zero_world_loads_bit_exact(to: ParallelLayout) -> None:
         for part in sd:
             for key, value in sd[part].items():
                 assert torch.equal(got[part][key], value), (rank, part, key)
+
+
+def _counted(md: Metadata) -> Metadata:
+    return Metadata(
+        {
+            k: dataclasses.replace(v, chunks=_CountingChunks(v.chunks)) if isinstance(v, TensorStorageMetadata) else v
+            for k, v in md.state_dict_metadata.items()
+        },
+        planner_data=md.planner_data,
+        storage_data=md.storage_data,
+        storage_meta=md.storage_meta,
+    )
+
+
+def test_reader_set_up_indexes_no_chunk_and_reads_bit_exact(tmp_path: Any) -> None:
+    """FsspecStorageReader's set-up visits no chunk (it indexed every chunk of the checkpoint on every
+    rank); a rank's reads look up their own chunks only (the position each read item carries)."""
+    reset_dcp_caches()
+    layout = ParallelLayout(tp=TP, dp=DP)
+    states = _world(2, layout)
+    folder = str(tmp_path / "ckpt")
+    sim_save(
+        states,
+        [ParallelSavePlanner(layout, _specs(), rank=r) for r in range(layout.world_size)],
+        [FsspecStorageWriter(folder) for _ in states],
+    )
+    rank = layout.world_size - 1
+    reader = FsspecStorageReader(folder)
+    md = _counted(reader.read_metadata())
+    planner = ParallelLoadPlanner(layout, _specs(), rank=rank)
+    dest = {part: {k: torch.full_like(v, -1.0) for k, v in states[rank][part].items()} for part in states[rank]}
+    planner.set_up_planner(dest, md, False)
+    _CountingChunks.visited = 0
+    reader.set_up_storage_reader(md, False, rank=rank)
+    assert _CountingChunks.visited == 0
+    plan = planner.finish_plan(planner.create_global_plan([reader.prepare_local_plan(planner.create_local_plan())])[0])
+    _CountingChunks.visited = 0
+    reader.read_data(plan, planner).wait()
+    assert 0 < _CountingChunks.visited <= 2 * len(plan.items)  # the offsets check and the sizes: one chunk each
+    for part in dest:
+        for key, value in states[rank][part].items():
+            assert torch.equal(dest[part][key], value), (part, key)

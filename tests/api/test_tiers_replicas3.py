@@ -66,7 +66,22 @@ def test_replicas3_drain_takes_the_third_copy(three: tuple[Path, list[dict[str, 
 
 @pytest.mark.dist
 def test_replicas3_verify_local_of_the_three_folders(three: tuple[Path, list[dict[str, Any]]]) -> None:
-    base, _ = three
+    """s3, saved with the three nodes up: every replica intact. s1, resumed after two nodes were lost:
+    those nodes fetched only what their ranks read, so two replicas are missing, each named. s2, whose
+    copies of rank 0's file on nodes 0 and 1 were damaged before its drain: both named."""
+    base, results = three
     nodes = [str(base / "fast" / f"node{n}") for n in range(3)]
-    rc, text = _cli("verify", f"{base / 'durable'}/s1", "--local", *nodes)
-    assert rc == 0 and "OK fast tier s1: complete;" in text, text
+    durable = base / "durable"
+    rc, text = _cli("verify", f"{durable}/s3", "--local", *nodes)
+    assert rc == 0 and "OK fast tier s3: complete;" in text, text
+    assert all(f"node{n}: committed; 3/3 data files (all of ranks 0-2)" in text for n in range(3)), text
+
+    names = results[0]["names"]
+    rc, text = _cli("verify", f"{durable}/s1", "--local", *nodes)
+    assert rc == 1 and "FAILED fast tier s1: 2 problem(s)" in text, text
+    for r in (1, 2):
+        assert f"{names[r]} (rank {r}'s data file) is held intact by 2 of the 3 folders replicas=3" in text, text
+
+    rc, text = _cli("verify", f"{durable}/s2", "--local", *nodes)
+    assert rc == 1 and text.count("checksum mismatch") == 2, text
+    assert f"OK {durable}/s2_partial" in text, text  # the drained copy: node 2's, intact

@@ -78,7 +78,7 @@ def three_replicas(rank: int, world: int, base: str) -> dict[str, Any]:
     replicas; (b) a byte of node 0's copy of rank 0's file flipped: a resume heals it from a peer;
     (c) s2 saved and drained (its second save) while the copies of rank 0's file on node 0 and node 1
     are damaged just before the drain checks each: the drain's third round takes node 2's; a resume from
-    ``path`` alone is bit-exact."""
+    ``path`` alone is bit-exact. Then s3 saved (not due) with every node up."""
     import smpckpt.api._drain as drain
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"
@@ -156,4 +156,8 @@ def three_replicas(rank: int, world: int, base: str) -> dict[str, Any]:
         os.path.join(jobs[2], "s2_partial", names2[0])
     )
     out["from_path"] = resume(tag="s2", options=ResumeOptions(load_rng=False))
+    dist.barrier()
+    # s3 (not due for path): every node holds every rank's file again, for ``smpckpt verify --local``
+    save_checkpoint(durable, "s3", model=model, layout=LAYOUT, specs=SPECS, options=opts)
+    wait_for_saves()
     return out

@@ -92,7 +92,17 @@ def replicas_past_2_gib(rank: int, world: int, base: str) -> dict[str, Any]:
     before the drain checks it: the drain takes node 1's replica; a resume from ``path`` alone is
     bit-exact. Each resume loads into a zeroed tensor and is compared a slice at a time."""
     import smpckpt.api._drain as drain
+    import smpckpt.storage.tier.writer as writer
 
+    # the largest replica message this rank sends (README: the writer's chunks, ~1 MiB to 16 MiB): a whole
+    # 2.25 GiB file in one gloo message would cost its receiver a 2.25 GiB buffer
+    real_as_tensor, largest = writer._as_tensor, [0]
+
+    def measured(data: Any) -> torch.Tensor:
+        largest[0] = max(largest[0], len(data))
+        return real_as_tensor(data)
+
+    writer._as_tensor = measured  # type: ignore[assignment]
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     durable, local = os.path.join(base, "durable"), os.path.join(base, f"node{rank}")
     tier = FastTier(local, replicas=2, durable_every=2, num_kept_local=1)
@@ -114,6 +124,7 @@ def replicas_past_2_gib(rank: int, world: int, base: str) -> dict[str, Any]:
     save_checkpoint(durable, "t1", model=model, layout=LAYOUT, specs=SPECS, options=(SaveOptions(save_rng=False), tier))
     wait_for_saves()
     lap("save")
+    out["largest_replica_message"] = largest[0]
     node0, node1 = node_job(base, 0, durable), node_job(base, 1, durable)
     names = [big_file(os.path.join(node0, "t1_partial"), r) for r in range(2)]
     out["names"] = names

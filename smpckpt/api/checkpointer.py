@@ -56,6 +56,7 @@ from smpckpt.api._resume import (
     build_resume_state,
     check_groups,
     choose_target,
+    damaged_newest,
     load_checkpoint,
     not_found_hint,
     restores_rng,
@@ -75,7 +76,7 @@ from smpckpt.api.options import (
     Sharding,
 )
 from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
-from smpckpt.errors import CheckpointNotFound
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import KeyMapper, ParallelLayout
 from smpckpt.storage.backends._fs import location_key
 
@@ -453,6 +454,11 @@ class Checkpointer:
                 else:
                     target = choose_target(req, ctx, self._counter)
                 if target is None:
+                    damage = (
+                        ctx.on_coordinator(lambda: damaged_newest(path, req.storage_options)) if tag is None else None
+                    )
+                    if damage is not None:  # no fresh start over the job's broken progress (nor "none committed")
+                        raise (CheckpointError if damage[0] == "unreadable" else CheckpointCorrupt)(damage[1])
                     if opts.missing_ok:
                         log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", path)
                         return None

@@ -408,7 +408,8 @@ class ResumeOptions(_Options):
 
     missing_ok: bool = False
     """Return ``None`` (start fresh) instead of raising :class:`~smpckpt.errors.CheckpointNotFound` when
-    nothing committed exists (``partial=True`` only)."""
+    nothing committed exists (``partial=True`` only). Not when ``newest`` names a checkpoint that is there
+    but damaged, unreadable or without its manifest: that resume is refused naming it."""
 
     strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or

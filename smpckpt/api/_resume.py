@@ -58,7 +58,6 @@ __all__ = [
     "Target",
     "choose_target",
     "resolve_target",
-    "damaged_newest",
     "build_resume_state",
     "load_checkpoint",
     "apply_state",
@@ -214,34 +213,6 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
     log.warning(message)
     warnings.warn(message, stacklevel=3)
     return dataclasses.replace(Target.of(latest.tag, latest.url, latest.manifest, True), seen_seq=top, listed=True)
-
-
-def damaged_newest(root: str, storage_options: Any) -> tuple[str, str] | None:
-    """(rank 0; a tag-less resume that found nothing committed) ``(state, message)`` when ``newest`` names a
-    checkpoint that is there but damaged, unreadable or without its commit marker: ``newest`` is written only
-    after a commit, so the job's progress is there and broken -- neither "nothing committed" nor a fresh
-    start (``missing_ok``), which would train from scratch and say nothing. ``None``: no such checkpoint
-    (no ``newest``, its folder gone or being removed)."""
-    try:
-        fs, root_path = open_root(root, storage_options)
-        newest = read_newest(fs, root_path)
-    except (CheckpointError, OSError):
-        return None  # an unusable ``newest`` names nothing
-    if newest is None:
-        return None
-    record = next((r for r in scan_root(root, storage_options=storage_options) if r.tag == newest), None)
-    if record is None or record.state in ("committed", "missing", "removing", "legacy"):
-        return None
-    advice = (
-        "retry the resume"
-        if record.state == "unreadable"
-        else "restore it (a copy still syncing: wait for it), pass tag= to choose another checkpoint, or remove "
-        "it and newest to start fresh"
-    )
-    return record.state, (
-        f"{root}/newest names {newest!r}, which is {record.state} ({record.detail}) and no other checkpoint is "
-        f"committed: not starting fresh (missing_ok does not apply to a checkpoint that is there); {advice}"
-    )
 
 
 def not_found_hint(root: str, storage_options: Any) -> str:

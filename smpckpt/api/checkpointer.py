@@ -74,8 +74,8 @@ from smpckpt.api.options import (
     SaveOptions,
     Sharding,
 )
-from smpckpt.catalog.root import SequenceCounter, partial_url, validate_tag
-from smpckpt.errors import CheckpointNotFound
+from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import KeyMapper, ParallelLayout
 from smpckpt.storage.backends._fs import location_key
 
@@ -453,6 +453,8 @@ class Checkpointer:
                 else:
                     target = choose_target(req, ctx, self._counter)
                 if target is None:
+                    if tag is None:
+                        _refuse_damaged_newest(ctx, path, req.storage_options)
                     if opts.missing_ok:
                         log.info("no committed checkpoint under %s: starting fresh (missing_ok=True)", path)
                         return None
@@ -533,6 +535,25 @@ class Checkpointer:
             sync_files=opts.sync_files,
         )
         return out
+
+
+def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) -> None:
+    """(all ranks; a tag-less resume that found nothing committed) Refuse when ``newest`` names a folder that
+    is there but damaged, unreadable or without its manifest: ``newest`` moves only after a commit, so that
+    is the job's progress, broken -- no fresh start (``missing_ok``) and no "nothing committed"."""
+    rec = ctx.on_coordinator(lambda: newest_record(root, storage_options))
+    if rec is None or rec.state in ("committed", "missing", "removing", "legacy"):
+        return
+    errors = {"unreadable": CheckpointError, "unsafe": UnsafeCheckpoint}
+    raise errors.get(rec.state, CheckpointCorrupt)(
+        f"{root}/newest names {rec.tag!r}, which is {rec.state} ({rec.detail}) and no other checkpoint is "
+        "committed: not starting fresh (missing_ok does not apply to a checkpoint that is there); "
+        + (
+            "retry the resume"
+            if rec.state == "unreadable"
+            else "restore it (a copy still syncing: wait), pass tag= to choose another, or remove it and newest"
+        )
+    )
 
 
 def _options(options: Any, cls: type[Any]) -> Any:

@@ -85,7 +85,9 @@ class Location(_Options):
     path: str
     """The checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``). Partial
     checkpoints are ``{path}/{tag}_partial``, full ones ``{path}/{tag}``, and ``{path}/newest`` names the
-    newest partial one (smp's folder layout). An ``os.PathLike`` is kept as its ``str``."""
+    newest partial one (smp's folder layout). An ``os.PathLike`` is kept as its ``str``; a local path (or
+    ``file://`` URL) is kept absolute, ``~`` expanded, resolved against the working directory when the
+    Location is built (a later ``os.chdir`` moves no checkpoint, a background save's included)."""
 
     storage_options: Mapping[str, Any] | None = _opt(None, same=False)
     """fsspec options of ``path`` (S3: ``key``, ``secret``, ``client_kwargs``...)."""
@@ -97,6 +99,9 @@ class Location(_Options):
         object.__setattr__(self, "path", os.fspath(self.path))
         if not self.path:
             raise ValueError("path must not be empty")
+        # a local root is resolved once, here: a relative one followed the process's cwd at every call (a
+        # chdir between saves, or before a background save wrote, put checkpoints under another root)
+        object.__setattr__(self, "path", _absolute_local(self.path))
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping or None, got {type(self.storage_options).__name__}")
 
@@ -141,8 +146,19 @@ class Sharding(_Options):
             object.__setattr__(self, "specs", dict(self.specs))
 
 
+def _absolute_local(path: str) -> str:
+    """``path`` made absolute (``~`` expanded, as fsspec expands it) when it is a local path or a ``file://``
+    URL; any other URL as it is."""
+    if path.startswith("file://"):
+        return "file://" + os.path.abspath(os.path.expanduser(path[len("file://") :]))
+    if "://" in path or "::" in path:  # a URL, or an fsspec chain (``simplecache::s3://...``)
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def check_local_path(path: Any) -> str:
-    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path."""
+    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path (``~``
+    expanded: the root's path is, by fsspec)."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"local_path must be a non-empty str or os.PathLike, got {path!r}")
     text = str(os.fspath(path))
@@ -150,7 +166,7 @@ def check_local_path(path: Any) -> str:
         text = text[len("file://") :]
     elif "://" in text:
         raise ValueError(f"local_path must be a folder on this node (NVMe, /dev/shm), not a URL: {text!r}")
-    return os.path.abspath(text)
+    return os.path.abspath(os.path.expanduser(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +359,10 @@ class ExportOptions(_Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.out_storage_options is not None and not isinstance(self.out_storage_options, Mapping):
+            raise TypeError(
+                f"out_storage_options must be a mapping or None, got {type(self.out_storage_options).__name__}"
+            )
         fn = self.translate_function
         if fn is not None and not isinstance(fn, Translation):
             raise TypeError(
@@ -388,7 +408,8 @@ class ResumeOptions(_Options):
 
     missing_ok: bool = False
     """Return ``None`` (start fresh) instead of raising :class:`~smpckpt.errors.CheckpointNotFound` when
-    nothing committed exists (``partial=True`` only)."""
+    nothing committed exists (``partial=True`` only). Not when ``newest`` names a checkpoint that is there
+    but damaged, unreadable or without its manifest: that resume is refused naming it."""
 
     strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or

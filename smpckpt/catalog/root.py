@@ -76,7 +76,7 @@ __all__ = ["KeepLatestN", "select_for_removal", "select_stale_uncommitted", "app
 __all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
 __all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
-__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter"]
+__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -367,6 +367,16 @@ def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
             return CheckpointRecord(tag, False, url=url, state="removing", detail="an interrupted removal left it")
         return CheckpointRecord(tag, False, url=url, state=found.state, detail=found.detail)
     return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
+
+
+def newest_record(root_url: str, storage_options: Any = None) -> CheckpointRecord | None:
+    """The record of the folder ``newest`` names (``None``: ``newest`` missing or unreadable)."""
+    try:
+        fs, root_path = open_root(root_url, storage_options)
+        tag = read_newest(fs, root_path)
+    except (CheckpointError, OSError):
+        return None
+    return None if tag is None else _record(tag, partial_url(root_url, tag), storage_options)
 
 
 def scan_root(root_url: str, *, storage_options: Any = None) -> list[CheckpointRecord]:

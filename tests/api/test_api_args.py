@@ -124,6 +124,7 @@ def test_several_options_of_the_other_mode_are_named_together(tmp_path: Any) -> 
         (ExportOptions, {"max_shard_size": "lots"}, ValueError, "size must be bytes or a string"),
         (ExportOptions, {"max_shard_size": 0}, ValueError, "size must be positive"),
         (ExportOptions, {"translate_function": len}, TypeError, "must be a smpckpt.model.translation"),
+        (ExportOptions, {"out_storage_options": ["anon"]}, TypeError, "out_storage_options must be a mapping"),
         (Location, {"path": ""}, ValueError, "path must not be empty"),
         (Location, {"path": 3}, TypeError, "path must be a str or os.PathLike, got int"),
         (Location, {"path": "x", "storage_options": "anon"}, TypeError, "storage_options must be a mapping"),

@@ -165,6 +165,30 @@ def test_nothing_committed(tmp_path: Any) -> None:
         resume_from_checkpoint(str(tmp_path), tag="nope", model=m)
 
 
+@pytest.mark.parametrize("damage", ["corrupt", "unreadable", "uncommitted"])
+def test_a_damaged_only_checkpoint_is_no_fresh_start(tmp_path: Any, damage: str) -> None:
+    """``newest`` names the job's only checkpoint (Retention keep=1), whose manifest is damaged, unreadable
+    (an I/O error) or gone (a copy still syncing): a tag-less resume with missing_ok=True returned None and
+    the job trained from scratch, with only a log line; without missing_ok it said "no committed
+    checkpoint". Refused, naming the tag and what is wrong with it."""
+    m, _ = _model(0)
+    save_checkpoint(str(tmp_path), "a", model=m, num_kept_partial_checkpoints=1)
+    save_checkpoint(str(tmp_path), "b", model=m, num_kept_partial_checkpoints=1)
+    manifest = tmp_path / "b_partial" / "smpckpt.manifest.json"
+    if damage == "corrupt":
+        manifest.write_bytes(manifest.read_bytes()[:10])
+    else:
+        manifest.unlink()
+        if damage == "unreadable":
+            manifest.mkdir()  # reading it fails with an OSError
+    error = smpckpt.CheckpointError if damage == "unreadable" else smpckpt.CheckpointCorrupt
+    for missing_ok in (True, False):
+        with pytest.raises(error, match=f"newest names 'b', which is {damage} .* not starting fresh"):
+            resume_from_checkpoint(str(tmp_path), model=_model(1)[0], missing_ok=missing_ok)
+    (tmp_path / "newest").unlink()  # the user removed it on purpose: nothing names the folder
+    assert resume_from_checkpoint(str(tmp_path), model=m, missing_ok=True) is None
+
+
 def test_overwrite(tmp_path: Any) -> None:
     m, o = _model(0)
     save_checkpoint(str(tmp_path), "a", model=m, user_content=1)

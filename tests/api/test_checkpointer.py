@@ -74,6 +74,63 @@ def _resumed(root: str, tag: str) -> dict[str, torch.Tensor]:
     return _values(m, opt)
 
 
+# -- the root -------------------------------------------------------------------------------------------
+def test_a_relative_root_stays_where_the_checkpointer_was_built_after_a_chdir(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative root is resolved once, when the Checkpointer is built: a chdir between saves (or between
+    an async save's return and its background write) put the later checkpoints under another root, where
+    a tag-less resume of the first never saw them (it loaded the older save, silently)."""
+    import smpckpt.api.checkpointer as checkpointer_module
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    model = nn.Linear(2, 2)
+    ckpt = Checkpointer("ck", async_options=AsyncOptions(enabled=True))
+    writing = threading.Event()
+    write = checkpointer_module.write_checkpoint
+
+    caller = threading.current_thread()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not caller and not writing.wait(60):  # the background write only
+            raise TimeoutError("the test never released the background write")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "write_checkpoint", held)
+    saved = {}
+    for tag, value, background in (("s1", 1.0, False), ("s2", 2.0, True)):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        saved[tag] = model.weight.clone()
+        future = ckpt.save(tag, model, options=SaveOptions(async_save=background))
+        monkeypatch.chdir(second)  # after s1, and before s2's background write
+        if background:
+            writing.set()
+        if future is not None:
+            future.result(timeout=60)
+    ckpt.close()
+    assert sorted(os.listdir(first / "ck")) == ["newest", "s1_partial", "s2_partial"]
+    assert not (second / "ck").exists()
+    got = nn.Linear(2, 2)
+    monkeypatch.chdir(first)
+    Checkpointer("ck").resume(None, got)
+    assert torch.equal(got.weight, saved["s2"])
+
+
+def test_a_fast_tier_under_home_is_in_home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``~`` in local_path is expanded as the root's own path is (by fsspec), not a folder named ``~``
+    under the working directory that a restart from elsewhere would not find."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert FastTier(local_path="~/fast").local_path == str(tmp_path / "home" / "fast")
+    assert smpckpt.Location("~/ck").path == str(tmp_path / "home" / "ck")
+    assert smpckpt.Location("file://ck").path == "file://" + str(tmp_path / "ck")
+    assert smpckpt.Location("s3://bucket/ck").path == "s3://bucket/ck"
+
+
 # -- smp's face ----------------------------------------------------------------------------------------
 def test_smps_functions_keep_smps_parameters_and_at_most_twelve() -> None:
     save = list(inspect.signature(save_checkpoint).parameters)

@@ -35,7 +35,7 @@ def gc_paused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gc_frozen() -> Iterator[None]:
+def gc_frozen(enabled: bool = True) -> Iterator[None]:
     """The objects that exist on entry sit out every cyclic collection until exit (``gc.freeze``).
 
     Why: a save or load of thousands of tensors per rank keeps tens of thousands of objects alive
@@ -62,7 +62,7 @@ def gc_frozen() -> Iterator[None]:
     froze = False
     full_at_freeze = 0
     try:
-        if gc.isenabled() and gc.get_freeze_count() == 0:
+        if enabled and gc.isenabled() and gc.get_freeze_count() == 0:  # enabled: the caller's freeze_gc
             gc.collect(1)  # finalizers it runs may enter here too (and freeze: then this caller does not)
             if gc.get_freeze_count() == 0:
                 full_at_freeze = _full_collections()

@@ -24,6 +24,7 @@ Which rank does what ("all" = every rank; "leader" = the first rank of each node
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import warnings
@@ -34,10 +35,9 @@ from smpckpt.api._dist import DistContext
 from smpckpt.api._resume import (
     ResumeRequest,
     Target,
-    build_resume_state,
     load_checkpoint,
     resolve_target,
-    restores_rng,
+    resume_state,
 )
 from smpckpt.api._tiers import (
     LINEAGE,
@@ -248,17 +248,15 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             if choice.durable is not None
             else "nothing (no other checkpoint in either tier)"
         )
-        if ctx.is_coordinator:
-            message = f"loading checkpoint {cand.tag!r} from the fast tier failed ({first}); resuming from {instead}"
-            log.warning(message)
-            warnings.warn(message, stacklevel=4)
+        # agreed, as the failure was: a warning made an error fails every rank alike (rev59c F1)
+        said = f"loading checkpoint {cand.tag!r} from the fast tier failed ({first}); resuming from {instead}"
+        ctx.all_ok(functools.partial(_warn_on, ctx, said, 6))
         if nxt is None and choice.durable is None:
             raise first
     if choice.durable is None:
         return None
     target = choice.durable
-    rng = restores_rng(req, target, ctx)
-    state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+    rng, state = resume_state(req, target, ctx)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)
     return loaded
@@ -295,8 +293,7 @@ def _load_fast(
     part: FastTierPart,
 ) -> Loaded:
     part.counter.saw(target.order[0])
-    rng = restores_rng(req, target, ctx)
-    state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+    rng, state = resume_state(req, target, ctx)
     reader = fast_reader(req, target, choice, cand, *manifest)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
     part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
@@ -447,11 +444,10 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
     }
     missing = tuple(sorted(n for n, where in held.items() if not where))
     shown = ", ".join(f"{name} on node {n}" for n, name in sorted(corrupt)[:5])
-    if ctx.is_coordinator:
-        what = "fetching them from peers with intact copies" if not missing else "no node holds an intact copy of some"
-        message = f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}"
-        log.warning(message)
-        warnings.warn(message, stacklevel=5)
+    what = "fetching them from peers with intact copies" if not missing else "no node holds an intact copy of some"
+    # agreed (every rank knows `corrupt`): a filter making the warning an error fails every rank alike, not
+    # rank 0 alone while the others wait in the next collective (rev59c F1)
+    gctx.all_ok(lambda: _warn_on(ctx, f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}", 7))
     if missing:
         return None
 
@@ -467,6 +463,13 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
 
     gctx.all_ok(drop)
     return dataclasses.replace(cand, held_by=held, missing=missing)
+
+
+def _warn_on(ctx: DistContext, message: str, stacklevel: int) -> None:
+    """A warning (and its log line) on rank 0, inside an agreement (``ctx.all_ok``) of its callers."""
+    if ctx.is_coordinator:
+        log.warning(message)
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, continues: int | None) -> tuple[int, ...]:

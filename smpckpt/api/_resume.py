@@ -232,20 +232,20 @@ def not_found_hint(root: str, storage_options: Any) -> str:
     )
 
 
-def restores_rng(req: ResumeRequest, target: Target, ctx: DistContext) -> bool:
-    """RNG states map to ranks only under the same layout (which fixes the world size too)."""
+def resume_state(req: ResumeRequest, target: Target, ctx: DistContext) -> tuple[bool, dict[str, Any]]:
+    """(all ranks, one agreement) Whether RNG states are restored (under the saved layout only, which fixes
+    the world size: else a warning, inside the agreement, so a filter making it an error fails every rank
+    alike, not rank 0 alone before the next collective: rev59c F1) and the destinations the load fills."""
     saved = target.record.layout if target.record is not None else None
-    if not (req.opts.load_rng and target.has_rng):
-        return False
-    if saved == req.layout:
-        return True
-    if ctx.is_coordinator:
-        warnings.warn(
-            f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
-            "across layouts); every rank keeps its current generators",
-            stacklevel=4,
-        )
-    return False
+    wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout
+
+    def build() -> dict[str, Any]:
+        if wanted and not rng and ctx.is_coordinator:
+            said = f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
+            warnings.warn(said + "across layouts); every rank keeps its current generators", stacklevel=6)
+        return build_resume_state(req, ctx, wanted and rng)
+
+    return wanted and rng, ctx.all_ok(build)
 
 
 def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> frozenset[str]:

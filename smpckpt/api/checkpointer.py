@@ -27,7 +27,6 @@ Works the same without a process group.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -53,12 +52,11 @@ from smpckpt.api._resume import (
     ResumeInfo,
     ResumeRequest,
     apply_state,
-    build_resume_state,
     check_groups,
     choose_target,
     load_checkpoint,
     not_found_hint,
-    restores_rng,
+    resume_state,
     stateless_at_save,
     summarize,
 )
@@ -347,7 +345,7 @@ class Checkpointer:
         if asynchronous or self._save_lane.used or self._drain_lane.used:  # one collective more, then only
             with peer_failures(ctx, action):
                 ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, opts.wait_for_previous))
-        with peer_failures(ctx, action), _frozen(opts.freeze_gc and not asynchronous):
+        with peer_failures(ctx, action), gc_frozen(opts.freeze_gc and not asynchronous):
             req = SaveRequest(
                 **common.fields(),
                 tag=tag,
@@ -441,7 +439,7 @@ class Checkpointer:
             if tag is not None:
                 validate_tag(tag)
         action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {path}"
-        with peer_failures(ctx, action), _frozen(opts.freeze_gc):
+        with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if not opts.partial:
                 return resume_full(ctx, common, tag, opts)
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
@@ -464,8 +462,7 @@ class Checkpointer:
                 if loaded is not None:
                     rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
                 else:
-                    rng, reader = restores_rng(req, target, ctx), None
-                    state = ctx.all_ok(lambda: build_resume_state(req, ctx, rng))
+                    (rng, state), reader = resume_state(req, target, ctx), None
                     planner = load_checkpoint(req, req.opts, target.url, state)
                 chosen = target
                 ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
@@ -508,7 +505,7 @@ class Checkpointer:
         if self._save_lane.used or self._drain_lane.used:
             with peer_failures(ctx, action):
                 ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, True))
-        with peer_failures(ctx, action), _frozen(opts.freeze_gc):
+        with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if common.model is None and out is not None:  # no model and no out was refused above
                 dest = out
                 return ctx.on_coordinator(lambda: self._consolidate(tag, dest, opts))
@@ -558,16 +555,9 @@ def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) ->
 
 def _options(options: Any, cls: type[Any]) -> Any:
     """A call's options: ``options``, or the defaults."""
-    if options is None:
-        return cls()
-    if not isinstance(options, cls):
+    if options is not None and not isinstance(options, cls):
         raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
-    return options
-
-
-def _frozen(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """``gc_frozen()`` when ``enabled`` (``freeze_gc``), else nothing."""
-    return gc_frozen() if enabled else contextlib.nullcontext()
+    return cls() if options is None else options
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False) -> None:

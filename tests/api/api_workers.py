@@ -308,3 +308,27 @@ def peer_dies_during_save(rank: int, world_size: int, root: str) -> str:
     with open(os.path.join(root, "rank0.txt"), "w") as f:
         f.write(text)
     return text
+
+
+def warnings_as_errors_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A resume across a layout change (RNG states not restored: a warning on rank 0) with warnings made
+    errors: rank 0 raised it between two collectives, and rank 1 waited in the next one (rev59c F1)."""
+    tp2 = ParallelLayout(tp=2)
+    ctx, model, opt = tp_model.build(tp2)
+    tp_model.train_step(ctx, model, opt, 0)
+    save_checkpoint(root, "s1", model=model, optimizer=opt, layout=tp2, specs=tp_model.SPECS)
+    dist.barrier()
+    layout = ParallelLayout(dp=2)
+    _, model, opt = tp_model.build(layout, seed=99)
+    fresh = float(sum(p.sum() for p in model.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        said = _expect_error(lambda: resume_from_checkpoint(root, model=model, optimizer=opt, layout=layout))
+    untouched = float(sum(p.sum() for p in model.parameters())) == fresh  # refused before anything loaded
+    dist.barrier()  # both ranks got here: nobody waits for the other inside the resume
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        resume_from_checkpoint(root, model=model, optimizer=opt, layout=layout)
+    info = last_resume_info()
+    total = float(sum(p.sum() for p in model.parameters()))
+    return {"said": said, "untouched": untouched, "tag": info.tag if info else None, "sum": total, "fresh": fresh}

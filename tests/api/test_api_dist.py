@@ -231,3 +231,17 @@ def test_a_dead_peer_is_a_checkpoint_error_naming_the_rank(tmp_path: Any) -> Non
     assert text.startswith("smpckpt.errors.CheckpointError: rank 0 of 2: saving checkpoint 't'"), text
     assert "another rank died or was killed" in text
     assert mproc.active_children() == []
+
+
+def test_warnings_made_errors_leave_no_rank_waiting_inside_a_resume(tmp_path: Any) -> None:
+    """rev59c F1: a warning issued on rank 0 alone between two collectives (here: the layout changed, RNG
+    states not restored), under a filter that makes warnings errors (pytest's ``-W error``), took rank 0 out
+    of the resume while rank 1 waited in the next collective until the group's timeout. The warning is
+    issued inside an agreement: every rank raises it alike (rank 0 the warning, the other a CheckpointError
+    naming it); with warnings left alone the resume goes on as before."""
+    got = run_world(api_workers.warnings_as_errors_world, 2, str(tmp_path), timeout=90)
+    assert got[0]["said"].startswith("UserWarning: the layout changed"), got[0]
+    assert got[1]["said"].startswith("CheckpointError: rank 0 failed with UserWarning: the layout changed"), got[1]
+    assert got[0]["untouched"] and got[1]["untouched"], got
+    assert got[0]["tag"] == got[1]["tag"] == "s1"
+    assert got[0]["sum"] == got[1]["sum"] != got[0]["fresh"]  # dp=2: both ranks hold the whole model, loaded alike

@@ -320,6 +320,7 @@ class FsspecStorageReader(ReaderBase):
         self._records = {f.name: f for f in found.manifest.files}
         return metadata
 
+    @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._full is not None:
             self._full.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -345,7 +346,10 @@ class FsspecStorageReader(ReaderBase):
             at = next((i for i in reversed(range(len(chunks))) if tuple(chunks[i].offsets) == offsets), None)
             if at is None:
                 return None
-        return md.properties.dtype, tuple(chunks[at].sizes)
+        # the chunk's own sizes (a torch.Size), not a copy per item: the copies, kept by the items until the
+        # reads were delivered, set off young collections mid-read (tests/test_gc_pauses.py)
+        sizes = chunks[at].sizes
+        return md.properties.dtype, sizes if isinstance(sizes, tuple) else tuple(sizes)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         def key(it: ReadItem) -> tuple[str, int]:

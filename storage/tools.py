@@ -25,7 +25,7 @@ from smpckpt.storage.format.manifest import (  # the two openers by URL live wit
     probe_checkpoint,
     read_manifest,
 )
-from smpckpt.storage.read._fetch import digest_of
+from smpckpt.storage.read._fetch import digest_of, unit_rows, unit_text
 from smpckpt.storage.read._verify_plan import load_problems
 
 __all__ = ["checkpoint_state", "probe_checkpoint", "read_manifest", "verify_checkpoint", "VerifyReport"]
@@ -177,23 +177,13 @@ def check_blocks(
                     spans = rec.spans(i)
                     if digest(spans) != rec.block_digests[i]:
                         ok = False
-                        problems.append(f"{where}: checksum mismatch in {_unit_text(i, spans)}")
+                        problems.append(f"{where}: checksum mismatch in {unit_text(i, *unit_rows(rec, i))}")
                 tick(end - start)
             if copy_to is not None:
                 if not ok:
                     return False
                 copy_to(data)
     return ok
-
-
-def _unit_text(i: int, spans: list[tuple[int, int]]) -> str:
-    """Where check unit ``i`` lies in its file: a block's bytes, or a tile's first to last byte and its
-    row segments. A tile's offsets in the block list are as if it were contiguous: named so, they
-    missed the damaged byte (a tile's bytes are its row segments across the row group)."""
-    if len(spans) == 1:
-        return f"bytes {spans[0][0]}..{spans[0][1]} (block {i})"
-    (s0, e0), (s1, _) = spans[0], spans[1]
-    return f"bytes {s0}..{spans[-1][1]} (block {i}: a tile, {len(spans)} runs of {e0 - s0} bytes every {s1 - s0})"
 
 
 def _unit_batches(rec: FileRecord, limit: int) -> Iterator[tuple[int, int, list[tuple[int, int, range]]]]:

@@ -196,12 +196,22 @@ def verify_blocks(
     for i in rec.blocks_covering(lo, hi) if blocks is None else blocks:
         first, rows, run, stride = unit_rows(rec, i)
         if digest(first, rows, run, stride) != rec.block_digests[i]:
-            bs, be = rec.block_start(i), rec.block_ends[i]
-            bad = sorted({it.fqn for it in items if it.start < be and it.end > bs})
-            what = "block" if rows == 1 else f"tile of {rows} row segments, listed as block"
+            last = first + (rows - 1) * stride + run
+            bad = sorted({it.fqn for it in items if it.start < last and it.end > first})
             raise CheckpointCorrupt(
-                f"{path}: checksum mismatch in bytes {bs}..{be} ({what} {i}) holding key(s) {bad}; the file is corrupt"
+                f"{path}: checksum mismatch in {unit_text(i, first, rows, run, stride)} holding key(s) {bad}; "
+                "the file is corrupt"
             )
+
+
+def unit_text(i: int, first: int, rows: int, run: int, stride: int) -> str:
+    """Where check unit ``i`` (geometry as :func:`unit_rows` gives it) lies in its file: a block's bytes,
+    or a tile's first to last byte and its row segments. A tile's offsets in the block list are as if it
+    were contiguous: named so, they missed the damaged byte (a tile's bytes are row segments across its
+    row group). Loads, ``smpckpt verify`` and the drain's check name units alike."""
+    if rows == 1:
+        return f"bytes {first}..{first + run} (block {i})"
+    return f"bytes {first}..{first + (rows - 1) * stride + run} (block {i}: a tile, {rows} runs of {run} bytes every {stride})"
 
 
 def digest_of(data: memoryview, base: int) -> Callable[[Spans], int]:

@@ -198,7 +198,7 @@ def test_a_damaged_tile_fails_the_reads_that_touch_it_and_verify(tmp_path: Any) 
     with pytest.raises(CheckpointException) as info:
         _load(path, {"col": torch.empty(256, 2048)}, 4, 2)
     assert isinstance(unwrap(info.value), CheckpointCorrupt)
-    assert re.search(r"checksum mismatch .*\(tile of 32 row segments, .*\['m\.col'\]", str(unwrap(info.value)))
+    assert re.search(r"checksum mismatch .*: a tile, 32 runs .*\['m\.col'\]", str(unwrap(info.value)))
     with pytest.raises(CheckpointException) as info:
         _load(path, {"col": torch.empty(256, 8192)}, 1, 0)  # same layout: read into the destination
     assert isinstance(unwrap(info.value), CheckpointCorrupt) and "checksum mismatch" in str(unwrap(info.value))
@@ -221,6 +221,24 @@ def test_verify_names_the_bytes_of_a_damaged_tile(tmp_path: Any) -> None:
     last = first + 31 * t.row_bytes + t.segment
     want = f"{rec.name}: checksum mismatch in bytes {first}..{last} (block {block}: a tile, 32 runs of 4096 bytes every 32768)"
     assert verify_checkpoint(path).problems == (want,)
+
+
+def test_loads_name_the_bytes_of_a_damaged_tile(tmp_path: Any) -> None:
+    """A load refused a damaged tile but named it by its block-list offsets, as if it were contiguous
+    (rev59c F2): bytes 640..768 KiB into the row group for a flip 20 KiB in. A resharding read and a
+    same-layout read name the tile's first to last byte and its row segments, as verify does."""
+    path = _save(tmp_path, {"col": torch.randn(256, 8192)})
+    (rec,) = read_manifest(path).files
+    (t,) = rec.tilings
+    first = t.start + 32 * t.row_bytes + 5 * t.segment  # row group 1, column group 5
+    _flip(path, first + 20 * t.row_bytes + 100)  # its row 52
+    block = rec.blocks_covering(t.start, t.start + 1)[0] + 8 + 5
+    last = first + 31 * t.row_bytes + t.segment
+    want = f"checksum mismatch in bytes {first}..{last} (block {block}: a tile, 32 runs of 4096 bytes every 32768) holding key(s) ['m.col']"
+    for tp, rank, cols in ((4, 2, 2048), (1, 0, 8192)):  # a column reshard reading group 5; the same layout
+        with pytest.raises(CheckpointException) as info:
+            _load(path, {"col": torch.empty(256, cols)}, tp, rank)
+        assert isinstance(unwrap(info.value), CheckpointCorrupt) and want in str(unwrap(info.value)), (tp, rank)
 
 
 @pytest.mark.s3

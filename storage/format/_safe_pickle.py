@@ -1,40 +1,23 @@
 """Loading checkpoint metadata and objects without running code from the checkpoint.
 
-``.metadata`` is a pickle. :func:`load_metadata` unpickles it with an allow-list: DCP's metadata
-dataclasses, ``_StorageInfo``, ``torch.Size``, dtypes/layouts/memory formats, a few path classes and
-harmless builtins. Anything else (``os.system``, ``builtins.eval``, ...) is refused *before* it is
-called, so a crafted ``__reduce__`` payload never runs.
+:func:`load_metadata` unpickles ``.metadata`` with an allow-list (DCP's metadata dataclasses,
+``_StorageInfo``, ``torch.Size``, dtypes, a few path classes, harmless builtins); anything else is
+refused before it is called. What a load builds is bounded (:class:`_Bounds`), keeping the C
+unpickler's speed, against a few hundred bytes that allocate until memory runs out:
 
-Harmless callables still build what they are given, and a pickle can give one object many times by
-its memo: ``frozenset(range(10**12))``, ``torch.Size(range(10**10))``, ``copyreg._reconstructor(set,
-set, range(...))``, a 1 MiB tuple handed to ``frozenset`` a million times, or one big dict applied as
-the state (``BUILD``) of a million objects -- a few hundred bytes that allocate until memory runs out.
-So what a load builds is bounded (:class:`_Bounds`), without giving up the C unpickler's speed:
+* every allowed callable runs through a guard charging its arguments' elements to one budget per
+  load (``1 Mi + the file's size``); a bomb is refused as :class:`CheckpointCorrupt` naming the file;
+* DCP's classes are built as per-load stand-in subclasses whose ``__setstate__`` refuses a ``BUILD`` of
+  more than :data:`_MAX_STATE` fields, turned into the real class when the load ends (an
+  ``OrderedDict`` carries such a ``__setstate__`` in its ``__dict__`` until then);
+* nothing the process shares is handed to the pickle (classes as stand-ins, enums as per-load types,
+  functions as guards); enum members are compared with their state before the load and restored (the
+  file refused) if a ``BUILD`` reached them;
+* a ``MemoryError`` while unpickling (``LONG_BINPUT`` near 2**32 asks the C memo for 64 GiB) is reported
+  as :class:`CheckpointCorrupt` naming the file.
 
-* every allow-listed callable is called through a guard that first walks its arguments, charging each
-  element (and each character of a string) to one budget per load, ``1 Mi + the file's size``
-  elements; a legitimate ``.metadata`` spends about one element per twenty bytes (a few per
-  ``torch.Size``), a bomb exhausts it and is refused as :class:`CheckpointCorrupt` naming the file;
-* objects of DCP's classes are made as instances of per-load stand-in subclasses (``NEWOBJ`` makes
-  them in C) whose ``__setstate__`` refuses a ``BUILD`` of more than :data:`_MAX_STATE` fields --
-  DCP's dataclasses have at most six -- however often the pickle builds one object; when the load
-  ends each becomes an instance of its real class. An ``OrderedDict`` (a built-in type: no stand-in can
-  turn into it) carries such a ``__setstate__`` in its own ``__dict__`` until then;
-* no class, function or enum member the process shares is handed to the pickle: classes come as those
-  stand-ins, enums as per-load types whose ``__new__`` returns the real member, functions as per-load
-  guards, so a ``BUILD`` on what ``find_class`` returned changes nothing outside this load; enum
-  members (which must be the real ones) are compared with their state before the load and restored
-  (and the file refused) if a ``BUILD`` reached them;
-* the memo is the C unpickler's array: ``LONG_BINPUT`` with an index near 2**32 asks for up to 64 GiB
-  at once. That request is not preventable without parsing every opcode in Python (10x slower): it
-  fails at once where memory is short, and a ``MemoryError`` while unpickling is reported as
-  :class:`CheckpointCorrupt` naming the file (a legitimate ``.metadata`` takes ~15x its size).
-
-What the bounds cost a legitimate load (Python runs once per BUILD and per ``torch.Size``):
-``benchmarks/bench_metadata_load.py``.
-
-Object values (BYTE_IO items) are ``torch.save`` pickles deserialised later by the load planner;
-:func:`check_weights_only` refuses those that ``torch.load(weights_only=True)`` would refuse.
+Cost on a legitimate load: ``benchmarks/bench_metadata_load.py``. :func:`check_weights_only` refuses
+object values (``torch.save`` pickles) that ``torch.load(weights_only=True)`` would refuse.
 """
 
 from __future__ import annotations

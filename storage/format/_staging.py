@@ -1,27 +1,15 @@
-"""Staging: tensor bytes moved between where they live and a small pool of reused host buffers.
+"""Staging: tensor bytes moved between where they live and a small pool of reused host buffers, the
+device stage of every save (what cannot be written in place) and of every load into a CUDA tensor
+(:class:`DeviceCopies`, :func:`copy_into`).
 
-The device stage of every save and load, behind one small interface (:class:`Stage`):
+:meth:`Stage.copy` enqueues one copy and returns; :meth:`Stage.fence` returns a :class:`Ticket` that
+completes when every copy enqueued before it has. :class:`CudaStage` copies on a side stream into
+pinned buffers (a ticket is an event); :class:`HostStage` copies in order on one copier thread (a
+ticket is a future). With ``SMPCKPT_TEST_DEVICE=cpu`` CPU tensors go through the :class:`HostStage` too
+(:func:`stage_kind`), so CI runs the pipeline a GPU machine runs.
 
-* a save copies what it cannot write in place (a CUDA tensor, a strided view, a dtype cast) into
-  buffers of a :class:`BufferPool`, chunk by chunk, and writes each buffer once it holds its bytes;
-* a load into a CUDA tensor copies the bytes it read into such buffers (pinned) and from there to
-  the device (:class:`DeviceCopies`, :func:`copy_into`).
-
-:meth:`Stage.copy` enqueues one copy and returns at once; :meth:`Stage.fence` returns a
-:class:`Ticket` that completes when every copy enqueued before it has. On CUDA (:class:`CudaStage`)
-copies run on a side stream of the tensor's device, each buffer pinned, and a ticket is an event: the
-copy engine moves the next chunks while the host hashes and writes the last ones. Elsewhere
-(:class:`HostStage`) copies run in order on one copier thread (torch releases the GIL for a copy), a
-ticket is a future: the same pool, the same order and the same overlap, on the CPU. With
-``SMPCKPT_TEST_DEVICE=cpu`` in the environment the writers and readers send CPU tensors through the
-:class:`HostStage` too (:func:`stage_kind`), even those they would write or fill in place: the CPU
-stand-in of the CUDA stage, so CI runs the pipeline a GPU machine runs.
-
-Memory: a pool holds at most ``limit`` bytes in buffers of ``buffer_bytes``, allocated when first
-needed and dropped with the pool (pinned ones return to torch's caching host allocator, which hands
-them out again to the next pool without a new ``cudaHostAlloc``). A buffer goes back to the pool
-only when every use of its bytes has finished (the caller's :meth:`BufferPool.release`), so it is
-never refilled while a write or a hash still reads it.
+A pool holds at most ``limit`` bytes in buffers of ``buffer_bytes``, allocated when first needed; a
+buffer returns to it only when every use of its bytes has finished (:meth:`BufferPool.release`).
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
 """The one commit protocol, used by every kind of save (partial, full, fast-tier node copies, drains,
 ``convert``, ``consolidate``) and by every removal.
 
-A save's files are created, never overwritten (:mod:`smpckpt.storage.backends._folder`: ``O_CREAT |
-O_EXCL | O_NOFOLLOW`` relative to folder descriptors on POSIX, ``If-None-Match: *`` on S3), under names
-no other save uses: data files and ``.metadata.<save id>`` carry the save's id (a *generation*); a full
-artifact, whose names are Hugging Face's, is written on POSIX into a folder of its own
-(``.smpckpt-staging.<save id>`` beside the target) that :func:`publish_staged` renames into place
-without replacing anything. So a save that finds a file it did not create fails, naming it, and a
-save that stalled and woke after another took over fails at its first write (its folder is gone, or
-every name it creates exists) instead of writing into the other's files.
+A save's files are created, never overwritten (``storage/backends/_folder.py``), under names no other
+save uses: data files and ``.metadata.<save id>`` carry the save's id; a full artifact on POSIX is
+written into ``.smpckpt-staging.<save id>`` beside the target, renamed into place by
+:func:`publish_staged` without replacing anything. So a save that finds a file it did not create, or
+that woke after another took over, fails instead of writing into the other's files.
 
-The commit (:func:`commit` in place, :func:`publish_staged` for a staged folder), in this order:
+The commit (:func:`commit`, or :func:`publish_staged`), in this order:
 
 1. the generation's metadata and side files, created;
-2. **one listing** of the folder: every file the manifest names (data, metadata, side files) is there
-   at its size, else nothing is committed (:func:`check_named`);
-3. the manifest, created last and exclusively (``linkat`` of a create-only temporary; one conditional
-   PUT) -- or, for an overwrite, replacing exactly the manifest the save saw when it began (S3:
-   ``If-Match``), after removing the old generation's stock ``.metadata`` copy (a crash between the swap
-   and step 5 must not leave stock readers a copy describing the replaced generation, whose files are
-   still there; a failed swap puts the copy back); for a staged folder, the rename into place
-   (``renameat2(RENAME_NOREPLACE)``);
-4. no removal started meanwhile (:func:`remove_folder` marks a folder first and then looks for a
-   manifest; the commit writes its manifest and then looks for that mark: of the two, at least one sees
-   the other, so a prune never deletes the files of a checkpoint that committed during it);
-5. after the commit: the stock ``.metadata`` copy, then the previous generation's files (an overwrite).
+2. one listing: every file the manifest names is there at its size (:func:`check_named`);
+3. the manifest, created exclusively, or for an overwrite replacing exactly the one the save saw (S3:
+   ``If-Match``), after removing the old stock ``.metadata`` copy (put back if the swap fails); for a
+   staged folder, the rename (``renameat2(RENAME_NOREPLACE)``);
+4. no removal started meanwhile (:func:`remove_folder` marks first and then looks for a manifest; the
+   commit writes its manifest and then looks for the mark: at least one sees the other);
+5. the stock ``.metadata`` copy, then the previous generation's files (an overwrite).
 """
 
 from __future__ import annotations

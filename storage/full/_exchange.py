@@ -1,26 +1,16 @@
 """Full mode on POSIX: column shards with short rows are written as blocks of whole rows, after a swap.
 
-A tensor split on a trailing dim (a column shard: out-projections, MLP down-projections) puts each
-rank's bytes in one short run per row, interleaved with the other ranks' runs. Written in place that
-costs one ``pwrite`` per row (2 KiB rows: 0.5 GB/s, against 3.6 GB/s for one run of the same bytes on
-this project's machines), and the pages two ranks share cannot be written back until both are done.
-With its strided boxes the full save ran at 0.45-0.65x the partial save; with the same tensors split on
-dim 0 at 0.95-0.99x (measured, ``benchmarks/RESULTS_full.md``).
-
-So for such a tensor its writers swap bytes over the process group first: writer ``i`` of ``k`` ends up
-with rows ``[n*i//k, n*(i+1)//k)`` of the tensor's first dim, all columns, and writes them as one run.
-Each rank sends the rows of its box that belong to the other writers' blocks (``(k-1)/k`` of its box)
-and receives the pieces of its own block. The bytes cross the process group once and reach storage
-once. Swaps of consecutive small tensors travel together: the coordinator numbers them into batches
-of up to :data:`SWAP_BATCH_BYTES`, and a pair of ranks exchanges one message per batch each way (one
-exchange per tensor cost ~2 ms apiece at 4 ranks, whatever its size). Every rank walks its batches in
-one global order (file, offset), sends before it waits, and lays out each message in the batch's
-(swap, block, box) order, which its peer derives alike, so each message meets its receive with the
-size expected: no deadlock, whatever the layout.
+A column shard is one short run per row, interleaved with the other ranks' runs: written in place, one
+``pwrite`` per row (``benchmarks/RESULTS_full.md``: 0.45-0.65x the partial save). So its writers swap
+bytes over the process group first: writer ``i`` of ``k`` ends up with rows ``[n*i//k, n*(i+1)//k)``,
+all columns, and writes them as one run. Swaps of consecutive small tensors travel together in batches
+of up to :data:`SWAP_BATCH_BYTES` (one message per pair of ranks and batch each way). Every rank walks
+its batches in one global order (file, offset), sends before it waits, and lays out each message in the
+(swap, block, box) order its peer derives alike: no deadlock, whatever the layout.
 
 Planned by the coordinator (:func:`plan_exchanges`, only when the process group spans every planning
 rank); carried out by every rank (:class:`Swapper`). Memory: one batch's boxes and blocks, plus the
-previous batch's blocks while they are written (``_write``).
+previous batch's blocks while they are written.
 """
 
 from __future__ import annotations

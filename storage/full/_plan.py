@@ -1,29 +1,17 @@
 """Full (consolidated) mode, planning: where every rank's shard bytes land in the safetensors artifact.
 
-The coordinator turns the global save plan into an artifact layout -- which tensors go to which
-``model*.safetensors`` file, every header, every tensor's byte offset -- and gives each rank the list
-of *writes* for its own shards: a box of an artifact tensor (in the tensor's row-major bytes, so a
-column shard is one run per row) and where in the rank's chunk its data comes from. Ranks then write
-straight into the shared files at those offsets (``_write``): the bytes cross to storage once, no
-rank gathers a tensor, and extra memory is one piece of one shard.
+The coordinator turns the global save plan into an artifact layout (which tensors go to which
+``model*.safetensors`` file, every header, every offset) and gives each rank the *writes* for its own
+shards: a box of an artifact tensor and where in the rank's chunk its data comes from; ranks write
+straight into the shared files (``_write``). A :class:`~smpckpt.model.translation.Translation` maps our
+keys to Hugging Face keys region by region (a fused QKV shard becomes boxes of ``c_attn.weight``
+transposed, never assembled). Each write is cut into check units of about ``check_block`` bytes whose
+xxh3 go into the generation's metadata.
 
-A :class:`~smpckpt.model.translation.Translation` (e.g. ``smpckpt.hf.gpt2.TRANSLATION``) maps our keys to
-Hugging Face keys region by region: a fused QKV shard becomes boxes of ``c_attn.weight`` transposed,
-written in place, never assembled.
-
-Integrity: each write is cut into *check units* of about ``check_block`` bytes along its outermost
-dimension; every unit's xxh3 goes into the generation's metadata (itself checksummed by the
-manifest), so a reader verifies exactly the boxes it reads.
-
-Files in ``torch_save`` format are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat
-``{key: tensor}`` dict, made of FakeTensors of the right shapes and dtypes, is saved under
-``torch.serialization.skip_data``, which writes the zip archive with its pickle, record headers and
-directory and leaves a hole where each storage's bytes go. That file is sparse (a few KiB on disk
-whatever the model size) and is read back as the byte pieces around the holes plus each tensor's record
-offset. The result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too: torch aligns
-every record to 64 bytes) with nothing of ours installed. Record CRCs are written as zero, as
-``torch.save`` does under ``torch.serialization.set_crc32_options(False)``; integrity comes from the
-manifest's check units.
+``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat dict, made of
+FakeTensors, saved under ``torch.serialization.skip_data``, leaves a hole where each storage goes; the
+result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too) with nothing of ours
+installed. Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
 """
 
 from __future__ import annotations

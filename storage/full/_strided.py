@@ -1,22 +1,14 @@
 """Column (strided) boxes of full artifacts on local files, read by the partial reader's cost model.
 
-A column box of a row-major artifact tensor is one run per row. Read a request per row (and, verified,
-each check unit it touches read whole, a request per unit row), a TP=4 load of a bf16 [32000, 4096]
-embedding from a TP=1 export issued 32,000 requests of 4 KiB. Where the rows' unread gap costs less than
-a request (:func:`~smpckpt.storage.format._columns.streams`, the partial reader's model), the rows are
-read instead as sequential spans of whole rows -- from the first needed column of a piece's first row to
-the last of its last -- in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES`
-that never cut a check unit, each through a reused buffer: each piece's units are verified there, then
-the box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece
-per reader thread, never the box's enclosing span. Wider gaps keep the reader's request per row.
-
-Either way a box is work for several threads (:func:`share`): its pieces, or its rows' requests in
-groups of about :data:`PART_BYTES` (:func:`row_groups`), are drawn one at a time by the thread that reads
-the box and by the reader's other threads while they are free. A column box's rows are small requests;
-read by one thread they leave the device idle between them (a TP=4 slice of fp32 rows of 64 KiB, cold:
-slower than stock DCP, ``benchmarks/RESULTS.md``), as the partial reader's box parts found before
-(``storage/read/_run.py``). Each part writes only its own rows of the destination; a streamed part holds
-one piece buffer, so at most one per reader thread is in flight.
+A column box is one run per row. Where the rows' unread gap costs less than a request
+(:func:`~smpckpt.storage.format._columns.streams`), the rows are read as sequential spans of whole rows
+in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES` that never cut a check
+unit, each through a reused buffer where its units are verified and the box's columns copied out; wider
+gaps keep a request per row. Either way a box is work for several threads (:func:`share`): its pieces,
+or its rows' requests in groups of about :data:`PART_BYTES` (:func:`row_groups`), drawn one at a time by
+the reading thread and the reader's free threads (one thread alone left the device idle between small
+requests: ``benchmarks/RESULTS.md``). Each part writes only its own rows; memory stays one piece buffer
+per reader thread.
 """
 
 from __future__ import annotations

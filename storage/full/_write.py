@@ -1,30 +1,20 @@
-"""Full (consolidated) mode, writing: the tensor bytes of every rank's shards into the artifact's files,
-by one of two algorithms, chosen by the storage (``FullArtifactWriter``), and the object values.
+"""Full (consolidated) mode, writing: every rank's shard bytes into the artifact's files, by one of two
+algorithms chosen by the storage (``FullArtifactWriter``), and the object values (one small file each,
+written by the rank that holds them).
 
-**POSIX filesystems** (local disk, Lustre/FSx, NFS): the coordinator creates every file at its final
-size with its header (:func:`create_files`), then every rank opens the files and ``pwrite``\\ s its boxes
-in place (:meth:`_RankWriter.run`) -- one run for a row shard; a column shard with short rows is first
-swapped into blocks of whole rows over the process group (``_exchange``) -- hashing each check unit
-from the same buffer, and writes its spans back before reporting success.
+**POSIX filesystems**: the coordinator creates every file at its final size with its header
+(:func:`create_files`), then every rank ``pwrite``\\ s its boxes in place (:meth:`_RankWriter.run`;
+column shards with short rows are first swapped into blocks of whole rows, ``_exchange``), hashing
+each check unit from the same buffer.
 
-**Object stores** (S3, ``memory://``): an object cannot be written at offsets by many ranks, so every
-file has an owner rank (files round-robin over ranks) that streams it front to back (multipart on S3;
-:func:`gather_rank`). Tensor by tensor, in file order, the owner assembles the tensor from the boxes
-every rank holds: its own are copied, the others arrive over the process group (``send``/``recv`` of
-the box bytes, no pickling). Every rank walks the same global order of boxes (file, tensor offset,
-sending rank), so each send meets its receive like steps of one sequential program: no deadlock,
-whatever the ownership. Memory: an owner holds one tensor (plus one received box) at a time; a sender
-one box. The bytes cross the network once from their holder to the file's owner, and to storage once.
-The sink borrows what it is given (S3 parts go out as views, no copy into part buffers): every buffer
-written is the resolved tensor's own bytes, a box buffer or an assembled tensor made for this write,
-none changed before the sink's commit.
+**Object stores**: every file has an owner rank (round-robin) that streams it front to back
+(:func:`gather_rank`), assembling tensor by tensor from its own boxes and those the other ranks send
+(``send``/``recv`` of the box bytes). Every rank walks the same global order of boxes (file, tensor
+offset, sending rank), so each send meets its receive: no deadlock. An owner holds one tensor (plus one
+received box) at a time. The sink borrows what it is given: none of it changes before the sink's commit.
 
-**Why two** (issue 44 asked for one, the faster): on POSIX, gather-to-owner took 1.8-3.2x pwrite's time
-at 2 and 4 ranks (its owners stream the files one after another; ``benchmarks/RESULTS_full.md``), and
-it is the only one an object store can take.
-
-Object values (user content, non-tensor state) go to one small file each, written by the rank that
-holds them.
+Why two: on POSIX, gather-to-owner took 1.8-3.2x pwrite's time (``benchmarks/RESULTS_full.md``), and it
+is the only one an object store can take.
 """
 
 from __future__ import annotations

@@ -1,59 +1,28 @@
 """A fast-tier copy written into this node's folder (``FastTierWriter``), committed per node only after
 every node holds its share (:func:`commit_node_copy`); and its replicas, sent to other nodes while each
-file is written (:class:`Replicator`).
+file is written (:class:`Replicator`). README, "Tiered checkpoints", describes the protocol.
 
-Each rank passes its own node's folder; ``dcp.save`` runs as with :class:`FsspecStorageWriter`
-(same files, same checksums), except that the coordinator's ``finish`` writes nothing: it keeps the
-manifest and metadata bytes (:attr:`FastTierWriter.prepared`). The API then sends them to every rank,
-agrees that every node holds what it should (the replicas below), and only then each node's first rank
-commits its copy (:func:`commit_node_copy`): the generation's metadata, the manifest
-(create-if-absent), the stock ``.metadata``.
+``dcp.save`` runs as with :class:`FsspecStorageWriter`, except that the coordinator's ``finish`` only
+keeps the manifest and metadata bytes (:attr:`FastTierWriter.prepared`); the API sends them to every
+rank, agrees that every node holds its share, and only then each node's first rank commits its copy.
+So a manifest on any node proves every node held its share; a kill before the agreement commits nothing.
 
-Why commit per node, and only after that agreement: a manifest on any node then proves that every
-node held its share at that moment, so a tag is usable exactly when the surviving nodes' files cover
-its manifest. A kill before the agreement leaves no manifest anywhere: the tag was never committed.
+Replicas: each data file goes, chunk by chunk as its sink receives it, to the same local rank of the
+next ``replicas - 1`` nodes (ring order), over one sender and one receiver thread per (group, hop); a
+file uses group ``file number % len(groups)``. Messages: an int64 header ``[kind, file, n, extra]``,
+then the name (``OPEN``) or ``n`` bytes (``DATA``); ``END`` closes a file (``extra`` 1: committed, 0:
+discard), ``EOS`` the channel.
 
-Replicas (:class:`Replicator`, every rank). Each data file a rank writes goes, chunk by chunk as its
-sink receives it, to the same local rank of the next ``replicas - 1`` nodes (ring order) -- the bytes
-already in memory, never read back from the file -- and each rank writes the files it receives from
-the ranks before it into its own node's folder.
+Why it cannot hang: a receiver stops only at ``EOS`` or when its connection fails, and receives a file
+it cannot write to the end (reporting the error); every rank sends ``EOS`` in :meth:`Replicator.close`;
+a failed sender drops the rest and wakes writers waiting on it, which raise naming the peer.
 
-Channels. Rank ``r`` sends to ``r + h * L`` and receives from ``r - h * L`` (``h = 1 .. replicas - 1``,
-``L`` ranks per node, modulo the world) over each of its gloo ``groups``: one sender thread and one
-receiver thread per (group, hop), each walking its messages in order. A data file goes over group
-``file number % len(groups)``, so several files move at once; its chunks, in order, interleave with
-other files' on the channel. Messages: a header (int64 ``[kind, file, n, extra]``) then, for
-``OPEN``, the file's name and, for ``DATA``, ``n`` bytes; ``END`` closes a file (``extra`` = 1: the
-writer committed it, 0: it failed and the receiver discards it); ``EOS`` closes the channel.
-
-Why it cannot hang. A receiver thread only stops at ``EOS`` or when its connection fails (its sender's
-process died: every later receive fails at once); a file it cannot write (a bad name, a full disk) is
-received to the end and discarded, its error reported. Every rank sends ``EOS`` on every channel in
-:meth:`Replicator.close`, which the API calls however its save ended. A sender whose connection failed
-drops what it has left and reports the error: its writers never wait on it (one waiting for the queue
-to drain is woken, and raises: below).
-
-Memory. Nothing is copied on the sender but small writes (coalesced into ~1 MiB messages): the queue
-holds views of the writer's own buffers (for staged bytes, the copies the writer makes for a borrowing
-sink: ``storage/write/_pipeline.py``), and a sink's ``commit`` returns only when its file's last message
-went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). A rank's senders hold at
-most ``max_queued`` bytes of data messages queued (:class:`_Budget`; the save's ``staging_bytes``, 128 MiB
-by default -- a second cap of that size, beside the staging pool's: a staged buffer queued for a peer is
-a copy, so a replicated save's host memory above the state is up to twice ``staging_bytes`` plus a
-message per sender and a buffer per writer thread): a write that would pass it waits
-until the senders have sent enough, so a slow peer slows this rank's writers instead of growing its
-memory (one message is always let in: a write larger than the cap goes alone). That wait cannot hang:
-senders wait only on their peers' receiver threads, which never wait on their own rank's writers (the
-channel's messages are taken in order and none waits for a later write), and a sender whose connection
-failed wakes the waiting writers, which raise (naming the peer) instead of waiting on. Each receiver
-holds one message (a staging buffer, 16 MiB, at most) at a time. Writers are not served in order: with
-a cap below a few messages, small writes can keep a large one waiting (never past the queue emptying).
-
-Received files appear under their final name only when complete, through the one commit protocol's
-file operations (``storage/backends/_folder.py``): a create-only temporary name in the node's folder
-opened without following links, then linked into place without replacing anything (a file already
-there under that name is an error, never overwritten). Their sizes are checked against the manifest
-before the node commits, their bytes when they are read.
+Memory: the queue holds views of the writer's buffers (a sink's ``commit`` returns only once its last
+message went out, so ``borrow=True`` holds), at most ``max_queued`` bytes of data (:class:`_Budget`, by
+default ``staging_bytes``: a second cap beside the staging pool's); a write past it waits for the
+senders, so a slow peer slows this rank's writers instead of growing its memory. Each receiver holds one
+message at a time. Received files appear under their final name only when complete (a create-only temp
+name linked into place, ``storage/backends/_folder.py``); sizes are checked before the node commits.
 """
 
 from __future__ import annotations

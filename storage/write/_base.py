@@ -1,40 +1,23 @@
-"""What both writers share (``FsspecStorageWriter``: partial checkpoints; ``FullArtifactWriter``: the full
-artifact), as DCP's ``HuggingFaceStorageWriter`` builds on ``FsspecWriter``: the steps of ``dcp.save`` that
-do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
+"""What both writers share (``FsspecStorageWriter``, ``FullArtifactWriter``): the steps of ``dcp.save``
+that do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
 (:class:`FailedSaveFiles`), and the compact forms of what ``dcp.save`` sends between ranks once the data
 is written (:func:`pack_results`, :func:`lean_returned_metadata`).
 
-**A failed save's files.** ``dcp.save`` reports a failure to every rank only after every rank's
-``write_data`` returned (and the coordinator's ``finish``, when it ran, returned or raised), so by then
-nothing of that save is still being written. Each rank then removes the files it recorded for the failed
-save: a partial save's data files (named with its save id) and the coordinator's metadata copy; on object
-stores a full save's artifact, side files and metadata copy (the coordinator: it laid them out), its
-in-progress marker last and only while the marker still names that save (on POSIX a full save's staging
-folder goes whole: ``FullArtifactWriter.discard_failed_save``). Every removal goes through the protocol's
-folder, never through a link. Nothing is removed when a manifest shows the commit landed (partial: this
-save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
-way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
-goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still
-running; it is left to ``remove_uncommitted_older_than`` and ``smpckpt prune``, which judge by age.
+**A failed save's files.** ``dcp.save`` reports a failure only after every rank's ``write_data`` (and
+the coordinator's ``finish``) returned, so nothing is still being written. Each rank then removes,
+through the protocol's folder, the files it recorded: a partial save's data files and the metadata
+copy; on object stores a full save's artifact, side files and metadata copy, its in-progress marker
+last and only while it names that save (POSIX: the staging folder goes whole). Nothing is removed when
+a manifest shows the commit landed (partial: this save's id; full: any), when the folder cannot be
+read, or when the commit's outcome is unknown (:class:`CommitUncertain`). The folder goes only if this
+save made it and it is empty. Killed saves' debris is left to ``smpckpt prune`` (judged by age).
 
-**What crosses ranks.** After ``write_data`` DCP gathers every rank's write results on the coordinator,
-and after ``finish`` it broadcasts the checkpoint's ``Metadata`` to every rank; both travel as pickles
-and are unpickled in DCP's own code, between our hooks, with Python's cyclic collector running. With
-thousands of items per rank each unpickle makes objects by the ten thousand (the Metadata of 2,723
-tensors at 4 ranks: 67,000, 41,000 of them its storage index), which sets off a full collection that
-walks every object of a process with torch loaded: 0.13-0.2 s per save on the coordinator's gather and
-again on every rank's broadcast (benchmarks/RESULTS.md, "Results and Metadata across ranks"). So:
-
-* each rank's results cross as **one** pickle (:func:`pack_results`); the coordinator's ``finish``
-  opens them with the collector paused (:func:`open_results`);
-* the Metadata ``dcp.save`` returns (and DCP broadcasts) holds its mappings -- ``state_dict_metadata``
-  (a chunk per item), ``storage_data`` (a record per item) and ``planner_data`` -- as read-only views
-  of the committed metadata file's bytes (:func:`lean_returned_metadata`), decoded on first use:
-  receivers unpickle one ``bytes`` object instead of an object per item, the coordinator drops its
-  per-item objects (the index before the collector resumes: none lives on into an old generation),
-  and each view still maps what was committed for whoever reads it.
-
-Nothing of the latter changes what is stored: the ``.metadata`` files hold the plain dict DCP readers expect.
+**What crosses ranks.** DCP gathers the write results and broadcasts the ``Metadata`` as pickles,
+unpickled with the cyclic collector running: an object per item sets off full collections
+(benchmarks/RESULTS.md, "Results and Metadata across ranks"). So each rank's results cross as one
+pickle (:func:`pack_results`, opened with the collector paused: :func:`open_results`), and the Metadata
+``dcp.save`` returns holds its mappings as read-only views of the committed file's bytes, decoded on
+first use (:func:`lean_returned_metadata`). The ``.metadata`` files still hold the plain dict.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
-"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers.
+"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers
+(:func:`~smpckpt.storage.format._staging.stage_kind` decides per record).
 
-A file is a sequence of records. Each goes one of two ways (:func:`~smpckpt.storage.format._staging.
-stage_kind`):
+* **in place**: a contiguous CPU tensor's own memory (or an object's bytes) is written without a copy.
+  With ``hash_beside=False`` (the writer's choice when it writes at least as many files at once as the
+  rank has CPUs) each :data:`INLINE_CHUNK` is hashed and then written by the file's own thread, so its
+  bytes come from memory once; otherwise each :data:`BESIDE_CHUNK` is hashed on the file's hash thread
+  while its own thread writes it (``benchmarks/profile_save.py --hash-beside on,off``);
+* **staged**: a CUDA tensor, a strided or conjugate view is copied into buffers of the save's
+  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage: a record above :data:`PACK_BELOW`
+  in chunks of one buffer (cut on row-group boundaries, so tiles are hashed whole), smaller ones packed
+  into shared buffers. The file's thread takes the oldest queued buffer, waits for its copies, hashes
+  and writes it, and releases it when both are done; copies of the next buffers overlap.
 
-* **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is (no
-  copy). Where the rank's file threads keep its CPUs busy (``hash_beside=False``, the writer's choice
-  when it writes at least as many files at once as the rank has CPUs; ``FsspecStorageWriter(...,
-  hash_beside=)`` forces either way) each chunk of about
-  :data:`INLINE_CHUNK` bytes is hashed and then written by the file's own thread: the hash brings the
-  chunk into the core's cache and the write's copy into the page cache reads it from there, so the
-  bytes come from memory once (a hash thread beside the writer reads them from memory a second time:
-  more CPU per GiB, ``benchmarks/profile_save.py --hash-beside on,off``). Where CPUs would idle
-  (fewer files than CPUs: one large tensor, a many-core node) each chunk of :data:`BESIDE_CHUNK`
-  bytes is hashed on the file's hash thread while its own thread writes it, the two overlapped;
-* **staged** -- a CUDA tensor, a strided view or a conjugate view is copied into buffers of the save's
-  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage (device-to-host on a side stream
-  for CUDA, on a copier thread otherwise): a record larger than :data:`PACK_BELOW` in chunks of one
-  buffer each (cut on row-group boundaries of a tiled record, so its tiles are hashed whole), smaller
-  ones packed back to back into shared buffers. A buffer is queued once its copies are enqueued; the
-  file's thread takes the oldest queued buffer, waits for its copies, hands its bytes to the hash
-  thread, writes them, and gives the buffer back when both the write and the hash are done. Copies of
-  the next buffers run meanwhile, so copy, hash and write overlap; several files (threads) share one
-  pool, whose size is the save's cap on host memory above its state.
-
-A thread that needs a buffer when the pool has none free writes its own queued buffers first, and
-waits only with none queued: the buffers it waits for are then being written or hashed by threads
-that never wait while holding queued buffers, so the pool cannot deadlock.
+A thread that needs a buffer when the pool has none free writes its own queued buffers first and waits
+only with none queued, so the pool cannot deadlock.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """``FsspecStorageWriter``: DCP StorageWriter of partial checkpoints (every rank its own shards) for local
-disk, shared filesystems, S3 and memory://. The full artifact has its own writer
-(``smpckpt.storage.full.writer.FullArtifactWriter``); both share ``_base.FsspecWriterBase``.
+disk, shared filesystems, S3 and memory://; it shares ``_base.FsspecWriterBase`` with the full artifact's
+writer.
 
-DCP runs ``finish`` (step 6 of the class docstring) only when every rank succeeded in ``write_data`` (5), so a failed rank leaves no manifest and the folder
-keeps its previous committed generation (or stays uncommitted); every rank gets the error, and then
-``discard_failed_save()`` (the API calls it) removes what the rank wrote for the failed save.
-
-Every file is created, never overwritten, and the commit follows the one protocol
-(``smpckpt.storage.format.commit``): two saves racing on one folder without ``overwrite`` both pass the
-check in ``prepare_global_plan``, but the manifest is create-if-absent (a hard link on POSIX,
-``If-None-Match: *`` on S3), so exactly one commits; the other removes its own files and fails with
-:class:`~smpckpt.errors.CheckpointExists`. With ``overwrite`` the manifest replaces exactly the one the
-save saw when it began (S3: ``If-Match``), so of two racing overwrites one fails instead of both
-"succeeding".
-
-Data files are named per save id, so an overwrite writes a new generation beside the old one. The
-manifest swap is the commit; our reader follows the manifest to its own generation's metadata copy,
-so a crash between writing ``.metadata`` and the manifest still loads the old generation.
+DCP runs ``finish`` only when every rank's ``write_data`` succeeded, so a failed rank leaves no manifest
+(the folder keeps its previous generation) and ``discard_failed_save()`` removes what each rank wrote.
+Files are created, never overwritten, and the commit follows ``smpckpt.storage.format.commit``: of two
+saves racing on one folder exactly one commits (the manifest is create-if-absent, or replaces exactly
+the one the save saw, S3: ``If-Match``); the other removes its files and fails with
+:class:`~smpckpt.errors.CheckpointExists`. Data files are named per save id, so an overwrite writes a new
+generation beside the old one and a crash before the manifest swap still loads the old one.
 """
 
 from __future__ import annotations

@@ -125,27 +125,17 @@ def coalesce(needs: Sequence[Need[T]], *, gap: int = 0, max_bytes: int = 64 << 2
 class ReadStats:
     """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``).
 
-    * ``bytes_needed``: bytes the destinations receive: each requested slice's elements times their
-      size (a column slice counts its elements, not the rows around them); an object its record.
-    * ``bytes_requested``: bytes this reader asked storage for: the lengths of its read requests
-      (``preadv`` calls, ranged GETs) added up. Beyond ``bytes_needed`` it holds the bytes read only to
-      verify a check unit (a slice widened to whole blocks, a column slice to whole tiles) and the gaps
-      a merged request reads between the ranges it wants. What the OS does with a request is not in it:
-      a page-cache hit counts, read-ahead does not (``device_bytes`` sees both).
-    * ``requests``: read requests as planned: a coalesced range, a batch of direct pieces, a row (or a
-      merged run of rows) of a column slice, an object GET. A verified local read of bytes already in
-      memory is carried out a chunk of whole check units (about 1 MiB) at a time, each its own
-      ``preadv``, and still counts once. A column slice's requests are counted as issued: a slice
-      streamed as one span of whole rows (``request_cost_bytes``) counts each of its large requests,
-      the gaps between the runs it wants included.
+    * ``bytes_needed``: bytes the destinations receive (a column slice counts its elements, not its rows);
+      an object its record.
+    * ``bytes_requested``: the lengths of this reader's read requests (``preadv`` calls, ranged GETs):
+      beyond ``bytes_needed``, bytes read only to verify a check unit and the gaps a merged request reads.
+      A page-cache hit counts, read-ahead does not.
+    * ``requests``: read requests as planned (a coalesced range, a batch of direct pieces, a row or merged
+      run of rows of a column slice, an object GET); a streamed column slice counts each large request.
     * ``items``: the plan's read items.
     * ``per_file``: file name -> (bytes needed, bytes requested), for every file the load touched.
-    * ``device_bytes``: bytes the kernel read from block devices while the call ran, from
-      ``/proc/self/io`` (``read_bytes``); ``None`` where the OS does not report it or the checkpoint is
-      not on a local filesystem (object stores). It counts the whole process -- another thread reading
-      meanwhile (a data loader) adds its bytes -- counts read-ahead and skips page-cache hits: 0 for a
-      warm load, and on tmpfs or network filesystems, which have no block device here.
-    """
+    * ``device_bytes``: bytes the kernel read from block devices during the call (``/proc/self/io``,
+      the whole process; read-ahead in, page-cache hits out); ``None`` where not reported or not local."""
 
     bytes_needed: int
     bytes_requested: int
@@ -174,15 +164,10 @@ class ReadStats:
 
 class ReaderBase(FsspecLocation, StorageReader):
     """The shared half of both readers: the location, the folder's state, the metadata a manifest names
-    (checked against it), the load id our planner recognises, the original ``read_metadata`` error kept
-    for callers, and a failed read's frames released. A subclass supplies ``_read_metadata`` (from
-    :meth:`_probe`), ``set_up_storage_reader``, ``prepare_local_plan`` and ``_read`` (sets
-    ``last_read_stats``).
-
-    Steps of ``dcp.load`` handled here ("all" = every rank): ``reset`` (all, ``FsspecLocation``),
-    ``read_metadata`` (all: the subclass's ``_read_metadata``, then the load id), ``prepare_global_plan``
-    (coordinator: unchanged) and ``read_data`` (all: the subclass's ``_read``).
-    """
+    (checked against it), the load id our planner recognises, the original ``read_metadata`` error, and a
+    failed read's frames released. A subclass supplies ``_read_metadata``, ``set_up_storage_reader``,
+    ``prepare_local_plan`` and ``_read`` (sets ``last_read_stats``); ``reset``, ``read_metadata``,
+    ``prepare_global_plan`` (unchanged) and ``read_data`` are handled here."""
 
     def __init__(
         self,
@@ -227,11 +212,9 @@ class ReaderBase(FsspecLocation, StorageReader):
     def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
         """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
 
-        DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
-        the original exception is kept in :attr:`metadata_error` so callers can re-raise it. (The
-        keyword parameter is deliberately not named ``kwargs``: DCP retries a failed read with
-        ``rank=`` -- "rank-local metadata" -- when it is, which would read and fail twice.)
-        """
+        DCP replaces an exception raised here by an ``AssertionError`` carrying its message: the original is
+        kept in :attr:`metadata_error`. (The keyword parameter is not named ``kwargs``: DCP would then retry a
+        failed read with ``rank=``, reading and failing twice.)"""
         try:
             metadata = self._read_metadata()
         except Exception as exc:
@@ -248,13 +231,10 @@ class ReaderBase(FsspecLocation, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into ``planner``; returns a completed future.
 
-        A failure is raised from here (as DCP's own ``FileSystemReader`` does), not stored in the future:
-        torch's ``Future`` holds its exception from C++, where the garbage collector cannot see the cycle
-        exception -> traceback -> DCP's frame (which holds the future) -> exception, so every failed load
-        would pin that exception, the frames of its caller and the state dict being loaded until the
-        process ends. The frames the failure went through are cleared, so the exception, wherever it is
-        kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
-        """
+        A failure is raised from here (as DCP's ``FileSystemReader`` does), not stored in the future: torch's
+        ``Future`` holds it from C++, out of the collector's sight, which would pin the exception, its frames
+        and the state dict until the process ends. The failure's frames are cleared, so the exception, wherever
+        it is kept, holds no read buffers or destination views either."""
         try:
             self._read(plan, planner)
         except Exception as exc:

@@ -64,13 +64,10 @@ def buffer_size(limit: int) -> int:
 
 
 class HostBuffer:
-    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it.
-
-    A pageable buffer is its own anonymous mapping, unmapped when the last tensor or view of it goes:
-    made by ``malloc`` instead, freed buffers of this size stay in the heap once glibc's dynamic mmap
-    threshold has grown past them, and every save or load that staged through a fresh pool grew the
-    process by up to its cap (``test_failed_loads_do_not_grow_memory`` under the CPU stand-in: ~20 MiB
-    per failed load). Pinned buffers come from torch's caching host allocator, which reuses them."""
+    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it. A pageable buffer
+    is its own anonymous mapping, unmapped when it goes (from ``malloc``, freed buffers stayed in the heap
+    and each fresh pool grew the process: ``test_failed_loads_do_not_grow_memory``); pinned ones come
+    from torch's caching host allocator."""
 
     __slots__ = ("index", "tensor", "view", "pinned")
 
@@ -90,13 +87,10 @@ class HostBuffer:
 
 
 class BufferPool:
-    """At most ``limit`` bytes (the writer or reader that took it checked it) of host buffers, handed out
-    one at a time and given back when their bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
-    holds whatever mix of tensors it moves: a buffer is made pinned when a CUDA stage first needs it
-    (pinned memory serves CPU copies as well), and a stage takes a free buffer of the other kind
-    rather than exceed the cap (a device copy into pageable memory is slower, never wrong).
-
-    ``on_wait`` (tests) is called, without the lock, when an :meth:`acquire` must wait for a buffer."""
+    """At most ``limit`` bytes of host buffers, handed out one at a time and given back when their bytes
+    are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap holds for
+    any mix: a buffer is made pinned when a CUDA stage first needs it, and a stage takes a free buffer of
+    the other kind rather than exceed the cap. ``on_wait`` (tests) runs, unlocked, when :meth:`acquire` waits."""
 
     def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
         self.buffer_bytes = buffer_size(limit)
@@ -249,14 +243,10 @@ class Stage(Protocol):
 
 
 class HostStage:
-    """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the
-    CPU stand-in of :class:`CudaStage` (``SMPCKPT_TEST_DEVICE=cpu``). ``on_copy`` (tests) runs on the
-    copier thread before each batch of copies.
-
-    One stage serves every file thread of a save, so the copies not yet fenced are kept per calling
-    thread: a fence submits the caller's own copies only, and its ticket fails with the caller's own
-    copy errors (a batch that mixed threads' copies would stop at another thread's failed copy and
-    leave this thread's buffer unfilled under a ticket that completed)."""
+    """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the CPU
+    stand-in of :class:`CudaStage`. ``on_copy`` (tests) runs on the copier thread before each batch.
+    Copies not yet fenced are kept per calling thread: a fence submits, and its ticket fails with, the
+    caller's own copies only (file threads share one stage)."""
 
     pinned = False
 
@@ -421,11 +411,10 @@ def copy_chunks(flat: torch.Tensor, t: torch.Tensor, first: int, last: int) -> l
 
 
 def copy_into(stages: Stages, dst: torch.Tensor, src: torch.Tensor, kind: Literal["cuda", "host"]) -> Ticket:
-    """``dst.copy_(src)`` through pool buffers of ``stages``: ``src`` (host memory the caller reuses as
-    soon as this returns, such as a reader's buffer) is copied a buffer at a time into the pool (pinned
-    for CUDA), and from there to ``dst`` asynchronously (a host-to-device copy on the stage's side
-    stream; the copier thread for ``kind="host"``), each buffer back in the pool once its copy is done.
-    The ticket of the last chunk: ``before_use()`` it before the destination is read."""
+    """``dst.copy_(src)`` through pool buffers of ``stages``: ``src`` (host memory the caller reuses once
+    this returns) is copied a buffer at a time into the pool, and from there to ``dst`` asynchronously,
+    each buffer back in the pool once its copy is done. Returns the last chunk's ticket: ``before_use()``
+    it before the destination is read."""
     stage = stages.get(dst, kind)
     pool = stage.pool
     size = src.element_size()

@@ -87,13 +87,9 @@ def check_files(fs: Any, path: str, url: str, files: Iterable[FileRecord]) -> No
 
 
 def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before a partial save writes into a folder with no committed checkpoint; two small
-    reads, not a listing: on S3 listing an absent folder lists its parent, the whole root)
-
-    * Refuse a folder holding a full save's in-progress marker (object stores; older versions on POSIX):
-      that save may still be running, and its fixed-name files would sit beside the partial checkpoint.
-    * Finish an interrupted removal (its mark is there) first: otherwise a later retention or prune,
-      which finishes such folders, would delete this save's files."""
+    """(coordinator, before a partial save into a folder with no committed checkpoint; two small reads, no
+    listing) Refuse a folder holding a full save's in-progress marker (it may be running), and finish an
+    interrupted removal first (a later prune would otherwise delete this save's files)."""
     from smpckpt.storage.backends._fs import read_bytes_or_none
 
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
@@ -163,15 +159,13 @@ def commit(
 ) -> None:
     """(coordinator) Commit ``manifest`` in place in ``folder`` (module docstring, steps 1-5).
 
-    ``metadata``/``side``: created now (``None``: the writer created the metadata already); ``expected``:
-    the files to check (default: every file the manifest names; a fast-tier node holds its share only);
-    ``replace``: the manifest bytes an overwrite replaces (``None``: the commit is exclusive);
-    ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full artifacts)
-    the in-progress marker must still name this save id, and goes after the commit; ``discard``: this
-    save's files, removed when another save's commit refuses this one; ``replaces_committed``: the commit
-    replaces a committed manifest of ours (``replace``, or the writer's ``write_manifest`` doing so), whose
-    stock ``.metadata`` copy goes before the swap (:func:`_drop_stock_copy`).
-    """
+    ``metadata``/``side``: created now (``None``: already written); ``expected``: the files to check
+    (default: all the manifest names); ``replace``: the manifest bytes an overwrite replaces (``None``:
+    exclusive); ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full
+    artifacts) the in-progress marker must still name this save id, removed after the commit;
+    ``discard``: this save's files, removed when another save's commit refuses this one;
+    ``replaces_committed``: the commit replaces a committed manifest of ours, whose stock ``.metadata``
+    goes before the swap (:func:`_drop_stock_copy`)."""
     _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
     _create_own(folder, url, dict(side or {}), sync=sync)
     check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
@@ -204,11 +198,9 @@ def commit(
 
 
 def _drop_stock_copy(folder: Folder, url: str) -> bool:
-    """(an overwrite, before its manifest replaces the old one) Remove the stock ``.metadata`` copy: it
-    describes the generation being replaced, whose files stay until step 5, so a crash after the swap
-    would leave stock DCP readers loading that older generation silently while the manifest commits the
-    new one. Without a copy they fail loudly until step 5 writes the new one; smpckpt follows the manifest
-    and is unaffected. Whether a copy was removed (a failed removal is logged: the overwrite goes on)."""
+    """(an overwrite, before the swap) Remove the stock ``.metadata`` copy: it describes the generation being
+    replaced, so a crash after the swap would have stock DCP readers silently load the old generation;
+    without it they fail loudly until step 5. Whether a copy was removed (a failure is logged)."""
     if not folder.exists(METADATA_NAME):
         return False
     failed = folder.remove([METADATA_NAME])
@@ -325,12 +317,10 @@ def publish_staged(
     side: Mapping[str, bytes],
     refused: str,
 ) -> None:
-    """(coordinator, POSIX) Commit the staged folder ``staging`` in ``parent`` and publish it as
-    ``target``: steps 1-3 inside it (the manifest created directly: nobody reads the folder before it is
-    published), then the rename into place, which never replaces anything (an empty ``target`` folder,
-    made by the caller beforehand, is removed first). Another folder already published under ``target``:
-    :class:`CheckpointExists` (``url``: ``refused``); the staging folder taken away by a removal meanwhile
-    (:func:`remove_staged`): the rename finds nothing to rename and the save fails."""
+    """(coordinator, POSIX) Commit the staged folder ``staging`` in ``parent`` (steps 1-3 inside it) and
+    rename it into place as ``target``, replacing nothing (an empty ``target`` made beforehand is removed
+    first). A folder already published there: :class:`CheckpointExists` (``refused``); a staging folder
+    taken by :func:`remove_staged` meanwhile: the rename fails and so does the save."""
     with Folder(parent.fs, join(parent.path, staging)) as folder:
         own = ({manifest.metadata.name: metadata} if metadata is not None else {}) | dict(side)
         _create_own(folder, url, own, sync=sync)
@@ -356,11 +346,9 @@ def publish_staged(
 
 
 def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
-    """(POSIX) Remove the staging folder ``name`` of ``root`` (a killed full save's). It is first renamed
-    to a trash name of this removal's own (``.smpckpt-trash.<hex>``): the save's commit renames that same
-    name into place, and of the two renames exactly one succeeds, so a removal never empties a folder
-    that is being published (its rename fails: ``None``, nothing removed). Then the trash goes, never
-    following a link; the paths not removed."""
+    """(POSIX) Remove the staging folder ``name`` of ``root`` (a killed full save's): first renamed to a
+    trash name of its own, so of this rename and the save's publishing rename exactly one succeeds (``None``:
+    it lost, nothing removed); then the trash goes, never following a link. The paths not removed."""
     trash = f"{TRASH_PREFIX}{os.urandom(8).hex()}"
     with Folder(fs, root, follow=True) as parent:
         try:
@@ -372,12 +360,10 @@ def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
 
 def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = False) -> list[str]:
     """Remove a checkpoint folder (committed or not); the paths not removed. Marks it first
-    (:data:`~.manifest.REMOVING_NAME`, so an interrupted removal is known for garbage and a commit running
-    meanwhile withdraws, step 4), removes the manifest next (readers refuse what is left), then the rest,
-    never following a link: a folder that is itself a link loses the link only.
-
-    ``uncommitted_only`` (stale debris): when a manifest is found after the mark, a save committed here
-    meanwhile: the mark goes and nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
+    (:data:`~.manifest.REMOVING_NAME`: garbage if interrupted; a commit running meanwhile withdraws, step 4),
+    then the manifest, then the rest, never following a link (a linked folder loses the link only).
+    ``uncommitted_only``: a manifest found after the mark means a save committed meanwhile: the mark goes,
+    nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
     if is_local(fs):

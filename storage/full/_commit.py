@@ -49,12 +49,10 @@ _GLOO = (
 
 
 def clear_for_full_save(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or
-    foreign files; remove the debris of an unfinished full save of ours (no manifest), whatever state it
-    is in: a killed save never blocks its tag. No liveness watch is needed: on POSIX a running save
-    writes its own staging folder, never this one; on object stores every object of a save is created
-    only if absent, so a save that was only stalled fails at its first write into what this save created,
-    and at the latest at its commit (the marker no longer names it)."""
+    """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or foreign
+    files; remove an unfinished full save's debris, whatever its state, so a killed save never blocks its
+    tag. A stalled save cannot interfere: on POSIX it writes its own staging folder, on object stores it
+    creates only what is absent, failing at its first write or at its commit."""
     found = probe(fs, path, list_when_empty=False)
     if found.state in ("committed", "legacy"):
         raise CheckpointExists(
@@ -99,11 +97,9 @@ def staging_path(path: str, save_id: str) -> str:
 def begin_full_save(
     writer: FullArtifactWriter, plans: list[SavePlan], save_id: str
 ) -> tuple[list[SavePlan], ArtifactLayout]:
-    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder (:func:`clear_for_full_save`), lay
-    the artifact out over the ranks' plans, and take a place to write it: on POSIX a staging folder of
-    its own (``.smpckpt-staging.<save id>`` beside the target) with every file the ranks write created in
-    it; on object stores the in-progress marker, created only if absent. The plans for the ranks and
-    the layout the commit checks."""
+    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder, lay the artifact out over the ranks'
+    plans and take a place to write it (POSIX: a staging folder with every file created; object stores:
+    the in-progress marker, create-only). The ranks' plans and the layout the commit checks."""
     fs, path, url, process_group = writer.fs, writer.path, writer.url, writer.process_group
     options, sync = writer.full, writer.sync_files
     clear_for_full_save(fs, path, url)

@@ -95,13 +95,9 @@ SWAP_BATCH_BYTES = 8 << 20
 
 def plan_exchanges(plans: list[SavePlan], below: int, batch_limit: int | None = None) -> list[SavePlan]:
     """(coordinator) Move the boxes of column-sharded tensors with runs shorter than ``below`` bytes into
-    swaps. Each writer keeps its boxes (it sends their rows) and gets a one-run block to write.
-
-    Consecutive swaps (in the global order) are numbered into batches of up to ``batch_limit`` tensor
-    bytes (default :data:`SWAP_BATCH_BYTES`) here, once for every rank: a pair of ranks then sends one
-    message per batch each way, holding the swaps of that batch they share, and both sides agree on
-    what it holds even when their own swap lists differ (pipeline stages, replicas written by different
-    ranks)."""
+    swaps: each writer sends its boxes' rows and gets a one-run block to write. Consecutive swaps are
+    numbered into batches of up to ``batch_limit`` bytes here, once for every rank, so both sides of a
+    pair agree on each batch's message even when their own swap lists differ."""
     limit = SWAP_BATCH_BYTES if batch_limit is None else batch_limit
     datas = [cast(RankFullData, p.storage_data) for p in plans]
     by_tensor: dict[tuple[str, int], list[tuple[int, FullWrite]]] = {}

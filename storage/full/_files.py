@@ -153,14 +153,10 @@ SPAN_WASTE = 1 / 20
 def plan_spans(
     extents: Sequence[Sequence[tuple[str, int, int]]], *, limit: int | None = None, waste: float = SPAN_WASTE
 ) -> tuple[list[tuple[str, int, int]], list[tuple[int, ...]]]:
-    """Spans ``(file, lo, hi)`` that fetch the items' byte extents in few GETs, and each item's span
-    indices (``()``: an item with an empty extent or one longer than ``limit``, left to fetch its own).
-    ``limit`` defaults to :data:`SPAN_BYTES` as it is when called.
-
-    An item's extent is the byte range its reads touch in one file (a box's runs and the check units
-    they fall in). Extents of one file are merged in file order while the span stays within ``limit``
-    bytes and at most ``waste`` of it lies outside every extent: a same-layout load fetches whole
-    files in a few GETs, and a TP slice of each tensor does not drag the other ranks' slices in."""
+    """Spans ``(file, lo, hi)`` that fetch the items' byte extents (a box's runs and their check units) in
+    few GETs, and each item's span indices (``()``: an empty extent or one over ``limit``, fetched alone;
+    ``limit`` default: :data:`SPAN_BYTES`). A file's extents merge in order while the span stays within
+    ``limit`` with at most ``waste`` of it outside every extent."""
     limit = SPAN_BYTES if limit is None else limit
     eligible = [all(0 < hi - lo <= limit for _, lo, hi in ext) and bool(ext) for ext in extents]
     flat = sorted((name, lo, hi, i) for i, ext in enumerate(extents) if eligible[i] for name, lo, hi in ext)
@@ -183,13 +179,10 @@ def plan_spans(
 
 
 class SpanFetcher:
-    """(object stores) The spans of :func:`plan_spans` fetched on their own threads, in order, with at
-    most ``ahead`` of them fetched or in flight and not yet released; a span is dropped when the last
-    item using it is released.
-
-    Called from one thread (the one submitting items): ``need`` before an item is handed to a worker
-    (the futures it returns are what the worker waits on), ``top_up`` after, ``release`` when the item
-    is done, ``close`` at the end (cancels what has not started)."""
+    """(object stores) The spans of :func:`plan_spans` fetched on their own threads, in order, at most
+    ``ahead`` not yet released; a span goes when its last item is released. Called from one thread:
+    ``need`` before an item goes to a worker (returns the futures to wait on), ``top_up`` after,
+    ``release`` when the item is done, ``close`` at the end."""
 
     def __init__(
         self,

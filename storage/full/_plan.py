@@ -43,11 +43,9 @@ __all__ = ["plan_artifact"]
 
 
 def _cast(shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
-    """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: they are
-    optimizer counters and running products (Adam's ``step``, NAdam's ``mu_product``, ASGD's ``eta``),
-    which a narrow float rounds (fp16 turned step 70,001 into inf, bf16 1,001 into 1,000, and a resumed
-    optimizer then applied the wrong bias correction), and they weigh nothing. By shape, not name:
-    optimizers name their scalars freely."""
+    """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: optimizer counters
+    and running products (Adam's ``step``) that a narrow float rounds (fp16 made step 70,001 inf); by
+    shape, not name."""
     if to is None or not dtype.is_floating_point or len(shape) == 0:
         return dtype
     return to

@@ -73,13 +73,9 @@ class FullSource(ArtifactIndex):
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Every item of ``plan`` into ``planner``; the bytes it needed and read go to ``file_stats``.
-
-        The planner is called on this thread only. The tensors' reads and checks run on ``threads``
-        worker threads (at most twice that many items in flight), so hashing overlaps the next read; on
-        local files a column box's parts are shared by the threads free at the time (:meth:`_spread`). On
-        object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
-        (:func:`~._files.plan_spans`; items in file order), several GETs in flight."""
+        """Every item of ``plan`` into ``planner``; the bytes needed and read go to ``file_stats``. The planner
+        is called on this thread only; reads and checks run on ``threads`` workers (at most twice that many
+        items in flight); on object stores bytes are fetched ahead in shared spans (:func:`~._files.plan_spans`)."""
         self.requests, self.file_stats = 0, {}
         items = list(plan.items)
         with (
@@ -292,10 +288,8 @@ class FullSource(ArtifactIndex):
         units: UnitIndex | None,
         out: memoryview,
     ) -> bool:
-        """(local files) A column box read as the partial reader's cost model says
-        (:mod:`~._strided`): its rows in sequential spans of whole rows when their unread gap costs less
-        than a request, each piece's units verified before its columns are copied into ``out``.
-        ``False``: not such a box, or gaps wide enough for a request per row (read as before)."""
+        """(local files) A column box streamed as the partial reader's cost model says (:mod:`~._strided`).
+        ``False``: not such a box, or gaps wide enough for a request per row."""
         plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
         if plan is None:
             return False
@@ -339,11 +333,9 @@ class FullSource(ArtifactIndex):
         whole: WholeUnits | None,
         sizes: Sequence[int] = (),
     ) -> int:
-        """The runs ``starts`` (``rows`` rows of the box, the same number of runs each) into ``out`` back
-        to back, in row groups of about :data:`~._strided.PART_BYTES` read by several threads
-        (:meth:`_spread`), never cutting one of the ``whole`` units (box ``sizes``; ``None``:
-        unverified): each group's units are checked where they lie in ``out`` by the thread that read
-        them. Returns the bytes fetched."""
+        """The runs ``starts`` (``rows`` rows of the box) into ``out`` back to back, in row groups of about
+        :data:`~._strided.PART_BYTES` read by several threads, never cutting a ``whole`` unit, each group's
+        units checked in ``out`` (``whole`` ``None``: unverified). Returns the bytes fetched."""
         per_row = len(starts) // rows if rows > 1 and len(starts) % rows == 0 else 0
         if per_row and self._files.local:
             urows = (
@@ -383,9 +375,8 @@ class FullSource(ArtifactIndex):
         sizes: Sequence[int],
         out: memoryview,
     ) -> int:
-        """Every unit the box ``(offsets, sizes)`` touches read whole and checked, its overlap then copied
-        into ``out`` (the box's row-major bytes; units do not overlap, so neither do their copies), in
-        groups of about :data:`~._strided.PART_BYTES` of units read by several threads. Returns the
+        """Every unit the box touches read whole and checked, its overlap copied into ``out`` (the box's
+        row-major bytes), in groups of about :data:`~._strided.PART_BYTES` read by several threads. Returns the
         bytes fetched."""
         itemsize = t.dtype.itemsize
         groups: list[tuple[int, int]] = []

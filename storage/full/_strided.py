@@ -85,14 +85,10 @@ class _Parts:
 def share(
     count: int, work: Callable[[Iterator[int]], int], submit: Callable[[Callable[[], None]], object], helpers: int
 ) -> int:
-    """Parts ``0..count-1`` of one box worked on by this thread and by up to ``helpers`` more, each
-    started with ``submit`` (a reader thread pool's: a helper queued behind other boxes joins when a
-    thread is free, or finds nothing left). ``work`` as for :data:`Spread`. Returns the bytes requested;
-    raises the first part's failure once every part drawn is done.
-
-    Why not wait on helper futures: every pool thread may be a box's own thread waiting for helpers
-    still queued behind it. This thread draws parts itself and waits only for parts already being
-    worked on, which wait on nothing."""
+    """Parts ``0..count-1`` of one box worked on by this thread and up to ``helpers`` more started with
+    ``submit``. Returns the bytes requested; raises the first failure once every part drawn is done. This
+    thread draws parts itself and waits only for parts being worked on: waiting on helper futures could
+    deadlock when every pool thread is a box's own thread."""
     parts = _Parts(count, work)
     for _ in range(min(helpers, count - 1)):
         submit(parts.join)
@@ -227,11 +223,10 @@ def read_streamed(
     mismatch: Callable[[int], Exception],
     spread: Spread = serially,
 ) -> int:
-    """(local files) The box of ``plan`` from the tensor at byte ``start`` of file ``name`` into ``out``
-    (its row-major bytes), a piece at a time, the pieces drawn by the threads of ``spread``, each
-    through one buffer of its own: a piece read in one request, its units' bytes hashed there against
-    ``digests`` (by unit position; ``mismatch(position)``: the error to raise), then the box's columns
-    of its rows copied into ``out`` (rows no other piece holds). Returns the bytes requested."""
+    """(local files) The box of ``plan`` from the tensor at byte ``start`` of ``name`` into ``out``, a piece
+    at a time through a buffer per thread: each piece read in one request, its units hashed against
+    ``digests`` (``mismatch(position)``: the error), then its rows' columns copied out. Returns the bytes
+    requested."""
     rb, (c0, _) = plan.row_bytes, plan.cols
     longest = max(plan.span(a, b)[1] for a, b in plan.pieces)
     first, total = plan.span(plan.rows[0], plan.rows[1])

@@ -33,12 +33,8 @@ class Unit:
 
 @dataclasses.dataclass(frozen=True)
 class BoxUnits:
-    """The check units a rank wrote for one box of an artifact tensor, packed for the coordinator.
-
-    A rank reports thousands of units per save (the tiles of its column shards). As one small tuple
-    each, unpickling every rank's write results at the coordinator set off a full garbage collection
-    (0.13 s of a 0.49 s full save at 4 ranks); packed, a box is a handful of objects whatever its
-    unit count."""
+    """The check units a rank wrote for one box, packed for the coordinator: a handful of objects per box
+    whatever its unit count (a tuple per unit set off full collections when unpickled)."""
 
     key: str  # the artifact key
     view: tuple[int, ...]  # the shape the units' boxes are in
@@ -82,10 +78,8 @@ class BoxUnits:
 
 
 def rows_of(boxes: Sequence[BoxUnits]) -> list[list[Any]]:
-    """The rows of ``boxes`` in order, as ``[r for b in boxes for r in b.rows()]`` gives them, with one
-    array conversion per run of boxes of one dimensionality instead of three per box (a full save of
-    2,723 tensors at 4 ranks reports 17,700 boxes of one or two units: 0.14 s of its commit went to
-    per-box conversions)."""
+    """The rows of ``boxes`` in order, as ``[r for b in boxes for r in b.rows()]``, with one array conversion
+    per run of boxes of one dimensionality instead of three per box."""
     out: list[list[Any]] = []
     i = 0
     while i < len(boxes):
@@ -108,14 +102,9 @@ def rows_of(boxes: Sequence[BoxUnits]) -> list[list[Any]]:
 
 
 class UnitIndex:
-    """One tensor's check units, and which of them a box touches.
-
-    A box read at the layout it was saved in meets every unit of its shard (a column shard of an
-    MLP down-projection: a thousand and more per box), so the overlaps are found with arrays, not a
-    Python loop per unit (that loop cost a 4-rank TP load more than its reads). The units are kept as
-    arrays too, and a :class:`Unit` is made only for a unit a read touches: an artifact has tens of
-    thousands of units, and as objects that live through the load they set off full garbage
-    collections (0.12 s each, in a process with torch loaded)."""
+    """One tensor's check units, and which of them a box touches, found with arrays: a box can meet a
+    thousand units, and units as long-lived objects set off full collections. A :class:`Unit` is made
+    only for a unit a read touches."""
 
     def __init__(self, units: Sequence[Unit]) -> None:
         units = list(units)
@@ -230,10 +219,8 @@ class WholeUnits:
         return int(self.sizes.prod(axis=1).sum()) if len(self.idx) else 0
 
     def digests(self, buf: memoryview, box_sizes: Sequence[int], itemsize: int) -> list[int]:
-        """Each unit's xxh3 digest over its bytes in ``buf``, the box's row-major bytes: one slice for a
-        unit spanning the box's inner dims, a slice per row for a tile (computed with arrays for all
-        units at once: a column shard read at its own layout holds a thousand and more tiles, and a
-        per-unit Python walk cost more than its reads)."""
+        """Each unit's xxh3 over its bytes in ``buf`` (the box's row-major bytes), for all units at once with
+        arrays: a slice per unit, or a slice per row for a tile."""
         m, nd = self.sizes.shape
         if m == 0:
             return []

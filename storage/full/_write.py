@@ -133,11 +133,9 @@ def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
 
 
 def box_units(w: FullWrite, check_block: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], ItemChecks]:
-    """The check units of one box: their offsets and sizes (in the artifact tensor's view), and how a
-    :class:`~smpckpt.storage.format._checksum.BlockHasher` fed the box's row-major bytes cuts them --
-    slices along its outermost dimension, or, for wide rows, tiles of column groups x row groups (as
-    the partial writer's :func:`~._check_units.item_checks` cuts records), so a reader loading another
-    TP layout reads and verifies only the columns it needs."""
+    """The check units of one box: their offsets and sizes, and how a
+    :class:`~smpckpt.storage.format._checksum.BlockHasher` fed the box's row-major bytes cuts them (slices
+    along dim 0, or tiles for wide rows as :func:`~._check_units.item_checks` cuts records)."""
     itemsize = w.dtype.itemsize
     checks = item_checks(w.sizes, itemsize, check_block)
     offsets: list[tuple[int, ...]] = []
@@ -202,14 +200,10 @@ def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
 
 
 def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
-    """Make this rank's bytes reach the disk before it reports success.
-
-    Every rank fsyncing every shared file would make each wait for all the others' pages too (one
-    file, many writers). On Linux each rank instead writes back and waits for the span of its own
-    boxes (``sync_file_range``), and the coordinator fsyncs each file once, after every rank is done
-    and before the commit (``FullArtifactWriter.finish``), which flushes the metadata and the disk
-    cache with little data left to write. Every span is submitted before the first wait, so the disk
-    sees all of them at once rather than one file at a time. Elsewhere: fsync."""
+    """Make this rank's bytes reach the disk before it reports success. On Linux each rank writes back and
+    waits for the spans of its own boxes (``sync_file_range``, every span submitted before the first wait),
+    and the coordinator fsyncs each file once before the commit: no rank waits on the others' pages.
+    Elsewhere: fsync."""
     spans = _spans(writes)
     for name, fd in fds.items():
         lo, hi = spans.get(name, (0, 1))  # never length 0: sync_file_range reads it as "to the end"
@@ -274,12 +268,9 @@ class _RankWriter:
             self.done[index] = (n + nbytes, us + units)
 
     def _write_item(self, item: WriteItem) -> None:
-        """Each of the item's boxes written in place from the tensor's memory when it is its row-major
-        bytes of the artifact dtype, else staged: copied a buffer at a time (device-to-host, a
-        transposed box's gather, a cast: whatever ``copy_`` does) into the save's pool
-        (:mod:`~smpckpt.storage.format._staging`), each chunk written and hashed while the next is
-        copied. Extra memory stays within the pool however large the box (before, each such box was
-        copied whole: two shards at a time)."""
+        """Each of the item's boxes written in place when the tensor's memory is its row-major bytes of the
+        artifact dtype, else staged a buffer at a time through the save's pool (device-to-host, transpose,
+        cast), each chunk written and hashed while the next is copied: extra memory stays within the pool."""
         t = resolved_tensor(self.planner, item)
         chunk = chunk_of(self.planner, item, t, cpu=False)  # the planner resolves each item once
         for w in self.by_item[item.index]:
@@ -398,12 +389,9 @@ class _RankWriter:
                 self.blocks.append(block.write)
 
     def run(self, thread_count: int, process_group: Any, *, sync: bool) -> list[WriteResult]:
-        """(every rank) Write this rank's boxes and row-block swaps; durable when it returns (``sync``).
-
-        Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
-        staggered file order, so no two threads of a rank share a file and at most ``files / world``
-        threads are useful (more would only queue on the same files as the other ranks). Swaps
-        (:mod:`._exchange`) run in one more thread, in the global order, beside them."""
+        """(every rank) Write this rank's boxes and row-block swaps; durable when it returns (``sync``). Each
+        thread writes whole files, one at a time, in this rank's staggered file order (no two threads share a
+        file); swaps (:mod:`._exchange`) run in one more thread, in the global order."""
         order = _file_order(list(self.per_file), self.data.rank, self.data.world)
         workers = max(1, min(thread_count, len(order) // max(1, self.data.world)))
         with concurrent.futures.ThreadPoolExecutor(workers + 1, thread_name_prefix="smpckpt-full") as pool:

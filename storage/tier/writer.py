@@ -69,15 +69,11 @@ class PreparedCommit:
 
 
 class FastTierWriter(FsspecStorageWriter):
-    """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path); the
-    coordinator's ``finish`` prepares the commit (:attr:`prepared`) instead of writing it; with a
-    ``replicator`` (:class:`Replicator`), each data file is also sent to the replica ranks while it is written.
-
-    Call order inside ``dcp.save`` as the partial writer's, except (coordinator) ``prepare_global_plan``
-    does not probe its folder (the API checked every node's folder before the save) and ``finish`` only
-    builds :attr:`prepared`. ``prefix_strategy`` is the durable root's (object stores: hex prefixes) and,
-    with ``durable_is_local=False``, files are sized as for an object store (about one part each), so a
-    drain uploads the files under the names and in the sizes a direct save would have written."""
+    """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path): the
+    coordinator's ``prepare_global_plan`` does not probe the folder (the API checked every node's) and its
+    ``finish`` only builds :attr:`prepared`; a ``replicator`` sends each data file to the replica ranks
+    while it is written. ``prefix_strategy`` is the durable root's and, with ``durable_is_local=False``,
+    files are sized as for an object store: a drain uploads them as a direct save would have written them."""
 
     def __init__(
         self, path: str, *, durable_is_local: bool = True, replicator: Replicator | None = None, **kwargs: Any

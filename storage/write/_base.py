@@ -91,38 +91,30 @@ class WriterOptions(TypedDict, total=False):
 
 
 class FsspecWriterBase(FsspecLocation, StorageWriter):
-    """The shared half of both writers: the location, the options both take, the steps of ``dcp.save``
-    that do not depend on the product, the metadata and manifest, data file sinks and the removal of a
-    failed save's files. A subclass supplies ``prepare_global_plan``, ``finish`` and ``_write_rank``.
+    """The shared half of both writers: the location, the options both take, the steps of ``dcp.save`` that
+    do not depend on the product, the metadata and manifest, data file sinks and the removal of a failed
+    save's files. A subclass supplies ``prepare_global_plan``, ``finish`` and ``_write_rank``.
 
-    Steps of ``dcp.save`` handled here ("all" = every rank): ``reset`` (all, ``FsspecLocation``),
-    ``storage_meta`` (all: starts the record of this rank's files), ``set_up_storage_writer`` (all),
-    ``prepare_local_plan`` (all: no I/O), ``write_data`` (all: the subclass's ``_write_rank``), and
-    ``discard_failed_save`` (all, after ``dcp.save`` raised; the API calls it). The coordinator's
-    ``finish`` builds its manifest with :meth:`_manifest` (the metadata from :meth:`_metadata_bytes`).
+    Steps handled here ("all" = every rank): ``reset``, ``storage_meta`` (starts the record of this
+    rank's files), ``set_up_storage_writer``, ``prepare_local_plan`` (no I/O), ``write_data`` (the
+    subclass's ``_write_rank``) and ``discard_failed_save`` (after ``dcp.save`` raised; the API calls it).
+    The coordinator's ``finish`` builds its manifest with :meth:`_manifest`.
 
     Args:
         path: folder or URL (``/data/ckpt``, ``file://...``, ``s3://bucket/ckpt``, ``memory://ckpt``).
-        storage_options: fsspec filesystem options (S3: ``key``, ``secret``, ``client_kwargs``...);
-            kept across :meth:`reset`.
-        sync_files: fsync each local data file, the metadata, the manifest and their directory before
-            reporting success. ``False`` is faster but a power loss can lose a "committed" save.
-            Object stores ignore it (an object is durable once its upload completes).
+        storage_options: fsspec filesystem options (S3: ``key``, ``secret``, ``client_kwargs``...).
+        sync_files: fsync each local file and their directory before reporting success (``False``: faster,
+            but a power loss can lose a "committed" save). Object stores ignore it.
         thread_count: data files written concurrently per rank. Default: 4, locally fewer when this
-            node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs (``storage/backends/_fs.py``).
-        part_size: S3 multipart part size (at least 5 MiB, S3's minimum; honoured as given).
-        max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
-            ``max_parts_in_flight * part_size``).
-        manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
-            layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
+            node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs.
+        part_size: S3 multipart part size (at least 5 MiB, S3's minimum).
+        max_parts_in_flight: S3 parts uploading concurrently per file.
+        manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (also
+            :meth:`set_manifest_extra`).
         process_group: the group ``dcp.save`` runs on (default: the default group).
-        staging_bytes: the cap on host memory a rank's save uses above its state (default 128 MiB):
-            tensors that cannot be written from their own memory -- CUDA tensors, strided views, and
-            (full artifacts) dtype casts and transposed boxes -- are copied through a pool of buffers of
-            this many bytes in all (pinned for CUDA), chunk by chunk, each buffer reused once its bytes
-            are written and hashed (``storage/format/_staging.py``). Contiguous CPU tensors are
-            written in place and use none of it.
-    """
+        staging_bytes: the cap on host memory a rank's save uses above its state (default 128 MiB): what
+            cannot be written from its own memory (CUDA tensors, strided views, casts) is copied through a
+            pool of buffers of this many bytes in all (``storage/format/_staging.py``)."""
 
     _KIND: Literal["partial", "full"]  # the manifest's "kind"; discard_failed_save follows it
 
@@ -324,12 +316,9 @@ def _manifest_save_id(fs: Any, path: str) -> str | None:
 
 
 class FailedSaveFiles:
-    """The files one rank wrote for one save, to remove if that save fails.
-
-    Call order: a new instance per save (``storage_writer.storage_meta``, DCP's first call) ->
-    :meth:`begin` (partial: ``write_data``, every rank; full: ``prepare_global_plan``, coordinator) ->
-    :meth:`add` per file created (writer threads too) -> :meth:`discard` (every rank, after
-    ``dcp.save`` raised)."""
+    """The files one rank wrote for one save, to remove if that save fails. Call order: a new instance per
+    save (``storage_meta``) -> :meth:`begin` (partial: ``write_data``; full: the coordinator's
+    ``prepare_global_plan``) -> :meth:`add` per file (writer threads too) -> :meth:`discard`."""
 
     def __init__(self) -> None:
         self.save_id: str | None = None
@@ -407,10 +396,8 @@ def pack_results(results: list[WriteResult]) -> list[WriteResult]:
 
 
 def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
-    """(coordinator, ``finish``) Every rank's results, packed or not, as DCP would have delivered them.
-
-    The payloads come from the ranks of this job through DCP's gather, which unpickles whatever the
-    ranks send anyway: opening them trusts the same peers, no more."""
+    """(coordinator, ``finish``) Every rank's results, packed or not, as DCP would have delivered them (the
+    payloads come through DCP's gather, which unpickles them anyway: no more trust than before)."""
     out: list[list[WriteResult]] = []
     with gc_paused():  # an object per item of every rank
         for rank, rank_results in enumerate(results):
@@ -518,10 +505,8 @@ _VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
 
 
 def with_plain_mappings(metadata: Metadata) -> Metadata:
-    """``metadata`` with any view of a committed file turned back into the dict it stands for, before
-    it is pickled into a new file: a planner may hand ``finish`` a Metadata that a previous save left
-    lean (DCP's ``DefaultSavePlanner`` with plan caching reuses the object), and the file must hold
-    plain dicts."""
+    """``metadata`` with any committed view turned back into a dict before it is pickled into a new file (a
+    planner caching its plan may hand ``finish`` a Metadata a previous save left lean)."""
     for field in _VIEW_FIELDS:
         value = getattr(metadata, field)
         if isinstance(value, CommittedView):
@@ -530,10 +515,8 @@ def with_plain_mappings(metadata: Metadata) -> Metadata:
 
 
 def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:
-    """(coordinator, end of ``finish``) Turn the Metadata ``dcp.save`` returns (and DCP broadcasts)
-    into views of the committed bytes: receivers unpickle one ``bytes`` object instead of an object
-    per item, and the coordinator drops its own per-item objects. A field that is not a mapping (a
-    planner that sets no ``planner_data``) is left as it is."""
+    """(coordinator, end of ``finish``) Turn the mappings of the Metadata ``dcp.save`` returns (and
+    broadcasts) into views of the committed bytes; a field that is not a mapping is left as it is."""
     source = CommittedMetadata(metadata_bytes, where)
     for field in _VIEW_FIELDS:
         if isinstance(getattr(metadata, field), Mapping):

@@ -93,54 +93,30 @@ class RankPlanData:
 class FsspecStorageWriter(FsspecWriterBase):
     """Write a partial DCP checkpoint to ``path`` (any fsspec URL) with checksums and a commit manifest.
 
-    Call order inside ``dcp.save`` ("all" = every rank; module docstring: failures, races, generations)::
+    Call order inside ``dcp.save``: :class:`~smpckpt.storage.write._base.FsspecWriterBase`'s, plus
+    (coordinator) ``prepare_global_plan`` (overwrite check, one GET; a new save id to every plan) and
+    ``finish`` (``.metadata.<id>``, the manifest: exclusive unless ``overwrite``; the stock ``.metadata``
+    copy; the previous generation's files removed).
 
-        0) (all)         reset(checkpoint_id)            only when dcp.save gets checkpoint_id=
-        1) (all)         storage_meta()
-        2) (all)         set_up_storage_writer(is_coordinator, rank=, use_collectives=)
-        3) (all)         prepare_local_plan(plan)         nothing to do: no I/O on every rank
-        4) (coordinator) prepare_global_plan(plans)       overwrite check (one GET), new save id -> every plan
-        5) (all)         write_data(plan, planner)        this rank's data files, durable before returning
-        6) (coordinator) finish(metadata, results)        .metadata.<id>, then the manifest (the commit:
-                                                          exclusive unless overwrite=True), then the stock
-                                                          .metadata copy, then removal of the previous
-                                                          generation's files
-
-    Args (besides those of :class:`~smpckpt.storage.write._base.FsspecWriterBase`: ``path``,
-    ``storage_options``, ``sync_files``, ``thread_count``, ``part_size``, ``max_parts_in_flight``,
-    ``manifest_extra``, ``process_group``):
-        overwrite: replace a committed checkpoint at ``path`` (the previous generation's files are
-            removed once the new one has committed); otherwise the save fails with
-            :class:`~smpckpt.errors.CheckpointExists` (checked once, by the coordinator).
-        format: ``"raw"`` (tensor bytes at recorded offsets: fast, range-readable; needs our reader)
-            or ``"torch_save"`` (DCP's own per-item records; stock ``dcp.load`` reads it).
+    Args (besides :class:`~smpckpt.storage.write._base.FsspecWriterBase`'s):
+        overwrite: replace a committed checkpoint at ``path`` (its files go once the new one committed);
+            otherwise :class:`~smpckpt.errors.CheckpointExists` (checked once, by the coordinator).
+        format: ``"raw"`` (tensor bytes at recorded offsets: range-readable; needs our reader) or
+            ``"torch_save"`` (DCP's own records; stock ``dcp.load`` reads it).
         block_size: checksum block size in bytes.
-        object_file_size: object stores: each rank's data goes into files of about this many bytes.
-            Default (``None``): 85 % of ``part_size``, so nearly every file is one ``PutObject`` -- no
-            multipart create/complete requests, no server-side concatenation -- with
-            ``thread_count * max_parts_in_flight`` files uploading at once. At most 256 files per rank:
-            a larger rank gets larger (multipart) files, ``thread_count`` at a time. ``0``:
-            ``thread_count`` files per rank (fewer, larger objects; multipart beyond one part). A larger
-            ``part_size`` gives fewer, larger one-request files (S3 takes up to 5 GiB each). On
-            local/POSIX paths each rank's items are split into at most ``thread_count`` files.
-        prefix_strategy: where data files go inside the folder. ``"auto"`` (default): directly in the
-            folder on local/POSIX paths, one hex prefix folder per file on object stores
-            (``<folder>/<p>/<name>``, neighbouring files differing in the first character, so a large
-            save spreads over many S3 prefixes); ``"flat"``, ``"hex"``, ``"binary"`` or a
-            :class:`~smpckpt.storage.PrefixStrategy`. The prefix is part of each file's recorded name:
-            readers and tools need no setting.
-        hash_beside: how records written in place (a contiguous CPU tensor's own memory) are hashed.
-            ``None`` (default): the writer's choice per save -- inline, each ~1 MiB chunk hashed by the
-            writing thread just before its write, where the files written at once keep the rank's CPUs
-            busy (at least as many as ``rank_cpus()``); otherwise beside the writes, on each file's hash
-            thread. ``True``/``False`` force beside/inline (A/B measurements:
-            ``benchmarks/profile_save.py --hash-beside``). The digests are the same either way.
+        object_file_size: object stores: each rank's files hold about this many bytes. ``None``: 85 % of
+            ``part_size``, so nearly every file is one ``PutObject``, at most 256 files per rank (a larger
+            rank gets multipart files); ``0``: ``thread_count`` files per rank. Local paths: at most
+            ``thread_count`` files per rank.
+        prefix_strategy: where data files go in the folder: ``"auto"`` (flat locally, a hex prefix folder
+            per file on object stores), ``"flat"``, ``"hex"``, ``"binary"`` or a
+            :class:`~smpckpt.storage.PrefixStrategy`; recorded in each file's name.
+        hash_beside: records written in place are hashed beside their writes on a hash thread (``True``)
+            or inline just before each write (``False``); ``None``: inline when the files written at once
+            keep ``rank_cpus()`` busy. The digests are the same either way.
         mode, full: deprecated. ``mode="full", full=FullOptions(...)`` returns a
-            :class:`~smpckpt.storage.FullArtifactWriter` built from the shared options (with a
-            ``DeprecationWarning``; an option above set to anything but its default is refused, as it
-            never applied to the full artifact); a subclass must derive from ``FullArtifactWriter``
-            instead. ``full=`` without ``mode="full"`` is refused.
-    """
+            :class:`~smpckpt.storage.FullArtifactWriter` (``DeprecationWarning``; a partial-only option
+            set is refused; subclasses must derive from ``FullArtifactWriter``)."""
 
     _KIND = "partial"
     #: size data files as for a local folder / an object store regardless of ``path`` (None: as ``path``)
@@ -283,12 +259,11 @@ class FsspecStorageWriter(FsspecWriterBase):
             self._folder.publish(MANIFEST_NAME, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently
-        (each by :meth:`_write_file`, the seam for fault tests, through the writer's sink), made durable;
-        their results (the last of each file carries its manifest record). ``_split_as_local`` sizes the
-        files as for a local folder (``True``) or an object store (``False``) whatever ``path`` is: the fast
-        tier writes locally the files a drain will upload. A rank whose file fails removes the files it
-        wrote (they would be orphans: the save does not commit) and raises the first error."""
+        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently (each
+        by :meth:`_write_file`, the fault tests' seam) and made durable; the last result of each file carries
+        its manifest record. ``_split_as_local`` sizes files as for a local folder or an object store whatever
+        ``path`` is (the fast tier writes what a drain uploads). A failed file: this rank's files are removed
+        and the first error raised."""
         data = self._plan_data(plan, RankPlanData)
         self._attempt.begin(data.save_id, new_folder=data.new_folder)
         items, threads = list(plan.items), self.thread_count
@@ -396,12 +371,9 @@ MAX_OBJECT_FILES = 256
 
 def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> tuple[int, bool]:
     """How many data files a rank's ``items`` go into on an object store, and whether they are about
-    ``file_size`` each (else larger): at least ``thread_count`` files, enough to hold about
-    ``file_size`` bytes each (``0``: just ``thread_count``), at most ``MAX_OBJECT_FILES``.
-
-    A file of at most one part is uploaded with one ``PutObject``; a larger one needs a multipart
-    upload: a create and a complete request besides its parts, and a server-side concatenation at the
-    complete. Many one-part files in flight keep the concurrency with a third of the requests."""
+    ``file_size`` each: at least ``thread_count``, enough for about ``file_size`` bytes each (``0``: just
+    ``thread_count``), at most ``MAX_OBJECT_FILES``. One-part files take one ``PutObject`` each instead of a
+    multipart upload's create, parts and complete."""
     if file_size <= 0:
         return thread_count, False
     want = -(-sum(_item_size(it) for it in items) // file_size)  # an integer ceiling (byte counts pass 2**53)
@@ -436,11 +408,9 @@ def write_file(
     hooks: Any = None,
     hash_beside: bool = False,
 ) -> list[WriteResult]:
-    """Write ``items`` (objects first, small, then tensors, as DCP does: :func:`split_items`'s order)
-    into ``sink`` and commit it; the last result carries the file's :class:`FileRecord` (size, block ends
-    and digests) for the manifest. Raw tensors that cannot be written in place are copied through
-    ``stages`` (:mod:`._pipeline`); ``hash_beside``: records written in place are hashed on a thread
-    beside their writes, not by this one just before each write."""
+    """Write ``items`` (in :func:`split_items`'s order) into ``sink`` and commit it; the last result carries
+    the file's :class:`FileRecord` for the manifest. Tensors that cannot be written in place are staged
+    through ``stages`` (:mod:`._pipeline`); ``hash_beside``: see :class:`FsspecStorageWriter`."""
     hasher = BlockHasher(block_size)
     results: list[WriteResult] = []
     offset = 0

@@ -108,14 +108,10 @@ def _gather(rows: np.ndarray, out: np.ndarray) -> memoryview:
 
 
 class BlockHasher:
-    """Streams a file's bytes into check units and records (end offset, digest) per unit.
-
-    Items fed with :meth:`start_item` alone pack into ``block_size`` blocks (a large item starts a fresh
-    one); items fed with an :class:`~._check_units.ItemChecks` get units of their own: blocks of its
-    ``unit`` size, or tiles (see :mod:`._check_units`), listed in :attr:`tilings`.
-
-    Not thread-safe: feed one file's bytes in order from one thread.
-    """
+    """Streams a file's bytes into check units and records (end offset, digest) per unit: items fed with
+    :meth:`start_item` alone pack into ``block_size`` blocks (a large item starts a fresh one); items fed
+    with an :class:`~._check_units.ItemChecks` get units of their own (blocks or tiles, listed in
+    :attr:`tilings`). Not thread-safe: one file's bytes in order from one thread."""
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size <= 0:

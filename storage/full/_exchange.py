@@ -228,10 +228,8 @@ def batches(exchanges: Sequence[Exchange]) -> list[list[Exchange]]:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """A rank's assembled rows: the one-run box it writes, its bytes, and the pieces it was made of.
-
-    Check units are cut per piece (the rows of one original box), not per block, so a reader that loads
-    the saving layout's column shards still reads exactly the bytes it needs to verify them."""
+    """A rank's assembled rows: the one-run box it writes, its bytes, and the pieces it was made of (check
+    units are cut per piece, so a reader of the saving layout's column shards reads only what it verifies)."""
 
     write: FullWrite
     data: memoryview

@@ -113,11 +113,9 @@ def row_groups(rows: int, urows: np.ndarray, row_bytes: int, part_bytes: int | N
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
     """How a column box is streamed: the tensor as rows of ``row_bytes``, rows ``[rows)`` and byte columns
-    ``[cols)`` read (the box's and those of the units it touches), in ``pieces`` (row ranges cut only
-    where no unit spans the cut). ``units``: the check units to verify (positions in their index), with
-    their rows ``urows`` ``(m, 2)`` and byte columns ``ucols`` ``(m, 2)``; ``box_rows``/``box_cols``: the
-    box's own; ``covered``: the box's elements that lie in those units (all of them, or some would go
-    out unchecked; 0 unverified)."""
+    ``[cols)`` read, in ``pieces`` (row ranges cut where no unit spans the cut). ``units``: the units to
+    verify (index positions) with their rows ``urows`` and byte columns ``ucols`` (``(m, 2)``);
+    ``box_rows``/``box_cols``: the box's own; ``covered``: the box's elements those units hold."""
 
     row_bytes: int
     rows: tuple[int, int]

@@ -261,15 +261,11 @@ class WholeUnits:
 @dataclasses.dataclass(frozen=True)
 class CrossView:
     """How a box requested in one view of a tensor is verified by units checked in another view of the
-    same row-major bytes (a fused ``[3h, d]`` saved without a view spec, read as ``[3, h/tp, d]``).
-
-    ``inside``: units whose bytes all lie among the requested ones, each with the ``(position, length)``
-    pieces of ``out`` (the requested bytes back to back) that hold them, in hash order. ``partial``:
-    units that share only some bytes with the request -- read whole, checked, and their shared bytes
-    copied into ``out`` as ``(from, to, length)``. ``direct``: the rest of the requested bytes, to read
-    straight into ``out``, as ``(tensor offset, position, length)`` -- so no byte is read twice.
-    ``covered``: requested bytes some unit covers. ``extent``: tensor bytes ``[lo, hi)`` the request
-    and the partial units span."""
+    same bytes (a fused ``[3h, d]`` saved without a view spec, read as ``[3, h/tp, d]``). ``inside``: units
+    wholly among the requested bytes, with the ``(position, length)`` pieces of ``out`` holding them, in
+    hash order; ``partial``: units read whole, checked, their shared bytes copied as ``(from, to,
+    length)``; ``direct``: the rest, read straight into ``out`` as ``(tensor offset, position, length)``;
+    ``covered``: requested bytes some unit covers; ``extent``: the tensor bytes ``[lo, hi)`` all of it spans."""
 
     inside: list[tuple[Unit, list[tuple[int, int]]]]
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]]

@@ -46,14 +46,12 @@ class PeerFetchingReader(FsspecStorageReader):
     """A fast-tier copy at ``path`` (this node's folder), completed from peers while loading.
 
     Args (besides :class:`~smpckpt.storage.FsspecStorageReader`'s):
-        group: a gloo group over the ranks ``dcp.load`` runs on (moves CPU tensors).
-        streams: gloo groups over the same ranks that move the files (default: ``group``).
-        ranks: the global rank of each rank of the load's process group, in group order.
-        rank: this process's global rank.
+        group: a gloo group over the ranks ``dcp.load`` runs on; ``streams``: gloo groups over the same
+            ranks that move the files (default: ``group``).
+        ranks: the global rank of each rank of the group, in group order; ``rank``: this process's.
         local_world_size: ranks per node (``r // local_world_size`` is rank ``r``'s node).
         held_by: file name -> global ranks whose node folder holds it (the API's scan of every node).
-        sync: fsync the files fetched.
-    """
+        sync: fsync the files fetched."""
 
     def __init__(
         self,

@@ -39,11 +39,8 @@ def hash_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
     return h.intdigest()
 
 
-#: rows shorter than this are gathered into one buffer and hashed in one call; longer ones are fed one
-#: ``update`` each. Why: a tile's row segments are 4-8 KiB, and xxhash holds the GIL for inputs up to
-#: 64 KiB, so feeding a 1 MiB tile row by row is 256 Python calls under the GIL (measured 0.16-0.27 CPU-s
-#: per GiB, single-threaded, and it serialises every reader thread), while the gather (numpy, GIL
-#: released) and one hash of the gathered bytes run beside the other threads.
+#: rows shorter than this are gathered (numpy, GIL released) and hashed in one call; longer ones are fed
+#: one ``update`` each: xxhash holds the GIL for inputs up to 64 KiB, so a tile row by row serialised threads
 GATHER_BELOW = 64 << 10
 #: bytes gathered per hash call (a thread's scratch buffer never grows past this): a tile of the default
 #: 1 MiB unit in one call

@@ -15,16 +15,9 @@ import numpy as np
 
 __all__ = ["REQUEST_COST_BYTES", "STREAM_PIECE_BYTES", "Into", "streams"]
 
-#: the read planner's cost of one more small request from a device, in bytes the device could have
-#: streamed in the same time. A column slice's rows cost ``rows x (REQUEST_COST_BYTES + run)`` read one
-#: request each and ``rows x row_bytes`` read as one sequential span, so rows whose unread gap is below
-#: this stream (:func:`streams`), in memory or not (from the page cache a request per row also costs
-#: more CPU than copying such gaps: ``_boxes.read_box``). Measured on the project's
-#: virtio disk (cold, 4 reader threads; ``benchmarks/RESULTS.md``, "Column slices: the streaming cost
-#: model"): 16,384 requests of
-#: 4 KiB took 0.30 s more than streaming their 64 MiB, 4,096 of 16 KiB 0.08 s more: 18-19 us a request,
-#: 18-19 KB at the disk's ~1 GB/s. So bf16 rows of 8 KiB needing a 4 KiB tile (gap 4 KiB) stream,
-#: fp32 rows of 64 KiB needing 16 KiB (gap 48 KiB) stay a request per row, at 1.00x the needed bytes.
+#: the read planner's cost of one more small request, in bytes the device could have streamed meanwhile:
+#: rows whose unread gap is below this are read as one sequential span (:func:`streams`), in memory or not
+#: (measured: ``benchmarks/RESULTS.md``, "Column slices: the streaming cost model")
 REQUEST_COST_BYTES = 16 << 10
 
 

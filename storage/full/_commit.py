@@ -127,9 +127,7 @@ def begin_full_save(
                 ) from exc
         return out, layout
     if options.row_swap_below and not cpu_group and dist.is_available() and dist.is_initialized():
-        # correct, but slower (README: 0.61x instead of 0.87x a partial save's throughput on the
-        # benchmark); said by each full save it slows, the package keeping no state between saves.
-        # Ranks simulated in one process (tests) have no group to name.
+        # correct but slower (README); said by each full save it slows (no state kept between saves)
         log.warning(
             "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
             "written row by row instead of swapped into blocks (slower, same bytes); for the faster path %s",

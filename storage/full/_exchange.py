@@ -87,9 +87,8 @@ def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:
     return short
 
 
-#: Tensor bytes (all ranks' boxes) per swap batch. One message per pair of ranks cost ~2 ms on the
-#: 2-vCPU VM at 4 ranks, whatever its size up to here: one per tensor made the swaps of 1,020 small
-#: tensors 2.3 s of a 4.4 s save. A larger tensor is a batch of its own.
+#: Tensor bytes (all ranks' boxes) per swap batch (a message costs ~2 ms whatever its size up to here);
+#: a larger tensor is a batch of its own.
 SWAP_BATCH_BYTES = 8 << 20
 
 

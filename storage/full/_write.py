@@ -124,10 +124,8 @@ def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
             n += os.pwrite(fd, buf[pos + n : pos + run], w.start + s + n)
         pos += run
     if run >= _FLUSH_RUN:
-        # Start writeback now, so the disk works while this rank goes on and the final flush waits
-        # for less (as the partial writer does). Only for long runs: short rows share their pages with
-        # other ranks' columns, which would be dirtied again and written twice (measured: starting
-        # writeback of strided boxes made the save 1.5x slower).
+        # Start writeback now, so the final flush waits for less; not for short runs, whose pages other
+        # ranks' columns dirty again (measured 1.5x slower).
         for s in starts.tolist():
             write_back(fd, w.start + s, run, wait=False)
 

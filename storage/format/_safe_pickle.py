@@ -31,7 +31,6 @@ import pickle
 import pickletools
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -259,16 +258,13 @@ _AS_IS = frozenset({("builtins", "slice"), ("builtins", "range"), ("builtins", "
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, extra: frozenset[tuple[str, str]], bounds: _Bounds) -> None:
+    def __init__(self, f: io.BytesIO, bounds: _Bounds) -> None:
         super().__init__(f)
-        self._extra = extra
         self._bounds = bounds
         self._made: dict[tuple[str, str], Any] = {}
         self._stand_ins: set[type] = set()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._extra:
-            return super().find_class(module, name)  # the caller's trusted globals, as they are
         if (module, name) in ALLOWED_GLOBALS:
             made = self._made.get((module, name))
             if made is None:
@@ -306,7 +302,7 @@ def _enum_members() -> list[Any]:
     return [m for e in (_MEM_FORMAT_ENCODING, WriteItemType, LoadItemType) for m in e]
 
 
-def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str, str]] = ()) -> Any:
+def load_metadata(data: bytes, *, where: str) -> Any:
     """Unpickle DCP ``Metadata`` from ``data`` with the allow-list, bounded in what it builds;
     :class:`UnsafeCheckpoint` / :class:`CheckpointCorrupt` (naming ``where``) on anything else."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -317,7 +313,7 @@ def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str,
     try:
         with gc_paused():  # an object per item: no collections while they are made (or turned real)
             try:
-                obj = _MetadataUnpickler(io.BytesIO(data), frozenset(extra_globals), bounds).load()
+                obj = _MetadataUnpickler(io.BytesIO(data), bounds).load()
             finally:
                 bounds.finish()
                 tampered = _restore(members, before)

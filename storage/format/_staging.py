@@ -244,17 +244,16 @@ class Stage(Protocol):
 
 class HostStage:
     """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the CPU
-    stand-in of :class:`CudaStage`. ``on_copy`` (tests) runs on the copier thread before each batch.
+    stand-in of :class:`CudaStage`.
     Copies not yet fenced are kept per calling thread: a fence submits, and its ticket fails with, the
     caller's own copies only (file threads share one stage)."""
 
     pinned = False
 
-    def __init__(self, pool: BufferPool, *, on_copy: Callable[[], None] | None = None) -> None:
+    def __init__(self, pool: BufferPool) -> None:
         self.pool = pool
         self._local = threading.local()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-stage")
-        self._on_copy = on_copy
 
     def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         pending: list[tuple[torch.Tensor, torch.Tensor]] | None = getattr(self._local, "pending", None)
@@ -271,8 +270,6 @@ class HostStage:
         return Ticket(self._thread.submit(self._run, batch))
 
     def _run(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self._on_copy is not None:
-            self._on_copy()
         for dst, src in batch:
             dst.copy_(src)
 

@@ -92,12 +92,11 @@ def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:
 SWAP_BATCH_BYTES = 8 << 20
 
 
-def plan_exchanges(plans: list[SavePlan], below: int, batch_limit: int | None = None) -> list[SavePlan]:
+def plan_exchanges(plans: list[SavePlan], below: int) -> list[SavePlan]:
     """(coordinator) Move the boxes of column-sharded tensors with runs shorter than ``below`` bytes into
     swaps: each writer sends its boxes' rows and gets a one-run block to write. Consecutive swaps are
-    numbered into batches of up to ``batch_limit`` bytes here, once for every rank, so both sides of a
+    numbered into batches of up to :data:`SWAP_BATCH_BYTES` here, once for every rank, so both sides of a
     pair agree on each batch's message even when their own swap lists differ."""
-    limit = SWAP_BATCH_BYTES if batch_limit is None else batch_limit
     datas = [cast(RankFullData, p.storage_data) for p in plans]
     by_tensor: dict[tuple[str, int], list[tuple[int, FullWrite]]] = {}
     for r, d in enumerate(datas):
@@ -112,7 +111,7 @@ def plan_exchanges(plans: list[SavePlan], below: int, batch_limit: int | None = 
         ranks = sorted({r for r, _ in boxes})
         n, k = boxes[0][1].view[0], len(ranks)
         nbytes = sum(math.prod(w.sizes) * w.dtype.itemsize for _, w in boxes)
-        if batch_bytes and batch_bytes + nbytes > limit:
+        if batch_bytes and batch_bytes + nbytes > SWAP_BATCH_BYTES:
             batch, batch_bytes = batch + 1, 0
         batch_bytes += nbytes
         blocks = tuple((r, n * i // k, n * (i + 1) // k) for i, r in enumerate(ranks))

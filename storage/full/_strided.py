@@ -100,13 +100,13 @@ def share(
         return parts.requested
 
 
-def row_groups(rows: int, urows: np.ndarray, row_bytes: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
-    """A box's ``rows`` as row ranges of about ``part_bytes`` (default :data:`PART_BYTES` as it is when
-    called; ``row_bytes`` a row), cut only where no check unit (rows ``urows``, box-relative; none:
+def row_groups(rows: int, urows: np.ndarray, row_bytes: int) -> list[tuple[int, int]]:
+    """A box's ``rows`` as row ranges of about :data:`PART_BYTES` (as it is when called;
+    ``row_bytes`` a row), cut only where no check unit (rows ``urows``, box-relative; none:
     unverified) spans the cut: each part verifies its own units from its own rows."""
     if rows <= 0:
         return []
-    step = (PART_BYTES if part_bytes is None else part_bytes) // max(1, row_bytes)
+    step = PART_BYTES // max(1, row_bytes)
     return _pieces(0, rows, urows, max(1, step))
 
 
@@ -148,7 +148,6 @@ def stream_plan(
     itemsize: int,
     units: UnitIndex | None,
     request_cost: int,
-    piece_bytes: int | None = None,
 ) -> StreamPlan | None:
     """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by
     the units of ``units`` it overlaps (all in ``view``; ``None``: unverified), when the cost model says
@@ -179,7 +178,7 @@ def stream_plan(
     c1 = max([box_cols[1], *([int(ucols[:, 1].max())] if len(idx) else [])])
     if c1 - c0 >= row_bytes or not streams(row_bytes, c1 - c0, request_cost):
         return None  # one run per request already, or rows far enough apart to read a request each
-    step = (STREAM_PIECE_BYTES if piece_bytes is None else piece_bytes) // row_bytes  # the constant as it is now
+    step = STREAM_PIECE_BYTES // row_bytes
     pieces = _pieces(r0, r1, urows, max(1, step))
     box_lo = np.asarray(offsets, dtype=np.int64)
     box_hi = box_lo + np.asarray(sizes, dtype=np.int64)

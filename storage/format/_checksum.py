@@ -49,9 +49,8 @@ _scratch = threading.local()
 
 
 def hash_rows(data: memoryview, first: int, rows: int, run: int, stride: int) -> int:
-    """xxh3-64 of ``rows`` runs of ``run`` bytes of ``data`` (a flat byte view), the first at offset
-    ``first`` and each ``stride`` bytes after the one before: a tile's row segments, or (one row, or
-    ``run == stride``) one contiguous range. Equal to :func:`hash_parts` of those runs."""
+    """xxh3-64 of ``rows`` runs of ``run`` bytes of ``data`` (flat), the first at ``first``, each ``stride``
+    bytes after the one before (a tile's row segments): equal to :func:`hash_parts` of those runs."""
     if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1):
         data = data.cast("B")  # offsets count bytes
     if rows < 0 or run < 0 or stride < run or first < 0 or (rows and first + (rows - 1) * stride + run > len(data)):

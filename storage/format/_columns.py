@@ -22,9 +22,8 @@ REQUEST_COST_BYTES = 16 << 10
 
 
 def streams(row_bytes: int, width: int, request_cost: int = REQUEST_COST_BYTES) -> bool:
-    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one
-    sequential span of whole rows than as a request per row, when a request costs what streaming
-    ``request_cost`` bytes does (:data:`REQUEST_COST_BYTES`; 0: never)."""
+    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one span of
+    whole rows than as a request per row costing ``request_cost`` bytes of streaming (0: never)."""
     return row_bytes - width < request_cost
 
 

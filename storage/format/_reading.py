@@ -40,9 +40,8 @@ __all__ = ["ReaderBase", "ReadStats", "Need", "Fetch", "c_strides", "slice_byte_
 
 
 def cpu_bytes(t: torch.Tensor) -> memoryview | None:
-    """The bytes of ``t`` in row-major order as a flat ``"B"`` memoryview over its own memory, when
-    ``t`` is a contiguous CPU tensor that needs no grad; ``None`` otherwise (another device, not
-    contiguous, requiring grad, a conjugate or negative view)."""
+    """The bytes of ``t`` (row-major) as a flat ``"B"`` memoryview over its own memory, for a contiguous
+    CPU tensor that needs no grad (not a conjugate or negative view); ``None`` otherwise."""
     try:
         arr = t.numpy()
     except (TypeError, RuntimeError):  # no numpy dtype, or a tensor numpy cannot share
@@ -89,9 +88,8 @@ def c_strides(sizes: Sequence[int]) -> list[int]:
 def slice_byte_range(
     sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], itemsize: int
 ) -> tuple[int, int]:
-    """Smallest contiguous byte range of a C-contiguous array of shape ``sizes`` that holds the slice
-    ``offsets : offsets + lengths``. For a dim-0 slice (or any slice that is contiguous in memory)
-    this is exactly the slice's bytes; for a strided slice it is the enclosing span."""
+    """Smallest contiguous byte range of a C-contiguous array of shape ``sizes`` holding the slice
+    ``offsets : offsets + lengths``: exactly its bytes when contiguous, else the enclosing span."""
     if len(sizes) != len(offsets) or len(sizes) != len(lengths):
         raise ValueError("sizes, offsets and lengths differ in rank")
     if any(n == 0 for n in lengths):

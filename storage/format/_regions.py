@@ -75,10 +75,9 @@ def split_box(offsets: Sequence[int], sizes: Sequence[int], itemsize: int, targe
 
 
 def range_boxes(sizes: Sequence[int], start: int, end: int) -> list[Box]:
-    """The elements ``[start, end)`` of a row-major array of shape ``sizes`` (flat, row-major indices)
-    as boxes, in order: a partial row, whole rows, a partial row -- each part of a partial row cut the
-    same way one dimension in. Their bytes, back to back, are the range's bytes; a staged copy of a
-    range (a chunk of a tensor larger than a buffer) copies these boxes of the tensor."""
+    """The elements ``[start, end)`` (flat, row-major) of an array of shape ``sizes`` as boxes, in order (a
+    partial row, whole rows, a partial row, each partial row cut the same way one dimension in): their
+    bytes back to back are the range's, so a staged chunk of a tensor copies these boxes."""
     total = math.prod(sizes)
     if not 0 <= start <= end <= total:
         raise ValueError(f"elements {start}..{end} outside shape {list(sizes)}")

@@ -43,10 +43,9 @@ TEST_DEVICE_ENV = "SMPCKPT_TEST_DEVICE"
 
 
 def stage_kind(t: torch.Tensor, *, in_place: bool) -> Literal["cuda", "host"] | None:
-    """How a tensor's bytes reach storage (or a load's bytes reach it): ``None`` in place (a CPU tensor
-    the caller can write from or read into directly, ``in_place``), ``"cuda"`` through a
-    :class:`CudaStage`, ``"host"`` through a :class:`HostStage` (CPU tensors that cannot be used in
-    place, and every CPU tensor under ``SMPCKPT_TEST_DEVICE=cpu``)."""
+    """How a tensor's bytes reach storage (or a load's reach it): ``None`` in place (``in_place``),
+    ``"cuda"`` through a :class:`CudaStage`, ``"host"`` through a :class:`HostStage` (CPU tensors that
+    cannot be used in place; every CPU tensor under ``SMPCKPT_TEST_DEVICE=cpu``)."""
     if t.is_cuda:
         return "cuda"
     if t.device.type != "cpu":
@@ -244,9 +243,8 @@ class Stage(Protocol):
 
 class HostStage:
     """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the CPU
-    stand-in of :class:`CudaStage`.
-    Copies not yet fenced are kept per calling thread: a fence submits, and its ticket fails with, the
-    caller's own copies only (file threads share one stage)."""
+    stand-in of :class:`CudaStage`. Unfenced copies are kept per calling thread: a fence submits, and its
+    ticket fails with, the caller's own copies only (file threads share one stage)."""
 
     pinned = False
 
@@ -278,10 +276,9 @@ class HostStage:
 
 
 class CudaStage:
-    """Copies on a side stream of one CUDA device: device-to-host into pinned pool buffers (saves),
-    host-to-device from them (loads). Each fence records an event; the side stream first waits for
-    the work already queued on the device's current stream, which produced the values (a save) or
-    last used the destinations (a load)."""
+    """Copies on a side stream of one CUDA device into (saves) or from (loads) pinned pool buffers; each
+    fence records an event. The side stream first waits for the work queued on the current stream, which
+    produced the values or last used the destinations."""
 
     pinned = True
 
@@ -443,9 +440,9 @@ def in_place(target: torch.Tensor) -> bool:
 
 
 class DeviceCopies:
-    """A load's copies into its destinations: ``copy_`` for those filled in place, :func:`copy_into`
-    for the others (CUDA tensors; every destination under ``SMPCKPT_TEST_DEVICE=cpu``), whose pool of
-    ``limit`` bytes is made when first needed. :meth:`close` (always, last) waits for every copy."""
+    """A load's copies into its destinations: ``copy_`` in place, else :func:`copy_into` (CUDA tensors;
+    everything under ``SMPCKPT_TEST_DEVICE=cpu``) through a pool of ``limit`` bytes made when first needed.
+    :meth:`close` (always, last) waits for every copy."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -50,9 +50,8 @@ log = logging.getLogger(__name__)
 
 
 class CommitUncertain(CheckpointError):
-    """The commit (the manifest's write) failed in a way that does not tell whether it landed: an
-    object store's timeout or dropped connection, where the request may still complete. Nothing of
-    that save is removed: it may be a committed checkpoint."""
+    """The commit (the manifest's write) failed without telling whether it landed (an object store's timeout
+    or dropped connection): nothing of that save is removed, it may be a committed checkpoint."""
 
 
 def commit_uncertain(error: BaseException | None) -> bool:
@@ -210,9 +209,8 @@ def _drop_stock_copy(folder: Folder, url: str) -> bool:
 
 
 def _restore_stock_copy(folder: Folder, url: str) -> None:
-    """(an overwrite whose swap failed, after :func:`_drop_stock_copy`) Give the checkpoint committed here
-    -- the one this save meant to replace, or another save's that won a race -- its stock copy back: that
-    manifest's own metadata, so writing it beside the winner's own step 5 is harmless (the same bytes)."""
+    """(an overwrite whose swap failed, after :func:`_drop_stock_copy`) Put back the stock copy of whichever
+    checkpoint is committed here, from that manifest's own metadata (the same bytes its step 5 writes)."""
     try:
         if folder.exists(METADATA_NAME):
             return
@@ -239,10 +237,9 @@ def _write_manifest(
     refused: str,
     discard: Sequence[str],
 ) -> None:
-    """Step 3. Refused (``FileExistsError``) by another save's manifest: ``CheckpointExists`` after
-    removing ``discard``; by this save's own (a retried conditional PUT whose first attempt landed):
-    committed. Another failure on an object store: :class:`CommitUncertain` (it may still land); on POSIX
-    and memory:// the folder tells exactly whether the manifest landed."""
+    """Step 3. Refused by another save's manifest: ``CheckpointExists`` after removing ``discard``; by this
+    save's own (a retried conditional PUT that had landed): committed. Another failure on an object store:
+    :class:`CommitUncertain`; on POSIX and memory:// the folder tells whether the manifest landed."""
     try:
         write(data)
     except FileExistsError as exc:
@@ -283,9 +280,8 @@ def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
 def _after_commit(
     folder: Folder, url: str, manifest: Manifest, stock: bytes | None, old_files: Iterable[str], *, sync: bool
 ) -> None:
-    """Step 5 (failures are logged: the save is committed). The stock ``.metadata`` name, for stock
-    readers (ours follows the manifest), written only now so the loser of a race never replaces the
-    winner's copy; then the previous generation's files, when this save replaced one."""
+    """Step 5 (failures are logged: the save is committed). The stock ``.metadata`` copy, written only now so
+    the loser of a race never replaces the winner's; then the previous generation's files, if replaced."""
     if stock is not None:
         try:
             folder.publish(METADATA_NAME, stock, sync=sync, replace=True)

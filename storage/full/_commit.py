@@ -144,9 +144,8 @@ def begin_full_save(
 def artifact_records(
     folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool
 ) -> tuple[list[FileRecord], dict[str, bytes]]:
-    """(coordinator, at the commit) The artifact files' manifest records (made durable: the ranks wrote
-    their boxes back, see ``_write._flush``; their sizes are checked by the commit's listing) and the
-    side files the commit creates (shard index, ``config.json``) with their records."""
+    """(coordinator, at the commit) The artifact files' manifest records (their sizes checked by the
+    commit's listing) and the side files the commit creates (shard index, ``config.json``) with theirs."""
     records: list[FileRecord] = []
     for f in layout.files:
         if sync and folder.local:
@@ -172,9 +171,8 @@ def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype |
 def whole_tensor_metadata(
     metadata: Metadata, layout: ArtifactLayout, results: list[list[WriteResult]]
 ) -> list[FileRecord]:
-    """(coordinator, in ``finish``, under its ``gc_paused``: thousands of small lists per rank) The object
-    files' records, from all ranks' results. Loaders see one chunk per tensor, in the stored dtype; the
-    description says where its bytes are, with every tensor's check units (the results' boxes)."""
+    """(coordinator, in ``finish``, under its ``gc_paused``) The object files' records, from all ranks' results;
+    loaders see one chunk per tensor, in the stored dtype, described with its check units."""
     boxes: dict[str, list[BoxUnits]] = {}
     records: list[FileRecord] = []
     for rank, rank_results in enumerate(results):
@@ -211,10 +209,9 @@ def folder_names(fs: Any, path: str) -> set[str]:
 def commit_full(
     writer: FullArtifactWriter, manifest: Manifest, metadata: bytes, side: dict[str, bytes], folder: Folder
 ) -> None:
-    """(coordinator, last step of a full save) The one commit protocol (``storage.format.commit``): on
-    POSIX the staging folder committed and renamed into place, replacing nothing; on object stores the
-    manifest created in place while the in-progress marker still names this save, the marker removed
-    after. A failed request on an object store raises ``CommitUncertain`` (it may still land)."""
+    """(coordinator, last step of a full save) The one commit protocol: on POSIX the staging folder renamed
+    into place; on object stores the manifest created while the in-progress marker still names this save,
+    the marker removed after (a failed request raises ``CommitUncertain``: it may still land)."""
     refused = "another save committed here while this full save was writing"
     if folder.local:
         parent = folder.path.rstrip("/").rpartition("/")[0] or "/"

@@ -161,10 +161,9 @@ class Swapper:
         self.pg = process_group
 
     def swap(self, batch: Sequence[Exchange], my_buf: Mapping[FullWrite, memoryview]) -> list[Block]:
-        """Send my boxes' rows to the other writers and receive the rows of my blocks, for every swap of
-        one batch: one message per peer each way, the pieces in the batch's order (the same order on both
-        sides). ``my_buf``: the row-major bytes of each of my boxes in the batch. Returns my blocks (none
-        for a swap in which I have no rows)."""
+        """Send my boxes' rows to the other writers and receive my blocks' rows, for every swap of one batch:
+        one message per peer each way, in the batch's order. ``my_buf``: each of my boxes' row-major bytes.
+        Returns my blocks (none for a swap in which I have no rows)."""
         outgoing: dict[int, list[memoryview]] = {}
         incoming: dict[int, list[tuple[int, FullWrite, int]]] = {}  # peer -> (swap, its box, bytes)
         made: list[_Assembly | None] = []  # per swap of the batch: my block, its bytes, its pieces

@@ -87,9 +87,8 @@ class RunFiles:
             return fd
 
     def prefetch(self, name: str, lo: int, n: int) -> None:
-        """(local files) Ask the kernel to start reading bytes ``[lo, lo + n)`` of ``name`` now
-        (``WILLNEED``): exactly a streamed box's span, so its later pieces arrive while the first is
-        verified and copied. Advice only; nothing on object stores."""
+        """(local files) Advise the kernel to read bytes ``[lo, lo + n)`` of ``name`` now (``WILLNEED``), so a
+        streamed box's later pieces arrive while the first is checked. Nothing on object stores."""
         if self.local and n > 0 and hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
                 os.posix_fadvise(self._fd(name), lo, n, os.POSIX_FADV_WILLNEED)

@@ -155,10 +155,9 @@ def _expressions(
 def _translated(
     by_artifact: Mapping[str, Mapping[str, str]], shapes: Mapping[str, tuple[int, ...]], translation: Translation
 ) -> dict[str, tuple[dict[str, Expr], dict[str, tuple[int, ...]]]]:
-    """Each artifact's expressions and artifact shapes under ``translation``, after checking that it
-    fits the tensors (a wrong family's rules would change nothing and fail nowhere). The artifacts are
-    translated as one: optimizer state (``optimizer.safetensors``' ``<param>.exp_avg``) follows its
-    parameter only where the translation sees the parameter (``model.safetensors``' ``<param>``)."""
+    """Each artifact's expressions and shapes under ``translation``, once it is checked to fit the tensors (a
+    wrong family's rules would change nothing and fail nowhere). Translated as one, so optimizer state
+    follows its parameter where the translation sees the parameter."""
     joint = {key: shapes[fqn] for members in by_artifact.values() for key, fqn in members.items()}
     check_translation(translation, joint, "ours")
     groups = [list(by_artifact)]
@@ -303,9 +302,8 @@ def _rank_writes(
     files: Sequence[ArtifactFile],
     gather: bool,
 ) -> list[SavePlan]:
-    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (in gather mode,
-    also every rank's boxes and the files, file ``i`` owned by rank ``i % world``, so all ranks walk one
-    global order of transfers)."""
+    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (gather mode: also
+    every rank's boxes and the files, file ``i`` owned by rank ``i % world``, for one global order)."""
     per_rank: list[list[FullWrite]] = []
     for plan in plans:
         writes: list[FullWrite] = []

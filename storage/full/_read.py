@@ -308,9 +308,8 @@ class FullSource(ArtifactIndex):
         return True
 
     def _spread(self, count: int, work: Callable[[Iterator[int]], int]) -> int:
-        """(worker thread) A box's ``count`` parts (see :func:`~._strided.share`): on local files shared
-        with the read's other threads when they are free; on object stores, or outside :meth:`read`, on
-        this thread (spans are held per thread there)."""
+        """(worker thread) A box's ``count`` parts (:func:`~._strided.share`): on local files shared with the
+        read's free threads; on object stores, or outside :meth:`read`, on this thread (spans are per thread)."""
         pool = self._pool
         if pool is None or not self._files.local or count < 2:
             return serially(count, work)
@@ -414,9 +413,8 @@ class FullSource(ArtifactIndex):
         out: memoryview,
         prefetched: bool,
     ) -> memoryview:
-        """A box requested in another view than its units were checked in (a whole tensor the planner
-        reshaped), matched byte by byte (:func:`cross_view`): a unit sharing only part of the box is read
-        whole and its shared bytes copied in, so every byte delivered is a byte checked."""
+        """A box requested in another view than its units were checked in, matched byte by byte
+        (:func:`cross_view`), so every byte delivered is a byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
         read = 0 if prefetched else self._hold(t, plan.extent)
         if plan.partial:  # the bytes they share with the box come with them
@@ -456,9 +454,8 @@ class FullSource(ArtifactIndex):
         )
 
     def _hold(self, t: StoredTensor, ext: tuple[int, int] | None) -> int:
-        """(object stores) One GET for bytes ``ext`` of ``t`` (a box's runs and the units it reads), held
-        for its reads when at most ``SPAN_BYTES``; too wide for one GET, only what an earlier box held is
-        dropped. Returns the bytes fetched."""
+        """(object stores) One GET for bytes ``ext`` of ``t``, held for its reads when at most ``SPAN_BYTES``
+        (wider: only what an earlier box held is dropped). Returns the bytes fetched."""
         if ext is None or ext[1] - ext[0] > _files.SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)
         return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
@@ -470,9 +467,8 @@ class FullSource(ArtifactIndex):
             st[1] += read
 
     def verify_all(self, tick: Callable[[int], None] = lambda _: None) -> list[str]:
-        """(``smpckpt verify``) Read every header and check unit; the problems found. ``tick(bytes)``
-        after each header piece and unit checked (``verify_checkpoint`` counts them: these files have
-        no block list)."""
+        """(``smpckpt verify``) Read every header and check unit; the problems found. ``tick(bytes)`` after each
+        piece checked (``verify_checkpoint`` counts them)."""
         problems: list[str] = []
         with RunFiles(self.fs, self.path) as files:
             for name, pieces in self.headers.items():

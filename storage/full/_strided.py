@@ -101,9 +101,8 @@ def share(
 
 
 def row_groups(rows: int, urows: np.ndarray, row_bytes: int) -> list[tuple[int, int]]:
-    """A box's ``rows`` as row ranges of about :data:`PART_BYTES` (as it is when called;
-    ``row_bytes`` a row), cut only where no check unit (rows ``urows``, box-relative; none:
-    unverified) spans the cut: each part verifies its own units from its own rows."""
+    """A box's ``rows`` (``row_bytes`` each) as row ranges of about :data:`PART_BYTES`, cut only where no
+    check unit (rows ``urows``, box-relative) spans the cut: each part verifies its own units."""
     if rows <= 0:
         return []
     step = PART_BYTES // max(1, row_bytes)
@@ -149,10 +148,9 @@ def stream_plan(
     units: UnitIndex | None,
     request_cost: int,
 ) -> StreamPlan | None:
-    """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by
-    the units of ``units`` it overlaps (all in ``view``; ``None``: unverified), when the cost model says
-    streaming costs less; ``None``: read it as before (not a column box of whole inner dims, units in
-    another view or not expressible as rows x columns, or gaps wider than a request costs)."""
+    """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by the
+    ``units`` it overlaps (``None``: unverified), when the cost model says streaming costs less; else
+    ``None`` (not a column box of whole inner dims, units not rows x columns, or gaps too wide)."""
     nd = len(view)
     if nd < 2 or math.prod(sizes) == 0 or sizes[0] < 2:
         return None

@@ -162,9 +162,8 @@ class UnitIndex:
         return [self.unit(i) for i in range(len(self))]
 
     def whole_inside(self, offsets: Sequence[int], sizes: Sequence[int]) -> WholeUnits | None:
-        """When every unit box ``(offsets, sizes)`` overlaps lies wholly inside it (any box read at the
-        layout it was saved in), those units as arrays; ``None`` when one is cut by the box, or the
-        units are in several views."""
+        """The units box ``(offsets, sizes)`` overlaps, as arrays, when it holds each of them whole (any box read
+        at its saved layout); ``None`` when one is cut by the box, or the units are in several views."""
         if self.view is None:
             return None
         box_lo = np.asarray(offsets, dtype=np.int64)
@@ -177,9 +176,8 @@ class UnitIndex:
         return WholeUnits(self, idx, ulo - box_lo, uhi - ulo)
 
     def meeting(self, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(units in one view) The positions of the units box ``(offsets, sizes)`` overlaps by at least
-        one element, and their corners ``lo``, ``hi`` (one row each): :meth:`touched` as arrays, for a
-        box meeting thousands of units (no :class:`Unit` made)."""
+        """(units in one view) :meth:`touched` as arrays: the positions of the units box ``(offsets, sizes)``
+        overlaps, and their corners ``lo``, ``hi`` (no :class:`Unit` made)."""
         if self.view is None:
             raise ValueError("units in several views")
         box_lo = np.asarray(offsets, dtype=np.int64)
@@ -344,9 +342,8 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
 def unit_extent(
     view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[Unit]
 ) -> tuple[int, int] | None:
-    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
-    the box's runs and the whole check units it overlaps, ``units`` (:meth:`UnitIndex.touched`'s, in
-    ``view``: they are read whole to be verified)."""
+    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches: the
+    box's runs and the whole ``units`` it overlaps (:meth:`UnitIndex.touched`'s)."""
     starts, run = box_runs(view, offsets, sizes, itemsize)
     if not len(starts):
         return None

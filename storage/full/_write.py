@@ -62,10 +62,8 @@ class ObjectResult(tuple):
 
 
 def create_files(folder: Folder, files: Sequence[ArtifactFile], *, sync: bool) -> None:
-    """(coordinator, before any rank writes) Each file created (never over an existing one: the folder is
-    this save's staging folder) at its final size, everything but tensor data in place: every byte is
-    either the header, written by a rank, or a hole (zeros) that the tiling check guarantees some rank
-    fills."""
+    """(coordinator, before any rank writes) Each file created in this save's staging folder at its final
+    size with its header; the rest is holes that the tiling check guarantees some rank fills."""
     for f in files:
         folder.create_sized(f.name, f.size, f.pieces, sync=sync)
 
@@ -213,9 +211,8 @@ def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
 
 
 def _file_order(files: Sequence[str], rank: int, world: int) -> list[str]:
-    """This rank's files, starting at its own place in the list: the kernel serialises buffered writes
-    into one file, so two ranks (or threads) writing the same file at once each run at about half speed
-    (measured), and ranks starting on different files mostly stay on different files."""
+    """This rank's files, starting at its own place in the list: the kernel serialises buffered writes into
+    one file, so ranks starting on different files mostly stay on different files."""
     files = sorted(files)
     first = rank * len(files) // max(1, world)
     return files[first:] + files[:first]
@@ -283,9 +280,8 @@ class _RankWriter:
                 self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
 
     def _stage_box(self, w: FullWrite, box: torch.Tensor, stage: Stage) -> BoxUnits:
-        """One box through ``stage``: element ranges of a buffer each (whole row groups of a tiled box),
-        copied (with the cast) into pool buffers; a chunk is written and hashed while the next one is
-        copied; a buffer goes back once its chunk is written and hashed."""
+        """One box through ``stage``: a buffer's worth of elements at a time (whole row groups of a tiled box),
+        copied with the cast into pool buffers, each written and hashed while the next is copied."""
         pool, itemsize = stage.pool, w.dtype.itemsize
         hasher = _BoxHasher(w, self.data.check_block)
         _, _, checks = box_units(w, self.data.check_block)

@@ -186,9 +186,8 @@ def run_transfers(
     sync: bool,
 ) -> TransferOutcome:
     """(every rank, the same ``transfers``) Send this rank's files from ``read_folder``, receive into
-    ``write_folder``. ``group``: one group, or several (streams: transfer ``i`` goes over group
-    ``i % len``, each its own connections, all at once). Errors are collected, not raised: the caller
-    agrees on them across ranks."""
+    ``write_folder``; transfer ``i`` goes over ``group[i % len]`` (or the one ``group``). Errors are
+    collected, not raised: the caller agrees on them across ranks."""
     streams = list(group) if isinstance(group, (list, tuple)) else [group]
     outcome = TransferOutcome()
     jobs: list[tuple[Callable[..., list[str]], tuple[Any, ...]]] = []

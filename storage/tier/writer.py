@@ -121,10 +121,9 @@ def parts_of(manifest: Manifest, ranks: Iterable[int]) -> list[FileRecord]:
 
 
 def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileRecord], *, sync: bool) -> bool:
-    """(one rank per node) Commit this node's copy: check that ``expected`` files are there at their
-    sizes, then write the generation's metadata, the manifest (create-if-absent) and the stock
-    ``.metadata``. ``False`` when this very generation was already committed here (nothing written);
-    :class:`CheckpointExists` when another generation was."""
+    """(one rank per node) Check that the ``expected`` files are there at their sizes, then commit this
+    node's copy (metadata, manifest create-if-absent, stock ``.metadata``). ``False``: this generation
+    was committed here already; :class:`CheckpointExists`: another one was."""
     fs, path = open_fs(folder)
     with Folder(fs, path) as f:  # the one commit protocol (storage/format/commit.py)
         existing = f.read(MANIFEST_NAME)
@@ -197,9 +196,8 @@ class _Budget:
         self._cond = threading.Condition()
 
     def take(self, n: int) -> None:
-        """(a writer) Wait until ``n`` more bytes fit (or nothing is queued), then count them. Raises
-        :class:`CheckpointError` when it had to wait and a sender of this rank failed: its peer will
-        never take the bytes, and this save fails anyway."""
+        """(a writer) Wait until ``n`` more bytes fit (or nothing is queued), then count them; raises
+        :class:`CheckpointError` when it had to wait and a sender of this rank failed."""
         with self._cond:
             waited = False
             while self.queued and self.queued + n > self.cap:

@@ -286,9 +286,8 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
                 folder.close()
 
     def _open_sink(self, name: str) -> Sink:
-        """A data file's create-only sink in this save's folder, recorded as this save's. It may borrow:
-        ``write_file`` and ``gather_rank`` pass views of the resolved tensors (or of buffers made for that
-        write) and never change them before the sink's commit, so S3 parts go out without a copy."""
+        """A data file's create-only sink in this save's folder, recorded as this save's. It may borrow: its
+        callers never change what they pass before the sink's commit, so S3 parts go out without a copy."""
         if self._folder is None:
             raise CheckpointError(f"{self.url}: a data file opened outside this rank's write step")
         self._attempt.add(name)
@@ -430,9 +429,8 @@ def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord],
 
 
 def list_tied(metadata: Metadata) -> None:
-    """(coordinator, partial mode) Each tied key (written once, under the key it is tied to: the save
-    planner's ``LayoutRecord.tied``) gets that key's entries in ``state_dict_metadata`` and
-    ``storage_data``, over the same bytes: stock readers then load both keys of a tied model."""
+    """(coordinator, partial mode) Each tied key (``LayoutRecord.tied``, written once under its first key)
+    gets that key's entries in ``state_dict_metadata`` and ``storage_data``, so stock readers load both."""
     record = LayoutRecord.from_metadata(metadata)
     tied = record.tied if record is not None else {}
     sdm, index = metadata.state_dict_metadata, metadata.storage_data
@@ -448,9 +446,8 @@ def list_tied(metadata: Metadata) -> None:
 
 
 class CommittedMetadata:
-    """The committed metadata file's bytes, decoded (with the reader's allow-list) once, on first use.
-    Pickles as those bytes: the views below share one instance, so a pickle of the Metadata that holds
-    them carries the bytes once."""
+    """The committed metadata file's bytes, decoded with the allow-list once, on first use. Pickles as those
+    bytes, which the views share: a pickle of the Metadata carries them once."""
 
     def __init__(self, metadata_bytes: bytes, where: str) -> None:
         self._bytes = metadata_bytes

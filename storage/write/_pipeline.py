@@ -258,9 +258,8 @@ class FileStream:
 
 
 def inline_chunk(checks: ItemChecks | None) -> int:
-    """Bytes of an in-place record hashed and written at a time: about :data:`INLINE_CHUNK`, a whole
-    number of its check units (one-shot digests, no streaming state) or, for a tiled record, of its
-    rows (each tile's row segments gathered a batch at a time, never a segment cut by the chunk)."""
+    """Bytes of an in-place record hashed and written at a time: about :data:`INLINE_CHUNK`, whole check
+    units or, for a tiled record, whole rows (no segment cut by the chunk)."""
     if checks is None:
         return INLINE_CHUNK
     quantum = checks.row_bytes if checks.groups > 1 else checks.unit

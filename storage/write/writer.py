@@ -248,9 +248,8 @@ class FsspecStorageWriter(FsspecWriterBase):
         self._used_save_ids.add(save_id)
 
     def _write_manifest(self, data: bytes) -> None:
-        """The commit (a seam for fault-injection tests). Without ``overwrite`` it is exclusive:
-        ``FileExistsError`` when another save committed first. With ``overwrite`` it replaces the manifest
-        this save saw when it began, and only that one (``FileExistsError`` when another save replaced it)."""
+        """The commit (a seam for fault-injection tests): exclusive, or with ``overwrite`` replacing only the
+        manifest this save saw; ``FileExistsError`` when another save committed or replaced it first."""
         if self._folder is None:
             raise CheckpointError(f"{self.url}: the manifest written outside the commit")
         if self._replacing is not None:

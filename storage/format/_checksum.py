@@ -1,10 +1,7 @@
-"""Block checksums of data files (xxh3-64 from the C-accelerated ``xxhash`` package).
-
-Files are cut into check units so a ranged read verifies only the units it touches. Unit boundaries
-are recorded explicitly (as end offsets) because they follow the items: every raw tensor record starts
-a fresh unit and is cut into units sized for it -- blocks, or tiles for column reads (see
-:mod:`._check_units`) -- so the slices a resharding load reads start and end on unit boundaries and
-verification adds little or nothing to the bytes read.
+"""Block checksums of data files (xxh3-64 from the C-accelerated ``xxhash`` package). Unit boundaries
+are recorded as end offsets because they follow the items: every raw tensor record starts a fresh unit
+and is cut into units sized for it (blocks, or tiles: :mod:`._check_units`), so a resharding load's
+slices start and end on unit boundaries and verification adds little to the bytes read.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The column-slice read cost model shared by both readers (pure, no I/O): when a strided (column)
-slice's rows are read as sequential spans of whole rows, and the pieces and strided copy such a span
-goes through.
-
-The partial reader (``storage/read/_plan.py``, ``_boxes.py``) and the full-artifact reader
-(``storage/full/_read.py``) both decide with :func:`streams` and read in pieces of about
-:data:`STREAM_PIECE_BYTES`: one model, so a reshard reads the same way from either format.
+"""The column-slice read cost model both readers share (pure, no I/O): when a strided (column) slice's
+rows are read as sequential spans of whole rows (:func:`streams`), in pieces of about
+:data:`STREAM_PIECE_BYTES`, and the strided copy out of such a span: a reshard reads the same way
+from either format.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """What both readers of this format share (``FsspecStorageReader``: partial and stock DCP checkpoints;
-``FullArtifactReader``: full artifacts and Hugging Face folders), and the byte accounting they report.
+``FullArtifactReader``: full artifacts and Hugging Face folders): the readers' base, the byte
+accounting they report, byte-range planning (pure: what each item needs, widened to checksum blocks,
+coalesced; property-tested against a brute-force oracle) and a CPU tensor's bytes without a copy.
 
-Byte-range planning for reads: what each item needs, widened to checksum blocks, coalesced.
-
-Pure functions (no I/O), property-tested against a brute-force oracle.
-
-A CPU tensor's own bytes as a flat memoryview, without a copy (one job, for every reader and writer).
-
-Each torch call drops and retakes the GIL. With a writer or reader thread per file that is a queue per
-call: a save of 2,700 small tensors spent more time in ``detach``/``reshape``/``view`` than in its
-writes. So a tensor of a numpy dtype is turned into bytes with one torch call (``numpy()``) and numpy
-does the rest; other dtypes (bfloat16, float8) take the ``view(torch.uint8)`` route.
+Each torch call drops and retakes the GIL, a queue per call with a thread per file, so
+:func:`cpu_bytes` turns a tensor of a numpy dtype into bytes with one torch call (``numpy()``); other
+dtypes (bfloat16, float8) take ``view(torch.uint8)``.
 """
 
 from __future__ import annotations

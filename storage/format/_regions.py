@@ -1,10 +1,7 @@
-"""Boxes of row-major tensors and the byte runs they occupy in a file (pure functions, no I/O).
-
-A *box* is ``(offsets, sizes)`` inside a tensor of shape ``view`` stored contiguously (row-major) at a
-file offset. Its bytes are ``prod(sizes[:k])`` runs of equal length, where ``k`` is the innermost
-dimension the box does not span fully; a dim-0 slice is one run, a column (dim-1) slice one run per row.
-Runs come out in the box's own row-major order, so reading them back to back fills a contiguous buffer
-of shape ``sizes``.
+"""Boxes of row-major tensors and the byte runs they occupy in a file (pure functions, no I/O). A *box*
+is ``(offsets, sizes)`` inside a tensor of shape ``view``: ``prod(sizes[:k])`` runs of equal length,
+``k`` the innermost dimension it does not span fully, in the box's row-major order (back to back they
+fill a buffer of shape ``sizes``).
 """
 
 from __future__ import annotations

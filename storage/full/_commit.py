@@ -1,8 +1,7 @@
-"""Full (consolidated) mode, the coordinator's side: the folder cleared before a save and a place to write
-taken (POSIX: a staging folder of the save's own; object stores: the in-progress marker), then at the
-commit what every rank reported, the artifact's own records, the metadata loaders see (one whole chunk
-per tensor, in the stored dtype, with the artifact description) and the commit itself, through the one
-protocol (``storage/format/commit.py``)."""
+"""Full (consolidated) mode, the coordinator's side: the folder cleared and a place to write taken
+(POSIX: a staging folder; object stores: the in-progress marker), then at the commit the artifact's
+records, the metadata loaders see (one chunk per tensor) and the commit itself (``storage/format/commit.py``).
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Byte runs of full artifacts: ``pread`` on local files, ranged GETs on object stores.
-
-On object stores a GET costs far more than the bytes between neighbouring runs, so bytes are fetched
-in enclosing spans of at most :data:`SPAN_BYTES` and runs are cut out of them: the rows of a column
-box share one GET, and so do neighbouring tensors of one file (:func:`plan_spans`,
-:class:`SpanFetcher`), as long as the span stays almost all wanted bytes."""
+"""Byte runs of full artifacts: ``pread`` on local files, ranged GETs on object stores, where bytes are
+fetched in enclosing spans of at most :data:`SPAN_BYTES` shared by a column box's rows and by
+neighbouring tensors (:func:`plan_spans`, :class:`SpanFetcher`) and the runs cut out of them.
+"""
 
 from __future__ import annotations
 

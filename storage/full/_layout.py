@@ -1,7 +1,5 @@
-"""Full (consolidated) mode, the layout: what the coordinator decides for an artifact (its files, every
-tensor's place, each rank's boxes) and the description of it stored in the generation's metadata, which
-the reader (``_source``) parses back: tensor offsets, our keys' expressions over the artifact's keys
-(JSON), check units.
+"""Full (consolidated) mode, the layout the coordinator decides (files, every tensor's place, each rank's
+boxes) and its description stored in the generation's metadata, parsed back by ``_source``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Full (consolidated) artifacts and Hugging Face folders, reading: exact boxes, verified.
 
-A read request (a box of one of our tensors) maps through its expression to boxes of artifact tensors
-(:func:`smpckpt.model.translation.pieces`); each box is a set of byte runs (:func:`~._regions.box_runs`):
-one run for a row shard, one per row for a column shard. With checksums, the check units a box
-touches are read whole and verified (a reshard to another TP degree may read a unit's far side);
-``last_read_stats`` reports bytes read against bytes needed, per file and in total. Where the
-tensors are comes from :class:`~._source.ArtifactIndex`.
+A read request maps through its expression to boxes of artifact tensors
+(:func:`smpckpt.model.translation.pieces`), each a set of byte runs (:func:`~._regions.box_runs`); the
+check units a box touches are read whole and verified. Where the tensors are comes from
+:class:`~._source.ArtifactIndex`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Check units of full artifacts and the bytes a read of a box touches (pure functions, no I/O).
-
-A full artifact's tensor is checked in units (boxes of the tensor seen in some view shape, each with
-an xxh3 digest over its row-major bytes); a read of a box reads every unit it overlaps whole, so the
-bytes it touches are the box's runs and those units' runs.
+"""Check units of full artifacts (boxes of a tensor in some view, each with an xxh3 digest over its
+row-major bytes) and the bytes a read of a box touches: its runs and the units it overlaps, read whole
+(pure functions, no I/O).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""``FullArtifactWriter``: DCP StorageWriter of the full artifact -- one consolidated, Hugging Face-shaped
-safetensors (or torch.save) checkpoint, every tensor full-size under its global name -- written straight
-from every rank's shards. Beside ``FsspecStorageWriter`` (partial checkpoints) as DCP's
-``HuggingFaceStorageWriter`` is beside ``FileSystemWriter``; both share ``write/_base.FsspecWriterBase``
-(location, metadata, manifest, sinks, failed-save clean-up).
+"""``FullArtifactWriter``: DCP StorageWriter of the full artifact (one consolidated, Hugging Face-shaped
+safetensors or torch.save checkpoint, every tensor full-size) written straight from every rank's shards;
+it shares ``write/_base.FsspecWriterBase`` with the partial writer.
 """
 
 from __future__ import annotations

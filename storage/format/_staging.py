@@ -293,10 +293,8 @@ class CudaStage:
         self._lock = threading.Lock()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # the calling thread's stream, taken before the side stream becomes current: it may have just
-        # made ``src`` (a ``.contiguous()`` or resolved temporary of a strided or conjugate view), and
-        # the side stream is non-blocking, so without this wait the copy could read it before it is
-        # written -- wrong bytes with a matching checksum, since the hash reads the copy
+        # the calling thread's stream may have just made ``src`` (a ``.contiguous()`` temporary): without
+        # this wait the copy could read it unwritten -- wrong bytes with a matching checksum
         caller = torch.cuda.current_stream(self.device)
         with self._lock, torch.cuda.stream(self._stream):
             if not self._synced:
@@ -365,8 +363,7 @@ class Stages:
                 try:
                     stage.close()
                 except BaseException:
-                    # close the others anyway (a host stage's copier thread must not outlive the
-                    # save); the first error is the one raised
+                    # close the others anyway (no copier thread outlives the save); the first error is raised
                     for rest in stages[stages.index(stage) + 1 :]:
                         with contextlib.suppress(Exception):
                             rest.close()
@@ -376,9 +373,7 @@ class Stages:
 
 
 # -- tensors copied a chunk at a time through a stage's pool buffers (the load side), and the views a chunk
-# is made of. A chunk is a range of a tensor's elements in row-major order: ``range_boxes`` cuts it into
-# boxes and ``narrow_box`` makes each a view, so any strides (a transposed source, a strided destination)
-# copy chunk by chunk with no whole-tensor temporary.
+# is made of (``range_boxes`` cut into views by ``narrow_box``): any strides copy with no whole-tensor temporary.
 
 
 def narrow_box(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:

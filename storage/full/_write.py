@@ -344,9 +344,7 @@ class _RankWriter:
 
     def _swap_all(self, process_group: Any) -> None:
         swapper = Swapper(self.data.rank, process_group)
-        # One batch's blocks are written and hashed while the next batch's rows cross the process
-        # group (in turn, the swaps were half the critical path of a 4-rank full save): two batches
-        # of blocks in memory.
+        # one batch's blocks are written while the next batch's rows cross the group: two batches in memory
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-full-block") as blocks:
             writing: concurrent.futures.Future[None] | None = None
             writing_to = ""  # the files of the blocks being written
@@ -365,8 +363,7 @@ class _RankWriter:
                         writing = blocks.submit(self._write_blocks, got)
                         writing_to = ", ".join(sorted({b.write.file for b in got}))
             except BaseException as exc:
-                # a swap failed while the previous block was being written: if that write failed
-                # too (a full disk, say), say so, or only the swap's error would be seen
+                # a swap failed during the previous block's write: report that write's failure too
                 lost = writing.exception() if writing is not None else None
                 if lost is not None:
                     _note(exc, f"writing the previous swap blocks into {writing_to} failed too: {lost!r}")
@@ -455,8 +452,7 @@ def gather_rank(
             owner = run.owner[f.name] == data.rank
             if owner:
                 sinks[f.name] = open_sink(f.name)
-            # front to back: the pieces that are not tensor data (a header, a torch.save archive's
-            # record headers) between the tensors
+            # front to back: the pieces that are not tensor data (headers) between the tensors
             events = sorted([(o, 0, b) for o, b in f.pieces] + [(s, 1, k) for s, k in zip(f.starts, f.keys)])
             for _, kind, what in events:
                 if kind == 0:
@@ -503,8 +499,7 @@ class _Gather:
         boxes = self.boxes.get((file, key), [])
         w0 = boxes[0][1] if len(boxes) == 1 and boxes[0][0] == me == owner else None
         if w0 is not None and not any(w0.offsets) and tuple(w0.sizes) == tuple(w0.view):
-            # the owner holds all of it (one rank, a replica), whose own row-major bytes are the tensor's
-            # in the file: no assembly
+            # the owner holds all of it, whose own row-major bytes are the tensor's in the file: no assembly
             return np.frombuffer(self._my_box(w0), dtype=np.uint8)
         out: np.ndarray | None = None
         for r, w in boxes:

@@ -59,8 +59,7 @@ from smpckpt.storage.format.manifest import (
     probe,
 )
 
-# MIN_PART_SIZE: S3's smallest multipart part, owned by storage/backends/_sinks.py (named here for callers);
-# CommitUncertain and commit_uncertain live with the commit protocol (storage/format/commit.py)
+# re-exported for callers: MIN_PART_SIZE (storage/backends/_sinks.py), CommitUncertain (storage/format/commit.py)
 __all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions", "CommitUncertain", "FailedSaveFiles"]
 __all__ += ["commit_uncertain", "folder_is_new", "PackedResults", "crosses_ranks", "pack_results", "open_results"]
 __all__ += ["committed_index", "list_tied", "CommittedMetadata", "CommittedView", "lean_returned_metadata"]
@@ -232,8 +231,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
             md_bytes = pickle.dumps(with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
-            # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
-            # now, before the commit, rather than produce a checkpoint nobody can load safely.
+            # fail the save now rather than commit a checkpoint our allow-listed load would refuse
             load_metadata(md_bytes, where="metadata being written")
             extra = extra_with_layout_record(self._extra, metadata)
             lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")

@@ -33,14 +33,11 @@ from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, c
 
 __all__ = ["FileStream", "INLINE_CHUNK", "BESIDE_CHUNK", "PACK_BELOW", "inline_chunk"]
 
-#: bytes of an in-place record hashed and then written at a time (rounded to whole check units or
-#: rows, :func:`inline_chunk`): a chunk and its copy in the page cache fit a core's L2 cache
+#: bytes of an in-place record hashed and then written at a time (:func:`inline_chunk`): fits a core's L2
 INLINE_CHUNK = 1 << 20
-#: bytes of an in-place record handed to the hash thread at a time when hashed beside the write: small
-#: enough that hashing trails the write closely
+#: bytes of an in-place record handed to the hash thread at a time when hashed beside the write
 BESIDE_CHUNK = 8 << 20
-#: in-place records below this many bytes are hashed inline either way: two hand-offs to the hash
-#: thread cost more than the hash
+#: in-place records below this many bytes are hashed inline either way (a hand-off costs more)
 BESIDE_ABOVE = 256 << 10
 #: staged records below this many bytes (and a quarter of a buffer) share buffers
 PACK_BELOW = 1 << 20
@@ -75,8 +72,7 @@ class FileStream:
         self.sink, self.hasher, self.stages = sink, hasher, stages
         self.hash_beside = hash_beside
         self.pool = stages.pool
-        # a sink that keeps views of what it is given until its commit (S3 parts, replication) gets
-        # copies of staged bytes: their buffers are reused long before that
+        # a borrowing sink (S3 parts, replication) gets copies of staged bytes: their buffers are reused
         self._copy_out = getattr(sink, "borrows", True)
         self._hash = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash")
         self._backlog: collections.deque[concurrent.futures.Future[None]] = collections.deque()
@@ -206,8 +202,7 @@ class FileStream:
             if self._hooks is not None:
                 self._hooks.on_written(buf.index, staged.fill)
         finally:
-            # back to the pool once the write has returned (here) and the hash is done (now, when it
-            # already is): also when the write fails, the hash thread may still be reading the buffer
+            # back to the pool once both the write and the hash are done, even when the write failed
             fut.add_done_callback(lambda _f: self.pool.release(buf))
         while len(self._backlog) > _MAX_HASH_BACKLOG:
             self._backlog.popleft().result()
@@ -248,9 +243,8 @@ class FileStream:
                 with contextlib.suppress(BaseException):  # the copy's error is not this one's to report
                     staged.ticket.wait()
             else:
-                # an unsealed pack: copies into it may still be pending (on a host stage, in this
-                # thread's batch, which its next fence would submit into a buffer another file then
-                # owns); settle them before the buffer goes back
+                # an unsealed pack may have copies pending in this thread's batch: settle them before the
+                # buffer goes back (its next fence would fill a buffer another file then owns)
                 settle(staged.stage)
             self.pool.release(staged.buffer)
         self._queue.clear()

@@ -212,8 +212,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         save_id = self._save_id
         if save_id is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
-        # An object per item of every rank, each dropped before the collector resumes: none lives on
-        # into an old generation, where it would bring the next full collection nearer.
+        # an object per item of every rank, each dropped before the collector resumes (none grows old)
         with gc_paused():
             files, metadata.storage_data = committed_index(open_results(results))
             list_tied(metadata)
@@ -270,12 +269,10 @@ class FsspecStorageWriter(FsspecWriterBase):
         if local if self._split_as_local is None else self._split_as_local:
             buckets, workers = split_items(items, threads), threads
         else:
-            # object stores: files of about one part each, one PutObject apiece, as many in flight as the
-            # multipart uploads of thread_count files would have had parts
+            # object stores: one-part files (a PutObject each), as many in flight as thread_count files' parts
             bins, one_part = object_store_bins(items, threads, self.object_file_size)
             buckets, workers = split_items(items, bins), threads * (self.max_parts_in_flight if one_part else 1)
-        # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r is
-        # slot r * thread_count + k of the save, wherever it goes
+        # file n takes the prefix of writer slot n % thread_count (slot r * thread_count + k of the save)
         count = data.world_size * threads
         names = [
             data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
@@ -283,13 +280,10 @@ class FsspecStorageWriter(FsspecWriterBase):
         ]
         results: list[WriteResult] = []
         errors: list[BaseException] = []
-        # files written at once that keep the rank's CPUs busy hash each chunk just before writing it
-        # (the bytes come from memory once); fewer files hash beside their writes, on threads of their own
-        # (``hash_beside=True``/``False``: forced, for A/B measurements)
+        # enough files at once to keep the CPUs busy hash inline (the bytes come from memory once); fewer hash beside
         beside = self.hash_beside
         self._hash_beside = min(len(buckets), workers) < rank_cpus() if beside is None else beside
-        # the checkpoint folder is made (and opened) even on a rank with nothing to write: the coordinator's
-        # metadata and manifest go there. Every file is created in it, never through a link
+        # made even on a rank with nothing to write (the coordinator's metadata goes there); never through a link
         with self._open_folder(create=True) as self._folder:
             self._staging = self._stages()  # one pool for every file of this rank: the cap holds per rank
             try:
@@ -334,8 +328,7 @@ class FsspecStorageWriter(FsspecWriterBase):
 
 
 # -- one data file of one rank: items written in order through a sink, hashed on a second thread ----------
-# ``write_file`` is the data path (``_write_rank`` runs one per file on its thread pool, all of them staging
-# through one pool of buffers: ``_pipeline``); ``split_items`` decides which items go to which file.
+# (``_write_rank`` runs one per file on its thread pool; ``split_items`` decides which items go to which file)
 
 #: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
 FILE_RESULT_FQN = "\x00smpckpt.file"
@@ -358,13 +351,11 @@ def _item_size(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-#: object stores: by default a data file aims at this fraction of a part, so that with the imbalance
-#: of the greedy split and its records' headers it still fits one part (one PutObject)
+#: object stores: a data file aims at this fraction of a part, so that it still fits one (one PutObject)
 PART_FILL = 0.85
 
 
-#: object stores: at most this many data files per rank by default (~6.8 GiB in one-part files at
-#: the default part size); a larger rank writes larger, multipart files instead of ever more objects
+#: object stores: at most this many data files per rank by default (a larger rank writes multipart files)
 MAX_OBJECT_FILES = 256
 
 

@@ -100,8 +100,7 @@ class Tiling:
         return rg_start + g * self.segment, nrows
 
     def spans(self, block_start: int, block_end: int) -> list[tuple[int, int]]:
-        """The file byte ranges, in hash order, of the tile listed as ``[block_start, block_end)``;
-        ``ValueError`` when that is no tile of this tiling."""
+        """The file byte ranges, in hash order, of the tile ``[block_start, block_end)``; else ``ValueError``."""
         first, nrows = self.tile_rows(block_start, block_end)
         return [(first + r * self.row_bytes, first + r * self.row_bytes + self.segment) for r in range(nrows)]
 

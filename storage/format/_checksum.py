@@ -23,8 +23,7 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 
 
 def hash_bytes(data: bytes | bytearray | memoryview) -> int:
-    """xxh3-64 of ``data`` (xxhash releases the GIL above 64 KiB, so hashing large buffers overlaps with
-    other threads' reads and hashing)."""
+    """xxh3-64 of ``data`` (xxhash releases the GIL above 64 KiB, so large hashes overlap other threads)."""
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -85,8 +84,7 @@ def update_rows(h: xxhash.xxh3_64, data: memoryview, first: int, rows: int, run:
 
 
 def _gather_buffer(n: int) -> np.ndarray:
-    """This thread's scratch buffer, at least ``n`` bytes (reused: a fresh one per unit would fault in
-    new pages every time)."""
+    """This thread's scratch buffer of at least ``n`` bytes (reused: fresh pages fault in every time)."""
     buf: np.ndarray | None = getattr(_scratch, "buf", None)
     if buf is None or len(buf) < n:
         buf = _scratch.buf = np.empty(n, dtype=np.uint8)
@@ -122,8 +120,7 @@ class BlockHasher:
         self._tile_h: list[xxhash.xxh3_64] = []
 
     def start_item(self, nbytes: int, checks: ItemChecks | None = None) -> None:
-        """Called before an item's bytes: an item of at least one block, or with ``checks``, starts a
-        fresh unit."""
+        """Called before an item's bytes: one of at least a block, or with ``checks``, starts a unit."""
         if self._fill and (checks is not None or nbytes >= self.block_size):
             self._cut()
         if checks is None or nbytes == 0:

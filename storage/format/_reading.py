@@ -187,8 +187,7 @@ class ReaderBase(FsspecLocation, StorageReader):
 
     @property
     def thread_count(self) -> int:
-        """Worker threads of a read: the count given, else :func:`default_read_threads` for this location
-        (worked out here, so a :meth:`reset` to another URL gets that one's)."""
+        """Worker threads of a read: the count given, else :func:`default_read_threads` for this URL."""
         return self._threads_asked or default_read_threads(is_local(self.fs))
 
     @thread_count.setter

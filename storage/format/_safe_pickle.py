@@ -80,8 +80,7 @@ class _TooBig(Exception):
 
 
 class _Bounds:
-    """One load's budget of elements, and the objects made as a per-load stand-in class (turned into
-    their real class when the load ends)."""
+    """One load's budget of elements, and the stand-in objects it made (made real when the load ends)."""
 
     def __init__(self, size: int) -> None:
         self.left = _BASE_BUDGET + size
@@ -365,8 +364,7 @@ def check_weights_only(data: bytes | memoryview, *, where: str) -> None:
 
 
 def _well_formed(data: bytes | memoryview) -> bool:
-    """Whether ``data`` parses as a torch.save record (zip with a pickle, or a legacy pickle stream),
-    by reading its opcodes without executing any of them."""
+    """Whether ``data`` parses as a torch.save record (zip or legacy pickle), without executing it."""
     raw = bytes(data)
     if raw[:4] == b"PK\x03\x04":
         try:

@@ -163,8 +163,7 @@ class BufferPool:
             self._cond.notify()
 
     def _settle(self, *, block: bool) -> bool:
-        """Release deferred buffers whose tickets completed (the oldest waited for when ``block``);
-        whether any was released."""
+        """Release deferred buffers whose copies completed (waiting for the oldest when ``block``); any?"""
         released = False
         while True:
             with self._cond:
@@ -212,8 +211,7 @@ class Ticket:
             self._event.synchronize()
 
     def before_use(self) -> None:
-        """Order the copies before the caller's next use of their destinations: on CUDA the current
-        stream waits for them (no host wait); elsewhere the host does."""
+        """Order the copies before the destinations' next use: on CUDA by the stream, else on the host."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         else:
@@ -323,8 +321,7 @@ class CudaStage:
 
 
 def settle(stage: Stage) -> None:
-    """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise: a buffer is
-    given back only once nothing copies into it."""
+    """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise."""
     with contextlib.suppress(Exception):  # the error being raised is the one to report
         stage.fence().wait()
 
@@ -445,8 +442,7 @@ class DeviceCopies:
         self._lock = threading.Lock()  # the reader's threads copy concurrently: one pool for all
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``; the destination's next use (``commit_tensor``) is ordered after it, and
-        ``src`` may be reused as soon as this returns."""
+        """``dst.copy_(src)``, ordered before ``dst``'s next use; ``src`` may be reused on return."""
         kind = stage_kind(dst, in_place=True)
         if kind is None:
             dst.copy_(src)

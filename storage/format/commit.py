@@ -55,8 +55,7 @@ class CommitUncertain(CheckpointError):
 
 
 def commit_uncertain(error: BaseException | None) -> bool:
-    """Whether ``error`` (DCP's ``CheckpointException``, or the exception itself) carries a
-    :class:`CommitUncertain` from the coordinator."""
+    """Whether ``error`` (or DCP's ``CheckpointException`` of it) carries a :class:`CommitUncertain`."""
     if isinstance(error, CommitUncertain):
         return True
     failures = getattr(error, "failures", None) or {}

@@ -196,8 +196,7 @@ def whole_tensor_metadata(
 
 
 def folder_names(fs: Any, path: str) -> set[str]:
-    """Base names in a folder (empty when it does not exist), as the store holds them now: a full save
-    decides from them whether an unfinished save's files must go first."""
+    """Base names in a folder as the store holds them now (empty when it does not exist)."""
     try:
         entries = ls_fresh(fs, path, detail=False)
     except (FileNotFoundError, NotADirectoryError):

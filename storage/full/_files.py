@@ -59,8 +59,7 @@ class RunFiles:
         return hi - lo
 
     def serve(self, held: Sequence[Held]) -> None:
-        """(object stores) Serve this thread's runs from ``held`` spans (fetched elsewhere) until the
-        next ``serve``/``hold``; ``serve(())`` lets them go."""
+        """(object stores) Serve this thread's runs from ``held`` spans until the next call; ``()`` lets go."""
         self._tls.held = tuple(held)
 
     def _count(self, n: int) -> None:
@@ -233,8 +232,7 @@ class SpanFetcher:
 
 
 def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``SPAN_BYTES`` (a run
-    longer than that is a group of its own)."""
+    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``SPAN_BYTES``."""
     out: list[tuple[int, int]] = []
     a = 0
     for i in range(1, len(starts) + 1):

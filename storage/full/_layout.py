@@ -124,8 +124,7 @@ def leaf_keys(expr: Expr) -> list[str]:
 
 
 def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
-    descriptions written before torch.save files existed."""
+    """A file's non-tensor byte ranges ``(offset, length, digest)`` (``pieces``, or an old ``header``)."""
     if "pieces" in f:
         return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
     return [(0, int(f["header"][0]), int(f["header"][1], 16))]

@@ -197,8 +197,7 @@ class FullSource(ArtifactIndex):
         return out
 
     def _fill(self, req: ReadItem, target: torch.Tensor, held: Sequence[concurrent.futures.Future[Held]]) -> None:
-        """(worker thread) The bytes of ``req`` into ``target``, verified; runs served from the ``held``
-        spans where they lie inside one (object stores)."""
+        """(worker thread) The bytes of ``req`` into ``target``, verified (from ``held`` spans where they lie)."""
         self._files.serve([f.result() for f in held])
         try:
             for key, t, pc in self._boxes(req):
@@ -286,8 +285,7 @@ class FullSource(ArtifactIndex):
         units: UnitIndex | None,
         out: memoryview,
     ) -> bool:
-        """(local files) A column box streamed as the partial reader's cost model says (:mod:`~._strided`).
-        ``False``: not such a box, or gaps wide enough for a request per row."""
+        """(local files) A column box streamed (:mod:`~._strided`); ``False``: not such a box."""
         plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
         if plan is None:
             return False
@@ -411,8 +409,7 @@ class FullSource(ArtifactIndex):
         out: memoryview,
         prefetched: bool,
     ) -> memoryview:
-        """A box requested in another view than its units were checked in, matched byte by byte
-        (:func:`cross_view`), so every byte delivered is a byte checked."""
+        """A box requested in another view than its units' (:func:`cross_view`): every byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
         read = 0 if prefetched else self._hold(t, plan.extent)
         if plan.partial:  # the bytes they share with the box come with them

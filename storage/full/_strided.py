@@ -62,8 +62,7 @@ class _Parts:
             yield i
 
     def join(self) -> None:
-        """Draw and work on parts until none is left (a no-op once all are drawn: a helper that starts
-        late returns at once)."""
+        """Draw and work on parts until none is left (a helper that starts late returns at once)."""
         with self.cv:
             if self.failed is not None or self.next >= self.count:
                 return

@@ -65,8 +65,7 @@ class BoxUnits:
         return len(self.digests) // 8
 
     def rows(self) -> list[list[Any]]:
-        """Each unit as ``[view, offsets, sizes, digest hex]`` of lists: the artifact description's form
-        (every row shares one ``view`` list)."""
+        """Each unit as ``[view, offsets, sizes, digest hex]`` lists (the description's form, one ``view``)."""
         return rows_of([self])
 
     def check(self) -> None:
@@ -134,8 +133,7 @@ class UnitIndex:
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[Any]]) -> UnitIndex:
-        """From the artifact description's ``[view, offsets, sizes, digest hex]`` rows; a malformed
-        row raises ``ValueError``, ``TypeError``, ``IndexError`` or ``OverflowError``."""
+        """From the description's rows; a malformed row raises ``ValueError``, ``TypeError`` and the like."""
         views = {tuple(int(x) for x in r[0]) for r in rows}
         if len(views) != 1:
             ints = [[tuple(int(x) for x in r[i]) for i in range(3)] for r in rows]
@@ -353,8 +351,7 @@ def unit_extent(
 
 
 def bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """A writable view of ``sub``'s bytes when it holds them as stored: a contiguous CPU tensor of
-    ``dtype``; else ``None`` (the box is read into a buffer and copied)."""
+    """A writable view of ``sub``'s bytes when it is a contiguous CPU tensor of ``dtype``; else ``None``."""
     if sub.dtype != dtype:
         return None
     mv = cpu_bytes(sub)

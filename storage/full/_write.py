@@ -88,8 +88,7 @@ def chunk_of(
 
 
 def box_view(chunk: torch.Tensor, w: FullWrite) -> torch.Tensor:
-    """The write's box of ``chunk``, in the artifact's axis order (shape ``w.sizes``), no copy and no
-    cast: a view of the chunk."""
+    """The write's box of ``chunk`` in the artifact's axis order (shape ``w.sizes``): a view, no copy."""
     sub = chunk
     dest_sizes = [w.sizes[p] for p in w.perm]
     for d, (o, n) in enumerate(zip(w.dest_offsets, dest_sizes)):
@@ -100,8 +99,7 @@ def box_view(chunk: torch.Tensor, w: FullWrite) -> torch.Tensor:
 
 
 def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
-    """The write's box as contiguous row-major bytes of the artifact dtype (a copy where it is not that
-    already: the swap and object-store paths, which hold boxes whole)."""
+    """The write's box as contiguous row-major bytes of the artifact dtype (a copy where needed)."""
     box = box_view(chunk, w)
     if box.dtype != w.dtype:
         box = box.to(w.dtype)
@@ -419,8 +417,7 @@ def _note(exc: BaseException, text: str) -> None:
 def write_objects(
     folder: Folder, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, sync: bool
 ) -> list[WriteResult]:
-    """(every rank) This rank's object values, one ``<key>.pt`` file each (torch.save bytes as given),
-    created (never over an existing file)."""
+    """(every rank) This rank's object values, one ``<key>.pt`` file each, created (never overwritten)."""
     names = dict(data.objects)
     results = []
     for it in items:

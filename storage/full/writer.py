@@ -72,16 +72,14 @@ class FullArtifactWriter(FsspecWriterBase):
         self._layout: ArtifactLayout | None = None  # what prepare_global_plan laid out
 
     def _open_folder(self, *, create: bool = False, save_id: str | None = None) -> Folder:
-        """Where this save's files go: on POSIX its staging folder (``save_id``: the save's), on object
-        stores the target itself."""
+        """Where this save's files go: on POSIX its staging folder, on object stores the target."""
         sid = save_id or self._save_id
         if is_local(self.fs) and sid is not None:
             return Folder(self.fs, staging_path(self.path, sid), create=create)
         return Folder(self.fs, self.path, create=create)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Take the folder, lay out the artifact, create its files (POSIX) and tell each
-        rank where its boxes go."""
+        """(coordinator) Take the folder, lay out the artifact and tell each rank its boxes."""
         if any(not p.usable for p in plans):
             raise CheckpointError(
                 f"{self.url}: full mode needs every rank's full plan, not cached (empty) ones: use "

@@ -88,8 +88,7 @@ class FastTierWriter(FsspecStorageWriter):
         self.replicator = replicator
 
     def _open_sink(self, name: str) -> Sink:
-        """The local file's sink; with a :attr:`replicator`, its bytes also go to the replica ranks as they
-        are written (the bytes already in memory, never read back)."""
+        """The local file's sink; with a :attr:`replicator`, also sent to the replica ranks."""
         sink = super()._open_sink(name)
         return self.replicator.sink(sink, name) if self.replicator is not None else sink
 
@@ -155,8 +154,7 @@ _WAIT_S = 1.0
 
 
 def ring_peers(rank: int, world_size: int, local_world_size: int, replicas: int) -> tuple[list[int], list[int]]:
-    """The ranks ``rank`` sends its files to (the same local rank of the next ``replicas - 1`` nodes),
-    and those it receives from (the previous ones), hop by hop."""
+    """The ranks ``rank`` sends to (its local rank on the next ``replicas - 1`` nodes) and receives from."""
     sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
     receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
     return sends, receives
@@ -263,8 +261,7 @@ class _Sender:
 
 
 class _Place:
-    """The node's folder, opened (once, by the first receiver that needs it) without following links;
-    shared by a rank's receivers."""
+    """The node's folder, opened once (by the first receiver) without following links."""
 
     def __init__(self, folder: str) -> None:
         self.path = folder

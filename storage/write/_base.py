@@ -197,8 +197,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         return fut
 
     def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
-        """(all ranks, after ``dcp.save`` raised ``error``; the API calls it) Remove what this rank wrote
-        for the failed save (:class:`FailedSaveFiles`); the paths not removed."""
+        """(all ranks, after ``dcp.save`` raised ``error``) Remove this rank's files; those left."""
         if commit_uncertain(error):
             log.warning("%s: the commit's outcome is unknown; the failed save's files are left", self.url)
             return []
@@ -274,8 +273,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
 
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        """The generation's metadata, created (never over another file); its folder's fsync comes with
-        the manifest's."""
+        """The generation's metadata, created (its folder's fsync comes with the manifest's)."""
         folder = self._folder or self._open_folder()
         try:
             folder.create(gen_name, md_bytes, sync=self.sync_files)
@@ -379,8 +377,7 @@ class PackedResults:
 
 
 def crosses_ranks(process_group: dist.ProcessGroup | None) -> bool:
-    """Whether DCP will pickle results and Metadata between ranks (a one-process save passes them on
-    as they are: packing there would only add a pickle round trip)."""
+    """Whether DCP pickles results and Metadata between ranks (not in a one-process save)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
 
 
@@ -466,8 +463,7 @@ class CommittedMetadata:
 
 
 class CommittedView(Mapping[Any, Any]):
-    """One mapping field of the committed Metadata (``state_dict_metadata``, ``storage_data`` or
-    ``planner_data``), read-only, decoded on first use."""
+    """One mapping field of the committed Metadata, read-only, decoded on first use."""
 
     def __init__(self, source: CommittedMetadata, field: str) -> None:
         if field not in _VIEW_FIELDS:

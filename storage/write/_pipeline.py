@@ -233,8 +233,7 @@ class FileStream:
         self._wait_hashes()
 
     def close(self) -> None:
-        """(always, last) Stop the hash thread; on failure, buffers still queued go back to the pool
-        once their copies are done."""
+        """(always, last) Stop the hash thread; on failure, queued buffers go back once copied."""
         for fut in self._backlog:
             fut.cancel()
         self._hash.shutdown(wait=True)

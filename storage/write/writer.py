@@ -78,8 +78,7 @@ _PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
 
 @dataclasses.dataclass(frozen=True)
 class RankPlanData:
-    """What the coordinator's ``prepare_global_plan`` puts on each rank's plan (``SavePlan.storage_data``)
-    for its data path (:meth:`FsspecStorageWriter._write_rank`); never stored."""
+    """What ``prepare_global_plan`` puts on each rank's plan (``SavePlan.storage_data``); never stored."""
 
     save_id: str
     rank: int
@@ -219,8 +218,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         return save_id, files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """(coordinator) The metadata, then the commit (``storage.format.commit``: one listing checks every
-        named file, the manifest, no removal meanwhile), then the stock copy and the old generation's removal."""
+        """(coordinator) The metadata, the commit, the stock copy and the old generation's removal."""
         save_id, files = self._committed_files(metadata, results)
         files = sorted(files, key=lambda f: (f.rank, f.name))
         with self._open_folder() as self._folder:

@@ -96,8 +96,7 @@ def slice_byte_range(
 
 
 def coalesce(needs: Sequence[Need[T]], *, gap: int = 0, max_bytes: int = 64 << 20) -> list[Fetch[T]]:
-    """Merge needs (sorted by offset) whose ranges overlap or lie within ``gap`` bytes, while the merged
-    request stays within ``max_bytes`` (a single larger need is never split)."""
+    """Merge needs (sorted) that overlap or lie within ``gap`` bytes while within ``max_bytes`` (never split)."""
     out: list[Fetch[T]] = []
     cur: list[Need[T]] = []
     start = end = 0

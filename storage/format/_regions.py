@@ -21,8 +21,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 def box_runs(
     view: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
 ) -> tuple[np.ndarray, int]:
-    """Start offsets (bytes, relative to the tensor's first byte, ascending) and the common length of
-    the runs of the box ``(offsets, sizes)`` in a row-major tensor of shape ``view``."""
+    """Start offsets (bytes from the tensor's first, ascending) and common length of the box's runs."""
     nd = len(view)
     if len(offsets) != nd or len(sizes) != nd:
         raise ValueError(f"box {list(offsets)}+{list(sizes)} does not match the rank of shape {list(view)}")

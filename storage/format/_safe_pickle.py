@@ -302,8 +302,7 @@ def _enum_members() -> list[Any]:
 
 
 def load_metadata(data: bytes, *, where: str) -> Any:
-    """Unpickle DCP ``Metadata`` from ``data`` with the allow-list, bounded in what it builds;
-    :class:`UnsafeCheckpoint` / :class:`CheckpointCorrupt` (naming ``where``) on anything else."""
+    """Unpickle DCP ``Metadata`` from ``data``, allow-listed and bounded; else raises naming ``where``."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     bounds = _Bounds(len(data))

@@ -426,8 +426,7 @@ def copy_into(stages: Stages, dst: torch.Tensor, src: torch.Tensor, kind: Litera
 
 
 def in_place(target: torch.Tensor) -> bool:
-    """Whether a load may read stored bytes straight into ``target``'s memory: a CPU tensor, unless the
-    CPU stand-in of the device stage is on (``SMPCKPT_TEST_DEVICE=cpu``)."""
+    """Whether a load may read straight into ``target``: a CPU tensor, unless ``SMPCKPT_TEST_DEVICE=cpu``."""
     return stage_kind(target, in_place=True) is None
 
 

@@ -133,8 +133,7 @@ def rows_of(buf: memoryview, w: FullWrite, lo: int, hi: int) -> memoryview:
 
 
 def paste(dst: np.ndarray, dst_offsets: Sequence[int], dst_sizes: Sequence[int], src: np.ndarray, w: FullWrite) -> None:
-    """Copy box ``w`` (``src``: its row-major bytes) into ``dst``, the row-major bytes of a box of the same
-    tensor that holds it (a swap's row block, an owner's whole tensor): one copy per row of ``w``."""
+    """Copy box ``w`` (``src``: its row-major bytes) into ``dst``, a box holding it (one copy per row of ``w``)."""
     isz = w.dtype.itemsize
     if not w.sizes:  # a 0-dim tensor: its one element
         dst[:] = src

@@ -50,8 +50,7 @@ class RunFiles:
         return bytes(blob)
 
     def hold(self, name: str, lo: int, hi: int) -> int:
-        """(object stores) Fetch file bytes ``[lo, hi)`` in one GET and serve runs inside them from
-        memory until the next call; returns the bytes fetched (0 on local files, which need none)."""
+        """(object stores) Fetch bytes ``[lo, hi)`` in one GET, serving runs from them; the bytes fetched."""
         self._tls.held = ()
         if self.local or hi <= lo:
             return 0
@@ -91,8 +90,7 @@ class RunFiles:
                 os.posix_fadvise(self._fd(name), lo, n, os.POSIX_FADV_WILLNEED)
 
     def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> int:
-        """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``; returns the bytes
-        fetched from storage (more than the runs' on object stores, where strided runs share a GET)."""
+        """Runs of ``run`` bytes at ``starts`` (ascending) back to back into ``out``; the bytes fetched."""
         path = join(self.path, name)
         if self.local:
             fd = self._fd(name)

@@ -265,8 +265,7 @@ def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, t
 
 
 def _auto_shard_size(total: int, world: int) -> int:
-    """Hugging Face's 5 GB cap, lowered until the ranks of a multi-rank save can each start on their
-    own file (at most ``2 x world`` files, each at least 256 MiB, 64 in all)."""
+    """Hugging Face's 5 GB, lowered so each rank can start on its own file (at most ``2 x world``)."""
     hf = 5 * 10**9
     files = max(-(-total // hf), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings: no float
     return max(1, -(-total // files))

@@ -227,8 +227,7 @@ class FullSource(ArtifactIndex):
         dst: memoryview | None = None,
         prefetched: bool = False,
     ) -> memoryview:
-        """The box's bytes (row-major; into ``dst`` when given, else a new buffer), verified; the bytes
-        read from storage go to ``file_stats``. ``prefetched``: its spans are held already."""
+        """The box's bytes (into ``dst`` or a new buffer), verified; ``prefetched``: its spans are held."""
         itemsize = t.dtype.itemsize
         nbytes = math.prod(sizes) * itemsize
         out = dst if dst is not None else memoryview(bytearray(nbytes))

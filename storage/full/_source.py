@@ -203,8 +203,7 @@ def _config(fs: Any, path: str) -> dict[str, Any]:
 
 
 def hf_folder_ties(fs: Any, path: str, keys: Iterable[str], translation: Translation | None) -> dict[str, str]:
-    """Head -> embedding key for each tied head the folder's tensors (``keys``) lack but whose
-    embedding they hold; keys as the artifact names them (tied keys are never renamed)."""
+    """Head -> embedding key for each tied head the folder's ``keys`` lack but whose embedding they hold."""
     config = _config(fs, path)
     if config.get("tie_word_embeddings") is False:
         return {}

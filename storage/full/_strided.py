@@ -184,8 +184,7 @@ def stream_plan(
 
 
 def _pieces(r0: int, r1: int, urows: np.ndarray, step: int) -> list[tuple[int, int]]:
-    """Rows ``[r0, r1)`` as ranges of about ``step`` rows, cut only at rows no unit (rows ``urows``)
-    spans: each piece holds whole units, verified on their own."""
+    """Rows ``[r0, r1)`` as ranges of about ``step`` rows, cut only where no unit (``urows``) spans the cut."""
     if not len(urows):
         return [(a, min(r1, a + step)) for a in range(r0, r1, step)]
     order = np.argsort(urows[:, 0], kind="stable")

@@ -200,8 +200,7 @@ class UnitIndex:
 
 @dataclasses.dataclass(frozen=True)
 class WholeUnits:
-    """The units of one index lying wholly inside a box: ``within`` (their offsets from the box's
-    corner) and ``sizes``, one row per unit, ``idx`` their positions in the index."""
+    """Units lying wholly inside a box: ``within`` (offsets from its corner), ``sizes``, ``idx`` (positions)."""
 
     index: UnitIndex
     idx: np.ndarray
@@ -281,8 +280,7 @@ def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) -> CrossView:
-    """Match the requested runs (``run`` bytes at each of ``starts``, ascending, relative to the
-    tensor's first byte) against the units of ``index`` (one view, the tensor's bytes) byte by byte."""
+    """Match the requested runs (``run`` bytes at ``starts``) against ``index``'s units byte by byte."""
     if index.view is None:
         raise ValueError("units in several views")
     view = index.view

@@ -396,8 +396,7 @@ class _RankWriter:
 
 
 def tensor_results(items: Sequence[WriteItem], done: Mapping[Any, tuple[int, list[BoxUnits]]]) -> list[WriteResult]:
-    """A result per tensor item: its bytes written and its boxes' check units (``done``, by item index).
-    Items with no box (empty shards) report too: DCP checks every item."""
+    """A result per tensor item, boxless ones too (DCP checks every item): bytes and check units."""
     results = []
     for it in items:
         if it.tensor_data is not None:

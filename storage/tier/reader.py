@@ -281,8 +281,7 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
 
 
 def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
-    """Receive ``t`` into ``folder`` (a create-only temporary name, then linked into place without replacing
-    anything, relative to the folder opened without following links); an error or ''."""
+    """Receive ``t`` into ``folder`` (a create-only temp name, linked into place, no links); an error or ''."""
     status = _word(0)
     dist.recv(status, src=t.src, group=group)
     if int(status.item()) != _OK:

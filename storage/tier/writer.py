@@ -445,8 +445,7 @@ class Replicator:
             s.queue.put((kind, f.number, payload, size, extra, release))
 
     def close(self) -> TransferOutcome:
-        """(however the save ended) ``EOS`` on every channel, then wait for every thread: what this rank
-        received, and every error (its sends' and its receives')."""
+        """(however the save ended) ``EOS`` on every channel, then wait for every thread; the outcome."""
         if not self._closed:
             self._closed = True
             for channel in self._senders:

@@ -224,8 +224,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         return data
 
     def _metadata_bytes(self, save_id: str, metadata: Metadata) -> tuple[bytes, dict[str, Any]]:
-        """(coordinator) The metadata pickled, checked with our allow-list, and the manifest's ``extra``;
-        then what ``dcp.save`` returns (and broadcasts) becomes views of those bytes."""
+        """(coordinator) The metadata pickled and checked, and the manifest's ``extra``; ``metadata`` made lean."""
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
@@ -244,8 +243,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         world_size: int,
         data_format: Literal["raw", "torch_save"],
     ) -> tuple[Manifest, bytes]:
-        """(coordinator, in ``finish``) The metadata written under this generation's name, and the
-        manifest naming it and ``files``; the metadata's bytes (for the stock ``.metadata`` copy)."""
+        """(coordinator, in ``finish``) The generation's metadata written and its manifest; its bytes."""
         md_bytes, extra = self._metadata_bytes(save_id, metadata)
         gen_name = generation_metadata_name(save_id)
         self._attempt.add(gen_name)
@@ -410,8 +408,7 @@ def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
 
 
 def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord], dict[MetadataIndex, Any]]:
-    """(coordinator, partial mode) The data files' records (for the manifest) and the storage index
-    (``Metadata.storage_data``: each item's file, offset and length), from every rank's results."""
+    """(coordinator, partial) The data files' records and the storage index, from every rank's results."""
     files: list[FileRecord] = []
     index: dict[MetadataIndex, Any] = {}
     for rank_results in results:

@@ -260,8 +260,7 @@ def inline_chunk(checks: ItemChecks | None) -> int:
 
 
 def chunk_bytes(buffer_bytes: int, checks: ItemChecks | None) -> int:
-    """Bytes of one staged chunk of a large record: a buffer's worth, cut after the last whole row
-    group of a tiled record that fits (its tiles then hashed whole, in one gathered call each)."""
+    """Bytes of one staged chunk of a large record: a buffer's worth, cut after a whole row group."""
     if checks is not None and checks.groups > 1:
         group = checks.rows_per_group * checks.row_bytes
         if group <= buffer_bytes:

@@ -64,8 +64,7 @@ def hash_rows(data: memoryview, first: int, rows: int, run: int, stride: int) ->
 
 
 def update_rows(h: xxhash.xxh3_64, data: memoryview, first: int, rows: int, run: int, stride: int) -> None:
-    """Feed ``h`` the ``rows`` runs of ``run`` bytes of ``data`` (as :func:`hash_rows` lays them out), in
-    order: short runs gathered a batch at a time (one ``update`` per batch), long ones one each."""
+    """Feed ``h`` the runs :func:`hash_rows` lays out, short ones gathered a batch at a time."""
     if rows <= 0 or run <= 0:
         return
     if rows == 1 or run == stride:

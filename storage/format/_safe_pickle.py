@@ -239,8 +239,7 @@ def _size(bounds: _Bounds) -> Any:
 
 
 def _reconstructor(bounds: _Bounds, stand_ins: set[type]) -> Any:
-    """``copyreg._reconstructor`` (protocols 0 and 1): an allowed class from ``object`` is made as its
-    stand-in makes it; anything else with its state charged first."""
+    """``copyreg._reconstructor``: an allowed class made as its stand-in; anything else charged first."""
 
     def reconstructor(cls: Any, base: Any, state: Any) -> Any:
         if base is object and cls in stand_ins and state is None:

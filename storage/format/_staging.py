@@ -226,8 +226,7 @@ class Stage(Protocol):
     pinned: bool
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Enqueue ``dst.copy_(src)`` (same shape; ``dst`` a view of a pool buffer for a save, ``src``
-        one for a load). The caller keeps both alive and unchanged until a later ticket completes."""
+        """Enqueue ``dst.copy_(src)``; the caller keeps both alive and unchanged until a later ticket completes."""
         ...
 
     def fence(self) -> Ticket:

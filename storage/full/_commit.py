@@ -160,8 +160,7 @@ def artifact_records(
 
 
 def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
-    """The floating-point dtype most of the model artifact's tensors are stored in (``config.json``'s
-    ``dtype``, as ``save_pretrained`` records the model's); optimizer state does not count."""
+    """The floating-point dtype most model tensors are stored in (``config.json``'s ``dtype``)."""
     model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
     counts = Counter(d for d in model if d.is_floating_point)
     return counts.most_common(1)[0][0] if counts else None

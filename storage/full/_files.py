@@ -204,8 +204,7 @@ class SpanFetcher:
         self.next += 1
 
     def need(self, idx: tuple[int, ...], make_room: Callable[[], bool]) -> list[concurrent.futures.Future[Held]]:
-        """Start every span up to the last of ``idx``; while ``ahead`` are held, ``make_room`` (finish
-        some items; ``False`` when none is pending, and then the span starts anyway)."""
+        """Start every span up to the last of ``idx``; while ``ahead`` are held, ``make_room`` first."""
         while idx and self.next <= idx[-1]:
             if len(self.futures) >= self.ahead and make_room():
                 continue

@@ -60,8 +60,7 @@ class RankFullData:
 
 @dataclasses.dataclass(frozen=True)
 class ArtifactFile:
-    """One file of an artifact: everything in it that is not tensor data (``pieces``: the safetensors
-    header, or a torch.save archive's pickle, record headers and directory) and where each tensor goes."""
+    """One file of an artifact: its non-tensor ``pieces`` (headers) and where each tensor goes."""
 
     name: str
     artifact: str

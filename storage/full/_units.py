@@ -268,8 +268,7 @@ class CrossView:
 
 
 def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of ``run`` bytes at ``starts`` (ascending) as maximal contiguous intervals ``[lo, hi)``, with
-    the position of each interval's first byte among the runs' bytes back to back."""
+    """Runs of ``run`` bytes at ``starts`` as maximal intervals ``[lo, hi)``, with each one's position."""
     s = np.asarray(starts, dtype=np.int64)
     if not len(s):
         return s, s, s

@@ -78,8 +78,7 @@ def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
 def chunk_of(
     planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None, *, cpu: bool = True
 ) -> torch.Tensor:
-    """The item's tensor (``tensor``: resolved already), detached, in global-view coordinates (its
-    chunk's shape); on the CPU unless ``cpu=False`` (the staged path copies from where it lies)."""
+    """The item's tensor, detached, in global-view coordinates; on the CPU unless ``cpu=False``."""
     chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach()
     if cpu:
         chunk = chunk.cpu()

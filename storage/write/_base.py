@@ -295,8 +295,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
 
 
 def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
-    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
-    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
+    """A manifest's ``extra``: the caller's plus the planner's LayoutRecord, for listing tools."""
     record = LayoutRecord.json_in_metadata(metadata)
     return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
 

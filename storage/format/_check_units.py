@@ -88,9 +88,8 @@ class Tiling:
         return ends
 
     def tile_rows(self, block_start: int, block_end: int) -> tuple[int, int]:
-        """``(first, rows)`` of the tile listed as ``[block_start, block_end)``: its row segments are
-        :attr:`segment` bytes at ``first + r * row_bytes`` for ``r < rows``; ``ValueError`` when that is
-        no tile of this tiling."""
+        """``(first, rows)`` of the tile ``[block_start, block_end)``: its row segments are :attr:`segment` bytes
+        at ``first + r * row_bytes``, ``r < rows``; ``ValueError`` when that is no tile of this tiling."""
         rg_start = self.group_floor(block_start)
         nrows = min(self.rows_per_group, (self.end - rg_start) // self.row_bytes)
         width = nrows * self.segment

@@ -35,9 +35,8 @@ class Into:
     col: int
 
     def copy(self, src: memoryview, src_row0: int, src_col: int, rows: tuple[int, int], stride: int) -> None:
-        """Rows ``rows`` (those of them this destination holds) from ``src``, which holds record rows
-        from ``src_row0`` on, ``stride`` bytes apart, from record byte column ``src_col`` on: one strided
-        copy (numpy, without the GIL)."""
+        """Rows ``rows`` (those this destination holds) from ``src`` (record rows from ``src_row0`` on, ``stride``
+        bytes apart, from byte column ``src_col`` on): one strided copy (numpy, without the GIL)."""
         q0 = max(rows[0], self.row0)
         q1 = min(rows[1], self.row0 + len(self.view) // self.pitch)
         if q1 <= q0:

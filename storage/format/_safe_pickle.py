@@ -154,11 +154,9 @@ def _bounded_build(obj: Any, state: Any) -> None:
 
 
 def _stand_in(real: type, bounds: _Bounds) -> type:
-    """A per-load subclass of ``real`` for ``NEWOBJ`` and ``REDUCE``: its instances take a bounded BUILD
-    (every one, however often the pickle builds them) and become instances of ``real`` when the load
-    ends. ``NEWOBJ`` makes them in C (``object.__new__``) and only the BUILD runs Python, which also
-    records them -- except for a class without fields (``BytesStorageMetadata``), whose instances get
-    no BUILD and are recorded as they are made."""
+    """A per-load subclass of ``real`` for ``NEWOBJ`` and ``REDUCE``: its instances (made in C) take a bounded
+    BUILD, which records them, and become instances of ``real`` when the load ends; a class without fields
+    (``BytesStorageMetadata``) gets no BUILD, so its instances are recorded as they are made."""
     own_setstate = vars(real).get("__setstate__")
     made = bounds.made.append
 

@@ -56,9 +56,8 @@ def stage_kind(t: torch.Tensor, *, in_place: bool) -> Literal["cuda", "host"] | 
 
 
 def buffer_size(limit: int) -> int:
-    """The buffer size of a pool capped at ``limit`` bytes: :data:`BUFFER_BYTES`, or a quarter of a
-    smaller cap (so it still holds a few), rounded down to a power of two: torch's pinned allocator
-    rounds every request up to one (buffers of 5 MiB would pin 8 MiB each, past the cap)."""
+    """A pool's buffer size: :data:`BUFFER_BYTES`, or a quarter of a smaller ``limit``, rounded down to a power
+    of two (torch's pinned allocator rounds requests up to one: 5 MiB would pin 8 MiB, past the cap)."""
     return max(4096, 1 << (min(BUFFER_BYTES, limit // 4).bit_length() - 1))
 
 
@@ -326,9 +325,8 @@ def settle(stage: Stage) -> None:
 
 
 class Stages:
-    """The stages of one save or load over one :class:`BufferPool` of ``limit`` bytes, made when first
-    needed: one :class:`HostStage`, one :class:`CudaStage` per device. Thread-safe; :meth:`close`
-    waits for every copy and drops the pool's buffers."""
+    """The stages of one save or load over one :class:`BufferPool` of ``limit`` bytes, made when first needed
+    (a :class:`HostStage`, a :class:`CudaStage` per device). Thread-safe; :meth:`close` waits for every copy."""
 
     def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
         self.pool = BufferPool(limit, on_wait=on_wait)
@@ -382,9 +380,8 @@ def narrow_box(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) ->
 
 
 def copy_chunks(flat: torch.Tensor, t: torch.Tensor, first: int, last: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pairs ``(piece of flat, view of t)`` covering elements ``[first, last)`` of ``t`` in row-major
-    order, where ``flat`` is a contiguous 1-D tensor of ``last - first`` elements (a buffer's typed
-    view): copying each view into (or out of) its piece moves the range."""
+    """Pairs ``(piece of flat, view of t)`` covering elements ``[first, last)`` of ``t`` (row-major), ``flat`` a
+    contiguous 1-D tensor of ``last - first`` elements: copying each view into (or out of) its piece moves the range."""
     pairs = []
     pos = 0
     for offsets, sizes in range_boxes(tuple(t.shape), first, last):
@@ -396,10 +393,9 @@ def copy_chunks(flat: torch.Tensor, t: torch.Tensor, first: int, last: int) -> l
 
 
 def copy_into(stages: Stages, dst: torch.Tensor, src: torch.Tensor, kind: Literal["cuda", "host"]) -> Ticket:
-    """``dst.copy_(src)`` through pool buffers of ``stages``: ``src`` (host memory the caller reuses once
-    this returns) is copied a buffer at a time into the pool, and from there to ``dst`` asynchronously,
-    each buffer back in the pool once its copy is done. Returns the last chunk's ticket: ``before_use()``
-    it before the destination is read."""
+    """``dst.copy_(src)`` through pool buffers of ``stages``: ``src`` (host memory reused once this returns) a
+    buffer at a time into the pool, then asynchronously to ``dst``, each buffer released once copied.
+    Returns the last chunk's ticket: ``before_use()`` it before the destination is read."""
     stage = stages.get(dst, kind)
     pool = stage.pool
     size = src.element_size()

@@ -216,10 +216,9 @@ def read_streamed(
     mismatch: Callable[[int], Exception],
     spread: Spread = serially,
 ) -> int:
-    """(local files) The box of ``plan`` from the tensor at byte ``start`` of ``name`` into ``out``, a piece
-    at a time through a buffer per thread: each piece read in one request, its units hashed against
-    ``digests`` (``mismatch(position)``: the error), then its rows' columns copied out. Returns the bytes
-    requested."""
+    """(local files) The box of ``plan`` from the tensor at byte ``start`` of ``name`` into ``out``, a piece at
+    a time through a buffer per thread: read in one request, its units hashed against ``digests``
+    (``mismatch(position)``: the error), its rows' columns copied out. Returns the bytes requested."""
     rb, (c0, _) = plan.row_bytes, plan.cols
     longest = max(plan.span(a, b)[1] for a, b in plan.pieces)
     first, total = plan.span(plan.rows[0], plan.rows[1])

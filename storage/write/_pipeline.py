@@ -60,11 +60,9 @@ class _Staged:
 
 
 class FileStream:
-    """The bytes of one data file, in order, into ``sink`` and ``hasher`` (see the module docstring).
-
-    ``hash_beside``: in-place records hashed on the hash thread beside their write, not inline before
-    it (the module docstring). ``hooks`` (tests): ``on_hash(buffer_index)`` runs on the hash thread
-    before a staged buffer is hashed; ``on_written(buffer_index)`` after a staged buffer's write."""
+    """The bytes of one data file, in order, into ``sink`` and ``hasher`` (module docstring; ``hash_beside``
+    there too). ``hooks`` (tests): ``on_hash(buffer_index)`` before a staged buffer is hashed (on the hash
+    thread), ``on_written(buffer_index)`` after its write."""
 
     def __init__(
         self, sink: Sink, hasher: BlockHasher, stages: Stages, hooks: Any = None, *, hash_beside: bool = False

@@ -255,11 +255,10 @@ class FsspecStorageWriter(FsspecWriterBase):
             self._folder.publish(MANIFEST_NAME, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently (each
-        by :meth:`_write_file`, the fault tests' seam) and made durable; the last result of each file carries
-        its manifest record. ``_split_as_local`` sizes files as for a local folder or an object store whatever
-        ``path`` is (the fast tier writes what a drain uploads). A failed file: this rank's files are removed
-        and the first error raised."""
+        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently (each by
+        :meth:`_write_file`, the fault tests' seam) and made durable; each file's last result carries its
+        manifest record. ``_split_as_local`` sizes files as locally or for an object store whatever ``path`` is
+        (the fast tier writes what a drain uploads). A failed file: the rank's files go, the first error is raised."""
         data = self._plan_data(plan, RankPlanData)
         self._attempt.begin(data.save_id, new_folder=data.new_folder)
         items, threads = list(plan.items), self.thread_count
@@ -360,8 +359,7 @@ MAX_OBJECT_FILES = 256
 def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> tuple[int, bool]:
     """How many data files a rank's ``items`` go into on an object store, and whether they are about
     ``file_size`` each: at least ``thread_count``, enough for about ``file_size`` bytes each (``0``: just
-    ``thread_count``), at most ``MAX_OBJECT_FILES``. One-part files take one ``PutObject`` each instead of a
-    multipart upload's create, parts and complete."""
+    ``thread_count``), at most ``MAX_OBJECT_FILES`` (one-part files: one ``PutObject`` each, no multipart)."""
     if file_size <= 0:
         return thread_count, False
     want = -(-sum(_item_size(it) for it in items) // file_size)  # an integer ceiling (byte counts pass 2**53)

@@ -1,22 +1,17 @@
 """Check units that follow the tensors: what a raw tensor's checksums cover, so a resharding read
-verifies exactly the bytes it needs (pure functions, no I/O).
+verifies exactly the bytes it needs (pure functions, no I/O). Each raw tensor record gets units of its
+own (a fresh block starts at the record):
 
-Fixed 1 MiB blocks make a slice of a small tensor read its whole block, and a column (dim >= 1) slice
-read every byte of the rows it crosses. So each raw tensor record gets units of its own (a fresh
-block starts at the record):
+* **Blocks** of about ``size / 64`` bytes (a power of two, from :data:`MIN_UNIT` to the writer's block
+  size), so a dim-0 slice of a 1 MiB tensor reads within 16 KiB of its bytes.
+* **Tiles**, for rows (dim 0 entries) of at least ``2 * MIN_SEGMENT`` bytes: the row-major bytes as a
+  ``[rows, row_bytes]`` grid cut into ``groups`` equal column groups (2, 4 or 8, dividing ``shape[1]``)
+  and row groups of ``rows_per_group`` rows; a tile's digest is over its row segments in row order, so
+  a column slice reads one run per row of only the column groups it touches.
 
-* **Blocks** of about ``size / 64`` bytes (a power of two, at least :data:`MIN_UNIT`, at most the
-  writer's block size): a dim-0 slice of a 1 MiB tensor reads within 16 KiB of its bytes.
-* **Tiles**, for a tensor whose rows (dim 0 entries) are at least ``2 * MIN_SEGMENT`` bytes: its
-  row-major bytes are a ``[rows, row_bytes]`` grid cut into ``groups`` equal column groups (2, 4 or 8,
-  dividing ``shape[1]``) and row groups of ``rows_per_group`` rows. A tile's digest is over its row
-  segments in row order, so a column slice is read as one run per row -- only the column groups it
-  touches -- and verified tile by tile.
-
-Tiles sit in the file's block list like blocks, row group by row group, column group by column group,
-each with an end offset as if it were contiguous: the tiles of a row group then partition exactly the
-row group's bytes. So every row-group boundary is a block end, a range cut at row-group boundaries
-holds whole tiles, and only code that hashes a tile needs :meth:`Tiling.spans`.
+Tiles are listed like blocks (row group by row group, column group by column group), each with an end
+offset as if contiguous, so every row-group boundary is a block end and only code that hashes a tile
+needs :meth:`Tiling.spans`.
 """
 
 from __future__ import annotations
@@ -93,9 +88,8 @@ class Tiling:
         return ends
 
     def tile_rows(self, block_start: int, block_end: int) -> tuple[int, int]:
-        """``(first, rows)`` of the tile listed as ``[block_start, block_end)``: its row segments are
-        :attr:`segment` bytes at ``first + r * row_bytes`` for ``r < rows``; ``ValueError`` when that is
-        no tile of this tiling."""
+        """``(first, rows)`` of the tile ``[block_start, block_end)``: its row segments are :attr:`segment` bytes
+        at ``first + r * row_bytes``, ``r < rows``; ``ValueError`` when that is no tile of this tiling."""
         rg_start = self.group_floor(block_start)
         nrows = min(self.rows_per_group, (self.end - rg_start) // self.row_bytes)
         width = nrows * self.segment
@@ -105,8 +99,7 @@ class Tiling:
         return rg_start + g * self.segment, nrows
 
     def spans(self, block_start: int, block_end: int) -> list[tuple[int, int]]:
-        """The file byte ranges, in hash order, of the tile listed as ``[block_start, block_end)``;
-        ``ValueError`` when that is no tile of this tiling."""
+        """The file byte ranges, in hash order, of the tile ``[block_start, block_end)``; else ``ValueError``."""
         first, nrows = self.tile_rows(block_start, block_end)
         return [(first + r * self.row_bytes, first + r * self.row_bytes + self.segment) for r in range(nrows)]
 

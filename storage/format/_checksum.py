@@ -1,10 +1,7 @@
-"""Block checksums of data files (xxh3-64 from the C-accelerated ``xxhash`` package).
-
-Files are cut into check units so a ranged read verifies only the units it touches. Unit boundaries
-are recorded explicitly (as end offsets) because they follow the items: every raw tensor record starts
-a fresh unit and is cut into units sized for it -- blocks, or tiles for column reads (see
-:mod:`._check_units`) -- so the slices a resharding load reads start and end on unit boundaries and
-verification adds little or nothing to the bytes read.
+"""Block checksums of data files (xxh3-64 from the C-accelerated ``xxhash`` package). Unit boundaries
+are recorded as end offsets because they follow the items: every raw tensor record starts a fresh unit
+and is cut into units sized for it (blocks, or tiles: :mod:`._check_units`), so a resharding load's
+slices start and end on unit boundaries and verification adds little to the bytes read.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 
 
 def hash_bytes(data: bytes | bytearray | memoryview) -> int:
-    """xxh3-64 of ``data`` (xxhash releases the GIL above 64 KiB, so hashing large buffers overlaps with
-    other threads' reads and hashing)."""
+    """xxh3-64 of ``data`` (xxhash releases the GIL above 64 KiB, so large hashes overlap other threads)."""
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -39,11 +35,8 @@ def hash_parts(parts: Iterable[bytes | bytearray | memoryview]) -> int:
     return h.intdigest()
 
 
-#: rows shorter than this are gathered into one buffer and hashed in one call; longer ones are fed one
-#: ``update`` each. Why: a tile's row segments are 4-8 KiB, and xxhash holds the GIL for inputs up to
-#: 64 KiB, so feeding a 1 MiB tile row by row is 256 Python calls under the GIL (measured 0.16-0.27 CPU-s
-#: per GiB, single-threaded, and it serialises every reader thread), while the gather (numpy, GIL
-#: released) and one hash of the gathered bytes run beside the other threads.
+#: rows shorter than this are gathered (numpy, GIL released) and hashed in one call; longer ones are fed
+#: one ``update`` each: xxhash holds the GIL for inputs up to 64 KiB, so a tile row by row serialised threads
 GATHER_BELOW = 64 << 10
 #: bytes gathered per hash call (a thread's scratch buffer never grows past this): a tile of the default
 #: 1 MiB unit in one call
@@ -52,9 +45,8 @@ _scratch = threading.local()
 
 
 def hash_rows(data: memoryview, first: int, rows: int, run: int, stride: int) -> int:
-    """xxh3-64 of ``rows`` runs of ``run`` bytes of ``data`` (a flat byte view), the first at offset
-    ``first`` and each ``stride`` bytes after the one before: a tile's row segments, or (one row, or
-    ``run == stride``) one contiguous range. Equal to :func:`hash_parts` of those runs."""
+    """xxh3-64 of ``rows`` runs of ``run`` bytes of ``data`` (flat), the first at ``first``, each ``stride``
+    bytes after the one before (a tile's row segments): equal to :func:`hash_parts` of those runs."""
     if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1):
         data = data.cast("B")  # offsets count bytes
     if rows < 0 or run < 0 or stride < run or first < 0 or (rows and first + (rows - 1) * stride + run > len(data)):
@@ -72,8 +64,7 @@ def hash_rows(data: memoryview, first: int, rows: int, run: int, stride: int) ->
 
 
 def update_rows(h: xxhash.xxh3_64, data: memoryview, first: int, rows: int, run: int, stride: int) -> None:
-    """Feed ``h`` the ``rows`` runs of ``run`` bytes of ``data`` (as :func:`hash_rows` lays them out), in
-    order: short runs gathered a batch at a time (one ``update`` per batch), long ones one each."""
+    """Feed ``h`` the runs :func:`hash_rows` lays out, short ones gathered a batch at a time."""
     if rows <= 0 or run <= 0:
         return
     if rows == 1 or run == stride:
@@ -92,8 +83,7 @@ def update_rows(h: xxhash.xxh3_64, data: memoryview, first: int, rows: int, run:
 
 
 def _gather_buffer(n: int) -> np.ndarray:
-    """This thread's scratch buffer, at least ``n`` bytes (reused: a fresh one per unit would fault in
-    new pages every time)."""
+    """This thread's scratch buffer of at least ``n`` bytes (reused: fresh pages fault in every time)."""
     buf: np.ndarray | None = getattr(_scratch, "buf", None)
     if buf is None or len(buf) < n:
         buf = _scratch.buf = np.empty(n, dtype=np.uint8)
@@ -108,14 +98,10 @@ def _gather(rows: np.ndarray, out: np.ndarray) -> memoryview:
 
 
 class BlockHasher:
-    """Streams a file's bytes into check units and records (end offset, digest) per unit.
-
-    Items fed with :meth:`start_item` alone pack into ``block_size`` blocks (a large item starts a fresh
-    one); items fed with an :class:`~._check_units.ItemChecks` get units of their own: blocks of its
-    ``unit`` size, or tiles (see :mod:`._check_units`), listed in :attr:`tilings`.
-
-    Not thread-safe: feed one file's bytes in order from one thread.
-    """
+    """Streams a file's bytes into check units and records (end offset, digest) per unit: items fed with
+    :meth:`start_item` alone pack into ``block_size`` blocks (a large item starts a fresh one); items fed
+    with an :class:`~._check_units.ItemChecks` get units of their own (blocks or tiles, listed in
+    :attr:`tilings`). Not thread-safe: one file's bytes in order from one thread."""
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size <= 0:
@@ -133,8 +119,7 @@ class BlockHasher:
         self._tile_h: list[xxhash.xxh3_64] = []
 
     def start_item(self, nbytes: int, checks: ItemChecks | None = None) -> None:
-        """Called before an item's bytes: an item of at least one block, or with ``checks``, starts a
-        fresh unit."""
+        """Called before an item's bytes: one of at least a block, or with ``checks``, starts a unit."""
         if self._fill and (checks is not None or nbytes >= self.block_size):
             self._cut()
         if checks is None or nbytes == 0:

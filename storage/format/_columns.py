@@ -1,10 +1,7 @@
-"""The column-slice read cost model shared by both readers (pure, no I/O): when a strided (column)
-slice's rows are read as sequential spans of whole rows, and the pieces and strided copy such a span
-goes through.
-
-The partial reader (``storage/read/_plan.py``, ``_boxes.py``) and the full-artifact reader
-(``storage/full/_read.py``) both decide with :func:`streams` and read in pieces of about
-:data:`STREAM_PIECE_BYTES`: one model, so a reshard reads the same way from either format.
+"""The column-slice read cost model both readers share (pure, no I/O): when a strided (column) slice's
+rows are read as sequential spans of whole rows (:func:`streams`), in pieces of about
+:data:`STREAM_PIECE_BYTES`, and the strided copy out of such a span: a reshard reads the same way
+from either format.
 """
 
 from __future__ import annotations
@@ -15,23 +12,15 @@ import numpy as np
 
 __all__ = ["REQUEST_COST_BYTES", "STREAM_PIECE_BYTES", "Into", "streams"]
 
-#: the read planner's cost of one more small request from a device, in bytes the device could have
-#: streamed in the same time. A column slice's rows cost ``rows x (REQUEST_COST_BYTES + run)`` read one
-#: request each and ``rows x row_bytes`` read as one sequential span, so rows whose unread gap is below
-#: this stream (:func:`streams`), in memory or not (from the page cache a request per row also costs
-#: more CPU than copying such gaps: ``_boxes.read_box``). Measured on the project's
-#: virtio disk (cold, 4 reader threads; ``benchmarks/RESULTS.md``, "Column slices: the streaming cost
-#: model"): 16,384 requests of
-#: 4 KiB took 0.30 s more than streaming their 64 MiB, 4,096 of 16 KiB 0.08 s more: 18-19 us a request,
-#: 18-19 KB at the disk's ~1 GB/s. So bf16 rows of 8 KiB needing a 4 KiB tile (gap 4 KiB) stream,
-#: fp32 rows of 64 KiB needing 16 KiB (gap 48 KiB) stay a request per row, at 1.00x the needed bytes.
+#: the read planner's cost of one more small request, in bytes the device could have streamed meanwhile:
+#: rows whose unread gap is below this are read as one sequential span (:func:`streams`), in memory or not
+#: (measured: ``benchmarks/RESULTS.md``, "Column slices: the streaming cost model")
 REQUEST_COST_BYTES = 16 << 10
 
 
 def streams(row_bytes: int, width: int, request_cost: int = REQUEST_COST_BYTES) -> bool:
-    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one
-    sequential span of whole rows than as a request per row, when a request costs what streaming
-    ``request_cost`` bytes does (:data:`REQUEST_COST_BYTES`; 0: never)."""
+    """Whether a column slice of ``width`` bytes per row of ``row_bytes`` is cheaper to read as one span of
+    whole rows than as a request per row costing ``request_cost`` bytes of streaming (0: never)."""
     return row_bytes - width < request_cost
 
 
@@ -46,9 +35,8 @@ class Into:
     col: int
 
     def copy(self, src: memoryview, src_row0: int, src_col: int, rows: tuple[int, int], stride: int) -> None:
-        """Rows ``rows`` (those of them this destination holds) from ``src``, which holds record rows
-        from ``src_row0`` on, ``stride`` bytes apart, from record byte column ``src_col`` on: one strided
-        copy (numpy, without the GIL)."""
+        """Rows ``rows`` (those this destination holds) from ``src`` (record rows from ``src_row0`` on, ``stride``
+        bytes apart, from byte column ``src_col`` on): one strided copy (numpy, without the GIL)."""
         q0 = max(rows[0], self.row0)
         q1 = min(rows[1], self.row0 + len(self.view) // self.pitch)
         if q1 <= q0:

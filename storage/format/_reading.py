@@ -1,16 +1,11 @@
 """What both readers of this format share (``FsspecStorageReader``: partial and stock DCP checkpoints;
-``FullArtifactReader``: full artifacts and Hugging Face folders), and the byte accounting they report.
+``FullArtifactReader``: full artifacts and Hugging Face folders): the readers' base, the byte
+accounting they report, byte-range planning (pure: what each item needs, widened to checksum blocks,
+coalesced; property-tested against a brute-force oracle) and a CPU tensor's bytes without a copy.
 
-Byte-range planning for reads: what each item needs, widened to checksum blocks, coalesced.
-
-Pure functions (no I/O), property-tested against a brute-force oracle.
-
-A CPU tensor's own bytes as a flat memoryview, without a copy (one job, for every reader and writer).
-
-Each torch call drops and retakes the GIL. With a writer or reader thread per file that is a queue per
-call: a save of 2,700 small tensors spent more time in ``detach``/``reshape``/``view`` than in its
-writes. So a tensor of a numpy dtype is turned into bytes with one torch call (``numpy()``) and numpy
-does the rest; other dtypes (bfloat16, float8) take the ``view(torch.uint8)`` route.
+Each torch call drops and retakes the GIL, a queue per call with a thread per file, so
+:func:`cpu_bytes` turns a tensor of a numpy dtype into bytes with one torch call (``numpy()``); other
+dtypes (bfloat16, float8) take ``view(torch.uint8)``.
 """
 
 from __future__ import annotations
@@ -40,9 +35,8 @@ __all__ = ["ReaderBase", "ReadStats", "Need", "Fetch", "c_strides", "slice_byte_
 
 
 def cpu_bytes(t: torch.Tensor) -> memoryview | None:
-    """The bytes of ``t`` in row-major order as a flat ``"B"`` memoryview over its own memory, when
-    ``t`` is a contiguous CPU tensor that needs no grad; ``None`` otherwise (another device, not
-    contiguous, requiring grad, a conjugate or negative view)."""
+    """The bytes of ``t`` (row-major) as a flat ``"B"`` memoryview over its own memory, for a contiguous
+    CPU tensor that needs no grad (not a conjugate or negative view); ``None`` otherwise."""
     try:
         arr = t.numpy()
     except (TypeError, RuntimeError):  # no numpy dtype, or a tensor numpy cannot share
@@ -89,9 +83,8 @@ def c_strides(sizes: Sequence[int]) -> list[int]:
 def slice_byte_range(
     sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], itemsize: int
 ) -> tuple[int, int]:
-    """Smallest contiguous byte range of a C-contiguous array of shape ``sizes`` that holds the slice
-    ``offsets : offsets + lengths``. For a dim-0 slice (or any slice that is contiguous in memory)
-    this is exactly the slice's bytes; for a strided slice it is the enclosing span."""
+    """Smallest contiguous byte range of a C-contiguous array of shape ``sizes`` holding the slice
+    ``offsets : offsets + lengths``: exactly its bytes when contiguous, else the enclosing span."""
     if len(sizes) != len(offsets) or len(sizes) != len(lengths):
         raise ValueError("sizes, offsets and lengths differ in rank")
     if any(n == 0 for n in lengths):
@@ -103,8 +96,7 @@ def slice_byte_range(
 
 
 def coalesce(needs: Sequence[Need[T]], *, gap: int = 0, max_bytes: int = 64 << 20) -> list[Fetch[T]]:
-    """Merge needs (sorted by offset) whose ranges overlap or lie within ``gap`` bytes, while the merged
-    request stays within ``max_bytes`` (a single larger need is never split)."""
+    """Merge needs (sorted) that overlap or lie within ``gap`` bytes while within ``max_bytes`` (never split)."""
     out: list[Fetch[T]] = []
     cur: list[Need[T]] = []
     start = end = 0
@@ -125,27 +117,17 @@ def coalesce(needs: Sequence[Need[T]], *, gap: int = 0, max_bytes: int = 64 << 2
 class ReadStats:
     """Byte accounting of the last ``read_data`` on this rank (``reader.last_read_stats``).
 
-    * ``bytes_needed``: bytes the destinations receive: each requested slice's elements times their
-      size (a column slice counts its elements, not the rows around them); an object its record.
-    * ``bytes_requested``: bytes this reader asked storage for: the lengths of its read requests
-      (``preadv`` calls, ranged GETs) added up. Beyond ``bytes_needed`` it holds the bytes read only to
-      verify a check unit (a slice widened to whole blocks, a column slice to whole tiles) and the gaps
-      a merged request reads between the ranges it wants. What the OS does with a request is not in it:
-      a page-cache hit counts, read-ahead does not (``device_bytes`` sees both).
-    * ``requests``: read requests as planned: a coalesced range, a batch of direct pieces, a row (or a
-      merged run of rows) of a column slice, an object GET. A verified local read of bytes already in
-      memory is carried out a chunk of whole check units (about 1 MiB) at a time, each its own
-      ``preadv``, and still counts once. A column slice's requests are counted as issued: a slice
-      streamed as one span of whole rows (``request_cost_bytes``) counts each of its large requests,
-      the gaps between the runs it wants included.
+    * ``bytes_needed``: bytes the destinations receive (a column slice counts its elements, not its rows);
+      an object its record.
+    * ``bytes_requested``: the lengths of this reader's read requests (``preadv`` calls, ranged GETs):
+      beyond ``bytes_needed``, bytes read only to verify a check unit and the gaps a merged request reads.
+      A page-cache hit counts, read-ahead does not.
+    * ``requests``: read requests as planned (a coalesced range, a batch of direct pieces, a row or merged
+      run of rows of a column slice, an object GET); a streamed column slice counts each large request.
     * ``items``: the plan's read items.
     * ``per_file``: file name -> (bytes needed, bytes requested), for every file the load touched.
-    * ``device_bytes``: bytes the kernel read from block devices while the call ran, from
-      ``/proc/self/io`` (``read_bytes``); ``None`` where the OS does not report it or the checkpoint is
-      not on a local filesystem (object stores). It counts the whole process -- another thread reading
-      meanwhile (a data loader) adds its bytes -- counts read-ahead and skips page-cache hits: 0 for a
-      warm load, and on tmpfs or network filesystems, which have no block device here.
-    """
+    * ``device_bytes``: bytes the kernel read from block devices during the call (``/proc/self/io``,
+      the whole process; read-ahead in, page-cache hits out); ``None`` where not reported or not local."""
 
     bytes_needed: int
     bytes_requested: int
@@ -174,15 +156,10 @@ class ReadStats:
 
 class ReaderBase(FsspecLocation, StorageReader):
     """The shared half of both readers: the location, the folder's state, the metadata a manifest names
-    (checked against it), the load id our planner recognises, the original ``read_metadata`` error kept
-    for callers, and a failed read's frames released. A subclass supplies ``_read_metadata`` (from
-    :meth:`_probe`), ``set_up_storage_reader``, ``prepare_local_plan`` and ``_read`` (sets
-    ``last_read_stats``).
-
-    Steps of ``dcp.load`` handled here ("all" = every rank): ``reset`` (all, ``FsspecLocation``),
-    ``read_metadata`` (all: the subclass's ``_read_metadata``, then the load id), ``prepare_global_plan``
-    (coordinator: unchanged) and ``read_data`` (all: the subclass's ``_read``).
-    """
+    (checked against it), the load id our planner recognises, the original ``read_metadata`` error, and a
+    failed read's frames released. A subclass supplies ``_read_metadata``, ``set_up_storage_reader``,
+    ``prepare_local_plan`` and ``_read`` (sets ``last_read_stats``); ``reset``, ``read_metadata``,
+    ``prepare_global_plan`` (unchanged) and ``read_data`` are handled here."""
 
     def __init__(
         self,
@@ -209,8 +186,7 @@ class ReaderBase(FsspecLocation, StorageReader):
 
     @property
     def thread_count(self) -> int:
-        """Worker threads of a read: the count given, else :func:`default_read_threads` for this location
-        (worked out here, so a :meth:`reset` to another URL gets that one's)."""
+        """Worker threads of a read: the count given, else :func:`default_read_threads` for this URL."""
         return self._threads_asked or default_read_threads(is_local(self.fs))
 
     @thread_count.setter
@@ -227,11 +203,9 @@ class ReaderBase(FsspecLocation, StorageReader):
     def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
         """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
 
-        DCP replaces an exception raised here by an ``AssertionError`` carrying only its message;
-        the original exception is kept in :attr:`metadata_error` so callers can re-raise it. (The
-        keyword parameter is deliberately not named ``kwargs``: DCP retries a failed read with
-        ``rank=`` -- "rank-local metadata" -- when it is, which would read and fail twice.)
-        """
+        DCP replaces an exception raised here by an ``AssertionError`` carrying its message: the original is
+        kept in :attr:`metadata_error`. (The keyword parameter is not named ``kwargs``: DCP would then retry a
+        failed read with ``rank=``, reading and failing twice.)"""
         try:
             metadata = self._read_metadata()
         except Exception as exc:
@@ -248,13 +222,10 @@ class ReaderBase(FsspecLocation, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into ``planner``; returns a completed future.
 
-        A failure is raised from here (as DCP's own ``FileSystemReader`` does), not stored in the future:
-        torch's ``Future`` holds its exception from C++, where the garbage collector cannot see the cycle
-        exception -> traceback -> DCP's frame (which holds the future) -> exception, so every failed load
-        would pin that exception, the frames of its caller and the state dict being loaded until the
-        process ends. The frames the failure went through are cleared, so the exception, wherever it is
-        kept (DCP's ``CheckpointException``), does not hold read buffers or destination views either.
-        """
+        A failure is raised from here (as DCP's ``FileSystemReader`` does), not stored in the future: torch's
+        ``Future`` holds it from C++, out of the collector's sight, which would pin the exception, its frames
+        and the state dict until the process ends. The failure's frames are cleared, so the exception, wherever
+        it is kept, holds no read buffers or destination views either."""
         try:
             self._read(plan, planner)
         except Exception as exc:

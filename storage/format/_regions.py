@@ -1,10 +1,7 @@
-"""Boxes of row-major tensors and the byte runs they occupy in a file (pure functions, no I/O).
-
-A *box* is ``(offsets, sizes)`` inside a tensor of shape ``view`` stored contiguously (row-major) at a
-file offset. Its bytes are ``prod(sizes[:k])`` runs of equal length, where ``k`` is the innermost
-dimension the box does not span fully; a dim-0 slice is one run, a column (dim-1) slice one run per row.
-Runs come out in the box's own row-major order, so reading them back to back fills a contiguous buffer
-of shape ``sizes``.
+"""Boxes of row-major tensors and the byte runs they occupy in a file (pure functions, no I/O). A *box*
+is ``(offsets, sizes)`` inside a tensor of shape ``view``: ``prod(sizes[:k])`` runs of equal length,
+``k`` the innermost dimension it does not span fully, in the box's row-major order (back to back they
+fill a buffer of shape ``sizes``).
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 def box_runs(
     view: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], itemsize: int
 ) -> tuple[np.ndarray, int]:
-    """Start offsets (bytes, relative to the tensor's first byte, ascending) and the common length of
-    the runs of the box ``(offsets, sizes)`` in a row-major tensor of shape ``view``."""
+    """Start offsets (bytes from the tensor's first, ascending) and common length of the box's runs."""
     nd = len(view)
     if len(offsets) != nd or len(sizes) != nd:
         raise ValueError(f"box {list(offsets)}+{list(sizes)} does not match the rank of shape {list(view)}")
@@ -75,10 +71,9 @@ def split_box(offsets: Sequence[int], sizes: Sequence[int], itemsize: int, targe
 
 
 def range_boxes(sizes: Sequence[int], start: int, end: int) -> list[Box]:
-    """The elements ``[start, end)`` of a row-major array of shape ``sizes`` (flat, row-major indices)
-    as boxes, in order: a partial row, whole rows, a partial row -- each part of a partial row cut the
-    same way one dimension in. Their bytes, back to back, are the range's bytes; a staged copy of a
-    range (a chunk of a tensor larger than a buffer) copies these boxes of the tensor."""
+    """The elements ``[start, end)`` (flat, row-major) of an array of shape ``sizes`` as boxes, in order (a
+    partial row, whole rows, a partial row, each partial row cut the same way one dimension in): their
+    bytes back to back are the range's, so a staged chunk of a tensor copies these boxes."""
     total = math.prod(sizes)
     if not 0 <= start <= end <= total:
         raise ValueError(f"elements {start}..{end} outside shape {list(sizes)}")

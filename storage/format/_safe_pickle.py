@@ -1,40 +1,23 @@
 """Loading checkpoint metadata and objects without running code from the checkpoint.
 
-``.metadata`` is a pickle. :func:`load_metadata` unpickles it with an allow-list: DCP's metadata
-dataclasses, ``_StorageInfo``, ``torch.Size``, dtypes/layouts/memory formats, a few path classes and
-harmless builtins. Anything else (``os.system``, ``builtins.eval``, ...) is refused *before* it is
-called, so a crafted ``__reduce__`` payload never runs.
+:func:`load_metadata` unpickles ``.metadata`` with an allow-list (DCP's metadata dataclasses,
+``_StorageInfo``, ``torch.Size``, dtypes, a few path classes, harmless builtins); anything else is
+refused before it is called. What a load builds is bounded (:class:`_Bounds`), keeping the C
+unpickler's speed, against a few hundred bytes that allocate until memory runs out:
 
-Harmless callables still build what they are given, and a pickle can give one object many times by
-its memo: ``frozenset(range(10**12))``, ``torch.Size(range(10**10))``, ``copyreg._reconstructor(set,
-set, range(...))``, a 1 MiB tuple handed to ``frozenset`` a million times, or one big dict applied as
-the state (``BUILD``) of a million objects -- a few hundred bytes that allocate until memory runs out.
-So what a load builds is bounded (:class:`_Bounds`), without giving up the C unpickler's speed:
+* every allowed callable runs through a guard charging its arguments' elements to one budget per
+  load (``1 Mi + the file's size``); a bomb is refused as :class:`CheckpointCorrupt` naming the file;
+* DCP's classes are built as per-load stand-in subclasses whose ``__setstate__`` refuses a ``BUILD`` of
+  more than :data:`_MAX_STATE` fields, turned into the real class when the load ends (an
+  ``OrderedDict`` carries such a ``__setstate__`` in its ``__dict__`` until then);
+* nothing the process shares is handed to the pickle (classes as stand-ins, enums as per-load types,
+  functions as guards); enum members are compared with their state before the load and restored (the
+  file refused) if a ``BUILD`` reached them;
+* a ``MemoryError`` while unpickling (``LONG_BINPUT`` near 2**32 asks the C memo for 64 GiB) is reported
+  as :class:`CheckpointCorrupt` naming the file.
 
-* every allow-listed callable is called through a guard that first walks its arguments, charging each
-  element (and each character of a string) to one budget per load, ``1 Mi + the file's size``
-  elements; a legitimate ``.metadata`` spends about one element per twenty bytes (a few per
-  ``torch.Size``), a bomb exhausts it and is refused as :class:`CheckpointCorrupt` naming the file;
-* objects of DCP's classes are made as instances of per-load stand-in subclasses (``NEWOBJ`` makes
-  them in C) whose ``__setstate__`` refuses a ``BUILD`` of more than :data:`_MAX_STATE` fields --
-  DCP's dataclasses have at most six -- however often the pickle builds one object; when the load
-  ends each becomes an instance of its real class. An ``OrderedDict`` (a built-in type: no stand-in can
-  turn into it) carries such a ``__setstate__`` in its own ``__dict__`` until then;
-* no class, function or enum member the process shares is handed to the pickle: classes come as those
-  stand-ins, enums as per-load types whose ``__new__`` returns the real member, functions as per-load
-  guards, so a ``BUILD`` on what ``find_class`` returned changes nothing outside this load; enum
-  members (which must be the real ones) are compared with their state before the load and restored
-  (and the file refused) if a ``BUILD`` reached them;
-* the memo is the C unpickler's array: ``LONG_BINPUT`` with an index near 2**32 asks for up to 64 GiB
-  at once. That request is not preventable without parsing every opcode in Python (10x slower): it
-  fails at once where memory is short, and a ``MemoryError`` while unpickling is reported as
-  :class:`CheckpointCorrupt` naming the file (a legitimate ``.metadata`` takes ~15x its size).
-
-What the bounds cost a legitimate load (Python runs once per BUILD and per ``torch.Size``):
-``benchmarks/bench_metadata_load.py``.
-
-Object values (BYTE_IO items) are ``torch.save`` pickles deserialised later by the load planner;
-:func:`check_weights_only` refuses those that ``torch.load(weights_only=True)`` would refuse.
+Cost on a legitimate load: ``benchmarks/bench_metadata_load.py``. :func:`check_weights_only` refuses
+object values (``torch.save`` pickles) that ``torch.load(weights_only=True)`` would refuse.
 """
 
 from __future__ import annotations
@@ -48,7 +31,6 @@ import pickle
 import pickletools
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -98,8 +80,7 @@ class _TooBig(Exception):
 
 
 class _Bounds:
-    """One load's budget of elements, and the objects made as a per-load stand-in class (turned into
-    their real class when the load ends)."""
+    """One load's budget of elements, and the stand-in objects it made (made real when the load ends)."""
 
     def __init__(self, size: int) -> None:
         self.left = _BASE_BUDGET + size
@@ -173,11 +154,9 @@ def _bounded_build(obj: Any, state: Any) -> None:
 
 
 def _stand_in(real: type, bounds: _Bounds) -> type:
-    """A per-load subclass of ``real`` for ``NEWOBJ`` and ``REDUCE``: its instances take a bounded BUILD
-    (every one, however often the pickle builds them) and become instances of ``real`` when the load
-    ends. ``NEWOBJ`` makes them in C (``object.__new__``) and only the BUILD runs Python, which also
-    records them -- except for a class without fields (``BytesStorageMetadata``), whose instances get
-    no BUILD and are recorded as they are made."""
+    """A per-load subclass of ``real`` for ``NEWOBJ`` and ``REDUCE``: its instances (made in C) take a bounded
+    BUILD, which records them, and become instances of ``real`` when the load ends; a class without fields
+    (``BytesStorageMetadata``) gets no BUILD, so its instances are recorded as they are made."""
     own_setstate = vars(real).get("__setstate__")
     made = bounds.made.append
 
@@ -258,8 +237,7 @@ def _size(bounds: _Bounds) -> Any:
 
 
 def _reconstructor(bounds: _Bounds, stand_ins: set[type]) -> Any:
-    """``copyreg._reconstructor`` (protocols 0 and 1): an allowed class from ``object`` is made as its
-    stand-in makes it; anything else with its state charged first."""
+    """``copyreg._reconstructor``: an allowed class made as its stand-in; anything else charged first."""
 
     def reconstructor(cls: Any, base: Any, state: Any) -> Any:
         if base is object and cls in stand_ins and state is None:
@@ -276,16 +254,13 @@ _AS_IS = frozenset({("builtins", "slice"), ("builtins", "range"), ("builtins", "
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, extra: frozenset[tuple[str, str]], bounds: _Bounds) -> None:
+    def __init__(self, f: io.BytesIO, bounds: _Bounds) -> None:
         super().__init__(f)
-        self._extra = extra
         self._bounds = bounds
         self._made: dict[tuple[str, str], Any] = {}
         self._stand_ins: set[type] = set()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._extra:
-            return super().find_class(module, name)  # the caller's trusted globals, as they are
         if (module, name) in ALLOWED_GLOBALS:
             made = self._made.get((module, name))
             if made is None:
@@ -323,9 +298,8 @@ def _enum_members() -> list[Any]:
     return [m for e in (_MEM_FORMAT_ENCODING, WriteItemType, LoadItemType) for m in e]
 
 
-def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str, str]] = ()) -> Any:
-    """Unpickle DCP ``Metadata`` from ``data`` with the allow-list, bounded in what it builds;
-    :class:`UnsafeCheckpoint` / :class:`CheckpointCorrupt` (naming ``where``) on anything else."""
+def load_metadata(data: bytes, *, where: str) -> Any:
+    """Unpickle DCP ``Metadata`` from ``data``, allow-listed and bounded; else raises naming ``where``."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     bounds = _Bounds(len(data))
@@ -334,7 +308,7 @@ def load_metadata(data: bytes, *, where: str, extra_globals: Iterable[tuple[str,
     try:
         with gc_paused():  # an object per item: no collections while they are made (or turned real)
             try:
-                obj = _MetadataUnpickler(io.BytesIO(data), frozenset(extra_globals), bounds).load()
+                obj = _MetadataUnpickler(io.BytesIO(data), bounds).load()
             finally:
                 bounds.finish()
                 tampered = _restore(members, before)
@@ -386,8 +360,7 @@ def check_weights_only(data: bytes | memoryview, *, where: str) -> None:
 
 
 def _well_formed(data: bytes | memoryview) -> bool:
-    """Whether ``data`` parses as a torch.save record (zip with a pickle, or a legacy pickle stream),
-    by reading its opcodes without executing any of them."""
+    """Whether ``data`` parses as a torch.save record (zip or legacy pickle), without executing it."""
     raw = bytes(data)
     if raw[:4] == b"PK\x03\x04":
         try:

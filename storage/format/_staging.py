@@ -1,27 +1,15 @@
-"""Staging: tensor bytes moved between where they live and a small pool of reused host buffers.
+"""Staging: tensor bytes moved between where they live and a small pool of reused host buffers, the
+device stage of every save (what cannot be written in place) and of every load into a CUDA tensor
+(:class:`DeviceCopies`, :func:`copy_into`).
 
-The device stage of every save and load, behind one small interface (:class:`Stage`):
+:meth:`Stage.copy` enqueues one copy and returns; :meth:`Stage.fence` returns a :class:`Ticket` that
+completes when every copy enqueued before it has. :class:`CudaStage` copies on a side stream into
+pinned buffers (a ticket is an event); :class:`HostStage` copies in order on one copier thread (a
+ticket is a future). With ``SMPCKPT_TEST_DEVICE=cpu`` CPU tensors go through the :class:`HostStage` too
+(:func:`stage_kind`), so CI runs the pipeline a GPU machine runs.
 
-* a save copies what it cannot write in place (a CUDA tensor, a strided view, a dtype cast) into
-  buffers of a :class:`BufferPool`, chunk by chunk, and writes each buffer once it holds its bytes;
-* a load into a CUDA tensor copies the bytes it read into such buffers (pinned) and from there to
-  the device (:class:`DeviceCopies`, :func:`copy_into`).
-
-:meth:`Stage.copy` enqueues one copy and returns at once; :meth:`Stage.fence` returns a
-:class:`Ticket` that completes when every copy enqueued before it has. On CUDA (:class:`CudaStage`)
-copies run on a side stream of the tensor's device, each buffer pinned, and a ticket is an event: the
-copy engine moves the next chunks while the host hashes and writes the last ones. Elsewhere
-(:class:`HostStage`) copies run in order on one copier thread (torch releases the GIL for a copy), a
-ticket is a future: the same pool, the same order and the same overlap, on the CPU. With
-``SMPCKPT_TEST_DEVICE=cpu`` in the environment the writers and readers send CPU tensors through the
-:class:`HostStage` too (:func:`stage_kind`), even those they would write or fill in place: the CPU
-stand-in of the CUDA stage, so CI runs the pipeline a GPU machine runs.
-
-Memory: a pool holds at most ``limit`` bytes in buffers of ``buffer_bytes``, allocated when first
-needed and dropped with the pool (pinned ones return to torch's caching host allocator, which hands
-them out again to the next pool without a new ``cudaHostAlloc``). A buffer goes back to the pool
-only when every use of its bytes has finished (the caller's :meth:`BufferPool.release`), so it is
-never refilled while a write or a hash still reads it.
+A pool holds at most ``limit`` bytes in buffers of ``buffer_bytes``, allocated when first needed; a
+buffer returns to it only when every use of its bytes has finished (:meth:`BufferPool.release`).
 """
 
 from __future__ import annotations
@@ -55,10 +43,9 @@ TEST_DEVICE_ENV = "SMPCKPT_TEST_DEVICE"
 
 
 def stage_kind(t: torch.Tensor, *, in_place: bool) -> Literal["cuda", "host"] | None:
-    """How a tensor's bytes reach storage (or a load's bytes reach it): ``None`` in place (a CPU tensor
-    the caller can write from or read into directly, ``in_place``), ``"cuda"`` through a
-    :class:`CudaStage`, ``"host"`` through a :class:`HostStage` (CPU tensors that cannot be used in
-    place, and every CPU tensor under ``SMPCKPT_TEST_DEVICE=cpu``)."""
+    """How a tensor's bytes reach storage (or a load's reach it): ``None`` in place (``in_place``),
+    ``"cuda"`` through a :class:`CudaStage`, ``"host"`` through a :class:`HostStage` (CPU tensors that
+    cannot be used in place; every CPU tensor under ``SMPCKPT_TEST_DEVICE=cpu``)."""
     if t.is_cuda:
         return "cuda"
     if t.device.type != "cpu":
@@ -69,20 +56,16 @@ def stage_kind(t: torch.Tensor, *, in_place: bool) -> Literal["cuda", "host"] | 
 
 
 def buffer_size(limit: int) -> int:
-    """The buffer size of a pool capped at ``limit`` bytes: :data:`BUFFER_BYTES`, or a quarter of a
-    smaller cap (so it still holds a few), rounded down to a power of two: torch's pinned allocator
-    rounds every request up to one (buffers of 5 MiB would pin 8 MiB each, past the cap)."""
+    """A pool's buffer size: :data:`BUFFER_BYTES`, or a quarter of a smaller ``limit``, rounded down to a power
+    of two (torch's pinned allocator rounds requests up to one: 5 MiB would pin 8 MiB, past the cap)."""
     return max(4096, 1 << (min(BUFFER_BYTES, limit // 4).bit_length() - 1))
 
 
 class HostBuffer:
-    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it.
-
-    A pageable buffer is its own anonymous mapping, unmapped when the last tensor or view of it goes:
-    made by ``malloc`` instead, freed buffers of this size stay in the heap once glibc's dynamic mmap
-    threshold has grown past them, and every save or load that staged through a fresh pool grew the
-    process by up to its cap (``test_failed_loads_do_not_grow_memory`` under the CPU stand-in: ~20 MiB
-    per failed load). Pinned buffers come from torch's caching host allocator, which reuses them."""
+    """One buffer of a pool: a flat uint8 tensor (pinned for CUDA) and a memoryview of it. A pageable buffer
+    is its own anonymous mapping, unmapped when it goes (from ``malloc``, freed buffers stayed in the heap
+    and each fresh pool grew the process: ``test_failed_loads_do_not_grow_memory``); pinned ones come
+    from torch's caching host allocator."""
 
     __slots__ = ("index", "tensor", "view", "pinned")
 
@@ -102,13 +85,10 @@ class HostBuffer:
 
 
 class BufferPool:
-    """At most ``limit`` bytes (the writer or reader that took it checked it) of host buffers, handed out
-    one at a time and given back when their bytes are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap
-    holds whatever mix of tensors it moves: a buffer is made pinned when a CUDA stage first needs it
-    (pinned memory serves CPU copies as well), and a stage takes a free buffer of the other kind
-    rather than exceed the cap (a device copy into pageable memory is slower, never wrong).
-
-    ``on_wait`` (tests) is called, without the lock, when an :meth:`acquire` must wait for a buffer."""
+    """At most ``limit`` bytes of host buffers, handed out one at a time and given back when their bytes
+    are no longer read. Thread-safe. One pool serves every stage of a save or load, so the cap holds for
+    any mix: a buffer is made pinned when a CUDA stage first needs it, and a stage takes a free buffer of
+    the other kind rather than exceed the cap. ``on_wait`` (tests) runs, unlocked, when :meth:`acquire` waits."""
 
     def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
         self.buffer_bytes = buffer_size(limit)
@@ -182,8 +162,7 @@ class BufferPool:
             self._cond.notify()
 
     def _settle(self, *, block: bool) -> bool:
-        """Release deferred buffers whose tickets completed (the oldest waited for when ``block``);
-        whether any was released."""
+        """Release deferred buffers whose copies completed (waiting for the oldest when ``block``); any?"""
         released = False
         while True:
             with self._cond:
@@ -231,8 +210,7 @@ class Ticket:
             self._event.synchronize()
 
     def before_use(self) -> None:
-        """Order the copies before the caller's next use of their destinations: on CUDA the current
-        stream waits for them (no host wait); elsewhere the host does."""
+        """Order the copies before the destinations' next use: on CUDA by the stream, else on the host."""
         if self._event is not None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         else:
@@ -247,8 +225,7 @@ class Stage(Protocol):
     pinned: bool
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Enqueue ``dst.copy_(src)`` (same shape; ``dst`` a view of a pool buffer for a save, ``src``
-        one for a load). The caller keeps both alive and unchanged until a later ticket completes."""
+        """Enqueue ``dst.copy_(src)``; the caller keeps both alive and unchanged until a later ticket completes."""
         ...
 
     def fence(self) -> Ticket:
@@ -261,22 +238,16 @@ class Stage(Protocol):
 
 
 class HostStage:
-    """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the
-    CPU stand-in of :class:`CudaStage` (``SMPCKPT_TEST_DEVICE=cpu``). ``on_copy`` (tests) runs on the
-    copier thread before each batch of copies.
-
-    One stage serves every file thread of a save, so the copies not yet fenced are kept per calling
-    thread: a fence submits the caller's own copies only, and its ticket fails with the caller's own
-    copy errors (a batch that mixed threads' copies would stop at another thread's failed copy and
-    leave this thread's buffer unfilled under a ticket that completed)."""
+    """Copies on one copier thread, in order: CPU sources that cannot be written in place, and the CPU
+    stand-in of :class:`CudaStage`. Unfenced copies are kept per calling thread: a fence submits, and its
+    ticket fails with, the caller's own copies only (file threads share one stage)."""
 
     pinned = False
 
-    def __init__(self, pool: BufferPool, *, on_copy: Callable[[], None] | None = None) -> None:
+    def __init__(self, pool: BufferPool) -> None:
         self.pool = pool
         self._local = threading.local()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-stage")
-        self._on_copy = on_copy
 
     def _pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         pending: list[tuple[torch.Tensor, torch.Tensor]] | None = getattr(self._local, "pending", None)
@@ -293,8 +264,6 @@ class HostStage:
         return Ticket(self._thread.submit(self._run, batch))
 
     def _run(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self._on_copy is not None:
-            self._on_copy()
         for dst, src in batch:
             dst.copy_(src)
 
@@ -303,10 +272,9 @@ class HostStage:
 
 
 class CudaStage:
-    """Copies on a side stream of one CUDA device: device-to-host into pinned pool buffers (saves),
-    host-to-device from them (loads). Each fence records an event; the side stream first waits for
-    the work already queued on the device's current stream, which produced the values (a save) or
-    last used the destinations (a load)."""
+    """Copies on a side stream of one CUDA device into (saves) or from (loads) pinned pool buffers; each
+    fence records an event. The side stream first waits for the work queued on the current stream, which
+    produced the values or last used the destinations."""
 
     pinned = True
 
@@ -321,10 +289,8 @@ class CudaStage:
         self._lock = threading.Lock()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # the calling thread's stream, taken before the side stream becomes current: it may have just
-        # made ``src`` (a ``.contiguous()`` or resolved temporary of a strided or conjugate view), and
-        # the side stream is non-blocking, so without this wait the copy could read it before it is
-        # written -- wrong bytes with a matching checksum, since the hash reads the copy
+        # the calling thread's stream may have just made ``src`` (a ``.contiguous()`` temporary): without
+        # this wait the copy could read it unwritten -- wrong bytes with a matching checksum
         caller = torch.cuda.current_stream(self.device)
         with self._lock, torch.cuda.stream(self._stream):
             if not self._synced:
@@ -353,16 +319,14 @@ class CudaStage:
 
 
 def settle(stage: Stage) -> None:
-    """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise: a buffer is
-    given back only once nothing copies into it."""
+    """(on an error path) Wait for every copy enqueued on ``stage``, whatever they raise."""
     with contextlib.suppress(Exception):  # the error being raised is the one to report
         stage.fence().wait()
 
 
 class Stages:
-    """The stages of one save or load over one :class:`BufferPool` of ``limit`` bytes, made when first
-    needed: one :class:`HostStage`, one :class:`CudaStage` per device. Thread-safe; :meth:`close`
-    waits for every copy and drops the pool's buffers."""
+    """The stages of one save or load over one :class:`BufferPool` of ``limit`` bytes, made when first needed
+    (a :class:`HostStage`, a :class:`CudaStage` per device). Thread-safe; :meth:`close` waits for every copy."""
 
     def __init__(self, limit: int, *, on_wait: Callable[[], None] | None = None) -> None:
         self.pool = BufferPool(limit, on_wait=on_wait)
@@ -393,8 +357,7 @@ class Stages:
                 try:
                     stage.close()
                 except BaseException:
-                    # close the others anyway (a host stage's copier thread must not outlive the
-                    # save); the first error is the one raised
+                    # close the others anyway (no copier thread outlives the save); the first error is raised
                     for rest in stages[stages.index(stage) + 1 :]:
                         with contextlib.suppress(Exception):
                             rest.close()
@@ -404,9 +367,7 @@ class Stages:
 
 
 # -- tensors copied a chunk at a time through a stage's pool buffers (the load side), and the views a chunk
-# is made of. A chunk is a range of a tensor's elements in row-major order: ``range_boxes`` cuts it into
-# boxes and ``narrow_box`` makes each a view, so any strides (a transposed source, a strided destination)
-# copy chunk by chunk with no whole-tensor temporary.
+# is made of (``range_boxes`` cut into views by ``narrow_box``): any strides copy with no whole-tensor temporary.
 
 
 def narrow_box(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -419,9 +380,8 @@ def narrow_box(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) ->
 
 
 def copy_chunks(flat: torch.Tensor, t: torch.Tensor, first: int, last: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pairs ``(piece of flat, view of t)`` covering elements ``[first, last)`` of ``t`` in row-major
-    order, where ``flat`` is a contiguous 1-D tensor of ``last - first`` elements (a buffer's typed
-    view): copying each view into (or out of) its piece moves the range."""
+    """Pairs ``(piece of flat, view of t)`` covering elements ``[first, last)`` of ``t`` (row-major), ``flat`` a
+    contiguous 1-D tensor of ``last - first`` elements: copying each view into (or out of) its piece moves the range."""
     pairs = []
     pos = 0
     for offsets, sizes in range_boxes(tuple(t.shape), first, last):
@@ -433,11 +393,9 @@ def copy_chunks(flat: torch.Tensor, t: torch.Tensor, first: int, last: int) -> l
 
 
 def copy_into(stages: Stages, dst: torch.Tensor, src: torch.Tensor, kind: Literal["cuda", "host"]) -> Ticket:
-    """``dst.copy_(src)`` through pool buffers of ``stages``: ``src`` (host memory the caller reuses as
-    soon as this returns, such as a reader's buffer) is copied a buffer at a time into the pool (pinned
-    for CUDA), and from there to ``dst`` asynchronously (a host-to-device copy on the stage's side
-    stream; the copier thread for ``kind="host"``), each buffer back in the pool once its copy is done.
-    The ticket of the last chunk: ``before_use()`` it before the destination is read."""
+    """``dst.copy_(src)`` through pool buffers of ``stages``: ``src`` (host memory reused once this returns) a
+    buffer at a time into the pool, then asynchronously to ``dst``, each buffer released once copied.
+    Returns the last chunk's ticket: ``before_use()`` it before the destination is read."""
     stage = stages.get(dst, kind)
     pool = stage.pool
     size = src.element_size()
@@ -463,15 +421,14 @@ def copy_into(stages: Stages, dst: torch.Tensor, src: torch.Tensor, kind: Litera
 
 
 def in_place(target: torch.Tensor) -> bool:
-    """Whether a load may read stored bytes straight into ``target``'s memory: a CPU tensor, unless the
-    CPU stand-in of the device stage is on (``SMPCKPT_TEST_DEVICE=cpu``)."""
+    """Whether a load may read straight into ``target``: a CPU tensor, unless ``SMPCKPT_TEST_DEVICE=cpu``."""
     return stage_kind(target, in_place=True) is None
 
 
 class DeviceCopies:
-    """A load's copies into its destinations: ``copy_`` for those filled in place, :func:`copy_into`
-    for the others (CUDA tensors; every destination under ``SMPCKPT_TEST_DEVICE=cpu``), whose pool of
-    ``limit`` bytes is made when first needed. :meth:`close` (always, last) waits for every copy."""
+    """A load's copies into its destinations: ``copy_`` in place, else :func:`copy_into` (CUDA tensors;
+    everything under ``SMPCKPT_TEST_DEVICE=cpu``) through a pool of ``limit`` bytes made when first needed.
+    :meth:`close` (always, last) waits for every copy."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -479,8 +436,7 @@ class DeviceCopies:
         self._lock = threading.Lock()  # the reader's threads copy concurrently: one pool for all
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``; the destination's next use (``commit_tensor``) is ordered after it, and
-        ``src`` may be reused as soon as this returns."""
+        """``dst.copy_(src)``, ordered before ``dst``'s next use; ``src`` may be reused on return."""
         kind = stage_kind(dst, in_place=True)
         if kind is None:
             dst.copy_(src)

@@ -1,30 +1,22 @@
 """The one commit protocol, used by every kind of save (partial, full, fast-tier node copies, drains,
 ``convert``, ``consolidate``) and by every removal.
 
-A save's files are created, never overwritten (:mod:`smpckpt.storage.backends._folder`: ``O_CREAT |
-O_EXCL | O_NOFOLLOW`` relative to folder descriptors on POSIX, ``If-None-Match: *`` on S3), under names
-no other save uses: data files and ``.metadata.<save id>`` carry the save's id (a *generation*); a full
-artifact, whose names are Hugging Face's, is written on POSIX into a folder of its own
-(``.smpckpt-staging.<save id>`` beside the target) that :func:`publish_staged` renames into place
-without replacing anything. So a save that finds a file it did not create fails, naming it, and a
-save that stalled and woke after another took over fails at its first write (its folder is gone, or
-every name it creates exists) instead of writing into the other's files.
+A save's files are created, never overwritten (``storage/backends/_folder.py``), under names no other
+save uses: data files and ``.metadata.<save id>`` carry the save's id; a full artifact on POSIX is
+written into ``.smpckpt-staging.<save id>`` beside the target, renamed into place by
+:func:`publish_staged` without replacing anything. So a save that finds a file it did not create, or
+that woke after another took over, fails instead of writing into the other's files.
 
-The commit (:func:`commit` in place, :func:`publish_staged` for a staged folder), in this order:
+The commit (:func:`commit`, or :func:`publish_staged`), in this order:
 
 1. the generation's metadata and side files, created;
-2. **one listing** of the folder: every file the manifest names (data, metadata, side files) is there
-   at its size, else nothing is committed (:func:`check_named`);
-3. the manifest, created last and exclusively (``linkat`` of a create-only temporary; one conditional
-   PUT) -- or, for an overwrite, replacing exactly the manifest the save saw when it began (S3:
-   ``If-Match``), after removing the old generation's stock ``.metadata`` copy (a crash between the swap
-   and step 5 must not leave stock readers a copy describing the replaced generation, whose files are
-   still there; a failed swap puts the copy back); for a staged folder, the rename into place
-   (``renameat2(RENAME_NOREPLACE)``);
-4. no removal started meanwhile (:func:`remove_folder` marks a folder first and then looks for a
-   manifest; the commit writes its manifest and then looks for that mark: of the two, at least one sees
-   the other, so a prune never deletes the files of a checkpoint that committed during it);
-5. after the commit: the stock ``.metadata`` copy, then the previous generation's files (an overwrite).
+2. one listing: every file the manifest names is there at its size (:func:`check_named`);
+3. the manifest, created exclusively, or for an overwrite replacing exactly the one the save saw (S3:
+   ``If-Match``), after removing the old stock ``.metadata`` copy (put back if the swap fails); for a
+   staged folder, the rename (``renameat2(RENAME_NOREPLACE)``);
+4. no removal started meanwhile (:func:`remove_folder` marks first and then looks for a manifest; the
+   commit writes its manifest and then looks for the mark: at least one sees the other);
+5. the stock ``.metadata`` copy, then the previous generation's files (an overwrite).
 """
 
 from __future__ import annotations
@@ -58,14 +50,12 @@ log = logging.getLogger(__name__)
 
 
 class CommitUncertain(CheckpointError):
-    """The commit (the manifest's write) failed in a way that does not tell whether it landed: an
-    object store's timeout or dropped connection, where the request may still complete. Nothing of
-    that save is removed: it may be a committed checkpoint."""
+    """The commit (the manifest's write) failed without telling whether it landed (an object store's timeout
+    or dropped connection): nothing of that save is removed, it may be a committed checkpoint."""
 
 
 def commit_uncertain(error: BaseException | None) -> bool:
-    """Whether ``error`` (DCP's ``CheckpointException``, or the exception itself) carries a
-    :class:`CommitUncertain` from the coordinator."""
+    """Whether ``error`` (or DCP's ``CheckpointException`` of it) carries a :class:`CommitUncertain`."""
     if isinstance(error, CommitUncertain):
         return True
     failures = getattr(error, "failures", None) or {}
@@ -95,13 +85,9 @@ def check_files(fs: Any, path: str, url: str, files: Iterable[FileRecord]) -> No
 
 
 def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before a partial save writes into a folder with no committed checkpoint; two small
-    reads, not a listing: on S3 listing an absent folder lists its parent, the whole root)
-
-    * Refuse a folder holding a full save's in-progress marker (object stores; older versions on POSIX):
-      that save may still be running, and its fixed-name files would sit beside the partial checkpoint.
-    * Finish an interrupted removal (its mark is there) first: otherwise a later retention or prune,
-      which finishes such folders, would delete this save's files."""
+    """(coordinator, before a partial save into a folder with no committed checkpoint; two small reads, no
+    listing) Refuse a folder holding a full save's in-progress marker (it may be running), and finish an
+    interrupted removal first (a later prune would otherwise delete this save's files)."""
     from smpckpt.storage.backends._fs import read_bytes_or_none
 
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
@@ -171,15 +157,13 @@ def commit(
 ) -> None:
     """(coordinator) Commit ``manifest`` in place in ``folder`` (module docstring, steps 1-5).
 
-    ``metadata``/``side``: created now (``None``: the writer created the metadata already); ``expected``:
-    the files to check (default: every file the manifest names; a fast-tier node holds its share only);
-    ``replace``: the manifest bytes an overwrite replaces (``None``: the commit is exclusive);
-    ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full artifacts)
-    the in-progress marker must still name this save id, and goes after the commit; ``discard``: this
-    save's files, removed when another save's commit refuses this one; ``replaces_committed``: the commit
-    replaces a committed manifest of ours (``replace``, or the writer's ``write_manifest`` doing so), whose
-    stock ``.metadata`` copy goes before the swap (:func:`_drop_stock_copy`).
-    """
+    ``metadata``/``side``: created now (``None``: already written); ``expected``: the files to check
+    (default: all the manifest names); ``replace``: the manifest bytes an overwrite replaces (``None``:
+    exclusive); ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full
+    artifacts) the in-progress marker must still name this save id, removed after the commit;
+    ``discard``: this save's files, removed when another save's commit refuses this one;
+    ``replaces_committed``: the commit replaces a committed manifest of ours, whose stock ``.metadata``
+    goes before the swap (:func:`_drop_stock_copy`)."""
     _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
     _create_own(folder, url, dict(side or {}), sync=sync)
     check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
@@ -212,11 +196,9 @@ def commit(
 
 
 def _drop_stock_copy(folder: Folder, url: str) -> bool:
-    """(an overwrite, before its manifest replaces the old one) Remove the stock ``.metadata`` copy: it
-    describes the generation being replaced, whose files stay until step 5, so a crash after the swap
-    would leave stock DCP readers loading that older generation silently while the manifest commits the
-    new one. Without a copy they fail loudly until step 5 writes the new one; smpckpt follows the manifest
-    and is unaffected. Whether a copy was removed (a failed removal is logged: the overwrite goes on)."""
+    """(an overwrite, before the swap) Remove the stock ``.metadata`` copy: it describes the generation being
+    replaced, so a crash after the swap would have stock DCP readers silently load the old generation;
+    without it they fail loudly until step 5. Whether a copy was removed (a failure is logged)."""
     if not folder.exists(METADATA_NAME):
         return False
     failed = folder.remove([METADATA_NAME])
@@ -226,9 +208,8 @@ def _drop_stock_copy(folder: Folder, url: str) -> bool:
 
 
 def _restore_stock_copy(folder: Folder, url: str) -> None:
-    """(an overwrite whose swap failed, after :func:`_drop_stock_copy`) Give the checkpoint committed here
-    -- the one this save meant to replace, or another save's that won a race -- its stock copy back: that
-    manifest's own metadata, so writing it beside the winner's own step 5 is harmless (the same bytes)."""
+    """(an overwrite whose swap failed, after :func:`_drop_stock_copy`) Put back the stock copy of whichever
+    checkpoint is committed here, from that manifest's own metadata (the same bytes its step 5 writes)."""
     try:
         if folder.exists(METADATA_NAME):
             return
@@ -255,10 +236,9 @@ def _write_manifest(
     refused: str,
     discard: Sequence[str],
 ) -> None:
-    """Step 3. Refused (``FileExistsError``) by another save's manifest: ``CheckpointExists`` after
-    removing ``discard``; by this save's own (a retried conditional PUT whose first attempt landed):
-    committed. Another failure on an object store: :class:`CommitUncertain` (it may still land); on POSIX
-    and memory:// the folder tells exactly whether the manifest landed."""
+    """Step 3. Refused by another save's manifest: ``CheckpointExists`` after removing ``discard``; by this
+    save's own (a retried conditional PUT that had landed): committed. Another failure on an object store:
+    :class:`CommitUncertain`; on POSIX and memory:// the folder tells whether the manifest landed."""
     try:
         write(data)
     except FileExistsError as exc:
@@ -299,9 +279,8 @@ def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
 def _after_commit(
     folder: Folder, url: str, manifest: Manifest, stock: bytes | None, old_files: Iterable[str], *, sync: bool
 ) -> None:
-    """Step 5 (failures are logged: the save is committed). The stock ``.metadata`` name, for stock
-    readers (ours follows the manifest), written only now so the loser of a race never replaces the
-    winner's copy; then the previous generation's files, when this save replaced one."""
+    """Step 5 (failures are logged: the save is committed). The stock ``.metadata`` copy, written only now so
+    the loser of a race never replaces the winner's; then the previous generation's files, if replaced."""
     if stock is not None:
         try:
             folder.publish(METADATA_NAME, stock, sync=sync, replace=True)
@@ -333,12 +312,10 @@ def publish_staged(
     side: Mapping[str, bytes],
     refused: str,
 ) -> None:
-    """(coordinator, POSIX) Commit the staged folder ``staging`` in ``parent`` and publish it as
-    ``target``: steps 1-3 inside it (the manifest created directly: nobody reads the folder before it is
-    published), then the rename into place, which never replaces anything (an empty ``target`` folder,
-    made by the caller beforehand, is removed first). Another folder already published under ``target``:
-    :class:`CheckpointExists` (``url``: ``refused``); the staging folder taken away by a removal meanwhile
-    (:func:`remove_staged`): the rename finds nothing to rename and the save fails."""
+    """(coordinator, POSIX) Commit the staged folder ``staging`` in ``parent`` (steps 1-3 inside it) and
+    rename it into place as ``target``, replacing nothing (an empty ``target`` made beforehand is removed
+    first). A folder already published there: :class:`CheckpointExists` (``refused``); a staging folder
+    taken by :func:`remove_staged` meanwhile: the rename fails and so does the save."""
     with Folder(parent.fs, join(parent.path, staging)) as folder:
         own = ({manifest.metadata.name: metadata} if metadata is not None else {}) | dict(side)
         _create_own(folder, url, own, sync=sync)
@@ -364,11 +341,9 @@ def publish_staged(
 
 
 def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
-    """(POSIX) Remove the staging folder ``name`` of ``root`` (a killed full save's). It is first renamed
-    to a trash name of this removal's own (``.smpckpt-trash.<hex>``): the save's commit renames that same
-    name into place, and of the two renames exactly one succeeds, so a removal never empties a folder
-    that is being published (its rename fails: ``None``, nothing removed). Then the trash goes, never
-    following a link; the paths not removed."""
+    """(POSIX) Remove the staging folder ``name`` of ``root`` (a killed full save's): first renamed to a
+    trash name of its own, so of this rename and the save's publishing rename exactly one succeeds (``None``:
+    it lost, nothing removed); then the trash goes, never following a link. The paths not removed."""
     trash = f"{TRASH_PREFIX}{os.urandom(8).hex()}"
     with Folder(fs, root, follow=True) as parent:
         try:
@@ -380,12 +355,10 @@ def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
 
 def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = False) -> list[str]:
     """Remove a checkpoint folder (committed or not); the paths not removed. Marks it first
-    (:data:`~.manifest.REMOVING_NAME`, so an interrupted removal is known for garbage and a commit running
-    meanwhile withdraws, step 4), removes the manifest next (readers refuse what is left), then the rest,
-    never following a link: a folder that is itself a link loses the link only.
-
-    ``uncommitted_only`` (stale debris): when a manifest is found after the mark, a save committed here
-    meanwhile: the mark goes and nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
+    (:data:`~.manifest.REMOVING_NAME`: garbage if interrupted; a commit running meanwhile withdraws, step 4),
+    then the manifest, then the rest, never following a link (a linked folder loses the link only).
+    ``uncommitted_only``: a manifest found after the mark means a save committed meanwhile: the mark goes,
+    nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
     if is_local(fs):

@@ -1,8 +1,7 @@
-"""Full (consolidated) mode, the coordinator's side: the folder cleared before a save and a place to write
-taken (POSIX: a staging folder of the save's own; object stores: the in-progress marker), then at the
-commit what every rank reported, the artifact's own records, the metadata loaders see (one whole chunk
-per tensor, in the stored dtype, with the artifact description) and the commit itself, through the one
-protocol (``storage/format/commit.py``)."""
+"""Full (consolidated) mode, the coordinator's side: the folder cleared and a place to write taken
+(POSIX: a staging folder; object stores: the in-progress marker), then at the commit the artifact's
+records, the metadata loaders see (one chunk per tensor) and the commit itself (``storage/format/commit.py``).
+"""
 
 from __future__ import annotations
 
@@ -49,12 +48,10 @@ _GLOO = (
 
 
 def clear_for_full_save(fs: Any, path: str, url: str) -> None:
-    """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or
-    foreign files; remove the debris of an unfinished full save of ours (no manifest), whatever state it
-    is in: a killed save never blocks its tag. No liveness watch is needed: on POSIX a running save
-    writes its own staging folder, never this one; on object stores every object of a save is created
-    only if absent, so a save that was only stalled fails at its first write into what this save created,
-    and at the latest at its commit (the marker no longer names it)."""
+    """(coordinator, before planning a full save) Refuse a folder holding a committed checkpoint or foreign
+    files; remove an unfinished full save's debris, whatever its state, so a killed save never blocks its
+    tag. A stalled save cannot interfere: on POSIX it writes its own staging folder, on object stores it
+    creates only what is absent, failing at its first write or at its commit."""
     found = probe(fs, path, list_when_empty=False)
     if found.state in ("committed", "legacy"):
         raise CheckpointExists(
@@ -99,11 +96,9 @@ def staging_path(path: str, save_id: str) -> str:
 def begin_full_save(
     writer: FullArtifactWriter, plans: list[SavePlan], save_id: str
 ) -> tuple[list[SavePlan], ArtifactLayout]:
-    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder (:func:`clear_for_full_save`), lay
-    the artifact out over the ranks' plans, and take a place to write it: on POSIX a staging folder of
-    its own (``.smpckpt-staging.<save id>`` beside the target) with every file the ranks write created in
-    it; on object stores the in-progress marker, created only if absent. The plans for the ranks and
-    the layout the commit checks."""
+    """(coordinator, in ``writer.prepare_global_plan``) Clear the folder, lay the artifact out over the ranks'
+    plans and take a place to write it (POSIX: a staging folder with every file created; object stores:
+    the in-progress marker, create-only). The ranks' plans and the layout the commit checks."""
     fs, path, url, process_group = writer.fs, writer.path, writer.url, writer.process_group
     options, sync = writer.full, writer.sync_files
     clear_for_full_save(fs, path, url)
@@ -131,9 +126,7 @@ def begin_full_save(
                 ) from exc
         return out, layout
     if options.row_swap_below and not cpu_group and dist.is_available() and dist.is_initialized():
-        # correct, but slower (README: 0.61x instead of 0.87x a partial save's throughput on the
-        # benchmark); said by each full save it slows, the package keeping no state between saves.
-        # Ranks simulated in one process (tests) have no group to name.
+        # correct but slower (README); said by each full save it slows (no state kept between saves)
         log.warning(
             "full save: the process group (%s) cannot move CPU tensors, so column shards with short rows are "
             "written row by row instead of swapped into blocks (slower, same bytes); for the faster path %s",
@@ -150,9 +143,8 @@ def begin_full_save(
 def artifact_records(
     folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool
 ) -> tuple[list[FileRecord], dict[str, bytes]]:
-    """(coordinator, at the commit) The artifact files' manifest records (made durable: the ranks wrote
-    their boxes back, see ``_write._flush``; their sizes are checked by the commit's listing) and the
-    side files the commit creates (shard index, ``config.json``) with their records."""
+    """(coordinator, at the commit) The artifact files' manifest records (their sizes checked by the
+    commit's listing) and the side files the commit creates (shard index, ``config.json``) with theirs."""
     records: list[FileRecord] = []
     for f in layout.files:
         if sync and folder.local:
@@ -168,8 +160,7 @@ def artifact_records(
 
 
 def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
-    """The floating-point dtype most of the model artifact's tensors are stored in (``config.json``'s
-    ``dtype``, as ``save_pretrained`` records the model's); optimizer state does not count."""
+    """The floating-point dtype most model tensors are stored in (``config.json``'s ``dtype``)."""
     model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
     counts = Counter(d for d in model if d.is_floating_point)
     return counts.most_common(1)[0][0] if counts else None
@@ -178,9 +169,8 @@ def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype |
 def whole_tensor_metadata(
     metadata: Metadata, layout: ArtifactLayout, results: list[list[WriteResult]]
 ) -> list[FileRecord]:
-    """(coordinator, in ``finish``, under its ``gc_paused``: thousands of small lists per rank) The object
-    files' records, from all ranks' results. Loaders see one chunk per tensor, in the stored dtype; the
-    description says where its bytes are, with every tensor's check units (the results' boxes)."""
+    """(coordinator, in ``finish``, under its ``gc_paused``) The object files' records, from all ranks' results;
+    loaders see one chunk per tensor, in the stored dtype, described with its check units."""
     boxes: dict[str, list[BoxUnits]] = {}
     records: list[FileRecord] = []
     for rank, rank_results in enumerate(results):
@@ -205,8 +195,7 @@ def whole_tensor_metadata(
 
 
 def folder_names(fs: Any, path: str) -> set[str]:
-    """Base names in a folder (empty when it does not exist), as the store holds them now: a full save
-    decides from them whether an unfinished save's files must go first."""
+    """Base names in a folder as the store holds them now (empty when it does not exist)."""
     try:
         entries = ls_fresh(fs, path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
@@ -217,10 +206,9 @@ def folder_names(fs: Any, path: str) -> set[str]:
 def commit_full(
     writer: FullArtifactWriter, manifest: Manifest, metadata: bytes, side: dict[str, bytes], folder: Folder
 ) -> None:
-    """(coordinator, last step of a full save) The one commit protocol (``storage.format.commit``): on
-    POSIX the staging folder committed and renamed into place, replacing nothing; on object stores the
-    manifest created in place while the in-progress marker still names this save, the marker removed
-    after. A failed request on an object store raises ``CommitUncertain`` (it may still land)."""
+    """(coordinator, last step of a full save) The one commit protocol: on POSIX the staging folder renamed
+    into place; on object stores the manifest created while the in-progress marker still names this save,
+    the marker removed after (a failed request raises ``CommitUncertain``: it may still land)."""
     refused = "another save committed here while this full save was writing"
     if folder.local:
         parent = folder.path.rstrip("/").rpartition("/")[0] or "/"

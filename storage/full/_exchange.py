@@ -1,26 +1,16 @@
 """Full mode on POSIX: column shards with short rows are written as blocks of whole rows, after a swap.
 
-A tensor split on a trailing dim (a column shard: out-projections, MLP down-projections) puts each
-rank's bytes in one short run per row, interleaved with the other ranks' runs. Written in place that
-costs one ``pwrite`` per row (2 KiB rows: 0.5 GB/s, against 3.6 GB/s for one run of the same bytes on
-this project's machines), and the pages two ranks share cannot be written back until both are done.
-With its strided boxes the full save ran at 0.45-0.65x the partial save; with the same tensors split on
-dim 0 at 0.95-0.99x (measured, ``benchmarks/RESULTS_full.md``).
-
-So for such a tensor its writers swap bytes over the process group first: writer ``i`` of ``k`` ends up
-with rows ``[n*i//k, n*(i+1)//k)`` of the tensor's first dim, all columns, and writes them as one run.
-Each rank sends the rows of its box that belong to the other writers' blocks (``(k-1)/k`` of its box)
-and receives the pieces of its own block. The bytes cross the process group once and reach storage
-once. Swaps of consecutive small tensors travel together: the coordinator numbers them into batches
-of up to :data:`SWAP_BATCH_BYTES`, and a pair of ranks exchanges one message per batch each way (one
-exchange per tensor cost ~2 ms apiece at 4 ranks, whatever its size). Every rank walks its batches in
-one global order (file, offset), sends before it waits, and lays out each message in the batch's
-(swap, block, box) order, which its peer derives alike, so each message meets its receive with the
-size expected: no deadlock, whatever the layout.
+A column shard is one short run per row, interleaved with the other ranks' runs: written in place, one
+``pwrite`` per row (``benchmarks/RESULTS_full.md``: 0.45-0.65x the partial save). So its writers swap
+bytes over the process group first: writer ``i`` of ``k`` ends up with rows ``[n*i//k, n*(i+1)//k)``,
+all columns, and writes them as one run. Swaps of consecutive small tensors travel together in batches
+of up to :data:`SWAP_BATCH_BYTES` (one message per pair of ranks and batch each way). Every rank walks
+its batches in one global order (file, offset), sends before it waits, and lays out each message in the
+(swap, block, box) order its peer derives alike: no deadlock, whatever the layout.
 
 Planned by the coordinator (:func:`plan_exchanges`, only when the process group spans every planning
 rank); carried out by every rank (:class:`Swapper`). Memory: one batch's boxes and blocks, plus the
-previous batch's blocks while they are written (``_write``).
+previous batch's blocks while they are written.
 """
 
 from __future__ import annotations
@@ -97,22 +87,16 @@ def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:
     return short
 
 
-#: Tensor bytes (all ranks' boxes) per swap batch. One message per pair of ranks cost ~2 ms on the
-#: 2-vCPU VM at 4 ranks, whatever its size up to here: one per tensor made the swaps of 1,020 small
-#: tensors 2.3 s of a 4.4 s save. A larger tensor is a batch of its own.
+#: Tensor bytes (all ranks' boxes) per swap batch (a message costs ~2 ms whatever its size up to here);
+#: a larger tensor is a batch of its own.
 SWAP_BATCH_BYTES = 8 << 20
 
 
-def plan_exchanges(plans: list[SavePlan], below: int, batch_limit: int | None = None) -> list[SavePlan]:
+def plan_exchanges(plans: list[SavePlan], below: int) -> list[SavePlan]:
     """(coordinator) Move the boxes of column-sharded tensors with runs shorter than ``below`` bytes into
-    swaps. Each writer keeps its boxes (it sends their rows) and gets a one-run block to write.
-
-    Consecutive swaps (in the global order) are numbered into batches of up to ``batch_limit`` tensor
-    bytes (default :data:`SWAP_BATCH_BYTES`) here, once for every rank: a pair of ranks then sends one
-    message per batch each way, holding the swaps of that batch they share, and both sides agree on
-    what it holds even when their own swap lists differ (pipeline stages, replicas written by different
-    ranks)."""
-    limit = SWAP_BATCH_BYTES if batch_limit is None else batch_limit
+    swaps: each writer sends its boxes' rows and gets a one-run block to write. Consecutive swaps are
+    numbered into batches of up to :data:`SWAP_BATCH_BYTES` here, once for every rank, so both sides of a
+    pair agree on each batch's message even when their own swap lists differ."""
     datas = [cast(RankFullData, p.storage_data) for p in plans]
     by_tensor: dict[tuple[str, int], list[tuple[int, FullWrite]]] = {}
     for r, d in enumerate(datas):
@@ -127,7 +111,7 @@ def plan_exchanges(plans: list[SavePlan], below: int, batch_limit: int | None = 
         ranks = sorted({r for r, _ in boxes})
         n, k = boxes[0][1].view[0], len(ranks)
         nbytes = sum(math.prod(w.sizes) * w.dtype.itemsize for _, w in boxes)
-        if batch_bytes and batch_bytes + nbytes > limit:
+        if batch_bytes and batch_bytes + nbytes > SWAP_BATCH_BYTES:
             batch, batch_bytes = batch + 1, 0
         batch_bytes += nbytes
         blocks = tuple((r, n * i // k, n * (i + 1) // k) for i, r in enumerate(ranks))
@@ -149,8 +133,7 @@ def rows_of(buf: memoryview, w: FullWrite, lo: int, hi: int) -> memoryview:
 
 
 def paste(dst: np.ndarray, dst_offsets: Sequence[int], dst_sizes: Sequence[int], src: np.ndarray, w: FullWrite) -> None:
-    """Copy box ``w`` (``src``: its row-major bytes) into ``dst``, the row-major bytes of a box of the same
-    tensor that holds it (a swap's row block, an owner's whole tensor): one copy per row of ``w``."""
+    """Copy box ``w`` (``src``: its row-major bytes) into ``dst``, a box holding it (one copy per row of ``w``)."""
     isz = w.dtype.itemsize
     if not w.sizes:  # a 0-dim tensor: its one element
         dst[:] = src
@@ -177,10 +160,9 @@ class Swapper:
         self.pg = process_group
 
     def swap(self, batch: Sequence[Exchange], my_buf: Mapping[FullWrite, memoryview]) -> list[Block]:
-        """Send my boxes' rows to the other writers and receive the rows of my blocks, for every swap of
-        one batch: one message per peer each way, the pieces in the batch's order (the same order on both
-        sides). ``my_buf``: the row-major bytes of each of my boxes in the batch. Returns my blocks (none
-        for a swap in which I have no rows)."""
+        """Send my boxes' rows to the other writers and receive my blocks' rows, for every swap of one batch:
+        one message per peer each way, in the batch's order. ``my_buf``: each of my boxes' row-major bytes.
+        Returns my blocks (none for a swap in which I have no rows)."""
         outgoing: dict[int, list[memoryview]] = {}
         incoming: dict[int, list[tuple[int, FullWrite, int]]] = {}  # peer -> (swap, its box, bytes)
         made: list[_Assembly | None] = []  # per swap of the batch: my block, its bytes, its pieces
@@ -242,10 +224,8 @@ def batches(exchanges: Sequence[Exchange]) -> list[list[Exchange]]:
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """A rank's assembled rows: the one-run box it writes, its bytes, and the pieces it was made of.
-
-    Check units are cut per piece (the rows of one original box), not per block, so a reader that loads
-    the saving layout's column shards still reads exactly the bytes it needs to verify them."""
+    """A rank's assembled rows: the one-run box it writes, its bytes, and the pieces it was made of (check
+    units are cut per piece, so a reader of the saving layout's column shards reads only what it verifies)."""
 
     write: FullWrite
     data: memoryview

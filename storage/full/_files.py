@@ -1,9 +1,7 @@
-"""Byte runs of full artifacts: ``pread`` on local files, ranged GETs on object stores.
-
-On object stores a GET costs far more than the bytes between neighbouring runs, so bytes are fetched
-in enclosing spans of at most :data:`SPAN_BYTES` and runs are cut out of them: the rows of a column
-box share one GET, and so do neighbouring tensors of one file (:func:`plan_spans`,
-:class:`SpanFetcher`), as long as the span stays almost all wanted bytes."""
+"""Byte runs of full artifacts: ``pread`` on local files, ranged GETs on object stores, where bytes are
+fetched in enclosing spans of at most :data:`SPAN_BYTES` shared by a column box's rows and by
+neighbouring tensors (:func:`plan_spans`, :class:`SpanFetcher`) and the runs cut out of them.
+"""
 
 from __future__ import annotations
 
@@ -52,8 +50,7 @@ class RunFiles:
         return bytes(blob)
 
     def hold(self, name: str, lo: int, hi: int) -> int:
-        """(object stores) Fetch file bytes ``[lo, hi)`` in one GET and serve runs inside them from
-        memory until the next call; returns the bytes fetched (0 on local files, which need none)."""
+        """(object stores) Fetch bytes ``[lo, hi)`` in one GET, serving runs from them; the bytes fetched."""
         self._tls.held = ()
         if self.local or hi <= lo:
             return 0
@@ -61,8 +58,7 @@ class RunFiles:
         return hi - lo
 
     def serve(self, held: Sequence[Held]) -> None:
-        """(object stores) Serve this thread's runs from ``held`` spans (fetched elsewhere) until the
-        next ``serve``/``hold``; ``serve(())`` lets them go."""
+        """(object stores) Serve this thread's runs from ``held`` spans until the next call; ``()`` lets go."""
         self._tls.held = tuple(held)
 
     def _count(self, n: int) -> None:
@@ -87,16 +83,14 @@ class RunFiles:
             return fd
 
     def prefetch(self, name: str, lo: int, n: int) -> None:
-        """(local files) Ask the kernel to start reading bytes ``[lo, lo + n)`` of ``name`` now
-        (``WILLNEED``): exactly a streamed box's span, so its later pieces arrive while the first is
-        verified and copied. Advice only; nothing on object stores."""
+        """(local files) Advise the kernel to read bytes ``[lo, lo + n)`` of ``name`` now (``WILLNEED``), so a
+        streamed box's later pieces arrive while the first is checked. Nothing on object stores."""
         if self.local and n > 0 and hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
                 os.posix_fadvise(self._fd(name), lo, n, os.POSIX_FADV_WILLNEED)
 
     def read_runs(self, name: str, starts: np.ndarray, run: int, out: memoryview) -> int:
-        """Runs of ``run`` bytes at ``starts`` (ascending), back to back into ``out``; returns the bytes
-        fetched from storage (more than the runs' on object stores, where strided runs share a GET)."""
+        """Runs of ``run`` bytes at ``starts`` (ascending) back to back into ``out``; the bytes fetched."""
         path = join(self.path, name)
         if self.local:
             fd = self._fd(name)
@@ -153,14 +147,10 @@ SPAN_WASTE = 1 / 20
 def plan_spans(
     extents: Sequence[Sequence[tuple[str, int, int]]], *, limit: int | None = None, waste: float = SPAN_WASTE
 ) -> tuple[list[tuple[str, int, int]], list[tuple[int, ...]]]:
-    """Spans ``(file, lo, hi)`` that fetch the items' byte extents in few GETs, and each item's span
-    indices (``()``: an item with an empty extent or one longer than ``limit``, left to fetch its own).
-    ``limit`` defaults to :data:`SPAN_BYTES` as it is when called.
-
-    An item's extent is the byte range its reads touch in one file (a box's runs and the check units
-    they fall in). Extents of one file are merged in file order while the span stays within ``limit``
-    bytes and at most ``waste`` of it lies outside every extent: a same-layout load fetches whole
-    files in a few GETs, and a TP slice of each tensor does not drag the other ranks' slices in."""
+    """Spans ``(file, lo, hi)`` that fetch the items' byte extents (a box's runs and their check units) in
+    few GETs, and each item's span indices (``()``: an empty extent or one over ``limit``, fetched alone;
+    ``limit`` default: :data:`SPAN_BYTES`). A file's extents merge in order while the span stays within
+    ``limit`` with at most ``waste`` of it outside every extent."""
     limit = SPAN_BYTES if limit is None else limit
     eligible = [all(0 < hi - lo <= limit for _, lo, hi in ext) and bool(ext) for ext in extents]
     flat = sorted((name, lo, hi, i) for i, ext in enumerate(extents) if eligible[i] for name, lo, hi in ext)
@@ -183,13 +173,10 @@ def plan_spans(
 
 
 class SpanFetcher:
-    """(object stores) The spans of :func:`plan_spans` fetched on their own threads, in order, with at
-    most ``ahead`` of them fetched or in flight and not yet released; a span is dropped when the last
-    item using it is released.
-
-    Called from one thread (the one submitting items): ``need`` before an item is handed to a worker
-    (the futures it returns are what the worker waits on), ``top_up`` after, ``release`` when the item
-    is done, ``close`` at the end (cancels what has not started)."""
+    """(object stores) The spans of :func:`plan_spans` fetched on their own threads, in order, at most
+    ``ahead`` not yet released; a span goes when its last item is released. Called from one thread:
+    ``need`` before an item goes to a worker (returns the futures to wait on), ``top_up`` after,
+    ``release`` when the item is done, ``close`` at the end."""
 
     def __init__(
         self,
@@ -217,8 +204,7 @@ class SpanFetcher:
         self.next += 1
 
     def need(self, idx: tuple[int, ...], make_room: Callable[[], bool]) -> list[concurrent.futures.Future[Held]]:
-        """Start every span up to the last of ``idx``; while ``ahead`` are held, ``make_room`` (finish
-        some items; ``False`` when none is pending, and then the span starts anyway)."""
+        """Start every span up to the last of ``idx``; while ``ahead`` are held, ``make_room`` first."""
         while idx and self.next <= idx[-1]:
             if len(self.futures) >= self.ahead and make_room():
                 continue
@@ -243,8 +229,7 @@ class SpanFetcher:
 
 
 def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``SPAN_BYTES`` (a run
-    longer than that is a group of its own)."""
+    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``SPAN_BYTES``."""
     out: list[tuple[int, int]] = []
     a = 0
     for i in range(1, len(starts) + 1):

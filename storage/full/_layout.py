@@ -1,7 +1,5 @@
-"""Full (consolidated) mode, the layout: what the coordinator decides for an artifact (its files, every
-tensor's place, each rank's boxes) and the description of it stored in the generation's metadata, which
-the reader (``_source``) parses back: tensor offsets, our keys' expressions over the artifact's keys
-(JSON), check units.
+"""Full (consolidated) mode, the layout the coordinator decides (files, every tensor's place, each rank's
+boxes) and its description stored in the generation's metadata, parsed back by ``_source``.
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ class RankFullData:
 
 @dataclasses.dataclass(frozen=True)
 class ArtifactFile:
-    """One file of an artifact: everything in it that is not tensor data (``pieces``: the safetensors
-    header, or a torch.save archive's pickle, record headers and directory) and where each tensor goes."""
+    """One file of an artifact: its non-tensor ``pieces`` (headers) and where each tensor goes."""
 
     name: str
     artifact: str
@@ -126,8 +123,7 @@ def leaf_keys(expr: Expr) -> list[str]:
 
 
 def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """A file's non-tensor byte ranges ``(offset, length, digest)``: ``pieces``, or the ``header`` of
-    descriptions written before torch.save files existed."""
+    """A file's non-tensor byte ranges ``(offset, length, digest)`` (``pieces``, or an old ``header``)."""
     if "pieces" in f:
         return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
     return [(0, int(f["header"][0]), int(f["header"][1], 16))]

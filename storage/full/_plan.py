@@ -1,29 +1,17 @@
 """Full (consolidated) mode, planning: where every rank's shard bytes land in the safetensors artifact.
 
-The coordinator turns the global save plan into an artifact layout -- which tensors go to which
-``model*.safetensors`` file, every header, every tensor's byte offset -- and gives each rank the list
-of *writes* for its own shards: a box of an artifact tensor (in the tensor's row-major bytes, so a
-column shard is one run per row) and where in the rank's chunk its data comes from. Ranks then write
-straight into the shared files at those offsets (``_write``): the bytes cross to storage once, no
-rank gathers a tensor, and extra memory is one piece of one shard.
+The coordinator turns the global save plan into an artifact layout (which tensors go to which
+``model*.safetensors`` file, every header, every offset) and gives each rank the *writes* for its own
+shards: a box of an artifact tensor and where in the rank's chunk its data comes from; ranks write
+straight into the shared files (``_write``). A :class:`~smpckpt.model.translation.Translation` maps our
+keys to Hugging Face keys region by region (a fused QKV shard becomes boxes of ``c_attn.weight``
+transposed, never assembled). Each write is cut into check units of about ``check_block`` bytes whose
+xxh3 go into the generation's metadata.
 
-A :class:`~smpckpt.model.translation.Translation` (e.g. ``smpckpt.hf.gpt2.TRANSLATION``) maps our keys to
-Hugging Face keys region by region: a fused QKV shard becomes boxes of ``c_attn.weight`` transposed,
-written in place, never assembled.
-
-Integrity: each write is cut into *check units* of about ``check_block`` bytes along its outermost
-dimension; every unit's xxh3 goes into the generation's metadata (itself checksummed by the
-manifest), so a reader verifies exactly the boxes it reads.
-
-Files in ``torch_save`` format are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat
-``{key: tensor}`` dict, made of FakeTensors of the right shapes and dtypes, is saved under
-``torch.serialization.skip_data``, which writes the zip archive with its pickle, record headers and
-directory and leaves a hole where each storage's bytes go. That file is sparse (a few KiB on disk
-whatever the model size) and is read back as the byte pieces around the holes plus each tensor's record
-offset. The result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too: torch aligns
-every record to 64 bytes) with nothing of ours installed. Record CRCs are written as zero, as
-``torch.save`` does under ``torch.serialization.set_crc32_options(False)``; integrity comes from the
-manifest's check units.
+``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat dict, made of
+FakeTensors, saved under ``torch.serialization.skip_data``, leaves a hole where each storage goes; the
+result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too) with nothing of ours
+installed. Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
 """
 
 from __future__ import annotations
@@ -55,11 +43,9 @@ __all__ = ["plan_artifact"]
 
 
 def _cast(shape: Sequence[int], dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
-    """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: they are
-    optimizer counters and running products (Adam's ``step``, NAdam's ``mu_product``, ASGD's ``eta``),
-    which a narrow float rounds (fp16 turned step 70,001 into inf, bf16 1,001 into 1,000, and a resumed
-    optimizer then applied the wrong bias correction), and they weigh nothing. By shape, not name:
-    optimizers name their scalars freely."""
+    """The export dtype of one tensor (``FullOptions.dtype``). Scalars (0-dim) are kept: optimizer counters
+    and running products (Adam's ``step``) that a narrow float rounds (fp16 made step 70,001 inf); by
+    shape, not name."""
     if to is None or not dtype.is_floating_point or len(shape) == 0:
         return dtype
     return to
@@ -169,10 +155,9 @@ def _expressions(
 def _translated(
     by_artifact: Mapping[str, Mapping[str, str]], shapes: Mapping[str, tuple[int, ...]], translation: Translation
 ) -> dict[str, tuple[dict[str, Expr], dict[str, tuple[int, ...]]]]:
-    """Each artifact's expressions and artifact shapes under ``translation``, after checking that it
-    fits the tensors (a wrong family's rules would change nothing and fail nowhere). The artifacts are
-    translated as one: optimizer state (``optimizer.safetensors``' ``<param>.exp_avg``) follows its
-    parameter only where the translation sees the parameter (``model.safetensors``' ``<param>``)."""
+    """Each artifact's expressions and shapes under ``translation``, once it is checked to fit the tensors (a
+    wrong family's rules would change nothing and fail nowhere). Translated as one, so optimizer state
+    follows its parameter where the translation sees the parameter."""
     joint = {key: shapes[fqn] for members in by_artifact.values() for key, fqn in members.items()}
     check_translation(translation, joint, "ours")
     groups = [list(by_artifact)]
@@ -280,8 +265,7 @@ def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, t
 
 
 def _auto_shard_size(total: int, world: int) -> int:
-    """Hugging Face's 5 GB cap, lowered until the ranks of a multi-rank save can each start on their
-    own file (at most ``2 x world`` files, each at least 256 MiB, 64 in all)."""
+    """Hugging Face's 5 GB, lowered so each rank can start on its own file (at most ``2 x world``)."""
     hf = 5 * 10**9
     files = max(-(-total // hf), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings: no float
     return max(1, -(-total // files))
@@ -317,9 +301,8 @@ def _rank_writes(
     files: Sequence[ArtifactFile],
     gather: bool,
 ) -> list[SavePlan]:
-    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (in gather mode,
-    also every rank's boxes and the files, file ``i`` owned by rank ``i % world``, so all ranks walk one
-    global order of transfers)."""
+    """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (gather mode: also
+    every rank's boxes and the files, file ``i`` owned by rank ``i % world``, for one global order)."""
     per_rank: list[list[FullWrite]] = []
     for plan in plans:
         writes: list[FullWrite] = []

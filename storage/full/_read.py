@@ -1,11 +1,9 @@
 """Full (consolidated) artifacts and Hugging Face folders, reading: exact boxes, verified.
 
-A read request (a box of one of our tensors) maps through its expression to boxes of artifact tensors
-(:func:`smpckpt.model.translation.pieces`); each box is a set of byte runs (:func:`~._regions.box_runs`):
-one run for a row shard, one per row for a column shard. With checksums, the check units a box
-touches are read whole and verified (a reshard to another TP degree may read a unit's far side);
-``last_read_stats`` reports bytes read against bytes needed, per file and in total. Where the
-tensors are comes from :class:`~._source.ArtifactIndex`.
+A read request maps through its expression to boxes of artifact tensors
+(:func:`smpckpt.model.translation.pieces`), each a set of byte runs (:func:`~._regions.box_runs`); the
+check units a box touches are read whole and verified. Where the tensors are comes from
+:class:`~._source.ArtifactIndex`.
 """
 
 from __future__ import annotations
@@ -73,13 +71,9 @@ class FullSource(ArtifactIndex):
 
     # -- reading ------------------------------------------------------------------------------------
     def read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Every item of ``plan`` into ``planner``; the bytes it needed and read go to ``file_stats``.
-
-        The planner is called on this thread only. The tensors' reads and checks run on ``threads``
-        worker threads (at most twice that many items in flight), so hashing overlaps the next read; on
-        local files a column box's parts are shared by the threads free at the time (:meth:`_spread`). On
-        object stores the items' bytes are fetched ahead in spans shared by neighbouring boxes
-        (:func:`~._files.plan_spans`; items in file order), several GETs in flight."""
+        """Every item of ``plan`` into ``planner``; the bytes needed and read go to ``file_stats``. The planner
+        is called on this thread only; reads and checks run on ``threads`` workers (at most twice that many
+        items in flight); on object stores bytes are fetched ahead in shared spans (:func:`~._files.plan_spans`)."""
         self.requests, self.file_stats = 0, {}
         items = list(plan.items)
         with (
@@ -203,8 +197,7 @@ class FullSource(ArtifactIndex):
         return out
 
     def _fill(self, req: ReadItem, target: torch.Tensor, held: Sequence[concurrent.futures.Future[Held]]) -> None:
-        """(worker thread) The bytes of ``req`` into ``target``, verified; runs served from the ``held``
-        spans where they lie inside one (object stores)."""
+        """(worker thread) The bytes of ``req`` into ``target``, verified (from ``held`` spans where they lie)."""
         self._files.serve([f.result() for f in held])
         try:
             for key, t, pc in self._boxes(req):
@@ -234,8 +227,7 @@ class FullSource(ArtifactIndex):
         dst: memoryview | None = None,
         prefetched: bool = False,
     ) -> memoryview:
-        """The box's bytes (row-major; into ``dst`` when given, else a new buffer), verified; the bytes
-        read from storage go to ``file_stats``. ``prefetched``: its spans are held already."""
+        """The box's bytes (into ``dst`` or a new buffer), verified; ``prefetched``: its spans are held."""
         itemsize = t.dtype.itemsize
         nbytes = math.prod(sizes) * itemsize
         out = dst if dst is not None else memoryview(bytearray(nbytes))
@@ -292,10 +284,7 @@ class FullSource(ArtifactIndex):
         units: UnitIndex | None,
         out: memoryview,
     ) -> bool:
-        """(local files) A column box read as the partial reader's cost model says
-        (:mod:`~._strided`): its rows in sequential spans of whole rows when their unread gap costs less
-        than a request, each piece's units verified before its columns are copied into ``out``.
-        ``False``: not such a box, or gaps wide enough for a request per row (read as before)."""
+        """(local files) A column box streamed (:mod:`~._strided`); ``False``: not such a box."""
         plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
         if plan is None:
             return False
@@ -314,9 +303,8 @@ class FullSource(ArtifactIndex):
         return True
 
     def _spread(self, count: int, work: Callable[[Iterator[int]], int]) -> int:
-        """(worker thread) A box's ``count`` parts (see :func:`~._strided.share`): on local files shared
-        with the read's other threads when they are free; on object stores, or outside :meth:`read`, on
-        this thread (spans are held per thread there)."""
+        """(worker thread) A box's ``count`` parts (:func:`~._strided.share`): on local files shared with the
+        read's free threads; on object stores, or outside :meth:`read`, on this thread (spans are per thread)."""
         pool = self._pool
         if pool is None or not self._files.local or count < 2:
             return serially(count, work)
@@ -339,11 +327,9 @@ class FullSource(ArtifactIndex):
         whole: WholeUnits | None,
         sizes: Sequence[int] = (),
     ) -> int:
-        """The runs ``starts`` (``rows`` rows of the box, the same number of runs each) into ``out`` back
-        to back, in row groups of about :data:`~._strided.PART_BYTES` read by several threads
-        (:meth:`_spread`), never cutting one of the ``whole`` units (box ``sizes``; ``None``:
-        unverified): each group's units are checked where they lie in ``out`` by the thread that read
-        them. Returns the bytes fetched."""
+        """The runs ``starts`` (``rows`` rows of the box) into ``out`` back to back, in row groups of about
+        :data:`~._strided.PART_BYTES` read by several threads, never cutting a ``whole`` unit, each group's
+        units checked in ``out`` (``whole`` ``None``: unverified). Returns the bytes fetched."""
         per_row = len(starts) // rows if rows > 1 and len(starts) % rows == 0 else 0
         if per_row and self._files.local:
             urows = (
@@ -383,9 +369,8 @@ class FullSource(ArtifactIndex):
         sizes: Sequence[int],
         out: memoryview,
     ) -> int:
-        """Every unit the box ``(offsets, sizes)`` touches read whole and checked, its overlap then copied
-        into ``out`` (the box's row-major bytes; units do not overlap, so neither do their copies), in
-        groups of about :data:`~._strided.PART_BYTES` of units read by several threads. Returns the
+        """Every unit the box touches read whole and checked, its overlap copied into ``out`` (the box's
+        row-major bytes), in groups of about :data:`~._strided.PART_BYTES` read by several threads. Returns the
         bytes fetched."""
         itemsize = t.dtype.itemsize
         groups: list[tuple[int, int]] = []
@@ -423,9 +408,7 @@ class FullSource(ArtifactIndex):
         out: memoryview,
         prefetched: bool,
     ) -> memoryview:
-        """A box requested in another view than its units were checked in (a whole tensor the planner
-        reshaped), matched byte by byte (:func:`cross_view`): a unit sharing only part of the box is read
-        whole and its shared bytes copied in, so every byte delivered is a byte checked."""
+        """A box requested in another view than its units' (:func:`cross_view`): every byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
         read = 0 if prefetched else self._hold(t, plan.extent)
         if plan.partial:  # the bytes they share with the box come with them
@@ -465,9 +448,8 @@ class FullSource(ArtifactIndex):
         )
 
     def _hold(self, t: StoredTensor, ext: tuple[int, int] | None) -> int:
-        """(object stores) One GET for bytes ``ext`` of ``t`` (a box's runs and the units it reads), held
-        for its reads when at most ``SPAN_BYTES``; too wide for one GET, only what an earlier box held is
-        dropped. Returns the bytes fetched."""
+        """(object stores) One GET for bytes ``ext`` of ``t``, held for its reads when at most ``SPAN_BYTES``
+        (wider: only what an earlier box held is dropped). Returns the bytes fetched."""
         if ext is None or ext[1] - ext[0] > _files.SPAN_BYTES:
             return self._files.hold(t.file, 0, 0)
         return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
@@ -479,9 +461,8 @@ class FullSource(ArtifactIndex):
             st[1] += read
 
     def verify_all(self, tick: Callable[[int], None] = lambda _: None) -> list[str]:
-        """(``smpckpt verify``) Read every header and check unit; the problems found. ``tick(bytes)``
-        after each header piece and unit checked (``verify_checkpoint`` counts them: these files have
-        no block list)."""
+        """(``smpckpt verify``) Read every header and check unit; the problems found. ``tick(bytes)`` after each
+        piece checked (``verify_checkpoint`` counts them)."""
         problems: list[str] = []
         with RunFiles(self.fs, self.path) as files:
             for name, pieces in self.headers.items():

@@ -47,8 +47,7 @@ class HeaderEntry:
 def encode_header(
     tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, list[HeaderEntry]]:
-    """The header bytes (length prefix included) for ``tensors`` laid out back to back, in order, and
-    where each tensor's data lands in the file."""
+    """The header bytes (length prefix included) for ``tensors`` back to back, and where each lands."""
     obj: dict[str, object] = {}
     if metadata:
         obj["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

@@ -1,19 +1,14 @@
 """Full (consolidated) artifacts and Hugging Face folders, opening: where every tensor's bytes are.
 
-Two sources look alike to a loader: a committed full artifact of ours (its description -- tensor
-offsets, our keys' expressions, check units -- lives in the generation's metadata, checksummed by the
-manifest) and a plain Hugging Face folder (``model.safetensors`` or an index and shards; no manifest:
-*unverified*, like a stock DCP checkpoint). Both become an :class:`ArtifactIndex` and a DCP ``Metadata``
-with one chunk per tensor, so any load planner reshards from them into any TP x PP x DP layout; the
-reads themselves are ``_read``'s.
+A committed full artifact of ours (described in the generation's metadata, checksummed by the manifest)
+and a plain Hugging Face folder (no manifest: *unverified*, like a stock DCP checkpoint) both become an
+:class:`ArtifactIndex` and a DCP ``Metadata`` with one chunk per tensor, so any load planner reshards
+from them; the reads are ``_read``'s.
 
-A Hugging Face folder's tied heads: ``save_pretrained`` leaves out a key that is another key's tensor
-(``lm_head.weight`` is ``transformer.wte.weight`` in GPT-2). A model that holds the head apart (a
-pipeline's last stage; a TP layout built by hand) needs its values from the embedding's bytes; a model
-that ties them in memory loads the embedding once either way (:class:`~smpckpt.planners.ParallelLoadPlanner`).
-Which keys are tied comes from the translation the load uses, else from the folder's ``config.json`` (its
-``model_type`` names a family of :mod:`smpckpt.hf`); a config that says ``"tie_word_embeddings": false``
-ties nothing (:func:`hf_folder_ties`).
+A Hugging Face folder leaves a tied key out (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``):
+a model holding the head apart gets its values from the embedding's bytes. Which keys are tied comes
+from the load's translation, else from ``config.json``'s ``model_type`` (``"tie_word_embeddings":
+false`` ties nothing: :func:`hf_folder_ties`).
 """
 
 from __future__ import annotations
@@ -208,8 +203,7 @@ def _config(fs: Any, path: str) -> dict[str, Any]:
 
 
 def hf_folder_ties(fs: Any, path: str, keys: Iterable[str], translation: Translation | None) -> dict[str, str]:
-    """Head -> embedding key for each tied head the folder's tensors (``keys``) lack but whose
-    embedding they hold; keys as the artifact names them (tied keys are never renamed)."""
+    """Head -> embedding key for each tied head the folder's ``keys`` lack but whose embedding they hold."""
     config = _config(fs, path)
     if config.get("tie_word_embeddings") is False:
         return {}

@@ -1,22 +1,14 @@
 """Column (strided) boxes of full artifacts on local files, read by the partial reader's cost model.
 
-A column box of a row-major artifact tensor is one run per row. Read a request per row (and, verified,
-each check unit it touches read whole, a request per unit row), a TP=4 load of a bf16 [32000, 4096]
-embedding from a TP=1 export issued 32,000 requests of 4 KiB. Where the rows' unread gap costs less than
-a request (:func:`~smpckpt.storage.format._columns.streams`, the partial reader's model), the rows are
-read instead as sequential spans of whole rows -- from the first needed column of a piece's first row to
-the last of its last -- in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES`
-that never cut a check unit, each through a reused buffer: each piece's units are verified there, then
-the box's columns copied out (:class:`~smpckpt.storage.format._columns.Into`). Memory stays one piece
-per reader thread, never the box's enclosing span. Wider gaps keep the reader's request per row.
-
-Either way a box is work for several threads (:func:`share`): its pieces, or its rows' requests in
-groups of about :data:`PART_BYTES` (:func:`row_groups`), are drawn one at a time by the thread that reads
-the box and by the reader's other threads while they are free. A column box's rows are small requests;
-read by one thread they leave the device idle between them (a TP=4 slice of fp32 rows of 64 KiB, cold:
-slower than stock DCP, ``benchmarks/RESULTS.md``), as the partial reader's box parts found before
-(``storage/read/_run.py``). Each part writes only its own rows of the destination; a streamed part holds
-one piece buffer, so at most one per reader thread is in flight.
+A column box is one run per row. Where the rows' unread gap costs less than a request
+(:func:`~smpckpt.storage.format._columns.streams`), the rows are read as sequential spans of whole rows
+in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES` that never cut a check
+unit, each through a reused buffer where its units are verified and the box's columns copied out; wider
+gaps keep a request per row. Either way a box is work for several threads (:func:`share`): its pieces,
+or its rows' requests in groups of about :data:`PART_BYTES` (:func:`row_groups`), drawn one at a time by
+the reading thread and the reader's free threads (one thread alone left the device idle between small
+requests: ``benchmarks/RESULTS.md``). Each part writes only its own rows; memory stays one piece buffer
+per reader thread.
 """
 
 from __future__ import annotations
@@ -70,8 +62,7 @@ class _Parts:
             yield i
 
     def join(self) -> None:
-        """Draw and work on parts until none is left (a no-op once all are drawn: a helper that starts
-        late returns at once)."""
+        """Draw and work on parts until none is left (a helper that starts late returns at once)."""
         with self.cv:
             if self.failed is not None or self.next >= self.count:
                 return
@@ -93,14 +84,10 @@ class _Parts:
 def share(
     count: int, work: Callable[[Iterator[int]], int], submit: Callable[[Callable[[], None]], object], helpers: int
 ) -> int:
-    """Parts ``0..count-1`` of one box worked on by this thread and by up to ``helpers`` more, each
-    started with ``submit`` (a reader thread pool's: a helper queued behind other boxes joins when a
-    thread is free, or finds nothing left). ``work`` as for :data:`Spread`. Returns the bytes requested;
-    raises the first part's failure once every part drawn is done.
-
-    Why not wait on helper futures: every pool thread may be a box's own thread waiting for helpers
-    still queued behind it. This thread draws parts itself and waits only for parts already being
-    worked on, which wait on nothing."""
+    """Parts ``0..count-1`` of one box worked on by this thread and up to ``helpers`` more started with
+    ``submit``. Returns the bytes requested; raises the first failure once every part drawn is done. This
+    thread draws parts itself and waits only for parts being worked on: waiting on helper futures could
+    deadlock when every pool thread is a box's own thread."""
     parts = _Parts(count, work)
     for _ in range(min(helpers, count - 1)):
         submit(parts.join)
@@ -112,24 +99,21 @@ def share(
         return parts.requested
 
 
-def row_groups(rows: int, urows: np.ndarray, row_bytes: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
-    """A box's ``rows`` as row ranges of about ``part_bytes`` (default :data:`PART_BYTES` as it is when
-    called; ``row_bytes`` a row), cut only where no check unit (rows ``urows``, box-relative; none:
-    unverified) spans the cut: each part verifies its own units from its own rows."""
+def row_groups(rows: int, urows: np.ndarray, row_bytes: int) -> list[tuple[int, int]]:
+    """A box's ``rows`` (``row_bytes`` each) as row ranges of about :data:`PART_BYTES`, cut only where no
+    check unit (rows ``urows``, box-relative) spans the cut: each part verifies its own units."""
     if rows <= 0:
         return []
-    step = (PART_BYTES if part_bytes is None else part_bytes) // max(1, row_bytes)
+    step = PART_BYTES // max(1, row_bytes)
     return _pieces(0, rows, urows, max(1, step))
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
     """How a column box is streamed: the tensor as rows of ``row_bytes``, rows ``[rows)`` and byte columns
-    ``[cols)`` read (the box's and those of the units it touches), in ``pieces`` (row ranges cut only
-    where no unit spans the cut). ``units``: the check units to verify (positions in their index), with
-    their rows ``urows`` ``(m, 2)`` and byte columns ``ucols`` ``(m, 2)``; ``box_rows``/``box_cols``: the
-    box's own; ``covered``: the box's elements that lie in those units (all of them, or some would go
-    out unchecked; 0 unverified)."""
+    ``[cols)`` read, in ``pieces`` (row ranges cut where no unit spans the cut). ``units``: the units to
+    verify (index positions) with their rows ``urows`` and byte columns ``ucols`` (``(m, 2)``);
+    ``box_rows``/``box_cols``: the box's own; ``covered``: the box's elements those units hold."""
 
     row_bytes: int
     rows: tuple[int, int]
@@ -162,12 +146,10 @@ def stream_plan(
     itemsize: int,
     units: UnitIndex | None,
     request_cost: int,
-    piece_bytes: int | None = None,
 ) -> StreamPlan | None:
-    """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by
-    the units of ``units`` it overlaps (all in ``view``; ``None``: unverified), when the cost model says
-    streaming costs less; ``None``: read it as before (not a column box of whole inner dims, units in
-    another view or not expressible as rows x columns, or gaps wider than a request costs)."""
+    """The streamed read of box ``(offsets, sizes)`` of a row-major tensor of shape ``view``, verified by the
+    ``units`` it overlaps (``None``: unverified), when the cost model says streaming costs less; else
+    ``None`` (not a column box of whole inner dims, units not rows x columns, or gaps too wide)."""
     nd = len(view)
     if nd < 2 or math.prod(sizes) == 0 or sizes[0] < 2:
         return None
@@ -193,7 +175,7 @@ def stream_plan(
     c1 = max([box_cols[1], *([int(ucols[:, 1].max())] if len(idx) else [])])
     if c1 - c0 >= row_bytes or not streams(row_bytes, c1 - c0, request_cost):
         return None  # one run per request already, or rows far enough apart to read a request each
-    step = (STREAM_PIECE_BYTES if piece_bytes is None else piece_bytes) // row_bytes  # the constant as it is now
+    step = STREAM_PIECE_BYTES // row_bytes
     pieces = _pieces(r0, r1, urows, max(1, step))
     box_lo = np.asarray(offsets, dtype=np.int64)
     box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
@@ -202,8 +184,7 @@ def stream_plan(
 
 
 def _pieces(r0: int, r1: int, urows: np.ndarray, step: int) -> list[tuple[int, int]]:
-    """Rows ``[r0, r1)`` as ranges of about ``step`` rows, cut only at rows no unit (rows ``urows``)
-    spans: each piece holds whole units, verified on their own."""
+    """Rows ``[r0, r1)`` as ranges of about ``step`` rows, cut only where no unit (``urows``) spans the cut."""
     if not len(urows):
         return [(a, min(r1, a + step)) for a in range(r0, r1, step)]
     order = np.argsort(urows[:, 0], kind="stable")
@@ -235,11 +216,9 @@ def read_streamed(
     mismatch: Callable[[int], Exception],
     spread: Spread = serially,
 ) -> int:
-    """(local files) The box of ``plan`` from the tensor at byte ``start`` of file ``name`` into ``out``
-    (its row-major bytes), a piece at a time, the pieces drawn by the threads of ``spread``, each
-    through one buffer of its own: a piece read in one request, its units' bytes hashed there against
-    ``digests`` (by unit position; ``mismatch(position)``: the error to raise), then the box's columns
-    of its rows copied into ``out`` (rows no other piece holds). Returns the bytes requested."""
+    """(local files) The box of ``plan`` from the tensor at byte ``start`` of ``name`` into ``out``, a piece at
+    a time through a buffer per thread: read in one request, its units hashed against ``digests``
+    (``mismatch(position)``: the error), its rows' columns copied out. Returns the bytes requested."""
     rb, (c0, _) = plan.row_bytes, plan.cols
     longest = max(plan.span(a, b)[1] for a, b in plan.pieces)
     first, total = plan.span(plan.rows[0], plan.rows[1])

@@ -1,8 +1,6 @@
-"""Check units of full artifacts and the bytes a read of a box touches (pure functions, no I/O).
-
-A full artifact's tensor is checked in units (boxes of the tensor seen in some view shape, each with
-an xxh3 digest over its row-major bytes); a read of a box reads every unit it overlaps whole, so the
-bytes it touches are the box's runs and those units' runs.
+"""Check units of full artifacts (boxes of a tensor in some view, each with an xxh3 digest over its
+row-major bytes) and the bytes a read of a box touches: its runs and the units it overlaps, read whole
+(pure functions, no I/O).
 """
 
 from __future__ import annotations
@@ -33,12 +31,8 @@ class Unit:
 
 @dataclasses.dataclass(frozen=True)
 class BoxUnits:
-    """The check units a rank wrote for one box of an artifact tensor, packed for the coordinator.
-
-    A rank reports thousands of units per save (the tiles of its column shards). As one small tuple
-    each, unpickling every rank's write results at the coordinator set off a full garbage collection
-    (0.13 s of a 0.49 s full save at 4 ranks); packed, a box is a handful of objects whatever its
-    unit count."""
+    """The check units a rank wrote for one box, packed for the coordinator: a handful of objects per box
+    whatever its unit count (a tuple per unit set off full collections when unpickled)."""
 
     key: str  # the artifact key
     view: tuple[int, ...]  # the shape the units' boxes are in
@@ -71,8 +65,7 @@ class BoxUnits:
         return len(self.digests) // 8
 
     def rows(self) -> list[list[Any]]:
-        """Each unit as ``[view, offsets, sizes, digest hex]`` of lists: the artifact description's form
-        (every row shares one ``view`` list)."""
+        """Each unit as ``[view, offsets, sizes, digest hex]`` lists (the description's form, one ``view``)."""
         return rows_of([self])
 
     def check(self) -> None:
@@ -82,10 +75,8 @@ class BoxUnits:
 
 
 def rows_of(boxes: Sequence[BoxUnits]) -> list[list[Any]]:
-    """The rows of ``boxes`` in order, as ``[r for b in boxes for r in b.rows()]`` gives them, with one
-    array conversion per run of boxes of one dimensionality instead of three per box (a full save of
-    2,723 tensors at 4 ranks reports 17,700 boxes of one or two units: 0.14 s of its commit went to
-    per-box conversions)."""
+    """The rows of ``boxes`` in order, as ``[r for b in boxes for r in b.rows()]``, with one array conversion
+    per run of boxes of one dimensionality instead of three per box."""
     out: list[list[Any]] = []
     i = 0
     while i < len(boxes):
@@ -108,14 +99,9 @@ def rows_of(boxes: Sequence[BoxUnits]) -> list[list[Any]]:
 
 
 class UnitIndex:
-    """One tensor's check units, and which of them a box touches.
-
-    A box read at the layout it was saved in meets every unit of its shard (a column shard of an
-    MLP down-projection: a thousand and more per box), so the overlaps are found with arrays, not a
-    Python loop per unit (that loop cost a 4-rank TP load more than its reads). The units are kept as
-    arrays too, and a :class:`Unit` is made only for a unit a read touches: an artifact has tens of
-    thousands of units, and as objects that live through the load they set off full garbage
-    collections (0.12 s each, in a process with torch loaded)."""
+    """One tensor's check units, and which of them a box touches, found with arrays: a box can meet a
+    thousand units, and units as long-lived objects set off full collections. A :class:`Unit` is made
+    only for a unit a read touches."""
 
     def __init__(self, units: Sequence[Unit]) -> None:
         units = list(units)
@@ -147,8 +133,7 @@ class UnitIndex:
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[Any]]) -> UnitIndex:
-        """From the artifact description's ``[view, offsets, sizes, digest hex]`` rows; a malformed
-        row raises ``ValueError``, ``TypeError``, ``IndexError`` or ``OverflowError``."""
+        """From the description's rows; a malformed row raises ``ValueError``, ``TypeError`` and the like."""
         views = {tuple(int(x) for x in r[0]) for r in rows}
         if len(views) != 1:
             ints = [[tuple(int(x) for x in r[i]) for i in range(3)] for r in rows]
@@ -173,9 +158,8 @@ class UnitIndex:
         return [self.unit(i) for i in range(len(self))]
 
     def whole_inside(self, offsets: Sequence[int], sizes: Sequence[int]) -> WholeUnits | None:
-        """When every unit box ``(offsets, sizes)`` overlaps lies wholly inside it (any box read at the
-        layout it was saved in), those units as arrays; ``None`` when one is cut by the box, or the
-        units are in several views."""
+        """The units box ``(offsets, sizes)`` overlaps, as arrays, when it holds each of them whole (any box read
+        at its saved layout); ``None`` when one is cut by the box, or the units are in several views."""
         if self.view is None:
             return None
         box_lo = np.asarray(offsets, dtype=np.int64)
@@ -188,9 +172,8 @@ class UnitIndex:
         return WholeUnits(self, idx, ulo - box_lo, uhi - ulo)
 
     def meeting(self, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(units in one view) The positions of the units box ``(offsets, sizes)`` overlaps by at least
-        one element, and their corners ``lo``, ``hi`` (one row each): :meth:`touched` as arrays, for a
-        box meeting thousands of units (no :class:`Unit` made)."""
+        """(units in one view) :meth:`touched` as arrays: the positions of the units box ``(offsets, sizes)``
+        overlaps, and their corners ``lo``, ``hi`` (no :class:`Unit` made)."""
         if self.view is None:
             raise ValueError("units in several views")
         box_lo = np.asarray(offsets, dtype=np.int64)
@@ -217,8 +200,7 @@ class UnitIndex:
 
 @dataclasses.dataclass(frozen=True)
 class WholeUnits:
-    """The units of one index lying wholly inside a box: ``within`` (their offsets from the box's
-    corner) and ``sizes``, one row per unit, ``idx`` their positions in the index."""
+    """Units lying wholly inside a box: ``within`` (offsets from its corner), ``sizes``, ``idx`` (positions)."""
 
     index: UnitIndex
     idx: np.ndarray
@@ -230,10 +212,8 @@ class WholeUnits:
         return int(self.sizes.prod(axis=1).sum()) if len(self.idx) else 0
 
     def digests(self, buf: memoryview, box_sizes: Sequence[int], itemsize: int) -> list[int]:
-        """Each unit's xxh3 digest over its bytes in ``buf``, the box's row-major bytes: one slice for a
-        unit spanning the box's inner dims, a slice per row for a tile (computed with arrays for all
-        units at once: a column shard read at its own layout holds a thousand and more tiles, and a
-        per-unit Python walk cost more than its reads)."""
+        """Each unit's xxh3 over its bytes in ``buf`` (the box's row-major bytes), for all units at once with
+        arrays: a slice per unit, or a slice per row for a tile."""
         m, nd = self.sizes.shape
         if m == 0:
             return []
@@ -274,15 +254,11 @@ class WholeUnits:
 @dataclasses.dataclass(frozen=True)
 class CrossView:
     """How a box requested in one view of a tensor is verified by units checked in another view of the
-    same row-major bytes (a fused ``[3h, d]`` saved without a view spec, read as ``[3, h/tp, d]``).
-
-    ``inside``: units whose bytes all lie among the requested ones, each with the ``(position, length)``
-    pieces of ``out`` (the requested bytes back to back) that hold them, in hash order. ``partial``:
-    units that share only some bytes with the request -- read whole, checked, and their shared bytes
-    copied into ``out`` as ``(from, to, length)``. ``direct``: the rest of the requested bytes, to read
-    straight into ``out``, as ``(tensor offset, position, length)`` -- so no byte is read twice.
-    ``covered``: requested bytes some unit covers. ``extent``: tensor bytes ``[lo, hi)`` the request
-    and the partial units span."""
+    same bytes (a fused ``[3h, d]`` saved without a view spec, read as ``[3, h/tp, d]``). ``inside``: units
+    wholly among the requested bytes, with the ``(position, length)`` pieces of ``out`` holding them, in
+    hash order; ``partial``: units read whole, checked, their shared bytes copied as ``(from, to,
+    length)``; ``direct``: the rest, read straight into ``out`` as ``(tensor offset, position, length)``;
+    ``covered``: requested bytes some unit covers; ``extent``: the tensor bytes ``[lo, hi)`` all of it spans."""
 
     inside: list[tuple[Unit, list[tuple[int, int]]]]
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]]
@@ -292,8 +268,7 @@ class CrossView:
 
 
 def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of ``run`` bytes at ``starts`` (ascending) as maximal contiguous intervals ``[lo, hi)``, with
-    the position of each interval's first byte among the runs' bytes back to back."""
+    """Runs of ``run`` bytes at ``starts`` as maximal intervals ``[lo, hi)``, with each one's position."""
     s = np.asarray(starts, dtype=np.int64)
     if not len(s):
         return s, s, s
@@ -304,8 +279,7 @@ def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) -> CrossView:
-    """Match the requested runs (``run`` bytes at each of ``starts``, ascending, relative to the
-    tensor's first byte) against the units of ``index`` (one view, the tensor's bytes) byte by byte."""
+    """Match the requested runs (``run`` bytes at ``starts``) against ``index``'s units byte by byte."""
     if index.view is None:
         raise ValueError("units in several views")
     view = index.view
@@ -361,9 +335,8 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
 def unit_extent(
     view: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int], itemsize: int, units: Sequence[Unit]
 ) -> tuple[int, int] | None:
-    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches:
-    the box's runs and the whole check units it overlaps, ``units`` (:meth:`UnitIndex.touched`'s, in
-    ``view``: they are read whole to be verified)."""
+    """Bytes ``[lo, hi)`` of a tensor that reading box ``(offsets, sizes)`` of it as ``view`` touches: the
+    box's runs and the whole ``units`` it overlaps (:meth:`UnitIndex.touched`'s)."""
     starts, run = box_runs(view, offsets, sizes, itemsize)
     if not len(starts):
         return None
@@ -375,8 +348,7 @@ def unit_extent(
 
 
 def bytes_of(sub: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """A writable view of ``sub``'s bytes when it holds them as stored: a contiguous CPU tensor of
-    ``dtype``; else ``None`` (the box is read into a buffer and copied)."""
+    """A writable view of ``sub``'s bytes when it is a contiguous CPU tensor of ``dtype``; else ``None``."""
     if sub.dtype != dtype:
         return None
     mv = cpu_bytes(sub)

@@ -1,30 +1,20 @@
-"""Full (consolidated) mode, writing: the tensor bytes of every rank's shards into the artifact's files,
-by one of two algorithms, chosen by the storage (``FullArtifactWriter``), and the object values.
+"""Full (consolidated) mode, writing: every rank's shard bytes into the artifact's files, by one of two
+algorithms chosen by the storage (``FullArtifactWriter``), and the object values (one small file each,
+written by the rank that holds them).
 
-**POSIX filesystems** (local disk, Lustre/FSx, NFS): the coordinator creates every file at its final
-size with its header (:func:`create_files`), then every rank opens the files and ``pwrite``\\ s its boxes
-in place (:meth:`_RankWriter.run`) -- one run for a row shard; a column shard with short rows is first
-swapped into blocks of whole rows over the process group (``_exchange``) -- hashing each check unit
-from the same buffer, and writes its spans back before reporting success.
+**POSIX filesystems**: the coordinator creates every file at its final size with its header
+(:func:`create_files`), then every rank ``pwrite``\\ s its boxes in place (:meth:`_RankWriter.run`;
+column shards with short rows are first swapped into blocks of whole rows, ``_exchange``), hashing
+each check unit from the same buffer.
 
-**Object stores** (S3, ``memory://``): an object cannot be written at offsets by many ranks, so every
-file has an owner rank (files round-robin over ranks) that streams it front to back (multipart on S3;
-:func:`gather_rank`). Tensor by tensor, in file order, the owner assembles the tensor from the boxes
-every rank holds: its own are copied, the others arrive over the process group (``send``/``recv`` of
-the box bytes, no pickling). Every rank walks the same global order of boxes (file, tensor offset,
-sending rank), so each send meets its receive like steps of one sequential program: no deadlock,
-whatever the ownership. Memory: an owner holds one tensor (plus one received box) at a time; a sender
-one box. The bytes cross the network once from their holder to the file's owner, and to storage once.
-The sink borrows what it is given (S3 parts go out as views, no copy into part buffers): every buffer
-written is the resolved tensor's own bytes, a box buffer or an assembled tensor made for this write,
-none changed before the sink's commit.
+**Object stores**: every file has an owner rank (round-robin) that streams it front to back
+(:func:`gather_rank`), assembling tensor by tensor from its own boxes and those the other ranks send
+(``send``/``recv`` of the box bytes). Every rank walks the same global order of boxes (file, tensor
+offset, sending rank), so each send meets its receive: no deadlock. An owner holds one tensor (plus one
+received box) at a time. The sink borrows what it is given: none of it changes before the sink's commit.
 
-**Why two** (issue 44 asked for one, the faster): on POSIX, gather-to-owner took 1.8-3.2x pwrite's time
-at 2 and 4 ranks (its owners stream the files one after another; ``benchmarks/RESULTS_full.md``), and
-it is the only one an object store can take.
-
-Object values (user content, non-tensor state) go to one small file each, written by the rank that
-holds them.
+Why two: on POSIX, gather-to-owner took 1.8-3.2x pwrite's time (``benchmarks/RESULTS_full.md``), and it
+is the only one an object store can take.
 """
 
 from __future__ import annotations
@@ -72,10 +62,8 @@ class ObjectResult(tuple):
 
 
 def create_files(folder: Folder, files: Sequence[ArtifactFile], *, sync: bool) -> None:
-    """(coordinator, before any rank writes) Each file created (never over an existing one: the folder is
-    this save's staging folder) at its final size, everything but tensor data in place: every byte is
-    either the header, written by a rank, or a hole (zeros) that the tiling check guarantees some rank
-    fills."""
+    """(coordinator, before any rank writes) Each file created in this save's staging folder at its final
+    size with its header; the rest is holes that the tiling check guarantees some rank fills."""
     for f in files:
         folder.create_sized(f.name, f.size, f.pieces, sync=sync)
 
@@ -90,8 +78,7 @@ def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
 def chunk_of(
     planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None, *, cpu: bool = True
 ) -> torch.Tensor:
-    """The item's tensor (``tensor``: resolved already), detached, in global-view coordinates (its
-    chunk's shape); on the CPU unless ``cpu=False`` (the staged path copies from where it lies)."""
+    """The item's tensor, detached, in global-view coordinates; on the CPU unless ``cpu=False``."""
     chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach()
     if cpu:
         chunk = chunk.cpu()
@@ -100,8 +87,7 @@ def chunk_of(
 
 
 def box_view(chunk: torch.Tensor, w: FullWrite) -> torch.Tensor:
-    """The write's box of ``chunk``, in the artifact's axis order (shape ``w.sizes``), no copy and no
-    cast: a view of the chunk."""
+    """The write's box of ``chunk`` in the artifact's axis order (shape ``w.sizes``): a view, no copy."""
     sub = chunk
     dest_sizes = [w.sizes[p] for p in w.perm]
     for d, (o, n) in enumerate(zip(w.dest_offsets, dest_sizes)):
@@ -112,8 +98,7 @@ def box_view(chunk: torch.Tensor, w: FullWrite) -> torch.Tensor:
 
 
 def box_buffer(chunk: torch.Tensor, w: FullWrite) -> memoryview:
-    """The write's box as contiguous row-major bytes of the artifact dtype (a copy where it is not that
-    already: the swap and object-store paths, which hold boxes whole)."""
+    """The write's box as contiguous row-major bytes of the artifact dtype (a copy where needed)."""
     box = box_view(chunk, w)
     if box.dtype != w.dtype:
         box = box.to(w.dtype)
@@ -134,20 +119,16 @@ def _put(fd: int, w: FullWrite, buf: memoryview) -> None:
             n += os.pwrite(fd, buf[pos + n : pos + run], w.start + s + n)
         pos += run
     if run >= _FLUSH_RUN:
-        # Start writeback now, so the disk works while this rank goes on and the final flush waits
-        # for less (as the partial writer does). Only for long runs: short rows share their pages with
-        # other ranks' columns, which would be dirtied again and written twice (measured: starting
-        # writeback of strided boxes made the save 1.5x slower).
+        # Start writeback now, so the final flush waits for less; not for short runs, whose pages other
+        # ranks' columns dirty again (measured 1.5x slower).
         for s in starts.tolist():
             write_back(fd, w.start + s, run, wait=False)
 
 
 def box_units(w: FullWrite, check_block: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], ItemChecks]:
-    """The check units of one box: their offsets and sizes (in the artifact tensor's view), and how a
-    :class:`~smpckpt.storage.format._checksum.BlockHasher` fed the box's row-major bytes cuts them --
-    slices along its outermost dimension, or, for wide rows, tiles of column groups x row groups (as
-    the partial writer's :func:`~._check_units.item_checks` cuts records), so a reader loading another
-    TP layout reads and verifies only the columns it needs."""
+    """The check units of one box: their offsets and sizes, and how a
+    :class:`~smpckpt.storage.format._checksum.BlockHasher` fed the box's row-major bytes cuts them (slices
+    along dim 0, or tiles for wide rows as :func:`~._check_units.item_checks` cuts records)."""
     itemsize = w.dtype.itemsize
     checks = item_checks(w.sizes, itemsize, check_block)
     offsets: list[tuple[int, ...]] = []
@@ -212,14 +193,10 @@ def _spans(writes: Sequence[FullWrite]) -> dict[str, tuple[int, int]]:
 
 
 def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
-    """Make this rank's bytes reach the disk before it reports success.
-
-    Every rank fsyncing every shared file would make each wait for all the others' pages too (one
-    file, many writers). On Linux each rank instead writes back and waits for the span of its own
-    boxes (``sync_file_range``), and the coordinator fsyncs each file once, after every rank is done
-    and before the commit (``FullArtifactWriter.finish``), which flushes the metadata and the disk
-    cache with little data left to write. Every span is submitted before the first wait, so the disk
-    sees all of them at once rather than one file at a time. Elsewhere: fsync."""
+    """Make this rank's bytes reach the disk before it reports success. On Linux each rank writes back and
+    waits for the spans of its own boxes (``sync_file_range``, every span submitted before the first wait),
+    and the coordinator fsyncs each file once before the commit: no rank waits on the others' pages.
+    Elsewhere: fsync."""
     spans = _spans(writes)
     for name, fd in fds.items():
         lo, hi = spans.get(name, (0, 1))  # never length 0: sync_file_range reads it as "to the end"
@@ -231,9 +208,8 @@ def _flush(fds: dict[str, int], writes: Sequence[FullWrite]) -> None:
 
 
 def _file_order(files: Sequence[str], rank: int, world: int) -> list[str]:
-    """This rank's files, starting at its own place in the list: the kernel serialises buffered writes
-    into one file, so two ranks (or threads) writing the same file at once each run at about half speed
-    (measured), and ranks starting on different files mostly stay on different files."""
+    """This rank's files, starting at its own place in the list: the kernel serialises buffered writes into
+    one file, so ranks starting on different files mostly stay on different files."""
     files = sorted(files)
     first = rank * len(files) // max(1, world)
     return files[first:] + files[:first]
@@ -284,12 +260,9 @@ class _RankWriter:
             self.done[index] = (n + nbytes, us + units)
 
     def _write_item(self, item: WriteItem) -> None:
-        """Each of the item's boxes written in place from the tensor's memory when it is its row-major
-        bytes of the artifact dtype, else staged: copied a buffer at a time (device-to-host, a
-        transposed box's gather, a cast: whatever ``copy_`` does) into the save's pool
-        (:mod:`~smpckpt.storage.format._staging`), each chunk written and hashed while the next is
-        copied. Extra memory stays within the pool however large the box (before, each such box was
-        copied whole: two shards at a time)."""
+        """Each of the item's boxes written in place when the tensor's memory is its row-major bytes of the
+        artifact dtype, else staged a buffer at a time through the save's pool (device-to-host, transpose,
+        cast), each chunk written and hashed while the next is copied: extra memory stays within the pool."""
         t = resolved_tensor(self.planner, item)
         chunk = chunk_of(self.planner, item, t, cpu=False)  # the planner resolves each item once
         for w in self.by_item[item.index]:
@@ -304,9 +277,8 @@ class _RankWriter:
                 self._record(item.index, math.prod(w.sizes) * w.dtype.itemsize, [units])
 
     def _stage_box(self, w: FullWrite, box: torch.Tensor, stage: Stage) -> BoxUnits:
-        """One box through ``stage``: element ranges of a buffer each (whole row groups of a tiled box),
-        copied (with the cast) into pool buffers; a chunk is written and hashed while the next one is
-        copied; a buffer goes back once its chunk is written and hashed."""
+        """One box through ``stage``: a buffer's worth of elements at a time (whole row groups of a tiled box),
+        copied with the cast into pool buffers, each written and hashed while the next is copied."""
         pool, itemsize = stage.pool, w.dtype.itemsize
         hasher = _BoxHasher(w, self.data.check_block)
         _, _, checks = box_units(w, self.data.check_block)
@@ -369,9 +341,7 @@ class _RankWriter:
 
     def _swap_all(self, process_group: Any) -> None:
         swapper = Swapper(self.data.rank, process_group)
-        # One batch's blocks are written and hashed while the next batch's rows cross the process
-        # group (in turn, the swaps were half the critical path of a 4-rank full save): two batches
-        # of blocks in memory.
+        # one batch's blocks are written while the next batch's rows cross the group: two batches in memory
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-full-block") as blocks:
             writing: concurrent.futures.Future[None] | None = None
             writing_to = ""  # the files of the blocks being written
@@ -390,8 +360,7 @@ class _RankWriter:
                         writing = blocks.submit(self._write_blocks, got)
                         writing_to = ", ".join(sorted({b.write.file for b in got}))
             except BaseException as exc:
-                # a swap failed while the previous block was being written: if that write failed
-                # too (a full disk, say), say so, or only the swap's error would be seen
+                # a swap failed during the previous block's write: report that write's failure too
                 lost = writing.exception() if writing is not None else None
                 if lost is not None:
                     _note(exc, f"writing the previous swap blocks into {writing_to} failed too: {lost!r}")
@@ -408,12 +377,9 @@ class _RankWriter:
                 self.blocks.append(block.write)
 
     def run(self, thread_count: int, process_group: Any, *, sync: bool) -> list[WriteResult]:
-        """(every rank) Write this rank's boxes and row-block swaps; durable when it returns (``sync``).
-
-        Work is split by file, not by item: each thread writes whole files, one at a time, in this rank's
-        staggered file order, so no two threads of a rank share a file and at most ``files / world``
-        threads are useful (more would only queue on the same files as the other ranks). Swaps
-        (:mod:`._exchange`) run in one more thread, in the global order, beside them."""
+        """(every rank) Write this rank's boxes and row-block swaps; durable when it returns (``sync``). Each
+        thread writes whole files, one at a time, in this rank's staggered file order (no two threads share a
+        file); swaps (:mod:`._exchange`) run in one more thread, in the global order."""
         order = _file_order(list(self.per_file), self.data.rank, self.data.world)
         workers = max(1, min(thread_count, len(order) // max(1, self.data.world)))
         with concurrent.futures.ThreadPoolExecutor(workers + 1, thread_name_prefix="smpckpt-full") as pool:
@@ -429,8 +395,7 @@ class _RankWriter:
 
 
 def tensor_results(items: Sequence[WriteItem], done: Mapping[Any, tuple[int, list[BoxUnits]]]) -> list[WriteResult]:
-    """A result per tensor item: its bytes written and its boxes' check units (``done``, by item index).
-    Items with no box (empty shards) report too: DCP checks every item."""
+    """A result per tensor item, boxless ones too (DCP checks every item): bytes and check units."""
     results = []
     for it in items:
         if it.tensor_data is not None:
@@ -450,8 +415,7 @@ def _note(exc: BaseException, text: str) -> None:
 def write_objects(
     folder: Folder, data: RankFullData, items: Sequence[WriteItem], planner: SavePlanner, sync: bool
 ) -> list[WriteResult]:
-    """(every rank) This rank's object values, one ``<key>.pt`` file each (torch.save bytes as given),
-    created (never over an existing file)."""
+    """(every rank) This rank's object values, one ``<key>.pt`` file each, created (never overwritten)."""
     names = dict(data.objects)
     results = []
     for it in items:
@@ -483,8 +447,7 @@ def gather_rank(
             owner = run.owner[f.name] == data.rank
             if owner:
                 sinks[f.name] = open_sink(f.name)
-            # front to back: the pieces that are not tensor data (a header, a torch.save archive's
-            # record headers) between the tensors
+            # front to back: the pieces that are not tensor data (headers) between the tensors
             events = sorted([(o, 0, b) for o, b in f.pieces] + [(s, 1, k) for s, k in zip(f.starts, f.keys)])
             for _, kind, what in events:
                 if kind == 0:
@@ -531,8 +494,7 @@ class _Gather:
         boxes = self.boxes.get((file, key), [])
         w0 = boxes[0][1] if len(boxes) == 1 and boxes[0][0] == me == owner else None
         if w0 is not None and not any(w0.offsets) and tuple(w0.sizes) == tuple(w0.view):
-            # the owner holds all of it (one rank, a replica), whose own row-major bytes are the tensor's
-            # in the file: no assembly
+            # the owner holds all of it, whose own row-major bytes are the tensor's in the file: no assembly
             return np.frombuffer(self._my_box(w0), dtype=np.uint8)
         out: np.ndarray | None = None
         for r, w in boxes:

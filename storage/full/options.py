@@ -46,45 +46,34 @@ FORMATS = ("safetensors", "torch_save")
 
 @dataclasses.dataclass(frozen=True)
 class FullOptions:
-    """How a full (consolidated) artifact is laid out. Every field has a safe default.
+    """How a full (consolidated) artifact is laid out (README, "Full checkpoints"). Every field has a safe
+    default.
 
     Args:
-        max_shard_size: above this many bytes an artifact is split into
-            ``{name}-0000i-of-0000N.safetensors`` files plus ``{name}.safetensors.index.json``, as
-            Hugging Face does (bytes, or ``"5GB"``/``"512MiB"``). ``None`` (default): Hugging Face's
-            5 GB, lowered for a multi-rank save so that the ranks can start on different files (up
-            to ``2 x world`` files of at least 256 MiB, 64 at most): the kernel serialises writes into
-            one file, and ranks sharing one file write at a fraction of their speed. Small artifacts
-            stay one ``model.safetensors``.
-        dtype: cast floating-point tensors to this dtype on export (fp32 master weights -> bf16
-            artifact); integer and bool tensors are kept, and so are scalars (0-dim: optimizer step
-            counters and running products, which a narrow float would round).
-        artifacts: flattened-key prefix -> artifact name. A tensor goes to the artifact of the longest
-            prefix its key starts with, stored under the key without that prefix. The default puts
-            every tensor in ``model.safetensors`` under its own key; :func:`smpckpt.save_checkpoint`
-            uses ``{"model.": "model", "optim.state.": "optimizer"}``.
-        translation: maps our keys to another naming and layout (``smpckpt.hf.gpt2.TRANSLATION``),
-            region by region; ``None`` stores our keys, each in its shape before any ShardSpec view.
-        hf_config: a Hugging Face config (a ``PretrainedConfig`` or a dict) written as ``config.json``
-            beside the weights, so ``from_pretrained(folder)`` opens the artifact. As ``save_pretrained``
-            writes it: ``architectures`` (when the config has none: :attr:`architecture`) is filled in,
-            and ``dtype`` is set to the dtype of the floating-point weights written (after
-            :attr:`dtype`), whatever the config says.
-        architecture: the transformers class ``config.json``'s ``architectures`` names when the config
-            has none (``"GPT2LMHeadModel"``); ``None``: the translation's
-            (:attr:`smpckpt.model.translation.Translation.architecture`), if any.
+        max_shard_size: above this many bytes (or ``"5GB"``/``"512MiB"``) an artifact is split into
+            ``{name}-0000i-of-0000N.safetensors`` files plus ``{name}.safetensors.index.json``, as Hugging
+            Face does. ``None``: Hugging Face's 5 GB, lowered for a multi-rank save so that ranks can start
+            on different files (up to ``2 x world`` files of at least 256 MiB, 64 at most).
+        dtype: cast floating-point tensors to this dtype on export; integer and bool tensors and scalars
+            (0-dim: optimizer counters a narrow float would round) are kept.
+        artifacts: flattened-key prefix -> artifact name: a tensor goes to the artifact of the longest
+            prefix its key starts with, under the key without it. Default: every tensor in
+            ``model.safetensors`` under its own key (:func:`smpckpt.save_checkpoint` uses
+            ``{"model.": "model", "optim.state.": "optimizer"}``).
+        translation: maps our keys to another naming and layout (``smpckpt.hf.gpt2.TRANSLATION``);
+            ``None`` stores our keys, each in its shape before any ShardSpec view.
+        hf_config: a Hugging Face config (``PretrainedConfig`` or dict) written as ``config.json``, as
+            ``save_pretrained`` writes it: ``architectures`` filled in when missing (:attr:`architecture`),
+            ``dtype`` set to the floating-point weights' dtype as written.
+        architecture: the class ``config.json``'s ``architectures`` names when the config has none
+            (``"GPT2LMHeadModel"``); ``None``: the translation's, if any.
         check_block: bytes per checksum unit (a reader verifies only the units its boxes touch).
-        row_swap_below: on POSIX filesystems in a multi-rank save, a tensor split on a trailing dim
-            whose rows are shorter than this many bytes per rank is not written row by row: its
-            writers swap rows over the process group and each writes a block of whole rows in one run
-            (see ``smpckpt.storage.full._exchange``; 1.3-1.5x faster full saves on the benchmark's
-            GPT-like state). ``0`` disables the swap.
-        format: ``"safetensors"`` (default) or ``"torch_save"``: each file is then what ``torch.save``
-            writes for a flat ``{key: tensor}`` dict (``torch.load(path, weights_only=True)`` reads it,
-            ``mmap=True`` too), named as Hugging Face names them (``pytorch_model.bin``, or
-            ``pytorch_model-0000i-of-0000N.bin`` + ``pytorch_model.bin.index.json``; other artifacts
-            ``optimizer.bin``). Written the same way, at offsets, with the same checks.
-    """
+        row_swap_below: on POSIX in a multi-rank save, a tensor split on a trailing dim with rows shorter
+            than this many bytes per rank is swapped into blocks of whole rows, each written in one run
+            (``smpckpt.storage.full._exchange``). ``0`` disables the swap.
+        format: ``"safetensors"`` (default) or ``"torch_save"``: each file is what ``torch.save`` writes for
+            a flat ``{key: tensor}`` dict (``torch.load(path, weights_only=True)``, ``mmap=True`` too),
+            named as Hugging Face names them (``pytorch_model.bin``, shards and index; ``optimizer.bin``)."""
 
     max_shard_size: int | str | None = None
     dtype: torch.dtype | None = None
@@ -146,10 +135,8 @@ class FullOptions:
 
     @property
     def leaves_tied_out(self) -> bool:
-        """Whether a tensor tied to another (one tensor under two keys: ``lm_head.weight`` and the input
-        embedding) is written once, under its first key, as ``save_pretrained`` writes a tied model:
-        unless :attr:`hf_config` says ``tie_word_embeddings: false`` (transformers would then not tie
-        them on load, and needs both)."""
+        """Whether a tensor tied to another (``lm_head.weight`` and the input embedding) is written once, under
+        its first key, as ``save_pretrained`` does: unless :attr:`hf_config` says ``tie_word_embeddings: false``."""
         cfg = self.hf_config
         untied = (
             cfg.get("tie_word_embeddings") if isinstance(cfg, Mapping) else getattr(cfg, "tie_word_embeddings", None)

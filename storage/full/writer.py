@@ -1,8 +1,6 @@
-"""``FullArtifactWriter``: DCP StorageWriter of the full artifact -- one consolidated, Hugging Face-shaped
-safetensors (or torch.save) checkpoint, every tensor full-size under its global name -- written straight
-from every rank's shards. Beside ``FsspecStorageWriter`` (partial checkpoints) as DCP's
-``HuggingFaceStorageWriter`` is beside ``FileSystemWriter``; both share ``write/_base.FsspecWriterBase``
-(location, metadata, manifest, sinks, failed-save clean-up).
+"""``FullArtifactWriter``: DCP StorageWriter of the full artifact (one consolidated, Hugging Face-shaped
+safetensors or torch.save checkpoint, every tensor full-size) written straight from every rank's shards;
+it shares ``write/_base.FsspecWriterBase`` with the partial writer.
 """
 
 from __future__ import annotations
@@ -42,41 +40,22 @@ __all__ = ["FullArtifactWriter"]
 class FullArtifactWriter(FsspecWriterBase):
     """Write the full artifact of the state dict ``dcp.save`` is given to ``path`` (any fsspec URL).
 
-    Call order inside ``dcp.save`` ("all" = every rank)::
+    Call order inside ``dcp.save``: :class:`~smpckpt.storage.write._base.FsspecWriterBase`'s, plus
 
-        0) (all)         reset(checkpoint_id)            only when dcp.save gets checkpoint_id=
-        1) (all)         storage_meta()
-        2) (all)         set_up_storage_writer(is_coordinator, rank=, use_collectives=)
-        3) (all)         prepare_local_plan(plan)         nothing to do: no I/O on every rank
-        4) (coordinator) prepare_global_plan(plans)       refuses a committed or foreign folder, clears an
-                                                          unfinished save's debris, lays the artifact out;
-                                                          POSIX: creates its files in a staging folder of
-                                                          its own (.smpckpt-staging.<id> beside the target);
-                                                          object stores: the in-progress marker (create-only)
-        5) (all)         write_data(plan, planner)        POSIX: this rank's boxes at their offsets; object
-                                                          stores: each file streamed by its owner rank, which
-                                                          receives the other ranks' shard bytes; every
-                                                          object created only if absent
-        6) (coordinator) finish(metadata, results)        the one commit protocol: side files (shard index,
-                                                          config.json) and .metadata.<id> created, one
-                                                          listing checks every named file, the manifest;
-                                                          POSIX: the staging folder renamed into place
-                                                          (replacing nothing); object stores: the marker goes
+    * (coordinator) ``prepare_global_plan``: refuses a committed or foreign folder, clears an unfinished
+      save's debris, lays the artifact out; POSIX: creates its files in a staging folder of its own
+      (``.smpckpt-staging.<id>``); object stores: the in-progress marker (create-only);
+    * (all) ``write_data``: POSIX: this rank's boxes at their offsets; object stores: each file streamed by
+      its owner rank from the ranks' shard bytes, created only if absent;
+    * (coordinator) ``finish``: the one commit protocol (side files and ``.metadata.<id>``, one listing,
+      the manifest; POSIX: the staging folder renamed into place; object stores: the marker goes).
 
-    A failed save: every rank calls ``discard_failed_save()`` (the API does); the coordinator removes the
-    staging folder (POSIX), or the artifact it laid out, its marker last (object stores). The file names
-    are fixed (``model.safetensors``...), so a folder holding a committed checkpoint is never written
-    over: save under a new folder.
+    A failed save (``discard_failed_save()``): the coordinator removes the staging folder, or the artifact
+    it laid out, marker last. The file names are fixed, so a committed folder is never written over.
 
-    Args (besides those of :class:`~smpckpt.storage.write._base.FsspecWriterBase`: ``path``,
-    ``storage_options``, ``sync_files``, ``thread_count``, ``part_size``, ``max_parts_in_flight``,
-    ``manifest_extra``, ``process_group`` -- on object stores shard bytes travel over it to each file's
-    owner rank, so it must move CPU tensors: gloo):
-        full: layout options (shard size, dtype cast, translation, ``config.json``...; :class:`FullOptions`).
-
-    The partial writer's options (``overwrite``, ``format``, ``block_size``, ``object_file_size``,
-    ``prefix_strategy``, ``hash_beside``) are not taken: passing one is a ``TypeError`` naming it.
-    """
+    Args: ``full``: layout options (:class:`FullOptions`); the others are
+    :class:`~smpckpt.storage.write._base.FsspecWriterBase`'s (on object stores ``process_group`` must
+    move CPU tensors: gloo). The partial writer's own options are a ``TypeError`` naming it."""
 
     _KIND = "full"
 
@@ -93,16 +72,14 @@ class FullArtifactWriter(FsspecWriterBase):
         self._layout: ArtifactLayout | None = None  # what prepare_global_plan laid out
 
     def _open_folder(self, *, create: bool = False, save_id: str | None = None) -> Folder:
-        """Where this save's files go: on POSIX its staging folder (``save_id``: the save's), on object
-        stores the target itself."""
+        """Where this save's files go: on POSIX its staging folder, on object stores the target."""
         sid = save_id or self._save_id
         if is_local(self.fs) and sid is not None:
             return Folder(self.fs, staging_path(self.path, sid), create=create)
         return Folder(self.fs, self.path, create=create)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """(coordinator) Take the folder, lay out the artifact, create its files (POSIX) and tell each
-        rank where its boxes go."""
+        """(coordinator) Take the folder, lay out the artifact and tell each rank its boxes."""
         if any(not p.usable for p in plans):
             raise CheckpointError(
                 f"{self.url}: full mode needs every rank's full plan, not cached (empty) ones: use "

@@ -1,39 +1,20 @@
 """Reading a fast-tier copy (``PeerFetchingReader``), and the checkpoint files moved between ranks over a
-process group (:func:`run_transfers`): the parts a resume fetches from peers, and a resumed copy's
-metadata and manifest sent to the nodes that lack them. (A save's replicas go while they are written:
-:mod:`smpckpt.storage.tier.writer`.)
+gloo group (:func:`run_transfers`): the parts a resume fetches from peers, and a resumed copy's
+metadata and manifest sent to the nodes that lack them (a save's replicas: ``storage/tier/writer.py``).
 
-``PeerFetchingReader`` reads a fast-tier copy from this node's folder, first fetching from peers the
-files this node lacks for what its ranks will read (a lost node's parts, or another node's replica).
-Call order inside ``dcp.load`` as :class:`~smpckpt.storage.FsspecStorageReader`'s, plus::
+``PeerFetchingReader`` follows :class:`~smpckpt.storage.FsspecStorageReader`'s call order, plus: the
+coordinator's ``prepare_global_plan`` picks which files each node lacks for its ranks' reads (one copy
+per node, from the least loaded holder); ``read_data`` first runs that schedule (broadcast), the
+transfers and one agreement on their errors, then the reads. Only files some rank of the node reads
+from are fetched, whole, and they stay: the copy is healed for the next resume. Every rank's folder
+must already hold the manifest and metadata (the API sends them first).
 
-    4) (coordinator) prepare_global_plan(plans)   which files each node lacks for its ranks' reads:
-                                                  one copy per node, from the least loaded holder
-    5) (all)         read_data(plan, planner)     first the schedule (broadcast), the transfers
-                                                  (:func:`run_transfers`) and one agreement on their
-                                                  errors; then the reads, checksums verified
-
-Only the files some rank of a node reads from are fetched, whole, so a resume after a lost node moves
-that node's own parts, the files holding what every rank reads (``user_content`` and the replicated
-pieces DP ranks read from their owner, in rank 0's files) and whatever a changed layout reads
-elsewhere -- not the whole checkpoint. Fetched files stay in the node's folder: the copy is healed for
-the next resume. Every rank's folder must already hold the manifest and metadata (the API sends them
-before the load).
-
-Transfers. Every rank gets the same list of :class:`Transfer` and walks it in list order -- its sends
-on one thread, its receives on another -- acting only on the transfers it sends or receives. Why that
-cannot deadlock: the earliest unfinished transfer of the list has its sender's and its receiver's
-thread waiting for it (each did everything before it), so it always completes.
-
-Each transfer is a status word, the file in chunks, and a closing status word, so a sender that
-cannot read its file (gone, cut short) never leaves its receiver waiting: it sends zeros, the
-closing word says so, and the receiver discards what it got. A receiver that cannot write still
-receives every chunk (its sender must not block) and reports its error. Received files appear under
-their final name only when complete (a create-only temp name, then a hard link that replaces nothing:
-a file already under the name fails the transfer), so a kill mid-transfer never leaves a file that
-looks whole; its bytes are checked against the manifest's checksums when read.
-
-The group must be able to move CPU tensors (gloo): the API passes a gloo group of its own.
+Transfers: every rank walks the same list of :class:`Transfer` in order, sends on one thread and
+receives on another, so the earliest unfinished transfer always has both ends waiting for it: no
+deadlock. A transfer is a status word, the file in chunks and a closing status word, so a sender that
+cannot read its file sends zeros and says so, and a receiver that cannot write still receives every
+chunk. Received files appear under their final name only when complete (a create-only temp name, then
+a link that replaces nothing); their bytes are checked against the manifest when read.
 """
 
 from __future__ import annotations
@@ -65,14 +46,12 @@ class PeerFetchingReader(FsspecStorageReader):
     """A fast-tier copy at ``path`` (this node's folder), completed from peers while loading.
 
     Args (besides :class:`~smpckpt.storage.FsspecStorageReader`'s):
-        group: a gloo group over the ranks ``dcp.load`` runs on (moves CPU tensors).
-        streams: gloo groups over the same ranks that move the files (default: ``group``).
-        ranks: the global rank of each rank of the load's process group, in group order.
-        rank: this process's global rank.
+        group: a gloo group over the ranks ``dcp.load`` runs on; ``streams``: gloo groups over the same
+            ranks that move the files (default: ``group``).
+        ranks: the global rank of each rank of the group, in group order; ``rank``: this process's.
         local_world_size: ranks per node (``r // local_world_size`` is rank ``r``'s node).
         held_by: file name -> global ranks whose node folder holds it (the API's scan of every node).
-        sync: fsync the files fetched.
-    """
+        sync: fsync the files fetched."""
 
     def __init__(
         self,
@@ -207,9 +186,8 @@ def run_transfers(
     sync: bool,
 ) -> TransferOutcome:
     """(every rank, the same ``transfers``) Send this rank's files from ``read_folder``, receive into
-    ``write_folder``. ``group``: one group, or several (streams: transfer ``i`` goes over group
-    ``i % len``, each its own connections, all at once). Errors are collected, not raised: the caller
-    agrees on them across ranks."""
+    ``write_folder``; transfer ``i`` goes over ``group[i % len]`` (or the one ``group``). Errors are
+    collected, not raised: the caller agrees on them across ranks."""
     streams = list(group) if isinstance(group, (list, tuple)) else [group]
     outcome = TransferOutcome()
     jobs: list[tuple[Callable[..., list[str]], tuple[Any, ...]]] = []
@@ -303,8 +281,7 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
 
 
 def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
-    """Receive ``t`` into ``folder`` (a create-only temporary name, then linked into place without replacing
-    anything, relative to the folder opened without following links); an error or ''."""
+    """Receive ``t`` into ``folder`` (a create-only temp name, linked into place, no links); an error or ''."""
     status = _word(0)
     dist.recv(status, src=t.src, group=group)
     if int(status.item()) != _OK:

@@ -1,59 +1,28 @@
 """A fast-tier copy written into this node's folder (``FastTierWriter``), committed per node only after
 every node holds its share (:func:`commit_node_copy`); and its replicas, sent to other nodes while each
-file is written (:class:`Replicator`).
+file is written (:class:`Replicator`). README, "Tiered checkpoints", describes the protocol.
 
-Each rank passes its own node's folder; ``dcp.save`` runs as with :class:`FsspecStorageWriter`
-(same files, same checksums), except that the coordinator's ``finish`` writes nothing: it keeps the
-manifest and metadata bytes (:attr:`FastTierWriter.prepared`). The API then sends them to every rank,
-agrees that every node holds what it should (the replicas below), and only then each node's first rank
-commits its copy (:func:`commit_node_copy`): the generation's metadata, the manifest
-(create-if-absent), the stock ``.metadata``.
+``dcp.save`` runs as with :class:`FsspecStorageWriter`, except that the coordinator's ``finish`` only
+keeps the manifest and metadata bytes (:attr:`FastTierWriter.prepared`); the API sends them to every
+rank, agrees that every node holds its share, and only then each node's first rank commits its copy.
+So a manifest on any node proves every node held its share; a kill before the agreement commits nothing.
 
-Why commit per node, and only after that agreement: a manifest on any node then proves that every
-node held its share at that moment, so a tag is usable exactly when the surviving nodes' files cover
-its manifest. A kill before the agreement leaves no manifest anywhere: the tag was never committed.
+Replicas: each data file goes, chunk by chunk as its sink receives it, to the same local rank of the
+next ``replicas - 1`` nodes (ring order), over one sender and one receiver thread per (group, hop); a
+file uses group ``file number % len(groups)``. Messages: an int64 header ``[kind, file, n, extra]``,
+then the name (``OPEN``) or ``n`` bytes (``DATA``); ``END`` closes a file (``extra`` 1: committed, 0:
+discard), ``EOS`` the channel.
 
-Replicas (:class:`Replicator`, every rank). Each data file a rank writes goes, chunk by chunk as its
-sink receives it, to the same local rank of the next ``replicas - 1`` nodes (ring order) -- the bytes
-already in memory, never read back from the file -- and each rank writes the files it receives from
-the ranks before it into its own node's folder.
+Why it cannot hang: a receiver stops only at ``EOS`` or when its connection fails, and receives a file
+it cannot write to the end (reporting the error); every rank sends ``EOS`` in :meth:`Replicator.close`;
+a failed sender drops the rest and wakes writers waiting on it, which raise naming the peer.
 
-Channels. Rank ``r`` sends to ``r + h * L`` and receives from ``r - h * L`` (``h = 1 .. replicas - 1``,
-``L`` ranks per node, modulo the world) over each of its gloo ``groups``: one sender thread and one
-receiver thread per (group, hop), each walking its messages in order. A data file goes over group
-``file number % len(groups)``, so several files move at once; its chunks, in order, interleave with
-other files' on the channel. Messages: a header (int64 ``[kind, file, n, extra]``) then, for
-``OPEN``, the file's name and, for ``DATA``, ``n`` bytes; ``END`` closes a file (``extra`` = 1: the
-writer committed it, 0: it failed and the receiver discards it); ``EOS`` closes the channel.
-
-Why it cannot hang. A receiver thread only stops at ``EOS`` or when its connection fails (its sender's
-process died: every later receive fails at once); a file it cannot write (a bad name, a full disk) is
-received to the end and discarded, its error reported. Every rank sends ``EOS`` on every channel in
-:meth:`Replicator.close`, which the API calls however its save ended. A sender whose connection failed
-drops what it has left and reports the error: its writers never wait on it (one waiting for the queue
-to drain is woken, and raises: below).
-
-Memory. Nothing is copied on the sender but small writes (coalesced into ~1 MiB messages): the queue
-holds views of the writer's own buffers (for staged bytes, the copies the writer makes for a borrowing
-sink: ``storage/write/_pipeline.py``), and a sink's ``commit`` returns only when its file's last message
-went out, so the writer's "unchanged until commit" contract holds (``borrow=True``). A rank's senders hold at
-most ``max_queued`` bytes of data messages queued (:class:`_Budget`; the save's ``staging_bytes``, 128 MiB
-by default -- a second cap of that size, beside the staging pool's: a staged buffer queued for a peer is
-a copy, so a replicated save's host memory above the state is up to twice ``staging_bytes`` plus a
-message per sender and a buffer per writer thread): a write that would pass it waits
-until the senders have sent enough, so a slow peer slows this rank's writers instead of growing its
-memory (one message is always let in: a write larger than the cap goes alone). That wait cannot hang:
-senders wait only on their peers' receiver threads, which never wait on their own rank's writers (the
-channel's messages are taken in order and none waits for a later write), and a sender whose connection
-failed wakes the waiting writers, which raise (naming the peer) instead of waiting on. Each receiver
-holds one message (a staging buffer, 16 MiB, at most) at a time. Writers are not served in order: with
-a cap below a few messages, small writes can keep a large one waiting (never past the queue emptying).
-
-Received files appear under their final name only when complete, through the one commit protocol's
-file operations (``storage/backends/_folder.py``): a create-only temporary name in the node's folder
-opened without following links, then linked into place without replacing anything (a file already
-there under that name is an error, never overwritten). Their sizes are checked against the manifest
-before the node commits, their bytes when they are read.
+Memory: the queue holds views of the writer's buffers (a sink's ``commit`` returns only once its last
+message went out, so ``borrow=True`` holds), at most ``max_queued`` bytes of data (:class:`_Budget`, by
+default ``staging_bytes``: a second cap beside the staging pool's); a write past it waits for the
+senders, so a slow peer slows this rank's writers instead of growing its memory. Each receiver holds one
+message at a time. Received files appear under their final name only when complete (a create-only temp
+name linked into place, ``storage/backends/_folder.py``); sizes are checked before the node commits.
 """
 
 from __future__ import annotations
@@ -100,15 +69,11 @@ class PreparedCommit:
 
 
 class FastTierWriter(FsspecStorageWriter):
-    """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path); the
-    coordinator's ``finish`` prepares the commit (:attr:`prepared`) instead of writing it; with a
-    ``replicator`` (:class:`Replicator`), each data file is also sent to the replica ranks while it is written.
-
-    Call order inside ``dcp.save`` as the partial writer's, except (coordinator) ``prepare_global_plan``
-    does not probe its folder (the API checked every node's folder before the save) and ``finish`` only
-    builds :attr:`prepared`. ``prefix_strategy`` is the durable root's (object stores: hex prefixes) and,
-    with ``durable_is_local=False``, files are sized as for an object store (about one part each), so a
-    drain uploads the files under the names and in the sizes a direct save would have written."""
+    """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path): the
+    coordinator's ``prepare_global_plan`` does not probe the folder (the API checked every node's) and its
+    ``finish`` only builds :attr:`prepared`; a ``replicator`` sends each data file to the replica ranks
+    while it is written. ``prefix_strategy`` is the durable root's and, with ``durable_is_local=False``,
+    files are sized as for an object store: a drain uploads them as a direct save would have written them."""
 
     def __init__(
         self, path: str, *, durable_is_local: bool = True, replicator: Replicator | None = None, **kwargs: Any
@@ -123,8 +88,7 @@ class FastTierWriter(FsspecStorageWriter):
         self.replicator = replicator
 
     def _open_sink(self, name: str) -> Sink:
-        """The local file's sink; with a :attr:`replicator`, its bytes also go to the replica ranks as they
-        are written (the bytes already in memory, never read back)."""
+        """The local file's sink; with a :attr:`replicator`, also sent to the replica ranks."""
         sink = super()._open_sink(name)
         return self.replicator.sink(sink, name) if self.replicator is not None else sink
 
@@ -156,10 +120,9 @@ def parts_of(manifest: Manifest, ranks: Iterable[int]) -> list[FileRecord]:
 
 
 def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileRecord], *, sync: bool) -> bool:
-    """(one rank per node) Commit this node's copy: check that ``expected`` files are there at their
-    sizes, then write the generation's metadata, the manifest (create-if-absent) and the stock
-    ``.metadata``. ``False`` when this very generation was already committed here (nothing written);
-    :class:`CheckpointExists` when another generation was."""
+    """(one rank per node) Check that the ``expected`` files are there at their sizes, then commit this
+    node's copy (metadata, manifest create-if-absent, stock ``.metadata``). ``False``: this generation
+    was committed here already; :class:`CheckpointExists`: another one was."""
     fs, path = open_fs(folder)
     with Folder(fs, path) as f:  # the one commit protocol (storage/format/commit.py)
         existing = f.read(MANIFEST_NAME)
@@ -191,8 +154,7 @@ _WAIT_S = 1.0
 
 
 def ring_peers(rank: int, world_size: int, local_world_size: int, replicas: int) -> tuple[list[int], list[int]]:
-    """The ranks ``rank`` sends its files to (the same local rank of the next ``replicas - 1`` nodes),
-    and those it receives from (the previous ones), hop by hop."""
+    """The ranks ``rank`` sends to (its local rank on the next ``replicas - 1`` nodes) and receives from."""
     sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
     receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
     return sends, receives
@@ -232,9 +194,8 @@ class _Budget:
         self._cond = threading.Condition()
 
     def take(self, n: int) -> None:
-        """(a writer) Wait until ``n`` more bytes fit (or nothing is queued), then count them. Raises
-        :class:`CheckpointError` when it had to wait and a sender of this rank failed: its peer will
-        never take the bytes, and this save fails anyway."""
+        """(a writer) Wait until ``n`` more bytes fit (or nothing is queued), then count them; raises
+        :class:`CheckpointError` when it had to wait and a sender of this rank failed."""
         with self._cond:
             waited = False
             while self.queued and self.queued + n > self.cap:
@@ -300,8 +261,7 @@ class _Sender:
 
 
 class _Place:
-    """The node's folder, opened (once, by the first receiver that needs it) without following links;
-    shared by a rank's receivers."""
+    """The node's folder, opened once (by the first receiver) without following links."""
 
     def __init__(self, folder: str) -> None:
         self.path = folder
@@ -485,8 +445,7 @@ class Replicator:
             s.queue.put((kind, f.number, payload, size, extra, release))
 
     def close(self) -> TransferOutcome:
-        """(however the save ended) ``EOS`` on every channel, then wait for every thread: what this rank
-        received, and every error (its sends' and its receives')."""
+        """(however the save ended) ``EOS`` on every channel, then wait for every thread; the outcome."""
         if not self._closed:
             self._closed = True
             for channel in self._senders:

@@ -1,40 +1,23 @@
-"""What both writers share (``FsspecStorageWriter``: partial checkpoints; ``FullArtifactWriter``: the full
-artifact), as DCP's ``HuggingFaceStorageWriter`` builds on ``FsspecWriter``: the steps of ``dcp.save`` that
-do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
+"""What both writers share (``FsspecStorageWriter``, ``FullArtifactWriter``): the steps of ``dcp.save``
+that do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
 (:class:`FailedSaveFiles`), and the compact forms of what ``dcp.save`` sends between ranks once the data
 is written (:func:`pack_results`, :func:`lean_returned_metadata`).
 
-**A failed save's files.** ``dcp.save`` reports a failure to every rank only after every rank's
-``write_data`` returned (and the coordinator's ``finish``, when it ran, returned or raised), so by then
-nothing of that save is still being written. Each rank then removes the files it recorded for the failed
-save: a partial save's data files (named with its save id) and the coordinator's metadata copy; on object
-stores a full save's artifact, side files and metadata copy (the coordinator: it laid them out), its
-in-progress marker last and only while the marker still names that save (on POSIX a full save's staging
-folder goes whole: ``FullArtifactWriter.discard_failed_save``). Every removal goes through the protocol's
-folder, never through a link. Nothing is removed when a manifest shows the commit landed (partial: this
-save's id; full: any manifest), when the folder cannot be read, or when the commit request failed in a
-way that does not tell whether it landed (:class:`CommitUncertain`, object stores). The folder itself
-goes only if this save made it and it is empty. Debris of *killed* saves cannot be told from a save still
-running; it is left to ``remove_uncommitted_older_than`` and ``smpckpt prune``, which judge by age.
+**A failed save's files.** ``dcp.save`` reports a failure only after every rank's ``write_data`` (and
+the coordinator's ``finish``) returned, so nothing is still being written. Each rank then removes,
+through the protocol's folder, the files it recorded: a partial save's data files and the metadata
+copy; on object stores a full save's artifact, side files and metadata copy, its in-progress marker
+last and only while it names that save (POSIX: the staging folder goes whole). Nothing is removed when
+a manifest shows the commit landed (partial: this save's id; full: any), when the folder cannot be
+read, or when the commit's outcome is unknown (:class:`CommitUncertain`). The folder goes only if this
+save made it and it is empty. Killed saves' debris is left to ``smpckpt prune`` (judged by age).
 
-**What crosses ranks.** After ``write_data`` DCP gathers every rank's write results on the coordinator,
-and after ``finish`` it broadcasts the checkpoint's ``Metadata`` to every rank; both travel as pickles
-and are unpickled in DCP's own code, between our hooks, with Python's cyclic collector running. With
-thousands of items per rank each unpickle makes objects by the ten thousand (the Metadata of 2,723
-tensors at 4 ranks: 67,000, 41,000 of them its storage index), which sets off a full collection that
-walks every object of a process with torch loaded: 0.13-0.2 s per save on the coordinator's gather and
-again on every rank's broadcast (benchmarks/RESULTS.md, "Results and Metadata across ranks"). So:
-
-* each rank's results cross as **one** pickle (:func:`pack_results`); the coordinator's ``finish``
-  opens them with the collector paused (:func:`open_results`);
-* the Metadata ``dcp.save`` returns (and DCP broadcasts) holds its mappings -- ``state_dict_metadata``
-  (a chunk per item), ``storage_data`` (a record per item) and ``planner_data`` -- as read-only views
-  of the committed metadata file's bytes (:func:`lean_returned_metadata`), decoded on first use:
-  receivers unpickle one ``bytes`` object instead of an object per item, the coordinator drops its
-  per-item objects (the index before the collector resumes: none lives on into an old generation),
-  and each view still maps what was committed for whoever reads it.
-
-Nothing of the latter changes what is stored: the ``.metadata`` files hold the plain dict DCP readers expect.
+**What crosses ranks.** DCP gathers the write results and broadcasts the ``Metadata`` as pickles,
+unpickled with the cyclic collector running: an object per item sets off full collections
+(benchmarks/RESULTS.md, "Results and Metadata across ranks"). So each rank's results cross as one
+pickle (:func:`pack_results`, opened with the collector paused: :func:`open_results`), and the Metadata
+``dcp.save`` returns holds its mappings as read-only views of the committed file's bytes, decoded on
+first use (:func:`lean_returned_metadata`). The ``.metadata`` files still hold the plain dict.
 """
 
 from __future__ import annotations
@@ -76,8 +59,7 @@ from smpckpt.storage.format.manifest import (
     probe,
 )
 
-# MIN_PART_SIZE: S3's smallest multipart part, owned by storage/backends/_sinks.py (named here for callers);
-# CommitUncertain and commit_uncertain live with the commit protocol (storage/format/commit.py)
+# re-exported for callers: MIN_PART_SIZE (storage/backends/_sinks.py), CommitUncertain (storage/format/commit.py)
 __all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions", "CommitUncertain", "FailedSaveFiles"]
 __all__ += ["commit_uncertain", "folder_is_new", "PackedResults", "crosses_ranks", "pack_results", "open_results"]
 __all__ += ["committed_index", "list_tied", "CommittedMetadata", "CommittedView", "lean_returned_metadata"]
@@ -108,38 +90,30 @@ class WriterOptions(TypedDict, total=False):
 
 
 class FsspecWriterBase(FsspecLocation, StorageWriter):
-    """The shared half of both writers: the location, the options both take, the steps of ``dcp.save``
-    that do not depend on the product, the metadata and manifest, data file sinks and the removal of a
-    failed save's files. A subclass supplies ``prepare_global_plan``, ``finish`` and ``_write_rank``.
+    """The shared half of both writers: the location, the options both take, the steps of ``dcp.save`` that
+    do not depend on the product, the metadata and manifest, data file sinks and the removal of a failed
+    save's files. A subclass supplies ``prepare_global_plan``, ``finish`` and ``_write_rank``.
 
-    Steps of ``dcp.save`` handled here ("all" = every rank): ``reset`` (all, ``FsspecLocation``),
-    ``storage_meta`` (all: starts the record of this rank's files), ``set_up_storage_writer`` (all),
-    ``prepare_local_plan`` (all: no I/O), ``write_data`` (all: the subclass's ``_write_rank``), and
-    ``discard_failed_save`` (all, after ``dcp.save`` raised; the API calls it). The coordinator's
-    ``finish`` builds its manifest with :meth:`_manifest` (the metadata from :meth:`_metadata_bytes`).
+    Steps handled here ("all" = every rank): ``reset``, ``storage_meta`` (starts the record of this
+    rank's files), ``set_up_storage_writer``, ``prepare_local_plan`` (no I/O), ``write_data`` (the
+    subclass's ``_write_rank``) and ``discard_failed_save`` (after ``dcp.save`` raised; the API calls it).
+    The coordinator's ``finish`` builds its manifest with :meth:`_manifest`.
 
     Args:
         path: folder or URL (``/data/ckpt``, ``file://...``, ``s3://bucket/ckpt``, ``memory://ckpt``).
-        storage_options: fsspec filesystem options (S3: ``key``, ``secret``, ``client_kwargs``...);
-            kept across :meth:`reset`.
-        sync_files: fsync each local data file, the metadata, the manifest and their directory before
-            reporting success. ``False`` is faster but a power loss can lose a "committed" save.
-            Object stores ignore it (an object is durable once its upload completes).
+        storage_options: fsspec filesystem options (S3: ``key``, ``secret``, ``client_kwargs``...).
+        sync_files: fsync each local file and their directory before reporting success (``False``: faster,
+            but a power loss can lose a "committed" save). Object stores ignore it.
         thread_count: data files written concurrently per rank. Default: 4, locally fewer when this
-            node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs (``storage/backends/_fs.py``).
-        part_size: S3 multipart part size (at least 5 MiB, S3's minimum; honoured as given).
-        max_parts_in_flight: S3 parts uploading concurrently per file (bounds memory per file to
-            ``max_parts_in_flight * part_size``).
-        manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (the API
-            layer records layout and user info here); also settable with :meth:`set_manifest_extra`.
+            node's ranks (``LOCAL_WORLD_SIZE``) times 4 exceed its CPUs.
+        part_size: S3 multipart part size (at least 5 MiB, S3's minimum).
+        max_parts_in_flight: S3 parts uploading concurrently per file.
+        manifest_extra: JSON-serialisable mapping recorded under ``"extra"`` in the manifest (also
+            :meth:`set_manifest_extra`).
         process_group: the group ``dcp.save`` runs on (default: the default group).
-        staging_bytes: the cap on host memory a rank's save uses above its state (default 128 MiB):
-            tensors that cannot be written from their own memory -- CUDA tensors, strided views, and
-            (full artifacts) dtype casts and transposed boxes -- are copied through a pool of buffers of
-            this many bytes in all (pinned for CUDA), chunk by chunk, each buffer reused once its bytes
-            are written and hashed (``storage/format/_staging.py``). Contiguous CPU tensors are
-            written in place and use none of it.
-    """
+        staging_bytes: the cap on host memory a rank's save uses above its state (default 128 MiB): what
+            cannot be written from its own memory (CUDA tensors, strided views, casts) is copied through a
+            pool of buffers of this many bytes in all (``storage/format/_staging.py``)."""
 
     _KIND: Literal["partial", "full"]  # the manifest's "kind"; discard_failed_save follows it
 
@@ -223,8 +197,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         return fut
 
     def discard_failed_save(self, error: BaseException | None = None) -> list[str]:
-        """(all ranks, after ``dcp.save`` raised ``error``; the API calls it) Remove what this rank wrote
-        for the failed save (:class:`FailedSaveFiles`); the paths not removed."""
+        """(all ranks, after ``dcp.save`` raised ``error``) Remove this rank's files; those left."""
         if commit_uncertain(error):
             log.warning("%s: the commit's outcome is unknown; the failed save's files are left", self.url)
             return []
@@ -251,14 +224,12 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         return data
 
     def _metadata_bytes(self, save_id: str, metadata: Metadata) -> tuple[bytes, dict[str, Any]]:
-        """(coordinator) The metadata pickled, checked with our allow-list, and the manifest's ``extra``;
-        then what ``dcp.save`` returns (and broadcasts) becomes views of those bytes."""
+        """(coordinator) The metadata pickled and checked, and the manifest's ``extra``; ``metadata`` made lean."""
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
             md_bytes = pickle.dumps(with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
-            # Our reader (and any careful reader) loads .metadata with an allow-list; fail the save
-            # now, before the commit, rather than produce a checkpoint nobody can load safely.
+            # fail the save now rather than commit a checkpoint our allow-listed load would refuse
             load_metadata(md_bytes, where="metadata being written")
             extra = extra_with_layout_record(self._extra, metadata)
             lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
@@ -272,8 +243,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         world_size: int,
         data_format: Literal["raw", "torch_save"],
     ) -> tuple[Manifest, bytes]:
-        """(coordinator, in ``finish``) The metadata written under this generation's name, and the
-        manifest naming it and ``files``; the metadata's bytes (for the stock ``.metadata`` copy)."""
+        """(coordinator, in ``finish``) The generation's metadata written and its manifest; its bytes."""
         md_bytes, extra = self._metadata_bytes(save_id, metadata)
         gen_name = generation_metadata_name(save_id)
         self._attempt.add(gen_name)
@@ -301,8 +271,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
 
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        """The generation's metadata, created (never over another file); its folder's fsync comes with
-        the manifest's."""
+        """The generation's metadata, created (its folder's fsync comes with the manifest's)."""
         folder = self._folder or self._open_folder()
         try:
             folder.create(gen_name, md_bytes, sync=self.sync_files)
@@ -311,9 +280,8 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
                 folder.close()
 
     def _open_sink(self, name: str) -> Sink:
-        """A data file's create-only sink in this save's folder, recorded as this save's. It may borrow:
-        ``write_file`` and ``gather_rank`` pass views of the resolved tensors (or of buffers made for that
-        write) and never change them before the sink's commit, so S3 parts go out without a copy."""
+        """A data file's create-only sink in this save's folder, recorded as this save's. It may borrow: its
+        callers never change what they pass before the sink's commit, so S3 parts go out without a copy."""
         if self._folder is None:
             raise CheckpointError(f"{self.url}: a data file opened outside this rank's write step")
         self._attempt.add(name)
@@ -327,8 +295,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
 
 
 def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
-    """A manifest's ``extra``: the caller's, plus a verbatim copy of the planner's LayoutRecord (when the
-    planner wrote one into ``metadata``), so listing tools read the partition without ``.metadata``."""
+    """A manifest's ``extra``: the caller's plus the planner's LayoutRecord, for listing tools."""
     record = LayoutRecord.json_in_metadata(metadata)
     return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
 
@@ -341,12 +308,9 @@ def _manifest_save_id(fs: Any, path: str) -> str | None:
 
 
 class FailedSaveFiles:
-    """The files one rank wrote for one save, to remove if that save fails.
-
-    Call order: a new instance per save (``storage_writer.storage_meta``, DCP's first call) ->
-    :meth:`begin` (partial: ``write_data``, every rank; full: ``prepare_global_plan``, coordinator) ->
-    :meth:`add` per file created (writer threads too) -> :meth:`discard` (every rank, after
-    ``dcp.save`` raised)."""
+    """The files one rank wrote for one save, to remove if that save fails. Call order: a new instance per
+    save (``storage_meta``) -> :meth:`begin` (partial: ``write_data``; full: the coordinator's
+    ``prepare_global_plan``) -> :meth:`add` per file (writer threads too) -> :meth:`discard`."""
 
     def __init__(self) -> None:
         self.save_id: str | None = None
@@ -410,8 +374,7 @@ class PackedResults:
 
 
 def crosses_ranks(process_group: dist.ProcessGroup | None) -> bool:
-    """Whether DCP will pickle results and Metadata between ranks (a one-process save passes them on
-    as they are: packing there would only add a pickle round trip)."""
+    """Whether DCP pickles results and Metadata between ranks (not in a one-process save)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
 
 
@@ -424,10 +387,8 @@ def pack_results(results: list[WriteResult]) -> list[WriteResult]:
 
 
 def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
-    """(coordinator, ``finish``) Every rank's results, packed or not, as DCP would have delivered them.
-
-    The payloads come from the ranks of this job through DCP's gather, which unpickles whatever the
-    ranks send anyway: opening them trusts the same peers, no more."""
+    """(coordinator, ``finish``) Every rank's results, packed or not, as DCP would have delivered them (the
+    payloads come through DCP's gather, which unpickles them anyway: no more trust than before)."""
     out: list[list[WriteResult]] = []
     with gc_paused():  # an object per item of every rank
         for rank, rank_results in enumerate(results):
@@ -446,8 +407,7 @@ def open_results(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
 
 
 def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord], dict[MetadataIndex, Any]]:
-    """(coordinator, partial mode) The data files' records (for the manifest) and the storage index
-    (``Metadata.storage_data``: each item's file, offset and length), from every rank's results."""
+    """(coordinator, partial) The data files' records and the storage index, from every rank's results."""
     files: list[FileRecord] = []
     index: dict[MetadataIndex, Any] = {}
     for rank_results in results:
@@ -460,9 +420,8 @@ def committed_index(results: list[list[WriteResult]]) -> tuple[list[FileRecord],
 
 
 def list_tied(metadata: Metadata) -> None:
-    """(coordinator, partial mode) Each tied key (written once, under the key it is tied to: the save
-    planner's ``LayoutRecord.tied``) gets that key's entries in ``state_dict_metadata`` and
-    ``storage_data``, over the same bytes: stock readers then load both keys of a tied model."""
+    """(coordinator, partial mode) Each tied key (``LayoutRecord.tied``, written once under its first key)
+    gets that key's entries in ``state_dict_metadata`` and ``storage_data``, so stock readers load both."""
     record = LayoutRecord.from_metadata(metadata)
     tied = record.tied if record is not None else {}
     sdm, index = metadata.state_dict_metadata, metadata.storage_data
@@ -478,9 +437,8 @@ def list_tied(metadata: Metadata) -> None:
 
 
 class CommittedMetadata:
-    """The committed metadata file's bytes, decoded (with the reader's allow-list) once, on first use.
-    Pickles as those bytes: the views below share one instance, so a pickle of the Metadata that holds
-    them carries the bytes once."""
+    """The committed metadata file's bytes, decoded with the allow-list once, on first use. Pickles as those
+    bytes, which the views share: a pickle of the Metadata carries them once."""
 
     def __init__(self, metadata_bytes: bytes, where: str) -> None:
         self._bytes = metadata_bytes
@@ -501,8 +459,7 @@ class CommittedMetadata:
 
 
 class CommittedView(Mapping[Any, Any]):
-    """One mapping field of the committed Metadata (``state_dict_metadata``, ``storage_data`` or
-    ``planner_data``), read-only, decoded on first use."""
+    """One mapping field of the committed Metadata, read-only, decoded on first use."""
 
     def __init__(self, source: CommittedMetadata, field: str) -> None:
         if field not in _VIEW_FIELDS:
@@ -535,10 +492,8 @@ _VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
 
 
 def with_plain_mappings(metadata: Metadata) -> Metadata:
-    """``metadata`` with any view of a committed file turned back into the dict it stands for, before
-    it is pickled into a new file: a planner may hand ``finish`` a Metadata that a previous save left
-    lean (DCP's ``DefaultSavePlanner`` with plan caching reuses the object), and the file must hold
-    plain dicts."""
+    """``metadata`` with any committed view turned back into a dict before it is pickled into a new file (a
+    planner caching its plan may hand ``finish`` a Metadata a previous save left lean)."""
     for field in _VIEW_FIELDS:
         value = getattr(metadata, field)
         if isinstance(value, CommittedView):
@@ -547,10 +502,8 @@ def with_plain_mappings(metadata: Metadata) -> Metadata:
 
 
 def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:
-    """(coordinator, end of ``finish``) Turn the Metadata ``dcp.save`` returns (and DCP broadcasts)
-    into views of the committed bytes: receivers unpickle one ``bytes`` object instead of an object
-    per item, and the coordinator drops its own per-item objects. A field that is not a mapping (a
-    planner that sets no ``planner_data``) is left as it is."""
+    """(coordinator, end of ``finish``) Turn the mappings of the Metadata ``dcp.save`` returns (and
+    broadcasts) into views of the committed bytes; a field that is not a mapping is left as it is."""
     source = CommittedMetadata(metadata_bytes, where)
     for field in _VIEW_FIELDS:
         if isinstance(getattr(metadata, field), Mapping):

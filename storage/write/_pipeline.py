@@ -1,31 +1,19 @@
-"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers.
+"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers
+(:func:`~smpckpt.storage.format._staging.stage_kind` decides per record).
 
-A file is a sequence of records. Each goes one of two ways (:func:`~smpckpt.storage.format._staging.
-stage_kind`):
+* **in place**: a contiguous CPU tensor's own memory (or an object's bytes) is written without a copy.
+  With ``hash_beside=False`` (the writer's choice when it writes at least as many files at once as the
+  rank has CPUs) each :data:`INLINE_CHUNK` is hashed and then written by the file's own thread, so its
+  bytes come from memory once; otherwise each :data:`BESIDE_CHUNK` is hashed on the file's hash thread
+  while its own thread writes it (``benchmarks/profile_save.py --hash-beside on,off``);
+* **staged**: a CUDA tensor, a strided or conjugate view is copied into buffers of the save's
+  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage: a record above :data:`PACK_BELOW`
+  in chunks of one buffer (cut on row-group boundaries, so tiles are hashed whole), smaller ones packed
+  into shared buffers. The file's thread takes the oldest queued buffer, waits for its copies, hashes
+  and writes it, and releases it when both are done; copies of the next buffers overlap.
 
-* **in place** -- a contiguous CPU tensor's own memory (or an object's bytes) is written as it is (no
-  copy). Where the rank's file threads keep its CPUs busy (``hash_beside=False``, the writer's choice
-  when it writes at least as many files at once as the rank has CPUs; ``FsspecStorageWriter(...,
-  hash_beside=)`` forces either way) each chunk of about
-  :data:`INLINE_CHUNK` bytes is hashed and then written by the file's own thread: the hash brings the
-  chunk into the core's cache and the write's copy into the page cache reads it from there, so the
-  bytes come from memory once (a hash thread beside the writer reads them from memory a second time:
-  more CPU per GiB, ``benchmarks/profile_save.py --hash-beside on,off``). Where CPUs would idle
-  (fewer files than CPUs: one large tensor, a many-core node) each chunk of :data:`BESIDE_CHUNK`
-  bytes is hashed on the file's hash thread while its own thread writes it, the two overlapped;
-* **staged** -- a CUDA tensor, a strided view or a conjugate view is copied into buffers of the save's
-  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage (device-to-host on a side stream
-  for CUDA, on a copier thread otherwise): a record larger than :data:`PACK_BELOW` in chunks of one
-  buffer each (cut on row-group boundaries of a tiled record, so its tiles are hashed whole), smaller
-  ones packed back to back into shared buffers. A buffer is queued once its copies are enqueued; the
-  file's thread takes the oldest queued buffer, waits for its copies, hands its bytes to the hash
-  thread, writes them, and gives the buffer back when both the write and the hash are done. Copies of
-  the next buffers run meanwhile, so copy, hash and write overlap; several files (threads) share one
-  pool, whose size is the save's cap on host memory above its state.
-
-A thread that needs a buffer when the pool has none free writes its own queued buffers first, and
-waits only with none queued: the buffers it waits for are then being written or hashed by threads
-that never wait while holding queued buffers, so the pool cannot deadlock.
+A thread that needs a buffer when the pool has none free writes its own queued buffers first and waits
+only with none queued, so the pool cannot deadlock.
 """
 
 from __future__ import annotations
@@ -45,14 +33,11 @@ from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, c
 
 __all__ = ["FileStream", "INLINE_CHUNK", "BESIDE_CHUNK", "PACK_BELOW", "inline_chunk"]
 
-#: bytes of an in-place record hashed and then written at a time (rounded to whole check units or
-#: rows, :func:`inline_chunk`): a chunk and its copy in the page cache fit a core's L2 cache
+#: bytes of an in-place record hashed and then written at a time (:func:`inline_chunk`): fits a core's L2
 INLINE_CHUNK = 1 << 20
-#: bytes of an in-place record handed to the hash thread at a time when hashed beside the write: small
-#: enough that hashing trails the write closely
+#: bytes of an in-place record handed to the hash thread at a time when hashed beside the write
 BESIDE_CHUNK = 8 << 20
-#: in-place records below this many bytes are hashed inline either way: two hand-offs to the hash
-#: thread cost more than the hash
+#: in-place records below this many bytes are hashed inline either way (a hand-off costs more)
 BESIDE_ABOVE = 256 << 10
 #: staged records below this many bytes (and a quarter of a buffer) share buffers
 PACK_BELOW = 1 << 20
@@ -75,11 +60,9 @@ class _Staged:
 
 
 class FileStream:
-    """The bytes of one data file, in order, into ``sink`` and ``hasher`` (see the module docstring).
-
-    ``hash_beside``: in-place records hashed on the hash thread beside their write, not inline before
-    it (the module docstring). ``hooks`` (tests): ``on_hash(buffer_index)`` runs on the hash thread
-    before a staged buffer is hashed; ``on_written(buffer_index)`` after a staged buffer's write."""
+    """The bytes of one data file, in order, into ``sink`` and ``hasher`` (module docstring; ``hash_beside``
+    there too). ``hooks`` (tests): ``on_hash(buffer_index)`` before a staged buffer is hashed (on the hash
+    thread), ``on_written(buffer_index)`` after its write."""
 
     def __init__(
         self, sink: Sink, hasher: BlockHasher, stages: Stages, hooks: Any = None, *, hash_beside: bool = False
@@ -87,8 +70,7 @@ class FileStream:
         self.sink, self.hasher, self.stages = sink, hasher, stages
         self.hash_beside = hash_beside
         self.pool = stages.pool
-        # a sink that keeps views of what it is given until its commit (S3 parts, replication) gets
-        # copies of staged bytes: their buffers are reused long before that
+        # a borrowing sink (S3 parts, replication) gets copies of staged bytes: their buffers are reused
         self._copy_out = getattr(sink, "borrows", True)
         self._hash = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smpckpt-hash")
         self._backlog: collections.deque[concurrent.futures.Future[None]] = collections.deque()
@@ -218,8 +200,7 @@ class FileStream:
             if self._hooks is not None:
                 self._hooks.on_written(buf.index, staged.fill)
         finally:
-            # back to the pool once the write has returned (here) and the hash is done (now, when it
-            # already is): also when the write fails, the hash thread may still be reading the buffer
+            # back to the pool once both the write and the hash are done, even when the write failed
             fut.add_done_callback(lambda _f: self.pool.release(buf))
         while len(self._backlog) > _MAX_HASH_BACKLOG:
             self._backlog.popleft().result()
@@ -250,8 +231,7 @@ class FileStream:
         self._wait_hashes()
 
     def close(self) -> None:
-        """(always, last) Stop the hash thread; on failure, buffers still queued go back to the pool
-        once their copies are done."""
+        """(always, last) Stop the hash thread; on failure, queued buffers go back once copied."""
         for fut in self._backlog:
             fut.cancel()
         self._hash.shutdown(wait=True)
@@ -260,9 +240,8 @@ class FileStream:
                 with contextlib.suppress(BaseException):  # the copy's error is not this one's to report
                     staged.ticket.wait()
             else:
-                # an unsealed pack: copies into it may still be pending (on a host stage, in this
-                # thread's batch, which its next fence would submit into a buffer another file then
-                # owns); settle them before the buffer goes back
+                # an unsealed pack may have copies pending in this thread's batch: settle them before the
+                # buffer goes back (its next fence would fill a buffer another file then owns)
                 settle(staged.stage)
             self.pool.release(staged.buffer)
         self._queue.clear()
@@ -270,9 +249,8 @@ class FileStream:
 
 
 def inline_chunk(checks: ItemChecks | None) -> int:
-    """Bytes of an in-place record hashed and written at a time: about :data:`INLINE_CHUNK`, a whole
-    number of its check units (one-shot digests, no streaming state) or, for a tiled record, of its
-    rows (each tile's row segments gathered a batch at a time, never a segment cut by the chunk)."""
+    """Bytes of an in-place record hashed and written at a time: about :data:`INLINE_CHUNK`, whole check
+    units or, for a tiled record, whole rows (no segment cut by the chunk)."""
     if checks is None:
         return INLINE_CHUNK
     quantum = checks.row_bytes if checks.groups > 1 else checks.unit
@@ -280,8 +258,7 @@ def inline_chunk(checks: ItemChecks | None) -> int:
 
 
 def chunk_bytes(buffer_bytes: int, checks: ItemChecks | None) -> int:
-    """Bytes of one staged chunk of a large record: a buffer's worth, cut after the last whole row
-    group of a tiled record that fits (its tiles then hashed whole, in one gathered call each)."""
+    """Bytes of one staged chunk of a large record: a buffer's worth, cut after a whole row group."""
     if checks is not None and checks.groups > 1:
         group = checks.rows_per_group * checks.row_bytes
         if group <= buffer_bytes:

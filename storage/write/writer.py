@@ -1,22 +1,14 @@
 """``FsspecStorageWriter``: DCP StorageWriter of partial checkpoints (every rank its own shards) for local
-disk, shared filesystems, S3 and memory://. The full artifact has its own writer
-(``smpckpt.storage.full.writer.FullArtifactWriter``); both share ``_base.FsspecWriterBase``.
+disk, shared filesystems, S3 and memory://; it shares ``_base.FsspecWriterBase`` with the full artifact's
+writer.
 
-DCP runs ``finish`` (step 6 of the class docstring) only when every rank succeeded in ``write_data`` (5), so a failed rank leaves no manifest and the folder
-keeps its previous committed generation (or stays uncommitted); every rank gets the error, and then
-``discard_failed_save()`` (the API calls it) removes what the rank wrote for the failed save.
-
-Every file is created, never overwritten, and the commit follows the one protocol
-(``smpckpt.storage.format.commit``): two saves racing on one folder without ``overwrite`` both pass the
-check in ``prepare_global_plan``, but the manifest is create-if-absent (a hard link on POSIX,
-``If-None-Match: *`` on S3), so exactly one commits; the other removes its own files and fails with
-:class:`~smpckpt.errors.CheckpointExists`. With ``overwrite`` the manifest replaces exactly the one the
-save saw when it began (S3: ``If-Match``), so of two racing overwrites one fails instead of both
-"succeeding".
-
-Data files are named per save id, so an overwrite writes a new generation beside the old one. The
-manifest swap is the commit; our reader follows the manifest to its own generation's metadata copy,
-so a crash between writing ``.metadata`` and the manifest still loads the old generation.
+DCP runs ``finish`` only when every rank's ``write_data`` succeeded, so a failed rank leaves no manifest
+(the folder keeps its previous generation) and ``discard_failed_save()`` removes what each rank wrote.
+Files are created, never overwritten, and the commit follows ``smpckpt.storage.format.commit``: of two
+saves racing on one folder exactly one commits (the manifest is create-if-absent, or replaces exactly
+the one the save saw, S3: ``If-Match``); the other removes its files and fails with
+:class:`~smpckpt.errors.CheckpointExists`. Data files are named per save id, so an overwrite writes a new
+generation beside the old one and a crash before the manifest swap still loads the old one.
 """
 
 from __future__ import annotations
@@ -86,8 +78,7 @@ _PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
 
 @dataclasses.dataclass(frozen=True)
 class RankPlanData:
-    """What the coordinator's ``prepare_global_plan`` puts on each rank's plan (``SavePlan.storage_data``)
-    for its data path (:meth:`FsspecStorageWriter._write_rank`); never stored."""
+    """What ``prepare_global_plan`` puts on each rank's plan (``SavePlan.storage_data``); never stored."""
 
     save_id: str
     rank: int
@@ -101,54 +92,30 @@ class RankPlanData:
 class FsspecStorageWriter(FsspecWriterBase):
     """Write a partial DCP checkpoint to ``path`` (any fsspec URL) with checksums and a commit manifest.
 
-    Call order inside ``dcp.save`` ("all" = every rank; module docstring: failures, races, generations)::
+    Call order inside ``dcp.save``: :class:`~smpckpt.storage.write._base.FsspecWriterBase`'s, plus
+    (coordinator) ``prepare_global_plan`` (overwrite check, one GET; a new save id to every plan) and
+    ``finish`` (``.metadata.<id>``, the manifest: exclusive unless ``overwrite``; the stock ``.metadata``
+    copy; the previous generation's files removed).
 
-        0) (all)         reset(checkpoint_id)            only when dcp.save gets checkpoint_id=
-        1) (all)         storage_meta()
-        2) (all)         set_up_storage_writer(is_coordinator, rank=, use_collectives=)
-        3) (all)         prepare_local_plan(plan)         nothing to do: no I/O on every rank
-        4) (coordinator) prepare_global_plan(plans)       overwrite check (one GET), new save id -> every plan
-        5) (all)         write_data(plan, planner)        this rank's data files, durable before returning
-        6) (coordinator) finish(metadata, results)        .metadata.<id>, then the manifest (the commit:
-                                                          exclusive unless overwrite=True), then the stock
-                                                          .metadata copy, then removal of the previous
-                                                          generation's files
-
-    Args (besides those of :class:`~smpckpt.storage.write._base.FsspecWriterBase`: ``path``,
-    ``storage_options``, ``sync_files``, ``thread_count``, ``part_size``, ``max_parts_in_flight``,
-    ``manifest_extra``, ``process_group``):
-        overwrite: replace a committed checkpoint at ``path`` (the previous generation's files are
-            removed once the new one has committed); otherwise the save fails with
-            :class:`~smpckpt.errors.CheckpointExists` (checked once, by the coordinator).
-        format: ``"raw"`` (tensor bytes at recorded offsets: fast, range-readable; needs our reader)
-            or ``"torch_save"`` (DCP's own per-item records; stock ``dcp.load`` reads it).
+    Args (besides :class:`~smpckpt.storage.write._base.FsspecWriterBase`'s):
+        overwrite: replace a committed checkpoint at ``path`` (its files go once the new one committed);
+            otherwise :class:`~smpckpt.errors.CheckpointExists` (checked once, by the coordinator).
+        format: ``"raw"`` (tensor bytes at recorded offsets: range-readable; needs our reader) or
+            ``"torch_save"`` (DCP's own records; stock ``dcp.load`` reads it).
         block_size: checksum block size in bytes.
-        object_file_size: object stores: each rank's data goes into files of about this many bytes.
-            Default (``None``): 85 % of ``part_size``, so nearly every file is one ``PutObject`` -- no
-            multipart create/complete requests, no server-side concatenation -- with
-            ``thread_count * max_parts_in_flight`` files uploading at once. At most 256 files per rank:
-            a larger rank gets larger (multipart) files, ``thread_count`` at a time. ``0``:
-            ``thread_count`` files per rank (fewer, larger objects; multipart beyond one part). A larger
-            ``part_size`` gives fewer, larger one-request files (S3 takes up to 5 GiB each). On
-            local/POSIX paths each rank's items are split into at most ``thread_count`` files.
-        prefix_strategy: where data files go inside the folder. ``"auto"`` (default): directly in the
-            folder on local/POSIX paths, one hex prefix folder per file on object stores
-            (``<folder>/<p>/<name>``, neighbouring files differing in the first character, so a large
-            save spreads over many S3 prefixes); ``"flat"``, ``"hex"``, ``"binary"`` or a
-            :class:`~smpckpt.storage.PrefixStrategy`. The prefix is part of each file's recorded name:
-            readers and tools need no setting.
-        hash_beside: how records written in place (a contiguous CPU tensor's own memory) are hashed.
-            ``None`` (default): the writer's choice per save -- inline, each ~1 MiB chunk hashed by the
-            writing thread just before its write, where the files written at once keep the rank's CPUs
-            busy (at least as many as ``rank_cpus()``); otherwise beside the writes, on each file's hash
-            thread. ``True``/``False`` force beside/inline (A/B measurements:
-            ``benchmarks/profile_save.py --hash-beside``). The digests are the same either way.
+        object_file_size: object stores: each rank's files hold about this many bytes. ``None``: 85 % of
+            ``part_size``, so nearly every file is one ``PutObject``, at most 256 files per rank (a larger
+            rank gets multipart files); ``0``: ``thread_count`` files per rank. Local paths: at most
+            ``thread_count`` files per rank.
+        prefix_strategy: where data files go in the folder: ``"auto"`` (flat locally, a hex prefix folder
+            per file on object stores), ``"flat"``, ``"hex"``, ``"binary"`` or a
+            :class:`~smpckpt.storage.PrefixStrategy`; recorded in each file's name.
+        hash_beside: records written in place are hashed beside their writes on a hash thread (``True``)
+            or inline just before each write (``False``); ``None``: inline when the files written at once
+            keep ``rank_cpus()`` busy. The digests are the same either way.
         mode, full: deprecated. ``mode="full", full=FullOptions(...)`` returns a
-            :class:`~smpckpt.storage.FullArtifactWriter` built from the shared options (with a
-            ``DeprecationWarning``; an option above set to anything but its default is refused, as it
-            never applied to the full artifact); a subclass must derive from ``FullArtifactWriter``
-            instead. ``full=`` without ``mode="full"`` is refused.
-    """
+            :class:`~smpckpt.storage.FullArtifactWriter` (``DeprecationWarning``; a partial-only option
+            set is refused; subclasses must derive from ``FullArtifactWriter``)."""
 
     _KIND = "partial"
     #: size data files as for a local folder / an object store regardless of ``path`` (None: as ``path``)
@@ -244,16 +211,14 @@ class FsspecStorageWriter(FsspecWriterBase):
         save_id = self._save_id
         if save_id is None:
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
-        # An object per item of every rank, each dropped before the collector resumes: none lives on
-        # into an old generation, where it would bring the next full collection nearer.
+        # an object per item of every rank, each dropped before the collector resumes (none grows old)
         with gc_paused():
             files, metadata.storage_data = committed_index(open_results(results))
             list_tied(metadata)
         return save_id, files
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """(coordinator) The metadata, then the commit (``storage.format.commit``: one listing checks every
-        named file, the manifest, no removal meanwhile), then the stock copy and the old generation's removal."""
+        """(coordinator) The metadata, the commit, the stock copy and the old generation's removal."""
         save_id, files = self._committed_files(metadata, results)
         files = sorted(files, key=lambda f: (f.rank, f.name))
         with self._open_folder() as self._folder:
@@ -280,9 +245,8 @@ class FsspecStorageWriter(FsspecWriterBase):
         self._used_save_ids.add(save_id)
 
     def _write_manifest(self, data: bytes) -> None:
-        """The commit (a seam for fault-injection tests). Without ``overwrite`` it is exclusive:
-        ``FileExistsError`` when another save committed first. With ``overwrite`` it replaces the manifest
-        this save saw when it began, and only that one (``FileExistsError`` when another save replaced it)."""
+        """The commit (a seam for fault-injection tests): exclusive, or with ``overwrite`` replacing only the
+        manifest this save saw; ``FileExistsError`` when another save committed or replaced it first."""
         if self._folder is None:
             raise CheckpointError(f"{self.url}: the manifest written outside the commit")
         if self._replacing is not None:
@@ -291,12 +255,10 @@ class FsspecStorageWriter(FsspecWriterBase):
             self._folder.publish(MANIFEST_NAME, data, sync=self.sync_files)
 
     def _write_rank(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently
-        (each by :meth:`_write_file`, the seam for fault tests, through the writer's sink), made durable;
-        their results (the last of each file carries its manifest record). ``_split_as_local`` sizes the
-        files as for a local folder (``True``) or an object store (``False``) whatever ``path`` is: the fast
-        tier writes locally the files a drain will upload. A rank whose file fails removes the files it
-        wrote (they would be orphans: the save does not commit) and raises the first error."""
+        """(every rank, in ``write_data``) This rank's items split into data files, written concurrently (each by
+        :meth:`_write_file`, the fault tests' seam) and made durable; each file's last result carries its
+        manifest record. ``_split_as_local`` sizes files as locally or for an object store whatever ``path`` is
+        (the fast tier writes what a drain uploads). A failed file: the rank's files go, the first error is raised."""
         data = self._plan_data(plan, RankPlanData)
         self._attempt.begin(data.save_id, new_folder=data.new_folder)
         items, threads = list(plan.items), self.thread_count
@@ -304,12 +266,10 @@ class FsspecStorageWriter(FsspecWriterBase):
         if local if self._split_as_local is None else self._split_as_local:
             buckets, workers = split_items(items, threads), threads
         else:
-            # object stores: files of about one part each, one PutObject apiece, as many in flight as the
-            # multipart uploads of thread_count files would have had parts
+            # object stores: one-part files (a PutObject each), as many in flight as thread_count files' parts
             bins, one_part = object_store_bins(items, threads, self.object_file_size)
             buckets, workers = split_items(items, bins), threads * (self.max_parts_in_flight if one_part else 1)
-        # file n of this rank takes the prefix of its writer slot n % thread_count: slot k of rank r is
-        # slot r * thread_count + k of the save, wherever it goes
+        # file n takes the prefix of writer slot n % thread_count (slot r * thread_count + k of the save)
         count = data.world_size * threads
         names = [
             data_file_name(data.save_id, data.rank, n, data.prefixes(data.rank * threads + n % threads, count))
@@ -317,13 +277,10 @@ class FsspecStorageWriter(FsspecWriterBase):
         ]
         results: list[WriteResult] = []
         errors: list[BaseException] = []
-        # files written at once that keep the rank's CPUs busy hash each chunk just before writing it
-        # (the bytes come from memory once); fewer files hash beside their writes, on threads of their own
-        # (``hash_beside=True``/``False``: forced, for A/B measurements)
+        # enough files at once to keep the CPUs busy hash inline (the bytes come from memory once); fewer hash beside
         beside = self.hash_beside
         self._hash_beside = min(len(buckets), workers) < rank_cpus() if beside is None else beside
-        # the checkpoint folder is made (and opened) even on a rank with nothing to write: the coordinator's
-        # metadata and manifest go there. Every file is created in it, never through a link
+        # made even on a rank with nothing to write (the coordinator's metadata goes there); never through a link
         with self._open_folder(create=True) as self._folder:
             self._staging = self._stages()  # one pool for every file of this rank: the cap holds per rank
             try:
@@ -368,8 +325,7 @@ class FsspecStorageWriter(FsspecWriterBase):
 
 
 # -- one data file of one rank: items written in order through a sink, hashed on a second thread ----------
-# ``write_file`` is the data path (``_write_rank`` runs one per file on its thread pool, all of them staging
-# through one pool of buffers: ``_pipeline``); ``split_items`` decides which items go to which file.
+# (``_write_rank`` runs one per file on its thread pool; ``split_items`` decides which items go to which file)
 
 #: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
 FILE_RESULT_FQN = "\x00smpckpt.file"
@@ -392,24 +348,18 @@ def _item_size(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-#: object stores: by default a data file aims at this fraction of a part, so that with the imbalance
-#: of the greedy split and its records' headers it still fits one part (one PutObject)
+#: object stores: a data file aims at this fraction of a part, so that it still fits one (one PutObject)
 PART_FILL = 0.85
 
 
-#: object stores: at most this many data files per rank by default (~6.8 GiB in one-part files at
-#: the default part size); a larger rank writes larger, multipart files instead of ever more objects
+#: object stores: at most this many data files per rank by default (a larger rank writes multipart files)
 MAX_OBJECT_FILES = 256
 
 
 def object_store_bins(items: list[WriteItem], thread_count: int, file_size: int) -> tuple[int, bool]:
     """How many data files a rank's ``items`` go into on an object store, and whether they are about
-    ``file_size`` each (else larger): at least ``thread_count`` files, enough to hold about
-    ``file_size`` bytes each (``0``: just ``thread_count``), at most ``MAX_OBJECT_FILES``.
-
-    A file of at most one part is uploaded with one ``PutObject``; a larger one needs a multipart
-    upload: a create and a complete request besides its parts, and a server-side concatenation at the
-    complete. Many one-part files in flight keep the concurrency with a third of the requests."""
+    ``file_size`` each: at least ``thread_count``, enough for about ``file_size`` bytes each (``0``: just
+    ``thread_count``), at most ``MAX_OBJECT_FILES`` (one-part files: one ``PutObject`` each, no multipart)."""
     if file_size <= 0:
         return thread_count, False
     want = -(-sum(_item_size(it) for it in items) // file_size)  # an integer ceiling (byte counts pass 2**53)
@@ -444,11 +394,9 @@ def write_file(
     hooks: Any = None,
     hash_beside: bool = False,
 ) -> list[WriteResult]:
-    """Write ``items`` (objects first, small, then tensors, as DCP does: :func:`split_items`'s order)
-    into ``sink`` and commit it; the last result carries the file's :class:`FileRecord` (size, block ends
-    and digests) for the manifest. Raw tensors that cannot be written in place are copied through
-    ``stages`` (:mod:`._pipeline`); ``hash_beside``: records written in place are hashed on a thread
-    beside their writes, not by this one just before each write."""
+    """Write ``items`` (in :func:`split_items`'s order) into ``sink`` and commit it; the last result carries
+    the file's :class:`FileRecord` for the manifest. Tensors that cannot be written in place are staged
+    through ``stages`` (:mod:`._pipeline`); ``hash_beside``: see :class:`FsspecStorageWriter`."""
     hasher = BlockHasher(block_size)
     results: list[WriteResult] = []
     offset = 0

@@ -28,11 +28,13 @@ from torch.distributed.tensor import DTensor
 
 from smpckpt.api._dist import (
     OPTIONS,
+    PICKLED_KEY,
     CommonRequest,
     DistContext,
     decode_user_content,
     get_rng_state,
     quiet_no_dist,
+    refuse_pickled,
     set_rng_state,
     train_state,
     translate_dcp,
@@ -124,13 +126,14 @@ class Target:
     #: root (a tag-less resume): the job's next saves are numbered after it (``catalog.root``)
     seen_seq: int = 0
     listed: bool = False
+    pickled: bool = False  #: its user_content needs allow_pickle (the manifest says so; older ones do not)
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
         order = record_order(manifest)
-        return cls(tag, url, record, api, rng, fell_back, order, order[0])
+        return cls(tag, url, record, api, rng, fell_back, order, order[0], pickled=extra.get(PICKLED_KEY) is True)
 
     def seen_by(self, counter: SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw."""
@@ -235,9 +238,11 @@ def not_found_hint(root: str, storage_options: Any) -> str:
 def resume_state(req: ResumeRequest, target: Target, ctx: DistContext) -> tuple[bool, dict[str, Any]]:
     """(all ranks, one agreement) Whether RNG states are restored (under the saved layout only, which fixes
     the world size: else a warning, inside the agreement, so a filter making it an error fails every rank
-    alike, not rank 0 alone before the next collective: rev59c F1) and the destinations the load fills."""
+    alike, not rank 0 alone before the next collective: rev59c F1) and the destinations the load fills.
+    First (every rank alike: ``target`` was broadcast) a user_content needing ``allow_pickle`` is refused."""
     saved = target.record.layout if target.record is not None else None
     wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout
+    refuse_pickled(target.pickled, req.opts.allow_pickle, f"checkpoint {target.tag!r} ({target.url})")
 
     def build() -> dict[str, Any]:
         if wanted and not rng and ctx.is_coordinator:

@@ -6,6 +6,7 @@ failure in one still reports the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import traceback
@@ -332,3 +333,37 @@ def warnings_as_errors_world(rank: int, world: int, root: str) -> dict[str, Any]
     info = last_resume_info()
     total = float(sum(p.sum() for p in model.parameters()))
     return {"said": said, "untouched": untouched, "tag": info.tag if info else None, "sum": total, "fresh": fresh}
+
+
+class Unsafe:
+    """A user_content value weights-only loading rejects (module level: the ranks unpickle it)."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def pickled_user_content_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """user_content that needs allow_pickle: a resume without it is refused on every rank before any
+    destination is written (it was refused after the load, the model and optimizer overwritten)."""
+    out: dict[str, Any] = {}
+    m, o = _linear(0)
+    _step(m, o, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the save's warning that resuming needs allow_pickle
+        save_checkpoint(root, "p", model=m, optimizer=o, user_content={"u": Unsafe(rank + 5)})
+        save_checkpoint(root, "f", model=m, user_content={"u": Unsafe(rank + 7)}, partial=False)
+    for tag, partial in (("p", True), ("f", False)):
+        m2, o2 = _linear(1)
+        _step(m2, o2, 1)
+        before, opt_before = _params(m2), {k: {n: t.clone() for n, t in v.items()} for k, v in o2.state.items()}
+        opt = o2 if partial else None
+        said = _expect_error(
+            functools.partial(resume_from_checkpoint, root, tag, model=m2, optimizer=opt, partial=partial)
+        )
+        untouched = _same(_params(m2), before) and all(
+            torch.equal(o2.state[k][n], v) for k, s in opt_before.items() for n, v in s.items()
+        )
+        dist.barrier()  # both ranks got here: nobody waits for the other inside the resume
+        got = resume_from_checkpoint(root, tag, model=m2, optimizer=opt, partial=partial, allow_pickle=True)
+        out[tag] = {"said": said, "untouched": untouched, "x": got["u"].x, "loaded": _same(_params(m2), _params(m))}
+    return out

@@ -245,3 +245,17 @@ def test_warnings_made_errors_leave_no_rank_waiting_inside_a_resume(tmp_path: An
     assert got[0]["untouched"] and got[1]["untouched"], got
     assert got[0]["tag"] == got[1]["tag"] == "s1"
     assert got[0]["sum"] == got[1]["sum"] != got[0]["fresh"]  # dp=2: both ranks hold the whole model, loaded alike
+
+
+def test_user_content_needing_pickle_is_refused_before_the_load_on_every_rank(tmp_path: Any) -> None:
+    """A resume without allow_pickle of a checkpoint whose user_content needs it: refused on both ranks
+    alike (no rank waits), naming the checkpoint and allow_pickle, with the model and optimizer as they
+    were (the refusal came after the load had written into them); allow_pickle=True loads it."""
+    got = run_world(api_workers.pickled_user_content_world, 2, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        for tag, what in (("p", f"checkpoint 'p' ({tmp_path}/p_partial)"), ("f", f"full checkpoint {tmp_path}/f")):
+            r = got[rank][tag]
+            assert r["said"].startswith(f"UnsafeCheckpoint: {what}: its user_content holds objects"), r
+            assert "allow_pickle=True" in r["said"], r
+            assert r["untouched"] and r["loaded"], (rank, tag, r)
+            assert r["x"] == (5 if tag == "p" else 7)  # rank 0's user_content, on every rank

@@ -467,7 +467,7 @@ class Checkpointer:
                 chosen = target
                 ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
                 guard.applied = True
-                user_content, restored = ctx.all_ok(
+                user_content, restored, untranslated = ctx.all_ok(
                     lambda: apply_state(
                         req,
                         chosen,
@@ -478,7 +478,7 @@ class Checkpointer:
                         stateless_at_save(req.model, req.optimizers, state, guard.stateless, planner),
                     )
                 )
-                info = summarize(req, target, ctx, planner, restored)
+                info = summarize(req, target, ctx, planner, restored, untranslated)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
                     info = dataclasses.replace(info, tier="fast", from_peers=peers)

@@ -367,3 +367,33 @@ def pickled_user_content_world(rank: int, world: int, root: str) -> dict[str, An
         got = resume_from_checkpoint(root, tag, model=m2, optimizer=opt, partial=partial, allow_pickle=True)
         out[tag] = {"said": said, "untouched": untouched, "x": got["u"].x, "loaded": _same(_params(m2), _params(m))}
     return out
+
+
+def translate_drop_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A translate_function that drops a key, resumed on 2 ranks into the saved layout (tp=2) and into
+    another (dp=2: resharded): the dropped key keeps the model's value, every other key is loaded as a
+    resume without the function loads it (bit-exact)."""
+    tp2 = ParallelLayout(tp=2)
+    ctx, model, opt = tp_model.build(tp2)
+    tp_model.train_step(ctx, model, opt, 0)
+    save_checkpoint(root, "s1", model=model, optimizer=opt, layout=tp2, specs=tp_model.SPECS)
+    dist.barrier()
+    out: dict[str, Any] = {}
+    for layout in (tp2, ParallelLayout(dp=2)):
+        _, plain, po = tp_model.build(layout, seed=5)
+        resume_from_checkpoint(root, model=plain, optimizer=po, layout=layout, specs=tp_model.SPECS)
+        _, got, go = tp_model.build(layout, seed=5)
+        kept = got.blocks[0].fc1.bias.detach().clone()
+
+        def drop(sd: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in sd.items() if k != "blocks.0.fc1.bias"}
+
+        kw: dict[str, Any] = dict(model=got, optimizer=go, layout=layout, specs=tp_model.SPECS)
+        resume_from_checkpoint(root, translate_function=drop, strict=False, **kw)
+        info = last_resume_info()
+        same = {
+            k: torch.equal(v, kept if k == "blocks.0.fc1.bias" else plain.state_dict()[k])
+            for k, v in got.state_dict().items()
+        }
+        out[str(layout)] = {"same": same, "skipped": info.skipped_keys if info else None}
+    return out

@@ -259,3 +259,14 @@ def test_user_content_needing_pickle_is_refused_before_the_load_on_every_rank(tm
             assert "allow_pickle=True" in r["said"], r
             assert r["untouched"] and r["loaded"], (rank, tag, r)
             assert r["x"] == (5 if tag == "p" else 7)  # rank 0's user_content, on every rank
+
+
+def test_translate_function_dropping_a_key_on_two_ranks(tmp_path: Any) -> None:
+    """A key the translate_function drops keeps the model's value (it was loaded in place anyway), into the
+    saved layout and resharded; every other key as a resume without the function loads it."""
+    got = run_world(api_workers.translate_drop_world, 2, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        assert len(got[rank]) == 2, got[rank]
+        for layout, r in got[rank].items():
+            assert r["same"] and all(r["same"].values()), (rank, layout, r)
+            assert r["skipped"] == ("model.blocks.0.fc1.bias",), (rank, layout, r)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import tp_model
 from torch import nn
 
-from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint, save_checkpoint
+from smpckpt import ParallelLayout, SaveOptions, last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FsspecStorageWriter
 
 
@@ -397,3 +397,27 @@ def translate_drop_world(rank: int, world: int, root: str) -> dict[str, Any]:
         }
         out[str(layout)] = {"same": same, "skipped": info.skipped_keys if info else None}
     return out
+
+
+def alternate_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """save_checkpoint(num_kept_partial_checkpoints=2, async_save) and resume_from_checkpoint, alternated 5
+    times: the gloo groups created for background saves (each rebuilt Checkpointer made its own)."""
+    made: list[Any] = []
+    real = dist.new_group
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    dist.new_group = counting  # type: ignore[assignment]  # this rank's process only
+    m, o = _linear(0)
+    try:
+        for i in range(5):
+            _step(m, o, i)
+            opts = SaveOptions(async_save=True)
+            save_checkpoint(root, f"s{i}", model=m, optimizer=o, num_kept_partial_checkpoints=2, options=opts)
+            resume_from_checkpoint(root, model=m, optimizer=o)
+    finally:
+        dist.new_group = real  # type: ignore[assignment]
+    info = last_resume_info()
+    return {"groups": len(made), "dirs": _dirs(root), "tag": info.tag if info else None}

@@ -270,3 +270,12 @@ def test_translate_function_dropping_a_key_on_two_ranks(tmp_path: Any) -> None:
         for layout, r in got[rank].items():
             assert r["same"] and all(r["same"].values()), (rank, layout, r)
             assert r["skipped"] == ("model.blocks.0.fc1.bias",), (rank, layout, r)
+
+
+def test_saves_with_retention_and_resumes_alternating_make_one_gloo_group(tmp_path: Any) -> None:
+    """Each alternation of save_checkpoint(num_kept_partial_checkpoints=N) and resume_from_checkpoint built
+    a Checkpointer, and each its gloo group for background saves (freed by the garbage collector alone):
+    one group in all now, and retention still keeps the 2 newest."""
+    got = run_world(api_workers.alternate_world, 2, str(tmp_path), timeout=120)
+    for r in got:
+        assert r == {"groups": 1, "dirs": ["s3_partial", "s4_partial"], "tag": "s4"}, got

@@ -553,7 +553,7 @@ def summarize(
     keys the translate_function left unloaded, listed as skipped)."""
     report = planner.report
     gone = (*report.missing_keys, *report.stateless_saved, *untranslated) if report else untranslated
-    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, ())
+    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, gone)
     counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
     fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)

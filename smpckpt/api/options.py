@@ -500,7 +500,9 @@ def aside(model_sd: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in model_sd.items():
         if isinstance(value, torch.Tensor):
             at = _where(value) if value.numel() else key  # empty tensors share address 0
-            out[key] = made.setdefault(at, torch.empty_like(value))
+            if at not in made:
+                made[at] = torch.empty_like(value)
+            out[key] = made[at]
     return out
 
 

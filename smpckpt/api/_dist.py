@@ -18,7 +18,9 @@ Internal: the public names live in :mod:`smpckpt.api.checkpointer`.
 **user_content** is serialised once on save, deserialised once (weights-only) on resume. It is stored as
 one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBytes` value the
 planners pass through untouched), so it is checksummed and committed with the tensors and stock
-``torch.load`` reads the record directly.
+``torch.load`` reads the record directly. A save records in the manifest whether the record needs
+``allow_pickle`` (:data:`PICKLED_KEY`), so a resume refuses it before the load writes any destination
+(:func:`refuse_pickled`); a checkpoint saved before the flag is refused when it is decoded, after the load.
 
 **RNG states**, per rank, as weights-only-safe values (tensors, ints, floats, str). Captured: torch's CPU
 generator, every CUDA device's generator (when CUDA is available), Python's ``random`` module and NumPy's
@@ -55,7 +57,7 @@ from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
-__all__ += ["encode_user_content", "decode_user_content", "describe_user_content"]
+__all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
 __all__ += ["get_rng_state", "set_rng_state"]
 
 
@@ -473,10 +475,25 @@ def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[byte
     return data, weights_only
 
 
-def describe_user_content(user_content: Any) -> dict[str, Any]:
-    """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)."""
+PICKLED_KEY = "user_content_pickle"  #: the manifest's flag: user_content needs allow_pickle (absent: saved before it)
+
+
+def refuse_pickled(pickled: bool, allow_pickle: bool, what: str) -> None:
+    """(every rank alike: ``pickled`` is one manifest's flag, the same on all) Refuse a checkpoint whose
+    manifest says its user_content needs ``allow_pickle``, before the load: the load writes into the model's
+    and optimizer's own tensors, so a refusal at the decode, after it, left them overwritten."""
+    if pickled and not allow_pickle:
+        raise UnsafeCheckpoint(
+            f"{what}: its user_content holds objects weights-only loading rejects (its save warned); nothing "
+            "was loaded. Pass allow_pickle=True only if you trust this checkpoint"
+        )
+
+
+def describe_user_content(user_content: Any, pickled: bool) -> dict[str, Any]:
+    """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)
+    and whether it needs ``allow_pickle`` (``pickled``: :func:`encode_user_content` said so)."""
     keys = [str(k) for k in user_content] if isinstance(user_content, Mapping) else None
-    return {"user_content_type": type(user_content).__name__, "user_content_keys": keys}
+    return {"user_content_type": type(user_content).__name__, "user_content_keys": keys, PICKLED_KEY: pickled}
 
 
 def _encode(value: Any) -> bytes:

@@ -53,7 +53,7 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, UnsafeCheckpoint
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
@@ -264,10 +264,11 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
 
 def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
     """(all ranks, one collective) Whether the load failed because the caller's state does not fit the
-    save (keys, shapes, dtypes, specs: :class:`LayoutMismatch`, :class:`SpecError`) on any rank: no other
+    save (keys, shapes, dtypes, specs: :class:`LayoutMismatch`, :class:`SpecError`; user_content that
+    needs ``allow_pickle``: :class:`UnsafeCheckpoint`, every copy holds the same) on any rank: no other
     copy, and no older save, is an answer to that -- falling back loaded an older checkpoint where a
     resume without the fast tier refuses. Agreed, so every rank raises or falls back alike."""
-    mine = isinstance(exc, (LayoutMismatch, SpecError))
+    mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint))
     return any(DistContext(choice.group).all_ok_values(lambda: mine))
 
 

@@ -24,7 +24,16 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from smpckpt.api._dist import OPTIONS, CommonRequest, DistContext, decode_user_content, encode_user_content, train_state
+from smpckpt.api._dist import (
+    OPTIONS,
+    PICKLED_KEY,
+    CommonRequest,
+    DistContext,
+    decode_user_content,
+    encode_user_content,
+    refuse_pickled,
+    train_state,
+)
 from smpckpt.api._resume import (
     InventedState,
     drop_optimizer_state,
@@ -35,10 +44,10 @@ from smpckpt.api._resume import (
 from smpckpt.api._save import PlannerCache, manifest_extra, run_save
 from smpckpt.api.options import ExportOptions, ResumeOptions
 from smpckpt.catalog.root import NEWEST_NAME, SequenceCounter, join_url
-from smpckpt.errors import LayoutMismatch
+from smpckpt.errors import CheckpointError, LayoutMismatch
 from smpckpt.model.layout import FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes
-from smpckpt.storage import FsspecStorageReader, FullArtifactWriter
+from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, probe_checkpoint
 
 __all__ = ["save_full", "resume_full", "full_url"]
 
@@ -149,7 +158,7 @@ def save_full(
         state = _tensor_state(common, opts.include_optimizer)
         if not ctx.is_coordinator:
             return state, {}
-        payload, _ = encode_user_content(user_content, stacklevel=5)  # warns when it needs allow_pickle
+        payload, safe = encode_user_content(user_content, stacklevel=5)  # warns when it needs allow_pickle
         state[RESERVED.user_content] = ObjectBytes(payload)
         translation = opts.translate_function
         return state, manifest_extra(
@@ -157,6 +166,7 @@ def save_full(
             tag,
             counter.next(),
             user_content,
+            not safe,
             optimizer=opts.include_optimizer,
             dtype=str(opts.dtype) if opts.dtype is not None else None,
             translation=translation.name if translation is not None else None,
@@ -185,6 +195,10 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
     if common.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
     url = full_url(common.root, tag) if tag is not None else common.root
+    # rank 0 reads the manifest once more (small): a user_content needing allow_pickle is refused before
+    # the load writes into the model (a refusal at the decode, after it, left the model overwritten)
+    pickled = ctx.on_coordinator(lambda: _pickled(url, common.storage_options))
+    refuse_pickled(pickled, opts.allow_pickle, f"full checkpoint {url}")
     with InventedState(common.model, common.optimizers) as guard:
 
         def destinations() -> dict[str, Any]:
@@ -244,6 +258,15 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         user_content = ctx.all_ok(apply)
     log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")
     return user_content
+
+
+def _pickled(url: str, storage_options: Any) -> bool:
+    """(rank 0) Whether the artifact's manifest says its user_content needs ``allow_pickle``."""
+    try:
+        found = probe_checkpoint(url, storage_options)
+    except (OSError, CheckpointError):  # the load reports it, in its own words
+        return False
+    return found.manifest is not None and found.manifest.extra.get(PICKLED_KEY) is True
 
 
 def _warn_skipped(coordinator: bool, planner: Any, url: str, missing: list[tuple[str, ...]]) -> None:

@@ -9,7 +9,8 @@ Which rank does what ("all" = every rank of the group)::
     load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
                                  before any data is read)
     check_groups        (all)    param groups resumed as saved (agreed before set_state_dict)
-    apply_state         (all)    set_state_dict, RNG, user_content (decoded once, weights-only)
+    apply_state         (all)    set_state_dict (of what translate_function returns), RNG, user_content
+                                 (decoded once, weights-only)
 """
 
 from __future__ import annotations
@@ -24,20 +25,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from smpckpt.api._dist import (
     OPTIONS,
+    PICKLED_KEY,
     CommonRequest,
     DistContext,
     decode_user_content,
     get_rng_state,
     quiet_no_dist,
+    refuse_pickled,
     set_rng_state,
     train_state,
     translate_dcp,
 )
-from smpckpt.api.options import ResumeOptions
+from smpckpt.api.options import ResumeOptions, aside, translated
 from smpckpt.catalog.root import (
     SequenceCounter,
     join_url,
@@ -124,13 +126,14 @@ class Target:
     #: root (a tag-less resume): the job's next saves are numbered after it (``catalog.root``)
     seen_seq: int = 0
     listed: bool = False
+    pickled: bool = False  #: its user_content needs allow_pickle (the manifest says so; older ones do not)
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
         order = record_order(manifest)
-        return cls(tag, url, record, api, rng, fell_back, order, order[0])
+        return cls(tag, url, record, api, rng, fell_back, order, order[0], pickled=extra.get(PICKLED_KEY) is True)
 
     def seen_by(self, counter: SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw."""
@@ -235,9 +238,11 @@ def not_found_hint(root: str, storage_options: Any) -> str:
 def resume_state(req: ResumeRequest, target: Target, ctx: DistContext) -> tuple[bool, dict[str, Any]]:
     """(all ranks, one agreement) Whether RNG states are restored (under the saved layout only, which fixes
     the world size: else a warning, inside the agreement, so a filter making it an error fails every rank
-    alike, not rank 0 alone before the next collective: rev59c F1) and the destinations the load fills."""
+    alike, not rank 0 alone before the next collective: rev59c F1) and the destinations the load fills.
+    First (every rank alike: ``target`` was broadcast) a user_content needing ``allow_pickle`` is refused."""
     saved = target.record.layout if target.record is not None else None
     wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout
+    refuse_pickled(target.pickled, req.opts.allow_pickle, f"checkpoint {target.tag!r} ({target.url})")
 
     def build() -> dict[str, Any]:
         if wanted and not rng and ctx.is_coordinator:
@@ -331,6 +336,8 @@ def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) 
     """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
     init_missing_state(req.optimizers)
     state = train_state(req.model, req.optimizers, destinations=True)
+    if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
+        state[RESERVED.model] = aside(state[RESERVED.model])
     state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
     if restore_rng:
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
@@ -379,18 +386,15 @@ def apply_state(
     report: LoadReport | None,
     restore_rng: bool,
     unsaved: frozenset[str] = frozenset(),
-) -> tuple[Any, tuple[str, ...]]:
+) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
     """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once.
-    ``unsaved``: :func:`stateless_at_save`'s parameters, left without optimizer state."""
+    ``unsaved``: :func:`stateless_at_save`'s parameters, left without optimizer state. Returns
+    ``(user_content, RNG states restored, keys the translate_function left unloaded)``."""
+    untranslated: tuple[str, ...] = ()
     if req.model is not None:
         model_sd = state[RESERVED.model]
-        fn = req.opts.translate_function
-        if callable(fn):  # partial=True: a callable (ResumeOptions checks)
-            loaded = model_sd
-            model_sd = fn(model_sd)
-            if not isinstance(model_sd, Mapping):
-                raise TypeError(f"translate_function returned {type(model_sd).__name__}, not a state dict")
-            model_sd = unaliased(loaded, model_sd)
+        if callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions checks)
+            model_sd, untranslated = translated(req.opts.translate_function, model_sd, req.opts.strict)
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         if req.optimizers:
             set_state_dict(
@@ -414,7 +418,7 @@ def apply_state(
     user_content = decode_user_content(
         stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
     )
-    return user_content, restored
+    return user_content, restored, untranslated
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
@@ -482,37 +486,6 @@ def stateless_at_save(
     return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f]))
 
 
-def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    """(storage, address, shape, strides) of a tensor's local memory."""
-    local = value.to_local() if isinstance(value, DTensor) else value
-    return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
-
-
-def unaliased(loaded: Mapping[str, Any], translated: Mapping[str, Any]) -> dict[str, Any]:
-    """``translated`` with a copy of each tensor that views a ``loaded`` tensor other than its own key's,
-    or its own key's memory another way (a transposed view).
-
-    The load lands in the model's own tensors (the state dict aliases the parameters), and applying the
-    translated state copies into them one key at a time: a value ``translate_function`` moved to
-    another key (a swap, a transposed view) would be read after its own parameter was overwritten, and
-    the parameter it came from would take another key's value, silently."""
-    owners: dict[int, set[str]] = {}
-    where: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...]]] = {}
-    for key, value in loaded.items():
-        if isinstance(value, torch.Tensor) and value.numel():
-            where[key] = _where(value)
-            owners.setdefault(where[key][0], set()).add(key)
-    out = dict(translated)
-    for key, value in translated.items():
-        if not isinstance(value, torch.Tensor) or not value.numel():
-            continue
-        at = _where(value)
-        held = owners.get(at[0])
-        if held is not None and not (held == {key} and where.get(key) == at):
-            out[key] = value.clone()
-    return out
-
-
 def check_groups(req: ResumeRequest, state: Mapping[str, Any]) -> None:
     """(all ranks, through its own ``ctx.all_ok`` before :func:`apply_state`) :func:`check_group_values`
     for the request's optimizers: decided on every rank before any enters ``set_state_dict``, whose
@@ -569,12 +542,18 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def summarize(
-    req: ResumeRequest, target: Target, ctx: DistContext, planner: ParallelLoadPlanner, restored: tuple[str, ...]
+    req: ResumeRequest,
+    target: Target,
+    ctx: DistContext,
+    planner: ParallelLoadPlanner,
+    restored: tuple[str, ...],
+    untranslated: tuple[str, ...] = (),
 ) -> ResumeInfo:
-    """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it."""
+    """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it (``untranslated``:
+    keys the translate_function left unloaded, listed as skipped)."""
     report = planner.report
-    gone = (*report.missing_keys, *report.stateless_saved) if report else ()
-    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, ())
+    gone = (*report.missing_keys, *report.stateless_saved, *untranslated) if report else untranslated
+    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, gone)
     counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
     fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)

@@ -85,11 +85,12 @@ class SaveRequest(CommonRequest):
     planners: PlannerCache = dataclasses.field(compare=False)  #: the Checkpointer's kept planners
 
 
-def manifest_extra(api: str, tag: str, seq: int, user_content: Any, **fields: Any) -> dict[str, Any]:
+def manifest_extra(api: str, tag: str, seq: int, user_content: Any, pickled: bool, **fields: Any) -> dict[str, Any]:
     """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
     number under the root (``seq``, the job's :class:`~smpckpt.catalog.root.SequenceCounter` drew it:
     what orders checkpoints), the save time (for people; it orders nothing but checkpoints without
-    sequence numbers), ``fields``, what user_content holds, and the versions that wrote it."""
+    sequence numbers), ``fields``, what user_content holds (and whether it needs ``allow_pickle``: ``pickled``),
+    and the versions that wrote it."""
     now = time.time_ns()
     return {
         "api": api,
@@ -98,7 +99,7 @@ def manifest_extra(api: str, tag: str, seq: int, user_content: Any, **fields: An
         "saved_at_ns": now,
         "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(),
         **fields,
-        **describe_user_content(user_content),
+        **describe_user_content(user_content, pickled),
         "smpckpt_version": VERSION,
         "torch_version": torch.__version__,
     }
@@ -113,7 +114,7 @@ def build_save_state(
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
     if not ctx.is_coordinator:
         return state, {}
-    payload, _ = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
+    payload, safe = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
     state[RESERVED.user_content] = ObjectBytes(payload)
     parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
     extra = manifest_extra(
@@ -121,6 +122,7 @@ def build_save_state(
         req.tag,
         counter.next(),
         req.user_content,
+        not safe,
         name_map=req.name_map is not None,
         parts=parts,
         rng=req.opts.save_rng,

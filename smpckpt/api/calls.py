@@ -6,7 +6,10 @@ Each call reuses the Checkpointer kept on the ``model`` it is given (an attribut
 buffer, so it never enters a state_dict; copies and pickles of the model leave it behind, as torch's
 composable APIs keep their state on the module) when it was built from the same options, so its staging
 buffers, kept planners, sequence counter and background lanes carry over from call to call; otherwise
-(other options, or no model) the call builds a fresh one, waiting first for the one it replaces.
+(other options, or no model) the call builds a fresh one, waiting first for the one it replaces. Retention
+is no such option: a save sets its own on the kept Checkpointer, a resume takes none (and, given no
+:class:`AsyncOptions`, takes the kept one's), so saves with ``num_kept_partial_checkpoints`` and resumes
+alternate on one Checkpointer (each rebuild had left a gloo group for background saves behind).
 
 The keywords these functions took before the option objects still work for one release, with a
 ``DeprecationWarning`` naming the option object and field that now hold them (``_MOVED``).
@@ -265,32 +268,41 @@ def _prepare(
             DeprecationWarning,
             stacklevel=3,
         )
-    sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
-    retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     try:  # the location's identity (an s3:// without a bucket has none): a storage error, the location named
         where = (location_key(location.path, location.storage_options), location.storage_options)
     except OSError as exc:
         raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
-    key = (*where, sharding, fast_tier, retention, async_options)
+    return _checkpointer(model, location, where, built, save), built[call]
+
+
+def _checkpointer(
+    model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool
+) -> Checkpointer:
+    """The model's kept Checkpointer when it fits ``built`` (its sharding rebound, its retention set by a
+    save), else a fresh one, kept on the model."""
+    sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
+    retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
-    ckpt = kept.checkpointer if isinstance(kept, _Kept) and kept.key == key else None
-    if (
-        ckpt is None
-        and isinstance(kept, _Kept)
-        and kept.checkpointer is not None
-        and kept.key[:2] + kept.key[3:] == (key[:2] + key[3:])
-    ):
+    held, held_key = (kept.checkpointer, kept.key) if isinstance(kept, _Kept) else (None, ())
+    if not save and built[AsyncOptions] is None and held is not None:
+        async_options = held.async_options  # none given: they change nothing of a resume
+    # no retention in the key: a save's is set on the kept Checkpointer below, a resume takes none
+    key = (*where, sharding, fast_tier, async_options)
+    ckpt = held if held_key == key else None
+    if ckpt is None and held is not None and held_key[:2] + held_key[3:] == (key[:2] + key[3:]):
         # only the sharding differs, often by identity alone (a name_map lambda written at the call)
-        if kept.checkpointer._rebind_sharding(sharding):
-            ckpt = kept.checkpointer
+        if held._rebind_sharding(sharding):
+            ckpt = held
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     if ckpt is None:
-        if isinstance(kept, _Kept) and kept.checkpointer is not None:
-            kept.checkpointer.wait()  # one save in flight per model: the one it replaces first (its failure raised)
+        if held is not None:
+            held.wait()  # one save in flight per model: the one it replaces first (its failure raised)
         ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
-    return ckpt, built[call]
+    elif save and ckpt.retention != retention:
+        ckpt._retain(retention)
+    return ckpt
 
 
 def _option_objects(options: Any, allowed: tuple[type, ...], call: type, partial: bool) -> dict[type, Any]:

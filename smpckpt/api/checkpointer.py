@@ -251,6 +251,13 @@ class Checkpointer:
         self._planners = PlannerCache()  # plans made under the old mapping are not reused
         return True
 
+    def _retain(self, retention: Retention) -> None:
+        """(smp's face) The retention of this Checkpointer's next saves: ``save_checkpoint`` takes
+        ``num_kept_partial_checkpoints`` per call, and a resume none; a rebuild at every change left a gloo
+        group, an exit hook and the staging buffers behind. A save in flight keeps the retention it had."""
+        self.retention = retention
+        self._compared = {**self._compared, **retention.compared()}
+
     def close(self) -> None:
         """(every rank) :meth:`wait`, then end the lanes' threads, remove the optimizer step hooks, free the
         staging buffers and tear down the background gloo groups (collectively). Saves, resumes and
@@ -467,7 +474,7 @@ class Checkpointer:
                 chosen = target
                 ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
                 guard.applied = True
-                user_content, restored = ctx.all_ok(
+                user_content, restored, untranslated = ctx.all_ok(
                     lambda: apply_state(
                         req,
                         chosen,
@@ -478,7 +485,7 @@ class Checkpointer:
                         stateless_at_save(req.model, req.optimizers, state, guard.stateless, planner),
                     )
                 )
-                info = summarize(req, target, ctx, planner, restored)
+                info = summarize(req, target, ctx, planner, restored, untranslated)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
                     info = dataclasses.replace(info, tier="fast", from_peers=peers)

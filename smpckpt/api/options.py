@@ -20,11 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from smpckpt._checks import check_flag, check_int, check_process_group
 from smpckpt.api._dist import spec_rules
 from smpckpt.catalog.root import validate_keep
-from smpckpt.model.layout import FULL_ARTIFACTS, NameMap, ParallelLayout
+from smpckpt.errors import LayoutMismatch
+from smpckpt.model.layout import FULL_ARTIFACTS, RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FullOptions
@@ -463,3 +465,48 @@ class ResumeOptions(_Options):
         if wrong:
             verb = "applies" if len(wrong) == 1 else "apply"
             raise ValueError(f"{', '.join(wrong)} {verb} only to partial checkpoints (partial=True)")
+
+
+# -- ResumeOptions.translate_function applied (a partial resume; here, not in _resume, by concept: its
+# meaning, and off the path of a resume without it) ---------------------------------------------------
+
+
+def translated(fn: Any, loaded: Mapping[str, Any], strict: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``fn(loaded)``, what the model loads (smp's meaning), and the keys not loaded: those it dropped (the
+    model keeps its values: they were loaded aside, :func:`aside`) and those it returned that the model
+    lacks; ``strict`` refuses both, naming them (not torch's bare ``RuntimeError`` from the apply)."""
+    out = fn(loaded)
+    if not isinstance(out, Mapping):
+        raise TypeError(f"translate_function returned {type(out).__name__}, not a state dict")
+    dropped, added = sorted(k for k in loaded if k not in out), sorted(k for k in out if k not in loaded)
+    if strict and (dropped or added):
+        said = [f"dropped {', '.join(dropped[:8])} (the model holds them)"] if dropped else []
+        said += [f"returned {', '.join(added[:8])}, which the model lacks"] if added else []
+        raise LayoutMismatch(
+            f"translate_function {'; '.join(said)}: strict=True loads every model key from what it returns "
+            "(strict=False: a dropped key keeps the model's value, an unknown one is skipped; both are listed "
+            "in ResumeInfo.skipped_keys)"
+        )
+    return {k: v for k, v in out.items() if k in loaded}, tuple(f"{RESERVED.model}.{k}" for k in (*dropped, *added))
+
+
+def aside(model_sd: Mapping[str, Any]) -> dict[str, Any]:
+    """(a resume with a translate_function) Fresh destinations for the model's state, tied keys still tied:
+    the load lands in them, not in the model, which takes only what the function returns -- a key it
+    drops keeps the model's value, and a value it moves to another key (a swap, a transposed view) is
+    never read from a parameter already overwritten."""
+    made: dict[Any, torch.Tensor] = {}
+    out = dict(model_sd)
+    for key, value in model_sd.items():
+        if isinstance(value, torch.Tensor):
+            at = _where(value) if value.numel() else key  # empty tensors share address 0
+            if at not in made:
+                made[at] = torch.empty_like(value)
+            out[key] = made[at]
+    return out
+
+
+def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """(storage, address, shape, strides) of a tensor's local memory."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()

@@ -6,6 +6,7 @@ failure in one still reports the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import traceback
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import tp_model
 from torch import nn
 
-from smpckpt import ParallelLayout, last_resume_info, resume_from_checkpoint, save_checkpoint
+from smpckpt import ParallelLayout, SaveOptions, last_resume_info, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FsspecStorageWriter
 
 
@@ -332,3 +333,91 @@ def warnings_as_errors_world(rank: int, world: int, root: str) -> dict[str, Any]
     info = last_resume_info()
     total = float(sum(p.sum() for p in model.parameters()))
     return {"said": said, "untouched": untouched, "tag": info.tag if info else None, "sum": total, "fresh": fresh}
+
+
+class Unsafe:
+    """A user_content value weights-only loading rejects (module level: the ranks unpickle it)."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def pickled_user_content_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """user_content that needs allow_pickle: a resume without it is refused on every rank before any
+    destination is written (it was refused after the load, the model and optimizer overwritten)."""
+    out: dict[str, Any] = {}
+    m, o = _linear(0)
+    _step(m, o, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the save's warning that resuming needs allow_pickle
+        save_checkpoint(root, "p", model=m, optimizer=o, user_content={"u": Unsafe(rank + 5)})
+        save_checkpoint(root, "f", model=m, user_content={"u": Unsafe(rank + 7)}, partial=False)
+    for tag, partial in (("p", True), ("f", False)):
+        m2, o2 = _linear(1)
+        _step(m2, o2, 1)
+        before, opt_before = _params(m2), {k: {n: t.clone() for n, t in v.items()} for k, v in o2.state.items()}
+        opt = o2 if partial else None
+        said = _expect_error(
+            functools.partial(resume_from_checkpoint, root, tag, model=m2, optimizer=opt, partial=partial)
+        )
+        untouched = _same(_params(m2), before) and all(
+            torch.equal(o2.state[k][n], v) for k, s in opt_before.items() for n, v in s.items()
+        )
+        dist.barrier()  # both ranks got here: nobody waits for the other inside the resume
+        got = resume_from_checkpoint(root, tag, model=m2, optimizer=opt, partial=partial, allow_pickle=True)
+        out[tag] = {"said": said, "untouched": untouched, "x": got["u"].x, "loaded": _same(_params(m2), _params(m))}
+    return out
+
+
+def translate_drop_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A translate_function that drops a key, resumed on 2 ranks into the saved layout (tp=2) and into
+    another (dp=2: resharded): the dropped key keeps the model's value, every other key is loaded as a
+    resume without the function loads it (bit-exact)."""
+    tp2 = ParallelLayout(tp=2)
+    ctx, model, opt = tp_model.build(tp2)
+    tp_model.train_step(ctx, model, opt, 0)
+    save_checkpoint(root, "s1", model=model, optimizer=opt, layout=tp2, specs=tp_model.SPECS)
+    dist.barrier()
+    out: dict[str, Any] = {}
+    for layout in (tp2, ParallelLayout(dp=2)):
+        _, plain, po = tp_model.build(layout, seed=5)
+        resume_from_checkpoint(root, model=plain, optimizer=po, layout=layout, specs=tp_model.SPECS)
+        _, got, go = tp_model.build(layout, seed=5)
+        kept = got.blocks[0].fc1.bias.detach().clone()
+
+        def drop(sd: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in sd.items() if k != "blocks.0.fc1.bias"}
+
+        kw: dict[str, Any] = dict(model=got, optimizer=go, layout=layout, specs=tp_model.SPECS)
+        resume_from_checkpoint(root, translate_function=drop, strict=False, **kw)
+        info = last_resume_info()
+        same = {
+            k: torch.equal(v, kept if k == "blocks.0.fc1.bias" else plain.state_dict()[k])
+            for k, v in got.state_dict().items()
+        }
+        out[str(layout)] = {"same": same, "skipped": info.skipped_keys if info else None}
+    return out
+
+
+def alternate_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """save_checkpoint(num_kept_partial_checkpoints=2, async_save) and resume_from_checkpoint, alternated 5
+    times: the gloo groups created for background saves (each rebuilt Checkpointer made its own)."""
+    made: list[Any] = []
+    real = dist.new_group
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    dist.new_group = counting  # type: ignore[assignment]  # this rank's process only
+    m, o = _linear(0)
+    try:
+        for i in range(5):
+            _step(m, o, i)
+            opts = SaveOptions(async_save=True)
+            save_checkpoint(root, f"s{i}", model=m, optimizer=o, num_kept_partial_checkpoints=2, options=opts)
+            resume_from_checkpoint(root, model=m, optimizer=o)
+    finally:
+        dist.new_group = real  # type: ignore[assignment]
+    info = last_resume_info()
+    return {"groups": len(made), "dirs": _dirs(root), "tag": info.tag if info else None}

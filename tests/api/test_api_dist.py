@@ -245,3 +245,37 @@ def test_warnings_made_errors_leave_no_rank_waiting_inside_a_resume(tmp_path: An
     assert got[0]["untouched"] and got[1]["untouched"], got
     assert got[0]["tag"] == got[1]["tag"] == "s1"
     assert got[0]["sum"] == got[1]["sum"] != got[0]["fresh"]  # dp=2: both ranks hold the whole model, loaded alike
+
+
+def test_user_content_needing_pickle_is_refused_before_the_load_on_every_rank(tmp_path: Any) -> None:
+    """A resume without allow_pickle of a checkpoint whose user_content needs it: refused on both ranks
+    alike (no rank waits), naming the checkpoint and allow_pickle, with the model and optimizer as they
+    were (the refusal came after the load had written into them); allow_pickle=True loads it."""
+    got = run_world(api_workers.pickled_user_content_world, 2, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        for tag, what in (("p", f"checkpoint 'p' ({tmp_path}/p_partial)"), ("f", f"full checkpoint {tmp_path}/f")):
+            r = got[rank][tag]
+            assert r["said"].startswith(f"UnsafeCheckpoint: {what}: its user_content holds objects"), r
+            assert "allow_pickle=True" in r["said"], r
+            assert r["untouched"] and r["loaded"], (rank, tag, r)
+            assert r["x"] == (5 if tag == "p" else 7)  # rank 0's user_content, on every rank
+
+
+def test_translate_function_dropping_a_key_on_two_ranks(tmp_path: Any) -> None:
+    """A key the translate_function drops keeps the model's value (it was loaded in place anyway), into the
+    saved layout and resharded; every other key as a resume without the function loads it."""
+    got = run_world(api_workers.translate_drop_world, 2, str(tmp_path), timeout=120)
+    for rank in (0, 1):
+        assert len(got[rank]) == 2, got[rank]
+        for layout, r in got[rank].items():
+            assert r["same"] and all(r["same"].values()), (rank, layout, r)
+            assert r["skipped"] == ("model.blocks.0.fc1.bias",), (rank, layout, r)
+
+
+def test_saves_with_retention_and_resumes_alternating_make_one_gloo_group(tmp_path: Any) -> None:
+    """Each alternation of save_checkpoint(num_kept_partial_checkpoints=N) and resume_from_checkpoint built
+    a Checkpointer, and each its gloo group for background saves (freed by the garbage collector alone):
+    one group in all now, and retention still keeps the 2 newest."""
+    got = run_world(api_workers.alternate_world, 2, str(tmp_path), timeout=120)
+    for r in got:
+        assert r == {"groups": 1, "dirs": ["s3_partial", "s4_partial"], "tag": "s4"}, got

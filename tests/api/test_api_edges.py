@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import warnings
 from typing import Any
@@ -22,6 +23,7 @@ from smpckpt import (
     last_resume_info,
     resume_from_checkpoint,
     save_checkpoint,
+    wait_for_saves,
 )
 from smpckpt.catalog.root import scan_root
 from smpckpt.storage import MANIFEST_NAME
@@ -151,6 +153,38 @@ def test_user_content_weights_only_rejects_is_flagged_at_save(tmp_path: Any, con
         assert (
             resume_from_checkpoint(str(tmp_path), tag, model=_model(1), partial=partial, allow_pickle=True) == content
         )
+
+
+@pytest.mark.parametrize("where", ["durable", "fast", "old"])
+def test_user_content_needing_pickle_is_refused_before_the_load(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A resume without allow_pickle of a checkpoint whose user_content needs it is refused before the load
+    (it was refused at the decode, after the load had overwritten the model), from the fast tier too. A
+    checkpoint saved before the manifest recorded that ("old") is still refused, after the load, and loads
+    with allow_pickle=True."""
+    import smpckpt.api._save as save_mod
+
+    root, node = str(tmp_path / "run"), str(tmp_path / "node")
+    fast: dict[str, Any] = {"local_path": node, "replicas": 1, "durable_every": 2} if where == "fast" else {}
+    tier = {"local_path": node} if fast else {}
+    if where == "old":  # the manifest as saves before the flag wrote it
+        real = save_mod.describe_user_content
+        monkeypatch.setattr(save_mod, "describe_user_content", lambda u, pickled: real(u, False))
+    saved = _model(0)
+    with pytest.warns(UserWarning, match="resuming it will need allow_pickle=True"):
+        save_checkpoint(root, "a", model=saved, user_content={"s": frozenset({1})}, **fast)
+    wait_for_saves()
+    got = _model(1)
+    before = {k: v.clone() for k, v in got.state_dict().items()}
+    said = f"checkpoint 'a' ({node if fast else root}" if where != "old" else "user_content needs arbitrary code"
+    with pytest.raises(UnsafeCheckpoint, match="(?s)" + re.escape(said) + r".*allow_pickle=True only if you trust"):
+        resume_from_checkpoint(root, model=got, **tier)
+    loaded = {k: torch.equal(v, before[k]) for k, v in got.state_dict().items()}
+    assert all(loaded.values()) if where != "old" else not any(loaded.values())
+    got = _model(1)
+    assert resume_from_checkpoint(root, model=got, allow_pickle=True, **tier) == {"s": frozenset({1})}
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in got.state_dict().items())
 
 
 def test_safe_user_content_saves_without_a_warning(tmp_path: Any) -> None:

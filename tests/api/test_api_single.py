@@ -306,6 +306,60 @@ def test_translate_function_moving_values_between_keys(tmp_path: Any) -> None:
     assert torch.equal(got[2].weight, w2.t())
 
 
+def _two(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.ones(2, 3)).sum().backward()
+    o.step()
+    return m, o
+
+
+@pytest.mark.parametrize(
+    ("how", "gone"),
+    [
+        ("drop", ["1.bias"]),
+        ("rename", ["1.bias", "head.bias"]),
+        ("add", ["extra"]),
+    ],
+)
+def test_translate_function_keys_it_leaves_out_are_not_loaded(tmp_path: Any, how: str, gone: list[str]) -> None:
+    """smp's meaning: the translated state dict is what the model loads. A key the function drops (or
+    renames away) was loaded into the model anyway under strict=False (the load lands in the model's own
+    tensors), and strict=True was torch's bare RuntimeError. Now strict=False keeps the model's value for
+    it and lists it (and a key the model lacks) in ResumeInfo.skipped_keys; strict=True refuses naming them."""
+    saved, so = _two(0)
+    save_checkpoint(str(tmp_path), "a", model=saved, optimizer=so)
+    want = {k: v.clone() for k, v in saved.state_dict().items()}
+
+    def fn(sd: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in sd.items() if k != "1.bias" or how == "add"}
+        if how == "rename":
+            out["head.bias"] = sd["1.bias"]
+        if how == "add":
+            out["extra"] = torch.zeros(2)
+        return out
+
+    for strict in (True, False):
+        got, go = _two(1)
+        before = {k: v.clone() for k, v in got.state_dict().items()}
+        kw: dict[str, Any] = dict(model=got, optimizer=go, translate_function=fn, strict=strict)
+        if strict:
+            said = "dropped 1.bias (the model holds them)" if how != "add" else "returned extra, which the model lacks"
+            with pytest.raises(LayoutMismatch, match=r"^translate_function " + re.escape(said)):
+                resume_from_checkpoint(str(tmp_path), **kw)
+            assert all(torch.equal(v, before[k]) for k, v in got.state_dict().items())  # the model as it was
+            if how == "rename":
+                with pytest.raises(LayoutMismatch, match=re.escape("returned head.bias, which the model lacks")):
+                    resume_from_checkpoint(str(tmp_path), **kw)
+            continue
+        resume_from_checkpoint(str(tmp_path), **kw)
+        for k, v in got.state_dict().items():
+            assert torch.equal(v, before[k] if k in gone else want[k]), k
+        info = last_resume_info()
+        assert info is not None and info.skipped_keys == tuple(f"model.{k}" for k in gone)
+
+
 def test_an_optimizer_with_an_empty_param_group_is_refused_by_name(tmp_path: Any) -> None:
     """DCP's set_state_dict fails on a param group without parameters with a bare IndexError; the resume
     names the optimizer and the group instead."""
@@ -562,9 +616,8 @@ def test_user_content_weights_only_by_default(tmp_path: Any) -> None:
         save_checkpoint(str(tmp_path), "a", model=m, user_content={"obj": Custom(3)})
     with pytest.raises(
         UnsafeCheckpoint,
-        match=r"(?s)^user_content needs arbitrary code to unpickle \(.*"
-        r"Unsupported global: GLOBAL [\w.]*Custom .*\); "
-        r"pass allow_pickle=True only if you trust this checkpoint$",
+        match=r"^checkpoint 'a' \(.*a_partial\): its user_content holds objects weights-only loading rejects "
+        r"\(its save warned\); nothing was loaded. Pass allow_pickle=True only if you trust this checkpoint$",
     ):
         resume_from_checkpoint(str(tmp_path), model=m)
     assert resume_from_checkpoint(str(tmp_path), model=m, allow_pickle=True)["obj"].x == 3

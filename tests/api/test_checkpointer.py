@@ -171,9 +171,11 @@ def test_save_checkpoint_keeps_its_checkpointer_on_the_model_and_copies_leave_it
     assert m.__dict__[_KEPT].checkpointer is ckpt
     resume_from_checkpoint(root, model=m, optimizer=opt, options=ResumeOptions(load_rng=False))
     assert m.__dict__[_KEPT].checkpointer is ckpt and ckpt.last_resume_info is smpckpt.last_resume_info()
-    save_checkpoint(root, "c", model=m, optimizer=opt, num_kept_partial_checkpoints=2)  # other options
-    assert m.__dict__[_KEPT].checkpointer is not ckpt
+    save_checkpoint(root, "c", model=m, optimizer=opt, num_kept_partial_checkpoints=2)  # retention: set on it
+    assert m.__dict__[_KEPT].checkpointer is ckpt and ckpt.retention == Retention(num_kept_partial_checkpoints=2)
     assert sorted(n for n in os.listdir(root) if n.endswith("_partial")) == ["b_partial", "c_partial"]
+    resume_from_checkpoint(root, model=m, optimizer=opt, options=AsyncOptions(enabled=True))  # other options
+    assert m.__dict__[_KEPT].checkpointer is not ckpt
     assert _KEPT not in m.state_dict() and not any(_KEPT in k for k in m.state_dict())
     twin = copy.deepcopy(m)
     assert twin.__dict__[_KEPT].checkpointer is None  # a copy is another model: it builds its own
@@ -405,6 +407,29 @@ def test_a_name_map_written_at_the_call_keeps_one_checkpointer(tmp_path: Any) ->
     got = nn.Linear(2, 2)
     resume_from_checkpoint(str(tmp_path), model=got)
     assert last_resume_info().tag == "s3" and torch.equal(got.weight, m.weight)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_with_retention_and_resumes_alternate_on_one_checkpointer(tmp_path: Any, async_save: bool) -> None:
+    """The kept Checkpointer was keyed on its Retention, and a resume (which takes none) built the default
+    one: save_checkpoint(num_kept_partial_checkpoints=N) and resume_from_checkpoint alternating built a
+    Checkpointer (and, on a process group, a gloo group for background saves) at every call. One now;
+    each save prunes with the N it was given (a save without N keeps everything, as before)."""
+    root, m = str(tmp_path), nn.Linear(2, 2)
+    seen = set()
+    kept = [["s0"], ["s0", "s1"], ["s0", "s1", "s2"], ["s3"], ["s3", "s4"]]  # after each save
+    for i, n in enumerate([3, 3, 3, 1, None]):
+        with torch.no_grad():
+            m.weight.fill_(i)
+        save_checkpoint(
+            root, f"s{i}", model=m, num_kept_partial_checkpoints=n, options=SaveOptions(async_save=async_save)
+        )
+        seen.add(id(m.__dict__[_KEPT].checkpointer))
+        resume_from_checkpoint(root, model=m)  # waits for the background save
+        seen.add(id(m.__dict__[_KEPT].checkpointer))
+        assert last_resume_info().tag == f"s{i}" and torch.equal(m.weight, torch.full((2, 2), float(i)))
+        assert sorted(d[: -len("_partial")] for d in os.listdir(root) if d.endswith("_partial")) == kept[i], (i, n)
+    assert len(seen) == 1
 
 
 _EXIT_SCRIPT = """

@@ -10,12 +10,11 @@ Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs ke
 never trusts what it reads: the content of ``newest`` is validated exactly like a tag. (``{path}/``
 ``smpckpt.abandoned``: the record of the last roll-back, below.)
 
-**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder). Used by
-resume (fallback when ``newest`` is unusable), retention and ``smpckpt ls``; always on one rank (rank 0),
-whose answer is broadcast -- 512 ranks listing S3 at once get throttled. Cost: one LIST of the root plus
-one GET (the manifest) per committed folder (several in flight on object stores); a folder without a
-manifest costs up to one more GET and a LIST to tell "uncommitted" from "legacy"/"missing". A hostile
-or broken sibling folder is listed as such, never fatal.
+**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder), by resume
+(fallback when ``newest`` is unusable), retention and ``smpckpt ls``, on rank 0 only (512 ranks listing S3
+at once get throttled): one LIST of the root plus one GET (the manifest) per committed folder (several in
+flight on object stores), up to one more GET and a LIST for a folder without a manifest. A hostile or
+broken sibling folder is listed as such, never fatal.
 
 **Order: sequence numbers, never clocks.** Every save through the API records ``extra["sequence"]``:
 one higher than the highest committed under its root. Retention, a resume without a tag (and its
@@ -26,8 +25,8 @@ sequence numbers existed (smpckpt <= 0.2 manifests, stock DCP folders: sequence 
 checkpoint is newer). Where a job's highest number comes from (a :class:`SequenceCounter`, which each
 :class:`~smpckpt.Checkpointer` owns for its root): the listing a tag-less resume already makes;
 otherwise, at its first save, one listing of the root (the same listing retention makes after every
-save). After that each save counts on without I/O. Two jobs (or two Checkpointers) saving into one root at the
-same time may draw the same number; ties fall back to the save time.
+save); after that each save counts on without I/O. Two jobs (or two Checkpointers) saving into one root
+at once may draw the same number; ties fall back to the save time.
 
 **Roll-backs.** A resume of an explicit tag reads no listing, so the next save lists the root and numbers
 past every checkpoint there; when some were numbered above the tag resumed, that save records them as
@@ -265,15 +264,14 @@ def split_lineage(
             dropped.append(r)
         else:
             history.append(r)
-            ranges += abandoned_of(r.extra)
+            ranges += [p for p in abandoned_of(r.extra) if p[1] < r.order[0]]  # a save abandons only numbers below it
     return history, dropped
 
 
 def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[str, Any]) -> None:
-    """(rank 0, save ``tag`` committed, before ``newest`` names it) The root's copy of its record, when it
-    is the save that rolled back (its newest abandoned range ends just below it)."""
+    """(rank 0, before ``newest`` names ``tag``) The root's copy of the record of the save that rolled back."""
     seq, ranges = sequence_of(extra), abandoned_of(extra)
-    if ranges and ranges[0][1] == seq - 1:
+    if ranges and ranges[0][1] == seq - 1:  # its newest abandoned range ends just below it: the roll-back
         fs, root_path = open_root(root, storage_options)
         body = json.dumps({"tag": tag, SEQUENCE_KEY: seq, ABANDONED_KEY: [list(r) for r in ranges]}).encode()
         write_bytes_atomic(fs, join_url(root_path, ABANDONED_NAME), body)
@@ -290,7 +288,7 @@ def read_abandoned(root: str, storage_options: Any, newest: str | None, top: int
         return ()
     if not isinstance(body, dict) or body.get("tag") != newest or sequence_of(body) <= top:
         return ()
-    return abandoned_of(body)
+    return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body))
 
 
 def sequence_of(extra: Mapping[str, Any] | None) -> int:
@@ -316,13 +314,12 @@ class SequenceCounter:
 
     def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...], seen: int, *, listed: bool) -> None:
         """The job goes on from checkpoint ``seq`` (recording ``abandoned``); the next draw abandons those above."""
-        with self._lock:
-            self._parent, self.abandoned = seq, abandoned
+        with self._lock:  # an unnumbered one (older versions, stock DCP) has no place to roll back to
+            self._parent, self.abandoned = seq or None, abandoned
         self.saw(seen, listed=listed)
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
-        """A checkpoint numbered ``seq`` exists under the root; ``listed``: ``seq`` is the highest of a
-        listing of the whole root (a later save need not list it again)."""
+        """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
         with self._lock:
             if 0 <= seq < _MAX:
                 self._highest = max(self._highest, seq)
@@ -344,6 +341,13 @@ class SequenceCounter:
             self._parent = None
             self._highest += 1
             return self._highest
+
+    def adopt(self, other: SequenceCounter) -> None:
+        """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
+        with other._lock:
+            state = other._highest, other._listed, other.read, other._parent, other.abandoned
+        with self._lock:
+            self._highest, self._listed, self.read, self._parent, self.abandoned = state
 
     def record(self) -> dict[str, Any]:
         """The manifest ``extra`` entries of the save just drawn (the history's abandoned ranges)."""
@@ -370,12 +374,8 @@ RecordState = Literal["committed", "uncommitted", "removing", "legacy", "missing
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRecord:
-    """One partial checkpoint folder under a root.
-
-    ``order`` sorts records oldest first: ``(sequence, save time, save_id)`` (:func:`record_order`);
-    ``committed`` is true only with a valid manifest (the commit marker). ``detail`` says why a folder is
-    not usable.
-    """
+    """One partial checkpoint folder under a root. ``order`` sorts records oldest first (:func:`record_order`);
+    ``committed``: a valid manifest (the commit marker) only; ``detail`` says why a folder is not usable."""
 
     tag: str
     committed: bool

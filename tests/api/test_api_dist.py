@@ -245,3 +245,16 @@ def test_warnings_made_errors_leave_no_rank_waiting_inside_a_resume(tmp_path: An
     assert got[0]["untouched"] and got[1]["untouched"], got
     assert got[0]["tag"] == got[1]["tag"] == "s1"
     assert got[0]["sum"] == got[1]["sum"] != got[0]["fresh"]  # dp=2: both ranks hold the whole model, loaded alike
+
+
+def test_rollback_retention_and_fallback_follow_the_history_on_every_rank(tmp_path: Any) -> None:
+    results = run_world(api_workers.rollback_world, 2, str(tmp_path))
+    for rank, rank_result in enumerate(results):
+        r = _ok(rank_result["rollback"])
+        assert r["back"] == {"step": 3}
+        # the history s6 <- s3 <- s2 stays (retention 3); s4, s5 (abandoned) and s1 (the oldest) went
+        assert r["kept"] == ["s2_partial", "s3_partial", "s6_partial"]
+        # s6 damaged: every rank loads s3 bit-exactly (never s5, the abandoned history's newest)
+        assert r["uc"] == {"step": 3} and r["same"], r
+        if rank == 0:
+            assert r["warned"]

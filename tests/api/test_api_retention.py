@@ -80,3 +80,8 @@ def test_lineage_of_saves_without_the_record_is_todays_order() -> None:
     # a second roll-back further back, and a damaged record (ignored: today's order from there)
     later = [_saved("s3", 3, [[2, 2]]), _saved("s4", 4, [[1, 3], [2, 2]]), _saved("bad", 5, [["x", 1]])]
     assert [r.tag for r in split_lineage(records + later)[0]] == ["bad", "s4", "old", "legacy"]
+
+
+def test_a_record_abandoning_numbers_not_below_its_own_is_ignored() -> None:
+    records = [_saved("s1", 1), _saved("s2", 2), _saved("crafted", 3, [[1, 7]])]
+    assert [r.tag for r in split_lineage(records)[0]] == ["crafted", "s2", "s1"]

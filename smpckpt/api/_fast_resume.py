@@ -293,7 +293,7 @@ def _load_fast(
     manifest: tuple[Manifest, int],
     part: FastTierPart,
 ) -> Loaded:
-    part.counter.saw(target.order[0])
+    part.counter.resumed(target.order[0], target.abandoned, target.order[0], listed=False)  # not path's target
     rng, state = resume_state(req, target, ctx)
     reader = fast_reader(req, target, choice, cand, *manifest)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)

@@ -40,15 +40,8 @@ from smpckpt.api._dist import (
     translate_dcp,
 )
 from smpckpt.api.options import ResumeOptions, aside, translated
-from smpckpt.catalog.root import (
-    SequenceCounter,
-    join_url,
-    open_root,
-    partial_url,
-    read_newest,
-    record_order,
-    scan_root,
-)
+from smpckpt.catalog import root as catalog
+from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
@@ -127,17 +120,19 @@ class Target:
     seen_seq: int = 0
     listed: bool = False
     pickled: bool = False  #: its user_content needs allow_pickle (the manifest says so; older ones do not)
+    abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (roll-backs, ``catalog.root``)
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
         order = record_order(manifest)
-        return cls(tag, url, record, api, rng, fell_back, order, order[0], pickled=extra.get(PICKLED_KEY) is True)
+        pickled, abandoned = extra.get(PICKLED_KEY) is True, catalog.abandoned_of(extra)
+        return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned)
 
     def seen_by(self, counter: SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw."""
-        counter.saw(self.seen_seq, listed=self.listed)
+        counter.resumed(self.order[0], self.abandoned, self.seen_seq, listed=self.listed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +152,10 @@ def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
-    """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists.
-
-    With ``tag=None``: the tag ``newest`` names (a hint), unless a checkpoint committed *after* it exists
-    (a higher sequence number: a job killed between a commit and the ``newest`` update) or ``newest`` is
-    unusable; then the newest committed tag by sequence number, with a warning. So a restarted job never
-    replays steps into a tag that is already committed, whatever the clocks said.
-    """
+    """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists. With ``tag=None``:
+    the tag ``newest`` names (a hint), unless a checkpoint committed *after* it exists (a higher sequence
+    number: a job killed between a commit and the ``newest`` update) or ``newest`` is unusable; then the
+    newest committed tag of the history (by sequence number, never one a roll-back abandoned), warned."""
     if tag is not None:
         url = partial_url(root, tag)
         found = probe_checkpoint(url, storage_options)
@@ -183,9 +175,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
             )
         # no listing here: a roll-back's next save lists the root and numbers past everything in it
         return Target.of(tag, url, found.manifest, False)
-    fs, root_path = open_root(root, storage_options)
-    newest = read_newest(fs, root_path)
-    records = scan_root(root, storage_options=storage_options)
+    newest = catalog.read_newest(*catalog.open_root(root, storage_options))
+    records = catalog.scan_root(root, storage_options=storage_options)
     committed = [r for r in records if r.committed]
     if not committed:
         return None
@@ -212,7 +203,12 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
                 "an older checkpoint. Retry the resume, or pass tag= to choose one"
             )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
-    message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r}"
+    history, dropped = catalog.split_lineage(committed, catalog.read_abandoned(root, storage_options, newest, top))
+    gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them)" if dropped else ""
+    if not history:
+        raise CheckpointNotFound(f"{reason}; every committed checkpoint was abandoned by a roll-back{gone}")
+    latest = history[0]
+    message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r} of the job's history{gone}"
     log.warning(message)
     warnings.warn(message, stacklevel=3)
     return dataclasses.replace(Target.of(latest.tag, latest.url, latest.manifest, True), seen_seq=top, listed=True)

@@ -51,7 +51,14 @@ from smpckpt.api._dist import (
     translate_dcp,
 )
 from smpckpt.api.options import Retention, SaveOptions
-from smpckpt.catalog.root import SEQUENCE_KEY, SequenceCounter, apply_retention, open_root, write_newest
+from smpckpt.catalog.root import (
+    SEQUENCE_KEY,
+    SequenceCounter,
+    apply_retention,
+    open_root,
+    write_abandoned,
+    write_newest,
+)
 from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
@@ -117,15 +124,17 @@ def build_save_state(
     payload, safe = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
     state[RESERVED.user_content] = ObjectBytes(payload)
     parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
+    seq = counter.next()
     extra = manifest_extra(
         API_RECORD,
         req.tag,
-        counter.next(),
+        seq,
         req.user_content,
         not safe,
         name_map=req.name_map is not None,
         parts=parts,
         rng=req.opts.save_rng,
+        **counter.record(),  # what a roll-back abandoned (catalog.root)
     )
     return state, extra
 
@@ -171,10 +180,16 @@ def run_save(
         raise translate_dcp(exc, action) from exc
 
 
-def publish_newest(req: SaveRequest, ctx: DistContext) -> None:
-    """(all ranks) Rank 0 points ``newest`` at the committed tag; its success or failure reaches all."""
+def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] | None = None) -> None:
+    """(all ranks) Rank 0 points ``newest`` at the committed tag; its success or failure reaches all. A save
+    that rolled back (``extra``, rank 0's) first leaves the root's copy of what it abandoned (catalog.root)."""
 
     def point() -> None:
+        if extra:
+            try:
+                write_abandoned(req.root, req.storage_options, req.tag, extra)
+            except (OSError, CheckpointError) as exc:  # the manifest holds the record too
+                log.warning("%s: could not record the roll-back beside 'newest': %s", req.root, exc)
         fs, root_path = open_root(req.root, req.storage_options)
         write_newest(fs, root_path, req.tag, sync=req.opts.sync_files)
 

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -295,13 +295,30 @@ def _checkpointer(
             ckpt = held
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     if ckpt is None:
-        if held is not None:
-            held.wait()  # one save in flight per model: the one it replaces first (its failure raised)
-        ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
+        ckpt = _replace(
+            kept if isinstance(kept, _Kept) else None,
+            key,
+            lambda: Checkpointer(
+                location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options
+            ),
+        )
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     elif save and ckpt.retention != retention:
         ckpt._retain(retention)
+    return ckpt
+
+
+def _replace(kept: _Kept | None, key: tuple[Any, ...], build: Callable[[], Checkpointer]) -> Checkpointer:
+    """A Checkpointer in place of the one kept on the model, which is waited for first (one save in flight per
+    model; its failure raised). Of the same root, it carries its save numbers and a roll-back it resumed
+    over: a resume by tag, then a save with retention, is the usual pair of calls with other options."""
+    old = kept.checkpointer if kept is not None else None
+    if old is not None:
+        old.wait()
+    ckpt = build()
+    if kept is not None and old is not None and kept.key[:2] == key[:2]:
+        ckpt._counter.adopt(old._counter)
     return ckpt
 
 

@@ -379,7 +379,7 @@ class Checkpointer:
             return
         sctx = DistContext(req.process_group)
         write_checkpoint(req, state, extra)
-        publish_newest(req, sctx)
+        publish_newest(req, sctx, extra)
         log.info("saved checkpoint %s (%s) %s", req.url, req.layout, how)
         retain(req, sctx)
 

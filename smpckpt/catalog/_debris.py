@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.catalog.root import NEWEST_NAME, open_root, tag_of_partial_dirname
-from smpckpt.storage import probe_checkpoint, remove_checkpoint
+from smpckpt.errors import CheckpointError
+from smpckpt.storage import abort_stale_uploads, last_activity, probe_checkpoint, remove_checkpoint
 from smpckpt.storage.backends._folder import remove_files
 from smpckpt.storage.backends._fs import is_local, join, ls_fresh, translate_errors
 from smpckpt.storage.format.commit import remove_staged
@@ -48,7 +49,7 @@ from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backe
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
     from smpckpt.catalog.root import CheckpointRecord
 
-__all__ = ["sweep_debris"]
+__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted"]
 
 log = logging.getLogger(__name__)
 
@@ -164,3 +165,61 @@ def _full_debris(
         elif remove_checkpoint(url, storage_options, uncommitted_only=True):
             removed.append(folder)
     return removed
+
+
+def select_stale_uncommitted(
+    records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
+) -> list[str]:
+    """Tags of uncommitted folders with no activity for ``older_than_s`` seconds (pure policy).
+
+    ``activity`` maps a tag to the newest modification time under its folder (``None``: nothing
+    there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
+    recoverable data) and ``unsafe`` folders are left for a human.
+    """
+    return [
+        r.tag
+        for r in records
+        if r.state == "uncommitted" and ((t := activity.get(r.tag)) is None or now - t >= older_than_s)
+    ]
+
+
+def sweep_stale(
+    root_url: str,
+    records: list[CheckpointRecord],
+    older_than_s: float,
+    remove: Callable[..., bool],
+    storage_options: Any,
+    protected: Collection[str],
+    dry_run: bool,
+) -> tuple[list[str], list[str], list[str]]:
+    """(rank 0, retention's ``uncommitted_older_than``) Remove uncommitted folders (through retention's
+    ``remove``) nothing wrote to for ``older_than_s``, S3 multipart uploads under the root started that long
+    ago, and the debris above: (tags removed, uploads aborted, paths removed).
+
+    A stale uncommitted folder is removed only if it is still uncommitted once marked for removal: a save
+    that commits there meanwhile withdraws its commit or keeps the folder (``storage.format.commit``),
+    so a prune with too short an age fails a save, never empties a committed checkpoint.
+    """
+    unprotected = [r for r in records if r.tag not in protected]
+    activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
+    candidates = select_stale_uncommitted(unprotected, activity, older_than_s, time.time())
+    stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder", uncommitted_only=True)]
+    debris: list[str] = []
+    aborted: list[str] = []
+    try:
+        debris = sweep_debris(
+            root_url,
+            [r for r in records if r.tag not in stale],
+            older_than_s,
+            storage_options=storage_options,
+            protected=protected,
+            dry_run=dry_run,
+        )
+    except (OSError, CheckpointError) as exc:
+        log.warning("retention: could not sweep stale debris under %s: %s", root_url, exc)
+    if not dry_run:
+        try:
+            aborted = abort_stale_uploads(root_url, older_than_s, storage_options)
+        except OSError as exc:
+            log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
+    return stale, aborted, debris

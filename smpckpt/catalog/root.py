@@ -7,14 +7,14 @@ Layout under a checkpoint root ``path`` (smp's structure)::
     {path}/{tag}/                  # a full artifact (``storage/full``)
 
 Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
-never trusts what it reads: the content of ``newest`` is validated exactly like a tag.
+never trusts what it reads: the content of ``newest`` is validated exactly like a tag. (``{path}/``
+``smpckpt.abandoned``: the record of the last roll-back, below.)
 
-**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder). Used by
-resume (fallback when ``newest`` is unusable), retention and ``smpckpt ls``; always on one rank (rank 0),
-whose answer is broadcast -- 512 ranks listing S3 at once get throttled. Cost: one LIST of the root plus
-one GET (the manifest) per committed folder (several in flight on object stores); a folder without a
-manifest costs up to one more GET and a LIST to tell "uncommitted" from "legacy"/"missing". A hostile
-or broken sibling folder is listed as such, never fatal.
+**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder), by resume
+(fallback when ``newest`` is unusable), retention and ``smpckpt ls``, on rank 0 only (512 ranks listing S3
+at once get throttled): one LIST of the root plus one GET (the manifest) per committed folder (several in
+flight on object stores), up to one more GET and a LIST for a folder without a manifest. A hostile or
+broken sibling folder is listed as such, never fatal.
 
 **Order: sequence numbers, never clocks.** Every save through the API records ``extra["sequence"]``:
 one higher than the highest committed under its root. Retention, a resume without a tag (and its
@@ -25,25 +25,26 @@ sequence numbers existed (smpckpt <= 0.2 manifests, stock DCP folders: sequence 
 checkpoint is newer). Where a job's highest number comes from (a :class:`SequenceCounter`, which each
 :class:`~smpckpt.Checkpointer` owns for its root): the listing a tag-less resume already makes;
 otherwise, at its first save, one listing of the root (the same listing retention makes after every
-save). After that each save counts on without I/O. A resume of an explicit tag (a roll-back) reads no
-listing, so the next save lists the root and numbers past every checkpoint there, the abandoned run's
-included: retention then removes those first. Two jobs (or two Checkpointers) saving into one root at
-the same time may draw the same number; ties fall back to the save time.
+save); after that each save counts on without I/O. Two jobs (or two Checkpointers) saving into one root
+at once may draw the same number; ties fall back to the save time.
+
+**Roll-backs.** A resume of an explicit tag reads no listing, so the next save lists the root and numbers
+past every checkpoint there; when some were numbered above the tag resumed, that save records them as
+abandoned (``extra["abandoned"]``: inclusive ranges of sequence numbers, newest first), and every later
+save of the job carries the record on. :func:`split_lineage` walks the committed checkpoints newest
+first, dropping those a newer member of the history abandoned: retention keeps the newest ``keep`` of
+that history and removes the abandoned ones first; a resume's fallback never takes one. The save that
+rolled back also writes the record beside ``newest``, read only by a fallback when ``newest`` names that
+very save and it is unusable (a damage took its manifest, and the record with it).
 
 **Retention** (issue 4): a pure policy on :class:`CheckpointRecord` values (no filesystem, unit-tested
-on its own); :func:`apply_retention` (rank 0) scans the root, asks the policy and deletes:
-
-* only **committed** partial checkpoints count; an uncommitted folder may be a save in progress and
-  is left alone -- unless the caller asks for stale ones (``uncommitted_older_than``): then folders
-  with no write for that long, and S3 multipart uploads that old, are removed;
-* ``unsafe`` and ``corrupt`` folders are never deleted automatically (evidence for a human);
-* a folder an interrupted removal left (``removing``: its manifest already gone, a marker file in it)
-  is removed by the next retention whatever ``keep`` says -- it was chosen for deletion already;
-* the ``keep`` newest committed ones stay; the tag ``newest`` names is never deleted;
-* a failed delete is logged and the rest continue; it never fails the save that triggered it.
-
-``keep=1`` is allowed (torchtitan forbids it because its purge may run while the new checkpoint is
-still being written); here deletion starts only after the new checkpoint committed.
+on its own); :func:`apply_retention` (rank 0) scans the root, asks the policy and deletes. Only
+**committed** partial checkpoints count (an uncommitted folder may be a save in progress: left alone
+unless the caller asks for stale ones, ``uncommitted_older_than``); ``unsafe`` and ``corrupt`` folders
+are never deleted automatically (evidence for a human); a folder an interrupted removal left
+(``removing``) is removed whatever ``keep`` says -- it was chosen for deletion already; the ``keep``
+newest of the history stay, and the tag ``newest`` names; a failed delete is logged, never fails the
+save. ``keep=1`` is allowed: deletion starts only after the new checkpoint committed.
 """
 
 from __future__ import annotations
@@ -52,18 +53,16 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import (
     Manifest,
-    abort_stale_uploads,
-    last_activity,
     open_fs,
     probe_checkpoint,
     removal_marked,
@@ -72,11 +71,12 @@ from smpckpt.storage import (
 )
 from smpckpt.storage.backends._fs import is_local, ls_fresh, translate_errors
 
-__all__ = ["KeepLatestN", "select_for_removal", "select_stale_uncommitted", "apply_retention", "RetentionResult"]
+__all__ = ["KeepLatestN", "select_for_removal", "apply_retention", "RetentionResult"]
 __all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
 __all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
-__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record"]
+__all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record", "split_lineage"]
+__all__ += ["ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", "write_abandoned", "read_abandoned"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -237,6 +237,60 @@ SEQUENCE_KEY = "sequence"
 _MAX = 2**62  # a damaged manifest's number must not push every later one out of range
 
 
+#: the manifest ``extra`` entry of the sequence ranges a save's history abandoned; the root's copy; at
+#: most this many ranges are recorded (roll-backs further back are told apart no more)
+ABANDONED_KEY, ABANDONED_NAME, _RANGES = "abandoned", "smpckpt.abandoned", 16
+
+
+def abandoned_of(extra: Mapping[str, Any] | None) -> tuple[tuple[int, int], ...]:
+    """The inclusive sequence ranges ``extra`` records as abandoned; a damaged entry ends the list."""
+    found, ranges = (extra or {}).get(ABANDONED_KEY), []
+    for pair in found[:_RANGES] if isinstance(found, list) else ():
+        ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+        if not (ok and 0 < pair[0] <= pair[1] < _MAX):
+            break
+        ranges.append((pair[0], pair[1]))
+    return tuple(ranges)
+
+
+def split_lineage(
+    records: Sequence[CheckpointRecord], abandoned: Sequence[tuple[int, int]] = ()
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
+    """The committed records, newest first: ``(history, abandoned)``. The newest heads the history; an older
+    one is abandoned when a newer member (or ``abandoned``) records its number so; unrecorded: history."""
+    ranges, history, dropped = list(abandoned), [], []
+    for r in sorted((r for r in records if r.committed), key=lambda r: r.order, reverse=True):
+        if any(lo <= r.order[0] <= hi for lo, hi in ranges):
+            dropped.append(r)
+        else:
+            history.append(r)
+            ranges += [p for p in abandoned_of(r.extra) if p[1] < r.order[0]]  # a save abandons only numbers below it
+    return history, dropped
+
+
+def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[str, Any]) -> None:
+    """(rank 0, before ``newest`` names ``tag``) The root's copy of the record of the save that rolled back."""
+    seq, ranges = sequence_of(extra), abandoned_of(extra)
+    if ranges and ranges[0][1] == seq - 1:  # its newest abandoned range ends just below it: the roll-back
+        fs, root_path = open_root(root, storage_options)
+        body = json.dumps({"tag": tag, SEQUENCE_KEY: seq, ABANDONED_KEY: [list(r) for r in ranges]}).encode()
+        write_bytes_atomic(fs, join_url(root_path, ABANDONED_NAME), body)
+
+
+def read_abandoned(root: str, storage_options: Any, newest: str | None, top: int) -> tuple[tuple[int, int], ...]:
+    """(rank 0, a fallback) The root's copy, when the save that wrote it is the one ``newest`` names and
+    it is numbered above every committed checkpoint (``top``): that save is damaged, its manifest lost."""
+    try:
+        fs, root_path = open_root(root, storage_options)
+        with translate_errors(path := join_url(root_path, ABANDONED_NAME)):
+            body = json.loads(fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES))
+    except (OSError, CheckpointError, ValueError):
+        return ()
+    if not isinstance(body, dict) or body.get("tag") != newest or sequence_of(body) <= top:
+        return ()
+    return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body))
+
+
 def sequence_of(extra: Mapping[str, Any] | None) -> int:
     """The sequence number a manifest's ``extra`` records; 0 when it has none (older checkpoints) or it
     is not a plausible one (a bool, negative, or beyond 2**62: damage, ignored)."""
@@ -255,10 +309,17 @@ class SequenceCounter:
         self._highest = 0
         self._listed = False  #: every committed checkpoint of the root has been seen (a listing)
         self.read = 0  #: the highest number ``newest`` named when a draw read it (a writer beside this job's)
+        self._parent: int | None = None  #: the number of the checkpoint resumed, until the next draw
+        self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
+
+    def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...], seen: int, *, listed: bool) -> None:
+        """The job goes on from checkpoint ``seq`` (recording ``abandoned``); the next draw abandons those above."""
+        with self._lock:  # an unnumbered one (older versions, stock DCP) has no place to roll back to
+            self._parent, self.abandoned = seq or None, abandoned
+        self.saw(seen, listed=listed)
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
-        """A checkpoint numbered ``seq`` exists under the root; ``listed``: ``seq`` is the highest of a
-        listing of the whole root (a later save need not list it again)."""
+        """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
         with self._lock:
             if 0 <= seq < _MAX:
                 self._highest = max(self._highest, seq)
@@ -275,8 +336,22 @@ class SequenceCounter:
             self.read = max(self.read, self._newest_sequence())
             self.saw(self.read)
         with self._lock:
+            if self._parent is not None and self._highest > self._parent:  # a roll-back: numbered past others
+                self.abandoned = ((self._parent + 1, self._highest), *self.abandoned)[:_RANGES]
+            self._parent = None
             self._highest += 1
             return self._highest
+
+    def adopt(self, other: SequenceCounter) -> None:
+        """What ``other`` (the counter of the Checkpointer this one's replaces, of the same root) knew."""
+        with other._lock:
+            state = other._highest, other._listed, other.read, other._parent, other.abandoned
+        with self._lock:
+            self._highest, self._listed, self.read, self._parent, self.abandoned = state
+
+    def record(self) -> dict[str, Any]:
+        """The manifest ``extra`` entries of the save just drawn (the history's abandoned ranges)."""
+        return {ABANDONED_KEY: [list(r) for r in self.abandoned]} if self.abandoned else {}
 
     def _newest_sequence(self) -> int:
         """The sequence number of the committed checkpoint ``newest`` names (0: none, or unreadable)."""
@@ -299,12 +374,8 @@ RecordState = Literal["committed", "uncommitted", "removing", "legacy", "missing
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRecord:
-    """One partial checkpoint folder under a root.
-
-    ``order`` sorts records oldest first: ``(sequence, save time, save_id)`` (:func:`record_order`);
-    ``committed`` is true only with a valid manifest (the commit marker). ``detail`` says why a folder is
-    not usable.
-    """
+    """One partial checkpoint folder under a root. ``order`` sorts records oldest first (:func:`record_order`);
+    ``committed``: a valid manifest (the commit marker) only; ``detail`` says why a folder is not usable."""
 
     tag: str
     committed: bool
@@ -430,19 +501,18 @@ class KeepLatestN:
         validate_keep(self.n, "KeepLatestN.n")
 
     def should_preserve(self, records: Sequence[CheckpointRecord], protected: Collection[str] = ()) -> list[bool]:
-        """One bool per record (same order): ``True`` = keep."""
-        committed = sorted(
-            (i for i, r in enumerate(records) if r.committed), key=lambda i: records[i].order, reverse=True
-        )
-        newest = set(committed[: self.n])
-        return [(not r.committed) or i in newest or r.tag in protected for i, r in enumerate(records)]
+        """One bool per record (same order): ``True`` = keep. Only the history counts (:func:`split_lineage`):
+        what a roll-back abandoned is not kept."""
+        newest = {id(r) for r in split_lineage(records)[0][: self.n]}
+        return [(not r.committed) or id(r) in newest or r.tag in protected for r in records]
 
 
 def select_for_removal(records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = ()) -> list[str]:
-    """Tags to delete, oldest first."""
+    """Tags to delete: the abandoned ones first, then the oldest first."""
     preserve = KeepLatestN(keep).should_preserve(records, protected)
     doomed = [r for r, p in zip(records, preserve) if not p]
-    return [r.tag for r in sorted(doomed, key=lambda r: r.order)]
+    dropped = {id(r) for r in split_lineage(records)[1]}
+    return [r.tag for r in sorted(doomed, key=lambda r: (id(r) not in dropped, r.order))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,22 +522,6 @@ class RetentionResult:
     removed_uncommitted: tuple[str, ...] = ()  #: stale uncommitted folders removed (their tags)
     aborted_uploads: tuple[str, ...] = ()  #: stale S3 multipart uploads aborted (their keys)
     removed_debris: tuple[str, ...] = ()  #: other stale debris removed (paths; see smpckpt.catalog._debris)
-
-
-def select_stale_uncommitted(
-    records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
-) -> list[str]:
-    """Tags of uncommitted folders with no activity for ``older_than_s`` seconds (pure policy).
-
-    ``activity`` maps a tag to the newest modification time under its folder (``None``: nothing
-    there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
-    recoverable data) and ``unsafe`` folders are left for a human.
-    """
-    return [
-        r.tag
-        for r in records
-        if r.state == "uncommitted" and ((t := activity.get(r.tag)) is None or now - t >= older_than_s)
-    ]
 
 
 def apply_retention(
@@ -480,26 +534,21 @@ def apply_retention(
     uncommitted_older_than: float | None = None,
     just_saved: str | None = None,
 ) -> RetentionResult:
-    """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest.
+    """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
+    (:func:`split_lineage`: what a roll-back abandoned goes first).
 
     Each removal deletes the manifest first (see :func:`smpckpt.storage.remove_checkpoint`), so an
     interrupted removal leaves an uncommitted folder that readers refuse, never a half-deleted
     "committed" one. ``keep=None`` removes no committed checkpoint.
 
-    ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves:
-    uncommitted folders in which nothing was written for that long, S3 multipart uploads under the
-    root started that long ago, and the debris :mod:`smpckpt.catalog._debris` finds (dead generations beside a
-    committed checkpoint, killed full saves, stale markers, temp files). A save in flight keeps writing (or has just started its uploads),
-    so an age well above the longest save (hours, not minutes) never touches one.
+    ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves nothing wrote
+    to for that long (:func:`smpckpt.catalog._debris.sweep_stale`); a save in flight keeps writing (or has
+    just started its uploads), so an age well above the longest save (hours, not minutes) never touches one.
 
     ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
     committed checkpoint is numbered after it (``smpckpt.catalog.root``: another job saves into this
     root at the same time), which are the oldest is not settled: no committed checkpoint is removed,
     with a warning, rather than the wrong ones.
-
-    A stale uncommitted folder is removed only if it is still uncommitted once marked for removal: a save
-    that commits there meanwhile withdraws its commit or keeps the folder (``storage.format.commit``),
-    so a prune with too short an age fails a save, never empties a committed checkpoint.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
@@ -543,26 +592,9 @@ def apply_retention(
     aborted: list[str] = []
     debris: list[str] = []
     if uncommitted_older_than is not None:
-        unprotected = [r for r in records if r.tag not in protected]
-        activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
-        candidates = select_stale_uncommitted(unprotected, activity, uncommitted_older_than, time.time())
-        stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder", uncommitted_only=True)]
-        try:
-            from smpckpt.catalog._debris import sweep_debris  # it imports this module: imported when used
+        from smpckpt.catalog._debris import sweep_stale  # it imports this module: imported when used
 
-            debris = sweep_debris(
-                root_url,
-                [r for r in records if r.tag not in stale],
-                uncommitted_older_than,
-                storage_options=storage_options,
-                protected=protected,
-                dry_run=dry_run,
-            )
-        except (OSError, CheckpointError) as exc:
-            log.warning("retention: could not sweep stale debris under %s: %s", root_url, exc)
-        if not dry_run:
-            try:
-                aborted = abort_stale_uploads(root_url, uncommitted_older_than, storage_options)
-            except OSError as exc:
-                log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
+        stale, aborted, debris = sweep_stale(
+            root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run
+        )
     return RetentionResult(tuple(removed), tuple(failed), tuple(stale), tuple(aborted), tuple(debris))

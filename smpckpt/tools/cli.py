@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
-from smpckpt.catalog.root import newest_tag, scan_root
+from smpckpt.catalog.root import newest_tag, read_abandoned, scan_root, split_lineage
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
@@ -73,6 +73,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     check_root(args.path, args.storage_options)
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
+    top = max((r.order[0] for r in records if r.committed), default=0)  # abandoned by a roll-back: shown so
+    dropped = {r.tag for r in split_lineage(records, read_abandoned(args.path, args.storage_options, newest, top))[1]}
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []
@@ -84,6 +86,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             "tag": r.tag,
             "sequence": r.order[0] if r.committed else None,
             "state": r.state,
+            "abandoned": r.tag in dropped,
             "newest": r.tag == newest,
             "size": r.size,
             "layout": layout_json(r.manifest),
@@ -118,7 +121,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     ("*" if row["newest"] else "") + (">" if row["tag"] == durable_pick else ""),
                     row["tag"],
                     str(row["sequence"]) if row["sequence"] else "-",
-                    row["state"],
+                    "abandoned" if row["abandoned"] else row["state"],
                     human(row["size"]),
                     layout_text(row["layout"]),
                     row["saved_at"] or "-",

@@ -421,3 +421,36 @@ def alternate_world(rank: int, world: int, root: str) -> dict[str, Any]:
         dist.new_group = real  # type: ignore[assignment]
     info = last_resume_info()
     return {"groups": len(made), "dirs": _dirs(root), "tag": info.tag if info else None}
+
+
+def rollback_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """s1..s5; a restarted job (a fresh model: its own Checkpointer) resumes s3 by tag and saves s6 with
+    retention 3; then s6's manifest is damaged and a third job resumes without a tag."""
+    results: dict[str, Any] = {}
+
+    def rollback() -> Any:
+        m, o = _linear(0)
+        snapshots = {}
+        for i in range(1, 6):
+            _step(m, o, i)
+            save_checkpoint(root, f"s{i}", model=m, optimizer=o, user_content={"step": i})
+            snapshots[i] = _params(m)
+        m2, o2 = _linear(7)
+        back = resume_from_checkpoint(root, tag="s3", model=m2, optimizer=o2)
+        _step(m2, o2, 6)
+        save_checkpoint(root, "s6", model=m2, optimizer=o2, user_content={"step": 6}, num_kept_partial_checkpoints=3)
+        dist.barrier()
+        kept = _dirs(root)
+        if rank == 0:
+            with open(os.path.join(root, "s6_partial", "smpckpt.manifest.json"), "w") as f:
+                f.write("{damaged")
+        dist.barrier()
+        m3, o3 = _linear(9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            uc = resume_from_checkpoint(root, model=m3, optimizer=o3)
+        warned = any("checkpoint 's3' of the job's history" in str(w.message) for w in caught)
+        return {"back": back, "kept": kept, "uc": uc, "warned": warned, "same": _same(_params(m3), snapshots[3])}
+
+    _scenario(results, "rollback", rollback)
+    return results

@@ -231,7 +231,7 @@ def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_pat
     CheckpointError naming the object, with the OSError as its cause (issue 33 item 10)."""
     import errno
 
-    import smpckpt.api._resume as resume_steps
+    import smpckpt.catalog.root as catalog  # what the resume lists the root with
     from smpckpt import CheckpointError
 
     save_checkpoint(str(tmp_path), "t", model=_model())
@@ -239,7 +239,7 @@ def test_an_io_error_outside_dcp_is_a_checkpoint_error_naming_the_object(tmp_pat
     def dead(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ECONNRESET, "Connection reset by peer", "bucket/run/t_partial/smpckpt.manifest.json")
 
-    monkeypatch.setattr(resume_steps, "scan_root", dead)
+    monkeypatch.setattr(catalog, "scan_root", dead)
     with pytest.raises(
         CheckpointError, match=r"resuming from .* failed: .*Connection reset.*t_partial/smpckpt\.manifest"
     ) as info:

@@ -279,3 +279,16 @@ def test_saves_with_retention_and_resumes_alternating_make_one_gloo_group(tmp_pa
     got = run_world(api_workers.alternate_world, 2, str(tmp_path), timeout=120)
     for r in got:
         assert r == {"groups": 1, "dirs": ["s3_partial", "s4_partial"], "tag": "s4"}, got
+
+
+def test_rollback_retention_and_fallback_follow_the_history_on_every_rank(tmp_path: Any) -> None:
+    results = run_world(api_workers.rollback_world, 2, str(tmp_path))
+    for rank, rank_result in enumerate(results):
+        r = _ok(rank_result["rollback"])
+        assert r["back"] == {"step": 3}
+        # the history s6 <- s3 <- s2 stays (retention 3); s4, s5 (abandoned) and s1 (the oldest) went
+        assert r["kept"] == ["s2_partial", "s3_partial", "s6_partial"]
+        # s6 damaged: every rank loads s3 bit-exactly (never s5, the abandoned history's newest)
+        assert r["uc"] == {"step": 3} and r["same"], r
+        if rank == 0:
+            assert r["warned"]

@@ -17,8 +17,10 @@ from torch import nn
 
 from smpckpt import (
     CheckpointCorrupt,
+    Checkpointer,
     CheckpointError,
     CheckpointExists,
+    Retention,
     SpecError,
     UnsafeCheckpoint,
     last_resume_info,
@@ -27,6 +29,7 @@ from smpckpt import (
 )
 from smpckpt.catalog.root import scan_root, write_newest
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.tools.cli import main
 
 
@@ -512,3 +515,62 @@ def smpckpt_wait() -> None:
     from smpckpt import wait_for_saves
 
     wait_for_saves()
+
+
+# -- 10. a roll-back by tag: retention and the tag-less fallback follow the job's history --------------
+def _rolled_back(root: str, keep: int | None, later: int = 1) -> dict[int, nn.Module]:
+    """s1..s5 saved; a restarted job resumes s3 by tag (s4, s5 diverged) and saves ``later`` more, from s6."""
+    ck, models = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=keep)), {}
+    for step in range(1, 6):
+        models[step], o = _model(step)
+        ck.save(f"s{step}", models[step], o, user_content={"step": step})
+    restarted = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=keep))
+    m, o = _model(0)
+    assert restarted.resume("s3", m, o) == {"step": 3}
+    for step in range(6, 6 + later):
+        models[step], o = _model(step)
+        restarted.save(f"s{step}", models[step], o, user_content={"step": step})
+    return models
+
+
+def _damage(root: str, tag: str) -> None:
+    with open(os.path.join(root, f"{tag}_partial", MANIFEST_NAME), "w") as f:
+        f.write("{not json")
+
+
+def test_retention_after_a_rollback_keeps_the_history_and_removes_the_abandoned_saves(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    _rolled_back(root, keep=3)
+    # the history is s6 <- s3 (s1, s2 went with the earlier saves); s4, s5 were abandoned by the roll-back
+    assert _tags(root) == {"s3": "committed", "s6": "committed"}
+    assert read_manifest(os.path.join(root, "s6_partial")).extra["abandoned"] == [[4, 5]]
+
+
+def test_fallback_after_a_rollback_never_resumes_an_abandoned_save(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    models = _rolled_back(root, keep=None)
+    _damage(root, "s6")  # the only save of the history after the roll-back: its own record is lost with it
+    m, o = _model(9)
+    with pytest.warns(UserWarning, match=r"checkpoint 's3' of the job's history \(not \['s5', 's4'\]"):
+        assert Checkpointer(root).resume(None, m, o) == {"step": 3}
+    _assert_same_params(models[3], m)
+    rc, out, _ = _run_cli("ls", root)
+    assert rc == 0 and [line.split()[0] for line in out.splitlines() if "abandoned" in line] == ["s4", "s5"]
+
+
+def test_rollback_then_more_saves_and_a_tagless_restart_carries_the_record(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    models = _rolled_back(root, keep=4, later=2)  # s6, s7
+    ck = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=4))
+    m, o = _model(0)
+    assert ck.resume(None, m, o) == {"step": 7}
+    ck.save("s8", m, o, user_content={"step": 8})
+    assert read_manifest(os.path.join(root, "s8_partial")).extra["abandoned"] == [[4, 5]]
+    # the four newest of the history stay; s4, s5 (abandoned) go first, before any of it
+    assert _tags(root) == {t: "committed" for t in ("s3", "s6", "s7", "s8")}
+    _damage(root, "s8")
+    _damage(root, "s7")
+    m, o = _model(9)
+    with pytest.warns(UserWarning, match="checkpoint 's6' of the job's history"):
+        assert Checkpointer(root).resume(None, m, o) == {"step": 6}
+    _assert_same_params(models[6], m)

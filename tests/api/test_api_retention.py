@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from smpckpt.catalog.root import CheckpointRecord, KeepLatestN, record_order, select_for_removal, validate_keep
+from smpckpt.catalog.root import (
+    CheckpointRecord,
+    KeepLatestN,
+    record_order,
+    select_for_removal,
+    split_lineage,
+    validate_keep,
+)
+from smpckpt.storage.format.manifest import Manifest, MetadataRecord
 
 
 def rec(tag: str, t: int, committed: bool = True) -> CheckpointRecord:
@@ -47,3 +55,33 @@ def test_record_order_prefers_sequence_then_ns_then_created() -> None:
     b = record_order({"created": "2026-01-02T00:00:00+00:00", "save_id": "b"})
     assert a < b
     assert record_order(None) == (0, 0, "")
+
+
+def _saved(tag: str, seq: int, abandoned: list[list[int]] | None = None) -> CheckpointRecord:
+    extra: dict[str, object] = {"sequence": seq, **({"abandoned": abandoned} if abandoned is not None else {})}
+    manifest = Manifest("id-" + tag, "partial", "raw", MetadataRecord(".metadata", 0, 0), (), 1, "", extra)
+    return CheckpointRecord(tag, True, record_order(manifest), manifest=manifest)
+
+
+def test_retention_after_a_rollback_keeps_the_history_and_removes_the_abandoned_first() -> None:
+    # s1..s5, then a roll-back to s3 (s4, s5 abandoned), then s6 and s7 carrying the record on
+    records = [_saved(f"s{i}", i) for i in range(1, 6)] + [_saved("s6", 6, [[4, 5]]), _saved("s7", 7, [[4, 5]])]
+    history, dropped = split_lineage(records)
+    assert [r.tag for r in history] == ["s7", "s6", "s3", "s2", "s1"]
+    assert [r.tag for r in dropped] == ["s5", "s4"]
+    assert select_for_removal(records, 3) == ["s4", "s5", "s1", "s2"]  # the abandoned first
+    assert select_for_removal(records, 3, protected={"s5"}) == ["s4", "s1", "s2"]  # `newest` still protected
+
+
+def test_lineage_of_saves_without_the_record_is_todays_order() -> None:
+    records = [_saved("old", 0), _saved("s1", 1), _saved("s2", 2), rec("legacy", 0)]
+    assert [r.tag for r in split_lineage(records)[0]] == ["s2", "s1", "old", "legacy"]
+    assert select_for_removal(records, 2) == ["legacy", "old"]
+    # a second roll-back further back, and a damaged record (ignored: today's order from there)
+    later = [_saved("s3", 3, [[2, 2]]), _saved("s4", 4, [[1, 3], [2, 2]]), _saved("bad", 5, [["x", 1]])]
+    assert [r.tag for r in split_lineage(records + later)[0]] == ["bad", "s4", "old", "legacy"]
+
+
+def test_a_record_abandoning_numbers_not_below_its_own_is_ignored() -> None:
+    records = [_saved("s1", 1), _saved("s2", 2), _saved("crafted", 3, [[1, 7]])]
+    assert [r.tag for r in split_lineage(records)[0]] == ["crafted", "s2", "s1"]

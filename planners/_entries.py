@@ -1,19 +1,8 @@
 """Resolve a state dict into entries: each flattened key's global name, kind and place in the global tensor.
 
-Shared by the save and the load planner, so both see a key, a spec and a layout the same way.
-
-Tied keys on load: one tensor under several keys (transformers ties ``lm_head.weight`` to the input
-embedding), in the destination, in the checkpoint, or both.
-
-* Keys tied in the destination are one tensor: it is loaded once, through the first key the checkpoint
-  holds (directly, or stored tied to another key); the others count as loaded.
-* A destination key the checkpoint stores tied to another (our record of the save, or a Hugging Face
-  folder that leaves the head out) is read from that key's bytes.
-* A checkpoint may hold the keys of one destination tensor *apart* (an untied model's files, a
-  pipeline's last stage's own head). A tied model holds one value, so they must be equal: the others
-  are read into scratch tensors and compared bit for bit with the key loaded once both are in, and a
-  difference fails the load naming both keys -- unless the caller says which to keep (``keep_tied``
-  globs): that key is loaded, the others are not read.
+Shared by the save and the load planner, so both see a key, a spec and a layout the same way; also
+the tied keys of both (:func:`tied_entries`, :class:`TiedLoads`: the rules are
+:class:`~smpckpt.planners.ParallelLoadPlanner`'s).
 """
 
 from __future__ import annotations
@@ -53,9 +42,9 @@ class ObjectBytes(bytes):
 
 @dataclasses.dataclass(slots=True)
 class Entry:
-    """One flattened key of one rank's state dict. Treat it as read-only: not ``frozen`` only because a
-    frozen dataclass takes ~2 us more to build, and every rank builds one per key at every save (for
-    the same reason ``_EntryMaker.entry`` passes the fields by position: keep their order)."""
+    """One flattened key of one rank's state dict. Treat it as read-only: not ``frozen`` only because
+    that is slower to build, one per key at every save (``_EntryMaker.entry`` passes the fields by
+    position, for speed too: keep their order)."""
 
     local_key: str  #: key as this rank's state dict names it
     key: str  #: global key, as the checkpoint stores it
@@ -86,11 +75,10 @@ def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``'s result -- the same keys,
-    values, paths and order, the same error on a duplicate key -- in about a third of its time (every
-    rank flattens its state dict at every save and load): one frame per mapping level, keys grown as
-    they go, tensors recognised first. Lists keep DCP's rule (traversed only when they hold tensors or
-    such containers); tuples and everything else are leaves. One difference: two keys of one mapping
-    with one name (``0`` and ``"0"``) are refused (:func:`_named_children`), where DCP merges them."""
+    values, paths and order, the same error on a duplicate key -- faster (every rank, every save and
+    load). Lists keep DCP's rule (traversed only when they hold tensors or such containers); tuples and
+    everything else are leaves. One difference: two keys of one mapping with one name (``0`` and
+    ``"0"``) are refused (:func:`_named_children`), where DCP merges them."""
     # DCP's loader switches its flattening to the pre-2.4 key scheme for a moment: follow it there
     if getattr(_dcp_version, "_derived_version", None) is not None:
         return flatten_state_dict(dict(state_dict))
@@ -182,8 +170,7 @@ def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     one, and every ZeroTensor) reports address 0, so same-shaped ones would look like one tensor.
     """
     # Tied tensors share an address: only entries whose address another entry has too (few or none)
-    # are compared in full, so the usual untied state pays one ``data_ptr()`` per tensor, not the
-    # device, shape and strides of each (2 us a tensor, a fifth of DCP's whole local plan).
+    # are compared in full; the usual untied state pays one ``data_ptr()`` per tensor.
     at: dict[int, Entry | list[Entry]] = {}
     for e in entries.values():
         if e.kind == "object" or e.rank_local or e.chunk is None:
@@ -259,9 +246,7 @@ class _EntryMaker:
             specs, inherited_from = matched
             if inherited_from is not None and not self._inherits(shape, inherited_from):
                 matched = None
-        # Entries are built with positional arguments, in field order (keywords cost ~0.2 us more per
-        # key): local_key, key, path, kind, value, chunk, global_shape, sharded_axes, specs, rank_local,
-        # dtensor, original_global_shape.
+        # Entries are built with positional arguments, in field order (faster than keywords)
         if matched is None:
             chunk = ChunkStorageMetadata(self._origin(len(shape)), shape)
             return Entry(local_key, key, path, "tensor", value, chunk, shape, _NOT_SPLIT, (), is_local)
@@ -283,12 +268,9 @@ class _EntryMaker:
         )
 
     def _inherits(self, shape: torch.Size, param_key: str) -> bool:
-        """Optimizer state (of local ``shape``) inherits its parameter's spec only when it has the
-        parameter's shape.
-
-        Scalars such as Adam's ``step`` stay replicated. When the parameter is in the same state dict
-        (as a plain tensor) its local shape must match; otherwise any tensor of rank >= 1 inherits.
-        """
+        """Optimizer state (of local ``shape``) inherits its parameter's spec only with the parameter's
+        local shape when the parameter is a plain tensor of this state dict; otherwise any tensor of
+        rank >= 1 does (scalars such as Adam's ``step`` stay replicated)."""
         if not shape:  # a scalar
             return False
         param = self.by_global.get(param_key)

@@ -1,19 +1,12 @@
 """Value digests: 4 bytes per tensor from a fixed sample of its elements, compared as values.
 
 Every rank computes one per replicated tensor at every save (:mod:`._replica_values` compares them), so
-the cost per tensor is what counts: a save of 2,700 tensors spent 9.6 ms in a loop of one ``torch.take``
-and one ``xxh3`` call per tensor, against DCP's whole local plan of 24.6 ms.
-
-Here one Python pass only reads each tensor's address, element count, dtype and contiguity into
-flat lists (numpy groups them by dtype after). The samples of plain contiguous CPU tensors (nearly
-every tensor a CPU state holds) are then gathered in one numpy fancy-index per dtype straight from the
-tensors' memory (as words of the element's size, or bytes where tensors lie at odd distances),
-canonicalised on their bits in numpy (:func:`_canonical_bits`: ``torch.where`` over the samples ran on
-torch's intra-op threads, and on a busy machine waiting for them cost more than the rest of the
-digests), and hashed row by row with a vectorised mix of 64-bit words: no torch call or hash call per
-tensor. Other tensors (CUDA, strided views, conjugate or negative views, subclasses) take one
-``torch.take`` each, one join and one host copy per device and dtype; both paths give the same digest
-for the same values.
+there is no torch or hash call per tensor where it can be helped: one Python pass reads each tensor's
+address, count, dtype and contiguity into flat lists; plain contiguous CPU tensors are sampled with one
+numpy fancy-index per dtype straight from their memory, canonicalised on their bits in numpy
+(:func:`_canonical_bits`; torch's intra-op threads cost more than the rest on a busy machine) and hashed
+with a vectorised 64-bit mix. Other tensors (CUDA, strided, conjugate or negative views, subclasses)
+take one ``torch.take`` each; both paths give the same digest for the same values.
 
 A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
 for smaller tensors) and the element count. Samples are compared as values, not bit patterns

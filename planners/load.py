@@ -509,15 +509,9 @@ def _exact_chunk(
     chunks: Sequence[ChunkStorageMetadata], piece: tuple[tuple[int, ...], tuple[int, ...]], hints: dict[Any, int]
 ) -> int | None:
     """The position in ``chunks`` (a saved tensor's) of the chunk that is exactly ``piece`` (offsets,
-    sizes), or None.
-
-    Why the hint: a tensor split over TP and DP (ZeRO optimizer state) has tp * dp chunks, and each rank
-    looked for its piece in every one of its keys: at 1,024 ranks (TP8 DP16) 128 per key, the cost
-    per rank growing with the world (the last rank's piece is the last chunk). The keys of one kind
-    (every layer's ``q_proj`` state) have their chunks in one order (their writers'), so the position
-    found for the last tensor with as many chunks and the same piece is tried first (``hints``, by
-    ``(len(chunks), piece)``, one per local plan): one scan per kind of key, not per key. A tensor's
-    saved chunks do not overlap (the save refuses overlaps), so a chunk equal to ``piece`` is the one."""
+    sizes), or None. Keys of one kind (every layer's ``q_proj`` state) have their chunks in one order,
+    so the position found last for as many chunks and the same piece is tried first (``hints``, one per
+    local plan): one scan per kind of key, not per key, however many chunks the world makes."""
     hint = (len(chunks), piece)
     at = hints.get(hint)
     if at is not None:

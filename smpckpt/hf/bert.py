@@ -155,16 +155,9 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our BERT under TP degree ``tp``, for head models and the bare model.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``BertConfig`` or a dict (``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
-            ``vocab_size``); required, since the QKV view names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the intermediate size or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our BERT under TP degree ``tp``, for head models and the bare model, as
+    :mod:`smpckpt.hf` says (``config``: ``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
+    ``vocab_size``)."""
     return family_specs("bert", tp, config, prefix, base=_BASE, head=_HEAD)
 
 

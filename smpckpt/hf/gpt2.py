@@ -21,13 +21,8 @@ wpe, ``ln_1``, ``ln_2``, ``ln_f``       replicated              same keys
 The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
 ``r*nh/tp .. (r+1)*nh/tp``, one after the other.
 
-Not translated (documented behaviour of the eager helpers):
-
-* ``lm_head.weight`` is tied to ``transformer.wte.weight`` in HF GPT-2: dropped on import when it is
-  the embedding (same memory or equal values) and not produced on export unless
-  ``tie_word_embeddings=True``. An untied head that differs is kept as ``lm_head.weight`` (vocab-parallel).
-* ``attn.bias`` / ``attn.masked_bias`` (the causal-mask buffers older transformers versions wrote into
-  state dicts) are not weights: dropped on import.
+Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` (see :mod:`smpckpt.hf`), and
+the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``.
 """
 
 from __future__ import annotations
@@ -125,16 +120,8 @@ translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smpck
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our GPT-2 under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``GPT2Config`` or a dict (``n_embd``, ``n_head``, ``vocab_size``, optional ``n_inner``);
-            required, since the QKV view names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our GPT-2 under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``n_embd``, ``n_head``, ``vocab_size``, optional ``n_inner``)."""
     d, rows = gpt_dims("gpt2", tp, config, ("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), "n_inner")
     return prefixed(
         prefix,

@@ -25,14 +25,10 @@ both read ``ln_1``'s output (parallel residual), which changes nothing in the la
 does not divide by ``tp`` is split near-evenly (:func:`smpckpt.hf._common.vocab_spec`); the head's
 bias is split with its rows, and each rank adds its slice to its logits.
 
-Not translated (documented behaviour of the eager helpers):
-
-* ``lm_head.weight``: GPT-J's head is untied (``tie_word_embeddings`` defaults to False) and kept with
-  its bias. Should a config tie it, the head is dropped on import when it is the embedding and produced
-  on export only with ``tie_word_embeddings=True``; ``lm_head.bias`` is never tied.
-* ``attn.bias`` / ``attn.masked_bias`` (causal-mask buffers) and ``attn.embed_positions`` (the
-  rotary sin/cos table), which older transformers versions wrote into state dicts, are not weights:
-  dropped on import. :func:`translate_state_dict_to_hf_gptj` can add the mask buffers back.
+Not translated: ``lm_head.weight`` when a config ties it (GPT-J's is untied by default and kept with its
+bias, which is never tied; see :mod:`smpckpt.hf`); the buffers ``attn.bias`` / ``attn.masked_bias``
+(causal masks, which :func:`translate_state_dict_to_hf_gptj` can add back) and ``attn.embed_positions``
+(the rotary sin/cos table).
 """
 
 from __future__ import annotations
@@ -70,17 +66,8 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our GPT-J under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``GPTJConfig`` or a dict (``n_embd`` / ``hidden_size``, ``n_head`` /
-            ``num_attention_heads``, ``vocab_size``, optional ``n_inner``); required, since the QKV view
-            names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our GPT-J under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``n_embd`` / ``hidden_size``, ``n_head`` / ``num_attention_heads``, ``vocab_size``, optional ``n_inner``)."""
     d, rows = gpt_dims("gptj", tp, config, ("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), "n_inner")
     return prefixed(
         prefix,

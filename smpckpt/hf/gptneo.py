@@ -27,15 +27,9 @@ than ``window_size``: neither touches the layout. GPT-Neo uses ``nn.Linear`` thr
 transposed. A vocabulary that does not divide by ``tp`` is split near-evenly
 (:func:`smpckpt.hf._common.vocab_spec`).
 
-Not translated (documented behaviour of the eager helpers):
-
-* ``lm_head.weight`` is tied to ``transformer.wte.weight`` (``tie_word_embeddings`` defaults to True):
-  dropped on import when it is the embedding (same memory or equal values) and not produced on export
-  unless ``tie_word_embeddings=True``. An untied head that differs is kept as ``lm_head.weight``
-  (vocab-parallel).
-* ``attn.attention.bias`` / ``attn.attention.masked_bias`` (the causal- and local-mask buffers older
-  transformers versions wrote into state dicts) are not weights: dropped on import.
-  :func:`translate_state_dict_to_hf_gptneo` can add them back.
+Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` by default (see :mod:`smpckpt.hf`),
+and the causal- and local-mask buffers ``attn.attention.bias`` / ``attn.attention.masked_bias``, which
+:func:`translate_state_dict_to_hf_gptneo` can add back.
 """
 
 from __future__ import annotations
@@ -72,16 +66,8 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our GPT-Neo under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``GPTNeoConfig`` or a dict (``hidden_size``, ``num_heads`` / ``num_attention_heads``,
-            ``vocab_size``, optional ``intermediate_size``); required, since the QKV view names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our GPT-Neo under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``hidden_size``, ``num_heads`` / ``num_attention_heads``, ``vocab_size``, optional ``intermediate_size``)."""
     d, rows = gpt_dims(
         "gpt_neo", tp, config, ("hidden_size",), ("num_heads", "num_attention_heads"), "intermediate_size"
     )

@@ -4,29 +4,19 @@ Rank order is TP fastest, then DP, then PP (as in Megatron)::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-``pp_layers`` is the pipeline partition decision: how many transformer layers each stage holds. With
-``pp_layers=(2, 2)`` stage 1 holds global layers 2 and 3, and its stage-local ``layers.0`` is saved
-as ``layers.2``.
+``pp_layers`` is the pipeline partition: how many transformer layers each stage holds. Stage-local keys
+are renamed to global (checkpoint) keys only when the layout records a partition or a ``name_map`` is
+given: by default the integer after a ``layers.`` path segment is shifted by the stage's layer offset
+(with ``pp_layers=(2, 2)`` stage 1's ``layers.0`` is saved as ``layers.2``) and checked to be one of
+the stage's layers. Without either, keys are taken as already global (torchtitan-style PP).
 
-Pipeline-parallel key renaming: stage-local keys to global (checkpoint) keys.
+The top-level keys :func:`~smpckpt.save_checkpoint` reserves are named here only (the API builds its
+state dict, rank-local globs and optional-key globs from that one object).
 
-Renaming happens only when the layout records a partition (``pp_layers``) or a ``name_map`` is
-given. The default rule rewrites the integer after a ``layers.`` path segment by the stage's layer
-offset (``layers.<i>.`` -> ``layers.<i + offset>.``) and checks that ``i`` is one of the stage's
-layers. Without a partition or a map, keys are taken as already global (torchtitan-style PP).
-
-The top-level keys :func:`~smpckpt.save_checkpoint` reserves in a checkpoint -- named here only.
-
-Adding a reserved key means adding it here: the API builds its state dict, its rank-local globs and
-its optional-key globs from this one object.
-
-What a checkpoint records about how it was partitioned -- one type, written once, read by all.
-
-The save planner builds a :class:`LayoutRecord` and stores its JSON in ``Metadata.planner_data``
-under :data:`METADATA_KEY`; :class:`~smpckpt.storage.FsspecStorageWriter` copies that JSON verbatim
-into the commit manifest under :data:`MANIFEST_KEY`, so tools that list many checkpoints (``smpckpt
-ls``, resume's choice of tag) read it without fetching ``.metadata``. Every reader -- the load
-planner, resume, the CLI -- parses it here and nowhere else.
+What a checkpoint records about how it was partitioned is one type, :class:`LayoutRecord`: the save
+planner stores its JSON in ``Metadata.planner_data`` under :data:`METADATA_KEY`, the storage writer
+copies it verbatim into the commit manifest under :data:`MANIFEST_KEY` (so listing tools read it
+without fetching ``.metadata``), and every reader parses it here and nowhere else.
 
 Versions: 1 is the current record. Checkpoints written by smpckpt 0.1.0's ``save_checkpoint`` kept
 ``layout``/``specs``/``rank_local`` loose in the manifest's ``extra``; :meth:`LayoutRecord.from_manifest`
@@ -487,22 +477,21 @@ class LayoutRecord:
 def checkpoint_ties(metadata: Any) -> dict[str, str]:
     """Tied keys a checkpoint stores once (key -> the key holding its bytes): from our record, or from
     what the storage reader found missing in a plain Hugging Face folder (:data:`TIED_KEY`)."""
-    record = LayoutRecord.from_metadata(metadata)
-    if record is not None:
-        return dict(record.tied)
-    data = getattr(metadata, "planner_data", None)
-    found = data.get(TIED_KEY) if isinstance(data, Mapping) else None
-    return {str(k): str(v) for k, v in found.items()} if isinstance(found, Mapping) else {}
+    return {str(k): str(v) for k, v in _recorded(metadata, "tied", TIED_KEY).items()}
 
 
 def checkpoint_original_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
     """Shapes tensors stored in a view had before it (key -> shape): from our record, or from what the
     storage reader knows of a Hugging Face folder's fused tensors (:data:`MERGED_KEY`)."""
+    return {str(k): tuple(int(n) for n in v) for k, v in _recorded(metadata, "original_shapes", MERGED_KEY).items()}
+
+
+def _recorded(metadata: Any, field: str, key: str) -> Mapping[str, Any]:
+    """``field`` of the checkpoint's record, else the mapping under ``planner_data[key]`` (a plain
+    Hugging Face folder read through our storage reader), else none."""
     record = LayoutRecord.from_metadata(metadata)
     if record is not None:
-        return dict(record.original_shapes)
+        return getattr(record, field)
     data = getattr(metadata, "planner_data", None)
-    found = data.get(MERGED_KEY) if isinstance(data, Mapping) else None
-    if not isinstance(found, Mapping):
-        return {}
-    return {str(k): tuple(int(n) for n in v) for k, v in found.items()}
+    found = data.get(key) if isinstance(data, Mapping) else None
+    return found if isinstance(found, Mapping) else {}

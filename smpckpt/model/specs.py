@@ -147,10 +147,8 @@ class SpecRules:
     @classmethod
     def of(cls, rules: Mapping[str, SpecLike] | SpecRules | None, *, also_under: Sequence[str] = ()) -> SpecRules:
         """``rules`` as :class:`SpecRules`. Equal rule mappings share one instance, and with it the
-        per-key match caches: a planner built afresh for every save (as the API builds them) then
-        matches each key against the rules once per process instead of once per save (measured: a
-        third of local planning at 2 ranks, ``benchmarks/RESULTS.md``). Given a :class:`SpecRules`,
-        ``also_under`` names are added to its own."""
+        per-key match caches, so planners built afresh for every save match each key once per process
+        (``benchmarks/RESULTS.md``). Given a :class:`SpecRules`, ``also_under`` names are added to its own."""
         also = tuple(also_under)
         if isinstance(rules, SpecRules):
             if all(name in rules.also_under for name in also):

@@ -19,6 +19,9 @@ translated), :mod:`~smpckpt.hf.llama`, :mod:`~smpckpt.hf.qwen2` and :mod:`~smpck
   differs (split as the vocabulary); eager export produces it only with ``tie_word_embeddings=True``.
   Buffers older transformers versions wrote into state dicts (masks, position ids, rotary tables) are
   not weights: dropped on import;
+* fused tensors (q/k/v, gate/up) in a view that reshards correctly: TP rank ``r``'s local QKV
+  ``nn.Linear`` is ``[3d/tp, d]``, the q, k and v rows of heads ``r*nh/tp .. (r+1)*nh/tp`` one after the
+  other; a vocabulary that does not divide by ``tp`` is split near-evenly (:func:`._common.vocab_spec`);
 * for the smp families, smp's own function names as aliases (``translate_state_dict_to_hf_gpt2``,
   ``translate_hf_state_dict_to_smdistributed_gpt2``, ...): a migration changes only the import.
 

@@ -26,10 +26,8 @@ embeddings, every LayerNorm,
 ``cls.seq_relationship``, ``classifier``
 =============================================== ============================ ================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other (the unsharded model's ``[3d, d]`` is
-``cat([query, key, value])``). A vocabulary that does not divide by ``tp`` (BERT's 30522 does, RoBERTa's
-50265 does not) is split near-evenly, the MLM bias with it.
+The unsharded model's QKV ``[3d, d]`` is ``cat([query, key, value])``. A vocabulary that does not divide
+by ``tp`` (BERT's 30522 does, RoBERTa's 50265 does not) is split near-evenly, the MLM bias with it.
 
 Not translated (documented behaviour of the eager helpers):
 

@@ -18,9 +18,6 @@ ours (global view shape)                spec (``tp_specs``)     HF
 wpe, ``ln_1``, ``ln_2``, ``ln_f``       replicated              same keys
 ======================================= ======================= ==================================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other.
-
 Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` (see :mod:`smpckpt.hf`), and
 the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``.
 """

@@ -18,12 +18,9 @@ ours (global view shape)                     spec (``tp_specs``)          HF
                                              embedding's sizes)
 ============================================ ============================ ======================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other. GPT-J's rotary embedding acts on the first
-``rotary_dim`` features of each head, so whole heads per rank is all TP needs; the attention and the MLP
-both read ``ln_1``'s output (parallel residual), which changes nothing in the layout. A vocabulary that
-does not divide by ``tp`` is split near-evenly (:func:`smpckpt.hf._common.vocab_spec`); the head's
-bias is split with its rows, and each rank adds its slice to its logits.
+GPT-J's rotary embedding acts on the first ``rotary_dim`` features of each head, so whole heads per rank
+is all TP needs; its parallel residual changes nothing in the layout. The head's bias is split with its
+rows (each rank adds its slice to its logits).
 
 Not translated: ``lm_head.weight`` when a config ties it (GPT-J's is untied by default and kept with its
 bias, which is never tied; see :mod:`smpckpt.hf`); the buffers ``attn.bias`` / ``attn.masked_bias``

@@ -20,12 +20,9 @@ ours (global view shape)                     spec (``tp_specs``)          HF
 ``lm_head.weight``                           dim 0 (when untied)          same key
 ============================================ ============================ ======================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other. GPT-Neo's attention is per head and unscaled (no
-``1/sqrt(head_dim)``), and its local layers (``config.attention_types``) only mask keys further back
-than ``window_size``: neither touches the layout. GPT-Neo uses ``nn.Linear`` throughout, so nothing is
-transposed. A vocabulary that does not divide by ``tp`` is split near-evenly
-(:func:`smpckpt.hf._common.vocab_spec`).
+GPT-Neo's unscaled per-head attention and its local layers (``config.attention_types``, masking keys
+further back than ``window_size``) do not touch the layout; it uses ``nn.Linear`` throughout, so nothing
+is transposed.
 
 Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` by default (see :mod:`smpckpt.hf`),
 and the causal- and local-mask buffers ``attn.attention.bias`` / ``attn.attention.masked_bias``, which

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -28,7 +29,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, _create_read_item_for_tensor
 from tqdm.auto import tqdm
 
 from smpckpt.errors import CheckpointError
@@ -77,21 +78,13 @@ class _OneTensorAtATime(_Offline, SavePlanner):
 
     def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
         self.reader, self.md, self.bar = reader, metadata, bar
-        self.objects: dict[str, bytes] = {}
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
         md = self.md.state_dict_metadata[fqn]
         sink = _Sink()
         if isinstance(md, BytesStorageMetadata):
-            req = ReadItem(
-                type=LoadItemType.BYTE_IO,
-                dest_index=MetadataIndex(fqn),
-                dest_offsets=torch.Size(),
-                storage_index=MetadataIndex(fqn),
-                storage_offsets=torch.Size(),
-                lengths=torch.Size(),
-            )
+            req = _create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0)
             self.reader.read_data(LoadPlan([req]), sink).wait()
             return io.BytesIO(sink.data[fqn])
         if not isinstance(md, TensorStorageMetadata):
@@ -99,13 +92,8 @@ class _OneTensorAtATime(_Offline, SavePlanner):
         whole = torch.empty(md.size, dtype=md.properties.dtype)
         zeros = torch.Size([0] * len(md.size))
         reads = [
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, zeros),
-                dest_offsets=c.offsets,
-                storage_index=MetadataIndex(fqn, c.offsets),
-                storage_offsets=zeros,
-                lengths=c.sizes,
+            _create_read_item_for_tensor(
+                MetadataIndex(fqn, zeros), c.offsets, MetadataIndex(fqn, c.offsets), zeros, c.sizes
             )
             for c in md.chunks
         ]
@@ -128,10 +116,7 @@ class _Sink(_Offline, LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         if self.whole is None:
             raise CheckpointError("internal: no destination tensor")
-        t = self.whole
-        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            t = t.narrow(d, o, n)
-        return t
+        return narrow_tensor_by_index(self.whole, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass

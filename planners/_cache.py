@@ -141,10 +141,8 @@ def _flatten(items: list[WriteItem]) -> list[Any]:
 
 
 def _interner() -> Any:
-    """Maps each ``torch.Size`` to the first equal one seen, so equal offsets and shapes (a few
-    distinct values over thousands of items) travel once and arrive as one object. Anything else (a
-    plain tuple a custom planner put there, a list, None) passes as it is: equal is not enough, the
-    receiver must get the same type."""
+    """Maps each ``torch.Size`` to the first equal one seen, so equal offsets and shapes travel once
+    and arrive as one object; anything else passes as it is (the receiver must get the same type)."""
     seen: dict[Any, Any] = {}
 
     def one(value: Any) -> Any:

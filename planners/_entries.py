@@ -34,10 +34,8 @@ Kind = Literal["tensor", "dtensor", "object"]
 
 
 class ObjectBytes(bytes):
-    """An object its owner already serialised (``torch.save`` bytes): the planners store these bytes
-    as they are and load them back as ``ObjectBytes``, unpickling nothing -- so an object crosses
-    the pickler once each way, and its owner decodes it (weights-only) where it knows what it holds.
-    The stored record is plain ``torch.save`` output: stock ``torch.load`` reads it directly."""
+    """An object its owner already serialised (``torch.save`` bytes), stored as it is and loaded back
+    as ``ObjectBytes`` unpickled (its owner decodes it, weights-only); stock ``torch.load`` reads it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,11 +141,9 @@ def _dcp_is_terminal(value: Any) -> bool:
 
 
 def set_at_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
-    """Put a loaded object where ``flatten`` found its destination. DCP's paths hold ``str(key)``
-    (``{0: x}`` flattens to ``("0",)``), and DCP's ``set_element`` then writes a new key ``"0"``
-    beside the caller's ``0``, whose old value stays (an optimizer's ``state`` is keyed by ints): so
-    each mapping level takes the key that is there, the one whose ``str`` is the path's (unique: the
-    flattening refused two with one ``str``)."""
+    """Put a loaded object where ``flatten`` found its destination: at each mapping level the key that
+    is there whose ``str`` is the path's (DCP's ``set_element`` would add ``"0"`` beside an int ``0``,
+    as an optimizer's ``state`` holds them, leaving the old value)."""
     container = root
     for depth, part in enumerate(path):
         if isinstance(container, Mapping) and part not in container:
@@ -160,15 +156,10 @@ def set_at_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     """Keys whose tensor is one held under an earlier key (tied parameters: transformers ties
-    ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order.
-
-    Tied means the same memory seen the same way -- device, address, shape, strides, dtype -- and the
-    same place in the same global tensor (specs can differ only by mistake; then both are kept). A
-    DTensor ties by its local tensor, under the same placements on the same mesh (a head tied to a
-    vocab-parallel embedding after ``parallelize_module``): its placements decide which rank writes it,
-    alike for both keys. Only tensors with real storage can be tied: every meta tensor (and every empty
-    one, and every ZeroTensor) reports address 0, so same-shaped ones would look like one tensor.
-    """
+    ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order. Tied means
+    the same memory seen the same way (device, address, shape, strides, dtype) at the same place of the
+    same global tensor; a DTensor ties by its local tensor under the same placements on the same mesh.
+    Only tensors with storage tie (meta, empty and Zero tensors all report address 0)."""
     # Tied tensors share an address: only entries whose address another entry has too (few or none)
     # are compared in full; the usual untied state pays one ``data_ptr()`` per tensor.
     at: dict[int, Entry | list[Entry]] = {}
@@ -391,11 +382,8 @@ def original_global_shape(
     """The global shape a viewed tensor has in its original form: each original dimension is a run of
     consecutive view dimensions (``[3h/tp, d]`` viewed as ``[3, h/tp, d]``: runs ``(3, h/tp)``, ``(d,)``),
     and merging the same runs of the global view gives it (``[3, h, d]`` -> ``[3h, d]``). ``None`` when
-    the view is not such a split (then only the view shape is known).
-
-    A view dimension of extent 1 could belong to either neighbour (``[3, d]`` viewed as ``[3, 1, d]``
-    when each rank holds one head): it joins the dimension before it, as the sharded part of a split
-    dimension does (``3h/tp`` = ``3 x h/tp``), unless the dimensions after it need it."""
+    the view is not such a split. A view dimension of extent 1 joins the dimension before it (as the
+    sharded part of a split dimension does), unless the dimensions after it need it."""
     bounds = _split_runs(tuple(local), tuple(view), 0, 0)
     if bounds is None:
         return None
@@ -430,11 +418,8 @@ def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTens
 
 
 def dtensor_is_owner(entry: Entry) -> bool:
-    """Among the ranks holding the same DTensor shard (its Replicate mesh dims), is this one the writer?
-
-    The owner is spread over replicas by a stable hash of the key, so replicated DTensors do not all
-    land on one rank.
-    """
+    """Among the ranks holding the same DTensor shard (its Replicate mesh dims), is this one the writer
+    (chosen by a stable hash of the key, so replicated DTensors do not all land on one rank)?"""
     import zlib
 
     dt = entry.dtensor

@@ -324,10 +324,7 @@ def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first
 def _differing_pieces(fresh: Sequence[Any], field: str) -> tuple[dict[int, tuple[int, int]], int]:
     """Ranks that sent the same piece (``planner_data[field]``, :func:`dtensor_values`' format) with
     different values: up to :data:`_SHOWN` piece ids -> (the first rank that sent it, a rank that differs),
-    and how many pieces differ in all.
-
-    One vectorised pass over every rank's pieces (sorted by piece id, each compared with the first of
-    its run), so nothing per piece crosses ranks but its 12 bytes."""
+    and how many pieces differ in all (one vectorised pass, sorted by piece id)."""
     ids_parts, value_parts, rank_parts = [], [], []
     for rank, plan in enumerate(fresh):
         raw = (plan.planner_data or {}).get(field)
@@ -472,13 +469,9 @@ def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None
 
 
 def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:
-    """Constant-size digest of the tensors every rank of this stage must agree on.
-
-    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``), and
-    the key each tied one is the tensor of. Ranks of a stage whose digests differ would disagree on who
-    writes what -- silently losing data. Sorted by key, so ranks that built their state dicts in
-    another order still agree.
-    """
+    """Constant-size digest of (key, dtype, global shape, split axes) of every non-rank-local plain
+    tensor (``shared``) and of the ties, sorted by key: ranks of a stage whose digests differ would
+    disagree on who writes what, silently losing data."""
     rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
     rows.sort()  # by key: keys are unique, so the other fields are never compared
     # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
@@ -572,11 +565,8 @@ def assign_owners(
     *,
     lowest_rank: bool = False,
 ) -> dict[str, int]:
-    """Owner rank of each ``(key, nbytes, sharded_axes)`` tensor this rank holds as a replica.
-
-    ``lowest_rank=True`` puts every replica on the lowest rank of its group (fewer files to read on
-    load, less balance) instead of spreading bytes.
-    """
+    """Owner rank of each ``(key, nbytes, sharded_axes)`` tensor this rank holds as a replica;
+    ``lowest_rank=True`` puts each on the lowest rank of its group instead of spreading bytes."""
     by_axes: dict[frozenset[str], list[tuple[str, int]]] = {}
     groups: dict[frozenset[str], list[tuple[str, int]]] = {}  # by the axes as given: a few distinct sets
     for key, nbytes, axes in replicated:

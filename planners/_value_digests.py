@@ -299,16 +299,10 @@ _COMPARABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.flo
 
 
 def canonical(samples: torch.Tensor) -> torch.Tensor:
-    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN.
-
-    Replicas are compared by value, so two ranks that hold equal numbers are replicas even where their
-    bits differ. Signed zeros compare equal (``-0.0 == 0.0``) and arise in replicas computed alike
-    (``0 * -x`` on one rank, ``0 * x`` on another). NaN is never equal to itself, but a NaN held in the
-    same place by two replicas is the same "not a number" for the checkpoint: its sign and payload
-    bits carry no value (x86 writes ``0/0`` as a negative NaN, CUDA as a positive one; torch keeps no
-    payload across arithmetic), so NaNs of any bits count as equal. Which replica's bits are stored
-    is then unspecified, as it always was between equal replicas. Integers and booleans are their bits.
-    """
+    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN (replicas
+    computed alike may differ there: ``0 * -x`` and ``0 * x``; x86 writes ``0/0`` as a negative NaN,
+    CUDA as a positive one), so ranks holding equal numbers are replicas; which one's bits are stored
+    is unspecified, as between any equal replicas. Integers and booleans are their bits."""
     if samples.is_complex():
         samples = torch.view_as_real(samples)  # each part on its own: (-0.0, 1.0) == (0.0, 1.0)
     elif not samples.is_floating_point():

@@ -29,8 +29,7 @@ pickle their items as flat columns and unpickle, with the collector paused, as t
 plain pickle would give, field for field, built by their constructors; equal ``torch.Size`` values and
 the shared ``TensorProperties`` arrive as one object each. ``dataclasses.replace`` keeps the class (a
 storage writer replacing ``storage_data`` keeps the plan compact); should DCP's plan classes gain
-fields, :func:`compact` returns plans unchanged rather than drop one.
-"""
+fields, :func:`compact` returns plans unchanged rather than drop one."""
 
 from __future__ import annotations
 
@@ -316,8 +315,7 @@ class PlanCache:
 
     Call order, as the planner drives it: :meth:`begin_round` (set_up_planner) -> :meth:`hit` and
     :meth:`remember` (create_local_plan) -> on the coordinator :meth:`reuse_global` or
-    :meth:`substitute` then :meth:`stage_global` (create_global_plan) -> :meth:`finish` (finish_plan).
-    """
+    :meth:`substitute` then :meth:`stage_global` (create_global_plan) -> :meth:`finish` (finish_plan)."""
 
     def __init__(self, scope: str) -> None:
         self.scope = scope  # "global", "local", or "off" (caching disabled: nothing kept)

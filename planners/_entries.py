@@ -2,8 +2,7 @@
 
 Shared by the save and the load planner, so both see a key, a spec and a layout the same way; also
 the tied keys of both (:func:`tied_entries`, :class:`TiedLoads`: the rules are
-:class:`~smpckpt.planners.ParallelLoadPlanner`'s).
-"""
+:class:`~smpckpt.planners.ParallelLoadPlanner`'s)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,7 @@ each stage's first rank (with the keys, for the check across stages). The coordi
 summaries within each group and, where two differ, names the keys when both ranks sent theirs, else
 the ranks (:func:`check_replica_values`). DTensors (by their placements, :func:`dtensor_values`) and
 keys split over DP across pipeline stages (:func:`stage_values`) are compared by piece: 12 bytes per
-piece, grouped by the piece's id.
-"""
+piece, grouped by the piece's id."""
 
 from __future__ import annotations
 

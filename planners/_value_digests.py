@@ -10,8 +10,7 @@ take one ``torch.take`` each; both paths give the same digest for the same value
 
 A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
 for smaller tensors) and the element count. Samples are compared as values, not bit patterns
-(:func:`canonical`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN.
-"""
+(:func:`canonical`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
 
 from __future__ import annotations
 

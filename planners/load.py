@@ -9,8 +9,7 @@ Call order (as ``dcp.load`` drives it)::
     5. (all)   resolve_tensor / commit_tensor / load_bytes, called by the storage reader
 
 A rank whose piece matches a saved chunk exactly takes the fast path (one read, no overlap search);
-otherwise DCP's overlap helper computes which saved chunks cover the piece.
-"""
+otherwise DCP's overlap helper computes which saved chunks cover the piece."""
 
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head. A
     checkpoint holding the keys of one destination tensor apart must hold them equal (bit for bit):
     a head that differs from its embedding is :class:`~smpckpt.errors.LayoutMismatch` naming both,
-    unless ``keep_tied`` says which to load (see ``_ties``).
-    """
+    unless ``keep_tied`` says which to load (see ``_ties``)."""
 
     def __init__(
         self,

@@ -12,8 +12,7 @@ Call order (as ``dcp.save`` drives it; "all" = every rank, "coord" = rank 0 of t
 Plain local tensors are mapped to global chunks by their :class:`~smpckpt.ShardSpec`; DTensors carry
 their own placement; other values are pickled (``torch.save``) objects. The coordinator checks the
 plans' structure (spec rules that match nothing, ranks of a stage that disagree on their tensors or
-ties; values in :mod:`._replica_values`) and deduplicates them (one writer per chunk and per object).
-"""
+ties; values in :mod:`._replica_values`) and deduplicates them (one writer per chunk and per object)."""
 
 from __future__ import annotations
 
@@ -265,8 +264,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).
 
-    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._cache`.
-    """
+    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._cache`."""
 
     def __init__(
         self,

@@ -26,8 +26,7 @@ translated), :mod:`~smpckpt.hf.llama`, :mod:`~smpckpt.hf.qwen2` and :mod:`~smpck
   ``translate_hf_state_dict_to_smdistributed_gpt2``, ...): a migration changes only the import.
 
 :data:`TRANSLATIONS` maps HF's ``config.model_type`` to each family's translation. Nothing here imports
-transformers: configs are read by attribute or dict key.
-"""
+transformers: configs are read by attribute or dict key."""
 
 import re
 from collections.abc import Mapping, Sequence

@@ -43,8 +43,7 @@ Not translated (documented behaviour of the eager helpers):
   can write ``position_ids`` back (``max_seq_len``) for code that expects it.
 * Cross-attention (``crossattention.*`` of a decoder BERT with ``add_cross_attention``) keeps HF's
   separate query/key/value keys (its keys and values read the encoder's states, so they do not fuse with
-  the query) and is replicated.
-"""
+  the query) and is replicated."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ def make_translation(name: str, architecture: str, base: str, head: str) -> Tran
         architecture: the transformers class of the artifact side.
         base: the head models' prefix of the encoder (``"bert."``).
         head: the MLM head's prefix (``"cls.predictions."``), whose decoder weight and bias transformers
-            ties to the word embeddings and to ``<head>bias``.
-    """
+            ties to the word embeddings and to ``<head>bias``."""
     return Translation(
         name,
         rules=_qkv_rules(base) + _qkv_rules(""),
@@ -168,8 +166,7 @@ def translate_state_dict_to_hf_bert(
     ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
     (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
     versions of its time kept in BERT state dicts. Given, the buffer is added; ``None`` (the default)
-    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it.
-    """
+    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it."""
     return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
 
 

@@ -19,8 +19,7 @@ wpe, ``ln_1``, ``ln_2``, ``ln_f``       replicated              same keys
 ======================================= ======================= ==================================================
 
 Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` (see :mod:`smpckpt.hf`), and
-the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``.
-"""
+the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ def translate_state_dict_to_hf_gpt2(
             ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
             ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``, for those versions. ``None`` (the
             default) adds nothing: current transformers keeps them out of state dicts, and a strict
-            ``load_state_dict`` refuses them as unexpected keys.
-    """
+            ``load_state_dict`` refuses them as unexpected keys."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
         add_mask_buffers(out, max_seq_len, "attn.", -1e4)

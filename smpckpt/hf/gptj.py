@@ -25,8 +25,7 @@ rows (each rank adds its slice to its logits).
 Not translated: ``lm_head.weight`` when a config ties it (GPT-J's is untied by default and kept with its
 bias, which is never tied; see :mod:`smpckpt.hf`); the buffers ``attn.bias`` / ``attn.masked_bias``
 (causal masks, which :func:`translate_state_dict_to_hf_gptj` can add back) and ``attn.embed_positions``
-(the rotary sin/cos table).
-"""
+(the rotary sin/cos table)."""
 
 from __future__ import annotations
 
@@ -93,8 +92,7 @@ def translate_state_dict_to_hf_gptj(
     head ours lacks is produced as the embedding (GPT-J's untied head is present anyway).
 
     ``max_seq_len``: the old causal-mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2`
-    adds them (``masked_bias`` is ``tensor(-1e9)`` here).
-    """
+    adds them (``masked_bias`` is ``tensor(-1e9)`` here)."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
         add_mask_buffers(out, max_seq_len, "attn.", -1e9)

@@ -26,8 +26,7 @@ is transposed.
 
 Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` by default (see :mod:`smpckpt.hf`),
 and the causal- and local-mask buffers ``attn.attention.bias`` / ``attn.attention.masked_bias``, which
-:func:`translate_state_dict_to_hf_gptneo` can add back.
-"""
+:func:`translate_state_dict_to_hf_gptneo` can add back."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def translate_state_dict_to_hf_gptneo(
     ``max_seq_len``: the old mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` adds
     them (under ``attn.attention.``; ``masked_bias`` is ``tensor(-1e9)``). Without a config this cannot
     know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
-    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``.
-    """
+    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
         add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)

@@ -20,8 +20,7 @@ The local ``gate_up_proj`` of TP rank ``r`` is ``[2I/tp, d]``: gate rows ``r*I/t
 the same up rows. With fewer kv heads than TP ranks (grouped-query attention, ``nkv < tp``), k and v
 are replicated: every rank holds all kv heads and uses the one its query heads share.
 
-Not translated: a tied ``lm_head.weight`` (see :mod:`smpckpt.hf`) and ``rotary_emb.inv_freq`` buffers.
-"""
+Not translated: a tied ``lm_head.weight`` (see :mod:`smpckpt.hf`) and ``rotary_emb.inv_freq`` buffers."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ are fewer kv heads (Mistral-7B has 8) than TP ranks. The sliding window (``confi
 only masks attention scores; it does not touch the layout.
 
 Not translated: a tied ``lm_head.weight`` (untied by default; see :mod:`smpckpt.hf`) and
-``rotary_emb.inv_freq`` buffers. SageMaker model parallel v1 never supported Mistral: no smp-named aliases.
-"""
+``rotary_emb.inv_freq`` buffers. SageMaker model parallel v1 never supported Mistral: no smp-named aliases."""
 
 from __future__ import annotations
 

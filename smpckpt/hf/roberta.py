@@ -9,8 +9,7 @@ that is the model's arithmetic, not the layout's.
 Not translated: ``lm_head.decoder.weight`` (tied to ``roberta.embeddings.word_embeddings.weight``) and
 ``lm_head.decoder.bias`` (tied to ``lm_head.bias``) are dropped on import when tied and produced on export
 only with ``tie_word_embeddings=True``; an untied decoder is kept. ``embeddings.position_ids`` /
-``embeddings.token_type_ids`` buffers are dropped on import. Cross-attention is replicated under HF's keys.
-"""
+``embeddings.token_type_ids`` buffers are dropped on import. Cross-attention is replicated under HF's keys."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Because an Expr is data, not code, a storage layer can ask which rectangular reg
 tensor (in its viewed coordinates) lands where in any requested region of ours: it reads only one TP
 rank's shard out of an HF tensor, or writes each rank's chunk straight into HF-shaped tensors. The eager
 forms are exact (bit-for-bit) inverses of each other. The rules that build Exprs from key templates
-live in :mod:`smpckpt.model.translation`.
-"""
+live in :mod:`smpckpt.model.translation`."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class Leaf:
         key: the artifact key.
         view: row-major reshape of the artifact tensor (same number of elements); ``None`` keeps its
             shape.
-        perm: permutation of the viewed dims; ``None`` is the identity.
-    """
+        perm: permutation of the viewed dims; ``None`` is the identity."""
 
     key: str
     view: Shape | None = None
@@ -82,8 +80,7 @@ class Piece:
     """One rectangular region of an artifact tensor and where it lands in a requested region of ours.
 
     Read ``artifact[key].reshape(view)[offsets : offsets + sizes].permute(perm)`` and place it at
-    ``dest_offsets`` (relative to the requested region's origin); it spans :attr:`dest_sizes`.
-    """
+    ``dest_offsets`` (relative to the requested region's origin); it spans :attr:`dest_sizes`."""
 
     key: str
     view: Shape  #: the artifact tensor's shape as viewed (its own shape when the Leaf has no view)
@@ -233,8 +230,7 @@ def pieces(
     """The artifact regions that make up region ``[offsets, offsets + sizes)`` of ``expr``.
 
     The pieces cover the region exactly once (no overlap, no gap); pieces of zero size are left out,
-    so an empty region gives ``[]``. Raises ValueError naming the keys when the region is out of bounds.
-    """
+    so an empty region gives ``[]``. Raises ValueError naming the keys when the region is out of bounds."""
     # a plain Leaf (every tensor of an untranslated artifact: thousands per save) is its own region
     plain = expr if isinstance(expr, Leaf) and expr.view is None and expr.perm is None else None
     shape = _artifact_shape(plain.key, artifact_shapes) if plain is not None else expr_shape(expr, artifact_shapes)
@@ -305,8 +301,7 @@ def scatter(expr: Expr, ours: torch.Tensor, artifact_shapes: Mapping[str, Sequen
     """The artifact tensors ``ours`` is made of under ``expr`` (inverse of :func:`evaluate`).
 
     Every artifact key of ``expr`` must appear exactly once (a Leaf always covers its whole tensor).
-    Results are contiguous, shaped as ``artifact_shapes`` says, and may share memory with ``ours``.
-    """
+    Results are contiguous, shaped as ``artifact_shapes`` says, and may share memory with ``ours``."""
     shape = expr_shape(expr, artifact_shapes)
     if tuple(ours.shape) != shape:
         raise ValueError(f"tensor of shape {tuple(ours.shape)} does not fit {expr_keys(expr)} of shape {shape}")

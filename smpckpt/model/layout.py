@@ -20,8 +20,7 @@ without fetching ``.metadata``), and every reader parses it here and nowhere els
 
 Versions: 1 is the current record. Checkpoints written by smpckpt 0.1.0's ``save_checkpoint`` kept
 ``layout``/``specs``/``rank_local`` loose in the manifest's ``extra``; :meth:`LayoutRecord.from_manifest`
-still reads those.
-"""
+still reads those."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ class ParallelLayout:
         pp: pipeline-parallel degree (number of stages).
         dp: data-parallel degree (replicas of each model shard).
         pp_layers: layers held by each stage, one count per stage (the partition decision). ``None``
-            means the layout records no partition and keys are not renamed by stage.
-    """
+            means the layout records no partition and keys are not renamed by stage."""
 
     tp: int = 1
     pp: int = 1
@@ -91,8 +89,7 @@ class ParallelLayout:
         """Raise :class:`SpecError` unless ``world_size`` ranks (as ``where`` counts them) fit this layout.
 
         The one place a world size is compared with a layout: the API, both planners' rank
-        resolution and the save planner's global plan all call it.
-        """
+        resolution and the save planner's global plan all call it."""
         if world_size != self.world_size:
             raise SpecError(f"{where} has {world_size} ranks but the layout {self} describes {self.world_size}")
 
@@ -159,8 +156,7 @@ class ParallelLayout:
         """Build a layout from a named ``DeviceMesh``; absent dimension names count as degree 1.
 
         The mesh's global rank order must match ours (TP fastest, then DP, then PP); a mesh laid out
-        differently is refused rather than silently mislabelled.
-        """
+        differently is refused rather than silently mislabelled."""
         names = tuple(mesh.mesh_dim_names or ())
         known = {tp_dim, dp_dim, pp_dim}
         extra = [n for n in names if n not in known]
@@ -359,8 +355,7 @@ class KeyMapper:
         """Flatten path for ``global_key``: the elements both keys share, then the renamed rest.
 
         DCP records ``key -> path`` so tools can re-nest a flat checkpoint (``dcp_to_torch_save``).
-        A renamed key keeps its unchanged leading path elements and holds the rest as one string.
-        """
+        A renamed key keeps its unchanged leading path elements and holds the rest as one string."""
         if global_key == local_key:
             return local_path
         prefix: list[object] = []
@@ -394,8 +389,7 @@ class LayoutRecord:
     """The partition a checkpoint was saved under.
 
     ``specs`` are the spec rules as JSON records (``SpecRules.to_records()``): kept as data, since
-    a reader needs them for display and comparison, not to shard anything.
-    """
+    a reader needs them for display and comparison, not to shard anything."""
 
     layout: ParallelLayout
     specs: tuple[Mapping[str, Any], ...] = ()

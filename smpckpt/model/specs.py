@@ -4,8 +4,7 @@ A :class:`ShardSpec` says which dimension of the (optionally viewed) local tenso
 which parallel axis, and how big each rank's piece is. Specs are attached to keys by glob rules
 (:class:`SpecRules`), matched against the flattened key as DCP flattens a state dict
 (``model.layers.3.qkv.weight``). The first matching rule wins, in the mapping's insertion order.
-Optimizer state (``optim.state.<param>.exp_avg`` ...) inherits the spec of ``<param>``.
-"""
+Optimizer state (``optim.state.<param>.exp_avg`` ...) inherits the spec of ``<param>``."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class ShardSpec:
             checkpoint stores the tensor under its global *view* shape (``[3, h, d]``), so q, k and v
             rows reshard correctly under any TP degree. One ``-1`` is allowed.
         sizes: every rank's extent along ``dim`` in the current layout, one entry per rank of
-            ``axis`` (uneven splits, vocabulary padding). ``None`` means an even split.
-    """
+            ``axis`` (uneven splits, vocabulary padding). ``None`` means an even split."""
 
     dim: int
     axis: str = "tp"
@@ -116,8 +114,7 @@ class SpecRules:
             ``smpckpt.hf.<family>.tp_specs`` returns them -- then matches the stored key
             ``model.transformer.h.0.attn.qkv.weight`` too. Each rule tries the key as given, then under
             each name, before the next rule is tried; so "first match wins" keeps its meaning.
-            :func:`smpckpt.save_checkpoint` and :func:`smpckpt.resume_from_checkpoint` pass ``("model",)``.
-    """
+            :func:`smpckpt.save_checkpoint` and :func:`smpckpt.resume_from_checkpoint` pass ``("model",)``."""
 
     def __init__(self, rules: Mapping[str, SpecLike] | None = None, *, also_under: Sequence[str] = ()) -> None:
         self._rules: list[tuple[str, re.Pattern[str], tuple[ShardSpec, ...]]] = []
@@ -175,8 +172,7 @@ class SpecRules:
         Returns ``(specs, inherited_from)``: ``inherited_from`` is the parameter key whose spec an
         optimizer-state key inherited, else ``None``. ``prefixes`` are the top-level names under
         which parameters live in the same state dict (``"model"``), tried in front of the parameter
-        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``).
-        """
+        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``)."""
         prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
         cache_key = (key, prefixes)
         found = self._cache.get(cache_key, _UNKNOWN)
@@ -280,8 +276,7 @@ def shard_geometry(
     """Global shape and offsets of this rank's local tensor under ``specs``.
 
     Specs are given outermost first; they are applied innermost first, each growing the extent along
-    its dim from this rank's piece to the piece of the enclosing level.
-    """
+    its dim from this rank's piece to the piece of the enclosing level."""
     specs = _as_tuple(tuple(specs))
     shape = torch.Size(local_shape)
     view = next((s.view for s in specs if s.view is not None), None)

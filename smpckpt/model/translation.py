@@ -8,8 +8,7 @@ Each of our tensors is an :data:`Expr` over artifact tensors, evaluated lazily b
 that algebra is :mod:`smpckpt.model._translation_algebra`'s, re-exported here. This module holds the
 rules: a :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
 (``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way;
-and :func:`check_translates`, whether a translation fits the tensors it is given.
-"""
+and :func:`check_translates`, whether a translation fits the tensors it is given."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ class Rule:
             ValueError for shapes it cannot take.
         fused: ``n`` when ours is ``n`` tensors fused along a new dim 0 that an unsharded model holds
             merged with the next (``[3, d, d]`` stored, ``[3d, d]`` in an ``nn.Linear``): saving then
-            also takes our tensor in that merged shape (a TP=1 model saved without specs); ``0``: not.
-    """
+            also takes our tensor in that merged shape (a TP=1 model saved without specs); ``0``: not."""
 
     ours: str
     artifact: tuple[str, ...]
@@ -178,8 +176,7 @@ class Translation:
             it. Whether a model ties is its config's ``tie_word_embeddings``.
         architecture: the transformers class whose state dict the artifact side is
             (``"GPT2LMHeadModel"``), written into ``config.json``'s ``architectures`` when the config
-            given has none.
-    """
+            given has none."""
 
     def __init__(
         self,
@@ -252,8 +249,7 @@ class Translation:
         """For saving: our key -> Expr over artifact keys, and every artifact key's shape.
 
         Raises ValueError when a shape does not fit its rule or two of our keys would write one
-        artifact key.
-        """
+        artifact key."""
         shapes = {k: tuple(int(s) for s in v) for k, v in our_shapes.items()}
         exprs: dict[str, Expr] = {}
         artifact_shapes: dict[str, Shape] = {}
@@ -305,8 +301,7 @@ class Translation:
         """For loading: our key -> (Expr, our global shape), covering every artifact key but ignored ones.
 
         Raises ValueError when a fused tensor's parts are missing or disagree in shape, or two
-        translated keys collide.
-        """
+        translated keys collide."""
         shapes = {k: tuple(int(s) for s in v) for k, v in artifact_shapes.items()}
         groups: dict[tuple[int, tuple[tuple[str, str], ...], str], str] = {}  # -> the artifact key that found it
         for key in shapes:

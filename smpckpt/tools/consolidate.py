@@ -8,8 +8,7 @@ memory stays about twice the largest tensor (the tensor, plus one contiguous box
 transposes or a cast converts it), whatever the model size. A tqdm bar shows bytes done.
 
 The output is the same as an online full save: ``model.safetensors`` (or shards + index),
-``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt``, the commit manifest.
-"""
+``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt``, the commit manifest."""
 
 from __future__ import annotations
 
@@ -157,8 +156,7 @@ def consolidate_checkpoint(
     instead of safetensors ones. ``max_shard_size`` and the other artifact options are those of
     :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given. ``sync_files`` (default on): fsync every local file written and
-    its folder before the commit, as a save does.
-    """
+    its folder before the commit, as a save does."""
     # the arguments first (a translation and a config of different families, a bad size), before any read
     FullOptions(max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format)
     src = resolve_checkpoint_url(os.fspath(src), storage_options or {})

@@ -11,8 +11,7 @@ group, and writes:
   ``FileSystemReader`` or ``checkpoint_id=``) and ``dcp_to_torch_save`` read with nothing installed.
 
 Viewed tensors are written in their original shape (recorded at save time) unless ``keep_view_shapes``.
-Memory: every tensor is held once, full-size (an offline tool; use a machine that fits the model).
-"""
+Memory: every tensor is held once, full-size (an offline tool; use a machine that fits the model)."""
 
 from __future__ import annotations
 

@@ -242,24 +242,21 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
         dedup_tied: write a tensor held under several keys (tied parameters: transformers ties
-            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint
-            records the others (:attr:`~smpckpt.model.layout.LayoutRecord.tied`), our storage writer lists
-            them in ``.metadata`` over the same bytes (stock readers load both keys), and our load
-            planner fills a destination that holds them apart. ``False`` writes each key's bytes.
+            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint records
+            the others (:attr:`~smpckpt.model.layout.LayoutRecord.tied`), listed in ``.metadata`` over the
+            same bytes (stock readers load both keys). ``False`` writes each key's bytes.
         verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, a global
-            key two stages hold, and a DTensor's replicated pieces) must hold the same values: each rank sends a 4-byte digest of a sample
-            of every tensor, and the coordinator fails the save naming the keys and ranks that differ
-            (a TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for
-            replicas meant to differ. See :mod:`smpckpt.planners._replica_values`.
+            key two stages hold, a DTensor's replicated pieces) must hold the same values, compared by a
+            digest of a sample: the coordinator fails the save naming the keys and ranks that differ (a
+            TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for replicas
+            meant to differ. See :mod:`smpckpt.planners._replica_values`.
         cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
 
             * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
-              the global plan and metadata it built before (less gathered, no global planning). Every
-              rank must then reuse its planner alike.
-            * ``"local"``: a rank reuses only its own local plan -- a pure function of its state's
-              structure, its rank and the layout -- and sends it in full; the coordinator plans afresh
-              at every save. Nothing cached crosses ranks, so any mix of reused and fresh planners is
-              correct, and object values (user content, RNG states) may change without a re-plan.
+              the global plan and metadata it built before. Every rank must reuse its planner alike.
+            * ``"local"``: a rank reuses only its own local plan and sends it in full; the coordinator
+              plans afresh at every save. Any mix of reused and fresh planners is then correct, and
+              object values (user content, RNG states) may change without a re-plan.
 
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).

@@ -86,10 +86,8 @@ class ParallelLayout:
         return self.tp * self.pp * self.dp
 
     def check_world_size(self, world_size: int, where: str) -> None:
-        """Raise :class:`SpecError` unless ``world_size`` ranks (as ``where`` counts them) fit this layout.
-
-        The one place a world size is compared with a layout: the API, both planners' rank
-        resolution and the save planner's global plan all call it."""
+        """Raise :class:`SpecError` unless ``world_size`` ranks (as ``where`` counts them) fit this layout
+        (the one place a world size is compared with a layout)."""
         if world_size != self.world_size:
             raise SpecError(f"{where} has {world_size} ranks but the layout {self} describes {self.world_size}")
 
@@ -153,10 +151,8 @@ class ParallelLayout:
         pp_dim: str = "pp",
         pp_layers: Sequence[int] | None = None,
     ) -> ParallelLayout:
-        """Build a layout from a named ``DeviceMesh``; absent dimension names count as degree 1.
-
-        The mesh's global rank order must match ours (TP fastest, then DP, then PP); a mesh laid out
-        differently is refused rather than silently mislabelled."""
+        """Build a layout from a named ``DeviceMesh``; absent dimension names count as degree 1. A mesh
+        whose rank order is not ours (TP fastest, then DP, then PP) is refused, not mislabelled."""
         names = tuple(mesh.mesh_dim_names or ())
         known = {tp_dim, dp_dim, pp_dim}
         extra = [n for n in names if n not in known]
@@ -269,8 +265,7 @@ class KeyMapper:
                 raise SpecError(f"name_map returned {mapped!r} for key {key!r}; it must return a non-empty str")
             return mapped
         # only the first `layers.<i>` segment is the stage's layer: a `layers` list inside a layer
-        # (`layers.0.inner.layers.1.w`) keeps its own numbers (shifting those too stored them under
-        # another inner layer's name)
+        # (`layers.0.inner.layers.1.w`) keeps its own numbers
         return _LAYER.sub(self._shift, key, count=1)
 
     def renumbers(self, local_key: str) -> bool:
@@ -352,10 +347,8 @@ class KeyMapper:
         return {int(m.group(1)) for k in keys if (m := _LAYER.search(k)) is not None}
 
     def global_path(self, local_path: tuple[object, ...], local_key: str, global_key: str) -> tuple[object, ...]:
-        """Flatten path for ``global_key``: the elements both keys share, then the renamed rest.
-
-        DCP records ``key -> path`` so tools can re-nest a flat checkpoint (``dcp_to_torch_save``).
-        A renamed key keeps its unchanged leading path elements and holds the rest as one string."""
+        """Flatten path for ``global_key`` (DCP records ``key -> path`` so tools can re-nest a flat
+        checkpoint): the leading elements both keys share, then the renamed rest as one string."""
         if global_key == local_key:
             return local_path
         prefix: list[object] = []
@@ -386,10 +379,8 @@ MERGED_KEY = "__smpckpt_merged__"
 
 @dataclasses.dataclass(frozen=True)
 class LayoutRecord:
-    """The partition a checkpoint was saved under.
-
-    ``specs`` are the spec rules as JSON records (``SpecRules.to_records()``): kept as data, since
-    a reader needs them for display and comparison, not to shard anything."""
+    """The partition a checkpoint was saved under; ``specs`` are the spec rules as JSON records
+    (``SpecRules.to_records()``), kept as data for display and comparison."""
 
     layout: ParallelLayout
     specs: tuple[Mapping[str, Any], ...] = ()

@@ -273,10 +273,8 @@ def shard_geometry(
     coords: RankCoords,
     degrees: Mapping[str, int],
 ) -> ShardGeometry:
-    """Global shape and offsets of this rank's local tensor under ``specs``.
-
-    Specs are given outermost first; they are applied innermost first, each growing the extent along
-    its dim from this rank's piece to the piece of the enclosing level."""
+    """Global shape and offsets of this rank's local tensor under ``specs`` (given outermost first,
+    applied innermost first, each growing the extent along its dim to the enclosing level's piece)."""
     specs = _as_tuple(tuple(specs))
     shape = torch.Size(local_shape)
     view = next((s.view for s in specs if s.view is not None), None)

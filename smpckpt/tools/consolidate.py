@@ -1,14 +1,10 @@
 """Offline consolidation: a committed partial checkpoint -> the full artifact ``partial=False`` writes.
 
 :func:`consolidate_checkpoint` (``smpckpt consolidate SRC OUT``) runs in one CPU process with no
-process group. It drives the full-mode storage writer as ``dcp.save`` would for a one-rank world whose
-every tensor is one whole chunk, and fetches each tensor from the partial checkpoint only when the
-writer asks for it -- one tensor at a time, every saved shard read with its checksums verified -- so
-memory stays about twice the largest tensor (the tensor, plus one contiguous box while a translation
-transposes or a cast converts it), whatever the model size. A tqdm bar shows bytes done.
-
-The output is the same as an online full save: ``model.safetensors`` (or shards + index),
-``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt``, the commit manifest."""
+process group, and writes what an online full save writes. It drives the full-mode storage writer as
+``dcp.save`` would for a one-rank world whose every tensor is one whole chunk, fetching each tensor
+(its shards' checksums verified) only when the writer asks for it, so memory stays about twice the
+largest tensor whatever the model size. A tqdm bar shows bytes done."""
 
 from __future__ import annotations
 

@@ -490,20 +490,7 @@ class TiedLoads:
 
     def scratch(self, entry: Entry) -> Entry:
         """The entry of a compared key, reading into a scratch tensor of its shape instead."""
-        return Entry(
-            entry.local_key,
-            entry.key,
-            entry.path,
-            entry.kind,
-            torch.empty_like(entry.value),
-            entry.chunk,
-            entry.global_shape,
-            entry.sharded_axes,
-            entry.specs,
-            entry.rank_local,
-            entry.dtensor,
-            entry.original_global_shape,
-        )
+        return dataclasses.replace(entry, value=torch.empty_like(entry.value))
 
     def count(self, items: list[ReadItem]) -> None:
         """(after the local plan) The elements each compared key and its loaded key wait for."""

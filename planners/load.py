@@ -290,10 +290,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
         safetensors file, loaded into a ``ShardSpec(view=[3, h/tp, d])`` layout) is the same row-major
         bytes: its metadata is replaced by the layout's shape (returned). Only where the reader says its
-        tensors are whole and reshapable (full artifacts, Hugging Face folders), and only when the shape
-        is not a guess: the destination's view comes from a spec, or the destination has the shape the
-        tensor had before the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a
-        plain ``[3h, d]`` model). Any other same-size shape (a transpose, say) stays a mismatch."""
+        tensors are whole and reshapable (full artifacts, HF folders), and only when the shape is not a
+        guess: a spec's view, or the shape the tensor had before the view it was saved under. Any other
+        same-size shape (a transpose, say) stays a mismatch."""
         shape = tuple(entry.global_shape or ())
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
         # Under a spec's view the stored tensor must have the model's own shape before that view (its

@@ -29,18 +29,14 @@ embeddings, every LayerNorm,
 The unsharded model's QKV ``[3d, d]`` is ``cat([query, key, value])``. A vocabulary that does not divide
 by ``tp`` (BERT's 30522 does, RoBERTa's 50265 does not) is split near-evenly, the MLM bias with it.
 
-Not translated (documented behaviour of the eager helpers):
+Not translated (see :mod:`smpckpt.hf`):
 
-* ``cls.predictions.decoder.weight`` is tied to ``bert.embeddings.word_embeddings.weight`` and
-  ``cls.predictions.decoder.bias`` to ``cls.predictions.bias`` (``tie_word_embeddings``; the decoder
-  keys are in ``model.state_dict()``, sharing memory, but not in ``save_pretrained``'s files): dropped on
-  import when they are their target (same memory or equal values), produced on export only with
-  ``tie_word_embeddings=True``. An untied decoder that differs is kept under its HF key (vocab-parallel).
-  Transformers unties both when ``tie_word_embeddings=False``; the model then reads the decoder's own
-  bias and ``cls.predictions.bias`` is unused (it is still kept and translated).
-* ``embeddings.position_ids`` / ``embeddings.token_type_ids`` (buffers older transformers versions wrote
-  into state dicts) are not weights: dropped on import. The smp alias :func:`translate_state_dict_to_hf_bert`
-  can write ``position_ids`` back (``max_seq_len``) for code that expects it.
+* the tied heads: ``cls.predictions.decoder.weight`` (tied to ``bert.embeddings.word_embeddings.weight``)
+  and ``cls.predictions.decoder.bias`` (tied to ``cls.predictions.bias``), in ``model.state_dict()`` but
+  not in ``save_pretrained``'s files. Untied (``tie_word_embeddings=False``) the model reads the
+  decoder's own bias, and ``cls.predictions.bias``, unused, is still kept and translated;
+* the buffers ``embeddings.position_ids`` / ``embeddings.token_type_ids``
+  (:func:`translate_state_dict_to_hf_bert` can write ``position_ids`` back);
 * Cross-attention (``crossattention.*`` of a decoder BERT with ``add_cross_attention``) keeps HF's
   separate query/key/value keys (its keys and values read the encoder's states, so they do not fuse with
   the query) and is replicated."""

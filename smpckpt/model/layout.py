@@ -290,10 +290,9 @@ class KeyMapper:
 
     def layers_missing(self) -> tuple[int, ...]:
         """(after mapping one rank's whole state dict) The stage's local layer numbers, by its partition, that
-        no key named: a layer without state (an activation in a ``layers`` list), or a partition that does
-        not match the model (two layers held under ``pp_layers=(3, 2)``). Only the checkpoint can tell
-        which (:meth:`ParallelLoadPlanner.set_up_planner`). Empty without a partition, under a name map
-        (which replaces the rule), or when no key names a layer at all (a subset of the state)."""
+        no key named: a layer without state, or a partition that does not match the model (only the
+        checkpoint can tell which). Empty without a partition, under a name map, or when no key names a
+        layer at all (a subset of the state)."""
         if self._count is None or self.name_map is not None or not self._layers_seen:
             return ()
         return tuple(sorted(set(range(self._count)) - self._layers_seen))

@@ -8,6 +8,7 @@ largest tensor whatever the model size. A tqdm bar shows bytes done."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -154,7 +155,9 @@ def consolidate_checkpoint(
     ``out_storage_options`` are given. ``sync_files`` (default on): fsync every local file written and
     its folder before the commit, as a save does."""
     # the arguments first (a translation and a config of different families, a bad size), before any read
-    FullOptions(max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format)
+    opts = FullOptions(
+        max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format
+    )
     src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()
@@ -169,14 +172,7 @@ def consolidate_checkpoint(
         if include_optimizer:
             raise ValueError(f"{src}: include_optimizer needs a checkpoint written by smpckpt.save_checkpoint")
         artifacts = {"": "model"}
-    opts = FullOptions(
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        artifacts=artifacts,
-        translation=translation,
-        hf_config=hf_config,
-        format=format,
-    )
+    opts = dataclasses.replace(opts, artifacts=artifacts)
     record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
     # As the online full save (and save_pretrained): a key the checkpoint stores tied to another (one
     # tensor under two names, written once) stays out of the artifact unless the config unties them;

@@ -43,14 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import SpecError

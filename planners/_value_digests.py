@@ -42,26 +42,12 @@ _S29 = np.uint64(29)
 #: fast path reads from raw addresses: a packed or quantized dtype (``quint4x2`` keeps two elements per
 #: byte) would be read past its storage's end (the slow path's ``torch.take`` checks bounds)
 _WHOLE_BYTES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
-        *(
-            getattr(torch, n)
-            for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-            if hasattr(torch, n)
-        ),
-    }
+    getattr(torch, name)
+    for name in (
+        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 complex64 complex128 uint16 uint32 "
+        "uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+    ).split()
+    if hasattr(torch, name)  # the unsigned and float8 ones are missing from older torch versions
 )
 
 

@@ -5,11 +5,9 @@ Owners: every rank of a pipeline stage runs the same greedy assignment over its 
 the ranks agree on one owner per tensor without exchanging anything and each local plan carries only
 what it writes. A replica group (:func:`replica_range`) is, by the axes a tensor is split over: nothing,
 the whole stage; ``tp``, the DP ranks of one TP coordinate; ``dp``, the TP ranks of one DP coordinate;
-both, the rank alone. The stage-wide tensors are balanced first, then each smaller group's starting
-from those loads, so a rank never needs sizes outside its own groups. The rule: tensors in descending
-``(bytes, then key ascending)`` order each go to the group member with the least bytes so far, the
-lowest rank among equals, in O(n log n) for n tensors whatever the group's size (a group is a
-``range``; only members already holding something are kept in a heap).
+both, the rank alone. The stage-wide tensors are balanced first, then each smaller group's from those
+loads (a rank never needs sizes outside its own groups): largest first, each to the member with the
+least bytes so far (:func:`_lpt`), in O(n log n) for n tensors whatever the group's size.
 
 Values: only one replica of a tensor is written (its owner's), so a rank whose "replica" differs
 loses its values silently. Two mistakes produce exactly that, and no check of keys, dtypes or shapes
@@ -516,9 +514,9 @@ _NBYTES = operator.itemgetter(1)
 
 
 def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]) -> dict[str, int]:
-    """Greedy largest-first: each item to the member with the least load, the lowest rank among equals
-    (``min(members, key=lambda r: (loads.get(r, 0), r))`` per item). Members holding nothing are one
-    cursor over ``members`` (the lowest wins); loaded ones a heap of ``(load, rank)``. ``loads`` is
+    """Greedy largest-first (by bytes, then key): each item to the member with the least load, the lowest
+    rank among equals (``min(members, key=lambda r: (loads.get(r, 0), r))`` per item). Members holding
+    nothing are one cursor over ``members``; loaded ones a heap of ``(load, rank)``. ``loads`` is
     updated in place."""
     owners: dict[str, int] = {}
     if len(members) == 1:  # a group of one (e.g. TP-split tensors at DP=1): no choice, no sort

@@ -71,14 +71,10 @@ def _qkv_rules(base: str) -> tuple[Rule, ...]:
 
 
 def make_translation(name: str, architecture: str, base: str, head: str) -> Translation:
-    """The BERT-family translation: fused q/k/v under the head models' ``base`` and in the bare model.
-
-    Args:
-        name: HF ``config.model_type``.
-        architecture: the transformers class of the artifact side.
-        base: the head models' prefix of the encoder (``"bert."``).
-        head: the MLM head's prefix (``"cls.predictions."``), whose decoder weight and bias transformers
-            ties to the word embeddings and to ``<head>bias``."""
+    """The BERT-family translation ``name`` (HF ``config.model_type``) of the transformers class
+    ``architecture``: fused q/k/v under the head models' ``base`` (``"bert."``) and in the bare model; the
+    MLM ``head`` (``"cls.predictions."``)'s decoder weight and bias tied to the word embeddings and to
+    ``<head>bias``."""
     return Translation(
         name,
         rules=_qkv_rules(base) + _qkv_rules(""),

@@ -299,17 +299,12 @@ class KeyMapper:
 
     def check_model_layers(self, model_names: Iterable[str], state_names: Iterable[str]) -> None:
         """(every rank, before a save or resume through the API) The stage's ``layers`` lists against its
-        partition, from the model's module and parameter names (``model_names``; wrapper segments such as
-        ``_checkpoint_wrapped_module`` dropped, as the state dict drops them) and the names its state is
-        saved under (``state_names``: a list none of whose entries holds state renames nothing).
-
-        State keys cannot tell a wrong ``pp_layers`` (``(3, 2)`` for stages of two layers each stores
-        layers 0, 1, 3, 4: a later load under the right one gives stage 1 another layer) from layers
-        without state (an activation in the list); a list counts both. The rule renumbers every list:
-        past the first stage, each must hold the stage's count exactly (a head's own ``head.layers`` is
-        shifted too, and another partition would read it an entry off: a name_map is the way); at offset 0
-        nothing is shifted, so one list holding the count is enough (a vision tower's ``layers`` beside the
-        text layers)."""
+        partition, from the model's module and parameter names (``model_names``, wrapper segments dropped
+        as the state dict drops them) and the names its state is saved under (``state_names``). State
+        keys cannot tell a wrong ``pp_layers`` from layers without state (an activation); a list counts
+        both. Past the first stage every list holding state must hold the stage's count exactly (the rule
+        shifts them all); at offset 0 nothing is shifted, so one such list is enough (a vision tower's
+        ``layers`` beside the text layers)."""
         if self._count is None or self.name_map is not None:
             return
         held: dict[str, set[int]] = {}

@@ -169,11 +169,9 @@ class Translation:
         ignore: artifact key templates that are not state (non-persistent buffers some exporters
             wrote); :meth:`from_artifact` and the eager import skip them.
         tied: head key -> the key it is tied to (``{"lm_head.weight": "transformer.wte.weight"}``):
-            one tensor under two names, as transformers ties output embeddings to input ones. Neither
-            key may be one a rule rewrites, so each names the same tensor on both sides. A file that
-            leaves the head out (what ``save_pretrained`` writes) still gives a model that holds the
-            head separately its values (:meth:`missing_ties`); the eager helpers drop and add heads by
-            it. Whether a model ties is its config's ``tie_word_embeddings``.
+            one tensor under two names, neither rewritten by a rule. A file that leaves the head out (as
+            ``save_pretrained`` writes) still gives a model holding the head apart its values
+            (:meth:`missing_ties`); the eager helpers drop and add heads by it.
         architecture: the transformers class whose state dict the artifact side is
             (``"GPT2LMHeadModel"``), written into ``config.json``'s ``architectures`` when the config
             given has none."""

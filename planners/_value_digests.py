@@ -253,9 +253,8 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
 
 
 #: IEEE floating dtypes (complex ones by part) canonicalised on their bits by numpy: (unsigned word
-#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes). One vectorised
-#: integer pass on one thread: ``torch.where`` on the samples of thousands of tensors runs on torch's
-#: intra-op threads, and on a busy machine waiting for them cost more than the whole digest pass
+#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes): one integer pass
+#: on one thread (see the module docstring)
 _FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
     {
         torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),

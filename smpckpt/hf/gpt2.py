@@ -106,8 +106,7 @@ def translate_state_dict_to_hf_gpt2(
     return out
 
 
-#: smp v1's import: :func:`translate_hf_state_dict_to_smpckpt` (its defaults: model shapes; a head equal
-#: to the embedding dropped; mask buffers dropped).
+#: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).
 translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smpckpt
 
 

@@ -147,11 +147,11 @@ def consolidate_checkpoint(
     ``<key>.pt`` for each of the model's non-tensor values (a module's extra_state) and, with
     ``include_optimizer``, each non-tensor per-parameter optimizer value (an int ``step``), as the online
     full save; RNG states and the optimizer's hyper-parameters are left out. Other DCP checkpoints put
-    every tensor in ``model.safetensors`` under its
-    flattened key and every object in ``<key>.pt``. ``out`` must not hold a committed checkpoint.
-    ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
-    instead of safetensors ones. ``max_shard_size`` and the other artifact options are those of
-    :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
+    every tensor in ``model.safetensors`` under its flattened key and every object in ``<key>.pt``.
+    ``out`` must not hold a committed checkpoint. ``format="torch_save"`` writes ``torch.save`` files
+    (``pytorch_model.bin``, ``optimizer.bin``) instead of safetensors ones. ``max_shard_size`` and the
+    other artifact options are those of :class:`~smpckpt.storage.FullOptions` (with its defaults, as a
+    full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given. ``sync_files`` (default on): fsync every local file written and
     its folder before the commit, as a save does."""
     # the arguments first (a translation and a config of different families, a bad size), before any read

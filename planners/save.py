@@ -317,17 +317,14 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
         Every rank runs this at every save: its cost is O(own keys), whatever the world size."""
         object_digests = self._serialise_objects()
-        # each tensor's TensorProperties fields, read once: the signature compares them, the write items
-        # are built from them
-        props: dict[str, tuple[Any, ...]] = {}
-        # the signature only serves the plan cache; a planner built per save skips it. The local scope
-        # leaves object values out: they change the plan's object digests only (refreshed on a hit).
+        props: dict[str, tuple[Any, ...]] = {}  # TensorProperties fields, read once for signature and items
+        # the signature only serves the plan cache; the local scope leaves object values out (they change
+        # the plan's object digests only, refreshed on a hit)
         signature = None
         if self.enable_plan_caching:
             signature = structure_signature(self, None if self.cache_scope == "local" else object_digests, props)
         # plain tensors every rank of the stage must agree on (the replica digest's rows), and of them the
-        # replicas: those other ranks hold too (ownership and value checks). Sorted by key once: the
-        # replica digest's rows and the value check's key list are both in key order.
+        # replicas other ranks hold too (ownership and value checks); in key order, as both want them
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
         shared.sort(key=lambda e: e.key)
         tied = self.tied
@@ -384,12 +381,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     def _replica_values(
         self, replicas: list[Entry], shared: list[Entry]
     ) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
-        """The tensors whose values other ranks hold too (of ``replicas``, given in key order), their
-        split codes, and what this rank sends about their values (``planner_data`` fields; ``None``:
-        nothing to compare); ``shared``: every plain tensor other ranks agree on (for the pieces other
-        stages may hold, ``_replica_values.stage_values``).
-        Which tensors those are follows from the layout alone (``_replica_values.checked_codes``): a
-        rank of a one-rank stage digests none."""
+        """The tensors whose values other ranks hold too (of ``replicas``, in key order; by the layout
+        alone, ``checked_codes``), their split codes, and what this rank sends about their values
+        (``planner_data`` fields; ``None``: nothing to compare); ``shared``: every plain tensor other
+        ranks agree on (for the pieces other stages may hold, ``stage_values``)."""
         if not self.verify_replicas:
             return [], b"", {"values": None, "dtensor_values": None, "stage_values": None}
         wanted = checked_codes(self.layout)

@@ -104,17 +104,14 @@ class SpecRules:
     """Ordered glob rules mapping flattened keys to shard specs; first match wins.
 
     Patterns use :mod:`fnmatch` syntax (``*`` also crosses dots). A key under an optimizer-state
-    prefix (``optim.state.<param>.<name>``) that matches no rule itself inherits the spec of
-    ``<param>``.
+    prefix (``optim.state.<param>.<name>``) that matches no rule itself inherits ``<param>``'s spec.
 
     Args:
         rules: glob -> spec (or tuple of specs, outermost first), in the order they are tried.
-        also_under: top-level names (``("model",)``) under which every rule also matches: a rule
-            ``transformer.h.*.attn.qkv.weight`` -- written against the model's own parameter names, as
-            ``smpckpt.hf.<family>.tp_specs`` returns them -- then matches the stored key
-            ``model.transformer.h.0.attn.qkv.weight`` too. Each rule tries the key as given, then under
-            each name, before the next rule is tried; so "first match wins" keeps its meaning.
-            :func:`smpckpt.save_checkpoint` and :func:`smpckpt.resume_from_checkpoint` pass ``("model",)``."""
+        also_under: top-level names (``("model",)``, as :func:`smpckpt.save_checkpoint` and
+            :func:`smpckpt.resume_from_checkpoint` pass) under which every rule also matches, so rules
+            written against the model's own names (``tp_specs``) match ``model.<name>``; each rule tries
+            the key as given, then under each name, before the next rule is tried."""
 
     def __init__(self, rules: Mapping[str, SpecLike] | None = None, *, also_under: Sequence[str] = ()) -> None:
         self._rules: list[tuple[str, re.Pattern[str], tuple[ShardSpec, ...]]] = []

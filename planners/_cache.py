@@ -1,5 +1,6 @@
-"""The save planner's plan caches: what a :class:`~smpckpt.planners.ParallelSavePlanner` reuses across
-saves while its state's structure is unchanged, and the rules that keep reuse exact.
+"""The save planner's plan caches (what a :class:`~smpckpt.planners.ParallelSavePlanner` reuses across
+saves while its state's structure is unchanged, and the rules that keep reuse exact), and the compact
+form in which save and load plans cross ranks.
 
 Two scopes (``ParallelSavePlanner(cache_scope=...)``):
 
@@ -20,28 +21,15 @@ or reuses a rank's plan only when that rank names that generation, and else fail
 write metadata for a structure some rank no longer has. The cached metadata is a private deep copy:
 storage writers rewrite the one DCP hands them (full mode replaces its chunks and dtypes).
 
-Save and load plans that cross ranks as flat columns.
-
-DCP gathers every rank's local plan on the coordinator and scatters the global plans back, pickled,
-and unpickles them in its own code with Python's cyclic collector running. A plain pickle of a
-``WriteItem`` unpickles as ten tracked objects: each of its four dataclasses, and a ``__dict__`` for
-each, which pickle's ``BUILD`` step materialises. At 2,723 tensors per rank and 4 ranks the gather
-alone made ~70,000 on the coordinator, past the quarter of a torch process's long-lived objects that
-sets off a full collection: 0.12 s each, one or two inside every save's gather (benchmarks/RESULTS.md,
-"Plans across ranks").
-
-A :class:`CompactSavePlan` pickles its items as one flat list of their fields and unpickles as a
-plain :class:`~torch.distributed.checkpoint.planner.SavePlan` whose items are built by their
-constructors, with the collector paused: four objects per item, no ``__dict__``.
-:class:`CompactLoadPlan` does the same for ``dcp.load``'s ``ReadItem`` (14 tracked objects per item
-of a resharding load's plan before, 3-4 now). The receiver gets what a plain pickle would give,
-field for field; equal ``torch.Size`` values (offsets, shapes: a few distinct ones over thousands of
-items) and the shared ``TensorProperties`` arrive as one object each.
-
-``dataclasses.replace`` keeps the class, so a storage writer that replaces ``storage_data`` (ours,
-DCP's) keeps the plan compact. Should DCP's plan classes ever gain fields, :func:`compact` returns
-plans unchanged (a plain pickle, as before) rather than drop a field.
-"""
+Compact plans: DCP unpickles the gathered and scattered plans with the cyclic collector running, and a
+plain ``WriteItem`` unpickles as ten tracked objects (its dataclasses and their ``__dict__``): enough,
+at a few thousand tensors per rank, to set off full collections inside every save's gather
+(benchmarks/RESULTS.md, "Plans across ranks"). :class:`CompactSavePlan` / :class:`CompactLoadPlan`
+pickle their items as flat columns and unpickle, with the collector paused, as the plain DCP plans a
+plain pickle would give, field for field, built by their constructors; equal ``torch.Size`` values and
+the shared ``TensorProperties`` arrive as one object each. ``dataclasses.replace`` keeps the class (a
+storage writer replacing ``storage_data`` keeps the plan compact); should DCP's plan classes gain
+fields, :func:`compact` returns plans unchanged rather than drop one."""
 
 from __future__ import annotations
 
@@ -55,14 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import SpecError
@@ -152,10 +133,8 @@ def _flatten(items: list[WriteItem]) -> list[Any]:
 
 
 def _interner() -> Any:
-    """Maps each ``torch.Size`` to the first equal one seen, so equal offsets and shapes (a few
-    distinct values over thousands of items) travel once and arrive as one object. Anything else (a
-    plain tuple a custom planner put there, a list, None) passes as it is: equal is not enough, the
-    receiver must get the same type."""
+    """Maps each ``torch.Size`` to the first equal one seen, so equal offsets and shapes travel once
+    and arrive as one object; anything else passes as it is (the receiver must get the same type)."""
     seen: dict[Any, Any] = {}
 
     def one(value: Any) -> Any:
@@ -177,10 +156,9 @@ def _index(fqn: str, offset: Any, hint: int | None) -> MetadataIndex:
 def tensor_write_item(
     fqn: str, chunk: ChunkStorageMetadata, properties: Any, size: torch.Size, kind: WriteItemType
 ) -> WriteItem:
-    """A tensor's ``WriteItem``, equal field for field to what the constructors build, in about 2/3 of
-    their time (every rank builds one per tensor it writes at every fresh plan): fields by position,
-    and the index's offset the chunk's own (immutable) ``torch.Size``, which ``MetadataIndex``'s
-    constructor would copy. By keywords should DCP's classes change their fields."""
+    """A tensor's ``WriteItem``, equal field for field to what the constructors build but faster (one
+    per tensor per fresh plan): fields by position, the index's offset the chunk's own ``torch.Size``
+    (``MetadataIndex`` would copy it). By keywords should DCP's classes change their fields."""
     if not _SUPPORTED:
         data = TensorWriteData(chunk=chunk, properties=properties, size=size)
         return WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
@@ -192,9 +170,7 @@ def tensor_write_item(
 
 def hinted(item: WriteItem, hint: int) -> WriteItem:
     """``item`` with its index's hint ``hint`` (the chunk's position in the tensor's metadata), as
-    ``dataclasses.replace`` of the item and its index makes it, in a fifth of the time: the coordinator
-    rewrites every item of every rank at every fresh plan (246,000 items at 4,096 ranks: 3 s of
-    replaces)."""
+    ``dataclasses.replace`` makes it, faster: the coordinator rewrites every item of every rank."""
     if not _SUPPORTED:
         return dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
     index = item.index
@@ -265,18 +241,14 @@ GENERATION = "smpckpt_plan_generation"
 
 
 def _copy(metadata: Metadata) -> Metadata:
-    """A deep copy through pickle (Metadata must pickle anyway: the storage writes it so, and DCP
-    broadcasts it to every rank at the end of a save), 5x faster than ``copy.deepcopy`` (0.13 s for
-    the Metadata of 2,700 tensors, twice per save with global plan caching)."""
+    """A deep copy through pickle (Metadata must pickle anyway), much faster than ``copy.deepcopy``."""
     return cast(Metadata, pickle.loads(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)))
 
 
 def pinning_possible() -> bool:
-    """Whether a tensor of this process can be pinned at all: ``Tensor.is_pinned()`` answers False
-    without asking anything when torch has no accelerator (``at::getAccelerator()``, the call below;
-    ``Context::isPinnedPtr``), so without one the planners need not ask each tensor (~0.3 us a call
-    from Python, at every save, for every tensor). With one (CUDA, even with no device present) every
-    tensor is asked."""
+    """Whether a tensor of this process can be pinned at all: without an accelerator
+    (``at::getAccelerator()``) ``Tensor.is_pinned()`` answers False, so the planners need not ask each
+    tensor at every save. With one (CUDA, even with no device present) every tensor is asked."""
     get = getattr(torch._C, "_accelerator_getAccelerator", None)
     return get is None or get() is not None
 
@@ -336,8 +308,7 @@ class PlanCache:
 
     Call order, as the planner drives it: :meth:`begin_round` (set_up_planner) -> :meth:`hit` and
     :meth:`remember` (create_local_plan) -> on the coordinator :meth:`reuse_global` or
-    :meth:`substitute` then :meth:`stage_global` (create_global_plan) -> :meth:`finish` (finish_plan).
-    """
+    :meth:`substitute` then :meth:`stage_global` (create_global_plan) -> :meth:`finish` (finish_plan)."""
 
     def __init__(self, scope: str) -> None:
         self.scope = scope  # "global", "local", or "off" (caching disabled: nothing kept)

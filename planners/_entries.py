@@ -1,20 +1,8 @@
 """Resolve a state dict into entries: each flattened key's global name, kind and place in the global tensor.
 
-Shared by the save and the load planner, so both see a key, a spec and a layout the same way.
-
-Tied keys on load: one tensor under several keys (transformers ties ``lm_head.weight`` to the input
-embedding), in the destination, in the checkpoint, or both.
-
-* Keys tied in the destination are one tensor: it is loaded once, through the first key the checkpoint
-  holds (directly, or stored tied to another key); the others count as loaded.
-* A destination key the checkpoint stores tied to another (our record of the save, or a Hugging Face
-  folder that leaves the head out) is read from that key's bytes.
-* A checkpoint may hold the keys of one destination tensor *apart* (an untied model's files, a
-  pipeline's last stage's own head). A tied model holds one value, so they must be equal: the others
-  are read into scratch tensors and compared bit for bit with the key loaded once both are in, and a
-  difference fails the load naming both keys -- unless the caller says which to keep (``keep_tied``
-  globs): that key is loaded, the others are not read.
-"""
+Shared by the save and the load planner, so both see a key, a spec and a layout the same way; also
+the tied keys of both (:func:`tied_entries`, :class:`TiedLoads`: the rules are
+:class:`~smpckpt.planners.ParallelLoadPlanner`'s)."""
 
 from __future__ import annotations
 
@@ -45,17 +33,15 @@ Kind = Literal["tensor", "dtensor", "object"]
 
 
 class ObjectBytes(bytes):
-    """An object its owner already serialised (``torch.save`` bytes): the planners store these bytes
-    as they are and load them back as ``ObjectBytes``, unpickling nothing -- so an object crosses
-    the pickler once each way, and its owner decodes it (weights-only) where it knows what it holds.
-    The stored record is plain ``torch.save`` output: stock ``torch.load`` reads it directly."""
+    """An object its owner already serialised (``torch.save`` bytes), stored as it is and loaded back
+    as ``ObjectBytes`` unpickled (its owner decodes it, weights-only); stock ``torch.load`` reads it."""
 
 
 @dataclasses.dataclass(slots=True)
 class Entry:
-    """One flattened key of one rank's state dict. Treat it as read-only: not ``frozen`` only because a
-    frozen dataclass takes ~2 us more to build, and every rank builds one per key at every save (for
-    the same reason ``_EntryMaker.entry`` passes the fields by position: keep their order)."""
+    """One flattened key of one rank's state dict. Treat it as read-only: not ``frozen`` only because
+    that is slower to build, one per key at every save (``_EntryMaker.entry`` passes the fields by
+    position, for speed too: keep their order)."""
 
     local_key: str  #: key as this rank's state dict names it
     key: str  #: global key, as the checkpoint stores it
@@ -86,11 +72,10 @@ def compile_globs(patterns: Iterable[str]) -> re.Pattern[str] | None:
 
 def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``'s result -- the same keys,
-    values, paths and order, the same error on a duplicate key -- in about a third of its time (every
-    rank flattens its state dict at every save and load): one frame per mapping level, keys grown as
-    they go, tensors recognised first. Lists keep DCP's rule (traversed only when they hold tensors or
-    such containers); tuples and everything else are leaves. One difference: two keys of one mapping
-    with one name (``0`` and ``"0"``) are refused (:func:`_named_children`), where DCP merges them."""
+    values, paths and order, the same error on a duplicate key -- faster (every rank, every save and
+    load). Lists keep DCP's rule (traversed only when they hold tensors or such containers); tuples and
+    everything else are leaves. One difference: two keys of one mapping with one name (``0`` and
+    ``"0"``) are refused (:func:`_named_children`), where DCP merges them."""
     # DCP's loader switches its flattening to the pre-2.4 key scheme for a moment: follow it there
     if getattr(_dcp_version, "_derived_version", None) is not None:
         return flatten_state_dict(dict(state_dict))
@@ -155,11 +140,9 @@ def _dcp_is_terminal(value: Any) -> bool:
 
 
 def set_at_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
-    """Put a loaded object where ``flatten`` found its destination. DCP's paths hold ``str(key)``
-    (``{0: x}`` flattens to ``("0",)``), and DCP's ``set_element`` then writes a new key ``"0"``
-    beside the caller's ``0``, whose old value stays (an optimizer's ``state`` is keyed by ints): so
-    each mapping level takes the key that is there, the one whose ``str`` is the path's (unique: the
-    flattening refused two with one ``str``)."""
+    """Put a loaded object where ``flatten`` found its destination: at each mapping level the key that
+    is there whose ``str`` is the path's (DCP's ``set_element`` would add ``"0"`` beside an int ``0``,
+    as an optimizer's ``state`` holds them, leaving the old value)."""
     container = root
     for depth, part in enumerate(path):
         if isinstance(container, Mapping) and part not in container:
@@ -172,18 +155,12 @@ def set_at_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def tied_entries(entries: Mapping[str, Entry]) -> dict[str, str]:
     """Keys whose tensor is one held under an earlier key (tied parameters: transformers ties
-    ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order.
-
-    Tied means the same memory seen the same way -- device, address, shape, strides, dtype -- and the
-    same place in the same global tensor (specs can differ only by mistake; then both are kept). A
-    DTensor ties by its local tensor, under the same placements on the same mesh (a head tied to a
-    vocab-parallel embedding after ``parallelize_module``): its placements decide which rank writes it,
-    alike for both keys. Only tensors with real storage can be tied: every meta tensor (and every empty
-    one, and every ZeroTensor) reports address 0, so same-shaped ones would look like one tensor.
-    """
+    ``lm_head.weight`` to the input embedding): later key -> first key, in state-dict order. Tied means
+    the same memory seen the same way (device, address, shape, strides, dtype) at the same place of the
+    same global tensor; a DTensor ties by its local tensor under the same placements on the same mesh.
+    Only tensors with storage tie (meta, empty and Zero tensors all report address 0)."""
     # Tied tensors share an address: only entries whose address another entry has too (few or none)
-    # are compared in full, so the usual untied state pays one ``data_ptr()`` per tensor, not the
-    # device, shape and strides of each (2 us a tensor, a fifth of DCP's whole local plan).
+    # are compared in full; the usual untied state pays one ``data_ptr()`` per tensor.
     at: dict[int, Entry | list[Entry]] = {}
     for e in entries.values():
         if e.kind == "object" or e.rank_local or e.chunk is None:
@@ -259,9 +236,7 @@ class _EntryMaker:
             specs, inherited_from = matched
             if inherited_from is not None and not self._inherits(shape, inherited_from):
                 matched = None
-        # Entries are built with positional arguments, in field order (keywords cost ~0.2 us more per
-        # key): local_key, key, path, kind, value, chunk, global_shape, sharded_axes, specs, rank_local,
-        # dtensor, original_global_shape.
+        # Entries are built with positional arguments, in field order (faster than keywords)
         if matched is None:
             chunk = ChunkStorageMetadata(self._origin(len(shape)), shape)
             return Entry(local_key, key, path, "tensor", value, chunk, shape, _NOT_SPLIT, (), is_local)
@@ -283,12 +258,9 @@ class _EntryMaker:
         )
 
     def _inherits(self, shape: torch.Size, param_key: str) -> bool:
-        """Optimizer state (of local ``shape``) inherits its parameter's spec only when it has the
-        parameter's shape.
-
-        Scalars such as Adam's ``step`` stay replicated. When the parameter is in the same state dict
-        (as a plain tensor) its local shape must match; otherwise any tensor of rank >= 1 inherits.
-        """
+        """Optimizer state (of local ``shape``) inherits its parameter's spec only with the parameter's
+        local shape when the parameter is a plain tensor of this state dict; otherwise any tensor of
+        rank >= 1 does (scalars such as Adam's ``step`` stay replicated)."""
         if not shape:  # a scalar
             return False
         param = self.by_global.get(param_key)
@@ -409,11 +381,8 @@ def original_global_shape(
     """The global shape a viewed tensor has in its original form: each original dimension is a run of
     consecutive view dimensions (``[3h/tp, d]`` viewed as ``[3, h/tp, d]``: runs ``(3, h/tp)``, ``(d,)``),
     and merging the same runs of the global view gives it (``[3, h, d]`` -> ``[3h, d]``). ``None`` when
-    the view is not such a split (then only the view shape is known).
-
-    A view dimension of extent 1 could belong to either neighbour (``[3, d]`` viewed as ``[3, 1, d]``
-    when each rank holds one head): it joins the dimension before it, as the sharded part of a split
-    dimension does (``3h/tp`` = ``3 x h/tp``), unless the dimensions after it need it."""
+    the view is not such a split. A view dimension of extent 1 joins the dimension before it (as the
+    sharded part of a split dimension does), unless the dimensions after it need it."""
     bounds = _split_runs(tuple(local), tuple(view), 0, 0)
     if bounds is None:
         return None
@@ -448,11 +417,8 @@ def _dtensor_entry(local_key: str, key: str, path: tuple[Any, ...], value: DTens
 
 
 def dtensor_is_owner(entry: Entry) -> bool:
-    """Among the ranks holding the same DTensor shard (its Replicate mesh dims), is this one the writer?
-
-    The owner is spread over replicas by a stable hash of the key, so replicated DTensors do not all
-    land on one rank.
-    """
+    """Among the ranks holding the same DTensor shard (its Replicate mesh dims), is this one the writer
+    (chosen by a stable hash of the key, so replicated DTensors do not all land on one rank)?"""
     import zlib
 
     dt = entry.dtensor
@@ -524,20 +490,7 @@ class TiedLoads:
 
     def scratch(self, entry: Entry) -> Entry:
         """The entry of a compared key, reading into a scratch tensor of its shape instead."""
-        return Entry(
-            entry.local_key,
-            entry.key,
-            entry.path,
-            entry.kind,
-            torch.empty_like(entry.value),
-            entry.chunk,
-            entry.global_shape,
-            entry.sharded_axes,
-            entry.specs,
-            entry.rank_local,
-            entry.dtensor,
-            entry.original_global_shape,
-        )
+        return dataclasses.replace(entry, value=torch.empty_like(entry.value))
 
     def count(self, items: list[ReadItem]) -> None:
         """(after the local plan) The elements each compared key and its loaded key wait for."""

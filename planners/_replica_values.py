@@ -1,46 +1,43 @@
-"""Replicas checked by value: ranks that hold the same piece of a tensor must hold the same bytes.
+"""Replicas: who writes each (:func:`assign_owners`), and a check by value that ranks holding the same
+piece of a tensor hold the same bytes.
 
-Only one replica of a tensor is written (its owner's), so a rank whose "replica" differs loses its
-values silently. Two mistakes produce exactly that, and no check of keys, dtypes or shapes sees them:
+Owners: every rank of a pipeline stage runs the same greedy assignment over its replicated tensors, so
+the ranks agree on one owner per tensor without exchanging anything and each local plan carries only
+what it writes. A replica group (:func:`replica_range`) is, by the axes a tensor is split over: nothing,
+the whole stage; ``tp``, the DP ranks of one TP coordinate; ``dp``, the TP ranks of one DP coordinate;
+both, the rank alone. The stage-wide tensors are balanced first, then each smaller group's from those
+loads (a rank never needs sizes outside its own groups): largest first, each to the member with the
+least bytes so far (:func:`_lpt`), in O(n log n) for n tensors whatever the group's size.
+
+Values: only one replica of a tensor is written (its owner's), so a rank whose "replica" differs
+loses its values silently. Two mistakes produce exactly that, and no check of keys, dtypes or shapes
+sees them:
 
 * a TP shard whose spec was forgotten (or whose rule matches no key) looks replicated: every TP rank
   holds a same-shaped piece under one key, and one rank's piece is stored as the whole tensor;
 * two pipeline stages holding the same global key (a stage-local name the default ``layers.<i>``
   renaming does not reach): one stage's tensor is stored, the other's is gone.
 
-Every rank computes a 4-byte digest (:func:`~._value_digests.value_digests`: a fixed sample of
-:data:`SAMPLES` elements and the element count, compared as values) of each tensor other ranks hold
-too, in the key order the replica digest uses. Which tensors those are follows from the layout alone,
-by how a key is split (:func:`checked_codes`): a key replicated over the stage when the stage has more
-than one rank, a TP shard when dp > 1 (its DP replicas), a ZeRO shard when tp > 1; with pipeline
-stages every replicated key, since two stages may hold one global key. A rank of a single-rank stage
-computes nothing.
+Every rank digests (:func:`~._value_digests.value_digests`: a sample of :data:`SAMPLES` elements and
+the count, compared as values) each tensor other ranks hold too, which follows from the layout alone
+(:func:`checked_codes`); a rank of a single-rank stage computes nothing. A sample catches both mistakes,
+whose pieces differ nearly everywhere, not replicas that drifted apart in a few elements (the written
+bytes are checksummed either way).
 
-What crosses ranks stays small (:func:`rank_values`): every rank sends one 4-byte summary per split
-code (a digest of its digests), and per-key digests only where they name keys: the first two ranks of
-each group that holds one piece send theirs (:func:`detail_codes`), and the first rank of each stage
-(tp=0, dp=0) sends every one, with the keys and how each is split, for the check across stages. At
-4,096 ranks that is a few dozen per-key lists instead of 4,096. The coordinator compares summaries
-within each group and, where two differ, the per-key digests of the two ranks -- naming the keys when
-both sent theirs, else the ranks (:func:`check_replica_values`).
-
-A sample catches both mistakes, whose pieces differ nearly everywhere; it does not promise to see
-replicas that drifted apart in a few elements (the written bytes are checksummed either way).
-
-DTensors say by their placements which ranks hold the same piece, whatever the layout: each rank sends
-12 bytes per DTensor piece that other ranks may hold too (:func:`dtensor_values`: the piece's id and
-its value digest; a piece no placement replicates is left out) and the coordinator compares the ranks
-that sent the same piece.
-
-Keys split over DP are compared across pipeline stages the same way, by piece (``stage_values``; the
-save planner says which pieces), not through the stages' first ranks: a ZeRO-style piece is often empty
-on DP rank 0, and two stages may put one tied tensor's state on different DP ranks.
-"""
+What crosses ranks stays small (:func:`rank_values`): a 4-byte summary per split code, and per-key
+digests only from the first two ranks of each group holding one piece (:func:`detail_codes`) and from
+each stage's first rank (with the keys, for the check across stages). The coordinator compares
+summaries within each group and, where two differ, names the keys when both ranks sent theirs, else
+the ranks (:func:`check_replica_values`). DTensors (by their placements, :func:`dtensor_values`) and
+keys split over DP across pipeline stages (:func:`stage_values`) are compared by piece: 12 bytes per
+piece, grouped by the piece's id."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -57,6 +54,7 @@ from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
 __all__ += ["checked_codes", "detail_codes", "rank_values", "split_code", "stage_values"]
+__all__ += ["assign_owners", "replica_group", "replica_range"]
 
 #: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
 _SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
@@ -145,11 +143,9 @@ def piece_id(key: str, offsets: Sequence[int], sizes: Sequence[int]) -> int:
 def dtensor_values(pieces: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor]]) -> bytes:
     """What a rank sends for the DTensors it holds, given as (key, chunk offsets, chunk sizes, local
     tensor): per piece its :func:`piece_id` (8 bytes) then, after all of them, its value digest (4 bytes).
-
-    A DTensor says by its placements, not by the layout, which ranks hold the same piece (every
-    ``Replicate`` mesh dim, and every copy of a mesh that spans only part of the job, such as a TP mesh
-    per data-parallel group): the coordinator groups ranks by the piece itself, so any mesh and any mix
-    of ``Shard`` and ``Replicate`` is compared alike, without sending keys."""
+    A DTensor's placements, not the layout, say which ranks hold the same piece (a ``Replicate`` mesh
+    dim, each copy of a mesh spanning part of the job): the coordinator groups ranks by the piece itself,
+    so any mesh and any mix of ``Shard`` and ``Replicate`` is compared alike, without sending keys."""
     ids = np.fromiter((piece_id(k, o, s) for k, o, s, _ in pieces), dtype="<u8", count=len(pieces))
     return ids.tobytes() + value_digests([t for *_, t in pieces])
 
@@ -161,14 +157,11 @@ def stage_values(
     under the same global key: per piece its :func:`piece_id` and value digest, as :func:`dtensor_values`;
     ``None`` when there are none. ``shared``: the rank's plain tensor entries other ranks agree on.
 
-    Why by piece, from every holder: a key split over DP (ZeRO-style optimizer state) often has empty
-    pieces -- each tensor's state in one DP rank's range -- and two stages may legitimately place one
-    tied tensor's state on different DP ranks. Pieces are compared where two stages hold the same one
-    (the coordinator groups them by id, :func:`_stage_piece_problems`), so an empty piece compares
-    nothing and a moved one refuses nothing; comparing the stages' first ranks would miss the first and
-    refuse the second. Left out: empty pieces; a key split over DP alone on ranks other than TP rank 0
-    (its TP replicas hold the same piece, compared within the stage); a key the ``layers.<i>`` rule
-    renumbers (its global layer number is its stage's own: no other stage holds it)."""
+    By piece, from every holder: such a key's pieces are often empty (ZeRO-style state lies in one DP
+    rank's range), and two stages may place one tied tensor's state on different DP ranks, so comparing
+    the stages' first ranks would miss the one and refuse the other. Left out: empty pieces; a key split
+    over DP alone on ranks other than TP rank 0 (its TP replicas hold the same piece, compared within
+    the stage); a key the ``layers.<i>`` rule renumbers (no other stage holds it)."""
     if layout.pp == 1:
         return None
     coords = layout.coords(rank)
@@ -328,10 +321,7 @@ def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first
 def _differing_pieces(fresh: Sequence[Any], field: str) -> tuple[dict[int, tuple[int, int]], int]:
     """Ranks that sent the same piece (``planner_data[field]``, :func:`dtensor_values`' format) with
     different values: up to :data:`_SHOWN` piece ids -> (the first rank that sent it, a rank that differs),
-    and how many pieces differ in all.
-
-    One vectorised pass over every rank's pieces (sorted by piece id, each compared with the first of
-    its run), so nothing per piece crosses ranks but its 12 bytes."""
+    and how many pieces differ in all (one vectorised pass, sorted by piece id)."""
     ids_parts, value_parts, rank_parts = [], [], []
     for rank, plan in enumerate(fresh):
         raw = (plan.planner_data or {}).get(field)
@@ -420,12 +410,10 @@ def check_duplicate_writers(writers: dict[Any, list[int]], rank_local: Any) -> N
     rank-local key must be unique per rank).
 
     ``writers``: each chunk (``MetadataIndex``) several ranks plan, with their ranks (empty chunks of
-    uneven splits left out); ``rank_local`` the compiled ``rank_local`` globs (or ``None``).
-
-    Not refused here: a key split over DP that several pipeline stages hold under one global key. It is
-    what a tied embedding's optimizer state under a distributed optimizer looks like (legitimate, equal
-    values), and also what a stage-local key saved without a name map looks like (different values, one
-    stage's dropped): the value check tells them apart by piece (:func:`_stage_piece_problems`)."""
+    uneven splits left out); ``rank_local`` the compiled ``rank_local`` globs (or ``None``). Not refused
+    here: a key split over DP that several stages hold under one global key -- a tied embedding's
+    distributed optimizer state (equal values) or a stage-local key saved without a name map (not):
+    the value check tells them apart by piece (:func:`_stage_piece_problems`)."""
     if rank_local is None:
         return
     for index, ranks in writers.items():
@@ -478,13 +466,9 @@ def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None
 
 
 def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, str]:
-    """Constant-size digest of the tensors every rank of this stage must agree on.
-
-    Covers (key, dtype, global shape, split axes) of every non-rank-local plain tensor (``shared``), and
-    the key each tied one is the tensor of. Ranks of a stage whose digests differ would disagree on who
-    writes what -- silently losing data. Sorted by key, so ranks that built their state dicts in
-    another order still agree.
-    """
+    """Constant-size digest of (key, dtype, global shape, split axes) of every non-rank-local plain
+    tensor (``shared``) and of the ties, sorted by key: ranks of a stage whose digests differ would
+    disagree on who writes what, silently losing data."""
     rows = [(e.key, e.value.dtype, e.global_shape, e.sharded_axes) for e in shared]
     rows.sort()  # by key: keys are unique, so the other fields are never compared
     # one "key|dtype|shape|axes" line per tensor; the tail is shared by many keys, so format it once
@@ -499,3 +483,104 @@ def replica_digest(shared: list[Entry], tied: Mapping[str, str]) -> tuple[int, s
         if key in tied:
             parts.append(f"=|{tied[key]}\n")
     return len(rows), hashlib.sha1("".join(parts).encode()).hexdigest()
+
+
+# -- owners ---------------------------------------------------------------------------------------------
+
+
+def replica_range(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str]) -> range:
+    """Ranks holding the same piece as ``rank`` for a tensor split over ``sharded_axes``, ascending (the
+    rank order makes each group an arithmetic progression)."""
+    c = layout.coords(rank)
+    if "tp" in sharded_axes and "dp" in sharded_axes:
+        return range(rank, rank + 1)
+    if "tp" in sharded_axes:  # the DP ranks of this TP coordinate: stride tp
+        first = layout.rank_of(tp=c.tp, dp=0, pp=c.pp)
+        return range(first, first + layout.tp * layout.dp, layout.tp)
+    if "dp" in sharded_axes:  # the TP ranks of this DP coordinate: consecutive
+        first = layout.rank_of(tp=0, dp=c.dp, pp=c.pp)
+        return range(first, first + layout.tp)
+    first = layout.rank_of(tp=0, dp=0, pp=c.pp)  # the whole stage
+    return range(first, first + layout.tp * layout.dp)
+
+
+def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str]) -> list[int]:
+    """:func:`replica_range` as a list (for tools and tests; planning uses the range itself)."""
+    return list(replica_range(layout, rank, sharded_axes))
+
+
+_KEY = operator.itemgetter(0)
+_NBYTES = operator.itemgetter(1)
+
+
+def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]) -> dict[str, int]:
+    """Greedy largest-first (by bytes, then key): each item to the member with the least load, the lowest
+    rank among equals (``min(members, key=lambda r: (loads.get(r, 0), r))`` per item). Members holding
+    nothing are one cursor over ``members``; loaded ones a heap of ``(load, rank)``. ``loads`` is
+    updated in place."""
+    owners: dict[str, int] = {}
+    if len(members) == 1:  # a group of one (e.g. TP-split tensors at DP=1): no choice, no sort
+        only = members[0]
+        owners = dict.fromkeys((key for key, _ in items), only)
+        loads[only] = loads.get(only, 0) + sum(nbytes for _, nbytes in items)
+        return owners
+    # by bytes descending, then key ascending: two stable sorts on C-level keys (no tuple per item)
+    order = sorted(items, key=_KEY)
+    order.sort(key=_NBYTES, reverse=True)  # reverse keeps equal items in their (key) order
+    heap = [(load, r) for r, load in loads.items() if r in members]
+    if not heap and len(order) <= len(members) and all(nbytes > 0 for _, nbytes in order):
+        # A large group with nothing loaded yet (the usual case at scale): each tensor finds a member
+        # holding nothing (load 0) below every loaded one, so the i-th largest goes to the i-th member.
+        for (key, nbytes), owner in zip(order, members):
+            owners[key] = owner
+            loads[owner] = nbytes
+        return owners
+    heapq.heapify(heap)
+    loaded = {r for _, r in heap}
+    cursor = 0  # index into members of the lowest member with no load entry yet
+
+    for key, nbytes in order:
+        while cursor < len(members) and members[cursor] in loaded:
+            cursor += 1
+        fresh = members[cursor] if cursor < len(members) else None
+        if fresh is not None and not (heap and heap[0] < (0, fresh)):
+            owner = fresh
+            loaded.add(owner)
+            heapq.heappush(heap, (nbytes, owner))
+        else:  # no fresh member left means every member is loaded: the heap holds them all
+            load, owner = heap[0]
+            heapq.heapreplace(heap, (load + nbytes, owner))
+        owners[key] = owner
+        loads[owner] = loads.get(owner, 0) + nbytes
+    return owners
+
+
+def assign_owners(
+    layout: ParallelLayout,
+    rank: int,
+    replicated: Iterable[tuple[str, int, frozenset[str]]],
+    *,
+    lowest_rank: bool = False,
+) -> dict[str, int]:
+    """Owner rank of each ``(key, nbytes, sharded_axes)`` tensor this rank holds as a replica;
+    ``lowest_rank=True`` puts each on the lowest rank of its group instead of spreading bytes."""
+    by_axes: dict[frozenset[str], list[tuple[str, int]]] = {}
+    groups: dict[frozenset[str], list[tuple[str, int]]] = {}  # by the axes as given: a few distinct sets
+    for key, nbytes, axes in replicated:
+        group = groups.get(axes)
+        if group is None:
+            group = groups[axes] = by_axes.setdefault(frozenset(axes) - {"pp"}, [])
+        group.append((key, nbytes))
+    owners: dict[str, int] = {}
+    stage_loads: dict[int, int] = {}
+    order = [frozenset(), frozenset({"tp"}), frozenset({"dp"})]
+    for axes in order:
+        items = by_axes.pop(axes, [])
+        if not items:
+            continue
+        members = replica_range(layout, rank, axes)
+        loads = stage_loads if not axes else dict(stage_loads)
+        owners.update(_lpt(items, members[:1] if lowest_rank else members, loads))
+    for items in by_axes.values():  # split over every axis: nothing to share
+        owners.update({key: rank for key, _ in items})
+    return owners

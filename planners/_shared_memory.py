@@ -1,6 +1,4 @@
-"""Loads into destinations that share memory without being one view (``base[0:4]`` and ``base[2:6]``
-under two keys): found by their byte extents, read into scratch, written and compared once all are in.
-Tied keys (the same view under two keys) are :class:`~smpckpt.planners._entries.TiedLoads`'."""
+"""Loads into destinations that share memory without being one view (:class:`SharedMemoryLoads`)."""
 
 from __future__ import annotations
 
@@ -43,11 +41,9 @@ class SharedMemoryLoads:
 
     def plan(self, entries: Mapping[str, Entry], skip: Set[str]) -> None:
         """Find the groups among ``entries`` (less ``skip``: tied keys loaded through another key, or
-        compared in scratch) by their byte extents: sorted by address, a sweep, no tensor made unless
-        two overlap (a few attribute reads a key). Extents are addresses, not storages, so two storages
-        over one memory (tensors ``from_numpy`` of overlapping arrays) are found too; interleaved views
-        whose extents overlap though no element does (``w[:, :4]``, ``w[:, 4:]``) take the scratch path
-        needlessly but correctly."""
+        compared in scratch) by a sweep over their byte extents, addresses rather than storages (two
+        storages over one memory are found too; interleaved views whose extents overlap though no
+        element does take the scratch path needlessly but correctly)."""
         self.dest, self._scratch, self._groups, self._pending = {}, {}, [], {}
         spans: list[tuple[int, int, str]] = []
         for e in entries.values():

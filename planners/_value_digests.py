@@ -1,24 +1,16 @@
 """Value digests: 4 bytes per tensor from a fixed sample of its elements, compared as values.
 
 Every rank computes one per replicated tensor at every save (:mod:`._replica_values` compares them), so
-the cost per tensor is what counts: a save of 2,700 tensors spent 9.6 ms in a loop of one ``torch.take``
-and one ``xxh3`` call per tensor, against DCP's whole local plan of 24.6 ms.
-
-Here one Python pass only reads each tensor's address, element count, dtype and contiguity into
-flat lists (numpy groups them by dtype after). The samples of plain contiguous CPU tensors (nearly
-every tensor a CPU state holds) are then gathered in one numpy fancy-index per dtype straight from the
-tensors' memory (as words of the element's size, or bytes where tensors lie at odd distances),
-canonicalised on their bits in numpy (:func:`_canonical_bits`: ``torch.where`` over the samples ran on
-torch's intra-op threads, and on a busy machine waiting for them cost more than the rest of the
-digests), and hashed row by row with a vectorised mix of 64-bit words: no torch call or hash call per
-tensor. Other tensors (CUDA, strided views, conjugate or negative views, subclasses) take one
-``torch.take`` each, one join and one host copy per device and dtype; both paths give the same digest
-for the same values.
+there is no torch or hash call per tensor where it can be helped: one Python pass reads each tensor's
+address, count, dtype and contiguity into flat lists; plain contiguous CPU tensors are sampled with one
+numpy fancy-index per dtype straight from their memory, canonicalised on their bits in numpy
+(:func:`_canonical_bits`; torch's intra-op threads cost more than the rest on a busy machine) and hashed
+with a vectorised 64-bit mix. Other tensors (CUDA, strided, conjugate or negative views, subclasses)
+take one ``torch.take`` each; both paths give the same digest for the same values.
 
 A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
 for smaller tensors) and the element count. Samples are compared as values, not bit patterns
-(:func:`canonical`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN.
-"""
+(:func:`canonical`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
 
 from __future__ import annotations
 
@@ -50,26 +42,12 @@ _S29 = np.uint64(29)
 #: fast path reads from raw addresses: a packed or quantized dtype (``quint4x2`` keeps two elements per
 #: byte) would be read past its storage's end (the slow path's ``torch.take`` checks bounds)
 _WHOLE_BYTES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
-        *(
-            getattr(torch, n)
-            for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-            if hasattr(torch, n)
-        ),
-    }
+    getattr(torch, name)
+    for name in (
+        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 complex64 complex128 uint16 uint32 "
+        "uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+    ).split()
+    if hasattr(torch, name)  # the unsigned and float8 ones are missing from older torch versions
 )
 
 
@@ -275,9 +253,8 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
 
 
 #: IEEE floating dtypes (complex ones by part) canonicalised on their bits by numpy: (unsigned word
-#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes). One vectorised
-#: integer pass on one thread: ``torch.where`` on the samples of thousands of tensors runs on torch's
-#: intra-op threads, and on a busy machine waiting for them cost more than the whole digest pass
+#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes): one integer pass
+#: on one thread (see the module docstring)
 _FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
     {
         torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),
@@ -306,16 +283,10 @@ _COMPARABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.flo
 
 
 def canonical(samples: torch.Tensor) -> torch.Tensor:
-    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN.
-
-    Replicas are compared by value, so two ranks that hold equal numbers are replicas even where their
-    bits differ. Signed zeros compare equal (``-0.0 == 0.0``) and arise in replicas computed alike
-    (``0 * -x`` on one rank, ``0 * x`` on another). NaN is never equal to itself, but a NaN held in the
-    same place by two replicas is the same "not a number" for the checkpoint: its sign and payload
-    bits carry no value (x86 writes ``0/0`` as a negative NaN, CUDA as a positive one; torch keeps no
-    payload across arithmetic), so NaNs of any bits count as equal. Which replica's bits are stored
-    is then unspecified, as it always was between equal replicas. Integers and booleans are their bits.
-    """
+    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN (replicas
+    computed alike may differ there: ``0 * -x`` and ``0 * x``; x86 writes ``0/0`` as a negative NaN,
+    CUDA as a positive one), so ranks holding equal numbers are replicas; which one's bits are stored
+    is unspecified, as between any equal replicas. Integers and booleans are their bits."""
     if samples.is_complex():
         samples = torch.view_as_real(samples)  # each part on its own: (-0.0, 1.0) == (0.0, 1.0)
     elif not samples.is_floating_point():

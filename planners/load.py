@@ -9,8 +9,7 @@ Call order (as ``dcp.load`` drives it)::
     5. (all)   resolve_tensor / commit_tensor / load_bytes, called by the storage reader
 
 A rank whose piece matches a saved chunk exactly takes the fast path (one read, no overlap search);
-otherwise DCP's overlap helper computes which saved chunks cover the piece.
-"""
+otherwise DCP's overlap helper computes which saved chunks cover the piece."""
 
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head. A
     checkpoint holding the keys of one destination tensor apart must hold them equal (bit for bit):
     a head that differs from its embedding is :class:`~smpckpt.errors.LayoutMismatch` naming both,
-    unless ``keep_tied`` says which to load (see ``_ties``).
-    """
+    unless ``keep_tied`` says which to load (see ``_ties``)."""
 
     def __init__(
         self,
@@ -292,10 +290,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         """A whole tensor stored in another shape of the same size (a fused QKV kept as ``[3h, d]`` in a
         safetensors file, loaded into a ``ShardSpec(view=[3, h/tp, d])`` layout) is the same row-major
         bytes: its metadata is replaced by the layout's shape (returned). Only where the reader says its
-        tensors are whole and reshapable (full artifacts, Hugging Face folders), and only when the shape
-        is not a guess: the destination's view comes from a spec, or the destination has the shape the
-        tensor had before the view it was saved under (a fused QKV saved as ``[3, h, d]``, loaded into a
-        plain ``[3h, d]`` model). Any other same-size shape (a transpose, say) stays a mismatch."""
+        tensors are whole and reshapable (full artifacts, HF folders), and only when the shape is not a
+        guess: a spec's view, or the shape the tensor had before the view it was saved under. Any other
+        same-size shape (a transpose, say) stays a mismatch."""
         shape = tuple(entry.global_shape or ())
         whole = len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size)
         # Under a spec's view the stored tensor must have the model's own shape before that view (its
@@ -509,15 +506,9 @@ def _exact_chunk(
     chunks: Sequence[ChunkStorageMetadata], piece: tuple[tuple[int, ...], tuple[int, ...]], hints: dict[Any, int]
 ) -> int | None:
     """The position in ``chunks`` (a saved tensor's) of the chunk that is exactly ``piece`` (offsets,
-    sizes), or None.
-
-    Why the hint: a tensor split over TP and DP (ZeRO optimizer state) has tp * dp chunks, and each rank
-    looked for its piece in every one of its keys: at 1,024 ranks (TP8 DP16) 128 per key, the cost
-    per rank growing with the world (the last rank's piece is the last chunk). The keys of one kind
-    (every layer's ``q_proj`` state) have their chunks in one order (their writers'), so the position
-    found for the last tensor with as many chunks and the same piece is tried first (``hints``, by
-    ``(len(chunks), piece)``, one per local plan): one scan per kind of key, not per key. A tensor's
-    saved chunks do not overlap (the save refuses overlaps), so a chunk equal to ``piece`` is the one."""
+    sizes), or None. Keys of one kind (every layer's ``q_proj`` state) have their chunks in one order,
+    so the position found last for as many chunks and the same piece is tried first (``hints``, one per
+    local plan): one scan per kind of key, not per key, however many chunks the world makes."""
     hint = (len(chunks), piece)
     at = hints.get(hint)
     if at is not None:

@@ -10,13 +10,9 @@ Call order (as ``dcp.save`` drives it; "all" = every rank, "coord" = rank 0 of t
     6. (caller, optional) release_state()     -> drop this save's tensors before keeping the planner
 
 Plain local tensors are mapped to global chunks by their :class:`~smpckpt.ShardSpec`; DTensors carry
-their own placement; other values are pickled (``torch.save``) objects.
-
-The coordinator's checks of a save plan's structure (``ParallelSavePlanner.create_global_plan``), and
-the digest each rank sends for them: spec rules that match nothing, ranks of a stage that disagree on
-their tensors, parameters tied differently; then its deduplication of the ranks' plans (one writer per
-chunk and per object). Values are compared in :mod:`._replica_values`.
-"""
+their own placement; other values are pickled (``torch.save``) objects. The coordinator checks the
+plans' structure (spec rules that match nothing, ranks of a stage that disagree on their tensors or
+ties; values in :mod:`._replica_values`) and deduplicates them (one writer per chunk and per object)."""
 
 from __future__ import annotations
 
@@ -52,8 +48,8 @@ from smpckpt.model.layout import METADATA_KEY, LayoutRecord, NameMap, ParallelLa
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, gather_ties, tied_entries
-from smpckpt.planners._ownership import assign_owners
 from smpckpt.planners._replica_values import (
+    assign_owners,
     check_duplicate_writers,
     check_replica_digests,
     check_replica_values,
@@ -170,9 +166,8 @@ def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, t
 
 def tiling_errors(plans: list[SavePlan], metadata: Metadata) -> list[str]:
     """(coordinator) DCP's ``_validate_global_plan(plans, metadata)``: the same errors, in the same order.
-    A tensor whose chunks are the cells of one grid (every TP/DP/ZeRO split of equal or uneven pieces)
-    is proven tiled in one pass over its chunks; DCP's pairwise sweep checks only the rest (at 4,096
-    ranks it took 2.3 s for 246,000 chunks)."""
+    A tensor whose chunks are the cells of one grid (every TP/DP/ZeRO split) is proven tiled in one pass
+    over its chunks; DCP's pairwise sweep, slow at scale, checks only the rest."""
     rest: dict[str, STORAGE_TYPES] = {
         key: value
         for key, value in metadata.state_dict_metadata.items()
@@ -247,30 +242,26 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
         dedup_tied: write a tensor held under several keys (tied parameters: transformers ties
-            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint
-            records the others (:attr:`~smpckpt.model.layout.LayoutRecord.tied`), our storage writer lists
-            them in ``.metadata`` over the same bytes (stock readers load both keys), and our load
-            planner fills a destination that holds them apart. ``False`` writes each key's bytes.
+            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint records
+            the others (:attr:`~smpckpt.model.layout.LayoutRecord.tied`), listed in ``.metadata`` over the
+            same bytes (stock readers load both keys). ``False`` writes each key's bytes.
         verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, a global
-            key two stages hold, and a DTensor's replicated pieces) must hold the same values: each rank sends a 4-byte digest of a sample
-            of every tensor, and the coordinator fails the save naming the keys and ranks that differ
-            (a TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for
-            replicas meant to differ. See :mod:`smpckpt.planners._replica_values`.
+            key two stages hold, a DTensor's replicated pieces) must hold the same values, compared by a
+            digest of a sample: the coordinator fails the save naming the keys and ranks that differ (a
+            TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for replicas
+            meant to differ. See :mod:`smpckpt.planners._replica_values`.
         cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
 
             * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
-              the global plan and metadata it built before (less gathered, no global planning). Every
-              rank must then reuse its planner alike.
-            * ``"local"``: a rank reuses only its own local plan -- a pure function of its state's
-              structure, its rank and the layout -- and sends it in full; the coordinator plans afresh
-              at every save. Nothing cached crosses ranks, so any mix of reused and fresh planners is
-              correct, and object values (user content, RNG states) may change without a re-plan.
+              the global plan and metadata it built before. Every rank must reuse its planner alike.
+            * ``"local"``: a rank reuses only its own local plan and sends it in full; the coordinator
+              plans afresh at every save. Any mix of reused and fresh planners is then correct, and
+              object values (user content, RNG states) may change without a re-plan.
 
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).
 
-    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._cache`.
-    """
+    Why reuse stays exact, even across failed saves: :mod:`smpckpt.planners._cache`."""
 
     def __init__(
         self,
@@ -304,7 +295,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self._cache = PlanCache(cache_scope if enable_plan_caching else "off")
 
     # -- 1. set up ---------------------------------------------------------------------------------
-    @gc_paused()  # an entry and a chunk per key, no cycles: ~0.5 ms of collections at 2,700 keys
+    @gc_paused()  # an entry and a chunk per key, no cycles to collect
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
     ) -> None:
@@ -326,17 +317,14 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
 
         Every rank runs this at every save: its cost is O(own keys), whatever the world size."""
         object_digests = self._serialise_objects()
-        # each tensor's TensorProperties fields, read once: the signature compares them, the write items
-        # are built from them
-        props: dict[str, tuple[Any, ...]] = {}
-        # the signature only serves the plan cache; a planner built per save skips it. The local scope
-        # leaves object values out: they change the plan's object digests only (refreshed on a hit).
+        props: dict[str, tuple[Any, ...]] = {}  # TensorProperties fields, read once for signature and items
+        # the signature only serves the plan cache; the local scope leaves object values out (they change
+        # the plan's object digests only, refreshed on a hit)
         signature = None
         if self.enable_plan_caching:
             signature = structure_signature(self, None if self.cache_scope == "local" else object_digests, props)
         # plain tensors every rank of the stage must agree on (the replica digest's rows), and of them the
-        # replicas: those other ranks hold too (ownership and value checks). Sorted by key once: the
-        # replica digest's rows and the value check's key list are both in key order.
+        # replicas other ranks hold too (ownership and value checks); in key order, as both want them
         shared = [e for e in self.entries.values() if e.kind == "tensor" and not e.rank_local]
         shared.sort(key=lambda e: e.key)
         tied = self.tied
@@ -393,12 +381,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     def _replica_values(
         self, replicas: list[Entry], shared: list[Entry]
     ) -> tuple[list[Entry], bytes, dict[str, bytes | None]]:
-        """The tensors whose values other ranks hold too (of ``replicas``, given in key order), their
-        split codes, and what this rank sends about their values (``planner_data`` fields; ``None``:
-        nothing to compare); ``shared``: every plain tensor other ranks agree on (for the pieces other
-        stages may hold, ``_replica_values.stage_values``).
-        Which tensors those are follows from the layout alone (``_replica_values.checked_codes``): a
-        rank of a one-rank stage digests none."""
+        """The tensors whose values other ranks hold too (of ``replicas``, in key order; by the layout
+        alone, ``checked_codes``), their split codes, and what this rank sends about their values
+        (``planner_data`` fields; ``None``: nothing to compare); ``shared``: every plain tensor other
+        ranks agree on (for the pieces other stages may hold, ``stage_values``)."""
         if not self.verify_replicas:
             return [], b"", {"values": None, "dtensor_values": None, "stage_values": None}
         wanted = checked_codes(self.layout)
@@ -565,11 +551,8 @@ def _replicated(entry: Entry, world: int) -> bool:
 
 
 def _carries_no_data(entry: Entry) -> bool:
-    """An empty piece of a non-empty tensor (an uneven split giving a rank nothing) is not written.
-
-    Its offset can coincide with a neighbour's real chunk, and it adds nothing to the checkpoint. An
-    empty *global* tensor is still written once, so its key and shape are recorded.
-    """
+    """An empty piece of a non-empty tensor (an uneven split giving a rank nothing) is not written (its
+    offset can be a neighbour's real chunk's); an empty *global* tensor is, so its key and shape are."""
     chunk, shape = entry.chunk, entry.global_shape
     if chunk is None or shape is None:
         return False
@@ -580,8 +563,8 @@ def _tensor_item(
     entry: Entry, properties: dict[tuple[Any, ...], TensorProperties], fields: tuple[Any, ...] | None = None
 ) -> WriteItem:
     """The write item of a tensor entry; ``properties`` shares one ``TensorProperties`` per distinct
-    value among a plan's items (building one per item was ~1/8 of a local plan's time). ``fields``: the
-    tensor's (dtype, layout, requires_grad, pinned), when the caller read them already."""
+    value among a plan's items. ``fields``: the tensor's (dtype, layout, requires_grad, pinned), when
+    the caller read them already."""
     chunk, shape = entry.chunk, entry.global_shape
     if chunk is None or shape is None:
         raise SpecError(f"{entry.key}: tensor entry without a chunk")

@@ -15,7 +15,7 @@ from smpckpt import ParallelLayout, ShardSpec, SpecError
 from smpckpt.model.layout import KeyMapper
 from smpckpt.model.specs import SpecRules, shard_geometry
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
-from smpckpt.planners._ownership import assign_owners, replica_group
+from smpckpt.planners._replica_values import assign_owners, replica_group
 
 
 @settings(max_examples=50, deadline=None, derandomize=True)

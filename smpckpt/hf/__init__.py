@@ -10,13 +10,23 @@ translated), :mod:`~smpckpt.hf.llama`, :mod:`~smpckpt.hf.qwen2` and :mod:`~smpck
 * ``translate_hf_state_dict_to_smpckpt(state_dict)`` / ``translate_state_dict_to_hf(state_dict)`` --
   eager, bit-exact translation of whole (unsharded) state dicts;
 * ``tp_specs(tp, config, prefix="")`` -- glob -> :class:`smpckpt.model.specs.ShardSpec` rules of our layout
-  (written against the model's own names; the API also matches them under ``model.``);
+  (written against the model's own names; the API also matches them under ``model.``). ``config`` (the
+  family's transformers config or a dict with its fields) is required; ``prefix`` is prepended to every
+  pattern (``"model."`` for ``{"model": model.state_dict()}``); SpecError when heads, the MLP width or
+  the vocabulary cannot be split ``tp`` ways;
+* eager import drops a tied head (``lm_head.weight`` tied to the embedding, by ``tie_word_embeddings``)
+  when it is the tensor it is tied to (same memory or equal values) and keeps an untied one that
+  differs (split as the vocabulary); eager export produces it only with ``tie_word_embeddings=True``.
+  Buffers older transformers versions wrote into state dicts (masks, position ids, rotary tables) are
+  not weights: dropped on import;
+* fused tensors (q/k/v, gate/up) in a view that reshards correctly: TP rank ``r``'s local QKV
+  ``nn.Linear`` is ``[3d/tp, d]``, the q, k and v rows of heads ``r*nh/tp .. (r+1)*nh/tp`` one after the
+  other; a vocabulary that does not divide by ``tp`` is split near-evenly (:func:`._common.vocab_spec`);
 * for the smp families, smp's own function names as aliases (``translate_state_dict_to_hf_gpt2``,
   ``translate_hf_state_dict_to_smdistributed_gpt2``, ...): a migration changes only the import.
 
 :data:`TRANSLATIONS` maps HF's ``config.model_type`` to each family's translation. Nothing here imports
-transformers: configs are read by attribute or dict key.
-"""
+transformers: configs are read by attribute or dict key."""
 
 import re
 from collections.abc import Mapping, Sequence
@@ -24,8 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from smpckpt.hf import bert, gpt2, gptj, gptneo, llama, mistral, qwen2, roberta
-from smpckpt.model._translation_checks import check_translates
-from smpckpt.model.translation import Translation
+from smpckpt.model.translation import Translation, check_translates
 
 __all__ = ["gpt2", "bert", "roberta", "gptj", "gptneo", "llama", "qwen2", "mistral", "TRANSLATIONS", "translation_for"]
 __all__ += ["check_translation", "check_config"]
@@ -50,7 +59,7 @@ def translation_for(name: str) -> Translation:
 def check_translation(translation: Translation, shapes: Mapping[str, Sequence[int]], side: str) -> None:
     """Refuse a translation that does not fit the tensors ``shapes`` (``side``: ``"ours"`` when
     exporting ours, ``"artifact"`` when importing a Hugging Face folder's), as
-    :func:`smpckpt.model._translation_checks.check_translates` says, against every family here."""
+    :func:`smpckpt.model.translation.check_translates` says, against every family here."""
     check_translates(translation, shapes, "ours" if side == "ours" else "artifact", TRANSLATIONS.values())
 
 

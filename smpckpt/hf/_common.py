@@ -86,8 +86,7 @@ class Fused:
 
     Args:
         templates: our key template (``{i}`` = layer) -> ``(count, view ndim)``, e.g. ``(3, 3)`` for a
-            QKV weight viewed ``[3, d, d]``.
-    """
+            QKV weight viewed ``[3, d, d]``."""
 
     def __init__(self, templates: Mapping[str, tuple[int, int]]) -> None:
         self.templates = tuple(templates)

@@ -26,27 +26,20 @@ embeddings, every LayerNorm,
 ``cls.seq_relationship``, ``classifier``
 =============================================== ============================ ================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other (the unsharded model's ``[3d, d]`` is
-``cat([query, key, value])``). A vocabulary that does not divide by ``tp`` (BERT's 30522 does, RoBERTa's
-50265 does not) is split near-evenly, the MLM bias with it.
+The unsharded model's QKV ``[3d, d]`` is ``cat([query, key, value])``. A vocabulary that does not divide
+by ``tp`` (BERT's 30522 does, RoBERTa's 50265 does not) is split near-evenly, the MLM bias with it.
 
-Not translated (documented behaviour of the eager helpers):
+Not translated (see :mod:`smpckpt.hf`):
 
-* ``cls.predictions.decoder.weight`` is tied to ``bert.embeddings.word_embeddings.weight`` and
-  ``cls.predictions.decoder.bias`` to ``cls.predictions.bias`` (``tie_word_embeddings``; the decoder
-  keys are in ``model.state_dict()``, sharing memory, but not in ``save_pretrained``'s files): dropped on
-  import when they are their target (same memory or equal values), produced on export only with
-  ``tie_word_embeddings=True``. An untied decoder that differs is kept under its HF key (vocab-parallel).
-  Transformers unties both when ``tie_word_embeddings=False``; the model then reads the decoder's own
-  bias and ``cls.predictions.bias`` is unused (it is still kept and translated).
-* ``embeddings.position_ids`` / ``embeddings.token_type_ids`` (buffers older transformers versions wrote
-  into state dicts) are not weights: dropped on import. The smp alias :func:`translate_state_dict_to_hf_bert`
-  can write ``position_ids`` back (``max_seq_len``) for code that expects it.
+* the tied heads: ``cls.predictions.decoder.weight`` (tied to ``bert.embeddings.word_embeddings.weight``)
+  and ``cls.predictions.decoder.bias`` (tied to ``cls.predictions.bias``), in ``model.state_dict()`` but
+  not in ``save_pretrained``'s files. Untied (``tie_word_embeddings=False``) the model reads the
+  decoder's own bias, and ``cls.predictions.bias``, unused, is still kept and translated;
+* the buffers ``embeddings.position_ids`` / ``embeddings.token_type_ids``
+  (:func:`translate_state_dict_to_hf_bert` can write ``position_ids`` back);
 * Cross-attention (``crossattention.*`` of a decoder BERT with ``add_cross_attention``) keeps HF's
   separate query/key/value keys (its keys and values read the encoder's states, so they do not fuse with
-  the query) and is replicated.
-"""
+  the query) and is replicated."""
 
 from __future__ import annotations
 
@@ -78,15 +71,10 @@ def _qkv_rules(base: str) -> tuple[Rule, ...]:
 
 
 def make_translation(name: str, architecture: str, base: str, head: str) -> Translation:
-    """The BERT-family translation: fused q/k/v under the head models' ``base`` and in the bare model.
-
-    Args:
-        name: HF ``config.model_type``.
-        architecture: the transformers class of the artifact side.
-        base: the head models' prefix of the encoder (``"bert."``).
-        head: the MLM head's prefix (``"cls.predictions."``), whose decoder weight and bias transformers
-            ties to the word embeddings and to ``<head>bias``.
-    """
+    """The BERT-family translation ``name`` (HF ``config.model_type``) of the transformers class
+    ``architecture``: fused q/k/v under the head models' ``base`` (``"bert."``) and in the bare model; the
+    MLM ``head`` (``"cls.predictions."``)'s decoder weight and bias tied to the word embeddings and to
+    ``<head>bias``."""
     return Translation(
         name,
         rules=_qkv_rules(base) + _qkv_rules(""),
@@ -155,16 +143,9 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our BERT under TP degree ``tp``, for head models and the bare model.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``BertConfig`` or a dict (``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
-            ``vocab_size``); required, since the QKV view names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the intermediate size or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our BERT under TP degree ``tp``, for head models and the bare model, as
+    :mod:`smpckpt.hf` says (``config``: ``hidden_size``, ``num_attention_heads``, ``intermediate_size``,
+    ``vocab_size``)."""
     return family_specs("bert", tp, config, prefix, base=_BASE, head=_HEAD)
 
 
@@ -177,8 +158,7 @@ def translate_state_dict_to_hf_bert(
     ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
     (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
     versions of its time kept in BERT state dicts. Given, the buffer is added; ``None`` (the default)
-    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it.
-    """
+    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it."""
     return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
 
 

@@ -18,17 +18,8 @@ ours (global view shape)                spec (``tp_specs``)     HF
 wpe, ``ln_1``, ``ln_2``, ``ln_f``       replicated              same keys
 ======================================= ======================= ==================================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other.
-
-Not translated (documented behaviour of the eager helpers):
-
-* ``lm_head.weight`` is tied to ``transformer.wte.weight`` in HF GPT-2: dropped on import when it is
-  the embedding (same memory or equal values) and not produced on export unless
-  ``tie_word_embeddings=True``. An untied head that differs is kept as ``lm_head.weight`` (vocab-parallel).
-* ``attn.bias`` / ``attn.masked_bias`` (the causal-mask buffers older transformers versions wrote into
-  state dicts) are not weights: dropped on import.
-"""
+Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` (see :mod:`smpckpt.hf`), and
+the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``."""
 
 from __future__ import annotations
 
@@ -104,37 +95,24 @@ def translate_state_dict_to_hf_gpt2(
     """smp v1's name: our unsharded GPT-2 state dict -> one ``GPT2LMHeadModel.load_state_dict`` accepts
     (strictly): as :func:`translate_state_dict_to_hf` with the tied ``lm_head.weight`` present.
 
-    Args:
-        state_dict: ours.
-        max_seq_len: smp took it so the result held the causal-mask buffers transformers versions of its
-            time kept in GPT-2 state dicts. When given, each layer (counted from the keys present) gets
-            ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
-            ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``, for those versions. ``None`` (the
-            default) adds nothing: current transformers keeps them out of state dicts, and a strict
-            ``load_state_dict`` refuses them as unexpected keys.
-    """
+    ``max_seq_len``: smp took it so the result held the causal-mask buffers transformers versions of its
+    time kept in GPT-2 state dicts. When given, each layer (counted from the keys present) gets
+    ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
+    ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``. ``None`` (the default) adds nothing:
+    current transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
         add_mask_buffers(out, max_seq_len, "attn.", -1e4)
     return out
 
 
-#: smp v1's import: :func:`translate_hf_state_dict_to_smpckpt` (its defaults: model shapes; a head equal
-#: to the embedding dropped; mask buffers dropped).
+#: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).
 translate_hf_state_dict_to_smdistributed_gpt2 = translate_hf_state_dict_to_smpckpt
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our GPT-2 under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``GPT2Config`` or a dict (``n_embd``, ``n_head``, ``vocab_size``, optional ``n_inner``);
-            required, since the QKV view names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our GPT-2 under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``n_embd``, ``n_head``, ``vocab_size``, optional ``n_inner``)."""
     d, rows = gpt_dims("gpt2", tp, config, ("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), "n_inner")
     return prefixed(
         prefix,

@@ -18,22 +18,14 @@ ours (global view shape)                     spec (``tp_specs``)          HF
                                              embedding's sizes)
 ============================================ ============================ ======================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other. GPT-J's rotary embedding acts on the first
-``rotary_dim`` features of each head, so whole heads per rank is all TP needs; the attention and the MLP
-both read ``ln_1``'s output (parallel residual), which changes nothing in the layout. A vocabulary that
-does not divide by ``tp`` is split near-evenly (:func:`smpckpt.hf._common.vocab_spec`); the head's
-bias is split with its rows, and each rank adds its slice to its logits.
+GPT-J's rotary embedding acts on the first ``rotary_dim`` features of each head, so whole heads per rank
+is all TP needs; its parallel residual changes nothing in the layout. The head's bias is split with its
+rows (each rank adds its slice to its logits).
 
-Not translated (documented behaviour of the eager helpers):
-
-* ``lm_head.weight``: GPT-J's head is untied (``tie_word_embeddings`` defaults to False) and kept with
-  its bias. Should a config tie it, the head is dropped on import when it is the embedding and produced
-  on export only with ``tie_word_embeddings=True``; ``lm_head.bias`` is never tied.
-* ``attn.bias`` / ``attn.masked_bias`` (causal-mask buffers) and ``attn.embed_positions`` (the
-  rotary sin/cos table), which older transformers versions wrote into state dicts, are not weights:
-  dropped on import. :func:`translate_state_dict_to_hf_gptj` can add the mask buffers back.
-"""
+Not translated: ``lm_head.weight`` when a config ties it (GPT-J's is untied by default and kept with its
+bias, which is never tied; see :mod:`smpckpt.hf`); the buffers ``attn.bias`` / ``attn.masked_bias``
+(causal masks, which :func:`translate_state_dict_to_hf_gptj` can add back) and ``attn.embed_positions``
+(the rotary sin/cos table)."""
 
 from __future__ import annotations
 
@@ -70,17 +62,8 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our GPT-J under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``GPTJConfig`` or a dict (``n_embd`` / ``hidden_size``, ``n_head`` /
-            ``num_attention_heads``, ``vocab_size``, optional ``n_inner``); required, since the QKV view
-            names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our GPT-J under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``n_embd`` / ``hidden_size``, ``n_head`` / ``num_attention_heads``, ``vocab_size``, optional ``n_inner``)."""
     d, rows = gpt_dims("gptj", tp, config, ("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), "n_inner")
     return prefixed(
         prefix,
@@ -109,16 +92,14 @@ def translate_state_dict_to_hf_gptj(
     head ours lacks is produced as the embedding (GPT-J's untied head is present anyway).
 
     ``max_seq_len``: the old causal-mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2`
-    adds them (``masked_bias`` is ``tensor(-1e9)`` here).
-    """
+    adds them (``masked_bias`` is ``tensor(-1e9)`` here)."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
         add_mask_buffers(out, max_seq_len, "attn.", -1e9)
     return out
 
 
-#: smp v1's import: :func:`translate_hf_state_dict_to_smpckpt` (its defaults: model shapes; a head equal
-#: to the embedding dropped; mask buffers dropped).
+#: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).
 translate_hf_state_dict_to_smdistributed_gptj = translate_hf_state_dict_to_smpckpt
 
 

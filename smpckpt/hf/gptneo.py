@@ -20,23 +20,13 @@ ours (global view shape)                     spec (``tp_specs``)          HF
 ``lm_head.weight``                           dim 0 (when untied)          same key
 ============================================ ============================ ======================================
 
-The local QKV ``nn.Linear`` of TP rank ``r`` is ``[3d/tp, d]``: q, k and v rows of heads
-``r*nh/tp .. (r+1)*nh/tp``, one after the other. GPT-Neo's attention is per head and unscaled (no
-``1/sqrt(head_dim)``), and its local layers (``config.attention_types``) only mask keys further back
-than ``window_size``: neither touches the layout. GPT-Neo uses ``nn.Linear`` throughout, so nothing is
-transposed. A vocabulary that does not divide by ``tp`` is split near-evenly
-(:func:`smpckpt.hf._common.vocab_spec`).
+GPT-Neo's unscaled per-head attention and its local layers (``config.attention_types``, masking keys
+further back than ``window_size``) do not touch the layout; it uses ``nn.Linear`` throughout, so nothing
+is transposed.
 
-Not translated (documented behaviour of the eager helpers):
-
-* ``lm_head.weight`` is tied to ``transformer.wte.weight`` (``tie_word_embeddings`` defaults to True):
-  dropped on import when it is the embedding (same memory or equal values) and not produced on export
-  unless ``tie_word_embeddings=True``. An untied head that differs is kept as ``lm_head.weight``
-  (vocab-parallel).
-* ``attn.attention.bias`` / ``attn.attention.masked_bias`` (the causal- and local-mask buffers older
-  transformers versions wrote into state dicts) are not weights: dropped on import.
-  :func:`translate_state_dict_to_hf_gptneo` can add them back.
-"""
+Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` by default (see :mod:`smpckpt.hf`),
+and the causal- and local-mask buffers ``attn.attention.bias`` / ``attn.attention.masked_bias``, which
+:func:`translate_state_dict_to_hf_gptneo` can add back."""
 
 from __future__ import annotations
 
@@ -72,16 +62,8 @@ translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(_
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our GPT-Neo under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``GPTNeoConfig`` or a dict (``hidden_size``, ``num_heads`` / ``num_attention_heads``,
-            ``vocab_size``, optional ``intermediate_size``); required, since the QKV view names ``d``.
-        prefix: prepended to every pattern, for state dicts nested under a name (``"model."``).
-
-    Raises SpecError when heads, the MLP width or the vocabulary cannot be split ``tp`` ways.
-    """
+    """Glob -> ShardSpec rules of our GPT-Neo under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``hidden_size``, ``num_heads`` / ``num_attention_heads``, ``vocab_size``, optional ``intermediate_size``)."""
     d, rows = gpt_dims(
         "gpt_neo", tp, config, ("hidden_size",), ("num_heads", "num_attention_heads"), "intermediate_size"
     )
@@ -113,14 +95,12 @@ def translate_state_dict_to_hf_gptneo(
     ``max_seq_len``: the old mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` adds
     them (under ``attn.attention.``; ``masked_bias`` is ``tensor(-1e9)``). Without a config this cannot
     know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
-    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``.
-    """
+    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     if max_seq_len is not None:
         add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
     return out
 
 
-#: smp v1's import: :func:`translate_hf_state_dict_to_smpckpt` (its defaults: model shapes; a head equal
-#: to the embedding dropped; mask buffers dropped).
+#: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).
 translate_hf_state_dict_to_smdistributed_gptneo = translate_hf_state_dict_to_smpckpt

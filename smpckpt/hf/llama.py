@@ -20,10 +20,7 @@ The local ``gate_up_proj`` of TP rank ``r`` is ``[2I/tp, d]``: gate rows ``r*I/t
 the same up rows. With fewer kv heads than TP ranks (grouped-query attention, ``nkv < tp``), k and v
 are replicated: every rank holds all kv heads and uses the one its query heads share.
 
-Eager helpers: ``lm_head.weight`` tied to the embedding (``tie_word_embeddings``) is dropped on import
-and produced on export only with ``tie_word_embeddings=True``; ``rotary_emb.inv_freq`` buffers (written by
-old transformers versions) are not weights and are dropped on import.
-"""
+Not translated: a tied ``lm_head.weight`` (see :mod:`smpckpt.hf`) and ``rotary_emb.inv_freq`` buffers."""
 
 from __future__ import annotations
 
@@ -93,15 +90,7 @@ def family_specs(model: str, tp: int, config: Any, prefix: str, biases: bool) ->
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
-    """Glob -> ShardSpec rules of our Llama under TP degree ``tp``.
-
-    Args:
-        tp: tensor-parallel degree.
-        config: ``LlamaConfig`` or a dict (``hidden_size``, ``intermediate_size``, ``vocab_size``,
-            ``num_attention_heads``, ``num_key_value_heads``); required (the k/v decision and the
-            gate/up view need it).
-        prefix: prepended to every pattern (``"model."`` for ``{"model": model.state_dict()}``).
-
-    Raises SpecError when heads, kv heads, the MLP width or the vocabulary cannot take ``tp``.
-    """
+    """Glob -> ShardSpec rules of our Llama under TP degree ``tp``, as :mod:`smpckpt.hf` says (``config``:
+    ``hidden_size``, ``intermediate_size``, ``vocab_size``, ``num_attention_heads``, ``num_key_value_heads``;
+    SpecError also when the kv heads cannot take ``tp``)."""
     return family_specs("llama", tp, config, prefix, biases=False)

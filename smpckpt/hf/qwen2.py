@@ -2,8 +2,7 @@
 
 Laid out as :mod:`smpckpt.hf.llama` (fused ``mlp.gate_up_proj``, everything else under HF's keys), plus
 the q/k/v biases: ``q_proj.bias`` is split on dim 0 with its heads; ``k_proj.bias`` / ``v_proj.bias``
-follow the k/v weights (split when ``nkv % tp == 0``, else replicated).
-"""
+follow the k/v weights (split when ``nkv % tp == 0``, else replicated)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,15 @@
 """RoBERTa: Hugging Face ``RobertaForMaskedLM`` (and ``RobertaModel``) <-> our tensor-parallel RoBERTa.
 
-Laid out as :mod:`smpckpt.hf.bert` (fused ``attention.self.qkv``, everything else under HF's keys), with
-``roberta.`` as the head models' prefix and ``lm_head`` as the MLM head:
-
-================================================== ============================ ==============================
-ours (global view shape)                           spec (``tp_specs``)          HF
-================================================== ============================ ==============================
-``<p>embeddings.word_embeddings.weight [V, d]``    dim 0 (vocab-parallel)       same key
-``<p>encoder.layer.{i}.attention.self.qkv``        view ``(3, -1, d)``, dim 1   ``stack([query, key, value])``
-``.weight [3, d, d]``                                                           ``.weight``
-``...attention.self.qkv.bias [3, d]``              view ``(3, -1)``, dim 1      ``stack`` of the three biases
-``...attention.output.dense.weight``               dim 1 (row-parallel)         same key
-``...intermediate.dense.weight``, ``.bias``        dim 0 (column-parallel)      same keys
-``...output.dense.weight``                         dim 1 (row-parallel)         same key
-``lm_head.bias [V]``                               dim 0, the embedding's sizes same key
-``lm_head.decoder.weight`` / ``.bias`` (untied)    dim 0, the embedding's sizes same keys
-output biases, position and token-type embeddings, replicated                   same keys
-LayerNorms, ``lm_head.dense``,
-``lm_head.layer_norm``, pooler, ``classifier``
-================================================== ============================ ==============================
-
-``<p>`` is ``roberta.`` in head models and empty in a bare ``RobertaModel``. RoBERTa's position ids start
-at ``pad_token_id + 1``; that is the model's arithmetic, not the layout's.
+Laid out as :mod:`smpckpt.hf.bert` (its table holds with ``<p>`` = ``roberta.`` in head models, empty
+in a bare ``RobertaModel``): fused ``attention.self.qkv``, everything else under HF's keys; the MLM head
+is ``lm_head``, whose ``bias`` and untied ``decoder`` are vocab-parallel with the embedding's sizes and
+whose ``dense`` and ``layer_norm`` are replicated. RoBERTa's position ids start at ``pad_token_id + 1``;
+that is the model's arithmetic, not the layout's.
 
 Not translated: ``lm_head.decoder.weight`` (tied to ``roberta.embeddings.word_embeddings.weight``) and
 ``lm_head.decoder.bias`` (tied to ``lm_head.bias``) are dropped on import when tied and produced on export
 only with ``tie_word_embeddings=True``; an untied decoder is kept. ``embeddings.position_ids`` /
-``embeddings.token_type_ids`` buffers are dropped on import. Cross-attention is replicated under HF's keys.
-"""
+``embeddings.token_type_ids`` buffers are dropped on import. Cross-attention is replicated under HF's keys."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Because an Expr is data, not code, a storage layer can ask which rectangular reg
 tensor (in its viewed coordinates) lands where in any requested region of ours: it reads only one TP
 rank's shard out of an HF tensor, or writes each rank's chunk straight into HF-shaped tensors. The eager
 forms are exact (bit-for-bit) inverses of each other. The rules that build Exprs from key templates
-live in :mod:`smpckpt.model.translation`.
-"""
+live in :mod:`smpckpt.model.translation`."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class Leaf:
         key: the artifact key.
         view: row-major reshape of the artifact tensor (same number of elements); ``None`` keeps its
             shape.
-        perm: permutation of the viewed dims; ``None`` is the identity.
-    """
+        perm: permutation of the viewed dims; ``None`` is the identity."""
 
     key: str
     view: Shape | None = None
@@ -79,11 +77,9 @@ Expr = Union[Leaf, Cat]
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One rectangular region of an artifact tensor and where it lands in a requested region of ours.
-
-    Read ``artifact[key].reshape(view)[offsets : offsets + sizes].permute(perm)`` and place it at
-    ``dest_offsets`` (relative to the requested region's origin); it spans :attr:`dest_sizes`.
-    """
+    """One rectangular region of an artifact tensor and where it lands in a requested region of ours:
+    ``artifact[key].reshape(view)[offsets : offsets + sizes].permute(perm)`` placed at ``dest_offsets``
+    (relative to the requested region's origin), spanning :attr:`dest_sizes`."""
 
     key: str
     view: Shape  #: the artifact tensor's shape as viewed (its own shape when the Leaf has no view)
@@ -165,10 +161,8 @@ def _leaf(key: str, shape: Shape, view: Shape, perm: Shape) -> Leaf:
 
 
 def merge_leading(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> Expr:
-    """``expr`` with its first two dims as one (``[a, b, *rest]`` -> ``[a*b, *rest]``, row-major).
-
-    Raises ValueError when no Expr says it: a Leaf whose two dims are not adjacent in its artifact
-    tensor, or a Cat along dim 1."""
+    """``expr`` with its first two dims as one (``[a, b, *rest]`` -> ``[a*b, *rest]``, row-major);
+    ValueError when no Expr says it (a Leaf whose two dims are not adjacent, a Cat along dim 1)."""
     if isinstance(expr, Leaf):
         shape, view, perm = _leaf_parts(expr, artifact_shapes)
         if len(perm) < 2 or perm[1] != perm[0] + 1:
@@ -184,10 +178,8 @@ def merge_leading(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> E
 
 def split_leading(expr: Expr, count: int, artifact_shapes: Mapping[str, Sequence[int]]) -> Expr:
     """``expr`` with its first dim split in ``count`` (``[n, *rest]`` -> ``[count, n/count, *rest]``,
-    row-major): the inverse of :func:`merge_leading`.
-
-    Raises ValueError when ``count`` does not divide the dim, or a Cat's parts along it do not fall on
-    the split's boundaries."""
+    row-major): the inverse of :func:`merge_leading`; ValueError when ``count`` does not divide the dim,
+    or a Cat's parts along it do not fall on the split's boundaries."""
     shape = expr_shape(expr, artifact_shapes)
     if not shape or count < 1 or shape[0] % count:
         raise ValueError(f"{expr_keys(expr)}: shape {shape} does not split into {count} on dim 0")
@@ -230,11 +222,8 @@ def reshaped(expr: Expr, shape: Sequence[int], artifact_shapes: Mapping[str, Seq
 def pieces(
     expr: Expr, offsets: Sequence[int], sizes: Sequence[int], artifact_shapes: Mapping[str, Sequence[int]]
 ) -> list[Piece]:
-    """The artifact regions that make up region ``[offsets, offsets + sizes)`` of ``expr``.
-
-    The pieces cover the region exactly once (no overlap, no gap); pieces of zero size are left out,
-    so an empty region gives ``[]``. Raises ValueError naming the keys when the region is out of bounds.
-    """
+    """The artifact regions that make up region ``[offsets, offsets + sizes)`` of ``expr``, covering it
+    exactly once, none of zero size; ValueError naming the keys when the region is out of bounds."""
     # a plain Leaf (every tensor of an untranslated artifact: thousands per save) is its own region
     plain = expr if isinstance(expr, Leaf) and expr.view is None and expr.perm is None else None
     shape = _artifact_shape(plain.key, artifact_shapes) if plain is not None else expr_shape(expr, artifact_shapes)
@@ -302,11 +291,8 @@ def evaluate(expr: Expr, artifact: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def scatter(expr: Expr, ours: torch.Tensor, artifact_shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
-    """The artifact tensors ``ours`` is made of under ``expr`` (inverse of :func:`evaluate`).
-
-    Every artifact key of ``expr`` must appear exactly once (a Leaf always covers its whole tensor).
-    Results are contiguous, shaped as ``artifact_shapes`` says, and may share memory with ``ours``.
-    """
+    """The artifact tensors ``ours`` is made of under ``expr`` (inverse of :func:`evaluate`; each of its
+    keys once): contiguous, shaped as ``artifact_shapes`` says, possibly sharing memory with ``ours``."""
     shape = expr_shape(expr, artifact_shapes)
     if tuple(ours.shape) != shape:
         raise ValueError(f"tensor of shape {tuple(ours.shape)} does not fit {expr_keys(expr)} of shape {shape}")

@@ -4,34 +4,23 @@ Rank order is TP fastest, then DP, then PP (as in Megatron)::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-``pp_layers`` is the pipeline partition decision: how many transformer layers each stage holds. With
-``pp_layers=(2, 2)`` stage 1 holds global layers 2 and 3, and its stage-local ``layers.0`` is saved
-as ``layers.2``.
+``pp_layers`` is the pipeline partition: how many transformer layers each stage holds. Stage-local keys
+are renamed to global (checkpoint) keys only when the layout records a partition or a ``name_map`` is
+given: by default the integer after a ``layers.`` path segment is shifted by the stage's layer offset
+(with ``pp_layers=(2, 2)`` stage 1's ``layers.0`` is saved as ``layers.2``) and checked to be one of
+the stage's layers. Without either, keys are taken as already global (torchtitan-style PP).
 
-Pipeline-parallel key renaming: stage-local keys to global (checkpoint) keys.
+The top-level keys :func:`~smpckpt.save_checkpoint` reserves are named here only (the API builds its
+state dict, rank-local globs and optional-key globs from that one object).
 
-Renaming happens only when the layout records a partition (``pp_layers``) or a ``name_map`` is
-given. The default rule rewrites the integer after a ``layers.`` path segment by the stage's layer
-offset (``layers.<i>.`` -> ``layers.<i + offset>.``) and checks that ``i`` is one of the stage's
-layers. Without a partition or a map, keys are taken as already global (torchtitan-style PP).
-
-The top-level keys :func:`~smpckpt.save_checkpoint` reserves in a checkpoint -- named here only.
-
-Adding a reserved key means adding it here: the API builds its state dict, its rank-local globs and
-its optional-key globs from this one object.
-
-What a checkpoint records about how it was partitioned -- one type, written once, read by all.
-
-The save planner builds a :class:`LayoutRecord` and stores its JSON in ``Metadata.planner_data``
-under :data:`METADATA_KEY`; :class:`~smpckpt.storage.FsspecStorageWriter` copies that JSON verbatim
-into the commit manifest under :data:`MANIFEST_KEY`, so tools that list many checkpoints (``smpckpt
-ls``, resume's choice of tag) read it without fetching ``.metadata``. Every reader -- the load
-planner, resume, the CLI -- parses it here and nowhere else.
+What a checkpoint records about how it was partitioned is one type, :class:`LayoutRecord`: the save
+planner stores its JSON in ``Metadata.planner_data`` under :data:`METADATA_KEY`, the storage writer
+copies it verbatim into the commit manifest under :data:`MANIFEST_KEY` (so listing tools read it
+without fetching ``.metadata``), and every reader parses it here and nowhere else.
 
 Versions: 1 is the current record. Checkpoints written by smpckpt 0.1.0's ``save_checkpoint`` kept
 ``layout``/``specs``/``rank_local`` loose in the manifest's ``extra``; :meth:`LayoutRecord.from_manifest`
-still reads those.
-"""
+still reads those."""
 
 from __future__ import annotations
 
@@ -70,8 +59,7 @@ class ParallelLayout:
         pp: pipeline-parallel degree (number of stages).
         dp: data-parallel degree (replicas of each model shard).
         pp_layers: layers held by each stage, one count per stage (the partition decision). ``None``
-            means the layout records no partition and keys are not renamed by stage.
-    """
+            means the layout records no partition and keys are not renamed by stage."""
 
     tp: int = 1
     pp: int = 1
@@ -98,11 +86,8 @@ class ParallelLayout:
         return self.tp * self.pp * self.dp
 
     def check_world_size(self, world_size: int, where: str) -> None:
-        """Raise :class:`SpecError` unless ``world_size`` ranks (as ``where`` counts them) fit this layout.
-
-        The one place a world size is compared with a layout: the API, both planners' rank
-        resolution and the save planner's global plan all call it.
-        """
+        """Raise :class:`SpecError` unless ``world_size`` ranks (as ``where`` counts them) fit this layout
+        (the one place a world size is compared with a layout)."""
         if world_size != self.world_size:
             raise SpecError(f"{where} has {world_size} ranks but the layout {self} describes {self.world_size}")
 
@@ -166,11 +151,8 @@ class ParallelLayout:
         pp_dim: str = "pp",
         pp_layers: Sequence[int] | None = None,
     ) -> ParallelLayout:
-        """Build a layout from a named ``DeviceMesh``; absent dimension names count as degree 1.
-
-        The mesh's global rank order must match ours (TP fastest, then DP, then PP); a mesh laid out
-        differently is refused rather than silently mislabelled.
-        """
+        """Build a layout from a named ``DeviceMesh``; absent dimension names count as degree 1. A mesh
+        whose rank order is not ours (TP fastest, then DP, then PP) is refused, not mislabelled."""
         names = tuple(mesh.mesh_dim_names or ())
         known = {tp_dim, dp_dim, pp_dim}
         extra = [n for n in names if n not in known]
@@ -283,8 +265,7 @@ class KeyMapper:
                 raise SpecError(f"name_map returned {mapped!r} for key {key!r}; it must return a non-empty str")
             return mapped
         # only the first `layers.<i>` segment is the stage's layer: a `layers` list inside a layer
-        # (`layers.0.inner.layers.1.w`) keeps its own numbers (shifting those too stored them under
-        # another inner layer's name)
+        # (`layers.0.inner.layers.1.w`) keeps its own numbers
         return _LAYER.sub(self._shift, key, count=1)
 
     def renumbers(self, local_key: str) -> bool:
@@ -309,27 +290,21 @@ class KeyMapper:
 
     def layers_missing(self) -> tuple[int, ...]:
         """(after mapping one rank's whole state dict) The stage's local layer numbers, by its partition, that
-        no key named: a layer without state (an activation in a ``layers`` list), or a partition that does
-        not match the model (two layers held under ``pp_layers=(3, 2)``). Only the checkpoint can tell
-        which (:meth:`ParallelLoadPlanner.set_up_planner`). Empty without a partition, under a name map
-        (which replaces the rule), or when no key names a layer at all (a subset of the state)."""
+        no key named: a layer without state, or a partition that does not match the model (only the
+        checkpoint can tell which). Empty without a partition, under a name map, or when no key names a
+        layer at all (a subset of the state)."""
         if self._count is None or self.name_map is not None or not self._layers_seen:
             return ()
         return tuple(sorted(set(range(self._count)) - self._layers_seen))
 
     def check_model_layers(self, model_names: Iterable[str], state_names: Iterable[str]) -> None:
         """(every rank, before a save or resume through the API) The stage's ``layers`` lists against its
-        partition, from the model's module and parameter names (``model_names``; wrapper segments such as
-        ``_checkpoint_wrapped_module`` dropped, as the state dict drops them) and the names its state is
-        saved under (``state_names``: a list none of whose entries holds state renames nothing).
-
-        State keys cannot tell a wrong ``pp_layers`` (``(3, 2)`` for stages of two layers each stores
-        layers 0, 1, 3, 4: a later load under the right one gives stage 1 another layer) from layers
-        without state (an activation in the list); a list counts both. The rule renumbers every list:
-        past the first stage, each must hold the stage's count exactly (a head's own ``head.layers`` is
-        shifted too, and another partition would read it an entry off: a name_map is the way); at offset 0
-        nothing is shifted, so one list holding the count is enough (a vision tower's ``layers`` beside the
-        text layers)."""
+        partition, from the model's module and parameter names (``model_names``, wrapper segments dropped
+        as the state dict drops them) and the names its state is saved under (``state_names``). State
+        keys cannot tell a wrong ``pp_layers`` from layers without state (an activation); a list counts
+        both. Past the first stage every list holding state must hold the stage's count exactly (the rule
+        shifts them all); at offset 0 nothing is shifted, so one such list is enough (a vision tower's
+        ``layers`` beside the text layers)."""
         if self._count is None or self.name_map is not None:
             return
         held: dict[str, set[int]] = {}
@@ -366,11 +341,8 @@ class KeyMapper:
         return {int(m.group(1)) for k in keys if (m := _LAYER.search(k)) is not None}
 
     def global_path(self, local_path: tuple[object, ...], local_key: str, global_key: str) -> tuple[object, ...]:
-        """Flatten path for ``global_key``: the elements both keys share, then the renamed rest.
-
-        DCP records ``key -> path`` so tools can re-nest a flat checkpoint (``dcp_to_torch_save``).
-        A renamed key keeps its unchanged leading path elements and holds the rest as one string.
-        """
+        """Flatten path for ``global_key`` (DCP records ``key -> path`` so tools can re-nest a flat
+        checkpoint): the leading elements both keys share, then the renamed rest as one string."""
         if global_key == local_key:
             return local_path
         prefix: list[object] = []
@@ -401,11 +373,8 @@ MERGED_KEY = "__smpckpt_merged__"
 
 @dataclasses.dataclass(frozen=True)
 class LayoutRecord:
-    """The partition a checkpoint was saved under.
-
-    ``specs`` are the spec rules as JSON records (``SpecRules.to_records()``): kept as data, since
-    a reader needs them for display and comparison, not to shard anything.
-    """
+    """The partition a checkpoint was saved under; ``specs`` are the spec rules as JSON records
+    (``SpecRules.to_records()``), kept as data for display and comparison."""
 
     layout: ParallelLayout
     specs: tuple[Mapping[str, Any], ...] = ()
@@ -487,22 +456,21 @@ class LayoutRecord:
 def checkpoint_ties(metadata: Any) -> dict[str, str]:
     """Tied keys a checkpoint stores once (key -> the key holding its bytes): from our record, or from
     what the storage reader found missing in a plain Hugging Face folder (:data:`TIED_KEY`)."""
-    record = LayoutRecord.from_metadata(metadata)
-    if record is not None:
-        return dict(record.tied)
-    data = getattr(metadata, "planner_data", None)
-    found = data.get(TIED_KEY) if isinstance(data, Mapping) else None
-    return {str(k): str(v) for k, v in found.items()} if isinstance(found, Mapping) else {}
+    return {str(k): str(v) for k, v in _recorded(metadata, "tied", TIED_KEY).items()}
 
 
 def checkpoint_original_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
     """Shapes tensors stored in a view had before it (key -> shape): from our record, or from what the
     storage reader knows of a Hugging Face folder's fused tensors (:data:`MERGED_KEY`)."""
+    return {str(k): tuple(int(n) for n in v) for k, v in _recorded(metadata, "original_shapes", MERGED_KEY).items()}
+
+
+def _recorded(metadata: Any, field: str, key: str) -> Mapping[str, Any]:
+    """``field`` of the checkpoint's record, else the mapping under ``planner_data[key]`` (a plain
+    Hugging Face folder read through our storage reader), else none."""
     record = LayoutRecord.from_metadata(metadata)
     if record is not None:
-        return dict(record.original_shapes)
+        return getattr(record, field)
     data = getattr(metadata, "planner_data", None)
-    found = data.get(MERGED_KEY) if isinstance(data, Mapping) else None
-    if not isinstance(found, Mapping):
-        return {}
-    return {str(k): tuple(int(n) for n in v) for k, v in found.items()}
+    found = data.get(key) if isinstance(data, Mapping) else None
+    return found if isinstance(found, Mapping) else {}

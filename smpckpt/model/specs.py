@@ -4,8 +4,7 @@ A :class:`ShardSpec` says which dimension of the (optionally viewed) local tenso
 which parallel axis, and how big each rank's piece is. Specs are attached to keys by glob rules
 (:class:`SpecRules`), matched against the flattened key as DCP flattens a state dict
 (``model.layers.3.qkv.weight``). The first matching rule wins, in the mapping's insertion order.
-Optimizer state (``optim.state.<param>.exp_avg`` ...) inherits the spec of ``<param>``.
-"""
+Optimizer state (``optim.state.<param>.exp_avg`` ...) inherits the spec of ``<param>``."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class ShardSpec:
             checkpoint stores the tensor under its global *view* shape (``[3, h, d]``), so q, k and v
             rows reshard correctly under any TP degree. One ``-1`` is allowed.
         sizes: every rank's extent along ``dim`` in the current layout, one entry per rank of
-            ``axis`` (uneven splits, vocabulary padding). ``None`` means an even split.
-    """
+            ``axis`` (uneven splits, vocabulary padding). ``None`` means an even split."""
 
     dim: int
     axis: str = "tp"
@@ -106,18 +104,14 @@ class SpecRules:
     """Ordered glob rules mapping flattened keys to shard specs; first match wins.
 
     Patterns use :mod:`fnmatch` syntax (``*`` also crosses dots). A key under an optimizer-state
-    prefix (``optim.state.<param>.<name>``) that matches no rule itself inherits the spec of
-    ``<param>``.
+    prefix (``optim.state.<param>.<name>``) that matches no rule itself inherits ``<param>``'s spec.
 
     Args:
         rules: glob -> spec (or tuple of specs, outermost first), in the order they are tried.
-        also_under: top-level names (``("model",)``) under which every rule also matches: a rule
-            ``transformer.h.*.attn.qkv.weight`` -- written against the model's own parameter names, as
-            ``smpckpt.hf.<family>.tp_specs`` returns them -- then matches the stored key
-            ``model.transformer.h.0.attn.qkv.weight`` too. Each rule tries the key as given, then under
-            each name, before the next rule is tried; so "first match wins" keeps its meaning.
-            :func:`smpckpt.save_checkpoint` and :func:`smpckpt.resume_from_checkpoint` pass ``("model",)``.
-    """
+        also_under: top-level names (``("model",)``, as :func:`smpckpt.save_checkpoint` and
+            :func:`smpckpt.resume_from_checkpoint` pass) under which every rule also matches, so rules
+            written against the model's own names (``tp_specs``) match ``model.<name>``; each rule tries
+            the key as given, then under each name, before the next rule is tried."""
 
     def __init__(self, rules: Mapping[str, SpecLike] | None = None, *, also_under: Sequence[str] = ()) -> None:
         self._rules: list[tuple[str, re.Pattern[str], tuple[ShardSpec, ...]]] = []
@@ -147,10 +141,8 @@ class SpecRules:
     @classmethod
     def of(cls, rules: Mapping[str, SpecLike] | SpecRules | None, *, also_under: Sequence[str] = ()) -> SpecRules:
         """``rules`` as :class:`SpecRules`. Equal rule mappings share one instance, and with it the
-        per-key match caches: a planner built afresh for every save (as the API builds them) then
-        matches each key against the rules once per process instead of once per save (measured: a
-        third of local planning at 2 ranks, ``benchmarks/RESULTS.md``). Given a :class:`SpecRules`,
-        ``also_under`` names are added to its own."""
+        per-key match caches, so planners built afresh for every save match each key once per process
+        (``benchmarks/RESULTS.md``). Given a :class:`SpecRules`, ``also_under`` names are added to its own."""
         also = tuple(also_under)
         if isinstance(rules, SpecRules):
             if all(name in rules.also_under for name in also):
@@ -177,8 +169,7 @@ class SpecRules:
         Returns ``(specs, inherited_from)``: ``inherited_from`` is the parameter key whose spec an
         optimizer-state key inherited, else ``None``. ``prefixes`` are the top-level names under
         which parameters live in the same state dict (``"model"``), tried in front of the parameter
-        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``).
-        """
+        name an optimizer key carries (``optim.state.layers.0.w.exp_avg`` -> ``model.layers.0.w``)."""
         prefixes = prefixes if isinstance(prefixes, tuple) else tuple(prefixes)
         cache_key = (key, prefixes)
         found = self._cache.get(cache_key, _UNKNOWN)
@@ -279,11 +270,8 @@ def shard_geometry(
     coords: RankCoords,
     degrees: Mapping[str, int],
 ) -> ShardGeometry:
-    """Global shape and offsets of this rank's local tensor under ``specs``.
-
-    Specs are given outermost first; they are applied innermost first, each growing the extent along
-    its dim from this rank's piece to the piece of the enclosing level.
-    """
+    """Global shape and offsets of this rank's local tensor under ``specs`` (given outermost first,
+    applied innermost first, each growing the extent along its dim to the enclosing level's piece)."""
     specs = _as_tuple(tuple(specs))
     shape = torch.Size(local_shape)
     view = next((s.view for s in specs if s.view is not None), None)

@@ -4,14 +4,11 @@ Two namespaces meet here. *Ours* is our model's global tensor, keyed by our FQN 
 checkpoint stores it (its global *view* shape: a fused QKV weight is ``[3, d, d]``). The *artifact* is
 the foreign file's tensor (an HF safetensors entry), keyed by its own FQN, in its own shape.
 
-Each of our tensors is an :data:`Expr` (:class:`Leaf` / :class:`Cat`) over artifact tensors, evaluated
-lazily by region (:func:`pieces`: read one TP rank's shard out of an HF tensor, or write each rank's chunk
-straight into HF-shaped tensors) or eagerly (:func:`evaluate` / :func:`scatter`, exact inverses, used by
-:meth:`Translation.translate_from_artifact` / :meth:`Translation.translate_to_artifact`). That algebra
-lives in :mod:`smpckpt.model._translation_algebra` (documented there) and is re-exported here; this module
-holds the rules. A :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
-(``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way.
-"""
+Each of our tensors is an :data:`Expr` over artifact tensors, evaluated lazily by region or eagerly:
+that algebra is :mod:`smpckpt.model._translation_algebra`'s, re-exported here. This module holds the
+rules: a :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
+(``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way;
+and :func:`check_translates`, whether a translation fits the tensors it is given."""
 
 from __future__ import annotations
 
@@ -19,9 +16,11 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
 
 import torch
 
+from smpckpt.errors import SpecError
 from smpckpt.model._translation_algebra import (
     Cat,
     Expr,
@@ -41,7 +40,7 @@ from smpckpt.model._translation_algebra import (
 # the algebra's names, then the rules'
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
 __all__ += ["merge_leading", "split_leading", "reshaped"]
-__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "IDENTITY"]
+__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "IDENTITY", "check_translates"]
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -78,8 +77,7 @@ class Rule:
             ValueError for shapes it cannot take.
         fused: ``n`` when ours is ``n`` tensors fused along a new dim 0 that an unsharded model holds
             merged with the next (``[3, d, d]`` stored, ``[3d, d]`` in an ``nn.Linear``): saving then
-            also takes our tensor in that merged shape (a TP=1 model saved without specs); ``0``: not.
-    """
+            also takes our tensor in that merged shape (a TP=1 model saved without specs); ``0``: not."""
 
     ours: str
     artifact: tuple[str, ...]
@@ -171,15 +169,12 @@ class Translation:
         ignore: artifact key templates that are not state (non-persistent buffers some exporters
             wrote); :meth:`from_artifact` and the eager import skip them.
         tied: head key -> the key it is tied to (``{"lm_head.weight": "transformer.wte.weight"}``):
-            one tensor under two names, as transformers ties output embeddings to input ones. Neither
-            key may be one a rule rewrites, so each names the same tensor on both sides. A file that
-            leaves the head out (what ``save_pretrained`` writes) still gives a model that holds the
-            head separately its values (:meth:`missing_ties`); the eager helpers drop and add heads by
-            it. Whether a model ties is its config's ``tie_word_embeddings``.
+            one tensor under two names, neither rewritten by a rule. A file that leaves the head out (as
+            ``save_pretrained`` writes) still gives a model holding the head apart its values
+            (:meth:`missing_ties`); the eager helpers drop and add heads by it.
         architecture: the transformers class whose state dict the artifact side is
             (``"GPT2LMHeadModel"``), written into ``config.json``'s ``architectures`` when the config
-            given has none.
-    """
+            given has none."""
 
     def __init__(
         self,
@@ -252,8 +247,7 @@ class Translation:
         """For saving: our key -> Expr over artifact keys, and every artifact key's shape.
 
         Raises ValueError when a shape does not fit its rule or two of our keys would write one
-        artifact key.
-        """
+        artifact key."""
         shapes = {k: tuple(int(s) for s in v) for k, v in our_shapes.items()}
         exprs: dict[str, Expr] = {}
         artifact_shapes: dict[str, Shape] = {}
@@ -305,8 +299,7 @@ class Translation:
         """For loading: our key -> (Expr, our global shape), covering every artifact key but ignored ones.
 
         Raises ValueError when a fused tensor's parts are missing or disagree in shape, or two
-        translated keys collide.
-        """
+        translated keys collide."""
         shapes = {k: tuple(int(s) for s in v) for k, v in artifact_shapes.items()}
         groups: dict[tuple[int, tuple[tuple[str, str], ...], str], str] = {}  # -> the artifact key that found it
         for key in shapes:
@@ -394,3 +387,89 @@ def _put(out: dict[str, tuple[Expr, Shape]], key: str, value: tuple[Expr, Shape]
 
 #: The translation that maps every key to itself.
 IDENTITY = Translation("identity")
+
+
+# -- whether a translation fits ------------------------------------------------------------------------
+
+_SHOW = 5
+
+
+def _show(keys: Sequence[str]) -> str:
+    return ", ".join(repr(k) for k in keys[:_SHOW]) + (f" and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
+
+
+def _prefixed(translation: Translation, key: str, side: str) -> tuple[str, str] | None:
+    """``(prefix, rule template)`` when a dotted tail of ``key`` is one the rules take whole."""
+    pos = 0
+    while (pos := key.find(".", pos) + 1) > 0:
+        tail = key[pos:]
+        for rule in translation.rules:
+            if (rule.match_ours(tail) if side == "ours" else rule.match_artifact(tail)) is not None:
+                return key[:pos], rule.ours if side == "ours" else next(iter(rule.artifact))
+    return None
+
+
+def check_translates(
+    translation: Translation,
+    shapes: Mapping[str, Sequence[int]],
+    side: Literal["ours", "artifact"],
+    others: Iterable[Translation] = (),
+) -> None:
+    """Raise :class:`~smpckpt.errors.SpecError` when ``translation`` does not fit the tensors of
+    ``shapes`` on ``side`` (``"ours"``: exporting our tensors; ``"artifact"``: importing a Hugging Face
+    folder's), naming the keys and what would fit.
+
+    A translation keeps every key its rules do not name, so the wrong one changes nothing and fails
+    nowhere (GPT-J's fused ``attn.qkv_proj.weight`` exported with GPT-Neo's rules keeps its name, and
+    ``from_pretrained`` initialises q, k and v at random). Refused: none of the tensors is one the rules
+    take (on import only when another family's rules take some: a folder may hold only untranslated
+    tensors); a tensor kept that another translation of ``others`` takes (on import only rules fusing
+    several artifact tensors count: GPT-2's renamed ``mlp.c_fc.weight`` is GPT-Neo's own key); a tensor
+    kept that the rules take without a prefix (``module.`` of a wrapper)."""
+    if not translation.rules or not shapes:
+        return
+    keys = [k for k in shapes if side == "ours" or not translation.is_ignored(k)]
+    kept = [k for k in keys if translation.rule_of(k, shapes, side) is None]
+    theirs: dict[str, list[str]] = {}  # another translation -> the kept keys it takes
+    fused: dict[str, list[str]] = {}  # of those, the ones it fuses from several artifact tensors
+    for other in others:
+        if other is translation or other.name == translation.name:
+            continue
+        for key in kept:
+            rule = other.rule_of(key, shapes, side)
+            if rule is not None:
+                theirs.setdefault(other.name, []).append(key)
+                if side == "ours" or len(rule.artifact) > 1:
+                    fused.setdefault(other.name, []).append(key)
+    what = "tensors" if side == "ours" else "Hugging Face tensors"
+    if len(kept) == len(keys) and (side == "ours" or theirs):
+        prefixed = next((p for k in kept if (p := _prefixed(translation, k, side)) is not None), None)
+        if theirs:
+            # a family whose rules fuse the tensors names it surest (GPT-2's renames are GPT-Neo's keys);
+            # families sharing rules (Llama, Mistral, Qwen2) are named together
+            name, found = max((fused or theirs).items(), key=lambda item: len(item[1]))
+            names = " or ".join(f"{n}'s" for n, f in (fused or theirs).items() if f == found)
+            hint = f"they are {names} ({_show(found)}): use its translation, smpckpt.hf.translation_for({name!r})"
+        elif side == "ours" and any(translation.rule_of(k, shapes, "artifact") is not None for k in kept):
+            hint = "they already have the artifact's (Hugging Face) names: save without a translation"
+        elif prefixed is not None:
+            hint = f"some are its {prefixed[1]!r} under the prefix {prefixed[0]!r}: strip the prefix"
+        else:
+            hint = f"is the model of its family ({translation.architecture or translation.name})?"
+        raise SpecError(
+            f"translation {translation.name!r} takes none of the {len(keys)} {what} ({_show(kept)}), so it "
+            f"would change nothing: {hint}"
+        )
+    for found in fused.values():
+        names = " or ".join(f"{n}'s" for n, f in fused.items() if f == found)
+        raise SpecError(
+            f"translation {translation.name!r} leaves {_show(found)} as they are, but they are {names} "
+            f"{'fused tensors' if side == 'ours' else 'tensors to fuse'}: use the translation of the model's family"
+        )
+    prefixed_keys = [k for k in kept if _prefixed(translation, k, side) is not None]
+    if prefixed_keys:
+        prefix, template = _prefixed(translation, prefixed_keys[0], side) or ("", "")
+        raise SpecError(
+            f"translation {translation.name!r} leaves {_show(prefixed_keys)} as they are, but without the prefix "
+            f"{prefix!r} they are its {template!r}: save the model without its wrapper (or strip the prefix)"
+        )

@@ -1,18 +1,14 @@
 """Offline consolidation: a committed partial checkpoint -> the full artifact ``partial=False`` writes.
 
 :func:`consolidate_checkpoint` (``smpckpt consolidate SRC OUT``) runs in one CPU process with no
-process group. It drives the full-mode storage writer as ``dcp.save`` would for a one-rank world whose
-every tensor is one whole chunk, and fetches each tensor from the partial checkpoint only when the
-writer asks for it -- one tensor at a time, every saved shard read with its checksums verified -- so
-memory stays about twice the largest tensor (the tensor, plus one contiguous box while a translation
-transposes or a cast converts it), whatever the model size. A tqdm bar shows bytes done.
-
-The output is the same as an online full save: ``model.safetensors`` (or shards + index),
-``optimizer.safetensors`` with ``include_optimizer``, ``user_content.pt``, the commit manifest.
-"""
+process group, and writes what an online full save writes. It drives the full-mode storage writer as
+``dcp.save`` would for a one-rank world whose every tensor is one whole chunk, fetching each tensor
+(its shards' checksums verified) only when the writer asks for it, so memory stays about twice the
+largest tensor whatever the model size. A tqdm bar shows bytes done."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -20,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -28,7 +25,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -38,6 +34,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, _create_read_item_for_tensor
 from tqdm.auto import tqdm
 
 from smpckpt.errors import CheckpointError
@@ -77,21 +74,13 @@ class _OneTensorAtATime(_Offline, SavePlanner):
 
     def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
         self.reader, self.md, self.bar = reader, metadata, bar
-        self.objects: dict[str, bytes] = {}
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
         md = self.md.state_dict_metadata[fqn]
         sink = _Sink()
         if isinstance(md, BytesStorageMetadata):
-            req = ReadItem(
-                type=LoadItemType.BYTE_IO,
-                dest_index=MetadataIndex(fqn),
-                dest_offsets=torch.Size(),
-                storage_index=MetadataIndex(fqn),
-                storage_offsets=torch.Size(),
-                lengths=torch.Size(),
-            )
+            req = _create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0)
             self.reader.read_data(LoadPlan([req]), sink).wait()
             return io.BytesIO(sink.data[fqn])
         if not isinstance(md, TensorStorageMetadata):
@@ -99,13 +88,8 @@ class _OneTensorAtATime(_Offline, SavePlanner):
         whole = torch.empty(md.size, dtype=md.properties.dtype)
         zeros = torch.Size([0] * len(md.size))
         reads = [
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, zeros),
-                dest_offsets=c.offsets,
-                storage_index=MetadataIndex(fqn, c.offsets),
-                storage_offsets=zeros,
-                lengths=c.sizes,
+            _create_read_item_for_tensor(
+                MetadataIndex(fqn, zeros), c.offsets, MetadataIndex(fqn, c.offsets), zeros, c.sizes
             )
             for c in md.chunks
         ]
@@ -128,10 +112,7 @@ class _Sink(_Offline, LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         if self.whole is None:
             raise CheckpointError("internal: no destination tensor")
-        t = self.whole
-        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            t = t.narrow(d, o, n)
-        return t
+        return narrow_tensor_by_index(self.whole, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
@@ -166,16 +147,17 @@ def consolidate_checkpoint(
     ``<key>.pt`` for each of the model's non-tensor values (a module's extra_state) and, with
     ``include_optimizer``, each non-tensor per-parameter optimizer value (an int ``step``), as the online
     full save; RNG states and the optimizer's hyper-parameters are left out. Other DCP checkpoints put
-    every tensor in ``model.safetensors`` under its
-    flattened key and every object in ``<key>.pt``. ``out`` must not hold a committed checkpoint.
-    ``format="torch_save"`` writes ``torch.save`` files (``pytorch_model.bin``, ``optimizer.bin``)
-    instead of safetensors ones. ``max_shard_size`` and the other artifact options are those of
-    :class:`~smpckpt.storage.FullOptions` (with its defaults, as a full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
+    every tensor in ``model.safetensors`` under its flattened key and every object in ``<key>.pt``.
+    ``out`` must not hold a committed checkpoint. ``format="torch_save"`` writes ``torch.save`` files
+    (``pytorch_model.bin``, ``optimizer.bin``) instead of safetensors ones. ``max_shard_size`` and the
+    other artifact options are those of :class:`~smpckpt.storage.FullOptions` (with its defaults, as a
+    full ``save_checkpoint``). ``storage_options`` apply to ``src``, and to ``out`` unless
     ``out_storage_options`` are given. ``sync_files`` (default on): fsync every local file written and
-    its folder before the commit, as a save does.
-    """
+    its folder before the commit, as a save does."""
     # the arguments first (a translation and a config of different families, a bad size), before any read
-    FullOptions(max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format)
+    opts = FullOptions(
+        max_shard_size=max_shard_size, dtype=dtype, translation=translation, hf_config=hf_config, format=format
+    )
     src = resolve_checkpoint_url(os.fspath(src), storage_options or {})
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()
@@ -190,14 +172,7 @@ def consolidate_checkpoint(
         if include_optimizer:
             raise ValueError(f"{src}: include_optimizer needs a checkpoint written by smpckpt.save_checkpoint")
         artifacts = {"": "model"}
-    opts = FullOptions(
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        artifacts=artifacts,
-        translation=translation,
-        hf_config=hf_config,
-        format=format,
-    )
+    opts = dataclasses.replace(opts, artifacts=artifacts)
     record = (metadata.planner_data or {}).get(METADATA_KEY) if isinstance(metadata.planner_data, dict) else None
     # As the online full save (and save_pretrained): a key the checkpoint stores tied to another (one
     # tensor under two names, written once) stays out of the artifact unless the config unties them;

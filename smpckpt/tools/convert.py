@@ -1,8 +1,7 @@
 """Export a checkpoint to what stock tools read: one ``torch.save`` file, or a stock-DCP folder.
 
-Stock DCP cannot read smpckpt's default (``raw``) format -- ``dcp.load`` and ``dcp_to_torch_save``
-fail with ``Unknown extension name='smpckpt.raw'`` -- and a tensor saved with a ShardSpec ``view`` is
-stored under its view shape (a fused QKV ``[3h, d]`` as ``[3, h, d]``). :func:`convert_checkpoint`
+Stock DCP cannot read smpckpt's default (``raw``) format (``Unknown extension name='smpckpt.raw'``),
+and a tensor saved with a ShardSpec ``view`` is stored in its view shape. :func:`convert_checkpoint`
 (``smpckpt convert SRC OUT``) reads any checkpoint our reader reads, in one process with no process
 group, and writes:
 
@@ -11,8 +10,7 @@ group, and writes:
   ``FileSystemReader`` or ``checkpoint_id=``) and ``dcp_to_torch_save`` read with nothing installed.
 
 Viewed tensors are written in their original shape (recorded at save time) unless ``keep_view_shapes``.
-Memory: every tensor is held once, full-size (an offline tool; use a machine that fits the model).
-"""
+Memory: every tensor is held once, full-size (an offline tool; use a machine that fits the model)."""
 
 from __future__ import annotations
 

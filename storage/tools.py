@@ -187,6 +187,9 @@ def check_blocks(
                 if not ok:
                     return False
                 copy_to(data)
+            # let go of this read before the next is made (one read per file held, not two: the drain's
+            # budget gives a read back once written)
+            del data, digest
     return ok
 
 

@@ -180,7 +180,7 @@ class TierPlan:
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
-    drain_memory: int = 256 << 20  #: :attr:`FastTier.drain_memory`
+    drain_memory: int = 384 << 20  #: :attr:`FastTier.drain_memory`
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 

@@ -323,3 +323,30 @@ def test_the_drain_holds_at_most_drain_memory_of_its_files_at_once(
     assert _same(got, model)
     with pytest.raises(ValueError, match=r"drain_memory must be >= 1048576, got 1000"):
         FastTier(local_path=str(tmp_path / "fast"), drain_memory=1000)
+
+
+def test_the_drain_budget_keeps_room_for_its_oldest_file_which_never_waits() -> None:
+    """A file waits while taking would pass the cap with room kept for the oldest file still copying; that
+    one never waits (a cap below a file's need copies a file at a time, not none: no deadlock with every
+    file holding half a part), and a file's end gives back whatever it still held."""
+    import threading
+
+    from smpckpt.api._drain import _Budget
+
+    budget = _Budget(cap=10, room=4)
+    budget.take("a", 3)
+    budget.take("b", 3)  # 6 held, 1 more kept for a: 7 <= 10
+    waiting = threading.Thread(target=budget.take, args=("c", 4))  # 10 + a's 1 > 10: waits
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive() and budget.held == 6
+    budget.take("a", 20)  # the oldest file: past the cap, never waiting
+    assert (budget.held, budget.peak) == (26, 26)
+    budget.end("a")  # b is the oldest now; c fits beside it
+    waiting.join(5)
+    assert not waiting.is_alive() and budget.files == {"b": 3, "c": 4} and budget.held == 7
+    budget.give("b", 3)
+    budget.give("gone", 5)  # a part sent after its file ended: nothing to give back
+    budget.end("b")
+    budget.end("c")
+    assert (budget.held, budget.files, budget.peak) == (0, {}, 26)

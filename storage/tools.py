@@ -152,6 +152,7 @@ def check_blocks(
     tick: Callable[[int], None],
     *,
     copy_to: Callable[[memoryview], None] | None = None,
+    reserve: Callable[[int], None] | None = None,
 ) -> bool:
     """Every block checksum of the data file ``rec`` at ``fpath``: a problem per mismatch (``where`` names
     the file), ``tick(bytes)`` after each unit read; ``True`` when all match. Shared with
@@ -159,13 +160,16 @@ def check_blocks(
     copies as it checks: ``copy_to`` is given the file's first ``rec.size`` bytes in order, each run only
     once all its blocks matched (one read per file); the first mismatch then ends the check, so nothing
     damaged is handed on (the caller discards what it was given). Each run is a view of bytes read for it
-    alone and never changed after: a sink may keep it (the drain's S3 uploads borrow it)."""
+    alone and never changed after: a sink may keep it (the drain's S3 uploads borrow it). ``reserve(bytes)``
+    before each read (the drain's memory budget: it may wait there)."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
         # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are
         # at hand) are read together, up to _READ_CHUNK a request: a unit a request made a checkpoint of
         # 16 KiB units 64 ranged GETs per MiB on object stores (2,560 for 40 MiB: 24 s on moto)
         for first, last, units in _unit_batches(rec, _READ_CHUNK):
+            if reserve is not None:
+                reserve(last - first)
             f.seek(first)
             data = memoryview(f.read(last - first))
             if len(data) != last - first:  # the file shrank since its size was checked
@@ -183,6 +187,9 @@ def check_blocks(
                 if not ok:
                     return False
                 copy_to(data)
+            # let go of this read before the next is made (one read per file held, not two: the drain's
+            # budget gives a read back once written)
+            del data, digest
     return ok
 
 

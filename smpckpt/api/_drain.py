@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
@@ -44,6 +45,7 @@ from smpckpt.api._dist import DistContext
 from smpckpt.api._save import SaveRequest, publish_newest, retain
 from smpckpt.api._tiers import Nodes
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists
+from smpckpt.storage import tools
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
@@ -64,6 +66,46 @@ _PART = DEFAULT_PART_SIZE  # bytes per S3 part of a durable copy (the writers' d
 # files copied at once: local and shared filesystems gain little beyond a few streams; object stores
 # want many requests in flight (the fast tier sized these files to about one request each)
 _FILES_AT_ONCE = MappingProxyType({True: 4, False: 16})
+_PARTS_IN_FLIGHT = 2  # per file, on object stores
+
+
+class _Budget:
+    """This rank's drain memory: the bytes of the fast-tier files it read and has not let go (a read is taken
+    before it is made and given back once written; on an object store, once the part holding it was
+    sent). A file waits while taking would pass ``cap`` with ``room`` (the most one file can hold) kept
+    for the oldest file still copying, which never waits: one file always proceeds, and no file stuck
+    with a part half filled waits on the others for ever. ``peak``: the high-water mark."""
+
+    def __init__(self, cap: int, room: int) -> None:
+        self.cap, self.room, self.held, self.peak = cap, room, 0, 0
+        self.files: dict[str, int] = {}  # file -> bytes it holds, in the order the files started
+        self.cond = threading.Condition()
+
+    def take(self, name: str, n: int) -> None:
+        with self.cond:
+            self.files.setdefault(name, 0)
+            while (head := next(iter(self.files))) != name and (
+                self.held + n + max(0, self.room - self.files[head]) > self.cap
+            ):
+                self.cond.wait()
+            self.files[name] += n
+            self.held += n
+            self.peak = max(self.peak, self.held)
+
+    def give(self, name: str, n: int) -> None:
+        """(any thread: S3 parts are sent on s3fs's loop) ``n`` bytes of ``name`` let go."""
+        with self.cond:
+            n = min(n, self.files.get(name, 0))
+            if name in self.files:
+                self.files[name] -= n
+                self.held -= n
+                self.cond.notify_all()
+
+    def end(self, name: str) -> None:
+        """``name``'s copy ended (committed or aborted): what it held is let go."""
+        with self.cond:
+            self.held -= self.files.pop(name, 0)
+            self.cond.notify_all()
 
 
 def holders_of(
@@ -116,6 +158,7 @@ class _Copies:
     sync: bool
     nodes: Nodes
     holders: Mapping[str, tuple[int, ...]]
+    budget: _Budget
     attempted: list[str] = dataclasses.field(default_factory=list)
 
     def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
@@ -128,14 +171,16 @@ class _Copies:
         # create-only, in the folder opened without following links (storage/backends/_folder.py); borrow:
         # check_blocks hands on fresh bytes of each read, sent to S3 as they are (a part buffer's copy of
         # each was 32 MiB more per file in flight, 16 files at once: mem59)
+        name, budget = rec.name, self.budget
         sink = open_sink(
             self.fs,
-            join(self.path, rec.name),
+            join(self.path, name),
             sync=self.sync,
             part_size=_PART,
-            max_parts_in_flight=2,
+            max_parts_in_flight=_PARTS_IN_FLIGHT,
             folder=folder,
             borrow=True,
+            sent=functools.partial(budget.give, name),
         )
         failed_writing: list[BaseException] = []  # path's storage failed: the drain fails, no fallback
 
@@ -145,11 +190,14 @@ class _Copies:
             except BaseException as exc:
                 failed_writing.append(exc)
                 raise
+            if not getattr(sink, "borrows", True):
+                budget.give(name, len(data))  # written: the read's bytes are let go
 
-        problem = None
+        problem, take = None, functools.partial(budget.take, name)  # before each read
         try:
             try:
-                if not check_blocks(open_fs(self.source)[0], src, rec, src, problems, lambda _: None, copy_to=write):
+                fs = open_fs(self.source)[0]
+                if not check_blocks(fs, src, rec, src, problems, lambda _: None, copy_to=write, reserve=take):
                     problem = "; ".join(problems[:2]) or f"{src}: damaged"
             except (OSError, CheckpointError) as exc:
                 if failed_writing:
@@ -158,11 +206,13 @@ class _Copies:
             if problem is None:
                 sink.commit()
                 return None
+            sink.abort()  # never commit a damaged copy as the durable one: a peer's replica may be intact
+            return problem
         except BaseException:
             sink.abort()
             raise
-        sink.abort()  # never commit a damaged copy as the durable one: a peer's replica may be intact
-        return problem
+        finally:
+            budget.end(name)
 
     def copy_round(self, mine: list[FileRecord]) -> dict[str, str]:
         """This rank's files of one round, several at once; file -> problem, for the copies that failed."""
@@ -217,7 +267,10 @@ def drain(
     manifest = prepared.parsed()
     fs, path = open_fs(req.url, req.storage_options)
     holders = holders_of(manifest.files, tier.nodes, tier.replicas, held_by)
-    copies = _Copies(fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders)
+    # the most one file holds: a read, and on object stores a part filling and those in flight
+    room = tools._READ_CHUNK + (0 if is_local(fs) else (_PARTS_IN_FLIGHT + 1) * _PART)
+    budget = _Budget(tier.drain_memory, room)
+    copies = _Copies(fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders, budget)
 
     def commit() -> None:
         found = probe(fs, path, list_when_empty=False)
@@ -258,7 +311,14 @@ def drain(
     tier.memory.note_durable(tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx)
-    log.info("drained checkpoint %r to %s in %.2fs", req.tag, req.url, time.monotonic() - started)
+    log.info(
+        "drained checkpoint %r to %s in %.2fs (at most %.0f MiB of its files held at once; drain_memory %.0f MiB)",
+        req.tag,
+        req.url,
+        time.monotonic() - started,
+        budget.peak / 2**20,
+        budget.cap / 2**20,
+    )
     retain(breq, dctx)
 
 

@@ -121,14 +121,6 @@ class FastTierPart:
             retry = tier.retry
             rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
             self._drain(rreq, tier, lambda: drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by))
-            if DistContext(req.process_group).is_coordinator:  # after the drain is on every rank's lane: a
-                # warnings filter that raises here leaves no rank waiting for rank 0 in the drain (rev59b F1)
-                message = (
-                    f"checkpoint {retry.tag!r} (save {retry.seq}) was due for the durable tier and its drain never "
-                    f"committed (a job stopped while draining?): draining it to {rreq.url} again, in the background"
-                )
-                log.warning(message)
-                warnings.warn(message, stacklevel=5)
 
     def _drain(self, req: SaveRequest, tier: TierPlan, copy: Any) -> None:
         """Hold ``req``'s tag in the fast tier while the drain lane runs ``copy()``."""
@@ -188,6 +180,7 @@ class TierPlan:
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
+    drain_memory: int = 384 << 20  #: :attr:`FastTier.drain_memory`
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -286,6 +279,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         memory,
         memory.path_seq,
         lineage,
+        drain_memory=opts.drain_memory,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan
@@ -293,21 +287,27 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
 
 def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, int] | None:
     """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
-    drained (complete across the nodes, its tag free in ``path``); the others are named in warnings."""
+    drained (complete across the nodes, its tag free in ``path``), warned of as the others are."""
     for c in pending:
         why = ""
         if not c.complete:
             why = f"it is incomplete across the surviving nodes (missing {', '.join(c.missing[:3])})"
         elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
-        if not why:
-            return c.tag, c.digest
         message = (
-            f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, but "
-            f"cannot be drained: {why}; it stays in the fast tier until a later save is drained"
+            f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier and its drain never committed (a "
+            f"job stopped while draining?): draining it to {partial_url(req.root, c.tag)} again, in the background"
+            if not why
+            else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
+            f"but cannot be drained: {why}; it stays in the fast tier until a later save is drained"
         )
+        # inside plan_tier_save's agreement on rank 0's decision (on_coordinator): a filter making warnings
+        # errors fails the save on every rank alike; warned from the save (an async one's background
+        # future), it failed rank 0's alone (rev59c F3)
         log.warning(message)
         warnings.warn(message, stacklevel=5)
+        if not why:
+            return c.tag, c.digest
     return None
 
 

@@ -200,10 +200,18 @@ class FastTier(_Options):
     copying, nor one due for ``path`` whose drain did not commit); ``None`` keeps all.
     :attr:`Retention.num_kept_partial_checkpoints` governs ``path``."""
 
+    drain_memory: int = _opt(384 << 20, same=False)
+    """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written
+    yet; on object stores, the parts uploading): the files copied at once (4 to filesystems, 16 to object
+    stores) wait for room. One file always proceeds, so a cap below one file's need (a 16 MiB read; on
+    object stores, plus three 32 MiB parts) copies a file at a time, above the cap. Below the default, a
+    drain to S3 took longer (README, the fast tier's "Memory")."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_path", check_local_path(self.local_path))
         check_int("replicas", self.replicas, minimum=1)
         check_int("durable_every", self.durable_every, minimum=1)
+        check_int("drain_memory", self.drain_memory, minimum=1 << 20)
         validate_keep(self.num_kept_local, "num_kept_local")
 
 

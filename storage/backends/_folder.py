@@ -36,7 +36,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from smpckpt.storage.backends import _nofollow as nf
@@ -199,7 +199,16 @@ class Folder:
         with translate_errors(self.where(name)):
             return os.open(base, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
 
-    def sink(self, name: str, *, sync: bool, part_size: int, max_parts_in_flight: int, borrow: bool = False) -> Sink:
+    def sink(
+        self,
+        name: str,
+        *,
+        sync: bool,
+        part_size: int,
+        max_parts_in_flight: int,
+        borrow: bool = False,
+        sent: Callable[[int], None] | None = None,
+    ) -> Sink:
         """A create-only sink for data file ``name`` (its prefix folder made when missing)."""
         where = self.where(name)
         if self.local:
@@ -209,7 +218,7 @@ class Folder:
             from smpckpt.storage.backends._s3 import S3MultipartSink
 
             return S3MultipartSink(
-                self.fs, where, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow
+                self.fs, where, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow, sent=sent
             )
         with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
             with translate_errors(where):

@@ -29,7 +29,7 @@ import inspect
 import itertools
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp.payload import Payload
@@ -129,6 +129,7 @@ class S3MultipartSink:
         max_in_flight: int,
         borrow: bool = False,
         grow_every: int = PART_GROWTH_EVERY,
+        sent: Callable[[int], None] | None = None,
     ) -> None:
         if int(part_size) < MIN_PART_SIZE or int(part_size) > MAX_PART_SIZE:
             raise ValueError(
@@ -153,6 +154,7 @@ class S3MultipartSink:
         self._parts: dict[int, concurrent.futures.Future[str]] = {}
         self._slots = threading.BoundedSemaphore(max(1, max_in_flight))
         self._done = False
+        self._sent = sent  # told each part's size once its upload ended (open_sink)
 
     # -- helpers ------------------------------------------------------------------------------
     def _run(self, coro: Any) -> concurrent.futures.Future[Any]:
@@ -180,6 +182,8 @@ class S3MultipartSink:
             if buf is not None:
                 self._free.append(buf)  # its bytes are sent (or the part failed): reusable
             self._slots.release()
+            if self._sent is not None:
+                self._sent(len(body))
 
     def _take_part(self) -> tuple[PartBody, bytearray | None]:
         """The part filled so far as a body (and its buffer, in copy mode); starts an empty one."""

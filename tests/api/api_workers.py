@@ -454,3 +454,46 @@ def rollback_world(rank: int, world: int, root: str) -> dict[str, Any]:
 
     _scenario(results, "rollback", rollback)
     return results
+
+
+def retried_drain_warning_as_error_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 nodes of one rank, durable_every=2: step2's drain fails (path refuses rank 0's first file), so
+    step3 drains it again, with a warning on rank 0, under a filter making warnings errors, async: rank 0's
+    background save alone failed (rev59c F3), and the next save's check refused on every rank."""
+    import errno
+
+    import smpckpt.api._drain as drain_module
+    from smpckpt import wait_for_saves
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    durable, real_open_sink, refused = os.path.join(root, "durable"), drain_module.open_sink, []
+
+    def refusing(fs: Any, path: str, **kw: Any) -> Any:
+        if rank == 0 and "step2_partial" in path and not refused:
+            refused.append(path)
+            raise OSError(errno.ENOSPC, "injected: no space left on path's storage", path)
+        return real_open_sink(fs, path, **kw)
+
+    drain_module.open_sink = refusing  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    kw: dict[str, Any] = dict(local_path=os.path.join(root, f"node{rank}"), replicas=1, durable_every=2)
+
+    def save(step: int, **more: Any) -> None:
+        save_checkpoint(durable, f"step{step}", model=model, **kw, **more)
+        wait_for_saves()
+
+    try:
+        first = [_expect_error(lambda: save(1)), _expect_error(lambda: save(2))]  # step2's drain fails
+        dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            said = _expect_error(lambda: save(3, async_save=True))
+        dist.barrier()  # both ranks got here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            after = _expect_error(lambda: save(4))
+        dist.barrier()
+    finally:
+        drain_module.open_sink = real_open_sink  # type: ignore[assignment]
+    return {"first": first, "said": said, "after": after, "durable": sorted(os.listdir(durable))}

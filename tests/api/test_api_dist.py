@@ -292,3 +292,19 @@ def test_rollback_retention_and_fallback_follow_the_history_on_every_rank(tmp_pa
         assert r["uc"] == {"step": 3} and r["same"], r
         if rank == 0:
             assert r["warned"]
+
+
+def test_a_retried_drains_warning_made_an_error_fails_every_rank_alike(tmp_path: Any) -> None:
+    """rev59c F3: a save that drains an earlier save again (its drain never committed) warned on rank 0
+    alone, after the drain was queued; under a filter making warnings errors an async save's future failed
+    on rank 0 only (``wait_for_saves`` raised there, not on rank 1), and the next save refused on every
+    rank. The warning is issued where rank 0 decides the retry, inside the agreement on that decision: the
+    save fails on every rank alike (rank 0 the warning, rank 1 a CheckpointError naming it), and the next
+    save goes on, draining it."""
+    got = run_world(api_workers.retried_drain_warning_as_error_world, 2, str(tmp_path), timeout=120)
+    assert got[0]["first"][0] == got[1]["first"][0] == "no error", got
+    assert "injected: no space left" in got[0]["first"][1], got[0]
+    assert got[0]["said"].startswith("UserWarning: checkpoint 'step2' (save 2) was due for the durable tier"), got[0]
+    assert got[1]["said"].startswith("CheckpointError: rank 0 failed with UserWarning: checkpoint 'step2'"), got[1]
+    assert got[0]["after"] == got[1]["after"] == "no error", got
+    assert "step2_partial" in got[0]["durable"], got[0]  # drained by the next save

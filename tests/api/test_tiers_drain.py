@@ -19,6 +19,7 @@ from smpckpt import (
     Checkpointer,
     CheckpointError,
     FastTier,
+    Location,
     last_resume_info,
     resume_from_checkpoint,
     save_checkpoint,
@@ -280,3 +281,72 @@ def test_the_drain_to_s3_sends_the_fast_tier_files_without_copying_them_into_par
     info = last_resume_info()
     assert info is not None and (info.tag, info.tier) == ("s1", "durable")
     assert _same(got, m1)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_drain_holds_at_most_drain_memory_of_its_files_at_once(
+    where: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing capped the drain's host memory: 4 files at once to filesystems, 16 to object stores, each with
+    a read of up to 16 MiB and (S3) up to 3 parts of 32 MiB held, +0.8 GiB per rank to S3 (6-8 GiB for 8
+    ranks of a node). Now a budget (``FastTier.drain_memory``) counts the bytes read and not yet let go: at
+    most the cap at once (scaled down here: 1 MiB reads, 5 MiB parts), the copy still bit-exact and committed."""
+    import smpckpt.api._drain as drain_module
+    import smpckpt.storage.tools as tools
+    from smpckpt.storage.backends._sinks import MIN_PART_SIZE
+
+    budgets: list[Any] = []
+
+    class Counted(drain_module._Budget):
+        def __init__(self, cap: int, room: int) -> None:
+            super().__init__(cap, room)
+            budgets.append(self)
+
+    monkeypatch.setattr(drain_module, "_Budget", Counted)
+    monkeypatch.setattr(tools, "_READ_CHUNK", 1 << 20)
+    monkeypatch.setattr(drain_module, "_PART", MIN_PART_SIZE)
+    url, options = request.getfixturevalue("s3_root") if where == "s3" else (str(tmp_path / "durable"), None)
+    root = Location(url, storage_options=options)
+    cap = (2 << 20) if where == "local" else (20 << 20)  # local: 2 reads; S3: one file's 16 MiB and a read more
+    torch.manual_seed(5)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(12)))  # 48 MiB
+    fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, drain_memory=cap)
+    save_checkpoint(root, "s1", model=model, options=fast)
+    wait_for_saves()
+    (budget,) = budgets
+    assert (budget.cap, budget.held, budget.files) == (cap, 0, {})  # every byte taken was given back
+    assert 1 << 20 <= budget.peak <= cap, (budget.peak, cap)
+    got = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(12)))
+    resume_from_checkpoint(root, model=got, options=FastTier(local_path=str(tmp_path / "empty")))
+    info = last_resume_info()
+    assert info is not None and (info.tag, info.tier) == ("s1", "durable")  # committed in path
+    assert _same(got, model)
+    with pytest.raises(ValueError, match=r"drain_memory must be >= 1048576, got 1000"):
+        FastTier(local_path=str(tmp_path / "fast"), drain_memory=1000)
+
+
+def test_the_drain_budget_keeps_room_for_its_oldest_file_which_never_waits() -> None:
+    """A file waits while taking would pass the cap with room kept for the oldest file still copying; that
+    one never waits (a cap below a file's need copies a file at a time, not none: no deadlock with every
+    file holding half a part), and a file's end gives back whatever it still held."""
+    import threading
+
+    from smpckpt.api._drain import _Budget
+
+    budget = _Budget(cap=10, room=4)
+    budget.take("a", 3)
+    budget.take("b", 3)  # 6 held, 1 more kept for a: 7 <= 10
+    waiting = threading.Thread(target=budget.take, args=("c", 4))  # 10 + a's 1 > 10: waits
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive() and budget.held == 6
+    budget.take("a", 20)  # the oldest file: past the cap, never waiting
+    assert (budget.held, budget.peak) == (26, 26)
+    budget.end("a")  # b is the oldest now; c fits beside it
+    waiting.join(5)
+    assert not waiting.is_alive() and budget.files == {"b": 3, "c": 4} and budget.held == 7
+    budget.give("b", 3)
+    budget.give("gone", 5)  # a part sent after its file ended: nothing to give back
+    budget.end("b")
+    budget.end("c")
+    assert (budget.held, budget.files, budget.peak) == (0, {}, 26)

@@ -144,9 +144,7 @@ class FullArtifactReader(ReaderBase):
         if found.state == "uncommitted":
             hf_files = self._hf_files()
             if hf_files is None:
-                raise CheckpointNotFound(
-                    f"{self.url} holds an uncommitted (incomplete or failed) save: {found.detail}; refusing to load it"
-                )
+                raise CheckpointNotFound(self._refusal(found.detail))
             confine(self.fs, self.path, hf_files, where=self.url)
             log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
             self.state = "huggingface"
@@ -188,11 +186,24 @@ class FullArtifactReader(ReaderBase):
         manifest: one in progress (its marker), a full checkpoint whose manifest is gone (a removal
         interrupted after deleting it, or lost; its ``.metadata.<id>`` generation file stays), or a
         folder marked for removal. Those are refused, never read without their checksums."""
+        return None if self._ours(folder_names(self.fs, self.path)) else hf_folder_files(self.fs, self.path)
+
+    @staticmethod
+    def _ours(names: set[str]) -> bool:
+        return bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(map(_names.is_smpckpt_file, names))
+
+    def _refusal(self, detail: str) -> str:
+        """Why a folder with no manifest is refused. A Hugging Face folder of ``torch.save`` weights (older
+        ``save_pretrained``, ``safe_serialization=False``) is named as such, not as a failed save of ours."""
         names = folder_names(self.fs, self.path)
-        ours = {_names.WRITING_MARKER, _names.REMOVING_NAME}
-        if names & ours or any(_names.is_smpckpt_file(n) for n in names):
-            return None
-        return hf_folder_files(self.fs, self.path)
+        bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")))
+        if bins and not self._ours(names):
+            return (
+                f"{self.url} is a Hugging Face folder of torch.save weights ({', '.join(bins[:2])}) without "
+                "safetensors: only safetensors Hugging Face folders load without a manifest (re-save it with "
+                "save_pretrained, which writes model.safetensors)"
+            )
+        return f"{self.url} holds an uncommitted (incomplete or failed) save: {detail}; refusing to load it"
 
 
 # default request size caps (see max_request_bytes)

@@ -112,3 +112,26 @@ def test_config_json_states_the_dtype_written_not_the_configs(tmp_path: Path, gp
     # and without a cast, the dtype of the weights as they are
     smpckpt.save_checkpoint(root, "fp32", partial=False, model=model, hf_config={**saved, "dtype": "bfloat16"})
     assert _config_json(tmp_path / "run" / "fp32")["dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    "names", [("pytorch_model.bin",), ("pytorch_model.bin.index.json", "pytorch_model-00001-of-00001.bin")]
+)
+def test_a_hugging_face_folder_of_torch_save_weights_is_named_so_not_called_an_unfinished_save(
+    tmp_path: Path, names: tuple[str, ...]
+) -> None:
+    # transformers' older save_pretrained (or safe_serialization=False) writes torch.save weights; only safetensors
+    # folders load without a manifest, and the refusal must say that rather than call it a failed save of ours
+    model = torch.nn.Linear(3, 2)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "custom"}))
+    for name in names:
+        if name.endswith(".json"):
+            (folder / name).write_text(json.dumps({"weight_map": {"weight": names[1], "bias": names[1]}}))
+        else:
+            torch.save(model.state_dict(), folder / name)
+    with pytest.raises(smpckpt.CheckpointNotFound) as info:
+        smpckpt.resume_from_checkpoint(str(folder), partial=False, model=torch.nn.Linear(3, 2))
+    text = str(info.value)
+    assert names[0] in text and "Hugging Face" in text and "safetensors" in text and "uncommitted" not in text, text

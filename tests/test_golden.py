@@ -123,3 +123,28 @@ def test_golden_checkpoint_orders_before_every_numbered_one(tmp_path: Path) -> N
         assert resume_from_checkpoint(str(root), model=back, optimizer=back_opt) == {"step": 4}
     assert apply_retention(str(root), 1).removed == (GOLDEN_TAG,)
     assert [(r.tag, r.state) for r in scan_root(str(root))] == [("stock", "legacy"), ("step4", "committed")]
+
+
+def test_golden_user_content_is_the_saved_dict_after_consolidate_convert_and_export(tmp_path: Path) -> None:
+    """0.1.0 wrapped user_content's bytes in a second pickle, unwrapped only by the partial resume:
+    consolidate, export and convert passed the wrapped bytes on, so a full resume of the artifact (and
+    the converted file) gave ``b'PK...'`` instead of the saved dict, with no error (hunt60t F1)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from smpckpt import Checkpointer, consolidate_checkpoint
+    from smpckpt.tools.convert import convert_checkpoint
+
+    root = tmp_path / "root"
+    shutil.copytree(Path(__file__).with_name("data") / GOLDEN_ROOT, root)
+    consolidate_checkpoint(root / GOLDEN_TAG, tmp_path / "full", progress=False)
+    assert torch.load(tmp_path / "full" / "user_content.pt", weights_only=True) == GOLDEN_USER_CONTENT
+    model, _ = golden_model()
+    assert resume_from_checkpoint(str(tmp_path / "full"), partial=False, model=model) == GOLDEN_USER_CONTENT
+    with Checkpointer(str(root)) as ckpt:
+        ckpt.export(GOLDEN_TAG, str(tmp_path / "exported"))
+    assert torch.load(tmp_path / "exported" / "user_content.pt", weights_only=True) == GOLDEN_USER_CONTENT
+    convert_checkpoint(root / GOLDEN_TAG, tmp_path / "c.pt")
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["user_content"] == GOLDEN_USER_CONTENT
+    convert_checkpoint(root / GOLDEN_TAG, tmp_path / "dcp", to="dcp")
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "d.pt"))
+    assert torch.load(tmp_path / "d.pt", weights_only=True)["user_content"] == GOLDEN_USER_CONTENT

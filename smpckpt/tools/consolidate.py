@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, _create_read_item_for_tensor
 from tqdm.auto import tqdm
 
-from smpckpt.errors import CheckpointError
-from smpckpt.model.layout import FULL_ARTIFACTS, METADATA_KEY, OPTIM_STATE_PREFIX, RESERVED
+from smpckpt.errors import CheckpointCorrupt, CheckpointError
+from smpckpt.model.layout import API_RECORD_V1, FULL_ARTIFACTS, METADATA_KEY, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
 from smpckpt.tools._common import resolve_checkpoint_url
@@ -74,6 +74,10 @@ class _OneTensorAtATime(_Offline, SavePlanner):
 
     def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
         self.reader, self.md, self.bar = reader, metadata, bar
+        # smpckpt 0.1.0 wrapped user_content's torch.save bytes in a second pickle: the artifact stores
+        # the inner record, as a save of today does (copied as is, a full resume returned the bytes)
+        extra = reader.manifest.extra if reader.manifest is not None else {}
+        self.wrapped_user_content = extra.get("api") == API_RECORD_V1
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
@@ -82,7 +86,12 @@ class _OneTensorAtATime(_Offline, SavePlanner):
         if isinstance(md, BytesStorageMetadata):
             req = _create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0)
             self.reader.read_data(LoadPlan([req]), sink).wait()
-            return io.BytesIO(sink.data[fqn])
+            data = sink.data[fqn]
+            if fqn == RESERVED.user_content and self.wrapped_user_content:
+                data = torch.load(io.BytesIO(data), weights_only=True)  # a bytes object: no code runs
+                if not isinstance(data, bytes):
+                    raise CheckpointCorrupt(f"{fqn!r}: a version 1 record wraps bytes, not {type(data).__name__}")
+            return io.BytesIO(data)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{fqn!r}: unexpected metadata type {type(md).__name__}")
         whole = torch.empty(md.size, dtype=md.properties.dtype)

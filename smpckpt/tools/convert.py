@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from smpckpt.api._dist import quiet_no_dist, translate_dcp
+from smpckpt.api._dist import decode_user_content, quiet_no_dist, translate_dcp
 from smpckpt.errors import CheckpointCorrupt
-from smpckpt.model.layout import LayoutRecord
+from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE
@@ -147,6 +147,11 @@ def convert_checkpoint(
     except CheckpointException as exc:  # a BaseException: the CLI would print DCP's whole traceback
         raise translate_dcp(exc, f"reading {os.fspath(src)}") from exc
     flat, paths = planner.state_dict, planner.mappings  # the same tensors, by saved key
+    manifest = reader.manifest
+    if manifest is not None and manifest.extra.get("api") == API_RECORD_V1 and RESERVED.user_content in state:
+        # smpckpt 0.1.0 wrapped user_content's torch.save bytes in a second pickle; the loader unpickled the
+        # outer one (to those bytes): the inner one is decoded as a resume decodes it
+        state[RESERVED.user_content] = decode_user_content(state[RESERVED.user_content], allow_pickle=allow_pickle)
     reshaped: list[str] = []
     if not keep_view_shapes and record is not None:
         for key, shape in record.original_shapes.items():

@@ -1,29 +1,13 @@
-"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, on the
-Checkpointer's drain lane, committed there as any partial checkpoint (same files, same manifest bytes).
-"all" = every rank, on the drain thread with a gloo group of its own::
+"""The drain (README, "Tiered checkpoints"): a tiered save copied from the fast tiers to ``path`` on the
+Checkpointer's drain lane (every rank, a gloo group of its own), committed there as any partial
+checkpoint (same files, same manifest bytes), then ``newest`` and retention (rank 0).
 
-    copy            (all)     each data file from a node whose fast-tier copy of it is intact (below), to
-                              ``{path}/{tag}_partial`` (never staged from the model again); agreed across ranks
-    commit          (rank 0)  nothing committed there yet; every file at its size; the metadata, the
-                              manifest (create-if-absent: the commit), the stock ``.metadata``
-    publish_newest  (rank 0)  ``{path}/newest`` := tag
-    retain          (rank 0)  ``num_kept_partial_checkpoints`` over ``path``
-
-Which copy of a file is drained: every file has its holders (the ranks whose node's fast tier holds it:
-the writer's node and its replica nodes right after the save; the nodes' listings for a retried drain).
-A round assigns each file still to copy to one holder (:func:`copiers`: the rank that wrote it while its
-node's copy has not failed, else the least loaded rank of a node not yet tried), each copier reads its
-node's copy once, checking each run of blocks against the manifest's checksums before writing it to
-``path`` (a mismatch aborts that file there: removed, an S3 upload aborted, before anything commits), and
-one gather of the round's outcome (the one agreement the copy always had) tells every rank which files failed
-on which node: the next round gives those to other nodes. One round when nothing is damaged; a round more
-per damaged copy at most (a node is tried once per file). A file no holder has intact fails the drain,
-naming the file, the tag and every node tried, with each one's problem.
-
-A failed drain removes its copies, then the folder; a kill during it leaves ``path`` as it was (uncommitted
-files at most: never a checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the
-fast tier still holds the checkpoint, and keeps it (fast-tier retention never removes a save due for the
-durable tier before a drain as new committed); the restarted job's next save drains it again
+Each round assigns every file still to copy to one holder (:func:`copiers`: its writer while its node's
+copy has not failed, else the least loaded rank of a node not yet tried); the copier checks each run of
+blocks against the manifest's checksums before writing it (a mismatch aborts that file there), and one
+gather of the round's outcome tells every rank which files failed where. A file no holder has intact
+fails the drain, naming the file, the tag and every node tried. A failed drain removes its copies; the
+fast tier keeps the save, and the next save drains it again
 (:class:`~smpckpt.api._fast_save.PendingDrain`).
 """
 

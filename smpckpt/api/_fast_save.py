@@ -1,33 +1,13 @@
-"""A Checkpointer's fast tier (:class:`~smpckpt.FastTier`; README, "Tiered checkpoints"),
-:class:`FastTierPart`: each save into the nodes' fast tiers, with replicas on other nodes (below); every
-``durable_every``-th one drained to ``path`` on the Checkpointer's drain lane (the drain, below); and
-resumes from either tier (:mod:`smpckpt.api._fast_resume`). It owns what the tier remembers between
-saves (:class:`~smpckpt.api._tiers.TierState`).
+"""A Checkpointer's fast tier, :class:`FastTierPart` (README, "Tiered checkpoints"): saves into the
+nodes' fast tiers with replicas on other nodes, every ``durable_every``-th one drained to ``path`` on the
+drain lane (:mod:`smpckpt.api._drain`), resumes from either tier (:mod:`smpckpt.api._fast_resume`).
 
-Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
-
-    plan_tier_save  (all, caller)   nodes from LOCAL_WORLD_SIZE; every node's folder checked and this
-                                    job's listing of it gathered (``_tiers.gather_views``); rank 0: the
-                                    save number (durable_every), refusal of a tag already complete in the
-                                    fast tier or committed in ``path``, and a save whose drain never
-                                    committed, to drain again (:class:`PendingDrain`); leaders: this
-                                    tag's leftover folder removed; a durable save waits for the drain
-                                    in flight; the Checkpointer's gloo groups
-    save_fast       (all)           dcp.save into each node's folder (FastTierWriter: nothing committed);
-                                    the manifest broadcast; each rank's files sent to its replica nodes;
-                                    agreement that every node holds its share; then every leader commits
-                                    its node's copy; leaders apply ``num_kept_local``
-    (then)          drain           every ``durable_every``-th save (or the pending one), on the
-                                    Checkpointer's drain lane; then (leaders) ``num_kept_local``, the
-                                    drained tag released
-
-A kill before the agreement leaves no manifest on any node (the tag is not committed; the next save of
-it removes the leftovers); after it, every node's share is complete, so any manifest proves the union.
-
-The drain (its own module, :mod:`smpckpt.api._drain`): a tiered save copied from the fast tiers to
-``path`` and committed there; each file from a node whose copy of it is intact. The fast tier keeps the
-save until then (fast-tier retention never removes a save due for the durable tier before a drain as new
-committed); a save whose drain never committed is drained again by the next save (:class:`PendingDrain`).
+Which rank does what ("leader" = each node's first rank): ``plan_tier_save`` (all, caller: nodes and
+folders checked, listings gathered; rank 0 numbers the save and refuses a tag already complete or
+committed, or finds a :class:`PendingDrain`; leaders remove this tag's leftovers) -> ``save_fast`` (all:
+dcp.save into each node's folder, uncommitted; files sent to replica nodes; agreement that every node
+holds its share; then each leader commits its node's copy and applies ``num_kept_local``) -> the drain.
+A kill before the agreement leaves no manifest anywhere; after it, any manifest proves the union.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""The steps of :meth:`smpckpt.Checkpointer.save`: build state -> write (commit) -> publish ``newest`` ->
-retention. Each step is one function over a :class:`SaveRequest` (validated, and compared across ranks,
-by the Checkpointer before).
+"""The steps of :meth:`smpckpt.Checkpointer.save`, each over a :class:`SaveRequest` (validated and
+compared across ranks by the Checkpointer): :func:`build_save_state` (all; rank 0 adds user_content and the
+API record) -> :func:`write_checkpoint` (all; rank 0 commits) -> :func:`publish_newest` (rank 0, after the
+commit) -> :func:`retain` (rank 0; failures only logged).
 
-Which rank does what ("all" = every rank of the group)::
-
-    build_save_state  (all)    model/optimizer state, RNG; rank 0 adds user_content and the API record
-    write_checkpoint  (all)    dcp.save with ParallelSavePlanner + FsspecStorageWriter; rank 0 commits
-    publish_newest    (rank 0) ``newest`` := tag, only after the commit; the outcome reaches every rank
-    retain            (rank 0) retention and (if asked) stale-debris removal; failures only logged
-
-Save planners kept across the API's saves, so an unchanged state is not planned again at every save.
-
-A rank's local plan is a pure function of its state's structure, its rank and the layout; the planner
-memoises it (``cache_scope="local"``) and checks the structure at every save, so reuse is correct
-whatever happened to an earlier save. Nothing cached crosses ranks -- the coordinator plans afresh from
-full local plans every time -- so a rank that builds a fresh planner (a background save holding the
-kept one) mixes safely with ranks that reuse theirs. Measured: the local planning of a 2-rank save
-drops from 1.07x DCP's to about 0.43x (``benchmarks/RESULTS.md``).
-
-A :class:`~smpckpt.Checkpointer` keeps one planner per kind of save ("partial", "full"). It is given the save's scope (layout, specs,
-name map, process group) before every save, so sync and async saves (which run on a gloo group of their
-own) share it, and between saves it holds no tensors and no reference to the user's name map or
-process group (:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
+:class:`PlannerCache` keeps one save planner per kind ("partial", "full") across saves, memoising each
+rank's local plan (``cache_scope="local"``: checked against the state's structure at every save, nothing
+cached crosses ranks, so a rank planning afresh mixes safely with ranks that reuse theirs;
+``benchmarks/RESULTS.md``). Between saves it holds no tensors, name map or process group
+(:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
 """
 
 from __future__ import annotations

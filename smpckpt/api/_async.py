@@ -1,24 +1,13 @@
-"""The background lanes of a :class:`~smpckpt.Checkpointer`: its async saves and its drains to the
-durable tier each run, in order, on a thread of their own, and training blocks only while the state is
-staged.
+"""The background lanes of a :class:`~smpckpt.Checkpointer`: its async saves and its drains each run, in
+order, on a thread of their own (a gloo group of the Checkpointer's own, so training's collectives never
+interleave); training blocks only while the state is staged (``_staging``). A previous failure is raised
+once, naming its tag; a future completes only after data, manifest and ``newest`` are durable and
+retention ran.
 
-Which rank does what ("all" = every rank of the group)::
-
-    (caller)  previous failure?   raise it once, naming its tag (never silently)
-    (caller)  previous save?      wait for it (logged with how long), or raise with wait_for_previous=False
-    (caller)  state, staging      as a synchronous save; the state copied into host buffers reused across
-                                  saves (``_staging``), the optimizers' part on the lane thread
-    (lane)    write, commit, ``newest``, retention   on a gloo group of the Checkpointer's own, so the
-                                  training loop's collectives never interleave with the save's
-    (lane)    future.set_result   only after data, manifest and ``newest`` are durable and retention ran
-
-The package keeps no registry of lanes: the lanes' threads are :class:`LaneThread`\\ s, so
-:func:`wait_for_saves` and :func:`drain_status` find every live Checkpointer's work in the interpreter's
-thread list. The interpreter's exit waits for a Checkpointer's work too (:func:`register_exit_wait`,
-registered by the Checkpointer at its first background work), but a process group destroyed first leaves
-a multi-rank save without its collectives: call ``wait_for_saves()`` (or the Checkpointer's ``wait()``)
-before ``destroy_process_group()``. A process killed while a background save runs leaves ``newest`` on the
-previous committed tag: ``newest`` moves only after the commit.
+No registry of lanes: their threads are :class:`LaneThread`\\ s, so :func:`wait_for_saves` and
+:func:`drain_status` find every live Checkpointer's work in the interpreter's thread list. The exit waits
+for it too (:func:`register_exit_wait`), but a multi-rank save needs its process group: call
+``wait_for_saves()`` before ``destroy_process_group()``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""A tiered resume (``FastTier``): the newest checkpoint complete across the surviving
-fast tiers or committed in ``path``, whichever is newer -- and when a fast-tier copy cannot be loaded,
-the next one, then ``path``'s.
+"""A tiered resume (``FastTier``): the newest checkpoint complete across the surviving fast tiers or
+committed in ``path``, whichever is newer; a fast-tier copy that cannot be loaded gives way to the next,
+then to ``path``'s (README, "Tiered checkpoints").
 
-Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
-
-    choose_tier   (all)      the Checkpointer's gloo groups; every node's folder checked and this
-                             job's listing gathered (``_tiers.gather_views``): the complete fast-tier saves,
-                             newest first, the same on every rank
-                  (rank 0)   ``path``'s newest committed checkpoint (or the tag asked for); broadcast
-                  (all)      tag=None: refused when the newest fast-tier save newer than it never saw it
-                             (diverged histories, ``_same_history``); such older saves are no fallback
-    load_tiered   (all)      for each fast-tier save newer than ``path``'s, newest first:
-                               fast_reader: its manifest from a node holding it; leaders of nodes that
-                               lack its metadata or manifest receive them (the metadata first)
-                               dcp.load with PeerFetchingReader: each node fetches from peers the parts
-                               its ranks read and it lacks, then reads its own folder, checksums verified
-                               failed? leaders check every part their folder holds against the manifest's
-                               checksums (``repair``): a corrupt copy counts as missing, so the load is
-                               tried once more with it fetched from a peer holding a good one
-                             then ``path``'s checkpoint; a warning names each copy that could not be loaded
+:func:`choose_tier` (all: listings gathered, complete fast-tier saves newest first; rank 0 finds
+``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`) ->
+:func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata to the leaders that lack
+them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
+the leaders check their copies (``repair``) and the load is tried once more from a good peer), then
+``path``'s checkpoint; a warning names each copy that could not be loaded.
 """
 
 from __future__ import annotations

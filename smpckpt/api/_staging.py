@@ -1,23 +1,13 @@
-"""Staging an async save: the state's tensors copied into host buffers a Checkpointer keeps across saves
-(pinned for CUDA tensors), so later in-place updates never reach the checkpoint.
+"""Staging an async save into host buffers a Checkpointer keeps across saves (pinned for CUDA tensors),
+so later in-place updates never reach the checkpoint.
 
-Two parts (:meth:`Stager.stage`): the tensors the optimizers passed to the save own -- their parameters
-and their state, which only their ``step`` changes -- are copied on the save's lane thread, overlapping
-the next forward and backward (``AsyncOptions.overlap_staging``); everything else (buffers, which a
-forward may update; RNG states; DTensors and other subclasses, copied on their own device) before the
-save returns. Each optimizer gets a step pre-hook (:class:`StagingGate`) that waits only for staging still
-unfinished, so a step never changes values being staged. A deferred tensor changed in place some other
-way before it was staged (its version counter moved) fails the save, naming it. A safety net only: ATen
-moves a version counter after its kernel wrote, so an op still running while :meth:`Pending.run`
-compares passes unseen (the overlap's contract is that only the optimizers' steps write these tensors).
-
-CUDA: the deferred copies run on a side stream after an event recorded on the caller's stream at the save
-(the weights are final once the kernels queued before it ran), into pinned buffers, non-blocking; then
-the device's current stream waits for the copies' event, so whatever is queued there after that (the
-optimizer's step, held by its hook until then) runs after them, with no CPU wait; the lane waits for that
-event before writing. On the CPU the same order holds with plain copies (the lane thread copies;
-``copy_`` runs without the GIL). The device-to-host copy here is the API's own small
-primitive (:func:`copy_into`); the storage's staging pipeline is the writers'.
+:meth:`Stager.stage`: the tensors the optimizers own (parameters and their state, which only ``step``
+changes) are copied on the lane thread, overlapping the next forward and backward
+(``AsyncOptions.overlap_staging``); everything else before the save returns. Each optimizer's step
+pre-hook (:class:`StagingGate`) waits for staging still unfinished. A deferred tensor changed in place
+some other way (its version counter moved) fails the save, naming it -- a safety net only: the contract is
+that only the optimizers' steps write these tensors. CUDA: the deferred copies run on a side stream after
+an event recorded at the save, and the current stream waits for their event (no CPU wait).
 """
 
 from __future__ import annotations

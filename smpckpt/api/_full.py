@@ -1,16 +1,7 @@
-"""Full artifacts: :meth:`smpckpt.Checkpointer.export` of the live state writes one consolidated artifact
-(``save_checkpoint(..., partial=False)``), and a resume with ``ResumeOptions(partial=False)`` starts from
-one (ours, or a plain Hugging Face folder).
-
-Which rank does what ("all" = every rank of the group)::
-
-    save_full    (all)    model (+ optimizer tensors) state; rank 0 adds user_content;
-                          dcp.save with ParallelSavePlanner + FullArtifactWriter:
-                          every rank writes its shards into {out}/model*.safetensors at their
-                          offsets; rank 0 commits the manifest. ``newest`` and retention are left alone:
-                          they track the partial checkpoints training resumes from.
-    resume_full  (all)    dcp.load of the artifact (or HF folder) with ParallelLoadPlanner: each rank
-                          reads only its own shards' bytes; then set_state_dict and user_content.
+"""Full artifacts: :func:`save_full` (all ranks write their shards into ``{out}/model*.safetensors``;
+rank 0 adds user_content and commits; ``newest`` and retention are left alone) and :func:`resume_full`
+(``ResumeOptions(partial=False)``: each rank reads only its shards' bytes of an artifact or a plain Hugging
+Face folder, then ``set_state_dict`` and user_content).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """smp's functions, as the thin face of a :class:`~smpckpt.Checkpointer`: :func:`save_checkpoint` and
-:func:`resume_from_checkpoint` keep SageMaker smp's parameters and a few of ours; every other option is
-a field of an option object (``options=``).
+:func:`resume_from_checkpoint` keep smp's parameters and a few of ours; every other option is a field of
+an option object (``options=``).
 
-Each call reuses the Checkpointer kept on the ``model`` it is given (an attribute that is no parameter or
-buffer, so it never enters a state_dict; copies and pickles of the model leave it behind, as torch's
-composable APIs keep their state on the module) when it was built from the same options, so its staging
-buffers, kept planners, sequence counter and background lanes carry over from call to call; otherwise
-(other options, or no model) the call builds a fresh one, waiting first for the one it replaces. Retention
-is no such option: a save sets its own on the kept Checkpointer, a resume takes none (and, given no
-:class:`AsyncOptions`, takes the kept one's), so saves with ``num_kept_partial_checkpoints`` and resumes
-alternate on one Checkpointer (each rebuild had left a gloo group for background saves behind).
-
-The keywords these functions took before the option objects still work for one release, with a
-``DeprecationWarning`` naming the option object and field that now hold them (``_MOVED``).
+Each call reuses the Checkpointer kept on ``model`` (an attribute that never enters a state_dict, copies or
+pickles) when it was built from the same options, so staging buffers, planners, sequence counter and
+lanes carry over; otherwise it builds a fresh one, waiting first for the one it replaces. Retention is no
+such option (a save sets its own on the kept Checkpointer, a resume takes none). Keywords from before the
+option objects still work for one release, with a ``DeprecationWarning`` (``_MOVED``).
 """
 
 from __future__ import annotations

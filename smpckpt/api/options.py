@@ -1,14 +1,9 @@
 """The options of a :class:`~smpckpt.Checkpointer` and of its calls: one frozen dataclass per concern, a
-docstring per field (the one place each is documented), each validated once in ``__post_init__``. The
-layers below trust them.
-
-Built once per job (the :class:`~smpckpt.Checkpointer`'s configuration): :class:`Location` (where),
-:class:`Sharding` (how the state is laid out), :class:`FastTier` (tiered checkpoints), :class:`Retention`,
-:class:`AsyncOptions`. Per call: :class:`SaveOptions` (a partial save), :class:`ExportOptions` (a full
-artifact), :class:`ResumeOptions`.
-
-Each field's metadata says whether every rank must pass the same value (``same``): every call compares
-its options across ranks by one digest (:func:`smpckpt.api._dist.digest`) and, when the digests differ, names the fields.
+docstring per field (the one place each is documented), each validated once in ``__post_init__``; the
+layers below trust them. Per job: :class:`Location`, :class:`Sharding`, :class:`FastTier`,
+:class:`Retention`, :class:`AsyncOptions`; per call: :class:`SaveOptions`, :class:`ExportOptions`,
+:class:`ResumeOptions`. Each field's metadata says whether every rank must pass the same value (``same``:
+compared by one digest at every call).
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
-"""What the fast tier's save and resume share (no collectives but in :func:`gather_views`): nodes from
-``LOCAL_WORLD_SIZE``, this job's folder in every node's fast tier, what one node's folder holds of the
-job (its copies, judged), what the nodes hold together, and the save numbers ``durable_every`` divides.
-
-A fast-tier copy belongs to one durable root ``path``: it lives in
-``{local_path}/smpckpt-job-<hash of the root>/{tag}_partial`` (:func:`job_folder`) and its manifest
-records the root (``extra["tier"]["root"]``) and the tag, so a copy is this job's only when both the
-folder and the manifest say so. Resume, retention and the save numbers see only their own job's folder;
-other jobs' folders in the same ``local_path`` are left alone (``smpckpt ls --local`` lists them). The
-folder's ``smpckpt.job.json`` names the root for people and tools.
-
-The nodes' folders are checked before anything is written (:func:`gather_views`, all ranks, three
-collectives): ``local_path`` must be a writable folder apart from ``path``, and no two nodes may share
-one -- each node's first rank writes a token into its folder and looks for the other nodes' tokens
-there. Each tag folder is judged once, by its node's first rank (:func:`scan_job`); the judgement
-travels in the gathered listing, so every rank decides alike:
-
-* ``committed``: a manifest of this job and this tag that parses -- a candidate;
-* ``uncommitted``: files, no manifest (a save that did not finish, or one being written);
-* ``corrupt``: a manifest that does not parse (its files may still serve a copy committed elsewhere);
-* ``unsafe``: a manifest naming files outside the folder (``../x``, an absolute path): never read;
-* ``foreign``: another job's checkpoint (its manifest names another root or tag, or the folder is a
-  link: the fast tier never writes links): never read, never removed;
-* ``unreadable``: listing or reading it failed.
-
-A tag is *committed* when some node committed it; *complete* when the folders' files, at the manifest's
-sizes, cover its parts (data files and the generation's metadata) (:func:`candidates`). Copies are
-ordered by the tier's own save number (``extra["tier"]["seq"]``), then the manifest's order. Fast-tier
-retention (:func:`retain_local`, one rank per node) decides on the gathered listings, every node alike.
+"""What the fast tier's save and resume share (README, "Tiered checkpoints"; no collectives but in
+:func:`gather_views`): nodes from ``LOCAL_WORLD_SIZE``, this job's folder in every node's fast tier
+(``{local_path}/smpckpt-job-<hash of the root>/``, :func:`job_folder`; a copy is this job's only when both
+the folder and its manifest's ``extra["tier"]`` say so), what one node's folder holds (its copies, judged
+once by the node's first rank, :func:`scan_job`, so every rank decides alike), what the nodes hold
+together (:func:`candidates`: a tag is *complete* when the folders' files cover its parts) and the save
+numbers ``durable_every`` divides. :func:`gather_views` first checks (three collectives) that
+``local_path`` is a writable folder apart from ``path`` and that no two nodes share one (tokens).
 """
 
 from __future__ import annotations
@@ -351,12 +330,15 @@ def warn_skipped(
 #: older copies): the hex digests of the fast-tier saves numbered 1, 2, ... below it, in its history
 TIER_KEY = "tier"
 
+#: committed: this job's manifest parses; uncommitted: files, no manifest; corrupt: the manifest does not parse
+#: (its files may serve); unsafe: it names files outside the folder; foreign: another job's, or a link
+#: (never read, never removed); unreadable: listing or reading it failed
 CopyState = Literal["committed", "uncommitted", "corrupt", "unsafe", "foreign", "unreadable"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
-    """One tag's folder in one node's job folder, as its first rank judged it (module docstring).
+    """One tag's folder in one node's job folder, as its first rank judged it (:data:`CopyState`).
     ``parts`` (committed copies): every part the manifest lists, with its size -- so any rank can judge
     completeness from the gathered listings without the manifests (~20 MiB each at 1 TiB)."""
 

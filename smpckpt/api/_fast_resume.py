@@ -133,9 +133,8 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
     """(every rank alike; ``smpckpt ls --local`` too) The complete fast-tier saves a resume may load, newest
-    first: none older than ``path``'s ``durable`` pick, none of another history than ``path``'s newest
-    (``tag=None``: :func:`_same_history`); a newest save that forks from another complete one is refused
-    (:func:`refuse_forked`)."""
+    first: none older than ``durable``, none of another history (:func:`_same_history`,
+    :func:`refuse_forked`)."""
     usable = [c for c in found if c.complete and (durable is None or durable.order <= c.order)]
     if durable is not None and tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
@@ -145,14 +144,11 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
 
 
 def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
-    """(every rank alike) A job numbers each save after the newest it can see and records the digests of
-    the saves its history holds at the numbers below (``lineage``): so a complete save of a number in
-    ``newest``'s lineage that is not the one named there (or a second save of ``newest``'s own number) is
-    another history -- a node that came back with an older disk holding saves the job had lost and saved
-    past (numbered above the new ones: ``newest`` would resume the abandoned history, on every rank,
-    bit-exact to a state the job left). Neither number nor clock says which the user continues: refused,
-    naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers (saves the job saw and did not go on from)
-    are not compared; incomplete copies, which never load, are no evidence."""
+    """(every rank alike) Refuse when a complete save of a number in ``newest``'s ``lineage`` is not the one
+    named there (or a second save of ``newest``'s own number): another history, e.g. a node back with an
+    older disk holding saves the job lost and saved past. Neither number nor clock says which the user
+    continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared;
+    incomplete copies are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         if c.complete:
@@ -180,14 +176,10 @@ def _same_history(
     usable: list[FastCandidate], durable: Target, copies: set[tuple[int, int, str]]
 ) -> list[FastCandidate]:
     """(every rank alike) The fast-tier saves that may supersede ``path``'s newest checkpoint ``durable``:
-    those whose job knew it. A save records the highest sequence number of ``path`` its job knew
-    (``path_seen``: committed there, or due there from itself); ``durable`` numbered higher, and not a
-    drained copy of one of this fast tier's saves, was saved by a job that never saw that save -- a job
-    without this fast tier that resumed an older checkpoint of ``path`` and numbered its saves after
-    ``path``'s only. The two histories diverged, and neither sequence number nor clock says which one the
-    user continues: when the newest fast-tier save is such a one, the resume is refused, naming both;
-    an older one is only dropped from the fallbacks (a newer save that knew ``durable`` was chosen).
-    Copies that record no ``path_seen`` (older versions) keep the order alone."""
+    those whose job knew it (``path_seen``). A higher ``durable`` that is no drained copy of this tier's
+    saves was saved by a job that never saw them: the histories diverged. The newest such save refuses the
+    resume, naming both; an older one is only dropped from the fallbacks. Copies without ``path_seen``
+    (older versions) keep the order alone."""
     drained = durable.order in copies  # path's newest is this fast tier's own save, drained
 
     def knew(c: FastCandidate) -> bool:
@@ -252,11 +244,9 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
 
 
 def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
-    """(all ranks, one collective) Whether the load failed because the caller's state does not fit the
-    save (keys, shapes, dtypes, specs: :class:`LayoutMismatch`, :class:`SpecError`; user_content that
-    needs ``allow_pickle``: :class:`UnsafeCheckpoint`, every copy holds the same) on any rank: no other
-    copy, and no older save, is an answer to that -- falling back loaded an older checkpoint where a
-    resume without the fast tier refuses. Agreed, so every rank raises or falls back alike."""
+    """(all ranks, one collective) Whether the load failed on any rank because the caller's state does not
+    fit the save (:class:`LayoutMismatch`, :class:`SpecError`, :class:`UnsafeCheckpoint`): no other copy
+    answers that, so it is raised, not fallen back from, on every rank alike."""
     mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint))
     return any(DistContext(choice.group).all_ok_values(lambda: mine))
 
@@ -304,19 +294,11 @@ def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size:
 
 
 def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
-    """(leaders) What in this node's folder of ``cand``'s tag would refuse a part healed in from a peer
-    (received files are created, never written over), so that the newest complete copy could never load
-    here -- removed, never through a link, each kind named in a log line:
-
-    * a part of ``cand`` this node does not hold at the manifest's size (a file cut short, or grown): it
-      counts as missing, so it is fetched when read, under the same name;
-    * when this node lacks ``cand``'s manifest: the manifest of an OLDER save of the tag (a lower save
-      number; a node back with a stale disk after the tag was saved again while it was away) -- that save
-      is superseded: its manifest goes first (a kill half-way leaves no committed copy missing parts),
-      then its files, never a part of ``cand``; or a damaged manifest (``corrupt``: it does not parse, or fails its own checksum),
-      alone (the folder's files may be ``cand``'s parts, each checked against its checksums when read).
-
-    A newer or foreign copy is left alone (the load then fails, by name)."""
+    """(leaders) Remove (never through a link, each kind logged) what in this node's folder of ``cand``'s
+    tag would refuse a part healed in from a peer (received files are created, never written over): a part
+    not at the manifest's size (then fetched when read); when this node lacks ``cand``'s manifest, an older
+    save's manifest of the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy
+    is left alone (the load then fails, by name)."""
     nodes = choice.nodes
     node = nodes.node_of(nodes.rank)
     if not nodes.is_leader:
@@ -396,9 +378,9 @@ def fast_reader(
 
 
 def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest: Manifest) -> FastCandidate | None:
-    """(all ranks; leaders read) After a failed load: each leader checks every part its folder holds of
-    ``cand`` against the manifest's checksums; corrupt copies no longer count as held. The candidate so
-    judged when every part is still held intact somewhere and something was corrupt, else ``None``."""
+    """(all ranks; leaders read) After a failed load, each leader checks its parts of ``cand`` against the
+    manifest; corrupt copies no longer count as held. ``cand`` so judged when something was corrupt and
+    every part is still held intact somewhere, else ``None``."""
     gctx, nodes = DistContext(choice.group), choice.nodes
     folder = os.path.join(choice.job, partial_dirname(cand.tag))
     node = nodes.node_of(nodes.rank)
@@ -463,11 +445,9 @@ def _warn_on(ctx: DistContext, message: str, stacklevel: int) -> None:
 
 
 def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, continues: int | None) -> tuple[int, ...]:
-    """(rank 0, planning a save) The lineage a save numbered now records, newest first: the save the job
-    goes on from (``continues``, :attr:`~smpckpt.api._tiers.TierState.continues`; unknown: the newest it
-    sees) and that save's own lineage, :data:`~smpckpt.api._tiers.SKIPPED` at the numbers in between (saves
-    it saw and did not go on from: a rewind by tag) and at numbers two saves hold in sight; it ends where
-    ``path``'s checkpoint is the one gone on from (its digest is not the fast tier's to check)."""
+    """(rank 0, planning a save) The lineage a save records, newest first: the save the job goes on from
+    (``continues``; unknown: the newest it sees) and that save's lineage, :data:`~smpckpt.api._tiers.SKIPPED`
+    at the numbers in between and at numbers two saves hold; it ends at ``path``'s checkpoint."""
     found, top = candidates(views), tier_seq(views)
     seq = 1 + max(top, durable_seq)
     if continues is None:

@@ -108,22 +108,18 @@ def save_checkpoint(
     options: Any = None,
     **moved: Any,
 ) -> concurrent.futures.Future[None] | None:
-    """smp's ``save_checkpoint``: :meth:`Checkpointer.save` (``partial=True``: ``{path}/{tag}_partial``,
-    then ``{path}/newest``) or, ``partial=False``, :meth:`Checkpointer.export` of the live state into
-    ``{path}/{tag}/``. Every rank calls it with the same arguments (compared: a mismatch is a
-    :class:`ValueError` on every rank naming what differs).
+    """smp's ``save_checkpoint``: :meth:`Checkpointer.save`, or, ``partial=False``, :meth:`Checkpointer.export`
+    of the live state into ``{path}/{tag}/``. Every rank passes the same arguments.
 
     Args:
-        path: the checkpoint root (a path or URL), or a :class:`Location` (with storage options).
-        num_kept_partial_checkpoints: :attr:`Retention.num_kept_partial_checkpoints` (accepted with
-            ``partial=False``, as smp accepts it: it changes nothing there).
+        path: the checkpoint root (a path or URL), or a :class:`Location`.
+        num_kept_partial_checkpoints: :attr:`Retention.num_kept_partial_checkpoints` (accepted, and
+            ignored, with ``partial=False``, as smp does).
         translate_function: ``partial=False`` only: :attr:`ExportOptions.translate_function`.
         layout, specs: the :class:`Sharding` (not with a ``Sharding`` in ``options``).
-        options: an option object or a sequence of them, each class once: :class:`Sharding`,
-            :class:`FastTier`, :class:`Retention`, :class:`AsyncOptions`, and :class:`SaveOptions`
-            (``partial=True``) or :class:`ExportOptions` (``partial=False``).
+        options: an option object or a sequence of them, each class once.
 
-    Returns ``None``, or a ``concurrent.futures.Future`` for an async save (README, "Async saves").
+    Returns ``None``, or a ``Future`` for an async save.
     """
     what = "save_checkpoint's arguments"
     try:
@@ -163,13 +159,10 @@ def resume_from_checkpoint(
     options: Any = None,
     **moved: Any,
 ) -> Any:
-    """smp's ``resume_from_checkpoint``: :meth:`Checkpointer.resume` of ``{path}/{tag}_partial``
-    (``tag=None``: the one ``newest`` names), or with ``partial=False`` of the full artifact ``{path}/{tag}/``
-    (``tag=None``: ``path`` itself, or a plain Hugging Face folder), into ``model`` and ``optimizer`` in
-    place, resharding to this ``layout``; returns ``user_content``. ``strict`` and ``translate_function``
-    are :class:`ResumeOptions`' (not with one in ``options``); ``options``: an option object or a sequence
-    of them, each class once: :class:`Sharding`, :class:`FastTier`, :class:`AsyncOptions`,
-    :class:`ResumeOptions`. What the resume did: :func:`last_resume_info`."""
+    """smp's ``resume_from_checkpoint``: :meth:`Checkpointer.resume` (``partial=False``: of the full artifact
+    ``{path}/{tag}/``, or with ``tag=None`` ``path`` itself) into ``model`` and ``optimizer`` in place,
+    resharding to ``layout``; returns ``user_content``. ``strict`` and ``translate_function`` are
+    :class:`ResumeOptions`' (not with one in ``options``). What it did: :func:`last_resume_info`."""
     what = "resume_from_checkpoint's arguments"
     try:
         ckpt, opts = _prepare(
@@ -225,9 +218,8 @@ def _prepare(
     moved: Mapping[str, Any],
     keywords: dict[type | None, dict[str, Any]],
 ) -> tuple[Checkpointer, Any]:
-    """(this rank, no collective) The Checkpointer for these arguments -- the model's, or a fresh one kept
-    on it -- and the call's own options. ``keywords``: the fields the caller set by keyword, by class
-    (``None``: a keyword that does not apply to this mode)."""
+    """(this rank, no collective) The Checkpointer for these arguments (the model's, or a fresh one kept on
+    it) and the call's options. ``keywords``: the fields set by keyword, by class (``None``: not this mode)."""
     save = fn == "save_checkpoint"
     check_flag("partial", partial)
     call = (SaveOptions if partial else ExportOptions) if save else ResumeOptions
@@ -304,9 +296,8 @@ def _checkpointer(
 
 
 def _replace(kept: _Kept | None, key: tuple[Any, ...], build: Callable[[], Checkpointer]) -> Checkpointer:
-    """A Checkpointer in place of the one kept on the model, which is waited for first (one save in flight per
-    model; its failure raised). Of the same root, it carries its save numbers and a roll-back it resumed
-    over: a resume by tag, then a save with retention, is the usual pair of calls with other options."""
+    """A Checkpointer in place of the one kept on the model, which is waited for first; of the same root,
+    it carries its save numbers and a roll-back it resumed over."""
     old = kept.checkpointer if kept is not None else None
     if old is not None:
         old.wait()

@@ -199,9 +199,8 @@ def live_lanes() -> list[Lane]:
 
 
 def wait_for_saves(*, raise_errors: bool = True) -> None:
-    """Block until every :class:`~smpckpt.Checkpointer`'s background save in flight (if any), and then
-    its drain to the durable tier (tiered checkpoints), have finished. With ``raise_errors``, a failure
-    of either is raised here (and not again by the next save)."""
+    """Block until every :class:`~smpckpt.Checkpointer`'s background save in flight, and then its drain,
+    have finished; with ``raise_errors``, a failure of either is raised here (not again by the next save)."""
     for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
         lane.wait()
     drains = [lane for lane in live_lanes() if lane.kind == "drain"]  # a save may have started the first one
@@ -247,10 +246,9 @@ def drain_status() -> DrainStatus | None:
 
 
 class GlooGroups:
-    """The gloo groups a Checkpointer's background work runs on, over the ranks of its process group, one
-    per purpose: ``"save"`` (background saves, the fast tier's agreements and transfers), ``"drain"`` (the
-    drain thread, which runs beside them: two threads never share a group's collectives) and the fast
-    tier's further transfer streams. Created collectively, the first time each is needed."""
+    """A Checkpointer's gloo groups over its process group's ranks, one per purpose (``"save"``: background
+    saves and the fast tier's agreements; ``"drain"``: the drain thread, which runs beside them; further
+    transfer streams), each created collectively when first needed."""
 
     def __init__(self, process_group: Any) -> None:
         self.process_group = process_group
@@ -289,9 +287,8 @@ class GlooGroups:
 
 
 class ExitRecorder:
-    """Stands in for ``sys.exit`` and notes the status the main thread asks for (``status``), so the exit
-    wait keeps a program's own failure status: CPython holds a ``SystemExit``'s status where no exit hook
-    can read it (a bare ``raise SystemExit(N)`` is not seen). It still raises ``SystemExit`` as asked."""
+    """Stands in for ``sys.exit`` and notes the status asked for (``status``), so the exit wait keeps a
+    program's own failure status (CPython keeps a ``SystemExit``'s where no exit hook can read it)."""
 
     def __init__(self, real: Callable[..., Any]) -> None:
         self.real, self.status = real, 0
@@ -305,15 +302,11 @@ class ExitRecorder:
 
 
 def register_exit_wait(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
-    """Finish ``lanes``' work when the interpreter exits (each Checkpointer registers its own, at its first
-    background work; the hook holds the lanes, never the Checkpointer), and wrap ``sys.exit`` once
-    (:class:`ExitRecorder`: a wrapper already there is kept).
-
-    Why not ``atexit``: at exit CPython first runs the hooks ``threading`` keeps (concurrent.futures'
-    among them: after it, no thread pool takes work), then joins non-daemon threads, and only then runs
-    ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
-    new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
-    Registered after concurrent.futures' (imported above), ours runs before it (those hooks run newest first)."""
+    """Finish ``lanes``' work when the interpreter exits (the hook holds the lanes, never the
+    Checkpointer), and wrap ``sys.exit`` once (:class:`ExitRecorder`). Not ``atexit``: it runs after
+    ``threading``'s exit hooks, when concurrent.futures takes no more work, so a background save opening
+    its writer pools failed and the checkpoint was lost while the process exited 0. Registered after
+    concurrent.futures' (imported above), ours runs before it (those hooks run newest first)."""
     # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
     hook = functools.partial(_wait_at_exit, lanes, exit_status)
     (getattr(threading, "_register_atexit", None) or atexit.register)(hook)

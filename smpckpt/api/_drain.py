@@ -95,9 +95,9 @@ class _Budget:
 def holders_of(
     files: Sequence[FileRecord], nodes: Nodes, replicas: int, held_by: Mapping[str, Sequence[int]] | None
 ) -> dict[str, tuple[int, ...]]:
-    """Each data file's holders: the global ranks whose node's fast tier holds it. Right after the save
-    (``held_by`` ``None``) the writer's node and the nodes it replicated to (:meth:`Nodes.replica_nodes`:
-    the save agreed they hold it before it committed); a retried drain: ``held_by``, the nodes' listings."""
+    """Each data file's holders (global ranks whose node holds it): right after the save (``held_by``
+    ``None``) the writer's node and its replica nodes, which the save agreed hold it; a retried drain:
+    ``held_by``, from the nodes' listings."""
     out = {}
     for f in files:
         if held_by is not None:
@@ -115,9 +115,9 @@ def copiers(
     local_world_size: int,
     failed: Mapping[str, Collection[int]] = MappingProxyType({}),
 ) -> dict[str, int]:
-    """Which rank copies each of ``files`` this round: the rank that wrote it when its node holds it and
-    its copy there has not failed (``failed``: file -> nodes whose copy did), else the least loaded rank
-    of a node holding it not tried yet. A file no node is left for is not in the answer."""
+    """Which rank copies each of ``files`` this round: its writer while its node's copy has not failed
+    (``failed``: file -> nodes whose copy did), else the least loaded rank of an untried node holding it.
+    A file no node is left for is not in the answer."""
     load: dict[int, int] = {}
     out = {}
     for f in files:
@@ -147,10 +147,8 @@ class _Copies:
 
     def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
         """This node's copy of ``rec`` copied as it is checked against the manifest's block checksums (one
-        read: ``check_blocks`` hands on each run of bytes once its blocks matched); the problem with it
-        instead when a block does not match or it cannot be read -- the partial durable file aborted (an S3
-        upload too), so nothing damaged is committed and the next holder's copy can take the name. An
-        error writing ``path`` is raised."""
+        read); else the problem with it, the partial durable file aborted so the next holder's copy can take
+        the name. An error writing ``path`` is raised."""
         src, problems = os.path.join(self.source, rec.name), list[str]()
         # create-only, in the folder opened without following links (storage/backends/_folder.py); borrow:
         # check_blocks hands on fresh bytes of each read, sent to S3 as they are (a part buffer's copy of
@@ -243,9 +241,8 @@ def drain(
     held_by: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    ``path``'s retention (module docstring). ``req``'s tag is the one drained, from the nodes' folders of
-    it in ``tier.job``; ``seq``: its save number (default: ``tier``'s); ``held_by``: who holds each file
-    (default: the writer's node and its replica nodes). The fast tier's retention is the caller's."""
+    ``path``'s retention. ``seq``: the save number (default: ``tier``'s); ``held_by``: who holds each file
+    (default: the writer's and replica nodes). The fast tier's retention is the caller's."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()

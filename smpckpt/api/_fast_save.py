@@ -68,10 +68,9 @@ class FastTierPart:
         return plan_tier_save(req, ctx, self)
 
     def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
-        """(all ranks, the caller's thread: before the next save is planned, an async one too) This save's
-        sequence number is drawn (rank 0's ``extra``): the plan to save with -- on rank 0 its ``path_seen``
-        also counts what the draws read of ``path`` (``newest``, written by another writer of the root in
-        this process); when the save is due for ``path``, the job's later saves know it."""
+        """(all ranks, the caller's thread, before the next save is planned) This save's sequence number,
+        drawn (rank 0's ``extra``): the plan to save with; rank 0's ``path_seen`` also counts what the draw
+        read of ``path``, and a save due for ``path`` is known to the job's later saves."""
         if not extra:
             return tier
         self.state.saw_path(self.counter.read)
@@ -405,11 +404,9 @@ def _remove_quietly(folder: str) -> None:
 
 
 def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None = None) -> None:
-    """(leaders) ``num_kept_local`` over this node's job folder: after a save (never the tag just saved),
-    and after a drain (``release``: its tag, held meanwhile, may go now). One lock orders the two, so
-    whichever runs last sees the other's outcome: a drained tag never outlives the next retention.
-    Decided on the listings gathered for ``tier`` (every node alike), the save of ``tier`` counted as
-    complete (it committed)."""
+    """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
+    after a drain (``release``: its tag may go now). One lock orders the two, so a drained tag never
+    outlives the next retention. Decided on ``tier``'s gathered listings, its own save counted complete."""
     memory, keep = tier.memory, tier.keep
     with memory.lock:
         if release is not None:

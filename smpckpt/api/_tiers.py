@@ -242,14 +242,11 @@ def gather_views(
     storage_options: Any,
     warned: set[tuple[str, str]],
 ) -> tuple[Nodes, str, list[dict[str, LocalCopy]]]:
-    """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`); every node's
-    folder checked and this job's listing of each gathered: the job folder on this node, and by global
-    rank the listing of that rank's node (its first rank's).
-
-    Refused on every rank before anything is written, naming the argument: ``local_path`` not a folder,
-    equal to ``path`` (or inside it, or containing it), ranks of one node naming different folders,
-    ranks disagreeing on ``LOCAL_WORLD_SIZE``; then a folder that cannot be written, and two nodes
-    sharing one (a leader's token seen in another node's folder)."""
+    """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`), every node's folder
+    checked, and this job's listing of each gathered (by global rank: that rank's node's). Refused on every
+    rank before anything is written, naming the argument: ``local_path`` not a folder, not apart from
+    ``path``, different on ranks of one node, unwritable, or shared by two nodes; ``LOCAL_WORLD_SIZE``
+    differing between ranks."""
     key = durable_key(root, storage_options)
     job = job_folder(local, key)
     found: list[Nodes] = []
@@ -305,9 +302,8 @@ def gather_views(
 def warn_skipped(
     views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str], warned: set[tuple[str, str]]
 ) -> None:
-    """(every rank alike: the judgement came with the gathered listing) Name each unsafe, foreign,
-    corrupt or unreadable folder of this job's fast tier (``folders``: each node's ``local_path``), once
-    (``warned``: the Checkpointer's record of what it named)."""
+    """(every rank alike) Name each unsafe, foreign, corrupt or unreadable folder of this job's fast tier
+    once (``warned``: the Checkpointer's record of what it named)."""
     for node in range(nodes.count):
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
             if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
@@ -339,8 +335,8 @@ CopyState = Literal["committed", "uncommitted", "corrupt", "unsafe", "foreign", 
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
     """One tag's folder in one node's job folder, as its first rank judged it (:data:`CopyState`).
-    ``parts`` (committed copies): every part the manifest lists, with its size -- so any rank can judge
-    completeness from the gathered listings without the manifests (~20 MiB each at 1 TiB)."""
+    ``parts`` (committed copies): every part the manifest lists, with its size, so any rank judges
+    completeness from the gathered listings alone."""
 
     state: CopyState
     files: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -526,14 +522,11 @@ def retain_local(
     protected: set[str],
     durable_seq: int,
 ) -> list[str]:
-    """(one rank per node) ``num_kept_local`` over this node's ``folder`` of the job ``owner``; ``views``: every node's
-    listing (gathered), so every node decides alike. Kept: the ``keep`` newest *complete* saves, the
-    ``protected`` tags, and every save due for the durable tier that is newer than what it holds
-    (``durable_seq``): such a copy goes only once its drain (or a later one) committed. Removed: older
-    saves, and folders no node committed that are older than the newest commit here. Unsafe and foreign
-    folders, committed saves newer than the kept ones (an incomplete one keeps no slot), and copies
-    committed here after ``views`` were gathered (a drain's retention, later saves meanwhile), stay.
-    The removed tags."""
+    """(one rank per node) ``num_kept_local`` over this node's ``folder`` of the job ``owner``, decided on
+    every node's gathered listing (``views``) alike. Kept: the ``keep`` newest complete saves, ``protected``
+    tags, saves due for the durable tier newer than ``durable_seq`` (until a drain commits them), unsafe
+    and foreign folders, committed saves newer than the kept ones, and copies committed after ``views``.
+    Removed (and returned): older saves, and uncommitted folders older than the newest commit here."""
     found = candidates(views)
     if keep is None or not found:
         return []

@@ -144,8 +144,7 @@ class Sharding(_Options):
 
 
 def _absolute_local(path: str) -> str:
-    """``path`` made absolute (``~`` expanded, as fsspec expands it) when it is a local path or a ``file://``
-    URL; any other URL as it is."""
+    """``path`` made absolute (``~`` expanded, as fsspec does) when local or a ``file://`` URL."""
     if path.startswith("file://"):
         return "file://" + os.path.abspath(os.path.expanduser(path[len("file://") :]))
     if "://" in path or "::" in path:  # a URL, or an fsspec chain (``simplecache::s3://...``)
@@ -154,8 +153,7 @@ def _absolute_local(path: str) -> str:
 
 
 def check_local_path(path: Any) -> str:
-    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path (``~``
-    expanded: the root's path is, by fsspec)."""
+    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"local_path must be a non-empty str or os.PathLike, got {path!r}")
     text = str(os.fspath(path))
@@ -172,14 +170,11 @@ class FastTier(_Options):
     (README, "Tiered checkpoints")."""
 
     local_path: str = _opt(same=False)
-    """This node's fast tier (node-local NVMe or ``/dev/shm``; each process passes its own node's folder,
-    the same on every rank of a node; kept as an absolute path). Every save commits to the fast tiers
-    first, each rank's files also copied to ``replicas - 1`` other nodes over the process group; every
-    ``durable_every``-th save is then copied from there to ``path`` in the background. The copies live in a
-    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``): jobs sharing
-    ``local_path`` never see each other's. A resume loads the newest checkpoint complete and verified
-    across the surviving fast tiers (parts a node lacks, or holds corrupt, fetched from peers) or in
-    ``path``, whichever is newer (:attr:`ResumeInfo.tier`)."""
+    """This node's fast tier (node-local NVMe or ``/dev/shm``; the same on every rank of a node; kept
+    absolute). Every save commits there first, each rank's files also copied to ``replicas - 1`` other
+    nodes; every ``durable_every``-th save is then drained to ``path`` in the background. Copies live in a
+    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``). A resume loads the newest
+    checkpoint complete across the surviving fast tiers or in ``path`` (:attr:`ResumeInfo.tier`)."""
 
     replicas: int = 2
     """Copies of each rank's files in the fast tiers, each on a different node (``LOCAL_WORLD_SIZE``
@@ -247,17 +242,12 @@ class AsyncOptions(_Options):
     overlap_staging: bool = False
     """``True``: the parameters and optimizer state of the optimizers passed to a save are staged on the
     background thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step
-    pre-hook) only for staging still unfinished, so it never changes values being staged. Everything else
-    (buffers, a model saved without its optimizer) is staged before the save returns.
+    pre-hook) only for staging still unfinished. Everything else is staged before the save returns.
 
-    Off by default because the contract is the caller's: between the save and its staging, those
-    tensors may change only through the optimizers' ``step``. An in-place change through autograd-visible
-    ops moves the tensor's version counter and fails the save naming it (once the op has finished: ATen
-    moves the counter after the kernel wrote, so an op still running while the staging compares can
-    pass unseen), but writes that bypass the
-    counter (``p.data.zero_()``, an EMA swap through ``.data``, numpy or dlpack views, CUDA-graph replays,
-    custom kernels) are not seen and would reach the checkpoint. ``False``: everything is staged before
-    the save returns."""
+    Off by default because the contract is the caller's: until staged, those tensors may change only
+    through the optimizers' ``step``. An in-place change through autograd-visible ops fails the save
+    naming it (its version counter moved, once the op finished), but writes that bypass the counter
+    (``p.data.zero_()``, numpy or dlpack views, CUDA-graph replays, custom kernels) reach the checkpoint."""
 
     exit_status: int | None = _opt(1, same=False)
     """The exit status of a process whose background save failed and was never raised to it (the last
@@ -368,13 +358,7 @@ class ExportOptions(_Options):
             raise TypeError(
                 f"out_storage_options must be a mapping or None, got {type(self.out_storage_options).__name__}"
             )
-        fn = self.translate_function
-        if fn is not None and not isinstance(fn, Translation):
-            raise TypeError(
-                "translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
-                f"need the whole state dict on one rank); got {type(fn).__name__}"
-            )
+        _check_translation(self.translate_function)
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype!r}"
@@ -419,10 +403,8 @@ class ResumeOptions(_Options):
     strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or
     checkpoint keys would be left unloaded; ``False`` skips them (:attr:`ResumeInfo.skipped_keys`; from a
-    full artifact, which makes no ResumeInfo: a warning naming them). A
-    parameter the checkpoint holds no optimizer state for (every state key of it missing: no gradient
-    yet at the save, new in the model, no optimizer saved) resumes without state into an optimizer that
-    had none (not with the step-1, zero-moment state DCP's ``get_state_dict`` makes)."""
+    full artifact, a warning). A parameter the checkpoint holds no optimizer state for resumes without state
+    into an optimizer that had none."""
 
     load_rng: bool = True
     """Restore the saved RNG states when the layout (and world size) is unchanged (``partial=True`` only)."""
@@ -434,12 +416,10 @@ class ResumeOptions(_Options):
     """Convert tensors saved in another dtype instead of refusing."""
 
     keep_tied: Sequence[str] = _opt((), same=tuple)
-    """Globs (``*`` crosses dots) of checkpoint keys, as the state dict names them (``model.`` first):
-    when the model ties two keys (``lm_head.weight`` to the input embedding) that the checkpoint holds
-    apart with different values -- a Hugging Face folder of an untied model, a partial checkpoint saved
-    untied -- the load is refused naming both, unless one matches here: that one is loaded, the other
-    ignored (``["model.lm_head.weight"]`` keeps the head, ``["*embed*"]`` the embedding). Values held
-    apart but equal load without it."""
+    """Globs (``*`` crosses dots) of checkpoint keys (``model.`` first): when the model ties two keys that
+    the checkpoint holds apart with different values (a Hugging Face folder of an untied model), the load
+    is refused naming both unless one matches here: that one is loaded, the other ignored
+    (``["model.lm_head.weight"]``). Values held apart but equal load without it."""
 
     verify_checksums: bool = True
     """Check every byte read against its checksum."""
@@ -458,12 +438,7 @@ class ResumeOptions(_Options):
             if fn is not None and not callable(fn):
                 raise TypeError("translate_function must be callable (state_dict -> state_dict)")
             return
-        if fn is not None and not isinstance(fn, Translation):
-            raise TypeError(
-                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
-                f"need the whole state dict on one rank); got {type(fn).__name__}"
-            )
+        _check_translation(self.translate_function, "with partial=False, ")
         wrong = [name for name in ("missing_ok", "load_rng") if name in self.given()]
         if wrong:
             verb = "applies" if len(wrong) == 1 else "apply"
@@ -513,3 +488,13 @@ def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, .
     """(storage, address, shape, strides) of a tensor's local memory."""
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
+
+
+def _check_translation(fn: Any, prefix: str = "") -> None:
+    """A full checkpoint's ``translate_function``: a :class:`Translation` or ``None``."""
+    if fn is not None and not isinstance(fn, Translation):
+        raise TypeError(
+            f"{prefix}translate_function must be a smpckpt.model.translation.Translation (for example "
+            "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
+            f"need the whole state dict on one rank); got {type(fn).__name__}"
+        )

@@ -79,11 +79,9 @@ class SaveRequest(CommonRequest):
 
 
 def manifest_extra(api: str, tag: str, seq: int, user_content: Any, pickled: bool, **fields: Any) -> dict[str, Any]:
-    """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
-    number under the root (``seq``, the job's :class:`~smpckpt.catalog.root.SequenceCounter` drew it:
-    what orders checkpoints), the save time (for people; it orders nothing but checkpoints without
-    sequence numbers), ``fields``, what user_content holds (and whether it needs ``allow_pickle``: ``pickled``),
-    and the versions that wrote it."""
+    """(rank 0) The manifest's ``extra`` of a save: the API record, the tag, its sequence number (``seq``,
+    drawn by the job's :class:`~smpckpt.catalog.root.SequenceCounter`: what orders checkpoints), the save
+    time, ``fields``, what user_content holds (``pickled``: needs ``allow_pickle``) and the versions."""
     now = time.time_ns()
     return {
         "api": api,
@@ -148,10 +146,9 @@ def run_save(
     verify_replicas: bool,
     dedup_tied: bool | None = None,
 ) -> None:
-    """(all ranks) ``dcp.save`` with the kept planner of ``kind``. On failure every rank is past its
-    writes: the failed save's files are removed (a retry under the tag must not find them beside its
-    own; a full artifact of unwritten zeros must not stay), then our error is raised. ``dedup_tied``
-    (full artifacts, as ``save_pretrained``): whether a head tied to its embedding is left out."""
+    """(all ranks) ``dcp.save`` with the kept planner of ``kind``; on failure the save's files are removed
+    (a retry must not find them), then our error is raised. ``dedup_tied``: leave out a head tied to its
+    embedding (full artifacts, as ``save_pretrained``)."""
     try:
         with planners.kept(kind, common) as planner, quiet_no_dist():
             planner.verify_replicas = verify_replicas
@@ -215,8 +212,7 @@ def retain(req: SaveRequest, ctx: DistContext) -> None:
 
 
 class PlannerCache:
-    """The save planners one Checkpointer keeps, one per kind of save; a planner in use is taken out, so
-    no two saves share one."""
+    """The save planners one Checkpointer keeps, one per kind; a planner in use is taken out."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the caller's saves and the background save's
@@ -224,8 +220,8 @@ class PlannerCache:
 
     @contextlib.contextmanager
     def kept(self, kind: str, req: CommonRequest) -> Iterator[ParallelSavePlanner]:
-        """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free); kept
-        again, without this save's tensors or scope, once the save returns or raises."""
+        """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free), kept
+        again without this save's tensors or scope once the save ends."""
         with self._lock:
             planner = self._kept.pop(kind, None)
         if planner is None:

@@ -23,8 +23,11 @@ from smpckpt.api._async import (
     DrainStatus,
     GlooGroups,
     Lane,
+    Stager,
+    StagingGate,
     check_previous,
     live_lanes,
+    owned_storages,
     register_exit_wait,
     wait_lanes,
 )
@@ -45,7 +48,6 @@ from smpckpt.api._resume import (
     summarize,
 )
 from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
-from smpckpt.api._staging import Stager, StagingGate, owned_storages
 from smpckpt.api.options import (
     AsyncOptions,
     ExportOptions,

@@ -133,8 +133,8 @@ def copiers(
 
 @dataclasses.dataclass
 class _Copies:
-    """One drain's copying on this rank: from this node's fast-tier folder of the tag (``source``) to
-    ``path`` on ``fs``; ``attempted``: every name this rank was given (removed if the drain fails)."""
+    """One drain's copying on this rank, from this node's folder of the tag (``source``) to ``path`` on
+    ``fs``; ``attempted``: every name it was given (removed if the drain fails)."""
 
     fs: Any
     path: str
@@ -213,8 +213,8 @@ class _Copies:
         return bad
 
     def copy_all(self, dctx: DistContext, tag: str, files: Sequence[FileRecord]) -> dict[str, dict[int, str]]:
-        """(all ranks) Rounds until every file is copied from an intact copy, each round's outcome gathered
-        (the same decisions on every rank); file -> node -> problem, for the copies that failed."""
+        """(all ranks) Rounds until every file is copied from an intact copy, each round's outcome gathered;
+        file -> node -> problem, for the copies that failed."""
         failed: dict[str, dict[int, str]] = {}
         todo = list(files)
         while todo:
@@ -326,8 +326,8 @@ def _no_intact_copy(
 
 
 def _remove_copies(fs: Any, path: str, url: str, names: list[str]) -> None:
-    """(each rank, a failed drain) Its copies, then the folder once empty (debris, not a checkpoint): the
-    rank removing the last file succeeds, the others find it not empty yet; ``rmdir`` follows no link."""
+    """(each rank, a failed drain) Its copies, then the folder once empty (whoever removes the last file);
+    ``rmdir`` follows no link."""
     with contextlib.suppress(FileNotFoundError), Folder(fs, path) as folder:  # failed before making it
         if failed := folder.remove(names):
             log.warning("the failed drain of %s left %d file(s): %s", url, len(failed), failed[:5])

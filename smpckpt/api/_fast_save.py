@@ -57,7 +57,7 @@ log = logging.getLogger("smpckpt.api")
 
 class FastTierPart:
     """The fast tier of one Checkpointer: its options, its memory between saves, and the Checkpointer's
-    gloo groups, save numbers and drain lane it works with."""
+    gloo groups, save numbers and drain lane."""
 
     def __init__(self, options: FastTier, groups: GlooGroups, counter: SequenceCounter, drain_lane: Lane) -> None:
         self.options, self.groups, self.counter, self.drain_lane = options, groups, counter, drain_lane
@@ -117,8 +117,7 @@ class FastTierPart:
         self.drain_lane.submit(req.tag, work)
 
     def resume(self, req: ResumeRequest, ctx: DistContext) -> Loaded | None:
-        """(all ranks) The newest checkpoint complete across the fast tiers or committed in ``path``,
-        loaded (``_fast_resume``); ``None`` when neither tier holds one."""
+        """(all ranks) The newest checkpoint complete in either tier, loaded; ``None``: none."""
         return load_tiered(req, ctx, choose_tier(req, ctx, self), self)
 
 
@@ -127,8 +126,8 @@ class FastTierPart:
 
 @dataclasses.dataclass(frozen=True)
 class PendingDrain:
-    """A save of this job that was due for the durable tier and is not there (its drain was killed or
-    failed): drained again by the next save that is not itself durable. The same on every rank."""
+    """A save due for the durable tier whose drain was killed or failed: drained again by the next save
+    that is not itself durable. The same on every rank."""
 
     tag: str
     seq: int
@@ -138,8 +137,7 @@ class PendingDrain:
 
 @dataclasses.dataclass(frozen=True)
 class TierPlan:
-    """One tiered save, decided before anything is written (identical on every rank but the folders), and
-    this process's gloo groups for it."""
+    """One tiered save, decided before anything is written (the same on every rank but the folders)."""
 
     nodes: Nodes
     local_path: str  #: this node's fast tier
@@ -317,9 +315,8 @@ def _pending(
 
 
 def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:
-    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``tier.group`` the agreements and
-    ``tier.streams`` the transfers) Write, replicate and commit this tag in every node's fast tier; the
-    commit every node holds."""
+    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``tier.group`` the agreements, ``tier.streams``
+    the transfers) Write, replicate and commit this tag in every node's fast tier."""
     gctx = DistContext(tier.group)
     opts, nodes = req.opts, tier.nodes
     root_local = is_local(open_fs(req.root, req.storage_options)[0])

@@ -155,8 +155,8 @@ def node_layout(ctx: DistContext, process_group: Any, replicas: int = 1) -> Node
 
 # -- whose copies ------------------------------------------------------------------------------------------
 def durable_key(root: str, storage_options: Any) -> str:
-    """The durable root as a fast-tier copy records it: one string per location however it is spelled
-    (no credentials: scheme and path only). Lexical, so every rank computes the same without I/O."""
+    """The durable root as a fast-tier copy records it: scheme and path (no credentials), lexical, so every
+    rank computes the same without I/O."""
     return location_key(root, storage_options)
 
 
@@ -181,8 +181,7 @@ def read_job_record(folder: str) -> str | None:
 
 # -- the nodes' folders ------------------------------------------------------------------------------------
 def _check_apart(local: str, root: str, storage_options: Any) -> None:
-    """``local_path`` must not be ``path``, inside it or contain it (a drain would copy a folder onto
-    itself; listings of either would see the other's folders)."""
+    """``local_path`` must not be ``path``, inside it or contain it (a drain would copy a folder onto itself)."""
     fs, path = open_fs(root, storage_options)
     if not is_local(fs):
         return
@@ -197,8 +196,7 @@ def _check_apart(local: str, root: str, storage_options: Any) -> None:
 
 
 def _token(local: str) -> str:
-    """(a node's first rank, several nodes) ``local_path`` created if need be, and this node's token
-    written into it: its name. Errors name the argument."""
+    """(a node's first rank, several nodes) This node's token written into ``local_path``: its name."""
     name = f"{_TOKEN_PREFIX}{os.urandom(8).hex()}"
     try:
         os.makedirs(local, exist_ok=True)
@@ -302,8 +300,7 @@ def gather_views(
 def warn_skipped(
     views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str], warned: set[tuple[str, str]]
 ) -> None:
-    """(every rank alike) Name each unsafe, foreign, corrupt or unreadable folder of this job's fast tier
-    once (``warned``: the Checkpointer's record of what it named)."""
+    """(every rank alike) Name each skipped folder of this job's fast tier once (``warned``)."""
     for node in range(nodes.count):
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
             if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
@@ -449,8 +446,8 @@ def scan_job(folder: str, owner: str | None) -> dict[str, LocalCopy]:
 
 @dataclasses.dataclass(frozen=True)
 class FastCandidate:
-    """A tag committed in the fast tier (the save whose manifest has ``digest``), who holds each of its
-    parts (global ranks whose node folder holds it; the manifest: the nodes that committed it), what none holds."""
+    """A tag committed in the fast tier (the save whose manifest has ``digest``): who holds each of its
+    parts (global ranks), what none holds."""
 
     tag: str
     digest: int
@@ -478,8 +475,7 @@ def _usable_files(copy: LocalCopy | None) -> Mapping[str, int] | None:
 
 def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[FastCandidate]:
     """Every save of this job some node committed (only ``tag``'s when given), newest first, with its
-    completeness across ``views`` (index ``i``: what global rank ``i``'s node holds; for ``smpckpt ls
-    --local``, what its ``i``-th folder holds)."""
+    completeness across ``views`` (index ``i``: what global rank ``i``'s node, or the ``i``-th folder, holds)."""
     seen: dict[tuple[str, int], LocalCopy] = {}
     for view in views:
         for t, copy in view.items():
@@ -509,8 +505,8 @@ def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
 
 
 def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
-    """Saves that were due for the durable tier and are newer than everything the durable tier holds of
-    this job (their drain never committed), newest first."""
+    """Saves due for the durable tier newer than all it holds of this job (their drain never committed),
+    newest first."""
     return [c for c in candidates(views) if c.durable and c.seq > durable_seq]
 
 

@@ -107,9 +107,7 @@ def digest(values: Mapping[str, Any]) -> str:
 
 
 class DistContext:
-    """This process's place in ``process_group`` (the default group when ``None``), or a world of one.
-    ``is_coordinator``: group rank 0, the only rank that reads and writes ``newest`` and applies retention.
-    """
+    """This process's place in ``process_group`` (default: the default group), or a world of one."""
 
     def __init__(self, process_group: Any = None) -> None:
         check_process_group(process_group)
@@ -135,8 +133,7 @@ class DistContext:
         return out
 
     def broadcast_object(self, obj: T | None, src: int = 0) -> T:
-        """Rank ``src``'s ``obj`` (group rank; default 0) on every rank (others pass anything, typically
-        ``None``)."""
+        """Rank ``src``'s ``obj`` (group rank) on every rank (others pass anything, typically ``None``)."""
         if not self.active or self.world_size == 1:
             return obj  # type: ignore[return-value]
         box = [obj]
@@ -194,8 +191,7 @@ class DistContext:
         return self._agree("a checked step", error, result)
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
-        """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
-        error on every rank."""
+        """(all ranks) Run ``fn`` on rank 0 only; its result, or its error, on every rank."""
         if not self.active or self.world_size == 1:
             return fn()
         payload: tuple[str, Any] | None = None
@@ -379,8 +375,7 @@ def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
 
 
 def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
-    """The API's rules: each matches a stored key (``model.transformer.h.0.attn.qkv.weight``) or the
-    model's own name for it (``transformer.h.0.attn.qkv.weight``, as ``tp_specs`` writes rules)."""
+    """The API's rules: each matches a stored key (``model.h.0.qkv.weight``) or the model's own name for it."""
     if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
         raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
     return SpecRules.of(specs, also_under=(RESERVED.model,))
@@ -403,8 +398,8 @@ def train_state(
 
 @contextlib.contextmanager
 def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None]:
-    """A zero gradient, for the call only, on the smallest parameter of each fresh optimizer keeps DCP from
-    stepping it (and firing its step hooks)."""
+    """A zero gradient on the smallest parameter of each fresh optimizer, for the call only, keeps DCP from
+    stepping it."""
     lent: list[torch.Tensor] = []
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -441,8 +436,7 @@ PICKLED_KEY = "user_content_pickle"  #: the manifest's flag: user_content needs 
 
 
 def refuse_pickled(pickled: bool, allow_pickle: bool, what: str) -> None:
-    """(every rank alike) Refuse, before the load writes into the live tensors, a checkpoint whose manifest
-    says its user_content needs ``allow_pickle``."""
+    """(every rank alike) Refuse, before the load, a checkpoint whose user_content needs ``allow_pickle``."""
     if pickled and not allow_pickle:
         raise UnsafeCheckpoint(
             f"{what}: its user_content holds objects weights-only loading rejects (its save warned); nothing "
@@ -480,8 +474,7 @@ def _loads_weights_only(data: bytes) -> bool:
 
 
 def decode_user_content(data: Any, *, allow_pickle: bool, nested: bool = False) -> Any:
-    """The one deserialisation on resume. ``nested``: checkpoints of ``save_checkpoint/1`` wrapped the
-    record in a second pickle (a ``bytes`` object), unwrapped here."""
+    """The one deserialisation on resume; ``nested``: ``save_checkpoint/1`` records, pickled twice."""
     if data is None or data == b"":
         return None
     if not isinstance(data, (bytes, bytearray)):
@@ -528,8 +521,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """Restore the generators in ``state`` (only ``components`` when given; CUDA: the visible devices);
-    returns what was restored."""
+    """Restore the generators in ``state`` (only ``components``; CUDA: the visible devices); what was."""
     restored: list[str] = []
     wanted = set(state if components is None else components)
     if "torch" in wanted and "torch" in state:

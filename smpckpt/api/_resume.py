@@ -330,8 +330,8 @@ def load_checkpoint(
     optional: tuple[str, ...] | None = None,
     what: str = "checkpoint",
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``url``); strict key checks run
-    before any data is read. ``optional``: keys that may be absent (default: what a resume may lack)."""
+    """(all ranks) ``dcp.load`` in place, key checks before any data is read; ``optional``: keys that may be
+    absent (default: what a resume may lack)."""
     planner = ParallelLoadPlanner(
         **common.planner_args(),
         allow_dtype_cast=opts.allow_dtype_cast,
@@ -398,8 +398,7 @@ def apply_state(
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
-    """(after ``set_state_dict``, or a failed resume) Drop the optimizer state of the FQNs in ``unsaved``,
-    and empty entries (reads of the defaultdict)."""
+    """(after ``set_state_dict``, or a failed resume) Drop the optimizer state of ``unsaved`` and empty entries."""
     for opt in optimizers:
         for p in [p for p, v in opt.state.items() if not v]:
             del opt.state[p]
@@ -516,8 +515,7 @@ def summarize(
     restored: tuple[str, ...],
     untranslated: tuple[str, ...] = (),
 ) -> ResumeInfo:
-    """(all ranks) Sum every rank's load into one :class:`ResumeInfo` and log it (``untranslated``: listed
-    as skipped)."""
+    """(all ranks) Sum every rank's load into one :class:`ResumeInfo` and log it."""
     report = planner.report
     gone = (*report.missing_keys, *report.stateless_saved, *untranslated) if report else untranslated
     mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, gone)

@@ -72,8 +72,7 @@ _last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar
 
 
 def last_resume_info() -> ResumeInfo | None:
-    """The :class:`ResumeInfo` of the last successful partial resume in this thread (any Checkpointer's;
-    ``Checkpointer.last_resume_info`` holds one Checkpointer's)."""
+    """The :class:`ResumeInfo` of the last successful partial resume in this thread (any Checkpointer's)."""
     return _last_resume.get()
 
 
@@ -197,8 +196,8 @@ class Checkpointer:
         return self._export(tag, out, model, optimizer, user_content, options, "Checkpointer.export's arguments")
 
     def wait(self) -> None:
-        """Block until the background save in flight (if any) and then the drain to the durable tier have
-        finished; a failure of either is raised here (and not again by the next save)."""
+        """Block until the background save in flight and then the drain have finished; a failure of either
+        is raised here (not again by the next save)."""
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=True)
 
     def _rebind_sharding(self, sharding: Sharding) -> bool:
@@ -528,8 +527,8 @@ def _options(options: Any, cls: type[Any]) -> Any:
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False) -> None:
-    """(close, or the Checkpointer dropped) The lanes' threads end once their work is done (``join``: wait
-    for that); the optimizer step hooks go."""
+    """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait);
+    remove the step hooks."""
     for lane in lanes:
         lane.stop(join)
     gate.close()

@@ -340,9 +340,8 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
         suffix = f"; exiting with status {status}" if status else ""
         log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
         if status:
-            # every other Checkpointer's work in flight finishes first (its hook, registered earlier,
-            # would run after this one, and os._exit ends the process before it): its final save is
-            # not lost to this one's failure; its own failure is logged too
+            # every other Checkpointer's work in flight finishes first (its hook would run after this one,
+            # and os._exit ends the process before it): its final save is not lost to this one's failure
             for other in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
                 if other is save or other is drain:
                     continue

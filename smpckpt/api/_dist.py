@@ -521,7 +521,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """Restore the generators in ``state`` (only ``components``; CUDA: the visible devices); what was."""
+    """Restore the generators in ``state`` (only ``components``; CUDA: the visible devices); returns those restored."""
     restored: list[str] = []
     wanted = set(state if components is None else components)
     if "torch" in wanted and "torch" in state:

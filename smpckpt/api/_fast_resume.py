@@ -207,16 +207,12 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
         if manifest is None:
             continue
         target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest[0], False)
-        try:
-            return _load_fast(req, ctx, choice, cand, target, manifest, part)
-        except CheckpointError as exc:
-            first = exc
-            if _callers_fault(choice, exc):
-                raise
-        repaired = _repair(ctx, choice, cand, manifest[0])
-        if repaired is not None:
+        for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
+            attempt = attempt if attempt is not None else _repair(ctx, choice, cand, manifest[0])
+            if attempt is None:
+                break
             try:
-                return _load_fast(req, ctx, choice, repaired, target, manifest, part)
+                return _load_fast(req, ctx, choice, attempt, target, manifest, part)
             except CheckpointError as exc:
                 first = exc
                 if _callers_fault(choice, exc):
@@ -316,9 +312,8 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
         if copy.state == "corrupt":
             stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
         elif copy.committed and copy.seq < cand.seq:
-            # a strictly lower save number: the tag was saved again after it, in this history (another
-            # history's, where the lineage reaches, was refused by refuse_forked). An equal number is
-            # another history's save (a fork, told apart by clocks at most): never removed
+            # a strictly lower save number: the tag was saved again after it, in this history; an equal
+            # number is another history's save (a fork): never removed
             stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
             what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]
     wrong = sorted(

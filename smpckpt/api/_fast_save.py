@@ -278,9 +278,8 @@ def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, 
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
             f"but cannot be drained: {why}; it stays in the fast tier until a later save is drained"
         )
-        # inside plan_tier_save's agreement on rank 0's decision (on_coordinator): a filter making warnings
-        # errors fails the save on every rank alike; warned from the save (an async one's background
-        # future), it failed rank 0's alone (rev59c F3)
+        # inside plan_tier_save's agreement (on_coordinator): a filter making warnings errors fails the save
+        # on every rank alike, not rank 0's alone (rev59c F3)
         log.warning(message)
         warnings.warn(message, stacklevel=5)
         if not why:

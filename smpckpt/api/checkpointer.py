@@ -393,9 +393,8 @@ class Checkpointer:
             self._exit_wait = True
 
     def _resume(self, tag: Any, model: Any, optimizer: Any, options: Any, what: str) -> Any:
-        # a background save (of this Checkpointer or another in the process) may be committing, updating
-        # newest or removing what retention picks: resume from what it leaves (its failure stays for its
-        # next save to raise)
+        # a background save may be committing, updating newest or applying retention: resume from what it
+        # leaves (its failure stays for its next save to raise)
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             lane.wait()
         ctx = DistContext(self.sharding.process_group)

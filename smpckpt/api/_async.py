@@ -108,7 +108,6 @@ class Lane:
         return fut
 
     def run(self) -> None:
-        """(the lane's thread) Work in order until stopped with nothing left."""
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
@@ -163,7 +162,6 @@ def _forget_lane(ref: weakref.ref[Lane]) -> None:
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
-    """Wait for ``fut`` when it is running, logging how long."""
     if fut is not None and not fut.done():
         started = time.monotonic()
         concurrent.futures.wait([fut])
@@ -460,7 +458,6 @@ class StagingGate:
             pending.wait_issued()
 
     def close(self) -> None:
-        """Remove every hook."""
         handles, self._handles = list(self._handles.values()), {}
         for handle in handles:
             handle.remove()
@@ -541,7 +538,6 @@ class Stager:
         return buf
 
     def nbytes(self) -> int:
-        """Bytes held in reused staging buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def free(self) -> None:

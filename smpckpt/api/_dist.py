@@ -320,7 +320,6 @@ class CommonRequest:
     process_group: Any
 
     def planner_args(self) -> dict[str, Any]:
-        """The layout arguments both planners take, as the API passes them."""
         return {
             "layout": self.layout,
             "specs": self.rules,
@@ -521,7 +520,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """Restore the generators in ``state`` (only ``components``; CUDA: the visible devices); returns those restored."""
+    """Restore the generators in ``state`` (only ``components``; CUDA: visible devices); returns those restored."""
     restored: list[str] = []
     wanted = set(state if components is None else components)
     if "torch" in wanted and "torch" in state:

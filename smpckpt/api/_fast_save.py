@@ -163,7 +163,6 @@ class TierPlan:
 
     @property
     def group(self) -> Any:
-        """The gloo group of the agreements (``None`` without a process group)."""
         return self.streams[0] if self.streams else None
 
     def record(self) -> dict[str, Any]:

@@ -93,7 +93,6 @@ class TierState:
             self.held.discard(tag)
 
     def note_durable(self, seq: int) -> None:
-        """A drain committed save number ``seq`` under ``path``."""
         self.durable = max(self.durable or 0, seq)
 
 
@@ -165,7 +164,6 @@ def job_dirname(key: str) -> str:
 
 
 def job_folder(local_path: str, key: str) -> str:
-    """This job's folder in a node's fast tier ``local_path``."""
     return os.path.join(local_path, job_dirname(key))
 
 
@@ -500,7 +498,6 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
 
 
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
-    """The highest save number any node's committed copy of this job carries."""
     return max((c.seq for view in views for c in view.values() if c.committed), default=0)
 
 

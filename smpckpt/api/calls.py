@@ -187,7 +187,6 @@ def resume_from_checkpoint(
 
 
 def _set(**values: Any) -> dict[str, Any]:
-    """The keywords a caller set (not ``None``)."""
     return {k: v for k, v in values.items() if v is not None}
 
 

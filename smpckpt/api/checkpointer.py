@@ -519,7 +519,6 @@ def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) ->
 
 
 def _options(options: Any, cls: type[Any]) -> Any:
-    """A call's options: ``options``, or the defaults."""
     if options is not None and not isinstance(options, cls):
         raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
     return cls() if options is None else options

@@ -59,7 +59,6 @@ class _Options:
                 check_flag(f.name, getattr(self, f.name))
 
     def given(self) -> list[str]:
-        """The fields set to something other than their default."""
         return [
             f.name
             for f in dataclasses.fields(self)  # type: ignore[arg-type]

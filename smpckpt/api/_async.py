@@ -61,9 +61,8 @@ class LaneThread(threading.Thread):
 
 
 class Lane:
-    """One kind of background work of one Checkpointer (``kind``: its saves, or its drains), run in order
-    on a :class:`LaneThread` started at the first :meth:`submit`. ``failed`` is kept for the next call to
-    raise."""
+    """One kind of background work of one Checkpointer (saves, or drains), run in order on a
+    :class:`LaneThread` started at the first :meth:`submit`; ``failed`` is kept for the next call to raise."""
 
     def __init__(self, kind: Literal["save", "drain"], what: str, owner: Any) -> None:
         self.kind, self.what, self.name = kind, what, f"smpckpt-{'async-save' if kind == 'save' else 'drain'}"
@@ -253,9 +252,8 @@ def drain_status() -> DrainStatus | None:
 
 
 class GlooGroups:
-    """A Checkpointer's gloo groups over its process group's ranks, one per purpose (``"save"``: background
-    saves and the fast tier's agreements; ``"drain"``: the drain thread, which runs beside them; further
-    transfer streams), each created collectively when first needed."""
+    """A Checkpointer's gloo groups, one per purpose (``"save"``: background saves and the fast tier's
+    agreements; ``"drain"``; further transfer streams), each created collectively when first needed."""
 
     def __init__(self, process_group: Any) -> None:
         self.process_group = process_group
@@ -472,9 +470,8 @@ class Stager:
         self._stream: Any = None
 
     def stage(self, tag: str, state: Any, deferred: set[tuple[str, int]]) -> tuple[Any, Pending | None]:
-        """(caller) A copy of ``state`` whose tensors live in this stager's buffers: those whose storage is
-        in ``deferred`` filled later by the :class:`Pending` returned (``None``: nothing deferred), the
-        others now."""
+        """(caller) A copy of ``state`` in this stager's buffers: tensors whose storage is in ``deferred``
+        filled later by the :class:`Pending` returned (``None``: nothing deferred), the others now."""
         now: list[Pair] = []
         later: list[Pair] = []
         staged = self._walk(state, "", deferred, now, later, {})

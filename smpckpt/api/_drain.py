@@ -95,9 +95,8 @@ class _Budget:
 def holders_of(
     files: Sequence[FileRecord], nodes: Nodes, replicas: int, held_by: Mapping[str, Sequence[int]] | None
 ) -> dict[str, tuple[int, ...]]:
-    """Each data file's holders (global ranks whose node holds it): right after the save (``held_by``
-    ``None``) the writer's node and its replica nodes, which the save agreed hold it; a retried drain:
-    ``held_by``, from the nodes' listings."""
+    """Each data file's holders (global ranks): right after the save (``held_by`` ``None``) the writer's
+    node and its replica nodes, which the save agreed hold it; a retried drain: ``held_by``."""
     out = {}
     for f in files:
         if held_by is not None:
@@ -116,8 +115,7 @@ def copiers(
     failed: Mapping[str, Collection[int]] = MappingProxyType({}),
 ) -> dict[str, int]:
     """Which rank copies each of ``files`` this round: its writer while its node's copy has not failed
-    (``failed``: file -> nodes whose copy did), else the least loaded rank of an untried node holding it.
-    A file no node is left for is not in the answer."""
+    (``failed``), else the least loaded rank of an untried node holding it (none left: not in the answer)."""
     load: dict[int, int] = {}
     out = {}
     for f in files:
@@ -146,9 +144,8 @@ class _Copies:
     attempted: list[str] = dataclasses.field(default_factory=list)
 
     def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
-        """This node's copy of ``rec`` copied as it is checked against the manifest's block checksums (one
-        read); else the problem with it, the partial durable file aborted so the next holder's copy can take
-        the name. An error writing ``path`` is raised."""
+        """This node's copy of ``rec`` copied as it is checked (one read); else its problem, the partial
+        durable file aborted so the next holder's copy can take the name. Errors writing ``path`` raise."""
         src, problems = os.path.join(self.source, rec.name), list[str]()
         # create-only, in the folder opened without following links (storage/backends/_folder.py); borrow:
         # check_blocks hands on fresh bytes of each read, sent to S3 as they are (a part buffer's copy of
@@ -241,8 +238,7 @@ def drain(
     held_by: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    ``path``'s retention. ``seq``: the save number (default: ``tier``'s); ``held_by``: who holds each file
-    (default: the writer's and replica nodes). The fast tier's retention is the caller's."""
+    ``path``'s retention; ``seq`` and ``held_by`` for a retried drain (default: ``tier``'s)."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()

@@ -62,8 +62,7 @@ log = logging.getLogger("smpckpt.api")
 
 @dataclasses.dataclass(frozen=True)
 class TierChoice:
-    """What a tiered resume may load, the same on every rank: the fast-tier saves newer than ``path``'s
-    checkpoint (newest first), and that checkpoint."""
+    """What a tiered resume may load, alike on every rank: the newer fast-tier saves, then ``path``'s."""
 
     nodes: Nodes
     job: str  #: this job's folder on this node
@@ -78,8 +77,7 @@ class TierChoice:
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """A finished load: what was loaded, its planner and state, and the fast tier's reader (``None``:
-    from ``path``)."""
+    """A finished load: its target, planner and state, and the fast tier's reader (``None``: ``path``'s)."""
 
     target: Target
     planner: ParallelLoadPlanner
@@ -133,8 +131,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
     """(every rank alike; ``smpckpt ls --local`` too) The complete fast-tier saves a resume may load, newest
-    first: none older than ``durable``, none of another history (:func:`_same_history`,
-    :func:`refuse_forked`)."""
+    first: none older than ``durable``, none of another history (:func:`refuse_forked`)."""
     usable = [c for c in found if c.complete and (durable is None or durable.order <= c.order)]
     if durable is not None and tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
@@ -200,8 +197,7 @@ def _same_history(
 
 
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
-    """(all ranks) Load the newest candidate that loads (module docstring); ``None`` when neither tier
-    holds one. The durable checkpoint's own failure is raised."""
+    """(all ranks) Load the newest candidate that loads; ``None``: neither tier holds one."""
     for i, cand in enumerate(choice.fast):
         manifest = _manifest_of(ctx, choice, cand)
         if manifest is None:
@@ -241,8 +237,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
 
 def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
     """(all ranks, one collective) Whether the load failed on any rank because the caller's state does not
-    fit the save (:class:`LayoutMismatch`, :class:`SpecError`, :class:`UnsafeCheckpoint`): no other copy
-    answers that, so it is raised, not fallen back from, on every rank alike."""
+    fit the save (layout, specs, ``allow_pickle``): raised on every rank alike, not fallen back from."""
     mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint))
     return any(DistContext(choice.group).all_ok_values(lambda: mine))
 

@@ -68,9 +68,8 @@ class FastTierPart:
         return plan_tier_save(req, ctx, self)
 
     def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
-        """(all ranks, the caller's thread, before the next save is planned) This save's sequence number,
-        drawn (rank 0's ``extra``): the plan to save with; rank 0's ``path_seen`` also counts what the draw
-        read of ``path``, and a save due for ``path`` is known to the job's later saves."""
+        """(all ranks, the caller's thread) The plan to save with, once rank 0 drew the save's number
+        (``extra``); a save due for ``path`` is known to the job's later saves."""
         if not extra:
             return tier
         self.state.saw_path(self.counter.read)

@@ -79,11 +79,9 @@ class Location(_Options):
     """Where the checkpoints of a job live."""
 
     path: str
-    """The checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``). Partial
-    checkpoints are ``{path}/{tag}_partial``, full ones ``{path}/{tag}``, and ``{path}/newest`` names the
-    newest partial one (smp's folder layout). An ``os.PathLike`` is kept as its ``str``; a local path (or
-    ``file://`` URL) is kept absolute, ``~`` expanded, resolved against the working directory when the
-    Location is built (a later ``os.chdir`` moves no checkpoint, a background save's included)."""
+    """The checkpoint root: a local path (or ``os.PathLike``) or any URL the storage supports
+    (``s3://bucket/run``), smp's folder layout under it. A local path (or ``file://`` URL) is made
+    absolute, ``~`` expanded, when the Location is built (a later ``os.chdir`` moves no checkpoint)."""
 
     storage_options: Mapping[str, Any] | None = _opt(None, same=False)
     """fsspec options of ``path`` (S3: ``key``, ``secret``, ``client_kwargs``...)."""
@@ -180,14 +178,12 @@ class FastTier(_Options):
     ranks per node); at most the number of nodes."""
 
     durable_every: int = 1
-    """Every N-th save of the job (counted across restarts from the saves already in either tier) is also
-    committed to ``path``, drained in the background from the fast tier's files. A drain that did not
-    commit (a killed job) is retried by the next save that is not itself due."""
+    """Every N-th save of the job (counted across restarts) is also drained to ``path`` in the background;
+    a drain that did not commit (a killed job) is retried by the next save that is not itself due."""
 
     num_kept_local: int | None = 2
-    """Keep the N newest checkpoints complete across the nodes' fast tiers (never the one a drain is
-    copying, nor one due for ``path`` whose drain did not commit); ``None`` keeps all.
-    :attr:`Retention.num_kept_partial_checkpoints` governs ``path``."""
+    """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor one
+    due for ``path`` whose drain did not commit); ``None`` keeps all."""
 
     drain_memory: int = _opt(384 << 20, same=False)
     """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written
@@ -209,9 +205,9 @@ class Retention(_Options):
     """What is removed under ``path`` after each save (rank 0, only after the new one committed)."""
 
     num_kept_partial_checkpoints: int | None = None
-    """Keep only the N newest committed partial checkpoints of the job's history (N >= 1; by sequence
-    number, never by a clock; the saves a roll-back by ``tag=`` abandoned are removed first), never the
-    tag ``newest`` names; ``None`` keeps all. Full checkpoints are never counted or removed."""
+    """Keep only the N newest committed partial checkpoints of the job's history (by sequence number;
+    those a roll-back abandoned go first), never the one ``newest`` names; ``None`` keeps all. Full
+    checkpoints are never counted or removed."""
 
     remove_uncommitted_older_than: float | None = None
     """Seconds: also remove uncommitted folders (debris of killed saves) with no write for that long and
@@ -233,10 +229,9 @@ class AsyncOptions(_Options):
     """Saves that return before the state is written (README, "Async saves")."""
 
     enabled: bool = False
-    """Partial saves return a ``concurrent.futures.Future`` once the state is staged (copied into host
-    buffers the :class:`~smpckpt.Checkpointer` reuses across saves) and are written, committed, pointed at
-    by ``newest`` and retained on a background thread with a gloo group of its own.
-    :attr:`SaveOptions.async_save` overrides it per save. One save is in flight per Checkpointer."""
+    """Partial saves return a ``concurrent.futures.Future`` once the state is staged (copied into reused
+    host buffers), and are written, committed and retained on a background thread with a gloo group of
+    its own (one in flight per Checkpointer); :attr:`SaveOptions.async_save` overrides it per save."""
 
     overlap_staging: bool = False
     """``True``: the parameters and optimizer state of the optimizers passed to a save are staged on the
@@ -249,10 +244,9 @@ class AsyncOptions(_Options):
     (``p.data.zero_()``, numpy or dlpack views, CUDA-graph replays, custom kernels) reach the checkpoint."""
 
     exit_status: int | None = _opt(1, same=False)
-    """The exit status of a process whose background save failed and was never raised to it (the last
-    save of a script that returns while it runs). ``None`` keeps the interpreter's own status (the failure
-    is still logged at ERROR). A non-zero status ends the process with ``os._exit`` once the remaining exit
-    hooks have run; a program that ends with ``sys.exit(N)``, ``N`` non-zero, keeps ``N``."""
+    """The exit status of a process whose background save failed and was never raised to it; ``None``
+    keeps the interpreter's own (the failure is logged at ERROR). A non-zero status ends the process with
+    ``os._exit`` once the other exit hooks ran; a program's own ``sys.exit(N)``, ``N`` non-zero, is kept."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -273,12 +267,10 @@ class SaveOptions(_Options):
     :class:`~smpckpt.errors.CheckpointError` instead."""
 
     overwrite: bool = False
-    """Replace a committed checkpoint of the same tag (not with a fast tier: a tiered save never
-    replaces a tag)."""
+    """Replace a committed checkpoint of the same tag (not with a fast tier)."""
 
     save_rng: bool = True
-    """Save every rank's RNG states (torch, CUDA, python, numpy); resume restores them under an
-    unchanged layout."""
+    """Save every rank's RNG states; resume restores them under an unchanged layout."""
 
     format: Literal["raw", "torch_save"] = "raw"
     """``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable)."""
@@ -290,9 +282,8 @@ class SaveOptions(_Options):
     """Run a synchronous save inside :func:`smpckpt.gc_frozen` (README, "Garbage collection")."""
 
     verify_replicas: bool = True
-    """Ranks holding the same piece of a tensor (replicas; a key two pipeline stages hold) must hold the
-    same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys and
-    ranks: one replica is written, so a forgotten TP spec would lose data silently."""
+    """Ranks holding the same piece of a tensor (replicas) must hold the same values (a sampled digest), or
+    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -318,8 +309,7 @@ class ExportOptions(_Options):
 
     include_optimizer: bool = False
     """Also write the optimizer's tensor state to ``optimizer.safetensors``, keyed ``<param fqn>.<name>``
-    (hyper-parameters are not saved). Needs ``optimizer=`` (or, exporting a committed partial checkpoint,
-    one saved with its optimizer)."""
+    (not its hyper-parameters). Needs ``optimizer=`` (or a partial checkpoint saved with one)."""
 
     dtype: torch.dtype | None = _opt(None, same=str)
     """Cast floating-point tensors on export (fp32 -> ``torch.bfloat16``), as
@@ -382,11 +372,9 @@ class ResumeOptions(_Options):
     """The options of one resume (:meth:`smpckpt.Checkpointer.resume`)."""
 
     partial: bool = True
-    """``True``: a partial checkpoint ``{path}/{tag}_partial`` (``tag=None``: the one ``newest`` names).
-    ``False``: a full one, ``{path}/{tag}/`` (``tag=None``: ``path`` itself), written by
-    :meth:`~smpckpt.Checkpointer.export` or a plain Hugging Face folder (read unverified); optimizer tensor
-    state is loaded when the artifact has it and ``optimizer`` is given; RNG is not restored and
-    :func:`~smpckpt.last_resume_info` is not updated."""
+    """``True``: a partial checkpoint ``{path}/{tag}_partial``. ``False``: a full one, ``{path}/{tag}/``
+    (``tag=None``: ``path`` itself; or a plain Hugging Face folder, read unverified), with optimizer tensor
+    state when it has some and ``optimizer`` is given; no RNG, no :func:`~smpckpt.last_resume_info`."""
 
     translate_function: Callable[[dict[str, Any]], dict[str, Any]] | Translation | None = _opt(None, same=False)
     """``partial=True``: ``state_dict -> state_dict`` applied to the loaded model state before it is set
@@ -396,8 +384,7 @@ class ResumeOptions(_Options):
 
     missing_ok: bool = False
     """Return ``None`` (start fresh) instead of raising :class:`~smpckpt.errors.CheckpointNotFound` when
-    nothing committed exists (``partial=True`` only). Not when ``newest`` names a checkpoint that is there
-    but damaged, unreadable or without its manifest: that resume is refused naming it."""
+    nothing committed exists (``partial=True`` only); not when ``newest`` names a damaged checkpoint."""
 
     strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or

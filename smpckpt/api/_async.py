@@ -180,8 +180,7 @@ def raise_failed(lanes: Iterable[Lane], suffix: str) -> None:
 
 
 def check_previous(save: Lane, drain: Lane, wait: bool) -> None:
-    """(caller) Refuse a save while one is in flight (``wait`` false), else wait for it; then raise a
-    background failure once."""
+    """(caller) Refuse a save while one is in flight (``wait`` false), else wait; then raise a failure once."""
     if save.running and not wait:
         raise CheckpointError(
             f"a background save of {save.tag!r} is still running (wait_for_previous=False); call "
@@ -245,8 +244,7 @@ class DrainStatus:
 
 
 def drain_status() -> DrainStatus | None:
-    """The state of the newest drain to the durable tier of any live Checkpointer (``None``: none
-    started); ``Checkpointer.drain_status()`` says the same of one."""
+    """The newest drain of any live Checkpointer (``None``: none started); ``Checkpointer.drain_status``."""
     drains = [lane for lane in live_lanes() if lane.kind == "drain"]
     return DrainStatus.of(max(drains, key=lambda lane: lane.submitted)) if drains else None
 
@@ -260,8 +258,7 @@ class GlooGroups:
         self._groups: dict[str, Any] = {}
 
     def get(self, ctx: DistContext, purpose: str = "save") -> Any:
-        """(all ranks of the group, collectively the first time) The group for ``purpose`` (``None``
-        without a process group)."""
+        """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group)."""
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
@@ -359,8 +356,7 @@ Pair = tuple[str, torch.Tensor, torch.Tensor]  #: (key, source, buffer)
 
 
 def copy_into(pairs: Iterable[Pair], stream: Any = None) -> None:
-    """Copy each ``(source, buffer)``: on ``stream`` (CUDA sources, non-blocking into pinned buffers) or
-    in place on the CPU."""
+    """Copy each ``(source, buffer)``: on ``stream`` (CUDA, non-blocking into pinned buffers) or the CPU."""
     if stream is None:
         for _, src, buf in pairs:
             buf.copy_(src)
@@ -462,8 +458,7 @@ class StagingGate:
 
 
 class Stager:
-    """Host copies of a state's tensors in buffers reused across saves of the same structure (one copy of
-    the state saved asynchronously: :meth:`nbytes`)."""
+    """Host copies of a state's tensors in buffers reused across saves of the same structure."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = {}

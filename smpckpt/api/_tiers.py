@@ -154,8 +154,7 @@ def node_layout(ctx: DistContext, process_group: Any, replicas: int = 1) -> Node
 
 # -- whose copies ------------------------------------------------------------------------------------------
 def durable_key(root: str, storage_options: Any) -> str:
-    """The durable root as a fast-tier copy records it: scheme and path (no credentials), lexical, so every
-    rank computes the same without I/O."""
+    """The durable root as a copy records it: scheme and path, lexical (every rank alike, no I/O)."""
     return location_key(root, storage_options)
 
 
@@ -396,8 +395,7 @@ def part_sizes(manifest: Manifest) -> dict[str, int]:
 
 
 def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, bytes | None]:
-    """Judge one ``{tag}_partial`` folder for the job whose durable root is ``owner`` (``None``: any
-    job's copy counts as committed); also its manifest's bytes."""
+    """Judge one ``{tag}_partial`` folder for the job of ``owner`` (``None``: any job's); with its manifest."""
     if os.path.islink(folder):
         return LocalCopy("foreign", detail=f"a link to {os.path.realpath(folder)} (the fast tier writes none)"), None
     fs, path = open_root(folder)
@@ -444,8 +442,7 @@ def scan_job(folder: str, owner: str | None) -> dict[str, LocalCopy]:
 
 @dataclasses.dataclass(frozen=True)
 class FastCandidate:
-    """A tag committed in the fast tier (the save whose manifest has ``digest``): who holds each of its
-    parts (global ranks), what none holds."""
+    """A tag committed in the fast tier (manifest ``digest``): who holds each part, what none holds."""
 
     tag: str
     digest: int
@@ -502,8 +499,7 @@ def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
 
 
 def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
-    """Saves due for the durable tier newer than all it holds of this job (their drain never committed),
-    newest first."""
+    """Saves due for the durable tier newer than all it holds of this job (never drained), newest first."""
     return [c for c in candidates(views) if c.durable and c.seq > durable_seq]
 
 

@@ -191,8 +191,7 @@ def _set(**values: Any) -> dict[str, Any]:
 
 
 def _fail_together(options: Any, moved: Mapping[str, Any], what: str, exc: Exception) -> None:
-    """Arguments that failed their own checks on this rank fail every rank, in the collective the others
-    are in (the comparison of ``what``) -- instead of leaving them there."""
+    """Arguments that failed their checks on this rank fail every rank, in the collective the others are in."""
     group = moved.get("process_group")
     for obj in options if isinstance(options, (list, tuple)) else (options,):
         group = obj.process_group if isinstance(obj, Sharding) else group
@@ -263,8 +262,7 @@ def _prepare(
 def _checkpointer(
     model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool
 ) -> Checkpointer:
-    """The model's kept Checkpointer when it fits ``built`` (its sharding rebound, its retention set by a
-    save), else a fresh one, kept on the model."""
+    """The model's kept Checkpointer when it fits ``built``, else a fresh one, kept on the model."""
     sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
     retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None

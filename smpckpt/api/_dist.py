@@ -397,8 +397,7 @@ def train_state(
 
 @contextlib.contextmanager
 def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None]:
-    """A zero gradient on the smallest parameter of each fresh optimizer, for the call only, keeps DCP from
-    stepping it."""
+    """A zero gradient on the smallest parameter of each fresh optimizer, for the call, keeps DCP from stepping it."""
     lent: list[torch.Tensor] = []
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"]]

@@ -56,8 +56,7 @@ log = logging.getLogger("smpckpt.api")
 
 
 class FastTierPart:
-    """The fast tier of one Checkpointer: its options, its memory between saves, and the Checkpointer's
-    gloo groups, save numbers and drain lane."""
+    """The fast tier of one Checkpointer: its options and memory, and the Checkpointer's parts it works with."""
 
     def __init__(self, options: FastTier, groups: GlooGroups, counter: SequenceCounter, drain_lane: Lane) -> None:
         self.options, self.groups, self.counter, self.drain_lane = options, groups, counter, drain_lane
@@ -78,8 +77,7 @@ class FastTierPart:
         return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read))
 
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
-        """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never
-        committed) the drain, on the drain lane."""
+        """(all ranks) The fast tiers, then (a durable save, or a retried one) the drain, on the drain lane."""
         started = time.monotonic()
         prepared = save_fast(req, state, extra, tier)
         self.state.continues = hash_bytes(prepared.manifest)  # the next save goes on from this one

@@ -330,8 +330,7 @@ def load_checkpoint(
     optional: tuple[str, ...] | None = None,
     what: str = "checkpoint",
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place, key checks before any data is read; ``optional``: keys that may be
-    absent (default: what a resume may lack)."""
+    """(all ranks) ``dcp.load`` in place, keys checked before any data is read; ``optional``: may be absent."""
     planner = ParallelLoadPlanner(
         **common.planner_args(),
         allow_dtype_cast=opts.allow_dtype_cast,

@@ -380,8 +380,7 @@ class Checkpointer:
         return fut
 
     def _finish_others(self) -> None:
-        """Other Checkpointers of this root in this process finish their background work first, as two jobs
-        would."""
+        """Other Checkpointers of this root in this process finish their background work first, as jobs would."""
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             owner = lane.owner()
             if owner is not None and owner is not self and owner._root_key == self._root_key:
@@ -525,8 +524,8 @@ def _options(options: Any, cls: type[Any]) -> Any:
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False) -> None:
-    """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait);
-    remove the step hooks."""
+    """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait)
+    and remove the step hooks."""
     for lane in lanes:
         lane.stop(join)
     gate.close()

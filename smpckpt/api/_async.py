@@ -1,24 +1,21 @@
-"""The background lanes of a :class:`~smpckpt.Checkpointer`: its async saves and its drains to the
-durable tier each run, in order, on a thread of their own, and training blocks only while the state is
-staged.
+"""The background lanes of a :class:`~smpckpt.Checkpointer`: its async saves and its drains each run, in
+order, on a thread of their own (a gloo group of the Checkpointer's own, so training's collectives never
+interleave); training blocks only while the state is staged (below). A previous failure is raised
+once, naming its tag; a future completes only after data, manifest and ``newest`` are durable and
+retention ran.
 
-Which rank does what ("all" = every rank of the group)::
+No registry of lanes: their threads are :class:`LaneThread`\\ s, so :func:`wait_for_saves` and
+:func:`drain_status` find every live Checkpointer's work in the interpreter's thread list. The exit waits
+for it too (:func:`register_exit_wait`), but a multi-rank save needs its process group: call
+``wait_for_saves()`` before ``destroy_process_group()``.
 
-    (caller)  previous failure?   raise it once, naming its tag (never silently)
-    (caller)  previous save?      wait for it (logged with how long), or raise with wait_for_previous=False
-    (caller)  state, staging      as a synchronous save; the state copied into host buffers reused across
-                                  saves (``_staging``), the optimizers' part on the lane thread
-    (lane)    write, commit, ``newest``, retention   on a gloo group of the Checkpointer's own, so the
-                                  training loop's collectives never interleave with the save's
-    (lane)    future.set_result   only after data, manifest and ``newest`` are durable and retention ran
-
-The package keeps no registry of lanes: the lanes' threads are :class:`LaneThread`\\ s, so
-:func:`wait_for_saves` and :func:`drain_status` find every live Checkpointer's work in the interpreter's
-thread list. The interpreter's exit waits for a Checkpointer's work too (:func:`register_exit_wait`,
-registered by the Checkpointer at its first background work), but a process group destroyed first leaves
-a multi-rank save without its collectives: call ``wait_for_saves()`` (or the Checkpointer's ``wait()``)
-before ``destroy_process_group()``. A process killed while a background save runs leaves ``newest`` on the
-previous committed tag: ``newest`` moves only after the commit.
+Staging (:class:`Stager`, below) copies an async save into host buffers kept across saves (pinned for CUDA
+tensors), so later in-place updates never reach the checkpoint. The tensors the optimizers own (only
+``step`` changes them) are copied on the lane thread, overlapping the next forward and backward
+(``AsyncOptions.overlap_staging``); everything else before the save returns. Each optimizer's step
+pre-hook (:class:`StagingGate`) waits for staging still unfinished; a deferred tensor changed in place some
+other way (its version counter moved) fails the save, naming it -- a safety net only. CUDA: the deferred
+copies run on a side stream after an event recorded at the save; the current stream waits for their event.
 """
 
 from __future__ import annotations
@@ -39,13 +36,14 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
 
 __all__ = ["Lane", "LaneThread", "GlooGroups", "DrainStatus", "check_previous", "raise_failed", "wait_lanes"]
-__all__ += ["wait_logged"]
+__all__ += ["wait_logged", "Stager", "Pending", "StagingGate", "copy_into", "owned_storages"]
 __all__ += ["register_exit_wait", "live_lanes", "wait_for_saves", "drain_status", "free_staging_buffers"]
 
 log = logging.getLogger("smpckpt.api")
@@ -63,9 +61,8 @@ class LaneThread(threading.Thread):
 
 
 class Lane:
-    """One kind of background work of one Checkpointer (``kind``: its saves, or its drains), run in order
-    on a :class:`LaneThread` started at the first :meth:`submit`. ``failed`` is kept for the next call to
-    raise."""
+    """One kind of background work of one Checkpointer (saves, or drains), run in order on a
+    :class:`LaneThread` started at the first :meth:`submit`; ``failed`` is kept for the next call to raise."""
 
     def __init__(self, kind: Literal["save", "drain"], what: str, owner: Any) -> None:
         self.kind, self.what, self.name = kind, what, f"smpckpt-{'async-save' if kind == 'save' else 'drain'}"
@@ -110,7 +107,6 @@ class Lane:
         return fut
 
     def run(self) -> None:
-        """(the lane's thread) Work in order until stopped with nothing left."""
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
@@ -165,7 +161,6 @@ def _forget_lane(ref: weakref.ref[Lane]) -> None:
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
-    """Wait for ``fut`` when it is running, logging how long."""
     if fut is not None and not fut.done():
         started = time.monotonic()
         concurrent.futures.wait([fut])
@@ -185,8 +180,7 @@ def raise_failed(lanes: Iterable[Lane], suffix: str) -> None:
 
 
 def check_previous(save: Lane, drain: Lane, wait: bool) -> None:
-    """(caller) Refuse a save while one is in flight (``wait`` false), else wait for it; then raise a
-    background failure once."""
+    """(caller) Refuse a save while one is in flight (``wait`` false), else wait; then raise a failure once."""
     if save.running and not wait:
         raise CheckpointError(
             f"a background save of {save.tag!r} is still running (wait_for_previous=False); call "
@@ -210,9 +204,8 @@ def live_lanes() -> list[Lane]:
 
 
 def wait_for_saves(*, raise_errors: bool = True) -> None:
-    """Block until every :class:`~smpckpt.Checkpointer`'s background save in flight (if any), and then
-    its drain to the durable tier (tiered checkpoints), have finished. With ``raise_errors``, a failure
-    of either is raised here (and not again by the next save)."""
+    """Block until every :class:`~smpckpt.Checkpointer`'s background save in flight, and then its drain,
+    have finished; with ``raise_errors``, a failure of either is raised here (not again by the next save)."""
     for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
         lane.wait()
     drains = [lane for lane in live_lanes() if lane.kind == "drain"]  # a save may have started the first one
@@ -251,25 +244,21 @@ class DrainStatus:
 
 
 def drain_status() -> DrainStatus | None:
-    """The state of the newest drain to the durable tier of any live Checkpointer (``None``: none
-    started); ``Checkpointer.drain_status()`` says the same of one."""
+    """The newest drain of any live Checkpointer (``None``: none started); ``Checkpointer.drain_status``."""
     drains = [lane for lane in live_lanes() if lane.kind == "drain"]
     return DrainStatus.of(max(drains, key=lambda lane: lane.submitted)) if drains else None
 
 
 class GlooGroups:
-    """The gloo groups a Checkpointer's background work runs on, over the ranks of its process group, one
-    per purpose: ``"save"`` (background saves, the fast tier's agreements and transfers), ``"drain"`` (the
-    drain thread, which runs beside them: two threads never share a group's collectives) and the fast
-    tier's further transfer streams. Created collectively, the first time each is needed."""
+    """A Checkpointer's gloo groups, one per purpose (``"save"``: background saves and the fast tier's
+    agreements; ``"drain"``; further transfer streams), each created collectively when first needed."""
 
     def __init__(self, process_group: Any) -> None:
         self.process_group = process_group
         self._groups: dict[str, Any] = {}
 
     def get(self, ctx: DistContext, purpose: str = "save") -> Any:
-        """(all ranks of the group, collectively the first time) The group for ``purpose`` (``None``
-        without a process group)."""
+        """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group)."""
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
@@ -300,9 +289,8 @@ class GlooGroups:
 
 
 class ExitRecorder:
-    """Stands in for ``sys.exit`` and notes the status the main thread asks for (``status``), so the exit
-    wait keeps a program's own failure status: CPython holds a ``SystemExit``'s status where no exit hook
-    can read it (a bare ``raise SystemExit(N)`` is not seen). It still raises ``SystemExit`` as asked."""
+    """Stands in for ``sys.exit`` and notes the status asked for (``status``), so the exit wait keeps a
+    program's own failure status (CPython keeps a ``SystemExit``'s where no exit hook can read it)."""
 
     def __init__(self, real: Callable[..., Any]) -> None:
         self.real, self.status = real, 0
@@ -316,15 +304,11 @@ class ExitRecorder:
 
 
 def register_exit_wait(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
-    """Finish ``lanes``' work when the interpreter exits (each Checkpointer registers its own, at its first
-    background work; the hook holds the lanes, never the Checkpointer), and wrap ``sys.exit`` once
-    (:class:`ExitRecorder`: a wrapper already there is kept).
-
-    Why not ``atexit``: at exit CPython first runs the hooks ``threading`` keeps (concurrent.futures'
-    among them: after it, no thread pool takes work), then joins non-daemon threads, and only then runs
-    ``atexit`` hooks. A background save still opening its writer pools then failed ("cannot schedule
-    new futures after interpreter shutdown") and the checkpoint was lost while the process exited 0.
-    Registered after concurrent.futures' (imported above), ours runs before it (those hooks run newest first)."""
+    """Finish ``lanes``' work when the interpreter exits (the hook holds the lanes, never the
+    Checkpointer), and wrap ``sys.exit`` once (:class:`ExitRecorder`). Not ``atexit``: it runs after
+    ``threading``'s exit hooks, when concurrent.futures takes no more work, so a background save opening
+    its writer pools failed and the checkpoint was lost while the process exited 0. Registered after
+    concurrent.futures' (imported above), ours runs before it (those hooks run newest first)."""
     # not CPython >= 3.9 (no threading._register_atexit): the plain hook is the best left
     hook = functools.partial(_wait_at_exit, lanes, exit_status)
     (getattr(threading, "_register_atexit", None) or atexit.register)(hook)
@@ -349,9 +333,8 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
         suffix = f"; exiting with status {status}" if status else ""
         log.error("%s (at interpreter exit; `smpckpt ls` shows what committed)%s", exc, suffix)
         if status:
-            # every other Checkpointer's work in flight finishes first (its hook, registered earlier,
-            # would run after this one, and os._exit ends the process before it): its final save is
-            # not lost to this one's failure; its own failure is logged too
+            # every other Checkpointer's work in flight finishes first (its hook would run after this one,
+            # and os._exit ends the process before it): its final save is not lost to this one's failure
             for other in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
                 if other is save or other is drain:
                     continue
@@ -366,3 +349,189 @@ def _wait_at_exit(lanes: tuple[Lane, Lane], exit_status: int | None) -> None:
             os._exit(status)
     for lane in lanes:
         lane.stop(join=True)
+
+
+# -- staging an async save (module docstring) ---------------------------------------------------------
+Pair = tuple[str, torch.Tensor, torch.Tensor]  #: (key, source, buffer)
+
+
+def copy_into(pairs: Iterable[Pair], stream: Any = None) -> None:
+    """Copy each ``(source, buffer)``: on ``stream`` (CUDA, non-blocking into pinned buffers) or the CPU."""
+    if stream is None:
+        for _, src, buf in pairs:
+            buf.copy_(src)
+        return
+    with torch.cuda.stream(stream):
+        for _, src, buf in pairs:
+            buf.copy_(src, non_blocking=src.device.type == "cuda")
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[tuple[str, int]]:
+    """The storages the optimizers' ``step`` writes: their parameters' and their state tensors'."""
+    out = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if type(p) is torch.nn.Parameter or type(p) is torch.Tensor:
+                    out.add(_storage_key(p))
+        for per_param in opt.state.values():
+            for v in per_param.values():
+                if type(v) is torch.Tensor:
+                    out.add(_storage_key(v))
+    return out
+
+
+class Pending:
+    """The deferred part of one staging (``tag``'s): copied on the lane thread (:meth:`run`);
+    :meth:`wait_issued` is what an optimizer step waits for."""
+
+    def __init__(self, tag: str, pairs: list[Pair], ready: Any, stream: Any) -> None:
+        self.tag, self.pairs, self.ready, self.stream = tag, pairs, ready, stream
+        self.versions = [src._version for _, src, _ in pairs]  #: at the save: an in-place change moves them
+        self.issued = threading.Event()  #: every copy issued (CPU: done); set on failure too
+        self.done: Any = None  #: CUDA: the copies' event
+
+    def run(self) -> None:
+        """(the lane thread) Issue the copies, check that nothing changed them meanwhile, let the optimizers
+        step, and wait until the copies landed."""
+        try:
+            if self.stream is not None:
+                self.stream.wait_event(self.ready)
+                copy_into(self.pairs, self.stream)
+                self.done = torch.cuda.Event()
+                self.done.record(self.stream)
+                torch.cuda.current_stream(self.stream.device).wait_event(self.done)  # what is queued next
+            else:
+                copy_into(self.pairs)
+            self._unchanged()
+        finally:
+            self.issued.set()
+        if self.done is not None:
+            self.done.synchronize()
+        self.pairs = []  # the sources: not kept past the copy
+
+    def _unchanged(self) -> None:
+        changed = [key for (key, src, _), v in zip(self.pairs, self.versions) if src._version != v]
+        if changed:
+            raise CheckpointError(
+                f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed in place after the async save "
+                f"of checkpoint {self.tag!r} started and before it was staged, not by an optimizer's step (which "
+                "waits for the staging): the save is refused rather than written with values from after it. "
+                "Change them only once the save's future is done, or save with AsyncOptions(overlap_staging=False)"
+            )
+
+    def wait_issued(self) -> None:
+        """(an optimizer step) Wait until the copies are issued; on CUDA the step's stream (the device's
+        current one waits already) then runs what follows after them: no CPU wait."""
+        self.issued.wait()
+        if self.done is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.done)
+
+
+class StagingGate:
+    """The step pre-hook a Checkpointer registers once on each optimizer it saves asynchronously: a step
+    waits for the staging in flight, if any (holds no reference to the Checkpointer)."""
+
+    def __init__(self) -> None:
+        self.pending: Pending | None = None
+        self._handles: dict[int, Any] = {}  # id(optimizer) -> its hook's handle
+
+    def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            if id(opt) not in self._handles:
+                self._handles[id(opt)] = opt.register_step_pre_hook(self._before_step)
+                weakref.finalize(opt, self._handles.pop, id(opt), None)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        pending = self.pending
+        if pending is not None:
+            pending.wait_issued()
+
+    def close(self) -> None:
+        handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            handle.remove()
+
+
+class Stager:
+    """Host copies of a state's tensors in buffers reused across saves of the same structure."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = {}
+        self._stream: Any = None
+
+    def stage(self, tag: str, state: Any, deferred: set[tuple[str, int]]) -> tuple[Any, Pending | None]:
+        """(caller) A copy of ``state`` in this stager's buffers: tensors whose storage is in ``deferred``
+        filled later by the :class:`Pending` returned (``None``: nothing deferred), the others now."""
+        now: list[Pair] = []
+        later: list[Pair] = []
+        staged = self._walk(state, "", deferred, now, later, {})
+        cuda_now = [p for p in now if p[1].device.type == "cuda"]
+        copy_into([p for p in now if p[1].device.type != "cuda"])
+        if cuda_now:
+            copy_into(cuda_now, torch.cuda.current_stream())
+            torch.cuda.current_stream().synchronize()  # the device-to-host copies were issued non-blocking
+        if not later:
+            return staged, None
+        cuda = any(src.device.type == "cuda" for _, src, _ in later)
+        if cuda and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        return staged, Pending(tag, later, ready, self._stream if cuda else None)
+
+    def _walk(
+        self,
+        state: Any,
+        prefix: str,
+        deferred: set[tuple[str, int]],
+        now: list[Pair],
+        later: list[Pair],
+        seen: dict[tuple[Any, ...], torch.Tensor],
+    ) -> Any:
+        if isinstance(state, dict):
+            return {k: self._walk(v, f"{prefix}{k}.", deferred, now, later, seen) for k, v in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(self._walk(v, f"{prefix}{i}.", deferred, now, later, seen) for i, v in enumerate(state))
+        if not isinstance(state, torch.Tensor):
+            return state
+        t = state.detach()
+        if not (type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)):
+            # DTensor and other subclasses: a copy on their own device, now; one DTensor under two keys
+            # (a tied head) stays one copy, so the tie is recorded as by a synchronous save
+            local = getattr(t, "_local_tensor", None)
+            if local is None or not local.numel():
+                return t.clone()
+            placed = (local.device, local.data_ptr(), local.dtype, tuple(local.shape), local.stride())
+            twin = (placed, tuple(t.shape), tuple(getattr(t, "placements", ())), id(getattr(t, "device_mesh", None)))
+            if twin not in seen:
+                seen[twin] = t.clone()
+            return seen[twin]
+        # one tensor under two keys (a head tied to its embedding) stays one buffer: the save planner
+        # writes a tie once and records it, as a synchronous save of the same state does
+        where = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        if where is not None and where in seen:
+            return seen[where]
+        cuda = t.device.type == "cuda"
+        key = (prefix, tuple(t.shape), t.dtype, cuda)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+            self._buffers[key] = buf
+        (later if _storage_key(t) in deferred else now).append((prefix[:-1], t, buf))
+        if where is not None:
+            seen[where] = buf
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def free(self) -> None:
+        """Release the buffers (the next async save allocates them again)."""
+        self._buffers = {}

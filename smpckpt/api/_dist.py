@@ -1,33 +1,16 @@
-"""What a Checkpointer's saves and resumes share: the API's collectives, which also work with no process
-group (a world of one), the request, and the state a save stores and a resume restores.
+"""What a Checkpointer's saves and resumes share (one module: a split would add one to each call's path,
+``tests/test_call_paths.py``): the collectives, the request, and the state a save stores and a resume
+restores.
 
-The collectives are modelled on DCP's ``_DistWrapper``: every step that can fail on some ranks runs through
-:meth:`DistContext.all_ok` or :meth:`DistContext.on_coordinator`, which exchange an ok/error record so a
-failure on one rank becomes an error on *every* rank instead of a hang at the next collective.
+The collectives (modelled on DCP's ``_DistWrapper``) run every step that can fail on some ranks through
+:meth:`DistContext.all_ok` or :meth:`DistContext.on_coordinator`, so a failure on one rank is an error on
+*every* rank, not a hang; without a process group each is the local call (rank 0 of a world of 1).
 
-Without an initialised process group (a notebook, a conversion script) every method degenerates to
-the local call: rank 0 of a world of 1, no communication.
-
-Two sections: the collectives with the translation of failures (DCP's, a dead peer's) into every
-rank's error; then the request both build, the model and optimizer checked, and the state a save
-stores and a resume restores -- the model's and the optimizers' state dicts (:func:`train_state`),
-``user_content`` and each rank's RNG states (below). One module, not two: every save and every resume
-uses both, so a split would add a module to each call's path (``tests/test_call_paths.py``: at most 25).
-Internal: the public names live in :mod:`smpckpt.api.checkpointer`.
-
-**user_content** is serialised once on save, deserialised once (weights-only) on resume. It is stored as
-one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBytes` value the
-planners pass through untouched), so it is checksummed and committed with the tensors and stock
-``torch.load`` reads the record directly. A save records in the manifest whether the record needs
-``allow_pickle`` (:data:`PICKLED_KEY`), so a resume refuses it before the load writes any destination
-(:func:`refuse_pickled`); a checkpoint saved before the flag is refused when it is decoded, after the load.
-
-**RNG states**, per rank, as weights-only-safe values (tensors, ints, floats, str). Captured: torch's CPU
-generator, every CUDA device's generator (when CUDA is available), Python's ``random`` module and NumPy's
-legacy global generator (``np.random``, when NumPy is installed; stored from ``bit_generator.state``-style
-dicts, never the legacy tuple with a NumPy array, because plain weights-only loading rejects NumPy
-objects). The checkpoint stores rank ``r``'s states under ``rng.rank<r>.*`` (rank-unique keys,
-``rank_local``), so they are never deduplicated across replicas.
+``user_content``: one ``torch.save`` record inside the checkpoint (an
+:class:`~smpckpt.planners.ObjectBytes`), checksummed and committed with the tensors; the manifest says
+whether it needs ``allow_pickle`` (:data:`PICKLED_KEY`), so a resume refuses it before the load.
+RNG states, per rank under ``rng.rank<r>.*``: torch CPU, CUDA, ``random`` and NumPy's legacy generator, as
+weights-only-safe values.
 """
 
 from __future__ import annotations
@@ -124,12 +107,7 @@ def digest(values: Mapping[str, Any]) -> str:
 
 
 class DistContext:
-    """This process's place in ``process_group`` (the default group when ``None``), or a world of one.
-
-    Attributes: ``active`` (a process group is initialised), ``rank`` / ``world_size`` (in the group),
-    ``is_coordinator`` (group rank 0, the only rank that reads ``newest``, lists tags, writes
-    ``newest`` and applies retention).
-    """
+    """This process's place in ``process_group`` (default: the default group), or a world of one."""
 
     def __init__(self, process_group: Any = None) -> None:
         check_process_group(process_group)
@@ -155,8 +133,7 @@ class DistContext:
         return out
 
     def broadcast_object(self, obj: T | None, src: int = 0) -> T:
-        """Rank ``src``'s ``obj`` (group rank; default 0) on every rank (others pass anything, typically
-        ``None``)."""
+        """Rank ``src``'s ``obj`` (group rank) on every rank (others pass anything, typically ``None``)."""
         if not self.active or self.world_size == 1:
             return obj  # type: ignore[return-value]
         box = [obj]
@@ -165,10 +142,8 @@ class DistContext:
         return box[0]  # type: ignore[return-value]
 
     def _gather_step(self, step: str, obj: T) -> list[T]:
-        """(all ranks) ``all_gather_object`` of ``obj``, labelled with ``step``. Ranks given different
-        arguments can take different paths (``async_save`` on some ranks: one step more) and meet in
-        different steps; unlabelled, one step would read the other's payload as its own and fail
-        obscurely. Then every rank raises :class:`ValueError` naming the steps the ranks were in."""
+        """(all ranks) ``all_gather_object`` of ``obj``, labelled with ``step``: ranks given different
+        arguments can meet in different steps; then every rank raises :class:`ValueError` naming them."""
         got = self.all_gather_object((step, obj))
         steps = [g[0] if isinstance(g, tuple) and len(g) == 2 else repr(g)[:60] for g in got]
         if any(s != step for s in steps):
@@ -182,9 +157,8 @@ class DistContext:
 
     # -- failure-aware steps ---------------------------------------------------------------------
     def _agree(self, step: str, error: Exception | None, values: Any) -> list[Any]:
-        """(all ranks) Gather every rank's failure (``error``) and ``values`` of ``step``: if a step raised
-        anywhere, raise on every rank -- the failing rank its own ``error`` (original traceback), the
-        others the same smpckpt error class naming the failed rank. Every rank's values."""
+        """(all ranks) Gather every rank's failure and ``values`` of ``step``: a failure anywhere raises on
+        every rank (the failing one its own ``error``, the others its class naming the rank)."""
         failure = RankError.capture(self.rank, error) if error is not None else None
         got = self._gather_step(step, (failure, values))
         failures = [f for f, _ in got if f is not None]
@@ -217,8 +191,7 @@ class DistContext:
         return self._agree("a checked step", error, result)
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
-        """(all ranks) Run ``fn`` on rank 0 only and return its result on every rank, or raise its
-        error on every rank."""
+        """(all ranks) Run ``fn`` on rank 0 only; its result, or its error, on every rank."""
         if not self.active or self.world_size == 1:
             return fn()
         payload: tuple[str, Any] | None = None
@@ -236,12 +209,9 @@ class DistContext:
         return value
 
     def agreed(self, fn: Callable[[], tuple[T, Mapping[str, Any]]], what: str) -> T:
-        """(all ranks) Run ``fn`` -- local checks that return a result and the values every rank must
-        share -- then agree in one collective on a digest of those values: if ``fn`` raised anywhere,
-        raise on every rank (as :meth:`all_ok`); else, unless all ranks' digests are equal, gather the values
-        themselves and raise :class:`ValueError` on every rank naming each entry that differs and its
-        value on the first ranks. A check that fails on one rank only (a bad option there) fails every rank
-        instead of leaving the others in the next collective."""
+        """(all ranks) Run ``fn`` (local checks returning a result and the values every rank must share),
+        then agree in one collective on a digest of those values: a failure anywhere raises on every rank;
+        differing digests raise :class:`ValueError` on every rank naming each entry that differs."""
         result: Any = None
         values: dict[str, Any] = {}
         error: Exception | None = None
@@ -268,12 +238,8 @@ class DistContext:
 def translate_dcp(
     exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None
 ) -> CheckpointError:
-    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank.
-
-    ``metadata_error`` is the reader's own exception from ``read_metadata``: DCP replaces it with an
-    ``AssertionError("metadata is None; ...")``, and the caller deserves the real one
-    (:class:`~smpckpt.errors.UnsafeCheckpoint`, :class:`~smpckpt.errors.CheckpointCorrupt`, ...).
-    """
+    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank;
+    ``metadata_error``: the reader's own error, which DCP replaces with an ``AssertionError``."""
     failures = exc.failures or {}
     if not failures:
         err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
@@ -310,16 +276,13 @@ def _is_peer_failure(exc: RuntimeError) -> bool:
 
 @contextlib.contextmanager
 def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
-    """A collective that fails because another rank died (gloo: ``Connection reset by peer``; any
-    ``DistBackendError``) -> :class:`CheckpointError` naming this rank and what it was doing; any other
-    ``OSError`` (storage) -> :class:`CheckpointError` naming the action and, in its text, the object."""
+    """A collective failing because another rank died -> :class:`CheckpointError` naming this rank and the
+    action; any other ``OSError`` (storage) -> :class:`CheckpointError` naming the action."""
     try:
         yield
     except CheckpointError:
         raise
     except OSError as exc:
-        # an I/O error outside dcp.save/dcp.load (listing tags, reading newest, a probe) reaches the
-        # caller as ours too, its object named (an S3 endpoint that died mid-resume gave a bare OSError)
         raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
         if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
@@ -357,7 +320,6 @@ class CommonRequest:
     process_group: Any
 
     def planner_args(self) -> dict[str, Any]:
-        """The layout arguments both planners take, as the API passes them."""
         return {
             "layout": self.layout,
             "specs": self.rules,
@@ -412,8 +374,7 @@ def wrap_name_map(name_map: NameMap | None) -> NameMap | None:
 
 
 def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
-    """The API's rules: each matches a stored key (``model.transformer.h.0.attn.qkv.weight``) or the
-    model's own name for it (``transformer.h.0.attn.qkv.weight``, as ``tp_specs`` writes rules)."""
+    """The API's rules: each matches a stored key (``model.h.0.qkv.weight``) or the model's own name for it."""
     if specs is not None and not isinstance(specs, (Mapping, SpecRules)):
         raise TypeError(f"specs must be a mapping of glob -> ShardSpec, got {type(specs).__name__}")
     return SpecRules.of(specs, also_under=(RESERVED.model,))
@@ -422,12 +383,9 @@ def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
 def train_state(
     model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...], *, destinations: bool = False
 ) -> dict[str, Any]:
-    """``{model: ..., optim: ...}`` (:data:`RESERVED`'s keys) through DCP's state_dict API (FQN-keyed
-    optimizer state). DCP's ``get_state_dict`` gives a fresh optimizer (no state, no gradients) state by
-    stepping it once at lr 0 (``step`` 1, zero moments): a resume (``destinations``) wants that, as where
-    the saved state lands; a save does not -- it changed the saving run's next step (Adam's bias
-    correction: the run diverged from one that never saved) and stored state no step made -- so a save
-    takes a fresh optimizer as it is (:func:`_taken_as_is`)."""
+    """``{model: ..., optim: ...}`` through DCP's state_dict API (FQN-keyed optimizer state). DCP steps a
+    fresh optimizer once at lr 0 to give it state: a resume (``destinations``) wants that; a save does not
+    (it changed the run's next step), so it takes a fresh optimizer as it is (:func:`_taken_as_is`)."""
     if model is None:
         return {}
     if not optimizers:
@@ -439,9 +397,7 @@ def train_state(
 
 @contextlib.contextmanager
 def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None]:
-    """DCP initialises only an optimizer without state whose parameters hold no gradient; a zero gradient on
-    the smallest parameter of each fresh optimizer, for the call only, keeps it from stepping the
-    optimizer (and from firing its step hooks)."""
+    """A zero gradient on the smallest parameter of each fresh optimizer, for the call, keeps DCP from stepping it."""
     lent: list[torch.Tensor] = []
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -461,9 +417,8 @@ def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None
 
 
 def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[bytes, bool]:
-    """``(torch.save bytes, loads weights-only)``: the one serialisation of ``user_content`` on save.
-    When it will not load weights-only, a warning says so now, not at the resume (``stacklevel``: the
-    frame that warnings name: 1 is this function's caller)."""
+    """``(torch.save bytes, loads weights-only)``; a warning now, not at the resume, when it will not load
+    weights-only (``stacklevel``: 1 is this function's caller)."""
     data = _encode(user_content)
     weights_only = _loads_weights_only(data)
     if not weights_only:
@@ -479,9 +434,7 @@ PICKLED_KEY = "user_content_pickle"  #: the manifest's flag: user_content needs 
 
 
 def refuse_pickled(pickled: bool, allow_pickle: bool, what: str) -> None:
-    """(every rank alike: ``pickled`` is one manifest's flag, the same on all) Refuse a checkpoint whose
-    manifest says its user_content needs ``allow_pickle``, before the load: the load writes into the model's
-    and optimizer's own tensors, so a refusal at the decode, after it, left them overwritten."""
+    """(every rank alike) Refuse, before the load, a checkpoint whose user_content needs ``allow_pickle``."""
     if pickled and not allow_pickle:
         raise UnsafeCheckpoint(
             f"{what}: its user_content holds objects weights-only loading rejects (its save warned); nothing "
@@ -490,8 +443,7 @@ def refuse_pickled(pickled: bool, allow_pickle: bool, what: str) -> None:
 
 
 def describe_user_content(user_content: Any, pickled: bool) -> dict[str, Any]:
-    """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)
-    and whether it needs ``allow_pickle`` (``pickled``: :func:`encode_user_content` said so)."""
+    """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)."""
     keys = [str(k) for k in user_content] if isinstance(user_content, Mapping) else None
     return {"user_content_type": type(user_content).__name__, "user_content_keys": keys, PICKLED_KEY: pickled}
 
@@ -520,8 +472,7 @@ def _loads_weights_only(data: bytes) -> bool:
 
 
 def decode_user_content(data: Any, *, allow_pickle: bool, nested: bool = False) -> Any:
-    """The one deserialisation on resume. ``nested``: checkpoints of ``save_checkpoint/1`` wrapped the
-    record in a second pickle (a ``bytes`` object), unwrapped here."""
+    """The one deserialisation on resume; ``nested``: ``save_checkpoint/1`` records, pickled twice."""
     if data is None or data == b"":
         return None
     if not isinstance(data, (bytes, bytearray)):
@@ -568,10 +519,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """Restore the generators in ``state`` (only ``components`` when given); returns what was restored.
-
-    A CUDA state saved with more devices than are visible restores the visible ones.
-    """
+    """Restore the generators in ``state`` (only ``components``; CUDA: visible devices); returns those restored."""
     restored: list[str] = []
     wanted = set(state if components is None else components)
     if "torch" in wanted and "torch" in state:

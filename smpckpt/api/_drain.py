@@ -1,29 +1,13 @@
-"""The drain: a tiered save copied from the fast tier's files to the durable root ``path``, on the
-Checkpointer's drain lane, committed there as any partial checkpoint (same files, same manifest bytes).
-"all" = every rank, on the drain thread with a gloo group of its own::
+"""The drain (README, "Tiered checkpoints"): a tiered save copied from the fast tiers to ``path`` on the
+Checkpointer's drain lane (every rank, a gloo group of its own), committed there as any partial
+checkpoint (same files, same manifest bytes), then ``newest`` and retention (rank 0).
 
-    copy            (all)     each data file from a node whose fast-tier copy of it is intact (below), to
-                              ``{path}/{tag}_partial`` (never staged from the model again); agreed across ranks
-    commit          (rank 0)  nothing committed there yet; every file at its size; the metadata, the
-                              manifest (create-if-absent: the commit), the stock ``.metadata``
-    publish_newest  (rank 0)  ``{path}/newest`` := tag
-    retain          (rank 0)  ``num_kept_partial_checkpoints`` over ``path``
-
-Which copy of a file is drained: every file has its holders (the ranks whose node's fast tier holds it:
-the writer's node and its replica nodes right after the save; the nodes' listings for a retried drain).
-A round assigns each file still to copy to one holder (:func:`copiers`: the rank that wrote it while its
-node's copy has not failed, else the least loaded rank of a node not yet tried), each copier reads its
-node's copy once, checking each run of blocks against the manifest's checksums before writing it to
-``path`` (a mismatch aborts that file there: removed, an S3 upload aborted, before anything commits), and
-one gather of the round's outcome (the one agreement the copy always had) tells every rank which files failed
-on which node: the next round gives those to other nodes. One round when nothing is damaged; a round more
-per damaged copy at most (a node is tried once per file). A file no holder has intact fails the drain,
-naming the file, the tag and every node tried, with each one's problem.
-
-A failed drain removes its copies, then the folder; a kill during it leaves ``path`` as it was (uncommitted
-files at most: never a checkpoint, removed by ``remove_uncommitted_older_than`` or ``smpckpt prune``); the
-fast tier still holds the checkpoint, and keeps it (fast-tier retention never removes a save due for the
-durable tier before a drain as new committed); the restarted job's next save drains it again
+Each round assigns every file still to copy to one holder (:func:`copiers`: its writer while its node's
+copy has not failed, else the least loaded rank of a node not yet tried); the copier checks each run of
+blocks against the manifest's checksums before writing it (a mismatch aborts that file there), and one
+gather of the round's outcome tells every rank which files failed where. A file no holder has intact
+fails the drain, naming the file, the tag and every node tried. A failed drain removes its copies; the
+fast tier keeps the save, and the next save drains it again
 (:class:`~smpckpt.api._fast_save.PendingDrain`).
 """
 
@@ -111,9 +95,8 @@ class _Budget:
 def holders_of(
     files: Sequence[FileRecord], nodes: Nodes, replicas: int, held_by: Mapping[str, Sequence[int]] | None
 ) -> dict[str, tuple[int, ...]]:
-    """Each data file's holders: the global ranks whose node's fast tier holds it. Right after the save
-    (``held_by`` ``None``) the writer's node and the nodes it replicated to (:meth:`Nodes.replica_nodes`:
-    the save agreed they hold it before it committed); a retried drain: ``held_by``, the nodes' listings."""
+    """Each data file's holders (global ranks): right after the save (``held_by`` ``None``) the writer's
+    node and its replica nodes, which the save agreed hold it; a retried drain: ``held_by``."""
     out = {}
     for f in files:
         if held_by is not None:
@@ -131,9 +114,8 @@ def copiers(
     local_world_size: int,
     failed: Mapping[str, Collection[int]] = MappingProxyType({}),
 ) -> dict[str, int]:
-    """Which rank copies each of ``files`` this round: the rank that wrote it when its node holds it and
-    its copy there has not failed (``failed``: file -> nodes whose copy did), else the least loaded rank
-    of a node holding it not tried yet. A file no node is left for is not in the answer."""
+    """Which rank copies each of ``files`` this round: its writer while its node's copy has not failed
+    (``failed``), else the least loaded rank of an untried node holding it (none left: not in the answer)."""
     load: dict[int, int] = {}
     out = {}
     for f in files:
@@ -149,8 +131,8 @@ def copiers(
 
 @dataclasses.dataclass
 class _Copies:
-    """One drain's copying on this rank: from this node's fast-tier folder of the tag (``source``) to
-    ``path`` on ``fs``; ``attempted``: every name this rank was given (removed if the drain fails)."""
+    """One drain's copying on this rank, from this node's folder of the tag (``source``) to ``path`` on
+    ``fs``; ``attempted``: every name it was given (removed if the drain fails)."""
 
     fs: Any
     path: str
@@ -162,11 +144,8 @@ class _Copies:
     attempted: list[str] = dataclasses.field(default_factory=list)
 
     def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
-        """This node's copy of ``rec`` copied as it is checked against the manifest's block checksums (one
-        read: ``check_blocks`` hands on each run of bytes once its blocks matched); the problem with it
-        instead when a block does not match or it cannot be read -- the partial durable file aborted (an S3
-        upload too), so nothing damaged is committed and the next holder's copy can take the name. An
-        error writing ``path`` is raised."""
+        """This node's copy of ``rec`` copied as it is checked (one read); else its problem, the partial
+        durable file aborted so the next holder's copy can take the name. Errors writing ``path`` raise."""
         src, problems = os.path.join(self.source, rec.name), list[str]()
         # create-only, in the folder opened without following links (storage/backends/_folder.py); borrow:
         # check_blocks hands on fresh bytes of each read, sent to S3 as they are (a part buffer's copy of
@@ -231,8 +210,8 @@ class _Copies:
         return bad
 
     def copy_all(self, dctx: DistContext, tag: str, files: Sequence[FileRecord]) -> dict[str, dict[int, str]]:
-        """(all ranks) Rounds until every file is copied from an intact copy, each round's outcome gathered
-        (the same decisions on every rank); file -> node -> problem, for the copies that failed."""
+        """(all ranks) Rounds until every file is copied from an intact copy, each round's outcome gathered;
+        file -> node -> problem, for the copies that failed."""
         failed: dict[str, dict[int, str]] = {}
         todo = list(files)
         while todo:
@@ -259,9 +238,7 @@ def drain(
     held_by: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    ``path``'s retention (module docstring). ``req``'s tag is the one drained, from the nodes' folders of
-    it in ``tier.job``; ``seq``: its save number (default: ``tier``'s); ``held_by``: who holds each file
-    (default: the writer's node and its replica nodes). The fast tier's retention is the caller's."""
+    ``path``'s retention; ``seq`` and ``held_by`` for a retried drain (default: ``tier``'s)."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
@@ -345,8 +322,8 @@ def _no_intact_copy(
 
 
 def _remove_copies(fs: Any, path: str, url: str, names: list[str]) -> None:
-    """(each rank, a failed drain) Its copies, then the folder once empty (debris, not a checkpoint): the
-    rank removing the last file succeeds, the others find it not empty yet; ``rmdir`` follows no link."""
+    """(each rank, a failed drain) Its copies, then the folder once empty (whoever removes the last file);
+    ``rmdir`` follows no link."""
     with contextlib.suppress(FileNotFoundError), Folder(fs, path) as folder:  # failed before making it
         if failed := folder.remove(names):
             log.warning("the failed drain of %s left %d file(s): %s", url, len(failed), failed[:5])

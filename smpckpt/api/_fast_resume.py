@@ -1,24 +1,13 @@
-"""A tiered resume (``FastTier``): the newest checkpoint complete across the surviving
-fast tiers or committed in ``path``, whichever is newer -- and when a fast-tier copy cannot be loaded,
-the next one, then ``path``'s.
+"""A tiered resume (``FastTier``): the newest checkpoint complete across the surviving fast tiers or
+committed in ``path``, whichever is newer; a fast-tier copy that cannot be loaded gives way to the next,
+then to ``path``'s (README, "Tiered checkpoints").
 
-Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
-
-    choose_tier   (all)      the Checkpointer's gloo groups; every node's folder checked and this
-                             job's listing gathered (``_tiers.gather_views``): the complete fast-tier saves,
-                             newest first, the same on every rank
-                  (rank 0)   ``path``'s newest committed checkpoint (or the tag asked for); broadcast
-                  (all)      tag=None: refused when the newest fast-tier save newer than it never saw it
-                             (diverged histories, ``_same_history``); such older saves are no fallback
-    load_tiered   (all)      for each fast-tier save newer than ``path``'s, newest first:
-                               fast_reader: its manifest from a node holding it; leaders of nodes that
-                               lack its metadata or manifest receive them (the metadata first)
-                               dcp.load with PeerFetchingReader: each node fetches from peers the parts
-                               its ranks read and it lacks, then reads its own folder, checksums verified
-                               failed? leaders check every part their folder holds against the manifest's
-                               checksums (``repair``): a corrupt copy counts as missing, so the load is
-                               tried once more with it fetched from a peer holding a good one
-                             then ``path``'s checkpoint; a warning names each copy that could not be loaded
+:func:`choose_tier` (all: listings gathered, complete fast-tier saves newest first; rank 0 finds
+``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`) ->
+:func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata to the leaders that lack
+them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
+the leaders check their copies (``repair``) and the load is tried once more from a good peer), then
+``path``'s checkpoint; a warning names each copy that could not be loaded.
 """
 
 from __future__ import annotations
@@ -73,8 +62,7 @@ log = logging.getLogger("smpckpt.api")
 
 @dataclasses.dataclass(frozen=True)
 class TierChoice:
-    """What a tiered resume may load, the same on every rank: the fast-tier saves newer than ``path``'s
-    checkpoint (newest first), and that checkpoint."""
+    """What a tiered resume may load, alike on every rank: the newer fast-tier saves, then ``path``'s."""
 
     nodes: Nodes
     job: str  #: this job's folder on this node
@@ -89,8 +77,7 @@ class TierChoice:
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-    """A finished load: what was loaded, its planner and state, and the fast tier's reader (``None``:
-    from ``path``)."""
+    """A finished load: its target, planner and state, and the fast tier's reader (``None``: ``path``'s)."""
 
     target: Target
     planner: ParallelLoadPlanner
@@ -144,9 +131,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
     """(every rank alike; ``smpckpt ls --local`` too) The complete fast-tier saves a resume may load, newest
-    first: none older than ``path``'s ``durable`` pick, none of another history than ``path``'s newest
-    (``tag=None``: :func:`_same_history`); a newest save that forks from another complete one is refused
-    (:func:`refuse_forked`)."""
+    first: none older than ``durable``, none of another history (:func:`refuse_forked`)."""
     usable = [c for c in found if c.complete and (durable is None or durable.order <= c.order)]
     if durable is not None and tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
@@ -156,14 +141,11 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
 
 
 def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
-    """(every rank alike) A job numbers each save after the newest it can see and records the digests of
-    the saves its history holds at the numbers below (``lineage``): so a complete save of a number in
-    ``newest``'s lineage that is not the one named there (or a second save of ``newest``'s own number) is
-    another history -- a node that came back with an older disk holding saves the job had lost and saved
-    past (numbered above the new ones: ``newest`` would resume the abandoned history, on every rank,
-    bit-exact to a state the job left). Neither number nor clock says which the user continues: refused,
-    naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers (saves the job saw and did not go on from)
-    are not compared; incomplete copies, which never load, are no evidence."""
+    """(every rank alike) Refuse when a complete save of a number in ``newest``'s ``lineage`` is not the one
+    named there (or a second save of ``newest``'s own number): another history, e.g. a node back with an
+    older disk holding saves the job lost and saved past. Neither number nor clock says which the user
+    continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared;
+    incomplete copies are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         if c.complete:
@@ -191,14 +173,10 @@ def _same_history(
     usable: list[FastCandidate], durable: Target, copies: set[tuple[int, int, str]]
 ) -> list[FastCandidate]:
     """(every rank alike) The fast-tier saves that may supersede ``path``'s newest checkpoint ``durable``:
-    those whose job knew it. A save records the highest sequence number of ``path`` its job knew
-    (``path_seen``: committed there, or due there from itself); ``durable`` numbered higher, and not a
-    drained copy of one of this fast tier's saves, was saved by a job that never saw that save -- a job
-    without this fast tier that resumed an older checkpoint of ``path`` and numbered its saves after
-    ``path``'s only. The two histories diverged, and neither sequence number nor clock says which one the
-    user continues: when the newest fast-tier save is such a one, the resume is refused, naming both;
-    an older one is only dropped from the fallbacks (a newer save that knew ``durable`` was chosen).
-    Copies that record no ``path_seen`` (older versions) keep the order alone."""
+    those whose job knew it (``path_seen``). A higher ``durable`` that is no drained copy of this tier's
+    saves was saved by a job that never saw them: the histories diverged. The newest such save refuses the
+    resume, naming both; an older one is only dropped from the fallbacks. Copies without ``path_seen``
+    (older versions) keep the order alone."""
     drained = durable.order in copies  # path's newest is this fast tier's own save, drained
 
     def knew(c: FastCandidate) -> bool:
@@ -219,23 +197,18 @@ def _same_history(
 
 
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
-    """(all ranks) Load the newest candidate that loads (module docstring); ``None`` when neither tier
-    holds one. The durable checkpoint's own failure is raised."""
+    """(all ranks) Load the newest candidate that loads; ``None``: neither tier holds one."""
     for i, cand in enumerate(choice.fast):
         manifest = _manifest_of(ctx, choice, cand)
         if manifest is None:
             continue
         target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest[0], False)
-        try:
-            return _load_fast(req, ctx, choice, cand, target, manifest, part)
-        except CheckpointError as exc:
-            first = exc
-            if _callers_fault(choice, exc):
-                raise
-        repaired = _repair(ctx, choice, cand, manifest[0])
-        if repaired is not None:
+        for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
+            attempt = attempt if attempt is not None else _repair(ctx, choice, cand, manifest[0])
+            if attempt is None:
+                break
             try:
-                return _load_fast(req, ctx, choice, repaired, target, manifest, part)
+                return _load_fast(req, ctx, choice, attempt, target, manifest, part)
             except CheckpointError as exc:
                 first = exc
                 if _callers_fault(choice, exc):
@@ -263,11 +236,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
 
 
 def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
-    """(all ranks, one collective) Whether the load failed because the caller's state does not fit the
-    save (keys, shapes, dtypes, specs: :class:`LayoutMismatch`, :class:`SpecError`; user_content that
-    needs ``allow_pickle``: :class:`UnsafeCheckpoint`, every copy holds the same) on any rank: no other
-    copy, and no older save, is an answer to that -- falling back loaded an older checkpoint where a
-    resume without the fast tier refuses. Agreed, so every rank raises or falls back alike."""
+    """(all ranks, one collective) Whether the load failed on any rank because the caller's state does not
+    fit the save (layout, specs, ``allow_pickle``): raised on every rank alike, not fallen back from."""
     mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint))
     return any(DistContext(choice.group).all_ok_values(lambda: mine))
 
@@ -315,19 +285,11 @@ def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size:
 
 
 def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
-    """(leaders) What in this node's folder of ``cand``'s tag would refuse a part healed in from a peer
-    (received files are created, never written over), so that the newest complete copy could never load
-    here -- removed, never through a link, each kind named in a log line:
-
-    * a part of ``cand`` this node does not hold at the manifest's size (a file cut short, or grown): it
-      counts as missing, so it is fetched when read, under the same name;
-    * when this node lacks ``cand``'s manifest: the manifest of an OLDER save of the tag (a lower save
-      number; a node back with a stale disk after the tag was saved again while it was away) -- that save
-      is superseded: its manifest goes first (a kill half-way leaves no committed copy missing parts),
-      then its files, never a part of ``cand``; or a damaged manifest (``corrupt``: it does not parse, or fails its own checksum),
-      alone (the folder's files may be ``cand``'s parts, each checked against its checksums when read).
-
-    A newer or foreign copy is left alone (the load then fails, by name)."""
+    """(leaders) Remove (never through a link, each kind logged) what in this node's folder of ``cand``'s
+    tag would refuse a part healed in from a peer (received files are created, never written over): a part
+    not at the manifest's size (then fetched when read); when this node lacks ``cand``'s manifest, an older
+    save's manifest of the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy
+    is left alone (the load then fails, by name)."""
     nodes = choice.nodes
     node = nodes.node_of(nodes.rank)
     if not nodes.is_leader:
@@ -345,9 +307,8 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
         if copy.state == "corrupt":
             stale, what = [MANIFEST_NAME], [f"a damaged manifest ({copy.detail})"]
         elif copy.committed and copy.seq < cand.seq:
-            # a strictly lower save number: the tag was saved again after it, in this history (another
-            # history's, where the lineage reaches, was refused by refuse_forked). An equal number is
-            # another history's save (a fork, told apart by clocks at most): never removed
+            # a strictly lower save number: the tag was saved again after it, in this history; an equal
+            # number is another history's save (a fork): never removed
             stale = [MANIFEST_NAME] + sorted(n for n in copy.files if n != MANIFEST_NAME and n not in cand.held_by)
             what = [f"an older save of the tag (save {copy.seq}; the one loaded is save {cand.seq})"]
     wrong = sorted(
@@ -407,9 +368,9 @@ def fast_reader(
 
 
 def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest: Manifest) -> FastCandidate | None:
-    """(all ranks; leaders read) After a failed load: each leader checks every part its folder holds of
-    ``cand`` against the manifest's checksums; corrupt copies no longer count as held. The candidate so
-    judged when every part is still held intact somewhere and something was corrupt, else ``None``."""
+    """(all ranks; leaders read) After a failed load, each leader checks its parts of ``cand`` against the
+    manifest; corrupt copies no longer count as held. ``cand`` so judged when something was corrupt and
+    every part is still held intact somewhere, else ``None``."""
     gctx, nodes = DistContext(choice.group), choice.nodes
     folder = os.path.join(choice.job, partial_dirname(cand.tag))
     node = nodes.node_of(nodes.rank)
@@ -474,11 +435,9 @@ def _warn_on(ctx: DistContext, message: str, stacklevel: int) -> None:
 
 
 def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, continues: int | None) -> tuple[int, ...]:
-    """(rank 0, planning a save) The lineage a save numbered now records, newest first: the save the job
-    goes on from (``continues``, :attr:`~smpckpt.api._tiers.TierState.continues`; unknown: the newest it
-    sees) and that save's own lineage, :data:`~smpckpt.api._tiers.SKIPPED` at the numbers in between (saves
-    it saw and did not go on from: a rewind by tag) and at numbers two saves hold in sight; it ends where
-    ``path``'s checkpoint is the one gone on from (its digest is not the fast tier's to check)."""
+    """(rank 0, planning a save) The lineage a save records, newest first: the save the job goes on from
+    (``continues``; unknown: the newest it sees) and that save's lineage, :data:`~smpckpt.api._tiers.SKIPPED`
+    at the numbers in between and at numbers two saves hold; it ends at ``path``'s checkpoint."""
     found, top = candidates(views), tier_seq(views)
     seq = 1 + max(top, durable_seq)
     if continues is None:

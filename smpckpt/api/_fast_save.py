@@ -1,33 +1,13 @@
-"""A Checkpointer's fast tier (:class:`~smpckpt.FastTier`; README, "Tiered checkpoints"),
-:class:`FastTierPart`: each save into the nodes' fast tiers, with replicas on other nodes (below); every
-``durable_every``-th one drained to ``path`` on the Checkpointer's drain lane (the drain, below); and
-resumes from either tier (:mod:`smpckpt.api._fast_resume`). It owns what the tier remembers between
-saves (:class:`~smpckpt.api._tiers.TierState`).
+"""A Checkpointer's fast tier, :class:`FastTierPart` (README, "Tiered checkpoints"): saves into the
+nodes' fast tiers with replicas on other nodes, every ``durable_every``-th one drained to ``path`` on the
+drain lane (:mod:`smpckpt.api._drain`), resumes from either tier (:mod:`smpckpt.api._fast_resume`).
 
-Which rank does what ("all" = every rank; "leader" = the first rank of each node)::
-
-    plan_tier_save  (all, caller)   nodes from LOCAL_WORLD_SIZE; every node's folder checked and this
-                                    job's listing of it gathered (``_tiers.gather_views``); rank 0: the
-                                    save number (durable_every), refusal of a tag already complete in the
-                                    fast tier or committed in ``path``, and a save whose drain never
-                                    committed, to drain again (:class:`PendingDrain`); leaders: this
-                                    tag's leftover folder removed; a durable save waits for the drain
-                                    in flight; the Checkpointer's gloo groups
-    save_fast       (all)           dcp.save into each node's folder (FastTierWriter: nothing committed);
-                                    the manifest broadcast; each rank's files sent to its replica nodes;
-                                    agreement that every node holds its share; then every leader commits
-                                    its node's copy; leaders apply ``num_kept_local``
-    (then)          drain           every ``durable_every``-th save (or the pending one), on the
-                                    Checkpointer's drain lane; then (leaders) ``num_kept_local``, the
-                                    drained tag released
-
-A kill before the agreement leaves no manifest on any node (the tag is not committed; the next save of
-it removes the leftovers); after it, every node's share is complete, so any manifest proves the union.
-
-The drain (its own module, :mod:`smpckpt.api._drain`): a tiered save copied from the fast tiers to
-``path`` and committed there; each file from a node whose copy of it is intact. The fast tier keeps the
-save until then (fast-tier retention never removes a save due for the durable tier before a drain as new
-committed); a save whose drain never committed is drained again by the next save (:class:`PendingDrain`).
+Which rank does what ("leader" = each node's first rank): ``plan_tier_save`` (all, caller: nodes and
+folders checked, listings gathered; rank 0 numbers the save and refuses a tag already complete or
+committed, or finds a :class:`PendingDrain`; leaders remove this tag's leftovers) -> ``save_fast`` (all:
+dcp.save into each node's folder, uncommitted; files sent to replica nodes; agreement that every node
+holds its share; then each leader commits its node's copy and applies ``num_kept_local``) -> the drain.
+A kill before the agreement leaves no manifest anywhere; after it, any manifest proves the union.
 """
 
 from __future__ import annotations
@@ -76,8 +56,7 @@ log = logging.getLogger("smpckpt.api")
 
 
 class FastTierPart:
-    """The fast tier of one Checkpointer: its options, its memory between saves, and the Checkpointer's
-    gloo groups, save numbers and drain lane it works with."""
+    """The fast tier of one Checkpointer: its options and memory, and the Checkpointer's parts it works with."""
 
     def __init__(self, options: FastTier, groups: GlooGroups, counter: SequenceCounter, drain_lane: Lane) -> None:
         self.options, self.groups, self.counter, self.drain_lane = options, groups, counter, drain_lane
@@ -88,10 +67,8 @@ class FastTierPart:
         return plan_tier_save(req, ctx, self)
 
     def drew(self, tier: TierPlan, extra: Mapping[str, Any]) -> TierPlan:
-        """(all ranks, the caller's thread: before the next save is planned, an async one too) This save's
-        sequence number is drawn (rank 0's ``extra``): the plan to save with -- on rank 0 its ``path_seen``
-        also counts what the draws read of ``path`` (``newest``, written by another writer of the root in
-        this process); when the save is due for ``path``, the job's later saves know it."""
+        """(all ranks, the caller's thread) The plan to save with, once rank 0 drew the save's number
+        (``extra``); a save due for ``path`` is known to the job's later saves."""
         if not extra:
             return tier
         self.state.saw_path(self.counter.read)
@@ -100,8 +77,7 @@ class FastTierPart:
         return dataclasses.replace(tier, path_seen=max(tier.path_seen, self.counter.read))
 
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
-        """(all ranks) The fast tiers, then (every ``durable_every``-th save, or a save whose drain never
-        committed) the drain, on the drain lane."""
+        """(all ranks) The fast tiers, then (a durable save, or a retried one) the drain, on the drain lane."""
         started = time.monotonic()
         prepared = save_fast(req, state, extra, tier)
         self.state.continues = hash_bytes(prepared.manifest)  # the next save goes on from this one
@@ -138,8 +114,7 @@ class FastTierPart:
         self.drain_lane.submit(req.tag, work)
 
     def resume(self, req: ResumeRequest, ctx: DistContext) -> Loaded | None:
-        """(all ranks) The newest checkpoint complete across the fast tiers or committed in ``path``,
-        loaded (``_fast_resume``); ``None`` when neither tier holds one."""
+        """(all ranks) The newest checkpoint complete in either tier, loaded; ``None``: none."""
         return load_tiered(req, ctx, choose_tier(req, ctx, self), self)
 
 
@@ -148,8 +123,8 @@ class FastTierPart:
 
 @dataclasses.dataclass(frozen=True)
 class PendingDrain:
-    """A save of this job that was due for the durable tier and is not there (its drain was killed or
-    failed): drained again by the next save that is not itself durable. The same on every rank."""
+    """A save due for the durable tier whose drain was killed or failed: drained again by the next save
+    that is not itself durable. The same on every rank."""
 
     tag: str
     seq: int
@@ -159,8 +134,7 @@ class PendingDrain:
 
 @dataclasses.dataclass(frozen=True)
 class TierPlan:
-    """One tiered save, decided before anything is written (identical on every rank but the folders), and
-    this process's gloo groups for it."""
+    """One tiered save, decided before anything is written (the same on every rank but the folders)."""
 
     nodes: Nodes
     local_path: str  #: this node's fast tier
@@ -186,7 +160,6 @@ class TierPlan:
 
     @property
     def group(self) -> Any:
-        """The gloo group of the agreements (``None`` without a process group)."""
         return self.streams[0] if self.streams else None
 
     def record(self) -> dict[str, Any]:
@@ -301,9 +274,8 @@ def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, 
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
             f"but cannot be drained: {why}; it stays in the fast tier until a later save is drained"
         )
-        # inside plan_tier_save's agreement on rank 0's decision (on_coordinator): a filter making warnings
-        # errors fails the save on every rank alike; warned from the save (an async one's background
-        # future), it failed rank 0's alone (rev59c F3)
+        # inside plan_tier_save's agreement (on_coordinator): a filter making warnings errors fails the save
+        # on every rank alike, not rank 0's alone (rev59c F3)
         log.warning(message)
         warnings.warn(message, stacklevel=5)
         if not why:
@@ -338,9 +310,8 @@ def _pending(
 
 
 def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:
-    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``tier.group`` the agreements and
-    ``tier.streams`` the transfers) Write, replicate and commit this tag in every node's fast tier; the
-    commit every node holds."""
+    """(all ranks; ``req.process_group`` runs ``dcp.save``, ``tier.group`` the agreements, ``tier.streams``
+    the transfers) Write, replicate and commit this tag in every node's fast tier."""
     gctx = DistContext(tier.group)
     opts, nodes = req.opts, tier.nodes
     root_local = is_local(open_fs(req.root, req.storage_options)[0])
@@ -425,11 +396,9 @@ def _remove_quietly(folder: str) -> None:
 
 
 def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None = None) -> None:
-    """(leaders) ``num_kept_local`` over this node's job folder: after a save (never the tag just saved),
-    and after a drain (``release``: its tag, held meanwhile, may go now). One lock orders the two, so
-    whichever runs last sees the other's outcome: a drained tag never outlives the next retention.
-    Decided on the listings gathered for ``tier`` (every node alike), the save of ``tier`` counted as
-    complete (it committed)."""
+    """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
+    after a drain (``release``: its tag may go now). One lock orders the two, so a drained tag never
+    outlives the next retention. Decided on ``tier``'s gathered listings, its own save counted complete."""
     memory, keep = tier.memory, tier.keep
     with memory.lock:
         if release is not None:

@@ -1,16 +1,7 @@
-"""Full artifacts: :meth:`smpckpt.Checkpointer.export` of the live state writes one consolidated artifact
-(``save_checkpoint(..., partial=False)``), and a resume with ``ResumeOptions(partial=False)`` starts from
-one (ours, or a plain Hugging Face folder).
-
-Which rank does what ("all" = every rank of the group)::
-
-    save_full    (all)    model (+ optimizer tensors) state; rank 0 adds user_content;
-                          dcp.save with ParallelSavePlanner + FullArtifactWriter:
-                          every rank writes its shards into {out}/model*.safetensors at their
-                          offsets; rank 0 commits the manifest. ``newest`` and retention are left alone:
-                          they track the partial checkpoints training resumes from.
-    resume_full  (all)    dcp.load of the artifact (or HF folder) with ParallelLoadPlanner: each rank
-                          reads only its own shards' bytes; then set_state_dict and user_content.
+"""Full artifacts: :func:`save_full` (all ranks write their shards into ``{out}/model*.safetensors``;
+rank 0 adds user_content and commits; ``newest`` and retention are left alone) and :func:`resume_full`
+(``ResumeOptions(partial=False)``: each rank reads only its shards' bytes of an artifact or a plain Hugging
+Face folder, then ``set_state_dict`` and user_content).
 """
 
 from __future__ import annotations
@@ -55,18 +46,15 @@ log = logging.getLogger("smpckpt.api")
 
 
 def full_url(root: str, tag: str) -> str:
-    """``{root}/{tag}``: the folder of a full checkpoint (partial ones are ``{root}/{tag}_partial``);
-    ``tag`` was validated at the caller's edge."""
+    """``{root}/{tag}``: the folder of a full checkpoint (``tag`` validated at the caller's edge)."""
     if tag == NEWEST_NAME:
         raise ValueError(f"{tag!r} cannot name a full checkpoint: {{path}}/{tag} is the pointer file of partial ones")
     return join_url(root, tag)
 
 
 def _tensor_state(common: CommonRequest, optim: bool, destinations: bool = False) -> dict[str, Any]:
-    """The model's state and (``optim``) the optimizer's per-parameter state: hyper-parameters
-    (param_groups) stay with the code that builds the optimizer; a parameter's state that is a number,
-    not a tensor (transformers' Adafactor keeps ``step`` as an int), goes with its tensors (a ``<key>.pt``
-    file): left behind, a resume paired the saved moments with the live optimizer's step, silently."""
+    """The model's state and (``optim``) the optimizer's per-parameter state, numbers included (Adafactor's
+    int ``step``: left behind, a resume paired the saved moments with the live step)."""
     state = train_state(common.model, common.optimizers if optim else (), destinations=destinations)
     if RESERVED.optim in state:
         state[RESERVED.optim] = {
@@ -76,9 +64,8 @@ def _tensor_state(common: CommonRequest, optim: bool, destinations: bool = False
 
 
 def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[str], strict: bool) -> None:
-    """(each rank) Refuse an artifact that holds a parameter's tensor state but not its numbers (written
-    before they were kept): the parameter would resume with the saved moments and the live ``step``
-    (``strict=False``: a warning, as for every key it skips)."""
+    """(each rank) Refuse (``strict``; else warn) an artifact holding a parameter's tensor state but not its
+    numbers: it would resume with the saved moments and the live ``step``."""
     report = planner.report
     if report is None or RESERVED.optim not in state:
         return
@@ -102,11 +89,9 @@ def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[s
 
 
 def _untied_without_state(planner: Any, unsaved: frozenset[str], strict: bool) -> None:
-    """(each rank) Refuse a parameter read through a tie the artifact records (a head stored once, under its
-    embedding, whose optimizer state is stored once too) into a model holding it as a parameter of its
-    own: it would resume with the tied tensor's weights and no optimizer state, where the saved run
-    stepped it with the embedding's. A partial checkpoint refuses the same load under strict (its state
-    is not in the checkpoint); ``strict=False``: a warning, and fresh state, as for every key it skips."""
+    """(each rank) Refuse (``strict``; else warn, fresh state) a parameter read through a tie the artifact
+    records into a model holding it as a parameter of its own: it would resume with the tied tensor's
+    weights and no optimizer state (a partial checkpoint refuses the same under strict)."""
     report, in_model = planner.report, planner.dest_tied  # later key -> first key of one tensor
     if report is None:
         return
@@ -142,8 +127,7 @@ def save_full(
     counter: SequenceCounter,
     planners: PlannerCache,
 ) -> str:
-    """(all ranks, after the arguments were compared across ranks) The full save of ``tag`` into ``url``;
-    returns the artifact's folder."""
+    """(all ranks, arguments compared) The full save of ``tag`` into ``url``; returns the folder."""
     if common.model is None:
         raise ValueError("a full checkpoint of the live state needs model=: it holds the model's weights")
     if opts.include_optimizer and not common.optimizers:
@@ -190,8 +174,7 @@ def save_full(
 
 
 def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: ResumeOptions) -> Any:
-    """(all ranks, after the arguments were compared across ranks) Load a full artifact or Hugging Face
-    folder into the model (and optimizer)."""
+    """(all ranks, arguments compared) Load a full artifact or Hugging Face folder into the model."""
     if common.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
     url = full_url(common.root, tag) if tag is not None else common.root
@@ -220,8 +203,7 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
         if not opts.strict:
             report = planner.report
             missing = ctx.all_ok_values(lambda: tuple(report.missing_keys) if report is not None else ())
-            # inside a checked step: a warning filter turning it into an error on rank 0 fails every rank
-            # (raised on rank 0 alone, the others waited in the next collective until the group's timeout)
+            # in a checked step: a warning filter making it an error on rank 0 fails every rank alike
             ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, planner, url, missing))
         # exported with an optimizer (its manifest says so: one saved before its first step holds no state),
         # the artifact holds the state of every parameter that had some: the others had none
@@ -270,10 +252,8 @@ def _pickled(url: str, storage_options: Any) -> bool:
 
 
 def _warn_skipped(coordinator: bool, planner: Any, url: str, missing: list[tuple[str, ...]]) -> None:
-    """(every rank, in a checked step; ``strict=False``) Name, on rank 0, the keys the load skipped: model
-    keys the artifact lacks on any rank (``missing``, gathered; they keep their values) and artifact keys
-    no rank loaded. A partial resume lists them in ``ResumeInfo.skipped_keys``; a full one makes no
-    ResumeInfo, and skipped them without a word."""
+    """(every rank, in a checked step; ``strict=False``) Name, on rank 0, the keys the load skipped (a full
+    resume makes no ResumeInfo): model keys the artifact lacks on any rank, and artifact keys no rank loaded."""
     report = planner.report
     skipped = sorted({k for keys in missing for k in keys})
     unexpected = sorted(report.unexpected_keys) if report is not None and coordinator else []

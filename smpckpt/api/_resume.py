@@ -1,16 +1,7 @@
-"""The steps of :meth:`smpckpt.Checkpointer.resume`: choose the checkpoint -> build the destination
-state -> load (reshard) -> apply. Each step is one function over a :class:`ResumeRequest` (validated, and
-compared across ranks, by the Checkpointer before).
-
-Which rank does what ("all" = every rank of the group)::
-
-    choose_target       (rank 0) ``newest`` or the newest committed tag; the answer is broadcast
-    build_resume_state  (all)    destinations: model/optimizer state, user_content, RNG (same layout only)
-    load_checkpoint     (all)    dcp.load with ParallelLoadPlanner + FsspecStorageReader (strict checks
-                                 before any data is read)
-    check_groups        (all)    param groups resumed as saved (agreed before set_state_dict)
-    apply_state         (all)    set_state_dict (of what translate_function returns), RNG, user_content
-                                 (decoded once, weights-only)
+"""The steps of :meth:`smpckpt.Checkpointer.resume`, each over a :class:`ResumeRequest` (validated and
+compared across ranks by the Checkpointer): :func:`choose_target` (rank 0, broadcast) ->
+:func:`build_resume_state` -> :func:`load_checkpoint` (strict checks before any data is read) ->
+:func:`check_groups` -> :func:`apply_state` (all ranks).
 """
 
 from __future__ import annotations
@@ -71,13 +62,9 @@ log = logging.getLogger("smpckpt.api")
 
 @dataclasses.dataclass(frozen=True)
 class ResumeInfo:
-    """What a :func:`~smpckpt.resume_from_checkpoint` did (same on every rank).
-
-    ``path_taken`` is ``"fast"`` when every rank's pieces matched saved chunks exactly (same
-    partition), ``"reshard"`` when some rank assembled tensors from overlapping saved chunks.
-    RNG states are restored only when the layout (and world size) is unchanged; otherwise
-    ``rng_restored`` is empty and a warning was issued: RNG streams do not map across layouts.
-    """
+    """What a :func:`~smpckpt.resume_from_checkpoint` did (same on every rank). ``path_taken``: ``"fast"``
+    when every rank's pieces matched saved chunks exactly, else ``"reshard"``. RNG states are restored only
+    under an unchanged layout (else ``rng_restored`` is empty, and a warning said so)."""
 
     path: str  #: checkpoint root
     tag: str
@@ -152,10 +139,9 @@ def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
-    """(rank 0) The committed checkpoint to resume; ``None`` when nothing committed exists. With ``tag=None``:
-    the tag ``newest`` names (a hint), unless a checkpoint committed *after* it exists (a higher sequence
-    number: a job killed between a commit and the ``newest`` update) or ``newest`` is unusable; then the
-    newest committed tag of the history (by sequence number, never one a roll-back abandoned), warned."""
+    """(rank 0) The committed checkpoint to resume, or ``None``. With ``tag=None``: the one ``newest`` names,
+    unless it is unusable or a later one committed (a job killed before the ``newest`` update): then the
+    newest committed one of the job's history (never one a roll-back abandoned), warned."""
     if tag is not None:
         url = partial_url(root, tag)
         found = probe_checkpoint(url, storage_options)
@@ -215,8 +201,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
 
 
 def not_found_hint(root: str, storage_options: Any) -> str:
-    """(error path only) Why nothing was found when ``root`` is itself a checkpoint folder: ``path`` is the
-    root that holds tags, not a checkpoint."""
+    """(error path only) A hint when ``root`` is itself a checkpoint folder, not the root of tags."""
     try:
         state = probe_checkpoint(root, storage_options).state
     except (OSError, CheckpointError):
@@ -232,10 +217,9 @@ def not_found_hint(root: str, storage_options: Any) -> str:
 
 
 def resume_state(req: ResumeRequest, target: Target, ctx: DistContext) -> tuple[bool, dict[str, Any]]:
-    """(all ranks, one agreement) Whether RNG states are restored (under the saved layout only, which fixes
-    the world size: else a warning, inside the agreement, so a filter making it an error fails every rank
-    alike, not rank 0 alone before the next collective: rev59c F1) and the destinations the load fills.
-    First (every rank alike: ``target`` was broadcast) a user_content needing ``allow_pickle`` is refused."""
+    """(all ranks, one agreement) Whether RNG states are restored (saved layout only; else a warning, inside
+    the agreement so a filter making it an error fails every rank alike) and the destinations the load
+    fills. First, every rank alike, a user_content needing ``allow_pickle`` is refused."""
     saved = target.record.layout if target.record is not None else None
     wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout
     refuse_pickled(target.pickled, req.opts.allow_pickle, f"checkpoint {target.tag!r} ({target.url})")
@@ -262,9 +246,8 @@ def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) ->
 
 
 class InventedState:
-    """(a resume) Records, before the state is built (which gives every parameter optimizer state), the
-    parameters that had none (:attr:`stateless`); a resume failing before ``applied`` is set takes that
-    invented state away again (a retry would take it as saved); after, a failure keeps what was loaded."""
+    """(a resume) Records the parameters without optimizer state before the state is built
+    (:attr:`stateless`); a resume failing before ``applied`` takes the invented state away again."""
 
     def __init__(self, model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.model, self.optimizers = model, optimizers
@@ -280,16 +263,13 @@ class InventedState:
 
 
 def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Give the parameters an optimizer with state holds none for the state DCP's ``get_state_dict`` gives a
-    fresh optimizer (a step with zero gradients at lr 0), through a scratch optimizer of the same class
-    over just them. Why: DCP initialises only an optimizer without any state, so a live one (a parameter
-    that had no gradient yet; a rollback in-process; a second resume into an optimizer the first left
-    with stateless parameters; a fresh one whose parameters already hold gradients) had no destination
-    for their saved state: refused under ``strict``, skipped silently without. Those the checkpoint holds nothing for lose it again after the load
-    (:func:`stateless_at_save`). An optimizer class that cannot be built from its groups is left as is."""
+    """Give the parameters a live optimizer holds no state for the state DCP gives a fresh optimizer (a step
+    at lr 0 with zero gradients, on a scratch optimizer of the same class): DCP initialises only an optimizer
+    without any state, so their saved state had no destination (refused under ``strict``, else skipped).
+    Those the checkpoint holds nothing for lose it again (:func:`stateless_at_save`). An optimizer class
+    that cannot be built from its groups is left as is."""
+    drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
     for opt in optimizers:
-        for p in [p for p, v in opt.state.items() if not v]:
-            del opt.state[p]  # empty entries (reads of the defaultdict) would make DCP take them for state
         if not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"]):
             continue  # fresh, no gradients: DCP's own initialisation gives every parameter its state
         # (DCP skips an optimizer whose parameters hold gradients: those get it here too)
@@ -350,8 +330,7 @@ def load_checkpoint(
     optional: tuple[str, ...] | None = None,
     what: str = "checkpoint",
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place (with ``reader``, or our reader of ``url``); strict key checks run
-    before any data is read. ``optional``: keys that may be absent (default: what a resume may lack)."""
+    """(all ranks) ``dcp.load`` in place, keys checked before any data is read; ``optional``: may be absent."""
     planner = ParallelLoadPlanner(
         **common.planner_args(),
         allow_dtype_cast=opts.allow_dtype_cast,
@@ -418,8 +397,7 @@ def apply_state(
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
-    """(after ``set_state_dict``, or a failed resume) The parameters named in ``unsaved`` (FQNs) left without
-    optimizer state; empty entries (reads of the defaultdict) dropped too: they hold nothing."""
+    """(after ``set_state_dict``, or a failed resume) Drop the optimizer state of ``unsaved`` and empty entries."""
     for opt in optimizers:
         for p in [p for p, v in opt.state.items() if not v]:
             del opt.state[p]
@@ -439,18 +417,12 @@ def stateless_at_save(
     *,
     all_state_saved: bool = False,
 ) -> frozenset[str]:
-    """(each rank) The parameters (FQNs) the checkpoint holds no optimizer state for: every one of their
-    ``state`` keys absent -- missing under ``strict=False``, or skipped as optional (a full artifact's) --
-    (a parameter that had no gradient yet at the save: an unused branch, an expert never routed to; one
-    new in the model; a checkpoint or artifact saved without optimizer).
-    Each was given state for the load (DCP's ``get_state_dict`` for a fresh optimizer, or
-    :func:`init_missing_state`: a step at lr 0, ``step`` 1, zero moments); left so, its next ``step()``
-    would differ from the saved run's (Adam's bias correction), silently. Returned for the parameters
-    that had no state before the resume (``stateless``, :func:`stateless_params`), which resume without
-    state, as they were, and for those the checkpoint says had none when saved (its param groups name
-    them; or a full artifact holding optimizer state holds none for them: ``all_state_saved``), whose
-    live state a rollback must not keep. A parameter with live state that is merely missing from the
-    checkpoint keeps it, as ``strict=False`` promises for every key it skips."""
+    """(each rank) The parameters (FQNs) whose optimizer state keys are all absent from the checkpoint
+    (missing under ``strict=False``, or skipped as optional) and that either had no state before the resume
+    (``stateless``) or had none when saved (param groups say so, or ``all_state_saved``: a full artifact
+    with optimizer state). Each was given state for the load; left so, its next ``step()`` would differ
+    from the saved run's (Adam's bias correction). A parameter with live state merely missing from the
+    checkpoint keeps it, as ``strict=False`` promises."""
     report = planner.report
     if not optimizers or report is None:
         return frozenset()
@@ -483,9 +455,8 @@ def stateless_at_save(
 
 
 def check_groups(req: ResumeRequest, state: Mapping[str, Any]) -> None:
-    """(all ranks, through its own ``ctx.all_ok`` before :func:`apply_state`) :func:`check_group_values`
-    for the request's optimizers: decided on every rank before any enters ``set_state_dict``, whose
-    collectives (FSDP1's optimizer loading) a rank that refused alone would leave waiting."""
+    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) :func:`check_group_values`, decided on
+    every rank before any enters ``set_state_dict`` (whose collectives a lone refusal would hang)."""
     if req.model is not None and req.optimizers:
         check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
 
@@ -494,9 +465,7 @@ def check_group_values(
     model: Any, optimizers: tuple[torch.optim.Optimizer, ...], optim_sd: Mapping[str, Any], *, strict: bool
 ) -> None:
     """(all ranks) Refuse (``strict``; else warn) a param group whose parameters were saved with different
-    hyper-parameters (saved in two groups, resumed into one): a group takes one value, and DCP's
-    ``set_state_dict`` would give every parameter the first one's (a bias saved at lr 0.5 resumed at
-    0.01), silently -- its own check compares that first value with itself."""
+    hyper-parameters: ``set_state_dict`` would silently give them all the first one's."""
     present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -545,8 +514,7 @@ def summarize(
     restored: tuple[str, ...],
     untranslated: tuple[str, ...] = (),
 ) -> ResumeInfo:
-    """(all ranks) Sum what every rank's load did into one :class:`ResumeInfo`, and log it (``untranslated``:
-    keys the translate_function left unloaded, listed as skipped)."""
+    """(all ranks) Sum every rank's load into one :class:`ResumeInfo` and log it."""
     report = planner.report
     gone = (*report.missing_keys, *report.stateless_saved, *untranslated) if report else untranslated
     mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, gone)

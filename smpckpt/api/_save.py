@@ -1,27 +1,13 @@
-"""The steps of :meth:`smpckpt.Checkpointer.save`: build state -> write (commit) -> publish ``newest`` ->
-retention. Each step is one function over a :class:`SaveRequest` (validated, and compared across ranks,
-by the Checkpointer before).
+"""The steps of :meth:`smpckpt.Checkpointer.save`, each over a :class:`SaveRequest` (validated and
+compared across ranks by the Checkpointer): :func:`build_save_state` (all; rank 0 adds user_content and the
+API record) -> :func:`write_checkpoint` (all; rank 0 commits) -> :func:`publish_newest` (rank 0, after the
+commit) -> :func:`retain` (rank 0; failures only logged).
 
-Which rank does what ("all" = every rank of the group)::
-
-    build_save_state  (all)    model/optimizer state, RNG; rank 0 adds user_content and the API record
-    write_checkpoint  (all)    dcp.save with ParallelSavePlanner + FsspecStorageWriter; rank 0 commits
-    publish_newest    (rank 0) ``newest`` := tag, only after the commit; the outcome reaches every rank
-    retain            (rank 0) retention and (if asked) stale-debris removal; failures only logged
-
-Save planners kept across the API's saves, so an unchanged state is not planned again at every save.
-
-A rank's local plan is a pure function of its state's structure, its rank and the layout; the planner
-memoises it (``cache_scope="local"``) and checks the structure at every save, so reuse is correct
-whatever happened to an earlier save. Nothing cached crosses ranks -- the coordinator plans afresh from
-full local plans every time -- so a rank that builds a fresh planner (a background save holding the
-kept one) mixes safely with ranks that reuse theirs. Measured: the local planning of a 2-rank save
-drops from 1.07x DCP's to about 0.43x (``benchmarks/RESULTS.md``).
-
-A :class:`~smpckpt.Checkpointer` keeps one planner per kind of save ("partial", "full"). It is given the save's scope (layout, specs,
-name map, process group) before every save, so sync and async saves (which run on a gloo group of their
-own) share it, and between saves it holds no tensors and no reference to the user's name map or
-process group (:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
+:class:`PlannerCache` keeps one save planner per kind ("partial", "full") across saves, memoising each
+rank's local plan (``cache_scope="local"``: checked against the state's structure at every save, nothing
+cached crosses ranks, so a rank planning afresh mixes safely with ranks that reuse theirs;
+``benchmarks/RESULTS.md``). Between saves it holds no tensors, name map or process group
+(:meth:`~smpckpt.planners.ParallelSavePlanner.release_state`).
 """
 
 from __future__ import annotations
@@ -93,11 +79,9 @@ class SaveRequest(CommonRequest):
 
 
 def manifest_extra(api: str, tag: str, seq: int, user_content: Any, pickled: bool, **fields: Any) -> dict[str, Any]:
-    """(rank 0) The manifest's ``extra`` of a save (partial or full): the API record, the tag, its sequence
-    number under the root (``seq``, the job's :class:`~smpckpt.catalog.root.SequenceCounter` drew it:
-    what orders checkpoints), the save time (for people; it orders nothing but checkpoints without
-    sequence numbers), ``fields``, what user_content holds (and whether it needs ``allow_pickle``: ``pickled``),
-    and the versions that wrote it."""
+    """(rank 0) The manifest's ``extra`` of a save: the API record, the tag, its sequence number (``seq``,
+    drawn by the job's :class:`~smpckpt.catalog.root.SequenceCounter`: what orders checkpoints), the save
+    time, ``fields``, what user_content holds (``pickled``: needs ``allow_pickle``) and the versions."""
     now = time.time_ns()
     return {
         "api": api,
@@ -162,10 +146,9 @@ def run_save(
     verify_replicas: bool,
     dedup_tied: bool | None = None,
 ) -> None:
-    """(all ranks) ``dcp.save`` with the kept planner of ``kind``. On failure every rank is past its
-    writes: the failed save's files are removed (a retry under the tag must not find them beside its
-    own; a full artifact of unwritten zeros must not stay), then our error is raised. ``dedup_tied``
-    (full artifacts, as ``save_pretrained``): whether a head tied to its embedding is left out."""
+    """(all ranks) ``dcp.save`` with the kept planner of ``kind``; on failure the save's files are removed
+    (a retry must not find them), then our error is raised. ``dedup_tied``: leave out a head tied to its
+    embedding (full artifacts, as ``save_pretrained``)."""
     try:
         with planners.kept(kind, common) as planner, quiet_no_dist():
             planner.verify_replicas = verify_replicas
@@ -229,8 +212,7 @@ def retain(req: SaveRequest, ctx: DistContext) -> None:
 
 
 class PlannerCache:
-    """The save planners one Checkpointer keeps, one per kind of save; a planner in use is taken out, so
-    no two saves share one."""
+    """The save planners one Checkpointer keeps, one per kind; a planner in use is taken out."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the caller's saves and the background save's
@@ -238,8 +220,8 @@ class PlannerCache:
 
     @contextlib.contextmanager
     def kept(self, kind: str, req: CommonRequest) -> Iterator[ParallelSavePlanner]:
-        """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free); kept
-        again, without this save's tensors or scope, once the save returns or raises."""
+        """(all ranks) The kept planner for ``kind`` scoped to ``req`` (a new one when none is free), kept
+        again without this save's tensors or scope once the save ends."""
         with self._lock:
             planner = self._kept.pop(kind, None)
         if planner is None:

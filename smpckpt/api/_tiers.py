@@ -1,32 +1,11 @@
-"""What the fast tier's save and resume share (no collectives but in :func:`gather_views`): nodes from
-``LOCAL_WORLD_SIZE``, this job's folder in every node's fast tier, what one node's folder holds of the
-job (its copies, judged), what the nodes hold together, and the save numbers ``durable_every`` divides.
-
-A fast-tier copy belongs to one durable root ``path``: it lives in
-``{local_path}/smpckpt-job-<hash of the root>/{tag}_partial`` (:func:`job_folder`) and its manifest
-records the root (``extra["tier"]["root"]``) and the tag, so a copy is this job's only when both the
-folder and the manifest say so. Resume, retention and the save numbers see only their own job's folder;
-other jobs' folders in the same ``local_path`` are left alone (``smpckpt ls --local`` lists them). The
-folder's ``smpckpt.job.json`` names the root for people and tools.
-
-The nodes' folders are checked before anything is written (:func:`gather_views`, all ranks, three
-collectives): ``local_path`` must be a writable folder apart from ``path``, and no two nodes may share
-one -- each node's first rank writes a token into its folder and looks for the other nodes' tokens
-there. Each tag folder is judged once, by its node's first rank (:func:`scan_job`); the judgement
-travels in the gathered listing, so every rank decides alike:
-
-* ``committed``: a manifest of this job and this tag that parses -- a candidate;
-* ``uncommitted``: files, no manifest (a save that did not finish, or one being written);
-* ``corrupt``: a manifest that does not parse (its files may still serve a copy committed elsewhere);
-* ``unsafe``: a manifest naming files outside the folder (``../x``, an absolute path): never read;
-* ``foreign``: another job's checkpoint (its manifest names another root or tag, or the folder is a
-  link: the fast tier never writes links): never read, never removed;
-* ``unreadable``: listing or reading it failed.
-
-A tag is *committed* when some node committed it; *complete* when the folders' files, at the manifest's
-sizes, cover its parts (data files and the generation's metadata) (:func:`candidates`). Copies are
-ordered by the tier's own save number (``extra["tier"]["seq"]``), then the manifest's order. Fast-tier
-retention (:func:`retain_local`, one rank per node) decides on the gathered listings, every node alike.
+"""What the fast tier's save and resume share (README, "Tiered checkpoints"; no collectives but in
+:func:`gather_views`): nodes from ``LOCAL_WORLD_SIZE``, this job's folder in every node's fast tier
+(``{local_path}/smpckpt-job-<hash of the root>/``, :func:`job_folder`; a copy is this job's only when both
+the folder and its manifest's ``extra["tier"]`` say so), what one node's folder holds (its copies, judged
+once by the node's first rank, :func:`scan_job`, so every rank decides alike), what the nodes hold
+together (:func:`candidates`: a tag is *complete* when the folders' files cover its parts) and the save
+numbers ``durable_every`` divides. :func:`gather_views` first checks (three collectives) that
+``local_path`` is a writable folder apart from ``path`` and that no two nodes share one (tokens).
 """
 
 from __future__ import annotations
@@ -114,7 +93,6 @@ class TierState:
             self.held.discard(tag)
 
     def note_durable(self, seq: int) -> None:
-        """A drain committed save number ``seq`` under ``path``."""
         self.durable = max(self.durable or 0, seq)
 
 
@@ -176,8 +154,7 @@ def node_layout(ctx: DistContext, process_group: Any, replicas: int = 1) -> Node
 
 # -- whose copies ------------------------------------------------------------------------------------------
 def durable_key(root: str, storage_options: Any) -> str:
-    """The durable root as a fast-tier copy records it: one string per location however it is spelled
-    (no credentials: scheme and path only). Lexical, so every rank computes the same without I/O."""
+    """The durable root as a copy records it: scheme and path, lexical (every rank alike, no I/O)."""
     return location_key(root, storage_options)
 
 
@@ -186,7 +163,6 @@ def job_dirname(key: str) -> str:
 
 
 def job_folder(local_path: str, key: str) -> str:
-    """This job's folder in a node's fast tier ``local_path``."""
     return os.path.join(local_path, job_dirname(key))
 
 
@@ -202,8 +178,7 @@ def read_job_record(folder: str) -> str | None:
 
 # -- the nodes' folders ------------------------------------------------------------------------------------
 def _check_apart(local: str, root: str, storage_options: Any) -> None:
-    """``local_path`` must not be ``path``, inside it or contain it (a drain would copy a folder onto
-    itself; listings of either would see the other's folders)."""
+    """``local_path`` must not be ``path``, inside it or contain it (a drain would copy a folder onto itself)."""
     fs, path = open_fs(root, storage_options)
     if not is_local(fs):
         return
@@ -218,8 +193,7 @@ def _check_apart(local: str, root: str, storage_options: Any) -> None:
 
 
 def _token(local: str) -> str:
-    """(a node's first rank, several nodes) ``local_path`` created if need be, and this node's token
-    written into it: its name. Errors name the argument."""
+    """(a node's first rank, several nodes) This node's token written into ``local_path``: its name."""
     name = f"{_TOKEN_PREFIX}{os.urandom(8).hex()}"
     try:
         os.makedirs(local, exist_ok=True)
@@ -263,14 +237,11 @@ def gather_views(
     storage_options: Any,
     warned: set[tuple[str, str]],
 ) -> tuple[Nodes, str, list[dict[str, LocalCopy]]]:
-    """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`); every node's
-    folder checked and this job's listing of each gathered: the job folder on this node, and by global
-    rank the listing of that rank's node (its first rank's).
-
-    Refused on every rank before anything is written, naming the argument: ``local_path`` not a folder,
-    equal to ``path`` (or inside it, or containing it), ranks of one node naming different folders,
-    ranks disagreeing on ``LOCAL_WORLD_SIZE``; then a folder that cannot be written, and two nodes
-    sharing one (a leader's token seen in another node's folder)."""
+    """(all ranks, three collectives; two on one node) The nodes (:func:`node_layout`), every node's folder
+    checked, and this job's listing of each gathered (by global rank: that rank's node's). Refused on every
+    rank before anything is written, naming the argument: ``local_path`` not a folder, not apart from
+    ``path``, different on ranks of one node, unwritable, or shared by two nodes; ``LOCAL_WORLD_SIZE``
+    differing between ranks."""
     key = durable_key(root, storage_options)
     job = job_folder(local, key)
     found: list[Nodes] = []
@@ -326,9 +297,7 @@ def gather_views(
 def warn_skipped(
     views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str], warned: set[tuple[str, str]]
 ) -> None:
-    """(every rank alike: the judgement came with the gathered listing) Name each unsafe, foreign,
-    corrupt or unreadable folder of this job's fast tier (``folders``: each node's ``local_path``), once
-    (``warned``: the Checkpointer's record of what it named)."""
+    """(every rank alike) Name each skipped folder of this job's fast tier once (``warned``)."""
     for node in range(nodes.count):
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
             if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
@@ -351,14 +320,17 @@ def warn_skipped(
 #: older copies): the hex digests of the fast-tier saves numbered 1, 2, ... below it, in its history
 TIER_KEY = "tier"
 
+#: committed: this job's manifest parses; uncommitted: files, no manifest; corrupt: the manifest does not parse
+#: (its files may serve); unsafe: it names files outside the folder; foreign: another job's, or a link
+#: (never read, never removed); unreadable: listing or reading it failed
 CopyState = Literal["committed", "uncommitted", "corrupt", "unsafe", "foreign", "unreadable"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalCopy:
-    """One tag's folder in one node's job folder, as its first rank judged it (module docstring).
-    ``parts`` (committed copies): every part the manifest lists, with its size -- so any rank can judge
-    completeness from the gathered listings without the manifests (~20 MiB each at 1 TiB)."""
+    """One tag's folder in one node's job folder, as its first rank judged it (:data:`CopyState`).
+    ``parts`` (committed copies): every part the manifest lists, with its size, so any rank judges
+    completeness from the gathered listings alone."""
 
     state: CopyState
     files: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -423,8 +395,7 @@ def part_sizes(manifest: Manifest) -> dict[str, int]:
 
 
 def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, bytes | None]:
-    """Judge one ``{tag}_partial`` folder for the job whose durable root is ``owner`` (``None``: any
-    job's copy counts as committed); also its manifest's bytes."""
+    """Judge one ``{tag}_partial`` folder for the job of ``owner`` (``None``: any job's); with its manifest."""
     if os.path.islink(folder):
         return LocalCopy("foreign", detail=f"a link to {os.path.realpath(folder)} (the fast tier writes none)"), None
     fs, path = open_root(folder)
@@ -471,8 +442,7 @@ def scan_job(folder: str, owner: str | None) -> dict[str, LocalCopy]:
 
 @dataclasses.dataclass(frozen=True)
 class FastCandidate:
-    """A tag committed in the fast tier (the save whose manifest has ``digest``), who holds each of its
-    parts (global ranks whose node folder holds it; the manifest: the nodes that committed it), what none holds."""
+    """A tag committed in the fast tier (manifest ``digest``): who holds each part, what none holds."""
 
     tag: str
     digest: int
@@ -500,8 +470,7 @@ def _usable_files(copy: LocalCopy | None) -> Mapping[str, int] | None:
 
 def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[FastCandidate]:
     """Every save of this job some node committed (only ``tag``'s when given), newest first, with its
-    completeness across ``views`` (index ``i``: what global rank ``i``'s node holds; for ``smpckpt ls
-    --local``, what its ``i``-th folder holds)."""
+    completeness across ``views`` (index ``i``: what global rank ``i``'s node, or the ``i``-th folder, holds)."""
     seen: dict[tuple[str, int], LocalCopy] = {}
     for view in views:
         for t, copy in view.items():
@@ -526,13 +495,11 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
 
 
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
-    """The highest save number any node's committed copy of this job carries."""
     return max((c.seq for view in views for c in view.values() if c.committed), default=0)
 
 
 def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
-    """Saves that were due for the durable tier and are newer than everything the durable tier holds of
-    this job (their drain never committed), newest first."""
+    """Saves due for the durable tier newer than all it holds of this job (never drained), newest first."""
     return [c for c in candidates(views) if c.durable and c.seq > durable_seq]
 
 
@@ -544,14 +511,11 @@ def retain_local(
     protected: set[str],
     durable_seq: int,
 ) -> list[str]:
-    """(one rank per node) ``num_kept_local`` over this node's ``folder`` of the job ``owner``; ``views``: every node's
-    listing (gathered), so every node decides alike. Kept: the ``keep`` newest *complete* saves, the
-    ``protected`` tags, and every save due for the durable tier that is newer than what it holds
-    (``durable_seq``): such a copy goes only once its drain (or a later one) committed. Removed: older
-    saves, and folders no node committed that are older than the newest commit here. Unsafe and foreign
-    folders, committed saves newer than the kept ones (an incomplete one keeps no slot), and copies
-    committed here after ``views`` were gathered (a drain's retention, later saves meanwhile), stay.
-    The removed tags."""
+    """(one rank per node) ``num_kept_local`` over this node's ``folder`` of the job ``owner``, decided on
+    every node's gathered listing (``views``) alike. Kept: the ``keep`` newest complete saves, ``protected``
+    tags, saves due for the durable tier newer than ``durable_seq`` (until a drain commits them), unsafe
+    and foreign folders, committed saves newer than the kept ones, and copies committed after ``views``.
+    Removed (and returned): older saves, and uncommitted folders older than the newest commit here."""
     found = candidates(views)
     if keep is None or not found:
         return []

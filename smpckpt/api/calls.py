@@ -1,18 +1,12 @@
 """smp's functions, as the thin face of a :class:`~smpckpt.Checkpointer`: :func:`save_checkpoint` and
-:func:`resume_from_checkpoint` keep SageMaker smp's parameters and a few of ours; every other option is
-a field of an option object (``options=``).
+:func:`resume_from_checkpoint` keep smp's parameters and a few of ours; every other option is a field of
+an option object (``options=``).
 
-Each call reuses the Checkpointer kept on the ``model`` it is given (an attribute that is no parameter or
-buffer, so it never enters a state_dict; copies and pickles of the model leave it behind, as torch's
-composable APIs keep their state on the module) when it was built from the same options, so its staging
-buffers, kept planners, sequence counter and background lanes carry over from call to call; otherwise
-(other options, or no model) the call builds a fresh one, waiting first for the one it replaces. Retention
-is no such option: a save sets its own on the kept Checkpointer, a resume takes none (and, given no
-:class:`AsyncOptions`, takes the kept one's), so saves with ``num_kept_partial_checkpoints`` and resumes
-alternate on one Checkpointer (each rebuild had left a gloo group for background saves behind).
-
-The keywords these functions took before the option objects still work for one release, with a
-``DeprecationWarning`` naming the option object and field that now hold them (``_MOVED``).
+Each call reuses the Checkpointer kept on ``model`` (an attribute that never enters a state_dict, copies or
+pickles) when it was built from the same options, so staging buffers, planners, sequence counter and
+lanes carry over; otherwise it builds a fresh one, waiting first for the one it replaces. Retention is no
+such option (a save sets its own on the kept Checkpointer, a resume takes none). Keywords from before the
+option objects still work for one release, with a ``DeprecationWarning`` (``_MOVED``).
 """
 
 from __future__ import annotations
@@ -114,22 +108,18 @@ def save_checkpoint(
     options: Any = None,
     **moved: Any,
 ) -> concurrent.futures.Future[None] | None:
-    """smp's ``save_checkpoint``: :meth:`Checkpointer.save` (``partial=True``: ``{path}/{tag}_partial``,
-    then ``{path}/newest``) or, ``partial=False``, :meth:`Checkpointer.export` of the live state into
-    ``{path}/{tag}/``. Every rank calls it with the same arguments (compared: a mismatch is a
-    :class:`ValueError` on every rank naming what differs).
+    """smp's ``save_checkpoint``: :meth:`Checkpointer.save`, or, ``partial=False``, :meth:`Checkpointer.export`
+    of the live state into ``{path}/{tag}/``. Every rank passes the same arguments.
 
     Args:
-        path: the checkpoint root (a path or URL), or a :class:`Location` (with storage options).
-        num_kept_partial_checkpoints: :attr:`Retention.num_kept_partial_checkpoints` (accepted with
-            ``partial=False``, as smp accepts it: it changes nothing there).
+        path: the checkpoint root (a path or URL), or a :class:`Location`.
+        num_kept_partial_checkpoints: :attr:`Retention.num_kept_partial_checkpoints` (accepted, and
+            ignored, with ``partial=False``, as smp does).
         translate_function: ``partial=False`` only: :attr:`ExportOptions.translate_function`.
         layout, specs: the :class:`Sharding` (not with a ``Sharding`` in ``options``).
-        options: an option object or a sequence of them, each class once: :class:`Sharding`,
-            :class:`FastTier`, :class:`Retention`, :class:`AsyncOptions`, and :class:`SaveOptions`
-            (``partial=True``) or :class:`ExportOptions` (``partial=False``).
+        options: an option object or a sequence of them, each class once.
 
-    Returns ``None``, or a ``concurrent.futures.Future`` for an async save (README, "Async saves").
+    Returns ``None``, or a ``Future`` for an async save.
     """
     what = "save_checkpoint's arguments"
     try:
@@ -169,13 +159,10 @@ def resume_from_checkpoint(
     options: Any = None,
     **moved: Any,
 ) -> Any:
-    """smp's ``resume_from_checkpoint``: :meth:`Checkpointer.resume` of ``{path}/{tag}_partial``
-    (``tag=None``: the one ``newest`` names), or with ``partial=False`` of the full artifact ``{path}/{tag}/``
-    (``tag=None``: ``path`` itself, or a plain Hugging Face folder), into ``model`` and ``optimizer`` in
-    place, resharding to this ``layout``; returns ``user_content``. ``strict`` and ``translate_function``
-    are :class:`ResumeOptions`' (not with one in ``options``); ``options``: an option object or a sequence
-    of them, each class once: :class:`Sharding`, :class:`FastTier`, :class:`AsyncOptions`,
-    :class:`ResumeOptions`. What the resume did: :func:`last_resume_info`."""
+    """smp's ``resume_from_checkpoint``: :meth:`Checkpointer.resume` (``partial=False``: of the full artifact
+    ``{path}/{tag}/``, or with ``tag=None`` ``path`` itself) into ``model`` and ``optimizer`` in place,
+    resharding to ``layout``; returns ``user_content``. ``strict`` and ``translate_function`` are
+    :class:`ResumeOptions`' (not with one in ``options``). What it did: :func:`last_resume_info`."""
     what = "resume_from_checkpoint's arguments"
     try:
         ckpt, opts = _prepare(
@@ -200,13 +187,11 @@ def resume_from_checkpoint(
 
 
 def _set(**values: Any) -> dict[str, Any]:
-    """The keywords a caller set (not ``None``)."""
     return {k: v for k, v in values.items() if v is not None}
 
 
 def _fail_together(options: Any, moved: Mapping[str, Any], what: str, exc: Exception) -> None:
-    """Arguments that failed their own checks on this rank fail every rank, in the collective the others
-    are in (the comparison of ``what``) -- instead of leaving them there."""
+    """Arguments that failed their checks on this rank fail every rank, in the collective the others are in."""
     group = moved.get("process_group")
     for obj in options if isinstance(options, (list, tuple)) else (options,):
         group = obj.process_group if isinstance(obj, Sharding) else group
@@ -231,9 +216,8 @@ def _prepare(
     moved: Mapping[str, Any],
     keywords: dict[type | None, dict[str, Any]],
 ) -> tuple[Checkpointer, Any]:
-    """(this rank, no collective) The Checkpointer for these arguments -- the model's, or a fresh one kept
-    on it -- and the call's own options. ``keywords``: the fields the caller set by keyword, by class
-    (``None``: a keyword that does not apply to this mode)."""
+    """(this rank, no collective) The Checkpointer for these arguments (the model's, or a fresh one kept on
+    it) and the call's options. ``keywords``: the fields set by keyword, by class (``None``: not this mode)."""
     save = fn == "save_checkpoint"
     check_flag("partial", partial)
     call = (SaveOptions if partial else ExportOptions) if save else ResumeOptions
@@ -278,8 +262,7 @@ def _prepare(
 def _checkpointer(
     model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool
 ) -> Checkpointer:
-    """The model's kept Checkpointer when it fits ``built`` (its sharding rebound, its retention set by a
-    save), else a fresh one, kept on the model."""
+    """The model's kept Checkpointer when it fits ``built``, else a fresh one, kept on the model."""
     sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
     retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
@@ -310,9 +293,8 @@ def _checkpointer(
 
 
 def _replace(kept: _Kept | None, key: tuple[Any, ...], build: Callable[[], Checkpointer]) -> Checkpointer:
-    """A Checkpointer in place of the one kept on the model, which is waited for first (one save in flight per
-    model; its failure raised). Of the same root, it carries its save numbers and a roll-back it resumed
-    over: a resume by tag, then a save with retention, is the usual pair of calls with other options."""
+    """A Checkpointer in place of the one kept on the model, which is waited for first; of the same root,
+    it carries its save numbers and a roll-back it resumed over."""
     old = kept.checkpointer if kept is not None else None
     if old is not None:
         old.wait()

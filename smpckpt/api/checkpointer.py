@@ -1,27 +1,11 @@
-"""The :class:`Checkpointer`: one per job, built from a few option objects, owning what lives between its
-calls -- its async lanes and their gloo groups, the staging buffers, the kept save planners, the sequence
-counter of its root, its fast tier, the last resume's report.
+"""The :class:`Checkpointer`: one per job, owning what lives between its calls (async lanes and their gloo
+groups, staging buffers, kept save planners, its root's sequence counter, its fast tier, the last resume's
+report). Folders as smp lays them out (README, "Folders"): ``{path}/newest``, ``{path}/{tag}_partial/`` (one
+committed smpckpt/DCP folder: ``model.*``, ``optim.*``, ``rng.rank<r>.*``, ``user_content``, the manifest
+whose "extra" holds the layout and the API record) and ``{path}/{tag}/`` (a full artifact).
 
-Folder structure under ``path`` (as SageMaker smp lays it out)::
-
-    {path}/newest              # names the newest committed tag (rank 0 writes it, after the commit)
-    {path}/{tag}_partial/      # a partial checkpoint: one committed smpckpt/DCP folder holding
-                               #   model.*            model state (plain shards via ShardSpecs, DTensors)
-                               #   optim.*            FQN-keyed optimizer state (inherits model specs)
-                               #   rng.rank<r>.*      rank r's RNG states (rank-unique keys)
-                               #   user_content       user_content: one torch.save record
-                               #   smpckpt.manifest.json  commit marker; its "extra" holds the
-                               #                      LayoutRecord (layout, specs) and the API record
-                               #                      (tag, sequence number, save time, user_content keys)
-    {path}/{tag}/              # a full artifact (export)
-
-``user_content`` is stored inside the checkpoint (one ``torch.save`` record by rank 0: checksummed and
-committed with the tensors; loaded once, weights-only unless ``allow_pickle=True``).
-
-Every call first compares its tag and options (one digest) across ranks; the steps that follow live in
-:mod:`smpckpt.api._save`, :mod:`smpckpt.api._resume`, :mod:`smpckpt.api._full` and the fast tier's
-:mod:`smpckpt.api._fast_save` and :mod:`smpckpt.api._fast_resume` (each says which rank does what).
-Works the same without a process group.
+Every call first compares its tag and options (one digest) across ranks; the steps live in ``_save``,
+``_resume``, ``_full``, ``_fast_save`` and ``_fast_resume`` (each says which rank does what).
 """
 
 from __future__ import annotations
@@ -39,8 +23,11 @@ from smpckpt.api._async import (
     DrainStatus,
     GlooGroups,
     Lane,
+    Stager,
+    StagingGate,
     check_previous,
     live_lanes,
+    owned_storages,
     register_exit_wait,
     wait_lanes,
 )
@@ -61,7 +48,6 @@ from smpckpt.api._resume import (
     summarize,
 )
 from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
-from smpckpt.api._staging import Stager, StagingGate, owned_storages
 from smpckpt.api.options import (
     AsyncOptions,
     ExportOptions,
@@ -86,21 +72,16 @@ _last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar
 
 
 def last_resume_info() -> ResumeInfo | None:
-    """The :class:`ResumeInfo` of the last successful partial resume in this thread (any Checkpointer's;
-    ``Checkpointer.last_resume_info`` holds one Checkpointer's)."""
+    """The :class:`ResumeInfo` of the last successful partial resume in this thread (any Checkpointer's)."""
     return _last_resume.get()
 
 
 class Checkpointer:
     """Saves, resumes and exports the checkpoints of one job under one root (README, "Checkpointer").
 
-    Build it once, after the process group, from its options: ``where`` (a path, a URL or a
-    :class:`Location`), ``sharding`` (:class:`Sharding`: layout, specs, name map, process group; default:
-    pure data parallel over the world), ``fast_tier`` (:class:`FastTier`: tiered checkpoints),
-    ``retention`` (:class:`Retention`) and ``async_options`` (:class:`AsyncOptions`). Every rank of the
-    process group builds it alike and makes the same calls with the same arguments (compared: a mismatch
-    is a :class:`ValueError` on every rank naming what differs, never a hang). Use it as a context manager,
-    or :meth:`close` it at the end of the job (:meth:`wait` before ``destroy_process_group()``).
+    Every rank builds it alike, after the process group, and makes the same calls with the same arguments
+    (compared: a mismatch is a :class:`ValueError` on every rank naming what differs, never a hang). Use it
+    as a context manager, or :meth:`close` it at the end of the job.
     """
 
     def __init__(
@@ -175,17 +156,10 @@ class Checkpointer:
         *,
         options: SaveOptions | None = None,
     ) -> concurrent.futures.Future[None] | None:
-        """Save a partial checkpoint ``{path}/{tag}_partial`` of ``model`` (its state under ``model.<fqn>``),
-        ``optimizer`` (one or a sequence: FQN-keyed state under ``optim.*``, inheriting its parameter's
-        spec), every rank's RNG states and ``user_content`` (rank 0's: any picklable value; one that
-        weights-only loading rejects needs ``allow_pickle=True`` on resume, a warning says so), then point
-        ``{path}/newest`` at it and apply :class:`Retention`. ``tag``: letters, digits and
-        ``. _ - + = @ ,`` (validated up front). With a :class:`FastTier`, into the fast tiers first
-        (README, "Tiered checkpoints").
-
-        Returns ``None``, or, saving asynchronously (:class:`AsyncOptions`, ``SaveOptions.async_save``), a
-        ``concurrent.futures.Future`` that completes when the save is durable (with a fast tier: when the
-        fast tier is committed).
+        """Save ``{path}/{tag}_partial`` (model, optimizers, every rank's RNG states, rank 0's
+        ``user_content``), point ``{path}/newest`` at it and apply :class:`Retention`; with a
+        :class:`FastTier`, into the fast tiers first. Returns ``None``, or, saving asynchronously, a
+        ``Future`` that completes when the save is durable (with a fast tier: when the fast tier commits).
 
         Raises:
             ValueError: an invalid tag, or arguments that differ between ranks.
@@ -198,17 +172,11 @@ class Checkpointer:
     def resume(
         self, tag: str | None = None, model: Any = None, optimizer: Any = None, *, options: ResumeOptions | None = None
     ) -> Any:
-        """Load ``{path}/{tag}_partial`` (``tag=None``: the one ``newest`` names) into ``model`` and
-        ``optimizer`` in place, under this Checkpointer's layout (resharding when the saved one differs),
-        and return its ``user_content``.
-
-        With ``tag=None``: if ``newest`` is missing, unreadable or names a checkpoint without a commit
-        marker, or a checkpoint committed after it exists, the newest committed checkpoint is used instead
-        (a warning on rank 0; :attr:`ResumeInfo.fell_back`). Nothing committed:
-        :class:`~smpckpt.errors.CheckpointNotFound`, or ``None`` with ``ResumeOptions(missing_ok=True)``.
-        RNG states are restored when the saved layout equals this one; after a layout change they are not
-        (a warning). ``ResumeOptions(partial=False)`` loads a full artifact instead (README, "Full
-        checkpoints"). What the resume did: :attr:`last_resume_info`.
+        """Load ``{path}/{tag}_partial`` (``tag=None``: the one ``newest`` names, falling back to the newest
+        committed one; :attr:`ResumeInfo.fell_back`) into ``model`` and ``optimizer`` in place, resharding
+        to this Checkpointer's layout, and return its ``user_content``. Nothing committed:
+        :class:`~smpckpt.errors.CheckpointNotFound`, or ``None`` with ``missing_ok``. What it did:
+        :attr:`last_resume_info`.
         """
         return self._resume(tag, model, optimizer, options, "Checkpointer.resume's arguments")
 
@@ -222,24 +190,20 @@ class Checkpointer:
         user_content: Any = None,
         options: ExportOptions | None = None,
     ) -> str:
-        """Write a full artifact (README, "Full checkpoints and Hugging Face") and return its folder.
-
-        With ``model``: of the live state, every rank writing its own shards into ``out`` (default
-        ``{path}/{tag}``; ``newest`` and retention ignore it) -- ``save_checkpoint(..., partial=False)``.
-        Without: of the committed partial checkpoint ``tag`` under ``path``, into ``out`` (required), on
-        rank 0 in one process, a tensor at a time (:func:`smpckpt.consolidate_checkpoint`)."""
+        """Write a full artifact and return its folder: with ``model``, of the live state (every rank its
+        own shards; ``out`` defaults to ``{path}/{tag}``); without, of the committed partial checkpoint
+        ``tag``, into ``out`` (required), on rank 0 (:func:`smpckpt.consolidate_checkpoint`)."""
         return self._export(tag, out, model, optimizer, user_content, options, "Checkpointer.export's arguments")
 
     def wait(self) -> None:
-        """Block until the background save in flight (if any) and then the drain to the durable tier have
-        finished; a failure of either is raised here (and not again by the next save)."""
+        """Block until the background save in flight and then the drain have finished; a failure of either
+        is raised here (not again by the next save)."""
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=True)
 
     def _rebind_sharding(self, sharding: Sharding) -> bool:
-        """(smp's face) Take ``sharding`` in place of this Checkpointer's when only what compares by identity
-        differs (a ``name_map`` lambda or ``specs`` rules built afresh at every call): same process group,
-        same layout. Rebuilding instead would leave a background gloo group, an exit hook and the staging
-        buffers behind at every call. ``False``: it does not fit; build another Checkpointer."""
+        """(smp's face) Take ``sharding`` when only what compares by identity differs (same process group and
+        layout): a rebuild at every call would leave a gloo group, an exit hook and staging buffers behind.
+        ``False``: it does not fit."""
         if sharding.process_group is not self.sharding.process_group:
             return False
         layout = sharding.layout if sharding.layout is not None else ParallelLayout(dp=self._world)
@@ -252,16 +216,13 @@ class Checkpointer:
         return True
 
     def _retain(self, retention: Retention) -> None:
-        """(smp's face) The retention of this Checkpointer's next saves: ``save_checkpoint`` takes
-        ``num_kept_partial_checkpoints`` per call, and a resume none; a rebuild at every change left a gloo
-        group, an exit hook and the staging buffers behind. A save in flight keeps the retention it had."""
+        """(smp's face) The retention of the next saves, without a rebuild (see :meth:`_rebind_sharding`)."""
         self.retention = retention
         self._compared = {**self._compared, **retention.compared()}
 
     def close(self) -> None:
-        """(every rank) :meth:`wait`, then end the lanes' threads, remove the optimizer step hooks, free the
-        staging buffers and tear down the background gloo groups (collectively). Saves, resumes and
-        exports through it are refused afterwards."""
+        """(every rank) :meth:`wait`, then end the lanes' threads, the step hooks, the staging buffers and
+        the background gloo groups (collectively). Later calls are refused."""
         self._closed = True
         try:
             self.wait()
@@ -299,9 +260,8 @@ class Checkpointer:
     def _agreed(
         self, ctx: DistContext, what: str, tag: Any, options: Any, cls: type[Any], model: Any, optimizer: Any
     ) -> tuple[CommonRequest, Any]:
-        """(all ranks, one collective) This call's options (``options``, a ``cls``, or the defaults), model
-        and optimizer checked, and its tag and options compared across ranks (with the Checkpointer's own:
-        one digest)."""
+        """(all ranks, one collective) This call's options, model and optimizer checked, and its tag and
+        options compared across ranks (with the Checkpointer's own: one digest)."""
 
         def check() -> tuple[tuple[CommonRequest, Any], dict[str, Any]]:
             if self._closed:
@@ -386,8 +346,7 @@ class Checkpointer:
     def _submit(
         self, req: SaveRequest, ctx: DistContext, state: dict[str, Any], extra: dict[str, Any], tier: Any
     ) -> concurrent.futures.Future[None]:
-        """(caller) Stage ``state`` (the optimizers' part on the lane: ``_staging``), then write it on the save
-        lane over the Checkpointer's own gloo group."""
+        """(caller) Stage ``state``, then write it on the save lane over the Checkpointer's own gloo group."""
         group = self._groups.get(ctx)
         started = time.monotonic()
         deferred = owned_storages(req.optimizers) if self.async_options.overlap_staging else set()
@@ -421,8 +380,7 @@ class Checkpointer:
         return fut
 
     def _finish_others(self) -> None:
-        """Other Checkpointers of this root in this process finish their background work first (a save in
-        flight, a drain): each numbers its saves and holds its drains as its own, like two jobs would."""
+        """Other Checkpointers of this root in this process finish their background work first, as jobs would."""
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             owner = lane.owner()
             if owner is not None and owner is not self and owner._root_key == self._root_key:
@@ -434,9 +392,8 @@ class Checkpointer:
             self._exit_wait = True
 
     def _resume(self, tag: Any, model: Any, optimizer: Any, options: Any, what: str) -> Any:
-        # a background save (of this Checkpointer or another in the process) may be committing, updating
-        # newest or removing what retention picks: resume from what it leaves (its failure stays for its
-        # next save to raise)
+        # a background save may be committing, updating newest or applying retention: resume from what it
+        # leaves (its failure stays for its next save to raise)
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             lane.wait()
         ctx = DistContext(self.sharding.process_group)
@@ -561,15 +518,14 @@ def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) ->
 
 
 def _options(options: Any, cls: type[Any]) -> Any:
-    """A call's options: ``options``, or the defaults."""
     if options is not None and not isinstance(options, cls):
         raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
     return cls() if options is None else options
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False) -> None:
-    """(close, or the Checkpointer dropped) The lanes' threads end once their work is done (``join``: wait
-    for that); the optimizer step hooks go."""
+    """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait)
+    and remove the step hooks."""
     for lane in lanes:
         lane.stop(join)
     gate.close()

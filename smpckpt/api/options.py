@@ -1,14 +1,9 @@
 """The options of a :class:`~smpckpt.Checkpointer` and of its calls: one frozen dataclass per concern, a
-docstring per field (the one place each is documented), each validated once in ``__post_init__``. The
-layers below trust them.
-
-Built once per job (the :class:`~smpckpt.Checkpointer`'s configuration): :class:`Location` (where),
-:class:`Sharding` (how the state is laid out), :class:`FastTier` (tiered checkpoints), :class:`Retention`,
-:class:`AsyncOptions`. Per call: :class:`SaveOptions` (a partial save), :class:`ExportOptions` (a full
-artifact), :class:`ResumeOptions`.
-
-Each field's metadata says whether every rank must pass the same value (``same``): every call compares
-its options across ranks by one digest (:func:`smpckpt.api._dist.digest`) and, when the digests differ, names the fields.
+docstring per field (the one place each is documented), each validated once in ``__post_init__``; the
+layers below trust them. Per job: :class:`Location`, :class:`Sharding`, :class:`FastTier`,
+:class:`Retention`, :class:`AsyncOptions`; per call: :class:`SaveOptions`, :class:`ExportOptions`,
+:class:`ResumeOptions`. Each field's metadata says whether every rank must pass the same value (``same``:
+compared by one digest at every call).
 """
 
 from __future__ import annotations
@@ -64,7 +59,6 @@ class _Options:
                 check_flag(f.name, getattr(self, f.name))
 
     def given(self) -> list[str]:
-        """The fields set to something other than their default."""
         return [
             f.name
             for f in dataclasses.fields(self)  # type: ignore[arg-type]
@@ -85,11 +79,9 @@ class Location(_Options):
     """Where the checkpoints of a job live."""
 
     path: str
-    """The checkpoint root: a local path or any URL the storage supports (``s3://bucket/run``). Partial
-    checkpoints are ``{path}/{tag}_partial``, full ones ``{path}/{tag}``, and ``{path}/newest`` names the
-    newest partial one (smp's folder layout). An ``os.PathLike`` is kept as its ``str``; a local path (or
-    ``file://`` URL) is kept absolute, ``~`` expanded, resolved against the working directory when the
-    Location is built (a later ``os.chdir`` moves no checkpoint, a background save's included)."""
+    """The checkpoint root: a local path (or ``os.PathLike``) or any URL the storage supports
+    (``s3://bucket/run``), smp's folder layout under it. A local path (or ``file://`` URL) is made
+    absolute, ``~`` expanded, when the Location is built (a later ``os.chdir`` moves no checkpoint)."""
 
     storage_options: Mapping[str, Any] | None = _opt(None, same=False)
     """fsspec options of ``path`` (S3: ``key``, ``secret``, ``client_kwargs``...)."""
@@ -149,8 +141,7 @@ class Sharding(_Options):
 
 
 def _absolute_local(path: str) -> str:
-    """``path`` made absolute (``~`` expanded, as fsspec expands it) when it is a local path or a ``file://``
-    URL; any other URL as it is."""
+    """``path`` made absolute (``~`` expanded, as fsspec does) when local or a ``file://`` URL."""
     if path.startswith("file://"):
         return "file://" + os.path.abspath(os.path.expanduser(path[len("file://") :]))
     if "://" in path or "::" in path:  # a URL, or an fsspec chain (``simplecache::s3://...``)
@@ -159,8 +150,7 @@ def _absolute_local(path: str) -> str:
 
 
 def check_local_path(path: Any) -> str:
-    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path (``~``
-    expanded: the root's path is, by fsspec)."""
+    """``local_path``: a folder on this node (a path or ``file://`` URL), as an absolute path."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"local_path must be a non-empty str or os.PathLike, got {path!r}")
     text = str(os.fspath(path))
@@ -177,28 +167,23 @@ class FastTier(_Options):
     (README, "Tiered checkpoints")."""
 
     local_path: str = _opt(same=False)
-    """This node's fast tier (node-local NVMe or ``/dev/shm``; each process passes its own node's folder,
-    the same on every rank of a node; kept as an absolute path). Every save commits to the fast tiers
-    first, each rank's files also copied to ``replicas - 1`` other nodes over the process group; every
-    ``durable_every``-th save is then copied from there to ``path`` in the background. The copies live in a
-    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``): jobs sharing
-    ``local_path`` never see each other's. A resume loads the newest checkpoint complete and verified
-    across the surviving fast tiers (parts a node lacks, or holds corrupt, fetched from peers) or in
-    ``path``, whichever is newer (:attr:`ResumeInfo.tier`)."""
+    """This node's fast tier (node-local NVMe or ``/dev/shm``; the same on every rank of a node; kept
+    absolute). Every save commits there first, each rank's files also copied to ``replicas - 1`` other
+    nodes; every ``durable_every``-th save is then drained to ``path`` in the background. Copies live in a
+    folder of this ``path``'s own (``{local_path}/smpckpt-job-<hash of path>``). A resume loads the newest
+    checkpoint complete across the surviving fast tiers or in ``path`` (:attr:`ResumeInfo.tier`)."""
 
     replicas: int = 2
     """Copies of each rank's files in the fast tiers, each on a different node (``LOCAL_WORLD_SIZE``
     ranks per node); at most the number of nodes."""
 
     durable_every: int = 1
-    """Every N-th save of the job (counted across restarts from the saves already in either tier) is also
-    committed to ``path``, drained in the background from the fast tier's files. A drain that did not
-    commit (a killed job) is retried by the next save that is not itself due."""
+    """Every N-th save of the job (counted across restarts) is also drained to ``path`` in the background;
+    a drain that did not commit (a killed job) is retried by the next save that is not itself due."""
 
     num_kept_local: int | None = 2
-    """Keep the N newest checkpoints complete across the nodes' fast tiers (never the one a drain is
-    copying, nor one due for ``path`` whose drain did not commit); ``None`` keeps all.
-    :attr:`Retention.num_kept_partial_checkpoints` governs ``path``."""
+    """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor one
+    due for ``path`` whose drain did not commit); ``None`` keeps all."""
 
     drain_memory: int = _opt(384 << 20, same=False)
     """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written
@@ -220,9 +205,9 @@ class Retention(_Options):
     """What is removed under ``path`` after each save (rank 0, only after the new one committed)."""
 
     num_kept_partial_checkpoints: int | None = None
-    """Keep only the N newest committed partial checkpoints of the job's history (N >= 1; by sequence
-    number, never by a clock; the saves a roll-back by ``tag=`` abandoned are removed first), never the
-    tag ``newest`` names; ``None`` keeps all. Full checkpoints are never counted or removed."""
+    """Keep only the N newest committed partial checkpoints of the job's history (by sequence number;
+    those a roll-back abandoned go first), never the one ``newest`` names; ``None`` keeps all. Full
+    checkpoints are never counted or removed."""
 
     remove_uncommitted_older_than: float | None = None
     """Seconds: also remove uncommitted folders (debris of killed saves) with no write for that long and
@@ -244,31 +229,24 @@ class AsyncOptions(_Options):
     """Saves that return before the state is written (README, "Async saves")."""
 
     enabled: bool = False
-    """Partial saves return a ``concurrent.futures.Future`` once the state is staged (copied into host
-    buffers the :class:`~smpckpt.Checkpointer` reuses across saves) and are written, committed, pointed at
-    by ``newest`` and retained on a background thread with a gloo group of its own.
-    :attr:`SaveOptions.async_save` overrides it per save. One save is in flight per Checkpointer."""
+    """Partial saves return a ``concurrent.futures.Future`` once the state is staged (copied into reused
+    host buffers), and are written, committed and retained on a background thread with a gloo group of
+    its own (one in flight per Checkpointer); :attr:`SaveOptions.async_save` overrides it per save."""
 
     overlap_staging: bool = False
     """``True``: the parameters and optimizer state of the optimizers passed to a save are staged on the
     background thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step
-    pre-hook) only for staging still unfinished, so it never changes values being staged. Everything else
-    (buffers, a model saved without its optimizer) is staged before the save returns.
+    pre-hook) only for staging still unfinished. Everything else is staged before the save returns.
 
-    Off by default because the contract is the caller's: between the save and its staging, those
-    tensors may change only through the optimizers' ``step``. An in-place change through autograd-visible
-    ops moves the tensor's version counter and fails the save naming it (once the op has finished: ATen
-    moves the counter after the kernel wrote, so an op still running while the staging compares can
-    pass unseen), but writes that bypass the
-    counter (``p.data.zero_()``, an EMA swap through ``.data``, numpy or dlpack views, CUDA-graph replays,
-    custom kernels) are not seen and would reach the checkpoint. ``False``: everything is staged before
-    the save returns."""
+    Off by default because the contract is the caller's: until staged, those tensors may change only
+    through the optimizers' ``step``. An in-place change through autograd-visible ops fails the save
+    naming it (its version counter moved, once the op finished), but writes that bypass the counter
+    (``p.data.zero_()``, numpy or dlpack views, CUDA-graph replays, custom kernels) reach the checkpoint."""
 
     exit_status: int | None = _opt(1, same=False)
-    """The exit status of a process whose background save failed and was never raised to it (the last
-    save of a script that returns while it runs). ``None`` keeps the interpreter's own status (the failure
-    is still logged at ERROR). A non-zero status ends the process with ``os._exit`` once the remaining exit
-    hooks have run; a program that ends with ``sys.exit(N)``, ``N`` non-zero, keeps ``N``."""
+    """The exit status of a process whose background save failed and was never raised to it; ``None``
+    keeps the interpreter's own (the failure is logged at ERROR). A non-zero status ends the process with
+    ``os._exit`` once the other exit hooks ran; a program's own ``sys.exit(N)``, ``N`` non-zero, is kept."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -289,12 +267,10 @@ class SaveOptions(_Options):
     :class:`~smpckpt.errors.CheckpointError` instead."""
 
     overwrite: bool = False
-    """Replace a committed checkpoint of the same tag (not with a fast tier: a tiered save never
-    replaces a tag)."""
+    """Replace a committed checkpoint of the same tag (not with a fast tier)."""
 
     save_rng: bool = True
-    """Save every rank's RNG states (torch, CUDA, python, numpy); resume restores them under an
-    unchanged layout."""
+    """Save every rank's RNG states; resume restores them under an unchanged layout."""
 
     format: Literal["raw", "torch_save"] = "raw"
     """``"raw"`` (fast, range-readable) or ``"torch_save"`` (stock-DCP-readable)."""
@@ -306,9 +282,8 @@ class SaveOptions(_Options):
     """Run a synchronous save inside :func:`smpckpt.gc_frozen` (README, "Garbage collection")."""
 
     verify_replicas: bool = True
-    """Ranks holding the same piece of a tensor (replicas; a key two pipeline stages hold) must hold the
-    same values (a 4-byte digest of 16 sampled elements), or the save fails on every rank naming keys and
-    ranks: one replica is written, so a forgotten TP spec would lose data silently."""
+    """Ranks holding the same piece of a tensor (replicas) must hold the same values (a sampled digest), or
+    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -334,8 +309,7 @@ class ExportOptions(_Options):
 
     include_optimizer: bool = False
     """Also write the optimizer's tensor state to ``optimizer.safetensors``, keyed ``<param fqn>.<name>``
-    (hyper-parameters are not saved). Needs ``optimizer=`` (or, exporting a committed partial checkpoint,
-    one saved with its optimizer)."""
+    (not its hyper-parameters). Needs ``optimizer=`` (or a partial checkpoint saved with one)."""
 
     dtype: torch.dtype | None = _opt(None, same=str)
     """Cast floating-point tensors on export (fp32 -> ``torch.bfloat16``), as
@@ -373,13 +347,7 @@ class ExportOptions(_Options):
             raise TypeError(
                 f"out_storage_options must be a mapping or None, got {type(self.out_storage_options).__name__}"
             )
-        fn = self.translate_function
-        if fn is not None and not isinstance(fn, Translation):
-            raise TypeError(
-                "translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
-                f"need the whole state dict on one rank); got {type(fn).__name__}"
-            )
+        _check_translation(self.translate_function)
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(
                 f"dtype must be a floating-point torch.dtype (it casts floating tensors), got {self.dtype!r}"
@@ -404,11 +372,9 @@ class ResumeOptions(_Options):
     """The options of one resume (:meth:`smpckpt.Checkpointer.resume`)."""
 
     partial: bool = True
-    """``True``: a partial checkpoint ``{path}/{tag}_partial`` (``tag=None``: the one ``newest`` names).
-    ``False``: a full one, ``{path}/{tag}/`` (``tag=None``: ``path`` itself), written by
-    :meth:`~smpckpt.Checkpointer.export` or a plain Hugging Face folder (read unverified); optimizer tensor
-    state is loaded when the artifact has it and ``optimizer`` is given; RNG is not restored and
-    :func:`~smpckpt.last_resume_info` is not updated."""
+    """``True``: a partial checkpoint ``{path}/{tag}_partial``. ``False``: a full one, ``{path}/{tag}/``
+    (``tag=None``: ``path`` itself; or a plain Hugging Face folder, read unverified), with optimizer tensor
+    state when it has some and ``optimizer`` is given; no RNG, no :func:`~smpckpt.last_resume_info`."""
 
     translate_function: Callable[[dict[str, Any]], dict[str, Any]] | Translation | None = _opt(None, same=False)
     """``partial=True``: ``state_dict -> state_dict`` applied to the loaded model state before it is set
@@ -418,16 +384,13 @@ class ResumeOptions(_Options):
 
     missing_ok: bool = False
     """Return ``None`` (start fresh) instead of raising :class:`~smpckpt.errors.CheckpointNotFound` when
-    nothing committed exists (``partial=True`` only). Not when ``newest`` names a checkpoint that is there
-    but damaged, unreadable or without its manifest: that resume is refused naming it."""
+    nothing committed exists (``partial=True`` only); not when ``newest`` names a damaged checkpoint."""
 
     strict: bool = True
     """Refuse, before reading data, when model/optimizer keys are missing from the checkpoint or
     checkpoint keys would be left unloaded; ``False`` skips them (:attr:`ResumeInfo.skipped_keys`; from a
-    full artifact, which makes no ResumeInfo: a warning naming them). A
-    parameter the checkpoint holds no optimizer state for (every state key of it missing: no gradient
-    yet at the save, new in the model, no optimizer saved) resumes without state into an optimizer that
-    had none (not with the step-1, zero-moment state DCP's ``get_state_dict`` makes)."""
+    full artifact, a warning). A parameter the checkpoint holds no optimizer state for resumes without state
+    into an optimizer that had none."""
 
     load_rng: bool = True
     """Restore the saved RNG states when the layout (and world size) is unchanged (``partial=True`` only)."""
@@ -439,12 +402,10 @@ class ResumeOptions(_Options):
     """Convert tensors saved in another dtype instead of refusing."""
 
     keep_tied: Sequence[str] = _opt((), same=tuple)
-    """Globs (``*`` crosses dots) of checkpoint keys, as the state dict names them (``model.`` first):
-    when the model ties two keys (``lm_head.weight`` to the input embedding) that the checkpoint holds
-    apart with different values -- a Hugging Face folder of an untied model, a partial checkpoint saved
-    untied -- the load is refused naming both, unless one matches here: that one is loaded, the other
-    ignored (``["model.lm_head.weight"]`` keeps the head, ``["*embed*"]`` the embedding). Values held
-    apart but equal load without it."""
+    """Globs (``*`` crosses dots) of checkpoint keys (``model.`` first): when the model ties two keys that
+    the checkpoint holds apart with different values (a Hugging Face folder of an untied model), the load
+    is refused naming both unless one matches here: that one is loaded, the other ignored
+    (``["model.lm_head.weight"]``). Values held apart but equal load without it."""
 
     verify_checksums: bool = True
     """Check every byte read against its checksum."""
@@ -463,12 +424,7 @@ class ResumeOptions(_Options):
             if fn is not None and not callable(fn):
                 raise TypeError("translate_function must be callable (state_dict -> state_dict)")
             return
-        if fn is not None and not isinstance(fn, Translation):
-            raise TypeError(
-                "with partial=False, translate_function must be a smpckpt.model.translation.Translation (for example "
-                "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
-                f"need the whole state dict on one rank); got {type(fn).__name__}"
-            )
+        _check_translation(self.translate_function, "with partial=False, ")
         wrong = [name for name in ("missing_ok", "load_rng") if name in self.given()]
         if wrong:
             verb = "applies" if len(wrong) == 1 else "apply"
@@ -518,3 +474,13 @@ def _where(value: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, .
     """(storage, address, shape, strides) of a tensor's local memory."""
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.untyped_storage().data_ptr(), local.data_ptr(), tuple(local.shape), local.stride()
+
+
+def _check_translation(fn: Any, prefix: str = "") -> None:
+    """A full checkpoint's ``translate_function``: a :class:`Translation` or ``None``."""
+    if fn is not None and not isinstance(fn, Translation):
+        raise TypeError(
+            f"{prefix}translate_function must be a smpckpt.model.translation.Translation (for example "
+            "smpckpt.hf.llama.TRANSLATION): full checkpoints are translated shard by shard (plain callables would "
+            f"need the whole state dict on one rank); got {type(fn).__name__}"
+        )

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import smpckpt
-import smpckpt.api._staging as staging
+import smpckpt.api._async as staging
 from smpckpt import (
     AsyncOptions,
     Checkpointer,

@@ -6,45 +6,19 @@ Layout under a checkpoint root ``path`` (smp's structure)::
     {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
     {path}/{tag}/                  # a full artifact (``storage/full``)
 
-Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
-never trusts what it reads: the content of ``newest`` is validated exactly like a tag. (``{path}/``
-``smpckpt.abandoned``: the record of the last roll-back, below.)
+Nothing read is trusted: ``newest`` is validated like a tag, and a hostile or broken sibling folder is
+listed as such, never fatal. The listing (:func:`scan_root`, rank 0 only) is one LIST of the root plus a
+manifest GET per committed folder.
 
-**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder), by resume
-(fallback when ``newest`` is unusable), retention and ``smpckpt ls``, on rank 0 only (512 ranks listing S3
-at once get throttled): one LIST of the root plus one GET (the manifest) per committed folder (several in
-flight on object stores), up to one more GET and a LIST for a folder without a manifest. A hostile or
-broken sibling folder is listed as such, never fatal.
-
-**Order: sequence numbers, never clocks.** Every save through the API records ``extra["sequence"]``:
-one higher than the highest committed under its root. Retention, a resume without a tag (and its
-fallback when ``newest`` is missing, stale or unusable), ``smpckpt ls`` and the fast tier order
-checkpoints by it, then by save time, then by save id (:func:`record_order`). ``newest`` stays a hint
-for stock tools and a cheap first guess; wall clocks only break ties among checkpoints written before
-sequence numbers existed (smpckpt <= 0.2 manifests, stock DCP folders: sequence 0, so every sequenced
-checkpoint is newer). Where a job's highest number comes from (a :class:`SequenceCounter`, which each
-:class:`~smpckpt.Checkpointer` owns for its root): the listing a tag-less resume already makes;
-otherwise, at its first save, one listing of the root (the same listing retention makes after every
-save); after that each save counts on without I/O. Two jobs (or two Checkpointers) saving into one root
-at once may draw the same number; ties fall back to the save time.
-
-**Roll-backs.** A resume of an explicit tag reads no listing, so the next save lists the root and numbers
-past every checkpoint there; when some were numbered above the tag resumed, that save records them as
-abandoned (``extra["abandoned"]``: inclusive ranges of sequence numbers, newest first), and every later
-save of the job carries the record on. :func:`split_lineage` walks the committed checkpoints newest
-first, dropping those a newer member of the history abandoned: retention keeps the newest ``keep`` of
-that history and removes the abandoned ones first; a resume's fallback never takes one. The save that
-rolled back also writes the record beside ``newest``, read only by a fallback when ``newest`` names that
-very save and it is unusable (a damage took its manifest, and the record with it).
-
-**Retention** (issue 4): a pure policy on :class:`CheckpointRecord` values (no filesystem, unit-tested
-on its own); :func:`apply_retention` (rank 0) scans the root, asks the policy and deletes. Only
-**committed** partial checkpoints count (an uncommitted folder may be a save in progress: left alone
-unless the caller asks for stale ones, ``uncommitted_older_than``); ``unsafe`` and ``corrupt`` folders
-are never deleted automatically (evidence for a human); a folder an interrupted removal left
-(``removing``) is removed whatever ``keep`` says -- it was chosen for deletion already; the ``keep``
-newest of the history stay, and the tag ``newest`` names; a failed delete is logged, never fails the
-save. ``keep=1`` is allowed: deletion starts only after the new checkpoint committed.
+Order is by sequence number (``extra["sequence"]``, one above the highest committed under the root),
+then save time, then save id (:func:`record_order`); ``newest`` is a hint for stock tools and a first
+guess. A :class:`SequenceCounter` lists the root once (or reuses a resume's listing), then counts on
+without I/O. A save after resuming an older tag records the numbers above it as abandoned
+(``extra["abandoned"]``, carried on by later saves, and a copy beside ``newest``); :func:`split_lineage`
+gives the history retention keeps and fallbacks take. Retention (a pure policy on
+:class:`CheckpointRecord` values; :func:`apply_retention` deletes) counts only committed checkpoints,
+never deletes ``unsafe``/``corrupt`` folders, finishes ``removing`` ones, and never fails the save. The
+README (The Checkpointer) holds the full rules.
 """
 
 from __future__ import annotations

@@ -243,13 +243,8 @@ def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, Units
     """``[lo, hi)`` (cut on unit ends, as ``rec.widen`` cuts) as ``(start, end, units)``: runs of whole
     units of about :data:`FUSE_BYTES`, each ending where every unit in it has all its bytes (a tile's
     rows run to the end of its row group; a tile of one row is contiguous), with each unit's geometry
-    as :func:`unit_rows` gives it.
-
-    One pass in file order, the tilings walked alongside (not looked up per unit), and the geometry
-    handed to :func:`_verify_chunk` (it was worked out twice): this runs under the GIL on every reader
-    thread for every unit of a verified local read. Measured on the 2-vCPU VM (warm 512 MiB GPT-like
-    load, ~4,500 units per GiB): ``unit_rows`` was 9.6 % of a worker's py-spy samples; the chunking and
-    verification bookkeeping without the hashing went from 11.4 to 5.0 ms per GiB."""
+    as :func:`unit_rows` gives it. One pass in file order, the tilings walked alongside: this runs under
+    the GIL on every reader thread for every unit of a verified local read."""
     blocks = rec.blocks_covering(lo, hi)
     ends, tilings = rec.block_ends, rec.tilings
     j, nt = 0, len(tilings)
@@ -306,11 +301,10 @@ def _read_local(
     """(worker thread) Local file bytes ``[lo, hi)`` into ``land``, each unit verified against ``rec``
     (``None``: not verified); a ``scattered`` request's descriptor gets no read-ahead (``advise_random``).
 
-    Bytes in memory (the page cache, tmpfs) are read a chunk of whole units at a time, each chunk
-    verified right after it is read (:data:`FUSE_BYTES`); from the first byte that is not (a cold
-    disk), the rest goes in one request -- a disk streams large requests at full speed -- and is
-    verified after. Unverified reads, reads on filesystems that cannot tell (NFS, FUSE), and reads
-    under a turn at the device (``reads_in_flight``: the turn covers the I/O only) are one request."""
+    Bytes in memory are read a chunk of whole units at a time (:data:`FUSE_BYTES`), each verified right
+    after it is read; from the first byte that is not (a cold disk), the rest goes in one request,
+    verified after. Unverified reads, filesystems that cannot tell (NFS, FUSE) and reads under a turn at
+    the device (``reads_in_flight``) are one request."""
     with reading(path, keys, turn):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -418,8 +412,7 @@ def read_direct(
     is the previous one's ``hi``) into their destinations and verify every unit against ``rec``
     (``None``: not verified): on local disk as :func:`_read_local` reads (units in memory verified
     as they arrive, a cold remainder in one request), on S3 with one GET whose body streams into the
-    destinations. One large request instead of one per item: a disk streams it at full speed, and an
-    object store is asked once. ``scattered``: see :func:`_read_local`."""
+    destinations. ``scattered``: see :func:`_read_local`."""
     land = Landing([seg for part in parts for seg in part.segments()])
     lo, hi = parts[0].lo, parts[-1].hi
     items = [part.it for part in parts]

@@ -4,8 +4,7 @@ Some devices punish concurrent streams at scattered offsets (a disk that seeks);
 work that needs no device and should overlap the next read rather than sit between reads.
 :class:`InOrder` lets the reader keep several worker threads (hashing, copying) while only ``depth``
 of them are inside a read at a time, and those start in planned (file, offset) order. It is opt-in
-(``FsspecStorageReader(reads_in_flight=...)``): on the virtio disk this project measures on, one read
-in flight left the device idle between requests (0.6-0.7x of 2-4 in flight, ``benchmarks/RESULTS.md``).
+(``FsspecStorageReader(reads_in_flight=...)``; ``benchmarks/RESULTS.md``, "cold loads").
 """
 
 from __future__ import annotations

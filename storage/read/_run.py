@@ -10,25 +10,16 @@ verifying them overlaps other reads. Task kinds:
   and verified, each of its items is decoded and copied into its destination (``commit_tensor`` /
   ``load_bytes``).
 * :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
-  their destinations with one request (a ``preadv``, or one S3 GET streamed in) of up to
-  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL above 64 KiB,
-  and tiles are hashed gathered, so hashing overlaps other threads' reads); an item is committed when
-  its last piece is done (:class:`_OpenItem` counts them down). Local reads of bytes in memory are
-  carried out a chunk of check units at a time, each verified as it arrives (``_fetch._read_local``).
-* :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB requested each, so
-  several threads share a slice), a request per row (or per run of rows closer than a page), into the
-  destination's rows or a pooled buffer whose rows are then copied into place; or, where the planner's
-  cost model says rows are closer than a request costs (``_plan.streams``), sequential spans of whole
-  rows whose columns the worker copies into the destination (``_boxes``).
+  their destinations with one request of up to ``max_request_bytes`` and verified by the worker that
+  read them; an item is committed when its last piece is done (:class:`_OpenItem` counts them down).
+* :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB each, so several
+  threads share a slice), a request per row (or per run of close rows), or sequential spans of whole
+  rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_boxes``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
-read as a buffered fetch instead, merged with its unsuitable neighbours in the file up to
-``max_request_bytes``. At most ``2 * thread_count`` tasks are in flight, so the planner
-is asked for destinations only shortly before their bytes are read.
-
-When ``reads_in_flight`` is below ``thread_count``, at most that many workers are inside a read at a
-time, started in that stream's order (:class:`~smpckpt.storage.read._gate.InOrder`); the others verify
-and copy what was read.
+read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
+asked for destinations only shortly before their bytes are read. ``reads_in_flight`` below
+``thread_count`` lets that many workers read at a time, in the stream's order (``_gate.InOrder``).
 """
 
 from __future__ import annotations
@@ -188,11 +179,8 @@ class ReadRun:
 
     def _interleaved(self, plan: ReadPlan) -> Iterator[_Task]:
         """(calling thread) Every task: each file's in offset order, the files read side by side, the next
-        task always from the file with the fewest bytes issued so far.
-
-        Why not file after file: the workers then read neighbouring requests of one file at once, and
-        with verification that measured ~12 % slower on a cold virtio disk than the same requests spread
-        over different files (2 vCPUs, 4 x 128 MiB files, 64 MiB requests: 1.84 vs 2.07 GB/s)."""
+        task always from the file with the fewest bytes issued so far (workers reading neighbouring
+        requests of one file at once measured slower on a cold disk)."""
         work: list[FetchTask | DirectCandidate | BoxRead] = [*plan.fetches, *plan.direct, *plan.boxes]
         # buffered fetches before direct candidates at the same offset (stable: plan order otherwise)
         work.sort(key=_work_key)
@@ -225,15 +213,10 @@ class ReadRun:
         destination is resolved when its turn comes.
 
         A candidate whose destination cannot take the stored bytes in place (a CUDA tensor; every
-        destination under the CPU stand-in) is read into a pooled buffer instead, and candidates of that
-        kind that follow each other in the file share one such request while it stays within
-        ``max_request_bytes`` -- the bound of every buffered request, so host memory stays what
-        coalesced fetches already take (at most ``2 * thread_count`` requests in flight). Before, each
-        was a request of its own: a load of many 1-4 MiB tensors into CUDA issued one read per tensor.
-        Like merged direct reads (:meth:`_batched`) a shared request also stays within half the file's
-        bytes not yet handed out (at least :data:`TAPER_FLOOR`), so the hashing of the file's last
-        requests overlaps other reads; and it is ``scattered`` (no read-ahead) as the candidate reaching
-        its end is: what follows the request is what follows that candidate."""
+        destination under the CPU stand-in) is read into a pooled buffer instead; such candidates that
+        follow each other in the file share one request within ``max_request_bytes`` and, as in
+        :meth:`_batched`, half the file's bytes not yet handed out (at least :data:`TAPER_FLOOR`). The
+        request is ``scattered`` as the candidate reaching its end is."""
         held: FetchTask | None = None  # buffered candidates not yet handed out, merged so far
         left = sum(w.nbytes for w in work)  # bytes of this file's work not yet handed out
 
@@ -305,9 +288,8 @@ class ReadRun:
         """(calling thread) Direct pieces that follow each other in one file's ``tasks`` (``total`` bytes)
         merged into one request of up to ``max_request_bytes``, and up to half the bytes left in the file.
 
-        Why taper: a worker verifies what it read after the read returns, so the last requests' hashing
-        is not overlapped with any I/O; with 64 MiB requests that tail was ~7 % of a cold 512 MiB load on
-        2 vCPUs. Halving keeps the request count logarithmic in the tail."""
+        Tapering lets the hashing of a file's last requests overlap other reads; halving keeps the
+        request count logarithmic in the tail."""
         held: _DirectBatch | None = None
         left = total  # bytes of this file not yet handed out
         for task in tasks:

@@ -20,10 +20,6 @@ to a create-only temporary name, then linked (no replace) or renamed (replace) i
 folder's descriptor. Removals (:meth:`Folder.remove`, :func:`remove_tree`, :func:`remove_files`) use
 ``unlinkat``/``rmdir`` relative to descriptors opened without following links: a link found anywhere is
 removed itself, its target never.
-
-Path-level helpers of the commit protocol's folder (:mod:`._folder`): a small file written atomically,
-one published exclusively, exact removals, a folder's removal -- each resolving what is inside the
-folder it is given without following links (POSIX).
 """
 
 from __future__ import annotations
@@ -253,11 +249,12 @@ class Folder:
             if sync:
                 os.fsync(dir_fd)
 
-    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False) -> None:
+    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False, sync_dir: bool = True) -> None:
         """Make ``name`` appear holding ``data`` whole (readers see nothing, or all of it): created only if
         absent (``FileExistsError``), or with ``replace`` in place of what is there. POSIX: a create-only
         temporary, then ``linkat`` (no replace) or ``renameat`` (replace; a link under the name is replaced
-        as a name, never followed), then the folder's fsync. S3: one conditional PUT."""
+        as a name, never followed), then the folder's fsync (unless ``sync_dir=False``). S3: one
+        conditional PUT."""
         where = self.where(name)
         if not self.local:
             if not replace:
@@ -283,7 +280,7 @@ class Folder:
                 nf.create_at(dir_fd, base, data, sync=sync, where=where)
             finally:
                 drop_temp(dir_fd, tmp, where)
-            if sync:
+            if sync and sync_dir:
                 os.fsync(dir_fd)
 
     def replace_if(self, name: str, data: bytes, expect: bytes, *, sync: bool) -> None:
@@ -432,8 +429,7 @@ class Folder:
 
     def remove_tree(self, name: str) -> list[str]:
         """(POSIX) Remove ``name`` inside this folder and everything under it, never following a link."""
-        rel, _, base = name.rpartition("/")
-        return nf.remove_tree_at(self.dir_fd(rel) if rel else self._dirs[""], base, where=self.where(name))
+        return nf.remove_tree_at(*self._at(name), where=self.where(name))
 
 
 def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
@@ -443,23 +439,7 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sy
     ``sync_dir=False``. Object stores: one PUT."""
     folder, _, name = path.rstrip("/").rpartition("/")
     with Folder(fs, folder or "/", follow=True) as f:
-        if not f.local:
-            f.publish(name, data, sync=sync, replace=True)
-            return
-        if sync_dir:
-            f.publish(name, data, sync=sync, replace=True)
-        else:
-            _replace_nosync_dir(f, name, data, sync)
-
-
-def _replace_nosync_dir(f: Folder, name: str, data: bytes, sync: bool) -> None:
-    tmp = temp_name(name)
-    with translate_errors(f.where(name)):
-        nf.create_at(f.fd, tmp, data, sync=sync, where=f.where(name))
-        try:
-            os.replace(tmp, name, src_dir_fd=f.fd, dst_dir_fd=f.fd)
-        finally:
-            drop_temp(f.fd, tmp, f.where(name))
+        f.publish(name, data, sync=sync, replace=True, sync_dir=sync_dir)
 
 
 def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True) -> None:

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
@@ -299,12 +299,12 @@ class SequenceCounter:
                 self._highest = max(self._highest, seq)
             self._listed = self._listed or listed
 
-    def next(self, scan: Callable[[], int] | None = None) -> int:
-        """(rank 0) The sequence number of a new save. The first time the root was not listed, ``scan()``
-        (default: the highest committed number a listing of the root finds) is read first, outside the lock."""
+    def next(self) -> int:
+        """(rank 0) The sequence number of a new save. The first time the root was not listed, the highest
+        committed number a listing of the root finds is read first, outside the lock."""
         if not self._listed:
-            self.saw(highest_sequence(self.root, self.storage_options) if scan is None else scan(), listed=True)
-        elif scan is None:
+            self.saw(highest_sequence(self.root, self.storage_options), listed=True)
+        else:
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             self.read = max(self.read, self._newest_sequence())

@@ -371,15 +371,14 @@ class Folder:
             os.fsync(fd)
 
     # -- removal -----------------------------------------------------------------------------------------
-    def remove(self, names: Iterable[str], *, etags: dict[str, str] | None = None) -> list[str]:
+    def remove(self, names: Iterable[str]) -> list[str]:
         """Remove exactly these files (relative names); the paths that could not be removed (missing ones
         count as removed). POSIX: ``unlinkat`` relative to the file's folder, opened without following
         links (a link under a name goes itself; a linked prefix folder is never entered: its names fail),
-        then the prefix folders left empty. S3: one DELETE per key (never a glob), conditional on the
-        ETag when ``etags`` names one (so an object another save created since is never deleted)."""
+        then the prefix folders left empty. Object stores: one DELETE per key (never a glob)."""
         names = list(dict.fromkeys(names))
         if not self.local:
-            return self._remove_objects(names, etags or {})
+            return self._remove_objects(names)
         failed: list[str] = []
         emptied: set[str] = set()
         for name in names:
@@ -401,23 +400,16 @@ class Folder:
                 os.rmdir(base, dir_fd=self.dir_fd(parent_rel) if parent_rel else self._dirs[""])
         return failed
 
-    def _remove_objects(self, names: list[str], etags: dict[str, str]) -> list[str]:
+    def _remove_objects(self, names: list[str]) -> list[str]:
         def one(name: str) -> str | None:
             where = self.where(name)
             try:
                 with translate_errors(where):
-                    if self.s3 and name in etags:
-                        bucket, key, _ = self.fs.split_path(where)
-                        self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etags[name])
-                        self.fs.invalidate_cache(where)
-                    else:
-                        self.fs.rm_file(where)
+                    self.fs.rm_file(where)
             except FileNotFoundError:
                 pass
-            except OSError as exc:
-                if not precondition(exc):
-                    return where
-                log.warning("%s was not removed: another save created it since", where)
+            except OSError:
+                return where
             return None
 
         if len(names) > 1:

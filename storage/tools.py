@@ -155,13 +155,10 @@ def check_blocks(
     reserve: Callable[[int], None] | None = None,
 ) -> bool:
     """Every block checksum of the data file ``rec`` at ``fpath``: a problem per mismatch (``where`` names
-    the file), ``tick(bytes)`` after each unit read; ``True`` when all match. Shared with
-    ``smpckpt verify --local``, which checks each fast-tier copy so, and the drain of the fast tier, which
-    copies as it checks: ``copy_to`` is given the file's first ``rec.size`` bytes in order, each run only
-    once all its blocks matched (one read per file); the first mismatch then ends the check, so nothing
-    damaged is handed on (the caller discards what it was given). Each run is a view of bytes read for it
-    alone and never changed after: a sink may keep it (the drain's S3 uploads borrow it). ``reserve(bytes)``
-    before each read (the drain's memory budget: it may wait there)."""
+    the file), ``tick(bytes)`` after each unit read; ``True`` when all match. ``copy_to`` (the fast
+    tier's drain) is given the file's bytes in order, each run only once all its blocks matched, as a
+    view it may keep; the first mismatch ends the check. ``reserve(bytes)`` before each read (the
+    drain's memory budget: it may wait there)."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
         # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are
@@ -278,16 +275,11 @@ def remove_checkpoint(
     missing_ok: bool = True,
     uncommitted_only: bool = False,
 ) -> bool:
-    """Delete a checkpoint folder (``storage.format.commit.remove_folder``): marked first (an interrupted
-    removal is known for garbage; a save committing meanwhile withdraws its commit), the manifest next, so
-    an interrupted removal leaves an uncommitted folder (refused by readers), never a committed one with
-    files missing; then the rest.
-
-    Deletes exactly what it finds under the folder (never a glob), through directory descriptors that
-    never follow a link (POSIX): a folder that is itself a link loses the link only; a link inside it
-    goes itself, never its target. ``uncommitted_only`` (stale debris): a folder found committed after the
-    mark is left as it is (``False`` returned). Raises :class:`OSError` naming what could not be removed.
-    """
+    """Delete a checkpoint folder (``storage.format.commit.remove_folder``): marked first, the manifest
+    next (an interrupted removal leaves an uncommitted folder, never a committed one with files missing),
+    then exactly what it finds (never a glob), never following a link (POSIX). ``uncommitted_only``: a
+    folder found committed after the mark is left as it is (``False`` returned). Raises :class:`OSError`
+    naming what could not be removed."""
     fs, path = open_fs(url, storage_options)
     try:
         failed = remove_folder(fs, path, os.fspath(url), uncommitted_only=uncommitted_only)

@@ -2,23 +2,15 @@
 ``save_checkpoint(remove_uncommitted_older_than=...)``. Whole uncommitted ``{tag}_partial`` folders are
 retention's (:mod:`smpckpt.catalog.root`); this sweeps what a kill leaves elsewhere:
 
-* **inside a committed partial folder**: data and ``.metadata.<id>`` files of another save id than the
-  manifest's -- a killed save whose retry under the same tag committed, a killed overwrite's new
-  generation, the old generation of an overwrite killed after its commit -- and temporary files of an
-  interrupted write (``*.tmp.<pid>.<hex>``, a transfer's ``*.recv.<pid>.<hex>``);
-* **killed full saves**: a full save's staging folder (``.smpckpt-staging.<id>``, POSIX; taken away by a
-  rename first, so one being published is never touched; a ``.smpckpt-trash.<hex>`` folder a killed
-  removal left), and a ``{tag}``
-  folder holding only an unfinished save of ours -- its in-progress marker (object stores, older
-  versions), a temporary of that marker, or a removal's mark -- and no manifest (retention sees
-  ``*_partial`` folders only), removed whole, and only if still uncommitted once marked for removal;
-* a **stale marker or temporary file in a committed full folder** (a kill between the commit and the
-  marker's removal, or during a publication);
-* **temp files** of an interrupted atomic write in the root (``newest.tmp.*``).
+* inside a committed partial folder: data and ``.metadata.<id>`` files of another save id than the
+  manifest's, and temporary files of an interrupted write (``*.tmp.<pid>.<hex>``, ``*.recv.<pid>.<hex>``);
+* killed full saves: staging (``.smpckpt-staging.<id>``, taken away by a rename first) and trash
+  folders, and a ``{tag}`` folder holding only an unfinished save of ours and no manifest, removed whole
+  only if still uncommitted once marked for removal;
+* a stale marker or temporary file in a committed full folder; temp files in the root (``newest.tmp.*``).
 
-Only what nothing has written for ``AGE`` goes, and never a file a committed manifest lists: a save in
-flight writes continually, and an age above the longest save never reaches one. Costs a listing per
-folder (opt-in, like the rest of stale-debris removal).
+Only what nothing has written for ``AGE`` goes, never a file a committed manifest lists. Costs a
+listing per folder (opt-in). The README's "CLI" (``prune``) lists every case.
 """
 
 from __future__ import annotations

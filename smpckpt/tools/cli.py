@@ -1,19 +1,9 @@
 """``smpckpt`` command line: ``ls``, ``inspect``, ``verify``, ``prune``, ``convert``, ``consolidate`` (also
 ``python -m smpckpt``).
 
-Every command takes local paths and URLs (``s3://bucket/run``). fsspec options come from
-``--storage-options '{"key": ..., "client_kwargs": {"endpoint_url": ...}}'`` or, when that is not
-given, from the ``SMPCKPT_STORAGE_OPTIONS`` environment variable (same JSON); S3 endpoints also follow
-botocore's own ``AWS_ENDPOINT_URL``.
-
-``PATH/TAG`` (inspect, verify) is a checkpoint root plus a tag and resolves to ``PATH/TAG_partial``;
-the checkpoint folder itself is accepted too.
-
-``ls`` and ``verify`` take ``--local DIR ...``: node folders of the fast tier of tiered checkpoints
-(``save_checkpoint(local_path=...)``), judged together (``smpckpt.tools._tiers``).
-``ls --json`` keeps ``path``, ``newest`` and ``checkpoints`` (the durable root) as without ``--local``
-and adds ``fast``: ``{"folders", "checkpoints", "warnings"}`` (one row per committed save, newest first:
-``FastRow.to_json``) and ``resume``: ``{"tier": "fast"|"durable", "tag", "save_id"}`` or ``null``.
+Commands and options: the README's "CLI". fsspec options come from ``--storage-options JSON`` or
+``SMPCKPT_STORAGE_OPTIONS``; ``PATH/TAG`` resolves to ``PATH/TAG_partial`` (the folder itself works
+too); ``--local DIR ...`` (ls, verify) judges the fast tier's node folders (``smpckpt.tools._tiers``).
 
 Exit status: 0 success; 1 a problem was found (verify) or the command failed; 2 bad usage.
 """

@@ -1,9 +1,8 @@
 """Read I/O: ranged reads of data files (``preadv`` on local disk, GET bodies streamed into our buffers
 on S3, ``cat_file`` elsewhere), block verification, and the read-buffer pool of one ``read_data`` call.
 
-The functions here run on the reader's worker threads; each reads, checks that every byte arrived and
-verifies every checksum block it read before returning, so a corrupt or short file fails the read with
-a :class:`~smpckpt.errors.CheckpointCorrupt` naming the file and the keys affected.
+Runs on the reader's worker threads; a corrupt or short file fails the read with a
+:class:`~smpckpt.errors.CheckpointCorrupt` naming the file and the keys affected.
 """
 
 from __future__ import annotations
@@ -119,16 +118,8 @@ RowsDigest = Callable[[int, int, int, int], int]
 
 #: verified local reads go in requests of about this many bytes (whole check units; a tiled row group is
 #: never split), each unit hashed right after its request returns, while its bytes are still in the CPU's
-#: cache: one pass over memory instead of two. Measured on the 2-vCPU VM (L2: 2 MiB per core), one
-#: thread, 512 MiB from the ext4 page cache, CPU s per GiB: the read costs the same in requests of 256 KiB
-#: to 1 MiB (0.217-0.221; 64 KiB 0.237, 16 MiB 0.200), but hashing right after a 1 MiB request found
-#: half its bytes gone from the cache (0.061-0.076 against 0.031-0.039 hashing them again), after
-#: 256 KiB 0.043-0.044. Whole warm loads (512 MiB GPT-like, 4 threads, paired rounds in one process,
-#: loaded VM): 256 KiB used 0.913 / 0.948 / 0.970x the CPU of 1 MiB from the ext4 page cache (12, 14
-#: and 11 of 15 rounds lower; 0.925 / 0.941 in runs of 25), 0.996 / 0.962x from /dev/shm; but
-#: ``profile_load.py --fuse-bytes 1048576`` (same rounds, paired) put 1 MiB at 0.975 / 0.994 / 1.015x
-#: the 256 KiB CPU: no worse, the gain within this loaded VM's noise there. Earlier (/dev/shm, one thread): a 16 MiB
-#: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146.
+#: cache: one pass over memory instead of two (figures: benchmarks/RESULTS.md, "Disk warm loads against
+#: /dev/shm"; ``profile_load.py --fuse-bytes`` measures other sizes).
 FUSE_BYTES = 256 << 10
 
 

@@ -47,8 +47,7 @@ from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.manifest import MANIFEST_NAME, METADATA_NAME
-from smpckpt.storage.read._verify_plan import load_problems
-from smpckpt.storage.tools import check_blocks
+from smpckpt.storage.tools import check_blocks, load_problems
 from smpckpt.tools._common import UsageError, human, layout_json
 
 __all__ = ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]

@@ -28,9 +28,8 @@ MIN_PART_SIZE = 5 << 20
 MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
 #: S3 multipart parts are numbered from 1; every this many parts the size doubles (up to MAX_PART_SIZE),
-#: so one upload has no size ceiling short of S3's 5 TiB object limit whatever part size it starts from
-#: (32 MiB parts alone stop at 312 GiB; doubled every 1,000 they reach 31 TiB). A file's size is not
-#: known when its first parts go out (the writers stream), so the schedule cannot be picked up front.
+#: so a streamed upload (its size unknown when its first parts go out) has no ceiling short of S3's
+#: 5 TiB object limit whatever part size it starts from.
 PART_GROWTH_EVERY = 1_000
 
 

@@ -33,7 +33,7 @@ from smpckpt.storage.read._plan import Item
 __all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "digest_of", "read_range", "DirectPart"]
 __all__ += ["read_direct", "reads_into"]
 
-# a read's turn at the device (see _gate); held only around the I/O, never around verification
+# a read's turn at the device (see _run.InOrder); held only around the I/O, never around verification
 Turn = AbstractContextManager[None]
 
 

@@ -29,11 +29,8 @@ DIRECT_MIN_BYTES = 1 << 20
 PIECE_BYTES = 16 << 20
 #: a strided (column) slice's rows share one request, gaps and all, when the bytes between them are at
 #: most this many (or the reader's ``coalesce_gap``): less than a page, which the device reads anyway
-#: for the rows on either side. Wider gaps cost device bytes: a column slice of bf16 rows of 8 KiB at
-#: TP=4 read per row (4 KiB tiles) beat the same rows merged (whole rows, as stock DCP reads them) on
-#: the project's VM warm (0.138 vs 0.185 CPU-s) and tied cold, with half the device bytes
-#: (``benchmarks/RESULTS.md``, "Strided reads"); devices that punish small requests may set
-#: ``coalesce_gap``.
+#: for the rows on either side; wider gaps cost device bytes (``benchmarks/RESULTS.md``, "Strided reads").
+#: Devices that punish small requests may set ``coalesce_gap``.
 ROW_GAP = (4 << 10) - 1
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): a merged request carries a row and a gap each
 ROWS_PER_CALL = 511

@@ -19,16 +19,18 @@ verifying them overlaps other reads. Task kinds:
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
 asked for destinations only shortly before their bytes are read. ``reads_in_flight`` below
-``thread_count`` lets that many workers read at a time, in the stream's order (``_gate.InOrder``).
+``thread_count`` lets that many workers read at a time, in the stream's order (:class:`InOrder`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import heapq
 import io
 import math
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -44,7 +46,6 @@ from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_plac
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._boxes import BoxRows, Into, read_box
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_direct, read_range
-from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
     BoxRead,
@@ -59,7 +60,53 @@ from smpckpt.storage.read._plan import (
 if TYPE_CHECKING:
     from smpckpt.storage.read.reader import FsspecStorageReader
 
-__all__ = ["ReadRun"]
+__all__ = ["ReadRun", "InOrder", "ReadAborted"]
+
+
+class ReadAborted(RuntimeError):
+    """A read waiting for its turn was given up because an earlier one failed."""
+
+
+class InOrder:
+    """Admits reads in ticket order (0, 1, 2, ...), at most ``depth`` at once (``reads_in_flight``: for
+    devices that punish concurrent streams; verification overlaps the next read). Thread-safe.
+
+    Tickets are handed out on the calling thread in submission order and tasks run FIFO on the pool,
+    so the lowest waiting ticket is always held by a running worker: no wait can block forever unless a
+    ticket is never used -- :meth:`abort` (on any failure) releases every waiter with
+    :class:`ReadAborted`.
+    """
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"reads in flight must be >= 1, got {depth}")
+        self.depth = depth
+        self._next = 0
+        self._active = 0
+        self._aborted = False
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, ticket: int) -> Iterator[None]:
+        with self._cv:
+            while not self._aborted and (self._next != ticket or self._active >= self.depth):
+                self._cv.wait()
+            if self._aborted:
+                raise ReadAborted("an earlier read of this load failed")
+            self._next += 1
+            self._active += 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
+
+    def abort(self) -> None:
+        with self._cv:
+            self._aborted = True
+            self._cv.notify_all()
 
 
 @dataclasses.dataclass
@@ -110,8 +157,7 @@ SMALL_FIRST = 1 << 20
 # the tapered tail's smallest requests (see ReadRun._batched)
 TAPER_FLOOR = PIECE_BYTES
 #: a streamed column slice's parts (bytes of whole rows): smaller than PIECE_BYTES so the threads share
-#: the work evenly (bf16 rows of 8 KiB at TP=4, 128 MiB of rows, warm, on the loaded 2-vCPU VM: parts
-#: of 16 MiB 0.147 s median, 8 MiB 0.100-0.105, 4 MiB 0.082-0.104; cold within noise of each other)
+#: the work evenly (measured faster warm, the same cold)
 STREAM_PART_BYTES = 8 << 20
 
 
@@ -132,7 +178,7 @@ class ReadRun:
         # None: every worker reads when it gets to its task (object stores reward concurrency)
         self.gate = InOrder(depth) if depth < thread_count else None
         # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
-        # records must not zero-fill 64 MiB buffers (measured: 192 MiB extra RSS for a 17 MiB load)
+        # records must not zero-fill 64 MiB buffers
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
         self.bytes_requested = self.requests = 0
         self.read_per_file: dict[str, int] = {}
@@ -184,9 +230,8 @@ class ReadRun:
         work: list[FetchTask | DirectCandidate | BoxRead] = [*plan.fetches, *plan.direct, *plan.boxes]
         # buffered fetches before direct candidates at the same offset (stable: plan order otherwise)
         work.sort(key=_work_key)
-        # Small requests first: the writer puts small tensors at the end of each file, and a small read
-        # queued behind large ones waits for them (measured 25-30 ms each on a cold disk, at the end of
-        # a load where nothing else is left to do); at the start they cost a millisecond.
+        # small requests first: the writer puts small tensors at the end of each file, and a small read
+        # queued behind large ones waits for them at the end of a load
         small: list[FetchTask | DirectCandidate | BoxRead] = []
         by_file: dict[str, list[FetchTask | DirectCandidate | BoxRead]] = {}
         for w in work:

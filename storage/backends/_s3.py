@@ -304,15 +304,7 @@ def _is_invalid_range(exc: BaseException) -> bool:
     return isinstance(response, dict) and response.get("Error", {}).get("Code") == "InvalidRange"
 
 
-async def _get(fs: Any, bucket: str, key: str) -> bytes:
-    resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key)
-    try:
-        return bytes(await resp["Body"].read())
-    finally:
-        resp["Body"].close()
-
-
-async def _get_with_etag(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
+async def _get(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
     resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key)
     try:
         return bytes(await resp["Body"].read()), str(resp.get("ETag") or "")
@@ -324,7 +316,7 @@ def get_object_and_etag(fs: Any, path: str) -> tuple[bytes, str]:
     """The whole object and its ETag from one GET (what a conditional replacement names)."""
     bucket, key, _ = fs.split_path(path)
     with translate_errors(path):
-        data, etag = _retried(fs, _get_with_etag, fs, bucket, key)
+        data, etag = _retried(fs, _get, fs, bucket, key)
     return bytes(data), str(etag)
 
 
@@ -333,7 +325,7 @@ def get_object(fs: Any, path: str) -> bytes:
     asks for the size (a HEAD, and a LIST when that 404s). Retried as s3fs retries its own reads, the
     body's read included, so a body cut short once does not make a checkpoint look unreadable."""
     bucket, key, _ = fs.split_path(path)
-    return bytes(_retried(fs, _get, fs, bucket, key))
+    return bytes(_retried(fs, _get, fs, bucket, key)[0])
 
 
 def _retried(fs: Any, func: Any, *args: Any) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -145,12 +145,10 @@ class FullArtifactReader(ReaderBase):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         if self.source is None:
             raise CheckpointError("read_data() called before read_metadata()")
-        device0 = device_read_bytes() if is_local(self.fs) else None
-        self.source.read(plan, planner)
-        device1 = device_read_bytes() if device0 is not None else None
-        per_file = {n: (needed, read) for n, (needed, read) in self.source.file_stats.items()}
+        source = self.source
+        device = _device_bytes_during(is_local(self.fs), lambda: source.read(plan, planner))
+        per_file = {n: (needed, read) for n, (needed, read) in source.file_stats.items()}
         needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
-        device = device1 - device0 if device0 is not None and device1 is not None else None
         self.last_read_stats = ReadStats(needed, read, self.source.requests, len(plan.items), per_file, device)
 
     def _hf_files(self) -> list[str] | None:
@@ -398,17 +396,22 @@ class FsspecStorageReader(ReaderBase):
                 request_cost=self.request_cost_bytes,
             )
         run = ReadRun(self, planner, max_request)
-        device0 = device_read_bytes() if local else None
-        run.run(reads)
-        device1 = device_read_bytes() if device0 is not None else None
+        device = _device_bytes_during(local, lambda: run.run(reads))
         per_file = {
             n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
             for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
         }
-        device = device1 - device0 if device0 is not None and device1 is not None else None
         self.last_read_stats = ReadStats(
             reads.bytes_needed, run.bytes_requested, run.requests, len(plan.items), per_file, device
         )
+
+
+def _device_bytes_during(local: bool, read: Callable[[], None]) -> int | None:
+    """Bytes the kernel read from block devices while ``read`` ran (``None``: not local, or not reported)."""
+    before = device_read_bytes() if local else None
+    read()
+    after = device_read_bytes() if before is not None else None
+    return after - before if before is not None and after is not None else None
 
 
 def _is_int(x: object) -> bool:

@@ -162,12 +162,9 @@ def _full_debris(
 def select_stale_uncommitted(
     records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
 ) -> list[str]:
-    """Tags of uncommitted folders with no activity for ``older_than_s`` seconds (pure policy).
-
-    ``activity`` maps a tag to the newest modification time under its folder (``None``: nothing
-    there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
-    recoverable data) and ``unsafe`` folders are left for a human.
-    """
+    """Tags of uncommitted folders with no activity (``activity``: tag -> newest modification time under
+    its folder, ``None``: nothing there) for ``older_than_s`` seconds; ``corrupt`` and ``unsafe`` folders
+    are left for a human."""
     return [
         r.tag
         for r in records
@@ -186,12 +183,9 @@ def sweep_stale(
 ) -> tuple[list[str], list[str], list[str]]:
     """(rank 0, retention's ``uncommitted_older_than``) Remove uncommitted folders (through retention's
     ``remove``) nothing wrote to for ``older_than_s``, S3 multipart uploads under the root started that long
-    ago, and the debris above: (tags removed, uploads aborted, paths removed).
-
-    A stale uncommitted folder is removed only if it is still uncommitted once marked for removal: a save
-    that commits there meanwhile withdraws its commit or keeps the folder (``storage.format.commit``),
-    so a prune with too short an age fails a save, never empties a committed checkpoint.
-    """
+    ago, and the debris above: (tags removed, uploads aborted, paths removed). A folder is removed only if
+    still uncommitted once marked for removal (``storage.format.commit``): too short an age fails a save,
+    never empties a committed checkpoint."""
     unprotected = [r for r in records if r.tag not in protected]
     activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
     candidates = select_stale_uncommitted(unprotected, activity, older_than_s, time.time())

@@ -69,15 +69,9 @@ _TAG_PUNCTUATION = frozenset("._-+=@,")
 
 
 def validate_tag(tag: Any) -> str:
-    """Return ``tag`` if it is usable as a checkpoint tag, else raise :class:`ValueError`.
-
-    A tag names a folder (``{tag}_partial``) directly under the root. It is a non-empty ``str`` of
-    letters and digits (Unicode ones too) and ``. _ - + = @ ,``, starting with a letter or digit,
-    without ``..``, not ending in ``_partial`` (that suffix is the folder's, and ``smpckpt verify
-    ROOT/TAG`` must resolve one way), at most 200 bytes in UTF-8. Everything else -- path separators,
-    whitespace, control characters, and the glob characters ``* ? [ ] { } !`` that fsspec backends
-    expand -- is refused on every backend alike, before anything is written.
-    """
+    """Return ``tag`` if it is usable as a checkpoint tag (the README's rules: letters, digits and
+    ``. _ - + = @ ,``, starting with a letter or digit, no ``..``, not ending in ``_partial``, at most 200
+    bytes in UTF-8), else raise :class:`ValueError`, on every backend alike, before anything is written."""
     if not isinstance(tag, str):
         raise ValueError(f"checkpoint tag must be a str, got {type(tag).__name__}")
     problem = _tag_problem(tag)
@@ -511,18 +505,11 @@ def apply_retention(
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
     (:func:`split_lineage`: what a roll-back abandoned goes first).
 
-    Each removal deletes the manifest first (see :func:`smpckpt.storage.remove_checkpoint`), so an
-    interrupted removal leaves an uncommitted folder that readers refuse, never a half-deleted
-    "committed" one. ``keep=None`` removes no committed checkpoint.
-
-    ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves nothing wrote
-    to for that long (:func:`smpckpt.catalog._debris.sweep_stale`); a save in flight keeps writing (or has
-    just started its uploads), so an age well above the longest save (hours, not minutes) never touches one.
-
-    ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
-    committed checkpoint is numbered after it (``smpckpt.catalog.root``: another job saves into this
-    root at the same time), which are the oldest is not settled: no committed checkpoint is removed,
-    with a warning, rather than the wrong ones.
+    Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first). ``keep=None``
+    removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
+    failed or killed saves nothing wrote to for that long (:func:`smpckpt.catalog._debris.sweep_stale`).
+    ``just_saved`` (the tag a save just committed): when another committed checkpoint is numbered after
+    it (another job saving into this root), no committed checkpoint is removed, with a warning.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")

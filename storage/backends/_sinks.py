@@ -2,9 +2,7 @@
 
 Every sink has ``write(memoryview)``, ``commit()`` (make the file complete and durable) and
 ``abort()`` (best-effort removal of a partial file; idempotent). ``commit`` after ``abort`` is an error.
-Sinks do not copy the caller's bytes except where the backend needs its own buffer (S3 parts, unless
-the sink was opened with ``borrow=True``: then the caller's memory must stay unchanged until
-``commit``/``abort`` returns, and S3 parts are sent straight from it).
+Sinks copy the caller's bytes only where the backend needs its own buffer (S3 parts, unless ``borrow``).
 """
 
 from __future__ import annotations

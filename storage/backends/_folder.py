@@ -4,22 +4,18 @@ in which order).
 
 Every file a save writes is **created exclusively** and never opened for overwrite:
 
-* POSIX (local disk, Lustre, NFS): the folder is opened once (:class:`Folder`; its parent by path, since a
-  root may sit behind links, the folder itself with ``O_NOFOLLOW``) and every name inside is resolved
-  against that descriptor (:mod:`._nofollow`): prefix folders ``O_NOFOLLOW | O_DIRECTORY``, files
-  ``O_CREAT | O_EXCL | O_NOFOLLOW`` -- one open flag, no extra round trip. Something already under a
-  name (another save's file, a planted link) fails the create with ``FileExistsError`` naming it.
-* S3: every object is a conditional request: ``If-None-Match: *`` on ``PutObject`` and on
-  ``CompleteMultipartUpload`` (the server answers 412 when the key exists); a replacement names the object
-  it replaces (``If-Match`` with the ETag just read).
-* ``memory://`` and other fsspec backends: check, then write, under a process-wide lock (the best these
-  stores allow; not exclusive against other processes).
+* POSIX: the folder is opened once (:class:`Folder`; its parent by path, the folder itself with
+  ``O_NOFOLLOW``) and every name inside is resolved against that descriptor (:mod:`._nofollow`): files
+  ``O_CREAT | O_EXCL | O_NOFOLLOW``, so another save's file or a planted link fails the create with
+  ``FileExistsError`` naming it.
+* S3: conditional requests (``If-None-Match: *`` on ``PutObject`` and ``CompleteMultipartUpload``; a
+  replacement ``If-Match`` with the ETag just read).
+* ``memory://`` and other fsspec backends: check, then write, under a process-wide lock (not exclusive
+  against other processes).
 
-Files that must appear whole (the manifest, ``newest``, the stock ``.metadata``) are *published*: written
-to a create-only temporary name, then linked (no replace) or renamed (replace) into place, relative to the
-folder's descriptor. Removals (:meth:`Folder.remove`, :func:`remove_tree`, :func:`remove_files`) use
-``unlinkat``/``rmdir`` relative to descriptors opened without following links: a link found anywhere is
-removed itself, its target never.
+Files that must appear whole (the manifest, ``newest``, the stock ``.metadata``) are *published*: a
+create-only temporary linked (no replace) or renamed (replace) into place. Removals never follow links:
+a link found anywhere is removed itself, its target never (README, "Deletes never follow links").
 """
 
 from __future__ import annotations

@@ -76,16 +76,12 @@ def verify_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check every file of a committed checkpoint: presence, size and every block checksum, the
-    manifest's own checksum (its file list, digests and ``extra``), everything a load checks before
-    reading (:func:`load_problems`: records inside listed files, chunks tiling each tensor, a full artifact's
-    Hugging Face index naming only its own files), and (as a warning) that the stock ``.metadata`` copy
-    equals the committed generation's metadata.
-
-    ``progress(done_bytes, total_bytes)`` is called as bytes are checked. A legacy (stock DCP)
-    checkpoint has no checksums: its referenced files are checked for presence and size only.
-    Raises :class:`~smpckpt.errors.CheckpointNotFound` when there is no checkpoint to verify.
-    """
+    """Check every file of a committed checkpoint (presence, size, every block checksum), the manifest's
+    own checksum, everything a load checks before reading (:func:`load_problems`), and (as a warning) that
+    the stock ``.metadata`` copy equals the committed generation's metadata. A legacy (stock DCP)
+    checkpoint's referenced files are checked for presence and size only. ``progress(done_bytes,
+    total_bytes)`` is called as bytes are checked. Raises :class:`~smpckpt.errors.CheckpointNotFound`
+    when there is no checkpoint to verify."""
     url = os.fspath(url)
     fs, path = open_fs(url, storage_options)
     try:
@@ -166,9 +162,8 @@ def check_blocks(
     drain's memory budget: it may wait there)."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
-        # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are
-        # at hand) are read together, up to _READ_CHUNK a request: a unit a request made a checkpoint of
-        # 16 KiB units 64 ranged GETs per MiB on object stores (2,560 for 40 MiB: 24 s on moto)
+        # consecutive units (a block, or a row group of tiles) are read together, up to _READ_CHUNK a
+        # request: a request per unit made small-unit checkpoints slow on object stores
         for first, last, units in _unit_batches(rec, _READ_CHUNK):
             if reserve is not None:
                 reserve(last - first)

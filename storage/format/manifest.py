@@ -157,16 +157,10 @@ def marker_owner(data: bytes | None) -> str | None:
 
 
 def check_member_name(name: object, *, where: str) -> str:
-    """``name`` if it is a plain file name that stays inside its checkpoint folder, else raise
-    :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where`` (the manifest or metadata that held it).
-
-    A name may start with up to two folder components of ``[0-9A-Za-z_-]`` (the prefixes of prefix
-    strategies: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``); nothing else may
-    hold a separator, so no name climbs out of the folder.
-
-    Every file name read from a checkpoint (manifest entries as it is parsed, the metadata's ``relative_path``)
-    goes through here before anything is read or deleted: a crafted ``../../victim`` never reaches the disk.
-    """
+    """``name`` if it is a plain file name that stays inside its checkpoint folder (up to two prefix folders
+    of ``[0-9A-Za-z_-]``: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``), else raise
+    :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where``. Every file name read from a checkpoint goes
+    through here before anything is read or deleted."""
     base = name
     if isinstance(name, str) and "/" in name:
         *folders, base = name.split("/")
@@ -527,12 +521,11 @@ def _plain_names(metadata: Any) -> list[str]:
 
 
 def _refers_to_our_files(metadata: Any) -> bool:
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        if RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ()):
-            return True
-        if is_smpckpt_file(str(getattr(info, "relative_path", ""))):
-            return True
-    return False
+    return any(
+        RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ())
+        or is_smpckpt_file(str(getattr(info, "relative_path", "")))
+        for info in (getattr(metadata, "storage_data", None) or {}).values()
+    )
 
 
 def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:

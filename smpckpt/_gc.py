@@ -14,17 +14,10 @@ __all__ = ["gc_frozen", "gc_paused"]
 def gc_paused() -> Iterator[None]:
     """No cyclic garbage collection inside (also a decorator: ``@gc_paused()``).
 
-    Bulk work -- a plan's items, every rank's plans or results, a Metadata unpickled, a full
-    artifact's check units -- makes objects by the ten thousand, and the collections that triggers
-    each walk every object of a process with torch loaded: they cost 5-15x a parse itself (0.13 s
-    against 0.01 s for 16,600 units), and a save of 2,700 tensors per rank at 4 ranks spent 0.75 of
-    its 2 s in four full collections. Paused, the same allocations count once when the collector
-    resumes instead of once per 700, so far fewer full collections follow. Pauses wrap CPU-bound work
-    only, never I/O: the collector is off for tens of milliseconds at most, also when a hook runs on
-    an async save's thread beside training. What is made inside holds no cycles, so nothing is left
-    for the collector to find. The switch is process-wide: two threads inside at once only lose the
-    pause early (a speed loss, nothing else), and a ``gc.disable()`` another thread makes inside a
-    pause is undone when the pause ends."""
+    Bulk work makes objects by the ten thousand, and each collection that sets off walks every object
+    of the process (README, "Many tensors"). Pauses wrap CPU-bound work only, never I/O, and what is
+    made inside holds no cycles. The switch is process-wide: two threads inside at once only lose the
+    pause early, and a ``gc.disable()`` another thread makes inside a pause is undone when it ends."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -38,27 +31,15 @@ def gc_paused() -> Iterator[None]:
 def gc_frozen(enabled: bool = True) -> Iterator[None]:
     """The objects that exist on entry sit out every cyclic collection until exit (``gc.freeze``).
 
-    Why: a save or load of thousands of tensors per rank keeps tens of thousands of objects alive
-    (plans, metadata, results) long enough to reach the oldest generation, which sets off full
-    collections, and each walks every object of the process: ~280,000 with torch loaded, more with a
-    training job's own. At 4 ranks x 2,723 tensors a partial save spent a quarter of its time in them.
-    Frozen, those collections walk only what was made since entry. The collector keeps running, so
-    garbage made inside is still collected. Entry first collects the young generations (~0.03 ms), so
-    no young garbage is frozen (unfreezing puts every frozen object in the oldest generation, where
-    it would wait for a full collection); older garbage waits for the next full one, as it would anyway.
+    Full collections set off by a save's objects then walk only what was made since entry (README,
+    "Garbage collection"); the collector keeps running. Entry first collects the young generations, so
+    no young garbage is frozen. When a full collection ran while frozen, exit runs one itself, so the
+    collector does not start one over the whole process in the caller's next step.
 
-    A full collection run while frozen leaves the collector counting only the objects it saw, so it
-    would start a full one over the whole process soon after: in the caller's next training step. When
-    one ran, exit runs that full collection itself, once (an unfrozen save would have run at least one
-    by then), so the cost stays inside the save and nothing is left to the code that follows.
-
-    Only a caller that finds nothing frozen freezes, and only it unfreezes, at its exit: not used when
-    the collector is off or when objects are frozen already (``gc.get_freeze_count() > 0``) -- by the
-    process itself, whose freeze exit would otherwise lift, or by an enclosing ``gc_frozen``, which
-    keeps its freeze until it leaves. Of two threads inside at once, the one that froze lifts the freeze
-    when it leaves, and the other loses it early: a speed loss, nothing else (it keeps no state, so the
-    process holds none). The API wraps synchronous saves and loads; async saves not at all, since their
-    write runs beside training, whose garbage must not wait for it."""
+    Only a caller that finds nothing frozen (and the collector on) freezes, and only it unfreezes: a
+    freeze by the process or an enclosing ``gc_frozen`` is never lifted. Of two threads inside at once,
+    the other loses the freeze early (a speed loss only). Async saves are not wrapped: their write runs
+    beside training, whose garbage must not wait for it."""
     froze = False
     full_at_freeze = 0
     try:

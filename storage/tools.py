@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
+import torch
+from torch.distributed.checkpoint.default_planner import _validate_global_plan
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.commit import remove_folder
@@ -26,10 +32,9 @@ from smpckpt.storage.format.manifest import (  # the two openers by URL live wit
     read_manifest,
 )
 from smpckpt.storage.read._fetch import digest_of, unit_rows, unit_text
-from smpckpt.storage.read._verify_plan import load_problems
 
 __all__ = ["checkpoint_state", "probe_checkpoint", "read_manifest", "verify_checkpoint", "VerifyReport"]
-__all__ += ["remove_checkpoint", "last_activity", "abort_stale_uploads", "removal_marked"]
+__all__ += ["remove_checkpoint", "last_activity", "abort_stale_uploads", "removal_marked", "load_problems"]
 
 _READ_CHUNK = 16 << 20
 
@@ -71,16 +76,12 @@ def verify_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check every file of a committed checkpoint: presence, size and every block checksum, the
-    manifest's own checksum (its file list, digests and ``extra``), everything a load checks before
-    reading (``_verify_plan``: records inside listed files, chunks tiling each tensor, a full artifact's
-    Hugging Face index naming only its own files), and (as a warning) that the stock ``.metadata`` copy
-    equals the committed generation's metadata.
-
-    ``progress(done_bytes, total_bytes)`` is called as bytes are checked. A legacy (stock DCP)
-    checkpoint has no checksums: its referenced files are checked for presence and size only.
-    Raises :class:`~smpckpt.errors.CheckpointNotFound` when there is no checkpoint to verify.
-    """
+    """Check every file of a committed checkpoint (presence, size, every block checksum), the manifest's
+    own checksum, everything a load checks before reading (:func:`load_problems`), and (as a warning) that
+    the stock ``.metadata`` copy equals the committed generation's metadata. A legacy (stock DCP)
+    checkpoint's referenced files are checked for presence and size only. ``progress(done_bytes,
+    total_bytes)`` is called as bytes are checked. Raises :class:`~smpckpt.errors.CheckpointNotFound`
+    when there is no checkpoint to verify."""
     url = os.fspath(url)
     fs, path = open_fs(url, storage_options)
     try:
@@ -155,18 +156,14 @@ def check_blocks(
     reserve: Callable[[int], None] | None = None,
 ) -> bool:
     """Every block checksum of the data file ``rec`` at ``fpath``: a problem per mismatch (``where`` names
-    the file), ``tick(bytes)`` after each unit read; ``True`` when all match. Shared with
-    ``smpckpt verify --local``, which checks each fast-tier copy so, and the drain of the fast tier, which
-    copies as it checks: ``copy_to`` is given the file's first ``rec.size`` bytes in order, each run only
-    once all its blocks matched (one read per file); the first mismatch then ends the check, so nothing
-    damaged is handed on (the caller discards what it was given). Each run is a view of bytes read for it
-    alone and never changed after: a sink may keep it (the drain's S3 uploads borrow it). ``reserve(bytes)``
-    before each read (the drain's memory budget: it may wait there)."""
+    the file), ``tick(bytes)`` after each unit read; ``True`` when all match. ``copy_to`` (the fast
+    tier's drain) is given the file's bytes in order, each run only once all its blocks matched, as a
+    view it may keep; the first mismatch ends the check. ``reserve(bytes)`` before each read (the
+    drain's memory budget: it may wait there)."""
     ok = True
     with translate_errors(fpath), fs.open(fpath, "rb", block_size=_READ_CHUNK, cache_type="none") as f:
-        # consecutive units (a block, or a row group of tiles read whole so each tile's row segments are
-        # at hand) are read together, up to _READ_CHUNK a request: a unit a request made a checkpoint of
-        # 16 KiB units 64 ranged GETs per MiB on object stores (2,560 for 40 MiB: 24 s on moto)
+        # consecutive units (a block, or a row group of tiles) are read together, up to _READ_CHUNK a
+        # request: a request per unit made small-unit checkpoints slow on object stores
         for first, last, units in _unit_batches(rec, _READ_CHUNK):
             if reserve is not None:
                 reserve(last - first)
@@ -278,16 +275,11 @@ def remove_checkpoint(
     missing_ok: bool = True,
     uncommitted_only: bool = False,
 ) -> bool:
-    """Delete a checkpoint folder (``storage.format.commit.remove_folder``): marked first (an interrupted
-    removal is known for garbage; a save committing meanwhile withdraws its commit), the manifest next, so
-    an interrupted removal leaves an uncommitted folder (refused by readers), never a committed one with
-    files missing; then the rest.
-
-    Deletes exactly what it finds under the folder (never a glob), through directory descriptors that
-    never follow a link (POSIX): a folder that is itself a link loses the link only; a link inside it
-    goes itself, never its target. ``uncommitted_only`` (stale debris): a folder found committed after the
-    mark is left as it is (``False`` returned). Raises :class:`OSError` naming what could not be removed.
-    """
+    """Delete a checkpoint folder (``storage.format.commit.remove_folder``): marked first, the manifest
+    next (an interrupted removal leaves an uncommitted folder, never a committed one with files missing),
+    then exactly what it finds (never a glob), never following a link (POSIX). ``uncommitted_only``: a
+    folder found committed after the mark is left as it is (``False`` returned). Raises :class:`OSError`
+    naming what could not be removed."""
     fs, path = open_fs(url, storage_options)
     try:
         failed = remove_folder(fs, path, os.fspath(url), uncommitted_only=uncommitted_only)
@@ -374,3 +366,73 @@ def abort_stale_uploads(
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         aborted.append(f"{bucket}/{upload['Key']}")
     return aborted
+
+
+_SHOWN = 20
+_HF_INDEXES = ("model.safetensors.index.json", "optimizer.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def load_problems(
+    url: str, fs: Any, path: str, manifest: Manifest, storage_options: Mapping[str, Any] | None
+) -> list[str]:
+    """What a load of this committed checkpoint would refuse (as messages; empty when nothing): checksums
+    say nothing of a metadata that a resealed manifest vouches for but no loader accepts. Runs the
+    reader's own metadata checks and plans a read of every chunk and object of every key without reading
+    tensor data; for a full artifact, checks the Hugging Face index (which transformers follows)."""
+    from smpckpt.storage.read.reader import FsspecStorageReader
+
+    reader = FsspecStorageReader(url, storage_options=storage_options, verify_checksums=False)
+    try:
+        metadata = reader.read_metadata()
+        reader.set_up_storage_reader(metadata, True)
+    except CheckpointError as exc:
+        return [str(exc)]
+    if manifest.kind == "full":
+        return _hf_index_problems(fs, path, manifest)
+    problems = [str(e) for e in _validate_global_plan([None, None], metadata)]  # type: ignore[list-item]
+    for fqn, md in metadata.state_dict_metadata.items():
+        for req in _reads(fqn, md):
+            try:
+                reader._item(req)  # the reader's own checks: name, listed file, range, chunk metadata
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                break  # one message per key
+        if len(problems) >= _SHOWN:
+            break
+    return problems
+
+
+def _reads(fqn: str, md: Any) -> list[ReadItem]:
+    """A read of every stored piece of one key, as a load plans them."""
+    if isinstance(md, BytesStorageMetadata):
+        index = MetadataIndex(fqn)
+        return [ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))]
+    if not isinstance(md, TensorStorageMetadata):
+        return []
+    out = []
+    for chunk in md.chunks:
+        index = MetadataIndex(fqn, chunk.offsets)
+        zeros = torch.Size([0] * len(chunk.sizes))
+        out.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, chunk.sizes))
+    return out
+
+
+def _hf_index_problems(fs: Any, path: str, manifest: Manifest) -> list[str]:
+    """A full artifact's Hugging Face index (what ``from_pretrained`` follows) names only the artifact's
+    own listed files: a resealed index pointing elsewhere would load other weights without our reader."""
+    listed = {f.name for f in manifest.files}
+    problems: list[str] = []
+    for name in _HF_INDEXES:
+        if name not in listed:
+            continue
+        data = read_bytes_or_none(fs, join(path, name))
+        try:
+            weight_map = json.loads(data or b"")["weight_map"]
+            files = {check_member_name(v, where=name) for v in weight_map.values()}
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CheckpointError) as exc:
+            problems.append(f"{name}: malformed or unsafe: {exc}")
+            continue
+        unlisted = sorted(files - listed)
+        if unlisted:
+            problems.append(f"{name}: names files the manifest does not list: {unlisted[:5]}")
+    return problems

@@ -2,23 +2,15 @@
 ``save_checkpoint(remove_uncommitted_older_than=...)``. Whole uncommitted ``{tag}_partial`` folders are
 retention's (:mod:`smpckpt.catalog.root`); this sweeps what a kill leaves elsewhere:
 
-* **inside a committed partial folder**: data and ``.metadata.<id>`` files of another save id than the
-  manifest's -- a killed save whose retry under the same tag committed, a killed overwrite's new
-  generation, the old generation of an overwrite killed after its commit -- and temporary files of an
-  interrupted write (``*.tmp.<pid>.<hex>``, a transfer's ``*.recv.<pid>.<hex>``);
-* **killed full saves**: a full save's staging folder (``.smpckpt-staging.<id>``, POSIX; taken away by a
-  rename first, so one being published is never touched; a ``.smpckpt-trash.<hex>`` folder a killed
-  removal left), and a ``{tag}``
-  folder holding only an unfinished save of ours -- its in-progress marker (object stores, older
-  versions), a temporary of that marker, or a removal's mark -- and no manifest (retention sees
-  ``*_partial`` folders only), removed whole, and only if still uncommitted once marked for removal;
-* a **stale marker or temporary file in a committed full folder** (a kill between the commit and the
-  marker's removal, or during a publication);
-* **temp files** of an interrupted atomic write in the root (``newest.tmp.*``).
+* inside a committed partial folder: data and ``.metadata.<id>`` files of another save id than the
+  manifest's, and temporary files of an interrupted write (``*.tmp.<pid>.<hex>``, ``*.recv.<pid>.<hex>``);
+* killed full saves: staging (``.smpckpt-staging.<id>``, taken away by a rename first) and trash
+  folders, and a ``{tag}`` folder holding only an unfinished save of ours and no manifest, removed whole
+  only if still uncommitted once marked for removal;
+* a stale marker or temporary file in a committed full folder; temp files in the root (``newest.tmp.*``).
 
-Only what nothing has written for ``AGE`` goes, and never a file a committed manifest lists: a save in
-flight writes continually, and an age above the longest save never reaches one. Costs a listing per
-folder (opt-in, like the rest of stale-debris removal).
+Only what nothing has written for ``AGE`` goes, never a file a committed manifest lists. Costs a
+listing per folder (opt-in). The README's "CLI" (``prune``) lists every case.
 """
 
 from __future__ import annotations
@@ -170,12 +162,9 @@ def _full_debris(
 def select_stale_uncommitted(
     records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
 ) -> list[str]:
-    """Tags of uncommitted folders with no activity for ``older_than_s`` seconds (pure policy).
-
-    ``activity`` maps a tag to the newest modification time under its folder (``None``: nothing
-    there). Only the ``uncommitted`` state qualifies: ``corrupt`` (a damaged manifest may still hold
-    recoverable data) and ``unsafe`` folders are left for a human.
-    """
+    """Tags of uncommitted folders with no activity (``activity``: tag -> newest modification time under
+    its folder, ``None``: nothing there) for ``older_than_s`` seconds; ``corrupt`` and ``unsafe`` folders
+    are left for a human."""
     return [
         r.tag
         for r in records
@@ -194,12 +183,9 @@ def sweep_stale(
 ) -> tuple[list[str], list[str], list[str]]:
     """(rank 0, retention's ``uncommitted_older_than``) Remove uncommitted folders (through retention's
     ``remove``) nothing wrote to for ``older_than_s``, S3 multipart uploads under the root started that long
-    ago, and the debris above: (tags removed, uploads aborted, paths removed).
-
-    A stale uncommitted folder is removed only if it is still uncommitted once marked for removal: a save
-    that commits there meanwhile withdraws its commit or keeps the folder (``storage.format.commit``),
-    so a prune with too short an age fails a save, never empties a committed checkpoint.
-    """
+    ago, and the debris above: (tags removed, uploads aborted, paths removed). A folder is removed only if
+    still uncommitted once marked for removal (``storage.format.commit``): too short an age fails a save,
+    never empties a committed checkpoint."""
     unprotected = [r for r in records if r.tag not in protected]
     activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
     candidates = select_stale_uncommitted(unprotected, activity, older_than_s, time.time())

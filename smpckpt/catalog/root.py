@@ -6,45 +6,19 @@ Layout under a checkpoint root ``path`` (smp's structure)::
     {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
     {path}/{tag}/                  # a full artifact (``storage/full``)
 
-Everything here works on an fsspec filesystem plus a plain ``str`` path (URLs keep their scheme), and
-never trusts what it reads: the content of ``newest`` is validated exactly like a tag. (``{path}/``
-``smpckpt.abandoned``: the record of the last roll-back, below.)
+Nothing read is trusted: ``newest`` is validated like a tag, and a hostile or broken sibling folder is
+listed as such, never fatal. The listing (:func:`scan_root`, rank 0 only) is one LIST of the root plus a
+manifest GET per committed folder.
 
-**Listing** (:func:`scan_root`: one :class:`CheckpointRecord` per ``{tag}_partial`` folder), by resume
-(fallback when ``newest`` is unusable), retention and ``smpckpt ls``, on rank 0 only (512 ranks listing S3
-at once get throttled): one LIST of the root plus one GET (the manifest) per committed folder (several in
-flight on object stores), up to one more GET and a LIST for a folder without a manifest. A hostile or
-broken sibling folder is listed as such, never fatal.
-
-**Order: sequence numbers, never clocks.** Every save through the API records ``extra["sequence"]``:
-one higher than the highest committed under its root. Retention, a resume without a tag (and its
-fallback when ``newest`` is missing, stale or unusable), ``smpckpt ls`` and the fast tier order
-checkpoints by it, then by save time, then by save id (:func:`record_order`). ``newest`` stays a hint
-for stock tools and a cheap first guess; wall clocks only break ties among checkpoints written before
-sequence numbers existed (smpckpt <= 0.2 manifests, stock DCP folders: sequence 0, so every sequenced
-checkpoint is newer). Where a job's highest number comes from (a :class:`SequenceCounter`, which each
-:class:`~smpckpt.Checkpointer` owns for its root): the listing a tag-less resume already makes;
-otherwise, at its first save, one listing of the root (the same listing retention makes after every
-save); after that each save counts on without I/O. Two jobs (or two Checkpointers) saving into one root
-at once may draw the same number; ties fall back to the save time.
-
-**Roll-backs.** A resume of an explicit tag reads no listing, so the next save lists the root and numbers
-past every checkpoint there; when some were numbered above the tag resumed, that save records them as
-abandoned (``extra["abandoned"]``: inclusive ranges of sequence numbers, newest first), and every later
-save of the job carries the record on. :func:`split_lineage` walks the committed checkpoints newest
-first, dropping those a newer member of the history abandoned: retention keeps the newest ``keep`` of
-that history and removes the abandoned ones first; a resume's fallback never takes one. The save that
-rolled back also writes the record beside ``newest``, read only by a fallback when ``newest`` names that
-very save and it is unusable (a damage took its manifest, and the record with it).
-
-**Retention** (issue 4): a pure policy on :class:`CheckpointRecord` values (no filesystem, unit-tested
-on its own); :func:`apply_retention` (rank 0) scans the root, asks the policy and deletes. Only
-**committed** partial checkpoints count (an uncommitted folder may be a save in progress: left alone
-unless the caller asks for stale ones, ``uncommitted_older_than``); ``unsafe`` and ``corrupt`` folders
-are never deleted automatically (evidence for a human); a folder an interrupted removal left
-(``removing``) is removed whatever ``keep`` says -- it was chosen for deletion already; the ``keep``
-newest of the history stay, and the tag ``newest`` names; a failed delete is logged, never fails the
-save. ``keep=1`` is allowed: deletion starts only after the new checkpoint committed.
+Order is by sequence number (``extra["sequence"]``, one above the highest committed under the root),
+then save time, then save id (:func:`record_order`); ``newest`` is a hint for stock tools and a first
+guess. A :class:`SequenceCounter` lists the root once (or reuses a resume's listing), then counts on
+without I/O. A save after resuming an older tag records the numbers above it as abandoned
+(``extra["abandoned"]``, carried on by later saves, and a copy beside ``newest``); :func:`split_lineage`
+gives the history retention keeps and fallbacks take. Retention (a pure policy on
+:class:`CheckpointRecord` values; :func:`apply_retention` deletes) counts only committed checkpoints,
+never deletes ``unsafe``/``corrupt`` folders, finishes ``removing`` ones, and never fails the save. The
+README (The Checkpointer) holds the full rules.
 """
 
 from __future__ import annotations
@@ -57,7 +31,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
@@ -95,15 +69,9 @@ _TAG_PUNCTUATION = frozenset("._-+=@,")
 
 
 def validate_tag(tag: Any) -> str:
-    """Return ``tag`` if it is usable as a checkpoint tag, else raise :class:`ValueError`.
-
-    A tag names a folder (``{tag}_partial``) directly under the root. It is a non-empty ``str`` of
-    letters and digits (Unicode ones too) and ``. _ - + = @ ,``, starting with a letter or digit,
-    without ``..``, not ending in ``_partial`` (that suffix is the folder's, and ``smpckpt verify
-    ROOT/TAG`` must resolve one way), at most 200 bytes in UTF-8. Everything else -- path separators,
-    whitespace, control characters, and the glob characters ``* ? [ ] { } !`` that fsspec backends
-    expand -- is refused on every backend alike, before anything is written.
-    """
+    """Return ``tag`` if it is usable as a checkpoint tag (the README's rules: letters, digits and
+    ``. _ - + = @ ,``, starting with a letter or digit, no ``..``, not ending in ``_partial``, at most 200
+    bytes in UTF-8), else raise :class:`ValueError`, on every backend alike, before anything is written."""
     if not isinstance(tag, str):
         raise ValueError(f"checkpoint tag must be a str, got {type(tag).__name__}")
     problem = _tag_problem(tag)
@@ -325,12 +293,12 @@ class SequenceCounter:
                 self._highest = max(self._highest, seq)
             self._listed = self._listed or listed
 
-    def next(self, scan: Callable[[], int] | None = None) -> int:
-        """(rank 0) The sequence number of a new save. The first time the root was not listed, ``scan()``
-        (default: the highest committed number a listing of the root finds) is read first, outside the lock."""
+    def next(self) -> int:
+        """(rank 0) The sequence number of a new save. The first time the root was not listed, the highest
+        committed number a listing of the root finds is read first, outside the lock."""
         if not self._listed:
-            self.saw(highest_sequence(self.root, self.storage_options) if scan is None else scan(), listed=True)
-        elif scan is None:
+            self.saw(highest_sequence(self.root, self.storage_options), listed=True)
+        else:
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
             self.read = max(self.read, self._newest_sequence())
@@ -537,18 +505,11 @@ def apply_retention(
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
     (:func:`split_lineage`: what a roll-back abandoned goes first).
 
-    Each removal deletes the manifest first (see :func:`smpckpt.storage.remove_checkpoint`), so an
-    interrupted removal leaves an uncommitted folder that readers refuse, never a half-deleted
-    "committed" one. ``keep=None`` removes no committed checkpoint.
-
-    ``uncommitted_older_than`` (seconds) also removes the debris of failed or killed saves nothing wrote
-    to for that long (:func:`smpckpt.catalog._debris.sweep_stale`); a save in flight keeps writing (or has
-    just started its uploads), so an age well above the longest save (hours, not minutes) never touches one.
-
-    ``just_saved`` (the tag a save just committed, which ``save_checkpoint`` passes): when another
-    committed checkpoint is numbered after it (``smpckpt.catalog.root``: another job saves into this
-    root at the same time), which are the oldest is not settled: no committed checkpoint is removed,
-    with a warning, rather than the wrong ones.
+    Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first). ``keep=None``
+    removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
+    failed or killed saves nothing wrote to for that long (:func:`smpckpt.catalog._debris.sweep_stale`).
+    ``just_saved`` (the tag a save just committed): when another committed checkpoint is numbered after
+    it (another job saving into this root), no committed checkpoint is removed, with a warning.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")

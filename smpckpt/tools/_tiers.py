@@ -1,21 +1,13 @@
 """``smpckpt ls`` / ``smpckpt verify`` with ``--local DIR ...``: the fast tier of tiered checkpoints
 (``save_checkpoint(..., local_path=...)``) as the given node folders hold it (one process, no collectives).
 
-Only ``PATH``'s job folder in each (``{DIR}/smpckpt-job-<hash of PATH>``, ``smpckpt.api._tiers``) is
-judged; other jobs' folders are listed as such (:func:`other_jobs`). One node's ``{tag}_partial``
-folder usually holds only its share -- its ranks' files plus replicas of other nodes' -- so a tag is
-judged across every folder given: committed in how many (a node writes the manifest only after every
-node held its share), which parts the union holds at the manifest's sizes
-(``smpckpt.api._tiers.candidates``: what a resume uses). A folder a resume skips (``unsafe``: a manifest
-naming files outside its folder; ``foreign``: another job's checkpoint, or a link) is listed as such,
-never read further. A *part* is a data file the manifest lists or the generation's metadata
-(``.metadata.<save id>``).
+Only ``PATH``'s job folder in each (``{DIR}/smpckpt-job-<hash of PATH>``) is judged; other jobs' are
+listed as such (:func:`other_jobs`). A node's ``{tag}_partial`` folder usually holds only its share, so a
+tag is judged across every folder given, with what a resume uses (``smpckpt.api._tiers.candidates``). A
+*part* is a data file the manifest lists or the generation's metadata (``.metadata.<save id>``).
 
-``ls --local`` (:func:`fast_rows`, :func:`resume_pick`, :func:`write_fast_table`): every tag, newest
-first, and what a resume would load. ``verify PATH/TAG --local`` (:func:`verify_fast`,
-:func:`write_fast_report`): every file any folder holds checked against the manifest (size, every block
-checksum, as ``verify_checkpoint`` checks a durable copy), the folders' manifests must agree, and every
-part must be held intact by at least one folder.
+``ls --local``: :func:`fast_rows`, :func:`resume_pick`, :func:`write_fast_table`. ``verify PATH/TAG
+--local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI".
 """
 
 from __future__ import annotations
@@ -55,8 +47,7 @@ from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.manifest import MANIFEST_NAME, METADATA_NAME
-from smpckpt.storage.read._verify_plan import load_problems
-from smpckpt.storage.tools import check_blocks
+from smpckpt.storage.tools import check_blocks, load_problems
 from smpckpt.tools._common import UsageError, human, layout_json
 
 __all__ = ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]

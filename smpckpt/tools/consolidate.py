@@ -1,10 +1,9 @@
 """Offline consolidation: a committed partial checkpoint -> the full artifact ``partial=False`` writes.
 
 :func:`consolidate_checkpoint` (``smpckpt consolidate SRC OUT``) runs in one CPU process with no
-process group, and writes what an online full save writes. It drives the full-mode storage writer as
-``dcp.save`` would for a one-rank world whose every tensor is one whole chunk, fetching each tensor
-(its shards' checksums verified) only when the writer asks for it, so memory stays about twice the
-largest tensor whatever the model size. A tqdm bar shows bytes done."""
+process group, and writes what an online full save writes: it drives the full-mode storage writer as a
+one-rank ``dcp.save`` would, fetching each tensor (checksums verified) only when the writer asks for it,
+so memory stays about twice the largest tensor."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Export a checkpoint to what stock tools read: one ``torch.save`` file, or a stock-DCP folder.
 
-Stock DCP cannot read smpckpt's default (``raw``) format (``Unknown extension name='smpckpt.raw'``),
-and a tensor saved with a ShardSpec ``view`` is stored in its view shape. :func:`convert_checkpoint`
-(``smpckpt convert SRC OUT``) reads any checkpoint our reader reads, in one process with no process
-group, and writes:
-
-* ``to="torch_save"``: one file ``torch.load`` opens, nested as the saved state dict was;
-* ``to="dcp"``: a committed smpckpt folder in ``format="torch_save"``, which stock ``dcp.load`` (with
-  ``FileSystemReader`` or ``checkpoint_id=``) and ``dcp_to_torch_save`` read with nothing installed.
-
-Viewed tensors are written in their original shape (recorded at save time) unless ``keep_view_shapes``.
-Memory: every tensor is held once, full-size (an offline tool; use a machine that fits the model)."""
+Stock DCP cannot read smpckpt's default (``raw``) format, and a tensor saved with a ShardSpec ``view`` is
+stored in its view shape. :func:`convert_checkpoint` (``smpckpt convert SRC OUT``, one process) reads any
+checkpoint our reader reads and writes ``to="torch_save"`` (one file ``torch.load`` opens, nested as saved)
+or ``to="dcp"`` (a committed folder in ``format="torch_save"``, which stock ``dcp.load`` and
+``dcp_to_torch_save`` read). Viewed tensors get their original shape unless ``keep_view_shapes``. Every
+tensor is held once, full-size."""
 
 from __future__ import annotations
 

@@ -4,26 +4,18 @@ in which order).
 
 Every file a save writes is **created exclusively** and never opened for overwrite:
 
-* POSIX (local disk, Lustre, NFS): the folder is opened once (:class:`Folder`; its parent by path, since a
-  root may sit behind links, the folder itself with ``O_NOFOLLOW``) and every name inside is resolved
-  against that descriptor (:mod:`._nofollow`): prefix folders ``O_NOFOLLOW | O_DIRECTORY``, files
-  ``O_CREAT | O_EXCL | O_NOFOLLOW`` -- one open flag, no extra round trip. Something already under a
-  name (another save's file, a planted link) fails the create with ``FileExistsError`` naming it.
-* S3: every object is a conditional request: ``If-None-Match: *`` on ``PutObject`` and on
-  ``CompleteMultipartUpload`` (the server answers 412 when the key exists); a replacement names the object
-  it replaces (``If-Match`` with the ETag just read).
-* ``memory://`` and other fsspec backends: check, then write, under a process-wide lock (the best these
-  stores allow; not exclusive against other processes).
+* POSIX: the folder is opened once (:class:`Folder`; its parent by path, the folder itself with
+  ``O_NOFOLLOW``) and every name inside is resolved against that descriptor (:mod:`._nofollow`): files
+  ``O_CREAT | O_EXCL | O_NOFOLLOW``, so another save's file or a planted link fails the create with
+  ``FileExistsError`` naming it.
+* S3: conditional requests (``If-None-Match: *`` on ``PutObject`` and ``CompleteMultipartUpload``; a
+  replacement ``If-Match`` with the ETag just read).
+* ``memory://`` and other fsspec backends: check, then write, under a process-wide lock (not exclusive
+  against other processes).
 
-Files that must appear whole (the manifest, ``newest``, the stock ``.metadata``) are *published*: written
-to a create-only temporary name, then linked (no replace) or renamed (replace) into place, relative to the
-folder's descriptor. Removals (:meth:`Folder.remove`, :func:`remove_tree`, :func:`remove_files`) use
-``unlinkat``/``rmdir`` relative to descriptors opened without following links: a link found anywhere is
-removed itself, its target never.
-
-Path-level helpers of the commit protocol's folder (:mod:`._folder`): a small file written atomically,
-one published exclusively, exact removals, a folder's removal -- each resolving what is inside the
-folder it is given without following links (POSIX).
+Files that must appear whole (the manifest, ``newest``, the stock ``.metadata``) are *published*: a
+create-only temporary linked (no replace) or renamed (replace) into place. Removals never follow links:
+a link found anywhere is removed itself, its target never (README, "Deletes never follow links").
 """
 
 from __future__ import annotations
@@ -253,11 +245,12 @@ class Folder:
             if sync:
                 os.fsync(dir_fd)
 
-    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False) -> None:
+    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False, sync_dir: bool = True) -> None:
         """Make ``name`` appear holding ``data`` whole (readers see nothing, or all of it): created only if
         absent (``FileExistsError``), or with ``replace`` in place of what is there. POSIX: a create-only
         temporary, then ``linkat`` (no replace) or ``renameat`` (replace; a link under the name is replaced
-        as a name, never followed), then the folder's fsync. S3: one conditional PUT."""
+        as a name, never followed), then the folder's fsync (unless ``sync_dir=False``). S3: one
+        conditional PUT."""
         where = self.where(name)
         if not self.local:
             if not replace:
@@ -283,7 +276,7 @@ class Folder:
                 nf.create_at(dir_fd, base, data, sync=sync, where=where)
             finally:
                 drop_temp(dir_fd, tmp, where)
-            if sync:
+            if sync and sync_dir:
                 os.fsync(dir_fd)
 
     def replace_if(self, name: str, data: bytes, expect: bytes, *, sync: bool) -> None:
@@ -374,15 +367,14 @@ class Folder:
             os.fsync(fd)
 
     # -- removal -----------------------------------------------------------------------------------------
-    def remove(self, names: Iterable[str], *, etags: dict[str, str] | None = None) -> list[str]:
+    def remove(self, names: Iterable[str]) -> list[str]:
         """Remove exactly these files (relative names); the paths that could not be removed (missing ones
         count as removed). POSIX: ``unlinkat`` relative to the file's folder, opened without following
         links (a link under a name goes itself; a linked prefix folder is never entered: its names fail),
-        then the prefix folders left empty. S3: one DELETE per key (never a glob), conditional on the
-        ETag when ``etags`` names one (so an object another save created since is never deleted)."""
+        then the prefix folders left empty. Object stores: one DELETE per key (never a glob)."""
         names = list(dict.fromkeys(names))
         if not self.local:
-            return self._remove_objects(names, etags or {})
+            return self._remove_objects(names)
         failed: list[str] = []
         emptied: set[str] = set()
         for name in names:
@@ -404,23 +396,16 @@ class Folder:
                 os.rmdir(base, dir_fd=self.dir_fd(parent_rel) if parent_rel else self._dirs[""])
         return failed
 
-    def _remove_objects(self, names: list[str], etags: dict[str, str]) -> list[str]:
+    def _remove_objects(self, names: list[str]) -> list[str]:
         def one(name: str) -> str | None:
             where = self.where(name)
             try:
                 with translate_errors(where):
-                    if self.s3 and name in etags:
-                        bucket, key, _ = self.fs.split_path(where)
-                        self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etags[name])
-                        self.fs.invalidate_cache(where)
-                    else:
-                        self.fs.rm_file(where)
+                    self.fs.rm_file(where)
             except FileNotFoundError:
                 pass
-            except OSError as exc:
-                if not precondition(exc):
-                    return where
-                log.warning("%s was not removed: another save created it since", where)
+            except OSError:
+                return where
             return None
 
         if len(names) > 1:
@@ -432,8 +417,7 @@ class Folder:
 
     def remove_tree(self, name: str) -> list[str]:
         """(POSIX) Remove ``name`` inside this folder and everything under it, never following a link."""
-        rel, _, base = name.rpartition("/")
-        return nf.remove_tree_at(self.dir_fd(rel) if rel else self._dirs[""], base, where=self.where(name))
+        return nf.remove_tree_at(*self._at(name), where=self.where(name))
 
 
 def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
@@ -443,23 +427,7 @@ def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sy
     ``sync_dir=False``. Object stores: one PUT."""
     folder, _, name = path.rstrip("/").rpartition("/")
     with Folder(fs, folder or "/", follow=True) as f:
-        if not f.local:
-            f.publish(name, data, sync=sync, replace=True)
-            return
-        if sync_dir:
-            f.publish(name, data, sync=sync, replace=True)
-        else:
-            _replace_nosync_dir(f, name, data, sync)
-
-
-def _replace_nosync_dir(f: Folder, name: str, data: bytes, sync: bool) -> None:
-    tmp = temp_name(name)
-    with translate_errors(f.where(name)):
-        nf.create_at(f.fd, tmp, data, sync=sync, where=f.where(name))
-        try:
-            os.replace(tmp, name, src_dir_fd=f.fd, dst_dir_fd=f.fd)
-        finally:
-            drop_temp(f.fd, tmp, f.where(name))
+        f.publish(name, data, sync=sync, replace=True, sync_dir=sync_dir)
 
 
 def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True) -> None:

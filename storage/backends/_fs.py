@@ -1,56 +1,22 @@
 """The small filesystem seam: open a URL, read a small file, list sizes (create-only writes and removals that
-never follow links: ``_folder.py``).
+never follow links: ``_folder.py``), default thread counts, page-cache-aware local reads, key prefixes.
 
-Backends are chosen by URL scheme through fsspec. ``s3://`` needs s3fs, imported lazily (by fsspec)
-with an install hint when it is missing. Paths are plain ``str`` (never ``pathlib.Path``) so URLs keep
-their scheme.
+Backends are chosen by URL scheme through fsspec (``s3://`` needs s3fs). Paths are plain ``str`` so URLs
+keep their scheme. Backend errors become the builtin ``OSError`` family naming the file, keeping
+``__cause__`` (S3 codes are translated by s3fs; we add the key, wrap untranslated transport errors, and
+let smpckpt's own errors pass), so callers catch ``FileNotFoundError`` alike on every backend.
 
-Backend errors -> builtin ``OSError`` family at the storage boundary, naming the file, keeping ``__cause__``.
+Local reads that know the page cache (``RWF_NOWAIT``, tmpfs detection, ``posix_fadvise``): a verifying
+reader hashes each check unit while it is still in the CPU cache, which wants unit-sized requests when
+bytes are cached and a few large ones from a cold disk; ``RWF_NOWAIT`` tells them apart per request.
 
-Callers then catch ``FileNotFoundError`` / ``PermissionError`` the same way for local disk, shared
-filesystems and S3. S3's error codes are s3fs's to translate (``s3fs.errors.translate_boto_error``, which
-every s3fs call already applies); what is ours is naming the object the request was for (s3fs leaves it
-out), turning transport errors that reach us untranslated into ``OSError``, and letting smpckpt's own
-errors pass untouched.
-
-Where a storage writer or reader points: the part of DCP's storage protocol both share.
-
-How many data files a rank writes at once by default (one job: the thread budget of a node).
-
-Local reads that know the page cache: a read that takes only what is cached (``RWF_NOWAIT``), whether a
-file lives in memory (tmpfs), and access-pattern advice to the kernel (``posix_fadvise``).
-
-Why: a reader that verifies what it reads wants each check unit hashed right after it is copied, while
-the unit is still in the CPU cache (one pass over memory instead of two), which means reading in
-unit-sized requests -- right for bytes already in memory, wrong for a cold disk, which wants a few
-large requests. ``RWF_NOWAIT`` tells them apart per request, for free. And a strided read (a column
-shard: one run per row) must not let the kernel's read-ahead fetch the gaps between its runs.
-
-Key prefixes for data files: where inside the checkpoint folder each data file goes.
-
-Object stores scale request rates per key prefix (S3: about 3,500 writes / 5,500 reads per second per
-partitioned prefix). A large save -- thousands of ranks, several files each, all under one folder --
-would concentrate on one prefix until the store splits it. A prefix strategy puts each data file one
-folder level down, ``<folder>/<prefix>/<name>``, with prefixes that differ in their *first* character
-between neighbouring files, so the save starts out spread.
-
-The checkpoint stays self-describing: the prefix is part of the file's recorded name (``relative_path``
-in the metadata, ``name`` in the manifest), so readers, ``verify_checkpoint``, ``remove_checkpoint``,
-overwrite clean-up and consolidation follow the recorded names and need no strategy. Every object stays
-under the checkpoint's folder (design notes 5: entropy right after the folder, never before it).
-
-The numeric strategies compute the same prefixes as s3torchconnector's ``HexPrefixStrategy`` /
-``BinaryPrefixStrategy`` (the index written in base 16 or 2, zero-padded, digits reversed so the
-fastest-changing digit comes first; tests/storage/test_storage_prefixes.py checks them against the
-installed s3torchconnector). They are ours rather than theirs because:
-
-* s3torchconnector is not a dependency (the test extra installs it): it brings its Rust S3 client,
-  and smpckpt reaches S3 through s3fs; a strategy is the one piece we would use from it.
-* Theirs name a *rank's* files (``<prefix>/__<rank>_``, with the prefix count taken from
-  ``torch.distributed`` when built); ours place each of a rank's several data files by its index in
-  the whole save, are picklable and compared by value (the coordinator's instance travels with the
-  plan), and check that a prefix is one plain folder name. Key names already written keep loading:
-  readers follow the names recorded in the checkpoint, never a strategy.
+Key prefixes: object stores scale request rates per key prefix, so a prefix strategy puts each data file
+one folder down, ``<folder>/<prefix>/<name>``, prefixes differing in their first character between
+neighbouring files. The prefix is part of each file's recorded name, so readers and tools follow the
+recorded names and need no strategy; every object stays under the checkpoint's folder (design notes 5).
+The numeric strategies compute s3torchconnector's ``HexPrefixStrategy`` / ``BinaryPrefixStrategy``
+prefixes (tests/storage/test_storage_prefixes.py checks them) without depending on it, and place each
+data file by its index in the whole save rather than by rank.
 """
 
 from __future__ import annotations
@@ -176,13 +142,9 @@ def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
 
 
 def _s3_defaults(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with our S3 client defaults under what the caller set.
-
-    ``payload_signing_enabled=False``: botocore SHA-256-hashes every request body for the signature on
-    plain-http endpoints (never on https, where S3 accepts ``UNSIGNED-PAYLOAD``); that is a third of
-    a save's client CPU. Bodies still carry their CRC32 (checked by S3), and every data block its
-    xxh3 checksum (checked on every read). Set it to ``True`` in ``config_kwargs["s3"]`` to sign.
-    """
+    """``options`` with our S3 client defaults under what the caller set: ``payload_signing_enabled=False``
+    (hashing every body for plain-http signatures cost a third of a save's client CPU; bodies still carry
+    CRC32 and every block its xxh3). ``config_kwargs["s3"]["payload_signing_enabled"]=True`` signs."""
     config = dict(options.get("config_kwargs") or {})
     s3_config = dict(config.get("s3") or {})
     s3_config.setdefault("payload_signing_enabled", False)
@@ -211,9 +173,7 @@ def is_local(fs: Any) -> bool:
 
 
 def is_s3(fs: Any) -> bool:
-    """Whether ``fs`` is an s3fs filesystem (or a subclass): ``smpckpt.storage.backends._s3`` uploads and streams
-    GET bodies through its async client. Decided without importing s3fs or aiohttp, which only the s3
-    extra installs; the one test for writes and reads alike."""
+    """Whether ``fs`` is an s3fs filesystem (``_s3`` uses its async client), without importing s3fs."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     # ``_call_s3`` (s3fs's async call, which _s3 uses) marks s3fs itself, not another "s3" backend
     return "s3" in protocols and hasattr(fs, "_call_s3")
@@ -244,9 +204,8 @@ def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
 
 
 def escapes(folder: str, path: str) -> bool:
-    """(local disk) Whether ``path``, a file named inside ``folder``, is reached through a symbolic
-    link that leads out of the folder: a linked prefix folder, or the file itself a link. The folder
-    may sit under links of its own (``/fsx`` -> ``/mnt/fsx``): only what is inside it counts."""
+    """(local disk) Whether ``path``, a file named inside ``folder``, is reached through a symbolic link
+    leading out of the folder (links above the folder itself do not count)."""
     base = os.path.realpath(folder)
     return os.path.commonpath([base, os.path.realpath(path)]) != base
 
@@ -266,12 +225,8 @@ def confine(fs: Any, folder: str, names: Iterable[str], *, where: str) -> None:
 
 
 def ls_fresh(fs: Any, path: str, *, detail: bool) -> Any:
-    """``fs.ls(path, detail=detail)`` as the store holds it now, never from ``fs``'s listing cache.
-
-    s3fs keeps every listing it made for the life of the filesystem object, and fsspec hands one object
-    to every caller in a process with the same options: a root listed before another process saved
-    there hid that save (a tag-less resume then fell back past a committed checkpoint ``newest`` named).
-    """
+    """``fs.ls(path, detail=detail)`` as the store holds it now: s3fs caches listings for the life of the
+    (shared) filesystem object, which hid saves made by other processes since."""
     fs.invalidate_cache(path)
     return fs.ls(path, detail=detail)
 
@@ -291,11 +246,8 @@ def file_sizes(fs: Any, folder: str) -> dict[str, int]:
 
 def pread_into(fd: int, buffers: Sequence[memoryview], offset: int, want: int) -> int:
     """Read file bytes ``[offset, offset + want)`` of ``fd`` into ``buffers`` (byte views, filled in order;
-    capacity past ``want`` bytes is left alone), looping on short reads. Returns the bytes read: fewer
-    than ``want`` only when the file ends first.
-
-    Every local read goes through here: Linux returns at most 2 GiB - 4 KiB from one ``preadv``, so a
-    single call cannot fill a tensor or run past 2**31 bytes however the file is read."""
+    capacity past ``want`` bytes is left alone), looping on short reads (Linux returns at most 2 GiB - 4 KiB
+    per ``preadv``). Returns the bytes read: fewer than ``want`` only when the file ends first."""
     got = 0
     while got < want:
         views: list[memoryview] = []
@@ -348,14 +300,9 @@ MAX_WRITE_THREADS = 4
 
 
 def default_write_threads(local: bool) -> int:
-    """Writer threads per rank: 4, fewer when the node's ranks would oversubscribe its CPUs.
-
-    Writing to the page cache is copying and hashing, CPU work: on a 16-core machine 8 ranks of 4
-    threads each saved slower than DCP's one thread (0.77x on /dev/shm, 0.93x on disk), 2 threads
-    each 1.21x / 1.16x. So local writers keep ``ranks x threads`` within ``max(cpus, 4)`` (ranks on
-    this node from torchrun's ``LOCAL_WORLD_SIZE``; 4 threads on a 2-CPU machine with one rank still
-    won on its disk, which waits on I/O more than on CPUs). Object-store uploads wait on the network:
-    they keep 4, and their file count and key prefixes with it."""
+    """Writer threads per rank: 4; local writers (copying and hashing: CPU work) keep ``ranks x threads``
+    within ``max(cpus, 4)``, ranks on this node from torchrun's ``LOCAL_WORLD_SIZE``. Object-store
+    uploads wait on the network and keep 4."""
     if not local:
         return MAX_WRITE_THREADS
     return max(1, min(MAX_WRITE_THREADS, max(_cpus(), MAX_WRITE_THREADS) // _local_ranks()))
@@ -363,12 +310,8 @@ def default_write_threads(local: bool) -> int:
 
 def default_read_threads(local: bool) -> int:
     """Reader threads per rank: 4; on local files no more than the CPUs this rank may use (at least 2:
-    one reads while another verifies). Why: a load from the page cache or tmpfs is the kernel's copy and
-    the checksum, CPU work, and more threads than CPUs only take turns: on the 2-vCPU VM, quiet, 7 paired
-    rounds of 1 GiB, 2 threads loaded from the disk's page cache at 0.96x a raw read against 0.81x with 4
-    (faster in 7 of 7), from /dev/shm at 1.00x against 0.97x, and cold from the disk at 1.00x against
-    1.07x (4 threads keep more requests at the device; ``benchmarks/RESULTS.md``). Object stores wait
-    on the network: they keep 4."""
+    one reads while another verifies): cached loads are CPU work, and more threads than CPUs only take
+    turns (``benchmarks/RESULTS.md``). Object stores wait on the network: they keep 4."""
     if not local:
         return MAX_WRITE_THREADS
     return max(2, min(MAX_WRITE_THREADS, rank_cpus()))
@@ -403,8 +346,7 @@ def pread_cached(fd: int, views: Sequence[memoryview], offset: int, dev: int) ->
     """Read file bytes at ``offset`` into ``views`` (filled in order) as far as they are in the page
     cache, without waiting for the device: the bytes read (0 when the first page is not cached; fewer
     than asked when a later one is not, or the file ends), or :data:`NOT_SUPPORTED` where the
-    filesystem (``dev``: the file's ``st_dev``) cannot read so. Nothing is remembered here (the package
-    keeps no state between calls): a caller reading a file chunk by chunk asks once and keeps the answer."""
+    filesystem (``dev``: the file's ``st_dev``) cannot read so; a caller asks once per file."""
     if _RWF_NOWAIT is None:
         return NOT_SUPPORTED
     try:
@@ -439,10 +381,8 @@ def _fstype(dev: int) -> str:
 
 def advise_random(fd: int, random: bool = True) -> None:
     """Read-ahead advice for this descriptor (it applies to this open file only). ``random``: none
-    (``POSIX_FADV_RANDOM``), for strided and scattered reads, whose gaps read-ahead would fetch from the
-    device for nothing (measured: a column shard's device bytes 1.49x the bytes it asked for, a row
-    split's 1.13x); else a larger window (``POSIX_FADV_SEQUENTIAL``), for a run of requests that follow
-    each other."""
+    (``POSIX_FADV_RANDOM``), for strided and scattered reads whose gaps read-ahead would fetch for
+    nothing; else a larger window (``POSIX_FADV_SEQUENTIAL``)."""
     if hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):  # advice only: a filesystem that refuses it reads as before
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_SEQUENTIAL)
@@ -472,13 +412,9 @@ def check_prefix(prefix: str) -> str:
 
 
 class PrefixStrategy(abc.ABC):
-    """Decides the folder (``""``: none) of each data file of a save.
-
-    Called on every rank, for each of its data files, with the file's index among all the save's files
-    (``rank * files_per_rank + n``) and their count (``world_size * files_per_rank``). The coordinator's
-    instance is sent to every rank with its plan, so all ranks use one configuration. Must be
-    picklable and deterministic.
-    """
+    """Decides the folder (``""``: none) of each data file of a save, from the file's index among all the
+    save's files (``rank * files_per_rank + n``) and their count. The coordinator's instance travels with
+    the plan to every rank: it must be picklable and deterministic."""
 
     @abc.abstractmethod
     def prefix(self, file_index: int, file_count: int) -> str:

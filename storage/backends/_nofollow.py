@@ -2,10 +2,7 @@
 
 Every helper here takes a directory descriptor and a *single* name (no ``/``): the kernel resolves that
 name once, against that descriptor, so no component of a path can be swapped for a symbolic link
-between a check and the operation. Folders are opened with ``O_NOFOLLOW | O_DIRECTORY``, new files
-with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (create-only: an existing file, or a link planted under the
-name, fails with ``EEXIST``), removals use ``unlinkat``/``rmdir`` relative to descriptors whose device
-and inode were compared with what was listed. :mod:`._folder` builds the protocol's folder on these.
+between a check and the operation. :mod:`._folder` builds the protocol's folder on these.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@ part is handed to s3fs's event loop and the writer thread goes on filling the ne
 ``max_in_flight`` parts per file in flight. A file smaller than one part is a single ``PutObject``.
 
 Bodies are not copied on their way to the socket. A part is a :class:`PartBody`: a list of memoryviews
-that botocore reads as a file (for the CRC32 checksum every part carries, and the payload hash when
-payload signing is on) and aiohttp writes view by view. Passing ``bytes`` instead costs botocore's
-``BytesIO`` wrapping, aiohttp's un-sharing ``getbuffer()`` and 64 KiB ``read()`` copies: about five
-copies of every byte, most of the client CPU of a save. A sink opened with ``borrow=True`` keeps views
-of the caller's memory (no copy at all; the caller promises not to change it until ``commit``/``abort``
-returns); otherwise bytes are copied once into part buffers that are reused, not reallocated.
+that botocore reads as a file (checksums, signing) and aiohttp writes view by view; ``bytes`` would be
+copied about five times on the way. A sink opened with ``borrow=True`` keeps views of the caller's
+memory (unchanged until ``commit``/``abort`` returns); otherwise bytes are copied once into reused
+part buffers.
 
 Retries of 5xx / throttling replies happen below us (botocore's retry handler and s3fs's
 ``_error_wrapper``; a retry re-sends the same body from its start); whatever still fails aborts the
@@ -291,12 +289,9 @@ class S3MultipartSink:
 
 async def _one_attempt(fs: Any, method: str, **kwargs: Any) -> Any:
     """One S3 call without s3fs's retry loop (``_call_s3`` has one): our readers run the request *and*
-    its body read inside one ``_error_wrapper``, and a loop inside that loop multiplied the attempts
-    (measured: 50 GETs and 33 s against 10 and 7 s for an endpoint that never answers).
-
-    ``_get_s3_method_kwargs`` is private, and kept: it is how the request gets the filesystem's
-    ``s3_additional_kwargs`` and ``requester_pays`` (filtered to what the method accepts), as every
-    s3fs call does; s3fs has no public form of it. tests/storage/test_s3fs_private_api.py pins it."""
+    its body read inside one ``_error_wrapper``, and a loop inside that loop multiplied the attempts.
+    ``_get_s3_method_kwargs`` (private; no public form) applies the filesystem's ``s3_additional_kwargs``
+    and ``requester_pays`` as every s3fs call does; tests/storage/test_s3fs_private_api.py pins it."""
     await fs.set_session()
     s3 = await fs.get_s3(kwargs.get("Bucket"))
     call = getattr(s3, method)
@@ -309,15 +304,7 @@ def _is_invalid_range(exc: BaseException) -> bool:
     return isinstance(response, dict) and response.get("Error", {}).get("Code") == "InvalidRange"
 
 
-async def _get(fs: Any, bucket: str, key: str) -> bytes:
-    resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key)
-    try:
-        return bytes(await resp["Body"].read())
-    finally:
-        resp["Body"].close()
-
-
-async def _get_with_etag(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
+async def _get(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
     resp = await _one_attempt(fs, "get_object", Bucket=bucket, Key=key)
     try:
         return bytes(await resp["Body"].read()), str(resp.get("ETag") or "")
@@ -329,24 +316,22 @@ def get_object_and_etag(fs: Any, path: str) -> tuple[bytes, str]:
     """The whole object and its ETag from one GET (what a conditional replacement names)."""
     bucket, key, _ = fs.split_path(path)
     with translate_errors(path):
-        data, etag = _retried(fs, _get_with_etag, fs, bucket, key)
+        data, etag = _retried(fs, _get, fs, bucket, key)
     return bytes(data), str(etag)
 
 
 def get_object(fs: Any, path: str) -> bytes:
     """The whole object in one GET (``FileNotFoundError`` when missing). s3fs's ``cat_file`` first
-    asks for the size (a HEAD, and a LIST when that 404s): three requests to learn a key is absent.
-    Retried as s3fs retries its own reads, the body's read included: a body cut short once (measured
-    on a manifest) must not make a committed checkpoint look unreadable."""
+    asks for the size (a HEAD, and a LIST when that 404s). Retried as s3fs retries its own reads, the
+    body's read included, so a body cut short once does not make a checkpoint look unreadable."""
     bucket, key, _ = fs.split_path(path)
-    return bytes(_retried(fs, _get, fs, bucket, key))
+    return bytes(_retried(fs, _get, fs, bucket, key)[0])
 
 
 def _retried(fs: Any, func: Any, *args: Any) -> Any:
     """(any thread but s3fs's loop) ``await func(*args)`` on s3fs's loop, retried as s3fs retries its own
-    calls and translated as it translates them. ``s3fs.core._error_wrapper`` is private, and kept: it is
-    s3fs's retry policy (which errors, how long to wait, ``fs.retries`` attempts) and there is no public
-    way to run a coroutine of ours under it. tests/storage/test_s3fs_private_api.py pins it."""
+    calls and translated as it translates them (``s3fs.core._error_wrapper``: private, with no public
+    form; tests/storage/test_s3fs_private_api.py pins it)."""
     from fsspec.asyn import sync
     from s3fs.core import _error_wrapper
 

@@ -2,9 +2,7 @@
 
 Every sink has ``write(memoryview)``, ``commit()`` (make the file complete and durable) and
 ``abort()`` (best-effort removal of a partial file; idempotent). ``commit`` after ``abort`` is an error.
-Sinks do not copy the caller's bytes except where the backend needs its own buffer (S3 parts, unless
-the sink was opened with ``borrow=True``: then the caller's memory must stay unchanged until
-``commit``/``abort`` returns, and S3 parts are sent straight from it).
+Sinks copy the caller's bytes only where the backend needs its own buffer (S3 parts, unless ``borrow``).
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ MIN_PART_SIZE = 5 << 20
 MAX_PART_SIZE = 5 << 30
 MAX_PARTS = 10_000
 #: S3 multipart parts are numbered from 1; every this many parts the size doubles (up to MAX_PART_SIZE),
-#: so one upload has no size ceiling short of S3's 5 TiB object limit whatever part size it starts from
-#: (32 MiB parts alone stop at 312 GiB; doubled every 1,000 they reach 31 TiB). A file's size is not
-#: known when its first parts go out (the writers stream), so the schedule cannot be picked up front.
+#: so a streamed upload (its size unknown when its first parts go out) has no ceiling short of S3's
+#: 5 TiB object limit whatever part size it starts from.
 PART_GROWTH_EVERY = 1_000
 
 

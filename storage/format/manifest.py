@@ -6,14 +6,11 @@ and what a folder holds. A committed checkpoint folder holds::
     <folder>/.metadata.<save_id>            # the same bytes under a per-generation name (our reader)
     <folder>/[<prefix>/]<e4>_r<rank>_<n>.<save_id>.smp.distcp   # data files, one generation per save
 
-``<e4>`` is four hex characters of a hash of the file's identity. It comes first in the object name so
-object-store keys of one checkpoint spread over many key prefixes (S3 partitions by prefix); it sits right
-after the folder so every object stays under the checkpoint's folder. ``<prefix>/``: the optional folder a
-prefix strategy puts the file in (``backends/_fs.py``; object stores by default), part of the recorded name.
+``<e4>`` (four hex characters of a hash of the file's identity) spreads object-store keys over key
+prefixes; ``<prefix>/`` is a prefix strategy's optional folder (``backends/_fs.py``), part of the name.
 
-The manifest, the commit marker and integrity record of one generation, is written last by the coordinator,
-after every rank's data and the metadata are durable: its presence makes a checkpoint committed. Layout
-(``format_version`` 1, or 2 when a file has tilings)::
+The manifest is written last by the coordinator, after every rank's data and the metadata are durable:
+its presence makes a checkpoint committed. Layout (``format_version`` 1, or 2 when a file has tilings)::
 
     {
       "format": "smpckpt", "format_version": 1 | 2,
@@ -29,19 +26,12 @@ after every rank's data and the metadata are durable: its presence makes a check
       "manifest_xxh3_64": "<16 hex>"     # digest of everything above (canonical JSON); see below
     }
 
-``manifest_xxh3_64`` covers the manifest itself -- its ``extra``, file list and block digests -- so a
-flipped byte in the manifest is reported as a corrupt manifest, not blamed on an intact data file.
-It is computed over the canonical JSON (sorted keys, compact separators) of the object without that
-field. Manifests written before it existed have none and are read as before.
+``manifest_xxh3_64`` is the digest of the canonical JSON (sorted keys, compact separators) of the object
+without that field, so damage to the manifest is not blamed on a data file; older manifests have none.
+Block lists are packed (8 bytes per block, base64) to keep large manifests small.
 
-Block lists are packed (8 bytes per block, base64) so a 1 TiB checkpoint with 1 MiB blocks needs
-about 22 MiB of manifest rather than ~60 MiB of JSON numbers.
-
-What a checkpoint folder holds: committed, uncommitted, legacy (stock DCP) or missing.
-
-One GET for the manifest; only without one, a GET of ``.metadata``; only without both, a LIST (to
-tell an uncommitted save from an empty location). Nothing here runs on the save hot path except the
-coordinator's single overwrite check.
+:func:`probe` tells what a folder holds (committed, uncommitted, legacy stock DCP, or missing): a GET of
+the manifest; only without one a GET of ``.metadata``; only without both a LIST.
 """
 
 from __future__ import annotations
@@ -167,16 +157,10 @@ def marker_owner(data: bytes | None) -> str | None:
 
 
 def check_member_name(name: object, *, where: str) -> str:
-    """``name`` if it is a plain file name that stays inside its checkpoint folder, else raise
-    :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where`` (the manifest or metadata that held it).
-
-    A name may start with up to two folder components of ``[0-9A-Za-z_-]`` (the prefixes of prefix
-    strategies: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``); nothing else may
-    hold a separator, so no name climbs out of the folder.
-
-    Every file name read from a checkpoint (manifest entries as it is parsed, the metadata's ``relative_path``)
-    goes through here before anything is read or deleted: a crafted ``../../victim`` never reaches the disk.
-    """
+    """``name`` if it is a plain file name that stays inside its checkpoint folder (up to two prefix folders
+    of ``[0-9A-Za-z_-]``: ``3/e1f0_r0_0...``, s3torchconnector's ``0000000000/__0_0.distcp``), else raise
+    :class:`~smpckpt.errors.UnsafeCheckpoint` naming ``where``. Every file name read from a checkpoint goes
+    through here before anything is read or deleted."""
     base = name
     if isinstance(name, str) and "/" in name:
         *folders, base = name.split("/")
@@ -537,12 +521,11 @@ def _plain_names(metadata: Any) -> list[str]:
 
 
 def _refers_to_our_files(metadata: Any) -> bool:
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        if RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ()):
-            return True
-        if is_smpckpt_file(str(getattr(info, "relative_path", ""))):
-            return True
-    return False
+    return any(
+        RAW_DESCRIPTOR in (getattr(info, "transform_descriptors", None) or ())
+        or is_smpckpt_file(str(getattr(info, "relative_path", "")))
+        for info in (getattr(metadata, "storage_data", None) or {}).values()
+    )
 
 
 def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:

@@ -59,18 +59,14 @@ def read_box(
     ``rec`` (when the box is tiled and ``rec`` is given: every tile inside the box's columns), into
     ``dst`` (the destination's own rows, ``width`` bytes each) or a pooled buffer.
 
-    Read a row group at a time, back to back: its rows read -- one request each, or (``box.merge``) up
-    to :data:`~._plan.ROWS_PER_CALL` rows per request with the gaps read into a scratch buffer -- then
-    its tiles verified while their bytes are in cache. No read-ahead on these descriptors: it would
-    fetch the gaps between the rows from the device (merged rows are one run: they get read-ahead).
+    Read a row group at a time: its rows read (one request each, or ``box.merge``: up to
+    :data:`~._plan.ROWS_PER_CALL` rows per request, gaps into a scratch buffer), then its tiles verified
+    while their bytes are in cache; no read-ahead on these descriptors (it would fetch the gaps).
 
-    ``box.stream`` (the planner's cost model, :func:`~._plan.streams`): the rows go in sequential
-    requests of whole rows instead, gaps included (:func:`_stream_into`: pieces of about
-    :data:`STREAM_PIECE_BYTES` through one reused buffer, each verified, then its columns copied into
-    ``dst`` or ``into``, the item's whole destination; without either, or under a ``turn``: one request
-    into a pooled buffer, ``pitch`` ``row_bytes``, verified and delivered from there). Whether the rows
-    are in memory or not: a request per row costs more CPU than copying the gap beside it (measured:
-    bf16 rows of 8 KiB from the page cache, 0.06-0.11 CPU-s streamed vs 0.14-0.19 per row).
+    ``box.stream`` (:func:`~._plan.streams`): sequential requests of whole rows, gaps included
+    (:func:`_stream_into`: pieces of about :data:`STREAM_PIECE_BYTES` through one reused buffer, each
+    verified, then its columns copied into ``dst`` or ``into``, the item's whole destination; without
+    either, or under a ``turn``: one request into a pooled buffer, ``pitch`` ``row_bytes``).
     Returns where the rows are and the bytes and requests asked of storage."""
     with reading(path, [box.item.fqn], turn):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))

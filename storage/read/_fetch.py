@@ -1,9 +1,8 @@
 """Read I/O: ranged reads of data files (``preadv`` on local disk, GET bodies streamed into our buffers
 on S3, ``cat_file`` elsewhere), block verification, and the read-buffer pool of one ``read_data`` call.
 
-The functions here run on the reader's worker threads; each reads, checks that every byte arrived and
-verifies every checksum block it read before returning, so a corrupt or short file fails the read with
-a :class:`~smpckpt.errors.CheckpointCorrupt` naming the file and the keys affected.
+Runs on the reader's worker threads; a corrupt or short file fails the read with a
+:class:`~smpckpt.errors.CheckpointCorrupt` naming the file and the keys affected.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from smpckpt.storage.read._plan import Item
 __all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "digest_of", "read_range", "DirectPart"]
 __all__ += ["read_direct", "reads_into"]
 
-# a read's turn at the device (see _gate); held only around the I/O, never around verification
+# a read's turn at the device (see _run.InOrder); held only around the I/O, never around verification
 Turn = AbstractContextManager[None]
 
 
@@ -119,16 +118,8 @@ RowsDigest = Callable[[int, int, int, int], int]
 
 #: verified local reads go in requests of about this many bytes (whole check units; a tiled row group is
 #: never split), each unit hashed right after its request returns, while its bytes are still in the CPU's
-#: cache: one pass over memory instead of two. Measured on the 2-vCPU VM (L2: 2 MiB per core), one
-#: thread, 512 MiB from the ext4 page cache, CPU s per GiB: the read costs the same in requests of 256 KiB
-#: to 1 MiB (0.217-0.221; 64 KiB 0.237, 16 MiB 0.200), but hashing right after a 1 MiB request found
-#: half its bytes gone from the cache (0.061-0.076 against 0.031-0.039 hashing them again), after
-#: 256 KiB 0.043-0.044. Whole warm loads (512 MiB GPT-like, 4 threads, paired rounds in one process,
-#: loaded VM): 256 KiB used 0.913 / 0.948 / 0.970x the CPU of 1 MiB from the ext4 page cache (12, 14
-#: and 11 of 15 rounds lower; 0.925 / 0.941 in runs of 25), 0.996 / 0.962x from /dev/shm; but
-#: ``profile_load.py --fuse-bytes 1048576`` (same rounds, paired) put 1 MiB at 0.975 / 0.994 / 1.015x
-#: the 256 KiB CPU: no worse, the gain within this loaded VM's noise there. Earlier (/dev/shm, one thread): a 16 MiB
-#: ``preadv`` then hashing its 1 MiB blocks 0.167-0.178 s, 1 MiB requests each hashed at once 0.140-0.146.
+#: cache: one pass over memory instead of two (figures: benchmarks/RESULTS.md, "Disk warm loads against
+#: /dev/shm"; ``profile_load.py --fuse-bytes`` measures other sizes).
 FUSE_BYTES = 256 << 10
 
 
@@ -243,13 +234,8 @@ def _chunks(rec: FileRecord, lo: int, hi: int) -> Iterator[tuple[int, int, Units
     """``[lo, hi)`` (cut on unit ends, as ``rec.widen`` cuts) as ``(start, end, units)``: runs of whole
     units of about :data:`FUSE_BYTES`, each ending where every unit in it has all its bytes (a tile's
     rows run to the end of its row group; a tile of one row is contiguous), with each unit's geometry
-    as :func:`unit_rows` gives it.
-
-    One pass in file order, the tilings walked alongside (not looked up per unit), and the geometry
-    handed to :func:`_verify_chunk` (it was worked out twice): this runs under the GIL on every reader
-    thread for every unit of a verified local read. Measured on the 2-vCPU VM (warm 512 MiB GPT-like
-    load, ~4,500 units per GiB): ``unit_rows`` was 9.6 % of a worker's py-spy samples; the chunking and
-    verification bookkeeping without the hashing went from 11.4 to 5.0 ms per GiB."""
+    as :func:`unit_rows` gives it. One pass in file order, the tilings walked alongside: this runs under
+    the GIL on every reader thread for every unit of a verified local read."""
     blocks = rec.blocks_covering(lo, hi)
     ends, tilings = rec.block_ends, rec.tilings
     j, nt = 0, len(tilings)
@@ -306,11 +292,10 @@ def _read_local(
     """(worker thread) Local file bytes ``[lo, hi)`` into ``land``, each unit verified against ``rec``
     (``None``: not verified); a ``scattered`` request's descriptor gets no read-ahead (``advise_random``).
 
-    Bytes in memory (the page cache, tmpfs) are read a chunk of whole units at a time, each chunk
-    verified right after it is read (:data:`FUSE_BYTES`); from the first byte that is not (a cold
-    disk), the rest goes in one request -- a disk streams large requests at full speed -- and is
-    verified after. Unverified reads, reads on filesystems that cannot tell (NFS, FUSE), and reads
-    under a turn at the device (``reads_in_flight``: the turn covers the I/O only) are one request."""
+    Bytes in memory are read a chunk of whole units at a time (:data:`FUSE_BYTES`), each verified right
+    after it is read; from the first byte that is not (a cold disk), the rest goes in one request,
+    verified after. Unverified reads, filesystems that cannot tell (NFS, FUSE) and reads under a turn at
+    the device (``reads_in_flight``) are one request."""
     with reading(path, keys, turn):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -418,8 +403,7 @@ def read_direct(
     is the previous one's ``hi``) into their destinations and verify every unit against ``rec``
     (``None``: not verified): on local disk as :func:`_read_local` reads (units in memory verified
     as they arrive, a cold remainder in one request), on S3 with one GET whose body streams into the
-    destinations. One large request instead of one per item: a disk streams it at full speed, and an
-    object store is asked once. ``scattered``: see :func:`_read_local`."""
+    destinations. ``scattered``: see :func:`_read_local`."""
     land = Landing([seg for part in parts for seg in part.segments()])
     lo, hi = parts[0].lo, parts[-1].hi
     items = [part.it for part in parts]

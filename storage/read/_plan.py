@@ -29,11 +29,8 @@ DIRECT_MIN_BYTES = 1 << 20
 PIECE_BYTES = 16 << 20
 #: a strided (column) slice's rows share one request, gaps and all, when the bytes between them are at
 #: most this many (or the reader's ``coalesce_gap``): less than a page, which the device reads anyway
-#: for the rows on either side. Wider gaps cost device bytes: a column slice of bf16 rows of 8 KiB at
-#: TP=4 read per row (4 KiB tiles) beat the same rows merged (whole rows, as stock DCP reads them) on
-#: the project's VM warm (0.138 vs 0.185 CPU-s) and tied cold, with half the device bytes
-#: (``benchmarks/RESULTS.md``, "Strided reads"); devices that punish small requests may set
-#: ``coalesce_gap``.
+#: for the rows on either side; wider gaps cost device bytes (``benchmarks/RESULTS.md``, "Strided reads").
+#: Devices that punish small requests may set ``coalesce_gap``.
 ROW_GAP = (4 << 10) - 1
 #: iovecs per ``preadv`` (Linux's IOV_MAX is 1024): a merged request carries a row and a gap each
 ROWS_PER_CALL = 511
@@ -256,12 +253,8 @@ def _mark_scattered(
     fetches: list[FetchTask], candidates: list[DirectCandidate], sizes: Mapping[str, int]
 ) -> tuple[list[FetchTask], list[DirectCandidate]]:
     """Mark the requests followed in their file by bytes this load does not read (``sizes``: file
-    sizes, where known; past the last request of a file of unknown size nothing counts as unread).
-
-    Why: the kernel reads ahead of a read (here up to ``read_ahead_kb``, 8 MiB), which a load of whole
-    files uses, but which makes a resharding load's slices -- a quarter of each tensor -- fetch the
-    next slice, another rank's, from the device for nothing. A load of whole files has no such request
-    and reads as before."""
+    sizes, where known; past the last request of a file of unknown size nothing counts as unread), so
+    the kernel's read-ahead does not fetch another rank's slice for nothing."""
     spans = sorted(
         [(t.file, t.fetch.start, t.fetch.end) for t in fetches]
         + [(d.file, d.need.start, d.need.end) for d in candidates]
@@ -331,9 +324,8 @@ def pieces(rec: FileRecord | None, lo: int, hi: int) -> list[tuple[int, int]]:
 def box_read(it: Item, rec: FileRecord | None, *, verify: bool) -> BoxRead | None:
     """The row-by-row read of a strided slice (local files): verifying, the column groups it touches
     over the row groups it touches when its record is tiled in ``rec``; not verifying, exactly its
-    bytes (how -- rows merged, streamed or a request each -- is the caller's cost model's choice, for
-    short runs too: read as one range, a slice of a big tensor took its whole enclosing span in one
-    buffer, 4.1 GiB for a 1 GiB slice). ``None``: read a range."""
+    bytes (rows merged, streamed or a request each: the caller's cost model decides, for short runs too,
+    so a slice never takes its whole enclosing span in one buffer). ``None``: read a range."""
     if verify:
         t = rec.tiling_at(it.start) if rec is not None else None
         if t is None or it.end > t.end:

@@ -10,34 +10,27 @@ verifying them overlaps other reads. Task kinds:
   and verified, each of its items is decoded and copied into its destination (``commit_tensor`` /
   ``load_bytes``).
 * :class:`_DirectBatch`: consecutive pieces (about 16 MiB each) of direct items, read straight into
-  their destinations with one request (a ``preadv``, or one S3 GET streamed in) of up to
-  ``max_request_bytes`` and verified by the worker that read them (xxh3 releases the GIL above 64 KiB,
-  and tiles are hashed gathered, so hashing overlaps other threads' reads); an item is committed when
-  its last piece is done (:class:`_OpenItem` counts them down). Local reads of bytes in memory are
-  carried out a chunk of check units at a time, each verified as it arrives (``_fetch._read_local``).
-* :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB requested each, so
-  several threads share a slice), a request per row (or per run of rows closer than a page), into the
-  destination's rows or a pooled buffer whose rows are then copied into place; or, where the planner's
-  cost model says rows are closer than a request costs (``_plan.streams``), sequential spans of whole
-  rows whose columns the worker copies into the destination (``_boxes``).
+  their destinations with one request of up to ``max_request_bytes`` and verified by the worker that
+  read them; an item is committed when its last piece is done (:class:`_OpenItem` counts them down).
+* :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB each, so several
+  threads share a slice), a request per row (or per run of close rows), or sequential spans of whole
+  rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_boxes``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
-read as a buffered fetch instead, merged with its unsuitable neighbours in the file up to
-``max_request_bytes``. At most ``2 * thread_count`` tasks are in flight, so the planner
-is asked for destinations only shortly before their bytes are read.
-
-When ``reads_in_flight`` is below ``thread_count``, at most that many workers are inside a read at a
-time, started in that stream's order (:class:`~smpckpt.storage.read._gate.InOrder`); the others verify
-and copy what was read.
+read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
+asked for destinations only shortly before their bytes are read. ``reads_in_flight`` below
+``thread_count`` lets that many workers read at a time, in the stream's order (:class:`InOrder`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import heapq
 import io
 import math
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -53,7 +46,6 @@ from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_plac
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._boxes import BoxRows, Into, read_box
 from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_direct, read_range
-from smpckpt.storage.read._gate import InOrder
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
     BoxRead,
@@ -68,7 +60,53 @@ from smpckpt.storage.read._plan import (
 if TYPE_CHECKING:
     from smpckpt.storage.read.reader import FsspecStorageReader
 
-__all__ = ["ReadRun"]
+__all__ = ["ReadRun", "InOrder", "ReadAborted"]
+
+
+class ReadAborted(RuntimeError):
+    """A read waiting for its turn was given up because an earlier one failed."""
+
+
+class InOrder:
+    """Admits reads in ticket order (0, 1, 2, ...), at most ``depth`` at once (``reads_in_flight``: for
+    devices that punish concurrent streams; verification overlaps the next read). Thread-safe.
+
+    Tickets are handed out on the calling thread in submission order and tasks run FIFO on the pool,
+    so the lowest waiting ticket is always held by a running worker: no wait can block forever unless a
+    ticket is never used -- :meth:`abort` (on any failure) releases every waiter with
+    :class:`ReadAborted`.
+    """
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"reads in flight must be >= 1, got {depth}")
+        self.depth = depth
+        self._next = 0
+        self._active = 0
+        self._aborted = False
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, ticket: int) -> Iterator[None]:
+        with self._cv:
+            while not self._aborted and (self._next != ticket or self._active >= self.depth):
+                self._cv.wait()
+            if self._aborted:
+                raise ReadAborted("an earlier read of this load failed")
+            self._next += 1
+            self._active += 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
+
+    def abort(self) -> None:
+        with self._cv:
+            self._aborted = True
+            self._cv.notify_all()
 
 
 @dataclasses.dataclass
@@ -119,8 +157,7 @@ SMALL_FIRST = 1 << 20
 # the tapered tail's smallest requests (see ReadRun._batched)
 TAPER_FLOOR = PIECE_BYTES
 #: a streamed column slice's parts (bytes of whole rows): smaller than PIECE_BYTES so the threads share
-#: the work evenly (bf16 rows of 8 KiB at TP=4, 128 MiB of rows, warm, on the loaded 2-vCPU VM: parts
-#: of 16 MiB 0.147 s median, 8 MiB 0.100-0.105, 4 MiB 0.082-0.104; cold within noise of each other)
+#: the work evenly (measured faster warm, the same cold)
 STREAM_PART_BYTES = 8 << 20
 
 
@@ -141,7 +178,7 @@ class ReadRun:
         # None: every worker reads when it gets to its task (object stores reward concurrency)
         self.gate = InOrder(depth) if depth < thread_count else None
         # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
-        # records must not zero-fill 64 MiB buffers (measured: 192 MiB extra RSS for a 17 MiB load)
+        # records must not zero-fill 64 MiB buffers
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
         self.bytes_requested = self.requests = 0
         self.read_per_file: dict[str, int] = {}
@@ -188,17 +225,13 @@ class ReadRun:
 
     def _interleaved(self, plan: ReadPlan) -> Iterator[_Task]:
         """(calling thread) Every task: each file's in offset order, the files read side by side, the next
-        task always from the file with the fewest bytes issued so far.
-
-        Why not file after file: the workers then read neighbouring requests of one file at once, and
-        with verification that measured ~12 % slower on a cold virtio disk than the same requests spread
-        over different files (2 vCPUs, 4 x 128 MiB files, 64 MiB requests: 1.84 vs 2.07 GB/s)."""
+        task always from the file with the fewest bytes issued so far (workers reading neighbouring
+        requests of one file at once measured slower on a cold disk)."""
         work: list[FetchTask | DirectCandidate | BoxRead] = [*plan.fetches, *plan.direct, *plan.boxes]
         # buffered fetches before direct candidates at the same offset (stable: plan order otherwise)
         work.sort(key=_work_key)
-        # Small requests first: the writer puts small tensors at the end of each file, and a small read
-        # queued behind large ones waits for them (measured 25-30 ms each on a cold disk, at the end of
-        # a load where nothing else is left to do); at the start they cost a millisecond.
+        # small requests first: the writer puts small tensors at the end of each file, and a small read
+        # queued behind large ones waits for them at the end of a load
         small: list[FetchTask | DirectCandidate | BoxRead] = []
         by_file: dict[str, list[FetchTask | DirectCandidate | BoxRead]] = {}
         for w in work:
@@ -225,15 +258,10 @@ class ReadRun:
         destination is resolved when its turn comes.
 
         A candidate whose destination cannot take the stored bytes in place (a CUDA tensor; every
-        destination under the CPU stand-in) is read into a pooled buffer instead, and candidates of that
-        kind that follow each other in the file share one such request while it stays within
-        ``max_request_bytes`` -- the bound of every buffered request, so host memory stays what
-        coalesced fetches already take (at most ``2 * thread_count`` requests in flight). Before, each
-        was a request of its own: a load of many 1-4 MiB tensors into CUDA issued one read per tensor.
-        Like merged direct reads (:meth:`_batched`) a shared request also stays within half the file's
-        bytes not yet handed out (at least :data:`TAPER_FLOOR`), so the hashing of the file's last
-        requests overlaps other reads; and it is ``scattered`` (no read-ahead) as the candidate reaching
-        its end is: what follows the request is what follows that candidate."""
+        destination under the CPU stand-in) is read into a pooled buffer instead; such candidates that
+        follow each other in the file share one request within ``max_request_bytes`` and, as in
+        :meth:`_batched`, half the file's bytes not yet handed out (at least :data:`TAPER_FLOOR`). The
+        request is ``scattered`` as the candidate reaching its end is."""
         held: FetchTask | None = None  # buffered candidates not yet handed out, merged so far
         left = sum(w.nbytes for w in work)  # bytes of this file's work not yet handed out
 
@@ -305,9 +333,8 @@ class ReadRun:
         """(calling thread) Direct pieces that follow each other in one file's ``tasks`` (``total`` bytes)
         merged into one request of up to ``max_request_bytes``, and up to half the bytes left in the file.
 
-        Why taper: a worker verifies what it read after the read returns, so the last requests' hashing
-        is not overlapped with any I/O; with 64 MiB requests that tail was ~7 % of a cold 512 MiB load on
-        2 vCPUs. Halving keeps the request count logarithmic in the tail."""
+        Tapering lets the hashing of a file's last requests overlap other reads; halving keeps the
+        request count logarithmic in the tail."""
         held: _DirectBatch | None = None
         left = total  # bytes of this file not yet handed out
         for task in tasks:

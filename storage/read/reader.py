@@ -1,27 +1,13 @@
-"""``FsspecStorageReader``: DCP StorageReader for partial smpckpt checkpoints and stock DCP checkpoints; a
-full artifact or Hugging Face folder it finds is read by ``FullArtifactReader``, which it hands the load to.
+"""``FsspecStorageReader``: DCP StorageReader for committed smpckpt checkpoints (manifest present) and
+stock DCP checkpoints (``.metadata`` only, read as *legacy*: no checksums); an uncommitted save raises
+:class:`~smpckpt.errors.CheckpointNotFound`. A full artifact or Hugging Face folder goes to
+``FullArtifactReader`` (as DCP's ``HuggingFaceStorageReader`` is beside ``FileSystemReader``).
 
-What ``read_metadata`` accepts: a committed smpckpt checkpoint (manifest present); a stock DCP
-checkpoint (``.metadata`` from ``FileSystemWriter``/``FsspecWriter``, read as *legacy*: no checksums).
-It refuses an uncommitted save (our files, no manifest) with :class:`~smpckpt.errors.CheckpointNotFound`.
-
-Reads: every item's byte range is computed from the metadata (for raw tensors only the bytes of the
-requested slice), widened to whole checksum blocks when verifying, sorted by offset and coalesced
-(``_plan``); ``thread_count`` worker threads read and verify them (``_fetch``) in the order ``_run``
-describes, and the planner is called from the calling thread only. On local disk and S3 a raw tensor item
-of at least 1 MiB whose slice is contiguous in the file, and whose destination
-(``planner.resolve_tensor``) is a contiguous CPU tensor of the saved dtype and shape, is read straight
-into the destination's memory (``os.preadv``, or a ranged GET streamed in: ``_s3.get_range_into``);
-a column slice on local disk is read row by row, straight into the destination when its tiles are
-exactly the slice's columns; everything else (small, cast and object items, and other backends'
-reads, by ``cat_file``) goes through pooled buffers and a copy into the destination. Verified local
-reads of bytes in memory hash each check unit as it arrives (``_fetch``). This module holds the
-protocol, the metadata and the checks of every storage record.
-
-``FullArtifactReader``: DCP StorageReader of a full artifact of ours or a plain Hugging Face folder,
-beside ``FsspecStorageReader`` (partial and stock DCP checkpoints) as DCP's ``HuggingFaceStorageReader``
-is beside ``FileSystemReader``. ``FsspecStorageReader`` hands a folder it finds to be one of these to
-this reader, so callers that do not know what a folder holds keep using it.
+Reads: each item's byte range (a raw tensor: only its slice's bytes) is widened to whole checksum blocks
+when verifying, sorted and coalesced (``_plan``), then read and verified by ``thread_count`` workers
+(``_fetch``, in the order ``_run`` gives); the planner is called from the calling thread only. Large
+contiguous raw slices whose destination is a contiguous CPU tensor of the saved dtype and shape are read
+straight into it (``os.preadv`` or a streamed ranged GET); everything else goes through pooled buffers.
 """
 
 from __future__ import annotations
@@ -29,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -70,32 +56,16 @@ class FullArtifactReader(ReaderBase):
     """Read a full artifact of ours (verified against the check units its metadata lists) or a plain
     Hugging Face folder (``model.safetensors``, or an index and shards; no checksums: *unverified*).
 
-    Call order inside ``dcp.load`` ("all" = every rank)::
-
-        0) (all)         reset(checkpoint_id)            only when dcp.load gets checkpoint_id=
-        1) (all)         read_metadata()                 manifest and the artifact's description, or the
-                                                          Hugging Face headers: one whole chunk per tensor
-        2) (all)         set_up_storage_reader(metadata, is_coordinator, ...)
-        3) (all)         prepare_local_plan(plan)         unchanged
-        4) (coordinator) prepare_global_plan(plans)       unchanged
-        5) (all)         read_data(plan, planner)         exact boxes, each check unit they touch verified
+    ``read_metadata`` gives one whole chunk per tensor; the plans pass unchanged; ``read_data`` reads
+    exact boxes, verifying each check unit they touch.
 
     Args:
-        path, storage_options, verify_checksums, allow_pickle: as for
+        path, storage_options, verify_checksums, allow_pickle, request_cost_bytes, thread_count: as for
             :class:`~smpckpt.storage.FsspecStorageReader`.
         translation: for a Hugging Face folder: present its tensors under our keys and layout
             (``smpckpt.hf.llama.TRANSLATION``), box by box, so each rank reads only its shards' bytes.
-            Full artifacts of ours need none.
         hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
             that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
-        request_cost_bytes: as for :class:`~smpckpt.storage.FsspecStorageReader`: a column slice on
-            local disk whose rows are fewer bytes apart than this is read as sequential spans of whole
-            rows, each piece's check units verified before its columns are copied out; wider gaps read
-            a request per row. 0: a request per row always (fewest bytes read).
-        thread_count: worker threads that read and verify the tensors (default: 4; on local files at
-            most the CPUs this rank may use, at least 2): reads and checks of different tensors overlap,
-            and on local files a column box's parts are shared by the threads free at the time. 1:
-            every read and check on one worker thread.
     """
 
     def __init__(
@@ -173,19 +143,15 @@ class FullArtifactReader(ReaderBase):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         if self.source is None:
             raise CheckpointError("read_data() called before read_metadata()")
-        device0 = device_read_bytes() if is_local(self.fs) else None
-        self.source.read(plan, planner)
-        device1 = device_read_bytes() if device0 is not None else None
-        per_file = {n: (needed, read) for n, (needed, read) in self.source.file_stats.items()}
+        source = self.source
+        device = _device_bytes_during(is_local(self.fs), lambda: source.read(plan, planner))
+        per_file = {n: (needed, read) for n, (needed, read) in source.file_stats.items()}
         needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
-        device = device1 - device0 if device0 is not None and device1 is not None else None
         self.last_read_stats = ReadStats(needed, read, self.source.requests, len(plan.items), per_file, device)
 
     def _hf_files(self) -> list[str] | None:
-        """The safetensors files when the folder is a Hugging Face model, not a save of ours without its
-        manifest: one in progress (its marker), a full checkpoint whose manifest is gone (a removal
-        interrupted after deleting it, or lost; its ``.metadata.<id>`` generation file stays), or a
-        folder marked for removal. Those are refused, never read without their checksums."""
+        """The safetensors files when the folder is a Hugging Face model, ``None`` when it is a save of ours
+        without its manifest (in progress, manifest lost, or marked for removal): never read unverified."""
         return None if self._ours(folder_names(self.fs, self.path)) else hf_folder_files(self.fs, self.path)
 
     @staticmethod
@@ -193,8 +159,8 @@ class FullArtifactReader(ReaderBase):
         return bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(map(_names.is_smpckpt_file, names))
 
     def _refusal(self, detail: str) -> str:
-        """Why a folder with no manifest is refused. A Hugging Face folder of ``torch.save`` weights (older
-        ``save_pretrained``, ``safe_serialization=False``) is named as such, not as a failed save of ours."""
+        """Why a folder with no manifest is refused; a Hugging Face folder of ``torch.save`` weights is named
+        as such, not as a failed save of ours."""
         names = folder_names(self.fs, self.path)
         bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")))
         if bins and not self._ours(names):
@@ -214,14 +180,9 @@ REMOTE_REQUEST_BYTES = 64 << 20
 class FsspecStorageReader(ReaderBase):
     """Read a checkpoint at ``path`` (any fsspec URL).
 
-    Call order inside ``dcp.load`` ("all" = every rank)::
-
-        0) (all)         reset(checkpoint_id)            only when dcp.load gets checkpoint_id=
-        1) (all)         read_metadata()                 manifest (the commit marker), then the metadata it names
-        2) (all)         set_up_storage_reader(metadata, is_coordinator, rank=, use_collectives=)
-        3) (all)         prepare_local_plan(plan)         items sorted by file and offset
-        4) (coordinator) prepare_global_plan(plans)       unchanged
-        5) (all)         read_data(plan, planner)         ranged, coalesced, verified reads
+    ``read_metadata`` reads the manifest (the commit marker), then the metadata it names;
+    ``prepare_local_plan`` sorts items by file and offset; ``read_data`` does ranged, coalesced, verified
+    reads.
 
     Args:
         path: folder or URL.
@@ -234,32 +195,23 @@ class FsspecStorageReader(ReaderBase):
             the CPUs this rank may use, at least 2: :func:`~smpckpt.storage.backends._fs.default_read_threads`).
         reads_in_flight: how many of them may be inside a read at once (``None``: all of them).
             Fewer than ``thread_count`` starts reads in file order while the other workers verify:
-            for devices that punish concurrent streams (disks with seeks). On this project's virtio
-            disk 2-4 in flight beat 1 (``benchmarks/RESULTS.md``, "cold loads").
+            for devices that punish concurrent streams (``benchmarks/RESULTS.md``, "cold loads").
         max_request_bytes: coalesced requests stop growing at this size (``None``: 32 MiB on local
-            filesystems, 64 MiB on object stores and others). Why 32 MiB locally: on a cold virtio disk
-            it beat 64 MiB side by side in 4 of 5 driver runs (by 3-6 %) and in 5 of 5 ad hoc ones
-            (``benchmarks/RESULTS.md``, "Read request size"); an object store wants fewer, larger GETs.
+            filesystems, 64 MiB elsewhere: ``benchmarks/RESULTS.md``, "Read request size").
         coalesce_gap: merge ranges separated by at most this many bytes (reading the gap); the rows of
             a column slice on local disk share requests when they are at most this many bytes apart, or
             less than a page (``_plan.ROW_GAP``).
         request_cost_bytes: what one more small read request costs, in bytes a device streams in the
-            same time (default 16 KiB, measured on this project's virtio disk). A column slice on local
-            disk whose rows are fewer bytes apart than this is read as sequential spans of whole rows,
-            gaps included, its columns copied out (bf16 rows of 8 KiB at TP=4: 8 requests instead of
-            16,384, twice the bytes); wider gaps read a request per row, exactly the tiles needed. 0: a
-            request per row always (fewest device bytes). Full artifacts too.
+            same time (default 16 KiB). A column slice on local disk whose rows are fewer bytes apart
+            than this is read as sequential spans of whole rows, gaps included, its columns copied out;
+            wider gaps read a request per row. 0: a request per row always (fewest device bytes).
         translation, hf_prefix: for a plain Hugging Face folder: see :class:`~smpckpt.storage.FullArtifactReader`.
         staging_bytes: the cap on host memory a load into CUDA tensors stages through (default 128 MiB):
-            what the reader read is copied into a pool of pinned buffers of this many bytes in all and
-            from there to the device on a side stream, a buffer at a time
-            (``storage/format/_staging.py``); CPU destinations are filled in place and use none of it.
+            reads are copied through pinned buffers of this many bytes in all to the device on a side
+            stream (``storage/format/_staging.py``); CPU destinations are filled in place.
 
-    Besides partial checkpoints of ours and stock DCP ones, this reads full (consolidated) artifacts of
-    ours and Hugging Face folders, by handing them to a :class:`~smpckpt.storage.FullArtifactReader`;
-    Hugging Face folders have no checksums and are read as *unverified*. ``reads_in_flight``,
-    ``max_request_bytes`` and ``coalesce_gap`` apply to partial and stock checkpoints;
-    ``thread_count`` and ``request_cost_bytes`` to full artifacts too.
+    Full artifacts and Hugging Face folders are handed to a :class:`~smpckpt.storage.FullArtifactReader`
+    (with ``thread_count`` and ``request_cost_bytes``; the other read options do not apply to them).
     """
 
     def __init__(
@@ -345,10 +297,8 @@ class FsspecStorageReader(ReaderBase):
 
     def _chunk_of(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """The saved dtype and sizes of the chunk of ``index``'s key at its offsets: the chunk at the
-        position ``index.index`` hints when its offsets agree, else the last one at those offsets (what
-        an index by key and offsets of every chunk held). That index was built on every rank for every
-        load, O(chunks of the whole checkpoint): ~100 ms and ~22,000 entries a rank for a 64-rank ZeRO
-        save of 80 layers, 7x that at 1,024 ranks; each rank reads only its own pieces."""
+        position ``index.index`` hints when its offsets agree, else the last one at those offsets. Looked up
+        per read rather than indexing every chunk of the checkpoint on every rank."""
         md = self._tensors.get(index.fqn)
         if not isinstance(md, TensorStorageMetadata) or index.offset is None:
             return None
@@ -392,15 +342,9 @@ class FsspecStorageReader(ReaderBase):
         return Item(req, info.relative_path, info.offset, info.offset + info.length, False)
 
     def _check_record(self, fqn: str, info: _StorageInfo) -> None:
-        """(calling thread, before any byte is read) The metadata names a plain file inside the folder
-        (listed in the manifest when there is one) and a byte range inside that file.
-
-        The metadata may be crafted: a ``../`` name must never reach the filesystem, and a negative offset
-        or a huge length must fail here with a :class:`CheckpointCorrupt` naming the file and the key,
-        not later as an ``OSError``, a ``MemoryError`` or a read of the wrong bytes. A committed
-        checkpoint's file sizes come from the manifest; a stock (legacy) checkpoint's data files are
-        stat'ed, once each.
-        """
+        """(calling thread, before any byte is read) The record names a plain file in the folder (listed
+        in the manifest when there is one) and a byte range inside it. Crafted metadata (``../``, negative
+        offsets, huge lengths) fails here with a :class:`CheckpointCorrupt` naming the file and the key."""
         name = getattr(info, "relative_path", None)  # DCP drops None fields when pickling a record
         if not (isinstance(name, str) and name in self._plain_names):
             name = _names.check_member_name(name, where=f"{self._metadata_path} (key {fqn!r})")
@@ -463,17 +407,22 @@ class FsspecStorageReader(ReaderBase):
                 request_cost=self.request_cost_bytes,
             )
         run = ReadRun(self, planner, max_request)
-        device0 = device_read_bytes() if local else None
-        run.run(reads)
-        device1 = device_read_bytes() if device0 is not None else None
+        device = _device_bytes_during(local, lambda: run.run(reads))
         per_file = {
             n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
             for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
         }
-        device = device1 - device0 if device0 is not None and device1 is not None else None
         self.last_read_stats = ReadStats(
             reads.bytes_needed, run.bytes_requested, run.requests, len(plan.items), per_file, device
         )
+
+
+def _device_bytes_during(local: bool, read: Callable[[], None]) -> int | None:
+    """Bytes the kernel read from block devices while ``read`` ran (``None``: not local, or not reported)."""
+    before = device_read_bytes() if local else None
+    read()
+    after = device_read_bytes() if before is not None else None
+    return after - before if before is not None and after is not None else None
 
 
 def _is_int(x: object) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter
 from smpckpt.storage.read import _fetch
-from smpckpt.storage.read._gate import InOrder, ReadAborted
+from smpckpt.storage.read._run import InOrder, ReadAborted
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -40,6 +40,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "planners._cache": "planners._wire planners._plan_cache planners._plan_wire",
         "planners.save": "planners._checks planners._plan_checks",
         "planners._entries": "planners._ties",
+        "planners._replica_values": "planners._ownership",
         "storage.format._reading": (
             "storage.format._ranges storage.format._tensor_bytes storage._tensor_bytes storage._ranges"
         ),
@@ -54,9 +55,9 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         ),
         "storage.write._base": "storage.write._failed_save storage.format._wire storage._wire storage._failed_save",
         "storage.format._staging": "storage.backends._staging storage.format._staged",
-        "model.translation": "translation",
+        "model.translation": "translation model._translation_checks",
         "model._translation_algebra": "_translation_algebra",
-        "api._async": "_async",
+        "api._async": "_async api._staging",
         "api._full": "_full",
         "api._resume": "_resume",
         "catalog._debris": "_debris",

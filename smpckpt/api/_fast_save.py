@@ -269,7 +269,8 @@ def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, 
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
         message = (
             f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier and its drain never committed (a "
-            f"job stopped while draining?): draining it to {partial_url(req.root, c.tag)} again, in the background"
+            f"job stopped while draining?): this save drains it to {partial_url(req.root, c.tag)} again, in the "
+            "background, once it is written"
             if not why
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
             f"but cannot be drained: {why}; it stays in the fast tier until a later save is drained"

@@ -189,7 +189,8 @@ class FastTier(_Options):
     """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written
     yet; on object stores, the parts uploading): the files copied at once (4 to filesystems, 16 to object
     stores) wait for room. One file always proceeds, so a cap below one file's need (a 16 MiB read; on
-    object stores, plus three 32 MiB parts) copies a file at a time, above the cap. Below the default, a
+    object stores, plus three 32 MiB parts) copies a file at a time, above the cap; a check unit larger
+    than a read (a tile's row group of rows past 8 MiB) is read whole, past it. Below the default, a
     drain to S3 took longer (README, the fast tier's "Memory")."""
 
     def __post_init__(self) -> None:

@@ -178,7 +178,7 @@ def test_a_drain_killed_is_retried_by_the_next_save_and_never_lost(killed: Any) 
         if rank == 0:
             said = got["warnings"]
             assert len([w for w in said if "'step3' (save 3) was due for the durable tier" in w]) == 1, said
-            assert "draining it to" in said[0] and "again" in said[0], said
+            assert "this save drains it to" in said[0] and "again" in said[0], said
         if rank % 2 == 0:
             assert got["fast"] == ["step4_partial", "step5_partial"], (rank, got)
         assert got["durable"] == ["newest", "step3_partial"], (rank, got)

@@ -221,7 +221,7 @@ class Retention(_Options):
 
     num_kept_partial_checkpoints: int | None = None
     """Keep only the N newest committed partial checkpoints of the job's history (N >= 1; by sequence
-    number, never by a clock; the saves a roll-back by ``tag=`` abandoned are removed first), never the
+    number, never by a clock; the saves a roll-back by ``tag=`` abandoned are kept, uncounted), never the
     tag ``newest`` names; ``None`` keeps all. Full checkpoints are never counted or removed."""
 
     remove_uncommitted_older_than: float | None = None

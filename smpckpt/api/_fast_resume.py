@@ -263,7 +263,7 @@ def _load_fast(
     manifest: tuple[Manifest, int],
     part: FastTierPart,
 ) -> Loaded:
-    part.counter.resumed(target.order[0], target.abandoned, target.order[0], listed=False)  # not path's target
+    part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once the state is applied
     rng, state = resume_state(req, target, ctx)
     reader = fast_reader(req, target, choice, cand, *manifest)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)

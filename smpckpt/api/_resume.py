@@ -118,8 +118,9 @@ class Target:
         return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned)
 
     def seen_by(self, counter: SequenceCounter) -> None:
-        """The job's next saves are numbered after what choosing this target saw."""
-        counter.resumed(self.order[0], self.abandoned, self.seen_seq, listed=self.listed)
+        """The job's next saves are numbered after what choosing this target saw (a roll-back is marked only
+        once its state is applied, ``SequenceCounter.resumed``: a failed resume is none)."""
+        counter.saw(self.seen_seq, listed=self.listed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
                 "an older checkpoint. Retry the resume, or pass tag= to choose one"
             )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
-    history, dropped = catalog.split_lineage(committed, catalog.read_abandoned(root, storage_options, newest, top))
+    history, dropped = catalog.split_lineage(committed, catalog.read_abandoned(root, storage_options, committed))
     gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them)" if dropped else ""
     if not history:
         raise CheckpointNotFound(f"{reason}; every committed checkpoint was abandoned by a roll-back{gone}")

@@ -68,8 +68,9 @@ _RESUME_KEYWORDS = frozenset({"storage_options", "name_map", "process_group", "l
 #: the option objects each function takes in ``options=`` (the call's own last)
 _SAVE_OPTIONS = (Sharding, FastTier, Retention, AsyncOptions, SaveOptions, ExportOptions)
 _RESUME_OPTIONS = (Sharding, FastTier, AsyncOptions, ResumeOptions)
-#: the attribute of a model that keeps its Checkpointer
+#: the attribute of a model that keeps its Checkpointer; wrappers whose inner module keeps it instead
 _KEPT = "_smpckpt_checkpointer"
+_WRAPPERS = frozenset({"OptimizedModule", "DistributedDataParallel", "FullyShardedDataParallel"})
 
 
 class _Kept:
@@ -263,7 +264,7 @@ def _checkpointer(
     model: Any, location: Location, where: tuple[Any, ...], built: dict[type, Any], save: bool
 ) -> Checkpointer:
     """The model's kept Checkpointer when it fits ``built``, else a fresh one, kept on the model."""
-    sharding, fast_tier = built[Sharding] or Sharding(), built[FastTier]
+    sharding, fast_tier, model = built[Sharding] or Sharding(), built[FastTier], _inner(model)
     retention, async_options = built[Retention] or Retention(), built[AsyncOptions] or AsyncOptions()
     kept = model.__dict__.get(_KEPT) if isinstance(model, nn.Module) else None
     held, held_key = (kept.checkpointer, kept.key) if isinstance(kept, _Kept) else (None, ())
@@ -290,6 +291,16 @@ def _checkpointer(
     elif save and ckpt.retention != retention:
         ckpt._retain(retention)
     return ckpt
+
+
+def _inner(model: Any) -> Any:
+    """The module under torch.compile's (``_orig_mod``) and DDP's or FSDP's (``module``) wrappers: a model
+    wrapped after its resume meets the Checkpointer (and the roll-back) that resume kept."""
+    for _ in range(4):  # bounded: wrappers nest a few deep at most
+        if not (isinstance(model, nn.Module) and type(model).__name__ in _WRAPPERS):
+            break
+        model = model._orig_mod if type(model).__name__ == "OptimizedModule" else model.module
+    return model
 
 
 def _replace(kept: _Kept | None, key: tuple[Any, ...], build: Callable[[], Checkpointer]) -> Checkpointer:

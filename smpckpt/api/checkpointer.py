@@ -442,6 +442,7 @@ class Checkpointer:
                         stateless_at_save(req.model, req.optimizers, state, guard.stateless, planner),
                     )
                 )
+                self._counter.resumed(target.order[0], target.abandoned)  # applied: a roll-back (catalog.root)
                 info = summarize(req, target, ctx, planner, restored, untranslated)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)

@@ -206,9 +206,9 @@ class Retention(_Options):
     """What is removed under ``path`` after each save (rank 0, only after the new one committed)."""
 
     num_kept_partial_checkpoints: int | None = None
-    """Keep only the N newest committed partial checkpoints of the job's history (by sequence number;
-    those a roll-back abandoned go first), never the one ``newest`` names; ``None`` keeps all. Full
-    checkpoints are never counted or removed."""
+    """Keep only the N newest committed partial checkpoints of the job's history (N >= 1; by sequence
+    number, never by a clock; the saves a roll-back by ``tag=`` abandoned are kept, uncounted), never the
+    tag ``newest`` names; ``None`` keeps all. Full checkpoints are never counted or removed."""
 
     remove_uncommitted_older_than: float | None = None
     """Seconds: also remove uncommitted folders (debris of killed saves) with no write for that long and

@@ -13,12 +13,14 @@ manifest GET per committed folder.
 Order is by sequence number (``extra["sequence"]``, one above the highest committed under the root),
 then save time, then save id (:func:`record_order`); ``newest`` is a hint for stock tools and a first
 guess. A :class:`SequenceCounter` lists the root once (or reuses a resume's listing), then counts on
-without I/O. A save after resuming an older tag records the numbers above it as abandoned
-(``extra["abandoned"]``, carried on by later saves, and a copy beside ``newest``); :func:`split_lineage`
-gives the history retention keeps and fallbacks take. Retention (a pure policy on
-:class:`CheckpointRecord` values; :func:`apply_retention` deletes) counts only committed checkpoints,
-never deletes ``unsafe``/``corrupt`` folders, finishes ``removing`` ones, and never fails the save. The
-README (The Checkpointer) holds the full rules.
+without I/O. A save after a successful resume of an older tag records the numbers above it (an
+unnumbered tag: 0) as abandoned (``extra["abandoned"]``, carried on by later saves, and a copy beside
+``newest``); :func:`split_lineage` with :func:`read_abandoned` gives the history retention, ``prune``,
+``ls`` and fallbacks use. Retention (a pure policy on :class:`CheckpointRecord` values;
+:func:`apply_retention` deletes) counts only committed checkpoints of the history, never removes nor
+counts an abandoned one (an inference, wrong for two models in one root), never deletes
+``unsafe``/``corrupt`` folders, finishes ``removing`` ones, and never fails the save. The README (The
+Checkpointer) holds the full rules.
 """
 
 from __future__ import annotations
@@ -208,6 +210,7 @@ _MAX = 2**62  # a damaged manifest's number must not push every later one out of
 #: the manifest ``extra`` entry of the sequence ranges a save's history abandoned; the root's copy; at
 #: most this many ranges are recorded (roll-backs further back are told apart no more)
 ABANDONED_KEY, ABANDONED_NAME, _RANGES = "abandoned", "smpckpt.abandoned", 16
+Ranges = Sequence[tuple[int, int]]  #: inclusive sequence ranges, newest first
 
 
 def abandoned_of(extra: Mapping[str, Any] | None) -> tuple[tuple[int, int], ...]:
@@ -222,7 +225,7 @@ def abandoned_of(extra: Mapping[str, Any] | None) -> tuple[tuple[int, int], ...]
 
 
 def split_lineage(
-    records: Sequence[CheckpointRecord], abandoned: Sequence[tuple[int, int]] = ()
+    records: Sequence[CheckpointRecord], abandoned: Ranges = ()
 ) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
     """The committed records, newest first: ``(history, abandoned)``. The newest heads the history; an older
     one is abandoned when a newer member (or ``abandoned``) records its number so; unrecorded: history."""
@@ -237,26 +240,29 @@ def split_lineage(
 
 
 def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[str, Any]) -> None:
-    """(rank 0, before ``newest`` names ``tag``) The root's copy of the record of the save that rolled back."""
+    """(rank 0, before ``newest`` names ``tag``) The root's copy of the record, when it lacks its newest range."""
     seq, ranges = sequence_of(extra), abandoned_of(extra)
-    if ranges and ranges[0][1] == seq - 1:  # its newest abandoned range ends just below it: the roll-back
+    if ranges and ranges[0] not in abandoned_of(_root_copy(root, storage_options)):
         fs, root_path = open_root(root, storage_options)
         body = json.dumps({"tag": tag, SEQUENCE_KEY: seq, ABANDONED_KEY: [list(r) for r in ranges]}).encode()
         write_bytes_atomic(fs, join_url(root_path, ABANDONED_NAME), body)
 
 
-def read_abandoned(root: str, storage_options: Any, newest: str | None, top: int) -> tuple[tuple[int, int], ...]:
-    """(rank 0, a fallback) The root's copy, when the save that wrote it is the one ``newest`` names and
-    it is numbered above every committed checkpoint (``top``): that save is damaged, its manifest lost."""
-    try:
+def read_abandoned(root: str, storage_options: Any, records: Sequence[CheckpointRecord]) -> tuple[tuple[int, int], ...]:
+    """(rank 0) The root's copy's ranges, when its save is numbered above every committed one of ``records``
+    (damaged, its manifest lost); retention, ``prune``, ``ls`` and the fallback call it alike."""
+    top, body = max((r.order[0] for r in records if r.committed), default=0), _root_copy(root, storage_options)
+    return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body)) if sequence_of(body) > top else ()
+
+
+def _root_copy(root: str, storage_options: Any) -> dict[str, Any]:
+    try:  # the root's smpckpt.abandoned; empty when missing or unreadable
         fs, root_path = open_root(root, storage_options)
         with translate_errors(path := join_url(root_path, ABANDONED_NAME)):
             body = json.loads(fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES))
     except (OSError, CheckpointError, ValueError):
-        return ()
-    if not isinstance(body, dict) or body.get("tag") != newest or sequence_of(body) <= top:
-        return ()
-    return tuple(p for p in abandoned_of(body) if p[1] < sequence_of(body))
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def sequence_of(extra: Mapping[str, Any] | None) -> int:
@@ -280,11 +286,11 @@ class SequenceCounter:
         self._parent: int | None = None  #: the number of the checkpoint resumed, until the next draw
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
 
-    def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...], seen: int, *, listed: bool) -> None:
-        """The job goes on from checkpoint ``seq`` (recording ``abandoned``); the next draw abandons those above."""
-        with self._lock:  # an unnumbered one (older versions, stock DCP) has no place to roll back to
-            self._parent, self.abandoned = seq or None, abandoned
-        self.saw(seen, listed=listed)
+    def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...]) -> None:
+        """(once its state is applied) The job goes on from checkpoint ``seq`` (recording ``abandoned``; 0:
+        unnumbered, older versions or stock DCP); the next draw abandons those numbered above."""
+        with self._lock:
+            self._parent, self.abandoned = seq, abandoned
 
     def saw(self, seq: int, *, listed: bool = False) -> None:
         """A checkpoint numbered ``seq`` exists under the root; ``listed``: the highest of a whole listing."""
@@ -323,15 +329,8 @@ class SequenceCounter:
 
     def _newest_sequence(self) -> int:
         """The sequence number of the committed checkpoint ``newest`` names (0: none, or unreadable)."""
-        try:
-            fs, root_path = open_root(self.root, self.storage_options)
-            tag = read_newest(fs, root_path)
-        except (CheckpointError, OSError):
-            return 0
-        if tag is None:
-            return 0
-        record = _record(tag, partial_url(self.root, tag), self.storage_options)
-        return record.order[0] if record.committed else 0
+        record = newest_record(self.root, self.storage_options)
+        return record.order[0] if record is not None and record.committed else 0
 
 
 #: States a folder under a root can be in. ``unsafe``: its ``.metadata`` or manifest must not be
@@ -468,19 +467,22 @@ class KeepLatestN:
     def __post_init__(self) -> None:
         validate_keep(self.n, "KeepLatestN.n")
 
-    def should_preserve(self, records: Sequence[CheckpointRecord], protected: Collection[str] = ()) -> list[bool]:
-        """One bool per record (same order): ``True`` = keep. Only the history counts (:func:`split_lineage`):
-        what a roll-back abandoned is not kept."""
-        newest = {id(r) for r in split_lineage(records)[0][: self.n]}
-        return [(not r.committed) or id(r) in newest or r.tag in protected for r in records]
+    def should_preserve(
+        self, records: Sequence[CheckpointRecord], protected: Collection[str] = (), abandoned: Ranges = ()
+    ) -> list[bool]:
+        """One bool per record (same order): ``True`` = keep. Only the history counts (:func:`split_lineage`,
+        with the root's copy ``abandoned``); what a roll-back abandoned is kept, never counted."""
+        history, dropped = split_lineage(records, abandoned)
+        kept = {id(r) for r in (*history[: self.n], *dropped)}
+        return [(not r.committed) or id(r) in kept or r.tag in protected for r in records]
 
 
-def select_for_removal(records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = ()) -> list[str]:
-    """Tags to delete: the abandoned ones first, then the oldest first."""
-    preserve = KeepLatestN(keep).should_preserve(records, protected)
-    doomed = [r for r, p in zip(records, preserve) if not p]
-    dropped = {id(r) for r in split_lineage(records)[1]}
-    return [r.tag for r in sorted(doomed, key=lambda r: (id(r) not in dropped, r.order))]
+def select_for_removal(
+    records: Sequence[CheckpointRecord], keep: int, protected: Collection[str] = (), abandoned: Ranges = ()
+) -> list[str]:
+    """Tags to delete, the oldest first."""
+    preserve = KeepLatestN(keep).should_preserve(records, protected, abandoned)
+    return [r.tag for r in sorted((r for r, p in zip(records, preserve) if not p), key=lambda r: r.order)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,7 +505,7 @@ def apply_retention(
     just_saved: str | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
-    (:func:`split_lineage`: what a roll-back abandoned goes first).
+    (:func:`split_lineage`, :func:`read_abandoned`: what a roll-back abandoned stays, uncounted).
 
     Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first). ``keep=None``
     removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
@@ -514,7 +516,8 @@ def apply_retention(
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
     records = scan_root(root_url, storage_options=storage_options)
-    doomed = select_for_removal(records, keep, protected) if keep is not None else []
+    abandoned = read_abandoned(root_url, storage_options, records) if keep is not None else ()
+    doomed = select_for_removal(records, keep, protected, abandoned) if keep is not None else []
     saved = next((r for r in records if r.tag == just_saved and r.committed), None)
     later = [r.tag for r in records if saved is not None and r.committed and r.order > saved.order]
     if doomed and later:

@@ -64,8 +64,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     check_root(args.path, args.storage_options)
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
-    top = max((r.order[0] for r in records if r.committed), default=0)  # abandoned by a roll-back: shown so
-    dropped = {r.tag for r in split_lineage(records, read_abandoned(args.path, args.storage_options, newest, top))[1]}
+    dropped = {r.tag for r in split_lineage(records, read_abandoned(args.path, args.storage_options, records))[1]}
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []

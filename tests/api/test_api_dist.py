@@ -286,8 +286,8 @@ def test_rollback_retention_and_fallback_follow_the_history_on_every_rank(tmp_pa
     for rank, rank_result in enumerate(results):
         r = _ok(rank_result["rollback"])
         assert r["back"] == {"step": 3}
-        # the history s6 <- s3 <- s2 stays (retention 3); s4, s5 (abandoned) and s1 (the oldest) went
-        assert r["kept"] == ["s2_partial", "s3_partial", "s6_partial"]
+        # the history s6 <- s3 <- s2 stays (retention 3), and s4, s5 (abandoned, uncounted); s1 (the oldest) went
+        assert r["kept"] == ["s2_partial", "s3_partial", "s4_partial", "s5_partial", "s6_partial"]
         # s6 damaged: every rank loads s3 bit-exactly (never s5, the abandoned history's newest)
         assert r["uc"] == {"step": 3} and r["same"], r
         if rank == 0:

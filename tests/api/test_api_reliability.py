@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from smpckpt import (
+    AsyncOptions,
     CheckpointCorrupt,
     Checkpointer,
     CheckpointError,
     CheckpointExists,
+    ResumeOptions,
     Retention,
     SpecError,
     UnsafeCheckpoint,
@@ -421,8 +423,8 @@ def test_a_later_job_is_ordered_after_the_earlier_one_whatever_the_clocks_say(
 
 def test_a_rollback_numbers_past_the_abandoned_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job rolls back to an explicit older tag on a node whose clock is a day behind: its new checkpoints
-    outrank the abandoned run's later ones, so retention removes those first (one listing of the root at
-    the first save: an explicit-tag resume lists nothing)."""
+    outrank the abandoned run's later ones, which retention neither counts nor removes (one listing of the
+    root at the first save: an explicit-tag resume lists nothing)."""
     root = str(tmp_path)
     m, o = _model(0)
     for tag in ("a", "b", "c"):
@@ -432,7 +434,7 @@ def test_a_rollback_numbers_past_the_abandoned_run(tmp_path: Any, monkeypatch: p
     resume_from_checkpoint(root, tag="a", model=m, optimizer=o)
     for tag in ("d", "e"):
         save_checkpoint(root, tag, model=m, optimizer=o, num_kept_partial_checkpoints=2)
-    assert [(r.tag, r.order[0]) for r in scan_root(root) if r.committed] == [("d", 4), ("e", 5)]
+    assert [(r.tag, r.order[0]) for r in scan_root(root) if r.committed] == [("b", 2), ("c", 3), ("d", 4), ("e", 5)]
 
 
 def test_a_tagless_resume_seeds_the_numbers_without_another_listing(
@@ -538,11 +540,11 @@ def _damage(root: str, tag: str) -> None:
         f.write("{not json")
 
 
-def test_retention_after_a_rollback_keeps_the_history_and_removes_the_abandoned_saves(tmp_path: Any) -> None:
+def test_retention_after_a_rollback_keeps_the_history_and_the_abandoned_saves(tmp_path: Any) -> None:
     root = str(tmp_path)
     _rolled_back(root, keep=3)
-    # the history is s6 <- s3 (s1, s2 went with the earlier saves); s4, s5 were abandoned by the roll-back
-    assert _tags(root) == {"s3": "committed", "s6": "committed"}
+    # the history is s6 <- s3 (s1, s2 went with the earlier saves); s4, s5 (abandoned) stay, uncounted
+    assert _tags(root) == {t: "committed" for t in ("s3", "s4", "s5", "s6")}
     assert read_manifest(os.path.join(root, "s6_partial")).extra["abandoned"] == [[4, 5]]
 
 
@@ -566,11 +568,155 @@ def test_rollback_then_more_saves_and_a_tagless_restart_carries_the_record(tmp_p
     assert ck.resume(None, m, o) == {"step": 7}
     ck.save("s8", m, o, user_content={"step": 8})
     assert read_manifest(os.path.join(root, "s8_partial")).extra["abandoned"] == [[4, 5]]
-    # the four newest of the history stay; s4, s5 (abandoned) go first, before any of it
-    assert _tags(root) == {t: "committed" for t in ("s3", "s6", "s7", "s8")}
+    # the four newest of the history stay, and s4, s5 (abandoned: never removed nor counted); s2 went
+    assert _tags(root) == {t: "committed" for t in ("s3", "s4", "s5", "s6", "s7", "s8")}
     _damage(root, "s8")
     _damage(root, "s7")
     m, o = _model(9)
     with pytest.warns(UserWarning, match="checkpoint 's6' of the job's history"):
         assert Checkpointer(root).resume(None, m, o) == {"step": 6}
     _assert_same_params(models[6], m)
+
+
+def _raising(sd: Any) -> Any:
+    raise RuntimeError("translate_function failed")
+
+
+def test_a_failed_resume_by_tag_is_no_rollback(tmp_path: Any) -> None:
+    """rev60a F1: a resume by tag that fails (a raising translate_function; the model keeps s5's state)
+    recorded a roll-back: the next save abandoned s4, s5 and retention removed them."""
+    root = str(tmp_path)
+    ck, models = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=3)), {}
+    for step in range(1, 6):
+        models[step], o = _model(step)
+        ck.save(f"s{step}", models[step], o, user_content={"step": step})
+    m = models[5]  # and o, its optimizer
+    with pytest.raises(RuntimeError, match="translate_function failed"):
+        ck.resume("s3", m, o, options=ResumeOptions(translate_function=_raising))
+    ck.save("s6", m, o, user_content={"step": 6})
+    assert "abandoned" not in read_manifest(os.path.join(root, "s6_partial")).extra
+    assert _tags(root) == {t: "committed" for t in ("s4", "s5", "s6")}
+    assert not os.path.exists(os.path.join(root, "smpckpt.abandoned"))
+    m2, o2 = _model(9)
+    assert Checkpointer(root).resume(None, m2, o2) == {"step": 6}
+    _assert_same_params(models[5], m2)
+
+
+def test_fallback_uses_the_root_record_when_every_save_after_the_rollback_is_damaged(tmp_path: Any) -> None:
+    """rev60a F2: s6 (which wrote the root's record) and s7 damaged: the fallback took abandoned s5."""
+    root = str(tmp_path)
+    models = _rolled_back(root, keep=None, later=2)
+    _damage(root, "s6")
+    _damage(root, "s7")
+    m, o = _model(9)
+    with pytest.warns(UserWarning, match=r"checkpoint 's3' of the job's history \(not \['s5', 's4'\]"):
+        assert Checkpointer(root).resume(None, m, o) == {"step": 3}
+    _assert_same_params(models[3], m)
+
+
+def test_an_export_after_a_rollback_still_leaves_the_root_record(tmp_path: Any) -> None:
+    """rev60a F4: an export right after the roll-back drew its number: s7's range did not end at 6, so the
+    root's record was never written, and s7 damaged made the fallback take abandoned s5."""
+    root = str(tmp_path)
+    ck, models = Checkpointer(root), {}
+    for step in range(1, 6):
+        models[step], o = _model(step)
+        ck.save(f"s{step}", models[step], o, user_content={"step": step})
+    ck2, (m, o) = Checkpointer(root), _model(0)
+    ck2.resume("s3", m, o)
+    ck2.export("f6", model=m, optimizer=o)
+    ck2.save("s7", m, o, user_content={"step": 7})
+    assert read_manifest(os.path.join(root, "s7_partial")).extra["abandoned"] == [[4, 5]]
+    _damage(root, "s7")
+    m2, o2 = _model(9)
+    with pytest.warns(UserWarning, match="checkpoint 's3' of the job's history"):
+        assert Checkpointer(root).resume(None, m2, o2) == {"step": 3}
+    _assert_same_params(models[3], m2)
+
+
+def test_two_models_checkpointers_in_one_root_never_delete_each_others_saves(tmp_path: Any) -> None:
+    """rev60a F3: G and D alternate in one root; restarted, each resumes its own newest tag: each next save
+    inferred the other's newest abandoned, and retention (keep=10) deleted g3 and d2."""
+    root, keep = str(tmp_path), Retention(num_kept_partial_checkpoints=10)
+    (g, og), (d, od) = _model(1), _model(2)
+    cg, cd = Checkpointer(root, retention=keep), Checkpointer(root, retention=keep)
+    for i in (1, 2):
+        cg.save(f"g{i}", g, og, user_content={"g": i})
+        cd.save(f"d{i}", d, od, user_content={"d": i})
+    cg, cd = Checkpointer(root, retention=keep), Checkpointer(root, retention=keep)
+    cg.resume("g2", g, og)
+    cd.resume("d2", d, od)
+    cg.save("g3", g, og, user_content={"g": 3})
+    cd.save("d3", d, od, user_content={"d": 3})
+    assert _tags(root) == {t: "committed" for t in ("g1", "g2", "g3", "d1", "d2", "d3")}
+    g2, og2 = _model(9)
+    assert Checkpointer(root).resume("g3", g2, og2) == {"g": 3}
+    _assert_same_params(g, g2)
+
+
+def test_a_rollback_to_an_unnumbered_checkpoint_records_everything_numbered(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev60a F7: a roll-back by tag to a 0.1.0-style (unnumbered) checkpoint recorded nothing; keep=2 then
+    deleted it, the parent of the job's history. Its number is 0: s1..s3 are recorded (kept, uncounted)."""
+    import smpckpt.api._save as save_mod
+
+    root, real = str(tmp_path), save_mod.manifest_extra
+
+    def unnumbered(*args: Any, **kwargs: Any) -> Any:
+        extra = real(*args, **kwargs)
+        extra.pop("sequence", None)
+        return extra
+
+    monkeypatch.setattr(save_mod, "manifest_extra", unnumbered)
+    old, o = _model(0)
+    Checkpointer(root).save("old", old, o, user_content={"step": 0})
+    monkeypatch.setattr(save_mod, "manifest_extra", real)
+    assert "sequence" not in read_manifest(os.path.join(root, "old_partial")).extra
+    ck = Checkpointer(root)
+    for step in (1, 2, 3):
+        ck.save(f"s{step}", *_model(step), user_content={"step": step})
+    ck2, (m, o) = Checkpointer(root, retention=Retention(num_kept_partial_checkpoints=2)), _model(7)
+    assert ck2.resume("old", m, o) == {"step": 0}
+    _assert_same_params(old, m)
+    ck2.save("s4", m, o, user_content={"step": 4})
+    assert read_manifest(os.path.join(root, "s4_partial")).extra["abandoned"] == [[1, 3]]
+    assert _tags(root) == {t: "committed" for t in ("old", "s1", "s2", "s3", "s4")}
+    _damage(root, "s4")
+    m2, o2 = _model(9)
+    with pytest.warns(UserWarning, match="checkpoint 'old' of the job's history"):
+        assert Checkpointer(root).resume(None, m2, o2) == {"step": 0}
+    _assert_same_params(old, m2)
+
+
+def test_prune_reads_the_root_record_like_the_fallback(tmp_path: Any) -> None:
+    """rev60a F8: s6 (the roll-back's save) damaged: ``ls`` and the fallback read the root's record, prune
+    did not: ``--keep 2`` deleted s1..s3 (the fallback's s3 among them) and the restart was refused."""
+    root = str(tmp_path)
+    models = _rolled_back(root, keep=None)
+    _damage(root, "s6")
+    rc, out, _ = _run_cli("prune", root, "--keep", "2")
+    assert rc == 0 and out == "removed s1\n", out
+    assert _tags(root) == {"s2": "committed", "s3": "committed", "s4": "committed", "s5": "committed", "s6": "corrupt"}
+    m, o = _model(9)
+    with pytest.warns(UserWarning, match="checkpoint 's3' of the job's history"):
+        assert Checkpointer(root).resume(None, m, o) == {"step": 3}
+    _assert_same_params(models[3], m)
+
+
+def test_smp_face_carries_the_rollback_to_a_replaced_or_wrapped_checkpointer(tmp_path: Any) -> None:
+    """rev60a F9 and F6: a resume by tag with other options (AsyncOptions) than the save's replaces the kept
+    Checkpointer (``SequenceCounter.adopt`` carries the roll-back over); a model wrapped after the resume
+    (torch.compile) meets the Checkpointer its inner module keeps."""
+    for i, wrap in enumerate((lambda m: m, torch.compile)):
+        root, saved = str(tmp_path / f"r{i}"), {}
+        for step in range(1, 6):
+            saved[step], o = _model(step)
+            save_checkpoint(root, f"s{step}", model=saved[step], optimizer=o, user_content={"step": step})
+        m, o = _model(0)
+        back = resume_from_checkpoint(root, tag="s3", model=m, optimizer=o, options=AsyncOptions(enabled=True))
+        assert back == {"step": 3}
+        _assert_same_params(saved[3], m)
+        save_checkpoint(root, "s6", model=wrap(m), optimizer=o, num_kept_partial_checkpoints=2)
+        assert read_manifest(os.path.join(root, "s6_partial")).extra["abandoned"] == [[4, 5]], wrap
+        assert _tags(root) == {t: "committed" for t in ("s3", "s4", "s5", "s6")}

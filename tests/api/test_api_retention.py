@@ -63,14 +63,16 @@ def _saved(tag: str, seq: int, abandoned: list[list[int]] | None = None) -> Chec
     return CheckpointRecord(tag, True, record_order(manifest), manifest=manifest)
 
 
-def test_retention_after_a_rollback_keeps_the_history_and_removes_the_abandoned_first() -> None:
+def test_retention_after_a_rollback_keeps_the_history_and_never_removes_nor_counts_the_abandoned() -> None:
     # s1..s5, then a roll-back to s3 (s4, s5 abandoned), then s6 and s7 carrying the record on
     records = [_saved(f"s{i}", i) for i in range(1, 6)] + [_saved("s6", 6, [[4, 5]]), _saved("s7", 7, [[4, 5]])]
     history, dropped = split_lineage(records)
     assert [r.tag for r in history] == ["s7", "s6", "s3", "s2", "s1"]
     assert [r.tag for r in dropped] == ["s5", "s4"]
-    assert select_for_removal(records, 3) == ["s4", "s5", "s1", "s2"]  # the abandoned first
-    assert select_for_removal(records, 3, protected={"s5"}) == ["s4", "s1", "s2"]  # `newest` still protected
+    assert select_for_removal(records, 3) == ["s1", "s2"]  # s4, s5: an inference, never acted on
+    assert select_for_removal(records, 1, protected={"s2"}) == ["s1", "s3", "s6"]  # `newest` still protected
+    # the root's copy of a damaged s8's record (s6, s7 abandoned by it) counts as the history's newest
+    assert select_for_removal(records, 2, abandoned=[(6, 7), (4, 5)]) == ["s1"]
 
 
 def test_lineage_of_saves_without_the_record_is_todays_order() -> None:

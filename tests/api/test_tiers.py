@@ -27,6 +27,7 @@ from smpckpt import (
     DrainStatus,
     FastTier,
     LayoutMismatch,
+    ResumeOptions,
     drain_status,
     last_resume_info,
     resume_from_checkpoint,
@@ -34,6 +35,7 @@ from smpckpt import (
     wait_for_saves,
 )
 from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.storage import read_manifest
 
 
 # -- one process, one node ---------------------------------------------------------------------------
@@ -420,3 +422,29 @@ def test_lineage_skips_what_the_job_saw_and_left_and_ends_at_path() -> None:
     assert (x5.lineage, c6.lineage) == ((), (1005,))
     back = [{"x5": x5, "c6": c6, "c3": copy(3), "a4": copy(4)}]
     refuse_forked(candidates(back)[0], candidates(back))
+
+
+def _raising(sd: Any) -> Any:
+    raise RuntimeError("translate_function failed")
+
+
+def test_a_fast_tier_resume_by_tag_marks_a_rollback_only_once_it_succeeded(tmp_path: Path) -> None:
+    """rev60a F1, fast tier: a resume of s3 from the fast tier that failed (a raising translate_function)
+    marked a roll-back: s6 recorded s4, s5 abandoned. The same resume, succeeding, marks it (s7)."""
+    durable = tmp_path / "durable"
+    fast = FastTier(local_path=str(tmp_path / "fast"), replicas=1, durable_every=1, num_kept_local=None)
+    models = {s: _linear(s) for s in range(1, 8)}
+    with Checkpointer(durable, fast_tier=fast) as c:
+        for s in range(1, 6):
+            c.save(f"s{s}", models[s])
+        with pytest.raises(RuntimeError, match="translate_function failed"):
+            c.resume(tag="s3", model=_linear(99), options=ResumeOptions(translate_function=_raising))
+        c.save("s6", models[6])
+        got = _linear(99)
+        c.resume(tag="s3", model=got)
+        info = c.last_resume_info
+        assert info is not None and (info.tag, info.tier) == ("s3", "fast")
+        assert _same(got, models[3])
+        c.save("s7", models[7])
+    assert "abandoned" not in read_manifest(str(durable / "s6_partial")).extra
+    assert read_manifest(str(durable / "s7_partial")).extra["abandoned"] == [[4, 6]]

@@ -362,15 +362,13 @@ def apply_state(
     report: LoadReport | None,
     restore_rng: bool,
     unsaved: frozenset[str] = frozenset(),
-) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
-    """(all ranks, through ``ctx.all_ok``) Set model/optimizer state, RNG; decode user_content once.
-    ``unsaved``: :func:`stateless_at_save`'s parameters, left without optimizer state. Returns
-    ``(user_content, RNG states restored, keys the translate_function left unloaded)``."""
-    untranslated: tuple[str, ...] = ()
+) -> tuple[Any, tuple[str, ...]]:
+    """(all ranks, through ``ctx.all_ok``) Set model/optimizer state (the model's as
+    :func:`check_groups` translated it), RNG; decode user_content once. ``unsaved``:
+    :func:`stateless_at_save`'s parameters, left without optimizer state. Returns ``(user_content, RNG
+    states restored)``."""
     if req.model is not None:
         model_sd = state[RESERVED.model]
-        if callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions checks)
-            model_sd, untranslated = translated(req.opts.translate_function, model_sd, req.opts.strict)
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         if req.optimizers:
             set_state_dict(
@@ -394,7 +392,7 @@ def apply_state(
     user_content = decode_user_content(
         stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
     )
-    return user_content, restored, untranslated
+    return user_content, restored
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
@@ -455,11 +453,20 @@ def stateless_at_save(
     return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f]))
 
 
-def check_groups(req: ResumeRequest, state: Mapping[str, Any]) -> None:
-    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) :func:`check_group_values`, decided on
-    every rank before any enters ``set_state_dict`` (whose collectives a lone refusal would hang)."""
+def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
+    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
+    enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
+    failure leaves the ranks on different checkpoints): :func:`check_group_values`, and the
+    ``translate_function``'s state dict (user code: raising on one rank stops every rank before any
+    applies), which replaces ``state``'s model entry. Returns the keys the function left unloaded."""
     if req.model is not None and req.optimizers:
         check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
+    if req.model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
+        return ()
+    state[RESERVED.model], untranslated = translated(
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict
+    )
+    return untranslated
 
 
 def check_group_values(

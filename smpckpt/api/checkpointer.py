@@ -429,9 +429,10 @@ class Checkpointer:
                     (rng, state), reader = resume_state(req, target, ctx), None
                     planner = load_checkpoint(req, req.opts, target.url, state)
                 chosen = target
-                ctx.all_ok(lambda: check_groups(req, state))  # every rank refuses alike, before set_state_dict
+                # every rank refuses alike (or its translate_function fails alike) before set_state_dict
+                untranslated = ctx.all_ok(lambda: check_groups(req, state))
                 guard.applied = True
-                user_content, restored, untranslated = ctx.all_ok(
+                user_content, restored = ctx.all_ok(
                     lambda: apply_state(
                         req,
                         chosen,

@@ -497,3 +497,28 @@ def retried_drain_warning_as_error_world(rank: int, world: int, root: str) -> di
     finally:
         drain_module.open_sink = real_open_sink  # type: ignore[assignment]
     return {"first": first, "said": said, "after": after, "durable": sorted(os.listdir(durable))}
+
+
+def translate_fails_on_one_rank_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A translate_function that raises on rank 1 alone: every rank raises and no rank's model changes (it
+    ran after rank 0 had applied the checkpoint: the ranks went on from different checkpoints)."""
+    m, o = _linear(0)
+    _step(m, o, 0)
+    save_checkpoint(root, "s1", model=m, optimizer=o)
+    m2, o2 = _linear(1)
+    _step(m2, o2, 1)
+    before = _params(m2)
+
+    def fails_on_rank_1(sd: dict[str, Any]) -> dict[str, Any]:
+        if rank == 1:
+            raise RuntimeError("rank 1's translate_function failed")
+        return sd
+
+    said = _expect_error(
+        functools.partial(
+            resume_from_checkpoint, root, "s1", model=m2, optimizer=o2, translate_function=fails_on_rank_1
+        )
+    )
+    untouched = _same(_params(m2), before)
+    dist.barrier()  # both ranks got here: nobody waits for the other inside the resume
+    return {"said": said, "untouched": untouched}

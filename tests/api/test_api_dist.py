@@ -272,6 +272,17 @@ def test_translate_function_dropping_a_key_on_two_ranks(tmp_path: Any) -> None:
             assert r["skipped"] == ("model.blocks.0.fc1.bias",), (rank, layout, r)
 
 
+def test_a_translate_function_failing_on_one_rank_leaves_every_model_untouched(tmp_path: Any) -> None:
+    """It ran inside the apply step, after the rank before it had set its model (rev60c F3): rank 0 went on
+    from the checkpoint, rank 1 from its own state. It runs in the step every rank decides before any
+    applies now: both raise, neither model changed."""
+    got = run_world(api_workers.translate_fails_on_one_rank_world, 2, str(tmp_path), timeout=120)
+    for rank, r in enumerate(got):
+        assert r["untouched"] is True, (rank, r)
+    assert "rank 1's translate_function failed" in got[1]["said"], got
+    assert got[0]["said"] != "no error", got  # rank 0 raises too
+
+
 def test_saves_with_retention_and_resumes_alternating_make_one_gloo_group(tmp_path: Any) -> None:
     """Each alternation of save_checkpoint(num_kept_partial_checkpoints=N) and resume_from_checkpoint built
     a Checkpointer, and each its gloo group for background saves (freed by the garbage collector alone):

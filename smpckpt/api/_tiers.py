@@ -490,11 +490,8 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        out.append(
-            FastCandidate(
-                t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen, copy.lineage, copy.abandoned
-            )
-        )
+        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned)
+        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
 

@@ -194,8 +194,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
     copy = catalog.read_abandoned(root, storage_options, committed)
     history, dropped = catalog.split_lineage(committed, copy)
-    named = f", as {root}/{catalog.ABANDONED_NAME} records" if copy and dropped else ""  # it may be crafted
-    gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{named})" if dropped else ""
+    by_copy = f", as {root}/{catalog.ABANDONED_NAME} records" if copy and dropped else ""  # it may be crafted
+    gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{by_copy})" if dropped else ""
     if not history:
         raise CheckpointNotFound(f"{reason}; every committed checkpoint was abandoned by a roll-back{gone}")
     latest = history[0]

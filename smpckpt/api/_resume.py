@@ -115,7 +115,8 @@ class Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
         order = record_order(manifest)
-        pickled, abandoned = extra.get(PICKLED_KEY) is True, catalog.abandoned_of(extra)
+        pickled = extra.get(PICKLED_KEY) is True  # a save abandons only numbers below its own (catalog.root)
+        abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
         return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned)
 
     def seen_by(self, counter: SequenceCounter) -> None:

@@ -498,6 +498,7 @@ def test_the_fast_tier_fallbacks_skip_what_a_newer_save_or_paths_choice_abandone
     from smpckpt.api._fast_resume import usable_saves
     from smpckpt.api._resume import Target
     from smpckpt.api._tiers import FastCandidate
+    from smpckpt.storage.format.manifest import Manifest, MetadataRecord
 
     def cand(seq: int, abandoned: tuple[tuple[int, int], ...] = ()) -> FastCandidate:
         return FastCandidate(f"s{seq}", seq, seq, (seq, 0, ""), {}, (), abandoned=abandoned)
@@ -508,3 +509,9 @@ def test_the_fast_tier_fallbacks_skip_what_a_newer_save_or_paths_choice_abandone
     path_s3 = Target("s3", "path/s3_partial", None, None, False, True, (3, 0, ""), abandoned=((4, 5),))
     assert [c.tag for c in usable_saves(found[1:], path_s3, None)] == ["s3"]
     assert [c.tag for c in usable_saves(found[1:2], path_s3, "s5")] == ["s5"]
+    # a record of numbers not below its own save's is ignored there (crafted): it hid the newer fast saves
+    extra = {"sequence": 4, "abandoned": [[5, 9], [1, 2]]}
+    crafted = Manifest("id-s4", "partial", "raw", MetadataRecord(".metadata", 0, 0), (), 1, "", extra)
+    path_crafted = Target.of("s4", "path/s4_partial", crafted, False)
+    assert path_crafted.abandoned == ((1, 2),)
+    assert [c.tag for c in usable_saves([cand(6), cand(5)], path_crafted, None)] == ["s6", "s5"]

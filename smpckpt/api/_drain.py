@@ -287,7 +287,7 @@ def drain(
         )
     tier.memory.note_durable(tier.seq if seq is None else seq)
     breq = dataclasses.replace(req, process_group=group)
-    publish_newest(breq, dctx)
+    publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(
         "drained checkpoint %r to %s in %.2fs (at most %.0f MiB of its files held at once; drain_memory %.0f MiB)",
         req.tag,

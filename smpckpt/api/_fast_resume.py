@@ -106,7 +106,7 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
     def durable_target() -> Target | None:
         try:
-            return resolve_target(req.root, req.tag, req.storage_options)
+            return resolve_target(req.root, req.tag, req.storage_options, warn=False)  # said if it loads
         except CheckpointNotFound:
             if not complete or req.tag is None:
                 raise
@@ -131,8 +131,14 @@ def choose_tier(req: ResumeRequest, ctx: DistContext, part: FastTierPart) -> Tie
 
 def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | None) -> list[FastCandidate]:
     """(every rank alike; ``smpckpt ls --local`` too) The complete fast-tier saves a resume may load, newest
-    first: none older than ``durable``, none of another history (:func:`refuse_forked`)."""
-    usable = [c for c in found if c.complete and (durable is None or durable.order <= c.order)]
+    first: none older than ``durable``, none of another history (:func:`refuse_forked`), none a roll-back
+    abandoned (``durable``'s ranges, the root's copy's among them, and a newer usable save's: rev60c F2)."""
+    usable, ranges = [], set(durable.abandoned if durable is not None and tag is None else ())
+    for c in found:  # newest first
+        if c.complete and (durable is None or durable.order <= c.order):
+            if not any(lo <= c.seq <= hi for lo, hi in ranges) or tag is not None:
+                usable.append(c)
+                ranges.update(p for p in c.abandoned if p[1] < c.seq)
     if durable is not None and tag is None:
         usable = _same_history(usable, durable, {c.order for c in found})
     if usable:  # tag=X too: two histories may both hold X
@@ -208,7 +214,10 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             if attempt is None:
                 break
             try:
-                return _load_fast(req, ctx, choice, attempt, target, manifest, part)
+                loaded = _load_fast(req, ctx, choice, attempt, target, manifest, part)
+                if choice.durable is not None and choice.durable.said and cand.order == choice.durable.order:
+                    ctx.all_ok(functools.partial(_warn_on, ctx, choice.durable.said, 6))  # its drained copy
+                return loaded
             except CheckpointError as exc:
                 first = exc
                 if _callers_fault(choice, exc):
@@ -229,6 +238,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     if choice.durable is None:
         return None
     target = choice.durable
+    if target.said:  # resolve_target's fallback warning, only when what it chose loads (agreed, as above)
+        ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 6))
     rng, state = resume_state(req, target, ctx)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)

@@ -108,13 +108,15 @@ class Target:
     listed: bool = False
     pickled: bool = False  #: its user_content needs allow_pickle (the manifest says so; older ones do not)
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (roll-backs, ``catalog.root``)
+    said: str = ""  #: the fallback's warning, unsaid (``resolve_target(warn=False)``: the fast tier may load)
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
         extra = manifest.extra if manifest is not None else {}
         record, api, rng = LayoutRecord.from_manifest(manifest), extra.get("api"), bool(extra.get("rng"))
         order = record_order(manifest)
-        pickled, abandoned = extra.get(PICKLED_KEY) is True, catalog.abandoned_of(extra)
+        pickled = extra.get(PICKLED_KEY) is True  # a save abandons only numbers below its own (catalog.root)
+        abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
         return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned)
 
     def seen_by(self, counter: SequenceCounter) -> None:
@@ -139,10 +141,11 @@ def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter
     return target
 
 
-def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target | None:
+def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool = True) -> Target | None:
     """(rank 0) The committed checkpoint to resume, or ``None``. With ``tag=None``: the one ``newest`` names,
     unless it is unusable or a later one committed (a job killed before the ``newest`` update): then the
-    newest committed one of the job's history (never one a roll-back abandoned), warned."""
+    newest committed one of the job's history (never one a roll-back abandoned), warned (``warn``; else
+    in ``said``), its ``abandoned`` all the ranges that decided it (the root's copy's too)."""
     if tag is not None:
         url = partial_url(root, tag)
         found = probe_checkpoint(url, storage_options)
@@ -190,15 +193,20 @@ def resolve_target(root: str, tag: str | None, storage_options: Any) -> Target |
                 "an older checkpoint. Retry the resume, or pass tag= to choose one"
             )
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
-    history, dropped = catalog.split_lineage(committed, catalog.read_abandoned(root, storage_options, committed))
-    gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them)" if dropped else ""
+    copy = catalog.read_abandoned(root, storage_options, committed)
+    history, dropped = catalog.split_lineage(committed, copy)
+    by_copy = f", as {root}/{catalog.ABANDONED_NAME} records" if copy and dropped else ""  # it may be crafted
+    gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{by_copy})" if dropped else ""
     if not history:
         raise CheckpointNotFound(f"{reason}; every committed checkpoint was abandoned by a roll-back{gone}")
     latest = history[0]
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r} of the job's history{gone}"
-    log.warning(message)
-    warnings.warn(message, stacklevel=3)
-    return dataclasses.replace(Target.of(latest.tag, latest.url, latest.manifest, True), seen_seq=top, listed=True)
+    if warn:
+        log.warning(message)
+        warnings.warn(message, stacklevel=3)
+    target = Target.of(latest.tag, latest.url, latest.manifest, True)
+    ranges = tuple(dict.fromkeys((*copy, *target.abandoned)))[:16]  # at most catalog.root's 16 are recorded
+    return dataclasses.replace(target, seen_seq=top, listed=True, abandoned=ranges, said="" if warn else message)
 
 
 def not_found_hint(root: str, storage_options: Any) -> str:

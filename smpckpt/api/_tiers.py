@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from smpckpt.api._dist import DistContext
-from smpckpt.catalog.root import list_partial_tags, open_root, partial_dirname, record_order, scan_root
+from smpckpt.catalog.root import abandoned_of, list_partial_tags, open_root, partial_dirname, record_order, scan_root
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import create_bytes_exclusive
@@ -342,6 +342,7 @@ class LocalCopy:
     detail: str = ""
     path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
     lineage: tuple[int, ...] = ()  #: :func:`lineage_of`
+    abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (``catalog.root.abandoned_of``)
 
     @property
     def committed(self) -> bool:
@@ -428,6 +429,7 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         durable,
         path_seen=path_seen_of(manifest),
         lineage=lineage_of(manifest),
+        abandoned=abandoned_of(manifest.extra),
     )
     return copy, data
 
@@ -453,6 +455,7 @@ class FastCandidate:
     durable: bool = False
     path_seen: int | None = None  #: :attr:`LocalCopy.path_seen`
     lineage: tuple[int, ...] = ()  #: :attr:`LocalCopy.lineage`
+    abandoned: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.abandoned`
 
     @property
     def complete(self) -> bool:
@@ -487,9 +490,8 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        out.append(
-            FastCandidate(t, digest, copy.seq, copy.order, held, missing, copy.durable, copy.path_seen, copy.lineage)
-        )
+        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned)
+        out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
 

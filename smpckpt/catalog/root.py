@@ -229,13 +229,13 @@ def split_lineage(
 ) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
     """The committed records, newest first: ``(history, abandoned)``. The newest heads the history; an older
     one is abandoned when a newer member (or ``abandoned``) records its number so; unrecorded: history."""
-    ranges, history, dropped = list(abandoned), [], []
+    ranges, history, dropped = set(abandoned), [], []  # a set: a carried range counts once (rev60c F4)
     for r in sorted((r for r in records if r.committed), key=lambda r: r.order, reverse=True):
         if any(lo <= r.order[0] <= hi for lo, hi in ranges):
             dropped.append(r)
         else:
             history.append(r)
-            ranges += [p for p in abandoned_of(r.extra) if p[1] < r.order[0]]  # a save abandons only numbers below it
+            ranges.update(p for p in abandoned_of(r.extra) if p[1] < r.order[0])  # a save abandons only numbers below
     return history, dropped
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
+from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import apply_retention, newest_tag, read_abandoned, scan_root, split_lineage, validate_keep
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
@@ -64,7 +65,10 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     check_root(args.path, args.storage_options)
     records = scan_root(args.path, storage_options=args.storage_options)
     newest = newest_tag(args.path, storage_options=args.storage_options)
-    dropped = {r.tag for r in split_lineage(records, read_abandoned(args.path, args.storage_options, records))[1]}
+    copy = read_abandoned(args.path, args.storage_options, records)
+    dropped = {r.tag for r in split_lineage(records, copy)[1]}
+    # the root's copy decided (its save lost, or the file crafted): named, as the resume's fallback names it
+    by_copy = f"{args.path.rstrip('/')}/{catalog.ABANDONED_NAME}" if copy and dropped else None
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []
@@ -86,7 +90,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         for r in records
     ]
     if args.json:
-        doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows}
+        doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows, "abandoned_by": by_copy}
         if local is not None:
             marks = [f.save_id is not None and f.save_id == fast_pick for f in fast]
             doc["fast"] = {
@@ -122,6 +126,8 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for r in records:
         if r.state in ("unsafe", "corrupt", "unreadable"):
             out.write(f"warning: {r.tag} is {r.state}: {r.detail}\n")
+    if by_copy is not None:
+        out.write(f"note: {by_copy} (a roll-back's record) marks {sorted(dropped)} abandoned\n")
     if newest is None:
         out.write("(no valid 'newest' file)\n")
     elif newest not in {r.tag for r in records if r.committed}:

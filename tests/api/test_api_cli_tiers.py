@@ -107,7 +107,7 @@ def test_ls_local_lists_the_fast_tier_and_the_resume_pick(tiered: tuple[str, str
     assert "fast" not in plain and "resume" not in plain  # without --local: the JSON of before
     rc, out, _ = _run("ls", root, "--local", node, "--json")
     doc = json.loads(out)
-    assert {k: doc[k] for k in ("path", "newest", "checkpoints")} == plain  # the durable part unchanged
+    assert {k: doc[k] for k in ("path", "newest", "checkpoints", "abandoned_by")} == plain  # the durable part
     step3 = _manifest(f"{_j(node, root)}/step3_partial")
     assert doc["resume"] == {"tier": "fast", "tag": "step3", "save_id": step3.save_id}
     assert doc["fast"]["folders"] == [node]

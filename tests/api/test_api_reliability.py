@@ -21,6 +21,7 @@ from smpckpt import (
     Checkpointer,
     CheckpointError,
     CheckpointExists,
+    CheckpointNotFound,
     ResumeOptions,
     Retention,
     SpecError,
@@ -557,7 +558,26 @@ def test_fallback_after_a_rollback_never_resumes_an_abandoned_save(tmp_path: Any
         assert Checkpointer(root).resume(None, m, o) == {"step": 3}
     _assert_same_params(models[3], m)
     rc, out, _ = _run_cli("ls", root)
-    assert rc == 0 and [line.split()[0] for line in out.splitlines() if "abandoned" in line] == ["s4", "s5"]
+    note = f"note: {root}/smpckpt.abandoned (a roll-back's record) marks ['s4', 's5'] abandoned"
+    assert rc == 0 and [line.split()[0] for line in out.splitlines() if "abandoned" in line] == ["s4", "s5", "note:"]
+    assert note in out.splitlines()
+    assert json.loads(_run_cli("ls", root, "--json")[1])["abandoned_by"] == f"{root}/smpckpt.abandoned"
+
+
+def test_a_crafted_root_record_abandoning_everything_is_named_by_the_refusal_and_ls(tmp_path: Any) -> None:
+    """rev60c F5: a root file abandoning 1-99 of a save 100 (crafted: no such save) makes every checkpoint
+    abandoned: the fallback's refusal and ``ls`` said so naming no file; both name smpckpt.abandoned."""
+    root, ck = str(tmp_path), Checkpointer(str(tmp_path))
+    for step in range(1, 4):
+        ck.save(f"s{step}", *_model(step), user_content={"step": step})
+    with open(os.path.join(root, "smpckpt.abandoned"), "w") as f:
+        json.dump({"sequence": 100, "abandoned": [[1, 99]]}, f)
+    _damage(root, "s3")
+    with pytest.raises(CheckpointNotFound, match="every committed checkpoint was abandoned") as info:
+        Checkpointer(root).resume(None, *_model(9))
+    assert f"as {root}/smpckpt.abandoned records" in str(info.value)
+    rc, out, _ = _run_cli("ls", root)
+    assert rc == 0 and f"note: {root}/smpckpt.abandoned (a roll-back's record) marks ['s1', 's2'] abandoned" in out
 
 
 def test_rollback_then_more_saves_and_a_tagless_restart_carries_the_record(tmp_path: Any) -> None:

@@ -87,3 +87,29 @@ def test_lineage_of_saves_without_the_record_is_todays_order() -> None:
 def test_a_record_abandoning_numbers_not_below_its_own_is_ignored() -> None:
     records = [_saved("s1", 1), _saved("s2", 2), _saved("crafted", 3, [[1, 7]])]
     assert [r.tag for r in split_lineage(records)[0]] == ["crafted", "s2", "s1"]
+
+
+class _CountedRange(tuple):  # type: ignore[type-arg]
+    """A range whose unpacking counts itself: the work split_lineage spends on ranges."""
+
+    unpacked = [0]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountedRange.unpacked[0] += 1
+        return super().__iter__()
+
+
+def test_split_lineage_spends_linear_work_on_carried_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rev60c F4: every save carries its history's 16 ranges on: each was appended again per save, and every
+    older save checked against them all (4,000 saves: 15 s). Counted, not timed: a carried range counts once."""
+    from smpckpt.catalog import root
+
+    real = root.abandoned_of
+    monkeypatch.setattr(root, "abandoned_of", lambda extra: tuple(_CountedRange(p) for p in real(extra)))
+    carried = [[k * 10 + 1, k * 10 + 5] for k in reversed(range(16))]
+    n = 1000
+    records = [_saved(f"s{i}", i, carried if i > 160 else None) for i in range(1, n + 1)]
+    history, dropped = root.split_lineage(records)
+    assert len(dropped) == 80 and [r.tag for r in dropped[:2]] == ["s155", "s154"]
+    assert len(history) == n - 80
+    assert _CountedRange.unpacked[0] < 64 * n  # quadratic: ~16 * n * n / 2

@@ -448,3 +448,70 @@ def test_a_fast_tier_resume_by_tag_marks_a_rollback_only_once_it_succeeded(tmp_p
         c.save("s7", models[7])
     assert "abandoned" not in read_manifest(str(durable / "s6_partial")).extra
     assert read_manifest(str(durable / "s7_partial")).extra["abandoned"] == [[4, 6]]
+
+
+def test_a_fast_tier_rollback_is_recorded_beside_newest_and_never_resumed_past(tmp_path: Path) -> None:
+    """rev60c F1, F2: the drain of a save after a roll-back (s3; s4, s5 abandoned) left no root copy of the
+    record, and with s6 damaged in both tiers a tag-less resume loaded the abandoned s5 from the fast tier
+    (``ls --local`` predicting it) while the warning named s3. Now s3 loads, as warned, bit-exact."""
+    import io
+    import json
+
+    from smpckpt.tools.cli import main
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    fast = FastTier(local_path=str(local), replicas=1, durable_every=1, num_kept_local=None)
+    models = {s: _linear(s) for s in range(1, 7)}
+    with Checkpointer(durable, fast_tier=fast) as c:
+        for s in range(1, 6):
+            c.save(f"s{s}", models[s])
+        c.resume(tag="s3", model=_linear(99))
+        c.save("s6", models[6])
+    record = json.loads((durable / "smpckpt.abandoned").read_text())
+    assert record == {"tag": "s6", "sequence": 6, "abandoned": [[4, 5]]}
+    (durable / "s6_partial" / "smpckpt.manifest.json").write_text("{not json")
+    got = _linear(99)
+    with Checkpointer(durable, fast_tier=fast) as c, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c.resume(model=got)  # s6 intact in the fast tier: it loads, and no warning says s3 is resumed
+        info = c.last_resume_info
+    assert info is not None and (info.tag, info.tier) == ("s6", "fast") and _same(got, models[6])
+    assert not [w for w in caught if "resuming from the newest committed checkpoint" in str(w.message)]
+    (_job(local, durable) / "s6_partial" / "smpckpt.manifest.json").write_text("{not json")
+    out = io.StringIO()
+    main(["ls", str(durable), "--local", str(local)], stdout=out, stderr=io.StringIO())
+    assert out.getvalue().splitlines()[-1] == "resume: s3 from the fast tier", out.getvalue()
+    got = _linear(99)
+    with Checkpointer(durable, fast_tier=fast) as c, pytest.warns(UserWarning) as caught:
+        c.resume(model=got)
+        info = c.last_resume_info
+    assert info is not None and info.tag == "s3" and _same(got, models[3])
+    said = [str(w.message) for w in caught if "resuming from the newest committed checkpoint" in str(w.message)]
+    assert len(said) == 1 and "'s3'" in said[0] and "['s5', 's4']" in said[0], said
+    assert f"as {durable}/smpckpt.abandoned records" in said[0]
+
+
+def test_the_fast_tier_fallbacks_skip_what_a_newer_save_or_paths_choice_abandoned() -> None:
+    """rev60c F2: the fast tier's candidates after a roll-back to s4 (s6 recording s5 abandoned; s5 and s6
+    undrained, path's newest s4): when s6 fails to load, s5 was the next fallback. Neither it nor, with
+    path's choice s3 (its ranges naming s4-s5), any save its history abandoned is one; tag= names any."""
+    from smpckpt.api._fast_resume import usable_saves
+    from smpckpt.api._resume import Target
+    from smpckpt.api._tiers import FastCandidate
+    from smpckpt.storage.format.manifest import Manifest, MetadataRecord
+
+    def cand(seq: int, abandoned: tuple[tuple[int, int], ...] = ()) -> FastCandidate:
+        return FastCandidate(f"s{seq}", seq, seq, (seq, 0, ""), {}, (), abandoned=abandoned)
+
+    found = [cand(6, ((5, 5),)), cand(5), cand(4), cand(3)]
+    path_s4 = Target("s4", "path/s4_partial", None, None, False, False, (4, 0, ""))
+    assert [c.tag for c in usable_saves(found, path_s4, None)] == ["s6", "s4"]
+    path_s3 = Target("s3", "path/s3_partial", None, None, False, True, (3, 0, ""), abandoned=((4, 5),))
+    assert [c.tag for c in usable_saves(found[1:], path_s3, None)] == ["s3"]
+    assert [c.tag for c in usable_saves(found[1:2], path_s3, "s5")] == ["s5"]
+    # a record of numbers not below its own save's is ignored there (crafted): it hid the newer fast saves
+    extra = {"sequence": 4, "abandoned": [[5, 9], [1, 2]]}
+    crafted = Manifest("id-s4", "partial", "raw", MetadataRecord(".metadata", 0, 0), (), 1, "", extra)
+    path_crafted = Target.of("s4", "path/s4_partial", crafted, False)
+    assert path_crafted.abandoned == ((1, 2),)
+    assert [c.tag for c in usable_saves([cand(6), cand(5)], path_crafted, None)] == ["s6", "s5"]

@@ -215,13 +215,16 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 break
             try:
                 loaded = _load_fast(req, ctx, choice, attempt, target, manifest, part)
-                if choice.durable is not None and choice.durable.said and cand.order == choice.durable.order:
-                    ctx.all_ok(functools.partial(_warn_on, ctx, choice.durable.said, 6))  # its drained copy
-                return loaded
-            except CheckpointError as exc:
+            except Exception as exc:  # every rank: a warning made an error is rank 0's, a CheckpointError elsewhere
                 first = exc
                 if _callers_fault(choice, exc):
                     raise
+                continue
+            durable = choice.durable
+            if durable is not None and durable.said and cand.order == durable.order:  # path's choice, drained
+                ctx.all_ok(functools.partial(_warn_on, ctx, durable.said, 6))
+                loaded = dataclasses.replace(loaded, target=dataclasses.replace(loaded.target, fell_back=True))
+            return loaded
         nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
         instead = (
             f"checkpoint {nxt.tag!r} of the fast tier"
@@ -246,10 +249,12 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     return loaded
 
 
-def _callers_fault(choice: TierChoice, exc: CheckpointError) -> bool:
+def _callers_fault(choice: TierChoice, exc: Exception) -> bool:
     """(all ranks, one collective) Whether the load failed on any rank because the caller's state does not
-    fit the save (layout, specs, ``allow_pickle``): raised on every rank alike, not fallen back from."""
-    mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint))
+    fit the save (layout, specs, ``allow_pickle``), or not as a checkpoint's failure (a warning a filter
+    made an error, on rank 0 alone: the others hold a CheckpointError naming it): raised on every rank
+    alike, not fallen back from (rank 0 alone leaving made the others wait here: rev60d F1)."""
+    mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint)) or not isinstance(exc, CheckpointError)
     return any(DistContext(choice.group).all_ok_values(lambda: mine))
 
 

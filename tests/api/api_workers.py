@@ -522,3 +522,49 @@ def translate_fails_on_one_rank_world(rank: int, world: int, root: str) -> dict[
     untouched = _same(_params(m2), before)
     dist.barrier()  # both ranks got here: nobody waits for the other inside the resume
     return {"said": said, "untouched": untouched}
+
+
+def fast_tier_warnings_as_errors_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Tag-less resumes through the fast tier (each rank its own node) with warnings made errors: a
+    warning raised on rank 0 alone inside the fast load (the layout changed, RNG states not restored; the
+    fallback when ``newest`` is gone) left rank 0 out of the resume while rank 1 waited in the fallback's
+    collective (rev60d F1). Then, warnings left alone, the fallback loads and says it fell back."""
+    from smpckpt import Checkpointer, FastTier, Sharding
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one rank per node: replicas on the peer
+    durable = os.path.join(root, "durable")
+
+    def fast() -> FastTier:
+        return FastTier(os.path.join(root, "fast", f"node{rank}"), replicas=2, durable_every=1, num_kept_local=None)
+
+    tp2 = ParallelLayout(tp=2)
+    ctx, model, opt = tp_model.build(tp2)
+    tp_model.train_step(ctx, model, opt, 0)
+    with Checkpointer(durable, Sharding(layout=tp2, specs=tp_model.SPECS), fast_tier=fast()) as c:
+        c.save("s1", model, opt)
+        c.save("s2", model, opt)
+        c.wait()
+    dist.barrier()
+    out: dict[str, Any] = {}
+    dp2 = ParallelLayout(dp=2)
+    _, other, oopt = tp_model.build(dp2, seed=99)
+    with warnings.catch_warnings(), Checkpointer(durable, Sharding(layout=dp2), fast_tier=fast()) as c:
+        warnings.simplefilter("error", UserWarning)
+        out["layout"] = _expect_error(lambda: c.resume(None, other, oopt))
+    dist.barrier()
+    if rank == 0:
+        os.remove(os.path.join(durable, "newest"))
+    dist.barrier()
+    _, same, sopt = tp_model.build(tp2, seed=99)
+    with Checkpointer(durable, Sharding(layout=tp2, specs=tp_model.SPECS), fast_tier=fast()) as c:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            out["newest"] = _expect_error(lambda: c.resume(None, same, sopt))
+        dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            c.resume(None, same, sopt)
+        info = c.last_resume_info
+        out["loaded"] = (info.tag, info.tier, info.fell_back) if info else None
+        out["same"] = _same(_params(same), _params(model))
+    return out

@@ -247,6 +247,21 @@ def test_warnings_made_errors_leave_no_rank_waiting_inside_a_resume(tmp_path: An
     assert got[0]["sum"] == got[1]["sum"] != got[0]["fresh"]  # dp=2: both ranks hold the whole model, loaded alike
 
 
+def test_warnings_made_errors_leave_no_rank_waiting_inside_a_fast_tier_resume(tmp_path: Any) -> None:
+    """rev60d F1: the fast tier's load caught only CheckpointErrors: a warning made an error on rank 0 alone
+    (the layout changed; the fallback when ``newest`` is gone, issued once its copy loaded) left rank 0 out
+    of the resume while rank 1, holding a CheckpointError naming it, waited in the next collective. Every
+    rank raises alike now; with warnings left alone the fallback loads s2 from the fast tier and
+    ``ResumeInfo.fell_back`` says so (it said False while the warning said it fell back: F2)."""
+    got = run_world(api_workers.fast_tier_warnings_as_errors_world, 2, str(tmp_path), timeout=150)
+    assert got[0]["layout"].startswith("UserWarning: the layout changed"), got[0]
+    assert got[1]["layout"].startswith("CheckpointError: rank 0 failed with UserWarning: the layout changed"), got[1]
+    assert got[0]["newest"].startswith("UserWarning: ") and "newest" in got[0]["newest"], got[0]
+    assert got[1]["newest"].startswith("CheckpointError: rank 0 failed with UserWarning: "), got[1]
+    for r in got:
+        assert r["loaded"] == ("s2", "fast", True) and r["same"], r
+
+
 def test_user_content_needing_pickle_is_refused_before_the_load_on_every_rank(tmp_path: Any) -> None:
     """A resume without allow_pickle of a checkpoint whose user_content needs it: refused on both ranks
     alike (no rank waits), naming the checkpoint and allow_pickle, with the model and optimizer as they

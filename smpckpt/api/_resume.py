@@ -195,7 +195,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
         reason = f"{root}/newest names {newest!r}, which is not a committed checkpoint ({state})"
     copy = catalog.read_abandoned(root, storage_options, committed)
     history, dropped = catalog.split_lineage(committed, copy)
-    by_copy = f", as {root}/{catalog.ABANDONED_NAME} records" if copy and dropped else ""  # it may be crafted
+    by_copy = f", as {root}/{catalog.ABANDONED_NAME} records" if catalog.decided_by_copy(committed, copy) else ""
     gone = f" (not {[r.tag for r in dropped]}: a roll-back abandoned them{by_copy})" if dropped else ""
     if not history:
         raise CheckpointNotFound(f"{reason}; every committed checkpoint was abandoned by a roll-back{gone}")

@@ -248,6 +248,15 @@ def write_abandoned(root: str, storage_options: Any, tag: str, extra: Mapping[st
         write_bytes_atomic(fs, join_url(root_path, ABANDONED_NAME), body)
 
 
+def decided_by_copy(records: Sequence[CheckpointRecord], copy: Ranges) -> bool:
+    """Whether the root's copy's ranges (:func:`read_abandoned`) drop a checkpoint the saves' own records
+    keep: only then do the fallback's refusal and ``ls`` name the file (rev60d F3)."""
+    if not copy:
+        return False
+    alone = {r.tag for r in split_lineage(records)[1]}
+    return any(r.tag not in alone for r in split_lineage(records, copy)[1])
+
+
 def read_abandoned(root: str, storage_options: Any, records: Sequence[CheckpointRecord]) -> tuple[tuple[int, int], ...]:
     """(rank 0) The root's copy's ranges, when its save is numbered above every committed one of ``records``
     (damaged, its manifest lost); retention, ``prune``, ``ls`` and the fallback call it alike."""

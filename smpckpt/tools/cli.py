@@ -26,7 +26,15 @@ from tqdm import tqdm
 
 from smpckpt.api._tiers import durable_key
 from smpckpt.catalog import root as catalog
-from smpckpt.catalog.root import apply_retention, newest_tag, read_abandoned, scan_root, split_lineage, validate_keep
+from smpckpt.catalog.root import (
+    apply_retention,
+    decided_by_copy,
+    newest_tag,
+    read_abandoned,
+    scan_root,
+    split_lineage,
+    validate_keep,
+)
 from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.model.layout import LayoutRecord
@@ -68,7 +76,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     copy = read_abandoned(args.path, args.storage_options, records)
     dropped = {r.tag for r in split_lineage(records, copy)[1]}
     # the root's copy decided (its save lost, or the file crafted): named, as the resume's fallback names it
-    by_copy = f"{args.path.rstrip('/')}/{catalog.ABANDONED_NAME}" if copy and dropped else None
+    by_copy = f"{args.path.rstrip('/')}/{catalog.ABANDONED_NAME}" if decided_by_copy(records, copy) else None
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []

@@ -7,6 +7,7 @@ import pytest
 from smpckpt.catalog.root import (
     CheckpointRecord,
     KeepLatestN,
+    decided_by_copy,
     record_order,
     select_for_removal,
     split_lineage,
@@ -113,3 +114,13 @@ def test_split_lineage_spends_linear_work_on_carried_ranges(monkeypatch: pytest.
     assert len(dropped) == 80 and [r.tag for r in dropped[:2]] == ["s155", "s154"]
     assert len(history) == n - 80
     assert _CountedRange.unpacked[0] < 64 * n  # quadratic: ~16 * n * n / 2
+
+
+def test_the_root_copy_is_named_only_when_its_ranges_decided() -> None:
+    """rev60d F3: the fallback and ``ls`` named ``smpckpt.abandoned`` whenever it was read and anything was
+    dropped, also when the saves' own records dropped the same (a stale copy of a later roll-back)."""
+    records = [_saved(f"s{i}", i) for i in range(1, 6)] + [_saved("s6", 6, [[4, 5]])]
+    assert not decided_by_copy(records, [(7, 8)])  # s6's own record dropped s4, s5; the copy adds nothing
+    assert not decided_by_copy(records, [(4, 5)])
+    assert decided_by_copy(records, [(6, 6)])  # the copy drops s6, which no save's record does
+    assert not decided_by_copy(records, ())

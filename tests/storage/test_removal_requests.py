@@ -1,0 +1,102 @@
+"""Removal at scale on S3 (a loopback proxy in front of moto counts the requests on the wire): a checkpoint's
+files go in one DeleteObjects, the manifest before them and the removal mark after them in steps of their
+own; a key S3 reports failed inside DeleteObjects' 200 reply is named, and the next retention finishes the
+removal. The kept checkpoints resume bit-exactly."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+import torch
+from s3_env import reset_moto, s3_options
+from storage_faulty_proxy import FaultyProxy
+from torch import nn
+
+from smpckpt import resume_from_checkpoint, save_checkpoint
+from smpckpt.catalog.root import scan_root
+from smpckpt.storage import open_fs
+
+BUCKET = "smpckpt-removals"
+
+pytestmark = pytest.mark.s3
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _assert_resumes(root: str, opts: dict[str, Any], tag: str, seed: int) -> None:
+    fresh = _model(1000 + seed)
+    resume_from_checkpoint(root, tag=tag, model=fresh, storage_options=opts)
+    for k, v in _model(seed).state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), (tag, k)
+
+
+def _states(root: str, opts: dict[str, Any]) -> dict[str, str]:
+    return {r.tag: r.state for r in scan_root(root, storage_options=opts)}
+
+
+def test_a_checkpoint_is_removed_in_one_delete_objects_manifest_first_mark_last(moto_endpoint: str) -> None:
+    reset_moto(moto_endpoint, BUCKET)
+    seen: list[tuple[str, str, str]] = []
+
+    def record(method: str, path: str, query: dict[str, list[str]]) -> None:
+        seen.append((method, path, "delete" if "delete" in query else ""))
+
+    with FaultyProxy(moto_endpoint, record) as proxy:  # type: ignore[arg-type]
+        opts, root = s3_options(proxy.url), f"s3://{BUCKET}/run"
+        for step in range(3):
+            save_checkpoint(root, f"step{step}", model=_model(step), storage_options=opts)
+        fs, path = open_fs(f"{root}/step0_partial", opts)
+        files = fs.find(path)
+        assert len(files) >= 4, files  # data, metadata, stock copy, manifest
+        seen.clear()
+        save_checkpoint(root, "step3", model=_model(3), storage_options=opts, num_kept_partial_checkpoints=2)
+        # per checkpoint removed, in this order: DELETE manifest, one DeleteObjects (POST ?delete), DELETE mark
+        deletes = [
+            "DeleteObjects" if q else p.split("/run/")[-1] for m, p, q in seen if m == "DELETE" or q == "delete"
+        ]
+        steps = ["smpckpt.manifest.json", "DeleteObjects", "smpckpt.removing"]
+        assert deletes == [s if s == "DeleteObjects" else f"{t}_partial/{s}" for t in ("step0", "step1") for s in steps]
+        assert _states(root, opts) == {"step2": "committed", "step3": "committed"}
+        for step in (2, 3):
+            _assert_resumes(root, opts, f"step{step}", step)
+
+
+def test_a_key_s3_reports_failed_inside_delete_objects_is_named_and_the_next_save_finishes(
+    moto_endpoint: str, caplog: Any
+) -> None:
+    reset_moto(moto_endpoint, BUCKET)
+    victim: list[str] = []
+
+    def rewrite(method: str, query: dict[str, list[str]], status: int, body: bytes) -> bytes:
+        if method == "POST" and "delete" in query and victim and status == 200:
+            key = victim.pop()
+            err = f"<Error><Key>{key}</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            return re.sub(rb"</DeleteResult>", err.encode() + b"</DeleteResult>", body)
+        return body
+
+    with FaultyProxy(moto_endpoint, lambda *a: None, rewrite=rewrite) as proxy:
+        opts, root = s3_options(proxy.url), f"s3://{BUCKET}/run"
+        for step in range(2):
+            save_checkpoint(root, f"step{step}", model=_model(step), storage_options=opts)
+        fs, path = open_fs(f"{root}/step0_partial", opts)
+        data = sorted(f for f in fs.find(path) if f.endswith(".distcp"))
+        victim.append(data[0].partition("/")[2])  # the key, without the bucket
+        with caplog.at_level(logging.WARNING):
+            save_checkpoint(root, "step2", model=_model(2), storage_options=opts, num_kept_partial_checkpoints=1)
+        text = caplog.text
+        assert f"{data[0]} not removed: AccessDenied" in text, text
+        # retention's warning names the folder and the key (remove_checkpoint raises naming both)
+        assert re.search(r"could not remove .*step0_partial.*will retry on the next save.*" + re.escape(data[0]), text)
+        # the manifest went first and the mark stays: the folder is a removal to finish, never committed
+        states = _states(root, opts)
+        assert states == {"step0": "removing", "step2": "committed"}, states
+        save_checkpoint(root, "step3", model=_model(3), storage_options=opts, num_kept_partial_checkpoints=2)
+        assert _states(root, opts) == {"step2": "committed", "step3": "committed"}
+        for step in (2, 3):
+            _assert_resumes(root, opts, f"step{step}", step)

@@ -39,6 +39,7 @@ from smpckpt.api._dist import (
 from smpckpt.api.options import Retention, SaveOptions
 from smpckpt.catalog.root import (
     SEQUENCE_KEY,
+    ManifestCache,
     SequenceCounter,
     apply_retention,
     open_root,
@@ -184,8 +185,9 @@ def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] 
         ) from exc
 
 
-def retain(req: SaveRequest, ctx: DistContext) -> None:
-    """(rank 0) Retention and stale-debris removal; never fails the committed save."""
+def retain(req: SaveRequest, ctx: DistContext, manifests: ManifestCache | None = None) -> None:
+    """(rank 0) Retention and stale-debris removal (``manifests``: the Checkpointer's records of the root,
+    catalog.root); never fails the committed save."""
     keep, stale_after = req.retention.num_kept_partial_checkpoints, req.retention.remove_uncommitted_older_than
     if not ctx.is_coordinator or (keep is None and stale_after is None):
         return
@@ -197,6 +199,7 @@ def retain(req: SaveRequest, ctx: DistContext) -> None:
             protected={req.tag},
             just_saved=req.tag,
             uncommitted_older_than=stale_after,
+            cache=manifests,
         )
     except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
         log.warning("retention after saving %s failed (nothing else affected): %s", req.url, exc)

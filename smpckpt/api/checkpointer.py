@@ -341,7 +341,7 @@ class Checkpointer:
         write_checkpoint(req, state, extra)
         publish_newest(req, sctx, extra)
         log.info("saved checkpoint %s (%s) %s", req.url, req.layout, how)
-        retain(req, sctx)
+        retain(req, sctx, self._counter.manifests)
 
     def _submit(
         self, req: SaveRequest, ctx: DistContext, state: dict[str, Any], extra: dict[str, Any], tier: Any

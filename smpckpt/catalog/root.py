@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import (
+    MANIFEST_NAME,
     Manifest,
     open_fs,
     probe_checkpoint,
@@ -45,14 +46,14 @@ from smpckpt.storage import (
     remove_checkpoint,
     write_bytes_atomic,
 )
-from smpckpt.storage.backends._fs import is_local, ls_fresh, translate_errors
+from smpckpt.storage.backends._fs import StampedCache, is_local, ls_fresh, translate_errors
 
 __all__ = ["KeepLatestN", "select_for_removal", "apply_retention", "RetentionResult"]
 __all__ += ["validate_keep", "CheckpointRecord", "RecordState", "scan_root", "record_order", "newest_tag"]
 __all__ += ["highest_sequence", "NEWEST_NAME", "PARTIAL_SUFFIX", "validate_tag", "is_valid_tag", "partial_dirname"]
 __all__ += ["tag_of_partial_dirname", "join_url", "partial_url", "read_newest", "write_newest", "list_partial_tags"]
 __all__ += ["open_root", "SEQUENCE_KEY", "sequence_of", "SequenceCounter", "newest_record", "split_lineage"]
-__all__ += ["ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", "write_abandoned", "read_abandoned"]
+__all__ += ["ManifestCache", "ABANDONED_KEY", "ABANDONED_NAME", "abandoned_of", "write_abandoned", "read_abandoned"]
 
 
 # the name it had before the module's rename: logging configured for it keeps applying
@@ -294,6 +295,7 @@ class SequenceCounter:
         self.read = 0  #: the highest number ``newest`` named when a draw read it (a writer beside this job's)
         self._parent: int | None = None  #: the number of the checkpoint resumed, until the next draw
         self.abandoned: tuple[tuple[int, int], ...] = ()  #: what this job's history abandoned (roll-backs)
+        self.manifests = ManifestCache()  #: the root's committed records this job read (its listings reuse them)
 
     def resumed(self, seq: int, abandoned: tuple[tuple[int, int], ...]) -> None:
         """(once its state is applied) The job goes on from checkpoint ``seq`` (recording ``abandoned``; 0:
@@ -312,7 +314,7 @@ class SequenceCounter:
         """(rank 0) The sequence number of a new save. The first time the root was not listed, the highest
         committed number a listing of the root finds is read first, outside the lock."""
         if not self._listed:
-            self.saw(highest_sequence(self.root, self.storage_options), listed=True)
+            self.saw(highest_sequence(self.root, self.storage_options, self.manifests), listed=True)
         else:
             # another writer of this root in this process (a second model's Checkpointer, one beside smp's face)
             # has its own counter: ``newest`` names the last commit of any, so a new save is numbered after it
@@ -331,6 +333,7 @@ class SequenceCounter:
             state = other._highest, other._listed, other.read, other._parent, other.abandoned
         with self._lock:
             self._highest, self._listed, self.read, self._parent, self.abandoned = state
+        self.manifests = other.manifests
 
     def record(self) -> dict[str, Any]:
         """The manifest ``extra`` entries of the save just drawn (the history's abandoned ranges)."""
@@ -338,7 +341,7 @@ class SequenceCounter:
 
     def _newest_sequence(self) -> int:
         """The sequence number of the committed checkpoint ``newest`` names (0: none, or unreadable)."""
-        record = newest_record(self.root, self.storage_options)
+        record = newest_record(self.root, self.storage_options, self.manifests)
         return record.order[0] if record is not None and record.committed else 0
 
 
@@ -366,9 +369,18 @@ class CheckpointRecord:
         return self.manifest.extra if self.manifest is not None else {}
 
     @property
+    def files(self) -> list[str]:
+        """The committed generation's files (what a cached record checks for links again)."""
+        return [f.name for f in self.manifest.files] + [self.manifest.metadata.name] if self.manifest else []
+
+    @property
     def size(self) -> int | None:
         """Bytes of the committed generation (metadata + data files), from the manifest."""
         return self.manifest.total_bytes if self.manifest is not None else None
+
+
+#: a root's committed records this job read, by manifest (:func:`_record`)
+ManifestCache = StampedCache[CheckpointRecord]
 
 
 def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, int, str]:
@@ -394,8 +406,13 @@ def record_order(manifest: Manifest | Mapping[str, Any] | None) -> tuple[int, in
     return (sequence_of(extra), ns, str(save_id))
 
 
-def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
-    """Probe one folder; never raises for what the folder holds (one bad sibling must not break a root)."""
+def _record(tag: str, url: str, storage_options: Any, cache: ManifestCache | None = None) -> CheckpointRecord:
+    """Probe one folder; never raises for what the folder holds (one bad sibling must not break a root).
+    ``cache`` (local roots): the record read before while its manifest is the same file (an overwrite or a
+    removal of the tag, by any process, makes another) and its files are still confined."""
+    if cache is not None:
+        fs, path = open_root(url, storage_options)
+        return cache.get(fs, path, MANIFEST_NAME, lambda: (r := _record(tag, url, storage_options), r.committed))
     try:
         found = probe_checkpoint(url, storage_options)
         if found.manifest is not None and found.manifest.kind != "partial":  # an export into `<x>_partial`
@@ -416,18 +433,23 @@ def _record(tag: str, url: str, storage_options: Any) -> CheckpointRecord:
     return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
 
 
-def newest_record(root_url: str, storage_options: Any = None) -> CheckpointRecord | None:
+def newest_record(
+    root_url: str, storage_options: Any = None, cache: ManifestCache | None = None
+) -> CheckpointRecord | None:
     """The record of the folder ``newest`` names (``None``: ``newest`` missing or unreadable)."""
     try:
         fs, root_path = open_root(root_url, storage_options)
         tag = read_newest(fs, root_path)
     except (CheckpointError, OSError):
         return None
-    return None if tag is None else _record(tag, partial_url(root_url, tag), storage_options)
+    return None if tag is None else _record(tag, partial_url(root_url, tag), storage_options, cache)
 
 
-def scan_root(root_url: str, *, storage_options: Any = None) -> list[CheckpointRecord]:
-    """Every ``{tag}_partial`` folder under ``root_url``, oldest first (uncommitted ones first of all).
+def scan_root(
+    root_url: str, *, storage_options: Any = None, cache: ManifestCache | None = None
+) -> list[CheckpointRecord]:
+    """Every ``{tag}_partial`` folder under ``root_url``, oldest first (uncommitted ones first of all);
+    ``cache``: the records of a :class:`ManifestCache` where they are still what is there.
 
     A folder that cannot be trusted or read is listed with its state (``unsafe``, ``corrupt``,
     ``unreadable``) and a warning; the scan carries on with the others.
@@ -435,12 +457,14 @@ def scan_root(root_url: str, *, storage_options: Any = None) -> list[CheckpointR
     fs, root_path = open_root(root_url, storage_options)
     tags = sorted(list_partial_tags(fs, root_path).items())
     jobs = [(tag, join_url(root_url, name)) for tag, name in tags]
+    if cache is not None:  # gone from the listing: forgotten
+        cache.keep_only({join_url(join_url(root_path, name), MANIFEST_NAME) for _, name in tags})
     if len(jobs) > 1 and not is_local(fs):
         # one GET per folder: a few in flight on object stores
         with concurrent.futures.ThreadPoolExecutor(min(8, len(jobs)), thread_name_prefix="smpckpt-scan") as pool:
-            records = list(pool.map(lambda job: _record(job[0], job[1], storage_options), jobs))
+            records = list(pool.map(lambda job: _record(job[0], job[1], storage_options, cache), jobs))
     else:
-        records = [_record(tag, url, storage_options) for tag, url in jobs]
+        records = [_record(tag, url, storage_options, cache) for tag, url in jobs]
     records.sort(key=lambda r: (r.committed, r.order, r.tag))
     return records
 
@@ -451,9 +475,10 @@ def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     return read_newest(fs, root_path)
 
 
-def highest_sequence(root: str, storage_options: Any = None) -> int:
+def highest_sequence(root: str, storage_options: Any = None, cache: ManifestCache | None = None) -> int:
     """(rank 0) The highest sequence number committed under ``root`` (one listing; 0 when there is none)."""
-    return max((r.order[0] for r in scan_root(root, storage_options=storage_options) if r.committed), default=0)
+    records = scan_root(root, storage_options=storage_options, cache=cache)
+    return max((r.order[0] for r in records if r.committed), default=0)
 
 
 def validate_keep(keep: Any, what: str = "num_kept_partial_checkpoints") -> int | None:
@@ -512,6 +537,7 @@ def apply_retention(
     dry_run: bool = False,
     uncommitted_older_than: float | None = None,
     just_saved: str | None = None,
+    cache: ManifestCache | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
     (:func:`split_lineage`, :func:`read_abandoned`: what a roll-back abandoned stays, uncounted).
@@ -520,11 +546,12 @@ def apply_retention(
     removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
     failed or killed saves nothing wrote to for that long (:func:`smpckpt.catalog._debris.sweep_stale`).
     ``just_saved`` (the tag a save just committed): when another committed checkpoint is numbered after
-    it (another job saving into this root), no committed checkpoint is removed, with a warning.
+    it (another job saving into this root), no committed checkpoint is removed, with a warning. ``cache``: the
+    Checkpointer's records of the root (:class:`ManifestCache`), reused while their manifests are unchanged.
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
-    records = scan_root(root_url, storage_options=storage_options)
+    records = scan_root(root_url, storage_options=storage_options, cache=cache)
     abandoned = read_abandoned(root_url, storage_options, records) if keep is not None else ()
     doomed = select_for_removal(records, keep, protected, abandoned) if keep is not None else []
     saved = next((r for r in records if r.tag == just_saved and r.committed), None)

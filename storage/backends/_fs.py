@@ -27,9 +27,12 @@ import errno
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import stat
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -201,6 +204,62 @@ def read_bytes_or_none(fs: Any, path: str) -> bytes | None:
         except FileNotFoundError:
             return None
     return bytes(data)
+
+
+def file_stamp(fs: Any, path: str, settled_ns: int = 10**9) -> tuple[int, ...]:
+    """(local disk) What identifies the plain file ``path`` as it is now (device, inode, size, times; any
+    replacement or write changes it); ``()`` when absent, not a plain file, not on local disk, or changed
+    under ``settled_ns`` ago (a file written later in the same clock tick on a reused inode could match)."""
+    try:
+        st = os.stat(path, follow_symlinks=False) if is_local(fs) else None
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode) or time.time_ns() - st.st_ctime_ns < settled_ns:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class _Files(Protocol):
+    @property
+    def files(self) -> Sequence[str]: ...
+
+
+T = TypeVar("T", bound=_Files)
+
+
+class StampedCache(Generic[T]):
+    """(local disk) A value made from a folder's file (a manifest), served again while the file's
+    :func:`file_stamp` is the same and the files the value names (``value.files``) are still confined to the
+    folder (:func:`confine`); elsewhere (no stamp) made each time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # callers on several threads (a save's, a drain's)
+        self._kept: dict[str, tuple[tuple[int, ...], T]] = {}
+
+    def get(self, fs: Any, folder: str, name: str, make: Callable[[], tuple[T, bool]]) -> T:
+        """The value of ``folder``'s file ``name``: the kept one, or ``make()``'s ``(value, keep)``, kept when
+        ``keep`` says so and the file did not change while it was made."""
+        path = join(folder, name)
+        stamp = file_stamp(fs, path)
+        with self._lock:
+            then, value = self._kept.pop(path, ((), None))
+        keep = bool(stamp) and stamp == then and value is not None
+        try:  # a link planted since: made again (and refused there)
+            if keep and value is not None:
+                confine(fs, folder, value.files, where=folder)
+        except UnsafeCheckpoint:
+            keep = False
+        if not keep or value is None:
+            value, keep = make()
+        if keep and stamp and stamp == file_stamp(fs, path):
+            with self._lock:
+                self._kept[path] = (stamp, value)
+        return value
+
+    def keep_only(self, paths: Collection[str]) -> None:
+        """Forget every file but ``paths`` (those gone from a listing)."""
+        with self._lock:
+            self._kept = {p: v for p, v in self._kept.items() if p in paths}
 
 
 def escapes(folder: str, path: str) -> bool:

@@ -57,9 +57,7 @@ def test_a_checkpoint_is_removed_in_one_delete_objects_manifest_first_mark_last(
         seen.clear()
         save_checkpoint(root, "step3", model=_model(3), storage_options=opts, num_kept_partial_checkpoints=2)
         # per checkpoint removed, in this order: DELETE manifest, one DeleteObjects (POST ?delete), DELETE mark
-        deletes = [
-            "DeleteObjects" if q else p.split("/run/")[-1] for m, p, q in seen if m == "DELETE" or q == "delete"
-        ]
+        deletes = ["DeleteObjects" if q else p.split("/run/")[-1] for m, p, q in seen if m == "DELETE" or q == "delete"]
         steps = ["smpckpt.manifest.json", "DeleteObjects", "smpckpt.removing"]
         assert deletes == [s if s == "DeleteObjects" else f"{t}_partial/{s}" for t in ("step0", "step1") for s in steps]
         assert _states(root, opts) == {"step2": "committed", "step3": "committed"}

@@ -1,0 +1,116 @@
+"""Retention after each save reads only what changed: the Checkpointer keeps the root's committed records
+(catalog.root.ManifestCache) and serves one again only while its manifest is the same file on disk. Counted
+on a real local filesystem (every manifest read goes through LocalFileSystem.cat_file); an overwrite of a
+cached tag by another writer is seen, so retention removes exactly the right tags, and every kept one
+resumes bit-exactly."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from smpckpt import SaveOptions, resume_from_checkpoint, save_checkpoint
+from smpckpt.catalog.root import scan_root
+from smpckpt.storage import MANIFEST_NAME
+
+SETTLE = 1.05  # a manifest is served from the cache once its file is a second old (a clock tick's reuse)
+
+
+def _manifest_reads(monkeypatch: Any) -> list[str]:
+    from fsspec.implementations.local import LocalFileSystem
+
+    reads: list[str] = []
+    real = LocalFileSystem.cat_file
+
+    def counted(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith(MANIFEST_NAME):
+            reads.append(str(path))
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "cat_file", counted)
+    return reads
+
+
+def _filled(value: float) -> nn.Module:
+    m = nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight.fill_(value)
+        m.bias.fill_(-value)
+    return m
+
+
+def _assert_resumes(root: str, tag: str, value: float) -> None:
+    got = nn.Linear(3, 2)
+    resume_from_checkpoint(root, tag=tag, model=got)
+    want = _filled(value)
+    assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias), tag
+
+
+def _tags(root: str) -> list[str]:
+    return sorted(r.tag for r in scan_root(root) if r.committed)
+
+
+def test_reads_per_save_do_not_grow_with_the_checkpoints_kept(tmp_path: Any, monkeypatch: Any) -> None:
+    root, keep = str(tmp_path), 5
+    reads = _manifest_reads(monkeypatch)
+    m = _filled(0)
+    per_save = []
+    for i in range(keep + 2):
+        with torch.no_grad():
+            m.weight.fill_(i)
+            m.bias.fill_(-i)
+        time.sleep(SETTLE if i else 0)
+        reads.clear()
+        save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=keep)
+        per_save.append(len(reads))
+    # newest's record (the sequence number), the tag's own probe, the new checkpoint: not one per kept one
+    assert per_save[-2:] == [3, 3], per_save
+    assert _tags(root) == [f"s{i}" for i in range(2, keep + 2)]
+    for i in range(2, keep + 2):
+        _assert_resumes(root, f"s{i}", i)
+
+
+def test_a_cached_tag_overwritten_by_another_writer_is_read_again_and_kept(tmp_path: Any) -> None:
+    """The Checkpointer read s0 (sequence 1) and kept its record; another writer (its own Checkpointer)
+    overwrites s0, now numbered after s2. The next save's retention (keep 3) must see s0's new number and
+    remove s1: a stale record (s0 still 1) would remove s0, the newest but one, overwritten data and all."""
+    root, m = str(tmp_path), _filled(0)
+    for i in range(3):
+        with torch.no_grad():
+            m.weight.fill_(i)
+            m.bias.fill_(-i)
+        time.sleep(SETTLE if i == 2 else 0)  # s0 and s1 are a second old when s2's retention reads them
+        save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=3)
+    assert _tags(root) == ["s0", "s1", "s2"]
+    save_checkpoint(root, "s0", model=_filled(7), options=SaveOptions(overwrite=True))  # another model: writer
+    time.sleep(SETTLE)  # the new manifest is settled too: only its identity tells it from the cached one
+    with torch.no_grad():
+        m.weight.fill_(3)
+        m.bias.fill_(-3)
+    save_checkpoint(root, "s3", model=m, num_kept_partial_checkpoints=3)
+    assert _tags(root) == ["s0", "s2", "s3"]
+    _assert_resumes(root, "s0", 7)
+    _assert_resumes(root, "s2", 2)
+    _assert_resumes(root, "s3", 3)
+
+
+def test_a_link_planted_in_a_cached_checkpoint_is_still_refused(tmp_path: Any) -> None:
+    """A cached record is served only while its files are confined: a data file replaced by a link leading
+    out of the folder makes the folder unsafe, never removed, exactly as without the cache."""
+    root, m = str(tmp_path), _filled(0)
+    for i in range(3):
+        time.sleep(SETTLE if i == 2 else 0)
+        save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=3)
+    folder = tmp_path / "s0_partial"
+    data = next(p for p in folder.rglob("*.distcp"))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(outside)
+    save_checkpoint(root, "s3", model=m, num_kept_partial_checkpoints=1)
+    states = {r.tag: r.state for r in scan_root(root)}
+    assert states == {"s0": "unsafe", "s3": "committed"}, states
+    assert outside.exists() and data.is_symlink()

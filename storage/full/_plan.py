@@ -35,8 +35,15 @@ from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
 from smpckpt.storage.format._regions import Box, intersect
-from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData, leaf_keys
-from smpckpt.storage.full._safetensors import encode_header
+from smpckpt.storage.full._layout import (
+    ArtifactFile,
+    ArtifactLayout,
+    FullWrite,
+    Place,
+    RankFullData,
+    encode_header,
+    leaf_keys,
+)
 from smpckpt.storage.full.options import FullOptions
 
 __all__ = ["plan_artifact"]

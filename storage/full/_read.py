@@ -28,10 +28,9 @@ from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._regions import Box, box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.full import _files, _strided
+from smpckpt.storage.full import _files
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
-from smpckpt.storage.full._strided import read_streamed, row_groups, serially, share, stream_plan
 from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, cross_view, unit_extent
 
 __all__ = ["FullSource", "THREADS"]
@@ -60,7 +59,7 @@ class FullSource(ArtifactIndex):
         self.threads = threads
         self.verify = verify
         self.allow_pickle = allow_pickle
-        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._strided`)
+        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._files`)
         self.request_cost = request_cost
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
@@ -284,8 +283,8 @@ class FullSource(ArtifactIndex):
         units: UnitIndex | None,
         out: memoryview,
     ) -> bool:
-        """(local files) A column box streamed (:mod:`~._strided`); ``False``: not such a box."""
-        plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
+        """(local files) A column box streamed (:mod:`~._files`); ``False``: not such a box."""
+        plan = _files.stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
         if plan is None:
             return False
         if units is not None and plan.covered != math.prod(sizes):
@@ -298,23 +297,23 @@ class FullSource(ArtifactIndex):
                 raise CheckpointError(f"{self.url}: internal: no check units for {key!r}")
             return self._mismatch(t, key, index.unit(i))
 
-        read = read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch, self._spread)
+        read = _files.read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch, self._spread)
         self._stat(t.file, math.prod(sizes) * t.dtype.itemsize, read)
         return True
 
     def _spread(self, count: int, work: Callable[[Iterator[int]], int]) -> int:
-        """(worker thread) A box's ``count`` parts (:func:`~._strided.share`): on local files shared with the
+        """(worker thread) A box's ``count`` parts (:func:`~._files.share`): on local files shared with the
         read's free threads; on object stores, or outside :meth:`read`, on this thread (spans are per thread)."""
         pool = self._pool
         if pool is None or not self._files.local or count < 2:
-            return serially(count, work)
+            return _files.serially(count, work)
 
         def submit(fn: Callable[[], None]) -> None:
             # RuntimeError: the pool is shutting down (the read failed): this thread does the parts
             with contextlib.suppress(RuntimeError):
                 pool.submit(fn)
 
-        return share(count, work, submit, self.threads - 1)
+        return _files.share(count, work, submit, self.threads - 1)
 
     def _read_rows(
         self,
@@ -328,7 +327,7 @@ class FullSource(ArtifactIndex):
         sizes: Sequence[int] = (),
     ) -> int:
         """The runs ``starts`` (``rows`` rows of the box) into ``out`` back to back, in row groups of about
-        :data:`~._strided.PART_BYTES` read by several threads, never cutting a ``whole`` unit, each group's
+        :data:`~._files.PART_BYTES` read by several threads, never cutting a ``whole`` unit, each group's
         units checked in ``out`` (``whole`` ``None``: unverified). Returns the bytes fetched."""
         per_row = len(starts) // rows if rows > 1 and len(starts) % rows == 0 else 0
         if per_row and self._files.local:
@@ -337,7 +336,7 @@ class FullSource(ArtifactIndex):
                 if whole is not None
                 else np.zeros((0, 2), dtype=np.int64)
             )
-            groups = [(a * per_row, b * per_row, a, b) for a, b in row_groups(rows, urows, per_row * run)]
+            groups = [(a * per_row, b * per_row, a, b) for a, b in _files.row_groups(rows, urows, per_row * run)]
         else:  # one run, or an object store: one part
             groups = [(0, len(starts), 0, rows)]
 
@@ -370,14 +369,14 @@ class FullSource(ArtifactIndex):
         out: memoryview,
     ) -> int:
         """Every unit the box touches read whole and checked, its overlap copied into ``out`` (the box's
-        row-major bytes), in groups of about :data:`~._strided.PART_BYTES` read by several threads. Returns the
+        row-major bytes), in groups of about :data:`~._files.PART_BYTES` read by several threads. Returns the
         bytes fetched."""
         itemsize = t.dtype.itemsize
         groups: list[tuple[int, int]] = []
         a, acc = 0, 0
         for i, (u, _) in enumerate(touched):
             acc += math.prod(u.sizes) * itemsize
-            if acc >= _strided.PART_BYTES or i == len(touched) - 1:
+            if acc >= _files.PART_BYTES or i == len(touched) - 1:
                 groups.append((a, i + 1))
                 a, acc = i + 1, 0
         dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)

@@ -38,8 +38,7 @@ from smpckpt.model.layout import MERGED_KEY, TIED_KEY
 from smpckpt.model.translation import Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, FileRecord, check_member_name
-from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
-from smpckpt.storage.full._safetensors import header_length, parse_header
+from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, header_length, leaf_keys, parse_header
 from smpckpt.storage.full._units import UnitIndex
 
 __all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "hf_folder_ties", "HF_INDEX", "HF_SINGLE"]

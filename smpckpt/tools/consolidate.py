@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -23,16 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, _create_read_item_for_tensor
 from tqdm.auto import tqdm
 
@@ -51,24 +43,9 @@ class ConsolidateReport(dict[str, Any]):
     """``{"out": url, "tensors": n, "bytes": n, "files": [names]}``."""
 
 
-class _Offline:
-    """The planning half of DCP's planner protocols, which nothing calls offline: the writer calls only
-    ``resolve_data`` of the save planner, the reader only the load planner's destinations."""
-
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
-        pass
-
-    def create_local_plan(self) -> Any:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def create_global_plan(self, *plans: Any) -> Any:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def finish_plan(self, plan: Any) -> Any:  # pragma: no cover - unused
-        return plan
-
-
-class _OneTensorAtATime(_Offline, SavePlanner):
+# DCP's default planners for the planning half of the protocols, which nothing calls offline: the writer
+# calls only ``resolve_data`` of the save planner, the reader only the load planner's destinations
+class _OneTensorAtATime(DefaultSavePlanner):
     """Hands the writer each tensor read whole from the partial checkpoint, only when asked."""
 
     def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
@@ -107,7 +84,7 @@ class _OneTensorAtATime(_Offline, SavePlanner):
         return whole
 
 
-class _Sink(_Offline, LoadPlanner):
+class _Sink(DefaultLoadPlanner):
     """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes."""
 
     def __init__(self) -> None:

@@ -24,7 +24,7 @@ from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, WRITING_MARKER, FileRecord, Manifest, probe
-from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
+from smpckpt.storage.full._exchange import moves_cpu_tensors, plan_exchanges
 from smpckpt.storage.full._layout import ArtifactLayout
 from smpckpt.storage.full._plan import plan_artifact
 from smpckpt.storage.full._units import BoxUnits, rows_of
@@ -133,7 +133,8 @@ def begin_full_save(
             dist.get_backend(process_group),
             _GLOO,
         )
-    elif options.row_swap_below and exchange_group_ok(process_group, len(plans)):
+    elif options.row_swap_below and cpu_group and len(plans) >= 2 and dist.get_world_size(process_group) == len(plans):
+        # swaps need a group that moves CPU tensors, one member per planning rank
         out = plan_exchanges(out, options.row_swap_below)
     with Folder(fs, staging_path(path, save_id), create=True) as staging:
         create_files(staging, layout.files, sync=sync)

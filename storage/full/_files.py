@@ -23,7 +23,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from smpckpt.errors import CheckpointCorrupt
 from smpckpt.storage.backends._fs import is_local, join, pread_into, translate_errors
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into, streams
-from smpckpt.storage.full._units import UnitIndex, intervals
+from smpckpt.storage.full._units import Unit, UnitIndex, intervals
 
 __all__ = ["RunFiles", "SpanFetcher", "plan_spans", "SPAN_BYTES", "SPAN_WASTE", "PART_BYTES", "Spread", "StreamPlan"]
 __all__ += ["row_groups", "serially", "share", "stream_plan", "read_streamed"]
@@ -63,14 +63,6 @@ class RunFiles:
         if len(blob) != hi - lo:
             raise CheckpointCorrupt(f"{path}: short read at offset {lo} ({len(blob)} of {hi - lo} bytes)")
         return bytes(blob)
-
-    def hold(self, name: str, lo: int, hi: int) -> int:
-        """(object stores) Fetch bytes ``[lo, hi)`` in one GET, serving runs from them; the bytes fetched."""
-        self._tls.held = ()
-        if self.local or hi <= lo:
-            return 0
-        self._tls.held = ((name, lo, self.fetch(name, lo, hi)),)
-        return hi - lo
 
     def serve(self, held: Sequence[Held]) -> None:
         """(object stores) Serve this thread's runs from ``held`` spans until the next call; ``()`` lets go."""
@@ -439,13 +431,14 @@ def read_streamed(
     start: int,
     plan: StreamPlan,
     out: memoryview,
-    digests: Sequence[int],
-    mismatch: Callable[[int], Exception],
+    units: UnitIndex | None,
+    mismatch: Callable[[Unit], Exception],
     spread: Spread = serially,
 ) -> int:
     """(local files) The box of ``plan`` from the tensor at byte ``start`` of ``name`` into ``out``, a piece at
-    a time through a buffer per thread: read in one request, its units hashed against ``digests``
-    (``mismatch(position)``: the error), its rows' columns copied out. Returns the bytes requested."""
+    a time through a buffer per thread: read in one request, its ``units`` verified (``mismatch(unit)``: the
+    error), its rows' columns copied out. Returns the bytes requested."""
+    digests = [units.digest(i) for i in plan.units.tolist()] if units is not None else []
     rb, (c0, _) = plan.row_bytes, plan.cols
     longest = max(plan.span(a, b)[1] for a, b in plan.pieces)
     first, total = plan.span(plan.rows[0], plan.rows[1])
@@ -468,7 +461,7 @@ def read_streamed(
             for j in order[a:b].tolist():
                 (u0, u1), (uc0, uc1) = plan.urows[j].tolist(), plan.ucols[j].tolist()
                 if hash_rows(buf, (u0 - p0) * rb + uc0 - c0, u1 - u0, uc1 - uc0, rb) != digests[j]:
-                    raise mismatch(int(plan.units[j]))
+                    raise mismatch(cast(UnitIndex, units).unit(int(plan.units[j])))
             into.copy(buf, p0, c0, (p0, p1), rb)  # only verified bytes are copied: the piece's units all passed
         return requested
 

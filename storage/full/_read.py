@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import io
 import math
 import threading
@@ -205,7 +206,7 @@ class FullSource(ArtifactIndex):
                     sub = sub.narrow(d, o, n)
                 # the box's bytes straight into the destination when it holds them as stored
                 dst = bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
-                buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst, bool(held))
+                buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst)
                 if dst is None:
                     box = (
                         torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
@@ -224,9 +225,9 @@ class FullSource(ArtifactIndex):
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
         dst: memoryview | None = None,
-        prefetched: bool = False,
     ) -> memoryview:
-        """The box's bytes (into ``dst`` or a new buffer), verified; ``prefetched``: its spans are held."""
+        """The box's bytes (into ``dst`` or a new buffer), verified (on object stores from the spans
+        :meth:`read` fetched ahead, where they lie)."""
         itemsize = t.dtype.itemsize
         nbytes = math.prod(sizes) * itemsize
         out = dst if dst is not None else memoryview(bytearray(nbytes))
@@ -247,7 +248,7 @@ class FullSource(ArtifactIndex):
             return out
         other = units.views - {view}
         if other and units.view is not None:  # checked in another view of the same bytes
-            return self._read_across_views(key, t, units, starts, run, out, prefetched)
+            return self._read_across_views(key, t, units, starts, run, out)
         if other:
             raise CheckpointError(
                 f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
@@ -255,10 +256,7 @@ class FullSource(ArtifactIndex):
             )
         whole = units.whole_inside(offsets, sizes)
         touched = units.touched(offsets, sizes) if whole is None else []
-        read = 0
-        if not prefetched and not self._files.local:  # the tiles of a column box share their rows' span
-            read = self._hold(t, unit_extent(view, offsets, sizes, itemsize, [u for u, _ in touched]))
-        covered = 0
+        read = covered = 0
         if whole is not None:
             # a box holding every unit it touches whole (any box read at the layout it was saved
             # in, column shards too): read its runs once into ``out`` and check each unit where it
@@ -289,15 +287,8 @@ class FullSource(ArtifactIndex):
             return False
         if units is not None and plan.covered != math.prod(sizes):
             raise self._uncovered(t, key)  # some of the box's bytes would go out unchecked
-        index = units
-        digests = [index.digest(i) for i in plan.units.tolist()] if index is not None else []
-
-        def mismatch(i: int) -> Exception:
-            if index is None:  # pragma: no cover - an unverified plan has no units to mismatch
-                raise CheckpointError(f"{self.url}: internal: no check units for {key!r}")
-            return self._mismatch(t, key, index.unit(i))
-
-        read = _files.read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch, self._spread)
+        mismatch = functools.partial(self._mismatch, t, key)
+        read = _files.read_streamed(self._files, t.file, t.start, plan, out, units, mismatch, self._spread)
         self._stat(t.file, math.prod(sizes) * t.dtype.itemsize, read)
         return True
 
@@ -405,11 +396,10 @@ class FullSource(ArtifactIndex):
         starts: np.ndarray,
         run: int,
         out: memoryview,
-        prefetched: bool,
     ) -> memoryview:
         """A box requested in another view than its units' (:func:`cross_view`): every byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
-        read = 0 if prefetched else self._hold(t, plan.extent)
+        read = 0
         if plan.partial:  # the bytes they share with the box come with them
             for at, pos, n in plan.direct:
                 read += self._files.read_runs(t.file, np.array([t.start + at]), n, out[pos : pos + n])
@@ -445,13 +435,6 @@ class FullSource(ArtifactIndex):
             f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
             f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
         )
-
-    def _hold(self, t: StoredTensor, ext: tuple[int, int] | None) -> int:
-        """(object stores) One GET for bytes ``ext`` of ``t``, held for its reads when at most ``SPAN_BYTES``
-        (wider: only what an earlier box held is dropped). Returns the bytes fetched."""
-        if ext is None or ext[1] - ext[0] > _files.SPAN_BYTES:
-            return self._files.hold(t.file, 0, 0)
-        return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
 
     def _stat(self, name: str, needed: int, read: int) -> None:
         with self._lock:

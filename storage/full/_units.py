@@ -64,10 +64,6 @@ class BoxUnits:
     def __len__(self) -> int:
         return len(self.digests) // 8
 
-    def rows(self) -> list[list[Any]]:
-        """Each unit as ``[view, offsets, sizes, digest hex]`` lists (the description's form, one ``view``)."""
-        return rows_of([self])
-
     def check(self) -> None:
         n, d = len(self), len(self.view)
         if len(self.offsets) != n * d * 8 or len(self.sizes) != n * d * 8:
@@ -75,8 +71,8 @@ class BoxUnits:
 
 
 def rows_of(boxes: Sequence[BoxUnits]) -> list[list[Any]]:
-    """The rows of ``boxes`` in order, as ``[r for b in boxes for r in b.rows()]``, with one array conversion
-    per run of boxes of one dimensionality instead of three per box."""
+    """Each unit of ``boxes`` in order as ``[view, offsets, sizes, digest hex]`` lists (the description's
+    form), with one array conversion per run of boxes of one dimensionality instead of three per box."""
     out: list[list[Any]] = []
     i = 0
     while i < len(boxes):
@@ -258,13 +254,12 @@ class CrossView:
     wholly among the requested bytes, with the ``(position, length)`` pieces of ``out`` holding them, in
     hash order; ``partial``: units read whole, checked, their shared bytes copied as ``(from, to,
     length)``; ``direct``: the rest, read straight into ``out`` as ``(tensor offset, position, length)``;
-    ``covered``: requested bytes some unit covers; ``extent``: the tensor bytes ``[lo, hi)`` all of it spans."""
+    ``covered``: requested bytes some unit covers."""
 
     inside: list[tuple[Unit, list[tuple[int, int]]]]
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]]
     direct: list[tuple[int, int, int]]
     covered: int
-    extent: tuple[int, int]
 
 
 def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -293,7 +288,6 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
     inside: list[tuple[Unit, list[tuple[int, int]]]] = []
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]] = []
     covered = 0
-    ext_lo, ext_hi = int(lo[0]), int(hi[-1])
     for i in np.flatnonzero(meets).tolist():
         u = index.unit(i)
         ustarts, urun = box_runs(view, u.offsets, u.sizes, itemsize)
@@ -314,7 +308,6 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
         if copies:
             partial.append((u, ustarts, urun, copies))
             covered += sum(c[2] for c in copies)
-            ext_lo, ext_hi = min(ext_lo, int(ustarts[0])), max(ext_hi, int(ustarts[-1]) + urun)
     taken = sorted((dst, dst + n) for *_, copies in partial for _, dst, n in copies)
     direct: list[tuple[int, int, int]] = []
     t = 0
@@ -329,7 +322,7 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
             nxt = min(end, taken[t][0]) if t < len(taken) else end
             direct.append((a + at - p, at, nxt - at))
             at = nxt
-    return CrossView(inside, partial, direct, covered, (ext_lo, ext_hi))
+    return CrossView(inside, partial, direct, covered)
 
 
 def unit_extent(

@@ -68,20 +68,12 @@ def create_files(folder: Folder, files: Sequence[ArtifactFile], *, sync: bool) -
         folder.create_sized(f.name, f.size, f.pieces, sync=sync)
 
 
-def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def chunk_of(planner: SavePlanner, item: WriteItem, *, cpu: bool = True) -> torch.Tensor:
+    """The item's tensor, detached, in global-view coordinates; on the CPU unless ``cpu=False``."""
     tensor = planner.resolve_data(item)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{item.index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
-    return tensor
-
-
-def chunk_of(
-    planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None, *, cpu: bool = True
-) -> torch.Tensor:
-    """The item's tensor, detached, in global-view coordinates; on the CPU unless ``cpu=False``."""
-    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach()
-    if cpu:
-        chunk = chunk.cpu()
+    chunk = tensor.detach().cpu() if cpu else tensor.detach()
     td = item.tensor_data
     return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk
 
@@ -263,8 +255,7 @@ class _RankWriter:
         """Each of the item's boxes written in place when the tensor's memory is its row-major bytes of the
         artifact dtype, else staged a buffer at a time through the save's pool (device-to-host, transpose,
         cast), each chunk written and hashed while the next is copied: extra memory stays within the pool."""
-        t = resolved_tensor(self.planner, item)
-        chunk = chunk_of(self.planner, item, t, cpu=False)  # the planner resolves each item once
+        chunk = chunk_of(self.planner, item, cpu=False)  # the planner resolves each item once
         for w in self.by_item[item.index]:
             box = box_view(chunk, w)
             own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None

@@ -211,31 +211,12 @@ def commit_full(
     into place; on object stores the manifest created while the in-progress marker still names this save,
     the marker removed after (a failed request raises ``CommitUncertain``: it may still land)."""
     refused = "another save committed here while this full save was writing"
-    if folder.local:
-        parent = folder.path.rstrip("/").rpartition("/")[0] or "/"
-        target = writer.path.rstrip("/").rpartition("/")[2]
-        with Folder(writer.fs, parent, follow=True) as root:
-            publish_staged(
-                root,
-                _names.staging_name(manifest.save_id),
-                target,
-                writer.url,
-                manifest,
-                manifest.to_bytes(),
-                sync=writer.sync_files,
-                metadata=metadata,
-                side=side,
-                refused=refused,
-            )
+    args = (writer.url, manifest, manifest.to_bytes())
+    done: dict[str, Any] = {"sync": writer.sync_files, "metadata": metadata, "side": side, "refused": refused}
+    if not folder.local:
+        commit(folder, *args, owner_marker=manifest.save_id, **done)
         return
-    commit(
-        folder,
-        writer.url,
-        manifest,
-        manifest.to_bytes(),
-        sync=writer.sync_files,
-        metadata=metadata,
-        side=side,
-        owner_marker=manifest.save_id,
-        refused=refused,
-    )
+    parent = folder.path.rstrip("/").rpartition("/")[0] or "/"
+    target = writer.path.rstrip("/").rpartition("/")[2]
+    with Folder(writer.fs, parent, follow=True) as root:
+        publish_staged(root, _names.staging_name(manifest.save_id), target, *args, **done)

@@ -158,12 +158,9 @@ class UnitIndex:
         at its saved layout); ``None`` when one is cut by the box, or the units are in several views."""
         if self.view is None:
             return None
+        idx, ulo, uhi = self.meeting(offsets, sizes)
         box_lo = np.asarray(offsets, dtype=np.int64)
-        box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
-        lo, hi = self._lo, self._hi
-        idx = np.flatnonzero((np.minimum(hi, box_hi) > np.maximum(lo, box_lo)).all(axis=1))
-        ulo, uhi = lo[idx], hi[idx]
-        if not ((ulo >= box_lo).all() and (uhi <= box_hi).all()):
+        if not ((ulo >= box_lo).all() and (uhi <= box_lo + np.asarray(sizes, dtype=np.int64)).all()):
             return None
         return WholeUnits(self, idx, ulo - box_lo, uhi - ulo)
 
@@ -185,13 +182,13 @@ class UnitIndex:
         if self.view is None:
             hits = [(u, intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) for u in self._mixed]
             return [(u, box) for u, box in hits if box is not None and all(n > 0 for n in box[1])]
-        lo = np.maximum(self._lo, np.asarray(offsets, dtype=np.int64))
-        hi = np.minimum(self._hi, np.asarray(offsets, dtype=np.int64) + np.asarray(sizes, dtype=np.int64))
-        out: list[tuple[Unit, Box]] = []
-        for i in np.flatnonzero((hi > lo).all(axis=1)).tolist():
-            first = lo[i].tolist()
-            out.append((self.unit(i), (tuple(first), tuple(h - f for h, f in zip(hi[i].tolist(), first)))))
-        return out
+        idx, lo, hi = self.meeting(offsets, sizes)
+        lo = np.maximum(lo, np.asarray(offsets, dtype=np.int64))
+        hi = np.minimum(hi, np.asarray(offsets, dtype=np.int64) + np.asarray(sizes, dtype=np.int64))
+        return [
+            (self.unit(i), (tuple(f), tuple(h - a for h, a in zip(e, f))))
+            for i, f, e in zip(idx.tolist(), lo.tolist(), hi.tolist())
+        ]
 
 
 @dataclasses.dataclass(frozen=True)

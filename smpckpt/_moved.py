@@ -85,8 +85,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "storage.full._plan": "storage._full_plan storage._torch_zip",
         "storage.full._read": "storage._full_read",
         "storage.full._units": "storage._full_units",
-        "storage.full._source": "storage._hf_ties",
-        "storage.full._layout": "storage.full._safetensors storage._safetensors",
+        "storage.full._source": "storage._hf_ties storage.full._layout storage.full._safetensors storage._safetensors",
     }
 )
 #: old dotted module path -> where it lives now

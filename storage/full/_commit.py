@@ -25,8 +25,8 @@ from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, WRITING_MARKER, FileRecord, Manifest, probe
 from smpckpt.storage.full._exchange import moves_cpu_tensors, plan_exchanges
-from smpckpt.storage.full._layout import ArtifactLayout
 from smpckpt.storage.full._plan import plan_artifact
+from smpckpt.storage.full._source import ArtifactLayout
 from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._regions import box_runs
-from smpckpt.storage.full._layout import FullWrite, RankFullData
+from smpckpt.storage.full._source import FullWrite, RankFullData
 
 __all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "moves_cpu_tensors"]
 __all__ += ["global_rank", "paste", "SWAP_BATCH_BYTES"]

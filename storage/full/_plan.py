@@ -35,7 +35,7 @@ from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
 from smpckpt.storage.format._regions import Box, intersect
-from smpckpt.storage.full._layout import (
+from smpckpt.storage.full._source import (
     ArtifactFile,
     ArtifactLayout,
     FullWrite,

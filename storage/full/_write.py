@@ -43,7 +43,7 @@ from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format._regions import box_runs, range_boxes, split_box
 from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, copy_chunks, settle, stage_kind
 from smpckpt.storage.full._exchange import Block, Swapper, batches, global_rank, paste
-from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
+from smpckpt.storage.full._source import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits, unit_extent
 from smpckpt.storage.write._pipeline import chunk_bytes
 

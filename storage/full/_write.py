@@ -278,8 +278,12 @@ class _RankWriter:
         fd = self.fds[w.file]
         pending: tuple[HostBuffer, Ticket, int, int] | None = None  # (buffer, its copies, first, last)
 
-        def finish(held: tuple[HostBuffer, Ticket, int, int]) -> None:
-            buf, ticket, first, last = held
+        def finish_pending() -> None:
+            """The pending buffer written and hashed, then back to the pool."""
+            nonlocal pending
+            if pending is None:
+                return
+            (buf, ticket, first, last), pending = pending, None
             try:
                 ticket.wait()
                 pos = 0
@@ -297,10 +301,8 @@ class _RankWriter:
             for first in range(0, numel, step):
                 last = min(numel, first + step)
                 buf = pool.try_acquire(pinned=stage.pinned)
-                if buf is None and pending is not None:
-                    held, pending = pending, None
-                    finish(held)  # ours first: never wait for a buffer while holding one
                 if buf is None:
+                    finish_pending()  # ours first: never wait for a buffer while holding one
                     buf = pool.acquire(pinned=stage.pinned)
                 try:
                     typed = buf.tensor[: (last - first) * itemsize].view(w.dtype)
@@ -311,13 +313,9 @@ class _RankWriter:
                     settle(stage)  # nothing copies into it any more
                     pool.release(buf)
                     raise
-                if pending is not None:
-                    held, pending = pending, None
-                    finish(held)
+                finish_pending()
                 pending = (buf, ticket, first, last)
-            if pending is not None:
-                held, pending = pending, None
-                finish(held)
+            finish_pending()
         finally:
             if pending is not None:
                 try:

@@ -58,8 +58,8 @@ class _OneTensorAtATime(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
         md = self.md.state_dict_metadata[fqn]
-        sink = _Sink()
         if isinstance(md, BytesStorageMetadata):
+            sink = _Sink(torch.empty(0))
             req = _create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0)
             self.reader.read_data(LoadPlan([req]), sink).wait()
             data = sink.data[fqn]
@@ -78,29 +78,24 @@ class _OneTensorAtATime(DefaultSavePlanner):
             )
             for c in md.chunks
         ]
-        sink.whole = whole
-        self.reader.read_data(LoadPlan(reads), sink).wait()
+        self.reader.read_data(LoadPlan(reads), _Sink(whole)).wait()
         self.bar.update(whole.numel() * whole.element_size())
         return whole
 
 
 class _Sink(DefaultLoadPlanner):
-    """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes."""
+    """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes (DCP's
+    ``commit_tensor``: nothing to do)."""
 
-    def __init__(self) -> None:
-        self.whole: torch.Tensor | None = None
+    def __init__(self, whole: torch.Tensor) -> None:
+        self.whole = whole
         self.data: dict[str, bytes] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.data[read_item.dest_index.fqn] = value.getvalue()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        if self.whole is None:
-            raise CheckpointError("internal: no destination tensor")
         return narrow_tensor_by_index(self.whole, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
 
 
 def _is_api_checkpoint(keys: Any) -> bool:

@@ -214,7 +214,7 @@ def _files(
         weight_map: dict[str, str] = {}
         for name, keys in zip(names, groups):
             entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
-            f = _layout_file(name, art, entries, file_format)
+            f = _layout_file(name, entries, file_format)
             files.append(f)
             for (k, dtype, shape), start in zip(entries, f.starts):
                 tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
@@ -230,17 +230,15 @@ def _files(
 _TORCH_STEMS = MappingProxyType({"model": "pytorch_model"})
 
 
-def _layout_file(
-    name: str, art: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str
-) -> ArtifactFile:
+def _layout_file(name: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str) -> ArtifactFile:
     if file_format == "torch_save":
-        return _torch_file(name, art, entries)
+        return _torch_file(name, entries)
     header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
     end = max([e.start + e.nbytes for e in tensors], default=len(header))
-    return ArtifactFile(name, art, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
+    return ArtifactFile(name, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
 
 
-def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
+def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
     """The file ``torch.save({key: tensor})`` writes for these ``(key, dtype, shape)`` tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -265,7 +263,7 @@ def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, t
                     f.seek(pos)
                     pieces.append((pos, f.read(lo - pos)))
                 pos = max(pos, hi)
-        return ArtifactFile(name, art, tuple(pieces), size, tuple(k for k, _, _ in entries), tuple(starts))
+        return ArtifactFile(name, tuple(pieces), size, tuple(k for k, _, _ in entries), tuple(starts))
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)

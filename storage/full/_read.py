@@ -65,8 +65,7 @@ class FullSource(ArtifactIndex):
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
         self.requests = 0
-        self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
-        self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()  # file_stats, from the worker threads of read()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # read()'s, while it runs
 
     # -- reading ------------------------------------------------------------------------------------
@@ -160,7 +159,7 @@ class FullSource(ArtifactIndex):
         if fqn not in self.exprs:
             raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
         art, expr = self.exprs[fqn]
-        shapes = self._shapes(art)
+        shapes = self.shapes.get(art, {})
         md = self.live.state_dict_metadata.get(fqn) if self.live is not None else None
         if isinstance(expr, Leaf) and expr.perm is None and isinstance(md, TensorStorageMetadata):
             asked, stored = tuple(md.size), tuple(expr.view or shapes[expr.key])
@@ -174,16 +173,6 @@ class FullSource(ArtifactIndex):
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
             out.append((f"{art}/{pc.key}", self.tensors[f"{art}/{pc.key}"], pc))
         return out
-
-    def _shapes(self, art: str) -> dict[str, tuple[int, ...]]:
-        """The shapes of one artifact's tensors by key (computed once: every item needs them)."""
-        with self._lock:
-            cached = self._shape_cache.get(art)
-            if cached is None:
-                prefix = art + "/"
-                cached = {k[len(prefix) :]: t.shape for k, t in self.tensors.items() if k.startswith(prefix)}
-                self._shape_cache[art] = cached
-            return cached
 
     def _extents(self, req: ReadItem) -> list[tuple[str, int, int]]:
         """(object stores) The byte range each box of ``req`` touches in its file, check units included."""

@@ -99,7 +99,6 @@ class ArtifactFile:
     """One file of an artifact: its non-tensor ``pieces`` (headers) and where each tensor goes."""
 
     name: str
-    artifact: str
     pieces: tuple[tuple[int, bytes], ...]  # (offset, bytes), ascending
     size: int
     keys: tuple[str, ...]
@@ -333,6 +332,7 @@ class ArtifactIndex:
         self.units: dict[str, UnitIndex] = {}
         self.records: dict[str, FileRecord] = {}
         self.headers: dict[str, list[tuple[int, int, int]]] = {}  # file -> its non-tensor byte ranges
+        self.shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # artifact -> key -> shape (every read needs them)
 
     # -- metadata ---------------------------------------------------------------------------------
     def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> None:
@@ -367,10 +367,12 @@ class ArtifactIndex:
             rec = records[t.file]
             if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
                 raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
+            art, _, k = key.partition("/")
+            self.shapes.setdefault(art, {})[k] = t.shape
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
         """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
-        art_shapes: dict[str, tuple[int, ...]] = {}
+        art_shapes = self.shapes["model"] = {}
         for name in files:
             path = join(self.path, name)
             with translate_errors(path):

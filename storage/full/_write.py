@@ -155,10 +155,10 @@ class _BoxHasher:
 
     def __init__(self, w: FullWrite, check_block: int) -> None:
         self.w = w
-        self.offsets, self.sizes, checks = box_units(w, check_block)
+        self.offsets, self.sizes, self.checks = box_units(w, check_block)
         self.nbytes = math.prod(w.sizes) * w.dtype.itemsize
         self.hasher = BlockHasher(check_block)
-        self.hasher.start_item(self.nbytes, checks)
+        self.hasher.start_item(self.nbytes, self.checks)
 
     def update(self, data: memoryview) -> None:
         if len(data):
@@ -272,8 +272,7 @@ class _RankWriter:
         copied with the cast into pool buffers, each written and hashed while the next is copied."""
         pool, itemsize = stage.pool, w.dtype.itemsize
         hasher = _BoxHasher(w, self.data.check_block)
-        _, _, checks = box_units(w, self.data.check_block)
-        step = max(1, chunk_bytes(pool.buffer_bytes, checks) // itemsize)
+        step = max(1, chunk_bytes(pool.buffer_bytes, hasher.checks) // itemsize)
         numel = math.prod(w.sizes)
         fd = self.fds[w.file]
         pending: tuple[HostBuffer, Ticket, int, int] | None = None  # (buffer, its copies, first, last)

@@ -307,7 +307,7 @@ def _rank_writes(
     gather: bool,
 ) -> list[SavePlan]:
     """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (gather mode: also
-    every rank's boxes and the files, file ``i`` owned by rank ``i % world``, for one global order)."""
+    every rank's boxes and the files, file ``i`` owned by rank ``i % world``, walked in one global order)."""
     per_rank: list[list[FullWrite]] = []
     for plan in plans:
         writes: list[FullWrite] = []
@@ -321,16 +321,8 @@ def _rank_writes(
                 box = (tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), tuple(pc.perm), tuple(pc.dest_offsets))
                 writes.append(FullWrite(it.index, pc.key, file, start, *box, dtype))
         per_rank.append(writes)
-    gathered: tuple[tuple[int, FullWrite], ...] = ()
-    if gather:
-        # every box in the order the files are written: file, tensor offset, sending rank
-        file_index = {f.name: i for i, f in enumerate(files)}
-        gathered = tuple(
-            sorted(
-                ((r, w) for r, ws in enumerate(per_rank) for w in ws),
-                key=lambda rw: (file_index[rw[1].file], rw[1].start, rw[0]),
-            )
-        )
+    # gather mode: every rank's boxes, by rank (each tensor's owner receives them in this order)
+    gathered = tuple((r, w) for r, ws in enumerate(per_rank) for w in ws) if gather else ()
     out: list[SavePlan] = []
     for rank, plan in enumerate(plans):
         data = RankFullData(

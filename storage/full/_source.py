@@ -86,7 +86,7 @@ class RankFullData:
     objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
     check_block: int
     world: int = 1
-    #: gather mode (object stores): every rank's boxes in the global order, and the files (file ``i`` is
+    #: gather mode (object stores): every rank's boxes, by rank, and the files (file ``i`` is
     #: owned by rank ``i % world``)
     all_writes: tuple[tuple[int, FullWrite], ...] = ()
     files: tuple[ArtifactFile, ...] = ()

@@ -79,14 +79,13 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "storage.tools": "storage._verify_plan storage.read._verify_plan",
         "storage.full._commit": "storage._full_commit",
         "storage.full._exchange": "storage._full_exchange",
-        "storage.full._files": "storage._full_files",
+        "storage.full._files": "storage._full_files storage.full._strided",
         "storage.full._write": "storage._full_gather storage.full._gather storage._full_write",
         "storage.full.options": "storage._full_options",
         "storage.full._plan": "storage._full_plan storage._torch_zip",
         "storage.full._read": "storage._full_read",
         "storage.full._units": "storage._full_units",
-        "storage.full._source": "storage._hf_ties",
-        "storage.full._safetensors": "storage._safetensors",
+        "storage.full._source": "storage._hf_ties storage.full._layout storage.full._safetensors storage._safetensors",
     }
 )
 #: old dotted module path -> where it lives now

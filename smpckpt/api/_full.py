@@ -82,10 +82,7 @@ def _numbers_not_saved(state: dict[str, Any], planner: Any, unsaved: frozenset[s
         f"the artifact holds optimizer tensor state but not {len(lost)} non-tensor state value(s) the optimizer "
         f"keeps beside it ({', '.join(sorted(lost)[:5])}): resume from a partial checkpoint, or re-export"
     )
-    if strict:
-        raise LayoutMismatch(message)
-    log.warning("%s; strict=False: they keep the live optimizer's values", message)
-    warnings.warn(f"{message}; strict=False: they keep the live optimizer's values", stacklevel=2)
+    _refuse_or_warn(message, strict, "they keep the live optimizer's values")
 
 
 def _untied_without_state(planner: Any, unsaved: frozenset[str], strict: bool) -> None:
@@ -111,10 +108,15 @@ def _untied_without_state(planner: Any, unsaved: frozenset[str], strict: bool) -
         "a parameter of its own, which has no optimizer state in the artifact (stored once, for the tied "
         "tensor): tie it as saved, or resume from a partial checkpoint"
     )
+    _refuse_or_warn(message, strict, "its optimizer state starts fresh")
+
+
+def _refuse_or_warn(message: str, strict: bool, consequence: str) -> None:
+    """``strict``: a ``LayoutMismatch``; else logged and warned, with what ``strict=False`` does instead."""
     if strict:
         raise LayoutMismatch(message)
-    log.warning("%s; strict=False: its optimizer state starts fresh", message)
-    warnings.warn(f"{message}; strict=False: its optimizer state starts fresh", stacklevel=2)
+    log.warning("%s; strict=False: %s", message, consequence)
+    warnings.warn(f"{message}; strict=False: {consequence}", stacklevel=3)
 
 
 def save_full(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -23,16 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio, _create_read_item_for_tensor
 from tqdm.auto import tqdm
 
@@ -51,24 +43,9 @@ class ConsolidateReport(dict[str, Any]):
     """``{"out": url, "tensors": n, "bytes": n, "files": [names]}``."""
 
 
-class _Offline:
-    """The planning half of DCP's planner protocols, which nothing calls offline: the writer calls only
-    ``resolve_data`` of the save planner, the reader only the load planner's destinations."""
-
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - unused
-        pass
-
-    def create_local_plan(self) -> Any:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def create_global_plan(self, *plans: Any) -> Any:  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def finish_plan(self, plan: Any) -> Any:  # pragma: no cover - unused
-        return plan
-
-
-class _OneTensorAtATime(_Offline, SavePlanner):
+# DCP's default planners for the planning half of the protocols, which nothing calls offline: the writer
+# calls only ``resolve_data`` of the save planner, the reader only the load planner's destinations
+class _OneTensorAtATime(DefaultSavePlanner):
     """Hands the writer each tensor read whole from the partial checkpoint, only when asked."""
 
     def __init__(self, reader: FsspecStorageReader, metadata: Metadata, bar: Any) -> None:
@@ -81,8 +58,8 @@ class _OneTensorAtATime(_Offline, SavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
         md = self.md.state_dict_metadata[fqn]
-        sink = _Sink()
         if isinstance(md, BytesStorageMetadata):
+            sink = _Sink(torch.empty(0))
             req = _create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0)
             self.reader.read_data(LoadPlan([req]), sink).wait()
             data = sink.data[fqn]
@@ -101,29 +78,24 @@ class _OneTensorAtATime(_Offline, SavePlanner):
             )
             for c in md.chunks
         ]
-        sink.whole = whole
-        self.reader.read_data(LoadPlan(reads), sink).wait()
+        self.reader.read_data(LoadPlan(reads), _Sink(whole)).wait()
         self.bar.update(whole.numel() * whole.element_size())
         return whole
 
 
-class _Sink(_Offline, LoadPlanner):
-    """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes."""
+class _Sink(DefaultLoadPlanner):
+    """Where the reader delivers one tensor's shards (into ``whole``) or one object's bytes (DCP's
+    ``commit_tensor``: nothing to do)."""
 
-    def __init__(self) -> None:
-        self.whole: torch.Tensor | None = None
+    def __init__(self, whole: torch.Tensor) -> None:
+        self.whole = whole
         self.data: dict[str, bytes] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.data[read_item.dest_index.fqn] = value.getvalue()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        if self.whole is None:
-            raise CheckpointError("internal: no destination tensor")
         return narrow_tensor_by_index(self.whole, read_item.dest_offsets, read_item.lengths)
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
 
 
 def _is_api_checkpoint(keys: Any) -> bool:

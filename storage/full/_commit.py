@@ -24,9 +24,9 @@ from smpckpt.storage.format import manifest as _names
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import commit, publish_staged, remove_folder
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, WRITING_MARKER, FileRecord, Manifest, probe
-from smpckpt.storage.full._exchange import exchange_group_ok, moves_cpu_tensors, plan_exchanges
-from smpckpt.storage.full._layout import ArtifactLayout
+from smpckpt.storage.full._exchange import moves_cpu_tensors, plan_exchanges
 from smpckpt.storage.full._plan import plan_artifact
+from smpckpt.storage.full._source import ArtifactLayout
 from smpckpt.storage.full._units import BoxUnits, rows_of
 from smpckpt.storage.full._write import ObjectResult, create_files
 from smpckpt.storage.full.options import FullOptions
@@ -133,7 +133,8 @@ def begin_full_save(
             dist.get_backend(process_group),
             _GLOO,
         )
-    elif options.row_swap_below and exchange_group_ok(process_group, len(plans)):
+    elif options.row_swap_below and cpu_group and len(plans) >= 2 and dist.get_world_size(process_group) == len(plans):
+        # swaps need a group that moves CPU tensors, one member per planning rank
         out = plan_exchanges(out, options.row_swap_below)
     with Folder(fs, staging_path(path, save_id), create=True) as staging:
         create_files(staging, layout.files, sync=sync)
@@ -210,31 +211,12 @@ def commit_full(
     into place; on object stores the manifest created while the in-progress marker still names this save,
     the marker removed after (a failed request raises ``CommitUncertain``: it may still land)."""
     refused = "another save committed here while this full save was writing"
-    if folder.local:
-        parent = folder.path.rstrip("/").rpartition("/")[0] or "/"
-        target = writer.path.rstrip("/").rpartition("/")[2]
-        with Folder(writer.fs, parent, follow=True) as root:
-            publish_staged(
-                root,
-                _names.staging_name(manifest.save_id),
-                target,
-                writer.url,
-                manifest,
-                manifest.to_bytes(),
-                sync=writer.sync_files,
-                metadata=metadata,
-                side=side,
-                refused=refused,
-            )
+    args = (writer.url, manifest, manifest.to_bytes())
+    done: dict[str, Any] = {"sync": writer.sync_files, "metadata": metadata, "side": side, "refused": refused}
+    if not folder.local:
+        commit(folder, *args, owner_marker=manifest.save_id, **done)
         return
-    commit(
-        folder,
-        writer.url,
-        manifest,
-        manifest.to_bytes(),
-        sync=writer.sync_files,
-        metadata=metadata,
-        side=side,
-        owner_marker=manifest.save_id,
-        refused=refused,
-    )
+    parent = folder.path.rstrip("/").rpartition("/")[0] or "/"
+    target = writer.path.rstrip("/").rpartition("/")[2]
+    with Folder(writer.fs, parent, follow=True) as root:
+        publish_staged(root, _names.staging_name(manifest.save_id), target, *args, **done)

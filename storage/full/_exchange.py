@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._regions import box_runs
-from smpckpt.storage.full._layout import FullWrite, RankFullData
+from smpckpt.storage.full._source import FullWrite, RankFullData
 
-__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "exchange_group_ok", "moves_cpu_tensors"]
+__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "moves_cpu_tensors"]
 __all__ += ["global_rank", "paste", "SWAP_BATCH_BYTES"]
 
 
@@ -56,12 +56,6 @@ class Exchange:
                     dest_offsets=(0,) * len(view),
                 )
         return None
-
-
-def exchange_group_ok(process_group: Any, world: int) -> bool:
-    """Swaps need a live process group that moves CPU tensors (gloo), with one member per planning rank."""
-    # without one, rows are written in place instead
-    return world >= 2 and moves_cpu_tensors(process_group) and dist.get_world_size(process_group) == world
 
 
 def moves_cpu_tensors(process_group: Any) -> bool:

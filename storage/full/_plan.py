@@ -35,8 +35,15 @@ from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
 from smpckpt.storage.format._regions import Box, intersect
-from smpckpt.storage.full._layout import ArtifactFile, ArtifactLayout, FullWrite, Place, RankFullData, leaf_keys
-from smpckpt.storage.full._safetensors import encode_header
+from smpckpt.storage.full._source import (
+    ArtifactFile,
+    ArtifactLayout,
+    FullWrite,
+    Place,
+    RankFullData,
+    encode_header,
+    leaf_keys,
+)
 from smpckpt.storage.full.options import FullOptions
 
 __all__ = ["plan_artifact"]
@@ -207,7 +214,7 @@ def _files(
         weight_map: dict[str, str] = {}
         for name, keys in zip(names, groups):
             entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
-            f = _layout_file(name, art, entries, file_format)
+            f = _layout_file(name, entries, file_format)
             files.append(f)
             for (k, dtype, shape), start in zip(entries, f.starts):
                 tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
@@ -223,17 +230,15 @@ def _files(
 _TORCH_STEMS = MappingProxyType({"model": "pytorch_model"})
 
 
-def _layout_file(
-    name: str, art: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str
-) -> ArtifactFile:
+def _layout_file(name: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str) -> ArtifactFile:
     if file_format == "torch_save":
-        return _torch_file(name, art, entries)
+        return _torch_file(name, entries)
     header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
     end = max([e.start + e.nbytes for e in tensors], default=len(header))
-    return ArtifactFile(name, art, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
+    return ArtifactFile(name, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
 
 
-def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
+def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
     """The file ``torch.save({key: tensor})`` writes for these ``(key, dtype, shape)`` tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -258,7 +263,7 @@ def _torch_file(name: str, art: str, entries: Sequence[tuple[str, torch.dtype, t
                     f.seek(pos)
                     pieces.append((pos, f.read(lo - pos)))
                 pos = max(pos, hi)
-        return ArtifactFile(name, art, tuple(pieces), size, tuple(k for k, _, _ in entries), tuple(starts))
+        return ArtifactFile(name, tuple(pieces), size, tuple(k for k, _, _ in entries), tuple(starts))
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -302,7 +307,7 @@ def _rank_writes(
     gather: bool,
 ) -> list[SavePlan]:
     """Each rank's plan with its writes: the boxes of artifact tensors its chunks fill (gather mode: also
-    every rank's boxes and the files, file ``i`` owned by rank ``i % world``, for one global order)."""
+    every rank's boxes and the files, file ``i`` owned by rank ``i % world``, walked in one global order)."""
     per_rank: list[list[FullWrite]] = []
     for plan in plans:
         writes: list[FullWrite] = []
@@ -316,16 +321,8 @@ def _rank_writes(
                 box = (tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), tuple(pc.perm), tuple(pc.dest_offsets))
                 writes.append(FullWrite(it.index, pc.key, file, start, *box, dtype))
         per_rank.append(writes)
-    gathered: tuple[tuple[int, FullWrite], ...] = ()
-    if gather:
-        # every box in the order the files are written: file, tensor offset, sending rank
-        file_index = {f.name: i for i, f in enumerate(files)}
-        gathered = tuple(
-            sorted(
-                ((r, w) for r, ws in enumerate(per_rank) for w in ws),
-                key=lambda rw: (file_index[rw[1].file], rw[1].start, rw[0]),
-            )
-        )
+    # gather mode: every rank's boxes, by rank (each tensor's owner receives them in this order)
+    gathered = tuple((r, w) for r, ws in enumerate(per_rank) for w in ws) if gather else ()
     out: list[SavePlan] = []
     for rank, plan in enumerate(plans):
         data = RankFullData(

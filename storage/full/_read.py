@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import io
 import math
 import threading
@@ -28,10 +29,9 @@ from smpckpt.storage.format._checksum import hash_bytes, hash_parts
 from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._regions import Box, box_runs
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.full import _files, _strided
+from smpckpt.storage.full import _files
 from smpckpt.storage.full._files import Held, RunFiles, SpanFetcher, plan_spans
 from smpckpt.storage.full._source import ArtifactIndex, StoredTensor
-from smpckpt.storage.full._strided import read_streamed, row_groups, serially, share, stream_plan
 from smpckpt.storage.full._units import Unit, UnitIndex, WholeUnits, bytes_of, cross_view, unit_extent
 
 __all__ = ["FullSource", "THREADS"]
@@ -60,13 +60,12 @@ class FullSource(ArtifactIndex):
         self.threads = threads
         self.verify = verify
         self.allow_pickle = allow_pickle
-        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._strided`)
+        #: a local column box whose rows' unread gap is below this many bytes is streamed (:mod:`~._files`)
         self.request_cost = request_cost
         self.live: Metadata | None = None  # the Metadata the planner sees (it may reshape a whole tensor)
         self.file_stats: dict[str, list[int]] = {}  # file -> [bytes needed, bytes read] of the last read()
         self.requests = 0
-        self._lock = threading.Lock()  # file_stats and the shape cache, from the worker threads of read()
-        self._shape_cache: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()  # file_stats, from the worker threads of read()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # read()'s, while it runs
 
     # -- reading ------------------------------------------------------------------------------------
@@ -160,7 +159,7 @@ class FullSource(ArtifactIndex):
         if fqn not in self.exprs:
             raise CheckpointCorrupt(f"{self.url}: no tensor {fqn!r} in the artifact")
         art, expr = self.exprs[fqn]
-        shapes = self._shapes(art)
+        shapes = self.shapes.get(art, {})
         md = self.live.state_dict_metadata.get(fqn) if self.live is not None else None
         if isinstance(expr, Leaf) and expr.perm is None and isinstance(md, TensorStorageMetadata):
             asked, stored = tuple(md.size), tuple(expr.view or shapes[expr.key])
@@ -174,16 +173,6 @@ class FullSource(ArtifactIndex):
         for pc in pieces(expr, tuple(req.storage_offsets), tuple(req.lengths), shapes):
             out.append((f"{art}/{pc.key}", self.tensors[f"{art}/{pc.key}"], pc))
         return out
-
-    def _shapes(self, art: str) -> dict[str, tuple[int, ...]]:
-        """The shapes of one artifact's tensors by key (computed once: every item needs them)."""
-        with self._lock:
-            cached = self._shape_cache.get(art)
-            if cached is None:
-                prefix = art + "/"
-                cached = {k[len(prefix) :]: t.shape for k, t in self.tensors.items() if k.startswith(prefix)}
-                self._shape_cache[art] = cached
-            return cached
 
     def _extents(self, req: ReadItem) -> list[tuple[str, int, int]]:
         """(object stores) The byte range each box of ``req`` touches in its file, check units included."""
@@ -206,7 +195,7 @@ class FullSource(ArtifactIndex):
                     sub = sub.narrow(d, o, n)
                 # the box's bytes straight into the destination when it holds them as stored
                 dst = bytes_of(sub, t.dtype) if tuple(pc.perm) == tuple(range(len(pc.perm))) else None
-                buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst, bool(held))
+                buf = self._read_box(key, t, tuple(pc.view), tuple(pc.offsets), tuple(pc.sizes), dst)
                 if dst is None:
                     box = (
                         torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(pc.sizes)
@@ -225,9 +214,9 @@ class FullSource(ArtifactIndex):
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
         dst: memoryview | None = None,
-        prefetched: bool = False,
     ) -> memoryview:
-        """The box's bytes (into ``dst`` or a new buffer), verified; ``prefetched``: its spans are held."""
+        """The box's bytes (into ``dst`` or a new buffer), verified (on object stores from the spans
+        :meth:`read` fetched ahead, where they lie)."""
         itemsize = t.dtype.itemsize
         nbytes = math.prod(sizes) * itemsize
         out = dst if dst is not None else memoryview(bytearray(nbytes))
@@ -248,7 +237,7 @@ class FullSource(ArtifactIndex):
             return out
         other = units.views - {view}
         if other and units.view is not None:  # checked in another view of the same bytes
-            return self._read_across_views(key, t, units, starts, run, out, prefetched)
+            return self._read_across_views(key, t, units, starts, run, out)
         if other:
             raise CheckpointError(
                 f"{self.url}: tensor {key!r} is requested as shape {list(view)} but was checked as "
@@ -256,10 +245,7 @@ class FullSource(ArtifactIndex):
             )
         whole = units.whole_inside(offsets, sizes)
         touched = units.touched(offsets, sizes) if whole is None else []
-        read = 0
-        if not prefetched and not self._files.local:  # the tiles of a column box share their rows' span
-            read = self._hold(t, unit_extent(view, offsets, sizes, itemsize, [u for u, _ in touched]))
-        covered = 0
+        read = covered = 0
         if whole is not None:
             # a box holding every unit it touches whole (any box read at the layout it was saved
             # in, column shards too): read its runs once into ``out`` and check each unit where it
@@ -284,37 +270,30 @@ class FullSource(ArtifactIndex):
         units: UnitIndex | None,
         out: memoryview,
     ) -> bool:
-        """(local files) A column box streamed (:mod:`~._strided`); ``False``: not such a box."""
-        plan = stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
+        """(local files) A column box streamed (:mod:`~._files`); ``False``: not such a box."""
+        plan = _files.stream_plan(view, offsets, sizes, t.dtype.itemsize, units, self.request_cost)
         if plan is None:
             return False
         if units is not None and plan.covered != math.prod(sizes):
             raise self._uncovered(t, key)  # some of the box's bytes would go out unchecked
-        index = units
-        digests = [index.digest(i) for i in plan.units.tolist()] if index is not None else []
-
-        def mismatch(i: int) -> Exception:
-            if index is None:  # pragma: no cover - an unverified plan has no units to mismatch
-                raise CheckpointError(f"{self.url}: internal: no check units for {key!r}")
-            return self._mismatch(t, key, index.unit(i))
-
-        read = read_streamed(self._files, t.file, t.start, plan, out, digests, mismatch, self._spread)
+        mismatch = functools.partial(self._mismatch, t, key)
+        read = _files.read_streamed(self._files, t.file, t.start, plan, out, units, mismatch, self._spread)
         self._stat(t.file, math.prod(sizes) * t.dtype.itemsize, read)
         return True
 
     def _spread(self, count: int, work: Callable[[Iterator[int]], int]) -> int:
-        """(worker thread) A box's ``count`` parts (:func:`~._strided.share`): on local files shared with the
+        """(worker thread) A box's ``count`` parts (:func:`~._files.share`): on local files shared with the
         read's free threads; on object stores, or outside :meth:`read`, on this thread (spans are per thread)."""
         pool = self._pool
         if pool is None or not self._files.local or count < 2:
-            return serially(count, work)
+            return _files.serially(count, work)
 
         def submit(fn: Callable[[], None]) -> None:
             # RuntimeError: the pool is shutting down (the read failed): this thread does the parts
             with contextlib.suppress(RuntimeError):
                 pool.submit(fn)
 
-        return share(count, work, submit, self.threads - 1)
+        return _files.share(count, work, submit, self.threads - 1)
 
     def _read_rows(
         self,
@@ -328,7 +307,7 @@ class FullSource(ArtifactIndex):
         sizes: Sequence[int] = (),
     ) -> int:
         """The runs ``starts`` (``rows`` rows of the box) into ``out`` back to back, in row groups of about
-        :data:`~._strided.PART_BYTES` read by several threads, never cutting a ``whole`` unit, each group's
+        :data:`~._files.PART_BYTES` read by several threads, never cutting a ``whole`` unit, each group's
         units checked in ``out`` (``whole`` ``None``: unverified). Returns the bytes fetched."""
         per_row = len(starts) // rows if rows > 1 and len(starts) % rows == 0 else 0
         if per_row and self._files.local:
@@ -337,7 +316,7 @@ class FullSource(ArtifactIndex):
                 if whole is not None
                 else np.zeros((0, 2), dtype=np.int64)
             )
-            groups = [(a * per_row, b * per_row, a, b) for a, b in row_groups(rows, urows, per_row * run)]
+            groups = [(a * per_row, b * per_row, a, b) for a, b in _files.row_groups(rows, urows, per_row * run)]
         else:  # one run, or an object store: one part
             groups = [(0, len(starts), 0, rows)]
 
@@ -370,14 +349,14 @@ class FullSource(ArtifactIndex):
         out: memoryview,
     ) -> int:
         """Every unit the box touches read whole and checked, its overlap copied into ``out`` (the box's
-        row-major bytes), in groups of about :data:`~._strided.PART_BYTES` read by several threads. Returns the
+        row-major bytes), in groups of about :data:`~._files.PART_BYTES` read by several threads. Returns the
         bytes fetched."""
         itemsize = t.dtype.itemsize
         groups: list[tuple[int, int]] = []
         a, acc = 0, 0
         for i, (u, _) in enumerate(touched):
             acc += math.prod(u.sizes) * itemsize
-            if acc >= _strided.PART_BYTES or i == len(touched) - 1:
+            if acc >= _files.PART_BYTES or i == len(touched) - 1:
                 groups.append((a, i + 1))
                 a, acc = i + 1, 0
         dst_t = torch.frombuffer(out, dtype=torch.uint8).view(*sizes, itemsize)
@@ -406,11 +385,10 @@ class FullSource(ArtifactIndex):
         starts: np.ndarray,
         run: int,
         out: memoryview,
-        prefetched: bool,
     ) -> memoryview:
         """A box requested in another view than its units' (:func:`cross_view`): every byte checked."""
         plan = cross_view(units, starts, run, t.dtype.itemsize)
-        read = 0 if prefetched else self._hold(t, plan.extent)
+        read = 0
         if plan.partial:  # the bytes they share with the box come with them
             for at, pos, n in plan.direct:
                 read += self._files.read_runs(t.file, np.array([t.start + at]), n, out[pos : pos + n])
@@ -446,13 +424,6 @@ class FullSource(ArtifactIndex):
             f"{join(self.path, t.file)}: checksum mismatch in tensor {key.split('/', 1)[1]!r} at box "
             f"{list(u.offsets)}+{list(u.sizes)} (the file is damaged)"
         )
-
-    def _hold(self, t: StoredTensor, ext: tuple[int, int] | None) -> int:
-        """(object stores) One GET for bytes ``ext`` of ``t``, held for its reads when at most ``SPAN_BYTES``
-        (wider: only what an earlier box held is dropped). Returns the bytes fetched."""
-        if ext is None or ext[1] - ext[0] > _files.SPAN_BYTES:
-            return self._files.hold(t.file, 0, 0)
-        return self._files.hold(t.file, t.start + ext[0], t.start + ext[1])
 
     def _stat(self, name: str, needed: int, read: int) -> None:
         with self._lock:

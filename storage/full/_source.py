@@ -1,4 +1,13 @@
-"""Full (consolidated) artifacts and Hugging Face folders, opening: where every tensor's bytes are.
+"""Full (consolidated) artifacts: the layout the coordinator decides (files, every tensor's place, each
+rank's boxes) and its description stored in the generation's metadata; the safetensors container, read
+and written by hand (no dependency on the ``safetensors`` package); and opening an artifact: where every
+tensor's bytes are.
+
+Safetensors layout (https://github.com/huggingface/safetensors): 8 bytes little-endian ``N``, then ``N``
+bytes of JSON header, then the data. The header maps each tensor name to ``{"dtype", "shape",
+"data_offsets": [begin, end]}`` (offsets relative to the data start) plus an optional
+``"__metadata__"`` of string values. We pad the header with spaces so the data starts 8-byte aligned,
+as the reference writer does, and lay tensors out back to back, as its reader requires.
 
 A committed full artifact of ours (described in the generation's metadata, checksummed by the manifest)
 and a plain Hugging Face folder (no manifest: *unverified*, like a stock DCP checkpoint) both become an
@@ -17,6 +26,7 @@ import dataclasses
 import json
 import logging
 import math
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -35,21 +45,242 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, LayoutMismatch, SpecError
 from smpckpt.hf import check_translation
 from smpckpt.model.layout import MERGED_KEY, TIED_KEY
-from smpckpt.model.translation import Expr, Leaf, Translation
+from smpckpt.model.translation import Cat, Expr, Leaf, Translation
 from smpckpt.storage.backends._fs import join, read_bytes_or_none, translate_errors
+from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.manifest import DESCRIPTION_FQN, FileRecord, check_member_name
-from smpckpt.storage.full._layout import expr_from_json, file_pieces_from_json, leaf_keys
-from smpckpt.storage.full._safetensors import header_length, parse_header
 from smpckpt.storage.full._units import UnitIndex
+from smpckpt.storage.full.options import FullOptions
 
-__all__ = ["ArtifactIndex", "StoredTensor", "hf_folder_files", "hf_folder_ties", "HF_INDEX", "HF_SINGLE"]
+__all__ = ["FullWrite", "RankFullData", "ArtifactFile", "ArtifactLayout", "Place", "expr_to_json", "expr_from_json"]
+__all__ += ["file_pieces_from_json", "leaf_keys", "DTYPE_NAMES", "HeaderEntry", "encode_header", "parse_header"]
+__all__ += ["MAX_HEADER", "ArtifactIndex", "StoredTensor", "hf_folder_files", "hf_folder_ties", "HF_INDEX", "HF_SINGLE"]
+
+#: where an artifact tensor is: (artifact, file, start, dtype, shape)
+Place = tuple[str, str, int, torch.dtype, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FullWrite:
+    """One box of an artifact tensor that a rank fills from one of its write items."""
+
+    item: MetadataIndex  # the rank's write item (its chunk)
+    key: str  # artifact tensor
+    file: str
+    start: int  # absolute file offset of the artifact tensor's first byte
+    view: tuple[int, ...]
+    offsets: tuple[int, ...]  # box in ``view`` coordinates
+    sizes: tuple[int, ...]
+    perm: tuple[int, ...]  # box.permute(perm) is the chunk's sub-box at dest_offsets
+    dest_offsets: tuple[int, ...]
+    dtype: torch.dtype  # artifact dtype (after any cast)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFullData:
+    """SavePlan.storage_data of one rank in full mode (sent by the coordinator; never stored)."""
+
+    save_id: str
+    rank: int
+    writes: tuple[FullWrite, ...]
+    objects: tuple[tuple[MetadataIndex, str], ...]  # object items -> their file
+    check_block: int
+    world: int = 1
+    #: gather mode (object stores): every rank's boxes, by rank, and the files (file ``i`` is
+    #: owned by rank ``i % world``)
+    all_writes: tuple[tuple[int, FullWrite], ...] = ()
+    files: tuple[ArtifactFile, ...] = ()
+    #: POSIX mode: the row-block swaps (``_exchange.Exchange``) this rank takes part in, global order
+    exchanges: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactFile:
+    """One file of an artifact: its non-tensor ``pieces`` (headers) and where each tensor goes."""
+
+    name: str
+    pieces: tuple[tuple[int, bytes], ...]  # (offset, bytes), ascending
+    size: int
+    keys: tuple[str, ...]
+    starts: tuple[int, ...]  # each key's first byte
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactLayout:
+    """What the coordinator decided; turned into the stored description in ``finish``."""
+
+    files: tuple[ArtifactFile, ...]
+    tensors: Mapping[str, Place]  # "art/key" -> where
+    exprs: Mapping[str, tuple[str, Expr]]  # our fqn -> (artifact, expr over that artifact's keys)
+    dtypes: Mapping[str, torch.dtype]  # our fqn -> stored dtype (after any cast)
+    objects: Mapping[str, str]  # our fqn -> file
+    indexes: Mapping[str, bytes]  # index file name -> JSON
+
+    def names(self, options: FullOptions) -> tuple[str, ...]:
+        """The files a full save of this layout writes besides its metadata copy and marker."""
+        side = ("config.json",) if options.hf_config_json() is not None else ()
+        return (*(f.name for f in self.files), *self.objects.values(), *self.indexes, *side)
+
+    def description(self, checks: Mapping[str, list[list[Any]]]) -> str:
+        """The JSON stored in the generation's metadata (read back by :meth:`ArtifactIndex.from_description`)."""
+        return json.dumps(
+            {
+                "version": 1,
+                "files": {
+                    f.name: {"size": f.size, "pieces": [[o, len(b), f"{hash_bytes(b):016x}"] for o, b in f.pieces]}
+                    for f in self.files
+                },
+                "tensors": {
+                    k: {"artifact": a, "file": f, "start": s, "dtype": str(d).removeprefix("torch."), "shape": list(sh)}
+                    for k, (a, f, s, d, sh) in self.tensors.items()
+                },
+                "exprs": {fqn: {"artifact": a, "expr": expr_to_json(e)} for fqn, (a, e) in self.exprs.items()},
+                "objects": dict(self.objects),
+                "checks": checks,
+            },
+            separators=(",", ":"),
+        )
+
+
+def expr_to_json(expr: Expr) -> Any:
+    if isinstance(expr, Leaf):
+        return {
+            "leaf": expr.key,
+            "view": list(expr.view) if expr.view else None,
+            "perm": list(expr.perm) if expr.perm else None,
+        }
+    return {"cat": expr.dim, "parts": [expr_to_json(p) for p in expr.parts]}
+
+
+def leaf_keys(expr: Expr) -> list[str]:
+    """The keys of the artifact tensors an expression reads, in order."""
+    return [expr.key] if isinstance(expr, Leaf) else [k for p in expr.parts for k in leaf_keys(p)]
+
+
+def file_pieces_from_json(f: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """A file's non-tensor byte ranges ``(offset, length, digest)`` (``pieces``, or an old ``header``)."""
+    if "pieces" in f:
+        return [(int(o), int(n), int(d, 16)) for o, n, d in f["pieces"]]
+    return [(0, int(f["header"][0]), int(f["header"][1], 16))]
+
+
+def expr_from_json(obj: Any) -> Expr:
+    if "leaf" in obj:
+        view, perm = obj.get("view"), obj.get("perm")
+        return Leaf(
+            str(obj["leaf"]),
+            tuple(int(v) for v in view) if view else None,
+            tuple(int(p) for p in perm) if perm else None,
+        )
+    return Cat(int(obj["cat"]), tuple(expr_from_json(p) for p in obj["parts"]))
+
+
+DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64",
+})  # fmt: skip
+_BY_NAME = MappingProxyType({v: k for k, v in DTYPE_NAMES.items()})
+#: The reference reader refuses headers above 100 MB; so do we, before allocating anything.
+MAX_HEADER = 100_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file: absolute byte offset of its data in the file."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute file offset
+    nbytes: int
+
+
+def encode_header(
+    tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[HeaderEntry]]:
+    """The header bytes (length prefix included) for ``tensors`` back to back, and where each lands."""
+    obj: dict[str, object] = {}
+    if metadata:
+        obj["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    pos = 0
+    spans = []
+    for key, dtype, shape in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {key!r}: dtype {dtype} has no safetensors equivalent")
+        obj[key] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": [int(s) for s in shape],
+            "data_offsets": [pos, pos + nbytes],
+        }
+        spans.append((key, dtype, tuple(int(s) for s in shape), pos, nbytes))
+        pos += nbytes
+    text = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(len(text) + 8) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return head, [HeaderEntry(k, d, s, len(head) + p, n) for k, d, s, p, n in spans]
+
+
+def header_length(prefix: bytes, *, where: str) -> int:
+    """The header's total size (length prefix included) from a file's first 8 bytes."""
+    if len(prefix) < 8:
+        raise CheckpointCorrupt(f"{where}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER:
+        raise CheckpointCorrupt(f"{where}: safetensors header of {n} bytes is implausibly large")
+    return 8 + n
+
+
+def parse_header(head: bytes, file_size: int | None, *, where: str) -> tuple[list[HeaderEntry], dict[str, str]]:
+    """Entries (file offsets) and ``__metadata__`` of a safetensors header; every offset is checked
+    against the file size and the others, so a crafted header fails here, naming the file and key."""
+    total = header_length(head, where=where)
+    if len(head) < total:
+        raise CheckpointCorrupt(f"{where}: safetensors header truncated")
+    try:
+        obj = json.loads(head[8:total].decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{where}: malformed safetensors header: {type(exc).__name__}: {exc}") from exc
+    meta = obj.pop("__metadata__", None) or {}
+    entries = []
+    for key, spec in obj.items():
+        try:
+            dtype = _BY_NAME.get(spec["dtype"])
+            shape = tuple(int(s) for s in spec["shape"])
+            begin, end = (int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise CheckpointCorrupt(f"{where}: malformed header entry for tensor {key!r}: {exc}") from exc
+        if dtype is None:
+            raise CheckpointCorrupt(f"{where} (tensor {key!r}): unknown safetensors dtype {spec['dtype']!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if any(s < 0 for s in shape) or begin < 0 or end - begin != nbytes:
+            raise CheckpointCorrupt(
+                f"{where}: tensor {key!r} has shape {list(shape)} ({dtype}) but data_offsets [{begin}, {end}]"
+            )
+        entries.append(HeaderEntry(str(key), dtype, shape, total + begin, nbytes))
+    entries.sort(key=lambda e: e.start)
+    prev = total
+    for e in entries:
+        if e.start < prev:
+            raise CheckpointCorrupt(f"{where}: tensor {e.key!r} overlaps the header or another tensor")
+        prev = e.start + e.nbytes
+    if file_size is not None and prev > file_size:
+        raise CheckpointCorrupt(
+            f"{where}: tensor data ends at byte {prev}, past the end of the file ({file_size} bytes)"
+        )
+    return entries, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
 
 log = logging.getLogger(__name__)
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
-# The description names dtypes as torch does (``_layout``), every dtype a file holds: a ``torch_save``
+# The description names dtypes as torch does (``ArtifactLayout``), every dtype a file holds: a ``torch_save``
 # artifact also holds those safetensors lacks (complex), which must read back as they were written.
 _DTYPES = MappingProxyType(
     {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -101,6 +332,7 @@ class ArtifactIndex:
         self.units: dict[str, UnitIndex] = {}
         self.records: dict[str, FileRecord] = {}
         self.headers: dict[str, list[tuple[int, int, int]]] = {}  # file -> its non-tensor byte ranges
+        self.shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # artifact -> key -> shape (every read needs them)
 
     # -- metadata ---------------------------------------------------------------------------------
     def from_description(self, metadata: Metadata, records: Mapping[str, FileRecord]) -> None:
@@ -135,10 +367,12 @@ class ArtifactIndex:
             rec = records[t.file]
             if t.start + math.prod(t.shape) * t.dtype.itemsize > rec.size:
                 raise CheckpointCorrupt(f"{join(self.path, t.file)}: tensor {key!r} lies past the end of the file")
+            art, _, k = key.partition("/")
+            self.shapes.setdefault(art, {})[k] = t.shape
 
     def from_hf_folder(self, files: Sequence[str], *, translation: Translation | None, prefix: str) -> Metadata:
         """A plain Hugging Face folder: headers only; keys get ``prefix`` (the API's ``"model."``)."""
-        art_shapes: dict[str, tuple[int, ...]] = {}
+        art_shapes = self.shapes["model"] = {}
         for name in files:
             path = join(self.path, name)
             with translate_errors(path):

@@ -64,10 +64,6 @@ class BoxUnits:
     def __len__(self) -> int:
         return len(self.digests) // 8
 
-    def rows(self) -> list[list[Any]]:
-        """Each unit as ``[view, offsets, sizes, digest hex]`` lists (the description's form, one ``view``)."""
-        return rows_of([self])
-
     def check(self) -> None:
         n, d = len(self), len(self.view)
         if len(self.offsets) != n * d * 8 or len(self.sizes) != n * d * 8:
@@ -75,8 +71,8 @@ class BoxUnits:
 
 
 def rows_of(boxes: Sequence[BoxUnits]) -> list[list[Any]]:
-    """The rows of ``boxes`` in order, as ``[r for b in boxes for r in b.rows()]``, with one array conversion
-    per run of boxes of one dimensionality instead of three per box."""
+    """Each unit of ``boxes`` in order as ``[view, offsets, sizes, digest hex]`` lists (the description's
+    form), with one array conversion per run of boxes of one dimensionality instead of three per box."""
     out: list[list[Any]] = []
     i = 0
     while i < len(boxes):
@@ -162,12 +158,9 @@ class UnitIndex:
         at its saved layout); ``None`` when one is cut by the box, or the units are in several views."""
         if self.view is None:
             return None
+        idx, ulo, uhi = self.meeting(offsets, sizes)
         box_lo = np.asarray(offsets, dtype=np.int64)
-        box_hi = box_lo + np.asarray(sizes, dtype=np.int64)
-        lo, hi = self._lo, self._hi
-        idx = np.flatnonzero((np.minimum(hi, box_hi) > np.maximum(lo, box_lo)).all(axis=1))
-        ulo, uhi = lo[idx], hi[idx]
-        if not ((ulo >= box_lo).all() and (uhi <= box_hi).all()):
+        if not ((ulo >= box_lo).all() and (uhi <= box_lo + np.asarray(sizes, dtype=np.int64)).all()):
             return None
         return WholeUnits(self, idx, ulo - box_lo, uhi - ulo)
 
@@ -189,13 +182,13 @@ class UnitIndex:
         if self.view is None:
             hits = [(u, intersect((tuple(offsets), tuple(sizes)), (u.offsets, u.sizes))) for u in self._mixed]
             return [(u, box) for u, box in hits if box is not None and all(n > 0 for n in box[1])]
-        lo = np.maximum(self._lo, np.asarray(offsets, dtype=np.int64))
-        hi = np.minimum(self._hi, np.asarray(offsets, dtype=np.int64) + np.asarray(sizes, dtype=np.int64))
-        out: list[tuple[Unit, Box]] = []
-        for i in np.flatnonzero((hi > lo).all(axis=1)).tolist():
-            first = lo[i].tolist()
-            out.append((self.unit(i), (tuple(first), tuple(h - f for h, f in zip(hi[i].tolist(), first)))))
-        return out
+        idx, lo, hi = self.meeting(offsets, sizes)
+        lo = np.maximum(lo, np.asarray(offsets, dtype=np.int64))
+        hi = np.minimum(hi, np.asarray(offsets, dtype=np.int64) + np.asarray(sizes, dtype=np.int64))
+        return [
+            (self.unit(i), (tuple(f), tuple(h - a for h, a in zip(e, f))))
+            for i, f, e in zip(idx.tolist(), lo.tolist(), hi.tolist())
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,13 +251,12 @@ class CrossView:
     wholly among the requested bytes, with the ``(position, length)`` pieces of ``out`` holding them, in
     hash order; ``partial``: units read whole, checked, their shared bytes copied as ``(from, to,
     length)``; ``direct``: the rest, read straight into ``out`` as ``(tensor offset, position, length)``;
-    ``covered``: requested bytes some unit covers; ``extent``: the tensor bytes ``[lo, hi)`` all of it spans."""
+    ``covered``: requested bytes some unit covers."""
 
     inside: list[tuple[Unit, list[tuple[int, int]]]]
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]]
     direct: list[tuple[int, int, int]]
     covered: int
-    extent: tuple[int, int]
 
 
 def intervals(starts: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -293,7 +285,6 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
     inside: list[tuple[Unit, list[tuple[int, int]]]] = []
     partial: list[tuple[Unit, np.ndarray, int, list[tuple[int, int, int]]]] = []
     covered = 0
-    ext_lo, ext_hi = int(lo[0]), int(hi[-1])
     for i in np.flatnonzero(meets).tolist():
         u = index.unit(i)
         ustarts, urun = box_runs(view, u.offsets, u.sizes, itemsize)
@@ -314,7 +305,6 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
         if copies:
             partial.append((u, ustarts, urun, copies))
             covered += sum(c[2] for c in copies)
-            ext_lo, ext_hi = min(ext_lo, int(ustarts[0])), max(ext_hi, int(ustarts[-1]) + urun)
     taken = sorted((dst, dst + n) for *_, copies in partial for _, dst, n in copies)
     direct: list[tuple[int, int, int]] = []
     t = 0
@@ -329,7 +319,7 @@ def cross_view(index: UnitIndex, starts: np.ndarray, run: int, itemsize: int) ->
             nxt = min(end, taken[t][0]) if t < len(taken) else end
             direct.append((a + at - p, at, nxt - at))
             at = nxt
-    return CrossView(inside, partial, direct, covered, (ext_lo, ext_hi))
+    return CrossView(inside, partial, direct, covered)
 
 
 def unit_extent(

@@ -43,7 +43,7 @@ from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format._regions import box_runs, range_boxes, split_box
 from smpckpt.storage.format._staging import HostBuffer, Stage, Stages, Ticket, copy_chunks, settle, stage_kind
 from smpckpt.storage.full._exchange import Block, Swapper, batches, global_rank, paste
-from smpckpt.storage.full._layout import ArtifactFile, FullWrite, RankFullData
+from smpckpt.storage.full._source import ArtifactFile, FullWrite, RankFullData
 from smpckpt.storage.full._units import BoxUnits, unit_extent
 from smpckpt.storage.write._pipeline import chunk_bytes
 
@@ -68,20 +68,12 @@ def create_files(folder: Folder, files: Sequence[ArtifactFile], *, sync: bool) -
         folder.create_sized(f.name, f.size, f.pieces, sync=sync)
 
 
-def resolved_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def chunk_of(planner: SavePlanner, item: WriteItem, *, cpu: bool = True) -> torch.Tensor:
+    """The item's tensor, detached, in global-view coordinates; on the CPU unless ``cpu=False``."""
     tensor = planner.resolve_data(item)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{item.index.fqn!r}: expected a tensor, the planner gave {type(tensor).__name__}")
-    return tensor
-
-
-def chunk_of(
-    planner: SavePlanner, item: WriteItem, tensor: torch.Tensor | None = None, *, cpu: bool = True
-) -> torch.Tensor:
-    """The item's tensor, detached, in global-view coordinates; on the CPU unless ``cpu=False``."""
-    chunk = (tensor if tensor is not None else resolved_tensor(planner, item)).detach()
-    if cpu:
-        chunk = chunk.cpu()
+    chunk = tensor.detach().cpu() if cpu else tensor.detach()
     td = item.tensor_data
     return chunk.reshape(tuple(td.chunk.sizes)) if td is not None else chunk
 
@@ -163,10 +155,10 @@ class _BoxHasher:
 
     def __init__(self, w: FullWrite, check_block: int) -> None:
         self.w = w
-        self.offsets, self.sizes, checks = box_units(w, check_block)
+        self.offsets, self.sizes, self.checks = box_units(w, check_block)
         self.nbytes = math.prod(w.sizes) * w.dtype.itemsize
         self.hasher = BlockHasher(check_block)
-        self.hasher.start_item(self.nbytes, checks)
+        self.hasher.start_item(self.nbytes, self.checks)
 
     def update(self, data: memoryview) -> None:
         if len(data):
@@ -263,8 +255,7 @@ class _RankWriter:
         """Each of the item's boxes written in place when the tensor's memory is its row-major bytes of the
         artifact dtype, else staged a buffer at a time through the save's pool (device-to-host, transpose,
         cast), each chunk written and hashed while the next is copied: extra memory stays within the pool."""
-        t = resolved_tensor(self.planner, item)
-        chunk = chunk_of(self.planner, item, t, cpu=False)  # the planner resolves each item once
+        chunk = chunk_of(self.planner, item, cpu=False)  # the planner resolves each item once
         for w in self.by_item[item.index]:
             box = box_view(chunk, w)
             own = cpu_bytes(box) if box.dtype == w.dtype and box.device.type == "cpu" else None
@@ -281,14 +272,17 @@ class _RankWriter:
         copied with the cast into pool buffers, each written and hashed while the next is copied."""
         pool, itemsize = stage.pool, w.dtype.itemsize
         hasher = _BoxHasher(w, self.data.check_block)
-        _, _, checks = box_units(w, self.data.check_block)
-        step = max(1, chunk_bytes(pool.buffer_bytes, checks) // itemsize)
+        step = max(1, chunk_bytes(pool.buffer_bytes, hasher.checks) // itemsize)
         numel = math.prod(w.sizes)
         fd = self.fds[w.file]
         pending: tuple[HostBuffer, Ticket, int, int] | None = None  # (buffer, its copies, first, last)
 
-        def finish(held: tuple[HostBuffer, Ticket, int, int]) -> None:
-            buf, ticket, first, last = held
+        def finish_pending() -> None:
+            """The pending buffer written and hashed, then back to the pool."""
+            nonlocal pending
+            if pending is None:
+                return
+            (buf, ticket, first, last), pending = pending, None
             try:
                 ticket.wait()
                 pos = 0
@@ -306,10 +300,8 @@ class _RankWriter:
             for first in range(0, numel, step):
                 last = min(numel, first + step)
                 buf = pool.try_acquire(pinned=stage.pinned)
-                if buf is None and pending is not None:
-                    held, pending = pending, None
-                    finish(held)  # ours first: never wait for a buffer while holding one
                 if buf is None:
+                    finish_pending()  # ours first: never wait for a buffer while holding one
                     buf = pool.acquire(pinned=stage.pinned)
                 try:
                     typed = buf.tensor[: (last - first) * itemsize].view(w.dtype)
@@ -320,13 +312,9 @@ class _RankWriter:
                     settle(stage)  # nothing copies into it any more
                     pool.release(buf)
                     raise
-                if pending is not None:
-                    held, pending = pending, None
-                    finish(held)
+                finish_pending()
                 pending = (buf, ticket, first, last)
-            if pending is not None:
-                held, pending = pending, None
-                finish(held)
+            finish_pending()
         finally:
             if pending is not None:
                 try:

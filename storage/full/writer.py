@@ -26,7 +26,7 @@ from smpckpt.storage.full._commit import (
     staging_path,
     whole_tensor_metadata,
 )
-from smpckpt.storage.full._layout import ArtifactLayout, RankFullData
+from smpckpt.storage.full._source import ArtifactLayout, RankFullData
 from smpckpt.storage.full._write import _RankWriter, gather_rank, write_objects
 from smpckpt.storage.full.options import FullOptions
 from smpckpt.storage.write._base import FailedSaveFiles, FsspecWriterBase, WriterOptions, folder_is_new, open_results

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._regions import intersect
 from smpckpt.storage.full._exchange import paste
-from smpckpt.storage.full._layout import FullWrite
+from smpckpt.storage.full._source import FullWrite
 from smpckpt.storage.full._units import BoxUnits, Unit, UnitIndex, rows_of
 from smpckpt.storage.full._write import box_buffer, unit_digests
 
@@ -95,7 +95,7 @@ def test_unit_digests_match_an_independent_hash_of_each_unit(
     assert got.key == "w" and got.view == view
     want = _reference_units(box, w)
     assert len(want) > 1  # each case is cut into several units
-    assert got.rows() == want
+    assert rows_of([got]) == want
 
 
 @settings(max_examples=60, deadline=None)
@@ -112,7 +112,7 @@ def test_box_units_survive_pickling_and_unpack_to_what_was_packed(d: int, n: int
     digests = data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n))
     packed = pickle.loads(pickle.dumps(BoxUnits.pack("k", view, offsets, sizes, digests)))
     assert len(packed) == n
-    assert packed.rows() == [[list(view), o, s, f"{h:016x}"] for o, s, h in zip(offsets, sizes, digests)]
+    assert rows_of([packed]) == [[list(view), o, s, f"{h:016x}"] for o, s, h in zip(offsets, sizes, digests)]
 
 
 def test_packing_refuses_unequal_lengths_and_reading_refuses_damaged_packs() -> None:
@@ -120,7 +120,7 @@ def test_packing_refuses_unequal_lengths_and_reading_refuses_damaged_packs() -> 
         BoxUnits.pack("k", (4, 4), [[0, 0]], [[1, 4], [1, 4]], [1, 2])
     good = BoxUnits.pack("k", (4, 4), [[0, 0], [1, 0]], [[1, 4], [1, 4]], [1, 2])
     with pytest.raises(ValueError, match="'k': packed units do not match their 2 digests"):
-        BoxUnits(good.key, good.view, good.offsets[:-8], good.sizes, good.digests).rows()
+        rows_of([BoxUnits(good.key, good.view, good.offsets[:-8], good.sizes, good.digests)])
 
 
 def _units_of(view: tuple[int, int], row_step: int, col_step: int) -> list[Unit]:
@@ -229,7 +229,7 @@ def test_rows_of_many_boxes_equal_their_rows_one_after_another() -> None:
         offsets = [[rng.randint(0, 8) for _ in view] for _ in range(n)]
         sizes = [[rng.randint(1, 8) for _ in view] for _ in range(n)]
         boxes.append(BoxUnits.pack(f"k{i}", view, offsets, sizes, [rng.getrandbits(64) for _ in range(n)]))
-    assert rows_of(boxes) == [r for b in boxes for r in b.rows()]
+    assert rows_of(boxes) == [r for b in boxes for r in rows_of([b])]
     assert rows_of([]) == []
     bad = BoxUnits(boxes[3].key, boxes[3].view, boxes[3].offsets + b"\0" * 8, boxes[3].sizes, boxes[3].digests)
     with pytest.raises(ValueError, match="'k3': packed units do not match"):

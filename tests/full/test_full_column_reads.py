@@ -3,7 +3,7 @@
 A column (dim 1) shard is one run per row in the row-major artifact. Read at its own layout, every
 check unit it touches lies inside it: rows far apart (gap past the request cost) are read once straight
 into the destination, a request per row, each unit verified where it lies there; rows close together
-stream as sequential spans (``storage/full/_strided.py``). These tests pin what those paths must keep:
+stream as sequential spans (``storage/full/_files.py``). These tests pin what those paths must keep:
 values bit-exact, the bytes each path reads, a damaged byte in the shard found, and a damaged byte in
 another rank's columns never used. On S3 (loopback moto) the rows share ranged GETs, and the bytes read
 are reported GET for GET, through both the shared spans and boxes too large for one.

@@ -3,7 +3,7 @@
 A TP=1 full export loaded by TP=4 ranks with ``ShardSpec(1)`` reads a column slice of every row. The
 full reader used to read it a request per row, and verified, every check unit it touched whole, again
 a request per unit row: a TP=4 load of a bf16 [32000, 4096] embedding issued 32,000 requests of 4 KiB.
-It now takes the partial reader's decision (``storage/format/_columns.py``, ``storage/full/_strided.py``):
+It now takes the partial reader's decision (``storage/format/_columns.py``, ``storage/full/_files.py``):
 
 * ``emb`` bf16 [1024, 4096] (rows of 8 KiB, tiles of 4 KiB x 32 rows; a rank's slice is 2 KiB of a
   tile): the unread gap per row is below ``request_cost_bytes``, so the rows stream -- pieces of whole
@@ -40,8 +40,8 @@ from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FullArtifactReader, FullArtifactWriter
 from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES
-from smpckpt.storage.full import _files, _strided
-from smpckpt.storage.full._strided import _pieces
+from smpckpt.storage.full import _files
+from smpckpt.storage.full._files import _pieces
 
 TP = 4
 KiB = 1 << 10
@@ -241,8 +241,8 @@ PATHS = {
 
 @pytest.fixture()
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_strided, "STREAM_PIECE_BYTES", 256 * KiB)
-    monkeypatch.setattr(_strided, "PART_BYTES", 64 * KiB)
+    monkeypatch.setattr(_files, "STREAM_PIECE_BYTES", 256 * KiB)
+    monkeypatch.setattr(_files, "PART_BYTES", 64 * KiB)
 
 
 def _dest(key: str, kind: str) -> torch.Tensor:

@@ -11,7 +11,6 @@ damaged byte found by the rank that reads it.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -224,8 +223,6 @@ def test_cross_view_matches_every_requested_byte_to_the_unit_that_checks_it(
         for _, dst, n in copies:
             once[dst : dst + n] += 1
     assert (once == 1).all()
-    lo_b, hi_b = plan.extent
-    assert lo_b <= int(starts[0]) and int(starts[-1]) + run <= hi_b <= math.prod(checked) * itemsize
 
 
 @pytest.mark.s3

@@ -21,7 +21,7 @@ from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, Stages
 from smpckpt.storage.full._exchange import Block, Exchange
-from smpckpt.storage.full._layout import FullWrite, RankFullData
+from smpckpt.storage.full._source import FullWrite, RankFullData
 
 INDEX = MetadataIndex("model.w")
 BOX = FullWrite(

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
+from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import (  # the two openers by URL live with the probe they wrap
     MANIFEST_NAME,
@@ -30,7 +31,7 @@ from smpckpt.storage.format.manifest import (  # the two openers by URL live wit
     probe_checkpoint,
     read_manifest,
 )
-from smpckpt.storage.read._fetch import digest_of, unit_rows, unit_text
+from smpckpt.storage.read._fetch import unit_rows, unit_text
 
 __all__ = ["checkpoint_state", "probe_checkpoint", "read_manifest", "verify_checkpoint", "VerifyReport"]
 __all__ += ["remove_checkpoint", "last_activity", "abort_stale_uploads", "removal_marked", "load_problems"]
@@ -167,13 +168,12 @@ def check_blocks(
             if len(data) != last - first:  # the file shrank since its size was checked
                 problems.append(f"{where}: bytes {first}..{last} came back short ({len(data)} bytes)")
                 return False
-            digest = digest_of(data, first)
             for start, end, blocks in units:
                 for i in blocks:
-                    spans = rec.spans(i)
-                    if digest(spans) != rec.block_digests[i]:
+                    unit = unit_rows(rec, i)  # (first, rows, run, stride): a tile's rows hashed at once
+                    if hash_rows(data, unit[0] - first, *unit[1:]) != rec.block_digests[i]:
                         ok = False
-                        problems.append(f"{where}: checksum mismatch in {unit_text(i, *unit_rows(rec, i))}")
+                        problems.append(f"{where}: checksum mismatch in {unit_text(i, *unit)}")
                 tick(end - start)
             if copy_to is not None:
                 if not ok:
@@ -181,7 +181,7 @@ def check_blocks(
                 copy_to(data)
             # let go of this read before the next is made (one read per file held, not two: the drain's
             # budget gives a read back once written)
-            del data, digest
+            del data
     return ok
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -26,18 +26,20 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
-from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
 from smpckpt.storage.format import manifest as _names
-from smpckpt.storage.format._reading import ReaderBase, ReadStats
+from smpckpt.storage.format._reading import ReaderBase, ReaderOptions, ReadStats
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format.manifest import FileRecord, Probe
 from smpckpt.storage.full._commit import folder_names
 from smpckpt.storage.full._read import FullSource
 from smpckpt.storage.full._source import hf_folder_files
 from smpckpt.storage.read._fetch import reading, reads_into
-from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, REQUEST_COST_BYTES, ROW_GAP, Item, plan_reads, raw_item
+from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, ROW_GAP, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FsspecStorageReader", "ReadStats", "FullArtifactReader"]
 
@@ -94,34 +96,19 @@ class FsspecStorageReader(ReaderBase):
         self,
         path: str | os.PathLike[str],
         *,
-        storage_options: Mapping[str, Any] | None = None,
-        verify_checksums: bool = True,
-        allow_pickle: bool = False,
-        thread_count: int | None = None,
         reads_in_flight: int | None = None,
         max_request_bytes: int | None = None,
         coalesce_gap: int = 0,
-        request_cost_bytes: int = REQUEST_COST_BYTES,
-        translation: Translation | None = None,
-        hf_prefix: str = "",
         staging_bytes: int = STAGING_BYTES,
+        **options: Unpack[ReaderOptions],
     ) -> None:
-        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
         self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
         self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
-        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            verify_checksums=verify_checksums,
-            allow_pickle=allow_pickle,
-            translation=translation,
-            hf_prefix=hf_prefix,
-        )
+        super().__init__(path, **options)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
@@ -362,28 +349,8 @@ class FullArtifactReader(FsspecStorageReader):
 
     _full_only = True
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        verify_checksums: bool = True,
-        allow_pickle: bool = False,
-        translation: Translation | None = None,
-        hf_prefix: str = "",
-        request_cost_bytes: int = REQUEST_COST_BYTES,
-        thread_count: int | None = None,
-    ) -> None:
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            verify_checksums=verify_checksums,
-            allow_pickle=allow_pickle,
-            translation=translation,
-            hf_prefix=hf_prefix,
-            request_cost_bytes=request_cost_bytes,
-            thread_count=thread_count,
-        )
+    def __init__(self, path: str | os.PathLike[str], **options: Unpack[ReaderOptions]) -> None:
+        super().__init__(path, **options)
 
 
 def _device_bytes_during(local: bool, read: Callable[[], None]) -> int | None:

@@ -1,7 +1,8 @@
 """``FsspecStorageReader``: DCP StorageReader for committed smpckpt checkpoints (manifest present) and
-stock DCP checkpoints (``.metadata`` only, read as *legacy*: no checksums); an uncommitted save raises
-:class:`~smpckpt.errors.CheckpointNotFound`. A full artifact or Hugging Face folder goes to
-``FullArtifactReader`` (as DCP's ``HuggingFaceStorageReader`` is beside ``FileSystemReader``).
+stock DCP checkpoints (``.metadata`` only, read as *legacy*: no checksums), full artifacts and Hugging
+Face folders (through their ``FullSource``); an uncommitted save raises
+:class:`~smpckpt.errors.CheckpointNotFound`. Which of these a folder holds is decided once, in
+``read_metadata``. ``FullArtifactReader`` is the same reader refusing partial and stock checkpoints.
 
 Reads: each item's byte range (a raw tensor: only its slice's bytes) is widened to whole checksum blocks
 when verifying, sorted and coalesced (``_plan``), then read and verified by ``thread_count`` workers

@@ -302,33 +302,32 @@ class FsspecStorageReader(ReaderBase):
             source = self.source
             device = _device_bytes_during(local, lambda: source.read(plan, planner))
             per_file = {n: (needed, read) for n, (needed, read) in source.file_stats.items()}
-            needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
-            self.last_read_stats = ReadStats(needed, read, source.requests, len(plan.items), per_file, device)
-            return
-        max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
-        # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
-        with gc_paused() if self.manifest is not None else contextlib.nullcontext():
-            reads = plan_reads(
-                [self._item(req) for req in plan.items],
-                self._records,
-                verify=self.verify_checksums,
-                local=local,
-                direct=reads_into(self.fs),
-                direct_min_bytes=self.direct_min_bytes,
-                coalesce_gap=self.coalesce_gap,
-                max_request_bytes=max_request,
-                row_gap=max(self.coalesce_gap, ROW_GAP),
-                request_cost=self.request_cost_bytes,
-            )
-        run = ReadRun(self, planner, max_request)
-        device = _device_bytes_during(local, lambda: run.run(reads))
-        per_file = {
-            n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
-            for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
-        }
-        self.last_read_stats = ReadStats(
-            reads.bytes_needed, run.bytes_requested, run.requests, len(plan.items), per_file, device
-        )
+            requests = source.requests
+        else:
+            max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
+            # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
+            with gc_paused() if self.manifest is not None else contextlib.nullcontext():
+                reads = plan_reads(
+                    [self._item(req) for req in plan.items],
+                    self._records,
+                    verify=self.verify_checksums,
+                    local=local,
+                    direct=reads_into(self.fs),
+                    direct_min_bytes=self.direct_min_bytes,
+                    coalesce_gap=self.coalesce_gap,
+                    max_request_bytes=max_request,
+                    row_gap=max(self.coalesce_gap, ROW_GAP),
+                    request_cost=self.request_cost_bytes,
+                )
+            run = ReadRun(self, planner, max_request)
+            device = _device_bytes_during(local, lambda: run.run(reads))
+            per_file = {
+                n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
+                for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
+            }
+            requests = run.requests
+        needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
+        self.last_read_stats = ReadStats(needed, read, requests, len(plan.items), per_file, device)
 
 
 class FullArtifactReader(FsspecStorageReader):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
-from smpckpt.storage.format._safe_pickle import load_metadata
+from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import (  # the two openers by URL live with the probe they wrap
     MANIFEST_NAME,
@@ -31,7 +31,7 @@ from smpckpt.storage.format.manifest import (  # the two openers by URL live wit
     probe_checkpoint,
     read_manifest,
 )
-from smpckpt.storage.read._fetch import digest_of, unit_rows, unit_text
+from smpckpt.storage.read._fetch import unit_rows, unit_text
 
 __all__ = ["checkpoint_state", "probe_checkpoint", "read_manifest", "verify_checkpoint", "VerifyReport"]
 __all__ += ["remove_checkpoint", "last_activity", "abort_stale_uploads", "removal_marked", "load_problems"]
@@ -115,12 +115,8 @@ def verify_checkpoint(
         count.report()
     if not problems:
         # what a load would refuse before reading (records, files, chunks; a full artifact's HF index),
-        # then a full artifact's safetensors files by header and tensor box, as its metadata lists them
-        # (they have no block list: their bytes are counted there)
-        problems += load_problems(url, fs, path, manifest, storage_options)
-        problems += (
-            _verify_full(fs, path, url, manifest, md, count.tick) if manifest.kind == "full" and not problems else []
-        )
+        # then a full artifact's safetensors files (they have no block list: their bytes are counted there)
+        problems += load_problems(url, fs, path, manifest, storage_options, count.tick)
         count.report()
     return VerifyReport(url, "committed", len(manifest.files) + 1, count.done, tuple(problems), True, tuple(warnings))
 
@@ -172,13 +168,12 @@ def check_blocks(
             if len(data) != last - first:  # the file shrank since its size was checked
                 problems.append(f"{where}: bytes {first}..{last} came back short ({len(data)} bytes)")
                 return False
-            digest = digest_of(data, first)
             for start, end, blocks in units:
                 for i in blocks:
-                    spans = rec.spans(i)
-                    if digest(spans) != rec.block_digests[i]:
+                    unit = unit_rows(rec, i)  # (first, rows, run, stride): a tile's rows hashed at once
+                    if hash_rows(data, unit[0] - first, *unit[1:]) != rec.block_digests[i]:
                         ok = False
-                        problems.append(f"{where}: checksum mismatch in {unit_text(i, *unit_rows(rec, i))}")
+                        problems.append(f"{where}: checksum mismatch in {unit_text(i, *unit)}")
                 tick(end - start)
             if copy_to is not None:
                 if not ok:
@@ -186,7 +181,7 @@ def check_blocks(
                 copy_to(data)
             # let go of this read before the next is made (one read per file held, not two: the drain's
             # budget gives a read back once written)
-            del data, digest
+            del data
     return ok
 
 
@@ -226,20 +221,6 @@ def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
             "load another generation or fail)"
         ]
     return []
-
-
-def _verify_full(
-    fs: Any, path: str, url: str, manifest: Manifest, metadata_bytes: bytes | None, tick: Callable[[int], None]
-) -> list[str]:
-    from smpckpt.storage.full._read import FullSource
-
-    md = load_metadata(metadata_bytes or b"", where=manifest.metadata.name)
-    source = FullSource(fs, path, url, verify=True, allow_pickle=False)
-    try:
-        source.from_description(md, {f.name: f for f in manifest.files})
-    except CheckpointCorrupt as exc:
-        return [str(exc)]
-    return source.verify_all(tick)
 
 
 def _verify_legacy(
@@ -373,12 +354,18 @@ _HF_INDEXES = ("model.safetensors.index.json", "optimizer.safetensors.index.json
 
 
 def load_problems(
-    url: str, fs: Any, path: str, manifest: Manifest, storage_options: Mapping[str, Any] | None
+    url: str,
+    fs: Any,
+    path: str,
+    manifest: Manifest,
+    storage_options: Mapping[str, Any] | None,
+    tick: Callable[[int], None] | None = None,
 ) -> list[str]:
     """What a load of this committed checkpoint would refuse (as messages; empty when nothing): checksums
     say nothing of a metadata that a resealed manifest vouches for but no loader accepts. Runs the
     reader's own metadata checks and plans a read of every chunk and object of every key without reading
-    tensor data; for a full artifact, checks the Hugging Face index (which transformers follows)."""
+    tensor data; for a full artifact, checks the Hugging Face index (which transformers follows), then,
+    with ``tick``, every header and tensor box its metadata lists (``tick(bytes)`` after each)."""
     from smpckpt.storage.read.reader import FsspecStorageReader
 
     reader = FsspecStorageReader(url, storage_options=storage_options, verify_checksums=False)
@@ -388,7 +375,8 @@ def load_problems(
     except CheckpointError as exc:
         return [str(exc)]
     if manifest.kind == "full":
-        return _hf_index_problems(fs, path, manifest)
+        problems = _hf_index_problems(fs, path, manifest)
+        return reader.source.verify_all(tick) if not problems and tick and reader.source else problems
     problems = [str(e) for e in _validate_global_plan([None, None], metadata)]  # type: ignore[list-item]
     for fqn, md in metadata.state_dict_metadata.items():
         for req in _reads(fqn, md):

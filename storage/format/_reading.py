@@ -15,7 +15,7 @@ import os
 import traceback
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypedDict, TypeVar, cast
 
 import numpy as np
 import torch
@@ -28,10 +28,21 @@ from smpckpt._checks import check_flag, check_int
 from smpckpt.errors import CheckpointCorrupt, CheckpointNotFound
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import FsspecLocation, default_read_threads, is_local, join, read_bytes_or_none
+from smpckpt.storage.format._columns import REQUEST_COST_BYTES
 from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, Manifest, Probe, probe
 
-__all__ = ["ReaderBase", "ReadStats", "Need", "Fetch", "c_strides", "slice_byte_range", "coalesce", "cpu_bytes"]
+__all__ = [
+    "ReaderBase",
+    "ReaderOptions",
+    "ReadStats",
+    "Need",
+    "Fetch",
+    "c_strides",
+    "slice_byte_range",
+    "coalesce",
+    "cpu_bytes",
+]
 
 
 def cpu_bytes(t: torch.Tensor) -> memoryview | None:
@@ -154,6 +165,18 @@ class ReadStats:
         return self.device_bytes / self.bytes_needed if self.bytes_needed else 1.0
 
 
+class ReaderOptions(TypedDict, total=False):
+    """The options both readers take (``FullArtifactReader`` only these), handed on to :class:`ReaderBase`."""
+
+    storage_options: Mapping[str, Any] | None
+    verify_checksums: bool
+    allow_pickle: bool
+    translation: Translation | None
+    hf_prefix: str
+    request_cost_bytes: int
+    thread_count: int | None
+
+
 class ReaderBase(FsspecLocation, StorageReader):
     """The shared half of both readers: the location, the folder's state, the metadata a manifest names
     (checked against it), the load id our planner recognises, the original ``read_metadata`` error, and a
@@ -170,8 +193,12 @@ class ReaderBase(FsspecLocation, StorageReader):
         allow_pickle: bool = False,
         translation: Translation | None = None,
         hf_prefix: str = "",
+        request_cost_bytes: int = REQUEST_COST_BYTES,
+        thread_count: int | None = None,
     ) -> None:
         super().__init__()
+        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
+        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         check_flag("verify_checksums", verify_checksums)
         check_flag("allow_pickle", allow_pickle)
         self.storage_options = dict(storage_options or {})
@@ -180,9 +207,6 @@ class ReaderBase(FsspecLocation, StorageReader):
         self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder
         self.last_read_stats: ReadStats | None = None
         self._open(path)
-
-    #: the ``thread_count`` the caller gave (``None``: the location's default); subclasses set it first
-    _threads_asked: int | None = None
 
     @property
     def thread_count(self) -> int:

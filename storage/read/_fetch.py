@@ -26,11 +26,11 @@ from smpckpt.storage.backends._fs import (
     pread_into,
     translate_errors,
 )
-from smpckpt.storage.format._checksum import hash_bytes, hash_parts, hash_rows
+from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._plan import Item
 
-__all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "digest_of", "read_range", "DirectPart"]
+__all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "read_range", "DirectPart"]
 __all__ += ["read_direct", "reads_into"]
 
 # a read's turn at the device (see _run.InOrder); held only around the I/O, never around verification
@@ -111,7 +111,6 @@ def check_complete(path: str, keys: Sequence[str], lo: int, hi: int, got: int) -
         )
 
 
-Spans = list[tuple[int, int]]
 #: ``digest(first, rows, run, stride)``: the xxh3-64 of ``rows`` runs of ``run`` file bytes, the first at
 #: file offset ``first``, each ``stride`` file bytes after the one before (a block: one run), as read
 RowsDigest = Callable[[int, int, int, int], int]
@@ -203,22 +202,6 @@ def unit_text(i: int, first: int, rows: int, run: int, stride: int) -> str:
     if rows == 1:
         return f"bytes {first}..{first + run} (block {i})"
     return f"bytes {first}..{first + (rows - 1) * stride + run} (block {i}: a tile, {rows} runs of {run} bytes every {stride})"
-
-
-def digest_of(data: memoryview, base: int) -> Callable[[Spans], int]:
-    """A digest of file ranges ``spans`` (in order; ``FileRecord.spans``) over ``data``, which holds
-    file bytes from ``base`` on (``smpckpt verify``)."""
-
-    def digest(spans: Spans) -> int:
-        s0, e0 = spans[0]
-        if len(spans) == 1:
-            return hash_bytes(data[s0 - base : e0 - base])
-        run, stride = e0 - s0, spans[1][0] - s0
-        if stride >= run and all(e - s == run and s == s0 + k * stride for k, (s, e) in enumerate(spans)):
-            return hash_rows(data, s0 - base, len(spans), run, stride)
-        return hash_parts(data[s - base : e - base] for s, e in spans)
-
-    return digest
 
 
 #: a fused chunk's check units, flat: ``index, first, rows, run, stride`` of each in turn (see

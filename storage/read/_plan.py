@@ -169,7 +169,7 @@ class ReadPlan:
     fetches: list[FetchTask]  # by file, then offset
     empty: list[Item]  # items of no bytes (delivered without a read)
     direct: list[DirectCandidate]  # by file, then offset
-    bytes_needed: int  # bytes of the requested slices / records (exact: a strided slice counts its elements)
+    #: bytes of the requested slices / records per file (exact: a strided slice counts its elements)
     needed_per_file: dict[str, int] = dataclasses.field(default_factory=dict)
     boxes: list[BoxRead] = dataclasses.field(default_factory=list)  # column slices read row by row
 
@@ -214,14 +214,12 @@ def plan_reads(
     empty: list[Item] = []
     candidates: list[DirectCandidate] = []
     boxes: list[BoxRead] = []
-    needed = 0
     needed_per_file: dict[str, int] = {}
     for it in items:
         if it.end <= it.start:
             empty.append(it)
             continue
         exact = _exact_bytes(it)
-        needed += exact
         needed_per_file[it.file] = needed_per_file.get(it.file, 0) + exact
         rec = records.get(it.file) if verify else None
         contiguous = it.raw and exact == it.end - it.start  # the slice is one run of the stored chunk's bytes
@@ -246,7 +244,7 @@ def plan_reads(
     candidates.sort(key=lambda d: (d.file, d.need.start))
     boxes.sort(key=lambda b: (b.file, b.start))
     fetches, candidates = _mark_scattered(fetches, candidates, {n: r.size for n, r in records.items()})
-    return ReadPlan(fetches, empty, candidates, needed, needed_per_file, boxes)
+    return ReadPlan(fetches, empty, candidates, needed_per_file, boxes)
 
 
 def _mark_scattered(

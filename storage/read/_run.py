@@ -162,7 +162,7 @@ STREAM_PART_BYTES = 8 << 20
 
 
 class ReadRun:
-    """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``bytes_requested`` and
+    """Carries out one :class:`~smpckpt.storage.read._plan.ReadPlan`; ``read_per_file`` and
     ``requests`` count what it asked storage for (see :class:`~smpckpt.storage.format._reading.ReadStats`).
     Single use; holds buffers and destinations only while :meth:`run` runs."""
 
@@ -180,7 +180,7 @@ class ReadRun:
         # buffers sized to the request (rounded up to 1 MiB), not to the largest request: a load of small
         # records must not zero-fill 64 MiB buffers
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
-        self.bytes_requested = self.requests = 0
+        self.requests = 0
         self.read_per_file: dict[str, int] = {}
         # destinations not filled in place (CUDA) are copied to through a pool of pinned buffers
         self.copies = DeviceCopies(getattr(reader, "staging_bytes", STAGING_BYTES))
@@ -363,7 +363,6 @@ class ReadRun:
             yield held
 
     def _add(self, file: str, nbytes: int, requests: int) -> None:
-        self.bytes_requested += nbytes
         self.requests += requests
         self.read_per_file[file] = self.read_per_file.get(file, 0) + nbytes
 

@@ -1,7 +1,8 @@
 """``FsspecStorageReader``: DCP StorageReader for committed smpckpt checkpoints (manifest present) and
-stock DCP checkpoints (``.metadata`` only, read as *legacy*: no checksums); an uncommitted save raises
-:class:`~smpckpt.errors.CheckpointNotFound`. A full artifact or Hugging Face folder goes to
-``FullArtifactReader`` (as DCP's ``HuggingFaceStorageReader`` is beside ``FileSystemReader``).
+stock DCP checkpoints (``.metadata`` only, read as *legacy*: no checksums), full artifacts and Hugging
+Face folders (through their ``FullSource``); an uncommitted save raises
+:class:`~smpckpt.errors.CheckpointNotFound`. Which of these a folder holds is decided once, in
+``read_metadata``. ``FullArtifactReader`` is the same reader refusing partial and stock checkpoints.
 
 Reads: each item's byte range (a raw tensor: only its slice's bytes) is widened to whole checksum blocks
 when verifying, sorted and coalesced (``_plan``), then read and verified by ``thread_count`` workers
@@ -15,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -26,150 +27,25 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from smpckpt._checks import check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
-from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
 from smpckpt.storage.format import manifest as _names
-from smpckpt.storage.format._reading import ReaderBase, ReadStats
+from smpckpt.storage.format._reading import ReaderBase, ReaderOptions, ReadStats
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
 from smpckpt.storage.format.manifest import FileRecord, Probe
 from smpckpt.storage.full._commit import folder_names
 from smpckpt.storage.full._read import FullSource
 from smpckpt.storage.full._source import hf_folder_files
 from smpckpt.storage.read._fetch import reading, reads_into
-from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, REQUEST_COST_BYTES, ROW_GAP, Item, plan_reads, raw_item
+from smpckpt.storage.read._plan import DIRECT_MIN_BYTES, ROW_GAP, Item, plan_reads, raw_item
 from smpckpt.storage.read._run import ReadRun
 
-__all__ = ["FsspecStorageReader", "ReadStats", "FullArtifactReader", "opens"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["FsspecStorageReader", "ReadStats", "FullArtifactReader"]
 
 
 log = logging.getLogger(__name__)
-
-
-def opens(found: Probe) -> bool:
-    """Whether a folder of this state is this reader's to open: a committed full artifact, or a folder
-    without a commit (a Hugging Face folder, or -- refused by :meth:`FullArtifactReader.metadata_from`
-    -- an unfinished save)."""
-    return found.state == "uncommitted" or (found.manifest is not None and found.manifest.kind == "full")
-
-
-class FullArtifactReader(ReaderBase):
-    """Read a full artifact of ours (verified against the check units its metadata lists) or a plain
-    Hugging Face folder (``model.safetensors``, or an index and shards; no checksums: *unverified*).
-
-    ``read_metadata`` gives one whole chunk per tensor; the plans pass unchanged; ``read_data`` reads
-    exact boxes, verifying each check unit they touch.
-
-    Args:
-        path, storage_options, verify_checksums, allow_pickle, request_cost_bytes, thread_count: as for
-            :class:`~smpckpt.storage.FsspecStorageReader`.
-        translation: for a Hugging Face folder: present its tensors under our keys and layout
-            (``smpckpt.hf.llama.TRANSLATION``), box by box, so each rank reads only its shards' bytes.
-        hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
-            that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        storage_options: Mapping[str, Any] | None = None,
-        verify_checksums: bool = True,
-        allow_pickle: bool = False,
-        translation: Translation | None = None,
-        hf_prefix: str = "",
-        request_cost_bytes: int = REQUEST_COST_BYTES,
-        thread_count: int | None = None,
-    ) -> None:
-        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
-        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            verify_checksums=verify_checksums,
-            allow_pickle=allow_pickle,
-            translation=translation,
-            hf_prefix=hf_prefix,
-        )
-
-    def _open(self, path: str | os.PathLike[str]) -> None:
-        super()._open(path)
-        self.source: FullSource | None = None
-
-    def _read_metadata(self) -> Metadata:
-        return self.metadata_from(self._probe())
-
-    def metadata_from(self, found: Probe) -> Metadata:
-        """The metadata of the folder ``found`` describes (already probed by ``FsspecStorageReader``):
-        one whole chunk per tensor. Refuses a partial or stock DCP checkpoint and an unfinished save."""
-        self.state = found.state
-        self.source = FullSource(
-            self.fs,
-            self.path,
-            self.url,
-            verify=self.verify_checksums,
-            allow_pickle=self.allow_pickle,
-            request_cost=self.request_cost_bytes,
-            threads=self.thread_count,
-        )
-        if found.state == "uncommitted":
-            hf_files = self._hf_files()
-            if hf_files is None:
-                raise CheckpointNotFound(self._refusal(found.detail))
-            confine(self.fs, self.path, hf_files, where=self.url)
-            log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
-            self.state = "huggingface"
-            metadata = self.source.from_hf_folder(hf_files, translation=self.translation, prefix=self.hf_prefix)
-        elif found.manifest is not None and found.manifest.kind == "full":
-            metadata, _ = self._committed_metadata(found.manifest)
-            self.source.from_description(metadata, {f.name: f for f in found.manifest.files})
-        else:
-            raise CheckpointError(
-                f"{self.url} holds a {found.state} partial or stock DCP checkpoint, not a full artifact: read it "
-                "with smpckpt.storage.FsspecStorageReader"
-            )
-        # every tensor is one whole row-major block: a planner may read it in another shape of its size
-        data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-        metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
-        return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.source is None:
-            raise CheckpointError("set_up_storage_reader() called before read_metadata()")
-        self.source.live = metadata  # a planner may have reshaped an entry (see _names.WHOLE_TENSORS)
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        if self.source is None:
-            raise CheckpointError("read_data() called before read_metadata()")
-        source = self.source
-        device = _device_bytes_during(is_local(self.fs), lambda: source.read(plan, planner))
-        per_file = {n: (needed, read) for n, (needed, read) in source.file_stats.items()}
-        needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
-        self.last_read_stats = ReadStats(needed, read, self.source.requests, len(plan.items), per_file, device)
-
-    def _hf_files(self) -> list[str] | None:
-        """The safetensors files when the folder is a Hugging Face model, ``None`` when it is a save of ours
-        without its manifest (in progress, manifest lost, or marked for removal): never read unverified."""
-        return None if self._ours(folder_names(self.fs, self.path)) else hf_folder_files(self.fs, self.path)
-
-    @staticmethod
-    def _ours(names: set[str]) -> bool:
-        return bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(map(_names.is_smpckpt_file, names))
-
-    def _refusal(self, detail: str) -> str:
-        """Why a folder with no manifest is refused; a Hugging Face folder of ``torch.save`` weights is named
-        as such, not as a failed save of ours."""
-        names = folder_names(self.fs, self.path)
-        bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")))
-        if bins and not self._ours(names):
-            return (
-                f"{self.url} is a Hugging Face folder of torch.save weights ({', '.join(bins[:2])}) without "
-                "safetensors: only safetensors Hugging Face folders load without a manifest (re-save it with "
-                "save_pretrained, which writes model.safetensors)"
-            )
-        return f"{self.url} holds an uncommitted (incomplete or failed) save: {detail}; refusing to load it"
 
 
 # default request size caps (see max_request_bytes)
@@ -210,42 +86,30 @@ class FsspecStorageReader(ReaderBase):
             reads are copied through pinned buffers of this many bytes in all to the device on a side
             stream (``storage/format/_staging.py``); CPU destinations are filled in place.
 
-    Full artifacts and Hugging Face folders are handed to a :class:`~smpckpt.storage.FullArtifactReader`
-    (with ``thread_count`` and ``request_cost_bytes``; the other read options do not apply to them).
+    Full artifacts and Hugging Face folders are read as :class:`~smpckpt.storage.FullArtifactReader` reads
+    them (with ``thread_count`` and ``request_cost_bytes``; the other read options do not apply to them).
     """
+
+    #: refuse partial and stock DCP checkpoints (:class:`FullArtifactReader`)
+    _full_only = False
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        storage_options: Mapping[str, Any] | None = None,
-        verify_checksums: bool = True,
-        allow_pickle: bool = False,
-        thread_count: int | None = None,
         reads_in_flight: int | None = None,
         max_request_bytes: int | None = None,
         coalesce_gap: int = 0,
-        request_cost_bytes: int = REQUEST_COST_BYTES,
-        translation: Translation | None = None,
-        hf_prefix: str = "",
         staging_bytes: int = STAGING_BYTES,
+        **options: Unpack[ReaderOptions],
     ) -> None:
-        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
         self.max_request_bytes = check_int("max_request_bytes", max_request_bytes, minimum=1, optional=True)
         self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
-        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
-        super().__init__(
-            path,
-            storage_options=storage_options,
-            verify_checksums=verify_checksums,
-            allow_pickle=allow_pickle,
-            translation=translation,
-            hf_prefix=hf_prefix,
-        )
+        super().__init__(path, **options)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
@@ -255,27 +119,22 @@ class FsspecStorageReader(ReaderBase):
         self._sizes: dict[str, int | None] = {}  # legacy checkpoints: data file sizes, one stat per file
         self._plain_names: set[str] = set()  # data file names already checked (thousands of items share a few)
         self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
-        self._full: FullArtifactReader | None = None  # a full artifact or Hugging Face folder: its reader
+        self.source: FullSource | None = None  # a full artifact or Hugging Face folder: where its bytes are
 
     # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation; read_metadata,
     # prepare_global_plan, read_data: ReaderBase) -------------------------------------------------------
     def _read_metadata(self) -> Metadata:
+        """The folder's format, decided once here (``self.source`` set: a full artifact or a folder without
+        a commit; else ``self.manifest`` set: a partial checkpoint; else a stock DCP one)."""
         found = self._probe()
-        if opens(found):
-            shared = (
-                "storage_options",
-                "verify_checksums",
-                "allow_pickle",
-                "translation",
-                "hf_prefix",
-                "request_cost_bytes",
-                "thread_count",
+        if found.state == "uncommitted" or (found.manifest is not None and found.manifest.kind == "full"):
+            return self._full_metadata(found)
+        if self._full_only:
+            raise CheckpointError(
+                f"{self.url} holds a {found.state} partial or stock DCP checkpoint, not a full artifact: read it "
+                "with smpckpt.storage.FsspecStorageReader"
             )
-            self._full = FullArtifactReader(self.url, **{k: getattr(self, k) for k in shared})
-            metadata = self._full.metadata_from(found)
-            self.state, self.manifest = self._full.state, self._full.manifest
-            return metadata
-        if found.manifest is None:  # what opens() leaves: a stock (legacy) or a committed partial checkpoint
+        if found.manifest is None:  # a stock (legacy) checkpoint
             log.info("%s: stock DCP checkpoint (no manifest): loading without integrity checks", self.url)
             self._metadata_path = join(self.path, _names.METADATA_NAME)
             return found.legacy_metadata
@@ -283,11 +142,63 @@ class FsspecStorageReader(ReaderBase):
         self._records = {f.name: f for f in found.manifest.files}
         return metadata
 
+    def _full_metadata(self, found: Probe) -> Metadata:
+        """A full artifact's or a Hugging Face folder's metadata: one whole chunk per tensor. Refuses an
+        unfinished save."""
+        self.source = FullSource(
+            self.fs,
+            self.path,
+            self.url,
+            verify=self.verify_checksums,
+            allow_pickle=self.allow_pickle,
+            request_cost=self.request_cost_bytes,
+            threads=self.thread_count,
+        )
+        if found.manifest is None:
+            hf_files = self._hf_files()
+            if hf_files is None:
+                raise CheckpointNotFound(self._refusal(found.detail))
+            confine(self.fs, self.path, hf_files, where=self.url)
+            log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
+            self.state = "huggingface"
+            metadata = self.source.from_hf_folder(hf_files, translation=self.translation, prefix=self.hf_prefix)
+        else:
+            metadata, _ = self._committed_metadata(found.manifest)
+            self.source.from_description(metadata, {f.name: f for f in found.manifest.files})
+        # every tensor is one whole row-major block: a planner may read it in another shape of its size
+        data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
+        return metadata
+
+    def _hf_files(self) -> list[str] | None:
+        """The safetensors files when the folder is a Hugging Face model, ``None`` when it is a save of ours
+        without its manifest (in progress, manifest lost, or marked for removal): never read unverified."""
+        return None if self._ours(folder_names(self.fs, self.path)) else hf_folder_files(self.fs, self.path)
+
+    @staticmethod
+    def _ours(names: set[str]) -> bool:
+        return bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(map(_names.is_smpckpt_file, names))
+
+    def _refusal(self, detail: str) -> str:
+        """Why a folder with no manifest is refused; a Hugging Face folder of ``torch.save`` weights is named
+        as such, not as a failed save of ours."""
+        names = folder_names(self.fs, self.path)
+        bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")))
+        if bins and not self._ours(names):
+            return (
+                f"{self.url} is a Hugging Face folder of torch.save weights ({', '.join(bins[:2])}) without "
+                "safetensors: only safetensors Hugging Face folders load without a manifest (re-save it with "
+                "save_pretrained, which writes model.safetensors)"
+            )
+        return f"{self.url} holds an uncommitted (incomplete or failed) save: {detail}; refusing to load it"
+
     @gc_paused()
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._full is not None:
-            self._full.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self.source is not None:
+            self.source.live = metadata  # a planner may have reshaped an entry (see _names.WHOLE_TENSORS)
             return  # the artifact's own description says where every byte is
+        if self._full_only:
+            raise CheckpointError("set_up_storage_reader() called before read_metadata()")
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.url}: metadata has no storage_data")
         self.storage_data = metadata.storage_data
@@ -386,35 +297,60 @@ class FsspecStorageReader(ReaderBase):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """(calling thread) Plan every item's byte range (every record checked before any byte is read),
         then read, verify and deliver them; buffers live only for this call."""
-        if self._full is not None:
-            self._full._read(plan, planner)
-            self.last_read_stats = self._full.last_read_stats
-            return
         local = is_local(self.fs)
-        max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
-        # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
-        with gc_paused() if self.manifest is not None else contextlib.nullcontext():
-            reads = plan_reads(
-                [self._item(req) for req in plan.items],
-                self._records,
-                verify=self.verify_checksums,
-                local=local,
-                direct=reads_into(self.fs),
-                direct_min_bytes=self.direct_min_bytes,
-                coalesce_gap=self.coalesce_gap,
-                max_request_bytes=max_request,
-                row_gap=max(self.coalesce_gap, ROW_GAP),
-                request_cost=self.request_cost_bytes,
-            )
-        run = ReadRun(self, planner, max_request)
-        device = _device_bytes_during(local, lambda: run.run(reads))
-        per_file = {
-            n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
-            for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
-        }
-        self.last_read_stats = ReadStats(
-            reads.bytes_needed, run.bytes_requested, run.requests, len(plan.items), per_file, device
-        )
+        if self.source is not None:
+            source = self.source
+            device = _device_bytes_during(local, lambda: source.read(plan, planner))
+            per_file = {n: (needed, read) for n, (needed, read) in source.file_stats.items()}
+            requests = source.requests
+        else:
+            max_request = self.max_request_bytes or (LOCAL_REQUEST_BYTES if local else REMOTE_REQUEST_BYTES)
+            # objects per item; no I/O with a manifest (a stock checkpoint's files are stat'ed: not paused)
+            with gc_paused() if self.manifest is not None else contextlib.nullcontext():
+                reads = plan_reads(
+                    [self._item(req) for req in plan.items],
+                    self._records,
+                    verify=self.verify_checksums,
+                    local=local,
+                    direct=reads_into(self.fs),
+                    direct_min_bytes=self.direct_min_bytes,
+                    coalesce_gap=self.coalesce_gap,
+                    max_request_bytes=max_request,
+                    row_gap=max(self.coalesce_gap, ROW_GAP),
+                    request_cost=self.request_cost_bytes,
+                )
+            run = ReadRun(self, planner, max_request)
+            device = _device_bytes_during(local, lambda: run.run(reads))
+            per_file = {
+                n: (reads.needed_per_file.get(n, 0), run.read_per_file.get(n, 0))
+                for n in sorted(set(reads.needed_per_file) | set(run.read_per_file))
+            }
+            requests = run.requests
+        needed, read = sum(n for n, _ in per_file.values()), sum(r for _, r in per_file.values())
+        self.last_read_stats = ReadStats(needed, read, requests, len(plan.items), per_file, device)
+
+
+class FullArtifactReader(FsspecStorageReader):
+    """Read a full artifact of ours (verified against the check units its metadata lists) or a plain
+    Hugging Face folder (``model.safetensors``, or an index and shards; no checksums: *unverified*);
+    refuses a partial or stock DCP checkpoint.
+
+    ``read_metadata`` gives one whole chunk per tensor; the plans pass unchanged; ``read_data`` reads
+    exact boxes, verifying each check unit they touch.
+
+    Args:
+        path, storage_options, verify_checksums, allow_pickle, request_cost_bytes, thread_count: as for
+            :class:`~smpckpt.storage.FsspecStorageReader`.
+        translation: for a Hugging Face folder: present its tensors under our keys and layout
+            (``smpckpt.hf.llama.TRANSLATION``), box by box, so each rank reads only its shards' bytes.
+        hf_prefix: prepended to every key of a Hugging Face folder (``"model."`` to match a state dict
+            that holds the model under ``"model"``, as :func:`smpckpt.resume_from_checkpoint` does).
+    """
+
+    _full_only = True
+
+    def __init__(self, path: str | os.PathLike[str], **options: Unpack[ReaderOptions]) -> None:
+        super().__init__(path, **options)
 
 
 def _device_bytes_during(local: bool, read: Callable[[], None]) -> int | None:

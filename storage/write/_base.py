@@ -231,7 +231,8 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
             md_bytes = pickle.dumps(with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
             # fail the save now rather than commit a checkpoint our allow-listed load would refuse
             load_metadata(md_bytes, where="metadata being written")
-            extra = extra_with_layout_record(self._extra, metadata)
+            record = LayoutRecord.json_in_metadata(metadata)  # the planner's, for listing tools
+            extra = {**self._extra, MANIFEST_KEY: dict(record)} if record is not None else dict(self._extra)
             lean_returned_metadata(metadata, md_bytes, where=f"{self.url} (metadata of save {save_id})")
         return md_bytes, extra
 
@@ -294,19 +295,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         )
 
 
-def extra_with_layout_record(extra: Mapping[str, Any], metadata: Any) -> dict[str, Any]:
-    """A manifest's ``extra``: the caller's plus the planner's LayoutRecord, for listing tools."""
-    record = LayoutRecord.json_in_metadata(metadata)
-    return {**extra, MANIFEST_KEY: dict(record)} if record is not None else dict(extra)
-
-
 # -- a failed save's files (the module docstring: what is removed, and when not) -----------------------
-def _manifest_save_id(fs: Any, path: str) -> str | None:
-    """The save id of the manifest at ``path`` (None: no manifest); raises when it cannot be read."""
-    found = probe(fs, path, list_when_empty=False)
-    return found.manifest.save_id if found.manifest is not None else None
-
-
 class FailedSaveFiles:
     """The files one rank wrote for one save, to remove if that save fails. Call order: a new instance per
     save (``storage_meta``) -> :meth:`begin` (partial: ``write_data``; full: the coordinator's
@@ -333,7 +322,8 @@ class FailedSaveFiles:
             return []
         paths = [join(path, n) for n in names]
         try:
-            committed = _manifest_save_id(fs, path)
+            found = probe(fs, path, list_when_empty=False)
+            committed = found.manifest.save_id if found.manifest is not None else None
             marker = read_bytes_or_none(fs, join(path, WRITING_MARKER)) if full else None
         except (CheckpointError, OSError) as exc:
             log.warning(

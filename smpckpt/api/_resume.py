@@ -532,12 +532,16 @@ def summarize(
 ) -> ResumeInfo:
     """(all ranks) Sum every rank's load into one :class:`ResumeInfo` and log it."""
     report = planner.report
-    gone = (*report.missing_keys, *report.stateless_saved, *untranslated) if report else untranslated
-    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, gone)
+    refused = (*report.missing_keys, *untranslated) if report else untranslated  # what strict=True refuses
+    gone = (*refused, *report.stateless_saved) if report else untranslated
+    mine = (report.fast_path, len(report.resharded), gone, refused) if report else (0, 0, gone, refused)
     counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
     fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
+    kept = sorted({k for c in counts for k in c[3]})
+    if kept or unexpected:  # strict=False skipped them (alike on every rank): said as a full resume says it
+        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, sorted(unexpected)))
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
         path=req.root,
@@ -556,3 +560,20 @@ def summarize(
     how = f"resharded {resharded} tensor(s) from {saved} to {req.layout} (fast path for {fast})"
     log.info("resumed %s: %s", target.url, how if resharded else f"fast path for all {fast} tensor(s) ({req.layout})")
     return info
+
+
+def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list[str]) -> None:
+    """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
+    of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
+    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone."""
+    if not coordinator:
+        return
+
+    def show(keys: list[str]) -> str:
+        return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
+
+    parts = [f"not in the checkpoint, kept as they were: {show(kept)}"] if kept else []
+    parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
+    log.warning(message)
+    warnings.warn(message, stacklevel=7)  # the caller's frame: below it all_ok, its lambda, summarize, _resume, resume

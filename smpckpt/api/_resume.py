@@ -428,8 +428,9 @@ def stateless_at_save(
     (missing under ``strict=False``, or skipped as optional) and that either had no state before the resume
     (``stateless``) or had none when saved (param groups say so, or ``all_state_saved``: a full artifact
     with optimizer state). Each was given state for the load; left so, its next ``step()`` would differ
-    from the saved run's (Adam's bias correction). A parameter with live state merely missing from the
-    checkpoint keeps it, as ``strict=False`` promises."""
+    from the saved run's (Adam's bias correction). A parameter with live state merely missing from a
+    checkpoint holding optimizer state keeps it, as ``strict=False`` promises; a partial checkpoint saved
+    without optimizer leaves every parameter stateless, as saved (an in-process roll-back to it)."""
     report = planner.report
     if not optimizers or report is None:
         return frozenset()
@@ -457,8 +458,12 @@ def stateless_at_save(
             if fqn is not None:
                 absent[fqn] = absent.get(fqn, True) and f"{RESERVED.optim}.{key}" in missing
                 saved_none[fqn] = saved_none.get(fqn, True) and f"{RESERVED.optim}.{key}" in never
+    # a partial checkpoint saved without optimizer (strict=False: every key missing) had no state, as above; a
+    # full artifact without it (its optimizer keys optional, skipped) leaves a live optimizer as it was
+    lacking = {planner.entries[k].local_key if k in planner.entries else k for k in report.missing_keys}
+    no_optim = all(f"{RESERVED.optim}.{key}" in lacking for key in optim_sd)
     # stateless before the resume, or stateless when saved (a rollback: its live state is not the saved run's)
-    return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f]))
+    return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f] or no_optim))
 
 
 def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
@@ -572,7 +577,7 @@ def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list
     def show(keys: list[str]) -> str:
         return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
 
-    parts = [f"not in the checkpoint, kept as they were: {show(kept)}"] if kept else []
+    parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
     parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
     message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
     log.warning(message)

@@ -373,8 +373,8 @@ def test_strict_false_warns_naming_the_keys_it_skipped(tmp_path: Any) -> None:
     got, _ = _model(1)
     with pytest.warns(
         UserWarning,
-        match=r"flat_partial: strict=False skipped keys; not in the checkpoint, kept as they "
-        r"were: model\.0\.bias, model\.0\.weight.*; in the checkpoint, loaded by no rank: 0\.bias, 0\.weight",
+        match=r"flat_partial: strict=False skipped keys; not in the checkpoint: "
+        r"model\.0\.bias, model\.0\.weight.*; in the checkpoint, loaded by no rank: 0\.bias, 0\.weight",
     ):
         smpckpt.Checkpointer(str(tmp_path)).resume("flat", got, options=smpckpt.ResumeOptions(strict=False))
     assert not torch.equal(got[0].weight, m[0].weight)  # nothing was loaded, as the warning says
@@ -388,7 +388,7 @@ def test_strict_false_warns_naming_the_keys_it_skipped(tmp_path: Any) -> None:
     go.param_groups[0]["lr"] = 0.5
     with pytest.warns(
         UserWarning,
-        match=r"kept as they were: optim\.param_groups\.0\.bias\.amsgrad, .*"
+        match=r"not in the checkpoint: optim\.param_groups\.0\.bias\.amsgrad, .*"
         r"loaded by no rank: optim\.param_groups\.0\.amsgrad, ",
     ):
         smpckpt.Checkpointer(str(tmp_path)).resume("nested", got, go, options=smpckpt.ResumeOptions(strict=False))
@@ -400,6 +400,25 @@ def test_strict_false_warns_naming_the_keys_it_skipped(tmp_path: Any) -> None:
         warnings.filterwarnings("error", message=".*skipped keys")
         got, go = unused_branch_model()
         resume_from_checkpoint(str(tmp_path / "u"), model=got, optimizer=go, strict=False)
+
+
+def test_a_rollback_to_a_checkpoint_saved_without_optimizer_leaves_the_optimizer_fresh(tmp_path: Any) -> None:
+    """The README: under strict=False every parameter of a checkpoint saved without optimizer resumes without
+    state, live state or not. An in-process roll-back to one kept the live Adam state of step 3 beside the
+    weights of step 0 (its next step() was neither the saved run's nor a fresh one's)."""
+    torch.manual_seed(0)
+    m = nn.Linear(2, 2)
+    o = torch.optim.Adam(m.parameters())
+    save_checkpoint(str(tmp_path), "model_only", model=m)
+    saved = {k: v.clone() for k, v in m.state_dict().items()}
+    for _ in range(3):
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        o.zero_grad()
+    with pytest.warns(UserWarning, match=r"not in the checkpoint: optim\.param_groups\.bias\.amsgrad"):
+        resume_from_checkpoint(str(tmp_path), "model_only", model=m, optimizer=o, strict=False)
+    assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
+    assert not o.state, {n: sorted(o.state[p]) for n, p in m.named_parameters() if p in o.state}
 
 
 def test_an_optimizer_with_an_empty_param_group_is_refused_by_name(tmp_path: Any) -> None:

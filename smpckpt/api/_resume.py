@@ -428,8 +428,9 @@ def stateless_at_save(
     (missing under ``strict=False``, or skipped as optional) and that either had no state before the resume
     (``stateless``) or had none when saved (param groups say so, or ``all_state_saved``: a full artifact
     with optimizer state). Each was given state for the load; left so, its next ``step()`` would differ
-    from the saved run's (Adam's bias correction). A parameter with live state merely missing from the
-    checkpoint keeps it, as ``strict=False`` promises."""
+    from the saved run's (Adam's bias correction). A parameter with live state merely missing from a
+    checkpoint holding optimizer state keeps it, as ``strict=False`` promises; a partial checkpoint saved
+    without optimizer leaves every parameter stateless, as saved (an in-process roll-back to it)."""
     report = planner.report
     if not optimizers or report is None:
         return frozenset()
@@ -457,8 +458,12 @@ def stateless_at_save(
             if fqn is not None:
                 absent[fqn] = absent.get(fqn, True) and f"{RESERVED.optim}.{key}" in missing
                 saved_none[fqn] = saved_none.get(fqn, True) and f"{RESERVED.optim}.{key}" in never
+    # a partial checkpoint saved without optimizer (strict=False: every key missing) had no state, as above; a
+    # full artifact without it (its optimizer keys optional, skipped) leaves a live optimizer as it was
+    lacking = {planner.entries[k].local_key if k in planner.entries else k for k in report.missing_keys}
+    no_optim = all(f"{RESERVED.optim}.{key}" in lacking for key in optim_sd)
     # stateless before the resume, or stateless when saved (a rollback: its live state is not the saved run's)
-    return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f]))
+    return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f] or no_optim))
 
 
 def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
@@ -532,12 +537,16 @@ def summarize(
 ) -> ResumeInfo:
     """(all ranks) Sum every rank's load into one :class:`ResumeInfo` and log it."""
     report = planner.report
-    gone = (*report.missing_keys, *report.stateless_saved, *untranslated) if report else untranslated
-    mine = (report.fast_path, len(report.resharded), gone) if report else (0, 0, gone)
+    refused = (*report.missing_keys, *untranslated) if report else untranslated  # what strict=True refuses
+    gone = (*refused, *report.stateless_saved) if report else untranslated
+    mine = (report.fast_path, len(report.resharded), gone, refused) if report else (0, 0, gone, refused)
     counts = ctx.all_gather_object(mine)
     unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
     fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
+    kept = sorted({k for c in counts for k in c[3]})
+    if kept or unexpected:  # strict=False skipped them (alike on every rank): said as a full resume says it
+        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, sorted(unexpected)))
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
         path=req.root,
@@ -556,3 +565,20 @@ def summarize(
     how = f"resharded {resharded} tensor(s) from {saved} to {req.layout} (fast path for {fast})"
     log.info("resumed %s: %s", target.url, how if resharded else f"fast path for all {fast} tensor(s) ({req.layout})")
     return info
+
+
+def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list[str]) -> None:
+    """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
+    of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
+    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone."""
+    if not coordinator:
+        return
+
+    def show(keys: list[str]) -> str:
+        return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
+
+    parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
+    parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
+    log.warning(message)
+    warnings.warn(message, stacklevel=7)  # the caller's frame: below it all_ok, its lambda, summarize, _resume, resume

@@ -360,6 +360,67 @@ def test_translate_function_keys_it_leaves_out_are_not_loaded(tmp_path: Any, how
         assert info is not None and info.skipped_keys == tuple(f"model.{k}" for k in gone)
 
 
+def test_strict_false_warns_naming_the_keys_it_skipped(tmp_path: Any) -> None:
+    """A strict=False resume that skipped keys strict=True refuses said nothing (ResumeInfo.skipped_keys
+    only): a stock ``dcp.save(model.state_dict())`` (no ``model.`` prefix) "resumed" loading no tensor, and
+    optimizer state saved unflattened by stock DCP left the live learning rates in place. It warns naming
+    them, as a full resume does; what strict=True accepts too (a parameter saved without state) is not said."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m, o = _model(0)
+    dcp.save(m.state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "flat_partial")), no_dist=True)
+    got, _ = _model(1)
+    with pytest.warns(
+        UserWarning,
+        match=r"flat_partial: strict=False skipped keys; not in the checkpoint: "
+        r"model\.0\.bias, model\.0\.weight.*; in the checkpoint, loaded by no rank: 0\.bias, 0\.weight",
+    ):
+        smpckpt.Checkpointer(str(tmp_path)).resume("flat", got, options=smpckpt.ResumeOptions(strict=False))
+    assert not torch.equal(got[0].weight, m[0].weight)  # nothing was loaded, as the warning says
+    msd, osd = get_state_dict(m, o)  # DCP's default: param_groups a list, not keyed by parameter
+    dcp.save(
+        {"model": msd, "optim": osd},
+        storage_writer=dcp.FileSystemWriter(str(tmp_path / "nested_partial")),
+        no_dist=True,
+    )
+    got, go = _model(1)
+    go.param_groups[0]["lr"] = 0.5
+    with pytest.warns(
+        UserWarning,
+        match=r"not in the checkpoint: optim\.param_groups\.0\.bias\.amsgrad, .*"
+        r"loaded by no rank: optim\.param_groups\.0\.amsgrad, ",
+    ):
+        smpckpt.Checkpointer(str(tmp_path)).resume("nested", got, go, options=smpckpt.ResumeOptions(strict=False))
+    assert go.param_groups[0]["lr"] == 0.5 and torch.equal(got[0].weight, m[0].weight)
+    saved, so = unused_branch_model()  # a parameter without state at the save: resumed so, strict or not
+    unused_branch_step(saved, so, both=False)
+    save_checkpoint(str(tmp_path / "u"), "a", model=saved, optimizer=so)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*skipped keys")
+        got, go = unused_branch_model()
+        resume_from_checkpoint(str(tmp_path / "u"), model=got, optimizer=go, strict=False)
+
+
+def test_a_rollback_to_a_checkpoint_saved_without_optimizer_leaves_the_optimizer_fresh(tmp_path: Any) -> None:
+    """The README: under strict=False every parameter of a checkpoint saved without optimizer resumes without
+    state, live state or not. An in-process roll-back to one kept the live Adam state of step 3 beside the
+    weights of step 0 (its next step() was neither the saved run's nor a fresh one's)."""
+    torch.manual_seed(0)
+    m = nn.Linear(2, 2)
+    o = torch.optim.Adam(m.parameters())
+    save_checkpoint(str(tmp_path), "model_only", model=m)
+    saved = {k: v.clone() for k, v in m.state_dict().items()}
+    for _ in range(3):
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        o.zero_grad()
+    with pytest.warns(UserWarning, match=r"not in the checkpoint: optim\.param_groups\.bias\.amsgrad"):
+        resume_from_checkpoint(str(tmp_path), "model_only", model=m, optimizer=o, strict=False)
+    assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
+    assert not o.state, {n: sorted(o.state[p]) for n, p in m.named_parameters() if p in o.state}
+
+
 def test_an_optimizer_with_an_empty_param_group_is_refused_by_name(tmp_path: Any) -> None:
     """DCP's set_state_dict fails on a param group without parameters with a bare IndexError; the resume
     names the optimizer and the group instead."""

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from sim import sim_save
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from smpckpt import ParallelLayout, ShardSpec
+from smpckpt import Checkpointer, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageWriter
 from smpckpt.tools.cli import main
@@ -162,3 +163,34 @@ def test_dcps_private_helpers_convert_relies_on_are_still_there() -> None:
     assert load is not None, f"torch.distributed.checkpoint.state_dict_loader._load_state_dict is gone: {fix}"
     params = inspect.signature(load).parameters
     assert {"state_dict", "storage_reader", "planner", "no_dist"} <= set(params), f"_load_state_dict{params}: {fix}"
+
+
+def test_conversion_to_dcp_resumes_with_its_user_content(tmp_path: Path) -> None:
+    """hunt61 F5: convert --to dcp flattened user_content (stock DCP's planner), so smpckpt refused to resume it."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    content = {"step": 3, "ids": torch.arange(4)}
+    with Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save("s1", model, opt, user_content=content)
+    (tmp_path / "out").mkdir()
+    convert_checkpoint(tmp_path / "root" / "s1_partial", tmp_path / "out" / "conv_partial", to="dcp")
+
+    model2 = nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters())
+    with Checkpointer(tmp_path / "out") as ckpt:
+        got = ckpt.resume("conv", model2, opt2)
+    assert got.keys() == content.keys() and got["step"] == 3 and torch.equal(got["ids"], content["ids"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        for name, v in opt.state[p].items():
+            assert torch.equal(opt2.state[p2][name], v), name
+    # still stock-readable: the record loads as the dict, through dcp.load and dcp_to_torch_save alike
+    state = {"user_content": None}
+    dcp.load(state, checkpoint_id=str(tmp_path / "out" / "conv_partial"), no_dist=True)
+    assert state["user_content"]["step"] == 3
+    dcp_to_torch_save(tmp_path / "out" / "conv_partial", tmp_path / "x.pt")
+    assert torch.load(tmp_path / "x.pt", weights_only=True)["user_content"]["step"] == 3

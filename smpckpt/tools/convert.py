@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from smpckpt.api._dist import decode_user_content, quiet_no_dist, translate_dcp
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord
+from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE
@@ -37,6 +38,15 @@ __all__ = ["convert_checkpoint", "ConvertReport"]
 log = logging.getLogger(__name__)
 
 Target = Literal["torch_save", "dcp"]
+
+
+class _RecordPlanner(DefaultSavePlanner):
+    """Stock DCP's planner that writes an :class:`ObjectBytes` record as its bytes (a ``torch.save``
+    stream stock ``dcp.load`` decodes), not pickled again."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        obj = self.lookup_object(write_item.index)
+        return io.BytesIO(obj) if isinstance(obj, ObjectBytes) else super().resolve_data(write_item)
 
 
 class ConvertReport(dict[str, Any]):
@@ -170,9 +180,14 @@ def convert_checkpoint(
         writer = FsspecStorageWriter(
             out_url, storage_options=out_storage_options, format="torch_save", overwrite=overwrite
         )
+        if RESERVED.user_content in state:  # one record, as a save writes it: stock DCP's planner would
+            # flatten a dict into keys a resume does not know (``user_content.step``) and refuse them
+            buf = io.BytesIO()
+            torch.save(state[RESERVED.user_content], buf)
+            state[RESERVED.user_content] = ObjectBytes(buf.getvalue())
         try:
             with quiet_no_dist():
-                dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+                dcp.save(state, storage_writer=writer, planner=_RecordPlanner(), no_dist=True)
         except CheckpointException as exc:
             raise translate_dcp(exc, f"writing {out_url}") from exc
     tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]

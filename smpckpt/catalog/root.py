@@ -10,17 +10,13 @@ Nothing read is trusted: ``newest`` is validated like a tag, and a hostile or br
 listed as such, never fatal. The listing (:func:`scan_root`, rank 0 only) is one LIST of the root plus a
 manifest GET per committed folder.
 
-Order is by sequence number (``extra["sequence"]``, one above the highest committed under the root),
-then save time, then save id (:func:`record_order`); ``newest`` is a hint for stock tools and a first
-guess. A :class:`SequenceCounter` lists the root once (or reuses a resume's listing), then counts on
-without I/O. A save after a successful resume of an older tag records the numbers above it (an
-unnumbered tag: 0) as abandoned (``extra["abandoned"]``, carried on by later saves, and a copy beside
-``newest``); :func:`split_lineage` with :func:`read_abandoned` gives the history retention, ``prune``,
-``ls`` and fallbacks use. Retention (a pure policy on :class:`CheckpointRecord` values;
-:func:`apply_retention` deletes) counts only committed checkpoints of the history, never removes nor
-counts an abandoned one (an inference, wrong for two models in one root), never deletes
-``unsafe``/``corrupt`` folders, finishes ``removing`` ones, and never fails the save. The README (The
-Checkpointer) holds the full rules.
+Order: sequence number (``extra["sequence"]``), save time, save id (:func:`record_order`); ``newest``
+is a hint for stock tools. A :class:`SequenceCounter` lists the root once, then counts on without I/O.
+A save after a resume of an older tag records the numbers above it as abandoned (``extra["abandoned"]``
+and a copy beside ``newest``); :func:`split_lineage` with :func:`read_abandoned` gives the history
+retention, ``prune``, ``ls`` and fallbacks use. Retention counts only committed checkpoints of that
+history, never removes an abandoned one (an inference) nor ``unsafe``/``corrupt`` folders, finishes
+``removing`` ones, never fails the save (README, "The Checkpointer").
 """
 
 from __future__ import annotations
@@ -551,9 +547,15 @@ def apply_retention(
     """
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
-    records = scan_root(root_url, storage_options=storage_options, cache=cache)
-    abandoned = read_abandoned(root_url, storage_options, records) if keep is not None else ()
-    doomed = select_for_removal(records, keep, protected, abandoned) if keep is not None else []
+    for trust in (cache, None):
+        records = scan_root(root_url, storage_options=storage_options, cache=trust)
+        abandoned = read_abandoned(root_url, storage_options, records) if keep is not None else ()
+        doomed = select_for_removal(records, keep, protected, abandoned) if keep is not None else []
+        by_tag = {r.tag: r for r in records}
+        # a cached record never alone condemns a folder: each victim's manifest is read again (an NFS
+        # client's attribute cache can serve a stat that hides another host's overwrite)
+        if trust is None or all(_record(t, by_tag[t].url, storage_options).order == by_tag[t].order for t in doomed):
+            break
     saved = next((r for r in records if r.tag == just_saved and r.committed), None)
     later = [r.tag for r in records if saved is not None and r.committed and r.order > saved.order]
     if doomed and later:
@@ -565,7 +567,6 @@ def apply_retention(
         )
         doomed = []
     failed: list[str] = []
-    by_tag = {r.tag: r for r in records}
 
     def remove(tag: str, what: str, *, uncommitted_only: bool = False) -> bool:
         if dry_run:

@@ -410,21 +410,22 @@ class Folder:
                 return where
             return None
 
+        def each(names: list[str]) -> list[str]:
+            if len(names) < 2:
+                return [p for p in map(one, names) if p is not None]
+            with concurrent.futures.ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="smpckpt-rm") as pool:
+                return [p for p in pool.map(one, names) if p is not None]
+
         if self.s3 and len(names) > 1 and self.path:  # a folder of one bucket (not remove_files' "")
             # DeleteObjects: up to 1,000 exact keys a request (no order among them: the callers remove
             # what must go first or last in a step of its own)
-            return [p for i in range(0, len(names), 1000) for p in self._delete_batch(names[i : i + 1000], one)]
-        if len(names) > 1:
-            with concurrent.futures.ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="smpckpt-rm") as pool:
-                outcome = list(pool.map(one, names))
-        else:
-            outcome = [one(n) for n in names]
-        return [p for p in outcome if p is not None]
+            return [p for i in range(0, len(names), 1000) for p in self._delete_batch(names[i : i + 1000], each)]
+        return each(names)
 
-    def _delete_batch(self, names: list[str], one: Callable[[str], str | None]) -> list[str]:
+    def _delete_batch(self, names: list[str], each: Callable[[list[str]], list[str]]) -> list[str]:
         """(S3) One DeleteObjects; the paths not removed. S3 reports a key's failure inside its 200 reply
         (s3fs's ``rm`` drops those): each is logged with its code and returned. A request refused whole
-        (a store without DeleteObjects) falls back to one DELETE per key."""
+        (a store without DeleteObjects) falls back to one DELETE per key, 8 in flight."""
         bucket, prefix, _ = self.fs.split_path(self.path)
         keys = {f"{prefix}/{n}" if prefix else n: n for n in names}
         objects = [{"Key": k} for k in keys]
@@ -433,7 +434,7 @@ class Folder:
                 resp = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
         except OSError as exc:
             log.warning("%s: DeleteObjects failed (%s); removing one key at a time", self.path, exc)
-            return [p for p in map(one, names) if p is not None]
+            return each(names)
         finally:
             self.fs.invalidate_cache(self.path)
         failed = []

@@ -6,15 +6,20 @@ resumes bit-exactly."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from smpckpt import SaveOptions, resume_from_checkpoint, save_checkpoint
 from smpckpt.catalog.root import scan_root
 from smpckpt.storage import MANIFEST_NAME
+from smpckpt.storage.backends import _fs
+from smpckpt.storage.format.manifest import _self_digest
 
 SETTLE = 1.05  # a manifest is served from the cache once its file is a second old (a clock tick's reuse)
 
@@ -66,8 +71,9 @@ def test_reads_per_save_do_not_grow_with_the_checkpoints_kept(tmp_path: Any, mon
         reads.clear()
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=keep)
         per_save.append(len(reads))
-    # newest's record (the sequence number), the tag's own probe, the new checkpoint: not one per kept one
-    assert per_save[-2:] == [3, 3], per_save
+    # newest's record (the sequence number), the tag's own probe, the new checkpoint, and the one removed
+    # (a victim's manifest is read again before it goes): not one per kept one
+    assert per_save[-2:] == [4, 4], per_save
     assert _tags(root) == [f"s{i}" for i in range(2, keep + 2)]
     for i in range(2, keep + 2):
         _assert_resumes(root, f"s{i}", i)
@@ -114,3 +120,34 @@ def test_a_link_planted_in_a_cached_checkpoint_is_still_refused(tmp_path: Any) -
     states = {r.tag: r.state for r in scan_root(root)}
     assert states == {"s0": "unsafe", "s3": "committed"}, states
     assert outside.exists() and data.is_symlink()
+
+
+@pytest.mark.parametrize("stamp", ["real", "lying"])
+def test_a_cached_manifest_rewritten_in_place_never_condemns_its_checkpoint(
+    tmp_path: Any, monkeypatch: Any, stamp: str
+) -> None:
+    """rev61a F1: s0's manifest rewritten in place (same inode, same size, mtime put back, as ``cp -p`` onto
+    the file does), its sequence 1 -> 9: only the ctime tells. "lying": every stamp the same (an NFS
+    client's attribute cache serving an old stat): retention still reads a victim's manifest again before it
+    removes it. Either way s0, now numbered after s3, stays (another job's save: nothing removed)."""
+    if stamp == "lying":
+        monkeypatch.setattr(_fs, "file_stamp", lambda fs, path, settled_ns=10**9: (1,))
+    root, m = str(tmp_path), _filled(0)
+    for i in range(3):
+        time.sleep(SETTLE if i == 2 else 0)
+        save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=3)
+    path = os.path.join(root, "s0_partial", MANIFEST_NAME)
+    st, data = os.stat(path), open(path, "rb").read()
+    record = json.loads(data)
+    old = record.pop("manifest_xxh3_64")
+    record["extra"]["sequence"] = 9
+    new = data.replace(b'"sequence": 1,', b'"sequence": 9,').replace(
+        old.encode(), f"{_self_digest(record):016x}".encode()
+    )
+    assert len(new) == len(data) and new != data
+    with open(path, "r+b") as f:
+        f.write(new)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    time.sleep(SETTLE)
+    save_checkpoint(root, "s3", model=m, num_kept_partial_checkpoints=3)
+    assert _tags(root) == ["s0", "s1", "s2", "s3"]

@@ -337,6 +337,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
             folder=tier.folder,
             sync=opts.sync_files,
             max_queued=writer.staging_bytes,  # the save's cap on staged host memory bounds the senders' queue
+            workers=tier.memory.replica_workers,
         )
         writer.replicator = replicator
         replicator.start()

@@ -601,7 +601,7 @@ def fast_tier_threads_world(rank: int, world: int, root: str) -> dict[str, Any]:
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     durable, local = os.path.join(root, "durable"), os.path.join(root, "fast", f"node{rank}")
-    ours = ("smpckpt-replica", "smpckpt-drain-copy")
+    ours = ("smpckpt-replica", "smpckpt-drain-copy", "smpckpt-write")
     started: list[str] = []
     start, opened = threading.Thread.start, writer._Receiver._opened
 

@@ -34,7 +34,7 @@ import os
 import queue
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -332,8 +332,9 @@ class _Receiver:
         self.folder = place.path
         self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
 
-    def run(self, buf: torch.Tensor) -> None:
-        header = torch.empty(4, dtype=torch.int64)
+    def run(self, buffer: Callable[[], torch.Tensor]) -> None:
+        """(a task of :class:`Workers`) Receive until ``EOS``, each message into this thread's ``buffer()``."""
+        header, buf = torch.empty(4, dtype=torch.int64), buffer()
         try:
             while True:
                 dist.recv(header, src=self.src, group=self.group)
@@ -445,7 +446,7 @@ class Replicator:
 
     def start(self) -> None:
         pool = self._workers.pool(len(self._receivers) + sum(map(len, self._senders)))
-        self._tasks = [pool.submit(lambda r=r: r.run(self._workers.buffer())) for r in self._receivers]
+        self._tasks = [pool.submit(r.run, self._workers.buffer) for r in self._receivers]
         self._tasks += [pool.submit(s.run) for channel in self._senders for s in channel]
 
     def sink(self, inner: Sink, name: str) -> TeeSink:

@@ -17,6 +17,11 @@ Why it cannot hang: a receiver stops only at ``EOS`` or when its connection fail
 it cannot write to the end (reporting the error); every rank sends ``EOS`` in :meth:`Replicator.close`;
 a failed sender drops the rest and wakes writers waiting on it, which raise naming the peer.
 
+Threads: senders and receivers are tasks on :class:`Workers`, threads their owner (a Checkpointer's fast
+tier) keeps for all its saves; a data write past :data:`CHUNK` goes out in messages of at most ``CHUNK``
+bytes, so a receiving thread holds one ``CHUNK`` buffer, kept for every save (threads new at each save
+left glibc's per-thread arenas holding their freed buffers: README, "Tiered checkpoints", Memory).
+
 Memory: the queue holds views of the writer's buffers (a sink's ``commit`` returns only once its last
 message went out, so ``borrow=True`` holds), at most ``max_queued`` bytes of data (:class:`_Budget`, by
 default ``staging_bytes``: a second cap beside the staging pool's); a write past it waits for the

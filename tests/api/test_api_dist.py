@@ -339,12 +339,13 @@ def test_a_retried_drains_warning_made_an_error_fails_every_rank_alike(tmp_path:
 def test_fast_tier_threads_outlive_saves_end_at_close_and_a_failed_save_does_not_poison_the_next(
     tmp_path: Any,
 ) -> None:
-    """rss61: each tiered save started its file writers, replica senders and receivers (and each drain its
-    copy pool) anew, and glibc's per-thread arenas kept their freed buffers (RSS per rank +500 MiB at a 70B shape).
-    The Checkpointer's threads now serve every save: each starts once (the replica ones in save 1, the
-    writers and the drain's copiers at most 4 each), all alive after the 7th save, none after close; a save whose received replica
-    failed half way (ENOSPC on rank 1) is refused naming it, and the next save still replicates: node 1
-    lost, its resume from node 0's replicas is bit-exact."""
+    """rss61: each tiered save started its file writers, replica senders and receivers (and each drain
+    its copiers) anew, and glibc's per-thread arenas kept their freed buffers (RSS per rank +300 MiB over
+    16 saves at a scaled 70B shape). The Checkpointer's threads now serve every save: each starts once
+    (the replica ones in save 1, the writers and the drain's copiers at most 4 each), all alive after the
+    7th save, none after close; a save whose received replica failed half way (ENOSPC on rank 1) is
+    refused naming it, and the next save still replicates: node 1 lost, its resume from node 0's replicas
+    is bit-exact."""
     got = run_world(api_workers.fast_tier_threads_world, 2, str(tmp_path), timeout=240)
     for rank, r in enumerate(got):
         started = r["started"]

@@ -36,7 +36,7 @@ from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
 from smpckpt.storage.format.commit import commit as commit_in
 from smpckpt.storage.format.commit import settle_uncommitted_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, probe
-from smpckpt.storage.tier import PreparedCommit
+from smpckpt.storage.tier import PreparedCommit, Workers
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ class _Copies:
     nodes: Nodes
     holders: Mapping[str, tuple[int, ...]]
     budget: _Budget
+    workers: Workers  #: the Checkpointer's copy threads (``TierState.drain_workers``)
     attempted: list[str] = dataclasses.field(default_factory=list)
 
     def copy_one(self, rec: FileRecord, folder: Folder) -> str | None:
@@ -196,15 +197,15 @@ class _Copies:
     def copy_round(self, mine: list[FileRecord]) -> dict[str, str]:
         """This rank's files of one round, several at once; file -> problem, for the copies that failed."""
         bad: dict[str, str] = {}
-        with (
-            Folder(self.fs, self.path, create=True) as folder,
-            concurrent.futures.ThreadPoolExecutor(
-                _FILES_AT_ONCE[is_local(self.fs)], thread_name_prefix="smpckpt-drain-copy"
-            ) as pool,
-        ):
-            for rec, done in [(rec, pool.submit(self.copy_one, rec, folder)) for rec in mine]:
-                if (problem := done.result()) is not None:
-                    bad[rec.name] = problem
+        pool = self.workers.pool(_FILES_AT_ONCE[is_local(self.fs)])
+        with Folder(self.fs, self.path, create=True) as folder:
+            tasks = [(rec, pool.submit(self.copy_one, rec, folder)) for rec in mine]
+            try:
+                for rec, done in tasks:
+                    if (problem := done.result()) is not None:
+                        bad[rec.name] = problem
+            finally:  # none still writes into the folder once it is closed
+                concurrent.futures.wait([done for _, done in tasks])
             if self.sync:
                 folder.fsync_dirs()
         return bad
@@ -247,7 +248,9 @@ def drain(
     # the most one file holds: a read, and on object stores a part filling and those in flight
     room = tools._READ_CHUNK + (0 if is_local(fs) else (_PARTS_IN_FLIGHT + 1) * _PART)
     budget = _Budget(tier.drain_memory, room)
-    copies = _Copies(fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders, budget)
+    copies = _Copies(
+        fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders, budget, tier.memory.drain_workers
+    )
 
     def commit() -> None:
         found = probe(fs, path, list_when_empty=False)

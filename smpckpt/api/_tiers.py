@@ -33,6 +33,7 @@ from smpckpt.storage.backends._fs import file_sizes, is_local, join, location_ke
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME
+from smpckpt.storage.tier import Workers
 
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
@@ -69,6 +70,16 @@ class TierState:
     #: tiered save records it (``path_seen``): a resume tells a checkpoint of ``path`` saved without it
     path_seq: int = 0
     continues: int | None = None  #: the save this job goes on from: its digest, PATH_MARK, None (unknown)
+    #: the threads of every save's file writes and replica channels and of every drain's copies, ended by
+    #: :meth:`close` (threads new at each save grew the process's memory: README, "Tiered checkpoints")
+    write_workers: Workers = dataclasses.field(default_factory=lambda: Workers("smpckpt-write"))
+    replica_workers: Workers = dataclasses.field(default_factory=lambda: Workers("smpckpt-replica"))
+    drain_workers: Workers = dataclasses.field(default_factory=lambda: Workers("smpckpt-drain-copy"))
+
+    def close(self) -> None:
+        """(the Checkpointer's close, its saves and drains done) End the threads."""
+        for workers in (self.write_workers, self.replica_workers, self.drain_workers):
+            workers.close()
 
     def durable_seq(self, root: str, storage_options: Any) -> int:
         """(rank 0) The highest save number committed under ``root`` (one scan, the first time)."""

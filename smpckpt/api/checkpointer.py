@@ -227,7 +227,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            _release((self._save_lane, self._drain_lane), self._gate, join=True)
+            _release((self._save_lane, self._drain_lane), self._gate, join=True, tier=self._tier)
             self._stager.free()
         self._groups.destroy()
 
@@ -241,7 +241,7 @@ class Checkpointer:
             return
         # the body's error is the one to raise: nothing collective, nothing raised from here
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=False)
-        _release((self._save_lane, self._drain_lane), self._gate, join=True)
+        _release((self._save_lane, self._drain_lane), self._gate, join=True, tier=self._tier)
 
     def drain_status(self) -> DrainStatus | None:
         """The state of the last drain to the durable tier (``None``: none started)."""
@@ -525,9 +525,11 @@ def _options(options: Any, cls: type[Any]) -> Any:
     return cls() if options is None else options
 
 
-def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False) -> None:
-    """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait)
-    and remove the step hooks."""
+def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False, tier: FastTierPart | None = None) -> None:
+    """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait),
+    then ``tier``'s saves' and drains' threads; remove the step hooks."""
     for lane in lanes:
         lane.stop(join)
+    if tier is not None:
+        tier.state.close()
     gate.close()

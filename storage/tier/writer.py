@@ -17,6 +17,11 @@ Why it cannot hang: a receiver stops only at ``EOS`` or when its connection fail
 it cannot write to the end (reporting the error); every rank sends ``EOS`` in :meth:`Replicator.close`;
 a failed sender drops the rest and wakes writers waiting on it, which raise naming the peer.
 
+Threads: senders and receivers are tasks on :class:`Workers`, threads their owner (a Checkpointer's fast
+tier) keeps for all its saves; a data write past :data:`CHUNK` goes out in messages of at most ``CHUNK``
+bytes, so a receiving thread holds one ``CHUNK`` buffer, kept for every save (threads new at each save
+left glibc's per-thread arenas holding their freed buffers: README, "Tiered checkpoints", Memory).
+
 Memory: the queue holds views of the writer's buffers (a sink's ``commit`` returns only once its last
 message went out, so ``borrow=True`` holds), at most ``max_queued`` bytes of data (:class:`_Budget`, by
 default ``staging_bytes``: a second cap beside the staging pool's); a write past it waits for the
@@ -27,13 +32,14 @@ name linked into place, ``storage/backends/_folder.py``); sizes are checked befo
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import queue
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +59,7 @@ from smpckpt.storage.tier.reader import Transfer, TransferOutcome
 from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
-__all__ += ["Replicator", "TeeSink", "ring_peers"]
+__all__ += ["Replicator", "TeeSink", "Workers", "ring_peers", "CHUNK"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +155,8 @@ EOS, OPEN, DATA, END = 0, 1, 2, 3
 #: writes below this many bytes are gathered into one message (a message costs a round trip)
 _SMALL = 256 << 10
 _COALESCE = 1 << 20
+#: the largest data message: a receiving thread's buffer, allocated once (module docstring, "Threads")
+CHUNK = 4 << 20
 #: seconds a writer waiting for the senders' queue sleeps before it looks again (it is woken sooner)
 _WAIT_S = 1.0
 
@@ -168,6 +176,43 @@ def _as_tensor(data: memoryview | bytes) -> torch.Tensor:
     with warnings.catch_warnings():  # a read-only buffer: gloo only reads it
         warnings.simplefilter("ignore")
         return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+class Workers:
+    """Threads one owner keeps for all its saves (module docstring, "Threads"): a task runs on an idle
+    one, a thread starts only when none is idle, up to the pool's ``limit`` (asked at its first use). A
+    forked child (a DataLoader worker) gets a fresh pool: the parent's threads are not in it. Each
+    thread's :meth:`buffer` is kept until :meth:`close`, which waits for the tasks and ends the threads."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid, self._limit = 0, 0
+        self._local = threading.local()
+
+    def pool(self, limit: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool, running at least ``limit`` tasks at once (a replica channel's tasks all block)."""
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid() or self._limit < limit:
+                if self._pool is not None and self._pid == os.getpid():
+                    self._pool.shutdown(wait=False)  # its idle threads end; its running tasks finish
+                self._pool = concurrent.futures.ThreadPoolExecutor(limit, thread_name_prefix=self.name)
+                self._pid, self._limit, self._local = os.getpid(), limit, threading.local()
+            return self._pool
+
+    def buffer(self) -> torch.Tensor:
+        """(a task) This thread's :data:`CHUNK` bytes, the same for every save."""
+        buf: torch.Tensor | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = torch.empty(CHUNK, dtype=torch.uint8)
+        return buf
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool, self._local = self._pool, None, threading.local()
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=True)
 
 
 @dataclasses.dataclass
@@ -227,15 +272,14 @@ class _Budget:
 
 
 class _Sender:
-    """One channel's sending side: messages in order to ``dst`` over ``group`` (its own thread)."""
+    """One channel's sending side: messages in order to ``dst`` over ``group`` (a task on :class:`Workers`)."""
 
     def __init__(self, dst: int, group: Any, errors: list[str], budget: _Budget) -> None:
         self.dst, self.group, self.errors, self.budget = dst, group, errors, budget
         self.queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.broken = ""
-        self.thread = threading.Thread(target=self._run, name=f"smpckpt-replica-send-{dst}", daemon=True)
 
-    def _run(self) -> None:
+    def run(self) -> None:
         while True:
             kind, file, payload, n, extra, done = self.queue.get()
             if not self.broken:
@@ -292,11 +336,10 @@ class _Receiver:
         self.src, self.group, self.place, self.sync, self.outcome = src, group, place, sync, outcome
         self.folder = place.path
         self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
-        self.thread = threading.Thread(target=self._run, name=f"smpckpt-replica-recv-{src}", daemon=True)
 
-    def _run(self) -> None:
-        header = torch.empty(4, dtype=torch.int64)
-        buf = torch.empty(0, dtype=torch.uint8)
+    def run(self, buffer: Callable[[], torch.Tensor]) -> None:
+        """(a task of :class:`Workers`) Receive until ``EOS``, each message into this thread's ``buffer()``."""
+        header, buf = torch.empty(4, dtype=torch.int64), buffer()
         try:
             while True:
                 dist.recv(header, src=self.src, group=self.group)
@@ -304,9 +347,8 @@ class _Receiver:
                 if kind == EOS:
                     return
                 if kind in (OPEN, DATA):
-                    if buf.numel() < n:
-                        buf = torch.empty(n, dtype=torch.uint8)
-                    view = buf[:n]
+                    # a message fills what it needs of the buffer (a failed save's leftovers are overwritten)
+                    view = buf[:n] if n <= buf.numel() else torch.empty(n, dtype=torch.uint8)
                     if n:
                         dist.recv(view, src=self.src, group=self.group)
                     data = view.numpy().data
@@ -385,6 +427,7 @@ class Replicator:
         folder: str,
         sync: bool,
         max_queued: int = STAGING_BYTES,
+        workers: Workers | None = None,
     ) -> None:
         if max_queued < 1:
             raise ValueError(f"max_queued must be at least 1 byte, got {max_queued}")
@@ -397,6 +440,9 @@ class Replicator:
         self._senders = [[_Sender(dst, g, self.outcome.errors, self._budget) for dst in sends] for g in groups]
         self._receivers = [_Receiver(src, g, self._place, sync, self.outcome) for g in groups for src in receives]
         self._closed = False
+        #: the owner's threads (module docstring, "Threads"); without one, its own, ended at :meth:`close`
+        self._workers, self._own = workers or Workers("smpckpt-replica"), workers is None
+        self._tasks: list[concurrent.futures.Future[None]] = []
 
     @property
     def waiting(self) -> int:
@@ -404,11 +450,9 @@ class Replicator:
         return self._budget.waiting
 
     def start(self) -> None:
-        for r in self._receivers:
-            r.thread.start()
-        for channel in self._senders:
-            for s in channel:
-                s.thread.start()
+        pool = self._workers.pool(len(self._receivers) + sum(map(len, self._senders)))
+        self._tasks = [pool.submit(r.run, self._workers.buffer) for r in self._receivers]
+        self._tasks += [pool.submit(s.run) for channel in self._senders for s in channel]
 
     def sink(self, inner: Sink, name: str) -> TeeSink:
         """``inner`` (the local file's sink), its bytes also sent to the replica ranks."""
@@ -451,11 +495,9 @@ class Replicator:
             for channel in self._senders:
                 for s in channel:
                     s.queue.put((EOS, 0, None, 0, 0, None))
-            for channel in self._senders:
-                for s in channel:
-                    s.thread.join()
-            for r in self._receivers:
-                r.thread.join()
+            concurrent.futures.wait(self._tasks)  # each reports its own failure in the outcome
+            if self._own:
+                self._workers.close()
             try:
                 self._place.close(sync=self._sync and bool(self.outcome.received))
             except OSError as exc:
@@ -483,7 +525,8 @@ class TeeSink:
                 self._flush()
         else:
             self._flush()
-            self._rep._put(self._file, DATA, flat)  # sent while the local write below runs
+            for at in range(0, n, CHUNK):  # sent while the local write below runs
+                self._rep._put(self._file, DATA, flat[at : at + CHUNK])
         self.inner.write(data)
         self._file.size += n
 

@@ -19,7 +19,7 @@ import io
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -180,6 +180,9 @@ class FsspecStorageWriter(FsspecWriterBase):
         super().__init__(path, **options)
         # derived from part_size once the base has checked it
         self.object_file_size = int(self.part_size * PART_FILL) if object_file_size is None else object_file_size
+        #: a pool of at least n threads its owner keeps for every save (the fast tier's ``Workers.pool``:
+        #: threads new at each save left glibc's arenas holding their freed buffers); ``None``: this write's own
+        self.pool_of: Callable[[int], concurrent.futures.ThreadPoolExecutor] | None = None
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
@@ -285,18 +288,27 @@ class FsspecStorageWriter(FsspecWriterBase):
             self._staging = self._stages()  # one pool for every file of this rank: the cap holds per rank
             try:
                 if buckets:
-                    with concurrent.futures.ThreadPoolExecutor(
-                        min(len(buckets), workers), thread_name_prefix="smpckpt-write"
-                    ) as pool:
+                    own = self.pool_of is None
+                    pool = (
+                        concurrent.futures.ThreadPoolExecutor(
+                            min(len(buckets), workers), thread_name_prefix="smpckpt-write"
+                        )
+                        if self.pool_of is None
+                        else self.pool_of(workers)
+                    )
+                    try:
                         futs = [
                             pool.submit(self._write_file, n, part, planner, data.rank)
                             for n, part in zip(names, buckets)
                         ]
-                        for f in futs:
+                        for f in futs:  # each waited for: none still writes once this returns
                             try:
                                 results.extend(f.result())
                             except BaseException as exc:  # noqa: BLE001 - first error re-raised below
                                 errors.append(exc)
+                    finally:
+                        if own:
+                            pool.shutdown()
                 if errors:
                     # this rank's finished files are orphans now; remove them (best effort) and report
                     self._folder.remove(names)

@@ -6,6 +6,7 @@ failure in one still reports the others.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -567,4 +568,93 @@ def fast_tier_warnings_as_errors_world(rank: int, world: int, root: str) -> dict
         info = c.last_resume_info
         out["loaded"] = (info.tag, info.tier, info.fell_back) if info else None
         out["same"] = _same(_params(same), _params(model))
+    return out
+
+
+class _HalfFull:
+    """A received replica's file whose first write stores half its bytes, then fails (injected ENOSPC)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, data: memoryview) -> int:
+        self.f.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "injected: no space left for the replica", str(self.f.name))
+
+    def fileno(self) -> int:
+        return int(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def fast_tier_threads_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """(2 ranks, a node each) Seven tiered saves through one Checkpointer (replicas=2, durable_every=2);
+    the replica and drain-copy threads it started (by name): in save 1, in all seven; those alive after
+    s7 and after close; s6 fails: rank 1's write of a received replica stops half way; s7 saved after it;
+    then node 1's folder lost and s7 resumed from node 0's replicas (bit-exact?)."""
+    import shutil
+    import threading
+
+    from smpckpt import Checkpointer, FastTier, Sharding
+    from smpckpt.storage.tier import writer
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    durable, local = os.path.join(root, "durable"), os.path.join(root, "fast", f"node{rank}")
+    ours = ("smpckpt-replica", "smpckpt-drain-copy", "smpckpt-write")
+    started: list[str] = []
+    start, opened = threading.Thread.start, writer._Receiver._opened
+
+    def counting(self: threading.Thread) -> None:
+        started.append(self.name)
+        start(self)
+
+    def failing(self: Any, file: int, name: str) -> None:
+        opened(self, file, name)
+        nm, tmp, f, errors = self.open[file]
+        self.open[file] = (nm, tmp, _HalfFull(f) if f is not None else None, errors)
+
+    def alive() -> list[tuple[str, int | None]]:
+        return sorted((t.name, t.ident) for t in threading.enumerate() if t.name.startswith(ours))
+
+    def sharding() -> Sharding:
+        return Sharding(layout=ParallelLayout(tp=2), specs=tp_model.SPECS)
+
+    fast = FastTier(local, replicas=2, durable_every=2, num_kept_local=None)
+    ctx, model, opt = tp_model.build(ParallelLayout(tp=2))
+    out: dict[str, Any] = {}
+    c = Checkpointer(durable, sharding(), fast_tier=fast)
+    threading.Thread.start = counting  # type: ignore[method-assign]
+    try:
+        for step in range(1, 6):
+            tp_model.train_step(ctx, model, opt, step)
+            c.save(f"s{step}", model, opt)
+            c.wait()
+            if step == 1:
+                out["replica_threads"] = [n for n in started if n.startswith(ours[0])]
+        tp_model.train_step(ctx, model, opt, 6)
+        if rank == 1:
+            writer._Receiver._opened = failing  # type: ignore[method-assign]
+        out["failed"] = _expect_error(lambda: (c.save("s6", model, opt), c.wait()))
+        writer._Receiver._opened = opened  # type: ignore[method-assign]
+        tp_model.train_step(ctx, model, opt, 7)
+        c.save("s7", model, opt)
+        c.wait()
+        out["started"], out["alive"] = [n for n in started if n.startswith(ours)], [n for n, _ in alive()]
+    finally:
+        threading.Thread.start = start  # type: ignore[method-assign]
+        writer._Receiver._opened = opened  # type: ignore[method-assign]
+    want = {k: v.clone() for k, v in tp_model.local_state(model, opt).items()}
+    c.close()
+    out["after_close"] = alive()
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(local)  # node 1 lost: its s7 files come back from node 0's replicas
+    dist.barrier()
+    _, m2, o2 = tp_model.build(ParallelLayout(tp=2), seed=99)
+    with Checkpointer(durable, sharding(), fast_tier=fast) as c2:
+        c2.resume(None, m2, o2)
+        info = c2.last_resume_info
+    out["loaded"] = (info.tag, info.tier, info.from_peers) if info else None
+    out["exact"] = _same(tp_model.local_state(m2, o2), want)
     return out

@@ -4,11 +4,16 @@ ranks, each a node of its own, exchanging the files they write."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tier_stream_workers
 from dist_harness import RankFailed, run_world
+
+from smpckpt.storage.tier import Workers
 
 
 @pytest.mark.dist
@@ -58,3 +63,41 @@ def test_a_failed_send_wakes_the_waiting_writer_with_an_error(tmp_path: Path) ->
     assert report["error"].startswith("CheckpointError"), report
     assert 0 < report["peak"] <= tier_stream_workers.CAP, report
     assert any("sending replicas to rank 1 failed" in e for e in report["errors"]), report  # close() returned
+
+
+@pytest.mark.dist
+def test_two_saves_share_the_workers_threads_and_send_at_most_a_chunk_per_message(tmp_path: Path) -> None:
+    """rss61: the channels of both saves ran on the same threads (a receiver's buffer is kept, not
+    allocated per save), a write of twice ``CHUNK`` went out in messages of at most ``CHUNK`` bytes and
+    arrived byte-exact; none of the threads is left after close."""
+    out = run_world(tier_stream_workers.reused_workers, 2, str(tmp_path), timeout=120)
+    for got in out:
+        assert len(got["threads"][0]) == 2 and got["threads"][0] == got["threads"][1], got
+        assert got["after_close"] == [] and got["errors"] == [] and got["exact"] == [True, True], got
+        assert 0 < got["largest"] <= got["chunk"], got
+
+
+def _child(workers: Workers, q: Any) -> None:
+    try:
+        q.put(workers.pool(2).submit(threading.get_native_id).result(timeout=20))
+        workers.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_workers_in_a_forked_child_run_on_threads_of_its_own() -> None:
+    """A DataLoader-like fork after the pool ran a task: the child's pool is fresh (the parent's threads
+    are not in the child; the parent's pool, reused there, never ran the child's task)."""
+    workers = Workers("smpckpt-test-fork")
+    try:
+        parent = workers.pool(2).submit(threading.get_native_id).result(timeout=20)
+        fork = multiprocessing.get_context("fork")
+        q = fork.Queue()
+        child = fork.Process(target=_child, args=(workers, q))
+        child.start()
+        got = q.get(timeout=60)
+        child.join(30)
+        assert isinstance(got, int) and got != parent, got
+        assert workers.pool(2).submit(threading.get_native_id).result(timeout=20) == parent  # the parent's, reused
+    finally:
+        workers.close()

@@ -204,3 +204,52 @@ def failed_peer(rank: int, world: int, base: str) -> dict[str, Any]:
     with open(os.path.join(base, "report.json"), "w") as f:
         json.dump(out, f)
     return out
+
+
+# -- two saves' replicators over one Workers (rss61) -------------------------------------------------------
+def reused_workers(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Two saves, each a Replicator over the same :class:`Workers`, each sending a file written in one
+    write of twice ``CHUNK`` and more: the largest data message queued, the threads of the workers after
+    each save (names, idents) and after close, whether the peer's file arrived byte-exact."""
+    from smpckpt.storage.tier import Workers
+    from smpckpt.storage.tier.writer import CHUNK, DATA
+
+    groups, workers = [dist.new_group(backend="gloo")], Workers("smpckpt-test-replica")
+    sizes: list[int] = []
+    out: dict[str, Any] = {"threads": [], "exact": [], "errors": []}
+
+    def threads() -> list[tuple[str, int | None]]:
+        return sorted((t.name, t.ident) for t in threading.enumerate() if t.name.startswith(workers.name))
+
+    for save in range(2):
+        folder, size = os.path.join(base, f"save{save}", f"node{rank}"), 2 * CHUNK + 5
+        os.makedirs(folder)
+        rep = Replicator(
+            rank=rank,
+            world_size=world,
+            local_world_size=1,
+            replicas=2,
+            groups=groups,
+            folder=folder,
+            sync=False,
+            workers=workers,
+        )
+        put = rep._put
+
+        def spy(f: Any, kind: int, data: Any = None, n: int = 0, extra: int = 0, put: Any = put) -> None:
+            if kind == DATA:
+                sizes.append(len(data))
+            put(f, kind, data, n, extra)
+
+        rep._put = spy  # type: ignore[method-assign]
+        rep.start()
+        sink = rep.sink(LocalSink(os.path.join(folder, "own"), sync=False), "from.bin")
+        sink.write(memoryview(payload(rank, f"huge{save}", size)))
+        sink.commit()
+        out["errors"] += rep.close().errors
+        dist.barrier()
+        out["threads"].append(threads())
+        with open(os.path.join(folder, "from.bin"), "rb") as f:
+            out["exact"].append(f.read() == payload(1 - rank, f"huge{save}", size))
+    workers.close()
+    return {**out, "largest": max(sizes), "chunk": CHUNK, "after_close": threads()}

@@ -198,11 +198,15 @@ def eager_helpers(module: str, translation: Translation, fused: Fused) -> tuple[
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.")
 
 
-def add_mask_buffers(out: dict[str, torch.Tensor], max_seq_len: int, attn: str, masked_bias: float) -> None:
-    """smp's ``max_seq_len``: the causal-mask buffers old transformers versions kept in GPT-2, GPT-J and
+def add_mask_buffers(
+    out: dict[str, torch.Tensor], max_seq_len: int | None, attn: str, masked_bias: float
+) -> dict[str, torch.Tensor]:
+    """smp's ``max_seq_len`` (``None``: nothing added): the causal-mask buffers old transformers versions kept in GPT-2, GPT-J and
     GPT-Neo state dicts, per layer found in ``out``: ``transformer.h.{i}.<attn>bias`` =
     ``tril(ones(L, L, bool)).view(1, 1, L, L)`` (a tensor each, as the old models held them) and
     ``<attn>masked_bias`` = ``tensor(masked_bias)``."""
+    if max_seq_len is None:
+        return out
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
     mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
@@ -210,3 +214,4 @@ def add_mask_buffers(out: dict[str, torch.Tensor], max_seq_len: int, attn: str, 
     for i in layers:
         out[f"transformer.h.{i}.{attn}bias"] = mask.clone()
         out[f"transformer.h.{i}.{attn}masked_bias"] = torch.tensor(masked_bias)
+    return out

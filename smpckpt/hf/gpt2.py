@@ -101,9 +101,7 @@ def translate_state_dict_to_hf_gpt2(
     ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``. ``None`` (the default) adds nothing:
     current transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
-    if max_seq_len is not None:
-        add_mask_buffers(out, max_seq_len, "attn.", -1e4)
-    return out
+    return add_mask_buffers(out, max_seq_len, "attn.", -1e4)
 
 
 #: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).

@@ -94,9 +94,7 @@ def translate_state_dict_to_hf_gptj(
     ``max_seq_len``: the old causal-mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2`
     adds them (``masked_bias`` is ``tensor(-1e9)`` here)."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
-    if max_seq_len is not None:
-        add_mask_buffers(out, max_seq_len, "attn.", -1e9)
-    return out
+    return add_mask_buffers(out, max_seq_len, "attn.", -1e9)
 
 
 #: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).

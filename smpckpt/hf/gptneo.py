@@ -97,9 +97,7 @@ def translate_state_dict_to_hf_gptneo(
     know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
     -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
-    if max_seq_len is not None:
-        add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
-    return out
+    return add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
 
 
 #: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).

@@ -10,7 +10,7 @@ take one ``torch.take`` each; both paths give the same digest for the same value
 
 A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
 for smaller tensors) and the element count. Samples are compared as values, not bit patterns
-(:func:`canonical`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
+(:func:`_canonical_bits`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SAMPLES", "value_digests", "canonical"]
+__all__ = ["SAMPLES", "value_digests"]
 
 #: elements sampled per tensor (evenly spaced, first and last included)
 SAMPLES = 16
@@ -238,12 +238,8 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
     raw = np.ascontiguousarray(raw)
     if bits is not None:
         out = _canonical_bits(raw.view(bits[0]), *bits).reshape(rows, SAMPLES, -1)
-    elif not (dtype.is_floating_point or dtype.is_complex):
-        out = raw.copy()  # integers and booleans are their bits
-    else:  # float8 variants: widened by torch (they have no numpy dtype)
-        values = torch.from_numpy(raw.view(np.uint8).reshape(rows * SAMPLES, dtype.itemsize)).view(dtype)
-        canon = canonical(values.reshape(-1)).contiguous()
-        out = canon.view(torch.uint8).numpy().reshape(rows, SAMPLES, -1).copy()
+    else:  # integers, booleans and floats with one encoding per value (float8 *fnuz, e8m0) are their bits
+        out = raw.copy()
     out[~valid] = 0
     flat = out.view(np.uint8).reshape(rows, -1)
     pad = -flat.shape[1] % 8
@@ -252,9 +248,9 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
     return flat
 
 
-#: IEEE floating dtypes (complex ones by part) canonicalised on their bits by numpy: (unsigned word
-#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes): one integer pass
-#: on one thread (see the module docstring)
+#: floating dtypes with two encodings of a value (complex ones by part), canonicalised on their bits: (unsigned
+#: word type, the word's sign bit, the largest magnitude bits that are not a NaN, the NaN written): one integer
+#: pass on one thread (see the module docstring)
 _FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
     {
         torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),
@@ -263,38 +259,23 @@ _FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
         torch.float64: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
         torch.complex64: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
         torch.complex128: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+        torch.complex32: (np.uint16, 0x8000, 0x7C00, 0x7E00),
+        torch.float8_e4m3fn: (np.uint8, 0x80, 0x7E, 0x7F),  # no infinities: 0x7F is its NaN
+        torch.float8_e5m2: (np.uint8, 0x80, 0x7C, 0x7E),
     }
 )
 
 
 def _canonical_bits(words: np.ndarray, word: Any, sign: int, inf: int, nan: int) -> np.ndarray:
-    """``canonical`` on sample words (native order, of type ``word``), as integers: a word whose bits
-    other than the sign are zero is a zero (written ``+0.0``: all bits clear), one whose magnitude bits
-    exceed +inf's is a NaN (written as ``nan``); the same bytes ``canonical`` gives, without torch."""
+    """Samples as values, not bit patterns, on their words (native order, of type ``word``): a word whose
+    bits other than the sign are zero is a zero (written ``+0.0``: all bits clear), one whose magnitude
+    bits exceed ``inf`` is a NaN (written as ``nan``). Replicas computed alike may differ there (``0 * -x``
+    and ``0 * x``; x86 writes ``0/0`` as a negative NaN, CUDA as a positive one), so ranks holding equal
+    numbers are replicas; which one's bits are stored is unspecified, as between any equal replicas."""
     magnitude = words & word(sign - 1)  # every bit but the sign
     out = np.where(magnitude > word(inf), word(nan), words)
     out[magnitude == 0] = 0
     return out
-
-
-#: floating dtypes compared in their own precision; the others (float8 variants) are widened to float32,
-#: which holds each of their values exactly, because comparisons are not implemented for them
-_COMPARABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def canonical(samples: torch.Tensor) -> torch.Tensor:
-    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN (replicas
-    computed alike may differ there: ``0 * -x`` and ``0 * x``; x86 writes ``0/0`` as a negative NaN,
-    CUDA as a positive one), so ranks holding equal numbers are replicas; which one's bits are stored
-    is unspecified, as between any equal replicas. Integers and booleans are their bits."""
-    if samples.is_complex():
-        samples = torch.view_as_real(samples)  # each part on its own: (-0.0, 1.0) == (0.0, 1.0)
-    elif not samples.is_floating_point():
-        return samples
-    if samples.dtype not in _COMPARABLE:
-        samples = samples.float()
-    samples = torch.where(samples == 0, 0.0, samples)
-    return torch.where(torch.isnan(samples), float("nan"), samples)
 
 
 def _start(counts: np.ndarray) -> np.ndarray:

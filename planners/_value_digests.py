@@ -132,11 +132,6 @@ class _Memory:
         self.__array_interface__ = {"shape": (n,), "typestr": typestr, "data": (lo, True), "version": 3}
 
 
-def _word(dtype: torch.dtype) -> Any:
-    """The unsigned numpy word a dtype's samples are handled in: its element (a complex one by part)."""
-    return _WORDS[min(dtype.itemsize, 8)]
-
-
 _WORDS: Mapping[int, Any] = MappingProxyType({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64})
 
 
@@ -148,7 +143,7 @@ def _gather_cpu(dtype: torch.dtype, base: np.ndarray, counts: np.ndarray) -> np.
     idx, valid = _sample_index(counts)
     lo = int(base.min())
     hi = int((base + counts * size).max())
-    word = _word(dtype)
+    word = _WORDS[min(size, 8)]  # an element's word (complex128: two)
     step = np.dtype(word).itemsize
     per = size // step  # words per element (2 for complex128)
     rel = base - lo
@@ -170,8 +165,8 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
         # an accelerator's tensor, whose type -- cuda, xpu, mps, ... -- the index must be moved to)
         device = None if t.get_device() < 0 else t.device
         if n > SAMPLES:
-            bits = _BITS_FOR_TAKE.get(t.dtype) if not _takes(t.dtype) else None
-            if bits is None:
+            bits = _BITS_FOR_TAKE.get(t.dtype)
+            if bits is None:  # a packed or quantized dtype: ``take`` raises if it has no kernel for it
                 sample = torch.take(t, _torch_index(n, device))
             else:  # the sampled bits through an integer view of the same size (any strides), back as dtype
                 t = t.resolve_conj().resolve_neg()  # a view of other type would drop the conj/neg bit
@@ -201,8 +196,8 @@ _NOT_VIEWABLE = frozenset(
     for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4", "float4_e2m1fn_x2")
     if (dt := getattr(torch, name, None))
 )
-#: the integer type of each element size: a dtype ``torch.take`` has no kernel for (float8, uint16-64,
-#: complex32 on torch 2.13) is sampled as its bits through a view of this type
+#: the integer type of each element size: every dtype is sampled as its bits through a view of this type
+#: (``torch.take`` has no kernel for some: float8, uint16-64, complex32 on torch 2.13)
 _BITS_FOR_TAKE: Mapping[torch.dtype, torch.dtype] = MappingProxyType(
     {
         dt: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dt.itemsize]
@@ -210,16 +205,6 @@ _BITS_FOR_TAKE: Mapping[torch.dtype, torch.dtype] = MappingProxyType(
         if isinstance(dt, torch.dtype) and dt not in _NOT_VIEWABLE and dt.itemsize in (1, 2, 4, 8)
     }
 )
-
-
-@functools.lru_cache(maxsize=64)
-def _takes(dtype: torch.dtype) -> bool:
-    """Does ``torch.take`` have a kernel for ``dtype`` (asked once per dtype, on the CPU)?"""
-    try:
-        torch.take(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=torch.long))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=4096)

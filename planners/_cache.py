@@ -49,7 +49,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import SpecError
 
 __all__ = ["PlanCache", "structure_signature", "GENERATION", "CompactSavePlan", "CompactLoadPlan", "compact"]
-__all__ += ["compact_load", "FIELDS_PER_ITEM", "FIELDS_PER_READ", "tensor_write_item", "hinted", "pinning_possible"]
+__all__ += ["FIELDS_PER_ITEM", "FIELDS_PER_READ", "tensor_write_item", "hinted", "pinning_possible"]
 
 
 _Plan = TypeVar("_Plan", SavePlan, LoadPlan)
@@ -108,9 +108,6 @@ def compact(plan: _Plan) -> _Plan:
     if not _SUPPORTED or isinstance(plan, cls):
         return plan
     return cast(_Plan, cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}))
-
-
-compact_load = compact  # the name the load planner calls it by
 
 
 def _flatten(items: list[WriteItem]) -> list[Any]:

@@ -54,7 +54,7 @@ from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
 __all__ += ["checked_codes", "detail_codes", "rank_values", "split_code", "stage_values"]
-__all__ += ["assign_owners", "replica_group", "replica_range"]
+__all__ += ["assign_owners", "replica_range"]
 
 #: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
 _SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
@@ -484,11 +484,6 @@ def replica_range(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str
         return range(first, first + layout.tp)
     first = layout.rank_of(tp=0, dp=0, pp=c.pp)  # the whole stage
     return range(first, first + layout.tp * layout.dp)
-
-
-def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str]) -> list[int]:
-    """:func:`replica_range` as a list (for tools and tests; planning uses the range itself)."""
-    return list(replica_range(layout, rank, sharded_axes))
 
 
 _KEY = operator.itemgetter(0)

@@ -50,7 +50,7 @@ from smpckpt.model.layout import (
     checkpoint_ties,
 )
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import compact_load
+from smpckpt.planners._cache import compact
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -275,7 +275,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if tied:
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
-        return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
+        return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
 
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds
@@ -408,7 +408,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
-        return [compact_load(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
+        return [compact(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
 
     def _refuse_partition_off(self, metadata: Metadata) -> None:
         """(each rank) A stage whose state dict names none of the keys of some of its layers (by its

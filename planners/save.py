@@ -131,7 +131,6 @@ def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, t
     its chunk's position in the tensor's metadata, the metadata in plan order -- and each plan's bytes
     (its chunks' own: DCP's ``tensor_storage_size`` counts a shard as its whole global tensor)."""
     md: dict[str, STORAGE_TYPES] = {}
-    itemsizes: dict[torch.dtype, int] = {}
     out: list[SavePlan] = []
     per_rank: list[int] = []
     for rank, plan in enumerate(plans):
@@ -154,11 +153,7 @@ def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, t
             tensor = cast(TensorStorageMetadata, entry)
             items.append(hinted(item, len(tensor.chunks)))
             tensor.chunks.append(data.chunk)
-            dtype = data.properties.dtype
-            size = itemsizes.get(dtype)
-            if size is None:
-                size = itemsizes[dtype] = torch.empty((), dtype=dtype).element_size()
-            nbytes += math.prod(data.chunk.sizes) * size
+            nbytes += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
         out.append(dataclasses.replace(plan, items=items))
         per_rank.append(nbytes)
     return out, Metadata(md), tuple(per_rank)

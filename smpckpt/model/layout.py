@@ -195,7 +195,7 @@ class ReservedKeys:
     def optional(self, *, model: bool, optim: bool) -> tuple[str, ...]:
         """Globs of keys a load may skip: RNG states and user_content always; ``model``/``optim``
         parts when the caller passed no model or no optimizer."""
-        globs = [f"{self.rng}.*", self.user_content]
+        globs = list(self.rank_local)
         if not model:
             globs.append(f"{self.model}.*")
         if not optim:

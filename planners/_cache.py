@@ -253,19 +253,17 @@ def pinning_possible() -> bool:
 def structure_signature(
     planner: ParallelSavePlanner,
     object_digests: Mapping[str, str] | None,
-    props: dict[str, tuple[Any, ...]] | None = None,
+    props: dict[str, tuple[Any, ...]],
 ) -> tuple[Any, ...]:
     """Everything the planner's local plan depends on, compared by equality at the next save (no hashing
     of text): the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
     ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; which
     keys are tied to which (a tie made or broken between saves changes what is written), whether
     replica values are verified (the plan then carries the stage's key list); object
-    values only when ``object_digests`` is given. Fills ``props`` (when given) with each tensor's
+    values only when ``object_digests`` is given. Fills ``props`` with each tensor's
     ``TensorProperties`` fields by key, for the write items."""
     p, mappings = planner, planner.mappings
     parts: list[Any] = [p.layout, p.rank, p.replica_owner, tuple(p.tied.items()), p.verify_replicas]
-    if props is None:
-        props = {}
     add = parts.append
     can_pin = pinning_possible()
     for e in p.entries.values():

@@ -385,15 +385,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         wanted = checked_codes(self.layout)
         checked: list[Entry] = []
         code_list: list[int] = []
-        code_of: dict[frozenset[str], int] = {}  # a few distinct split axes
-        if wanted:
-            for e in replicas:  # in key order (the caller sorted them)
-                code = code_of.get(e.sharded_axes)
-                if code is None:
-                    code = code_of[e.sharded_axes] = split_code(e.sharded_axes)
-                if code in wanted:
-                    checked.append(e)
-                    code_list.append(code)
+        for e in replicas if wanted else ():  # in key order (the caller sorted them)
+            code = split_code(e.sharded_axes)
+            if code in wanted:
+                checked.append(e)
+                code_list.append(code)
         codes = bytes(code_list)
         try:
             values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None

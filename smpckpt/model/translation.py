@@ -212,12 +212,8 @@ class Translation:
         out: dict[str, Shape] = {}
         for key, shape in shapes.items():
             hit = self._match(key, shapes, "ours")
-            if (
-                hit is not None
-                and self.rules[hit[0]].fused
-                and len(shape) >= 2
-                and shape[0] == self.rules[hit[0]].fused
-            ):
+            fused = self.rules[hit[0]].fused if hit is not None else 0
+            if fused and len(shape) >= 2 and shape[0] == fused:
                 out[key] = (shape[0] * shape[1], *shape[2:])
         return out
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
+from smpckpt.hf._common import cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Rule, Translation, stack
 
@@ -84,13 +84,6 @@ def make_translation(name: str, architecture: str, base: str, head: str) -> Tran
             head + "decoder.bias": head + "bias",
         },
         architecture=architecture,
-    )
-
-
-def make_fused(base: str) -> Fused:
-    """Our fused q/k/v of both key sets: ``[3, d, d]`` / ``[3, d]`` views, ``[3d, d]`` / ``[3d]`` model shapes."""
-    return Fused(
-        {b + _SELF + "qkv.weight": (3, 3) for b in (base, "")} | {b + _SELF + "qkv.bias": (3, 2) for b in (base, "")}
     )
 
 
@@ -136,10 +129,9 @@ def position_ids_buffer(out: dict[str, torch.Tensor], max_seq_len: int | None) -
 
 
 TRANSLATION = make_translation("bert", "BertForMaskedLM", _BASE, _HEAD)
-_FUSED = make_fused(_BASE)
 
 
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims, prefixed
+from smpckpt.hf._common import add_mask_buffers, eager_helpers, gpt_dims, prefixed
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Leaf, Rule, Shape, Translation, rename, transpose
 
@@ -83,10 +83,8 @@ TRANSLATION = Translation(
     architecture="GPT2LMHeadModel",
 )
 
-_FUSED = Fused({_H + "attn.qkv.weight": (3, 3), _H + "attn.qkv.bias": (3, 2)})
 
-
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def translate_state_dict_to_hf_gpt2(

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims, prefixed
+from smpckpt.hf._common import add_mask_buffers, eager_helpers, gpt_dims, prefixed
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
@@ -55,10 +55,8 @@ TRANSLATION = Translation(
     architecture="GPTJForCausalLM",
 )
 
-_FUSED = Fused({_QKV: (3, 3)})
 
-
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

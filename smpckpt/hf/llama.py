@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from smpckpt.errors import SpecError
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
+from smpckpt.hf._common import cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
@@ -49,10 +49,9 @@ def make_translation(name: str, architecture: str) -> Translation:
 
 
 TRANSLATION = make_translation("llama", "LlamaForCausalLM")
-FUSED = Fused({_L + "mlp.gate_up_proj.weight": (2, 3)})
 
 
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def family_specs(model: str, tp: int, config: Any, prefix: str, biases: bool) -> dict[str, ShardSpec]:

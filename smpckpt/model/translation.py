@@ -281,6 +281,8 @@ class Translation:
                 expr = merge_leading(expr, produced)
             except ValueError:
                 hint = f" (nor, merged, of shape {(rule.fused, shape[0] // rule.fused, *shape[1:])})" if merged else ""
+                if rule.fused and not merged:  # a model's shape of the view, [3d, d], that is not one
+                    hint = f" (and it does not split into {rule.fused} fused parts on dim 0)"
                 raise ValueError(
                     f"{self.name}: our {key!r} of shape {shape} -> {list(keys)}: {e}{hint}. A tensor-parallel "
                     "model's fused tensors are saved in their global view only with the specs the model was "

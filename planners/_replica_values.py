@@ -505,13 +505,6 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
     order = sorted(items, key=_KEY)
     order.sort(key=_NBYTES, reverse=True)  # reverse keeps equal items in their (key) order
     heap = [(load, r) for r, load in loads.items() if r in members]
-    if not heap and len(order) <= len(members) and all(nbytes > 0 for _, nbytes in order):
-        # A large group with nothing loaded yet (the usual case at scale): each tensor finds a member
-        # holding nothing (load 0) below every loaded one, so the i-th largest goes to the i-th member.
-        for (key, nbytes), owner in zip(order, members):
-            owners[key] = owner
-            loads[owner] = nbytes
-        return owners
     heapq.heapify(heap)
     loaded = {r for _, r in heap}
     cursor = 0  # index into members of the lowest member with no load entry yet

@@ -39,7 +39,6 @@ def test_layout_validation_and_partition():
     layout = ParallelLayout(tp=2, pp=2, dp=1, pp_layers=[2, 2])
     assert layout.pp_layers == (2, 2)
     assert list(layout.stage_layers(1)) == [2, 3]
-    assert layout.stage_ranks(1) == [2, 3]
     assert ParallelLayout.from_dict(layout.to_dict()) == layout
     with pytest.raises(SpecError, match="outside a world of 4"):
         layout.coords(4)

@@ -109,11 +109,6 @@ class ParallelLayout:
                 raise SpecError(f"{axis} coordinate {value} out of range for {self}")
         return tp + self.tp * (dp + self.dp * pp)
 
-    def stage_ranks(self, pp_rank: int) -> list[int]:
-        """All ranks of pipeline stage ``pp_rank``, in rank order."""
-        base = pp_rank * self.tp * self.dp
-        return list(range(base, base + self.tp * self.dp))
-
     # -- pipeline partition -----------------------------------------------------------------------
     def layer_offset(self, pp_rank: int) -> int:
         """Global index of stage ``pp_rank``'s first layer (0 when no partition is recorded)."""

@@ -252,9 +252,7 @@ def structure_signature(
         if kind == "object":
             add((key, mappings.get(key), None if object_digests is None else object_digests[key]))
             continue
-        chunk = e.chunk
-        if chunk is None:
-            raise SpecError(f"{key}: tensor entry without a chunk")
+        chunk = cast(ChunkStorageMetadata, e.chunk)  # every tensor entry has one
         v = e.value
         # TensorProperties' fields
         properties = props[key] = (v.dtype, v.layout, v.requires_grad, can_pin and v.is_pinned())

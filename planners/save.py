@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import Replicate
 
 from smpckpt._gc import gc_paused
@@ -85,9 +85,7 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
             if item.type == WriteItemType.BYTE_IO:
                 object_holders.setdefault(fqn, []).append((i, objects[fqn]))
                 continue
-            td = item.tensor_data
-            if td is None:
-                raise SpecError(f"{fqn}: rank {i} planned a tensor item without tensor data")
+            td = cast(TensorWriteData, item.tensor_data)  # our local plans give every tensor item its data
             seen = tensor_meta.setdefault(fqn, (i, td.size, td.properties.dtype))
             if (seen[1], seen[2]) != (td.size, td.properties.dtype):
                 raise SpecError(
@@ -145,9 +143,7 @@ def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, t
                 md[fqn] = BytesStorageMetadata()
                 items.append(item)
                 continue
-            data = item.tensor_data
-            if data is None or data.chunk is None:
-                raise SpecError(f"{fqn}: rank {rank} planned a tensor item without its chunk")
+            data = cast(TensorWriteData, item.tensor_data)
             if entry is None:
                 entry = md[fqn] = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
             tensor = cast(TensorStorageMetadata, entry)
@@ -556,9 +552,7 @@ def _tensor_item(
     """The write item of a tensor entry; ``properties`` shares one ``TensorProperties`` per distinct
     value among a plan's items. ``fields``: the tensor's (dtype, layout, requires_grad, pinned), when
     the caller read them already."""
-    chunk, shape = entry.chunk, entry.global_shape
-    if chunk is None or shape is None:
-        raise SpecError(f"{entry.key}: tensor entry without a chunk")
+    chunk, shape = cast(ChunkStorageMetadata, entry.chunk), cast(torch.Size, entry.global_shape)
     whole = entry.kind == "tensor" and not entry.sharded_axes
     value = entry.value
     if fields is None:

@@ -48,7 +48,7 @@ import xxhash
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import ReplicaMismatch
-from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
+from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout
 from smpckpt.planners._entries import Entry
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
@@ -56,8 +56,9 @@ __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys
 __all__ += ["checked_codes", "detail_codes", "rank_values", "split_code", "stage_values"]
 __all__ += ["assign_owners", "replica_range"]
 
-#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
-_SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
+#: how a key's piece is placed, by split code: by nothing (replicated over the stage), by tp, by dp
+_AXES: tuple[frozenset[str], ...] = (frozenset(), frozenset({"tp"}), frozenset({"dp"}))
+_SPLIT_CODES = MappingProxyType({axes: code for code, axes in enumerate(_AXES)})
 _CODES = (0, 1, 2)
 _DP_SPLIT = 2
 _SHOWN = 5
@@ -82,16 +83,6 @@ def checked_codes(layout: ParallelLayout) -> tuple[int, ...]:
     return _CODES if layout.pp > 1 else _shared_codes(layout)
 
 
-def _group(code: int, c: RankCoords) -> tuple[int, ...]:
-    """Which group of ranks holding one piece (within a stage) a rank is in, for keys of ``code``."""
-    return () if code == 0 else (c.tp,) if code == 1 else (c.dp,)
-
-
-def _index_in_group(code: int, c: RankCoords, layout: ParallelLayout) -> int:
-    """A rank's place among the ranks of its group, in rank order."""
-    return c.tp + layout.tp * c.dp if code == 0 else c.dp if code == 1 else c.tp
-
-
 def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
     """The split codes a rank sends per-key digests of: where it is one of the first two ranks of its
     group (so a difference between those two is named key by key), and, with pipeline stages, every
@@ -99,7 +90,7 @@ def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
     c = layout.coords(rank)
     if layout.pp > 1 and c.tp == 0 and c.dp == 0:
         return _CODES
-    return tuple(code for code in _shared_codes(layout) if _index_in_group(code, c, layout) < 2)
+    return tuple(code for code in _shared_codes(layout) if replica_range(layout, rank, _AXES[code]).index(rank) < 2)
 
 
 def _summary(digests: np.ndarray) -> int:
@@ -273,9 +264,9 @@ def _stage_problems(
         cols = np.nonzero(codes == code)[0]
         if not len(cols):
             continue
-        groups: dict[tuple[int, ...], list[_Row]] = {}
+        groups: dict[int, list[_Row]] = {}  # by the group's first rank
         for row in members:  # ranks that hold the same piece: same coordinates on its split axes
-            groups.setdefault(_group(code, layout.coords(row.rank)), []).append(row)
+            groups.setdefault(replica_range(layout, row.rank, _AXES[code]).start, []).append(row)
         for group in groups.values():
             base = group[0]
             for row in group[1:]:

@@ -38,30 +38,19 @@ _S32 = np.uint64(32)
 _S29 = np.uint64(29)
 
 
-#: dtypes whose every element takes ``itemsize`` bytes of its storage, the only ones whose samples the
-#: fast path reads from raw addresses: a packed or quantized dtype (``quint4x2`` keeps two elements per
-#: byte) would be read past its storage's end (the slow path's ``torch.take`` checks bounds)
-_WHOLE_BYTES = frozenset(
+#: the fast path's dtypes, complex ones last (only they can carry the conjugate bit): those whose every
+#: element takes ``itemsize`` bytes of its storage, the only ones whose samples the fast path reads from
+#: raw addresses (a packed or quantized dtype, ``quint4x2`` two elements per byte, would be read past its
+#: storage's end; the slow path's ``torch.take`` checks bounds)
+_FAST_DTYPES: tuple[torch.dtype, ...] = tuple(
     getattr(torch, name)
     for name in (
-        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 complex64 complex128 uint16 uint32 "
-        "uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 uint16 uint32 uint64 float8_e4m3fn "
+        "float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz complex64 complex128"
     ).split()
-    if hasattr(torch, name)  # the unsigned and float8 ones are missing from older torch versions
 )
-
-
-#: dtype -> a small code of the fast path's dtypes; complex ones from ``_FIRST_COMPLEX`` on (only they
-#: can carry the conjugate bit)
-_FAST_CODES: Mapping[torch.dtype, int] = MappingProxyType(
-    {
-        dt: i
-        for i, dt in enumerate(
-            sorted(_WHOLE_BYTES - {torch.complex64, torch.complex128}, key=str) + [torch.complex64, torch.complex128]
-        )
-    }
-)
-_FAST_DTYPES = tuple(_FAST_CODES)
+#: dtype -> its code, its place in ``_FAST_DTYPES``
+_FAST_CODES: Mapping[torch.dtype, int] = MappingProxyType({dt: i for i, dt in enumerate(_FAST_DTYPES)})
 _FIRST_COMPLEX = _FAST_CODES[torch.complex64]
 _SKIP = -1  # no values (empty, meta): the count alone
 _SLOW = -2  # sampled by torch

@@ -1,4 +1,4 @@
-"""Shared pieces of the Hugging Face model modules: config access, TP checks, tied heads, fused shapes."""
+"""Shared pieces of the Hugging Face model modules: config access, TP checks, tied heads, the eager helpers."""
 
 from __future__ import annotations
 

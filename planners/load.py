@@ -281,8 +281,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds
         apart (compared, ``_ties``) or a destination sharing memory with another (``_shared``)."""
-        if entry.key in self._ties.compare:
-            entry = self.entries[entry.key] = self._ties.scratch(entry)
+        if entry.key in self._ties.compare:  # reads into a scratch tensor of its shape
+            entry = self.entries[entry.key] = dataclasses.replace(entry, value=torch.empty_like(entry.value))
         elif entry.key in self._shared.dest:
             entry = self.entries[entry.key] = self._shared.scratch(entry)
         return entry

@@ -91,11 +91,6 @@ class ParallelLayout:
         if world_size != self.world_size:
             raise SpecError(f"{where} has {world_size} ranks but the layout {self} describes {self.world_size}")
 
-    def degree(self, axis: str) -> int:
-        if axis not in AXES:
-            raise SpecError(f"unknown parallel axis {axis!r}; expected one of {AXES}")
-        return int(getattr(self, axis))
-
     def coords(self, rank: int) -> RankCoords:
         """Coordinates of global ``rank``."""
         if not 0 <= rank < self.world_size:
@@ -105,7 +100,7 @@ class ParallelLayout:
     def rank_of(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates."""
         for axis, value in (("tp", tp), ("dp", dp), ("pp", pp)):
-            if not 0 <= value < self.degree(axis):
+            if not 0 <= value < getattr(self, axis):
                 raise SpecError(f"{axis} coordinate {value} out of range for {self}")
         return tp + self.tp * (dp + self.dp * pp)
 

@@ -40,7 +40,7 @@ from smpckpt.model._translation_algebra import (
 # the algebra's names, then the rules'
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
 __all__ += ["merge_leading", "split_leading", "reshaped"]
-__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "IDENTITY", "check_translates"]
+__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "check_translates"]
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -381,10 +381,6 @@ def _put(out: dict[str, tuple[Expr, Shape]], key: str, value: tuple[Expr, Shape]
             f"{name}: our key {key!r} would be read from both {expr_keys(out[key][0])} and {expr_keys(value[0])}"
         )
     out[key] = value
-
-
-#: The translation that maps every key to itself.
-IDENTITY = Translation("identity")
 
 
 # -- whether a translation fits ------------------------------------------------------------------------

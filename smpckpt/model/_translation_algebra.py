@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Union
 
 import torch
@@ -24,13 +24,6 @@ __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "
 __all__ += ["merge_leading", "split_leading", "reshaped"]
 
 Shape = tuple[int, ...]
-
-
-def _ints(values: Iterable[int], what: str) -> Shape:
-    out = tuple(int(v) for v in values)
-    if any(v < 0 for v in out):
-        raise ValueError(f"{what} must be non-negative, got {out}")
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +42,10 @@ class Leaf:
 
     def __post_init__(self) -> None:
         if self.view is not None:
-            object.__setattr__(self, "view", _ints(self.view, f"Leaf({self.key!r}).view"))
+            view = tuple(int(v) for v in self.view)
+            if any(v < 0 for v in view):
+                raise ValueError(f"Leaf({self.key!r}).view must be non-negative, got {view}")
+            object.__setattr__(self, "view", view)
         if self.perm is not None:
             perm = tuple(int(p) for p in self.perm)
             if sorted(perm) != list(range(len(perm))):

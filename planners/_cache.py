@@ -28,8 +28,9 @@ at a few thousand tensors per rank, to set off full collections inside every sav
 pickle their items as flat columns and unpickle, with the collector paused, as the plain DCP plans a
 plain pickle would give, field for field, built by their constructors; equal ``torch.Size`` values and
 the shared ``TensorProperties`` arrive as one object each. ``dataclasses.replace`` keeps the class (a
-storage writer replacing ``storage_data`` keeps the plan compact); should DCP's plan classes gain
-fields, :func:`compact` returns plans unchanged rather than drop one."""
+storage writer replacing ``storage_data`` keeps the plan compact). The flat form names every field of
+DCP's plan classes in torch 2.13 (the range pyproject allows); ``tests/test_plan_wire.py`` fails should
+one gain a field."""
 
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ import logging
 import pickle
 import secrets
 from collections.abc import Iterator, Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
@@ -49,7 +49,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import SpecError
 
 __all__ = ["PlanCache", "structure_signature", "GENERATION", "CompactSavePlan", "CompactLoadPlan", "compact"]
-__all__ += ["compact_load", "FIELDS_PER_ITEM", "FIELDS_PER_READ", "tensor_write_item", "hinted", "pinning_possible"]
+__all__ += ["FIELDS_PER_ITEM", "FIELDS_PER_READ", "tensor_write_item", "hinted", "pinning_possible"]
 
 
 _Plan = TypeVar("_Plan", SavePlan, LoadPlan)
@@ -61,20 +61,6 @@ FIELDS_PER_ITEM = 9
 #: Entries per read item: type, then fqn, offset, index hint of the destination index, destination
 #: offsets, the same four for the storage index and offsets, lengths.
 FIELDS_PER_READ = 10
-
-_EXPECTED_FIELDS = MappingProxyType(
-    {
-        SavePlan: ("items", "storage_data", "planner_data", "usable"),
-        LoadPlan: ("items", "storage_data", "planner_data"),
-        ReadItem: ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"),
-        WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
-        MetadataIndex: ("fqn", "offset", "index"),
-        TensorWriteData: ("chunk", "properties", "size"),
-        ChunkStorageMetadata: ("offsets", "sizes"),
-    }
-)
-# the flat form names every field of these classes; with any other field it would drop data
-_SUPPORTED = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _EXPECTED_FIELDS.items())
 
 
 class _ComparesAsPlain:
@@ -105,12 +91,9 @@ def compact(plan: _Plan) -> _Plan:
     """``plan`` as a :class:`CompactSavePlan` or :class:`CompactLoadPlan` (the same fields; no copy of
     its items)."""
     cls: type[Any] = CompactSavePlan if isinstance(plan, SavePlan) else CompactLoadPlan
-    if not _SUPPORTED or isinstance(plan, cls):
+    if isinstance(plan, cls):
         return plan
     return cast(_Plan, cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}))
-
-
-compact_load = compact  # the name the load planner calls it by
 
 
 def _flatten(items: list[WriteItem]) -> list[Any]:
@@ -158,10 +141,7 @@ def tensor_write_item(
 ) -> WriteItem:
     """A tensor's ``WriteItem``, equal field for field to what the constructors build but faster (one
     per tensor per fresh plan): fields by position, the index's offset the chunk's own ``torch.Size``
-    (``MetadataIndex`` would copy it). By keywords should DCP's classes change their fields."""
-    if not _SUPPORTED:
-        data = TensorWriteData(chunk=chunk, properties=properties, size=size)
-        return WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
+    (``MetadataIndex`` would copy it)."""
     offsets = chunk.offsets
     if type(offsets) is not torch.Size:
         offsets = torch.Size(offsets)
@@ -171,8 +151,6 @@ def tensor_write_item(
 def hinted(item: WriteItem, hint: int) -> WriteItem:
     """``item`` with its index's hint ``hint`` (the chunk's position in the tensor's metadata), as
     ``dataclasses.replace`` makes it, faster: the coordinator rewrites every item of every rank."""
-    if not _SUPPORTED:
-        return dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
     index = item.index
     return WriteItem(_index(index.fqn, index.offset, hint), item.type, item.bytes_io_data, item.tensor_data)
 
@@ -256,19 +234,17 @@ def pinning_possible() -> bool:
 def structure_signature(
     planner: ParallelSavePlanner,
     object_digests: Mapping[str, str] | None,
-    props: dict[str, tuple[Any, ...]] | None = None,
+    props: dict[str, tuple[Any, ...]],
 ) -> tuple[Any, ...]:
     """Everything the planner's local plan depends on, compared by equality at the next save (no hashing
     of text): the layout, rank and owner rule, and per key its path, kind and geometry, the fields of its
     ``TensorProperties``, split axes, original shape, rank-locality and (DTensors) placements; which
     keys are tied to which (a tie made or broken between saves changes what is written), whether
     replica values are verified (the plan then carries the stage's key list); object
-    values only when ``object_digests`` is given. Fills ``props`` (when given) with each tensor's
+    values only when ``object_digests`` is given. Fills ``props`` with each tensor's
     ``TensorProperties`` fields by key, for the write items."""
     p, mappings = planner, planner.mappings
     parts: list[Any] = [p.layout, p.rank, p.replica_owner, tuple(p.tied.items()), p.verify_replicas]
-    if props is None:
-        props = {}
     add = parts.append
     can_pin = pinning_possible()
     for e in p.entries.values():
@@ -276,9 +252,7 @@ def structure_signature(
         if kind == "object":
             add((key, mappings.get(key), None if object_digests is None else object_digests[key]))
             continue
-        chunk = e.chunk
-        if chunk is None:
-            raise SpecError(f"{key}: tensor entry without a chunk")
+        chunk = cast(ChunkStorageMetadata, e.chunk)  # every tensor entry has one
         v = e.value
         # TensorProperties' fields
         properties = props[key] = (v.dtype, v.layout, v.requires_grad, can_pin and v.is_pinned())

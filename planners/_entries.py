@@ -488,10 +488,6 @@ class TiedLoads:
             if key not in self.through and key not in md_all and (source := stored(key)) is not None:
                 self.sources[key] = source
 
-    def scratch(self, entry: Entry) -> Entry:
-        """The entry of a compared key, reading into a scratch tensor of its shape instead."""
-        return dataclasses.replace(entry, value=torch.empty_like(entry.value))
-
     def count(self, items: list[ReadItem]) -> None:
         """(after the local plan) The elements each compared key and its loaded key wait for."""
         watched = set(self.compare) | set(self.compare.values())

@@ -48,16 +48,17 @@ import xxhash
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import ReplicaMismatch
-from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
+from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout
 from smpckpt.planners._entries import Entry
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
 __all__ += ["checked_codes", "detail_codes", "rank_values", "split_code", "stage_values"]
-__all__ += ["assign_owners", "replica_group", "replica_range"]
+__all__ += ["assign_owners", "replica_range"]
 
-#: how a key's piece is placed: by nothing (replicated over the stage), by tp, by dp
-_SPLIT_CODES = MappingProxyType({frozenset(): 0, frozenset({"tp"}): 1, frozenset({"dp"}): 2})
+#: how a key's piece is placed, by split code: by nothing (replicated over the stage), by tp, by dp
+_AXES: tuple[frozenset[str], ...] = (frozenset(), frozenset({"tp"}), frozenset({"dp"}))
+_SPLIT_CODES = MappingProxyType({axes: code for code, axes in enumerate(_AXES)})
 _CODES = (0, 1, 2)
 _DP_SPLIT = 2
 _SHOWN = 5
@@ -82,16 +83,6 @@ def checked_codes(layout: ParallelLayout) -> tuple[int, ...]:
     return _CODES if layout.pp > 1 else _shared_codes(layout)
 
 
-def _group(code: int, c: RankCoords) -> tuple[int, ...]:
-    """Which group of ranks holding one piece (within a stage) a rank is in, for keys of ``code``."""
-    return () if code == 0 else (c.tp,) if code == 1 else (c.dp,)
-
-
-def _index_in_group(code: int, c: RankCoords, layout: ParallelLayout) -> int:
-    """A rank's place among the ranks of its group, in rank order."""
-    return c.tp + layout.tp * c.dp if code == 0 else c.dp if code == 1 else c.tp
-
-
 def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
     """The split codes a rank sends per-key digests of: where it is one of the first two ranks of its
     group (so a difference between those two is named key by key), and, with pipeline stages, every
@@ -99,7 +90,7 @@ def detail_codes(layout: ParallelLayout, rank: int) -> tuple[int, ...]:
     c = layout.coords(rank)
     if layout.pp > 1 and c.tp == 0 and c.dp == 0:
         return _CODES
-    return tuple(code for code in _shared_codes(layout) if _index_in_group(code, c, layout) < 2)
+    return tuple(code for code in _shared_codes(layout) if replica_range(layout, rank, _AXES[code]).index(rank) < 2)
 
 
 def _summary(digests: np.ndarray) -> int:
@@ -273,9 +264,9 @@ def _stage_problems(
         cols = np.nonzero(codes == code)[0]
         if not len(cols):
             continue
-        groups: dict[tuple[int, ...], list[_Row]] = {}
+        groups: dict[int, list[_Row]] = {}  # by the group's first rank
         for row in members:  # ranks that hold the same piece: same coordinates on its split axes
-            groups.setdefault(_group(code, layout.coords(row.rank)), []).append(row)
+            groups.setdefault(replica_range(layout, row.rank, _AXES[code]).start, []).append(row)
         for group in groups.values():
             base = group[0]
             for row in group[1:]:
@@ -318,10 +309,14 @@ def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first
     return problems
 
 
-def _differing_pieces(fresh: Sequence[Any], field: str) -> tuple[dict[int, tuple[int, int]], int]:
+def _differing_pieces(
+    fresh: Sequence[Any], structure: Sequence[Any], field: str, kind: str, unnamed: str
+) -> list[tuple[str, int, int]]:
     """Ranks that sent the same piece (``planner_data[field]``, :func:`dtensor_values`' format) with
-    different values: up to :data:`_SHOWN` piece ids -> (the first rank that sent it, a rank that differs),
-    and how many pieces differ in all (one vectorised pass, sorted by piece id)."""
+    different values: up to :data:`_SHOWN` of (the piece, named ``<kind>'key' piece at offsets (...)``
+    from the plans' write items, else ``unnamed``; the first rank that sent it; a rank that differs),
+    then, when more pieces differ, ``("", n, 0)`` for the ``n`` others (one vectorised pass, sorted by
+    piece id)."""
     ids_parts, value_parts, rank_parts = [], [], []
     for rank, plan in enumerate(fresh):
         raw = (plan.planner_data or {}).get(field)
@@ -332,76 +327,54 @@ def _differing_pieces(fresh: Sequence[Any], field: str) -> tuple[dict[int, tuple
         value_parts.append(np.frombuffer(raw, dtype="<u4", count=n, offset=8 * n))
         rank_parts.append(np.full(n, rank, dtype=np.int64))
     if len(ids_parts) < 2:
-        return {}, 0
+        return []
     order = np.argsort(np.concatenate(ids_parts), kind="stable")
     ids, values, ranks = (np.concatenate(a)[order] for a in (ids_parts, value_parts, rank_parts))
     starts = np.ones(len(ids), dtype=bool)
     starts[1:] = ids[1:] != ids[:-1]
     first = np.maximum.accumulate(np.where(starts, np.arange(len(ids)), 0))
     bad = np.nonzero(values != values[first])[0]
-    if not len(bad):
-        return {}, 0
     shown: dict[int, tuple[int, int]] = {}
     for i in bad:
         if len(shown) == _SHOWN:
             break
         shown.setdefault(int(ids[i]), (int(ranks[first[i]]), int(ranks[i])))
-    return shown, len(np.unique(ids[bad]))
+    names: dict[int, str] = {}  # keys looked up only for the pieces that differ (the writer lists each)
+    for item in (item for plan in structure for item in getattr(plan, "items", ())) if shown else ():
+        td = item.tensor_data
+        if td is not None and (pid := piece_id(item.index.fqn, td.chunk.offsets, td.chunk.sizes)) in shown:
+            names.setdefault(pid, f"{kind}{item.index.fqn!r} piece at offsets {tuple(td.chunk.offsets)}")
+    found = [(names.get(pid, unnamed.format(pid)), a, b) for pid, (a, b) in shown.items()]
+    more = len(np.unique(ids[bad])) - len(shown)
+    return found + [("", more, 0)] if more else found
 
 
 def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[str]:
-    """Ranks that sent the same DTensor piece (:func:`dtensor_values`) with different values; keys are
-    looked up only for pieces that differ, among the items of the plans (the piece's writer lists it)."""
-    shown, distinct = _differing_pieces(fresh, "dtensor_values")
-    if not shown:
-        return []
-    names = _piece_names(set(shown), structure)
-    problems = []
-    for pid, (a, b) in shown.items():
-        what = names.get(pid, f"a DTensor piece (id {pid:#018x})")
-        problems.append(
-            f"ranks {a} and {b} hold different values of {what}: a DTensor's replicas (the ranks of its Replicate "
-            "mesh dims, or of another copy of its mesh) must hold the same local values"
+    """Ranks that sent the same DTensor piece (:func:`dtensor_values`) with different values."""
+    return [
+        f"ranks {a} and {b} hold different values of {what}: a DTensor's replicas (the ranks of its Replicate "
+        "mesh dims, or of another copy of its mesh) must hold the same local values"
+        if what
+        else f"(and {a} more DTensor pieces)"
+        for what, a, b in _differing_pieces(
+            fresh, structure, "dtensor_values", "DTensor ", "a DTensor piece (id {:#018x})"
         )
-    if distinct > len(shown):
-        problems.append(f"(and {distinct - len(shown)} more DTensor pieces)")
-    return problems
+    ]
 
 
 def _stage_piece_problems(fresh: Sequence[Any], structure: Sequence[Any], layout: ParallelLayout) -> list[str]:
     """Pipeline stages that hold the same piece of a key split over DP (``stage_values``) with different
     values: a stage-local key not renumbered to its global name (one stage's values would be dropped)."""
-    shown, distinct = _differing_pieces(fresh, "stage_values")
-    if not shown:
-        return []
-    names = _piece_names(set(shown), structure, "")
-    problems = []
-    for pid, (a, b) in shown.items():
-        what = names.get(pid, f"a piece (id {pid:#018x}) of a tensor split over data parallelism")
-        problems.append(
-            f"pipeline stages {layout.coords(a).pp} and {layout.coords(b).pp} (ranks {a} and {b}) both hold {what} "
-            "with different values: a stage-local key not renumbered to its global name (only a 'layers.<i>' "
-            "segment is renumbered by pp_layers; pass name_map= for other schemes)"
+    return [
+        f"pipeline stages {layout.coords(a).pp} and {layout.coords(b).pp} (ranks {a} and {b}) both hold {what} "
+        "with different values: a stage-local key not renumbered to its global name (only a 'layers.<i>' "
+        "segment is renumbered by pp_layers; pass name_map= for other schemes)"
+        if what
+        else f"(and {a} more pieces held by several stages)"
+        for what, a, b in _differing_pieces(
+            fresh, structure, "stage_values", "", "a piece (id {:#018x}) of a tensor split over data parallelism"
         )
-    if distinct > len(shown):
-        problems.append(f"(and {distinct - len(shown)} more pieces held by several stages)")
-    return problems
-
-
-def _piece_names(wanted: set[int], structure: Sequence[Any], kind: str = "DTensor ") -> dict[int, str]:
-    """``DTensor 'key' piece at offsets (...)`` for the wanted piece ids, from the plans' write items."""
-    names: dict[int, str] = {}
-    for plan in structure:
-        for item in getattr(plan, "items", ()):
-            td = item.tensor_data
-            if td is None:
-                continue
-            pid = piece_id(item.index.fqn, td.chunk.offsets, td.chunk.sizes)
-            if pid in wanted and pid not in names:
-                names[pid] = f"{kind}{item.index.fqn!r} piece at offsets {tuple(td.chunk.offsets)}"
-                if len(names) == len(wanted):
-                    return names
-    return names
+    ]
 
 
 def check_duplicate_writers(writers: dict[Any, list[int]], rank_local: Any) -> None:
@@ -504,11 +477,6 @@ def replica_range(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str
     return range(first, first + layout.tp * layout.dp)
 
 
-def replica_group(layout: ParallelLayout, rank: int, sharded_axes: frozenset[str]) -> list[int]:
-    """:func:`replica_range` as a list (for tools and tests; planning uses the range itself)."""
-    return list(replica_range(layout, rank, sharded_axes))
-
-
 _KEY = operator.itemgetter(0)
 _NBYTES = operator.itemgetter(1)
 
@@ -528,13 +496,6 @@ def _lpt(items: Sequence[tuple[str, int]], members: range, loads: dict[int, int]
     order = sorted(items, key=_KEY)
     order.sort(key=_NBYTES, reverse=True)  # reverse keeps equal items in their (key) order
     heap = [(load, r) for r, load in loads.items() if r in members]
-    if not heap and len(order) <= len(members) and all(nbytes > 0 for _, nbytes in order):
-        # A large group with nothing loaded yet (the usual case at scale): each tensor finds a member
-        # holding nothing (load 0) below every loaded one, so the i-th largest goes to the i-th member.
-        for (key, nbytes), owner in zip(order, members):
-            owners[key] = owner
-            loads[owner] = nbytes
-        return owners
     heapq.heapify(heap)
     loaded = {r for _, r in heap}
     cursor = 0  # index into members of the lowest member with no load entry yet

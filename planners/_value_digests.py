@@ -10,7 +10,7 @@ take one ``torch.take`` each; both paths give the same digest for the same value
 
 A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
 for smaller tensors) and the element count. Samples are compared as values, not bit patterns
-(:func:`canonical`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
+(:func:`_canonical_bits`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SAMPLES", "value_digests", "canonical"]
+__all__ = ["SAMPLES", "value_digests"]
 
 #: elements sampled per tensor (evenly spaced, first and last included)
 SAMPLES = 16
@@ -38,30 +38,19 @@ _S32 = np.uint64(32)
 _S29 = np.uint64(29)
 
 
-#: dtypes whose every element takes ``itemsize`` bytes of its storage, the only ones whose samples the
-#: fast path reads from raw addresses: a packed or quantized dtype (``quint4x2`` keeps two elements per
-#: byte) would be read past its storage's end (the slow path's ``torch.take`` checks bounds)
-_WHOLE_BYTES = frozenset(
+#: the fast path's dtypes, complex ones last (only they can carry the conjugate bit): those whose every
+#: element takes ``itemsize`` bytes of its storage, the only ones whose samples the fast path reads from
+#: raw addresses (a packed or quantized dtype, ``quint4x2`` two elements per byte, would be read past its
+#: storage's end; the slow path's ``torch.take`` checks bounds)
+_FAST_DTYPES: tuple[torch.dtype, ...] = tuple(
     getattr(torch, name)
     for name in (
-        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 complex64 complex128 uint16 uint32 "
-        "uint64 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 uint16 uint32 uint64 float8_e4m3fn "
+        "float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz complex64 complex128"
     ).split()
-    if hasattr(torch, name)  # the unsigned and float8 ones are missing from older torch versions
 )
-
-
-#: dtype -> a small code of the fast path's dtypes; complex ones from ``_FIRST_COMPLEX`` on (only they
-#: can carry the conjugate bit)
-_FAST_CODES: Mapping[torch.dtype, int] = MappingProxyType(
-    {
-        dt: i
-        for i, dt in enumerate(
-            sorted(_WHOLE_BYTES - {torch.complex64, torch.complex128}, key=str) + [torch.complex64, torch.complex128]
-        )
-    }
-)
-_FAST_DTYPES = tuple(_FAST_CODES)
+#: dtype -> its code, its place in ``_FAST_DTYPES``
+_FAST_CODES: Mapping[torch.dtype, int] = MappingProxyType({dt: i for i, dt in enumerate(_FAST_DTYPES)})
 _FIRST_COMPLEX = _FAST_CODES[torch.complex64]
 _SKIP = -1  # no values (empty, meta): the count alone
 _SLOW = -2  # sampled by torch
@@ -132,11 +121,6 @@ class _Memory:
         self.__array_interface__ = {"shape": (n,), "typestr": typestr, "data": (lo, True), "version": 3}
 
 
-def _word(dtype: torch.dtype) -> Any:
-    """The unsigned numpy word a dtype's samples are handled in: its element (a complex one by part)."""
-    return _WORDS[min(dtype.itemsize, 8)]
-
-
 _WORDS: Mapping[int, Any] = MappingProxyType({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64})
 
 
@@ -148,7 +132,7 @@ def _gather_cpu(dtype: torch.dtype, base: np.ndarray, counts: np.ndarray) -> np.
     idx, valid = _sample_index(counts)
     lo = int(base.min())
     hi = int((base + counts * size).max())
-    word = _word(dtype)
+    word = _WORDS[min(size, 8)]  # an element's word (complex128: two)
     step = np.dtype(word).itemsize
     per = size // step  # words per element (2 for complex128)
     rel = base - lo
@@ -170,8 +154,8 @@ def _gather_torch(tensors: list[torch.Tensor], where: list[int]) -> list[tuple[n
         # an accelerator's tensor, whose type -- cuda, xpu, mps, ... -- the index must be moved to)
         device = None if t.get_device() < 0 else t.device
         if n > SAMPLES:
-            bits = _BITS_FOR_TAKE.get(t.dtype) if not _takes(t.dtype) else None
-            if bits is None:
+            bits = _BITS_FOR_TAKE.get(t.dtype)
+            if bits is None:  # a packed or quantized dtype: ``take`` raises if it has no kernel for it
                 sample = torch.take(t, _torch_index(n, device))
             else:  # the sampled bits through an integer view of the same size (any strides), back as dtype
                 t = t.resolve_conj().resolve_neg()  # a view of other type would drop the conj/neg bit
@@ -201,8 +185,8 @@ _NOT_VIEWABLE = frozenset(
     for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4", "float4_e2m1fn_x2")
     if (dt := getattr(torch, name, None))
 )
-#: the integer type of each element size: a dtype ``torch.take`` has no kernel for (float8, uint16-64,
-#: complex32 on torch 2.13) is sampled as its bits through a view of this type
+#: the integer type of each element size: every dtype is sampled as its bits through a view of this type
+#: (``torch.take`` has no kernel for some: float8, uint16-64, complex32 on torch 2.13)
 _BITS_FOR_TAKE: Mapping[torch.dtype, torch.dtype] = MappingProxyType(
     {
         dt: {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dt.itemsize]
@@ -210,16 +194,6 @@ _BITS_FOR_TAKE: Mapping[torch.dtype, torch.dtype] = MappingProxyType(
         if isinstance(dt, torch.dtype) and dt not in _NOT_VIEWABLE and dt.itemsize in (1, 2, 4, 8)
     }
 )
-
-
-@functools.lru_cache(maxsize=64)
-def _takes(dtype: torch.dtype) -> bool:
-    """Does ``torch.take`` have a kernel for ``dtype`` (asked once per dtype, on the CPU)?"""
-    try:
-        torch.take(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=torch.long))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -238,12 +212,8 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
     raw = np.ascontiguousarray(raw)
     if bits is not None:
         out = _canonical_bits(raw.view(bits[0]), *bits).reshape(rows, SAMPLES, -1)
-    elif not (dtype.is_floating_point or dtype.is_complex):
-        out = raw.copy()  # integers and booleans are their bits
-    else:  # float8 variants: widened by torch (they have no numpy dtype)
-        values = torch.from_numpy(raw.view(np.uint8).reshape(rows * SAMPLES, dtype.itemsize)).view(dtype)
-        canon = canonical(values.reshape(-1)).contiguous()
-        out = canon.view(torch.uint8).numpy().reshape(rows, SAMPLES, -1).copy()
+    else:  # integers, booleans and floats with one encoding per value (float8 *fnuz, e8m0) are their bits
+        out = raw.copy()
     out[~valid] = 0
     flat = out.view(np.uint8).reshape(rows, -1)
     pad = -flat.shape[1] % 8
@@ -252,9 +222,9 @@ def _canonical_rows(dtype: torch.dtype, raw: np.ndarray, valid: np.ndarray) -> n
     return flat
 
 
-#: IEEE floating dtypes (complex ones by part) canonicalised on their bits by numpy: (unsigned word
-#: type, the word's sign bit, the bits of +inf, the bits of the NaN ``canonical`` writes): one integer pass
-#: on one thread (see the module docstring)
+#: floating dtypes with two encodings of a value (complex ones by part), canonicalised on their bits: (unsigned
+#: word type, the word's sign bit, the largest magnitude bits that are not a NaN, the NaN written): one integer
+#: pass on one thread (see the module docstring)
 _FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
     {
         torch.float16: (np.uint16, 0x8000, 0x7C00, 0x7E00),
@@ -263,38 +233,23 @@ _FLOAT_BITS: Mapping[torch.dtype, tuple[Any, int, int, int]] = MappingProxyType(
         torch.float64: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
         torch.complex64: (np.uint32, 0x8000_0000, 0x7F80_0000, 0x7FC0_0000),
         torch.complex128: (np.uint64, 0x8000_0000_0000_0000, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000),
+        torch.complex32: (np.uint16, 0x8000, 0x7C00, 0x7E00),
+        torch.float8_e4m3fn: (np.uint8, 0x80, 0x7E, 0x7F),  # no infinities: 0x7F is its NaN
+        torch.float8_e5m2: (np.uint8, 0x80, 0x7C, 0x7E),
     }
 )
 
 
 def _canonical_bits(words: np.ndarray, word: Any, sign: int, inf: int, nan: int) -> np.ndarray:
-    """``canonical`` on sample words (native order, of type ``word``), as integers: a word whose bits
-    other than the sign are zero is a zero (written ``+0.0``: all bits clear), one whose magnitude bits
-    exceed +inf's is a NaN (written as ``nan``); the same bytes ``canonical`` gives, without torch."""
+    """Samples as values, not bit patterns, on their words (native order, of type ``word``): a word whose
+    bits other than the sign are zero is a zero (written ``+0.0``: all bits clear), one whose magnitude
+    bits exceed ``inf`` is a NaN (written as ``nan``). Replicas computed alike may differ there (``0 * -x``
+    and ``0 * x``; x86 writes ``0/0`` as a negative NaN, CUDA as a positive one), so ranks holding equal
+    numbers are replicas; which one's bits are stored is unspecified, as between any equal replicas."""
     magnitude = words & word(sign - 1)  # every bit but the sign
     out = np.where(magnitude > word(inf), word(nan), words)
     out[magnitude == 0] = 0
     return out
-
-
-#: floating dtypes compared in their own precision; the others (float8 variants) are widened to float32,
-#: which holds each of their values exactly, because comparisons are not implemented for them
-_COMPARABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def canonical(samples: torch.Tensor) -> torch.Tensor:
-    """Samples as values, not bit patterns: ``-0.0`` becomes ``+0.0`` and every NaN one NaN (replicas
-    computed alike may differ there: ``0 * -x`` and ``0 * x``; x86 writes ``0/0`` as a negative NaN,
-    CUDA as a positive one), so ranks holding equal numbers are replicas; which one's bits are stored
-    is unspecified, as between any equal replicas. Integers and booleans are their bits."""
-    if samples.is_complex():
-        samples = torch.view_as_real(samples)  # each part on its own: (-0.0, 1.0) == (0.0, 1.0)
-    elif not samples.is_floating_point():
-        return samples
-    if samples.dtype not in _COMPARABLE:
-        samples = samples.float()
-    samples = torch.where(samples == 0, 0.0, samples)
-    return torch.where(torch.isnan(samples), float("nan"), samples)
 
 
 def _start(counts: np.ndarray) -> np.ndarray:

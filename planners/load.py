@@ -50,7 +50,7 @@ from smpckpt.model.layout import (
     checkpoint_ties,
 )
 from smpckpt.model.specs import SpecLike, SpecRules
-from smpckpt.planners._cache import compact_load
+from smpckpt.planners._cache import compact
 from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
@@ -175,7 +175,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self.saved_layout = record.layout if record is not None else None
         self._refuse_partition_off(metadata)
         #: shapes tensors saved under a ShardSpec view had before it (what a full artifact's files hold;
-        #: a Hugging Face folder's fused tensors in the shape an unsharded model holds them)
+        #: a Hugging Face folder's fused tensors in the shape an unsharded model holds them); looked up with
+        #: ``get`` (``None`` for none, never ``()``: a 0-d destination would pass for one a view was undone for)
         self.saved_original_shapes = checkpoint_original_shapes(metadata)
 
     # -- 2. local plan -----------------------------------------------------------------------------
@@ -275,13 +276,13 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if tied:
             logger.info("rank %d: tied keys loaded through another key: %s", self.rank, _show(sorted(tied)))
         # gathered on the coordinator; "empty" and "covered" keys count as asked for in its unexpected-key check
-        return compact_load(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
+        return compact(LoadPlan(items, planner_data={"empty": empty + tied_covered}))
 
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds
         apart (compared, ``_ties``) or a destination sharing memory with another (``_shared``)."""
-        if entry.key in self._ties.compare:
-            entry = self.entries[entry.key] = self._ties.scratch(entry)
+        if entry.key in self._ties.compare:  # reads into a scratch tensor of its shape
+            entry = self.entries[entry.key] = dataclasses.replace(entry, value=torch.empty_like(entry.value))
         elif entry.key in self._shared.dest:
             entry = self.entries[entry.key] = self._shared.scratch(entry)
         return entry
@@ -304,7 +305,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             and math.prod(md.size) == math.prod(shape)
             and (
                 (before_view is not None and tuple(md.size) == tuple(before_view))
-                or self._shape_before_view(entry) == shape
+                or self.saved_original_shapes.get(entry.key) == shape
             )
             and self._whole_tensors()
         ):
@@ -328,13 +329,6 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             "smpckpt.consolidate_checkpoint): a full artifact is read reshaped into a ShardSpec view"
         )
 
-    def _shape_before_view(self, entry: Entry) -> tuple[int, ...] | None:
-        """The shape the save recorded for the tensor before its ShardSpec view (``None``: none). Not
-        ``()`` for none: that is a 0-d tensor's shape, and a 0-d destination would then pass for one a
-        view was undone for, taking any one-element tensor ([1], [1, 1]) silently, strict or not."""
-        recorded = self.saved_original_shapes.get(entry.key)
-        return None if recorded is None else tuple(recorded)
-
     def _viewed_as_saved(self, entry: Entry, md: TensorStorageMetadata) -> Entry | None:
         """A destination without specs in the shape a tensor had before the ShardSpec view it was saved
         under (a plain ``[3h, d]`` model loading a fused QKV a TP layout saved as ``[3, h, d]``) is read
@@ -342,7 +336,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         shape = tuple(entry.global_shape or ())
         if entry.specs or entry.sharded_axes or entry.dtensor is not None or entry.kind != "tensor":
             return None
-        if self._shape_before_view(entry) != shape or math.prod(md.size) != math.prod(shape):
+        if self.saved_original_shapes.get(entry.key) != shape or math.prod(md.size) != math.prod(shape):
             return None
         size = torch.Size(md.size)
         try:
@@ -408,7 +402,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
-        return [compact_load(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
+        return [compact(dataclasses.replace(p, planner_data=None)) for p in global_plan]  # scattered
 
     def _refuse_partition_off(self, metadata: Metadata) -> None:
         """(each rank) A stage whose state dict names none of the keys of some of its layers (by its

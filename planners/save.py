@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import Replicate
 
 from smpckpt._gc import gc_paused
@@ -85,9 +85,7 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
             if item.type == WriteItemType.BYTE_IO:
                 object_holders.setdefault(fqn, []).append((i, objects[fqn]))
                 continue
-            td = item.tensor_data
-            if td is None:
-                raise SpecError(f"{fqn}: rank {i} planned a tensor item without tensor data")
+            td = cast(TensorWriteData, item.tensor_data)  # our local plans give every tensor item its data
             seen = tensor_meta.setdefault(fqn, (i, td.size, td.properties.dtype))
             if (seen[1], seen[2]) != (td.size, td.properties.dtype):
                 raise SpecError(
@@ -131,7 +129,6 @@ def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, t
     its chunk's position in the tensor's metadata, the metadata in plan order -- and each plan's bytes
     (its chunks' own: DCP's ``tensor_storage_size`` counts a shard as its whole global tensor)."""
     md: dict[str, STORAGE_TYPES] = {}
-    itemsizes: dict[torch.dtype, int] = {}
     out: list[SavePlan] = []
     per_rank: list[int] = []
     for rank, plan in enumerate(plans):
@@ -146,19 +143,13 @@ def global_save_plan(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata, t
                 md[fqn] = BytesStorageMetadata()
                 items.append(item)
                 continue
-            data = item.tensor_data
-            if data is None or data.chunk is None:
-                raise SpecError(f"{fqn}: rank {rank} planned a tensor item without its chunk")
+            data = cast(TensorWriteData, item.tensor_data)
             if entry is None:
                 entry = md[fqn] = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
             tensor = cast(TensorStorageMetadata, entry)
             items.append(hinted(item, len(tensor.chunks)))
             tensor.chunks.append(data.chunk)
-            dtype = data.properties.dtype
-            size = itemsizes.get(dtype)
-            if size is None:
-                size = itemsizes[dtype] = torch.empty((), dtype=dtype).element_size()
-            nbytes += math.prod(data.chunk.sizes) * size
+            nbytes += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
         out.append(dataclasses.replace(plan, items=items))
         per_rank.append(nbytes)
     return out, Metadata(md), tuple(per_rank)
@@ -390,15 +381,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         wanted = checked_codes(self.layout)
         checked: list[Entry] = []
         code_list: list[int] = []
-        code_of: dict[frozenset[str], int] = {}  # a few distinct split axes
-        if wanted:
-            for e in replicas:  # in key order (the caller sorted them)
-                code = code_of.get(e.sharded_axes)
-                if code is None:
-                    code = code_of[e.sharded_axes] = split_code(e.sharded_axes)
-                if code in wanted:
-                    checked.append(e)
-                    code_list.append(code)
+        for e in replicas if wanted else ():  # in key order (the caller sorted them)
+            code = split_code(e.sharded_axes)
+            if code in wanted:
+                checked.append(e)
+                code_list.append(code)
         codes = bytes(code_list)
         try:
             values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
@@ -565,9 +552,7 @@ def _tensor_item(
     """The write item of a tensor entry; ``properties`` shares one ``TensorProperties`` per distinct
     value among a plan's items. ``fields``: the tensor's (dtype, layout, requires_grad, pinned), when
     the caller read them already."""
-    chunk, shape = entry.chunk, entry.global_shape
-    if chunk is None or shape is None:
-        raise SpecError(f"{entry.key}: tensor entry without a chunk")
+    chunk, shape = cast(ChunkStorageMetadata, entry.chunk), cast(torch.Size, entry.global_shape)
     whole = entry.kind == "tensor" and not entry.sharded_axes
     value = entry.value
     if fields is None:

@@ -26,7 +26,7 @@ ALLOWED = {
     ),
 }
 #: the package's classes whose module-level instances are constants: set up once, only read after
-CONSTANT_CLASSES = {"Translation", "Fused"}
+CONSTANT_CLASSES = {"Translation"}
 MUTABLE_CALLS = {
     "dict",
     "list",

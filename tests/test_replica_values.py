@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from dist_harness import run_world
@@ -265,21 +266,31 @@ def test_contiguous_and_strided_tensors_of_equal_values_have_one_digest(data: st
     assert value_digests([changed.reshape(shape)]) != value_digests([t])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64])
-def test_samples_are_canonicalised_on_their_bits_as_canonical_does(dtype: torch.dtype) -> None:
-    """The digests canonicalise samples on their bits in numpy: the same bytes as ``canonical`` (torch)
-    for every bit pattern -- signed zeros, NaNs of any sign and payload, infinities, subnormals."""
+_FLOATS_BY_BITS = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex32]
+
+
+@pytest.mark.parametrize("dtype", [*_FLOATS_BY_BITS, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz])
+def test_samples_are_canonicalised_on_their_bits_as_values(dtype: torch.dtype) -> None:
+    """The digests canonicalise samples on their bits in numpy: two bit patterns give one word exactly
+    when they are one value (torch compares them, widened to float64; every NaN is one value) -- signed
+    zeros, NaNs of any sign and payload, infinities, subnormals. Float8 dtypes with one encoding per value
+    are their bits."""
     from smpckpt.planners import _value_digests as vd
 
-    raw = torch.randint(
-        0, 256, (20_000 * dtype.itemsize,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
-    )
-    special = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 5e-324], dtype=dtype)
-    raw = torch.cat([special.view(torch.uint8).reshape(-1), raw])
-    want = vd.canonical(raw.view(dtype)).contiguous().view(torch.uint8).numpy().reshape(-1)
-    word, *bits = vd._FLOAT_BITS[dtype]
-    got = vd._canonical_bits(raw.numpy().view(word).copy(), word, *bits).view("u1")
-    assert (got == want).all()
+    real = dtype.to_real() if dtype.is_complex else dtype  # complex: each part on its own
+    part = torch.finfo(real).bits
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.arange(256, dtype=torch.uint8) if part == 8 else torch.randint(0, 256, (500 * part,), generator=gen)
+    special = torch.tensor([0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 5e-324]).to(real)
+    raw = torch.cat([special.view(torch.uint8).reshape(-1), raw.to(torch.uint8)])
+    if dtype in vd._FLOAT_BITS:
+        word, *bits = vd._FLOAT_BITS[dtype]
+        words = torch.from_numpy(vd._canonical_bits(raw.numpy().view(word).copy(), word, *bits).astype(np.int64))
+    else:  # one encoding per value: its bits
+        words = raw.to(torch.int64)
+    values = raw.view(real).double()
+    same_value = (values[:, None] == values[None, :]) | (values.isnan()[:, None] & values.isnan()[None, :])
+    assert torch.equal(words[:, None] == words[None, :], same_value)
 
 
 def test_tensors_at_odd_addresses_digest_as_aligned_ones() -> None:

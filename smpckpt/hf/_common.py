@@ -1,4 +1,4 @@
-"""Shared pieces of the Hugging Face model modules: config access, TP checks, tied heads, fused shapes."""
+"""Shared pieces of the Hugging Face model modules: config access, TP checks, tied heads, the eager helpers."""
 
 from __future__ import annotations
 
@@ -79,45 +79,6 @@ def _tied(head: torch.Tensor, embed: torch.Tensor) -> bool:
     return same_memory or bool(torch.equal(head, embed))
 
 
-class Fused:
-    """Our fused tensors whose model (TP=1) shape collapses the first two dims of their view shape:
-    ``[3, d, d]`` (checkpoint) <-> ``[3d, d]`` (``nn.Linear``). Optimizer state (``<key>.<suffix>``) of
-    the same rank follows; a scalar ``step`` has another rank and is left alone.
-
-    Args:
-        templates: our key template (``{i}`` = layer) -> ``(count, view ndim)``, e.g. ``(3, 3)`` for a
-            QKV weight viewed ``[3, d, d]``."""
-
-    def __init__(self, templates: Mapping[str, tuple[int, int]]) -> None:
-        self.templates = tuple(templates)
-        self._rules = [
-            (re.compile(re.escape(t).replace(re.escape("{i}"), r"\d+") + r"(\.\w+)*"), count, ndim)
-            for t, (count, ndim) in templates.items()
-        ]
-
-    def _find(self, key: str) -> tuple[int, int] | None:
-        return next(((count, ndim) for regex, count, ndim in self._rules if regex.fullmatch(key)), None)
-
-    def collapse(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """View shapes -> model shapes (in place; reshapes of contiguous tensors are views)."""
-        for key, t in tensors.items():
-            found = self._find(key)
-            if found is not None and t.ndim == found[1]:
-                tensors[key] = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-        return tensors
-
-    def expand(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Model shapes -> view shapes (in place); tensors already in view shape are left as they are."""
-        for key, t in tensors.items():
-            found = self._find(key)
-            if found is not None and t.ndim == found[1] - 1:
-                count = found[0]
-                if t.ndim == 0 or t.shape[0] % count:
-                    raise ValueError(f"{key}: shape {tuple(t.shape)} does not split into {count} fused parts on dim 0")
-                tensors[key] = t.reshape(count, t.shape[0] // count, *t.shape[1:])
-        return tensors
-
-
 class ImportFn(Protocol):
     def __call__(
         self,
@@ -153,10 +114,11 @@ _EXPORT_DOC = """Our unsharded {arch} state dict -> HF keys and layouts (bit-exa
     """
 
 
-def eager_helpers(module: str, translation: Translation, fused: Fused) -> tuple[ImportFn, ExportFn]:
+def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, ExportFn]:
     """A family's eager ``translate_hf_state_dict_to_smpckpt`` and ``translate_state_dict_to_hf``, bound
-    to its translation (whose ``tied`` heads they drop on import and may add on export) and fused
-    tensors, documented as functions of ``module``."""
+    to its translation (whose ``tied`` heads they drop on import and may add on export; whose fused
+    rules give the model's shape of a view, :meth:`~smpckpt.model.translation.Translation.merged_shapes`),
+    documented as functions of ``module``."""
 
     def translate_hf_state_dict_to_smpckpt(
         state_dict: Mapping[str, torch.Tensor],
@@ -173,12 +135,15 @@ def eager_helpers(module: str, translation: Translation, fused: Fused) -> tuple[
                     elif tie_word_embeddings:
                         raise ValueError(f"tie_word_embeddings=True but {head!r} differs from {embed!r}")
         ours = translation.translate_from_artifact(sd)
-        return ours if keep_view_shapes else fused.collapse(ours)
+        if not keep_view_shapes:  # views of contiguous tensors
+            merged = translation.merged_shapes({k: t.shape for k, t in ours.items()})
+            ours.update({k: ours[k].reshape(shape) for k, shape in merged.items()})
+        return ours
 
     def translate_state_dict_to_hf(
         state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
     ) -> dict[str, torch.Tensor]:
-        out = translation.translate_to_artifact(fused.expand(dict(state_dict)))
+        out = translation.translate_to_artifact(state_dict)  # fused tensors in either shape
         if tie_word_embeddings:
             for head, embed in translation.tied.items():
                 if head not in out and embed in out:
@@ -188,7 +153,7 @@ def eager_helpers(module: str, translation: Translation, fused: Fused) -> tuple[
     facts = {
         "arch": translation.architecture,
         "heads": ", ".join(f"``{h}``" for h in translation.tied) or "none",
-        "fused": ", ".join(f"``{t}``" for t in fused.templates),
+        "fused": ", ".join(f"``{r.ours}``" for r in translation.rules if r.fused),
     }
     for fn, doc in ((translate_hf_state_dict_to_smpckpt, _IMPORT_DOC), (translate_state_dict_to_hf, _EXPORT_DOC)):
         fn.__module__, fn.__qualname__, fn.__doc__ = module, fn.__name__, doc.format(**facts)
@@ -198,11 +163,15 @@ def eager_helpers(module: str, translation: Translation, fused: Fused) -> tuple[
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.")
 
 
-def add_mask_buffers(out: dict[str, torch.Tensor], max_seq_len: int, attn: str, masked_bias: float) -> None:
-    """smp's ``max_seq_len``: the causal-mask buffers old transformers versions kept in GPT-2, GPT-J and
+def add_mask_buffers(
+    out: dict[str, torch.Tensor], max_seq_len: int | None, attn: str, masked_bias: float
+) -> dict[str, torch.Tensor]:
+    """smp's ``max_seq_len`` (``None``: nothing added): the causal-mask buffers old transformers versions kept in GPT-2, GPT-J and
     GPT-Neo state dicts, per layer found in ``out``: ``transformer.h.{i}.<attn>bias`` =
     ``tril(ones(L, L, bool)).view(1, 1, L, L)`` (a tensor each, as the old models held them) and
     ``<attn>masked_bias`` = ``tensor(masked_bias)``."""
+    if max_seq_len is None:
+        return out
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
     mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool)).view(1, 1, max_seq_len, max_seq_len)
@@ -210,3 +179,4 @@ def add_mask_buffers(out: dict[str, torch.Tensor], max_seq_len: int, attn: str, 
     for i in layers:
         out[f"transformer.h.{i}.{attn}bias"] = mask.clone()
         out[f"transformer.h.{i}.{attn}masked_bias"] = torch.tensor(masked_bias)
+    return out

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
+from smpckpt.hf._common import cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
 from smpckpt.model.specs import ShardSpec
-from smpckpt.model.translation import Rule, Translation, stack
+from smpckpt.model.translation import Translation, stack
 
 # every family's names, then smp v1's
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
@@ -62,14 +62,6 @@ _HEAD = "cls.predictions."
 _SELF = "encoder.layer.{i}.attention.self."
 
 
-def _qkv_rules(base: str) -> tuple[Rule, ...]:
-    """The fused q/k/v weight and bias of the layers under ``base`` (``"bert."`` or ``""``)."""
-    p = base + _SELF
-    return tuple(
-        stack(p + f"qkv.{w}", tuple(p + f"{n}.{w}" for n in ("query", "key", "value"))) for w in ("weight", "bias")
-    )
-
-
 def make_translation(name: str, architecture: str, base: str, head: str) -> Translation:
     """The BERT-family translation ``name`` (HF ``config.model_type``) of the transformers class
     ``architecture``: fused q/k/v under the head models' ``base`` (``"bert."``) and in the bare model; the
@@ -77,20 +69,17 @@ def make_translation(name: str, architecture: str, base: str, head: str) -> Tran
     ``<head>bias``."""
     return Translation(
         name,
-        rules=_qkv_rules(base) + _qkv_rules(""),
+        rules=tuple(  # the fused q/k/v weight and bias of the layers under ``base`` and of the bare model
+            stack(p + f"qkv.{w}", tuple(p + f"{n}.{w}" for n in ("query", "key", "value")))
+            for p in (base + _SELF, _SELF)
+            for w in ("weight", "bias")
+        ),
         ignore=tuple(b + f"embeddings.{buf}" for b in (base, "") for buf in ("position_ids", "token_type_ids")),
         tied={
             head + "decoder.weight": base + "embeddings.word_embeddings.weight",
             head + "decoder.bias": head + "bias",
         },
         architecture=architecture,
-    )
-
-
-def make_fused(base: str) -> Fused:
-    """Our fused q/k/v of both key sets: ``[3, d, d]`` / ``[3, d]`` views, ``[3d, d]`` / ``[3d]`` model shapes."""
-    return Fused(
-        {b + _SELF + "qkv.weight": (3, 3) for b in (base, "")} | {b + _SELF + "qkv.bias": (3, 2) for b in (base, "")}
     )
 
 
@@ -136,10 +125,9 @@ def position_ids_buffer(out: dict[str, torch.Tensor], max_seq_len: int | None) -
 
 
 TRANSLATION = make_translation("bert", "BertForMaskedLM", _BASE, _HEAD)
-_FUSED = make_fused(_BASE)
 
 
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims, prefixed
+from smpckpt.hf._common import add_mask_buffers, eager_helpers, gpt_dims, prefixed
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Leaf, Rule, Shape, Translation, rename, transpose
 
@@ -83,10 +83,8 @@ TRANSLATION = Translation(
     architecture="GPT2LMHeadModel",
 )
 
-_FUSED = Fused({_H + "attn.qkv.weight": (3, 3), _H + "attn.qkv.bias": (3, 2)})
 
-
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def translate_state_dict_to_hf_gpt2(
@@ -101,9 +99,7 @@ def translate_state_dict_to_hf_gpt2(
     ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``. ``None`` (the default) adds nothing:
     current transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
-    if max_seq_len is not None:
-        add_mask_buffers(out, max_seq_len, "attn.", -1e4)
-    return out
+    return add_mask_buffers(out, max_seq_len, "attn.", -1e4)
 
 
 #: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf._common import Fused, add_mask_buffers, eager_helpers, gpt_dims, prefixed
+from smpckpt.hf._common import add_mask_buffers, eager_helpers, gpt_dims, prefixed
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
@@ -55,10 +55,8 @@ TRANSLATION = Translation(
     architecture="GPTNeoForCausalLM",
 )
 
-_FUSED = Fused({_QKV: (3, 3)})
 
-
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:
@@ -97,9 +95,7 @@ def translate_state_dict_to_hf_gptneo(
     know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
     -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
-    if max_seq_len is not None:
-        add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
-    return out
+    return add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
 
 
 #: smp v1's name for :func:`translate_hf_state_dict_to_smpckpt` (its defaults are smp's).

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from smpckpt.errors import SpecError
-from smpckpt.hf._common import Fused, cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
+from smpckpt.hf._common import cfg_get, check_divides, check_tp, eager_helpers, prefixed, vocab_spec
 from smpckpt.model.specs import ShardSpec
 from smpckpt.model.translation import Translation, stack
 
@@ -49,14 +49,18 @@ def make_translation(name: str, architecture: str) -> Translation:
 
 
 TRANSLATION = make_translation("llama", "LlamaForCausalLM")
-FUSED = Fused({_L + "mlp.gate_up_proj.weight": (2, 3)})
 
 
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
-def kv_sharded(model: str, tp: int, config: Any) -> bool:
-    """Whether k/v projections are split over TP (``nkv % tp == 0``) or replicated (``tp % nkv == 0``)."""
+def family_specs(model: str, tp: int, config: Any, prefix: str, biases: bool) -> dict[str, ShardSpec]:
+    """Spec rules of the Llama family; ``biases`` adds q/k/v bias rules (Qwen2). k/v projections are split
+    over TP when ``nkv % tp == 0``, else replicated (``tp % nkv == 0``)."""
+    check_tp(tp)
+    d = int(cfg_get(config, "hidden_size"))
+    check_divides(model, "intermediate_size", int(cfg_get(config, "intermediate_size")), tp)
+    rows = vocab_spec(model, int(cfg_get(config, "vocab_size")), tp)
     heads = int(cfg_get(config, "num_attention_heads"))
     kv_heads = int(cfg_get(config, "num_key_value_heads", default=None) or heads)
     check_divides(model, "num_attention_heads", heads, tp)
@@ -67,21 +71,11 @@ def kv_sharded(model: str, tp: int, config: Any) -> bool:
             f"{model}: num_key_value_heads={kv_heads} and tp={tp}: kv heads must split evenly over TP ranks "
             f"(nkv % tp == 0) or every rank must use exactly one shared kv head (tp % nkv == 0)"
         )
-    return kv_heads % tp == 0
-
-
-def family_specs(model: str, tp: int, config: Any, prefix: str, biases: bool) -> dict[str, ShardSpec]:
-    """Spec rules of the Llama family; ``biases`` adds q/k/v bias rules (Qwen2)."""
-    check_tp(tp)
-    d = int(cfg_get(config, "hidden_size"))
-    check_divides(model, "intermediate_size", int(cfg_get(config, "intermediate_size")), tp)
-    rows = vocab_spec(model, int(cfg_get(config, "vocab_size")), tp)
-    kv = kv_sharded(model, tp, config)
     attn = "model.layers.*.self_attn."
     rules = {_EMBED: rows, _HEAD: rows, attn + "q_proj.weight": ShardSpec(0)}
     if biases:
         rules[attn + "q_proj.bias"] = ShardSpec(0)
-    if kv:  # otherwise k/v are replicated: no rule
+    if kv_heads % tp == 0:  # otherwise k/v are replicated: no rule
         rules.update({attn + f"{p}_proj.{w}": ShardSpec(0) for p in "kv" for w in ("weight", "bias")[: 1 + biases]})
     rules[attn + "o_proj.weight"] = ShardSpec(1)
     rules["model.layers.*.mlp.gate_up_proj.weight"] = ShardSpec(1, view=(2, -1, d))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from smpckpt.hf._common import eager_helpers
-from smpckpt.hf.llama import FUSED, family_specs, make_translation
+from smpckpt.hf.llama import family_specs, make_translation
 from smpckpt.model.specs import ShardSpec
 
 __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state_dict_to_hf", "tp_specs"]
@@ -17,7 +17,7 @@ __all__ = ["TRANSLATION", "translate_hf_state_dict_to_smpckpt", "translate_state
 TRANSLATION = make_translation("qwen2", "Qwen2ForCausalLM")
 
 
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from smpckpt.hf._common import eager_helpers
-from smpckpt.hf.bert import family_specs, make_fused, make_translation, position_ids_buffer
+from smpckpt.hf.bert import family_specs, make_translation, position_ids_buffer
 from smpckpt.model.specs import ShardSpec
 
 # every family's names, then smp v1's
@@ -31,10 +31,9 @@ _BASE = "roberta."
 _HEAD = "lm_head."
 
 TRANSLATION = make_translation("roberta", "RobertaForMaskedLM", _BASE, _HEAD)
-_FUSED = make_fused(_BASE)
 
 
-translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION, _FUSED)
+translate_hf_state_dict_to_smpckpt, translate_state_dict_to_hf = eager_helpers(__name__, TRANSLATION)
 
 
 def tp_specs(tp: int, config: Any = None, *, prefix: str = "") -> dict[str, ShardSpec]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Union
 
 import torch
@@ -24,13 +24,6 @@ __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "
 __all__ += ["merge_leading", "split_leading", "reshaped"]
 
 Shape = tuple[int, ...]
-
-
-def _ints(values: Iterable[int], what: str) -> Shape:
-    out = tuple(int(v) for v in values)
-    if any(v < 0 for v in out):
-        raise ValueError(f"{what} must be non-negative, got {out}")
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +42,10 @@ class Leaf:
 
     def __post_init__(self) -> None:
         if self.view is not None:
-            object.__setattr__(self, "view", _ints(self.view, f"Leaf({self.key!r}).view"))
+            view = tuple(int(v) for v in self.view)
+            if any(v < 0 for v in view):
+                raise ValueError(f"Leaf({self.key!r}).view must be non-negative, got {view}")
+            object.__setattr__(self, "view", view)
         if self.perm is not None:
             perm = tuple(int(p) for p in self.perm)
             if sorted(perm) != list(range(len(perm))):
@@ -103,8 +99,8 @@ def _artifact_shape(key: str, artifact_shapes: Mapping[str, Sequence[int]]) -> S
     return tuple(int(s) for s in artifact_shapes[key])
 
 
-def _leaf_view(leaf: Leaf, artifact_shapes: Mapping[str, Sequence[int]]) -> tuple[Shape, Shape]:
-    """``(view, perm)`` of ``leaf`` with defaults resolved and checked against the artifact shape."""
+def _leaf_view(leaf: Leaf, artifact_shapes: Mapping[str, Sequence[int]]) -> tuple[Shape, Shape, Shape]:
+    """``(artifact shape, view, perm)`` of ``leaf``, defaults resolved and checked against the shape."""
     shape = _artifact_shape(leaf.key, artifact_shapes)
     view = shape if leaf.view is None else leaf.view
     if math.prod(view) != math.prod(shape):
@@ -115,7 +111,7 @@ def _leaf_view(leaf: Leaf, artifact_shapes: Mapping[str, Sequence[int]]) -> tupl
     perm = tuple(range(len(view))) if leaf.perm is None else leaf.perm
     if len(perm) != len(view):
         raise ValueError(f"artifact key {leaf.key!r}: perm {perm} does not fit view {view}")
-    return view, perm
+    return shape, view, perm
 
 
 def expr_keys(expr: Expr) -> list[str]:
@@ -128,7 +124,7 @@ def expr_keys(expr: Expr) -> list[str]:
 def expr_shape(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> Shape:
     """Shape of ``expr`` evaluated over artifact tensors of ``artifact_shapes``; raises ValueError if inconsistent."""
     if isinstance(expr, Leaf):
-        view, perm = _leaf_view(expr, artifact_shapes)
+        _, view, perm = _leaf_view(expr, artifact_shapes)
         return tuple(view[p] for p in perm)
     shapes = [expr_shape(part, artifact_shapes) for part in expr.parts]
     first = shapes[0]
@@ -149,11 +145,6 @@ def expr_shape(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> Shap
 # the Expr of the other, so that regions of either shape map to artifact boxes.
 
 
-def _leaf_parts(leaf: Leaf, artifact_shapes: Mapping[str, Sequence[int]]) -> tuple[Shape, Shape, Shape]:
-    view, perm = _leaf_view(leaf, artifact_shapes)
-    return _artifact_shape(leaf.key, artifact_shapes), view, perm
-
-
 def _leaf(key: str, shape: Shape, view: Shape, perm: Shape) -> Leaf:
     """The simplest Leaf for ``artifact[key].reshape(view).permute(perm)`` (defaults where they are)."""
     identity = perm == tuple(range(len(perm)))
@@ -164,7 +155,7 @@ def merge_leading(expr: Expr, artifact_shapes: Mapping[str, Sequence[int]]) -> E
     """``expr`` with its first two dims as one (``[a, b, *rest]`` -> ``[a*b, *rest]``, row-major);
     ValueError when no Expr says it (a Leaf whose two dims are not adjacent, a Cat along dim 1)."""
     if isinstance(expr, Leaf):
-        shape, view, perm = _leaf_parts(expr, artifact_shapes)
+        shape, view, perm = _leaf_view(expr, artifact_shapes)
         if len(perm) < 2 or perm[1] != perm[0] + 1:
             raise ValueError(f"{expr.key!r}: dims 0 and 1 of {expr} are not adjacent in the artifact tensor")
         a = perm[0]
@@ -185,7 +176,7 @@ def split_leading(expr: Expr, count: int, artifact_shapes: Mapping[str, Sequence
         raise ValueError(f"{expr_keys(expr)}: shape {shape} does not split into {count} on dim 0")
     rows = shape[0] // count
     if isinstance(expr, Leaf):
-        stored, view, perm = _leaf_parts(expr, artifact_shapes)
+        stored, view, perm = _leaf_view(expr, artifact_shapes)
         a = perm[0]
         split = view[:a] + (count, rows) + view[a + 1 :]
         return _leaf(expr.key, stored, split, (a, a + 1, *(p if p < a else p + 1 for p in perm[1:])))
@@ -255,7 +246,7 @@ def _collect(
     out: list[Piece],
 ) -> None:
     if isinstance(expr, Leaf):
-        view, perm = _leaf_view(expr, artifact_shapes)
+        _, view, perm = _leaf_view(expr, artifact_shapes)
         # our dim j is view dim perm[j]: move the region back into view coordinates
         v_off, v_size = [0] * len(view), [0] * len(view)
         for j, p in enumerate(perm):
@@ -284,7 +275,7 @@ def evaluate(expr: Expr, artifact: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if expr.key not in artifact:
             raise ValueError(f"artifact key {expr.key!r} is missing")
         tensor = artifact[expr.key]
-        view, perm = _leaf_view(expr, {expr.key: tensor.shape})
+        _, view, perm = _leaf_view(expr, {expr.key: tensor.shape})
         return tensor.reshape(view).permute(perm).contiguous()
     expr_shape(expr, {k: artifact[k].shape for k in expr_keys(expr) if k in artifact})  # clear errors first
     return torch.cat([evaluate(part, artifact) for part in expr.parts], expr.dim).contiguous()
@@ -308,9 +299,9 @@ def _scatter(
     expr: Expr, tensor: torch.Tensor, artifact_shapes: Mapping[str, Sequence[int]], out: dict[str, torch.Tensor]
 ) -> None:
     if isinstance(expr, Leaf):
-        _view, perm = _leaf_view(expr, artifact_shapes)
+        shape, _, perm = _leaf_view(expr, artifact_shapes)
         inverse = tuple(perm.index(i) for i in range(len(perm)))
-        out[expr.key] = tensor.permute(inverse).reshape(_artifact_shape(expr.key, artifact_shapes)).contiguous()
+        out[expr.key] = tensor.permute(inverse).reshape(shape).contiguous()
         return
     start = 0
     for part in expr.parts:

@@ -91,11 +91,6 @@ class ParallelLayout:
         if world_size != self.world_size:
             raise SpecError(f"{where} has {world_size} ranks but the layout {self} describes {self.world_size}")
 
-    def degree(self, axis: str) -> int:
-        if axis not in AXES:
-            raise SpecError(f"unknown parallel axis {axis!r}; expected one of {AXES}")
-        return int(getattr(self, axis))
-
     def coords(self, rank: int) -> RankCoords:
         """Coordinates of global ``rank``."""
         if not 0 <= rank < self.world_size:
@@ -105,14 +100,9 @@ class ParallelLayout:
     def rank_of(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
         """Global rank at the given coordinates."""
         for axis, value in (("tp", tp), ("dp", dp), ("pp", pp)):
-            if not 0 <= value < self.degree(axis):
+            if not 0 <= value < getattr(self, axis):
                 raise SpecError(f"{axis} coordinate {value} out of range for {self}")
         return tp + self.tp * (dp + self.dp * pp)
-
-    def stage_ranks(self, pp_rank: int) -> list[int]:
-        """All ranks of pipeline stage ``pp_rank``, in rank order."""
-        base = pp_rank * self.tp * self.dp
-        return list(range(base, base + self.tp * self.dp))
 
     # -- pipeline partition -----------------------------------------------------------------------
     def layer_offset(self, pp_rank: int) -> int:
@@ -195,7 +185,7 @@ class ReservedKeys:
     def optional(self, *, model: bool, optim: bool) -> tuple[str, ...]:
         """Globs of keys a load may skip: RNG states and user_content always; ``model``/``optim``
         parts when the caller passed no model or no optimizer."""
-        globs = [f"{self.rng}.*", self.user_content]
+        globs = list(self.rank_local)
         if not model:
             globs.append(f"{self.model}.*")
         if not optim:

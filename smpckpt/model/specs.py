@@ -199,18 +199,13 @@ class SpecRules:
         self._direct[key] = found
         return found
 
-    @property
-    def patterns(self) -> tuple[str, ...]:
-        """The rules' globs, in the order they are tried."""
-        return tuple(p for p, _, _ in self._rules)
-
     def check_matched(self, matched: bool) -> None:
         """(save coordinator) Rules of which no rank ``matched`` a single key are a mistake, never a choice:
         every TP shard they were meant for would be saved as a replica -- one rank's piece kept as the
         whole tensor (rules written for another key scheme, such as a missing ``model.`` prefix)."""
         if not self._rules or matched:
             return
-        shown = ", ".join(repr(p) for p in self.patterns[:5])
+        shown = ", ".join(repr(p) for p, _, _ in self._rules[:5])
         more = f" (and {len(self._rules) - 5} more)" if len(self._rules) > 5 else ""
         raise SpecError(
             f"none of the {len(self._rules)} spec rules matches a tensor of any rank: {shown}{more}. Rules are "

@@ -40,7 +40,7 @@ from smpckpt.model._translation_algebra import (
 # the algebra's names, then the rules'
 __all__ = ["Leaf", "Cat", "Expr", "Piece", "Shape", "expr_shape", "expr_keys", "pieces", "evaluate", "scatter"]
 __all__ += ["merge_leading", "split_leading", "reshaped"]
-__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "IDENTITY", "check_translates"]
+__all__ += ["Rule", "rename", "transpose", "stack", "Translation", "check_translates"]
 
 
 # -- rules --------------------------------------------------------------------------------------------
@@ -212,12 +212,8 @@ class Translation:
         out: dict[str, Shape] = {}
         for key, shape in shapes.items():
             hit = self._match(key, shapes, "ours")
-            if (
-                hit is not None
-                and self.rules[hit[0]].fused
-                and len(shape) >= 2
-                and shape[0] == self.rules[hit[0]].fused
-            ):
+            fused = self.rules[hit[0]].fused if hit is not None else 0
+            if fused and len(shape) >= 2 and shape[0] == fused:
                 out[key] = (shape[0] * shape[1], *shape[2:])
         return out
 
@@ -285,6 +281,8 @@ class Translation:
                 expr = merge_leading(expr, produced)
             except ValueError:
                 hint = f" (nor, merged, of shape {(rule.fused, shape[0] // rule.fused, *shape[1:])})" if merged else ""
+                if rule.fused and not merged:  # a model's shape of the view, [3d, d], that is not one
+                    hint = f" (and it does not split into {rule.fused} fused parts on dim 0)"
                 raise ValueError(
                     f"{self.name}: our {key!r} of shape {shape} -> {list(keys)}: {e}{hint}. A tensor-parallel "
                     "model's fused tensors are saved in their global view only with the specs the model was "
@@ -383,10 +381,6 @@ def _put(out: dict[str, tuple[Expr, Shape]], key: str, value: tuple[Expr, Shape]
             f"{name}: our key {key!r} would be read from both {expr_keys(out[key][0])} and {expr_keys(value[0])}"
         )
     out[key] = value
-
-
-#: The translation that maps every key to itself.
-IDENTITY = Translation("identity")
 
 
 # -- whether a translation fits ------------------------------------------------------------------------

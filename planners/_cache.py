@@ -28,9 +28,8 @@ at a few thousand tensors per rank, to set off full collections inside every sav
 pickle their items as flat columns and unpickle, with the collector paused, as the plain DCP plans a
 plain pickle would give, field for field, built by their constructors; equal ``torch.Size`` values and
 the shared ``TensorProperties`` arrive as one object each. ``dataclasses.replace`` keeps the class (a
-storage writer replacing ``storage_data`` keeps the plan compact). The flat form names every field of
-DCP's plan classes in torch 2.13 (the range pyproject allows); ``tests/test_plan_wire.py`` fails should
-one gain a field."""
+storage writer replacing ``storage_data`` keeps the plan compact); should DCP's plan classes gain
+fields, :func:`compact` returns plans unchanged rather than drop one."""
 
 from __future__ import annotations
 
@@ -39,6 +38,7 @@ import logging
 import pickle
 import secrets
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
@@ -61,6 +61,20 @@ FIELDS_PER_ITEM = 9
 #: Entries per read item: type, then fqn, offset, index hint of the destination index, destination
 #: offsets, the same four for the storage index and offsets, lengths.
 FIELDS_PER_READ = 10
+
+_EXPECTED_FIELDS = MappingProxyType(
+    {
+        SavePlan: ("items", "storage_data", "planner_data", "usable"),
+        LoadPlan: ("items", "storage_data", "planner_data"),
+        ReadItem: ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths"),
+        WriteItem: ("index", "type", "bytes_io_data", "tensor_data"),
+        MetadataIndex: ("fqn", "offset", "index"),
+        TensorWriteData: ("chunk", "properties", "size"),
+        ChunkStorageMetadata: ("offsets", "sizes"),
+    }
+)
+# the flat form names every field of these classes; with any other field it would drop data
+_SUPPORTED = all(tuple(f.name for f in dataclasses.fields(cls)) == names for cls, names in _EXPECTED_FIELDS.items())
 
 
 class _ComparesAsPlain:
@@ -91,7 +105,7 @@ def compact(plan: _Plan) -> _Plan:
     """``plan`` as a :class:`CompactSavePlan` or :class:`CompactLoadPlan` (the same fields; no copy of
     its items)."""
     cls: type[Any] = CompactSavePlan if isinstance(plan, SavePlan) else CompactLoadPlan
-    if isinstance(plan, cls):
+    if not _SUPPORTED or isinstance(plan, cls):
         return plan
     return cast(_Plan, cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}))
 
@@ -141,7 +155,10 @@ def tensor_write_item(
 ) -> WriteItem:
     """A tensor's ``WriteItem``, equal field for field to what the constructors build but faster (one
     per tensor per fresh plan): fields by position, the index's offset the chunk's own ``torch.Size``
-    (``MetadataIndex`` would copy it)."""
+    (``MetadataIndex`` would copy it). By keywords should DCP's classes change their fields."""
+    if not _SUPPORTED:
+        data = TensorWriteData(chunk=chunk, properties=properties, size=size)
+        return WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
     offsets = chunk.offsets
     if type(offsets) is not torch.Size:
         offsets = torch.Size(offsets)
@@ -151,6 +168,8 @@ def tensor_write_item(
 def hinted(item: WriteItem, hint: int) -> WriteItem:
     """``item`` with its index's hint ``hint`` (the chunk's position in the tensor's metadata), as
     ``dataclasses.replace`` makes it, faster: the coordinator rewrites every item of every rank."""
+    if not _SUPPORTED:
+        return dataclasses.replace(item, index=dataclasses.replace(item.index, index=hint))
     index = item.index
     return WriteItem(_index(index.fqn, index.offset, hint), item.type, item.bytes_io_data, item.tensor_data)
 

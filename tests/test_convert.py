@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import smpckpt
 from smpckpt import Checkpointer, ParallelLayout, ShardSpec
 from smpckpt.planners import ParallelSavePlanner
 from smpckpt.storage import FsspecStorageWriter
@@ -194,3 +195,32 @@ def test_conversion_to_dcp_resumes_with_its_user_content(tmp_path: Path) -> None
     assert state["user_content"]["step"] == 3
     dcp_to_torch_save(tmp_path / "out" / "conv_partial", tmp_path / "x.pt")
     assert torch.load(tmp_path / "x.pt", weights_only=True)["user_content"]["step"] == 3
+
+
+class _NotWeightsOnly:  # user_content a weights-only load rejects
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_a_converted_checkpoint_with_pickled_user_content_is_refused_before_loading(tmp_path: Path) -> None:
+    """rev61c F4: convert --to dcp wrote no ``user_content_pickle`` flag, so a resume without allow_pickle
+    was refused only at the decode, after the model had been overwritten. Refused before anything loads
+    now; with allow_pickle it resumes the object."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    with pytest.warns(UserWarning, match="allow_pickle"):
+        with Checkpointer(tmp_path / "root") as ckpt:
+            ckpt.save("s1", model, user_content={"u": _NotWeightsOnly(5)})
+    (tmp_path / "out").mkdir()
+    with pytest.warns(UserWarning, match="allow_pickle"):
+        convert_checkpoint(
+            tmp_path / "root" / "s1_partial", tmp_path / "out" / "conv_partial", to="dcp", allow_pickle=True
+        )
+    got = nn.Linear(3, 2)
+    before = got.weight.clone()
+    with Checkpointer(tmp_path / "out") as ckpt:
+        with pytest.raises(smpckpt.UnsafeCheckpoint, match="nothing was loaded"):
+            ckpt.resume("conv", got)
+        assert torch.equal(got.weight, before)
+        content = ckpt.resume("conv", got, options=smpckpt.ResumeOptions(allow_pickle=True))
+    assert content["u"].x == 5 and torch.equal(got.weight, model.weight)

@@ -41,6 +41,7 @@ from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
     from smpckpt.api._fast_save import TierPlan
+    from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of"]
 
@@ -237,9 +238,11 @@ def drain(
     *,
     seq: int | None = None,
     held_by: Mapping[str, Sequence[int]] | None = None,
+    manifests: ManifestCache | None = None,
 ) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    ``path``'s retention; ``seq`` and ``held_by`` for a retried drain (default: ``tier``'s)."""
+    ``path``'s retention (``manifests``: the Checkpointer's records of the root); ``seq`` and ``held_by``
+    for a retried drain (default: ``tier``'s)."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
@@ -299,7 +302,7 @@ def drain(
         budget.peak / 2**20,
         budget.cap / 2**20,
     )
-    retain(breq, dctx)
+    retain(breq, dctx, manifests)
 
 
 def _no_intact_copy(

@@ -92,11 +92,17 @@ class FastTierPart:
             ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
         )
         if tier.durable:
-            self._drain(req, tier, lambda: drain(req, tier, prepared))
+            self._drain(req, tier, lambda: drain(req, tier, prepared, manifests=self.counter.manifests))
         elif tier.retry is not None:
             retry = tier.retry
             rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
-            self._drain(rreq, tier, lambda: drain(rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by))
+            self._drain(
+                rreq,
+                tier,
+                lambda: drain(
+                    rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by, manifests=self.counter.manifests
+                ),
+            )
 
     def _drain(self, req: SaveRequest, tier: TierPlan, copy: Any) -> None:
         """Hold ``req``'s tag in the fast tier while the drain lane runs ``copy()``."""

@@ -54,6 +54,7 @@ __all__ = [
     "init_missing_state",
     "drop_optimizer_state",
     "summarize",
+    "skipped_keys",
     "not_found_hint",
 ]
 
@@ -461,7 +462,11 @@ def stateless_at_save(
     # a partial checkpoint saved without optimizer (strict=False: every key missing) had no state, as above; a
     # full artifact without it (its optimizer keys optional, skipped) leaves a live optimizer as it was
     lacking = {planner.entries[k].local_key if k in planner.entries else k for k in report.missing_keys}
-    no_optim = all(f"{RESERVED.optim}.{key}" in lacking for key in optim_sd)
+    saved = planner.metadata.state_dict_metadata if planner.metadata is not None else {}
+    no_optim = all(f"{RESERVED.optim}.{key}" in lacking for key in optim_sd) and not any(
+        k.startswith(f"{RESERVED.optim}.")
+        for k in saved  # not an optimizer over parameters new since the save
+    )
     # stateless before the resume, or stateless when saved (a rollback: its live state is not the saved run's)
     return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f] or no_optim))
 
@@ -527,26 +532,32 @@ def _same_value(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
-def summarize(
-    req: ResumeRequest,
-    target: Target,
-    ctx: DistContext,
-    planner: ParallelLoadPlanner,
-    restored: tuple[str, ...],
-    untranslated: tuple[str, ...] = (),
-) -> ResumeInfo:
-    """(all ranks) Sum every rank's load into one :class:`ResumeInfo` and log it."""
+def skipped_keys(
+    target: Target, ctx: DistContext, planner: ParallelLoadPlanner, untranslated: tuple[str, ...] = ()
+) -> tuple[int, int, tuple[str, ...]]:
+    """(all ranks, after :func:`check_groups`, before :func:`apply_state`) Sum every rank's load: (tensors
+    on the fast path, resharded, the keys skipped, sorted). What ``strict=False`` skipped that ``strict=True``
+    refuses is warned in an agreement here, so a warning made an error fails the resume before any state
+    is applied, on every rank alike."""
     report = planner.report
-    refused = (*report.missing_keys, *untranslated) if report else untranslated  # what strict=True refuses
-    gone = (*refused, *report.stateless_saved) if report else untranslated
-    mine = (report.fast_path, len(report.resharded), gone, refused) if report else (0, 0, gone, refused)
+    missing = report.missing_keys if report else ()
+    gone = (*missing, *untranslated, *(report.stateless_saved if report else ()))
+    mine = (report.fast_path, len(report.resharded), gone, missing) if report else (0, 0, gone, missing)
     counts = ctx.all_gather_object(mine)
-    unexpected = ctx.broadcast_object(report.unexpected_keys if report else ())
-    fast, resharded = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
+    unexpected = sorted(ctx.broadcast_object(report.unexpected_keys if report else ()))
     kept = sorted({k for c in counts for k in c[3]})
-    if kept or unexpected:  # strict=False skipped them (alike on every rank): said as a full resume says it
-        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, sorted(unexpected)))
+    dropped = sorted(ctx.broadcast_object(untranslated))  # alike on every rank (check_groups)
+    if kept or unexpected or dropped:  # said as a full resume says it
+        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, unexpected, dropped))
+    skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
+    return sum(c[0] for c in counts), sum(c[1] for c in counts), tuple(skipped)
+
+
+def summarize(
+    req: ResumeRequest, target: Target, planner_counts: tuple[int, int, tuple[str, ...]], restored: tuple[str, ...]
+) -> ResumeInfo:
+    """(all ranks) The :class:`ResumeInfo` of a load (``planner_counts``: :func:`skipped_keys`), logged."""
+    fast, resharded, skipped = planner_counts
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
         path=req.root,
@@ -560,14 +571,14 @@ def summarize(
         resharded_tensors=resharded,
         rng_restored=restored,
         fell_back=target.fell_back,
-        skipped_keys=tuple(skipped),
+        skipped_keys=skipped,
     )
     how = f"resharded {resharded} tensor(s) from {saved} to {req.layout} (fast path for {fast})"
     log.info("resumed %s: %s", target.url, how if resharded else f"fast path for all {fast} tensor(s) ({req.layout})")
     return info
 
 
-def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list[str]) -> None:
+def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str]) -> None:
     """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
     of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
     them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone."""
@@ -579,6 +590,11 @@ def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list
 
     parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
     parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    parts += (
+        [f"left unloaded by the translate_function (dropped, or returned but not in the model): {show(dropped)}"]
+        if dropped
+        else []
+    )
     message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
     log.warning(message)
-    warnings.warn(message, stacklevel=7)  # the caller's frame: below it all_ok, its lambda, summarize, _resume, resume
+    warnings.warn(message, stacklevel=7)  # the caller's frame: all_ok, its lambda, skipped_keys, _resume, resume

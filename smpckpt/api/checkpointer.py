@@ -44,6 +44,7 @@ from smpckpt.api._resume import (
     load_checkpoint,
     not_found_hint,
     resume_state,
+    skipped_keys,
     stateless_at_save,
     summarize,
 )
@@ -431,6 +432,7 @@ class Checkpointer:
                 chosen = target
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict
                 untranslated = ctx.all_ok(lambda: check_groups(req, state))
+                counts = skipped_keys(target, ctx, planner, untranslated)  # warned before anything is applied
                 guard.applied = True
                 user_content, restored = ctx.all_ok(
                     lambda: apply_state(
@@ -444,7 +446,7 @@ class Checkpointer:
                     )
                 )
                 self._counter.resumed(target.order[0], target.abandoned)  # applied: a roll-back (catalog.root)
-                info = summarize(req, target, ctx, planner, restored, untranslated)
+                info = summarize(req, target, counts, restored)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
                     info = dataclasses.replace(info, tier="fast", from_peers=peers)

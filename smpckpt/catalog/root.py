@@ -6,9 +6,8 @@ Layout under a checkpoint root ``path`` (smp's structure)::
     {path}/{tag}_partial/          # one partial (per-rank shards) checkpoint: a committed DCP folder
     {path}/{tag}/                  # a full artifact (``storage/full``)
 
-Nothing read is trusted: ``newest`` is validated like a tag, and a hostile or broken sibling folder is
-listed as such, never fatal. The listing (:func:`scan_root`, rank 0 only) is one LIST of the root plus a
-manifest GET per committed folder.
+Nothing read is trusted: ``newest`` is validated like a tag, a hostile or broken sibling folder listed as
+such, never fatal. The listing (:func:`scan_root`, rank 0) is a LIST plus a manifest GET per folder.
 
 Order: sequence number (``extra["sequence"]``), save time, save id (:func:`record_order`); ``newest``
 is a hint for stock tools. A :class:`SequenceCounter` lists the root once, then counts on without I/O.

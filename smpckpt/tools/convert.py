@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from smpckpt.api._dist import decode_user_content, quiet_no_dist, translate_dcp
+from smpckpt.api._dist import (
+    decode_user_content,
+    describe_user_content,
+    encode_user_content,
+    quiet_no_dist,
+    translate_dcp,
+)
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord
 from smpckpt.planners import ObjectBytes
@@ -177,14 +183,21 @@ def convert_checkpoint(
             raise FileExistsError(f"{out_url} exists; pass overwrite=True (--overwrite) to replace it")
         _save_file(fs, path, state, overwrite=overwrite)
     else:
-        writer = FsspecStorageWriter(
-            out_url, storage_options=out_storage_options, format="torch_save", overwrite=overwrite
-        )
+        extra: dict[str, Any] = {}
         if RESERVED.user_content in state:  # one record, as a save writes it: stock DCP's planner would
-            # flatten a dict into keys a resume does not know (``user_content.step``) and refuse them
-            buf = io.BytesIO()
-            torch.save(state[RESERVED.user_content], buf)
-            state[RESERVED.user_content] = ObjectBytes(buf.getvalue())
+            # flatten a dict into keys a resume does not know (``user_content.step``) and refuse them; the
+            # manifest says whether it needs allow_pickle, so a resume refuses before loading anything
+            content = state[RESERVED.user_content]
+            data, weights_only = encode_user_content(content, stacklevel=2)
+            state[RESERVED.user_content] = ObjectBytes(data)
+            extra = describe_user_content(content, not weights_only)
+        writer = FsspecStorageWriter(
+            out_url,
+            storage_options=out_storage_options,
+            format="torch_save",
+            overwrite=overwrite,
+            manifest_extra=extra,
+        )
         try:
             with quiet_no_dist():
                 dcp.save(state, storage_writer=writer, planner=_RecordPlanner(), no_dist=True)

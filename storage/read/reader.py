@@ -297,6 +297,8 @@ class FsspecStorageReader(ReaderBase):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """(calling thread) Plan every item's byte range (every record checked before any byte is read),
         then read, verify and deliver them; buffers live only for this call."""
+        if self._full_only and self.source is None:
+            raise CheckpointError("read_data() called before read_metadata()")
         local = is_local(self.fs)
         if self.source is not None:
             source = self.source

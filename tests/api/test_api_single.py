@@ -360,6 +360,37 @@ def test_translate_function_keys_it_leaves_out_are_not_loaded(tmp_path: Any, how
         assert info is not None and info.skipped_keys == tuple(f"model.{k}" for k in gone)
 
 
+def test_the_skipped_keys_warning_made_an_error_fails_the_resume_before_anything_is_applied(tmp_path: Any) -> None:
+    """rev61c F2: the warning came after the state was applied (RNG restored, the roll-back recorded); made
+    an error (``-W error``) the caller saw a failed resume that had half happened. It now fails first: the
+    RNG is the caller's own, ``last_resume_info`` unset. rev61c F3: a translate_function's dropped key is
+    named as the function's, not as "not in the checkpoint"."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = nn.Linear(2, 2)
+    ckpt = smpckpt.Checkpointer(str(tmp_path))
+    ckpt.save("s", m)
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    grown = nn.Linear(2, 2)
+    grown.register_parameter("extra", nn.Parameter(torch.zeros(1)))
+    torch.manual_seed(123)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"not in the checkpoint: model\.extra"):
+            ckpt.resume("s", grown, options=smpckpt.ResumeOptions(strict=False))
+    assert torch.equal(torch.rand(3), want)  # the checkpoint's RNG state was not restored
+    assert ckpt.last_resume_info is None
+
+    def drop_bias(sd: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in sd.items() if k != "bias"}
+
+    with pytest.warns(UserWarning, match=r"left unloaded by the translate_function \(dropped.*\): model\.bias"):
+        ckpt.resume("s", nn.Linear(2, 2), options=smpckpt.ResumeOptions(strict=False, translate_function=drop_bias))
+    ckpt.close()
+
+
 def test_strict_false_warns_naming_the_keys_it_skipped(tmp_path: Any) -> None:
     """A strict=False resume that skipped keys strict=True refuses said nothing (ResumeInfo.skipped_keys
     only): a stock ``dcp.save(model.state_dict())`` (no ``model.`` prefix) "resumed" loading no tensor, and
@@ -419,6 +450,34 @@ def test_a_rollback_to_a_checkpoint_saved_without_optimizer_leaves_the_optimizer
         resume_from_checkpoint(str(tmp_path), "model_only", model=m, optimizer=o, strict=False)
     assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
     assert not o.state, {n: sorted(o.state[p]) for n, p in m.named_parameters() if p in o.state}
+
+
+def test_an_optimizer_over_new_parameters_keeps_its_live_state_when_the_checkpoint_holds_optimizer_state(
+    tmp_path: Any,
+) -> None:
+    """rev61c F1: a checkpoint saved with Adam over the base; the resumed model gained an adapter whose own
+    optimizer (over the adapter only) has live state. Every key of that optimizer is missing, as for a
+    checkpoint saved without optimizer, but this one holds optimizer state: the adapter keeps its state."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 2))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 2)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "base", model=m, optimizer=o)
+    m2 = nn.Sequential(nn.Linear(2, 2))
+    m2.add_module("adapter", nn.Linear(2, 2))
+    o2 = torch.optim.Adam(m2.adapter.parameters())
+    for _ in range(3):
+        m2.adapter(m2[0](torch.ones(1, 2))).sum().backward()
+        o2.step()
+        o2.zero_grad()
+    live = {n: {k: v.clone() for k, v in o2.state[p].items()} for n, p in m2.adapter.named_parameters()}
+    with pytest.warns(UserWarning, match="skipped keys"):
+        resume_from_checkpoint(str(tmp_path), "base", model=m2, optimizer=o2, strict=False)
+    assert torch.equal(m2[0].weight, m[0].weight)
+    for n, p in m2.adapter.named_parameters():
+        assert sorted(o2.state[p]) == sorted(live[n]), n
+        assert all(torch.equal(o2.state[p][k], v) for k, v in live[n].items()), n
 
 
 def test_an_optimizer_with_an_empty_param_group_is_refused_by_name(tmp_path: Any) -> None:

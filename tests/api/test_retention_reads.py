@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from smpckpt import SaveOptions, resume_from_checkpoint, save_checkpoint
+from smpckpt import Checkpointer, FastTier, Retention, SaveOptions, resume_from_checkpoint, save_checkpoint
 from smpckpt.catalog.root import scan_root
 from smpckpt.storage import MANIFEST_NAME
 from smpckpt.storage.backends import _fs
@@ -151,3 +151,20 @@ def test_a_cached_manifest_rewritten_in_place_never_condemns_its_checkpoint(
     time.sleep(SETTLE)
     save_checkpoint(root, "s3", model=m, num_kept_partial_checkpoints=3)
     assert _tags(root) == ["s0", "s1", "s2", "s3"]
+
+
+def test_the_drains_retention_reuses_the_kept_records_too(tmp_path: Any, monkeypatch: Any) -> None:
+    """rev61a F2: with the fast tier, retention runs in the drain, which read every kept manifest of the
+    durable root again (3, 5, 6, ... 9 reads per save at keep 5)."""
+    root, node, keep = str(tmp_path / "root"), str(tmp_path / "node"), 5
+    reads = _manifest_reads(monkeypatch)
+    m, per_save = _filled(0), []
+    tier = FastTier(local_path=node, replicas=1, durable_every=1)
+    with Checkpointer(root, fast_tier=tier, retention=Retention(num_kept_partial_checkpoints=keep)) as ckpt:
+        for i in range(keep + 3):
+            time.sleep(SETTLE if i else 0)
+            reads.clear()
+            ckpt.save(f"s{i}", m)
+            ckpt.wait()
+            per_save.append(sum(p.startswith(root + "/") for p in reads))
+    assert max(per_save[-3:]) <= 5, per_save

@@ -96,3 +96,17 @@ def test_each_reader_reads_its_product_and_the_partial_reader_opens_both(tmp_pat
     with pytest.raises(CheckpointException, match="not a full artifact"):
         dcp.load(out, storage_reader=reader, no_dist=True)
     assert "FsspecStorageReader" in str(reader.metadata_error)
+
+
+def test_the_full_reader_used_before_read_metadata_says_so(tmp_path: Any) -> None:
+    """rev61b F1: after the readers became one class, ``read_data`` on a FullArtifactReader whose metadata
+    was never read fell through to the partial path and called a healthy artifact damaged (or, with an
+    empty plan, read nothing in silence)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from smpckpt.errors import CheckpointError
+
+    dcp.save(_state(), storage_writer=FullArtifactWriter(tmp_path / "full"), no_dist=True)
+    with pytest.raises(CheckpointError, match=r"read_data\(\) called before read_metadata\(\)"):
+        FullArtifactReader(tmp_path / "full").read_data(LoadPlan([]), DefaultLoadPlanner())

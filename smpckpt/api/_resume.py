@@ -1,8 +1,6 @@
-"""The steps of :meth:`smpckpt.Checkpointer.resume`, each over a :class:`ResumeRequest` (validated and
-compared across ranks by the Checkpointer): :func:`choose_target` (rank 0, broadcast) ->
-:func:`build_resume_state` -> :func:`load_checkpoint` (strict checks before any data is read) ->
-:func:`check_groups` -> :func:`apply_state` (all ranks).
-"""
+"""The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`choose_target`
+(rank 0) -> :func:`build_resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
+:func:`skipped_keys` -> :func:`apply_state` -> :func:`summarize` (all ranks)."""
 
 from __future__ import annotations
 
@@ -537,16 +535,19 @@ def skipped_keys(
 ) -> tuple[int, int, tuple[str, ...]]:
     """(all ranks, after :func:`check_groups`, before :func:`apply_state`) Sum every rank's load: (tensors
     on the fast path, resharded, the keys skipped, sorted). What ``strict=False`` skipped that ``strict=True``
-    refuses is warned in an agreement here, so a warning made an error fails the resume before any state
-    is applied, on every rank alike."""
+    refuses is warned in an agreement here, so a warning made an error fails the resume on every rank alike
+    before the state is applied (RNG, roll-back record, ResumeInfo; the tensors ``dcp.load`` filled in
+    place already hold the checkpoint's values, as after any failed load)."""
     report = planner.report
     missing = report.missing_keys if report else ()
     gone = (*missing, *untranslated, *(report.stateless_saved if report else ()))
-    mine = (report.fast_path, len(report.resharded), gone, missing) if report else (0, 0, gone, missing)
-    counts = ctx.all_gather_object(mine)
+    loaded = (report.fast_path, len(report.resharded)) if report else (0, 0)
+    counts = ctx.all_gather_object(
+        (*loaded, gone, missing, untranslated)
+    )  # each pipeline stage translates and loads its own keys
     unexpected = sorted(ctx.broadcast_object(report.unexpected_keys if report else ()))
     kept = sorted({k for c in counts for k in c[3]})
-    dropped = sorted(ctx.broadcast_object(untranslated))  # alike on every rank (check_groups)
+    dropped = sorted({k for c in counts for k in c[4]})
     if kept or unexpected or dropped:  # said as a full resume says it
         ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, unexpected, dropped))
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
@@ -590,10 +591,8 @@ def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list
 
     parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
     parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
-    parts += (
-        [f"left unloaded by the translate_function (dropped, or returned but not in the model): {show(dropped)}"]
-        if dropped
-        else []
+    parts += [f"left unloaded by the translate_function (dropped, or not in the model): {show(dropped)}"] * bool(
+        dropped
     )
     message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
     log.warning(message)

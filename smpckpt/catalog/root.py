@@ -551,8 +551,8 @@ def apply_retention(
         abandoned = read_abandoned(root_url, storage_options, records) if keep is not None else ()
         doomed = select_for_removal(records, keep, protected, abandoned) if keep is not None else []
         by_tag = {r.tag: r for r in records}
-        # a cached record never alone condemns a folder: each victim's manifest is read again (an NFS
-        # client's attribute cache can serve a stat that hides another host's overwrite)
+        # a victim's own cached record never alone condemns it: its manifest is read again (records are
+        # kept only where stat is authoritative, storage.backends._fs.coherent_device; belt and braces)
         if trust is None or all(_record(t, by_tag[t].url, storage_options).order == by_tag[t].order for t in doomed):
             break
     saved = next((r for r in records if r.tag == just_saved and r.committed), None)

@@ -219,6 +219,22 @@ def file_stamp(fs: Any, path: str, settled_ns: int = 10**9) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+#: filesystems whose stat() is authoritative: local ones, and Lustre (coherent across clients)
+_COHERENT = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "zfs", "f2fs", "overlay", "lustre"})
+
+
+def coherent_device(dev: int) -> bool:
+    """Whether ``stat`` on device ``dev`` tells another host's write at once (``/proc/self/mountinfo``'s
+    filesystem type). NFS, SMB and FUSE clients can serve attributes cached before it: not trusted."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    with contextlib.suppress(OSError):
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for fields in map(str.split, f):
+                if len(fields) > 2 and fields[2] == want and "-" in fields[3:-1]:
+                    return fields[fields.index("-", 3) + 1] in _COHERENT
+    return False
+
+
 class _Files(Protocol):
     @property
     def files(self) -> Sequence[str]: ...
@@ -228,19 +244,22 @@ T = TypeVar("T", bound=_Files)
 
 
 class StampedCache(Generic[T]):
-    """(local disk) A value made from a folder's file (a manifest), served again while the file's
-    :func:`file_stamp` is the same and the files the value names (``value.files``) are still confined to the
+    """(local disk on a coherent filesystem, :func:`coherent_device`) A value made from a folder's file (a
+    manifest), served again while the file's :func:`file_stamp` is the same and the files the value names (``value.files``) are still confined to the
     folder (:func:`confine`); elsewhere (no stamp) made each time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # callers on several threads (a save's, a drain's)
         self._kept: dict[str, tuple[tuple[int, ...], T]] = {}
+        self._coherent: dict[int, bool] = {}  # device -> coherent_device
 
     def get(self, fs: Any, folder: str, name: str, make: Callable[[], tuple[T, bool]]) -> T:
         """The value of ``folder``'s file ``name``: the kept one, or ``make()``'s ``(value, keep)``, kept when
         ``keep`` says so and the file did not change while it was made."""
         path = join(folder, name)
         stamp = file_stamp(fs, path)
+        if stamp and not self._coherent.setdefault(stamp[0], coherent_device(stamp[0])):
+            stamp = ()  # an NFS-like client: its stat may hide another host's overwrite, read every time
         with self._lock:
             then, value = self._kept.pop(path, ((), None))
         keep = bool(stamp) and stamp == then and value is not None

@@ -658,3 +658,32 @@ def fast_tier_threads_world(rank: int, world: int, root: str) -> dict[str, Any]:
     out["loaded"] = (info.tag, info.tier, info.from_peers) if info else None
     out["exact"] = _same(tp_model.local_state(m2, o2), want)
     return out
+
+
+class _Stage(nn.Module):
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(2, 2)])
+        if last:
+            self.head = nn.Linear(2, 2)
+
+
+def pp_translate_drop_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """pp=2: only stage 1 holds ``head``; a translate_function dropping ``head.bias`` under strict=False.
+    Rank 0 warns for the whole job, so it must name the key stage 1 dropped (rev61e F2)."""
+    from smpckpt import Checkpointer, ResumeOptions, Sharding
+
+    torch.manual_seed(rank)
+    ckpt = Checkpointer(os.path.join(root, "d"), Sharding(layout=ParallelLayout(pp=2, pp_layers=(1, 1))))
+    ckpt.save("s", _Stage(rank == 1))
+
+    def drop(sd: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in sd.items() if k != "head.bias"}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt.resume("s", _Stage(rank == 1), options=ResumeOptions(strict=False, translate_function=drop))
+    said = [str(w.message) for w in caught if "skipped keys" in str(w.message)]
+    info = ckpt.last_resume_info
+    ckpt.close()
+    return {"said": said, "skipped": info.skipped_keys if info else None}

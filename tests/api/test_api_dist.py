@@ -359,3 +359,11 @@ def test_fast_tier_threads_outlive_saves_end_at_close_and_a_failed_save_does_not
         assert "s6_partial" in r["failed"], r["failed"]
         assert r["loaded"][:2] == ("s7", "fast") and r["exact"], r
     assert got[1]["loaded"][2], got[1]  # rank 1's files came from its peer
+
+
+def test_a_key_a_later_stages_translate_function_drops_is_warned(tmp_path: Any) -> None:
+    """rev61e F2: the warning took rank 0's dropped keys for every rank's; under pp=2 stage 1's were lost."""
+    got = run_world(api_workers.pp_translate_drop_world, 2, str(tmp_path), timeout=120)
+    assert any("translate_function" in s and "model.head.bias" in s for s in got[0]["said"]), got
+    assert got[1]["said"] == [], got  # rank 0 alone says it
+    assert "model.head.bias" in got[0]["skipped"], got

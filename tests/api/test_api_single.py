@@ -362,8 +362,9 @@ def test_translate_function_keys_it_leaves_out_are_not_loaded(tmp_path: Any, how
 
 def test_the_skipped_keys_warning_made_an_error_fails_the_resume_before_anything_is_applied(tmp_path: Any) -> None:
     """rev61c F2: the warning came after the state was applied (RNG restored, the roll-back recorded); made
-    an error (``-W error``) the caller saw a failed resume that had half happened. It now fails first: the
-    RNG is the caller's own, ``last_resume_info`` unset. rev61c F3: a translate_function's dropped key is
+    an error (``-W error``) the caller saw a failed resume that had half happened. It now fails before the
+    state is applied: the RNG is the caller's own, ``last_resume_info`` unset (the model's tensors, filled in
+    place by the load, hold the checkpoint's values, as after any failed load). rev61c F3: a translate_function's dropped key is
     named as the function's, not as "not in the checkpoint"."""
     import warnings
 

@@ -168,3 +168,22 @@ def test_the_drains_retention_reuses_the_kept_records_too(tmp_path: Any, monkeyp
             ckpt.wait()
             per_save.append(sum(p.startswith(root + "/") for p in reads))
     assert max(per_save[-3:]) <= 5, per_save
+
+
+def test_records_are_kept_only_on_a_filesystem_whose_stat_is_authoritative(tmp_path: Any, monkeypatch: Any) -> None:
+    """rev61e F1: a kept record's stale ``order`` or ``abandoned`` ranges (never re-read) could still decide a
+    removal where a stat hides another host's write (an NFS client's attribute cache). Records are kept only
+    on filesystems whose stat tells at once (``coherent_device``: local ones, Lustre): elsewhere every
+    retention reads every manifest, as before the cache."""
+    assert _fs.coherent_device(os.stat(tmp_path).st_dev)  # this machine's tmp: ext4 or tmpfs
+    assert not _fs.coherent_device(os.stat("/proc").st_dev)  # procfs: not among them
+    monkeypatch.setattr(_fs, "coherent_device", lambda dev: False)  # as on an NFS mount
+    root, keep = str(tmp_path), 3
+    reads = _manifest_reads(monkeypatch)
+    m, per_save = _filled(0), []
+    for i in range(keep + 3):
+        time.sleep(SETTLE if i else 0)
+        reads.clear()
+        save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=keep)
+        per_save.append(len(reads))
+    assert per_save[-1] >= keep + 2, per_save  # every kept manifest read again

@@ -114,6 +114,22 @@ _EXPORT_DOC = """Our unsharded {arch} state dict -> HF keys and layouts (bit-exa
     """
 
 
+def _state_beside(translation: Translation, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with a fused parameter's optimizer state held in its other shape (the view's ``[3, d,
+    d]`` beside a live ``[3d, d]`` parameter, or the reverse) reshaped to its parameter's, so it translates
+    with it (rev61f F1: it came back untranslated, under our own key)."""
+    sd = dict(state_dict)
+    for key, value in state_dict.items():
+        name = key.rpartition(".")[0]
+        param = sd.get(name)
+        if param is None or abs(value.dim() - param.dim()) != 1:
+            continue
+        view, model = (value, param) if value.dim() > param.dim() else (param, value)
+        if translation.merged_shapes({name: view.shape}).get(name) == tuple(model.shape):
+            sd[key] = value.reshape(param.shape)
+    return sd
+
+
 def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, ExportFn]:
     """A family's eager ``translate_hf_state_dict_to_smpckpt`` and ``translate_state_dict_to_hf``, bound
     to its translation (whose ``tied`` heads they drop on import and may add on export; whose fused
@@ -143,7 +159,7 @@ def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, Expo
     def translate_state_dict_to_hf(
         state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
     ) -> dict[str, torch.Tensor]:
-        out = translation.translate_to_artifact(state_dict)  # fused tensors in either shape
+        out = translation.translate_to_artifact(_state_beside(translation, state_dict))  # fused: either shape
         if tie_word_embeddings:
             for head, embed in translation.tied.items():
                 if head not in out and embed in out:

@@ -289,3 +289,21 @@ def test_gpt2_smp_names():
     assert set(gpt2.translate_hf_state_dict_to_smpckpt(old)) == set(ours)  # the buffers are dropped again
     with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
         gpt2.translate_state_dict_to_hf_gpt2(ours, max_seq_len=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_optimizer_state_in_the_other_shape_than_its_parameter_follows_it(family):
+    """rev61f F1: a fused parameter in one shape (a live ``model.state_dict()``: ``[2I, d]``) beside its state
+    in the other (read from a checkpoint in the view's shape ``[2, I, d]``): the state came back under our
+    own key, untranslated, with no error. It follows its parameter, as it did before the fused rules merged."""
+    mod = MODULES[family]
+    hf = tiny_model(family).state_dict()
+    merged = mod.translate_hf_state_dict_to_smpckpt(hf)
+    view = mod.translate_hf_state_dict_to_smpckpt(hf, keep_view_shapes=True)
+    key = next(k for k in merged if merged[k].shape != view[k].shape)
+    for param, state in ((merged, view), (view, merged)):
+        out = mod.translate_state_dict_to_hf({key: param[key], key + ".exp_avg": state[key] * 3})
+        assert {k for k in out if k.endswith(".exp_avg")} == {k + ".exp_avg" for k in out if not k.endswith(".exp_avg")}
+        for k, v in out.items():
+            if k.endswith(".exp_avg"):
+                assert torch.equal(v, out[k[: -len(".exp_avg")]] * 3), k

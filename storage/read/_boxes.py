@@ -37,14 +37,12 @@ class BoxRows:
 
 
 def _prefetch(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start reading file bytes ``[offset, offset + length)`` now (``WILLNEED``), so later
-    pieces arrive while the first is verified and copied (the descriptor has no read-ahead, which would
-    read past the box). In calls of :data:`STREAM_PIECE_BYTES`: Linux reads at most its read-ahead window
-    (``read_ahead_kb``) per call and drops the rest silently."""
+    """Ask the kernel to start reading file bytes ``[offset, offset + length)`` now (``WILLNEED``): exactly
+    the span a streamed part reads, so its later pieces arrive while the first is verified and copied
+    (the descriptor has no read-ahead, which would read past the part)."""
     if hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):  # advice only
-            for at in range(offset, offset + length, STREAM_PIECE_BYTES):
-                os.posix_fadvise(fd, at, min(STREAM_PIECE_BYTES, offset + length - at), os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
 def read_box(
@@ -176,11 +174,8 @@ def _stream_into(
     buf = memoryview(pool.take(min(b - a, step) * rb))
     check = rec if box.tiling is not None else None
     nbytes = requests = 0
-    # this part and the next (a box's parts are read about in order by the threads): the device is
-    # never left idle while both threads verify and copy (benchmarks/RESULTS.md, "col61")
-    ahead = min(box.row1, b + (b - a))
-    if ahead - a > step:
-        _prefetch(fd, box.base + a * rb + box.col0, (ahead - a - 1) * rb + w)
+    if b - a > step:  # more than one piece
+        _prefetch(fd, box.base + a * rb + box.col0, (b - a - 1) * rb + w)
     for p0 in range(a, b, step):
         p1 = min(b, p0 + step)
         start = box.base + p0 * rb + box.col0

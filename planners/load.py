@@ -217,7 +217,13 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
                 continue
             if not isinstance(md, TensorStorageMetadata):
-                raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
+                if entry.kind != "tensor" or entry.value.dim() or entry.key in self._shared.dest:
+                    raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
+                # a number saved as an object (an optimizer's Python step: older torch, custom optimizers)
+                # into a 0-d tensor: load_bytes converts it when the conversion is exact
+                index = MetadataIndex(entry.key)
+                items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
+                continue
             entry, md = self._check_tensor(entry, md, cast)
             chunk = entry.chunk
             assert chunk is not None
@@ -481,7 +487,20 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
                 "allow_pickle=True only if you trust this checkpoint."
             ) from exc
-        set_at_path(self.state_dict, entry.path, obj)
+        if entry.kind == "object":
+            set_at_path(self.state_dict, entry.path, obj)
+            return
+        # a 0-d tensor destination (create_local_plan): a number its dtype holds exactly, or any number
+        # with allow_dtype_cast (a tensor's cast), checked only here, once the value is read
+        number = obj if isinstance(obj, (int, float)) and not isinstance(obj, bool) else None
+        if number is None:
+            raise LayoutMismatch(f"{entry.key}: the checkpoint holds a {type(obj).__name__} there, not a tensor")
+        if not self.allow_dtype_cast and torch.tensor(number, dtype=entry.value.dtype).item() != number:
+            raise LayoutMismatch(
+                f"{entry.key}: the checkpoint holds the number {number!r} there, which a {entry.value.dtype} 0-d "
+                "tensor does not hold exactly (pass allow_dtype_cast=True to convert)"
+            )
+        entry.value.fill_(number)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """(all ranks, from the storage reader) The destination view of one read."""

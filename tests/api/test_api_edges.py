@@ -4,6 +4,7 @@ rejects is flagged at save time; the unexpected-keys hint names the API's own sw
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -280,3 +281,37 @@ def test_a_one_element_tensor_into_a_0_d_destination_is_refused_by_name(
     with pytest.raises(LayoutMismatch, match=r"s: the checkpoint holds global shape \(1,\) but .* implies \(\)"):
         resume_from_checkpoint(str(tmp_path), "t", model=dest, partial=partial, strict=strict)
     assert torch.equal(dest.s.detach(), torch.tensor(-1.0))
+
+
+@pytest.mark.parametrize("as_number", [int, float])
+def test_a_step_saved_as_a_python_number_resumes_into_a_tensor_step(tmp_path: Any, as_number: type) -> None:
+    """Adam's ``step`` saved as a Python number (older torch, custom optimizers) resumes into torch 2.x's
+    0-d tensor step: an exact conversion (the next ``step()`` equals torch's ``load_state_dict``); a value
+    the destination's dtype cannot hold exactly is refused naming the key, or cast with allow_dtype_cast."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    for _ in range(3):
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for s in opt.state.values():
+        s["step"] = as_number(s["step"].item())
+    save_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    m2, m3 = nn.Linear(3, 2), copy.deepcopy(m)
+    opt2, opt3 = torch.optim.Adam(m2.parameters(), lr=0.1), torch.optim.Adam(m3.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "s", model=m2, optimizer=opt2)
+    opt3.load_state_dict(opt.state_dict())
+    assert all(torch.equal(s["step"], torch.tensor(3.0)) for s in opt2.state.values())
+    x = torch.randn(4, 3)
+    for mm, oo in ((m2, opt2), (m3, opt3)):
+        mm(x).sum().backward()
+        oo.step()
+    assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), m3.parameters()))
+    for s in opt.state.values():
+        s["step"] = as_number(2**24 + 1)  # no float32 holds it
+    save_checkpoint(str(tmp_path), "big", model=m, optimizer=opt)
+    with pytest.raises(LayoutMismatch, match=r"optim\.state\.\S*step: the checkpoint holds the number 16777217"):
+        resume_from_checkpoint(str(tmp_path), "big", model=m2, optimizer=opt2)
+    resume_from_checkpoint(str(tmp_path), "big", model=m2, optimizer=opt2, allow_dtype_cast=True)
+    assert all(torch.equal(s["step"], torch.tensor(2**24 + 1).float()) for s in opt2.state.values())

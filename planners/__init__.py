@@ -7,7 +7,7 @@ if __name__ != "smpckpt.planners":
     )
 
 from smpckpt.planners._entries import ObjectBytes
-from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
+from smpckpt.planners.load import LoadReport, ParallelLoadPlanner, likely_causes
 from smpckpt.planners.save import ParallelSavePlanner, SaveReport
 
-__all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes"]
+__all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes", "likely_causes"]

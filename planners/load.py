@@ -19,7 +19,8 @@ import io
 import logging
 import math
 import pickle
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -260,6 +261,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
                 + _nesting_mismatches(missing, md_all)
+                + likely_causes(missing, md_all)
             )
         ties.count(items)
         shared.count(items)
@@ -405,6 +407,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to ignore them)"
+                + likely_causes(unexpected, self.metadata.state_dict_metadata)
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
@@ -568,6 +571,23 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
             what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
             notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
+
+
+def likely_causes(keys: Sequence[str], saved: Iterable[str]) -> str:
+    """(error path) The two common causes of a long list of missing or unexpected keys, when they match
+    (``saved``: the checkpoint's keys, or those of them no rank loads)."""
+    notes = []
+    if any(k.rsplit(".", 1)[-1] == "initial_lr" for k in keys):
+        notes.append(
+            "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume "
+            "exactly when the saving run had built it before the save"
+        )
+    if any(re.search(r"(^|\.)param_groups\.\d+\.lr$", k) for k in saved):  # a list of groups, not by parameter
+        notes.append(
+            "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict "
+            "gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
+        )
+    return "; likely cause: " + "; ".join(notes) if notes else ""
 
 
 def _show(keys: Sequence[str]) -> str:

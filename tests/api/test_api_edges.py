@@ -315,3 +315,29 @@ def test_a_step_saved_as_a_python_number_resumes_into_a_tensor_step(tmp_path: An
         resume_from_checkpoint(str(tmp_path), "big", model=m2, optimizer=opt2)
     resume_from_checkpoint(str(tmp_path), "big", model=m2, optimizer=opt2, allow_dtype_cast=True)
     assert all(torch.equal(s["step"], torch.tensor(2**24 + 1).float()) for s in opt2.state.values())
+
+
+def test_strict_refusals_hint_at_a_scheduler_and_at_unflattened_optimizer_state(tmp_path: Any) -> None:
+    """strict=True lists the keys; it also names the two common causes when they match: a scheduler's
+    ``initial_lr`` (built before the resume but not before the save) and optimizer state saved unflattened by
+    stock DCP (param groups as a list)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m = nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    save_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds initial_lr to the param groups
+    with pytest.raises(LayoutMismatch, match=r"param_groups\.weight\.initial_lr.*LR scheduler adds initial_lr"):
+        resume_from_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    save_checkpoint(str(tmp_path), "t", model=m, optimizer=opt)  # and the reverse: saved with initial_lr
+    with pytest.raises(LayoutMismatch, match=r"loaded by no rank: .*initial_lr.*LR scheduler adds initial_lr"):
+        resume_from_checkpoint(str(tmp_path), "t", model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.1))
+    msd, osd = get_state_dict(m, opt)  # DCP's default: param groups a list, not flattened
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "stock_partial"), no_dist=True)
+    with pytest.raises(LayoutMismatch, match=r"param_groups\.weight\.lr.*flatten_optimizer_state_dict=True"):
+        resume_from_checkpoint(str(tmp_path), "stock", model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"strict=False skipped keys; .*flatten_optimizer_state_dict=True"):
+        resume_from_checkpoint(str(tmp_path), "stock", model=m, optimizer=opt, strict=False)

@@ -19,8 +19,7 @@ import io
 import logging
 import math
 import pickle
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +57,7 @@ from smpckpt.planners._entries import (
     ObjectBytes,
     TiedLoads,
     compile_globs,
+    likely_causes,
     set_at_path,
     tied_entries,
 )
@@ -169,6 +169,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+        self._numbers: dict[str, type] = {}  # keys read as 0-d tensors into a number's place: its type
         _refuse_raw_without_our_reader(metadata)
         record = LayoutRecord.from_metadata(metadata)
         #: checkpoint keys stored once under another key (read from that key's bytes)
@@ -208,23 +209,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             if md is None:
                 missing.append(entry.key)
                 continue
-            if entry.kind == "object":
-                if not isinstance(md, BytesStorageMetadata):
-                    raise LayoutMismatch(
-                        f"{entry.key}: the checkpoint holds a tensor {tuple(md.size)} there but the state dict "
-                        f"holds a {type(entry.value).__name__}"
-                    )
-                index = MetadataIndex(entry.key)
-                items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
-                continue
-            if not isinstance(md, TensorStorageMetadata):
-                if entry.kind != "tensor" or entry.value.dim() or entry.key in self._shared.dest:
-                    raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
-                # a number saved as an object (an optimizer's Python step: older torch, custom optimizers)
-                # into a 0-d tensor: load_bytes converts it when the conversion is exact
-                index = MetadataIndex(entry.key)
-                items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
-                continue
+            if entry.kind == "object" or not isinstance(md, TensorStorageMetadata):
+                entry, md = self._object_read(entry, md, items)
+                if entry is None:
+                    continue
             entry, md = self._check_tensor(entry, md, cast)
             chunk = entry.chunk
             assert chunk is not None
@@ -495,7 +483,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             return
         # a 0-d tensor destination (create_local_plan): a number its dtype holds exactly, or any number
         # with allow_dtype_cast (a tensor's cast), checked only here, once the value is read
-        number = obj if isinstance(obj, (int, float)) and not isinstance(obj, bool) else None
+        number = obj if type(obj) in (int, float) else None
         if number is None:
             raise LayoutMismatch(f"{entry.key}: the checkpoint holds a {type(obj).__name__} there, not a tensor")
         if not self.allow_dtype_cast and torch.tensor(number, dtype=entry.value.dtype).item() != number:
@@ -516,6 +504,40 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         read into scratch and written, then checked, once all of them are in (``_shared``)."""
         self._ties.committed(read_item, self.entries, self.rank)
         self._shared.committed(read_item, self.entries, self.rank)
+        live = self._numbers.get(read_item.dest_index.fqn) if self._numbers else None
+        if live is not None:  # a 0-d tensor into a number's place: exact, or cast with allow_dtype_cast
+            entry = self.entries[read_item.dest_index.fqn]
+            value = entry.value.item()
+            if type(value) not in (int, float) or (live(value) != value and not self.allow_dtype_cast):
+                raise LayoutMismatch(
+                    f"{entry.key}: the checkpoint holds a {entry.value.dtype} 0-d tensor {value!r} there, which the "
+                    f"state dict's {live.__name__} does not hold exactly (pass allow_dtype_cast=True to convert)"
+                )
+            set_at_path(self.state_dict, entry.path, live(value))
+
+    def _object_read(self, entry: Entry, md: Any, items: list[ReadItem]) -> tuple[Any, Any]:
+        """An object's read (appended to ``items``; ``(None, None)`` returned), or the entry and metadata to
+        plan a tensor read from: a 0-d tensor saved where the state dict holds a number (a custom
+        optimizer's Python ``step``) is read into scratch of the saved dtype, set as a number by
+        ``commit_tensor``; a number saved where the state dict holds a 0-d tensor (a Python ``step``: older
+        torch, custom optimizers) is read as an object, converted by ``load_bytes``."""
+        saved_object = isinstance(md, BytesStorageMetadata)
+        if entry.kind == "object" and not saved_object and type(entry.value) in (int, float) and not md.size:
+            self._numbers[entry.key] = type(entry.value)
+            none, value = torch.Size(()), torch.empty((), dtype=md.properties.dtype)
+            entry = dataclasses.replace(entry, kind="tensor", value=value, chunk=ChunkStorageMetadata(none, none))
+            self.entries[entry.key] = entry = dataclasses.replace(entry, global_shape=none)
+            return entry, md
+        if entry.kind == "object" and not saved_object:
+            raise LayoutMismatch(
+                f"{entry.key}: the checkpoint holds a tensor {tuple(md.size)} there but the state dict "
+                f"holds a {type(entry.value).__name__}"
+            )
+        if entry.kind != "object" and (entry.kind != "tensor" or entry.value.dim() or entry.key in self._shared.dest):
+            raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
+        index = MetadataIndex(entry.key)
+        items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
+        return None, None
 
 
 def _exact_chunk(
@@ -571,23 +593,6 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
             what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
             notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
-
-
-def likely_causes(keys: Sequence[str], saved: Iterable[str]) -> str:
-    """(error path) The two common causes of a long list of missing or unexpected keys, when they match
-    (``saved``: the checkpoint's keys, or those of them no rank loads)."""
-    notes = []
-    if any(k.rsplit(".", 1)[-1] == "initial_lr" for k in keys):
-        notes.append(
-            "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume "
-            "exactly when the saving run had built it before the save"
-        )
-    if any(re.search(r"(^|\.)param_groups\.\d+\.lr$", k) for k in saved):  # a list of groups, not by parameter
-        notes.append(
-            "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict "
-            "gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
-        )
-    return "; likely cause: " + "; ".join(notes) if notes else ""
 
 
 def _show(keys: Sequence[str]) -> str:

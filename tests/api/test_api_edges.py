@@ -341,3 +341,48 @@ def test_strict_refusals_hint_at_a_scheduler_and_at_unflattened_optimizer_state(
         resume_from_checkpoint(str(tmp_path), "stock", model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.1))
     with pytest.warns(UserWarning, match=r"strict=False skipped keys; .*flatten_optimizer_state_dict=True"):
         resume_from_checkpoint(str(tmp_path), "stock", model=m, optimizer=opt, strict=False)
+
+
+class _IntStepSGD(torch.optim.SGD):
+    """A custom optimizer keeping its ``step`` as a Python int (as some do, e.g. Hugging Face's Adafactor)."""
+
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+        return loss
+
+
+def test_a_tensor_step_resumes_into_a_python_number_step(tmp_path: Any) -> None:
+    """A 0-d tensor ``step`` saved where the live optimizer holds a Python number resumes as a number of the
+    live type when exact (a float64 7.0 into an int step); 7.5 into an int is refused naming the key, and
+    cast with allow_dtype_cast."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = _IntStepSGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    for s in opt.state.values():
+        s["step"] = torch.tensor(7.0, dtype=torch.float64)
+    save_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    m2 = copy.deepcopy(m)
+    opt2 = _IntStepSGD(m2.parameters(), lr=0.1, momentum=0.9)
+    m2(torch.randn(4, 3)).sum().backward()
+    opt2.step()
+    resume_from_checkpoint(str(tmp_path), "s", model=m2, optimizer=opt2)
+    steps = [s["step"] for s in opt2.state.values()]
+    assert steps == [7, 7] and all(type(s) is int for s in steps)
+    assert all(
+        torch.equal(opt2.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+        for p, q in zip(m.parameters(), m2.parameters())
+    )
+    for s in opt.state.values():
+        s["step"] = torch.tensor(7.5, dtype=torch.float64)
+    save_checkpoint(str(tmp_path), "half", model=m, optimizer=opt)
+    with pytest.raises(
+        LayoutMismatch, match=r"optim\.state\.\S*step: the checkpoint holds a torch\.float64 0-d tensor 7\.5"
+    ):
+        resume_from_checkpoint(str(tmp_path), "half", model=m2, optimizer=opt2)
+    resume_from_checkpoint(str(tmp_path), "half", model=m2, optimizer=opt2, allow_dtype_cast=True)
+    assert [s["step"] for s in opt2.state.values()] == [7, 7]

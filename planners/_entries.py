@@ -26,16 +26,8 @@ from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = [
-    "Entry",
-    "ObjectBytes",
-    "compile_globs",
-    "dtensor_is_owner",
-    "same_bits",
-    "tied_entries",
-    "TiedLoads",
-    "likely_causes",
-]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries", "TiedLoads"]
+__all__ += ["likely_causes"]
 
 
 Kind = Literal["tensor", "dtensor", "object"]

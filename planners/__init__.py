@@ -6,8 +6,8 @@ if __name__ != "smpckpt.planners":
         "(install the project with `pip install -e .`)"
     )
 
-from smpckpt.planners._entries import ObjectBytes
+from smpckpt.planners._entries import ObjectBytes, likely_causes
 from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
 from smpckpt.planners.save import ParallelSavePlanner, SaveReport
 
-__all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes"]
+__all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes", "likely_causes"]

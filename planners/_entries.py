@@ -10,7 +10,7 @@ import dataclasses
 import fnmatch
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,6 +27,7 @@ from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
 __all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries", "TiedLoads"]
+__all__ += ["likely_causes"]
 
 
 Kind = Literal["tensor", "dtensor", "object"]
@@ -547,3 +548,20 @@ def gather_ties(plans: list[SavePlan]) -> dict[str, str]:
                     f"tensor of its own on rank {i}: tie (or untie) parameters alike on every rank"
                 )
     return {alias: first for alias, (first, _) in tied.items()}
+
+
+def likely_causes(keys: Sequence[str], saved: Iterable[str]) -> str:
+    """(error path) The two common causes of a long list of missing or unexpected keys, when they match
+    (``saved``: the checkpoint's keys, or those of them no rank loads)."""
+    notes = []
+    if any(k.rsplit(".", 1)[-1] == "initial_lr" for k in keys):
+        notes.append(
+            "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume "
+            "exactly when the saving run had built it before the save"
+        )
+    if any(re.search(r"(^|\.)param_groups\.\d+\.lr$", k) for k in saved):  # a list of groups, not by parameter
+        notes.append(
+            "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict "
+            "gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
+        )
+    return "; likely cause: " + "; ".join(notes) if notes else ""

@@ -57,6 +57,7 @@ from smpckpt.planners._entries import (
     ObjectBytes,
     TiedLoads,
     compile_globs,
+    likely_causes,
     set_at_path,
     tied_entries,
 )
@@ -168,6 +169,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+        self._numbers: dict[str, type] = {}  # keys read as 0-d tensors into a number's place: its type
         _refuse_raw_without_our_reader(metadata)
         record = LayoutRecord.from_metadata(metadata)
         #: checkpoint keys stored once under another key (read from that key's bytes)
@@ -207,17 +209,10 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             if md is None:
                 missing.append(entry.key)
                 continue
-            if entry.kind == "object":
-                if not isinstance(md, BytesStorageMetadata):
-                    raise LayoutMismatch(
-                        f"{entry.key}: the checkpoint holds a tensor {tuple(md.size)} there but the state dict "
-                        f"holds a {type(entry.value).__name__}"
-                    )
-                index = MetadataIndex(entry.key)
-                items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
-                continue
-            if not isinstance(md, TensorStorageMetadata):
-                raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
+            if entry.kind == "object" or not isinstance(md, TensorStorageMetadata):
+                entry, md = self._object_read(entry, md, items)
+                if entry is None:
+                    continue
             entry, md = self._check_tensor(entry, md, cast)
             chunk = entry.chunk
             assert chunk is not None
@@ -254,6 +249,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
                 + _nesting_mismatches(missing, md_all)
+                + likely_causes(missing, md_all)
             )
         ties.count(items)
         shared.count(items)
@@ -399,6 +395,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to ignore them)"
+                + likely_causes(unexpected, self.metadata.state_dict_metadata)
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
@@ -481,7 +478,20 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
                 "allow_pickle=True only if you trust this checkpoint."
             ) from exc
-        set_at_path(self.state_dict, entry.path, obj)
+        if entry.kind == "object":
+            set_at_path(self.state_dict, entry.path, obj)
+            return
+        # a 0-d tensor destination (create_local_plan): a number its dtype holds exactly, or any number
+        # with allow_dtype_cast (a tensor's cast), checked only here, once the value is read
+        number = obj if type(obj) in (int, float) else None
+        if number is None:
+            raise LayoutMismatch(f"{entry.key}: the checkpoint holds a {type(obj).__name__} there, not a tensor")
+        if not self.allow_dtype_cast and torch.tensor(number, dtype=entry.value.dtype).item() != number:
+            raise LayoutMismatch(
+                f"{entry.key}: the checkpoint holds the number {number!r} there, which a {entry.value.dtype} 0-d "
+                "tensor does not hold exactly (pass allow_dtype_cast=True to convert)"
+            )
+        entry.value.fill_(number)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """(all ranks, from the storage reader) The destination view of one read."""
@@ -494,6 +504,40 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         read into scratch and written, then checked, once all of them are in (``_shared``)."""
         self._ties.committed(read_item, self.entries, self.rank)
         self._shared.committed(read_item, self.entries, self.rank)
+        live = self._numbers.get(read_item.dest_index.fqn) if self._numbers else None
+        if live is not None:  # a 0-d tensor into a number's place: exact, or cast with allow_dtype_cast
+            entry = self.entries[read_item.dest_index.fqn]
+            value = entry.value.item()
+            if type(value) not in (int, float) or (live(value) != value and not self.allow_dtype_cast):
+                raise LayoutMismatch(
+                    f"{entry.key}: the checkpoint holds a {entry.value.dtype} 0-d tensor {value!r} there, which the "
+                    f"state dict's {live.__name__} does not hold exactly (pass allow_dtype_cast=True to convert)"
+                )
+            set_at_path(self.state_dict, entry.path, live(value))
+
+    def _object_read(self, entry: Entry, md: Any, items: list[ReadItem]) -> tuple[Any, Any]:
+        """An object's read (appended to ``items``; ``(None, None)`` returned), or the entry and metadata to
+        plan a tensor read from: a 0-d tensor saved where the state dict holds a number (a custom
+        optimizer's Python ``step``) is read into scratch of the saved dtype, set as a number by
+        ``commit_tensor``; a number saved where the state dict holds a 0-d tensor (a Python ``step``: older
+        torch, custom optimizers) is read as an object, converted by ``load_bytes``."""
+        saved_object = isinstance(md, BytesStorageMetadata)
+        if entry.kind == "object" and not saved_object and type(entry.value) in (int, float) and not md.size:
+            self._numbers[entry.key] = type(entry.value)
+            none, value = torch.Size(()), torch.empty((), dtype=md.properties.dtype)
+            entry = dataclasses.replace(entry, kind="tensor", value=value, chunk=ChunkStorageMetadata(none, none))
+            self.entries[entry.key] = entry = dataclasses.replace(entry, global_shape=none)
+            return entry, md
+        if entry.kind == "object" and not saved_object:
+            raise LayoutMismatch(
+                f"{entry.key}: the checkpoint holds a tensor {tuple(md.size)} there but the state dict "
+                f"holds a {type(entry.value).__name__}"
+            )
+        if entry.kind != "object" and (entry.kind != "tensor" or entry.value.dim() or entry.key in self._shared.dest):
+            raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
+        index = MetadataIndex(entry.key)
+        items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
+        return None, None
 
 
 def _exact_chunk(

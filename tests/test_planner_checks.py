@@ -80,6 +80,36 @@ def test_forgotten_spec_with_uneven_shards_is_caught():
         save(sds, TP2)
 
 
+def test_uneven_zero_pieces_without_sizes_are_refused_by_key_and_shapes():
+    """ZeRO pieces of 4 and 3 rows saved without ``sizes=``: each rank takes its piece's extent times the
+    degree as the global one (8 vs 6); the refusal names the key, both global shapes and their ranks."""
+    full = torch.arange(7.0)
+    sds = [{"optim.state.w.exp_avg": full[:4].clone()}, {"optim.state.w.exp_avg": full[4:].clone()}]
+    with pytest.raises(ReplicaMismatch) as err:
+        save(sds, ParallelLayout(dp=2), {"optim.state.w.exp_avg": ShardSpec(0, axis="dp")})
+    assert "'optim.state.w.exp_avg': global shape (8,) on ranks [0], (6,) on ranks [1]" in str(err.value)
+    assert "sizes=" in str(err.value) and "empty piece" in str(err.value)
+    store, _ = save(sds, ParallelLayout(dp=2), {"optim.state.w.exp_avg": ShardSpec(0, axis="dp", sizes=(4, 3))})
+    back = {"optim.state.w.exp_avg": torch.zeros(7)}
+    load([back], ParallelLayout(), store)
+    assert torch.equal(back["optim.state.w.exp_avg"], full)
+
+
+def test_a_zero_rank_holding_no_piece_must_hold_an_empty_one_and_the_step():
+    """A DP rank owning none of a parameter still holds its state keys: an empty piece and the 0-d step
+    (without them the ranks disagree on the keys; with them the state saves and loads bit-exactly)."""
+    spec = {"s.a.exp_avg": ShardSpec(0, axis="dp", sizes=(7, 0))}
+    a = torch.arange(7.0)
+    sds = [{"s.a.exp_avg": a.clone(), "s.a.step": torch.tensor(2.0)}, {}]
+    with pytest.raises(ReplicaMismatch, match=r"ranks \[0\] hold 2 .*ranks \[1\] hold 0.*empty piece.*0-d step"):
+        save(sds, ParallelLayout(dp=2), spec)
+    sds[1] = {"s.a.exp_avg": torch.zeros(0), "s.a.step": torch.tensor(2.0)}
+    store, _ = save(sds, ParallelLayout(dp=2), spec)
+    back = {"s.a.exp_avg": torch.zeros(7), "s.a.step": torch.tensor(0.0)}
+    load([back], ParallelLayout(), store)
+    assert torch.equal(back["s.a.exp_avg"], a) and torch.equal(back["s.a.step"], torch.tensor(2.0))
+
+
 def test_per_rank_tensors_need_rank_local():
     sds = [{"w": torch.ones(2), f"rng.rank{r}": torch.tensor([r])} for r in range(2)]
     with pytest.raises(ReplicaMismatch, match="rank_local"):

@@ -33,7 +33,7 @@ from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
-from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = [
@@ -591,9 +591,8 @@ def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list
 
     parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
     parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
-    parts += [f"left unloaded by the translate_function (dropped, or not in the model): {show(dropped)}"] * bool(
-        dropped
-    )
-    message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
+    dropped_by = "left unloaded by the translate_function (dropped, or not in the model)"
+    parts += [f"{dropped_by}: {show(dropped)}"] if dropped else []
+    message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + likely_causes(kept + unexpected, unexpected)
     log.warning(message)
     warnings.warn(message, stacklevel=7)  # the caller's frame: all_ok, its lambda, skipped_keys, _resume, resume

@@ -4,6 +4,7 @@ rejects is flagged at save time; the unexpected-keys hint names the API's own sw
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -280,3 +281,108 @@ def test_a_one_element_tensor_into_a_0_d_destination_is_refused_by_name(
     with pytest.raises(LayoutMismatch, match=r"s: the checkpoint holds global shape \(1,\) but .* implies \(\)"):
         resume_from_checkpoint(str(tmp_path), "t", model=dest, partial=partial, strict=strict)
     assert torch.equal(dest.s.detach(), torch.tensor(-1.0))
+
+
+@pytest.mark.parametrize("as_number", [int, float])
+def test_a_step_saved_as_a_python_number_resumes_into_a_tensor_step(tmp_path: Any, as_number: type) -> None:
+    """Adam's ``step`` saved as a Python number (older torch, custom optimizers) resumes into torch 2.x's
+    0-d tensor step: an exact conversion (the next ``step()`` equals torch's ``load_state_dict``); a value
+    the destination's dtype cannot hold exactly is refused naming the key, or cast with allow_dtype_cast."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    for _ in range(3):
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for s in opt.state.values():
+        s["step"] = as_number(s["step"].item())
+    save_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    m2, m3 = nn.Linear(3, 2), copy.deepcopy(m)
+    opt2, opt3 = torch.optim.Adam(m2.parameters(), lr=0.1), torch.optim.Adam(m3.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "s", model=m2, optimizer=opt2)
+    opt3.load_state_dict(opt.state_dict())
+    assert all(torch.equal(s["step"], torch.tensor(3.0)) for s in opt2.state.values())
+    x = torch.randn(4, 3)
+    for mm, oo in ((m2, opt2), (m3, opt3)):
+        mm(x).sum().backward()
+        oo.step()
+    assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), m3.parameters()))
+    for s in opt.state.values():
+        s["step"] = as_number(2**24 + 1)  # no float32 holds it
+    save_checkpoint(str(tmp_path), "big", model=m, optimizer=opt)
+    with pytest.raises(LayoutMismatch, match=r"optim\.state\.\S*step: the checkpoint holds the number 16777217"):
+        resume_from_checkpoint(str(tmp_path), "big", model=m2, optimizer=opt2)
+    resume_from_checkpoint(str(tmp_path), "big", model=m2, optimizer=opt2, allow_dtype_cast=True)
+    assert all(torch.equal(s["step"], torch.tensor(2**24 + 1).float()) for s in opt2.state.values())
+
+
+def test_strict_refusals_hint_at_a_scheduler_and_at_unflattened_optimizer_state(tmp_path: Any) -> None:
+    """strict=True lists the keys; it also names the two common causes when they match: a scheduler's
+    ``initial_lr`` (built before the resume but not before the save) and optimizer state saved unflattened by
+    stock DCP (param groups as a list)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m = nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    save_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds initial_lr to the param groups
+    with pytest.raises(LayoutMismatch, match=r"param_groups\.weight\.initial_lr.*LR scheduler adds initial_lr"):
+        resume_from_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    save_checkpoint(str(tmp_path), "t", model=m, optimizer=opt)  # and the reverse: saved with initial_lr
+    with pytest.raises(LayoutMismatch, match=r"loaded by no rank: .*initial_lr.*LR scheduler adds initial_lr"):
+        resume_from_checkpoint(str(tmp_path), "t", model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.1))
+    msd, osd = get_state_dict(m, opt)  # DCP's default: param groups a list, not flattened
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "stock_partial"), no_dist=True)
+    with pytest.raises(LayoutMismatch, match=r"param_groups\.weight\.lr.*flatten_optimizer_state_dict=True"):
+        resume_from_checkpoint(str(tmp_path), "stock", model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"strict=False skipped keys; .*flatten_optimizer_state_dict=True"):
+        resume_from_checkpoint(str(tmp_path), "stock", model=m, optimizer=opt, strict=False)
+
+
+class _IntStepSGD(torch.optim.SGD):
+    """A custom optimizer keeping its ``step`` as a Python int (as some do, e.g. Hugging Face's Adafactor)."""
+
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+        return loss
+
+
+def test_a_tensor_step_resumes_into_a_python_number_step(tmp_path: Any) -> None:
+    """A 0-d tensor ``step`` saved where the live optimizer holds a Python number resumes as a number of the
+    live type when exact (a float64 7.0 into an int step); 7.5 into an int is refused naming the key, and
+    cast with allow_dtype_cast."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = _IntStepSGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    for s in opt.state.values():
+        s["step"] = torch.tensor(7.0, dtype=torch.float64)
+    save_checkpoint(str(tmp_path), "s", model=m, optimizer=opt)
+    m2 = copy.deepcopy(m)
+    opt2 = _IntStepSGD(m2.parameters(), lr=0.1, momentum=0.9)
+    m2(torch.randn(4, 3)).sum().backward()
+    opt2.step()
+    resume_from_checkpoint(str(tmp_path), "s", model=m2, optimizer=opt2)
+    steps = [s["step"] for s in opt2.state.values()]
+    assert steps == [7, 7] and all(type(s) is int for s in steps)
+    assert all(
+        torch.equal(opt2.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+        for p, q in zip(m.parameters(), m2.parameters())
+    )
+    for s in opt.state.values():
+        s["step"] = torch.tensor(7.5, dtype=torch.float64)
+    save_checkpoint(str(tmp_path), "half", model=m, optimizer=opt)
+    with pytest.raises(
+        LayoutMismatch, match=r"optim\.state\.\S*step: the checkpoint holds a torch\.float64 0-d tensor 7\.5"
+    ):
+        resume_from_checkpoint(str(tmp_path), "half", model=m2, optimizer=opt2)
+    resume_from_checkpoint(str(tmp_path), "half", model=m2, optimizer=opt2, allow_dtype_cast=True)
+    assert [s["step"] for s in opt2.state.values()] == [7, 7]

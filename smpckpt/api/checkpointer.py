@@ -267,7 +267,9 @@ class Checkpointer:
         def check() -> tuple[tuple[CommonRequest, Any], dict[str, Any]]:
             if self._closed:
                 raise RuntimeError(f"{self!r} is closed (close() or the end of its with block): build a new one")
-            opts = _options(options, cls)
+            if options is not None and not isinstance(options, cls):
+                raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
+            opts = cls() if options is None else options
             if ctx.world_size != self._world:
                 raise ValueError(
                     f"the process group has {ctx.world_size} ranks; this Checkpointer was built for {self._world}"
@@ -307,8 +309,9 @@ class Checkpointer:
                     "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"
                 )
         asynchronous = self.async_options.enabled if opts.async_save is None else opts.async_save
-        if asynchronous or self._tier is not None:
-            self._register_exit_wait()
+        if (asynchronous or self._tier is not None) and not self._exit_wait:
+            register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
+            self._exit_wait = True
         self._finish_others()
         if asynchronous or self._save_lane.used or self._drain_lane.used:  # one collective more, then only
             with peer_failures(ctx, action):
@@ -386,11 +389,6 @@ class Checkpointer:
             owner = lane.owner()
             if owner is not None and owner is not self and owner._root_key == self._root_key:
                 lane.wait()
-
-    def _register_exit_wait(self) -> None:
-        if not self._exit_wait:
-            register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
-            self._exit_wait = True
 
     def _resume(self, tag: Any, model: Any, optimizer: Any, options: Any, what: str) -> Any:
         # a background save may be committing, updating newest or applying retention: resume from what it
@@ -519,12 +517,6 @@ def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) ->
             else "restore it (a copy still syncing: wait), pass tag= to choose another, or remove it and newest"
         )
     )
-
-
-def _options(options: Any, cls: type[Any]) -> Any:
-    if options is not None and not isinstance(options, cls):
-        raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
-    return cls() if options is None else options
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False, tier: FastTierPart | None = None) -> None:

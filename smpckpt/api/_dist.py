@@ -419,7 +419,12 @@ def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None
 def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[bytes, bool]:
     """``(torch.save bytes, loads weights-only)``; a warning now, not at the resume, when it will not load
     weights-only (``stacklevel``: 1 is this function's caller)."""
-    data = _encode(user_content)
+    buf = io.BytesIO()
+    try:
+        torch.save(user_content, buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
+    data = buf.getvalue()
     weights_only = _loads_weights_only(data)
     if not weights_only:
         warnings.warn(
@@ -446,15 +451,6 @@ def describe_user_content(user_content: Any, pickled: bool) -> dict[str, Any]:
     """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)."""
     keys = [str(k) for k in user_content] if isinstance(user_content, Mapping) else None
     return {"user_content_type": type(user_content).__name__, "user_content_keys": keys, PICKLED_KEY: pickled}
-
-
-def _encode(value: Any) -> bytes:
-    buf = io.BytesIO()
-    try:
-        torch.save(value, buf)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
-    return buf.getvalue()
 
 
 def _loads_weights_only(data: bytes) -> bool:

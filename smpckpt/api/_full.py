@@ -130,8 +130,6 @@ def save_full(
     planners: PlannerCache,
 ) -> str:
     """(all ranks, arguments compared) The full save of ``tag`` into ``url``; returns the folder."""
-    if common.model is None:
-        raise ValueError("a full checkpoint of the live state needs model=: it holds the model's weights")
     if opts.include_optimizer and not common.optimizers:
         raise ValueError("include_optimizer=True needs optimizer=")
     # a transformers model (found without importing transformers): its class name is what save_pretrained

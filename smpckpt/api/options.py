@@ -58,13 +58,6 @@ class _Options:
             if isinstance(f.default, bool):
                 check_flag(f.name, getattr(self, f.name))
 
-    def given(self) -> list[str]:
-        return [
-            f.name
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if f.init and (f.default is dataclasses.MISSING or getattr(self, f.name) != f.default)
-        ]
-
     def compared(self) -> dict[str, Any]:
         """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
         return {
@@ -426,7 +419,9 @@ class ResumeOptions(_Options):
                 raise TypeError("translate_function must be callable (state_dict -> state_dict)")
             return
         _check_translation(self.translate_function, "with partial=False, ")
-        wrong = [name for name in ("missing_ok", "load_rng") if name in self.given()]
+        wrong = [
+            name for name, default in (("missing_ok", False), ("load_rng", True)) if getattr(self, name) != default
+        ]
         if wrong:
             verb = "applies" if len(wrong) == 1 else "apply"
             raise ValueError(f"{', '.join(wrong)} {verb} only to partial checkpoints (partial=True)")

@@ -152,9 +152,6 @@ class OtherJob:
     root: str  #: the durable root it belongs to, as recorded
     tags: tuple[str, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
     """The other jobs' folders in ``dirs`` (and tag folders an smpckpt without job folders left directly

@@ -5,7 +5,7 @@ committed smpckpt/DCP folder: ``model.*``, ``optim.*``, ``rng.rank<r>.*``, ``use
 whose "extra" holds the layout and the API record) and ``{path}/{tag}/`` (a full artifact).
 
 Every call first compares its tag and options (one digest) across ranks; the steps live in ``_save``,
-``_resume``, ``_full``, ``_fast_save`` and ``_fast_resume`` (each says which rank does what).
+``_resume``, ``_fast_save`` and ``_fast_resume`` (each says which rank does what).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from smpckpt.api._async import (
 )
 from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_failures
 from smpckpt.api._fast_save import FastTierPart
-from smpckpt.api._full import full_url, resume_full, save_full
 from smpckpt.api._resume import (
     InventedState,
     ResumeInfo,
@@ -48,7 +47,17 @@ from smpckpt.api._resume import (
     stateless_at_save,
     summarize,
 )
-from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
+from smpckpt.api._save import (
+    PlannerCache,
+    SaveRequest,
+    build_save_state,
+    full_url,
+    publish_newest,
+    resume_full,
+    retain,
+    save_full,
+    write_checkpoint,
+)
 from smpckpt.api.options import (
     AsyncOptions,
     ExportOptions,

@@ -266,14 +266,6 @@ def translate_dcp(
 _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
 
 
-def _is_peer_failure(exc: RuntimeError) -> bool:
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    text = str(exc).lower()
-    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
-
-
 @contextlib.contextmanager
 def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
     """A collective failing because another rank died -> :class:`CheckpointError` naming this rank and the
@@ -285,7 +277,11 @@ def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
     except OSError as exc:
         raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
-        if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
+        dist_error = getattr(torch.distributed, "DistError", None)
+        peer = (dist_error is not None and isinstance(exc, dist_error)) or any(
+            marker in str(exc).lower() for marker in _PEER_FAILURE_MARKERS
+        )
+        if not ctx.active or ctx.world_size == 1 or not peer:
             raise
         raise CheckpointError(
             f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "

@@ -321,10 +321,7 @@ class Checkpointer:
         if (asynchronous or self._tier is not None) and not self._exit_wait:
             register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
             self._exit_wait = True
-        self._finish_others()
-        if asynchronous or self._save_lane.used or self._drain_lane.used:  # one collective more, then only
-            with peer_failures(ctx, action):
-                ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, opts.wait_for_previous))
+        self._settle(ctx, action, opts.wait_for_previous, asynchronous)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc and not asynchronous):
             req = SaveRequest(
                 **common.fields(),
@@ -392,12 +389,17 @@ class Checkpointer:
             fut.add_done_callback(lambda f: pending.issued.set() if f.cancelled() else None)
         return fut
 
-    def _finish_others(self) -> None:
-        """Other Checkpointers of this root in this process finish their background work first, as jobs would."""
+    def _settle(self, ctx: DistContext, action: str, wait: bool, asynchronous: bool = False) -> None:
+        """Other Checkpointers of this root in this process finish their background work first, as jobs
+        would; then (one collective more, only once this one's lanes were used) its own save in flight is
+        waited for (``wait``; else refused) and a failure it kept raised."""
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             owner = lane.owner()
             if owner is not None and owner is not self and owner._root_key == self._root_key:
                 lane.wait()
+        if asynchronous or self._save_lane.used or self._drain_lane.used:
+            with peer_failures(ctx, action):
+                ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, wait))
 
     def _resume(self, tag: Any, model: Any, optimizer: Any, options: Any, what: str) -> Any:
         # a background save may be committing, updating newest or applying retention: resume from what it
@@ -476,10 +478,7 @@ class Checkpointer:
                 raise ValueError(
                     "export of the committed checkpoint (no model=) needs out=: the folder of the artifact"
                 )
-        self._finish_others()
-        if self._save_lane.used or self._drain_lane.used:
-            with peer_failures(ctx, action):
-                ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, True))
+        self._settle(ctx, action, True)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if common.model is None and out is not None:  # no model and no out was refused above
                 dest = out

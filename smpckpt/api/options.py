@@ -83,12 +83,11 @@ class Location(_Options):
         super().__post_init__()
         if not isinstance(self.path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(self.path).__name__}")
-        object.__setattr__(self, "path", os.fspath(self.path))
-        if not self.path:
+        if not os.fspath(self.path):
             raise ValueError("path must not be empty")
         # a local root is resolved once, here: a relative one followed the process's cwd at every call (a
         # chdir between saves, or before a background save wrote, put checkpoints under another root)
-        object.__setattr__(self, "path", _absolute_local(self.path))
+        object.__setattr__(self, "path", _absolute_local(os.fspath(self.path)))
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping or None, got {type(self.storage_options).__name__}")
 

@@ -12,7 +12,6 @@ option objects still work for one release, with a ``DeprecationWarning`` (``_MOV
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import os
 import types
 import warnings
@@ -332,18 +331,12 @@ def _route_keywords(
         home = _MOVED[name][0 if partial else 1]  # FastTier's are None in a full call: no fast tier there
         if not save and home in (SaveOptions, ExportOptions):
             home = ResumeOptions  # a resume's own options are all ResumeOptions'
-        if home is None and value == _default(_MOVED[name][1 if partial else 0], name):
-            continue  # the other mode's keyword at its default: nothing asked of this mode (as smp accepts it)
+        # the other mode's keyword at its default (a dataclass's class attribute; None where it has none, as
+        # the old keywords had): nothing asked of this mode (as smp accepts it)
+        if home is None and value == getattr(_MOVED[name][1 if partial else 0], name, None):
+            continue
         keywords.setdefault(home, {})[name] = value
     wrong = list(keywords.pop(None, {}))
     if wrong:
         verb, kind = "applies" if len(wrong) == 1 else "apply", "full" if partial else "partial"
         raise ValueError(f"{', '.join(wrong)} {verb} only to {kind} checkpoints (partial={not partial})")
-
-
-def _default(cls: type | None, name: str) -> Any:
-    """The default of option ``name`` in ``cls`` (``None`` where it has none, as the old keywords had)."""
-    for f in dataclasses.fields(cls) if cls is not None and dataclasses.is_dataclass(cls) else ():
-        if f.name == name:
-            return None if f.default is dataclasses.MISSING else f.default
-    return None

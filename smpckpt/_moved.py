@@ -31,7 +31,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "tools._tiers": "tools._tier_verify",
         "storage.tier.writer": "storage.tier.stream",
         "storage.tier.reader": "storage.tier.transfer",
-        "api._save": "api._planner_reuse _planner_reuse _save",
+        "api._save": "api._planner_reuse _planner_reuse _save api._full _full",
         "storage.backends._fs": (
             "storage.backends._errors storage.backends._location storage.backends._threads "
             "storage.backends._page_cache storage.backends._prefixes storage._fs storage._errors storage._prefixes "
@@ -58,7 +58,6 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "model.translation": "translation model._translation_checks",
         "model._translation_algebra": "_translation_algebra",
         "api._async": "_async api._staging",
-        "api._full": "_full",
         "api._resume": "_resume",
         "catalog._debris": "_debris",
         "tools.cli": "cli _cli_maintain tools._maintain",

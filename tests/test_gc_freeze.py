@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-import smpckpt.api._full
 import smpckpt.api._resume
 import smpckpt.api._save
 from smpckpt import CheckpointExists, resume_from_checkpoint, save_checkpoint

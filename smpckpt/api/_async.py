@@ -72,7 +72,7 @@ class Lane:
             collections.deque()
         )
         self._thread: LaneThread | None = None  #: the thread running the lane's work, while it runs
-        self._used = False
+        self.used = False  #: work was ever submitted (then every save checks on this lane first)
         self._stopping = False
         self.fut: concurrent.futures.Future[None] | None = None  #: the last work submitted
         self.tag = ""  #: its tag
@@ -81,11 +81,6 @@ class Lane:
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _forget_lane(ref))
-
-    @property
-    def used(self) -> bool:
-        """Whether work was ever submitted (then every save checks on this lane first)."""
-        return self._used
 
     @property
     def running(self) -> bool:
@@ -100,7 +95,7 @@ class Lane:
                 thread = LaneThread(self)
                 thread.start()  # kept only once started: stop(join=True) must never join one that is not
                 self._thread = thread
-            self._used = True
+            self.used = True
             self._queue.append((tag, work, fut))
             self.fut, self.tag, self.submitted = fut, tag, time.monotonic()
             self._cond.notify()
@@ -150,7 +145,7 @@ class Lane:
         future, so a child that waited for it (at exit, or in its own save) would hang."""
         self._cond = threading.Condition()  # the parent's may have been held by a thread that is gone
         self._queue.clear()
-        self._thread, self.fut, self.failed, self._used = None, None, None, False
+        self._thread, self.fut, self.failed, self.used = None, None, None, False
 
 
 def _forget_lane(ref: weakref.ref[Lane]) -> None:

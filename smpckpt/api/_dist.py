@@ -266,14 +266,6 @@ def translate_dcp(
 _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
 
 
-def _is_peer_failure(exc: RuntimeError) -> bool:
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    text = str(exc).lower()
-    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
-
-
 @contextlib.contextmanager
 def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
     """A collective failing because another rank died -> :class:`CheckpointError` naming this rank and the
@@ -285,7 +277,11 @@ def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
     except OSError as exc:
         raise CheckpointError(f"{action} failed: {type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:
-        if not ctx.active or ctx.world_size == 1 or not _is_peer_failure(exc):
+        dist_error = getattr(torch.distributed, "DistError", None)
+        peer = (dist_error is not None and isinstance(exc, dist_error)) or any(
+            marker in str(exc).lower() for marker in _PEER_FAILURE_MARKERS
+        )
+        if not ctx.active or ctx.world_size == 1 or not peer:
             raise
         raise CheckpointError(
             f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
@@ -419,7 +415,12 @@ def _taken_as_is(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterator[None
 def encode_user_content(user_content: Any, *, stacklevel: int = 1) -> tuple[bytes, bool]:
     """``(torch.save bytes, loads weights-only)``; a warning now, not at the resume, when it will not load
     weights-only (``stacklevel``: 1 is this function's caller)."""
-    data = _encode(user_content)
+    buf = io.BytesIO()
+    try:
+        torch.save(user_content, buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
+    data = buf.getvalue()
     weights_only = _loads_weights_only(data)
     if not weights_only:
         warnings.warn(
@@ -446,15 +447,6 @@ def describe_user_content(user_content: Any, pickled: bool) -> dict[str, Any]:
     """What the manifest records of ``user_content`` (``smpckpt inspect`` shows it without loading it)."""
     keys = [str(k) for k in user_content] if isinstance(user_content, Mapping) else None
     return {"user_content_type": type(user_content).__name__, "user_content_keys": keys, PICKLED_KEY: pickled}
-
-
-def _encode(value: Any) -> bytes:
-    buf = io.BytesIO()
-    try:
-        torch.save(value, buf)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise TypeError(f"user_content cannot be serialised with torch.save: {exc}") from exc
-    return buf.getvalue()
 
 
 def _loads_weights_only(data: bytes) -> bool:

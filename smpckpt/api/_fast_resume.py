@@ -214,10 +214,21 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             if attempt is None:
                 break
             try:
-                loaded = _load_fast(req, ctx, choice, attempt, target, manifest, part)
+                part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
+                rng, state = resume_state(req, target, ctx)
+                reader = fast_reader(req, target, choice, attempt, *manifest)
+                loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
+                part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
             except Exception as exc:  # every rank: a warning made an error is rank 0's, a CheckpointError elsewhere
                 first = exc
-                if _callers_fault(choice, exc):
+                # (one collective) the caller's state does not fit the save (layout, specs, allow_pickle), or
+                # not a checkpoint's failure (a warning a filter made an error, on rank 0 alone: the others hold
+                # a CheckpointError naming it): raised on every rank alike, not fallen back from (rank 0 alone
+                # leaving made the others wait here: rev60d F1)
+                mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint)) or not isinstance(
+                    exc, CheckpointError
+                )
+                if any(DistContext(choice.group).all_ok_values(functools.partial(bool, mine))):
                     raise
                 continue
             durable = choice.durable
@@ -249,15 +260,6 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     return loaded
 
 
-def _callers_fault(choice: TierChoice, exc: Exception) -> bool:
-    """(all ranks, one collective) Whether the load failed on any rank because the caller's state does not
-    fit the save (layout, specs, ``allow_pickle``), or not as a checkpoint's failure (a warning a filter
-    made an error, on rank 0 alone: the others hold a CheckpointError naming it): raised on every rank
-    alike, not fallen back from (rank 0 alone leaving made the others wait here: rev60d F1)."""
-    mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint)) or not isinstance(exc, CheckpointError)
-    return any(DistContext(choice.group).all_ok_values(lambda: mine))
-
-
 def _manifest_of(ctx: DistContext, choice: TierChoice, cand: FastCandidate) -> tuple[Manifest, int] | None:
     """(all ranks, one broadcast) ``cand``'s manifest and its size in bytes, from the first rank whose
     node committed it; ``None`` when it changed since the listing (removed by another process of the job?)."""
@@ -268,23 +270,6 @@ def _manifest_of(ctx: DistContext, choice: TierChoice, cand: FastCandidate) -> t
     if data is None or hash_bytes(data) != cand.digest:
         return None
     return Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}"), len(data)
-
-
-def _load_fast(
-    req: ResumeRequest,
-    ctx: DistContext,
-    choice: TierChoice,
-    cand: FastCandidate,
-    target: Target,
-    manifest: tuple[Manifest, int],
-    part: FastTierPart,
-) -> Loaded:
-    part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once the state is applied
-    rng, state = resume_state(req, target, ctx)
-    reader = fast_reader(req, target, choice, cand, *manifest)
-    loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
-    part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
-    return loaded
 
 
 def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size: int) -> tuple[Transfer, ...]:

@@ -12,11 +12,10 @@ option objects still work for one release, with a ``DeprecationWarning`` (``_MOV
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import os
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -278,14 +277,13 @@ def _checkpointer(
         if held._rebind_sharding(sharding):
             ckpt = held
             model.__dict__[_KEPT] = _Kept(ckpt, key)
-    if ckpt is None:
-        ckpt = _replace(
-            kept if isinstance(kept, _Kept) else None,
-            key,
-            lambda: Checkpointer(
-                location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options
-            ),
-        )
+    if ckpt is None:  # a new one in place of the one kept, which is waited for first; of the same root, it
+        # carries its save numbers and a roll-back it resumed over
+        if held is not None:
+            held.wait()
+        ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
+        if held is not None and held_key[:2] == key[:2]:
+            ckpt._counter.adopt(held._counter)
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     elif save and ckpt.retention != retention:
@@ -301,18 +299,6 @@ def _inner(model: Any) -> Any:
             break
         model = model._orig_mod if type(model).__name__ == "OptimizedModule" else model.module
     return model
-
-
-def _replace(kept: _Kept | None, key: tuple[Any, ...], build: Callable[[], Checkpointer]) -> Checkpointer:
-    """A Checkpointer in place of the one kept on the model, which is waited for first; of the same root,
-    it carries its save numbers and a roll-back it resumed over."""
-    old = kept.checkpointer if kept is not None else None
-    if old is not None:
-        old.wait()
-    ckpt = build()
-    if kept is not None and old is not None and kept.key[:2] == key[:2]:
-        ckpt._counter.adopt(old._counter)
-    return ckpt
 
 
 def _option_objects(options: Any, allowed: tuple[type, ...], call: type, partial: bool) -> dict[type, Any]:
@@ -342,27 +328,15 @@ def _route_keywords(
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
     for name, value in moved.items():
-        home = _MOVED[name][0 if partial else 1]
-        if not save:  # a resume's own options are all ResumeOptions'; no fast tier for a full artifact
-            home = (
-                ResumeOptions
-                if home in (SaveOptions, ExportOptions)
-                else None
-                if home is FastTier and not partial
-                else home
-            )
-        if home is None and value == _default(_MOVED[name][1 if partial else 0], name):
-            continue  # the other mode's keyword at its default: nothing asked of this mode (as smp accepts it)
+        home = _MOVED[name][0 if partial else 1]  # FastTier's are None in a full call: no fast tier there
+        if not save and home in (SaveOptions, ExportOptions):
+            home = ResumeOptions  # a resume's own options are all ResumeOptions'
+        # the other mode's keyword at its default (a dataclass's class attribute; None where it has none, as
+        # the old keywords had): nothing asked of this mode (as smp accepts it)
+        if home is None and value == getattr(_MOVED[name][1 if partial else 0], name, None):
+            continue
         keywords.setdefault(home, {})[name] = value
     wrong = list(keywords.pop(None, {}))
     if wrong:
         verb, kind = "applies" if len(wrong) == 1 else "apply", "full" if partial else "partial"
         raise ValueError(f"{', '.join(wrong)} {verb} only to {kind} checkpoints (partial={not partial})")
-
-
-def _default(cls: type | None, name: str) -> Any:
-    """The default of option ``name`` in ``cls`` (``None`` where it has none, as the old keywords had)."""
-    for f in dataclasses.fields(cls) if cls is not None and dataclasses.is_dataclass(cls) else ():
-        if f.name == name:
-            return None if f.default is dataclasses.MISSING else f.default
-    return None

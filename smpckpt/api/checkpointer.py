@@ -5,7 +5,7 @@ committed smpckpt/DCP folder: ``model.*``, ``optim.*``, ``rng.rank<r>.*``, ``use
 whose "extra" holds the layout and the API record) and ``{path}/{tag}/`` (a full artifact).
 
 Every call first compares its tag and options (one digest) across ranks; the steps live in ``_save``,
-``_resume``, ``_full``, ``_fast_save`` and ``_fast_resume`` (each says which rank does what).
+``_resume``, ``_fast_save`` and ``_fast_resume`` (each says which rank does what).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from smpckpt.api._async import (
 )
 from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_failures
 from smpckpt.api._fast_save import FastTierPart
-from smpckpt.api._full import full_url, resume_full, save_full
 from smpckpt.api._resume import (
     InventedState,
     ResumeInfo,
@@ -48,7 +47,17 @@ from smpckpt.api._resume import (
     stateless_at_save,
     summarize,
 )
-from smpckpt.api._save import PlannerCache, SaveRequest, build_save_state, publish_newest, retain, write_checkpoint
+from smpckpt.api._save import (
+    PlannerCache,
+    SaveRequest,
+    build_save_state,
+    full_url,
+    publish_newest,
+    resume_full,
+    retain,
+    save_full,
+    write_checkpoint,
+)
 from smpckpt.api.options import (
     AsyncOptions,
     ExportOptions,
@@ -267,7 +276,9 @@ class Checkpointer:
         def check() -> tuple[tuple[CommonRequest, Any], dict[str, Any]]:
             if self._closed:
                 raise RuntimeError(f"{self!r} is closed (close() or the end of its with block): build a new one")
-            opts = _options(options, cls)
+            if options is not None and not isinstance(options, cls):
+                raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
+            opts = cls() if options is None else options
             if ctx.world_size != self._world:
                 raise ValueError(
                     f"the process group has {ctx.world_size} ranks; this Checkpointer was built for {self._world}"
@@ -307,12 +318,10 @@ class Checkpointer:
                     "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"
                 )
         asynchronous = self.async_options.enabled if opts.async_save is None else opts.async_save
-        if asynchronous or self._tier is not None:
-            self._register_exit_wait()
-        self._finish_others()
-        if asynchronous or self._save_lane.used or self._drain_lane.used:  # one collective more, then only
-            with peer_failures(ctx, action):
-                ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, opts.wait_for_previous))
+        if (asynchronous or self._tier is not None) and not self._exit_wait:
+            register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
+            self._exit_wait = True
+        self._settle(ctx, action, opts.wait_for_previous, asynchronous)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc and not asynchronous):
             req = SaveRequest(
                 **common.fields(),
@@ -380,17 +389,17 @@ class Checkpointer:
             fut.add_done_callback(lambda f: pending.issued.set() if f.cancelled() else None)
         return fut
 
-    def _finish_others(self) -> None:
-        """Other Checkpointers of this root in this process finish their background work first, as jobs would."""
+    def _settle(self, ctx: DistContext, action: str, wait: bool, asynchronous: bool = False) -> None:
+        """Other Checkpointers of this root in this process finish their background work first, as jobs
+        would; then (one collective more, only once this one's lanes were used) its own save in flight is
+        waited for (``wait``; else refused) and a failure it kept raised."""
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             owner = lane.owner()
             if owner is not None and owner is not self and owner._root_key == self._root_key:
                 lane.wait()
-
-    def _register_exit_wait(self) -> None:
-        if not self._exit_wait:
-            register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
-            self._exit_wait = True
+        if asynchronous or self._save_lane.used or self._drain_lane.used:
+            with peer_failures(ctx, action):
+                ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, wait))
 
     def _resume(self, tag: Any, model: Any, optimizer: Any, options: Any, what: str) -> Any:
         # a background save may be committing, updating newest or applying retention: resume from what it
@@ -469,10 +478,7 @@ class Checkpointer:
                 raise ValueError(
                     "export of the committed checkpoint (no model=) needs out=: the folder of the artifact"
                 )
-        self._finish_others()
-        if self._save_lane.used or self._drain_lane.used:
-            with peer_failures(ctx, action):
-                ctx.all_ok(lambda: check_previous(self._save_lane, self._drain_lane, True))
+        self._settle(ctx, action, True)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if common.model is None and out is not None:  # no model and no out was refused above
                 dest = out
@@ -519,12 +525,6 @@ def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) ->
             else "restore it (a copy still syncing: wait), pass tag= to choose another, or remove it and newest"
         )
     )
-
-
-def _options(options: Any, cls: type[Any]) -> Any:
-    if options is not None and not isinstance(options, cls):
-        raise TypeError(f"options must be a smpckpt.{cls.__name__}, got {type(options).__name__}")
-    return cls() if options is None else options
 
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False, tier: FastTierPart | None = None) -> None:

@@ -58,13 +58,6 @@ class _Options:
             if isinstance(f.default, bool):
                 check_flag(f.name, getattr(self, f.name))
 
-    def given(self) -> list[str]:
-        return [
-            f.name
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if f.init and (f.default is dataclasses.MISSING or getattr(self, f.name) != f.default)
-        ]
-
     def compared(self) -> dict[str, Any]:
         """The fields every rank must pass alike, by name (picklable stand-ins where ``same`` says)."""
         return {
@@ -90,12 +83,11 @@ class Location(_Options):
         super().__post_init__()
         if not isinstance(self.path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(self.path).__name__}")
-        object.__setattr__(self, "path", os.fspath(self.path))
-        if not self.path:
+        if not os.fspath(self.path):
             raise ValueError("path must not be empty")
         # a local root is resolved once, here: a relative one followed the process's cwd at every call (a
         # chdir between saves, or before a background save wrote, put checkpoints under another root)
-        object.__setattr__(self, "path", _absolute_local(self.path))
+        object.__setattr__(self, "path", _absolute_local(os.fspath(self.path)))
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping or None, got {type(self.storage_options).__name__}")
 
@@ -426,7 +418,9 @@ class ResumeOptions(_Options):
                 raise TypeError("translate_function must be callable (state_dict -> state_dict)")
             return
         _check_translation(self.translate_function, "with partial=False, ")
-        wrong = [name for name in ("missing_ok", "load_rng") if name in self.given()]
+        wrong = [
+            name for name, default in (("missing_ok", False), ("load_rng", True)) if getattr(self, name) != default
+        ]
         if wrong:
             verb = "applies" if len(wrong) == 1 else "apply"
             raise ValueError(f"{', '.join(wrong)} {verb} only to partial checkpoints (partial=True)")

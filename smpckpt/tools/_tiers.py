@@ -152,9 +152,6 @@ class OtherJob:
     root: str  #: the durable root it belongs to, as recorded
     tags: tuple[str, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
     """The other jobs' folders in ``dirs`` (and tag folders an smpckpt without job folders left directly
@@ -343,10 +340,6 @@ class FastVerifyReport:
     files_checked: int = 0
     bytes_checked: int = 0
 
-    @property
-    def ok(self) -> bool:
-        return self.manifest is not None and not self.problems
-
 
 def verify_fast(
     dirs: Sequence[str], owner: str, tag: str, progress: Callable[[int, int], None] | None = None
@@ -517,7 +510,7 @@ def write_fast_report(fast: FastVerifyReport, out: TextIO, err: TextIO) -> int:
         out.write(text + (f"; {rep.problems} problem(s)" if rep.problems else "") + "\n")
     for warning in fast.warnings:
         err.write(f"warning: {warning}\n")
-    if fast.ok:
+    if m is not None and not fast.problems:
         out.write(
             f"OK fast tier {fast.tag}: complete; {fast.files_checked} file copies, {human(fast.bytes_checked)} "
             "(checksums verified)\n"

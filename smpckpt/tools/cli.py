@@ -105,7 +105,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 "folders": local,
                 "checkpoints": [f.to_json(mark) for f, mark in zip(fast, marks)],
                 "warnings": notes,
-                "other_jobs": [job.to_json() for job in others],
+                "other_jobs": [dataclasses.asdict(job) for job in others],
             }
             doc["resume"] = dataclasses.asdict(pick) if pick is not None else None
             doc["resume_none_because"] = why or None  # a refusal is no empty tier (rev59 F5)

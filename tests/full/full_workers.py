@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import api_workers  # noqa: E402
 import tp_model  # noqa: E402
 
-import smpckpt.api._full  # noqa: E402
+import smpckpt.api._save  # noqa: E402
 from smpckpt import ParallelLayout, ShardSpec, resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smpckpt.planners import ParallelLoadPlanner, ParallelSavePlanner  # noqa: E402
 from smpckpt.storage import (  # noqa: E402
@@ -90,7 +90,7 @@ def killed_during_save(rank: int, world: int, root: str, victim: int, when: str)
     save_checkpoint(root, "k1", partial=False, model=model, layout=layout, specs=tp_model.SPECS, user_content="k1")
     dist.barrier()
     _KillingWriter.victim, _KillingWriter.when, _KillingWriter.kill_tag = victim, when, "k2"
-    smpckpt.api._full.FullArtifactWriter = _KillingWriter  # type: ignore[misc]  # this process only
+    smpckpt.api._save.FullArtifactWriter = _KillingWriter  # type: ignore[misc]  # this process only
     _, model2, _ = tp_model.build(layout, seed=1)
     text = api_workers._expect_error(
         lambda: save_checkpoint(root, "k2", partial=False, model=model2, layout=layout, specs=tp_model.SPECS)

@@ -198,7 +198,7 @@ def test_non_tensor_optimizer_state_goes_with_the_artifact(tmp_path: Any, monkey
         got = optim_state(m2, o2)
         assert {k: v for k, v in got.items() if k.endswith(".step")} == {k: 3 for k in want if k.endswith(".step")}
         assert_state_equal(*({k: v for k, v in d.items() if k.endswith(".avg")} for d in (want, got)))
-    import smpckpt.api._full as full_api
+    import smpckpt.api._save as full_api
 
     current = full_api._tensor_state
 

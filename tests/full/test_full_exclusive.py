@@ -18,7 +18,7 @@ import torch
 from full_models import MANIFEST, MARKER, assert_models_equal, trained_model
 from safetensors.torch import load, load_file
 
-import smpckpt.api._full as full_api
+import smpckpt.api._save as full_api
 import smpckpt.storage.full._commit as full_commit
 from smpckpt import CheckpointError, CheckpointExists, resume_from_checkpoint, save_checkpoint
 from smpckpt.storage import FullArtifactWriter, open_fs, verify_checkpoint

@@ -31,7 +31,7 @@ class _DiskFullAtCommit(FullArtifactWriter):
 
 @pytest.mark.parametrize("case", ["plain", "intruder"])
 def test_failed_full_save_removes_its_artifact_only(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    import smpckpt.api._full as full_api
+    import smpckpt.api._save as full_api
 
     root = str(tmp_path)
     m, o = trained_model(0)

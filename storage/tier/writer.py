@@ -39,6 +39,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -181,24 +182,30 @@ def _as_tensor(data: memoryview | bytes) -> torch.Tensor:
 class Workers:
     """Threads one owner keeps for all its saves (module docstring, "Threads"): a task runs on an idle
     one, a thread starts only when none is idle, up to the pool's ``limit`` (asked at its first use). A
-    forked child (a DataLoader worker) gets a fresh pool: the parent's threads are not in it. Each
-    thread's :meth:`buffer` is kept until :meth:`close`, which waits for the tasks and ends the threads."""
+    forked child (a DataLoader worker) gets a fresh lock and pool: the parent's threads are not in it, and
+    one of them may have held the lock at the fork. Each thread's :meth:`buffer` is kept until
+    :meth:`close`, which waits for the tasks and ends the threads."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self._forget()
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: (w := ref()) is not None and w._forget())
+
+    def _forget(self) -> None:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pid, self._limit = 0, 0
-        self._local = threading.local()
+        self._limit, self._local = 0, threading.local()
 
     def pool(self, limit: int) -> concurrent.futures.ThreadPoolExecutor:
         """The pool, running at least ``limit`` tasks at once (a replica channel's tasks all block)."""
         with self._lock:
-            if self._pool is None or self._pid != os.getpid() or self._limit < limit:
-                if self._pool is not None and self._pid == os.getpid():
+            if self._pool is None or self._limit < limit:
+                if self._pool is not None:
                     self._pool.shutdown(wait=False)  # its idle threads end; its running tasks finish
                 self._pool = concurrent.futures.ThreadPoolExecutor(limit, thread_name_prefix=self.name)
-                self._pid, self._limit, self._local = os.getpid(), limit, threading.local()
+                self._limit, self._local = limit, threading.local()
             return self._pool
 
     def buffer(self) -> torch.Tensor:
@@ -211,7 +218,7 @@ class Workers:
     def close(self) -> None:
         with self._lock:
             pool, self._pool, self._local = self._pool, None, threading.local()
-        if pool is not None and self._pid == os.getpid():
+        if pool is not None:
             pool.shutdown(wait=True)
 
 

@@ -356,7 +356,7 @@ class Workers:
         self._forget()
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: (w := ref()) is not None and w._forget())
+            os.register_at_fork(after_in_child=lambda: _forget_workers(ref))
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
@@ -385,6 +385,13 @@ class Workers:
             pool, self._pool, self._local = self._pool, None, threading.local()
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def _forget_workers(ref: weakref.ref[Workers]) -> None:
+    """(a forked child) :meth:`Workers._forget` of the pool ``ref`` names, if it still exists."""
+    workers = ref()
+    if workers is not None:
+        workers._forget()
 
 
 FILE_RESULT_FQN = "\x00smpckpt.file"

@@ -5,7 +5,9 @@ second save, its drain), at a Llama-70B *shape* scaled down: 80 layers x 9 tenso
 head (hidden 128, KV 32, MLP 352, vocab 2048), Adam state, TP=2 x PP=2 on 4 gloo ranks (2 simulated nodes
 of 2 ranks, ``LOCAL_WORLD_SIZE=2``): ~44 MiB of state per rank. Fast tiers under ``--shm-dir``, the durable
 folder under ``--disk-dir``. ``--trim`` calls glibc's ``malloc_trim(0)`` after each save (a complement
-measured beside the fix, not in the library).
+measured beside the fix, not in the library). ``--plain``: the same saves without a fast tier (each one
+written straight to ``--disk-dir``, async, the Checkpointer keeping the 2 newest). Each row also counts the
+threads the save started (``Thread.start`` calls on each rank; none once the Checkpointer keeps them).
 
 To compare two trees side by side, run this file with ``PYTHONPATH`` at each tree's export (see
 RESULTS.md, "Resident memory across tiered saves")::
@@ -24,6 +26,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from typing import Any
@@ -77,10 +80,18 @@ def worker(rank: int, cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=cfg["init"], rank=rank, world_size=4)
     layout = ParallelLayout(tp=2, pp=2, pp_layers=(LAYERS // 2, LAYERS // 2))
     tier = smpckpt.FastTier(f"{cfg['shm']}/node{rank // 2}", replicas=2, durable_every=2, num_kept_local=2)
+    started = [0]
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started[0] += 1
+        start(thread)
+
+    threading.Thread.start = counted  # type: ignore[method-assign]
     ck = smpckpt.Checkpointer(
         cfg["durable"],
         smpckpt.Sharding(layout, SPECS),
-        fast_tier=tier,
+        fast_tier=None if cfg["plain"] else tier,
         retention=smpckpt.Retention(num_kept_partial_checkpoints=2),
         async_options=smpckpt.AsyncOptions(enabled=True),
     )
@@ -88,7 +99,7 @@ def worker(rank: int, cfg: dict[str, Any]) -> None:
     for k in range(1, cfg["saves"] + 1):
         model, opt = _state(layout, rank, k)
         dist.barrier()
-        t = time.perf_counter()
+        t, started[0] = time.perf_counter(), 0
         ck.save(f"step{k}", model, opt, user_content={"step": k})
         ck.wait()
         dist.barrier()
@@ -97,7 +108,7 @@ def worker(rank: int, cfg: dict[str, Any]) -> None:
         gc.collect()
         if cfg["trim"]:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        rows.append({"save": k, "s": dt, "rss_mib": _rss_mib()})
+        rows.append({"save": k, "s": dt, "rss_mib": _rss_mib(), "threads": started[0]})
     ck.close()
     dist.destroy_process_group()
     with open(f"{cfg['out']}.r{rank}", "w") as f:
@@ -108,6 +119,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--saves", type=int, default=16)
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) after each save (glibc)")
+    ap.add_argument("--plain", action="store_true", help="no fast tier: every save to --disk-dir")
     ap.add_argument("--shm-dir", default="/dev/shm")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir())
     ap.add_argument("--out", required=True, help="JSON path")
@@ -117,7 +129,7 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = {"init": f"tcp://127.0.0.1:{port}", "shm": shm, "durable": f"{disk}/durable", "saves": a.saves}
-    cfg |= {"trim": a.trim, "out": a.out}
+    cfg |= {"trim": a.trim, "out": a.out, "plain": a.plain}
     try:
         mp.spawn(worker, args=(cfg,), nprocs=4, join=True)
     finally:
@@ -129,12 +141,19 @@ def main() -> int:
             ranks.append(json.load(f))
         os.remove(f"{a.out}.r{r}")
     table = [
-        {"save": i + 1, "s": ranks[0][i]["s"], "rss_mib": [x[i]["rss_mib"] for x in ranks]} for i in range(a.saves)
+        {
+            "save": i + 1,
+            "s": ranks[0][i]["s"],
+            "rss_mib": [x[i]["rss_mib"] for x in ranks],
+            "threads": [x[i]["threads"] for x in ranks],
+        }
+        for i in range(a.saves)
     ]
-    print(f"smpckpt from {os.path.dirname(smpckpt.__file__)}; trim={a.trim}")
-    print(f"{'save':>4} {'time s':>7}  RSS per rank after the save (MiB)")
+    print(f"smpckpt from {os.path.dirname(smpckpt.__file__)}; trim={a.trim} plain={a.plain}")
+    print(f"{'save':>4} {'time s':>7}  RSS per rank after the save (MiB)   threads started per rank")
     for row in table:
-        print(f"{row['save']:>4} {row['s']:>7.2f}  " + " ".join(f"{m:6.0f}" for m in row["rss_mib"]))
+        rss, threads = " ".join(f"{m:6.0f}" for m in row["rss_mib"]), " ".join(f"{n:3d}" for n in row["threads"])
+        print(f"{row['save']:>4} {row['s']:>7.2f}  {rss}   {threads}")
     with open(a.out, "w") as f:
         json.dump({"argv": sys.argv, "smpckpt": smpckpt.__file__, "saves": table}, f, indent=1)
     return 0

@@ -330,7 +330,6 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         prefix_strategy="auto" if root_local else "hex",  # the durable root's names, for the drain
         durable_is_local=root_local,
     )
-    writer.pool_of = tier.memory.write_workers.pool  # the Checkpointer's threads (TierState)
     # each data file also goes to the replica ranks while it is written (not the agreements' group:
     # an async save's dcp.save runs its collectives there meanwhile)
     replicator = None

@@ -66,6 +66,7 @@ from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, probe_checkpoint
 from smpckpt.storage.write._base import FsspecWriterBase
+from smpckpt.storage.write.writer import Workers
 
 __all__ = ["SaveRequest", "manifest_extra", "build_save_state", "write_checkpoint", "run_save"]
 __all__ += ["publish_newest", "retain", "PlannerCache", "save_full", "resume_full", "full_url"]
@@ -157,6 +158,8 @@ def run_save(
     """(all ranks) ``dcp.save`` with the kept planner of ``kind``; on failure the save's files are removed
     (a retry must not find them), then our error is raised. ``dedup_tied``: leave out a head tied to its
     embedding (full artifacts, as ``save_pretrained``)."""
+    if isinstance(writer, FsspecStorageWriter):  # a full artifact's writer keeps its own threads
+        writer.pool_of = planners.workers.pool
     try:
         with planners.kept(kind, common) as planner, quiet_no_dist():
             planner.verify_replicas = verify_replicas
@@ -222,11 +225,14 @@ def retain(req: SaveRequest, ctx: DistContext, manifests: ManifestCache | None =
 
 
 class PlannerCache:
-    """The save planners one Checkpointer keeps, one per kind; a planner in use is taken out."""
+    """The save planners one Checkpointer keeps, one per kind (a planner in use is taken out), and the
+    threads writing every save's files (``workers``, ended by its close: threads new at each save left
+    glibc's per-thread arenas holding their freed buffers, README "Tiered checkpoints", Memory)."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: Workers | None = None) -> None:
         self._lock = threading.Lock()  # the caller's saves and the background save's
         self._kept: dict[str, ParallelSavePlanner] = {}
+        self.workers = workers or Workers("smpckpt-write")
 
     @contextlib.contextmanager
     def kept(self, kind: str, req: CommonRequest) -> Iterator[ParallelSavePlanner]:

@@ -70,15 +70,15 @@ class TierState:
     #: tiered save records it (``path_seen``): a resume tells a checkpoint of ``path`` saved without it
     path_seq: int = 0
     continues: int | None = None  #: the save this job goes on from: its digest, PATH_MARK, None (unknown)
-    #: the threads of every save's file writes and replica channels and of every drain's copies, ended by
-    #: :meth:`close` (threads new at each save grew the process's memory: README, "Tiered checkpoints")
-    write_workers: Workers = dataclasses.field(default_factory=lambda: Workers("smpckpt-write"))
+    #: the threads of every save's replica channels and of every drain's copies, ended by :meth:`close`
+    #: (threads new at each save grew the process's memory: README, "Tiered checkpoints"; the file writes'
+    #: are the Checkpointer's, ``PlannerCache.workers``)
     replica_workers: Workers = dataclasses.field(default_factory=lambda: Workers("smpckpt-replica"))
     drain_workers: Workers = dataclasses.field(default_factory=lambda: Workers("smpckpt-drain-copy"))
 
     def close(self) -> None:
         """(the Checkpointer's close, its saves and drains done) End the threads."""
-        for workers in (self.write_workers, self.replica_workers, self.drain_workers):
+        for workers in (self.replica_workers, self.drain_workers):
             workers.close()
 
     def durable_seq(self, root: str, storage_options: Any) -> int:

@@ -222,7 +222,7 @@ class Checkpointer:
         self.wait()  # the save in flight used the old mapping; its failure is raised here, as a rebuild would
         self.sharding = sharding
         self._compared = {**self._compared, **sharding.compared()}
-        self._planners = PlannerCache()  # plans made under the old mapping are not reused
+        self._planners = PlannerCache(self._planners.workers)  # plans made under the old mapping are not reused
         return True
 
     def _retain(self, retention: Retention) -> None:
@@ -238,6 +238,7 @@ class Checkpointer:
             self.wait()
         finally:
             _release((self._save_lane, self._drain_lane), self._gate, join=True, tier=self._tier)
+            self._planners.workers.close()
             self._stager.free()
         self._groups.destroy()
 
@@ -252,6 +253,7 @@ class Checkpointer:
         # the body's error is the one to raise: nothing collective, nothing raised from here
         wait_lanes(self._save_lane, self._drain_lane, raise_errors=False)
         _release((self._save_lane, self._drain_lane), self._gate, join=True, tier=self._tier)
+        self._planners.workers.close()
 
     def drain_status(self) -> DrainStatus | None:
         """The state of the last drain to the durable tier (``None``: none started)."""

@@ -56,7 +56,7 @@ from smpckpt.storage.format._staging import STAGING_BYTES
 from smpckpt.storage.format.commit import commit
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, check_member_name, new_save_id
 from smpckpt.storage.tier.reader import Transfer, TransferOutcome
-from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData
+from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData, Workers
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
 __all__ += ["Replicator", "TeeSink", "Workers", "ring_peers", "CHUNK"]
@@ -176,43 +176,6 @@ def _as_tensor(data: memoryview | bytes) -> torch.Tensor:
     with warnings.catch_warnings():  # a read-only buffer: gloo only reads it
         warnings.simplefilter("ignore")
         return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-
-
-class Workers:
-    """Threads one owner keeps for all its saves (module docstring, "Threads"): a task runs on an idle
-    one, a thread starts only when none is idle, up to the pool's ``limit`` (asked at its first use). A
-    forked child (a DataLoader worker) gets a fresh pool: the parent's threads are not in it. Each
-    thread's :meth:`buffer` is kept until :meth:`close`, which waits for the tasks and ends the threads."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pid, self._limit = 0, 0
-        self._local = threading.local()
-
-    def pool(self, limit: int) -> concurrent.futures.ThreadPoolExecutor:
-        """The pool, running at least ``limit`` tasks at once (a replica channel's tasks all block)."""
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid() or self._limit < limit:
-                if self._pool is not None and self._pid == os.getpid():
-                    self._pool.shutdown(wait=False)  # its idle threads end; its running tasks finish
-                self._pool = concurrent.futures.ThreadPoolExecutor(limit, thread_name_prefix=self.name)
-                self._pid, self._limit, self._local = os.getpid(), limit, threading.local()
-            return self._pool
-
-    def buffer(self) -> torch.Tensor:
-        """(a task) This thread's :data:`CHUNK` bytes, the same for every save."""
-        buf: torch.Tensor | None = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = torch.empty(CHUNK, dtype=torch.uint8)
-        return buf
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool, self._local = self._pool, None, threading.local()
-        if pool is not None and self._pid == os.getpid():
-            pool.shutdown(wait=True)
 
 
 @dataclasses.dataclass
@@ -337,9 +300,9 @@ class _Receiver:
         self.folder = place.path
         self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
 
-    def run(self, buffer: Callable[[], torch.Tensor]) -> None:
-        """(a task of :class:`Workers`) Receive until ``EOS``, each message into this thread's ``buffer()``."""
-        header, buf = torch.empty(4, dtype=torch.int64), buffer()
+    def run(self, buffer: Callable[[int], torch.Tensor]) -> None:
+        """(a task of :class:`Workers`) Receive until ``EOS``, each message into this thread's ``buffer``."""
+        header, buf = torch.empty(4, dtype=torch.int64), buffer(CHUNK)
         try:
             while True:
                 dist.recv(header, src=self.src, group=self.group)

@@ -18,7 +18,9 @@ import dataclasses
 import io
 import math
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = ["FsspecStorageWriter", "RankPlanData", "write_file", "split_items", "object_store_bins"]
-__all__ += ["PART_FILL", "MAX_OBJECT_FILES", "FILE_RESULT_FQN"]
+__all__ += ["PART_FILL", "MAX_OBJECT_FILES", "FILE_RESULT_FQN", "Workers"]
 
 #: options only this writer takes, with their defaults (the deprecated ``mode="full"`` refuses others)
 _PARTIAL_ONLY: Mapping[str, Any] = MappingProxyType(
@@ -180,7 +182,7 @@ class FsspecStorageWriter(FsspecWriterBase):
         super().__init__(path, **options)
         # derived from part_size once the base has checked it
         self.object_file_size = int(self.part_size * PART_FILL) if object_file_size is None else object_file_size
-        #: a pool of at least n threads its owner keeps for every save (the fast tier's ``Workers.pool``:
+        #: a pool of at least n threads its owner keeps for every save (a Checkpointer's ``Workers.pool``:
         #: threads new at each save left glibc's arenas holding their freed buffers); ``None``: this write's own
         self.pool_of: Callable[[int], concurrent.futures.ThreadPoolExecutor] | None = None
 
@@ -339,7 +341,59 @@ class FsspecStorageWriter(FsspecWriterBase):
 # -- one data file of one rank: items written in order through a sink, hashed on a second thread ----------
 # (``_write_rank`` runs one per file on its thread pool; ``split_items`` decides which items go to which file)
 
+
 #: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
+class Workers:
+    """Threads one owner (a Checkpointer) keeps for all its saves (threads new at each save left glibc's
+    per-thread arenas holding their freed buffers: README, "Tiered checkpoints"): a task runs on an idle
+    one, a thread starts only when none is idle, up to the pool's ``limit`` (asked at its first use). A
+    forked child (a DataLoader worker) gets a fresh lock and pool: the parent's threads are not in it, and
+    one of them may have held the lock at the fork. Each thread's :meth:`buffer` is kept until
+    :meth:`close`, which waits for the tasks and ends the threads."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._forget()
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_workers(ref))
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._limit, self._local = 0, threading.local()
+
+    def pool(self, limit: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool, running at least ``limit`` tasks at once (a replica channel's tasks all block)."""
+        with self._lock:
+            if self._pool is None or self._limit < limit:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)  # its idle threads end; its running tasks finish
+                self._pool = concurrent.futures.ThreadPoolExecutor(limit, thread_name_prefix=self.name)
+                self._limit, self._local = limit, threading.local()
+            return self._pool
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """(a task) This thread's ``nbytes`` bytes (its first ask's size), the same for every save."""
+        buf: torch.Tensor | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool, self._local = self._pool, None, threading.local()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _forget_workers(ref: weakref.ref[Workers]) -> None:
+    """(a forked child) :meth:`Workers._forget` of the pool ``ref`` names, if it still exists."""
+    workers = ref()
+    if workers is not None:
+        workers._forget()
+
+
 FILE_RESULT_FQN = "\x00smpckpt.file"
 
 

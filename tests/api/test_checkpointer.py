@@ -535,3 +535,48 @@ def test_work_submitted_while_a_stopped_lane_thread_ends_still_runs(monkeypatch:
     fut.result(30)  # on main before the fix: queued to the thread past its loop, never run (TimeoutError)
     assert ran.is_set() and lane.used
     lane.stop(join=True)
+
+
+def test_plain_saves_write_on_the_checkpointers_threads_until_close(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rss61b: each plain (non-tiered) save started its file writers anew (glibc's per-thread arenas keep
+    what such threads freed). A Checkpointer's saves, sync and async, now write on threads started in its
+    first saves and ended by close; a writer outside a Checkpointer keeps its own per-save threads. Every
+    save resumes bit-exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from smpckpt.storage import FsspecStorageWriter
+
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def counting(self: threading.Thread) -> None:
+        started.append(self)
+        start(self)
+
+    def writers() -> list[threading.Thread]:
+        return [t for t in started if t.name.startswith("smpckpt-write")]
+
+    monkeypatch.setattr(threading.Thread, "start", counting)
+    root, m, opt = str(tmp_path / "run"), *_trained(0)
+    want, per_save = {}, []
+    ckpt = Checkpointer(root, async_options=AsyncOptions(enabled=True))
+    for i in range(6):
+        _step(m, opt)
+        ckpt.save(f"s{i}", m, opt, options=SaveOptions(async_save=i % 2 == 1))
+        ckpt.wait()
+        want[f"s{i}"] = _values(m, opt)
+        per_save.append(len(writers()))
+    first = writers()
+    # none started once a sync and an async save ran (each starts threads only while none is idle), at most
+    # the writer's thread_count (4)
+    assert 0 < per_save[1] == per_save[-1] <= 4, per_save
+    assert all(t.is_alive() for t in first), first
+    ckpt.close()
+    assert not any(t.is_alive() for t in first), first
+    dcp.save({"w": m[0].weight.detach().clone()}, storage_writer=FsspecStorageWriter(str(tmp_path / "own")))
+    own = writers()[len(first) :]
+    assert own and not any(t.is_alive() for t in own), own  # its own, ended with the save
+    for tag, values in want.items():
+        _assert_equal(_resumed(root, tag), values)

@@ -101,3 +101,38 @@ def test_workers_in_a_forked_child_run_on_threads_of_its_own() -> None:
         assert workers.pool(2).submit(threading.get_native_id).result(timeout=20) == parent  # the parent's, reused
     finally:
         workers.close()
+
+
+def test_workers_forked_while_another_thread_holds_its_lock_do_not_deadlock_the_child() -> None:
+    """A DataLoader-like fork while a pool task is inside the pool's bookkeeping (its lock held, as a save
+    asking for the pool is): the child's pool is usable at once (a fresh lock), the parent's unharmed. A
+    hang fails by the bounded waits (the child is killed), not by hanging the run."""
+    workers = Workers("smpckpt-test-fork-lock")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the lock held as pool() or close() hold it, for as long as the fork takes
+        with workers._lock:
+            inside.set()
+            release.wait(30)
+
+    try:
+        task = workers.pool(2).submit(hold)
+        assert inside.wait(20)
+        fork = multiprocessing.get_context("fork")
+        q = fork.Queue()
+        child = fork.Process(target=_child, args=(workers, q))
+        child.start()
+        try:
+            got = q.get(timeout=30)
+        finally:
+            release.set()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+                child.join(10)
+        assert isinstance(got, int) and child.exitcode == 0, (got, child.exitcode)
+        task.result(timeout=20)
+        assert workers.pool(2).submit(threading.get_native_id).result(timeout=20)  # the parent's still serves
+    finally:
+        release.set()
+        workers.close()

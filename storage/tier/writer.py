@@ -19,7 +19,8 @@ a failed sender drops the rest and wakes writers waiting on it, which raise nami
 
 Threads: senders and receivers are tasks on :class:`Workers`, threads their owner (a Checkpointer's fast
 tier) keeps for all its saves; a data write past :data:`CHUNK` goes out in messages of at most ``CHUNK``
-bytes, so a receiving thread holds one ``CHUNK`` buffer, kept for every save (threads new at each save
+bytes, so a pool thread that ran a receiver holds one ``CHUNK`` buffer (senders share the pool: up to one
+per thread), kept for every save (threads new at each save
 left glibc's per-thread arenas holding their freed buffers: README, "Tiered checkpoints", Memory).
 
 Memory: the queue holds views of the writer's buffers (a sink's ``commit`` returns only once its last

@@ -6,6 +6,7 @@ failure in one still reports the others.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -657,6 +658,11 @@ def fast_tier_threads_world(rank: int, world: int, root: str) -> dict[str, Any]:
         info = c2.last_resume_info
     out["loaded"] = (info.tag, info.tier, info.from_peers) if info else None
     out["exact"] = _same(tp_model.local_state(m2, o2), want)
+    with contextlib.suppress(RuntimeError):  # a with body raising: __exit__ ends the threads too (rev61d F3)
+        with Checkpointer(durable, sharding(), fast_tier=fast) as c3:
+            c3.save("s8", m2, o2)
+            raise RuntimeError("the training step failed")
+    out["after_exit"] = alive()
     return out
 
 

@@ -354,7 +354,7 @@ def test_fast_tier_threads_outlive_saves_end_at_close_and_a_failed_save_does_not
         assert replica and replica == r["replica_threads"], (rank, started)
         assert 0 < len([n for n in started if n.startswith("smpckpt-drain-copy")]) <= 4, (rank, started)
         assert 0 < len([n for n in started if n.startswith("smpckpt-write")]) <= 4, (rank, started)
-        assert r["after_close"] == [], r
+        assert r["after_close"] == [] and r["after_exit"] == [], r
         assert r["failed"].startswith("CheckpointError: ") and "injected: no space left" in r["failed"], r
         assert "s6_partial" in r["failed"], r["failed"]
         assert r["loaded"][:2] == ("s7", "fast") and r["exact"], r

@@ -554,14 +554,47 @@ def likely_causes(keys: Sequence[str], saved: Iterable[str]) -> str:
     """(error path) The two common causes of a long list of missing or unexpected keys, when they match
     (``saved``: the checkpoint's keys, or those of them no rank loads)."""
     notes = []
-    if any(k.rsplit(".", 1)[-1] == "initial_lr" for k in keys):
+    if any(k.rsplit(".", 1)[-1] == "initial_lr" and "param_groups." in k for k in keys):
         notes.append(
             "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume "
             "exactly when the saving run had built it before the save"
         )
-    if any(re.search(r"(^|\.)param_groups\.\d+\.lr$", k) for k in saved):  # a list of groups, not by parameter
+    if any(re.search(r"(^|\.)param_groups\.\d+\.params$", k) for k in saved):  # groups listing their params
         notes.append(
             "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict "
             "gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
         )
     return "; likely cause: " + "; ".join(notes) if notes else ""
+
+
+def number_as_tensor(key: str, obj: Any, dtype: torch.dtype, cast: bool) -> torch.Tensor:
+    """A number saved as an object (a Python ``step``) as a 0-d ``dtype`` tensor: exact, or cast (``copy_``'s)."""
+    if type(obj) not in (int, float):
+        raise LayoutMismatch(f"{key}: the checkpoint holds a {type(obj).__name__} there, not a tensor")
+    try:  # past int64 (2**70) nothing holds it
+        got = torch.tensor(obj, dtype=torch.float64 if type(obj) is float else torch.int64).to(dtype)
+    except (RuntimeError, OverflowError, ValueError) as exc:
+        raise LayoutMismatch(f"{key}: the checkpoint holds the number {obj!r} there ({exc})") from None
+    same = got.item() == obj or (got.item() != got.item() and obj != obj)  # NaN holds NaN exactly
+    if not cast and not same:
+        raise LayoutMismatch(
+            f"{key}: the checkpoint holds the number {obj!r} there, which a {dtype} 0-d tensor does not hold "
+            "exactly (pass allow_dtype_cast=True to convert)"
+        )
+    return got
+
+
+def tensor_as_number(key: str, saved: torch.Tensor, live: type, cast: bool) -> Any:
+    """A saved 0-d tensor as the state dict's Python number type ``live``: exact, or converted with ``cast``."""
+    value = saved.item()
+    try:
+        got = live(value) if type(value) in (int, float) else None
+    except (OverflowError, ValueError):  # inf or nan into an int
+        got = None
+    if got is None or (not cast and got != value and value == value):
+        way = " (pass allow_dtype_cast=True to convert)" if got is not None else ""
+        raise LayoutMismatch(
+            f"{key}: the checkpoint holds a {saved.dtype} 0-d tensor {value!r} there, which the state dict's "
+            f"{live.__name__} does not hold exactly{way}"
+        )
+    return got

@@ -58,7 +58,9 @@ from smpckpt.planners._entries import (
     TiedLoads,
     compile_globs,
     likely_causes,
+    number_as_tensor,
     set_at_path,
+    tensor_as_number,
     tied_entries,
 )
 from smpckpt.planners._shared_memory import SharedMemoryLoads
@@ -481,17 +483,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         if entry.kind == "object":
             set_at_path(self.state_dict, entry.path, obj)
             return
-        # a 0-d tensor destination (create_local_plan): a number its dtype holds exactly, or any number
-        # with allow_dtype_cast (a tensor's cast), checked only here, once the value is read
-        number = obj if type(obj) in (int, float) else None
-        if number is None:
-            raise LayoutMismatch(f"{entry.key}: the checkpoint holds a {type(obj).__name__} there, not a tensor")
-        if not self.allow_dtype_cast and torch.tensor(number, dtype=entry.value.dtype).item() != number:
-            raise LayoutMismatch(
-                f"{entry.key}: the checkpoint holds the number {number!r} there, which a {entry.value.dtype} 0-d "
-                "tensor does not hold exactly (pass allow_dtype_cast=True to convert)"
-            )
-        entry.value.fill_(number)
+        # a 0-d tensor destination (create_local_plan), checked only here, once the value is read
+        with torch.no_grad():  # a 0-d Parameter
+            entry.value.copy_(number_as_tensor(entry.key, obj, entry.value.dtype, self.allow_dtype_cast))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """(all ranks, from the storage reader) The destination view of one read."""
@@ -507,13 +501,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         live = self._numbers.get(read_item.dest_index.fqn) if self._numbers else None
         if live is not None:  # a 0-d tensor into a number's place: exact, or cast with allow_dtype_cast
             entry = self.entries[read_item.dest_index.fqn]
-            value = entry.value.item()
-            if type(value) not in (int, float) or (live(value) != value and not self.allow_dtype_cast):
-                raise LayoutMismatch(
-                    f"{entry.key}: the checkpoint holds a {entry.value.dtype} 0-d tensor {value!r} there, which the "
-                    f"state dict's {live.__name__} does not hold exactly (pass allow_dtype_cast=True to convert)"
-                )
-            set_at_path(self.state_dict, entry.path, live(value))
+            value = tensor_as_number(entry.key, entry.value, live, self.allow_dtype_cast)
+            set_at_path(self.state_dict, entry.path, value)
 
     def _object_read(self, entry: Entry, md: Any, items: list[ReadItem]) -> tuple[Any, Any]:
         """An object's read (appended to ``items``; ``(None, None)`` returned), or the entry and metadata to

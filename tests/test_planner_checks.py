@@ -422,3 +422,14 @@ def test_a_partition_that_does_not_match_the_stages_layers_is_refused_on_load():
     sds = [sparse(0, -1.0), sparse(1, -1.0)]
     load(sds, four, store)
     assert all(torch.equal(sds[r][f"layers.{i}.w"], torch.full((2,), 10.0 * r + i)) for r in range(2) for i in (0, 2))
+
+
+def test_likely_causes_fire_only_on_their_own_patterns() -> None:
+    """rev61g F5: a model buffer named ``initial_lr`` got the scheduler hint, and smpckpt's own flattened keys
+    of a top-level ParameterList (``optim.param_groups.0.lr``) the "unflattened" one."""
+    from smpckpt.planners._entries import likely_causes
+
+    assert likely_causes(["model.initial_lr"], []) == ""
+    assert "LR scheduler" in likely_causes(["optim.param_groups.weight.initial_lr"], [])
+    assert likely_causes(["optim.param_groups.0.lr"], ["optim.param_groups.0.lr"]) == ""
+    assert "unflattened" in likely_causes([], ["optim.param_groups.0.params", "optim.param_groups.0.lr"])

@@ -215,7 +215,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 break
             try:
                 part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
-                rng, state = resume_state(req, target, ctx)
+                rng, state = resume_state(req, target, ctx, depth=2)
                 reader = fast_reader(req, target, choice, attempt, *manifest)
                 loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
                 part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
@@ -254,7 +254,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     target = choice.durable
     if target.said:  # resolve_target's fallback warning, only when what it chose loads (agreed, as above)
         ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 6))
-    rng, state = resume_state(req, target, ctx)
+    rng, state = resume_state(req, target, ctx, depth=2)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)
     return loaded

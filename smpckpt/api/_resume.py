@@ -224,10 +224,11 @@ def not_found_hint(root: str, storage_options: Any) -> str:
     )
 
 
-def resume_state(req: ResumeRequest, target: Target, ctx: DistContext) -> tuple[bool, dict[str, Any]]:
+def resume_state(req: ResumeRequest, target: Target, ctx: DistContext, depth: int = 0) -> tuple[bool, dict[str, Any]]:
     """(all ranks, one agreement) Whether RNG states are restored (saved layout only; else a warning, inside
     the agreement so a filter making it an error fails every rank alike) and the destinations the load
-    fills. First, every rank alike, a user_content needing ``allow_pickle`` is refused."""
+    fills. First, every rank alike, a user_content needing ``allow_pickle`` is refused. ``depth``: the frames
+    between the caller's and ``Checkpointer.resume`` (the warning names the caller's line)."""
     saved = target.record.layout if target.record is not None else None
     wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout
     refuse_pickled(target.pickled, req.opts.allow_pickle, f"checkpoint {target.tag!r} ({target.url})")
@@ -235,7 +236,7 @@ def resume_state(req: ResumeRequest, target: Target, ctx: DistContext) -> tuple[
     def build() -> dict[str, Any]:
         if wanted and not rng and ctx.is_coordinator:
             said = f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
-            warnings.warn(said + "across layouts); every rank keeps its current generators", stacklevel=6)
+            warnings.warn(said + "across layouts); every rank keeps its current generators", stacklevel=6 + depth)
         return build_resume_state(req, ctx, wanted and rng)
 
     return wanted and rng, ctx.all_ok(build)

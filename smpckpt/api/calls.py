@@ -123,6 +123,11 @@ def save_checkpoint(
     """
     what = "save_checkpoint's arguments"
     try:
+        if partial is False and model is None:  # rev61h F2: the export's own refusal names out=, not ours
+            raise ValueError(
+                "save_checkpoint(partial=False) writes a full checkpoint of model=: pass it (a committed "
+                "checkpoint is exported by `smpckpt consolidate` or Checkpointer.export(tag, out=...))"
+            )
         ckpt, opts = _prepare(
             "save_checkpoint",
             path,

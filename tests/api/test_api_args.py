@@ -274,3 +274,10 @@ def test_a_process_group_must_be_a_process_group(tmp_path: Any, fn: str) -> None
     with pytest.raises(TypeError, match=match):
         ParallelLoadPlanner(ParallelLayout(), process_group=object())
     assert not os.listdir(tmp_path)
+
+
+def test_a_full_save_without_a_model_names_model(tmp_path: Any) -> None:
+    """rev61h F2: save_checkpoint(partial=False) without model= was refused asking for out=, a keyword
+    save_checkpoint does not take (the export of a committed checkpoint's message)."""
+    with pytest.raises(ValueError, match=r"partial=False\) writes a full checkpoint of model=: pass it"):
+        save_checkpoint(str(tmp_path), "f", partial=False)

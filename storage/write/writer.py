@@ -298,11 +298,10 @@ class FsspecStorageWriter(FsspecWriterBase):
                         if self.pool_of is None
                         else self.pool_of(workers)
                     )
+                    futs: list[concurrent.futures.Future[list[WriteResult]]] = []
                     try:
-                        futs = [
-                            pool.submit(self._write_file, n, part, planner, data.rank)
-                            for n, part in zip(names, buckets)
-                        ]
+                        for n, part in zip(names, buckets):
+                            futs.append(pool.submit(self._write_file, n, part, planner, data.rank))
                         for f in futs:  # each waited for: none still writes once this returns
                             try:
                                 results.extend(f.result())
@@ -311,6 +310,10 @@ class FsspecStorageWriter(FsspecWriterBase):
                     finally:
                         if own:
                             pool.shutdown()
+                        else:  # a kept pool: an interrupted wait (Ctrl-C) must not leave a task writing into
+                            for f in futs:  # the folder removed below, or a retry's (rev61i F1)
+                                f.cancel()
+                            concurrent.futures.wait(futs)
                 if errors:
                     # this rank's finished files are orphans now; remove them (best effort) and report
                     self._folder.remove(names)

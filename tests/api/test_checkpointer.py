@@ -580,3 +580,54 @@ def test_plain_saves_write_on_the_checkpointers_threads_until_close(
     assert own and not any(t.is_alive() for t in own), own  # its own, ended with the save
     for tag, values in want.items():
         _assert_equal(_resumed(root, tag), values)
+
+
+def test_an_interrupted_save_leaves_no_write_running_on_the_kept_threads(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev61i F1: a signal raising in the main thread (Ctrl-C) while a save waited for its writes failed the
+    save, but a write kept running on the Checkpointer's kept pool after the failed save's files were removed
+    (on S3 it landed in the retry's committed folder). Every write of the save has ended when it raises."""
+    import signal
+    import time
+
+    from smpckpt.storage import FsspecStorageWriter
+
+    class Interrupted(Exception):
+        pass
+
+    real = FsspecStorageWriter._write_file
+    ended: list[float] = []
+    first: list[str] = []
+
+    def slow(self: Any, name: str, *args: Any) -> Any:
+        if "stopped" in self.url and not first:  # the file waited for first is the slow one
+            first.append(name)
+        if first and name == first[0]:
+            time.sleep(1.5)
+        try:
+            return real(self, name, *args)
+        finally:  # ended, written or failed
+            if "stopped" in self.url:
+                ended.append(time.monotonic())
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted("Ctrl-C")
+
+    monkeypatch.setattr(FsspecStorageWriter, "_write_file", slow)
+    old = signal.signal(signal.SIGALRM, interrupt)
+    m, _ = _trained(0)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save("before", m)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(Exception, match="Ctrl-C|Interrupted"):
+                ckpt.save("stopped", m)
+            at_raise = len(ended)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        time.sleep(1.7)
+        assert at_raise == len(ended) > 0, (at_raise, ended)  # nothing of the save ended after it raised
+        assert not (tmp_path / "stopped_partial").exists() or not any((tmp_path / "stopped_partial").rglob("*.distcp"))
+        ckpt.save("after", m)

@@ -281,3 +281,30 @@ def test_a_full_save_without_a_model_names_model(tmp_path: Any) -> None:
     save_checkpoint does not take (the export of a committed checkpoint's message)."""
     with pytest.raises(ValueError, match=r"partial=False\) writes a full checkpoint of model=: pass it"):
         save_checkpoint(str(tmp_path), "f", partial=False)
+
+
+def _other_modes_keywords() -> list[tuple[bool, str]]:
+    from smpckpt.api.calls import _MOVED, _SAVE_KEYWORDS
+
+    return [(partial, n) for n in sorted(_SAVE_KEYWORDS) for partial in (True, False) if _MOVED[n][not partial] is None]
+
+
+@pytest.mark.parametrize(("partial", "name"), _other_modes_keywords())
+def test_the_other_modes_keyword_at_its_default_is_accepted_and_any_other_value_refused(
+    tmp_path: Any, partial: bool, name: str
+) -> None:
+    """rev61h F3: smp accepts a keyword of the other kind of checkpoint at its default (its scripts pass
+    them all); any other value is refused naming it. Nothing tested the accepting branch."""
+    import warnings
+
+    from smpckpt.api.calls import _MOVED
+
+    default = getattr(_MOVED[name][1 if partial else 0], name, None)
+    other = {"local_path": str(tmp_path / "fast"), "dtype": torch.float16, "hf_config": {}, "max_shard_size": 1 << 30}
+    value = other.get(name, 60.0) if default is None else (not default if isinstance(default, bool) else default + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        save_checkpoint(str(tmp_path), "a", partial=partial, model=_model(), **{name: default})
+        kind = "full" if partial else "partial"
+        with pytest.raises(ValueError, match=rf"^{name} applies only to {kind} checkpoints"):
+            save_checkpoint(str(tmp_path), "b", partial=partial, model=_model(), **{name: value})

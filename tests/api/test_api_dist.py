@@ -258,6 +258,7 @@ def test_warnings_made_errors_leave_no_rank_waiting_inside_a_fast_tier_resume(tm
     assert got[1]["layout"].startswith("CheckpointError: rank 0 failed with UserWarning: the layout changed"), got[1]
     assert got[0]["newest"].startswith("UserWarning: ") and "newest" in got[0]["newest"], got[0]
     assert got[1]["newest"].startswith("CheckpointError: rank 0 failed with UserWarning: "), got[1]
+    assert got[0]["layout_said_at"] == ["api_workers.py"] and got[1]["layout_said_at"] == [], got
     for r in got:
         assert r["loaded"] == ("s2", "fast", True) and r["same"], r
 

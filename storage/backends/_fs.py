@@ -258,7 +258,9 @@ class StampedCache(Generic[T]):
         ``keep`` says so and the file did not change while it was made."""
         path = join(folder, name)
         stamp = file_stamp(fs, path)
-        if stamp and not self._coherent.setdefault(stamp[0], coherent_device(stamp[0])):
+        if stamp and stamp[0] not in self._coherent:  # mountinfo read once per device, not per manifest
+            self._coherent[stamp[0]] = coherent_device(stamp[0])
+        if stamp and not self._coherent[stamp[0]]:
             stamp = ()  # an NFS-like client: its stat may hide another host's overwrite, read every time
         with self._lock:
             then, value = self._kept.pop(path, ((), None))

@@ -295,7 +295,7 @@ class FsspecStorageWriter(FsspecWriterBase):
                         concurrent.futures.ThreadPoolExecutor(
                             min(len(buckets), workers), thread_name_prefix="smpckpt-write"
                         )
-                        if self.pool_of is None
+                        if self.pool_of is None  # (mypy narrows the attribute, not ``own``)
                         else self.pool_of(workers)
                     )
                     futs: list[concurrent.futures.Future[list[WriteResult]]] = []
@@ -377,9 +377,9 @@ class Workers:
             return self._pool
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        """(a task) This thread's ``nbytes`` bytes (its first ask's size), the same for every save."""
+        """(a task) This thread's buffer of at least ``nbytes`` bytes, the same for every save."""
         buf: torch.Tensor | None = getattr(self._local, "buf", None)
-        if buf is None:
+        if buf is None or buf.numel() < nbytes:  # a larger ask must not get a smaller buffer
             buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf
 

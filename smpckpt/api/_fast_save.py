@@ -34,6 +34,7 @@ from smpckpt.api._tiers import (
     TierState,
     candidates,
     durable_key,
+    fetch_copy,
     gather_views,
     pending_drains,
     retain_local,
@@ -43,10 +44,9 @@ from smpckpt.api.options import FastTier
 from smpckpt.catalog.root import SequenceCounter, partial_dirname, partial_url, sequence_of
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._fs import is_local, open_fs
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import check_files, remove_folder
-from smpckpt.storage.format.manifest import MANIFEST_NAME, Manifest
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.reader import TransferOutcome
 
@@ -296,24 +296,12 @@ def _pending(
     """(all ranks, two broadcasts) The pending save's manifest and metadata, from nodes holding them."""
     tag, digest = chosen
     found = next(c for c in candidates(views, tag) if c.digest == digest)
-    folder = os.path.join(job, partial_dirname(tag))
-    fs = open_fs(folder)[0]
-    manifest = ctx.broadcast_object(
-        read_bytes_or_none(fs, os.path.join(folder, MANIFEST_NAME))
-        if ctx.rank == found.held_by[MANIFEST_NAME][0]
-        else None,
-        src=found.held_by[MANIFEST_NAME][0],
-    )
-    if manifest is None or hash_bytes(manifest) != digest:
+    prepared = fetch_copy(ctx, job, found, None)
+    if prepared is None:
         raise CheckpointError(f"the manifest of checkpoint {tag!r} changed in the fast tier while it was planned")
-    md = Manifest.from_bytes(manifest, where=f"fast-tier manifest of {tag!r}").metadata
-    src = found.held_by[md.name][0]
-    data = ctx.broadcast_object(
-        read_bytes_or_none(fs, os.path.join(folder, md.name)) if ctx.rank == src else None, src=src
-    )
-    if data is None or not md.matches(data):
+    if not prepared.parsed().metadata.matches(prepared.metadata):
         raise CheckpointError(f"the metadata of checkpoint {tag!r} in the fast tier does not match its manifest")
-    return PendingDrain(tag, found.seq, PreparedCommit(manifest, md.name, data), found.held_by)
+    return PendingDrain(tag, found.seq, prepared, found.held_by)
 
 
 def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:

@@ -33,13 +33,13 @@ from smpckpt.storage.backends._fs import file_sizes, is_local, join, location_ke
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME
-from smpckpt.storage.tier import Workers
+from smpckpt.storage.tier import PreparedCommit, Workers
 
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
 __all__ += ["path_seen_of", "lineage_of", "SKIPPED", "PATH_MARK", "LINEAGE"]
-__all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
+__all__ += ["candidates", "tier_seq", "pending_drains", "retain_local", "fetch_copy"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -505,6 +505,26 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out
+
+
+def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes | None) -> PreparedCommit | None:
+    """(all ranks, one or two broadcasts) ``cand``'s manifest from the first rank whose node committed it,
+    and its metadata's bytes as the first rank holding them reads them (with ``nodes``, only when one of
+    them lacks it; else empty); ``None`` when the manifest changed since the listing (removed by another
+    process of the job?)."""
+    folder = os.path.join(job, partial_dirname(cand.tag))
+
+    def first_holders(name: str) -> bytes | None:
+        src = cand.held_by[name][0]
+        path = os.path.join(folder, name)
+        return ctx.broadcast_object(read_bytes_or_none(open_fs(path)[0], path) if ctx.rank == src else None, src=src)
+
+    data = first_holders(MANIFEST_NAME)
+    if data is None or hash_bytes(data) != cand.digest:
+        return None
+    name = Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}").metadata.name
+    wanted = nodes is None or len({nodes.node_of(r) for r in cand.held_by[name]}) < nodes.count
+    return PreparedCommit(data, name, (first_holders(name) if wanted else None) or b"")
 
 
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:

@@ -25,7 +25,7 @@ import dataclasses
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.format.manifest import check_member_name
 from smpckpt.storage.read.reader import FsspecStorageReader
 
-__all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers"]
+__all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers", "Incoming"]
 __all__ += ["CHUNK_BYTES", "STREAMS"]
 
 
@@ -280,25 +280,64 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
     return error
 
 
+class Incoming:
+    """A file being received into ``place()``: a create-only temp name, linked into place (replacing
+    nothing) only when complete; after a failure (:attr:`error`) its bytes are still taken, and dropped."""
+
+    def __init__(self, place: Callable[[], Folder], folder: str, name: str, where: str) -> None:
+        self.place, self.path, self.name = place, os.path.join(folder, name), name
+        self.error, self.tmp, self.file = "", "", None
+        try:
+            check_member_name(name, where=where)
+            fd, self.tmp = place().open_temp(name, tag="recv")
+            self.file = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed in :meth:`end`
+        except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
+            self.error = f"{self.path}: {exc}"
+
+    def write(self, data: memoryview) -> None:
+        if self.file is not None and not self.error:
+            try:
+                while data:
+                    data = data[self.file.write(data) :]
+            except OSError as exc:
+                self.error = f"{self.path}: {exc}"
+
+    def end(self, why: str, *, sync: bool, link_sync: bool) -> str:
+        """Closed; linked into place unless it failed (``why``: the sender's problem); its error, or ''."""
+        self.error = self.error or why
+        try:
+            if self.file is not None:
+                try:
+                    if sync and not self.error:
+                        os.fsync(self.file.fileno())
+                finally:
+                    self.file.close()
+                if not self.error:
+                    self.place().link_temp(self.tmp, self.name, sync=link_sync)
+                    return ""
+        except OSError as exc:
+            self.error = self.error or f"{self.path}: {exc}"
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                self.place().remove([self.tmp])
+        return self.error
+
+
 def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
-    """Receive ``t`` into ``folder`` (a create-only temp name, linked into place, no links); an error or ''."""
+    """Receive ``t`` into ``folder`` (:class:`Incoming`, no links); an error or ''."""
     status = _word(0)
     dist.recv(status, src=t.src, group=group)
     if int(status.item()) != _OK:
         return f"{t.name}: rank {t.src} could not send it"
-    path = os.path.join(folder, t.name)
-    error = ""
-    out: BinaryIO | None = None
     with contextlib.ExitStack() as cleanup:
-        place: Folder | None = None
-        tmp = ""
-        try:
-            check_member_name(t.name, where=folder)
-            place = cleanup.enter_context(Folder(open_fs(folder)[0], folder, create=True))
-            fd, tmp = place.open_temp(t.name, tag="recv")
-            out = open(fd, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
-        except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
-            error = f"{path}: {exc}"
+
+        def place() -> Folder:
+            if not opened:
+                opened.append(cleanup.enter_context(Folder(open_fs(folder)[0], folder, create=True)))
+            return opened[0]
+
+        opened: list[Folder] = []
+        incoming = Incoming(place, folder, t.name, folder)
         bufs = _buffers(t.size)
         sizes = _chunks(t.size)
         pending = dist.irecv(bufs[0][: sizes[0]], src=t.src, group=group) if sizes else None
@@ -310,31 +349,7 @@ def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
             pending = (
                 dist.irecv(bufs[(i + 1) % 2][: sizes[i + 1]], src=t.src, group=group) if i + 1 < len(sizes) else None
             )
-            if out is not None and not error:
-                try:
-                    out.write(view.numpy().data)
-                except Exception as exc:  # noqa: BLE001 - as above
-                    error = f"{path}: {exc}"
+            incoming.write(view.numpy().data)
         dist.recv(status, src=t.src, group=group)
-        if not error and int(status.item()) != _OK:
-            error = f"{t.name}: rank {t.src} failed while sending it"
-        if out is not None:
-            try:
-                if not error:
-                    out.flush()
-                    if sync:
-                        os.fsync(out.fileno())
-            except OSError as exc:
-                error = f"{path}: {exc}"
-            finally:
-                out.close()
-        if place is None:
-            return error
-        if error:
-            place.remove([tmp])
-            return error
-        try:
-            place.link_temp(tmp, t.name, sync=sync)
-        except OSError as exc:
-            return f"{path}: {exc}"
-    return ""
+        failed = f"{t.name}: rank {t.src} failed while sending it" if int(status.item()) != _OK else ""
+        return incoming.end(failed, sync=sync, link_sync=sync)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import queue
 import threading
 import warnings
@@ -55,8 +54,8 @@ from smpckpt.storage.backends._fs import is_local, open_fs, resolve
 from smpckpt.storage.backends._sinks import Sink, byte_view
 from smpckpt.storage.format._staging import STAGING_BYTES
 from smpckpt.storage.format.commit import commit
-from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, check_member_name, new_save_id
-from smpckpt.storage.tier.reader import Transfer, TransferOutcome
+from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, new_save_id
+from smpckpt.storage.tier.reader import Incoming, Transfer, TransferOutcome
 from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData, Workers
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
@@ -298,8 +297,11 @@ class _Receiver:
 
     def __init__(self, src: int, group: Any, place: _Place, sync: bool, outcome: TransferOutcome) -> None:
         self.src, self.group, self.place, self.sync, self.outcome = src, group, place, sync, outcome
-        self.folder = place.path
-        self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
+        self.open: dict[int, Incoming] = {}
+
+    def _opened(self, file: int, name: str) -> None:
+        where = f"the replica stream from rank {self.src}"
+        self.open[file] = Incoming(self.place.get, self.place.path, name, where)
 
     def run(self, buffer: Callable[[int], torch.Tensor]) -> None:
         """(a task of :class:`Workers`) Receive until ``EOS``, each message into this thread's ``buffer``."""
@@ -319,61 +321,22 @@ class _Receiver:
                     if kind == OPEN:
                         self._opened(file, bytes(data).decode("utf-8", "replace"))
                     else:
-                        self._data(file, data)
+                        self.open[file].write(data)
                 elif kind == END:
-                    self._end(file, n, extra == 1)
+                    incoming = self.open.pop(file)
+                    # linked into place only if nothing is there: a file under that name is not ours to replace;
+                    # the folders are fsynced at close; a file the writer failed on is its own error, reported there
+                    if not (error := incoming.end("" if extra == 1 else "discarded", sync=self.sync, link_sync=False)):
+                        self.outcome.received.append(Transfer(incoming.name, n, self.src, -1))
+                    elif extra == 1:
+                        self.outcome.errors.append(error)
         except Exception as exc:  # noqa: BLE001 - the sender's process is gone: every later receive fails too
             self.outcome.errors.append(f"receiving replicas from rank {self.src} failed: {exc}")
         finally:
-            for name, tmp, f, _ in self.open.values():
+            for incoming in self.open.values():
                 with contextlib.suppress(Exception):
-                    if f is not None:
-                        f.close()
-                        self.place.get().remove([tmp])
-                self.outcome.errors.append(f"{name}: rank {self.src} never finished sending it")
-
-    def _opened(self, file: int, name: str) -> None:
-        path = os.path.join(self.folder, name)
-        tmp = ""
-        errors: list[str] = []
-        f = None
-        try:
-            check_member_name(name, where=f"the replica stream from rank {self.src}")
-            fd, tmp = self.place.get().open_temp(name, tag="recv")  # create-only, never through a link
-            f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed at END (or when the stream fails)
-        except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
-            errors.append(f"{path}: {exc}")
-        self.open[file] = (name, tmp, f, errors)
-
-    def _data(self, file: int, data: memoryview) -> None:
-        name, tmp, f, errors = self.open[file]
-        if f is not None and not errors:
-            try:
-                while data:
-                    data = data[f.write(data) :]
-            except OSError as exc:
-                errors.append(f"{os.path.join(self.folder, name)}: {exc}")
-
-    def _end(self, file: int, size: int, ok: bool) -> None:
-        name, tmp, f, errors = self.open.pop(file)
-        path = os.path.join(self.folder, name)
-        try:
-            if f is not None:
-                if self.sync and ok and not errors:
-                    os.fsync(f.fileno())
-                f.close()
-            if ok and not errors:
-                # linked into place only if nothing is there: a file under that name is not ours to replace
-                self.place.get().link_temp(tmp, name, sync=False)  # the folders are fsynced at close
-                self.outcome.received.append(Transfer(name, size, self.src, -1))
-                return
-        except OSError as exc:
-            errors.append(f"{path}: {exc}")
-        if f is not None:
-            with contextlib.suppress(Exception):
-                self.place.get().remove([tmp])
-        if ok:  # a file the writer failed on is its own error, reported there
-            self.outcome.errors.extend(errors)
+                    incoming.end("never finished", sync=False, link_sync=False)
+                self.outcome.errors.append(f"{incoming.name}: rank {self.src} never finished sending it")
 
 
 class Replicator:

@@ -256,9 +256,7 @@ def drain(
     )
 
     def commit() -> None:
-        found = probe(fs, path, list_when_empty=False)
-        if found.state in ("committed", "legacy"):
-            raise CheckpointExists(f"{req.url} already holds a committed checkpoint; the drain of {req.tag!r} stops")
+        _refuse_committed(fs, path, req.url, req.tag)
         with Folder(fs, path) as folder:  # the one commit protocol (storage/format/commit.py)
             commit_in(
                 folder,
@@ -276,7 +274,11 @@ def drain(
         damaged = copies.copy_all(dctx, req.tag, manifest.files)
         dctx.on_coordinator(commit)
     except BaseException:
-        if _committed(fs, path, prepared) is False:  # unknown (None): nothing is removed blind
+        try:
+            committed = read_bytes_or_none(fs, join(path, MANIFEST_NAME)) == prepared.manifest
+        except Exception:  # noqa: BLE001 - unknown: nothing is removed blind
+            committed = True
+        if not committed:
             _remove_copies(fs, path, req.url, copies.attempted)
         raise
     if damaged and dctx.is_coordinator:
@@ -341,9 +343,7 @@ def _remove_copies(fs: Any, path: str, url: str, names: list[str]) -> None:
 def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:
     """(rank 0, a retried drain) The files of this very save a killed drain left in the uncommitted
     folder: they would refuse the copies (files are created exclusively). Only those names, nothing else."""
-    found = probe(fs, path, list_when_empty=False)
-    if found.state in ("committed", "legacy"):
-        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")
+    _refuse_committed(fs, path, url, tag)
     settle_uncommitted_folder(fs, path, url)
     names = [rec.name for rec in prepared.parsed().files] + [prepared.metadata_name]
     try:
@@ -356,9 +356,6 @@ def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedC
         raise CheckpointError(f"{url}: could not remove what an earlier drain of {tag!r} left: {failed[:5]}")
 
 
-def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:
-    """Whether this drain's manifest is in place; ``None`` when that cannot be read."""
-    try:
-        return read_bytes_or_none(fs, join(path, MANIFEST_NAME)) == prepared.manifest
-    except Exception:  # noqa: BLE001 - unknown
-        return None
+def _refuse_committed(fs: Any, path: str, url: str, tag: str) -> None:
+    if probe(fs, path, list_when_empty=False).state in ("committed", "legacy"):
+        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")

@@ -36,9 +36,9 @@ from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PreparedCommit, Workers
 
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
-__all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
-__all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["path_seen_of", "lineage_of", "SKIPPED", "PATH_MARK", "LINEAGE"]
+__all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views"]
+__all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "part_sizes"]
+__all__ += ["SKIPPED", "PATH_MARK", "LINEAGE"]
 __all__ += ["candidates", "tier_seq", "pending_drains", "retain_local", "fetch_copy"]
 
 log = logging.getLogger("smpckpt.api")
@@ -301,26 +301,17 @@ def gather_views(
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(local, tokens[ctx.rank]))
     views = [listed[nodes.ranks_of(nodes.node_of(rank))[0]] or {} for rank in range(nodes.world_size)]
-    warn_skipped(views, nodes, [got[nodes.ranks_of(node)[0]][0] for node in range(nodes.count)], warned)
-    return nodes, job, views
-
-
-def warn_skipped(
-    views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str], warned: set[tuple[str, str]]
-) -> None:
-    """(every rank alike) Name each skipped folder of this job's fast tier once (``warned``)."""
-    for node in range(nodes.count):
+    for node in range(nodes.count):  # every rank alike: each skipped folder named once (``warned``)
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
-            if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
-                continue
-            where = f"node {node}'s fast tier {folders[node]}, folder {tag}_partial"
-            if (where, copy.detail) in warned:
+            where = f"node {node}'s fast tier {got[nodes.ranks_of(node)[0]][0]}, folder {tag}_partial"
+            if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt") or (where, copy.detail) in warned:
                 continue
             warned.add((where, copy.detail))
             what = "its manifest is not used" if copy.state == "corrupt" else "it is skipped (not loaded, not removed)"
             message = f"{where} is {copy.state} ({copy.detail}); {what}"
             log.warning(message)
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, stacklevel=1)
+    return nodes, job, views
 
 
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------
@@ -352,7 +343,9 @@ class LocalCopy:
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
     path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
-    lineage: tuple[int, ...] = ()  #: :func:`lineage_of`
+    #: the digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
+    #: :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)
+    lineage: tuple[int, ...] = ()
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (``catalog.root.abandoned_of``)
 
     @property
@@ -364,41 +357,19 @@ class LocalCopy:
         return (self.seq, self.order)
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def seq_of(manifest: Manifest | None) -> int:
     """A tiered save's number in its job (0: none recorded)."""
     tier = manifest.extra.get(TIER_KEY) if manifest is not None else None
-    seq = tier.get("seq") if isinstance(tier, Mapping) else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
-
-
-def path_seen_of(manifest: Manifest) -> int | None:
-    """The highest root sequence number of ``path`` a tiered save's job knew (``None``: not recorded)."""
-    tier = manifest.extra.get(TIER_KEY)
-    seen = tier.get("path_seen") if isinstance(tier, Mapping) else None
-    return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
+    return (_count(tier.get("seq")) if isinstance(tier, Mapping) else None) or 0
 
 
 SKIPPED = -1  #: a lineage entry: a number its job saw and did not go on from (a rewind by tag, two saves)
 PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
 LINEAGE = 16  #: saves of its history a tiered save names (a fork further back is told apart no more)
-
-
-def lineage_of(manifest: Manifest) -> tuple[int, ...]:
-    """The digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
-    :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)."""
-    tier = manifest.extra.get(TIER_KEY)
-    found = tier.get("lineage") if isinstance(tier, Mapping) else None
-    try:  # a damaged entry ends the lineage's use: no fork is told by it
-        return tuple(SKIPPED if e == "skip" else int(e, 16) for e in found) if isinstance(found, list) else ()
-    except (TypeError, ValueError):
-        return ()
-
-
-def owner_of(manifest: Manifest) -> str | None:
-    """The durable root (location key) a fast-tier copy belongs to; ``None`` when it records none."""
-    tier = manifest.extra.get(TIER_KEY)
-    root = tier.get("root") if isinstance(tier, Mapping) else None
-    return root if isinstance(root, str) else None
 
 
 def part_sizes(manifest: Manifest) -> dict[str, int]:
@@ -424,12 +395,17 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         return LocalCopy("unsafe", files, detail=str(exc)), data
     except CheckpointError as exc:
         return LocalCopy("corrupt", files, detail=str(exc)), data
-    root, saved_tag = owner_of(manifest), manifest.extra.get("tag")
+    tier = manifest.extra.get(TIER_KEY)
+    tier = tier if isinstance(tier, Mapping) else {}
+    root, saved_tag = tier.get("root") if isinstance(tier.get("root"), str) else None, manifest.extra.get("tag")
     if (owner is not None and root != owner) or saved_tag != tag:
         why = f"checkpoint {saved_tag!r} of {root or 'a job that recorded no durable root'}"
         return LocalCopy("foreign", files, seq=seq_of(manifest), detail=why), data
-    tier = manifest.extra.get(TIER_KEY)
-    durable = isinstance(tier, Mapping) and tier.get("durable") is True
+    seen, found = _count(tier.get("path_seen")), tier.get("lineage")
+    try:  # a damaged entry ends the lineage's use: no fork is told by it
+        lineage = tuple(SKIPPED if e == "skip" else int(e, 16) for e in found) if isinstance(found, list) else ()
+    except (TypeError, ValueError):
+        lineage = ()
     copy = LocalCopy(
         "committed",
         files,
@@ -437,9 +413,9 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         seq_of(manifest),
         record_order(manifest),
         part_sizes(manifest),
-        durable,
-        path_seen=path_seen_of(manifest),
-        lineage=lineage_of(manifest),
+        tier.get("durable") is True,
+        path_seen=seen if seen is not None and seen >= 0 else None,
+        lineage=lineage,
         abandoned=abandoned_of(manifest.extra),
     )
     return copy, data

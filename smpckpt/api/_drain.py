@@ -40,7 +40,7 @@ from smpckpt.storage.tier import PreparedCommit, Workers
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
-    from smpckpt.api._fast_save import TierPlan
+    from smpckpt.api._fast_save import PendingDrain, TierPlan
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of"]
@@ -235,22 +235,22 @@ def drain(
     req: SaveRequest,
     tier: TierPlan,
     prepared: PreparedCommit,
-    *,
-    seq: int | None = None,
-    held_by: Mapping[str, Sequence[int]] | None = None,
+    retry: PendingDrain | None = None,
     manifests: ManifestCache | None = None,
 ) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    ``path``'s retention (``manifests``: the Checkpointer's records of the root); ``seq`` and ``held_by``
-    for a retried drain (default: ``tier``'s)."""
+    ``path``'s retention (``manifests``: the Checkpointer's records of the root); ``retry``: a save drained
+    again (its number and holders; default: ``tier``'s)."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
     fs, path = open_fs(req.url, req.storage_options)
-    holders = holders_of(manifest.files, tier.nodes, tier.replicas, held_by)
+    holders = holders_of(
+        manifest.files, tier.nodes, tier.options.replicas, retry.held_by if retry is not None else None
+    )
     # the most one file holds: a read, and on object stores a part filling and those in flight
     room = tools._READ_CHUNK + (0 if is_local(fs) else (_PARTS_IN_FLIGHT + 1) * _PART)
-    budget = _Budget(tier.drain_memory, room)
+    budget = _Budget(tier.options.drain_memory, room)
     copies = _Copies(
         fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders, budget, tier.memory.drain_workers
     )
@@ -269,7 +269,7 @@ def drain(
             )
 
     try:
-        if held_by is not None:
+        if retry is not None:
             dctx.on_coordinator(lambda: _clear_leftovers(fs, path, req.url, req.tag, prepared))
         damaged = copies.copy_all(dctx, req.tag, manifest.files)
         dctx.on_coordinator(commit)
@@ -293,7 +293,7 @@ def drain(
             shown[:600],
             req.tag,
         )
-    tier.memory.note_durable(tier.seq if seq is None else seq)
+    tier.memory.note_durable(tier.seq if retry is None else retry.seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(

@@ -211,8 +211,10 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
         manifest = prepared.parsed()
         target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
         for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
-            attempt = attempt if attempt is not None else _repair(ctx, choice, cand, manifest)
-            if attempt is None:
+            if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
+                attempt = _repair(ctx, choice, cand, manifest)
+                prepared = fetch_copy(ctx, choice.job, attempt, choice.nodes) if attempt is not None else None
+            if attempt is None or prepared is None:
                 break
             try:
                 part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
@@ -294,7 +296,7 @@ def _heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate, prepared:
     )
     if wrong:
         stale += wrong
-        what.append(f"{len(wrong)} part(s) not at the manifest's size ({', '.join(wrong[:3])})")
+        what.append(f"{len(wrong)} part(s) not at the manifest's size or found corrupt ({', '.join(wrong[:3])})")
     if stale and not os.path.islink(folder):  # never removed through a link (the fast tier writes none)
         log.warning(
             "fast tier: node %d's copy of checkpoint %r holds %s: removed, intact copies are fetched from peers",
@@ -379,21 +381,9 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
     # agreed (every rank knows `corrupt`): a filter making the warning an error fails every rank alike, not
     # rank 0 alone while the others wait in the next collective (rev59c F1)
     gctx.all_ok(lambda: _warn_on(ctx, f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}", 7))
-    if missing:
-        return None
-
-    def drop() -> None:
-        # the corrupt copies go (exact names, never through a link), so the intact ones fetched from the
-        # peers can take their names: received files are created, never written over (the commit protocol)
-        mine = sorted(name for n, name in corrupt if n == node)
-        if nodes.is_leader and mine:
-            with Folder(open_fs(folder)[0], folder) as f:
-                failed = f.remove(mine)
-            if failed:
-                raise CheckpointError(f"fast tier: could not remove the corrupt copies {failed[:5]}")
-
-    gctx.all_ok(drop)
-    return dataclasses.replace(cand, held_by=held, missing=missing)
+    # the corrupt copies, no longer counted as held, go before the retried load (:func:`_heal`), so the
+    # intact ones fetched from the peers can take their names
+    return None if missing else dataclasses.replace(cand, held_by=held, missing=missing)
 
 
 def _warn_on(ctx: DistContext, message: str, stacklevel: int) -> None:

@@ -84,34 +84,28 @@ class FastTierPart:
         log.info(
             "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
             req.tag,
-            tier.local_path,
+            tier.options.local_path,
             tier.seq,
-            tier.replicas,
+            tier.options.replicas,
             time.monotonic() - started,
             f"; draining to {req.url}" if tier.durable else "",
             ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
         )
-        if tier.durable:
-            self._drain(req, tier, lambda: drain(req, tier, prepared, manifests=self.counter.manifests))
-        elif tier.retry is not None:
-            retry = tier.retry
-            rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
-            self._drain(
-                rreq,
-                tier,
-                lambda: drain(
-                    rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by, manifests=self.counter.manifests
-                ),
-            )
+        if tier.durable or tier.retry is not None:
+            self._drain(req, tier, prepared)
 
-    def _drain(self, req: SaveRequest, tier: TierPlan, copy: Any) -> None:
-        """Hold ``req``'s tag in the fast tier while the drain lane runs ``copy()``."""
+    def _drain(self, req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
+        """This save (a durable one) or the save it drains again (``tier.retry``) drained on the drain lane,
+        its tag held in the fast tier meanwhile."""
+        retry = None if tier.durable else tier.retry
+        if retry is not None:
+            req = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
         self.state.hold(req.tag)
 
         def work() -> None:
             try:
                 with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                    copy()
+                    drain(req, tier, retry.prepared if retry is not None else prepared, retry, self.counter.manifests)
                 if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
                     retain_fast(tier, None, release=req.tag)
             finally:
@@ -142,25 +136,22 @@ class PendingDrain:
 class TierPlan:
     """One tiered save, decided before anything is written (the same on every rank but the folders)."""
 
+    options: FastTier  #: the Checkpointer's (``local_path``: this node's fast tier)
     nodes: Nodes
-    local_path: str  #: this node's fast tier
     job: str  #: this job's folder in it
     folder: str  #: this node's folder of the tag
     seq: int  #: this save's number in the job (1, 2, ...), across restarts
     durable: bool  #: also drained to ``path``
-    replicas: int
     root_key: str = ""  #: the durable root, as the manifest records it
     views: tuple[Mapping[str, LocalCopy], ...] = ()  #: every rank's node listing before this save
     durable_seq: int = 0  #: the highest save number ``path`` held before this save
     retry: PendingDrain | None = None
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
-    keep: int | None = None  #: ``num_kept_local``
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
-    drain_memory: int = 384 << 20  #: :attr:`FastTier.drain_memory`
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -173,7 +164,7 @@ class TierPlan:
         return {
             "seq": self.seq,
             "durable": self.durable,
-            "replicas": self.replicas,
+            "replicas": self.options.replicas,
             "nodes": self.nodes.count,
             "local_world_size": self.nodes.local_world_size,
             "root": self.root_key,
@@ -241,24 +232,21 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     drain_group = part.groups.get(ctx, "drain")
     key = durable_key(req.root, req.storage_options)
     plan = TierPlan(
+        opts,
         nodes,
-        local,
         job,
         folder,
         seq,
         durable,
-        opts.replicas,
         key,
         tuple(views),
         drained,
         retry,
         streams,
         drain_group,
-        opts.num_kept_local,
         memory,
         memory.path_seq,
         lineage,
-        drain_memory=opts.drain_memory,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan
@@ -321,12 +309,12 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
     # each data file also goes to the replica ranks while it is written (not the agreements' group:
     # an async save's dcp.save runs its collectives there meanwhile)
     replicator = None
-    if tier.replicas > 1 and tier.streams:
+    if tier.options.replicas > 1 and tier.streams:
         replicator = Replicator(
             rank=nodes.rank,
             world_size=nodes.world_size,
             local_world_size=nodes.local_world_size,
-            replicas=tier.replicas,
+            replicas=tier.options.replicas,
             groups=tier.streams[1:] or tier.streams,
             folder=tier.folder,
             sync=opts.sync_files,
@@ -353,7 +341,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
         manifest = prepared.parsed()
         node = nodes.node_of(nodes.rank)
-        share = [r for n in nodes.replica_nodes(node, tier.replicas) for r in nodes.ranks_of(n)]
+        share = [r for n in nodes.replica_nodes(node, tier.options.replicas) for r in nodes.ranks_of(n)]
         expected = parts_of(manifest, share)
 
         def copied() -> None:
@@ -395,7 +383,7 @@ def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None =
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
     after a drain (``release``: its tag may go now). One lock orders the two, so a drained tag never
     outlives the next retention. Decided on ``tier``'s gathered listings, its own save counted complete."""
-    memory, keep = tier.memory, tier.keep
+    memory, keep = tier.memory, tier.options.num_kept_local
     with memory.lock:
         if release is not None:
             memory.held.discard(release)

@@ -293,7 +293,7 @@ def drain(
             shown[:600],
             req.tag,
         )
-    tier.memory.note_durable(tier.seq if retry is None else retry.seq)
+    tier.memory.durable = max(tier.memory.durable or 0, tier.seq if retry is None else retry.seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(

@@ -100,16 +100,18 @@ class FastTierPart:
         retry = None if tier.durable else tier.retry
         if retry is not None:
             req = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
-        self.state.hold(req.tag)
+        with self.state.lock:  # retention keeps it until the drain ends
+            self.state.held.add(req.tag)
 
         def work() -> None:
             try:
                 with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
                     drain(req, tier, retry.prepared if retry is not None else prepared, retry, self.counter.manifests)
-                if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
-                    retain_fast(tier, None, release=req.tag)
             finally:
-                self.state.release(req.tag)
+                with self.state.lock:  # a failed drain too: the next save may drain it again
+                    self.state.held.discard(req.tag)
+            if tier.nodes.is_leader:  # the fast tier kept this tag while it drained: it may go now
+                retain_fast(tier, None)
 
         self.drain_lane.submit(req.tag, work)
 
@@ -363,7 +365,11 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         lap("commit")
     except BaseException:
         if not committed and nodes.is_leader:
-            _remove_quietly(tier.folder)
+            try:
+                remove_folder(open_fs(tier.folder)[0], tier.folder, tier.folder)
+            except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise
+                if not isinstance(exc, FileNotFoundError):
+                    log.warning("could not remove the failed fast-tier save's folder %s: %s", tier.folder, exc)
         raise
     if nodes.is_leader:
         retain_fast(tier, req.tag)
@@ -371,22 +377,12 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
     return prepared
 
 
-def _remove_quietly(folder: str) -> None:
-    try:
-        remove_folder(open_fs(folder)[0], folder, folder)
-    except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise
-        if not isinstance(exc, FileNotFoundError):
-            log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
-
-
-def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None = None) -> None:
+def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
-    after a drain (``release``: its tag may go now). One lock orders the two, so a drained tag never
-    outlives the next retention. Decided on ``tier``'s gathered listings, its own save counted complete."""
+    after a drain (its tag no longer held). Decided on ``tier``'s gathered listings, its own save counted
+    complete."""
     memory, keep = tier.memory, tier.options.num_kept_local
     with memory.lock:
-        if release is not None:
-            memory.held.discard(release)
         protected = {t for t in (just_saved,) if t is not None} | memory.held
         this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
         tag = os.path.basename(tier.folder)[: -len("_partial")]

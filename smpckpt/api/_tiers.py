@@ -93,19 +93,6 @@ class TierState:
         """A checkpoint with root sequence number ``seq`` is in ``path`` or due there from this job."""
         self.path_seq = max(self.path_seq, seq)
 
-    def hold(self, tag: str) -> None:
-        """``tag``'s files are about to be drained: retention keeps them until released."""
-        with self.lock:
-            self.held.add(tag)
-
-    def release(self, tag: str) -> None:
-        """A drain of ``tag`` ended (a failed one too: the next save may drain it again)."""
-        with self.lock:
-            self.held.discard(tag)
-
-    def note_durable(self, seq: int) -> None:
-        self.durable = max(self.durable or 0, seq)
-
 
 @dataclasses.dataclass(frozen=True)
 class Nodes:
@@ -453,11 +440,6 @@ class FastCandidate:
         return (self.seq, self.order)
 
 
-def _usable_files(copy: LocalCopy | None) -> Mapping[str, int] | None:
-    # another job's files, or an unsafe folder's, never stand in for this job's parts
-    return copy.files if copy is not None and copy.state in ("committed", "uncommitted", "corrupt") else None
-
-
 def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[FastCandidate]:
     """Every save of this job some node committed (only ``tag``'s when given), newest first, with its
     completeness across ``views`` (index ``i``: what global rank ``i``'s node, or the ``i``-th folder, holds)."""
@@ -470,7 +452,9 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
     for (t, digest), copy in seen.items():
         # folder i holds a part when its files have it at the manifest's size (its bytes are checked when
         # read); the manifest, when it committed this very save
-        files = [_usable_files(v.get(t)) for v in views]
+        # (another job's files, or an unsafe folder's, never stand in for this job's parts)
+        usable = ("committed", "uncommitted", "corrupt")
+        files = [v[t].files if t in v and v[t].state in usable else None for v in views]
         held = {
             name: tuple(i for i, got in enumerate(files) if got is not None and got.get(name) == size)
             for name, size in (copy.parts or {}).items()

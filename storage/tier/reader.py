@@ -50,8 +50,7 @@ class PeerFetchingReader(FsspecStorageReader):
             ranks that move the files (default: ``group``).
         ranks: the global rank of each rank of the group, in group order; ``rank``: this process's.
         local_world_size: ranks per node (``r // local_world_size`` is rank ``r``'s node).
-        held_by: file name -> global ranks whose node folder holds it (the API's scan of every node).
-        sync: fsync the files fetched."""
+        held_by: file name -> global ranks whose node folder holds it (the API's scan of every node)."""
 
     def __init__(
         self,
@@ -62,14 +61,13 @@ class PeerFetchingReader(FsspecStorageReader):
         rank: int,
         local_world_size: int,
         held_by: Mapping[str, Sequence[int]],
-        sync: bool = False,
         streams: Sequence[Any] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(path, **kwargs)
         self._group, self._ranks, self._rank = group, list(ranks), rank
         self._streams = tuple(streams) or (group,)
-        self._lws, self._held_by, self._sync = local_world_size, held_by, sync
+        self._lws, self._held_by = local_world_size, held_by
         self._schedule: list[Transfer] = []
         #: every transfer of the load (all ranks'): file, from rank, to rank
         self.fetched: tuple[Transfer, ...] = ()
@@ -104,7 +102,7 @@ class PeerFetchingReader(FsspecStorageReader):
                 group=self._streams,
                 read_folder=self.path,
                 write_folder=self.path,
-                sync=self._sync,
+                sync=False,
             )
             errors: list[Any] = [None] * len(self._ranks)
             dist.all_gather_object(errors, outcome.errors, group=self._group)

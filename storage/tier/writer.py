@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, open_fs, resolve
+from smpckpt.storage.backends._fs import open_fs, resolve
 from smpckpt.storage.backends._sinks import Sink, byte_view
 from smpckpt.storage.format._staging import STAGING_BYTES
 from smpckpt.storage.format.commit import commit
@@ -81,17 +81,13 @@ class FastTierWriter(FsspecStorageWriter):
     while it is written. ``prefix_strategy`` is the durable root's and, with ``durable_is_local=False``,
     files are sized as for an object store: a drain uploads them as a direct save would have written them."""
 
-    def __init__(
-        self, path: str, *, durable_is_local: bool = True, replicator: Replicator | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, path: str, *, durable_is_local: bool = True, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        if not is_local(self.fs):
-            raise ValueError(f"local_path must be a folder on this node, got {path!r}")
         # the files a drain uploads as they are: for an object store, one-request objects
         self._split_as_local = durable_is_local
         self.prepared: PreparedCommit | None = None
         #: sends every data file to the replica ranks while it is written (``None``: no replicas)
-        self.replicator = replicator
+        self.replicator: Replicator | None = None
 
     def _open_sink(self, name: str) -> Sink:
         """The local file's sink; with a :attr:`replicator`, also sent to the replica ranks."""
@@ -356,8 +352,6 @@ class Replicator:
         max_queued: int = STAGING_BYTES,
         workers: Workers | None = None,
     ) -> None:
-        if max_queued < 1:
-            raise ValueError(f"max_queued must be at least 1 byte, got {max_queued}")
         sends, receives = ring_peers(rank, world_size, local_world_size, replicas)
         self.outcome = TransferOutcome()
         self._lock = threading.Lock()

@@ -37,16 +37,17 @@ from smpckpt.api._tiers import (
     fetch_copy,
     gather_views,
     pending_drains,
-    retain_local,
+    scan_job,
     tier_seq,
 )
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.root import SequenceCounter, partial_dirname, partial_url, sequence_of
+from smpckpt.catalog.root import SequenceCounter, open_root, partial_dirname, partial_url, sequence_of
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs
+from smpckpt.storage.backends._fs import is_local, join, open_fs
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import check_files, remove_folder
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.reader import TransferOutcome
 
@@ -379,19 +380,60 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
 
 def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
-    after a drain (its tag no longer held). Decided on ``tier``'s gathered listings, its own save counted
-    complete."""
-    memory, keep = tier.memory, tier.options.num_kept_local
-    with memory.lock:
-        protected = {t for t in (just_saved,) if t is not None} | memory.held
-        this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
-        tag = os.path.basename(tier.folder)[: -len("_partial")]
-        views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
-        drained = max(tier.durable_seq, memory.durable or 0)
-        try:
-            removed = retain_local(tier.job, tier.root_key, views, keep, protected, drained)
-        except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-            log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.job, exc)
-            return
+    after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
+    its own save counted complete. Kept: the newest complete saves, held tags, saves due for the durable
+    tier not yet drained, unsafe and foreign folders, committed saves newer than the kept ones, and copies
+    committed after the listings. Removed: older saves, and uncommitted folders older than the newest
+    commit here."""
+    keep = tier.options.num_kept_local
+    try:
+        with tier.memory.lock:
+            removed = _retain(tier, keep, {t for t in (just_saved,) if t is not None} | tier.memory.held)
+    except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+        log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.job, exc)
+        return
     if removed:
         log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.job, keep, removed)
+
+
+def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
+    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
+    tag = os.path.basename(tier.folder)[: -len("_partial")]
+    views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
+    folder, durable_seq = tier.job, max(tier.durable_seq, tier.memory.durable or 0)
+    found = candidates(views)
+    if keep is None or not found:
+        return []
+    complete = [c for c in found if c.complete]
+    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in pending_drains(views, durable_seq)}
+    oldest_kept = min((c.key for c in complete[:keep]), default=None)
+    committed = {c.tag for c in found}
+    removed = []
+    fs, root = open_root(folder)
+    mine = scan_job(folder, tier.root_key)
+    newest = max(((c.key, t) for t, c in mine.items() if c.committed), default=None)
+    newest_mtime = os.stat(os.path.join(folder, partial_dirname(newest[1]), MANIFEST_NAME)).st_mtime if newest else None
+    for tag, copy in mine.items():
+        if tag in kept or copy.state in ("unsafe", "foreign", "unreadable"):
+            continue
+        if tag in committed:
+            if copy.digest not in {c.digest for c in found if c.tag == tag}:
+                continue  # not the save the listing holds: the tag saved again since, or being written
+            key = next(c.key for c in found if c.tag == tag)
+            if len(complete) < keep or oldest_kept is None or key >= oldest_kept:
+                continue
+        elif copy.committed:
+            # committed here but in no gathered listing: saved after ``views`` were gathered (a drain's
+            # retention runs on its save's listing, after later saves committed) -- newer, never debris
+            continue
+        elif newest_mtime is None or os.stat(os.path.join(folder, partial_dirname(tag))).st_mtime >= newest_mtime:
+            continue  # possibly a save still writing: only older debris goes
+        # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing
+        # parts), never through a link; an uncommitted folder only while it stays uncommitted
+        path = join(root, partial_dirname(tag))
+        failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
+        if failed:
+            log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
+        else:
+            removed.append(tag)
+    return removed

@@ -31,7 +31,6 @@ from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import create_bytes_exclusive
 from smpckpt.storage.backends._fs import file_sizes, is_local, join, location_key, open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PreparedCommit, Workers
 
@@ -39,7 +38,7 @@ __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_l
 __all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views"]
 __all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "part_sizes"]
 __all__ += ["SKIPPED", "PATH_MARK", "LINEAGE"]
-__all__ += ["candidates", "tier_seq", "pending_drains", "retain_local", "fetch_copy"]
+__all__ += ["candidates", "tier_seq", "pending_drains", "fetch_copy"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -494,54 +493,3 @@ def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
 def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
     """Saves due for the durable tier newer than all it holds of this job (never drained), newest first."""
     return [c for c in candidates(views) if c.durable and c.seq > durable_seq]
-
-
-def retain_local(
-    folder: str,
-    owner: str,
-    views: Sequence[Mapping[str, LocalCopy]],
-    keep: int | None,
-    protected: set[str],
-    durable_seq: int,
-) -> list[str]:
-    """(one rank per node) ``num_kept_local`` over this node's ``folder`` of the job ``owner``, decided on
-    every node's gathered listing (``views``) alike. Kept: the ``keep`` newest complete saves, ``protected``
-    tags, saves due for the durable tier newer than ``durable_seq`` (until a drain commits them), unsafe
-    and foreign folders, committed saves newer than the kept ones, and copies committed after ``views``.
-    Removed (and returned): older saves, and uncommitted folders older than the newest commit here."""
-    found = candidates(views)
-    if keep is None or not found:
-        return []
-    complete = [c for c in found if c.complete]
-    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in pending_drains(views, durable_seq)}
-    oldest_kept = min((c.key for c in complete[:keep]), default=None)
-    committed = {c.tag for c in found}
-    removed = []
-    fs, root = open_root(folder)
-    mine = scan_job(folder, owner)
-    newest = max(((c.key, t) for t, c in mine.items() if c.committed), default=None)
-    newest_mtime = os.stat(os.path.join(folder, partial_dirname(newest[1]), MANIFEST_NAME)).st_mtime if newest else None
-    for tag, copy in mine.items():
-        if tag in kept or copy.state in ("unsafe", "foreign", "unreadable"):
-            continue
-        if tag in committed:
-            if copy.digest not in {c.digest for c in found if c.tag == tag}:
-                continue  # not the save the listing holds: the tag saved again since, or being written
-            key = next(c.key for c in found if c.tag == tag)
-            if len(complete) < keep or oldest_kept is None or key >= oldest_kept:
-                continue
-        elif copy.committed:
-            # committed here but in no gathered listing: saved after ``views`` were gathered (a drain's
-            # retention runs on its save's listing, after later saves committed) -- newer, never debris
-            continue
-        elif newest_mtime is None or os.stat(os.path.join(folder, partial_dirname(tag))).st_mtime >= newest_mtime:
-            continue  # possibly a save still writing: only older debris goes
-        # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing
-        # parts), never through a link; an uncommitted folder only while it stays uncommitted
-        path = join(root, partial_dirname(tag))
-        failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
-        if failed:
-            log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
-        else:
-            removed.append(tag)
-    return removed

@@ -33,7 +33,6 @@ from smpckpt.storage import tools
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
-from smpckpt.storage.format.commit import commit as commit_in
 from smpckpt.storage.format.commit import settle_uncommitted_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, probe
 from smpckpt.storage.tier import PreparedCommit, Workers
@@ -257,16 +256,8 @@ def drain(
 
     def commit() -> None:
         _refuse_committed(fs, path, req.url, req.tag)
-        with Folder(fs, path) as folder:  # the one commit protocol (storage/format/commit.py)
-            commit_in(
-                folder,
-                req.url,
-                manifest,
-                prepared.manifest,
-                sync=copies.sync,
-                metadata=prepared.metadata,
-                stock_metadata=prepared.metadata,
-            )
+        with Folder(fs, path) as folder:
+            prepared.commit(folder, req.url, sync=copies.sync)
 
     try:
         if retry is not None:

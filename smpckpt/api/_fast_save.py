@@ -193,7 +193,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, tuple[str, int] | None, tuple[int, ...]]:
+    def decide() -> tuple[int, int, FastCandidate | None, tuple[int, ...]]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -228,7 +228,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     durable = seq % opts.durable_every == 0
     if durable:  # one drain at a time: the fast tier keeps its tag until it is done
         wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
-    retry = _pending(ctx, job, views, retry_of) if retry_of is not None else None
+    retry = _pending(ctx, job, retry_of) if retry_of is not None else None
     if retry is not None and ctx.is_coordinator:  # this job drains it again: its history's, due for path
         memory.saw_path(sequence_of(retry.prepared.parsed().extra))
     streams = part.groups.streams(ctx)
@@ -255,7 +255,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     return plan
 
 
-def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, int] | None:
+def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> FastCandidate | None:
     """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
     drained (complete across the nodes, its tag free in ``path``), warned of as the others are."""
     for c in pending:
@@ -277,16 +277,13 @@ def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, 
         log.warning(message)
         warnings.warn(message, stacklevel=5)
         if not why:
-            return c.tag, c.digest
+            return c
     return None
 
 
-def _pending(
-    ctx: DistContext, job: str, views: Sequence[Mapping[str, LocalCopy]], chosen: tuple[str, int]
-) -> PendingDrain:
+def _pending(ctx: DistContext, job: str, found: FastCandidate) -> PendingDrain:
     """(all ranks, two broadcasts) The pending save's manifest and metadata, from nodes holding them."""
-    tag, digest = chosen
-    found = next(c for c in candidates(views, tag) if c.digest == digest)
+    tag = found.tag
     prepared = fetch_copy(ctx, job, found, None)
     if prepared is None:
         raise CheckpointError(f"the manifest of checkpoint {tag!r} changed in the fast tier while it was planned")

@@ -73,6 +73,19 @@ class PreparedCommit:
     def parsed(self) -> Manifest:
         return Manifest.from_bytes(self.manifest)
 
+    def commit(self, folder: Folder, url: str, *, sync: bool, **kwargs: Any) -> None:
+        """Commit it in ``folder`` (the one commit protocol: ``storage/format/commit.py``), metadata too."""
+        commit(
+            folder,
+            url,
+            self.parsed(),
+            self.manifest,
+            sync=sync,
+            metadata=self.metadata,
+            stock_metadata=self.metadata,
+            **kwargs,
+        )
+
 
 class FastTierWriter(FsspecStorageWriter):
     """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path): the
@@ -126,23 +139,13 @@ def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileR
     node's copy (metadata, manifest create-if-absent, stock ``.metadata``). ``False``: this generation
     was committed here already; :class:`CheckpointExists`: another one was."""
     fs, path = open_fs(folder)
-    with Folder(fs, path) as f:  # the one commit protocol (storage/format/commit.py)
+    with Folder(fs, path) as f:
         existing = f.read(MANIFEST_NAME)
         if existing is not None:
             if existing == prepared.manifest:
                 return False
             raise CheckpointExists(f"{folder}: holds another committed checkpoint of this tag")
-        commit(
-            f,
-            folder,
-            prepared.parsed(),
-            prepared.manifest,
-            sync=sync,
-            metadata=prepared.metadata,
-            expected=expected,
-            stock_metadata=prepared.metadata,
-            refused="another save committed here at the same time",
-        )
+        prepared.commit(f, folder, sync=sync, expected=expected, refused="another save committed here at the same time")
     return True
 
 

@@ -197,7 +197,10 @@ def _token(local: str) -> str:
         create_bytes_exclusive(open_fs(local)[0], os.path.join(local, name), b"", sync=False)
     except OSError as exc:
         raise ValueError(f"local_path {local!r} is not writable: {exc}") from exc
-    _remove_stale_tokens(local)
+    with contextlib.suppress(OSError):  # tokens of jobs killed while comparing folders: not left to pile up
+        for stale in [n for n in os.listdir(local) if n.startswith(_TOKEN_PREFIX)]:
+            if time.time() - os.lstat(os.path.join(local, stale)).st_mtime > _STALE_TOKEN_S:
+                os.unlink(os.path.join(local, stale))
     return name
 
 
@@ -213,16 +216,6 @@ def _job_folder_ready(local: str, job: str, key: str) -> None:
         raise ValueError(
             f"local_path {local!r} is not writable: cannot create this job's folder in it ({exc})"
         ) from exc
-
-
-def _remove_stale_tokens(local: str) -> None:
-    """Tokens of jobs killed while comparing folders: harmless, but not left to pile up."""
-    with contextlib.suppress(OSError):
-        names = [n for n in os.listdir(local) if n.startswith(_TOKEN_PREFIX)]
-        for name in names:
-            path = os.path.join(local, name)
-            if time.time() - os.lstat(path).st_mtime > _STALE_TOKEN_S:
-                os.unlink(path)
 
 
 def gather_views(

@@ -213,14 +213,9 @@ def _send_all(sends: list[Transfer], folder: str, group: Any) -> list[str]:
 
 
 def _receive_all(receives: list[Transfer], folder: str, group: Any, sync: bool, outcome: TransferOutcome) -> list[str]:
-    errors = []
-    for t in receives:
-        error = _receive(t, folder, group, sync=sync)
-        if error:
-            errors.append(error)
-        else:
-            outcome.received.append(t)  # list.append is atomic: receiving threads share the outcome
-    return errors
+    errors = [(t, _receive(t, folder, group, sync=sync)) for t in receives]
+    outcome.received.extend([t for t, e in errors if not e])  # one extend of a list: the threads share it
+    return [e for _, e in errors if e]
 
 
 def _word(value: int) -> torch.Tensor:

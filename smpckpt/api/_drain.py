@@ -33,14 +33,13 @@ from smpckpt.storage import tools
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, open_sink
-from smpckpt.storage.format.commit import commit as commit_in
 from smpckpt.storage.format.commit import settle_uncommitted_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, probe
 from smpckpt.storage.tier import PreparedCommit, Workers
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
-    from smpckpt.api._fast_save import TierPlan
+    from smpckpt.api._fast_save import PendingDrain, TierPlan
     from smpckpt.catalog.root import ManifestCache
 
 __all__ = ["drain", "copiers", "holders_of"]
@@ -235,48 +234,42 @@ def drain(
     req: SaveRequest,
     tier: TierPlan,
     prepared: PreparedCommit,
-    *,
-    seq: int | None = None,
-    held_by: Mapping[str, Sequence[int]] | None = None,
+    retry: PendingDrain | None = None,
     manifests: ManifestCache | None = None,
 ) -> None:
     """(all ranks, the drain thread, on ``tier.drain_group``) Copy, commit, point ``newest``, apply
-    ``path``'s retention (``manifests``: the Checkpointer's records of the root); ``seq`` and ``held_by``
-    for a retried drain (default: ``tier``'s)."""
+    ``path``'s retention (``manifests``: the Checkpointer's records of the root); ``retry``: a save drained
+    again (its number and holders; default: ``tier``'s)."""
     started, group = time.monotonic(), tier.drain_group
     dctx = DistContext(group)
     manifest = prepared.parsed()
     fs, path = open_fs(req.url, req.storage_options)
-    holders = holders_of(manifest.files, tier.nodes, tier.replicas, held_by)
+    holders = holders_of(
+        manifest.files, tier.nodes, tier.options.replicas, retry.held_by if retry is not None else None
+    )
     # the most one file holds: a read, and on object stores a part filling and those in flight
     room = tools._READ_CHUNK + (0 if is_local(fs) else (_PARTS_IN_FLIGHT + 1) * _PART)
-    budget = _Budget(tier.drain_memory, room)
+    budget = _Budget(tier.options.drain_memory, room)
     copies = _Copies(
         fs, path, tier.folder_of(req.tag), req.opts.sync_files, tier.nodes, holders, budget, tier.memory.drain_workers
     )
 
     def commit() -> None:
-        found = probe(fs, path, list_when_empty=False)
-        if found.state in ("committed", "legacy"):
-            raise CheckpointExists(f"{req.url} already holds a committed checkpoint; the drain of {req.tag!r} stops")
-        with Folder(fs, path) as folder:  # the one commit protocol (storage/format/commit.py)
-            commit_in(
-                folder,
-                req.url,
-                manifest,
-                prepared.manifest,
-                sync=copies.sync,
-                metadata=prepared.metadata,
-                stock_metadata=prepared.metadata,
-            )
+        _refuse_committed(fs, path, req.url, req.tag)
+        with Folder(fs, path) as folder:
+            prepared.commit(folder, req.url, sync=copies.sync)
 
     try:
-        if held_by is not None:
+        if retry is not None:
             dctx.on_coordinator(lambda: _clear_leftovers(fs, path, req.url, req.tag, prepared))
         damaged = copies.copy_all(dctx, req.tag, manifest.files)
         dctx.on_coordinator(commit)
     except BaseException:
-        if _committed(fs, path, prepared) is False:  # unknown (None): nothing is removed blind
+        try:
+            committed = read_bytes_or_none(fs, join(path, MANIFEST_NAME)) == prepared.manifest
+        except Exception:  # noqa: BLE001 - unknown: nothing is removed blind
+            committed = True
+        if not committed:
             _remove_copies(fs, path, req.url, copies.attempted)
         raise
     if damaged and dctx.is_coordinator:
@@ -291,7 +284,7 @@ def drain(
             shown[:600],
             req.tag,
         )
-    tier.memory.note_durable(tier.seq if seq is None else seq)
+    tier.memory.durable = max(tier.memory.durable or 0, tier.seq if retry is None else retry.seq)
     breq = dataclasses.replace(req, process_group=group)
     publish_newest(breq, dctx, manifest.extra)  # its roll-back record: the root's copy (catalog.root)
     log.info(
@@ -341,9 +334,7 @@ def _remove_copies(fs: Any, path: str, url: str, names: list[str]) -> None:
 def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedCommit) -> None:
     """(rank 0, a retried drain) The files of this very save a killed drain left in the uncommitted
     folder: they would refuse the copies (files are created exclusively). Only those names, nothing else."""
-    found = probe(fs, path, list_when_empty=False)
-    if found.state in ("committed", "legacy"):
-        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")
+    _refuse_committed(fs, path, url, tag)
     settle_uncommitted_folder(fs, path, url)
     names = [rec.name for rec in prepared.parsed().files] + [prepared.metadata_name]
     try:
@@ -356,9 +347,6 @@ def _clear_leftovers(fs: Any, path: str, url: str, tag: str, prepared: PreparedC
         raise CheckpointError(f"{url}: could not remove what an earlier drain of {tag!r} left: {failed[:5]}")
 
 
-def _committed(fs: Any, path: str, prepared: PreparedCommit) -> bool | None:
-    """Whether this drain's manifest is in place; ``None`` when that cannot be read."""
-    try:
-        return read_bytes_or_none(fs, join(path, MANIFEST_NAME)) == prepared.manifest
-    except Exception:  # noqa: BLE001 - unknown
-        return None
+def _refuse_committed(fs: Any, path: str, url: str, tag: str) -> None:
+    if probe(fs, path, list_when_empty=False).state in ("committed", "legacy"):
+        raise CheckpointExists(f"{url} already holds a committed checkpoint; the drain of {tag!r} stops")

@@ -4,8 +4,8 @@ then to ``path``'s (README, "Tiered checkpoints").
 
 :func:`choose_tier` (all: listings gathered, complete fast-tier saves newest first; rank 0 finds
 ``path``'s newest, broadcast; ``tag=None`` refuses diverged histories, :func:`_same_history`) ->
-:func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata to the leaders that lack
-them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
+:func:`load_tiered` (all, for each newer fast-tier save: its manifest and metadata broadcast and written by
+the leaders that lack them, dcp.load with a :class:`PeerFetchingReader` fetching from peers the parts a node lacks; on failure
 the leaders check their copies (``repair``) and the load is tried once more from a good peer), then
 ``path``'s checkpoint; a warning names each copy that could not be loaded.
 """
@@ -37,6 +37,7 @@ from smpckpt.api._tiers import (
     Nodes,
     candidates,
     durable_key,
+    fetch_copy,
     gather_views,
     read_copy,
     tier_seq,
@@ -47,9 +48,8 @@ from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
-from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.manifest import MANIFEST_NAME
-from smpckpt.storage.tier import PeerFetchingReader, Transfer, run_transfers
+from smpckpt.storage.tier import PeerFetchingReader, PreparedCommit
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
@@ -205,18 +205,21 @@ def _same_history(
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
     """(all ranks) Load the newest candidate that loads; ``None``: neither tier holds one."""
     for i, cand in enumerate(choice.fast):
-        manifest = _manifest_of(ctx, choice, cand)
-        if manifest is None:
+        prepared = fetch_copy(ctx, choice.job, cand, choice.nodes)
+        if prepared is None:
             continue
-        target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest[0], False)
+        manifest = prepared.parsed()
+        target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
         for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
-            attempt = attempt if attempt is not None else _repair(ctx, choice, cand, manifest[0])
-            if attempt is None:
+            if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
+                attempt = _repair(ctx, choice, cand, manifest)
+                prepared = fetch_copy(ctx, choice.job, attempt, choice.nodes) if attempt is not None else None
+            if attempt is None or prepared is None:
                 break
             try:
                 part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
                 rng, state = resume_state(req, target, ctx, depth=2)
-                reader = fast_reader(req, target, choice, attempt, *manifest)
+                reader = fast_reader(req, target, choice, attempt, prepared)
                 loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
                 part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
             except Exception as exc:  # every rank: a warning made an error is rank 0's, a CheckpointError elsewhere
@@ -260,44 +263,18 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     return loaded
 
 
-def _manifest_of(ctx: DistContext, choice: TierChoice, cand: FastCandidate) -> tuple[Manifest, int] | None:
-    """(all ranks, one broadcast) ``cand``'s manifest and its size in bytes, from the first rank whose
-    node committed it; ``None`` when it changed since the listing (removed by another process of the job?)."""
-    src = cand.held_by[MANIFEST_NAME][0]
-    path = os.path.join(choice.job, partial_dirname(cand.tag), MANIFEST_NAME)
-    data = read_bytes_or_none(open_fs(path)[0], path) if ctx.rank == src else None
-    data = ctx.broadcast_object(data, src=src)
-    if data is None or hash_bytes(data) != cand.digest:
-        return None
-    return Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}"), len(data)
-
-
-def _heal_transfers(cand: FastCandidate, manifest: Manifest, nodes: Nodes, size: int) -> tuple[Transfer, ...]:
-    """The copy's metadata, then its manifest (``size`` bytes), to each node's leader that lacks them."""
-    sizes = {manifest.metadata.name: manifest.metadata.size, MANIFEST_NAME: size}
-    out = []
-    for name in (manifest.metadata.name, MANIFEST_NAME):
-        holders = cand.held_by[name]
-        for node in range(nodes.count):
-            leader = nodes.ranks_of(node)[0]
-            if not any(nodes.node_of(r) == node for r in holders):
-                out.append(Transfer(name, sizes[name], min(holders), leader))
-    return tuple(out)
-
-
-def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate) -> None:
+def _heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate, prepared: PreparedCommit) -> None:
     """(leaders) Remove (never through a link, each kind logged) what in this node's folder of ``cand``'s
-    tag would refuse a part healed in from a peer (received files are created, never written over): a part
-    not at the manifest's size (then fetched when read); when this node lacks ``cand``'s manifest, an older
-    save's manifest of the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy
-    is left alone (the load then fails, by name)."""
+    tag would refuse a part healed in from a peer (files are created, never written over): a part not at
+    the manifest's size (then fetched when read); when this node lacks ``cand``'s manifest, an older save's
+    manifest of the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy is
+    left alone (the load then fails, by name). Then the copy's metadata and manifest (``prepared``), where
+    this node lacks them."""
     nodes = choice.nodes
     node = nodes.node_of(nodes.rank)
     if not nodes.is_leader:
         return
     folder = os.path.join(choice.job, partial_dirname(cand.tag))
-    if os.path.islink(folder):
-        return  # never written through (the fast tier writes no links): the load fails, by name
 
     def here(holders: tuple[int, ...]) -> bool:
         return any(nodes.node_of(r) == node for r in holders)
@@ -319,42 +296,35 @@ def _clear_for_heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate)
     )
     if wrong:
         stale += wrong
-        what.append(f"{len(wrong)} part(s) not at the manifest's size ({', '.join(wrong[:3])})")
-    if not stale:
-        return
-    log.warning(
-        "fast tier: node %d's copy of checkpoint %r holds %s: removed, intact copies are fetched from peers",
-        node,
-        cand.tag,
-        "; ".join(what),
-    )
-    with Folder(open_fs(folder)[0], folder) as f:
-        failed = f.remove(stale)
-    if failed:
-        raise CheckpointError(f"fast tier: could not remove {'; '.join(what)} on node {node}: {failed[:5]}")
+        what.append(f"{len(wrong)} part(s) not at the manifest's size or found corrupt ({', '.join(wrong[:3])})")
+    if stale and not os.path.islink(folder):  # never removed through a link (the fast tier writes none)
+        log.warning(
+            "fast tier: node %d's copy of checkpoint %r holds %s: removed, intact copies are fetched from peers",
+            node,
+            cand.tag,
+            "; ".join(what),
+        )
+        with Folder(open_fs(folder)[0], folder) as f:
+            failed = f.remove(stale)
+        if failed:
+            raise CheckpointError(f"fast tier: could not remove {'; '.join(what)} on node {node}: {failed[:5]}")
+    lacks = [n for n in (prepared.metadata_name, MANIFEST_NAME) if not here(cand.held_by[n])]
+    try:
+        if lacks:  # the metadata first: a manifest commits the copy (created, never written over)
+            with Folder(open_fs(folder)[0], folder, create=True) as f:
+                for name in lacks:
+                    f.publish(name, prepared.manifest if name == MANIFEST_NAME else prepared.metadata, sync=False)
+    except (OSError, CheckpointError) as exc:  # a folder that is a link too: this copy fails, the next is tried
+        raise CheckpointError(f"sending the fast-tier copy's metadata to node {node} failed: {exc}") from exc
 
 
 def fast_reader(
-    req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate, manifest: Manifest, size: int
+    req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate, prepared: PreparedCommit
 ) -> PeerFetchingReader:
-    """(all ranks) Nodes that lack the copy's metadata or manifest (``size`` bytes) receive them (agreed
-    across ranks); then this rank's reader of the chosen fast-tier copy."""
-    gctx, nodes = DistContext(choice.group), choice.nodes
-    gctx.all_ok(lambda: _clear_for_heal(req, choice, cand))
-    heal = _heal_transfers(cand, manifest, nodes, size)
-    if heal:
-        os.makedirs(target.url, exist_ok=True)
-    outcome = run_transfers(
-        heal, rank=nodes.rank, group=choice.group, read_folder=target.url, write_folder=target.url, sync=False
-    )
-
-    def check() -> None:
-        if outcome.errors:
-            raise CheckpointError(
-                f"sending the fast-tier copy's metadata to a node failed: {'; '.join(outcome.errors)}"
-            )
-
-    gctx.all_ok(check)
+    """(all ranks) This node's folder of the copy healed (:func:`_heal`, agreed across ranks); then this
+    rank's reader of the chosen fast-tier copy."""
+    nodes = choice.nodes
+    DistContext(choice.group).all_ok(lambda: _heal(req, choice, cand, prepared))
     return PeerFetchingReader(
         target.url,
         group=choice.group,
@@ -411,21 +381,9 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
     # agreed (every rank knows `corrupt`): a filter making the warning an error fails every rank alike, not
     # rank 0 alone while the others wait in the next collective (rev59c F1)
     gctx.all_ok(lambda: _warn_on(ctx, f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}", 7))
-    if missing:
-        return None
-
-    def drop() -> None:
-        # the corrupt copies go (exact names, never through a link), so the intact ones fetched from the
-        # peers can take their names: received files are created, never written over (the commit protocol)
-        mine = sorted(name for n, name in corrupt if n == node)
-        if nodes.is_leader and mine:
-            with Folder(open_fs(folder)[0], folder) as f:
-                failed = f.remove(mine)
-            if failed:
-                raise CheckpointError(f"fast tier: could not remove the corrupt copies {failed[:5]}")
-
-    gctx.all_ok(drop)
-    return dataclasses.replace(cand, held_by=held, missing=missing)
+    # the corrupt copies, no longer counted as held, go before the retried load (:func:`_heal`), so the
+    # intact ones fetched from the peers can take their names
+    return None if missing else dataclasses.replace(cand, held_by=held, missing=missing)
 
 
 def _warn_on(ctx: DistContext, message: str, stacklevel: int) -> None:

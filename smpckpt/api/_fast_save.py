@@ -34,19 +34,20 @@ from smpckpt.api._tiers import (
     TierState,
     candidates,
     durable_key,
+    fetch_copy,
     gather_views,
     pending_drains,
-    retain_local,
+    scan_job,
     tier_seq,
 )
 from smpckpt.api.options import FastTier
-from smpckpt.catalog.root import SequenceCounter, partial_dirname, partial_url, sequence_of
+from smpckpt.catalog.root import SequenceCounter, open_root, partial_dirname, partial_url, sequence_of
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage import probe_checkpoint
-from smpckpt.storage.backends._fs import is_local, open_fs, read_bytes_or_none
+from smpckpt.storage.backends._fs import is_local, join, open_fs
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.commit import check_files, remove_folder
-from smpckpt.storage.format.manifest import MANIFEST_NAME, Manifest
+from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import FastTierWriter, PreparedCommit, Replicator, commit_node_copy, parts_of
 from smpckpt.storage.tier.reader import TransferOutcome
 
@@ -84,38 +85,34 @@ class FastTierPart:
         log.info(
             "saved checkpoint %r to the fast tier %s (save %d, %d replica(s)) in %.2fs%s; phases: %s",
             req.tag,
-            tier.local_path,
+            tier.options.local_path,
             tier.seq,
-            tier.replicas,
+            tier.options.replicas,
             time.monotonic() - started,
             f"; draining to {req.url}" if tier.durable else "",
             ", ".join(f"{name} {s:.3f}s" for name, s in tier.phases.items()),
         )
-        if tier.durable:
-            self._drain(req, tier, lambda: drain(req, tier, prepared, manifests=self.counter.manifests))
-        elif tier.retry is not None:
-            retry = tier.retry
-            rreq = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
-            self._drain(
-                rreq,
-                tier,
-                lambda: drain(
-                    rreq, tier, retry.prepared, seq=retry.seq, held_by=retry.held_by, manifests=self.counter.manifests
-                ),
-            )
+        if tier.durable or tier.retry is not None:
+            self._drain(req, tier, prepared)
 
-    def _drain(self, req: SaveRequest, tier: TierPlan, copy: Any) -> None:
-        """Hold ``req``'s tag in the fast tier while the drain lane runs ``copy()``."""
-        self.state.hold(req.tag)
+    def _drain(self, req: SaveRequest, tier: TierPlan, prepared: PreparedCommit) -> None:
+        """This save (a durable one) or the save it drains again (``tier.retry``) drained on the drain lane,
+        its tag held in the fast tier meanwhile."""
+        retry = None if tier.durable else tier.retry
+        if retry is not None:
+            req = dataclasses.replace(req, tag=retry.tag, url=partial_url(req.root, retry.tag))
+        with self.state.lock:  # retention keeps it until the drain ends
+            self.state.held.add(req.tag)
 
         def work() -> None:
             try:
                 with peer_failures(DistContext(tier.drain_group), f"draining checkpoint {req.tag!r} to {req.url}"):
-                    copy()
-                if tier.nodes.is_leader:  # the fast tier kept this tag while it drained
-                    retain_fast(tier, None, release=req.tag)
+                    drain(req, tier, retry.prepared if retry is not None else prepared, retry, self.counter.manifests)
             finally:
-                self.state.release(req.tag)
+                with self.state.lock:  # a failed drain too: the next save may drain it again
+                    self.state.held.discard(req.tag)
+            if tier.nodes.is_leader:  # the fast tier kept this tag while it drained: it may go now
+                retain_fast(tier, None)
 
         self.drain_lane.submit(req.tag, work)
 
@@ -142,25 +139,22 @@ class PendingDrain:
 class TierPlan:
     """One tiered save, decided before anything is written (the same on every rank but the folders)."""
 
+    options: FastTier  #: the Checkpointer's (``local_path``: this node's fast tier)
     nodes: Nodes
-    local_path: str  #: this node's fast tier
     job: str  #: this job's folder in it
     folder: str  #: this node's folder of the tag
     seq: int  #: this save's number in the job (1, 2, ...), across restarts
     durable: bool  #: also drained to ``path``
-    replicas: int
     root_key: str = ""  #: the durable root, as the manifest records it
     views: tuple[Mapping[str, LocalCopy], ...] = ()  #: every rank's node listing before this save
     durable_seq: int = 0  #: the highest save number ``path`` held before this save
     retry: PendingDrain | None = None
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
-    keep: int | None = None  #: ``num_kept_local``
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
-    drain_memory: int = 384 << 20  #: :attr:`FastTier.drain_memory`
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -173,7 +167,7 @@ class TierPlan:
         return {
             "seq": self.seq,
             "durable": self.durable,
-            "replicas": self.replicas,
+            "replicas": self.options.replicas,
             "nodes": self.nodes.count,
             "local_world_size": self.nodes.local_world_size,
             "root": self.root_key,
@@ -199,7 +193,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, tuple[str, int] | None, tuple[int, ...]]:
+    def decide() -> tuple[int, int, FastCandidate | None, tuple[int, ...]]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -234,37 +228,34 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     durable = seq % opts.durable_every == 0
     if durable:  # one drain at a time: the fast tier keeps its tag until it is done
         wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
-    retry = _pending(ctx, job, views, retry_of) if retry_of is not None else None
+    retry = _pending(ctx, job, retry_of) if retry_of is not None else None
     if retry is not None and ctx.is_coordinator:  # this job drains it again: its history's, due for path
         memory.saw_path(sequence_of(retry.prepared.parsed().extra))
     streams = part.groups.streams(ctx)
     drain_group = part.groups.get(ctx, "drain")
     key = durable_key(req.root, req.storage_options)
     plan = TierPlan(
+        opts,
         nodes,
-        local,
         job,
         folder,
         seq,
         durable,
-        opts.replicas,
         key,
         tuple(views),
         drained,
         retry,
         streams,
         drain_group,
-        opts.num_kept_local,
         memory,
         memory.path_seq,
         lineage,
-        drain_memory=opts.drain_memory,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan
 
 
-def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, int] | None:
+def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> FastCandidate | None:
     """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
     drained (complete across the nodes, its tag free in ``path``), warned of as the others are."""
     for c in pending:
@@ -286,34 +277,19 @@ def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> tuple[str, 
         log.warning(message)
         warnings.warn(message, stacklevel=5)
         if not why:
-            return c.tag, c.digest
+            return c
     return None
 
 
-def _pending(
-    ctx: DistContext, job: str, views: Sequence[Mapping[str, LocalCopy]], chosen: tuple[str, int]
-) -> PendingDrain:
+def _pending(ctx: DistContext, job: str, found: FastCandidate) -> PendingDrain:
     """(all ranks, two broadcasts) The pending save's manifest and metadata, from nodes holding them."""
-    tag, digest = chosen
-    found = next(c for c in candidates(views, tag) if c.digest == digest)
-    folder = os.path.join(job, partial_dirname(tag))
-    fs = open_fs(folder)[0]
-    manifest = ctx.broadcast_object(
-        read_bytes_or_none(fs, os.path.join(folder, MANIFEST_NAME))
-        if ctx.rank == found.held_by[MANIFEST_NAME][0]
-        else None,
-        src=found.held_by[MANIFEST_NAME][0],
-    )
-    if manifest is None or hash_bytes(manifest) != digest:
+    tag = found.tag
+    prepared = fetch_copy(ctx, job, found, None)
+    if prepared is None:
         raise CheckpointError(f"the manifest of checkpoint {tag!r} changed in the fast tier while it was planned")
-    md = Manifest.from_bytes(manifest, where=f"fast-tier manifest of {tag!r}").metadata
-    src = found.held_by[md.name][0]
-    data = ctx.broadcast_object(
-        read_bytes_or_none(fs, os.path.join(folder, md.name)) if ctx.rank == src else None, src=src
-    )
-    if data is None or not md.matches(data):
+    if not prepared.parsed().metadata.matches(prepared.metadata):
         raise CheckpointError(f"the metadata of checkpoint {tag!r} in the fast tier does not match its manifest")
-    return PendingDrain(tag, found.seq, PreparedCommit(manifest, md.name, data), found.held_by)
+    return PendingDrain(tag, found.seq, prepared, found.held_by)
 
 
 def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:
@@ -333,12 +309,12 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
     # each data file also goes to the replica ranks while it is written (not the agreements' group:
     # an async save's dcp.save runs its collectives there meanwhile)
     replicator = None
-    if tier.replicas > 1 and tier.streams:
+    if tier.options.replicas > 1 and tier.streams:
         replicator = Replicator(
             rank=nodes.rank,
             world_size=nodes.world_size,
             local_world_size=nodes.local_world_size,
-            replicas=tier.replicas,
+            replicas=tier.options.replicas,
             groups=tier.streams[1:] or tier.streams,
             folder=tier.folder,
             sync=opts.sync_files,
@@ -365,7 +341,7 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         prepared: PreparedCommit = gctx.broadcast_object(writer.prepared)
         manifest = prepared.parsed()
         node = nodes.node_of(nodes.rank)
-        share = [r for n in nodes.replica_nodes(node, tier.replicas) for r in nodes.ranks_of(n)]
+        share = [r for n in nodes.replica_nodes(node, tier.options.replicas) for r in nodes.ranks_of(n)]
         expected = parts_of(manifest, share)
 
         def copied() -> None:
@@ -387,7 +363,11 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
         lap("commit")
     except BaseException:
         if not committed and nodes.is_leader:
-            _remove_quietly(tier.folder)
+            try:
+                remove_folder(open_fs(tier.folder)[0], tier.folder, tier.folder)
+            except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise
+                if not isinstance(exc, FileNotFoundError):
+                    log.warning("could not remove the failed fast-tier save's folder %s: %s", tier.folder, exc)
         raise
     if nodes.is_leader:
         retain_fast(tier, req.tag)
@@ -395,31 +375,62 @@ def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], ti
     return prepared
 
 
-def _remove_quietly(folder: str) -> None:
-    try:
-        remove_folder(open_fs(folder)[0], folder, folder)
-    except Exception as exc:  # noqa: BLE001 - the save's own error is the one to raise
-        if not isinstance(exc, FileNotFoundError):
-            log.warning("could not remove the failed fast-tier save's folder %s: %s", folder, exc)
-
-
-def retain_fast(tier: TierPlan, just_saved: str | None, *, release: str | None = None) -> None:
+def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
-    after a drain (``release``: its tag may go now). One lock orders the two, so a drained tag never
-    outlives the next retention. Decided on ``tier``'s gathered listings, its own save counted complete."""
-    memory, keep = tier.memory, tier.keep
-    with memory.lock:
-        if release is not None:
-            memory.held.discard(release)
-        protected = {t for t in (just_saved,) if t is not None} | memory.held
-        this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
-        tag = os.path.basename(tier.folder)[: -len("_partial")]
-        views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
-        drained = max(tier.durable_seq, memory.durable or 0)
-        try:
-            removed = retain_local(tier.job, tier.root_key, views, keep, protected, drained)
-        except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
-            log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.job, exc)
-            return
+    after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
+    its own save counted complete. Kept: the newest complete saves, held tags, saves due for the durable
+    tier not yet drained, unsafe and foreign folders, committed saves newer than the kept ones, and copies
+    committed after the listings. Removed: older saves, and uncommitted folders older than the newest
+    commit here."""
+    keep = tier.options.num_kept_local
+    try:
+        with tier.memory.lock:
+            removed = _retain(tier, keep, {t for t in (just_saved,) if t is not None} | tier.memory.held)
+    except Exception as exc:  # noqa: BLE001 - retention never fails a committed save
+        log.warning("fast-tier retention in %s failed (nothing else affected): %s", tier.job, exc)
+        return
     if removed:
         log.info("fast tier %s: kept %s checkpoint(s); removed %s", tier.job, keep, removed)
+
+
+def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
+    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
+    tag = os.path.basename(tier.folder)[: -len("_partial")]
+    views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
+    folder, durable_seq = tier.job, max(tier.durable_seq, tier.memory.durable or 0)
+    found = candidates(views)
+    if keep is None or not found:
+        return []
+    complete = [c for c in found if c.complete]
+    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in pending_drains(views, durable_seq)}
+    oldest_kept = min((c.key for c in complete[:keep]), default=None)
+    committed = {c.tag for c in found}
+    removed = []
+    fs, root = open_root(folder)
+    mine = scan_job(folder, tier.root_key)
+    newest = max(((c.key, t) for t, c in mine.items() if c.committed), default=None)
+    newest_mtime = os.stat(os.path.join(folder, partial_dirname(newest[1]), MANIFEST_NAME)).st_mtime if newest else None
+    for tag, copy in mine.items():
+        if tag in kept or copy.state in ("unsafe", "foreign", "unreadable"):
+            continue
+        if tag in committed:
+            if copy.digest not in {c.digest for c in found if c.tag == tag}:
+                continue  # not the save the listing holds: the tag saved again since, or being written
+            key = next(c.key for c in found if c.tag == tag)
+            if len(complete) < keep or oldest_kept is None or key >= oldest_kept:
+                continue
+        elif copy.committed:
+            # committed here but in no gathered listing: saved after ``views`` were gathered (a drain's
+            # retention runs on its save's listing, after later saves committed) -- newer, never debris
+            continue
+        elif newest_mtime is None or os.stat(os.path.join(folder, partial_dirname(tag))).st_mtime >= newest_mtime:
+            continue  # possibly a save still writing: only older debris goes
+        # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing
+        # parts), never through a link; an uncommitted folder only while it stays uncommitted
+        path = join(root, partial_dirname(tag))
+        failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
+        if failed:
+            log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
+        else:
+            removed.append(tag)
+    return removed

@@ -31,15 +31,14 @@ from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import create_bytes_exclusive
 from smpckpt.storage.backends._fs import file_sizes, is_local, join, location_key, open_fs, read_bytes_or_none
 from smpckpt.storage.format._checksum import hash_bytes
-from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import MANIFEST_NAME
-from smpckpt.storage.tier import Workers
+from smpckpt.storage.tier import PreparedCommit, Workers
 
 __all__ = ["TIER_KEY", "JOB_PREFIX", "JOB_RECORD", "TierState", "Nodes", "node_layout", "durable_key"]
-__all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views", "warn_skipped"]
-__all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "owner_of", "part_sizes"]
-__all__ += ["path_seen_of", "lineage_of", "SKIPPED", "PATH_MARK", "LINEAGE"]
-__all__ += ["candidates", "tier_seq", "pending_drains", "retain_local"]
+__all__ += ["job_dirname", "job_folder", "read_job_record", "gather_views"]
+__all__ += ["CopyState", "LocalCopy", "FastCandidate", "scan_job", "read_copy", "seq_of", "part_sizes"]
+__all__ += ["SKIPPED", "PATH_MARK", "LINEAGE"]
+__all__ += ["candidates", "tier_seq", "pending_drains", "fetch_copy"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -92,19 +91,6 @@ class TierState:
     def saw_path(self, seq: int) -> None:
         """A checkpoint with root sequence number ``seq`` is in ``path`` or due there from this job."""
         self.path_seq = max(self.path_seq, seq)
-
-    def hold(self, tag: str) -> None:
-        """``tag``'s files are about to be drained: retention keeps them until released."""
-        with self.lock:
-            self.held.add(tag)
-
-    def release(self, tag: str) -> None:
-        """A drain of ``tag`` ended (a failed one too: the next save may drain it again)."""
-        with self.lock:
-            self.held.discard(tag)
-
-    def note_durable(self, seq: int) -> None:
-        self.durable = max(self.durable or 0, seq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +197,10 @@ def _token(local: str) -> str:
         create_bytes_exclusive(open_fs(local)[0], os.path.join(local, name), b"", sync=False)
     except OSError as exc:
         raise ValueError(f"local_path {local!r} is not writable: {exc}") from exc
-    _remove_stale_tokens(local)
+    with contextlib.suppress(OSError):  # tokens of jobs killed while comparing folders: not left to pile up
+        for stale in [n for n in os.listdir(local) if n.startswith(_TOKEN_PREFIX)]:
+            if time.time() - os.lstat(os.path.join(local, stale)).st_mtime > _STALE_TOKEN_S:
+                os.unlink(os.path.join(local, stale))
     return name
 
 
@@ -227,16 +216,6 @@ def _job_folder_ready(local: str, job: str, key: str) -> None:
         raise ValueError(
             f"local_path {local!r} is not writable: cannot create this job's folder in it ({exc})"
         ) from exc
-
-
-def _remove_stale_tokens(local: str) -> None:
-    """Tokens of jobs killed while comparing folders: harmless, but not left to pile up."""
-    with contextlib.suppress(OSError):
-        names = [n for n in os.listdir(local) if n.startswith(_TOKEN_PREFIX)]
-        for name in names:
-            path = os.path.join(local, name)
-            if time.time() - os.lstat(path).st_mtime > _STALE_TOKEN_S:
-                os.unlink(path)
 
 
 def gather_views(
@@ -301,26 +280,17 @@ def gather_views(
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(local, tokens[ctx.rank]))
     views = [listed[nodes.ranks_of(nodes.node_of(rank))[0]] or {} for rank in range(nodes.world_size)]
-    warn_skipped(views, nodes, [got[nodes.ranks_of(node)[0]][0] for node in range(nodes.count)], warned)
-    return nodes, job, views
-
-
-def warn_skipped(
-    views: Sequence[Mapping[str, LocalCopy]], nodes: Nodes, folders: Sequence[str], warned: set[tuple[str, str]]
-) -> None:
-    """(every rank alike) Name each skipped folder of this job's fast tier once (``warned``)."""
-    for node in range(nodes.count):
+    for node in range(nodes.count):  # every rank alike: each skipped folder named once (``warned``)
         for tag, copy in sorted(views[nodes.ranks_of(node)[0]].items()):
-            if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt"):
-                continue
-            where = f"node {node}'s fast tier {folders[node]}, folder {tag}_partial"
-            if (where, copy.detail) in warned:
+            where = f"node {node}'s fast tier {got[nodes.ranks_of(node)[0]][0]}, folder {tag}_partial"
+            if copy.state not in ("unsafe", "foreign", "unreadable", "corrupt") or (where, copy.detail) in warned:
                 continue
             warned.add((where, copy.detail))
             what = "its manifest is not used" if copy.state == "corrupt" else "it is skipped (not loaded, not removed)"
             message = f"{where} is {copy.state} ({copy.detail}); {what}"
             log.warning(message)
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, stacklevel=1)
+    return nodes, job, views
 
 
 # -- what one node's folder holds of the job (its copies, judged), and what the nodes hold together --------
@@ -352,7 +322,9 @@ class LocalCopy:
     durable: bool = False  #: the save was due for the durable tier
     detail: str = ""
     path_seen: int | None = None  #: ``extra["tier"]["path_seen"]`` (``None``: not recorded, an older copy)
-    lineage: tuple[int, ...] = ()  #: :func:`lineage_of`
+    #: the digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
+    #: :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)
+    lineage: tuple[int, ...] = ()
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (``catalog.root.abandoned_of``)
 
     @property
@@ -364,41 +336,19 @@ class LocalCopy:
         return (self.seq, self.order)
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def seq_of(manifest: Manifest | None) -> int:
     """A tiered save's number in its job (0: none recorded)."""
     tier = manifest.extra.get(TIER_KEY) if manifest is not None else None
-    seq = tier.get("seq") if isinstance(tier, Mapping) else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
-
-
-def path_seen_of(manifest: Manifest) -> int | None:
-    """The highest root sequence number of ``path`` a tiered save's job knew (``None``: not recorded)."""
-    tier = manifest.extra.get(TIER_KEY)
-    seen = tier.get("path_seen") if isinstance(tier, Mapping) else None
-    return seen if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else None
+    return (_count(tier.get("seq")) if isinstance(tier, Mapping) else None) or 0
 
 
 SKIPPED = -1  #: a lineage entry: a number its job saw and did not go on from (a rewind by tag, two saves)
 PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
 LINEAGE = 16  #: saves of its history a tiered save names (a fork further back is told apart no more)
-
-
-def lineage_of(manifest: Manifest) -> tuple[int, ...]:
-    """The digests of the saves its job numbered it after, newest first (``extra["tier"]["lineage"]``;
-    :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)."""
-    tier = manifest.extra.get(TIER_KEY)
-    found = tier.get("lineage") if isinstance(tier, Mapping) else None
-    try:  # a damaged entry ends the lineage's use: no fork is told by it
-        return tuple(SKIPPED if e == "skip" else int(e, 16) for e in found) if isinstance(found, list) else ()
-    except (TypeError, ValueError):
-        return ()
-
-
-def owner_of(manifest: Manifest) -> str | None:
-    """The durable root (location key) a fast-tier copy belongs to; ``None`` when it records none."""
-    tier = manifest.extra.get(TIER_KEY)
-    root = tier.get("root") if isinstance(tier, Mapping) else None
-    return root if isinstance(root, str) else None
 
 
 def part_sizes(manifest: Manifest) -> dict[str, int]:
@@ -424,12 +374,17 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         return LocalCopy("unsafe", files, detail=str(exc)), data
     except CheckpointError as exc:
         return LocalCopy("corrupt", files, detail=str(exc)), data
-    root, saved_tag = owner_of(manifest), manifest.extra.get("tag")
+    tier = manifest.extra.get(TIER_KEY)
+    tier = tier if isinstance(tier, Mapping) else {}
+    root, saved_tag = tier.get("root") if isinstance(tier.get("root"), str) else None, manifest.extra.get("tag")
     if (owner is not None and root != owner) or saved_tag != tag:
         why = f"checkpoint {saved_tag!r} of {root or 'a job that recorded no durable root'}"
         return LocalCopy("foreign", files, seq=seq_of(manifest), detail=why), data
-    tier = manifest.extra.get(TIER_KEY)
-    durable = isinstance(tier, Mapping) and tier.get("durable") is True
+    seen, found = _count(tier.get("path_seen")), tier.get("lineage")
+    try:  # a damaged entry ends the lineage's use: no fork is told by it
+        lineage = tuple(SKIPPED if e == "skip" else int(e, 16) for e in found) if isinstance(found, list) else ()
+    except (TypeError, ValueError):
+        lineage = ()
     copy = LocalCopy(
         "committed",
         files,
@@ -437,9 +392,9 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         seq_of(manifest),
         record_order(manifest),
         part_sizes(manifest),
-        durable,
-        path_seen=path_seen_of(manifest),
-        lineage=lineage_of(manifest),
+        tier.get("durable") is True,
+        path_seen=seen if seen is not None and seen >= 0 else None,
+        lineage=lineage,
         abandoned=abandoned_of(manifest.extra),
     )
     return copy, data
@@ -477,11 +432,6 @@ class FastCandidate:
         return (self.seq, self.order)
 
 
-def _usable_files(copy: LocalCopy | None) -> Mapping[str, int] | None:
-    # another job's files, or an unsafe folder's, never stand in for this job's parts
-    return copy.files if copy is not None and copy.state in ("committed", "uncommitted", "corrupt") else None
-
-
 def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None) -> list[FastCandidate]:
     """Every save of this job some node committed (only ``tag``'s when given), newest first, with its
     completeness across ``views`` (index ``i``: what global rank ``i``'s node, or the ``i``-th folder, holds)."""
@@ -494,7 +444,9 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
     for (t, digest), copy in seen.items():
         # folder i holds a part when its files have it at the manifest's size (its bytes are checked when
         # read); the manifest, when it committed this very save
-        files = [_usable_files(v.get(t)) for v in views]
+        # (another job's files, or an unsafe folder's, never stand in for this job's parts)
+        usable = ("committed", "uncommitted", "corrupt")
+        files = [v[t].files if t in v and v[t].state in usable else None for v in views]
         held = {
             name: tuple(i for i, got in enumerate(files) if got is not None and got.get(name) == size)
             for name, size in (copy.parts or {}).items()
@@ -507,6 +459,26 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
     return out
 
 
+def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes | None) -> PreparedCommit | None:
+    """(all ranks, one or two broadcasts) ``cand``'s manifest from the first rank whose node committed it,
+    and its metadata's bytes as the first rank holding them reads them (with ``nodes``, only when one of
+    them lacks it; else empty); ``None`` when the manifest changed since the listing (removed by another
+    process of the job?)."""
+    folder = os.path.join(job, partial_dirname(cand.tag))
+
+    def first_holders(name: str) -> bytes | None:
+        src = cand.held_by[name][0]
+        path = os.path.join(folder, name)
+        return ctx.broadcast_object(read_bytes_or_none(open_fs(path)[0], path) if ctx.rank == src else None, src=src)
+
+    data = first_holders(MANIFEST_NAME)
+    if data is None or hash_bytes(data) != cand.digest:
+        return None
+    name = Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}").metadata.name
+    wanted = nodes is None or len({nodes.node_of(r) for r in cand.held_by[name]}) < nodes.count
+    return PreparedCommit(data, name, (first_holders(name) if wanted else None) or b"")
+
+
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
     return max((c.seq for view in views for c in view.values() if c.committed), default=0)
 
@@ -514,54 +486,3 @@ def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:
 def pending_drains(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int) -> list[FastCandidate]:
     """Saves due for the durable tier newer than all it holds of this job (never drained), newest first."""
     return [c for c in candidates(views) if c.durable and c.seq > durable_seq]
-
-
-def retain_local(
-    folder: str,
-    owner: str,
-    views: Sequence[Mapping[str, LocalCopy]],
-    keep: int | None,
-    protected: set[str],
-    durable_seq: int,
-) -> list[str]:
-    """(one rank per node) ``num_kept_local`` over this node's ``folder`` of the job ``owner``, decided on
-    every node's gathered listing (``views``) alike. Kept: the ``keep`` newest complete saves, ``protected``
-    tags, saves due for the durable tier newer than ``durable_seq`` (until a drain commits them), unsafe
-    and foreign folders, committed saves newer than the kept ones, and copies committed after ``views``.
-    Removed (and returned): older saves, and uncommitted folders older than the newest commit here."""
-    found = candidates(views)
-    if keep is None or not found:
-        return []
-    complete = [c for c in found if c.complete]
-    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in pending_drains(views, durable_seq)}
-    oldest_kept = min((c.key for c in complete[:keep]), default=None)
-    committed = {c.tag for c in found}
-    removed = []
-    fs, root = open_root(folder)
-    mine = scan_job(folder, owner)
-    newest = max(((c.key, t) for t, c in mine.items() if c.committed), default=None)
-    newest_mtime = os.stat(os.path.join(folder, partial_dirname(newest[1]), MANIFEST_NAME)).st_mtime if newest else None
-    for tag, copy in mine.items():
-        if tag in kept or copy.state in ("unsafe", "foreign", "unreadable"):
-            continue
-        if tag in committed:
-            if copy.digest not in {c.digest for c in found if c.tag == tag}:
-                continue  # not the save the listing holds: the tag saved again since, or being written
-            key = next(c.key for c in found if c.tag == tag)
-            if len(complete) < keep or oldest_kept is None or key >= oldest_kept:
-                continue
-        elif copy.committed:
-            # committed here but in no gathered listing: saved after ``views`` were gathered (a drain's
-            # retention runs on its save's listing, after later saves committed) -- newer, never debris
-            continue
-        elif newest_mtime is None or os.stat(os.path.join(folder, partial_dirname(tag))).st_mtime >= newest_mtime:
-            continue  # possibly a save still writing: only older debris goes
-        # the protocol's removal: marked, manifest first (a kill half-way leaves no committed copy missing
-        # parts), never through a link; an uncommitted folder only while it stays uncommitted
-        path = join(root, partial_dirname(tag))
-        failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
-        if failed:
-            log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
-        else:
-            removed.append(tag)
-    return removed

@@ -1,13 +1,12 @@
-"""Reading a fast-tier copy (``PeerFetchingReader``), and the checkpoint files moved between ranks over a
-gloo group (:func:`run_transfers`): the parts a resume fetches from peers, and a resumed copy's
-metadata and manifest sent to the nodes that lack them (a save's replicas: ``storage/tier/writer.py``).
+"""Reading a fast-tier copy (``PeerFetchingReader``), and the parts it fetches from peers over a gloo group
+(:func:`run_transfers`; a save's replicas: ``storage/tier/writer.py``; both received by :class:`Incoming`).
 
 ``PeerFetchingReader`` follows :class:`~smpckpt.storage.FsspecStorageReader`'s call order, plus: the
 coordinator's ``prepare_global_plan`` picks which files each node lacks for its ranks' reads (one copy
 per node, from the least loaded holder); ``read_data`` first runs that schedule (broadcast), the
 transfers and one agreement on their errors, then the reads. Only files some rank of the node reads
 from are fetched, whole, and they stay: the copy is healed for the next resume. Every rank's folder
-must already hold the manifest and metadata (the API sends them first).
+must already hold the manifest and metadata (the API writes them first).
 
 Transfers: every rank walks the same list of :class:`Transfer` in order, sends on one thread and
 receives on another, so the earliest unfinished transfer always has both ends waiting for it: no
@@ -25,7 +24,7 @@ import dataclasses
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,7 @@ from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.format.manifest import check_member_name
 from smpckpt.storage.read.reader import FsspecStorageReader
 
-__all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers"]
+__all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers", "Incoming"]
 __all__ += ["CHUNK_BYTES", "STREAMS"]
 
 
@@ -50,8 +49,7 @@ class PeerFetchingReader(FsspecStorageReader):
             ranks that move the files (default: ``group``).
         ranks: the global rank of each rank of the group, in group order; ``rank``: this process's.
         local_world_size: ranks per node (``r // local_world_size`` is rank ``r``'s node).
-        held_by: file name -> global ranks whose node folder holds it (the API's scan of every node).
-        sync: fsync the files fetched."""
+        held_by: file name -> global ranks whose node folder holds it (the API's scan of every node)."""
 
     def __init__(
         self,
@@ -62,14 +60,13 @@ class PeerFetchingReader(FsspecStorageReader):
         rank: int,
         local_world_size: int,
         held_by: Mapping[str, Sequence[int]],
-        sync: bool = False,
         streams: Sequence[Any] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(path, **kwargs)
         self._group, self._ranks, self._rank = group, list(ranks), rank
         self._streams = tuple(streams) or (group,)
-        self._lws, self._held_by, self._sync = local_world_size, held_by, sync
+        self._lws, self._held_by = local_world_size, held_by
         self._schedule: list[Transfer] = []
         #: every transfer of the load (all ranks'): file, from rank, to rank
         self.fetched: tuple[Transfer, ...] = ()
@@ -104,7 +101,7 @@ class PeerFetchingReader(FsspecStorageReader):
                 group=self._streams,
                 read_folder=self.path,
                 write_folder=self.path,
-                sync=self._sync,
+                sync=False,
             )
             errors: list[Any] = [None] * len(self._ranks)
             dist.all_gather_object(errors, outcome.errors, group=self._group)
@@ -216,14 +213,9 @@ def _send_all(sends: list[Transfer], folder: str, group: Any) -> list[str]:
 
 
 def _receive_all(receives: list[Transfer], folder: str, group: Any, sync: bool, outcome: TransferOutcome) -> list[str]:
-    errors = []
-    for t in receives:
-        error = _receive(t, folder, group, sync=sync)
-        if error:
-            errors.append(error)
-        else:
-            outcome.received.append(t)  # list.append is atomic: receiving threads share the outcome
-    return errors
+    errors = [(t, _receive(t, folder, group, sync=sync)) for t in receives]
+    outcome.received.extend([t for t, e in errors if not e])  # one extend of a list: the threads share it
+    return [e for _, e in errors if e]
 
 
 def _word(value: int) -> torch.Tensor:
@@ -280,25 +272,64 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
     return error
 
 
+class Incoming:
+    """A file being received into ``place()``: a create-only temp name, linked into place (replacing
+    nothing) only when complete; after a failure (:attr:`error`) its bytes are still taken, and dropped."""
+
+    def __init__(self, place: Callable[[], Folder], folder: str, name: str, where: str) -> None:
+        self.place, self.path, self.name = place, os.path.join(folder, name), name
+        self.error, self.tmp, self.file = "", "", None
+        try:
+            check_member_name(name, where=where)
+            fd, self.tmp = place().open_temp(name, tag="recv")
+            self.file = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed in :meth:`end`
+        except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
+            self.error = f"{self.path}: {exc}"
+
+    def write(self, data: memoryview) -> None:
+        if self.file is not None and not self.error:
+            try:
+                while data:
+                    data = data[self.file.write(data) :]
+            except OSError as exc:
+                self.error = f"{self.path}: {exc}"
+
+    def end(self, why: str, *, sync: bool, link_sync: bool) -> str:
+        """Closed; linked into place unless it failed (``why``: the sender's problem); its error, or ''."""
+        self.error = self.error or why
+        try:
+            if self.file is not None:
+                try:
+                    if sync and not self.error:
+                        os.fsync(self.file.fileno())
+                finally:
+                    self.file.close()
+                if not self.error:
+                    self.place().link_temp(self.tmp, self.name, sync=link_sync)
+                    return ""
+        except OSError as exc:
+            self.error = self.error or f"{self.path}: {exc}"
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                self.place().remove([self.tmp])
+        return self.error
+
+
 def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
-    """Receive ``t`` into ``folder`` (a create-only temp name, linked into place, no links); an error or ''."""
+    """Receive ``t`` into ``folder`` (:class:`Incoming`, no links); an error or ''."""
     status = _word(0)
     dist.recv(status, src=t.src, group=group)
     if int(status.item()) != _OK:
         return f"{t.name}: rank {t.src} could not send it"
-    path = os.path.join(folder, t.name)
-    error = ""
-    out: BinaryIO | None = None
     with contextlib.ExitStack() as cleanup:
-        place: Folder | None = None
-        tmp = ""
-        try:
-            check_member_name(t.name, where=folder)
-            place = cleanup.enter_context(Folder(open_fs(folder)[0], folder, create=True))
-            fd, tmp = place.open_temp(t.name, tag="recv")
-            out = open(fd, "wb")  # noqa: SIM115 - closed below, after the last chunk arrived
-        except Exception as exc:  # noqa: BLE001 - the chunks are still received (the sender must not block)
-            error = f"{path}: {exc}"
+
+        def place() -> Folder:
+            if not opened:
+                opened.append(cleanup.enter_context(Folder(open_fs(folder)[0], folder, create=True)))
+            return opened[0]
+
+        opened: list[Folder] = []
+        incoming = Incoming(place, folder, t.name, folder)
         bufs = _buffers(t.size)
         sizes = _chunks(t.size)
         pending = dist.irecv(bufs[0][: sizes[0]], src=t.src, group=group) if sizes else None
@@ -310,31 +341,7 @@ def _receive(t: Transfer, folder: str, group: Any, *, sync: bool) -> str:
             pending = (
                 dist.irecv(bufs[(i + 1) % 2][: sizes[i + 1]], src=t.src, group=group) if i + 1 < len(sizes) else None
             )
-            if out is not None and not error:
-                try:
-                    out.write(view.numpy().data)
-                except Exception as exc:  # noqa: BLE001 - as above
-                    error = f"{path}: {exc}"
+            incoming.write(view.numpy().data)
         dist.recv(status, src=t.src, group=group)
-        if not error and int(status.item()) != _OK:
-            error = f"{t.name}: rank {t.src} failed while sending it"
-        if out is not None:
-            try:
-                if not error:
-                    out.flush()
-                    if sync:
-                        os.fsync(out.fileno())
-            except OSError as exc:
-                error = f"{path}: {exc}"
-            finally:
-                out.close()
-        if place is None:
-            return error
-        if error:
-            place.remove([tmp])
-            return error
-        try:
-            place.link_temp(tmp, t.name, sync=sync)
-        except OSError as exc:
-            return f"{path}: {exc}"
-    return ""
+        failed = f"{t.name}: rank {t.src} failed while sending it" if int(status.item()) != _OK else ""
+        return incoming.end(failed, sync=sync, link_sync=sync)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import queue
 import threading
 import warnings
@@ -51,12 +50,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, open_fs, resolve
+from smpckpt.storage.backends._fs import open_fs, resolve
 from smpckpt.storage.backends._sinks import Sink, byte_view
 from smpckpt.storage.format._staging import STAGING_BYTES
 from smpckpt.storage.format.commit import commit
-from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, check_member_name, new_save_id
-from smpckpt.storage.tier.reader import Transfer, TransferOutcome
+from smpckpt.storage.format.manifest import MANIFEST_NAME, FileRecord, Manifest, new_save_id
+from smpckpt.storage.tier.reader import Incoming, Transfer, TransferOutcome
 from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData, Workers
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
@@ -74,6 +73,19 @@ class PreparedCommit:
     def parsed(self) -> Manifest:
         return Manifest.from_bytes(self.manifest)
 
+    def commit(self, folder: Folder, url: str, *, sync: bool, **kwargs: Any) -> None:
+        """Commit it in ``folder`` (the one commit protocol: ``storage/format/commit.py``), metadata too."""
+        commit(
+            folder,
+            url,
+            self.parsed(),
+            self.manifest,
+            sync=sync,
+            metadata=self.metadata,
+            stock_metadata=self.metadata,
+            **kwargs,
+        )
+
 
 class FastTierWriter(FsspecStorageWriter):
     """:class:`FsspecStorageWriter` into this node's fast-tier folder ``path`` (a local path): the
@@ -82,17 +94,13 @@ class FastTierWriter(FsspecStorageWriter):
     while it is written. ``prefix_strategy`` is the durable root's and, with ``durable_is_local=False``,
     files are sized as for an object store: a drain uploads them as a direct save would have written them."""
 
-    def __init__(
-        self, path: str, *, durable_is_local: bool = True, replicator: Replicator | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, path: str, *, durable_is_local: bool = True, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        if not is_local(self.fs):
-            raise ValueError(f"local_path must be a folder on this node, got {path!r}")
         # the files a drain uploads as they are: for an object store, one-request objects
         self._split_as_local = durable_is_local
         self.prepared: PreparedCommit | None = None
         #: sends every data file to the replica ranks while it is written (``None``: no replicas)
-        self.replicator = replicator
+        self.replicator: Replicator | None = None
 
     def _open_sink(self, name: str) -> Sink:
         """The local file's sink; with a :attr:`replicator`, also sent to the replica ranks."""
@@ -131,23 +139,13 @@ def commit_node_copy(folder: str, prepared: PreparedCommit, expected: list[FileR
     node's copy (metadata, manifest create-if-absent, stock ``.metadata``). ``False``: this generation
     was committed here already; :class:`CheckpointExists`: another one was."""
     fs, path = open_fs(folder)
-    with Folder(fs, path) as f:  # the one commit protocol (storage/format/commit.py)
+    with Folder(fs, path) as f:
         existing = f.read(MANIFEST_NAME)
         if existing is not None:
             if existing == prepared.manifest:
                 return False
             raise CheckpointExists(f"{folder}: holds another committed checkpoint of this tag")
-        commit(
-            f,
-            folder,
-            prepared.parsed(),
-            prepared.manifest,
-            sync=sync,
-            metadata=prepared.metadata,
-            expected=expected,
-            stock_metadata=prepared.metadata,
-            refused="another save committed here at the same time",
-        )
+        prepared.commit(f, folder, sync=sync, expected=expected, refused="another save committed here at the same time")
     return True
 
 
@@ -298,8 +296,11 @@ class _Receiver:
 
     def __init__(self, src: int, group: Any, place: _Place, sync: bool, outcome: TransferOutcome) -> None:
         self.src, self.group, self.place, self.sync, self.outcome = src, group, place, sync, outcome
-        self.folder = place.path
-        self.open: dict[int, tuple[str, str, Any, list[str]]] = {}  # file -> name, temp name, file object, error
+        self.open: dict[int, Incoming] = {}
+
+    def _opened(self, file: int, name: str) -> None:
+        where = f"the replica stream from rank {self.src}"
+        self.open[file] = Incoming(self.place.get, self.place.path, name, where)
 
     def run(self, buffer: Callable[[int], torch.Tensor]) -> None:
         """(a task of :class:`Workers`) Receive until ``EOS``, each message into this thread's ``buffer``."""
@@ -319,61 +320,22 @@ class _Receiver:
                     if kind == OPEN:
                         self._opened(file, bytes(data).decode("utf-8", "replace"))
                     else:
-                        self._data(file, data)
+                        self.open[file].write(data)
                 elif kind == END:
-                    self._end(file, n, extra == 1)
+                    incoming = self.open.pop(file)
+                    # linked into place only if nothing is there: a file under that name is not ours to replace;
+                    # the folders are fsynced at close; a file the writer failed on is its own error, reported there
+                    if not (error := incoming.end("" if extra == 1 else "discarded", sync=self.sync, link_sync=False)):
+                        self.outcome.received.append(Transfer(incoming.name, n, self.src, -1))
+                    elif extra == 1:
+                        self.outcome.errors.append(error)
         except Exception as exc:  # noqa: BLE001 - the sender's process is gone: every later receive fails too
             self.outcome.errors.append(f"receiving replicas from rank {self.src} failed: {exc}")
         finally:
-            for name, tmp, f, _ in self.open.values():
+            for incoming in self.open.values():
                 with contextlib.suppress(Exception):
-                    if f is not None:
-                        f.close()
-                        self.place.get().remove([tmp])
-                self.outcome.errors.append(f"{name}: rank {self.src} never finished sending it")
-
-    def _opened(self, file: int, name: str) -> None:
-        path = os.path.join(self.folder, name)
-        tmp = ""
-        errors: list[str] = []
-        f = None
-        try:
-            check_member_name(name, where=f"the replica stream from rank {self.src}")
-            fd, tmp = self.place.get().open_temp(name, tag="recv")  # create-only, never through a link
-            f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed at END (or when the stream fails)
-        except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
-            errors.append(f"{path}: {exc}")
-        self.open[file] = (name, tmp, f, errors)
-
-    def _data(self, file: int, data: memoryview) -> None:
-        name, tmp, f, errors = self.open[file]
-        if f is not None and not errors:
-            try:
-                while data:
-                    data = data[f.write(data) :]
-            except OSError as exc:
-                errors.append(f"{os.path.join(self.folder, name)}: {exc}")
-
-    def _end(self, file: int, size: int, ok: bool) -> None:
-        name, tmp, f, errors = self.open.pop(file)
-        path = os.path.join(self.folder, name)
-        try:
-            if f is not None:
-                if self.sync and ok and not errors:
-                    os.fsync(f.fileno())
-                f.close()
-            if ok and not errors:
-                # linked into place only if nothing is there: a file under that name is not ours to replace
-                self.place.get().link_temp(tmp, name, sync=False)  # the folders are fsynced at close
-                self.outcome.received.append(Transfer(name, size, self.src, -1))
-                return
-        except OSError as exc:
-            errors.append(f"{path}: {exc}")
-        if f is not None:
-            with contextlib.suppress(Exception):
-                self.place.get().remove([tmp])
-        if ok:  # a file the writer failed on is its own error, reported there
-            self.outcome.errors.extend(errors)
+                    incoming.end("never finished", sync=False, link_sync=False)
+                self.outcome.errors.append(f"{incoming.name}: rank {self.src} never finished sending it")
 
 
 class Replicator:
@@ -393,8 +355,6 @@ class Replicator:
         max_queued: int = STAGING_BYTES,
         workers: Workers | None = None,
     ) -> None:
-        if max_queued < 1:
-            raise ValueError(f"max_queued must be at least 1 byte, got {max_queued}")
         sends, receives = ring_peers(rank, world_size, local_world_size, replicas)
         self.outcome = TransferOutcome()
         self._lock = threading.Lock()

@@ -621,8 +621,8 @@ def fast_tier_threads_world(rank: int, world: int, root: str) -> dict[str, Any]:
 
     def failing(self: Any, file: int, name: str) -> None:
         opened(self, file, name)
-        nm, tmp, f, errors = self.open[file]
-        self.open[file] = (nm, tmp, _HalfFull(f) if f is not None else None, errors)
+        incoming = self.open[file]
+        incoming.file = _HalfFull(incoming.file) if incoming.file is not None else None
 
     def alive() -> list[tuple[str, int | None]]:
         return sorted((t.name, t.ident) for t in threading.enumerate() if t.name.startswith(ours))

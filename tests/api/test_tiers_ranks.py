@@ -286,6 +286,10 @@ def test_a_corrupt_fast_tier_file_heals_from_a_peer_then_the_next_save(
         got = r["heal"]["both_copies"]
         assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step2", "fast", {"step": 2}, True), rank
     assert any("'step3' from the fast tier failed" in w for w in results[0]["heal"]["both_copies"]["warnings"])
+    for rank, r in enumerate(results):  # a corrupt metadata (size kept) fetched again from the intact peer
+        got = r["heal"]["metadata"]
+        assert (got["tag"], got["tier"], got["uc"], got["exact"]) == ("step1", "fast", {"step": 1}, True), (rank, got)
+    assert any("'step1' has corrupt parts (.metadata." in w for w in results[0]["heal"]["metadata"]["warnings"])
     heal = base / "heal"
     nodes = [str(heal / "fast" / f"node{n}") for n in (0, 1)]
     rc, out, err = _cli("verify", f"{heal / 'durable'}/step2", "--local", *nodes)

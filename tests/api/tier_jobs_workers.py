@@ -175,7 +175,8 @@ def heal_from_peers(rank: int, world: int, base: str) -> dict[str, Any]:
     """step1-3 saved with replicas=2 (nothing durable). (a) One byte flipped in node 0's copy of a file
     rank 0 wrote for step3: resume loads step3, the file fetched from node 1's intact copy. (b) The same
     byte flipped in both nodes' copies: resume loads step2. (c) Node 0's copy of a step2 file removed,
-    for ``smpckpt verify --local`` (the test runs it)."""
+    for ``smpckpt verify --local`` (the test runs it). (d) A byte of node 0's step1 metadata flipped: resume
+    of step1 loads it from the fast tier, node 0's metadata fetched from node 1."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     _states(base, rank, (1, 2, 3), durable, local, durable_every=100, num_kept_local=None)
@@ -207,6 +208,11 @@ def heal_from_peers(rank: int, world: int, base: str) -> dict[str, Any]:
             victim2 = min(r.name for r in Manifest.from_bytes(f.read()).files if r.rank == 0)
         os.unlink(os.path.join(node0, "step2_partial", victim2))
         out["removed"] = victim2
+    if rank == 0:  # (d) node 0's step1 metadata damaged, its size kept: the retried load fetches node 1's
+        _flip(os.path.join(node0, "step1_partial", _metadata_name(os.path.join(node0, "step1_partial"))))
+    dist.barrier()
+    uc, state, said = _resume(durable, local, 13, tag="step1")
+    out["metadata"] = {**_info(), "uc": uc, "exact": _same(state, _want(base, 1, rank)), "warnings": said}
     return out
 
 

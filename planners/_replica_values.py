@@ -53,22 +53,18 @@ from smpckpt.planners._entries import Entry
 from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
-__all__ += ["checked_codes", "detail_codes", "rank_values", "split_code", "stage_values"]
+__all__ += ["checked_codes", "detail_codes", "rank_values", "SPLIT_CODES", "stage_values"]
 __all__ += ["assign_owners", "replica_range"]
 
 #: how a key's piece is placed, by split code: by nothing (replicated over the stage), by tp, by dp
 _AXES: tuple[frozenset[str], ...] = (frozenset(), frozenset({"tp"}), frozenset({"dp"}))
-_SPLIT_CODES = MappingProxyType({axes: code for code, axes in enumerate(_AXES)})
+#: a replicated key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp
+SPLIT_CODES = MappingProxyType({axes: code for code, axes in enumerate(_AXES)})
 _CODES = (0, 1, 2)
 _DP_SPLIT = 2
 _SHOWN = 5
 #: bytes of a rank's summaries (one little-endian uint32 per split code) ahead of its per-key digests
 _SUMMARY_BYTES = 4 * len(_CODES)
-
-
-def split_code(axes: frozenset[str]) -> int:
-    """A replicated key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp."""
-    return _SPLIT_CODES[axes]
 
 
 def _shared_codes(layout: ParallelLayout) -> tuple[int, ...]:
@@ -123,7 +119,7 @@ def rank_values(layout: ParallelLayout, rank: int, tensors: Sequence[torch.Tenso
 
 def stage_keys(keys: Sequence[str], splits: Sequence[frozenset[str]]) -> tuple[tuple[str, ...], bytes]:
     """What a stage's first rank sends: the keys, and a byte per key saying how its pieces are placed."""
-    return tuple(keys), bytes(_SPLIT_CODES[s] for s in splits)
+    return tuple(keys), bytes(SPLIT_CODES[s] for s in splits)
 
 
 def piece_id(key: str, offsets: Sequence[int], sizes: Sequence[int]) -> int:
@@ -559,8 +555,7 @@ def assign_owners(
         group.append((key, nbytes))
     owners: dict[str, int] = {}
     stage_loads: dict[int, int] = {}
-    order = [frozenset(), frozenset({"tp"}), frozenset({"dp"})]
-    for axes in order:
+    for axes in _AXES:  # the stage-wide tensors first, then each smaller group's from those loads
         items = by_axes.pop(axes, [])
         if not items:
             continue

@@ -49,6 +49,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, gather_ties, tied_entries
 from smpckpt.planners._replica_values import (
+    SPLIT_CODES,
     assign_owners,
     check_duplicate_writers,
     check_replica_digests,
@@ -57,7 +58,6 @@ from smpckpt.planners._replica_values import (
     dtensor_values,
     rank_values,
     replica_digest,
-    split_code,
     stage_values,
     undigestable,
 )
@@ -382,7 +382,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         checked: list[Entry] = []
         code_list: list[int] = []
         for e in replicas if wanted else ():  # in key order (the caller sorted them)
-            code = split_code(e.sharded_axes)
+            code = SPLIT_CODES[e.sharded_axes]
             if code in wanted:
                 checked.append(e)
                 code_list.append(code)

@@ -94,14 +94,11 @@ class Rule:
             if set(_FIELD.findall(template)) != fields:
                 raise ValueError(f"rule {self.ours!r}: template {template!r} must use exactly the fields {fields}")
 
-    def match_ours(self, key: str) -> dict[str, str] | None:
-        """Fields of ``key`` if it is one of ours this rule makes, else ``None``."""
-        m = _template_regex(self.ours).fullmatch(key)
-        return m.groupdict() if m else None
-
-    def match_artifact(self, key: str) -> dict[str, str] | None:
-        """Fields of ``key`` if it is an artifact key this rule reads, else ``None``."""
-        return next((m.groupdict() for t in self.artifact if (m := _template_regex(t).fullmatch(key))), None)
+    def match(self, key: str, side: str) -> dict[str, str] | None:
+        """Fields of ``key`` if it is one of ours this rule makes (``side`` ``"ours"``) or an artifact key it
+        reads (``"artifact"``), else ``None``."""
+        templates = (self.ours,) if side == "ours" else self.artifact
+        return next((m.groupdict() for t in templates if (m := _template_regex(t).fullmatch(key))), None)
 
 
 def rename(ours: str, artifact: str) -> Rule:
@@ -192,7 +189,7 @@ class Translation:
         self.architecture = architecture
         for head, embed in self.tied.items():
             for key in (head, embed):
-                if any(r.match_ours(key) is not None or r.match_artifact(key) is not None for r in self.rules):
+                if any(r.match(key, side) is not None for r in self.rules for side in ("ours", "artifact")):
                     raise ValueError(f"translation {name!r}: tied key {key!r} is rewritten by a rule")
             if head == embed or head in self.tied.values():
                 raise ValueError(f"translation {name!r}: tied head {head!r} must name another tensor than a head")
@@ -234,7 +231,7 @@ class Translation:
             if suffix and shapes.get(candidate) != shapes[key]:
                 continue
             for index, rule in enumerate(self.rules):
-                fields = rule.match_ours(candidate) if side == "ours" else rule.match_artifact(candidate)
+                fields = rule.match(candidate, side)
                 if fields is not None:
                     return index, fields, suffix
         return None
@@ -398,7 +395,7 @@ def _prefixed(translation: Translation, key: str, side: str) -> tuple[str, str] 
     while (pos := key.find(".", pos) + 1) > 0:
         tail = key[pos:]
         for rule in translation.rules:
-            if (rule.match_ours(tail) if side == "ours" else rule.match_artifact(tail)) is not None:
+            if rule.match(tail, side) is not None:
                 return key[:pos], rule.ours if side == "ours" else next(iter(rule.artifact))
     return None
 

@@ -358,7 +358,9 @@ def load_checkpoint(
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
-        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=reader.metadata_error) from exc
+        raise translate_dcp(
+            exc, f"loading {what} {url}", metadata_error=reader.metadata_error, group=common.process_group
+        ) from exc
     return planner
 
 

@@ -171,7 +171,7 @@ def run_save(
             writer.discard_failed_save(exc)
         except Exception:  # noqa: BLE001 - the save's own error is the one to raise
             log.warning("%s: removing the failed save's files failed", action, exc_info=True)
-        raise translate_dcp(exc, action) from exc
+        raise translate_dcp(exc, action, group=common.process_group) from exc
 
 
 def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] | None = None) -> None:

@@ -631,3 +631,57 @@ def test_an_interrupted_save_leaves_no_write_running_on_the_kept_threads(
         assert at_raise == len(ended) > 0, (at_raise, ended)  # nothing of the save ended after it raised
         assert not (tmp_path / "stopped_partial").exists() or not any((tmp_path / "stopped_partial").rglob("*.distcp"))
         ckpt.save("after", m)
+
+
+@pytest.mark.parametrize("where", ["write", "plan"])
+def test_a_ctrl_c_during_a_save_comes_out_as_keyboard_interrupt(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """hunt62b: a Ctrl-C while a save waited for its writes came out as ``CheckpointError ... AssertionError:
+    is of type KeyboardInterrupt`` (torch's Future refuses a BaseException), one while it planned as a
+    CheckpointError (DCP wraps it): the user's Ctrl-C is raised as it is, the save's files removed as before."""
+    import signal
+    import time
+
+    from smpckpt.planners import ParallelSavePlanner
+    from smpckpt.storage import FsspecStorageWriter
+
+    def ctrl_c(*args: Any) -> Any:
+        raise KeyboardInterrupt
+
+    if where == "write":
+        real = FsspecStorageWriter._write_file
+
+        def slow(self: Any, *args: Any) -> Any:
+            time.sleep(0.5 if "stopped" in self.url else 0)
+            return real(self, *args)
+
+        monkeypatch.setattr(FsspecStorageWriter, "_write_file", slow)
+        old = signal.signal(signal.SIGALRM, ctrl_c)
+    m, opt = _trained(0)
+    want = _values(m, opt)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save("before", m, opt)
+        try:
+            if where == "write":
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+            else:
+                monkeypatch.setattr(ParallelSavePlanner, "create_local_plan", ctrl_c)
+            with pytest.raises(KeyboardInterrupt):
+                ckpt.save("stopped", m, opt)
+        finally:
+            if where == "write":
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+        monkeypatch.undo()
+        assert not any((tmp_path / "stopped_partial").rglob("*.distcp"))
+        assert (tmp_path / "newest").read_text().strip() == "before"
+        ckpt.save("after", m, opt)
+        if where == "plan":  # a resume's too
+            from smpckpt.planners import ParallelLoadPlanner
+
+            monkeypatch.setattr(ParallelLoadPlanner, "create_local_plan", ctrl_c)
+            with pytest.raises(KeyboardInterrupt):
+                ckpt.resume("after", *_trained(1))
+            monkeypatch.undo()
+    _assert_equal(_resumed(str(tmp_path), "after"), want)

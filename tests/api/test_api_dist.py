@@ -368,3 +368,14 @@ def test_a_key_a_later_stages_translate_function_drops_is_warned(tmp_path: Any) 
     assert any("translate_function" in s and "model.head.bias" in s for s in got[0]["said"]), got
     assert got[1]["said"] == [], got  # rank 0 alone says it
     assert "model.head.bias" in got[0]["skipped"], got
+
+
+def test_a_ctrl_c_on_one_rank_is_its_keyboard_interrupt_and_a_named_error_elsewhere(tmp_path: Any) -> None:
+    """hunt62b: rank 1's Ctrl-C inside dcp.save came out as CheckpointError on both ranks; now rank 1 raises
+    KeyboardInterrupt and rank 0 a CheckpointError naming rank 1, with no rank left waiting."""
+    got = run_world(api_workers.ctrl_c_on_one_rank_world, 2, str(tmp_path), timeout=120)
+    assert got[1]["said"].startswith("KeyboardInterrupt"), got
+    assert got[0]["said"].startswith("CheckpointError") and "rank 1" in got[0]["said"], got
+    assert "KeyboardInterrupt" in got[0]["said"], got
+    for r in got:
+        assert r["newest_after_failure"] is None and r["newest"] == "s1", got

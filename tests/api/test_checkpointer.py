@@ -685,3 +685,26 @@ def test_a_ctrl_c_during_a_save_comes_out_as_keyboard_interrupt(
                 ckpt.resume("after", *_trained(1))
             monkeypatch.undo()
     _assert_equal(_resumed(str(tmp_path), "after"), want)
+
+
+def test_the_smp_face_rebinds_its_checkpointer_to_other_specs_and_plans_afresh(tmp_path: Any) -> None:
+    """hunt62b (untested before): save_checkpoint with specs that differ by value between calls (same layout
+    and group) rebinds the kept Checkpointer (one, its write threads kept) with a new planner cache; every
+    save resumes bit-exactly, and each records its own rules (a resume under the other specs loads it too)."""
+    m, opt = _trained(0)
+    layout = smpckpt.ParallelLayout(tp=1, dp=1)
+    specs: list[Any] = [{"0.weight": smpckpt.ShardSpec(0)}, None, {"2.weight": smpckpt.ShardSpec(1)}]
+    want, kept = {}, []
+    for i, sp in enumerate(specs):
+        _step(m, opt)
+        want[f"s{i}"] = _values(m, opt)
+        save_checkpoint(str(tmp_path), f"s{i}", model=m, optimizer=opt, layout=layout, specs=sp)
+        ckpt = m.__dict__[_KEPT].checkpointer
+        kept.append((ckpt, ckpt._planners, ckpt._planners.workers))
+    assert len({id(c) for c, _, _ in kept}) == 1 and len({id(w) for _, _, w in kept}) == 1
+    assert len({id(p) for _, p, _ in kept}) == len(specs)  # plans made under other specs are not reused
+    for i, sp in enumerate(specs):
+        for resume_specs in (sp, specs[(i + 1) % len(specs)]):
+            r, ro = _trained(9)
+            resume_from_checkpoint(str(tmp_path), f"s{i}", model=r, optimizer=ro, layout=layout, specs=resume_specs)
+            _assert_equal(_values(r, ro), want[f"s{i}"])

@@ -730,3 +730,19 @@ def ctrl_c_on_one_rank_world(rank: int, world: int, root: str) -> dict[str, Any]
     committed = _newest(root)
     save_checkpoint(root, "s1", model=m, optimizer=o)
     return {"said": said, "newest_after_failure": committed, "newest": _newest(root)}
+
+
+def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
+    """hunt62b R1: a DP replica diverging on rank 1 (dtype, shape, a key only it holds)."""
+    from smpckpt import Checkpointer
+
+    said: dict[str, str] = {}
+    for case in ("dtype", "shape", "extra_key"):
+        m = nn.Module()
+        m.w = nn.Parameter(torch.ones(6, 4) if rank == 1 and case == "shape" else torch.ones(4, 6))
+        m.register_buffer("b", torch.arange(5.0, dtype=torch.float64 if rank == 1 and case == "dtype" else None))
+        if rank == 1 and case == "extra_key":
+            m.register_buffer("extra", torch.ones(2))
+        with Checkpointer(root) as ck:
+            said[case] = _expect_error(functools.partial(ck.save, case, m))
+    return said

@@ -565,3 +565,21 @@ def assign_owners(
     for items in by_axes.values():  # split over every axis: nothing to share
         owners.update({key: rank for key, _ in items})
     return owners
+
+
+def replica_differences(layout: ParallelLayout, seen: Sequence[Mapping[str, str]], shown: int = 5) -> str:
+    """(failure path, every rank) The keys whose dtype or global shape (``seen``: each rank's, by key) differ
+    between the ranks of a stage, or that some of its ranks lack, each with its ranks."""
+    stages: dict[int, list[int]] = {}
+    for rank in range(len(seen)):
+        stages.setdefault(layout.coords(rank).pp, []).append(rank)
+    lines = []
+    for _, ranks in sorted(stages.items()):
+        for key in sorted(set().union(*(seen[r] for r in ranks))):
+            views: dict[str, list[int]] = {}
+            for r in ranks:
+                views.setdefault(seen[r].get(key, "absent"), []).append(r)
+            if len(views) > 1:
+                lines.append(f"{key!r}: " + ", ".join(f"{v} on ranks {rs}" for v, rs in views.items()))
+    more = f" ... ({len(lines) - shown} more)" if len(lines) > shown else ""
+    return f"Differing: {'; '.join(lines[:shown])}{more}." if lines else ""

@@ -456,7 +456,9 @@ class Stager:
     """Host copies of a state's tensors in buffers reused across saves of the same structure."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype, bool], torch.Tensor] = {}
+        # one per key: a key whose shape or dtype changed replaces its buffer (kept per shape, every
+        # earlier one stayed held, pinned on CUDA, for the Checkpointer's life)
+        self._buffers: dict[str, tuple[bool, torch.Tensor]] = {}
         self._stream: Any = None
 
     def stage(self, tag: str, state: Any, deferred: set[tuple[str, int]]) -> tuple[Any, Pending | None]:
@@ -514,18 +516,17 @@ class Stager:
         if where is not None and where in seen:
             return seen[where]
         cuda = t.device.type == "cuda"
-        key = (prefix, tuple(t.shape), t.dtype, cuda)
-        buf = self._buffers.get(key)
-        if buf is None:
+        pinned, buf = self._buffers.get(prefix, (cuda, None))
+        if buf is None or pinned != cuda or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-            self._buffers[key] = buf
+            self._buffers[prefix] = (cuda, buf)
         (later if _storage_key(t) in deferred else now).append((prefix[:-1], t, buf))
         if where is not None:
             seen[where] = buf
         return buf
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for _, b in self._buffers.values())
 
     def free(self) -> None:
         """Release the buffers (the next async save allocates them again)."""

@@ -236,11 +236,15 @@ class DistContext:
 
 
 def translate_dcp(
-    exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None
-) -> CheckpointError:
+    exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None, group: Any = None
+) -> BaseException:
     """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank;
-    ``metadata_error``: the reader's own error, which DCP replaces with an ``AssertionError``."""
+    ``metadata_error``: the reader's own error, which DCP replaces with an ``AssertionError``. This rank's
+    own Ctrl-C (any BaseException not an Exception; ``group``: DCP's) comes back as it is: the user's."""
     failures = exc.failures or {}
+    own = failures.get(DistContext(group).rank, (None,))[0]
+    if own is not None and not isinstance(own, Exception):
+        return own
     if not failures:
         err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
     else:

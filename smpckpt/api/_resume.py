@@ -358,7 +358,8 @@ def load_checkpoint(
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
-        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=reader.metadata_error) from exc
+        md_error, group = reader.metadata_error, common.process_group
+        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group) from exc
     return planner
 
 

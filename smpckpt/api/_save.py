@@ -61,9 +61,10 @@ from smpckpt.catalog.root import (
     write_abandoned,
     write_newest,
 )
-from smpckpt.errors import CheckpointError, LayoutMismatch
+from smpckpt.errors import CheckpointError, LayoutMismatch, ReplicaMismatch
 from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
+from smpckpt.planners._replica_values import replica_differences
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, probe_checkpoint
 from smpckpt.storage.write._base import FsspecWriterBase
 from smpckpt.storage.write.writer import Workers
@@ -160,18 +161,32 @@ def run_save(
     embedding (full artifacts, as ``save_pretrained``)."""
     if isinstance(writer, FsspecStorageWriter):  # a full artifact's writer keeps its own threads
         writer.pool_of = planners.workers.pool
+    rows: dict[str, str] = {}
     try:
         with planners.kept(kind, common) as planner, quiet_no_dist():
             planner.verify_replicas = verify_replicas
             if dedup_tied is not None:
                 planner.dedup_tied = dedup_tied
-            dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
+            try:
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
+            except CheckpointException:  # what this rank holds, to name a replica mismatch (below)
+                rows = {
+                    e.key: f"{e.value.dtype} {tuple(e.global_shape or ())}"
+                    for e in planner.entries.values()
+                    if e.kind == "tensor" and not e.rank_local
+                }
+                raise
     except CheckpointException as exc:
         try:
             writer.discard_failed_save(exc)
         except Exception:  # noqa: BLE001 - the save's own error is the one to raise
             log.warning("%s: removing the failed save's files failed", action, exc_info=True)
-        raise translate_dcp(exc, action) from exc
+        err = translate_dcp(exc, action, group=common.process_group)
+        if isinstance(err, ReplicaMismatch) and "disagree on their replicated" in str(err):
+            # every rank got this failure from DCP's plan step: one more collective names the keys
+            seen = DistContext(common.process_group).all_gather_object(rows)
+            err = ReplicaMismatch(f"{err} {replica_differences(common.layout, seen)}")
+        raise err from exc
 
 
 def publish_newest(req: SaveRequest, ctx: DistContext, extra: Mapping[str, Any] | None = None) -> None:

@@ -192,7 +192,8 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         try:
             results = self._write_rank(plan, planner)
             fut.set_result(pack_results(results) if crosses_ranks(self.process_group) else results)
-        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
+        except Exception as exc:  # noqa: BLE001 - handed to DCP through the future (a Ctrl-C, no Exception,
+            # is raised for DCP to wrap: torch's Future refuses it, an AssertionError hid it)
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch types it as the result type
         return fut
 

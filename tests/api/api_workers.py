@@ -702,3 +702,47 @@ def pp_translate_drop_world(rank: int, world: int, root: str) -> dict[str, Any]:
     info = ckpt.last_resume_info
     ckpt.close()
     return {"said": said, "skipped": info.skipped_keys if info else None}
+
+
+def ctrl_c_on_one_rank_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """hunt62b: rank 1 alone gets a Ctrl-C while the save plans: it raises KeyboardInterrupt, rank 0 a
+    CheckpointError naming rank 1; neither waits for the other, the tag is not committed, a retry commits."""
+    from smpckpt.planners import ParallelSavePlanner
+
+    m, o = _linear(0)
+    _step(m, o, 0)
+    real = ParallelSavePlanner.create_local_plan
+
+    def ctrl_c(self: Any) -> Any:
+        if rank == 1:
+            raise KeyboardInterrupt
+        return real(self)
+
+    ParallelSavePlanner.create_local_plan = ctrl_c  # type: ignore[method-assign]
+    try:
+        save_checkpoint(root, "s1", model=m, optimizer=o)
+        said = "no error"
+    except BaseException as exc:  # noqa: BLE001 - the class is what is checked
+        said = f"{type(exc).__name__}: {exc}"
+    finally:
+        ParallelSavePlanner.create_local_plan = real  # type: ignore[method-assign]
+    dist.barrier()  # both ranks got here
+    committed = _newest(root)
+    save_checkpoint(root, "s1", model=m, optimizer=o)
+    return {"said": said, "newest_after_failure": committed, "newest": _newest(root)}
+
+
+def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
+    """hunt62b R1: a DP replica diverging on rank 1 (dtype, shape, a key only it holds)."""
+    from smpckpt import Checkpointer
+
+    said: dict[str, str] = {}
+    for case in ("dtype", "shape", "extra_key"):
+        m = nn.Module()
+        m.w = nn.Parameter(torch.ones(6, 4) if rank == 1 and case == "shape" else torch.ones(4, 6))
+        m.register_buffer("b", torch.arange(5.0, dtype=torch.float64 if rank == 1 and case == "dtype" else None))
+        if rank == 1 and case == "extra_key":
+            m.register_buffer("extra", torch.ones(2))
+        with Checkpointer(root) as ck:
+            said[case] = _expect_error(functools.partial(ck.save, case, m))
+    return said

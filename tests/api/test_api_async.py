@@ -62,6 +62,27 @@ def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None
     assert ckpt.staging_bytes() >= sum(v.numel() * v.element_size() for v in before.values())
 
 
+def test_staging_buffers_follow_a_key_whose_shape_or_dtype_changed(tmp_path: Any) -> None:
+    """hunt62b: a buffer was kept per (key, shape, dtype) for the Checkpointer's life, so a tensor whose shape
+    or dtype changed between async saves left every earlier buffer held (host memory, pinned on CUDA, grew
+    with each change: 1+2+...+8 MiB for a buffer growing 1 MiB a save). One buffer per key now; every save
+    still equals its state."""
+    m, rng_bytes = model(0), 0
+    with smpckpt.Checkpointer(str(tmp_path), async_options=smpckpt.AsyncOptions(enabled=True)) as ckpt:
+        for i in range(1, 5):
+            m.register_buffer("hist", torch.arange(1 << 18 + i, dtype=torch.float64 if i % 2 else torch.float32))
+            want = _state(m)
+            ckpt.save(f"s{i}", model=m).result()  # type: ignore[union-attr]
+            held = ckpt.staging_bytes() - sum(v.numel() * v.element_size() for v in want.values())
+            assert held == (held if i == 1 else rng_bytes) < 1 << 16, i  # besides the state: its RNG states
+            rng_bytes = held
+            fresh = model(9)
+            fresh.register_buffer("hist", torch.zeros_like(want["hist"]))
+            resume_from_checkpoint(str(tmp_path), f"s{i}", model=fresh)
+            for k, v in fresh.state_dict().items():
+                assert torch.equal(v, want[k]) and v.dtype == want[k].dtype, (i, k)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_tied_head_is_written_once_as_by_a_synchronous_save(tmp_path: Any, overlap: bool) -> None:
     """Staging copied each key into a buffer of its own, so an async save wrote a head tied to its

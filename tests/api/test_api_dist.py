@@ -368,3 +368,26 @@ def test_a_key_a_later_stages_translate_function_drops_is_warned(tmp_path: Any) 
     assert any("translate_function" in s and "model.head.bias" in s for s in got[0]["said"]), got
     assert got[1]["said"] == [], got  # rank 0 alone says it
     assert "model.head.bias" in got[0]["skipped"], got
+
+
+def test_a_ctrl_c_on_one_rank_is_its_keyboard_interrupt_and_a_named_error_elsewhere(tmp_path: Any) -> None:
+    """hunt62b: rank 1's Ctrl-C inside dcp.save came out as CheckpointError on both ranks; now rank 1 raises
+    KeyboardInterrupt and rank 0 a CheckpointError naming rank 1, with no rank left waiting."""
+    got = run_world(api_workers.ctrl_c_on_one_rank_world, 2, str(tmp_path), timeout=120)
+    assert got[1]["said"].startswith("KeyboardInterrupt"), got
+    assert got[0]["said"].startswith("CheckpointError") and "rank 1" in got[0]["said"], got
+    assert "KeyboardInterrupt" in got[0]["said"], got
+    for r in got:
+        assert r["newest_after_failure"] is None and r["newest"] == "s1", got
+
+
+def test_a_diverging_dp_replica_is_refused_naming_its_key(tmp_path: Any) -> None:
+    """hunt62b R1: a plain DP replica whose dtype or shape differs on one rank, or a key one rank lacks, was
+    refused as "ranks [0] hold 2 such tensors, ranks [1] hold 2 such tensors": no key (a replica is written
+    by its owner alone, so the write plans showed nothing). Now every rank names the key and each view."""
+    got = run_world(api_workers.diverging_replica_world, 2, str(tmp_path), timeout=120)
+    for said in got:
+        assert "'model.b': torch.float32 (5,) on ranks [0], torch.float64 (5,) on ranks [1]" in said["dtype"], said
+        assert "'model.w': torch.float32 (4, 6) on ranks [0], torch.float32 (6, 4) on ranks [1]" in said["shape"], said
+        assert "'model.extra': absent on ranks [0], torch.float32 (2,) on ranks [1]" in said["extra_key"], said
+        assert all(s.startswith("ReplicaMismatch") for s in said.values()), said

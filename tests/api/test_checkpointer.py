@@ -631,3 +631,80 @@ def test_an_interrupted_save_leaves_no_write_running_on_the_kept_threads(
         assert at_raise == len(ended) > 0, (at_raise, ended)  # nothing of the save ended after it raised
         assert not (tmp_path / "stopped_partial").exists() or not any((tmp_path / "stopped_partial").rglob("*.distcp"))
         ckpt.save("after", m)
+
+
+@pytest.mark.parametrize("where", ["write", "plan"])
+def test_a_ctrl_c_during_a_save_comes_out_as_keyboard_interrupt(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """hunt62b: a Ctrl-C while a save waited for its writes came out as ``CheckpointError ... AssertionError:
+    is of type KeyboardInterrupt`` (torch's Future refuses a BaseException), one while it planned as a
+    CheckpointError (DCP wraps it): the user's Ctrl-C is raised as it is, the save's files removed as before."""
+    import signal
+    import time
+
+    from smpckpt.planners import ParallelSavePlanner
+    from smpckpt.storage import FsspecStorageWriter
+
+    def ctrl_c(*args: Any) -> Any:
+        raise KeyboardInterrupt
+
+    if where == "write":
+        real = FsspecStorageWriter._write_file
+
+        def slow(self: Any, *args: Any) -> Any:
+            time.sleep(0.5 if "stopped" in self.url else 0)
+            return real(self, *args)
+
+        monkeypatch.setattr(FsspecStorageWriter, "_write_file", slow)
+        old = signal.signal(signal.SIGALRM, ctrl_c)
+    m, opt = _trained(0)
+    want = _values(m, opt)
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save("before", m, opt)
+        try:
+            if where == "write":
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+            else:
+                monkeypatch.setattr(ParallelSavePlanner, "create_local_plan", ctrl_c)
+            with pytest.raises(KeyboardInterrupt):
+                ckpt.save("stopped", m, opt)
+        finally:
+            if where == "write":
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+        monkeypatch.undo()
+        assert not any((tmp_path / "stopped_partial").rglob("*.distcp"))
+        assert (tmp_path / "newest").read_text().strip() == "before"
+        ckpt.save("after", m, opt)
+        if where == "plan":  # a resume's too
+            from smpckpt.planners import ParallelLoadPlanner
+
+            monkeypatch.setattr(ParallelLoadPlanner, "create_local_plan", ctrl_c)
+            with pytest.raises(KeyboardInterrupt):
+                ckpt.resume("after", *_trained(1))
+            monkeypatch.undo()
+    _assert_equal(_resumed(str(tmp_path), "after"), want)
+
+
+def test_the_smp_face_rebinds_its_checkpointer_to_other_specs_and_plans_afresh(tmp_path: Any) -> None:
+    """hunt62b (untested before): save_checkpoint with specs that differ by value between calls (same layout
+    and group) rebinds the kept Checkpointer (one, its write threads kept) with a new planner cache; every
+    save resumes bit-exactly, and each records its own rules (a resume under the other specs loads it too)."""
+    m, opt = _trained(0)
+    layout = smpckpt.ParallelLayout(tp=1, dp=1)
+    specs: list[Any] = [{"0.weight": smpckpt.ShardSpec(0)}, None, {"2.weight": smpckpt.ShardSpec(1)}]
+    want, kept = {}, []
+    for i, sp in enumerate(specs):
+        _step(m, opt)
+        want[f"s{i}"] = _values(m, opt)
+        save_checkpoint(str(tmp_path), f"s{i}", model=m, optimizer=opt, layout=layout, specs=sp)
+        ckpt = m.__dict__[_KEPT].checkpointer
+        kept.append((ckpt, ckpt._planners, ckpt._planners.workers))
+    assert len({id(c) for c, _, _ in kept}) == 1 and len({id(w) for _, _, w in kept}) == 1
+    assert len({id(p) for _, p, _ in kept}) == len(specs)  # plans made under other specs are not reused
+    for i, sp in enumerate(specs):
+        for resume_specs in (sp, specs[(i + 1) % len(specs)]):
+            r, ro = _trained(9)
+            resume_from_checkpoint(str(tmp_path), f"s{i}", model=r, optimizer=ro, layout=layout, specs=resume_specs)
+            _assert_equal(_values(r, ro), want[f"s{i}"])

@@ -146,7 +146,6 @@ def commit(
     metadata: bytes | None = None,
     side: Mapping[str, bytes] | None = None,
     expected: Sequence[FileRecord] | None = None,
-    replace: bytes | None = None,
     write_manifest: Callable[[bytes], None] | None = None,
     stock_metadata: bytes | None = None,
     old_files: Iterable[str] = (),
@@ -158,8 +157,8 @@ def commit(
     """(coordinator) Commit ``manifest`` in place in ``folder`` (module docstring, steps 1-5).
 
     ``metadata``/``side``: created now (``None``: already written); ``expected``: the files to check
-    (default: all the manifest names); ``replace``: the manifest bytes an overwrite replaces (``None``:
-    exclusive); ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full
+    (default: all the manifest names); ``write_manifest``: step 3 (default: created exclusively; the
+    partial writer's replaces exactly the manifest it saw); ``owner_marker``: (object stores, full
     artifacts) the in-progress marker must still name this save id, removed after the commit;
     ``discard``: this save's files, removed when another save's commit refuses this one;
     ``replaces_committed``: the commit replaces a committed manifest of ours, whose stock ``.metadata``
@@ -175,12 +174,8 @@ def commit(
                 f"{WRITING_MARKER} names {marker!r}, not this save {owner_marker}); not committed"
             )
     if write_manifest is None:
-        if replace is None:
-            write_manifest = lambda data: folder.publish(MANIFEST_NAME, data, sync=sync)  # noqa: E731
-        else:
-            write_manifest = lambda data: folder.replace_if(MANIFEST_NAME, data, replace, sync=sync)  # noqa: E731
-    overwrite = replace is not None or replaces_committed
-    dropped = overwrite and stock_metadata is not None and _drop_stock_copy(folder, url)
+        write_manifest = lambda data: folder.publish(MANIFEST_NAME, data, sync=sync)  # noqa: E731
+    dropped = replaces_committed and stock_metadata is not None and _drop_stock_copy(folder, url)
     try:
         _write_manifest(folder, url, manifest, manifest_bytes, write_manifest, refused=refused, discard=discard)
     except CommitUncertain:

@@ -444,10 +444,6 @@ class Folder:
             failed.append(self.where(name))
         return failed
 
-    def remove_tree(self, name: str) -> list[str]:
-        """(POSIX) Remove ``name`` inside this folder and everything under it, never following a link."""
-        return nf.remove_tree_at(*self._at(name), where=self.where(name))
-
 
 def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
     """Write a small file so a reader sees the old content or all of the new, never a torn file (``newest``,

@@ -43,7 +43,7 @@ from smpckpt.storage.backends._fs import join
 from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format._reading import Fetch, c_strides
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_place
+from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
 from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._plan import (
@@ -183,7 +183,7 @@ class ReadRun:
         self.requests = 0
         self.read_per_file: dict[str, int] = {}
         # destinations not filled in place (CUDA) are copied to through a pool of pinned buffers
-        self.copies = DeviceCopies(getattr(reader, "staging_bytes", STAGING_BYTES))
+        self.copies = DeviceCopies(reader.staging_bytes)
 
     def run(self, plan: ReadPlan) -> None:
         try:

@@ -113,22 +113,17 @@ def committed_save_id(folder: Folder) -> str | None:
         return None
 
 
-def _create_own(folder: Folder, url: str, files: Mapping[str, bytes], *, sync: bool) -> dict[str, str]:
-    """Create this generation's small files (metadata, side files); their ETags (S3). A file already there
-    with the same bytes is this save's own (a retried step); anything else refuses the commit."""
-    etags: dict[str, str] = {}
+def _create_own(folder: Folder, url: str, files: Mapping[str, bytes], *, sync: bool) -> None:
+    """Create this generation's small files (metadata, side files). A file already there with the same
+    bytes is this save's own (a retried step); anything else refuses the commit."""
     for name, data in files.items():
         try:
-            etag = folder.create(name, data, sync=sync)
+            folder.create(name, data, sync=sync)
         except FileExistsError as exc:
-            if folder.read(name) == data:
-                continue
-            raise CheckpointExists(
-                f"{url}: {name} exists and was not written by this save; refusing to commit over it"
-            ) from exc
-        if etag:
-            etags[name] = etag
-    return etags
+            if folder.read(name) != data:
+                raise CheckpointExists(
+                    f"{url}: {name} exists and was not written by this save; refusing to commit over it"
+                ) from exc
 
 
 def _named(manifest: Manifest, expected: Sequence[FileRecord] | None) -> dict[str, int]:

@@ -351,13 +351,8 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
-    if is_local(fs):
-        parent, name = nf.open_parent_and_name(path)
-        try:
-            if os.path.islink(path):
-                return nf.remove_tree_at(parent, name, where=path)  # the link only
-        finally:
-            os.close(parent)
+    if is_local(fs) and os.path.islink(path):
+        return remove_tree(fs, path)  # the link only (a warning names its target)
     with Folder(fs, path) as folder:
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)

@@ -268,9 +268,15 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             threads=self.thread_count,
         )
         if found.manifest is None:
-            hf_files = self._hf_files()
+            # a save of ours without its manifest (in progress, manifest lost, or marked for removal) is never
+            # read unverified; else the safetensors files of a Hugging Face model, if it is one
+            names = folder_names(self.fs, self.path)
+            ours = bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(
+                map(_names.is_smpckpt_file, names)
+            )
+            hf_files = None if ours else hf_folder_files(self.fs, self.path)
             if hf_files is None:
-                raise CheckpointNotFound(self._refusal(found.detail))
+                raise CheckpointNotFound(self._refusal(found.detail, names, ours))
             confine(self.fs, self.path, hf_files, where=self.url)
             log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
             self.state = "huggingface"
@@ -283,21 +289,11 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
         return metadata
 
-    def _hf_files(self) -> list[str] | None:
-        """The safetensors files when the folder is a Hugging Face model, ``None`` when it is a save of ours
-        without its manifest (in progress, manifest lost, or marked for removal): never read unverified."""
-        return None if self._ours(folder_names(self.fs, self.path)) else hf_folder_files(self.fs, self.path)
-
-    @staticmethod
-    def _ours(names: set[str]) -> bool:
-        return bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(map(_names.is_smpckpt_file, names))
-
-    def _refusal(self, detail: str) -> str:
-        """Why a folder with no manifest is refused; a Hugging Face folder of ``torch.save`` weights is named
-        as such, not as a failed save of ours."""
-        names = folder_names(self.fs, self.path)
+    def _refusal(self, detail: str, names: set[str], ours: bool) -> str:
+        """Why a folder with no manifest (base ``names``; ``ours``: a save of ours) is refused; a Hugging Face
+        folder of ``torch.save`` weights is named as such, not as a failed save of ours."""
         bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")))
-        if bins and not self._ours(names):
+        if bins and not ours:
             return (
                 f"{self.url} is a Hugging Face folder of torch.save weights ({', '.join(bins[:2])}) without "
                 "safetensors: only safetensors Hugging Face folders load without a manifest (re-save it with "

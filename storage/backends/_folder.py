@@ -466,10 +466,10 @@ def remove_files(fs: Any, paths: list[str], *, within: str | None = None) -> lis
     ``within`` each path's own folder is opened as named."""
     if not paths:
         return []
-    if not is_local(fs):
-        return Folder(fs, "").remove(paths) if within is None else _remove_in(fs, within, paths)
     if within is not None:
         return _remove_in(fs, within, paths)
+    if not is_local(fs):
+        return Folder(fs, "").remove(paths)
     failed: list[str] = []
     for p in paths:
         folder, _, name = p.rstrip("/").rpartition("/")
@@ -489,10 +489,8 @@ def _remove_in(fs: Any, within: str, paths: list[str]) -> list[str]:
     outside = [p for p in paths if not (p.startswith(base) and ".." not in p[len(base) :].split("/"))]
     for p in outside:
         log.warning("%s is not inside %s: not removed", p, within)
-    if not is_local(fs):
-        return outside + Folder(fs, within).remove(inside)
     try:
-        with Folder(fs, within) as f:
+        with Folder(fs, within) as f:  # (object stores: nothing is opened, each removal reports its own failure)
             return outside + f.remove(inside)
     except FileNotFoundError:
         return outside

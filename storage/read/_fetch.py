@@ -83,15 +83,6 @@ def reads_into(fs: Any) -> bool:
     return is_local(fs) or is_s3(fs)
 
 
-def _read_into(fs: Any, path: str, buffers: Sequence[memoryview], offset: int, want: int) -> int:
-    """(S3; local files go through :func:`_read_local`) File bytes ``[offset, offset + want)`` into
-    ``buffers`` (``want`` bytes in all: a GET body fills exactly what it sends). Returns the bytes read:
-    fewer only when the object ends first."""
-    from smpckpt.storage.backends._s3 import get_range_into
-
-    return get_range_into(fs, path, offset, offset + want, buffers)
-
-
 @contextlib.contextmanager
 def reading(path: str, keys: Sequence[str], turn: Turn | None = None) -> Iterator[None]:
     """Around I/O on data file ``path`` for ``keys``: the read's ``turn`` at the device, errors translated,
@@ -339,10 +330,12 @@ def read_range(
         _read_local(path, keys, Landing([(lo, data)]), lo, hi, rec, items, turn, scattered)
         return data
     with reading(path, keys, turn):
-        if reads_into(fs):
+        if reads_into(fs):  # S3 (local files went above): its GET body streamed into our buffer
+            from smpckpt.storage.backends._s3 import get_range_into
+
             # a pooled buffer, not a fresh `bytes` per request: no join copy, no page faults
             buf = memoryview(pool.take(want))
-            data = buf[: _read_into(fs, path, [buf[:want]], lo, want)]
+            data = buf[: get_range_into(fs, path, lo, hi, [buf[:want]])]
         else:
             data = memoryview(fs.cat_file(path, start=lo, end=hi))
     check_complete(path, keys, lo, hi, len(data))
@@ -394,8 +387,10 @@ def read_direct(
     if is_local(fs):
         _read_local(path, keys, land, lo, hi, rec, items, turn, scattered)
         return
+    from smpckpt.storage.backends._s3 import get_range_into  # S3: its GET body streamed into the destinations
+
     with reading(path, keys, turn):
-        got = _read_into(fs, path, land.views(lo, hi), lo, hi - lo)
+        got = get_range_into(fs, path, lo, hi, land.views(lo, hi))
     check_complete(path, keys, lo, hi, got)
     if rec is not None:
         verify_blocks(path, rec, lo, hi, items, land.digest)

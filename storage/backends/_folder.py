@@ -150,25 +150,22 @@ class Folder:
         return (self.dir_fd(rel, create=create_dirs) if rel else self._dirs[""]), base
 
     # -- create-only writes ------------------------------------------------------------------------------
-    def create(self, name: str, data: bytes | memoryview, *, sync: bool) -> str | None:
-        """Create file ``name`` holding ``data``, only if nothing is there (``FileExistsError``). Returns the
-        object's ETag on S3 (what a conditional delete names), else ``None``."""
+    def create(self, name: str, data: bytes | memoryview, *, sync: bool) -> None:
+        """Create file ``name`` holding ``data``, only if nothing is there (``FileExistsError``)."""
         where = self.where(name)
         with translate_errors(where):
             if self.local:
                 dir_fd, base = self._at(name, create_dirs=True)
                 nf.create_at(dir_fd, base, data, sync=sync, where=where)
-                return None
-            if self.s3:
+            elif self.s3:
                 bucket, key, _ = self.fs.split_path(where)
-                resp = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data), IfNoneMatch="*")
                 self.fs.invalidate_cache(where)
-                return str(resp.get("ETag") or "") or None
-            with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
-                if self.fs.exists(where):
-                    raise FileExistsError(errno.EEXIST, nf.EXISTS, where)
-                self.fs.pipe_file(where, bytes(data))
-            return None
+            else:
+                with _MEMORY_LOCK if _protocol(self.fs) == "memory" else contextlib.nullcontext():
+                    if self.fs.exists(where):
+                        raise FileExistsError(errno.EEXIST, nf.EXISTS, where)
+                    self.fs.pipe_file(where, bytes(data))
 
     def create_sized(self, name: str, size: int, pieces: Sequence[tuple[int, bytes]], *, sync: bool) -> None:
         """(POSIX) Create file ``name`` at ``size`` bytes with ``pieces`` (offset, bytes) in place, the rest a
@@ -245,12 +242,11 @@ class Folder:
             if sync:
                 os.fsync(dir_fd)
 
-    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False, sync_dir: bool = True) -> None:
+    def publish(self, name: str, data: bytes, *, sync: bool, replace: bool = False) -> None:
         """Make ``name`` appear holding ``data`` whole (readers see nothing, or all of it): created only if
         absent (``FileExistsError``), or with ``replace`` in place of what is there. POSIX: a create-only
         temporary, then ``linkat`` (no replace) or ``renameat`` (replace; a link under the name is replaced
-        as a name, never followed), then the folder's fsync (unless ``sync_dir=False``). S3: one
-        conditional PUT."""
+        as a name, never followed), then the folder's fsync. S3: one conditional PUT."""
         where = self.where(name)
         if not self.local:
             if not replace:
@@ -276,7 +272,7 @@ class Folder:
                 nf.create_at(dir_fd, base, data, sync=sync, where=where)
             finally:
                 drop_temp(dir_fd, tmp, where)
-            if sync and sync_dir:
+            if sync:
                 os.fsync(dir_fd)
 
     def replace_if(self, name: str, data: bytes, expect: bytes, *, sync: bool) -> None:
@@ -444,19 +440,15 @@ class Folder:
             failed.append(self.where(name))
         return failed
 
-    def remove_tree(self, name: str) -> list[str]:
-        """(POSIX) Remove ``name`` inside this folder and everything under it, never following a link."""
-        return nf.remove_tree_at(*self._at(name), where=self.where(name))
 
-
-def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True, sync_dir: bool = True) -> None:
+def write_bytes_atomic(fs: Any, path: str, data: bytes, *, sync: bool = True) -> None:
     """Write a small file so a reader sees the old content or all of the new, never a torn file (``newest``,
     markers, the stock ``.metadata``). POSIX: a create-only temporary renamed into place relative to the
-    folder's descriptor (a link under the name is replaced, never followed); the folder's fsync unless
-    ``sync_dir=False``. Object stores: one PUT."""
+    folder's descriptor (a link under the name is replaced, never followed), then the folder's fsync.
+    Object stores: one PUT."""
     folder, _, name = path.rstrip("/").rpartition("/")
     with Folder(fs, folder or "/", follow=True) as f:
-        f.publish(name, data, sync=sync, replace=True, sync_dir=sync_dir)
+        f.publish(name, data, sync=sync, replace=True)
 
 
 def create_bytes_exclusive(fs: Any, path: str, data: bytes, *, sync: bool = True) -> None:
@@ -474,10 +466,10 @@ def remove_files(fs: Any, paths: list[str], *, within: str | None = None) -> lis
     ``within`` each path's own folder is opened as named."""
     if not paths:
         return []
-    if not is_local(fs):
-        return Folder(fs, "").remove(paths) if within is None else _remove_in(fs, within, paths)
     if within is not None:
         return _remove_in(fs, within, paths)
+    if not is_local(fs):
+        return Folder(fs, "").remove(paths)
     failed: list[str] = []
     for p in paths:
         folder, _, name = p.rstrip("/").rpartition("/")
@@ -497,10 +489,8 @@ def _remove_in(fs: Any, within: str, paths: list[str]) -> list[str]:
     outside = [p for p in paths if not (p.startswith(base) and ".." not in p[len(base) :].split("/"))]
     for p in outside:
         log.warning("%s is not inside %s: not removed", p, within)
-    if not is_local(fs):
-        return outside + Folder(fs, within).remove(inside)
     try:
-        with Folder(fs, within) as f:
+        with Folder(fs, within) as f:  # (object stores: nothing is opened, each removal reports its own failure)
             return outside + f.remove(inside)
     except FileNotFoundError:
         return outside

@@ -69,8 +69,8 @@ def open_parent_and_name(path: str, *, create_parent: bool = False) -> tuple[int
     return os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC), name
 
 
-def create_at(dir_fd: int, name: str, data: bytes | memoryview, *, sync: bool, where: str) -> os.stat_result:
-    """Create file ``name`` in ``dir_fd`` holding ``data`` (create-only; fsynced when ``sync``); its stat.
+def create_at(dir_fd: int, name: str, data: bytes | memoryview, *, sync: bool, where: str) -> None:
+    """Create file ``name`` in ``dir_fd`` holding ``data`` (create-only; fsynced when ``sync``).
     A failure after the create removes what was created (nothing torn stays under the name)."""
     fd = open_new_at(dir_fd, name, where=where)
     try:
@@ -79,7 +79,6 @@ def create_at(dir_fd: int, name: str, data: bytes | memoryview, *, sync: bool, w
             view = view[os.write(fd, view) :]
         if sync:
             os.fsync(fd)
-        return os.fstat(fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)

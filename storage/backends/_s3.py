@@ -141,7 +141,6 @@ class S3MultipartSink:
         bucket, key, _ = fs.split_path(path)
         self._bucket, self._key = bucket, key
         self._part_size = int(part_size)
-        self.etag: str | None = None
         self._borrow = borrow
         self.borrows = borrow
         self._views: list[memoryview] = []  # the part being filled (borrow mode) ...
@@ -247,18 +246,17 @@ class S3MultipartSink:
         try:
             if self._upload_id is None:
                 body, _ = self._take_part()
-                resp = self._call("put_object", Body=body if len(body) else b"", IfNoneMatch="*")
+                self._call("put_object", Body=body if len(body) else b"", IfNoneMatch="*")
             else:
                 if self._fill:
                     self._flush_part()
                 parts = [{"PartNumber": n, "ETag": self._result(f)} for n, f in sorted(self._parts.items())]
-                resp = self._call(
+                self._call(
                     "complete_multipart_upload",
                     UploadId=self._upload_id,
                     MultipartUpload={"Parts": parts},
                     IfNoneMatch="*",
                 )
-            self.etag = str(resp.get("ETag") or "") or None
         except BaseException:
             self.abort()
             raise

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from smpckpt.storage.backends._fs import is_local, is_s3, translate_errors
+from smpckpt.storage.backends._fs import translate_errors
 from smpckpt.storage.backends._nofollow import libc_function
 
 __all__ = ["Sink", "LocalSink", "FsspecSink", "open_sink", "byte_view"]
@@ -184,26 +184,16 @@ def open_sink(
     sync: bool,
     part_size: int,
     max_parts_in_flight: int,
+    folder: Any,
     borrow: bool = False,
-    folder: Any = None,
     sent: Callable[[int], None] | None = None,
 ) -> Sink:
-    """The create-only sink for ``path`` on ``fs`` (the writers open theirs through
-    :meth:`~._folder.Folder.sink`, relative to the folder's descriptor). ``borrow=True``: the caller does
-    not change the memory it passes to ``write`` until ``commit``/``abort`` returns, so a sink may send it
-    without copying (S3). ``folder`` (a ``_folder.Folder`` holding ``path``): opened relative to it.
-    ``sent(bytes)``: told as each S3 part's upload ends (its borrowed bytes let go: the drain's budget)."""
-    if folder is not None:
-        name = path[len(folder.path.rstrip("/")) + 1 :]
-        return folder.sink(
-            name, sync=sync, part_size=part_size, max_parts_in_flight=max_parts_in_flight, borrow=borrow, sent=sent
-        )
-    if is_local(fs):
-        return LocalSink(path, sync=sync)
-    if is_s3(fs):
-        from smpckpt.storage.backends._s3 import S3MultipartSink
-
-        return S3MultipartSink(
-            fs, path, part_size=part_size, max_in_flight=max_parts_in_flight, borrow=borrow, sent=sent
-        )
-    return FsspecSink(fs, path)
+    """The create-only sink for ``path`` on ``fs``, opened relative to ``folder`` (a ``_folder.Folder``
+    holding ``path``: :meth:`~._folder.Folder.sink`). ``borrow=True``: the caller does not change the
+    memory it passes to ``write`` until ``commit``/``abort`` returns, so a sink may send it without
+    copying (S3). ``sent(bytes)``: told as each S3 part's upload ends (its borrowed bytes let go: the
+    drain's budget)."""
+    name = path[len(folder.path.rstrip("/")) + 1 :]
+    return folder.sink(
+        name, sync=sync, part_size=part_size, max_parts_in_flight=max_parts_in_flight, borrow=borrow, sent=sent
+    )

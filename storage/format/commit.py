@@ -113,22 +113,17 @@ def committed_save_id(folder: Folder) -> str | None:
         return None
 
 
-def _create_own(folder: Folder, url: str, files: Mapping[str, bytes], *, sync: bool) -> dict[str, str]:
-    """Create this generation's small files (metadata, side files); their ETags (S3). A file already there
-    with the same bytes is this save's own (a retried step); anything else refuses the commit."""
-    etags: dict[str, str] = {}
+def _create_own(folder: Folder, url: str, files: Mapping[str, bytes], *, sync: bool) -> None:
+    """Create this generation's small files (metadata, side files). A file already there with the same
+    bytes is this save's own (a retried step); anything else refuses the commit."""
     for name, data in files.items():
         try:
-            etag = folder.create(name, data, sync=sync)
+            folder.create(name, data, sync=sync)
         except FileExistsError as exc:
-            if folder.read(name) == data:
-                continue
-            raise CheckpointExists(
-                f"{url}: {name} exists and was not written by this save; refusing to commit over it"
-            ) from exc
-        if etag:
-            etags[name] = etag
-    return etags
+            if folder.read(name) != data:
+                raise CheckpointExists(
+                    f"{url}: {name} exists and was not written by this save; refusing to commit over it"
+                ) from exc
 
 
 def _named(manifest: Manifest, expected: Sequence[FileRecord] | None) -> dict[str, int]:
@@ -146,7 +141,6 @@ def commit(
     metadata: bytes | None = None,
     side: Mapping[str, bytes] | None = None,
     expected: Sequence[FileRecord] | None = None,
-    replace: bytes | None = None,
     write_manifest: Callable[[bytes], None] | None = None,
     stock_metadata: bytes | None = None,
     old_files: Iterable[str] = (),
@@ -158,8 +152,8 @@ def commit(
     """(coordinator) Commit ``manifest`` in place in ``folder`` (module docstring, steps 1-5).
 
     ``metadata``/``side``: created now (``None``: already written); ``expected``: the files to check
-    (default: all the manifest names); ``replace``: the manifest bytes an overwrite replaces (``None``:
-    exclusive); ``write_manifest``: the writer's seam for step 3; ``owner_marker``: (object stores, full
+    (default: all the manifest names); ``write_manifest``: step 3 (default: created exclusively; the
+    partial writer's replaces exactly the manifest it saw); ``owner_marker``: (object stores, full
     artifacts) the in-progress marker must still name this save id, removed after the commit;
     ``discard``: this save's files, removed when another save's commit refuses this one;
     ``replaces_committed``: the commit replaces a committed manifest of ours, whose stock ``.metadata``
@@ -175,12 +169,8 @@ def commit(
                 f"{WRITING_MARKER} names {marker!r}, not this save {owner_marker}); not committed"
             )
     if write_manifest is None:
-        if replace is None:
-            write_manifest = lambda data: folder.publish(MANIFEST_NAME, data, sync=sync)  # noqa: E731
-        else:
-            write_manifest = lambda data: folder.replace_if(MANIFEST_NAME, data, replace, sync=sync)  # noqa: E731
-    overwrite = replace is not None or replaces_committed
-    dropped = overwrite and stock_metadata is not None and _drop_stock_copy(folder, url)
+        write_manifest = lambda data: folder.publish(MANIFEST_NAME, data, sync=sync)  # noqa: E731
+    dropped = replaces_committed and stock_metadata is not None and _drop_stock_copy(folder, url)
     try:
         _write_manifest(folder, url, manifest, manifest_bytes, write_manifest, refused=refused, discard=discard)
     except CommitUncertain:
@@ -361,13 +351,8 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
-    if is_local(fs):
-        parent, name = nf.open_parent_and_name(path)
-        try:
-            if os.path.islink(path):
-                return nf.remove_tree_at(parent, name, where=path)  # the link only
-        finally:
-            os.close(parent)
+    if is_local(fs) and os.path.islink(path):
+        return remove_tree(fs, path)  # the link only (a warning names its target)
     with Folder(fs, path) as folder:
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)

@@ -494,7 +494,7 @@ class Probe:
     manifest: Manifest | None = None
     legacy_metadata: Any = None  # DCP Metadata of a stock checkpoint
     detail: str = ""
-    #: the manifest's bytes as read (what an overwrite replaces, exactly: ``commit(replace=...)``)
+    #: the manifest's bytes as read (what an overwrite replaces, exactly: ``Folder.replace_if``)
     raw: bytes | None = None
 
     def generation_files(self) -> list[str]:

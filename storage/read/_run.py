@@ -14,7 +14,7 @@ verifying them overlaps other reads. Task kinds:
   read them; an item is committed when its last piece is done (:class:`_OpenItem` counts them down).
 * :class:`_BoxPart`: whole row groups of a column slice on local disk (about 16 MiB each, so several
   threads share a slice), a request per row (or per run of close rows), or sequential spans of whole
-  rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_boxes``).
+  rows where the planner's cost model says so (``_plan.streams``), columns copied out (``_fetch.read_box``).
 
 A direct candidate whose destination turns out unsuitable (other dtype, strided, not on the CPU) is
 read as a buffered fetch instead. At most ``2 * thread_count`` tasks are in flight, so the planner is
@@ -40,12 +40,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, LayoutMismatch
 from smpckpt.storage.backends._fs import join
+from smpckpt.storage.format._columns import Into
 from smpckpt.storage.format._reading import Fetch, c_strides
 from smpckpt.storage.format._safe_pickle import check_weights_only
-from smpckpt.storage.format._staging import STAGING_BYTES, DeviceCopies, in_place
+from smpckpt.storage.format._staging import DeviceCopies, in_place
 from smpckpt.storage.format.manifest import FileRecord
-from smpckpt.storage.read._boxes import BoxRows, Into, read_box
-from smpckpt.storage.read._fetch import BufferPool, DirectPart, read_direct, read_range
+from smpckpt.storage.read._fetch import BoxRows, BufferPool, DirectPart, read_box, read_direct, read_range
 from smpckpt.storage.read._plan import (
     PIECE_BYTES,
     BoxRead,
@@ -143,7 +143,7 @@ class _BoxPart:
     entry: _OpenItem
     dst: memoryview | None
     nbytes: int  #: bytes the part will request (orders the work; _complete counts what was asked)
-    into: Into | None = None  #: a streamed box's destination, whole (see _boxes.Into)
+    into: Into | None = None  #: a streamed box's destination, whole (see _columns.Into)
 
     @property
     def file(self) -> str:
@@ -183,7 +183,7 @@ class ReadRun:
         self.requests = 0
         self.read_per_file: dict[str, int] = {}
         # destinations not filled in place (CUDA) are copied to through a pool of pinned buffers
-        self.copies = DeviceCopies(getattr(reader, "staging_bytes", STAGING_BYTES))
+        self.copies = DeviceCopies(reader.staging_bytes)
 
     def run(self, plan: ReadPlan) -> None:
         try:

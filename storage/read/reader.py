@@ -16,22 +16,37 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
-from smpckpt._checks import check_int
+from smpckpt._checks import check_flag, check_int
 from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
-from smpckpt.storage.backends._fs import confine, device_read_bytes, is_local, join
+from smpckpt.model.translation import Translation
+from smpckpt.storage.backends._fs import (
+    FsspecLocation,
+    confine,
+    default_read_threads,
+    device_read_bytes,
+    is_local,
+    join,
+    read_bytes_or_none,
+)
 from smpckpt.storage.format import manifest as _names
-from smpckpt.storage.format._reading import ReaderBase, ReaderOptions, ReadStats
+from smpckpt.storage.format._columns import REQUEST_COST_BYTES
+from smpckpt.storage.format._reading import ReadStats
+from smpckpt.storage.format._safe_pickle import load_metadata
 from smpckpt.storage.format._staging import MIN_STAGING_BYTES, STAGING_BYTES
-from smpckpt.storage.format.manifest import FileRecord, Probe
+from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, FileRecord, Manifest, Probe, probe
 from smpckpt.storage.full._commit import folder_names
 from smpckpt.storage.full._read import FullSource
 from smpckpt.storage.full._source import hf_folder_files
@@ -53,7 +68,19 @@ LOCAL_REQUEST_BYTES = 32 << 20
 REMOTE_REQUEST_BYTES = 64 << 20
 
 
-class FsspecStorageReader(ReaderBase):
+class ReaderOptions(TypedDict, total=False):
+    """The options both readers take (``FullArtifactReader`` only these), as ``**options``."""
+
+    storage_options: Mapping[str, Any] | None
+    verify_checksums: bool
+    allow_pickle: bool
+    translation: Translation | None
+    hf_prefix: str
+    request_cost_bytes: int
+    thread_count: int | None
+
+
+class FsspecStorageReader(FsspecLocation, StorageReader):
     """Read a checkpoint at ``path`` (any fsspec URL).
 
     ``read_metadata`` reads the manifest (the commit marker), then the metadata it names;
@@ -101,7 +128,13 @@ class FsspecStorageReader(ReaderBase):
         max_request_bytes: int | None = None,
         coalesce_gap: int = 0,
         staging_bytes: int = STAGING_BYTES,
-        **options: Unpack[ReaderOptions],
+        storage_options: Mapping[str, Any] | None = None,
+        verify_checksums: bool = True,
+        allow_pickle: bool = False,
+        translation: Translation | None = None,
+        hf_prefix: str = "",
+        request_cost_bytes: int = REQUEST_COST_BYTES,
+        thread_count: int | None = None,
     ) -> None:
         self.staging_bytes = check_int("staging_bytes", staging_bytes, minimum=MIN_STAGING_BYTES)
         self.reads_in_flight = check_int("reads_in_flight", reads_in_flight, minimum=1, optional=True)
@@ -109,10 +142,33 @@ class FsspecStorageReader(ReaderBase):
         self.coalesce_gap = check_int("coalesce_gap", coalesce_gap, minimum=0)
         # raw items at least this large are read straight into their destination when it allows
         self.direct_min_bytes = DIRECT_MIN_BYTES
-        super().__init__(path, **options)
+        super().__init__()
+        self.request_cost_bytes = check_int("request_cost_bytes", request_cost_bytes, minimum=0)
+        self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
+        check_flag("verify_checksums", verify_checksums)
+        check_flag("allow_pickle", allow_pickle)
+        self.storage_options = dict(storage_options or {})
+        self.verify_checksums = verify_checksums
+        self.allow_pickle = allow_pickle
+        self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder
+        self.last_read_stats: ReadStats | None = None
+        self._open(path)
+
+    @property
+    def thread_count(self) -> int:
+        """Worker threads of a read: the count given, else :func:`default_read_threads` for this URL."""
+        return self._threads_asked or default_read_threads(is_local(self.fs))
+
+    @thread_count.setter
+    def thread_count(self, value: int) -> None:
+        self._threads_asked = check_int("thread_count", value, minimum=1)
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         super()._open(path)
+        self.manifest: Manifest | None = None
+        self.state: str | None = None
+        self.load_id = f"{LOAD_ID_PREFIX}{uuid.uuid4().hex}"  # tells our planner which reader it has
+        self.metadata_error: Exception | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._tensors: dict[str, Any] = {}  # the metadata's entries by key, as set up (see _chunk_of)
         self._records: dict[str, FileRecord] = {}
@@ -121,8 +177,42 @@ class FsspecStorageReader(ReaderBase):
         self._metadata_path = self.url  # where the metadata came from (named in errors about its records)
         self.source: FullSource | None = None  # a full artifact or Hugging Face folder: where its bytes are
 
-    # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation; read_metadata,
-    # prepare_global_plan, read_data: ReaderBase) -------------------------------------------------------
+    # -- StorageReader protocol (reset, checkpoint_id, validate_checkpoint_id: FsspecLocation) ---------
+    def read_metadata(self, *args: Any, **_unused: Any) -> Metadata:
+        """(all ranks) The manifest first: it is the commit marker; then the metadata it names.
+
+        DCP replaces an exception raised here by an ``AssertionError`` carrying its message: the original is
+        kept in :attr:`metadata_error`. (The keyword parameter is not named ``kwargs``: DCP would then retry a
+        failed read with ``rank=``, reading and failing twice.)"""
+        try:
+            metadata = self._read_metadata()
+        except Exception as exc:
+            self.metadata_error = exc
+            raise
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
+        return metadata
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into ``planner``; returns a completed future.
+
+        A failure is raised from here (as DCP's ``FileSystemReader`` does), not stored in the future: torch's
+        ``Future`` holds it from C++, out of the collector's sight, which would pin the exception, its frames
+        and the state dict until the process ends. The failure's frames are cleared, so the exception, wherever
+        it is kept, holds no read buffers or destination views either."""
+        try:
+            self._read(plan, planner)
+        except Exception as exc:
+            _release_frames(exc)
+            raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
     def _read_metadata(self) -> Metadata:
         """The folder's format, decided once here (``self.source`` set: a full artifact or a folder without
         a commit; else ``self.manifest`` set: a partial checkpoint; else a stock DCP one)."""
@@ -142,6 +232,29 @@ class FsspecStorageReader(ReaderBase):
         self._records = {f.name: f for f in found.manifest.files}
         return metadata
 
+    def _probe(self) -> Probe:
+        """The folder's state (``self.state``); a missing checkpoint raises."""
+        found = probe(self.fs, self.path)
+        self.state = found.state
+        if found.state == "missing":
+            raise CheckpointNotFound(f"no checkpoint at {self.url}")
+        return found
+
+    def _committed_metadata(self, manifest: Manifest) -> tuple[Metadata, str]:
+        """The metadata ``manifest`` names, checked against its size and checksum, and where it was."""
+        md_path = join(self.path, manifest.metadata.name)
+        data = read_bytes_or_none(self.fs, md_path)
+        if data is None:
+            raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
+        if not manifest.metadata.matches(data):
+            raise CheckpointCorrupt(
+                f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "
+                f"manifest says {manifest.metadata.size})"
+            )
+        metadata = load_metadata(data, where=md_path)
+        self.manifest = manifest
+        return metadata, md_path
+
     def _full_metadata(self, found: Probe) -> Metadata:
         """A full artifact's or a Hugging Face folder's metadata: one whole chunk per tensor. Refuses an
         unfinished save."""
@@ -155,9 +268,15 @@ class FsspecStorageReader(ReaderBase):
             threads=self.thread_count,
         )
         if found.manifest is None:
-            hf_files = self._hf_files()
+            # a save of ours without its manifest (in progress, manifest lost, or marked for removal) is never
+            # read unverified; else the safetensors files of a Hugging Face model, if it is one
+            names = folder_names(self.fs, self.path)
+            ours = bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(
+                map(_names.is_smpckpt_file, names)
+            )
+            hf_files = None if ours else hf_folder_files(self.fs, self.path)
             if hf_files is None:
-                raise CheckpointNotFound(self._refusal(found.detail))
+                raise CheckpointNotFound(self._refusal(found.detail, names, ours))
             confine(self.fs, self.path, hf_files, where=self.url)
             log.info("%s: Hugging Face folder (no manifest): loading without integrity checks", self.url)
             self.state = "huggingface"
@@ -170,21 +289,11 @@ class FsspecStorageReader(ReaderBase):
         metadata.planner_data = {**data, _names.WHOLE_TENSORS: True}
         return metadata
 
-    def _hf_files(self) -> list[str] | None:
-        """The safetensors files when the folder is a Hugging Face model, ``None`` when it is a save of ours
-        without its manifest (in progress, manifest lost, or marked for removal): never read unverified."""
-        return None if self._ours(folder_names(self.fs, self.path)) else hf_folder_files(self.fs, self.path)
-
-    @staticmethod
-    def _ours(names: set[str]) -> bool:
-        return bool(names & {_names.WRITING_MARKER, _names.REMOVING_NAME}) or any(map(_names.is_smpckpt_file, names))
-
-    def _refusal(self, detail: str) -> str:
-        """Why a folder with no manifest is refused; a Hugging Face folder of ``torch.save`` weights is named
-        as such, not as a failed save of ours."""
-        names = folder_names(self.fs, self.path)
+    def _refusal(self, detail: str, names: set[str], ours: bool) -> str:
+        """Why a folder with no manifest (base ``names``; ``ours``: a save of ours) is refused; a Hugging Face
+        folder of ``torch.save`` weights is named as such, not as a failed save of ours."""
         bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")))
-        if bins and not self._ours(names):
+        if bins and not ours:
             return (
                 f"{self.url} is a Hugging Face folder of torch.save weights ({', '.join(bins[:2])}) without "
                 "safetensors: only safetensors Hugging Face folders load without a manifest (re-save it with "
@@ -365,3 +474,17 @@ def _device_bytes_during(local: bool, read: Callable[[], None]) -> int | None:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals of every finished frame ``exc`` (and the exceptions chained to it) went through:
+    read buffers, destination views and plans would otherwise live as long as the exception."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running (the caller's)
+        todo += [e.__cause__, e.__context__]

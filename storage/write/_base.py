@@ -273,13 +273,11 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
 
     # -- seams (overridden by fault-injection tests) ---------------------------------------------------
     def _write_metadata(self, gen_name: str, md_bytes: bytes) -> None:
-        """The generation's metadata, created (its folder's fsync comes with the manifest's)."""
-        folder = self._folder or self._open_folder()
-        try:
-            folder.create(gen_name, md_bytes, sync=self.sync_files)
-        finally:
-            if folder is not self._folder:
-                folder.close()
+        """(in ``finish``, the folder open) The generation's metadata, created (its folder's fsync comes with
+        the manifest's)."""
+        if self._folder is None:
+            raise CheckpointError(f"{self.url}: the metadata written outside the commit")
+        self._folder.create(gen_name, md_bytes, sync=self.sync_files)
 
     def _open_sink(self, name: str) -> Sink:
         """A data file's create-only sink in this save's folder, recorded as this save's. It may borrow: its

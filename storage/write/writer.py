@@ -345,7 +345,6 @@ class FsspecStorageWriter(FsspecWriterBase):
 # (``_write_rank`` runs one per file on its thread pool; ``split_items`` decides which items go to which file)
 
 
-#: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
 class Workers:
     """Threads one owner (a Checkpointer) keeps for all its saves (threads new at each save left glibc's
     per-thread arenas holding their freed buffers: README, "Tiered checkpoints"): a task runs on an idle
@@ -397,6 +396,7 @@ def _forget_workers(ref: weakref.ref[Workers]) -> None:
         workers._forget()
 
 
+#: WriteResults under this fqn prefix carry a data file's FileRecord (sent to the coordinator), not an item.
 FILE_RESULT_FQN = "\x00smpckpt.file"
 
 

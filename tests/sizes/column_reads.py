@@ -4,7 +4,7 @@ of ``test_column_reshard_sizes.py`` and ``test_columns_past_32_bits.py`` to chec
 
 from __future__ import annotations
 
-from smpckpt.storage.read._boxes import STREAM_PIECE_BYTES
+from smpckpt.storage.format._columns import STREAM_PIECE_BYTES
 from smpckpt.storage.read._run import STREAM_PART_BYTES
 
 

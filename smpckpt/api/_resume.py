@@ -1,5 +1,5 @@
 """The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`choose_target`
-(rank 0) -> :func:`build_resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
+(rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
 :func:`skipped_keys` -> :func:`apply_state` -> :func:`summarize` (all ranks)."""
 
 from __future__ import annotations
@@ -36,25 +36,9 @@ from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, Parallel
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
-__all__ = [
-    "ResumeInfo",
-    "ResumeRequest",
-    "Target",
-    "choose_target",
-    "resolve_target",
-    "build_resume_state",
-    "load_checkpoint",
-    "apply_state",
-    "check_groups",
-    "stateless_at_save",
-    "InventedState",
-    "stateless_params",
-    "init_missing_state",
-    "drop_optimizer_state",
-    "summarize",
-    "skipped_keys",
-    "not_found_hint",
-]
+__all__ = ["ResumeInfo", "ResumeRequest", "Target", "choose_target", "resolve_target", "resume_state"]
+__all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState", "stateless_params"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -237,7 +221,14 @@ def resume_state(req: ResumeRequest, target: Target, ctx: DistContext, depth: in
         if wanted and not rng and ctx.is_coordinator:
             said = f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
             warnings.warn(said + "across layouts); every rank keeps its current generators", stacklevel=6 + depth)
-        return build_resume_state(req, ctx, wanted and rng)
+        init_missing_state(req.optimizers)
+        state = train_state(req.model, req.optimizers, destinations=True)
+        if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
+            state[RESERVED.model] = aside(state[RESERVED.model])
+        state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
+        if wanted and rng:
+            state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
+        return state
 
     return wanted and rng, ctx.all_ok(build)
 
@@ -317,18 +308,6 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 opt.state[p] = scratch.state[p]
 
 
-def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) -> dict[str, Any]:
-    """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
-    init_missing_state(req.optimizers)
-    state = train_state(req.model, req.optimizers, destinations=True)
-    if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
-        state[RESERVED.model] = aside(state[RESERVED.model])
-    state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
-    if restore_rng:
-        state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
-    return state
-
-
 def load_checkpoint(
     common: CommonRequest,
     opts: ResumeOptions,
@@ -364,7 +343,7 @@ def load_checkpoint(
 
 def apply_state(
     req: ResumeRequest,
-    target: Target,
+    target: Target | None,
     ctx: DistContext,
     state: dict[str, Any],
     report: LoadReport | None,
@@ -374,7 +353,7 @@ def apply_state(
     """(all ranks, through ``ctx.all_ok``) Set model/optimizer state (the model's as
     :func:`check_groups` translated it), RNG; decode user_content once. ``unsaved``:
     :func:`stateless_at_save`'s parameters, left without optimizer state. Returns ``(user_content, RNG
-    states restored)``."""
+    states restored)``. ``target=None``: a full artifact (``user_content`` pickled once)."""
     if req.model is not None:
         model_sd = state[RESERVED.model]
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
@@ -398,7 +377,9 @@ def apply_state(
         restored = set_rng_state(states, complete)
     stored = state[RESERVED.user_content]
     user_content = decode_user_content(
-        stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
+        stored if stored else None,
+        allow_pickle=req.opts.allow_pickle,
+        nested=target is not None and target.api == API_RECORD_V1,
     )
     return user_content, restored
 
@@ -532,13 +513,13 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def skipped_keys(
-    target: Target, ctx: DistContext, planner: ParallelLoadPlanner, untranslated: tuple[str, ...] = ()
+    url: str, ctx: DistContext, planner: ParallelLoadPlanner, untranslated: tuple[str, ...] = (), full: bool = False
 ) -> tuple[int, int, tuple[str, ...]]:
     """(all ranks, after :func:`check_groups`, before :func:`apply_state`) Sum every rank's load: (tensors
     on the fast path, resharded, the keys skipped, sorted). What ``strict=False`` skipped that ``strict=True``
     refuses is warned in an agreement here, so a warning made an error fails the resume on every rank alike
     before the state is applied (RNG, roll-back record, ResumeInfo; the tensors ``dcp.load`` filled in
-    place already hold the checkpoint's values, as after any failed load)."""
+    place already hold the checkpoint's values, as after any failed load). ``full``: of a full artifact."""
     report = planner.report
     missing = report.missing_keys if report else ()
     gone = (*missing, *untranslated, *(report.stateless_saved if report else ()))
@@ -549,8 +530,8 @@ def skipped_keys(
     unexpected = sorted(ctx.broadcast_object(report.unexpected_keys if report else ()))
     kept = sorted({k for c in counts for k in c[3]})
     dropped = sorted({k for c in counts for k in c[4]})
-    if kept or unexpected or dropped:  # said as a full resume says it
-        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, unexpected, dropped))
+    if kept or unexpected or dropped:
+        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, url, kept, unexpected, dropped, full))
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
     return sum(c[0] for c in counts), sum(c[1] for c in counts), tuple(skipped)
 
@@ -580,20 +561,24 @@ def summarize(
     return info
 
 
-def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str]) -> None:
+def _warn_skipped(
+    coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str], full: bool
+) -> None:
     """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
     of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
-    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone."""
+    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone (a full resume makes no ResumeInfo)."""
     if not coordinator:
         return
 
     def show(keys: list[str]) -> str:
         return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
 
-    parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
-    parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    noun = "artifact" if full else "checkpoint"
+    parts = [f"not in the {noun}{', kept as they were' if full else ''}: {show(kept)}"] if kept else []
+    parts += [f"in the {noun}, loaded by no rank: {show(unexpected)}"] if unexpected else []
     dropped_by = "left unloaded by the translate_function (dropped, or not in the model)"
     parts += [f"{dropped_by}: {show(dropped)}"] if dropped else []
     message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + likely_causes(kept + unexpected, unexpected)
     log.warning(message)
-    warnings.warn(message, stacklevel=7)  # the caller's frame: all_ok, its lambda, skipped_keys, _resume, resume
+    # the caller's frame: all_ok, its lambda, skipped_keys, _resume (and resume_full), resume
+    warnings.warn(message, stacklevel=8 if full else 7)

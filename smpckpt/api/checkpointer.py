@@ -416,9 +416,9 @@ class Checkpointer:
                 validate_tag(tag)
         action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {path}"
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
-            if not opts.partial:
-                return resume_full(ctx, common, tag, opts)
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
+            if not opts.partial:
+                return resume_full(ctx, req)
             with InventedState(req.model, req.optimizers) as guard:
                 loaded = None
                 if self._tier is not None:
@@ -443,7 +443,7 @@ class Checkpointer:
                 chosen = target
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict
                 untranslated = ctx.all_ok(lambda: check_groups(req, state))
-                counts = skipped_keys(target, ctx, planner, untranslated)  # warned before anything is applied
+                counts = skipped_keys(target.url, ctx, planner, untranslated)  # warned before anything is applied
                 guard.applied = True
                 user_content, restored = ctx.all_ok(
                     lambda: apply_state(

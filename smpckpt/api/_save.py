@@ -115,22 +115,22 @@ def build_save_state(
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
     if not ctx.is_coordinator:
         return state, {}
-    payload, safe = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
-    state[RESERVED.user_content] = ObjectBytes(payload)
     parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
+    args = (state, counter, API_RECORD, req.tag, req.user_content, True)
+    return state, _stamp(*args, name_map=req.name_map is not None, parts=parts, rng=req.opts.save_rng)
+
+
+def _stamp(
+    state: dict[str, Any], counter: SequenceCounter, api: str, tag: str, user_content: Any, record: bool, **fields: Any
+) -> dict[str, Any]:
+    """(rank 0) Add ``user_content`` to ``state``; the manifest's ``extra``, numbered by ``counter`` (``record``:
+    with what a roll-back abandoned, catalog.root)."""
+    # warns when it needs allow_pickle, at the caller's line: below it Checkpointer.save or save_checkpoint,
+    # Checkpointer._save, all_ok (and its lambda), build_save_state (or save_full's build), this function
+    payload, safe = encode_user_content(user_content, stacklevel=7)
+    state[RESERVED.user_content] = ObjectBytes(payload)
     seq = counter.next()
-    extra = manifest_extra(
-        API_RECORD,
-        req.tag,
-        seq,
-        req.user_content,
-        not safe,
-        name_map=req.name_map is not None,
-        parts=parts,
-        rng=req.opts.save_rng,
-        **counter.record(),  # what a roll-back abandoned (catalog.root)
-    )
-    return state, extra
+    return manifest_extra(api, tag, seq, user_content, not safe, **fields, **(counter.record() if record else {}))
 
 
 def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
@@ -350,18 +350,16 @@ def save_full(
     artifact = opts.artifact(architecture=model_class.__name__ if hf else None)
 
     def build() -> tuple[dict[str, Any], dict[str, Any]]:
-        state = _tensor_state(common, opts.include_optimizer)
+        state, translation = _tensor_state(common, opts.include_optimizer), opts.translate_function
         if not ctx.is_coordinator:
             return state, {}
-        payload, safe = encode_user_content(user_content, stacklevel=5)  # warns when it needs allow_pickle
-        state[RESERVED.user_content] = ObjectBytes(payload)
-        translation = opts.translate_function
-        return state, manifest_extra(
+        return state, _stamp(
+            state,
+            counter,
             FULL_API_RECORD,
             tag,
-            counter.next(),
             user_content,
-            not safe,
+            False,
             optimizer=opts.include_optimizer,
             dtype=str(opts.dtype) if opts.dtype is not None else None,
             translation=translation.name if translation is not None else None,

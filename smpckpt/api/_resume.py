@@ -1,4 +1,4 @@
-"""The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`choose_target`
+"""The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`resolve_target`
 (rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
 :func:`skipped_keys` -> :func:`apply_state` -> :func:`summarize` (all ranks)."""
 
@@ -36,8 +36,8 @@ from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, Parallel
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
-__all__ = ["ResumeInfo", "ResumeRequest", "Target", "choose_target", "resolve_target", "resume_state"]
-__all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState", "stateless_params"]
+__all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
+__all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState"]
 __all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
 
 log = logging.getLogger("smpckpt.api")
@@ -114,14 +114,6 @@ class ResumeRequest(CommonRequest):
 
     tag: str | None
     opts: ResumeOptions
-
-
-def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter) -> Target | None:
-    """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
-    target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
-    if target is not None:  # this job's next saves are numbered after it (catalog.root)
-        target.seen_by(counter)
-    return target
 
 
 def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool = True) -> Target | None:
@@ -233,26 +225,17 @@ def resume_state(req: ResumeRequest, target: Target, ctx: DistContext, depth: in
     return wanted and rng, ctx.all_ok(build)
 
 
-def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> frozenset[str]:
-    """(before anything of the resume) The FQNs of the model's parameters no optimizer holds state for."""
-    if model is None or not optimizers:
-        return frozenset()
-    return frozenset(
-        f
-        for name, p in model.named_parameters(remove_duplicate=False)
-        if not any(o.state.get(p) for o in optimizers)  # an empty entry (a read of the defaultdict) is none
-        for f in _get_fqns(model, name)
-    )
-
-
 class InventedState:
     """(a resume) Records the parameters without optimizer state before the state is built
     (:attr:`stateless`); a resume failing before ``applied`` takes the invented state away again."""
 
     def __init__(self, model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.model, self.optimizers = model, optimizers
-        self.stateless = stateless_params(model, optimizers)
-        self.applied = False
+        self.model, self.optimizers, self.applied = model, optimizers, False
+        params = model.named_parameters(remove_duplicate=False) if model is not None and optimizers else ()
+        #: the FQNs of the parameters no optimizer holds state for (an empty entry, a read of the defaultdict, is none)
+        self.stateless = frozenset(
+            f for name, p in params if not any(o.state.get(p) for o in optimizers) for f in _get_fqns(model, name)
+        )
 
     def __enter__(self) -> InventedState:
         return self
@@ -372,9 +355,9 @@ def apply_state(
     if restore_rng:
         skipped = set(report.skipped_optional if report else ())
         mine = RESERVED.rng_of(ctx.rank)
-        states = state[RESERVED.rng][mine]
-        complete = tuple(c for c in states if not any(k.startswith(f"{RESERVED.rng}.{mine}.{c}") for k in skipped))
-        restored = set_rng_state(states, complete)
+        at = f"{RESERVED.rng}.{mine}."  # the checkpoint's keys of this rank's generators: restore those held whole
+        whole = {c: s for c, s in state[RESERVED.rng][mine].items() if not any(k.startswith(at + c) for k in skipped)}
+        restored = set_rng_state(whole)
     stored = state[RESERVED.user_content]
     user_content = decode_user_content(
         stored if stored else None,
@@ -454,29 +437,18 @@ def stateless_at_save(
 def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
     """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
     enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
-    failure leaves the ranks on different checkpoints): :func:`check_group_values`, and the
-    ``translate_function``'s state dict (user code: raising on one rank stops every rank before any
-    applies), which replaces ``state``'s model entry. Returns the keys the function left unloaded."""
-    if req.model is not None and req.optimizers:
-        check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
-    if req.model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
-        return ()
-    state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict
-    )
-    return untranslated
-
-
-def check_group_values(
-    model: Any, optimizers: tuple[torch.optim.Optimizer, ...], optim_sd: Mapping[str, Any], *, strict: bool
-) -> None:
-    """(all ranks) Refuse (``strict``; else warn) a param group whose parameters were saved with different
-    hyper-parameters: ``set_state_dict`` would silently give them all the first one's."""
+    failure leaves the ranks on different checkpoints): a param group whose parameters were saved with
+    different hyper-parameters is refused (``strict``; else warned: ``set_state_dict`` would silently give
+    them all the first one's), and the ``translate_function``'s state dict (user code: raising on one rank
+    stops every rank before any applies) replaces ``state``'s model entry. Returns the keys the function
+    left unloaded."""
+    model, optim_sd = req.model, state.get(RESERVED.optim, {})
     present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
     names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
-    for o, opt in enumerate(optimizers):
+    if model is not None and req.optimizers:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
+    for o, opt in enumerate(req.optimizers):
         for g, group in enumerate(opt.param_groups):
             if not group["params"]:  # DCP's set_state_dict fails on it with a bare IndexError
                 raise SpecError(
@@ -498,9 +470,16 @@ def check_group_values(
                     f"optimizer {o}, param group {g}: its parameters were saved with different {hp!r} ({shown}); "
                     "one group takes one value. Build the optimizer's param groups as they were saved"
                 )
-                if strict:
+                if req.opts.strict:
                     raise LayoutMismatch(message + " (or resume with strict=False to give the group the first value)")
-                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=4)
+                # the caller's line: below it resume (or resume_from_checkpoint), _resume, all_ok, its lambda
+                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=6)
+    if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
+        return ()
+    state[RESERVED.model], untranslated = translated(
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict
+    )
+    return untranslated
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -327,7 +327,8 @@ def _refuse_or_warn(message: str, strict: bool, consequence: str) -> None:
     if strict:
         raise LayoutMismatch(message)
     log.warning("%s; strict=False: %s", message, consequence)
-    warnings.warn(f"{message}; strict=False: {consequence}", stacklevel=3)
+    # the caller's line: below it resume (or resume_from_checkpoint), _resume, resume_full, all_ok, its lambda, the check
+    warnings.warn(f"{message}; strict=False: {consequence}", stacklevel=8)
 
 
 def save_full(

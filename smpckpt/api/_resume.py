@@ -178,7 +178,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r} of the job's history{gone}"
     if warn:
         log.warning(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=6)  # the caller's: below it resume, _resume, on_coordinator, its lambda
     target = Target.of(latest.tag, latest.url, latest.manifest, True)
     ranges = tuple(dict.fromkeys((*copy, *target.abandoned)))[:16]  # at most catalog.root's 16 are recorded
     return dataclasses.replace(target, seen_seq=top, listed=True, abandoned=ranges, said="" if warn else message)

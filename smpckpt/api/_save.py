@@ -116,8 +116,8 @@ def build_save_state(
     if not ctx.is_coordinator:
         return state, {}
     parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
-    args = (state, counter, API_RECORD, req.tag, req.user_content, True)
-    return state, _stamp(*args, name_map=req.name_map is not None, parts=parts, rng=req.opts.save_rng)
+    fields = {"name_map": req.name_map is not None, "parts": parts, "rng": req.opts.save_rng}
+    return state, _stamp(state, counter, API_RECORD, req.tag, req.user_content, True, **fields)
 
 
 def _stamp(
@@ -354,17 +354,9 @@ def save_full(
         state, translation = _tensor_state(common, opts.include_optimizer), opts.translate_function
         if not ctx.is_coordinator:
             return state, {}
-        return state, _stamp(
-            state,
-            counter,
-            FULL_API_RECORD,
-            tag,
-            user_content,
-            False,
-            optimizer=opts.include_optimizer,
-            dtype=str(opts.dtype) if opts.dtype is not None else None,
-            translation=translation.name if translation is not None else None,
-        )
+        fields = {"optimizer": opts.include_optimizer, "dtype": str(opts.dtype) if opts.dtype is not None else None}
+        fields["translation"] = translation.name if translation is not None else None
+        return state, _stamp(state, counter, FULL_API_RECORD, tag, user_content, False, **fields)
 
     state, extra = ctx.all_ok(build)
     writer = FullArtifactWriter(

@@ -503,9 +503,8 @@ def skipped_keys(
     missing = report.missing_keys if report else ()
     gone = (*missing, *untranslated, *(report.stateless_saved if report else ()))
     loaded = (report.fast_path, len(report.resharded)) if report else (0, 0)
-    counts = ctx.all_gather_object(
-        (*loaded, gone, missing, untranslated)
-    )  # each pipeline stage translates and loads its own keys
+    # each pipeline stage translates and loads its own keys
+    counts = ctx.all_gather_object((*loaded, gone, missing, untranslated))
     unexpected = sorted(ctx.broadcast_object(report.unexpected_keys if report else ()))
     kept = sorted({k for c in counts for k in c[3]})
     dropped = sorted({k for c in counts for k in c[4]})

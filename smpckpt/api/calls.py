@@ -289,8 +289,8 @@ def _checkpointer(
             ckpt._counter.adopt(held._counter)
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
-    elif save:  # the retention of the next saves, without a rebuild
-        ckpt.retention = retention
+    elif save and ckpt.retention != retention:
+        ckpt._retain(retention)
     return ckpt
 
 

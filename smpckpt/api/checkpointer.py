@@ -124,6 +124,16 @@ class Checkpointer:
                 ctx.world_size, "the process group" if ctx.active else "the world (no process group)"
             )
         self.layout = layout  #: the layout saved and loaded under
+        #: what every rank must configure alike (compared at every call, with the call's own options)
+        self._compared = {
+            **self.location.compared(),
+            **self.sharding.compared(),
+            "layout": layout.to_dict(),
+            "fast_tier": fast_tier is not None,
+            **(fast_tier.compared() if fast_tier is not None else {}),
+            **self.retention.compared(),
+            **self.async_options.compared(),
+        }
         self._counter = SequenceCounter(location.path, location.storage_options)
         #: the root as one string whatever its spelling ('/x', '/x/', 'file:///x'): other Checkpointers of
         #: the same root finish their background work before this one saves
@@ -211,8 +221,14 @@ class Checkpointer:
             return False
         self.wait()  # the save in flight used the old mapping; its failure is raised here, as a rebuild would
         self.sharding = sharding
+        self._compared = {**self._compared, **sharding.compared()}
         self._planners = PlannerCache(self._planners.workers)  # plans made under the old mapping are not reused
         return True
+
+    def _retain(self, retention: Retention) -> None:
+        """(smp's face) The retention of the next saves, without a rebuild (see :meth:`_rebind_sharding`)."""
+        self.retention = retention
+        self._compared = {**self._compared, **retention.compared()}
 
     def close(self) -> None:
         """(every rank) :meth:`wait`, then end the lanes' threads, the step hooks, the staging buffers and
@@ -289,11 +305,7 @@ class Checkpointer:
                 storage_options=self.location.storage_options,
                 process_group=self.sharding.process_group,
             )
-            # what every rank must configure alike, and the call's own options
-            tier = self.fast_tier
-            jobs = (self.location, self.sharding, *((tier,) if tier else ()), self.retention, self.async_options)
-            shared = {"tag": tag, "layout": self.layout.to_dict(), "fast_tier": tier is not None, **opts.compared()}
-            return (common, opts), {k: v for o in jobs for k, v in o.compared().items()} | shared
+            return (common, opts), {"tag": tag, **self._compared, **opts.compared()}
 
         with peer_failures(ctx, action):
             common, opts = ctx.agreed(check, what)

@@ -238,33 +238,29 @@ class DistContext:
 def translate_dcp(
     exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None, group: Any = None
 ) -> BaseException:
-    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank;
-    ``metadata_error``: the reader's own error, which DCP replaces with an ``AssertionError``. This rank's
-    own Ctrl-C (any BaseException not an Exception; ``group``: DCP's) comes back as it is: the user's."""
+    """DCP's ``CheckpointException`` (a BaseException) -> our error class of the first failed rank (raised
+    ``from`` it); ``metadata_error``: the reader's own error, which DCP replaces with an ``AssertionError``.
+    This rank's own Ctrl-C (any BaseException not an Exception; ``group``: DCP's) comes back as it is."""
     failures = exc.failures or {}
     own = failures.get(DistContext(group).rank, (None,))[0]
     if own is not None and not isinstance(own, Exception):
         return own
     if not failures:
-        err: CheckpointError = CheckpointError(f"{action} failed: {exc}")
-    else:
-        ranks = sorted(failures)
-        first = failures[ranks[0]][0]
-        if isinstance(first, AssertionError) and metadata_error is not None:
-            first = metadata_error
-        where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
-        message = f"{action} failed on {where}: {first}"
-        if isinstance(first, CheckpointError):
-            try:
-                err = type(first)(message)
-            except TypeError:
-                err = CheckpointError(message)
-        elif isinstance(first, FileNotFoundError):
-            err = CheckpointNotFound(message)
-        else:
-            err = CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
-    err.__cause__ = exc
-    return err
+        return CheckpointError(f"{action} failed: {exc}")
+    ranks = sorted(failures)
+    first = failures[ranks[0]][0]
+    if isinstance(first, AssertionError) and metadata_error is not None:
+        first = metadata_error
+    where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
+    message = f"{action} failed on {where}: {first}"
+    if isinstance(first, CheckpointError):
+        try:
+            return type(first)(message)
+        except TypeError:
+            return CheckpointError(message)
+    if isinstance(first, FileNotFoundError):
+        return CheckpointNotFound(message)
+    return CheckpointError(f"{action} failed on {where}: {type(first).__name__}: {first}")
 
 
 _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "socket timeout")
@@ -514,18 +510,17 @@ def get_rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """Restore the generators in ``state`` (only ``components``; CUDA: visible devices); returns those restored."""
+def set_rng_state(state: Mapping[str, Any]) -> tuple[str, ...]:
+    """Restore the generators in ``state`` (CUDA: visible devices); returns those restored."""
     restored: list[str] = []
-    wanted = set(state if components is None else components)
-    if "torch" in wanted and "torch" in state:
+    if "torch" in state:
         torch.set_rng_state(state["torch"].to(torch.uint8))
         restored.append("torch")
-    if "python" in wanted and "python" in state:
+    if "python" in state:
         py = state["python"]
         random.setstate((int(py["version"]), tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
         restored.append("python")
-    if "numpy" in wanted and "numpy" in state and _np is not None:
+    if "numpy" in state and _np is not None:
         np_state = state["numpy"]
         _np.random.set_state(
             {
@@ -536,7 +531,7 @@ def set_rng_state(state: Mapping[str, Any], components: tuple[str, ...] | None =
             }
         )
         restored.append("numpy")
-    if "cuda" in wanted and "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_available():
         for index, s in state["cuda"].items():
             if int(index) < torch.cuda.device_count():
                 torch.cuda.set_rng_state(s.to(torch.uint8), int(index))

@@ -1,5 +1,5 @@
-"""The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`choose_target`
-(rank 0) -> :func:`build_resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
+"""The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`resolve_target`
+(rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
 :func:`skipped_keys` -> :func:`apply_state` -> :func:`summarize` (all ranks)."""
 
 from __future__ import annotations
@@ -36,25 +36,9 @@ from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, Parallel
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
-__all__ = [
-    "ResumeInfo",
-    "ResumeRequest",
-    "Target",
-    "choose_target",
-    "resolve_target",
-    "build_resume_state",
-    "load_checkpoint",
-    "apply_state",
-    "check_groups",
-    "stateless_at_save",
-    "InventedState",
-    "stateless_params",
-    "init_missing_state",
-    "drop_optimizer_state",
-    "summarize",
-    "skipped_keys",
-    "not_found_hint",
-]
+__all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
+__all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -132,14 +116,6 @@ class ResumeRequest(CommonRequest):
     opts: ResumeOptions
 
 
-def choose_target(req: ResumeRequest, ctx: DistContext, counter: SequenceCounter) -> Target | None:
-    """(all ranks) Rank 0 resolves the tag and reads its manifest once; every rank gets the answer."""
-    target = ctx.on_coordinator(lambda: resolve_target(req.root, req.tag, req.storage_options))
-    if target is not None:  # this job's next saves are numbered after it (catalog.root)
-        target.seen_by(counter)
-    return target
-
-
 def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool = True) -> Target | None:
     """(rank 0) The committed checkpoint to resume, or ``None``. With ``tag=None``: the one ``newest`` names,
     unless it is unusable or a later one committed (a job killed before the ``newest`` update): then the
@@ -202,7 +178,7 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
     message = f"{reason}; resuming from the newest committed checkpoint {latest.tag!r} of the job's history{gone}"
     if warn:
         log.warning(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=6)  # the caller's: below it resume, _resume, on_coordinator, its lambda
     target = Target.of(latest.tag, latest.url, latest.manifest, True)
     ranges = tuple(dict.fromkeys((*copy, *target.abandoned)))[:16]  # at most catalog.root's 16 are recorded
     return dataclasses.replace(target, seen_seq=top, listed=True, abandoned=ranges, said="" if warn else message)
@@ -237,21 +213,16 @@ def resume_state(req: ResumeRequest, target: Target, ctx: DistContext, depth: in
         if wanted and not rng and ctx.is_coordinator:
             said = f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
             warnings.warn(said + "across layouts); every rank keeps its current generators", stacklevel=6 + depth)
-        return build_resume_state(req, ctx, wanted and rng)
+        init_missing_state(req.optimizers)
+        state = train_state(req.model, req.optimizers, destinations=True)
+        if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
+            state[RESERVED.model] = aside(state[RESERVED.model])
+        state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
+        if wanted and rng:
+            state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
+        return state
 
     return wanted and rng, ctx.all_ok(build)
-
-
-def stateless_params(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> frozenset[str]:
-    """(before anything of the resume) The FQNs of the model's parameters no optimizer holds state for."""
-    if model is None or not optimizers:
-        return frozenset()
-    return frozenset(
-        f
-        for name, p in model.named_parameters(remove_duplicate=False)
-        if not any(o.state.get(p) for o in optimizers)  # an empty entry (a read of the defaultdict) is none
-        for f in _get_fqns(model, name)
-    )
 
 
 class InventedState:
@@ -259,9 +230,12 @@ class InventedState:
     (:attr:`stateless`); a resume failing before ``applied`` takes the invented state away again."""
 
     def __init__(self, model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.model, self.optimizers = model, optimizers
-        self.stateless = stateless_params(model, optimizers)
-        self.applied = False
+        self.model, self.optimizers, self.applied = model, optimizers, False
+        params = model.named_parameters(remove_duplicate=False) if model is not None and optimizers else ()
+        #: the FQNs of the parameters no optimizer holds state for (an empty entry, a read of the defaultdict, is none)
+        self.stateless = frozenset(
+            f for name, p in params if not any(o.state.get(p) for o in optimizers) for f in _get_fqns(model, name)
+        )
 
     def __enter__(self) -> InventedState:
         return self
@@ -317,18 +291,6 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 opt.state[p] = scratch.state[p]
 
 
-def build_resume_state(req: ResumeRequest, ctx: DistContext, restore_rng: bool) -> dict[str, Any]:
-    """(all ranks, through ``ctx.all_ok``) The destinations the load fills in place."""
-    init_missing_state(req.optimizers)
-    state = train_state(req.model, req.optimizers, destinations=True)
-    if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
-        state[RESERVED.model] = aside(state[RESERVED.model])
-    state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
-    if restore_rng:
-        state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
-    return state
-
-
 def load_checkpoint(
     common: CommonRequest,
     opts: ResumeOptions,
@@ -365,7 +327,7 @@ def load_checkpoint(
 
 def apply_state(
     req: ResumeRequest,
-    target: Target,
+    target: Target | None,
     ctx: DistContext,
     state: dict[str, Any],
     report: LoadReport | None,
@@ -375,7 +337,7 @@ def apply_state(
     """(all ranks, through ``ctx.all_ok``) Set model/optimizer state (the model's as
     :func:`check_groups` translated it), RNG; decode user_content once. ``unsaved``:
     :func:`stateless_at_save`'s parameters, left without optimizer state. Returns ``(user_content, RNG
-    states restored)``."""
+    states restored)``. ``target=None``: a full artifact (``user_content`` pickled once)."""
     if req.model is not None:
         model_sd = state[RESERVED.model]
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
@@ -394,12 +356,14 @@ def apply_state(
     if restore_rng:
         skipped = set(report.skipped_optional if report else ())
         mine = RESERVED.rng_of(ctx.rank)
-        states = state[RESERVED.rng][mine]
-        complete = tuple(c for c in states if not any(k.startswith(f"{RESERVED.rng}.{mine}.{c}") for k in skipped))
-        restored = set_rng_state(states, complete)
+        at = f"{RESERVED.rng}.{mine}."  # the checkpoint's keys of this rank's generators: restore those held whole
+        whole = {c: s for c, s in state[RESERVED.rng][mine].items() if not any(k.startswith(at + c) for k in skipped)}
+        restored = set_rng_state(whole)
     stored = state[RESERVED.user_content]
     user_content = decode_user_content(
-        stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=target.api == API_RECORD_V1
+        stored if stored else None,
+        allow_pickle=req.opts.allow_pickle,
+        nested=target is not None and target.api == API_RECORD_V1,
     )
     return user_content, restored
 
@@ -474,29 +438,18 @@ def stateless_at_save(
 def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
     """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
     enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
-    failure leaves the ranks on different checkpoints): :func:`check_group_values`, and the
-    ``translate_function``'s state dict (user code: raising on one rank stops every rank before any
-    applies), which replaces ``state``'s model entry. Returns the keys the function left unloaded."""
-    if req.model is not None and req.optimizers:
-        check_group_values(req.model, req.optimizers, state[RESERVED.optim], strict=req.opts.strict)
-    if req.model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
-        return ()
-    state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict
-    )
-    return untranslated
-
-
-def check_group_values(
-    model: Any, optimizers: tuple[torch.optim.Optimizer, ...], optim_sd: Mapping[str, Any], *, strict: bool
-) -> None:
-    """(all ranks) Refuse (``strict``; else warn) a param group whose parameters were saved with different
-    hyper-parameters: ``set_state_dict`` would silently give them all the first one's."""
+    failure leaves the ranks on different checkpoints): a param group whose parameters were saved with
+    different hyper-parameters is refused (``strict``; else warned: ``set_state_dict`` would silently give
+    them all the first one's), and the ``translate_function``'s state dict (user code: raising on one rank
+    stops every rank before any applies) replaces ``state``'s model entry. Returns the keys the function
+    left unloaded."""
+    model, optim_sd = req.model, state.get(RESERVED.optim, {})
     present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
     names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
-    for o, opt in enumerate(optimizers):
+    if model is not None and req.optimizers:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
+    for o, opt in enumerate(req.optimizers):
         for g, group in enumerate(opt.param_groups):
             if not group["params"]:  # DCP's set_state_dict fails on it with a bare IndexError
                 raise SpecError(
@@ -518,9 +471,16 @@ def check_group_values(
                     f"optimizer {o}, param group {g}: its parameters were saved with different {hp!r} ({shown}); "
                     "one group takes one value. Build the optimizer's param groups as they were saved"
                 )
-                if strict:
+                if req.opts.strict:
                     raise LayoutMismatch(message + " (or resume with strict=False to give the group the first value)")
-                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=4)
+                # the caller's line: below it resume (or resume_from_checkpoint), _resume, all_ok, its lambda
+                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=6)
+    if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
+        return ()
+    state[RESERVED.model], untranslated = translated(
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict
+    )
+    return untranslated
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -533,25 +493,24 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def skipped_keys(
-    target: Target, ctx: DistContext, planner: ParallelLoadPlanner, untranslated: tuple[str, ...] = ()
+    url: str, ctx: DistContext, planner: ParallelLoadPlanner, untranslated: tuple[str, ...] = (), full: bool = False
 ) -> tuple[int, int, tuple[str, ...]]:
     """(all ranks, after :func:`check_groups`, before :func:`apply_state`) Sum every rank's load: (tensors
     on the fast path, resharded, the keys skipped, sorted). What ``strict=False`` skipped that ``strict=True``
     refuses is warned in an agreement here, so a warning made an error fails the resume on every rank alike
     before the state is applied (RNG, roll-back record, ResumeInfo; the tensors ``dcp.load`` filled in
-    place already hold the checkpoint's values, as after any failed load)."""
+    place already hold the checkpoint's values, as after any failed load). ``full``: of a full artifact."""
     report = planner.report
     missing = report.missing_keys if report else ()
     gone = (*missing, *untranslated, *(report.stateless_saved if report else ()))
     loaded = (report.fast_path, len(report.resharded)) if report else (0, 0)
-    counts = ctx.all_gather_object(
-        (*loaded, gone, missing, untranslated)
-    )  # each pipeline stage translates and loads its own keys
+    # each pipeline stage translates and loads its own keys
+    counts = ctx.all_gather_object((*loaded, gone, missing, untranslated))
     unexpected = sorted(ctx.broadcast_object(report.unexpected_keys if report else ()))
     kept = sorted({k for c in counts for k in c[3]})
     dropped = sorted({k for c in counts for k in c[4]})
-    if kept or unexpected or dropped:  # said as a full resume says it
-        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, target.url, kept, unexpected, dropped))
+    if kept or unexpected or dropped:
+        ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, url, kept, unexpected, dropped, full))
     skipped = sorted({k for c in counts for k in c[2]} | set(unexpected))
     return sum(c[0] for c in counts), sum(c[1] for c in counts), tuple(skipped)
 
@@ -581,20 +540,24 @@ def summarize(
     return info
 
 
-def _warn_skipped(coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str]) -> None:
+def _warn_skipped(
+    coordinator: bool, url: str, kept: list[str], unexpected: list[str], dropped: list[str], full: bool
+) -> None:
     """(every rank, in a checked step) Name, on rank 0, what a ``strict=False`` resume skipped: a checkpoint
     of other keys (a stock ``dcp.save(model.state_dict())``, unflattened optimizer state) loads nothing of
-    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone."""
+    them, which ``ResumeInfo.skipped_keys`` alone would not tell anyone (a full resume makes no ResumeInfo)."""
     if not coordinator:
         return
 
     def show(keys: list[str]) -> str:
         return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
 
-    parts = [f"not in the checkpoint: {show(kept)}"] if kept else []
-    parts += [f"in the checkpoint, loaded by no rank: {show(unexpected)}"] if unexpected else []
+    noun = "artifact" if full else "checkpoint"
+    parts = [f"not in the {noun}{', kept as they were' if full else ''}: {show(kept)}"] if kept else []
+    parts += [f"in the {noun}, loaded by no rank: {show(unexpected)}"] if unexpected else []
     dropped_by = "left unloaded by the translate_function (dropped, or not in the model)"
     parts += [f"{dropped_by}: {show(dropped)}"] if dropped else []
     message = f"{url}: strict=False skipped keys; " + "; ".join(parts) + likely_causes(kept + unexpected, unexpected)
     log.warning(message)
-    warnings.warn(message, stacklevel=7)  # the caller's frame: all_ok, its lambda, skipped_keys, _resume, resume
+    # the caller's frame: all_ok, its lambda, skipped_keys, _resume (and resume_full), resume
+    warnings.warn(message, stacklevel=8 if full else 7)

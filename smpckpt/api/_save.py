@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from smpckpt._version import VERSION
 from smpckpt.api._dist import (
@@ -33,7 +33,6 @@ from smpckpt.api._dist import (
     PICKLED_KEY,
     CommonRequest,
     DistContext,
-    decode_user_content,
     describe_user_content,
     encode_user_content,
     get_rng_state,
@@ -44,12 +43,14 @@ from smpckpt.api._dist import (
 )
 from smpckpt.api._resume import (
     InventedState,
-    drop_optimizer_state,
+    ResumeRequest,
+    apply_state,
     init_missing_state,
     load_checkpoint,
+    skipped_keys,
     stateless_at_save,
 )
-from smpckpt.api.options import ExportOptions, ResumeOptions, Retention, SaveOptions
+from smpckpt.api.options import ExportOptions, Retention, SaveOptions
 from smpckpt.catalog.root import (
     NEWEST_NAME,
     SEQUENCE_KEY,
@@ -115,22 +116,22 @@ def build_save_state(
         state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
     if not ctx.is_coordinator:
         return state, {}
-    payload, safe = encode_user_content(req.user_content, stacklevel=5)  # warns when it needs allow_pickle
-    state[RESERVED.user_content] = ObjectBytes(payload)
     parts = sorted(k for k in (RESERVED.model, RESERVED.optim, RESERVED.rng) if k in state)
+    fields = {"name_map": req.name_map is not None, "parts": parts, "rng": req.opts.save_rng}
+    return state, _stamp(state, counter, API_RECORD, req.tag, req.user_content, True, **fields)
+
+
+def _stamp(
+    state: dict[str, Any], counter: SequenceCounter, api: str, tag: str, user_content: Any, record: bool, **fields: Any
+) -> dict[str, Any]:
+    """(rank 0) Add ``user_content`` to ``state``; the manifest's ``extra``, numbered by ``counter`` (``record``:
+    with what a roll-back abandoned, catalog.root)."""
+    # warns when it needs allow_pickle, at the caller's line: below it Checkpointer.save or save_checkpoint,
+    # Checkpointer._save, all_ok (and its lambda), build_save_state (or save_full's build), this function
+    payload, safe = encode_user_content(user_content, stacklevel=7)
+    state[RESERVED.user_content] = ObjectBytes(payload)
     seq = counter.next()
-    extra = manifest_extra(
-        API_RECORD,
-        req.tag,
-        seq,
-        req.user_content,
-        not safe,
-        name_map=req.name_map is not None,
-        parts=parts,
-        rng=req.opts.save_rng,
-        **counter.record(),  # what a roll-back abandoned (catalog.root)
-    )
-    return state, extra
+    return manifest_extra(api, tag, seq, user_content, not safe, **fields, **(counter.record() if record else {}))
 
 
 def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str, Any]) -> None:
@@ -140,7 +141,7 @@ def write_checkpoint(req: SaveRequest, state: dict[str, Any], extra: Mapping[str
         storage_options=req.storage_options,
         overwrite=req.opts.overwrite,
         manifest_extra=extra,
-        format="torch_save" if req.opts.format == "torch_save" else "raw",  # SaveOptions allows no other
+        format=req.opts.format,
         sync_files=req.opts.sync_files,
     )
     run_save("partial", req, writer, state, f"saving checkpoint {req.url}", req.planners, req.opts.verify_replicas)
@@ -341,7 +342,8 @@ def _refuse_or_warn(message: str, strict: bool, consequence: str) -> None:
     if strict:
         raise LayoutMismatch(message)
     log.warning("%s; strict=False: %s", message, consequence)
-    warnings.warn(f"{message}; strict=False: {consequence}", stacklevel=3)
+    # the caller's line: below it resume (or resume_from_checkpoint), _resume, resume_full, all_ok, its lambda, the check
+    warnings.warn(f"{message}; strict=False: {consequence}", stacklevel=8)
 
 
 def save_full(
@@ -364,22 +366,12 @@ def save_full(
     artifact = opts.artifact(architecture=model_class.__name__ if hf else None)
 
     def build() -> tuple[dict[str, Any], dict[str, Any]]:
-        state = _tensor_state(common, opts.include_optimizer)
+        state, translation = _tensor_state(common, opts.include_optimizer), opts.translate_function
         if not ctx.is_coordinator:
             return state, {}
-        payload, safe = encode_user_content(user_content, stacklevel=5)  # warns when it needs allow_pickle
-        state[RESERVED.user_content] = ObjectBytes(payload)
-        translation = opts.translate_function
-        return state, manifest_extra(
-            FULL_API_RECORD,
-            tag,
-            counter.next(),
-            user_content,
-            not safe,
-            optimizer=opts.include_optimizer,
-            dtype=str(opts.dtype) if opts.dtype is not None else None,
-            translation=translation.name if translation is not None else None,
-        )
+        fields = {"optimizer": opts.include_optimizer, "dtype": str(opts.dtype) if opts.dtype is not None else None}
+        fields["translation"] = translation.name if translation is not None else None
+        return state, _stamp(state, counter, FULL_API_RECORD, tag, user_content, False, **fields)
 
     state, extra = ctx.all_ok(build)
     writer = FullArtifactWriter(
@@ -398,38 +390,35 @@ def save_full(
     return url
 
 
-def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: ResumeOptions) -> Any:
+def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:
     """(all ranks, arguments compared) Load a full artifact or Hugging Face folder into the model."""
-    if common.model is None:
+    if req.model is None:
         raise ValueError("a resume from a full checkpoint (partial=False) needs model=")
-    url = full_url(common.root, tag) if tag is not None else common.root
+    url = full_url(req.root, req.tag) if req.tag is not None else req.root
     # rank 0 reads the manifest once more (small): a user_content needing allow_pickle is refused before
     # the load writes into the model (a refusal at the decode, after it, left the model overwritten)
-    pickled = ctx.on_coordinator(lambda: _pickled(url, common.storage_options))
-    refuse_pickled(pickled, opts.allow_pickle, f"full checkpoint {url}")
-    with InventedState(common.model, common.optimizers) as guard:
+    pickled = ctx.on_coordinator(lambda: _pickled(url, req.storage_options))
+    refuse_pickled(pickled, req.opts.allow_pickle, f"full checkpoint {url}")
+    with InventedState(req.model, req.optimizers) as guard:
 
         def destinations() -> dict[str, Any]:
-            init_missing_state(common.optimizers)
-            return _tensor_state(common, True, destinations=True)
+            init_missing_state(req.optimizers)
+            return _tensor_state(req, True, destinations=True)
 
         state = ctx.all_ok(destinations)
         state[RESERVED.user_content] = ObjectBytes(b"")
         reader = FsspecStorageReader(
             url,
-            storage_options=common.storage_options,
-            verify_checksums=opts.verify_checksums,
-            allow_pickle=opts.allow_pickle,
-            translation=opts.translate_function,  # type: ignore[arg-type]  # a Translation (ResumeOptions checks)
+            storage_options=req.storage_options,
+            verify_checksums=req.opts.verify_checksums,
+            allow_pickle=req.opts.allow_pickle,
+            translation=req.opts.translate_function,  # type: ignore[arg-type]  # a Translation (ResumeOptions checks)
             hf_prefix=f"{RESERVED.model}.",
         )
         optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
-        planner = load_checkpoint(common, opts, url, state, reader, optional=optional, what="full checkpoint")
-        if not opts.strict:
-            report = planner.report
-            missing = ctx.all_ok_values(lambda: tuple(report.missing_keys) if report is not None else ())
-            # in a checked step: a warning filter making it an error on rank 0 fails every rank alike
-            ctx.all_ok(lambda: _warn_skipped(ctx.is_coordinator, planner, url, missing))
+        planner = load_checkpoint(req, req.opts, url, state, reader, optional=optional, what="full checkpoint")
+        if not req.opts.strict:
+            skipped_keys(url, ctx, planner, full=True)
         # exported with an optimizer (its manifest says so: one saved before its first step holds no state),
         # the artifact holds the state of every parameter that had some: the others had none
         exported = reader.manifest is not None and reader.manifest.extra.get("optimizer") is True
@@ -437,33 +426,21 @@ def resume_full(ctx: DistContext, common: CommonRequest, tag: str | None, opts: 
             k.startswith(f"{RESERVED.optim}.state.") for k in planner.metadata.state_dict_metadata
         )
         unsaved = stateless_at_save(
-            common.model, common.optimizers, state, guard.stateless, planner, all_state_saved=holds_optim
+            req.model, req.optimizers, state, guard.stateless, planner, all_state_saved=holds_optim
         )
 
         def apply() -> Any:
-            sd_opts = dataclasses.replace(OPTIONS, strict=opts.strict)
-            if common.optimizers and RESERVED.optim in state:
-                _, current = get_state_dict(common.model, common.optimizers, options=OPTIONS)  # type: ignore[arg-type]
-                current.update(state[RESERVED.optim])
-                set_state_dict(
-                    common.model,  # type: ignore[arg-type]
-                    common.optimizers,
-                    model_state_dict=state[RESERVED.model],
-                    optim_state_dict=current,
-                    options=sd_opts,
-                )
-                drop_optimizer_state(common.model, common.optimizers, unsaved)
-            else:
-                common.model.load_state_dict(state[RESERVED.model], strict=opts.strict)  # type: ignore[union-attr]
-            stored = state[RESERVED.user_content]
-            return decode_user_content(stored if stored else None, allow_pickle=opts.allow_pickle, nested=False)
+            if req.optimizers:  # the artifact holds tensors only: the rest of the optimizer's state is kept
+                _, current = get_state_dict(req.model, req.optimizers, options=OPTIONS)  # type: ignore[arg-type]
+                state[RESERVED.optim] = {**current, **state[RESERVED.optim]}
+            return apply_state(req, None, ctx, state, None, False, unsaved)[0]
 
         if holds_optim:
-            ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved, opts.strict))
-            ctx.all_ok(lambda: _untied_without_state(planner, unsaved, opts.strict))
+            ctx.all_ok(lambda: _numbers_not_saved(state, planner, unsaved, req.opts.strict))
+            ctx.all_ok(lambda: _untied_without_state(planner, unsaved, req.opts.strict))
         guard.applied = True
         user_content = ctx.all_ok(apply)
-    log.info("loaded full checkpoint %s into %s (%s)", url, common.layout, reader.state or "committed")
+    log.info("loaded full checkpoint %s into %s (%s)", url, req.layout, reader.state or "committed")
     return user_content
 
 
@@ -474,22 +451,3 @@ def _pickled(url: str, storage_options: Any) -> bool:
     except (OSError, CheckpointError):  # the load reports it, in its own words
         return False
     return found.manifest is not None and found.manifest.extra.get(PICKLED_KEY) is True
-
-
-def _warn_skipped(coordinator: bool, planner: Any, url: str, missing: list[tuple[str, ...]]) -> None:
-    """(every rank, in a checked step; ``strict=False``) Name, on rank 0, the keys the load skipped (a full
-    resume makes no ResumeInfo): model keys the artifact lacks on any rank, and artifact keys no rank loaded."""
-    report = planner.report
-    skipped = sorted({k for keys in missing for k in keys})
-    unexpected = sorted(report.unexpected_keys) if report is not None and coordinator else []
-    if not coordinator or not (skipped or unexpected):
-        return
-
-    def show(keys: list[str]) -> str:
-        return ", ".join(keys[:20]) + (f", ... ({len(keys)} in all)" if len(keys) > 20 else "")
-
-    parts = [f"not in the artifact, kept as they were: {show(skipped)}"] if skipped else []
-    parts += [f"in the artifact, loaded by no rank: {show(unexpected)}"] if unexpected else []
-    message = f"{url}: strict=False skipped keys; " + "; ".join(parts)
-    log.warning(message)
-    warnings.warn(message, stacklevel=7)  # the caller's frame: below it all_ok, its lambda, resume_full, ...

@@ -122,28 +122,19 @@ def save_checkpoint(
     Returns ``None``, or a ``Future`` for an async save.
     """
     what = "save_checkpoint's arguments"
-    try:
-        if partial is False and model is None:  # rev61h F2: the export's own refusal names out=, not ours
-            raise ValueError(
-                "save_checkpoint(partial=False) writes a full checkpoint of model=: pass it (a committed "
-                "checkpoint is exported by `smpckpt consolidate` or Checkpointer.export(tag, out=...))"
-            )
-        ckpt, opts = _prepare(
-            "save_checkpoint",
-            path,
-            model,
-            partial,
-            options,
-            moved,
-            {
-                Sharding: _set(layout=layout, specs=specs),
-                Retention: _set(num_kept_partial_checkpoints=num_kept_partial_checkpoints),
-                ExportOptions if partial is False else None: _set(translate_function=translate_function),
-            },
-        )
-    except Exception as exc:
-        _fail_together(options, moved, what, exc)
-        raise
+    ckpt, opts = _prepare(
+        "save_checkpoint",
+        path,
+        model,
+        partial,
+        options,
+        moved,
+        {
+            Sharding: _set(layout=layout, specs=specs),
+            Retention: _set(num_kept_partial_checkpoints=num_kept_partial_checkpoints),
+            ExportOptions if partial is False else None: _set(translate_function=translate_function),
+        },
+    )
     if partial:
         return ckpt._save(tag, model, optimizer, user_content, opts, what)
     ckpt._export(tag, None, model, optimizer, user_content, opts, what)
@@ -169,25 +160,21 @@ def resume_from_checkpoint(
     resharding to ``layout``; returns ``user_content``. ``strict`` and ``translate_function`` are
     :class:`ResumeOptions`' (not with one in ``options``). What it did: :func:`last_resume_info`."""
     what = "resume_from_checkpoint's arguments"
-    try:
-        ckpt, opts = _prepare(
-            "resume_from_checkpoint",
-            path,
-            model,
-            partial,
-            options,
-            moved,
-            {
-                Sharding: _set(layout=layout, specs=specs),
-                ResumeOptions: {
-                    **_set(translate_function=translate_function),
-                    **({} if strict is True else {"strict": strict}),
-                },
+    ckpt, opts = _prepare(
+        "resume_from_checkpoint",
+        path,
+        model,
+        partial,
+        options,
+        moved,
+        {
+            Sharding: _set(layout=layout, specs=specs),
+            ResumeOptions: {
+                **_set(translate_function=translate_function),
+                **({} if strict is True else {"strict": strict}),
             },
-        )
-    except Exception as exc:
-        _fail_together(options, moved, what, exc)
-        raise
+        },
+    )
     return ckpt._resume(tag, model, optimizer, opts, what)
 
 
@@ -224,44 +211,55 @@ def _prepare(
     """(this rank, no collective) The Checkpointer for these arguments (the model's, or a fresh one kept on
     it) and the call's options. ``keywords``: the fields set by keyword, by class (``None``: not this mode)."""
     save = fn == "save_checkpoint"
-    check_flag("partial", partial)
-    call = (SaveOptions if partial else ExportOptions) if save else ResumeOptions
-    objects = _option_objects(options, _SAVE_OPTIONS if save else _RESUME_OPTIONS, call, partial)
-    _route_keywords(fn, save, partial, moved, keywords)
-    homes = {n: c.__name__ for c, fields in keywords.items() if c is not None for n in fields if n in moved}
-    if Location in keywords:
-        if isinstance(path, Location):
-            raise ValueError("storage_options: pass them in the Location given as path, not as a keyword")
-        path = Location(path, **keywords.pop(Location))
-    built: dict[type, Any] = {}
-    for cls in (Sharding, FastTier, Retention, AsyncOptions, call):
-        kw = keywords.get(cls, {})
-        if kw and cls in objects:
-            raise ValueError(f"{', '.join(kw)}: pass options as keywords or as options=, not both")
-        if cls is FastTier and kw and "local_path" not in kw:
-            raise ValueError(f"{', '.join(kw)} apply only with local_path= (tiered checkpoints)")
-        if cls is ResumeOptions and cls not in objects:
-            kw = {**kw, "partial": partial}
-        built[cls] = objects[cls] if cls in objects else cls(**kw) if kw or cls is call else None
-    if not save and built[ResumeOptions].partial != partial:
-        raise ValueError(f"partial={partial}, but options holds ResumeOptions(partial={built[ResumeOptions].partial})")
-    location = path if isinstance(path, Location) else Location(path)
-    if homes:
-        shown = "; ".join(
-            f"{n}= -> " + ("Location(path, storage_options=...) as path" if c == "Location" else f"{c}({n}=...)")
-            for n, c in homes.items()
-        )
-        warnings.warn(
-            f"{fn}'s keywords {', '.join(homes)} are deprecated: pass option objects in options= ({shown}); "
-            "README, 'Coming from smp'",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    try:  # the location's identity (an s3:// without a bucket has none): a storage error, the location named
-        where = (location_key(location.path, location.storage_options), location.storage_options)
-    except OSError as exc:
-        raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
-    return _checkpointer(model, location, where, built, save), built[call]
+    try:
+        if save and partial is False and model is None:  # rev61h F2: the export's own refusal names out=, not ours
+            raise ValueError(
+                "save_checkpoint(partial=False) writes a full checkpoint of model=: pass it (a committed "
+                "checkpoint is exported by `smpckpt consolidate` or Checkpointer.export(tag, out=...))"
+            )
+        check_flag("partial", partial)
+        call = (SaveOptions if partial else ExportOptions) if save else ResumeOptions
+        objects = _option_objects(options, _SAVE_OPTIONS if save else _RESUME_OPTIONS, call, partial)
+        _route_keywords(fn, save, partial, moved, keywords)
+        homes = {n: c.__name__ for c, fields in keywords.items() if c is not None for n in fields if n in moved}
+        if Location in keywords:
+            if isinstance(path, Location):
+                raise ValueError("storage_options: pass them in the Location given as path, not as a keyword")
+            path = Location(path, **keywords.pop(Location))
+        built: dict[type, Any] = {}
+        for cls in (Sharding, FastTier, Retention, AsyncOptions, call):
+            kw = keywords.get(cls, {})
+            if kw and cls in objects:
+                raise ValueError(f"{', '.join(kw)}: pass options as keywords or as options=, not both")
+            if cls is FastTier and kw and "local_path" not in kw:
+                raise ValueError(f"{', '.join(kw)} apply only with local_path= (tiered checkpoints)")
+            if cls is ResumeOptions and cls not in objects:
+                kw = {**kw, "partial": partial}
+            built[cls] = objects[cls] if cls in objects else cls(**kw) if kw or cls is call else None
+        if not save and built[ResumeOptions].partial != partial:
+            raise ValueError(
+                f"partial={partial}, but options holds ResumeOptions(partial={built[ResumeOptions].partial})"
+            )
+        location = path if isinstance(path, Location) else Location(path)
+        if homes:
+            shown = "; ".join(
+                f"{n}= -> " + ("Location(path, storage_options=...) as path" if c == "Location" else f"{c}({n}=...)")
+                for n, c in homes.items()
+            )
+            warnings.warn(
+                f"{fn}'s keywords {', '.join(homes)} are deprecated: pass option objects in options= ({shown}); "
+                "README, 'Coming from smp'",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        try:  # the location's identity (an s3:// without a bucket has none): a storage error, the location named
+            where = (location_key(location.path, location.storage_options), location.storage_options)
+        except OSError as exc:
+            raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
+        return _checkpointer(model, location, where, built, save), built[call]
+    except Exception as exc:  # failed on this rank: every rank fails, in the collective the others are in
+        _fail_together(options, moved, f"{fn}'s arguments", exc)
+        raise
 
 
 def _checkpointer(

@@ -39,9 +39,9 @@ from smpckpt.api._resume import (
     ResumeRequest,
     apply_state,
     check_groups,
-    choose_target,
     load_checkpoint,
     not_found_hint,
+    resolve_target,
     resume_state,
     skipped_keys,
     stateless_at_save,
@@ -270,10 +270,12 @@ class Checkpointer:
 
     # -- the steps -------------------------------------------------------------------------------
     def _agreed(
-        self, ctx: DistContext, what: str, tag: Any, options: Any, cls: type[Any], model: Any, optimizer: Any
-    ) -> tuple[CommonRequest, Any]:
+        self, action: str, what: str, tag: Any, options: Any, cls: type[Any], model: Any, optimizer: Any
+    ) -> tuple[DistContext, CommonRequest, Any]:
         """(all ranks, one collective) This call's options, model and optimizer checked, and its tag and
-        options compared across ranks (with the Checkpointer's own: one digest)."""
+        options compared across ranks (with the Checkpointer's own: one digest); then its tag validated (the
+        same on every rank now: it fails all alike; a resume's may be ``None``)."""
+        ctx = DistContext(self.sharding.process_group)
 
         def check() -> tuple[tuple[CommonRequest, Any], dict[str, Any]]:
             if self._closed:
@@ -305,20 +307,21 @@ class Checkpointer:
             )
             return (common, opts), {"tag": tag, **self._compared, **opts.compared()}
 
-        return ctx.agreed(check, what)
+        with peer_failures(ctx, action):
+            common, opts = ctx.agreed(check, what)
+            if tag is not None or cls is not ResumeOptions:
+                validate_tag(tag)
+        return ctx, common, opts
 
     def _save(
         self, tag: Any, model: Any, optimizer: Any, user_content: Any, options: Any, what: str
     ) -> concurrent.futures.Future[None] | None:
-        ctx = DistContext(self.sharding.process_group)
         action = f"saving checkpoint {tag!r} under {self.location.path}"
-        with peer_failures(ctx, action):
-            common, opts = self._agreed(ctx, what, tag, options, SaveOptions, model, optimizer)
-            validate_tag(tag)  # the same on every rank now: it fails all alike
-            if self._tier is not None and opts.overwrite:
-                raise ValueError(
-                    "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"
-                )
+        ctx, common, opts = self._agreed(action, what, tag, options, SaveOptions, model, optimizer)
+        if self._tier is not None and opts.overwrite:
+            raise ValueError(
+                "overwrite does not apply with local_path (a fast tier: a tiered save never replaces a tag)"
+            )
         asynchronous = self.async_options.enabled if opts.async_save is None else opts.async_save
         if (asynchronous or self._tier is not None) and not self._exit_wait:
             register_exit_wait((self._save_lane, self._drain_lane), self.async_options.exit_status)
@@ -408,24 +411,22 @@ class Checkpointer:
         # leaves (its failure stays for its next save to raise)
         for lane in sorted(live_lanes(), key=lambda lane: lane.kind != "save"):
             lane.wait()
-        ctx = DistContext(self.sharding.process_group)
         path = self.location.path
-        with peer_failures(ctx, f"resuming from {path}"):
-            common, opts = self._agreed(ctx, what, tag, options, ResumeOptions, model, optimizer)
-            if tag is not None:
-                validate_tag(tag)
+        ctx, common, opts = self._agreed(f"resuming from {path}", what, tag, options, ResumeOptions, model, optimizer)
         action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {path}"
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
-            if not opts.partial:
-                return resume_full(ctx, common, tag, opts)
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
+            if not opts.partial:
+                return resume_full(ctx, req)
             with InventedState(req.model, req.optimizers) as guard:
                 loaded = None
                 if self._tier is not None:
                     loaded = self._tier.resume(req, ctx)
                     target = loaded.target if loaded is not None else None
-                else:
-                    target = choose_target(req, ctx, self._counter)
+                else:  # rank 0 resolves the tag and reads its manifest once; every rank gets the answer
+                    target = ctx.on_coordinator(lambda: resolve_target(path, tag, req.storage_options))
+                    if target is not None:  # this job's next saves are numbered after it (catalog.root)
+                        target.seen_by(self._counter)
                 if target is None:
                     if tag is None:
                         _refuse_damaged_newest(ctx, path, req.storage_options)
@@ -443,7 +444,7 @@ class Checkpointer:
                 chosen = target
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict
                 untranslated = ctx.all_ok(lambda: check_groups(req, state))
-                counts = skipped_keys(target, ctx, planner, untranslated)  # warned before anything is applied
+                counts = skipped_keys(target.url, ctx, planner, untranslated)  # warned before anything is applied
                 guard.applied = True
                 user_content, restored = ctx.all_ok(
                     lambda: apply_state(
@@ -468,18 +469,13 @@ class Checkpointer:
     def _export(
         self, tag: Any, out: Any, model: Any, optimizer: Any, user_content: Any, options: Any, what: str
     ) -> str:
-        ctx = DistContext(self.sharding.process_group)
         path = self.location.path
         action = f"saving full checkpoint {tag!r} under {path}"
-        with peer_failures(ctx, action):
-            common, opts = self._agreed(ctx, what, tag, options, ExportOptions, model, optimizer)
-            validate_tag(tag)
-            if out is not None and not isinstance(out, str):
-                raise TypeError(f"out must be a str (a folder or URL) or None, got {type(out).__name__}")
-            if common.model is None and out is None:
-                raise ValueError(
-                    "export of the committed checkpoint (no model=) needs out=: the folder of the artifact"
-                )
+        ctx, common, opts = self._agreed(action, what, tag, options, ExportOptions, model, optimizer)
+        if out is not None and not isinstance(out, str):
+            raise TypeError(f"out must be a str (a folder or URL) or None, got {type(out).__name__}")
+        if common.model is None and out is None:
+            raise ValueError("export of the committed checkpoint (no model=) needs out=: the folder of the artifact")
         self._settle(ctx, action, True)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if common.model is None and out is not None:  # no model and no out was refused above

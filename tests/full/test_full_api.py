@@ -213,8 +213,9 @@ def test_non_tensor_optimizer_state_goes_with_the_artifact(tmp_path: Any, monkey
     m3, o3 = _int_step_model(1, steps=2)
     with pytest.raises(LayoutMismatch, match=r"not 4 non-tensor state value\(s\).*optim\.state\.0\.bias\.step"):
         resume_from_checkpoint(root, "old", partial=False, model=m3, optimizer=o3)
-    with pytest.warns(UserWarning, match="strict=False: they keep the live optimizer's values"):
+    with pytest.warns(UserWarning, match="strict=False: they keep the live optimizer's values") as warned:
         resume_from_checkpoint(root, "old", partial=False, model=m3, optimizer=o3, strict=False)
+    assert [w.filename for w in warned if "live optimizer's" in str(w.message)] == [__file__]  # the caller's line
 
 
 def test_resume_with_optimizer_from_artifact_without_one(tmp_path: Any) -> None:
@@ -411,8 +412,9 @@ def test_a_head_tied_in_the_artifact_resumed_untied_is_refused_without_its_optim
         resume_from_checkpoint(root, "f", partial=False, model=untied, optimizer=torch.optim.Adam(untied.parameters()))
     untied = _Tied(False)
     uopt = torch.optim.Adam(untied.parameters())
-    with pytest.warns(UserWarning, match=r"'lm_head\.weight' \(tied.*starts fresh"):
+    with pytest.warns(UserWarning, match=r"'lm_head\.weight' \(tied.*starts fresh") as warned:
         resume_from_checkpoint(root, "f", partial=False, model=untied, optimizer=uopt, strict=False)
+    assert [w.filename for w in warned if "starts fresh" in str(w.message)] == [__file__]  # the caller's line
     assert torch.equal(untied.lm_head.weight, src.emb.weight) and untied.lm_head.weight not in uopt.state
     tied = _Tied(True)
     topt = torch.optim.Adam(tied.parameters())

@@ -1,8 +1,7 @@
 """Resolve a state dict into entries: each flattened key's global name, kind and place in the global tensor.
 
-Shared by the save and the load planner, so both see a key, a spec and a layout the same way; also
-the tied keys of both (:func:`tied_entries`, :class:`TiedLoads`: the rules are
-:class:`~smpckpt.planners.ParallelLoadPlanner`'s)."""
+Shared by the save and the load planner, so both see a key, a spec and a layout the same way; also the
+tied keys of both (:func:`tied_entries`, :class:`TiedLoads`: the rules are ``ParallelLoadPlanner``'s)."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ def _named_children(value: Mapping[Any, Any], fqn: str) -> Iterator[tuple[str, A
 
 
 def _dcp_is_terminal(value: Any) -> bool:
-    """DCP's ``traverse_state_dict`` rule for a list: a leaf unless it holds a tensor or a container
-    that is not itself a leaf."""
+    """DCP's ``traverse_state_dict`` rule for a list: a leaf unless it holds a tensor or a non-leaf container."""
     for entry in value:
         if isinstance(entry, (Mapping, list)) and not (isinstance(entry, list) and _dcp_is_terminal(entry)):
             return False
@@ -475,6 +473,9 @@ class TiedLoads:
         for keys in groups.values():
             apart = [k for k in keys if k in md_all and k not in saved_tied]  # holding bytes of their own
             kept = [k for k in apart if self.keep is not None and self.keep.fullmatch(k)]
+            if len(kept) > 1:  # the first would win in silence, whatever order the globs came in
+                names = " and ".join(map(repr, sorted(kept)))
+                raise LayoutMismatch(f"keep_tied matches both {names}, one tensor the checkpoint holds apart: name one")
             reader = kept[0] if kept else next((k for k in keys if stored(k) is not None), keys[0])
             for key in keys:
                 if key == reader:
@@ -527,9 +528,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def gather_ties(plans: list[SavePlan]) -> dict[str, str]:
-    """(coordinator) Every rank's tied keys, checked: a key is tied to one key by every rank that ties
-    it, and no rank writes bytes of its own under a key another rank ties (its chunks would be missing
-    from the checkpoint's other pieces)."""
+    """(coordinator) Every rank's tied keys, checked: a key is tied to one key by every rank that ties it,
+    and no rank writes bytes of its own under a key another rank ties (missing from its other pieces)."""
     tied: dict[str, tuple[str, int]] = {}
     for i, plan in enumerate(plans):
         for alias, first in ((plan.planner_data or {}).get("tied") or {}).items():

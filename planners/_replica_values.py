@@ -29,7 +29,7 @@ digests only from the first two ranks of each group holding one piece (:func:`de
 each stage's first rank (with the keys, for the check across stages). The coordinator compares
 summaries within each group and, where two differ, names the keys when both ranks sent theirs, else
 the ranks (:func:`check_replica_values`). DTensors (by their placements, :func:`dtensor_values`) and
-keys split over DP across pipeline stages (:func:`stage_values`) are compared by piece: 12 bytes per
+keys split over TP or DP across pipeline stages (:func:`stage_values`) are compared by piece: 12 bytes per
 piece, grouped by the piece's id."""
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ _AXES: tuple[frozenset[str], ...] = (frozenset(), frozenset({"tp"}), frozenset({
 #: a replicated key's split code: 0 replicated over the stage, 1 split over tp, 2 split over dp
 SPLIT_CODES = MappingProxyType({axes: code for code, axes in enumerate(_AXES)})
 _CODES = (0, 1, 2)
-_DP_SPLIT = 2
 _SHOWN = 5
 #: bytes of a rank's summaries (one little-endian uint32 per split code) ahead of its per-key digests
 _SUMMARY_BYTES = 4 * len(_CODES)
@@ -140,15 +139,15 @@ def dtensor_values(pieces: Sequence[tuple[str, Sequence[int], Sequence[int], tor
 def stage_values(
     layout: ParallelLayout, rank: int, name_map: NameMap | None, shared: Sequence[Any], tied: Mapping[str, str]
 ) -> bytes | None:
-    """(pipeline stages) What a rank sends for its tensors split over DP that another stage may hold
+    """(pipeline stages) What a rank sends for its tensors split over TP or DP that another stage may hold
     under the same global key: per piece its :func:`piece_id` and value digest, as :func:`dtensor_values`;
     ``None`` when there are none. ``shared``: the rank's plain tensor entries other ranks agree on.
 
     By piece, from every holder: such a key's pieces are often empty (ZeRO-style state lies in one DP
-    rank's range), and two stages may place one tied tensor's state on different DP ranks, so comparing
-    the stages' first ranks would miss the one and refuse the other. Left out: empty pieces; a key split
-    over DP alone on ranks other than TP rank 0 (its TP replicas hold the same piece, compared within
-    the stage); a key the ``layers.<i>`` rule renumbers (no other stage holds it)."""
+    rank's range), two stages may place one tied tensor's state on different DP ranks, and comparing the
+    stages' first ranks would see TP rank 0's piece of a shared embedding alone (hunt62a). Left out: empty
+    pieces; a key split over one axis alone on ranks other than the first of the other (its replicas
+    there hold the same piece, compared within the stage); a key the ``layers.<i>`` rule renumbers."""
     if layout.pp == 1:
         return None
     coords = layout.coords(rank)
@@ -156,9 +155,9 @@ def stage_values(
     pieces = []
     for e in shared:
         axes, chunk = e.sharded_axes, e.chunk
-        if "dp" not in axes or e.key in tied or chunk is None or 0 in chunk.sizes:
+        if not axes or e.key in tied or chunk is None or 0 in chunk.sizes:
             continue
-        if ("tp" not in axes and coords.tp != 0) or mapper.renumbers(e.local_key):
+        if any(a not in axes and getattr(coords, a) for a in ("tp", "dp")) or mapper.renumbers(e.local_key):
             continue
         pieces.append((e.key, chunk.offsets, chunk.sizes, e.value))
     return dtensor_values(pieces) if pieces else None
@@ -286,14 +285,14 @@ def _stage_problems(
 
 def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first_rows: dict[int, _Row]) -> list[str]:
     """A global key two stages hold must hold one value: else a stage-local name was not renumbered.
-    Keys split over DP are left to :func:`_stage_piece_problems` (compared by piece)."""
+    Keys split over TP or DP are left to :func:`_stage_piece_problems` (compared by piece)."""
     seen: dict[str, tuple[int, int, int]] = {}  # key -> (stage, rank, digest) of its first holder
     problems: list[str] = []
     for stage, row in sorted(first_rows.items()):
         rank, values = row.rank, row.digests
         keys, codes = leaders[stage]
         for i, key in enumerate(keys):
-            if codes[i] == _DP_SPLIT:
+            if codes[i]:  # split: compared by piece
                 continue
             prior = seen.setdefault(key, (stage, rank, int(values[i])))
             if prior[0] != stage and prior[2] != int(values[i]):
@@ -359,7 +358,7 @@ def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[st
 
 
 def _stage_piece_problems(fresh: Sequence[Any], structure: Sequence[Any], layout: ParallelLayout) -> list[str]:
-    """Pipeline stages that hold the same piece of a key split over DP (``stage_values``) with different
+    """Pipeline stages that hold the same piece of a key split over TP or DP (``stage_values``) with different
     values: a stage-local key not renumbered to its global name (one stage's values would be dropped)."""
     return [
         f"pipeline stages {layout.coords(a).pp} and {layout.coords(b).pp} (ranks {a} and {b}) both hold {what} "
@@ -368,7 +367,7 @@ def _stage_piece_problems(fresh: Sequence[Any], structure: Sequence[Any], layout
         if what
         else f"(and {a} more pieces held by several stages)"
         for what, a, b in _differing_pieces(
-            fresh, structure, "stage_values", "", "a piece (id {:#018x}) of a tensor split over data parallelism"
+            fresh, structure, "stage_values", "", "a piece (id {:#018x}) of a split tensor"
         )
     ]
 

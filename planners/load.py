@@ -107,7 +107,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
             Everything else stays strict unless ``allow_partial_load``.
         keep_tied: globs of checkpoint keys: when the checkpoint holds two keys of a tensor the
-            destination ties (``lm_head.weight`` and the embedding) apart, the matching one is loaded
+            destination ties (``lm_head.weight`` and the embedding) apart, the one matching (one only) is loaded
             and the others are not read. Without a match both are read and must be equal.
 
     Tied parameters (one tensor under two keys, as transformers ties ``lm_head.weight`` to the input

@@ -430,6 +430,32 @@ def test_keys_split_over_dp_that_two_stages_hold_are_compared_by_piece(tmp_path:
         assert torch.equal(loaded["optim"]["state"]["m"], base)
 
 
+def test_keys_split_over_tp_that_two_stages_hold_are_compared_by_piece(tmp_path: Path) -> None:
+    """A shared embedding (the first and last stage both hold the vocab-parallel embedding under one key, as
+    Megatron ties it) differing between the stages on one TP rank only: the stages' first ranks (TP rank 0)
+    agreed, so the last stage's other piece was dropped in silence (hunt62a); compared by piece now."""
+    layout = ParallelLayout(tp=2, dp=2, pp=2, pp_layers=(1, 1))
+    base = torch.arange(44.0).reshape(11, 4)
+    specs = {"model.embed": ShardSpec(0, sizes=(6, 5))}
+
+    def save(name: str, differ: bool) -> Any:
+        sds = []
+        for r in range(8):
+            c = layout.coords(r)
+            piece = (base[:6] if c.tp == 0 else base[6:]) + (100 if differ and c.pp == 1 and c.tp == 1 else 0)
+            sds.append({"model": {"layers.0.w": torch.ones(2) * c.pp, "embed": piece.clone()}})
+        planners = [ParallelSavePlanner(layout, specs, rank=r) for r in range(8)]
+        return sim_save(sds, planners, [FsspecStorageWriter(str(tmp_path / name)) for _ in range(8)])
+
+    stage_key = r"pipeline stages 0 and 1 \(ranks 1 and 5\) both hold 'model\.embed' piece at offsets \(6, 0\)"
+    with pytest.raises(ReplicaMismatch, match=stage_key):
+        save("differ", differ=True)
+    save("same", differ=False)
+    loaded = {"model": {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2), "embed": torch.zeros(11, 4)}}
+    sim_load([loaded], [ParallelLoadPlanner(ParallelLayout(), rank=0)], [FsspecStorageReader(str(tmp_path / "same"))])
+    assert torch.equal(loaded["model"]["embed"], base)
+
+
 def test_only_pieces_another_stage_may_hold_are_sent() -> None:
     """What the cross-stage piece check costs: a key the ``layers.<i>`` rule renumbers is its stage's own
     (not sent, stage 0's unchanged names included), a key split over DP alone is sent by TP rank 0 only,

@@ -329,3 +329,24 @@ def test_tied_vocab_parallel_shards_refuse_a_head_apart_that_differs_on_one_rank
         [FsspecStorageReader(str(tmp_path)) for _ in range(2)],
     )
     assert torch.equal(torch.cat([d["model"]["embed"] for d in dests]), head)
+
+
+def test_keep_tied_naming_both_keys_of_one_tensor_is_refused(tmp_path: Path) -> None:
+    """keep_tied globs matching both keys of a tied tensor the checkpoint holds apart with different values
+    (``["model.*"]``, or both names) loaded the destination's first key in silence, whatever the order the
+    globs were given in (hunt62a); which one to keep is the caller's to say: refused naming both."""
+    embed, head = torch.zeros(4, 2), torch.ones(4, 2)
+    store = str(tmp_path)
+    sim_save(
+        [{"model": {"embed": embed, "head": head}}],
+        [ParallelSavePlanner(ParallelLayout(), rank=0)],
+        [FsspecStorageWriter(store)],
+    )
+    for keep in (["model.*"], ["model.head", "model.embed"]):
+        piece = torch.full((4, 2), 7.0)
+        dest = {"model": {"embed": piece, "head": piece}}
+        with pytest.raises(smpckpt.LayoutMismatch, match=r"keep_tied matches both 'model\.embed' and 'model\.head'"):
+            sim_load(
+                [dest], [ParallelLoadPlanner(ParallelLayout(), rank=0, keep_tied=keep)], [FsspecStorageReader(store)]
+            )
+        assert torch.equal(piece, torch.full((4, 2), 7.0))  # refused before anything is read

@@ -332,7 +332,8 @@ def _untied_without_state(planner: Any, unsaved: frozenset[str], strict: bool) -
     message = (
         f"{', '.join(sorted(untied))}: loaded through a tie the artifact records, into a model holding it as "
         "a parameter of its own, which has no optimizer state in the artifact (stored once, for the tied "
-        "tensor): tie it as saved, or resume from a partial checkpoint"
+        "tensor, as in a partial checkpoint of the tied model): tie it as saved, or resume from a partial "
+        "checkpoint saved with it held apart (a pipeline's last stage holding its own head)"
     )
     _refuse_or_warn(message, strict, "its optimizer state starts fresh")
 

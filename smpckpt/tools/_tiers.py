@@ -31,6 +31,7 @@ from smpckpt.api._tiers import (
     part_sizes,
     read_copy,
     read_job_record,
+    scan_job,
     seq_of,
 )
 from smpckpt.catalog.root import (
@@ -45,14 +46,13 @@ from smpckpt.catalog.root import (
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
-from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.manifest import MANIFEST_NAME, METADATA_NAME
 from smpckpt.storage.tools import check_blocks, load_problems
 from smpckpt.tools._common import UsageError, human, layout_json
 
 __all__ = ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]
 __all__ += ["FastRow", "ResumePick", "OtherJob", "fast_rows", "other_jobs", "resume_pick", "write_fast_table"]
-__all__ += ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report"]
+__all__ += ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report", "write_verdict"]
 
 
 def check_local_dirs(dirs: Sequence[str]) -> list[str]:
@@ -129,21 +129,6 @@ class ResumePick:
     save_id: str | None
 
 
-def scan_local(folder: str, owner: str, manifests: dict[int, bytes]) -> dict[str, LocalCopy]:
-    """Every ``{tag}_partial`` folder of the job ``owner`` in one node's fast tier ``folder``, judged as a
-    resume judges it; each committed copy's manifest bytes added to ``manifests`` by digest."""
-    job = job_folder(folder, owner)
-    if not os.path.isdir(job):
-        return {}
-    out: dict[str, LocalCopy] = {}
-    for tag, name in list_partial_tags(*open_root(job)).items():
-        copy, data = read_copy(f"{job}/{name}", tag, owner)
-        out[tag] = copy
-        if copy.digest is not None and data is not None:
-            manifests[copy.digest] = data
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class OtherJob:
     """Another job's fast-tier checkpoints in a ``--local`` folder: left alone by this job."""
@@ -178,8 +163,7 @@ def fast_rows(
     """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
     (then tags no folder committed, by tag), warnings (a folder's manifest that does not parse; several
     saves of one tag), and the saves as a resume sees them over these folders (for :func:`resume_pick`)."""
-    manifests: dict[int, bytes] = {}
-    views = [scan_local(d, owner, manifests) for d in dirs]
+    views = [scan_job(job_folder(d, owner), owner) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
@@ -187,7 +171,11 @@ def fast_rows(
     found = candidates(views)
     for c in found:  # judged as a resume judges them, over the folders instead of the nodes
         valid.setdefault(c.tag, set()).add(c.digest)
-        m = Manifest.from_bytes(manifests[c.digest], where=f"fast-tier manifest of {c.tag!r}")
+        # read again from a folder holding this save's manifest (the scan judged it, keeping no copy)
+        data = read_copy(
+            f"{job_folder(dirs[c.held_by[MANIFEST_NAME][0]], owner)}/{partial_dirname(c.tag)}", c.tag, owner
+        )[1]
+        m = Manifest.from_bytes(data or b"", where=f"fast-tier manifest of {c.tag!r}")
         parts = list(part_sizes(m))
         twin = twins.get(c.tag)
         if twin is not None:
@@ -465,7 +453,7 @@ def _check_folder(
             continue
         if name == METADATA_NAME:
             stock = read_bytes_or_none(fs, join(path, name))
-            if stock is not None and (len(stock) != m.metadata.size or hash_bytes(stock) != m.metadata.digest):
+            if stock is not None and not m.metadata.matches(stock):
                 report.warnings.append(f"{where}: differs from the committed {m.metadata.name} (stock DCP readers)")
             continue
         if listed is None:
@@ -476,8 +464,7 @@ def _check_folder(
             report.problems.append(f"{where}: size {size}, manifest says {listed}")
             continue
         if name == m.metadata.name:
-            data = read_bytes_or_none(fs, join(path, name)) or b""
-            ok = hash_bytes(data) == m.metadata.digest
+            ok = m.metadata.matches(read_bytes_or_none(fs, join(path, name)) or b"")
             if not ok:
                 report.problems.append(f"{where}: checksum differs from the manifest")
             tick(size)
@@ -508,15 +495,19 @@ def write_fast_report(fast: FastVerifyReport, out: TextIO, err: TextIO) -> int:
             text += f"; {rep.data_files}/{len(m.files)} data files" + (f" (all of {ranks})" if rep.ranks else "")
             text += ", metadata" if rep.metadata else ", no metadata"
         out.write(text + (f"; {rep.problems} problem(s)" if rep.problems else "") + "\n")
-    for warning in fast.warnings:
-        err.write(f"warning: {warning}\n")
-    if m is not None and not fast.problems:
-        out.write(
-            f"OK fast tier {fast.tag}: complete; {fast.files_checked} file copies, {human(fast.bytes_checked)} "
-            "(checksums verified)\n"
-        )
+    ok = f"complete; {fast.files_checked} file copies, {human(fast.bytes_checked)} (checksums verified)"
+    return write_verdict(out, err, f"fast tier {fast.tag}", ok if m is not None else None, fast.problems, fast.warnings)
+
+
+def write_verdict(
+    out: TextIO, err: TextIO, what: str, ok: str | None, problems: Sequence[str], warnings: Sequence[str]
+) -> int:
+    """``smpckpt verify``'s verdict on ``what``: warnings, then ``OK`` with ``ok`` (stdout) when there are
+    no problems (and ``ok`` is given), else ``FAILED`` and every problem (stderr); the exit status."""
+    err.writelines(f"warning: {warning}\n" for warning in warnings)
+    if ok is not None and not problems:
+        out.write(f"OK {what}: {ok}\n")
         return 0
-    err.write(f"FAILED fast tier {fast.tag}: {len(fast.problems)} problem(s)\n")
-    for problem in fast.problems:
-        err.write(f"  {problem}\n")
+    err.write(f"FAILED {what}: {len(problems)} problem(s)\n")
+    err.writelines(f"  {problem}\n" for problem in problems)
     return 1

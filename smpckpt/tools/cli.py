@@ -59,6 +59,7 @@ from smpckpt.tools._tiers import (
     write_fast_report,
     write_fast_table,
     write_table,
+    write_verdict,
 )
 
 __all__ = ["main", "build_parser", "resolve_checkpoint_url"]
@@ -270,16 +271,9 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _verify_durable(args: argparse.Namespace, url: str, out: TextIO, err: TextIO) -> int:
     with _progress_bar(err, args.progress) as bar:
         report = verify_checkpoint(url, args.storage_options, progress=bar)
-    for warning in report.warnings:
-        err.write(f"warning: {warning}\n")
-    if report.ok:
-        kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
-        out.write(f"OK {url}: {report.files_checked} files, {human(report.bytes_checked)} ({kind})\n")
-        return 0
-    err.write(f"FAILED {url}: {len(report.problems)} problem(s)\n")
-    for problem in report.problems:
-        err.write(f"  {problem}\n")
-    return 1
+    kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
+    ok = f"{report.files_checked} files, {human(report.bytes_checked)} ({kind})"
+    return write_verdict(out, err, url, ok, report.problems, report.warnings)
 
 
 # -- the commands that change storage: prune, convert, consolidate ---------------------------------

@@ -95,7 +95,7 @@ class FastRow:
     (it does not parse) or ``unreadable``.
     ``durable``: ``yes`` (``PATH`` holds this very save), ``pending`` (a ``durable_every`` save that
     ``PATH`` does not hold: a drain in flight or failed), ``other`` (``PATH`` holds another save of
-    this tag) or ``no``. ``order`` sorts saves by sequence number (``record_order``).
+    this tag) or ``no``.
     """
 
     tag: str
@@ -111,13 +111,11 @@ class FastRow:
     saved_at: str | None = None
     layout: dict[str, Any] | None = None
     durable: str | None = None  #: ``None`` for uncommitted and corrupt tags
-    order: tuple[int, int, str] = (0, 0, "")
     detail: str = ""
 
     def to_json(self, resume: bool) -> dict[str, Any]:
-        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load):
-        every field but ``order``."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "order"} | {"resume": resume}
+        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load)."""
+        return dataclasses.asdict(self) | {"resume": resume}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +195,6 @@ def fast_rows(
                 m.extra.get("saved_at") or m.created,
                 layout_json(m),
                 state,
-                c.order,
             )
         )
     for tag in sorted({t for v in views for t in v}):
@@ -228,9 +225,7 @@ def fast_rows(
 _UNUSABLE = ("unsafe", "foreign", "corrupt", "unreadable")
 
 
-def resume_pick(
-    rows: Sequence[FastRow], root: str, storage_options: Any, found: list[FastCandidate]
-) -> tuple[ResumePick | None, str]:
+def resume_pick(root: str, storage_options: Any, found: list[FastCandidate]) -> tuple[ResumePick | None, str]:
     """The checkpoint a resume (``tag=None``) with these folders as its nodes' fast tiers would load, judged
     as it judges (:func:`~smpckpt.api._fast_resume.usable_saves` over :func:`fast_rows`' ``found``), and why
     there is none when a resume would fail."""
@@ -242,8 +237,7 @@ def resume_pick(
     except CheckpointError as exc:
         return None, f"a resume would fail: {exc}"
     if usable:
-        best = next(r for r in rows if r.order == usable[0].order and r.tag == usable[0].tag)
-        return ResumePick("fast", best.tag, best.save_id), ""
+        return ResumePick("fast", usable[0].tag, usable[0].order[2]), ""  # record_order's last: the save id
     if durable is not None:
         return ResumePick("durable", durable.tag, None), ""
     return None, "no complete checkpoint in either tier"

@@ -81,7 +81,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []
-    pick, why = resume_pick(fast, args.path, args.storage_options, found) if local is not None else (None, "")
+    pick, why = resume_pick(args.path, args.storage_options, found) if local is not None else (None, "")
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
     rows: list[dict[str, Any]] = [

@@ -7,7 +7,8 @@ tag is judged across every folder given, with what a resume uses (``smpckpt.api.
 *part* is a data file the manifest lists or the generation's metadata (``.metadata.<save id>``).
 
 ``ls --local``: :func:`fast_rows`, :func:`resume_pick`, :func:`write_fast_table`. ``verify PATH/TAG
---local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI".
+--local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI". Also what
+every command shares: ``PATH/TAG`` (:func:`split_tag_spec`, :func:`resolve_checkpoint_url`), sizes, layouts.
 """
 
 from __future__ import annotations
@@ -44,15 +45,49 @@ from smpckpt.catalog.root import (
     validate_tag,
 )
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
-from smpckpt.storage import Manifest
+from smpckpt.model.layout import LayoutRecord
+from smpckpt.storage import Manifest, checkpoint_state
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME, METADATA_NAME
 from smpckpt.storage.tools import check_blocks, load_problems
-from smpckpt.tools._common import UsageError, human, layout_json
 
-__all__ = ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]
+__all__ = ["UsageError", "human", "layout_json", "resolve_checkpoint_url"]
+__all__ += ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]
 __all__ += ["FastRow", "ResumePick", "OtherJob", "fast_rows", "other_jobs", "resume_pick", "write_fast_table"]
 __all__ += ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report", "write_verdict"]
+
+
+class UsageError(Exception):
+    pass
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def layout_json(manifest: Any) -> dict[str, Any] | None:
+    try:
+        record = LayoutRecord.from_manifest(manifest)
+    except CheckpointError:
+        return None
+    return record.layout.to_dict() if record is not None else None
+
+
+def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str:
+    """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder)."""
+    spec = spec.rstrip("/") or spec
+    if not spec.endswith(PARTIAL_SUFFIX):
+        candidate = spec + PARTIAL_SUFFIX
+        if checkpoint_state(candidate, storage_options) != "missing":
+            return candidate
+    return spec
 
 
 def check_local_dirs(dirs: Sequence[str]) -> list[str]:

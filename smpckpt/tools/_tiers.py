@@ -177,8 +177,7 @@ def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
     out = []
     mine = job_dirname(owner)
     for d in dirs:
-        fs, root = open_root(d)
-        flat = sorted(list_partial_tags(fs, root))
+        flat = sorted(list_partial_tags(*open_root(d)))
         if flat:
             out.append(OtherJob(d, "none recorded (saved by an smpckpt without job folders)", tuple(flat)))
         for name in sorted(os.listdir(d)):

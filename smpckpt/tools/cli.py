@@ -152,10 +152,9 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
         doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows, "abandoned_by": by_copy}
         if local is not None:
-            marks = [f.save_id is not None and f.save_id == fast_pick for f in fast]
             doc["fast"] = {
                 "folders": local,
-                "checkpoints": [f.to_json(mark) for f, mark in zip(fast, marks)],
+                "checkpoints": [f.to_json(f.save_id is not None and f.save_id == fast_pick) for f in fast],
                 "warnings": notes,
                 "other_jobs": [dataclasses.asdict(job) for job in others],
             }

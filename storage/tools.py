@@ -35,6 +35,7 @@ from smpckpt.storage.read._fetch import unit_rows, unit_text
 
 __all__ = ["checkpoint_state", "probe_checkpoint", "read_manifest", "verify_checkpoint", "VerifyReport"]
 __all__ += ["remove_checkpoint", "last_activity", "abort_stale_uploads", "removal_marked", "load_problems"]
+__all__ += ["file_times"]
 
 _READ_CHUNK = 16 << 20
 
@@ -320,14 +321,24 @@ def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any
     """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files
     and, on S3, the start of any multipart upload still open there. ``None`` when nothing is there."""
     fs, path = open_fs(url, storage_options)
+    uploads = (_mtime({"created": upload.get("Initiated")}) for upload in _s3_uploads(fs, path))
+    return max([*file_times(fs, path).values(), *(t for t in uploads if t is not None)], default=None)
+
+
+def file_times(fs: Any, path: str) -> dict[str, float]:
+    """Relative name -> modification time (epoch seconds) of every file under the folder ``path``."""
+    base = str(fs._strip_protocol(path)).rstrip("/") + "/"
     try:
         with translate_errors(path):
-            found = fs.find(path, withdirs=False, detail=True)
+            found = fs.find(path, detail=True)
     except FileNotFoundError:
-        found = {}
-    uploads = ({"created": upload.get("Initiated")} for upload in _s3_uploads(fs, path))
-    times = [t for t in map(_mtime, [*found.values(), *uploads]) if t is not None]
-    return max(times, default=None)
+        return {}
+    out = {}
+    for p, info in found.items():
+        t = _mtime(info)
+        if str(p).startswith(base) and info.get("type") != "directory" and t is not None:
+            out[str(p)[len(base) :]] = t
+    return out
 
 
 def abort_stale_uploads(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.catalog.root import NEWEST_NAME, open_root, tag_of_partial_dirname
@@ -36,30 +36,14 @@ from smpckpt.storage.format.manifest import (
     is_temp_name,
     unfinished_full_save,
 )
-from smpckpt.storage.tools import _mtime  # the one reader of fsspec's per-backend time fields
+from smpckpt.storage.tools import _mtime, file_times  # the one reader of fsspec's per-backend time fields
 
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
     from smpckpt.catalog.root import CheckpointRecord
 
-__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted"]
+__all__ = ["sweep_debris", "sweep_stale"]
 
 log = logging.getLogger(__name__)
-
-
-def _mtimes(fs: Any, path: str) -> dict[str, float]:
-    """Relative name -> modification time (epoch seconds) of every file under ``path``."""
-    base = str(fs._strip_protocol(path)).rstrip("/") + "/"
-    try:
-        with translate_errors(path):
-            found = fs.find(path, detail=True)
-    except FileNotFoundError:
-        return {}
-    out = {}
-    for p, info in found.items():
-        t = _mtime(info)
-        if str(p).startswith(base) and info.get("type") != "directory" and t is not None:
-            out[str(p)[len(base) :]] = t
-    return out
 
 
 def sweep_debris(
@@ -87,7 +71,7 @@ def sweep_debris(
         folder = join(root_path, f"{r.tag}_partial")
         dead = [
             join(folder, name)
-            for name, t in _mtimes(fs, folder).items()
+            for name, t in file_times(fs, folder).items()
             if name not in listed and (is_smpckpt_file(name) or is_temp_name(name)) and old(t)
         ]
         # resolved inside the tag's folder without following links (a folder swapped for a link is not entered)
@@ -133,7 +117,7 @@ def _full_debris(
         if name in protected:
             continue
         folder = join(root_path, name)
-        times = _mtimes(fs, folder)
+        times = file_times(fs, folder)
         url = join(root_url.rstrip("/"), name)
         if MANIFEST_NAME in times and not is_staging_name(name):
             # committed (or about to be): only a marker or temporary a kill left, once old, goes
@@ -159,19 +143,6 @@ def _full_debris(
     return removed
 
 
-def select_stale_uncommitted(
-    records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
-) -> list[str]:
-    """Tags of uncommitted folders with no activity (``activity``: tag -> newest modification time under
-    its folder, ``None``: nothing there) for ``older_than_s`` seconds; ``corrupt`` and ``unsafe`` folders
-    are left for a human."""
-    return [
-        r.tag
-        for r in records
-        if r.state == "uncommitted" and ((t := activity.get(r.tag)) is None or now - t >= older_than_s)
-    ]
-
-
 def sweep_stale(
     root_url: str,
     records: list[CheckpointRecord],
@@ -187,8 +158,10 @@ def sweep_stale(
     still uncommitted once marked for removal (``storage.format.commit``): too short an age fails a save,
     never empties a committed checkpoint."""
     unprotected = [r for r in records if r.tag not in protected]
+    # uncommitted folders only: corrupt and unsafe ones are left for a human
     activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
-    candidates = select_stale_uncommitted(unprotected, activity, older_than_s, time.time())
+    now = time.time()
+    candidates = [t for t, last in activity.items() if last is None or now - last >= older_than_s]
     stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder", uncommitted_only=True)]
     debris: list[str] = []
     aborted: list[str] = []

@@ -7,7 +7,8 @@ tag is judged across every folder given, with what a resume uses (``smpckpt.api.
 *part* is a data file the manifest lists or the generation's metadata (``.metadata.<save id>``).
 
 ``ls --local``: :func:`fast_rows`, :func:`resume_pick`, :func:`write_fast_table`. ``verify PATH/TAG
---local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI".
+--local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI". Also what
+every command shares: ``PATH/TAG`` (:func:`split_tag_spec`, :func:`resolve_checkpoint_url`), sizes, layouts.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from smpckpt.api._tiers import (
     part_sizes,
     read_copy,
     read_job_record,
+    scan_job,
     seq_of,
 )
 from smpckpt.catalog.root import (
@@ -43,16 +45,49 @@ from smpckpt.catalog.root import (
     validate_tag,
 )
 from smpckpt.errors import CheckpointError, UnsafeCheckpoint
-from smpckpt.storage import Manifest
+from smpckpt.model.layout import LayoutRecord
+from smpckpt.storage import Manifest, checkpoint_state
 from smpckpt.storage.backends._fs import join, read_bytes_or_none
-from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format.manifest import MANIFEST_NAME, METADATA_NAME
 from smpckpt.storage.tools import check_blocks, load_problems
-from smpckpt.tools._common import UsageError, human, layout_json
 
-__all__ = ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]
+__all__ = ["UsageError", "human", "layout_json", "resolve_checkpoint_url"]
+__all__ += ["check_local_dirs", "split_tag_spec", "ranks_text", "write_table"]
 __all__ += ["FastRow", "ResumePick", "OtherJob", "fast_rows", "other_jobs", "resume_pick", "write_fast_table"]
-__all__ += ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report"]
+__all__ += ["FolderReport", "FastVerifyReport", "verify_fast", "write_fast_report", "write_verdict"]
+
+
+class UsageError(Exception):
+    pass
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def layout_json(manifest: Any) -> dict[str, Any] | None:
+    try:
+        record = LayoutRecord.from_manifest(manifest)
+    except CheckpointError:
+        return None
+    return record.layout.to_dict() if record is not None else None
+
+
+def resolve_checkpoint_url(spec: str, storage_options: Mapping[str, Any]) -> str:
+    """``PATH/TAG`` -> ``PATH/TAG_partial`` when that exists; else ``spec`` itself (a checkpoint folder)."""
+    spec = spec.rstrip("/") or spec
+    if not spec.endswith(PARTIAL_SUFFIX):
+        candidate = spec + PARTIAL_SUFFIX
+        if checkpoint_state(candidate, storage_options) != "missing":
+            return candidate
+    return spec
 
 
 def check_local_dirs(dirs: Sequence[str]) -> list[str]:
@@ -95,7 +130,7 @@ class FastRow:
     (it does not parse) or ``unreadable``.
     ``durable``: ``yes`` (``PATH`` holds this very save), ``pending`` (a ``durable_every`` save that
     ``PATH`` does not hold: a drain in flight or failed), ``other`` (``PATH`` holds another save of
-    this tag) or ``no``. ``order`` sorts saves by sequence number (``record_order``).
+    this tag) or ``no``.
     """
 
     tag: str
@@ -111,13 +146,11 @@ class FastRow:
     saved_at: str | None = None
     layout: dict[str, Any] | None = None
     durable: str | None = None  #: ``None`` for uncommitted and corrupt tags
-    order: tuple[int, int, str] = (0, 0, "")
     detail: str = ""
 
     def to_json(self, resume: bool) -> dict[str, Any]:
-        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load):
-        every field but ``order``."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "order"} | {"resume": resume}
+        """The ``fast`` rows of ``smpckpt ls --json`` (``resume``: the checkpoint a resume would load)."""
+        return dataclasses.asdict(self) | {"resume": resume}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,21 +160,6 @@ class ResumePick:
     tier: str  #: "fast" or "durable"
     tag: str
     save_id: str | None
-
-
-def scan_local(folder: str, owner: str, manifests: dict[int, bytes]) -> dict[str, LocalCopy]:
-    """Every ``{tag}_partial`` folder of the job ``owner`` in one node's fast tier ``folder``, judged as a
-    resume judges it; each committed copy's manifest bytes added to ``manifests`` by digest."""
-    job = job_folder(folder, owner)
-    if not os.path.isdir(job):
-        return {}
-    out: dict[str, LocalCopy] = {}
-    for tag, name in list_partial_tags(*open_root(job)).items():
-        copy, data = read_copy(f"{job}/{name}", tag, owner)
-        out[tag] = copy
-        if copy.digest is not None and data is not None:
-            manifests[copy.digest] = data
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +177,7 @@ def other_jobs(dirs: Sequence[str], owner: str) -> list[OtherJob]:
     out = []
     mine = job_dirname(owner)
     for d in dirs:
-        fs, root = open_root(d)
-        flat = sorted(list_partial_tags(fs, root))
+        flat = sorted(list_partial_tags(*open_root(d)))
         if flat:
             out.append(OtherJob(d, "none recorded (saved by an smpckpt without job folders)", tuple(flat)))
         for name in sorted(os.listdir(d)):
@@ -178,8 +195,7 @@ def fast_rows(
     """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
     (then tags no folder committed, by tag), warnings (a folder's manifest that does not parse; several
     saves of one tag), and the saves as a resume sees them over these folders (for :func:`resume_pick`)."""
-    manifests: dict[int, bytes] = {}
-    views = [scan_local(d, owner, manifests) for d in dirs]
+    views = [scan_job(job_folder(d, owner), owner) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
@@ -187,7 +203,11 @@ def fast_rows(
     found = candidates(views)
     for c in found:  # judged as a resume judges them, over the folders instead of the nodes
         valid.setdefault(c.tag, set()).add(c.digest)
-        m = Manifest.from_bytes(manifests[c.digest], where=f"fast-tier manifest of {c.tag!r}")
+        # read again from a folder holding this save's manifest (the scan judged it, keeping no copy)
+        data = read_copy(
+            f"{job_folder(dirs[c.held_by[MANIFEST_NAME][0]], owner)}/{partial_dirname(c.tag)}", c.tag, owner
+        )[1]
+        m = Manifest.from_bytes(data or b"", where=f"fast-tier manifest of {c.tag!r}")
         parts = list(part_sizes(m))
         twin = twins.get(c.tag)
         if twin is not None:
@@ -209,7 +229,6 @@ def fast_rows(
                 m.extra.get("saved_at") or m.created,
                 layout_json(m),
                 state,
-                c.order,
             )
         )
     for tag in sorted({t for v in views for t in v}):
@@ -240,9 +259,7 @@ def fast_rows(
 _UNUSABLE = ("unsafe", "foreign", "corrupt", "unreadable")
 
 
-def resume_pick(
-    rows: Sequence[FastRow], root: str, storage_options: Any, found: list[FastCandidate]
-) -> tuple[ResumePick | None, str]:
+def resume_pick(root: str, storage_options: Any, found: list[FastCandidate]) -> tuple[ResumePick | None, str]:
     """The checkpoint a resume (``tag=None``) with these folders as its nodes' fast tiers would load, judged
     as it judges (:func:`~smpckpt.api._fast_resume.usable_saves` over :func:`fast_rows`' ``found``), and why
     there is none when a resume would fail."""
@@ -254,8 +271,7 @@ def resume_pick(
     except CheckpointError as exc:
         return None, f"a resume would fail: {exc}"
     if usable:
-        best = next(r for r in rows if r.order == usable[0].order and r.tag == usable[0].tag)
-        return ResumePick("fast", best.tag, best.save_id), ""
+        return ResumePick("fast", usable[0].tag, usable[0].order[2]), ""  # record_order's last: the save id
     if durable is not None:
         return ResumePick("durable", durable.tag, None), ""
     return None, "no complete checkpoint in either tier"
@@ -465,7 +481,7 @@ def _check_folder(
             continue
         if name == METADATA_NAME:
             stock = read_bytes_or_none(fs, join(path, name))
-            if stock is not None and (len(stock) != m.metadata.size or hash_bytes(stock) != m.metadata.digest):
+            if stock is not None and not m.metadata.matches(stock):
                 report.warnings.append(f"{where}: differs from the committed {m.metadata.name} (stock DCP readers)")
             continue
         if listed is None:
@@ -476,8 +492,7 @@ def _check_folder(
             report.problems.append(f"{where}: size {size}, manifest says {listed}")
             continue
         if name == m.metadata.name:
-            data = read_bytes_or_none(fs, join(path, name)) or b""
-            ok = hash_bytes(data) == m.metadata.digest
+            ok = m.metadata.matches(read_bytes_or_none(fs, join(path, name)) or b"")
             if not ok:
                 report.problems.append(f"{where}: checksum differs from the manifest")
             tick(size)
@@ -508,15 +523,19 @@ def write_fast_report(fast: FastVerifyReport, out: TextIO, err: TextIO) -> int:
             text += f"; {rep.data_files}/{len(m.files)} data files" + (f" (all of {ranks})" if rep.ranks else "")
             text += ", metadata" if rep.metadata else ", no metadata"
         out.write(text + (f"; {rep.problems} problem(s)" if rep.problems else "") + "\n")
-    for warning in fast.warnings:
-        err.write(f"warning: {warning}\n")
-    if m is not None and not fast.problems:
-        out.write(
-            f"OK fast tier {fast.tag}: complete; {fast.files_checked} file copies, {human(fast.bytes_checked)} "
-            "(checksums verified)\n"
-        )
+    ok = f"complete; {fast.files_checked} file copies, {human(fast.bytes_checked)} (checksums verified)"
+    return write_verdict(out, err, f"fast tier {fast.tag}", ok if m is not None else None, fast.problems, fast.warnings)
+
+
+def write_verdict(
+    out: TextIO, err: TextIO, what: str, ok: str | None, problems: Sequence[str], warnings: Sequence[str]
+) -> int:
+    """``smpckpt verify``'s verdict on ``what``: warnings, then ``OK`` with ``ok`` (stdout) when there are
+    no problems (and ``ok`` is given), else ``FAILED`` and every problem (stderr); the exit status."""
+    err.writelines(f"warning: {warning}\n" for warning in warnings)
+    if ok is not None and not problems:
+        out.write(f"OK {what}: {ok}\n")
         return 0
-    err.write(f"FAILED fast tier {fast.tag}: {len(fast.problems)} problem(s)\n")
-    for problem in fast.problems:
-        err.write(f"  {problem}\n")
+    err.write(f"FAILED {what}: {len(problems)} problem(s)\n")
+    err.writelines(f"  {problem}\n" for problem in problems)
     return 1

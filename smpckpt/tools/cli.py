@@ -27,9 +27,12 @@ from tqdm import tqdm
 from smpckpt.api._tiers import durable_key
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import (
+    NEWEST_NAME,
+    PARTIAL_SUFFIX,
     apply_retention,
     decided_by_copy,
     newest_tag,
+    open_root,
     read_abandoned,
     scan_root,
     split_lineage,
@@ -39,32 +42,81 @@ from smpckpt.errors import CheckpointError, CheckpointNotFound
 from smpckpt.hf import TRANSLATIONS as _FAMILIES
 from smpckpt.model.layout import LayoutRecord
 from smpckpt.storage import FsspecStorageReader, checkpoint_state, verify_checkpoint
-from smpckpt.tools._common import (
-    ENV_OPTIONS,
-    UsageError,
-    check_root,
-    human,
-    layout_json,
-    layout_text,
-    resolve_checkpoint_url,
-    storage_options_arg,
-)
+from smpckpt.storage.backends._fs import translate_errors
 from smpckpt.tools._tiers import (
+    UsageError,
     check_local_dirs,
     fast_rows,
+    human,
+    layout_json,
     other_jobs,
+    resolve_checkpoint_url,
     resume_pick,
     split_tag_spec,
     verify_fast,
     write_fast_report,
     write_fast_table,
     write_table,
+    write_verdict,
 )
 
 __all__ = ["main", "build_parser", "resolve_checkpoint_url"]
 
 #: ``--progress auto`` draws a bar for checkpoints at least this large.
 _PROGRESS_MIN_BYTES = 256 << 20
+ENV_OPTIONS = "SMPCKPT_STORAGE_OPTIONS"
+
+
+def storage_options_arg(text: str | None) -> dict[str, Any]:
+    raw = text if text is not None else os.environ.get(ENV_OPTIONS)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"storage options are not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UsageError("storage options must be a JSON object")
+    return value
+
+
+def layout_text(record: Any) -> str:
+    if not isinstance(record, Mapping):
+        return "-"
+    text = f"tp={record.get('tp')} pp={record.get('pp')} dp={record.get('dp')}"
+    if record.get("pp_layers"):
+        text += f" pp_layers={list(record['pp_layers'])}"
+    return text
+
+
+def check_root(path: str, storage_options: Mapping[str, Any]) -> None:
+    """``smpckpt ls`` lists a root: a file (``ROOT/newest``) or a checkpoint (its folder, or ``ROOT/TAG``)
+    given instead is refused, saying what to run, rather than listed as an empty root."""
+    fs, fpath = open_root(path, storage_options)  # the location itself first (an s3:// without a bucket)
+    spec = path.rstrip("/")
+    if not spec or spec.endswith(":"):  # "/" or a bare scheme: nothing to strip
+        spec = path
+    parent, _, name = spec.rpartition("/")
+    parent = parent or "."
+    with translate_errors(fpath):
+        is_file = fs.isfile(fpath)
+    if is_file:
+        what = "the file naming the root's newest checkpoint" if name == NEWEST_NAME else "a file"
+        raise UsageError(f"{spec} is {what}, not a checkpoint root: `smpckpt ls {parent}` lists that root")
+    candidates = [spec] if spec.endswith(PARTIAL_SUFFIX) else [spec, spec + PARTIAL_SUFFIX]
+    for candidate in candidates:
+        try:
+            state = checkpoint_state(candidate, storage_options)
+        except CheckpointError:
+            state = "committed"  # a damaged checkpoint folder is a checkpoint folder all the same
+        if state in ("committed", "legacy"):
+            tag = spec.rsplit("/", 1)[-1].removesuffix(PARTIAL_SUFFIX)
+            raise UsageError(
+                f"{candidate} is a checkpoint, not a root of checkpoints: `smpckpt inspect {parent}/{tag}` shows "
+                f"it, `smpckpt ls {parent}` lists it with the others"
+            )
+        if candidate == spec and state != "missing":
+            return  # a folder of its own: a root (ROOT/TAG_partial is asked about only when ROOT/TAG is not one)
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -80,7 +132,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     owner = durable_key(args.path, args.storage_options)
     fast, notes, found = fast_rows(local, records, owner) if local is not None else ([], [], [])
     others = other_jobs(local, owner) if local is not None else []
-    pick, why = resume_pick(fast, args.path, args.storage_options, found) if local is not None else (None, "")
+    pick, why = resume_pick(args.path, args.storage_options, found) if local is not None else (None, "")
     durable_pick = pick.tag if pick is not None and pick.tier == "durable" else None
     fast_pick = pick.save_id if pick is not None and pick.tier == "fast" else None
     rows: list[dict[str, Any]] = [
@@ -100,10 +152,9 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
         doc: dict[str, Any] = {"path": args.path, "newest": newest, "checkpoints": rows, "abandoned_by": by_copy}
         if local is not None:
-            marks = [f.save_id is not None and f.save_id == fast_pick for f in fast]
             doc["fast"] = {
                 "folders": local,
-                "checkpoints": [f.to_json(mark) for f, mark in zip(fast, marks)],
+                "checkpoints": [f.to_json(f.save_id is not None and f.save_id == fast_pick) for f in fast],
                 "warnings": notes,
                 "other_jobs": [dataclasses.asdict(job) for job in others],
             }
@@ -270,16 +321,9 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _verify_durable(args: argparse.Namespace, url: str, out: TextIO, err: TextIO) -> int:
     with _progress_bar(err, args.progress) as bar:
         report = verify_checkpoint(url, args.storage_options, progress=bar)
-    for warning in report.warnings:
-        err.write(f"warning: {warning}\n")
-    if report.ok:
-        kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
-        out.write(f"OK {url}: {report.files_checked} files, {human(report.bytes_checked)} ({kind})\n")
-        return 0
-    err.write(f"FAILED {url}: {len(report.problems)} problem(s)\n")
-    for problem in report.problems:
-        err.write(f"  {problem}\n")
-    return 1
+    kind = "checksums verified" if report.checksummed else "legacy checkpoint: sizes only, no checksums"
+    ok = f"{report.files_checked} files, {human(report.bytes_checked)} ({kind})"
+    return write_verdict(out, err, url, ok, report.problems, report.warnings)
 
 
 # -- the commands that change storage: prune, convert, consolidate ---------------------------------
@@ -492,8 +536,13 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         args.storage_options = storage_options_arg(args.storage_options)  # every command's, parsed once
         return int(args.func(args, out, err))
     except BrokenPipeError:
-        # the reader went away (`smpckpt inspect ... | head`): stop quietly, like any Unix tool
-        _silence_stdout(out)
+        # the reader went away (`smpckpt inspect ... | head`): stop quietly, like any Unix tool; the closed
+        # stdout pointed at /dev/null so the interpreter's final flush does not complain
+        if out is sys.stdout:
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
         return 0
     except UsageError as exc:
         err.write(f"smpckpt {args.command}: {exc}\n")
@@ -501,16 +550,6 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except (CheckpointError, OSError, ValueError, ImportError) as exc:
         err.write(f"smpckpt {args.command}: {type(exc).__name__}: {exc}\n")
         return 1
-
-
-def _silence_stdout(out: TextIO) -> None:
-    """Point the closed stdout at /dev/null so the interpreter's final flush does not complain."""
-    if out is not sys.stdout:
-        return
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
 
 
 def _console() -> None:  # pragma: no cover - thin wrapper

@@ -32,7 +32,7 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError
 from smpckpt.model.layout import API_RECORD_V1, FULL_ARTIFACTS, METADATA_KEY, OPTIM_STATE_PREFIX, RESERVED
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FsspecStorageReader, FullArtifactWriter, FullOptions
-from smpckpt.tools._common import resolve_checkpoint_url
+from smpckpt.tools._tiers import resolve_checkpoint_url
 
 __all__ = ["consolidate_checkpoint", "ConsolidateReport"]
 
@@ -98,11 +98,6 @@ class _Sink(DefaultLoadPlanner):
         return narrow_tensor_by_index(self.whole, read_item.dest_offsets, read_item.lengths)
 
 
-def _is_api_checkpoint(keys: Any) -> bool:
-    heads = {k.split(".", 1)[0] for k in keys}
-    return RESERVED.model in heads and heads <= {RESERVED.model, RESERVED.optim, RESERVED.rng, RESERVED.user_content}
-
-
 def consolidate_checkpoint(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -142,7 +137,8 @@ def consolidate_checkpoint(
     reader = FsspecStorageReader(src, storage_options=storage_options)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
-    api = _is_api_checkpoint(metadata.state_dict_metadata)
+    heads = {k.split(".", 1)[0] for k in metadata.state_dict_metadata}  # save_checkpoint's, or any DCP one
+    api = RESERVED.model in heads and heads <= {RESERVED.model, RESERVED.optim, RESERVED.rng, RESERVED.user_content}
     if api:
         # an optimizer saved before its first step holds param groups and no state: its artifact says so
         if include_optimizer and not any(k.startswith(f"{RESERVED.optim}.") for k in metadata.state_dict_metadata):

@@ -37,7 +37,7 @@ from smpckpt.planners import ObjectBytes
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE
-from smpckpt.tools._common import resolve_checkpoint_url
+from smpckpt.tools._tiers import resolve_checkpoint_url
 
 __all__ = ["convert_checkpoint", "ConvertReport"]
 

@@ -459,6 +459,7 @@ class Stager:
         # one per key: a key whose shape or dtype changed replaces its buffer (kept per shape, every
         # earlier one stayed held, pinned on CUDA, for the Checkpointer's life)
         self._buffers: dict[str, tuple[bool, torch.Tensor]] = {}
+        self._previous: dict[str, tuple[bool, torch.Tensor]] = {}  # the last save's, during a walk
         self._stream: Any = None
 
     def stage(self, tag: str, state: Any, deferred: set[tuple[str, int]]) -> tuple[Any, Pending | None]:
@@ -466,7 +467,11 @@ class Stager:
         filled later by the :class:`Pending` returned (``None``: nothing deferred), the others now."""
         now: list[Pair] = []
         later: list[Pair] = []
+        # a fresh map each save: the buffers of keys this state no longer holds (renamed, removed, now a
+        # tie) are let go, not kept for the Checkpointer's life (an in-flight save keeps its own references)
+        self._previous, self._buffers = self._buffers, {}
         staged = self._walk(state, "", deferred, now, later, {})
+        self._previous = {}
         cuda_now = [p for p in now if p[1].device.type == "cuda"]
         copy_into([p for p in now if p[1].device.type != "cuda"])
         if cuda_now:
@@ -516,10 +521,10 @@ class Stager:
         if where is not None and where in seen:
             return seen[where]
         cuda = t.device.type == "cuda"
-        pinned, buf = self._buffers.get(prefix, (cuda, None))
+        pinned, buf = self._previous.get(prefix, (cuda, None))
         if buf is None or pinned != cuda or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-            self._buffers[prefix] = (cuda, buf)
+        self._buffers[prefix] = (cuda, buf)
         (later if _storage_key(t) in deferred else now).append((prefix[:-1], t, buf))
         if where is not None:
             seen[where] = buf

@@ -222,7 +222,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 reader = fast_reader(req, target, choice, attempt, prepared)
                 loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
                 part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
-            except Exception as exc:  # every rank: a warning made an error is rank 0's, a CheckpointError elsewhere
+            except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
+                # CheckpointError naming it elsewhere: that rank must still reach the agreement (rev62b F1)
                 first = exc
                 # (one collective) the caller's state does not fit the save (layout, specs, allow_pickle), or
                 # not a checkpoint's failure (a warning a filter made an error, on rank 0 alone: the others hold

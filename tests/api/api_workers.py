@@ -732,6 +732,39 @@ def ctrl_c_on_one_rank_world(rank: int, world: int, root: str) -> dict[str, Any]
     return {"said": said, "newest_after_failure": committed, "newest": _newest(root)}
 
 
+def ctrl_c_in_a_tiered_resume_world(rank: int, world: int, root: str) -> dict[str, str]:
+    """rev62b F1: rank 1 alone gets a Ctrl-C inside the fast tier's dcp.load; it left before the agreement on
+    the failure that rank 0 entered, which then waited until rank 1's process went (a collective's error)."""
+    import time
+
+    from smpckpt.planners import ParallelLoadPlanner
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # one node: both ranks' fast tier in one folder
+    m, o = _linear(0)
+    _step(m, o, 0)
+    kw: dict[str, Any] = dict(local_path=os.path.join(root, "node0"), replicas=1, durable_every=1)
+    save_checkpoint(os.path.join(root, "durable"), "s1", model=m, optimizer=o, **kw)
+    real, calls = ParallelLoadPlanner.create_local_plan, []
+
+    def ctrl_c(self: Any) -> Any:
+        calls.append(1)
+        if rank == 1 and len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self)
+
+    ParallelLoadPlanner.create_local_plan = ctrl_c  # type: ignore[method-assign]
+    try:
+        resume_from_checkpoint(os.path.join(root, "durable"), model=m, optimizer=o, local_path=kw["local_path"])
+        said = "resumed"
+    except BaseException as exc:  # noqa: BLE001 - the class is what is checked
+        said = f"{type(exc).__name__}: {exc}"
+    finally:
+        ParallelLoadPlanner.create_local_plan = real  # type: ignore[method-assign]
+    if rank == 1:
+        time.sleep(3)  # the interrupted rank still alive (its handler cleaning up): rank 0 waited this out
+    return {"said": said}
+
+
 def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
     """hunt62b R1: a DP replica diverging on rank 1 (dtype, shape, a key only it holds)."""
     from smpckpt import Checkpointer

@@ -65,19 +65,24 @@ def test_updates_after_return_do_not_reach_the_checkpoint(tmp_path: Any) -> None
 def test_staging_buffers_follow_a_key_whose_shape_or_dtype_changed(tmp_path: Any) -> None:
     """hunt62b: a buffer was kept per (key, shape, dtype) for the Checkpointer's life, so a tensor whose shape
     or dtype changed between async saves left every earlier buffer held (host memory, pinned on CUDA, grew
-    with each change: 1+2+...+8 MiB for a buffer growing 1 MiB a save). One buffer per key now; every save
+    with each change: 1+2+...+8 MiB for a buffer growing 1 MiB a save). One buffer per key now, and none for
+    a key the state no longer holds (rev62b F2: a key renamed at each save kept every earlier one); every save
     still equals its state."""
     m, rng_bytes = model(0), 0
     with smpckpt.Checkpointer(str(tmp_path), async_options=smpckpt.AsyncOptions(enabled=True)) as ckpt:
-        for i in range(1, 5):
-            m.register_buffer("hist", torch.arange(1 << 18 + i, dtype=torch.float64 if i % 2 else torch.float32))
+        for i in range(1, 7):
+            name = "hist" if i < 5 else f"hist{i}"  # saves 5 and 6: the key renamed, then renamed again
+            if i >= 5:
+                delattr(m, "hist" if i == 5 else f"hist{i - 1}")
+            size = 1 << 18 + min(i, 4)
+            m.register_buffer(name, torch.arange(size, dtype=torch.float64 if i % 2 else torch.float32))
             want = _state(m)
             ckpt.save(f"s{i}", model=m).result()  # type: ignore[union-attr]
             held = ckpt.staging_bytes() - sum(v.numel() * v.element_size() for v in want.values())
             assert held == (held if i == 1 else rng_bytes) < 1 << 16, i  # besides the state: its RNG states
             rng_bytes = held
             fresh = model(9)
-            fresh.register_buffer("hist", torch.zeros_like(want["hist"]))
+            fresh.register_buffer(name, torch.zeros_like(want[name]))
             resume_from_checkpoint(str(tmp_path), f"s{i}", model=fresh)
             for k, v in fresh.state_dict().items():
                 assert torch.equal(v, want[k]) and v.dtype == want[k].dtype, (i, k)

@@ -381,6 +381,15 @@ def test_a_ctrl_c_on_one_rank_is_its_keyboard_interrupt_and_a_named_error_elsewh
         assert r["newest_after_failure"] is None and r["newest"] == "s1", got
 
 
+def test_a_ctrl_c_on_one_rank_in_a_tiered_resume_fails_every_rank_at_once(tmp_path: Any) -> None:
+    """rev62b F1: the fast tier's agreement on a failed load caught only ``Exception``, so the interrupted rank
+    skipped it and rank 0 waited there for the other process to go (then a collective's error)."""
+    got = run_world(api_workers.ctrl_c_in_a_tiered_resume_world, 2, str(tmp_path), timeout=120)
+    assert got[1]["said"].startswith("KeyboardInterrupt"), got
+    assert got[0]["said"].startswith("CheckpointError") and "rank 1" in got[0]["said"], got
+    assert "KeyboardInterrupt" in got[0]["said"] and "collective" not in got[0]["said"], got
+
+
 def test_a_diverging_dp_replica_is_refused_naming_its_key(tmp_path: Any) -> None:
     """hunt62b R1: a plain DP replica whose dtype or shape differs on one rank, or a key one rank lacks, was
     refused as "ranks [0] hold 2 such tensors, ranks [1] hold 2 such tensors": no key (a replica is written

@@ -566,19 +566,26 @@ def assign_owners(
     return owners
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"ranks {sorted(ranks)[:8]}" + (f" (and {len(ranks) - 8} more)" if len(ranks) > 8 else "")
+
+
 def replica_differences(layout: ParallelLayout, seen: Sequence[Mapping[str, str]], shown: int = 5) -> str:
-    """(failure path, every rank) The keys whose dtype or global shape (``seen``: each rank's, by key) differ
-    between the ranks of a stage, or that some of its ranks lack, each with its ranks."""
-    stages: dict[int, list[int]] = {}
+    """(failure path, every rank) The keys whose dtype or global shape (``seen``: each rank's, by key; ranks
+    holding equal lists may share one object) differ between the ranks of a stage, or that some of its ranks
+    lack, each with its ranks (at most 8 named)."""
+    stages: dict[int, dict[int, list[int]]] = {}  # stage -> one list's id -> the ranks holding it
     for rank in range(len(seen)):
-        stages.setdefault(layout.coords(rank).pp, []).append(rank)
+        stages.setdefault(layout.coords(rank).pp, {}).setdefault(id(seen[rank]), []).append(rank)
     lines = []
-    for _, ranks in sorted(stages.items()):
-        for key in sorted(set().union(*(seen[r] for r in ranks))):
+    for _, holders in sorted(stages.items()):
+        if len(holders) < 2:
+            continue
+        for key in sorted(set().union(*(seen[rs[0]] for rs in holders.values()))):
             views: dict[str, list[int]] = {}
-            for r in ranks:
-                views.setdefault(seen[r].get(key, "absent"), []).append(r)
+            for rs in holders.values():
+                views.setdefault(seen[rs[0]].get(key, "absent"), []).extend(rs)
             if len(views) > 1:
-                lines.append(f"{key!r}: " + ", ".join(f"{v} on ranks {rs}" for v, rs in views.items()))
+                lines.append(f"{key!r}: " + ", ".join(f"{v} on {_ranks(rs)}" for v, rs in views.items()))
     more = f" ... ({len(lines) - shown} more)" if len(lines) > shown else ""
     return f"Differing: {'; '.join(lines[:shown])}{more}." if lines else ""

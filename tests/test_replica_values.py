@@ -497,3 +497,22 @@ def test_a_replicated_zero_tensor_is_sampled_as_zeros(tmp_path: Path) -> None:
     _save(tmp_path / "two", [zeros, {"model": {"a": torch.zeros(3, 3), "b": torch.zeros(3, 3)}}], ParallelLayout(dp=2))
     with pytest.raises(ReplicaMismatch, match=r"'model\.z'"):
         _save(tmp_path / "drift", [{"model": {"z": zero}}, {"model": {"z": torch.ones(300, 7)}}], ParallelLayout(dp=2))
+
+
+def test_replica_differences_name_keys_per_stage_with_at_most_eight_ranks() -> None:
+    """rev62b F3: the refusal of a diverging replica listed every rank of a view (a 512-rank job printed lists
+    of 512); ranks holding equal key lists share one list (each distinct list crosses the wire once)."""
+    from smpckpt.planners._replica_values import replica_differences
+
+    good, bad = {"a": "torch.float32 (4,)", "b": "torch.float32 (2,)"}, {"a": "torch.float64 (4,)"}
+    said = replica_differences(ParallelLayout(dp=12), [good] * 11 + [bad])
+    assert said == (
+        "Differing: 'a': torch.float32 (4,) on ranks [0, 1, 2, 3, 4, 5, 6, 7] (and 3 more), torch.float64 (4,) "
+        "on ranks [11]; 'b': torch.float32 (2,) on ranks [0, 1, 2, 3, 4, 5, 6, 7] (and 3 more), absent on "
+        "ranks [11]."
+    ), said
+    assert replica_differences(ParallelLayout(dp=12), [good] * 12) == ""
+    # pp=2 (ranks 0-1 stage 0): the stages' lists differ (other keys), no divergence; rank 3 diverges
+    later = {"c": "torch.float32 (3,)"}
+    said = replica_differences(ParallelLayout(dp=2, pp=2), [good, good, later, dict(later, c="torch.int8 (3,)")])
+    assert "'c'" in said and "'a'" not in said, said

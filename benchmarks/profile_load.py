@@ -37,6 +37,7 @@ profiles run it under ``perf record -g`` or ``py-spy record --native`` (``--roun
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -183,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
 
             setattr(owner, name, wrapper)
 
-        stamped(_reading.ReaderBase, "read_metadata", "md")
-        stamped(_reading.ReaderBase, "read_data", "rd")
+        # the readers' base class, folded into its one subclass since 2026-11-30 (``--tree`` may be older)
+        base = getattr(_reading, "ReaderBase", None) or importlib.import_module("smpckpt.storage").FsspecStorageReader
+        stamped(base, "read_metadata", "md")
+        stamped(base, "read_data", "rd")
         stamped(_run.ReadRun, "run", "run")
         stamped(_run.ReadRun, "_execute", "io")
 

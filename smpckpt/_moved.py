@@ -71,7 +71,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "storage.backends._s3": "storage._s3",
         "storage.backends._sinks": "storage._sinks",
         "storage.format.commit": "storage._partial_commit",
-        "storage.read._fetch": "storage._read_io",
+        "storage.read._fetch": "storage._read_io storage.read._boxes",
         "storage.read._plan": "storage._read_plan",
         "storage.read._run": "storage._read_run storage._read_gate storage.read._gate",
         "storage.tools": "storage._verify_plan storage.read._verify_plan",

@@ -113,7 +113,7 @@ class S3MultipartSink:
     Create-only: the object appears through a conditional request, ``PutObject`` or
     ``CompleteMultipartUpload`` with ``If-None-Match: *``, so an object already under the key (another
     save's) is never replaced: the commit fails with ``FileExistsError`` and the upload is aborted.
-    ``etag`` is the created object's ETag (after ``commit``). ``part_size`` is the first parts' size,
+    ``part_size`` is the first parts' size,
     honoured as given (below S3's minimum it is refused, never raised silently); it doubles every
     ``grow_every`` parts (:func:`~smpckpt.storage.backends._sinks.part_size_of`), so a file past
     ``10,000 * part_size`` still uploads, and memory in flight grows with it (``max_in_flight`` parts)."""

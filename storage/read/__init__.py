@@ -2,5 +2,5 @@
 verification, and ``verify``'s read plan.
 
 May import: ``smpckpt.storage.format``, ``smpckpt.storage.backends``, ``smpckpt.storage.full`` (to read
-a full artifact), ``smpckpt.errors``.
+a full artifact), ``smpckpt.model``, ``smpckpt.errors``.
 """

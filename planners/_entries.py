@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt._checks import check_process_group
@@ -25,7 +25,7 @@ from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
 from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
-__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries", "TiedLoads"]
+__all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries"]
 __all__ += ["likely_causes"]
 
 
@@ -434,86 +434,6 @@ def dtensor_is_owner(entry: Entry) -> bool:
             index = index * size + coordinate[dim]
             count *= size
     return index == zlib.crc32(entry.key.encode()) % count
-
-
-class TiedLoads:
-    """One load's tied keys: where each is read from, and the comparisons of values held apart."""
-
-    def __init__(self, keep: re.Pattern[str] | None) -> None:
-        self.keep = keep
-        #: destination key -> the checkpoint key read for it
-        self.sources: dict[str, str] = {}
-        #: skipped destination key (the tensor of another) -> the key that loads it
-        self.through: dict[str, str] = {}
-        #: checkpoint keys such a skipped key covers (loaded through the other key of the same tensor)
-        self.covered: list[str] = []
-        #: a tied key the checkpoint holds apart, read into scratch -> the key loaded it must equal
-        self.compare: dict[str, str] = {}
-        self._pending: dict[str, int] = {}  # elements of each compared key still to be read
-
-    def plan(
-        self,
-        entries: Mapping[str, Entry],
-        dest_tied: Mapping[str, str],
-        saved_tied: Mapping[str, str],
-        md_all: Mapping[str, Any],
-    ) -> None:
-        """Decide, for this rank's destination ``entries``, from the checkpoint's keys ``md_all``."""
-
-        def stored(key: str) -> str | None:
-            if key in md_all:
-                return key
-            first = saved_tied.get(key)
-            return first if first is not None and first in md_all else None
-
-        groups: dict[str, list[str]] = {}
-        for alias, first in dest_tied.items():
-            groups.setdefault(first, [first]).append(alias)
-        self.sources, self.through, self.covered, self.compare, self._pending = {}, {}, [], {}, {}
-        for keys in groups.values():
-            apart = [k for k in keys if k in md_all and k not in saved_tied]  # holding bytes of their own
-            kept = [k for k in apart if self.keep is not None and self.keep.fullmatch(k)]
-            if len(kept) > 1:  # the first would win in silence, whatever order the globs came in
-                names = " and ".join(map(repr, sorted(kept)))
-                raise LayoutMismatch(f"keep_tied matches both {names}, one tensor the checkpoint holds apart: name one")
-            reader = kept[0] if kept else next((k for k in keys if stored(k) is not None), keys[0])
-            for key in keys:
-                if key == reader:
-                    continue
-                if key in apart and reader in apart and not kept:
-                    self.compare[key] = reader  # two values for one tensor: read both, compare
-                    continue
-                self.through[key] = reader
-                if key in md_all:
-                    self.covered.append(key)
-        for key in entries:
-            if key not in self.through and key not in md_all and (source := stored(key)) is not None:
-                self.sources[key] = source
-
-    def count(self, items: list[ReadItem]) -> None:
-        """(after the local plan) The elements each compared key and its loaded key wait for."""
-        watched = set(self.compare) | set(self.compare.values())
-        self._pending = dict.fromkeys(watched, 0)
-        for item in items:
-            if item.dest_index.fqn in watched:
-                self._pending[item.dest_index.fqn] += math.prod(item.lengths)
-
-    def committed(self, item: ReadItem, entries: Mapping[str, Entry], rank: int) -> None:
-        """(reader) One read is in: compare each pair whose reads are all in."""
-        fqn = item.dest_index.fqn
-        if fqn not in self._pending:
-            return
-        self._pending[fqn] -= math.prod(item.lengths)
-        for alias, reader in self.compare.items():
-            if fqn in (alias, reader) and self._pending.get(alias) == 0 and self._pending.get(reader) == 0:
-                self._pending.pop(alias)
-                if not same_bits(entries[reader].value, entries[alias].value):
-                    raise LayoutMismatch(
-                        f"rank {rank}: {alias!r} and {reader!r} are one tensor in the model (tied), but the "
-                        "checkpoint holds them apart with different values, and a tied model holds one. Pass "
-                        f"keep_tied=[{reader!r}] (or [{alias!r}]) to load that one and ignore the other, or untie "
-                        "them in the model (give the head its own parameter) to load both"
-                    )
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

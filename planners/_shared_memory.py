@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Set
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from smpckpt.errors import LayoutMismatch
+from smpckpt.model.layout import RESERVED
 from smpckpt.planners._entries import Entry, same_bits
 
-__all__ = ["SharedMemoryLoads"]
+__all__ = ["SharedMemoryLoads", "TiedLoads"]
 
 
 def _extent_end(v: torch.Tensor) -> int:
@@ -150,3 +153,121 @@ def _overlapping(spans: list[tuple[int, int, str]]) -> list[list[tuple[int, int,
     if len(group) > 1:
         groups.append(group)
     return groups
+
+
+class TiedLoads:
+    """One load's tied keys: where each is read from, and the comparisons of values held apart."""
+
+    def __init__(self, keep: re.Pattern[str] | None) -> None:
+        self.keep = keep
+        #: destination key -> the checkpoint key read for it
+        self.sources: dict[str, str] = {}
+        #: skipped destination key (the tensor of another) -> the key that loads it
+        self.through: dict[str, str] = {}
+        #: checkpoint keys such a skipped key covers (loaded through the other key of the same tensor)
+        self.covered: list[str] = []
+        #: a tied key the checkpoint holds apart, read into scratch -> the key loaded it must equal
+        self.compare: dict[str, str] = {}
+        self._pending: dict[str, int] = {}  # elements of each compared key still to be read
+        self._keep: dict[str, tuple[str, str]] = {}  # a compared optimizer key -> its parameters' keys
+
+    def plan(
+        self,
+        entries: dict[str, Entry],
+        dest_tied: Mapping[str, str],
+        saved_tied: Mapping[str, str],
+        md_all: Mapping[str, Any],
+    ) -> None:
+        """Decide, for this rank's destination ``entries``, from the checkpoint's keys ``md_all``."""
+
+        def stored(key: str) -> str | None:
+            if key in md_all:
+                return key
+            first = saved_tied.get(key)
+            return first if first is not None and first in md_all else None
+
+        model = f"{RESERVED.model}."
+        names: dict[str, tuple[str, bool]] = {}  # name of a key held apart -> (name loaded, compare the others)
+        groups: dict[str, list[str]] = {}
+        for alias, first in dest_tied.items():
+            groups.setdefault(first, [first]).append(alias)
+        self.sources, self.through, self.covered, self.compare, self._pending, self._keep = {}, {}, [], {}, {}, {}
+        for keys in groups.values():
+            apart = [k for k in keys if k in md_all and k not in saved_tied]  # holding bytes of their own
+            kept = [k for k in apart if self.keep is not None and self.keep.fullmatch(k)]
+            if len(kept) > 1:  # the first would win in silence, whatever order the globs came in
+                both = " and ".join(map(repr, sorted(kept)))
+                raise LayoutMismatch(f"keep_tied matches both {both}, one tensor the checkpoint holds apart: name one")
+            reader = kept[0] if kept else next((k for k in keys if stored(k) is not None), keys[0])
+            for key in keys:
+                if key == reader:
+                    continue
+                if key in apart and reader in apart and not kept:
+                    self.compare[key] = reader  # two values for one tensor: read both, compare
+                    continue
+                self.through[key] = reader
+                if key in md_all:
+                    self.covered.append(key)
+            if len(apart) > 1 and all(k.startswith(model) for k in keys):
+                names.update(dict.fromkeys((k[len(model) :] for k in keys), (reader[len(model) :], not kept)))
+        for key in entries:
+            if key not in self.through and key not in md_all and (source := stored(key)) is not None:
+                self.sources[key] = source
+        if names:
+            self._optimizer_state(names, entries, md_all)
+
+    def _optimizer_state(
+        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any]
+    ) -> None:
+        """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
+        copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
+        weights: read from the key loaded, each other copy's state compared with it (a tensor; an object is
+        covered), never one key's weights with the other's moments (hunt62a). Adds the compared entries."""
+        prefixes = (f"{RESERVED.optim}.state.", f"{RESERVED.optim}.param_groups.")
+
+        def split(key: str) -> tuple[str, str, str] | None:  # (prefix, parameter name, rest) of such a key
+            for p in prefixes:
+                if key.startswith(p) and (name := RESERVED.state_owner(key[len(p) :], names.keys())) is not None:
+                    return p, name, key[len(p) + len(name) :]
+            return None
+
+        for key in [k for k in entries if k not in self.sources]:
+            if (found := split(key)) is not None and (source := found[0] + names[found[1]][0] + found[2]) != key:
+                self.sources[key] = source  # the dest's name (its first key) may be the copy not loaded
+        loaded = {self.sources.get(k, k): k for k in entries}
+        for key in md_all:
+            if (found := split(key)) is None or names[found[1]][0] == found[1]:
+                continue
+            dest = loaded.get(found[0] + names[found[1]][0] + found[2])
+            if not names[found[1]][1] or dest is None or entries[dest].kind == "object" or key in entries:
+                self.covered.append(key)
+            else:  # read into scratch like the dest, compared with it once both are in
+                entries[key] = dataclasses.replace(entries[dest], key=key, local_key=key, path=())
+                self.compare[key] = dest
+                self._keep[key] = (f"{RESERVED.model}.{names[found[1]][0]}", f"{RESERVED.model}.{found[1]}")
+
+    def count(self, items: list[ReadItem]) -> None:
+        """(after the local plan) The elements each compared key and its loaded key wait for."""
+        watched = set(self.compare) | set(self.compare.values())
+        self._pending = dict.fromkeys(watched, 0)
+        for item in items:
+            if item.dest_index.fqn in watched:
+                self._pending[item.dest_index.fqn] += math.prod(item.lengths)
+
+    def committed(self, item: ReadItem, entries: Mapping[str, Entry], rank: int) -> None:
+        """(reader) One read is in: compare each pair whose reads are all in."""
+        fqn = item.dest_index.fqn
+        if fqn not in self._pending:
+            return
+        self._pending[fqn] -= math.prod(item.lengths)
+        for alias, reader in self.compare.items():
+            if fqn in (alias, reader) and self._pending.get(alias) == 0 and self._pending.get(reader) == 0:
+                self._pending.pop(alias)
+                if not same_bits(entries[reader].value, entries[alias].value):
+                    keep = self._keep.get(alias, (reader, alias))
+                    raise LayoutMismatch(
+                        f"rank {rank}: {alias!r} and {reader!r} are one tensor in the model (tied), but the "
+                        "checkpoint holds them apart with different values, and a tied model holds one. Pass "
+                        f"keep_tied=[{keep[0]!r}] (or [{keep[1]!r}]) to load that one and ignore the other, or untie "
+                        "them in the model (give the head its own parameter) to load both"
+                    )

@@ -55,7 +55,6 @@ from smpckpt.planners._entries import (
     Entry,
     LayoutScope,
     ObjectBytes,
-    TiedLoads,
     compile_globs,
     likely_causes,
     number_as_tensor,
@@ -63,7 +62,7 @@ from smpckpt.planners._entries import (
     tensor_as_number,
     tied_entries,
 )
-from smpckpt.planners._shared_memory import SharedMemoryLoads
+from smpckpt.planners._shared_memory import SharedMemoryLoads, TiedLoads
 from smpckpt.storage.format.manifest import LOAD_ID_PREFIX, RAW_DESCRIPTOR, WHOLE_TENSORS
 
 __all__ = ["ParallelLoadPlanner", "LoadReport"]
@@ -212,7 +211,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
                 missing.append(entry.key)
                 continue
             if entry.kind == "object" or not isinstance(md, TensorStorageMetadata):
-                entry, md = self._object_read(entry, md, items)
+                entry, md = self._object_read(entry, md, items, source)
                 if entry is None:
                     continue
             entry, md = self._check_tensor(entry, md, cast)
@@ -504,7 +503,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             value = tensor_as_number(entry.key, entry.value, live, self.allow_dtype_cast)
             set_at_path(self.state_dict, entry.path, value)
 
-    def _object_read(self, entry: Entry, md: Any, items: list[ReadItem]) -> tuple[Any, Any]:
+    def _object_read(self, entry: Entry, md: Any, items: list[ReadItem], source: str) -> tuple[Any, Any]:
         """An object's read (appended to ``items``; ``(None, None)`` returned), or the entry and metadata to
         plan a tensor read from: a 0-d tensor saved where the state dict holds a number (a custom
         optimizer's Python ``step``) is read into scratch of the saved dtype, set as a number by
@@ -524,8 +523,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             )
         if entry.kind != "object" and (entry.kind != "tensor" or entry.value.dim() or entry.key in self._shared.dest):
             raise LayoutMismatch(f"{entry.key}: the checkpoint holds an object there, not a tensor")
-        index = MetadataIndex(entry.key)
-        items.append(_create_read_item_for_byteio(index, 0, index, 0, 0))
+        items.append(_create_read_item_for_byteio(MetadataIndex(entry.key), 0, MetadataIndex(source), 0, 0))
         return None, None
 
 

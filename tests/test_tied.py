@@ -350,3 +350,70 @@ def test_keep_tied_naming_both_keys_of_one_tensor_is_refused(tmp_path: Path) -> 
                 [dest], [ParallelLoadPlanner(ParallelLayout(), rank=0, keep_tied=keep)], [FsspecStorageReader(store)]
             )
         assert torch.equal(piece, torch.full((4, 2), 7.0))  # refused before anything is read
+
+
+class _PipeStage(nn.Module):
+    """Stage ``stage`` of ``pp`` (the embedding on the first, its own head on the last); pp=1 ties them."""
+
+    def __init__(self, stage: int, pp: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        embed, head = nn.Embedding(11, 4), nn.Linear(4, 11, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(embed.weight)
+        self.layers = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(2 // pp))
+        if stage == 0:
+            self.embed = embed
+        if stage == pp - 1:
+            self.head = head
+        if pp == 1:
+            self.head.weight = self.embed.weight
+
+
+def _save_pp2_stages(rank: int, world: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Tag "same": the tie's gradient all-reduced (head and embedding alike); "drift": the head's gradient
+    differs, so its weights and Adam moments drift from the embedding's; "moments": one moment differs. Returns each tag's Adam state."""
+    out = {}
+    for tag, head_grad in (("same", -0.25), ("drift", 0.5), ("moments", -0.25)):
+        model = _PipeStage(rank, 2)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, head_grad if rank == 1 else -0.25)
+        opt.step()
+        if tag == "moments" and rank == 1:  # equal weights, one moment apart
+            opt.state[model.head.weight]["exp_avg"][0, 0] += 1.0
+        smpckpt.save_checkpoint(root, tag, model=model, optimizer=opt, layout=ParallelLayout(pp=2, pp_layers=(1, 1)))
+        param = model.embed.weight if rank == 0 else model.head.weight
+        out[tag] = {"weight": param.detach().clone(), **{k: v.clone() for k, v in opt.state[param].items()}}
+    return out
+
+
+@pytest.mark.dist
+def test_a_tie_held_apart_by_pipeline_stages_loads_with_its_own_optimizer_state(tmp_path: Path) -> None:
+    """A tied embedding/head trained under PP (each stage its own copy) resumed into a model that ties them:
+    keep_tied's choice brought that key's weights but the other key's Adam moments, and a strict resume was
+    refused for the other key's optimizer state (loaded by no rank), tie or no tie (hunt62a). The state now
+    follows the weights: the key kept, or, without keep_tied, the two keys' states compared as the weights."""
+    from dist_harness import run_world
+
+    saved = run_world(_save_pp2_stages, 2, str(tmp_path), timeout=180)
+    embed, head = saved[0]["drift"], saved[1]["drift"]
+    assert not torch.equal(embed["exp_avg"], head["exp_avg"])
+    for keep, want in ((["model.head.weight"], head), (["model.embed.weight"], embed), ((), saved[0]["same"])):
+        model = _PipeStage(0, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        options = smpckpt.ResumeOptions(keep_tied=keep)  # strict
+        smpckpt.resume_from_checkpoint(
+            str(tmp_path), "drift" if keep else "same", model=model, optimizer=opt, options=options
+        )
+        assert torch.equal(model.embed.weight, want["weight"]), keep
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[model.embed.weight][name], want[name]), (keep, name)
+        assert smpckpt.last_resume_info().skipped_keys == ()
+    model = _PipeStage(0, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(
+        smpckpt.LayoutMismatch,
+        match=r"'optim\.state\.head\.weight\.exp_avg' and 'optim\.state\.embed.*keep_tied=\['model\.embed\.weight'\]",
+    ):
+        smpckpt.resume_from_checkpoint(str(tmp_path), "moments", model=model, optimizer=opt)

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from smpckpt._gc import gc_frozen
@@ -270,11 +271,20 @@ class Checkpointer:
 
     # -- the steps -------------------------------------------------------------------------------
     def _agreed(
-        self, action: str, what: str, tag: Any, options: Any, cls: type[Any], model: Any, optimizer: Any
+        self,
+        action: str,
+        what: str,
+        tag: Any,
+        options: Any,
+        cls: type[Any],
+        model: Any,
+        optimizer: Any,
+        also: Callable[[CommonRequest], dict[str, Any]] | None = None,
     ) -> tuple[DistContext, CommonRequest, Any]:
         """(all ranks, one collective) This call's options, model and optimizer checked, and its tag and
         options compared across ranks (with the Checkpointer's own: one digest); then its tag validated (the
-        same on every rank now: it fails all alike; a resume's may be ``None``)."""
+        same on every rank now: it fails all alike; a resume's may be ``None``). ``also``: the call's own
+        arguments checked, returning more values to compare."""
         ctx = DistContext(self.sharding.process_group)
 
         def check() -> tuple[tuple[CommonRequest, Any], dict[str, Any]]:
@@ -305,7 +315,8 @@ class Checkpointer:
                 storage_options=self.location.storage_options,
                 process_group=self.sharding.process_group,
             )
-            return (common, opts), {"tag": tag, **self._compared, **opts.compared()}
+            more = also(common) if also is not None else {}
+            return (common, opts), {"tag": tag, **self._compared, **opts.compared(), **more}
 
         with peer_failures(ctx, action):
             common, opts = ctx.agreed(check, what)
@@ -471,11 +482,17 @@ class Checkpointer:
     ) -> str:
         path = self.location.path
         action = f"saving full checkpoint {tag!r} under {path}"
-        ctx, common, opts = self._agreed(action, what, tag, options, ExportOptions, model, optimizer)
-        if out is not None and not isinstance(out, str):
-            raise TypeError(f"out must be a str (a folder or URL) or None, got {type(out).__name__}")
-        if common.model is None and out is None:
-            raise ValueError("export of the committed checkpoint (no model=) needs out=: the folder of the artifact")
+
+        def out_checked(common: CommonRequest) -> dict[str, Any]:  # in the agreement: every rank fails alike
+            if out is not None and not isinstance(out, str):
+                raise TypeError(f"out must be a str (a folder or URL) or None, got {type(out).__name__}")
+            if common.model is None and out is None:
+                raise ValueError(
+                    "export of the committed checkpoint (no model=) needs out=: the folder of the artifact"
+                )
+            return {"out": out}  # one artifact: ranks given different folders would each return theirs
+
+        ctx, common, opts = self._agreed(action, what, tag, options, ExportOptions, model, optimizer, out_checked)
         self._settle(ctx, action, True)
         with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
             if common.model is None and out is not None:  # no model and no out was refused above

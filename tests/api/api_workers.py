@@ -765,6 +765,23 @@ def ctrl_c_in_a_tiered_resume_world(rank: int, world: int, root: str) -> dict[st
     return {"said": said}
 
 
+def export_out_per_rank_world(rank: int, world: int, root: str) -> dict[str, str]:
+    """rev62d F3: export's ``out`` was checked after the agreement and never compared: ``out=123`` on rank 1
+    alone left rank 0 waiting for rank 1's process to go; a different folder per rank gave each rank its own
+    folder back while the artifact lay in rank 0's."""
+    from smpckpt import Checkpointer
+
+    m, _ = _linear(0)
+    said: dict[str, str] = {}
+    with Checkpointer(root) as ckpt:
+        for case, out in (("type", 123 if rank == 1 else None), ("differ", os.path.join(root, f"out{rank}"))):
+            try:
+                said[case] = f"returned {ckpt.export('e', out, model=m)}"  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - the class and text are what is checked
+                said[case] = f"{type(exc).__name__}: {exc}"
+    return said
+
+
 def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
     """hunt62b R1: a DP replica diverging on rank 1 (dtype, shape, a key only it holds)."""
     from smpckpt import Checkpointer

@@ -390,6 +390,15 @@ def test_a_ctrl_c_on_one_rank_in_a_tiered_resume_fails_every_rank_at_once(tmp_pa
     assert "KeyboardInterrupt" in got[0]["said"] and "collective" not in got[0]["said"], got
 
 
+def test_an_export_out_bad_or_different_on_one_rank_fails_every_rank_naming_it(tmp_path: Any) -> None:
+    """rev62d F3: ``out`` is checked and compared in the call's agreement, like the tag."""
+    got = run_world(api_workers.export_out_per_rank_world, 2, str(tmp_path), timeout=120)
+    assert got[1]["type"].startswith("TypeError: out must be a str"), got
+    assert "rank 1 failed: out must be a str" in got[0]["type"], got  # at once, naming it
+    for r in got:
+        assert r["differ"].startswith("ValueError") and "differ between ranks in out" in r["differ"], got
+
+
 def test_a_diverging_dp_replica_is_refused_naming_its_key(tmp_path: Any) -> None:
     """hunt62b R1: a plain DP replica whose dtype or shape differs on one rank, or a key one rank lacks, was
     refused as "ranks [0] hold 2 such tensors, ranks [1] hold 2 such tensors": no key (a replica is written

@@ -217,7 +217,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
                 part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
                 rng, state = resume_state(req, target, ctx, depth=2)
-                reader = fast_reader(req, target, choice, attempt, prepared, cand)
+                DistContext(choice.group).all_ok(functools.partial(_heal, req, choice, attempt, prepared, cand))
+                reader = fast_reader(req, target, choice, attempt)
                 loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
                 part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
             except Exception as exc:  # every rank: a warning made an error is rank 0's, a CheckpointError elsewhere
@@ -331,18 +332,10 @@ def _heal(
         ) from exc
 
 
-def fast_reader(
-    req: ResumeRequest,
-    target: Target,
-    choice: TierChoice,
-    cand: FastCandidate,
-    prepared: PreparedCommit,
-    listed: FastCandidate,
-) -> PeerFetchingReader:
-    """(all ranks) This node's folder of the copy healed (:func:`_heal`, agreed across ranks); then this
-    rank's reader of the chosen fast-tier copy."""
+def fast_reader(req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate) -> PeerFetchingReader:
+    """(all ranks, once this node's folder of the copy is healed: :func:`_heal`) This rank's reader of the
+    chosen fast-tier copy."""
     nodes = choice.nodes
-    DistContext(choice.group).all_ok(lambda: _heal(req, choice, cand, prepared, listed))
     return PeerFetchingReader(
         target.url,
         group=choice.group,

@@ -205,21 +205,20 @@ def _same_history(
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
     """(all ranks) Load the newest candidate that loads; ``None``: neither tier holds one."""
     for i, cand in enumerate(choice.fast):
-        prepared = fetch_copy(ctx, choice.job, cand, choice.nodes)
-        if prepared is None:
-            continue
-        manifest = prepared.parsed()
-        target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
+        manifest: Manifest | None = None
         for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
             if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
-                attempt = _repair(ctx, choice, cand, manifest)
-                prepared = fetch_copy(ctx, choice.job, attempt, choice.nodes) if attempt is not None else None
-            if attempt is None or prepared is None:
+                attempt = _repair(ctx, choice, cand, manifest) if manifest is not None else None
+            if attempt is None:
                 break
-            try:
+            try:  # a copy no node reads back intact fails on every rank alike (fetch_copy): the next is tried
+                prepared = fetch_copy(ctx, choice.job, attempt, choice.nodes)
+                manifest = prepared.parsed()
+                target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
                 part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
                 rng, state = resume_state(req, target, ctx, depth=2)
-                reader = fast_reader(req, target, choice, attempt, prepared)
+                DistContext(choice.group).all_ok(functools.partial(_heal, req, choice, attempt, prepared, cand))
+                reader = fast_reader(req, target, choice, attempt)
                 loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
                 part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
             except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
@@ -264,13 +263,16 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     return loaded
 
 
-def _heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate, prepared: PreparedCommit) -> None:
+def _heal(
+    req: ResumeRequest, choice: TierChoice, cand: FastCandidate, prepared: PreparedCommit, listed: FastCandidate
+) -> None:
     """(leaders) Remove (never through a link, each kind logged) what in this node's folder of ``cand``'s
     tag would refuse a part healed in from a peer (files are created, never written over): a part not at
-    the manifest's size (then fetched when read); when this node lacks ``cand``'s manifest, an older save's
-    manifest of the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy is
-    left alone (the load then fails, by name). Then the copy's metadata and manifest (``prepared``), where
-    this node lacks them."""
+    the manifest's size (then fetched when read), found corrupt, or (a retry: ``cand`` is not ``listed``)
+    fetched by the failed attempt; when this node lacks ``cand``'s manifest, an older save's manifest of
+    the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy is left alone
+    (the load then fails, by name). Then the copy's metadata and manifest (``prepared``), where this node
+    lacks them (unless the failed attempt wrote them: the same bytes are there)."""
     nodes = choice.nodes
     node = nodes.node_of(nodes.rank)
     if not nodes.is_leader:
@@ -295,9 +297,13 @@ def _heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate, prepared:
         for name, holders in cand.held_by.items()
         if name != MANIFEST_NAME and not here(holders) and os.path.lexists(os.path.join(folder, name))
     )
-    if wrong:
-        stale += wrong
-        what.append(f"{len(wrong)} part(s) not at the manifest's size or found corrupt ({', '.join(wrong[:3])})")
+    corrupt = [n for n in wrong if here(listed.held_by[n])]  # the rest were not held when listed
+    fetched = [n for n in wrong if n not in corrupt]
+    kind = "fetched by the failed attempt" if cand is not listed else "not at the manifest's size"
+    for names, said in ((corrupt, "found corrupt"), (fetched, kind)):
+        if names:
+            stale += names
+            what.append(f"{len(names)} part(s) {said} ({', '.join(names[:3])})")
     if stale and not os.path.islink(folder):  # never removed through a link (the fast tier writes none)
         log.warning(
             "fast tier: node %d's copy of checkpoint %r holds %s: removed, intact copies are fetched from peers",
@@ -309,23 +315,28 @@ def _heal(req: ResumeRequest, choice: TierChoice, cand: FastCandidate, prepared:
             failed = f.remove(stale)
         if failed:
             raise CheckpointError(f"fast tier: could not remove {'; '.join(what)} on node {node}: {failed[:5]}")
-    lacks = [n for n in (prepared.metadata_name, MANIFEST_NAME) if not here(cand.held_by[n])]
+    sent = {prepared.metadata_name: prepared.metadata, MANIFEST_NAME: prepared.manifest}
+    lacks = [n for n in sent if not here(cand.held_by[n])]
     try:
+        fs = open_fs(folder)[0]
+        lacks = [
+            n for n in lacks if not os.path.isfile(p := os.path.join(folder, n)) or read_bytes_or_none(fs, p) != sent[n]
+        ]
         if lacks:  # the metadata first: a manifest commits the copy (created, never written over)
-            with Folder(open_fs(folder)[0], folder, create=True) as f:
+            with Folder(fs, folder, create=True) as f:
                 for name in lacks:
-                    f.publish(name, prepared.manifest if name == MANIFEST_NAME else prepared.metadata, sync=False)
+                    f.publish(name, sent[name], sync=False)
     except (OSError, CheckpointError) as exc:  # a folder that is a link too: this copy fails, the next is tried
-        raise CheckpointError(f"sending the fast-tier copy's metadata to node {node} failed: {exc}") from exc
+        shown = " and ".join("its manifest" if n == MANIFEST_NAME else "its metadata" for n in lacks)
+        raise CheckpointError(
+            f"writing {shown} to node {node}'s copy of checkpoint {cand.tag!r} {folder} failed: {exc}"
+        ) from exc
 
 
-def fast_reader(
-    req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate, prepared: PreparedCommit
-) -> PeerFetchingReader:
-    """(all ranks) This node's folder of the copy healed (:func:`_heal`, agreed across ranks); then this
-    rank's reader of the chosen fast-tier copy."""
+def fast_reader(req: ResumeRequest, target: Target, choice: TierChoice, cand: FastCandidate) -> PeerFetchingReader:
+    """(all ranks, once this node's folder of the copy is healed: :func:`_heal`) This rank's reader of the
+    chosen fast-tier copy."""
     nodes = choice.nodes
-    DistContext(choice.group).all_ok(lambda: _heal(req, choice, cand, prepared))
     return PeerFetchingReader(
         target.url,
         group=choice.group,

@@ -228,7 +228,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     durable = seq % opts.durable_every == 0
     if durable:  # one drain at a time: the fast tier keeps its tag until it is done
         wait_logged(part.drain_lane.fut, f"the drain of {part.drain_lane.tag!r} to the durable tier")
-    retry = _pending(ctx, job, retry_of) if retry_of is not None else None
+    retry = _pending(ctx, job, retry_of, nodes) if retry_of is not None else None
     if retry is not None and ctx.is_coordinator:  # this job drains it again: its history's, due for path
         memory.saw_path(sequence_of(retry.prepared.parsed().extra))
     streams = part.groups.streams(ctx)
@@ -281,15 +281,9 @@ def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> FastCandida
     return None
 
 
-def _pending(ctx: DistContext, job: str, found: FastCandidate) -> PendingDrain:
-    """(all ranks, two broadcasts) The pending save's manifest and metadata, from nodes holding them."""
-    tag = found.tag
-    prepared = fetch_copy(ctx, job, found, None)
-    if prepared is None:
-        raise CheckpointError(f"the manifest of checkpoint {tag!r} changed in the fast tier while it was planned")
-    if not prepared.parsed().metadata.matches(prepared.metadata):
-        raise CheckpointError(f"the metadata of checkpoint {tag!r} in the fast tier does not match its manifest")
-    return PendingDrain(tag, found.seq, prepared, found.held_by)
+def _pending(ctx: DistContext, job: str, found: FastCandidate, nodes: Nodes) -> PendingDrain:
+    """(all ranks) The pending save's manifest and metadata, from the first nodes holding them intact."""
+    return PendingDrain(found.tag, found.seq, fetch_copy(ctx, job, found, nodes, metadata=True), found.held_by)
 
 
 def save_fast(req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> PreparedCommit:

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -459,24 +459,40 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
     return out
 
 
-def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes | None) -> PreparedCommit | None:
-    """(all ranks, one or two broadcasts) ``cand``'s manifest from the first rank whose node committed it,
-    and its metadata's bytes as the first rank holding them reads them (with ``nodes``, only when one of
-    them lacks it; else empty); ``None`` when the manifest changed since the listing (removed by another
-    process of the job?)."""
+def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes, metadata: bool = False) -> PreparedCommit:
+    """(all ranks, a broadcast per copy tried) ``cand``'s manifest and, when ``metadata`` or a node lacks
+    it, its metadata (else empty), each from the first node whose copy reads back as listed (the holder
+    checks it before sending: the listed digest, the manifest's metadata record). A copy that does not
+    is logged, naming node and path, and the next node's is tried; none: :class:`CheckpointError` on
+    every rank alike (a rank raising alone would leave the others in the broadcast: rev62a F1)."""
     folder = os.path.join(job, partial_dirname(cand.tag))
 
-    def first_holders(name: str) -> bytes | None:
-        src = cand.held_by[name][0]
-        path = os.path.join(folder, name)
-        return ctx.broadcast_object(read_bytes_or_none(open_fs(path)[0], path) if ctx.rank == src else None, src=src)
+    def first_intact(name: str, what: str, fits: Callable[[bytes], bool]) -> bytes:
+        path, failed = os.path.join(folder, name), []  # the folder is this node's: the source names its own
+        for node, src in sorted({nodes.node_of(r): r for r in reversed(cand.held_by[name])}.items()):
+            got: tuple[bytes | None, str] = (None, "")
+            if ctx.rank == src:
+                try:
+                    data = read_bytes_or_none(open_fs(path)[0], path)
+                    ok = data is not None and fits(data)
+                    got = (data, "") if ok else (None, f"{path}: {'gone' if data is None else what}")
+                except Exception as exc:  # noqa: BLE001 - agreed below: the next node's copy is tried
+                    got = (None, f"{path}: {type(exc).__name__}: {exc}")
+            data, why = ctx.broadcast_object(got, src=src)
+            if data is not None:
+                return data
+            failed.append(f"node {node}'s {why}")
+            if ctx.is_coordinator:
+                log.warning("fast tier: checkpoint %r: %s (copy skipped)", cand.tag, failed[-1])
+        raise CheckpointError(
+            f"no node holds an intact copy of {name} of checkpoint {cand.tag!r} ({'; '.join(failed)})"
+        )
 
-    data = first_holders(MANIFEST_NAME)
-    if data is None or hash_bytes(data) != cand.digest:
-        return None
-    name = Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}").metadata.name
-    wanted = nodes is None or len({nodes.node_of(r) for r in cand.held_by[name]}) < nodes.count
-    return PreparedCommit(data, name, (first_holders(name) if wanted else None) or b"")
+    data = first_intact(MANIFEST_NAME, "changed since it was listed", lambda b: hash_bytes(b) == cand.digest)
+    record = Manifest.from_bytes(data, where=f"fast-tier manifest of {cand.tag!r}").metadata
+    wanted = metadata or len({nodes.node_of(r) for r in cand.held_by[record.name]}) < nodes.count
+    body = first_intact(record.name, "not the manifest's metadata", record.matches) if wanted else b""
+    return PreparedCommit(data, record.name, body)
 
 
 def tier_seq(views: Sequence[Mapping[str, LocalCopy]]) -> int:

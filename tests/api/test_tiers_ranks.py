@@ -379,3 +379,62 @@ def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tup
         assert fork["new6"]["tag"] == "new6" and fork["new6"]["exact"], fork["new6"]
         assert fork["step9"]["tag"] == "step9" and fork["step9"]["exact"], fork["step9"]
         assert fork["went_on"]["tag"] == "new7" and fork["went_on"]["exact"], fork["went_on"]
+
+
+# -- rev62a: a copy a node cannot read, or reads wrong, while others hold it intact (4 nodes of 1 rank) --------
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_world(tier_jobs_workers.fetch_faults, 4, str(tmp_path_factory.mktemp("faults")), timeout=400)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["eio", "gone", "manifest"])
+def test_a_copy_the_first_holder_cannot_read_is_taken_from_the_next_node(
+    faults: list[dict[str, Any]], case: str
+) -> None:
+    """eio (a hang, rev62a F1) and gone (node 1 left an empty metadata, F5): node 1 lacks step2's metadata,
+    node 0 cannot read its own; manifest (F2): node 1 lacks the manifest and node 2 holds a corrupt part,
+    the failed attempt's manifest on node 1 no obstacle to the retry. step2 loads, node 1 healed."""
+    for rank, r in enumerate(faults):
+        got = r[case]
+        assert (got.get("tag"), got.get("uc"), got.get("exact")) == ("step2", {"step": 2}, True), (rank, got)
+        assert got["md"] == faults[3][case]["md"], rank  # node 1's metadata fetched intact
+    if case != "manifest":  # node 0's copy named, node 2's taken
+        said = [m for m in faults[0][case]["logged"] if "(copy skipped)" in m]
+        assert len(said) == 1 and "node 0's " in said[0] and "step2_partial/.metadata." in said[0], said
+        assert ("EIO" in said[0] or "I/O error" in said[0]) if case == "eio" else ": gone" in said[0], said
+
+
+@pytest.mark.dist
+def test_a_metadata_no_node_can_read_falls_back_on_every_rank_naming_each_copy(faults: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(faults):
+        got = r["eio_all"]
+        assert (got.get("tag"), got.get("exact")) == ("step1", True), (rank, got)
+    said = [w for w in faults[0]["eio_all"]["warnings"] if "'step2' from the fast tier failed" in w]
+    assert len(said) == 1 and all(f"node {n}'s " in said[0] and f"/node{n}/" in said[0] for n in (0, 2, 3)), said
+    assert "injected I/O error" in said[0] and "resuming from checkpoint 'step1'" in said[0], said
+
+
+@pytest.mark.dist
+def test_a_pending_drain_takes_the_metadata_from_a_node_whose_copy_is_intact(faults: list[dict[str, Any]]) -> None:
+    """rev62a F3: node 0's copy of step2's metadata corrupt at its size blocked every later save."""
+    for rank, r in enumerate(faults):
+        got = r["drain"]
+        assert (got["save3"][:2], got["wait"]) == ("ok", "ok None"), (rank, got)
+        assert "step2_partial" in got["durable"], got
+    said = [m for m in faults[0]["drain"]["logged"] if "(copy skipped)" in m]
+    assert len(said) == 1 and "node 0's " in said[0] and "not the manifest's metadata" in said[0], said
+
+
+@pytest.mark.dist
+def test_a_corrupt_part_that_cannot_be_removed_falls_back_naming_it_apart_from_fetched_ones(
+    faults: list[dict[str, Any]],
+) -> None:
+    """rev62a F4: the parts the failed attempt fetched intact are not counted as corrupt."""
+    victim = faults[0]["stuck"]["victim"]
+    for rank, r in enumerate(faults):
+        got = r["stuck"]
+        assert (got.get("tag"), got.get("exact")) == ("step1", True), (rank, got)
+    said = [w for w in faults[0]["stuck"]["warnings"] if "'step2' from the fast tier failed" in w]
+    assert len(said) == 1 and f"could not remove 1 part(s) found corrupt ({victim})" in said[0], said
+    assert "part(s) fetched by the failed attempt" in said[0] and "on node 0" in said[0], said

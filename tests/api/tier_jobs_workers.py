@@ -585,3 +585,90 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         out[name] = fn(rank, world, path)
         dist.barrier()
     return out
+
+
+# -- rev62a: a copy some node cannot read, or reads wrong, while another node holds it intact ---------------
+FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck")
+
+
+def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, Any]:
+    """4 nodes of 1 rank, replicas=2, step1-2 saved per case (``only``: the cases named). eio: node 1
+    lacks step2's metadata and node 0 (its first holder) gets EIO reading it (rev62a F1: a hang); gone:
+    the same, node 0's read finding nothing (F5); eio_all: every node's read of it fails (step1, agreed);
+    manifest: node 1 lacks the manifest, node 2 holds a corrupt part (F2); drain: step2's drain pending,
+    node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    out: dict[str, Any] = {}
+    for case in FETCH_FAULTS:
+        if not only or case in only.split(","):
+            os.makedirs(os.path.join(base, case), exist_ok=True)
+            out[case] = _fetch_fault(rank, os.path.join(base, case), case)
+            dist.barrier()
+    return out
+
+
+def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
+    import errno
+
+    import smpckpt.api._tiers as tiers_module
+    from smpckpt.storage.backends._folder import Folder
+
+    local, durable = node_dir(os.path.join(base, "fast"), rank, 1), os.path.join(base, "durable")
+    every = 2 if case == "drain" else 100
+    _states(base, rank, (1, 2), durable, local, durable_every=every, num_kept_local=None)
+    folder = os.path.join(job_dir(local, durable), "step2_partial")
+    md = _metadata_name(folder)
+    with open(os.path.join(folder, MANIFEST), "rb") as f:
+        victim = min(r["name"] for r in json.loads(f.read())["files"] if r.get("rank") == rank)
+    real_read, real_remove = tiers_module.read_bytes_or_none, Folder.remove
+    dist.barrier()
+
+    def read(fs: Any, path: str) -> bytes | None:
+        if "step2_partial" in path and os.path.basename(path) == md:
+            if case == "gone":
+                return None
+            raise OSError(errno.EIO, "injected I/O error", path)
+        return real_read(fs, path)
+
+    def remove(self: Any, names: Any) -> list[str]:
+        names = list(names)
+        return real_remove(self, [n for n in names if n != victim]) + [victim] * (victim in names)
+
+    if rank == 1 and case in ("eio", "gone", "eio_all", "manifest"):
+        os.unlink(os.path.join(folder, MANIFEST if case == "manifest" else md))
+    if case == "eio_all" or (rank == 0 and case in ("eio", "gone")):
+        tiers_module.read_bytes_or_none = read  # type: ignore[assignment]
+    if rank == 2 and case == "manifest":
+        _flip(os.path.join(folder, victim))
+    if rank == 0 and case == "drain":  # step2's durable copy gone: the next save drains it again
+        for name in os.listdir(durable):
+            if name.startswith("step2") or name == "newest":
+                p = os.path.join(durable, name)
+                shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+        _flip(os.path.join(folder, md))
+    if rank == 0 and case == "stuck":
+        _flip(os.path.join(folder, victim))
+        Folder.remove = remove  # type: ignore[method-assign]
+    dist.barrier()
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("smpckpt.api").addHandler(handler)
+    try:
+        if case == "drain":
+            ctx, model, opt = tp_model.build(LAYOUT, seed=3)
+            got: dict[str, Any] = {"save3": _attempt(lambda: _save(durable, local, 3, model, opt, durable_every=2))}
+            got["wait"] = _attempt(wait_for_saves)
+            got["durable"] = sorted(os.listdir(durable))
+        else:
+            uc, state, said = _resume(durable, local, 11)
+            tag = _info()["tag"]
+            got = {"tag": tag, "uc": uc, "exact": _same(state, _want(base, int(tag[4:]), rank)), "warnings": said}
+    except Exception as exc:  # noqa: BLE001 - the test shows it
+        got = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        logging.getLogger("smpckpt.api").removeHandler(handler)
+        tiers_module.read_bytes_or_none, Folder.remove = real_read, real_remove  # type: ignore[method-assign]
+    got["logged"], got["victim"] = logged, victim
+    got["md"] = _read(folder, md) if os.path.exists(os.path.join(folder, md)) else None
+    return got

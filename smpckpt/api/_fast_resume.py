@@ -236,7 +236,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 continue
             durable = choice.durable
             if durable is not None and durable.said and cand.order == durable.order:  # path's choice, drained
-                ctx.all_ok(functools.partial(_warn_on, ctx, durable.said, 6))
+                ctx.all_ok(functools.partial(_warn_on, ctx, durable.said, 7))
                 loaded = dataclasses.replace(loaded, target=dataclasses.replace(loaded.target, fell_back=True))
             return loaded
         nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
@@ -249,14 +249,14 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
         )
         # agreed, as the failure was: a warning made an error fails every rank alike (rev59c F1)
         said = f"loading checkpoint {cand.tag!r} from the fast tier failed ({first}); resuming from {instead}"
-        ctx.all_ok(functools.partial(_warn_on, ctx, said, 6))
+        ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
         if nxt is None and choice.durable is None:
             raise first
     if choice.durable is None:
         return None
     target = choice.durable
     if target.said:  # resolve_target's fallback warning, only when what it chose loads (agreed, as above)
-        ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 6))
+        ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 7))
     rng, state = resume_state(req, target, ctx, depth=2)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)

@@ -341,17 +341,26 @@ def apply_state(
     if req.model is not None:
         model_sd = state[RESERVED.model]
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
-        if req.optimizers:
-            set_state_dict(
-                req.model,
-                req.optimizers,
-                model_state_dict=model_sd,
-                optim_state_dict=state[RESERVED.optim],
-                options=opts,
-            )
-            drop_optimizer_state(req.model, req.optimizers, unsaved)
-        else:
-            set_model_state_dict(req.model, model_sd, options=opts)
+        try:
+            if req.optimizers:
+                set_state_dict(
+                    req.model,
+                    req.optimizers,
+                    model_state_dict=model_sd,
+                    optim_state_dict=state[RESERVED.optim],
+                    options=opts,
+                )
+                drop_optimizer_state(req.model, req.optimizers, unsaved)
+            else:
+                set_model_state_dict(req.model, model_sd, options=opts)
+        except TypeError as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
+            if "load_state_dict() got an unexpected keyword argument" not in str(exc):
+                raise
+            raise TypeError(
+                f"{type(req.model).__name__}.load_state_dict does not take torch's keywords ({exc}): give the "
+                "override torch's signature, load_state_dict(self, state_dict, strict=True, assign=False); the "
+                "model's tensors already hold the checkpoint's values (dcp.load fills them in place)"
+            ) from exc
     restored: tuple[str, ...] = ()
     if restore_rng:
         skipped = set(report.skipped_optional if report else ())

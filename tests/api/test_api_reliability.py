@@ -22,6 +22,7 @@ from smpckpt import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
+    FastTier,
     ResumeOptions,
     Retention,
     SpecError,
@@ -277,6 +278,11 @@ def test_hostile_sibling_is_listed_as_unsafe_and_the_root_keeps_working(tmp_path
     with pytest.warns(UserWarning, match="resuming from the newest committed checkpoint 'step2'") as warned:
         assert resume_from_checkpoint(root, model=m, optimizer=o) == {"step": 2}
     assert [w.filename for w in warned if "newest committed" in str(w.message)] == [__file__]  # the caller's line
+    _assert_same_params(last, m)
+    m, o = _model(9)  # through a fast tier holding nothing (rev62d F2: the warning named the package's line)
+    with pytest.warns(UserWarning, match="resuming from the newest committed checkpoint 'step2'") as warned:
+        resume_from_checkpoint(root, model=m, optimizer=o, options=FastTier(local_path=str(tmp_path) + "_fast"))
+    assert [w.filename for w in warned if "newest committed" in str(w.message)] == [__file__]
     _assert_same_params(last, m)
     m3, o3 = _model(3)
     save_checkpoint(root, "step3", model=m3, optimizer=o3, num_kept_partial_checkpoints=2)

@@ -283,6 +283,14 @@ def _stage_problems(
     return problems
 
 
+#: why two pipeline stages hold one global key with different values
+_STAGE_CAUSE = (
+    "a stage-local key not renumbered to its global name (only a 'layers.<i>' segment is renumbered by "
+    "pp_layers; pass name_map= for other schemes), or two copies of one shared tensor (an embedding the first "
+    "and last stage both hold) that drifted apart (their gradients not all-reduced)"
+)
+
+
 def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first_rows: dict[int, _Row]) -> list[str]:
     """A global key two stages hold must hold one value: else a stage-local name was not renumbered.
     Keys split over TP or DP are left to :func:`_stage_piece_problems` (compared by piece)."""
@@ -298,8 +306,7 @@ def _across_stages(leaders: dict[int, tuple[tuple[str, ...], np.ndarray]], first
             if prior[0] != stage and prior[2] != int(values[i]):
                 problems.append(
                     f"pipeline stages {prior[0]} and {stage} (ranks {prior[1]} and {rank}) both hold {key!r} with "
-                    "different values: a stage-local key not renumbered to its global name (only a 'layers.<i>' "
-                    "segment is renumbered by pp_layers; pass name_map= for other schemes)"
+                    "different values: " + _STAGE_CAUSE
                 )
     return problems
 
@@ -359,11 +366,10 @@ def _dtensor_problems(fresh: Sequence[Any], structure: Sequence[Any]) -> list[st
 
 def _stage_piece_problems(fresh: Sequence[Any], structure: Sequence[Any], layout: ParallelLayout) -> list[str]:
     """Pipeline stages that hold the same piece of a key split over TP or DP (``stage_values``) with different
-    values: a stage-local key not renumbered to its global name (one stage's values would be dropped)."""
+    values (one stage's values would be dropped): see :data:`_STAGE_CAUSE`."""
     return [
         f"pipeline stages {layout.coords(a).pp} and {layout.coords(b).pp} (ranks {a} and {b}) both hold {what} "
-        "with different values: a stage-local key not renumbered to its global name (only a 'layers.<i>' "
-        "segment is renumbered by pp_layers; pass name_map= for other schemes)"
+        "with different values: " + _STAGE_CAUSE
         if what
         else f"(and {a} more pieces held by several stages)"
         for what, a, b in _differing_pieces(

@@ -193,23 +193,30 @@ class TiedLoads:
             groups.setdefault(first, [first]).append(alias)
         self.sources, self.through, self.covered, self.compare, self._pending, self._keep = {}, {}, [], {}, {}, {}
         for keys in groups.values():
-            apart = [k for k in keys if k in md_all and k not in saved_tied]  # holding bytes of their own
-            kept = [k for k in apart if self.keep is not None and self.keep.fullmatch(k)]
-            if len(kept) > 1:  # the first would win in silence, whatever order the globs came in
-                both = " and ".join(map(repr, sorted(kept)))
-                raise LayoutMismatch(f"keep_tied matches both {both}, one tensor the checkpoint holds apart: name one")
-            reader = kept[0] if kept else next((k for k in keys if stored(k) is not None), keys[0])
+            # each key's stored tensor (a key the checkpoint ties to another is that one), and those a
+            # keep_tied match selects: a matching alias selects its stored tensor (rev62e R1)
+            src = {k: s for k in keys if (s := stored(k)) is not None}
+            picked = [k for k in keys if k in src and self.keep is not None and self.keep.fullmatch(k)]
+            reader = next(iter(picked), next(iter(src), keys[0]))
+            # compared with the reader: one key per other stored tensor, or per other one picked (equal
+            # copies are no choice to make: a glob matching two loads them, differing ones are refused)
+            seen, kept = {src.get(reader)}, len({src[k] for k in picked}) == 1
             for key in keys:
                 if key == reader:
                     continue
-                if key in apart and reader in apart and not kept:
+                if key in src and src[key] not in seen and not kept and (not picked or key in picked):
+                    seen.add(src[key])
                     self.compare[key] = reader  # two values for one tensor: read both, compare
+                    if picked:
+                        self._keep[key] = ("", "")  # refused as the glob's ambiguity
                     continue
                 self.through[key] = reader
-                if key in md_all:
-                    self.covered.append(key)
-            if len(apart) > 1 and all(k.startswith(model) for k in keys):
-                names.update(dict.fromkeys((k[len(model) :] for k in keys), (reader[len(model) :], not kept)))
+                if key in src:
+                    self.covered.append(src[key])
+            if len(set(src.values())) > 1 and all(k.startswith(model) for k in keys):
+                names.update(
+                    (k[len(model) :], (src[reader][len(model) :], src.get(k) in seen - {src[reader]})) for k in keys
+                )
         for key in entries:
             if key not in self.through and key not in md_all and (source := stored(key)) is not None:
                 self.sources[key] = source
@@ -265,6 +272,11 @@ class TiedLoads:
                 self._pending.pop(alias)
                 if not same_bits(entries[reader].value, entries[alias].value):
                     keep = self._keep.get(alias, (reader, alias))
+                    if not keep[0]:
+                        raise LayoutMismatch(
+                            f"rank {rank}: keep_tied matches both {' and '.join(sorted((repr(alias), repr(reader))))}, "
+                            "one tensor the checkpoint holds apart, and the two differ: name one"
+                        )
                     raise LayoutMismatch(
                         f"rank {rank}: {alias!r} and {reader!r} are one tensor in the model (tied), but the "
                         "checkpoint holds them apart with different values, and a tied model holds one. Pass "

@@ -106,8 +106,9 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
             Everything else stays strict unless ``allow_partial_load``.
         keep_tied: globs of checkpoint keys: when the checkpoint holds two keys of a tensor the
-            destination ties (``lm_head.weight`` and the embedding) apart, the one matching (one only) is loaded
-            and the others are not read. Without a match both are read and must be equal.
+            destination ties (``lm_head.weight`` and the embedding) apart, the one matching is loaded (a key
+            stored tied to another: that one) and the others are not read. Without a match, or matching
+            two, both are read and must be equal.
 
     Tied parameters (one tensor under two keys, as transformers ties ``lm_head.weight`` to the input
     embedding) load without ``allow_partial_load``: keys tied in the destination are one tensor, loaded

@@ -90,7 +90,8 @@ def test_two_stages_with_one_global_key(tmp_path: Path) -> None:
     layout = ParallelLayout(pp=2, pp_layers=(1, 1))
     sds = [{"model": {"transformer.h.0.attn.w": torch.full((4, 4), float(s))}} for s in range(2)]
     with pytest.raises(
-        ReplicaMismatch, match=r"pipeline stages 0 and 1 .* 'model\.transformer\.h\.0\.attn\.w'.*name_map"
+        ReplicaMismatch,
+        match=r"pipeline stages 0 and 1 .* 'model\.transformer\.h\.0\.attn\.w'.*name_map.*not all-reduced",
     ):
         _save(tmp_path / "a", sds, layout)
     # with the name map each stage's layer keeps its own global name
@@ -448,6 +449,7 @@ def test_keys_split_over_tp_that_two_stages_hold_are_compared_by_piece(tmp_path:
         return sim_save(sds, planners, [FsspecStorageWriter(str(tmp_path / name)) for _ in range(8)])
 
     stage_key = r"pipeline stages 0 and 1 \(ranks 1 and 5\) both hold 'model\.embed' piece at offsets \(6, 0\)"
+    stage_key += r".*or two copies of one shared tensor .* drifted apart \(their gradients not all-reduced\)"
     with pytest.raises(ReplicaMismatch, match=stage_key):
         save("differ", differ=True)
     save("same", differ=False)
@@ -459,12 +461,13 @@ def test_keys_split_over_tp_that_two_stages_hold_are_compared_by_piece(tmp_path:
 def test_only_pieces_another_stage_may_hold_are_sent() -> None:
     """What the cross-stage piece check costs: a key the ``layers.<i>`` rule renumbers is its stage's own
     (not sent, stage 0's unchanged names included), a key split over DP alone is sent by TP rank 0 only,
-    and empty pieces never."""
+    one split over TP alone by DP rank 0 only (rev62e R4), and empty pieces never."""
     layout = ParallelLayout(tp=2, dp=2, pp=2, pp_layers=(1, 1))
     specs = {
         "*.both": (ShardSpec(0), ShardSpec(0, axis="dp")),
         "*.dp_only": ShardSpec(0, axis="dp"),
         "*.empty_on_dp0": (ShardSpec(0), ShardSpec(0, axis="dp", sizes=(0, 4))),
+        "*.tp_only": ShardSpec(0),
     }
 
     def sd(rank: int) -> dict[str, Any]:
@@ -474,12 +477,13 @@ def test_only_pieces_another_stage_may_hold_are_sent() -> None:
             "embed.both": torch.ones(2, 2),
             "embed.dp_only": torch.ones(4, 2),
             "embed.empty_on_dp0": torch.ones(0 if c.dp == 0 else 4, 2),
+            "embed.tp_only": torch.ones(2, 2),
         }
 
     plans = _local_plans(layout, [sd(r) for r in range(8)], specs)
     sent = [len(p.planner_data["stage_values"] or b"") // 12 for p in plans]
-    # rank (tp, dp): embed.both always; embed.dp_only on tp 0; embed.empty_on_dp0 on dp 1
-    assert sent == [2, 1, 3, 2] * 2
+    # rank (tp, dp): embed.both always; embed.dp_only on tp 0; embed.tp_only on dp 0; embed.empty_on_dp0 on dp 1
+    assert sent == [3, 2, 3, 2] * 2
 
 
 def test_a_replicated_zero_tensor_is_sampled_as_zeros(tmp_path: Path) -> None:

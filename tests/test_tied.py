@@ -4,9 +4,11 @@ hold them apart, and left out of full artifacts as ``save_pretrained`` leaves th
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -331,25 +333,66 @@ def test_tied_vocab_parallel_shards_refuse_a_head_apart_that_differs_on_one_rank
     assert torch.equal(torch.cat([d["model"]["embed"] for d in dests]), head)
 
 
-def test_keep_tied_naming_both_keys_of_one_tensor_is_refused(tmp_path: Path) -> None:
+def test_keep_tied_naming_both_keys_of_one_tensor_is_refused_when_they_differ(tmp_path: Path) -> None:
     """keep_tied globs matching both keys of a tied tensor the checkpoint holds apart with different values
     (``["model.*"]``, or both names) loaded the destination's first key in silence, whatever the order the
-    globs were given in (hunt62a); which one to keep is the caller's to say: refused naming both."""
-    embed, head = torch.zeros(4, 2), torch.ones(4, 2)
-    store = str(tmp_path)
-    sim_save(
-        [{"model": {"embed": embed, "head": head}}],
-        [ParallelSavePlanner(ParallelLayout(), rank=0)],
-        [FsspecStorageWriter(store)],
+    globs were given in (hunt62a); which one to keep is the caller's to say: refused naming both. Equal
+    copies are no choice (either gives the same values): they load (rev62e R5)."""
+    for head_value in (1.0, 0.0):
+        store = str(tmp_path / str(head_value))
+        sim_save(
+            [{"model": {"embed": torch.zeros(4, 2), "head": torch.full((4, 2), head_value)}}],
+            [ParallelSavePlanner(ParallelLayout(), rank=0)],
+            [FsspecStorageWriter(store)],
+        )
+        for keep in (["model.*"], ["model.head", "model.embed"]):
+            piece = torch.full((4, 2), 7.0)
+            dest = {"model": {"embed": piece, "head": piece}}
+            planners = [ParallelLoadPlanner(ParallelLayout(), rank=0, keep_tied=keep)]
+            if head_value:
+                with pytest.raises(
+                    smpckpt.LayoutMismatch, match=r"keep_tied matches both 'model\.embed' and 'model\.head'.*differ"
+                ):
+                    sim_load([dest], planners, [FsspecStorageReader(store)])
+            else:
+                sim_load([dest], planners, [FsspecStorageReader(store)])
+                assert torch.equal(piece, torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize(
+    ("keep", "want"),
+    [
+        (["model.encoder.embed_tokens.weight"], 1.0),  # an alias the checkpoint ties to shared selects shared
+        (["model.shared.weight", "model.encoder.embed_tokens.weight"], 1.0),  # both reach one stored tensor
+        (["model.decoder.embed_tokens.weight"], 2.0),
+        (["model.*.embed_tokens.weight"], "'model.decoder.embed_tokens.weight' and 'model.encoder.embed_tokens"),
+        (["model.shared.weight", "model.decoder.embed_tokens.weight"], "'model.decoder.embed_tokens.weight' and"),
+    ],
+)
+def test_keep_tied_over_a_tie_of_three_keys_selects_by_stored_tensor(
+    tmp_path: Path, keep: list[str], want: Any
+) -> None:
+    """A T5-like tie of three keys, the checkpoint storing shared and encoder tied (1.0) and decoder apart
+    (2.0): a glob matching encoder and decoder loaded decoder in silence, and naming encoder alone was
+    ignored (refused, advising what was passed): every matching key now selects the tensor the checkpoint
+    stores it as, and matches reaching two different stored tensors are refused (rev62e R1)."""
+    s = torch.full((4, 2), 1.0)
+    saved = {"shared.weight": s, "encoder.embed_tokens.weight": s, "decoder.embed_tokens.weight": s + 1}
+    sim_save([{"model": saved}], [ParallelSavePlanner(ParallelLayout(), rank=0)], [FsspecStorageWriter(str(tmp_path))])
+    t = torch.zeros(4, 2)
+    dest = {"model": {"shared.weight": t, "encoder.embed_tokens.weight": t, "decoder.embed_tokens.weight": t}}
+    load = functools.partial(
+        sim_load,
+        [dest],
+        [ParallelLoadPlanner(ParallelLayout(), rank=0, keep_tied=keep)],
+        [FsspecStorageReader(str(tmp_path))],
     )
-    for keep in (["model.*"], ["model.head", "model.embed"]):
-        piece = torch.full((4, 2), 7.0)
-        dest = {"model": {"embed": piece, "head": piece}}
-        with pytest.raises(smpckpt.LayoutMismatch, match=r"keep_tied matches both 'model\.embed' and 'model\.head'"):
-            sim_load(
-                [dest], [ParallelLoadPlanner(ParallelLayout(), rank=0, keep_tied=keep)], [FsspecStorageReader(store)]
-            )
-        assert torch.equal(piece, torch.full((4, 2), 7.0))  # refused before anything is read
+    if isinstance(want, str):
+        with pytest.raises(smpckpt.LayoutMismatch, match="keep_tied matches both " + re.escape(want)):
+            load()
+    else:
+        load()
+        assert torch.equal(t, torch.full((4, 2), want))
 
 
 class _PipeStage(nn.Module):

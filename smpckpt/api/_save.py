@@ -416,7 +416,7 @@ def _refuse_ties_held_apart(ctx: DistContext, common: CommonRequest, opts: Expor
                 continue  # tied in memory: written once
             for key, t in zip((head, embed), pair):
                 if isinstance(t, torch.Tensor) and t.numel():
-                    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
                     out.append((key, head, (place.tp, place.dp), tuple(t.shape), hashlib.sha256(raw).hexdigest()))
         return out
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import logging
 import threading
 import time
@@ -27,7 +26,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.tensor import DTensor
 
 from smpckpt._version import VERSION
 from smpckpt.api._dist import (
@@ -381,8 +379,6 @@ def save_full(
         return state, _stamp(state, counter, FULL_API_RECORD, tag, user_content, False, **fields)
 
     state, extra = ctx.all_ok(build)
-    if opts.hf_config is not None and artifact.leaves_tied_out and common.layout.world_size == ctx.world_size:
-        _refuse_ties_held_apart(ctx, common, opts, state[RESERVED.model])
     writer = FullArtifactWriter(
         url,
         storage_options=opts.out_storage_options if opts.out_storage_options is not None else common.storage_options,
@@ -397,40 +393,6 @@ def save_full(
     run_save("full", common, writer, state, action, planners, opts.verify_replicas, artifact.leaves_tied_out)
     log.info("saved full checkpoint %s (%s) in %.2fs", url, common.layout, time.monotonic() - started)
     return url
-
-
-def _refuse_ties_held_apart(ctx: DistContext, common: CommonRequest, opts: ExportOptions, model: Any) -> None:
-    """(all ranks) Refuse an export whose config ties a head to its embedding (the translation's ties, or a
-    transformers model's ``_tied_weights_keys``) while the model holds the two apart with other values (a
-    pipeline's last stage whose copy drifted): the artifact would hold both under a config saying they are
-    one, which transformers loads untied, and a tied model refuses (hunt62a). Pieces of one TP/DP place."""
-    tied = getattr(opts.translate_function, "tied", None) or getattr(type(common.model), "_tied_weights_keys", None)
-    if not isinstance(tied, Mapping) or not tied:
-        return
-
-    def digests() -> list[tuple[str, str, tuple[int, int], tuple[int, ...], str]]:
-        place, out = common.layout.coords(ctx.rank), []
-        for head, embed in tied.items():
-            pair = [t.to_local() if isinstance(t, DTensor) else t for t in (model.get(head), model.get(embed))]
-            if all(isinstance(t, torch.Tensor) for t in pair) and pair[0].data_ptr() == pair[1].data_ptr():
-                continue  # tied in memory: written once
-            for key, t in zip((head, embed), pair):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                    out.append((key, head, (place.tp, place.dp), tuple(t.shape), hashlib.sha256(raw).hexdigest()))
-        return out
-
-    held = [(rank, *d) for rank, found in enumerate(ctx.all_ok_values(digests)) for d in found]
-    embeds = {(h, at, shape): (rank, key, d) for rank, key, h, at, shape, d in held if key != h}
-    for rank, key, head, at, shape, digest in held:
-        other = embeds.get((head, at, shape)) if key == head else None
-        if other is not None and other[2] != digest:
-            raise ReplicaMismatch(
-                f"{head!r} (rank {rank}) and {other[1]!r} (rank {other[0]}) hold different values, but the "
-                "hf_config ties them (tie_word_embeddings): the artifact would hold two tensors under a config "
-                "saying they are one, which transformers loads untied. Make the head equal its embedding (the "
-                "tie's gradients all-reduced across the stages), or export with tie_word_embeddings=False"
-            )
 
 
 def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:

@@ -223,10 +223,14 @@ class TiedLoads:
             if key not in self.through and key not in md_all and (source := stored(key)) is not None:
                 self.sources[key] = source
         if names:
-            self._optimizer_state(names, entries, md_all)
+            self._optimizer_state(names, entries, md_all, saved_tied)
 
     def _optimizer_state(
-        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any]
+        self,
+        names: dict[str, tuple[str, bool]],
+        entries: dict[str, Entry],
+        md_all: Mapping[str, Any],
+        saved_tied: Mapping[str, str],
     ) -> None:
         """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
         copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
@@ -241,12 +245,30 @@ class TiedLoads:
                     return p, name, key[len(p) + len(name) :]
             return None
 
+        asked = False  # whether this load asks for such a parameter's optimizer state (a model-only one: not)
         for key in [k for k in entries if k not in self.sources]:
             if (found := split(key)) is not None and (source := found[0] + names[found[1]][0] + found[2]) != key:
                 self.sources[key] = source  # the dest's name (its first key) may be the copy not loaded
+            asked = asked or found is not None
         loaded = {self.sources.get(k, k): k for k in entries}
-        for key in md_all:
-            if (found := split(key)) is None or names[found[1]][0] == found[1]:
+        saved = [(key, found) for key in md_all if (found := split(key)) is not None]
+        held: dict[str, set[tuple[str, str]]] = {}  # each copy's name -> its saved keys (prefix, rest)
+        for _, (prefix, name, rest) in saved:
+            held.setdefault(name, set()).add((prefix, rest))
+        model = f"{RESERVED.model}."
+        for name, (kept, compared) in names.items():
+            one, other = held.get(name, set()), held.get(kept, set())
+            # one copy saved without state (frozen): nothing to compare it by (saved tied: state saved once)
+            tied = saved_tied.get(model + name, model + name) == saved_tied.get(model + kept, model + kept)
+            if compared and asked and not tied and one != other:
+                odd = sorted({p + name + r for p, r in one - other} | {p + kept + r for p, r in other - one})
+                raise LayoutMismatch(
+                    f"'{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
+                    f"holds them apart with different optimizer state: only one holds {', '.join(odd[:6])}. Pass "
+                    f"keep_tied=['{model}{kept}'] (or ['{model}{name}']) to load that one and ignore the other"
+                )
+        for key, found in saved:
+            if names[found[1]][0] == found[1]:
                 continue
             dest = loaded.get(found[0] + names[found[1]][0] + found[2])
             if not names[found[1]][1] or dest is None or key in entries:

@@ -422,15 +422,16 @@ def _tie_apart(model: nn.Module) -> list[dict[str, Any]]:
 def _save_pp2_stages(rank: int, world: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
     """Tag "same": the tie's gradient all-reduced (head and embedding alike); "drift": the head's gradient
     differs, so its weights and Adam moments drift from the embedding's; "moments": one moment differs;
-    "lr": equal tensors, the head's lr differs; "frozen": the head had no gradient (no state). Returns each
+    "lr": equal tensors, the head's lr differs; "frozen": the head had no gradient (no state), the embedding
+    a zero one (Adam state, its weights unchanged: equal to the head's). Returns each
     tag's Adam state."""
     out = {}
     for tag, head_grad in (("same", -0.25), ("drift", 0.5), ("moments", -0.25), ("lr", -0.25), ("frozen", None)):
         model = _PipeStage(rank, 2)
         opt = torch.optim.Adam(_tie_apart(model), lr=0.1)
         for name, p in model.named_parameters():
-            grad = head_grad if rank == 1 else -0.25
-            p.grad = None if grad is None and name == "head.weight" else torch.full_like(p, grad or -0.25)
+            grad = (-0.25 if head_grad is None else head_grad) if rank == 1 else -0.25 if head_grad else 0.0
+            p.grad = None if head_grad is None and name == "head.weight" else torch.full_like(p, grad)
         opt.step()
         if tag == "moments" and rank == 1:  # equal weights, one moment apart
             opt.state[model.head.weight]["exp_avg"][0, 0] += 1.0
@@ -498,3 +499,10 @@ def test_a_tie_held_apart_by_pipeline_stages_loads_with_its_own_optimizer_state(
         assert all(torch.equal(state[k], want[k]) for k in state), keep
         stateless = () if state else tuple(f"optim.state.embed.weight.{k}" for k in ("exp_avg", "exp_avg_sq", "step"))
         assert smpckpt.last_resume_info().skipped_keys == stateless, keep  # as any parameter saved without state
+    # without keep_tied, a copy with state and one without differ, equal weights or not (were: the state kept)
+    with pytest.raises(
+        smpckpt.LayoutMismatch,
+        match=r"'model\.head\.weight' and 'model\.embed\.weight' .*only one holds optim\.state\.embed\.weight\."
+        r"exp_avg, .*keep_tied=\['model\.embed\.weight'\]",
+    ):
+        smpckpt.resume_from_checkpoint(str(tmp_path), "frozen", model=model, optimizer=opt)

@@ -182,10 +182,10 @@ class TiedLoads:
         """Decide, for this rank's destination ``entries``, from the checkpoint's keys ``md_all``."""
 
         def stored(key: str) -> str | None:
-            if key in md_all:
-                return key
-            first = saved_tied.get(key)
-            return first if first is not None and first in md_all else None
+            first = saved_tied.get(key)  # an alias the checkpoint lists is still its first key's tensor
+            if first is not None and first in md_all:
+                return first
+            return key if key in md_all else None
 
         model = f"{RESERVED.model}."
         names: dict[str, tuple[str, bool]] = {}  # name of a key held apart -> (name loaded, compare the others)
@@ -213,8 +213,7 @@ class TiedLoads:
                         self._keep[key] = ("", "")  # refused as the glob's ambiguity
                     continue
                 self.through[key] = reader
-                if key in src:
-                    self.covered.append(src[key])
+                self.covered += [k for k in dict.fromkeys((key, src.get(key))) if k is not None and k in md_all]
             if len(set(src.values())) > 1 and all(k.startswith(model) for k in keys):
                 names.update(
                     (k[len(model) :], (src[reader][len(model) :], src.get(k) in seen - {src[reader]})) for k in keys

@@ -506,3 +506,45 @@ def test_a_tie_held_apart_by_pipeline_stages_loads_with_its_own_optimizer_state(
         r"exp_avg, .*keep_tied=\['model\.embed\.weight'\]",
     ):
         smpckpt.resume_from_checkpoint(str(tmp_path), "frozen", model=model, optimizer=opt)
+
+
+def test_a_tie_saved_tied_resumes_through_one_read_whichever_key_keep_tied_names(tmp_path: Path) -> None:
+    """rev62h F1/F2: a tie saved tied (one tensor listed under both keys) resumed into the same tied model
+    with Adam: keep_tied naming the alias (the README's own example) was refused ("14 keys are not in the
+    checkpoint: optim.state..."), and without keep_tied the tensor was read twice, into scratch, and
+    compared (a copy of the embedding per resume)."""
+    from smpckpt.planners import _shared_memory
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(7, 3)
+            self.head = nn.Linear(3, 7, bias=False)
+            self.head.weight = self.embed.weight
+
+    m = Tied()
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m.embed.weight.grad = torch.full((7, 3), -0.25)
+    o.step()
+    smpckpt.save_checkpoint(str(tmp_path), "t", model=m, optimizer=o)
+    compared: list[dict[str, str]] = []
+    real = _shared_memory.TiedLoads.plan
+
+    def plan(self: Any, *args: Any, **kwargs: Any) -> Any:
+        real(self, *args, **kwargs)
+        compared.append(dict(self.compare))
+
+    _shared_memory.TiedLoads.plan = plan  # type: ignore[method-assign]
+    try:
+        for keep in ([], ["model.embed.weight"], ["model.head.weight"], ["model.*"]):
+            dm = Tied()
+            do = torch.optim.Adam(dm.parameters(), lr=0.1)
+            opts = smpckpt.ResumeOptions(keep_tied=keep)
+            smpckpt.resume_from_checkpoint(str(tmp_path), "t", model=dm, optimizer=do, options=opts)
+            assert compared[-1] == {}, (keep, compared[-1])  # one read, nothing into scratch
+            assert torch.equal(dm.embed.weight, m.embed.weight) and dm.head.weight is dm.embed.weight, keep
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(do.state[dm.embed.weight][name], o.state[m.embed.weight][name]), (keep, name)
+    finally:
+        _shared_memory.TiedLoads.plan = real  # type: ignore[method-assign]

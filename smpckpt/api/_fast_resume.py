@@ -392,7 +392,7 @@ def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest:
     what = "fetching them from peers with intact copies" if not missing else "no node holds an intact copy of some"
     # agreed (every rank knows `corrupt`): a filter making the warning an error fails every rank alike, not
     # rank 0 alone while the others wait in the next collective (rev59c F1)
-    gctx.all_ok(lambda: _warn_on(ctx, f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}", 7))
+    gctx.all_ok(lambda: _warn_on(ctx, f"fast tier: checkpoint {cand.tag!r} has corrupt parts ({shown}); {what}", 9))
     # the corrupt copies, no longer counted as held, go before the retried load (:func:`_heal`), so the
     # intact ones fetched from the peers can take their names
     return None if missing else dataclasses.replace(cand, held_by=held, missing=missing)

@@ -354,12 +354,14 @@ def apply_state(
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
         except TypeError as exc:  # torch's helpers call load_state_dict(state_dict=..., strict=..., assign=...)
-            if "load_state_dict() got an unexpected keyword argument" not in str(exc):
+            owner, found, _ = str(exc).partition(".load_state_dict() got an unexpected keyword argument")
+            if not found:
                 raise
-            raise TypeError(
-                f"{type(req.model).__name__}.load_state_dict does not take torch's keywords ({exc}): give the "
-                "override torch's signature, load_state_dict(self, state_dict, strict=True, assign=False); the "
-                "model's tensors already hold the checkpoint's values (dcp.load fills them in place)"
+            raise TypeError(  # the class torch called: the model's, or an optimizer's
+                f"{owner.rsplit('.', 1)[-1]}.load_state_dict does not take torch's keywords ({exc}): give the "
+                "override torch's signature (a module's: load_state_dict(self, state_dict, strict=True, "
+                "assign=False); an optimizer's: load_state_dict(self, state_dict)); the model's tensors already "
+                "hold the checkpoint's values (dcp.load fills them in place)"
             ) from exc
     restored: tuple[str, ...] = ()
     if restore_rng:

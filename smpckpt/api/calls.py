@@ -238,7 +238,8 @@ def _prepare(
             built[cls] = objects[cls] if cls in objects else cls(**kw) if kw or cls is call else None
         if not save and built[ResumeOptions].partial != partial:
             raise ValueError(
-                f"partial={partial}, but options holds ResumeOptions(partial={built[ResumeOptions].partial})"
+                f"partial={partial}{' (the default)' if partial else ''}, but options holds ResumeOptions(partial="
+                f"{built[ResumeOptions].partial}): pass partial={built[ResumeOptions].partial} as well"
             )
         location = path if isinstance(path, Location) else Location(path)
         if homes:

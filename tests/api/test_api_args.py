@@ -308,3 +308,12 @@ def test_the_other_modes_keyword_at_its_default_is_accepted_and_any_other_value_
         kind = "full" if partial else "partial"
         with pytest.raises(ValueError, match=rf"^{name} applies only to {kind} checkpoints"):
             save_checkpoint(str(tmp_path), "b", partial=partial, model=_model(), **{name: value})
+
+
+def test_resume_options_partial_false_without_the_keyword_says_to_pass_it(tmp_path: Any) -> None:
+    """rev62g aside: options=ResumeOptions(partial=False) alone was refused as "partial=True, but options
+    holds ..." though the caller never passed partial=True (the smp keyword's default)."""
+    from smpckpt import ResumeOptions
+
+    with pytest.raises(ValueError, match=r"partial=True \(the default\), but .*: pass partial=False as well"):
+        resume_from_checkpoint(str(tmp_path), model=nn.Linear(2, 2), options=ResumeOptions(partial=False))

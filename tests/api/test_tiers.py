@@ -114,6 +114,8 @@ def test_corrupt_fast_copy_falls_back_to_the_next_one_then_the_durable_one(tmp_p
             resume_from_checkpoint(durable, model=got, local_path=fast)
         said = [str(w.message) for w in caught]
         assert any("'s2' has corrupt parts" in m and "no node holds an intact copy" in m for m in said), said
+        # the caller's line (rev62h F4: the corrupt-parts warning named the package's)
+        assert {w.filename for w in caught if "corrupt parts" in str(w.message)} == {__file__}, said
         assert any("'s2' from the fast tier failed" in m for m in said), said  # the fast copy, then ...
         assert any("newest names 's2', which is not a committed" in m for m in said), said  # ... path's newest
         info = last_resume_info()

@@ -694,3 +694,12 @@ def test_a_load_state_dict_override_without_torchs_keywords_is_named(tmp_path: A
         with pytest.raises(TypeError, match=r"Old\.load_state_dict does not take torch's keywords .*assign=False"):
             resume_from_checkpoint(str(tmp_path), tag, partial=tag == "b", model=dest)
         assert torch.equal(dest.weight, src.weight), tag  # as the message says: loaded in place
+
+    class OldAdam(torch.optim.Adam):  # rev62h F3: an optimizer's override was blamed on the model's class
+        def load_state_dict(self, sd: Any) -> None:  # type: ignore[override]
+            super().load_state_dict(sd)
+
+    model = nn.Linear(3, 2)
+    save_checkpoint(str(tmp_path), "c", model=model, optimizer=torch.optim.Adam(model.parameters()))
+    with pytest.raises(TypeError, match=r"^OldAdam\.load_state_dict does not take torch's keywords"):
+        resume_from_checkpoint(str(tmp_path), "c", model=model, optimizer=OldAdam(model.parameters()))

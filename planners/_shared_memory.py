@@ -222,14 +222,10 @@ class TiedLoads:
             if key not in self.through and key not in md_all and (source := stored(key)) is not None:
                 self.sources[key] = source
         if names:
-            self._optimizer_state(names, entries, md_all, saved_tied)
+            self._optimizer_state(names, entries, md_all)
 
     def _optimizer_state(
-        self,
-        names: dict[str, tuple[str, bool]],
-        entries: dict[str, Entry],
-        md_all: Mapping[str, Any],
-        saved_tied: Mapping[str, str],
+        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any]
     ) -> None:
         """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
         copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
@@ -257,9 +253,7 @@ class TiedLoads:
         model = f"{RESERVED.model}."
         for name, (kept, compared) in names.items():
             one, other = held.get(name, set()), held.get(kept, set())
-            # one copy saved without state (frozen): nothing to compare it by (saved tied: state saved once)
-            tied = saved_tied.get(model + name, model + name) == saved_tied.get(model + kept, model + kept)
-            if compared and asked and not tied and one != other:
+            if compared and asked and one != other:  # one copy saved without state (frozen): nothing to compare
                 odd = sorted({p + name + r for p, r in one - other} | {p + kept + r for p, r in other - one})
                 raise LayoutMismatch(
                     f"'{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "

@@ -311,9 +311,9 @@ class TiedLoads:
         raise LayoutMismatch(
             f"rank {rank}: {alias!r} and {reader!r} are "
             + ("one tensor" if keep == (reader, alias) else "the optimizer state of one tensor")
-            + " in the model (tied), but the checkpoint holds them apart with different values, and a tied model holds one. Pass "
-            f"keep_tied=[{keep[0]!r}] (or [{keep[1]!r}]) to load that one and ignore the other, or untie "
-            "them in the model (give the head its own parameter) to load both"
+            + " in the model (tied), but the checkpoint holds them apart with different values, and a tied model "
+            f"holds one. Pass keep_tied=[{keep[0]!r}] (or [{keep[1]!r}]) to load that one and ignore the other, "
+            "or untie them in the model (give the head its own parameter) to load both"
         )
 
 

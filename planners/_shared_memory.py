@@ -169,6 +169,7 @@ class TiedLoads:
         #: a tied key the checkpoint holds apart, read into scratch -> the key loaded it must equal
         self.compare: dict[str, str] = {}
         self._pending: dict[str, int] = {}  # elements of each compared key still to be read
+        self._objects: dict[str, Any] = {}  # objects read of compared keys (an lr, a Python step)
         self._keep: dict[str, tuple[str, str]] = {}  # a compared optimizer key -> its parameters' keys
 
     def plan(
@@ -192,6 +193,7 @@ class TiedLoads:
         for alias, first in dest_tied.items():
             groups.setdefault(first, [first]).append(alias)
         self.sources, self.through, self.covered, self.compare, self._pending, self._keep = {}, {}, [], {}, {}, {}
+        self._objects = {}
         for keys in groups.values():
             # each key's stored tensor (a key the checkpoint ties to another is that one), and those a
             # keep_tied match selects: a matching alias selects its stored tensor (rev62e R1)
@@ -227,8 +229,9 @@ class TiedLoads:
     ) -> None:
         """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
         copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
-        weights: read from the key loaded, each other copy's state compared with it (a tensor; an object is
-        covered), never one key's weights with the other's moments (hunt62a). Adds the compared entries."""
+        weights: read from the key loaded, each other copy's state compared with it (objects too: an lr, a
+        Python step, rev62g F5), never one key's weights with the other's moments (hunt62a). Adds the
+        compared entries (an object's with no path: read, compared by ``object_read``, set nowhere)."""
         prefixes = (f"{RESERVED.optim}.state.", f"{RESERVED.optim}.param_groups.")
 
         def split(key: str) -> tuple[str, str, str] | None:  # (prefix, parameter name, rest) of such a key
@@ -237,15 +240,31 @@ class TiedLoads:
                     return p, name, key[len(p) + len(name) :]
             return None
 
+        asked = False  # whether this load asks for such a parameter's optimizer state (a model-only one: not)
         for key in [k for k in entries if k not in self.sources]:
             if (found := split(key)) is not None and (source := found[0] + names[found[1]][0] + found[2]) != key:
                 self.sources[key] = source  # the dest's name (its first key) may be the copy not loaded
+            asked = asked or found is not None
         loaded = {self.sources.get(k, k): k for k in entries}
-        for key in md_all:
-            if (found := split(key)) is None or names[found[1]][0] == found[1]:
+        saved = [(key, found) for key in md_all if (found := split(key)) is not None]
+        held: dict[str, set[tuple[str, str]]] = {}  # each copy's name -> its saved keys (prefix, rest)
+        for _, (prefix, name, rest) in saved:
+            held.setdefault(name, set()).add((prefix, rest))
+        model = f"{RESERVED.model}."
+        for name, (kept, compared) in names.items():
+            one, other = held.get(name, set()), held.get(kept, set())
+            if compared and asked and one != other:  # one copy saved without state (frozen): nothing to compare
+                odd = sorted({p + name + r for p, r in one - other} | {p + kept + r for p, r in other - one})
+                raise LayoutMismatch(
+                    f"'{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
+                    f"holds them apart with different optimizer state: only one holds {', '.join(odd[:6])}. Pass "
+                    f"keep_tied=['{model}{kept}'] (or ['{model}{name}']) to load that one and ignore the other"
+                )
+        for key, found in saved:
+            if names[found[1]][0] == found[1]:
                 continue
             dest = loaded.get(found[0] + names[found[1]][0] + found[2])
-            if not names[found[1]][1] or dest is None or entries[dest].kind == "object" or key in entries:
+            if not names[found[1]][1] or dest is None or key in entries:
                 self.covered.append(key)
             else:  # read into scratch like the dest, compared with it once both are in
                 entries[key] = dataclasses.replace(entries[dest], key=key, local_key=key, path=())
@@ -255,7 +274,7 @@ class TiedLoads:
     def count(self, items: list[ReadItem]) -> None:
         """(after the local plan) The elements each compared key and its loaded key wait for."""
         watched = set(self.compare) | set(self.compare.values())
-        self._pending = dict.fromkeys(watched, 0)
+        self._pending = dict.fromkeys(watched, 0)  # an object's read counts 0 elements: never compared here
         for item in items:
             if item.dest_index.fqn in watched:
                 self._pending[item.dest_index.fqn] += math.prod(item.lengths)
@@ -270,15 +289,41 @@ class TiedLoads:
             if fqn in (alias, reader) and self._pending.get(alias) == 0 and self._pending.get(reader) == 0:
                 self._pending.pop(alias)
                 if not same_bits(entries[reader].value, entries[alias].value):
-                    keep = self._keep.get(alias, (reader, alias))
-                    if not keep[0]:
-                        raise LayoutMismatch(
-                            f"rank {rank}: keep_tied matches both {' and '.join(sorted((repr(alias), repr(reader))))}, "
-                            "one tensor the checkpoint holds apart, and the two differ: name one"
-                        )
-                    raise LayoutMismatch(
-                        f"rank {rank}: {alias!r} and {reader!r} are one tensor in the model (tied), but the "
-                        "checkpoint holds them apart with different values, and a tied model holds one. Pass "
-                        f"keep_tied=[{keep[0]!r}] (or [{keep[1]!r}]) to load that one and ignore the other, or untie "
-                        "them in the model (give the head its own parameter) to load both"
-                    )
+                    self._refuse(alias, reader, rank)
+
+    def object_read(self, key: str, obj: Any, rank: int) -> None:
+        """(reader) An object is in: compared once both keys of a compared pair are (``load_bytes``)."""
+        if key not in self._pending:
+            return
+        self._objects[key] = obj
+        for alias, reader in self.compare.items():
+            if key in (alias, reader) and alias in self._objects and reader in self._objects:
+                if not _same_object(self._objects[alias], self._objects[reader]):
+                    self._refuse(alias, reader, rank)
+
+    def _refuse(self, alias: str, reader: str, rank: int) -> None:
+        keep = self._keep.get(alias, (reader, alias))
+        if not keep[0]:
+            raise LayoutMismatch(
+                f"rank {rank}: keep_tied matches both {' and '.join(sorted((repr(alias), repr(reader))))}, "
+                "one tensor the checkpoint holds apart, and the two differ: name one"
+            )
+        raise LayoutMismatch(
+            f"rank {rank}: {alias!r} and {reader!r} are "
+            + ("one tensor" if keep == (reader, alias) else "the optimizer state of one tensor")
+            + " in the model (tied), but the checkpoint holds them apart with different values, and a tied model "
+            f"holds one. Pass keep_tied=[{keep[0]!r}] (or [{keep[1]!r}]) to load that one and ignore the other, "
+            "or untie them in the model (give the head its own parameter) to load both"
+        )
+
+
+def _same_object(a: Any, b: Any) -> bool:
+    """Two objects read for one value (a tensor's bits; ``repr`` when ``==`` fails or says no: a NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
+    try:
+        if type(a) is type(b) and bool(a == b):
+            return True
+    except (RuntimeError, TypeError, ValueError):  # containers of tensors: compared as printed
+        pass
+    return type(a) is type(b) and repr(a) == repr(b)

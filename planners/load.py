@@ -244,14 +244,18 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             items.extend(found)
         skipped = [k for k in missing if self._is_optional(k)]
         missing = [k for k in missing if not self._is_optional(k)]
-        never = set(RESERVED.stateless_when_saved(missing, sorted(md_all))) if missing else set()
-        missing = [k for k in missing if k not in never]
+        # judged by the key read (a tied copy's optimizer state is read from the copy kept: rev62g F6)
+        read = [sources.get(k, k) for k in missing]
+        none = set(RESERVED.stateless_when_saved(read, sorted(md_all))) if missing else set()
+        never = {k for k, r in zip(missing, read) if r in none}
+        missing, read = [k for k in missing if k not in never], [r for k, r in zip(missing, read) if r not in none]
         if missing and not self.allow_partial_load:
+            shown = [r if r == k else f"{r} (for {k})" for k, r in zip(missing, read)]
             raise LayoutMismatch(
-                f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(missing)} "
+                f"rank {self.rank}: {len(missing)} keys are not in the checkpoint: {_show(shown)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to skip them)"
-                + _nesting_mismatches(missing, md_all)
-                + likely_causes(missing, md_all)
+                + _nesting_mismatches(read, md_all)
+                + likely_causes(read, md_all)
             )
         ties.count(items)
         shared.count(items)
@@ -279,7 +283,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def _reads_into(self, entry: Entry) -> Entry:
         """The entry to plan reads for: one reading into scratch for a tied key the checkpoint holds
         apart (compared, ``_ties``) or a destination sharing memory with another (``_shared``)."""
-        if entry.key in self._ties.compare:  # reads into a scratch tensor of its shape
+        if entry.key in self._ties.compare and entry.kind != "object":  # reads into a scratch tensor of its shape
             entry = self.entries[entry.key] = dataclasses.replace(entry, value=torch.empty_like(entry.value))
         elif entry.key in self._shared.dest:
             entry = self.entries[entry.key] = self._shared.scratch(entry)
@@ -470,17 +474,17 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """(all ranks, from the storage reader) Unpickle one object (weights-only unless allow_pickle)."""
         entry = self.entries[read_item.dest_index.fqn]
-        if isinstance(entry.value, ObjectBytes):
-            set_at_path(self.state_dict, entry.path, ObjectBytes(value.read()))
-            return
         try:
-            obj = torch.load(value, weights_only=not self.allow_pickle, map_location="cpu")
+            raw = isinstance(entry.value, ObjectBytes)
+            safe = not self.allow_pickle
+            obj = ObjectBytes(value.read()) if raw else torch.load(value, weights_only=safe, map_location="cpu")
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "
                 "allow_pickle=True only if you trust this checkpoint."
             ) from exc
-        if entry.kind == "object":
+        self._ties.object_read(entry.key, obj, self.rank)  # a tied copy's (its entry has no path: set nowhere)
+        if entry.kind == "object" or raw:
             set_at_path(self.state_dict, entry.path, obj)
             return
         # a 0-d tensor destination (create_local_plan), checked only here, once the value is read

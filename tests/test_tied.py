@@ -413,18 +413,30 @@ class _PipeStage(nn.Module):
             self.head.weight = self.embed.weight
 
 
+def _tie_apart(model: nn.Module) -> list[dict[str, Any]]:
+    """Param groups: the layers, then the embedding and head (a group of their own)."""
+    tied = [p for name, p in model.named_parameters() if not name.startswith("layers.")]
+    return [{"params": list(model.layers.parameters())}, {"params": tied}]
+
+
 def _save_pp2_stages(rank: int, world: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
     """Tag "same": the tie's gradient all-reduced (head and embedding alike); "drift": the head's gradient
-    differs, so its weights and Adam moments drift from the embedding's; "moments": one moment differs. Returns each tag's Adam state."""
+    differs, so its weights and Adam moments drift from the embedding's; "moments": one moment differs;
+    "lr": equal tensors, the head's lr differs; "frozen": the head had no gradient (no state), the embedding
+    a zero one (Adam state, its weights unchanged: equal to the head's). Returns each
+    tag's Adam state."""
     out = {}
-    for tag, head_grad in (("same", -0.25), ("drift", 0.5), ("moments", -0.25)):
+    for tag, head_grad in (("same", -0.25), ("drift", 0.5), ("moments", -0.25), ("lr", -0.25), ("frozen", None)):
         model = _PipeStage(rank, 2)
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        for p in model.parameters():
-            p.grad = torch.full_like(p, head_grad if rank == 1 else -0.25)
+        opt = torch.optim.Adam(_tie_apart(model), lr=0.1)
+        for name, p in model.named_parameters():
+            grad = (-0.25 if head_grad is None else head_grad) if rank == 1 else -0.25 if head_grad else 0.0
+            p.grad = None if head_grad is None and name == "head.weight" else torch.full_like(p, grad)
         opt.step()
         if tag == "moments" and rank == 1:  # equal weights, one moment apart
             opt.state[model.head.weight]["exp_avg"][0, 0] += 1.0
+        if tag == "lr" and rank == 1:  # equal tensors, the head's param group apart
+            opt.param_groups[1]["lr"] = 0.05
         smpckpt.save_checkpoint(root, tag, model=model, optimizer=opt, layout=ParallelLayout(pp=2, pp_layers=(1, 1)))
         param = model.embed.weight if rank == 0 else model.head.weight
         out[tag] = {"weight": param.detach().clone(), **{k: v.clone() for k, v in opt.state[param].items()}}
@@ -460,6 +472,40 @@ def test_a_tie_held_apart_by_pipeline_stages_loads_with_its_own_optimizer_state(
         match=r"'optim\.state\.head\.weight\.exp_avg' and 'optim\.state\.embed.*keep_tied=\['model\.embed\.weight'\]",
     ):
         smpckpt.resume_from_checkpoint(str(tmp_path), "moments", model=model, optimizer=opt)
+    # a copy's objects (a param group's lr) compared like its tensors: the embedding's were taken silently
+    model = _PipeStage(0, 1)
+    opt = torch.optim.Adam(_tie_apart(model), lr=0.7)
+    with pytest.raises(
+        smpckpt.LayoutMismatch,
+        match=r"'optim\.param_groups\.head\.weight\.lr' and 'optim\.param_groups\.embed\.weight\.lr'.*"
+        r"keep_tied=\['model\.embed\.weight'\]",
+    ):
+        smpckpt.resume_from_checkpoint(str(tmp_path), "lr", model=model, optimizer=opt)
+    for keep, lr in ((["model.head.weight"], 0.05), (["model.embed.weight"], 0.1)):
+        opt = torch.optim.Adam(_tie_apart(model), lr=0.7)
+        options = smpckpt.ResumeOptions(keep_tied=keep)
+        smpckpt.resume_from_checkpoint(str(tmp_path), "lr", model=model, optimizer=opt, options=options)
+        assert opt.param_groups[1]["lr"] == lr, keep
+    # a copy saved without state (frozen head) resumes without, strict, whichever keep_tied names (hunt62/rev62g
+    # F6: keep_tied=head was refused naming the embedding's state, which the checkpoint holds, as absent)
+    for keep, want in ((["model.head.weight"], saved[1]["frozen"]), (["model.embed.weight"], saved[0]["frozen"])):
+        model = _PipeStage(0, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        options = smpckpt.ResumeOptions(keep_tied=keep)
+        smpckpt.resume_from_checkpoint(str(tmp_path), "frozen", model=model, optimizer=opt, options=options)
+        assert torch.equal(model.embed.weight, want["weight"]), keep
+        state = opt.state.get(model.embed.weight, {})
+        assert sorted(state) == sorted(k for k in want if k != "weight"), keep
+        assert all(torch.equal(state[k], want[k]) for k in state), keep
+        stateless = () if state else tuple(f"optim.state.embed.weight.{k}" for k in ("exp_avg", "exp_avg_sq", "step"))
+        assert smpckpt.last_resume_info().skipped_keys == stateless, keep  # as any parameter saved without state
+    # without keep_tied, a copy with state and one without differ, equal weights or not (were: the state kept)
+    with pytest.raises(
+        smpckpt.LayoutMismatch,
+        match=r"'model\.head\.weight' and 'model\.embed\.weight' .*only one holds optim\.state\.embed\.weight\."
+        r"exp_avg, .*keep_tied=\['model\.embed\.weight'\]",
+    ):
+        smpckpt.resume_from_checkpoint(str(tmp_path), "frozen", model=model, optimizer=opt)
 
 
 def test_a_tie_saved_tied_resumes_through_one_read_whichever_key_keep_tied_names(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "api._dist": "api.rng api._args api.user_content _args _dist rng user_content",
         "api._fast_save": "api._fast_tier",
         "api._tiers": "api._tier_copies",
-        "tools._tiers": "tools._tier_verify tools._common _cli_common",
+        "tools._tiers": "tools._tier_verify",
         "storage.tier.writer": "storage.tier.stream",
         "storage.tier.reader": "storage.tier.transfer",
         "api._save": "api._planner_reuse _planner_reuse _save api._full _full",
@@ -60,7 +60,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "api._async": "_async api._staging",
         "api._resume": "_resume",
         "catalog._debris": "_debris",
-        "tools.cli": "cli _cli_maintain tools._maintain",
+        "tools.cli": "cli _cli_maintain tools._maintain tools._common _cli_common",  # cli re-exports _tiers' part
         "tools.consolidate": "consolidate",
         "tools.convert": "convert",
         "_gc": "storage._gc",

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
-from smpckpt.storage.backends._fs import join, open_fs, read_bytes_or_none, translate_errors
+from smpckpt.storage.backends._fs import is_local, join, open_fs, read_bytes_or_none, translate_errors
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format.commit import remove_folder
 from smpckpt.storage.format.manifest import (  # the two openers by URL live with the probe they wrap
@@ -318,11 +318,22 @@ def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, An
 
 
 def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:
-    """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files
-    and, on S3, the start of any multipart upload still open there. ``None`` when nothing is there."""
+    """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files,
+    on local disk its folders too (the folder itself included: a save that made them and wrote no file
+    yet is active), and, on S3, the start of any multipart upload still open there. ``None`` when nothing
+    is there (on S3 also a prefix holding no object: it has no time of its own)."""
     fs, path = open_fs(url, storage_options)
     uploads = (_mtime({"created": upload.get("Initiated")}) for upload in _s3_uploads(fs, path))
-    return max([*file_times(fs, path).values(), *(t for t in uploads if t is not None)], default=None)
+    folders = [_folder_mtime(d) for d, _, _ in os.walk(fs._strip_protocol(path))] if is_local(fs) else []
+    found = [*file_times(fs, path).values(), *uploads, *folders]
+    return max([t for t in found if t is not None], default=None)
+
+
+def _folder_mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:  # removed while walked
+        return None
 
 
 def file_times(fs: Any, path: str) -> dict[str, float]:

@@ -46,3 +46,19 @@ def test_old_module_paths_give_the_moved_modules() -> None:
     assert pickle.loads(old_pickle) == ParallelLayout(tp=2, dp=3)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("smpckpt.no_such_module")
+
+
+def test_old_module_paths_keep_their_public_names() -> None:
+    """A module merged into another keeps every public name at its old path (rev62f F3: ``tools._common``'s
+    were split between ``tools._tiers`` and ``tools.cli``)."""
+    import importlib
+
+    old_names = {
+        "smpckpt.tools._common": "ENV_OPTIONS UsageError storage_options_arg human layout_text layout_json "
+        "resolve_checkpoint_url check_root",
+        "smpckpt.catalog._debris": "sweep_debris sweep_stale select_stale_uncommitted",
+    }
+    old_names["smpckpt._cli_common"] = old_names["smpckpt.tools._common"]
+    for path, names in old_names.items():
+        module = importlib.import_module(path)
+        assert [n for n in names.split() if not hasattr(module, n)] == [], path

@@ -400,12 +400,19 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
     return copy, data
 
 
-def scan_job(folder: str, owner: str | None) -> dict[str, LocalCopy]:
-    """(a node's first rank) Every ``{tag}_partial`` folder of one job folder (missing: none)."""
+def scan_job(folder: str, owner: str | None, keep: dict[int, bytes] | None = None) -> dict[str, LocalCopy]:
+    """(a node's first rank) Every ``{tag}_partial`` folder of one job folder (missing: none); ``keep``: each
+    committed copy's manifest bytes added by digest (the folder may change after the scan: the CLI shows what
+    it judged, not a later read). Paths joined to ``folder`` as given (warnings name the folder passed)."""
     if not os.path.isdir(folder):
         return {}
-    fs, root = open_root(folder)
-    return {tag: read_copy(join(root, name), tag, owner)[0] for tag, name in list_partial_tags(fs, root).items()}
+    out = {}
+    for tag, name in list_partial_tags(*open_root(folder)).items():
+        copy, data = read_copy(join(folder, name), tag, owner)
+        out[tag] = copy
+        if keep is not None and copy.digest is not None and data is not None:
+            keep[copy.digest] = data
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

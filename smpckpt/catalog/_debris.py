@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smpckpt.catalog.root import NEWEST_NAME, open_root, tag_of_partial_dirname
@@ -41,7 +41,7 @@ from smpckpt.storage.tools import _mtime, file_times  # the one reader of fsspec
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
     from smpckpt.catalog.root import CheckpointRecord
 
-__all__ = ["sweep_debris", "sweep_stale"]
+__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,19 @@ def _full_debris(
     return removed
 
 
+def select_stale_uncommitted(
+    records: Sequence[CheckpointRecord], activity: Mapping[str, float | None], older_than_s: float, now: float
+) -> list[str]:
+    """Tags of uncommitted folders with no activity (``activity``: tag -> newest modification time under
+    its folder, ``None``: nothing there) for ``older_than_s`` seconds; ``corrupt`` and ``unsafe`` folders
+    are left for a human."""
+    return [
+        r.tag
+        for r in records
+        if r.state == "uncommitted" and ((t := activity.get(r.tag)) is None or now - t >= older_than_s)
+    ]
+
+
 def sweep_stale(
     root_url: str,
     records: list[CheckpointRecord],
@@ -158,10 +171,8 @@ def sweep_stale(
     still uncommitted once marked for removal (``storage.format.commit``): too short an age fails a save,
     never empties a committed checkpoint."""
     unprotected = [r for r in records if r.tag not in protected]
-    # uncommitted folders only: corrupt and unsafe ones are left for a human
     activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
-    now = time.time()
-    candidates = [t for t, last in activity.items() if last is None or now - last >= older_than_s]
+    candidates = select_stale_uncommitted(unprotected, activity, older_than_s, time.time())
     stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder", uncommitted_only=True)]
     debris: list[str] = []
     aborted: list[str] = []

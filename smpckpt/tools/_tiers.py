@@ -195,7 +195,8 @@ def fast_rows(
     """Every tag of the job ``owner`` (its durable root's key) in the folders, newest committed save first
     (then tags no folder committed, by tag), warnings (a folder's manifest that does not parse; several
     saves of one tag), and the saves as a resume sees them over these folders (for :func:`resume_pick`)."""
-    views = [scan_job(job_folder(d, owner), owner) for d in dirs]
+    manifests: dict[int, bytes] = {}  # kept from the scan: a live job's retention may remove a tag since
+    views = [scan_job(job_folder(d, owner), owner, manifests) for d in dirs]
     twins = {r.tag: r.manifest for r in durable if r.committed and r.manifest is not None}
     rows: list[FastRow] = []
     notes: list[str] = []
@@ -203,11 +204,7 @@ def fast_rows(
     found = candidates(views)
     for c in found:  # judged as a resume judges them, over the folders instead of the nodes
         valid.setdefault(c.tag, set()).add(c.digest)
-        # read again from a folder holding this save's manifest (the scan judged it, keeping no copy)
-        data = read_copy(
-            f"{job_folder(dirs[c.held_by[MANIFEST_NAME][0]], owner)}/{partial_dirname(c.tag)}", c.tag, owner
-        )[1]
-        m = Manifest.from_bytes(data or b"", where=f"fast-tier manifest of {c.tag!r}")
+        m = Manifest.from_bytes(manifests[c.digest], where=f"fast-tier manifest of {c.tag!r}")
         parts = list(part_sizes(m))
         twin = twins.get(c.tag)
         if twin is not None:

@@ -430,3 +430,44 @@ def test_ls_local_names_no_resume_pick_where_path_holds_another_history(tmp_path
     assert doc["resume"] is None and "diverged histories" in doc["resume_none_because"]
     with Checkpointer(root, fast_tier=tier) as ckpt, pytest.raises(CheckpointError, match="diverged histories"):
         ckpt.resume(model=nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("change", ["remove", "replace"])
+def test_ls_local_shows_what_it_judged_while_the_fast_tier_changes(
+    tiered: tuple[str, str], monkeypatch: Any, change: str
+) -> None:
+    """``ls --local`` beside a training job: its retention removes a tag, or a new save of a tag commits,
+    between the folder scan and the table (rev62f F1: a re-read failed as "malformed", or a KeyError)."""
+    import smpckpt.tools._tiers as tiers
+
+    root, node = tiered
+    job, real = _j(node, root), tiers.candidates
+    step3 = _manifest(f"{job}/step3_partial")
+
+    def racing(*args: Any, **kwargs: Any) -> Any:  # called right after the scan
+        found = real(*args, **kwargs)
+        if change == "remove":
+            shutil.rmtree(f"{job}/step3_partial")
+        else:  # another save's manifest (other files) now commits step3
+            _retag(f"{job}/step2_partial/{MANIFEST}", f"{job}/step3_partial/{MANIFEST}", "step3")
+        return found
+
+    monkeypatch.setattr(tiers, "candidates", racing)
+    rc, out, err = _run("ls", root, "--local", node, "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["fast"]["checkpoints"]
+    assert [(r["tag"], r["save_id"], r["resume"]) for r in rows][0] == ("step3", step3.save_id, True)
+    assert [r["tag"] for r in rows] == ["step3", "step2"]
+
+
+def test_warnings_name_a_relative_local_folder_as_given(
+    tiered: tuple[str, str], tmp_path: Any, monkeypatch: Any
+) -> None:
+    root, node = tiered
+    _flip_byte(f"{_j(node, root)}/step3_partial/{MANIFEST}")
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = _run("ls", root, "--local", "node0")
+    assert rc == 0
+    rel = os.path.relpath(f"{_j(node, root)}/step3_partial/{MANIFEST}", tmp_path)
+    assert rel.startswith("node0/smpckpt-job-")
+    assert f"warning: {rel} is " in out, out

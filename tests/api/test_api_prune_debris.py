@@ -103,3 +103,18 @@ def test_debris_written_to_within_the_age_stays(tmp_path: Path) -> None:
         _age(p, 60)  # a minute ago: a save may be running
     result = apply_retention(str(tmp_path), None, uncommitted_older_than=HOUR)
     assert result.removed_debris == () and all(p.exists() for p in found.values())
+
+
+def test_a_save_folder_made_moments_ago_with_no_file_yet_is_not_stale(tmp_path: Path) -> None:
+    """A save that has made its folder (and a subfolder) and written no file yet is written to within AGE
+    (rev62f P1: "would remove fresh (uncommitted, stale)" under 6h); aged, the same folder is stale. On S3 a
+    prefix with no object has no time: there it stays stale at any age (README, prune)."""
+    save_checkpoint(str(tmp_path), "a", model=_model())
+    (tmp_path / "fresh_partial" / "sub").mkdir(parents=True)
+    out = io.StringIO()
+    assert main(["prune", str(tmp_path), "--uncommitted-older-than", "6h", "--dry-run"], stdout=out) == 0
+    assert out.getvalue().strip() == "nothing to remove"
+    _age(tmp_path / "fresh_partial", 7 * HOUR)
+    out = io.StringIO()
+    assert main(["prune", str(tmp_path), "--uncommitted-older-than", "6h", "--dry-run"], stdout=out) == 0
+    assert out.getvalue().strip() == "would remove fresh (uncommitted, stale)"

@@ -234,7 +234,7 @@ def test_stale_uncommitted_folders_are_removed_by_age_only(tmp_path: Any, monkey
     _make_uncommitted(root, "fresh", monkeypatch)
     hours_ago = time.time() - 7200
     for dirpath, _, files in os.walk(tmp_path / "old_partial"):
-        for f in files:
+        for f in [*files, ""]:  # "": the folder itself (a folder's time counts too, on local disk)
             os.utime(os.path.join(dirpath, f), (hours_ago, hours_ago))
     m, _ = _model(0)
     save_checkpoint(root, "good", model=m)  # no stale cleanup unless asked

@@ -214,9 +214,15 @@ class TiedLoads:
                     continue
                 self.through[key] = reader
                 self.covered += [k for k in dict.fromkeys((key, src.get(key))) if k is not None and k in md_all]
-            if len(set(src.values())) > 1 and all(k.startswith(model) for k in keys):
+            # the optimizer state follows the stored tensor read: held apart, or stored under another key than
+            # the destination's first (a head declared first, rev62h F5); compared only for a key that holds
+            # its own copy (an alias's state lies under its stored key, rev62i F1)
+            if (len(set(src.values())) > 1 or src.get(reader, reader) != keys[0]) and all(
+                k.startswith(model) for k in keys
+            ):
                 names.update(
-                    (k[len(model) :], (src[reader][len(model) :], src.get(k) in seen - {src[reader]})) for k in keys
+                    (k[len(model) :], (src[reader][len(model) :], src.get(k) == k and k in seen - {src[reader]}))
+                    for k in keys
                 )
         for key in entries:
             if key not in self.through and key not in md_all and (source := stored(key)) is not None:

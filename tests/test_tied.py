@@ -548,3 +548,46 @@ def test_a_tie_saved_tied_resumes_through_one_read_whichever_key_keep_tied_names
                 assert torch.equal(do.state[dm.embed.weight][name], o.state[m.embed.weight][name]), (keep, name)
     finally:
         _shared_memory.TiedLoads.plan = real  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("case", ["four_keys_equal", "four_keys_differ", "head_declared_first"])
+def test_a_tie_of_aliases_follows_its_stored_copies_optimizer_state(tmp_path: Path, case: str) -> None:
+    """rev62i F1: a T5-like tie of four keys saved as two tied pairs (pipeline stages) with equal values and
+    Adam state was refused as "only one holds optim..." (an alias's state lies under its stored key);
+    rev62i F2 / rev62h F5: a tied model declaring the head first could not resume the optimizer state of a
+    checkpoint that stores the tensor under the embedding ("14 keys are not in the checkpoint")."""
+    names = ("shared", "encoder", "decoder", "lm_head") if case != "head_declared_first" else ("head", "embed")
+
+    def build(tie_all: bool, order: tuple[str, ...]) -> nn.Module:
+        m = nn.Module()
+        for n in order:
+            setattr(m, n, nn.Linear(3, 5, bias=False))
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(5, 3))
+        v = w if tie_all or len(order) == 2 else nn.Parameter(w.detach().clone())
+        for i, n in enumerate(order):
+            getattr(m, n).weight = w if i < len(order) // 2 or len(order) == 2 else v
+        return m
+
+    src = build(False, names if len(names) == 4 else ("embed", "head"))
+    o = torch.optim.Adam(src.parameters(), lr=0.1)
+    for i, p in enumerate(src.parameters()):
+        p.grad = torch.full_like(p, -0.25 if i == 0 or case != "four_keys_differ" else 0.5)
+    o.step()
+    smpckpt.save_checkpoint(str(tmp_path), "t", model=src, optimizer=o)
+    want = next(iter(src.parameters()))
+    dest = build(True, names)
+    do = torch.optim.Adam(dest.parameters(), lr=0.1)
+    if case == "four_keys_differ":
+        with pytest.raises(smpckpt.LayoutMismatch, match="with different values"):
+            smpckpt.resume_from_checkpoint(str(tmp_path), "t", model=dest, optimizer=do)
+        return
+    for keep in ([], [f"model.{names[0]}.weight"], [f"model.{names[-1]}.weight"]):
+        dest = build(True, names)
+        do = torch.optim.Adam(dest.parameters(), lr=0.1)
+        opts = smpckpt.ResumeOptions(keep_tied=keep)
+        smpckpt.resume_from_checkpoint(str(tmp_path), "t", model=dest, optimizer=do, options=opts)
+        (p,) = dest.parameters()
+        assert torch.equal(p, want), keep
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(do.state[p][name], o.state[want][name]), (keep, name)

@@ -318,20 +318,23 @@ def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, An
 
 
 def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:
-    """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files,
-    on local disk its folders too (the folder itself included: a save that made them and wrote no file
-    yet is active), and, on S3, the start of any multipart upload still open there. ``None`` when nothing
-    is there (on S3 also a prefix holding no object: it has no time of its own)."""
+    """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files, on
+    local disk its folders' own times when it holds no file (a save that made them and wrote no file yet
+    is active; not otherwise: a removal that failed midway bumps them, and must stay stale to be retried,
+    rev62j F1), and, on S3, the start of any multipart upload still open there. ``None`` when nothing is
+    there (on S3 also a prefix holding no object: it has no time of its own)."""
     fs, path = open_fs(url, storage_options)
     uploads = (_mtime({"created": upload.get("Initiated")}) for upload in _s3_uploads(fs, path))
-    folders = [_folder_mtime(d) for d, _, _ in os.walk(fs._strip_protocol(path))] if is_local(fs) else []
-    found = [*file_times(fs, path).values(), *uploads, *folders]
+    files = list(file_times(fs, path).values())
+    empty = not files and is_local(fs)
+    folders = [_folder_mtime(d) for d, _, _ in os.walk(fs._strip_protocol(path))] if empty else []
+    found = [*files, *uploads, *folders]
     return max([t for t in found if t is not None], default=None)
 
 
 def _folder_mtime(path: str) -> float | None:
     try:
-        return os.stat(path).st_mtime
+        return os.lstat(path).st_mtime  # a linked tag folder: the link's own time, not its target's
     except OSError:  # removed while walked
         return None
 

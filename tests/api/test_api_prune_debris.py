@@ -118,3 +118,18 @@ def test_a_save_folder_made_moments_ago_with_no_file_yet_is_not_stale(tmp_path: 
     out = io.StringIO()
     assert main(["prune", str(tmp_path), "--uncommitted-older-than", "6h", "--dry-run"], stdout=out) == 0
     assert out.getvalue().strip() == "would remove fresh (uncommitted, stale)"
+
+
+def test_a_dead_folder_whose_removal_stopped_midway_stays_stale(tmp_path: Path) -> None:
+    """rev62j F1: folder times counted for every folder, so a 7-hour-old dead save whose removal unlinked one
+    file and then failed (or was cut short) looked written to just now: never retried for another AGE."""
+    save_checkpoint(str(tmp_path), "a", model=_model())
+    dead = tmp_path / "dead_partial"
+    dead.mkdir()
+    for name in ("x.distcp", "y.distcp"):
+        (dead / name).write_bytes(b"0" * 16)
+    _age(dead, 7 * HOUR)
+    (dead / "x.distcp").unlink()  # the removal's first unlink bumps the folder's own time; y stays
+    out = io.StringIO()
+    assert main(["prune", str(tmp_path), "--uncommitted-older-than", "6h", "--dry-run"], stdout=out) == 0
+    assert out.getvalue().strip() == "would remove dead (uncommitted, stale)"

@@ -499,7 +499,7 @@ def _remove_in(fs: Any, within: str, paths: list[str]) -> list[str]:
         return outside + [join(within, n) for n in inside]
 
 
-def remove_tree(fs: Any, folder: str) -> list[str]:
+def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
     """Delete ``folder`` and everything under it (no globbing anywhere); the paths not removed. POSIX: an
     fd-based walk that never follows a link (:func:`~._nofollow.remove_tree_at`): a folder that is itself a
     link loses the link only; a link inside it goes itself. A missing folder raises ``FileNotFoundError``."""
@@ -514,7 +514,7 @@ def remove_tree(fs: Any, folder: str) -> list[str]:
                 log.warning("%s is a link to %s: removed the link, left its target", folder, os.path.realpath(folder))
             elif not stat.S_ISDIR(st.st_mode):
                 raise FileNotFoundError(errno.ENOENT, "not a folder", folder)
-            return nf.remove_tree_at(parent, name, where=folder, device=st.st_dev)
+            return nf.remove_tree_at(parent, name, where=folder, device=st.st_dev, last=last)
         finally:
             os.close(parent)
     with translate_errors(folder):

@@ -133,11 +133,14 @@ def walk_sizes(dir_fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[
             yield rel, st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def remove_tree_at(dir_fd: int, name: str, *, where: str, device: int | None = None, depth: int = 0) -> list[str]:
+def remove_tree_at(
+    dir_fd: int, name: str, *, where: str, device: int | None = None, depth: int = 0, last: str | None = None
+) -> list[str]:
     """Remove ``name`` (file, link or folder) inside ``dir_fd``, never following a link: a link is
     removed itself; a folder is opened with ``O_NOFOLLOW``, checked to be the very folder listed (device
     and inode) and on ``device`` (a mount inside a checkpoint is not descended), emptied the same way and
-    removed. Returns the paths (``where``-relative) that could not be removed; a missing name is removed."""
+    removed. Returns the paths (``where``-relative) that could not be removed; a missing name is removed.
+    ``last``: a child of the folder removed after the rest, and only once the rest is gone."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -170,8 +173,7 @@ def remove_tree_at(dir_fd: int, name: str, *, where: str, device: int | None = N
             return [where]  # swapped for another folder after the stat: not the one listed
         with os.scandir(fd) as it:
             children = [e.name for e in it]
-        for child in children:
-            failed += remove_tree_at(fd, child, where=f"{where}/{child}", device=st.st_dev, depth=depth + 1)
+        failed = _remove_children(fd, children, where, st.st_dev, depth + 1, last)
     finally:
         os.close(fd)
     if not failed:
@@ -182,6 +184,15 @@ def remove_tree_at(dir_fd: int, name: str, *, where: str, device: int | None = N
         except OSError as exc:
             log.warning("could not remove the folder %s: %s", where, exc)
             failed.append(where)
+    return failed
+
+
+def _remove_children(fd: int, children: list[str], where: str, device: int, depth: int, last: str | None) -> list[str]:
+    """:func:`remove_tree_at` of each child of the folder ``fd``; ``last`` after the others, kept if one failed."""
+    failed: list[str] = []
+    for child in sorted(children, key=lambda c: c == last):
+        if child != last or not failed:
+            failed += remove_tree_at(fd, child, where=f"{where}/{child}", device=device, depth=depth)
     return failed
 
 

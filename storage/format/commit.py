@@ -346,9 +346,10 @@ def remove_staged(fs: Any, root: str, name: str) -> list[str] | None:
 def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = False) -> list[str]:
     """Remove a checkpoint folder (committed or not); the paths not removed. Marks it first
     (:data:`~.manifest.REMOVING_NAME`: garbage if interrupted; a commit running meanwhile withdraws, step 4),
-    then the manifest, then the rest (object stores: the mark last), never following a link (a linked folder
-    loses the link only). ``uncommitted_only``: a manifest found after the mark means a save committed meanwhile: the mark goes,
-    nothing is removed (``[]``). A missing folder raises ``FileNotFoundError``."""
+    then the manifest, then the rest, the mark last (a removal cut short stays marked: retried by the next
+    retention), never following a link (a linked folder loses the link only). ``uncommitted_only``: a
+    manifest found after the mark means a save committed meanwhile: the mark goes, nothing is removed
+    (``[]``). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
     if is_local(fs) and os.path.islink(path):
@@ -369,4 +370,4 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
             failed = folder.remove([n for n in folder.listing() if n != REMOVING_NAME])
         if failed:
             return failed
-    return remove_tree(fs, path)
+    return remove_tree(fs, path, last=REMOVING_NAME)  # local disk: the mark last too (rev62j F2)

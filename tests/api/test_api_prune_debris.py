@@ -8,7 +8,9 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -133,3 +135,29 @@ def test_a_dead_folder_whose_removal_stopped_midway_stays_stale(tmp_path: Path) 
     out = io.StringIO()
     assert main(["prune", str(tmp_path), "--uncommitted-older-than", "6h", "--dry-run"], stdout=out) == 0
     assert out.getvalue().strip() == "would remove dead (uncommitted, stale)"
+
+
+def test_a_local_removal_cut_short_keeps_its_mark_and_the_next_save_retries_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev62j F2: on local disk the removal's mark went in directory order, not last, so retention that could
+    not remove one file of its victim left an unmarked, uncommitted folder no later save retried (the README:
+    "retried by the next save"); object stores already removed the mark last."""
+    from smpckpt.catalog.root import scan_root
+
+    save_checkpoint(str(tmp_path), "a", model=_model())
+    victim = sorted(p.name for p in (tmp_path / "a_partial").iterdir() if p.name.endswith(".distcp"))[-1]
+    real = os.unlink
+
+    def refuse_once(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path) == victim and not refused:
+            refused.append(path)
+            raise PermissionError(1, "refused", path)
+        real(path, *args, **kwargs)
+
+    refused: list[Any] = []
+    monkeypatch.setattr(os, "unlink", refuse_once)
+    save_checkpoint(str(tmp_path), "b", model=_model(), num_kept_partial_checkpoints=1)
+    assert refused and {r.tag: r.state for r in scan_root(str(tmp_path))}["a"] == "removing"
+    save_checkpoint(str(tmp_path), "c", model=_model(), num_kept_partial_checkpoints=1)
+    assert not (tmp_path / "a_partial").exists()

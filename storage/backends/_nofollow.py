@@ -188,9 +188,14 @@ def remove_tree_at(
 
 
 def _remove_children(fd: int, children: list[str], where: str, device: int, depth: int, last: str | None) -> list[str]:
-    """:func:`remove_tree_at` of each child of the folder ``fd``; ``last`` after the others, kept if one failed."""
+    """:func:`remove_tree_at` of each child of the folder ``fd``; ``last`` after the others, kept if one failed
+    or if the folder, listed again, holds anything else (a file that appeared meanwhile: a racing commit's
+    manifest then finds the mark and withdraws, rev62k F1)."""
     failed: list[str] = []
     for child in sorted(children, key=lambda c: c == last):
+        if child == last and not failed:
+            with os.scandir(fd) as it:
+                failed += [f"{where}/{e.name}" for e in it if e.name != last]
         if child != last or not failed:
             failed += remove_tree_at(fd, child, where=f"{where}/{child}", device=device, depth=depth)
     return failed

@@ -161,3 +161,31 @@ def test_a_local_removal_cut_short_keeps_its_mark_and_the_next_save_retries_it(
     assert refused and {r.tag: r.state for r in scan_root(str(tmp_path))}["a"] == "removing"
     save_checkpoint(str(tmp_path), "c", model=_model(), num_kept_partial_checkpoints=1)
     assert not (tmp_path / "a_partial").exists()
+
+
+def test_a_removal_keeps_its_mark_when_a_file_appears_after_its_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev62k F1: a racing commit's manifest written after the removal listed the folder was left beside no
+    mark (the mark went once the listed files had), so the commit's own check of the mark found none and
+    reported a checkpoint whose files were gone. The folder is listed again before the mark goes."""
+    from smpckpt.storage.backends._fs import open_fs
+    from smpckpt.storage.format.commit import remove_folder
+
+    save_checkpoint(str(tmp_path), "a", model=_model())
+    folder = tmp_path / "a_partial"
+    manifest = (folder / "smpckpt.manifest.json").read_bytes()
+    (folder / "smpckpt.manifest.json").unlink()  # the racing save: its files written, its manifest not yet
+    real = os.unlink
+
+    def commit_lands(name: Any, *args: Any, **kwargs: Any) -> None:
+        if not landed and str(name).endswith(".distcp"):  # the removal has listed the folder
+            landed.append(1)
+            (folder / "smpckpt.manifest.json").write_bytes(manifest)
+        real(name, *args, **kwargs)
+
+    landed: list[int] = []
+    monkeypatch.setattr(os, "unlink", commit_lands)
+    fs, path = open_fs(str(folder))
+    failed = remove_folder(fs, path, str(folder), uncommitted_only=True)
+    assert landed and failed and (folder / "smpckpt.removing").exists()  # the commit will see it and withdraw

@@ -216,12 +216,21 @@ def ties_held_apart(
         if a[3:] != b[3:]:
             where = f"in dtype or shape ({a[3]} {list(a[4])}, {b[3]} {list(b[4])})"
         elif units[0].keys() == units[1].keys():
-            where = next((f"in the unit at {list(k[1])} of {list(k[0])}" for k, d in units[0].items() if units[1][k] != d), "")
+            where = next(
+                (f"in the unit at {list(k[1])} of {list(k[0])}" for k, d in units[0].items() if units[1][k] != d), ""
+            )
         else:  # split differently (vocab- vs hidden-parallel): their units cover other boxes
             size, step = math.prod(a[4]) * a[3].itemsize, 64 << 20
             read = [functools.partial(folder.fs.cat_file, folder.where(p[1])) for p in (a, b)]
             spans = ((i, min(i + step, size)) for i in range(0, size, step))
-            where = next((f"at byte {i}" for i, j in spans if read[0](start=a[2] + i, end=a[2] + j) != read[1](start=b[2] + i, end=b[2] + j)), "")
+            where = next(
+                (
+                    f"at byte {i}"
+                    for i, j in spans
+                    if read[0](start=a[2] + i, end=a[2] + j) != read[1](start=b[2] + i, end=b[2] + j)
+                ),
+                "",
+            )
         if where:
             found.append(f"{head!r} and {embed!r} differ {where}")
     if found:

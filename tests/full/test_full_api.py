@@ -539,6 +539,45 @@ def test_a_tie_held_apart_is_compared_by_value_however_the_two_are_split(
     assert said[1:] == [[]] * (world - 1) and (said[0] == []) is (drift == 0.0)
 
 
+class _ListTied(_TiedApart):
+    _tied_weights_keys = ["head.weight"]  # type: ignore[assignment]  # transformers 4.x: tied to the input embedding
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+
+def test_an_untied_model_under_a_config_implying_a_tie_is_written_untied_quietly(tmp_path: Any) -> None:
+    """rev62g F3: an untied Llama whose dict config has no tie_word_embeddings (transformers 5 takes Llama's
+    default, untied; 4.x ties): config.json says false, with no warning. rev62g F4: transformers 4.x's list
+    form of _tied_weights_keys, tied to the input embedding, under a config saying tied: warned, untied."""
+    from transformers import LlamaForCausalLM
+
+    config = _tied_llama_config().to_dict()
+    config["tie_word_embeddings"] = False
+    src = LlamaForCausalLM(_tied_llama_config().__class__(**config))
+    del config["tie_word_embeddings"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        save_checkpoint(str(tmp_path), "llama", partial=False, model=src, hf_config=config)
+    with open(tmp_path / "llama" / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is False
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "llama"))
+    assert torch.equal(back.lm_head.weight, src.lm_head.weight) and not torch.equal(
+        back.lm_head.weight, back.model.embed_tokens.weight
+    )
+    full = torch.arange(16.0).reshape(4, 4)
+    with pytest.warns(UserWarning, match=r"'head\.weight' and 'embed\.weight' differ in the unit at \[0, 0\]"):
+        save_checkpoint(
+            str(tmp_path),
+            "list",
+            partial=False,
+            model=_ListTied(full, full + 1),
+            hf_config={"tie_word_embeddings": True},
+        )
+    with open(tmp_path / "list" / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is False
+
+
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:
     m, _ = trained_model(0)
     with pytest.raises(TypeError, match="must be a smpckpt.model.translation.Translation"):

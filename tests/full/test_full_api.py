@@ -460,7 +460,9 @@ def _export_llama_stage(rank: int, world: int, root: str, drift: float) -> list[
     layout, config = ParallelLayout(pp=2, pp_layers=(1, 1)), _tied_llama_config()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        save_checkpoint(root, f"drift{drift}", partial=False, model=m, layout=layout, hf_config=config)
+        save_checkpoint(
+            root, f"drift{drift}", partial=False, model=m, layout=layout, options=ExportOptions(hf_config=config)
+        )
     save_checkpoint(root, f"p{drift}", model=m, layout=layout)
     return [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
 
@@ -519,7 +521,15 @@ def _export_split_apart(rank: int, world: int, root: str, drift: float) -> list[
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = {"tie_word_embeddings": True, "model_type": "x"}
-        save_checkpoint(root, f"w{world}d{drift}", partial=False, model=m, layout=layout, specs=specs, hf_config=config)
+        save_checkpoint(
+            root,
+            f"w{world}d{drift}",
+            partial=False,
+            model=m,
+            layout=layout,
+            specs=specs,
+            options=ExportOptions(hf_config=config),
+        )
     return [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
 
 
@@ -558,7 +568,7 @@ def test_an_untied_model_under_a_config_implying_a_tie_is_written_untied_quietly
     del config["tie_word_embeddings"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        save_checkpoint(str(tmp_path), "llama", partial=False, model=src, hf_config=config)
+        save_checkpoint(str(tmp_path), "llama", partial=False, model=src, options=ExportOptions(hf_config=config))
     with open(tmp_path / "llama" / "config.json") as f:
         assert json.load(f)["tie_word_embeddings"] is False
     back = LlamaForCausalLM.from_pretrained(str(tmp_path / "llama"))
@@ -572,7 +582,7 @@ def test_an_untied_model_under_a_config_implying_a_tie_is_written_untied_quietly
             "list",
             partial=False,
             model=_ListTied(full, full + 1),
-            hf_config={"tie_word_embeddings": True},
+            options=ExportOptions(hf_config={"tie_word_embeddings": True}),
         )
     with open(tmp_path / "list" / "config.json") as f:
         assert json.load(f)["tie_word_embeddings"] is False

@@ -504,9 +504,9 @@ class _TiedApart(nn.Module):
         self.embed.weight, self.head.weight = nn.Parameter(embed.clone()), nn.Parameter(head.clone())
 
 
-def _export_split_apart(rank: int, world: int, root: str, drift: float) -> list[str]:
+def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any = None) -> list[str]:
     """The head and embedding held apart and split differently (rev62g F1, F2): tp=2, the embedding by
-    hidden and the head by vocab; tp=2 dp=2, the embedding over tp and the head over dp."""
+    hidden and the head by vocab; tp=2 dp=2, the embedding over tp and the head over dp. ``s3``: its options."""
     full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     if world == 2:
         layout = ParallelLayout(tp=2)
@@ -529,6 +529,7 @@ def _export_split_apart(rank: int, world: int, root: str, drift: float) -> list[
             layout=layout,
             specs=specs,
             options=ExportOptions(hf_config=config),
+            storage_options=s3,
         )
     return [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
 

@@ -404,12 +404,14 @@ def _model_ties(model: Any) -> dict[str, str]:
     tied = getattr(model, "_tied_weights_keys", None)
     if isinstance(tied, Mapping):
         return {str(k): str(v) for k, v in tied.items()}
+    if not isinstance(tied, list) or not tied:
+        return {}
     try:
         weight = getattr(model.get_input_embeddings(), "weight", None)
     except (AttributeError, NotImplementedError):
         return {}
     embed = next((name for name, p in model.named_parameters() if p is weight), None)
-    return {head: embed for head in tied if isinstance(head, str)} if isinstance(tied, list) and embed else {}
+    return {str(head): embed for head in tied} if embed else {}
 
 
 def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:

@@ -370,6 +370,8 @@ def save_full(
     model_class = type(common.model)
     hf = opts.translate_function is None and any(c.__name__ == "PreTrainedModel" for c in model_class.__mro__)
     artifact = opts.artifact(architecture=model_class.__name__ if hf else None)
+    if opts.translate_function is None:  # config.json's ties beside the model_type family's (FullOptions.tied)
+        artifact = dataclasses.replace(artifact, tied=_model_ties(common.model))
 
     def build() -> tuple[dict[str, Any], dict[str, Any]]:
         state, translation = _tensor_state(common, opts.include_optimizer), opts.translate_function
@@ -394,6 +396,22 @@ def save_full(
     run_save("full", common, writer, state, action, planners, opts.verify_replicas, artifact.leaves_tied_out)
     log.info("saved full checkpoint %s (%s) in %.2fs", url, common.layout, time.monotonic() - started)
     return url
+
+
+def _model_ties(model: Any) -> dict[str, str]:
+    """A transformers model's head -> embedding ties: ``_tied_weights_keys`` (transformers 5: that dict;
+    4.x: a list of heads tied to the input embedding, named where this rank holds it, as the first stage does)."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, Mapping):
+        return {str(k): str(v) for k, v in tied.items()}
+    if not isinstance(tied, list) or not tied:
+        return {}
+    try:
+        weight = getattr(model.get_input_embeddings(), "weight", None)
+    except (AttributeError, NotImplementedError):
+        return {}
+    embed = next((name for name, p in model.named_parameters() if p is weight), None)
+    return {str(head): embed for head in tied} if embed else {}
 
 
 def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:

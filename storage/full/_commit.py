@@ -6,7 +6,10 @@ records, the metadata loaders see (one chunk per tensor) and the commit itself (
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
+import warnings
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from smpckpt.storage.full.writer import FullArtifactWriter
 
 __all__ = ["staging_path", "folder_names", "whole_tensor_metadata", "clear_for_full_save", "begin_full_save"]
-__all__ += ["artifact_records", "commit_full"]
+__all__ += ["artifact_records", "commit_full", "ties_held_apart"]
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +145,18 @@ def begin_full_save(
 
 
 def artifact_records(
-    folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool
+    folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool, untied: bool = False
 ) -> tuple[list[FileRecord], dict[str, bytes]]:
     """(coordinator, at the commit) The artifact files' manifest records (their sizes checked by the
-    commit's listing) and the side files the commit creates (shard index, ``config.json``) with theirs."""
+    commit's listing) and the side files the commit creates (shard index, ``config.json``; ``untied``:
+    saying ``tie_word_embeddings: false``) with theirs."""
     records: list[FileRecord] = []
     for f in layout.files:
         if sync and folder.local:
             folder.fsync(f.name)
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)
-    cfg = options.hf_config_json(weights_dtype(layout, options))
+    cfg = options.hf_config_json(weights_dtype(layout, options), untied=untied)
     if cfg is not None:
         side["config.json"] = cfg
     for name, data in side.items():
@@ -169,7 +173,7 @@ def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype |
 
 def whole_tensor_metadata(
     metadata: Metadata, layout: ArtifactLayout, results: list[list[WriteResult]]
-) -> list[FileRecord]:
+) -> tuple[list[FileRecord], dict[str, list[BoxUnits]]]:
     """(coordinator, in ``finish``, under its ``gc_paused``) The object files' records, from all ranks' results;
     loaders see one chunk per tensor, in the stored dtype, described with its check units."""
     boxes: dict[str, list[BoxUnits]] = {}
@@ -192,7 +196,55 @@ def whole_tensor_metadata(
     metadata.state_dict_metadata = sdm
     description = layout.description({key: rows_of(bs) for key, bs in boxes.items()})
     metadata.storage_data = {MetadataIndex(DESCRIPTION_FQN): description}
-    return records
+    return records, boxes
+
+
+def ties_held_apart(
+    folder: Folder, layout: ArtifactLayout, options: FullOptions, boxes: dict[str, list[BoxUnits]], url: str
+) -> bool:
+    """(coordinator, at the commit) Whether a tie ``config.json`` states (:meth:`FullOptions.config_ties`) has
+    its two tensors held apart in the artifact with different values (a pipeline's last-stage head drifted
+    from the embedding); said by name. Compared by the check units the ranks hashed as they wrote (no read)
+    where both tensors were cut alike; else read back from the files, 64 MiB at a time."""
+    pairs, said = options.config_ties()
+    found = []
+    for head, embed in pairs.items():
+        a, b = layout.tensors.get(f"model/{head}"), layout.tensors.get(f"model/{embed}")
+        if a is None or b is None:  # one left out (tied in the model) or not in this artifact
+            continue
+        units = [{(*map(tuple, u[:3]),): u[3] for u in rows_of(boxes.get(f"model/{k}", []))} for k in (head, embed)]
+        if a[3:] != b[3:]:
+            where = f"in dtype or shape ({a[3]} {list(a[4])}, {b[3]} {list(b[4])})"
+        elif units[0].keys() == units[1].keys():
+            where = next(
+                (f"in the unit at {list(k[1])} of {list(k[0])}" for k, d in units[0].items() if units[1][k] != d), ""
+            )
+        else:  # split differently (vocab- vs hidden-parallel): their units cover other boxes
+            size, step = math.prod(a[4]) * a[3].itemsize, 64 << 20
+            read = [functools.partial(folder.fs.cat_file, folder.where(p[1])) for p in (a, b)]
+            spans = ((i, min(i + step, size)) for i in range(0, size, step))
+            where = next(
+                (
+                    f"at byte {i}"
+                    for i, j in spans
+                    if read[0](start=a[2] + i, end=a[2] + j) != read[1](start=b[2] + i, end=b[2] + j)
+                ),
+                "",
+            )
+        if where:
+            found.append(f"{head!r} and {embed!r} differ {where}")
+    if found:
+        text = (
+            f"{url}: {'; '.join(found)}, but the hf_config ties them: config.json says tie_word_embeddings: false "
+            "(transformers would load them apart anyway). A pipeline's last-stage head drifted from the embedding "
+            "(the two stages' gradients not all-reduced)?"
+        )
+        if not said:  # implied only (no tie_word_embeddings): transformers 5 may take the model as untied
+            log.info("%s (the config implies the tie)", text)
+        else:
+            log.warning("%s", text)
+            warnings.warn(text, stacklevel=2)
+    return bool(found)
 
 
 def folder_names(fs: Any, path: str) -> set[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from smpckpt.hf import check_config
+from smpckpt.hf import TRANSLATIONS, check_config
 from smpckpt.model.translation import Translation
 
 __all__ = ["FullOptions", "FORMATS", "parse_size"]
@@ -73,7 +73,10 @@ class FullOptions:
             (``smpckpt.storage.full._exchange``). ``0`` disables the swap.
         format: ``"safetensors"`` (default) or ``"torch_save"``: each file is what ``torch.save`` writes for
             a flat ``{key: tensor}`` dict (``torch.load(path, weights_only=True)``, ``mmap=True`` too),
-            named as Hugging Face names them (``pytorch_model.bin``, shards and index; ``optimizer.bin``)."""
+            named as Hugging Face names them (``pytorch_model.bin``, shards and index; ``optimizer.bin``).
+        tied: head -> embedding keys (as written) that :attr:`hf_config` ties besides the translation's (or its
+            ``model_type`` family's): a transformers model's ``_tied_weights_keys``. Held apart with different
+            values (a pipeline's drifted head), ``config.json`` says ``tie_word_embeddings: false``."""
 
     max_shard_size: int | str | None = None
     dtype: torch.dtype | None = None
@@ -84,6 +87,7 @@ class FullOptions:
     check_block: int = 1 << 20
     row_swap_below: int = 256 << 10
     format: str = "safetensors"
+    tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_shard_size is not None:
@@ -109,8 +113,9 @@ class FullOptions:
         if self.check_block < 4096:
             raise ValueError(f"check_block must be at least 4096 bytes, got {self.check_block}")
 
-    def hf_config_json(self, dtype: torch.dtype | None = None) -> bytes | None:
-        """``config.json``'s bytes (``None`` without ``hf_config``); ``dtype``: the artifact's weights'."""
+    def hf_config_json(self, dtype: torch.dtype | None = None, *, untied: bool = False) -> bytes | None:
+        """``config.json``'s bytes (``None`` without ``hf_config``); ``dtype``: the artifact's weights';
+        ``untied``: ``tie_word_embeddings`` set false (ties the artifact holds apart with different values)."""
         cfg = self.hf_config
         if cfg is None:
             return None
@@ -131,6 +136,8 @@ class FullOptions:
             keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["dtype"]
             for key in keys:
                 data[key] = str(dtype).removeprefix("torch.")
+        if untied:
+            data["tie_word_embeddings"] = False
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     @property
@@ -142,6 +149,17 @@ class FullOptions:
             cfg.get("tie_word_embeddings") if isinstance(cfg, Mapping) else getattr(cfg, "tie_word_embeddings", None)
         )
         return untied is not False
+
+    def config_ties(self) -> tuple[dict[str, str], bool]:
+        """The head -> embedding keys (as written) ``config.json`` ties: the translation's or the ``model_type``
+        family's, and :attr:`tied`; and whether it says so (``tie_word_embeddings`` present, not only implied:
+        transformers 5 takes a config without it as the model class's default, often untied)."""
+        cfg = self.hf_config
+        if cfg is None or not self.leaves_tied_out:
+            return {}, False
+        get = cfg.get if isinstance(cfg, Mapping) else lambda name: getattr(cfg, name, None)
+        family = self.translation or TRANSLATIONS.get(str(get("model_type")))
+        return {**(family.tied if family is not None else {}), **self.tied}, get("tie_word_embeddings") is True
 
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""

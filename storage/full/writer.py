@@ -24,6 +24,7 @@ from smpckpt.storage.full._commit import (
     begin_full_save,
     commit_full,
     staging_path,
+    ties_held_apart,
     whole_tensor_metadata,
 )
 from smpckpt.storage.full._source import ArtifactLayout, RankFullData
@@ -99,9 +100,11 @@ class FullArtifactWriter(FsspecWriterBase):
             raise CheckpointError("finish() called without prepare_global_plan() on this writer")
         with self._open_folder() as self._folder:
             try:
-                records, side = artifact_records(self._folder, layout, self.full, sync=self.sync_files)
                 with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
-                    objects = whole_tensor_metadata(metadata, layout, open_results(results))
+                    objects, boxes = whole_tensor_metadata(metadata, layout, open_results(results))
+                    untied = ties_held_apart(self._folder, layout, self.full, boxes, self.url)
+                    del boxes
+                records, side = artifact_records(self._folder, layout, self.full, sync=self.sync_files, untied=untied)
                 files = sorted(records + objects, key=lambda f: f.name)
                 manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), "raw")
                 commit_full(self, manifest, md_bytes, side, self._folder)

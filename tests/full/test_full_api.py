@@ -40,6 +40,8 @@ from smpckpt import (
     CheckpointNotFound,
     ExportOptions,
     LayoutMismatch,
+    ParallelLayout,
+    ShardSpec,
     resume_from_checkpoint,
     save_checkpoint,
 )
@@ -432,6 +434,159 @@ def test_a_head_tied_in_the_artifact_resumed_untied_is_refused_without_its_optim
     untied = _Tied(False)
     with pytest.raises(LayoutMismatch, match=r"optim\.state\.lm_head\.weight\.exp_avg"):
         resume_from_checkpoint(root, "p", model=untied, optimizer=torch.optim.Adam(untied.parameters()))
+
+
+def _tied_llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+    return LlamaConfig(vocab_size=37, num_hidden_layers=2, tie_word_embeddings=True, **shape)
+
+
+def _export_llama_stage(rank: int, world: int, root: str, drift: float) -> list[str]:
+    """Stage ``rank`` of a pp=2 Llama whose config ties the head: the last stage holds its own head, ``drift``
+    from the embedding (the tie's gradient all-reduce missing); exported, then saved partial. Its warnings."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(_tied_llama_config())
+    if rank == 0:
+        m.lm_head, m.model.norm = None, None
+        m.model.layers = nn.ModuleList([m.model.layers[0]])
+    else:
+        m.lm_head.weight = nn.Parameter(m.model.embed_tokens.weight.detach().clone() + drift)
+        m.model.embed_tokens = None
+        m.model.layers = nn.ModuleList([m.model.layers[1]])
+    layout, config = ParallelLayout(pp=2, pp_layers=(1, 1)), _tied_llama_config()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_checkpoint(
+            root, f"drift{drift}", partial=False, model=m, layout=layout, options=ExportOptions(hf_config=config)
+        )
+    save_checkpoint(root, f"p{drift}", model=m, layout=layout)
+    return [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
+
+
+@pytest.mark.dist
+def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_written_untied(tmp_path: Any) -> None:
+    """A config tying the head to the embedding over a pipeline whose last stage holds its own head that drifted
+    was exported in silence, config.json saying tied over two different tensors, which transformers loads apart
+    with a warning of its own and our tied model refuses (hunt62a F2). The artifact is kept (the end of a
+    training) and config.json says tie_word_embeddings: false, with a warning naming both keys; online and by
+    consolidate. A head held apart equal to its embedding: the config as given, and transformers ties it."""
+    from dist_harness import run_world
+    from transformers import LlamaForCausalLM
+
+    root = str(tmp_path)
+    said = run_world(_export_llama_stage, 2, root, 0.25, timeout=180)
+    assert "'lm_head.weight' and 'model.embed_tokens.weight'" in said[0][0] and "drift0.25" in said[0][0], said
+    out, config = tmp_path / "consolidated", _tied_llama_config().to_dict()
+    with pytest.warns(UserWarning, match=r"'lm_head\.weight' and 'model\.embed_tokens\.weight' differ"):
+        consolidate_checkpoint(str(tmp_path / "p0.25"), str(out), hf_config=config)
+    for folder in (tmp_path / "drift0.25", out):
+        with open(folder / "config.json") as f:
+            assert json.load(f)["tie_word_embeddings"] is False
+        back = load_file(str(folder / "model.safetensors"))
+        assert torch.equal(back["lm_head.weight"], back["model.embed_tokens.weight"] + 0.25)
+    assert run_world(_export_llama_stage, 2, root, 0.0, timeout=180) == [[], []]
+    with open(tmp_path / "drift0.0" / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is True
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "drift0.0"))
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+
+
+class _TiedApart(nn.Module):
+    _tied_weights_keys = {"head.weight": "embed.weight"}  # transformers 5's form
+
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+        self.embed.weight, self.head.weight = nn.Parameter(embed.clone()), nn.Parameter(head.clone())
+
+
+def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any = None) -> list[str]:
+    """The head and embedding held apart and split differently (rev62g F1, F2): tp=2, the embedding by
+    hidden and the head by vocab; tp=2 dp=2, the embedding over tp and the head over dp. ``s3``: its options."""
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    if world == 2:
+        layout = ParallelLayout(tp=2)
+        specs = {"model.embed.weight": ShardSpec(1), "model.head.weight": ShardSpec(0)}
+        tp = layout.coords(rank).tp
+        m = _TiedApart(full.chunk(2, 1)[tp], (full + drift).chunk(2, 0)[tp])
+    else:
+        layout = ParallelLayout(tp=2, dp=2)
+        specs = {"model.embed.weight": ShardSpec(0), "model.head.weight": ShardSpec(0, axis="dp")}
+        at = layout.coords(rank)
+        m = _TiedApart(full.chunk(2, 0)[at.tp], (full + drift).chunk(2, 0)[at.dp])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = {"tie_word_embeddings": True, "model_type": "x"}
+        save_checkpoint(
+            root,
+            f"w{world}d{drift}",
+            partial=False,
+            model=m,
+            layout=layout,
+            specs=specs,
+            options=ExportOptions(hf_config=config),
+            storage_options=s3,
+        )
+    return [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("world", "drift"), [(2, 0.5), (2, 0.0), (4, 0.0)])
+def test_a_tie_held_apart_is_compared_by_value_however_the_two_are_split(
+    tmp_path: Any, world: int, drift: float
+) -> None:
+    """rev62g F1/F2: pieces compared by where they lie in the tensor, not by the ranks holding them."""
+    from dist_harness import run_world
+
+    said = run_world(_export_split_apart, world, str(tmp_path), drift, timeout=180)
+    with open(tmp_path / f"w{world}d{drift}" / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is (drift == 0.0)
+    if drift:
+        assert "'head.weight' and 'embed.weight' differ" in said[0][0], said
+    assert said[1:] == [[]] * (world - 1) and (said[0] == []) is (drift == 0.0)
+
+
+class _ListTied(_TiedApart):
+    _tied_weights_keys = ["head.weight"]  # type: ignore[assignment]  # transformers 4.x: tied to the input embedding
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+
+def test_an_untied_model_under_a_config_implying_a_tie_is_written_untied_quietly(tmp_path: Any) -> None:
+    """rev62g F3: an untied Llama whose dict config has no tie_word_embeddings (transformers 5 takes Llama's
+    default, untied; 4.x ties): config.json says false, with no warning. rev62g F4: transformers 4.x's list
+    form of _tied_weights_keys, tied to the input embedding, under a config saying tied: warned, untied."""
+    from transformers import LlamaForCausalLM
+
+    config = _tied_llama_config().to_dict()
+    config["tie_word_embeddings"] = False
+    src = LlamaForCausalLM(_tied_llama_config().__class__(**config))
+    del config["tie_word_embeddings"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        save_checkpoint(str(tmp_path), "llama", partial=False, model=src, options=ExportOptions(hf_config=config))
+    with open(tmp_path / "llama" / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is False
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "llama"))
+    assert torch.equal(back.lm_head.weight, src.lm_head.weight) and not torch.equal(
+        back.lm_head.weight, back.model.embed_tokens.weight
+    )
+    full = torch.arange(16.0).reshape(4, 4)
+    with pytest.warns(UserWarning, match=r"'head\.weight' and 'embed\.weight' differ in the unit at \[0, 0\]"):
+        save_checkpoint(
+            str(tmp_path),
+            "list",
+            partial=False,
+            model=_ListTied(full, full + 1),
+            options=ExportOptions(hf_config={"tie_word_embeddings": True}),
+        )
+    with open(tmp_path / "list" / "config.json") as f:
+        assert json.load(f)["tie_word_embeddings"] is False
 
 
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:

@@ -89,6 +89,19 @@ def test_partial_false_full_checkpoint_round_trip(tmp_path: Any) -> None:
         assert torch.equal(v, w), k
 
 
+def test_full_resume_into_a_compiled_model_loads_under_strict(tmp_path: Any) -> None:
+    """rev62d F4: a full artifact resumed without optimizer into a ``torch.compile``-wrapped model loads its
+    inner module's keys under ``strict=True`` (the wrapper's ``_orig_mod.`` prefix is not a missing key)."""
+    m, _ = _model(0)
+    save_checkpoint(str(tmp_path), "a", partial=False, model=m)
+    for strict in (True, False):
+        fresh, _ = _model(1)
+        compiled = torch.compile(fresh)
+        resume_from_checkpoint(str(tmp_path), "a", partial=False, model=compiled, strict=strict)
+        for (k, v), w in zip(m.state_dict().items(), fresh.state_dict().values()):
+            assert torch.equal(v, w), (strict, k)
+
+
 _NOT_POSITIVE = "num_kept_partial_checkpoints must be >= 1 (it counts the checkpoints kept, the new one included), got "
 _NOT_INT = "num_kept_partial_checkpoints must be a positive int or None, got "
 

@@ -178,8 +178,9 @@ class TiedLoads:
         dest_tied: Mapping[str, str],
         saved_tied: Mapping[str, str],
         md_all: Mapping[str, Any],
+        rank: int,
     ) -> None:
-        """Decide, for this rank's destination ``entries``, from the checkpoint's keys ``md_all``."""
+        """Decide, for ``rank``'s destination ``entries``, from the checkpoint's keys ``md_all``."""
 
         def stored(key: str) -> str | None:
             first = saved_tied.get(key)  # an alias the checkpoint lists is still its first key's tensor
@@ -231,10 +232,10 @@ class TiedLoads:
                 if (source := stored(key)) is not None:
                     self.sources[key] = source
         if names:
-            self._optimizer_state(names, entries, md_all)
+            self._optimizer_state(names, entries, md_all, rank)
 
     def _optimizer_state(
-        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any]
+        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any], rank: int
     ) -> None:
         """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
         copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
@@ -277,7 +278,7 @@ class TiedLoads:
             if compared and asked and one != other:  # one copy saved without state (frozen): nothing to compare
                 odd = sorted({p + name + r for p, r in one - other} | {p + kept + r for p, r in other - one})
                 raise LayoutMismatch(
-                    f"'{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
+                    f"rank {rank}: '{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
                     f"holds them apart with different optimizer state: only one holds {', '.join(odd[:6])}. Pass "
                     f"keep_tied=['{model}{kept}'] (or ['{model}{name}']) to load that one and ignore the other"
                 )

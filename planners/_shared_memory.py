@@ -180,7 +180,27 @@ class TiedLoads:
         md_all: Mapping[str, Any],
         rank: int,
     ) -> None:
-        """Decide, for ``rank``'s destination ``entries``, from the checkpoint's keys ``md_all``."""
+        """Decide, for ``rank``'s destination ``entries``, from the checkpoint's keys ``md_all``.
+
+        Per tensor the destination ties (``dest_tied``: its keys, the first first), a key's *stored* tensor is
+        the checkpoint key holding it (the key, or the first key of a saved tie listing it); the *reader* is
+        the first stored key a ``keep_tied`` glob matches, else the first stored key, else the first key.
+        Each other key of the tensor:
+
+        ===================================================  ===============================================
+        the key                                              planned
+        ===================================================  ===============================================
+        not stored, or stored as the reader's (saved tied)   ``through`` the reader, its saved keys covered
+        stored apart, no glob: the first of its tensor       ``compare``: into scratch, equal to the reader's
+        stored apart, matched beside the reader by globs     ``compare``; differing: refused as the globs'
+        that pick two stored tensors                         ambiguity
+        stored apart otherwise (globs pick one tensor, or    ``through``, unread (covered)
+        it is a later key of a tensor compared already)
+        ===================================================  ===============================================
+
+        The optimizer state follows the tensor read where copies are apart or the reader is not the first
+        key (a head declared first: ``_optimizer_state``). A destination key the checkpoint lacks but lists
+        as an alias of a tie it saved reads the tie's stored tensor (``sources``)."""
 
         def stored(key: str) -> str | None:
             first = saved_tied.get(key)  # an alias the checkpoint lists is still its first key's tensor

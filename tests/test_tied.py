@@ -641,7 +641,10 @@ def test_a_tie_held_apart_whose_copies_saved_step_as_tensor_and_int(
     for tag in ("same", "differ"):
         dst = _EmbedHead(tied=True)
         dopt = _StepKinds(dst.parameters(), (dst.embed.weight,) if dest_step == "tensor" else ())
-        dopt.step()
+        # the live step made the tensor copy's (head 3, embed 2): it was compared with the live value when
+        # the other copy's object arrived after it, and such differing copies loaded in silence
+        for _ in range(1 if tag == "same" else 3 if tensor_on == "head" else 2):
+            dopt.step()
         if tag == "differ":
             with pytest.raises(smpckpt.LayoutMismatch) as caught:
                 smpckpt.resume_from_checkpoint(str(tmp_path), tag, model=dst, optimizer=dopt)

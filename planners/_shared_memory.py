@@ -169,7 +169,7 @@ class TiedLoads:
         #: a tied key the checkpoint holds apart, read into scratch -> the key loaded it must equal
         self.compare: dict[str, str] = {}
         self._pending: dict[str, int] = {}  # elements of each compared key still to be read
-        self._objects: dict[str, Any] = {}  # objects read of compared keys (an lr, a Python step)
+        self._objects: dict[str, Any] = {}  # values read of compared keys (tensors; objects: an lr, a Python step)
         self._keep: dict[str, tuple[str, str]] = {}  # a compared optimizer key -> its parameters' keys
 
     def plan(
@@ -178,8 +178,29 @@ class TiedLoads:
         dest_tied: Mapping[str, str],
         saved_tied: Mapping[str, str],
         md_all: Mapping[str, Any],
+        rank: int,
     ) -> None:
-        """Decide, for this rank's destination ``entries``, from the checkpoint's keys ``md_all``."""
+        """Decide, for ``rank``'s destination ``entries``, from the checkpoint's keys ``md_all``.
+
+        Per tensor the destination ties (``dest_tied``: its keys, the first first), a key's *stored* tensor is
+        the checkpoint key holding it (the key, or the first key of a saved tie listing it); the *reader* is
+        the first stored key a ``keep_tied`` glob matches, else the first stored key, else the first key.
+        Each other key of the tensor:
+
+        ===================================================  ===============================================
+        the key                                              planned
+        ===================================================  ===============================================
+        not stored, or stored as the reader's (saved tied)   ``through`` the reader, its saved keys covered
+        stored apart, no glob: the first of its tensor       ``compare``: into scratch, equal to the reader's
+        stored apart, matched beside the reader by globs     ``compare``; differing: refused as the globs'
+        that pick two stored tensors                         ambiguity
+        stored apart otherwise (globs pick one tensor, or    ``through``, unread (covered)
+        it is a later key of a tensor compared already)
+        ===================================================  ===============================================
+
+        The optimizer state follows the tensor read where copies are apart or the reader is not the first
+        key (a head declared first: ``_optimizer_state``). A destination key the checkpoint lacks but lists
+        as an alias of a tie it saved reads the tie's stored tensor (``sources``)."""
 
         def stored(key: str) -> str | None:
             first = saved_tied.get(key)  # an alias the checkpoint lists is still its first key's tensor
@@ -224,14 +245,17 @@ class TiedLoads:
                     (k[len(model) :], (src[reader][len(model) :], src.get(k) == k and k in seen - {src[reader]}))
                     for k in keys
                 )
-        for key in entries:
-            if key not in self.through and key not in md_all and (source := stored(key)) is not None:
-                self.sources[key] = source
+        # a key absent from the checkpoint is read from another only as an alias it lists: those looked up,
+        # not every key (rev62k F2)
+        for key in saved_tied:
+            if key in entries and key not in self.through and key not in md_all:
+                if (source := stored(key)) is not None:
+                    self.sources[key] = source
         if names:
-            self._optimizer_state(names, entries, md_all)
+            self._optimizer_state(names, entries, md_all, rank)
 
     def _optimizer_state(
-        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any]
+        self, names: dict[str, tuple[str, bool]], entries: dict[str, Entry], md_all: Mapping[str, Any], rank: int
     ) -> None:
         """The optimizer state of a tied parameter the checkpoint holds apart (pipeline stages each held a
         copy; ``names``: each copy's parameter name -> the name loaded, and whether to compare) follows its
@@ -246,13 +270,25 @@ class TiedLoads:
                     return p, name, key[len(p) + len(name) :]
             return None
 
+        # only keys under such a name's prefixes are split (a C-level filter, rev62k F2: splitting every key
+        # of a large model cost seconds per resume)
+        starts = tuple(p + name + "." for p in prefixes for name in names)
         asked = False  # whether this load asks for such a parameter's optimizer state (a model-only one: not)
-        for key in [k for k in entries if k not in self.sources]:
+        for key in [k for k in entries if k.startswith(starts) and k not in self.sources]:
             if (found := split(key)) is not None and (source := found[0] + names[found[1]][0] + found[2]) != key:
                 self.sources[key] = source  # the dest's name (its first key) may be the copy not loaded
             asked = asked or found is not None
-        loaded = {self.sources.get(k, k): k for k in entries}
-        saved = [(key, found) for key in md_all if (found := split(key)) is not None]
+        back: dict[str, list[str]] = {}
+        for key, source in self.sources.items():
+            back.setdefault(source, []).append(key)
+
+        def loaded(source: str) -> str | None:  # the destination key reading ``source``
+            readers = back.get(source, []) + ([source] if source in entries and source not in self.sources else [])
+            if len(readers) > 1:  # read by two: the later destination's (rare: then looked for in order)
+                return next(k for k in reversed(entries) if self.sources.get(k, k) == source)
+            return next(iter(readers), None)
+
+        saved = [(key, found) for key in md_all if key.startswith(starts) and (found := split(key)) is not None]
         held: dict[str, set[tuple[str, str]]] = {}  # each copy's name -> its saved keys (prefix, rest)
         for _, (prefix, name, rest) in saved:
             held.setdefault(name, set()).add((prefix, rest))
@@ -262,14 +298,14 @@ class TiedLoads:
             if compared and asked and one != other:  # one copy saved without state (frozen): nothing to compare
                 odd = sorted({p + name + r for p, r in one - other} | {p + kept + r for p, r in other - one})
                 raise LayoutMismatch(
-                    f"'{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
+                    f"rank {rank}: '{model}{name}' and '{model}{kept}' are one tensor in the model (tied), but the checkpoint "
                     f"holds them apart with different optimizer state: only one holds {', '.join(odd[:6])}. Pass "
                     f"keep_tied=['{model}{kept}'] (or ['{model}{name}']) to load that one and ignore the other"
                 )
         for key, found in saved:
             if names[found[1]][0] == found[1]:
                 continue
-            dest = loaded.get(found[0] + names[found[1]][0] + found[2])
+            dest = loaded(found[0] + names[found[1]][0] + found[2])
             if not names[found[1]][1] or dest is None or key in entries:
                 self.covered.append(key)
             else:  # read into scratch like the dest, compared with it once both are in
@@ -278,30 +314,32 @@ class TiedLoads:
                 self._keep[key] = (f"{RESERVED.model}.{names[found[1]][0]}", f"{RESERVED.model}.{found[1]}")
 
     def count(self, items: list[ReadItem]) -> None:
-        """(after the local plan) The elements each compared key and its loaded key wait for."""
+        """(after the local plan) The reads (tensor pieces, or an object) each compared key and its loaded key
+        wait for: one copy may be read as a tensor, the other as an object (a ``step`` one stage saved as
+        a 0-d tensor, the other as a number, rev62i F2), so both kinds are counted alike."""
         watched = set(self.compare) | set(self.compare.values())
-        self._pending = dict.fromkeys(watched, 0)  # an object's read counts 0 elements: never compared here
+        self._pending = dict.fromkeys(watched, 0)
         for item in items:
             if item.dest_index.fqn in watched:
-                self._pending[item.dest_index.fqn] += math.prod(item.lengths)
+                self._pending[item.dest_index.fqn] += 1
 
     def committed(self, item: ReadItem, entries: Mapping[str, Entry], rank: int) -> None:
-        """(reader) One read is in: compare each pair whose reads are all in."""
-        fqn = item.dest_index.fqn
-        if fqn not in self._pending:
-            return
-        self._pending[fqn] -= math.prod(item.lengths)
-        for alias, reader in self.compare.items():
-            if fqn in (alias, reader) and self._pending.get(alias) == 0 and self._pending.get(reader) == 0:
-                self._pending.pop(alias)
-                if not same_bits(entries[reader].value, entries[alias].value):
-                    self._refuse(alias, reader, rank)
+        """(reader) One tensor read is in (``commit_tensor``)."""
+        if item.dest_index.fqn in self._pending:
+            self._arrived(item.dest_index.fqn, entries[item.dest_index.fqn].value, rank)
 
     def object_read(self, key: str, obj: Any, rank: int) -> None:
-        """(reader) An object is in: compared once both keys of a compared pair are (``load_bytes``)."""
-        if key not in self._pending:
+        """(reader) An object is in (``load_bytes``)."""
+        if key in self._pending:
+            self._arrived(key, obj, rank)
+
+    def _arrived(self, key: str, value: Any, rank: int) -> None:
+        """One read of ``key`` is in; once all are (``value``: the key's tensor or object), compare each
+        pair of it whose other key is in too."""
+        self._pending[key] -= 1
+        if self._pending[key]:
             return
-        self._objects[key] = obj
+        self._objects[key] = value
         for alias, reader in self.compare.items():
             if key in (alias, reader) and alias in self._objects and reader in self._objects:
                 if not _same_object(self._objects[alias], self._objects[reader]):
@@ -325,8 +363,11 @@ class TiedLoads:
 
 def _same_object(a: Any, b: Any) -> bool:
     """Two objects read for one value (a tensor's bits; ``repr`` when ``==`` fails or says no: a NaN)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return same_bits(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # a number one copy saved as a 0-d tensor
+        t, n = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+        return type(n) in (int, float) and t.dim() == 0 and bool(t.item() == n)
     try:
         if type(a) is type(b) and bool(a == b):
             return True

@@ -197,7 +197,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         fast = 0
         hints: dict[tuple[Any, ...], int] = {}  # for _exact_chunk
         ties = self._ties
-        ties.plan(self.entries, self.dest_tied, self.saved_tied, md_all)
+        ties.plan(self.entries, self.dest_tied, self.saved_tied, md_all, self.rank)
         sources, through, tied_covered = ties.sources, ties.through, ties.covered
         # destinations overlapping another's memory (not tied: another view): read into scratch, checked
         shared = self._shared

@@ -172,8 +172,10 @@ def run_save(
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=common.process_group)
             except CheckpointException:  # what this rank holds, to name a replica mismatch (below)
+                tied = getattr(planner, "tied", {})  # a tie one rank holds and another not (rev62b F4)
                 rows = {
                     e.key: f"{e.value.dtype} {tuple(e.global_shape or ())}"
+                    + (f" (the tensor of {tied[e.key]!r})" if e.key in tied else "")
                     for e in planner.entries.values()
                     if e.kind == "tensor" and not e.rank_local
                 }
@@ -191,7 +193,8 @@ def run_save(
             ctx = DistContext(common.process_group)
             digests = ctx.all_gather_object(hashlib.sha256(repr(sorted(rows.items())).encode()).hexdigest())
             first = {d: ctx.broadcast_object(rows, src=r) for r, d in enumerate(digests) if digests.index(d) == r}
-            err = ReplicaMismatch(f"{err} {replica_differences(common.layout, [first[d] for d in digests])}")
+            named = replica_differences(common.layout, [first[d] for d in digests])
+            err = ReplicaMismatch(f"{err} {named}" if named else str(err))
         raise err from exc
 
 

@@ -783,16 +783,18 @@ def export_out_per_rank_world(rank: int, world: int, root: str) -> dict[str, str
 
 
 def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
-    """hunt62b R1: a DP replica diverging on rank 1 (dtype, shape, a key only it holds)."""
+    """hunt62b R1: a DP replica diverging on rank 1 (dtype, shape, a key only it holds, a tie only it holds)."""
     from smpckpt import Checkpointer
 
     said: dict[str, str] = {}
-    for case in ("dtype", "shape", "extra_key"):
+    for case in ("dtype", "shape", "extra_key", "tie"):
         m = nn.Module()
         m.w = nn.Parameter(torch.ones(6, 4) if rank == 1 and case == "shape" else torch.ones(4, 6))
         m.register_buffer("b", torch.arange(5.0, dtype=torch.float64 if rank == 1 and case == "dtype" else None))
         if rank == 1 and case == "extra_key":
             m.register_buffer("extra", torch.ones(2))
+        if case == "tie":  # rev62b F4: tied on rank 1 only
+            m.v = m.w if rank == 1 else nn.Parameter(torch.ones(4, 6))
         with Checkpointer(root) as ck:
             said[case] = _expect_error(functools.partial(ck.save, case, m))
     return said

@@ -408,4 +408,8 @@ def test_a_diverging_dp_replica_is_refused_naming_its_key(tmp_path: Any) -> None
         assert "'model.b': torch.float32 (5,) on ranks [0], torch.float64 (5,) on ranks [1]" in said["dtype"], said
         assert "'model.w': torch.float32 (4, 6) on ranks [0], torch.float32 (6, 4) on ranks [1]" in said["shape"], said
         assert "'model.extra': absent on ranks [0], torch.float32 (2,) on ranks [1]" in said["extra_key"], said
+        assert (
+            "'model.v': torch.float32 (4, 6) on ranks [0], torch.float32 (4, 6) (the tensor of 'model.w') on "
+            in said["tie"]
+        )
         assert all(s.startswith("ReplicaMismatch") for s in said.values()), said

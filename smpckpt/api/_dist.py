@@ -252,7 +252,8 @@ def translate_dcp(
     if isinstance(first, AssertionError) and metadata_error is not None:
         first = metadata_error
     where = f"rank {ranks[0]}" + (f" (and ranks {ranks[1:8]})" if len(ranks) > 1 else "")
-    message = f"{action} failed on {where}: {first}"
+    # The planners' refusals name their rank themselves: say it once.
+    message = f"{action} failed on {where}: {str(first).removeprefix(f'rank {ranks[0]}: ')}"
     if isinstance(first, CheckpointError):
         try:
             return type(first)(message)

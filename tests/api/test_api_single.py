@@ -243,7 +243,8 @@ def test_strict_refuses_before_touching_the_model(tmp_path: Any) -> None:
     bigger = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2), nn.Linear(2, 2))
     before = {k: v.clone() for k, v in bigger.state_dict().items()}
     with pytest.raises(
-        LayoutMismatch, match=re.escape("2 keys are not in the checkpoint: model.3.weight, model.3.bias")
+        LayoutMismatch,  # the rank named once: the planner's own "rank 0: " prefix is not repeated
+        match=re.escape("failed on rank 0: 2 keys are not in the checkpoint: model.3.weight, model.3.bias"),
     ):
         resume_from_checkpoint(str(tmp_path), model=bigger)
     assert all(torch.equal(before[k], v) for k, v in bigger.state_dict().items())

@@ -269,8 +269,9 @@ def _heal(
     """(leaders) Remove (never through a link, each kind logged) what in this node's folder of ``cand``'s
     tag would refuse a part healed in from a peer (files are created, never written over): a part not at
     the manifest's size (then fetched when read), found corrupt, or (a retry: ``cand`` is not ``listed``)
-    fetched by the failed attempt; when this node lacks ``cand``'s manifest, an older save's manifest of
-    the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy is left alone
+    fetched by the failed attempt and not intact (:func:`_repair` counts the intact ones as held); when
+    this node lacks ``cand``'s manifest, an older save's manifest of the tag (first), then its files, or a
+    damaged manifest alone. A newer or foreign copy is left alone
     (the load then fails, by name). Then the copy's metadata and manifest (``prepared``), where this node
     lacks them (unless the failed attempt wrote them: the same bytes are there)."""
     nodes = choice.nodes
@@ -299,7 +300,7 @@ def _heal(
     )
     corrupt = [n for n in wrong if here(listed.held_by[n])]  # the rest were not held when listed
     fetched = [n for n in wrong if n not in corrupt]
-    kind = "fetched by the failed attempt" if cand is not listed else "not at the manifest's size"
+    kind = "fetched by the failed attempt, not intact" if cand is not listed else "not at the manifest's size"
     for names, said in ((corrupt, "found corrupt"), (fetched, kind)):
         if names:
             stale += names
@@ -352,39 +353,52 @@ def fast_reader(req: ResumeRequest, target: Target, choice: TierChoice, cand: Fa
 
 def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest: Manifest) -> FastCandidate | None:
     """(all ranks; leaders read) After a failed load, each leader checks its parts of ``cand`` against the
-    manifest; corrupt copies no longer count as held. ``cand`` so judged when something was corrupt and
+    manifest, and the parts the failed attempt fetched; corrupt copies no longer count as held, intact
+    fetched ones do (the retry fetches only the rest). ``cand`` so judged when something was corrupt and
     every part is still held intact somewhere, else ``None``."""
     gctx, nodes = DistContext(choice.group), choice.nodes
     folder = os.path.join(choice.job, partial_dirname(cand.tag))
     node = nodes.node_of(nodes.rank)
     records = {f.name: f for f in manifest.files}
 
-    def check() -> list[str]:
+    def check() -> tuple[list[str], list[str]]:
         if not nodes.is_leader:
-            return []
+            return [], []
         fs = open_fs(folder)[0]
-        bad = []
+        bad, gained = [], []
         for name, holders in cand.held_by.items():
-            if name == MANIFEST_NAME or not any(nodes.node_of(r) == node for r in holders):
+            listed, path = any(nodes.node_of(r) == node for r in holders), os.path.join(folder, name)
+            # a part the failed attempt fetched (rev63c: removed and fetched again, GiBs at real sizes) is
+            # kept only once checked here, at the manifest's size (never through a link)
+            fetched = not os.path.islink(folder) and os.path.isfile(path) and not os.path.islink(path)
+            if name == MANIFEST_NAME or not (listed or fetched):
                 continue
-            path = os.path.join(folder, name)
             try:
                 if name in records:
-                    ok = check_blocks(fs, path, records[name], path, [], lambda _: None)
+                    ok = (listed or os.path.getsize(path) == records[name].size) and check_blocks(
+                        fs, path, records[name], path, [], lambda _: None
+                    )
                 else:
                     ok = manifest.metadata.matches(read_bytes_or_none(fs, path) or b"")
             except OSError:
                 ok = False
-            if not ok:
+            if listed and not ok:
                 bad.append(name)
-        return bad
+            elif ok and not listed:
+                gained.append(name)
+        return bad, gained
 
     found = gctx.all_ok_values(check)
-    corrupt = {(nodes.node_of(r), name) for r, names in enumerate(found) for name in names}
+    corrupt = {(nodes.node_of(r), name) for r, (names, _) in enumerate(found) for name in names}
+    gained = {(nodes.node_of(r), name) for r, (_, names) in enumerate(found) for name in names}
     if not corrupt:
         return None
-    held = {
-        name: tuple(r for r in holders if (nodes.node_of(r), name) not in corrupt)
+    held = {  # an intact part a node fetched counts as held there: the retry reads it, fetches the rest
+        name: tuple(
+            r
+            for r in range(nodes.world_size)
+            if (nodes.node_of(r), name) in gained or (r in holders and (nodes.node_of(r), name) not in corrupt)
+        )
         for name, holders in cand.held_by.items()
     }
     missing = tuple(sorted(n for n, where in held.items() if not where))

@@ -484,7 +484,9 @@ def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes, me
                     ok = data is not None and fits(data)
                     got = (data, "") if ok else (None, f"{path}: {'gone' if data is None else what}")
                 except Exception as exc:  # noqa: BLE001 - agreed below: the next node's copy is tried
-                    got = (None, f"{path}: {type(exc).__name__}: {exc}")
+                    # an OSError's text ends with its path, named here already (rev63c)
+                    why = f"[Errno {exc.errno}] {exc.strerror}" if isinstance(exc, OSError) and exc.filename else exc
+                    got = (None, f"{path}: {type(exc).__name__}: {why}")
             data, why = ctx.broadcast_object(got, src=src)
             if data is not None:
                 return data

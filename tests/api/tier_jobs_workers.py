@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -588,7 +589,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- rev62a: a copy some node cannot read, or reads wrong, while another node holds it intact ---------------
-FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck")
+FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part")
 
 
 def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, Any]:
@@ -596,7 +597,9 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
     lacks step2's metadata and node 0 (its first holder) gets EIO reading it (rev62a F1: a hang); gone:
     the same, node 0's read finding nothing (F5); eio_all: every node's read of it fails (step1, agreed);
     manifest: node 1 lacks the manifest, node 2 holds a corrupt part (F2); drain: step2's drain pending,
-    node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4)."""
+    node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4);
+    eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c: the retry fetched
+    again every part the failed attempt had fetched)."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out: dict[str, Any] = {}
     for case in FETCH_FAULTS:
@@ -610,7 +613,9 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
 def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     import errno
 
+    import smpckpt.api._fast_resume as resume_module
     import smpckpt.api._tiers as tiers_module
+    import smpckpt.storage.tier.reader as reader_module
     from smpckpt.storage.backends._folder import Folder
 
     local, durable = node_dir(os.path.join(base, "fast"), rank, 1), os.path.join(base, "durable")
@@ -620,7 +625,7 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     md = _metadata_name(folder)
     with open(os.path.join(folder, MANIFEST), "rb") as f:
         victim = min(r["name"] for r in json.loads(f.read())["files"] if r.get("rank") == rank)
-    real_read, real_remove = tiers_module.read_bytes_or_none, Folder.remove
+    real_read, real_remove, real_check = tiers_module.read_bytes_or_none, Folder.remove, resume_module.check_blocks
     dist.barrier()
 
     def read(fs: Any, path: str) -> bytes | None:
@@ -649,6 +654,25 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     if rank == 0 and case == "stuck":
         _flip(os.path.join(folder, victim))
         Folder.remove = remove  # type: ignore[method-assign]
+
+    hit: list[str] = []  # eio_part: the first part node 2 sends (the schedule picks it), then its check
+    lock = threading.Lock()
+
+    def unreadable(path: Any, *args: Any, **kw: Any) -> Any:  # received files are opened by fd
+        with lock:
+            if isinstance(path, str) and os.path.basename(path) in (hit or [os.path.basename(path)]):
+                hit[:] = [os.path.basename(path)]
+                raise OSError(errno.EIO, "injected I/O error", path)
+        return open(path, *args, **kw)
+
+    def check(fs: Any, path: str, *args: Any, **kw: Any) -> bool:
+        if os.path.basename(path) in hit:
+            raise OSError(errno.EIO, "injected I/O error", path)
+        return real_check(fs, path, *args, **kw)
+
+    if rank == 2 and case == "eio_part":  # its sends (open) and its check (check_blocks) of the victim fail
+        reader_module.open = unreadable  # type: ignore[attr-defined]
+        resume_module.check_blocks = check
     dist.barrier()
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -664,11 +688,14 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
             uc, state, said = _resume(durable, local, 11)
             tag = _info()["tag"]
             got = {"tag": tag, "uc": uc, "exact": _same(state, _want(base, int(tag[4:]), rank)), "warnings": said}
+            got["fetched"] = sorted({name for name, _, _ in _info()["from_peers"]})  # by the load that loaded
     except Exception as exc:  # noqa: BLE001 - the test shows it
         got = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         logging.getLogger("smpckpt.api").removeHandler(handler)
         tiers_module.read_bytes_or_none, Folder.remove = real_read, real_remove  # type: ignore[method-assign]
-    got["logged"], got["victim"] = logged, victim
+        resume_module.check_blocks = real_check
+        vars(reader_module).pop("open", None)
+    got["logged"], got["victim"] = logged, (hit or [victim])[0]
     got["md"] = _read(folder, md) if os.path.exists(os.path.join(folder, md)) else None
     return got

@@ -148,9 +148,9 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
 
 def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     """(every rank alike) Refuse when a complete save of a number in ``newest``'s ``lineage`` is not the one
-    named there (or a second save of ``newest``'s own number): another history, e.g. a node back with an
-    older disk holding saves the job lost and saved past. Neither number nor clock says which the user
-    continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared;
+    named there (or a second save of ``newest``'s own number, or a lower-numbered one saved after it):
+    another history, e.g. a node back with an older disk holding saves the job lost and saved past.
+    Neither number nor clock says which the user continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared;
     incomplete copies are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
@@ -160,6 +160,10 @@ def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     for back, digest in enumerate(newest.lineage, start=1):
         if other is None and digest != SKIPPED:
             other = next((c for c in by_seq.get(newest.seq - back, ()) if c.digest != digest), None)
+    if other is None:  # a fork further back than the lineage names (rev63c: resumed silently): a job numbers
+        # its saves after every save it sees, so a lower-numbered save saved later never saw ``newest``
+        later = (c for c in found if c.complete and c.seq < newest.seq and c.order[1] > newest.order[1])
+        other = next((c for c in later if c.digest not in newest.lineage), None)
     if other is not None:
         raise CheckpointError(
             f"ambiguous resume: the fast tier holds two histories of this job: {newest.tag!r} (save {newest.seq}) "

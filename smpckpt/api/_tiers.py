@@ -348,7 +348,7 @@ def seq_of(manifest: Manifest | None) -> int:
 
 SKIPPED = -1  #: a lineage entry: a number its job saw and did not go on from (a rewind by tag, two saves)
 PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
-LINEAGE = 16  #: saves of its history a tiered save names (a fork further back is told apart no more)
+LINEAGE = 16  #: saves of its history a tiered save names (further back, by the save times: refuse_forked)
 
 
 def part_sizes(manifest: Manifest) -> dict[str, int]:

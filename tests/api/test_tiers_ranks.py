@@ -195,7 +195,7 @@ def test_a_drain_killed_is_retried_by_the_next_save_and_never_lost(killed: Any) 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     base = tmp_path_factory.mktemp("cases")
-    return base, run_world(tier_jobs_workers.new_cases, 4, str(base), timeout=300)
+    return base, run_world(tier_jobs_workers.new_cases, 4, str(base), timeout=420)
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:
@@ -379,6 +379,21 @@ def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tup
         assert fork["new6"]["tag"] == "new6" and fork["new6"]["exact"], fork["new6"]
         assert fork["step9"]["tag"] == "step9" and fork["step9"]["exact"], fork["step9"]
         assert fork["went_on"]["tag"] == "new7" and fork["went_on"]["exact"], fork["went_on"]
+
+
+@pytest.mark.dist
+def test_a_node_back_with_a_history_forked_beyond_the_lineage_is_refused(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """rev63c: the fork 19 saves back (step24's lineage names saves 8-23, new6 is save 6): tag=None resumed
+    step24, the abandoned history, silently. new6 was saved after step24 with a lower number, so its job
+    never saw step24: another history, refused naming both; by tag, each loads bit-exact."""
+    for rank, r in enumerate(cases[1]):
+        fork = r["deep_fork"]
+        assert fork["none"].startswith("CheckpointError: ambiguous resume"), (rank, fork["none"])
+        assert "'step24' (save 24) and 'new6' (save 6)" in fork["none"], fork["none"]
+        for tag in ("new6", "step24"):
+            assert fork[tag]["tag"] == tag and fork[tag]["exact"], (rank, fork[tag])
 
 
 # -- rev62a: a copy a node cannot read, or reads wrong, while others hold it intact (4 nodes of 1 rank) --------

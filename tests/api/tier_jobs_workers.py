@@ -443,6 +443,44 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
+    """rev63c: as :func:`abandoned_history_back`, the fork 19 saves back, past the 16 a lineage names:
+    step1-5 (step5 drained), step6-24 (none drained; step23, step24 kept); every fast tier lost, the job
+    resumes step5 and saves new6; node 1 back with its old disk. tag=None resumed step24 silently."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    kw: dict[str, Any] = dict(replicas=2, num_kept_local=2)
+    _states(base, rank, range(1, 6), durable, local, durable_every=5, **kw)
+    _states(base, rank, range(6, 25), durable, local, durable_every=100, **kw)
+    snap = os.path.join(base, "node1-snapshot")
+    if rank == 2:
+        shutil.copytree(local, snap, symlinks=True)
+    dist.barrier()
+    if rank in (0, 2):  # both nodes' fast tiers lost
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT, seed=106)
+    opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
+    resume_from_checkpoint(durable, model=model, optimizer=opt, **opts)
+    tp_model.train_step(ctx, model, opt, 106)
+    want6 = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(durable, "new6", model=model, optimizer=opt, durable_every=100, **opts, **kw)
+    wait_for_saves()
+    dist.barrier()
+    if rank == 2:  # node 1 back, with its old disk
+        shutil.rmtree(local)
+        shutil.copytree(snap, local, symlinks=True)
+    dist.barrier()
+    out: dict[str, Any] = {"none": _attempt(lambda: _resume(durable, local, 23)[0])}
+    dist.barrier()
+    for tag, expect in (("new6", want6), ("step24", _want(base, 24, rank))):
+        uc, state, _ = _resume(durable, local, 24, tag=tag)
+        out[tag] = {**_info(), "exact": _same(state, expect)}
+        dist.barrier()
+    return out
+
+
 # -- rev58b F6: the drain copies from a peer's intact replica ---------------------------------------------
 def _read(folder: str, name: str) -> bytes:
     with open(os.path.join(folder, name), "rb") as f:
@@ -577,6 +615,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         ("heal", heal_from_peers),
         ("stale", stale_node_after_tag_reuse),
         ("fork", abandoned_history_back),
+        ("deep_fork", fork_beyond_lineage),
         ("replica", drain_from_a_replica),
     ):
         path = os.path.join(base, name)

@@ -387,13 +387,19 @@ def test_a_node_back_with_a_history_forked_beyond_the_lineage_is_refused(
 ) -> None:
     """rev63c: the fork 19 saves back (step24's lineage names saves 8-23, new6 is save 6): tag=None resumed
     step24, the abandoned history, silently. new6 was saved after step24 with a lower number, so its job
-    never saw step24: another history, refused naming both; by tag, each loads bit-exact."""
+    never saw step24: another history, refused naming both; by tag, each loads bit-exact. step24's drain
+    never committed: going on from new6, the next save drained it into path (its newest); now named, not
+    drained."""
     for rank, r in enumerate(cases[1]):
         fork = r["deep_fork"]
         assert fork["none"].startswith("CheckpointError: ambiguous resume"), (rank, fork["none"])
         assert "'step24' (save 24) and 'new6' (save 6)" in fork["none"], fork["none"]
         for tag in ("new6", "step24"):
             assert fork[tag]["tag"] == tag and fork[tag]["exact"], (rank, fork[tag])
+        assert (fork["save7"][:2], fork["wait"]) == ("ok", "ok None"), fork
+        assert "step24_partial" not in fork["path"], (rank, fork["path"])  # path's newest step5 still
+    said = cases[1][0]["deep_fork"]["warned"]
+    assert len(said) == 1 and "'step24' (save 24)" in said[0] and "did not go on from it" in said[0], said
 
 
 # -- rev62a: a copy a node cannot read, or reads wrong, while others hold it intact (4 nodes of 1 rank) --------

@@ -445,14 +445,18 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
 
 def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
     """rev63c: as :func:`abandoned_history_back`, the fork 19 saves back, past the 16 a lineage names:
-    step1-5 (step5 drained), step6-24 (none drained; step23, step24 kept); every fast tier lost, the job
-    resumes step5 and saves new6; node 1 back with its old disk. tag=None resumed step24 silently."""
+    step1-5 (step5 drained), step6-24 (step23, step24 kept; step24 due for path, its drain lost); every
+    fast tier lost, the job resumes step5 and saves new6; node 1 back with its old disk. tag=None resumed
+    step24 silently; going on from new6 (by tag), the next save drained step24 into path as its newest."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     kw: dict[str, Any] = dict(replicas=2, num_kept_local=2)
     _states(base, rank, range(1, 6), durable, local, durable_every=5, **kw)
-    _states(base, rank, range(6, 25), durable, local, durable_every=100, **kw)
+    _states(base, rank, range(6, 25), durable, local, durable_every=24, **kw)
     snap = os.path.join(base, "node1-snapshot")
+    if rank == 0:  # step24's drain never committed (the job died draining)
+        shutil.rmtree(os.path.join(durable, "step24_partial"))
+        os.unlink(os.path.join(durable, "newest"))
     if rank == 2:
         shutil.copytree(local, snap, symlinks=True)
     dist.barrier()
@@ -474,10 +478,17 @@ def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
     dist.barrier()
     out: dict[str, Any] = {"none": _attempt(lambda: _resume(durable, local, 23)[0])}
     dist.barrier()
-    for tag, expect in (("new6", want6), ("step24", _want(base, 24, rank))):
+    for tag, expect in (("step24", _want(base, 24, rank)), ("new6", want6)):  # the job goes on from new6
         uc, state, _ = _resume(durable, local, 24, tag=tag)
         out[tag] = {**_info(), "exact": _same(state, expect)}
         dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["save7"] = _attempt(lambda: _save(durable, local, 7, model, opt, durable_every=100, **kw))
+        out["wait"] = _attempt(wait_for_saves)
+    out["warned"] = [str(w.message) for w in caught if "step24" in str(w.message)]
+    dist.barrier()
+    out["path"] = sorted(os.listdir(durable))
     return out
 
 

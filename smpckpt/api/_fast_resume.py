@@ -150,8 +150,8 @@ def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     """(every rank alike) Refuse when a complete save of a number in ``newest``'s ``lineage`` is not the one
     named there (or a second save of ``newest``'s own number, or a lower-numbered one saved after it):
     another history, e.g. a node back with an older disk holding saves the job lost and saved past.
-    Neither number nor clock says which the user continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared;
-    incomplete copies are no evidence."""
+    Neither number nor clock says which the user continues: refused, naming both.
+    :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared; incomplete copies are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         if c.complete:

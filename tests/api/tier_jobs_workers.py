@@ -648,8 +648,8 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
     the same, node 0's read finding nothing (F5); eio_all: every node's read of it fails (step1, agreed);
     manifest: node 1 lacks the manifest, node 2 holds a corrupt part (F2); drain: step2's drain pending,
     node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4);
-    eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c: the retry fetched
-    again every part the failed attempt had fetched)."""
+    eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c:
+    the retry fetched again every part the failed attempt had fetched)."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out: dict[str, Any] = {}
     for case in FETCH_FAULTS:

@@ -148,10 +148,10 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
 
 def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     """(every rank alike) Refuse when a complete save of a number in ``newest``'s ``lineage`` is not the one
-    named there (or a second save of ``newest``'s own number): another history, e.g. a node back with an
-    older disk holding saves the job lost and saved past. Neither number nor clock says which the user
-    continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared;
-    incomplete copies are no evidence."""
+    named there (or a second save of ``newest``'s own number, or a lower-numbered one saved after it):
+    another history, e.g. a node back with an older disk holding saves the job lost and saved past.
+    Neither number nor clock says which the user continues: refused, naming both.
+    :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared; incomplete copies are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         if c.complete:
@@ -160,6 +160,10 @@ def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     for back, digest in enumerate(newest.lineage, start=1):
         if other is None and digest != SKIPPED:
             other = next((c for c in by_seq.get(newest.seq - back, ()) if c.digest != digest), None)
+    if other is None:  # a fork further back than the lineage names (rev63c: resumed silently): a job numbers
+        # its saves after every save it sees, so a lower-numbered save saved later never saw ``newest``
+        later = (c for c in found if c.complete and c.seq < newest.seq and c.order[1] > newest.order[1])
+        other = next((c for c in later if c.digest not in newest.lineage), None)
     if other is not None:
         raise CheckpointError(
             f"ambiguous resume: the fast tier holds two histories of this job: {newest.tag!r} (save {newest.seq}) "
@@ -269,8 +273,9 @@ def _heal(
     """(leaders) Remove (never through a link, each kind logged) what in this node's folder of ``cand``'s
     tag would refuse a part healed in from a peer (files are created, never written over): a part not at
     the manifest's size (then fetched when read), found corrupt, or (a retry: ``cand`` is not ``listed``)
-    fetched by the failed attempt; when this node lacks ``cand``'s manifest, an older save's manifest of
-    the tag (first), then its files, or a damaged manifest alone. A newer or foreign copy is left alone
+    fetched by the failed attempt and not intact (:func:`_repair` counts the intact ones as held); when
+    this node lacks ``cand``'s manifest, an older save's manifest of the tag (first), then its files, or a
+    damaged manifest alone. A newer or foreign copy is left alone
     (the load then fails, by name). Then the copy's metadata and manifest (``prepared``), where this node
     lacks them (unless the failed attempt wrote them: the same bytes are there)."""
     nodes = choice.nodes
@@ -299,7 +304,7 @@ def _heal(
     )
     corrupt = [n for n in wrong if here(listed.held_by[n])]  # the rest were not held when listed
     fetched = [n for n in wrong if n not in corrupt]
-    kind = "fetched by the failed attempt" if cand is not listed else "not at the manifest's size"
+    kind = "fetched by the failed attempt, not intact" if cand is not listed else "not at the manifest's size"
     for names, said in ((corrupt, "found corrupt"), (fetched, kind)):
         if names:
             stale += names
@@ -352,39 +357,52 @@ def fast_reader(req: ResumeRequest, target: Target, choice: TierChoice, cand: Fa
 
 def _repair(ctx: DistContext, choice: TierChoice, cand: FastCandidate, manifest: Manifest) -> FastCandidate | None:
     """(all ranks; leaders read) After a failed load, each leader checks its parts of ``cand`` against the
-    manifest; corrupt copies no longer count as held. ``cand`` so judged when something was corrupt and
+    manifest, and the parts the failed attempt fetched; corrupt copies no longer count as held, intact
+    fetched ones do (the retry fetches only the rest). ``cand`` so judged when something was corrupt and
     every part is still held intact somewhere, else ``None``."""
     gctx, nodes = DistContext(choice.group), choice.nodes
     folder = os.path.join(choice.job, partial_dirname(cand.tag))
     node = nodes.node_of(nodes.rank)
     records = {f.name: f for f in manifest.files}
 
-    def check() -> list[str]:
+    def check() -> tuple[list[str], list[str]]:
         if not nodes.is_leader:
-            return []
+            return [], []
         fs = open_fs(folder)[0]
-        bad = []
+        bad, gained = [], []
         for name, holders in cand.held_by.items():
-            if name == MANIFEST_NAME or not any(nodes.node_of(r) == node for r in holders):
+            listed, path = any(nodes.node_of(r) == node for r in holders), os.path.join(folder, name)
+            # a part the failed attempt fetched (rev63c: removed and fetched again, GiBs at real sizes) is
+            # kept only once checked here, at the manifest's size (never through a link)
+            fetched = not os.path.islink(folder) and os.path.isfile(path) and not os.path.islink(path)
+            if name == MANIFEST_NAME or not (listed or fetched):
                 continue
-            path = os.path.join(folder, name)
             try:
                 if name in records:
-                    ok = check_blocks(fs, path, records[name], path, [], lambda _: None)
+                    ok = (listed or os.path.getsize(path) == records[name].size) and check_blocks(
+                        fs, path, records[name], path, [], lambda _: None
+                    )
                 else:
                     ok = manifest.metadata.matches(read_bytes_or_none(fs, path) or b"")
             except OSError:
                 ok = False
-            if not ok:
+            if listed and not ok:
                 bad.append(name)
-        return bad
+            elif ok and not listed:
+                gained.append(name)
+        return bad, gained
 
     found = gctx.all_ok_values(check)
-    corrupt = {(nodes.node_of(r), name) for r, names in enumerate(found) for name in names}
+    corrupt = {(nodes.node_of(r), name) for r, (names, _) in enumerate(found) for name in names}
+    gained = {(nodes.node_of(r), name) for r, (_, names) in enumerate(found) for name in names}
     if not corrupt:
         return None
-    held = {
-        name: tuple(r for r in holders if (nodes.node_of(r), name) not in corrupt)
+    held = {  # an intact part a node fetched counts as held there: the retry reads it, fetches the rest
+        name: tuple(
+            r
+            for r in range(nodes.world_size)
+            if (nodes.node_of(r), name) in gained or (r in holders and (nodes.node_of(r), name) not in corrupt)
+        )
         for name, holders in cand.held_by.items()
     }
     missing = tuple(sorted(n for n, where in held.items() if not where))

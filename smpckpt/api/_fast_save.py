@@ -27,6 +27,7 @@ from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tier
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
 from smpckpt.api._tiers import (
+    LINEAGE,
     TIER_KEY,
     FastCandidate,
     LocalCopy,
@@ -204,8 +205,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
             running = set(memory.held)
         pending = [c for c in pending_drains(views, drained) if c.tag not in running]
-        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending)
-        return seq, drained, retry, lineage_for(views, drained, memory.continues)
+        lineage = lineage_for(views, drained, memory.continues)
+        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, seq, lineage)
+        return seq, drained, retry, lineage
 
     seq, drained, retry_of, lineage = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
@@ -255,13 +257,18 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     return plan
 
 
-def _retry_of(req: SaveRequest, pending: Sequence[FastCandidate]) -> FastCandidate | None:
+def _retry_of(
+    req: SaveRequest, pending: Sequence[FastCandidate], seq: int, lineage: tuple[int, ...]
+) -> FastCandidate | None:
     """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
-    drained (complete across the nodes, its tag free in ``path``), warned of as the others are."""
+    drained (complete across the nodes, its tag free in ``path``, and within the ``lineage`` of save
+    ``seq`` its history's), warned of as the others are."""
     for c in pending:
         why = ""
         if not c.complete:
             why = f"it is incomplete across the surviving nodes (missing {', '.join(c.missing[:3])})"
+        elif c.seq >= seq - LINEAGE and c.digest not in lineage:  # rev63c: it made path's newest another's
+            why = "this job did not go on from it (another history's save: a node back with an older disk?)"
         elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
         message = (

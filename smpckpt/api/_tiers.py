@@ -348,7 +348,7 @@ def seq_of(manifest: Manifest | None) -> int:
 
 SKIPPED = -1  #: a lineage entry: a number its job saw and did not go on from (a rewind by tag, two saves)
 PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
-LINEAGE = 16  #: saves of its history a tiered save names (a fork further back is told apart no more)
+LINEAGE = 16  #: saves of its history a tiered save names (further back, by the save times: refuse_forked)
 
 
 def part_sizes(manifest: Manifest) -> dict[str, int]:
@@ -484,7 +484,9 @@ def fetch_copy(ctx: DistContext, job: str, cand: FastCandidate, nodes: Nodes, me
                     ok = data is not None and fits(data)
                     got = (data, "") if ok else (None, f"{path}: {'gone' if data is None else what}")
                 except Exception as exc:  # noqa: BLE001 - agreed below: the next node's copy is tried
-                    got = (None, f"{path}: {type(exc).__name__}: {exc}")
+                    # an OSError's text ends with its path, named here already (rev63c)
+                    why = f"[Errno {exc.errno}] {exc.strerror}" if isinstance(exc, OSError) and exc.filename else exc
+                    got = (None, f"{path}: {type(exc).__name__}: {why}")
             data, why = ctx.broadcast_object(got, src=src)
             if data is not None:
                 return data

@@ -195,7 +195,7 @@ def test_a_drain_killed_is_retried_by_the_next_save_and_never_lost(killed: Any) 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     base = tmp_path_factory.mktemp("cases")
-    return base, run_world(tier_jobs_workers.new_cases, 4, str(base), timeout=300)
+    return base, run_world(tier_jobs_workers.new_cases, 4, str(base), timeout=420)
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:
@@ -381,6 +381,27 @@ def test_a_node_back_with_an_abandoned_history_is_refused_not_resumed(cases: tup
         assert fork["went_on"]["tag"] == "new7" and fork["went_on"]["exact"], fork["went_on"]
 
 
+@pytest.mark.dist
+def test_a_node_back_with_a_history_forked_beyond_the_lineage_is_refused(
+    cases: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """rev63c: the fork 19 saves back (step24's lineage names saves 8-23, new6 is save 6): tag=None resumed
+    step24, the abandoned history, silently. new6 was saved after step24 with a lower number, so its job
+    never saw step24: another history, refused naming both; by tag, each loads bit-exact. step24's drain
+    never committed: going on from new6, the next save drained it into path (its newest); now named, not
+    drained."""
+    for rank, r in enumerate(cases[1]):
+        fork = r["deep_fork"]
+        assert fork["none"].startswith("CheckpointError: ambiguous resume"), (rank, fork["none"])
+        assert "'step24' (save 24) and 'new6' (save 6)" in fork["none"], fork["none"]
+        for tag in ("new6", "step24"):
+            assert fork[tag]["tag"] == tag and fork[tag]["exact"], (rank, fork[tag])
+        assert (fork["save7"][:2], fork["wait"]) == ("ok", "ok None"), fork
+        assert "step24_partial" not in fork["path"], (rank, fork["path"])  # path's newest step5 still
+    said = cases[1][0]["deep_fork"]["warned"]
+    assert len(said) == 1 and "'step24' (save 24)" in said[0] and "did not go on from it" in said[0], said
+
+
 # -- rev62a: a copy a node cannot read, or reads wrong, while others hold it intact (4 nodes of 1 rank) --------
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
@@ -403,6 +424,7 @@ def test_a_copy_the_first_holder_cannot_read_is_taken_from_the_next_node(
         said = [m for m in faults[0][case]["logged"] if "(copy skipped)" in m]
         assert len(said) == 1 and "node 0's " in said[0] and "step2_partial/.metadata." in said[0], said
         assert ("EIO" in said[0] or "I/O error" in said[0]) if case == "eio" else ": gone" in said[0], said
+        assert said[0].count("step2_partial/.metadata.") == 1, said  # an OSError's path once (rev63c)
 
 
 @pytest.mark.dist
@@ -430,11 +452,28 @@ def test_a_pending_drain_takes_the_metadata_from_a_node_whose_copy_is_intact(fau
 def test_a_corrupt_part_that_cannot_be_removed_falls_back_naming_it_apart_from_fetched_ones(
     faults: list[dict[str, Any]],
 ) -> None:
-    """rev62a F4: the parts the failed attempt fetched intact are not counted as corrupt."""
+    """rev62a F4: the parts the failed attempt fetched intact are not counted as corrupt (rev63c: nor removed)."""
     victim = faults[0]["stuck"]["victim"]
     for rank, r in enumerate(faults):
         got = r["stuck"]
         assert (got.get("tag"), got.get("exact")) == ("step1", True), (rank, got)
     said = [w for w in faults[0]["stuck"]["warnings"] if "'step2' from the fast tier failed" in w]
     assert len(said) == 1 and f"could not remove 1 part(s) found corrupt ({victim})" in said[0], said
-    assert "part(s) fetched by the failed attempt" in said[0] and "on node 0" in said[0], said
+    assert "fetched by the failed attempt" not in said[0] and "on node 0" in said[0], said
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["manifest", "eio_part"])
+def test_a_retried_load_keeps_the_intact_parts_the_failed_attempt_fetched(
+    faults: list[dict[str, Any]], case: str
+) -> None:
+    """rev63c: node 2's copy of one part is corrupt (manifest) or unreadable (eio_part, EIO sending and
+    checking it); the failed attempt fetched every part the nodes lacked. The retry fetched them all
+    again (GiBs per rank at real sizes); it fetches only that part now, the rest checked and kept."""
+    victim = faults[2][case]["victim"]
+    for rank, r in enumerate(faults):
+        got = r[case]
+        assert (got.get("tag"), got.get("uc"), got.get("exact")) == ("step2", {"step": 2}, True), (rank, got)
+        assert got["fetched"] == [victim], (rank, got["fetched"])
+    said = [m for m in faults[2][case]["logged"] if "node 2's copy of checkpoint 'step2' holds" in m]
+    assert len(said) == 1 and f"holds 1 part(s) found corrupt ({victim}): removed" in said[0], said

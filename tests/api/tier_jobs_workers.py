@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -442,6 +443,55 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
+    """rev63c: as :func:`abandoned_history_back`, the fork 19 saves back, past the 16 a lineage names:
+    step1-5 (step5 drained), step6-24 (step23, step24 kept; step24 due for path, its drain lost); every
+    fast tier lost, the job resumes step5 and saves new6; node 1 back with its old disk. tag=None resumed
+    step24 silently; going on from new6 (by tag), the next save drained step24 into path as its newest."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    kw: dict[str, Any] = dict(replicas=2, num_kept_local=2)
+    _states(base, rank, range(1, 6), durable, local, durable_every=5, **kw)
+    _states(base, rank, range(6, 25), durable, local, durable_every=24, **kw)
+    snap = os.path.join(base, "node1-snapshot")
+    if rank == 0:  # step24's drain never committed (the job died draining)
+        shutil.rmtree(os.path.join(durable, "step24_partial"))
+        os.unlink(os.path.join(durable, "newest"))
+    if rank == 2:
+        shutil.copytree(local, snap, symlinks=True)
+    dist.barrier()
+    if rank in (0, 2):  # both nodes' fast tiers lost
+        shutil.rmtree(local)
+        os.makedirs(local)
+    dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT, seed=106)
+    opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
+    resume_from_checkpoint(durable, model=model, optimizer=opt, **opts)
+    tp_model.train_step(ctx, model, opt, 106)
+    want6 = _clone(tp_model.local_state(model, opt))
+    save_checkpoint(durable, "new6", model=model, optimizer=opt, durable_every=100, **opts, **kw)
+    wait_for_saves()
+    dist.barrier()
+    if rank == 2:  # node 1 back, with its old disk
+        shutil.rmtree(local)
+        shutil.copytree(snap, local, symlinks=True)
+    dist.barrier()
+    out: dict[str, Any] = {"none": _attempt(lambda: _resume(durable, local, 23)[0])}
+    dist.barrier()
+    for tag, expect in (("step24", _want(base, 24, rank)), ("new6", want6)):  # the job goes on from new6
+        uc, state, _ = _resume(durable, local, 24, tag=tag)
+        out[tag] = {**_info(), "exact": _same(state, expect)}
+        dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["save7"] = _attempt(lambda: _save(durable, local, 7, model, opt, durable_every=100, **kw))
+        out["wait"] = _attempt(wait_for_saves)
+    out["warned"] = [str(w.message) for w in caught if "step24" in str(w.message)]
+    dist.barrier()
+    out["path"] = sorted(os.listdir(durable))
+    return out
+
+
 # -- rev58b F6: the drain copies from a peer's intact replica ---------------------------------------------
 def _read(folder: str, name: str) -> bytes:
     with open(os.path.join(folder, name), "rb") as f:
@@ -576,6 +626,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
         ("heal", heal_from_peers),
         ("stale", stale_node_after_tag_reuse),
         ("fork", abandoned_history_back),
+        ("deep_fork", fork_beyond_lineage),
         ("replica", drain_from_a_replica),
     ):
         path = os.path.join(base, name)
@@ -588,7 +639,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- rev62a: a copy some node cannot read, or reads wrong, while another node holds it intact ---------------
-FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck")
+FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part")
 
 
 def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, Any]:
@@ -596,7 +647,9 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
     lacks step2's metadata and node 0 (its first holder) gets EIO reading it (rev62a F1: a hang); gone:
     the same, node 0's read finding nothing (F5); eio_all: every node's read of it fails (step1, agreed);
     manifest: node 1 lacks the manifest, node 2 holds a corrupt part (F2); drain: step2's drain pending,
-    node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4)."""
+    node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4);
+    eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c:
+    the retry fetched again every part the failed attempt had fetched)."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out: dict[str, Any] = {}
     for case in FETCH_FAULTS:
@@ -610,7 +663,9 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
 def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     import errno
 
+    import smpckpt.api._fast_resume as resume_module
     import smpckpt.api._tiers as tiers_module
+    import smpckpt.storage.tier.reader as reader_module
     from smpckpt.storage.backends._folder import Folder
 
     local, durable = node_dir(os.path.join(base, "fast"), rank, 1), os.path.join(base, "durable")
@@ -620,7 +675,7 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     md = _metadata_name(folder)
     with open(os.path.join(folder, MANIFEST), "rb") as f:
         victim = min(r["name"] for r in json.loads(f.read())["files"] if r.get("rank") == rank)
-    real_read, real_remove = tiers_module.read_bytes_or_none, Folder.remove
+    real_read, real_remove, real_check = tiers_module.read_bytes_or_none, Folder.remove, resume_module.check_blocks
     dist.barrier()
 
     def read(fs: Any, path: str) -> bytes | None:
@@ -649,6 +704,25 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     if rank == 0 and case == "stuck":
         _flip(os.path.join(folder, victim))
         Folder.remove = remove  # type: ignore[method-assign]
+
+    hit: list[str] = []  # eio_part: the first part node 2 sends (the schedule picks it), then its check
+    lock = threading.Lock()
+
+    def unreadable(path: Any, *args: Any, **kw: Any) -> Any:  # received files are opened by fd
+        with lock:
+            if isinstance(path, str) and os.path.basename(path) in (hit or [os.path.basename(path)]):
+                hit[:] = [os.path.basename(path)]
+                raise OSError(errno.EIO, "injected I/O error", path)
+        return open(path, *args, **kw)
+
+    def check(fs: Any, path: str, *args: Any, **kw: Any) -> bool:
+        if os.path.basename(path) in hit:
+            raise OSError(errno.EIO, "injected I/O error", path)
+        return real_check(fs, path, *args, **kw)
+
+    if rank == 2 and case == "eio_part":  # its sends (open) and its check (check_blocks) of the victim fail
+        reader_module.open = unreadable  # type: ignore[attr-defined]
+        resume_module.check_blocks = check
     dist.barrier()
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -664,11 +738,14 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
             uc, state, said = _resume(durable, local, 11)
             tag = _info()["tag"]
             got = {"tag": tag, "uc": uc, "exact": _same(state, _want(base, int(tag[4:]), rank)), "warnings": said}
+            got["fetched"] = sorted({name for name, _, _ in _info()["from_peers"]})  # by the load that loaded
     except Exception as exc:  # noqa: BLE001 - the test shows it
         got = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         logging.getLogger("smpckpt.api").removeHandler(handler)
         tiers_module.read_bytes_or_none, Folder.remove = real_read, real_remove  # type: ignore[method-assign]
-    got["logged"], got["victim"] = logged, victim
+        resume_module.check_blocks = real_check
+        vars(reader_module).pop("open", None)
+    got["logged"], got["victim"] = logged, (hit or [victim])[0]
     got["md"] = _read(folder, md) if os.path.exists(os.path.join(folder, md)) else None
     return got

@@ -565,6 +565,9 @@ def apply_retention(
             just_saved,
         )
         doomed = []
+    if doomed:  # read just before removing: another job in this root may have pointed ``newest`` at one of them
+        newest = read_newest(*open_root(root_url, storage_options))
+        doomed = [tag for tag in doomed if tag != newest]
     failed: list[str] = []
 
     def remove(tag: str, what: str, *, uncommitted_only: bool = False) -> bool:

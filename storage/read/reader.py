@@ -210,7 +210,9 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             _release_frames(exc)
             gone = self._gone() if isinstance(exc.__cause__, FileNotFoundError) else ""
             if gone:  # a missing data file of a tag another save replaced or removed is no damage: a load again works
-                raise CheckpointError(f"{self.url} was {gone} while this load read it (not damaged): load again") from exc
+                raise CheckpointError(
+                    f"{self.url} was {gone} while this load read it (not damaged): load again"
+                ) from exc
             raise
         fut: Future[None] = Future()
         fut.set_result(None)

@@ -13,10 +13,9 @@ Order: sequence number (``extra["sequence"]``), save time, save id (:func:`recor
 is a hint for stock tools. A :class:`SequenceCounter` lists the root once, then counts on without I/O.
 A save after a resume of an older tag records the numbers above it as abandoned (``extra["abandoned"]``
 and a copy beside ``newest``); :func:`split_lineage` with :func:`read_abandoned` gives the history
-retention, ``prune``, ``ls`` and fallbacks use. Retention counts only committed checkpoints of that
-history, never removes an abandoned one (an inference) nor ``unsafe``/``corrupt`` folders, finishes
-``removing`` ones, never fails the save (README, "The Checkpointer").
-"""
+retention, ``prune``, ``ls`` and fallbacks use. Retention counts only committed checkpoints of that history,
+never removes an abandoned one (an inference), ``unsafe``/``corrupt`` folders nor the tag ``newest`` names,
+finishes ``removing`` ones, never fails the save (README, "The Checkpointer")."""
 
 from __future__ import annotations
 
@@ -537,13 +536,12 @@ def apply_retention(
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
     (:func:`split_lineage`, :func:`read_abandoned`: what a roll-back abandoned stays, uncounted).
 
-    Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first). ``keep=None``
-    removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
+    Removals go through :func:`smpckpt.storage.remove_checkpoint` (manifest first); never the tag ``newest`` names.
+    ``keep=None`` removes no committed checkpoint. ``uncommitted_older_than`` (seconds) also removes the debris of
     failed or killed saves nothing wrote to for that long (:func:`smpckpt.catalog._debris.sweep_stale`).
-    ``just_saved`` (the tag a save just committed): when another committed checkpoint is numbered after
-    it (another job saving into this root), no committed checkpoint is removed, with a warning. ``cache``: the
-    Checkpointer's records of the root (:class:`ManifestCache`), reused while their manifests are unchanged.
-    """
+    ``just_saved`` (the tag a save just committed): when another committed checkpoint is numbered after it (another
+    job saving into this root), no committed checkpoint is removed, with a warning. ``cache``: the Checkpointer's
+    records of the root (:class:`ManifestCache`), reused while their manifests are unchanged."""
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
     for trust in (cache, None):
@@ -565,6 +563,8 @@ def apply_retention(
             just_saved,
         )
         doomed = []
+    # ``newest`` read just before removing: another job in this root may have pointed it at an older tag since
+    doomed = [tag for tag in doomed if tag != read_newest(*open_root(root_url, storage_options))]
     failed: list[str] = []
 
     def remove(tag: str, what: str, *, uncommitted_only: bool = False) -> bool:

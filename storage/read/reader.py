@@ -208,10 +208,28 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             self._read(plan, planner)
         except Exception as exc:
             _release_frames(exc)
+            gone = self._gone() if isinstance(exc.__cause__, FileNotFoundError) else ""
+            if gone:  # a missing data file of a tag another save replaced or removed is no damage: a load again works
+                raise CheckpointError(
+                    f"{self.url} was {gone} while this load read it (not damaged): load again"
+                ) from exc
             raise
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _gone(self) -> str:
+        """(a data file missing) What became of the committed generation this load read: ``""`` when its
+        manifest is still there."""
+        if self.manifest is None:
+            return ""
+        try:
+            now = probe(self.fs, self.path).manifest
+        except Exception:  # noqa: BLE001 - the missing file's own error is the one to raise
+            return ""
+        if now is None:
+            return "removed (retention, prune or another job)"
+        return "" if now.save_id == self.manifest.save_id else "replaced by another save (overwrite=True)"
 
     def _read_metadata(self) -> Metadata:
         """The folder's format, decided once here (``self.source`` set: a full artifact or a folder without

@@ -489,6 +489,24 @@ def test_retention_removes_nothing_when_a_checkpoint_is_numbered_after_the_one_j
     assert {r.tag for r in scan_root(root) if r.committed} == {"a", "b", "c", "d"}  # nothing removed
 
 
+def test_retention_never_removes_the_tag_newest_names_when_another_job_published_it_late(tmp_path: Any) -> None:
+    """Two jobs in one root: job B commits c (numbered 3) and points ``newest`` at it; job A's b (numbered 2)
+    committed before, but A's ``newest`` lands after B's; then B's retention (keep 1) runs. It removed b, so
+    ``newest`` named a removed folder until the next save (seen with two 2-rank jobs racing,
+    /work/hunt63/hunt63b/twojobs.py). README: retention never removes the tag ``newest`` names."""
+    from smpckpt.catalog.root import apply_retention
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("a", "b", "c"):
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    fs, root_path = open_fs(root)
+    write_newest(fs, root_path, "b")  # A's late publish, after B's commit of c
+    result = apply_retention(root, 1, protected={"c"}, just_saved="c")  # what B's save runs (api._save.retain)
+    assert result.removed == ("a",)
+    assert [r.tag for r in scan_root(root) if r.committed] == ["b", "c"]
+
+
 def test_old_checkpoints_without_numbers_come_first_in_time_order(tmp_path: Any) -> None:
     """Manifests written before sequence numbers (no ``extra["sequence"]``; stock DCP folders are not
     committed checkpoints) are ordered among themselves by save time, all before any numbered one; a

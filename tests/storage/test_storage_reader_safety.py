@@ -402,3 +402,40 @@ def test_verify_refuses_a_full_artifacts_index_pointing_elsewhere(tmp_path: Any)
     fs.pipe_file(f"{path}/{MANIFEST_NAME}", dataclasses.replace(m, files=files).to_bytes())
     report = verify_checkpoint(url)
     assert not report.ok and any("index.json" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+def test_a_load_whose_tag_another_save_replaces_or_removes_meanwhile_is_not_called_corrupt(
+    tmp_path: Any, how: str
+) -> None:
+    """Another job overwrites (``overwrite=True``) or its retention removes the tag after this load read the
+    metadata and before its data reads: the old generation's files are gone. That was a CheckpointCorrupt
+    ("data file is missing"), though nothing is damaged and a load again works (two processes,
+    /work/hunt63/hunt63b/overwrite_race.py: 15 of 190 loads)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from smpckpt import Checkpointer, SaveOptions
+    from smpckpt.errors import CheckpointError
+    from smpckpt.storage import remove_checkpoint
+
+    model = torch.nn.Linear(8, 8)
+    ck = Checkpointer(str(tmp_path))
+    ck.save("s", model)
+    url = os.path.join(str(tmp_path), "s_partial")
+
+    class Meanwhile(DefaultLoadPlanner):  # runs after the metadata is read, before any data read
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)
+            if how == "replaced":
+                ck.save("s", model, options=SaveOptions(overwrite=True))
+            else:
+                remove_checkpoint(url)
+
+    out = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(out, storage_reader=FsspecStorageReader(url), planner=Meanwhile(), no_dist=True)
+    ck.close()
+    err = info.value.failures[0]
+    err = err[0] if isinstance(err, tuple) else err  # (exception, traceback)
+    assert isinstance(err, CheckpointError) and not isinstance(err, CheckpointCorrupt), err
+    assert f"{url} was {how}" in str(err) and "load again" in str(err)

@@ -305,8 +305,12 @@ class TiedLoads:
         for key, found in saved:
             if names[found[1]][0] == found[1]:
                 continue
-            dest = loaded(found[0] + names[found[1]][0] + found[2])
-            if not names[found[1]][1] or dest is None or key in entries:
+            # the cheap checks first: ``loaded`` may walk the entries (rev63b F3)
+            if (
+                not names[found[1]][1]
+                or key in entries
+                or (dest := loaded(found[0] + names[found[1]][0] + found[2])) is None
+            ):
                 self.covered.append(key)
             else:  # read into scratch like the dest, compared with it once both are in
                 entries[key] = dataclasses.replace(entries[dest], key=key, local_key=key, path=())
@@ -362,12 +366,17 @@ class TiedLoads:
 
 
 def _same_object(a: Any, b: Any) -> bool:
-    """Two objects read for one value (a tensor's bits; ``repr`` when ``==`` fails or says no: a NaN)."""
+    """Two objects read for one value (a tensor's bits; numbers by value, NaN equal to NaN, a bool only to a
+    bool; ``repr`` when ``==`` fails or says no)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return same_bits(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # a number one copy saved as a 0-d tensor
         t, n = (a, b) if isinstance(a, torch.Tensor) else (b, a)
-        return type(n) in (int, float) and t.dim() == 0 and bool(t.item() == n)
+        if t.dim() != 0 or type(n) not in (int, float, bool):
+            return False
+        a, b = t.item(), n
+    if type(a) in (int, float, bool) and type(b) in (int, float, bool):  # a step saved as 2 by one, 2.0 by the other
+        return (type(a) is bool) == (type(b) is bool) and (a == b or (a != a and b != b))
     try:
         if type(a) is type(b) and bool(a == b):
             return True

@@ -656,6 +656,26 @@ def test_a_tie_held_apart_whose_copies_saved_step_as_tensor_and_int(
         assert torch.equal(dst.embed.weight, src.embed.weight)
 
 
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (2.0, 2, True),  # rev63b F2: refused as different before
+        (float("nan"), float("nan"), True),
+        (torch.tensor(float("nan")), float("nan"), True),
+        (torch.tensor(True), True, True),
+        (torch.tensor(2.0), 2, True),
+        (True, 1, False),
+        (2, 3, False),
+        (torch.tensor([2.0]), 2.0, False),
+        ({"a": 1}, {"a": 1}, True),
+    ],
+)
+def test_tie_copies_saved_as_numbers_are_compared_by_value(a: Any, b: Any, same: bool) -> None:
+    from smpckpt.planners._shared_memory import _same_object
+
+    assert _same_object(a, b) is same and _same_object(b, a) is same
+
+
 def test_planning_a_head_first_tie_splits_only_the_tied_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """rev62k F2: a tie whose head is declared first had every optimizer key of the model split by owner
     on each resume (seconds at 280k keys). Counted, not timed: the owner lookups stay those of the tie."""

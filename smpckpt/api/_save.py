@@ -413,8 +413,13 @@ def _model_ties(model: Any) -> dict[str, str]:
         weight = getattr(model.get_input_embeddings(), "weight", None)
     except (AttributeError, NotImplementedError):
         return {}
+    if weight is None:
+        return {}
     embed = next((name for name, p in model.named_parameters() if p is weight), None)
-    return {str(head): embed for head in tied} if embed else {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # the list names every tied key (RoBERTa's a bias too): those held here tie to it only when shaped as it is
+    same = {k for k, p in params.items() if p.shape == weight.shape and p.dtype == weight.dtype}
+    return {str(head): embed for head in tied if embed and (head in same or head not in params)}
 
 
 def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:

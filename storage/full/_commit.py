@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from smpckpt.storage.full.writer import FullArtifactWriter
 
 __all__ = ["staging_path", "folder_names", "whole_tensor_metadata", "clear_for_full_save", "begin_full_save"]
-__all__ += ["artifact_records", "commit_full", "ties_held_apart"]
+__all__ += ["artifact_records", "commit_full", "warn_ties_held_apart"]
 
 log = logging.getLogger(__name__)
 
@@ -145,18 +145,17 @@ def begin_full_save(
 
 
 def artifact_records(
-    folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool, untied: bool = False
+    folder: Folder, layout: ArtifactLayout, options: FullOptions, *, sync: bool
 ) -> tuple[list[FileRecord], dict[str, bytes]]:
     """(coordinator, at the commit) The artifact files' manifest records (their sizes checked by the
-    commit's listing) and the side files the commit creates (shard index, ``config.json``; ``untied``:
-    saying ``tie_word_embeddings: false``) with theirs."""
+    commit's listing) and the side files the commit creates (shard index, ``config.json``) with theirs."""
     records: list[FileRecord] = []
     for f in layout.files:
         if sync and folder.local:
             folder.fsync(f.name)
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)
-    cfg = options.hf_config_json(weights_dtype(layout, options), untied=untied)
+    cfg = options.hf_config_json(weights_dtype(layout, options))
     if cfg is not None:
         side["config.json"] = cfg
     for name, data in side.items():
@@ -199,13 +198,15 @@ def whole_tensor_metadata(
     return records, boxes
 
 
-def ties_held_apart(
+def warn_ties_held_apart(
     folder: Folder, layout: ArtifactLayout, options: FullOptions, boxes: dict[str, list[BoxUnits]], url: str
-) -> bool:
-    """(coordinator, at the commit) Whether a tie ``config.json`` states (:meth:`FullOptions.config_ties`) has
-    its two tensors held apart in the artifact with different values (a pipeline's last-stage head drifted
-    from the embedding); said by name. Compared by the check units the ranks hashed as they wrote (no read)
-    where both tensors were cut alike; else read back from the files, 64 MiB at a time."""
+) -> None:
+    """(coordinator, at the commit) Warn, by name, where a tie ``config.json`` states
+    (:meth:`FullOptions.config_ties`) has its two tensors held apart in the artifact with different values (a
+    pipeline's last-stage head drifted from the embedding). Compared by the check units the ranks hashed as they
+    wrote (no read) where both tensors were cut alike; else read back from the files, 64 MiB at a time. The
+    config is written as given: its flag means more than this tie to some models (T5 scales its decoder's
+    output by it; one flag unties every pair, heads left out of the artifact too)."""
     pairs, said = options.config_ties()
     found = []
     for head, embed in pairs.items():
@@ -220,31 +221,40 @@ def ties_held_apart(
                 (f"in the unit at {list(k[1])} of {list(k[0])}" for k, d in units[0].items() if units[1][k] != d), ""
             )
         else:  # split differently (vocab- vs hidden-parallel): their units cover other boxes
-            size, step = math.prod(a[4]) * a[3].itemsize, 64 << 20
-            read = [functools.partial(folder.fs.cat_file, folder.where(p[1])) for p in (a, b)]
-            spans = ((i, min(i + step, size)) for i in range(0, size, step))
-            where = next(
-                (
-                    f"at byte {i}"
-                    for i, j in spans
-                    if read[0](start=a[2] + i, end=a[2] + j) != read[1](start=b[2] + i, end=b[2] + j)
-                ),
-                "",
-            )
+            where = _first_byte_apart(folder, a, b, f"{url}: {head!r} and {embed!r}")
         if where:
             found.append(f"{head!r} and {embed!r} differ {where}")
     if found:
         text = (
-            f"{url}: {'; '.join(found)}, but the hf_config ties them: config.json says tie_word_embeddings: false "
-            "(transformers would load them apart anyway). A pipeline's last-stage head drifted from the embedding "
-            "(the two stages' gradients not all-reduced)?"
+            f"{url}: {'; '.join(found)}, but the hf_config ties them (tie_word_embeddings): transformers 5 loads the "
+            "two apart (with a warning of its own), 4.x ties them on load (one value for both). A pipeline's "
+            "last-stage head drifted from the embedding (the two stages' gradients not all-reduced)?"
         )
         if not said:  # implied only (no tie_word_embeddings): transformers 5 may take the model as untied
             log.info("%s (the config implies the tie)", text)
         else:
             log.warning("%s", text)
             warnings.warn(text, stacklevel=2)
-    return bool(found)
+
+
+def _first_byte_apart(folder: Folder, a: tuple[Any, ...], b: tuple[Any, ...], what: str) -> str:
+    """Where two written tensors of one dtype and shape (``ArtifactLayout.tensors`` rows) first differ, read
+    back 64 MiB at a time; ``""`` when equal. A failed read is logged, not raised: this is only a check, and
+    the artifact is complete."""
+    size, step = math.prod(a[4]) * a[3].itemsize, 64 << 20
+    read = [functools.partial(folder.fs.cat_file, folder.where(p[1])) for p in (a, b)]
+    try:
+        for i in range(0, size, step):
+            j = min(i + step, size)
+            x, y = read[0](start=a[2] + i, end=a[2] + j), read[1](start=b[2] + i, end=b[2] + j)
+            if x != y:
+                apart = torch.frombuffer(bytearray(x), dtype=torch.uint8) != torch.frombuffer(
+                    bytearray(y), dtype=torch.uint8
+                )
+                return f"at element {(i + int(apart.nonzero()[0])) // a[3].itemsize} of {math.prod(a[4])} (row-major)"
+    except OSError as exc:
+        log.warning("%s not compared (reading them back failed: %s)", what, exc)
+    return ""
 
 
 def folder_names(fs: Any, path: str) -> set[str]:

@@ -76,7 +76,7 @@ class FullOptions:
             named as Hugging Face names them (``pytorch_model.bin``, shards and index; ``optimizer.bin``).
         tied: head -> embedding keys (as written) that :attr:`hf_config` ties besides the translation's (or its
             ``model_type`` family's): a transformers model's ``_tied_weights_keys``. Held apart with different
-            values (a pipeline's drifted head), ``config.json`` says ``tie_word_embeddings: false``."""
+            values (a pipeline's drifted head): written as they are, with a warning naming both."""
 
     max_shard_size: int | str | None = None
     dtype: torch.dtype | None = None
@@ -113,9 +113,8 @@ class FullOptions:
         if self.check_block < 4096:
             raise ValueError(f"check_block must be at least 4096 bytes, got {self.check_block}")
 
-    def hf_config_json(self, dtype: torch.dtype | None = None, *, untied: bool = False) -> bytes | None:
-        """``config.json``'s bytes (``None`` without ``hf_config``); ``dtype``: the artifact's weights';
-        ``untied``: ``tie_word_embeddings`` set false (ties the artifact holds apart with different values)."""
+    def hf_config_json(self, dtype: torch.dtype | None = None) -> bytes | None:
+        """``config.json``'s bytes (``None`` without ``hf_config``); ``dtype``: the artifact's weights'."""
         cfg = self.hf_config
         if cfg is None:
             return None
@@ -136,8 +135,6 @@ class FullOptions:
             keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["dtype"]
             for key in keys:
                 data[key] = str(dtype).removeprefix("torch.")
-        if untied:
-            data["tie_word_embeddings"] = False
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     @property
@@ -159,7 +156,8 @@ class FullOptions:
             return {}, False
         get = cfg.get if isinstance(cfg, Mapping) else lambda name: getattr(cfg, name, None)
         family = self.translation or TRANSLATIONS.get(str(get("model_type")))
-        return {**(family.tied if family is not None else {}), **self.tied}, get("tie_word_embeddings") is True
+        # the family's pairs win: a transformers 4.x list names heads without their partners (``self.tied``)
+        return {**self.tied, **(family.tied if family is not None else {})}, get("tie_word_embeddings") is True
 
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""

@@ -24,7 +24,7 @@ from smpckpt.storage.full._commit import (
     begin_full_save,
     commit_full,
     staging_path,
-    ties_held_apart,
+    warn_ties_held_apart,
     whole_tensor_metadata,
 )
 from smpckpt.storage.full._source import ArtifactLayout, RankFullData
@@ -102,9 +102,9 @@ class FullArtifactWriter(FsspecWriterBase):
             try:
                 with gc_paused():  # the check units of every rank, as objects: dropped before the collector resumes
                     objects, boxes = whole_tensor_metadata(metadata, layout, open_results(results))
-                    untied = ties_held_apart(self._folder, layout, self.full, boxes, self.url)
+                    warn_ties_held_apart(self._folder, layout, self.full, boxes, self.url)
                     del boxes
-                records, side = artifact_records(self._folder, layout, self.full, sync=self.sync_files, untied=untied)
+                records, side = artifact_records(self._folder, layout, self.full, sync=self.sync_files)
                 files = sorted(records + objects, key=lambda f: f.name)
                 manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), "raw")
                 commit_full(self, manifest, md_bytes, side, self._folder)

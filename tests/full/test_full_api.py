@@ -468,12 +468,13 @@ def _export_llama_stage(rank: int, world: int, root: str, drift: float) -> list[
 
 
 @pytest.mark.dist
-def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_written_untied(tmp_path: Any) -> None:
+def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_warned_by_name(tmp_path: Any) -> None:
     """A config tying the head to the embedding over a pipeline whose last stage holds its own head that drifted
     was exported in silence, config.json saying tied over two different tensors, which transformers loads apart
     with a warning of its own and our tied model refuses (hunt62a F2). The artifact is kept (the end of a
-    training) and config.json says tie_word_embeddings: false, with a warning naming both keys; online and by
-    consolidate. A head held apart equal to its embedding: the config as given, and transformers ties it."""
+    training), the values as the model holds them, and a warning names both keys; online and by consolidate.
+    The config is written as given (rev63a F1/F2: rewriting its flag changed T5's output scale and untied heads
+    left out of the artifact). A head held apart equal to its embedding: no warning, and transformers ties it."""
     from dist_harness import run_world
     from transformers import LlamaForCausalLM
 
@@ -485,7 +486,7 @@ def test_an_export_of_a_tied_config_over_a_head_held_apart_that_drifted_is_writt
         consolidate_checkpoint(str(tmp_path / "p0.25"), str(out), hf_config=config)
     for folder in (tmp_path / "drift0.25", out):
         with open(folder / "config.json") as f:
-            assert json.load(f)["tie_word_embeddings"] is False
+            assert json.load(f)["tie_word_embeddings"] is True
         back = load_file(str(folder / "model.safetensors"))
         assert torch.equal(back["lm_head.weight"], back["model.embed_tokens.weight"] + 0.25)
     assert run_world(_export_llama_stage, 2, root, 0.0, timeout=180) == [[], []]
@@ -508,16 +509,18 @@ def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any 
     """The head and embedding held apart and split differently (rev62g F1, F2): tp=2, the embedding by
     hidden and the head by vocab; tp=2 dp=2, the embedding over tp and the head over dp. ``s3``: its options."""
     full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    head = full.clone()
+    head[-1, -1] += drift  # the last element only: the message names its byte (rev63a F4)
     if world == 2:
         layout = ParallelLayout(tp=2)
         specs = {"model.embed.weight": ShardSpec(1), "model.head.weight": ShardSpec(0)}
         tp = layout.coords(rank).tp
-        m = _TiedApart(full.chunk(2, 1)[tp], (full + drift).chunk(2, 0)[tp])
+        m = _TiedApart(full.chunk(2, 1)[tp], head.chunk(2, 0)[tp])
     else:
         layout = ParallelLayout(tp=2, dp=2)
         specs = {"model.embed.weight": ShardSpec(0), "model.head.weight": ShardSpec(0, axis="dp")}
         at = layout.coords(rank)
-        m = _TiedApart(full.chunk(2, 0)[at.tp], (full + drift).chunk(2, 0)[at.dp])
+        m = _TiedApart(full.chunk(2, 0)[at.tp], head.chunk(2, 0)[at.dp])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = {"tie_word_embeddings": True, "model_type": "x"}
@@ -544,23 +547,29 @@ def test_a_tie_held_apart_is_compared_by_value_however_the_two_are_split(
 
     said = run_world(_export_split_apart, world, str(tmp_path), drift, timeout=180)
     with open(tmp_path / f"w{world}d{drift}" / "config.json") as f:
-        assert json.load(f)["tie_word_embeddings"] is (drift == 0.0)
+        assert json.load(f)["tie_word_embeddings"] is True
     if drift:
-        assert "'head.weight' and 'embed.weight' differ" in said[0][0], said
+        assert "'head.weight' and 'embed.weight' differ at element 63 of 64" in said[0][0], said
     assert said[1:] == [[]] * (world - 1) and (said[0] == []) is (drift == 0.0)
 
 
 class _ListTied(_TiedApart):
-    _tied_weights_keys = ["head.weight"]  # type: ignore[assignment]  # transformers 4.x: tied to the input embedding
+    # transformers 4.x: every tied key, each tied to the input embedding (RoBERTa lists a bias too)
+    _tied_weights_keys = ["head.weight", "head.bias"]  # type: ignore[assignment]
+
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        super().__init__(embed, head)
+        self.head.bias = nn.Parameter(torch.zeros(head.shape[0]))
 
     def get_input_embeddings(self) -> nn.Module:
         return self.embed
 
 
-def test_an_untied_model_under_a_config_implying_a_tie_is_written_untied_quietly(tmp_path: Any) -> None:
+def test_an_untied_model_under_a_config_implying_a_tie_is_written_as_given_quietly(tmp_path: Any) -> None:
     """rev62g F3: an untied Llama whose dict config has no tie_word_embeddings (transformers 5 takes Llama's
-    default, untied; 4.x ties): config.json says false, with no warning. rev62g F4: transformers 4.x's list
-    form of _tied_weights_keys, tied to the input embedding, under a config saying tied: warned, untied."""
+    default, untied; 4.x ties): written as given, with no warning. rev62g F4: transformers 4.x's list form of
+    _tied_weights_keys, tied to the input embedding, under a config saying tied: warned; a bias the list names
+    beside it is no tie to the embedding (rev63a F3: it was warned as differing in shape)."""
     from transformers import LlamaForCausalLM
 
     config = _tied_llama_config().to_dict()
@@ -571,22 +580,28 @@ def test_an_untied_model_under_a_config_implying_a_tie_is_written_untied_quietly
         warnings.simplefilter("error", UserWarning)
         save_checkpoint(str(tmp_path), "llama", partial=False, model=src, options=ExportOptions(hf_config=config))
     with open(tmp_path / "llama" / "config.json") as f:
-        assert json.load(f)["tie_word_embeddings"] is False
+        assert "tie_word_embeddings" not in json.load(f)
     back = LlamaForCausalLM.from_pretrained(str(tmp_path / "llama"))
     assert torch.equal(back.lm_head.weight, src.lm_head.weight) and not torch.equal(
         back.lm_head.weight, back.model.embed_tokens.weight
     )
     full = torch.arange(16.0).reshape(4, 4)
-    with pytest.warns(UserWarning, match=r"'head\.weight' and 'embed\.weight' differ in the unit at \[0, 0\]"):
-        save_checkpoint(
-            str(tmp_path),
-            "list",
-            partial=False,
-            model=_ListTied(full, full + 1),
-            options=ExportOptions(hf_config={"tie_word_embeddings": True}),
-        )
-    with open(tmp_path / "list" / "config.json") as f:
-        assert json.load(f)["tie_word_embeddings"] is False
+    for drift in (1.0, 0.0):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save_checkpoint(
+                str(tmp_path),
+                f"list{drift}",
+                partial=False,
+                model=_ListTied(full, full + drift),
+                options=ExportOptions(hf_config={"tie_word_embeddings": True}),
+            )
+        said = [str(w.message) for w in caught if "tie_word_embeddings" in str(w.message)]
+        assert len(said) == int(drift), said
+        if drift:
+            assert "'head.weight' and 'embed.weight' differ in the unit at [0, 0]" in said[0] and "bias" not in said[0]
+        with open(tmp_path / f"list{drift}" / "config.json") as f:
+            assert json.load(f)["tie_word_embeddings"] is True
 
 
 def test_translate_function_must_be_a_translation(tmp_path: Any) -> None:

@@ -44,7 +44,7 @@ def test_full_save_and_resume_on_s3_with_two_ranks(moto_endpoint: str, tmp_path:
         assert torch.equal(tensors[key], t), key
 
 
-def test_a_tie_held_apart_split_differently_on_s3_is_read_back_and_written_untied(moto_endpoint: str) -> None:
+def test_a_tie_held_apart_split_differently_on_s3_is_read_back_and_warned(moto_endpoint: str) -> None:
     """The objects each owner rank streamed are read back at the commit (the two keys' units differ)."""
     import json
 
@@ -53,6 +53,6 @@ def test_a_tie_held_apart_split_differently_on_s3_is_read_back_and_written_untie
     reset_moto(moto_endpoint, BUCKET)
     options = s3_options(moto_endpoint)
     said = run_world(_export_split_apart, 2, f"s3://{BUCKET}/tie", 0.5, options, timeout=240)
-    assert "'head.weight' and 'embed.weight' differ at byte 0" in said[0][0] and said[1] == [], said
+    assert "'head.weight' and 'embed.weight' differ at element 63 of 64" in said[0][0] and said[1] == [], said
     fs, path = open_fs(f"s3://{BUCKET}/tie/w2d0.5", options)
-    assert json.loads(fs.cat_file(f"{path}/config.json"))["tie_word_embeddings"] is False
+    assert json.loads(fs.cat_file(f"{path}/config.json"))["tie_word_embeddings"] is True

@@ -563,8 +563,6 @@ def apply_retention(
             just_saved,
         )
         doomed = []
-    # ``newest`` read just before removing: another job in this root may have pointed it at an older tag since
-    doomed = [tag for tag in doomed if tag != read_newest(*open_root(root_url, storage_options))]
     failed: list[str] = []
 
     def remove(tag: str, what: str, *, uncommitted_only: bool = False) -> bool:
@@ -581,7 +579,9 @@ def apply_retention(
             log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
             return False
 
-    removed = [tag for tag in doomed if remove(tag, "checkpoint")]
+    # ``newest`` read just before each removal: another job in this root may have pointed it at an older tag since
+    at = open_root(root_url, storage_options) if doomed else (None, "")
+    removed = [tag for tag in doomed if tag != read_newest(*at) and remove(tag, "checkpoint")]
     # folders an interrupted removal left behind were already chosen for deletion: finish the job
     removed += [
         r.tag

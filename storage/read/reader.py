@@ -208,28 +208,30 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             self._read(plan, planner)
         except Exception as exc:
             _release_frames(exc)
-            gone = self._gone() if isinstance(exc.__cause__, FileNotFoundError) else ""
-            if gone:  # a missing data file of a tag another save replaced or removed is no damage: a load again works
-                raise CheckpointError(
-                    f"{self.url} was {gone} while this load read it (not damaged): load again"
-                ) from exc
+            gone = self._gone() if isinstance(exc.__cause__, FileNotFoundError) else None
+            if gone is not None:
+                raise gone from exc
             raise
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _gone(self) -> str:
-        """(a data file missing) What became of the committed generation this load read: ``""`` when its
-        manifest is still there."""
+    def _gone(self) -> CheckpointError | None:
+        """(a file missing) The error saying what became of the committed generation this load read when
+        another save replaced or removed it (no damage: a load again works); ``None`` when its manifest is
+        still there."""
         if self.manifest is None:
-            return ""
+            return None
         try:
             now = probe(self.fs, self.path).manifest
         except Exception:  # noqa: BLE001 - the missing file's own error is the one to raise
-            return ""
-        if now is None:
-            return "removed (retention, prune or another job)"
-        return "" if now.save_id == self.manifest.save_id else "replaced by another save (overwrite=True)"
+            return None
+        if now is not None and now.save_id == self.manifest.save_id:
+            return None
+        what = (
+            "removed (retention, prune or another job)" if now is None else "replaced by another save (overwrite=True)"
+        )
+        return CheckpointError(f"{self.url} was {what} while this load read it (not damaged): load again")
 
     def _read_metadata(self) -> Metadata:
         """The folder's format, decided once here (``self.source`` set: a full artifact or a folder without
@@ -263,7 +265,8 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         md_path = join(self.path, manifest.metadata.name)
         data = read_bytes_or_none(self.fs, md_path)
         if data is None:
-            raise CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
+            self.manifest = manifest  # replaced or removed since its manifest was read (rev63d R2)?
+            raise self._gone() or CheckpointCorrupt(f"{md_path}: metadata listed in the manifest is missing")
         if not manifest.metadata.matches(data):
             raise CheckpointCorrupt(
                 f"{md_path}: size/checksum differ from the manifest ({len(data)} bytes, "

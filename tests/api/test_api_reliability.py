@@ -507,6 +507,28 @@ def test_retention_never_removes_the_tag_newest_names_when_another_job_published
     assert [r.tag for r in scan_root(root) if r.committed] == ["b", "c"]
 
 
+def test_retention_reads_newest_again_before_each_removal(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rev63d R3: ``newest`` was read for every doomed tag before the first removal, so another job's publish
+    of d landing during the removal of a (seconds on S3) left d unprotected: removed, ``newest`` dangling."""
+    import smpckpt.catalog.root as catalog_root
+
+    root = str(tmp_path)
+    m, o = _model(0)
+    for tag in ("a", "b", "c", "d", "e"):
+        save_checkpoint(root, tag, model=m, optimizer=o)
+    fs, root_path = open_fs(root)
+    real = catalog_root.remove_checkpoint
+
+    def publishing_meanwhile(url: str, *args: Any, **kwargs: Any) -> Any:
+        write_newest(fs, root_path, "d")  # the other job's late publish, during this removal
+        return real(url, *args, **kwargs)
+
+    monkeypatch.setattr(catalog_root, "remove_checkpoint", publishing_meanwhile)
+    result = catalog_root.apply_retention(root, 1, protected={"e"}, just_saved="e")
+    assert result.removed == ("a", "b", "c")
+    assert [r.tag for r in scan_root(root) if r.committed] == ["d", "e"]
+
+
 def test_old_checkpoints_without_numbers_come_first_in_time_order(tmp_path: Any) -> None:
     """Manifests written before sequence numbers (no ``extra["sequence"]``; stock DCP folders are not
     committed checkpoints) are ordered among themselves by save time, all before any numbered one; a

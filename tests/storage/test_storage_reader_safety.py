@@ -439,3 +439,19 @@ def test_a_load_whose_tag_another_save_replaces_or_removes_meanwhile_is_not_call
     err = err[0] if isinstance(err, tuple) else err  # (exception, traceback)
     assert isinstance(err, CheckpointError) and not isinstance(err, CheckpointCorrupt), err
     assert f"{url} was {how}" in str(err) and "load again" in str(err)
+
+    class Late(FsspecStorageReader):  # rev63d R2: replaced or removed after the manifest was read, before its metadata
+        def _committed_metadata(self, manifest: Any) -> Any:
+            if how == "replaced":
+                with Checkpointer(str(tmp_path)) as again:
+                    again.save("s", model, options=SaveOptions(overwrite=True))
+            else:
+                remove_checkpoint(url)
+            return super()._committed_metadata(manifest)
+
+    if how == "removed":
+        with Checkpointer(str(tmp_path)) as again:
+            again.save("s", model)
+    with pytest.raises(CheckpointError) as caught:
+        Late(url).read_metadata()
+    assert not isinstance(caught.value, CheckpointCorrupt) and f"{url} was {how}" in str(caught.value), caught.value

@@ -344,6 +344,11 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
     # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the model does
     # not own (an optimizer built over another model, or a parameter replaced after it)
     owned = {id(p) for p in model.parameters()} if model is not None and opts else set()
+    if model is not None and any(id(p) not in owned for o in opts for g in o.param_groups for p in g["params"]):
+        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad),
+        # and state_dict()'s pre-hook registers the sharded ones (the optimizer's) again, as DCP's calls do
+        model.state_dict(keep_vars=True)
+        owned = {id(p) for p in model.parameters()}
     for i, opt in enumerate(opts):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):

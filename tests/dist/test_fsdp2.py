@@ -1,0 +1,100 @@
+"""FSDP2 (``fully_shard``) through the Checkpointer on real gloo ranks: 4 ranks save, 2 ranks resume.
+
+The parameters and the AdamW state are DTensors ``Shard(0)`` over the DP mesh, unevenly (7 and 3 rows
+over 4 ranks: a rank holds an empty piece), with no ``Sharding`` given (the README: right for models
+whose parameters are all DTensors). Both runs make an eval forward under ``no_grad`` first: the root
+module of ``fully_shard`` (``reshard_after_forward=None``) keeps its unsharded parameters registered
+after a forward, until ``state_dict()``'s pre-hook registers the sharded ones again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_world
+from torch import nn
+
+import smpckpt
+
+pytestmark = pytest.mark.dist
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.hidden = nn.Linear(6, 7)
+        self.small = nn.Linear(7, 3)
+        self.register_buffer("scale", torch.arange(1.0, 4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(torch.relu(self.hidden(self.emb(x)))) * self.scale
+
+
+def _fsdp_model(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = _Net()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.hidden, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01 * (seed + 1), weight_decay=0.1 * (seed + 1))
+
+
+def _eval(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():  # leaves the root's parameters unsharded (registered as plain tensors)
+        return model(torch.arange(10).reshape(2, 5))
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Gathered parameters, buffer, AdamW state and hyper-parameters, keyed by name (not through DCP)."""
+    model.state_dict()  # registers FSDP2's sharded parameters, which the optimizer holds
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, Any] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    out["scale"] = model.scale.clone()
+    for p, state in opt.state.items():
+        # the moments are DTensors like their parameter; AdamW's step is a plain 0-dim tensor
+        out.update({f"{names[id(p)]}.{k}": getattr(v, "full_tensor", v.clone)() for k, v in state.items()})
+    out["groups"] = [(g["lr"], g["weight_decay"], g["betas"]) for g in opt.param_groups]
+    return out
+
+
+def _save_world(rank: int, world: int, root: str) -> tuple[dict[str, Any], torch.Tensor]:
+    model, opt = _fsdp_model(world, seed=0)
+    for step in range(2):
+        model(((torch.arange(10) + step) % 10).reshape(2, 5)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    logits = _eval(model)
+    with smpckpt.Checkpointer(root) as ckpt:
+        ckpt.save("s2", model, opt, user_content={"step": 2})
+    return _full(model, opt), logits
+
+
+def _resume_world(rank: int, world: int, root: str) -> tuple[dict[str, Any], torch.Tensor, Any]:
+    model, opt = _fsdp_model(world, seed=1)
+    _eval(model)
+    with smpckpt.Checkpointer(root) as ckpt:
+        user_content = ckpt.resume(model=model, optimizer=opt)
+    logits = _eval(model)  # the resumed values, not the unsharded ones of the forward before the resume
+    return _full(model, opt), logits, user_content
+
+
+def test_fsdp2_four_ranks_resume_on_two_after_eval_forwards(tmp_path: Any) -> None:
+    root = str(tmp_path / "ck")
+    saved, saved_logits = run_world(_save_world, 4, root)[0]
+    resumed, logits, user_content = run_world(_resume_world, 2, root)[0]
+    assert user_content == {"step": 2}
+    assert sorted(resumed) == sorted(saved)
+    assert len([k for k in saved if k.endswith(".exp_avg_sq")]) == 5  # every parameter has its state
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert resumed[key].dtype == value.dtype and torch.equal(resumed[key], value), key
+        else:
+            assert resumed[key] == value, key
+    assert torch.equal(logits, saved_logits)

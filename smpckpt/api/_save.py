@@ -416,10 +416,8 @@ def _model_ties(model: Any) -> dict[str, str]:
     if weight is None:
         return {}
     embed = next((name for name, p in model.named_parameters() if p is weight), None)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    # the list names every tied key (RoBERTa's a bias too): those held here tie to it only when shaped as it is
-    same = {k for k, p in params.items() if p.shape == weight.shape and p.dtype == weight.dtype}
-    return {str(head): embed for head in tied if embed and (head in same or head not in params)}
+    # every listed key (RoBERTa's bias too): whole shapes, known at the commit, tell the embedding's partners
+    return {str(head): embed for head in tied} if embed else {}
 
 
 def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:

@@ -147,17 +147,18 @@ class FullOptions:
         )
         return untied is not False
 
-    def config_ties(self) -> tuple[dict[str, str], bool]:
+    def config_ties(self) -> tuple[dict[str, str], bool, Mapping[str, str]]:
         """The head -> embedding keys (as written) ``config.json`` ties: the translation's or the ``model_type``
-        family's, and :attr:`tied`; and whether it says so (``tie_word_embeddings`` present, not only implied:
-        transformers 5 takes a config without it as the model class's default, often untied)."""
+        family's, and :attr:`tied`; whether it says so (``tie_word_embeddings`` present, not only implied:
+        transformers 5 takes a config without it as the model class's default, often untied); the family's."""
         cfg = self.hf_config
         if cfg is None or not self.leaves_tied_out:
-            return {}, False
+            return {}, False, {}
         get = cfg.get if isinstance(cfg, Mapping) else lambda name: getattr(cfg, name, None)
         family = self.translation or TRANSLATIONS.get(str(get("model_type")))
+        known = family.tied if family is not None else {}
         # the family's pairs win: a transformers 4.x list names heads without their partners (``self.tied``)
-        return {**self.tied, **(family.tied if family is not None else {})}, get("tie_word_embeddings") is True
+        return {**self.tied, **known}, get("tie_word_embeddings") is True, known
 
     def route(self, fqn: str) -> tuple[str, str] | None:
         """``(artifact name, key inside it)`` for a flattened key, or ``None`` when no prefix matches."""

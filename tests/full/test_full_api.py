@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import struct
@@ -505,7 +506,9 @@ class _TiedApart(nn.Module):
         self.embed.weight, self.head.weight = nn.Parameter(embed.clone()), nn.Parameter(head.clone())
 
 
-def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any = None) -> list[str]:
+def _export_split_apart(
+    rank: int, world: int, root: str, drift: float, s3: Any = None, listed: bool = False
+) -> list[str]:
     """The head and embedding held apart and split differently (rev62g F1, F2): tp=2, the embedding by
     hidden and the head by vocab; tp=2 dp=2, the embedding over tp and the head over dp. ``s3``: its options."""
     full = torch.arange(64, dtype=torch.float32).reshape(8, 8)
@@ -515,7 +518,7 @@ def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any 
         layout = ParallelLayout(tp=2)
         specs = {"model.embed.weight": ShardSpec(1), "model.head.weight": ShardSpec(0)}
         tp = layout.coords(rank).tp
-        m = _TiedApart(full.chunk(2, 1)[tp], head.chunk(2, 0)[tp])
+        m = (_ListTied if listed else _TiedApart)(full.chunk(2, 1)[tp], head.chunk(2, 0)[tp])
     else:
         layout = ParallelLayout(tp=2, dp=2)
         specs = {"model.embed.weight": ShardSpec(0), "model.head.weight": ShardSpec(0, axis="dp")}
@@ -526,7 +529,7 @@ def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any 
         config = {"tie_word_embeddings": True, "model_type": "x"}
         save_checkpoint(
             root,
-            f"w{world}d{drift}",
+            f"w{world}d{drift}" + ("list" if listed else ""),
             partial=False,
             model=m,
             layout=layout,
@@ -538,19 +541,57 @@ def _export_split_apart(rank: int, world: int, root: str, drift: float, s3: Any 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("world", "drift"), [(2, 0.5), (2, 0.0), (4, 0.0)])
+@pytest.mark.parametrize(
+    ("world", "drift", "listed"), [(2, 0.5, False), (2, 0.0, False), (4, 0.0, False), (2, 0.5, True)]
+)
 def test_a_tie_held_apart_is_compared_by_value_however_the_two_are_split(
-    tmp_path: Any, world: int, drift: float
+    tmp_path: Any, world: int, drift: float, listed: bool
 ) -> None:
-    """rev62g F1/F2: pieces compared by where they lie in the tensor, not by the ranks holding them."""
+    """rev62g F1/F2: pieces compared by where they lie in the tensor, not by the ranks holding them. rev63e F2:
+    a 4.x list's key is judged by its whole shape (its pieces were, and a drifted head split apart went unsaid)."""
     from dist_harness import run_world
 
-    said = run_world(_export_split_apart, world, str(tmp_path), drift, timeout=180)
-    with open(tmp_path / f"w{world}d{drift}" / "config.json") as f:
+    said = run_world(_export_split_apart, world, str(tmp_path), drift, None, listed, timeout=180)
+    with open(tmp_path / (f"w{world}d{drift}" + ("list" if listed else "")) / "config.json") as f:
         assert json.load(f)["tie_word_embeddings"] is True
     if drift:
         assert "'head.weight' and 'embed.weight' differ at element 63 of 64" in said[0][0], said
     assert said[1:] == [[]] * (world - 1) and (said[0] == []) is (drift == 0.0)
+
+
+def test_a_tie_read_back_that_fails_or_comes_back_short_is_logged_and_loses_no_export(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """rev63e F1/F3: the read-back is only a check. A connection error s3fs raises as no OSError (botocore's
+    ConnectionClosedError) failed the export and removed its files; a short read raised torch's size error
+    before the commit's own check could name the file."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from smpckpt.storage.backends._folder import Folder
+    from smpckpt.storage.full._commit import _first_byte_apart
+
+    class Closing(LocalFileSystem):
+        def cat_file(self, path: str, start: Any = None, end: Any = None, **kw: Any) -> bytes:
+            raise RuntimeError("Connection was closed before we received a valid response")
+
+    class Short(LocalFileSystem):
+        def cat_file(self, path: str, start: Any = None, end: Any = None, **kw: Any) -> bytes:
+            data = super().cat_file(path, start=start, end=end, **kw)
+            return data[:-100] if path.endswith("a") else data
+
+    (tmp_path / "a").write_bytes(bytes(256))
+    (tmp_path / "b").write_bytes(bytes(255) + b"\1")
+    a, b = ("model", "a", 0, torch.float32, (64,)), ("model", "b", 0, torch.float32, (64,))
+    with Folder(LocalFileSystem(), str(tmp_path)) as folder:
+        assert _first_byte_apart(folder, a, b, "x") == "at element 63 of 64 (row-major)"
+    for fs, said in (
+        (Closing(skip_instance_cache=True), "RuntimeError: Connection was closed"),
+        (Short(skip_instance_cache=True), "read back 156 and 256 of 256"),
+    ):
+        caplog.clear()
+        with Folder(fs, str(tmp_path)) as folder, caplog.at_level(logging.WARNING):
+            assert _first_byte_apart(folder, a, b, "'head' and 'embed'") == ""
+        assert "'head' and 'embed' not compared" in caplog.text and said in caplog.text, caplog.text
 
 
 class _ListTied(_TiedApart):

@@ -459,18 +459,18 @@ def runs_for(
     views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, memory: TierState, seq: int
 ) -> tuple[Pairs, Pairs]:
     """(rank 0, planning save ``seq``) The ``runs`` and ``passed`` the save records
-    (:data:`~smpckpt.api._tiers.RUNS`): its history's (unknown: the newest it sees, as :func:`lineage_for`)
-    and, the first save after a resume, a new segment, passing over the complete saves it sees of others."""
+    (:data:`~smpckpt.api._tiers.RUNS`): its history's (unknown: the newest it sees, as :func:`lineage_for`),
+    a new segment the first save after a resume, and the complete saves in sight that are not of it: the
+    job saw them and did not go on from them (as the lineage's skipped numbers: a fork so settled)."""
     found, top = candidates(views), tier_seq(views)
     runs, passed = memory.runs, memory.passed
     if runs is None:
         parent = next((c for c in found if c.seq == top), None) if top >= durable_seq else None
         runs, passed = (parent.runs, parent.passed) if parent is not None else ((), ())
-    if not memory.fresh:
-        return runs, passed
-    runs = (*runs, (secrets.randbits(64), seq))[-RUNS:]
+    if memory.fresh:
+        runs = (*runs, (secrets.randbits(64), seq))[-RUNS:]
     mine, seen = ends_of(runs), dict(passed)
-    for c in found:  # a fork settled: the next save's job saw these and went on from elsewhere
+    for c in found:
         span = mine.get(c.runs[-1][0]) if c.runs else None
         if c.complete and c.runs and not (span and span[0] <= c.seq < span[1]):
             seen[c.runs[-1][0]] = max(seen.get(c.runs[-1][0], 0), c.seq)

@@ -215,7 +215,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             *part.counter.abandoned,
             *([(memory.back_to[1] + 1, 2**62)] if memory.fresh and memory.back_to[1] else []),
         )
-        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, (seq, lineage, runs[0]), back, views)
+        tags = {c.order[0]: c.tag for c in candidates(views)} | {memory.back_to[1]: memory.back_to[0]}
+        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
         memory.runs, memory.passed, memory.fresh = *runs, False  # the segment stays, the save failing or not
         return seq, drained, retry, lineage, runs
 
@@ -273,25 +274,26 @@ def _retry_of(
     pending: Sequence[FastCandidate],
     save: tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]],
     back: Sequence[tuple[int, int]],
-    views: Sequence[Mapping[str, LocalCopy]],
+    tags: Mapping[int, str],
 ) -> FastCandidate | None:
     """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
     drained (complete across the nodes, its tag free in ``path``, and of the history of the save being
     made, ``save`` -- its number, lineage and runs: never another's, nor one a roll-back abandoned
-    (``back``: root number ranges), however far back: rev63c F2), warned of as the others are."""
+    (``back``: root number ranges; ``tags``: root number -> tag), however far back: rev63c F2), warned of as
+    the others are."""
     seq, lineage, runs = save
     for c in pending:
         why, span = "", ends_of(runs).get(c.runs[-1][0]) if c.runs else None
         gone = next(((lo, hi) for lo, hi in back if lo <= c.order[0] <= hi), None)
         if not c.complete:
             why = f"it is incomplete across the surviving nodes (missing {', '.join(c.missing[:3])})"
+        elif gone is not None:  # numbered past the save a roll-back went on from, in sight then
+            to = tags.get(gone[0] - 1)
+            why = f"it was abandoned by the roll-back to {f'{to!r} ' if to else ''}(save {gone[0] - 1})"
         elif (c.runs and not (span and span[0] <= c.seq < span[1])) or (
-            c.seq >= seq - LINEAGE and not gone and c.digest not in lineage
+            c.seq >= seq - LINEAGE and c.digest not in lineage
         ):
             why = "this job did not go on from it (another history's save: a node back with an older disk?)"
-        elif gone is not None:
-            to = next((v.tag for v in candidates(views) if v.order[0] == gone[0] - 1), None)
-            why = f"it was abandoned by the roll-back to {f'{to!r} ' if to else ''}(save {gone[0] - 1})"
         elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
         message = (

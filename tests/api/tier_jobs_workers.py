@@ -21,7 +21,7 @@ import torch.distributed as dist
 import tp_model
 from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
 
-from smpckpt import resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt import FastTier, Sharding, resume_from_checkpoint, save_checkpoint, wait_for_saves
 
 MANIFEST = "smpckpt.manifest.json"
 
@@ -533,11 +533,11 @@ def histories(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     kw: dict[str, Any] = dict(replicas=2, num_kept_local=None if case == "skew_plain" else 3)
-    opts: dict[str, Any] = dict(layout=LAYOUT, specs=tp_model.SPECS, local_path=local)
     out: dict[str, Any] = {}
     first, last, back = {"skew_rollback": (5, 6, "step4"), "skew_plain": (2, 19, None)}.get(case, (6, 24, "step4"))
     with _clock(3600 if case.startswith("skew") else 0):
-        _states(base, rank, range(1, min(first, 5) + 1), durable, local, durable_every=5, **kw)
+        every = 5 if case.endswith("drain") else 100  # the drains': step5 in path
+        _states(base, rank, range(1, min(first, 5) + 1), durable, local, durable_every=every, **kw)
         _states(base, rank, range(6, first + 1), durable, local, durable_every=6, **kw)  # the drains' step6
     snap = os.path.join(base, "node1-snapshot")
     if case.endswith("drain") and rank == 0:  # step6's drain never committed (the job died draining)
@@ -553,7 +553,9 @@ def histories(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
         back = None
         dist.barrier()
     ctx, model, opt = tp_model.build(LAYOUT, seed=106)
-    resume_from_checkpoint(durable, back, model=model, optimizer=opt, **opts)
+    # one Checkpointer resumes and saves (rev63c's repro): the saves' options
+    o = [Sharding(layout=LAYOUT, specs=tp_model.SPECS), FastTier(local_path=local, durable_every=100, **kw)]
+    resume_from_checkpoint(durable, back, model=model, optimizer=opt, options=o)
     out["resumed"] = _info()["tag"]
     said: list[str] = []
     for step in range(first + 1 if case.startswith("skew") else 6 if case == "far_drain" else 7, last + 1):
@@ -565,7 +567,7 @@ def histories(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             tag = f"step{step}" if case.startswith("skew") else f"new{step}"
-            save_checkpoint(durable, tag, model=model, optimizer=opt, durable_every=100, **opts, **kw)
+            save_checkpoint(durable, tag, model=model, optimizer=opt, options=o)
             wait_for_saves()
         said += [str(w.message) for w in caught if "'step6'" in str(w.message)]
         dist.barrier()

@@ -101,8 +101,8 @@ class Target:
         order = record_order(manifest)
         pickled = extra.get(PICKLED_KEY) is True  # a save abandons only numbers below its own (catalog.root)
         abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
-        tier = extra.get("tier") if isinstance(extra.get("tier"), Mapping) else {}
-        runs = (tier.get("runs"), tier.get("passed"))  # a fast-tier save drained: its history goes on
+        tier = extra.get("tier")  # a fast-tier save drained: its history goes on
+        runs = (tier.get("runs"), tier.get("passed")) if isinstance(tier, Mapping) else (None, None)
         return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs)
 
     def seen_by(self, counter: SequenceCounter) -> None:

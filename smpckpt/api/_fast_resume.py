@@ -272,7 +272,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     rng, state = resume_state(req, target, ctx, depth=2)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)
-    part.state.runs, part.state.passed = runs_of(target.runs[0])[-RUNS:], runs_of(target.runs[1])[-RUNS:]
+    part.state.runs, part.state.passed = runs_of(target.runs[0]), runs_of(target.runs[1])
     part.state.fresh, part.state.back_to = True, (target.tag, target.order[0])
     return loaded
 

@@ -366,7 +366,7 @@ LINEAGE = 16  #: saves of its history a tiered save names (further back: :data:`
 #: a tiered save's ``runs``: its history's segments, oldest first, ``[id, first]`` (a random 64-bit id in
 #: hex, drawn at every resume, and the number of the segment's first save: it holds the saves numbered up
 #: to the next one's first), its own last; ``passed``: ``[id, seq]``, saves up to ``seq`` of a segment its
-#: history saw when a segment started and did not go on from (settled forks). The newest RUNS of each.
+#: history saw at a save and did not go on from (a fork so settled). The newest RUNS of each.
 RUNS = 256
 
 
@@ -374,7 +374,7 @@ def runs_of(value: Any) -> tuple[tuple[int, int], ...]:
     """``runs`` or ``passed`` as recorded (:data:`RUNS`); damaged: none (no fork is told by them)."""
     try:
         pairs = tuple((int(i, 16), n) for i, n in value) if isinstance(value, list) else ()
-        return pairs if all(type(n) is int for _, n in pairs) else ()
+        return pairs[-RUNS:] if all(type(n) is int for _, n in pairs) else ()
     except (TypeError, ValueError):
         return ()
 
@@ -444,7 +444,6 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         lineage = tuple(SKIPPED if e == "skip" else int(e, 16) for e in found) if isinstance(found, list) else ()
     except (TypeError, ValueError):
         lineage = ()
-    runs = (runs_of(tier.get("runs"))[-RUNS:], runs_of(tier.get("passed"))[-RUNS:])
     copy = LocalCopy(
         "committed",
         files,
@@ -456,8 +455,8 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         path_seen=seen if seen is not None and seen >= 0 else None,
         lineage=lineage,
         abandoned=abandoned_of(manifest.extra),
-        runs=runs[0],
-        passed=runs[1],
+        runs=runs_of(tier.get("runs")),
+        passed=runs_of(tier.get("passed")),
     )
     return copy, data
 

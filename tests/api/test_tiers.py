@@ -56,6 +56,10 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
     # each save names the saves it was numbered after by their manifests' digests (s1's: gone by now)
     s1_digest = s2_record.pop("lineage")
     assert len(s1_digest) == 1 and len(s1_digest[0]) == 16
+    # and its history's segments: [random id, first number] (each model here is a new Checkpointer: one each)
+    runs = s2_record.pop("runs")
+    assert [n for _, n in runs] == [1, 2] and all(len(i) == 16 for i, _ in runs), runs
+    assert _tier_record(local / "s3_partial")["runs"][:2] == runs
     s2_manifest = (local / "s2_partial" / "smpckpt.manifest.json").read_bytes()
     assert _tier_record(local / "s3_partial")["lineage"] == [
         f"{xxhash.xxh3_64_intdigest(s2_manifest):016x}",

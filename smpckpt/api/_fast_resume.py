@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
+import secrets
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,15 +32,20 @@ from smpckpt.api._resume import (
 from smpckpt.api._tiers import (
     LINEAGE,
     PATH_MARK,
+    RUNS,
     SKIPPED,
     FastCandidate,
     LocalCopy,
     Nodes,
+    TierState,
+    apart,
     candidates,
     durable_key,
+    ends_of,
     fetch_copy,
     gather_views,
     read_copy,
+    runs_of,
     tier_seq,
 )
 from smpckpt.catalog.root import partial_dirname
@@ -148,10 +154,11 @@ def usable_saves(found: list[FastCandidate], durable: Target | None, tag: str | 
 
 def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     """(every rank alike) Refuse when a complete save of a number in ``newest``'s ``lineage`` is not the one
-    named there (or a second save of ``newest``'s own number, or a lower-numbered one saved after it):
-    another history, e.g. a node back with an older disk holding saves the job lost and saved past.
-    Neither number nor clock says which the user continues: refused, naming both.
-    :data:`~smpckpt.api._tiers.SKIPPED` numbers are not compared; incomplete copies are no evidence."""
+    named there (or a second save of ``newest``'s own number, or, further back, one lower-numbered whose
+    history and ``newest``'s never saw each other's saves: :func:`~smpckpt.api._tiers.apart`): another
+    history, e.g. a node back with an older disk holding saves the job lost and saved past. Neither number
+    nor clock says which the user continues: refused, naming both. :data:`~smpckpt.api._tiers.SKIPPED`
+    numbers are not compared; incomplete copies, and older ones recording no ``runs``, are no evidence."""
     by_seq: dict[int, list[FastCandidate]] = {}
     for c in found:
         if c.complete:
@@ -160,10 +167,9 @@ def refuse_forked(newest: FastCandidate, found: list[FastCandidate]) -> None:
     for back, digest in enumerate(newest.lineage, start=1):
         if other is None and digest != SKIPPED:
             other = next((c for c in by_seq.get(newest.seq - back, ()) if c.digest != digest), None)
-    if other is None:  # a fork further back than the lineage names (rev63c: resumed silently): a job numbers
-        # its saves after every save it sees, so a lower-numbered save saved later never saw ``newest``
-        later = (c for c in found if c.complete and c.seq < newest.seq and c.order[1] > newest.order[1])
-        other = next((c for c in later if c.digest not in newest.lineage), None)
+    if other is None:  # a fork further back than the lineage names (rev63c: resumed silently); by the
+        # histories' segments, never the save times (rank 0's clock: rev63c F1, F3)
+        other = next((c for c in found if c.complete and c.seq < newest.seq and apart(newest, c)), None)
     if other is not None:
         raise CheckpointError(
             f"ambiguous resume: the fast tier holds two histories of this job: {newest.tag!r} (save {newest.seq}) "
@@ -224,7 +230,9 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 DistContext(choice.group).all_ok(functools.partial(_heal, req, choice, attempt, prepared, cand))
                 reader = fast_reader(req, target, choice, attempt)
                 loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
-                part.state.continues = cand.digest  # the job goes on from this save (its next save's lineage)
+                # the job goes on from this save (its next save's lineage, and a new segment of its runs)
+                part.state.continues, part.state.runs, part.state.passed = cand.digest, cand.runs, cand.passed
+                part.state.fresh, part.state.back_to = True, (cand.tag, target.order[0])
             except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
                 # CheckpointError naming it elsewhere: that rank must still reach the agreement (rev62b F1)
                 first = exc
@@ -264,6 +272,8 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
     rng, state = resume_state(req, target, ctx, depth=2)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)
+    part.state.runs, part.state.passed = runs_of(target.runs[0]), runs_of(target.runs[1])
+    part.state.fresh, part.state.back_to = True, (target.tag, target.order[0])
     return loaded
 
 
@@ -440,3 +450,28 @@ def lineage_for(views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, cont
         digests.setdefault(c.seq, set()).add(c.digest)
     twins = {n for n, held in digests.items() if len(held) > 1}
     return tuple(SKIPPED if seq - 1 - i in twins else d for i, d in enumerate(lineage[:LINEAGE]))
+
+
+Pairs = tuple[tuple[int, int], ...]
+
+
+def runs_for(
+    views: Sequence[Mapping[str, LocalCopy]], durable_seq: int, memory: TierState, seq: int
+) -> tuple[Pairs, Pairs]:
+    """(rank 0, planning save ``seq``) The ``runs`` and ``passed`` the save records
+    (:data:`~smpckpt.api._tiers.RUNS`): its history's (unknown: the newest it sees, as :func:`lineage_for`),
+    a new segment the first save after a resume, and the complete saves in sight that are not of it: the
+    job saw them and did not go on from them (as the lineage's skipped numbers: a fork so settled)."""
+    found, top = candidates(views), tier_seq(views)
+    runs, passed = memory.runs, memory.passed
+    if runs is None:
+        parent = next((c for c in found if c.seq == top), None) if top >= durable_seq else None
+        runs, passed = (parent.runs, parent.passed) if parent is not None else ((), ())
+    if memory.fresh:
+        runs = (*runs, (secrets.randbits(64), seq))[-RUNS:]
+    mine, seen = ends_of(runs), dict(passed)
+    for c in found:
+        span = mine.get(c.runs[-1][0]) if c.runs else None
+        if c.complete and c.runs and not (span and span[0] <= c.seq < span[1]):
+            seen[c.runs[-1][0]] = max(seen.get(c.runs[-1][0], 0), c.seq)
+    return runs, tuple(seen.items())[-RUNS:]

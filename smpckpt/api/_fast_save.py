@@ -23,7 +23,7 @@ from typing import Any
 from smpckpt.api._async import GlooGroups, Lane, wait_logged
 from smpckpt.api._dist import DistContext, peer_failures
 from smpckpt.api._drain import drain
-from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered
+from smpckpt.api._fast_resume import Loaded, choose_tier, lineage_for, load_tiered, runs_for
 from smpckpt.api._resume import ResumeRequest
 from smpckpt.api._save import SaveRequest, run_save
 from smpckpt.api._tiers import (
@@ -35,6 +35,7 @@ from smpckpt.api._tiers import (
     TierState,
     candidates,
     durable_key,
+    ends_of,
     fetch_copy,
     gather_views,
     pending_drains,
@@ -156,6 +157,8 @@ class TierPlan:
     #: (rank 0) the highest root sequence number this job knew in ``path`` or due there (``TierState.path_seq``)
     path_seen: int = 0
     lineage: tuple[int, ...] = ()  #: (rank 0) the fast-tier saves it was numbered after (``lineage_for``)
+    runs: tuple[tuple[int, int], ...] = ()  #: (rank 0) its history's segments (``runs_for``, ``_tiers.RUNS``)
+    passed: tuple[tuple[int, int], ...] = ()  #: (rank 0) the saves of others its history passed over
     #: seconds this rank spent in each step of the save (logged with it: where the time goes)
     phases: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -176,6 +179,8 @@ class TierPlan:
             "path_seen": self.path_seen,
             # a fork: another save of that number is another history (a node back with an old disk)
             **({"lineage": ["skip" if d < 0 else f"{d:016x}" for d in self.lineage]} if self.lineage else {}),
+            # further back: its history's segments, and the saves of others it passed over (_tiers.RUNS)
+            **{k: [[f"{i:016x}", n] for i, n in v] for k, v in (("runs", self.runs), ("passed", self.passed)) if v},
         }
 
     def folder_of(self, tag: str) -> str:
@@ -194,7 +199,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, FastCandidate | None, tuple[int, ...]]:
+    def decide() -> tuple[int, int, FastCandidate | None, tuple[int, ...], tuple[Any, Any]]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -205,11 +210,17 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
             running = set(memory.held)
         pending = [c for c in pending_drains(views, drained) if c.tag not in running]
-        lineage = lineage_for(views, drained, memory.continues)
-        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, seq, lineage)
-        return seq, drained, retry, lineage
+        lineage, runs = lineage_for(views, drained, memory.continues), runs_for(views, drained, memory, seq)
+        back = (
+            *part.counter.abandoned,
+            *([(memory.back_to[1] + 1, 2**62)] if memory.fresh and memory.back_to[1] else []),
+        )
+        tags = {c.order[0]: c.tag for c in candidates(views)} | {memory.back_to[1]: memory.back_to[0]}
+        retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
+        memory.runs, memory.passed, memory.fresh = *runs, False  # the segment stays, the save failing or not
+        return seq, drained, retry, lineage, runs
 
-    seq, drained, retry_of, lineage = ctx.on_coordinator(decide)
+    seq, drained, retry_of, lineage, runs = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
@@ -252,22 +263,36 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         memory,
         memory.path_seq,
         lineage,
+        *runs,
     )
     plan.phases["plan"] = time.monotonic() - started
     return plan
 
 
 def _retry_of(
-    req: SaveRequest, pending: Sequence[FastCandidate], seq: int, lineage: tuple[int, ...]
+    req: SaveRequest,
+    pending: Sequence[FastCandidate],
+    save: tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]],
+    back: Sequence[tuple[int, int]],
+    tags: Mapping[int, str],
 ) -> FastCandidate | None:
     """(rank 0) The newest save due for the durable tier whose drain never committed, when it can be
-    drained (complete across the nodes, its tag free in ``path``, and within the ``lineage`` of save
-    ``seq`` its history's), warned of as the others are."""
+    drained (complete across the nodes, its tag free in ``path``, and of the history of the save being
+    made, ``save`` -- its number, lineage and runs: never another's, nor one a roll-back abandoned
+    (``back``: root number ranges; ``tags``: root number -> tag), however far back: rev63c F2), warned of as
+    the others are."""
+    seq, lineage, runs = save
     for c in pending:
-        why = ""
+        why, span = "", ends_of(runs).get(c.runs[-1][0]) if c.runs else None
+        gone = next(((lo, hi) for lo, hi in back if lo <= c.order[0] <= hi), None)
         if not c.complete:
             why = f"it is incomplete across the surviving nodes (missing {', '.join(c.missing[:3])})"
-        elif c.seq >= seq - LINEAGE and c.digest not in lineage:  # rev63c: it made path's newest another's
+        elif gone is not None:  # numbered past the save a roll-back went on from, in sight then
+            to = tags.get(gone[0] - 1)
+            why = f"it was abandoned by the roll-back to {f'{to!r} ' if to else ''}(save {gone[0] - 1})"
+        elif (c.runs and not (span and span[0] <= c.seq < span[1])) or (
+            c.seq >= seq - LINEAGE and c.digest not in lineage
+        ):
             why = "this job did not go on from it (another history's save: a node back with an older disk?)"
         elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"

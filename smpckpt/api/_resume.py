@@ -92,6 +92,7 @@ class Target:
     pickled: bool = False  #: its user_content needs allow_pickle (the manifest says so; older ones do not)
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (roll-backs, ``catalog.root``)
     said: str = ""  #: the fallback's warning, unsaid (``resolve_target(warn=False)``: the fast tier may load)
+    runs: tuple[Any, Any] = (None, None)  #: ``extra["tier"]``'s "runs" and "passed", unread (``_tiers.runs_of``)
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
@@ -100,7 +101,9 @@ class Target:
         order = record_order(manifest)
         pickled = extra.get(PICKLED_KEY) is True  # a save abandons only numbers below its own (catalog.root)
         abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
-        return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned)
+        tier = extra.get("tier")  # a fast-tier save drained: its history goes on
+        runs = (tier.get("runs"), tier.get("passed")) if isinstance(tier, Mapping) else (None, None)
+        return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs)
 
     def seen_by(self, counter: SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw (a roll-back is marked only

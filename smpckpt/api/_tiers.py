@@ -69,6 +69,12 @@ class TierState:
     #: tiered save records it (``path_seen``): a resume tells a checkpoint of ``path`` saved without it
     path_seq: int = 0
     continues: int | None = None  #: the save this job goes on from: its digest, PATH_MARK, None (unknown)
+    #: (rank 0) the segments of the history it goes on from (``None``: unknown, the newest it sees) and the
+    #: saves that history passed over (:data:`RUNS`); ``fresh``: its next save starts a segment (a resume)
+    runs: tuple[tuple[int, int], ...] | None = None
+    passed: tuple[tuple[int, int], ...] = ()
+    fresh: bool = True
+    back_to: tuple[str, int] = ("", 0)  #: the tag and root number it resumed (a roll-back's, in warnings)
     #: the threads of every save's replica channels and of every drain's copies, ended by :meth:`close`
     #: (threads new at each save grew the process's memory: README, "Tiered checkpoints"; the file writes'
     #: are the Checkpointer's, ``PlannerCache.workers``)
@@ -87,6 +93,11 @@ class TierState:
             self.durable = max((seq_of(r.manifest) for r in records if r.committed), default=0)
             self.saw_path(max((r.order[0] for r in records if r.committed), default=0))
         return self.durable
+
+    def adopt(self, other: TierState) -> None:
+        """What ``other`` (the fast tier of the Checkpointer this one's replaces) knew of the job's history."""
+        self.continues, self.runs, self.passed = other.continues, other.runs, other.passed
+        self.fresh, self.back_to = other.fresh, other.back_to
 
     def saw_path(self, seq: int) -> None:
         """A checkpoint with root sequence number ``seq`` is in ``path`` or due there from this job."""
@@ -298,7 +309,8 @@ def gather_views(
 #: the manifest ``extra`` entry a tiered save adds: {"seq", "durable", "replicas", "nodes", "local_world_size", "root",
 #: "path_seen", "lineage"} -- ``path_seen`` (absent in older copies): the highest root sequence number its job
 #: knew in ``path`` (committed, or due there from itself) when it planned the save; ``lineage`` (absent in
-#: older copies): the hex digests of the fast-tier saves numbered 1, 2, ... below it, in its history
+#: older copies): the hex digests of the fast-tier saves numbered 1, 2, ... below it, in its history;
+#: ``runs`` and ``passed`` (absent in older copies): :data:`RUNS`
 TIER_KEY = "tier"
 
 #: committed: this job's manifest parses; uncommitted: files, no manifest; corrupt: the manifest does not parse
@@ -326,6 +338,8 @@ class LocalCopy:
     #: :data:`SKIPPED` entries; empty: after a checkpoint of ``path``, or not recorded)
     lineage: tuple[int, ...] = ()
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (``catalog.root.abandoned_of``)
+    runs: tuple[tuple[int, int], ...] = ()  #: ``extra["tier"]["runs"]`` (:data:`RUNS`; empty: not recorded)
+    passed: tuple[tuple[int, int], ...] = ()  #: ``extra["tier"]["passed"]`` (:data:`RUNS`)
 
     @property
     def committed(self) -> bool:
@@ -348,7 +362,52 @@ def seq_of(manifest: Manifest | None) -> int:
 
 SKIPPED = -1  #: a lineage entry: a number its job saw and did not go on from (a rewind by tag, two saves)
 PATH_MARK = -2  #: ``TierState.continues`` after a resume from ``path``
-LINEAGE = 16  #: saves of its history a tiered save names (further back, by the save times: refuse_forked)
+LINEAGE = 16  #: saves of its history a tiered save names (further back: :data:`RUNS`)
+#: a tiered save's ``runs``: its history's segments, oldest first, ``[id, first]`` (a random 64-bit id in
+#: hex, drawn at every resume, and the number of the segment's first save: it holds the saves numbered up
+#: to the next one's first), its own last; ``passed``: ``[id, seq]``, saves up to ``seq`` of a segment its
+#: history saw at a save and did not go on from (a fork so settled). The newest RUNS of each.
+RUNS = 256
+
+
+def runs_of(value: Any) -> tuple[tuple[int, int], ...]:
+    """``runs`` or ``passed`` as recorded (:data:`RUNS`); damaged: none (no fork is told by them)."""
+    try:
+        pairs = tuple((int(i, 16), n) for i, n in value) if isinstance(value, list) else ()
+        return pairs[-RUNS:] if all(type(n) is int for _, n in pairs) else ()
+    except (TypeError, ValueError):
+        return ()
+
+
+def ends_of(runs: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """segment id -> the numbers ``[first, end)`` its saves have in the history ``runs`` tells."""
+    return {s: (f, nxt[1] if nxt else 2**63) for (s, f), nxt in zip(runs, [*runs[1:], None])}
+
+
+def apart(a: FastCandidate, b: FastCandidate) -> bool:
+    """Whether saves ``a`` and ``b`` are of histories whose jobs never saw the other's save (:data:`RUNS`):
+    one's segment is in the other's history, the save past where that history left it; or the two left
+    one segment at the same number for two others (a job numbers after every save it sees). Unknown
+    (no ``runs``), or settled (one's history passed over the other), is no evidence."""
+
+    def past(x: FastCandidate, y: FastCandidate) -> bool:  # y past where x's history left y's segment
+        span = ends_of(x.runs).get(y.runs[-1][0])
+        return span is not None and not span[0] <= y.seq < span[1]
+
+    def saw(x: FastCandidate, y: FastCandidate) -> bool:
+        return any(s == y.runs[-1][0] and n >= y.seq for s, n in x.passed)
+
+    if not (a.runs and b.runs) or saw(a, b) or saw(b, a):
+        return False
+    following = {s: nxt for (s, _), nxt in zip(a.runs, a.runs[1:])}
+    return (
+        past(a, b)
+        or past(b, a)
+        or any(
+            (t := following.get(s)) is not None and t[1] == f and t[0] != n
+            for (s, _), (n, f) in zip(b.runs, b.runs[1:])
+        )
+    )
 
 
 def part_sizes(manifest: Manifest) -> dict[str, int]:
@@ -396,6 +455,8 @@ def read_copy(folder: str, tag: str, owner: str | None) -> tuple[LocalCopy, byte
         path_seen=seen if seen is not None and seen >= 0 else None,
         lineage=lineage,
         abandoned=abandoned_of(manifest.extra),
+        runs=runs_of(tier.get("runs")),
+        passed=runs_of(tier.get("passed")),
     )
     return copy, data
 
@@ -429,6 +490,8 @@ class FastCandidate:
     path_seen: int | None = None  #: :attr:`LocalCopy.path_seen`
     lineage: tuple[int, ...] = ()  #: :attr:`LocalCopy.lineage`
     abandoned: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.abandoned`
+    runs: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.runs`
+    passed: tuple[tuple[int, int], ...] = ()  #: :attr:`LocalCopy.passed`
 
     @property
     def complete(self) -> bool:
@@ -460,7 +523,7 @@ def candidates(views: Sequence[Mapping[str, LocalCopy]], tag: str | None = None)
         }
         held[MANIFEST_NAME] = tuple(i for i, v in enumerate(views) if t in v and v[t].digest == digest)
         missing = tuple(sorted(n for n, where in held.items() if not where))
-        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned)
+        more = (copy.durable, copy.path_seen, copy.lineage, copy.abandoned, copy.runs, copy.passed)
         out.append(FastCandidate(t, digest, copy.seq, copy.order, held, missing, *more))
     out.sort(key=lambda c: (c.key, c.tag), reverse=True)
     return out

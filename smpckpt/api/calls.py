@@ -288,6 +288,8 @@ def _checkpointer(
         ckpt = Checkpointer(location, sharding, fast_tier=fast_tier, retention=retention, async_options=async_options)
         if held is not None and held_key[:2] == key[:2]:
             ckpt._counter.adopt(held._counter)
+            if ckpt._tier is not None and held._tier is not None:  # the history it goes on from (runs)
+                ckpt._tier.state.adopt(held._tier.state)
         if isinstance(model, nn.Module):
             model.__dict__[_KEPT] = _Kept(ckpt, key)
     elif save and ckpt.retention != retention:

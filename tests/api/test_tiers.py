@@ -56,6 +56,10 @@ def test_one_node_saves_drains_every_second_and_resumes_newest(tmp_path: Path) -
     # each save names the saves it was numbered after by their manifests' digests (s1's: gone by now)
     s1_digest = s2_record.pop("lineage")
     assert len(s1_digest) == 1 and len(s1_digest[0]) == 16
+    # and its history's segments: [random id, first number] (each model here is a new Checkpointer: one each)
+    runs = s2_record.pop("runs")
+    assert [n for _, n in runs] == [1, 2] and all(len(i) == 16 for i, _ in runs), runs
+    assert _tier_record(local / "s3_partial")["runs"][:2] == runs
     s2_manifest = (local / "s2_partial" / "smpckpt.manifest.json").read_bytes()
     assert _tier_record(local / "s3_partial")["lineage"] == [
         f"{xxhash.xxh3_64_intdigest(s2_manifest):016x}",
@@ -517,3 +521,26 @@ def test_the_fast_tier_fallbacks_skip_what_a_newer_save_or_paths_choice_abandone
     path_crafted = Target.of("s4", "path/s4_partial", crafted, False)
     assert path_crafted.abandoned == ((1, 2),)
     assert [c.tag for c in usable_saves([cand(6), cand(5)], path_crafted, None)] == ["s6", "s5"]
+
+
+def test_histories_are_told_apart_by_their_segments_never_by_save_times() -> None:
+    """rev63c: beyond the 16-save lineage, a fork is told by ``runs`` (segments: id, first number). A, B, C
+    segments; B left A at 6. A's save 24 (a node back with an old disk) is past where B's history left A:
+    refused either way round. Two histories leaving A at 6 for two segments (a restart at 6 on each
+    side): refused. A roll-back (A's 5 below B's first 6), a save without runs, or a history that passed
+    over the other (saw it, went on elsewhere) is not."""
+    from smpckpt.api._tiers import FastCandidate, apart, runs_of
+
+    def save(seq: int, runs: list[tuple[int, int]], passed: tuple[tuple[int, int], ...] = ()) -> FastCandidate:
+        return FastCandidate(f"s{seq}", seq, seq, (seq, 0, ""), {}, (), runs=tuple(runs), passed=passed)
+
+    a_, b_, c_, d_ = 0xA, 0xB, 0xC, 0xD
+    a24, b30 = save(24, [(a_, 1)]), save(30, [(a_, 1), (b_, 6)])
+    assert apart(b30, a24) and apart(a24, save(6, [(a_, 1), (b_, 6)]))
+    assert apart(save(24, [(a_, 1), (c_, 6)]), save(6, [(a_, 1), (b_, 6)]))  # siblings at 6
+    assert not apart(save(6, [(a_, 1), (b_, 6)]), save(5, [(a_, 1)]))  # a roll-back to A's 4: 5 abandoned
+    assert not apart(save(12, [(a_, 1), (c_, 11)]), save(10, [(a_, 1), (b_, 6)]))  # B's 6-10 rolled back to A's 5
+    assert not apart(b30, save(24, []))  # an older copy: the lineage alone
+    assert not apart(save(31, [(a_, 1), (b_, 6), (d_, 31)], ((a_, 24),)), a24)  # settled: seen, passed over
+    assert runs_of([["000000000000000a", 1], ["0b", 6]]) == ((a_, 1), (b_, 6))
+    assert runs_of([["zz", 1]]) == runs_of([["0a", True]]) == runs_of("x") == ()  # damaged: no evidence

@@ -398,8 +398,70 @@ def test_a_node_back_with_a_history_forked_beyond_the_lineage_is_refused(
             assert fork[tag]["tag"] == tag and fork[tag]["exact"], (rank, fork[tag])
         assert (fork["save7"][:2], fork["wait"]) == ("ok", "ok None"), fork
         assert "step24_partial" not in fork["path"], (rank, fork["path"])  # path's newest step5 still
-    said = cases[1][0]["deep_fork"]["warned"]
+    _deep_fork_refused(cases[1], "deep_fork")
+
+
+def _deep_fork_refused(results: list[dict[str, Any]], name: str) -> None:
+    """rev63c: the fork refused naming both, each loadable by tag, step24 not drained; going on from new6
+    (by tag, step7: save 25, in sight of step24) settles it: tag=None loads step7 bit-exact."""
+    for rank, r in enumerate(results):
+        fork = r[name]
+        assert fork["none"].startswith("CheckpointError: ambiguous resume"), (rank, fork["none"])
+        assert "'step24' (save 24) and 'new6' (save 6)" in fork["none"], fork["none"]
+        for tag in ("new6", "step24"):
+            assert fork[tag]["tag"] == tag and fork[tag]["exact"], (rank, fork[tag])
+        assert (fork["save7"][:2], fork["wait"]) == ("ok", "ok None"), fork
+        assert "step24_partial" not in fork["path"], (rank, fork["path"])  # path's newest step5 still
+        assert not isinstance(fork["went_on"], str), (rank, fork["went_on"])
+        assert fork["went_on"]["tag"] == "step7" and fork["went_on"]["exact"], (rank, fork["went_on"])
+    said = results[0][name]["warned"]
     assert len(said) == 1 and "'step24' (save 24)" in said[0] and "did not go on from it" in said[0], said
+
+
+@pytest.fixture(scope="module")
+def histories(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_world(tier_jobs_workers.history_cases, 4, str(tmp_path_factory.mktemp("histories")), timeout=600)
+
+
+@pytest.mark.dist
+def test_a_fork_beyond_the_lineage_is_refused_whichever_clock_is_ahead(histories: list[dict[str, Any]]) -> None:
+    """rev63c F3: the old history's saves stamped 1 h ahead (its rank 0's host): the save-time rule saw
+    new6 as saved before step24 and resumed step24 silently. The histories' segments (runs) tell."""
+    _deep_fork_refused(histories, "deep_fork_ahead")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case, tag", [("skew_rollback", "step6"), ("skew_plain", "step19")])
+def test_a_job_restarted_on_a_host_whose_clock_is_behind_resumes_its_newest(
+    histories: list[dict[str, Any]], case: str, tag: str
+) -> None:
+    """rev63c F1: the first saves stamped 1 h ahead, the job restarted on a host with the true clock (a roll-
+    back by tag='step4' then step6; or a plain resume then 17 saves): tag=None was refused, an older save
+    of the job's own history "saved later". No clocks now: the newest loads bit-exact on every rank."""
+    for rank, r in enumerate(histories):
+        got = r[case]["none"]
+        assert not isinstance(got, str), (rank, got)
+        assert got["tag"] == tag and got["exact"], (rank, got)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["rollback_drain", "far_drain"])
+def test_a_pending_drain_not_of_the_jobs_history_is_never_drained_however_far_back(
+    histories: list[dict[str, Any]], case: str
+) -> None:
+    """rev63c F2: step6 due for path, its drain lost. rollback_drain: the job rolled back to step4 and saved
+    new7-new24; far_drain: every fast tier lost, the job resumed path's step5, saved new6-new23, then node 1
+    came back with step6 (another history's). Past the 16 numbers a lineage names, new23 (new24) drained
+    step6 into path as its newest. Now never: each save names it, as the roll-back's or another history's;
+    the job's own newest loads bit-exact (new24 saw step6 and went on: settled)."""
+    for rank, r in enumerate(histories):
+        got = r[case]
+        assert "step6_partial" not in got["path"] and got["newest"] != "step6", (rank, got["path"], got["newest"])
+        assert not isinstance(got["none"], str), (rank, got["none"])
+        assert got["none"]["tag"] == "new24" and got["none"]["exact"], (rank, got["none"])
+    said = histories[0][case]["said"]
+    why = "abandoned by the roll-back to 'step4' (save 4)" if case == "rollback_drain" else "did not go on from it"
+    assert said and all("'step6' (save 6)" in w and why in w for w in said), said
 
 
 # -- rev62a: a copy a node cannot read, or reads wrong, while others hold it intact (4 nodes of 1 rank) --------

@@ -4,13 +4,16 @@ killed and retried. 2 simulated nodes of 2 ranks (``LOCAL_WORLD_SIZE=2``), as in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import threading
+import time
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ import torch.distributed as dist
 import tp_model
 from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
 
-from smpckpt import resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt import FastTier, Sharding, resume_from_checkpoint, save_checkpoint, wait_for_saves
 
 MANIFEST = "smpckpt.manifest.json"
 
@@ -443,16 +446,18 @@ def abandoned_history_back(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
-def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
+def fork_beyond_lineage(rank: int, world: int, base: str, ahead_s: int = 0) -> dict[str, Any]:
     """rev63c: as :func:`abandoned_history_back`, the fork 19 saves back, past the 16 a lineage names:
     step1-5 (step5 drained), step6-24 (step23, step24 kept; step24 due for path, its drain lost); every
     fast tier lost, the job resumes step5 and saves new6; node 1 back with its old disk. tag=None resumed
-    step24 silently; going on from new6 (by tag), the next save drained step24 into path as its newest."""
+    step24 silently; going on from new6 (by tag), the next save drained step24 into path as its newest.
+    ``ahead_s``: step6-24 saved under a clock that far ahead (rev63c F3: resumed silently again)."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
     kw: dict[str, Any] = dict(replicas=2, num_kept_local=2)
     _states(base, rank, range(1, 6), durable, local, durable_every=5, **kw)
-    _states(base, rank, range(6, 25), durable, local, durable_every=24, **kw)
+    with _clock(ahead_s):
+        _states(base, rank, range(6, 25), durable, local, durable_every=24, **kw)
     snap = os.path.join(base, "node1-snapshot")
     if rank == 0:  # step24's drain never committed (the job died draining)
         shutil.rmtree(os.path.join(durable, "step24_partial"))
@@ -482,6 +487,7 @@ def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
         uc, state, _ = _resume(durable, local, 24, tag=tag)
         out[tag] = {**_info(), "exact": _same(state, expect)}
         dist.barrier()
+    want7 = _clone(tp_model.local_state(model, opt))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out["save7"] = _attempt(lambda: _save(durable, local, 7, model, opt, durable_every=100, **kw))
@@ -489,6 +495,110 @@ def fork_beyond_lineage(rank: int, world: int, base: str) -> dict[str, Any]:
     out["warned"] = [str(w.message) for w in caught if "step24" in str(w.message)]
     dist.barrier()
     out["path"] = sorted(os.listdir(durable))
+    try:  # step7's job saw step24 and went on from new6: settled, as the README says
+        uc, state, _ = _resume(durable, local, 26)
+        out["went_on"] = {**_info(), "exact": _same(state, want7)}
+    except Exception as exc:  # noqa: BLE001 - a refusal is what the test checks against
+        out["went_on"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@contextlib.contextmanager
+def _clock(ahead_s: int) -> Iterator[None]:
+    """Saves made meanwhile stamp ``saved_at_ns`` ``ahead_s`` off (rank 0's host clock then: rev63c F1, F3)."""
+    import smpckpt.api._save as save_module
+
+    real = save_module.time
+    save_module.time = types.SimpleNamespace(time_ns=lambda: time.time_ns() + ahead_s * 10**9)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        save_module.time = real  # type: ignore[assignment]
+
+
+def _drained_newest(durable: str) -> str | None:
+    path = os.path.join(durable, "newest")
+    return _read(durable, "newest").decode().strip() if os.path.exists(path) else None
+
+
+def histories(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
+    """rev63c, one job (no fork) whose history is told apart without clocks or the 16-save horizon:
+    skew_rollback: step1-5 saved under a clock 1 h ahead, the job restarts (true clock), rolls back by
+    tag='step4', saves step6: tag=None refused step6 for step5 (saved "later"); skew_plain: step1-2 at
+    +1 h, the job resumes step2 and saves step3-19: tag=None refused step19 for step2. rollback_drain:
+    step1-6 (step6 due for path, its drain lost), roll back by tag='step4', save new7-new24: new23 drained
+    the abandoned step6 into path as its newest. far_drain: as rollback_drain, but every fast tier is lost
+    after step6 and node 1 comes back with its old disk (step5, step6) after new6-new23 (the job resumed
+    path's step5): new24 drained another history's step6 into path as its newest."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    kw: dict[str, Any] = dict(replicas=2, num_kept_local=None if case == "skew_plain" else 3)
+    out: dict[str, Any] = {}
+    first, last, back = {"skew_rollback": (5, 6, "step4"), "skew_plain": (2, 19, None)}.get(case, (6, 24, "step4"))
+    with _clock(3600 if case.startswith("skew") else 0):
+        every = 5 if case.endswith("drain") else 100  # the drains': step5 in path
+        _states(base, rank, range(1, min(first, 5) + 1), durable, local, durable_every=every, **kw)
+        _states(base, rank, range(6, first + 1), durable, local, durable_every=6, **kw)  # the drains' step6
+    snap = os.path.join(base, "node1-snapshot")
+    if case.endswith("drain") and rank == 0:  # step6's drain never committed (the job died draining)
+        shutil.rmtree(os.path.join(durable, "step6_partial"))
+        os.unlink(os.path.join(durable, "newest"))
+    if case == "far_drain" and rank == 2:
+        shutil.copytree(local, snap, symlinks=True)
+    dist.barrier()
+    if case == "far_drain":
+        if rank in (0, 2):  # both nodes' fast tiers lost: the job resumes path's step5
+            shutil.rmtree(local)
+            os.makedirs(local)
+        back = None
+        dist.barrier()
+    ctx, model, opt = tp_model.build(LAYOUT, seed=106)
+    # one Checkpointer resumes and saves (rev63c's repro): the saves' options
+    o = [Sharding(layout=LAYOUT, specs=tp_model.SPECS), FastTier(local_path=local, durable_every=100, **kw)]
+    resume_from_checkpoint(durable, back, model=model, optimizer=opt, options=o)
+    out["resumed"] = _info()["tag"]
+    said: list[str] = []
+    for step in range(first + 1 if case.startswith("skew") else 6 if case == "far_drain" else 7, last + 1):
+        if case == "far_drain" and step == last and rank == 2:  # node 1 back, with its old disk
+            shutil.rmtree(local)
+            shutil.copytree(snap, local, symlinks=True)
+        dist.barrier()
+        tp_model.train_step(ctx, model, opt, 100 + step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tag = f"step{step}" if case.startswith("skew") else f"new{step}"
+            save_checkpoint(durable, tag, model=model, optimizer=opt, options=o)
+            wait_for_saves()
+        said += [str(w.message) for w in caught if "'step6'" in str(w.message)]
+        dist.barrier()
+    want = _clone(tp_model.local_state(model, opt))
+    out["said"], out["newest"], out["path"] = (
+        said,
+        _drained_newest(durable),
+        sorted(os.listdir(durable)) if os.path.isdir(durable) else [],
+    )
+    dist.barrier()
+    try:
+        uc, state, _ = _resume(durable, local, 23)
+        out["none"] = {**_info(), "exact": _same(state, want)}
+    except Exception as exc:  # noqa: BLE001 - the refusal is what the test checks
+        out["none"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def history_cases(rank: int, world: int, base: str) -> dict[str, Any]:
+    """One 4-rank world for :func:`histories`' cases and :func:`fork_beyond_lineage` with H1's clock ahead."""
+    out: dict[str, Any] = {}
+    for name in ("skew_rollback", "skew_plain", "rollback_drain", "far_drain", "deep_fork_ahead"):
+        path = os.path.join(base, name)
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        if name == "deep_fork_ahead":
+            out[name] = fork_beyond_lineage(rank, world, path, ahead_s=3600)
+        else:
+            out[name] = histories(rank, world, path, name)
+        dist.barrier()
     return out
 
 

@@ -345,9 +345,14 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
     # not own (an optimizer built over another model, or a parameter replaced after it)
     owned = {id(p) for p in model.parameters()} if model is not None and opts else set()
     if model is not None and any(id(p) not in owned for o in opts for g in o.param_groups for p in g["params"]):
-        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad),
-        # and state_dict()'s pre-hook registers the sharded ones (the optimizer's) again, as DCP's calls do
-        model.state_dict(keep_vars=True)
+        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad):
+        # reshard() registers the sharded ones (the optimizer's) again, on this rank alone (rev63f F1: a
+        # state_dict() call did too, but it is a collective in FSDP1 and may raise for its own reasons)
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         owned = {id(p) for p in model.parameters()}
     for i, opt in enumerate(opts):
         for g, group in enumerate(opt.param_groups):

@@ -303,6 +303,14 @@ def test_optimizer_over_another_model_is_named(tmp_path: Any) -> None:
         save_checkpoint(str(tmp_path), "a", model=m, optimizer=other_opt)
     assert not os.listdir(tmp_path)
 
+    class Fragile(nn.Sequential):  # rev63f F1b: the FSDP2 retry called state_dict, which may raise (or gather)
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("state_dict exploded")
+
+    fragile = Fragile(*m)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        save_checkpoint(str(tmp_path), "a", model=fragile, optimizer=other_opt)
+
 
 def test_spec_rule_of_the_wrong_type_is_named(tmp_path: Any) -> None:
     m, _ = _model(0)

@@ -376,6 +376,10 @@ class LayoutRecord:
     #: tied key -> the key whose stored bytes it is (one tensor held under two names, written once);
     #: a load into a model that holds the two apart reads the second for the first
     tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: the DTensors' meshes and placements over every rank, as a digest (``planners._entries.
+    #: world_dtensor_layout``): a resume whose own differs changed its parallelism though ``layout`` is
+    #: the same (a default ``Sharding``: dp = world); ``None``: no DTensors, or saved before it was recorded
+    dtensors: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -387,6 +391,8 @@ class LayoutRecord:
         }
         if self.tied:  # absent otherwise: records without ties stay as every earlier version wrote them
             out["tied"] = dict(sorted(self.tied.items()))
+        if self.dtensors is not None:  # likewise
+            out["dtensors"] = self.dtensors
         return out
 
     @classmethod
@@ -411,6 +417,7 @@ class LayoutRecord:
                     str(k): tuple(int(n) for n in v) for k, v in dict(obj.get("original_shapes") or {}).items()
                 },
                 tied={str(k): str(v) for k, v in dict(obj.get("tied") or {}).items()},
+                dtensors=str(obj["dtensors"]) if obj.get("dtensors") is not None else None,
             )
         except (KeyError, TypeError, ValueError, SpecError, OverflowError, RecursionError) as exc:
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc

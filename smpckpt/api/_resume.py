@@ -62,7 +62,7 @@ class ResumeInfo:
     path_taken: Literal["fast", "reshard"]
     layout: ParallelLayout
     saved_layout: ParallelLayout | None
-    layout_changed: bool
+    layout_changed: bool  #: the layout, or the DTensors' meshes and placements (``LayoutRecord.dtensors``)
     fast_path_tensors: int  #: summed over ranks
     resharded_tensors: int  #: summed over ranks
     rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)

@@ -33,14 +33,7 @@ from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
-from smpckpt.planners import (
-    LoadReport,
-    ObjectBytes,
-    ParallelLoadPlanner,
-    dtensor_layout,
-    likely_causes,
-    world_dtensor_layout,
-)
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
@@ -231,7 +224,7 @@ def resume_state(
 
     # every rank's DTensor layout comes back in the agreement's own collective: every rank decides alike
     layouts = ctx.all_ok_values(build)
-    moved = recorded is not None and world_dtensor_layout(layouts) != recorded
+    moved = recorded is not None and LayoutRecord.world_dtensors(layouts) != recorded
     wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout and not moved
     if wanted and not rng:
         change = f"{saved} -> {req.layout}" if saved != req.layout else f"{saved}, its DTensor placements changed"

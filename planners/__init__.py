@@ -6,8 +6,9 @@ if __name__ != "smpckpt.planners":
         "(install the project with `pip install -e .`)"
     )
 
-from smpckpt.planners._entries import ObjectBytes, likely_causes
+from smpckpt.planners._entries import ObjectBytes, dtensor_layout, likely_causes
 from smpckpt.planners.load import LoadReport, ParallelLoadPlanner
 from smpckpt.planners.save import ParallelSavePlanner, SaveReport
 
 __all__ = ["ParallelSavePlanner", "ParallelLoadPlanner", "LoadReport", "SaveReport", "ObjectBytes", "likely_causes"]
+__all__ += ["dtensor_layout"]

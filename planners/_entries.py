@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -290,6 +291,19 @@ class _EntryMaker:
         return found
 
 
+def dtensor_layout(model_state: Any) -> str:
+    """This rank's DTensor layout: a digest of each DTensor's mesh shape, mesh dimension names and
+    placements, in the model state's order (``''`` when it holds none). A parallelism change (FSDP over 4
+    -> FSDP x TP 2 x 2) keeps the ``ParallelLayout`` a default ``Sharding`` records (dp = world) but changes
+    this; the optimizer's state follows its parameters' placements, so the model's tell. One pass, a dict
+    lookup per DTensor: the meshes and placements are few and described once each."""
+    seen: dict[tuple[Any, Any], int] = {}
+    values = model_state.values() if isinstance(model_state, Mapping) else ()
+    rows = [seen.setdefault((v.device_mesh, v.placements), len(seen)) for v in values if isinstance(v, DTensor)]
+    kinds = [(tuple(mesh.shape), mesh.mesh_dim_names, placements) for mesh, placements in seen]
+    return hashlib.blake2b(repr((kinds, rows)).encode(), digest_size=8).hexdigest() if rows else ""
+
+
 class LayoutScope:
     """What both planners are told about the layout they plan for, and how they resolve a state dict."""
 
@@ -298,6 +312,7 @@ class LayoutScope:
     name_map: NameMap | None
     process_group: Any
     rank: int
+    dtensor_layout = staticmethod(dtensor_layout)  # the save planner sends its rank's in its plan
 
     def _set_scope(
         self,

@@ -44,7 +44,7 @@ from torch.distributed.tensor import Replicate
 
 from smpckpt._gc import gc_paused
 from smpckpt.errors import ReplicaMismatch, SpecError
-from smpckpt.model.layout import METADATA_KEY, LayoutRecord, NameMap, ParallelLayout
+from smpckpt.model.layout import METADATA_KEY, RESERVED, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
 from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, gather_ties, tied_entries
@@ -283,6 +283,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.report: SaveReport | None = None
         self.entries: dict[str, Entry] = {}
         self.tied: dict[str, str] = {}
+        self.dtensors = ""  #: this rank's DTensor layout (``LayoutScope.dtensor_layout``), sent in its plan
         self._cache = PlanCache(cache_scope if enable_plan_caching else "off")
 
     # -- 1. set up ---------------------------------------------------------------------------------
@@ -296,6 +297,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.entries, self.mappings = self._resolve(state_dict)
         self.tied = tied_entries(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict
+        self.dtensors = self.dtensor_layout(state_dict.get(RESERVED.model))
         self.is_coordinator = is_coordinator
         self._object_bytes: dict[str, bytes] = {}
 
@@ -360,6 +362,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             "mappings": mappings,
             "original_shapes": original,
             "tied": dict(self.tied),
+            "dtensors": self.dtensors,
             **fresh,
         }
         coords = self.layout.coords(self.rank)
@@ -446,9 +449,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         for plan in full:
             mappings.update(plan.planner_data["mappings"])
             original.update(plan.planner_data.get("original_shapes", {}))
-        record = LayoutRecord(
-            self.layout, tuple(self.rules.to_records()), self._rank_local_globs, original_shapes=original, tied=tied
-        )
+        dtensors = LayoutRecord.world_dtensors([plan.planner_data.get("dtensors", "") for plan in full])
+        rules, rank_local = tuple(self.rules.to_records()), self._rank_local_globs
+        record = LayoutRecord(self.layout, rules, rank_local, original_shapes=original, tied=tied, dtensors=dtensors)
         mappings[METADATA_KEY] = record.to_json()
         metadata = dataclasses.replace(metadata, planner_data=mappings)
         errors = tiling_errors(plans, metadata)

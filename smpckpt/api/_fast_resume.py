@@ -88,7 +88,7 @@ class Loaded:
     target: Target
     planner: ParallelLoadPlanner
     state: dict[str, Any]
-    rng: bool
+    rng: bool | None  #: resume_state's (None: the DTensor placements changed)
     reader: PeerFetchingReader | None
 
 

@@ -33,7 +33,7 @@ from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
-from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, likely_causes
+from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
@@ -55,7 +55,7 @@ class ResumeInfo:
     path_taken: Literal["fast", "reshard"]
     layout: ParallelLayout
     saved_layout: ParallelLayout | None
-    layout_changed: bool
+    layout_changed: bool  #: the layout, or the DTensors' meshes and placements (``LayoutRecord.dtensors``)
     fast_path_tensors: int  #: summed over ranks
     resharded_tensors: int  #: summed over ranks
     rng_restored: tuple[str, ...]  #: generators restored on this rank ("torch", "python", ...)
@@ -203,29 +203,40 @@ def not_found_hint(root: str, storage_options: Any) -> str:
     )
 
 
-def resume_state(req: ResumeRequest, target: Target, ctx: DistContext, depth: int = 0) -> tuple[bool, dict[str, Any]]:
-    """(all ranks, one agreement) Whether RNG states are restored (saved layout only; else a warning, inside
-    the agreement so a filter making it an error fails every rank alike) and the destinations the load
-    fills. First, every rank alike, a user_content needing ``allow_pickle`` is refused. ``depth``: the frames
+def resume_state(
+    req: ResumeRequest, target: Target, ctx: DistContext, depth: int = 0
+) -> tuple[bool | None, dict[str, Any]]:
+    """(all ranks, one agreement; two after a layout change) Whether RNG states are restored: saved layout and
+    DTensor placements (``LayoutRecord.dtensors``, when recorded; ``None``: they changed); else a warning inside
+    an agreement, so a filter making it an error fails every rank alike. And the destinations the load fills.
+    First, every rank alike, a user_content needing ``allow_pickle`` is refused. ``depth``: the frames
     between the caller's and ``Checkpointer.resume`` (the warning names the caller's line)."""
     saved = target.record.layout if target.record is not None else None
-    wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout
+    recorded = target.record.dtensors if target.record is not None else None
     refuse_pickled(target.pickled, req.opts.allow_pickle, f"checkpoint {target.tag!r} ({target.url})")
+    state: dict[str, Any] = {}
 
-    def build() -> dict[str, Any]:
-        if wanted and not rng and ctx.is_coordinator:
-            said = f"the layout changed ({saved} -> {req.layout}): RNG states are not restored (they do not map "
-            warnings.warn(said + "across layouts); every rank keeps its current generators", stacklevel=6 + depth)
+    def build() -> str:
         init_missing_state(req.optimizers)
-        state = train_state(req.model, req.optimizers, destinations=True)
+        state.update(train_state(req.model, req.optimizers, destinations=True))
+        layout = dtensor_layout(state.get(RESERVED.model))
         if callable(req.opts.translate_function):  # the model loads what the function returns: loaded aside
             state[RESERVED.model] = aside(state[RESERVED.model])
         state[RESERVED.user_content] = ObjectBytes(b"")  # placeholder: the stored record lands here, undecoded
-        if wanted and rng:
-            state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
-        return state
+        return layout
 
-    return wanted and rng, ctx.all_ok(build)
+    # every rank's DTensor layout comes back in the agreement's own collective: every rank decides alike
+    layouts = ctx.all_ok_values(build)
+    moved = recorded is not None and LayoutRecord.world_dtensors(layouts) != recorded
+    wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout and not moved
+    if wanted and not rng:
+        change = f"{saved} -> {req.layout}" if saved != req.layout else f"{saved}, its DTensor placements changed"
+        said = f"the layout changed ({change}): RNG states are not restored (they do not map across layouts)"
+        said += "; every rank keeps its current generators"  # below the caller's line: Checkpointer frames, all_ok
+        ctx.all_ok(lambda: ctx.is_coordinator and warnings.warn(said, stacklevel=6 + depth))
+    if wanted and rng:
+        state[RESERVED.rng] = {RESERVED.rng_of(ctx.rank): get_rng_state()}
+    return None if moved else wanted and rng, state
 
 
 class InventedState:
@@ -530,9 +541,14 @@ def skipped_keys(
 
 
 def summarize(
-    req: ResumeRequest, target: Target, planner_counts: tuple[int, int, tuple[str, ...]], restored: tuple[str, ...]
+    req: ResumeRequest,
+    target: Target,
+    planner_counts: tuple[int, int, tuple[str, ...]],
+    restored: tuple[str, ...],
+    rng: bool | None,
 ) -> ResumeInfo:
-    """(all ranks) The :class:`ResumeInfo` of a load (``planner_counts``: :func:`skipped_keys`), logged."""
+    """(all ranks) The :class:`ResumeInfo` of a load (``planner_counts``: :func:`skipped_keys`; ``rng``:
+    :func:`resume_state`'s, ``None`` when the DTensor placements changed), logged."""
     fast, resharded, skipped = planner_counts
     saved = target.record.layout if target.record is not None else None
     info = ResumeInfo(
@@ -542,7 +558,7 @@ def summarize(
         path_taken="reshard" if resharded else "fast",
         layout=req.layout,
         saved_layout=saved,
-        layout_changed=saved != req.layout,
+        layout_changed=saved != req.layout or rng is None,
         fast_path_tensors=fast,
         resharded_tensors=resharded,
         rng_restored=restored,

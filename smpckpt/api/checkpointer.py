@@ -464,12 +464,12 @@ class Checkpointer:
                         ctx,
                         state,
                         planner.report,
-                        rng,
+                        bool(rng),
                         stateless_at_save(req.model, req.optimizers, state, guard.stateless, planner),
                     )
                 )
                 self._counter.resumed(target.order[0], target.abandoned)  # applied: a roll-back (catalog.root)
-                info = summarize(req, target, counts, restored)
+                info = summarize(req, target, counts, restored, rng)
                 if reader is not None:
                     peers = tuple((t.name, t.src, t.dst) for t in reader.fetched)
                     info = dataclasses.replace(info, tier="fast", from_peers=peers)

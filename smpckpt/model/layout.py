@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from types import MappingProxyType
@@ -376,6 +377,10 @@ class LayoutRecord:
     #: tied key -> the key whose stored bytes it is (one tensor held under two names, written once);
     #: a load into a model that holds the two apart reads the second for the first
     tied: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: the DTensors' meshes and placements over every rank, as a digest (:meth:`world_dtensors`): a resume
+    #: whose own differs changed its parallelism though ``layout`` is the same (a default ``Sharding``:
+    #: dp = world); ``None``: no DTensors, or saved before it was recorded
+    dtensors: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -387,6 +392,8 @@ class LayoutRecord:
         }
         if self.tied:  # absent otherwise: records without ties stay as every earlier version wrote them
             out["tied"] = dict(sorted(self.tied.items()))
+        if self.dtensors is not None:  # likewise
+            out["dtensors"] = self.dtensors
         return out
 
     @classmethod
@@ -411,6 +418,7 @@ class LayoutRecord:
                     str(k): tuple(int(n) for n in v) for k, v in dict(obj.get("original_shapes") or {}).items()
                 },
                 tied={str(k): str(v) for k, v in dict(obj.get("tied") or {}).items()},
+                dtensors=str(obj["dtensors"]) if obj.get("dtensors") is not None else None,
             )
         except (KeyError, TypeError, ValueError, SpecError, OverflowError, RecursionError) as exc:
             raise CheckpointCorrupt(f"{where} is malformed: {exc}") from exc
@@ -433,6 +441,11 @@ class LayoutRecord:
             fields = {name: extra.get(name) for name in ("layout", "specs", "rank_local")}
             return cls.from_json({"version": 1, **fields}, where="manifest extra (0.1.0 layout fields)")
         return None
+
+    @staticmethod
+    def world_dtensors(per_rank: Sequence[str]) -> str | None:
+        """:attr:`dtensors` of every rank's ``planners._entries.dtensor_layout`` (by rank); ``None``: none held one."""
+        return hashlib.blake2b(",".join(per_rank).encode(), digest_size=8).hexdigest() if any(per_rank) else None
 
     @staticmethod
     def json_in_metadata(metadata: Any) -> Mapping[str, Any] | None:

@@ -47,8 +47,15 @@ from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, encode_object, gather_ties
-from smpckpt.planners._entries import tied_entries
+from smpckpt.planners._entries import (
+    Entry,
+    LayoutScope,
+    ObjectBytes,
+    dtensor_is_owner,
+    encode_object,
+    gather_ties,
+    tied_entries,
+)
 from smpckpt.planners._replica_values import (
     SPLIT_CODES,
     assign_owners,

@@ -192,3 +192,30 @@ def test_stock_dcp_reads_our_optimizer_objects_as_it_reads_its_own(tmp_path: Pat
     # our checkpoint's object records are stock's, byte for byte: the planners wrote the same torch.save bytes
     ours_md, stock_md = FileSystemReader(ours / "t_partial").read_metadata(), FileSystemReader(stock).read_metadata()
     assert {k for k in stock_md.state_dict_metadata if ".param_groups." in k} <= set(ours_md.state_dict_metadata)
+
+
+class Unsafe:
+    """Unpickling it needs this class: weights-only loading refuses it."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def test_unsafe_objects_repeated_are_refused_each_load_and_decoded_once_each_with_allow_pickle(tmp_path: Path) -> None:
+    """The per-blob memos never pass bytes the weights-only check refused: a convert refuses them (naming the
+    key) without allow_pickle; with it every key gets its own object (a mutable value is not shared)."""
+    from sim import sim_save
+
+    from smpckpt import ParallelLayout, UnsafeCheckpoint
+    from smpckpt.planners import ParallelSavePlanner
+    from smpckpt.storage import FsspecStorageWriter
+
+    state = {"w": torch.arange(4.0), "hp": {"a": 0.5, "b": 0.5, "u": Unsafe(3), "v": Unsafe(3)}}
+    sim_save([state], [ParallelSavePlanner(ParallelLayout())], [FsspecStorageWriter(str(tmp_path / "c"))])
+    for _ in range(2):
+        with pytest.raises(UnsafeCheckpoint, match=r"hp\.[uv]"):
+            convert_checkpoint(tmp_path / "c", tmp_path / "out.pt", overwrite=True)
+    convert_checkpoint(tmp_path / "c", tmp_path / "out.pt", allow_pickle=True, overwrite=True)
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert torch.equal(out["w"], state["w"]) and out["hp"]["a"] == out["hp"]["b"] == 0.5
+    assert out["hp"]["u"].x == out["hp"]["v"].x == 3 and out["hp"]["u"] is not out["hp"]["v"]

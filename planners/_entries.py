@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
+import io
 import math
+import pickle
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -27,7 +29,7 @@ from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
 __all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries"]
-__all__ += ["likely_causes"]
+__all__ += ["likely_causes", "encode_object", "decode_object"]
 
 
 Kind = Literal["tensor", "dtensor", "object"]
@@ -36,6 +38,50 @@ Kind = Literal["tensor", "dtensor", "object"]
 class ObjectBytes(bytes):
     """An object its owner already serialised (``torch.save`` bytes), stored as it is and loaded back
     as ``ObjectBytes`` unpickled (its owner decodes it, weights-only); stock ``torch.load`` reads it."""
+
+
+#: values whose pickle says all there is to them (no tensor, no class of the user's)
+_ATOMS = (int, float, bool, complex, str, bytes, type(None))
+#: a memo keeps decoded objects this small (an optimizer's hyper-parameter is ~1.3 KB)
+_MEMO_BYTES = 4096
+
+
+def _plain(value: Any, *, immutable: bool) -> bool:
+    """Atoms and tuples of them (``immutable``: one decoded copy may be shared); else lists and dicts too."""
+    kind = type(value)
+    if kind is tuple or (not immutable and kind is list):
+        return all(_plain(v, immutable=immutable) for v in value)
+    if not immutable and kind is dict:
+        return all(_plain(k, immutable=True) and _plain(v, immutable=False) for k, v in value.items())
+    return kind in _ATOMS
+
+
+def encode_object(value: Any, memo: dict[bytes, bytes]) -> bytes:
+    """``torch.save`` bytes of ``value``. A plain value's bytes are a function of its pickle (keyed by
+    it, 1.0, 1, True and -0.0 stay apart): an optimizer's thousands of hyper-parameter objects (11 a
+    parameter in torch's flattened format) are a few distinct values, each saved once per ``memo``."""
+    key = pickle.dumps(value, 2) if _plain(value, immutable=False) else None
+    if key is not None and key in memo:
+        return memo[key]
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    raw = buf.getvalue()
+    if key is not None:
+        memo[key] = raw
+    return raw
+
+
+def decode_object(raw: bytes, memo: dict[bytes, Any], *, weights_only: bool) -> Any:
+    """``torch.load`` of object bytes, once per distinct small blob in ``memo``: the same bytes load to the
+    same value, so the memo keeps what the (weights-only) load accepted, and only immutable results
+    (atoms, tuples of them), which a caller cannot change under the other keys sharing them."""
+    small = len(raw) <= _MEMO_BYTES
+    if small and raw in memo:
+        return memo[raw]
+    obj = torch.load(io.BytesIO(raw), weights_only=weights_only, map_location="cpu")
+    if small and _plain(obj, immutable=True):
+        memo[raw] = obj
+    return obj
 
 
 @dataclasses.dataclass(slots=True)

@@ -56,6 +56,7 @@ from smpckpt.planners._entries import (
     LayoutScope,
     ObjectBytes,
     compile_globs,
+    decode_object,
     likely_causes,
     number_as_tensor,
     set_at_path,
@@ -172,6 +173,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self._numbers: dict[str, type] = {}  # keys read as 0-d tensors into a number's place: its type
+        self._decoded: dict[bytes, Any] = {}  # this load's small objects by their bytes (decode_object)
         _refuse_raw_without_our_reader(metadata)
         record = LayoutRecord.from_metadata(metadata)
         #: checkpoint keys stored once under another key (read from that key's bytes)
@@ -477,7 +479,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         try:
             raw = isinstance(entry.value, ObjectBytes)
             safe = not self.allow_pickle
-            obj = ObjectBytes(value.read()) if raw else torch.load(value, weights_only=safe, map_location="cpu")
+            obj = ObjectBytes(value.read()) if raw else decode_object(value.read(), self._decoded, weights_only=safe)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpoint(
                 f"{entry.key}: the stored object needs arbitrary code to unpickle ({exc}). Load it with "

@@ -47,7 +47,15 @@ from smpckpt.errors import ReplicaMismatch, SpecError
 from smpckpt.model.layout import METADATA_KEY, RESERVED, LayoutRecord, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.planners._cache import PlanCache, compact, hinted, structure_signature, tensor_write_item
-from smpckpt.planners._entries import Entry, LayoutScope, ObjectBytes, dtensor_is_owner, gather_ties, tied_entries
+from smpckpt.planners._entries import (
+    Entry,
+    LayoutScope,
+    ObjectBytes,
+    dtensor_is_owner,
+    encode_object,
+    gather_ties,
+    tied_entries,
+)
 from smpckpt.planners._replica_values import (
     SPLIT_CODES,
     assign_owners,
@@ -412,15 +420,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
     def _serialise_objects(self) -> dict[str, str]:
         """Serialise this rank's objects once (``resolve_data`` hands out these bytes); their digests."""
         digests: dict[str, str] = {}
+        memo: dict[bytes, bytes] = {}  # this save's plain values, each torch.save'd once
         for entry in self.entries.values():
             if entry.kind != "object":
                 continue
-            if isinstance(entry.value, ObjectBytes):
-                raw = bytes(entry.value)
-            else:
-                buf = io.BytesIO()
-                torch.save(entry.value, buf)
-                raw = buf.getvalue()
+            raw = bytes(entry.value) if isinstance(entry.value, ObjectBytes) else encode_object(entry.value, memo)
             self._object_bytes[entry.key] = raw
             digests[entry.key] = hashlib.sha1(raw).hexdigest()
         return digests

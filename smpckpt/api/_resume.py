@@ -512,7 +512,8 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     try:
-        return bool(a == b)
+        # NaN equals nothing, itself included: a NaN every parameter saved alike prints alike
+        return bool(a == b) or (type(a) is type(b) and repr(a) == repr(b))
     except (RuntimeError, TypeError, ValueError):  # containers of tensors (tensor betas): compare as printed
         return repr(a) == repr(b)
 

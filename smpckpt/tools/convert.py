@@ -19,9 +19,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from smpckpt.api._dist import (
@@ -34,6 +36,7 @@ from smpckpt.api._dist import (
 from smpckpt.errors import CheckpointCorrupt
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord
 from smpckpt.planners import ObjectBytes
+from smpckpt.planners._entries import decode_object
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, open_fs
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE
@@ -148,10 +151,10 @@ def convert_checkpoint(
     reader.reset()
     # DCP's own offline pattern (dcp_to_torch_save's, which takes only a FileSystemReader): the empty
     # planner rebuilds the state dict, nested as saved, from the metadata, and the stock loader fills it.
-    # Both names are private to DCP (tests/test_convert.py pins them). The stock planner unpickles
-    # objects as given: our reader has refused any that are not weights-only-safe unless allow_pickle.
+    # Both names are private to DCP (tests/test_convert.py pins them). Our reader has refused objects that
+    # are not weights-only-safe unless allow_pickle; the planner decodes them weights-only too, once per blob.
     state: dict[str, Any] = {}
-    planner = _EmptyStateDictLoadPlanner()
+    planner = _EmptyStatePlanner(weights_only=not allow_pickle)
     try:
         with quiet_no_dist():
             _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
@@ -215,3 +218,20 @@ def convert_checkpoint(
         "converted %s -> %s (%s): %d tensors, %d objects", os.fspath(src), out_url, to, len(tensors), report["objects"]
     )
     return report
+
+
+class _EmptyStatePlanner(_EmptyStateDictLoadPlanner):
+    """DCP's offline planner, decoding each distinct small object once (its ``load_bytes`` would
+    ``torch.load`` every one of an optimizer's 11 hyper-parameter objects a parameter)."""
+
+    def __init__(self, *, weights_only: bool) -> None:
+        super().__init__()
+        self.weights_only = weights_only  # the reader checked them too, unless allow_pickle
+        self._decoded: dict[bytes, Any] = {}
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = decode_object(value.read(), self._decoded, weights_only=self.weights_only)
+        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -182,6 +182,7 @@ class ReadRun:
         self.pool = BufferPool(min_size=1 << 20, max_kept=2 * thread_count)
         self.requests = 0
         self.read_per_file: dict[str, int] = {}
+        self._checked: set[bytes] = set()  # small object bytes found weights-only-safe (same bytes, same answer)
         # destinations not filled in place (CUDA) are copied to through a pool of pinned buffers
         self.copies = DeviceCopies(reader.staging_bytes)
 
@@ -428,9 +429,15 @@ class ReadRun:
         if req.type == LoadItemType.BYTE_IO:
             # A planner that unpickles weights-only itself (ParallelLoadPlanner) needs no trial load here:
             # each object crosses the unpickler once. Stock planners unpickle with weights_only=False.
+            raw = bytes(data)
             if not self.allow_pickle and not getattr(planner, "loads_weights_only", False):
-                check_weights_only(data, where=where)
-            planner.load_bytes(req, io.BytesIO(bytes(data)))
+                # an optimizer's hyper-parameters are thousands of copies of a few blobs: each checked once
+                small = len(raw) <= 4096
+                if not (small and raw in self._checked):
+                    check_weights_only(raw, where=where)
+                if small:
+                    self._checked.add(raw)
+            planner.load_bytes(req, io.BytesIO(raw))
             return
         if it.raw:
             target = planner.resolve_tensor(req).detach()

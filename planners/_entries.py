@@ -60,7 +60,10 @@ def encode_object(value: Any, memo: dict[bytes, bytes]) -> bytes:
     """``torch.save`` bytes of ``value``. A plain value's bytes are a function of its pickle (keyed by
     it, 1.0, 1, True and -0.0 stay apart): an optimizer's thousands of hyper-parameter objects (11 a
     parameter in torch's flattened format) are a few distinct values, each saved once per ``memo``."""
-    key = pickle.dumps(value, 2) if _plain(value, immutable=False) else None
+    try:
+        key = pickle.dumps(value, 2) if _plain(value, immutable=False) else None
+    except RecursionError:  # nested deeper than the walk goes: saved as it is, unshared (rev63h F5)
+        key = None
     if key is not None and key in memo:
         return memo[key]
     buf = io.BytesIO()
@@ -338,16 +341,19 @@ class _EntryMaker:
 
 
 def dtensor_layout(model_state: Any) -> str:
-    """This rank's DTensor layout: a digest of each DTensor's mesh shape, mesh dimension names and
-    placements, in the model state's order (``''`` when it holds none). A parallelism change (FSDP over 4
-    -> FSDP x TP 2 x 2) keeps the ``ParallelLayout`` a default ``Sharding`` records (dp = world) but changes
-    this; the optimizer's state follows its parameters' placements, so the model's tell. One pass, a dict
-    lookup per DTensor: the meshes and placements are few and described once each."""
-    seen: dict[tuple[Any, Any], int] = {}
-    values = model_state.values() if isinstance(model_state, Mapping) else ()
-    rows = [seen.setdefault((v.device_mesh, v.placements), len(seen)) for v in values if isinstance(v, DTensor)]
-    kinds = [(tuple(mesh.shape), mesh.mesh_dim_names, placements) for mesh, placements in seen]
-    return hashlib.blake2b(repr((kinds, rows)).encode(), digest_size=8).hexdigest() if rows else ""
+    """This rank's DTensor layout: a digest of the distinct (mesh ranks and dimension names, placements)
+    its model state's DTensors have (``''`` when it holds none). A parallelism change (FSDP over 4 -> FSDP x
+    TP 2 x 2, or TP peers regrouped on a mesh of one shape) keeps the ``ParallelLayout`` a default
+    ``Sharding`` records (dp = world) but changes this; a parameter added or removed under the same
+    parallelism does not (rev63h F2, F3). The optimizer's state follows its parameters' placements, so the
+    model's tell. One pass, a set insert per DTensor: the meshes and placements are few."""
+    seen = {
+        (v.device_mesh, v.placements)
+        for v in (model_state.values() if isinstance(model_state, Mapping) else ())
+        if isinstance(v, DTensor)
+    }
+    kinds = sorted(repr((mesh.mesh.tolist(), mesh.mesh_dim_names, placements)) for mesh, placements in seen)
+    return hashlib.blake2b(repr(kinds).encode(), digest_size=8).hexdigest() if kinds else ""
 
 
 class LayoutScope:

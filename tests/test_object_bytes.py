@@ -78,6 +78,16 @@ def test_encoded_objects_are_torch_saves_bytes_and_decode_bit_exactly() -> None:
     assert first == second and first is not second
 
 
+def test_an_object_nested_deeper_than_the_walk_is_saved_unshared() -> None:
+    """rev63h F5: a list nested 400 deep (torch.save takes it) failed the save with RecursionError."""
+    deep: list[Any] = []
+    for _ in range(400):
+        deep = [deep]
+    buf = io.BytesIO()
+    torch.save(deep, buf)
+    assert encode_object(deep, {}) == buf.getvalue()
+
+
 def test_a_decode_memo_keeps_only_what_the_weights_only_load_accepted() -> None:
     """The memo is keyed by the exact bytes: refused bytes stay refused, however often they come."""
 

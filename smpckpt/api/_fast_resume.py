@@ -460,7 +460,7 @@ def runs_for(
 ) -> tuple[Pairs, Pairs]:
     """(rank 0, planning save ``seq``) The ``runs`` and ``passed`` the save records
     (:data:`~smpckpt.api._tiers.RUNS`): its history's (unknown: the newest it sees, as :func:`lineage_for`),
-    a new segment the first save after a resume, and the complete saves in sight that are not of it: the
+    a new segment the first save after a resume, and the saves in sight that are not of it: the
     job saw them and did not go on from them (as the lineage's skipped numbers: a fork so settled)."""
     found, top = candidates(views), tier_seq(views)
     runs, passed = memory.runs, memory.passed
@@ -472,6 +472,6 @@ def runs_for(
     mine, seen = ends_of(runs), dict(passed)
     for c in found:
         span = mine.get(c.runs[-1][0]) if c.runs else None
-        if c.complete and c.runs and not (span and span[0] <= c.seq < span[1]):
+        if c.runs and not (span and span[0] <= c.seq < span[1]):  # incomplete too: seen, not gone on from
             seen[c.runs[-1][0]] = max(seen.get(c.runs[-1][0], 0), c.seq)
     return runs, tuple(seen.items())[-RUNS:]

@@ -227,7 +227,8 @@ def resume_state(
 
     # every rank's DTensor layout comes back in the agreement's own collective: every rank decides alike
     layouts = ctx.all_ok_values(build)
-    moved = recorded is not None and LayoutRecord.world_dtensors(layouts) != recorded
+    # no model, no DTensors to compare: its RNG states are what a resume(model=None) is for (rev63h F1)
+    moved = recorded is not None and req.model is not None and LayoutRecord.world_dtensors(layouts) != recorded
     wanted, rng = req.opts.load_rng and target.has_rng, saved == req.layout and not moved
     if wanted and not rng:
         change = f"{saved} -> {req.layout}" if saved != req.layout else f"{saved}, its DTensor placements changed"

@@ -387,8 +387,8 @@ def ends_of(runs: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int]]:
 def apart(a: FastCandidate, b: FastCandidate) -> bool:
     """Whether saves ``a`` and ``b`` are of histories whose jobs never saw the other's save (:data:`RUNS`):
     one's segment is in the other's history, the save past where that history left it; or the two left
-    one segment at the same number for two others (a job numbers after every save it sees). Unknown
-    (no ``runs``), or settled (one's history passed over the other), is no evidence."""
+    one segment for two others (rev63g F1: at any numbers; a roll-back's job saw what it left, ``passed``).
+    Unknown (no ``runs``), or settled (one's history passed over the other), is no evidence."""
 
     def past(x: FastCandidate, y: FastCandidate) -> bool:  # y past where x's history left y's segment
         span = ends_of(x.runs).get(y.runs[-1][0])
@@ -403,10 +403,7 @@ def apart(a: FastCandidate, b: FastCandidate) -> bool:
     return (
         past(a, b)
         or past(b, a)
-        or any(
-            (t := following.get(s)) is not None and t[1] == f and t[0] != n
-            for (s, _), (n, f) in zip(b.runs, b.runs[1:])
-        )
+        or any((t := following.get(s)) is not None and t != (n, f) for (s, _), (n, f) in zip(b.runs, b.runs[1:]))
     )
 
 

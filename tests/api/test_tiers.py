@@ -539,7 +539,11 @@ def test_histories_are_told_apart_by_their_segments_never_by_save_times() -> Non
     assert apart(b30, a24) and apart(a24, save(6, [(a_, 1), (b_, 6)]))
     assert apart(save(24, [(a_, 1), (c_, 6)]), save(6, [(a_, 1), (b_, 6)]))  # siblings at 6
     assert not apart(save(6, [(a_, 1), (b_, 6)]), save(5, [(a_, 1)]))  # a roll-back to A's 4: 5 abandoned
-    assert not apart(save(12, [(a_, 1), (c_, 11)]), save(10, [(a_, 1), (b_, 6)]))  # B's 6-10 rolled back to A's 5
+    # B's 6-10 rolled back to A's 5: the roll-back's job saw B's 10 (it numbered 11 after it) and passed it
+    assert not apart(save(12, [(a_, 1), (c_, 11)], ((b_, 10),)), save(10, [(a_, 1), (b_, 6)]))
+    # rev63g F1: A left for B at 8 (an ordinary restart) and, by a job that never saw B's saves, for C at 6
+    assert apart(save(24, [(a_, 1), (b_, 8)]), save(6, [(a_, 1), (c_, 6)]))
+    assert apart(save(6, [(a_, 1), (c_, 6)]), save(24, [(a_, 1), (b_, 8)]))
     assert not apart(b30, save(24, []))  # an older copy: the lineage alone
     assert not apart(save(31, [(a_, 1), (b_, 6), (d_, 31)], ((a_, 24),)), a24)  # settled: seen, passed over
     assert runs_of([["000000000000000a", 1], ["0b", 6]]) == ((a_, 1), (b_, 6))

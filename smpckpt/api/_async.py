@@ -104,7 +104,8 @@ class Lane:
     def run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                # a stopped lane's thread stays while a failure is kept: how wait_for_saves finds it (hunt63b L1)
+                while not self._queue and not (self._stopping and self.failed is None):
                     self._cond.wait()
                 if not self._queue:
                     # let go of the lane under its lock: a submit after this starts a thread of its own
@@ -131,13 +132,21 @@ class Lane:
         if fut is not None:
             concurrent.futures.wait([fut])
 
+    def take_failed(self) -> tuple[str, BaseException] | None:
+        """The failure kept, once (then cleared; a stopped lane's thread, kept for it, ends)."""
+        with self._cond:
+            failed, self.failed = self.failed, None
+            self._cond.notify()
+        return failed
+
     def stop(self, join: bool = False) -> None:
-        """End the thread once the work submitted is done (a later :meth:`submit` starts another)."""
+        """End the thread once the work submitted is done and its failure raised (a later :meth:`submit`
+        starts another); ``join``: wait for that, the work done (not while a failure is kept)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
             thread = self._thread
-        if join and thread is not None and thread is not threading.current_thread():
+        if join and thread is not None and thread is not threading.current_thread() and self.failed is None:
             thread.join()
 
     def _forget(self) -> None:
@@ -165,8 +174,8 @@ def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
 def raise_failed(lanes: Iterable[Lane], suffix: str) -> None:
     """Raise the first failure a lane kept (each once: it is then cleared); saves before drains."""
     for lane in sorted(lanes, key=lambda lane: lane.kind != "save"):
-        if lane.failed is not None:
-            (tag, exc), lane.failed = lane.failed, None
+        if (failed := lane.take_failed()) is not None:
+            tag, exc = failed
             if lane.kind == "save":
                 what, kept = f"the background save of checkpoint {tag!r}", ""
             else:

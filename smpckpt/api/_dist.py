@@ -341,6 +341,16 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
+    for name, module in model.named_modules() if model is not None else ():
+        # FSDP2 (torch >= 2.4; private, so read leniently): mid-forward (a hook) or mid-backward, reading the
+        # state (and the reshard() below) frees the unsharded parameters the pass still uses (rev63i F3)
+        state = getattr(module, "_get_fsdp_state", None)
+        busy = getattr(getattr(state() if state is not None else None, "_training_state", None), "name", "IDLE")
+        if busy != "IDLE":
+            raise RuntimeError(
+                f"{name or 'the model'} is inside an FSDP2 forward or backward (FSDP state {busy}): save or load "
+                "a checkpoint outside the forward and backward (e.g. after optimizer.step()), not from a hook"
+            )
     # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the model does
     # not own (an optimizer built over another model, or a parameter replaced after it)
     owned = {id(p) for p in model.parameters()} if model is not None and opts else set()

@@ -124,35 +124,34 @@ def partial_url(root: str, tag: str) -> str:
     return join_url(root, partial_dirname(tag))
 
 
-def read_newest(fs: Any, root_path: str) -> str | None:
-    """The tag ``newest`` names, or ``None`` when it is missing, unreadable or not a valid tag.
-
-    (Called on rank 0 only.) Problems are logged, never raised: the caller falls back to listing.
-    """
+def read_newest(fs: Any, root_path: str, said: set[str] | None = None) -> str | None:
+    """(rank 0) The tag ``newest`` names, or ``None`` when it is missing, unreadable or not a valid tag: logged
+    (once per ``said``: a retention pass reads it per removal), never raised; the caller falls back to listing."""
     path = join_url(root_path, NEWEST_NAME)
     try:
         # a backend's own errors (botocore's EndpointConnectionError when S3 is down) as OSError naming
         # the object, like every storage call: the caller falls back to listing, whose failure is raised
         with translate_errors(path):
             data = fs.cat_file(path, start=0, end=_NEWEST_MAX_BYTES + 1)
+        tag = bytes(data).decode("utf-8").strip()
     except FileNotFoundError:
         return None
     except OSError as exc:
-        log.warning("could not read %s: %s", path, exc)
-        return None
-    try:
-        text = bytes(data).decode("utf-8")
+        why = f"could not read {path}: {exc}"
     except UnicodeDecodeError:
-        log.warning("%s is not UTF-8 text; ignoring it", path)
-        return None
-    if len(data) > _NEWEST_MAX_BYTES:
-        log.warning("%s is larger than %d bytes; ignoring it", path, _NEWEST_MAX_BYTES)
-        return None
-    tag = text.strip()
-    if not is_valid_tag(tag):
-        log.warning("%s holds %r, which is not a valid tag; ignoring it", path, tag[:80])
-        return None
-    return tag
+        why = f"{path} is not UTF-8 text; ignoring it"
+    else:
+        if (big := len(data) > _NEWEST_MAX_BYTES) or not is_valid_tag(tag):
+            what = (
+                f"is larger than {_NEWEST_MAX_BYTES} bytes" if big else f"holds {tag[:80]!r}, which is not a valid tag"
+            )
+            why = f"{path} {what}; ignoring it"
+        else:
+            return tag
+    if said is None or why not in said:
+        log.warning("%s", why)
+        (said if said is not None else set()).add(why)
+    return None
 
 
 def write_newest(fs: Any, root_path: str, tag: str, *, sync: bool = True) -> None:
@@ -465,8 +464,7 @@ def scan_root(
 
 def newest_tag(root_url: str, *, storage_options: Any = None) -> str | None:
     """The validated content of ``{root}/newest``, or ``None``."""
-    fs, root_path = open_root(root_url, storage_options)
-    return read_newest(fs, root_path)
+    return read_newest(*open_root(root_url, storage_options))
 
 
 def highest_sequence(root: str, storage_options: Any = None, cache: ManifestCache | None = None) -> int:
@@ -532,6 +530,7 @@ def apply_retention(
     uncommitted_older_than: float | None = None,
     just_saved: str | None = None,
     cache: ManifestCache | None = None,
+    said: set[str] | None = None,
 ) -> RetentionResult:
     """(rank 0 only) Delete the committed partial checkpoints beyond the ``keep`` newest of the history
     (:func:`split_lineage`, :func:`read_abandoned`: what a roll-back abandoned stays, uncounted).
@@ -541,7 +540,8 @@ def apply_retention(
     failed or killed saves nothing wrote to for that long (:func:`smpckpt.catalog._debris.sweep_stale`).
     ``just_saved`` (the tag a save just committed): when another committed checkpoint is numbered after it (another
     job saving into this root), no committed checkpoint is removed, with a warning. ``cache``: the Checkpointer's
-    records of the root (:class:`ManifestCache`), reused while their manifests are unchanged."""
+    records of the root (:class:`ManifestCache`), reused while their manifests are unchanged. ``said``: what
+    :func:`read_newest` logged already (``prune``'s own read): a damaged ``newest`` is named once per pass."""
     if uncommitted_older_than is not None and not uncommitted_older_than >= 0:
         raise ValueError(f"uncommitted_older_than must be >= 0 seconds or None, got {uncommitted_older_than!r}")
     for trust in (cache, None):
@@ -580,8 +580,8 @@ def apply_retention(
             return False
 
     # ``newest`` read just before each removal: another job in this root may have pointed it at an older tag since
-    at = open_root(root_url, storage_options) if doomed else (None, "")
-    removed = [tag for tag in doomed if tag != read_newest(*at) and remove(tag, "checkpoint")]
+    at, said = open_root(root_url, storage_options) if doomed else (None, ""), set() if said is None else said
+    removed = [tag for tag in doomed if tag != read_newest(at[0], at[1], said) and remove(tag, "checkpoint")]
     # folders an interrupted removal left behind were already chosen for deletion: finish the job
     removed += [
         r.tag

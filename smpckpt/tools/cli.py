@@ -357,7 +357,8 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         keep = validate_keep(args.keep, "--keep")
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    newest = newest_tag(args.path, storage_options=args.storage_options)
+    said: set[str] = set()  # newest is read again before each removal: a damaged one is named once
+    newest = catalog.read_newest(*open_root(args.path, args.storage_options), said)
     result = apply_retention(
         args.path,
         keep,
@@ -365,6 +366,7 @@ def cmd_prune(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         protected={newest} if newest else set(),
         dry_run=args.dry_run,
         uncommitted_older_than=args.uncommitted_older_than,
+        said=said,
     )
     verb = "would remove" if args.dry_run else "removed"
     out.writelines(f"{verb} {tag}\n" for tag in result.removed)

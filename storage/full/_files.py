@@ -40,6 +40,19 @@ __all__ += ["row_groups", "serially", "share", "stream_plan", "read_streamed"]
 Held = tuple[str, int, bytes]
 
 
+@contextlib.contextmanager
+def data_file(path: str, keys: Sequence[str] = ()) -> Iterator[None]:
+    """Around I/O on data file ``path``: errors translated, and a file the metadata names but storage lacks
+    reported as corrupt, naming ``keys`` (the reader then tells one replaced or removed meanwhile: load again)."""
+    try:
+        with translate_errors(path):
+            yield
+    except FileNotFoundError as exc:
+        raise CheckpointCorrupt(
+            f"{path}: data file is missing" + (f" (needed for keys {list(keys)[:5]})" if keys else "")
+        ) from exc
+
+
 class RunFiles:
     """Open files of one read call: ``pread`` on local paths, ranged GETs elsewhere."""
 
@@ -57,7 +70,7 @@ class RunFiles:
     def fetch(self, name: str, lo: int, hi: int) -> bytes:
         """(object stores) File bytes ``[lo, hi)`` in one GET."""
         path = join(self.path, name)
-        with translate_errors(path):
+        with data_file(path):
             blob = self.fs.cat_file(path, start=lo, end=hi)
         self._count(1)
         if len(blob) != hi - lo:
@@ -85,7 +98,7 @@ class RunFiles:
         with self._lock:
             fd = self.fds.get(name)
             if fd is None:
-                with translate_errors(join(self.path, name)):
+                with data_file(join(self.path, name)):
                     fd = self.fds[name] = os.open(join(self.path, name), os.O_RDONLY)
             return fd
 
@@ -119,7 +132,7 @@ class RunFiles:
             blobs: list[Any] = [whole[lo - base : lo - base + n] for lo, n in spans]
             fetched = 0
         else:
-            with translate_errors(path):
+            with data_file(path):
                 blobs = self.fs.cat_ranges([path] * len(spans), [lo for lo, _ in spans], [lo + n for lo, n in spans])
             self._count(len(spans))
             fetched = sum(n for _, n in spans)

@@ -140,7 +140,7 @@ class FullSource(ArtifactIndex):
         path = join(self.path, name)
         data = read_bytes_or_none(self.fs, path)
         if data is None:
-            raise CheckpointCorrupt(f"{path}: object file of {fqn!r} is missing")
+            raise CheckpointCorrupt(f"{path}: object file of {fqn!r} is missing") from FileNotFoundError(path)
         rec = self.records.get(name)
         if (
             self.verify

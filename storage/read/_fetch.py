@@ -29,11 +29,11 @@ from smpckpt.storage.backends._fs import (
     is_s3,
     pread_cached,
     pread_into,
-    translate_errors,
 )
 from smpckpt.storage.format._checksum import hash_rows
 from smpckpt.storage.format._columns import STREAM_PIECE_BYTES, Into
 from smpckpt.storage.format.manifest import FileRecord
+from smpckpt.storage.full._files import data_file
 from smpckpt.storage.read._plan import ROWS_PER_CALL, BoxRead, Item
 
 __all__ = ["BufferPool", "reading", "check_complete", "verify_blocks", "read_range", "DirectPart"]
@@ -85,13 +85,9 @@ def reads_into(fs: Any) -> bool:
 
 @contextlib.contextmanager
 def reading(path: str, keys: Sequence[str], turn: Turn | None = None) -> Iterator[None]:
-    """Around I/O on data file ``path`` for ``keys``: the read's ``turn`` at the device, errors translated,
-    and a file that the metadata names but storage does not have reported as corrupt, naming the keys."""
-    try:
-        with translate_errors(path), turn or contextlib.nullcontext():
-            yield
-    except FileNotFoundError as exc:
-        raise CheckpointCorrupt(f"{path}: data file is missing (needed for keys {list(keys)[:5]})") from exc
+    """Around I/O on data file ``path`` for ``keys``: the read's ``turn`` at the device, in :func:`data_file`."""
+    with data_file(path, keys), turn or contextlib.nullcontext():
+        yield
 
 
 def check_complete(path: str, keys: Sequence[str], lo: int, hi: int, got: int) -> None:

@@ -219,14 +219,21 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
     def _gone(self) -> CheckpointError | None:
         """(a file missing) The error saying what became of the committed generation this load read when
         another save replaced or removed it (no damage: a load again works); ``None`` when its manifest is
-        still there."""
+        still there, or it was damaged by hand."""
         if self.manifest is None:
             return None
         try:
             now = probe(self.fs, self.path).manifest
+            names = folder_names(self.fs, self.path) if now is None else set()
         except Exception:  # noqa: BLE001 - the missing file's own error is the one to raise
             return None
         if now is not None and now.save_id == self.manifest.save_id:
+            return None
+        # no manifest but files of the generation read (top names: data files may sit in prefix folders), with
+        # no removal's mark (set before the manifest goes, dropped after the last file) nor a full save's:
+        # deleted by hand, damaged (rev63d R6)
+        read = {n.split("/")[0] for n in (*(f.name for f in self.manifest.files), self.manifest.metadata.name)}
+        if names & read and not names & {_names.REMOVING_NAME, _names.WRITING_MARKER}:
             return None
         what = (
             "removed (retention, prune or another job)" if now is None else "replaced by another save (overwrite=True)"

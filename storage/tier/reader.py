@@ -232,6 +232,11 @@ def _buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
 
 
+def _failed(path: str, exc: Exception) -> str:
+    """``path: why``, the path once: an OSError's text ends with its path again (fix63c)."""
+    return f"{path}: {f'[Errno {exc.errno}] {exc.strerror}' if isinstance(exc, OSError) and exc.filename else exc}"
+
+
 def _send(t: Transfer, folder: str, group: Any) -> str:
     """Stream ``t`` to its receiver; an error (the receiver still gets every word and chunk) or ''."""
     path = os.path.join(folder, t.name)
@@ -241,9 +246,9 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
         check_member_name(t.name, where=folder)
         f = open(path, "rb")  # noqa: SIM115 - closed below, after the last chunk went out
         if os.fstat(f.fileno()).st_size != t.size:
-            raise OSError(f"{path}: {os.fstat(f.fileno()).st_size} bytes, the manifest says {t.size}")
+            raise OSError(f"{os.fstat(f.fileno()).st_size} bytes, the manifest says {t.size}")
     except Exception as exc:  # noqa: BLE001 - reported; the receiver must not wait forever
-        error = f"{path}: {exc}"
+        error = _failed(path, exc)
     dist.send(_word(_FAILED if error else _OK), dst=t.dst, group=group)
     if error:
         return error
@@ -256,9 +261,9 @@ def _send(t: Transfer, folder: str, group: Any) -> str:
                 try:
                     got = f.readinto(view.numpy().data) if f is not None else 0
                     if got != n:
-                        raise OSError(f"{path}: cut short while sending ({got} of {n} bytes read)")
+                        raise OSError(f"cut short while sending ({got} of {n} bytes read)")
                 except Exception as exc:  # noqa: BLE001 - zeros go out instead, marked failed below
-                    error = f"{path}: {exc}"
+                    error = _failed(path, exc)
                     view.zero_()
             if in_flight is not None:
                 in_flight.wait()
@@ -284,7 +289,7 @@ class Incoming:
             fd, self.tmp = place().open_temp(name, tag="recv")
             self.file = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed in :meth:`end`
         except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
-            self.error = f"{self.path}: {exc}"
+            self.error = _failed(self.path, exc)
 
     def write(self, data: memoryview) -> None:
         if self.file is not None and not self.error:
@@ -292,7 +297,7 @@ class Incoming:
                 while data:
                     data = data[self.file.write(data) :]
             except OSError as exc:
-                self.error = f"{self.path}: {exc}"
+                self.error = _failed(self.path, exc)
 
     def end(self, why: str, *, sync: bool, link_sync: bool) -> str:
         """Closed; linked into place unless it failed (``why``: the sender's problem); its error, or ''."""
@@ -308,7 +313,7 @@ class Incoming:
                     self.place().link_temp(self.tmp, self.name, sync=link_sync)
                     return ""
         except OSError as exc:
-            self.error = self.error or f"{self.path}: {exc}"
+            self.error = self.error or _failed(self.path, exc)
         if self.file is not None:
             with contextlib.suppress(Exception):
                 self.place().remove([self.tmp])

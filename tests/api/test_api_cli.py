@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from smpckpt import ParallelLayout, save_checkpoint
+from smpckpt.catalog.root import apply_retention
 from smpckpt.storage import open_fs
 from smpckpt.tools.cli import main
 
@@ -110,6 +111,23 @@ def test_prune(root: tuple[str, dict[str, Any], list[str]]) -> None:
     assert [c["tag"] for c in json.loads(out)["checkpoints"]] == ["step1", "step2"]
     rc, _, err = _run("prune", url, "--keep", "0", *opts)
     assert rc == 2 and "--keep" in err
+
+
+def test_prune_names_a_damaged_newest_once(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """rev63f F2: retention reads ``newest`` again before each removal (two jobs in one root), so a damaged one was
+    warned about once per tag removed (12 identical warnings over 12 tags): now once per prune, and per pass."""
+    root = str(tmp_path)
+    _populate(root)
+    save_checkpoint(root, "step3", model=nn.Linear(2, 2))
+    with open(os.path.join(root, "newest"), "w") as f:
+        f.write("bad tag!\n")
+    rc, out, _ = _run("prune", root, "--keep", "1", "--dry-run")
+    assert rc == 0 and out.splitlines() == [f"would remove step{i}" for i in range(3)], out
+    said = [r.getMessage() for r in caplog.records if "which is not a valid tag" in r.getMessage()]
+    assert said == [f"{os.path.join(root, 'newest')} holds 'bad tag!', which is not a valid tag; ignoring it"], said
+    caplog.clear()
+    assert apply_retention(root, 1).removed == ("step0", "step1", "step2")
+    assert sum("which is not a valid tag" in r.getMessage() for r in caplog.records) == 1, caplog.records
 
 
 def test_verify_uncommitted_folder_fails(tmp_path: Any) -> None:

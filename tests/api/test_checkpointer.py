@@ -462,6 +462,45 @@ def test_at_exit_one_checkpointers_failure_does_not_cut_anothers_final_save(tmp_
     Checkpointer(str(rx)).resume("final", got)
 
 
+_BODY_SCRIPT = """
+import sys, torch, smpckpt
+from smpckpt import AsyncOptions, Checkpointer
+m = torch.nn.Linear(2, 2)
+Checkpointer(sys.argv[1]).save("a", m)
+try:
+    with Checkpointer(sys.argv[1], async_options=AsyncOptions(enabled=True)) as ck:
+        ck.save("a", m)  # committed already: fails in the background
+        raise KeyError("the body")
+except KeyError:
+    pass
+for call in (smpckpt.wait_for_saves, smpckpt.wait_for_saves, ck.close, ck.wait):
+    try:
+        call()
+        print("nothing")
+    except smpckpt.CheckpointError as exc:
+        print("raised:", exc)
+print("lanes:", len(smpckpt.api._async.live_lanes()))
+"""
+
+
+def test_a_failure_nothing_raised_after_a_with_body_raised_is_raised_by_wait_for_saves_once(tmp_path: Any) -> None:
+    """hunt63b L1: a with body raised while its async save failed; __exit__ (the body's error wins) ended the
+    lane's thread, so wait_for_saves() never saw the failure: only logged, and the process exited 1 at
+    interpreter exit. Now the next wait raises it, once, and the process exits 0."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _BODY_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    said = proc.stdout.splitlines()
+    assert len(said) == 5 and said[0].startswith("raised: the background save of checkpoint 'a' failed"), said
+    assert said[1:] == ["nothing", "nothing", "nothing", "lanes: 0"] and proc.returncode == 0, (
+        said,
+        proc.stderr[-2000:],
+    )
+
+
 def test_a_save_that_cannot_start_its_lane_leaves_no_step_waiting(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

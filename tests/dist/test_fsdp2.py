@@ -98,3 +98,42 @@ def test_fsdp2_four_ranks_resume_on_two_after_eval_forwards(tmp_path: Any) -> No
         else:
             assert resumed[key] == value, key
     assert torch.equal(logits, saved_logits)
+
+
+def _save_in_forward_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A save from a forward hook of ``hidden`` (the root still in its forward), then one after the forward."""
+    model, opt = _fsdp_model(world, seed=2)
+    model(torch.arange(10).reshape(2, 5)).pow(2).mean().backward()
+    opt.step()
+    want = _eval(model)
+    out: dict[str, Any] = {}
+    ckpt = smpckpt.Checkpointer(root)
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        try:
+            ckpt.save("mid", model, opt)
+        except Exception as exc:  # noqa: BLE001 - what the save said, and the forward goes on
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+
+    handle = model.hidden.register_forward_hook(hook)
+    try:
+        out["same"] = torch.equal(_eval(model), want)  # before the fix: the forward failed inside torch
+    finally:
+        handle.remove()
+    ckpt.save("after", model, opt)
+    fresh, fresh_opt = _fsdp_model(world, seed=3)
+    ckpt.resume("after", fresh, fresh_opt)
+    ckpt.close()
+    out["exact"] = torch.equal(_eval(fresh), want) and all(
+        torch.equal(v, _full(model, opt)[k]) for k, v in _full(fresh, fresh_opt).items() if k != "groups"
+    )
+    return out
+
+
+def test_a_save_from_inside_an_fsdp2_forward_is_refused_by_name_and_the_forward_goes_on(tmp_path: Any) -> None:
+    """rev63i F3: the ownership check's reshard() freed the root's unsharded parameters mid-forward, and the
+    forward then failed inside torch (mixed torch.Tensor and DTensor). Now refused before touching the model."""
+    for rank, got in enumerate(run_world(_save_in_forward_world, 2, str(tmp_path / "ck"))):
+        assert "inside an FSDP2 forward or backward" in got.get("refused", ""), (rank, got)
+        assert "outside the forward and backward" in got["refused"], (rank, got)
+        assert got["same"] and got["exact"], (rank, got)

@@ -455,3 +455,49 @@ def test_a_load_whose_tag_another_save_replaces_or_removes_meanwhile_is_not_call
     with pytest.raises(CheckpointError) as caught:
         Late(url).read_metadata()
     assert not isinstance(caught.value, CheckpointCorrupt) and f"{url} was {how}" in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("how", ["full removed", "full by hand", "partial by hand"])
+def test_a_full_artifact_removed_meanwhile_and_files_deleted_by_hand_are_told_apart(tmp_path: Any, how: str) -> None:
+    """rev63d R5: a full artifact removed by another job mid-load surfaced a raw FileNotFoundError (its reads
+    were outside the partial reads' classification), and one whose model.safetensors was deleted by hand came
+    out of a resume as CheckpointNotFound. R6: a partial's data files and manifest deleted by hand read as
+    "removed ... (not damaged): load again". Now removed: CheckpointError "load again"; by hand: corrupt."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from smpckpt import resume_from_checkpoint, save_checkpoint
+    from smpckpt.errors import CheckpointError
+    from smpckpt.storage import remove_checkpoint
+
+    model, full = torch.nn.Linear(8, 8), how.startswith("full")
+    save_checkpoint(str(tmp_path), "s", model=model, partial=not full)
+    url = os.path.join(str(tmp_path), "s" if full else "s_partial")
+    doomed = [
+        n for n in os.listdir(url) if n.endswith((".safetensors", ".distcp")) or (n == MANIFEST_NAME and not full)
+    ]
+
+    class Meanwhile(DefaultLoadPlanner):  # runs after the metadata is read, before any data read
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)
+            if how == "full removed":
+                remove_checkpoint(url)
+            for name in doomed if how != "full removed" else ():
+                os.remove(os.path.join(url, name))
+
+    md = FsspecStorageReader(url).read_metadata().state_dict_metadata
+    out = {
+        k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.items() if isinstance(v, TensorStorageMetadata)
+    }
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(out, storage_reader=FsspecStorageReader(url), planner=Meanwhile(), no_dist=True)
+    err = unwrap(info.value)
+    if how == "full removed":
+        assert isinstance(err, CheckpointError) and not isinstance(err, CheckpointCorrupt), repr(err)
+        assert f"{url} was removed" in str(err) and "load again" in str(err), err
+        return
+    assert isinstance(err, CheckpointCorrupt) and "data file is missing" in str(err), repr(err)
+    assert any(os.path.join(url, n) in str(err) for n in doomed), (err, doomed)
+    if full:  # through the API too (it named a FileNotFoundError "not found")
+        with pytest.raises(CheckpointCorrupt, match=r"s/model\.safetensors: data file is missing"):
+            resume_from_checkpoint(str(tmp_path), tag="s", model=torch.nn.Linear(8, 8), partial=False)

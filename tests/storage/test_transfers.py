@@ -22,5 +22,8 @@ def test_transfers_in_small_chunks_are_byte_exact(tmp_path: Path) -> None:
     # rank 0 could not send either (nothing reached rank 1 under those names), and said why
     assert len(out[0]["errors"]) == 2 and "absent.bin" in out[0]["errors"][0], out[0]["errors"]
     assert "5 bytes, the manifest says 6" in out[0]["errors"][1], out[0]["errors"]
+    # each names its file's path once (an OSError's text ends with it again: fix63c)
+    assert [e.count("node0/absent.bin") for e in out[0]["errors"][:1]] == [1], out[0]["errors"]
+    assert out[0]["errors"][1].count("node0/short.bin") == 1, out[0]["errors"]
     assert "short.bin" not in out[1]["listing"] and not out[2]["errors"]
     assert sorted(out[1]["errors"]) == ["absent.bin: rank 0 could not send it", "short.bin: rank 0 could not send it"]

@@ -539,3 +539,21 @@ def test_a_retried_load_keeps_the_intact_parts_the_failed_attempt_fetched(
         assert got["fetched"] == [victim], (rank, got["fetched"])
     said = [m for m in faults[2][case]["logged"] if "node 2's copy of checkpoint 'step2' holds" in m]
     assert len(said) == 1 and f"holds 1 part(s) found corrupt ({victim}): removed" in said[0], said
+
+
+@pytest.mark.dist
+def test_a_node_whose_disk_is_full_fails_the_resume_by_name_instead_of_loading_an_older_save(
+    faults: list[dict[str, Any]],
+) -> None:
+    """hunt64c: node 1 lacks its part of step2 and cannot store it (ENOSPC) while node 2 holds it intact: the
+    resume loaded step1 (a committed save's progress lost, warned on rank 0 alone as a failed fast-tier
+    load). It fails on every rank alike, naming the node's file and the full disk; with room again, step2."""
+    victim = faults[1]["full"]["victim"]
+    for rank, r in enumerate(faults):
+        got = r["full"]
+        said = got["full"]
+        assert got["after"] is None, (rank, got["after"], said)  # before hunt64c: step1
+        assert said.startswith("NodeFull: loading checkpoint ") and "step2_partial" in said, (rank, said)
+        assert "/node1/" in said and victim in said and "No space left on device" in said, (rank, said)
+        assert "disk is full" in said and "intact" in said, (rank, said)
+        assert (got.get("tag"), got.get("uc"), got.get("exact")) == ("step2", {"step": 2}, True), (rank, got)

@@ -749,7 +749,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- rev62a: a copy some node cannot read, or reads wrong, while another node holds it intact ---------------
-FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part")
+FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part", "full")
 
 
 def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, Any]:
@@ -759,7 +759,8 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
     manifest: node 1 lacks the manifest, node 2 holds a corrupt part (F2); drain: step2's drain pending,
     node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4);
     eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c:
-    the retry fetched again every part the failed attempt had fetched)."""
+    the retry fetched again every part the failed attempt had fetched); full: node 1 lacks its own part
+    and its disk is full (ENOSPC writing the part it fetches: hunt64c), then has room again."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out: dict[str, Any] = {}
     for case in FETCH_FAULTS:
@@ -833,6 +834,21 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     if rank == 2 and case == "eio_part":  # its sends (open) and its check (check_blocks) of the victim fail
         reader_module.open = unreadable  # type: ignore[attr-defined]
         resume_module.check_blocks = check
+
+    class Full(reader_module.Incoming):  # node 1's part of step2 received on a full disk: its write fails
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            if self.path == os.path.join(folder, victim) and self.file is not None:
+                self.file = types.SimpleNamespace(write=self.enospc, close=self.file.close, fileno=self.file.fileno)
+
+        @staticmethod
+        def enospc(data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_incoming = reader_module.Incoming
+    if rank == 1 and case == "full":  # node 1 lacks its own part and cannot store it fetched from node 2
+        os.unlink(os.path.join(folder, victim))
+        reader_module.Incoming = Full  # type: ignore[misc]
     dist.barrier()
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -845,9 +861,14 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
             got["wait"] = _attempt(wait_for_saves)
             got["durable"] = sorted(os.listdir(durable))
         else:
+            if case == "full":  # the disk full: raised, never an older save; then room again: step2
+                got = {"full": _attempt(lambda: _resume(durable, local, 11)[0])}
+                got["after"] = _info()["tag"] if got["full"].startswith("ok") else None
+                reader_module.Incoming = real_incoming  # type: ignore[misc]
             uc, state, said = _resume(durable, local, 11)
             tag = _info()["tag"]
-            got = {"tag": tag, "uc": uc, "exact": _same(state, _want(base, int(tag[4:]), rank)), "warnings": said}
+            got = {**(got if case == "full" else {}), "tag": tag, "uc": uc, "warnings": said}
+            got["exact"] = _same(state, _want(base, int(tag[4:]), rank))
             got["fetched"] = sorted({name for name, _, _ in _info()["from_peers"]})  # by the load that loaded
     except Exception as exc:  # noqa: BLE001 - the test shows it
         got = {"error": f"{type(exc).__name__}: {exc}"}
@@ -856,6 +877,7 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
         tiers_module.read_bytes_or_none, Folder.remove = real_read, real_remove  # type: ignore[method-assign]
         resume_module.check_blocks = real_check
         vars(reader_module).pop("open", None)
+        reader_module.Incoming = real_incoming  # type: ignore[misc]
     got["logged"], got["victim"] = logged, (hit or [victim])[0]
     got["md"] = _read(folder, md) if os.path.exists(os.path.join(folder, md)) else None
     return got

@@ -542,18 +542,24 @@ def test_a_retried_load_keeps_the_intact_parts_the_failed_attempt_fetched(
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("case", ["full", "full_md"])
 def test_a_node_whose_disk_is_full_fails_the_resume_by_name_instead_of_loading_an_older_save(
-    faults: list[dict[str, Any]],
+    faults: list[dict[str, Any]], case: str
 ) -> None:
-    """hunt64c: node 1 lacks its part of step2 and cannot store it (ENOSPC) while node 2 holds it intact: the
-    resume loaded step1 (a committed save's progress lost, warned on rank 0 alone as a failed fast-tier
-    load). It fails on every rank alike, naming the node's file and the full disk; with room again, step2."""
-    victim = faults[1]["full"]["victim"]
+    """hunt64c: node 1 lacks its part of step2 (full) or its metadata (full_md) and cannot store what a peer
+    holds intact (ENOSPC): the resume loaded step1 (a committed save's progress lost, warned on rank 0 alone
+    as a failed fast-tier load). It fails on every rank alike, naming node 1's file and the full disk; with
+    room again, step2."""
+    victim = faults[1][case]["victim"]
     for rank, r in enumerate(faults):
-        got = r["full"]
+        got = r[case]
         said = got["full"]
         assert got["after"] is None, (rank, got["after"], said)  # before hunt64c: step1
-        assert said.startswith("NodeFull: loading checkpoint ") and "step2_partial" in said, (rank, said)
-        assert "/node1/" in said and victim in said and "No space left on device" in said, (rank, said)
-        assert "disk is full" in said and "intact" in said, (rank, said)
+        assert "/node1/" in said and "step2_partial" in said and "No space left on device" in said, (rank, said)
+        if case == "full":
+            assert said.startswith("NodeFull: loading checkpoint ") and victim in said, (rank, said)
+            assert "disk is full" in said and "intact" in said, (rank, said)
+        else:
+            assert "NodeFull: writing its metadata to node 1's copy of checkpoint 'step2'" in said, (rank, said)
+            assert "step2_partial/.metadata." in said, (rank, said)
         assert (got.get("tag"), got.get("uc"), got.get("exact")) == ("step2", {"step": 2}, True), (rank, got)

@@ -891,3 +891,35 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     got["logged"], got["victim"] = logged, (hit or [victim])[0]
     got["md"] = _read(folder, md) if os.path.exists(os.path.join(folder, md)) else None
     return got
+
+
+def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
+    """durable_every=3, one Checkpointer: step1-2 saved; node 1's commit of step3 fails (ENOSPC) after every
+    node agreed it holds its share, node 0's commits; then step4 (hunt64c F2)."""
+    import errno
+
+    import smpckpt.api._fast_save as fast_save
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    real = fast_save.commit_node_copy
+
+    def full(folder: str, *args: Any, **kw: Any) -> Any:
+        if folder.endswith("step3_partial"):
+            raise OSError(errno.ENOSPC, "No space left on device", folder)
+        return real(folder, *args, **kw)
+
+    ctx, model, opt = tp_model.build(LAYOUT)
+    out: dict[str, Any] = {}
+    for step in (1, 2, 3, 4):
+        tp_model.train_step(ctx, model, opt, step)
+        fast_save.commit_node_copy = full if rank == 2 and step == 3 else real  # type: ignore[assignment]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[f"save{step}"] = _attempt(lambda s=step: _save(durable, local, s, model, opt, durable_every=3))
+            out[f"wait{step}"] = _attempt(wait_for_saves)
+        out[f"said{step}"] = [str(w.message) for w in caught if "deprecated" not in str(w.message)]
+    fast_save.commit_node_copy = real  # type: ignore[assignment]
+    dist.barrier()
+    out["durable"] = sorted(os.listdir(durable)) if os.path.isdir(durable) else []
+    return out

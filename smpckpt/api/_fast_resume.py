@@ -56,6 +56,7 @@ from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, PreparedCommit
+from smpckpt.storage.tier.reader import NodeFull, disk_full
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 # not a checkpoint's failure (a warning a filter made an error, on rank 0 alone: the others hold
                 # a CheckpointError naming it): raised on every rank alike, not fallen back from (rank 0 alone
                 # leaving made the others wait here: rev60d F1)
-                mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint)) or not isinstance(
+                mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint, NodeFull)) or not isinstance(
                     exc, CheckpointError
                 )
                 if any(DistContext(choice.group).all_ok_values(functools.partial(bool, mine))):
@@ -343,7 +344,7 @@ def _heal(
                     f.publish(name, sent[name], sync=False)
     except (OSError, CheckpointError) as exc:  # a folder that is a link too: this copy fails, the next is tried
         shown = " and ".join("its manifest" if n == MANIFEST_NAME else "its metadata" for n in lacks)
-        raise CheckpointError(
+        raise (NodeFull if disk_full(exc) else CheckpointError)(
             f"writing {shown} to node {node}'s copy of checkpoint {cand.tag!r} {folder} failed: {exc}"
         ) from exc
 

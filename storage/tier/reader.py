@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,19 @@ from smpckpt.storage.format.manifest import check_member_name
 from smpckpt.storage.read.reader import FsspecStorageReader
 
 __all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers", "Incoming"]
-__all__ += ["CHUNK_BYTES", "STREAMS"]
+__all__ += ["CHUNK_BYTES", "STREAMS", "NodeFull", "disk_full"]
+
+#: said of a part a node could not store because its disk is full (or over quota): no damaged copy
+FULL = "this node's disk is full"
+
+
+class NodeFull(CheckpointError):
+    """A node could not store what it fetched (its disk full): the copy is intact on its peers, so the API
+    raises this on every rank instead of loading an older save in its place (hunt64c)."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
 
 
 class PeerFetchingReader(FsspecStorageReader):
@@ -107,8 +120,15 @@ class PeerFetchingReader(FsspecStorageReader):
             dist.all_gather_object(errors, outcome.errors, group=self._group)
             failed = [f"rank {r}: {e}" for r, errs in zip(self._ranks, errors, strict=True) for e in errs]
             if failed:
-                raise CheckpointError(
-                    f"fetching fast-tier parts from peers failed ({len(failed)} file(s)): {'; '.join(failed[:5])}"
+                full = [e for e in failed if FULL in e]  # no damaged copy: the API raises it, never falls back
+                said = "; ".join((full or failed)[:5])
+                raise (NodeFull if full else CheckpointError)(
+                    f"fetching fast-tier parts from peers failed ({len(failed)} file(s)): {said}"
+                    + (
+                        "; the copy is intact on its peers: free space on that node and resume again (or pass tag=)"
+                        if full
+                        else ""
+                    )
                 )
             self.fetched = tuple(schedule)
         return super().read_data(plan, planner)
@@ -289,7 +309,10 @@ class Incoming:
             fd, self.tmp = place().open_temp(name, tag="recv")
             self.file = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed in :meth:`end`
         except Exception as exc:  # noqa: BLE001 - its bytes are still received (the sender must not block)
-            self.error = _failed(self.path, exc)
+            self.error = self._said(exc)
+
+    def _said(self, exc: Exception) -> str:
+        return _failed(self.path, exc) + f" ({FULL})" * disk_full(exc)
 
     def write(self, data: memoryview) -> None:
         if self.file is not None and not self.error:
@@ -297,7 +320,7 @@ class Incoming:
                 while data:
                     data = data[self.file.write(data) :]
             except OSError as exc:
-                self.error = _failed(self.path, exc)
+                self.error = self._said(exc)
 
     def end(self, why: str, *, sync: bool, link_sync: bool) -> str:
         """Closed; linked into place unless it failed (``why``: the sender's problem); its error, or ''."""
@@ -313,7 +336,7 @@ class Incoming:
                     self.place().link_temp(self.tmp, self.name, sync=link_sync)
                     return ""
         except OSError as exc:
-            self.error = self.error or _failed(self.path, exc)
+            self.error = self.error or self._said(exc)
         if self.file is not None:
             with contextlib.suppress(Exception):
                 self.place().remove([self.tmp])

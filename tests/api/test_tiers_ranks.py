@@ -539,3 +539,42 @@ def test_a_retried_load_keeps_the_intact_parts_the_failed_attempt_fetched(
         assert got["fetched"] == [victim], (rank, got["fetched"])
     said = [m for m in faults[2][case]["logged"] if "node 2's copy of checkpoint 'step2' holds" in m]
     assert len(said) == 1 and f"holds 1 part(s) found corrupt ({victim}): removed" in said[0], said
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["full", "full_md"])
+def test_a_node_whose_disk_is_full_fails_the_resume_by_name_instead_of_loading_an_older_save(
+    faults: list[dict[str, Any]], case: str
+) -> None:
+    """hunt64c: node 1 lacks its part of step2 (full) or its metadata (full_md) and cannot store what a peer
+    holds intact (ENOSPC): the resume loaded step1 (a committed save's progress lost, warned on rank 0 alone
+    as a failed fast-tier load). It fails on every rank alike, naming node 1's file and the full disk; with
+    room again, step2."""
+    victim = faults[1][case]["victim"]
+    for rank, r in enumerate(faults):
+        got = r[case]
+        said = got["full"]
+        assert got["after"] is None, (rank, got["after"], said)  # before hunt64c: step1
+        assert "/node1/" in said and "step2_partial" in said and "No space left on device" in said, (rank, said)
+        if case == "full":
+            assert said.startswith("NodeFull: loading checkpoint ") and victim in said, (rank, said)
+            assert "disk is full" in said and "intact" in said, (rank, said)
+        else:
+            assert "NodeFull: writing its metadata to node 1's copy of checkpoint 'step2'" in said, (rank, said)
+            assert "step2_partial/.metadata." in said, (rank, said)
+        assert (got.get("tag"), got.get("uc"), got.get("exact")) == ("step2", {"step": 2}, True), (rank, got)
+
+
+@pytest.mark.dist
+def test_a_save_committed_on_some_nodes_only_is_the_jobs_own_and_drained(tmp_path: Path) -> None:
+    """hunt64c F2: node 1's commit of step3 failed (ENOSPC) after the agreement, node 0's committed (a manifest
+    on any node proves the copy complete, a resume loads it): the save failed naming only the OSError, and
+    step4 called step3 "another history's save: a node back with an older disk?" and never drained it."""
+    results = run_world(tier_jobs_workers.commit_partly_failed, 4, str(tmp_path), timeout=180)
+    for rank, got in enumerate(results):
+        assert (got["save4"], got["wait4"]) == ("ok None", "ok None"), (rank, got)
+        assert not any("another history" in w for w in got["said4"]), (rank, got["said4"])
+        assert "step3_partial" in got["durable"] and "newest" in got["durable"], (rank, got["durable"])
+        assert got["save3"].startswith("CheckpointError: committing checkpoint 'step3'"), (rank, got["save3"])
+        assert "on node 1: OSError" in got["save3"] and "committed on the other node(s)" in got["save3"], rank
+    assert any("drains it to" in w and "'step3'" in w for w in results[0]["said4"]), results[0]["said4"]

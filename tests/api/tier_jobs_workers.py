@@ -749,7 +749,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- rev62a: a copy some node cannot read, or reads wrong, while another node holds it intact ---------------
-FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part")
+FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part", "full", "full_md")
 
 
 def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, Any]:
@@ -759,7 +759,9 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
     manifest: node 1 lacks the manifest, node 2 holds a corrupt part (F2); drain: step2's drain pending,
     node 0's metadata corrupt at its size (F3); stuck: node 0's corrupt part cannot be removed (F4);
     eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c:
-    the retry fetched again every part the failed attempt had fetched)."""
+    the retry fetched again every part the failed attempt had fetched); full: node 1 lacks its own part
+    and its disk is full (ENOSPC writing the part it fetches: hunt64c), then has room again; full_md: the
+    same with node 1's metadata (ENOSPC writing the copy a peer sends)."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out: dict[str, Any] = {}
     for case in FETCH_FAULTS:
@@ -786,6 +788,7 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     with open(os.path.join(folder, MANIFEST), "rb") as f:
         victim = min(r["name"] for r in json.loads(f.read())["files"] if r.get("rank") == rank)
     real_read, real_remove, real_check = tiers_module.read_bytes_or_none, Folder.remove, resume_module.check_blocks
+    real_publish = Folder.publish
     dist.barrier()
 
     def read(fs: Any, path: str) -> bytes | None:
@@ -833,6 +836,29 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     if rank == 2 and case == "eio_part":  # its sends (open) and its check (check_blocks) of the victim fail
         reader_module.open = unreadable  # type: ignore[attr-defined]
         resume_module.check_blocks = check
+
+    class Full(reader_module.Incoming):  # node 1's part of step2 received on a full disk: its write fails
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            if self.path == os.path.join(folder, victim) and self.file is not None:
+                self.file = types.SimpleNamespace(write=self.enospc, close=self.file.close, fileno=self.file.fileno)
+
+        @staticmethod
+        def enospc(data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def publish(self: Any, name: str, *args: Any, **kw: Any) -> None:
+        if name == md and self.path.rstrip("/").endswith("step2_partial"):
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.path, name))
+        real_publish(self, name, *args, **kw)
+
+    real_incoming = reader_module.Incoming
+    if rank == 1 and case == "full":  # node 1 lacks its own part and cannot store it fetched from node 2
+        os.unlink(os.path.join(folder, victim))
+        reader_module.Incoming = Full  # type: ignore[misc]
+    if rank == 1 and case == "full_md":  # node 1 lacks the metadata and cannot store it
+        os.unlink(os.path.join(folder, md))
+        Folder.publish = publish  # type: ignore[method-assign]
     dist.barrier()
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -845,9 +871,14 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
             got["wait"] = _attempt(wait_for_saves)
             got["durable"] = sorted(os.listdir(durable))
         else:
+            if case.startswith("full"):  # the disk full: raised, never an older save; then room again: step2
+                got = {"full": _attempt(lambda: _resume(durable, local, 11)[0])}
+                got["after"] = _info()["tag"] if got["full"].startswith("ok") else None
+                reader_module.Incoming, Folder.publish = real_incoming, real_publish  # type: ignore[misc]
             uc, state, said = _resume(durable, local, 11)
             tag = _info()["tag"]
-            got = {"tag": tag, "uc": uc, "exact": _same(state, _want(base, int(tag[4:]), rank)), "warnings": said}
+            got = {**(got if case.startswith("full") else {}), "tag": tag, "uc": uc, "warnings": said}
+            got["exact"] = _same(state, _want(base, int(tag[4:]), rank))
             got["fetched"] = sorted({name for name, _, _ in _info()["from_peers"]})  # by the load that loaded
     except Exception as exc:  # noqa: BLE001 - the test shows it
         got = {"error": f"{type(exc).__name__}: {exc}"}
@@ -856,6 +887,39 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
         tiers_module.read_bytes_or_none, Folder.remove = real_read, real_remove  # type: ignore[method-assign]
         resume_module.check_blocks = real_check
         vars(reader_module).pop("open", None)
+        reader_module.Incoming, Folder.publish = real_incoming, real_publish  # type: ignore[misc]
     got["logged"], got["victim"] = logged, (hit or [victim])[0]
     got["md"] = _read(folder, md) if os.path.exists(os.path.join(folder, md)) else None
     return got
+
+
+def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
+    """durable_every=3, one Checkpointer: step1-2 saved; node 1's commit of step3 fails (ENOSPC) after every
+    node agreed it holds its share, node 0's commits; then step4 (hunt64c F2)."""
+    import errno
+
+    import smpckpt.api._fast_save as fast_save
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
+    real = fast_save.commit_node_copy
+
+    def full(folder: str, *args: Any, **kw: Any) -> Any:
+        if folder.endswith("step3_partial"):
+            raise OSError(errno.ENOSPC, "No space left on device", folder)
+        return real(folder, *args, **kw)
+
+    ctx, model, opt = tp_model.build(LAYOUT)
+    out: dict[str, Any] = {}
+    for step in (1, 2, 3, 4):
+        tp_model.train_step(ctx, model, opt, step)
+        fast_save.commit_node_copy = full if rank == 2 and step == 3 else real  # type: ignore[assignment]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[f"save{step}"] = _attempt(lambda s=step: _save(durable, local, s, model, opt, durable_every=3))
+            out[f"wait{step}"] = _attempt(wait_for_saves)
+        out[f"said{step}"] = [str(w.message) for w in caught if "deprecated" not in str(w.message)]
+    fast_save.commit_node_copy = real  # type: ignore[assignment]
+    dist.barrier()
+    out["durable"] = sorted(os.listdir(durable)) if os.path.isdir(durable) else []
+    return out

@@ -566,6 +566,23 @@ def test_a_node_whose_disk_is_full_fails_the_resume_by_name_instead_of_loading_a
 
 
 @pytest.mark.dist
+def test_a_node_whose_disk_is_full_loads_paths_drained_copy_of_the_same_save(faults: list[dict[str, Any]]) -> None:
+    """rev64b: as above, but path holds step2 drained: its copy of the same save loads (bit-exact), with a
+    warning naming the full disk, rather than failing the resume."""
+    for rank, r in enumerate(faults):
+        got = r["full_path"]
+        assert (got.get("tag"), got.get("tier"), got.get("uc"), got.get("exact")) == (
+            "step2",
+            "durable",
+            {"step": 2},
+            True,
+        ), (rank, got)
+        said = [w for w in got["warnings"] if "disk is full" in w]  # warned on rank 0
+        assert len(said) == (rank == 0), (rank, got["warnings"])
+        assert rank or ("/node1/" in said[0] and "loading path's drained copy of 'step2' instead" in said[0]), said
+
+
+@pytest.mark.dist
 def test_a_save_committed_on_some_nodes_only_is_the_jobs_own_and_drained(tmp_path: Path) -> None:
     """hunt64c F2: node 1's commit of step3 failed (ENOSPC) after the agreement, node 0's committed (a manifest
     on any node proves the copy complete, a resume loads it): the save failed naming only the OSError, and

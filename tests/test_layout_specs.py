@@ -343,3 +343,32 @@ def test_factored_state_without_the_split_extent_is_a_replica_whatever_the_spell
         "model.w1": frozenset({"tp"}), "optim.state.w1.col_var": frozenset({"tp"}),
         "optim.state.w1.row_var": frozenset(), "optim.state.w1.step": frozenset(),
     }  # fmt: skip
+
+
+def test_held_by_some_keys_are_saved_once_and_their_holders_must_agree():
+    """Keys only some ranks hold (experts under their global ids, on their DP ranks): one copy saved; the
+    holders' dtypes and shapes must agree (named with the ranks); outside the globs, refused as before with
+    the planner's ways out named."""
+    layout, w = ParallelLayout(dp=3), torch.arange(6.0).view(2, 3)
+
+    def save(second: torch.Tensor, held: list[str]) -> MemoryStore:
+        states = [{"model": {"experts.0.w": w, "router": w}}, {"model": {"experts.0.w": second, "router": w}}]
+        states.append({"model": {"experts.1.w": w + 1, "router": w}})
+        store = MemoryStore()
+        planners = [ParallelSavePlanner(layout, rank=r, held_by_some=held) for r in range(3)]
+        sim_save(states, planners, [MemoryWriter(store)] * 3)
+        return store
+
+    store = save(w.clone(), ["model.experts.*"])
+    assert sorted(i.fqn for i in store.chunks) == ["model.experts.0.w", "model.experts.1.w", "model.router"]
+    assert torch.equal(store.chunks[next(i for i in store.chunks if i.fqn == "model.experts.1.w")], w + 1)
+    with pytest.raises(SpecError, match=r"model\.experts\.0\.w: rank 0 saves .*float32 but rank 1 .*float64"):
+        save(w.double(), ["model.experts.*"])
+    with pytest.raises(
+        SpecError, match=r"model\.experts\.0\.w: rank 0 saves global shape \(2, 3\) .* rank 1 .*\(3, 2\)"
+    ):
+        save(w.t().contiguous(), ["model.experts.*"])
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 differ on 'model\.experts\.0\.w'"):
+        save(w + 5, ["model.experts.*"])
+    with pytest.raises(ReplicaMismatch, match=r"in rank_local=, and keys only some ranks hold held_by_some="):
+        save(w.clone(), ["model.experts.0.*"])

@@ -372,3 +372,12 @@ def test_held_by_some_keys_are_saved_once_and_their_holders_must_agree():
         save(w + 5, ["model.experts.*"])
     with pytest.raises(ReplicaMismatch, match=r"in rank_local=, and keys only some ranks hold held_by_some="):
         save(w.clone(), ["model.experts.0.*"])
+    # a reused global plan (every rank's structure unchanged) still compares this save's values (the
+    # second save sends cached plans)
+    planners = [ParallelSavePlanner(layout, rank=r, held_by_some=["model.experts.*"]) for r in range(3)]
+    copy = w.clone()
+    states = [{"model": {"experts.0.w": w}}, {"model": {"experts.0.w": copy}}, {"model": {"experts.1.w": w}}]
+    sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)
+    copy.add_(1.0)
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 differ on 'model\.experts\.0\.w'"):
+        sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)

@@ -315,6 +315,7 @@ class CommonRequest:
     name_map: NameMap | None
     storage_options: Mapping[str, Any] | None
     process_group: Any
+    held_by_some: tuple[str, ...]
 
     def planner_args(self) -> dict[str, Any]:
         return {
@@ -323,6 +324,7 @@ class CommonRequest:
             "name_map": wrap_name_map(self.name_map),
             "process_group": self.process_group,
             "rank_local": RESERVED.rank_local,
+            "held_by_some": self.held_by_some,
         }
 
     def fields(self) -> dict[str, Any]:

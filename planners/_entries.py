@@ -102,7 +102,7 @@ class Entry:
     global_shape: torch.Size | None = None
     sharded_axes: frozenset[str] = frozenset()  #: layout axes the tensor is split over
     specs: tuple[ShardSpec, ...] = ()
-    rank_local: bool = False  #: held by this rank alone; never treated as a replica
+    rank_local: bool = False  #: ``rank_local`` (this rank's alone) or ``held_by_some``: never a stage's replica
     dtensor: DTensor | None = None
     #: the global shape before a ShardSpec ``view`` (fused QKV ``[3h, d]`` for a stored ``[3, h, d]``),
     #: when the view only splits dimensions of the original; ``None`` without a view
@@ -283,7 +283,7 @@ class _EntryMaker:
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:
             specs, inherited_from = matched
-            if inherited_from is not None and not self._inherits(shape, inherited_from):
+            if inherited_from is not None and not self._inherits(shape, inherited_from, specs):
                 matched = None
         # Entries are built with positional arguments, in field order (faster than keywords)
         if matched is None:
@@ -306,16 +306,22 @@ class _EntryMaker:
             local_key, key, path, "tensor", viewed, chunk, geometry.global_shape, axes, specs, False, None, original
         )
 
-    def _inherits(self, shape: torch.Size, param_key: str) -> bool:
-        """Optimizer state (of local ``shape``) inherits its parameter's spec only with the parameter's
-        local shape when the parameter is a plain tensor of this state dict; otherwise any tensor of
-        rank >= 1 does (scalars such as Adam's ``step`` stay replicated)."""
+    def _inherits(self, shape: torch.Size, param_key: str, specs: tuple[ShardSpec, ...]) -> bool:
+        """Optimizer state of rank >= 1 (local ``shape``) inherits its parameter's ``specs`` when it has the
+        parameter's ndim and local extent along every split dimension (Adafactor's ``row_var [E, h, 1]`` of a
+        ``[E, h, f]`` parameter split on dim 0; with a ``view``, only the parameter's local shape), whichever
+        spelling the rule matched (``w``, ``model.w``); or when the parameter is no plain tensor here."""
         if not shape:  # a scalar
             return False
         param = self.by_global.get(param_key)
-        if not isinstance(param, torch.Tensor) or isinstance(param, DTensor):
+        for prefix in self.prefixes if param is None else ():  # a rule matching the model's own name
+            param = self.by_global.get(f"{prefix}.{param_key}", param)
+        if not isinstance(param, torch.Tensor) or isinstance(param, DTensor) or param.shape == shape:
             return True
-        return param.shape == shape
+        n = len(shape)
+        if n != param.ndim or any(s.view is not None or not -n <= s.dim < n for s in specs):
+            return False
+        return all(shape[s.dim] == param.shape[s.dim] for s in specs)
 
     def _origin(self, ndim: int) -> torch.Size:
         origin = self._origins.get(ndim)
@@ -364,6 +370,7 @@ class LayoutScope:
     name_map: NameMap | None
     process_group: Any
     rank: int
+    held_keys: list[str]  #: this rank's keys ``held_by_some`` matches (as spec rules: optimizer state follows)
     dtensor_layout = staticmethod(dtensor_layout)  # the save planner sends its rank's in its plan
 
     def _set_scope(
@@ -374,6 +381,7 @@ class LayoutScope:
         name_map: NameMap | None,
         process_group: Any,
         rank_local: Iterable[str],
+        held_by_some: Iterable[str],
     ) -> None:
         if not isinstance(layout, ParallelLayout):
             raise SpecError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
@@ -383,10 +391,12 @@ class LayoutScope:
         self._rank_arg = rank
         self.name_map = name_map
         self.process_group = process_group
-        if isinstance(rank_local, (str, bytes)):  # tuple("rng*") would be the globs 'r', 'n', 'g', '*'
-            raise TypeError(f"rank_local must be a list of globs, not a single string: [{rank_local!r}]?")
-        self._rank_local_globs = tuple(rank_local)
+        for name, globs in (("rank_local", rank_local), ("held_by_some", held_by_some)):
+            if isinstance(globs, (str, bytes)):  # tuple("rng*") would be the globs 'r', 'n', 'g', '*'
+                raise TypeError(f"{name} must be a list of globs, not a single string: [{globs!r}]?")
+        self._rank_local_globs, self._held_globs = tuple(rank_local), tuple(held_by_some)
         self._rank_local = compile_globs(self._rank_local_globs)
+        self._held = SpecRules.of(dict.fromkeys(self._held_globs, ShardSpec(0)), also_under=self.rules.also_under)
 
     def _resolve(self, state_dict: Mapping[str, Any]) -> tuple[dict[str, Entry], dict[str, tuple[Any, ...]]]:
         """(all ranks, in set_up_planner) Set this rank -- explicit, else the process group's, else 0 -- and
@@ -416,13 +426,12 @@ class LayoutScope:
             by_global = {global_keys[k]: v for k, v in flat.items()}
         self.layers_missing = mapper.layers_missing()  # what the checkpoint holds decides (load)
         # top-level names under which parameters sit (``model``), for optimizer-state spec inheritance
-        prefixes = {
-            str(path[0]): None
-            for key, path in local_paths.items()
-            if len(path) > 1 and not key.startswith(OPTIMIZER_STATE_PREFIXES)
+        tops = {
+            str(p[0]): 0 for k, p in local_paths.items() if len(p) > 1 and not k.startswith(OPTIMIZER_STATE_PREFIXES)
         }
-        entry = _EntryMaker(self.rules, tuple(prefixes), by_global, coords, layout).entry
-        rank_local = self._rank_local
+        prefixes = tuple(tops)
+        entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout).entry
+        rank_local, held, self.held_keys = self._rank_local, self._held, []
         for local_key, value in flat.items():
             key = local_key
             path = local_paths[local_key]
@@ -437,6 +446,9 @@ class LayoutScope:
             else:
                 mappings[key] = path
             is_local = rank_local is not None and rank_local.fullmatch(key) is not None
+            if held and not is_local and held.match(key, prefixes) is not None:
+                is_local = True  # planned by each holder (not in the stage's digest), compared by the save planner
+                self.held_keys.append(key)
             entries[key] = entry(local_key, key, path, value, is_local)
         return entries, mappings
 

@@ -54,7 +54,9 @@ from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
 __all__ += ["checked_codes", "detail_codes", "rank_values", "SPLIT_CODES", "stage_values"]
-__all__ += ["assign_owners", "replica_range"]
+__all__ += ["assign_owners", "replica_range", "KEYS_WAY"]
+#: the key refusal's way out for a planner's caller (the API names its own: ``Sharding(held_by_some=)``)
+KEYS_WAY = "give per-rank values rank-unique keys listed in rank_local=, and keys only some ranks hold held_by_some="
 
 #: how a key's piece is placed, by split code: by nothing (replicated over the stage), by tp, by dp
 _AXES: tuple[frozenset[str], ...] = (frozenset(), frozenset({"tp"}), frozenset({"dp"}))
@@ -435,7 +437,8 @@ def check_replica_digests(layout: ParallelLayout, plans: list[SavePlan]) -> None
         raise ReplicaMismatch(
             "ranks of one pipeline stage disagree on their replicated/sharded tensors (keys, dtypes, "
             f"global shapes or tied parameters): {'; '.join(problems)}. Each rank must hold the same keys "
-            "and tie parameters alike; give per-rank values rank-unique keys and list them in rank_local=. "
+            f"and tie parameters alike; {KEYS_WAY} (copies of each other, as experts under their global ids; "
+            "MoE experts stacked into one tensor need neither: ShardSpec(0, axis='dp', sizes=...) on the stack). "
             "A split into uneven pieces needs ShardSpec(sizes=) (without it each rank takes its piece's "
             "extent times the degree as the global one), and a rank holding no piece of a split tensor (a "
             "ZeRO rank owning none of a parameter) must still hold its keys: an empty piece (0 in sizes=) "

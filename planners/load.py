@@ -95,7 +95,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
     """Load planner for plain TP/PP shards, DTensors and objects, from any saved layout.
 
     Args:
-        layout, specs, rank, name_map, process_group, rank_local: as for
+        layout, specs, rank, name_map, process_group, rank_local, held_by_some: as for
             :class:`~smpckpt.planners.ParallelSavePlanner`, describing the layout *loading*.
         allow_partial_load: skip keys missing from the checkpoint and ignore checkpoint keys nobody
             asked for, instead of raising. Skipped keys keep their values and are listed in ``report``.
@@ -129,13 +129,14 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
         name_map: NameMap | None = None,
         process_group: Any = None,
         rank_local: Sequence[str] = (),
+        held_by_some: Sequence[str] = (),
         allow_partial_load: bool = False,
         allow_dtype_cast: bool = False,
         allow_pickle: bool = False,
         optional: Sequence[str] = (),
         keep_tied: Sequence[str] = (),
     ) -> None:
-        self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
+        self._set_scope(layout, specs, rank, name_map, process_group, rank_local, held_by_some)
         self.allow_partial_load = allow_partial_load
         self.allow_dtype_cast = allow_dtype_cast
         self.allow_pickle = allow_pickle

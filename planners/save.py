@@ -58,6 +58,7 @@ from smpckpt.planners._entries import (
 )
 from smpckpt.planners._replica_values import (
     SPLIT_CODES,
+    _differing_pieces,
     assign_owners,
     check_duplicate_writers,
     check_replica_digests,
@@ -98,7 +99,7 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
             if (seen[1], seen[2]) != (td.size, td.properties.dtype):
                 raise SpecError(
                     f"{fqn}: rank {seen[0]} saves global shape {tuple(seen[1])} {seen[2]} but rank {i} saves "
-                    f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes disagree"
+                    f"{tuple(td.size)} {td.properties.dtype}; their specs or sizes (or held_by_some copies) disagree"
                 )
             prior = chunk_owner.setdefault(item.index, (i, td.chunk.sizes))
             if prior[0] != i:
@@ -237,6 +238,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         process_group: the group ``dcp.save`` runs on (for the default ``rank``).
         rank_local: globs of keys each rank holds for itself (RNG states, per-rank counters). Such keys
             must be rank-unique; they are written by their holder and never deduplicated.
+        held_by_some: globs (as spec rules match: a parameter's optimizer state follows it) of keys only some
+            ranks of a stage hold, as copies of each other (experts under their global ids, each on its DP
+            ranks): their holders must agree on dtype, shape and values (compared by sample); one writes.
         replica_owner: ``"balanced"`` spreads replicated tensors over their replicas by bytes;
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
@@ -271,6 +275,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         name_map: NameMap | None = None,
         process_group: Any = None,
         rank_local: Sequence[str] = (),
+        held_by_some: Sequence[str] = (),
         replica_owner: str = "balanced",
         enable_plan_caching: bool = True,
         cache_scope: Literal["global", "local"] = "global",
@@ -278,7 +283,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         verify_replicas: bool = True,
     ) -> None:
         super().__init__()
-        self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
+        self._set_scope(layout, specs, rank, name_map, process_group, rank_local, held_by_some)
         if replica_owner not in ("balanced", "lowest"):
             raise SpecError(f"replica_owner must be 'balanced' or 'lowest', got {replica_owner!r}")
         if cache_scope not in ("global", "local"):
@@ -388,7 +393,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         (``planner_data`` fields; ``None``: nothing to compare); ``shared``: every plain tensor other
         ranks agree on (for the pieces other stages may hold, ``stage_values``)."""
         if not self.verify_replicas:
-            return [], b"", {"values": None, "dtensor_values": None, "stage_values": None}
+            return [], b"", {"values": None, "dtensor_values": None, "stage_values": None, "held_values": None}
         wanted = checked_codes(self.layout)
         checked: list[Entry] = []
         code_list: list[int] = []
@@ -402,9 +407,13 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
             dvalues = self._dtensor_values()
             svalues = stage_values(self.layout, self.rank, self.name_map, shared, self.tied)
+            held = [self.entries[k] for k in self.held_keys]  # by piece, as DTensors: the holders are any ranks
+            pieces = [(e.key, c.offsets, c.sizes, e.value) for e in held if e.kind == "tensor" and (c := e.chunk)]
+            hvalues = dtensor_values(pieces) if pieces else None
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise undigestable([(e.key, e.value) for e in self.entries.values() if e.kind != "object"], exc) from exc
-        return checked, codes, {"values": values, "dtensor_values": dvalues, "stage_values": svalues}
+        fresh = {"values": values, "dtensor_values": dvalues, "stage_values": svalues, "held_values": hvalues}
+        return checked, codes, fresh
 
     def _dtensor_values(self) -> bytes | None:
         """The value digests of the DTensor pieces this rank holds that other ranks may hold too (checked
@@ -437,6 +446,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         reused = self._cache.reuse_global(all_plans)
         if reused is not None:
             check_replica_values(all_plans, self._cache.all_plans or [], self.layout)
+            _check_held(all_plans, self._cache.all_plans or [])
             plans, empty, metadata = reused
             self.report = dataclasses.replace(self.report, cached=True) if self.report else None
             self.global_plan, self.metadata = plans, metadata
@@ -447,7 +457,9 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         check_replica_digests(self.layout, full)
         check_replica_values(all_plans, full, self.layout)  # this save's values; cached plans' key lists
         tied = gather_ties(full)
-        plans, metadata, per_rank = global_save_plan(dedup_plans(full, self._rank_local))
+        deduped = dedup_plans(full, self._rank_local)  # refuses held_by_some keys of another dtype or shape
+        _check_held(all_plans, full)
+        plans, metadata, per_rank = global_save_plan(deduped)
         mappings: dict[str, Any] = {}
         original: dict[str, tuple[int, ...]] = {}
         for plan in full:
@@ -511,12 +523,13 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         name_map: NameMap | None = None,
         process_group: Any = None,
         rank_local: Sequence[str] = (),
+        held_by_some: Sequence[str] = (),
     ) -> None:
         """(all ranks, between saves) Plan the next saves for this scope (the constructor's arguments).
         The local plan cache stays -- its signature holds the layout, rank and every key's geometry, so a
         plan is reused only where it is still exact -- while a "global" cache is dropped: it also
         depends on who the coordinator is."""
-        self._set_scope(layout, specs, rank, name_map, process_group, rank_local)
+        self._set_scope(layout, specs, rank, name_map, process_group, rank_local, held_by_some)
         if self.cache_scope == "global":
             self._cache.drop()
 
@@ -542,6 +555,17 @@ def _replicated(entry: Entry, world: int) -> bool:
     if dt is None:
         return False
     return any(isinstance(p, Replicate) for p in dt.placements) or dt.device_mesh.size() < world
+
+
+def _check_held(fresh: list[SavePlan], structure: list[SavePlan]) -> None:
+    """(coordinator) The ranks holding a ``held_by_some`` key (``held_values``) hold copies of it."""
+    found = _differing_pieces(fresh, structure, "held_values", "", "a piece (id {:#018x}) of a held_by_some key")
+    if found:
+        shown = "; ".join(f"ranks {a} and {b} differ on {what}" if what else f"(and {a} more)" for what, a, b in found)
+        raise ReplicaMismatch(
+            f"ranks holding a held_by_some key hold different values of it, and only one copy would be saved: "
+            f"{shown}. Its holders (DP ranks of one expert) must hold copies (checked on a sample of each tensor)"
+        )
 
 
 def _carries_no_data(entry: Entry) -> bool:

@@ -25,7 +25,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from types import MappingProxyType
+from types import FrameType, MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -316,6 +316,7 @@ class CommonRequest:
     name_map: NameMap | None
     storage_options: Mapping[str, Any] | None
     process_group: Any
+    held_by_some: tuple[str, ...]
 
     def planner_args(self) -> dict[str, Any]:
         return {
@@ -324,6 +325,7 @@ class CommonRequest:
             "name_map": wrap_name_map(self.name_map),
             "process_group": self.process_group,
             "rank_local": RESERVED.rank_local,
+            "held_by_some": self.held_by_some,
         }
 
     def fields(self) -> dict[str, Any]:
@@ -348,7 +350,7 @@ def _fsdp_pass_running(model: nn.Module) -> str:
         return ""
     if torch._C._current_autograd_node() is not None:
         return busy[0]
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:  # a forward (or its hook) of an FSDP2 module on this thread's stack
         if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and hasattr(
             frame.f_locals.get("self"), "_get_fsdp_state"

@@ -66,7 +66,7 @@ from smpckpt.catalog.root import (
 from smpckpt.errors import CheckpointError, LayoutMismatch, ReplicaMismatch
 from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
-from smpckpt.planners._replica_values import replica_differences
+from smpckpt.planners._replica_values import KEYS_WAY, replica_differences
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, probe_checkpoint
 from smpckpt.storage.write._base import FsspecWriterBase
 from smpckpt.storage.write.writer import Workers
@@ -194,7 +194,8 @@ def run_save(
             digests = ctx.all_gather_object(hashlib.sha256(repr(sorted(rows.items())).encode()).hexdigest())
             first = {d: ctx.broadcast_object(rows, src=r) for r, d in enumerate(digests) if digests.index(d) == r}
             named = replica_differences(common.layout, [first[d] for d in digests])
-            err = ReplicaMismatch(f"{err} {named}" if named else str(err))
+            way = "pass Sharding(held_by_some=[globs]) for keys only some ranks hold"  # what the API takes
+            err = ReplicaMismatch((f"{err} {named}" if named else str(err)).replace(KEYS_WAY, way))
         raise err from exc
 
 

@@ -314,6 +314,7 @@ class Checkpointer:
                 name_map=self.sharding.name_map,
                 storage_options=self.location.storage_options,
                 process_group=self.sharding.process_group,
+                held_by_some=self.sharding.held_by_some,
             )
             more = also(common) if also is not None else {}
             return (common, opts), {"tag": tag, **self._compared, **opts.compared(), **more}

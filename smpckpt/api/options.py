@@ -113,6 +113,11 @@ class Sharding(_Options):
     process_group: Any = _opt(None, same=False)
     """The group that saves and loads (``None``: the default group; without one, a world of one)."""
 
+    held_by_some: tuple[str, ...] = _opt((), same=tuple)
+    """Globs (matched as ``specs`` are; a parameter's optimizer state follows it) of keys only some ranks hold,
+    as copies of each other: experts under their global ids (``experts.*``), each on its expert's DP ranks.
+    Their holders must agree on dtype, shape and values (else refused by key and ranks); one writes each."""
+
     rules: SpecRules = dataclasses.field(
         init=False, repr=False, compare=False, metadata={"same": lambda rules: rules.to_records()}
     )
@@ -125,6 +130,9 @@ class Sharding(_Options):
         if self.name_map is not None and not callable(self.name_map):
             raise TypeError(f"name_map must be callable (str -> str), got {type(self.name_map).__name__}")
         check_process_group(self.process_group)
+        if isinstance(self.held_by_some, (str, bytes)):  # tuple("experts.*") would be one glob a character
+            raise TypeError(f"held_by_some must be a list of globs, not a single string: [{self.held_by_some!r}]?")
+        object.__setattr__(self, "held_by_some", tuple(self.held_by_some))
         object.__setattr__(self, "rules", spec_rules(self.specs))
         if isinstance(self.specs, Mapping):
             # a copy: the rules were derived once, so a later change to the caller's dict must not show in

@@ -49,14 +49,14 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, UnsafeCheckpoint
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, NodeFull, SpecError, UnsafeCheckpoint
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, PreparedCommit
-from smpckpt.storage.tier.reader import NodeFull, disk_full
+from smpckpt.storage.tier.reader import disk_full
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import tp_model
 from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
 
-from smpckpt import FastTier, Sharding, resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt import CheckpointExists, FastTier, Sharding, resume_from_checkpoint, save_checkpoint, wait_for_saves
 
 MANIFEST = "smpckpt.manifest.json"
 
@@ -897,7 +897,8 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
 
 def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
     """durable_every=3, one Checkpointer: step1-2 saved; node 1's commit of step3 fails (ENOSPC) after every
-    node agreed it holds its share, node 0's commits; then step4 (hunt64c F2)."""
+    node agreed it holds its share, node 0's commits; then step4 (hunt64c F2); step5's commit finds another
+    save's manifest on every node (rev64b R4)."""
     import errno
 
     import smpckpt.api._fast_save as fast_save
@@ -911,11 +912,15 @@ def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
             raise OSError(errno.ENOSPC, "No space left on device", folder)
         return real(folder, *args, **kw)
 
+    def exists(folder: str, *args: Any, **kw: Any) -> Any:  # step5: a racing save's manifest on every node
+        raise CheckpointExists(f"{folder} holds another committed checkpoint of this tag")
+
     ctx, model, opt = tp_model.build(LAYOUT)
     out: dict[str, Any] = {}
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         tp_model.train_step(ctx, model, opt, step)
-        fast_save.commit_node_copy = full if rank == 2 and step == 3 else real  # type: ignore[assignment]
+        inject = full if rank == 2 and step == 3 else exists if step == 5 else real
+        fast_save.commit_node_copy = inject  # type: ignore[assignment]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out[f"save{step}"] = _attempt(lambda s=step: _save(durable, local, s, model, opt, durable_every=3))

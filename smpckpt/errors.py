@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # the base; a stored checkpoint's state; what the caller passed does not fit
 __all__ = ["CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointExists", "UnsafeCheckpoint"]
-__all__ += ["LayoutMismatch", "SpecError", "ReplicaMismatch"]
+__all__ += ["LayoutMismatch", "SpecError", "ReplicaMismatch", "NodeFull"]
 
 
 class CheckpointError(Exception):
@@ -38,6 +38,12 @@ class SpecError(CheckpointError, ValueError):
 
 class ReplicaMismatch(CheckpointError):
     """Ranks that should hold identical replicas disagree (often: a tensor-parallel shard without a spec)."""
+
+
+class NodeFull(CheckpointError):
+    """A node could not store a fast-tier part or metadata it fetched (its disk full, over quota or past a
+    file-size limit): the copy is intact on its peers, so a resume raises this on every rank rather than load
+    an older save in its place (path's drained copy of the same save loads instead)."""
 
 
 class UnsafeCheckpoint(CheckpointError):

@@ -21,10 +21,11 @@ import hashlib
 import io
 import pickle
 import random
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from types import MappingProxyType
+from types import FrameType, MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -332,6 +333,33 @@ class CommonRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
 
 
+def _fsdp_pass_running(model: nn.Module) -> str:
+    """The FSDP2 module (its name, "the model" for the root) whose forward or backward calls us now (a save
+    from a hook: reading the state, or the reshard() below, frees the unsharded parameters the pass still
+    uses, rev63i F3), or "". FSDP2's training state alone is no proof: an exception escaping a pass leaves it
+    FORWARD or PRE_BACKWARD for good (rev64a F2: an emergency save after it must go on), so a pass counts
+    only with a module's call on this stack or a backward running. Private state, read leniently."""
+    busy = []
+    for name, module in model.named_modules():
+        try:
+            if hasattr(module, "_get_fsdp_state") and module._get_fsdp_state()._training_state.name != "IDLE":
+                busy.append(name or "the model")
+        except Exception:  # noqa: BLE001 - a module fully_shard left without state, another torch's fields
+            continue
+    if not busy:
+        return ""
+    if torch._C._current_autograd_node() is not None:
+        return busy[0]
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:  # a forward (or its hook) of an FSDP2 module on this thread's stack
+        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and hasattr(
+            frame.f_locals.get("self"), "_get_fsdp_state"
+        ):
+            return busy[0]
+        frame = frame.f_back
+    return ""
+
+
 def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[torch.optim.Optimizer, ...]]:
     """(each call, every rank) The model and its optimizers (one, a sequence of them, or None), checked."""
     opts = tuple(optimizer) if isinstance(optimizer, Iterable) else () if optimizer is None else (optimizer,)
@@ -343,16 +371,11 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
-    for name, module in model.named_modules() if model is not None else ():
-        # FSDP2 (torch >= 2.4; private, so read leniently): mid-forward (a hook) or mid-backward, reading the
-        # state (and the reshard() below) frees the unsharded parameters the pass still uses (rev63i F3)
-        state = getattr(module, "_get_fsdp_state", None)
-        busy = getattr(getattr(state() if state is not None else None, "_training_state", None), "name", "IDLE")
-        if busy != "IDLE":
-            raise RuntimeError(
-                f"{name or 'the model'} is inside an FSDP2 forward or backward (FSDP state {busy}): save or load "
-                "a checkpoint outside the forward and backward (e.g. after optimizer.step()), not from a hook"
-            )
+    if model is not None and (busy := _fsdp_pass_running(model)):
+        raise RuntimeError(
+            f"{busy} is inside an FSDP2 forward or backward: save or load a checkpoint outside the forward and "
+            "backward (e.g. after optimizer.step()), not from a hook"
+        )
     # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the model does
     # not own (an optimizer built over another model, or a parameter replaced after it)
     owned = {id(p) for p in model.parameters()} if model is not None and opts else set()

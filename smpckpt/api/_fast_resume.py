@@ -49,14 +49,14 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, UnsafeCheckpoint
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, NodeFull, SpecError, UnsafeCheckpoint
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs, read_bytes_or_none
 from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.storage.tier import PeerFetchingReader, PreparedCommit
-from smpckpt.storage.tier.reader import NodeFull, disk_full
+from smpckpt.storage.tier.reader import disk_full
 from smpckpt.storage.tools import check_blocks
 
 if TYPE_CHECKING:
@@ -215,6 +215,7 @@ def _same_history(
 
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
     """(all ranks) Load the newest candidate that loads; ``None``: neither tier holds one."""
+    durable = choice.durable
     for i, cand in enumerate(choice.fast):
         manifest: Manifest | None = None
         for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
@@ -244,10 +245,17 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                 mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint, NodeFull)) or not isinstance(
                     exc, CheckpointError
                 )
-                if any(DistContext(choice.group).all_ok_values(functools.partial(bool, mine))):
-                    raise
+                full = type(exc) is NodeFull
+                votes = DistContext(choice.group).all_ok_values(functools.partial(tuple, (mine, full)))
+                if any(m for m, _ in votes):
+                    # a full disk is this node's, not the save's: path's drained copy of this very save loads
+                    # (agreed: every rank votes alike on it)
+                    if not all(full for m, full in votes if m) or durable is None or cand.order != durable.order:
+                        raise
+                    said = f"{first}; loading path's drained copy of {cand.tag!r} instead ({durable.url})"
+                    ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
+                    return _load_durable(req, ctx, durable, part)
                 continue
-            durable = choice.durable
             if durable is not None and durable.said and cand.order == durable.order:  # path's choice, drained
                 ctx.all_ok(functools.partial(_warn_on, ctx, durable.said, 7))
                 loaded = dataclasses.replace(loaded, target=dataclasses.replace(loaded.target, fell_back=True))
@@ -265,9 +273,11 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
         ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
         if nxt is None and choice.durable is None:
             raise first
-    if choice.durable is None:
-        return None
-    target = choice.durable
+    return None if choice.durable is None else _load_durable(req, ctx, choice.durable, part)
+
+
+def _load_durable(req: ResumeRequest, ctx: DistContext, target: Target, part: FastTierPart) -> Loaded:
+    """(all ranks) Load path's checkpoint ``target``; the job goes on from it."""
     if target.said:  # resolve_target's fallback warning, only when what it chose loads (agreed, as above)
         ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 7))
     rng, state = resume_state(req, target, ctx, depth=2)

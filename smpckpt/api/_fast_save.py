@@ -405,20 +405,26 @@ def _commit_nodes(
     """(all ranks) Each leader commits its node's copy. One failing fails the save on every rank, naming its
     node, but a copy committed on another node is the checkpoint (a resume loads it and heals the rest): the
     job goes on from it, and a drain due for it is retried, not judged another history's (hunt64c F2)."""
-    said = ""
+    said = ("", False)
     if tier.nodes.is_leader:
         try:
             commit_node_copy(tier.folder, prepared, expected, sync=sync)
         except Exception as exc:  # noqa: BLE001 - agreed below, every node's failure named
-            said = f"node {tier.nodes.node_of(tier.nodes.rank)}: {type(exc).__name__}: {exc}"
-    failed = [f for f in gctx.all_gather_object(said) if f]
+            node = tier.nodes.node_of(tier.nodes.rank)
+            said = (f"node {node}: {type(exc).__name__}: {exc}", isinstance(exc, CheckpointExists))
+    failed = [f for f in gctx.all_gather_object(said) if f[0]]
     if failed:
         some = len(failed) < tier.nodes.count
         if some:
             tier.memory.continues = hash_bytes(prepared.manifest)
-        raise CheckpointError(
-            f"committing checkpoint {tag!r} to the fast tier failed on {'; '.join(failed[:4])}"
-            + ("; it is committed on the other node(s): a resume loads it" if some else "")
+        # a racing save's manifest on every failing node stays CheckpointExists (the documented error, rev64b R4)
+        raise (CheckpointExists if all(f[1] for f in failed) else CheckpointError)(
+            f"committing checkpoint {tag!r} to the fast tier failed on {'; '.join(f[0] for f in failed[:4])}"
+            + (
+                "; it is committed on the other node(s): a resume loads it, healing the failed node(s) (which needs room there)"
+                if some
+                else ""
+            )
         )
 
 

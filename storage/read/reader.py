@@ -229,10 +229,10 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
             return None
         if now is not None and now.save_id == self.manifest.save_id:
             return None
-        # no manifest but files of the generation read (top names: data files may sit in prefix folders), with
-        # no removal's mark (set before the manifest goes, dropped after the last file) nor a full save's:
-        # deleted by hand, damaged (rev63d R6)
-        read = {n.split("/")[0] for n in (*(f.name for f in self.manifest.files), self.manifest.metadata.name)}
+        # no manifest but top-level files of the generation read (their names hold its save id; prefix folders
+        # such as S3's `0/` are every generation's, rev64a F1), with no removal's mark (set before the manifest
+        # goes, dropped after the last file) nor a full save's: deleted by hand, damaged (rev63d R6)
+        read = {n for n in (*(f.name for f in self.manifest.files), self.manifest.metadata.name) if "/" not in n}
         if names & read and not names & {_names.REMOVING_NAME, _names.WRITING_MARKER}:
             return None
         what = (

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from smpckpt.errors import CheckpointError
+from smpckpt.errors import CheckpointError, NodeFull
 from smpckpt.storage.backends._folder import Folder
 from smpckpt.storage.backends._fs import open_fs
 from smpckpt.storage.format.manifest import check_member_name
@@ -41,17 +41,12 @@ from smpckpt.storage.read.reader import FsspecStorageReader
 __all__ = ["PeerFetchingReader", "Transfer", "TransferOutcome", "run_transfers", "fetch_transfers", "Incoming"]
 __all__ += ["CHUNK_BYTES", "STREAMS", "NodeFull", "disk_full"]
 
-#: said of a part a node could not store because its disk is full (or over quota): no damaged copy
-FULL = "this node's disk is full"
-
-
-class NodeFull(CheckpointError):
-    """A node could not store what it fetched (its disk full): the copy is intact on its peers, so the API
-    raises this on every rank instead of loading an older save in its place (hunt64c)."""
+#: said of a part a node could not store: no damaged copy (rev64b R3: a file-size limit too)
+FULL = "this node's disk is full, over quota or past a file-size limit"
 
 
 def disk_full(exc: BaseException) -> bool:
-    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class PeerFetchingReader(FsspecStorageReader):
@@ -253,8 +248,11 @@ def _buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _failed(path: str, exc: Exception) -> str:
-    """``path: why``, the path once: an OSError's text ends with its path again (fix63c)."""
-    return f"{path}: {f'[Errno {exc.errno}] {exc.strerror}' if isinstance(exc, OSError) and exc.filename else exc}"
+    """``path: why``, the path once: an OSError's text ends with its path again (fix63c); kept whole when it
+    names another (a temp file, a link's source: rev64a F3)."""
+    if isinstance(exc, OSError) and exc.filename == path and exc.filename2 is None:
+        return f"{path}: [Errno {exc.errno}] {exc.strerror}"
+    return f"{path}: {exc}"
 
 
 def _send(t: Transfer, folder: str, group: Any) -> str:

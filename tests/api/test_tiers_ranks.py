@@ -560,9 +560,27 @@ def test_a_node_whose_disk_is_full_fails_the_resume_by_name_instead_of_loading_a
             assert said.startswith("NodeFull: loading checkpoint ") and victim in said, (rank, said)
             assert "disk is full" in said and "intact" in said, (rank, said)
         else:
-            assert "NodeFull: writing its metadata to node 1's copy of checkpoint 'step2'" in said, (rank, said)
+            assert said.startswith("NodeFull: "), (rank, said)  # every rank (rev64b R2: CheckpointError but one)
+            assert "writing its metadata to node 1's copy of checkpoint 'step2'" in said, (rank, said)
             assert "step2_partial/.metadata." in said, (rank, said)
         assert (got.get("tag"), got.get("uc"), got.get("exact")) == ("step2", {"step": 2}, True), (rank, got)
+
+
+@pytest.mark.dist
+def test_a_node_whose_disk_is_full_loads_paths_drained_copy_of_the_same_save(faults: list[dict[str, Any]]) -> None:
+    """rev64b: as above, but path holds step2 drained: its copy of the same save loads (bit-exact), with a
+    warning naming the full disk, rather than failing the resume."""
+    for rank, r in enumerate(faults):
+        got = r["full_path"]
+        assert (got.get("tag"), got.get("tier"), got.get("uc"), got.get("exact")) == (
+            "step2",
+            "durable",
+            {"step": 2},
+            True,
+        ), (rank, got)
+        said = [w for w in got["warnings"] if "disk is full" in w]  # warned on rank 0
+        assert len(said) == (rank == 0), (rank, got["warnings"])
+        assert rank or ("/node1/" in said[0] and "loading path's drained copy of 'step2' instead" in said[0]), said
 
 
 @pytest.mark.dist
@@ -577,4 +595,5 @@ def test_a_save_committed_on_some_nodes_only_is_the_jobs_own_and_drained(tmp_pat
         assert "step3_partial" in got["durable"] and "newest" in got["durable"], (rank, got["durable"])
         assert got["save3"].startswith("CheckpointError: committing checkpoint 'step3'"), (rank, got["save3"])
         assert "on node 1: OSError" in got["save3"] and "committed on the other node(s)" in got["save3"], rank
+        assert got["save5"].startswith("CheckpointExists: committing checkpoint 'step5'"), (rank, got["save5"])
     assert any("drains it to" in w and "'step3'" in w for w in results[0]["said4"]), results[0]["said4"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import tp_model
 from tier_workers import LAYOUT, _clone, _info, _same, _save, job_dir, node_dir, partials
 
-from smpckpt import FastTier, Sharding, resume_from_checkpoint, save_checkpoint, wait_for_saves
+from smpckpt import CheckpointExists, FastTier, Sharding, resume_from_checkpoint, save_checkpoint, wait_for_saves
 
 MANIFEST = "smpckpt.manifest.json"
 
@@ -749,7 +749,7 @@ def new_cases(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 # -- rev62a: a copy some node cannot read, or reads wrong, while another node holds it intact ---------------
-FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part", "full", "full_md")
+FETCH_FAULTS = ("eio", "gone", "eio_all", "manifest", "drain", "stuck", "eio_part", "full", "full_md", "full_path")
 
 
 def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, Any]:
@@ -761,7 +761,8 @@ def fetch_faults(rank: int, world: int, base: str, only: str = "") -> dict[str, 
     eio_part: node 2 cannot read (EIO) the first part it sends, sending it again or checking it (rev63c:
     the retry fetched again every part the failed attempt had fetched); full: node 1 lacks its own part
     and its disk is full (ENOSPC writing the part it fetches: hunt64c), then has room again; full_md: the
-    same with node 1's metadata (ENOSPC writing the copy a peer sends)."""
+    same with node 1's metadata (ENOSPC writing the copy a peer sends); full_path: as full, step2 drained to
+    path (its copy of the same save loads instead)."""
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     out: dict[str, Any] = {}
     for case in FETCH_FAULTS:
@@ -781,7 +782,7 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
     from smpckpt.storage.backends._folder import Folder
 
     local, durable = node_dir(os.path.join(base, "fast"), rank, 1), os.path.join(base, "durable")
-    every = 2 if case == "drain" else 100
+    every = 2 if case == "drain" else 1 if case == "full_path" else 100
     _states(base, rank, (1, 2), durable, local, durable_every=every, num_kept_local=None)
     folder = os.path.join(job_dir(local, durable), "step2_partial")
     md = _metadata_name(folder)
@@ -853,7 +854,7 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
         real_publish(self, name, *args, **kw)
 
     real_incoming = reader_module.Incoming
-    if rank == 1 and case == "full":  # node 1 lacks its own part and cannot store it fetched from node 2
+    if rank == 1 and case in ("full", "full_path"):  # node 1 lacks its own part and cannot store it fetched from node 2
         os.unlink(os.path.join(folder, victim))
         reader_module.Incoming = Full  # type: ignore[misc]
     if rank == 1 and case == "full_md":  # node 1 lacks the metadata and cannot store it
@@ -871,13 +872,14 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
             got["wait"] = _attempt(wait_for_saves)
             got["durable"] = sorted(os.listdir(durable))
         else:
-            if case.startswith("full"):  # the disk full: raised, never an older save; then room again: step2
+            if case in ("full", "full_md"):  # the disk full: raised, never an older save; then room again: step2
                 got = {"full": _attempt(lambda: _resume(durable, local, 11)[0])}
                 got["after"] = _info()["tag"] if got["full"].startswith("ok") else None
                 reader_module.Incoming, Folder.publish = real_incoming, real_publish  # type: ignore[misc]
             uc, state, said = _resume(durable, local, 11)
             tag = _info()["tag"]
-            got = {**(got if case.startswith("full") else {}), "tag": tag, "uc": uc, "warnings": said}
+            got = {**(got if case in ("full", "full_md") else {}), "tag": tag, "uc": uc, "warnings": said}
+            got["tier"] = _info()["tier"]
             got["exact"] = _same(state, _want(base, int(tag[4:]), rank))
             got["fetched"] = sorted({name for name, _, _ in _info()["from_peers"]})  # by the load that loaded
     except Exception as exc:  # noqa: BLE001 - the test shows it
@@ -895,7 +897,8 @@ def _fetch_fault(rank: int, base: str, case: str) -> dict[str, Any]:
 
 def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
     """durable_every=3, one Checkpointer: step1-2 saved; node 1's commit of step3 fails (ENOSPC) after every
-    node agreed it holds its share, node 0's commits; then step4 (hunt64c F2)."""
+    node agreed it holds its share, node 0's commits; then step4 (hunt64c F2); step5's commit finds another
+    save's manifest on every node (rev64b R4)."""
     import errno
 
     import smpckpt.api._fast_save as fast_save
@@ -909,11 +912,15 @@ def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
             raise OSError(errno.ENOSPC, "No space left on device", folder)
         return real(folder, *args, **kw)
 
+    def exists(folder: str, *args: Any, **kw: Any) -> Any:  # step5: a racing save's manifest on every node
+        raise CheckpointExists(f"{folder} holds another committed checkpoint of this tag")
+
     ctx, model, opt = tp_model.build(LAYOUT)
     out: dict[str, Any] = {}
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         tp_model.train_step(ctx, model, opt, step)
-        fast_save.commit_node_copy = full if rank == 2 and step == 3 else real  # type: ignore[assignment]
+        inject = full if rank == 2 and step == 3 else exists if step == 5 else real
+        fast_save.commit_node_copy = inject  # type: ignore[assignment]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out[f"save{step}"] = _attempt(lambda s=step: _save(durable, local, s, model, opt, durable_every=3))

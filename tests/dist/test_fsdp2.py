@@ -9,6 +9,7 @@ after a forward, until ``state_dict()``'s pre-hook registers the sharded ones ag
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -101,7 +102,8 @@ def test_fsdp2_four_ranks_resume_on_two_after_eval_forwards(tmp_path: Any) -> No
 
 
 def _save_in_forward_world(rank: int, world: int, root: str) -> dict[str, Any]:
-    """A save from a forward hook of ``hidden`` (the root still in its forward), then one after the forward."""
+    """A save from a forward hook of ``hidden`` (the root still in its forward), then one after a forward and a
+    backward that raised."""
     model, opt = _fsdp_model(world, seed=2)
     model(torch.arange(10).reshape(2, 5)).pow(2).mean().backward()
     opt.step()
@@ -120,9 +122,23 @@ def _save_in_forward_world(rank: int, world: int, root: str) -> dict[str, Any]:
         out["same"] = torch.equal(_eval(model), want)  # before the fix: the forward failed inside torch
     finally:
         handle.remove()
-    ckpt.save("after", model, opt)
+
+    def spike(*args: Any) -> None:
+        raise FloatingPointError("loss spike")
+
+    # an exception escaping a forward, then a backward, leaves FSDP2's state FORWARD / PRE_BACKWARD for good:
+    # no pass runs, so the (emergency) save goes on (rev64a F2: refused, every later save too)
+    def in_backward(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(spike)
+
+    for i, hook in enumerate((in_backward, spike)):
+        hooked = model.hidden.register_forward_hook(hook)
+        with contextlib.suppress(FloatingPointError):
+            model(torch.arange(10).reshape(2, 5)).pow(2).mean().backward()
+        hooked.remove()
+        ckpt.save(f"after{i}", model, opt)
     fresh, fresh_opt = _fsdp_model(world, seed=3)
-    ckpt.resume("after", fresh, fresh_opt)
+    ckpt.resume("after1", fresh, fresh_opt)
     ckpt.close()
     out["exact"] = torch.equal(_eval(fresh), want) and all(
         torch.equal(v, _full(model, opt)[k]) for k, v in _full(fresh, fresh_opt).items() if k != "groups"

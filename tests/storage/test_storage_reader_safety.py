@@ -404,6 +404,39 @@ def test_verify_refuses_a_full_artifacts_index_pointing_elsewhere(tmp_path: Any)
     assert not report.ok and any("index.json" in p for p in report.problems), report.problems
 
 
+def test_a_tag_removed_and_being_saved_again_meanwhile_is_not_called_corrupt(tmp_path: Any) -> None:
+    """rev64a F1: data files in prefix folders (S3's default; ``"binary"`` here: ``0/``, ``1/``) are every
+    generation's; the tag removed by another job and a new save of it writing (not committed) looked like
+    files deleted by hand (the folder names matched): CheckpointCorrupt. The file names hold the save id."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from smpckpt.errors import CheckpointError
+    from smpckpt.storage import FsspecStorageWriter, remove_checkpoint
+
+    url, state = os.path.join(str(tmp_path), "s_partial"), {"w": torch.arange(64.0), "v": torch.ones(4, 4)}
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, prefix_strategy="binary"), no_dist=True)
+
+    class Paused(FsspecStorageWriter):
+        def finish(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("paused before its commit")
+
+    class Meanwhile(DefaultLoadPlanner):  # runs after the metadata is read, before any data read
+        def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            super().set_up_planner(*args, **kwargs)
+            remove_checkpoint(url)
+            with pytest.raises(CheckpointException):
+                dcp.save(state, storage_writer=Paused(url, prefix_strategy="binary"), no_dist=True)
+            if not any(os.sep in os.path.relpath(n, url) for n in open_fs(url)[0].find(url)):
+                raise AssertionError("no prefix folder: the case is not shown")
+
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(zeros_like_state(state), storage_reader=FsspecStorageReader(url), planner=Meanwhile(), no_dist=True)
+    err = info.value.failures[0]
+    err = err[0] if isinstance(err, tuple) else err  # (exception, traceback)
+    assert isinstance(err, CheckpointError) and not isinstance(err, CheckpointCorrupt), err
+    assert f"{url} was removed" in str(err) and "load again" in str(err), err
+
+
 @pytest.mark.parametrize("how", ["replaced", "removed"])
 def test_a_load_whose_tag_another_save_replaces_or_removes_meanwhile_is_not_called_corrupt(
     tmp_path: Any, how: str

@@ -283,7 +283,7 @@ class _EntryMaker:
         shape = value.shape  # read once: every branch below needs it
         if matched is not None:
             specs, inherited_from = matched
-            if inherited_from is not None and not self._inherits(shape, inherited_from, specs):
+            if inherited_from is not None and not self._inherits(shape, inherited_from):
                 matched = None
         # Entries are built with positional arguments, in field order (faster than keywords)
         if matched is None:
@@ -306,22 +306,16 @@ class _EntryMaker:
             local_key, key, path, "tensor", viewed, chunk, geometry.global_shape, axes, specs, False, None, original
         )
 
-    def _inherits(self, shape: torch.Size, param_key: str, specs: tuple[ShardSpec, ...]) -> bool:
-        """Optimizer state of rank >= 1 (local ``shape``) inherits its parameter's ``specs`` when it has the
-        parameter's ndim and local extent along every split dimension (Adafactor's ``row_var [E, h, 1]`` of a
-        ``[E, h, f]`` parameter split on dim 0; with a ``view``, only the parameter's local shape), whichever
-        spelling the rule matched (``w``, ``model.w``); or when the parameter is no plain tensor here."""
+    def _inherits(self, shape: torch.Size, param_key: str) -> bool:
+        """Optimizer state (of local ``shape``) inherits its parameter's spec only with the parameter's
+        local shape when the parameter is a plain tensor of this state dict; otherwise any tensor of
+        rank >= 1 does (scalars such as Adam's ``step`` stay replicated)."""
         if not shape:  # a scalar
             return False
         param = self.by_global.get(param_key)
-        for prefix in self.prefixes if param is None else ():  # a rule matching the model's own name
-            param = self.by_global.get(f"{prefix}.{param_key}", param)
-        if not isinstance(param, torch.Tensor) or isinstance(param, DTensor) or param.shape == shape:
+        if not isinstance(param, torch.Tensor) or isinstance(param, DTensor):
             return True
-        n = len(shape)
-        if n != param.ndim or any(s.view is not None or not -n <= s.dim < n for s in specs):
-            return False
-        return all(shape[s.dim] == param.shape[s.dim] for s in specs)
+        return param.shape == shape
 
     def _origin(self, ndim: int) -> torch.Size:
         origin = self._origins.get(ndim)
@@ -447,6 +441,8 @@ class LayoutScope:
                 mappings[key] = path
             is_local = rank_local is not None and rank_local.fullmatch(key) is not None
             if held and not is_local and held.match(key, prefixes) is not None:
+                if self.rules.match(key, prefixes) is not None:  # planned whole: a split would be lost (rev64c F1)
+                    raise SpecError(f"{key}: matched by held_by_some and by a spec rule; a held key is saved whole")
                 is_local = True  # planned by each holder (not in the stage's digest), compared by the save planner
                 self.held_keys.append(key)
             entries[key] = entry(local_key, key, path, value, is_local)

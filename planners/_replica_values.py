@@ -54,9 +54,9 @@ from smpckpt.planners._value_digests import SAMPLES, value_digests
 
 __all__ = ["SAMPLES", "value_digests", "dtensor_values", "piece_id", "stage_keys", "check_replica_values"]
 __all__ += ["checked_codes", "detail_codes", "rank_values", "SPLIT_CODES", "stage_values"]
-__all__ += ["assign_owners", "replica_range", "KEYS_WAY"]
-#: the key refusal's way out for a planner's caller (the API names its own: ``Sharding(held_by_some=)``)
-KEYS_WAY = "give per-rank values rank-unique keys listed in rank_local=, and keys only some ranks hold held_by_some="
+__all__ += ["assign_owners", "replica_range", "KEYS_WAY", "RANK_WAY"]
+RANK_WAY = "listed in rank_local="  #: the refusals' way out for a planner's caller (the API names its own)
+KEYS_WAY = f"give per-rank values rank-unique keys {RANK_WAY}, and list keys only some ranks hold in held_by_some="
 
 #: how a key's piece is placed, by split code: by nothing (replicated over the stage), by tp, by dp
 _AXES: tuple[frozenset[str], ...] = (frozenset(), frozenset({"tp"}), frozenset({"dp"}))
@@ -171,7 +171,7 @@ def _cause(code: int, ranks: list[int], layout: ParallelLayout) -> str:
         return (
             "tensor-parallel ranks hold different values under one key: most likely a TP shard without its "
             "ShardSpec (add a spec rule that matches this key), or per-rank values (give them rank-unique keys "
-            "listed in rank_local=)"
+            f"{RANK_WAY})"
         )
     return "data-parallel replicas hold different values: replicas that drifted apart"
 

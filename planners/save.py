@@ -57,6 +57,7 @@ from smpckpt.planners._entries import (
     tied_entries,
 )
 from smpckpt.planners._replica_values import (
+    RANK_WAY,
     SPLIT_CODES,
     _differing_pieces,
     assign_owners,
@@ -119,7 +120,7 @@ def dedup_plans(plans: list[SavePlan], rank_local: Any) -> list[SavePlan]:
             ranks = sorted({r for r, _ in holders})
             raise ReplicaMismatch(
                 f"object {fqn!r} differs between ranks {ranks}: one key can hold one value. Give per-rank "
-                "values rank-unique keys (e.g. f'...rank{rank}...') and list them in rank_local="
+                f"values rank-unique keys (e.g. f'...rank{{rank}}...') {RANK_WAY}"
             )
         object_owner[fqn] = holders[zlib.crc32(fqn.encode()) % len(holders)][0]
         losers.update(r for r, _ in holders if r != object_owner[fqn])

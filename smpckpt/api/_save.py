@@ -66,7 +66,7 @@ from smpckpt.catalog.root import (
 from smpckpt.errors import CheckpointError, LayoutMismatch, ReplicaMismatch
 from smpckpt.model.layout import API_RECORD, FULL_API_RECORD, RESERVED
 from smpckpt.planners import ObjectBytes, ParallelSavePlanner
-from smpckpt.planners._replica_values import KEYS_WAY, replica_differences
+from smpckpt.planners._replica_values import KEYS_WAY, RANK_WAY, replica_differences
 from smpckpt.storage import FsspecStorageReader, FsspecStorageWriter, FullArtifactWriter, probe_checkpoint
 from smpckpt.storage.write._base import FsspecWriterBase
 from smpckpt.storage.write.writer import Workers
@@ -196,6 +196,8 @@ def run_save(
             named = replica_differences(common.layout, [first[d] for d in digests])
             way = "pass Sharding(held_by_some=[globs]) for keys only some ranks hold"  # what the API takes
             err = ReplicaMismatch((f"{err} {named}" if named else str(err)).replace(KEYS_WAY, way))
+        if isinstance(err, CheckpointError) and RANK_WAY in str(err):  # the API has no rank_local= (rev64c F3)
+            err = type(err)(str(err).replace(RANK_WAY, "listed in Sharding(held_by_some=[globs])"))
         raise err from exc
 
 

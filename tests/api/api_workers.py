@@ -797,4 +797,10 @@ def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
             m.v = m.w if rank == 1 else nn.Parameter(torch.ones(4, 6))
         with Checkpointer(root) as ck:
             said[case] = _expect_error(functools.partial(ck.save, case, m))
+    from smpckpt import ParallelLayout, Sharding
+
+    m = nn.Linear(2, 2)
+    nn.init.constant_(m.weight, float(rank))  # a TP shard without its spec: the values differ (rev64c F3)
+    with Checkpointer(root, Sharding(ParallelLayout(tp=2))) as ck:
+        said["values"] = _expect_error(functools.partial(ck.save, "values", m))
     return said

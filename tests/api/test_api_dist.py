@@ -413,3 +413,6 @@ def test_a_diverging_dp_replica_is_refused_naming_its_key(tmp_path: Any) -> None
             in said["tie"]
         )
         assert all(s.startswith("ReplicaMismatch") for s in said.values()), said
+        # the API names what it takes: no rank_local= (the planners' keyword), rev64c F3
+        assert "rank-unique keys listed in Sharding(held_by_some=[globs])" in said["values"], said["values"]
+        assert not any("rank_local=" in s for s in said.values()), said

@@ -27,7 +27,7 @@ import smpckpt.storage.backends._folder as folder_mod
 import smpckpt.storage.format.commit as commit_mod
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import scan_root
-from smpckpt.errors import CheckpointExists, UnsafeCheckpoint
+from smpckpt.errors import CheckpointError, CheckpointExists, UnsafeCheckpoint
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, read_manifest, remove_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -190,6 +190,25 @@ def test_a_prune_between_the_commits_check_and_its_manifest_fails_the_save(tmp_p
         dcp.save(make_state(), storage_writer=PrunedMeanwhile(url))
     assert checkpoint_state(url) in ("missing", "uncommitted")
     assert not any(r.committed for r in scan_root(str(root)))
+
+
+def test_a_prune_removing_the_whole_folder_before_the_commit_fails_the_save_by_name(tmp_path: Path) -> None:
+    """hunt64b F2: the prune removed the save's folder whole after every rank wrote and before the commit
+    opened it: the save failed with a bare ``FileNotFoundError`` naming ``t_partial`` (``CheckpointNotFound``
+    through the API: the error of a resume that finds nothing)."""
+    root = tmp_path / "root"
+    url = str(root / "t_partial")
+
+    class PrunedBeforeTheCommit(FsspecStorageWriter):
+        def _committed_files(self, *args: Any, **kwargs: Any) -> Any:
+            _prune_now(str(root))
+            return super()._committed_files(*args, **kwargs)
+
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save(make_state(), storage_writer=PrunedBeforeTheCommit(url))
+    error = unwrap(caught.value)
+    assert type(error) is CheckpointError and url in str(error) and "removed during the save" in str(error), error
+    assert not (root / "t_partial").exists()
 
 
 def test_a_prune_that_marked_the_folder_withdraws_a_commit_landing_meanwhile(

@@ -179,7 +179,13 @@ def commit(
         if dropped:
             _restore_stock_copy(folder, url)
         raise
-    _unless_removing(folder, url, manifest_bytes)
+    try:
+        _unless_removing(folder, url, manifest_bytes)
+    except OSError as exc:  # the manifest is in place: failing plainly would hide a commit
+        raise CommitUncertain(
+            f"{url}: the manifest was written, but whether a removal started meanwhile could not be checked "
+            f"({type(exc).__name__}: {exc}); this save's files are kept: `smpckpt ls` tells whether it committed"
+        ) from exc
     if owner_marker is not None and folder.remove([WRITING_MARKER]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)
     _after_commit(folder, url, manifest, stock_metadata, old_files, sync=sync)

@@ -179,7 +179,13 @@ def commit(
         if dropped:
             _restore_stock_copy(folder, url)
         raise
-    _unless_removing(folder, url, manifest_bytes)
+    try:
+        _unless_removing(folder, url, manifest_bytes)
+    except OSError as exc:  # the manifest is in place: failing plainly would hide a commit
+        raise CommitUncertain(
+            f"{url}: the manifest was written, but whether a removal started meanwhile could not be checked "
+            f"({type(exc).__name__}: {exc}); this save's files are kept: `smpckpt ls` tells whether it committed"
+        ) from exc
     if owner_marker is not None and folder.remove([WRITING_MARKER]):
         log.warning("%s is committed; its %s marker could not be removed (harmless)", url, WRITING_MARKER)
     _after_commit(folder, url, manifest, stock_metadata, old_files, sync=sync)
@@ -349,7 +355,8 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     then the manifest, then the rest, the mark last (a removal cut short stays marked: retried by the next
     retention), never following a link (a linked folder loses the link only). ``uncommitted_only``: a
     manifest found after the mark means a save committed meanwhile: the mark goes, nothing is removed
-    (``[]``). A missing folder raises ``FileNotFoundError``."""
+    (``[]``); one landing later is never removed and is returned, the mark kept (that save finds it and
+    withdraws; the next removal finishes). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
     if is_local(fs) and os.path.islink(path):
@@ -363,11 +370,13 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
             log.warning("%s committed while it was being removed as stale: left as it is", url)
             folder.remove([REMOVING_NAME])
             return []
-        failed = folder.remove([MANIFEST_NAME])
+        # uncommitted_only: no manifest was here, so one found from now on is a racing commit's (kept)
+        keep = MANIFEST_NAME if uncommitted_only else None
+        failed = [] if keep else folder.remove([MANIFEST_NAME])
         if not failed and not folder.local:
             # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
             # marked, and the next retention finishes it
-            failed = folder.remove([n for n in folder.listing() if n != REMOVING_NAME])
+            failed = folder.remove([n for n in folder.listing() if n not in (REMOVING_NAME, keep)])
         if failed:
             return failed
-    return remove_tree(fs, path, last=REMOVING_NAME)  # local disk: the mark last too (rev62j F2)
+    return remove_tree(fs, path, last=REMOVING_NAME, keep=keep)  # the mark last on local disk too (rev62j F2)

@@ -226,7 +226,14 @@ class FsspecStorageWriter(FsspecWriterBase):
         """(coordinator) The metadata, the commit, the stock copy and the old generation's removal."""
         save_id, files = self._committed_files(metadata, results)
         files = sorted(files, key=lambda f: (f.rank, f.name))
-        with self._open_folder() as self._folder:
+        try:
+            folder = self._open_folder()
+        except FileNotFoundError as exc:  # not "no checkpoint": the ranks made it, something removed it since
+            raise CheckpointError(
+                f"{self.url}: this save's folder is gone at the commit: removed during the save (a prune of "
+                "uncommitted folders with too short an age?), or not on storage every rank shares; nothing was committed"
+            ) from exc
+        with folder as self._folder:
             try:
                 manifest, md_bytes = self._manifest(save_id, metadata, files, len(results), self.format)
                 commit(

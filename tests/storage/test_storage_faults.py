@@ -382,6 +382,32 @@ def test_s3_a_commit_whose_reply_was_lost_is_committed(s3: Backend, moto_endpoin
 
 
 @pytest.mark.s3
+def test_s3_a_commit_whose_removal_check_fails_says_it_may_be_committed(s3: Backend, moto_endpoint: str) -> None:
+    """hunt64b F3: the manifest PUT lands, then S3 goes down for the commit's GET of the removal mark: the save
+    failed with a bare OSError naming ``smpckpt.removing`` though it was committed (its retry under the tag then
+    met ``CheckpointExists``). Now it is :class:`CommitUncertain`, saying so, and the save's files are kept."""
+    from storage_faulty_proxy import FaultyProxy
+
+    base, opts = s3
+    url = f"{base}/down"
+    landed: list[str] = []
+
+    def should_fail(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        if method == "PUT" and path.endswith("/smpckpt.manifest.json"):
+            landed.append(path)
+        return 503 if landed and path.endswith("/smpckpt.removing") else None
+
+    sd = make_state(2)
+    with FaultyProxy(moto_endpoint, should_fail) as proxy:
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(sd, storage_writer=FsspecStorageWriter(url, storage_options=_proxy_opts(opts, proxy.url, 2)))
+    err = unwrap(info.value)
+    assert isinstance(err, CommitUncertain) and url in str(err) and "smpckpt ls" in str(err), repr(err)
+    assert checkpoint_state(url, opts) == "committed"
+    assert_state_equal(sd, roundtrip_load(sd, url, opts))
+
+
+@pytest.mark.s3
 def test_s3_a_manifest_get_cut_short_once_is_retried(s3: Backend, moto_endpoint: str) -> None:
     """A manifest GET whose body is cut off once is read again: it made a committed checkpoint look
     unreadable, and a resume then fell back to an older tag."""

@@ -333,12 +333,12 @@ class CommonRequest:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CommonRequest)}
 
 
-def _fsdp_pass_running(model: nn.Module) -> str:
-    """The FSDP2 module (its name, "the model" for the root) whose forward or backward calls us now (a save
+def _fsdp_busy(model: nn.Module) -> tuple[list[str], bool]:
+    """FSDP2 modules not IDLE (names, "the model" for the root), and whether their pass calls us now (a save
     from a hook: reading the state, or the reshard() below, frees the unsharded parameters the pass still
-    uses, rev63i F3), or "". FSDP2's training state alone is no proof: an exception escaping a pass leaves it
-    FORWARD or PRE_BACKWARD for good (rev64a F2: an emergency save after it must go on), so a pass counts
-    only with a module's call on this stack or a backward running. Private state, read leniently."""
+    uses, rev63i F3). The state alone is no proof: an exception escaping a pass leaves it FORWARD or
+    PRE_BACKWARD for good (rev64a F2: an emergency save after it must go on), so a pass counts only with a
+    module's call on this stack or a backward running. Private state, read leniently."""
     busy = []
     for name, module in model.named_modules():
         try:
@@ -346,18 +346,16 @@ def _fsdp_pass_running(model: nn.Module) -> str:
                 busy.append(name or "the model")
         except Exception:  # noqa: BLE001 - a module fully_shard left without state, another torch's fields
             continue
-    if not busy:
-        return ""
-    if torch._C._current_autograd_node() is not None:
-        return busy[0]
+    if not busy or torch._C._current_autograd_node() is not None:
+        return busy, bool(busy)
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:  # a forward (or its hook) of an FSDP2 module on this thread's stack
         if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and hasattr(
             frame.f_locals.get("self"), "_get_fsdp_state"
         ):
-            return busy[0]
+            return busy, True
         frame = frame.f_back
-    return ""
+    return busy, False
 
 
 def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[torch.optim.Optimizer, ...]]:
@@ -371,10 +369,11 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
-    if model is not None and (busy := _fsdp_pass_running(model)):
+    busy, running = _fsdp_busy(model) if model is not None else ([], False)
+    if running:
         raise RuntimeError(
-            f"{busy} is inside an FSDP2 forward or backward: save or load a checkpoint outside the forward and "
-            "backward (e.g. after optimizer.step()), not from a hook"
+            f"{busy[0]} is inside an FSDP2 forward or backward: save or load a checkpoint outside the forward "
+            "and backward (e.g. after optimizer.step()), not from a hook"
         )
     # DCP's get_state_dict fails with a bare `KeyError: 0` when an optimizer holds a parameter the model does
     # not own (an optimizer built over another model, or a parameter replaced after it)
@@ -392,6 +391,12 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
     for i, opt in enumerate(opts):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):
+                if id(p) not in owned and busy:  # reshard() declines mid-pass (a root not resharding after
+                    # its forward, torch's default): the parameters the exception left unsharded stay (rev64d F1)
+                    raise RuntimeError(
+                        f"{busy[0]} was left inside an FSDP2 forward or backward by an exception (its parameters "
+                        "unsharded): call reset_iter_state() on the root FSDP module (torch's recovery) first"
+                    )
                 if id(p) not in owned:
                     raise ValueError(
                         f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "

@@ -417,8 +417,8 @@ def _commit_nodes(
         some = len(failed) < tier.nodes.count
         if some:
             tier.memory.continues = hash_bytes(prepared.manifest)
-        # a racing save's manifest on every failing node stays CheckpointExists (the documented error, rev64b R4)
-        raise (CheckpointExists if all(f[1] for f in failed) else CheckpointError)(
+        # another save's manifest on every node: CheckpointExists, the documented error (rev64b R4; not when saved)
+        raise (CheckpointExists if not some and all(f[1] for f in failed) else CheckpointError)(
             f"committing checkpoint {tag!r} to the fast tier failed on {'; '.join(f[0] for f in failed[:4])}"
             + (
                 "; it is committed on the other node(s): a resume loads it, healing the failed node(s) (which needs room there)"

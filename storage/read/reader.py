@@ -37,6 +37,7 @@ from smpckpt.storage.backends._fs import (
     confine,
     default_read_threads,
     device_read_bytes,
+    file_sizes,
     is_local,
     join,
     read_bytes_or_none,
@@ -222,17 +223,21 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         still there, or it was damaged by hand."""
         if self.manifest is None:
             return None
+        names: set[str] = set()  # every file, prefix folders' too, as the store holds them now
         try:
             now = probe(self.fs, self.path).manifest
-            names = folder_names(self.fs, self.path) if now is None else set()
+            if now is None:
+                self.fs.invalidate_cache(self.path)
+                with contextlib.suppress(FileNotFoundError):  # the folder gone whole
+                    names = set(file_sizes(self.fs, self.path))
         except Exception:  # noqa: BLE001 - the missing file's own error is the one to raise
             return None
         if now is not None and now.save_id == self.manifest.save_id:
             return None
-        # no manifest but top-level files of the generation read (their names hold its save id; prefix folders
-        # such as S3's `0/` are every generation's, rev64a F1), with no removal's mark (set before the manifest
-        # goes, dropped after the last file) nor a full save's: deleted by hand, damaged (rev63d R6)
-        read = {n for n in (*(f.name for f in self.manifest.files), self.manifest.metadata.name) if "/" not in n}
+        # no manifest but files of the generation read (their names hold its save id, not their prefix folders
+        # such as S3's `0/`: every generation's, rev64a F1; a file in one counts, rev64d F2), with no removal's
+        # mark (set before the manifest goes, dropped after the last file) nor a full save's: deleted by hand
+        read = {f.name for f in self.manifest.files} | {self.manifest.metadata.name}
         if names & read and not names & {_names.REMOVING_NAME, _names.WRITING_MARKER}:
             return None
         what = (

@@ -404,10 +404,13 @@ def test_verify_refuses_a_full_artifacts_index_pointing_elsewhere(tmp_path: Any)
     assert not report.ok and any("index.json" in p for p in report.problems), report.problems
 
 
-def test_a_tag_removed_and_being_saved_again_meanwhile_is_not_called_corrupt(tmp_path: Any) -> None:
+@pytest.mark.parametrize("how", ["resaved", "by_hand"])
+def test_a_tag_removed_and_being_saved_again_meanwhile_is_not_called_corrupt(tmp_path: Any, how: str) -> None:
     """rev64a F1: data files in prefix folders (S3's default; ``"binary"`` here: ``0/``, ``1/``) are every
     generation's; the tag removed by another job and a new save of it writing (not committed) looked like
-    files deleted by hand (the folder names matched): CheckpointCorrupt. The file names hold the save id."""
+    files deleted by hand (the folder names matched): CheckpointCorrupt. The file names hold the save id.
+    rev64d F2: the manifest, metadata and one data file deleted by hand, the others left in their prefix
+    folders, read as "removed": corrupt."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     from smpckpt.errors import CheckpointError
@@ -423,6 +426,12 @@ def test_a_tag_removed_and_being_saved_again_meanwhile_is_not_called_corrupt(tmp
     class Meanwhile(DefaultLoadPlanner):  # runs after the metadata is read, before any data read
         def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
             super().set_up_planner(*args, **kwargs)
+            if how == "by_hand":
+                files = open_fs(url)[0].find(url)
+                nested = sorted(n for n in files if os.sep in os.path.relpath(n, url))
+                for n in [n for n in files if os.sep not in os.path.relpath(n, url)] + nested[:1]:
+                    os.unlink(n)
+                return
             remove_checkpoint(url)
             with pytest.raises(CheckpointException):
                 dcp.save(state, storage_writer=Paused(url, prefix_strategy="binary"), no_dist=True)
@@ -433,6 +442,9 @@ def test_a_tag_removed_and_being_saved_again_meanwhile_is_not_called_corrupt(tmp
         dcp.load(zeros_like_state(state), storage_reader=FsspecStorageReader(url), planner=Meanwhile(), no_dist=True)
     err = info.value.failures[0]
     err = err[0] if isinstance(err, tuple) else err  # (exception, traceback)
+    if how == "by_hand":
+        assert isinstance(err, CheckpointCorrupt) and "data file is missing" in str(err), err
+        return
     assert isinstance(err, CheckpointError) and not isinstance(err, CheckpointCorrupt), err
     assert f"{url} was removed" in str(err) and "load again" in str(err), err
 

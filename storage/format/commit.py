@@ -264,12 +264,17 @@ def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
     tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
     if not folder.exists(REMOVING_NAME):
         return
-    if folder.read(MANIFEST_NAME) == manifest_bytes:
-        folder.remove([MANIFEST_NAME])
-    raise CheckpointError(
-        f"{url}: a removal of this folder (prune, retention or remove_checkpoint) started while this save was "
-        "committing; the commit was withdrawn and nothing is committed here"
-    )
+    said = "a removal of this folder (prune, retention or remove_checkpoint) started while this save was committing"
+    try:  # the mark was seen: a failure from here on is no uncertain commit (rev64e F3)
+        left: bool | list[str] | str = folder.read(MANIFEST_NAME) == manifest_bytes and folder.remove([MANIFEST_NAME])
+    except OSError as exc:
+        left = f"{type(exc).__name__}: {exc}"
+    if left:
+        raise CheckpointError(
+            f"{url}: {said}, and withdrawing this commit failed ({left}): its manifest may remain in a folder "
+            "being removed (`smpckpt prune` finishes it); do not load it"
+        )
+    raise CheckpointError(f"{url}: {said}; the commit was withdrawn and nothing is committed here")
 
 
 def _after_commit(

@@ -390,3 +390,33 @@ def test_part_size_is_honoured_or_refused_never_clamped(s3: tuple[str, dict[str,
     dcp.save(state, storage_writer=writer)
     assert sizes == [8 << 20, 8 << 20, 4 << 20], sizes
     assert torch.equal(roundtrip_load(state, url, opts)["w"], state["w"])
+
+
+def test_a_commit_that_sees_a_removal_and_cannot_withdraw_says_so(tmp_path: Path, monkeypatch: Any) -> None:
+    """rev64e F3: the commit saw a removal's mark, then reading back its manifest to withdraw it failed: that
+    was a CommitUncertain ("whether a removal started could not be checked ... `smpckpt ls` tells"), though the
+    removal was seen and `ls` may list the manifest of a folder being removed. Now it says so."""
+    from smpckpt.storage.backends._folder import Folder
+    from smpckpt.storage.format.commit import CommitUncertain
+
+    real_exists, real_read = Folder.exists, Folder.read
+    marked: list[bool] = []
+
+    def exists(self: Folder, name: str) -> bool:
+        if name == commit_mod.REMOVING_NAME and real_exists(self, commit_mod.MANIFEST_NAME):
+            marked.append(True)  # a removal marked the folder just as the manifest landed
+            return True
+        return real_exists(self, name)
+
+    def read(self: Folder, name: str) -> bytes | None:
+        if marked and name == commit_mod.MANIFEST_NAME:
+            raise OSError(5, "injected: the manifest read failed")
+        return real_read(self, name)
+
+    monkeypatch.setattr(Folder, "exists", exists)
+    monkeypatch.setattr(Folder, "read", read)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(make_state(2), storage_writer=FsspecStorageWriter(str(tmp_path / "t")), no_dist=True)
+    err = unwrap(info.value)
+    assert isinstance(err, CheckpointError) and not isinstance(err, CommitUncertain), repr(err)
+    assert "withdrawing this commit failed" in str(err) and "injected" in str(err), err

@@ -441,8 +441,6 @@ class LayoutScope:
                 mappings[key] = path
             is_local = rank_local is not None and rank_local.fullmatch(key) is not None
             if held and not is_local and held.match(key, prefixes) is not None:
-                if self.rules.match(key, prefixes) is not None:  # planned whole: a split would be lost (rev64c F1)
-                    raise SpecError(f"{key}: matched by held_by_some and by a spec rule; a held key is saved whole")
                 is_local = True  # planned by each holder (not in the stage's digest), compared by the save planner
                 self.held_keys.append(key)
             entries[key] = entry(local_key, key, path, value, is_local)

@@ -393,9 +393,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         alone, ``checked_codes``), their split codes, and what this rank sends about their values
         (``planner_data`` fields; ``None``: nothing to compare); ``shared``: every plain tensor other
         ranks agree on (for the pieces other stages may hold, ``stage_values``)."""
-        if not self.verify_replicas:
-            return [], b"", {"values": None, "dtensor_values": None, "stage_values": None, "held_values": None}
-        wanted = checked_codes(self.layout)
+        verify = self.verify_replicas  # held_by_some copies are compared even without it (rev64e F4)
+        wanted = checked_codes(self.layout) if verify else ()
         checked: list[Entry] = []
         code_list: list[int] = []
         for e in replicas if wanted else ():  # in key order (the caller sorted them)
@@ -406,8 +405,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         codes = bytes(code_list)
         try:
             values = rank_values(self.layout, self.rank, [e.value for e in checked], codes) if wanted else None
-            dvalues = self._dtensor_values()
-            svalues = stage_values(self.layout, self.rank, self.name_map, shared, self.tied)
+            dvalues = self._dtensor_values() if verify else None
+            svalues = stage_values(self.layout, self.rank, self.name_map, shared, self.tied) if verify else None
             held = [self.entries[k] for k in self.held_keys]  # by piece, as DTensors: the holders are any ranks
             pieces = [(e.key, c.offsets, c.sizes, e.value) for e in held if e.kind == "tensor" and (c := e.chunk)]
             hvalues = dtensor_values(pieces) if pieces else None
@@ -565,7 +564,8 @@ def _check_held(fresh: list[SavePlan], structure: list[SavePlan]) -> None:
         shown = "; ".join(f"ranks {a} and {b} differ on {what}" if what else f"(and {a} more)" for what, a, b in found)
         raise ReplicaMismatch(
             f"ranks holding a held_by_some key hold different values of it, and only one copy would be saved: "
-            f"{shown}. Its holders (DP ranks of one expert) must hold copies (checked on a sample of each tensor)"
+            f"{shown}. Its holders (DP ranks of one expert) must hold copies (checked on a sample of each tensor, "
+            "verify_replicas or not); a held key is saved whole, so a TP-split expert cannot be held"
         )
 
 

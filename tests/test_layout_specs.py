@@ -323,10 +323,17 @@ def test_held_by_some_keys_are_saved_once_and_their_holders_must_agree():
     copy.add_(1.0)
     with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 differ on 'model\.experts\.0\.w'"):
         sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)
-    # a held key a spec rule splits too (a TP-split expert) was planned whole: one rank's piece saved as
-    # the whole, the other's lost (rev64c F1: silent with verify_replicas=False); refused by name
+    # a held key is saved whole, spec rules or not (a broad rule for the dense layers matches the experts too,
+    # rev64e F4): a TP-split expert's pieces differ between its holders, refused even with verify_replicas=False
+    # (rev64c F1: one piece was saved as the whole)
     tp = ParallelLayout(tp=3)
-    planners = [ParallelSavePlanner(tp, {"model.experts.*": ShardSpec(0)}, rank=r, held_by_some=["model.experts.*"])
+    rules = {"model.*": ShardSpec(0)}  # meant for the dense layers
+    states = [{"model": {**st["model"], "dense": torch.full((2, 3), float(r))}} for r, st in enumerate(states)]
+    planners = [ParallelSavePlanner(tp, rules, rank=r, held_by_some=["model.experts.*"], verify_replicas=False)
                 for r in range(3)]  # fmt: skip
-    with pytest.raises(SpecError, match=r"model\.experts\.0\.w: matched by held_by_some and by a spec rule"):
+    with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 differ on 'model\.experts\.0\.w'"):
         sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)
+    copy.copy_(w)  # whole copies on their holders: saved whole under the same broad rule
+    store = MemoryStore()
+    sim_save(states, planners, [MemoryWriter(store)] * 3)
+    assert torch.equal(store.chunks[next(i for i in store.chunks if i.fqn == "model.experts.0.w")], w)

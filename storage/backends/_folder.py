@@ -499,12 +499,10 @@ def _remove_in(fs: Any, within: str, paths: list[str]) -> list[str]:
         return outside + [join(within, n) for n in inside]
 
 
-def remove_tree(fs: Any, folder: str, last: str | None = None, keep: str | None = None) -> list[str]:
+def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
     """Delete ``folder`` and everything under it (no globbing anywhere); the paths not removed. POSIX: an
     fd-based walk that never follows a link (:func:`~._nofollow.remove_tree_at`): a folder that is itself a
-    link loses the link only; a link inside it goes itself. A missing folder raises ``FileNotFoundError``.
-    ``last`` goes only once nothing else is there, ``keep`` never (object stores: the caller emptied the
-    folder before, so anything but ``last`` found now appeared since, and ``last`` stays)."""
+    link loses the link only; a link inside it goes itself. A missing folder raises ``FileNotFoundError``."""
     if is_local(fs):
         parent, name = nf.open_parent_and_name(folder)
         try:
@@ -516,7 +514,7 @@ def remove_tree(fs: Any, folder: str, last: str | None = None, keep: str | None 
                 log.warning("%s is a link to %s: removed the link, left its target", folder, os.path.realpath(folder))
             elif not stat.S_ISDIR(st.st_mode):
                 raise FileNotFoundError(errno.ENOENT, "not a folder", folder)
-            return nf.remove_tree_at(parent, name, where=folder, device=st.st_dev, last=last, keep=keep)
+            return nf.remove_tree_at(parent, name, where=folder, device=st.st_dev, last=last)
         finally:
             os.close(parent)
     with translate_errors(folder):
@@ -526,8 +524,6 @@ def remove_tree(fs: Any, folder: str, last: str | None = None, keep: str | None 
     base = folder.rstrip("/") + "/"
     files = [str(p)[len(base) :] for p, info in found.items() if info.get("type") != "directory"]
     files = [f for f in files if f]
-    if last in files and len(files) > 1:  # a racing commit's manifest: it finds the mark and withdraws
-        return [join(folder, f) for f in files if f != last]
     failed = Folder(fs, folder).remove(files)
     if _protocol(fs) == "memory":
         dirs = [p for p, info in found.items() if info.get("type") == "directory"]

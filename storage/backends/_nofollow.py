@@ -134,21 +134,13 @@ def walk_sizes(dir_fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[
 
 
 def remove_tree_at(
-    dir_fd: int,
-    name: str,
-    *,
-    where: str,
-    device: int | None = None,
-    depth: int = 0,
-    last: str | None = None,
-    keep: str | None = None,
+    dir_fd: int, name: str, *, where: str, device: int | None = None, depth: int = 0, last: str | None = None
 ) -> list[str]:
     """Remove ``name`` (file, link or folder) inside ``dir_fd``, never following a link: a link is
     removed itself; a folder is opened with ``O_NOFOLLOW``, checked to be the very folder listed (device
     and inode) and on ``device`` (a mount inside a checkpoint is not descended), emptied the same way and
     removed. Returns the paths (``where``-relative) that could not be removed; a missing name is removed.
-    ``last``: a child of the folder removed after the rest, and only once the rest is gone; ``keep``: a child
-    never removed (so ``last`` stays while it is there)."""
+    ``last``: a child of the folder removed after the rest, and only once the rest is gone."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -181,7 +173,7 @@ def remove_tree_at(
             return [where]  # swapped for another folder after the stat: not the one listed
         with os.scandir(fd) as it:
             children = [e.name for e in it]
-        failed = _remove_children(fd, [c for c in children if c != keep], where, st.st_dev, depth + 1, last)
+        failed = _remove_children(fd, children, where, st.st_dev, depth + 1, last)
     finally:
         os.close(fd)
     if not failed:

@@ -264,12 +264,17 @@ def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
     tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
     if not folder.exists(REMOVING_NAME):
         return
-    if folder.read(MANIFEST_NAME) == manifest_bytes:
-        folder.remove([MANIFEST_NAME])
-    raise CheckpointError(
-        f"{url}: a removal of this folder (prune, retention or remove_checkpoint) started while this save was "
-        "committing; the commit was withdrawn and nothing is committed here"
-    )
+    said = "a removal of this folder (prune, retention or remove_checkpoint) started while this save was committing"
+    try:  # the mark was seen: a failure from here on is no uncertain commit (rev64e F3)
+        left: bool | list[str] | str = folder.read(MANIFEST_NAME) == manifest_bytes and folder.remove([MANIFEST_NAME])
+    except OSError as exc:
+        left = f"{type(exc).__name__}: {exc}"
+    if left:
+        raise CheckpointError(
+            f"{url}: {said}, and withdrawing this commit failed ({left}): its manifest may remain in a folder "
+            "being removed (`smpckpt prune` finishes it); do not load it"
+        )
+    raise CheckpointError(f"{url}: {said}; the commit was withdrawn and nothing is committed here")
 
 
 def _after_commit(
@@ -355,8 +360,7 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     then the manifest, then the rest, the mark last (a removal cut short stays marked: retried by the next
     retention), never following a link (a linked folder loses the link only). ``uncommitted_only``: a
     manifest found after the mark means a save committed meanwhile: the mark goes, nothing is removed
-    (``[]``); one landing later is never removed and is returned, the mark kept (that save finds it and
-    withdraws; the next removal finishes). A missing folder raises ``FileNotFoundError``."""
+    (``[]``). A missing folder raises ``FileNotFoundError``."""
     from smpckpt.storage.backends._folder import remove_tree
 
     if is_local(fs) and os.path.islink(path):
@@ -370,13 +374,11 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
             log.warning("%s committed while it was being removed as stale: left as it is", url)
             folder.remove([REMOVING_NAME])
             return []
-        # uncommitted_only: no manifest was here, so one found from now on is a racing commit's (kept)
-        keep = MANIFEST_NAME if uncommitted_only else None
-        failed = [] if keep else folder.remove([MANIFEST_NAME])
+        failed = folder.remove([MANIFEST_NAME])
         if not failed and not folder.local:
             # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
             # marked, and the next retention finishes it
-            failed = folder.remove([n for n in folder.listing() if n not in (REMOVING_NAME, keep)])
+            failed = folder.remove([n for n in folder.listing() if n != REMOVING_NAME])
         if failed:
             return failed
-    return remove_tree(fs, path, last=REMOVING_NAME, keep=keep)  # the mark last on local disk too (rev62j F2)
+    return remove_tree(fs, path, last=REMOVING_NAME)  # local disk: the mark last too (rev62j F2)

@@ -365,6 +365,7 @@ class LayoutScope:
     process_group: Any
     rank: int
     held_keys: list[str]  #: this rank's keys ``held_by_some`` matches (as spec rules: optimizer state follows)
+    held_split: list[str]  #: those a spec rule matches too (saved whole all the same: the save refuses them)
     dtensor_layout = staticmethod(dtensor_layout)  # the save planner sends its rank's in its plan
 
     def _set_scope(
@@ -425,7 +426,7 @@ class LayoutScope:
         }
         prefixes = tuple(tops)
         entry = _EntryMaker(self.rules, prefixes, by_global, coords, layout).entry
-        rank_local, held, self.held_keys = self._rank_local, self._held, []
+        rank_local, held, self.held_keys, self.held_split = self._rank_local, self._held, [], []
         for local_key, value in flat.items():
             key = local_key
             path = local_paths[local_key]
@@ -443,6 +444,7 @@ class LayoutScope:
             if held and not is_local and held.match(key, prefixes) is not None:
                 is_local = True  # planned by each holder (not in the stage's digest), compared by the save planner
                 self.held_keys.append(key)
+                self.held_split += [key] if self.rules.match(key, prefixes) is not None else []
             entries[key] = entry(local_key, key, path, value, is_local)
         return entries, mappings
 

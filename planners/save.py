@@ -309,6 +309,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         (PP renaming), global chunks (specs, DTensor placements), objects."""
         self._cache.begin_round(self._rank_arg)
         self.entries, self.mappings = self._resolve(state_dict)
+        if self.held_split:  # equal pieces (zeros at init) would pass the holders' value check (rev64f F2)
+            raise SpecError(
+                f"{self.held_split[0]}: held_by_some saves it whole, but a spec rule splits it too (a TP-split "
+                "expert, or a rule meant for other layers): narrow the rule (rules are tried in order)"
+            )
         self.tied = tied_entries(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict
         self.dtensors = self.dtensor_layout(state_dict.get(RESERVED.model))
@@ -581,9 +586,8 @@ def _carries_no_data(entry: Entry) -> bool:
 def _tensor_item(
     entry: Entry, properties: dict[tuple[Any, ...], TensorProperties], fields: tuple[Any, ...] | None = None
 ) -> WriteItem:
-    """The write item of a tensor entry; ``properties`` shares one ``TensorProperties`` per distinct
-    value among a plan's items. ``fields``: the tensor's (dtype, layout, requires_grad, pinned), when
-    the caller read them already."""
+    """The write item of a tensor entry; ``properties`` shares one ``TensorProperties`` per distinct value
+    among a plan's items. ``fields``: the tensor's (dtype, layout, requires_grad, pinned), if read already."""
     chunk, shape = cast(ChunkStorageMetadata, entry.chunk), cast(torch.Size, entry.global_shape)
     whole = entry.kind == "tensor" and not entry.sharded_axes
     value = entry.value

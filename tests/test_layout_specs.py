@@ -323,17 +323,23 @@ def test_held_by_some_keys_are_saved_once_and_their_holders_must_agree():
     copy.add_(1.0)
     with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 differ on 'model\.experts\.0\.w'"):
         sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)
-    # a held key is saved whole, spec rules or not (a broad rule for the dense layers matches the experts too,
-    # rev64e F4): a TP-split expert's pieces differ between its holders, refused even with verify_replicas=False
-    # (rev64c F1: one piece was saved as the whole)
-    tp = ParallelLayout(tp=3)
-    rules = {"model.*": ShardSpec(0)}  # meant for the dense layers
-    states = [{"model": {**st["model"], "dense": torch.full((2, 3), float(r))}} for r, st in enumerate(states)]
-    planners = [ParallelSavePlanner(tp, rules, rank=r, held_by_some=["model.experts.*"], verify_replicas=False)
+    # held copies are compared even with verify_replicas=False (copies that differ lose all but one)
+    planners = [ParallelSavePlanner(layout, rank=r, held_by_some=["model.experts.*"], verify_replicas=False)
                 for r in range(3)]  # fmt: skip
     with pytest.raises(ReplicaMismatch, match=r"ranks 0 and 1 differ on 'model\.experts\.0\.w'"):
         sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)
-    copy.copy_(w)  # whole copies on their holders: saved whole under the same broad rule
-    store = MemoryStore()
-    sim_save(states, planners, [MemoryWriter(store)] * 3)
-    assert torch.equal(store.chunks[next(i for i in store.chunks if i.fqn == "model.experts.0.w")], w)
+    # a held key is saved whole: a spec rule splitting it too (a TP-split expert whose pieces may be equal,
+    # zeros at init, rev64f F2; or a broad rule for the dense layers) is refused on save by name; a load plans
+    # it whole (rev64e F4)
+    tp, rules = ParallelLayout(tp=3), {"model.*": ShardSpec(0)}
+    states = [{"model": {**st["model"], "dense": torch.full((2, 3), float(r))}} for r, st in enumerate(states)]
+    planners = [ParallelSavePlanner(tp, rules, rank=r, held_by_some=["model.experts.*"]) for r in range(3)]
+    with pytest.raises(SpecError, match=r"model\.experts\.0\.w: held_by_some saves it whole, but a spec rule"):
+        sim_save(states, planners, [MemoryWriter(MemoryStore())] * 3)
+    store, loaded = save(w.clone(), ["model.experts.*"]), [{"model": {"experts.1.w": torch.zeros(2, 3)}}]
+    sim_load(
+        loaded,
+        [ParallelLoadPlanner(tp, rules, rank=2, held_by_some=["model.experts.*"], allow_partial_load=True)],
+        [MemoryReader(store)],
+    )
+    assert torch.equal(loaded[0]["model"]["experts.1.w"], w + 1)

@@ -271,8 +271,8 @@ def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
         left = f"{type(exc).__name__}: {exc}"
     if left:
         raise CheckpointError(
-            f"{url}: {said}, and withdrawing this commit failed ({left}): its manifest may remain in a folder "
-            "being removed (`smpckpt prune` finishes it); do not load it"
+            f"{url}: {said}, and withdrawing this commit failed ({left}): its manifest may remain beside the "
+            "removal's mark, listed as committed: remove the folder (smpckpt.storage.remove_checkpoint) first"
         )
     raise CheckpointError(f"{url}: {said}; the commit was withdrawn and nothing is committed here")
 

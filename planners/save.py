@@ -311,8 +311,8 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         self.entries, self.mappings = self._resolve(state_dict)
         if self.held_split:  # equal pieces (zeros at init) would pass the holders' value check (rev64f F2)
             raise SpecError(
-                f"{self.held_split[0]}: held_by_some saves it whole, but a spec rule splits it too (a TP-split "
-                "expert, or a rule meant for other layers): narrow the rule (rules are tried in order)"
+                f"{self.held_split[0]}: held_by_some saves it whole, but a spec rule matches it too: narrow a glob "
+                "meant for other layers; hold a TP-split expert as a DTensor (saved by its pieces) or stack them"
             )
         self.tied = tied_entries(self.entries) if self.dedup_tied else {}
         self.state_dict = state_dict

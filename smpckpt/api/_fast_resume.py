@@ -279,7 +279,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
 def _load_durable(req: ResumeRequest, ctx: DistContext, target: Target, part: FastTierPart) -> Loaded:
     """(all ranks) Load path's checkpoint ``target``; the job goes on from it."""
     if target.said:  # resolve_target's fallback warning, only when what it chose loads (agreed, as above)
-        ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 7))
+        ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 8))  # the caller's line: one frame deeper
     rng, state = resume_state(req, target, ctx, depth=2)
     loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)

@@ -12,9 +12,10 @@ for it too (:func:`register_exit_wait`), but a multi-rank save needs its process
 Staging (:class:`Stager`, below) copies an async save into host buffers kept across saves (pinned for CUDA
 tensors), so later in-place updates never reach the checkpoint. The tensors the optimizers own (only
 ``step`` changes them) are copied on the lane thread, overlapping the next forward and backward
-(``AsyncOptions.overlap_staging``); everything else before the save returns. Each optimizer's step
-pre-hook (:class:`StagingGate`) waits for staging still unfinished; a deferred tensor changed in place some
-other way (its version counter moved) fails the save, naming it -- a safety net only. CUDA: the deferred
+(``AsyncOptions.overlap_staging``); everything else before the save returns. Every optimizer's step (a
+global step pre-hook, :class:`StagingGate`) waits for staging still unfinished; a deferred tensor changed in
+place some other way (its version counter moved) fails the save on every rank, naming it -- a safety net
+only. CUDA: the deferred
 copies run on a side stream after an event recorded at the save; the current stream waits for their event.
 """
 
@@ -38,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
@@ -437,18 +439,19 @@ class Pending:
 
 
 class StagingGate:
-    """The step pre-hook a Checkpointer registers once on each optimizer it saves asynchronously: a step
-    waits for the staging in flight, if any (holds no reference to the Checkpointer)."""
+    """A Checkpointer's step pre-hook, registered once for every optimizer of the process (torch's global
+    one): any step waits for the staging in flight, if any -- not only those of the optimizers passed to
+    the save: another over the same parameters (a fused step moves no version counter) or the inner one of
+    a wrapper without ``Optimizer.__init__`` (accelerate's) would change a value being staged unseen. It
+    holds no reference to the Checkpointer."""
 
     def __init__(self) -> None:
         self.pending: Pending | None = None
-        self._handles: dict[int, Any] = {}  # id(optimizer) -> its hook's handle
+        self._handle: Any = None
 
-    def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        for opt in optimizers:
-            if id(opt) not in self._handles:
-                self._handles[id(opt)] = opt.register_step_pre_hook(self._before_step)
-                weakref.finalize(opt, self._handles.pop, id(opt), None)
+    def guard(self) -> None:
+        if self._handle is None:
+            self._handle = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         pending = self.pending
@@ -456,8 +459,8 @@ class StagingGate:
             pending.wait_issued()
 
     def close(self) -> None:
-        handles, self._handles = list(self._handles.values()), {}
-        for handle in handles:
+        handle, self._handle = self._handle, None
+        if handle is not None:
             handle.remove()
 
 

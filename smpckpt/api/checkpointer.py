@@ -379,7 +379,7 @@ class Checkpointer:
         deferred = owned_storages(req.optimizers) if self.async_options.overlap_staging else set()
         staged, pending = self._stager.stage(req.tag, state, deferred)
         if pending is not None:
-            self._gate.guard(req.optimizers)
+            self._gate.guard()
             self._gate.pending = pending
         log.info("staged checkpoint %r in %.3fs; writing in the background", req.tag, time.monotonic() - started)
         breq = dataclasses.replace(req, process_group=group)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import smpckpt
 import smpckpt.api._async as staging
@@ -289,6 +290,59 @@ def test_a_step_waits_for_staging_and_the_checkpoint_holds_the_values_of_the_sav
     assert not torch.equal(m[0].weight, want["model.0.weight"])  # the step ran, after the staging
     _assert_equal(_resumed(str(tmp_path), "a"), want)  # bit-exact: the values of the save, BatchNorm's too
     ckpt.close()
+
+
+class _Delegating(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's: no ``Optimizer.__init__`` of its own, everything delegated."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer = inner
+
+    state = property(lambda self: self.optimizer.state)  # type: ignore[assignment]
+    param_groups = property(lambda self: self.optimizer.param_groups)  # type: ignore[assignment]
+    defaults = property(lambda self: self.optimizer.defaults)  # type: ignore[assignment]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self.optimizer.step(closure)
+
+
+@pytest.mark.parametrize("who", ["another_fused_optimizer", "a_wrapper"])
+def test_any_optimizers_step_waits_for_the_staging(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event], who: str
+) -> None:
+    """hunt65a: only the optimizers passed to the save waited for its staging. Another optimizer over the
+    same parameters stepped at once, and a fused one moves no version counter: the checkpoint silently held
+    values from after the save. A wrapper without ``Optimizer.__init__`` (accelerate's) failed the save
+    with ``AttributeError: ... _optimizer_step_pre_hooks``. Every optimizer's step now waits."""
+    entered, release = held_staging
+    m, opt = _trained(0)
+    saved: torch.optim.Optimizer = _Delegating(opt) if who == "a_wrapper" else opt
+    other = torch.optim.Adam(m.parameters(), lr=0.1, fused=True) if who != "a_wrapper" else saved
+    hooks = len(_global_optimizer_pre_hooks)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+    want = _values(m, opt)
+    fut = ckpt.save("a", m, saved)
+    assert fut is not None and entered.wait(30)
+    stepped = threading.Thread(target=_step, args=(m, other))
+    stepped.start()
+    stepped.join(0.5)
+    assert stepped.is_alive()  # the step waits for the staging still unfinished
+    release.set()
+    stepped.join(30)
+    fut.result()
+    assert not torch.equal(m[0].weight, want["model.0.weight"])  # the step ran, after the staging
+    _assert_equal(_resumed(str(tmp_path), "a"), want)
+    ckpt.close()
+    assert len(_global_optimizer_pre_hooks) == hooks  # close() removed its hook
 
 
 def test_a_change_outside_the_optimizer_before_staging_fails_the_save(

@@ -15,8 +15,8 @@ tensors), so later in-place updates never reach the checkpoint. The tensors the 
 (``AsyncOptions.overlap_staging``); everything else before the save returns. Every optimizer's step (a
 global step pre-hook, :class:`StagingGate`) waits for staging still unfinished; a deferred tensor changed in
 place some other way (its version counter moved) fails the save on every rank, naming it -- a safety net
-only. CUDA: the deferred
-copies run on a side stream after an event recorded at the save; the current stream waits for their event.
+only. CUDA: the deferred copies run on a side stream after an event recorded at the save; the current
+stream waits for their event.
 """
 
 from __future__ import annotations

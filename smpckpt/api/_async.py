@@ -82,7 +82,7 @@ class Lane:
         self.failed: tuple[str, BaseException] | None = None
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: _forget_lane(ref))
+            os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
 
     @property
     def running(self) -> bool:
@@ -159,11 +159,11 @@ class Lane:
         self._thread, self.fut, self.failed, self.used = None, None, None, False
 
 
-def _forget_lane(ref: weakref.ref[Lane]) -> None:
-    """(a forked child) :meth:`Lane._forget` of the lane ``ref`` names, if it still exists."""
-    lane = ref()
-    if lane is not None:
-        lane._forget()
+def _forget_in_child(ref: weakref.ref[Any]) -> None:
+    """(a forked child) ``_forget`` the lane or staging gate ``ref`` names, if it still exists."""
+    obj = ref()
+    if obj is not None:
+        obj._forget()
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
@@ -448,6 +448,14 @@ class StagingGate:
     def __init__(self) -> None:
         self.pending: Pending | None = None
         self._handle: Any = None
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
+
+    def _forget(self) -> None:
+        """(a forked child) The parent's staging is not this process's: no thread here will ever stage it,
+        so every optimizer step of the child would wait for it forever."""
+        self.pending = None
 
     def guard(self) -> None:
         if self._handle is None:

@@ -345,6 +345,38 @@ def test_any_optimizers_step_waits_for_the_staging(
     assert len(_global_optimizer_pre_hooks) == hooks  # close() removed its hook
 
 
+def _steps_in_a_child(opt: torch.optim.Optimizer) -> None:
+    # no forward of the parent's model: BatchNorm's threaded kernels hang in a forked child (torch's, not ours)
+    opt.step()  # the optimizer it inherited (its gradients too)
+    own = nn.Linear(8, 2)
+    _step(own, torch.optim.SGD(own.parameters(), lr=0.1))  # and one of its own
+
+
+def test_a_child_forked_during_overlapped_staging_steps_at_once(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
+) -> None:
+    """hunt65a: a process forked while a staging was in flight (a search or evaluation worker) inherited
+    the step hook waiting for it, and no thread of the child would ever stage: its optimizer steps hung."""
+    import multiprocessing
+
+    entered, release = held_staging
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+    fut = ckpt.save("a", m, opt)
+    assert fut is not None and entered.wait(30)
+    child = multiprocessing.get_context("fork").Process(target=_steps_in_a_child, args=(opt,))
+    try:
+        child.start()
+        child.join(20)
+        assert child.exitcode == 0, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
+        release.set()
+    fut.result()
+    ckpt.close()
+
+
 def test_a_change_outside_the_optimizer_before_staging_fails_the_save(
     tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
 ) -> None:

@@ -377,7 +377,8 @@ class Checkpointer:
         group = self._groups.get(ctx)
         started = time.monotonic()
         deferred = owned_storages(req.optimizers) if self.async_options.overlap_staging else set()
-        staged, pending = self._stager.stage(req.tag, state, deferred)
+        # agreed: a rank that could not stage (its buffers not allocated) would leave the others' writes waiting
+        staged, pending = ctx.all_ok(lambda: self._stager.stage(req.tag, state, deferred))
         if pending is not None:
             self._gate.guard()
             self._gate.pending = pending

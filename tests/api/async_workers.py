@@ -129,6 +129,41 @@ def one_rank_refuses_its_staging(rank: int, world: int, root: str) -> dict[str, 
     }
 
 
+def one_rank_cannot_stage(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's staging fails (its pinned or host buffers cannot be allocated); each rank reports what its
+    save raised, or what its future raised within 60 s; then a second save goes on."""
+    import concurrent.futures
+
+    from smpckpt.api._async import Stager
+
+    m = model(0)
+    real = Stager.stage
+
+    def no_memory(self: Any, *args: Any) -> Any:
+        raise MemoryError("cannot allocate the staging buffers (injected)")
+
+    if rank == 1:
+        Stager.stage = no_memory  # type: ignore[method-assign]
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    try:
+        fut = ckpt.save("a", m)
+        assert fut is not None
+        fut.result(timeout=60)
+        got = "ok"
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"rank {rank}: the save's future was still running after 60 s") from None
+    except (MemoryError, smpckpt.CheckpointError) as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    Stager.stage = real  # type: ignore[method-assign]
+    try:
+        ckpt.wait()
+    except smpckpt.CheckpointError:
+        pass
+    ckpt.save("b", m).result(timeout=60)  # type: ignore[union-attr]
+    ckpt.close()
+    return {"error": got, "b": os.path.exists(os.path.join(root, "b_partial", "smpckpt.manifest.json"))}
+
+
 def returns_while_saving(root: str) -> None:
     """Commit tag ``a``; start an async save of ``b`` that opens its writer's thread pools only after a
     pause; return at once, as a training script's ``main`` does, without ``wait_for_saves()``."""

@@ -162,6 +162,19 @@ def test_a_staging_refused_on_one_rank_fails_the_save_on_every_rank(tmp_path: An
     assert [g["b_exact"] for g in got] == [True, True]
 
 
+def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path: Any) -> None:
+    """hunt65a: staging ran on each rank alone, so a rank that could not stage (its buffers not allocated)
+    raised from ``save`` while the others' background writes waited for it in their collectives (30
+    minutes by default), and their next save with them. The ranks agree on the staging: every rank's save
+    raises, naming the rank, and the next save goes on."""
+    from async_workers import one_rank_cannot_stage
+
+    got = run_world(one_rank_cannot_stage, 2, str(tmp_path), timeout=200)
+    assert got[1]["error"] == "MemoryError: cannot allocate the staging buffers (injected)"
+    assert "rank 1 failed with MemoryError: cannot allocate the staging buffers" in got[0]["error"], got[0]
+    assert [g["b"] for g in got] == [True, True]
+
+
 def _hold_background_writes(monkeypatch: Any) -> threading.Event:
     """Background writes wait (up to 30 s) until the returned event is set; only in this process (a forked
     child inherits the patch and must not be held)."""

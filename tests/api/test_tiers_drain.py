@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tier_jobs_workers
 import torch
+from dist_harness import run_world
 from tier_helpers import job as _job
 from tier_helpers import linear as _linear
 from tier_helpers import partials as _partials
@@ -82,6 +84,36 @@ def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypa
         wait_for_saves()
     assert flipped and sorted(p.name for p in durable.iterdir()) == []  # no copy, no newest
     assert (_job(local, durable) / "s1_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps the save
+
+
+@pytest.mark.dist
+def test_failed_drains_do_not_pile_up_in_the_fast_tier(tmp_path: Path) -> None:
+    """hunt64c F3: ``path`` full, every drain failing (durable_every=1, num_kept_local=1): the fast tier kept
+    every save whose drain failed, though only the newest is ever drained again, until the node's disk was
+    full and every save failed. Now it keeps num_kept_local, the tag just saved, one a drain copies and the
+    pending drain a retry would pick (here the newest), and warns of each failed drain it removes. The
+    newest resumes bit-exactly; with room in ``path`` again, a save not due for it drains that one again."""
+    results = run_world(tier_jobs_workers.failed_drains_pile_up, 2, str(tmp_path), timeout=240)
+    for rank, got in enumerate(results):
+        for step, said in enumerate(got["wait"], 1):
+            assert said.startswith(f"CheckpointError: the drain of checkpoint 'step{step}'"), (rank, said)
+            assert "injected: no space left on path's storage" in said, (rank, said)
+        for step, held in enumerate(got["fast"], 1):
+            assert len(held) <= 1 + 2 and f"step{step}_partial" in held, (rank, step, got["fast"])  # before: all
+        assert got["fast"][-1] == ["step5_partial"], (rank, got["fast"])
+        for step in range(1, 5):  # each node's first rank removed each older failed drain, naming it
+            said = [m for m in got["logged"] if f"removed checkpoint 'step{step}' (save {step})" in m]
+            assert len(said) == 1 and "never reached" in said[0] and "/durable" in said[0], (rank, got["logged"])
+            assert f"'step{step + 1}' (save {step + 1}), newer, is drained instead" in said[0], said
+        resumed = got["resumed"]
+        assert resumed.startswith("ok {'tag': 'step5', 'tier': 'fast'"), (rank, resumed)
+        assert "'uc': {'step': 5}, 'exact': True}" in resumed, (rank, resumed)
+        assert (got["save6"], got["wait6"]) == ("ok None", "ok None"), (rank, got)
+        assert got["durable"] == ["newest", "step5_partial"] and got["fast6"] == ["step6_partial"], (rank, got)
+        from_path = got["from_path"]
+        assert from_path.startswith("ok {'tag': 'step5', 'tier': 'durable'"), (rank, from_path)
+        assert "'uc': {'step': 5}, 'exact': True}" in from_path, (rank, from_path)
+    assert any("'step5' (save 5)" in w for w in results[0]["said6"]), results[0]["said6"]
 
 
 class _SpySink:

@@ -91,8 +91,9 @@ def test_failed_drains_do_not_pile_up_in_the_fast_tier(tmp_path: Path) -> None:
     """hunt64c F3: ``path`` full, every drain failing (durable_every=1, num_kept_local=1): the fast tier kept
     every save whose drain failed, though only the newest is ever drained again, until the node's disk was
     full and every save failed. Now it keeps num_kept_local, the tag just saved, one a drain copies and the
-    pending drain a retry would pick (here the newest), and warns of each failed drain it removes. The
-    newest resumes bit-exactly; with room in ``path`` again, a save not due for it drains that one again."""
+    pending drain a retry would pick (here the newest; in a second job an older one, the newest being
+    undrainable), and warns of each failed drain it removes. The newest resumes bit-exactly; with room in
+    ``path`` again, a save not due for it drains that one again, and ``path`` resumes it bit-exactly."""
     results = run_world(tier_jobs_workers.failed_drains_pile_up, 2, str(tmp_path), timeout=240)
     for rank, got in enumerate(results):
         for step, said in enumerate(got["wait"], 1):
@@ -113,6 +114,10 @@ def test_failed_drains_do_not_pile_up_in_the_fast_tier(tmp_path: Path) -> None:
         from_path = got["from_path"]
         assert from_path.startswith("ok {'tag': 'step5', 'tier': 'durable'"), (rank, from_path)
         assert "'uc': {'step': 5}, 'exact': True}" in from_path, (rank, from_path)
+        # the newest pending drain cannot be drained (a part lost on both nodes): the one the retry picks stays
+        assert got["fast2"] == ["step2_partial", "step5_partial"], (rank, got["fast2"])  # before: step4 too
+        said = [m for m in got["logged2"] if "removed checkpoint 'step4' (save 4)" in m]
+        assert len(said) == 1 and "/durable2; 'step2' (save 2) is drained instead" in said[0], (rank, got["logged2"])
     assert any("'step5' (save 5)" in w for w in results[0]["said6"]), results[0]["said6"]
 
 

@@ -209,7 +209,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         seq = 1 + max(tier_seq(views), drained)
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
             running = set(memory.held)
-        pending = [c for c in pending_drains(views, drained) if c.tag not in running]
+        # nor one older than a drain still running: drained after it, it would move `newest` back (rev65b F3)
+        ahead = max((c.seq for c in candidates(views) if c.tag in running), default=0)
+        pending = [c for c in pending_drains(views, drained) if c.tag not in running and c.seq > ahead]
         lineage, runs = lineage_for(views, drained, memory.continues), runs_for(views, drained, memory, seq)
         back = (
             *part.counter.abandoned,
@@ -302,7 +304,7 @@ def _retry_of(
             "background, once it is written"
             if not why
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
-            f"but cannot be drained: {why}; the fast tier keeps it only among the num_kept_local newest saves"
+            f"but cannot be drained: {why}; the fast tier keeps it while among the num_kept_local newest (None: all)"
         )
         # inside plan_tier_save's agreement (on_coordinator): a filter making warnings errors fails the save
         # on every rank alike, not rank 0's alone (rev59c F3)
@@ -457,11 +459,13 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
         return []
     complete = [c for c in found if c.complete]
     # of the saves whose drain did not commit, only the one the next save drains again (this save when
-    # durable, else the one it drains again: rank 0's pick, on every rank) and held ones: keeping every
-    # failed drain filled the fast tier while path was down (hunt64c F3); the others are never drained again
+    # durable, else the one it drains again: rank 0's pick, on every rank), the newest complete one (a drain
+    # of it may fail after this save was planned: rev65b F1, F2; from the gathered listings, alike on every
+    # node) and held ones: keeping every failed drain filled the fast tier while path was down (hunt64c F3)
     pending = pending_drains(views, durable_seq)
     retry = tag if tier.durable else tier.retry.tag if tier.retry is not None else None
-    due = [c for c in pending if c.tag == retry or c.tag in protected]
+    newest = next((c.tag for c in pending if c.complete), None)
+    due = [c for c in pending if c.tag in (retry, newest) or c.tag in protected]
     kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
     oldest_kept = min((c.key for c in complete[:keep]), default=None)
     committed = {c.tag for c in found}

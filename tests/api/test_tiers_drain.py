@@ -161,6 +161,54 @@ def _damage_late_in_the_first_file_drained(monkeypatch: pytest.MonkeyPatch, seen
     monkeypatch.setattr(drain_module, "open_sink", lambda *a, **kw: _SpySink(real_open(*a, **kw), seen))
 
 
+def test_a_drain_failing_while_the_next_save_is_written_stays_for_the_save_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65b F1: save 4's drain (due, durable_every=4) was still running when save 5 was planned, so save 5
+    chose no retry; the drain then failed, and save 5's retention removed step4 as an older failed drain:
+    save 6 had nothing to drain and `path` got nothing. The newest complete failed drain stays now."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, down, release = drain_module.open_sink, fast_save.run_save, [True], threading.Event()
+
+    def path_full(*args: Any, **kwargs: Any) -> Any:
+        if down[0]:
+            assert release.wait(60)  # the drain fails once save 5 is planned and writing
+            raise OSError(28, "injected: no space left on path")
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step5":
+            release.set()
+            with pytest.raises(CheckpointError, match="no space left on path"):
+                wait_for_saves()  # step4's drain has failed before step5 commits and retains
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_full)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=4, num_kept_local=1), _linear(1)
+    for k in range(1, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k != 4:
+            wait_for_saves()
+        if k == 4:
+            saved = _linear(4)
+            saved.load_state_dict(model.state_dict())
+    assert "step4_partial" in _partials(_job(local, durable)), _partials(_job(local, durable))
+    down[0] = False
+    save_checkpoint(durable, "step6", model=model, options=tier)  # not due: drains step4 again
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="step4", model=got)  # from path alone (no local_path)
+    assert (durable / "step4_partial" / MANIFEST_NAME).is_file() and _same(got, saved)
+
+
 def test_the_drain_reads_each_file_once_and_removes_a_copy_found_damaged_mid_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

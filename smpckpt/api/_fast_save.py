@@ -464,8 +464,8 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
     # node) and held ones: keeping every failed drain filled the fast tier while path was down (hunt64c F3)
     pending = pending_drains(views, durable_seq)
     retry = tag if tier.durable else tier.retry.tag if tier.retry is not None else None
-    newest = next((c.tag for c in pending if c.complete), None)
-    due = [c for c in pending if c.tag in (retry, newest) or c.tag in protected]
+    newest_due = next((c.tag for c in pending if c.complete), None)
+    due = [c for c in pending if c.tag in (retry, newest_due) or c.tag in protected]
     kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
     oldest_kept = min((c.key for c in complete[:keep]), default=None)
     committed = {c.tag for c in found}

@@ -160,7 +160,8 @@ def commit(
     goes before the swap (:func:`_drop_stock_copy`)."""
     _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
     _create_own(folder, url, dict(side or {}), sync=sync)
-    check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
+    named = _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}
+    check_named(folder.listing(), named, url)
     if owner_marker is not None:
         marker = folder.read(WRITING_MARKER)
         if marker_owner(marker) != owner_marker:
@@ -180,7 +181,7 @@ def commit(
             _restore_stock_copy(folder, url)
         raise
     try:
-        _unless_removing(folder, url, manifest_bytes)
+        _unless_removing(folder, url, manifest_bytes, named | {MANIFEST_NAME: len(manifest_bytes)})
     except OSError as exc:  # the manifest is in place: failing plainly would hide a commit
         raise CommitUncertain(
             f"{url}: the manifest was written, but whether a removal started meanwhile could not be checked "
@@ -259,12 +260,24 @@ def _write_manifest(
         raise
 
 
-def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
+def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes, named: Mapping[str, int]) -> None:
     """Step 4: a removal marked this folder meanwhile (a prune with too short an age, a retention of this
-    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
-    if not folder.exists(REMOVING_NAME):
-        return
+    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success. The
+    mark first, then a listing of this save's files: a removal that finished in between (its mark gone last)
+    has taken them, and the save fails too (hunt64b F1). In that order, whatever the listing's pages saw: no
+    mark means no removal ran, or one that ended before the look, after every file it listed was gone."""
     said = "a removal of this folder (prune, retention or remove_checkpoint) started while this save was committing"
+    if not folder.exists(REMOVING_NAME):
+        listing = folder.listing()
+        gone = [n for n, size in named.items() if listing.get(n) != size]
+        if not gone and REMOVING_NAME not in listing:
+            return
+        if gone:  # a removal that finished, or a hand that moved them: nothing here is this save's whole
+            said = (
+                f"{len(gone)} file(s) of this save went missing after its manifest landed "
+                f"({', '.join(sorted(gone)[:3])}): a removal of this folder (prune, retention or "
+                "remove_checkpoint) ran while it was committing"
+            )
     try:  # the mark was seen: a failure from here on is no uncertain commit (rev64e F3)
         left: bool | list[str] | str = folder.read(MANIFEST_NAME) == manifest_bytes and folder.remove([MANIFEST_NAME])
     except OSError as exc:

@@ -149,17 +149,18 @@ def test_an_overwrite_never_deletes_through_a_prefix_folder_flipped_to_a_link(
         return real_unlink(path, *args, **kwargs)
 
     committed = threading.Event()
+    real_unless = commit_mod._unless_removing
 
-    class Flipping(FsspecStorageWriter):
-        def _write_manifest(self, data: bytes) -> None:
-            super()._write_manifest(data)
-            committed.set()
+    def unless_removing(*args: Any, **kwargs: Any) -> None:  # the commit's last look (step 4) passed
+        real_unless(*args, **kwargs)
+        committed.set()
 
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
     monkeypatch.setattr(os, "open", opening)
     monkeypatch.setattr(os, "remove", removing)
     monkeypatch.setattr(os, "unlink", unlinking)
     new = make_state(2, scale=3)
-    dcp.save(new, storage_writer=Flipping(url, overwrite=True, prefix_strategy="hex"))
+    dcp.save(new, storage_writer=FsspecStorageWriter(url, overwrite=True, prefix_strategy="hex"))
     monkeypatch.undo()
     assert flipped.is_set()
     _intact(out, victims)  # nothing outside the root deleted (before: files behind the link went)
@@ -300,6 +301,59 @@ def test_a_prune_that_finds_the_manifest_after_marking_leaves_the_checkpoint(
     assert verify_checkpoint(url).ok
     assert not os.path.exists(os.path.join(url, "smpckpt.removing"))
     assert_state_equal(state, roundtrip_load(state, url))
+
+
+def test_a_removal_finishing_between_a_commits_manifest_and_its_look_fails_the_save(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hunt64b F1 (HIGH): a stale removal marks the folder and finds no manifest; the save's manifest lands;
+    the removal deletes everything, its mark last; only then does the commit look for the mark. Before: no
+    mark, so the save returned OK with nothing left. Now the commit also lists its files after looking for
+    the mark: they are gone, and the save fails by name."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.storage.backends import _folder as folder_mod
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    files_checked, removal_emptied, manifest_in, look = (threading.Event() for _ in range(4))
+    real_check, real_unless, real_tree = commit_mod.check_named, commit_mod._unless_removing, folder_mod.remove_tree
+
+    def check_named(*args: Any, **kwargs: Any) -> None:  # the commit's step 2: every file there
+        real_check(*args, **kwargs)
+        files_checked.set()
+        assert removal_emptied.wait(60)
+
+    def unless_removing(*args: Any, **kwargs: Any) -> Any:  # step 4, held until the removal is done
+        manifest_in.set()
+        assert look.wait(60)
+        return real_unless(*args, **kwargs)
+
+    def remove_tree(*args: Any, **kwargs: Any) -> Any:  # the removal: marked, no manifest seen, emptied
+        removal_emptied.set()
+        assert manifest_in.wait(60)
+        return real_tree(*args, **kwargs)
+
+    monkeypatch.setattr(commit_mod, "check_named", check_named)
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
+    monkeypatch.setattr(folder_mod, "remove_tree", remove_tree)
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    assert files_checked.wait(60)
+    remove_checkpoint(url, opts, uncommitted_only=True)
+    look.set()
+    thread.join(60)
+    assert errors, f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
+    error = unwrap(errors[0])
+    assert type(error) is CheckpointError and url in str(error) and "nothing is committed" in str(error), error
+    assert checkpoint_state(url, opts) in ("missing", "uncommitted")
 
 
 # -- overwrites replace exactly the checkpoint they saw --------------------------------------------------

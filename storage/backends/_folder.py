@@ -527,6 +527,8 @@ def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
             raise FileNotFoundError(folder)
         found |= listed
         names = [str(p)[len(base) :] for p, info in listed.items() if info.get("type") != "directory"]
+        if last is not None and last not in names:
+            return nf.mark_gone(folder)
         files = [f for f in names if f and f != last]
         if not files or last is None or round_ == nf.LATE_ROUNDS:
             break
@@ -535,20 +537,22 @@ def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
         failed = Folder(fs, folder).remove(files)
         if failed:
             return failed
-    if last is None:
-        failed = Folder(fs, folder).remove(files)
-    elif files:
+    if last is not None and files:
         return [join(folder, f) for f in files]  # files keep appearing: the mark stays
-    else:
-        failed = Folder(fs, folder).remove([last]) if last in names else []
-    if _protocol(fs) == "memory":
-        dirs = [p for p, info in found.items() if info.get("type") == "directory"]
-        for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
-            try:
-                with translate_errors(d):
-                    fs.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                failed.append(d)
+    failed = Folder(fs, folder).remove(files if last is None else [last])
+    return failed + (_remove_dirs(fs, folder, found) if _protocol(fs) == "memory" else [])
+
+
+def _remove_dirs(fs: Any, folder: str, found: dict[str, Any]) -> list[str]:
+    """(memory://, which keeps folders of its own) The folders ``found`` under ``folder``, deepest first."""
+    failed = []
+    dirs = [p for p, info in found.items() if info.get("type") == "directory"]
+    for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
+        try:
+            with translate_errors(d):
+                fs.rmdir(d)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            failed.append(d)
     return failed

@@ -285,7 +285,8 @@ class SaveOptions(_Options):
 
     verify_replicas: bool = True
     """Ranks holding the same piece of a tensor (replicas) must hold the same values (a sampled digest), or
-    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data."""
+    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data.
+    Keys under ``Sharding(held_by_some=...)`` are compared across their holders even when this is off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

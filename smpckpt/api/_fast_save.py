@@ -209,7 +209,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         seq = 1 + max(tier_seq(views), drained)
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
             running = set(memory.held)
-        pending = [c for c in pending_drains(views, drained) if c.tag not in running]
+        # nor one older than a drain still running: drained after it, it would move `newest` back (rev65b F3)
+        ahead = max((c.seq for c in candidates(views) if c.tag in running), default=0)
+        pending = [c for c in pending_drains(views, drained) if c.tag not in running and c.seq > ahead]
         lineage, runs = lineage_for(views, drained, memory.continues), runs_for(views, drained, memory, seq)
         back = (
             *part.counter.abandoned,
@@ -302,7 +304,7 @@ def _retry_of(
             "background, once it is written"
             if not why
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
-            f"but cannot be drained: {why}; it stays in the fast tier until a later save is drained"
+            f"but cannot be drained: {why}; the fast tier keeps it while among the num_kept_local newest (None: all)"
         )
         # inside plan_tier_save's agreement (on_coordinator): a filter making warnings errors fails the save
         # on every rank alike, not rank 0's alone (rev59c F3)
@@ -431,10 +433,11 @@ def _commit_nodes(
 def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
     after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
-    its own save counted complete. Kept: the newest complete saves, held tags, saves due for the durable
-    tier not yet drained, unsafe and foreign folders, committed saves newer than the kept ones, and copies
-    committed after the listings. Removed: older saves, and uncommitted folders older than the newest
-    commit here."""
+    its own save counted complete. Kept: the newest complete saves, held tags, of the saves due for the
+    durable tier not yet drained only the one the next save drains again (this save when durable, else
+    ``tier.retry``), unsafe and foreign folders, committed saves newer than the kept ones, and copies
+    committed after the listings. Removed: older saves (a failed drain's with a warning naming it), and
+    uncommitted folders older than the newest commit here."""
     keep = tier.options.num_kept_local
     try:
         with tier.memory.lock:
@@ -447,7 +450,7 @@ def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
 
 
 def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
-    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
+    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={}, durable=tier.durable)  # complete: committed
     tag = os.path.basename(tier.folder)[: -len("_partial")]
     views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
     folder, durable_seq = tier.job, max(tier.durable_seq, tier.memory.durable or 0)
@@ -455,7 +458,15 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
     if keep is None or not found:
         return []
     complete = [c for c in found if c.complete]
-    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in pending_drains(views, durable_seq)}
+    # of the saves whose drain did not commit, only the one the next save drains again (this save when
+    # durable, else the one it drains again: rank 0's pick, on every rank), the newest complete one (a drain
+    # of it may fail after this save was planned: rev65b F1, F2; from the gathered listings, alike on every
+    # node) and held ones: keeping every failed drain filled the fast tier while path was down (hunt64c F3)
+    pending = pending_drains(views, durable_seq)
+    retry = tag if tier.durable else tier.retry.tag if tier.retry is not None else None
+    newest_due = next((c.tag for c in pending if c.complete), None)
+    due = [c for c in pending if c.tag in (retry, newest_due) or c.tag in protected]
+    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
     oldest_kept = min((c.key for c in complete[:keep]), default=None)
     committed = {c.tag for c in found}
     removed = []
@@ -484,6 +495,13 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
         failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
         if failed:
             log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
-        else:
-            removed.append(tag)
+            continue
+        removed.append(tag)
+        for c in (c for c in pending if c.tag == tag):
+            instead = f"{due[0].tag!r} (save {due[0].seq}){', newer,' * (due[0].seq > c.seq)} is" if due else "none is"
+            log.warning(
+                "fast tier %s: removed checkpoint %r (save %d), due for the durable tier: it never reached %s; "
+                "%s drained instead",
+                *(folder, tag, c.seq, tier.root_key, instead),
+            )
     return removed

@@ -182,8 +182,9 @@ class FastTier(_Options):
     a drain that did not commit (a killed job) is retried by the next save that is not itself due."""
 
     num_kept_local: int | None = 2
-    """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor one
-    due for ``path`` whose drain did not commit); ``None`` keeps all."""
+    """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor, of
+    those due for ``path`` whose drain did not commit, the one the next save drains again: the others go,
+    warned); ``None`` keeps all."""
 
     drain_memory: int = _opt(384 << 20, same=False)
     """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written
@@ -285,7 +286,8 @@ class SaveOptions(_Options):
 
     verify_replicas: bool = True
     """Ranks holding the same piece of a tensor (replicas) must hold the same values (a sampled digest), or
-    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data."""
+    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data.
+    Keys under ``Sharding(held_by_some=...)`` are compared across their holders even when this is off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -160,7 +160,8 @@ def commit(
     goes before the swap (:func:`_drop_stock_copy`)."""
     _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
     _create_own(folder, url, dict(side or {}), sync=sync)
-    check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
+    named = _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}
+    check_named(folder.listing(), named, url)
     if owner_marker is not None:
         marker = folder.read(WRITING_MARKER)
         if marker_owner(marker) != owner_marker:
@@ -180,7 +181,9 @@ def commit(
             _restore_stock_copy(folder, url)
         raise
     try:
-        _unless_removing(folder, url, manifest_bytes)
+        _unless_removing(folder, url, manifest, manifest_bytes, named | {MANIFEST_NAME: len(manifest_bytes)})
+    except CheckpointExists:
+        raise
     except OSError as exc:  # the manifest is in place: failing plainly would hide a commit
         raise CommitUncertain(
             f"{url}: the manifest was written, but whether a removal started meanwhile could not be checked "
@@ -259,14 +262,26 @@ def _write_manifest(
         raise
 
 
-def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
+def _unless_removing(folder: Folder, url: str, manifest: Manifest, data: bytes, named: Mapping[str, int]) -> None:
     """Step 4: a removal marked this folder meanwhile (a prune with too short an age, a retention of this
-    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
-    if not folder.exists(REMOVING_NAME):
-        return
+    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success. The
+    mark first, then a listing of this save's files: a removal that finished in between (its mark gone last)
+    has taken them, and the save fails too (hunt64b F1). In that order, whatever the listing's pages saw: no
+    mark means no removal ran, or one that ended before the look, after every file it listed was gone."""
     said = "a removal of this folder (prune, retention or remove_checkpoint) started while this save was committing"
+    if not folder.exists(REMOVING_NAME):
+        listing = folder.listing()
+        gone = [n for n, size in named.items() if listing.get(n) != size]
+        if not gone and REMOVING_NAME not in listing:
+            return
+        if gone:  # a removal that finished, or another save's overwrite: nothing here is this save's whole
+            other = committed_save_id(folder)
+            said = f"{len(gone)} file(s) of this save went missing after its manifest landed ({', '.join(sorted(gone)[:3])})"
+            if other not in (None, manifest.save_id):  # rev65a F3
+                raise CheckpointExists(f"{url}: {said}: another save's commit (save {other}) replaced this one")
+            said += ": a removal of this folder (prune, retention or remove_checkpoint) ran while it was committing"
     try:  # the mark was seen: a failure from here on is no uncertain commit (rev64e F3)
-        left: bool | list[str] | str = folder.read(MANIFEST_NAME) == manifest_bytes and folder.remove([MANIFEST_NAME])
+        left: bool | list[str] | str = folder.read(MANIFEST_NAME) == data and folder.remove([MANIFEST_NAME])
     except OSError as exc:
         left = f"{type(exc).__name__}: {exc}"
     if left:
@@ -368,17 +383,24 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     with Folder(fs, path) as folder:
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)
-        with contextlib.suppress(FileExistsError):  # an interrupted removal's mark: this one finishes it
+        try:
             folder.publish(REMOVING_NAME, b"removing\n", sync=True)
+            ours = True
+        except FileExistsError:  # an interrupted removal's mark, or a running one's: this one finishes it
+            ours = False
         if uncommitted_only and folder.exists(MANIFEST_NAME):
             log.warning("%s committed while it was being removed as stale: left as it is", url)
-            folder.remove([REMOVING_NAME])
+            if ours:  # another's mark stays: a removal still running goes on, and that commit withdraws (rev65a F1)
+                folder.remove([REMOVING_NAME])
             return []
         failed = folder.remove([MANIFEST_NAME])
         if not failed and not folder.local:
             # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
             # marked, and the next retention finishes it
-            failed = folder.remove([n for n in folder.listing() if n != REMOVING_NAME])
+            names = folder.listing()
+            if REMOVING_NAME not in names:
+                return nf.mark_gone(url)
+            failed = folder.remove([n for n in names if n != REMOVING_NAME])
         if failed:
             return failed
     return remove_tree(fs, path, last=REMOVING_NAME)  # local disk: the mark last too (rev62j F2)

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tier_jobs_workers
 import torch
+from dist_harness import run_world
 from tier_helpers import job as _job
 from tier_helpers import linear as _linear
 from tier_helpers import partials as _partials
@@ -84,6 +86,41 @@ def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypa
     assert (_job(local, durable) / "s1_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps the save
 
 
+@pytest.mark.dist
+def test_failed_drains_do_not_pile_up_in_the_fast_tier(tmp_path: Path) -> None:
+    """hunt64c F3: ``path`` full, every drain failing (durable_every=1, num_kept_local=1): the fast tier kept
+    every save whose drain failed, though only the newest is ever drained again, until the node's disk was
+    full and every save failed. Now it keeps num_kept_local, the tag just saved, one a drain copies and the
+    pending drain a retry would pick (here the newest; in a second job an older one, the newest being
+    undrainable), and warns of each failed drain it removes. The newest resumes bit-exactly; with room in
+    ``path`` again, a save not due for it drains that one again, and ``path`` resumes it bit-exactly."""
+    results = run_world(tier_jobs_workers.failed_drains_pile_up, 2, str(tmp_path), timeout=240)
+    for rank, got in enumerate(results):
+        for step, said in enumerate(got["wait"], 1):
+            assert said.startswith(f"CheckpointError: the drain of checkpoint 'step{step}'"), (rank, said)
+            assert "injected: no space left on path's storage" in said, (rank, said)
+        for step, held in enumerate(got["fast"], 1):
+            assert len(held) <= 1 + 2 and f"step{step}_partial" in held, (rank, step, got["fast"])  # before: all
+        assert got["fast"][-1] == ["step5_partial"], (rank, got["fast"])
+        for step in range(1, 5):  # each node's first rank removed each older failed drain, naming it
+            said = [m for m in got["logged"] if f"removed checkpoint 'step{step}' (save {step})" in m]
+            assert len(said) == 1 and "never reached" in said[0] and "/durable" in said[0], (rank, got["logged"])
+            assert f"'step{step + 1}' (save {step + 1}), newer, is drained instead" in said[0], said
+        resumed = got["resumed"]
+        assert resumed.startswith("ok {'tag': 'step5', 'tier': 'fast'"), (rank, resumed)
+        assert "'uc': {'step': 5}, 'exact': True}" in resumed, (rank, resumed)
+        assert (got["save6"], got["wait6"]) == ("ok None", "ok None"), (rank, got)
+        assert got["durable"] == ["newest", "step5_partial"] and got["fast6"] == ["step6_partial"], (rank, got)
+        from_path = got["from_path"]
+        assert from_path.startswith("ok {'tag': 'step5', 'tier': 'durable'"), (rank, from_path)
+        assert "'uc': {'step': 5}, 'exact': True}" in from_path, (rank, from_path)
+        # the newest pending drain cannot be drained (a part lost on both nodes): the one the retry picks stays
+        assert got["fast2"] == ["step2_partial", "step5_partial"], (rank, got["fast2"])  # before: step4 too
+        said = [m for m in got["logged2"] if "removed checkpoint 'step4' (save 4)" in m]
+        assert len(said) == 1 and "/durable2; 'step2' (save 2) is drained instead" in said[0], (rank, got["logged2"])
+    assert any("'step5' (save 5)" in w for w in results[0]["said6"]), results[0]["said6"]
+
+
 class _SpySink:
     """A drain's sink as it is, counting the bytes handed to it and whether it was aborted."""
 
@@ -122,6 +159,54 @@ def _damage_late_in_the_first_file_drained(monkeypatch: pytest.MonkeyPatch, seen
 
     monkeypatch.setattr(drain_module, "check_blocks", damaged_first)
     monkeypatch.setattr(drain_module, "open_sink", lambda *a, **kw: _SpySink(real_open(*a, **kw), seen))
+
+
+def test_a_drain_failing_while_the_next_save_is_written_stays_for_the_save_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65b F1: save 4's drain (due, durable_every=4) was still running when save 5 was planned, so save 5
+    chose no retry; the drain then failed, and save 5's retention removed step4 as an older failed drain:
+    save 6 had nothing to drain and `path` got nothing. The newest complete failed drain stays now."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, down, release = drain_module.open_sink, fast_save.run_save, [True], threading.Event()
+
+    def path_full(*args: Any, **kwargs: Any) -> Any:
+        if down[0]:
+            assert release.wait(60)  # the drain fails once save 5 is planned and writing
+            raise OSError(28, "injected: no space left on path")
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step5":
+            release.set()
+            with pytest.raises(CheckpointError, match="no space left on path"):
+                wait_for_saves()  # step4's drain has failed before step5 commits and retains
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_full)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=4, num_kept_local=1), _linear(1)
+    for k in range(1, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k != 4:
+            wait_for_saves()
+        if k == 4:
+            saved = _linear(4)
+            saved.load_state_dict(model.state_dict())
+    assert "step4_partial" in _partials(_job(local, durable)), _partials(_job(local, durable))
+    down[0] = False
+    save_checkpoint(durable, "step6", model=model, options=tier)  # not due: drains step4 again
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="step4", model=got)  # from path alone (no local_path)
+    assert (durable / "step4_partial" / MANIFEST_NAME).is_file() and _same(got, saved)
 
 
 def test_the_drain_reads_each_file_once_and_removes_a_copy_found_damaged_mid_way(

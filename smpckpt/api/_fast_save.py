@@ -440,8 +440,9 @@ def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
     its own save counted complete. Kept: the newest complete saves, held tags, of the saves due for the
     durable tier not yet drained only the one the next save drains again (this save when durable, else
-    ``tier.retry``), unsafe and foreign folders, committed saves newer than the kept ones, and copies
-    committed after the listings. Removed: older saves (a failed drain's with a warning naming it), and
+    ``tier.retry``) and those whose drain ran when this save was planned (``tier.running``), unsafe and
+    foreign folders, committed saves newer than the kept ones, and copies committed after the listings.
+    Removed: older saves (a failed drain's with a warning naming it and the save drained instead), and
     uncommitted folders older than the newest commit here."""
     keep = tier.options.num_kept_local
     try:

@@ -471,7 +471,7 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
     # was down (hunt64c F3)
     pending = pending_drains(views, durable_seq)
     drains = {tag if tier.durable else tier.retry.tag if tier.retry is not None else "", *tier.running}
-    named = [c for c in pending if c.tag in drains]  # the removal warning names the newest of them
+    named = next((c for c in pending if c.tag in drains), None)  # the removal warning names the newest
     due = [c for c in pending if c.tag in drains or c.tag in protected]
     kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
     oldest_kept = min((c.key for c in complete[:keep]), default=None)
@@ -505,7 +505,7 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
             continue
         removed.append(tag)
         for c in (c for c in pending if c.tag == tag):
-            instead = f"{named[0].tag!r} (save {named[0].seq}){', newer,' * (named[0].seq > c.seq)} is" if named else "none is"
+            instead = f"{named.tag!r} (save {named.seq}){', newer,' * (named.seq > c.seq)} is" if named else "none is"
             log.warning(
                 "fast tier %s: removed checkpoint %r (save %d), due for the durable tier: it never reached %s; "
                 "%s drained instead",

@@ -151,6 +151,9 @@ class TierPlan:
     views: tuple[Mapping[str, LocalCopy], ...] = ()  #: every rank's node listing before this save
     durable_seq: int = 0  #: the highest save number ``path`` held before this save
     retry: PendingDrain | None = None
+    #: (rank 0's) the saves due for ``path`` whose drain was running when this save was planned: kept in the
+    #: fast tier, as ``retry`` is (the drain may fail, and the next save drains it again: rev65b F1, rev65d F1)
+    running: tuple[str, ...] = ()
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
@@ -199,7 +202,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, FastCandidate | None, tuple[int, ...], tuple[Any, Any]]:
+    def decide() -> tuple[int, int, FastCandidate | None, tuple[str, ...], tuple[int, ...], tuple[Any, Any]]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -211,7 +214,8 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
             running = set(memory.held)
         # nor one older than a drain still running: drained after it, it would move `newest` back (rev65b F3)
         ahead = max((c.seq for c in candidates(views) if c.tag in running), default=0)
-        pending = [c for c in pending_drains(views, drained) if c.tag not in running and c.seq > ahead]
+        due = pending_drains(views, drained)
+        pending = [c for c in due if c.tag not in running and c.seq > ahead]
         lineage, runs = lineage_for(views, drained, memory.continues), runs_for(views, drained, memory, seq)
         back = (
             *part.counter.abandoned,
@@ -220,9 +224,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         tags = {c.order[0]: c.tag for c in candidates(views)} | {memory.back_to[1]: memory.back_to[0]}
         retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
         memory.runs, memory.passed, memory.fresh = *runs, False  # the segment stays, the save failing or not
-        return seq, drained, retry, lineage, runs
+        return seq, drained, retry, tuple(c.tag for c in due if c.tag in running), lineage, runs
 
-    seq, drained, retry_of, lineage, runs = ctx.on_coordinator(decide)
+    seq, drained, retry_of, running, lineage, runs = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
@@ -260,6 +264,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         tuple(views),
         drained,
         retry,
+        running,
         streams,
         drain_group,
         memory,
@@ -435,8 +440,9 @@ def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
     its own save counted complete. Kept: the newest complete saves, held tags, of the saves due for the
     durable tier not yet drained only the one the next save drains again (this save when durable, else
-    ``tier.retry``), unsafe and foreign folders, committed saves newer than the kept ones, and copies
-    committed after the listings. Removed: older saves (a failed drain's with a warning naming it), and
+    ``tier.retry``) and those whose drain ran when this save was planned (``tier.running``), unsafe and
+    foreign folders, committed saves newer than the kept ones, and copies committed after the listings.
+    Removed: older saves (a failed drain's with a warning naming it and the save drained instead), and
     uncommitted folders older than the newest commit here."""
     keep = tier.options.num_kept_local
     try:
@@ -459,13 +465,14 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
         return []
     complete = [c for c in found if c.complete]
     # of the saves whose drain did not commit, only the one the next save drains again (this save when
-    # durable, else the one it drains again: rank 0's pick, on every rank), the newest complete one (a drain
-    # of it may fail after this save was planned: rev65b F1, F2; from the gathered listings, alike on every
-    # node) and held ones: keeping every failed drain filled the fast tier while path was down (hunt64c F3)
+    # durable, else the one it drains again), those whose drain was running when this save was planned (it
+    # may fail after: rev65b F1; not the newest failed one, which may be undrainable: rev65d F1) -- rank 0's
+    # picks, alike on every node -- and held ones: keeping every failed drain filled the fast tier while path
+    # was down (hunt64c F3)
     pending = pending_drains(views, durable_seq)
-    retry = tag if tier.durable else tier.retry.tag if tier.retry is not None else None
-    newest_due = next((c.tag for c in pending if c.complete), None)
-    due = [c for c in pending if c.tag in (retry, newest_due) or c.tag in protected]
+    drains = {tag if tier.durable else tier.retry.tag if tier.retry is not None else "", *tier.running}
+    named = next((c for c in pending if c.tag in drains), None)  # the removal warning names the newest
+    due = [c for c in pending if c.tag in drains or c.tag in protected]
     kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
     oldest_kept = min((c.key for c in complete[:keep]), default=None)
     committed = {c.tag for c in found}
@@ -498,7 +505,7 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
             continue
         removed.append(tag)
         for c in (c for c in pending if c.tag == tag):
-            instead = f"{due[0].tag!r} (save {due[0].seq}){', newer,' * (due[0].seq > c.seq)} is" if due else "none is"
+            instead = f"{named.tag!r} (save {named.seq}){', newer,' * (named.seq > c.seq)} is" if named else "none is"
             log.warning(
                 "fast tier %s: removed checkpoint %r (save %d), due for the durable tier: it never reached %s; "
                 "%s drained instead",

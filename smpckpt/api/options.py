@@ -179,12 +179,13 @@ class FastTier(_Options):
 
     durable_every: int = 1
     """Every N-th save of the job (counted across restarts) is also drained to ``path`` in the background;
-    a drain that did not commit (a killed job) is retried by the next save that is not itself due."""
+    a drain that did not commit (a killed job, a failure) is retried by the next save that is not itself due
+    (never one older than a drain still running)."""
 
     num_kept_local: int | None = 2
     """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor, of
-    those due for ``path`` whose drain did not commit, the one the next save drains again: the others go,
-    warned); ``None`` keeps all."""
+    those due for ``path`` whose drain did not commit, the one the next save drains again and one whose drain
+    was running when the save was planned: the others go, warned); ``None`` keeps all."""
 
     drain_memory: int = _opt(384 << 20, same=False)
     """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written

@@ -586,7 +586,7 @@ def apply_retention(
         r.tag
         for r in records
         # a manifest found once marked is a save that finished that removal and committed since (rev65a F2)
-        if r.state == "removing" and r.tag not in protected and remove(r.tag, "partly removed", uncommitted_only=True)
+        if r.state == "removing" and r.tag not in protected and remove(r.tag, "the rest of", uncommitted_only=True)
     ]
     stale: list[str] = []
     aborted: list[str] = []

@@ -528,7 +528,7 @@ def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
         found |= listed
         names = [str(p)[len(base) :] for p, info in listed.items() if info.get("type") != "directory"]
         if last is not None and last not in names:
-            return nf.mark_gone(folder)
+            raise nf.MarkGone(folder)
         files = [f for f in names if f and f != last]
         if not files or last is None or round_ == nf.LATE_ROUNDS:
             break

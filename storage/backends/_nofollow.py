@@ -191,11 +191,9 @@ def remove_tree_at(
 LATE_ROUNDS = 3
 
 
-def mark_gone(where: str) -> list[str]:
-    """(a removal whose mark went meanwhile) Another removal finished the job: what is there now (a new save's
-    files) is not this removal's to delete (rev65a F1). Nothing failed."""
-    log.warning("%s: another removal finished removing it meanwhile; what is there now is left", where)
-    return []
+class MarkGone(Exception):
+    """(a removal) Its mark went meanwhile: another removal finished the job, or one that found a commit left;
+    what is there now (a new save's files) is not this removal's to delete (rev65a F1, rev65c F3-F5)."""
 
 
 def _remove_children(fd: int, children: list[str], where: str, device: int, depth: int, last: str | None) -> list[str]:
@@ -205,7 +203,7 @@ def _remove_children(fd: int, children: list[str], where: str, device: int, dept
     (rev64e F1); a commit still running finds its files gone and fails. Kept if anything failed."""
     failed: list[str] = []
     if last is not None and last not in children:
-        return mark_gone(where)
+        raise MarkGone(where)
     for child in children:
         if child != last:
             failed += remove_tree_at(fd, child, where=f"{where}/{child}", device=device, depth=depth)
@@ -215,7 +213,7 @@ def _remove_children(fd: int, children: list[str], where: str, device: int, dept
         with os.scandir(fd) as it:
             names = [e.name for e in it]
         if last not in names:
-            return mark_gone(where)
+            raise MarkGone(where)
         late = [n for n in names if n != last]
         if not late:
             return remove_tree_at(fd, last, where=f"{where}/{last}", device=device, depth=depth)

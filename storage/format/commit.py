@@ -31,7 +31,7 @@ from typing import Any
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends import _nofollow as nf
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage.format.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -88,8 +88,6 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
     """(coordinator, before a partial save into a folder with no committed checkpoint; two small reads, no
     listing) Refuse a folder holding a full save's in-progress marker (it may be running), and finish an
     interrupted removal first (a later prune would otherwise delete this save's files)."""
-    from smpckpt.storage.backends._fs import read_bytes_or_none
-
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
     if marker is not None:
         raise CheckpointExists(
@@ -393,14 +391,32 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
             if ours:  # another's mark stays: a removal still running goes on, and that commit withdraws (rev65a F1)
                 folder.remove([REMOVING_NAME])
             return []
-        failed = folder.remove([MANIFEST_NAME])
-        if not failed and not folder.local:
-            # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
-            # marked, and the next retention finishes it
-            names = folder.listing()
-            if REMOVING_NAME not in names:
-                return nf.mark_gone(url)
-            failed = folder.remove([n for n in names if n != REMOVING_NAME])
-        if failed:
-            return failed
+        try:
+            return _remove_marked(folder, fs, path, uncommitted_only)
+        except nf.MarkGone:  # by path: on POSIX ``folder`` may be the removed folder, a new one in its place
+            if uncommitted_only and read_bytes_or_none(fs, join(path, MANIFEST_NAME)) is not None:
+                return []  # a save finished that removal and committed: left as it is (rev65c F1)
+            return [
+                f"{url} (stopped: its removal mark went meanwhile -- another removal finished, or one that found a commit left; what is there now is left: remove it again)"
+            ]
+
+
+def _remove_marked(folder: Folder, fs: Any, path: str, uncommitted_only: bool) -> list[str]:
+    """:func:`remove_folder` once marked: the manifest (``uncommitted_only``: none was found; one there now
+    landed after the look, and goes with the rest, rev65c F1), the rest, the mark last. The mark is looked
+    for before the manifest goes and in every listing deleted by: gone, :class:`~._nofollow.MarkGone`."""
+    from smpckpt.storage.backends._folder import remove_tree
+
+    if not uncommitted_only and not folder.exists(REMOVING_NAME):
+        raise nf.MarkGone(path)  # rev65c F2: a mark not its own, unlinked since
+    failed = [] if uncommitted_only else folder.remove([MANIFEST_NAME])
+    if not failed and not folder.local:
+        # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
+        # marked, and the next retention finishes it
+        names = folder.listing()
+        if REMOVING_NAME not in names:
+            raise nf.MarkGone(path)
+        failed = folder.remove([n for n in names if n != REMOVING_NAME])
+    if failed:
+        return failed
     return remove_tree(fs, path, last=REMOVING_NAME)  # local disk: the mark last too (rev62j F2)

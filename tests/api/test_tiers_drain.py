@@ -4,6 +4,7 @@ peer's replica when one is intact), S3, late drains and retention."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,123 @@ def test_a_drain_failing_while_the_next_save_is_written_stays_for_the_save_after
     got = _linear(9)
     resume_from_checkpoint(durable, tag="step4", model=got)  # from path alone (no local_path)
     assert (durable / "step4_partial" / MANIFEST_NAME).is_file() and _same(got, saved)
+
+
+def test_a_retry_failing_while_the_next_save_is_written_stays_though_a_newer_failed_drain_is_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65d F1: path down for saves 1-8 (durable_every=4), a roll-back to step6 abandons step8; save 9b
+    drains step4 again, and that drain fails while save 10b is written. Save 10b's retention kept the newest
+    complete failed drain, step8 (which can never be drained), and removed step4: path got nothing until
+    save 12b. Now the save whose drain was running when 10b was planned stays, and save 11b drains it."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, mode, release = drain_module.open_sink, fast_save.run_save, ["down"], threading.Event()
+
+    def path_full(*args: Any, **kwargs: Any) -> Any:
+        if mode[0] != "up":
+            assert mode[0] == "down" or release.wait(60)  # "slow": fails once save 10b is planned and writing
+            raise OSError(28, "injected: no space left on path")
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step10b":
+            release.set()
+            with pytest.raises(CheckpointError, match="'step4'.*no space left on path"):
+                wait_for_saves()  # step4's drain again has failed before step10b commits and retains
+            mode[0] = "up"
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_full)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=4, num_kept_local=5), _linear(1)
+    for k in range(1, 9):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k < 4:
+            wait_for_saves()
+            continue
+        with pytest.raises(CheckpointError, match="no space left on path"):
+            wait_for_saves()  # step4's drain, then its retries by saves 5-7, then step8's
+        if k == 4:
+            saved = _linear(4)
+            saved.load_state_dict(model.state_dict())
+    resume_from_checkpoint(durable, tag="step6", model=model, options=FastTier(local_path=str(local)))
+    assert (last_resume_info().tag, last_resume_info().tier) == ("step6", "fast")
+    mode[0] = "slow"
+    for k in range(9, 12):
+        with pytest.warns(UserWarning) as said:
+            save_checkpoint(durable, f"step{k}b", model=model, options=tier)
+        text = [str(w.message) for w in said]
+        assert any("'step8' (save 8)" in m and "abandoned by the roll-back to 'step6'" in m for m in text), text
+        assert any("'step4' (save 4)" in m and "drains it to" in m for m in text) == (k != 10), (k, text)
+        if k == 10:
+            assert "step4_partial" in _partials(_job(local, durable)), _partials(_job(local, durable))
+    wait_for_saves()
+    assert (durable / "newest").read_text().strip() == "step4"
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="step4", model=got)  # from path alone (no local_path)
+    assert _same(got, saved)
+
+
+def test_no_save_older_than_a_running_drain_is_drained_again_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65b F3: path down for saves 1-3 (durable_every=2: step2's drain failed); step4's drain still ran
+    when save 5 was planned, so save 5 drained step2 again, after step4: path's `newest` went back to step2.
+    Now save 5 drains nothing again, and path's newest is step4, resumed bit-exactly."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, down, release = drain_module.open_sink, fast_save.run_save, [True], threading.Event()
+
+    def path_slow(*args: Any, **kwargs: Any) -> Any:
+        if down[0]:
+            raise OSError(28, "injected: no space left on path")
+        assert release.wait(60)  # step4's drain runs until save 5 is planned
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step5":
+            release.set()
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_slow)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=2, num_kept_local=3), _linear(1)
+    for k in range(1, 4):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k == 1:
+            wait_for_saves()
+            continue
+        with pytest.raises(CheckpointError, match="'step2'.*no space left on path"):
+            wait_for_saves()  # step2's drain, then save 3's drain of it again
+    down[0] = False
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(durable, "step4", model=model, options=tier)
+    saved = _linear(4)
+    saved.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        save_checkpoint(durable, "step5", model=model, options=tier)
+    wait_for_saves()
+    assert (durable / "newest").read_text().strip() == "step4"  # before: step2
+    assert sorted(p.name for p in durable.iterdir()) == ["newest", "step4_partial"]
+    assert not any("drains it to" in str(w.message) for w in said), [str(w.message) for w in said]
+    got = _linear(9)
+    resume_from_checkpoint(durable, model=got)
+    assert last_resume_info().tag == "step4" and _same(got, saved)
 
 
 def test_the_drain_reads_each_file_once_and_removes_a_copy_found_damaged_mid_way(

@@ -171,8 +171,8 @@ def test_an_overwrite_never_deletes_through_a_prefix_folder_flipped_to_a_link(
 
 
 # -- row 8: a prune at age 0 during saves never empties a committed checkpoint ---------------------------
-def _prune_now(root: str) -> Any:
-    return catalog.apply_retention(root, None, uncommitted_older_than=0)
+def _prune_now(root: str, opts: dict[str, Any] | None = None) -> Any:
+    return catalog.apply_retention(root, None, uncommitted_older_than=0, storage_options=opts or None)
 
 
 def test_a_prune_between_the_commits_check_and_its_manifest_fails_the_save(tmp_path: Path) -> None:
@@ -415,6 +415,46 @@ def test_a_second_removal_never_clears_a_running_ones_mark(
     assert errors, f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
     assert "the commit was withdrawn" in str(unwrap(errors[0])), errors[0]
     assert checkpoint_state(url, opts) in ("missing", "uncommitted")
+
+
+def test_a_removal_paused_after_its_look_leaves_a_save_committed_meanwhile(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65c F1, F4, F5: a prune finishing an interrupted removal (``removing``: mark + data) looked for a
+    manifest, found none and paused; a save of that tag finished the removal itself and committed (OK). The
+    prune then deleted the new manifest (S3, memory://) or failed naming the folder (POSIX). Now it finds its
+    mark gone, leaves what is there and reports the save committed meanwhile: neither removed nor failed."""
+    import fsspec
+
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = backend
+    root, url = f"{base}/root", f"{base}/root/s2_partial"
+    dcp.save(make_state(1), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    fs, _ = fsspec.core.url_to_fs(url, **opts)
+    fs.rm_file(f"{url}/{commit_mod.MANIFEST_NAME}")
+    fs.pipe_file(f"{url}/{commit_mod.REMOVING_NAME}", b"removing\n")  # a removal killed after the manifest
+    looked, go = threading.Event(), threading.Event()
+    real_exists = Folder.exists
+
+    def exists(self: Folder, name: str) -> bool:
+        found = real_exists(self, name)
+        if threading.current_thread().name == "prune" and name == commit_mod.MANIFEST_NAME:
+            looked.set()
+            assert go.wait(60)
+        return found
+
+    monkeypatch.setattr(Folder, "exists", exists)
+    results: list[Any] = []
+    prune = threading.Thread(target=lambda: results.append(_prune_now(root, opts)), name="prune")
+    prune.start()
+    assert looked.wait(60)
+    state = make_state(2, scale=3)
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    go.set()
+    prune.join(60)
+    assert results and "s2" not in results[0].removed and "s2" not in results[0].failed, results
+    assert_state_equal(state, roundtrip_load(state, url, opts))
 
 
 def test_an_overwrite_landing_during_a_commits_look_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

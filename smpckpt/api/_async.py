@@ -458,7 +458,7 @@ class StagingGate:
         self.pending = None
 
     def guard(self) -> None:
-        if self._handle is None:
+        if self._handle is None:  # once per gate (per Checkpointer): close() leaves it registered, inert
             self._handle = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -467,9 +467,10 @@ class StagingGate:
             pending.wait_issued()
 
     def close(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
+        """Disarm, never unregister: a step on another thread may be iterating torch's hook dict (waiting in
+        another Checkpointer's hook), and removing an entry then fails that step with "OrderedDict mutated
+        during iteration" (rev65e F1). The inert hook (a no-op per step) stays for the process's life."""
+        self.pending = None
 
 
 class Stager:

@@ -342,7 +342,44 @@ def test_any_optimizers_step_waits_for_the_staging(
     assert not torch.equal(m[0].weight, want["model.0.weight"])  # the step ran, after the staging
     _assert_equal(_resumed(str(tmp_path), "a"), want)
     ckpt.close()
-    assert len(_global_optimizer_pre_hooks) == hooks  # close() removed its hook
+    assert len(_global_optimizer_pre_hooks) == hooks + 1  # close() disarms its hook, never removes it (rev65e F1)
+
+
+def test_closing_a_checkpointer_while_another_ones_hook_holds_a_step_never_fails_that_step() -> None:
+    """rev65e F1: a step waited inside Checkpointer A's hook (torch iterates its global hook dict); B closed (or
+    garbage-collected on its lane thread) meanwhile removed its own hook from that dict, and the step raised
+    "OrderedDict mutated during iteration". Closing only disarms now."""
+    from smpckpt.api._async import StagingGate
+
+    class Held:  # a staging still copying: what a step waits for
+        def __init__(self) -> None:
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def wait_issued(self) -> None:
+            self.entered.set()
+            assert self.release.wait(30)
+
+    m, opt = _trained(0)
+    a, b, held = StagingGate(), StagingGate(), Held()
+    a.guard()
+    b.guard()
+    a.pending = held  # type: ignore[assignment]
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            _step(m, opt)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    assert held.entered.wait(30)
+    b.close()
+    held.release.set()
+    stepping.join(30)
+    a.close()
+    assert not errors, errors
 
 
 def _steps_in_a_child(opt: torch.optim.Optimizer) -> None:

@@ -238,13 +238,14 @@ class AsyncOptions(_Options):
 
     overlap_staging: bool = False
     """``True``: the parameters and optimizer state of the optimizers passed to a save are staged on the
-    background thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step
-    pre-hook) only for staging still unfinished. Everything else is staged before the save returns.
+    background thread, overlapping the next forward and backward; every optimizer's ``step`` waits (a
+    global step pre-hook) only for staging still unfinished. Everything else is staged before the save returns.
 
     Off by default because the contract is the caller's: until staged, those tensors may change only
     through the optimizers' ``step``. An in-place change through autograd-visible ops fails the save
     naming it (its version counter moved, once the op finished), but writes that bypass the counter
-    (``p.data.zero_()``, numpy or dlpack views, CUDA-graph replays, custom kernels) reach the checkpoint."""
+    (``p.data`` writes, in-place collectives such as ``dist.broadcast(p)``, numpy or dlpack views,
+    CUDA-graph replays, custom kernels) reach the checkpoint."""
 
     exit_status: int | None = _opt(1, same=False)
     """The exit status of a process whose background save failed and was never raised to it; ``None``

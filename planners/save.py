@@ -253,7 +253,7 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
             key two stages hold, a DTensor's replicated pieces) must hold the same values, compared by a
             digest of a sample: the coordinator fails the save naming the keys and ranks that differ (a
             TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for replicas
-            meant to differ. See :mod:`smpckpt.planners._replica_values`.
+            meant to differ (``held_by_some`` keys stay compared). See :mod:`smpckpt.planners._replica_values`.
         cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
 
             * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses

@@ -12,10 +12,11 @@ for it too (:func:`register_exit_wait`), but a multi-rank save needs its process
 Staging (:class:`Stager`, below) copies an async save into host buffers kept across saves (pinned for CUDA
 tensors), so later in-place updates never reach the checkpoint. The tensors the optimizers own (only
 ``step`` changes them) are copied on the lane thread, overlapping the next forward and backward
-(``AsyncOptions.overlap_staging``); everything else before the save returns. Each optimizer's step
-pre-hook (:class:`StagingGate`) waits for staging still unfinished; a deferred tensor changed in place some
-other way (its version counter moved) fails the save, naming it -- a safety net only. CUDA: the deferred
-copies run on a side stream after an event recorded at the save; the current stream waits for their event.
+(``AsyncOptions.overlap_staging``); everything else before the save returns. Every optimizer's step (a
+global step pre-hook, :class:`StagingGate`) waits for staging still unfinished; a deferred tensor changed in
+place some other way (its version counter moved) fails the save on every rank, naming it -- a safety net
+only. CUDA: the deferred copies run on a side stream after an event recorded at the save; the current
+stream waits for their event.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
@@ -80,7 +82,7 @@ class Lane:
         self.failed: tuple[str, BaseException] | None = None
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
-            os.register_at_fork(after_in_child=lambda: _forget_lane(ref))
+            os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
 
     @property
     def running(self) -> bool:
@@ -157,11 +159,11 @@ class Lane:
         self._thread, self.fut, self.failed, self.used = None, None, None, False
 
 
-def _forget_lane(ref: weakref.ref[Lane]) -> None:
-    """(a forked child) :meth:`Lane._forget` of the lane ``ref`` names, if it still exists."""
-    lane = ref()
-    if lane is not None:
-        lane._forget()
+def _forget_in_child(ref: weakref.ref[Any]) -> None:
+    """(a forked child) ``_forget`` the lane or staging gate ``ref`` names, if it still exists."""
+    obj = ref()
+    if obj is not None:
+        obj._forget()
 
 
 def wait_logged(fut: concurrent.futures.Future[None] | None, what: str) -> None:
@@ -437,18 +439,27 @@ class Pending:
 
 
 class StagingGate:
-    """The step pre-hook a Checkpointer registers once on each optimizer it saves asynchronously: a step
-    waits for the staging in flight, if any (holds no reference to the Checkpointer)."""
+    """A Checkpointer's step pre-hook, registered once for every optimizer of the process (torch's global
+    one): any step waits for the staging in flight, if any -- not only those of the optimizers passed to
+    the save: another over the same parameters (a fused step moves no version counter) or the inner one of
+    a wrapper without ``Optimizer.__init__`` (accelerate's) would change a value being staged unseen. It
+    holds no reference to the Checkpointer."""
 
     def __init__(self) -> None:
         self.pending: Pending | None = None
-        self._handles: dict[int, Any] = {}  # id(optimizer) -> its hook's handle
+        self._handle: Any = None
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
 
-    def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        for opt in optimizers:
-            if id(opt) not in self._handles:
-                self._handles[id(opt)] = opt.register_step_pre_hook(self._before_step)
-                weakref.finalize(opt, self._handles.pop, id(opt), None)
+    def _forget(self) -> None:
+        """(a forked child) The parent's staging is not this process's: no thread here will ever stage it,
+        so every optimizer step of the child would wait for it forever."""
+        self.pending = None
+
+    def guard(self) -> None:
+        if self._handle is None:  # once per gate (per Checkpointer): close() leaves it registered, inert
+            self._handle = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         pending = self.pending
@@ -456,9 +467,10 @@ class StagingGate:
             pending.wait_issued()
 
     def close(self) -> None:
-        handles, self._handles = list(self._handles.values()), {}
-        for handle in handles:
-            handle.remove()
+        """Disarm, never unregister: a step on another thread may be iterating torch's hook dict (waiting in
+        another Checkpointer's hook), and removing an entry then fails that step with "OrderedDict mutated
+        during iteration" (rev65e F1). The inert hook (a no-op per step) stays for the process's life."""
+        self.pending = None
 
 
 class Stager:

@@ -151,6 +151,9 @@ class TierPlan:
     views: tuple[Mapping[str, LocalCopy], ...] = ()  #: every rank's node listing before this save
     durable_seq: int = 0  #: the highest save number ``path`` held before this save
     retry: PendingDrain | None = None
+    #: (rank 0's) the saves due for ``path`` whose drain was running when this save was planned: kept in the
+    #: fast tier, as ``retry`` is (the drain may fail, and the next save drains it again: rev65b F1, rev65d F1)
+    running: tuple[str, ...] = ()
     streams: tuple[Any, ...] = ()  #: the groups files move over (the first: agreements, the save thread's)
     drain_group: Any = None  #: the drain thread's group
     memory: TierState = dataclasses.field(default_factory=TierState, compare=False)  #: the Checkpointer's
@@ -199,7 +202,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
     if any(c.complete for c in candidates(views, req.tag)):  # the same answer on every rank
         raise CheckpointExists(f"checkpoint {req.tag!r} is already committed in the fast tier ({local} on its nodes)")
 
-    def decide() -> tuple[int, int, FastCandidate | None, tuple[int, ...], tuple[Any, Any]]:
+    def decide() -> tuple[int, int, FastCandidate | None, tuple[str, ...], tuple[int, ...], tuple[Any, Any]]:
         if probe_checkpoint(req.url, req.storage_options).state in ("committed", "legacy"):
             raise CheckpointExists(f"{req.url} already holds a committed checkpoint of tag {req.tag!r}")
         # the fast tiers' copies are numbered too (catalog.root): this save is numbered after them
@@ -209,7 +212,10 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         seq = 1 + max(tier_seq(views), drained)
         with memory.lock:  # a drain of this Checkpointer still copying it is not pending: it is running
             running = set(memory.held)
-        pending = [c for c in pending_drains(views, drained) if c.tag not in running]
+        # nor one older than a drain still running: drained after it, it would move `newest` back (rev65b F3)
+        ahead = max((c.seq for c in candidates(views) if c.tag in running), default=0)
+        due = pending_drains(views, drained)
+        pending = [c for c in due if c.tag not in running and c.seq > ahead]
         lineage, runs = lineage_for(views, drained, memory.continues), runs_for(views, drained, memory, seq)
         back = (
             *part.counter.abandoned,
@@ -218,9 +224,9 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         tags = {c.order[0]: c.tag for c in candidates(views)} | {memory.back_to[1]: memory.back_to[0]}
         retry = None if seq % opts.durable_every == 0 else _retry_of(req, pending, (seq, lineage, runs[0]), back, tags)
         memory.runs, memory.passed, memory.fresh = *runs, False  # the segment stays, the save failing or not
-        return seq, drained, retry, lineage, runs
+        return seq, drained, retry, tuple(c.tag for c in due if c.tag in running), lineage, runs
 
-    seq, drained, retry_of, lineage, runs = ctx.on_coordinator(decide)
+    seq, drained, retry_of, running, lineage, runs = ctx.on_coordinator(decide)
     folder = os.path.join(job, partial_dirname(req.tag))
 
     def settle() -> None:
@@ -258,6 +264,7 @@ def plan_tier_save(req: SaveRequest, ctx: DistContext, part: FastTierPart) -> Ti
         tuple(views),
         drained,
         retry,
+        running,
         streams,
         drain_group,
         memory,
@@ -302,7 +309,7 @@ def _retry_of(
             "background, once it is written"
             if not why
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "
-            f"but cannot be drained: {why}; it stays in the fast tier until a later save is drained"
+            f"but cannot be drained: {why}; the fast tier keeps it while among the num_kept_local newest (None: all)"
         )
         # inside plan_tier_save's agreement (on_coordinator): a filter making warnings errors fails the save
         # on every rank alike, not rank 0's alone (rev59c F3)
@@ -431,10 +438,12 @@ def _commit_nodes(
 def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
     """(leaders) ``num_kept_local`` over this node's job folder, after a save (never the tag just saved) and
     after a drain (its tag no longer held), decided on ``tier``'s gathered listings (every node's) alike,
-    its own save counted complete. Kept: the newest complete saves, held tags, saves due for the durable
-    tier not yet drained, unsafe and foreign folders, committed saves newer than the kept ones, and copies
-    committed after the listings. Removed: older saves, and uncommitted folders older than the newest
-    commit here."""
+    its own save counted complete. Kept: the newest complete saves, held tags, of the saves due for the
+    durable tier not yet drained only the one the next save drains again (this save when durable, else
+    ``tier.retry``) and those whose drain ran when this save was planned (``tier.running``), unsafe and
+    foreign folders, committed saves newer than the kept ones, and copies committed after the listings.
+    Removed: older saves (a failed drain's with a warning naming it and the save drained instead), and
+    uncommitted folders older than the newest commit here."""
     keep = tier.options.num_kept_local
     try:
         with tier.memory.lock:
@@ -447,7 +456,7 @@ def retain_fast(tier: TierPlan, just_saved: str | None) -> None:
 
 
 def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
-    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={})  # complete by definition: committed
+    this = LocalCopy("committed", digest=0, seq=tier.seq, parts={}, durable=tier.durable)  # complete: committed
     tag = os.path.basename(tier.folder)[: -len("_partial")]
     views = [{**v, tag: this} for v in tier.views] or [{tag: this}]
     folder, durable_seq = tier.job, max(tier.durable_seq, tier.memory.durable or 0)
@@ -455,7 +464,16 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
     if keep is None or not found:
         return []
     complete = [c for c in found if c.complete]
-    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in pending_drains(views, durable_seq)}
+    # of the saves whose drain did not commit, only the one the next save drains again (this save when
+    # durable, else the one it drains again), those whose drain was running when this save was planned (it
+    # may fail after: rev65b F1; not the newest failed one, which may be undrainable: rev65d F1) -- rank 0's
+    # picks, alike on every node -- and held ones: keeping every failed drain filled the fast tier while path
+    # was down (hunt64c F3)
+    pending = pending_drains(views, durable_seq)
+    drains = {tag if tier.durable else tier.retry.tag if tier.retry is not None else "", *tier.running}
+    named = next((c for c in pending if c.tag in drains), None)  # the removal warning names the newest
+    due = [c for c in pending if c.tag in drains or c.tag in protected]
+    kept = {c.tag for c in complete[:keep]} | protected | {c.tag for c in due}
     oldest_kept = min((c.key for c in complete[:keep]), default=None)
     committed = {c.tag for c in found}
     removed = []
@@ -484,6 +502,13 @@ def _retain(tier: TierPlan, keep: int | None, protected: set[str]) -> list[str]:
         failed = remove_folder(fs, path, path, uncommitted_only=not copy.committed)
         if failed:
             log.warning("fast tier %s: could not remove %d file(s) of %r", folder, len(failed), tag)
-        else:
-            removed.append(tag)
+            continue
+        removed.append(tag)
+        for c in (c for c in pending if c.tag == tag):
+            instead = f"{named.tag!r} (save {named.seq}){', newer,' * (named.seq > c.seq)} is" if named else "none is"
+            log.warning(
+                "fast tier %s: removed checkpoint %r (save %d), due for the durable tier: it never reached %s; "
+                "%s drained instead",
+                *(folder, tag, c.seq, tier.root_key, instead),
+            )
     return removed

@@ -377,21 +377,26 @@ class Checkpointer:
         group = self._groups.get(ctx)
         started = time.monotonic()
         deferred = owned_storages(req.optimizers) if self.async_options.overlap_staging else set()
-        staged, pending = self._stager.stage(req.tag, state, deferred)
+        # agreed: a rank that could not stage (its buffers not allocated) would leave the others' writes waiting
+        staged, pending = ctx.all_ok(lambda: self._stager.stage(req.tag, state, deferred))
         if pending is not None:
-            self._gate.guard(req.optimizers)
+            self._gate.guard()
             self._gate.pending = pending
         log.info("staged checkpoint %r in %.3fs; writing in the background", req.tag, time.monotonic() - started)
         breq = dataclasses.replace(req, process_group=group)
+        overlap = self.async_options.overlap_staging  # every rank's alike (the options are agreed)
 
         def work() -> None:
-            if pending is not None:
+            bctx = DistContext(group)
+            with peer_failures(bctx, f"saving checkpoint {req.tag!r} under {req.root} in the background"):
                 try:
-                    pending.run()
+                    # the ranks agree on their staging first: one that refused it (a tensor changed in
+                    # place) would otherwise leave the others waiting for it in the write's collectives
+                    if overlap:
+                        bctx.all_ok(pending.run if pending is not None else lambda: None)
                 finally:
-                    if self._gate.pending is pending:
+                    if pending is not None and self._gate.pending is pending:
                         self._gate.pending = None
-            with peer_failures(DistContext(group), f"saving checkpoint {req.tag!r} under {req.root} in the background"):
                 self._write(breq, staged, extra, tier, "in the background")
 
         try:

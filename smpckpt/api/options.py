@@ -179,11 +179,13 @@ class FastTier(_Options):
 
     durable_every: int = 1
     """Every N-th save of the job (counted across restarts) is also drained to ``path`` in the background;
-    a drain that did not commit (a killed job) is retried by the next save that is not itself due."""
+    a drain that did not commit (a killed job, a failure) is retried by the next save that is not itself due
+    (never one older than a drain still running)."""
 
     num_kept_local: int | None = 2
-    """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor one
-    due for ``path`` whose drain did not commit); ``None`` keeps all."""
+    """Keep the N newest checkpoints complete across the fast tiers (never one a drain is copying, nor, of
+    those due for ``path`` whose drain did not commit, the one the next save drains again and one whose drain
+    was running when the save was planned: the others go, warned); ``None`` keeps all."""
 
     drain_memory: int = _opt(384 << 20, same=False)
     """Bytes of host memory a rank's drain may hold at once (the fast-tier files' reads it has not written
@@ -236,13 +238,14 @@ class AsyncOptions(_Options):
 
     overlap_staging: bool = False
     """``True``: the parameters and optimizer state of the optimizers passed to a save are staged on the
-    background thread, overlapping the next forward and backward; each optimizer's ``step`` waits (a step
-    pre-hook) only for staging still unfinished. Everything else is staged before the save returns.
+    background thread, overlapping the next forward and backward; every optimizer's ``step`` waits (a
+    global step pre-hook) only for staging still unfinished. Everything else is staged before the save returns.
 
     Off by default because the contract is the caller's: until staged, those tensors may change only
     through the optimizers' ``step``. An in-place change through autograd-visible ops fails the save
     naming it (its version counter moved, once the op finished), but writes that bypass the counter
-    (``p.data.zero_()``, numpy or dlpack views, CUDA-graph replays, custom kernels) reach the checkpoint."""
+    (``p.data`` writes, in-place collectives such as ``dist.broadcast(p)``, numpy or dlpack views,
+    CUDA-graph replays, custom kernels) reach the checkpoint."""
 
     exit_status: int | None = _opt(1, same=False)
     """The exit status of a process whose background save failed and was never raised to it; ``None``
@@ -284,7 +287,8 @@ class SaveOptions(_Options):
 
     verify_replicas: bool = True
     """Ranks holding the same piece of a tensor (replicas) must hold the same values (a sampled digest), or
-    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data."""
+    the save fails naming keys and ranks: one replica is written, so a forgotten TP spec would lose data.
+    Keys under ``Sharding(held_by_some=...)`` are compared across their holders even when this is off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

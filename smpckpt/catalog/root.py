@@ -582,11 +582,11 @@ def apply_retention(
     # ``newest`` read just before each removal: another job in this root may have pointed it at an older tag since
     at, said = open_root(root_url, storage_options) if doomed else (None, ""), set() if said is None else said
     removed = [tag for tag in doomed if tag != read_newest(at[0], at[1], said) and remove(tag, "checkpoint")]
-    # folders an interrupted removal left behind were already chosen for deletion: finish the job
     removed += [
         r.tag
         for r in records
-        if r.state == "removing" and r.tag not in protected and remove(r.tag, "partly removed checkpoint")
+        # a manifest found once marked is a save that finished that removal and committed since (rev65a F2)
+        if r.state == "removing" and r.tag not in protected and remove(r.tag, "the rest of", uncommitted_only=True)
     ]
     stale: list[str] = []
     aborted: list[str] = []

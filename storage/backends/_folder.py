@@ -502,7 +502,8 @@ def _remove_in(fs: Any, within: str, paths: list[str]) -> list[str]:
 def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
     """Delete ``folder`` and everything under it (no globbing anywhere); the paths not removed. POSIX: an
     fd-based walk that never follows a link (:func:`~._nofollow.remove_tree_at`): a folder that is itself a
-    link loses the link only; a link inside it goes itself. A missing folder raises ``FileNotFoundError``."""
+    link loses the link only; a link inside it goes itself. A missing folder raises ``FileNotFoundError``.
+    ``last``: a file removed after the rest, once a listing shows nothing else (kept if files keep appearing)."""
     if is_local(fs):
         parent, name = nf.open_parent_and_name(folder)
         try:
@@ -517,22 +518,41 @@ def remove_tree(fs: Any, folder: str, last: str | None = None) -> list[str]:
             return nf.remove_tree_at(parent, name, where=folder, device=st.st_dev, last=last)
         finally:
             os.close(parent)
-    with translate_errors(folder):
-        found = fs.find(folder, withdirs=True, detail=True)
-    if not found and not fs.exists(folder):
-        raise FileNotFoundError(folder)
-    base = folder.rstrip("/") + "/"
-    files = [str(p)[len(base) :] for p, info in found.items() if info.get("type") != "directory"]
-    files = [f for f in files if f]
-    failed = Folder(fs, folder).remove(files)
-    if _protocol(fs) == "memory":
-        dirs = [p for p, info in found.items() if info.get("type") == "directory"]
-        for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
-            try:
-                with translate_errors(d):
-                    fs.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                failed.append(d)
+    base, found = folder.rstrip("/") + "/", dict[str, Any]()
+    for round_ in range(nf.LATE_ROUNDS + 1 if last is not None else 1):
+        with translate_errors(folder):
+            fs.invalidate_cache(folder)
+            listed = fs.find(folder, withdirs=True, detail=True)
+        if not listed and not found and not fs.exists(folder):
+            raise FileNotFoundError(folder)
+        found |= listed
+        names = [str(p)[len(base) :] for p, info in listed.items() if info.get("type") != "directory"]
+        if last is not None and last not in names:
+            raise nf.MarkGone(folder)
+        files = [f for f in names if f and f != last]
+        if not files or last is None or round_ == nf.LATE_ROUNDS:
+            break
+        # ``last`` (a removal's mark) goes once a listing shows nothing else: what appeared meanwhile (a
+        # racing commit's manifest) goes too, as on POSIX (nofollow._remove_children says why)
+        failed = Folder(fs, folder).remove(files)
+        if failed:
+            return failed
+    if last is not None and files:
+        return [join(folder, f) for f in files]  # files keep appearing: the mark stays
+    failed = Folder(fs, folder).remove(files if last is None else [last])
+    return failed + (_remove_dirs(fs, folder, found) if _protocol(fs) == "memory" else [])
+
+
+def _remove_dirs(fs: Any, folder: str, found: dict[str, Any]) -> list[str]:
+    """(memory://, which keeps folders of its own) The folders ``found`` under ``folder``, deepest first."""
+    failed = []
+    dirs = [p for p, info in found.items() if info.get("type") == "directory"]
+    for d in sorted(set(dirs) | {folder}, key=lambda p: p.count("/"), reverse=True):
+        try:
+            with translate_errors(d):
+                fs.rmdir(d)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            failed.append(d)
     return failed

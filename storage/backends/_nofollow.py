@@ -187,18 +187,43 @@ def remove_tree_at(
     return failed
 
 
+#: rounds of removing what appeared in a folder during its removal, before its mark goes
+LATE_ROUNDS = 3
+
+
+class MarkGone(Exception):
+    """(a removal) Its mark went meanwhile: another removal finished the job, or one that found a commit left;
+    what is there now (a new save's files) is not this removal's to delete (rev65a F1, rev65c F3-F5)."""
+
+
 def _remove_children(fd: int, children: list[str], where: str, device: int, depth: int, last: str | None) -> list[str]:
-    """:func:`remove_tree_at` of each child of the folder ``fd``; ``last`` after the others, kept if one failed
-    or if the folder, listed again, holds anything else (a file that appeared meanwhile: a racing commit's
-    manifest then finds the mark and withdraws, rev62k F1)."""
+    """:func:`remove_tree_at` of each child of the folder ``fd``; ``last`` after the others, once the folder,
+    listed again, holds nothing else. What appeared meanwhile (a racing commit's manifest, its data already
+    gone) is removed too, for a few rounds: left beside the mark, a killed save's manifest read as committed
+    (rev64e F1); a commit still running finds its files gone and fails. Kept if anything failed."""
     failed: list[str] = []
-    for child in sorted(children, key=lambda c: c == last):
-        if child == last and not failed:
-            with os.scandir(fd) as it:
-                failed += [f"{where}/{e.name}" for e in it if e.name != last]
-        if child != last or not failed:
+    if last is not None and last not in children:
+        raise MarkGone(where)
+    for child in children:
+        if child != last:
             failed += remove_tree_at(fd, child, where=f"{where}/{child}", device=device, depth=depth)
-    return failed
+    if last is None or failed:
+        return failed
+    for round_ in range(LATE_ROUNDS + 1):
+        with os.scandir(fd) as it:
+            names = [e.name for e in it]
+        if last not in names:
+            raise MarkGone(where)
+        late = [n for n in names if n != last]
+        if not late:
+            return remove_tree_at(fd, last, where=f"{where}/{last}", device=device, depth=depth)
+        if round_ == LATE_ROUNDS:
+            break
+        for child in late:
+            failed += remove_tree_at(fd, child, where=f"{where}/{child}", device=device, depth=depth)
+        if failed:
+            return failed
+    return [f"{where}/{n}" for n in late]  # files keep appearing: the mark stays, the next removal finishes
 
 
 def libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:

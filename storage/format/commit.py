@@ -31,7 +31,7 @@ from typing import Any
 from smpckpt.errors import CheckpointError, CheckpointExists
 from smpckpt.storage.backends import _nofollow as nf
 from smpckpt.storage.backends._folder import Folder
-from smpckpt.storage.backends._fs import is_local, join
+from smpckpt.storage.backends._fs import is_local, join, read_bytes_or_none
 from smpckpt.storage.format.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -88,8 +88,6 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
     """(coordinator, before a partial save into a folder with no committed checkpoint; two small reads, no
     listing) Refuse a folder holding a full save's in-progress marker (it may be running), and finish an
     interrupted removal first (a later prune would otherwise delete this save's files)."""
-    from smpckpt.storage.backends._fs import read_bytes_or_none
-
     marker = read_bytes_or_none(fs, join(path, WRITING_MARKER))
     if marker is not None:
         raise CheckpointExists(
@@ -160,7 +158,8 @@ def commit(
     goes before the swap (:func:`_drop_stock_copy`)."""
     _create_own(folder, url, {manifest.metadata.name: metadata} if metadata is not None else {}, sync=sync)
     _create_own(folder, url, dict(side or {}), sync=sync)
-    check_named(folder.listing(), _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}, url)
+    named = _named(manifest, expected) | {n: len(d) for n, d in (side or {}).items()}
+    check_named(folder.listing(), named, url)
     if owner_marker is not None:
         marker = folder.read(WRITING_MARKER)
         if marker_owner(marker) != owner_marker:
@@ -180,7 +179,9 @@ def commit(
             _restore_stock_copy(folder, url)
         raise
     try:
-        _unless_removing(folder, url, manifest_bytes)
+        _unless_removing(folder, url, manifest, manifest_bytes, named | {MANIFEST_NAME: len(manifest_bytes)})
+    except CheckpointExists:
+        raise
     except OSError as exc:  # the manifest is in place: failing plainly would hide a commit
         raise CommitUncertain(
             f"{url}: the manifest was written, but whether a removal started meanwhile could not be checked "
@@ -259,14 +260,26 @@ def _write_manifest(
         raise
 
 
-def _unless_removing(folder: Folder, url: str, manifest_bytes: bytes) -> None:
+def _unless_removing(folder: Folder, url: str, manifest: Manifest, data: bytes, named: Mapping[str, int]) -> None:
     """Step 4: a removal marked this folder meanwhile (a prune with too short an age, a retention of this
-    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success."""
-    if not folder.exists(REMOVING_NAME):
-        return
+    tag): withdraw this commit (its manifest, if still this one) and fail, before reporting success. The
+    mark first, then a listing of this save's files: a removal that finished in between (its mark gone last)
+    has taken them, and the save fails too (hunt64b F1). In that order, whatever the listing's pages saw: no
+    mark means no removal ran, or one that ended before the look, after every file it listed was gone."""
     said = "a removal of this folder (prune, retention or remove_checkpoint) started while this save was committing"
+    if not folder.exists(REMOVING_NAME):
+        listing = folder.listing()
+        gone = [n for n, size in named.items() if listing.get(n) != size]
+        if not gone and REMOVING_NAME not in listing:
+            return
+        if gone:  # a removal that finished, or another save's overwrite: nothing here is this save's whole
+            other = committed_save_id(folder)
+            said = f"{len(gone)} file(s) of this save went missing after its manifest landed ({', '.join(sorted(gone)[:3])})"
+            if other not in (None, manifest.save_id):  # rev65a F3
+                raise CheckpointExists(f"{url}: {said}: another save's commit (save {other}) replaced this one")
+            said += ": a removal of this folder (prune, retention or remove_checkpoint) ran while it was committing"
     try:  # the mark was seen: a failure from here on is no uncertain commit (rev64e F3)
-        left: bool | list[str] | str = folder.read(MANIFEST_NAME) == manifest_bytes and folder.remove([MANIFEST_NAME])
+        left: bool | list[str] | str = folder.read(MANIFEST_NAME) == data and folder.remove([MANIFEST_NAME])
     except OSError as exc:
         left = f"{type(exc).__name__}: {exc}"
     if left:
@@ -368,17 +381,42 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     with Folder(fs, path) as folder:
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)
-        with contextlib.suppress(FileExistsError):  # an interrupted removal's mark: this one finishes it
+        try:
             folder.publish(REMOVING_NAME, b"removing\n", sync=True)
+            ours = True
+        except FileExistsError:  # an interrupted removal's mark, or a running one's: this one finishes it
+            ours = False
         if uncommitted_only and folder.exists(MANIFEST_NAME):
             log.warning("%s committed while it was being removed as stale: left as it is", url)
-            folder.remove([REMOVING_NAME])
+            if ours:  # another's mark stays: a removal still running goes on, and that commit withdraws (rev65a F1)
+                folder.remove([REMOVING_NAME])
             return []
-        failed = folder.remove([MANIFEST_NAME])
-        if not failed and not folder.local:
-            # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
-            # marked, and the next retention finishes it
-            failed = folder.remove([n for n in folder.listing() if n != REMOVING_NAME])
-        if failed:
-            return failed
+        try:
+            return _remove_marked(folder, fs, path, uncommitted_only)
+        except nf.MarkGone:  # by path: on POSIX ``folder`` may be the removed folder, a new one in its place
+            if uncommitted_only and read_bytes_or_none(fs, join(path, MANIFEST_NAME)) is not None:
+                return []  # a save finished that removal and committed: left as it is (rev65c F1)
+            return [
+                f"{url} (stopped: its removal mark went meanwhile -- another removal finished, or one that found a commit left; what is there now is left: remove it again)"
+            ]
+
+
+def _remove_marked(folder: Folder, fs: Any, path: str, uncommitted_only: bool) -> list[str]:
+    """:func:`remove_folder` once marked: the manifest (``uncommitted_only``: none was found; one there now
+    landed after the look, and goes with the rest, rev65c F1), the rest, the mark last. The mark is looked
+    for before the manifest goes and in every listing deleted by: gone, :class:`~._nofollow.MarkGone`."""
+    from smpckpt.storage.backends._folder import remove_tree
+
+    if not uncommitted_only and not folder.exists(REMOVING_NAME):
+        raise nf.MarkGone(path)  # rev65c F2: a mark not its own, unlinked since
+    failed = [] if uncommitted_only else folder.remove([MANIFEST_NAME])
+    if not failed and not folder.local:
+        # the rest in one go (S3: DeleteObjects, in no order), the mark last: a removal cut short stays
+        # marked, and the next retention finishes it
+        names = folder.listing()
+        if REMOVING_NAME not in names:
+            raise nf.MarkGone(path)
+        failed = folder.remove([n for n in names if n != REMOVING_NAME])
+    if failed:
+        return failed
     return remove_tree(fs, path, last=REMOVING_NAME)  # local disk: the mark last too (rev62j F2)

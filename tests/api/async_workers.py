@@ -70,6 +70,100 @@ def training_loop_while_saving(rank: int, world: int, root: str) -> dict[str, An
     return {"exact": ok, "newest": newest}
 
 
+def one_rank_refuses_its_staging(rank: int, world: int, root: str) -> dict[str, Any]:
+    """overlap_staging: only rank 0 changes a parameter in place before its deferred staging ran (rank 0
+    alone evaluates with other weights loaded, or one write raced the copies differently on each rank);
+    each rank reports what its future raised, then a second save goes on."""
+    import concurrent.futures
+
+    import smpckpt.api._async as staging
+
+    torch.manual_seed(0)
+    m = model(0)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    entered, release = threading.Event(), threading.Event()
+    real = staging.copy_into
+
+    def held(pairs: Any, stream: Any = None) -> None:
+        if rank == 0 and isinstance(threading.current_thread(), staging.LaneThread):
+            entered.set()
+            release.wait(30)
+        real(pairs, stream)
+
+    staging.copy_into = held  # type: ignore[assignment]
+    opts = smpckpt.AsyncOptions(enabled=True, overlap_staging=True)
+    ckpt = smpckpt.Checkpointer(root, async_options=opts)
+    fut = ckpt.save("a", m, opt)
+    if rank == 0:
+        entered.wait(30)
+        with torch.no_grad():
+            m[0].weight.mul_(2.0)
+        release.set()
+    try:
+        fut.result(timeout=60)
+        got = "ok"
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"rank {rank}: the save's future was still running after 60 s") from None
+    except smpckpt.CheckpointError as exc:
+        got = str(exc)
+    try:
+        ckpt.wait()  # the failure, once more
+    except smpckpt.CheckpointError:
+        pass
+    staging.copy_into = real  # type: ignore[assignment]
+    if rank == 0:
+        with torch.no_grad():
+            m[0].weight.div_(2.0)  # the replicas equal again (exactly: a power of two)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    ckpt.save("b", m, opt).result(timeout=60)  # type: ignore[union-attr]
+    ckpt.close()
+    fresh = model(7)
+    smpckpt.Checkpointer(root).resume("b", fresh)
+    exact = all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+    return {
+        "error": got,
+        "a_committed": os.path.exists(os.path.join(root, "a_partial", "smpckpt.manifest.json")),
+        "b_exact": exact,
+    }
+
+
+def one_rank_cannot_stage(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's staging fails (its pinned or host buffers cannot be allocated); each rank reports what its
+    save raised, or what its future raised within 60 s; then a second save goes on."""
+    import concurrent.futures
+
+    from smpckpt.api._async import Stager
+
+    m = model(0)
+    real = Stager.stage
+
+    def no_memory(self: Any, *args: Any) -> Any:
+        raise MemoryError("cannot allocate the staging buffers (injected)")
+
+    if rank == 1:
+        Stager.stage = no_memory  # type: ignore[method-assign]
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    try:
+        fut = ckpt.save("a", m)
+        assert fut is not None
+        fut.result(timeout=60)
+        got = "ok"
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"rank {rank}: the save's future was still running after 60 s") from None
+    except (MemoryError, smpckpt.CheckpointError) as exc:
+        got = f"{type(exc).__name__}: {exc}"
+    Stager.stage = real  # type: ignore[method-assign]
+    try:
+        ckpt.wait()
+    except smpckpt.CheckpointError:
+        pass
+    ckpt.save("b", m).result(timeout=60)  # type: ignore[union-attr]
+    ckpt.close()
+    return {"error": got, "b": os.path.exists(os.path.join(root, "b_partial", "smpckpt.manifest.json"))}
+
+
 def returns_while_saving(root: str) -> None:
     """Commit tag ``a``; start an async save of ``b`` that opens its writer's thread pools only after a
     pause; return at once, as a training script's ``main`` does, without ``wait_for_saves()``."""

@@ -147,6 +147,34 @@ def test_two_quick_saves_commit_in_order(tmp_path: Any) -> None:
     _loads(root, None, second)
 
 
+def test_a_staging_refused_on_one_rank_fails_the_save_on_every_rank(tmp_path: Any) -> None:
+    """hunt65a: with overlap_staging, a rank whose deferred staging was refused (a tensor changed in place
+    before it was copied) failed its save before the write, while the other ranks went into the write's
+    collectives and waited there for it (the background group's timeout: 30 minutes by default), their
+    futures and next saves with them. The ranks now agree on the staging first: every rank's save fails,
+    naming the tensor and, elsewhere, the rank; nothing is committed and the next save goes on."""
+    from async_workers import one_rank_refuses_its_staging
+
+    got = run_world(one_rank_refuses_its_staging, 2, str(tmp_path), timeout=200)
+    assert "model.0.weight changed in place after the async save of checkpoint 'a'" in got[0]["error"]
+    assert got[1]["error"].startswith("rank 0 failed: model.0.weight changed in place"), got[1]["error"]
+    assert [g["a_committed"] for g in got] == [False, False]
+    assert [g["b_exact"] for g in got] == [True, True]
+
+
+def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path: Any) -> None:
+    """hunt65a: staging ran on each rank alone, so a rank that could not stage (its buffers not allocated)
+    raised from ``save`` while the others' background writes waited for it in their collectives (30
+    minutes by default), and their next save with them. The ranks agree on the staging: every rank's save
+    raises, naming the rank, and the next save goes on."""
+    from async_workers import one_rank_cannot_stage
+
+    got = run_world(one_rank_cannot_stage, 2, str(tmp_path), timeout=200)
+    assert got[1]["error"] == "MemoryError: cannot allocate the staging buffers (injected)"
+    assert "rank 1 failed with MemoryError: cannot allocate the staging buffers" in got[0]["error"], got[0]
+    assert [g["b"] for g in got] == [True, True]
+
+
 def _hold_background_writes(monkeypatch: Any) -> threading.Event:
     """Background writes wait (up to 30 s) until the returned event is set; only in this process (a forked
     child inherits the patch and must not be held)."""

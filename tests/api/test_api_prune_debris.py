@@ -163,12 +163,15 @@ def test_a_local_removal_cut_short_keeps_its_mark_and_the_next_save_retries_it(
     assert not (tmp_path / "a_partial").exists()
 
 
-def test_a_removal_keeps_its_mark_when_a_file_appears_after_its_listing(
+def test_a_removal_takes_a_file_appearing_after_its_listing_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """rev62k F1: a racing commit's manifest written after the removal listed the folder was left beside no
     mark (the mark went once the listed files had), so the commit's own check of the mark found none and
-    reported a checkpoint whose files were gone. The folder is listed again before the mark goes."""
+    reported a checkpoint whose files were gone. Then the mark stayed beside it (rev64e F1: a save killed
+    there left manifest + mark, listed committed, counted by retention). Now the folder is listed again before
+    the mark goes and what appeared goes too; a commit still running finds its files gone (step 4) and fails."""
+    from smpckpt.catalog.root import scan_root
     from smpckpt.storage.backends._fs import open_fs
     from smpckpt.storage.format.commit import remove_folder
 
@@ -188,4 +191,45 @@ def test_a_removal_keeps_its_mark_when_a_file_appears_after_its_listing(
     monkeypatch.setattr(os, "unlink", commit_lands)
     fs, path = open_fs(str(folder))
     failed = remove_folder(fs, path, str(folder), uncommitted_only=True)
-    assert landed and failed and (folder / "smpckpt.removing").exists()  # the commit will see it and withdraw
+    assert landed and not failed and not folder.exists()
+    assert not any(r.committed for r in scan_root(str(tmp_path)))
+
+
+def test_retention_never_removes_a_save_that_finished_a_removal_after_its_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65a F2 (HIGH): retention scanned ``s2_partial`` holding only an interrupted removal's mark
+    ("removing"); before it acted, a save of s2 finished that removal itself and committed; retention then
+    removed s2 as partly removed, with no look for a manifest. Now it finds the commit and leaves it."""
+    import threading
+
+    from smpckpt import resume_from_checkpoint
+    from smpckpt.catalog import root as catalog
+
+    model = _model()
+    save_checkpoint(str(tmp_path), "s0", model=model)
+    (tmp_path / "s2_partial").mkdir()
+    (tmp_path / "s2_partial" / "smpckpt.removing").write_bytes(b"removing\n")
+    scanned, go = threading.Event(), threading.Event()
+    real_scan = catalog.scan_root
+
+    def scan_root(*args: Any, **kwargs: Any) -> Any:
+        records = real_scan(*args, **kwargs)
+        scanned.set()
+        assert go.wait(60)
+        return records
+
+    monkeypatch.setattr(catalog, "scan_root", scan_root)
+    results: list[Any] = []
+    retention = threading.Thread(target=lambda: results.append(apply_retention(str(tmp_path), 5)))
+    retention.start()
+    assert scanned.wait(60)
+    with torch.no_grad():
+        model.weight.add_(1)
+    save_checkpoint(str(tmp_path), "s2", model=model)
+    go.set()
+    retention.join(60)
+    assert results and "s2" not in results[0].removed, results
+    fresh = _model()
+    resume_from_checkpoint(str(tmp_path), "s2", model=fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import smpckpt
 import smpckpt.api._async as staging
@@ -288,6 +289,128 @@ def test_a_step_waits_for_staging_and_the_checkpoint_holds_the_values_of_the_sav
     fut.result()
     assert not torch.equal(m[0].weight, want["model.0.weight"])  # the step ran, after the staging
     _assert_equal(_resumed(str(tmp_path), "a"), want)  # bit-exact: the values of the save, BatchNorm's too
+    ckpt.close()
+
+
+class _Delegating(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's: no ``Optimizer.__init__`` of its own, everything delegated."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer = inner
+
+    state = property(lambda self: self.optimizer.state)  # type: ignore[assignment]
+    param_groups = property(lambda self: self.optimizer.param_groups)  # type: ignore[assignment]
+    defaults = property(lambda self: self.optimizer.defaults)  # type: ignore[assignment]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self.optimizer.step(closure)
+
+
+@pytest.mark.parametrize("who", ["another_fused_optimizer", "a_wrapper"])
+def test_any_optimizers_step_waits_for_the_staging(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event], who: str
+) -> None:
+    """hunt65a: only the optimizers passed to the save waited for its staging. Another optimizer over the
+    same parameters stepped at once, and a fused one moves no version counter: the checkpoint silently held
+    values from after the save. A wrapper without ``Optimizer.__init__`` (accelerate's) failed the save
+    with ``AttributeError: ... _optimizer_step_pre_hooks``. Every optimizer's step now waits."""
+    entered, release = held_staging
+    m, opt = _trained(0)
+    saved: torch.optim.Optimizer = _Delegating(opt) if who == "a_wrapper" else opt
+    other = torch.optim.Adam(m.parameters(), lr=0.1, fused=True) if who != "a_wrapper" else saved
+    hooks = len(_global_optimizer_pre_hooks)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+    want = _values(m, opt)
+    fut = ckpt.save("a", m, saved)
+    assert fut is not None and entered.wait(30)
+    stepped = threading.Thread(target=_step, args=(m, other))
+    stepped.start()
+    stepped.join(0.5)
+    assert stepped.is_alive()  # the step waits for the staging still unfinished
+    release.set()
+    stepped.join(30)
+    fut.result()
+    assert not torch.equal(m[0].weight, want["model.0.weight"])  # the step ran, after the staging
+    _assert_equal(_resumed(str(tmp_path), "a"), want)
+    ckpt.close()
+    assert len(_global_optimizer_pre_hooks) == hooks + 1  # close() disarms its hook, never removes it (rev65e F1)
+
+
+def test_closing_a_checkpointer_while_another_ones_hook_holds_a_step_never_fails_that_step() -> None:
+    """rev65e F1: a step waited inside Checkpointer A's hook (torch iterates its global hook dict); B closed (or
+    garbage-collected on its lane thread) meanwhile removed its own hook from that dict, and the step raised
+    "OrderedDict mutated during iteration". Closing only disarms now."""
+    from smpckpt.api._async import StagingGate
+
+    class Held:  # a staging still copying: what a step waits for
+        def __init__(self) -> None:
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def wait_issued(self) -> None:
+            self.entered.set()
+            assert self.release.wait(30)
+
+    m, opt = _trained(0)
+    a, b, held = StagingGate(), StagingGate(), Held()
+    a.guard()
+    b.guard()
+    a.pending = held  # type: ignore[assignment]
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            _step(m, opt)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    assert held.entered.wait(30)
+    b.close()
+    held.release.set()
+    stepping.join(30)
+    a.close()
+    assert not errors, errors
+
+
+def _steps_in_a_child(opt: torch.optim.Optimizer) -> None:
+    # no forward of the parent's model: BatchNorm's threaded kernels hang in a forked child (torch's, not ours)
+    opt.step()  # the optimizer it inherited (its gradients too)
+    own = nn.Linear(8, 2)
+    _step(own, torch.optim.SGD(own.parameters(), lr=0.1))  # and one of its own
+
+
+def test_a_child_forked_during_overlapped_staging_steps_at_once(
+    tmp_path: Any, held_staging: tuple[threading.Event, threading.Event]
+) -> None:
+    """hunt65a: a process forked while a staging was in flight (a search or evaluation worker) inherited
+    the step hook waiting for it, and no thread of the child would ever stage: its optimizer steps hung."""
+    import multiprocessing
+
+    entered, release = held_staging
+    m, opt = _trained(0)
+    ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
+    fut = ckpt.save("a", m, opt)
+    assert fut is not None and entered.wait(30)
+    child = multiprocessing.get_context("fork").Process(target=_steps_in_a_child, args=(opt,))
+    try:
+        child.start()
+        child.join(20)
+        assert child.exitcode == 0, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
+        release.set()
+    fut.result()
     ckpt.close()
 
 

@@ -4,11 +4,14 @@ peer's replica when one is intact), S3, late drains and retention."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tier_jobs_workers
 import torch
+from dist_harness import run_world
 from tier_helpers import job as _job
 from tier_helpers import linear as _linear
 from tier_helpers import partials as _partials
@@ -84,6 +87,41 @@ def test_a_drain_never_commits_a_damaged_fast_tier_file(tmp_path: Path, monkeypa
     assert (_job(local, durable) / "s1_partial" / MANIFEST_NAME).is_file()  # the fast tier keeps the save
 
 
+@pytest.mark.dist
+def test_failed_drains_do_not_pile_up_in_the_fast_tier(tmp_path: Path) -> None:
+    """hunt64c F3: ``path`` full, every drain failing (durable_every=1, num_kept_local=1): the fast tier kept
+    every save whose drain failed, though only the newest is ever drained again, until the node's disk was
+    full and every save failed. Now it keeps num_kept_local, the tag just saved, one a drain copies and the
+    pending drain a retry would pick (here the newest; in a second job an older one, the newest being
+    undrainable), and warns of each failed drain it removes. The newest resumes bit-exactly; with room in
+    ``path`` again, a save not due for it drains that one again, and ``path`` resumes it bit-exactly."""
+    results = run_world(tier_jobs_workers.failed_drains_pile_up, 2, str(tmp_path), timeout=240)
+    for rank, got in enumerate(results):
+        for step, said in enumerate(got["wait"], 1):
+            assert said.startswith(f"CheckpointError: the drain of checkpoint 'step{step}'"), (rank, said)
+            assert "injected: no space left on path's storage" in said, (rank, said)
+        for step, held in enumerate(got["fast"], 1):
+            assert len(held) <= 1 + 2 and f"step{step}_partial" in held, (rank, step, got["fast"])  # before: all
+        assert got["fast"][-1] == ["step5_partial"], (rank, got["fast"])
+        for step in range(1, 5):  # each node's first rank removed each older failed drain, naming it
+            said = [m for m in got["logged"] if f"removed checkpoint 'step{step}' (save {step})" in m]
+            assert len(said) == 1 and "never reached" in said[0] and "/durable" in said[0], (rank, got["logged"])
+            assert f"'step{step + 1}' (save {step + 1}), newer, is drained instead" in said[0], said
+        resumed = got["resumed"]
+        assert resumed.startswith("ok {'tag': 'step5', 'tier': 'fast'"), (rank, resumed)
+        assert "'uc': {'step': 5}, 'exact': True}" in resumed, (rank, resumed)
+        assert (got["save6"], got["wait6"]) == ("ok None", "ok None"), (rank, got)
+        assert got["durable"] == ["newest", "step5_partial"] and got["fast6"] == ["step6_partial"], (rank, got)
+        from_path = got["from_path"]
+        assert from_path.startswith("ok {'tag': 'step5', 'tier': 'durable'"), (rank, from_path)
+        assert "'uc': {'step': 5}, 'exact': True}" in from_path, (rank, from_path)
+        # the newest pending drain cannot be drained (a part lost on both nodes): the one the retry picks stays
+        assert got["fast2"] == ["step2_partial", "step5_partial"], (rank, got["fast2"])  # before: step4 too
+        said = [m for m in got["logged2"] if "removed checkpoint 'step4' (save 4)" in m]
+        assert len(said) == 1 and "/durable2; 'step2' (save 2) is drained instead" in said[0], (rank, got["logged2"])
+    assert any("'step5' (save 5)" in w for w in results[0]["said6"]), results[0]["said6"]
+
+
 class _SpySink:
     """A drain's sink as it is, counting the bytes handed to it and whether it was aborted."""
 
@@ -122,6 +160,171 @@ def _damage_late_in_the_first_file_drained(monkeypatch: pytest.MonkeyPatch, seen
 
     monkeypatch.setattr(drain_module, "check_blocks", damaged_first)
     monkeypatch.setattr(drain_module, "open_sink", lambda *a, **kw: _SpySink(real_open(*a, **kw), seen))
+
+
+def test_a_drain_failing_while_the_next_save_is_written_stays_for_the_save_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65b F1: save 4's drain (due, durable_every=4) was still running when save 5 was planned, so save 5
+    chose no retry; the drain then failed, and save 5's retention removed step4 as an older failed drain:
+    save 6 had nothing to drain and `path` got nothing. The newest complete failed drain stays now."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, down, release = drain_module.open_sink, fast_save.run_save, [True], threading.Event()
+
+    def path_full(*args: Any, **kwargs: Any) -> Any:
+        if down[0]:
+            assert release.wait(60)  # the drain fails once save 5 is planned and writing
+            raise OSError(28, "injected: no space left on path")
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step5":
+            release.set()
+            with pytest.raises(CheckpointError, match="no space left on path"):
+                wait_for_saves()  # step4's drain has failed before step5 commits and retains
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_full)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=4, num_kept_local=1), _linear(1)
+    for k in range(1, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k != 4:
+            wait_for_saves()
+        if k == 4:
+            saved = _linear(4)
+            saved.load_state_dict(model.state_dict())
+    assert "step4_partial" in _partials(_job(local, durable)), _partials(_job(local, durable))
+    down[0] = False
+    save_checkpoint(durable, "step6", model=model, options=tier)  # not due: drains step4 again
+    wait_for_saves()
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="step4", model=got)  # from path alone (no local_path)
+    assert (durable / "step4_partial" / MANIFEST_NAME).is_file() and _same(got, saved)
+
+
+def test_a_retry_failing_while_the_next_save_is_written_stays_though_a_newer_failed_drain_is_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65d F1: path down for saves 1-8 (durable_every=4), a roll-back to step6 abandons step8; save 9b
+    drains step4 again, and that drain fails while save 10b is written. Save 10b's retention kept the newest
+    complete failed drain, step8 (which can never be drained), and removed step4: path got nothing until
+    save 12b. Now the save whose drain was running when 10b was planned stays, and save 11b drains it."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, mode, release = drain_module.open_sink, fast_save.run_save, ["down"], threading.Event()
+
+    def path_full(*args: Any, **kwargs: Any) -> Any:
+        if mode[0] != "up":
+            assert mode[0] == "down" or release.wait(60)  # "slow": fails once save 10b is planned and writing
+            raise OSError(28, "injected: no space left on path")
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step10b":
+            release.set()
+            with pytest.raises(CheckpointError, match="'step4'.*no space left on path"):
+                wait_for_saves()  # step4's drain again has failed before step10b commits and retains
+            mode[0] = "up"
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_full)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=4, num_kept_local=5), _linear(1)
+    for k in range(1, 9):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k < 4:
+            wait_for_saves()
+            continue
+        with pytest.raises(CheckpointError, match="no space left on path"):
+            wait_for_saves()  # step4's drain, then its retries by saves 5-7, then step8's
+        if k == 4:
+            saved = _linear(4)
+            saved.load_state_dict(model.state_dict())
+    resume_from_checkpoint(durable, tag="step6", model=model, options=FastTier(local_path=str(local)))
+    assert (last_resume_info().tag, last_resume_info().tier) == ("step6", "fast")
+    mode[0] = "slow"
+    for k in range(9, 12):
+        with pytest.warns(UserWarning) as said:
+            save_checkpoint(durable, f"step{k}b", model=model, options=tier)
+        text = [str(w.message) for w in said]
+        assert any("'step8' (save 8)" in m and "abandoned by the roll-back to 'step6'" in m for m in text), text
+        assert any("'step4' (save 4)" in m and "drains it to" in m for m in text) == (k != 10), (k, text)
+        if k == 10:
+            assert "step4_partial" in _partials(_job(local, durable)), _partials(_job(local, durable))
+    wait_for_saves()
+    assert (durable / "newest").read_text().strip() == "step4"
+    got = _linear(9)
+    resume_from_checkpoint(durable, tag="step4", model=got)  # from path alone (no local_path)
+    assert _same(got, saved)
+
+
+def test_no_save_older_than_a_running_drain_is_drained_again_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65b F3: path down for saves 1-3 (durable_every=2: step2's drain failed); step4's drain still ran
+    when save 5 was planned, so save 5 drained step2 again, after step4: path's `newest` went back to step2.
+    Now save 5 drains nothing again, and path's newest is step4, resumed bit-exactly."""
+    import threading
+
+    import smpckpt.api._drain as drain_module
+    import smpckpt.api._fast_save as fast_save
+
+    durable, local = tmp_path / "durable", tmp_path / "fast"
+    real_sink, real_run, down, release = drain_module.open_sink, fast_save.run_save, [True], threading.Event()
+
+    def path_slow(*args: Any, **kwargs: Any) -> Any:
+        if down[0]:
+            raise OSError(28, "injected: no space left on path")
+        assert release.wait(60)  # step4's drain runs until save 5 is planned
+        return real_sink(*args, **kwargs)
+
+    def run_save(*args: Any, **kwargs: Any) -> Any:
+        if args[1].tag == "step5":
+            release.set()
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(drain_module, "open_sink", path_slow)
+    monkeypatch.setattr(fast_save, "run_save", run_save)
+    tier, model = FastTier(local_path=str(local), replicas=1, durable_every=2, num_kept_local=3), _linear(1)
+    for k in range(1, 4):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(durable, f"step{k}", model=model, options=tier)
+        if k == 1:
+            wait_for_saves()
+            continue
+        with pytest.raises(CheckpointError, match="'step2'.*no space left on path"):
+            wait_for_saves()  # step2's drain, then save 3's drain of it again
+    down[0] = False
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(durable, "step4", model=model, options=tier)
+    saved = _linear(4)
+    saved.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        save_checkpoint(durable, "step5", model=model, options=tier)
+    wait_for_saves()
+    assert (durable / "newest").read_text().strip() == "step4"  # before: step2
+    assert sorted(p.name for p in durable.iterdir()) == ["newest", "step4_partial"]
+    assert not any("drains it to" in str(w.message) for w in said), [str(w.message) for w in said]
+    got = _linear(9)
+    resume_from_checkpoint(durable, model=got)
+    assert last_resume_info().tag == "step4" and _same(got, saved)
 
 
 def test_the_drain_reads_each_file_once_and_removes_a_copy_found_damaged_mid_way(

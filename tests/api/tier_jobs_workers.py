@@ -532,7 +532,9 @@ def histories(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
     path's step5): new24 drained another history's step6 into path as its newest."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     local, durable = node_dir(os.path.join(base, "fast"), rank), os.path.join(base, "durable")
-    kw: dict[str, Any] = dict(replicas=2, num_kept_local=None if case == "skew_plain" else 3)
+    # rollback_drain keeps all: step6, undrainable, is kept only among the newest saves since hunt64c F3,
+    # and must outlive the 16 saves a lineage names
+    kw: dict[str, Any] = dict(replicas=2, num_kept_local=None if case in ("skew_plain", "rollback_drain") else 3)
     out: dict[str, Any] = {}
     first, last, back = {"skew_rollback": (5, 6, "step4"), "skew_plain": (2, 19, None)}.get(case, (6, 24, "step4"))
     with _clock(3600 if case.startswith("skew") else 0):
@@ -929,4 +931,107 @@ def commit_partly_failed(rank: int, world: int, base: str) -> dict[str, Any]:
     fast_save.commit_node_copy = real  # type: ignore[assignment]
     dist.barrier()
     out["durable"] = sorted(os.listdir(durable)) if os.path.isdir(durable) else []
+    return out
+
+
+@contextlib.contextmanager
+def _path_full(logged: list[str]) -> Iterator[None]:
+    """Every drain's sink refused (``path``'s storage full: ENOSPC); ``smpckpt.api``'s warnings into ``logged``
+    (retention warns on the save's thread and on the drain's)."""
+    import errno
+
+    import smpckpt.api._drain as drain_module
+
+    def full(fs: Any, path: str, **kw: Any) -> Any:
+        raise OSError(errno.ENOSPC, "injected: no space left on path's storage", path)
+
+    real, handler = drain_module.open_sink, logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("smpckpt.api").addHandler(handler)
+    drain_module.open_sink = full  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        drain_module.open_sink = real  # type: ignore[assignment]
+        logging.getLogger("smpckpt.api").removeHandler(handler)
+
+
+def failed_drains_pile_up(rank: int, world: int, base: str) -> dict[str, Any]:
+    """hunt64c F3: 2 nodes of 1 rank, replicas=2, durable_every=1, num_kept_local=1; ``path``'s storage
+    full through five saves: what each node's fast tier holds after each, and what retention warned. Then
+    a restarted job resumes (tag-less), ``path`` has room again, a save not due for ``path`` (durable_every=4:
+    save 6) drains the newest again, and ``path`` alone resumes it. Second job (``durable2``), path full:
+    step1-4 kept (num_kept_local=None, durable_every=2), step4's part lost on both nodes (undrainable); then
+    num_kept_local=1: step5 drains step2 again -- what the fast tier holds after it, what was warned."""
+    from smpckpt import ParallelLayout
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    layout, durable = ParallelLayout(tp=2, dp=1), os.path.join(base, "durable")
+    local = node_dir(os.path.join(base, "fast"), rank, 1)
+
+    def save(step: int, model: Any, opt: Any, every: int, keep: int | None = 1, root: str = durable) -> Any:
+        return save_checkpoint(
+            root,
+            f"step{step}",
+            model=model,
+            optimizer=opt,
+            user_content={"step": step},
+            layout=layout,
+            specs=tp_model.SPECS,
+            options=FastTier(local_path=local, replicas=2, durable_every=every, num_kept_local=keep),
+        )
+
+    def resumed(seed: int, **kw: Any) -> dict[str, Any]:
+        _, fresh, fresh_opt = tp_model.build(layout, seed=seed)
+        uc = resume_from_checkpoint(
+            durable, model=fresh, optimizer=fresh_opt, layout=layout, specs=tp_model.SPECS, **kw
+        )
+        want = _want(base, uc["step"], rank)
+        return {**_info(), "uc": uc, "exact": _same(tp_model.local_state(fresh, fresh_opt), want)}
+
+    out: dict[str, Any] = {"fast": [], "wait": []}
+    logged: list[str] = []
+    with _path_full(logged):
+        ctx, model, opt = tp_model.build(layout)
+        for step in range(1, 6):
+            tp_model.train_step(ctx, model, opt, step)
+            torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state{step}_rank{rank}.pt"))
+            save(step, model, opt, every=1)
+            out["wait"].append(_attempt(wait_for_saves))
+            dist.barrier()  # every node's retention done
+            out["fast"].append(partials(job_dir(local, durable)))
+    out["logged"] = [m for m in logged if "never reached" in m]
+    out["resumed"] = _attempt(lambda: resumed(7, options=FastTier(local_path=local)))
+    ctx, model, opt = tp_model.build(layout, seed=9)  # the restarted job goes on from its resume
+    resume_from_checkpoint(
+        durable, model=model, optimizer=opt, layout=layout, specs=tp_model.SPECS, options=FastTier(local_path=local)
+    )
+    tp_model.train_step(ctx, model, opt, 6)
+    torch.save(_clone(tp_model.local_state(model, opt)), os.path.join(base, f"state6_rank{rank}.pt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["save6"] = _attempt(lambda: save(6, model, opt, every=4))
+        out["wait6"] = _attempt(wait_for_saves)
+    out["said6"] = [str(w.message) for w in caught if "drains it to" in str(w.message)]
+    dist.barrier()
+    out["durable"] = sorted(os.listdir(durable))
+    out["fast6"] = partials(job_dir(local, durable))
+    out["from_path"] = _attempt(lambda: resumed(8))  # path alone: no fast tier
+
+    root2, logged2 = os.path.join(base, "durable2"), []
+    job2 = job_dir(local, root2)
+    with _path_full(logged2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the drains' failures and the retries' warnings: logged2 tells
+        for step in range(1, 5):
+            save(step, model, opt, every=2, keep=None, root=root2)
+            _attempt(wait_for_saves)
+        dist.barrier()
+        lost = sorted(n for n in os.listdir(os.path.join(job2, "step4_partial")) if n.endswith(".distcp"))[0]
+        os.unlink(os.path.join(job2, "step4_partial", lost))  # on both nodes: step4 cannot be drained
+        dist.barrier()
+        save(5, model, opt, every=2, root=root2)
+        _attempt(wait_for_saves)
+        dist.barrier()
+    out["fast2"] = partials(job2)
+    out["logged2"] = [m for m in logged2 if "never reached" in m or "cannot be drained" in m]
     return out

@@ -149,17 +149,18 @@ def test_an_overwrite_never_deletes_through_a_prefix_folder_flipped_to_a_link(
         return real_unlink(path, *args, **kwargs)
 
     committed = threading.Event()
+    real_unless = commit_mod._unless_removing
 
-    class Flipping(FsspecStorageWriter):
-        def _write_manifest(self, data: bytes) -> None:
-            super()._write_manifest(data)
-            committed.set()
+    def unless_removing(*args: Any, **kwargs: Any) -> None:  # the commit's last look (step 4) passed
+        real_unless(*args, **kwargs)
+        committed.set()
 
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
     monkeypatch.setattr(os, "open", opening)
     monkeypatch.setattr(os, "remove", removing)
     monkeypatch.setattr(os, "unlink", unlinking)
     new = make_state(2, scale=3)
-    dcp.save(new, storage_writer=Flipping(url, overwrite=True, prefix_strategy="hex"))
+    dcp.save(new, storage_writer=FsspecStorageWriter(url, overwrite=True, prefix_strategy="hex"))
     monkeypatch.undo()
     assert flipped.is_set()
     _intact(out, victims)  # nothing outside the root deleted (before: files behind the link went)
@@ -170,8 +171,8 @@ def test_an_overwrite_never_deletes_through_a_prefix_folder_flipped_to_a_link(
 
 
 # -- row 8: a prune at age 0 during saves never empties a committed checkpoint ---------------------------
-def _prune_now(root: str) -> Any:
-    return catalog.apply_retention(root, None, uncommitted_older_than=0)
+def _prune_now(root: str, opts: dict[str, Any] | None = None) -> Any:
+    return catalog.apply_retention(root, None, uncommitted_older_than=0, storage_options=opts or None)
 
 
 def test_a_prune_between_the_commits_check_and_its_manifest_fails_the_save(tmp_path: Path) -> None:
@@ -300,6 +301,194 @@ def test_a_prune_that_finds_the_manifest_after_marking_leaves_the_checkpoint(
     assert verify_checkpoint(url).ok
     assert not os.path.exists(os.path.join(url, "smpckpt.removing"))
     assert_state_equal(state, roundtrip_load(state, url))
+
+
+def test_a_removal_finishing_between_a_commits_manifest_and_its_look_fails_the_save(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hunt64b F1 (HIGH): a stale removal marks the folder and finds no manifest; the save's manifest lands;
+    the removal deletes everything, its mark last; only then does the commit look for the mark. Before: no
+    mark, so the save returned OK with nothing left. Now the commit also lists its files after looking for
+    the mark: they are gone, and the save fails by name."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.storage.backends import _folder as folder_mod
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    files_checked, removal_emptied, manifest_in, look = (threading.Event() for _ in range(4))
+    real_check, real_unless, real_tree = commit_mod.check_named, commit_mod._unless_removing, folder_mod.remove_tree
+
+    def check_named(*args: Any, **kwargs: Any) -> None:  # the commit's step 2: every file there
+        real_check(*args, **kwargs)
+        files_checked.set()
+        assert removal_emptied.wait(60)
+
+    def unless_removing(*args: Any, **kwargs: Any) -> Any:  # step 4, held until the removal is done
+        manifest_in.set()
+        assert look.wait(60)
+        return real_unless(*args, **kwargs)
+
+    def remove_tree(*args: Any, **kwargs: Any) -> Any:  # the removal: marked, no manifest seen, emptied
+        removal_emptied.set()
+        assert manifest_in.wait(60)
+        return real_tree(*args, **kwargs)
+
+    monkeypatch.setattr(commit_mod, "check_named", check_named)
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
+    monkeypatch.setattr(folder_mod, "remove_tree", remove_tree)
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    assert files_checked.wait(60)
+    remove_checkpoint(url, opts, uncommitted_only=True)
+    look.set()
+    thread.join(60)
+    assert errors, f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
+    error = unwrap(errors[0])
+    assert type(error) is CheckpointError and url in str(error) and "nothing is committed" in str(error), error
+    assert checkpoint_state(url, opts) in ("missing", "uncommitted")
+
+
+def test_a_second_removal_never_clears_a_running_ones_mark(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65a F1 (HIGH): stale removal P1 marked the folder and found no manifest; the save's manifest landed; a
+    second stale removal P2 found the mark there, saw the manifest ("committed meanwhile") and unlinked P1's
+    mark; the commit's look found no mark and every file, returned OK, and P1 then deleted everything. Now a
+    removal unlinks only a mark it made: the commit sees P1's and withdraws."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    checked, p1_looked, manifest_in, p2_done, look_done = (threading.Event() for _ in range(5))
+    real_check, real_unless, real_exists = commit_mod.check_named, commit_mod._unless_removing, Folder.exists
+
+    def check_named(*args: Any, **kwargs: Any) -> None:
+        real_check(*args, **kwargs)
+        checked.set()
+        assert p1_looked.wait(60)
+
+    def exists(self: Folder, name: str) -> bool:
+        found = real_exists(self, name)
+        if threading.current_thread().name == "P1" and name == commit_mod.MANIFEST_NAME:
+            p1_looked.set()  # P1 found no manifest; it deletes once the commit has looked
+            assert look_done.wait(60)
+        return found
+
+    def unless_removing(*args: Any, **kwargs: Any) -> None:
+        manifest_in.set()
+        assert p2_done.wait(60)
+        try:
+            real_unless(*args, **kwargs)
+        finally:
+            look_done.set()
+
+    monkeypatch.setattr(commit_mod, "check_named", check_named)
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
+    monkeypatch.setattr(Folder, "exists", exists)
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    assert checked.wait(60)
+    p1 = threading.Thread(target=lambda: remove_checkpoint(url, opts, uncommitted_only=True), name="P1")
+    p1.start()
+    assert manifest_in.wait(60)
+    remove_checkpoint(url, opts, uncommitted_only=True)  # P2
+    p2_done.set()
+    saving.join(60)
+    p1.join(60)
+    assert errors, f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
+    assert "the commit was withdrawn" in str(unwrap(errors[0])), errors[0]
+    assert checkpoint_state(url, opts) in ("missing", "uncommitted")
+
+
+def test_a_removal_paused_after_its_look_leaves_a_save_committed_meanwhile(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65c F1, F4, F5: a prune finishing an interrupted removal (``removing``: mark + data) looked for a
+    manifest, found none and paused; a save of that tag finished the removal itself and committed (OK). The
+    prune then deleted the new manifest (S3, memory://) or failed naming the folder (POSIX). Now it finds its
+    mark gone, leaves what is there and reports the save committed meanwhile: neither removed nor failed."""
+    import fsspec
+
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = backend
+    root, url = f"{base}/root", f"{base}/root/s2_partial"
+    dcp.save(make_state(1), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    fs, _ = fsspec.core.url_to_fs(url, **opts)
+    fs.rm_file(f"{url}/{commit_mod.MANIFEST_NAME}")
+    fs.pipe_file(f"{url}/{commit_mod.REMOVING_NAME}", b"removing\n")  # a removal killed after the manifest
+    looked, go = threading.Event(), threading.Event()
+    real_exists = Folder.exists
+
+    def exists(self: Folder, name: str) -> bool:
+        found = real_exists(self, name)
+        if threading.current_thread().name == "prune" and name == commit_mod.MANIFEST_NAME:
+            looked.set()
+            assert go.wait(60)
+        return found
+
+    monkeypatch.setattr(Folder, "exists", exists)
+    results: list[Any] = []
+    prune = threading.Thread(target=lambda: results.append(_prune_now(root, opts)), name="prune")
+    prune.start()
+    assert looked.wait(60)
+    state = make_state(2, scale=3)
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    go.set()
+    prune.join(60)
+    assert results and "s2" not in results[0].removed and "s2" not in results[0].failed, results
+    assert_state_equal(state, roundtrip_load(state, url, opts))
+
+
+def test_an_overwrite_landing_during_a_commits_look_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rev65a F3: save A's manifest landed; before its look, save B overwrote the tag and removed A's files. A
+    failed with "a removal ... ran; nothing is committed here", though B's checkpoint is: now it names B."""
+    url = str(tmp_path / "t_partial")
+    held, go = threading.Event(), threading.Event()
+    real_unless = commit_mod._unless_removing
+
+    def unless_removing(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "A":
+            held.set()
+            assert go.wait(60)
+        real_unless(*args, **kwargs)
+
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
+    errors: list[BaseException] = []
+
+    def save_a() -> None:
+        try:
+            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url), no_dist=True)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    a = threading.Thread(target=save_a, name="A")
+    a.start()
+    assert held.wait(60)
+    b_state = make_state(2, scale=3)
+    dcp.save(b_state, storage_writer=FsspecStorageWriter(url, overwrite=True), no_dist=True)
+    go.set()
+    a.join(60)
+    error = unwrap(errors[0])
+    assert isinstance(error, CheckpointExists) and "another save's commit" in str(error), error
+    assert_state_equal(b_state, roundtrip_load(b_state, url))
 
 
 # -- overwrites replace exactly the checkpoint they saw --------------------------------------------------

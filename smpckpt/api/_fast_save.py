@@ -304,8 +304,8 @@ def _retry_of(
         elif probe_checkpoint(partial_url(req.root, c.tag), req.storage_options).state in ("committed", "legacy"):
             why = f"{partial_url(req.root, c.tag)} holds another checkpoint of that tag"
         message = (
-            f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier and its drain never committed (a "
-            f"job stopped while draining?): this save drains it to {partial_url(req.root, c.tag)} again, in the "
+            f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier and its drain never committed (it "
+            f"failed, or the job stopped while draining): this save drains it to {partial_url(req.root, c.tag)} again, in the "
             "background, once it is written"
             if not why
             else f"checkpoint {c.tag!r} (save {c.seq}) was due for the durable tier {req.root} and is not there, "

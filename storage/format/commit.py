@@ -396,9 +396,22 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
         except nf.MarkGone:  # by path: on POSIX ``folder`` may be the removed folder, a new one in its place
             if uncommitted_only and read_bytes_or_none(fs, join(path, MANIFEST_NAME)) is not None:
                 return []  # a save finished that removal and committed: left as it is (rev65c F1)
+            if not _anything_in(fs, path):
+                return []  # another removal finished it: done (rev65f F1)
             return [
                 f"{url} (stopped: its removal mark went meanwhile -- another removal finished, or one that found a commit left; what is there now is left: remove it again)"
             ]
+
+
+def _anything_in(fs: Any, path: str) -> bool:
+    """Whether anything is under ``path`` now (a fresh listing)."""
+    try:
+        if is_local(fs):
+            return bool(os.listdir(path))
+        fs.invalidate_cache(path)
+        return bool(fs.find(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _remove_marked(folder: Folder, fs: Any, path: str, uncommitted_only: bool) -> list[str]:

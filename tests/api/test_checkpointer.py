@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from torch.optim.optimizer import _global_optimizer_pre_hooks
+from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
 import smpckpt
 import smpckpt.api._async as staging
@@ -328,13 +328,17 @@ def test_any_optimizers_step_waits_for_the_staging(
     saved: torch.optim.Optimizer = _Delegating(opt) if who == "a_wrapper" else opt
     other = torch.optim.Adam(m.parameters(), lr=0.1, fused=True) if who != "a_wrapper" else saved
     hooks = len(_global_optimizer_pre_hooks)
+    reached = threading.Event()  # torch runs global hooks in order: this one just before the Checkpointer's
+    probe = register_optimizer_step_pre_hook(lambda *_: reached.set())
     ckpt = Checkpointer(str(tmp_path), async_options=AsyncOptions(enabled=True, overlap_staging=True))
     want = _values(m, opt)
     fut = ckpt.save("a", m, saved)
     assert fut is not None and entered.wait(30)
     stepped = threading.Thread(target=_step, args=(m, other))
     stepped.start()
+    assert reached.wait(30)  # the step is at its hooks however late the thread started (rev65e F3)
     stepped.join(0.5)
+    probe.remove()
     assert stepped.is_alive()  # the step waits for the staging still unfinished
     release.set()
     stepped.join(30)

@@ -167,7 +167,7 @@ def test_a_drain_failing_while_the_next_save_is_written_stays_for_the_save_after
 ) -> None:
     """rev65b F1: save 4's drain (due, durable_every=4) was still running when save 5 was planned, so save 5
     chose no retry; the drain then failed, and save 5's retention removed step4 as an older failed drain:
-    save 6 had nothing to drain and `path` got nothing. The newest complete failed drain stays now."""
+    save 6 had nothing to drain and `path` got nothing. The save whose drain was running when save 5 was planned stays now (fix65b)."""
     import threading
 
     import smpckpt.api._drain as drain_module

@@ -457,6 +457,91 @@ def test_a_removal_paused_after_its_look_leaves_a_save_committed_meanwhile(
     assert_state_equal(state, roundtrip_load(state, url, opts))
 
 
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_removal_on_a_mark_not_its_own_stops_when_it_goes_before_the_manifest(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65c F2, rev65f F2: save C's manifest landed, C held before its look; stale removal Pa marked the folder;
+    the user's remove_checkpoint Pb found Pa's mark (not its own); Pa found C's manifest and unlinked its mark; C
+    looked, found no mark and its files, returned OK; Pb then deleted C's manifest. Pb now looks for the mark
+    again before the manifest goes, stops, and says so; C stays committed. And two removals where one finishes
+    first (rev65f F1): the late one finds nothing left and succeeds."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = (str(tmp_path), {}) if kind == "local" else request.getfixturevalue("s3")
+    url = f"{base}/t_partial"
+    ev = {k: threading.Event() for k in ("c_in", "go_c", "a_marked", "go_a", "b_tried", "go_b")}
+    real_unless, real_publish = commit_mod._unless_removing, Folder.publish
+
+    def unless(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "C":
+            ev["c_in"].set()
+            assert ev["go_c"].wait(60)
+        real_unless(*args, **kwargs)
+
+    def publish(self: Folder, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return real_publish(self, name, *args, **kwargs)
+        finally:
+            who = threading.current_thread().name
+            if name == commit_mod.REMOVING_NAME and who in ("Pa", "Pb"):
+                ev["a_marked" if who == "Pa" else "b_tried"].set()
+                assert ev["go_a" if who == "Pa" else "go_b"].wait(60)
+
+    monkeypatch.setattr(commit_mod, "_unless_removing", unless)
+    monkeypatch.setattr(Folder, "publish", publish)
+    out: dict[str, Any] = {}
+
+    def run(name: str, fn: Any) -> threading.Thread:
+        def body() -> None:
+            try:
+                out[name] = fn()
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                out[name] = exc
+
+        thread = threading.Thread(target=body, name=name)
+        thread.start()
+        return thread
+
+    state = make_state(2)
+    c = run("C", lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True))
+    assert ev["c_in"].wait(60)
+    pa = run("Pa", lambda: remove_checkpoint(url, opts, uncommitted_only=True))
+    assert ev["a_marked"].wait(60)
+    pb = run("Pb", lambda: remove_checkpoint(url, opts))
+    assert ev["b_tried"].wait(60)
+    ev["go_a"].set()
+    pa.join(60)
+    ev["go_c"].set()
+    c.join(60)
+    ev["go_b"].set()
+    pb.join(60)
+    assert out["Pa"] is False and not isinstance(out["C"], BaseException), out
+    assert isinstance(out["Pb"], OSError) and url in str(out["Pb"]) and "stopped" in str(out["Pb"]), out["Pb"]
+    assert checkpoint_state(url, opts) == "committed"
+    assert_state_equal(state, roundtrip_load(state, url, opts))
+    monkeypatch.undo()
+    # two removals of one folder, the other finishing first: nothing is left, and the late one says done
+    marked, go = threading.Event(), threading.Event()
+
+    def held_publish(self: Folder, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return real_publish(self, name, *args, **kwargs)
+        finally:
+            if threading.current_thread().name == "late" and name == commit_mod.REMOVING_NAME:
+                marked.set()
+                assert go.wait(60)
+
+    monkeypatch.setattr(Folder, "publish", held_publish)
+    late = run("late", lambda: remove_checkpoint(url, opts))
+    assert marked.wait(60)
+    assert remove_checkpoint(url, opts) is True
+    go.set()
+    late.join(60)
+    assert out["late"] is True and checkpoint_state(url, opts) == "missing", out["late"]
+
+
 def test_an_overwrite_landing_during_a_commits_look_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """rev65a F3: save A's manifest landed; before its look, save B overwrote the tag and removed A's files. A
     failed with "a removal ... ran; nothing is committed here", though B's checkpoint is: now it names B."""

@@ -41,6 +41,14 @@ def _outside(tmp_path: Path, names: list[str]) -> Path:
     return out
 
 
+def _exists(url: str, name: str, opts: dict[str, Any]) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+    fs.invalidate_cache(path)
+    return bool(fs.exists(f"{path}/{name}"))
+
+
 def _intact(out: Path, names: list[str]) -> None:
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
     assert all((out / n).read_bytes() == b"not yours" for n in names)
@@ -540,6 +548,55 @@ def test_a_removal_on_a_mark_not_its_own_stops_when_it_goes_before_the_manifest(
     go.set()
     late.join(60)
     assert out["late"] is True and checkpoint_state(url, opts) == "missing", out["late"]
+
+
+def test_a_removal_whose_mark_put_was_retried_knows_its_own_mark(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65c F6: the mark's create landed but its reply was lost; the retry met the mark (412, FileExistsError).
+    The removal took it for another's: a stale removal finding the commit left it beside the checkpoint, and
+    every later overwrite failed at its commit. The mark carries the removal's nonce now, read back."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    state = make_state(2)
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    real_publish = Folder.publish
+
+    def lost_reply(self: Folder, name: str, *args: Any, **kwargs: Any) -> Any:
+        out = real_publish(self, name, *args, **kwargs)
+        if name == commit_mod.REMOVING_NAME:
+            raise FileExistsError(17, "injected: the retried create met the first one's object")
+        return out
+
+    monkeypatch.setattr(Folder, "publish", lost_reply)
+    assert remove_checkpoint(url, opts, uncommitted_only=True) is False  # committed: left as it is
+    monkeypatch.undo()
+    assert checkpoint_state(url, opts) == "committed" and not _exists(url, commit_mod.REMOVING_NAME, opts)
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True), no_dist=True)
+
+
+def test_an_overwrite_of_a_checkpoint_marked_for_removal_is_refused_before_writing(
+    backend: tuple[str, dict[str, Any]],
+) -> None:
+    """rev65c F7: a committed checkpoint beside a killed removal's mark: an overwrite wrote every byte and was then
+    withdrawn at its commit, blaming a removal "started while this save was committing". Refused first, by name."""
+    import fsspec
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    dcp.save(make_state(1), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    fs, _ = fsspec.core.url_to_fs(url, **opts)
+    fs.pipe_file(f"{url}/{commit_mod.REMOVING_NAME}", b"removing\n")  # a removal killed before its manifest delete
+    before = sorted(fs.find(url))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True))
+    error = unwrap(info.value)
+    assert isinstance(error, CheckpointError) and commit_mod.REMOVING_NAME in str(error) and url in str(error)
+    fs.invalidate_cache(url)
+    assert sorted(fs.find(url)) == before  # nothing written
 
 
 def test_an_overwrite_landing_during_a_commits_look_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

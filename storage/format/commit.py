@@ -423,8 +423,10 @@ def _anything_in(fs: Any, path: str) -> bool:
             return bool(os.listdir(path))
         fs.invalidate_cache(path)
         return bool(fs.find(path))
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return False
+    except NotADirectoryError:
+        return True  # a file in the folder's place: something is there (rev65g F5)
 
 
 def _remove_marked(folder: Folder, fs: Any, path: str, uncommitted_only: bool) -> list[str]:

@@ -35,11 +35,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
 from smpckpt.api._dist import DistContext
 from smpckpt.errors import CheckpointError
@@ -438,16 +438,45 @@ class Pending:
             torch.cuda.current_stream(self.stream.device).wait_event(self.done)
 
 
+class _GatesHook:
+    """The one global optimizer step pre-hook of the process (torch's registry holds it; smpckpt keeps no
+    module state): every step waits for the staging in flight of each open :class:`StagingGate`. One hook,
+    registered once: adding or removing an entry of torch's hook dict while a step on another thread iterates
+    it (waiting in a hook) fails that step, "OrderedDict mutated during iteration" (rev65e F1, rev65g F1);
+    gates join and leave this hook's set instead, and closed ones cost nothing (rev65g F2)."""
+
+    def __init__(self) -> None:
+        self.gates: set[StagingGate] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        with self.lock:
+            gates = list(self.gates)
+        for gate in gates:
+            pending = gate.pending
+            if pending is not None:
+                pending.wait_issued()
+
+    @staticmethod
+    def shared() -> _GatesHook:
+        for hook in list(_global_optimizer_pre_hooks.values()):
+            if type(hook).__name__ == "_GatesHook" and hasattr(hook, "gates"):  # this module's, maybe reloaded
+                return cast(_GatesHook, hook)
+        hook = _GatesHook()
+        register_optimizer_step_pre_hook(hook)
+        return hook
+
+
 class StagingGate:
-    """A Checkpointer's step pre-hook, registered once for every optimizer of the process (torch's global
-    one): any step waits for the staging in flight, if any -- not only those of the optimizers passed to
-    the save: another over the same parameters (a fused step moves no version counter) or the inner one of
-    a wrapper without ``Optimizer.__init__`` (accelerate's) would change a value being staged unseen. It
-    holds no reference to the Checkpointer."""
+    """A Checkpointer's part of the process's step pre-hook (:class:`_GatesHook`): any step waits for the
+    staging in flight, if any -- not only those of the optimizers passed to the save: another over the same
+    parameters (a fused step moves no version counter) or the inner one of a wrapper without
+    ``Optimizer.__init__`` (accelerate's) would change a value being staged unseen. It holds no reference to
+    the Checkpointer."""
 
     def __init__(self) -> None:
         self.pending: Pending | None = None
-        self._handle: Any = None
+        self._hook: _GatesHook | None = None
         if hasattr(os, "register_at_fork"):
             ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
@@ -458,19 +487,16 @@ class StagingGate:
         self.pending = None
 
     def guard(self) -> None:
-        if self._handle is None:  # once per gate (per Checkpointer): close() leaves it registered, inert
-            self._handle = register_optimizer_step_pre_hook(self._before_step)
-
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        pending = self.pending
-        if pending is not None:
-            pending.wait_issued()
+        if self._hook is None:
+            self._hook = _GatesHook.shared()
+            with self._hook.lock:
+                self._hook.gates.add(self)
 
     def close(self) -> None:
-        """Disarm, never unregister: a step on another thread may be iterating torch's hook dict (waiting in
-        another Checkpointer's hook), and removing an entry then fails that step with "OrderedDict mutated
-        during iteration" (rev65e F1). The inert hook (a no-op per step) stays for the process's life."""
         self.pending = None
+        if self._hook is not None:  # never registers anything: close may run on a lane thread (a finalizer)
+            with self._hook.lock:
+                self._hook.gates.discard(self)
 
 
 class Stager:

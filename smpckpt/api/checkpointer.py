@@ -151,7 +151,7 @@ class Checkpointer:
         self._exit_wait = False
         self._closed = False  # close() ended its threads and groups: a later call would quietly rebuild them
         self.last_resume_info: ResumeInfo | None = None  #: this Checkpointer's last partial resume
-        # dropped without close(): its lanes end once their work is done, its optimizer hooks go
+        # dropped without close(): its lanes end once their work is done, its staging gate leaves the step hook
         weakref.finalize(self, _release, (self._save_lane, self._drain_lane), self._gate)
 
     def __repr__(self) -> str:
@@ -550,7 +550,7 @@ def _refuse_damaged_newest(ctx: DistContext, root: str, storage_options: Any) ->
 
 def _release(lanes: tuple[Lane, Lane], gate: StagingGate, join: bool = False, tier: FastTierPart | None = None) -> None:
     """(close, or the Checkpointer dropped) End the lanes' threads once their work is done (``join``: wait),
-    then ``tier``'s saves' and drains' threads; remove the step hooks."""
+    then ``tier``'s saves' and drains' threads; the staging gate leaves the step hook."""
     for lane in lanes:
         lane.stop(join)
     if tier is not None:

@@ -44,7 +44,7 @@ from smpckpt.storage.format.manifest import (
 )
 
 __all__ = ["CommitUncertain", "commit_uncertain", "check_named", "check_files", "settle_uncommitted_folder", "commit"]
-__all__ += ["publish_staged", "remove_folder", "remove_staged", "committed_save_id"]
+__all__ += ["publish_staged", "remove_folder", "remove_staged", "committed_save_id", "refuse_marked_overwrite"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,18 @@ def settle_uncommitted_folder(fs: Any, path: str, url: str) -> None:
         failed = remove_folder(fs, path, url)
         if failed:
             raise CheckpointError(f"{url}: could not finish the interrupted removal found here: {failed[:5]}")
+
+
+def refuse_marked_overwrite(fs: Any, path: str, url: str) -> None:
+    """(coordinator, before an overwrite writes anything) A committed checkpoint beside a removal's mark (a
+    removal killed before its manifest delete, or one running): the overwrite's commit would withdraw at its
+    look after every byte was written (rev65c F7): refused now, by name."""
+    if read_bytes_or_none(fs, join(path, REMOVING_NAME)) is not None:
+        raise CheckpointError(
+            f"{url}: a removal of the checkpoint here was interrupted or is running ({REMOVING_NAME} is there): "
+            "an overwrite would be withdrawn at its commit. Remove it first (smpckpt.storage.remove_checkpoint), "
+            "or save under another tag"
+        )
 
 
 def committed_save_id(folder: Folder) -> str | None:
@@ -381,11 +393,12 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
     with Folder(fs, path) as folder:
         if not folder.local and not folder.listing():
             raise FileNotFoundError(path)
+        mark = f"removing {os.urandom(8).hex()}\n".encode()  # whose mark it is (rev65c F6)
         try:
-            folder.publish(REMOVING_NAME, b"removing\n", sync=True)
-            ours = True
+            folder.publish(REMOVING_NAME, mark, sync=True)
         except FileExistsError:  # an interrupted removal's mark, or a running one's: this one finishes it
-            ours = False
+            pass  # ... unless it is this one's: an object store's retried PUT whose first one landed
+        ours = folder.read(REMOVING_NAME) == mark
         if uncommitted_only and folder.exists(MANIFEST_NAME):
             log.warning("%s committed while it was being removed as stale: left as it is", url)
             if ours:  # another's mark stays: a removal still running goes on, and that commit withdraws (rev65a F1)
@@ -410,8 +423,10 @@ def _anything_in(fs: Any, path: str) -> bool:
             return bool(os.listdir(path))
         fs.invalidate_cache(path)
         return bool(fs.find(path))
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return False
+    except NotADirectoryError:
+        return True  # a file in the folder's place: something is there (rev65g F5)
 
 
 def _remove_marked(folder: Folder, fs: Any, path: str, uncommitted_only: bool) -> list[str]:

@@ -40,7 +40,7 @@ from smpckpt.storage.format._check_units import item_checks
 from smpckpt.storage.format._checksum import DEFAULT_BLOCK_SIZE, BlockHasher
 from smpckpt.storage.format._reading import cpu_bytes
 from smpckpt.storage.format._staging import Stages, stage_kind
-from smpckpt.storage.format.commit import commit, settle_uncommitted_folder
+from smpckpt.storage.format.commit import commit, refuse_marked_overwrite, settle_uncommitted_folder
 from smpckpt.storage.format.manifest import (
     MANIFEST_NAME,
     RAW_DESCRIPTOR,
@@ -199,6 +199,8 @@ class FsspecStorageWriter(FsspecWriterBase):
             raise CheckpointExists(
                 f"{self.url} already holds a {found.state} checkpoint; pass overwrite=True to replace it"
             )
+        if found.state == "committed":
+            refuse_marked_overwrite(self.fs, self.path, self.url)
         self._old_files = found.generation_files() if found.state in ("committed", "legacy") else []
         self._replacing = found.raw if self.overwrite else None
         if found.state not in ("committed", "legacy"):

@@ -7,6 +7,7 @@ saves: tests/full/test_full_exclusive.py; row 7: tests/api/test_api_reliability.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -39,6 +40,28 @@ def _outside(tmp_path: Path, names: list[str]) -> Path:
     for n in names:
         (out / n).write_bytes(b"not yours")
     return out
+
+
+def _exists(url: str, name: str, opts: dict[str, Any]) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **opts)
+    fs.invalidate_cache(path)
+    return bool(fs.exists(f"{path}/{name}"))
+
+
+def _start(out: dict[str, Any], name: str, fn: Any) -> threading.Thread:
+    """Run ``fn`` on a thread named ``name``; its result, or what it raised, lands in ``out[name]``."""
+
+    def body() -> None:
+        try:
+            out[name] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the tests assert it
+            out[name] = exc
+
+    thread = threading.Thread(target=body, name=name)
+    thread.start()
+    return thread
 
 
 def _intact(out: Path, names: list[str]) -> None:
@@ -336,22 +359,18 @@ def test_a_removal_finishing_between_a_commits_manifest_and_its_look_fails_the_s
     monkeypatch.setattr(commit_mod, "check_named", check_named)
     monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
     monkeypatch.setattr(folder_mod, "remove_tree", remove_tree)
-    errors: list[BaseException] = []
-
-    def save() -> None:
-        try:
-            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    thread = threading.Thread(target=save)
-    thread.start()
+    out: dict[str, Any] = {}
+    thread = _start(
+        out,
+        "save",
+        lambda: dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True),
+    )
     assert files_checked.wait(60)
     remove_checkpoint(url, opts, uncommitted_only=True)
     look.set()
     thread.join(60)
-    assert errors, f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
-    error = unwrap(errors[0])
+    assert isinstance(out["save"], BaseException), f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
+    error = unwrap(out["save"])
     assert type(error) is CheckpointError and url in str(error) and "nothing is committed" in str(error), error
     assert checkpoint_state(url, opts) in ("missing", "uncommitted")
 
@@ -394,26 +413,21 @@ def test_a_second_removal_never_clears_a_running_ones_mark(
     monkeypatch.setattr(commit_mod, "check_named", check_named)
     monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
     monkeypatch.setattr(Folder, "exists", exists)
-    errors: list[BaseException] = []
-
-    def save() -> None:
-        try:
-            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    saving = threading.Thread(target=save)
-    saving.start()
+    out: dict[str, Any] = {}
+    saving = _start(
+        out,
+        "save",
+        lambda: dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True),
+    )
     assert checked.wait(60)
-    p1 = threading.Thread(target=lambda: remove_checkpoint(url, opts, uncommitted_only=True), name="P1")
-    p1.start()
+    p1 = _start(out, "P1", lambda: remove_checkpoint(url, opts, uncommitted_only=True))
     assert manifest_in.wait(60)
     remove_checkpoint(url, opts, uncommitted_only=True)  # P2
     p2_done.set()
     saving.join(60)
     p1.join(60)
-    assert errors, f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
-    assert "the commit was withdrawn" in str(unwrap(errors[0])), errors[0]
+    assert isinstance(out["save"], BaseException), f"the save returned OK; the folder is {checkpoint_state(url, opts)}"
+    assert "the commit was withdrawn" in str(unwrap(out["save"])), out["save"]
     assert checkpoint_state(url, opts) in ("missing", "uncommitted")
 
 
@@ -492,18 +506,7 @@ def test_a_removal_on_a_mark_not_its_own_stops_when_it_goes_before_the_manifest(
     monkeypatch.setattr(commit_mod, "_unless_removing", unless)
     monkeypatch.setattr(Folder, "publish", publish)
     out: dict[str, Any] = {}
-
-    def run(name: str, fn: Any) -> threading.Thread:
-        def body() -> None:
-            try:
-                out[name] = fn()
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                out[name] = exc
-
-        thread = threading.Thread(target=body, name=name)
-        thread.start()
-        return thread
-
+    run = functools.partial(_start, out)
     state = make_state(2)
     c = run("C", lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True))
     assert ev["c_in"].wait(60)
@@ -542,6 +545,55 @@ def test_a_removal_on_a_mark_not_its_own_stops_when_it_goes_before_the_manifest(
     assert out["late"] is True and checkpoint_state(url, opts) == "missing", out["late"]
 
 
+def test_a_removal_whose_mark_put_was_retried_knows_its_own_mark(
+    backend: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rev65c F6: the mark's create landed but its reply was lost; the retry met the mark (412, FileExistsError).
+    The removal took it for another's: a stale removal finding the commit left it beside the checkpoint, and
+    every later overwrite failed at its commit. The mark carries the removal's nonce now, read back."""
+    from smpckpt.storage import remove_checkpoint
+    from smpckpt.storage.backends._folder import Folder
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    state = make_state(2)
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    real_publish = Folder.publish
+
+    def lost_reply(self: Folder, name: str, *args: Any, **kwargs: Any) -> Any:
+        out = real_publish(self, name, *args, **kwargs)
+        if name == commit_mod.REMOVING_NAME:
+            raise FileExistsError(17, "injected: the retried create met the first one's object")
+        return out
+
+    monkeypatch.setattr(Folder, "publish", lost_reply)
+    assert remove_checkpoint(url, opts, uncommitted_only=True) is False  # committed: left as it is
+    monkeypatch.undo()
+    assert checkpoint_state(url, opts) == "committed" and not _exists(url, commit_mod.REMOVING_NAME, opts)
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True), no_dist=True)
+
+
+def test_an_overwrite_of_a_checkpoint_marked_for_removal_is_refused_before_writing(
+    backend: tuple[str, dict[str, Any]],
+) -> None:
+    """rev65c F7: a committed checkpoint beside a killed removal's mark: an overwrite wrote every byte and was then
+    withdrawn at its commit, blaming a removal "started while this save was committing". Refused first, by name."""
+    import fsspec
+
+    base, opts = backend
+    url = f"{base}/t_partial"
+    dcp.save(make_state(1), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    fs, _ = fsspec.core.url_to_fs(url, **opts)
+    fs.pipe_file(f"{url}/{commit_mod.REMOVING_NAME}", b"removing\n")  # a removal killed before its manifest delete
+    before = sorted(fs.find(url))
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True))
+    error = unwrap(info.value)
+    assert isinstance(error, CheckpointError) and commit_mod.REMOVING_NAME in str(error) and url in str(error)
+    fs.invalidate_cache(url)
+    assert sorted(fs.find(url)) == before  # nothing written
+
+
 def test_an_overwrite_landing_during_a_commits_look_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """rev65a F3: save A's manifest landed; before its look, save B overwrote the tag and removed A's files. A
     failed with "a removal ... ran; nothing is committed here", though B's checkpoint is: now it names B."""
@@ -556,22 +608,14 @@ def test_an_overwrite_landing_during_a_commits_look_is_named(tmp_path: Path, mon
         real_unless(*args, **kwargs)
 
     monkeypatch.setattr(commit_mod, "_unless_removing", unless_removing)
-    errors: list[BaseException] = []
-
-    def save_a() -> None:
-        try:
-            dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url), no_dist=True)
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-
-    a = threading.Thread(target=save_a, name="A")
-    a.start()
+    out: dict[str, Any] = {}
+    a = _start(out, "A", lambda: dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url), no_dist=True))
     assert held.wait(60)
     b_state = make_state(2, scale=3)
     dcp.save(b_state, storage_writer=FsspecStorageWriter(url, overwrite=True), no_dist=True)
     go.set()
     a.join(60)
-    error = unwrap(errors[0])
+    error = unwrap(out["A"])
     assert isinstance(error, CheckpointExists) and "another save's commit" in str(error), error
     assert_state_equal(b_state, roundtrip_load(b_state, url))
 

@@ -446,13 +446,23 @@ class _GatesHook:
     gates join and leave this hook's set instead, and closed ones cost nothing (rev65g F2)."""
 
     def __init__(self) -> None:
-        self.gates: set[StagingGate] = set()
-        self.lock = threading.Lock()
+        # read by every step without a lock (a set replaced whole): a step taking a lock could deadlock on a
+        # finalizer closing a gate on its own thread, or in a child forked while it was held (rev65h F1, F3)
+        self.gates: frozenset[StagingGate] = frozenset()
+        self.lock = threading.RLock()  # the writers'; a child made by fork starts with a fresh one
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
+
+    def _forget(self) -> None:
+        self.lock = threading.RLock()
+
+    def change(self, gate: StagingGate, join: bool) -> None:
+        with self.lock:
+            self.gates = self.gates | {gate} if join else self.gates - {gate}
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        with self.lock:
-            gates = list(self.gates)
-        for gate in gates:
+        for gate in self.gates:
             pending = gate.pending
             if pending is not None:
                 pending.wait_issued()
@@ -489,14 +499,12 @@ class StagingGate:
     def guard(self) -> None:
         if self._hook is None:
             self._hook = _GatesHook.shared()
-            with self._hook.lock:
-                self._hook.gates.add(self)
+            self._hook.change(self, join=True)
 
     def close(self) -> None:
         self.pending = None
         if self._hook is not None:  # never registers anything: close may run on a lane thread (a finalizer)
-            with self._hook.lock:
-                self._hook.gates.discard(self)
+            self._hook.change(self, join=False)
 
 
 class Stager:

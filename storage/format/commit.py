@@ -396,9 +396,9 @@ def remove_folder(fs: Any, path: str, url: str, *, uncommitted_only: bool = Fals
         mark = f"removing {os.urandom(8).hex()}\n".encode()  # whose mark it is (rev65c F6)
         try:
             folder.publish(REMOVING_NAME, mark, sync=True)
+            ours = True
         except FileExistsError:  # an interrupted removal's mark, or a running one's: this one finishes it
-            pass  # ... unless it is this one's: an object store's retried PUT whose first one landed
-        ours = folder.read(REMOVING_NAME) == mark
+            ours = folder.read(REMOVING_NAME) == mark  # ... unless an object store's retried PUT met its own
         if uncommitted_only and folder.exists(MANIFEST_NAME):
             log.warning("%s committed while it was being removed as stale: left as it is", url)
             if ours:  # another's mark stays: a removal still running goes on, and that commit withdraws (rev65a F1)

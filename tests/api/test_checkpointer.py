@@ -397,6 +397,31 @@ def test_closing_a_checkpointer_while_another_ones_hook_holds_a_step_never_fails
     assert not errors, errors
 
 
+def test_a_step_never_takes_the_gates_lock() -> None:
+    """rev65h F1, F3: the process's step hook copied its gates under the writers' lock; a finalizer closing a
+    gate on the stepping thread (a Checkpointer dropped in a cycle, collected mid-copy) then deadlocked the step,
+    and a child forked while another thread held the lock hung on its first step. Steps read a set replaced
+    whole, without the lock."""
+    from smpckpt.api._async import StagingGate
+
+    gate = StagingGate()
+    gate.guard()
+    m, opt = _trained(0)
+    stepped = threading.Event()
+
+    def step() -> None:
+        _step(m, opt)
+        stepped.set()
+
+    with _GatesHook.shared().lock:  # held elsewhere: by a close in progress, or in the parent of a fork
+        thread = threading.Thread(target=step)
+        thread.start()
+        assert stepped.wait(10)
+    thread.join(30)
+    gate.close()
+    assert gate not in _GatesHook.shared().gates
+
+
 def _steps_in_a_child(opt: torch.optim.Optimizer) -> None:
     # no forward of the parent's model: BatchNorm's threaded kernels hang in a forked child (torch's, not ours)
     opt.step()  # the optimizer it inherited (its gradients too)

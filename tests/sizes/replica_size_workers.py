@@ -132,6 +132,7 @@ def replicas_past_2_gib(rank: int, world: int, base: str) -> dict[str, Any]:
     out["replicated"] = all(
         os.path.getsize(os.path.join(n, "t1_partial", name)) == size for n in (node0, node1) for name, size in names
     )
+    dist.barrier()  # both ranks looked before rank 1 wipes node 1 (a rank slower to look found a file gone)
 
     # (a) node 1 lost
     if rank == 1:

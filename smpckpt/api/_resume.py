@@ -268,12 +268,13 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     that cannot be built from its groups is left as is."""
     drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
     for opt in optimizers:
-        if not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"]):
+        if not opt.state and all(p.grad is None and p.requires_grad for g in opt.param_groups for p in g["params"]):
             continue  # fresh, no gradients: DCP's own initialisation gives every parameter its state
-        # (DCP skips an optimizer whose parameters hold gradients: those get it here too)
+        # (DCP skips an optimizer whose parameters hold gradients, and a frozen parameter kept in a group,
+        # which may hold state from before it was frozen: those get it here, the others of a fresh one too)
         groups = []
         for g in opt.param_groups:
-            todo = [p for p in g["params"] if p.requires_grad and p not in opt.state]
+            todo = [p for p in g["params"] if p not in opt.state]
             if todo:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
         if not groups:
@@ -358,13 +359,25 @@ def apply_state(
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         try:
             if req.optimizers:
+                # DCP loads no state into a frozen parameter (requires_grad=False) and the optimizer's
+                # load_state_dict drops what it held: what the load put in its destinations goes back
+                optim_sd = state[RESERVED.optim]
+                fqn = {id(p): min(_get_fqns(req.model, n)) for n, p in req.model.named_parameters()}
+                frozen = [
+                    (o, p, {k: optim_sd[f"state.{fqn[id(p)]}.{k}"] for k in o.state[p]})
+                    for o in req.optimizers
+                    for g in o.param_groups
+                    for p in g["params"]
+                    if not p.requires_grad
+                    and id(p) in fqn
+                    and o.state.get(p)  # (a read of the defaultdict would add an entry)
+                    and all(f"state.{fqn[id(p)]}.{k}" in optim_sd for k in o.state[p])
+                ]
                 set_state_dict(
-                    req.model,
-                    req.optimizers,
-                    model_state_dict=model_sd,
-                    optim_state_dict=state[RESERVED.optim],
-                    options=opts,
+                    req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts
                 )
+                for o, p, saved in frozen:
+                    o.state[p] = saved
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)

@@ -916,3 +916,48 @@ def test_the_partition_check_counts_every_layers_list_that_the_rule_renumbers() 
     listed.layers = nn.ParameterList(nn.Parameter(torch.zeros(2)) for _ in range(3))
     with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
         check(listed, 1)
+
+
+def test_a_frozen_parameter_kept_in_its_optimizer_keeps_its_saved_state(tmp_path: Any) -> None:
+    """hunt66c F1: a parameter trained, then frozen (requires_grad=False) but kept in its param group holds
+    Adam state. DCP's set_state_dict loads none into a frozen parameter and the optimizer's load_state_dict
+    then drops what it held: an in-process resume (or roll-back) lost it silently, strict or not; a
+    restarted job freezing it alike was refused (its saved state "loaded by no rank": a fresh optimizer
+    gives a frozen parameter no state). Unfrozen later, its next step() then differed from the saved run's.
+    Adagrad, which makes state for every parameter when built, lost a frozen one's silently on a restart."""
+
+    def build(kind: str = "adam") -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = torch.optim.Adagrad(m.parameters()) if kind == "adagrad" else torch.optim.Adam(m.parameters())
+        return m, opt
+
+    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
+        m(torch.ones(3, 4)).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    for kind in ("adam", "adagrad"):
+        m, o = build(kind)
+        step(m, o)
+        m[0].weight.requires_grad_(False)  # trained, then frozen: its state stays in the optimizer
+        step(m, o)
+        saved = copy.deepcopy(o.state_dict())
+        save_checkpoint(str(tmp_path), kind, model=m, optimizer=o)
+        step(m, o)  # then an in-process roll-back to the save
+        for strict in (True, False):
+            resume_from_checkpoint(str(tmp_path), kind, model=m, optimizer=o, strict=strict)
+            got = o.state_dict()
+            assert got["state"].keys() == saved["state"].keys(), (kind, strict, got["state"].keys())
+            assert all(torch.equal(v, got["state"][i][k]) for i, s in saved["state"].items() for k, v in s.items())
+        for strict in (True, False):  # a restarted job, frozen alike
+            m2, o2 = build(kind)
+            m2[0].weight.requires_grad_(False)
+            resume_from_checkpoint(str(tmp_path), kind, model=m2, optimizer=o2, strict=strict)
+            _assert_optim_equal(m, o, m2, o2)
+            for model, opt in ((m, o), (m2, o2)):  # unfrozen: the next step is the saved run's, bit for bit
+                model[0].weight.requires_grad_(True)
+                step(model, opt)
+            assert _equal(m, m2), (kind, strict)
+            resume_from_checkpoint(str(tmp_path), kind, model=m, optimizer=o)  # the saved run again
+            m[0].weight.requires_grad_(False)

@@ -388,6 +388,7 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
             if isinstance(module, FSDPModule):
                 module.reshard()
         owned = {id(p) for p in model.parameters()}
+    held: dict[int, int] = {}  # id(parameter) -> the first optimizer holding it
     for i, opt in enumerate(opts):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):
@@ -402,6 +403,13 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
+                    )
+                if opts[k := held.setdefault(id(p), i)] is not opt:  # DCP keys state by name: one would overwrite
+                    name = next(n for n, q in model.named_parameters() if q is p)
+                    raise ValueError(
+                        f"optimizer {i}, param_groups[{g}]['params'][{j}] ({name!r}) is also in optimizer {k}: "
+                        "optimizer state is keyed by parameter name, so their state for it would overwrite each "
+                        "other's; pass optimizers over disjoint parameters"
                     )
     return model, opts
 

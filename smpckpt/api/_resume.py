@@ -270,8 +270,7 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     for opt in optimizers:
         if not opt.state and all(p.grad is None and p.requires_grad for g in opt.param_groups for p in g["params"]):
             continue  # fresh, no gradients: DCP's own initialisation gives every parameter its state
-        # (DCP skips an optimizer whose parameters hold gradients, and a frozen parameter kept in a group,
-        # which may hold state from before it was frozen: those get it here, the others of a fresh one too)
+        # (DCP skips one whose parameters hold gradients, and frozen ones, which may hold state: those get it here)
         groups = []
         for g in opt.param_groups:
             todo = [p for p in g["params"] if p not in opt.state]
@@ -359,23 +358,16 @@ def apply_state(
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         try:
             if req.optimizers:
-                # DCP loads no state into a frozen parameter (requires_grad=False) and the optimizer's
-                # load_state_dict drops what it held: what the load put in its destinations goes back
-                optim_sd = state[RESERVED.optim]
+                # DCP loads none into a frozen parameter, and load_state_dict drops what it held: put it back
+                sd = state[RESERVED.optim]
                 fqn = {id(p): min(_get_fqns(req.model, n)) for n, p in req.model.named_parameters()}
                 frozen = [
-                    (o, p, {k: optim_sd[f"state.{fqn[id(p)]}.{k}"] for k in o.state[p]})
+                    (o, p, {k: sd.get(f"state.{fqn[id(p)]}.{k}", x) for k, x in v.items()})
                     for o in req.optimizers
-                    for g in o.param_groups
-                    for p in g["params"]
-                    if not p.requires_grad
-                    and id(p) in fqn
-                    and o.state.get(p)  # (a read of the defaultdict would add an entry)
-                    and all(f"state.{fqn[id(p)]}.{k}" in optim_sd for k in o.state[p])
+                    for p, v in o.state.items()
+                    if not p.requires_grad and id(p) in fqn
                 ]
-                set_state_dict(
-                    req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts
-                )
+                set_state_dict(req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=sd, options=opts)
                 for o, p, saved in frozen:
                     o.state[p] = saved
                 drop_optimizer_state(req.model, req.optimizers, unsaved)

@@ -42,7 +42,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
 __all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
-__all__ += ["get_rng_state", "set_rng_state"]
+__all__ += ["get_rng_state", "set_rng_state", "LOADED_IN_PLACE"]
 
 
 T = TypeVar("T")
@@ -234,6 +234,13 @@ class DistContext:
         raise ValueError(
             f"{what} differ between ranks in {', '.join(differ)} ({shown}{more}); every rank must pass the same"
         )
+
+
+#: a failed load's last words once its read had begun: one who starts afresh must not train a half-loaded model
+LOADED_IN_PLACE = (
+    "; the tensors read before the failure hold the checkpoint's values (a resume loads in place): resume "
+    "another checkpoint, or re-initialise the model and optimizer, before training"
+)
 
 
 def translate_dcp(

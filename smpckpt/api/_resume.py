@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
 
 from smpckpt.api._dist import (
+    LOADED_IN_PLACE,
     OPTIONS,
     PICKLED_KEY,
     CommonRequest,
@@ -331,12 +332,16 @@ def load_checkpoint(
         verify_checksums=opts.verify_checksums,
         allow_pickle=opts.allow_pickle,
     )
+    reader.reading = False
     try:
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         md_error, group = reader.metadata_error, common.process_group
-        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group) from exc
+        err = translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group)
+        if reader.reading and len(err.args) == 1:
+            err.args = (f"{err}{LOADED_IN_PLACE}",)
+        raise err from exc
     return planner
 
 

@@ -57,7 +57,7 @@ _OLD_PATHS: Mapping[str, str] = MappingProxyType(
         "storage.format._staging": "storage.backends._staging storage.format._staged",
         "model.translation": "translation model._translation_checks",
         "model._translation_algebra": "_translation_algebra",
-        "api._async": "_async api._staging",
+        "api._async": "_async",
         "api._resume": "_resume",
         "catalog._debris": "_debris",
         "tools.cli": "cli _cli_maintain tools._maintain tools._common _cli_common",  # cli re-exports _tiers' part

@@ -20,6 +20,9 @@ FOLDERS = ("smpckpt", "planners", "storage")
 ALLOWED = {
     ("smpckpt/api/checkpointer.py", "_last_resume"): "a ContextVar: each thread's own last_resume_info()",
     ("storage/format/_checksum.py", "_scratch"): "a thread's scratch memory for one hash call, never read across calls",
+    ("smpckpt/api/_staging.py", "_REGISTERING"): (
+        "the registration of the process's one optimizer step hook: as wide as torch's registry of them"
+    ),
     ("storage/backends/_folder.py", "_MEMORY_LOCK"): (
         "create-if-absent on fsspec's memory filesystem, whose store is one per process (class-level): "
         "the lock must be as wide as that store"

@@ -42,7 +42,7 @@ from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
 __all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
-__all__ += ["get_rng_state", "set_rng_state"]
+__all__ += ["get_rng_state", "set_rng_state", "LOADED_IN_PLACE"]
 
 
 T = TypeVar("T")
@@ -236,6 +236,13 @@ class DistContext:
         )
 
 
+#: a failed load's last words once its read had begun: one who starts afresh must not train a half-loaded model
+LOADED_IN_PLACE = (
+    "; the tensors read before the failure hold the checkpoint's values (a resume loads in place): resume "
+    "another checkpoint, or re-initialise the model and optimizer, before training"
+)
+
+
 def translate_dcp(
     exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None, group: Any = None
 ) -> BaseException:
@@ -379,16 +386,14 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
     # not own (an optimizer built over another model, or a parameter replaced after it)
     owned = {id(p) for p in model.parameters()} if model is not None and opts else set()
     if model is not None and any(id(p) not in owned for o in opts for g in o.param_groups for p in g["params"]):
-        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad):
-        # reshard() registers the sharded ones (the optimizer's) again, on this rank alone (rev63f F1: a
-        # state_dict() call did too, but it is a collective in FSDP1 and may raise for its own reasons)
+        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad): reshard()
+        # registers the optimizer's sharded ones again, on this rank alone (rev63f F1: state_dict() is an FSDP1 collective)
         from torch.distributed.fsdp import FSDPModule
 
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
         owned = {id(p) for p in model.parameters()}
-    held: dict[int, int] = {}  # id(parameter) -> the first optimizer holding it
     for i, opt in enumerate(opts):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):
@@ -404,13 +409,10 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
                     )
-                if opts[k := held.setdefault(id(p), i)] is not opt:  # DCP keys state by name: one would overwrite
-                    name = next(n for n, q in model.named_parameters() if q is p)
-                    raise ValueError(
-                        f"optimizer {i}, param_groups[{g}]['params'][{j}] ({name!r}) is also in optimizer {k}: "
-                        "optimizer state is keyed by parameter name, so their state for it would overwrite each "
-                        "other's; pass optimizers over disjoint parameters"
-                    )
+    ids = [id(p) for o in dict.fromkeys(opts) for g in o.param_groups for p in g["params"]]
+    if len(ids) > len(set(ids)):  # DCP keys optimizer state by parameter name: theirs would overwrite each other's
+        name = next(n for n, p in model.named_parameters() if ids.count(id(p)) > 1)
+        raise ValueError(f"parameter {name!r} is in two optimizers: pass optimizers over disjoint parameters")
     return model, opts
 
 

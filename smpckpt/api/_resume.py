@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
 
 from smpckpt.api._dist import (
+    LOADED_IN_PLACE,
     OPTIONS,
     PICKLED_KEY,
     CommonRequest,
@@ -331,12 +332,16 @@ def load_checkpoint(
         verify_checksums=opts.verify_checksums,
         allow_pickle=opts.allow_pickle,
     )
+    reader.reading = False
     try:
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
     except CheckpointException as exc:
         md_error, group = reader.metadata_error, common.process_group
-        raise translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group) from exc
+        err = translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group)
+        if reader.reading and len(err.args) == 1:
+            err.args = (f"{err}{LOADED_IN_PLACE}",)
+        raise err from exc
     return planner
 
 
@@ -360,16 +365,11 @@ def apply_state(
             if req.optimizers:
                 # DCP loads none into a frozen parameter, and load_state_dict drops what it held: put it back
                 sd = state[RESERVED.optim]
-                fqn = {id(p): min(_get_fqns(req.model, n)) for n, p in req.model.named_parameters()}
-                frozen = [
-                    (o, p, {k: sd.get(f"state.{fqn[id(p)]}.{k}", x) for k, x in v.items()})
-                    for o in req.optimizers
-                    for p, v in o.state.items()
-                    if not p.requires_grad and id(p) in fqn
-                ]
+                fq = {id(p): min(_get_fqns(req.model, n)) for n, p in req.model.named_parameters()}
+                frozen = [(o, p, v) for o in req.optimizers for p, v in o.state.items() if not p.requires_grad]
                 set_state_dict(req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=sd, options=opts)
-                for o, p, saved in frozen:
-                    o.state[p] = saved
+                for o, p, v in frozen:  # each value as the load left it in the destinations
+                    o.state[p] = {k: sd.get(f"state.{fq.get(id(p))}.{k}", x) for k, x in v.items()}
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)

@@ -20,18 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from smpckpt._gc import gc_frozen
-from smpckpt.api._async import (
-    DrainStatus,
-    GlooGroups,
-    Lane,
-    Stager,
-    StagingGate,
-    check_previous,
-    live_lanes,
-    owned_storages,
-    register_exit_wait,
-    wait_lanes,
-)
+from smpckpt.api._async import DrainStatus, GlooGroups, Lane, check_previous, live_lanes, register_exit_wait, wait_lanes
 from smpckpt.api._dist import CommonRequest, DistContext, check_state, peer_failures
 from smpckpt.api._fast_save import FastTierPart
 from smpckpt.api._resume import (
@@ -59,6 +48,7 @@ from smpckpt.api._save import (
     save_full,
     write_checkpoint,
 )
+from smpckpt.api._staging import Pending, Stager, StagingGate, owned_storages
 from smpckpt.api.options import (
     AsyncOptions,
     ExportOptions,
@@ -377,8 +367,14 @@ class Checkpointer:
         group = self._groups.get(ctx)
         started = time.monotonic()
         deferred = owned_storages(req.optimizers) if self.async_options.overlap_staging else set()
-        # agreed: a rank that could not stage (its buffers not allocated) would leave the others' writes waiting
-        staged, pending = ctx.all_ok(lambda: self._stager.stage(req.tag, state, deferred))
+
+        # agreed: a rank that could not stage (its buffers not allocated) or start its lane's thread would
+        # leave the others' writes waiting for it
+        def stage() -> tuple[Any, Pending | None]:
+            self._save_lane.start()
+            return self._stager.stage(req.tag, state, deferred)
+
+        staged, pending = ctx.all_ok(stage)
         if pending is not None:
             self._gate.guard()
             self._gate.pending = pending

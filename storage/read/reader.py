@@ -153,6 +153,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self.allow_pickle = allow_pickle
         self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder
         self.last_read_stats: ReadStats | None = None
+        self.reading = False  #: a read began: a load failing after it has filled some destinations in place
         self._open(path)
 
     @property
@@ -205,6 +206,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         ``Future`` holds it from C++, out of the collector's sight, which would pin the exception, its frames
         and the state dict until the process ends. The failure's frames are cleared, so the exception, wherever
         it is kept, holds no read buffers or destination views either."""
+        self.reading = True
         try:
             self._read(plan, planner)
         except Exception as exc:

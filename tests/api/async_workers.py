@@ -76,7 +76,8 @@ def one_rank_refuses_its_staging(rank: int, world: int, root: str) -> dict[str, 
     each rank reports what its future raised, then a second save goes on."""
     import concurrent.futures
 
-    import smpckpt.api._async as staging
+    import smpckpt.api._staging as staging
+    from smpckpt.api._async import LaneThread
 
     torch.manual_seed(0)
     m = model(0)
@@ -87,7 +88,7 @@ def one_rank_refuses_its_staging(rank: int, world: int, root: str) -> dict[str, 
     real = staging.copy_into
 
     def held(pairs: Any, stream: Any = None) -> None:
-        if rank == 0 and isinstance(threading.current_thread(), staging.LaneThread):
+        if rank == 0 and isinstance(threading.current_thread(), LaneThread):
             entered.set()
             release.wait(30)
         real(pairs, stream)
@@ -129,21 +130,28 @@ def one_rank_refuses_its_staging(rank: int, world: int, root: str) -> dict[str, 
     }
 
 
-def one_rank_cannot_stage(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 1's staging fails (its pinned or host buffers cannot be allocated); each rank reports what its
-    save raised, or what its future raised within 60 s; then a second save goes on."""
+def one_rank_cannot_stage(rank: int, world: int, root: str, what: str = "buffers") -> dict[str, Any]:
+    """Rank 1's staging fails (``what``: its pinned or host buffers cannot be allocated, or its lane's
+    thread cannot start); each rank reports what its save raised, or what its future raised within 60 s;
+    then a second save goes on."""
     import concurrent.futures
 
-    from smpckpt.api._async import Stager
+    from smpckpt.api._async import LaneThread
+    from smpckpt.api._staging import Stager
 
     m = model(0)
-    real = Stager.stage
+    real, real_start = Stager.stage, LaneThread.start
 
     def no_memory(self: Any, *args: Any) -> Any:
         raise MemoryError("cannot allocate the staging buffers (injected)")
 
-    if rank == 1:
+    def no_thread(self: Any) -> None:
+        raise RuntimeError("can't start new thread (injected)")
+
+    if rank == 1 and what == "buffers":
         Stager.stage = no_memory  # type: ignore[method-assign]
+    if rank == 1 and what == "thread":
+        LaneThread.start = no_thread  # type: ignore[method-assign]
     ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
     try:
         fut = ckpt.save("a", m)
@@ -152,9 +160,9 @@ def one_rank_cannot_stage(rank: int, world: int, root: str) -> dict[str, Any]:
         got = "ok"
     except concurrent.futures.TimeoutError:
         raise AssertionError(f"rank {rank}: the save's future was still running after 60 s") from None
-    except (MemoryError, smpckpt.CheckpointError) as exc:
+    except (MemoryError, RuntimeError, smpckpt.CheckpointError) as exc:
         got = f"{type(exc).__name__}: {exc}"
-    Stager.stage = real  # type: ignore[method-assign]
+    Stager.stage, LaneThread.start = real, real_start  # type: ignore[method-assign]
     try:
         ckpt.wait()
     except smpckpt.CheckpointError:

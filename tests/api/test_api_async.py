@@ -162,16 +162,30 @@ def test_a_staging_refused_on_one_rank_fails_the_save_on_every_rank(tmp_path: An
     assert [g["b_exact"] for g in got] == [True, True]
 
 
-def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    "what, error, elsewhere",
+    [
+        (
+            "buffers",
+            "MemoryError: cannot allocate the staging buffers (injected)",
+            "CheckpointError: rank 1 failed with ",
+        ),
+        ("thread", "RuntimeError: can't start new thread (injected)", "RuntimeError: rank 1 failed: "),
+    ],
+)
+def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Any, what: str, error: str, elsewhere: str
+) -> None:
     """hunt65a: staging ran on each rank alone, so a rank that could not stage (its buffers not allocated)
     raised from ``save`` while the others' background writes waited for it in their collectives (30
-    minutes by default), and their next save with them. The ranks agree on the staging: every rank's save
-    raises, naming the rank, and the next save goes on."""
+    minutes by default), and their next save with them. The same for a rank whose lane's thread could not
+    start (the lead's notes, 2026-11-30). The ranks agree on both: every rank's save raises, naming the rank,
+    and the next save goes on."""
     from async_workers import one_rank_cannot_stage
 
-    got = run_world(one_rank_cannot_stage, 2, str(tmp_path), timeout=200)
-    assert got[1]["error"] == "MemoryError: cannot allocate the staging buffers (injected)"
-    assert "rank 1 failed with MemoryError: cannot allocate the staging buffers" in got[0]["error"], got[0]
+    got = run_world(one_rank_cannot_stage, 2, str(tmp_path), what, timeout=200)
+    assert got[1]["error"] == error
+    assert got[0]["error"].startswith(elsewhere) and error.split(": ", 1)[1] in got[0]["error"], got[0]
     assert [g["b"] for g in got] == [True, True]
 
 

@@ -365,6 +365,33 @@ def test_flipped_digest_in_the_manifest_blames_the_manifest(tmp_path: Any) -> No
     assert rc == 1 and "own checksum" in out + _
 
 
+def test_a_resume_failing_in_its_read_says_the_model_holds_some_of_the_checkpoint(tmp_path: Any) -> None:
+    """A resume loads in place: one failing mid-read (a damaged file) left the tensors read before it with the
+    checkpoint's values, and its error did not say so; a job that starts afresh after it trained a model half
+    loaded, half initialised. The error says it now; a resume refused before its read (a shape that does not
+    match) leaves the model as it was and does not say it."""
+    root = str(tmp_path)
+    m, o = _model(0)
+    save_checkpoint(root, "a", model=m, optimizer=o)
+    data = max((p for p in (tmp_path / "a_partial").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    fresh, fresh_opt = _model(9)
+    with pytest.raises(CheckpointCorrupt) as failed:
+        resume_from_checkpoint(root, tag="a", model=fresh, optimizer=fresh_opt)
+    assert str(failed.value).endswith(
+        "; the tensors read before the failure hold the checkpoint's values (a resume loads in place): resume "
+        "another checkpoint, or re-initialise the model and optimizer, before training"
+    ), failed.value
+    other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        resume_from_checkpoint(root, tag="a", model=other)
+    assert "holds global shape" in str(refused.value) and "loads in place" not in str(refused.value), refused.value
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
 def test_verify_addresses_the_folder_of_a_tag(tmp_path: Any) -> None:
     root = str(tmp_path)
     _steps(root, 0)

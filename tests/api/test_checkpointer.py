@@ -5,6 +5,7 @@ still being staged (issue 47)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -22,7 +23,7 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import smpckpt
-import smpckpt.api._async as staging
+import smpckpt.api._staging as staging
 from smpckpt import (
     AsyncOptions,
     Checkpointer,
@@ -37,7 +38,8 @@ from smpckpt import (
     resume_from_checkpoint,
     save_checkpoint,
 )
-from smpckpt.api._async import LaneThread, _GatesHook
+from smpckpt.api._async import LaneThread
+from smpckpt.api._staging import _GatesHook
 from smpckpt.api.calls import _KEPT
 
 
@@ -361,7 +363,7 @@ def test_closing_a_checkpointer_while_another_ones_hook_holds_a_step_never_fails
     closed (or garbage-collected on its lane thread) meanwhile removed its own hook from that dict, or C's first
     overlapped save added one, and the step raised "OrderedDict mutated during iteration". One hook serves every
     Checkpointer of the process now; they join and leave its set."""
-    from smpckpt.api._async import StagingGate
+    from smpckpt.api._staging import StagingGate
 
     class Held:  # a staging still copying: what a step waits for
         def __init__(self) -> None:
@@ -397,12 +399,42 @@ def test_closing_a_checkpointer_while_another_ones_hook_holds_a_step_never_fails
     assert not errors, errors
 
 
+def test_two_first_overlapped_saves_at_once_register_one_step_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rev65h F2: two threads making the process's first overlapped saves at the same instant each found no
+    hook and registered one; a step waiting in the first then failed when the second was added. The lookup
+    and the registration are one step now."""
+    from collections import OrderedDict
+
+    import torch.optim.optimizer as torch_optimizer
+
+    fresh: OrderedDict[int, Any] = OrderedDict()  # a process with no hook yet (others' tests left theirs)
+    monkeypatch.setattr(torch_optimizer, "_global_optimizer_pre_hooks", fresh)
+    monkeypatch.setattr(staging, "_global_optimizer_pre_hooks", fresh)
+    real, both = staging.register_optimizer_step_pre_hook, threading.Barrier(2, timeout=2)
+
+    def slow_register(hook: Any) -> Any:
+        with contextlib.suppress(threading.BrokenBarrierError):  # the second waits at the lock: no partner
+            both.wait()
+        return real(hook)
+
+    monkeypatch.setattr(staging, "register_optimizer_step_pre_hook", slow_register)
+    gates = [staging.StagingGate(), staging.StagingGate()]
+    threads = [threading.Thread(target=gate.guard) for gate in gates]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(fresh) == 1 and gates[0]._hook is gates[1]._hook, fresh
+    for gate in gates:
+        gate.close()
+
+
 def test_a_step_never_takes_the_gates_lock() -> None:
     """rev65h F1, F3: the process's step hook copied its gates under the writers' lock; a finalizer closing a
     gate on the stepping thread (a Checkpointer dropped in a cycle, collected mid-copy) then deadlocked the step,
     and a child forked while another thread held the lock hung on its first step. Steps read a set replaced
     whole, without the lock."""
-    from smpckpt.api._async import StagingGate
+    from smpckpt.api._staging import StagingGate
 
     gate = StagingGate()
     gate.guard()

@@ -386,9 +386,8 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
     # not own (an optimizer built over another model, or a parameter replaced after it)
     owned = {id(p) for p in model.parameters()} if model is not None and opts else set()
     if model is not None and any(id(p) not in owned for o in opts for g in o.param_groups for p in g["params"]):
-        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad):
-        # reshard() registers the sharded ones (the optimizer's) again, on this rank alone (rev63f F1: a
-        # state_dict() call did too, but it is a collective in FSDP1 and may raise for its own reasons)
+        # FSDP2's root keeps a forward's unsharded parameters registered (an eval forward under no_grad): reshard()
+        # registers the optimizer's sharded ones again, on this rank alone (rev63f F1: state_dict() is an FSDP1 collective)
         from torch.distributed.fsdp import FSDPModule
 
         for module in model.modules():
@@ -410,6 +409,10 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
                     )
+    ids = [id(p) for o in dict.fromkeys(opts) for g in o.param_groups for p in g["params"]]
+    if len(ids) > len(set(ids)):  # DCP keys optimizer state by parameter name: theirs would overwrite each other's
+        name = next(n for n, p in model.named_parameters() if ids.count(id(p)) > 1)
+        raise ValueError(f"parameter {name!r} is in two optimizers: pass optimizers over disjoint parameters")
     return model, opts
 
 

@@ -269,12 +269,12 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     that cannot be built from its groups is left as is."""
     drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
     for opt in optimizers:
-        if not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"]):
+        if not opt.state and all(p.grad is None and p.requires_grad for g in opt.param_groups for p in g["params"]):
             continue  # fresh, no gradients: DCP's own initialisation gives every parameter its state
-        # (DCP skips an optimizer whose parameters hold gradients: those get it here too)
+        # (DCP skips one whose parameters hold gradients, and frozen ones, which may hold state: those get it here)
         groups = []
         for g in opt.param_groups:
-            todo = [p for p in g["params"] if p.requires_grad and p not in opt.state]
+            todo = [p for p in g["params"] if p not in opt.state]
             if todo:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
         if not groups:
@@ -363,13 +363,13 @@ def apply_state(
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         try:
             if req.optimizers:
-                set_state_dict(
-                    req.model,
-                    req.optimizers,
-                    model_state_dict=model_sd,
-                    optim_state_dict=state[RESERVED.optim],
-                    options=opts,
-                )
+                # DCP loads none into a frozen parameter, and load_state_dict drops what it held: put it back
+                sd = state[RESERVED.optim]
+                fq = {id(p): min(_get_fqns(req.model, n)) for n, p in req.model.named_parameters()}
+                frozen = [(o, p, v) for o in req.optimizers for p, v in o.state.items() if not p.requires_grad]
+                set_state_dict(req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=sd, options=opts)
+                for o, p, v in frozen:  # each value as the load left it in the destinations
+                    o.state[p] = {k: sd.get(f"state.{fq.get(id(p))}.{k}", x) for k, x in v.items()}
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)

@@ -67,9 +67,15 @@ _RESUME_KEYWORDS = frozenset({"storage_options", "name_map", "process_group", "l
 #: the option objects each function takes in ``options=`` (the call's own last)
 _SAVE_OPTIONS = (Sharding, FastTier, Retention, AsyncOptions, SaveOptions, ExportOptions)
 _RESUME_OPTIONS = (Sharding, FastTier, AsyncOptions, ResumeOptions)
-#: the attribute of a model that keeps its Checkpointer; wrappers whose inner module keeps it instead
+#: the attribute of a model that keeps its Checkpointer; wrappers whose inner module (the attribute named) keeps it
 _KEPT = "_smpckpt_checkpointer"
-_WRAPPERS = frozenset({"OptimizedModule", "DistributedDataParallel", "FullyShardedDataParallel"})
+_WRAPPERS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "OptimizedModule": "_orig_mod",
+        **dict.fromkeys(("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel"), "module"),
+        **dict.fromkeys(("CheckpointWrapper", "OffloadWrapper"), "_checkpoint_wrapped_module"),
+    }
+)
 
 
 class _Kept:
@@ -298,12 +304,12 @@ def _checkpointer(
 
 
 def _inner(model: Any) -> Any:
-    """The module under torch.compile's (``_orig_mod``) and DDP's or FSDP's (``module``) wrappers: a model
-    wrapped after its resume meets the Checkpointer (and the roll-back) that resume kept."""
+    """The module under torch.compile's, DDP's, FSDP's, DataParallel's and checkpoint_wrapper's wrappers: a
+    model wrapped after its resume meets the Checkpointer (and the roll-back) that resume kept."""
     for _ in range(4):  # bounded: wrappers nest a few deep at most
         if not (isinstance(model, nn.Module) and type(model).__name__ in _WRAPPERS):
             break
-        model = model._orig_mod if type(model).__name__ == "OptimizedModule" else model.module
+        model = getattr(model, _WRAPPERS[type(model).__name__])
     return model
 
 

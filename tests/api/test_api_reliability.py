@@ -807,6 +807,25 @@ def test_prune_reads_the_root_record_like_the_fallback(tmp_path: Any) -> None:
     _assert_same_params(models[3], m)
 
 
+@pytest.mark.parametrize("wrapper", ["checkpoint_wrapper", "DataParallel"])
+def test_smp_face_carries_the_rollback_to_a_model_wrapped_whole(tmp_path: Any, wrapper: str) -> None:
+    """hunt66c F3: as torch.compile's below, a model wrapped whole after a roll-back by checkpoint_wrapper or
+    nn.DataParallel met no kept Checkpointer: a fresh one recorded no roll-back, and keep=2 removed s1, the
+    checkpoint the job had resumed, keeping the abandoned s3."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    root = str(tmp_path)
+    for step in range(1, 4):
+        m, o = _model(step)
+        save_checkpoint(root, f"s{step}", model=m, optimizer=o)
+    m, o = _model(0)
+    resume_from_checkpoint(root, tag="s1", model=m, optimizer=o)
+    wrapped = checkpoint_wrapper(m) if wrapper == "checkpoint_wrapper" else nn.DataParallel(m)
+    save_checkpoint(root, "s4", model=wrapped, optimizer=o, num_kept_partial_checkpoints=2)
+    assert read_manifest(os.path.join(root, "s4_partial")).extra.get("abandoned") == [[2, 3]]
+    assert _tags(root) == {t: "committed" for t in ("s1", "s2", "s3", "s4")}
+
+
 def test_smp_face_carries_the_rollback_to_a_replaced_or_wrapped_checkpointer(tmp_path: Any) -> None:
     """rev60a F9 and F6: a resume by tag with other options (AsyncOptions) than the save's replaces the kept
     Checkpointer (``SequenceCounter.adopt`` carries the roll-back over); a model wrapped after the resume

@@ -916,3 +916,78 @@ def test_the_partition_check_counts_every_layers_list_that_the_rule_renumbers() 
     listed.layers = nn.ParameterList(nn.Parameter(torch.zeros(2)) for _ in range(3))
     with pytest.raises(smpckpt.SpecError, match=r"model's 'layers' holds 3"):
         check(listed, 1)
+
+
+def test_a_frozen_parameter_kept_in_its_optimizer_keeps_its_saved_state(tmp_path: Any) -> None:
+    """hunt66c F1: a parameter trained, then frozen (requires_grad=False) but kept in its param group holds
+    Adam state. DCP's set_state_dict loads none into a frozen parameter and the optimizer's load_state_dict
+    then drops what it held: an in-process resume (or roll-back) lost it silently, strict or not; a
+    restarted job freezing it alike was refused (its saved state "loaded by no rank": a fresh optimizer
+    gives a frozen parameter no state). Unfrozen later, its next step() then differed from the saved run's.
+    Adagrad, which makes state for every parameter when built, lost a frozen one's silently on a restart; a
+    full artifact exported with the optimizer (its optimizer keys optional) lost it silently, strict too."""
+
+    def build(kind: str = "adam") -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = torch.optim.Adagrad(m.parameters()) if kind == "adagrad" else torch.optim.Adam(m.parameters())
+        return m, opt
+
+    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
+        m(torch.ones(3, 4)).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    for kind in ("adam", "adagrad"):
+        m, o = build(kind)
+        step(m, o)
+        m[0].weight.requires_grad_(False)  # trained, then frozen: its state stays in the optimizer
+        step(m, o)
+        saved = copy.deepcopy(o.state_dict())
+        save_checkpoint(str(tmp_path), kind, model=m, optimizer=o)
+        with_optimizer = smpckpt.ExportOptions(include_optimizer=True)
+        save_checkpoint(str(tmp_path), f"{kind}_full", partial=False, model=m, optimizer=o, options=with_optimizer)
+        m_full, o_full = build(kind)
+        m_full[0].weight.requires_grad_(False)
+        resume_from_checkpoint(str(tmp_path), f"{kind}_full", partial=False, model=m_full, optimizer=o_full)
+        _assert_optim_equal(m, o, m_full, o_full)  # a full artifact's optimizer keys are optional: lost silently
+        step(m, o)  # then an in-process roll-back to the save
+        for strict in (True, False):
+            resume_from_checkpoint(str(tmp_path), kind, model=m, optimizer=o, strict=strict)
+            got = o.state_dict()
+            assert got["state"].keys() == saved["state"].keys(), (kind, strict, got["state"].keys())
+            assert all(torch.equal(v, got["state"][i][k]) for i, s in saved["state"].items() for k, v in s.items())
+        for strict in (True, False):  # a restarted job, frozen alike
+            m2, o2 = build(kind)
+            m2[0].weight.requires_grad_(False)
+            resume_from_checkpoint(str(tmp_path), kind, model=m2, optimizer=o2, strict=strict)
+            _assert_optim_equal(m, o, m2, o2)
+            for model, opt in ((m, o), (m2, o2)):  # unfrozen: the next step is the saved run's, bit for bit
+                model[0].weight.requires_grad_(True)
+                step(model, opt)
+            assert _equal(m, m2), (kind, strict)
+            resume_from_checkpoint(str(tmp_path), kind, model=m, optimizer=o)  # the saved run again
+            m[0].weight.requires_grad_(False)
+
+
+def test_a_parameter_in_two_optimizers_is_refused_by_name(tmp_path: Any) -> None:
+    """hunt66c F2: DCP keys optimizer state by parameter name, so two optimizers holding one parameter (Adam over
+    the model, SGD with momentum over a layer) overwrote each other's state and param groups in the state dict:
+    the save was accepted, and held one optimizer's state for that layer, the other's lost; the resume was
+    refused for keys the other lacked, and strict=False failed inside torch (``TypeError: float() argument must
+    be ... not 'dict'``) after the model was loaded. Refused now, before anything is written or read, naming
+    the parameter; one optimizer passed twice is still one."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    adam, sgd = torch.optim.Adam(m.parameters()), torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(2, 4)).sum().backward()
+    adam.step()
+    sgd.step()
+    refusal = r"^parameter '2\.weight' is in two optimizers: pass optimizers over disjoint parameters$"
+    with pytest.raises(ValueError, match=refusal):
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, sgd])
+    assert not list(tmp_path.iterdir())
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, adam])
+    with pytest.raises(ValueError, match=refusal):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, sgd], strict=False)
+    resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=adam)

@@ -7,6 +7,10 @@ translates it at its boundary and keeps the original as ``__cause__``.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
+
 # the base; a stored checkpoint's state; what the caller passed does not fit
 __all__ = ["CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointExists", "UnsafeCheckpoint"]
 __all__ += ["LayoutMismatch", "SpecError", "ReplicaMismatch", "NodeFull"]
@@ -56,3 +60,18 @@ def not_dense(key: str, layout: object, shape: tuple[int, ...]) -> SpecError:
         f"{key}: a {layout} tensor (shape {shape}) cannot be saved or loaded; only dense (strided) tensors can: "
         "store .to_dense(), or the sparse tensor's indices and values as two tensors"
     )
+
+
+#: how a resume's error ends once its read began (it loads in place, as ``dcp.load`` does): a job that starts
+#: afresh after it must not train a model half loaded, half initialised
+LOADED_IN_PLACE = (
+    "; the model's and optimizer's tensors it read hold the checkpoint's values, the one the failure cut short "
+    "part of them (a resume loads in place): resume another checkpoint, or re-initialise them, before training"
+)
+
+
+def loaded_in_place(exc: E, loaded: bool) -> E:
+    """``exc``, its message (one string) ending with :data:`LOADED_IN_PLACE` once if ``loaded``."""
+    if loaded and len(exc.args) == 1 and isinstance(exc.args[0], str) and not exc.args[0].endswith(LOADED_IN_PLACE):
+        exc.args = (exc.args[0] + LOADED_IN_PLACE,)
+    return exc

@@ -36,13 +36,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import smpckpt.errors as _errors
 from smpckpt._checks import check_process_group
-from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
+from smpckpt.errors import LOADED_IN_PLACE, CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from smpckpt.model.layout import RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 
 __all__ = ["DistContext", "RankError", "digest", "OPTIONS", "CommonRequest", "check_state", "train_state"]
 __all__ += ["encode_user_content", "decode_user_content", "describe_user_content", "refuse_pickled", "PICKLED_KEY"]
-__all__ += ["get_rng_state", "set_rng_state", "LOADED_IN_PLACE"]
+__all__ += ["get_rng_state", "set_rng_state"]
 
 
 T = TypeVar("T")
@@ -236,13 +236,6 @@ class DistContext:
         )
 
 
-#: a failed load's last words once its read had begun: one who starts afresh must not train a half-loaded model
-LOADED_IN_PLACE = (
-    "; the tensors read before the failure hold the checkpoint's values (a resume loads in place): resume "
-    "another checkpoint, or re-initialise the model and optimizer, before training"
-)
-
-
 def translate_dcp(
     exc: CheckpointException, action: str, *, metadata_error: BaseException | None = None, group: Any = None
 ) -> BaseException:
@@ -292,10 +285,11 @@ def peer_failures(ctx: DistContext, action: str) -> Iterator[None]:
         )
         if not ctx.active or ctx.world_size == 1 or not peer:
             raise
+        text = str(exc).removesuffix(LOADED_IN_PLACE)  # a resume's note (its read had begun) ends the message
         raise CheckpointError(
             f"rank {ctx.rank} of {ctx.world_size}: {action} failed in a collective, most likely because another "
-            f"rank died or was killed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-            "what was committed before is intact -- check with `smpckpt ls`"
+            f"rank died or was killed ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+            f"what was committed before is intact -- check with `smpckpt ls`{str(exc)[len(text) :]}"
         ) from exc
 
 

@@ -49,7 +49,15 @@ from smpckpt.api._tiers import (
     tier_seq,
 )
 from smpckpt.catalog.root import partial_dirname
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, NodeFull, SpecError, UnsafeCheckpoint
+from smpckpt.errors import (
+    LOADED_IN_PLACE,
+    CheckpointError,
+    CheckpointNotFound,
+    LayoutMismatch,
+    NodeFull,
+    SpecError,
+    UnsafeCheckpoint,
+)
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
 from smpckpt.storage.backends._folder import Folder
@@ -252,7 +260,7 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
                     # (agreed: every rank votes alike on it)
                     if not all(full for m, full in votes if m) or durable is None or cand.order != durable.order:
                         raise
-                    said = f"{first}; loading path's drained copy of {cand.tag!r} instead ({durable.url})"
+                    said = f"{why(first)}; loading path's drained copy of {cand.tag!r} instead ({durable.url})"
                     ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
                     return _load_durable(req, ctx, durable, part)
                 continue
@@ -269,11 +277,16 @@ def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: 
             else "nothing (no other checkpoint in either tier)"
         )
         # agreed, as the failure was: a warning made an error fails every rank alike (rev59c F1)
-        said = f"loading checkpoint {cand.tag!r} from the fast tier failed ({first}); resuming from {instead}"
+        said = f"loading checkpoint {cand.tag!r} from the fast tier failed ({why(first)}); resuming from {instead}"
         ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
         if nxt is None and choice.durable is None:
             raise first
     return None if choice.durable is None else _load_durable(req, ctx, choice.durable, part)
+
+
+def why(exc: BaseException) -> str:
+    """A failure a fallback replaces, without :data:`~smpckpt.errors.LOADED_IN_PLACE`: the fallback loads."""
+    return str(exc).removesuffix(LOADED_IN_PLACE)
 
 
 def _load_durable(req: ResumeRequest, ctx: DistContext, target: Target, part: FastTierPart) -> Loaded:

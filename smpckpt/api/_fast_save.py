@@ -82,6 +82,8 @@ class FastTierPart:
     def save(self, req: SaveRequest, state: dict[str, Any], extra: dict[str, Any], tier: TierPlan) -> None:
         """(all ranks) The fast tiers, then (a durable save, or a retried one) the drain, on the drain lane."""
         started = time.monotonic()
+        if tier.durable or tier.retry is not None:  # agreed: one rank's drain thread failing to start hung the others
+            DistContext(req.process_group).all_ok(self.drain_lane.start)
         prepared = save_fast(req, state, extra, tier)
         self.state.continues = hash_bytes(prepared.manifest)  # the next save goes on from this one
         log.info(

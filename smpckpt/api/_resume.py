@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
 
 from smpckpt.api._dist import (
-    LOADED_IN_PLACE,
     OPTIONS,
     PICKLED_KEY,
     CommonRequest,
@@ -32,7 +31,7 @@ from smpckpt.api._dist import (
 from smpckpt.api.options import ResumeOptions, aside, translated
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError
+from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
@@ -243,10 +242,11 @@ def resume_state(
 
 class InventedState:
     """(a resume) Records the parameters without optimizer state before the state is built
-    (:attr:`stateless`); a resume failing before ``applied`` takes the invented state away again."""
+    (:attr:`stateless`); a resume failing before ``applied`` takes the invented state away again (after
+    ``loaded``, its error says that the model holds the checkpoint's values)."""
 
     def __init__(self, model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.model, self.optimizers, self.applied = model, optimizers, False
+        self.model, self.optimizers, self.applied, self.loaded = model, optimizers, False, False
         params = model.named_parameters(remove_duplicate=False) if model is not None and optimizers else ()
         #: the FQNs of the parameters no optimizer holds state for (an empty entry, a read of the defaultdict, is none)
         self.stateless = frozenset(
@@ -259,6 +259,8 @@ class InventedState:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None and not self.applied:
             drop_optimizer_state(self.model, self.optimizers, self.stateless)
+        if isinstance(exc, Exception):  # refused after its load (check_groups, skipped_keys, apply_state)
+            loaded_in_place(exc, self.loaded)
 
 
 def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -339,9 +341,10 @@ def load_checkpoint(
     except CheckpointException as exc:
         md_error, group = reader.metadata_error, common.process_group
         err = translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group)
-        if reader.reading and len(err.args) == 1:
-            err.args = (f"{err}{LOADED_IN_PLACE}",)
-        raise err from exc
+        raise loaded_in_place(err, reader.reading) from exc
+    except Exception as exc:  # a peer lost during the read (gloo's error)
+        loaded_in_place(exc, reader.reading)
+        raise
     return planner
 
 
@@ -380,8 +383,7 @@ def apply_state(
             raise TypeError(  # the class torch called: the model's, or an optimizer's
                 f"{owner.rsplit('.', 1)[-1]}.load_state_dict does not take torch's keywords ({exc}): give the "
                 "override torch's signature (a module's: load_state_dict(self, state_dict, strict=True, "
-                "assign=False); an optimizer's: load_state_dict(self, state_dict)); the model's tensors already "
-                "hold the checkpoint's values (dcp.load fills them in place)"
+                "assign=False); an optimizer's: load_state_dict(self, state_dict))"  # the guard says it loaded in place
             ) from exc
     restored: tuple[str, ...] = ()
     if restore_rng:
@@ -390,12 +392,8 @@ def apply_state(
         at = f"{RESERVED.rng}.{mine}."  # the checkpoint's keys of this rank's generators: restore those held whole
         whole = {c: s for c, s in state[RESERVED.rng][mine].items() if not any(k.startswith(at + c) for k in skipped)}
         restored = set_rng_state(whole)
-    stored = state[RESERVED.user_content]
-    user_content = decode_user_content(
-        stored if stored else None,
-        allow_pickle=req.opts.allow_pickle,
-        nested=target is not None and target.api == API_RECORD_V1,
-    )
+    stored, nested = state[RESERVED.user_content], target is not None and target.api == API_RECORD_V1
+    user_content = decode_user_content(stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=nested)
     return user_content, restored
 
 

@@ -450,6 +450,7 @@ def resume_full(ctx: DistContext, req: ResumeRequest) -> Any:
         )
         optional = (RESERVED.user_content, f"{RESERVED.optim}.*")
         planner = load_checkpoint(req, req.opts, url, state, reader, optional=optional, what="full checkpoint")
+        guard.loaded = True
         if not req.opts.strict:
             skipped_keys(url, ctx, planner, full=True)
         # exported with an optimizer (its manifest says so: one saved before its first step holds no state),

@@ -132,8 +132,8 @@ def one_rank_refuses_its_staging(rank: int, world: int, root: str) -> dict[str, 
 
 def one_rank_cannot_stage(rank: int, world: int, root: str, what: str = "buffers") -> dict[str, Any]:
     """Rank 1's staging fails (``what``: its pinned or host buffers cannot be allocated, or its lane's
-    thread cannot start); each rank reports what its save raised, or what its future raised within 60 s;
-    then a second save goes on."""
+    thread cannot start, or its drain lane's: a fast tier with a drain each save); each rank reports what its
+    save raised, or what its future raised within 60 s; then a second save goes on."""
     import concurrent.futures
 
     from smpckpt.api._async import LaneThread
@@ -146,13 +146,19 @@ def one_rank_cannot_stage(rank: int, world: int, root: str, what: str = "buffers
         raise MemoryError("cannot allocate the staging buffers (injected)")
 
     def no_thread(self: Any) -> None:
-        raise RuntimeError("can't start new thread (injected)")
+        if what == "thread" or self.name == "smpckpt-drain":
+            raise RuntimeError("can't start new thread (injected)")
+        real_start(self)
 
     if rank == 1 and what == "buffers":
         Stager.stage = no_memory  # type: ignore[method-assign]
-    if rank == 1 and what == "thread":
+    if rank == 1 and what in ("thread", "drain"):
         LaneThread.start = no_thread  # type: ignore[method-assign]
-    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True))
+    tier = None
+    if what == "drain":  # each rank a node of its own, every save drained to root
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        tier = smpckpt.FastTier(f"{root}-fast/node{rank}", durable_every=1)
+    ckpt = smpckpt.Checkpointer(root, async_options=smpckpt.AsyncOptions(enabled=True), fast_tier=tier)
     try:
         fut = ckpt.save("a", m)
         assert fut is not None

@@ -171,6 +171,7 @@ def test_a_staging_refused_on_one_rank_fails_the_save_on_every_rank(tmp_path: An
             "CheckpointError: rank 1 failed with ",
         ),
         ("thread", "RuntimeError: can't start new thread (injected)", "RuntimeError: rank 1 failed: "),
+        ("drain", "RuntimeError: can't start new thread (injected)", "RuntimeError: rank 1 failed: "),
     ],
 )
 def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank(
@@ -178,9 +179,10 @@ def test_a_staging_that_fails_on_one_rank_fails_the_save_on_every_rank(
 ) -> None:
     """hunt65a: staging ran on each rank alone, so a rank that could not stage (its buffers not allocated)
     raised from ``save`` while the others' background writes waited for it in their collectives (30
-    minutes by default), and their next save with them. The same for a rank whose lane's thread could not
-    start (the lead's notes, 2026-11-30). The ranks agree on both: every rank's save raises, naming the rank,
-    and the next save goes on."""
+    minutes by default), and their next save with them. The same for a rank whose save lane's thread could not
+    start (the lead's notes, 2026-11-30), or its drain lane's (rev66a F2: the next save's collectives then
+    misaligned and hung). The ranks agree on each: every rank's save raises, naming the rank, and the next save
+    goes on."""
     from async_workers import one_rank_cannot_stage
 
     got = run_world(one_rank_cannot_stage, 2, str(tmp_path), what, timeout=200)

@@ -23,6 +23,7 @@ from smpckpt import (
     CheckpointExists,
     CheckpointNotFound,
     FastTier,
+    LayoutMismatch,
     ResumeOptions,
     Retention,
     SpecError,
@@ -32,6 +33,7 @@ from smpckpt import (
     save_checkpoint,
 )
 from smpckpt.catalog.root import scan_root, write_newest
+from smpckpt.errors import LOADED_IN_PLACE
 from smpckpt.storage import FsspecStorageWriter, checkpoint_state, open_fs, read_manifest
 from smpckpt.storage.format.manifest import MANIFEST_NAME
 from smpckpt.tools.cli import main
@@ -368,11 +370,18 @@ def test_flipped_digest_in_the_manifest_blames_the_manifest(tmp_path: Any) -> No
 def test_a_resume_failing_in_its_read_says_the_model_holds_some_of_the_checkpoint(tmp_path: Any) -> None:
     """A resume loads in place: one failing mid-read (a damaged file) left the tensors read before it with the
     checkpoint's values, and its error did not say so; a job that starts afresh after it trained a model half
-    loaded, half initialised. The error says it now; a resume refused before its read (a shape that does not
-    match) leaves the model as it was and does not say it."""
+    loaded, half initialised. The error says it now, and so does a refusal after the read (param groups that
+    differ); a resume refused before its read (a shape that does not match) leaves the model as it was and does
+    not say it."""
     root = str(tmp_path)
     m, o = _model(0)
     save_checkpoint(root, "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    two = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    groups = torch.optim.AdamW(
+        [{"params": two[0].parameters(), "lr": 1e-2}, {"params": two[2].parameters(), "lr": 1e-3}]
+    )
+    save_checkpoint(root, "b", model=two, optimizer=groups)
     data = max((p for p in (tmp_path / "a_partial").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
     damaged = bytearray(data.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
@@ -380,10 +389,13 @@ def test_a_resume_failing_in_its_read_says_the_model_holds_some_of_the_checkpoin
     fresh, fresh_opt = _model(9)
     with pytest.raises(CheckpointCorrupt) as failed:
         resume_from_checkpoint(root, tag="a", model=fresh, optimizer=fresh_opt)
-    assert str(failed.value).endswith(
-        "; the tensors read before the failure hold the checkpoint's values (a resume loads in place): resume "
-        "another checkpoint, or re-initialise the model and optimizer, before training"
-    ), failed.value
+    assert str(failed.value).endswith(LOADED_IN_PLACE), failed.value
+    # refused after its read (rev66a F1): two param groups saved, one live
+    one, one_opt = _model(9)
+    with pytest.raises(LayoutMismatch) as after:
+        resume_from_checkpoint(root, tag="b", model=one, optimizer=one_opt)
+    assert str(after.value).endswith(LOADED_IN_PLACE), after.value
+    assert torch.equal(one[0].weight, two[0].weight)  # what the note says: loaded in place
     other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(CheckpointError) as refused:

@@ -121,7 +121,7 @@ def test_a_backlog_of_removals_on_s3_runs_several_at_once_each_in_its_own_order(
 
     reset_moto(moto_endpoint, BUCKET)
     opts, root = s3_options(moto_endpoint), f"s3://{BUCKET}/run"
-    for step in range(4):
+    for step in range(2):
         save_checkpoint(root, f"step{step}", model=_model(step), storage_options=opts)
     lock, running, most = threading.Lock(), [0], [0]
     real = catalog_root.remove_checkpoint
@@ -138,8 +138,7 @@ def test_a_backlog_of_removals_on_s3_runs_several_at_once_each_in_its_own_order(
                 running[0] -= 1
 
     monkeypatch.setattr(catalog_root, "remove_checkpoint", counted)
-    save_checkpoint(root, "step4", model=_model(4), storage_options=opts, num_kept_partial_checkpoints=1)
-    assert most[0] > 1, f"{most[0]} removal(s) in flight at most"
-    assert _states(root, opts) == {"step4": "committed"}
-    for step in (4,):
-        _assert_resumes(root, opts, f"step{step}", step)
+    save_checkpoint(root, "step2", model=_model(2), storage_options=opts, num_kept_partial_checkpoints=1)
+    assert most[0] == 2, f"{most[0]} removal(s) in flight at most"  # step0's and step1's
+    assert _states(root, opts) == {"step2": "committed"}
+    _assert_resumes(root, opts, "step2", 2)

@@ -142,3 +142,35 @@ def test_a_backlog_of_removals_on_s3_runs_several_at_once_each_in_its_own_order(
     assert most[0] == 2, f"{most[0]} removal(s) in flight at most"  # step0's and step1's
     assert _states(root, opts) == {"step2": "committed"}
     _assert_resumes(root, opts, "step2", 2)
+
+
+def test_a_damaged_newest_is_named_once_by_a_pass_removing_several_on_s3(
+    moto_endpoint: str, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rev63f F2's once per pass, with removals that run side by side on object stores (each reads newest again)
+    import time
+
+    from smpckpt.catalog import root as catalog_root
+
+    real_warning = catalog_root.log.warning
+
+    def slow_warning(*args: Any) -> None:
+        time.sleep(0.2)  # a slow log handler: removals side by side would all pass the "said already?" check
+        real_warning(*args)
+
+    monkeypatch.setattr(catalog_root.log, "warning", slow_warning)
+
+    reset_moto(moto_endpoint, BUCKET)
+    opts, root = s3_options(moto_endpoint), f"s3://{BUCKET}/run"
+    for step in range(4):
+        save_checkpoint(root, f"step{step}", model=_model(step), storage_options=opts)
+    fs, path = open_fs(root, opts)
+    fs.pipe_file(f"{path}/newest", b"bad tag!\n")
+    with caplog.at_level(logging.WARNING):
+        result = catalog_root.apply_retention(root, 1, storage_options=opts)
+    assert result.removed == ("step0", "step1", "step2"), result
+    said = [
+        r.getMessage() for r in caplog.records if "newest" in r.getMessage() and "not a valid tag" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    _assert_resumes(root, opts, "step3", 3)

@@ -579,22 +579,22 @@ def apply_retention(
             log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
             return False
 
-    # ``newest`` read just before each removal: another job in this root may have pointed it at an older tag since
-    at, said = open_root(root_url, storage_options) if doomed else (None, ""), set() if said is None else said
-    removed = [tag for tag in doomed if tag != read_newest(at[0], at[1], said) and remove(tag, "checkpoint")]
+    (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
+    # ``newest`` read just before each removal (another job may have pointed it back); an object store's backlog
+    # (~9 requests in a row per folder, hunt66b) goes 8 at a time, as scan_root reads; one by one if it is damaged
+    many = len(doomed) > 1 and not is_local(fs) and read_newest(fs, path, said) is not None
+    with concurrent.futures.ThreadPoolExecutor(8 if many else 1, thread_name_prefix="smpckpt-retention") as pool:
+        ok = (pool.map if many else map)(lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), doomed)
+        removed = [tag for tag, gone in zip(doomed, ok) if gone]
     removed += [
         r.tag
         for r in records
         # a manifest found once marked is a save that finished that removal and committed since (rev65a F2)
         if r.state == "removing" and r.tag not in protected and remove(r.tag, "the rest of", uncommitted_only=True)
     ]
-    stale: list[str] = []
-    aborted: list[str] = []
-    debris: list[str] = []
+    swept: tuple[list[str], list[str], list[str]] = ([], [], [])  # stale folders, aborted uploads, debris
     if uncommitted_older_than is not None:
         from smpckpt.catalog._debris import sweep_stale  # it imports this module: imported when used
 
-        stale, aborted, debris = sweep_stale(
-            root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run
-        )
-    return RetentionResult(tuple(removed), tuple(failed), tuple(stale), tuple(aborted), tuple(debris))
+        swept = sweep_stale(root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run)
+    return RetentionResult(tuple(removed), tuple(failed), *(tuple(found) for found in swept))

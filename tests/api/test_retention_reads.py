@@ -24,6 +24,40 @@ from smpckpt.storage.format.manifest import _self_digest
 SETTLE = 1.05  # a manifest is served from the cache once its file is a second old (a clock tick's reuse)
 
 
+class Settle:
+    """Time passing for the cache's settle check alone, instead of ``time.sleep(SETTLE)`` (~26 s of the
+    suite's wall time): each :meth:`wait` ages every file that exists then by ``SETTLE``, exactly as a
+    sleep would, and none written after it (the real :func:`_fs.file_stamp` is asked with its threshold
+    lowered by the waits since the file's ctime; every other clock is real)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self._waits: list[int] = []  # time.time_ns() at each wait
+        real = _fs.file_stamp
+
+        def aged(fs: Any, path: str, settled_ns: int = 10**9) -> tuple[int, ...]:
+            try:
+                ctime = os.stat(path, follow_symlinks=False).st_ctime_ns
+            except OSError:
+                return real(fs, path, settled_ns)
+            credit = sum(int(SETTLE * 10**9) for at in self._waits if ctime < at)
+            return real(fs, path, settled_ns - credit)
+
+        monkeypatch.setattr(_fs, "file_stamp", aged)
+
+    def wait(self, really: bool = True) -> None:
+        """A sleep of ``SETTLE`` for the check: files stamped before now are ``SETTLE`` older."""
+        if really:
+            self._waits.append(time.time_ns())
+            # files are stamped from a clock up to a tick (<= 10 ms) behind: one written after this wait
+            # must be stamped after it
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def settle(monkeypatch: Any) -> Settle:
+    return Settle(monkeypatch)
+
+
 def _manifest_reads(monkeypatch: Any) -> list[str]:
     from fsspec.implementations.local import LocalFileSystem
 
@@ -58,7 +92,7 @@ def _tags(root: str) -> list[str]:
     return sorted(r.tag for r in scan_root(root) if r.committed)
 
 
-def test_reads_per_save_do_not_grow_with_the_checkpoints_kept(tmp_path: Any, monkeypatch: Any) -> None:
+def test_reads_per_save_do_not_grow_with_the_checkpoints_kept(tmp_path: Any, monkeypatch: Any, settle: Settle) -> None:
     root, keep = str(tmp_path), 5
     reads = _manifest_reads(monkeypatch)
     m = _filled(0)
@@ -67,7 +101,7 @@ def test_reads_per_save_do_not_grow_with_the_checkpoints_kept(tmp_path: Any, mon
         with torch.no_grad():
             m.weight.fill_(i)
             m.bias.fill_(-i)
-        time.sleep(SETTLE if i else 0)
+        settle.wait(i > 0)
         reads.clear()
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=keep)
         per_save.append(len(reads))
@@ -79,7 +113,7 @@ def test_reads_per_save_do_not_grow_with_the_checkpoints_kept(tmp_path: Any, mon
         _assert_resumes(root, f"s{i}", i)
 
 
-def test_a_cached_tag_overwritten_by_another_writer_is_read_again_and_kept(tmp_path: Any) -> None:
+def test_a_cached_tag_overwritten_by_another_writer_is_read_again_and_kept(tmp_path: Any, settle: Settle) -> None:
     """The Checkpointer read s0 (sequence 1) and kept its record; another writer (its own Checkpointer)
     overwrites s0, now numbered after s2. The next save's retention (keep 3) must see s0's new number and
     remove s1: a stale record (s0 still 1) would remove s0, the newest but one, overwritten data and all."""
@@ -88,11 +122,11 @@ def test_a_cached_tag_overwritten_by_another_writer_is_read_again_and_kept(tmp_p
         with torch.no_grad():
             m.weight.fill_(i)
             m.bias.fill_(-i)
-        time.sleep(SETTLE if i == 2 else 0)  # s0 and s1 are a second old when s2's retention reads them
+        settle.wait(i == 2)  # s0 and s1 are a second old when s2's retention reads them
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=3)
     assert _tags(root) == ["s0", "s1", "s2"]
     save_checkpoint(root, "s0", model=_filled(7), options=SaveOptions(overwrite=True))  # another model: writer
-    time.sleep(SETTLE)  # the new manifest is settled too: only its identity tells it from the cached one
+    settle.wait()  # the new manifest is settled too: only its identity tells it from the cached one
     with torch.no_grad():
         m.weight.fill_(3)
         m.bias.fill_(-3)
@@ -103,12 +137,12 @@ def test_a_cached_tag_overwritten_by_another_writer_is_read_again_and_kept(tmp_p
     _assert_resumes(root, "s3", 3)
 
 
-def test_a_link_planted_in_a_cached_checkpoint_is_still_refused(tmp_path: Any) -> None:
+def test_a_link_planted_in_a_cached_checkpoint_is_still_refused(tmp_path: Any, settle: Settle) -> None:
     """A cached record is served only while its files are confined: a data file replaced by a link leading
     out of the folder makes the folder unsafe, never removed, exactly as without the cache."""
     root, m = str(tmp_path), _filled(0)
     for i in range(3):
-        time.sleep(SETTLE if i == 2 else 0)
+        settle.wait(i == 2)
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=3)
     folder = tmp_path / "s0_partial"
     data = next(p for p in folder.rglob("*.distcp"))
@@ -124,7 +158,7 @@ def test_a_link_planted_in_a_cached_checkpoint_is_still_refused(tmp_path: Any) -
 
 @pytest.mark.parametrize("stamp", ["real", "lying"])
 def test_a_cached_manifest_rewritten_in_place_never_condemns_its_checkpoint(
-    tmp_path: Any, monkeypatch: Any, stamp: str
+    tmp_path: Any, monkeypatch: Any, settle: Settle, stamp: str
 ) -> None:
     """rev61a F1: s0's manifest rewritten in place (same inode, same size, mtime put back, as ``cp -p`` onto
     the file does), its sequence 1 -> 9: only the ctime tells. "lying": every stamp the same (an NFS
@@ -134,7 +168,7 @@ def test_a_cached_manifest_rewritten_in_place_never_condemns_its_checkpoint(
         monkeypatch.setattr(_fs, "file_stamp", lambda fs, path, settled_ns=10**9: (1,))
     root, m = str(tmp_path), _filled(0)
     for i in range(3):
-        time.sleep(SETTLE if i == 2 else 0)
+        settle.wait(i == 2)
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=3)
     path = os.path.join(root, "s0_partial", MANIFEST_NAME)
     st, data = os.stat(path), open(path, "rb").read()
@@ -148,12 +182,12 @@ def test_a_cached_manifest_rewritten_in_place_never_condemns_its_checkpoint(
     with open(path, "r+b") as f:
         f.write(new)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    time.sleep(SETTLE)
+    settle.wait()
     save_checkpoint(root, "s3", model=m, num_kept_partial_checkpoints=3)
     assert _tags(root) == ["s0", "s1", "s2", "s3"]
 
 
-def test_the_drains_retention_reuses_the_kept_records_too(tmp_path: Any, monkeypatch: Any) -> None:
+def test_the_drains_retention_reuses_the_kept_records_too(tmp_path: Any, monkeypatch: Any, settle: Settle) -> None:
     """rev61a F2: with the fast tier, retention runs in the drain, which read every kept manifest of the
     durable root again (3, 5, 6, ... 9 reads per save at keep 5)."""
     root, node, keep = str(tmp_path / "root"), str(tmp_path / "node"), 5
@@ -162,7 +196,7 @@ def test_the_drains_retention_reuses_the_kept_records_too(tmp_path: Any, monkeyp
     tier = FastTier(local_path=node, replicas=1, durable_every=1)
     with Checkpointer(root, fast_tier=tier, retention=Retention(num_kept_partial_checkpoints=keep)) as ckpt:
         for i in range(keep + 3):
-            time.sleep(SETTLE if i else 0)
+            settle.wait(i > 0)
             reads.clear()
             ckpt.save(f"s{i}", m)
             ckpt.wait()
@@ -170,7 +204,9 @@ def test_the_drains_retention_reuses_the_kept_records_too(tmp_path: Any, monkeyp
     assert max(per_save[-3:]) <= 5, per_save
 
 
-def test_records_are_kept_only_on_a_filesystem_whose_stat_is_authoritative(tmp_path: Any, monkeypatch: Any) -> None:
+def test_records_are_kept_only_on_a_filesystem_whose_stat_is_authoritative(
+    tmp_path: Any, monkeypatch: Any, settle: Settle
+) -> None:
     """rev61e F1: a kept record's stale ``order`` or ``abandoned`` ranges (never re-read) could still decide a
     removal where a stat hides another host's write (an NFS client's attribute cache). Records are kept only
     on filesystems whose stat tells at once (``coherent_device``: local ones, Lustre): elsewhere every
@@ -182,7 +218,7 @@ def test_records_are_kept_only_on_a_filesystem_whose_stat_is_authoritative(tmp_p
     reads = _manifest_reads(monkeypatch)
     m, per_save = _filled(0), []
     for i in range(keep + 3):
-        time.sleep(SETTLE if i else 0)
+        settle.wait(i > 0)
         reads.clear()
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=keep)
         per_save.append(len(reads))

@@ -71,7 +71,9 @@ LOADED_IN_PLACE = (
 
 
 def loaded_in_place(exc: E, loaded: bool) -> E:
-    """``exc``, its message (one string) ending with :data:`LOADED_IN_PLACE` once if ``loaded``."""
-    if loaded and len(exc.args) == 1 and isinstance(exc.args[0], str) and not exc.args[0].endswith(LOADED_IN_PLACE):
+    """``exc``, its message (one string) ending with :data:`LOADED_IN_PLACE` once if ``loaded`` (an Exception:
+    a Ctrl-C or ``SystemExit`` passes as it came)."""
+    one = isinstance(exc, Exception) and len(exc.args) == 1 and isinstance(exc.args[0], str)
+    if loaded and one and not exc.args[0].endswith(LOADED_IN_PLACE):
         exc.args = (exc.args[0] + LOADED_IN_PLACE,)
     return exc

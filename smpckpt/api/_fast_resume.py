@@ -57,6 +57,7 @@ from smpckpt.errors import (
     NodeFull,
     SpecError,
     UnsafeCheckpoint,
+    loaded_in_place,
 )
 from smpckpt.planners import ParallelLoadPlanner
 from smpckpt.storage import Manifest
@@ -223,70 +224,79 @@ def _same_history(
 
 def load_tiered(req: ResumeRequest, ctx: DistContext, choice: TierChoice, part: FastTierPart) -> Loaded | None:
     """(all ranks) Load the newest candidate that loads; ``None``: neither tier holds one."""
-    durable = choice.durable
-    for i, cand in enumerate(choice.fast):
-        manifest: Manifest | None = None
-        for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
-            if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
-                attempt = _repair(ctx, choice, cand, manifest) if manifest is not None else None
-            if attempt is None:
-                break
-            try:  # a copy no node reads back intact fails on every rank alike (fetch_copy): the next is tried
-                prepared = fetch_copy(ctx, choice.job, attempt, choice.nodes)
-                manifest = prepared.parsed()
-                target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
-                part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
-                rng, state = resume_state(req, target, ctx, depth=2)
-                DistContext(choice.group).all_ok(functools.partial(_heal, req, choice, attempt, prepared, cand))
-                reader = fast_reader(req, target, choice, attempt)
-                loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader)
-                # the job goes on from this save (its next save's lineage, and a new segment of its runs)
-                part.state.continues, part.state.runs, part.state.passed = cand.digest, cand.runs, cand.passed
-                part.state.fresh, part.state.back_to = True, (cand.tag, target.order[0])
-            except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
-                # CheckpointError naming it elsewhere: that rank must still reach the agreement (rev62b F1)
-                first = exc
-                # (one collective) the caller's state does not fit the save (layout, specs, allow_pickle), or
-                # not a checkpoint's failure (a warning a filter made an error, on rank 0 alone: the others hold
-                # a CheckpointError naming it): raised on every rank alike, not fallen back from (rank 0 alone
-                # leaving made the others wait here: rev60d F1)
-                mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint, NodeFull)) or not isinstance(
-                    exc, CheckpointError
-                )
-                full = type(exc) is NodeFull
-                votes = DistContext(choice.group).all_ok_values(functools.partial(tuple, (mine, full)))
-                if any(m for m, _ in votes):
-                    # a full disk is this node's, not the save's: path's drained copy of this very save loads
-                    # (agreed: every rank votes alike on it)
-                    if not all(full for m, full in votes if m) or durable is None or cand.order != durable.order:
-                        raise
-                    said = f"{why(first)}; loading path's drained copy of {cand.tag!r} instead ({durable.url})"
-                    ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
-                    return _load_durable(req, ctx, durable, part)
-                continue
-            if durable is not None and durable.said and cand.order == durable.order:  # path's choice, drained
-                ctx.all_ok(functools.partial(_warn_on, ctx, durable.said, 7))
-                loaded = dataclasses.replace(loaded, target=dataclasses.replace(loaded.target, fell_back=True))
-            return loaded
-        nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
-        instead = (
-            f"checkpoint {nxt.tag!r} of the fast tier"
-            if nxt is not None
-            else f"{choice.durable.url} (tag {choice.durable.tag!r}) in the durable tier"
-            if choice.durable is not None
-            else "nothing (no other checkpoint in either tier)"
-        )
-        # agreed, as the failure was: a warning made an error fails every rank alike (rev59c F1)
-        said = f"loading checkpoint {cand.tag!r} from the fast tier failed ({why(first)}); resuming from {instead}"
-        ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
-        if nxt is None and choice.durable is None:
-            raise first
-    return None if choice.durable is None else _load_durable(req, ctx, choice.durable, part)
+    began = False  # a failed attempt's read began: a failure after it (a refused fallback) says so too
+    try:
+        durable = choice.durable
+        for i, cand in enumerate(choice.fast):
+            manifest: Manifest | None = None
+            for attempt in (cand, None):  # the copies as listed, then (once) as judged after a failure
+                if attempt is None:  # fetched again: a node whose copy of the metadata was corrupt lacks it now
+                    attempt = _repair(ctx, choice, cand, manifest) if manifest is not None else None
+                if attempt is None:
+                    break
+                try:  # a copy no node reads back intact fails on every rank alike (fetch_copy): the next is tried
+                    prepared = fetch_copy(ctx, choice.job, attempt, choice.nodes)
+                    manifest = prepared.parsed()
+                    target = Target.of(cand.tag, os.path.join(choice.job, partial_dirname(cand.tag)), manifest, False)
+                    part.counter.saw(target.order[0])  # not path's target; the roll-back is marked once it is applied
+                    rng, state = resume_state(req, target, ctx, depth=2)
+                    DistContext(choice.group).all_ok(functools.partial(_heal, req, choice, attempt, prepared, cand))
+                    reader = fast_reader(req, target, choice, attempt)
+                    loaded = Loaded(
+                        target, load_checkpoint(req, req.opts, target.url, state, reader), state, rng, reader
+                    )
+                    # the job goes on from this save (its next save's lineage, and a new segment of its runs)
+                    part.state.continues, part.state.runs, part.state.passed = cand.digest, cand.runs, cand.passed
+                    part.state.fresh, part.state.back_to = True, (cand.tag, target.order[0])
+                except BaseException as exc:  # every rank: a warning made an error (or a Ctrl-C) is one rank's, a
+                    # CheckpointError naming it elsewhere: that rank must still reach the agreement (rev62b F1)
+                    first = exc
+                    began = began or str(exc).endswith(LOADED_IN_PLACE)
+                    # (one collective) the caller's state does not fit the save (layout, specs, allow_pickle), or
+                    # not a checkpoint's failure (a warning a filter made an error, on rank 0 alone: the others hold
+                    # a CheckpointError naming it): raised on every rank alike, not fallen back from (rank 0 alone
+                    # leaving made the others wait here: rev60d F1)
+                    mine = isinstance(exc, (LayoutMismatch, SpecError, UnsafeCheckpoint, NodeFull)) or not isinstance(
+                        exc, CheckpointError
+                    )
+                    full = type(exc) is NodeFull
+                    votes = DistContext(choice.group).all_ok_values(functools.partial(tuple, (mine, full)))
+                    if any(m for m, _ in votes):
+                        # a full disk is this node's, not the save's: path's drained copy of this very save loads
+                        # (agreed: every rank votes alike on it)
+                        if not all(full for m, full in votes if m) or durable is None or cand.order != durable.order:
+                            raise
+                        said = f"{why(first, req.opts.strict)}; loading path's drained copy of {cand.tag!r} instead ({durable.url})"
+                        ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
+                        return _load_durable(req, ctx, durable, part)
+                    continue
+                if durable is not None and durable.said and cand.order == durable.order:  # path's choice, drained
+                    ctx.all_ok(functools.partial(_warn_on, ctx, durable.said, 7))
+                    loaded = dataclasses.replace(loaded, target=dataclasses.replace(loaded.target, fell_back=True))
+                return loaded
+            nxt = choice.fast[i + 1] if i + 1 < len(choice.fast) else None
+            instead = (
+                f"checkpoint {nxt.tag!r} of the fast tier"
+                if nxt is not None
+                else f"{choice.durable.url} (tag {choice.durable.tag!r}) in the durable tier"
+                if choice.durable is not None
+                else "nothing (no other checkpoint in either tier)"
+            )
+            # agreed, as the failure was: a warning made an error fails every rank alike (rev59c F1)
+            said = f"loading checkpoint {cand.tag!r} from the fast tier failed ({why(first, req.opts.strict)}); resuming from {instead}"
+            ctx.all_ok(functools.partial(_warn_on, ctx, said, 7))
+            if nxt is None and choice.durable is None:
+                raise first
+        return None if choice.durable is None else _load_durable(req, ctx, choice.durable, part)
+    except CheckpointError as exc:
+        loaded_in_place(exc, began)
+        raise
 
 
-def why(exc: BaseException) -> str:
-    """A failure a fallback replaces, without :data:`~smpckpt.errors.LOADED_IN_PLACE`: the fallback loads."""
-    return str(exc).removesuffix(LOADED_IN_PLACE)
+def why(exc: BaseException, strict: bool) -> str:
+    """A failure a fallback replaces; under ``strict`` without :data:`~smpckpt.errors.LOADED_IN_PLACE` (the
+    fallback loads every key again), else with it: a key the fallback skips keeps the failed read's value."""
+    return str(exc).removesuffix(LOADED_IN_PLACE) if strict else str(exc)
 
 
 def _load_durable(req: ResumeRequest, ctx: DistContext, target: Target, part: FastTierPart) -> Loaded:

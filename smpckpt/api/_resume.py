@@ -259,7 +259,7 @@ class InventedState:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None and not self.applied:
             drop_optimizer_state(self.model, self.optimizers, self.stateless)
-        if isinstance(exc, Exception):  # refused after its load (check_groups, skipped_keys, apply_state)
+        if isinstance(exc, CheckpointError):  # refused after its load (check_groups, skipped_keys, apply_state)
             loaded_in_place(exc, self.loaded)
 
 
@@ -380,11 +380,12 @@ def apply_state(
             owner, found, _ = str(exc).partition(".load_state_dict() got an unexpected keyword argument")
             if not found:
                 raise
-            raise TypeError(  # the class torch called: the model's, or an optimizer's
+            err = TypeError(  # the class torch called: the model's, or an optimizer's
                 f"{owner.rsplit('.', 1)[-1]}.load_state_dict does not take torch's keywords ({exc}): give the "
                 "override torch's signature (a module's: load_state_dict(self, state_dict, strict=True, "
-                "assign=False); an optimizer's: load_state_dict(self, state_dict))"  # the guard says it loaded in place
-            ) from exc
+                "assign=False); an optimizer's: load_state_dict(self, state_dict))"
+            )
+            raise loaded_in_place(err, True) from exc
     restored: tuple[str, ...] = ()
     if restore_rng:
         skipped = set(report.skipped_optional if report else ())

@@ -454,7 +454,8 @@ class Checkpointer:
                 else:
                     (rng, state), reader = resume_state(req, target, ctx), None
                     planner = load_checkpoint(req, req.opts, target.url, state)
-                chosen, guard.loaded = target, True
+                # (a translate_function's model keys land aside: without an optimizer nothing is loaded in place)
+                chosen, guard.loaded = target, bool(req.optimizers) or req.opts.translate_function is None
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict
                 untranslated = ctx.all_ok(lambda: check_groups(req, state))
                 counts = skipped_keys(target.url, ctx, planner, untranslated)  # warned before anything is applied

@@ -35,6 +35,7 @@ from smpckpt import (
     wait_for_saves,
 )
 from smpckpt.api._tiers import durable_key, job_folder
+from smpckpt.errors import LOADED_IN_PLACE
 from smpckpt.storage import read_manifest
 
 
@@ -127,6 +128,37 @@ def test_corrupt_fast_copy_falls_back_to_the_next_one_then_the_durable_one(tmp_p
         assert _same(got, m1)
         if tier == "fast":
             shutil.rmtree(local / "s1_partial")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_fallback_after_a_failed_read_still_says_the_model_holds_its_values(tmp_path: Path, strict: bool) -> None:
+    """rev66c F1, F3: s2's fast copy fails mid-read (a damaged file: what it read is in the model), and the
+    fallback s1 (saved without biases) is refused by strict before its own read: the error said nothing of s2's
+    values in the model. Under strict=False s1 loads and skips the biases, which keep s2's values: the fallback's
+    warning dropped the note that says so."""
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    local = _job(fast, durable)
+    for tag, bias in (("s1", False), ("s2", True)):
+        torch.manual_seed(len(tag) + bias)
+        m = nn.Sequential(nn.Linear(64, 64, bias=bias), nn.Linear(64, 64, bias=bias))
+        save_checkpoint(durable, tag, model=m, local_path=fast, replicas=1, durable_every=1)
+    wait_for_saves()
+    damaged = sorted(p for p in (local / "s2_partial").iterdir() if p.name.endswith(".distcp"))[0]
+    raw = bytearray(damaged.read_bytes())
+    raw[-10] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    (durable / "s2_partial" / "smpckpt.manifest.json").unlink()  # path's fallback is s1 too
+    got = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    if strict:
+        with pytest.raises(LayoutMismatch) as refused:
+            resume_from_checkpoint(durable, model=got, local_path=fast)
+        assert str(refused.value).endswith(LOADED_IN_PLACE), refused.value
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume_from_checkpoint(durable, model=got, local_path=fast, options=ResumeOptions(strict=False))
+    fell_back = [str(w.message) for w in caught if "from the fast tier failed" in str(w.message)]
+    assert len(fell_back) == 1 and LOADED_IN_PLACE in fell_back[0], [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize(

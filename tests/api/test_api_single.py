@@ -970,6 +970,80 @@ def test_a_frozen_parameter_kept_in_its_optimizer_keeps_its_saved_state(tmp_path
             m[0].weight.requires_grad_(False)
 
 
+class _Nested(torch.optim.Optimizer):
+    """Keeps nested state, which DCP flattens to ``state.<fqn>.inner.<key>``: ``{step, inner: {m, count}}``."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            s = self.state[p]
+            s.setdefault("inner", {"m": torch.zeros_like(p), "count": 0})["count"] += 1
+            s["step"] = s.get("step", 0) + 1
+            p.sub_(s["inner"]["m"].mul_(0.9).add_(p.grad), alpha=self.param_groups[0]["lr"])
+
+
+def test_a_frozen_parameters_nested_optimizer_state_is_restored(tmp_path: Any) -> None:
+    """rev66b R1: a frozen parameter's state put back after DCP's load was looked up by flat keys only, so a
+    nested int (``inner.count``) kept the live value on an in-process roll-back, the scratch step's on a restart."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        return m, _Nested(m.parameters())
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            m(torch.ones(3, 4)).sum().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = build()
+    step(m, o, 2)
+    m[0].weight.requires_grad_(False)
+    step(m, o, 1)
+    saved = copy.deepcopy(o.state[m[0].weight])
+    save_checkpoint(str(tmp_path), "n", model=m, optimizer=o)
+    m[0].weight.requires_grad_(True)
+    step(m, o, 3)
+    m[0].weight.requires_grad_(False)
+    m2, o2 = build()
+    m2[0].weight.requires_grad_(False)
+    for model, opt in ((m, o), (m2, o2)):  # an in-process roll-back, a restart frozen alike
+        resume_from_checkpoint(str(tmp_path), "n", model=model, optimizer=opt)
+        got = opt.state[model[0].weight]
+        assert (got["step"], got["inner"]["count"]) == (saved["step"], saved["inner"]["count"]) == (2, 2), got
+        assert torch.equal(got["inner"]["m"], saved["inner"]["m"])
+
+
+def test_a_fresh_optimizer_holding_a_frozen_parameter_warns_of_nothing(tmp_path: Any, caplog: Any) -> None:
+    """rev66b R2: a fresh optimizer holding a never-trained frozen parameter (a fine-tune passing
+    model.parameters()) sent every parameter to the scratch step, so a class not built from its groups alone (an
+    extra ``__init__`` argument) logged "could not be given fresh state ... cannot be loaded" on each restart,
+    though DCP's own initialisation gives its trainable parameters their state and the resume was exact."""
+
+    class Named(torch.optim.Adam):
+        def __init__(self, params: Any, name: str) -> None:
+            super().__init__(params)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        m[0].weight.requires_grad_(False)
+        return m, Named(m.parameters(), "fine-tune")
+
+    (m, o), (m2, o2) = build(), build()
+    m(torch.ones(3, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "f", model=m, optimizer=o)
+    with caplog.at_level("WARNING", logger="smpckpt"):
+        resume_from_checkpoint(str(tmp_path), "f", model=m2, optimizer=o2)
+    assert not [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert m2[0].weight not in o2.state and len(o2.state) == len(o.state) == 3
+    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
+    assert all(torch.equal(v, o2.state[p2[n]][k]) for n, p in p1.items() if p in o.state for k, v in o.state[p].items())
+
+
 def test_a_parameter_in_two_optimizers_is_refused_by_name(tmp_path: Any) -> None:
     """hunt66c F2: DCP keys optimizer state by parameter name, so two optimizers holding one parameter (Adam over
     the model, SGD with momentum over a layer) overwrote each other's state and param groups in the state dict:

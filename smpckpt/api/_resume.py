@@ -508,7 +508,7 @@ def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
     if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
         return ()
     state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict, bool(req.optimizers)
     )
     return untranslated
 

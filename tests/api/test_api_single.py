@@ -320,6 +320,40 @@ def test_translate_function_moving_values_between_keys(tmp_path: Any) -> None:
     assert torch.equal(got[2].weight, w2.t())
 
 
+def test_translate_function_moving_values_between_keys_with_the_optimizer(tmp_path: Any) -> None:
+    """hunt66c M1: resumed with the optimizer, a translate_function swapping two same-shape layers moved their
+    weights while the optimizer state stayed by key: each layer took the other's Adam moments, silently. Now
+    refused under strict, naming both keys (before anything is applied), and warned under strict=False."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(2, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+
+    def swap(sd: dict[str, Any]) -> dict[str, Any]:
+        return {**sd, "0.weight": sd["2.weight"], "2.weight": sd["0.weight"]}
+
+    m2 = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    before = copy.deepcopy(m2.state_dict())
+    said = r"translate_function moved values between model keys \(2\.weight -> 0\.weight, 0\.weight -> 2\.weight\): "
+    with pytest.raises(LayoutMismatch, match="^" + said):
+        resume_from_checkpoint(
+            str(tmp_path), "a", model=m2, optimizer=torch.optim.Adam(m2.parameters()), translate_function=swap
+        )
+    assert all(torch.equal(v, before[k]) for k, v in m2.state_dict().items())  # the model as it was
+    with pytest.warns(UserWarning, match=said + ".*strict=False: loaded so"):
+        resume_from_checkpoint(
+            str(tmp_path),
+            "a",
+            model=m2,
+            optimizer=torch.optim.Adam(m2.parameters()),
+            translate_function=swap,
+            strict=False,
+        )
+    assert torch.equal(m2[0].weight, m[2].weight) and torch.equal(m2[2].weight, m[0].weight)
+
+
 def _two(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))

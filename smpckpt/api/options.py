@@ -457,14 +457,14 @@ def translated(
     was = {id(v): k for k, v in loaded.items() if optim and isinstance(v, torch.Tensor)}  # tied keys share one
     moved = [(was[id(v)], k) for k, v in out.items() if k in loaded and v is not loaded[k] and id(v) in was]
     if moved:  # the optimizer state is resumed by key: each would take its new value with the old moments
-        said = (
+        note = (
             f"translate_function moved values between model keys ({', '.join(f'{a} -> {b}' for a, b in moved[:8])})"
             ": the optimizer's state is resumed by key, so each parameter would take the other key's value with its "
             "own optimizer state"
         )
         if strict:
-            raise LayoutMismatch(said + "; resume without optimizer=, or with strict=False to load so")
-        warnings.warn(said + "; strict=False: loaded so", stacklevel=7)  # the caller's line, as check_groups'
+            raise LayoutMismatch(note + "; resume without optimizer=, or with strict=False to load so")
+        warnings.warn(note + "; strict=False: loaded so", stacklevel=7)  # the caller's line, as check_groups'
     dropped, added = sorted(k for k in loaded if k not in out), sorted(k for k in out if k not in loaded)
     if strict and (dropped or added):
         said = [f"dropped {', '.join(dropped[:8])} (the model holds them)"] if dropped else []

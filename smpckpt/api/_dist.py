@@ -388,6 +388,7 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
             if isinstance(module, FSDPModule):
                 module.reshard()
         owned = {id(p) for p in model.parameters()}
+    held: dict[int, tuple[int, int]] = {}  # id(parameter) -> the first optimizer and param group holding it
     for i, opt in enumerate(opts):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):
@@ -403,10 +404,11 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
                     )
-    ids = [id(p) for o in dict.fromkeys(opts) for g in o.param_groups for p in g["params"]]
-    if len(ids) > len(set(ids)):  # DCP keys optimizer state by parameter name: theirs would overwrite each other's
-        name = next(n for n, p in model.named_parameters() if ids.count(id(p)) > 1)
-        raise ValueError(f"parameter {name!r} is in two optimizers: pass optimizers over disjoint parameters")
+                k, h = held.setdefault(id(p), (i, g))  # one optimizer passed twice, a tie listed twice in one: one
+                if opts[k] is not opt or h != g:  # DCP keys state and groups by name: theirs would overwrite
+                    name, two = next(n for n, q in model.named_parameters() if q is p), f"optimizers {k} and {i}"
+                    where = two if opts[k] is not opt else f"param_groups {h} and {g} of optimizer {i}"
+                    raise ValueError(f"parameter {name!r} is in {where}: pass optimizers over disjoint parameters")
     return model, opts
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import _get_fqns, _init_optim_state, set_model_state_dict, set_state_dict
 
 from smpckpt.api._dist import (
     OPTIONS,
@@ -266,17 +266,16 @@ class InventedState:
 def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Give the parameters a live optimizer holds no state for the state DCP gives a fresh optimizer (a step
     at lr 0 with zero gradients, on a scratch optimizer of the same class): DCP initialises only an optimizer
-    without any state, so their saved state had no destination (refused under ``strict``, else skipped).
-    Those the checkpoint holds nothing for lose it again (:func:`stateless_at_save`). An optimizer class
-    that cannot be built from its groups is left as is."""
+    without any state, and no frozen parameter, so their saved state had no destination. Those the checkpoint
+    holds nothing for lose it again (:func:`stateless_at_save`). An optimizer class that cannot be built from
+    its groups is left as is (a frozen parameter's saved state then refused, or skipped, by its keys)."""
     drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
     for opt in optimizers:
-        if not opt.state and all(p.grad is None and p.requires_grad for g in opt.param_groups for p in g["params"]):
-            continue  # fresh, no gradients: DCP's own initialisation gives every parameter its state
-        # (DCP skips one whose parameters hold gradients, and frozen ones, which may hold state: those get it here)
+        fresh = not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"])
+        _init_optim_state(opt)  # DCP's own (on a fresh one): its trainable parameters need no scratch step
         groups = []
         for g in opt.param_groups:
-            todo = [p for p in g["params"] if p not in opt.state]
+            todo = [p for p in g["params"] if p not in opt.state and not (fresh and p.requires_grad)]
             if todo:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": todo})
         if not groups:
@@ -292,14 +291,12 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 p.grad = torch.zeros_like(p)
             scratch.step()
         except Exception as exc:  # noqa: BLE001 - a class not built from its groups, a step needing more: as before
-            log.warning(
-                "%s: %d parameter(s) without state could not be given fresh state (%s: %s); state the "
-                "checkpoint holds for them cannot be loaded into this optimizer (resume into a fresh one)",
-                type(opt).__name__,
-                len(params),
-                type(exc).__name__,
-                exc,
-            )
+            if any(p.requires_grad for p in params):  # frozen ones alone: few hold saved state, refused by key
+                log.warning(
+                    "%s: %d parameter(s) without state could not be given fresh state (%s: %s); state the "
+                    "checkpoint holds for them cannot be loaded into this optimizer (resume into a fresh one)",
+                    *(type(opt).__name__, len(params), type(exc).__name__, exc),
+                )
             continue
         finally:
             for p, grad in zip(params, grads, strict=True):
@@ -366,13 +363,17 @@ def apply_state(
         opts = dataclasses.replace(OPTIONS, strict=req.opts.strict)
         try:
             if req.optimizers:
-                # DCP loads none into a frozen parameter, and load_state_dict drops what it held: put it back
-                sd = state[RESERVED.optim]
-                fq = {id(p): min(_get_fqns(req.model, n)) for n, p in req.model.named_parameters()}
-                frozen = [(o, p, v) for o in req.optimizers for p, v in o.state.items() if not p.requires_grad]
-                set_state_dict(req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=sd, options=opts)
-                for o, p, v in frozen:  # each value as the load left it in the destinations
-                    o.state[p] = {k: sd.get(f"state.{fq.get(id(p))}.{k}", x) for k, x in v.items()}
+                # DCP loads no state into a frozen parameter (load_state_dict drops it): trainable for the load
+                sd, frozen = state[RESERVED.optim], [p for o in req.optimizers for p in o.state if not p.requires_grad]
+                try:
+                    for p in frozen:
+                        p.requires_grad_(True)
+                    set_state_dict(
+                        req.model, req.optimizers, model_state_dict=model_sd, optim_state_dict=sd, options=opts
+                    )
+                finally:
+                    for p in frozen:
+                        p.requires_grad_(False)
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
@@ -508,7 +509,7 @@ def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
     if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
         return ()
     state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict, bool(req.optimizers)
     )
     return untranslated
 

@@ -307,9 +307,11 @@ def _inner(model: Any) -> Any:
     """The module under torch.compile's, DDP's, FSDP's, DataParallel's and checkpoint_wrapper's wrappers: a
     model wrapped after its resume meets the Checkpointer (and the roll-back) that resume kept."""
     for _ in range(4):  # bounded: wrappers nest a few deep at most
-        if not (isinstance(model, nn.Module) and type(model).__name__ in _WRAPPERS):
+        attr = _WRAPPERS.get(type(model).__name__)  # by name; a user's own class so named may hold no module
+        inner = getattr(model, attr, None) if attr and isinstance(model, nn.Module) else None
+        if not isinstance(inner, nn.Module):
             break
-        model = getattr(model, _WRAPPERS[type(model).__name__])
+        model = inner
     return model
 
 

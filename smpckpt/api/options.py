@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -442,13 +443,28 @@ class ResumeOptions(_Options):
 # meaning, and off the path of a resume without it) ---------------------------------------------------
 
 
-def translated(fn: Any, loaded: Mapping[str, Any], strict: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+def translated(
+    fn: Any, loaded: Mapping[str, Any], strict: bool, optim: bool = False
+) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``fn(loaded)``, what the model loads (smp's meaning), and the keys not loaded: those it dropped (the
     model keeps its values: they were loaded aside, :func:`aside`) and those it returned that the model
-    lacks; ``strict`` refuses both, naming them (not torch's bare ``RuntimeError`` from the apply)."""
+    lacks; ``strict`` refuses both, naming them (not torch's bare ``RuntimeError`` from the apply). With
+    the optimizer resumed (``optim``), a value it moved to another model key (a swap, a rename) is refused
+    under ``strict``, else warned: the optimizer state stays by key, the parameter would take the other's."""
     out = fn(loaded)
     if not isinstance(out, Mapping):
         raise TypeError(f"translate_function returned {type(out).__name__}, not a state dict")
+    was = {id(v): k for k, v in loaded.items() if optim and isinstance(v, torch.Tensor)}  # tied keys share one
+    moved = [(was[id(v)], k) for k, v in out.items() if k in loaded and v is not loaded[k] and id(v) in was]
+    if moved:  # the optimizer state is resumed by key: each would take its new value with the old moments
+        note = (
+            f"translate_function moved values between model keys ({', '.join(f'{a} -> {b}' for a, b in moved[:8])})"
+            ": the optimizer's state is resumed by key, so each parameter would take the other key's value with its "
+            "own optimizer state"
+        )
+        if strict:
+            raise LayoutMismatch(note + "; resume without optimizer=, or with strict=False to load so")
+        warnings.warn(note + "; strict=False: loaded so", stacklevel=7)  # the caller's line, as check_groups'
     dropped, added = sorted(k for k in loaded if k not in out), sorted(k for k in out if k not in loaded)
     if strict and (dropped or added):
         said = [f"dropped {', '.join(dropped[:8])} (the model holds them)"] if dropped else []

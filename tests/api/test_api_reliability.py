@@ -838,6 +838,20 @@ def test_smp_face_carries_the_rollback_to_a_model_wrapped_whole(tmp_path: Any, w
     assert _tags(root) == {t: "committed" for t in ("s1", "s2", "s3", "s4")}
 
 
+def test_smp_face_passes_a_users_module_named_like_a_wrapper(tmp_path: Any) -> None:
+    """rev66b R4: a user's own module merely named DataParallel or CheckpointWrapper (no inner attribute) made
+    the smp face's unwrapping fail save and resume with AttributeError; it is the model, unwrapped no further."""
+    for name in ("DataParallel", "CheckpointWrapper"):
+        own = type(name, (nn.Module,), {})
+        m = own()
+        m.net = _model(1)[0]
+        save_checkpoint(str(tmp_path), name, model=m, optimizer=torch.optim.AdamW(m.parameters()))
+        m2 = own()
+        m2.net = _model(2)[0]
+        resume_from_checkpoint(str(tmp_path), name, model=m2, optimizer=torch.optim.AdamW(m2.parameters()))
+        _assert_same_params(m, m2)
+
+
 def test_smp_face_carries_the_rollback_to_a_replaced_or_wrapped_checkpointer(tmp_path: Any) -> None:
     """rev60a F9 and F6: a resume by tag with other options (AsyncOptions) than the save's replaces the kept
     Checkpointer (``SequenceCounter.adopt`` carries the roll-back over); a model wrapped after the resume

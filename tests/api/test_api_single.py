@@ -320,6 +320,40 @@ def test_translate_function_moving_values_between_keys(tmp_path: Any) -> None:
     assert torch.equal(got[2].weight, w2.t())
 
 
+def test_translate_function_moving_values_between_keys_with_the_optimizer(tmp_path: Any) -> None:
+    """hunt66c M1: resumed with the optimizer, a translate_function swapping two same-shape layers moved their
+    weights while the optimizer state stayed by key: each layer took the other's Adam moments, silently. Now
+    refused under strict, naming both keys (before anything is applied), and warned under strict=False."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(2, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+
+    def swap(sd: dict[str, Any]) -> dict[str, Any]:
+        return {**sd, "0.weight": sd["2.weight"], "2.weight": sd["0.weight"]}
+
+    m2 = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    before = copy.deepcopy(m2.state_dict())
+    said = r"translate_function moved values between model keys \(2\.weight -> 0\.weight, 0\.weight -> 2\.weight\): "
+    with pytest.raises(LayoutMismatch, match="^" + said):
+        resume_from_checkpoint(
+            str(tmp_path), "a", model=m2, optimizer=torch.optim.Adam(m2.parameters()), translate_function=swap
+        )
+    assert all(torch.equal(v, before[k]) for k, v in m2.state_dict().items())  # the model as it was
+    with pytest.warns(UserWarning, match=said + ".*strict=False: loaded so"):
+        resume_from_checkpoint(
+            str(tmp_path),
+            "a",
+            model=m2,
+            optimizer=torch.optim.Adam(m2.parameters()),
+            translate_function=swap,
+            strict=False,
+        )
+    assert torch.equal(m2[0].weight, m[2].weight) and torch.equal(m2[2].weight, m[0].weight)
+
+
 def _two(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
@@ -970,20 +1004,94 @@ def test_a_frozen_parameter_kept_in_its_optimizer_keeps_its_saved_state(tmp_path
             m[0].weight.requires_grad_(False)
 
 
+class _Nested(torch.optim.Optimizer):
+    """Keeps nested state, which DCP flattens to ``state.<fqn>.inner.<key>``: ``{step, inner: {m, count}}``."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            s = self.state[p]
+            s.setdefault("inner", {"m": torch.zeros_like(p), "count": 0})["count"] += 1
+            s["step"] = s.get("step", 0) + 1
+            p.sub_(s["inner"]["m"].mul_(0.9).add_(p.grad), alpha=self.param_groups[0]["lr"])
+
+
+def test_a_frozen_parameters_nested_optimizer_state_is_restored(tmp_path: Any) -> None:
+    """rev66b R1: a frozen parameter's state put back after DCP's load was looked up by flat keys only, so a
+    nested int (``inner.count``) kept the live value on an in-process roll-back, the scratch step's on a restart."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        return m, _Nested(m.parameters())
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            m(torch.ones(3, 4)).sum().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = build()
+    step(m, o, 2)
+    m[0].weight.requires_grad_(False)
+    step(m, o, 1)
+    saved = copy.deepcopy(o.state[m[0].weight])
+    save_checkpoint(str(tmp_path), "n", model=m, optimizer=o)
+    m[0].weight.requires_grad_(True)
+    step(m, o, 3)
+    m[0].weight.requires_grad_(False)
+    m2, o2 = build()
+    m2[0].weight.requires_grad_(False)
+    for model, opt in ((m, o), (m2, o2)):  # an in-process roll-back, a restart frozen alike
+        resume_from_checkpoint(str(tmp_path), "n", model=model, optimizer=opt)
+        got = opt.state[model[0].weight]
+        assert (got["step"], got["inner"]["count"]) == (saved["step"], saved["inner"]["count"]) == (2, 2), got
+        assert torch.equal(got["inner"]["m"], saved["inner"]["m"])
+
+
+def test_a_fresh_optimizer_holding_a_frozen_parameter_warns_of_nothing(tmp_path: Any, caplog: Any) -> None:
+    """rev66b R2: a fresh optimizer holding a never-trained frozen parameter (a fine-tune passing
+    model.parameters()) sent every parameter to the scratch step, so a class not built from its groups alone (an
+    extra ``__init__`` argument) logged "could not be given fresh state ... cannot be loaded" on each restart,
+    though DCP's own initialisation gives its trainable parameters their state and the resume was exact."""
+
+    class Named(torch.optim.Adam):
+        def __init__(self, params: Any, name: str) -> None:
+            super().__init__(params)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        m[0].weight.requires_grad_(False)
+        return m, Named(m.parameters(), "fine-tune")
+
+    (m, o), (m2, o2) = build(), build()
+    m(torch.ones(3, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "f", model=m, optimizer=o)
+    with caplog.at_level("WARNING", logger="smpckpt"):
+        resume_from_checkpoint(str(tmp_path), "f", model=m2, optimizer=o2)
+    assert not [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert m2[0].weight not in o2.state and len(o2.state) == len(o.state) == 3
+    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
+    assert all(torch.equal(v, o2.state[p2[n]][k]) for n, p in p1.items() if p in o.state for k, v in o.state[p].items())
+
+
 def test_a_parameter_in_two_optimizers_is_refused_by_name(tmp_path: Any) -> None:
     """hunt66c F2: DCP keys optimizer state by parameter name, so two optimizers holding one parameter (Adam over
     the model, SGD with momentum over a layer) overwrote each other's state and param groups in the state dict:
     the save was accepted, and held one optimizer's state for that layer, the other's lost; the resume was
     refused for keys the other lacked, and strict=False failed inside torch (``TypeError: float() argument must
     be ... not 'dict'``) after the model was loaded. Refused now, before anything is written or read, naming
-    the parameter; one optimizer passed twice is still one."""
+    the parameter and both optimizers; one optimizer passed twice is still one."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     adam, sgd = torch.optim.Adam(m.parameters()), torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9)
     m(torch.ones(2, 4)).sum().backward()
     adam.step()
     sgd.step()
-    refusal = r"^parameter '2\.weight' is in two optimizers: pass optimizers over disjoint parameters$"
+    refusal = r"^parameter '2\.weight' is in optimizers 0 and 1: pass optimizers over disjoint parameters$"
     with pytest.raises(ValueError, match=refusal):
         save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, sgd])
     assert not list(tmp_path.iterdir())
@@ -991,3 +1099,22 @@ def test_a_parameter_in_two_optimizers_is_refused_by_name(tmp_path: Any) -> None
     with pytest.raises(ValueError, match=refusal):
         resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, sgd], strict=False)
     resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=adam)
+
+    # rev66b R3: one optimizer listing a tied weight by both its names (torch warns, accepts) saved and resumed
+    # bit-exactly before, and was refused as "two optimizers"; a parameter in two groups of one failed KeyError: 1
+    def tied() -> tuple[nn.Module, torch.optim.Optimizer]:
+        tie = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+        tie[1].weight = tie[0].weight
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            return tie, torch.optim.Adam([p for _, p in tie.named_parameters(remove_duplicate=False)])
+
+    (t, o), (t2, o2) = tied(), tied()
+    t(torch.arange(4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "tied", model=t, optimizer=o)
+    resume_from_checkpoint(str(tmp_path), "tied", model=t2, optimizer=o2)
+    _assert_optim_equal(t, o, t2, o2)
+    assert torch.equal(t[0].weight, t2[0].weight)
+    o.param_groups.append({**o.param_groups[0], "params": [t[0].weight]})  # add_param_group would refuse it
+    with pytest.raises(ValueError, match=r"^parameter '0\.weight' is in param_groups 0 and 1 of optimizer 0: "):
+        save_checkpoint(str(tmp_path), "b", model=t, optimizer=o)

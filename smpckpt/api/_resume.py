@@ -28,7 +28,7 @@ from smpckpt.api._dist import (
     train_state,
     translate_dcp,
 )
-from smpckpt.api.options import ResumeOptions, aside, translated
+from smpckpt.api.options import ResumeOptions, aside, stateful_keys, translated
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
 from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, loaded_in_place
@@ -259,7 +259,7 @@ class InventedState:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None and not self.applied:
             drop_optimizer_state(self.model, self.optimizers, self.stateless)
-        if isinstance(exc, CheckpointError):  # refused after its load (check_groups, skipped_keys, apply_state)
+        if isinstance(exc, Exception):  # refused after its load (check_groups, skipped_keys, apply_state, torch)
             loaded_in_place(exc, self.loaded)
 
 
@@ -331,7 +331,6 @@ def load_checkpoint(
         verify_checksums=opts.verify_checksums,
         allow_pickle=opts.allow_pickle,
     )
-    reader.reading = False
     try:
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)
@@ -364,7 +363,8 @@ def apply_state(
         try:
             if req.optimizers:
                 # DCP loads no state into a frozen parameter (load_state_dict drops it): trainable for the load
-                sd, frozen = state[RESERVED.optim], [p for o in req.optimizers for p in o.state if not p.requires_grad]
+                sd = state[RESERVED.optim]  # (a float one: an int8 weight cannot be made trainable, rev66e F3)
+                frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and p.is_floating_point()]
                 try:
                     for p in frozen:
                         p.requires_grad_(True)
@@ -509,7 +509,7 @@ def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
     if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
         return ()
     state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict, bool(req.optimizers)
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict, stateful_keys(model, req.optimizers)
     )
     return untranslated
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
 
 from smpckpt._checks import check_flag, check_int, check_process_group
@@ -443,19 +444,28 @@ class ResumeOptions(_Options):
 # meaning, and off the path of a resume without it) ---------------------------------------------------
 
 
+def stateful_keys(model: Any, optimizers: Sequence[Any]) -> frozenset[str]:
+    """The model keys whose parameters hold optimizer state (a value moved between them changes its moments)."""
+    held = {id(p) for o in optimizers for p, s in o.state.items() if s}
+    named = model.named_parameters(remove_duplicate=False)
+    return frozenset(f for n, p in named if id(p) in held for f in _get_fqns(model, n))
+
+
 def translated(
-    fn: Any, loaded: Mapping[str, Any], strict: bool, optim: bool = False
+    fn: Any, loaded: Mapping[str, Any], strict: bool, held: frozenset[str] = frozenset()
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``fn(loaded)``, what the model loads (smp's meaning), and the keys not loaded: those it dropped (the
     model keeps its values: they were loaded aside, :func:`aside`) and those it returned that the model
     lacks; ``strict`` refuses both, naming them (not torch's bare ``RuntimeError`` from the apply). With
-    the optimizer resumed (``optim``), a value it moved to another model key (a swap, a rename) is refused
-    under ``strict``, else warned: the optimizer state stays by key, the parameter would take the other's."""
+    keys holding optimizer state (``held``), a value it moved from or to one of them (a swap, a rename) is
+    refused under ``strict``, else warned: the optimizer state stays by key, the parameter would take the other's."""
+    given = dict(loaded)  # what it was given: a function may swap or rename in the dict itself (rev66e F1)
     out = fn(loaded)
     if not isinstance(out, Mapping):
         raise TypeError(f"translate_function returned {type(out).__name__}, not a state dict")
-    was = {id(v): k for k, v in loaded.items() if optim and isinstance(v, torch.Tensor)}  # tied keys share one
-    moved = [(was[id(v)], k) for k, v in out.items() if k in loaded and v is not loaded[k] and id(v) in was]
+    was = {id(v): k for k, v in given.items() if held and isinstance(v, torch.Tensor)}  # tied keys share one
+    moved = [(was[id(v)], k) for k, v in out.items() if k in given and v is not given[k] and id(v) in was]
+    moved = [(a, b) for a, b in moved if a in held or b in held]  # buffers, stateless parameters: no moments
     if moved:  # the optimizer state is resumed by key: each would take its new value with the old moments
         note = (
             f"translate_function moved values between model keys ({', '.join(f'{a} -> {b}' for a, b in moved[:8])})"
@@ -465,7 +475,7 @@ def translated(
         if strict:
             raise LayoutMismatch(note + "; resume without optimizer=, or with strict=False to load so")
         warnings.warn(note + "; strict=False: loaded so", stacklevel=7)  # the caller's line, as check_groups'
-    dropped, added = sorted(k for k in loaded if k not in out), sorted(k for k in out if k not in loaded)
+    dropped, added = sorted(k for k in given if k not in out), sorted(k for k in out if k not in given)
     if strict and (dropped or added):
         said = [f"dropped {', '.join(dropped[:8])} (the model holds them)"] if dropped else []
         said += [f"returned {', '.join(added[:8])}, which the model lacks"] if added else []
@@ -474,21 +484,21 @@ def translated(
             "(strict=False: a dropped key keeps the model's value, an unknown one is skipped; both are listed "
             "in ResumeInfo.skipped_keys)"
         )
-    return {k: v for k, v in out.items() if k in loaded}, tuple(f"{RESERVED.model}.{k}" for k in (*dropped, *added))
+    return {k: v for k, v in out.items() if k in given}, tuple(f"{RESERVED.model}.{k}" for k in (*dropped, *added))
 
 
 def aside(model_sd: Mapping[str, Any]) -> dict[str, Any]:
     """(a resume with a translate_function) Fresh destinations for the model's state, tied keys still tied:
     the load lands in them, not in the model, which takes only what the function returns -- a key it
-    drops keeps the model's value, and a value it moves to another key (a swap, a transposed view) is
-    never read from a parameter already overwritten."""
+    drops, or one the load skips (``strict=False``), keeps the model's value (copies: rev66e F0), and a value it
+    moves to another key (a swap, a transposed view) is never read from a parameter already overwritten."""
     made: dict[Any, torch.Tensor] = {}
     out = dict(model_sd)
     for key, value in model_sd.items():
         if isinstance(value, torch.Tensor):
             at = _where(value) if value.numel() else key  # empty tensors share address 0
             if at not in made:
-                made[at] = torch.empty_like(value)
+                made[at] = value.detach().clone()
             out[key] = made[at]
     return out
 

@@ -353,6 +353,71 @@ def test_translate_function_moving_values_between_keys_with_the_optimizer(tmp_pa
         )
     assert torch.equal(m2[0].weight, m[2].weight) and torch.equal(m2[2].weight, m[0].weight)
 
+    def swap_in_place(sd: dict[str, Any]) -> dict[str, Any]:  # rev66e F1: the dict it is given, changed
+        sd["0.weight"], sd["2.weight"] = sd["2.weight"], sd["0.weight"]
+        return sd
+
+    with pytest.raises(LayoutMismatch, match="^" + said):
+        resume_from_checkpoint(
+            str(tmp_path), "a", model=m2, optimizer=torch.optim.Adam(m2.parameters()), translate_function=swap_in_place
+        )
+
+
+def test_translate_function_resumes_with_keys_skipped_and_buffers_moved(tmp_path: Any) -> None:
+    """rev66e F0: under strict=False a key the checkpoint lacks kept uninitialised memory (the load's aside
+    copy), not the model's value; F4: a buffer swap was refused as if it moved optimizer state."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.randn(8, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    bias = m2[0].bias.detach().clone()
+
+    def swap_buffers(sd: dict[str, Any]) -> dict[str, Any]:
+        return {**sd, "1.running_mean": sd["2.running_mean"], "2.running_mean": sd["1.running_mean"]}
+
+    resume_from_checkpoint(
+        str(tmp_path),
+        "a",
+        model=m2,
+        optimizer=torch.optim.Adam(m2.parameters()),
+        translate_function=swap_buffers,
+        strict=False,
+    )
+    assert torch.equal(m2[0].bias, bias)  # not in the checkpoint: the model's own value
+    assert torch.equal(m2[0].weight, m[0].weight) and torch.equal(m2[1].running_mean, m[2].running_mean)
+    same = nn.Sequential(nn.Linear(4, 4, bias=False), nn.BatchNorm1d(4), nn.BatchNorm1d(4))  # strict: no refusal
+    opt = torch.optim.Adam(same.parameters())
+    resume_from_checkpoint(str(tmp_path), "a", model=same, optimizer=opt, translate_function=swap_buffers)
+    assert torch.equal(same[2].running_mean, m[1].running_mean)
+
+
+def test_a_frozen_integer_parameter_with_optimizer_state_resumes(tmp_path: Any) -> None:
+    """rev66e F3: a frozen int8 parameter (a quantised weight) in Adagrad (state made for every parameter)
+    failed the resume: it was made trainable for the load, which torch refuses for integer tensors."""
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
+
+    torch.manual_seed(0)
+    m = Quantised()
+    o = torch.optim.Adagrad(m.parameters(), lr=0.1)
+    m.lin(torch.randn(2, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Quantised()
+    o2 = torch.optim.Adagrad(m2.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert torch.equal(m2.lin.weight, m.lin.weight) and torch.equal(m2.q, m.q)
+    assert torch.equal(o2.state[m2.lin.weight]["sum"], o.state[m.lin.weight]["sum"])
+
 
 def _two(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)

@@ -19,6 +19,10 @@ FOLDERS = ("smpckpt", "planners", "storage")
 #: (file, name) -> why this module-level value may change
 ALLOWED = {
     ("smpckpt/api/checkpointer.py", "_last_resume"): "a ContextVar: each thread's own last_resume_info()",
+    (
+        "smpckpt/api/checkpointer.py",
+        "_resuming",
+    ): "a ContextVar: the resume this thread is inside (its signal handlers' too)",
     ("storage/format/_checksum.py", "_scratch"): "a thread's scratch memory for one hash call, never read across calls",
     ("smpckpt/api/_staging.py", "_REGISTERING"): (
         "the registration of the process's one optimizer step hook: as wide as torch's registry of them"

@@ -11,12 +11,13 @@ Every call first compares its tag and options (one digest) across ranks; the ste
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from smpckpt._gc import gc_frozen
@@ -70,6 +71,18 @@ log = logging.getLogger("smpckpt.api")  # one logger for the API, whichever modu
 
 # Per thread (and per asyncio task): concurrent resumes in one process never see each other's report.
 _last_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar("smpckpt_last_resume", default=None)
+# the resume this thread is inside: a save from a signal handler run meanwhile (SIGTERM, preemption) would
+# commit half-loaded state as newest (hunt66d), so it is refused
+_resuming: contextvars.ContextVar[str] = contextvars.ContextVar("smpckpt_resuming", default="")
+
+
+@contextlib.contextmanager
+def _marked_resuming(path: str) -> Iterator[None]:
+    token = _resuming.set(path)
+    try:
+        yield
+    finally:
+        _resuming.reset(token)
 
 
 def last_resume_info() -> ResumeInfo | None:
@@ -319,6 +332,11 @@ class Checkpointer:
         self, tag: Any, model: Any, optimizer: Any, user_content: Any, options: Any, what: str
     ) -> concurrent.futures.Future[None] | None:
         action = f"saving checkpoint {tag!r} under {self.location.path}"
+        if _resuming.get():  # before any collective: the other ranks are still in the resume
+            raise CheckpointError(
+                f"{action}: refused while resuming from {_resuming.get()} in this thread (a signal handler's "
+                "save would commit half-loaded state); set a flag there and save after the resume returned"
+            )
         ctx, common, opts = self._agreed(action, what, tag, options, SaveOptions, model, optimizer)
         if self._tier is not None and opts.overwrite:
             raise ValueError(
@@ -427,7 +445,7 @@ class Checkpointer:
         path = self.location.path
         ctx, common, opts = self._agreed(f"resuming from {path}", what, tag, options, ResumeOptions, model, optimizer)
         action = f"{'resuming' if opts.partial else 'loading full checkpoint'} from {path}"
-        with peer_failures(ctx, action), gc_frozen(opts.freeze_gc):
+        with peer_failures(ctx, action), gc_frozen(opts.freeze_gc), _marked_resuming(path):
             req = ResumeRequest(**common.fields(), tag=tag, opts=opts)
             if not opts.partial:
                 return resume_full(ctx, req)

@@ -405,3 +405,40 @@ def test_a_tensor_step_resumes_into_a_python_number_step(tmp_path: Any) -> None:
         resume_from_checkpoint(str(tmp_path), "half", model=m2, optimizer=opt2)
     resume_from_checkpoint(str(tmp_path), "half", model=m2, optimizer=opt2, allow_dtype_cast=True)
     assert [s["step"] for s in opt2.state.values()] == [7, 7]
+
+
+def test_a_save_from_a_signal_handler_during_a_resume_is_refused_by_name(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preempted restart (hunt66d): SIGTERM lands while the resume is loading in place; the handler's
+    emergency save would commit half-loaded state as `newest`, resumed silently by the next restart."""
+    import signal
+
+    from smpckpt.planners import ParallelLoadPlanner
+
+    torch.manual_seed(0)
+    m, m2 = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    save_checkpoint(str(tmp_path), "s2", model=m)
+    refused: list[BaseException] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        with pytest.raises(CheckpointError) as err:
+            save_checkpoint(str(tmp_path), "emerg", model=m2)
+        refused.append(err.value)
+
+    orig = ParallelLoadPlanner.commit_tensor
+
+    def commit_then_signal(self: Any, read_item: Any, tensor: torch.Tensor) -> None:
+        orig(self, read_item, tensor)
+        if not refused:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(ParallelLoadPlanner, "commit_tensor", commit_then_signal)
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        resume_from_checkpoint(str(tmp_path), model=m2)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert refused and "'emerg'" in str(refused[0]) and "while resuming" in str(refused[0]), refused
+    assert sorted(os.listdir(tmp_path)) == ["newest", "s2_partial"]
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))

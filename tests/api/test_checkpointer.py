@@ -803,9 +803,10 @@ def test_plain_saves_write_on_the_checkpointers_threads_until_close(
         want[f"s{i}"] = _values(m, opt)
         per_save.append(len(writers()))
     first = writers()
-    # none started once a sync and an async save ran (each starts threads only while none is idle), at most
-    # the writer's thread_count (4)
-    assert 0 < per_save[1] == per_save[-1] <= 4, per_save
+    # each save starts threads only while none is idle: at most the writer's thread_count (4) in all six saves
+    # (writers of their own would start some in every save); how many of the four depends on timing (under
+    # load the third save started one more: [2, 3, 4, 4, 4, 4])
+    assert 0 < per_save[0] and per_save[-1] <= 4, per_save
     assert all(t.is_alive() for t in first), first
     ckpt.close()
     assert not any(t.is_alive() for t in first), first

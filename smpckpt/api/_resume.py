@@ -155,8 +155,8 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
         return dataclasses.replace(Target.of(named.tag, named.url, named.manifest, False), seen_seq=top, listed=True)
     if named is not None:
         reason = (
-            f"{root}/newest names {newest!r}, but {latest.tag!r} was committed after it (the job probably "
-            "stopped between that commit and the update of 'newest')"
+            f"{root}/newest names {newest!r}, but {latest.tag!r} was numbered after it (the job probably "
+            "stopped between that commit and the update of 'newest', or two saves overlapped)"
         )
     elif newest is None:
         reason = f"{root}/newest is missing or unreadable"

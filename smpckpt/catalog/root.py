@@ -149,8 +149,8 @@ def read_newest(fs: Any, root_path: str, said: set[str] | None = None) -> str | 
         else:
             return tag
     if said is None or why not in said:
+        (said if said is not None else set()).add(why)  # before the log: retention's threads ask at once (rev66d F2)
         log.warning("%s", why)
-        (said if said is not None else set()).add(why)
     return None
 
 
@@ -580,12 +580,12 @@ def apply_retention(
             return False
 
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
-    # ``newest`` read just before each removal (another job may have pointed it back); an object store's backlog
-    # (~9 requests in a row per folder, hunt66b) goes 8 at a time, as scan_root reads; one by one if it is damaged
+    # ``newest`` read before each removal (another job may point it back); a store's backlog: 8 at once (hunt66b)
     many = len(doomed) > 1 and not is_local(fs) and read_newest(fs, path, said) is not None
     with concurrent.futures.ThreadPoolExecutor(8 if many else 1, thread_name_prefix="smpckpt-retention") as pool:
         ok = (pool.map if many else map)(lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), doomed)
         removed = [tag for tag, gone in zip(doomed, ok) if gone]
+    failed.sort(key=lambda t: doomed.index(t))  # in the pass's order, as one by one (rev66d F1)
     removed += [
         r.tag
         for r in records

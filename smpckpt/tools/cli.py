@@ -198,7 +198,7 @@ def _cmd_ls(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         latest = max((r for r in records if r.committed), key=lambda r: r.order)
         if latest.order > named.order:
             out.write(
-                f"warning: 'newest' names {newest!r}, but {latest.tag!r} was committed after it: a resume without "
+                f"warning: 'newest' names {newest!r}, but {latest.tag!r} was numbered after it: a resume without "
                 f"a tag loads {latest.tag!r}\n"
             )
     if local is not None:

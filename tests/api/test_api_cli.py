@@ -150,7 +150,7 @@ def test_ls_says_when_newest_is_behind_what_a_resume_loads(tmp_path: Any) -> Non
     rc, out, _ = _run("ls", root)
     assert rc == 0 and out.splitlines()[1].split()[:2] == ["*", "step0"]
     assert (
-        "warning: 'newest' names 'step0', but 'step2' was committed after it: a resume without a tag loads 'step2'"
+        "warning: 'newest' names 'step0', but 'step2' was numbered after it: a resume without a tag loads 'step2'"
         in out
     )
     with open(os.path.join(root, "newest"), "w") as f:

@@ -108,7 +108,7 @@ def test_restart_after_crash_between_commit_and_newest_resumes_the_later_tag_and
     last = _steps(root, 2)
     write_newest(*open_fs(root), "step1")  # the state a kill right after step2's commit leaves
     m, o = _model(9)
-    with pytest.warns(UserWarning, match="'step2' was committed after it"):
+    with pytest.warns(UserWarning, match="'step2' was numbered after it"):
         uc = resume_from_checkpoint(root, model=m, optimizer=o)
     assert uc == {"step": 2}
     _assert_same_params(last, m)

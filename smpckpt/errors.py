@@ -71,9 +71,23 @@ LOADED_IN_PLACE = (
 
 
 def loaded_in_place(exc: E, loaded: bool) -> E:
-    """``exc``, its message (one string) ending with :data:`LOADED_IN_PLACE` once if ``loaded`` (an Exception:
-    a Ctrl-C or ``SystemExit`` passes as it came)."""
-    one = isinstance(exc, Exception) and len(exc.args) == 1 and isinstance(exc.args[0], str)
-    if loaded and one and not exc.args[0].endswith(LOADED_IN_PLACE):
+    """``exc``, saying once (``loaded``) that the model holds the checkpoint's values: the package's errors and
+    torch's end their message (one string) with :data:`LOADED_IN_PLACE`; another Exception (a user callback's,
+    whose ``args`` callers may read) gets it as a note; a Ctrl-C or ``SystemExit`` passes as it came."""
+    note = LOADED_IN_PLACE[2:]
+    if (
+        not loaded
+        or not isinstance(exc, Exception)
+        or LOADED_IN_PLACE in str(exc)
+        or note in getattr(exc, "__notes__", ())
+    ):
+        return exc
+    if (
+        isinstance(exc, (CheckpointError, RuntimeError, TypeError))
+        and len(exc.args) == 1
+        and isinstance(exc.args[0], str)
+    ):
         exc.args = (exc.args[0] + LOADED_IN_PLACE,)
+    elif hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
     return exc

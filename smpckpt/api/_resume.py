@@ -363,8 +363,8 @@ def apply_state(
         try:
             if req.optimizers:
                 # DCP loads no state into a frozen parameter (load_state_dict drops it): trainable for the load
-                sd = state[RESERVED.optim]  # (a float one: an int8 weight cannot be made trainable, rev66e F3)
-                frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and p.is_floating_point()]
+                sd, can = state[RESERVED.optim], (torch.Tensor.is_floating_point, torch.Tensor.is_complex)  # not int8
+                frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and any(f(p) for f in can)]
                 try:
                     for p in frozen:
                         p.requires_grad_(True)

@@ -85,6 +85,16 @@ def _marked_resuming(path: str) -> Iterator[None]:
         _resuming.reset(token)
 
 
+def _refuse_while_resuming(action: str) -> None:
+    """Before any collective (the other ranks are still in the resume): a save from a signal handler that
+    interrupted this thread's resume would commit half-loaded state (hunt66d P1)."""
+    if _resuming.get():
+        raise CheckpointError(
+            f"{action}: refused while resuming from {_resuming.get()} in this thread (a signal handler's "
+            "save would commit half-loaded state); set a flag there and save after the resume returned"
+        )
+
+
 def last_resume_info() -> ResumeInfo | None:
     """The :class:`ResumeInfo` of the last successful partial resume in this thread (any Checkpointer's)."""
     return _last_resume.get()
@@ -332,11 +342,7 @@ class Checkpointer:
         self, tag: Any, model: Any, optimizer: Any, user_content: Any, options: Any, what: str
     ) -> concurrent.futures.Future[None] | None:
         action = f"saving checkpoint {tag!r} under {self.location.path}"
-        if _resuming.get():  # before any collective: the other ranks are still in the resume
-            raise CheckpointError(
-                f"{action}: refused while resuming from {_resuming.get()} in this thread (a signal handler's "
-                "save would commit half-loaded state); set a flag there and save after the resume returned"
-            )
+        _refuse_while_resuming(action)
         ctx, common, opts = self._agreed(action, what, tag, options, SaveOptions, model, optimizer)
         if self._tier is not None and opts.overwrite:
             raise ValueError(
@@ -503,6 +509,8 @@ class Checkpointer:
     ) -> str:
         path = self.location.path
         action = f"saving full checkpoint {tag!r} under {path}"
+        if model is not None:  # an export of the live model (rev66f F1); of the committed checkpoint, it reads files
+            _refuse_while_resuming(action)
 
         def out_checked(common: CommonRequest) -> dict[str, Any]:  # in the agreement: every rank fails alike
             if out is not None and not isinstance(out, str):

@@ -407,11 +407,13 @@ def test_a_tensor_step_resumes_into_a_python_number_step(tmp_path: Any) -> None:
     assert [s["step"] for s in opt2.state.values()] == [7, 7]
 
 
+@pytest.mark.parametrize("partial", [True, False])
 def test_a_save_from_a_signal_handler_during_a_resume_is_refused_by_name(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, partial: bool
 ) -> None:
     """A preempted restart (hunt66d): SIGTERM lands while the resume is loading in place; the handler's
-    emergency save would commit half-loaded state as `newest`, resumed silently by the next restart."""
+    emergency save would commit half-loaded state as `newest`, resumed silently by the next restart; its full
+    save (smp's `partial=False`, an export) committed a half-loaded artifact (rev66f F1)."""
     import signal
 
     from smpckpt.planners import ParallelLoadPlanner
@@ -423,7 +425,7 @@ def test_a_save_from_a_signal_handler_during_a_resume_is_refused_by_name(
 
     def handler(signum: int, frame: Any) -> None:
         with pytest.raises(CheckpointError) as err:
-            save_checkpoint(str(tmp_path), "emerg", model=m2)
+            save_checkpoint(str(tmp_path), "emerg", model=m2, partial=partial)
         refused.append(err.value)
 
     orig = ParallelLoadPlanner.commit_tensor

@@ -419,6 +419,36 @@ def test_a_frozen_integer_parameter_with_optimizer_state_resumes(tmp_path: Any) 
     assert torch.equal(o2.state[m2.lin.weight]["sum"], o.state[m.lin.weight]["sum"])
 
 
+def test_a_frozen_complex_parameter_keeps_its_optimizer_state(tmp_path: Any) -> None:
+    """rev66f F2: the int8 fix (only floating-point parameters made trainable for the load) left a frozen
+    complex parameter, which can be trained, without its saved Adam state, silently."""
+
+    class Complex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum() + (self.c * self.c.conj()).real.sum()
+
+    torch.manual_seed(0)
+    m = Complex()
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).backward()
+    o.step()
+    m.c.requires_grad_(False)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Complex()
+    m2.c.requires_grad_(False)
+    o2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert torch.equal(m2.c, m.c) and not m2.c.requires_grad
+    assert set(o2.state[m2.c]) == set(o.state[m.c]), o2.state[m2.c]
+    assert all(torch.equal(o2.state[m2.c][k], v) for k, v in o.state[m.c].items())
+
+
 def _two(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))

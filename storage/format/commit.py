@@ -247,7 +247,8 @@ def _write_manifest(
 ) -> None:
     """Step 3. Refused by another save's manifest: ``CheckpointExists`` after removing ``discard``; by this
     save's own (a retried conditional PUT that had landed): committed. Another failure on an object store:
-    :class:`CommitUncertain`; on POSIX and memory:// the folder tells whether the manifest landed."""
+    :class:`CommitUncertain`, but a 404 (the manifest an overwrite replaces removed meanwhile) is final; on POSIX
+    and memory:// the folder tells whether the manifest landed."""
     try:
         write(data)
     except FileExistsError as exc:
@@ -259,7 +260,14 @@ def _write_manifest(
                 log.warning("could not remove %d file(s) of the refused save: %s", len(failed), failed[:5])
         raise CheckpointExists(f"{url}: {refused}") from exc
     except Exception as exc:
-        if not (folder.local or getattr(folder.fs, "protocol", None) in ("memory", ("memory",))):
+        store = not (folder.local or getattr(folder.fs, "protocol", None) in ("memory", ("memory",)))
+        if store and isinstance(exc, FileNotFoundError):  # a 404 is final: this request did not land (rev66d F3)
+            raise CheckpointError(
+                f"{url}: the commit found no object where it expected one ({exc}): the checkpoint this save "
+                "overwrites, or its folder, was removed while this save was committing (a prune, retention or "
+                "remove_checkpoint); nothing is committed here: save it again"
+            ) from exc
+        if store:
             raise CommitUncertain(
                 f"{url}: the commit request failed and may still land ({type(exc).__name__}: {exc}); this save's "
                 "files are kept: `smpckpt ls` tells whether it committed"

@@ -641,6 +641,45 @@ def test_of_two_racing_overwrites_the_later_commit_is_refused(backend: tuple[str
     assert verify_checkpoint(url, opts).ok
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("when", ["before its read", "between its read and its put"])
+def test_an_overwrite_whose_checkpoint_a_removal_took_says_so(
+    s3: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """rev66d F3: an overwrite on S3 whose old manifest a concurrent removal (retention, prune) deleted during its
+    commit (before its read of that manifest, or between the read and its conditional PUT) failed with
+    `CommitUncertain`: "may still land ... this save's files are kept", though the request had found no object
+    (a 404 is final: it cannot land) and the removal takes the folder. Now it says what happened."""
+    import fsspec
+
+    from smpckpt.storage.backends import _s3
+    from smpckpt.storage.format.commit import CommitUncertain
+
+    base, opts = s3
+    url = f"{base}/t_partial"
+    dcp.save(make_state(1), storage_writer=FsspecStorageWriter(url, storage_options=opts), no_dist=True)
+    fs, _ = fsspec.core.url_to_fs(url, **opts)
+    manifest = f"{url}/{commit_mod.MANIFEST_NAME}"
+    real = _s3.get_object_and_etag
+
+    def removed_around_the_read(fs_: Any, where: str) -> Any:
+        if where.endswith(commit_mod.MANIFEST_NAME) and when == "before its read":
+            fs.rm(manifest)
+        got = real(fs_, where)
+        if where.endswith(commit_mod.MANIFEST_NAME) and when != "before its read":
+            fs.rm(manifest)
+        return got
+
+    monkeypatch.setattr(_s3, "get_object_and_etag", removed_around_the_read)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(make_state(2), storage_writer=FsspecStorageWriter(url, storage_options=opts, overwrite=True))
+    error = unwrap(info.value)
+    assert type(error) is CheckpointError and not isinstance(error, (CommitUncertain, CheckpointExists)), repr(error)
+    assert "was removed while this save was committing" in str(error) and url in str(error), error
+    fs.invalidate_cache(url)
+    assert not fs.exists(manifest)  # nothing committed
+
+
 def test_an_overwrite_killed_after_its_swap_leaves_stock_readers_no_copy_of_the_replaced_generation(
     tmp_path: Path,
 ) -> None:

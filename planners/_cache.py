@@ -2,14 +2,9 @@
 saves while its state's structure is unchanged, and the rules that keep reuse exact), and the compact
 form in which save and load plans cross ranks.
 
-Two scopes (``ParallelSavePlanner(cache_scope=...)``):
-
-* ``"local"``: a rank memoises its own local plan, a pure function of :func:`structure_signature`, and
-  sends it in full; the coordinator plans afresh at every save. Nothing cached crosses ranks, so no
-  failed save can make it stale.
-* ``"global"``: an unchanged rank sends an empty plan naming the *generation* of the global plan it
-  holds, and the coordinator substitutes its copy of that rank's plan, or reuses the whole global plan
-  and metadata when every rank is unchanged.
+Two scopes (``ParallelSavePlanner(cache_scope=...)``, documented there): ``"local"`` memoises a rank's
+local plan (a pure function of :func:`structure_signature`); under ``"global"`` an unchanged rank sends an
+empty plan naming the *generation* of the global plan it holds.
 
 Why the "global" cache survives failed saves: what a round builds is staged and promoted only in
 ``finish_plan``, which every rank reaches after the same scatter of the global plan, or none does (a

@@ -111,14 +111,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             stored tied to another: that one) and the others are not read. Without a match, or matching
             two, both are read and must be equal.
 
-    Tied parameters (one tensor under two keys, as transformers ties ``lm_head.weight`` to the input
-    embedding) load without ``allow_partial_load``: keys tied in the destination are one tensor, loaded
-    once through the first key the checkpoint holds (the others count as loaded); a destination key
-    the checkpoint stores tied to another (our record of the save, or a Hugging Face folder that leaves
-    the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head. A
-    checkpoint holding the keys of one destination tensor apart must hold them equal (bit for bit):
-    a head that differs from its embedding is :class:`~smpckpt.errors.LayoutMismatch` naming both,
-    unless ``keep_tied`` says which to load (see ``_ties``)."""
+    Tied parameters load without ``allow_partial_load``, as the README's "Tied parameters" says
+    (:class:`~smpckpt.planners._shared_memory.TiedLoads`)."""
 
     def __init__(
         self,

@@ -245,15 +245,11 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         replica_owner: ``"balanced"`` spreads replicated tensors over their replicas by bytes;
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
-        dedup_tied: write a tensor held under several keys (tied parameters: transformers ties
-            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint records
-            the others (:attr:`~smpckpt.model.layout.LayoutRecord.tied`), listed in ``.metadata`` over the
-            same bytes (stock readers load both keys). ``False`` writes each key's bytes.
-        verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, a global
-            key two stages hold, a DTensor's replicated pieces) must hold the same values, compared by a
-            digest of a sample: the coordinator fails the save naming the keys and ranks that differ (a
-            TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for replicas
-            meant to differ (``held_by_some`` keys stay compared). See :mod:`smpckpt.planners._replica_values`.
+        dedup_tied: write a tensor held under several keys (tied parameters) once, under its first key,
+            as the README's "Tied parameters" says; ``False`` writes each key's bytes.
+        verify_replicas: compare the values of ranks holding the same piece of a tensor by a sample (the
+            README's "Replica checks"); ``False`` for replicas meant to differ (``held_by_some`` keys stay
+            compared).
         cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
 
             * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses

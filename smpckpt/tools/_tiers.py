@@ -1,15 +1,7 @@
-"""``smpckpt ls`` / ``smpckpt verify`` with ``--local DIR ...``: the fast tier of tiered checkpoints
-(``save_checkpoint(..., local_path=...)``) as the given node folders hold it (one process, no collectives).
-
-Only ``PATH``'s job folder in each (``{DIR}/smpckpt-job-<hash of PATH>``) is judged; other jobs' are
-listed as such (:func:`other_jobs`). A node's ``{tag}_partial`` folder usually holds only its share, so a
-tag is judged across every folder given, with what a resume uses (``smpckpt.api._tiers.candidates``). A
-*part* is a data file the manifest lists or the generation's metadata (``.metadata.<save id>``).
-
-``ls --local``: :func:`fast_rows`, :func:`resume_pick`, :func:`write_fast_table`. ``verify PATH/TAG
---local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI". Also what
-every command shares: ``PATH/TAG`` (:func:`split_tag_spec`, :func:`resolve_checkpoint_url`), sizes, layouts.
-"""
+"""``smpckpt ls`` / ``smpckpt verify`` with ``--local DIR ...``: the fast tier's node folders of ``PATH``'s
+job, judged across every folder given, with what a resume uses (``smpckpt.api._tiers.candidates``), in one
+process (what each reports: the README's "CLI"). A *part* is a data file the manifest lists or the
+generation's metadata. Also what every command shares: ``PATH/TAG``, sizes, layouts."""
 
 from __future__ import annotations
 

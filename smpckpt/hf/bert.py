@@ -109,12 +109,8 @@ def translate_state_dict_to_hf_bert(
     state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our BERT -> an HF state dict that ``load_state_dict(strict=True)`` of the HF model
-    accepts (tied decoder weight and bias included, as ``model.state_dict()`` holds them).
-
-    ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
-    (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
-    versions of its time kept in BERT state dicts. Given, the buffer is added; ``None`` (the default)
-    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it."""
+    accepts (tied decoder weight and bias included, as ``model.state_dict()`` holds them). ``max_seq_len``:
+    the old ``embeddings.position_ids`` buffer (README "Coming from smp"; :func:`position_ids_buffer`)."""
     return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
 
 

@@ -77,12 +77,8 @@ def translate_state_dict_to_hf_gpt2(
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our unsharded GPT-2 state dict -> one ``GPT2LMHeadModel.load_state_dict`` accepts
     (strictly): as :func:`translate_state_dict_to_hf` with the tied ``lm_head.weight`` present.
-
-    ``max_seq_len``: smp took it so the result held the causal-mask buffers transformers versions of its
-    time kept in GPT-2 state dicts. When given, each layer (counted from the keys present) gets
-    ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
-    ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``. ``None`` (the default) adds nothing:
-    current transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them."""
+    ``max_seq_len``: the old causal-mask buffers (README "Coming from smp"; :func:`._common.add_mask_buffers`,
+    ``masked_bias`` ``tensor(-1e4)``); ``None`` adds nothing."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     return add_mask_buffers(out, max_seq_len, "attn.", -1e4)
 

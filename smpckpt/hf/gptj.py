@@ -67,11 +67,8 @@ def translate_state_dict_to_hf_gptj(
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our unsharded GPT-J state dict -> one ``GPTJForCausalLM.load_state_dict`` accepts.
 
-    As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
-    head ours lacks is produced as the embedding (GPT-J's untied head is present anyway).
-
-    ``max_seq_len``: the old causal-mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2`
-    adds them (``masked_bias`` is ``tensor(-1e9)`` here)."""
+    A head ours lacks is produced as the embedding (no config says whether it is tied). ``max_seq_len``: as
+    :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` (``masked_bias`` is ``tensor(-1e9)`` here)."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     return add_mask_buffers(out, max_seq_len, "attn.", -1e9)
 

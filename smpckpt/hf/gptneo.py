@@ -65,13 +65,10 @@ def translate_state_dict_to_hf_gptneo(
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our unsharded GPT-Neo state dict -> one ``GPTNeoForCausalLM.load_state_dict`` accepts.
 
-    As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
-    head ours lacks is produced as the embedding (GPT-Neo ties it by default).
-
-    ``max_seq_len``: the old mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` adds
-    them (under ``attn.attention.``; ``masked_bias`` is ``tensor(-1e9)``). Without a config this cannot
-    know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
-    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``."""
+    A head ours lacks is produced as the embedding (no config says whether it is tied). ``max_seq_len``: as
+    :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` (under ``attn.attention.``; ``masked_bias``
+    ``tensor(-1e9)``); local layers held a banded mask (``bias ^ tril(bias, -window_size)``), which this
+    cannot know without a config: where exactness matters, take the buffers from the model's ``state_dict()``."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     return add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
 

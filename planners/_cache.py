@@ -2,7 +2,7 @@
 saves while its state's structure is unchanged, and the rules that keep reuse exact), and the compact
 form in which save and load plans cross ranks.
 
-Two scopes (``ParallelSavePlanner(cache_scope=...)``, documented there): ``"local"`` memoises a rank's
+Two scopes (``ParallelSavePlanner(cache_scope=...)``, the README's "Plan caching"): ``"local"`` memoises a rank's
 local plan (a pure function of :func:`structure_signature`); under ``"global"`` an unchanged rank sends an
 empty plan naming the *generation* of the global plan it holds.
 

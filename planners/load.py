@@ -8,8 +8,7 @@ Call order (as ``dcp.load`` drives it)::
     4. (all)   finish_plan(plan)
     5. (all)   resolve_tensor / commit_tensor / load_bytes, called by the storage reader
 
-A rank whose piece matches a saved chunk exactly takes the fast path (one read, no overlap search);
-otherwise DCP's overlap helper computes which saved chunks cover the piece."""
+The fast path and the overlap search: the README's "Load"."""
 
 from __future__ import annotations
 
@@ -106,10 +105,8 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             a matching state-dict key missing from the checkpoint keeps its value (listed in
             ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
             Everything else stays strict unless ``allow_partial_load``.
-        keep_tied: globs of checkpoint keys: when the checkpoint holds two keys of a tensor the
-            destination ties (``lm_head.weight`` and the embedding) apart, the one matching is loaded (a key
-            stored tied to another: that one) and the others are not read. Without a match, or matching
-            two, both are read and must be equal.
+        keep_tied: globs of checkpoint keys naming which of two keys the checkpoint holds apart for one
+            tied destination tensor is loaded (else both are read and must be equal).
 
     Tied parameters load without ``allow_partial_load``, as the README's "Tied parameters" says
     (:class:`~smpckpt.planners._shared_memory.TiedLoads`)."""

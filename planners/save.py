@@ -250,13 +250,10 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         verify_replicas: compare the values of ranks holding the same piece of a tensor by a sample (the
             README's "Replica checks"); ``False`` for replicas meant to differ (``held_by_some`` keys stay
             compared).
-        cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
-
-            * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
-              the global plan and metadata it built before. Every rank must reuse its planner alike.
-            * ``"local"``: a rank reuses only its own local plan and sends it in full; the coordinator
-              plans afresh at every save. Any mix of reused and fresh planners is then correct, and
-              object values (user content, RNG states) may change without a re-plan.
+        cache_scope: what the plan cache reuses (with ``enable_plan_caching``; the README's "Plan caching"):
+            ``"global"`` (default) the coordinator's global plan too, every rank reusing its planner alike;
+            ``"local"`` a rank's own local plan only (any mix of reused and fresh planners is correct, and
+            object values may change without a re-plan).
 
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).

@@ -349,12 +349,9 @@ class FastVerifyReport:
 def verify_fast(
     dirs: Sequence[str], owner: str, tag: str, progress: Callable[[int, int], None] | None = None
 ) -> FastVerifyReport | None:
-    """Check ``tag``'s fast-tier copy of the job ``owner`` (its durable root's key) across ``dirs``: each
-    folder's manifest parses, is this job's, and all agree; every file a folder holds that its manifest
-    lists (a folder without one: the others') has the listed size and every block checksum; every part
-    is held intact by some folder agreeing with the newest manifest, and -- when every node's folder is
-    given -- every data file by as many folders as the save's ``replicas``; and (once, on a folder with
-    that manifest) what a load checks before reading. ``None`` when no folder has the tag."""
+    """Check ``tag``'s fast-tier copy of the job ``owner`` (its durable root's key) across ``dirs``, as the
+    README's "CLI" says of ``verify --local`` (a folder without a manifest is checked against the others');
+    ``None`` when no folder has the tag."""
     urls = [os.path.join(job_folder(d, owner), partial_dirname(tag)) for d in dirs]
     copies = [read_copy(url, tag, owner) if os.path.lexists(url) else None for url in urls]
     if all(c is None for c in copies):

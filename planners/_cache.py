@@ -2,23 +2,14 @@
 saves while its state's structure is unchanged, and the rules that keep reuse exact), and the compact
 form in which save and load plans cross ranks.
 
-Two scopes (``ParallelSavePlanner(cache_scope=...)``):
+Two scopes (``ParallelSavePlanner(cache_scope=...)``, the README's "Plan caching"): ``"local"`` memoises a rank's
+local plan (a pure function of :func:`structure_signature`); under ``"global"`` an unchanged rank sends an
+empty plan naming the *generation* of the global plan it holds.
 
-* ``"local"``: a rank memoises its own local plan, a pure function of :func:`structure_signature`, and
-  sends it in full; the coordinator plans afresh at every save. Nothing cached crosses ranks, so no
-  failed save can make it stale.
-* ``"global"``: an unchanged rank sends an empty plan naming the *generation* of the global plan it
-  holds, and the coordinator substitutes its copy of that rank's plan, or reuses the whole global plan
-  and metadata when every rank is unchanged.
-
-Why the "global" cache survives failed saves: what a round builds is staged and promoted only in
-``finish_plan``, which every rank reaches after the same scatter of the global plan, or none does (a
-coordinator's failure is scattered to all); a rank whose last round stopped between ``set_up_planner``
-and ``finish_plan`` drops every cache when the next one begins. A coordinator holds a global plan only
-under the generation it built it as (finishing another coordinator's plan drops its own), substitutes
-or reuses a rank's plan only when that rank names that generation, and else fails the save with a
-:class:`~smpckpt.errors.SpecError` before anything is written (the next save plans afresh) rather than
-write metadata for a structure some rank no longer has. The cached metadata is a private deep copy:
+Why the "global" cache survives failed saves: the README's "Plan caching" (staged, promoted only in
+``finish_plan``; dropped after a round that stopped before it; generations checked). A coordinator holds
+a global plan only under the generation it built it as (finishing another coordinator's plan drops its
+own). The cached metadata is a private deep copy:
 storage writers rewrite the one DCP hands them (full mode replaces its chunks and dtypes).
 
 Compact plans: DCP unpickles the gathered and scattered plans with the cyclic collector running, and a

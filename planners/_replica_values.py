@@ -1,36 +1,18 @@
 """Replicas: who writes each (:func:`assign_owners`), and a check by value that ranks holding the same
-piece of a tensor hold the same bytes.
+piece of a tensor hold the same bytes (what and why: the README's "Every global chunk is written exactly
+once" and "Replica checks").
 
-Owners: every rank of a pipeline stage runs the same greedy assignment over its replicated tensors, so
-the ranks agree on one owner per tensor without exchanging anything and each local plan carries only
-what it writes. A replica group (:func:`replica_range`) is, by the axes a tensor is split over: nothing,
-the whole stage; ``tp``, the DP ranks of one TP coordinate; ``dp``, the TP ranks of one DP coordinate;
-both, the rank alone. The stage-wide tensors are balanced first, then each smaller group's from those
-loads (a rank never needs sizes outside its own groups): largest first, each to the member with the
-least bytes so far (:func:`_lpt`), in O(n log n) for n tensors whatever the group's size.
+Owners: every rank of a stage runs the same greedy assignment over its replicated tensors, so the ranks
+agree on one owner per tensor without exchanging anything. A replica group (:func:`replica_range`) is, by
+the axes a tensor is split over: nothing, the whole stage; ``tp``, the DP ranks of one TP coordinate;
+``dp``, the TP ranks of one DP coordinate; both, the rank alone. The stage-wide tensors are balanced
+first, then each smaller group's from those loads (a rank never needs sizes outside its own groups).
 
-Values: only one replica of a tensor is written (its owner's), so a rank whose "replica" differs
-loses its values silently. Two mistakes produce exactly that, and no check of keys, dtypes or shapes
-sees them:
-
-* a TP shard whose spec was forgotten (or whose rule matches no key) looks replicated: every TP rank
-  holds a same-shaped piece under one key, and one rank's piece is stored as the whole tensor;
-* two pipeline stages holding the same global key (a stage-local name the default ``layers.<i>``
-  renaming does not reach): one stage's tensor is stored, the other's is gone.
-
-Every rank digests (:func:`~._value_digests.value_digests`: a sample of :data:`SAMPLES` elements and
-the count, compared as values) each tensor other ranks hold too, which follows from the layout alone
-(:func:`checked_codes`); a rank of a single-rank stage computes nothing. A sample catches both mistakes,
-whose pieces differ nearly everywhere, not replicas that drifted apart in a few elements (the written
-bytes are checksummed either way).
-
-What crosses ranks stays small (:func:`rank_values`): a 4-byte summary per split code, and per-key
-digests only from the first two ranks of each group holding one piece (:func:`detail_codes`) and from
-each stage's first rank (with the keys, for the check across stages). The coordinator compares
-summaries within each group and, where two differ, names the keys when both ranks sent theirs, else
-the ranks (:func:`check_replica_values`). DTensors (by their placements, :func:`dtensor_values`) and
-keys split over TP or DP across pipeline stages (:func:`stage_values`) are compared by piece: 12 bytes per
-piece, grouped by the piece's id."""
+Values: each rank digests (:func:`~._value_digests.value_digests`) the tensors other ranks hold too
+(:func:`checked_codes`) and sends little (:func:`rank_values`: summaries per split code, per-key digests
+from the first two ranks of each group, :func:`detail_codes`, and each stage's first rank); the
+coordinator compares them (:func:`check_replica_values`). DTensors (:func:`dtensor_values`) and keys split
+over TP or DP across pipeline stages (:func:`stage_values`) are compared by piece, grouped by its id."""
 
 from __future__ import annotations
 

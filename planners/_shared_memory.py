@@ -27,12 +27,9 @@ def _extent_end(v: torch.Tensor) -> int:
 
 
 class SharedMemoryLoads:
-    """One load's destinations that share memory without being one view (``base[0:4]`` and ``base[2:6]``
-    under two keys; tied keys, the same view, are :class:`TiedLoads`'): written one after another, the
-    last would silently overwrite the others where they overlap. Each is read into scratch instead, and
-    once all of a group are in they are copied into their destinations in state-dict order and each
-    destination must then hold its own value, bit for bit (a buffer viewing part of a parameter, saved
-    from such a model, loads as saved); otherwise :class:`LayoutMismatch` names the keys."""
+    """One load's destinations that share memory without being one view (tied keys, the same view, are
+    :class:`TiedLoads`'), read into scratch and checked as the README's "Tied parameters" ends: each read
+    into scratch, copied in state-dict order once all of a group are in, each then holding its own value."""
 
     def __init__(self) -> None:
         #: key of a destination in such a group -> that destination (its entry reads into scratch)

@@ -1,16 +1,11 @@
 """Value digests: 4 bytes per tensor from a fixed sample of its elements, compared as values.
 
 Every rank computes one per replicated tensor at every save (:mod:`._replica_values` compares them), so
-there is no torch or hash call per tensor where it can be helped: one Python pass reads each tensor's
-address, count, dtype and contiguity into flat lists; plain contiguous CPU tensors are sampled with one
-numpy fancy-index per dtype straight from their memory, canonicalised on their bits in numpy
-(:func:`_canonical_bits`; torch's intra-op threads cost more than the rest on a busy machine) and hashed
-with a vectorised 64-bit mix. Other tensors (CUDA, strided, conjugate or negative views, subclasses)
-take one ``torch.take`` each; both paths give the same digest for the same values.
-
-A digest covers :data:`SAMPLES` evenly spaced elements (the first and the last included, all of them
-for smaller tensors) and the element count. Samples are compared as values, not bit patterns
-(:func:`_canonical_bits`): ``-0.0`` equals ``+0.0`` and every NaN equals every NaN."""
+there is no torch or hash call per tensor where it can be helped (the README's "Replica checks", Cost):
+plain contiguous CPU tensors are sampled with one numpy fancy-index per dtype straight from their memory,
+canonicalised on their bits in numpy (:func:`_canonical_bits`; torch's intra-op threads cost more than the
+rest on a busy machine); other tensors take one ``torch.take`` each, with the same digest. A digest
+covers :data:`SAMPLES` evenly spaced elements (first and last included) and the element count."""
 
 from __future__ import annotations
 

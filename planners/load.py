@@ -8,8 +8,7 @@ Call order (as ``dcp.load`` drives it)::
     4. (all)   finish_plan(plan)
     5. (all)   resolve_tensor / commit_tensor / load_bytes, called by the storage reader
 
-A rank whose piece matches a saved chunk exactly takes the fast path (one read, no overlap search);
-otherwise DCP's overlap helper computes which saved chunks cover the piece."""
+The fast path and the overlap search: the README's "Load"."""
 
 from __future__ import annotations
 
@@ -106,19 +105,11 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             a matching state-dict key missing from the checkpoint keeps its value (listed in
             ``report.skipped_optional``) and a matching checkpoint key nobody asks for is no error.
             Everything else stays strict unless ``allow_partial_load``.
-        keep_tied: globs of checkpoint keys: when the checkpoint holds two keys of a tensor the
-            destination ties (``lm_head.weight`` and the embedding) apart, the one matching is loaded (a key
-            stored tied to another: that one) and the others are not read. Without a match, or matching
-            two, both are read and must be equal.
+        keep_tied: globs of checkpoint keys naming which of two keys the checkpoint holds apart for one
+            tied destination tensor is loaded (else both are read and must be equal).
 
-    Tied parameters (one tensor under two keys, as transformers ties ``lm_head.weight`` to the input
-    embedding) load without ``allow_partial_load``: keys tied in the destination are one tensor, loaded
-    once through the first key the checkpoint holds (the others count as loaded); a destination key
-    the checkpoint stores tied to another (our record of the save, or a Hugging Face folder that leaves
-    the head out) is read from that key's bytes, as when a pipeline's last stage holds its own head. A
-    checkpoint holding the keys of one destination tensor apart must hold them equal (bit for bit):
-    a head that differs from its embedding is :class:`~smpckpt.errors.LayoutMismatch` naming both,
-    unless ``keep_tied`` says which to load (see ``_ties``)."""
+    Tied parameters load without ``allow_partial_load``, as the README's "Tied parameters" says
+    (:class:`~smpckpt.planners._shared_memory.TiedLoads`)."""
 
     def __init__(
         self,

@@ -245,22 +245,15 @@ class ParallelSavePlanner(LayoutScope, SavePlanner):
         replica_owner: ``"balanced"`` spreads replicated tensors over their replicas by bytes;
             ``"lowest"`` writes them all from the lowest rank of each group.
         enable_plan_caching: reuse this instance's plans while the state's structure is unchanged.
-        dedup_tied: write a tensor held under several keys (tied parameters: transformers ties
-            ``lm_head.weight`` to the input embedding) once, under its first key; the checkpoint records
-            the others (:attr:`~smpckpt.model.layout.LayoutRecord.tied`), listed in ``.metadata`` over the
-            same bytes (stock readers load both keys). ``False`` writes each key's bytes.
-        verify_replicas: ranks holding the same piece of a tensor (replicas within a stage, a global
-            key two stages hold, a DTensor's replicated pieces) must hold the same values, compared by a
-            digest of a sample: the coordinator fails the save naming the keys and ranks that differ (a
-            TP shard whose spec was forgotten, a stage-local key not renumbered). ``False`` for replicas
-            meant to differ (``held_by_some`` keys stay compared). See :mod:`smpckpt.planners._replica_values`.
-        cache_scope: what the plan cache reuses (with ``enable_plan_caching``):
-
-            * ``"global"`` (default): an unchanged rank sends an empty plan and the coordinator reuses
-              the global plan and metadata it built before. Every rank must reuse its planner alike.
-            * ``"local"``: a rank reuses only its own local plan and sends it in full; the coordinator
-              plans afresh at every save. Any mix of reused and fresh planners is then correct, and
-              object values (user content, RNG states) may change without a re-plan.
+        dedup_tied: write a tensor held under several keys (tied parameters) once, under its first key,
+            as the README's "Tied parameters" says; ``False`` writes each key's bytes.
+        verify_replicas: compare the values of ranks holding the same piece of a tensor by a sample (the
+            README's "Replica checks"); ``False`` for replicas meant to differ (``held_by_some`` keys stay
+            compared).
+        cache_scope: what the plan cache reuses (with ``enable_plan_caching``; the README's "Plan caching"):
+            ``"global"`` (default) the coordinator's global plan too, every rank reusing its planner alike;
+            ``"local"`` a rank's own local plan only (any mix of reused and fresh planners is correct, and
+            object values may change without a re-plan).
 
     Every plan and cache lives on the instance (DCP's class-level plan cache is never used: it can hand
     one rank's plan to another when several planners share a process).

@@ -1,32 +1,11 @@
 """Hugging Face interop: translation between HF state dicts and our tensor-parallel layouts.
 
-One module per model family -- :mod:`~smpckpt.hf.gpt2`, :mod:`~smpckpt.hf.bert`,
-:mod:`~smpckpt.hf.roberta`, :mod:`~smpckpt.hf.gptj`, :mod:`~smpckpt.hf.gptneo` (the five SageMaker smp
-translated), :mod:`~smpckpt.hf.llama`, :mod:`~smpckpt.hf.qwen2` and :mod:`~smpckpt.hf.mistral` -- each with:
-
-* ``TRANSLATION`` -- a :class:`smpckpt.model.translation.Translation` (lazy region-mapping rules, for reading
-  a rank's shard straight out of an HF file or writing HF-shaped tensors from each rank's chunk; it names
-  the family's tied heads and its transformers class);
-* ``translate_hf_state_dict_to_smpckpt(state_dict)`` / ``translate_state_dict_to_hf(state_dict)`` --
-  eager, bit-exact translation of whole (unsharded) state dicts;
-* ``tp_specs(tp, config, prefix="")`` -- glob -> :class:`smpckpt.model.specs.ShardSpec` rules of our layout
-  (written against the model's own names; the API also matches them under ``model.``). ``config`` (the
-  family's transformers config or a dict with its fields) is required; ``prefix`` is prepended to every
-  pattern (``"model."`` for ``{"model": model.state_dict()}``); SpecError when heads, the MLP width or
-  the vocabulary cannot be split ``tp`` ways;
-* eager import drops a tied head (``lm_head.weight`` tied to the embedding, by ``tie_word_embeddings``)
-  when it is the tensor it is tied to (same memory or equal values) and keeps an untied one that
-  differs (split as the vocabulary); eager export produces it only with ``tie_word_embeddings=True``.
-  Buffers older transformers versions wrote into state dicts (masks, position ids, rotary tables) are
-  not weights: dropped on import;
-* fused tensors (q/k/v, gate/up) in a view that reshards correctly: TP rank ``r``'s local QKV
-  ``nn.Linear`` is ``[3d/tp, d]``, the q, k and v rows of heads ``r*nh/tp .. (r+1)*nh/tp`` one after the
-  other; a vocabulary that does not divide by ``tp`` is split near-evenly (:func:`._common.vocab_spec`);
-* for the smp families, smp's own function names as aliases (``translate_state_dict_to_hf_gpt2``,
-  ``translate_hf_state_dict_to_smdistributed_gpt2``, ...): a migration changes only the import.
-
-:data:`TRANSLATIONS` maps HF's ``config.model_type`` to each family's translation. Nothing here imports
-transformers: configs are read by attribute or dict key."""
+One module per family (gpt2, bert, roberta, gptj, gptneo: the five smp translated, with smp's function
+names as aliases; llama, qwen2, mistral), each with ``TRANSLATION``, the eager
+``translate_hf_state_dict_to_smpckpt`` / ``translate_state_dict_to_hf`` and ``tp_specs(tp, config,
+prefix="")``, as the README's "Hugging Face families" describes them (tied heads, dropped buffers, fused
+tensors in a view that reshards). :data:`TRANSLATIONS` maps HF's ``config.model_type`` to each family's
+translation. Nothing here imports transformers: configs are read by attribute or dict key."""
 
 import re
 from collections.abc import Mapping, Sequence

@@ -1,45 +1,13 @@
 """BERT: Hugging Face ``BertForMaskedLM`` (and ``BertModel``) <-> our Megatron-style tensor-parallel BERT.
 
-Keys are HF's, except that each layer's query, key and value projections are one fused column-parallel
-Linear, kept in a view that reshards correctly. ``<p>`` is ``bert.`` in the head models
-(``BertForMaskedLM``, ``BertForPreTraining``, ``BertForSequenceClassification`` ...) and empty in a bare
-``BertModel``; both key sets translate and both get specs.
+Keys are HF's (the README's "Hugging Face families"), except each layer's query, key and value, one fused
+column-parallel ``attention.self.qkv`` (``[3, d, d]``, bias ``[3, d]``; the unsharded model's ``[3d, d]`` is
+``cat([query, key, value])``), under ``bert.`` in head models and bare in ``BertModel`` (both get specs,
+:func:`tp_specs`). The MLM bias and an untied decoder are split with the embedding's (near-even) rows.
 
-=============================================== ============================ ================================
-ours (global view shape)                        spec (``tp_specs``)          HF
-=============================================== ============================ ================================
-``<p>embeddings.word_embeddings.weight [V, d]`` dim 0 (vocab-parallel)       same key
-``<p>encoder.layer.{i}.attention.self.qkv``     view ``(3, -1, d)``, dim 1   ``stack([query, key, value])``
-``.weight [3, d, d]``                                                        ``.weight`` (each ``[d, d]``)
-``...attention.self.qkv.bias [3, d]``           view ``(3, -1)``, dim 1      ``stack`` of the three biases
-``...attention.output.dense.weight [d, d]``     dim 1 (row-parallel)         same key
-``...intermediate.dense.weight [I, d]``,        dim 0 (column-parallel)      same keys
-``.bias [I]``
-``...output.dense.weight [d, I]``               dim 1 (row-parallel)         same key
-``cls.predictions.bias [V]``                    dim 0, the embedding's sizes same key
-``cls.predictions.decoder.weight`` / ``.bias``  dim 0, the embedding's sizes same keys
-(only when untied)
-``attention.output.dense.bias``,                replicated                   same keys
-``output.dense.bias``, position and token-type
-embeddings, every LayerNorm,
-``cls.predictions.transform.*``, pooler,
-``cls.seq_relationship``, ``classifier``
-=============================================== ============================ ================================
-
-The unsharded model's QKV ``[3d, d]`` is ``cat([query, key, value])``. A vocabulary that does not divide
-by ``tp`` (BERT's 30522 does, RoBERTa's 50265 does not) is split near-evenly, the MLM bias with it.
-
-Not translated (see :mod:`smpckpt.hf`):
-
-* the tied heads: ``cls.predictions.decoder.weight`` (tied to ``bert.embeddings.word_embeddings.weight``)
-  and ``cls.predictions.decoder.bias`` (tied to ``cls.predictions.bias``), in ``model.state_dict()`` but
-  not in ``save_pretrained``'s files. Untied (``tie_word_embeddings=False``) the model reads the
-  decoder's own bias, and ``cls.predictions.bias``, unused, is still kept and translated;
-* the buffers ``embeddings.position_ids`` / ``embeddings.token_type_ids``
-  (:func:`translate_state_dict_to_hf_bert` can write ``position_ids`` back);
-* Cross-attention (``crossattention.*`` of a decoder BERT with ``add_cross_attention``) keeps HF's
-  separate query/key/value keys (its keys and values read the encoder's states, so they do not fuse with
-  the query) and is replicated."""
+Not translated: the tied heads ``cls.predictions.decoder.weight`` / ``.bias`` (see :mod:`smpckpt.hf`; untied,
+``cls.predictions.bias`` is still kept), the ``embeddings.position_ids`` / ``token_type_ids`` buffers;
+cross-attention keeps HF's separate query/key/value (its keys and values read the encoder) and is replicated."""
 
 from __future__ import annotations
 
@@ -141,12 +109,8 @@ def translate_state_dict_to_hf_bert(
     state_dict: Mapping[str, torch.Tensor], max_seq_len: int | None = None
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our BERT -> an HF state dict that ``load_state_dict(strict=True)`` of the HF model
-    accepts (tied decoder weight and bias included, as ``model.state_dict()`` holds them).
-
-    ``max_seq_len``: smp took it to write the ``embeddings.position_ids`` buffer
-    (``torch.arange(max_seq_len).unsqueeze(0)``, int64, under the embeddings' prefix) that transformers
-    versions of its time kept in BERT state dicts. Given, the buffer is added; ``None`` (the default)
-    adds nothing, since current transformers keeps it out of state dicts and a strict load refuses it."""
+    accepts (tied decoder weight and bias included, as ``model.state_dict()`` holds them). ``max_seq_len``:
+    the old ``embeddings.position_ids`` buffer (README "Coming from smp"; :func:`position_ids_buffer`)."""
     return position_ids_buffer(translate_state_dict_to_hf(state_dict, tie_word_embeddings=True), max_seq_len)
 
 

@@ -1,25 +1,10 @@
 """GPT-2: Hugging Face ``GPT2LMHeadModel`` <-> our Megatron-style tensor-parallel GPT-2.
 
-HF GPT-2 uses ``Conv1D`` (weight ``[in, out]``, ``y = x @ W + b``); ours uses ``nn.Linear``
-(``[out, in]``) and keeps the fused QKV projection in a view that reshards correctly:
-
-======================================= ======================= ==================================================
-ours (global view shape)                spec (``tp_specs``)     HF
-======================================= ======================= ==================================================
-``transformer.wte.weight [V, d]``       dim 0 (vocab-parallel)  same key
-``transformer.h.{i}.attn.qkv.weight``   view ``(3, -1, d)``,    ``attn.c_attn.weight [d, 3d]``:
-``[3, d, d]``                           dim 1                   ``ours[j, o, i] = c_attn[i, j*d + o]``
-``...attn.qkv.bias [3, d]``             view ``(3, -1)``, dim 1 ``attn.c_attn.bias [3d]``
-``...attn.proj.weight [d, d]``          dim 1 (row-parallel)    ``attn.c_proj.weight`` transposed
-``...attn.proj.bias [d]``               replicated              ``attn.c_proj.bias``
-``...mlp.fc.weight [4d, d]``, ``.bias`` dim 0                   ``mlp.c_fc.weight`` transposed, ``mlp.c_fc.bias``
-``...mlp.proj.weight [d, 4d]``          dim 1                   ``mlp.c_proj.weight`` transposed
-``...mlp.proj.bias``                    replicated              ``mlp.c_proj.bias``
-wpe, ``ln_1``, ``ln_2``, ``ln_f``       replicated              same keys
-======================================= ======================= ==================================================
-
-Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` (see :mod:`smpckpt.hf`), and
-the causal-mask buffers ``attn.bias`` / ``attn.masked_bias``."""
+HF's ``Conv1D`` weights (``[in, out]``) are our ``nn.Linear``'s (``[out, in]``) transposed, and ``c_attn``
+is our fused ``attn.qkv`` in a view that reshards (``ours[j, o, i] = c_attn[i, j*d + o]``); see the
+README's "Hugging Face families" and :func:`tp_specs`. Not translated: ``lm_head.weight``, tied to
+``transformer.wte.weight`` (see :mod:`smpckpt.hf`), and the causal-mask buffers ``attn.bias`` /
+``attn.masked_bias``."""
 
 from __future__ import annotations
 
@@ -92,12 +77,8 @@ def translate_state_dict_to_hf_gpt2(
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our unsharded GPT-2 state dict -> one ``GPT2LMHeadModel.load_state_dict`` accepts
     (strictly): as :func:`translate_state_dict_to_hf` with the tied ``lm_head.weight`` present.
-
-    ``max_seq_len``: smp took it so the result held the causal-mask buffers transformers versions of its
-    time kept in GPT-2 state dicts. When given, each layer (counted from the keys present) gets
-    ``transformer.h.{i}.attn.bias`` = ``tril(ones(L, L, bool)).view(1, 1, L, L)`` and
-    ``transformer.h.{i}.attn.masked_bias`` = ``tensor(-1e4)``. ``None`` (the default) adds nothing:
-    current transformers keeps them out of state dicts, and a strict ``load_state_dict`` refuses them."""
+    ``max_seq_len``: the old causal-mask buffers (README "Coming from smp"; :func:`._common.add_mask_buffers`,
+    ``masked_bias`` ``tensor(-1e4)``); ``None`` adds nothing."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     return add_mask_buffers(out, max_seq_len, "attn.", -1e4)
 

@@ -1,31 +1,12 @@
 """GPT-J: Hugging Face ``GPTJForCausalLM`` <-> our Megatron-style tensor-parallel GPT-J.
 
-Keys are HF's, except that the attention's q, k and v projections (``nn.Linear``, no biases) are one
-fused column-parallel Linear kept in a view that reshards correctly:
+Keys are HF's, except the attention's q, k and v (no biases), one fused ``attn.qkv_proj`` in a view that
+reshards (README "Hugging Face families", :func:`tp_specs`). Its rotary embedding acts within each head, so
+whole heads per rank is all TP needs; the head's bias is split with its rows (each rank adds its slice).
 
-============================================ ============================ ======================================
-ours (global view shape)                     spec (``tp_specs``)          HF
-============================================ ============================ ======================================
-``transformer.wte.weight [V, d]``            dim 0 (vocab-parallel)       same key
-``transformer.h.{i}.attn.qkv_proj.weight``   view ``(3, -1, d)``, dim 1   ``stack([q_proj, k_proj, v_proj])``
-``[3, d, d]``                                                             (``attn.{q,k,v}_proj.weight``)
-``...attn.out_proj.weight [d, d]``           dim 1 (row-parallel)         same key (no bias)
-``...mlp.fc_in.weight [I, d]``, ``.bias``    dim 0                        same keys
-``...mlp.fc_out.weight [d, I]``              dim 1                        same key
-``...mlp.fc_out.bias``                       replicated                   same key
-``ln_1``, ``ln_f``                           replicated                   same keys
-``lm_head.weight [V, d]``, ``.bias [V]``     dim 0 (vocab-parallel, the   same keys
-                                             embedding's sizes)
-============================================ ============================ ======================================
-
-GPT-J's rotary embedding acts on the first ``rotary_dim`` features of each head, so whole heads per rank
-is all TP needs; its parallel residual changes nothing in the layout. The head's bias is split with its
-rows (each rank adds its slice to its logits).
-
-Not translated: ``lm_head.weight`` when a config ties it (GPT-J's is untied by default and kept with its
-bias, which is never tied; see :mod:`smpckpt.hf`); the buffers ``attn.bias`` / ``attn.masked_bias``
-(causal masks, which :func:`translate_state_dict_to_hf_gptj` can add back) and ``attn.embed_positions``
-(the rotary sin/cos table)."""
+Not translated: a tied ``lm_head.weight`` (untied by default; see :mod:`smpckpt.hf`), the causal-mask
+buffers ``attn.bias`` / ``attn.masked_bias`` (:func:`translate_state_dict_to_hf_gptj` can add them back) and
+``attn.embed_positions`` (the rotary table)."""
 
 from __future__ import annotations
 
@@ -86,11 +67,8 @@ def translate_state_dict_to_hf_gptj(
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our unsharded GPT-J state dict -> one ``GPTJForCausalLM.load_state_dict`` accepts.
 
-    As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
-    head ours lacks is produced as the embedding (GPT-J's untied head is present anyway).
-
-    ``max_seq_len``: the old causal-mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2`
-    adds them (``masked_bias`` is ``tensor(-1e9)`` here)."""
+    A head ours lacks is produced as the embedding (no config says whether it is tied). ``max_seq_len``: as
+    :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` (``masked_bias`` is ``tensor(-1e9)`` here)."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     return add_mask_buffers(out, max_seq_len, "attn.", -1e9)
 

@@ -1,32 +1,10 @@
 """GPT-Neo: Hugging Face ``GPTNeoForCausalLM`` <-> our Megatron-style tensor-parallel GPT-Neo.
 
-Named ``gptneo`` as in SageMaker model parallel's import path; the HF ``model_type`` is ``gpt_neo``.
-Keys are HF's, except that the attention's q, k and v projections (``nn.Linear``, no biases) are one
-fused column-parallel Linear kept in a view that reshards correctly (``...`` is ``transformer.h.{i}.``):
-
-============================================ ============================ ======================================
-ours (global view shape)                     spec (``tp_specs``)          HF
-============================================ ============================ ======================================
-``transformer.wte.weight [V, d]``            dim 0 (vocab-parallel)       same key
-``transformer.wpe.weight``                   replicated                   same key
-``...attn.attention.qkv_proj.weight``        view ``(3, -1, d)``, dim 1   ``stack([q_proj, k_proj, v_proj])``
-``[3, d, d]``                                                             (``attn.attention.{q,k,v}_proj.weight``)
-``...attn.attention.out_proj.weight``        dim 1 (row-parallel)         same key
-``...attn.attention.out_proj.bias``          replicated                   same key
-``...mlp.c_fc.weight [I, d]``, ``.bias``     dim 0                        same keys
-``...mlp.c_proj.weight [d, I]``              dim 1                        same key
-``...mlp.c_proj.bias``                       replicated                   same key
-``ln_1``, ``ln_2``, ``ln_f``                 replicated                   same keys
-``lm_head.weight``                           dim 0 (when untied)          same key
-============================================ ============================ ======================================
-
-GPT-Neo's unscaled per-head attention and its local layers (``config.attention_types``, masking keys
-further back than ``window_size``) do not touch the layout; it uses ``nn.Linear`` throughout, so nothing
-is transposed.
-
-Not translated: ``lm_head.weight``, tied to ``transformer.wte.weight`` by default (see :mod:`smpckpt.hf`),
-and the causal- and local-mask buffers ``attn.attention.bias`` / ``attn.attention.masked_bias``, which
-:func:`translate_state_dict_to_hf_gptneo` can add back."""
+Named ``gptneo`` as in smp's import path; the HF ``model_type`` is ``gpt_neo``. Keys are HF's, except the
+attention's q, k and v (no biases), one fused ``attn.attention.qkv_proj`` in a view that reshards (README
+"Hugging Face families", :func:`tp_specs`); its local layers only mask scores. Not translated:
+``lm_head.weight``, tied by default (see :mod:`smpckpt.hf`), and the mask buffers ``attn.attention.bias`` /
+``attn.attention.masked_bias`` (:func:`translate_state_dict_to_hf_gptneo` can add them back)."""
 
 from __future__ import annotations
 
@@ -87,13 +65,10 @@ def translate_state_dict_to_hf_gptneo(
 ) -> dict[str, torch.Tensor]:
     """smp v1's name: our unsharded GPT-Neo state dict -> one ``GPTNeoForCausalLM.load_state_dict`` accepts.
 
-    As :func:`translate_state_dict_to_hf`, but without a config to say whether the head is tied, so a
-    head ours lacks is produced as the embedding (GPT-Neo ties it by default).
-
-    ``max_seq_len``: the old mask buffers, as :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` adds
-    them (under ``attn.attention.``; ``masked_bias`` is ``tensor(-1e9)``). Without a config this cannot
-    know which layers are local: those versions held a banded mask there (``bias ^ tril(bias,
-    -window_size)``), so where exactness matters, take the buffers from the model's own ``state_dict()``."""
+    A head ours lacks is produced as the embedding (no config says whether it is tied). ``max_seq_len``: as
+    :func:`smpckpt.hf.gpt2.translate_state_dict_to_hf_gpt2` (under ``attn.attention.``; ``masked_bias``
+    ``tensor(-1e9)``); local layers held a banded mask (``bias ^ tril(bias, -window_size)``), which this
+    cannot know without a config: where exactness matters, take the buffers from the model's ``state_dict()``."""
     out = translate_state_dict_to_hf(state_dict, tie_word_embeddings=True)
     return add_mask_buffers(out, max_seq_len, "attn.attention.", -1e9)
 

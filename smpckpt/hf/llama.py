@@ -1,26 +1,9 @@
 """Llama: Hugging Face ``LlamaForCausalLM`` <-> our Megatron-style tensor-parallel Llama.
 
-Keys are HF's, except that the MLP's gate and up projections are one fused column-parallel Linear:
-
-========================================= ================================= =====================================
-ours (global view shape)                  spec (``tp_specs``)               HF
-========================================= ================================= =====================================
-``model.embed_tokens.weight [V, d]``      dim 0 (vocab-parallel)            same key
-``...self_attn.q_proj.weight``            dim 0 (whole heads)               same key
-``...self_attn.k_proj/v_proj.weight``     dim 0 if ``nkv % tp == 0``, else  same keys
-                                          replicated (``tp % nkv == 0``)
-``...self_attn.o_proj.weight``            dim 1 (row-parallel)              same key
-``...mlp.gate_up_proj.weight [2, I, d]``  view ``(2, -1, d)``, dim 1        ``stack([gate_proj, up_proj])``
-``...mlp.down_proj.weight``               dim 1                             same key
-norms                                     replicated                        same keys
-``lm_head.weight``                        dim 0 (when untied)               same key
-========================================= ================================= =====================================
-
-The local ``gate_up_proj`` of TP rank ``r`` is ``[2I/tp, d]``: gate rows ``r*I/tp .. (r+1)*I/tp``, then
-the same up rows. With fewer kv heads than TP ranks (grouped-query attention, ``nkv < tp``), k and v
-are replicated: every rank holds all kv heads and uses the one its query heads share.
-
-Not translated: a tied ``lm_head.weight`` (see :mod:`smpckpt.hf`) and ``rotary_emb.inv_freq`` buffers."""
+Keys are HF's, except the MLP's gate and up projections, one fused ``mlp.gate_up_proj`` in a view that
+reshards (TP rank ``r`` holds gate rows ``r*I/tp .. (r+1)*I/tp``, then the same up rows); with fewer kv
+heads than TP ranks k and v are replicated (:func:`family_specs`). Not translated: a tied ``lm_head.weight``
+(see :mod:`smpckpt.hf`) and ``rotary_emb.inv_freq`` buffers."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Mistral: Hugging Face ``MistralForCausalLM`` <-> our Megatron-style tensor-parallel Mistral.
-
-Mistral's weights are laid out as Llama's, so ours is :mod:`smpckpt.hf.llama`'s (its table holds for
-Mistral too): fused ``mlp.gate_up_proj``, everything else under HF's keys, k and v replicated when there
-are fewer kv heads (Mistral-7B has 8) than TP ranks. The sliding window (``config.sliding_window``)
-only masks attention scores; it does not touch the layout.
-
-Not translated: a tied ``lm_head.weight`` (untied by default; see :mod:`smpckpt.hf`) and
-``rotary_emb.inv_freq`` buffers. SageMaker model parallel v1 never supported Mistral: no smp-named aliases."""
+"""Mistral: Hugging Face ``MistralForCausalLM`` <-> ours, laid out as :mod:`smpckpt.hf.llama` (the
+sliding window only masks scores). smp v1 never supported Mistral: no smp-named aliases."""
 
 from __future__ import annotations
 

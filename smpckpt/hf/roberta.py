@@ -1,15 +1,8 @@
 """RoBERTa: Hugging Face ``RobertaForMaskedLM`` (and ``RobertaModel``) <-> our tensor-parallel RoBERTa.
 
-Laid out as :mod:`smpckpt.hf.bert` (its table holds with ``<p>`` = ``roberta.`` in head models, empty
-in a bare ``RobertaModel``): fused ``attention.self.qkv``, everything else under HF's keys; the MLM head
-is ``lm_head``, whose ``bias`` and untied ``decoder`` are vocab-parallel with the embedding's sizes and
-whose ``dense`` and ``layer_norm`` are replicated. RoBERTa's position ids start at ``pad_token_id + 1``;
-that is the model's arithmetic, not the layout's.
-
-Not translated: ``lm_head.decoder.weight`` (tied to ``roberta.embeddings.word_embeddings.weight``) and
-``lm_head.decoder.bias`` (tied to ``lm_head.bias``) are dropped on import when tied and produced on export
-only with ``tie_word_embeddings=True``; an untied decoder is kept. ``embeddings.position_ids`` /
-``embeddings.token_type_ids`` buffers are dropped on import. Cross-attention is replicated under HF's keys."""
+Laid out as :mod:`smpckpt.hf.bert` with ``roberta.`` for ``bert.``; the MLM head is ``lm_head``, whose
+``bias`` and untied ``decoder`` are split with the embedding's rows, its ``dense`` and ``layer_norm``
+replicated. Tied ``lm_head.decoder.weight`` / ``.bias`` and the embeddings' buffers are not translated."""
 
 from __future__ import annotations
 

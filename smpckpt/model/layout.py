@@ -1,14 +1,5 @@
-"""Parallel layouts: how global ranks map to tensor-, data- and pipeline-parallel coordinates.
-
-Rank order is TP fastest, then DP, then PP (as in Megatron)::
-
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-
-``pp_layers`` is the pipeline partition: how many transformer layers each stage holds. Stage-local keys
-are renamed to global (checkpoint) keys only when the layout records a partition or a ``name_map`` is
-given: by default the integer after a ``layers.`` path segment is shifted by the stage's layer offset
-(with ``pp_layers=(2, 2)`` stage 1's ``layers.0`` is saved as ``layers.2``) and checked to be one of
-the stage's layers. Without either, keys are taken as already global (torchtitan-style PP).
+"""Parallel layouts: how global ranks map to tensor-, data- and pipeline-parallel coordinates (rank
+order, ``pp_layers`` and the renaming of stage-local keys: the README's "The layout model", "PP renaming").
 
 The top-level keys :func:`~smpckpt.save_checkpoint` reserves are named here only (the API builds its
 state dict, rank-local globs and optional-key globs from that one object).

@@ -1,10 +1,5 @@
-"""Shard specs: how a plain local tensor is a piece of a global tensor.
-
-A :class:`ShardSpec` says which dimension of the (optionally viewed) local tensor is split across
-which parallel axis, and how big each rank's piece is. Specs are attached to keys by glob rules
-(:class:`SpecRules`), matched against the flattened key as DCP flattens a state dict
-(``model.layers.3.qkv.weight``). The first matching rule wins, in the mapping's insertion order.
-Optimizer state (``optim.state.<param>.exp_avg`` ...) inherits the spec of ``<param>``."""
+"""Shard specs: how a plain local tensor is a piece of a global tensor (:class:`ShardSpec`), and the glob
+rules attaching them to keys (:class:`SpecRules`; the README's "Spec rules" and "How rules meet keys")."""
 
 from __future__ import annotations
 

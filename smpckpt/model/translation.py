@@ -4,11 +4,9 @@ Two namespaces meet here. *Ours* is our model's global tensor, keyed by our FQN 
 checkpoint stores it (its global *view* shape: a fused QKV weight is ``[3, d, d]``). The *artifact* is
 the foreign file's tensor (an HF safetensors entry), keyed by its own FQN, in its own shape.
 
-Each of our tensors is an :data:`Expr` over artifact tensors, evaluated lazily by region or eagerly:
-that algebra is :mod:`smpckpt.model._translation_algebra`'s, re-exported here. This module holds the
-rules: a :class:`Translation` is a list of :class:`Rule` s, each tying one of our key templates
-(``transformer.h.{i}.attn.qkv.weight``) to artifact key templates and saying how shapes map either way;
-and :func:`check_translates`, whether a translation fits the tensors it is given."""
+Each of our tensors is an :data:`Expr` over artifact tensors (:mod:`smpckpt.model._translation_algebra`,
+re-exported here); this module holds the :class:`Rule` s that build them from key templates, the
+:class:`Translation` made of them, and :func:`check_translates`, whether one fits the tensors given."""
 
 from __future__ import annotations
 
@@ -408,15 +406,9 @@ def check_translates(
 ) -> None:
     """Raise :class:`~smpckpt.errors.SpecError` when ``translation`` does not fit the tensors of
     ``shapes`` on ``side`` (``"ours"``: exporting our tensors; ``"artifact"``: importing a Hugging Face
-    folder's), naming the keys and what would fit.
-
-    A translation keeps every key its rules do not name, so the wrong one changes nothing and fails
-    nowhere (GPT-J's fused ``attn.qkv_proj.weight`` exported with GPT-Neo's rules keeps its name, and
-    ``from_pretrained`` initialises q, k and v at random). Refused: none of the tensors is one the rules
-    take (on import only when another family's rules take some: a folder may hold only untranslated
-    tensors); a tensor kept that another translation of ``others`` takes (on import only rules fusing
-    several artifact tensors count: GPT-2's renamed ``mlp.c_fc.weight`` is GPT-Neo's own key); a tensor
-    kept that the rules take without a prefix (``module.`` of a wrapper)."""
+    folder's), naming the keys and what would fit: the three cases of the README's "A translation must
+    fit the tensors" (on import, of ``others`` only rules fusing several artifact tensors count: GPT-2's
+    renamed ``mlp.c_fc.weight`` is GPT-Neo's own key)."""
     if not translation.rules or not shapes:
         return
     keys = [k for k in shapes if side == "ours" or not translation.is_ignored(k)]

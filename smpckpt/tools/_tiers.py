@@ -1,15 +1,7 @@
-"""``smpckpt ls`` / ``smpckpt verify`` with ``--local DIR ...``: the fast tier of tiered checkpoints
-(``save_checkpoint(..., local_path=...)``) as the given node folders hold it (one process, no collectives).
-
-Only ``PATH``'s job folder in each (``{DIR}/smpckpt-job-<hash of PATH>``) is judged; other jobs' are
-listed as such (:func:`other_jobs`). A node's ``{tag}_partial`` folder usually holds only its share, so a
-tag is judged across every folder given, with what a resume uses (``smpckpt.api._tiers.candidates``). A
-*part* is a data file the manifest lists or the generation's metadata (``.metadata.<save id>``).
-
-``ls --local``: :func:`fast_rows`, :func:`resume_pick`, :func:`write_fast_table`. ``verify PATH/TAG
---local``: :func:`verify_fast`, :func:`write_fast_report`. What each reports: the README's "CLI". Also what
-every command shares: ``PATH/TAG`` (:func:`split_tag_spec`, :func:`resolve_checkpoint_url`), sizes, layouts.
-"""
+"""``smpckpt ls`` / ``smpckpt verify`` with ``--local DIR ...``: the fast tier's node folders of ``PATH``'s
+job, judged across every folder given, with what a resume uses (``smpckpt.api._tiers.candidates``), in one
+process (what each reports: the README's "CLI"). A *part* is a data file the manifest lists or the
+generation's metadata. Also what every command shares: ``PATH/TAG``, sizes, layouts."""
 
 from __future__ import annotations
 
@@ -357,12 +349,9 @@ class FastVerifyReport:
 def verify_fast(
     dirs: Sequence[str], owner: str, tag: str, progress: Callable[[int, int], None] | None = None
 ) -> FastVerifyReport | None:
-    """Check ``tag``'s fast-tier copy of the job ``owner`` (its durable root's key) across ``dirs``: each
-    folder's manifest parses, is this job's, and all agree; every file a folder holds that its manifest
-    lists (a folder without one: the others') has the listed size and every block checksum; every part
-    is held intact by some folder agreeing with the newest manifest, and -- when every node's folder is
-    given -- every data file by as many folders as the save's ``replicas``; and (once, on a folder with
-    that manifest) what a load checks before reading. ``None`` when no folder has the tag."""
+    """Check ``tag``'s fast-tier copy of the job ``owner`` (its durable root's key) across ``dirs``, as the
+    README's "CLI" says of ``verify --local`` (a folder without a manifest is checked against the others');
+    ``None`` when no folder has the tag."""
     urls = [os.path.join(job_folder(d, owner), partial_dirname(tag)) for d in dirs]
     copies = [read_copy(url, tag, owner) if os.path.lexists(url) else None for url in urls]
     if all(c is None for c in copies):

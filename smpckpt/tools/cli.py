@@ -554,9 +554,5 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         return 1
 
 
-def _console() -> None:  # pragma: no cover - thin wrapper
+if __name__ == "__main__":  # pragma: no cover - `python -m smpckpt.tools.cli`, as smpckpt/__main__.py
     sys.exit(main())
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _console()

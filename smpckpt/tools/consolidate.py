@@ -1,9 +1,6 @@
-"""Offline consolidation: a committed partial checkpoint -> the full artifact ``partial=False`` writes.
-
-:func:`consolidate_checkpoint` (``smpckpt consolidate SRC OUT``) runs in one CPU process with no
-process group, and writes what an online full save writes: it drives the full-mode storage writer as a
-one-rank ``dcp.save`` would, fetching each tensor (checksums verified) only when the writer asks for it,
-so memory stays about twice the largest tensor."""
+"""Offline consolidation: a committed partial checkpoint -> the full artifact ``partial=False`` writes
+(:func:`consolidate_checkpoint`, ``smpckpt consolidate``; the README's "Offline"): it drives the full-mode
+storage writer as a one-rank ``dcp.save`` would, fetching each tensor only when the writer asks for it."""
 
 from __future__ import annotations
 

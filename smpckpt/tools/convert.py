@@ -1,11 +1,5 @@
-"""Export a checkpoint to what stock tools read: one ``torch.save`` file, or a stock-DCP folder.
-
-Stock DCP cannot read smpckpt's default (``raw``) format, and a tensor saved with a ShardSpec ``view`` is
-stored in its view shape. :func:`convert_checkpoint` (``smpckpt convert SRC OUT``, one process) reads any
-checkpoint our reader reads and writes ``to="torch_save"`` (one file ``torch.load`` opens, nested as saved)
-or ``to="dcp"`` (a committed folder in ``format="torch_save"``, which stock ``dcp.load`` and
-``dcp_to_torch_save`` read). Viewed tensors get their original shape unless ``keep_view_shapes``. Every
-tensor is held once, full-size."""
+"""Export a checkpoint to what stock tools read: one ``torch.save`` file, or a stock-DCP folder
+(:func:`convert_checkpoint`, ``smpckpt convert``; what and why: the README's "Compatibility")."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -79,8 +79,20 @@ def _tied(head: torch.Tensor, embed: torch.Tensor) -> bool:
     return same_memory or bool(torch.equal(head, embed))
 
 
-#: a family's eager import and export functions (keyword options as documented on each)
-EagerFn = Callable[..., dict[str, torch.Tensor]]
+class ImportFn(Protocol):
+    def __call__(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        tie_word_embeddings: bool | None = None,
+        keep_view_shapes: bool = False,
+    ) -> dict[str, torch.Tensor]: ...
+
+
+class ExportFn(Protocol):
+    def __call__(
+        self, state_dict: Mapping[str, torch.Tensor], *, tie_word_embeddings: bool = False
+    ) -> dict[str, torch.Tensor]: ...
 
 
 _IMPORT_DOC = """HF ``{arch}`` state dict -> ours (bit-exact; tensors may share memory with the input).
@@ -118,7 +130,7 @@ def _state_beside(translation: Translation, state_dict: Mapping[str, torch.Tenso
     return sd
 
 
-def eager_helpers(module: str, translation: Translation) -> tuple[EagerFn, EagerFn]:
+def eager_helpers(module: str, translation: Translation) -> tuple[ImportFn, ExportFn]:
     """A family's eager ``translate_hf_state_dict_to_smpckpt`` and ``translate_state_dict_to_hf``, bound
     to its translation (whose ``tied`` heads they drop on import and may add on export; whose fused
     rules give the model's shape of a view, :meth:`~smpckpt.model.translation.Translation.merged_shapes`),

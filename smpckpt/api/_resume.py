@@ -1,5 +1,5 @@
 """The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`resolve_target`
-(rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
+(rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`~smpckpt.api.options.check_groups` ->
 :func:`skipped_keys` -> :func:`apply_state` -> :func:`summarize` (all ranks)."""
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from smpckpt.api._dist import (
     train_state,
     translate_dcp,
 )
-from smpckpt.api.options import ResumeOptions, aside, stateful_keys, translated
+from smpckpt.api.options import ResumeOptions, aside
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, loaded_in_place
+from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
-__all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState"]
+__all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
 __all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
 
 log = logging.getLogger("smpckpt.api")
@@ -464,64 +464,6 @@ def stateless_at_save(
     )
     # stateless before the resume, or stateless when saved (a rollback: its live state is not the saved run's)
     return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f] or no_optim))
-
-
-def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
-    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
-    enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
-    failure leaves the ranks on different checkpoints): a param group whose parameters were saved with
-    different hyper-parameters is refused (``strict``; else warned: ``set_state_dict`` would silently give
-    them all the first one's), and the ``translate_function``'s state dict (user code: raising on one rank
-    stops every rank before any applies) replaces ``state``'s model entry. Returns the keys the function
-    left unloaded."""
-    model, optim_sd = req.model, state.get(RESERVED.optim, {})
-    present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
-    names: dict[int, list[str]] = {}
-    if model is not None and req.optimizers:
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
-    for o, opt in enumerate(req.optimizers):
-        for g, group in enumerate(opt.param_groups):
-            if not group["params"]:  # DCP's set_state_dict fails on it with a bare IndexError
-                raise SpecError(
-                    f"optimizer {o}'s param group {g} holds no parameters: torch.distributed.checkpoint's "
-                    "set_state_dict cannot load an optimizer with an empty group. Build the optimizer without "
-                    "it (add groups with add_param_group when their parameters exist)"
-                )
-            fqns = [names[id(p)][0] for p in group["params"] if names.get(id(p))]
-            for hp in group:
-                if hp == "params":
-                    continue
-                values = {f: optim_sd[k] for f in fqns if (k := f"param_groups.{f}.{hp}") in optim_sd}
-                first = next(iter(values.values()), None)
-                differ = {f: v for f, v in values.items() if not _same_value(v, first)}
-                if not differ:
-                    continue
-                shown = ", ".join(f"{f}: {v!r}" for f, v in [(next(iter(values)), first), *list(differ.items())[:4]])
-                message = (
-                    f"optimizer {o}, param group {g}: its parameters were saved with different {hp!r} ({shown}); "
-                    "one group takes one value. Build the optimizer's param groups as they were saved"
-                )
-                if req.opts.strict:
-                    raise LayoutMismatch(message + " (or resume with strict=False to give the group the first value)")
-                # the caller's line: below it resume (or resume_from_checkpoint), _resume, all_ok, its lambda
-                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=6)
-    if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
-        return ()
-    state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict, stateful_keys(model, req.optimizers)
-    )
-    return untranslated
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    try:
-        # NaN equals nothing, itself included: a NaN every parameter saved alike prints alike
-        return bool(a == b) or (type(a) is type(b) and repr(a) == repr(b))
-    except (RuntimeError, TypeError, ValueError):  # containers of tensors (tensor betas): compare as printed
-        return repr(a) == repr(b)
 
 
 def skipped_keys(

@@ -29,7 +29,6 @@ from smpckpt.api._resume import (
     ResumeInfo,
     ResumeRequest,
     apply_state,
-    check_groups,
     load_checkpoint,
     not_found_hint,
     resolve_target,
@@ -59,6 +58,7 @@ from smpckpt.api.options import (
     Retention,
     SaveOptions,
     Sharding,
+    check_groups,
 )
 from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint

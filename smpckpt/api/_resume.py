@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import _get_fqns, _init_optim_state, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
 
 from smpckpt.api._dist import (
     OPTIONS,
@@ -265,14 +265,24 @@ class InventedState:
 
 def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Give the parameters a live optimizer holds no state for the state DCP gives a fresh optimizer (a step
-    at lr 0 with zero gradients, on a scratch optimizer of the same class): DCP initialises only an optimizer
-    without any state, and no frozen parameter, so their saved state had no destination. Those the checkpoint
-    holds nothing for lose it again (:func:`stateless_at_save`). An optimizer class that cannot be built from
-    its groups is left as is (a frozen parameter's saved state then refused, or skipped, by its keys)."""
+    at lr 0 with zero gradients, :func:`_step_at_lr0`; on a scratch optimizer of the same class for those of
+    one with state): DCP initialises only an optimizer without any state, and no frozen parameter, so their
+    saved state had no destination. Those the checkpoint holds nothing for lose it again
+    (:func:`stateless_at_save`). A fresh optimizer whose step fails is refused by name; an optimizer class
+    that cannot be built from its groups is left as is (a frozen parameter's saved state then refused, or
+    skipped, by its keys)."""
     drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
-    for opt in optimizers:
+    for i, opt in enumerate(optimizers):
         fresh = not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"])
-        _init_optim_state(opt)  # DCP's own (on a fresh one): its trainable parameters need no scratch step
+        if fresh:  # as DCP's own _init_optim_state (which leaves lr 0 and zero gradients behind a failed step)
+            try:
+                _step_at_lr0(opt, [p for g in opt.param_groups for p in g["params"] if p.requires_grad])
+            except Exception as exc:
+                raise RuntimeError(
+                    f"optimizer {i} ({type(opt).__name__}) cannot be resumed fresh: the step at lr 0 with zero "
+                    f"gradients that gives it the state to load into failed ({type(exc).__name__}: {exc}); its lr and "
+                    "gradients are as they were. Step it once before the resume (the resume replaces what it changed)"
+                ) from exc
         groups = []
         for g in opt.param_groups:
             todo = [p for p in g["params"] if p not in opt.state and not (fresh and p.requires_grad)]
@@ -281,15 +291,9 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if not groups:
             continue
         params = [p for g in groups for p in g["params"]]
-        grads = [p.grad for p in params]
         try:
             scratch = type(opt)(groups)  # type: ignore[call-arg]  # torch's optimizers take their groups alone
-            for g in scratch.param_groups:
-                if "lr" in g:
-                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            scratch.step()
+            _step_at_lr0(scratch, params)
         except Exception as exc:  # noqa: BLE001 - a class not built from its groups, a step needing more: as before
             if any(p.requires_grad for p in params):  # frozen ones alone: few hold saved state, refused by key
                 log.warning(
@@ -298,12 +302,27 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                     *(type(opt).__name__, len(params), type(exc).__name__, exc),
                 )
             continue
-        finally:
-            for p, grad in zip(params, grads, strict=True):
-                p.grad = grad
         for p in params:
             if p in scratch.state:
                 opt.state[p] = scratch.state[p]
+
+
+def _step_at_lr0(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """``opt.step()`` at lr 0 with zero gradients on ``params`` (empty sparse ones for SparseAdam, which refuses
+    dense ones); lr and gradients put back on every exit."""
+    lrs = [(g, g["lr"]) for g in opt.param_groups if "lr" in g]
+    grads = [p.grad for p in params]
+    try:
+        for g, lr in lrs:
+            g["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p).to_sparse() if isinstance(opt, torch.optim.SparseAdam) else torch.zeros_like(p)
+        opt.step()
+    finally:
+        for g, lr in lrs:
+            g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
 
 def load_checkpoint(

@@ -548,3 +548,55 @@ def test_a_parameter_in_two_optimizers_is_refused_by_name(tmp_path: Any) -> None
     o.param_groups.append({**o.param_groups[0], "params": [t[0].weight]})  # add_param_group would refuse it
     with pytest.raises(ValueError, match=r"^parameter '0\.weight' is in param_groups 0 and 1 of optimizer 0: "):
         save_checkpoint(str(tmp_path), "b", model=t, optimizer=o)
+
+
+def test_a_fresh_sparse_adam_resumes_bit_exact(tmp_path: Any) -> None:
+    """rev66e (e3): a resume into a fresh SparseAdam failed ("does not support dense gradients": the step
+    that builds its state took dense zero gradients) and left it at lr 0 with zero gradients."""
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Embedding(10, 4, sparse=True)
+        return m, torch.optim.SparseAdam(m.parameters(), lr=0.01)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, ids: list[int]) -> None:
+        o.zero_grad()
+        m(torch.tensor(ids)).sum().backward()
+        o.step()
+
+    m, o = build(0)
+    step(m, o, [1, 2])
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m2, o2 = build(1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert o2.param_groups[0]["lr"] == 0.01 and m2.weight.grad is None
+    assert torch.equal(m2.weight, m.weight)
+    assert o2.state[m2.weight]["step"] == o.state[m.weight]["step"] == 1
+    assert all(torch.equal(o2.state[m2.weight][k], o.state[m.weight][k]) for k in ("exp_avg", "exp_avg_sq"))
+    step(m, o, [2, 3])
+    step(m2, o2, [2, 3])
+    assert torch.equal(m2.weight, m.weight)
+
+
+class _NoStep(torch.optim.SGD):
+    """An optimizer whose step fails (as LBFGS's without a closure does)."""
+
+    def step(self, closure: Any = None) -> Any:
+        raise RuntimeError("this step needs a closure")
+
+
+def test_a_fresh_optimizer_whose_step_fails_is_refused_by_name_with_its_lr_and_gradients_kept(tmp_path: Any) -> None:
+    """The step at lr 0 that gives a fresh optimizer its state failing left lr 0 and zero gradients behind."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    saved = [torch.optim.SGD(m[0].parameters(), lr=0.5), torch.optim.SGD(m[1].parameters(), lr=0.5, momentum=0.9)]
+    m(torch.randn(3, 4)).sum().backward()
+    for o in saved:
+        o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=saved)
+    keep, fresh = torch.optim.SGD(m[0].parameters(), lr=0.1), _NoStep(m[1].parameters(), lr=0.25, momentum=0.9)
+    m.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"optimizer 1 \(_NoStep\).*this step needs a closure"):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[keep, fresh])
+    assert fresh.param_groups[0]["lr"] == 0.25 and keep.param_groups[0]["lr"] == 0.1
+    assert all(p.grad is None for p in m.parameters()) and not fresh.state

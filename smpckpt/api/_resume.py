@@ -38,7 +38,7 @@ from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint", "in_place"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -356,11 +356,19 @@ def load_checkpoint(
     except CheckpointException as exc:
         md_error, group = reader.metadata_error, common.process_group
         err = translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group)
-        raise loaded_in_place(err, reader.reading) from exc
+        raise loaded_in_place(err, reader.reading and in_place(common, opts)) from exc
     except Exception as exc:  # a peer lost during the read (gloo's error)
-        loaded_in_place(exc, reader.reading)
+        loaded_in_place(exc, reader.reading and in_place(common, opts))
         raise
     return planner
+
+
+def in_place(common: CommonRequest, opts: ResumeOptions) -> bool:
+    """Whether a load writes into the live model or optimizers: not a partial resume's with a translate_function
+    and no optimizer (its model keys land aside, :func:`~smpckpt.api.options.aside`), nor one without a model."""
+    return common.model is not None and (
+        bool(common.optimizers) or not (opts.partial and callable(opts.translate_function))
+    )
 
 
 def apply_state(

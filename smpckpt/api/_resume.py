@@ -392,6 +392,7 @@ def apply_state(
                 # DCP loads no state into a frozen parameter (load_state_dict drops it): trainable for the load
                 sd, can = state[RESERVED.optim], (torch.Tensor.is_floating_point, torch.Tensor.is_complex)  # not int8
                 frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and any(f(p) for f in can)]
+                ints = [(o, p) for o in req.optimizers for p in o.state if not any(f(p) for f in can)]
                 try:
                     for p in frozen:
                         p.requires_grad_(True)
@@ -401,6 +402,7 @@ def apply_state(
                 finally:
                     for p in frozen:
                         p.requires_grad_(False)
+                _put_back(req.model, ints, sd)
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
@@ -424,6 +426,25 @@ def apply_state(
     stored, nested = state[RESERVED.user_content], target is not None and target.api == API_RECORD_V1
     user_content = decode_user_content(stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=nested)
     return user_content, restored
+
+
+def _put_back(model: Any, held: list[tuple[Any, torch.Tensor]], sd: Mapping[str, Any]) -> None:
+    """(after ``set_state_dict``) The loaded optimizer state of integer parameters (quantised weights), which
+    DCP skips as frozen and torch cannot make trainable for the load: set from the state dict (``held``:
+    (optimizer, parameter) pairs holding state before the load; nested keys as nested dicts)."""
+    for opt, param in held:
+        named = model.named_parameters(remove_duplicate=False)
+        fqns = {f for name, p in named if p is param for f in _get_fqns(model, name)}
+        entry: dict[str, Any] = {}
+        for key, value in sd.items():
+            if key.startswith("state.") and (owner := RESERVED.state_owner(key[6:], fqns)) is not None:
+                *path, last = key[7 + len(owner) :].split(".")
+                at = entry
+                for part in path:
+                    at = at.setdefault(part, {})
+                at[last] = value
+        if entry:
+            opt.state[param] = entry
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:

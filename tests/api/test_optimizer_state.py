@@ -58,6 +58,37 @@ def test_a_frozen_integer_parameter_with_optimizer_state_resumes(tmp_path: Any) 
     assert torch.equal(o2.state[m2.lin.weight]["sum"], o.state[m.lin.weight]["sum"])
 
 
+def test_a_frozen_integer_parameters_saved_optimizer_state_is_restored(tmp_path: Any) -> None:
+    """DCP loads no state into a frozen parameter and torch refuses requires_grad on an integer one: its saved
+    Adagrad state was dropped, silently (fresh optimizer and in-process roll-back alike)."""
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
+
+    torch.manual_seed(0)
+    m = Quantised()
+    o = torch.optim.Adagrad(m.parameters(), lr=0.1)
+    m.lin(torch.randn(2, 4)).sum().backward()
+    o.step()
+    o.state[m.q]["sum"].fill_(3)  # state a fresh optimizer does not hold (a quantisation step set it, say)
+    saved = copy.deepcopy(o.state[m.q])
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Quantised()
+    o2 = torch.optim.Adagrad(m2.parameters(), lr=0.1)
+    o.state[m.q]["sum"].fill_(5)
+    for model, opt in ((m2, o2), (m, o)):
+        resume_from_checkpoint(str(tmp_path), "a", model=model, optimizer=opt)
+        got = opt.state[model.q]
+        assert set(got) == set(saved) and all(
+            torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in saved.items()
+        )
+        assert torch.equal(model.q, m.q) and not model.q.requires_grad
+
+
 def test_a_frozen_complex_parameter_keeps_its_optimizer_state(tmp_path: Any) -> None:
     """rev66f F2: the int8 fix (only floating-point parameters made trainable for the load) left a frozen
     complex parameter, which can be trained, without its saved Adam state, silently."""

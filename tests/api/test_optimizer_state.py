@@ -631,3 +631,33 @@ def test_a_fresh_optimizer_whose_step_fails_is_refused_by_name_with_its_lr_and_g
         resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[keep, fresh])
     assert fresh.param_groups[0]["lr"] == 0.25 and keep.param_groups[0]["lr"] == 0.1
     assert all(p.grad is None for p in m.parameters()) and not fresh.state
+
+
+def test_an_optimizer_holding_list_state_is_refused_by_index_and_key(tmp_path: Any) -> None:
+    """hunt66c L1: LBFGS keeps lists in its state; DCP's get_state_dict refused the save with a bare
+    NotImplementedError naming neither the optimizer nor the key."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    adam, lbfgs = torch.optim.Adam(m[0].parameters()), torch.optim.LBFGS(m[1].parameters(), history_size=3)
+    x = torch.randn(3, 4)
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)
+    adam.step()
+    with pytest.raises(
+        TypeError, match=r"optimizer 1 \(LBFGS\) holds a list under state key '\w+' of parameter '1.weight'"
+    ):
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, lbfgs])
+    assert not list(tmp_path.iterdir())
+    # what the error says to do: its state_dict() in user_content (weights-only), then load_state_dict
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=adam, user_content={"lbfgs": lbfgs.state_dict()})
+    again = torch.optim.LBFGS(m[1].parameters(), history_size=3)
+    again.load_state_dict(resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=adam)["lbfgs"])
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.state[m[1].weight]["old_dirs"], lbfgs.state[m[1].weight]["old_dirs"])
+    )

@@ -404,7 +404,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to ignore them)"
-                + likely_causes(unexpected, self.metadata.state_dict_metadata)
+                + likely_causes(unexpected, self.metadata.state_dict_metadata, asked)
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))

@@ -661,3 +661,21 @@ def test_an_optimizer_holding_list_state_is_refused_by_index_and_key(tmp_path: A
     assert all(
         torch.equal(a, b) for a, b in zip(again.state[m[1].weight]["old_dirs"], lbfgs.state[m[1].weight]["old_dirs"])
     )
+
+
+def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_saying_why(tmp_path: Any) -> None:
+    """hunt66c L3: trained at save, frozen and left out of the optimizer at the resume: refused naming only
+    the optimizer keys no rank loads, not why nor what to do."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m[1].requires_grad_(False)
+    live = torch.optim.Adam(m[0].parameters())
+    with pytest.raises(
+        LayoutMismatch, match=r"parameter\(s\) 1.bias, 1.weight were in a saved optimizer.*in no optimizer passed"
+    ):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=live)
+    resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=o)  # what it says to do: an optimizer holding them

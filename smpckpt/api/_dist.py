@@ -357,6 +357,8 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         )
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # nn.DataParallel's state_dict keys lie under module. (DCP strips DDP's only): saved as its module, as DDP's are
+    model = model.module if isinstance(model, nn.DataParallel) else model
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
     busy, running = _fsdp_busy(model) if model is not None else ([], False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 from typing import Any
 
 import pytest
@@ -679,3 +680,40 @@ def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_sayin
     ):
         resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=live)
     resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=o)  # what it says to do: an optimizer holding them
+
+
+def test_a_dataparallel_model_saves_and_resumes_unwrapped_either_way(tmp_path: Any) -> None:
+    """hunt66c L2: nn.DataParallel keeps its module under ``module.`` (DCP strips DDP's prefix, not its): saved
+    wrapped and resumed unwrapped (or the other way) was refused, every key "not in the checkpoint"."""
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        return m, torch.optim.Adam(m.parameters())
+
+    for i, (save_dp, resume_dp) in enumerate(((True, False), (False, True))):
+        m, o = build(0)
+        (nn.DataParallel(m) if save_dp else m)(torch.randn(2, 8)).sum().backward()
+        o.step()
+        save_checkpoint(str(tmp_path), f"s{i}", model=nn.DataParallel(m) if save_dp else m, optimizer=o)
+        m2, o2 = build(1)
+        resume_from_checkpoint(str(tmp_path), f"s{i}", model=nn.DataParallel(m2) if resume_dp else m2, optimizer=o2)
+        assert _equal(m, m2)
+        _assert_optim_equal(m, o, m2, o2)
+
+    class Wrapper(nn.Module):  # what an earlier smpckpt saved of nn.DataParallel(m): keys under module.
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    m, o = build(0)
+    m(torch.randn(2, 8)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "old", model=Wrapper(m), optimizer=o)
+    m2, o2 = build(1)
+    with pytest.raises(LayoutMismatch, match=r"under module\. \(an nn.DataParallel model .*Sharding\(name_map="):
+        resume_from_checkpoint(str(tmp_path), "old", model=nn.DataParallel(m2), optimizer=o2)
+    name_map = lambda k: re.sub(r"^(model|optim\.state|optim\.param_groups)\.", r"\1.module.", k)  # noqa: E731 - as said
+    resume_from_checkpoint(str(tmp_path), "old", model=m2, optimizer=o2, options=smpckpt.Sharding(name_map=name_map))
+    assert _equal(m, m2)
+    _assert_optim_equal(m, o, m2, o2)

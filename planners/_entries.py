@@ -12,7 +12,7 @@ import io
 import math
 import pickle
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import Any, Literal
 
 import torch
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from smpckpt._checks import check_process_group
 from smpckpt.errors import LayoutMismatch, ReplicaMismatch, SpecError, not_dense
-from smpckpt.model.layout import KeyMapper, NameMap, ParallelLayout, RankCoords
+from smpckpt.model.layout import RESERVED, KeyMapper, NameMap, ParallelLayout, RankCoords
 from smpckpt.model.specs import OPTIMIZER_STATE_PREFIXES, ShardGeometry, ShardSpec, SpecLike, SpecRules, shard_geometry
 
 __all__ = ["Entry", "ObjectBytes", "compile_globs", "dtensor_is_owner", "same_bits", "tied_entries"]
@@ -545,19 +545,22 @@ def gather_ties(plans: list[SavePlan]) -> dict[str, str]:
     return {alias: first for alias, (first, _) in tied.items()}
 
 
-def likely_causes(keys: Sequence[str], saved: Iterable[str]) -> str:
-    """(error path) The two common causes of a long list of missing or unexpected keys, when they match
-    (``saved``: the checkpoint's keys, or those of them no rank loads)."""
+def likely_causes(keys: Sequence[str], saved: Iterable[str], asked: Set[str] = frozenset()) -> str:
+    """(error path) The common causes of a long list of missing or unexpected keys, when they match (``saved``:
+    the checkpoint's keys, or those of them no rank loads; ``asked``: the keys loaded, ``keys`` unexpected)."""
     notes = []
     if any(k.rsplit(".", 1)[-1] == "initial_lr" and "param_groups." in k for k in keys):
         notes.append(
-            "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume "
-            "exactly when the saving run had built it before the save"
+            "an LR scheduler adds initial_lr to the param groups when it is built: build it before the resume exactly when the saving run had built it before the save"
         )
     if any(re.search(r"(^|\.)param_groups\.\d+\.params$", k) for k in saved):  # groups listing their params
         notes.append(
-            "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict "
-            "gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
+            "the checkpoint holds optimizer state unflattened (param_groups a list, as stock DCP's get_state_dict gives by default): save it with StateDictOptions(flatten_optimizer_state_dict=True)"
+        )
+    owners = {k[len(at) :].rpartition(".")[0] for k in keys if k.startswith(at := f"{RESERVED.optim}.param_groups.")}
+    if out := sorted(f for f in owners if f"{RESERVED.model}.{f}" in asked):  # loaded, their groups not: in none
+        notes.append(
+            f"parameter(s) {', '.join(out[:8])}{' ...' if len(out) > 8 else ''} were in a saved optimizer (the checkpoint holds their param groups and any state) but are in no optimizer passed now (frozen and left out of it?): pass the optimizer over them as saved (steps skip a frozen parameter, its state is kept), or resume with strict=False to leave their optimizer state unloaded"
         )
     return "; likely cause: " + "; ".join(notes) if notes else ""
 

@@ -395,7 +395,7 @@ class ParallelLoadPlanner(LayoutScope, LoadPlanner):
             raise LayoutMismatch(
                 f"{len(unexpected)} checkpoint keys are loaded by no rank: {_show(unexpected)} "
                 "(pass allow_partial_load=True, or strict=False to resume_from_checkpoint, to ignore them)"
-                + likely_causes(unexpected, self.metadata.state_dict_metadata)
+                + likely_causes(unexpected, self.metadata.state_dict_metadata, asked)
             )
         if self.report is not None:
             self.report = dataclasses.replace(self.report, unexpected_keys=tuple(unexpected))
@@ -578,6 +578,10 @@ def _nesting_mismatches(missing: Sequence[str], saved: Mapping[str, Any]) -> str
         elif whole is not None:
             what = "an object" if isinstance(saved[whole], BytesStorageMetadata) else "a tensor"
             notes.append(f"{key}: the checkpoint holds {whole!r} whole ({what}), not a container of keys under it")
+    if any(k.startswith(m := f"{RESERVED.model}.") and f"{m}module.{k[len(m) :]}" in saved for k in missing):
+        notes.append(
+            "the checkpoint holds the model under module. (an nn.DataParallel model saved by an earlier smpckpt, which kept that prefix): resume with Sharding(name_map=lambda k: re.sub(r'^(model|optim\\.state|optim\\.param_groups)\\.', r'\\1.module.', k))"
+        )
     return "; " + "; ".join(notes[:_SHOW]) if notes else ""
 
 

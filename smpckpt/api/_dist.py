@@ -52,19 +52,8 @@ T = TypeVar("T")
 
 # Builtin exception types re-raised as themselves on the other ranks (others become CheckpointError).
 _BUILTINS: Mapping[str, type[Exception]] = MappingProxyType(
-    {
-        cls.__name__: cls
-        for cls in (
-            ValueError,
-            TypeError,
-            KeyError,
-            NotImplementedError,
-            FileNotFoundError,
-            PermissionError,
-            OSError,
-            RuntimeError,
-        )
-    }
+    {c.__name__: c for c in (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError)}
+    | {c.__name__: c for c in (OSError, RuntimeError)}
 )
 
 
@@ -368,6 +357,8 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
         )
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # nn.DataParallel's state_dict keys lie under module. (DCP strips DDP's only): saved as its module, as DDP's are
+    model = model.module if isinstance(model, nn.DataParallel) else model
     if model is None and opts:
         raise ValueError("optimizer state is keyed by the model's parameter names: pass model= with optimizer=")
     busy, running = _fsdp_busy(model) if model is not None else ([], False)
@@ -403,6 +394,18 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"optimizer {i}, param_groups[{g}]['params'][{j}] (shape {list(p.shape)}, "
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
+                    )
+                odd = [
+                    (k, v)
+                    for k, v in opt.state.get(p, {}).items()
+                    if not isinstance(v, (torch.Tensor, int, float, dict))
+                ]
+                if odd:  # DCP's get_state_dict refuses them naming neither optimizer nor key (LBFGS's lists)
+                    name = next(n for n, q in model.named_parameters() if q is p)
+                    raise TypeError(
+                        f"optimizer {i} ({type(opt).__name__}) holds a {type(odd[0][1]).__name__} under state key "
+                        f"{odd[0][0]!r} of parameter {name!r}: torch.distributed.checkpoint keeps only tensor, int, float "
+                        "and dict optimizer state; leave it out of optimizer= and put its state_dict() in user_content"
                     )
                 k, h = held.setdefault(id(p), (i, g))  # one optimizer passed twice, a tie listed twice in one: one
                 if opts[k] is not opt or h != g:  # DCP keys state and groups by name: theirs would overwrite

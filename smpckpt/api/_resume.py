@@ -1,5 +1,5 @@
 """The steps of :meth:`smpckpt.Checkpointer.resume` over a :class:`ResumeRequest`: :func:`resolve_target`
-(rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`check_groups` ->
+(rank 0) -> :func:`resume_state` -> :func:`load_checkpoint` -> :func:`~smpckpt.api.options.check_groups` ->
 :func:`skipped_keys` -> :func:`apply_state` -> :func:`summarize` (all ranks)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import _get_fqns, _init_optim_state, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import _get_fqns, set_model_state_dict, set_state_dict
 
 from smpckpt.api._dist import (
     OPTIONS,
@@ -28,17 +28,17 @@ from smpckpt.api._dist import (
     train_state,
     translate_dcp,
 )
-from smpckpt.api.options import ResumeOptions, aside, stateful_keys, translated
+from smpckpt.api.options import ResumeOptions, aside
 from smpckpt.catalog import root as catalog
 from smpckpt.catalog.root import SequenceCounter, join_url, partial_url, record_order
-from smpckpt.errors import CheckpointError, CheckpointNotFound, LayoutMismatch, SpecError, loaded_in_place
+from smpckpt.errors import CheckpointError, CheckpointNotFound, loaded_in_place
 from smpckpt.model.layout import API_RECORD_V1, RESERVED, LayoutRecord, ParallelLayout
 from smpckpt.planners import LoadReport, ObjectBytes, ParallelLoadPlanner, dtensor_layout, likely_causes
 from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
-__all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
+__all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint", "in_place"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -265,14 +265,24 @@ class InventedState:
 
 def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Give the parameters a live optimizer holds no state for the state DCP gives a fresh optimizer (a step
-    at lr 0 with zero gradients, on a scratch optimizer of the same class): DCP initialises only an optimizer
-    without any state, and no frozen parameter, so their saved state had no destination. Those the checkpoint
-    holds nothing for lose it again (:func:`stateless_at_save`). An optimizer class that cannot be built from
-    its groups is left as is (a frozen parameter's saved state then refused, or skipped, by its keys)."""
+    at lr 0 with zero gradients, :func:`_step_at_lr0`; on a scratch optimizer of the same class for those of
+    one with state): DCP initialises only an optimizer without any state, and no frozen parameter, so their
+    saved state had no destination. Those the checkpoint holds nothing for lose it again
+    (:func:`stateless_at_save`). A fresh optimizer whose step fails is refused by name; an optimizer class
+    that cannot be built from its groups is left as is (a frozen parameter's saved state then refused, or
+    skipped, by its keys)."""
     drop_optimizer_state(None, optimizers, frozenset())  # empty entries would make DCP take them for state
-    for opt in optimizers:
+    for i, opt in enumerate(optimizers):
         fresh = not opt.state and all(p.grad is None for g in opt.param_groups for p in g["params"])
-        _init_optim_state(opt)  # DCP's own (on a fresh one): its trainable parameters need no scratch step
+        if fresh:  # as DCP's own _init_optim_state (which leaves lr 0 and zero gradients behind a failed step)
+            try:
+                _step_at_lr0(opt, [p for g in opt.param_groups for p in g["params"] if p.requires_grad])
+            except Exception as exc:
+                raise RuntimeError(
+                    f"optimizer {i} ({type(opt).__name__}) cannot be resumed fresh: the step at lr 0 with zero "
+                    f"gradients that gives it the state to load into failed ({type(exc).__name__}: {exc}); its lr and "
+                    "gradients are as they were. Step it once before the resume (the resume replaces what it changed)"
+                ) from exc
         groups = []
         for g in opt.param_groups:
             todo = [p for p in g["params"] if p not in opt.state and not (fresh and p.requires_grad)]
@@ -281,15 +291,9 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if not groups:
             continue
         params = [p for g in groups for p in g["params"]]
-        grads = [p.grad for p in params]
         try:
             scratch = type(opt)(groups)  # type: ignore[call-arg]  # torch's optimizers take their groups alone
-            for g in scratch.param_groups:
-                if "lr" in g:
-                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            scratch.step()
+            _step_at_lr0(scratch, params)
         except Exception as exc:  # noqa: BLE001 - a class not built from its groups, a step needing more: as before
             if any(p.requires_grad for p in params):  # frozen ones alone: few hold saved state, refused by key
                 log.warning(
@@ -298,12 +302,27 @@ def init_missing_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                     *(type(opt).__name__, len(params), type(exc).__name__, exc),
                 )
             continue
-        finally:
-            for p, grad in zip(params, grads, strict=True):
-                p.grad = grad
         for p in params:
             if p in scratch.state:
                 opt.state[p] = scratch.state[p]
+
+
+def _step_at_lr0(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """``opt.step()`` at lr 0 with zero gradients on ``params`` (empty sparse ones for SparseAdam, which refuses
+    dense ones); lr and gradients put back on every exit."""
+    lrs = [(g, g["lr"]) for g in opt.param_groups if "lr" in g]
+    grads = [p.grad for p in params]
+    try:
+        for g, lr in lrs:
+            g["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p).to_sparse() if isinstance(opt, torch.optim.SparseAdam) else torch.zeros_like(p)
+        opt.step()
+    finally:
+        for g, lr in lrs:
+            g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
 
 def load_checkpoint(
@@ -337,11 +356,19 @@ def load_checkpoint(
     except CheckpointException as exc:
         md_error, group = reader.metadata_error, common.process_group
         err = translate_dcp(exc, f"loading {what} {url}", metadata_error=md_error, group=group)
-        raise loaded_in_place(err, reader.reading) from exc
+        raise loaded_in_place(err, reader.reading and in_place(common, opts)) from exc
     except Exception as exc:  # a peer lost during the read (gloo's error)
-        loaded_in_place(exc, reader.reading)
+        loaded_in_place(exc, reader.reading and in_place(common, opts))
         raise
     return planner
+
+
+def in_place(common: CommonRequest, opts: ResumeOptions) -> bool:
+    """Whether a load writes into the live model or optimizers: not a partial resume's with a translate_function
+    and no optimizer (its model keys land aside, :func:`~smpckpt.api.options.aside`), nor one without a model."""
+    return common.model is not None and (
+        bool(common.optimizers) or not (opts.partial and callable(opts.translate_function))
+    )
 
 
 def apply_state(
@@ -365,6 +392,7 @@ def apply_state(
                 # DCP loads no state into a frozen parameter (load_state_dict drops it): trainable for the load
                 sd, can = state[RESERVED.optim], (torch.Tensor.is_floating_point, torch.Tensor.is_complex)  # not int8
                 frozen = [p for o in req.optimizers for p in o.state if not p.requires_grad and any(f(p) for f in can)]
+                ints = [(o, p) for o in req.optimizers for p in o.state if not any(f(p) for f in can)]
                 try:
                     for p in frozen:
                         p.requires_grad_(True)
@@ -374,6 +402,7 @@ def apply_state(
                 finally:
                     for p in frozen:
                         p.requires_grad_(False)
+                _put_back(req.model, ints, sd)
                 drop_optimizer_state(req.model, req.optimizers, unsaved)
             else:
                 set_model_state_dict(req.model, model_sd, options=opts)
@@ -397,6 +426,25 @@ def apply_state(
     stored, nested = state[RESERVED.user_content], target is not None and target.api == API_RECORD_V1
     user_content = decode_user_content(stored if stored else None, allow_pickle=req.opts.allow_pickle, nested=nested)
     return user_content, restored
+
+
+def _put_back(model: Any, held: list[tuple[Any, torch.Tensor]], sd: Mapping[str, Any]) -> None:
+    """(after ``set_state_dict``) The loaded optimizer state of integer parameters (quantised weights), which
+    DCP skips as frozen and torch cannot make trainable for the load: set from the state dict (``held``:
+    (optimizer, parameter) pairs holding state before the load; nested keys as nested dicts)."""
+    for opt, param in held:
+        named = model.named_parameters(remove_duplicate=False)
+        fqns = {f for name, p in named if p is param for f in _get_fqns(model, name)}
+        entry: dict[str, Any] = {}
+        for key, value in sd.items():
+            if key.startswith("state.") and (owner := RESERVED.state_owner(key[6:], fqns)) is not None:
+                *path, last = key[7 + len(owner) :].split(".")
+                at = entry
+                for part in path:
+                    at = at.setdefault(part, {})
+                at[last] = value
+        if entry:
+            opt.state[param] = entry
 
 
 def drop_optimizer_state(model: Any, optimizers: Sequence[Any], unsaved: frozenset[str]) -> None:
@@ -464,64 +512,6 @@ def stateless_at_save(
     )
     # stateless before the resume, or stateless when saved (a rollback: its live state is not the saved run's)
     return frozenset(f for f, gone in absent.items() if gone and (f in stateless or saved_none[f] or no_optim))
-
-
-def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
-    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
-    enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
-    failure leaves the ranks on different checkpoints): a param group whose parameters were saved with
-    different hyper-parameters is refused (``strict``; else warned: ``set_state_dict`` would silently give
-    them all the first one's), and the ``translate_function``'s state dict (user code: raising on one rank
-    stops every rank before any applies) replaces ``state``'s model entry. Returns the keys the function
-    left unloaded."""
-    model, optim_sd = req.model, state.get(RESERVED.optim, {})
-    present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
-    names: dict[int, list[str]] = {}
-    if model is not None and req.optimizers:
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
-    for o, opt in enumerate(req.optimizers):
-        for g, group in enumerate(opt.param_groups):
-            if not group["params"]:  # DCP's set_state_dict fails on it with a bare IndexError
-                raise SpecError(
-                    f"optimizer {o}'s param group {g} holds no parameters: torch.distributed.checkpoint's "
-                    "set_state_dict cannot load an optimizer with an empty group. Build the optimizer without "
-                    "it (add groups with add_param_group when their parameters exist)"
-                )
-            fqns = [names[id(p)][0] for p in group["params"] if names.get(id(p))]
-            for hp in group:
-                if hp == "params":
-                    continue
-                values = {f: optim_sd[k] for f in fqns if (k := f"param_groups.{f}.{hp}") in optim_sd}
-                first = next(iter(values.values()), None)
-                differ = {f: v for f, v in values.items() if not _same_value(v, first)}
-                if not differ:
-                    continue
-                shown = ", ".join(f"{f}: {v!r}" for f, v in [(next(iter(values)), first), *list(differ.items())[:4]])
-                message = (
-                    f"optimizer {o}, param group {g}: its parameters were saved with different {hp!r} ({shown}); "
-                    "one group takes one value. Build the optimizer's param groups as they were saved"
-                )
-                if req.opts.strict:
-                    raise LayoutMismatch(message + " (or resume with strict=False to give the group the first value)")
-                # the caller's line: below it resume (or resume_from_checkpoint), _resume, all_ok, its lambda
-                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=6)
-    if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
-        return ()
-    state[RESERVED.model], untranslated = translated(
-        req.opts.translate_function, state[RESERVED.model], req.opts.strict, stateful_keys(model, req.optimizers)
-    )
-    return untranslated
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    try:
-        # NaN equals nothing, itself included: a NaN every parameter saved alike prints alike
-        return bool(a == b) or (type(a) is type(b) and repr(a) == repr(b))
-    except (RuntimeError, TypeError, ValueError):  # containers of tensors (tensor betas): compare as printed
-        return repr(a) == repr(b)
 
 
 def skipped_keys(

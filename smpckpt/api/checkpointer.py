@@ -29,7 +29,7 @@ from smpckpt.api._resume import (
     ResumeInfo,
     ResumeRequest,
     apply_state,
-    check_groups,
+    in_place,
     load_checkpoint,
     not_found_hint,
     resolve_target,
@@ -59,6 +59,7 @@ from smpckpt.api.options import (
     Retention,
     SaveOptions,
     Sharding,
+    check_groups,
 )
 from smpckpt.catalog.root import SequenceCounter, newest_record, partial_url, validate_tag
 from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
@@ -479,7 +480,7 @@ class Checkpointer:
                     (rng, state), reader = resume_state(req, target, ctx), None
                     planner = load_checkpoint(req, req.opts, target.url, state)
                 # (a translate_function's model keys land aside: without an optimizer nothing is loaded in place)
-                chosen, guard.loaded = target, bool(req.optimizers) or req.opts.translate_function is None
+                chosen, guard.loaded = target, in_place(req, req.opts)
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict
                 untranslated = ctx.all_ok(lambda: check_groups(req, state))
                 counts = skipped_keys(target.url, ctx, planner, untranslated)  # warned before anything is applied

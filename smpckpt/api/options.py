@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.distributed.checkpoint.state_dict import _get_fqns
@@ -22,11 +22,14 @@ from torch.distributed.tensor import DTensor
 from smpckpt._checks import check_flag, check_int, check_process_group
 from smpckpt.api._dist import spec_rules
 from smpckpt.catalog.root import validate_keep
-from smpckpt.errors import LayoutMismatch
+from smpckpt.errors import LayoutMismatch, SpecError
 from smpckpt.model.layout import FULL_ARTIFACTS, RESERVED, NameMap, ParallelLayout
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FullOptions
+
+if TYPE_CHECKING:
+    from smpckpt.api._resume import ResumeRequest
 
 __all__ = [
     "Location",
@@ -440,8 +443,66 @@ class ResumeOptions(_Options):
             raise ValueError(f"{', '.join(wrong)} {verb} only to partial checkpoints (partial=True)")
 
 
-# -- ResumeOptions.translate_function applied (a partial resume; here, not in _resume, by concept: its
-# meaning, and off the path of a resume without it) ---------------------------------------------------
+# -- what a partial resume checks of the caller's optimizers and ResumeOptions.translate_function before it
+# applies the state, and the function applied (here, not in _resume, by concept: their meaning) ----------
+
+
+def check_groups(req: ResumeRequest, state: dict[str, Any]) -> tuple[str, ...]:
+    """(all ranks, its own ``ctx.all_ok`` before :func:`apply_state`) What every rank decides before any
+    enters ``set_state_dict`` (whose collectives a lone refusal would hang, and after which a lone
+    failure leaves the ranks on different checkpoints): a param group whose parameters were saved with
+    different hyper-parameters is refused (``strict``; else warned: ``set_state_dict`` would silently give
+    them all the first one's), and the ``translate_function``'s state dict (user code: raising on one rank
+    stops every rank before any applies) replaces ``state``'s model entry. Returns the keys the function
+    left unloaded."""
+    model, optim_sd = req.model, state.get(RESERVED.optim, {})
+    present = {k[len("param_groups.") :].rpartition(".")[0] for k in optim_sd if k.startswith("param_groups.")}
+    names: dict[int, list[str]] = {}
+    if model is not None and req.optimizers:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).extend(sorted(f for f in _get_fqns(model, name) if f in present))
+    for o, opt in enumerate(req.optimizers):
+        for g, group in enumerate(opt.param_groups):
+            if not group["params"]:  # DCP's set_state_dict fails on it with a bare IndexError
+                raise SpecError(
+                    f"optimizer {o}'s param group {g} holds no parameters: torch.distributed.checkpoint's "
+                    "set_state_dict cannot load an optimizer with an empty group. Build the optimizer without "
+                    "it (add groups with add_param_group when their parameters exist)"
+                )
+            fqns = [names[id(p)][0] for p in group["params"] if names.get(id(p))]
+            for hp in group:
+                if hp == "params":
+                    continue
+                values = {f: optim_sd[k] for f in fqns if (k := f"param_groups.{f}.{hp}") in optim_sd}
+                first = next(iter(values.values()), None)
+                differ = {f: v for f, v in values.items() if not _same_value(v, first)}
+                if not differ:
+                    continue
+                shown = ", ".join(f"{f}: {v!r}" for f, v in [(next(iter(values)), first), *list(differ.items())[:4]])
+                message = (
+                    f"optimizer {o}, param group {g}: its parameters were saved with different {hp!r} ({shown}); "
+                    "one group takes one value. Build the optimizer's param groups as they were saved"
+                )
+                if req.opts.strict:
+                    raise LayoutMismatch(message + " (or resume with strict=False to give the group the first value)")
+                # the caller's line: below it resume (or resume_from_checkpoint), _resume, all_ok, its lambda
+                warnings.warn(message + f"; strict=False: the group takes {first!r}", stacklevel=6)
+    if model is None or not callable(req.opts.translate_function):  # partial=True: a callable (ResumeOptions)
+        return ()
+    state[RESERVED.model], untranslated = translated(
+        req.opts.translate_function, state[RESERVED.model], req.opts.strict, stateful_keys(model, req.optimizers)
+    )
+    return untranslated
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        # NaN equals nothing, itself included: a NaN every parameter saved alike prints alike
+        return bool(a == b) or (type(a) is type(b) and repr(a) == repr(b))
+    except (RuntimeError, TypeError, ValueError):  # containers of tensors (tensor betas): compare as printed
+        return repr(a) == repr(b)
 
 
 def stateful_keys(model: Any, optimizers: Sequence[Any]) -> frozenset[str]:

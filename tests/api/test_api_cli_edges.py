@@ -68,7 +68,7 @@ def test_a_failed_consolidation_leaves_nothing_in_its_output(tmp_path: Any) -> N
 
 def test_consolidate_include_optimizer_needs_an_optimizer_saved(tmp_path: Any) -> None:
     """A checkpoint saved without optimizer has nothing to export for it (one saved with an optimizer that
-    had no state yet exports: tests/api/test_api_single.py's fresh-optimizer test)."""
+    had no state yet exports: tests/api/test_optimizer_state.py's fresh-optimizer test)."""
     root = str(tmp_path)
     _saved(root)
     out = os.path.join(root, "full")

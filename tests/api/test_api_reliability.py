@@ -404,6 +404,30 @@ def test_a_resume_failing_in_its_read_says_the_model_holds_some_of_the_checkpoin
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
 
 
+def test_a_translated_resume_without_optimizer_failing_in_its_read_leaves_the_model_and_says_nothing_was_loaded(
+    tmp_path: Any,
+) -> None:
+    """rev66e F5: with a translate_function and no optimizer the read lands in an aside copy; one failing
+    mid-read still ended with the "loaded in place" note, though the model was untouched."""
+    root = str(tmp_path)
+    m, _ = _model(0)
+    save_checkpoint(root, "a", model=m)
+    for data in (p for p in (tmp_path / "a_partial").iterdir() if p.suffix == ".distcp"):
+        damaged = bytearray(data.read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF
+        data.write_bytes(bytes(damaged))
+    fresh, _ = _model(9)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    options = ResumeOptions(translate_function=lambda sd: sd)
+    with pytest.raises(CheckpointCorrupt, match="a_partial") as failed:
+        resume_from_checkpoint(root, tag="a", model=fresh, options=options)
+    assert LOADED_IN_PLACE not in str(failed.value), failed.value
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(CheckpointCorrupt) as plain:  # without the function the read is in place: it says so
+        resume_from_checkpoint(root, tag="a", model=fresh)
+    assert str(plain.value).endswith(LOADED_IN_PLACE), plain.value
+
+
 def test_verify_addresses_the_folder_of_a_tag(tmp_path: Any) -> None:
     root = str(tmp_path)
     _steps(root, 0)

@@ -1,0 +1,719 @@
+"""Single process, no process group: optimizer state at the seam of a save and a resume (frozen parameters,
+fresh and live optimizers, param groups, odd optimizers); split off test_api_single.py."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from unused_branch import unused_branch_model, unused_branch_step
+
+import smpckpt
+from smpckpt import LayoutMismatch, resume_from_checkpoint, save_checkpoint
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    """Same (non-empty) set of state keys, and every value bit-exact with the same dtype and shape."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa and list(sa) == list(sb), (list(sa), list(sb))
+    return all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _assert_optim_equal(m: nn.Module, o: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer) -> None:
+    """Per parameter (matched by name), the same non-empty optimizer state keys with bit-exact values."""
+    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
+    assert p1 and list(p1) == list(p2)
+    for name in p1:
+        s1, s2 = o.state[p1[name]], o2.state[p2[name]]
+        assert s1 and set(s1) == set(s2), (name, set(s1), set(s2))
+        for k in s1:
+            assert torch.equal(s1[k], s2[k]), (name, k)
+
+
+def test_a_frozen_integer_parameter_with_optimizer_state_resumes(tmp_path: Any) -> None:
+    """rev66e F3: a frozen int8 parameter (a quantised weight) in Adagrad (state made for every parameter)
+    failed the resume: it was made trainable for the load, which torch refuses for integer tensors."""
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
+
+    torch.manual_seed(0)
+    m = Quantised()
+    o = torch.optim.Adagrad(m.parameters(), lr=0.1)
+    m.lin(torch.randn(2, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Quantised()
+    o2 = torch.optim.Adagrad(m2.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert torch.equal(m2.lin.weight, m.lin.weight) and torch.equal(m2.q, m.q)
+    assert torch.equal(o2.state[m2.lin.weight]["sum"], o.state[m.lin.weight]["sum"])
+
+
+def test_a_frozen_integer_parameters_saved_optimizer_state_is_restored(tmp_path: Any) -> None:
+    """DCP loads no state into a frozen parameter and torch refuses requires_grad on an integer one: its saved
+    Adagrad state was dropped, silently (fresh optimizer and in-process roll-back alike)."""
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.q = nn.Parameter(torch.randint(-5, 5, (4,), dtype=torch.int8), requires_grad=False)
+
+    torch.manual_seed(0)
+    m = Quantised()
+    o = torch.optim.Adagrad(m.parameters(), lr=0.1)
+    m.lin(torch.randn(2, 4)).sum().backward()
+    o.step()
+    o.state[m.q]["sum"].fill_(3)  # state a fresh optimizer does not hold (a quantisation step set it, say)
+    saved = copy.deepcopy(o.state[m.q])
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Quantised()
+    o2 = torch.optim.Adagrad(m2.parameters(), lr=0.1)
+    o.state[m.q]["sum"].fill_(5)
+    for model, opt in ((m2, o2), (m, o)):
+        resume_from_checkpoint(str(tmp_path), "a", model=model, optimizer=opt)
+        got = opt.state[model.q]
+        assert set(got) == set(saved) and all(
+            torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in saved.items()
+        )
+        assert torch.equal(model.q, m.q) and not model.q.requires_grad
+
+
+def test_a_frozen_complex_parameter_keeps_its_optimizer_state(tmp_path: Any) -> None:
+    """rev66f F2: the int8 fix (only floating-point parameters made trainable for the load) left a frozen
+    complex parameter, which can be trained, without its saved Adam state, silently."""
+
+    class Complex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum() + (self.c * self.c.conj()).real.sum()
+
+    torch.manual_seed(0)
+    m = Complex()
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).backward()
+    o.step()
+    m.c.requires_grad_(False)
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    torch.manual_seed(1)
+    m2 = Complex()
+    m2.c.requires_grad_(False)
+    o2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert torch.equal(m2.c, m.c) and not m2.c.requires_grad
+    assert set(o2.state[m2.c]) == set(o.state[m.c]), o2.state[m2.c]
+    assert all(torch.equal(o2.state[m2.c][k], v) for k, v in o.state[m.c].items())
+
+
+def test_a_rollback_to_a_checkpoint_saved_without_optimizer_leaves_the_optimizer_fresh(tmp_path: Any) -> None:
+    """The README: under strict=False every parameter of a checkpoint saved without optimizer resumes without
+    state, live state or not. An in-process roll-back to one kept the live Adam state of step 3 beside the
+    weights of step 0 (its next step() was neither the saved run's nor a fresh one's)."""
+    torch.manual_seed(0)
+    m = nn.Linear(2, 2)
+    o = torch.optim.Adam(m.parameters())
+    save_checkpoint(str(tmp_path), "model_only", model=m)
+    saved = {k: v.clone() for k, v in m.state_dict().items()}
+    for _ in range(3):
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        o.zero_grad()
+    with pytest.warns(UserWarning, match=r"not in the checkpoint: optim\.param_groups\.bias\.amsgrad"):
+        resume_from_checkpoint(str(tmp_path), "model_only", model=m, optimizer=o, strict=False)
+    assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
+    assert not o.state, {n: sorted(o.state[p]) for n, p in m.named_parameters() if p in o.state}
+
+
+def test_an_optimizer_over_new_parameters_keeps_its_live_state_when_the_checkpoint_holds_optimizer_state(
+    tmp_path: Any,
+) -> None:
+    """rev61c F1: a checkpoint saved with Adam over the base; the resumed model gained an adapter whose own
+    optimizer (over the adapter only) has live state. Every key of that optimizer is missing, as for a
+    checkpoint saved without optimizer, but this one holds optimizer state: the adapter keeps its state."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 2))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 2)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "base", model=m, optimizer=o)
+    m2 = nn.Sequential(nn.Linear(2, 2))
+    m2.add_module("adapter", nn.Linear(2, 2))
+    o2 = torch.optim.Adam(m2.adapter.parameters())
+    for _ in range(3):
+        m2.adapter(m2[0](torch.ones(1, 2))).sum().backward()
+        o2.step()
+        o2.zero_grad()
+    live = {n: {k: v.clone() for k, v in o2.state[p].items()} for n, p in m2.adapter.named_parameters()}
+    with pytest.warns(UserWarning, match="skipped keys"):
+        resume_from_checkpoint(str(tmp_path), "base", model=m2, optimizer=o2, strict=False)
+    assert torch.equal(m2[0].weight, m[0].weight)
+    for n, p in m2.adapter.named_parameters():
+        assert sorted(o2.state[p]) == sorted(live[n]), n
+        assert all(torch.equal(o2.state[p][k], v) for k, v in live[n].items()), n
+
+
+def test_an_optimizer_with_an_empty_param_group_is_refused_by_name(tmp_path: Any) -> None:
+    """DCP's set_state_dict fails on a param group without parameters with a bare IndexError; the resume
+    names the optimizer and the group instead."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Linear(4, 2)
+        return m, torch.optim.SGD([{"params": [m.weight, m.bias]}, {"params": [], "lr": 0.3}], lr=0.01)
+
+    m, opt = build()
+    smpckpt.save_checkpoint(str(tmp_path), "t", model=m, optimizer=opt, options=smpckpt.SaveOptions(save_rng=False))
+    m2, opt2 = build()
+    with pytest.raises(smpckpt.SpecError, match=r"optimizer 0's param group 1 holds no parameters"):
+        smpckpt.resume_from_checkpoint(str(tmp_path), "t", model=m2, optimizer=opt2)
+
+
+def test_param_groups_saved_apart_resumed_into_one_group_refused(tmp_path: Any) -> None:
+    """Saved with two param groups (lr 0.01 and 0.5), resumed into one group: DCP's set_state_dict gave
+    the whole group the first parameter's lr (the bias's 0.5 was lost, silently). Refused by name;
+    strict=False warns and takes the first value; the groups as saved resume exactly."""
+
+    def setup(groups: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Linear(2, 2)
+        params: Any = (
+            [{"params": [m.weight], "lr": 0.01}, {"params": [m.bias], "lr": 0.5}] if groups else m.parameters()
+        )
+        o = torch.optim.Adam(params, lr=0.1)
+        m(torch.randn(3, 2)).sum().backward()
+        o.step()
+        return m, o
+
+    saved, saved_opt = setup(True)
+    save_checkpoint(str(tmp_path), "a", model=saved, optimizer=saved_opt)
+    m, o = setup(False)
+    with pytest.raises(LayoutMismatch, match=r"param group 0: .*different 'lr' \(weight: 0.01, bias: 0.5\)"):
+        resume_from_checkpoint(str(tmp_path), model=m, optimizer=o)
+    m, o = setup(False)
+    with pytest.warns(UserWarning, match="the group takes 0.01") as warned:
+        resume_from_checkpoint(str(tmp_path), model=m, optimizer=o, strict=False)
+    # the caller's line (it named a line of smpckpt's own, DistContext.all_ok)
+    assert [w.filename for w in warned if "the group takes" in str(w.message)] == [__file__]
+    m, o = setup(True)
+    resume_from_checkpoint(str(tmp_path), model=m, optimizer=o)
+    assert [g["lr"] for g in o.param_groups] == [0.01, 0.5]
+
+
+def test_a_parameter_saved_without_optimizer_state_resumes_without_it(tmp_path: Any) -> None:
+    """A parameter with no Adam state at the save (no gradient yet: an unused branch) was given the state
+    of DCP's get_state_dict on a fresh optimizer (step 1, zero moments) by a strict=False resume, so the
+    next step differed from the saved run's, silently; a strict resume refused the checkpoint its own run
+    saved, naming the state keys. Both resume it stateless now (the checkpoint holds its param groups and
+    no state for it), and the next step is the saved run's bit for bit."""
+
+    setup, step = unused_branch_model, unused_branch_step
+
+    m, o = setup()
+    step(m, o, both=False)  # layer 1 gets no gradient, so no state
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    strict_m, strict_o = setup()
+    resume_from_checkpoint(str(tmp_path), model=strict_m, optimizer=strict_o)
+    m2, o2 = setup()
+    resume_from_checkpoint(str(tmp_path), model=m2, optimizer=o2, strict=False)
+    for mm, oo in ((strict_m, strict_o), (m2, o2)):
+        assert mm[1].weight not in oo.state and mm[1].bias not in oo.state
+        assert torch.equal(oo.state[mm[0].weight]["exp_avg"], o.state[m[0].weight]["exp_avg"])
+    step(m, o, both=True)
+    step(m2, o2, both=True)
+    step(strict_m, strict_o, both=True)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), strict_m.parameters(), strict=True))
+    # saved without optimizer: a fresh optimizer resumes fresh (no state), not at step 1
+    save_checkpoint(str(tmp_path), "model_only", model=m)
+    m3, o3 = setup()
+    resume_from_checkpoint(str(tmp_path), "model_only", model=m3, optimizer=o3, strict=False)
+    assert not o3.state and all(torch.equal(a, b) for a, b in zip(m.parameters(), m3.parameters(), strict=True))
+
+
+def test_saving_a_fresh_optimizer_leaves_it_fresh_and_stores_no_invented_state(tmp_path: Any) -> None:
+    """DCP's get_state_dict steps a fresh optimizer (no state, no gradients) once at lr 0 to give it state:
+    a save before the first step turned the saving run's first step into Adam's step 2 (another bias
+    correction: the run diverged from one that never saved, silently) and stored step-1, zero-moment
+    state no step made, which a resume then gave a fresh run too. Saved (partial and full) as it is now;
+    an artifact exported with that optimizer (online, or from the partial checkpoint) says it had no
+    state, so a rollback to it leaves a trained optimizer stateless, as the partial checkpoint does."""
+
+    setup, step = unused_branch_model, unused_branch_step
+    with_optimizer = smpckpt.ExportOptions(include_optimizer=True)
+
+    m, o = setup()
+    ref_m, ref_o = copy.deepcopy((m, o))  # the run that never saves
+    save_checkpoint(str(tmp_path), "fresh", model=m, optimizer=o)
+    save_checkpoint(str(tmp_path), "fresh_full", partial=False, model=m, optimizer=o, options=with_optimizer)
+    with smpckpt.Checkpointer(str(tmp_path)) as ckpt:  # the offline export of the committed partial one
+        ckpt.export("fresh", str(tmp_path / "exported"), options=with_optimizer)
+    assert not o.state and all(p.grad is None for p in m.parameters())
+    step(m, o, both=True)
+    step(ref_m, ref_o, both=True)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters(), strict=True))
+    sources = (("fresh", True), ("fresh_full", False), ("exported", False))
+    for tag, partial in sources:
+        m2, o2 = setup()
+        resume_from_checkpoint(str(tmp_path), tag, partial=partial, model=m2, optimizer=o2)
+        assert not o2.state, tag
+        step(m2, o2, both=True)
+        assert all(torch.equal(a, b) for a, b in zip(m2.parameters(), m.parameters(), strict=True)), tag
+    # a trained run rolled back to the fresh save resumes fresh, as saved, strict or not
+    for (tag, partial), strict in itertools.product(sources, (True, False)):
+        trained_m, trained_o = setup()
+        step(trained_m, trained_o, both=True)
+        resume_from_checkpoint(str(tmp_path), tag, partial=partial, model=trained_m, optimizer=trained_o, strict=strict)
+        assert not trained_o.state, (tag, strict)
+
+
+def test_saved_optimizer_state_reaches_a_live_optimizer_that_holds_none_for_that_parameter(tmp_path: Any) -> None:
+    """DCP initialises only an optimizer without any state: one with state for some parameters and none for
+    others (a parameter with no gradient yet in a live run; or the first of two resumes left it so) had no
+    destination for the others' saved state: refused as keys "loaded by no rank" under strict, skipped
+    silently without (the reviewer's repro: resume x, where b had no state, then y, where it has)."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def step(m: M, o: torch.optim.Optimizer, use_b: bool) -> None:
+        o.zero_grad()
+        y = m.a(torch.ones(2, 4))
+        (m.b(y) if use_b else y).sum().backward()
+        o.step()
+
+    def fresh() -> tuple[M, torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        m = M()
+        return m, torch.optim.Adam(m.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    m = M()
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    step(m, o, use_b=False)
+    save_checkpoint(str(tmp_path), "x", model=m, optimizer=o)  # b: no state
+    step(m, o, use_b=True)
+    save_checkpoint(str(tmp_path), "y", model=m, optimizer=o)  # b: real state
+    for strict in (False, True):
+        m2, o2 = fresh()
+        resume_from_checkpoint(str(tmp_path), "x", model=m2, optimizer=o2, strict=False)
+        assert m2.b.weight not in o2.state
+        resume_from_checkpoint(str(tmp_path), "y", model=m2, optimizer=o2, strict=strict)
+        for name in ("a", "b"):
+            for pname in ("weight", "bias"):
+                want, got = o.state[getattr(getattr(m, name), pname)], o2.state[getattr(getattr(m2, name), pname)]
+                assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), (strict, name)
+        step(m2, o2, use_b=True)
+    # a live optimizer keeps no invented state for a parameter the checkpoint holds none for either
+    m3, o3 = fresh()
+    step(m3, o3, use_b=False)
+    resume_from_checkpoint(str(tmp_path), "x", model=m3, optimizer=o3, strict=False)
+    assert m3.b.weight not in o3.state and m3.a.weight in o3.state
+
+
+def test_optimizer_state_edges_of_a_resume_rollbacks_failures_and_odd_optimizers(tmp_path: Any) -> None:
+    """The reviewer's F1-F4 around optimizer state given for a resume: a refused resume leaves none behind
+    (a retry took it as saved); a strict in-process rollback to a checkpoint where ``b`` had no state
+    drops ``b``'s live state (it kept later steps' state); an optimizer whose step cannot take zero dense
+    gradients (SparseAdam) still resumes; an empty state entry (a read of the defaultdict) is no state."""
+
+    class M(nn.Module):
+        def __init__(self, extra: bool = False) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            if extra:
+                self.c = nn.Linear(4, 4)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, use_b: bool) -> None:
+        o.zero_grad()
+        y = m.a(torch.ones(2, 4))
+        (m.b(y) if use_b else y).sum().backward()
+        o.step()
+
+    def equal_params(x: nn.Module, y: nn.Module) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(x.parameters(), y.parameters(), strict=True))
+
+    root = str(tmp_path)
+    torch.manual_seed(0)
+    m = M()
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    step(m, o, use_b=False)
+    save_checkpoint(root, "x", model=m, optimizer=o)  # b: no state
+    ref_m, ref_o = copy.deepcopy((m, o))  # one copy: the optimizer steps the copied parameters
+    # F1: a refused resume (an extra parameter) leaves b without state; the retry resumes as saved
+    torch.manual_seed(1)
+    m1 = M(extra=True)
+    o1 = torch.optim.Adam(m1.parameters(), lr=0.01)
+    step(m1, o1, use_b=False)
+    with pytest.raises(LayoutMismatch, match="not in the checkpoint"):
+        resume_from_checkpoint(root, "x", model=m1, optimizer=o1)
+    assert not o1.state.get(m1.b.weight)
+    # F2: a strict rollback: b stepped since x (live state) ends stateless as x holds it
+    step(m, o, use_b=True)
+    assert o.state.get(m.b.weight)
+    resume_from_checkpoint(root, "x", model=m, optimizer=o)
+    assert m.b.weight not in o.state and equal_params(m, ref_m)
+    step(m, o, use_b=True)
+    step(ref_m, ref_o, use_b=True)
+    assert equal_params(m, ref_m)
+    # F4: an empty entry for b is no state: a fresh optimizer resumes x as saved
+    torch.manual_seed(1)
+    m4 = M()
+    o4 = torch.optim.Adam(m4.parameters(), lr=0.01)
+    step(m4, o4, use_b=False)
+    _ = [o4.state[p].get("step") for p in m4.parameters()]  # logging code reading every parameter's state
+    save_checkpoint(root, "y", model=m, optimizer=o)  # b: real state now
+    resume_from_checkpoint(root, "y", model=m4, optimizer=o4)
+    assert torch.equal(o4.state[m4.b.weight]["exp_avg"], o.state[m.b.weight]["exp_avg"])
+    # a fresh optimizer whose parameters already hold gradients (a backward, no step): DCP gives it no
+    # state, so the saved state had no destination (rev55's E3)
+    torch.manual_seed(1)
+    m5 = M()
+    o5 = torch.optim.Adam(m5.parameters(), lr=0.01)
+    m5.a(torch.ones(2, 4)).sum().backward()
+    grad = m5.a.weight.grad.clone()
+    resume_from_checkpoint(root, "y", model=m5, optimizer=o5)
+    assert torch.equal(o5.state[m5.b.weight]["exp_avg"], o.state[m.b.weight]["exp_avg"])
+    assert torch.equal(m5.a.weight.grad, grad)  # the caller's gradients are theirs
+    # a full artifact: a rollback to one exported when b had no state leaves b stateless (rev55's E1)
+    torch.manual_seed(0)
+    mf = M()
+    of = torch.optim.Adam(mf.parameters(), lr=0.01)
+    step(mf, of, use_b=False)
+    save_checkpoint(root, "fx", partial=False, model=mf, optimizer=of, include_optimizer=True)
+    step(mf, of, use_b=True)
+    assert of.state.get(mf.b.weight)
+    resume_from_checkpoint(root, "fx", partial=False, model=mf, optimizer=of)
+    assert mf.b.weight not in of.state and of.state.get(mf.a.weight)
+    # F3: SparseAdam cannot step zero dense gradients: its stateless parameter stays so, the resume works
+    e = nn.Embedding(5, 4, sparse=True)
+    f = nn.Embedding(5, 4, sparse=True)
+    sm = nn.ModuleDict({"e": e, "f": f})
+    so = torch.optim.SparseAdam(list(sm.parameters()), lr=0.01)
+    so.zero_grad()
+    e(torch.tensor([0, 2])).sum().backward()
+    so.step()
+    save_checkpoint(root, "sparse", model=sm, optimizer=so)
+    resume_from_checkpoint(root, "sparse", model=sm, optimizer=so)
+    assert f.weight not in so.state and e.weight in so.state
+
+
+def test_a_frozen_parameter_kept_in_its_optimizer_keeps_its_saved_state(tmp_path: Any) -> None:
+    """hunt66c F1: a parameter trained, then frozen (requires_grad=False) but kept in its param group holds
+    Adam state. DCP's set_state_dict loads none into a frozen parameter and the optimizer's load_state_dict
+    then drops what it held: an in-process resume (or roll-back) lost it silently, strict or not; a
+    restarted job freezing it alike was refused (its saved state "loaded by no rank": a fresh optimizer
+    gives a frozen parameter no state). Unfrozen later, its next step() then differed from the saved run's.
+    Adagrad, which makes state for every parameter when built, lost a frozen one's silently on a restart; a
+    full artifact exported with the optimizer (its optimizer keys optional) lost it silently, strict too."""
+
+    def build(kind: str = "adam") -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(1)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = torch.optim.Adagrad(m.parameters()) if kind == "adagrad" else torch.optim.Adam(m.parameters())
+        return m, opt
+
+    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
+        m(torch.ones(3, 4)).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    for kind in ("adam", "adagrad"):
+        m, o = build(kind)
+        step(m, o)
+        m[0].weight.requires_grad_(False)  # trained, then frozen: its state stays in the optimizer
+        step(m, o)
+        saved = copy.deepcopy(o.state_dict())
+        save_checkpoint(str(tmp_path), kind, model=m, optimizer=o)
+        with_optimizer = smpckpt.ExportOptions(include_optimizer=True)
+        save_checkpoint(str(tmp_path), f"{kind}_full", partial=False, model=m, optimizer=o, options=with_optimizer)
+        m_full, o_full = build(kind)
+        m_full[0].weight.requires_grad_(False)
+        resume_from_checkpoint(str(tmp_path), f"{kind}_full", partial=False, model=m_full, optimizer=o_full)
+        _assert_optim_equal(m, o, m_full, o_full)  # a full artifact's optimizer keys are optional: lost silently
+        step(m, o)  # then an in-process roll-back to the save
+        for strict in (True, False):
+            resume_from_checkpoint(str(tmp_path), kind, model=m, optimizer=o, strict=strict)
+            got = o.state_dict()
+            assert got["state"].keys() == saved["state"].keys(), (kind, strict, got["state"].keys())
+            assert all(torch.equal(v, got["state"][i][k]) for i, s in saved["state"].items() for k, v in s.items())
+        for strict in (True, False):  # a restarted job, frozen alike
+            m2, o2 = build(kind)
+            m2[0].weight.requires_grad_(False)
+            resume_from_checkpoint(str(tmp_path), kind, model=m2, optimizer=o2, strict=strict)
+            _assert_optim_equal(m, o, m2, o2)
+            for model, opt in ((m, o), (m2, o2)):  # unfrozen: the next step is the saved run's, bit for bit
+                model[0].weight.requires_grad_(True)
+                step(model, opt)
+            assert _equal(m, m2), (kind, strict)
+            resume_from_checkpoint(str(tmp_path), kind, model=m, optimizer=o)  # the saved run again
+            m[0].weight.requires_grad_(False)
+
+
+class _Nested(torch.optim.Optimizer):
+    """Keeps nested state, which DCP flattens to ``state.<fqn>.inner.<key>``: ``{step, inner: {m, count}}``."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            s = self.state[p]
+            s.setdefault("inner", {"m": torch.zeros_like(p), "count": 0})["count"] += 1
+            s["step"] = s.get("step", 0) + 1
+            p.sub_(s["inner"]["m"].mul_(0.9).add_(p.grad), alpha=self.param_groups[0]["lr"])
+
+
+def test_a_frozen_parameters_nested_optimizer_state_is_restored(tmp_path: Any) -> None:
+    """rev66b R1: a frozen parameter's state put back after DCP's load was looked up by flat keys only, so a
+    nested int (``inner.count``) kept the live value on an in-process roll-back, the scratch step's on a restart."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        return m, _Nested(m.parameters())
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            m(torch.ones(3, 4)).sum().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = build()
+    step(m, o, 2)
+    m[0].weight.requires_grad_(False)
+    step(m, o, 1)
+    saved = copy.deepcopy(o.state[m[0].weight])
+    save_checkpoint(str(tmp_path), "n", model=m, optimizer=o)
+    m[0].weight.requires_grad_(True)
+    step(m, o, 3)
+    m[0].weight.requires_grad_(False)
+    m2, o2 = build()
+    m2[0].weight.requires_grad_(False)
+    for model, opt in ((m, o), (m2, o2)):  # an in-process roll-back, a restart frozen alike
+        resume_from_checkpoint(str(tmp_path), "n", model=model, optimizer=opt)
+        got = opt.state[model[0].weight]
+        assert (got["step"], got["inner"]["count"]) == (saved["step"], saved["inner"]["count"]) == (2, 2), got
+        assert torch.equal(got["inner"]["m"], saved["inner"]["m"])
+
+
+def test_a_fresh_optimizer_holding_a_frozen_parameter_warns_of_nothing(tmp_path: Any, caplog: Any) -> None:
+    """rev66b R2: a fresh optimizer holding a never-trained frozen parameter (a fine-tune passing
+    model.parameters()) sent every parameter to the scratch step, so a class not built from its groups alone (an
+    extra ``__init__`` argument) logged "could not be given fresh state ... cannot be loaded" on each restart,
+    though DCP's own initialisation gives its trainable parameters their state and the resume was exact."""
+
+    class Named(torch.optim.Adam):
+        def __init__(self, params: Any, name: str) -> None:
+            super().__init__(params)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        m[0].weight.requires_grad_(False)
+        return m, Named(m.parameters(), "fine-tune")
+
+    (m, o), (m2, o2) = build(), build()
+    m(torch.ones(3, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "f", model=m, optimizer=o)
+    with caplog.at_level("WARNING", logger="smpckpt"):
+        resume_from_checkpoint(str(tmp_path), "f", model=m2, optimizer=o2)
+    assert not [r.message for r in caplog.records if r.levelname == "WARNING"]
+    assert m2[0].weight not in o2.state and len(o2.state) == len(o.state) == 3
+    p1, p2 = dict(m.named_parameters()), dict(m2.named_parameters())
+    assert all(torch.equal(v, o2.state[p2[n]][k]) for n, p in p1.items() if p in o.state for k, v in o.state[p].items())
+
+
+def test_a_parameter_in_two_optimizers_is_refused_by_name(tmp_path: Any) -> None:
+    """hunt66c F2: DCP keys optimizer state by parameter name, so two optimizers holding one parameter (Adam over
+    the model, SGD with momentum over a layer) overwrote each other's state and param groups in the state dict:
+    the save was accepted, and held one optimizer's state for that layer, the other's lost; the resume was
+    refused for keys the other lacked, and strict=False failed inside torch (``TypeError: float() argument must
+    be ... not 'dict'``) after the model was loaded. Refused now, before anything is written or read, naming
+    the parameter and both optimizers; one optimizer passed twice is still one."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    adam, sgd = torch.optim.Adam(m.parameters()), torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(2, 4)).sum().backward()
+    adam.step()
+    sgd.step()
+    refusal = r"^parameter '2\.weight' is in optimizers 0 and 1: pass optimizers over disjoint parameters$"
+    with pytest.raises(ValueError, match=refusal):
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, sgd])
+    assert not list(tmp_path.iterdir())
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, adam])
+    with pytest.raises(ValueError, match=refusal):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, sgd], strict=False)
+    resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=adam)
+
+    # rev66b R3: one optimizer listing a tied weight by both its names (torch warns, accepts) saved and resumed
+    # bit-exactly before, and was refused as "two optimizers"; a parameter in two groups of one failed KeyError: 1
+    def tied() -> tuple[nn.Module, torch.optim.Optimizer]:
+        tie = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+        tie[1].weight = tie[0].weight
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            return tie, torch.optim.Adam([p for _, p in tie.named_parameters(remove_duplicate=False)])
+
+    (t, o), (t2, o2) = tied(), tied()
+    t(torch.arange(4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "tied", model=t, optimizer=o)
+    resume_from_checkpoint(str(tmp_path), "tied", model=t2, optimizer=o2)
+    _assert_optim_equal(t, o, t2, o2)
+    assert torch.equal(t[0].weight, t2[0].weight)
+    o.param_groups.append({**o.param_groups[0], "params": [t[0].weight]})  # add_param_group would refuse it
+    with pytest.raises(ValueError, match=r"^parameter '0\.weight' is in param_groups 0 and 1 of optimizer 0: "):
+        save_checkpoint(str(tmp_path), "b", model=t, optimizer=o)
+
+
+def test_a_fresh_sparse_adam_resumes_bit_exact(tmp_path: Any) -> None:
+    """rev66e (e3): a resume into a fresh SparseAdam failed ("does not support dense gradients": the step
+    that builds its state took dense zero gradients) and left it at lr 0 with zero gradients."""
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Embedding(10, 4, sparse=True)
+        return m, torch.optim.SparseAdam(m.parameters(), lr=0.01)
+
+    def step(m: nn.Module, o: torch.optim.Optimizer, ids: list[int]) -> None:
+        o.zero_grad()
+        m(torch.tensor(ids)).sum().backward()
+        o.step()
+
+    m, o = build(0)
+    step(m, o, [1, 2])
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m2, o2 = build(1)
+    resume_from_checkpoint(str(tmp_path), "a", model=m2, optimizer=o2)
+    assert o2.param_groups[0]["lr"] == 0.01 and m2.weight.grad is None
+    assert torch.equal(m2.weight, m.weight)
+    assert o2.state[m2.weight]["step"] == o.state[m.weight]["step"] == 1
+    assert all(torch.equal(o2.state[m2.weight][k], o.state[m.weight][k]) for k in ("exp_avg", "exp_avg_sq"))
+    step(m, o, [2, 3])
+    step(m2, o2, [2, 3])
+    assert torch.equal(m2.weight, m.weight)
+
+
+class _NoStep(torch.optim.SGD):
+    """An optimizer whose step fails (as LBFGS's without a closure does)."""
+
+    def step(self, closure: Any = None) -> Any:
+        raise RuntimeError("this step needs a closure")
+
+
+def test_a_fresh_optimizer_whose_step_fails_is_refused_by_name_with_its_lr_and_gradients_kept(tmp_path: Any) -> None:
+    """The step at lr 0 that gives a fresh optimizer its state failing left lr 0 and zero gradients behind."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    saved = [torch.optim.SGD(m[0].parameters(), lr=0.5), torch.optim.SGD(m[1].parameters(), lr=0.5, momentum=0.9)]
+    m(torch.randn(3, 4)).sum().backward()
+    for o in saved:
+        o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=saved)
+    keep, fresh = torch.optim.SGD(m[0].parameters(), lr=0.1), _NoStep(m[1].parameters(), lr=0.25, momentum=0.9)
+    m.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"optimizer 1 \(_NoStep\).*this step needs a closure"):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=[keep, fresh])
+    assert fresh.param_groups[0]["lr"] == 0.25 and keep.param_groups[0]["lr"] == 0.1
+    assert all(p.grad is None for p in m.parameters()) and not fresh.state
+
+
+def test_an_optimizer_holding_list_state_is_refused_by_index_and_key(tmp_path: Any) -> None:
+    """hunt66c L1: LBFGS keeps lists in its state; DCP's get_state_dict refused the save with a bare
+    NotImplementedError naming neither the optimizer nor the key."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    adam, lbfgs = torch.optim.Adam(m[0].parameters()), torch.optim.LBFGS(m[1].parameters(), history_size=3)
+    x = torch.randn(3, 4)
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)
+    adam.step()
+    with pytest.raises(
+        TypeError, match=r"optimizer 1 \(LBFGS\) holds a list under state key '\w+' of parameter '1.weight'"
+    ):
+        save_checkpoint(str(tmp_path), "a", model=m, optimizer=[adam, lbfgs])
+    assert not list(tmp_path.iterdir())
+    # what the error says to do: its state_dict() in user_content (weights-only), then load_state_dict
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=adam, user_content={"lbfgs": lbfgs.state_dict()})
+    again = torch.optim.LBFGS(m[1].parameters(), history_size=3)
+    again.load_state_dict(resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=adam)["lbfgs"])
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.state[m[1].weight]["old_dirs"], lbfgs.state[m[1].weight]["old_dirs"])
+    )
+
+
+def test_a_parameter_left_out_of_the_optimizer_with_saved_state_is_refused_saying_why(tmp_path: Any) -> None:
+    """hunt66c L3: trained at save, frozen and left out of the optimizer at the resume: refused naming only
+    the optimizer keys no rank loads, not why nor what to do."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "a", model=m, optimizer=o)
+    m[1].requires_grad_(False)
+    live = torch.optim.Adam(m[0].parameters())
+    with pytest.raises(
+        LayoutMismatch, match=r"parameter\(s\) 1.bias, 1.weight were in a saved optimizer.*in no optimizer passed"
+    ):
+        resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=live)
+    resume_from_checkpoint(str(tmp_path), "a", model=m, optimizer=o)  # what it says to do: an optimizer holding them
+
+
+def test_a_dataparallel_model_saves_and_resumes_unwrapped_either_way(tmp_path: Any) -> None:
+    """hunt66c L2: nn.DataParallel keeps its module under ``module.`` (DCP strips DDP's prefix, not its): saved
+    wrapped and resumed unwrapped (or the other way) was refused, every key "not in the checkpoint"."""
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        return m, torch.optim.Adam(m.parameters())
+
+    for i, (save_dp, resume_dp) in enumerate(((True, False), (False, True))):
+        m, o = build(0)
+        (nn.DataParallel(m) if save_dp else m)(torch.randn(2, 8)).sum().backward()
+        o.step()
+        save_checkpoint(str(tmp_path), f"s{i}", model=nn.DataParallel(m) if save_dp else m, optimizer=o)
+        m2, o2 = build(1)
+        resume_from_checkpoint(str(tmp_path), f"s{i}", model=nn.DataParallel(m2) if resume_dp else m2, optimizer=o2)
+        assert _equal(m, m2)
+        _assert_optim_equal(m, o, m2, o2)
+
+    class Wrapper(nn.Module):  # what an earlier smpckpt saved of nn.DataParallel(m): keys under module.
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    m, o = build(0)
+    m(torch.randn(2, 8)).sum().backward()
+    o.step()
+    save_checkpoint(str(tmp_path), "old", model=Wrapper(m), optimizer=o)
+    m2, o2 = build(1)
+    with pytest.raises(LayoutMismatch, match=r"under module\. \(an nn.DataParallel model .*Sharding\(name_map="):
+        resume_from_checkpoint(str(tmp_path), "old", model=nn.DataParallel(m2), optimizer=o2)
+    name_map = lambda k: re.sub(r"^(model|optim\.state|optim\.param_groups)\.", r"\1.module.", k)  # noqa: E731 - as said
+    resume_from_checkpoint(str(tmp_path), "old", model=m2, optimizer=o2, options=smpckpt.Sharding(name_map=name_map))
+    assert _equal(m, m2)
+    _assert_optim_equal(m, o, m2, o2)

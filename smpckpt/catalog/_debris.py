@@ -15,6 +15,7 @@ listing per folder (opt-in). The README's "CLI" (``prune``) lists every case.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -41,7 +42,7 @@ from smpckpt.storage.tools import _mtime, file_times  # the one reader of fsspec
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
     from smpckpt.catalog.root import CheckpointRecord
 
-__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted"]
+__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted", "run_each"]
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +194,11 @@ def sweep_stale(
         except OSError as exc:
             log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
     return stale, aborted, debris
+
+
+def run_each(fs: Any, items: Sequence[str], fn: Callable[[str], bool], parallel: bool = True) -> list[str]:
+    """The ``items`` ``fn`` returned true for, in order; a store's backlog (independent folders, each its
+    own steps in order): 8 at once (hunt66b), one by one on local disk or when not ``parallel``."""
+    many = parallel and len(items) > 1 and not is_local(fs)
+    with concurrent.futures.ThreadPoolExecutor(8 if many else 1, thread_name_prefix="smpckpt-retention") as pool:
+        return [item for item, ok in zip(items, (pool.map if many else map)(fn, items)) if ok]

@@ -579,12 +579,12 @@ def apply_retention(
             log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
             return False
 
+    from smpckpt.catalog._debris import run_each, sweep_stale  # they import this module: imported when used
+
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
-    # ``newest`` read before each removal (another job may point it back); a store's backlog: 8 at once (hunt66b)
-    many = len(doomed) > 1 and not is_local(fs) and read_newest(fs, path, said) is not None
-    with concurrent.futures.ThreadPoolExecutor(8 if many else 1, thread_name_prefix="smpckpt-retention") as pool:
-        ok = (pool.map if many else map)(lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), doomed)
-        removed = [tag for tag, gone in zip(doomed, ok) if gone]
+    # ``newest`` read before each removal (another job may point it back)
+    many = read_newest(fs, path, said) is not None
+    removed = run_each(fs, doomed, lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), many)
     failed.sort(key=lambda t: doomed.index(t))  # in the pass's order, as one by one (rev66d F1)
     removed += [
         r.tag
@@ -594,7 +594,5 @@ def apply_retention(
     ]
     swept: tuple[list[str], list[str], list[str]] = ([], [], [])  # stale folders, aborted uploads, debris
     if uncommitted_older_than is not None:
-        from smpckpt.catalog._debris import sweep_stale  # it imports this module: imported when used
-
         swept = sweep_stale(root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run)
     return RetentionResult(tuple(removed), tuple(failed), *(tuple(found) for found in swept))

@@ -419,8 +419,10 @@ def _record(tag: str, url: str, storage_options: Any, cache: ManifestCache | Non
     except (CheckpointError, OSError) as exc:
         log.warning("%s: could not probe the checkpoint folder: %s", url, exc)
         return CheckpointRecord(tag, False, url=url, state="unreadable", detail=str(exc))
-    if found.manifest is None:
-        if found.state == "uncommitted" and removal_marked(url, storage_options):
+    if found.manifest is None:  # the probe's listing shows a mark (no HEAD + LIST more per folder: hunt66b r4)
+        if found.state == "uncommitted" and (
+            found.marked or found.marked is None and removal_marked(url, storage_options)
+        ):
             return CheckpointRecord(tag, False, url=url, state="removing", detail="an interrupted removal left it")
         return CheckpointRecord(tag, False, url=url, state=found.state, detail=found.detail)
     return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
@@ -582,10 +584,8 @@ def apply_retention(
     from smpckpt.catalog._debris import run_each, sweep_stale  # they import this module: imported when used
 
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
-    # ``newest`` read before each removal (another job may point it back)
-    many = read_newest(fs, path, said) is not None
+    many = read_newest(fs, path, said) is not None  # and before each removal (another job may point it back)
     removed = run_each(fs, doomed, lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), many)
-    failed.sort(key=lambda t: doomed.index(t))  # in the pass's order, as one by one (rev66d F1)
     removed += [
         r.tag
         for r in records
@@ -595,4 +595,6 @@ def apply_retention(
     swept: tuple[list[str], list[str], list[str]] = ([], [], [])  # stale folders, aborted uploads, debris
     if uncommitted_older_than is not None:
         swept = sweep_stale(root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run)
+    # in the pass's order (its phases, each oldest first), as one by one: removals run side by side (rev66d F1)
+    failed.sort(key={r.tag: (r.state != "committed", r.state != "removing", i) for i, r in enumerate(records)}.get)
     return RetentionResult(tuple(removed), tuple(failed), *(tuple(found) for found in swept))

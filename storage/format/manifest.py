@@ -496,6 +496,8 @@ class Probe:
     detail: str = ""
     #: the manifest's bytes as read (what an overwrite replaces, exactly: ``Folder.replace_if``)
     raw: bytes | None = None
+    #: (uncommitted) whether its listing showed a removal mark; ``None``: not listed (``.metadata`` was found)
+    marked: bool | None = None
 
     def generation_files(self) -> list[str]:
         """Base names of the files of the checkpoint found (to remove after an overwrite commits)."""
@@ -555,7 +557,10 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     except (FileNotFoundError, NotADirectoryError):
         entries = []
     if entries:
-        return Probe("uncommitted", detail=f"{len(entries)} file(s) but no {MANIFEST_NAME} and no .metadata")
+        marked = any(str(e).rstrip("/").rsplit("/", 1)[-1] == REMOVING_NAME for e in entries)
+        return Probe(
+            "uncommitted", detail=f"{len(entries)} file(s) but no {MANIFEST_NAME} and no .metadata", marked=marked
+        )
     return Probe("missing")
 
 

@@ -38,7 +38,7 @@ from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "check_groups", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -185,22 +185,6 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
     target = Target.of(latest.tag, latest.url, latest.manifest, True)
     ranges = tuple(dict.fromkeys((*copy, *target.abandoned)))[:16]  # at most catalog.root's 16 are recorded
     return dataclasses.replace(target, seen_seq=top, listed=True, abandoned=ranges, said="" if warn else message)
-
-
-def not_found_hint(root: str, storage_options: Any) -> str:
-    """(error path only) A hint when ``root`` is itself a checkpoint folder, not the root of tags."""
-    try:
-        state = probe_checkpoint(root, storage_options).state
-    except (OSError, CheckpointError):
-        return ""
-    if state not in ("legacy", "committed"):
-        return ""
-    parent, _, name = root.rstrip("/").rpartition("/")
-    tag = name[: -len("_partial")] if name.endswith("_partial") else name
-    return (
-        f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
-        f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
-    )
 
 
 def resume_state(

@@ -93,6 +93,11 @@ class Target:
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (roll-backs, ``catalog.root``)
     said: str = ""  #: the fallback's warning, unsaid (``resolve_target(warn=False)``: the fast tier may load)
     runs: tuple[Any, Any] = (None, None)  #: ``extra["tier"]``'s "runs" and "passed", unread (``_tiers.runs_of``)
+    #: (rank 0) the manifest it was chosen by: its reader reuses the parse (not broadcast: ``__getstate__``)
+    manifest: Manifest | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "manifest": None}
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
@@ -103,7 +108,9 @@ class Target:
         abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
         tier = extra.get("tier")  # a fast-tier save drained: its history goes on
         runs = (tier.get("runs"), tier.get("passed")) if isinstance(tier, Mapping) else (None, None)
-        return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs)
+        return cls(
+            tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs, manifest
+        )
 
     def seen_by(self, counter: SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw (a roll-back is marked only
@@ -299,8 +306,10 @@ def load_checkpoint(
     *,
     optional: tuple[str, ...] | None = None,
     what: str = "checkpoint",
+    known: Manifest | None = None,
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place, keys checked before any data is read; ``optional``: may be absent."""
+    """(all ranks) ``dcp.load`` in place, keys checked before any data is read; ``optional``: may be absent;
+    ``known``: the manifest rank 0 chose it by (``Target.manifest``: parsed once)."""
     planner = ParallelLoadPlanner(
         **common.planner_args(),
         allow_dtype_cast=opts.allow_dtype_cast,
@@ -315,6 +324,7 @@ def load_checkpoint(
         verify_checksums=opts.verify_checksums,
         allow_pickle=opts.allow_pickle,
     )
+    reader.known = known or reader.known
     try:
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)

@@ -477,7 +477,7 @@ class Checkpointer:
                     rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
                 else:
                     (rng, state), reader = resume_state(req, target, ctx), None
-                    planner = load_checkpoint(req, req.opts, target.url, state)
+                    planner = load_checkpoint(req, req.opts, target.url, state, known=target.manifest)
                 # (a translate_function's model keys land aside: without an optimizer nothing is loaded in place)
                 chosen, guard.loaded = target, bool(req.optimizers) or req.opts.translate_function is None
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict

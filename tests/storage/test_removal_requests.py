@@ -235,7 +235,9 @@ def test_the_stale_sweep_removes_uncommitted_folders_several_at_once_in_few_requ
 
     with FaultyProxy(moto_endpoint, record) as proxy:  # type: ignore[arg-type]
         opts = s3_options(proxy.url)
-        result = catalog_root.apply_retention(f"s3://{BUCKET}/run", None, storage_options=opts, uncommitted_older_than=0)
+        result = catalog_root.apply_retention(
+            f"s3://{BUCKET}/run", None, storage_options=opts, uncommitted_older_than=0
+        )
         assert result.removed_uncommitted == ("k0", "k1", "k2") and result.failed == (), result
         assert _states(f"s3://{BUCKET}/run", opts) == {"step0": "committed"}
         _assert_resumes(f"s3://{BUCKET}/run", opts, "step0", 0)
@@ -247,3 +249,42 @@ def test_the_stale_sweep_removes_uncommitted_folders_several_at_once_in_few_requ
         # GET manifest, LIST, DELETE the file, LIST (nothing else?), DELETE mark, GET manifest (not committed since?)
         assert len(mine) == 12, (tag, mine)
         assert [m for m, _ in mine[4:]] == ["GET", "PUT", "GET", "GET", "DELETE", "GET", "DELETE", "GET"], mine
+
+
+def test_failed_removals_are_named_in_the_pass_order_whatever_their_latency(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # removals run side by side on object stores: a slow one failing after a fast one must still be named in
+    # the pass's order (the oldest committed first, then the stale folders), as one by one (rev66d r1)
+    import time
+
+    from smpckpt import Location
+    from smpckpt.catalog import root as catalog_root
+
+    _killed_saves(moto_endpoint, marked=())  # k0, k1, k2
+    root = f"s3://{BUCKET}/run"
+    direct = Location(root, storage_options=s3_options(moto_endpoint)).storage_options  # one client for them all
+    for step in range(3):
+        save_checkpoint(root, f"step{step}", model=_model(step), storage_options=direct)
+    delay = {"step0": 0.4, "step1": 0.0, "k0": 0.4, "k1": 0.0}  # the first of each phase answers last
+    real = catalog_root.remove_checkpoint
+
+    def slow(url: str, *args: Any, **kwargs: Any) -> bool:
+        time.sleep(next((d for t, d in delay.items() if f"/{t}_partial" in url), 0.0))
+        return bool(real(url, *args, **kwargs))
+
+    def refuse(method: str, path: str, query: dict[str, list[str]]) -> int | None:
+        marking = method == "PUT" and path.endswith("/smpckpt.removing")
+        return 403 if marking and any(f"/{t}_partial/" in path for t in delay) else None
+
+    monkeypatch.setattr(catalog_root, "remove_checkpoint", slow)
+    with FaultyProxy(moto_endpoint, refuse) as proxy:
+        opts = s3_options(proxy.url)
+        result = catalog_root.apply_retention(root, 1, storage_options=opts, uncommitted_older_than=0)
+    assert result.failed == ("step0", "step1", "k0", "k1"), result
+    assert result.removed == () and result.removed_uncommitted == ("k2",), result
+    assert _states(root, direct) == {
+        **{f"step{s}": "committed" for s in range(3)},
+        **{"k0": "uncommitted", "k1": "uncommitted"},
+    }
+    _assert_resumes(root, direct, "step2", 2)

@@ -595,6 +595,6 @@ def apply_retention(
     swept: tuple[list[str], list[str], list[str]] = ([], [], [])  # stale folders, aborted uploads, debris
     if uncommitted_older_than is not None:
         swept = sweep_stale(root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run)
-    # in the pass's order (its phases, each oldest first), as one by one: removals run side by side (rev66d F1)
-    failed.sort(key={r.tag: (r.state != "committed", r.state != "removing", i) for i, r in enumerate(records)}.get)
+    phase = {r.tag: (r.state != "committed", r.state != "removing", i) for i, r in enumerate(records)}
+    failed.sort(key=phase.__getitem__)  # the pass's order (by phase, oldest first), as one by one (rev66d F1)
     return RetentionResult(tuple(removed), tuple(failed), *(tuple(found) for found in swept))

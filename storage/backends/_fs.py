@@ -107,16 +107,15 @@ _LOCAL_OPTIONS = frozenset(
 
 
 class OwnedOptions(dict[str, Any]):
-    """``storage_options`` whose owner (a Checkpointer, for its life) reuses the filesystem :func:`open_fs` first
-    built from them: with s3fs's ``skip_instance_cache=True`` every open built a client (~0.4 s; 11 per save and
-    resume, hunt66b L1). Sent to another process (pickled), a plain dict: each builds its own."""
+    """``storage_options`` keeping the filesystem :func:`open_fs` first built from them for their owner's life (a
+    Location's): s3fs's ``skip_instance_cache=True`` built a client per open (~0.4 s, 16 a save + resume: hunt66b)."""
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.opened: dict[tuple[str, int], Any] = {}  # by scheme and pid: a forked child builds its own
 
     def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
+        return (dict, (dict(self),))  # another process builds its own
 
 
 def open_fs(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
@@ -375,6 +374,9 @@ class FsspecLocation:
     url: str
     fs: Any
     path: str
+
+    def _keep(self, options: Mapping[str, Any] | None) -> None:  # a Location's own kept (its filesystem), else copied
+        self.storage_options = options if isinstance(options, OwnedOptions) else dict(options or {})
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         self.url = os.fspath(path)

@@ -34,7 +34,6 @@ from smpckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFoun
 from smpckpt.model.translation import Translation
 from smpckpt.storage.backends._fs import (
     FsspecLocation,
-    OwnedOptions,
     confine,
     default_read_threads,
     device_read_bytes,
@@ -149,10 +148,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         check_flag("verify_checksums", verify_checksums)
         check_flag("allow_pickle", allow_pickle)
-        # a Checkpointer's own (``OwnedOptions``): its filesystem reused
-        self.storage_options = (
-            storage_options if isinstance(storage_options, OwnedOptions) else dict(storage_options or {})
-        )
+        self._keep(storage_options)
         self.verify_checksums = verify_checksums
         self.allow_pickle = allow_pickle
         self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder

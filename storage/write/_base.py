@@ -43,14 +43,7 @@ from smpckpt._gc import gc_paused
 from smpckpt.errors import CheckpointError
 from smpckpt.model.layout import MANIFEST_KEY, LayoutRecord
 from smpckpt.storage.backends._folder import Folder, remove_files
-from smpckpt.storage.backends._fs import (
-    FsspecLocation,
-    OwnedOptions,
-    default_write_threads,
-    is_local,
-    join,
-    read_bytes_or_none,
-)
+from smpckpt.storage.backends._fs import FsspecLocation, default_write_threads, is_local, join, read_bytes_or_none
 from smpckpt.storage.backends._sinks import DEFAULT_PART_SIZE, MIN_PART_SIZE, Sink
 from smpckpt.storage.format._checksum import hash_bytes
 from smpckpt.storage.format._safe_pickle import load_metadata
@@ -146,10 +139,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         self.staging_bytes = staging_bytes
         #: (tests) hooks handed to the staging pool and the file streams of each save
         self._staging_hooks: Any = None
-        # a Checkpointer's own (``OwnedOptions``): its filesystem reused
-        self.storage_options = (
-            storage_options if isinstance(storage_options, OwnedOptions) else dict(storage_options or {})
-        )
+        self._keep(storage_options)
         self.sync_files = sync_files
         self.part_size = part_size
         self.max_parts_in_flight = max_parts_in_flight

@@ -586,12 +586,10 @@ def apply_retention(
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
     many = read_newest(fs, path, said) is not None  # and before each removal (another job may point it back)
     removed = run_each(fs, doomed, lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), many)
-    removed += [
-        r.tag
-        for r in records
-        # a manifest found once marked is a save that finished that removal and committed since (rev65a F2)
-        if r.state == "removing" and r.tag not in protected and remove(r.tag, "the rest of", uncommitted_only=True)
-    ]
+    # interrupted removals, finished (8 at once too); a manifest found once marked is a save that finished that
+    # removal and committed since (rev65a F2)
+    unfinished = [r.tag for r in records if r.state == "removing" and r.tag not in protected]
+    removed += run_each(fs, unfinished, lambda t: remove(t, "the rest of", uncommitted_only=True))
     swept: tuple[list[str], list[str], list[str]] = ([], [], [])  # stale folders, aborted uploads, debris
     if uncommitted_older_than is not None:
         swept = sweep_stale(root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run)

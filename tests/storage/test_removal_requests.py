@@ -176,13 +176,13 @@ def test_a_damaged_newest_is_named_once_by_a_pass_removing_several_on_s3(
     _assert_resumes(root, opts, "step3", 3)
 
 
-def _killed_saves(endpoint: str, marked: tuple[str, ...] = ("k1",)) -> None:
-    """Three folders of killed saves (a data file each, no manifest); ``marked``: an interrupted removal's too."""
+def _killed_saves(endpoint: str, marked: tuple[str, ...] = ("k1",), count: int = 3) -> None:
+    """``count`` folders of killed saves (a data file each, no manifest); ``marked``: an interrupted removal's."""
     import boto3
 
     reset_moto(endpoint, BUCKET)
     c = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    for i in range(3):
+    for i in range(count):
         c.put_object(Bucket=BUCKET, Key=f"run/k{i}_partial/b9ec_r0_0.1a22c1fea581bc14902.smp.distcp", Body=b"x")
     for tag in marked:
         c.put_object(Bucket=BUCKET, Key=f"run/{tag}_partial/smpckpt.removing", Body=b"x")
@@ -204,27 +204,33 @@ def test_the_stale_sweep_removes_uncommitted_folders_several_at_once_in_few_requ
     moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # hunt66b r4: 15 requests per stale folder, one folder at a time (206 s for 1,000 on moto); the multipart
-    # uploads are listed once per root, not once per folder, and the folders go 8 at once, each in its order
+    # uploads are listed once per root, not once per folder, and the folders go 8 at once, each in its order;
+    # so do the interrupted removals (marked folders) a retention finishes
     import threading
     import time
 
     from smpckpt.catalog import root as catalog_root
 
-    _killed_saves(moto_endpoint, marked=())
+    _killed_saves(moto_endpoint, marked=("k1", "k3"), count=5)
     save_checkpoint(f"s3://{BUCKET}/run", "step0", model=_model(0), storage_options=s3_options(moto_endpoint))
-    lock, running, most = threading.Lock(), [0], [0]
+    stale, marked = {"k0", "k2", "k4"}, {"k1", "k3"}
+    lock, running, most = threading.Lock(), set[str](), {"stale": 0, "marked": 0}
     real = catalog_root.remove_checkpoint
 
-    def counted(*args: Any, **kwargs: Any) -> bool:
+    def counted(url: str, *args: Any, **kwargs: Any) -> bool:
+        tag = url.rsplit("/", 1)[-1].removesuffix("_partial")
         with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
+            running.add(tag)
+            most["stale"], most["marked"] = (
+                max(most["stale"], len(running & stale)),
+                max(most["marked"], len(running & marked)),
+            )
         try:
             time.sleep(0.2)  # a real endpoint's latency: lets the removals meet
-            return bool(real(*args, **kwargs))
+            return bool(real(url, *args, **kwargs))
         finally:
             with lock:
-                running[0] -= 1
+                running.discard(tag)
 
     monkeypatch.setattr(catalog_root, "remove_checkpoint", counted)
     seen: list[tuple[str, str, str]] = []
@@ -238,12 +244,13 @@ def test_the_stale_sweep_removes_uncommitted_folders_several_at_once_in_few_requ
         result = catalog_root.apply_retention(
             f"s3://{BUCKET}/run", None, storage_options=opts, uncommitted_older_than=0
         )
-        assert result.removed_uncommitted == ("k0", "k1", "k2") and result.failed == (), result
+        assert result.removed == ("k1", "k3") and result.removed_uncommitted == ("k0", "k2", "k4"), result
+        assert result.failed == (), result
         assert _states(f"s3://{BUCKET}/run", opts) == {"step0": "committed"}
         _assert_resumes(f"s3://{BUCKET}/run", opts, "step0", 0)
-    assert most[0] == 3, f"{most[0]} removal(s) in flight at most"
+    assert most == {"stale": 3, "marked": 2}, f"removals in flight at most: {most}"
     assert sum(q == "uploads" for _, _, q in seen) == 1, seen  # the root's, once
-    for tag in ("k0", "k1", "k2"):
+    for tag in sorted(stale):
         mine = [(m, p) for m, p, q in seen if f"/{tag}_partial" in p and not q]
         # scan 3 (GET manifest, GET .metadata, LIST), its last activity 1 (LIST), its removal 8: LIST, PUT mark,
         # GET manifest, LIST, DELETE the file, LIST (nothing else?), DELETE mark, GET manifest (not committed since?)

@@ -73,3 +73,8 @@ def test_a_save_and_a_resume_build_one_s3_client_each_with_skip_instance_cache(
     ckpt.resume(model=model)
     assert len(built) == 1, f"{len(built)} S3FileSystem(s) built by one Checkpointer's save and resume"
     assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
+    # sent to another process, the options are a plain dict again: no filesystem travels
+    import pickle
+
+    sent = pickle.loads(pickle.dumps(ckpt.location.storage_options))
+    assert type(sent) is dict and sent == options

@@ -253,3 +253,12 @@ def test_a_resume_parses_the_manifest_once(tmp_path: Any, monkeypatch: Any, tag:
         assert torch.equal(fresh.state_dict()[k], v), k
     # a tag-less resume's listing parses each committed tag's once (step0 and step1), the reader none again
     assert len(parsed) == (1 if tag else 2), [json.loads(p)["save_id"] for p in parsed]
+    # rank 0 keeps the parse; the Target the other ranks get (pickled) holds none of it
+    import pickle
+
+    from smpckpt.api._resume import resolve_target
+
+    target = resolve_target(root, tag, None)
+    assert target is not None and target.manifest is not None and target.manifest.save_id
+    sent = pickle.loads(pickle.dumps(target))
+    assert sent.manifest is None and sent == target

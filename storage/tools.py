@@ -317,14 +317,19 @@ def removal_marked(url: str | os.PathLike[str], storage_options: Mapping[str, An
         return bool(fs.exists(join(path, REMOVING_NAME)))
 
 
-def last_activity(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> float | None:
+def last_activity(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, uploads: Any = None
+) -> float | None:
     """The newest modification time (epoch seconds) of anything under a checkpoint folder: its files, on
     local disk its folders' own times when it holds no file (a save that made them and wrote no file yet
     is active; not otherwise: a removal that failed midway bumps them, and must stay stale to be retried,
     rev62j F1), and, on S3, the start of any multipart upload still open there. ``None`` when nothing is
-    there (on S3 also a prefix holding no object: it has no time of its own)."""
+    there (on S3 also a prefix holding no object: it has no time of its own). ``uploads``: the open multipart
+    uploads of a root above (``_s3_uploads``), listed once for its many folders."""
     fs, path = open_fs(url, storage_options)
-    uploads = (_mtime({"created": upload.get("Initiated")}) for upload in _s3_uploads(fs, path))
+    prefix = path.partition("/")[2].rstrip("/") + "/"
+    mine = _s3_uploads(fs, path) if uploads is None else [u for u in uploads if str(u["Key"]).startswith(prefix)]
+    uploads = (_mtime({"created": upload.get("Initiated")}) for upload in mine)
     files = list(file_times(fs, path).values())
     empty = not files and is_local(fs)
     folders = [_folder_mtime(d) for d, _, _ in os.walk(fs._strip_protocol(path))] if empty else []
@@ -356,15 +361,19 @@ def file_times(fs: Any, path: str) -> dict[str, float]:
 
 
 def abort_stale_uploads(
-    url: str | os.PathLike[str], older_than_s: float, storage_options: Mapping[str, Any] | None = None
+    url: str | os.PathLike[str],
+    older_than_s: float,
+    storage_options: Mapping[str, Any] | None = None,
+    uploads: Any = None,
 ) -> list[str]:
     """Abort S3 multipart uploads under ``url`` started more than ``older_than_s`` seconds ago (they are
-    left by killed saves and billed until aborted). Returns their keys; a no-op on other backends."""
+    left by killed saves and billed until aborted). Returns their keys; a no-op on other backends.
+    ``uploads``: those under ``url`` as listed already (``_s3_uploads``)."""
     fs, path = open_fs(url, storage_options)
     bucket = path.partition("/")[0]
     now = time.time()
     aborted: list[str] = []
-    for upload in _s3_uploads(fs, path):
+    for upload in _s3_uploads(fs, path) if uploads is None else uploads:
         started = _mtime({"created": upload.get("Initiated")})
         if started is None or now - started < older_than_s:
             continue

@@ -304,7 +304,7 @@ def _load_durable(req: ResumeRequest, ctx: DistContext, target: Target, part: Fa
     if target.said:  # resolve_target's fallback warning, only when what it chose loads (agreed, as above)
         ctx.all_ok(functools.partial(_warn_on, ctx, target.said, 8))  # the caller's line: one frame deeper
     rng, state = resume_state(req, target, ctx, depth=2)
-    loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state), state, rng, None)
+    loaded = Loaded(target, load_checkpoint(req, req.opts, target.url, state, known=target.manifest), state, rng, None)
     part.state.continues = PATH_MARK  # the job goes on from path's checkpoint (its next save's lineage)
     part.state.runs, part.state.passed = runs_of(target.runs[0]), runs_of(target.runs[1])
     part.state.fresh, part.state.back_to = True, (target.tag, target.order[0])

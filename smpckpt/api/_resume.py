@@ -38,7 +38,7 @@ from smpckpt.storage import FsspecStorageReader, Manifest, probe_checkpoint
 
 __all__ = ["ResumeInfo", "ResumeRequest", "Target", "resolve_target", "resume_state"]
 __all__ += ["load_checkpoint", "apply_state", "stateless_at_save", "InventedState"]
-__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "not_found_hint", "in_place"]
+__all__ += ["init_missing_state", "drop_optimizer_state", "summarize", "skipped_keys", "in_place"]
 
 log = logging.getLogger("smpckpt.api")
 
@@ -93,6 +93,11 @@ class Target:
     abandoned: tuple[tuple[int, int], ...] = ()  #: what its history abandoned (roll-backs, ``catalog.root``)
     said: str = ""  #: the fallback's warning, unsaid (``resolve_target(warn=False)``: the fast tier may load)
     runs: tuple[Any, Any] = (None, None)  #: ``extra["tier"]``'s "runs" and "passed", unread (``_tiers.runs_of``)
+    #: (rank 0) the manifest it was chosen by: its reader reuses the parse (not broadcast: ``__getstate__``)
+    manifest: Manifest | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "manifest": None}
 
     @classmethod
     def of(cls, tag: str, url: str, manifest: Manifest | None, fell_back: bool) -> Target:
@@ -103,7 +108,9 @@ class Target:
         abandoned = tuple(p for p in catalog.abandoned_of(extra) if p[1] < order[0])
         tier = extra.get("tier")  # a fast-tier save drained: its history goes on
         runs = (tier.get("runs"), tier.get("passed")) if isinstance(tier, Mapping) else (None, None)
-        return cls(tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs)
+        return cls(
+            tag, url, record, api, rng, fell_back, order, order[0], False, pickled, abandoned, "", runs, manifest
+        )
 
     def seen_by(self, counter: SequenceCounter) -> None:
         """The job's next saves are numbered after what choosing this target saw (a roll-back is marked only
@@ -185,22 +192,6 @@ def resolve_target(root: str, tag: str | None, storage_options: Any, warn: bool 
     target = Target.of(latest.tag, latest.url, latest.manifest, True)
     ranges = tuple(dict.fromkeys((*copy, *target.abandoned)))[:16]  # at most catalog.root's 16 are recorded
     return dataclasses.replace(target, seen_seq=top, listed=True, abandoned=ranges, said="" if warn else message)
-
-
-def not_found_hint(root: str, storage_options: Any) -> str:
-    """(error path only) A hint when ``root`` is itself a checkpoint folder, not the root of tags."""
-    try:
-        state = probe_checkpoint(root, storage_options).state
-    except (OSError, CheckpointError):
-        return ""
-    if state not in ("legacy", "committed"):
-        return ""
-    parent, _, name = root.rstrip("/").rpartition("/")
-    tag = name[: -len("_partial")] if name.endswith("_partial") else name
-    return (
-        f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
-        f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
-    )
 
 
 def resume_state(
@@ -334,8 +325,10 @@ def load_checkpoint(
     *,
     optional: tuple[str, ...] | None = None,
     what: str = "checkpoint",
+    known: Manifest | None = None,
 ) -> ParallelLoadPlanner:
-    """(all ranks) ``dcp.load`` in place, keys checked before any data is read; ``optional``: may be absent."""
+    """(all ranks) ``dcp.load`` in place, keys checked before any data is read; ``optional``: may be absent;
+    ``known``: the manifest rank 0 chose it by (``Target.manifest``: parsed once)."""
     planner = ParallelLoadPlanner(
         **common.planner_args(),
         allow_dtype_cast=opts.allow_dtype_cast,
@@ -350,6 +343,7 @@ def load_checkpoint(
         verify_checksums=opts.verify_checksums,
         allow_pickle=opts.allow_pickle,
     )
+    reader.known = known or reader.known
     try:
         with quiet_no_dist():
             dcp.load(state, storage_reader=reader, planner=planner, process_group=common.process_group)

@@ -72,7 +72,7 @@ from smpckpt.storage.write._base import FsspecWriterBase
 from smpckpt.storage.write.writer import Workers
 
 __all__ = ["SaveRequest", "manifest_extra", "build_save_state", "write_checkpoint", "run_save"]
-__all__ += ["publish_newest", "retain", "PlannerCache", "save_full", "resume_full", "full_url"]
+__all__ += ["publish_newest", "retain", "PlannerCache", "save_full", "resume_full", "full_url", "not_found_hint"]
 
 
 log = logging.getLogger("smpckpt.api")
@@ -485,3 +485,19 @@ def _pickled(url: str, storage_options: Any) -> bool:
     except (OSError, CheckpointError):  # the load reports it, in its own words
         return False
     return found.manifest is not None and found.manifest.extra.get(PICKLED_KEY) is True
+
+
+def not_found_hint(root: str, storage_options: Any) -> str:
+    """(error path only) A hint when ``root`` is itself a checkpoint folder, not the root of tags."""
+    try:
+        state = probe_checkpoint(root, storage_options).state
+    except (OSError, CheckpointError):
+        return ""
+    if state not in ("legacy", "committed"):
+        return ""
+    parent, _, name = root.rstrip("/").rpartition("/")
+    tag = name[: -len("_partial")] if name.endswith("_partial") else name
+    return (
+        f"; {root} is itself a checkpoint folder: pass its parent as path and its name as tag "
+        f"(resume_from_checkpoint({parent or '.'!r}, tag={tag!r}))"
+    )

@@ -31,7 +31,6 @@ from smpckpt.api._resume import (
     apply_state,
     in_place,
     load_checkpoint,
-    not_found_hint,
     resolve_target,
     resume_state,
     skipped_keys,
@@ -43,6 +42,7 @@ from smpckpt.api._save import (
     SaveRequest,
     build_save_state,
     full_url,
+    not_found_hint,
     publish_newest,
     resume_full,
     retain,
@@ -478,7 +478,7 @@ class Checkpointer:
                     rng, state, planner, reader = loaded.rng, loaded.state, loaded.planner, loaded.reader
                 else:
                     (rng, state), reader = resume_state(req, target, ctx), None
-                    planner = load_checkpoint(req, req.opts, target.url, state)
+                    planner = load_checkpoint(req, req.opts, target.url, state, known=target.manifest)
                 # (a translate_function's model keys land aside: without an optimizer nothing is loaded in place)
                 chosen, guard.loaded = target, in_place(req, req.opts)
                 # every rank refuses alike (or its translate_function fails alike) before set_state_dict

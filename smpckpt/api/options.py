@@ -27,6 +27,7 @@ from smpckpt.model.layout import FULL_ARTIFACTS, RESERVED, NameMap, ParallelLayo
 from smpckpt.model.specs import SpecLike, SpecRules
 from smpckpt.model.translation import Translation
 from smpckpt.storage import FullOptions
+from smpckpt.storage.backends._fs import OwnedOptions
 
 if TYPE_CHECKING:
     from smpckpt.api._resume import ResumeRequest
@@ -95,6 +96,9 @@ class Location(_Options):
         object.__setattr__(self, "path", _absolute_local(os.fspath(self.path)))
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping or None, got {type(self.storage_options).__name__}")
+        if self.storage_options is not None and not isinstance(self.storage_options, OwnedOptions):
+            # the filesystem first built from them serves this location for its life (hunt66b L1)
+            object.__setattr__(self, "storage_options", OwnedOptions(self.storage_options))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ listing per folder (opt-in). The README's "CLI" (``prune``) lists every case.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -36,12 +37,12 @@ from smpckpt.storage.format.manifest import (
     is_temp_name,
     unfinished_full_save,
 )
-from smpckpt.storage.tools import _mtime, file_times  # the one reader of fsspec's per-backend time fields
+from smpckpt.storage.tools import _mtime, _s3_uploads, file_times  # the one reader of fsspec's per-backend time fields
 
 if TYPE_CHECKING:  # retention imports this module (its sweep): the type only
     from smpckpt.catalog.root import CheckpointRecord
 
-__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted"]
+__all__ = ["sweep_debris", "sweep_stale", "select_stale_uncommitted", "run_each"]
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +171,17 @@ def sweep_stale(
     ago, and the debris above: (tags removed, uploads aborted, paths removed). A folder is removed only if
     still uncommitted once marked for removal (``storage.format.commit``): too short an age fails a save,
     never empties a committed checkpoint."""
-    unprotected = [r for r in records if r.tag not in protected]
-    activity = {r.tag: last_activity(r.url, storage_options) for r in unprotected if r.state == "uncommitted"}
-    candidates = select_stale_uncommitted(unprotected, activity, older_than_s, time.time())
-    stale = [tag for tag in candidates if remove(tag, "stale uncommitted folder", uncommitted_only=True)]
+    fs, root_path = open_root(root_url, storage_options)
+    folders = {r.tag: r for r in records if r.tag not in protected and r.state == "uncommitted"}
+    uploads = _s3_uploads(fs, root_path) if folders else None  # the root's, once (not once per folder: hunt66b r4)
+    now = time.time()
+
+    def one(tag: str) -> bool:  # its last activity, then (stale) its removal: marked first (commit.remove_folder)
+        when = {tag: last_activity(folders[tag].url, storage_options, uploads)}
+        old = select_stale_uncommitted([folders[tag]], when, older_than_s, now)
+        return bool(old) and remove(tag, "stale uncommitted folder", uncommitted_only=True)
+
+    stale = run_each(fs, list(folders), one)  # 8 folders at once on object stores
     debris: list[str] = []
     aborted: list[str] = []
     try:
@@ -189,7 +197,15 @@ def sweep_stale(
         log.warning("retention: could not sweep stale debris under %s: %s", root_url, exc)
     if not dry_run:
         try:
-            aborted = abort_stale_uploads(root_url, older_than_s, storage_options)
+            aborted = abort_stale_uploads(root_url, older_than_s, storage_options, uploads)
         except OSError as exc:
             log.warning("retention: could not list or abort multipart uploads under %s: %s", root_url, exc)
     return stale, aborted, debris
+
+
+def run_each(fs: Any, items: Sequence[str], fn: Callable[[str], bool], parallel: bool = True) -> list[str]:
+    """The ``items`` ``fn`` returned true for, in order; a store's backlog (independent folders, each its
+    own steps in order): 8 at once (hunt66b), one by one on local disk or when not ``parallel``."""
+    many = parallel and len(items) > 1 and not is_local(fs)
+    with concurrent.futures.ThreadPoolExecutor(8 if many else 1, thread_name_prefix="smpckpt-retention") as pool:
+        return [item for item, ok in zip(items, (pool.map if many else map)(fn, items)) if ok]

@@ -419,8 +419,10 @@ def _record(tag: str, url: str, storage_options: Any, cache: ManifestCache | Non
     except (CheckpointError, OSError) as exc:
         log.warning("%s: could not probe the checkpoint folder: %s", url, exc)
         return CheckpointRecord(tag, False, url=url, state="unreadable", detail=str(exc))
-    if found.manifest is None:
-        if found.state == "uncommitted" and removal_marked(url, storage_options):
+    if found.manifest is None:  # the probe's listing shows a mark (no HEAD + LIST more per folder: hunt66b r4)
+        if found.state == "uncommitted" and (
+            found.marked or found.marked is None and removal_marked(url, storage_options)
+        ):
             return CheckpointRecord(tag, False, url=url, state="removing", detail="an interrupted removal left it")
         return CheckpointRecord(tag, False, url=url, state=found.state, detail=found.detail)
     return CheckpointRecord(tag, True, record_order(found.manifest), url, "committed", found.manifest)
@@ -579,22 +581,18 @@ def apply_retention(
             log.warning("retention: could not remove %s (will retry on the next save): %s", by_tag[tag].url, exc)
             return False
 
+    from smpckpt.catalog._debris import run_each, sweep_stale  # they import this module: imported when used
+
     (fs, path), said = open_root(root_url, storage_options), set() if said is None else said
-    # ``newest`` read before each removal (another job may point it back); a store's backlog: 8 at once (hunt66b)
-    many = len(doomed) > 1 and not is_local(fs) and read_newest(fs, path, said) is not None
-    with concurrent.futures.ThreadPoolExecutor(8 if many else 1, thread_name_prefix="smpckpt-retention") as pool:
-        ok = (pool.map if many else map)(lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), doomed)
-        removed = [tag for tag, gone in zip(doomed, ok) if gone]
-    failed.sort(key=lambda t: doomed.index(t))  # in the pass's order, as one by one (rev66d F1)
-    removed += [
-        r.tag
-        for r in records
-        # a manifest found once marked is a save that finished that removal and committed since (rev65a F2)
-        if r.state == "removing" and r.tag not in protected and remove(r.tag, "the rest of", uncommitted_only=True)
-    ]
+    many = read_newest(fs, path, said) is not None  # and before each removal (another job may point it back)
+    removed = run_each(fs, doomed, lambda t: t != read_newest(fs, path, said) and remove(t, "checkpoint"), many)
+    # interrupted removals, finished (8 at once too); a manifest found once marked is a save that finished that
+    # removal and committed since (rev65a F2)
+    unfinished = [r.tag for r in records if r.state == "removing" and r.tag not in protected]
+    removed += run_each(fs, unfinished, lambda t: remove(t, "the rest of", uncommitted_only=True))
     swept: tuple[list[str], list[str], list[str]] = ([], [], [])  # stale folders, aborted uploads, debris
     if uncommitted_older_than is not None:
-        from smpckpt.catalog._debris import sweep_stale  # it imports this module: imported when used
-
         swept = sweep_stale(root_url, records, uncommitted_older_than, remove, storage_options, protected, dry_run)
+    phase = {r.tag: (r.state != "committed", r.state != "removing", i) for i, r in enumerate(records)}
+    failed.sort(key=phase.__getitem__)  # the pass's order (by phase, oldest first), as one by one (rev66d F1)
     return RetentionResult(tuple(removed), tuple(failed), *(tuple(found) for found in swept))

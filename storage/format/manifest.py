@@ -396,6 +396,8 @@ class Manifest:
     created: str
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = 0  # 0: the lowest version that describes the files (see FORMAT_VERSION)
+    #: blake2b of the bytes it was parsed from (:meth:`from_bytes`'s ``known``); none for one built here
+    source_digest: bytes = dataclasses.field(default=b"", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.format_version:
@@ -427,8 +429,12 @@ class Manifest:
         return json.dumps(obj, indent=1, sort_keys=False).encode("utf-8")
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
-        """Parse and validate; any problem is a :class:`CheckpointCorrupt` naming ``where``."""
+    def from_bytes(cls, data: bytes, *, where: str = "manifest", known: Manifest | None = None) -> Manifest:
+        """Parse and validate; any problem is a :class:`CheckpointCorrupt` naming ``where``. ``known``: a manifest
+        parsed before (rank 0's, that chose the checkpoint), returned as it is when ``data`` are its very bytes."""
+        source_digest = hashlib.blake2b(data, digest_size=32).digest()
+        if known is not None and known.source_digest == source_digest:
+            return known
         try:
             obj = json.loads(data.decode("utf-8"))
             if not isinstance(obj, dict) or obj.get("format") != "smpckpt":
@@ -477,6 +483,7 @@ class Manifest:
                 created=str(obj["created"]),
                 extra=obj.get("extra") or {},
                 format_version=version,
+                source_digest=source_digest,
             )
         except CheckpointCorrupt:
             raise
@@ -496,6 +503,8 @@ class Probe:
     detail: str = ""
     #: the manifest's bytes as read (what an overwrite replaces, exactly: ``Folder.replace_if``)
     raw: bytes | None = None
+    #: (uncommitted) whether its listing showed a removal mark; ``None``: not listed (``.metadata`` was found)
+    marked: bool | None = None
 
     def generation_files(self) -> list[str]:
         """Base names of the files of the checkpoint found (to remove after an overwrite commits)."""
@@ -528,14 +537,15 @@ def _refers_to_our_files(metadata: Any) -> bool:
     )
 
 
-def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
+def probe(fs: Any, folder: str, *, list_when_empty: bool = True, known: Manifest | None = None) -> Probe:
     """Classify ``folder``. Raises :class:`~smpckpt.errors.CheckpointCorrupt` for a malformed manifest
     and :class:`~smpckpt.errors.UnsafeCheckpoint` for a ``.metadata`` that needs code to load, or (local
-    disk) files reached through a link leading out of the folder: nothing reads or deletes through it."""
+    disk) files reached through a link leading out of the folder: nothing reads or deletes through it.
+    ``known``: :meth:`Manifest.from_bytes`'s (the file is read and checked all the same)."""
     where = join(folder, MANIFEST_NAME)
     data = read_bytes_or_none(fs, where)
     if data is not None:
-        found = Probe("committed", manifest=Manifest.from_bytes(data, where=where), raw=data)
+        found = Probe("committed", manifest=Manifest.from_bytes(data, where=where, known=known), raw=data)
         confine(fs, folder, found.generation_files(), where=folder)  # links out of the folder: unsafe
         return found
     md_path = join(folder, METADATA_NAME)
@@ -555,7 +565,10 @@ def probe(fs: Any, folder: str, *, list_when_empty: bool = True) -> Probe:
     except (FileNotFoundError, NotADirectoryError):
         entries = []
     if entries:
-        return Probe("uncommitted", detail=f"{len(entries)} file(s) but no {MANIFEST_NAME} and no .metadata")
+        marked = any(str(e).rstrip("/").rsplit("/", 1)[-1] == REMOVING_NAME for e in entries)
+        return Probe(
+            "uncommitted", detail=f"{len(entries)} file(s) but no {MANIFEST_NAME} and no .metadata", marked=marked
+        )
     return Probe("missing")
 
 

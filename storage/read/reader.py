@@ -148,12 +148,14 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
         self._threads_asked = check_int("thread_count", thread_count, minimum=1, optional=True)
         check_flag("verify_checksums", verify_checksums)
         check_flag("allow_pickle", allow_pickle)
-        self.storage_options = dict(storage_options or {})
+        self._keep(storage_options)
         self.verify_checksums = verify_checksums
         self.allow_pickle = allow_pickle
         self.translation, self.hf_prefix = translation, hf_prefix  # for a plain Hugging Face folder
         self.last_read_stats: ReadStats | None = None
         self.reading = False  #: a read began: a load failing after it has filled some destinations in place
+        #: the manifest rank 0 chose this checkpoint by: its parse is reused for the very bytes read (hunt66b r5)
+        self.known: Manifest | None = None
         self._open(path)
 
     @property
@@ -268,7 +270,7 @@ class FsspecStorageReader(FsspecLocation, StorageReader):
 
     def _probe(self) -> Probe:
         """The folder's state (``self.state``); a missing checkpoint raises."""
-        found = probe(self.fs, self.path)
+        found = probe(self.fs, self.path, known=self.known)
         self.state = found.state
         if found.state == "missing":
             raise CheckpointNotFound(f"no checkpoint at {self.url}")

@@ -139,7 +139,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         self.staging_bytes = staging_bytes
         #: (tests) hooks handed to the staging pool and the file streams of each save
         self._staging_hooks: Any = None
-        self.storage_options = dict(storage_options or {})
+        self._keep(storage_options)
         self.sync_files = sync_files
         self.part_size = part_size
         self.max_parts_in_flight = max_parts_in_flight

@@ -40,3 +40,41 @@ def test_a_tagless_resume_sees_a_checkpoint_another_process_committed_after_this
         warnings.simplefilter("error")  # no fallback: newest names a committed checkpoint
         assert resume_from_checkpoint(shared, model=model) == {"tag": "s2"}
     assert torch.equal(model.weight, torch.full((2, 3), 2.0))
+
+
+def test_a_save_and_a_resume_build_one_s3_client_each_with_skip_instance_cache(
+    s3_root: tuple[str, dict[str, Any]], monkeypatch: Any
+) -> None:
+    # skip_instance_cache=True (the suite's options; users may pass it too) made every open of the root a new
+    # s3fs client, ~0.4 s each: 11 per save + resume (hunt66b r6), a 1,100-tag listing 560 s. A Checkpointer
+    # (save_checkpoint and resume_from_checkpoint make one per call) reuses its first for its life
+    import s3fs
+
+    from smpckpt import Checkpointer
+
+    root, options = s3_root
+    assert options.get("skip_instance_cache") is True
+    built: list[int] = []
+    real = s3fs.S3FileSystem.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(1)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "__init__", counted)
+    save_checkpoint(root, "s1", model=_model(1.0), storage_options=options, num_kept_partial_checkpoints=1)
+    model = _model(0.0)
+    resume_from_checkpoint(root, model=model, storage_options=options)
+    assert len(built) == 2, f"{len(built)} S3FileSystem(s) built for a save and a resume"
+    assert all(torch.equal(p, torch.full_like(p, 1.0)) for p in model.parameters())
+    built.clear()
+    ckpt = Checkpointer(Location(root, storage_options=options))
+    ckpt.save("s2", model=_model(2.0))
+    ckpt.resume(model=model)
+    assert len(built) == 1, f"{len(built)} S3FileSystem(s) built by one Checkpointer's save and resume"
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in model.parameters())
+    # sent to another process, the options are a plain dict again: no filesystem travels
+    import pickle
+
+    sent = pickle.loads(pickle.dumps(ckpt.location.storage_options))
+    assert type(sent) is dict and sent == options

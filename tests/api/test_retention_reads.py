@@ -223,3 +223,42 @@ def test_records_are_kept_only_on_a_filesystem_whose_stat_is_authoritative(
         save_checkpoint(root, f"s{i}", model=m, num_kept_partial_checkpoints=keep)
         per_save.append(len(reads))
     assert per_save[-1] >= keep + 2, per_save  # every kept manifest read again
+
+
+@pytest.mark.parametrize("tag", ["step1", None])
+def test_a_resume_parses_the_manifest_once(tmp_path: Any, monkeypatch: Any, tag: str | None) -> None:
+    # rank 0 chose the checkpoint from its manifest (resolve_target) and the reader parsed the same bytes again
+    # (hunt66b r5: a 50,013-file manifest, parsed twice per resume); the reader still reads the file, and
+    # reuses the parse only for the very bytes it was made from
+    from smpckpt.storage.format.manifest import Manifest
+
+    root = str(tmp_path / "ck")
+    for step in range(2):
+        torch.manual_seed(step)
+        save_checkpoint(root, f"step{step}", model=nn.Linear(3, 2))
+    parsed: list[bytes] = []
+    real = Manifest.from_bytes.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: Any, data: bytes, **kwargs: Any) -> Manifest:
+        found = real(cls, data, **kwargs)
+        if kwargs.get("known") is not found:  # a new parse, not the one passed on
+            parsed.append(data)
+        return found  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Manifest, "from_bytes", classmethod(counted))
+    fresh = nn.Linear(3, 2)
+    resume_from_checkpoint(root, tag=tag, model=fresh)
+    torch.manual_seed(1)
+    for k, v in nn.Linear(3, 2).state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    # a tag-less resume's listing parses each committed tag's once (step0 and step1), the reader none again
+    assert len(parsed) == (1 if tag else 2), [json.loads(p)["save_id"] for p in parsed]
+    # rank 0 keeps the parse; the Target the other ranks get (pickled) holds none of it
+    import pickle
+
+    from smpckpt.api._resume import resolve_target
+
+    target = resolve_target(root, tag, None)
+    assert target is not None and target.manifest is not None and target.manifest.save_id
+    sent = pickle.loads(pickle.dumps(target))
+    assert sent.manifest is None and sent == target

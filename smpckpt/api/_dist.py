@@ -442,8 +442,9 @@ def train_state(
     (BatchNorm's statistics) as its next forward will, rank 0's (a collective of every rank)."""
     if model is None:
         return {}
-    if not destinations and isinstance(model, nn.parallel.DistributedDataParallel) and model._check_sync_bufs_pre_fwd():
-        model._sync_buffers()  # its next forward's rank 0 buffers, not this rank's last batch's statistics (hunt67 F1)
+    ddp = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around DDP, too
+    if not destinations and isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp._check_sync_bufs_pre_fwd():
+        ddp._sync_buffers()  # its next forward's rank 0 buffers, not this rank's last batch's statistics (hunt67 F1)
     if not optimizers:
         return {RESERVED.model: get_model_state_dict(model, options=OPTIONS)}
     with contextlib.nullcontext() if destinations else _taken_as_is(optimizers):

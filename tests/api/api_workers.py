@@ -808,14 +808,16 @@ def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
 
 def ddp_batchnorm_world(rank: int, world: int, root: str, how: str) -> dict[str, bool]:
     """hunt67 F1: DDP (broadcast_buffers) makes rank 0's buffers the job's at every forward; between forwards
-    each rank holds its own batch's BatchNorm statistics. A save (``how``: sync, async, full export) keeps the
+    each rank holds its own batch's BatchNorm statistics. A save (``how``: sync, async, compiled, full export) keeps the
     job's, on every rank: the values of the job's next forward."""
     from smpckpt import AsyncOptions, Checkpointer, ExportOptions, ResumeOptions
 
     def built(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp: nn.Module = nn.parallel.DistributedDataParallel(model)
+        if how == "compiled":  # torch.compile's wrapper around DDP, the order DDP's documentation gives
+            ddp = torch.compile(ddp, backend="eager")  # type: ignore[assignment]
         return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
 
     model, ddp, opt = built(0)

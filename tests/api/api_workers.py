@@ -804,3 +804,36 @@ def diverging_replica_world(rank: int, world: int, root: str) -> dict[str, str]:
     with Checkpointer(root, Sharding(ParallelLayout(tp=2))) as ck:
         said["values"] = _expect_error(functools.partial(ck.save, "values", m))
     return said
+
+
+def ddp_batchnorm_world(rank: int, world: int, root: str, how: str) -> dict[str, bool]:
+    """hunt67 F1: DDP (broadcast_buffers) makes rank 0's buffers the job's at every forward; between forwards
+    each rank holds its own batch's BatchNorm statistics. A save (``how``: sync, async, compiled, full export) keeps the
+    job's, on every rank: the values of the job's next forward."""
+    from smpckpt import AsyncOptions, Checkpointer, ExportOptions, ResumeOptions
+
+    def built(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        ddp: nn.Module = nn.parallel.DistributedDataParallel(model)
+        if how == "compiled":  # torch.compile's wrapper around DDP, the order DDP's documentation gives
+            ddp = torch.compile(ddp, backend="eager")  # type: ignore[assignment]
+        return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    model, ddp, opt = built(0)
+    torch.manual_seed(1 + rank)  # each rank its own batch, as a DistributedSampler gives
+    ddp(torch.randn(6, 4)).sum().backward()
+    opt.step()
+    job = {k: v.clone() for k, v in model[1].state_dict().items()}
+    for v in job.values():
+        dist.broadcast(v, 0)  # what DDP's next forward puts on every rank
+    with Checkpointer(root, async_options=AsyncOptions(enabled=how == "async")) as ck:
+        if how == "full":
+            ck.export("f", model=ddp, optimizer=opt, options=ExportOptions(include_optimizer=True))
+        else:
+            ck.save("s", ddp, opt)
+        ck.wait()
+        model2, ddp2, opt2 = built(5)
+        ck.resume("f" if how == "full" else None, ddp2, opt2, options=ResumeOptions(partial=how != "full"))
+    got = model2[1].state_dict()
+    return {k: torch.equal(got[k], job[k]) for k in job}

@@ -416,3 +416,12 @@ def test_a_diverging_dp_replica_is_refused_naming_its_key(tmp_path: Any) -> None
         # the API names what it takes: no rank_local= (the planners' keyword), rev64c F3
         assert "rank-unique keys listed in Sharding(held_by_some=[globs])" in said["values"], said["values"]
         assert not any("rank_local=" in s for s in said.values()), said
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "compiled", "full"])
+def test_ddp_batchnorm_statistics_are_rank_0s_as_ddps_next_forward_takes(tmp_path: Any, how: str) -> None:
+    # hunt67 F1: DDP + BatchNorm failed every save (ReplicaMismatch 'model.1.running_mean': "replicas that drifted
+    # apart"), and verify_replicas=False, its advice, wrote rank 1's statistics: a resumed job differed from one
+    # that never stopped
+    for rank, equal in enumerate(run_world(api_workers.ddp_batchnorm_world, 2, str(tmp_path), how, timeout=120)):
+        assert all(equal.values()), (rank, equal)

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from smpckpt._checks import check_flag
+from smpckpt.api._async import GlooGroups
 from smpckpt.api._dist import DistContext
 from smpckpt.api.checkpointer import Checkpointer, ResumeInfo, last_resume_info
 from smpckpt.api.options import (
@@ -188,16 +189,27 @@ def _set(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _fail_together(options: Any, moved: Mapping[str, Any], what: str, exc: Exception) -> None:
-    """Arguments that failed their checks on this rank fail every rank, in the collective the others are in."""
-    group = moved.get("process_group")
+def _fail_together(
+    options: Any, moved: Mapping[str, Any], what: str, exc: Exception, saves: bool = False, model: Any = None
+) -> None:
+    """Arguments that failed their checks on this rank fail every rank, in the collective the others are in
+    (``saves``: a partial save of ``model``: the others meet in their Checkpointer's join first)."""
+    group, sharding = moved.get("process_group"), Sharding()
     for obj in options if isinstance(options, (list, tuple)) else (options,):
-        group = obj.process_group if isinstance(obj, Sharding) else group
+        group, sharding = (obj.process_group, obj) if isinstance(obj, Sharding) else (group, sharding)
     try:
         ctx = DistContext(group)
     except TypeError:
         return  # not a process group: every rank fails alike, before any collective
     if ctx.active and ctx.world_size > 1:
+        if saves:  # the model's Checkpointer (its join group), else the group a new one makes
+            kept = _inner(model).__dict__.get(_KEPT) if isinstance(_inner(model), nn.Module) else None
+            ckpt = kept.checkpointer if isinstance(kept, _Kept) else None
+            joins = (ckpt._groups, ckpt.sharding) if ckpt is not None else (GlooGroups(group), sharding)
+            try:
+                joins[0].join(ctx, joins[1].join_timeout, what)
+            except Exception:  # noqa: BLE001 - the others are not in this save: this rank's own error alone
+                return
 
         def failed() -> tuple[None, dict[str, Any]]:
             raise exc
@@ -265,7 +277,7 @@ def _prepare(
             raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
         return _checkpointer(model, location, where, built, save), built[call]
     except Exception as exc:  # failed on this rank: every rank fails, in the collective the others are in
-        _fail_together(options, moved, f"{fn}'s arguments", exc)
+        _fail_together(options, moved, f"{fn}'s arguments", exc, save and partial is not False, model)
         raise
 
 

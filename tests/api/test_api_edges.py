@@ -475,3 +475,15 @@ def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_
     assert f"{missing} did not enter the save" in got[savers[0]]["said"], got
     if world == 3:
         assert "rank 0 did not confirm" in got[1]["said"], got[1]
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf"), True, "60"])
+def test_a_join_timeout_that_is_no_positive_number_of_seconds_is_refused_when_built(bad: Any) -> None:
+    from smpckpt import Sharding
+
+    with pytest.raises(
+        ValueError, match=re.escape(f"join_timeout must be a positive number of seconds or None, got {bad!r}")
+    ):
+        Sharding(join_timeout=bad)
+    assert Sharding(join_timeout=None).join_timeout is None and Sharding(join_timeout=0.5).join_timeout == 0.5
+    assert Sharding().join_timeout == 60.0

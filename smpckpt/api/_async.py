@@ -278,13 +278,14 @@ class GlooGroups:
         """(all ranks, a save's first step) Every rank enters within ``timeout`` seconds (``None``: unchecked),
         met on a gloo barrier of its own that tells rank 0 who is missing: met on the caller's group, a save
         made by some ranks only (a SIGTERM handler's) met the others inside their training collectives and
-        every rank hung until the group's timeout (hunt66d P2)."""
-        if timeout is None or not ctx.active or ctx.world_size == 1:
-            return
+        every rank hung until the group's timeout (hunt66d P2). The group is made after a call's agreement
+        (every rank in step, :meth:`Checkpointer._agreed`), so the first call has none: it meets there."""
         if self.out_of_step:
             raise CheckpointError(f"rank {ctx.rank} of {ctx.world_size}: {action}: refused: {self.out_of_step}")
+        group = self._groups.get("join")
+        if timeout is None or group is None:
+            return
         try:
-            group = self.get(ctx, "join", timeout)  # made by the first save: bounded alike
             dist.monitored_barrier(group, datetime.timedelta(seconds=timeout), wait_all_ranks=True)
             return
         except RuntimeError as exc:

@@ -21,7 +21,6 @@ from typing import Any
 from torch import nn
 
 from smpckpt._checks import check_flag
-from smpckpt.api._async import GlooGroups
 from smpckpt.api._dist import DistContext
 from smpckpt.api.checkpointer import Checkpointer, ResumeInfo, last_resume_info
 from smpckpt.api.options import (
@@ -193,21 +192,19 @@ def _fail_together(
     options: Any, moved: Mapping[str, Any], what: str, exc: Exception, saves: bool = False, model: Any = None
 ) -> None:
     """Arguments that failed their checks on this rank fail every rank, in the collective the others are in
-    (``saves``: a partial save of ``model``: the others meet in their Checkpointer's join first)."""
-    group, sharding = moved.get("process_group"), Sharding()
+    (``saves``: a partial save of ``model``: the others meet in its Checkpointer's join first)."""
+    group = moved.get("process_group")
     for obj in options if isinstance(options, (list, tuple)) else (options,):
-        group, sharding = (obj.process_group, obj) if isinstance(obj, Sharding) else (group, sharding)
+        group = obj.process_group if isinstance(obj, Sharding) else group
     try:
         ctx = DistContext(group)
     except TypeError:
         return  # not a process group: every rank fails alike, before any collective
     if ctx.active and ctx.world_size > 1:
-        if saves:  # the model's Checkpointer (its join group), else the group a new one makes
-            kept = _inner(model).__dict__.get(_KEPT) if isinstance(_inner(model), nn.Module) else None
-            ckpt = kept.checkpointer if isinstance(kept, _Kept) else None
-            joins = (ckpt._groups, ckpt.sharding) if ckpt is not None else (GlooGroups(group), sharding)
+        kept = _inner(model).__dict__.get(_KEPT) if saves and isinstance(_inner(model), nn.Module) else None
+        if isinstance(kept, _Kept) and kept.checkpointer is not None:  # the others use it (a new one: no join)
             try:
-                joins[0].join(ctx, joins[1].join_timeout, what)
+                kept.checkpointer._groups.join(ctx, kept.checkpointer.sharding.join_timeout, what)
             except Exception:  # noqa: BLE001 - the others are not in this save: this rank's own error alone
                 return
 

@@ -339,6 +339,8 @@ class Checkpointer:
             if cls is SaveOptions and not self._closed:  # every rank is in this save, or it fails in a bound
                 self._groups.join(ctx, self.sharding.join_timeout, action)
             common, opts = ctx.agreed(check, what)
+            if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
+                self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:
                 validate_tag(tag)
         return ctx, common, opts

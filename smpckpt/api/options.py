@@ -120,7 +120,7 @@ class Sharding(_Options):
     as copies of each other: experts under their global ids (``experts.*``), each on its expert's DP ranks.
     Their holders must agree on dtype, shape and values (else refused by key and ranks); one writes each."""
 
-    join_timeout: float | None = _opt(60.0, same=False)
+    join_timeout: float | None = 60.0  # compared: whether a rank makes the join group must not differ
     """Seconds a save waits for every rank of the group to enter it (``None``: the group's own timeout, 30
     minutes with gloo). A save made by some ranks only (from a SIGTERM handler, or on a flag only they check)
     would meet the others inside their training collectives, and every rank would hang: those ranks fail in

@@ -20,9 +20,11 @@ import concurrent.futures
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (ours runs first)
 import contextlib
 import dataclasses
+import datetime
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -254,18 +256,62 @@ class GlooGroups:
     def __init__(self, process_group: Any) -> None:
         self.process_group = process_group
         self._groups: dict[str, Any] = {}
+        self.out_of_step = ""  # why this rank's saves no longer meet the others' (:meth:`join`)
 
-    def get(self, ctx: DistContext, purpose: str = "save") -> Any:
-        """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group)."""
+    def get(self, ctx: DistContext, purpose: str = "save", timeout: float | None = None) -> Any:
+        """(all ranks, collectively the first time) The group for ``purpose`` (``None``: no process group),
+        made with ``timeout`` seconds (``None``: the default)."""
         if not ctx.active or ctx.world_size == 1:
             return None
         group = self._groups.get(purpose)
         if group is None:
             pg = self.process_group
             ranks = dist.get_process_group_ranks(pg) if pg is not None else None
-            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
+            wait = datetime.timedelta(seconds=timeout) if timeout is not None else None
+            group = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=wait, use_local_synchronization=ranks is not None
+            )
             self._groups[purpose] = group
         return group
+
+    def join(self, ctx: DistContext, timeout: float | None, action: str) -> None:
+        """(all ranks, a save's first step) Every rank enters within ``timeout`` seconds (``None``: unchecked),
+        met on a gloo barrier of its own that tells rank 0 who is missing: met on the caller's group, a save
+        made by some ranks only (a SIGTERM handler's) met the others inside their training collectives and
+        every rank hung until the group's timeout (hunt66d P2). The group is made after a call's agreement
+        (every rank in step, :meth:`Checkpointer._agreed`), so the first call has none: it meets there."""
+        if self.out_of_step:
+            raise CheckpointError(f"rank {ctx.rank} of {ctx.world_size}: {action}: refused: {self.out_of_step}")
+        group = self._groups.get("join")
+        if timeout is None or group is None:
+            return
+        try:
+            dist.monitored_barrier(group, datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+            return
+        except RuntimeError as exc:
+            error, text = exc, str(exc)
+        # its peers may never come: no barrier on it at close; later saves would pair with stale messages
+        self._groups.pop("join", None)
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+        if found:
+            missing = [r.strip() for r in found.group(1).split(",") if r.strip()]
+            who = f"rank{'s' * (len(missing) > 1)} {', '.join(missing)} did not enter the save"
+        elif ctx.world_size == 2:
+            who = f"rank {1 - ctx.rank} did not enter the save"
+        elif "from rank 0" in text:
+            who = "rank 0 did not confirm that every rank entered the save (its own error names those missing)"
+        else:
+            who = "some of the other ranks did not enter the save (gloo cannot tell which)"
+        self.out_of_step = f"an earlier save's ranks did not meet ({who}): end the job"
+        if any(m in text.lower() for m in ("connection closed", "connection reset", "broken pipe")):
+            raise error  # a rank died (peer_failures says so)
+        raise CheckpointError(
+            f"rank {ctx.rank} of {ctx.world_size}: {action}: {who} within {timeout:g}s (Sharding.join_timeout): "
+            "most likely they are still in a training collective, as when only some ranks save (from a SIGTERM "
+            "handler, or on a flag only they check). Nothing was written, what was committed before is intact, "
+            "and this Checkpointer refuses further saves (its ranks are out of step). Set a flag in the handler, "
+            'agree on it at a step boundary and save there on every rank (README, "Preemption")'
+        ) from error
 
     def streams(self, ctx: DistContext) -> tuple[Any, ...]:
         """(all ranks, collectively the first time) The groups the fast tier moves files over: the

@@ -188,8 +188,11 @@ def _set(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _fail_together(options: Any, moved: Mapping[str, Any], what: str, exc: Exception) -> None:
-    """Arguments that failed their checks on this rank fail every rank, in the collective the others are in."""
+def _fail_together(
+    options: Any, moved: Mapping[str, Any], what: str, exc: Exception, saves: bool = False, model: Any = None
+) -> None:
+    """Arguments that failed their checks on this rank fail every rank, in the collective the others are in
+    (``saves``: a partial save of ``model``: the others meet in its Checkpointer's join first)."""
     group = moved.get("process_group")
     for obj in options if isinstance(options, (list, tuple)) else (options,):
         group = obj.process_group if isinstance(obj, Sharding) else group
@@ -198,6 +201,12 @@ def _fail_together(options: Any, moved: Mapping[str, Any], what: str, exc: Excep
     except TypeError:
         return  # not a process group: every rank fails alike, before any collective
     if ctx.active and ctx.world_size > 1:
+        kept = _inner(model).__dict__.get(_KEPT) if saves and isinstance(_inner(model), nn.Module) else None
+        if isinstance(kept, _Kept) and kept.checkpointer is not None:  # the others use it (a new one: no join)
+            try:
+                kept.checkpointer._groups.join(ctx, kept.checkpointer.sharding.join_timeout, what)
+            except Exception:  # noqa: BLE001 - the others are not in this save: this rank's own error alone
+                return
 
         def failed() -> tuple[None, dict[str, Any]]:
             raise exc
@@ -265,7 +274,7 @@ def _prepare(
             raise CheckpointError(f"{fn}: checkpoint location {location.path!r}: {type(exc).__name__}: {exc}") from exc
         return _checkpointer(model, location, where, built, save), built[call]
     except Exception as exc:  # failed on this rank: every rank fails, in the collective the others are in
-        _fail_together(options, moved, f"{fn}'s arguments", exc)
+        _fail_together(options, moved, f"{fn}'s arguments", exc, save and partial is not False, model)
         raise
 
 

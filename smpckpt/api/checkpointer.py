@@ -229,8 +229,11 @@ class Checkpointer:
         """(smp's face) Take ``sharding`` when only what compares by identity differs (same process group and
         layout): a rebuild at every call would leave a gloo group, an exit hook and staging buffers behind.
         ``False``: it does not fit."""
-        if sharding.process_group is not self.sharding.process_group:
-            return False
+        if (
+            sharding.process_group is not self.sharding.process_group
+            or sharding.join_timeout != self.sharding.join_timeout
+        ):
+            return False  # (a join_timeout other than the one its join group was made with: a rebuild)
         layout = sharding.layout if sharding.layout is not None else ParallelLayout(dp=self._world)
         if layout != self.layout:
             return False
@@ -334,7 +337,11 @@ class Checkpointer:
             return (common, opts), {"tag": tag, **self._compared, **opts.compared(), **more}
 
         with peer_failures(ctx, action):
+            if cls is SaveOptions and not self._closed:  # every rank is in this save, or it fails in a bound
+                self._groups.join(ctx, self.sharding.join_timeout, action)
             common, opts = ctx.agreed(check, what)
+            if self.sharding.join_timeout is not None:  # every rank is here: the group later saves meet on
+                self._groups.get(ctx, "join", self.sharding.join_timeout)
             if tag is not None or cls is not ResumeOptions:
                 validate_tag(tag)
         return ctx, common, opts

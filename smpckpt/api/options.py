@@ -127,6 +127,13 @@ class Sharding(_Options):
     as copies of each other: experts under their global ids (``experts.*``), each on its expert's DP ranks.
     Their holders must agree on dtype, shape and values (else refused by key and ranks); one writes each."""
 
+    join_timeout: float | None = 60.0  # compared: whether a rank makes the join group must not differ
+    """Seconds a save waits for every rank of the group to enter it (``None``: the group's own timeout, 30
+    minutes with gloo). A save made by some ranks only (from a SIGTERM handler, or on a flag only they check)
+    would meet the others inside their training collectives, and every rank would hang: those ranks fail in
+    this time instead, naming the ranks that did not join (README, "Preemption"). Raise it where ranks may
+    reach a save further apart (rank 0 evaluating alone before it)."""
+
     rules: SpecRules = dataclasses.field(
         init=False, repr=False, compare=False, metadata={"same": lambda rules: rules.to_records()}
     )
@@ -139,6 +146,11 @@ class Sharding(_Options):
         if self.name_map is not None and not callable(self.name_map):
             raise TypeError(f"name_map must be callable (str -> str), got {type(self.name_map).__name__}")
         check_process_group(self.process_group)
+        wait = self.join_timeout
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf
+        ):
+            raise ValueError(f"join_timeout must be a positive number of seconds or None, got {wait!r}")
         if isinstance(self.held_by_some, (str, bytes)):  # tuple("experts.*") would be one glob a character
             raise TypeError(f"held_by_some must be a list of globs, not a single string: [{self.held_by_some!r}]?")
         object.__setattr__(self, "held_by_some", tuple(self.held_by_some))

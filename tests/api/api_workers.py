@@ -837,3 +837,44 @@ def ddp_batchnorm_world(rank: int, world: int, root: str, how: str) -> dict[str,
         ck.resume("f" if how == "full" else None, ddp2, opt2, options=ResumeOptions(partial=how != "full"))
     got = model2[1].state_dict()
     return {k: torch.equal(got[k], job[k]) for k in job}
+
+
+def lone_save_world(rank: int, world: int, root: str, savers: tuple[int, ...]) -> dict[str, Any]:
+    """fix67a (hunt66d P2): every rank saves 's1'; then ``savers`` alone save 'emerg' (a SIGTERM handler's
+    save) while the other ranks sit in their training all_reduce. Each saver fails within the join timeout
+    naming who did not join, then joins that all_reduce (the job goes on); 's1' stays newest, resumed
+    bit-exactly."""
+    import time
+
+    from smpckpt import Checkpointer, Sharding
+    from smpckpt.errors import CheckpointError
+
+    m, o = _linear(0)
+    _step(m, o, 0)
+    ckpt = Checkpointer(root, Sharding(join_timeout=3))
+    ckpt.save("s1", m, o)
+    saved = {k: v.clone() for k, v in _params(m).items()}
+    said, took, again = "no error", 0.0, "no error"
+    if rank in savers:
+        started = time.monotonic()
+        try:
+            ckpt.save("emerg", m, o)
+        except CheckpointError as exc:
+            said = str(exc)
+        took = time.monotonic() - started
+        try:  # refused at once: this rank's Checkpointer no longer meets the others in step
+            ckpt.save("again", m, o)
+        except CheckpointError as exc:
+            again = str(exc)
+    dist.all_reduce(torch.ones(3))  # the others' training collective, still waiting for the savers
+    dist.barrier()
+    m2, o2 = _linear(1)
+    Checkpointer(root).resume(None, m2, o2)
+    return {
+        "said": said,
+        "took": took,
+        "again": again,
+        "newest": _newest(root),
+        "dirs": _dirs(root),
+        "exact": _same(_params(m2), saved) and _optim_same(m, o, m2, o2),
+    }

@@ -444,3 +444,46 @@ def test_a_save_from_a_signal_handler_during_a_resume_is_refused_by_name(
     assert refused and "'emerg'" in str(refused[0]) and "while resuming" in str(refused[0]), refused
     assert sorted(os.listdir(tmp_path)) == ["newest", "s2_partial"]
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("world", "savers", "missing"), [(2, (1,), "rank 0"), (2, (0,), "rank 1"), (3, (0, 1), "rank 2")]
+)
+def test_a_save_that_only_some_ranks_enter_fails_within_the_join_timeout_naming_the_others(
+    tmp_path: Any, world: int, savers: tuple[int, ...], missing: str
+) -> None:
+    """hunt66d P2: a save made by some ranks only (a SIGTERM handler's, a flag only one rank checks) met the
+    other ranks inside their training collective: every rank hung with no message until the group's
+    timeout (30 minutes). The save now first meets on a gloo group of its own, bounded by
+    ``Sharding.join_timeout``: each saver fails in about that time, naming the ranks that did not join
+    (rank 0 knows; another rank of a larger world knows rank 0 did not confirm), nothing is written, 's1'
+    stays newest and resumes bit-exactly, and the savers can still meet the others in their collective."""
+    import api_workers
+    from dist_harness import run_world
+
+    got = run_world(api_workers.lone_save_world, world, str(tmp_path), savers, timeout=90)
+    for rank, r in enumerate(got):
+        assert r["newest"] == "s1" and r["dirs"] == ["s1_partial"] and r["exact"], (rank, r)
+        if rank not in savers:
+            assert r["said"] == "no error", r
+            continue
+        assert r["said"].startswith(f"rank {rank} of {world}: saving checkpoint 'emerg' under "), r
+        assert "within 3s (Sharding.join_timeout)" in r["said"] and "README" in r["said"], r
+        assert 2.5 < r["took"] < 30, r
+        assert "refused" in r["again"] and "'again'" in r["again"], r
+    assert f"{missing} did not enter the save" in got[savers[0]]["said"], got
+    if world == 3:
+        assert "rank 0 did not confirm" in got[1]["said"], got[1]
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf"), True, "60"])
+def test_a_join_timeout_that_is_no_positive_number_of_seconds_is_refused_when_built(bad: Any) -> None:
+    from smpckpt import Sharding
+
+    with pytest.raises(
+        ValueError, match=re.escape(f"join_timeout must be a positive number of seconds or None, got {bad!r}")
+    ):
+        Sharding(join_timeout=bad)
+    assert Sharding(join_timeout=None).join_timeout is None and Sharding(join_timeout=0.5).join_timeout == 0.5
+    assert Sharding().join_timeout == 60.0

@@ -6,11 +6,10 @@ The collectives (modelled on DCP's ``_DistWrapper``) run every step that can fai
 :meth:`DistContext.all_ok` or :meth:`DistContext.on_coordinator`, so a failure on one rank is an error on
 *every* rank, not a hang; without a process group each is the local call (rank 0 of a world of 1).
 
-``user_content``: one ``torch.save`` record inside the checkpoint (an
-:class:`~smpckpt.planners.ObjectBytes`), checksummed and committed with the tensors; the manifest says
-whether it needs ``allow_pickle`` (:data:`PICKLED_KEY`), so a resume refuses it before the load.
-RNG states, per rank under ``rng.rank<r>.*``: torch CPU, CUDA, ``random`` and NumPy's legacy generator, as
-weights-only-safe values.
+``user_content``: one ``torch.save`` record inside the checkpoint (an :class:`~smpckpt.planners.ObjectBytes`),
+checksummed and committed with the tensors; the manifest says whether it needs ``allow_pickle``
+(:data:`PICKLED_KEY`), so a resume refuses it before the load. RNG states, per rank under ``rng.rank<r>.*``:
+torch CPU, CUDA, ``random`` and NumPy's legacy generator, as weights-only-safe values.
 """
 
 from __future__ import annotations
@@ -395,11 +394,8 @@ def check_state(model: Any, optimizer: Any) -> tuple[nn.Module | None, tuple[tor
                         f"{p.dtype}) is not a parameter of the model: build the optimizer over "
                         "model.parameters() of the model you pass"
                     )
-                odd = [
-                    (k, v)
-                    for k, v in opt.state.get(p, {}).items()
-                    if not isinstance(v, (torch.Tensor, int, float, dict))
-                ]
+                kept = opt.state.get(p, {}).items()
+                odd = [(k, v) for k, v in kept if not isinstance(v, (torch.Tensor, int, float, dict))]
                 if odd:  # DCP's get_state_dict refuses them naming neither optimizer nor key (LBFGS's lists)
                     name = next(n for n, q in model.named_parameters() if q is p)
                     raise TypeError(
@@ -439,9 +435,9 @@ def spec_rules(specs: Mapping[str, SpecLike] | SpecRules | None) -> SpecRules:
 def train_state(
     model: nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...], *, destinations: bool = False
 ) -> dict[str, Any]:
-    """``{model: ..., optim: ...}`` through DCP's state_dict API (FQN-keyed optimizer state). DCP steps a
-    fresh optimizer once at lr 0 to give it state: a resume (``destinations``) wants that; a save does not
-    (it changed the run's next step), so it takes a fresh optimizer as it is (:func:`_taken_as_is`), and DDP's buffers
+    """``{model: ..., optim: ...}`` through DCP's state_dict API (FQN-keyed optimizer state). DCP steps a fresh
+    optimizer once at lr 0 to give it state: a resume (``destinations``) wants that; a save does not (it changed
+    the run's next step), so it takes a fresh optimizer as it is (:func:`_taken_as_is`), and DDP's buffers
     (BatchNorm's statistics) as its next forward will, rank 0's (a collective of every rank)."""
     if model is None:
         return {}

@@ -127,12 +127,12 @@ class Sharding(_Options):
     as copies of each other: experts under their global ids (``experts.*``), each on its expert's DP ranks.
     Their holders must agree on dtype, shape and values (else refused by key and ranks); one writes each."""
 
-    join_timeout: float | None = 60.0  # compared: whether a rank makes the join group must not differ
-    """Seconds a save waits for every rank of the group to enter it (``None``: the group's own timeout, 30
-    minutes with gloo). A save made by some ranks only (from a SIGTERM handler, or on a flag only they check)
-    would meet the others inside their training collectives, and every rank would hang: those ranks fail in
-    this time instead, naming the ranks that did not join (README, "Preemption"). Raise it where ranks may
-    reach a save further apart (rank 0 evaluating alone before it)."""
+    join_timeout: float | None = None  # compared: whether a rank makes the join group must not differ
+    """Seconds a save waits for every rank of the group to enter it (``None``: unchecked, the caller's group's
+    own timeout). A save made by some ranks only (from a SIGTERM handler, or on a flag only they check) meets
+    the others inside their training collectives, and every rank hangs: with a bound those ranks fail in this
+    time instead, naming the ranks that did not join (README, "Preemption"). Off by default: ranks reaching a
+    save legitimately further apart (rank 0 evaluating alone before it) would fail it and every later one."""
 
     rules: SpecRules = dataclasses.field(
         init=False, repr=False, compare=False, metadata={"same": lambda rules: rules.to_records()}

@@ -302,11 +302,11 @@ def test_a_translate_function_failing_on_one_rank_leaves_every_model_untouched(t
 def test_saves_with_retention_and_resumes_alternating_make_one_gloo_group(tmp_path: Any) -> None:
     """Each alternation of save_checkpoint(num_kept_partial_checkpoints=N) and resume_from_checkpoint built
     a Checkpointer, and each its gloo group for background saves (freed by the garbage collector alone):
-    one Checkpointer in all now, with two groups (its background saves' and the one its saves meet on first:
-    ``Sharding.join_timeout``), and retention still keeps the 2 newest."""
+    one group in all now (no join group: ``Sharding.join_timeout`` is off by default), and retention still keeps
+    the 2 newest."""
     got = run_world(api_workers.alternate_world, 2, str(tmp_path), timeout=120)
     for r in got:
-        assert r == {"groups": 2, "dirs": ["s3_partial", "s4_partial"], "tag": "s4"}, got
+        assert r == {"groups": 1, "dirs": ["s3_partial", "s4_partial"], "tag": "s4"}, got
 
 
 def test_rollback_retention_and_fallback_follow_the_history_on_every_rank(tmp_path: Any) -> None:

@@ -486,4 +486,4 @@ def test_a_join_timeout_that_is_no_positive_number_of_seconds_is_refused_when_bu
     ):
         Sharding(join_timeout=bad)
     assert Sharding(join_timeout=None).join_timeout is None and Sharding(join_timeout=0.5).join_timeout == 0.5
-    assert Sharding().join_timeout == 60.0
+    assert Sharding().join_timeout is None

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 
-from smpckpt.storage.format._regions import range_boxes
+from smpckpt.storage.format._reading import range_boxes
 
 __all__ = ["STAGING_BYTES", "BUFFER_BYTES", "MIN_STAGING_BYTES", "HostBuffer", "BufferPool", "Ticket", "Stage"]
 __all__ += ["HostStage", "CudaStage", "Stages", "stage_kind", "settle", "TEST_DEVICE_ENV", "narrow_box", "copy_chunks"]

@@ -155,19 +155,15 @@ def artifact_records(
             folder.fsync(f.name)
         records.append(FileRecord(f.name, f.size, -1, (), (), checks="tensors"))
     side = dict(layout.indexes)
-    cfg = options.hf_config_json(weights_dtype(layout, options))
+    # config.json's dtype: the floating-point dtype most model tensors are stored in
+    model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
+    counts = Counter(d for d in model if d.is_floating_point)
+    cfg = options.hf_config_json(counts.most_common(1)[0][0] if counts else None)
     if cfg is not None:
         side["config.json"] = cfg
     for name, data in side.items():
         records.append(FileRecord(name, len(data), -1, (len(data),), (hash_bytes(data),)))
     return records, side
-
-
-def weights_dtype(layout: ArtifactLayout, options: FullOptions) -> torch.dtype | None:
-    """The floating-point dtype most model tensors are stored in (``config.json``'s ``dtype``)."""
-    model = [d for fqn, d in layout.dtypes.items() if (options.route(fqn) or ("",))[0] == "model"]
-    counts = Counter(d for d in model if d.is_floating_point)
-    return counts.most_common(1)[0][0] if counts else None
 
 
 def whole_tensor_metadata(

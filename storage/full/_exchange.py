@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan
 
 from smpckpt.errors import CheckpointError
-from smpckpt.storage.format._regions import box_runs
+from smpckpt.storage.format._reading import box_runs
 from smpckpt.storage.full._source import FullWrite, RankFullData
 
 __all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "moves_cpu_tensors"]

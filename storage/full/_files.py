@@ -123,7 +123,12 @@ class RunFiles:
             return len(starts) * run
         # Object stores: a GET costs far more than the bytes between strided runs (a column shard's
         # rows), so runs are fetched in enclosing spans of up to SPAN_BYTES and cut out here.
-        groups = _span_groups(starts, run)
+        groups: list[tuple[int, int]] = []  # index ranges [a, b) of starts whose runs fit one span
+        a = 0
+        for i in range(1, len(starts) + 1):
+            if i == len(starts) or int(starts[i]) + run - int(starts[a]) > SPAN_BYTES:
+                groups.append((a, i))
+                a = i
         spans = [(int(starts[a]), int(starts[b - 1]) + run - int(starts[a])) for a, b in groups]
         first, end = spans[0][0], spans[-1][0] + spans[-1][1]
         held = [h for h in getattr(self._tls, "held", ()) if h[0] == name and h[1] <= first and end <= h[1] + len(h[2])]
@@ -246,17 +251,6 @@ class SpanFetcher:
             f.cancel()
         self.futures.clear()
         self._pool.shutdown(wait=True)
-
-
-def _span_groups(starts: np.ndarray, run: int) -> list[tuple[int, int]]:
-    """Index ranges ``[a, b)`` of ``starts`` whose runs fit one span of at most ``SPAN_BYTES``."""
-    out: list[tuple[int, int]] = []
-    a = 0
-    for i in range(1, len(starts) + 1):
-        if i == len(starts) or int(starts[i]) + run - int(starts[a]) > SPAN_BYTES:
-            out.append((a, i))
-            a = i
-    return out
 
 
 #: bytes of rows (requested) one thread reads as one part of a column box read a request per row: small

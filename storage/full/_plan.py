@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from smpckpt.errors import CheckpointError, SpecError
 from smpckpt.hf import check_translation
 from smpckpt.model.translation import Expr, Leaf, Translation, pieces
-from smpckpt.storage.format._regions import Box, intersect
+from smpckpt.storage.format._reading import Box, intersect
 from smpckpt.storage.full._source import (
     ArtifactFile,
     ArtifactLayout,
@@ -195,8 +195,11 @@ def _files(
         dtypes = art_dtypes.get(art, {})
         nbytes = {k: math.prod(shape) * dtypes[k].itemsize for k, shape in art_shapes[art].items() if k in dtypes}
         total = sum(nbytes.values())
-        # max_shard_size is bytes already (FullOptions parses it)
-        cap = int(max_shard_size) if max_shard_size is not None else _auto_shard_size(total, world)
+        if max_shard_size is not None:
+            cap = int(max_shard_size)  # bytes already (FullOptions parses it)
+        else:  # Hugging Face's 5 GB, lowered so each rank can start on its own file (at most 2 x world)
+            count = max(-(-total // (5 * 10**9)), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings
+            cap = max(1, -(-total // count))
         groups: list[list[str]] = [[]]
         size = 0
         for k, n in nbytes.items():
@@ -214,7 +217,14 @@ def _files(
         weight_map: dict[str, str] = {}
         for name, keys in zip(names, groups):
             entries = [(k, art_dtypes[art][k], art_shapes[art][k]) for k in keys]
-            f = _layout_file(name, entries, file_format)
+            if file_format == "torch_save":
+                f = _torch_file(name, entries)
+            else:
+                header, placed = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
+                end = max([e.start + e.nbytes for e in placed], default=len(header))
+                f = ArtifactFile(
+                    name, ((0, header),), end, tuple(e.key for e in placed), tuple(e.start for e in placed)
+                )
             files.append(f)
             for (k, dtype, shape), start in zip(entries, f.starts):
                 tensors[f"{art}/{k}"] = (art, name, start, dtype, shape)
@@ -228,14 +238,6 @@ def _files(
 
 #: Hugging Face's torch.save file names (``pytorch_model.bin``); other artifacts keep their own stem
 _TORCH_STEMS = MappingProxyType({"model": "pytorch_model"})
-
-
-def _layout_file(name: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], file_format: str) -> ArtifactFile:
-    if file_format == "torch_save":
-        return _torch_file(name, entries)
-    header, tensors = encode_header(entries, {"format": "pt", "writer": "smpckpt"})
-    end = max([e.start + e.nbytes for e in tensors], default=len(header))
-    return ArtifactFile(name, ((0, header),), end, tuple(e.key for e in tensors), tuple(e.start for e in tensors))
 
 
 def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArtifactFile:
@@ -267,13 +269,6 @@ def _torch_file(name: str, entries: Sequence[tuple[str, torch.dtype, tuple[int, 
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _auto_shard_size(total: int, world: int) -> int:
-    """Hugging Face's 5 GB, lowered so each rank can start on its own file (at most ``2 x world``)."""
-    hf = 5 * 10**9
-    files = max(-(-total // hf), min(2 * world, total // (256 << 20), 64), 1)  # integer ceilings: no float
-    return max(1, -(-total // files))
 
 
 def _objects(

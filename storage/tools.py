@@ -404,7 +404,15 @@ def load_problems(
         return reader.source.verify_all(tick) if not problems and tick and reader.source else problems
     problems = [str(e) for e in _validate_global_plan([None, None], metadata)]  # type: ignore[list-item]
     for fqn, md in metadata.state_dict_metadata.items():
-        for req in _reads(fqn, md):
+        # a read of every stored piece of the key, as a load plans them
+        reads = []
+        if isinstance(md, BytesStorageMetadata):
+            index = MetadataIndex(fqn)
+            reads = [ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))]
+        for chunk in md.chunks if isinstance(md, TensorStorageMetadata) else ():
+            index, zeros = MetadataIndex(fqn, chunk.offsets), torch.Size([0] * len(chunk.sizes))
+            reads.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, chunk.sizes))
+        for req in reads:
             try:
                 reader._item(req)  # the reader's own checks: name, listed file, range, chunk metadata
             except CheckpointError as exc:
@@ -413,21 +421,6 @@ def load_problems(
         if len(problems) >= _SHOWN:
             break
     return problems
-
-
-def _reads(fqn: str, md: Any) -> list[ReadItem]:
-    """A read of every stored piece of one key, as a load plans them."""
-    if isinstance(md, BytesStorageMetadata):
-        index = MetadataIndex(fqn)
-        return [ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))]
-    if not isinstance(md, TensorStorageMetadata):
-        return []
-    out = []
-    for chunk in md.chunks:
-        index = MetadataIndex(fqn, chunk.offsets)
-        zeros = torch.Size([0] * len(chunk.sizes))
-        out.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, chunk.sizes))
-    return out
 
 
 def _hf_index_problems(fs: Any, path: str, manifest: Manifest) -> list[str]:

@@ -102,7 +102,18 @@ def verify_checkpoint(
         problems.append(f"{manifest.metadata.name}: missing")
     elif not manifest.metadata.matches(md):
         problems.append(f"{manifest.metadata.name}: size or checksum differs from the manifest")
-    warnings = _stock_copy_warnings(fs, path, manifest)
+    # the stock .metadata copy of a partial checkpoint missing or stale: a warning, not an error (a crash
+    # between the commit and that copy leaves exactly this, and smpckpt still loads it); a full artifact
+    # is read by safetensors/transformers, not by stock DCP: it has no stock copy
+    stock = None if manifest.kind == "full" else read_bytes_or_none(fs, join(path, METADATA_NAME))
+    warnings = []
+    if manifest.kind != "full" and stock is None:
+        warnings.append(f"{METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)")
+    elif stock is not None and not manifest.metadata.matches(stock):
+        warnings.append(
+            f"{METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
+            "load another generation or fail)"
+        )
     count = _Count(manifest.metadata.size, total, progress)
     count.report()
     for rec in manifest.files:
@@ -206,22 +217,6 @@ def _size(fs: Any, fpath: str) -> int | None:
             return int(fs.size(fpath))
     except FileNotFoundError:
         return None
-
-
-def _stock_copy_warnings(fs: Any, path: str, manifest: Manifest) -> list[str]:
-    """The stock ``.metadata`` copy of a partial checkpoint is missing or stale (a warning, not an error:
-    a crash between the commit and that copy leaves exactly this, and smpckpt still loads it)."""
-    if manifest.kind == "full":
-        return []  # a full artifact is read by safetensors/transformers, not by stock DCP: no stock copy
-    stock = read_bytes_or_none(fs, join(path, METADATA_NAME))
-    if stock is None:
-        return [f"{METADATA_NAME}: missing (stock DCP readers cannot load this checkpoint; smpckpt can)"]
-    if not manifest.metadata.matches(stock):
-        return [
-            f"{METADATA_NAME}: differs from the committed {manifest.metadata.name} (stock DCP readers would "
-            "load another generation or fail)"
-        ]
-    return []
 
 
 def _verify_legacy(

@@ -30,7 +30,7 @@ from smpckpt.errors import CheckpointError
 from smpckpt.storage.format._reading import box_runs
 from smpckpt.storage.full._source import FullWrite, RankFullData
 
-__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges", "moves_cpu_tensors"]
+__all__ = ["Exchange", "Block", "Swapper", "batches", "plan_exchanges"]
 __all__ += ["global_rank", "paste", "SWAP_BATCH_BYTES"]
 
 
@@ -56,13 +56,6 @@ class Exchange:
                     dest_offsets=(0,) * len(view),
                 )
         return None
-
-
-def moves_cpu_tensors(process_group: Any) -> bool:
-    """Whether send/recv of CPU tensors works on this group (gloo; an NCCL-only group cannot)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return "gloo" in str(dist.get_backend(process_group)).lower()
 
 
 def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:

@@ -54,7 +54,7 @@ from smpckpt.storage.tier.reader import Incoming, Transfer, TransferOutcome
 from smpckpt.storage.write.writer import FsspecStorageWriter, RankPlanData, Workers
 
 __all__ = ["FastTierWriter", "PreparedCommit", "commit_node_copy", "parts_of"]
-__all__ += ["Replicator", "TeeSink", "Workers", "ring_peers", "CHUNK"]
+__all__ += ["Replicator", "TeeSink", "Workers", "CHUNK"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,13 +153,6 @@ _COALESCE = 1 << 20
 CHUNK = 4 << 20
 #: seconds a writer waiting for the senders' queue sleeps before it looks again (it is woken sooner)
 _WAIT_S = 1.0
-
-
-def ring_peers(rank: int, world_size: int, local_world_size: int, replicas: int) -> tuple[list[int], list[int]]:
-    """The ranks ``rank`` sends to (its local rank on the next ``replicas - 1`` nodes) and receives from."""
-    sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
-    receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
-    return sends, receives
 
 
 def _as_tensor(data: memoryview | bytes) -> torch.Tensor:
@@ -346,7 +339,9 @@ class Replicator:
         max_queued: int = STAGING_BYTES,
         workers: Workers | None = None,
     ) -> None:
-        sends, receives = ring_peers(rank, world_size, local_world_size, replicas)
+        # sent to its local rank on the next replicas - 1 nodes, received from the previous ones
+        sends = [(rank + hop * local_world_size) % world_size for hop in range(1, replicas)]
+        receives = [(rank - hop * local_world_size) % world_size for hop in range(1, replicas)]
         self.outcome = TransferOutcome()
         self._lock = threading.Lock()
         self._count = 0

@@ -63,7 +63,6 @@ from smpckpt.storage.format.manifest import (
 __all__ = ["FsspecWriterBase", "MIN_PART_SIZE", "WriterOptions", "CommitUncertain", "FailedSaveFiles"]
 __all__ += ["commit_uncertain", "folder_is_new", "PackedResults", "crosses_ranks", "pack_results", "open_results"]
 __all__ += ["committed_index", "list_tied", "CommittedMetadata", "CommittedView", "lean_returned_metadata"]
-__all__ += ["with_plain_mappings"]
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +228,12 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta = dataclasses.replace(meta, checkpoint_id=self.url, save_id=save_id)
         with gc_paused():  # pickling and the check below each make objects per item
-            md_bytes = pickle.dumps(with_plain_mappings(metadata), protocol=pickle.HIGHEST_PROTOCOL)
+            for (
+                field
+            ) in _VIEW_FIELDS:  # a planner caching its plan may hand finish a Metadata a previous save left lean
+                if isinstance(view := getattr(metadata, field), CommittedView):
+                    setattr(metadata, field, dict(view))
+            md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
             # fail the save now rather than commit a checkpoint our allow-listed load would refuse
             load_metadata(md_bytes, where="metadata being written")
             record = LayoutRecord.json_in_metadata(metadata)  # the planner's, for listing tools
@@ -478,16 +482,6 @@ class CommittedView(Mapping[Any, Any]):
 
 
 _VIEW_FIELDS = ("state_dict_metadata", "storage_data", "planner_data")
-
-
-def with_plain_mappings(metadata: Metadata) -> Metadata:
-    """``metadata`` with any committed view turned back into a dict before it is pickled into a new file (a
-    planner caching its plan may hand ``finish`` a Metadata a previous save left lean)."""
-    for field in _VIEW_FIELDS:
-        value = getattr(metadata, field)
-        if isinstance(value, CommittedView):
-            setattr(metadata, field, dict(value))
-    return metadata
 
 
 def lean_returned_metadata(metadata: Metadata, metadata_bytes: bytes, where: str) -> None:

@@ -2,15 +2,9 @@
 fetched in enclosing spans of at most :data:`SPAN_BYTES` shared by a column box's rows and by
 neighbouring tensors (:func:`plan_spans`, :class:`SpanFetcher`) and the runs cut out of them.
 
-Column (strided) boxes on local files are read by the partial reader's cost model. A column box is one run per row. Where the rows' unread gap costs less than a request
-(:func:`~smpckpt.storage.format._columns.streams`), the rows are read as sequential spans of whole rows
-in pieces of about :data:`~smpckpt.storage.format._columns.STREAM_PIECE_BYTES` that never cut a check
-unit, each through a reused buffer where its units are verified and the box's columns copied out; wider
-gaps keep a request per row. Either way a box is work for several threads (:func:`share`): its pieces,
-or its rows' requests in groups of about :data:`PART_BYTES` (:func:`row_groups`), drawn one at a time by
-the reading thread and the reader's free threads (one thread alone left the device idle between small
-requests: ``benchmarks/RESULTS.md``). Each part writes only its own rows; memory stays one piece buffer
-per reader thread.
+Column (strided) boxes on local files take the partial reader's cost model (README, "Storage": streamed
+spans of whole rows, :func:`stream_plan`, or a request per row), their parts shared by the reader's free
+threads (:func:`share`: one thread alone left the device idle between small requests).
 """
 
 from __future__ import annotations

@@ -8,13 +8,10 @@ column shards with short rows are first swapped into blocks of whole rows, ``_ex
 each check unit from the same buffer.
 
 **Object stores**: every file has an owner rank (round-robin) that streams it front to back
-(:func:`gather_rank`), assembling tensor by tensor from its own boxes and those the other ranks send
-(``send``/``recv`` of the box bytes). Every rank walks the same global order of boxes (file, tensor
-offset, sending rank), so each send meets its receive: no deadlock. An owner holds one tensor (plus one
-received box) at a time. The sink borrows what it is given: none of it changes before the sink's commit.
-
-Why two: on POSIX, gather-to-owner took 1.8-3.2x pwrite's time (``benchmarks/RESULTS_full.md``), and it
-is the only one an object store can take.
+(:func:`gather_rank`), assembling tensor by tensor from its own boxes and those the other ranks send.
+Every rank walks the same global order of boxes (file, tensor offset, sending rank), so each send meets
+its receive: no deadlock. An owner holds one tensor (plus one received box) at a time. The sink borrows
+what it is given: none of it changes before the sink's commit. Why two: README, "Full checkpoints".
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """What both writers share (``FsspecStorageWriter``, ``FullArtifactWriter``): the steps of ``dcp.save``
-that do not depend on the product (:class:`FsspecWriterBase`), the removal of what a failed save wrote
-(:class:`FailedSaveFiles`), and the compact forms of what ``dcp.save`` sends between ranks once the data
-is written (:func:`pack_results`, :func:`lean_returned_metadata`).
-
-**A failed save's files.** ``dcp.save`` reports a failure only after every rank's ``write_data`` (and
-the coordinator's ``finish``) returned, so nothing is still being written. Each rank then removes,
-through the protocol's folder, the files it recorded: a partial save's data files and the metadata
-copy; on object stores a full save's artifact, side files and metadata copy, its in-progress marker
-last and only while it names that save (POSIX: the staging folder goes whole). Nothing is removed when
-a manifest shows the commit landed (partial: this save's id; full: any), when the folder cannot be
-read, or when the commit's outcome is unknown (:class:`CommitUncertain`). The folder goes only if this
-save made it and it is empty. Killed saves' debris is left to ``smpckpt prune`` (judged by age).
-
-**What crosses ranks.** DCP gathers the write results and broadcasts the ``Metadata`` as pickles,
-unpickled with the cyclic collector running: an object per item sets off full collections
-(benchmarks/RESULTS.md, "Results and Metadata across ranks"). So each rank's results cross as one
-pickle (:func:`pack_results`, opened with the collector paused: :func:`open_results`), and the Metadata
-``dcp.save`` returns holds its mappings as read-only views of the committed file's bytes, decoded on
-first use (:func:`lean_returned_metadata`). The ``.metadata`` files still hold the plain dict.
+that do not depend on the product (:class:`FsspecWriterBase`); the removal of what a failed save wrote
+(:class:`FailedSaveFiles`; what goes and when nothing does: README, "A failed save cleans up after
+itself"; ``dcp.save`` reports a failure only once every rank's ``write_data`` and the coordinator's
+``finish`` returned, so nothing is still being written); and the compact forms of what ``dcp.save``
+sends between ranks once the data is written, unpickled with the cyclic collector running (README, "What
+crosses ranks is kept lean"): each rank's results as one pickle (:func:`pack_results`, opened with the
+collector paused: :func:`open_results`), the returned Metadata's mappings as read-only views of the
+committed file's bytes, decoded on first use (:func:`lean_returned_metadata`).
 """
 
 from __future__ import annotations
@@ -298,7 +287,7 @@ class FsspecWriterBase(FsspecLocation, StorageWriter):
         )
 
 
-# -- a failed save's files (the module docstring: what is removed, and when not) -----------------------
+# -- a failed save's files --------------------------------------------------------------------------------
 class FailedSaveFiles:
     """The files one rank wrote for one save, to remove if that save fails. Call order: a new instance per
     save (``storage_meta``) -> :meth:`begin` (partial: ``write_data``; full: the coordinator's
@@ -317,8 +306,8 @@ class FailedSaveFiles:
             self.names.append(name)  # list.append is atomic: writer threads call this concurrently
 
     def discard(self, fs: Any, path: str, url: str, *, full: bool) -> list[str]:
-        """Remove the recorded files (see the module docstring for when not); the paths that could
-        not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
+        """Remove the recorded files (README, "A failed save cleans up after itself": when not); the paths that
+        could not be removed (all of them when the folder's state cannot be read: nothing is removed blind)."""
         save_id, names = self.save_id, list(dict.fromkeys(self.names))
         self.save_id, self.names = None, []
         if save_id is None or not names:

@@ -1,18 +1,8 @@
-"""One data file's bytes on their way to its sink: in place, or staged through pooled buffers
-(:func:`~smpckpt.storage.format._staging.stage_kind` decides per record).
-
-* **in place**: a contiguous CPU tensor's own memory (or an object's bytes) is written without a copy.
-  With ``hash_beside=False`` (the writer's choice when it writes at least as many files at once as the
-  rank has CPUs) each :data:`INLINE_CHUNK` is hashed and then written by the file's own thread, so its
-  bytes come from memory once; otherwise each :data:`BESIDE_CHUNK` is hashed on the file's hash thread
-  while its own thread writes it (``benchmarks/profile_save.py --hash-beside on,off``);
-* **staged**: a CUDA tensor, a strided or conjugate view is copied into buffers of the save's
-  :class:`~smpckpt.storage.format._staging.BufferPool` by its stage: a record above :data:`PACK_BELOW`
-  in chunks of one buffer (cut on row-group boundaries, so tiles are hashed whole), smaller ones packed
-  into shared buffers. The file's thread takes the oldest queued buffer, waits for its copies, hashes
-  and writes it, and releases it when both are done; copies of the next buffers overlap.
-
-A thread that needs a buffer when the pool has none free writes its own queued buffers first and waits
+"""One data file's bytes on their way to its sink: in place (a contiguous CPU tensor's own memory, or an
+object's bytes: hashed inline a :data:`INLINE_CHUNK` at a time, or beside the write a :data:`BESIDE_CHUNK`
+at a time), or staged through pooled buffers (:func:`~smpckpt.storage.format._staging.stage_kind` decides
+per record; packed below :data:`PACK_BELOW`). README, "Storage" (write path and staging), says how and why;
+a thread that needs a buffer when the pool has none free writes its own queued buffers first and waits
 only with none queued, so the pool cannot deadlock.
 """
 

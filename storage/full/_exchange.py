@@ -1,10 +1,8 @@
 """Full mode on POSIX: column shards with short rows are written as blocks of whole rows, after a swap.
 
-A column shard is one short run per row, interleaved with the other ranks' runs: written in place, one
-``pwrite`` per row (``benchmarks/RESULTS_full.md``: 0.45-0.65x the partial save). So its writers swap
-bytes over the process group first: writer ``i`` of ``k`` ends up with rows ``[n*i//k, n*(i+1)//k)``,
-all columns, and writes them as one run. Swaps of consecutive small tensors travel together in batches
-of up to :data:`SWAP_BATCH_BYTES` (one message per pair of ranks and batch each way). Every rank walks
+Why: README, "Full checkpoints". Writer ``i`` of ``k`` ends up with rows ``[n*i//k, n*(i+1)//k)``, all
+columns, and writes them as one run. Swaps of consecutive small tensors travel together in batches of up
+to :data:`SWAP_BATCH_BYTES` (one message per pair of ranks and batch each way). Every rank walks
 its batches in one global order (file, offset), sends before it waits, and lays out each message in the
 (swap, block, box) order its peer derives alike: no deadlock, whatever the layout.
 

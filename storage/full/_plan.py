@@ -8,10 +8,8 @@ keys to Hugging Face keys region by region (a fused QKV shard becomes boxes of `
 transposed, never assembled). Each write is cut into check units of about ``check_block`` bytes whose
 xxh3 go into the generation's metadata.
 
-``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`): the flat dict, made of
-FakeTensors, saved under ``torch.serialization.skip_data``, leaves a hole where each storage goes; the
-result loads with ``torch.load(path, weights_only=True)`` (``mmap=True`` too) with nothing of ours
-installed. Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
+``torch_save`` files are laid out by ``torch.save`` itself (:func:`_torch_file`; README, "Full checkpoints").
+Record CRCs are zero (``set_crc32_options(False)``); integrity comes from the check units.
 """
 
 from __future__ import annotations

@@ -250,11 +250,8 @@ class FileRecord:
             raise CheckpointCorrupt(f"manifest entry {self.name}: blocks do not cover the file size {self.size}")
         if not all(map(operator.lt, (0,) + self.block_ends, self.block_ends)):  # pairwise, in C
             raise CheckpointCorrupt(f"manifest entry {self.name}: block ends are not increasing")
-        self._check_tilings()
-
-    def _check_tilings(self) -> None:
-        """Each tiling lies in the file, after the previous one, and the block list holds exactly its
-        tiles (a reader trusts both to find which bytes a tile digest covers)."""
+        # each tiling lies in the file, after the previous one, and the block list holds exactly its tiles
+        # (a reader trusts both to find which bytes a tile digest covers)
         prev_end = 0
         for t in self.tilings:
             i = bisect.bisect_right(self.block_ends, t.start)

@@ -395,7 +395,20 @@ def load_problems(
     except CheckpointError as exc:
         return [str(exc)]
     if manifest.kind == "full":
-        problems = _hf_index_problems(fs, path, manifest)
+        # its Hugging Face index (what from_pretrained follows) names only the artifact's own listed files: a
+        # resealed index pointing elsewhere would load other weights without our reader
+        listed = {f.name for f in manifest.files}
+        problems = []
+        for name in (n for n in _HF_INDEXES if n in listed):
+            data = read_bytes_or_none(fs, join(path, name))
+            try:
+                weight_map = json.loads(data or b"")["weight_map"]
+                files = {check_member_name(v, where=name) for v in weight_map.values()}
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CheckpointError) as exc:
+                problems.append(f"{name}: malformed or unsafe: {exc}")
+                continue
+            if unlisted := sorted(files - listed):
+                problems.append(f"{name}: names files the manifest does not list: {unlisted[:5]}")
         return reader.source.verify_all(tick) if not problems and tick and reader.source else problems
     problems = [str(e) for e in _validate_global_plan([None, None], metadata)]  # type: ignore[list-item]
     for fqn, md in metadata.state_dict_metadata.items():
@@ -415,25 +428,4 @@ def load_problems(
                 break  # one message per key
         if len(problems) >= _SHOWN:
             break
-    return problems
-
-
-def _hf_index_problems(fs: Any, path: str, manifest: Manifest) -> list[str]:
-    """A full artifact's Hugging Face index (what ``from_pretrained`` follows) names only the artifact's
-    own listed files: a resealed index pointing elsewhere would load other weights without our reader."""
-    listed = {f.name for f in manifest.files}
-    problems: list[str] = []
-    for name in _HF_INDEXES:
-        if name not in listed:
-            continue
-        data = read_bytes_or_none(fs, join(path, name))
-        try:
-            weight_map = json.loads(data or b"")["weight_map"]
-            files = {check_member_name(v, where=name) for v in weight_map.values()}
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, CheckpointError) as exc:
-            problems.append(f"{name}: malformed or unsafe: {exc}")
-            continue
-        unlisted = sorted(files - listed)
-        if unlisted:
-            problems.append(f"{name}: names files the manifest does not list: {unlisted[:5]}")
     return problems

@@ -74,8 +74,14 @@ class FileStream:
         self._flush_staged()
         flat = byte_view(data)
         nbytes = flat.nbytes
-        if self.hash_beside and nbytes >= BESIDE_ABOVE:
-            self._put_beside(flat, checks)
+        if self.hash_beside and nbytes >= BESIDE_ABOVE:  # each chunk hashed on the hash thread while written here
+            self._backlog.append(self._hash.submit(self.hasher.start_item, nbytes, checks))
+            for i in range(0, nbytes, BESIDE_CHUNK):
+                chunk = flat[i : i + BESIDE_CHUNK]
+                self._backlog.append(self._hash.submit(self.hasher.update, chunk))
+                self.sink.write(chunk)
+                while len(self._backlog) > _MAX_HASH_BACKLOG:
+                    self._backlog.popleft().result()
             return
         self._wait_hashes()  # the hasher takes a file's bytes in order: staged buffers' first
         self.hasher.start_item(nbytes, checks)
@@ -85,16 +91,6 @@ class FileStream:
             # hashed first, then written from the cache the hash left it in (module docstring)
             self.hasher.update(chunk)
             self.sink.write(chunk)
-
-    def _put_beside(self, flat: memoryview, checks: ItemChecks | None) -> None:
-        """Each chunk hashed on the hash thread while this thread writes it (``hash_beside``)."""
-        self._backlog.append(self._hash.submit(self.hasher.start_item, flat.nbytes, checks))
-        for i in range(0, flat.nbytes, BESIDE_CHUNK):
-            chunk = flat[i : i + BESIDE_CHUNK]
-            self._backlog.append(self._hash.submit(self.hasher.update, chunk))
-            self.sink.write(chunk)
-            while len(self._backlog) > _MAX_HASH_BACKLOG:
-                self._backlog.popleft().result()
 
     # -- staged ------------------------------------------------------------------------------------
     def stage(self, t: torch.Tensor, stage: Stage, checks: ItemChecks | None) -> int:

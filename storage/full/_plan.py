@@ -69,8 +69,7 @@ def plan_artifact(
     gather: bool = False,
 ) -> tuple[list[SavePlan], ArtifactLayout]:
     """(coordinator) The artifact layout and every rank's writes; raises naming the key at fault."""
-    shapes, dtypes, chunks, object_items = _collect(plans)
-    _check_tiling(shapes, chunks)
+    shapes, dtypes, object_items = _collect(plans)
     exprs, art_shapes, art_dtypes = _expressions(shapes, dtypes, opts, original_shapes)
     files, tensors, indexes = _files(art_shapes, art_dtypes, opts.max_shard_size, len(plans), opts.format)
     objects, rank_objects = _objects(object_items, {f.name for f in files} | set(indexes) | set(reserved_names))
@@ -88,8 +87,9 @@ def plan_artifact(
 
 def _collect(
     plans: Sequence[SavePlan],
-) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], dict[str, list[Box]], list[tuple[int, MetadataIndex]]]:
-    """Every tensor's global shape, dtype and chunks, and every object item, from all ranks' plans."""
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], list[tuple[int, MetadataIndex]]]:
+    """Every tensor's global shape and dtype, and every object item, from all ranks' plans; every tensor's
+    chunks must cover it exactly once (a hole would be zeros in the artifact, silently)."""
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
     chunks: dict[str, list[Box]] = {}
@@ -107,8 +107,20 @@ def _collect(
             ):
                 raise SpecError(f"{fqn!r}: ranks disagree on its global shape or dtype ({shapes[fqn]} vs {size})")
             chunks.setdefault(fqn, []).append((tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
-
-    return shapes, dtypes, chunks, object_items
+    for fqn, shape in shapes.items():
+        boxes = chunks[fqn]
+        covered = sum(math.prod(s) for _, s in boxes)
+        if covered != math.prod(shape):
+            raise SpecError(
+                f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
+                f"{list(shape)}); a full artifact needs every element exactly once"
+            )
+        if len(boxes) <= 64:
+            for i in range(len(boxes)):
+                for j in range(i + 1, len(boxes)):
+                    if intersect(boxes[i], boxes[j]) is not None:
+                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")
+    return shapes, dtypes, object_items
 
 
 def _expressions(
@@ -330,20 +342,3 @@ def _rank_writes(
         )
         out.append(dataclasses.replace(plan, storage_data=data))
     return out
-
-
-def _check_tiling(shapes: Mapping[str, tuple[int, ...]], chunks: Mapping[str, list[Box]]) -> None:
-    """Every tensor's chunks cover it exactly once: a hole would be zeros in the artifact, silently."""
-    for fqn, shape in shapes.items():
-        boxes = chunks[fqn]
-        covered = sum(math.prod(s) for _, s in boxes)
-        if covered != math.prod(shape):
-            raise SpecError(
-                f"{fqn!r}: the ranks' shards cover {covered} of its {math.prod(shape)} elements (global shape "
-                f"{list(shape)}); a full artifact needs every element exactly once"
-            )
-        if len(boxes) <= 64:
-            for i in range(len(boxes)):
-                for j in range(i + 1, len(boxes)):
-                    if intersect(boxes[i], boxes[j]) is not None:
-                        raise SpecError(f"{fqn!r}: shards at offsets {boxes[i][0]} and {boxes[j][0]} overlap")

@@ -97,29 +97,22 @@ class FileStream:
         """A tensor record copied through ``stage``'s pool (its bytes: the tensor's values, row-major)."""
         t = t.detach()
         nbytes = t.numel() * t.element_size()
-        if nbytes < min(PACK_BELOW, self.pool.buffer_bytes // 4):
-            self._stage_small(t, stage, nbytes, checks)
-        else:
-            self._stage_chunks(t, stage, nbytes, checks)
-        return nbytes
-
-    def _stage_small(self, t: torch.Tensor, stage: Stage, nbytes: int, checks: ItemChecks | None) -> None:
-        pack = self._pack
-        if pack is not None and (pack.stage is not stage or pack.fill + nbytes > pack.buffer.size):
-            self._seal()
-            pack = None
-        if pack is None:
-            pack = self._pack = _Staged(stage, self._acquire(stage), [])
-        if nbytes:
-            # as bytes: a packed record may start at any offset, where a typed view of the buffer cannot
-            src = t.resolve_conj().resolve_neg()
-            if not src.is_contiguous():
-                src = src.contiguous()  # on its device, at most PACK_BELOW bytes
-            stage.copy(pack.buffer.tensor[pack.fill : pack.fill + nbytes], src.reshape(-1).view(torch.uint8))
-        pack.parts.append((nbytes, (nbytes, checks)))
-        pack.fill += nbytes
-
-    def _stage_chunks(self, t: torch.Tensor, stage: Stage, nbytes: int, checks: ItemChecks | None) -> None:
+        if nbytes < min(PACK_BELOW, self.pool.buffer_bytes // 4):  # packed into a shared buffer
+            pack = self._pack
+            if pack is not None and (pack.stage is not stage or pack.fill + nbytes > pack.buffer.size):
+                self._seal()
+                pack = None
+            if pack is None:
+                pack = self._pack = _Staged(stage, self._acquire(stage), [])
+            if nbytes:
+                # as bytes: a packed record may start at any offset, where a typed view of the buffer cannot
+                src = t.resolve_conj().resolve_neg()
+                if not src.is_contiguous():
+                    src = src.contiguous()  # on its device, at most PACK_BELOW bytes
+                stage.copy(pack.buffer.tensor[pack.fill : pack.fill + nbytes], src.reshape(-1).view(torch.uint8))
+            pack.parts.append((nbytes, (nbytes, checks)))
+            pack.fill += nbytes
+            return nbytes
         self._seal()
         size = t.element_size()
         step = chunk_bytes(self.pool.buffer_bytes, checks) // size
@@ -138,6 +131,7 @@ class FileStream:
                 raise
             staged.fill = (last - first) * size
             self._enqueue(staged)
+        return nbytes
 
     def _seal(self) -> None:
         pack, self._pack = self._pack, None

@@ -40,21 +40,6 @@ class Exchange:
     blocks: tuple[tuple[int, int, int], ...]  # (rank, first row, end row) of dim 0, one per writer
     batch: int = 0  # swaps of one batch cross as one message per pair of ranks (numbered in global order)
 
-    def block_write(self, rank: int) -> FullWrite | None:
-        """The one-run box ``rank`` writes (its rows, every column), or None when it has no rows."""
-        for r, lo, hi in self.blocks:
-            if r == rank and hi > lo:
-                first = next(w for rr, w in self.boxes if rr == rank)
-                view = first.view
-                return dataclasses.replace(
-                    first,
-                    offsets=(lo,) + (0,) * (len(view) - 1),
-                    sizes=(hi - lo,) + tuple(view[1:]),
-                    perm=tuple(range(len(view))),
-                    dest_offsets=(0,) * len(view),
-                )
-        return None
-
 
 def _swappable(boxes: list[tuple[int, FullWrite]], below: int) -> bool:
     if len({r for r, _ in boxes}) < 2:
@@ -152,10 +137,19 @@ class Swapper:
         incoming: dict[int, list[tuple[int, FullWrite, int]]] = {}  # peer -> (swap, its box, bytes)
         made: list[_Assembly | None] = []  # per swap of the batch: my block, its bytes, its pieces
         for j, e in enumerate(batch):
-            block_w = e.block_write(self.me)
             mine: _Assembly | None = None
-            if block_w is not None:
-                mine = (block_w, np.empty(math.prod(block_w.sizes) * block_w.dtype.itemsize, np.uint8), [])
+            for r, lo, hi in e.blocks:  # my one-run block (my rows, every column), when I have rows
+                if r == self.me and hi > lo:
+                    first = next(w for rr, w in e.boxes if rr == self.me)
+                    nd = len(first.view)
+                    block_w = dataclasses.replace(
+                        first,
+                        offsets=(lo,) + (0,) * (nd - 1),
+                        sizes=(hi - lo,) + tuple(first.view[1:]),
+                        perm=tuple(range(nd)),
+                        dest_offsets=(0,) * nd,
+                    )
+                    mine = (block_w, np.empty(math.prod(block_w.sizes) * block_w.dtype.itemsize, np.uint8), [])
             made.append(mine)
             for s, lo, hi in e.blocks:
                 for r, w in e.boxes if hi > lo else ():
